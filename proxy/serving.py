@@ -1,0 +1,80 @@
+"""Run an ASGI app with uvicorn on a loopback port in a background thread.
+
+Tests, the demo and the benchmark need real sockets (streams and disconnects cannot be observed
+through ``httpx.ASGITransport``), so every in-process server goes through this one helper.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+import uvicorn
+
+
+class ServerThread:
+    """A uvicorn server bound to ``host`` on a free (or given) port, served from a daemon thread.
+
+    Use as a context manager; ``url`` is ``http://host:port``.
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        loop: str = "auto",
+        lifespan: str = "on",
+    ) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.host = host
+        self.port: int = self._sock.getsockname()[1]
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            loop=loop,
+            http="auto",
+            lifespan=lifespan,
+            timeout_graceful_shutdown=2,
+        )
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._run, name=f"uvicorn:{self.port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _run(self) -> None:
+        self.server.run(sockets=[self._sock])
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.005)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,74 @@
+"""The providers' own checks of a chat-completions message list, with their exact texts (pure).
+
+The simulator answers 400 with these messages; the pairing tests use ``validate_messages`` as the
+oracle that a repaired history would be accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+DANGLING_TEXT = (
+    "An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+    "'tool_call_id'. The following tool_call_ids did not have response messages: {ids}"
+)
+# "preceeding" is the provider's own spelling; clients match on this text.
+ORPHAN_TEXT = (
+    "Invalid parameter: messages with role 'tool' must be a response to a preceeding message with "
+    "'tool_calls'."
+)
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+class ValidationError(ValueError):
+    """A request the provider would refuse with a 400; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = "messages", code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def _call_ids(message: dict[str, Any]) -> list[str]:
+    calls = message.get("tool_calls") or []
+    return [c.get("id", "") for c in calls if isinstance(c, dict)]
+
+
+def validate_messages(messages: Any) -> None:
+    """Raise ``ValidationError`` where a provider would refuse ``messages``; return None if valid.
+
+    Rules, in the order a provider applies them while reading the list:
+    every assistant ``tool_calls`` message must be followed, before any other kind of message, by
+    one ``tool`` message per call id; a ``tool`` message must answer a not-yet-answered call of the
+    assistant message that opened its block.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ValidationError("Invalid 'messages': empty array. Expected an array with minimum length 1.")
+    pending: list[str] = []  # ids of the open block not yet answered, in call order
+    open_block = False
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValidationError(f"Invalid type for 'messages[{i}]': expected an object.", f"messages[{i}]")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ValidationError(
+                f"Invalid value: '{role}'. Supported values are: 'system', 'assistant', 'user', "
+                "'function', 'tool', and 'developer'.",
+                f"messages[{i}].role",
+                "invalid_value",
+            )
+        if role == "tool":
+            tool_call_id = message.get("tool_call_id")
+            if not open_block or tool_call_id not in pending:
+                raise ValidationError(ORPHAN_TEXT, f"messages.[{i}].role")
+            pending.remove(tool_call_id)
+            continue
+        if pending:
+            raise ValidationError(DANGLING_TEXT.format(ids=", ".join(pending)), "messages")
+        open_block = False
+        if role == "assistant" and message.get("tool_calls"):
+            pending = _call_ids(message)
+            open_block = True
+    if pending:
+        raise ValidationError(DANGLING_TEXT.format(ids=", ".join(pending)), "messages")
