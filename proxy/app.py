@@ -1,0 +1,257 @@
+"""The Starlette app factory: routes, the lifespan (one pooled upstream client, the log writer)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from proxy import __version__
+from proxy.chat import ChatPipeline, header_map
+from proxy.config import Settings
+from proxy.errors import ProxyError, bad_request
+from proxy.pipeline import Exchange, Observer, notify
+from proxy.relay import (
+    Receive,
+    Relay,
+    Scope,
+    Send,
+    UpstreamAborted,
+    send_error,
+    upstream_request_headers,
+)
+from proxy.sessions import MemorySessionStore, explicit_session_id, valid_session_id
+
+log = logging.getLogger(__name__)
+
+
+class _AbortFilter(logging.Filter):
+    """uvicorn logs an application error when cachegate cuts a client off because the upstream did;
+    that is the intended behaviour, not a bug worth a traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        for _ in range(8):  # the abort may be wrapped by middleware
+            if exc is None:
+                return True
+            if isinstance(exc, UpstreamAborted):
+                return False
+            exc = exc.__cause__ or exc.__context__
+        return True
+
+
+logging.getLogger("uvicorn.error").addFilter(_AbortFilter())
+
+
+def build_client(settings: Settings, transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
+    up = settings.upstream
+    timeout = httpx.Timeout(up.timeout_s, connect=up.connect_timeout_s, pool=up.timeout_s)
+    limits = httpx.Limits(
+        max_connections=up.max_connections,
+        max_keepalive_connections=up.max_keepalive_connections,
+        keepalive_expiry=30.0,
+    )
+    return httpx.AsyncClient(
+        transport=transport, timeout=timeout, limits=limits, follow_redirects=False, trust_env=False
+    )
+
+
+class Gateway:
+    """Everything one cachegate process holds; the ASGI endpoints delegate here."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        transport: httpx.AsyncBaseTransport | None,
+        registry: CollectorRegistry,
+        clock: Callable[[], float],
+        environ: Mapping[str, str],
+    ) -> None:
+        self.settings = settings
+        self.transport = transport
+        self.registry = registry
+        self.clock = clock
+        self.environ = environ
+        self.sessions = MemorySessionStore(
+            max_sessions=settings.sessions.max_sessions, idle_ttl_s=settings.sessions.idle_ttl_s
+        )
+        self.observers: list[Observer] = []
+        self.client: httpx.AsyncClient | None = None
+        self.relay: Relay | None = None
+        self.chat: ChatPipeline | None = None
+        self._closers: list[Callable[[], Any]] = []
+
+    def api_key(self) -> str | None:
+        name = self.settings.upstream.api_key_env
+        return self.environ.get(name) if name else None
+
+    async def start(self) -> None:
+        self.client = build_client(self.settings, self.transport)
+        self.relay = Relay(self.client, self.settings.upstream.base_url)
+        self.chat = ChatPipeline(
+            self.settings,
+            self.relay,
+            self.sessions,
+            self.observers,
+            api_key=self.api_key,
+            clock=self.clock,
+        )
+
+    async def stop(self) -> None:
+        for close in reversed(self._closers):
+            try:
+                close()
+            except Exception:
+                log.exception("shutdown step failed")
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def passthrough(
+        self, scope: Scope, receive: Receive, send: Send, path: str, path_session: str | None
+    ) -> None:
+        """Relay any other /v1 request generically: method, query, headers, streamed bodies."""
+        assert self.relay is not None
+        headers = header_map(scope)
+        ex = Exchange(
+            route="passthrough",
+            method=scope["method"],
+            path=path,
+            started_at=self.clock(),
+            t0=time.perf_counter(),
+            user_agent=headers.get("user-agent", ""),
+        )
+        extra: list[tuple[bytes, bytes]] = []
+        try:
+            sid = explicit_session_id(headers, path_session)
+        except ValueError as exc:
+            await send_error(send, bad_request(str(exc), "invalid_session_id"))
+            return
+        if sid is not None:
+            ex.session_id = sid
+            extra.append((b"x-cachegate-session", sid.encode()))
+        first = await receive()
+        body = first.get("body", b"")
+        content: bytes | AsyncIterator[bytes]
+        if first.get("more_body", False):
+            limit = self.settings.server.max_body_bytes
+
+            async def stream_body() -> AsyncIterator[bytes]:
+                size = len(body)
+                yield body
+                more = True
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise ProxyError(499, "client disconnected", code="client_closed")
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        raise ProxyError(413, f"Request body is larger than {limit} bytes.")
+                    more = message.get("more_body", False)
+                    yield chunk
+
+            content = stream_body()
+            watch_now = False
+        else:
+            content = body
+            watch_now = True
+        ex.request_bytes = len(body)
+        notify(self.observers, "on_request", ex)
+        try:
+            await self.relay.forward(
+                ex,
+                scope,
+                receive,
+                send,
+                content=content,
+                headers=upstream_request_headers(scope["headers"], self.api_key()),
+                extra_headers=extra,
+                record=False,
+                watch_now=watch_now,
+            )
+        finally:
+            notify(self.observers, "on_response", ex)
+
+
+class _ProxyEndpoint:
+    """Raw ASGI endpoint for /v1/* and /s/{id}/v1/*: no Request object, no buffering."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        params = scope.get("path_params", {})
+        path = params.get("path", "")
+        path_session = params.get("session_id")
+        if path_session is not None and not valid_session_id(path_session):
+            await send_error(
+                send,
+                bad_request(
+                    "Invalid session id in path: ids must match [A-Za-z0-9._:-]{1,128}",
+                    "invalid_session_id",
+                ),
+            )
+            return
+        if path == "chat/completions" and scope["method"] == "POST":
+            assert self.gateway.chat is not None
+            await self.gateway.chat.handle(scope, receive, send, path_session)
+        else:
+            await self.gateway.passthrough(scope, receive, send, path, path_session)
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    registry: CollectorRegistry | None = None,
+    clock: Callable[[], float] = time.time,
+    environ: Mapping[str, str] | None = None,
+) -> Starlette:
+    """Build the ASGI app. Tests inject a registry, an upstream transport and a clock."""
+    settings = settings or Settings()
+    registry = registry if registry is not None else CollectorRegistry()
+    gateway = Gateway(
+        settings,
+        transport=transport,
+        registry=registry,
+        clock=clock,
+        environ=os.environ if environ is None else environ,
+    )
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "version": __version__})
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    endpoint = _ProxyEndpoint(gateway)
+    app = Starlette(
+        routes=[
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/v1/{path:path}", endpoint),
+            Route("/s/{session_id}/v1/{path:path}", endpoint),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.gateway = gateway
+    return app

@@ -1,0 +1,158 @@
+"""``cachegate serve | simulate | demo | sessions …`` — the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from proxy import __version__
+from proxy.config import ConfigError, load_settings
+
+DEFAULT_LOG_DIR = "./cachegate-logs"
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from proxy.app import create_app
+
+    try:
+        settings = load_settings(
+            ns.config,
+            {
+                "host": ns.host,
+                "port": ns.port,
+                "upstream": ns.upstream,
+                "log_dir": ns.log_dir,
+                "strict_pairing": True if ns.strict_pairing else None,
+            },
+        )
+    except ConfigError as exc:
+        print(f"cachegate: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    print(
+        f"cachegate {__version__} listening on http://{settings.server.host}:{settings.server.port}/v1"
+        f" -> {settings.upstream.base_url} (logs: {settings.logging.dir})",
+        file=sys.stderr,
+    )
+    uvicorn.run(
+        app,
+        host=settings.server.host,
+        port=settings.server.port,
+        loop="auto",
+        http="auto",
+        access_log=False,
+        server_header=False,
+        date_header=False,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+def _simulate(ns: argparse.Namespace) -> int:
+    from proxy.simulator import cli as sim_cli
+
+    config = sim_cli.config_from_args(ns)
+    sim_cli.serve(config, ns.host, ns.port)
+    return 0
+
+
+def _demo(ns: argparse.Namespace) -> int:
+    from proxy.demo import run_demo
+
+    return run_demo(log_dir=ns.log_dir, out=sys.stdout)
+
+
+def _sessions(ns: argparse.Namespace) -> int:
+    from proxy import report
+
+    log_dir = ns.log_dir or os.environ.get("CACHEGATE_LOG_DIR") or DEFAULT_LOG_DIR
+    try:
+        if ns.action == "list":
+            sessions = report.list_sessions(log_dir)
+            if ns.json:
+                print(json.dumps([s.to_json() for s in sessions], indent=2))
+            else:
+                print(report.render_list(sessions))
+        elif ns.action == "show":
+            detail = report.show_session(log_dir, ns.id)
+            print(json.dumps(detail.to_json(), indent=2) if ns.json else report.render_show(detail))
+        elif ns.action == "cost":
+            cost = report.session_cost(log_dir, ns.id)
+            print(json.dumps(cost.to_json(), indent=2) if ns.json else report.render_cost(cost))
+        elif ns.action == "replay":
+            for line in report.replay_lines(log_dir, ns.id):
+                sys.stdout.write(line + "\n")
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"cachegate: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cachegate",
+        description="OpenAI-compatible local proxy for LLM agents.",
+    )
+    parser.add_argument("--version", action="version", version=f"cachegate {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the proxy")
+    serve.add_argument("--config", help="TOML config file (env CACHEGATE_CONFIG)")
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1; env CACHEGATE_HOST)")
+    serve.add_argument("--port", help="port (default 8787; env CACHEGATE_PORT)")
+    serve.add_argument("--upstream", help="upstream base URL, e.g. https://api.openai.com/v1 (env CACHEGATE_UPSTREAM)")
+    serve.add_argument("--log-dir", help="session log directory (env CACHEGATE_LOG_DIR)")
+    serve.add_argument(
+        "--strict-pairing",
+        action="store_true",
+        default=None,
+        help="refuse broken tool pairing with a diagnosis instead of repairing (env CACHEGATE_STRICT_PAIRING)",
+    )
+    serve.set_defaults(func=_serve)
+
+    simulate = sub.add_parser("simulate", help="run the offline provider simulator")
+    from proxy.simulator import cli as sim_cli
+
+    sim_cli.add_arguments(simulate)
+    simulate.set_defaults(func=_simulate)
+
+    demo = sub.add_parser("demo", help="simulator + proxy + scripted agent scenarios, offline")
+    demo.add_argument("--log-dir", default=None, help="where the demo's session logs go (default: a temp dir)")
+    demo.set_defaults(func=_demo)
+
+    sessions = sub.add_parser("sessions", help="read the session audit logs")
+    sessions.add_argument("--log-dir", default=None, help=f"log directory (default {DEFAULT_LOG_DIR}; env CACHEGATE_LOG_DIR)")
+    sessions.add_argument("--json", action="store_true", help="machine-readable output")
+    actions = sessions.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="every session: exchanges, tokens, cache hit %, repairs")
+    for name, text in (
+        ("show", "one line per exchange"),
+        ("cost", "actual, uncached and saved cost; waste by cause"),
+        ("replay", "every request's full message list as forwarded, one JSON object per line"),
+    ):
+        action = actions.add_parser(name, help=text)
+        action.add_argument("id")
+        action.add_argument("--log-dir", default=argparse.SUPPRESS)
+        action.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+    actions.choices["list"].add_argument("--log-dir", default=argparse.SUPPRESS)
+    actions.choices["list"].add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+    sessions.set_defaults(func=_sessions)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    return int(ns.func(ns))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

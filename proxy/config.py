@@ -1,0 +1,274 @@
+"""Settings: built-in defaults, overridden by a TOML file, overridden by CACHEGATE_* variables and flags.
+
+Everything is validated when it is loaded, so a typo or a bad value stops start-up with a message
+naming the key instead of failing at the first request.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from typing import Any, Literal, get_args, get_origin
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown or its value is unusable; the message names the key."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8787
+    max_body_bytes: int = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class UpstreamSettings:
+    base_url: str = "https://api.openai.com/v1"
+    api_key_env: str = "OPENAI_API_KEY"
+    timeout_s: float = 600.0
+    connect_timeout_s: float = 10.0
+    max_connections: int = 1000
+    max_keepalive_connections: int = 200
+    request_usage: bool = True  # ask for stream usage when the client did not, and hide that event
+
+
+@dataclass(frozen=True)
+class LoggingSettings:
+    enabled: bool = True
+    dir: str = "./cachegate-logs"
+    bodies: Literal["full", "metadata"] = "full"
+    fsync: Literal["none", "line", "interval"] = "none"
+    redact_secrets: bool = True
+    max_age_days: float = 0.0  # 0: keep forever
+    max_total_mb: float = 0.0  # 0: no size cap
+    queue_size: int = 10000
+
+
+@dataclass(frozen=True)
+class PairingSettings:
+    repair: bool = True
+    strict: bool = False
+    orphan_policy: Literal["downgrade", "drop"] = "downgrade"
+    interrupted_note: str = ""  # empty: the built-in note
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    noise_floor_tokens: int = 1024
+
+
+@dataclass(frozen=True)
+class CompactionSettings:
+    enabled: bool = False
+    trigger_percent: float = 75.0
+    keep_recent: int = 8
+    max_anchor_chars: int = 40000
+    summarizer_model: str = ""
+    summary_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    max_sessions: int = 10000
+    idle_ttl_s: float = 6 * 3600.0  # must outlive the longest cache TTL it judges
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    context_window: int = 128000
+    cache_ttl_s: float = 600.0
+    price_input: float = 0.0
+    price_cached_input: float = 0.0
+    price_cache_write: float = 0.0
+    price_output: float = 0.0
+    dialect: Literal["openai", "deepseek", "anthropic"] = "openai"
+
+
+# Public list prices (USD per 1M tokens) as documented by the providers; override in the config file.
+DEFAULT_MODELS: dict[str, ModelSettings] = {
+    "gpt-4o": ModelSettings(128000, 600, 2.50, 1.25, 0.0, 10.00),
+    "gpt-4o-mini": ModelSettings(128000, 600, 0.15, 0.075, 0.0, 0.60),
+    "gpt-4.1": ModelSettings(1047576, 600, 2.00, 0.50, 0.0, 8.00),
+    "gpt-4.1-mini": ModelSettings(1047576, 600, 0.40, 0.10, 0.0, 1.60),
+    "gpt-5": ModelSettings(400000, 600, 1.25, 0.125, 0.0, 10.00),
+    "gpt-5-mini": ModelSettings(400000, 600, 0.25, 0.025, 0.0, 2.00),
+    "o3": ModelSettings(200000, 600, 2.00, 0.50, 0.0, 8.00),
+    "deepseek-chat": ModelSettings(128000, 3600, 0.28, 0.028, 0.0, 0.42, "deepseek"),
+    "deepseek-reasoner": ModelSettings(128000, 3600, 0.28, 0.028, 0.0, 0.42, "deepseek"),
+    "claude-sonnet-4": ModelSettings(200000, 300, 3.00, 0.30, 3.75, 15.00, "anthropic"),
+    "*": ModelSettings(),
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    server: ServerSettings = field(default_factory=ServerSettings)
+    upstream: UpstreamSettings = field(default_factory=UpstreamSettings)
+    logging: LoggingSettings = field(default_factory=LoggingSettings)
+    pairing: PairingSettings = field(default_factory=PairingSettings)
+    cache: CacheSettings = field(default_factory=CacheSettings)
+    compaction: CompactionSettings = field(default_factory=CompactionSettings)
+    sessions: SessionSettings = field(default_factory=SessionSettings)
+    models: dict[str, ModelSettings] = field(default_factory=lambda: dict(DEFAULT_MODELS))
+
+    def model(self, name: str | None) -> tuple[str, ModelSettings]:
+        """The configured entry for ``name``: exact, else the longest configured prefix, else "*"."""
+        if name:
+            if name in self.models:
+                return name, self.models[name]
+            best = ""
+            for key in self.models:
+                if key != "*" and name.startswith(key) and len(key) > len(best):
+                    best = key
+            if best:
+                return best, self.models[best]
+        return "*", self.models.get("*", ModelSettings())
+
+
+# Command-line options and their CACHEGATE_<OPTION> variables, mapped to config keys.
+OPTION_KEYS: dict[str, str] = {
+    "host": "server.host",
+    "port": "server.port",
+    "upstream": "upstream.base_url",
+    "log_dir": "logging.dir",
+    "strict_pairing": "pairing.strict",
+}
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    origin = get_origin(tp)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            allowed = ", ".join(repr(c) for c in choices)
+            raise ConfigError(f"config key '{key}': {value!r} is not one of {allowed}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        raise ConfigError(f"config key '{key}': unsupported type")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in {"1", "true", "yes", "on", "0", "false", "no", "off"}:
+            return value.lower() in {"1", "true", "yes", "on"}
+        raise ConfigError(f"config key '{key}': expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"config key '{key}': expected an integer, got {value!r}")
+        try:
+            result = int(value) if isinstance(value, int | str) else None
+        except ValueError:
+            result = None
+        if result is None:
+            raise ConfigError(f"config key '{key}': expected an integer, got {value!r}")
+        if result < 0:
+            raise ConfigError(f"config key '{key}': must not be negative, got {result}")
+        return result
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"config key '{key}': expected a number, got {value!r}")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"config key '{key}': expected a number, got {value!r}") from None
+        if number < 0 or number != number:
+            raise ConfigError(f"config key '{key}': must be a non-negative number, got {value!r}")
+        return number
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config key '{key}': expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"config key '{key}': unsupported type")  # pragma: no cover
+
+
+def _build(cls: Any, data: Mapping[str, Any], prefix: str, base: Any) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config key '{prefix}': expected a table")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"unknown config key '{prefix}.{key}'")
+    changes = {k: _coerce(f"{prefix}.{k}", v, hints[k]) for k, v in data.items()}
+    return replace(base, **changes)
+
+
+def _check(settings: Settings) -> None:
+    if not 0 < settings.server.port < 65536:
+        raise ConfigError(f"config key 'server.port': {settings.server.port} is not a TCP port")
+    url = settings.upstream.base_url
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"config key 'upstream.base_url': {url!r} must start with http:// or https://")
+    if not 0 < settings.compaction.trigger_percent <= 100:
+        raise ConfigError("config key 'compaction.trigger_percent': must be in (0, 100]")
+    if settings.upstream.timeout_s <= 0:
+        raise ConfigError("config key 'upstream.timeout_s': must be positive")
+    for name, model in settings.models.items():
+        if model.context_window <= 0:
+            raise ConfigError(f"config key 'models.\"{name}\".context_window': must be positive")
+
+
+def settings_from_mapping(data: Mapping[str, Any], base: Settings | None = None) -> Settings:
+    """Apply a nested mapping (a parsed TOML file) over ``base`` and validate every key."""
+    settings = base or Settings()
+    changes: dict[str, Any] = {}
+    for section, value in data.items():
+        if section == "models":
+            if not isinstance(value, Mapping):
+                raise ConfigError("config key 'models': expected a table of model tables")
+            models = dict(settings.models)
+            for name, table in value.items():
+                start = models.get(name, models.get("*", ModelSettings()))
+                models[name] = _build(ModelSettings, table, f'models."{name}"', start)
+            changes["models"] = models
+            continue
+        current = getattr(settings, section, None)
+        if current is None or not is_dataclass(current):
+            raise ConfigError(f"unknown config section '{section}'")
+        changes[section] = _build(type(current), value, section, current)
+    settings = replace(settings, **changes)
+    _check(settings)
+    return settings
+
+
+def _nest(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    nested: dict[str, dict[str, Any]] = {}
+    for dotted, value in flat.items():
+        section, key = dotted.split(".", 1)
+        nested.setdefault(section, {})[key] = value
+    return nested
+
+
+def load_settings(
+    config_file: str | None = None,
+    options: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Defaults < config file < CACHEGATE_* variables < command-line ``options`` (None = not given)."""
+    env = os.environ if environ is None else environ
+    path = config_file or env.get("CACHEGATE_CONFIG") or None
+    settings = Settings()
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
+        settings = settings_from_mapping(data, settings)
+    from_env = {
+        OPTION_KEYS[o]: env[f"CACHEGATE_{o.upper()}"]
+        for o in OPTION_KEYS
+        if env.get(f"CACHEGATE_{o.upper()}")
+    }
+    if from_env:
+        settings = settings_from_mapping(_nest(from_env), settings)
+    given = {OPTION_KEYS[o]: v for o, v in (options or {}).items() if v is not None and o in OPTION_KEYS}
+    if given:
+        settings = settings_from_mapping(_nest(given), settings)
+    return settings

@@ -1,0 +1,78 @@
+"""The seams: one ``Exchange`` value that flows from request to response, and the observers.
+
+Request transforms (pairing repair, compaction, usage request) change the forwarded body and note what
+they did on the exchange; observers (accounting, event log, metrics) receive the exchange when it is
+forwarded and when it is finished. An observer cannot break the relay: its exceptions are logged and
+swallowed (mitmproxy's ``safecall``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from proxy.assemble import AssembledResponse
+from proxy.usage import Usage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class Exchange:
+    """One request through cachegate and what came back."""
+
+    route: str  # "chat" for the full pipeline, else "passthrough"
+    method: str
+    path: str  # the upstream path after /v1, e.g. "chat/completions"
+    started_at: float  # wall clock, seconds
+    t0: float  # perf_counter when the request arrived
+    user_agent: str = ""
+    session_id: str | None = None
+    exchange_id: int = 0
+    model: str | None = None
+    model_label: str = "other"
+    stream: bool = False
+    request_bytes: int = 0
+    client_body: dict[str, Any] | None = None
+    body: dict[str, Any] | None = None  # as forwarded
+    base_exchange: int | None = None
+    base: int = 0
+    repairs: list[dict[str, Any]] = field(default_factory=list)
+    transforms: dict[str, Any] = field(default_factory=dict)
+    strip_usage: bool = False
+    compacted: bool = False
+    # filled in as the response arrives
+    status: int = 0
+    ttfb_s: float | None = None
+    duration_s: float = 0.0
+    overhead_s: float = 0.0
+    assembled: AssembledResponse | None = None
+    usage: Usage | None = None
+    interrupted: bool = False
+    error: str | None = None
+    upstream_error: str | None = None  # connect, timeout, status, midstream
+    cache: dict[str, Any] | None = None
+    cost: dict[str, Any] | None = None
+
+
+class Observer(Protocol):
+    """Receives exchanges; must not block (hand slow work to a background writer)."""
+
+    def on_request(self, ex: Exchange) -> None: ...
+
+    def on_response(self, ex: Exchange) -> None: ...
+
+    def on_error(self, ex: Exchange) -> None:
+        """cachegate answered the request itself (bad input, strict rejection); nothing was forwarded."""
+
+
+def notify(observers: list[Observer], hook: str, ex: Exchange) -> None:
+    """Call ``hook`` on every observer; one failing observer never stops the others or the relay."""
+    for observer in observers:
+        try:
+            method = getattr(observer, hook, None)
+            if method is not None:
+                method(ex)
+        except Exception:
+            log.exception("observer %s.%s failed; the response is unaffected", type(observer).__name__, hook)

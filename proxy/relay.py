@@ -1,0 +1,269 @@
+"""Forward a request upstream and stream the answer back, byte for byte, teeing it to a recorder.
+
+The relay knows nothing about pairing, caching or logs: it forwards what it is given, sends the
+client the upstream's bytes as they arrive (less the one usage event cachegate asked for, when told
+to strip it), feeds the same bytes to a side-channel recorder, and fills in the exchange's timings
+and outcome. A client that hangs up cancels the upstream request at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import orjson
+
+from proxy.assemble import StreamRecorder, assemble_completion
+from proxy.errors import ProxyError, too_large, upstream_timeout, upstream_unreachable
+from proxy.pipeline import Exchange
+from proxy.strip import UsageEventStripper
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Any]
+Send = Callable[[dict[str, Any]], Any]
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+# Request headers cachegate sets itself or that only concern cachegate.
+_DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"x-cachegate-strict"}
+MAX_RECORDED_BODY = 32 * 1024 * 1024  # non-streamed bodies larger than this are relayed, not parsed
+
+
+class UpstreamAborted(Exception):
+    """The upstream broke off mid-response; the client's connection is cut the same way."""
+
+
+class _DisconnectWatch:
+    """Cancels the relaying task the moment the client disconnects (uvicorn's ``send`` is silent)."""
+
+    __slots__ = ("_done", "_task", "_watcher", "disconnected")
+
+    def __init__(self, receive: Receive) -> None:
+        self.disconnected = False
+        self._done = False
+        self._task = asyncio.current_task()
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not self._done and self._task is not None:
+                    self.disconnected = True
+                    self._task.cancel()
+                return
+
+    def stop(self) -> None:
+        self._done = True
+        self._watcher.cancel()
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    """The whole request body; a 413 ``ProxyError`` past ``limit`` bytes."""
+    message = await receive()
+    body = message.get("body", b"")
+    if not message.get("more_body", False):
+        if len(body) > limit:
+            raise too_large(limit)
+        return body
+    parts = [body]
+    size = len(body)
+    while message.get("more_body", False):
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ProxyError(499, "client disconnected while sending the request", code="client_closed")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def upstream_request_headers(
+    scope_headers: list[tuple[bytes, bytes]], api_key: str | None
+) -> list[tuple[bytes, bytes]]:
+    """Client headers minus hop-by-hop ones; identity encoding; the configured key if none given."""
+    headers = [(k, v) for k, v in scope_headers if k not in _DROP_REQUEST]
+    headers.append((b"accept-encoding", b"identity"))
+    if api_key and not any(k == b"authorization" for k, _ in headers):
+        headers.append((b"authorization", b"Bearer " + api_key.encode("latin-1")))
+    return headers
+
+
+def client_response_headers(
+    upstream: httpx.Response, *, drop_length: bool, extra: list[tuple[bytes, bytes]]
+) -> list[tuple[bytes, bytes]]:
+    headers = [
+        (k.lower(), v)
+        for k, v in upstream.headers.raw
+        if k.lower() not in HOP_BY_HOP and not (drop_length and k.lower() == b"content-length")
+    ]
+    headers.extend(extra)
+    return headers
+
+
+async def send_error(send: Send, err: ProxyError, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = err.body()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if extra:
+        headers.extend(extra)
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class Relay:
+    """Streams one exchange through the shared, pooled upstream client."""
+
+    def __init__(self, client: httpx.AsyncClient, base_url: str) -> None:
+        self.client = client
+        self.base_url = base_url.rstrip("/")
+
+    def url(self, path: str, query: bytes) -> str:
+        url = f"{self.base_url}/{path}"
+        return f"{url}?{query.decode('latin-1')}" if query else url
+
+    async def forward(
+        self,
+        ex: Exchange,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        *,
+        content: bytes | AsyncIterator[bytes],
+        headers: list[tuple[bytes, bytes]],
+        extra_headers: list[tuple[bytes, bytes]],
+        record: bool,
+        watch_now: bool = True,
+    ) -> None:
+        """Relay the exchange. Fills ``ex``; raises only ``UpstreamAborted`` (after the response began)."""
+        request = self.client.build_request(
+            ex.method, self.url(ex.path, scope.get("query_string", b"")), headers=headers, content=content
+        )
+        watch: _DisconnectWatch | None = _DisconnectWatch(receive) if watch_now else None
+        response: httpx.Response | None = None
+        started = False
+        recorder: StreamRecorder | None = None
+        stripper: UsageEventStripper | None = None
+        collected: list[bytes] | None = None
+        collected_size = 0
+        try:
+            try:
+                ex.overhead_s = time.perf_counter() - ex.t0
+                response = await self.client.send(request, stream=True)
+            except httpx.TimeoutException as exc:
+                ex.upstream_error = "timeout"
+                raise upstream_timeout(type(exc).__name__) from exc
+            except httpx.HTTPError as exc:
+                ex.upstream_error = "connect"
+                raise upstream_unreachable(str(exc) or type(exc).__name__) from exc
+            if watch is None:
+                watch = _DisconnectWatch(receive)
+            ex.status = response.status_code
+            if response.status_code >= 400:
+                ex.upstream_error = "status"
+            ctype = response.headers.get("content-type", "")
+            encoded = response.headers.get("content-encoding", "identity") not in ("identity", "")
+            is_sse = ctype.startswith("text/event-stream")
+            if record and not encoded:
+                if is_sse:
+                    recorder = StreamRecorder()
+                else:
+                    collected = []
+            if ex.strip_usage and is_sse and not encoded:
+                stripper = UsageEventStripper()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status_code,
+                    "headers": client_response_headers(
+                        response, drop_length=stripper is not None, extra=extra_headers
+                    ),
+                }
+            )
+            started = True
+            try:
+                async for chunk in response.aiter_raw():
+                    if ex.ttfb_s is None:
+                        ex.ttfb_s = time.perf_counter() - ex.t0
+                    out = chunk
+                    if stripper is not None:
+                        out = stripper.feed(chunk)
+                    if out:
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                    if recorder is not None:
+                        try:
+                            recorder.feed(chunk)
+                        except Exception:
+                            log.exception("stream recorder failed; relaying continues unrecorded")
+                            recorder = None
+                    elif collected is not None:
+                        collected_size += len(chunk)
+                        if collected_size <= MAX_RECORDED_BODY:
+                            collected.append(chunk)
+                        else:
+                            collected = None
+            except httpx.HTTPError as exc:
+                ex.upstream_error = "midstream"
+                ex.error = f"upstream broke off mid-response: {type(exc).__name__}"
+                if stripper is not None:
+                    tail = stripper.flush()
+                    if tail:
+                        await send({"type": "http.response.body", "body": tail, "more_body": True})
+                raise UpstreamAborted(ex.error) from exc
+            if stripper is not None:
+                tail = stripper.flush()
+                if tail:
+                    await send({"type": "http.response.body", "body": tail, "more_body": True})
+            watch.stop()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if watch is None or not watch.disconnected or task is None:
+                raise
+            task.uncancel()
+            ex.interrupted = True
+        except ProxyError as err:
+            if watch is not None:
+                watch.stop()
+            ex.status = err.status
+            ex.error = err.message
+            if not started:
+                await send_error(send, err, extra_headers)
+        finally:
+            if watch is not None:
+                watch.stop()
+            if response is not None:
+                await response.aclose()
+            ex.duration_s = time.perf_counter() - ex.t0
+            if recorder is not None:
+                try:
+                    ex.assembled = recorder.finish()
+                except Exception:
+                    log.exception("stream recorder failed to finish")
+            elif collected and ex.status < 400:
+                try:
+                    ex.assembled = assemble_completion(orjson.loads(b"".join(collected)))
+                except Exception:
+                    log.debug("response body is not a chat completion", exc_info=True)
+            if ex.assembled is not None:
+                ex.usage = ex.assembled.usage
+                if ex.assembled.error is not None and ex.error is None:
+                    ex.error = str(ex.assembled.error.get("message", ex.assembled.error))

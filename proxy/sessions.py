@@ -1,0 +1,195 @@
+"""Session identity and per-session state, behind a small store interface.
+
+A request's session is, in order: an explicit id (``X-Session-Id``, the ``/s/{id}/v1`` path, or a
+session header that popular agents and gateways already send); else the session whose previous
+request this one's history extends (same opening message, longest shared message prefix, most recent
+on a tie); else a new session.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+
+SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+# Headers that agents and gateways already send, honoured in this order after X-Session-Id.
+SESSION_HEADERS: tuple[str, ...] = (
+    "x-session-id",
+    "x-claude-code-session-id",
+    "x-litellm-session-id",
+    "helicone-session-id",
+    "x-portkey-trace-id",
+    "langfuse-session-id",
+)
+
+
+def valid_session_id(value: str) -> bool:
+    """True for ids that can safely name a log file (``.`` and ``..`` are never ids)."""
+    return bool(SESSION_ID_RE.fullmatch(value)) and value not in {".", ".."}
+
+
+def explicit_session_id(headers: Mapping[str, str], path_id: str | None) -> str | None:
+    """The id the client named, if any; raises ``ValueError`` for an id that is not acceptable."""
+    candidate = path_id
+    source = "path"
+    if candidate is None:
+        for name in SESSION_HEADERS:
+            value = headers.get(name)
+            if value is not None:
+                candidate, source = value, name
+                break
+    if candidate is None:
+        return None
+    if not valid_session_id(candidate):
+        raise ValueError(
+            f"Invalid session id in {source}: ids must match [A-Za-z0-9._:-]{{1,128}} "
+            "(and not be '.' or '..')"
+        )
+    return candidate
+
+
+def new_session_id(now: float) -> str:
+    """A fresh id that sorts by creation time: ``YYYYmmdd-HHMMSS-<8 hex>``."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
+    return f"{stamp}-{uuid.uuid4().hex[:8]}"
+
+
+def opening_key(messages: Sequence[Any]) -> str | None:
+    """Digest of the first non-system message: what a conversation starts with and keeps."""
+    for message in messages:
+        if isinstance(message, dict) and message.get("role") not in ("system", "developer"):
+            return hashlib.blake2b(
+                orjson.dumps(message, option=orjson.OPT_SORT_KEYS), digest_size=16
+            ).hexdigest()
+    return None
+
+
+def shared_prefix(old: Sequence[Any], new: Sequence[Any]) -> int:
+    """How many leading messages two lists share."""
+    n = min(len(old), len(new))
+    i = 0
+    while i < n and (old[i] is new[i] or old[i] == new[i]):
+        i += 1
+    return i
+
+
+@dataclass
+class SessionState:
+    """Everything cachegate keeps about one session between requests."""
+
+    id: str
+    created: float
+    last_seen: float
+    exchanges: int = 0
+    meta_written: bool = False
+    opening: str | None = None
+    last_client_messages: list[Any] = field(default_factory=list)
+    # (exchange id, forwarded messages) of recent exchanges, the bases of delta-coded log lines.
+    recent: list[tuple[int, list[Any]]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # accounting, compaction, fingerprints
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def next_exchange(self) -> int:
+        with self.lock:
+            self.exchanges += 1
+            return self.exchanges
+
+    def remember(self, exchange_id: int, forwarded: list[Any], keep: int = 4) -> None:
+        self.recent.append((exchange_id, forwarded))
+        if len(self.recent) > keep:
+            del self.recent[0 : len(self.recent) - keep]
+
+
+class SessionStore(Protocol):
+    """Where session state lives: memory now; a shared backend for several instances later."""
+
+    def get(self, session_id: str) -> SessionState | None: ...
+
+    def create(self, session_id: str, now: float) -> SessionState: ...
+
+    def infer(self, messages: Sequence[Any]) -> SessionState | None: ...
+
+    def index(self, state: SessionState, messages: list[Any]) -> None: ...
+
+    def active_ids(self) -> Iterable[str]: ...
+
+
+class MemorySessionStore:
+    """In-process store, bounded in size (least recently seen evicted) and in idle time."""
+
+    def __init__(self, *, max_sessions: int = 10000, idle_ttl_s: float = 6 * 3600.0) -> None:
+        self.max_sessions = max_sessions
+        self.idle_ttl_s = idle_ttl_s
+        self._sessions: OrderedDict[str, SessionState] = OrderedDict()
+        self._by_opening: dict[str, list[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, session_id: str) -> SessionState | None:
+        state = self._sessions.get(session_id)
+        if state is not None:
+            self._sessions.move_to_end(session_id)
+        return state
+
+    def create(self, session_id: str, now: float) -> SessionState:
+        state = SessionState(id=session_id, created=now, last_seen=now)
+        self._sessions[session_id] = state
+        self._evict(now)
+        return state
+
+    def infer(self, messages: Sequence[Any]) -> SessionState | None:
+        key = opening_key(messages)
+        if key is None:
+            return None
+        best: SessionState | None = None
+        best_len = -1
+        for sid in self._by_opening.get(key, ()):
+            state = self._sessions.get(sid)
+            if state is None:
+                continue
+            n = shared_prefix(state.last_client_messages, messages)
+            if n > best_len or (n == best_len and best is not None and state.last_seen > best.last_seen):
+                best, best_len = state, n
+        if best is not None:
+            self._sessions.move_to_end(best.id)
+        return best
+
+    def index(self, state: SessionState, messages: list[Any]) -> None:
+        state.last_client_messages = messages
+        key = opening_key(messages)
+        if key is not None and key != state.opening:
+            if state.opening is not None:
+                self._unindex(state.id, state.opening)
+            state.opening = key
+            self._by_opening.setdefault(key, []).append(state.id)
+
+    def _unindex(self, sid: str, key: str) -> None:
+        ids = self._by_opening.get(key)
+        if ids and sid in ids:
+            ids.remove(sid)
+            if not ids:
+                del self._by_opening[key]
+
+    def _evict(self, now: float) -> None:
+        while self._sessions:
+            sid, oldest = next(iter(self._sessions.items()))
+            if len(self._sessions) > self.max_sessions or now - oldest.last_seen > self.idle_ttl_s:
+                del self._sessions[sid]
+                if oldest.opening:
+                    self._unindex(sid, oldest.opening)
+            else:
+                break
+
+    def active_ids(self) -> Iterable[str]:
+        return list(self._sessions)

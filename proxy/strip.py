@@ -1,0 +1,97 @@
+"""Remove from an SSE byte stream the one usage-only event cachegate asked for, and nothing else.
+
+When a client streams without ``stream_options.include_usage``, cachegate asks the upstream for usage
+so it can account the exchange, and must then hide the extra event so the client receives exactly
+what it would have received directly. Every other byte passes through as it arrives: an event is only
+held back while it could still be the usage-only one (it starts with ``data:`` and no ``"delta"`` has
+appeared in it yet); a chunk event is recognised by ``"delta"`` within its first ~150 bytes.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+_TERMINATORS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+
+
+def _boundary(buf: bytearray, start: int) -> int:
+    """Index just past the first blank line at or after ``start``, or -1."""
+    best = -1
+    for term in _TERMINATORS:
+        i = buf.find(term, start)
+        if i >= 0 and (best < 0 or i + len(term) < best):
+            best = i + len(term)
+    return best
+
+
+def is_usage_only(event: bytes) -> bool:
+    """True for an event whose data is a chunk with no choices and a usage object."""
+    if b'"usage"' not in event:
+        return False
+    lines = event.splitlines()
+    data = [ln[5:].lstrip(b" ") for ln in lines if ln.startswith(b"data:")]
+    if len(data) != 1 or len(data) != sum(1 for ln in lines if ln.strip()):
+        return False
+    try:
+        obj = orjson.loads(data[0])
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(obj, dict) and not obj.get("choices") and isinstance(obj.get("usage"), dict)
+
+
+class UsageEventStripper:
+    """Incremental filter: ``feed(chunk)`` returns the bytes to forward now; ``flush()`` the rest."""
+
+    __slots__ = ("_event", "_passing", "_sent", "stripped")
+
+    def __init__(self) -> None:
+        self._event = bytearray()  # bytes of the current, incomplete event
+        self._sent = 0  # how many of them were already forwarded
+        self._passing = False  # the current event is known not to be usage-only
+        self.stripped = 0
+
+    def feed(self, chunk: bytes) -> bytes:
+        event = self._event
+        scan = max(0, len(event) - 3)
+        event += chunk
+        out = bytearray()
+        while True:
+            end = _boundary(event, scan)
+            if end < 0:
+                break
+            if self._passing:
+                out += event[self._sent : end]
+            elif is_usage_only(bytes(event[:end])):
+                self.stripped += 1
+            else:
+                out += event[:end]
+            del event[:end]
+            self._sent = 0
+            self._passing = False
+            scan = 0
+        if event and not self._passing and self._decided(event):
+            self._passing = True
+        if self._passing and len(event) > self._sent:
+            out += event[self._sent :]
+            self._sent = len(event)
+        if not out:
+            return b""
+        # The common case, one whole event per chunk, forwards the caller's own bytes object.
+        return chunk if len(out) == len(chunk) and out == chunk else bytes(out)
+
+    @staticmethod
+    def _decided(event: bytearray) -> bool:
+        if len(event) < 5:
+            return not b"data:".startswith(bytes(event))
+        return not event.startswith(b"data:") or b'"delta"' in event
+
+    def flush(self) -> bytes:
+        """The bytes of a final event that never ended (a truncated stream): forwarded as they were."""
+        rest = bytes(self._event[self._sent :])
+        if rest and not self._passing and is_usage_only(rest):
+            self.stripped += 1
+            rest = b""
+        self._event = bytearray()
+        self._sent = 0
+        self._passing = False
+        return rest
