@@ -53,7 +53,9 @@ class _AbortFilter(logging.Filter):
 logging.getLogger("uvicorn.error").addFilter(_AbortFilter())
 
 
-def build_client(settings: Settings, transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
+def build_client(
+    settings: Settings, transport: httpx.AsyncBaseTransport | None
+) -> httpx.AsyncClient:
     up = settings.upstream
     timeout = httpx.Timeout(up.timeout_s, connect=up.connect_timeout_s, pool=up.timeout_s)
     limits = httpx.Limits(

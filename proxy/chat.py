@@ -117,7 +117,9 @@ class ChatPipeline:
             if defects:
                 if self.on_strict_rejection is not None:
                     self.on_strict_rejection()
-                raise bad_request(pairing.format_strict_error(defects), "strict_pairing", "messages")
+                raise bad_request(
+                    pairing.format_strict_error(defects), "strict_pairing", "messages"
+                )
             return body
         result = pairing.repair_messages(
             messages,
@@ -132,7 +134,9 @@ class ChatPipeline:
         ]
         return {**body, "messages": result.messages}
 
-    async def handle(self, scope: Scope, receive: Receive, send: Send, path_session: str | None) -> None:
+    async def handle(
+        self, scope: Scope, receive: Receive, send: Send, path_session: str | None
+    ) -> None:
         t0 = time.perf_counter()
         now = self.clock()
         headers = header_map(scope)
@@ -155,7 +159,10 @@ class ChatPipeline:
             ex.client_body = body
             state = self.resolve_session(headers, path_session, body, now)
             ex.session_id = state.id
-            strict = self.settings.pairing.strict or headers.get("x-cachegate-strict", "") in ("1", "true")
+            strict = self.settings.pairing.strict or headers.get("x-cachegate-strict", "") in (
+                "1",
+                "true",
+            )
             forwarded = body
             if self.settings.pairing.repair or strict:
                 forwarded = self.repair(ex, forwarded, strict)

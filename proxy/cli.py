@@ -34,7 +34,9 @@ def _serve(ns: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"cachegate: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     app = create_app(settings)
     print(
         f"cachegate {__version__} listening on http://{settings.server.host}:{settings.server.port}/v1"
@@ -108,7 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="TOML config file (env CACHEGATE_CONFIG)")
     serve.add_argument("--host", help="address to bind (default 127.0.0.1; env CACHEGATE_HOST)")
     serve.add_argument("--port", help="port (default 8787; env CACHEGATE_PORT)")
-    serve.add_argument("--upstream", help="upstream base URL, e.g. https://api.openai.com/v1 (env CACHEGATE_UPSTREAM)")
+    serve.add_argument(
+        "--upstream",
+        help="upstream base URL, e.g. https://api.openai.com/v1 (env CACHEGATE_UPSTREAM)",
+    )
     serve.add_argument("--log-dir", help="session log directory (env CACHEGATE_LOG_DIR)")
     serve.add_argument(
         "--strict-pairing",
@@ -125,11 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.set_defaults(func=_simulate)
 
     demo = sub.add_parser("demo", help="simulator + proxy + scripted agent scenarios, offline")
-    demo.add_argument("--log-dir", default=None, help="where the demo's session logs go (default: a temp dir)")
+    demo.add_argument(
+        "--log-dir", default=None, help="where the demo's session logs go (default: a temp dir)"
+    )
     demo.set_defaults(func=_demo)
 
     sessions = sub.add_parser("sessions", help="read the session audit logs")
-    sessions.add_argument("--log-dir", default=None, help=f"log directory (default {DEFAULT_LOG_DIR}; env CACHEGATE_LOG_DIR)")
+    sessions.add_argument(
+        "--log-dir",
+        default=None,
+        help=f"log directory (default {DEFAULT_LOG_DIR}; env CACHEGATE_LOG_DIR)",
+    )
     sessions.add_argument("--json", action="store_true", help="machine-readable output")
     actions = sessions.add_subparsers(dest="action", required=True)
     actions.add_parser("list", help="every session: exchanges, tokens, cache hit %, repairs")

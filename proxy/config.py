@@ -153,7 +153,16 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in {"1", "true", "yes", "on", "0", "false", "no", "off"}:
+        if isinstance(value, str) and value.lower() in {
+            "1",
+            "true",
+            "yes",
+            "on",
+            "0",
+            "false",
+            "no",
+            "off",
+        }:
             return value.lower() in {"1", "true", "yes", "on"}
         raise ConfigError(f"config key '{key}': expected true or false, got {value!r}")
     if tp is int:
@@ -202,7 +211,9 @@ def _check(settings: Settings) -> None:
         raise ConfigError(f"config key 'server.port': {settings.server.port} is not a TCP port")
     url = settings.upstream.base_url
     if not url.startswith(("http://", "https://")):
-        raise ConfigError(f"config key 'upstream.base_url': {url!r} must start with http:// or https://")
+        raise ConfigError(
+            f"config key 'upstream.base_url': {url!r} must start with http:// or https://"
+        )
     if not 0 < settings.compaction.trigger_percent <= 100:
         raise ConfigError("config key 'compaction.trigger_percent': must be in (0, 100]")
     if settings.upstream.timeout_s <= 0:
@@ -268,7 +279,9 @@ def load_settings(
     }
     if from_env:
         settings = settings_from_mapping(_nest(from_env), settings)
-    given = {OPTION_KEYS[o]: v for o, v in (options or {}).items() if v is not None and o in OPTION_KEYS}
+    given = {
+        OPTION_KEYS[o]: v for o, v in (options or {}).items() if v is not None and o in OPTION_KEYS
+    }
     if given:
         settings = settings_from_mapping(_nest(given), settings)
     return settings

@@ -41,7 +41,9 @@ class ProxyError(Exception):
         )
 
 
-def bad_request(message: str, code: str = "invalid_request", param: str | None = None) -> ProxyError:
+def bad_request(
+    message: str, code: str = "invalid_request", param: str | None = None
+) -> ProxyError:
     return ProxyError(400, message, code=code, param=param)
 
 

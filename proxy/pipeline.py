@@ -75,4 +75,6 @@ def notify(observers: list[Observer], hook: str, ex: Exchange) -> None:
             if method is not None:
                 method(ex)
         except Exception:
-            log.exception("observer %s.%s failed; the response is unaffected", type(observer).__name__, hook)
+            log.exception(
+                "observer %s.%s failed; the response is unaffected", type(observer).__name__, hook
+            )

@@ -88,7 +88,9 @@ async def read_body(receive: Receive, limit: int) -> bytes:
     while message.get("more_body", False):
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise ProxyError(499, "client disconnected while sending the request", code="client_closed")
+            raise ProxyError(
+                499, "client disconnected while sending the request", code="client_closed"
+            )
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
@@ -120,7 +122,9 @@ def client_response_headers(
     return headers
 
 
-async def send_error(send: Send, err: ProxyError, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+async def send_error(
+    send: Send, err: ProxyError, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
     body = err.body()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if extra:
@@ -155,7 +159,10 @@ class Relay:
     ) -> None:
         """Relay the exchange. Fills ``ex``; raises only ``UpstreamAborted`` (after the response began)."""
         request = self.client.build_request(
-            ex.method, self.url(ex.path, scope.get("query_string", b"")), headers=headers, content=content
+            ex.method,
+            self.url(ex.path, scope.get("query_string", b"")),
+            headers=headers,
+            content=content,
         )
         watch: _DisconnectWatch | None = _DisconnectWatch(receive) if watch_now else None
         response: httpx.Response | None = None

@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 
@@ -28,7 +28,7 @@ class ServerThread:
         host: str = "127.0.0.1",
         port: int = 0,
         loop: str = "auto",
-        lifespan: str = "on",
+        lifespan: Literal["auto", "on", "off"] = "on",
     ) -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

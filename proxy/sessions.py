@@ -159,7 +159,9 @@ class MemorySessionStore:
             if state is None:
                 continue
             n = shared_prefix(state.last_client_messages, messages)
-            if n > best_len or (n == best_len and best is not None and state.last_seen > best.last_seen):
+            if n > best_len or (
+                n == best_len and best is not None and state.last_seen > best.last_seen
+            ):
                 best, best_len = state, n
         if best is not None:
             self._sessions.move_to_end(best.id)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,3 +21,111 @@ class Usage:
     cache_read: int = 0
     cache_write: int = 0
     reported_cache: bool = False
+
+
+_CACHE_READ_FIELDS = ("cache_read_input_tokens", "prompt_cache_hit_tokens")
+_CACHE_FIELDS = (
+    "cache_read_input_tokens",
+    "cache_creation_input_tokens",
+    "prompt_cache_hit_tokens",
+    "prompt_cache_miss_tokens",
+)
+_DETAIL_FIELDS = ("prompt_tokens_details", "input_tokens_details")
+_TOKEN_FIELDS = (
+    "prompt_tokens",
+    "completion_tokens",
+    "input_tokens",
+    "output_tokens",
+    *_CACHE_FIELDS,
+)
+
+
+def _count(raw: Mapping[str, Any], key: str) -> int | None:
+    """A token count, or None when the field is absent, null or not a non-negative integer."""
+    value = raw.get(key)
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and value >= 0:
+        return value
+    return None
+
+
+def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
+    """Normalize one provider ``usage`` object; None when it holds no token count at all.
+
+    Dialects: OpenAI (``prompt_tokens``, ``completion_tokens``,
+    ``prompt_tokens_details.cached_tokens``; also ``input_tokens_details`` of the Responses API),
+    DeepSeek (``prompt_cache_hit_tokens`` / ``prompt_cache_miss_tokens``) and Anthropic-style
+    fields on OpenAI-compatible endpoints (``input_tokens``, ``output_tokens``,
+    ``cache_read_input_tokens``, ``cache_creation_input_tokens``).
+
+    ``prompt`` is the total input: ``prompt_tokens`` when present (OpenAI semantics, cached tokens
+    included); otherwise DeepSeek's hit + miss; otherwise ``input_tokens`` + cache read + cache
+    creation, because Anthropic's ``input_tokens`` counts only the uncached remainder (for the
+    Responses API, which has no such fields, that is just ``input_tokens``). ``cache_read`` is the
+    largest of the cache-read fields present (providers that send several mean the same number);
+    ``cache_write`` is ``cache_creation_input_tokens``. ``reported_cache`` is true iff any cache
+    field was present, even as 0.
+    """
+    if not isinstance(raw, Mapping):
+        return None
+    details = [d for d in (raw.get(k) for k in _DETAIL_FIELDS) if isinstance(d, Mapping)]
+    if not any(k in raw for k in _TOKEN_FIELDS) and not details:
+        return None
+
+    reads = [c for c in (_count(raw, k) for k in _CACHE_READ_FIELDS) if c is not None]
+    reads += [c for c in (_count(d, "cached_tokens") for d in details) if c is not None]
+    reported_cache = bool(reads) or any(_count(raw, k) is not None for k in _CACHE_FIELDS)
+    cache_read = max(reads, default=0)
+    cache_write = _count(raw, "cache_creation_input_tokens") or 0
+
+    prompt = _count(raw, "prompt_tokens")
+    if prompt is None:
+        hit = _count(raw, "prompt_cache_hit_tokens")
+        miss = _count(raw, "prompt_cache_miss_tokens")
+        if hit is not None or miss is not None:
+            prompt = (hit or 0) + (miss or 0)
+        else:
+            prompt = (
+                (_count(raw, "input_tokens") or 0)
+                + (_count(raw, "cache_read_input_tokens") or 0)
+                + cache_write
+            )
+    completion = _count(raw, "completion_tokens")
+    if completion is None:
+        completion = _count(raw, "output_tokens") or 0
+    return Usage(prompt, completion, cache_read, cache_write, reported_cache)
+
+
+def _is_empty(usage: Usage) -> bool:
+    return not (usage.prompt or usage.completion or usage.cache_read or usage.cache_write)
+
+
+class UsageTracker:
+    """The usage of a stream, whether the provider reports once at the end or on every chunk.
+
+    The answer is the last report with any non-zero count, never a sum: providers that report on
+    every chunk send running totals (or zeros until the end), so a later all-zero report must not
+    erase earlier numbers. When every report was all-zero, the first one is the answer; with no
+    report at all, None.
+    """
+
+    def __init__(self) -> None:
+        self._last: Usage | None = None
+        self._zero: Usage | None = None
+
+    def update(self, raw: Mapping[str, Any] | None) -> None:
+        """Take one chunk's ``usage`` object (None and empty objects are ignored)."""
+        usage = normalize_usage(raw)
+        if usage is None:
+            return
+        if not _is_empty(usage):
+            self._last = usage
+        elif self._zero is None:
+            self._zero = usage
+
+    def result(self) -> Usage | None:
+        """The usage to report for the stream so far."""
+        return self._last if self._last is not None else self._zero

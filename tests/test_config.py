@@ -22,10 +22,14 @@ def test_defaults_serve_a_local_user() -> None:
 
 def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
     f = tmp_path / "c.toml"
-    f.write_text('[server]\nport = 9001\nhost = "127.0.0.2"\n[upstream]\nbase_url = "http://a/v1"\n')
+    f.write_text(
+        '[server]\nport = 9001\nhost = "127.0.0.2"\n[upstream]\nbase_url = "http://a/v1"\n'
+    )
     s = load_settings(str(f), {}, environ={"CACHEGATE_PORT": "9002"})
     assert (s.server.port, s.server.host, s.upstream.base_url) == (9002, "127.0.0.2", "http://a/v1")
-    s = load_settings(None, {"port": "9003"}, environ={"CACHEGATE_CONFIG": str(f), "CACHEGATE_PORT": "9002"})
+    s = load_settings(
+        None, {"port": "9003"}, environ={"CACHEGATE_CONFIG": str(f), "CACHEGATE_PORT": "9002"}
+    )
     assert s.server.port == 9003
     assert s.server.host == "127.0.0.2"
 

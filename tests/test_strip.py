@@ -23,12 +23,20 @@ def run(stream: bytes, cuts: list[int]) -> bytes:
 
 
 def test_usage_only_event_is_removed_and_nothing_else() -> None:
-    stream = CHUNK % b"he" + b": keep-alive\n\n" + CHUNK % "llo \xc3\xa9".encode("latin-1") + USAGE + DONE
+    stream = (
+        CHUNK % b"he"
+        + b": keep-alive\n\n"
+        + CHUNK % "llo \xc3\xa9".encode("latin-1")
+        + USAGE
+        + DONE
+    )
     assert run(stream, []) == stream.replace(USAGE, b"")
 
 
 def test_every_byte_offset_two_cuts() -> None:
-    stream = (CHUNK % b"a").replace(b"\n\n", b"\r\n\r\n") + USAGE.replace(b"\n\n", b"\r\n\r\n") + DONE
+    stream = (
+        (CHUNK % b"a").replace(b"\n\n", b"\r\n\r\n") + USAGE.replace(b"\n\n", b"\r\n\r\n") + DONE
+    )
     expected = stream.replace(USAGE.replace(b"\n\n", b"\r\n\r\n"), b"")
     for i in range(len(stream) + 1):
         for j in range(i, len(stream) + 1, 7):
@@ -73,7 +81,8 @@ def test_any_chunking_gives_upstream_bytes_minus_usage(
     import orjson
 
     events = [
-        b'data: {"choices":[{"index":0,"delta":{"content":' + orjson.dumps(t) + b"}}]}" + sep for t in texts
+        b'data: {"choices":[{"index":0,"delta":{"content":' + orjson.dumps(t) + b"}}]}" + sep
+        for t in texts
     ]
     usage = USAGE.replace(b"\n\n", sep)
     stream = b"".join(events) + (usage if usage_at_end else b"") + DONE.replace(b"\n\n", sep)

@@ -1,0 +1,283 @@
+"""Chat-completion deltas assembled into one assistant message and its usage (pure).
+
+The relay tees every upstream byte into a ``StreamRecorder``; what it returns at the end is what
+observers receive. Only choice index 0 is assembled: agents ask for one choice, and an ``n > 1``
+request is rare enough that its other choices are not worth the bookkeeping on the hot path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from proxy.sse import SSEDecoder, SSEEvent
+from proxy.usage import Usage, UsageTracker, normalize_usage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class AssembledResponse:
+    """What one exchange produced.
+
+    ``message`` is ``{"role": "assistant", "content": str | None}``, plus ``"tool_calls"`` (each
+    ``{"id", "type", "function": {"name", "arguments"}}``, ordered by stream index) when any,
+    plus ``"reasoning_content"`` when the provider sent non-empty reasoning. ``error`` is an
+    ``{"error": …}`` payload seen in the body or mid-stream; ``done`` is true once ``[DONE]`` was
+    seen (for a non-streaming body: when it held no error). ``events`` counts SSE events fed and
+    ``malformed`` the data payloads that were neither ``[DONE]`` nor a JSON object.
+    """
+
+    message: dict[str, Any]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: dict[str, Any] | None = None
+    done: bool = False
+    model: str | None = None
+    id: str | None = None
+    events: int = 0
+    malformed: int = 0
+
+
+class _ToolCalls:
+    """Tool-call deltas merged by ``index``.
+
+    A delta carrying an id different from the one already held at its index starts a new call
+    (providers that put every parallel call at index 0); a function name identical to the one
+    already held is a repeat, not a fragment (providers that resend the full name on every chunk).
+    A delta without ``index`` is treated as one more index of its own, by the same rules.
+    ``ordered()`` lists calls by index, as the message's ``tool_calls`` array would hold them;
+    calls sharing an index keep the order in which they started.
+    """
+
+    __slots__ = ("_by_index", "_order", "calls")
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self._by_index: dict[object, dict[str, Any]] = {}
+        self._order: list[float] = []  # each call's index; calls without one go last
+
+    def add(self, delta: Mapping[str, Any]) -> None:
+        index = delta.get("index")
+        key = index if isinstance(index, int) else None
+        call = self._by_index.get(key)
+        call_id = delta.get("id")
+        if isinstance(call_id, str) and call_id:
+            if call is None or (call["id"] and call["id"] != call_id):
+                call = None
+            else:
+                call["id"] = call_id
+        if call is None:
+            call = {
+                "id": call_id if isinstance(call_id, str) else "",
+                "type": "function",
+                "function": {"name": "", "arguments": ""},
+            }
+            self.calls.append(call)
+            self._order.append(key if key is not None else float("inf"))
+            self._by_index[key] = call
+        kind = delta.get("type")
+        if isinstance(kind, str) and kind:
+            call["type"] = kind
+        function = delta.get("function")
+        if isinstance(function, Mapping):
+            held = call["function"]
+            name = function.get("name")
+            if isinstance(name, str) and name and name != held["name"]:
+                held["name"] += name
+            arguments = function.get("arguments")
+            if isinstance(arguments, str):
+                held["arguments"] += arguments
+
+    def ordered(self) -> list[dict[str, Any]]:
+        """Copies of the calls, by index, in the message's ``tool_calls`` shape."""
+        positions = sorted(range(len(self.calls)), key=self._order.__getitem__)
+        return [
+            {"id": c["id"], "type": c["type"], "function": dict(c["function"])}
+            for c in (self.calls[i] for i in positions)
+        ]
+
+
+class StreamAssembler:
+    """Feed it the SSE events of a streamed chat completion; ``result()`` is the message so far.
+
+    Never raises on provider data: malformed payloads are counted, unknown fields ignored, and
+    ``result()`` can be taken at any time (an interrupted stream yields its partial message).
+    """
+
+    def __init__(self) -> None:
+        self._content: list[str] = []
+        self._has_content = False
+        self._reasoning: list[str] = []
+        self._tools = _ToolCalls()
+        self._usage = UsageTracker()
+        self._finish_reason: str | None = None
+        self._error: dict[str, Any] | None = None
+        self._done = False
+        self._model: str | None = None
+        self._id: str | None = None
+        self._events = 0
+        self._malformed = 0
+
+    def feed(self, event: SSEEvent) -> None:
+        """Take one SSE event of the stream."""
+        self._events += 1
+        data = event.data
+        if data == "[DONE]" or data.strip() == "[DONE]":
+            self._done = True
+            return
+        if not data or data.isspace():
+            return
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            chunk = None
+        if not isinstance(chunk, dict):
+            logger.debug("malformed stream payload: %.80r", data)
+            if event.event == "error" and self._error is None:
+                self._error = {"error": {"message": data}}
+            self._malformed += 1
+            return
+        if chunk.get("error") is not None or event.event == "error":
+            if self._error is None:
+                self._error = chunk if chunk.get("error") is not None else {"error": chunk}
+            return
+        if self._id is None and isinstance(chunk.get("id"), str) and chunk["id"]:
+            self._id = chunk["id"]
+        if self._model is None and isinstance(chunk.get("model"), str) and chunk["model"]:
+            self._model = chunk["model"]
+        usage = chunk.get("usage")
+        if usage is not None:
+            self._usage.update(usage)
+        choices = chunk.get("choices")
+        if not isinstance(choices, list):
+            return
+        for choice in choices:
+            if isinstance(choice, dict) and choice.get("index") in (0, None):
+                self._choice(choice)
+
+    def _choice(self, choice: dict[str, Any]) -> None:
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            content = delta.get("content")
+            if isinstance(content, str):
+                self._has_content = True
+                if content:
+                    self._content.append(content)
+            reasoning = delta.get("reasoning_content")
+            if isinstance(reasoning, str) and reasoning:
+                self._reasoning.append(reasoning)
+            tool_calls = delta.get("tool_calls")
+            if isinstance(tool_calls, list):
+                for tool_call in tool_calls:
+                    if isinstance(tool_call, dict):
+                        self._tools.add(tool_call)
+        finish_reason = choice.get("finish_reason")
+        if isinstance(finish_reason, str):
+            self._finish_reason = finish_reason
+
+    def result(self) -> AssembledResponse:
+        """The assembled message, finish reason, usage and stream facts seen so far."""
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": "".join(self._content) if self._has_content else None,
+        }
+        if self._tools.calls:
+            message["tool_calls"] = self._tools.ordered()
+        if self._reasoning:
+            message["reasoning_content"] = "".join(self._reasoning)
+        return AssembledResponse(
+            message=message,
+            finish_reason=self._finish_reason,
+            usage=self._usage.result(),
+            error=self._error,
+            done=self._done,
+            model=self._model,
+            id=self._id,
+            events=self._events,
+            malformed=self._malformed,
+        )
+
+
+def _text(content: Any) -> str | None:
+    """Message content as text: a string as is, a list of content parts joined by their text."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            part["text"]
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    return None
+
+
+def assemble_completion(body: Mapping[str, Any]) -> AssembledResponse:
+    """The same summary for a non-streaming chat completion body (choice index 0).
+
+    Tool calls are normalized to the shape the stream assembler produces, so observers see one
+    shape whether the client streamed or not.
+    """
+    error = body.get("error")
+    message: dict[str, Any] = {"role": "assistant", "content": None}
+    finish_reason: str | None = None
+    choices = body.get("choices")
+    choice = next(
+        (
+            c
+            for c in (choices if isinstance(choices, list) else [])
+            if isinstance(c, dict) and c.get("index") in (0, None)
+        ),
+        None,
+    )
+    if choice is not None:
+        raw = choice.get("message")
+        if isinstance(raw, dict):
+            message["content"] = _text(raw.get("content"))
+            tools = _ToolCalls()
+            calls = raw.get("tool_calls")
+            for position, call in enumerate(calls if isinstance(calls, list) else []):
+                if isinstance(call, dict):
+                    tools.add({**call, "index": position})
+            if tools.calls:
+                message["tool_calls"] = tools.ordered()
+            reasoning = raw.get("reasoning_content")
+            if isinstance(reasoning, str) and reasoning:
+                message["reasoning_content"] = reasoning
+        if isinstance(choice.get("finish_reason"), str):
+            finish_reason = choice["finish_reason"]
+    model, response_id = body.get("model"), body.get("id")
+    return AssembledResponse(
+        message=message,
+        finish_reason=finish_reason,
+        usage=normalize_usage(body.get("usage")),
+        error=dict(body) if error is not None else None,
+        done=error is None,
+        model=model if isinstance(model, str) and model else None,
+        id=response_id if isinstance(response_id, str) and response_id else None,
+    )
+
+
+class StreamRecorder:
+    """The relay's side channel: raw upstream byte chunks in, one ``AssembledResponse`` out."""
+
+    __slots__ = ("assembler", "decoder")
+
+    def __init__(self) -> None:
+        self.decoder = SSEDecoder()
+        self.assembler = StreamAssembler()
+
+    def feed(self, chunk: bytes) -> None:
+        """Take one chunk exactly as the upstream sent it."""
+        for event in self.decoder.decode(chunk):
+            self.assembler.feed(event)
+
+    def finish(self) -> AssembledResponse:
+        """End of stream (complete or not): flush the decoder and return the result."""
+        for event in self.decoder.flush():
+            self.assembler.feed(event)
+        return self.assembler.result()

@@ -1,0 +1,312 @@
+"""Per-session prompt-cache accounting: expected hits, waste, its cause, and cost (pure).
+
+Each finished exchange is fed to ``account`` with its normalized ``Usage``, the request's
+``Fingerprint``, its ``Divergence`` from the session's previous request, and the time it started.
+
+Rule: everything the previous request sent should now be a cache read, so
+``expected = min(previous prompt tokens, this prompt tokens)`` and
+``waste = expected - cache_read`` when that exceeds the noise floor (partial misses count as much as
+full ones; below the floor they are block-granularity noise). When the prefix was rewritten the
+formula is kept as is (not bounded by the tokens of the shared part, which cachegate cannot count):
+the rewrite is then reported as waste with its cause and location, which is what a user must see.
+
+Not counted (expected 0, waste 0, cause None): the first exchange of a session; every exchange
+while the provider has never reported a cache field in this session (a 0 from a provider that never
+reports means nothing; the flag is sticky once it has); the exchange right after a compaction (an
+expected, bought miss).
+
+Cause of a waste, in this order of precedence:
+
+1. ``ttl_expired`` — the idle time since the last request sharing the longest common prefix
+   *started* (a provider keeps an entry from when it processed the prefix) exceeds the model's TTL.
+   First, because the cache would have missed anyway, rewrite or not.
+2. ``params_changed`` — the divergence is in ``params`` (model or a cache-relevant parameter).
+3. ``prefix_rewrite`` — the divergence is in ``system``, ``tools`` or a message; the location says
+   where (``system``, ``tools``, ``messages[12].content``).
+4. ``unexplained`` — none of these: provider eviction or routing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import islice
+from types import MappingProxyType
+from typing import Any, Final, Literal
+
+from proxy.prefix import Divergence, Fingerprint
+from proxy.usage import Usage
+
+logger = logging.getLogger(__name__)
+
+Cause = Literal["ttl_expired", "prefix_rewrite", "params_changed", "unexplained"]
+
+# How long a provider keeps an idle prompt-cache entry, in seconds; a model's ``cache_ttl_s`` in the
+# config overrides it. OpenAI: in-memory cache, evicted after 5–10 minutes of inactivity (up to an
+# hour off-peak). Anthropic: 5 minutes by default (the 1-hour option must be configured). DeepSeek:
+# a disk cache cleared "usually within a few hours to a few days" of disuse; one hour is the
+# conservative bound. Unknown providers get the shortest, so a long idle is not blamed on others.
+DEFAULT_CACHE_TTL_S: Final[Mapping[str, float]] = MappingProxyType(
+    {"openai": 600.0, "anthropic": 300.0, "deepseek": 3600.0, "*": 300.0}
+)
+DEFAULT_NOISE_FLOOR_TOKENS: Final = 1024
+# Prefix digests kept per session with their last start time: a 400-message conversation needs
+# ~400, the rest covers forks, sub-agents and retries. The oldest are evicted first.
+DEFAULT_MAX_PREFIXES: Final = 4096
+_MODEL_PROVIDERS: Final = (
+    ("claude", "anthropic"),
+    ("deepseek", "deepseek"),
+    ("gpt-", "openai"),
+    ("chatgpt", "openai"),
+    ("o1", "openai"),
+    ("o3", "openai"),
+    ("o4", "openai"),
+)
+
+
+def provider_of(model: str) -> str:
+    """The provider of a model name: ``openai``, ``anthropic``, ``deepseek``, else ``*``."""
+    name = model.lower().rsplit("/", 1)[-1]
+    return next((provider for prefix, provider in _MODEL_PROVIDERS if name.startswith(prefix)), "*")
+
+
+def default_cache_ttl(model: str) -> float:
+    """The documented default cache TTL for ``model``'s provider, in seconds."""
+    return DEFAULT_CACHE_TTL_S.get(provider_of(model), DEFAULT_CACHE_TTL_S["*"])
+
+
+# --- cost -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPricing:
+    """Prices in USD per 1M tokens. A ``price_cache_write`` of 0 means writes cost plain input."""
+
+    price_input: float = 0.0
+    price_cached_input: float = 0.0
+    price_cache_write: float = 0.0
+    price_output: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """What an exchange cost (``actual``) and would have cost with no cache (``uncached``), USD."""
+
+    actual: float = 0.0
+    uncached: float = 0.0
+
+    @property
+    def saved(self) -> float:
+        """What the cache saved; negative when cache writes cost more than they saved yet."""
+        return self.uncached - self.actual
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(self.actual + other.actual, self.uncached + other.uncached)
+
+
+def compute_cost(usage: Usage, pricing: ModelPricing) -> Cost:
+    """Price one exchange.
+
+    ``actual = (prompt - cache_read - cache_write) × input + cache_read × cached_input
+    + cache_write × cache_write_price (input price when 0) + completion × output``;
+    ``uncached = prompt × input + completion × output``.
+
+    ``usage.prompt`` is the whole input in every dialect (``proxy.usage`` normalizes it): OpenAI's
+    ``prompt_tokens`` already includes ``cached_tokens`` (no writes are reported); DeepSeek's is
+    hit + miss (``prompt_cache_hit_tokens`` is the read); Anthropic-style ``input_tokens`` counts
+    only the uncached rest, so ``prompt = input_tokens + cache_read_input_tokens +
+    cache_creation_input_tokens`` and ``cache_write = cache_creation_input_tokens``.
+    """
+    fresh = max(usage.prompt - usage.cache_read - usage.cache_write, 0)
+    write_price = pricing.price_cache_write or pricing.price_input
+    actual = (
+        fresh * pricing.price_input
+        + usage.cache_read * pricing.price_cached_input
+        + usage.cache_write * write_price
+        + usage.completion * pricing.price_output
+    )
+    uncached = usage.prompt * pricing.price_input + usage.completion * pricing.price_output
+    return Cost(actual / 1_000_000, uncached / 1_000_000)
+
+
+# --- accounting -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CacheState:
+    """What a session remembers between exchanges for cache accounting.
+
+    ``prefixes`` maps each chain digest of recent requests to the time the last request containing
+    that prefix started; ordered oldest first and bounded, so it can judge any TTL as long as its
+    entries survive. ``compacted`` says the next exchange follows a compaction. Serializable with
+    ``to_dict``/``from_dict`` (JSON-safe) for a shared store.
+    """
+
+    prev_prompt: int | None = None
+    has_reported: bool = False
+    prefixes: Mapping[bytes, float] = dataclasses.field(default_factory=dict)
+    params_digest: bytes | None = None
+    model: str | None = None
+    last_started: float | None = None
+    compacted: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict (digests as hex)."""
+        return {
+            "prev_prompt": self.prev_prompt,
+            "has_reported": self.has_reported,
+            "prefixes": [[digest.hex(), started] for digest, started in self.prefixes.items()],
+            "params_digest": self.params_digest.hex() if self.params_digest is not None else None,
+            "model": self.model,
+            "last_started": self.last_started,
+            "compacted": self.compacted,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CacheState:
+        """The state ``to_dict`` produced; raises ``ValueError`` on a malformed dict."""
+        try:
+            params_digest = data.get("params_digest")
+            prev_prompt = data.get("prev_prompt")
+            last_started = data.get("last_started")
+            return cls(
+                prev_prompt=int(prev_prompt) if prev_prompt is not None else None,
+                has_reported=bool(data.get("has_reported", False)),
+                prefixes={
+                    bytes.fromhex(digest): float(started)
+                    for digest, started in data.get("prefixes", ())
+                },
+                params_digest=bytes.fromhex(params_digest) if params_digest is not None else None,
+                model=data.get("model"),
+                last_started=float(last_started) if last_started is not None else None,
+                compacted=bool(data.get("compacted", False)),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"malformed cache state: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class CacheResult:
+    """One exchange's cache figures: tokens that should have been read (``expected``), were read and
+    written, the shortfall counted as ``waste``, its ``cause`` and, for a rewrite, its ``location``.
+    """
+
+    expected: int
+    read: int
+    write: int
+    waste: int
+    cause: Cause | None = None
+    location: str | None = None
+
+
+def mark_compacted(state: CacheState) -> CacheState:
+    """``state`` with the next exchange marked as following a compaction (not counted)."""
+    return dataclasses.replace(state, compacted=True)
+
+
+def account(
+    state: CacheState,
+    *,
+    usage: Usage,
+    fingerprint: Fingerprint,
+    divergence: Divergence | None,
+    started_at: float,
+    ttl_s: float,
+    noise_floor: int,
+    model: str,
+    after_compaction: bool = False,
+    max_prefixes: int = DEFAULT_MAX_PREFIXES,
+) -> tuple[CacheState, CacheResult]:
+    """Account one finished exchange; return the session's new state and the exchange's figures.
+
+    ``divergence`` is ``find_divergence`` against the session's previous request (None when this
+    one extends it); ``started_at`` is when this request was forwarded; ``ttl_s`` the model's cache
+    TTL. An exchange with no usage (``prompt == 0``, e.g. interrupted) keeps the previous prompt
+    count as the baseline for the next one.
+    """
+    has_reported = state.has_reported or usage.reported_cache
+    counted = (
+        state.prev_prompt is not None
+        and has_reported
+        and not after_compaction
+        and not state.compacted
+    )
+    result = CacheResult(expected=0, read=usage.cache_read, write=usage.cache_write, waste=0)
+    if counted and state.prev_prompt is not None:
+        expected = min(state.prev_prompt, usage.prompt)
+        shortfall = expected - usage.cache_read
+        waste = shortfall if shortfall > noise_floor else 0
+        cause, location = (
+            _attribute(state, fingerprint, divergence, started_at, ttl_s, model)
+            if waste
+            else (None, None)
+        )
+        result = CacheResult(expected, usage.cache_read, usage.cache_write, waste, cause, location)
+
+    new_state = CacheState(
+        prev_prompt=usage.prompt if usage.prompt > 0 else state.prev_prompt,
+        has_reported=has_reported,
+        prefixes=_remember(state.prefixes, fingerprint.digests, started_at, max_prefixes),
+        params_digest=fingerprint.params_digest,
+        model=model,
+        last_started=max(started_at, state.last_started or started_at),
+        compacted=False,
+    )
+    return new_state, result
+
+
+def idle_seconds(state: CacheState, fingerprint: Fingerprint, started_at: float) -> float | None:
+    """Seconds since the last request sharing this request's longest known prefix started.
+
+    Falls back to the previous request's start when no prefix is shared at all; None on a fresh
+    session.
+    """
+    prefixes = state.prefixes
+    for digest in reversed(fingerprint.digests):
+        last = prefixes.get(digest)
+        if last is not None:
+            return started_at - last
+    return started_at - state.last_started if state.last_started is not None else None
+
+
+def _attribute(
+    state: CacheState,
+    fingerprint: Fingerprint,
+    divergence: Divergence | None,
+    started_at: float,
+    ttl_s: float,
+    model: str,
+) -> tuple[Cause, str | None]:
+    idle = idle_seconds(state, fingerprint, started_at)
+    if idle is not None and idle > ttl_s:
+        return "ttl_expired", None
+    if divergence is not None:
+        cause: Cause = "params_changed" if divergence.location == "params" else "prefix_rewrite"
+        return cause, divergence.label
+    # No divergence against the previous request, yet the parameters differ from the ones the
+    # state last saw (the caller compared with another request): still a parameter change.
+    if state.model is not None and state.model != model:
+        return "params_changed", "params.model"
+    if state.params_digest is not None and state.params_digest != fingerprint.params_digest:
+        return "params_changed", "params"
+    return "unexplained", None
+
+
+def _remember(
+    prefixes: Mapping[bytes, float],
+    chain: tuple[bytes, ...],
+    started_at: float,
+    max_prefixes: int,
+) -> dict[bytes, float]:
+    """``prefixes`` with every digest of ``chain`` stamped ``started_at``, oldest evicted first."""
+    in_chain = set(chain)
+    out = {digest: started for digest, started in prefixes.items() if digest not in in_chain}
+    for digest in chain:
+        # Requests finish out of order; a prefix's time only moves forward.
+        out[digest] = max(started_at, prefixes.get(digest, started_at))
+    if len(out) > max_prefixes:
+        # Insertion order is time order; for an over-long chain this keeps its longest prefixes.
+        out = dict(islice(out.items(), len(out) - max_prefixes, None))
+    return out

@@ -1,0 +1,744 @@
+"""Compaction of long histories: the split point, the summary prompt, the extractive fallback and
+sticky substitution (pure).
+
+The lead wires one upstream call (the summarizer) around these functions; everything here is values
+in, values out. How the pieces compose on every request (``plan`` does steps 1–3):
+
+1. ``apply_compaction(client_messages, existing)``: if the session already holds a compaction whose
+   covered prefix the client resent unchanged, substitute it (byte-identical every time, so the
+   provider's prefix cache keeps hitting). ``None`` means the user rewound or forked before the
+   covered prefix: forget that compaction and treat the request afresh.
+2. ``should_compact(...)`` on what would be forwarded: the provider's numbers for the previous
+   exchange plus an estimate of what the client appended, or the estimate of the whole history when
+   there are no provider numbers.
+3. ``find_cut(client_messages, ...)`` over the CLIENT history, never over a substituted one. When a
+   compaction already applies, the new cut must extend its covered prefix; only
+   ``messages[existing.covered:cut.end]`` is new material and the existing summary text goes in as
+   ``previous_summary`` (rolling compaction).
+4. The caller sends ``build_summary_request(middle, ...)`` upstream; on any failure it falls back to
+   ``extractive_summary(middle, ...)``. Compaction never breaks a session.
+5. ``build_compaction(client_messages, cut, text, source=...)`` gives the ``Compaction`` to store
+   for the session; ``apply_compaction`` with it gives the list to forward.
+
+``is_context_length_error`` recognizes the provider's refusal so the caller can compact (``plan``
+with ``force=True``) and retry once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+Message = dict[str, Any]
+Source = Literal["model", "extractive"]
+
+# Starts every summary message cachegate writes; also how cachegate recognizes its own summaries.
+SUMMARY_MARKER = "[cachegate summary]"
+# Labels of messages cachegate itself injects. The caller adds pairing's labels (the synthetic
+# "interrupted" result text, the downgraded-orphan label) through ``synthetic_prefixes``.
+DEFAULT_SYNTHETIC_PREFIXES: tuple[str, ...] = (SUMMARY_MARKER,)
+
+# Characters per token of canonical JSON, and tokens of framing per message (role, separators).
+BYTES_PER_TOKEN = 4
+MESSAGE_OVERHEAD_TOKENS = 4
+
+LEADING_ROLES = frozenset({"system", "developer"})
+
+# Chained prefix digests start from this value, so the digest of an empty prefix is well defined.
+GENESIS_DIGEST = hashlib.sha256(b"cachegate-compaction-prefix-v1").hexdigest()
+
+ROLLING_INSTRUCTION = (
+    "A previous summary of the conversation before this transcript is given below. Copy its still "
+    "relevant parts verbatim into your new summary (keep the quoted task exactly), drop only what "
+    "the transcript shows is obsolete, and add what the transcript adds."
+)
+
+SUMMARIZER_SYSTEM_PROMPT = """\
+You compact the history of an AI agent's working session. The agent will continue the work with \
+your summary in place of the messages you are shown, so anything you leave out is lost to it.
+
+Write the summary in exactly these sections, in this order, with these headings:
+
+## Task
+The user's request(s), quoted in the user's own words as "> " block quotes. Do not paraphrase; \
+quote the latest request in full.
+
+## Done
+What has been completed so far, with the concrete results (what was changed, what passed).
+
+## Left
+What remains to be done, in order, as a numbered list. Say which step was in progress.
+
+## Files and commands
+Every file path, command, URL, identifier and error message that matters, verbatim, in backticks.
+
+## Decisions and dead ends
+Choices made and why; approaches that were tried and failed, and why, so they are not repeated.
+
+Rules: do not invent anything that is not in the transcript; if something is unclear, say so. Do \
+not call tools. Do not address the user; write notes for the agent. Be concise but complete."""
+
+_TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
+_PATH_KEYS = frozenset(
+    {"path", "paths", "file", "files", "file_path", "filepath", "filename", "target_file", "dir"}
+)
+_COMMAND_KEYS = frozenset({"command", "cmd", "commands", "script", "shell_command"})
+_FILE_EXTENSIONS = (
+    "py|pyi|js|jsx|ts|tsx|mjs|cjs|json|jsonl|toml|yaml|yml|ini|cfg|conf|md|rst|txt|csv|html|css|"
+    "scss|sh|bash|zsh|go|rs|java|kt|c|h|cc|cpp|hpp|cs|rb|php|swift|sql|lock|xml|proto|tf|env|"
+    "ipynb|vue|svelte|dockerfile|mk|gradle"
+)
+# Paths: anchored ones (/x, ./x, ../x, ~/x), slash paths ending in a file name with an extension,
+# and bare file names with a known extension. Not URLs: the lookbehind refuses "://" tails.
+_PATH_RE = re.compile(
+    r"(?<![\w/.:@~-])"
+    r"(?:"
+    r"(?:~|\.{1,2})?/(?:[\w.@+-]+/)*[\w.@+-]+"
+    r"|(?:[\w.@+-]+/)+[\w@+-]+\.[A-Za-z0-9]+"
+    rf"|[\w-]+(?:\.[\w-]+)*\.(?:{_FILE_EXTENSIONS})(?![\w])"
+    r")"
+)
+_FENCE_RE = re.compile(r"```(?:bash|sh|shell|console|zsh|terminal)[^\n]*\n(.*?)```", re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """A split of a client history: ``messages[:start]`` are the leading system/developer
+    messages, kept unchanged; ``messages[start:end]`` is the middle to compact; ``messages[end:]``
+    is the kept tail."""
+
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class Compaction:
+    """A session's sticky compaction: the summary ``message`` replaces ``messages[start:covered]``
+    of every later client history whose first ``covered`` messages hash to ``prefix_digest``."""
+
+    prefix_digest: str
+    covered: int
+    start: int
+    message: Message
+    source: Source
+    tokens_before: int
+    tokens_after: int
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What to do with one request (see ``plan``).
+
+    ``messages`` is what to forward when no new compaction is made (the client history, or the
+    history with ``reused`` substituted). ``discarded`` is true when the session's compaction no
+    longer matches (rewind or fork): drop it from the session. ``cut`` (over the client history) is
+    set when a new compaction should be made: summarize ``middle``, passing ``previous_summary``.
+    """
+
+    messages: list[Message]
+    reused: Compaction | None
+    discarded: bool
+    cut: Cut | None
+    middle: list[Message]
+    previous_summary: str | None
+
+
+# --- estimates and trigger ------------------------------------------------------------------
+
+
+def estimate_tokens(obj: Any) -> int:
+    """A cheap deterministic token estimate: bytes of compact JSON / 4, rounded up.
+
+    A list is taken as a message list: each element is estimated alone and gets
+    ``MESSAGE_OVERHEAD_TOKENS`` for its framing. Four bytes per token over-counts JSON punctuation
+    and escapes a little, which is the safe side for a trigger.
+    """
+    if isinstance(obj, list):
+        return sum(_json_tokens(m) + MESSAGE_OVERHEAD_TOKENS for m in obj)
+    return _json_tokens(obj)
+
+
+def _json_tokens(obj: Any) -> int:
+    return -(-len(orjson.dumps(obj)) // BYTES_PER_TOKEN)
+
+
+def should_compact(
+    *,
+    window: int,
+    trigger_percent: float,
+    last_prompt: int | None,
+    last_completion: int | None,
+    appended_estimate: int,
+    full_estimate: int,
+) -> bool:
+    """True when the request would fill ``trigger_percent`` of the context ``window`` or more.
+
+    Provider numbers come first: the previous exchange's prompt + completion plus the estimate of
+    what the client appended since (the previous reply is already in ``last_completion``).
+    ``full_estimate`` (the whole history) is used only without provider numbers, i.e. on a
+    session's first request or after the numbers stopped describing the history (a rewind).
+    """
+    if window <= 0:
+        raise ValueError(f"context window must be positive, got {window}")
+    if not 0 < trigger_percent <= 100:
+        raise ValueError(f"trigger_percent must be in (0, 100], got {trigger_percent}")
+    if last_prompt is not None:
+        used = last_prompt + (last_completion or 0) + appended_estimate
+    else:
+        used = full_estimate
+    return used * 100 >= window * trigger_percent
+
+
+# --- message helpers ------------------------------------------------------------------------
+
+
+def message_text(message: Message) -> str:
+    """The text of a message's ``content``: a string, or the text parts of a part list joined."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [
+            part["text"]
+            for part in content
+            if isinstance(part, dict)
+            and part.get("type") in _TEXT_PART_TYPES
+            and isinstance(part.get("text"), str)
+        ]
+        return "\n".join(texts)
+    return ""
+
+
+def content_chars(message: Message) -> int:
+    """Characters of a message's content, counting tool-call names and arguments too (that is
+    where an assistant message's weight is)."""
+    total = len(message_text(message))
+    for call in _tool_calls(message):
+        total += len(_call_name(call)) + len(_call_arguments(call))
+    return total
+
+
+def is_synthetic(message: Message, prefixes: Sequence[str] = DEFAULT_SYNTHETIC_PREFIXES) -> bool:
+    """True for messages cachegate wrote itself: its summaries and injected notes (pass pairing's
+    labels in ``prefixes``). Such a message is never the user's launching message."""
+    text = message_text(message)
+    return any(text.startswith(prefix) for prefix in prefixes if prefix)
+
+
+def _tool_calls(message: Message) -> list[dict[str, Any]]:
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return []
+    return [c for c in calls if isinstance(c, dict)]
+
+
+def _call_name(call: dict[str, Any]) -> str:
+    function = call.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) else ""
+
+
+def _call_arguments(call: dict[str, Any]) -> str:
+    function = call.get("function")
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if isinstance(arguments, str):
+        return arguments
+    if arguments is None:
+        return ""
+    return orjson.dumps(arguments).decode()
+
+
+# --- the cut --------------------------------------------------------------------------------
+
+
+def find_cut(
+    messages: Sequence[Message],
+    *,
+    keep_recent: int,
+    max_anchor_chars: int,
+    synthetic_prefixes: Sequence[str] = DEFAULT_SYNTHETIC_PREFIXES,
+) -> Cut | None:
+    """Where to split ``messages`` for compaction, or None when the middle would hold < 2 messages.
+
+    The tail keeps at least ``keep_recent`` messages. The cut is pulled back to the last real
+    (non-synthetic) user message, the one that launched the current task, so that it survives
+    verbatim — unless the tail would then hold more than ``max_anchor_chars`` characters of content.
+    The tail never starts with a ``tool`` message and never holds a result whose call is compacted:
+    the cut moves earlier so the whole pair is kept.
+    """
+    if keep_recent < 1:
+        raise ValueError(f"keep_recent must be at least 1, got {keep_recent}")
+    n = len(messages)
+    start = 0
+    while start < n and messages[start].get("role") in LEADING_ROLES:
+        start += 1
+    end = n - keep_recent
+    if end - start < 2:
+        return None
+
+    anchor = _last_real_user(messages, start, synthetic_prefixes)
+    if anchor is not None and anchor < end:
+        tail_chars = sum(content_chars(m) for m in messages[anchor:])
+        if tail_chars <= max_anchor_chars:
+            end = anchor
+
+    end = _pair_safe(messages, end, start)
+    if end - start < 2:
+        return None
+    return Cut(start, end)
+
+
+def _last_real_user(messages: Sequence[Message], start: int, prefixes: Sequence[str]) -> int | None:
+    for i in range(len(messages) - 1, start - 1, -1):
+        message = messages[i]
+        if message.get("role") == "user" and not is_synthetic(message, prefixes):
+            return i
+    return None
+
+
+def _pair_safe(messages: Sequence[Message], end: int, floor: int) -> int:
+    """Move ``end`` earlier until no tool result in ``messages[end:]`` answers a call before it
+    and ``messages[end]`` is not a ``tool`` message (an orphan result stays with what precedes
+    it)."""
+    n = len(messages)
+    # The assistant message that declared each call id, as seen by the results that follow it.
+    owner_of_id: dict[str, int] = {}
+    earliest_owner = [n] * (n + 1)  # earliest owner among the tool results in messages[i:]
+    owners: list[int] = [n] * n
+    for i, message in enumerate(messages):
+        for call in _tool_calls(message):
+            call_id = call.get("id")
+            if isinstance(call_id, str):
+                owner_of_id[call_id] = i
+        if message.get("role") == "tool":
+            call_id = message.get("tool_call_id")
+            if isinstance(call_id, str) and call_id in owner_of_id:
+                owners[i] = owner_of_id[call_id]
+    for i in range(n - 1, -1, -1):
+        earliest_owner[i] = min(owners[i], earliest_owner[i + 1])
+    while end > floor:
+        if messages[end].get("role") == "tool":
+            end -= 1
+        elif earliest_owner[end] < end:
+            end = earliest_owner[end]
+        else:
+            break
+    return end
+
+
+# --- the summary ----------------------------------------------------------------------------
+
+
+def build_summary_request(
+    middle: Sequence[Message],
+    *,
+    previous_summary: str | None,
+    model: str,
+    max_tool_chars: int = 2000,
+) -> dict[str, Any]:
+    """A chat-completions body (no tools, not streamed) asking ``model`` to summarize ``middle``.
+
+    Tool calls and results are rendered as text so the summarizer needs no tools; tool outputs
+    longer than ``max_tool_chars`` keep their head and tail with a note of what was cut. With a
+    ``previous_summary`` the compaction is rolling: the old summary goes in with the instruction
+    to copy its still relevant parts verbatim.
+    """
+    parts: list[str] = []
+    if previous_summary is not None:
+        parts += [
+            ROLLING_INSTRUCTION,
+            "",
+            "<previous_summary>",
+            previous_summary,
+            "</previous_summary>",
+            "",
+        ]
+    parts += [
+        f"Summarize the following {len(middle)} messages of the session, as instructed.",
+        "",
+        "<transcript>",
+        render_transcript(middle, max_tool_chars=max_tool_chars),
+        "</transcript>",
+    ]
+    return {
+        "model": model,
+        "messages": [
+            {"role": "system", "content": SUMMARIZER_SYSTEM_PROMPT},
+            {"role": "user", "content": "\n".join(parts)},
+        ],
+        "stream": False,
+    }
+
+
+def render_transcript(messages: Sequence[Message], *, max_tool_chars: int = 2000) -> str:
+    """Messages as readable text: one block per message, tool calls as ``name(arguments)``."""
+    names = _call_names(messages)
+    blocks: list[str] = []
+    for i, message in enumerate(messages):
+        role = str(message.get("role", "?"))
+        text = message_text(message)
+        if role == "tool":
+            call_id = str(message.get("tool_call_id", ""))
+            header = f"[{i}] tool result of {names.get(call_id, '?')} (id {call_id}):"
+            blocks.append(f"{header}\n{_clip_middle(text, max_tool_chars)}")
+            continue
+        lines = [f"[{i}] {role}:"]
+        if text:
+            lines.append(text)
+        if isinstance(message.get("content"), list) and any(
+            isinstance(p, dict) and p.get("type") not in _TEXT_PART_TYPES
+            for p in message["content"]
+        ):
+            lines.append("[non-text content omitted]")
+        for call in _tool_calls(message):
+            arguments = _clip_middle(_call_arguments(call), max_tool_chars)
+            lines.append(f"-> tool call {_call_name(call)}({arguments}) (id {call.get('id', '')})")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def _call_names(messages: Iterable[Message]) -> dict[str, str]:
+    names: dict[str, str] = {}
+    for message in messages:
+        for call in _tool_calls(message):
+            call_id = call.get("id")
+            if isinstance(call_id, str):
+                names[call_id] = _call_name(call)
+    return names
+
+
+def _clip_middle(text: str, limit: int) -> str:
+    """Keep the head and the tail (where errors and test results land) of a long text."""
+    if len(text) <= limit:
+        return text
+    head = limit * 3 // 4
+    tail = limit - head
+    omitted = len(text) - head - tail
+    ending = text[-tail:] if tail else ""
+    return f"{text[:head]}\n[… {omitted} characters omitted by cachegate …]\n{ending}"
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: max(limit - 1, 0)] + "…"
+
+
+def _first_line(text: str) -> str:
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def extractive_summary(
+    middle: Sequence[Message],
+    *,
+    previous_summary: str | None,
+    max_chars: int = 12000,
+    synthetic_prefixes: Sequence[str] = DEFAULT_SYNTHETIC_PREFIXES,
+) -> str:
+    """A deterministic skeleton of ``middle`` built without a model, at most ``max_chars`` long.
+
+    Sections: the previous summary (rolling), the user's messages quoted, the steps (assistant
+    first lines, each tool call as ``name(args…) -> first line of its result``), then the file
+    paths and shell commands found, verbatim. When too long, the earliest steps go first.
+    """
+    results = {
+        str(m.get("tool_call_id")): message_text(m) for m in middle if m.get("role") == "tool"
+    }
+    task: list[str] = []
+    steps: list[str] = []
+    files: dict[str, None] = {}  # insertion-ordered set
+    commands: dict[str, None] = {}
+
+    for message in middle:
+        role = message.get("role")
+        text = message_text(message)
+        if role == "tool":
+            continue
+        if role == "user" and not is_synthetic(message, synthetic_prefixes):
+            quoted = "\n".join(f"> {line}" for line in _clip(text, 2000).splitlines() or [""])
+            task.append(quoted)
+            _collect(text, files, commands)
+        elif role == "assistant":
+            if first := _first_line(text):
+                steps.append(f"- assistant: {_clip(first, 200)}")
+            _collect(text, files, commands)
+            for call in _tool_calls(message):
+                arguments = _call_arguments(call)
+                result = results.get(str(call.get("id")))
+                outcome = "(no result)" if result is None else _clip(_first_line(result), 160)
+                steps.append(f"- {_call_name(call)}({_clip(arguments, 120)}) -> {outcome}")
+                _collect_arguments(arguments, files, commands)
+        elif first := _first_line(text):
+            steps.append(f"- {role}: {_clip(first, 200)}")
+
+    fixed: list[str] = ["(Extractive skeleton of the compacted messages, built without a model.)"]
+    if previous_summary is not None:
+        fixed.append("## Previous summary\n" + _clip(previous_summary, max_chars // 2))
+    fixed.append("## Task (the user's words)\n" + ("\n\n".join(task) if task else "(none)"))
+    tail_sections: list[str] = []
+    if files:
+        tail_sections.append(
+            "## Files\n" + "\n".join(f"- `{_clip(f, 300)}`" for f in list(files)[:60])
+        )
+    if commands:
+        tail_sections.append(
+            "## Commands\n" + "\n".join(f"- `{_clip(c, 300)}`" for c in list(commands)[:40])
+        )
+
+    budget = max_chars - sum(len(s) + 2 for s in (*fixed, *tail_sections)) - len("## Steps\n")
+    kept: list[str] = []
+    used = 0
+    for step in reversed(steps):
+        if used + len(step) + 1 > budget - 40:
+            break
+        kept.append(step)
+        used += len(step) + 1
+    kept.reverse()
+    omitted = len(steps) - len(kept)
+    step_lines = ([f"- ({omitted} earlier steps omitted)"] if omitted else []) + kept
+    sections = [*fixed, "## Steps\n" + ("\n".join(step_lines) or "(none)"), *tail_sections]
+    return _clip("\n\n".join(sections), max_chars)
+
+
+def _collect(text: str, files: dict[str, None], commands: dict[str, None]) -> None:
+    for match in _PATH_RE.finditer(text):
+        path = match.group(0).rstrip(".")
+        if len(path) > 1:
+            files.setdefault(path, None)
+    for block in _FENCE_RE.findall(text):
+        for line in block.splitlines():
+            if line.strip():
+                commands.setdefault(line.strip().removeprefix("$ "), None)
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("$ ") and len(stripped) > 2:
+            commands.setdefault(stripped[2:], None)
+
+
+def _collect_arguments(arguments: str, files: dict[str, None], commands: dict[str, None]) -> None:
+    try:
+        parsed = json.loads(arguments) if arguments else None
+    except ValueError:
+        _collect(arguments, files, commands)
+        return
+    if not isinstance(parsed, dict):
+        return
+    for key, value in parsed.items():
+        values = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+        strings = [v for v in values if isinstance(v, str)]
+        if key in _COMMAND_KEYS and strings:
+            # ["bash", "-lc", "pytest -q"] is one command; a list of commands has several.
+            if key == "commands":
+                for command in strings:
+                    commands.setdefault(command, None)
+            else:
+                commands.setdefault(" ".join(strings), None)
+        if key in _PATH_KEYS:
+            for path in strings:
+                files.setdefault(path, None)
+        for string in strings:
+            _collect(string, files, {})
+
+
+def summary_message(text: str, *, covered: int, source: Source) -> Message:
+    """The message that stands for ``covered`` compacted messages.
+
+    Role ``user``: an assistant message first after the system prompt, or a system message in the
+    middle of a conversation, is refused or rewritten by some providers and gateways (those that
+    require the first turn to be the user's or hoist system text to the top); every provider
+    accepts a user message there. The text says it is a summary, not a new request.
+    """
+    writer = "a model" if source == "model" else "cachegate without a model (extractive)"
+    header = (
+        f"{SUMMARY_MARKER} This message replaces the {covered} earlier messages of this "
+        f"conversation, compacted by cachegate to stay within the context window; the summary was "
+        f"written by {writer}. It is context, not a new request: continue the task from where "
+        "the conversation below resumes."
+    )
+    return {"role": "user", "content": f"{header}\n\n{text}"}
+
+
+def summary_text(message: Message) -> str:
+    """The summary body of a ``summary_message`` (for a rolling compaction's previous summary)."""
+    text = message_text(message)
+    if text.startswith(SUMMARY_MARKER):
+        _, _, body = text.partition("\n\n")
+        return body
+    return text
+
+
+# --- sticky substitution --------------------------------------------------------------------
+
+
+def chain_digest(previous: str, message: Message) -> str:
+    """The digest of a prefix extended by one message: sha256 of the previous digest and the
+    message's canonical JSON (sorted keys), so digests can be computed incrementally."""
+    h = hashlib.sha256(previous.encode())
+    h.update(b"\n")
+    h.update(orjson.dumps(message, option=orjson.OPT_SORT_KEYS))
+    return h.hexdigest()
+
+
+def prefix_digest(
+    messages: Sequence[Message],
+    end: int,
+    *,
+    known: tuple[int, str] | None = None,
+) -> str:
+    """The chained digest of ``messages[:end]``.
+
+    ``known=(k, digest_of_first_k)`` resumes the chain from a digest the caller computed before
+    (e.g. for an unchanged prefix of the previous request), hashing only ``messages[k:end]``.
+    """
+    if end > len(messages):
+        raise ValueError(f"prefix of {end} messages asked of a list of {len(messages)}")
+    index, digest = known if known is not None else (0, GENESIS_DIGEST)
+    if index > end:
+        raise ValueError(f"known digest covers {index} messages, more than {end}")
+    for message in messages[index:end]:
+        digest = chain_digest(digest, message)
+    return digest
+
+
+def apply_compaction(
+    messages: Sequence[Message], compaction: Compaction, *, digest: str | None = None
+) -> list[Message] | None:
+    """``messages[:start] + [summary] + messages[covered:]`` when the first ``covered`` messages
+    are the ones the compaction was made from; None when the history is shorter or diverges before
+    ``covered`` (a rewind or fork: the summary would leak a future the user undid).
+
+    ``digest`` is ``prefix_digest(messages, covered)`` if the caller already has it.
+    """
+    if len(messages) < compaction.covered:
+        return None
+    if digest is None:
+        digest = prefix_digest(messages, compaction.covered)
+    if digest != compaction.prefix_digest:
+        return None
+    return [*messages[: compaction.start], compaction.message, *messages[compaction.covered :]]
+
+
+def build_compaction(
+    messages: Sequence[Message],
+    cut: Cut,
+    text: str,
+    *,
+    source: Source,
+    tokens_before: int | None = None,
+) -> Compaction:
+    """The compaction of ``messages`` (the CLIENT history) at ``cut`` with summary ``text``.
+
+    ``tokens_before`` defaults to the estimate of ``messages``; ``tokens_after`` is the estimate
+    of the substituted history.
+    """
+    message = summary_message(text, covered=cut.end - cut.start, source=source)
+    after = [*messages[: cut.start], message, *messages[cut.end :]]
+    return Compaction(
+        prefix_digest=prefix_digest(messages, cut.end),
+        covered=cut.end,
+        start=cut.start,
+        message=message,
+        source=source,
+        tokens_before=estimate_tokens(list(messages)) if tokens_before is None else tokens_before,
+        tokens_after=estimate_tokens(after),
+    )
+
+
+def plan(
+    messages: list[Message],
+    *,
+    existing: Compaction | None,
+    window: int,
+    trigger_percent: float,
+    keep_recent: int,
+    max_anchor_chars: int,
+    last_prompt: int | None = None,
+    last_completion: int | None = None,
+    appended_estimate: int = 0,
+    force: bool = False,
+    synthetic_prefixes: Sequence[str] = DEFAULT_SYNTHETIC_PREFIXES,
+) -> Plan:
+    """Steps 1–3 of the module docstring for one request's CLIENT history ``messages``.
+
+    ``force`` skips the trigger (the provider just refused with ``context_length_exceeded``).
+    When ``existing`` no longer matches, the provider numbers describe another history and are
+    ignored in favour of the estimate.
+    """
+    forwarded: list[Message] = messages
+    reused: Compaction | None = None
+    discarded = False
+    if existing is not None:
+        substituted = apply_compaction(messages, existing)
+        if substituted is None:
+            discarded = True
+            last_prompt = last_completion = None
+        else:
+            forwarded, reused = substituted, existing
+
+    def nothing() -> Plan:
+        return Plan(forwarded, reused, discarded, None, [], None)
+
+    if not force and not should_compact(
+        window=window,
+        trigger_percent=trigger_percent,
+        last_prompt=last_prompt,
+        last_completion=last_completion,
+        appended_estimate=appended_estimate,
+        full_estimate=estimate_tokens(forwarded) if last_prompt is None else 0,
+    ):
+        return nothing()
+    cut = find_cut(
+        messages,
+        keep_recent=keep_recent,
+        max_anchor_chars=max_anchor_chars,
+        synthetic_prefixes=synthetic_prefixes,
+    )
+    if cut is None:
+        return nothing()
+    if reused is None:
+        return Plan(forwarded, None, discarded, cut, list(messages[cut.start : cut.end]), None)
+    if cut.end <= reused.covered:
+        return nothing()
+    return Plan(
+        forwarded,
+        reused,
+        discarded,
+        cut,
+        list(messages[reused.covered : cut.end]),
+        summary_text(reused.message),
+    )
+
+
+# --- provider refusal -----------------------------------------------------------------------
+
+_CONTEXT_PHRASES = (
+    b"context_length_exceeded",
+    b"maximum context length",
+    b"context window",
+    b"prompt is too long",
+    b"too many tokens",
+)
+
+
+def is_context_length_error(status: int, body: bytes) -> bool:
+    """True for a provider's refusal of a prompt longer than the model's context window
+    (OpenAI's ``code: context_length_exceeded`` and the wordings of compatible servers)."""
+    if status not in (400, 413, 422):
+        return False
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and error.get("code") == "context_length_exceeded":
+            return True
+    lowered = body.lower()
+    return any(phrase in lowered for phrase in _CONTEXT_PHRASES)

@@ -1,0 +1,603 @@
+"""The append-only JSONL audit log: a background writer, a torn-line-tolerant reader, replay.
+
+One file per session, ``<log_dir>/<session_id>.jsonl``, one JSON object per line. The relay hands
+events to :class:`EventLogWriter` and never waits on disk: a bounded queue feeds one thread that
+serializes, redacts and appends (``O_APPEND``, one ``os.write`` per line, so a crash can at worst
+tear the last line). A ``request`` event carries only the messages after the prefix it shares
+with an earlier exchange of the session (``base_exchange``, ``base``, ``appended``); :func:`replay`
+rebuilds every forwarded message list from those deltas, so a log grows with the conversation, not
+with its square.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import queue
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+import orjson
+
+from proxy.redact import redact, redact_text
+
+logger = logging.getLogger(__name__)
+
+SESSION_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+LOG_SUFFIX: Final = ".jsonl"
+
+FsyncMode = Literal["none", "line", "interval"]
+BodiesMode = Literal["full", "metadata"]
+
+_FSYNC_MODES: Final = ("none", "line", "interval")
+_BODIES_MODES: Final = ("full", "metadata")
+_WARN_EVERY_S: Final = 30.0
+_OPEN_FLAGS: Final = (
+    os.O_WRONLY
+    | os.O_APPEND
+    | os.O_CREAT
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_NOFOLLOW", 0)
+)
+
+
+def is_valid_session_id(session_id: object) -> bool:
+    """True when ``session_id`` may name a log file: the documented pattern, not ``.``/``..``."""
+    return (
+        isinstance(session_id, str)
+        and SESSION_ID_PATTERN.fullmatch(session_id) is not None
+        and session_id not in (".", "..")
+    )
+
+
+def session_log_path(log_dir: str | os.PathLike[str], session_id: str) -> str:
+    """The log file of ``session_id``; a bad id raises ``ValueError`` before any path is built."""
+    if not is_valid_session_id(session_id):
+        raise ValueError(
+            f"invalid session id {session_id!r}: expected 1-128 characters of A-Z a-z 0-9 . _ : -"
+        )
+    return os.path.join(os.fspath(log_dir), session_id + LOG_SUFFIX)
+
+
+# --------------------------------------------------------------------------------------------------
+# Writer
+
+
+@dataclass(slots=True)
+class _Flush:
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+_STOP: Final = object()
+
+
+class EventLogWriter:
+    """Appends events to per-session JSONL files from one background thread.
+
+    ``emit`` only enqueues (thread-safe, never blocks), so it is safe on the asyncio loop. Losses
+    never raise: a full queue, a refused session id or a closed writer count in ``dropped``; a
+    failed serialization or write (disk full, unwritable directory) counts in ``errors``. Each loss
+    also calls ``on_loss(kind)`` with ``kind`` one of ``queue_full``, ``invalid_session``,
+    ``closed``, ``serialize``, ``io``, and is logged (rate-limited).
+
+    Callers must not mutate an event (or the lists it holds) after emitting it: it is serialized
+    later, on the writer thread.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str],
+        *,
+        fsync: FsyncMode = "none",
+        fsync_interval_s: float = 1.0,
+        max_queue: int = 10000,
+        bodies: BodiesMode = "full",
+        redact_secrets: bool = True,
+        max_open_files: int = 64,
+        on_loss: Callable[[str], None] | None = None,
+    ) -> None:
+        if fsync not in _FSYNC_MODES:
+            raise ValueError(f"fsync must be one of {', '.join(_FSYNC_MODES)}, not {fsync!r}")
+        if bodies not in _BODIES_MODES:
+            raise ValueError(f"bodies must be one of {', '.join(_BODIES_MODES)}, not {bodies!r}")
+        if fsync_interval_s <= 0:
+            raise ValueError("fsync_interval_s must be positive")
+        if max_queue < 1 or max_open_files < 1:
+            raise ValueError("max_queue and max_open_files must be at least 1")
+        self.log_dir = os.fspath(log_dir)
+        self.fsync: FsyncMode = fsync
+        self.fsync_interval_s = fsync_interval_s
+        self.bodies: BodiesMode = bodies
+        self.redact_secrets = redact_secrets
+        self.on_loss = on_loss
+        self._max_open = max_open_files
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._lock = threading.Lock()  # guards the counters touched by emitting threads
+        self._dropped = 0
+        self._written = 0
+        self._errors = 0
+        self._syncs = 0
+        # Owned by the writer thread only.
+        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._dirty: set[str] = set()
+        self._last_sync = time.monotonic()
+        self._last_warn: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self._open_ids: frozenset[str] = frozenset()
+
+    # -- counters -----------------------------------------------------------------------------
+
+    @property
+    def written(self) -> int:
+        """Lines appended so far."""
+        return self._written
+
+    @property
+    def dropped(self) -> int:
+        """Events refused by ``emit`` (queue full, invalid session id, writer closed)."""
+        return self._dropped
+
+    @property
+    def errors(self) -> int:
+        """Events lost on the writer thread (serialization or OS errors)."""
+        return self._errors
+
+    @property
+    def syncs(self) -> int:
+        """``fsync`` calls made (0 with ``fsync="none"``)."""
+        return self._syncs
+
+    def open_sessions(self) -> frozenset[str]:
+        """Session ids whose files the writer holds open: pass them to retention as active."""
+        return self._open_ids
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Create the log directory (a failure is only logged) and start the writer thread."""
+        if self._thread is not None:
+            return
+        try:
+            os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            self._warn("mkdir", "cannot create log directory %s: %s", self.log_dir, exc)
+        self._thread = threading.Thread(target=self._run, name="cachegate-eventlog", daemon=True)
+        self._thread.start()
+
+    def emit(self, session_id: str, event: dict[str, Any]) -> bool:
+        """Queue ``event`` for ``session_id``'s file; False (and a counted drop) when refused."""
+        if self._closed:
+            self._drop("closed")
+            return False
+        if not is_valid_session_id(session_id):
+            self._drop("invalid_session")
+            return False
+        try:
+            self._queue.put_nowait((session_id, time.time(), event))
+        except queue.Full:
+            self._drop("queue_full")
+            return False
+        return True
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every event emitted before this call is written; False on timeout."""
+        if self._thread is None or not self._thread.is_alive():
+            return False
+        marker = _Flush()
+        try:
+            self._queue.put(marker, timeout=timeout)
+        except queue.Full:
+            return False
+        return marker.done.wait(timeout)
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Stop accepting events, write what is queued, sync and close files; False on timeout."""
+        self._closed = True
+        thread = self._thread
+        if thread is None:
+            self._discard_queued()
+            return True
+        deadline = time.monotonic() + timeout
+        try:
+            self._queue.put(_STOP, timeout=timeout)
+        except queue.Full:
+            logger.warning("event log writer did not drain within %.1fs", timeout)
+            return False
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            logger.warning("event log writer did not drain within %.1fs", timeout)
+            return False
+        self._discard_queued()
+        return True
+
+    # -- emitting side ------------------------------------------------------------------------
+
+    def _drop(self, kind: str) -> None:
+        with self._lock:
+            self._dropped += 1
+        self._loss(kind)
+        self._warn(kind, "event log: event dropped (%s)", kind)
+
+    def _discard_queued(self) -> None:
+        """Count events that raced with ``close`` and can no longer be written."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, tuple):
+                self._drop("closed")
+            elif isinstance(item, _Flush):
+                item.done.set()
+
+    def _loss(self, kind: str) -> None:
+        if self.on_loss is None:
+            return
+        try:
+            self.on_loss(kind)
+        except Exception:  # a metrics hook must not break logging, let alone the relay
+            logger.exception("event log on_loss callback failed")
+
+    def _warn(self, kind: str, msg: str, *args: object) -> None:
+        """Log a loss at most once per kind every 30 s, with the number suppressed meanwhile."""
+        now = time.monotonic()
+        with self._lock:
+            last = self._last_warn.get(kind)
+            if last is not None and now - last < _WARN_EVERY_S:
+                self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+                return
+            self._last_warn[kind] = now
+            suppressed = self._suppressed.pop(kind, 0)
+        if suppressed:
+            msg += " (%d similar suppressed)"
+            args = (*args, suppressed)
+        logger.warning(msg, *args)
+
+    # -- writer thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                timeout = None
+                if self.fsync == "interval" and self._dirty:
+                    timeout = max(0.0, self._last_sync + self.fsync_interval_s - time.monotonic())
+                try:
+                    item = self._queue.get(timeout=timeout)
+                except queue.Empty:
+                    self._sync_dirty()
+                    continue
+                if item is _STOP:
+                    break
+                if isinstance(item, _Flush):
+                    item.done.set()
+                    continue
+                session_id, ts, event = item
+                self._write_event(session_id, ts, event)
+                if (
+                    self.fsync == "interval"
+                    and time.monotonic() - self._last_sync >= self.fsync_interval_s
+                ):
+                    self._sync_dirty()
+        except Exception:  # never die silently: losses after this point are counted by close()
+            logger.exception("event log writer crashed")
+        finally:
+            if self.fsync != "none":
+                self._sync_dirty()
+            for sid in list(self._fds):
+                self._close_fd(sid)
+
+    def _write_event(self, session_id: str, ts: float, event: Any) -> None:
+        try:
+            line = self._serialize(ts, event)
+        except Exception as exc:  # orjson.JSONEncodeError, a non-dict event, a hostile __str__
+            self._lose("serialize", "event log: cannot serialize event for %s: %s", session_id, exc)
+            return
+        try:
+            fd = self._fd(session_id)
+            view = memoryview(line)
+            while view:  # one write per line; the loop only runs again on a short write
+                view = view[os.write(fd, view) :]
+        except OSError as exc:
+            self._close_fd(session_id)  # reopen next time: the directory may come back
+            self._lose("io", "event log: cannot write %s: %s", session_id, exc)
+            return
+        self._written += 1
+        if self.fsync == "line":
+            self._sync(session_id, fd)
+        elif self.fsync == "interval":
+            self._dirty.add(session_id)
+
+    def _serialize(self, ts: float, event: Any) -> bytes:
+        if not isinstance(event, dict):
+            raise TypeError(f"an event must be a dict, not {type(event).__name__}")
+        out: dict[str, Any] = {"ts": event.get("ts", ts), "type": event.get("type")}
+        out.update(event)
+        if self.bodies == "metadata":
+            out = strip_bodies(out)
+        if self.redact_secrets:
+            out = redact(out)
+            default: Callable[[Any], Any] = _redacted_str
+        else:
+            default = str
+        return orjson.dumps(
+            out, default=default, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS
+        )
+
+    def _lose(self, kind: str, msg: str, *args: object) -> None:
+        self._errors += 1
+        self._loss(kind)
+        self._warn(kind, msg, *args)
+
+    def _fd(self, session_id: str) -> int:
+        fd = self._fds.get(session_id)
+        if fd is not None:
+            self._fds.move_to_end(session_id)
+            return fd
+        while len(self._fds) >= self._max_open:
+            self._close_fd(next(iter(self._fds)))
+        path = session_log_path(self.log_dir, session_id)
+        fd = os.open(path, _OPEN_FLAGS, 0o600)
+        try:
+            _terminate_torn_line(path, fd)
+        except OSError:
+            os.close(fd)
+            raise
+        self._fds[session_id] = fd
+        self._open_ids = frozenset(self._fds)
+        return fd
+
+    def _close_fd(self, session_id: str) -> None:
+        fd = self._fds.pop(session_id, None)
+        if fd is None:
+            return
+        self._open_ids = frozenset(self._fds)
+        if session_id in self._dirty:
+            self._sync(session_id, fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+    def _sync(self, session_id: str, fd: int) -> None:
+        self._dirty.discard(session_id)
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            self._warn("fsync", "event log: fsync failed for %s: %s", session_id, exc)
+            return
+        self._syncs += 1
+
+    def _sync_dirty(self) -> None:
+        for sid in list(self._dirty):
+            fd = self._fds.get(sid)
+            if fd is None:
+                self._dirty.discard(sid)
+            else:
+                self._sync(sid, fd)
+        self._last_sync = time.monotonic()
+
+
+def _redacted_str(obj: Any) -> str:
+    return redact_text(str(obj))
+
+
+def _terminate_torn_line(path: str, fd: int) -> None:
+    """Append a newline when an earlier process died mid-line, so its fragment stays one torn line
+    instead of swallowing the first event written now."""
+    if os.fstat(fd).st_size == 0:
+        return
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+    if last != b"\n":
+        os.write(fd, b"\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# Body stripping (logging.bodies = metadata)
+
+
+def strip_bodies(event: dict[str, Any]) -> dict[str, Any]:
+    """The event with message text replaced by ``{role, chars, sha256}`` (summaries by chars and
+    sha256), for logs that must keep sizes and identities but no content."""
+    kind = event.get("type")
+    if kind == "request" and isinstance(event.get("appended"), list):
+        return {**event, "appended": [message_metadata(m) for m in event["appended"]]}
+    if kind == "response" and event.get("message") is not None:
+        return {**event, "message": message_metadata(event["message"])}
+    if kind == "compacted" and isinstance(event.get("summary"), str):
+        summary = event["summary"]
+        return {**event, "summary": {"chars": len(summary), "sha256": _sha256(summary)}}
+    return event
+
+
+def message_metadata(message: Any) -> dict[str, Any]:
+    """``{role, chars, sha256}`` of a message: chars counts every string it carries but the role;
+    the hash is over its canonical JSON, so the same message hashes the same in every request."""
+    role = message.get("role") if isinstance(message, dict) else None
+    body = (
+        {k: v for k, v in message.items() if k != "role"} if isinstance(message, dict) else message
+    )
+    return {
+        "role": role,
+        "chars": _count_chars(body),
+        "sha256": hashlib.sha256(
+            orjson.dumps(
+                message, default=str, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS
+            )
+        ).hexdigest(),
+    }
+
+
+def _count_chars(obj: Any) -> int:
+    if isinstance(obj, str):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(_count_chars(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_count_chars(v) for v in obj)
+    return 0
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading and replay
+
+
+@dataclass(frozen=True, slots=True)
+class LogRead:
+    """The events of one log file, and how many lines were skipped because they did not parse."""
+
+    events: list[dict[str, Any]]
+    torn: int
+
+
+def read_events(path: str | os.PathLike[str]) -> LogRead:
+    """Read a log file: torn (unparseable) lines skipped and counted, non-object lines ignored."""
+    events: list[dict[str, Any]] = []
+    torn = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            line = raw.strip()
+            if not line:
+                continue
+            try:
+                obj = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                torn += 1
+                continue
+            if isinstance(obj, dict):
+                events.append(obj)
+    return LogRead(events=events, torn=torn)
+
+
+def _shared_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and (a[i] is b[i] or a[i] == b[i]):
+        i += 1
+    return i
+
+
+def choose_base(
+    candidates: Sequence[tuple[int, Sequence[dict[str, Any]]]], messages: Sequence[dict[str, Any]]
+) -> tuple[int | None, int]:
+    """The earlier exchange whose forwarded messages share the longest prefix with ``messages``,
+    and that prefix's length; ``(None, 0)`` when none shares anything. Ties go to the later
+    candidate. Cost is one comparison per shared message per candidate, so keep the list short
+    (the session's few most recent exchanges)."""
+    best: int | None = None
+    best_len = 0
+    for exchange, previous in candidates:
+        shared = _shared_prefix(previous, messages)
+        if shared and shared >= best_len:
+            best, best_len = exchange, shared
+    return best, best_len
+
+
+def replay(events: Iterable[dict[str, Any]]) -> list[tuple[int, list[dict[str, Any]]]]:
+    """Every ``request``'s full forwarded message list, rebuilt from the deltas, in log order.
+
+    A request whose base cannot be found (its line was torn) cannot be rebuilt exactly; it is left
+    out with a warning, and so is anything delta-coded against it.
+    """
+    rebuilt: dict[int, list[dict[str, Any]]] = {}
+    out: list[tuple[int, list[dict[str, Any]]]] = []
+    last: list[dict[str, Any]] | None = None
+    for ev in events:
+        if ev.get("type") != "request":
+            continue
+        exchange = ev.get("exchange")
+        appended = ev.get("appended") or []
+        base = ev.get("base") or 0
+        base_exchange = ev.get("base_exchange")
+        if not isinstance(exchange, int) or not isinstance(appended, list):
+            continue
+        if base == 0:
+            messages = list(appended)
+        else:
+            # Without a base_exchange, a request extends the session's previous one.
+            previous = rebuilt.get(base_exchange) if isinstance(base_exchange, int) else last
+            if previous is None or not isinstance(base, int) or base > len(previous):
+                logger.warning(
+                    "replay: exchange %s is based on exchange %s, which is missing; skipped",
+                    exchange,
+                    base_exchange,
+                )
+                rebuilt.pop(exchange, None)
+                continue
+            messages = previous[:base] + appended
+        rebuilt[exchange] = last = messages
+        out.append((exchange, messages))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Retention
+
+
+def enforce_retention(
+    log_dir: str | os.PathLike[str],
+    *,
+    max_age_days: float | None,
+    max_total_mb: float | None,
+    active: Collection[str],
+    now: float,
+) -> list[str]:
+    """Delete whole log files older than ``max_age_days`` (by mtime), then the oldest until the
+    directory fits ``max_total_mb``; never the file of a session in ``active``. Returns the paths
+    removed. Files that vanish meanwhile are ignored; other errors are logged and skipped."""
+    try:
+        entries = list(os.scandir(log_dir))
+    except FileNotFoundError:
+        return []
+    files: list[tuple[float, int, str, str]] = []  # mtime, size, path, session id
+    for entry in entries:
+        if not entry.name.endswith(LOG_SUFFIX) or not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        files.append((st.st_mtime, st.st_size, entry.path, entry.name[: -len(LOG_SUFFIX)]))
+    files.sort()
+    removed: list[str] = []
+    kept: list[tuple[float, int, str, str]] = []
+    for item in files:
+        mtime, _, path, sid = item
+        expired = max_age_days is not None and now - mtime > max_age_days * 86400.0
+        if expired and sid not in active and _unlink(path):
+            removed.append(path)
+        else:
+            kept.append(item)
+    if max_total_mb is not None:
+        limit = max_total_mb * 1024 * 1024
+        total = sum(size for _, size, _, _ in kept)
+        for _, size, path, sid in kept:
+            if total <= limit:
+                break
+            if sid not in active and _unlink(path):
+                removed.append(path)
+                total -= size
+    return removed
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        logger.warning("retention: cannot remove %s: %s", path, exc)
+        return False
+    return True

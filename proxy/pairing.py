@@ -1,0 +1,377 @@
+"""Tool-pairing diagnosis and repair of a chat-completions message list (pure).
+
+A provider refuses a history in which an assistant ``tool_calls`` message is not followed, before
+any other message, by exactly one ``tool`` result per call. Interrupted turns (Ctrl+C while tools
+ran), "steer" messages typed between results, stray or repeated results and arguments cut off
+mid-stream all break that rule; ``repair_messages`` fixes them deterministically, and ``diagnose``
+/ ``format_strict_error`` explain them instead in strict mode.
+
+Matching reads the list once, in order, and decides each ``tool`` message from the messages before
+it only. That keeps the repaired form of a prefix stable when the client appends to it: later
+messages can only answer a call that was still unanswered (its synthetic result then disappears).
+
+Rules, for a ``tool`` message answering id ``t``: the latest earlier assistant message with a call
+``t`` owns it. If that call is still unanswered the result is paired with it — in place when it sits
+in the run of ``tool`` messages right after the owner, otherwise it is *displaced* and moved back
+into the owner's block. If every call ``t`` of the owner is already answered it is a *duplicate*; if
+no earlier call has id ``t`` it is an *orphan*. Duplicates and orphans follow ``orphan_policy``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+import orjson
+
+logger = logging.getLogger(__name__)
+
+RepairKind = Literal[
+    "dangling_call",
+    "orphan_result",
+    "displaced_result",
+    "duplicate_result",
+    "invalid_arguments",
+    "missing_id",
+]
+OrphanPolicy = Literal["downgrade", "drop"]
+
+DEFAULT_INTERRUPTED_NOTE: Final = (
+    "[cachegate] The user interrupted this turn before the {name} tool ran: the tool did not run "
+    "and no result exists. This is not a tool failure. If the result is still needed, call the "
+    "tool again."
+)
+"""Content of the synthetic result of a dangling call; ``{name}`` becomes the tool's name."""
+
+
+@dataclass(frozen=True, slots=True)
+class Repair:
+    """One defect and what was done about it.
+
+    ``index`` is the position in the *input* list: the assistant message for ``dangling_call``,
+    ``invalid_arguments`` and ``missing_id`` (whose ``tool_call_id`` is the id assigned), the tool
+    message for the other kinds.
+    """
+
+    kind: RepairKind
+    index: int
+    tool_call_id: str | None
+    action: str
+
+
+@dataclass(frozen=True, slots=True)
+class PairingResult:
+    """The history to forward and the repairs made; ``messages`` is the input list if unchanged."""
+
+    messages: list[dict[str, Any]]
+    repairs: list[Repair]
+
+    @property
+    def changed(self) -> bool:
+        """True when the forwarded history differs from the client's."""
+        return bool(self.repairs)
+
+
+@dataclass(slots=True)
+class _Block:
+    """An assistant ``tool_calls`` message being paired: its calls and the results found so far."""
+
+    index: int
+    ids: list[str]
+    names: list[str]
+    unanswered: dict[str, list[int]]  # id -> positions of its unanswered calls, ascending
+    results: list[int]  # input indices of the tool messages paired with it, in input order
+
+    def dangling(self) -> list[int]:
+        """Positions of the calls still without a result, in call order."""
+        return sorted(p for positions in self.unanswered.values() for p in positions)
+
+
+def _valid_json(text: str) -> bool:
+    try:
+        orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return False
+    return True
+
+
+def _has_id(call: dict[str, Any]) -> bool:
+    call_id = call.get("id")
+    return isinstance(call_id, str) and call_id != ""
+
+
+def _bad_arguments(call: dict[str, Any]) -> str | None:
+    """The arguments text of ``call`` when it is a string that is not valid JSON, else None."""
+    function = call.get("function")
+    if not isinstance(function, dict):
+        return None
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and not _valid_json(arguments):
+        return arguments
+    return None
+
+
+def _tool_calls(message: Any) -> list[Any] | None:
+    """The call list of an assistant message that opens a block (as the provider sees it)."""
+    if not isinstance(message, dict) or message.get("role") != "assistant":
+        return None
+    calls = message.get("tool_calls")
+    return calls if isinstance(calls, list) and calls else None
+
+
+def needs_repair(messages: list[dict[str, Any]]) -> bool:
+    """Cheap check for every request: True exactly when ``repair_messages`` would change anything.
+
+    One pass, one small dict of the open block's call ids; only ``arguments`` strings are parsed.
+    """
+    pending: dict[str, int] = {}  # call id -> results still expected in the open block
+    in_block = False
+    for message in messages:
+        role = message.get("role") if isinstance(message, dict) else None
+        if role == "tool":
+            tool_call_id = message.get("tool_call_id")
+            if not in_block or not isinstance(tool_call_id, str) or tool_call_id not in pending:
+                return True
+            left = pending.pop(tool_call_id) - 1
+            if left:
+                pending[tool_call_id] = left
+            continue
+        if pending:
+            return True
+        in_block = False
+        if role != "assistant":
+            continue
+        calls = message.get("tool_calls")
+        if not isinstance(calls, list) or not calls:
+            continue
+        in_block = True
+        for call in calls:
+            if not isinstance(call, dict):
+                continue
+            call_id = call.get("id")
+            if not isinstance(call_id, str) or not call_id or _bad_arguments(call) is not None:
+                return True
+            pending[call_id] = pending.get(call_id, 0) + 1
+    return bool(pending)
+
+
+def _derived_id(index: int, position: int, call: dict[str, Any]) -> str:
+    """A stable id for a call sent without one, from its position and its canonical JSON."""
+    canonical = json.dumps(call, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    digest = hashlib.sha256(f"{index}.{position}:{canonical}".encode()).hexdigest()
+    return "call_" + digest[:24]
+
+
+def _tool_name(call: dict[str, Any]) -> str:
+    function = call.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) and name else "unknown"
+
+
+def _downgrade(message: dict[str, Any], label: str) -> dict[str, Any]:
+    """A user message carrying a tool message's content under ``label``, so nothing is lost."""
+    content = message.get("content")
+    new_content: str | list[Any]
+    if content is None or content == "":
+        new_content = label
+    elif isinstance(content, str):
+        new_content = f"{label}\n{content}"
+    elif isinstance(content, list):
+        new_content = [{"type": "text", "text": label}, *content]
+    else:
+        dumped = json.dumps(content, sort_keys=True, ensure_ascii=False)
+        new_content = f"{label}\n{dumped}"
+    return {"role": "user", "content": new_content}
+
+
+def _fix_calls(
+    index: int, message: dict[str, Any], calls: list[Any], repairs: list[Repair]
+) -> tuple[dict[str, Any], list[str], list[str]]:
+    """Assign missing ids and blank invalid arguments; copies the message only when it changes."""
+    ids: list[str] = []
+    names: list[str] = []
+    new_calls: list[Any] | None = None
+    for position, call in enumerate(calls):
+        if not isinstance(call, dict):
+            continue
+        fixed = call
+        if not _has_id(call):
+            call_id = _derived_id(index, position, call)
+            fixed = {**call, "id": call_id}
+            repairs.append(
+                Repair(
+                    "missing_id", index, call_id, f"assigned id {call_id} to tool_calls[{position}]"
+                )
+            )
+        else:
+            call_id = call["id"]
+        bad = _bad_arguments(call)
+        if bad is not None:
+            fixed = {**fixed, "function": {**call["function"], "arguments": "{}"}}
+            repairs.append(
+                Repair(
+                    "invalid_arguments",
+                    index,
+                    call_id,
+                    f"replaced arguments that are not valid JSON (likely truncated, {len(bad)} "
+                    'chars) with "{}"',
+                )
+            )
+        if fixed is not call:
+            if new_calls is None:
+                new_calls = list(calls)
+            new_calls[position] = fixed
+        ids.append(call_id)
+        names.append(_tool_name(call))
+    if new_calls is None:
+        return message, ids, names
+    return {**message, "tool_calls": new_calls}, ids, names
+
+
+def repair_messages(
+    messages: list[dict[str, Any]],
+    *,
+    orphan_policy: OrphanPolicy = "downgrade",
+    interrupted_note: str = DEFAULT_INTERRUPTED_NOTE,
+) -> PairingResult:
+    """Return a history every call of which is answered right after it, and what was repaired.
+
+    Deterministic and idempotent; the input is never mutated and unchanged messages are the same
+    objects. With nothing to repair the input list itself comes back, with no repairs. An empty
+    ``interrupted_note`` means the default one.
+    """
+    if not needs_repair(messages):
+        return PairingResult(messages, [])
+    note = interrupted_note or DEFAULT_INTERRUPTED_NOTE
+    repairs: list[Repair] = []
+    blocks: dict[int, _Block] = {}  # input index of the assistant message -> its block
+    fixed: dict[int, dict[str, Any]] = {}  # input index -> message to emit instead
+    owner_of_id: dict[str, _Block] = {}  # call id -> latest block with a call of that id
+    paired: set[int] = set()  # tool messages emitted inside a block
+    removed: set[int] = set()  # tool messages dropped
+    run: _Block | None = None  # block whose run of tool messages we are in
+
+    for i, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("role") == "tool":
+            _pair_result(
+                i, message, run, owner_of_id, orphan_policy, paired, removed, fixed, repairs
+            )
+            continue
+        run = None
+        calls = _tool_calls(message)
+        if calls is None:
+            continue
+        new_message, ids, names = _fix_calls(i, message, calls, repairs)
+        if new_message is not message:
+            fixed[i] = new_message
+        unanswered: dict[str, list[int]] = {}
+        for position, call_id in enumerate(ids):
+            unanswered.setdefault(call_id, []).append(position)
+        run = blocks[i] = _Block(i, ids, names, unanswered, [])
+        for call_id in ids:
+            owner_of_id[call_id] = run
+
+    for block in blocks.values():
+        for position in block.dangling():
+            call_id, name = block.ids[position], block.names[position]
+            repairs.append(
+                Repair(
+                    "dangling_call", block.index, call_id, f"added a synthetic result for {name}"
+                )
+            )
+    if not repairs:
+        return PairingResult(messages, [])
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        if i in paired or i in removed:
+            continue
+        out.append(fixed.get(i, message))
+        own = blocks.get(i)
+        if own is None:
+            continue
+        out.extend(messages[j] for j in own.results)
+        for position in own.dangling():
+            call_id, name = own.ids[position], own.names[position]
+            note_text = note.replace("{name}", name)
+            out.append({"role": "tool", "tool_call_id": call_id, "content": note_text})
+    repairs.sort(key=lambda repair: repair.index)
+    logger.debug("repaired %d pairing defects in %d messages", len(repairs), len(messages))
+    return PairingResult(out, repairs)
+
+
+def _pair_result(
+    i: int,
+    message: dict[str, Any],
+    run: _Block | None,
+    owner_of_id: dict[str, _Block],
+    orphan_policy: OrphanPolicy,
+    paired: set[int],
+    removed: set[int],
+    fixed: dict[int, dict[str, Any]],
+    repairs: list[Repair],
+) -> None:
+    """Decide tool message ``i``: pair it with its call, or handle it as a duplicate or orphan."""
+    raw_id = message.get("tool_call_id")
+    tool_call_id = raw_id if isinstance(raw_id, str) else None
+    owner = owner_of_id.get(tool_call_id) if tool_call_id is not None else None
+    if owner is not None and tool_call_id is not None:
+        positions = owner.unanswered.get(tool_call_id)
+        if positions:
+            positions.pop(0)
+            if not positions:
+                del owner.unanswered[tool_call_id]
+            if owner is not run:
+                repairs.append(
+                    Repair(
+                        "displaced_result",
+                        i,
+                        tool_call_id,
+                        f"moved back into the results of messages[{owner.index}]",
+                    )
+                )
+            owner.results.append(i)
+            paired.add(i)
+            return
+        kind: RepairKind = "duplicate_result"
+        label = f"[duplicate tool result for call {tool_call_id}]"
+    else:
+        kind = "orphan_result"
+        shown = f"for call {tool_call_id}" if tool_call_id is not None else "without a tool_call_id"
+        label = f"[tool result {shown} (no matching tool call)]"
+    if orphan_policy == "drop":
+        removed.add(i)
+        repairs.append(Repair(kind, i, tool_call_id, "dropped"))
+    else:
+        fixed[i] = _downgrade(message, label)
+        repairs.append(Repair(kind, i, tool_call_id, "kept as a user message"))
+
+
+def diagnose(messages: list[dict[str, Any]]) -> list[Repair]:
+    """What ``repair_messages`` would repair, changing nothing: strict mode's list of defects."""
+    return repair_messages(messages).repairs
+
+
+_DESCRIPTIONS: Final[dict[str, str]] = {
+    "dangling_call": "messages[{index}] assistant tool_call {id} has no result",
+    "orphan_result": "messages[{index}] tool result for {id} answers no tool call",
+    "displaced_result": (
+        "messages[{index}] tool result for {id} is separated from the tool_calls it answers"
+    ),
+    "duplicate_result": "messages[{index}] tool result for {id} repeats an earlier result",
+    "invalid_arguments": "messages[{index}] assistant tool_call {id} has invalid JSON arguments",
+    "missing_id": "messages[{index}] assistant tool_call has no id (repair would assign {id})",
+}
+
+
+def format_strict_error(repairs: list[Repair]) -> str:
+    """One error message naming every defect with its message index and tool_call_id."""
+    count = len(repairs)
+    parts = [
+        _DESCRIPTIONS[r.kind].format(index=r.index, id=r.tool_call_id or "(no id)") + f" ({r.kind})"
+        for r in repairs
+    ]
+    head = f"cachegate strict pairing: {count} defect{'' if count == 1 else 's'}"
+    return f"{head}: {'; '.join(parts)}" if parts else head

@@ -1,0 +1,545 @@
+"""Per-element hash chain of a forwarded chat request, and where two requests diverge (pure).
+
+A provider's prefix cache serves the longest prefix of a request it has processed before. To say
+*why* it missed, cachegate hashes each forwarded request as a chain of elements, in the order a
+provider renders them::
+
+    params ─▶ tools ─▶ system ─▶ messages[k] ─▶ messages[k+1] ─▶ …
+
+``params`` holds the cache-relevant parameters (``CACHE_PARAMS``), ``tools`` the whole tools array,
+``system`` the leading system/developer messages, and every later message is one element. Each
+element's digest is blake2b-128 of its canonical JSON; each chain digest hashes the previous chain
+digest with the element's digest, so equal chain digests mean equal prefixes.
+
+Canonical form: keys sorted (``orjson.OPT_SORT_KEYS``); in messages, keys whose value is ``null``
+are dropped (absent and ``null`` mean the same to the API) and the ``index`` key of ``tool_calls``
+entries and of content parts is dropped (streamed assembly adds it; it is not message content).
+Everything else counts: one changed character is a rewrite.
+
+The first divergence between two requests is reported as a ``Divergence``: where (``params``,
+``tools``, ``system`` or a message index with its role and field), a short redacted excerpt of old
+vs new, and whether the only change is a volatile token (timestamp, date, uuid, id, counter) — the
+classic "current time in the system prompt".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+import orjson
+
+from proxy.redact import REDACTED, redact_text
+
+# Request parameters that change what the provider renders or where it routes the request, so a
+# change to any of them misses the cache: the model; reasoning settings (OpenAI ``reasoning_effort``
+# and ``reasoning``, Anthropic-style ``thinking``); ``response_format`` (a JSON schema is rendered
+# into the prompt); ``tool_choice`` and ``parallel_tool_calls`` (rendered with the tools);
+# ``prompt_cache_key`` (OpenAI routes cache lookups by it). Sampling parameters (temperature,
+# max_tokens, …) are not here: they do not touch the prompt.
+CACHE_PARAMS: Final = (
+    "model",
+    "reasoning_effort",
+    "reasoning",
+    "thinking",
+    "response_format",
+    "tool_choice",
+    "parallel_tool_calls",
+    "prompt_cache_key",
+)
+SYSTEM_ROLES: Final = frozenset({"system", "developer"})
+DIGEST_SIZE: Final = 16
+EXCERPT_CHARS: Final = 80
+# How many characters of context an excerpt shows before the first differing character.
+_EXCERPT_LEAD: Final = 30
+# An insertion counts as "only a volatile token" when, besides the token, it adds no more than a
+# short label ("Current time: ").
+_VOLATILE_LABEL_CHARS: Final = 48
+# Fixed element positions in the chain; messages after the system block follow.
+_PARAMS, _TOOLS, _SYSTEM = 0, 1, 2
+_FIRST_MESSAGE: Final = 3
+
+Location = Literal["params", "tools", "system", "messages"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Fingerprint:
+    """The hash chain of one forwarded request.
+
+    ``chain`` is the list of ``(location, chain_digest)``: ``params``, ``tools``, ``system``, then
+    ``messages[i]`` for each message after the system block (``i`` indexes ``body["messages"]``).
+    The other fields let the next request's fingerprint reuse work (``fingerprint(…, previous=)``)
+    and let ``find_divergence`` locate a change. ``messages`` and ``tools`` are the request's own
+    objects, kept by reference: do not mutate a body after fingerprinting it.
+    """
+
+    chain: tuple[tuple[str, bytes], ...]
+    element_digests: tuple[bytes, ...]
+    message_digests: tuple[bytes, ...]
+    system_count: int
+    messages: tuple[Any, ...]
+    tools: Any
+
+    @property
+    def digests(self) -> tuple[bytes, ...]:
+        """The chain digests alone, in order."""
+        return tuple(digest for _, digest in self.chain)
+
+    @property
+    def params_digest(self) -> bytes:
+        """Digest of the cache-relevant parameters (not chained)."""
+        return self.element_digests[_PARAMS]
+
+    @property
+    def head(self) -> bytes:
+        """The chain digest of the whole request."""
+        return self.chain[-1][1]
+
+
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    """The first point where a request stopped repeating the previous one.
+
+    ``location`` is ``params``, ``tools``, ``system`` or ``messages``; ``index`` the message index
+    in ``body["messages"]`` (also set for ``system``: the first differing system message), else
+    None. ``role`` is the message's role; ``field`` the first differing message key (``content``,
+    ``tool_calls``, ``name``, …), the parameter name for ``params``, the tool's name for ``tools``;
+    None when a whole element appeared or disappeared. Excerpts are ~80 characters around the first
+    differing character, secrets redacted. ``volatile`` is true when the only change is a volatile
+    token (or a short label plus one), ``volatile_kind`` then names it: ``timestamp``, ``date``,
+    ``uuid``, ``id`` or ``counter``.
+    """
+
+    location: Location
+    index: int | None
+    role: str | None
+    field: str | None
+    old_excerpt: str
+    new_excerpt: str
+    volatile: bool = False
+    volatile_kind: str | None = None
+
+    @property
+    def label(self) -> str:
+        """One string: ``system``, ``tools``, ``params.model``, ``messages[12].content``."""
+        if self.location == "messages":
+            where = f"messages[{self.index}]"
+            return f"{where}.{self.field}" if self.field else where
+        if self.location == "params" and self.field:
+            return f"params.{self.field}"
+        return self.location
+
+
+def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) -> Fingerprint:
+    """Hash ``body`` into a chain; with ``previous``, reuse its digests of unchanged elements.
+
+    A message at the same index that is the same object as, or equal to, the previous request's is
+    not hashed again, so a growing conversation costs in proportion to what was appended. (Equality
+    is Python's: ``true``/``1``/``1.0`` inside a reused element would read as equal.)
+    """
+    raw_messages = body.get("messages")
+    messages: tuple[Any, ...] = (
+        tuple(raw_messages) if isinstance(raw_messages, list | tuple) else ()
+    )
+    old_messages = previous.messages if previous is not None else ()
+    message_digests: list[bytes] = []
+    for i, message in enumerate(messages):
+        if previous is not None and i < len(old_messages):
+            old = old_messages[i]
+            if old is message or old == message:
+                message_digests.append(previous.message_digests[i])
+                continue
+        message_digests.append(_digest(canonical_message(message)))
+
+    system_count = 0
+    while system_count < len(messages) and _role(messages[system_count]) in SYSTEM_ROLES:
+        system_count += 1
+
+    tools = body.get("tools")
+    if previous is not None and (previous.tools is tools or previous.tools == tools):
+        tools_digest = previous.element_digests[_TOOLS]
+    else:
+        tools_digest = _digest(tools)
+
+    elements = [
+        _digest(cache_params(body)),
+        tools_digest,
+        hashlib.blake2b(b"".join(message_digests[:system_count]), digest_size=DIGEST_SIZE).digest(),
+        *message_digests[system_count:],
+    ]
+    locations = ["params", "tools", "system"] + [
+        f"messages[{i}]" for i in range(system_count, len(messages))
+    ]
+
+    chain: list[tuple[str, bytes]] = []
+    if previous is not None:
+        # Chain digests depend only on element digests, so an unchanged run is copied as is.
+        for old_element, new_element, old_link in zip(
+            previous.element_digests, elements, previous.chain, strict=False
+        ):
+            if old_element != new_element or old_link[0] != locations[len(chain)]:
+                break
+            chain.append(old_link)
+    link = chain[-1][1] if chain else b""
+    for position in range(len(chain), len(elements)):
+        link = hashlib.blake2b(link + elements[position], digest_size=DIGEST_SIZE).digest()
+        chain.append((locations[position], link))
+
+    return Fingerprint(
+        chain=tuple(chain),
+        element_digests=tuple(elements),
+        message_digests=tuple(message_digests),
+        system_count=system_count,
+        messages=messages,
+        tools=tools,
+    )
+
+
+def cache_params(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The cache-relevant parameters present (and not null) in ``body``."""
+    return {key: body[key] for key in CACHE_PARAMS if body.get(key) is not None}
+
+
+def canonical_message(message: Any) -> Any:
+    """``message`` without null-valued keys and without the ``index`` of tool calls / content parts.
+
+    Returns a shallow copy; the input is never mutated. Key order is left to the serializer.
+    """
+    if not isinstance(message, Mapping):
+        return message
+    out = {key: value for key, value in message.items() if value is not None}
+    for key in ("tool_calls", "content"):
+        entries = out.get(key)
+        if isinstance(entries, list) and any(
+            isinstance(entry, Mapping) and "index" in entry for entry in entries
+        ):
+            out[key] = [
+                {k: v for k, v in entry.items() if k != "index"}
+                if isinstance(entry, Mapping)
+                else entry
+                for entry in entries
+            ]
+    return out
+
+
+def canonical_json(value: Any) -> bytes:
+    """Canonical JSON bytes of ``value``: sorted keys, compact, UTF-8."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        # orjson refuses integers beyond 64 bits, which a stdlib-parsed body may hold.
+        return json.dumps(
+            value, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str
+        ).encode()
+
+
+def find_divergence(
+    old: Fingerprint,
+    new: Fingerprint,
+    old_body: Mapping[str, Any],
+    new_body: Mapping[str, Any],
+) -> Divergence | None:
+    """The first element of ``new`` that differs from ``old``; None when one prefixes the other.
+
+    A request that extends the previous one (its messages plus the assistant reply plus new
+    messages) is no divergence, and neither is one that stops early (a retry or rewind): no element
+    the provider processed was rewritten.
+    """
+    position = next(
+        (
+            i
+            for i, ((_, old_link), (_, new_link)) in enumerate(
+                zip(old.chain, new.chain, strict=False)
+            )
+            if old_link != new_link
+        ),
+        None,
+    )
+    if position is None:
+        return None
+    if position == _PARAMS:
+        return _params_divergence(old_body, new_body)
+    if position == _TOOLS:
+        return _tools_divergence(old.tools, new.tools)
+    if position == _SYSTEM:
+        shorter, longer = sorted((old, new), key=lambda fp: fp.system_count)
+        if (
+            len(shorter.messages) == shorter.system_count
+            and longer.message_digests[: shorter.system_count] == shorter.message_digests
+        ):
+            # A request of system messages only, which the other one's system block extends.
+            return None
+        index = next(
+            (
+                i
+                for i in range(max(old.system_count, new.system_count))
+                if i >= old.system_count
+                or i >= new.system_count
+                or old.message_digests[i] != new.message_digests[i]
+            ),
+            0,
+        )
+        return _message_divergence(
+            "system",
+            index,
+            old.messages[index] if index < old.system_count else None,
+            new.messages[index] if index < new.system_count else None,
+        )
+    index = new.system_count + position - _FIRST_MESSAGE
+    return _message_divergence("messages", index, old.messages[index], new.messages[index])
+
+
+def shared_prefix_len(old: Fingerprint, new: Fingerprint) -> int:
+    """How many leading messages of ``body["messages"]`` the two requests share (system included).
+
+    Compares messages only, in canonical form, whatever the params and tools; for the cache
+    question (does the whole prefix match?) use ``find_divergence``.
+    """
+    shared = 0
+    for old_digest, new_digest in zip(old.message_digests, new.message_digests, strict=False):
+        if old_digest != new_digest:
+            break
+        shared += 1
+    return shared
+
+
+def _digest(value: Any) -> bytes:
+    return hashlib.blake2b(canonical_json(value), digest_size=DIGEST_SIZE).digest()
+
+
+def _role(message: Any) -> Any:
+    return message.get("role") if isinstance(message, Mapping) else None
+
+
+def _text(value: Any) -> str:
+    """A field's value as the text an excerpt is cut from."""
+    if value is _MISSING:
+        return ""
+    if isinstance(value, str):
+        return value
+    return canonical_json(value).decode("utf-8", "replace")
+
+
+_MISSING: Final = object()
+# Message keys are compared in this order first, the rest alphabetically.
+_FIELD_ORDER: Final = ("role", "content", "tool_calls", "tool_call_id", "name")
+
+
+def _message_divergence(
+    location: Location, index: int, old_message: Any, new_message: Any
+) -> Divergence:
+    role = _role(new_message) if new_message is not None else _role(old_message)
+    role_text = role if isinstance(role, str) else None
+    if not isinstance(old_message, Mapping) or not isinstance(new_message, Mapping):
+        # A message appeared or vanished (or is not an object): show the content that is there.
+        def content(message: Any) -> str:
+            if message is None:
+                return ""
+            if isinstance(message, Mapping):
+                return _text(canonical_message(message).get("content", _MISSING))
+            return _text(message)
+
+        return _divergence(
+            location, index, role_text, None, content(old_message), content(new_message)
+        )
+
+    old_c, new_c = canonical_message(old_message), canonical_message(new_message)
+    keys = [k for k in _FIELD_ORDER if k in old_c or k in new_c]
+    keys += sorted((set(old_c) | set(new_c)) - set(_FIELD_ORDER), key=str)
+    for key in keys:
+        old_value, new_value = old_c.get(key, _MISSING), new_c.get(key, _MISSING)
+        if (
+            old_value is _MISSING
+            or new_value is _MISSING
+            or canonical_json(old_value) != canonical_json(new_value)
+        ):
+            return _divergence(
+                location, index, role_text, str(key), _text(old_value), _text(new_value)
+            )
+    # Equal canonical forms yet different digests cannot happen; report the whole message.
+    return _divergence(location, index, role_text, None, _text(old_c), _text(new_c))
+
+
+def _params_divergence(old_body: Mapping[str, Any], new_body: Mapping[str, Any]) -> Divergence:
+    old_params, new_params = cache_params(old_body), cache_params(new_body)
+    for key in CACHE_PARAMS:
+        old_value, new_value = old_params.get(key, _MISSING), new_params.get(key, _MISSING)
+        if (old_value is _MISSING) != (new_value is _MISSING) or (
+            old_value is not _MISSING and canonical_json(old_value) != canonical_json(new_value)
+        ):
+            old_excerpt, new_excerpt = _excerpts(_text(old_value), _text(new_value))
+            return Divergence("params", None, None, key, old_excerpt, new_excerpt)
+    old_excerpt, new_excerpt = _excerpts(_text(old_params), _text(new_params))
+    return Divergence("params", None, None, None, old_excerpt, new_excerpt)
+
+
+def _tools_divergence(old_tools: Any, new_tools: Any) -> Divergence:
+    if not isinstance(old_tools, list) or not isinstance(new_tools, list):
+        return _divergence("tools", None, None, None, _text(old_tools), _text(new_tools))
+    for i in range(max(len(old_tools), len(new_tools))):
+        old_tool = old_tools[i] if i < len(old_tools) else _MISSING
+        new_tool = new_tools[i] if i < len(new_tools) else _MISSING
+        if (
+            old_tool is _MISSING
+            or new_tool is _MISSING
+            or canonical_json(old_tool) != canonical_json(new_tool)
+        ):
+            name = _tool_name(new_tool) or _tool_name(old_tool)
+            return _divergence("tools", None, None, name, _text(old_tool), _text(new_tool))
+    return _divergence("tools", None, None, None, _text(old_tools), _text(new_tools))
+
+
+def _tool_name(tool: Any) -> str | None:
+    if not isinstance(tool, Mapping):
+        return None
+    function = tool.get("function")
+    name = function.get("name") if isinstance(function, Mapping) else tool.get("name")
+    return name if isinstance(name, str) else None
+
+
+def _divergence(
+    location: Location,
+    index: int | None,
+    role: str | None,
+    field: str | None,
+    old_text: str,
+    new_text: str,
+) -> Divergence:
+    old_excerpt, new_excerpt = _excerpts(old_text, new_text)
+    kind = volatile_kind(old_text, new_text)
+    return Divergence(
+        location, index, role, field, old_excerpt, new_excerpt, kind is not None, kind
+    )
+
+
+# --- excerpts ---------------------------------------------------------------------------------
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    """Length of the common prefix, by binary search on slices (C-speed comparisons)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _common_suffix_len(a: str, b: str, limit: int) -> int:
+    lo, hi = 0, min(len(a), len(b), limit)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[len(a) - mid : len(a) - lo] == b[len(b) - mid : len(b) - lo]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _excerpts(old_text: str, new_text: str) -> tuple[str, str]:
+    """Redacted excerpts of both texts around their first differing character."""
+    old_red, new_red = redact_text(old_text), redact_text(new_text)
+    if old_red != new_red:
+        at = _common_prefix_len(old_red, new_red)
+    else:
+        # The texts differ only inside secrets: point near where they do, but show no secret.
+        at = min(_common_prefix_len(old_text, new_text), len(old_red))
+    return _excerpt(old_red, at), _excerpt(new_red, at)
+
+
+def _excerpt(text: str, at: int) -> str:
+    # The same start in both texts, so the two excerpts line up character for character.
+    start = max(0, min(at - _EXCERPT_LEAD, len(text)))
+    end = min(len(text), start + EXCERPT_CHARS)
+    # Never cut a redaction marker in two: widen the window to hold it whole.
+    width = len(REDACTED)
+    marker = text.rfind(REDACTED, max(0, start - width + 1), start + width - 1)
+    if marker >= 0:
+        start = marker
+    marker = text.find(REDACTED, max(0, end - width + 1), end + width - 1)
+    if marker >= 0:
+        end = marker + width
+    return ("…" if start > 0 else "") + text[start:end] + ("…" if end < len(text) else "")
+
+
+# --- volatile tokens --------------------------------------------------------------------------
+
+_MONTH = r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec)[a-z]*\.?"
+# Alternatives are tried in order at each position, most specific first; a group's name before the
+# first underscore is the token's kind.
+_VOLATILE = re.compile(
+    r"(?P<uuid>(?<![0-9A-Fa-f])[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}"
+    r"-[0-9A-Fa-f]{12}(?![0-9A-Fa-f]))"
+    r"|(?P<timestamp_iso>\b\d{4}-\d{2}-\d{2}[T ]\d{1,2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?"
+    r"(?:Z|[+-]\d{2}:?\d{2}\b|\s?(?:UTC|GMT)\b)?)"
+    r"|(?P<date_iso>\b\d{4}[-/]\d{2}[-/]\d{2}\b)"
+    r"|(?P<date_slash>\b\d{1,2}/\d{1,2}/\d{2,4}\b)"
+    rf"|(?P<date_named>\b{_MONTH}\s+\d{{1,2}}(?:st|nd|rd|th)?,?\s+\d{{4}}\b"
+    rf"|\b\d{{1,2}}(?:st|nd|rd|th)?\s+{_MONTH},?\s+\d{{4}}\b)"
+    r"|(?P<date_weekday>\b(?:Mon|Tues|Wednes|Thurs|Fri|Satur|Sun)day\b)"
+    r"|(?P<timestamp_time>\b\d{1,2}:\d{2}(?::\d{2}(?:\.\d+)?)?\b(?:\s?[AaPp][Mm]\b)?)"
+    r"|(?P<timestamp_epoch>\b1\d{9}(?:\d{3})?\b)"
+    r"|(?P<id_hex>\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{16,}\b)"
+    r"|(?P<counter>\b\d+\b)"
+)
+# One private-use character per kind, so a placeholder can never be split by a prefix comparison.
+_PLACEHOLDER: Final = {
+    "uuid": "\ue000",
+    "timestamp": "\ue001",
+    "date": "\ue002",
+    "id": "\ue003",
+    "counter": "\ue004",
+}
+_KIND_OF_PLACEHOLDER: Final = {char: kind for kind, char in _PLACEHOLDER.items()}
+
+
+def _kind(match: re.Match[str]) -> str:
+    return (match.lastgroup or "counter").split("_", 1)[0]
+
+
+def _normalize(text: str) -> tuple[str, list[re.Match[str]]]:
+    matches = list(_VOLATILE.finditer(text))
+    pieces: list[str] = []
+    position = 0
+    for match in matches:
+        pieces.append(text[position : match.start()])
+        pieces.append(_PLACEHOLDER[_kind(match)])
+        position = match.end()
+    pieces.append(text[position:])
+    return "".join(pieces), matches
+
+
+def volatile_kind(old_text: str, new_text: str) -> str | None:
+    """The kind of volatile token that is the only difference between the texts, else None.
+
+    Both texts are normalized (each volatile token replaced by a placeholder of its kind). Equal
+    normalized texts mean a token changed value: its kind is returned. Otherwise the one changed
+    region is accepted when it holds a timestamp, date, uuid or id and at most a short label
+    besides — "Current time: 2025-03-14T09:26:53Z" added to a system prompt. A number alone added
+    is not enough: that is ordinary editing far more often than a counter.
+    """
+    if old_text == new_text:
+        return None
+    old_norm, old_tokens = _normalize(old_text)
+    new_norm, new_tokens = _normalize(new_text)
+    if old_norm == new_norm:
+        for old_token, new_token in zip(old_tokens, new_tokens, strict=True):
+            if old_token.group() != new_token.group():
+                return _kind(new_token)
+        return None
+    head = _common_prefix_len(old_norm, new_norm)
+    tail = _common_suffix_len(old_norm, new_norm, min(len(old_norm), len(new_norm)) - head)
+    # The new side first, so an inserted token names the kind.
+    changed = new_norm[head : len(new_norm) - tail] + old_norm[head : len(old_norm) - tail]
+    kinds = [_KIND_OF_PLACEHOLDER[c] for c in changed if c in _KIND_OF_PLACEHOLDER]
+    label = sum(1 for c in changed if c not in _KIND_OF_PLACEHOLDER and not c.isspace())
+    significant = [kind for kind in kinds if kind != "counter"]
+    if significant and label <= _VOLATILE_LABEL_CHARS:
+        return significant[0]
+    return None

@@ -1,0 +1,93 @@
+"""Secret-looking strings replaced by ``[REDACTED]`` before anything reaches a log (pure).
+
+Agents paste keys into prompts, tool results echo environment variables, and error bodies quote
+headers. The audit log must never keep them, so every string of an event goes through one
+precompiled pattern. Most strings hold no secret: they are skipped when too short to hold a key,
+and a string or container without a match is returned as the very same object (no copy).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Final
+
+REDACTED: Final = "[REDACTED]"
+
+# Each alternative names one family of credentials. The leading look-behind keeps words that merely
+# end in one of the prefixes ("task-…", "ask-…") from matching.
+_SECRET = re.compile(
+    r"(?<![A-Za-z0-9])(?:"
+    r"sk-[A-Za-z0-9_-]{20,}"  # OpenAI (sk-, sk-proj-), Anthropic (sk-ant-), and look-alikes
+    r"|(?:AKIA|ASIA)[0-9A-Z]{16}"  # AWS access key ids (long-lived and temporary)
+    r"|gh[pousr]_[A-Za-z0-9]{20,}"  # GitHub tokens
+    r"|github_pat_[A-Za-z0-9_]{20,}"  # GitHub fine-grained tokens
+    r"|xox[abprs]-[A-Za-z0-9-]{10,}"  # Slack tokens
+    r"|(?P<bearer>[Bb]earer|BEARER)\s+[A-Za-z0-9._~+/=-]{12,}"  # Authorization: Bearer <token>
+    r")"
+)
+
+# The shortest string any alternative can match ("xoxb-" + 10, "Bearer " + 12 and AKIA + 16 are all
+# at least this long), so anything shorter cannot hold a secret.
+_MIN_SECRET_LEN: Final = 15
+
+# Fields whose whole value is a credential, whatever it looks like.
+_SECRET_KEYS: Final = frozenset(
+    {"authorization", "proxy-authorization", "api_key", "api-key", "x-api-key", "apikey"}
+)
+
+
+def _replace(match: re.Match[str]) -> str:
+    bearer = match.group("bearer")
+    return f"{bearer} {REDACTED}" if bearer else REDACTED
+
+
+def redact_text(s: str) -> str:
+    """Return ``s`` with every secret-looking substring replaced (``s`` itself when none)."""
+    if len(s) < _MIN_SECRET_LEN or _SECRET.search(s) is None:
+        return s
+    return _SECRET.sub(_replace, s)
+
+
+def redact(obj: Any) -> Any:
+    """Return ``obj`` with secrets redacted in every string, key and credential field.
+
+    Containers are copied only along the paths where something changed; everything else is shared
+    with the input, which is never mutated.
+    """
+    if isinstance(obj, str):
+        return redact_text(obj)
+    if isinstance(obj, dict):
+        return _redact_dict(obj)
+    if isinstance(obj, list | tuple):
+        changed: list[Any] | None = None
+        for i, item in enumerate(obj):
+            new = redact(item)
+            if new is not item:
+                if changed is None:
+                    changed = list(obj)
+                changed[i] = new
+        if changed is None:
+            return obj
+        return changed if isinstance(obj, list) else tuple(changed)
+    return obj
+
+
+def _redact_dict(obj: dict[Any, Any]) -> dict[Any, Any]:
+    out: dict[Any, Any] | None = None
+    for i, (key, value) in enumerate(obj.items()):
+        new_key = redact_text(key) if isinstance(key, str) else key
+        if (
+            isinstance(key, str)
+            and isinstance(value, str)
+            and value
+            and key.lower() in _SECRET_KEYS
+        ):
+            new_value: Any = REDACTED
+        else:
+            new_value = redact(value)
+        if out is None and (new_key is not key or new_value is not value):
+            # Rebuild the keys seen so far so the copy keeps the original order.
+            out = dict(list(obj.items())[:i])
+        if out is not None:
+            out[new_key] = new_value
+    return obj if out is None else out

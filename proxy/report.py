@@ -1,0 +1,478 @@
+"""What ``cachegate sessions list | show | cost | replay`` print, computed from the audit logs.
+
+Each command has a data function (values the ``--json`` form serializes with ``to_json()``) and a
+renderer that turns those values into aligned text. Session ids are validated before any path is
+built from them; torn lines are counted, never fatal; unknown event types are ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+from proxy.eventlog import (
+    LOG_SUFFIX,
+    LogRead,
+    is_valid_session_id,
+    read_events,
+    replay,
+    session_log_path,
+)
+
+# --------------------------------------------------------------------------------------------------
+# Values
+
+
+@dataclass(slots=True)
+class ExchangeRow:
+    """One exchange of a session's timeline (``None`` where the log holds no value)."""
+
+    exchange: int | None
+    ts: float | None
+    model: str | None = None
+    tokens_in: int | None = None
+    tokens_out: int | None = None
+    cache_read: int | None = None
+    cache_waste: int | None = None
+    waste_cause: str | None = None
+    waste_location: str | None = None
+    repairs: int = 0
+    compacted: bool = False
+    ttfb_s: float | None = None
+    duration_s: float | None = None
+    status: int | None = None
+    interrupted: bool = False
+    error: str | None = None
+    cache_reported: bool = False
+    cost_actual: float | None = None
+    cost_uncached: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionDetail:
+    """A session's metadata and timeline, one row per exchange in log order."""
+
+    session: str
+    meta: dict[str, Any] | None
+    rows: list[ExchangeRow]
+    torn: int
+    first_seen: float | None = None
+    last_seen: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "session": self.session,
+            "meta": self.meta,
+            "first_seen": self.first_seen,
+            "last_seen": self.last_seen,
+            "torn": self.torn,
+            "exchanges": [row.to_json() for row in self.rows],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSummary:
+    """One line of ``sessions list``. ``cache_hit_pct`` is cached input over input, counted over
+    the responses whose provider reported cache usage (None when none did)."""
+
+    session: str
+    first_seen: float | None
+    last_seen: float | None
+    model: str | None
+    exchanges: int
+    tokens_in: int
+    tokens_out: int
+    cache_read: int
+    cache_hit_pct: float | None
+    interruptions: int
+    repairs: int
+    errors: int
+    torn: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class CostReport:
+    """What a session cost, what it would have cost without the prompt cache, and the cache
+    tokens it wasted, by cause."""
+
+    session: str
+    actual: float
+    uncached: float
+    saved: float
+    priced_exchanges: int
+    waste_tokens: int
+    waste_by_cause: dict[str, int] = field(default_factory=dict)
+    torn: int = 0
+
+    @property
+    def saved_pct(self) -> float | None:
+        return 100.0 * self.saved / self.uncached if self.uncached > 0 else None
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["saved_pct"] = self.saved_pct
+        return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Data
+
+
+def show_session(log_dir: str | os.PathLike[str], session_id: str) -> SessionDetail:
+    """The timeline of one session. Raises ``ValueError`` for an invalid id and
+    ``FileNotFoundError`` when the session has no log."""
+    return build_detail(session_id, _load(log_dir, session_id))
+
+
+def list_sessions(log_dir: str | os.PathLike[str]) -> list[SessionSummary]:
+    """Every session logged in ``log_dir``, most recently seen first."""
+    directory = os.fspath(log_dir)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"log directory {directory!r} does not exist")
+    summaries = []
+    for name in os.listdir(directory):
+        session_id = name[: -len(LOG_SUFFIX)]
+        if not name.endswith(LOG_SUFFIX) or not is_valid_session_id(session_id):
+            continue
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            log = read_events(path)
+        except FileNotFoundError:  # removed by retention while we listed
+            continue
+        summaries.append(summarize(build_detail(session_id, log)))
+    summaries.sort(key=lambda s: (-(s.last_seen or 0.0), s.session))
+    return summaries
+
+
+def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport:
+    """The cost of one session, from the ``cost`` and ``cache`` fields of its responses."""
+    detail = show_session(log_dir, session_id)
+    actual = uncached = 0.0
+    priced = waste = 0
+    by_cause: dict[str, int] = {}
+    for row in detail.rows:
+        if row.cost_actual is not None and row.cost_uncached is not None:
+            actual += row.cost_actual
+            uncached += row.cost_uncached
+            priced += 1
+        if row.cache_waste:
+            waste += row.cache_waste
+            cause = row.waste_cause or "unexplained"
+            by_cause[cause] = by_cause.get(cause, 0) + row.cache_waste
+    return CostReport(
+        session=session_id,
+        actual=actual,
+        uncached=uncached,
+        saved=uncached - actual,
+        priced_exchanges=priced,
+        waste_tokens=waste,
+        waste_by_cause=dict(sorted(by_cause.items(), key=lambda kv: (-kv[1], kv[0]))),
+        torn=detail.torn,
+    )
+
+
+def replay_lines(log_dir: str | os.PathLike[str], session_id: str) -> Iterator[str]:
+    """One JSON object per forwarded request, ``{"exchange_id", "messages"}``, in log order. The id
+    is checked and the file read at call time, so errors surface before the first line."""
+    exchanges = replay(_load(log_dir, session_id).events)
+    return (
+        orjson.dumps({"exchange_id": ex, "messages": messages}).decode()
+        for ex, messages in exchanges
+    )
+
+
+def _load(log_dir: str | os.PathLike[str], session_id: str) -> LogRead:
+    path = session_log_path(log_dir, session_id)  # validates the id first
+    try:
+        return read_events(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"no log for session {session_id!r} in {os.fspath(log_dir)!r}"
+        ) from None
+
+
+def build_detail(session_id: str, log: LogRead) -> SessionDetail:
+    """Fold a session's events into one row per exchange (pure; unknown event types ignored)."""
+    meta: dict[str, Any] | None = None
+    rows: list[ExchangeRow] = []
+    # An exchange id may repeat (a restarted process numbers from 1 again): the latest row wins.
+    latest: dict[int, ExchangeRow] = {}
+    requested: set[int] = set()  # id() of the rows that already hold their request
+
+    def new_row(ev: dict[str, Any]) -> ExchangeRow:
+        row = ExchangeRow(exchange=_int(ev.get("exchange")), ts=_float(ev.get("ts")))
+        rows.append(row)
+        if row.exchange is not None:
+            latest[row.exchange] = row
+        return row
+
+    def row_for(ev: dict[str, Any]) -> ExchangeRow:
+        exchange = _int(ev.get("exchange"))
+        row = latest.get(exchange) if exchange is not None else None
+        return new_row(ev) if row is None else row
+
+    for ev in log.events:
+        kind = ev.get("type")
+        if kind == "session_meta":
+            if meta is None:
+                meta = ev
+        elif kind == "request":
+            row = row_for(ev)
+            if id(row) in requested or row.status is not None:
+                row = new_row(ev)
+            # else: a fresh row, or one opened by a compaction announced just before forwarding
+            row.ts = _float(ev.get("ts"))
+            requested.add(id(row))
+            row.model = _str(ev.get("model"))
+            repairs = ev.get("repairs")
+            row.repairs = len(repairs) if isinstance(repairs, list) else 0
+            transforms = ev.get("transforms")
+            row.compacted |= isinstance(transforms, dict) and "compacted" in transforms
+        elif kind == "response":
+            _apply_response(row_for(ev), ev)
+        elif kind == "compacted":
+            row_for(ev).compacted = True
+        elif kind == "error":
+            row = row_for(ev)
+            row.status = _int(ev.get("status")) if row.status is None else row.status
+            row.error = _str(ev.get("message"))
+    stamps = [ts for ev in log.events if (ts := _float(ev.get("ts"))) is not None]
+    return SessionDetail(
+        session=session_id,
+        meta=meta,
+        rows=rows,
+        torn=log.torn,
+        first_seen=min(stamps, default=None),
+        last_seen=max(stamps, default=None),
+    )
+
+
+def _apply_response(row: ExchangeRow, ev: dict[str, Any]) -> None:
+    row.status = _int(ev.get("status"))
+    row.ttfb_s = _float(ev.get("ttfb_s"))
+    row.duration_s = _float(ev.get("duration_s"))
+    row.interrupted = bool(ev.get("interrupted"))
+    row.error = _str(ev.get("error"))
+    usage = ev.get("usage")
+    if isinstance(usage, dict):
+        row.tokens_in = _int(usage.get("prompt"))
+        row.tokens_out = _int(usage.get("completion"))
+        row.cache_read = _int(usage.get("cache_read"))
+        row.cache_reported = bool(usage.get("reported_cache"))
+    cache = ev.get("cache")
+    if isinstance(cache, dict):
+        row.cache_waste = _int(cache.get("waste"))
+        row.waste_cause = _str(cache.get("cause"))
+        location = cache.get("location")
+        row.waste_location = None if location is None else _location(location)
+    cost = ev.get("cost")
+    if isinstance(cost, dict):
+        row.cost_actual = _float(cost.get("actual"))
+        row.cost_uncached = _float(cost.get("uncached"))
+
+
+def summarize(detail: SessionDetail) -> SessionSummary:
+    """One ``sessions list`` line from a session's timeline."""
+    reported_in = reported_read = 0
+    for row in detail.rows:
+        if row.cache_reported and row.tokens_in:
+            reported_in += row.tokens_in
+            reported_read += row.cache_read or 0
+    model = _str(detail.meta.get("model")) if detail.meta else None
+    if model is None:
+        model = next((row.model for row in detail.rows if row.model), None)
+    return SessionSummary(
+        session=detail.session,
+        first_seen=detail.first_seen,
+        last_seen=detail.last_seen,
+        model=model,
+        exchanges=sum(1 for row in detail.rows if row.exchange is not None),
+        tokens_in=sum(row.tokens_in or 0 for row in detail.rows),
+        tokens_out=sum(row.tokens_out or 0 for row in detail.rows),
+        cache_read=sum(row.cache_read or 0 for row in detail.rows),
+        cache_hit_pct=100.0 * reported_read / reported_in if reported_in else None,
+        interruptions=sum(1 for row in detail.rows if row.interrupted),
+        repairs=sum(row.repairs for row in detail.rows),
+        errors=sum(1 for row in detail.rows if row.error or (row.status or 0) >= 400),
+        torn=detail.torn,
+    )
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _float(value: Any) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _location(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return orjson.dumps(value, default=str).decode()
+
+
+# --------------------------------------------------------------------------------------------------
+# Text
+
+
+def render_list(sessions: Sequence[SessionSummary]) -> str:
+    """``sessions list`` as an aligned table (no trailing newline)."""
+    if not sessions:
+        return "no sessions"
+    headers = ["SESSION", "FIRST SEEN", "LAST SEEN", "MODEL", "EXCH", "IN", "OUT", "CACHE HIT"]
+    headers += ["INTERRUPTED", "REPAIRS", "ERRORS", "TORN"]
+    rows = [
+        [
+            s.session,
+            _time(s.first_seen),
+            _time(s.last_seen),
+            s.model or "-",
+            str(s.exchanges),
+            _tokens(s.tokens_in),
+            _tokens(s.tokens_out),
+            _pct(s.cache_hit_pct),
+            str(s.interruptions),
+            str(s.repairs),
+            str(s.errors),
+            str(s.torn),
+        ]
+        for s in sessions
+    ]
+    return _table(headers, rows, left={0, 1, 2, 3})
+
+
+def render_show(detail: SessionDetail) -> str:
+    """``sessions show``: a header line, then one line per exchange (no trailing newline)."""
+    meta = detail.meta or {}
+    head = [f"session {detail.session}"]
+    for key, label in (("model", "model"), ("upstream", "upstream"), ("created", "created")):
+        if isinstance(meta.get(key), str):
+            head.append(f"{label} {meta[key]}")
+    if isinstance(meta.get("version"), str):
+        head.append(f"cachegate {meta['version']}")
+    lines = ["  ".join(head)]
+    headers = ["#", "TIME", "MODEL", "IN", "OUT", "CACHED", "WASTE", "REPAIRS"]
+    headers += ["TTFB", "DURATION", "STATUS", "NOTES"]
+    rows = []
+    for r in detail.rows:
+        notes = []
+        if r.compacted:
+            notes.append("compacted")
+        if r.interrupted:
+            notes.append("interrupted")
+        if r.error:
+            notes.append(_clip(r.error, 60))
+        rows.append(
+            [
+                "-" if r.exchange is None else str(r.exchange),
+                _time(r.ts),
+                r.model or "-",
+                _tokens(r.tokens_in),
+                _tokens(r.tokens_out),
+                _tokens(r.cache_read),
+                _waste(r),
+                str(r.repairs),
+                _seconds(r.ttfb_s),
+                _seconds(r.duration_s),
+                "-" if r.status is None else str(r.status),
+                ", ".join(notes),
+            ]
+        )
+    if rows:
+        lines.append(_table(headers, rows, left={1, 2, 6, 11}))
+    else:
+        lines.append("no exchanges")
+    if detail.torn:
+        lines.append(f"{detail.torn} torn line{'s' if detail.torn != 1 else ''} skipped")
+    return "\n".join(lines)
+
+
+def render_cost(report: CostReport) -> str:
+    """``sessions cost`` as labelled lines (no trailing newline)."""
+    saved = _money(report.saved)
+    if report.saved_pct is not None:
+        saved += f" ({report.saved_pct:.1f}%)"
+    pairs = [
+        ("session", report.session),
+        ("priced exchanges", str(report.priced_exchanges)),
+        ("actual cost", _money(report.actual)),
+        ("without cache", _money(report.uncached)),
+        ("saved by cache", saved),
+        ("wasted cache tokens", _tokens(report.waste_tokens)),
+    ]
+    pairs += [(f"  {cause}", _tokens(tokens)) for cause, tokens in report.waste_by_cause.items()]
+    if report.torn:
+        pairs.append(("torn lines skipped", str(report.torn)))
+    width = max(len(label) for label, _ in pairs)
+    return "\n".join(f"{label.ljust(width)}  {value}" for label, value in pairs)
+
+
+def _table(headers: list[str], rows: list[list[str]], *, left: set[int]) -> str:
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        out = [
+            c.ljust(w) if i in left else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(out).rstrip()
+
+    return "\n".join([line(headers), *(line(row) for row in rows)])
+
+
+def _time(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _tokens(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+def _pct(p: float | None) -> str:
+    return "-" if p is None else f"{p:.1f}%"
+
+
+def _seconds(s: float | None) -> str:
+    return "-" if s is None else f"{s:.2f}s"
+
+
+def _money(usd: float) -> str:
+    return f"-${-usd:.4f}" if usd < 0 else f"${usd:.4f}"
+
+
+def _waste(r: ExchangeRow) -> str:
+    if not r.cache_waste:
+        return "-" if r.cache_waste is None else "0"
+    text = _tokens(r.cache_waste)
+    if r.waste_cause:
+        text += f" {r.waste_cause}"
+    if r.waste_location:
+        text += f"@{r.waste_location}"
+    return text
+
+
+def _clip(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"

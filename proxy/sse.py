@@ -1,0 +1,127 @@
+"""Incremental Server-Sent Events decoder (pure): byte chunks in, events out.
+
+It follows the WHATWG event-stream rules and sits on the hot path of every streamed response, so it
+works on whole chunks with ``bytes`` methods and decodes UTF-8 once per event, never per byte.
+Line terminators are ASCII, so splitting raw bytes on them never cuts a multi-byte character: a
+character split across two chunks simply waits in the partial-line buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_BOM = b"\xef\xbb\xbf"
+
+
+@dataclass(frozen=True, slots=True)
+class SSEEvent:
+    """One dispatched event.
+
+    ``event`` is None when the block had no ``event:`` field (WHATWG would call it "message").
+    ``id`` is the stream's last event id at dispatch time (it persists across events, as in
+    WHATWG); ``retry`` is the ``retry:`` value given in this event's own block, if any.
+    """
+
+    event: str | None
+    data: str
+    id: str | None = None
+    retry: int | None = None
+
+
+class SSEDecoder:
+    """Turn an event stream, fed in arbitrary chunks, into ``SSEEvent`` values.
+
+    ``decode(chunk)`` returns the events completed by that chunk; ``flush()`` at the end of the
+    stream returns a last event that never got its blank line (a truncated stream). As in WHATWG, a
+    block without any ``data:`` field dispatches nothing, and ``retry:`` values are also kept in
+    ``retry``. ``comments`` counts comment lines such as ``: keep-alive``.
+    """
+
+    def __init__(self) -> None:
+        self.comments = 0
+        self.retry: int | None = None
+        self.last_event_id: str | None = None
+        self._pending: list[bytes] = []  # pieces of a line whose terminator has not arrived
+        self._after_cr = False  # the last chunk ended in "\r": a leading "\n" next completes it
+        self._at_start = True  # a UTF-8 BOM is only stripped from the very first line
+        self._data: list[bytes] = []
+        self._event: str | None = None
+        self._block_retry: int | None = None
+        self._has_data = False
+
+    def decode(self, chunk: bytes) -> list[SSEEvent]:
+        """Feed one chunk; return the events it completed, in order."""
+        if self._after_cr and chunk:
+            self._after_cr = False
+            if chunk[0] == 0x0A:
+                chunk = chunk[1:]
+        if not chunk:
+            return []
+        has_cr = chunk.find(b"\r") >= 0
+        if not has_cr and chunk.find(b"\n") < 0:
+            self._pending.append(chunk)
+            return []
+        if self._pending:
+            self._pending.append(chunk)
+            chunk = b"".join(self._pending)
+            self._pending = []
+        if has_cr:
+            self._after_cr = chunk[-1] == 0x0D
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        lines = chunk.split(b"\n")
+        rest = lines.pop()
+        if rest:
+            self._pending.append(rest)
+        return self._lines(lines)
+
+    def flush(self) -> list[SSEEvent]:
+        """End of stream: finish a pending line; dispatch an event left without its blank line."""
+        events = self._lines([b"".join(self._pending)]) if self._pending else []
+        self._pending = []
+        self._after_cr = False
+        events += self._lines([b""])
+        return events
+
+    def _lines(self, lines: list[bytes]) -> list[SSEEvent]:
+        if self._at_start and lines:
+            self._at_start = False
+            if lines[0].startswith(_BOM):
+                lines[0] = lines[0][len(_BOM) :]
+        events: list[SSEEvent] = []
+        for line in lines:
+            if not line:
+                if self._has_data:
+                    events.append(
+                        SSEEvent(
+                            self._event,
+                            b"\n".join(self._data).decode("utf-8", "replace"),
+                            self.last_event_id,
+                            self._block_retry,
+                        )
+                    )
+                self._data = []
+                self._event = None
+                self._block_retry = None
+                self._has_data = False
+                continue
+            if line[0] == 0x3A:  # ":" starts a comment
+                self.comments += 1
+                continue
+            colon = line.find(b":")
+            if colon < 0:
+                name, value = line, b""
+            else:
+                name, value = line[:colon], line[colon + 1 :]
+                if value[:1] == b" ":
+                    value = value[1:]
+            if name == b"data":
+                self._data.append(value)
+                self._has_data = True
+            elif name == b"event":
+                self._event = value.decode("utf-8", "replace")
+            elif name == b"id":
+                if b"\x00" not in value:
+                    self.last_event_id = value.decode("utf-8", "replace")
+            elif name == b"retry" and value.isdigit():
+                self._block_retry = self.retry = int(value)
+        return events

@@ -1,0 +1,474 @@
+"""The stream assembler and recorder: deltas to one assistant message, for any chunking."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from typing import Any
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.assemble import (
+    AssembledResponse,
+    StreamAssembler,
+    StreamRecorder,
+    assemble_completion,
+)
+from proxy.sse import SSEEvent
+from proxy.usage import Usage
+
+
+def chunk(delta: dict[str, Any] | None = None, finish: str | None = None, **extra: Any) -> bytes:
+    """One OpenAI ``chat.completion.chunk`` rendered as an SSE event."""
+    body: dict[str, Any] = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": "gpt-4o-2024-08-06",
+        "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+    body.update(extra)
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def record(chunks: list[bytes]) -> AssembledResponse:
+    recorder = StreamRecorder()
+    for piece in chunks:
+        recorder.feed(piece)
+    return recorder.finish()
+
+
+def tool(
+    index: int, id: str | None = None, name: str | None = None, args: str | None = None
+) -> Any:
+    call: dict[str, Any] = {"index": index}
+    if id is not None:
+        call["id"] = id
+        call["type"] = "function"
+    function: dict[str, str] = {}
+    if name is not None:
+        function["name"] = name
+    if args is not None:
+        function["arguments"] = args
+    if function:
+        call["function"] = function
+    return call
+
+
+# A parallel tool call stream as OpenAI sends it, here with the two calls' argument fragments
+# interleaved by index (some compatible servers interleave; OpenAI itself sends them in turn).
+PARALLEL_TOOLS_STREAM = b"".join(
+    [
+        b": keep-alive\n\n",
+        chunk({"role": "assistant", "content": None, "refusal": None}),
+        chunk({"tool_calls": [tool(0, "call_A", "get_weather", "")]}),
+        chunk({"tool_calls": [tool(1, "call_B", "get_time", "")]}),
+        chunk({"tool_calls": [tool(0, args='{"city": ')]}),
+        chunk({"tool_calls": [tool(1, args='{"tz": "Europe/')]}),
+        chunk({"tool_calls": [tool(0, args='"Zürich"}')]}),
+        chunk({"tool_calls": [tool(1, args='Paris"}')]}),
+        chunk({}, "tool_calls"),
+        chunk(
+            None,
+            usage={
+                "prompt_tokens": 2100,
+                "completion_tokens": 48,
+                "total_tokens": 2148,
+                "prompt_tokens_details": {"cached_tokens": 1920},
+            },
+        ),
+        DONE,
+    ]
+)
+
+PARALLEL_TOOLS_MESSAGE = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {
+            "id": "call_A",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'},
+        },
+        {
+            "id": "call_B",
+            "type": "function",
+            "function": {"name": "get_time", "arguments": '{"tz": "Europe/Paris"}'},
+        },
+    ],
+}
+
+
+def test_parallel_tool_calls_interleaved_by_index() -> None:
+    assert record([PARALLEL_TOOLS_STREAM]) == AssembledResponse(
+        message=PARALLEL_TOOLS_MESSAGE,
+        finish_reason="tool_calls",
+        usage=Usage(2100, 48, 1920, 0, True),
+        error=None,
+        done=True,
+        model="gpt-4o-2024-08-06",
+        id="chatcmpl-1",
+        events=10,
+        malformed=0,
+    )
+
+
+def test_every_two_piece_cut_assembles_the_same() -> None:
+    expected = record([PARALLEL_TOOLS_STREAM])
+    stream = PARALLEL_TOOLS_STREAM.replace(b"\n", b"\r\n")
+    for cut in range(len(stream) + 1):
+        assert record([stream[:cut], stream[cut:]]) == expected, cut
+
+
+def test_text_stream() -> None:
+    stream = [
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"content": "Hel"}),
+        chunk({"content": "lo, "}),
+        chunk({"content": "wörld 😀"}),
+        chunk({}, "stop"),
+        DONE,
+    ]
+    result = record(stream)
+    assert result.message == {"role": "assistant", "content": "Hello, wörld 😀"}
+    assert result.finish_reason == "stop"
+    assert result.done is True
+    assert result.usage is None
+
+
+def test_repeated_full_function_name_is_not_concatenated() -> None:
+    stream = [
+        chunk({"tool_calls": [tool(0, "call_1", "read_file", '{"pa')]}),
+        chunk({"tool_calls": [tool(0, "call_1", "read_file", 'th": "a.py"}')]}),
+        chunk({"tool_calls": [tool(0, name="read_file", args="")]}),
+        chunk({}, "tool_calls"),
+    ]
+    assert record(stream).message["tool_calls"] == [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "read_file", "arguments": '{"path": "a.py"}'},
+        }
+    ]
+
+
+def test_function_name_streamed_in_fragments_is_concatenated() -> None:
+    stream = [
+        chunk({"tool_calls": [tool(0, "call_1", "get_", "")]}),
+        chunk({"tool_calls": [tool(0, name="weather", args="{}")]}),
+    ]
+    assert record(stream).message["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": "{}",
+    }
+
+
+def test_index_zero_reused_for_parallel_calls_with_different_ids() -> None:
+    stream = [
+        chunk({"tool_calls": [tool(0, "call_1", "ls", '{"dir": ')]}),
+        chunk({"tool_calls": [tool(0, args='"src"}')]}),
+        chunk({"tool_calls": [tool(0, "call_2", "ls", '{"dir": ')]}),
+        chunk({"tool_calls": [tool(0, args='"tests"}')]}),
+        chunk({}, "tool_calls"),
+        DONE,
+    ]
+    assert record(stream).message["tool_calls"] == [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "ls", "arguments": '{"dir": "src"}'},
+        },
+        {
+            "id": "call_2",
+            "type": "function",
+            "function": {"name": "ls", "arguments": '{"dir": "tests"}'},
+        },
+    ]
+
+
+def test_content_and_tool_call_together() -> None:
+    stream = [
+        chunk({"role": "assistant", "content": "Let me look."}),
+        chunk({"tool_calls": [tool(0, "call_9", "grep", '{"q": "x"}')]}),
+        chunk({}, "tool_calls"),
+    ]
+    message = record(stream).message
+    assert message["content"] == "Let me look."
+    assert [c["id"] for c in message["tool_calls"]] == ["call_9"]
+
+
+def test_reasoning_content_and_deepseek_usage() -> None:
+    stream = [
+        chunk({"role": "assistant", "content": None, "reasoning_content": ""}),
+        chunk({"content": None, "reasoning_content": "The user wants "}),
+        chunk({"content": None, "reasoning_content": "a greeting."}),
+        chunk({"content": "Hi!", "reasoning_content": None}),
+        chunk(
+            {"content": ""},
+            "stop",
+            usage={
+                "prompt_tokens": 1500,
+                "completion_tokens": 40,
+                "total_tokens": 1540,
+                "prompt_cache_hit_tokens": 1280,
+                "prompt_cache_miss_tokens": 220,
+            },
+        ),
+        DONE,
+    ]
+    result = record(stream)
+    assert result.message == {
+        "role": "assistant",
+        "content": "Hi!",
+        "reasoning_content": "The user wants a greeting.",
+    }
+    assert result.usage == Usage(1500, 40, 1280, 0, True)
+
+
+def test_usage_on_every_chunk_keeps_the_last_real_report() -> None:
+    zero = {"prompt_tokens": 0, "completion_tokens": 0}
+    stream = [
+        chunk({"content": "a"}, usage=zero),
+        chunk({"content": "b"}, usage={"prompt_tokens": 10, "completion_tokens": 1}),
+        chunk({"content": "c"}, usage={"prompt_tokens": 10, "completion_tokens": 2}),
+        chunk({}, "stop", usage=zero),
+    ]
+    assert record(stream).usage == Usage(10, 2)
+
+
+def test_anthropic_style_usage_on_an_openai_stream() -> None:
+    usage = {
+        "input_tokens": 12,
+        "output_tokens": 85,
+        "cache_read_input_tokens": 4000,
+        "cache_creation_input_tokens": 600,
+    }
+    assert record([chunk({"content": "ok"}, "stop"), chunk(None, usage=usage)]).usage == Usage(
+        4612, 85, 4000, 600, True
+    )
+
+
+def test_error_event_mid_stream_is_captured() -> None:
+    error = {"error": {"message": "Overloaded", "type": "server_error", "code": "overloaded"}}
+    stream = [
+        chunk({"role": "assistant", "content": "Partial "}),
+        chunk({"content": "answer"}),
+        b"data: " + orjson.dumps(error) + b"\n\n",
+    ]
+    result = record(stream)
+    assert result.error == error
+    assert result.done is False
+    assert result.finish_reason is None
+    assert result.message == {"role": "assistant", "content": "Partial answer"}
+
+
+def test_error_typed_event_without_error_key_is_wrapped() -> None:
+    stream = [b'event: error\ndata: {"message": "rate limited"}\n\n']
+    assert record(stream).error == {"error": {"message": "rate limited"}}
+
+
+def test_error_typed_event_with_plain_text_data() -> None:
+    result = record([b"event: error\ndata: upstream went away\n\n"])
+    assert result.error == {"error": {"message": "upstream went away"}}
+    assert result.malformed == 1
+
+
+def test_malformed_data_is_counted_not_raised() -> None:
+    stream = [
+        chunk({"content": "a"}),
+        b"data: {not json\n\n",
+        b"data: [1, 2]\n\n",
+        b'data: "text"\n\n',
+        chunk({"content": "b"}),
+        b"data: \n\n",
+        DONE,
+    ]
+    result = record(stream)
+    assert result.malformed == 3
+    assert result.message["content"] == "ab"
+    assert result.events == 7
+
+
+def test_only_choice_zero_is_assembled() -> None:
+    body = {
+        "choices": [
+            {"index": 1, "delta": {"content": "other"}, "finish_reason": "length"},
+            {"index": 0, "delta": {"content": "mine"}, "finish_reason": "stop"},
+        ]
+    }
+    result = record([b"data: " + orjson.dumps(body) + b"\n\n"])
+    assert result.message["content"] == "mine"
+    assert result.finish_reason == "stop"
+
+
+def test_interrupted_stream_gives_the_partial_message() -> None:
+    stream = [
+        chunk({"tool_calls": [tool(0, "call_1", "write_file", '{"path": "a.py", "cont')]}),
+        b'data: {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function"',
+    ]
+    result = record(stream)
+    assert result.done is False
+    assert result.finish_reason is None
+    assert result.malformed == 1  # the torn last event, flushed at the end
+    assert result.message["tool_calls"][0]["function"]["arguments"] == '{"path": "a.py", "cont'
+
+
+def test_final_event_without_blank_line_is_flushed() -> None:
+    stream = [chunk({"content": "x"}), b"data: [DONE]"]
+    assert record(stream).done is True
+
+
+def test_assembler_takes_sse_events_directly() -> None:
+    assembler = StreamAssembler()
+    assembler.feed(SSEEvent(None, '{"choices": [{"index": 0, "delta": {"content": "hi"}}]}'))
+    assembler.feed(SSEEvent(None, "[DONE]"))
+    result = assembler.result()
+    assert result.message == {"role": "assistant", "content": "hi"}
+    assert (result.done, result.events) == (True, 2)
+
+
+def test_result_can_be_taken_mid_stream() -> None:
+    recorder = StreamRecorder()
+    recorder.feed(chunk({"content": "a"}))
+    assert recorder.assembler.result().message["content"] == "a"
+    recorder.feed(chunk({"content": "b"}))
+    assert recorder.finish().message["content"] == "ab"
+
+
+def test_assemble_completion_with_tool_calls() -> None:
+    body = {
+        "id": "chatcmpl-9",
+        "object": "chat.completion",
+        "model": "gpt-4o",
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_A",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'},
+                        },
+                        {
+                            "id": "call_B",
+                            "type": "function",
+                            "function": {"name": "get_time", "arguments": '{"tz": "Europe/Paris"}'},
+                        },
+                    ],
+                },
+                "finish_reason": "tool_calls",
+            }
+        ],
+        "usage": {
+            "prompt_tokens": 2100,
+            "completion_tokens": 48,
+            "prompt_tokens_details": {"cached_tokens": 1920},
+        },
+    }
+    assert assemble_completion(body) == AssembledResponse(
+        message=PARALLEL_TOOLS_MESSAGE,
+        finish_reason="tool_calls",
+        usage=Usage(2100, 48, 1920, 0, True),
+        error=None,
+        done=True,
+        model="gpt-4o",
+        id="chatcmpl-9",
+    )
+
+
+def test_assemble_completion_text_and_reasoning() -> None:
+    body = {
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hi!", "reasoning_content": "Greet."},
+                "finish_reason": "stop",
+            }
+        ]
+    }
+    result = assemble_completion(body)
+    assert result.message == {"role": "assistant", "content": "Hi!", "reasoning_content": "Greet."}
+    assert result.usage is None
+
+
+def test_assemble_completion_error_body() -> None:
+    body = {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": None, "code": None}
+    }
+    result = assemble_completion(body)
+    assert result.error == body
+    assert result.done is False
+    assert result.message == {"role": "assistant", "content": None}
+
+
+# --- property tests -------------------------------------------------------------------------
+
+_piece = st.text(max_size=6) | st.sampled_from(["€", "😀", "中文", "\r\n", '"', "\\"])
+
+
+@st.composite
+def _conversations(draw: st.DrawFn) -> tuple[bytes, dict[str, Any]]:
+    """A random stream of content and parallel tool calls interleaved by index, and its message."""
+    content = draw(st.lists(_piece, max_size=5))
+    calls = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["read", "write", "run_tests"]), st.lists(_piece, max_size=4)
+            ),
+            max_size=3,
+        )
+    )
+    events: list[bytes] = [chunk({"role": "assistant", "content": ""})]
+    events += [chunk({"content": piece}) for piece in content]
+    # Per call: its opening delta, then its argument fragments; calls interleave at random.
+    queues = [
+        [tool(i, f"call_{i}", name, "")] + [tool(i, args=a) for a in args]
+        for i, (name, args) in enumerate(calls)
+    ]
+    while any(queues):
+        live = [q for q in queues if q]
+        queue = live[draw(st.integers(0, len(live) - 1))]
+        events.append(chunk({"tool_calls": [queue.pop(0)]}))
+    events += [chunk({}, "tool_calls" if calls else "stop"), DONE]
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
+    if calls:
+        message["tool_calls"] = [
+            {
+                "id": f"call_{i}",
+                "type": "function",
+                "function": {"name": name, "arguments": "".join(args)},
+            }
+            for i, (name, args) in enumerate(calls)
+        ]
+    return b"".join(events), message
+
+
+@settings(max_examples=150, deadline=None)
+@given(conversation=_conversations(), data=st.data())
+def test_any_chunking_assembles_the_expected_message(
+    conversation: tuple[bytes, dict[str, Any]], data: st.DataObject
+) -> None:
+    raw, message = conversation
+    if data.draw(st.booleans()):
+        raw = raw.replace(b"\n", b"\r\n")
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(raw)), max_size=10)))
+    chunks = [raw[a:b] for a, b in pairwise([0, *cuts, len(raw)])]
+    whole = record([raw])
+    assert whole.message == message
+    assert whole.done is True
+    assert whole.malformed == 0
+    assert record(chunks) == whole
+
+
+@settings(max_examples=20, deadline=None)
+@given(conversation=_conversations())
+def test_byte_by_byte_assembles_the_same(conversation: tuple[bytes, dict[str, Any]]) -> None:
+    raw, message = conversation
+    assert record([raw[i : i + 1] for i in range(len(raw))]).message == message

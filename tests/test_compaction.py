@@ -1,0 +1,505 @@
+"""Compaction: the split point, the summaries, sticky substitution and the trigger."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.compaction import (
+    ROLLING_INSTRUCTION,
+    SUMMARIZER_SYSTEM_PROMPT,
+    SUMMARY_MARKER,
+    Compaction,
+    Cut,
+    apply_compaction,
+    build_compaction,
+    build_summary_request,
+    content_chars,
+    estimate_tokens,
+    extractive_summary,
+    find_cut,
+    is_context_length_error,
+    is_synthetic,
+    plan,
+    prefix_digest,
+    should_compact,
+    summary_message,
+    summary_text,
+)
+from proxy.simulator.validate import validate_messages
+
+Message = dict[str, Any]
+
+# Labels as pairing writes them (pairing is another module; these stand in for its constants).
+ORPHAN_LABEL = "[cachegate: orphaned tool result]"
+INTERRUPTED_LABEL = "[cachegate: interrupted]"
+PREFIXES = (SUMMARY_MARKER, ORPHAN_LABEL, INTERRUPTED_LABEL)
+
+SYSTEM: Message = {"role": "system", "content": "You are a coding agent."}
+EARLIER_TASK: Message = {"role": "user", "content": "Rename the package to cachegate."}
+EARLIER_DONE: Message = {"role": "assistant", "content": "Done: the package is now cachegate."}
+LAUNCH: Message = {
+    "role": "user",
+    "content": "Fix the failing test in tests/test_app.py.\nRun `pytest -q` when done.",
+}
+
+
+def call(call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": orjson.dumps(arguments).decode()},
+    }
+
+
+def tool_round(k: int) -> list[Message]:
+    call_id = f"call_{k}"
+    return [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [call(call_id, "shell", {"command": f"pytest -q tests/test_{k}.py"})],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": f"{k} passed in 0.1s\n(more)"},
+    ]
+
+
+def reference() -> list[Message]:
+    """A system message, a finished earlier task, the launching message, ten tool rounds."""
+    rounds = [m for k in range(10) for m in tool_round(k)]
+    return [SYSTEM, EARLIER_TASK, EARLIER_DONE, LAUNCH, *rounds]
+
+
+# --- the cut --------------------------------------------------------------------------------
+
+
+def test_cut_falls_exactly_on_the_launching_message() -> None:
+    history = reference()
+    assert len(history) == 24
+
+    cut = find_cut(history, keep_recent=8, max_anchor_chars=40000)
+
+    assert cut == Cut(start=1, end=3)
+    assert history[cut.end] is LAUNCH
+
+
+def test_cut_does_not_pull_back_beyond_max_anchor_chars() -> None:
+    history = reference()
+    anchored_tail = sum(content_chars(m) for m in history[3:])
+
+    at_limit = find_cut(history, keep_recent=8, max_anchor_chars=anchored_tail)
+    below_limit = find_cut(history, keep_recent=8, max_anchor_chars=anchored_tail - 1)
+
+    assert at_limit == Cut(1, 3)
+    assert below_limit == Cut(1, 16)
+    assert history[16]["role"] == "assistant"
+    assert len(history[16:]) == 8
+
+
+def test_cut_moves_earlier_rather_than_start_the_tail_with_a_tool_result() -> None:
+    history = reference()
+
+    cut = find_cut(history, keep_recent=9, max_anchor_chars=0)
+
+    # 24 - 9 = 15 is a tool result: its assistant call (14) is kept with it.
+    assert cut == Cut(1, 14)
+    assert history[14]["tool_calls"][0]["id"] == "call_5"
+
+
+def test_cut_keeps_parallel_calls_with_all_their_results() -> None:
+    parallel: list[Message] = [
+        {
+            "role": "assistant",
+            "content": "Reading both.",
+            "tool_calls": [
+                call("a", "read_file", {"path": "a.py"}),
+                call("b", "read_file", {"path": "b.py"}),
+            ],
+        },
+        {"role": "tool", "tool_call_id": "a", "content": "A"},
+        {"role": "tool", "tool_call_id": "b", "content": "B"},
+        {"role": "assistant", "content": "Both read."},
+    ]
+    history = [SYSTEM, EARLIER_TASK, EARLIER_DONE, LAUNCH, *parallel]
+
+    # keep_recent=2 would start the tail at the second result.
+    assert find_cut(history, keep_recent=2, max_anchor_chars=0) == Cut(1, 4)
+
+
+def test_cut_keeps_a_displaced_result_with_its_call() -> None:
+    # Pairing normally moves such a result back; the cut must not split the pair regardless.
+    displaced: list[Message] = [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                call("x", "shell", {"command": "ls"}),
+                call("y", "shell", {"command": "pwd"}),
+            ],
+        },
+        {"role": "tool", "tool_call_id": "x", "content": "a.py"},
+        {"role": "user", "content": "Also check b.py."},
+        {"role": "tool", "tool_call_id": "y", "content": "/work"},
+    ]
+    history = [SYSTEM, EARLIER_TASK, EARLIER_DONE, LAUNCH, *displaced]
+
+    assert find_cut(history, keep_recent=1, max_anchor_chars=0) == Cut(1, 4)
+
+
+def test_no_cut_when_the_middle_would_hold_fewer_than_two_messages() -> None:
+    assert find_cut([SYSTEM, EARLIER_TASK, EARLIER_DONE], keep_recent=1, max_anchor_chars=0) is None
+    short = [SYSTEM, EARLIER_TASK, EARLIER_DONE, LAUNCH]
+    assert find_cut(short, keep_recent=2, max_anchor_chars=0) is None
+    assert find_cut(short, keep_recent=1, max_anchor_chars=0) == Cut(1, 3)
+    assert find_cut([], keep_recent=1, max_anchor_chars=0) is None
+
+
+def test_synthetic_messages_are_never_the_launching_message() -> None:
+    orphan = {"role": "user", "content": f"{ORPHAN_LABEL} tool said: done"}
+    summary = summary_message("Earlier work.", covered=3, source="model")
+    rounds = [m for k in range(3) for m in tool_round(k)]
+    history = [SYSTEM, EARLIER_TASK, EARLIER_DONE, LAUNCH, *rounds, orphan, summary, *tool_round(9)]
+
+    with_labels = find_cut(
+        history, keep_recent=3, max_anchor_chars=40000, synthetic_prefixes=PREFIXES
+    )
+    without_orphan_label = find_cut(history, keep_recent=3, max_anchor_chars=40000)
+
+    assert with_labels == Cut(1, 3)
+    assert history[3] is LAUNCH
+    # Only the summary marker is known by default: the orphan note would pass for the user.
+    assert without_orphan_label == Cut(1, 10)
+    assert history[10] is orphan
+
+
+def test_is_synthetic_reads_text_parts_and_labels() -> None:
+    assert is_synthetic({"role": "user", "content": f"{SUMMARY_MARKER} x"})
+    assert is_synthetic(
+        {"role": "user", "content": [{"type": "text", "text": f"{ORPHAN_LABEL} y"}]}, PREFIXES
+    )
+    assert is_synthetic(
+        {"role": "tool", "tool_call_id": "a", "content": INTERRUPTED_LABEL}, PREFIXES
+    )
+    assert not is_synthetic(LAUNCH, PREFIXES)
+    assert not is_synthetic({"role": "user", "content": f"see {SUMMARY_MARKER}"})
+
+
+@st.composite
+def histories(draw: st.DrawFn) -> list[Message]:
+    """Valid histories: leading system messages, then user (real or synthetic) and assistant
+    messages and tool blocks (1–3 calls, results in any order) in random sequence."""
+    texts = st.text(alphabet="abc xyz/.\n", max_size=300)
+    messages: list[Message] = [dict(SYSTEM) for _ in range(draw(st.integers(0, 2)))]
+    for block in range(draw(st.integers(0, 14))):
+        kind = draw(st.sampled_from(["user", "synthetic", "assistant", "tools", "tools"]))
+        if kind == "user":
+            messages.append({"role": "user", "content": draw(texts)})
+        elif kind == "synthetic":
+            label = draw(st.sampled_from(PREFIXES))
+            messages.append({"role": "user", "content": label + draw(texts)})
+        elif kind == "assistant":
+            messages.append({"role": "assistant", "content": draw(texts)})
+        else:
+            ids = [f"c{block}_{j}" for j in range(draw(st.integers(1, 3)))]
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": draw(st.none() | texts),
+                    "tool_calls": [call(i, "shell", {"command": draw(texts)}) for i in ids],
+                }
+            )
+            for i in draw(st.permutations(ids)):
+                messages.append({"role": "tool", "tool_call_id": i, "content": draw(texts)})
+    return messages
+
+
+@settings(max_examples=300, deadline=None)
+@given(histories(), st.integers(1, 10), st.integers(0, 3000))
+def test_a_cut_never_splits_a_tool_pair(
+    history: list[Message], keep_recent: int, max_anchor_chars: int
+) -> None:
+    cut = find_cut(
+        history,
+        keep_recent=keep_recent,
+        max_anchor_chars=max_anchor_chars,
+        synthetic_prefixes=PREFIXES,
+    )
+    if cut is None:
+        return
+    leading = next((i for i, m in enumerate(history) if m["role"] != "system"), len(history))
+    assert cut.start == leading
+    assert cut.end - cut.start >= 2
+    assert len(history) - cut.end >= keep_recent
+    tail = history[cut.end :]
+    assert tail[0]["role"] != "tool"
+    tail_call_ids = {c["id"] for m in tail for c in m.get("tool_calls") or []}
+    assert all(m["tool_call_id"] in tail_call_ids for m in tail if m["role"] == "tool")
+    # The launching message is kept, unless keeping it would exceed the anchor budget.
+    real_users = [
+        i for i, m in enumerate(history) if m["role"] == "user" and not is_synthetic(m, PREFIXES)
+    ]
+    if real_users and real_users[-1] < cut.end:
+        assert sum(content_chars(m) for m in history[real_users[-1] :]) > max_anchor_chars
+    # What is forwarded after substitution is a history the provider accepts.
+    compaction = build_compaction(history, cut, "summary", source="extractive")
+    substituted = apply_compaction(history, compaction)
+    assert substituted is not None
+    validate_messages(substituted)
+
+
+# --- estimates and trigger ------------------------------------------------------------------
+
+
+def test_estimate_tokens_is_json_bytes_over_four_plus_message_overhead() -> None:
+    message = {"role": "user", "content": "abcd"}  # 32 bytes of JSON
+    assert estimate_tokens(message) == 8
+    assert estimate_tokens([message]) == 12
+    assert estimate_tokens([message, message]) == 24
+    assert estimate_tokens({"a": 1}) == 2  # 7 bytes, rounded up
+    assert estimate_tokens([]) == 0
+
+
+def test_should_compact_prefers_provider_numbers() -> None:
+    common = {"window": 1000, "trigger_percent": 75.0}
+    assert should_compact(
+        **common, last_prompt=700, last_completion=40, appended_estimate=10, full_estimate=0
+    )
+    assert not should_compact(
+        **common, last_prompt=700, last_completion=40, appended_estimate=9, full_estimate=10**6
+    )
+    assert should_compact(
+        **common, last_prompt=None, last_completion=None, appended_estimate=0, full_estimate=750
+    )
+    assert not should_compact(
+        **common, last_prompt=None, last_completion=None, appended_estimate=10**6, full_estimate=749
+    )
+    with pytest.raises(ValueError, match="trigger_percent"):
+        should_compact(
+            window=1000,
+            trigger_percent=0,
+            last_prompt=1,
+            last_completion=1,
+            appended_estimate=0,
+            full_estimate=0,
+        )
+
+
+# --- summaries ------------------------------------------------------------------------------
+
+
+def work_middle() -> list[Message]:
+    return [
+        LAUNCH,
+        {
+            "role": "assistant",
+            "content": "Let me look at the test first.\nThen the module.",
+            "tool_calls": [call("r1", "read_file", {"path": "tests/test_app.py"})],
+        },
+        {"role": "tool", "tool_call_id": "r1", "content": "def test_app():\n    assert app()"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [call("s1", "shell", {"command": "pytest -q tests/test_app.py -x"})],
+        },
+        {"role": "tool", "tool_call_id": "s1", "content": "1 failed\nAssertionError"},
+        {"role": "assistant", "content": "The bug is in proxy/app.py; I ran\n$ git diff --stat"},
+    ]
+
+
+def test_extractive_summary_quotes_the_task_and_lists_files_and_commands() -> None:
+    text = extractive_summary(work_middle(), previous_summary=None)
+
+    assert "> Fix the failing test in tests/test_app.py.\n> Run `pytest -q` when done." in text
+    assert '- read_file({"path":"tests/test_app.py"}) -> def test_app():' in text
+    assert '- shell({"command":"pytest -q tests/test_app.py -x"}) -> 1 failed' in text
+    assert "- assistant: Let me look at the test first." in text
+    assert "Then the module." not in text
+    assert "- `tests/test_app.py`" in text
+    assert "- `proxy/app.py`" in text
+    assert "- `pytest -q tests/test_app.py -x`" in text
+    assert "- `git diff --stat`" in text
+    assert text == extractive_summary(work_middle(), previous_summary=None)
+
+
+def test_extractive_summary_is_rolling_and_bounded() -> None:
+    many = [m for k in range(400) for m in tool_round(k)]
+    text = extractive_summary(
+        [LAUNCH, *many], previous_summary="## Task\n> Rename the package.", max_chars=3000
+    )
+
+    assert len(text) <= 3000
+    assert "## Previous summary\n## Task\n> Rename the package." in text
+    assert "> Fix the failing test in tests/test_app.py." in text
+    assert "earlier steps omitted)" in text
+    assert "shell(" in text
+
+
+def test_summary_request_renders_tools_as_text_and_asks_for_the_sections() -> None:
+    middle = work_middle()
+    middle[4] = {"role": "tool", "tool_call_id": "s1", "content": "x" * 5000 + "TAIL"}
+
+    body = build_summary_request(middle, previous_summary=None, model="gpt-4o")
+
+    assert body["model"] == "gpt-4o"
+    assert "tools" not in body and body["stream"] is False
+    system, user = body["messages"]
+    assert system == {"role": "system", "content": SUMMARIZER_SYSTEM_PROMPT}
+    for heading in ("## Task", "## Done", "## Left", "## Files and commands", "## Decisions"):
+        assert heading in SUMMARIZER_SYSTEM_PROMPT
+    prompt = user["content"]
+    assert ROLLING_INSTRUCTION not in prompt
+    assert '-> tool call read_file({"path":"tests/test_app.py"}) (id r1)' in prompt
+    assert "tool result of shell (id s1):" in prompt
+    clipped = "x" * 1500 + "\n[… 3004 characters omitted by cachegate …]\n" + "x" * 496 + "TAIL"
+    assert f"tool result of shell (id s1):\n{clipped}\n\n[5] assistant:" in prompt
+    assert LAUNCH["content"] in prompt
+
+
+def test_rolling_summary_request_carries_the_previous_summary_to_copy() -> None:
+    body = build_summary_request(
+        work_middle(), previous_summary="## Task\n> Rename the package.", model="m"
+    )
+
+    prompt = body["messages"][1]["content"]
+    assert ROLLING_INSTRUCTION in prompt
+    assert "Copy its still relevant parts verbatim" in ROLLING_INSTRUCTION
+    assert "<previous_summary>\n## Task\n> Rename the package.\n</previous_summary>" in prompt
+
+
+def test_summary_message_is_a_marked_user_message() -> None:
+    message = summary_message("## Task\n> x", covered=5, source="extractive")
+
+    assert message["role"] == "user"
+    assert message["content"].startswith(SUMMARY_MARKER)
+    assert "replaces the 5 earlier messages" in message["content"]
+    assert is_synthetic(message)
+    assert summary_text(message) == "## Task\n> x"
+
+
+# --- sticky substitution --------------------------------------------------------------------
+
+
+def compacted_reference() -> tuple[list[Message], Compaction]:
+    history = reference()
+    cut = find_cut(history, keep_recent=8, max_anchor_chars=0)
+    assert cut == Cut(1, 16)
+    return history, build_compaction(history, cut, "## Task\n> fix it", source="model")
+
+
+def test_substitution_is_byte_identical_as_the_history_grows() -> None:
+    history, compaction = compacted_reference()
+    first = apply_compaction(history, compaction)
+    later_history = orjson.loads(orjson.dumps([*history, *tool_round(10), *tool_round(11)]))
+    later = apply_compaction(later_history, compaction)
+
+    assert first is not None and later is not None
+    assert first == [SYSTEM, compaction.message, *history[16:]]
+    assert orjson.dumps(later[: len(first)]) == orjson.dumps(first)
+    assert later[len(first) :] == [*tool_round(10), *tool_round(11)]
+    assert compaction.covered == 16 and compaction.start == 1
+    assert compaction.tokens_after < compaction.tokens_before
+
+
+def test_rewind_before_the_covered_prefix_drops_the_summary() -> None:
+    history, compaction = compacted_reference()
+    rewound = [*history[:10], {"role": "user", "content": "No, do it differently."}]
+    forked = [*history]
+    forked[15] = {"role": "tool", "tool_call_id": "call_5", "content": "other output"}
+
+    assert apply_compaction(rewound, compaction) is None
+    assert apply_compaction(forked, compaction) is None
+    assert apply_compaction(history[:15], compaction) is None
+
+
+def test_rewind_after_the_covered_prefix_keeps_the_summary() -> None:
+    history, compaction = compacted_reference()
+    steer = {"role": "user", "content": "Stop, try another way."}
+    rewound = [*history[:18], steer]
+
+    assert apply_compaction(rewound, compaction) == [
+        SYSTEM,
+        compaction.message,
+        *history[16:18],
+        steer,
+    ]
+
+
+def test_prefix_digest_resumes_from_a_known_digest_and_ignores_key_order() -> None:
+    history = reference()
+    known = (10, prefix_digest(history, 10))
+    reordered = [dict(reversed(list(m.items()))) for m in history]
+
+    assert prefix_digest(history, 20, known=known) == prefix_digest(history, 20)
+    assert prefix_digest(reordered, 20) == prefix_digest(history, 20)
+    assert prefix_digest(history, 20) != prefix_digest(history, 19)
+
+
+# --- the per-request plan -------------------------------------------------------------------
+
+
+SETTINGS: dict[str, Any] = {
+    "window": 100_000,
+    "trigger_percent": 75.0,
+    "keep_recent": 8,
+    "max_anchor_chars": 0,
+}
+
+
+def test_plan_does_nothing_below_the_trigger() -> None:
+    history = reference()
+    result = plan(history, existing=None, **SETTINGS, last_prompt=1000, last_completion=100)
+
+    assert result.messages is history
+    assert result.cut is None and result.middle == [] and not result.discarded
+
+
+def test_plan_compacts_over_the_trigger_then_rolls() -> None:
+    history = reference()
+    first = plan(history, existing=None, **SETTINGS, last_prompt=80_000, last_completion=0)
+    assert first.cut == Cut(1, 16)
+    assert first.middle == history[1:16] and first.previous_summary is None
+
+    compaction = build_compaction(history, first.cut, "FIRST SUMMARY", source="model")
+    grown = [*history, *(m for k in range(10, 14) for m in tool_round(k))]
+    second = plan(grown, existing=compaction, **SETTINGS, force=True)
+
+    assert second.reused is compaction
+    assert second.messages == apply_compaction(grown, compaction)
+    assert second.cut == Cut(1, 24)
+    assert second.middle == grown[16:24]
+    assert second.previous_summary == "FIRST SUMMARY"
+
+
+def test_plan_discards_a_compaction_after_a_rewind_and_ignores_stale_numbers() -> None:
+    history, compaction = compacted_reference()
+    rewound = [*history[:5], {"role": "user", "content": "Start over."}]
+
+    result = plan(rewound, existing=compaction, **SETTINGS, last_prompt=99_000, last_completion=0)
+
+    assert result.discarded and result.reused is None
+    assert result.messages is rewound
+    assert result.cut is None
+
+
+# --- provider refusal -----------------------------------------------------------------------
+
+
+def test_is_context_length_error() -> None:
+    body = orjson.dumps(
+        {
+            "error": {
+                "message": "This model's maximum context length is 128000 tokens. However, ...",
+                "type": "invalid_request_error",
+                "param": "messages",
+                "code": "context_length_exceeded",
+            }
+        }
+    )
+    assert is_context_length_error(400, body)
+    assert is_context_length_error(400, b"prompt is too long: 210000 tokens > 200000 maximum")
+    assert not is_context_length_error(429, body)
+    assert not is_context_length_error(400, b'{"error": {"message": "Invalid value: \'x\'."}}')

@@ -1,0 +1,377 @@
+"""The relay over real loopback sockets: byte identity, headers, errors, disconnects."""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+CHAT = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def sse(obj: dict[str, Any], sep: bytes = b"\n\n") -> bytes:
+    return b"data: " + orjson.dumps(obj) + sep
+
+
+def chunk(content: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": content}, **extra}],
+    }
+
+
+USAGE_EVENT = sse(
+    {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "choices": [],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 3},
+    }
+)
+STREAM = (
+    sse(
+        {
+            "id": "c1",
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+        }
+    )
+    + b": keep-alive\n\n"
+    + sse(chunk("Grüße, 世界 "))
+    + sse(chunk("🙂 done"), sep=b"\r\n\r\n")
+    + sse(chunk("", finish_reason="stop"))
+)
+
+
+def cut_every(data: bytes, step: int) -> list[bytes]:
+    return [data[i : i + step] for i in range(0, len(data), step)]
+
+
+def read_stream(
+    url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[httpx.Response, bytes]:
+    with httpx.stream(
+        "POST", url + "/chat/completions", json=body, headers=headers, timeout=10
+    ) as r:
+        data = b"".join(r.iter_raw())
+    return r, data
+
+
+def test_non_streaming_body_status_and_headers_unchanged(scripted: Any, proxy_factory: Any) -> None:
+    body = orjson.dumps(
+        {
+            "id": "x",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "hé"},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+        }
+    )
+    upstream, url = scripted(
+        chunks=[body[:7], body[7:]],
+        content_type=b"application/json",
+        extra_headers=[(b"x-request-id", b"req-1"), (b"openai-processing-ms", b"12")],
+    )
+    proxy = proxy_factory(url)
+    direct = httpx.post(url + "/chat/completions", json=CHAT)
+    via = httpx.post(proxy.base_url + "/chat/completions", json=CHAT)
+    assert via.status_code == direct.status_code == 200
+    assert via.content == direct.content == body
+    assert via.headers["x-request-id"] == "req-1"
+    assert via.headers["openai-processing-ms"] == "12"
+    assert via.headers["content-type"] == "application/json"
+    assert via.headers["x-cachegate-repairs"] == "0"
+    assert via.headers["x-cachegate-session"]
+    # nothing to change: the upstream received the client's exact bytes
+    assert upstream.requests[-1]["body"] == upstream.requests[0]["body"] == orjson.dumps(CHAT)
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 5, 7, 64, 10_000])
+def test_stream_bytes_identical_for_any_chunking_when_client_asked_for_usage(
+    scripted: Any, proxy_factory: Any, step: int
+) -> None:
+    stream = STREAM + USAGE_EVENT + b"data: [DONE]\n\n"
+    upstream, url = scripted(chunks=cut_every(stream, step))
+    proxy = proxy_factory(url)
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    r, data = read_stream(proxy.base_url, body)
+    assert r.status_code == 200
+    assert data == stream
+    assert orjson.loads(upstream.requests[-1]["body"]) == body
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 10_000])
+def test_usage_event_cachegate_asked_for_is_hidden_from_the_client(
+    scripted: Any, proxy_factory: Any, step: int
+) -> None:
+    stream = STREAM + USAGE_EVENT + b"data: [DONE]\n\n"
+    upstream, url = scripted(chunks=cut_every(stream, step))
+    proxy = proxy_factory(url)
+    body = {**CHAT, "stream": True}
+    r, data = read_stream(proxy.base_url, body)
+    assert data == STREAM + b"data: [DONE]\n\n"
+    sent = orjson.loads(upstream.requests[-1]["body"])
+    assert sent == {**body, "stream_options": {"include_usage": True}}
+    assert "content-length" not in r.headers
+
+
+def test_usage_request_can_be_turned_off(scripted: Any, proxy_factory: Any) -> None:
+    upstream, url = scripted(chunks=[STREAM, b"data: [DONE]\n\n"])
+    proxy = proxy_factory(url, {"upstream": {"request_usage": False}})
+    read_stream(proxy.base_url, {**CHAT, "stream": True})
+    assert upstream.requests[-1]["body"] == orjson.dumps({**CHAT, "stream": True})
+
+
+def test_stream_arrives_piece_by_piece(scripted: Any, proxy_factory: Any) -> None:
+    events = [sse(chunk(str(i))) for i in range(5)]
+    _upstream, url = scripted(chunks=events, delay_s=0.2)
+    proxy = proxy_factory(url)
+    arrivals = []
+    with httpx.stream(
+        "POST",
+        proxy.base_url + "/chat/completions",
+        json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
+    ) as r:
+        t0 = time.monotonic()
+        for piece in r.iter_raw():
+            arrivals.append((time.monotonic() - t0, piece))
+    assert [p for _, p in arrivals] == events
+    assert arrivals[0][0] < arrivals[-1][0] - 0.5
+
+
+def test_upstream_errors_relayed_verbatim(scripted: Any, proxy_factory: Any) -> None:
+    err = b'{"error":{"message":"Rate limit reached","type":"requests","param":null,"code":"rate_limit_exceeded"}}'
+    _upstream, url = scripted(
+        chunks=[err],
+        status=429,
+        content_type=b"application/json",
+        extra_headers=[(b"retry-after", b"7")],
+    )
+    proxy = proxy_factory(url)
+    r = httpx.post(proxy.base_url + "/chat/completions", json=CHAT)
+    assert r.status_code == 429
+    assert r.content == err
+    assert r.headers["retry-after"] == "7"
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "code"),
+    [
+        (b"{not json", 400, "invalid_json"),
+        (b"[1, 2]", 400, "invalid_body"),
+        (b'{"messages": 3}', 400, "invalid_messages"),
+    ],
+)
+def test_bad_input_is_refused_in_openai_shape_and_not_forwarded(
+    scripted: Any, proxy_factory: Any, content: bytes, status: int, code: str
+) -> None:
+    upstream, url = scripted(chunks=[b"{}"])
+    proxy = proxy_factory(url)
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        content=content,
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code
+    assert upstream.requests == []
+
+
+def test_body_over_limit_is_413(scripted: Any, proxy_factory: Any) -> None:
+    upstream, url = scripted(chunks=[b"{}"])
+    proxy = proxy_factory(url, {"server": {"max_body_bytes": 1000}})
+    r = httpx.post(proxy.base_url + "/chat/completions", json={**CHAT, "pad": "x" * 2000})
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+    assert upstream.requests == []
+
+
+def test_unreachable_upstream_is_502(proxy_factory: Any) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proxy = proxy_factory(f"http://127.0.0.1:{port}/v1")
+    r = httpx.post(proxy.base_url + "/chat/completions", json=CHAT)
+    assert r.status_code == 502
+    assert r.json()["error"]["code"] == "upstream_unreachable"
+
+
+def test_upstream_silent_before_headers_is_504(scripted: Any, proxy_factory: Any) -> None:
+    _upstream, url = scripted(chunks=[b"{}"], header_delay_s=5, content_type=b"application/json")
+    proxy = proxy_factory(url, {"upstream": {"timeout_s": 0.3}})
+    r = httpx.post(proxy.base_url + "/chat/completions", json=CHAT)
+    assert r.status_code == 504
+    assert r.json()["error"]["code"] == "upstream_timeout"
+
+
+def test_upstream_stalling_mid_body_cuts_the_client(scripted: Any, proxy_factory: Any) -> None:
+    _upstream, url = scripted(chunks=[sse(chunk("a")), sse(chunk("b"))], delay_s=5)
+    proxy = proxy_factory(url, {"upstream": {"timeout_s": 0.3}})
+    got = b""
+    with (
+        pytest.raises(httpx.RemoteProtocolError),
+        httpx.stream(
+            "POST", proxy.base_url + "/chat/completions", json={**CHAT, "stream": True}
+        ) as r,
+    ):
+        for piece in r.iter_raw():
+            got += piece
+    assert got == sse(chunk("a"))
+
+
+def test_upstream_dying_mid_stream_cuts_the_client_the_same_way(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    events = [sse(chunk(str(i))) for i in range(6)]
+    _upstream, url = scripted(chunks=events, abort_after=2)
+    proxy = proxy_factory(url)
+    got = b""
+    with (
+        pytest.raises(httpx.RemoteProtocolError),
+        httpx.stream("POST", url + "/chat/completions", json=CHAT) as r,
+    ):
+        for piece in r.iter_raw():
+            got += piece
+    assert got == b"".join(events[:2])
+    got = b""
+    with (
+        pytest.raises(httpx.RemoteProtocolError),
+        httpx.stream(
+            "POST", proxy.base_url + "/chat/completions", json={**CHAT, "stream": True}
+        ) as r,
+    ):
+        for piece in r.iter_raw():
+            got += piece
+    assert got == b"".join(events[:2])
+
+
+def test_authorization_forwarded_unchanged_or_added_from_env(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
+    proxy = proxy_factory(url, environ={"OPENAI_API_KEY": "sk-from-env"})
+    httpx.post(
+        proxy.base_url + "/chat/completions",
+        json=CHAT,
+        headers={"Authorization": "Bearer sk-client"},
+    )
+    httpx.post(proxy.base_url + "/chat/completions", json=CHAT)
+    auth = [dict(r["headers"]).get(b"authorization") for r in upstream.requests]
+    assert auth == [b"Bearer sk-client", b"Bearer sk-from-env"]
+
+
+def test_hop_by_hop_and_encoding_headers_are_not_forwarded(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
+    proxy = proxy_factory(url)
+    httpx.post(
+        proxy.base_url + "/chat/completions",
+        json=CHAT,
+        headers={
+            "Connection": "keep-alive, x-foo",
+            "Accept-Encoding": "gzip",
+            "X-Custom": "kept",
+            "Prompt-Cache-Key": "k",
+        },
+    )
+    headers = dict(upstream.requests[0]["headers"])
+    assert headers[b"accept-encoding"] == b"identity"
+    assert headers[b"x-custom"] == b"kept"
+    assert b"connection" not in headers or headers[b"connection"] != b"keep-alive, x-foo"
+
+
+def test_other_v1_paths_are_relayed_generically(scripted: Any, proxy_factory: Any) -> None:
+    upstream, url = scripted(chunks=[b'{"data":[]}'], content_type=b"application/json")
+    proxy = proxy_factory(url)
+    r = httpx.get(proxy.base_url + "/models?limit=2&after=x")
+    assert r.status_code == 200 and r.content == b'{"data":[]}'
+    big = b"a" * 300_000
+
+    def gen() -> Any:
+        for i in range(0, len(big), 65536):
+            yield big[i : i + 65536]
+
+    r = httpx.post(
+        proxy.base_url + "/files",
+        content=gen(),
+        headers={"content-type": "application/octet-stream"},
+    )
+    assert r.status_code == 200
+    assert [(q["method"], q["path"], q["query"]) for q in upstream.requests] == [
+        ("GET", "/v1/models", b"limit=2&after=x"),
+        ("POST", "/v1/files", b""),
+    ]
+    assert upstream.requests[1]["body"] == big
+
+
+def test_client_disconnect_mid_stream_closes_upstream_at_once(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    events = [sse(chunk(str(i))) for i in range(100)]
+    upstream, url = scripted(chunks=events, delay_s=0.1)
+    proxy = proxy_factory(url)
+    with httpx.stream(
+        "POST", proxy.base_url + "/chat/completions", json={**CHAT, "stream": True}
+    ) as r:
+        it = r.iter_raw()
+        next(it)
+        hung_up = time.monotonic()
+    deadline = time.monotonic() + 5
+    while not upstream.disconnects and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert upstream.disconnects, "upstream never saw the connection close"
+    assert upstream.disconnects[0] - hung_up < 1.0
+    assert upstream.in_flight == 0
+
+
+def test_client_disconnect_before_first_byte_closes_upstream(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    upstream, url = scripted(chunks=[sse(chunk("late"))], first_delay_s=30)
+    proxy = proxy_factory(url)
+    with socket.create_connection(("127.0.0.1", proxy.server.port)) as s:
+        body = orjson.dumps({**CHAT, "stream": True})
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+        s.recv(4096)  # response headers arrive before the first token
+        hung_up = time.monotonic()
+    deadline = time.monotonic() + 5
+    while not upstream.disconnects and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert upstream.disconnects and upstream.disconnects[0] - hung_up < 1.0
+
+
+def test_two_hundred_interrupted_streams_leave_nothing_behind(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    events = [sse(chunk(str(i))) for i in range(50)]
+    upstream, url = scripted(chunks=events, delay_s=0.05)
+    proxy = proxy_factory(url)
+    with httpx.Client(base_url=proxy.base_url, timeout=10) as client:
+        for _ in range(200):
+            with client.stream("POST", "/chat/completions", json={**CHAT, "stream": True}) as r:
+                next(r.iter_raw())
+    deadline = time.monotonic() + 10
+    while (upstream.in_flight or len(upstream.disconnects) < 200) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert upstream.in_flight == 0
+    assert len(upstream.disconnects) == 200
+    pool = proxy.gateway.client._transport._pool
+    assert all(not c.is_connection_dropped() or True for c in pool.connections)
+    assert sum(1 for c in pool.connections if not c.is_idle()) == 0

@@ -1,0 +1,215 @@
+"""The SSE decoder: WHATWG line rules, chunk boundaries anywhere, truncated streams."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.sse import SSEDecoder, SSEEvent
+
+
+def decode_all(chunks: list[bytes]) -> tuple[list[SSEEvent], SSEDecoder]:
+    decoder = SSEDecoder()
+    events: list[SSEEvent] = []
+    for chunk in chunks:
+        events += decoder.decode(chunk)
+    events += decoder.flush()
+    return events, decoder
+
+
+def decode(stream: bytes) -> list[SSEEvent]:
+    return decode_all([stream])[0]
+
+
+@pytest.mark.parametrize(
+    ("stream", "expected"),
+    [
+        pytest.param(b"data: hi\n\n", [SSEEvent(None, "hi")], id="lf"),
+        pytest.param(b"data: hi\r\n\r\n", [SSEEvent(None, "hi")], id="crlf"),
+        pytest.param(b"data: hi\r\r", [SSEEvent(None, "hi")], id="cr"),
+        pytest.param(b"data: a\r\ndata: b\rdata: c\n\r\n", [SSEEvent(None, "a\nb\nc")], id="mixed"),
+        pytest.param(b"data: a\ndata: b\n\n", [SSEEvent(None, "a\nb")], id="multi-line-data"),
+        pytest.param(b"data:hi\n\n", [SSEEvent(None, "hi")], id="no-space"),
+        pytest.param(b"data:  hi \n\n", [SSEEvent(None, " hi ")], id="only-one-space-stripped"),
+        pytest.param(b"data\n\n", [SSEEvent(None, "")], id="field-without-colon"),
+        pytest.param(b"data:\ndata:\n\n", [SSEEvent(None, "\n")], id="empty-data-lines"),
+        pytest.param(b"data: a: b\n\n", [SSEEvent(None, "a: b")], id="colon-in-value"),
+        pytest.param(
+            b": keep-alive\n\n:\ndata: x\n: between\n\n", [SSEEvent(None, "x")], id="comments"
+        ),
+        pytest.param(
+            b"event: error\ndata: {}\n\ndata: next\n\n",
+            [SSEEvent("error", "{}"), SSEEvent(None, "next")],
+            id="event-type-resets",
+        ),
+        pytest.param(
+            b"id: 7\ndata: a\n\ndata: b\n\nid\ndata: c\n\n",
+            [SSEEvent(None, "a", "7"), SSEEvent(None, "b", "7"), SSEEvent(None, "c", "")],
+            id="id-persists",
+        ),
+        pytest.param(b"id: a\x00b\ndata: x\n\n", [SSEEvent(None, "x")], id="id-with-nul-ignored"),
+        pytest.param(
+            b"retry: 3000\ndata: a\n\nretry: 3s\ndata: b\n\n",
+            [SSEEvent(None, "a", None, 3000), SSEEvent(None, "b")],
+            id="retry",
+        ),
+        pytest.param(b"event: ping\n\nretry: 10\n\n", [], id="block-without-data"),
+        pytest.param(b"unknown: 1\ndata: x\n\n", [SSEEvent(None, "x")], id="unknown-field"),
+        pytest.param(b"\xef\xbb\xbfdata: x\n\n", [SSEEvent(None, "x")], id="bom"),
+        pytest.param(b"data: caf\xc3\xa9 \xe2\x82\xac\n\n", [SSEEvent(None, "café €")], id="utf8"),
+        pytest.param(b"data: \xff\n\n", [SSEEvent(None, "\ufffd")], id="invalid-utf8-replaced"),
+        pytest.param(b"data: [DONE]", [SSEEvent(None, "[DONE]")], id="flush-partial-line"),
+        pytest.param(b"data: a\ndata: b\n", [SSEEvent(None, "a\nb")], id="flush-no-blank-line"),
+        pytest.param(b"event: x\n", [], id="flush-without-data"),
+    ],
+)
+def test_decodes_event_stream(stream: bytes, expected: list[SSEEvent]) -> None:
+    assert decode(stream) == expected
+    assert decode_all([bytes([b]) for b in stream])[0] == expected
+
+
+def test_events_returned_as_soon_as_their_blank_line_arrives() -> None:
+    decoder = SSEDecoder()
+    assert decoder.decode(b"data: a\n") == []
+    assert decoder.decode(b"\ndata: b\n\ndata: c") == [SSEEvent(None, "a"), SSEEvent(None, "b")]
+    assert decoder.decode(b"\n\n") == [SSEEvent(None, "c")]
+    assert decoder.flush() == []
+
+
+def test_crlf_split_across_chunks_is_one_line_ending() -> None:
+    decoder = SSEDecoder()
+    assert decoder.decode(b"data: a\r") == []
+    # The "\n" completes the "\r\n" above; only the "\r\n" after it is the blank line.
+    assert decoder.decode(b"\ndata: b\r") == []
+    assert decoder.decode(b"\n\r") == [SSEEvent(None, "a\nb")]
+    assert decoder.decode(b"\n") == []
+    assert decoder.flush() == []
+
+
+def test_cr_then_lf_in_a_later_chunk_after_an_empty_chunk() -> None:
+    decoder = SSEDecoder()
+    assert decoder.decode(b"data: a\r") == []
+    assert decoder.decode(b"") == []
+    assert decoder.decode(b"\n") == []
+    assert decoder.decode(b"\r\n") == [SSEEvent(None, "a")]
+
+
+def test_multibyte_character_split_across_chunks() -> None:
+    euro = "€".encode()
+    decoder = SSEDecoder()
+    assert decoder.decode(b"data: " + euro[:1]) == []
+    assert decoder.decode(euro[1:2]) == []
+    assert decoder.decode(euro[2:] + b"\n\n") == [SSEEvent(None, "€")]
+
+
+def test_counts_comments_and_remembers_retry_and_last_id() -> None:
+    events, decoder = decode_all([b": keep-alive\n\n: ping\nid: 9\nretry: 250\n\n: x\n"])
+    assert events == []
+    assert decoder.comments == 3
+    assert decoder.retry == 250
+    assert decoder.last_event_id == "9"
+
+
+def test_every_two_piece_cut_of_a_stream_decodes_the_same() -> None:
+    stream = (
+        b": keep-alive\r\n\r\n"
+        b'event: message\r\nid: 1\r\ndata: {"content": "h\xc3\xa9llo \xf0\x9f\x98\x80"}\r\n\r\n'
+        b"data: line one\rdata: \xe4\xb8\xad\xe6\x96\x87\r\r"
+        b"data: [DONE]\n\n"
+    )
+    expected = [
+        SSEEvent("message", '{"content": "héllo 😀"}', "1"),
+        SSEEvent(None, "line one\n中文", "1"),
+        SSEEvent(None, "[DONE]", "1"),
+    ]
+    for cut in range(len(stream) + 1):
+        assert decode_all([stream[:cut], stream[cut:]])[0] == expected, cut
+
+
+# Values never hold line terminators; data values include multi-byte characters.
+_text = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n\x00"),
+    max_size=12,
+) | st.sampled_from(["€", "😀 ok", "中文", " leading", "a:b", ""])
+_ending = st.sampled_from(["\n", "\r\n", "\r"])
+
+
+Stream = tuple[bytes, list[SSEEvent], bytes]
+
+
+@st.composite
+def _streams(draw: st.DrawFn, min_events: int = 0) -> Stream:
+    """A rendered event stream with random line endings, comments and fields; its events; and the
+    same stream without its final blank line (a truncated stream)."""
+    out: list[str] = []
+    expected: list[SSEEvent] = []
+    last_id: str | None = None
+    previous_ending = "\n"
+
+    def line(text: str) -> None:
+        nonlocal previous_ending
+        ending = draw(_ending)
+        if not text and previous_ending == "\r" and ending == "\n":
+            ending = "\r\n"  # "\r" then "\n" would read as one "\r\n", not an empty line
+        out.append(text + ending)
+        previous_ending = ending
+
+    for _ in range(draw(st.integers(min_events, 5))):
+        event_type = draw(st.none() | _text)
+        event_id = draw(st.none() | _text)
+        retry = draw(st.none() | st.integers(0, 10**6))
+        data = draw(st.lists(_text, min_size=1, max_size=3))
+        fields: list[str] = [f"data: {value}" for value in data]
+        if event_type is not None:
+            fields.append(f"event: {event_type}")
+        if event_id is not None:
+            fields.append(f"id: {event_id}")
+            last_id = event_id
+        if retry is not None:
+            fields.append(f"retry: {retry}")
+        if draw(st.booleans()):
+            fields.append(": keep-alive")
+        order = draw(st.permutations(range(len(fields))))
+        data_lines = [fields[i] for i in order if fields[i].startswith("data")]
+        for i in order:
+            line(fields[i])
+        line("")
+        expected.append(
+            SSEEvent(event_type, "\n".join(d[len("data: ") :] for d in data_lines), last_id, retry)
+        )
+    truncated = "".join(out[:-1]) if expected else ""
+    return "".join(out).encode(), expected, truncated.encode()
+
+
+def _cut(raw: bytes, cuts: list[int]) -> list[bytes]:
+    bounds = [0, *sorted(cuts), len(raw)]
+    return [raw[a:b] for a, b in pairwise(bounds)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(stream=_streams(), data=st.data())
+def test_random_streams_decode_the_same_for_any_chunking(
+    stream: Stream, data: st.DataObject
+) -> None:
+    raw, expected, _ = stream
+    assert decode(raw) == expected
+    cuts = data.draw(st.lists(st.integers(0, len(raw)), max_size=8))
+    assert decode_all(_cut(raw, cuts))[0] == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(stream=_streams())
+def test_random_streams_decode_the_same_byte_by_byte(stream: Stream) -> None:
+    raw, expected, _ = stream
+    assert decode_all([raw[i : i + 1] for i in range(len(raw))])[0] == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(stream=_streams(min_events=1), data=st.data())
+def test_truncated_stream_flushes_its_last_event(stream: Stream, data: st.DataObject) -> None:
+    _, expected, truncated = stream
+    cuts = data.draw(st.lists(st.integers(0, len(truncated)), max_size=4))
+    assert decode_all(_cut(truncated, cuts))[0] == expected

@@ -1,0 +1,197 @@
+"""Usage normalization across provider dialects, and usage tracking over a stream."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.usage import Usage, UsageTracker, normalize_usage
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        pytest.param(None, None, id="none"),
+        pytest.param({}, None, id="empty"),
+        pytest.param({"total_tokens": 12}, None, id="no-token-fields"),
+        pytest.param(
+            {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120},
+            Usage(100, 20, 0, 0, False),
+            id="openai-no-cache-field",
+        ),
+        pytest.param(
+            {
+                "prompt_tokens": 2006,
+                "completion_tokens": 300,
+                "total_tokens": 2306,
+                "prompt_tokens_details": {"cached_tokens": 1920, "audio_tokens": 0},
+                "completion_tokens_details": {"reasoning_tokens": 0},
+            },
+            Usage(2006, 300, 1920, 0, True),
+            id="openai-cached",
+        ),
+        pytest.param(
+            {
+                "prompt_tokens": 50,
+                "completion_tokens": 5,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            },
+            Usage(50, 5, 0, 0, True),
+            id="openai-cache-miss-is-reported",
+        ),
+        pytest.param(
+            {"prompt_tokens": 50, "completion_tokens": 5, "prompt_tokens_details": None},
+            Usage(50, 5, 0, 0, False),
+            id="openai-null-details",
+        ),
+        pytest.param(
+            {
+                "prompt_tokens": 1500,
+                "completion_tokens": 40,
+                "total_tokens": 1540,
+                "prompt_cache_hit_tokens": 1280,
+                "prompt_cache_miss_tokens": 220,
+            },
+            Usage(1500, 40, 1280, 0, True),
+            id="deepseek",
+        ),
+        pytest.param(
+            {
+                "completion_tokens": 40,
+                "prompt_cache_hit_tokens": 1280,
+                "prompt_cache_miss_tokens": 220,
+            },
+            Usage(1500, 40, 1280, 0, True),
+            id="deepseek-prompt-from-hit-plus-miss",
+        ),
+        pytest.param(
+            {"completion_tokens": 7, "prompt_cache_hit_tokens": 0, "prompt_cache_miss_tokens": 64},
+            Usage(64, 7, 0, 0, True),
+            id="deepseek-full-miss",
+        ),
+        pytest.param(
+            {
+                "input_tokens": 12,
+                "output_tokens": 85,
+                "cache_read_input_tokens": 4000,
+                "cache_creation_input_tokens": 600,
+            },
+            Usage(4612, 85, 4000, 600, True),
+            id="anthropic-style-prompt-includes-cache",
+        ),
+        pytest.param(
+            {
+                "prompt_tokens": 4612,
+                "completion_tokens": 85,
+                "cache_read_input_tokens": 4000,
+                "cache_creation_input_tokens": 600,
+                "prompt_tokens_details": {"cached_tokens": 4000},
+            },
+            Usage(4612, 85, 4000, 600, True),
+            id="anthropic-fields-with-openai-prompt-total",
+        ),
+        pytest.param(
+            {"input_tokens": 30, "output_tokens": 3, "cache_creation_input_tokens": 0},
+            Usage(30, 3, 0, 0, True),
+            id="anthropic-style-zero-cache-is-reported",
+        ),
+        pytest.param(
+            {
+                "input_tokens": 900,
+                "output_tokens": 10,
+                "input_tokens_details": {"cached_tokens": 512},
+            },
+            Usage(900, 10, 512, 0, True),
+            id="responses-api",
+        ),
+        pytest.param(
+            {"prompt_tokens": True, "completion_tokens": "5", "prompt_cache_hit_tokens": -1},
+            Usage(0, 0, 0, 0, False),
+            id="non-counts-ignored",
+        ),
+        pytest.param(
+            {"prompt_tokens": 10.0, "completion_tokens": 2},
+            Usage(10, 2, 0, 0, False),
+            id="integral-float",
+        ),
+    ],
+)
+def test_normalizes_provider_usage(raw: dict[str, Any] | None, expected: Usage | None) -> None:
+    assert normalize_usage(raw) == expected
+
+
+def track(reports: list[dict[str, Any] | None]) -> Usage | None:
+    tracker = UsageTracker()
+    for report in reports:
+        tracker.update(report)
+    return tracker.result()
+
+
+def test_no_report_gives_none() -> None:
+    assert track([]) is None
+    assert track([None, None]) is None
+
+
+def test_usage_once_at_the_end() -> None:
+    final = {"prompt_tokens": 10, "completion_tokens": 3}
+    assert track([None, None, final]) == Usage(10, 3)
+
+
+def test_zeros_mid_stream_then_real_numbers() -> None:
+    zero = {"prompt_tokens": 0, "completion_tokens": 0}
+    final = {"prompt_tokens": 10, "completion_tokens": 3}
+    assert track([zero, zero, final]) == Usage(10, 3)
+
+
+def test_running_totals_are_not_summed() -> None:
+    reports = [{"prompt_tokens": 10, "completion_tokens": n} for n in (1, 2, 3, 4)]
+    assert track(reports) == Usage(10, 4)
+
+
+def test_later_all_zero_report_does_not_erase_real_numbers() -> None:
+    real = {
+        "prompt_tokens": 10,
+        "completion_tokens": 3,
+        "prompt_tokens_details": {"cached_tokens": 8},
+    }
+    zero = {"prompt_tokens": 0, "completion_tokens": 0}
+    assert track([real, zero, None, {}]) == Usage(10, 3, 8, 0, True)
+
+
+def test_only_zero_reports_give_a_zero_usage() -> None:
+    zero = {
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    assert track([zero, zero]) == Usage(0, 0, 0, 0, True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    totals=st.lists(
+        st.tuples(st.integers(0, 10**6), st.integers(0, 10**5), st.integers(0, 10**6)),
+        min_size=1,
+        max_size=8,
+    ),
+    noise=st.lists(st.sampled_from([None, "zero"]), max_size=8),
+)
+def test_last_non_empty_report_wins(
+    totals: list[tuple[int, int, int]], noise: list[str | None]
+) -> None:
+    reports: list[dict[str, Any] | None] = [
+        {"prompt_tokens": p, "completion_tokens": c, "prompt_tokens_details": {"cached_tokens": r}}
+        for p, c, r in totals
+    ]
+    zero = {"prompt_tokens": 0, "completion_tokens": 0}
+    reports += [zero if n == "zero" else None for n in noise]
+    non_empty = [t for t in totals if any(t)]
+    if non_empty:
+        p, c, r = non_empty[-1]
+        expected = Usage(p, c, r, 0, True)
+    else:
+        expected = Usage(0, 0, 0, 0, True)
+    assert track(reports) == expected
