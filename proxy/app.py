@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -18,8 +18,12 @@ from starlette.routing import Route
 
 from proxy import __version__
 from proxy.chat import ChatPipeline, header_map
+from proxy.compactor import Compactor
 from proxy.config import Settings
 from proxy.errors import ProxyError, bad_request
+from proxy.eventlog import EventLogWriter, enforce_retention
+from proxy.metrics import Metrics, MetricsObserver
+from proxy.observers import AccountingObserver, EventLogObserver
 from proxy.pipeline import Exchange, Observer, notify
 from proxy.relay import (
     Receive,
@@ -88,19 +92,41 @@ class Gateway:
         self.sessions = MemorySessionStore(
             max_sessions=settings.sessions.max_sessions, idle_ttl_s=settings.sessions.idle_ttl_s
         )
-        self.observers: list[Observer] = []
+        self.metrics = Metrics(registry, settings.models.keys())
+        self.writer: EventLogWriter | None = None
+        self.observers: list[Observer] = [AccountingObserver(settings, self.sessions, self.metrics)]
+        if settings.logging.enabled:
+            lg = settings.logging
+            self.writer = EventLogWriter(
+                lg.dir,
+                fsync=lg.fsync,
+                max_queue=lg.queue_size,
+                bodies=lg.bodies,
+                redact_secrets=lg.redact_secrets,
+                on_loss=self._log_loss,
+            )
+            self.observers.append(EventLogObserver(settings, self.sessions, self.writer))
+        self.observers.append(MetricsObserver(self.metrics))
+        self._retention: asyncio.Task[None] | None = None
         self.client: httpx.AsyncClient | None = None
         self.relay: Relay | None = None
         self.chat: ChatPipeline | None = None
-        self._closers: list[Callable[[], Any]] = []
 
     def api_key(self) -> str | None:
         name = self.settings.upstream.api_key_env
         return self.environ.get(name) if name else None
 
+    def _log_loss(self, kind: str) -> None:
+        self.metrics.observe_log_loss("queue_full" if kind == "queue_full" else "write_error")
+
     async def start(self) -> None:
         self.client = build_client(self.settings, self.transport)
         self.relay = Relay(self.client, self.settings.upstream.base_url)
+        compactor = None
+        if self.settings.compaction.enabled:
+            compactor = Compactor(
+                self.settings, self.client, self.settings.upstream.base_url, self.observers
+            )
         self.chat = ChatPipeline(
             self.settings,
             self.relay,
@@ -108,14 +134,42 @@ class Gateway:
             self.observers,
             api_key=self.api_key,
             clock=self.clock,
+            on_strict_rejection=self.metrics.observe_strict_rejection,
+            compactor=compactor,
         )
+        if self.writer is not None:
+            self.writer.start()
+            lg = self.settings.logging
+            if lg.max_age_days or lg.max_total_mb:
+                self._retention = asyncio.get_running_loop().create_task(self._enforce_retention())
+
+    async def _enforce_retention(self) -> None:
+        """Hourly (and at start): delete whole old log files, never one being written."""
+        lg = self.settings.logging
+        while True:
+            active = set(self.sessions.active_ids())
+            if self.writer is not None:
+                active |= self.writer.open_sessions()
+            try:
+                removed = await asyncio.to_thread(
+                    enforce_retention,
+                    lg.dir,
+                    max_age_days=lg.max_age_days or None,
+                    max_total_mb=lg.max_total_mb or None,
+                    active=active,
+                    now=time.time(),
+                )
+                if removed:
+                    log.info("retention removed %d old session logs", len(removed))
+            except Exception:
+                log.exception("log retention failed")
+            await asyncio.sleep(3600)
 
     async def stop(self) -> None:
-        for close in reversed(self._closers):
-            try:
-                close()
-            except Exception:
-                log.exception("shutdown step failed")
+        if self._retention is not None:
+            self._retention.cancel()
+        if self.writer is not None:
+            await asyncio.to_thread(self.writer.close, 5.0)
         if self.client is not None:
             await self.client.aclose()
 

@@ -15,13 +15,14 @@ from typing import Any
 
 import orjson
 
-from proxy import pairing
+from proxy import compaction, pairing
 from proxy.config import Settings
 from proxy.errors import ProxyError, bad_request
 from proxy.pipeline import Exchange, Observer, notify
 from proxy.relay import (
     Receive,
     Relay,
+    RetryRequest,
     Scope,
     Send,
     UpstreamAborted,
@@ -166,8 +167,9 @@ class ChatPipeline:
             forwarded = body
             if self.settings.pairing.repair or strict:
                 forwarded = self.repair(ex, forwarded, strict)
+            upstream_headers = upstream_request_headers(scope["headers"], self.api_key())
             if self.compactor is not None:
-                forwarded = await self.compactor.apply(ex, state, forwarded)
+                forwarded = await self.compactor.apply(ex, state, forwarded, upstream_headers)
             changed = forwarded is not body
             content = raw
             if ex.stream and self.settings.upstream.request_usage:
@@ -209,17 +211,48 @@ class ChatPipeline:
         ]
         if ex.compacted:
             extra.append((b"x-cachegate-compacted", b"1"))
+        retry_if = compaction.is_context_length_error if self.compactor is not None else None
         try:
-            await self.relay.forward(
-                ex,
-                scope,
-                receive,
-                send,
-                content=content,
-                headers=upstream_request_headers(scope["headers"], self.api_key()),
-                extra_headers=extra,
-                record=True,
-            )
+            try:
+                await self.relay.forward(
+                    ex,
+                    scope,
+                    receive,
+                    send,
+                    content=content,
+                    headers=upstream_headers,
+                    extra_headers=extra,
+                    record=True,
+                    retry_if=retry_if,
+                )
+            except RetryRequest:
+                # The provider refused a history too long for its window: compact now, retry once.
+                log.info("session %s: context length exceeded; compacting and retrying", state.id)
+                assert self.compactor is not None
+                forwarded = await self.compactor.apply(
+                    ex, state, ex.client_body or body, upstream_headers, force=True
+                )
+                if ex.stream and ex.strip_usage:
+                    forwarded = {
+                        **forwarded,
+                        "stream_options": {
+                            **(forwarded.get("stream_options") or {}),
+                            "include_usage": True,
+                        },
+                    }
+                ex.body = forwarded
+                if ex.compacted and (b"x-cachegate-compacted", b"1") not in extra:
+                    extra.append((b"x-cachegate-compacted", b"1"))
+                await self.relay.forward(
+                    ex,
+                    scope,
+                    receive,
+                    send,
+                    content=orjson.dumps(forwarded),
+                    headers=upstream_headers,
+                    extra_headers=extra,
+                    record=True,
+                )
         except UpstreamAborted:
             notify(self.observers, "on_response", ex)
             raise

@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 OTHER_MODEL: Final = "other"
 """The ``model`` label of every model that is not configured (and of requests without a model)."""
 
+ROUTES: Final = ("chat", "passthrough")
+"""The ``route`` label: the chat-completions pipeline, or the generic relay of any other path."""
 TOKEN_KINDS: Final = ("prompt", "completion", "cache_read", "cache_write")
 WASTE_CAUSES: Final = ("ttl_expired", "prefix_rewrite", "params_changed", "unexplained")
 REWRITE_LOCATIONS: Final = ("system", "tools", "messages", "params")
@@ -189,7 +191,13 @@ class Metrics:
         self._preinitialize()
 
     def _preinitialize(self) -> None:
+        for route in ROUTES:
+            self.overhead.labels(route)
         for label in (*sorted(self._models), OTHER_MODEL):
+            for route in ROUTES:
+                # 200 stands for the normal answer; other statuses appear when they happen.
+                self.requests.labels(route, label, "200")
+                self.request_duration.labels(route, label)
             self.ttfb.labels(label)
             for kind in TOKEN_KINDS:
                 self.tokens.labels(label, kind)

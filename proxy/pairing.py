@@ -46,6 +46,9 @@ DEFAULT_INTERRUPTED_NOTE: Final = (
 )
 """Content of the synthetic result of a dangling call; ``{name}`` becomes the tool's name."""
 
+DOWNGRADE_PREFIXES: Final = ("[tool result ", "[duplicate tool result ")
+"""How the text of every downgraded orphan or duplicate result starts (to recognize cachegate's)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Repair:

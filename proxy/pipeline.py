@@ -63,17 +63,18 @@ class Observer(Protocol):
 
     def on_response(self, ex: Exchange) -> None: ...
 
-    def on_error(self, ex: Exchange) -> None:
-        """cachegate answered the request itself (bad input, strict rejection); nothing was forwarded."""
+    # Optional hooks, called when an observer defines them:
+    #   on_compaction(ex, comp, source): a compaction was made (source model|extractive) or reused.
+    #   on_error(ex): cachegate answered itself (bad input, strict rejection); nothing forwarded.
 
 
-def notify(observers: list[Observer], hook: str, ex: Exchange) -> None:
+def notify(observers: list[Observer], hook: str, ex: Exchange, *args: Any) -> None:
     """Call ``hook`` on every observer; one failing observer never stops the others or the relay."""
     for observer in observers:
         try:
             method = getattr(observer, hook, None)
             if method is not None:
-                method(ex)
+                method(ex, *args)
         except Exception:
             log.exception(
                 "observer %s.%s failed; the response is unaffected", type(observer).__name__, hook

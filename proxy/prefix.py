@@ -59,6 +59,12 @@ _EXCERPT_LEAD: Final = 30
 # An insertion counts as "only a volatile token" when, besides the token, it adds no more than a
 # short label ("Current time: ").
 _VOLATILE_LABEL_CHARS: Final = 48
+# A change longer than this is an edit, whatever tokens it holds; bounds the regex work.
+_VOLATILE_SCAN_CHARS: Final = 4096
+# Context kept around a changed region so tokens crossing its edges are seen whole.
+_TOKEN_MARGIN: Final = 64
+# Context redacted around an excerpt, so a secret that starts before the excerpt is still caught.
+_SECRET_MARGIN: Final = 4096
 # Fixed element positions in the chain; messages after the system block follow.
 _PARAMS, _TOOLS, _SYSTEM = 0, 1, 2
 _FIRST_MESSAGE: Final = 3
@@ -443,29 +449,39 @@ def _common_suffix_len(a: str, b: str, limit: int) -> int:
 
 
 def _excerpts(old_text: str, new_text: str) -> tuple[str, str]:
-    """Redacted excerpts of both texts around their first differing character."""
-    old_red, new_red = redact_text(old_text), redact_text(new_text)
-    if old_red != new_red:
-        at = _common_prefix_len(old_red, new_red)
-    else:
-        # The texts differ only inside secrets: point near where they do, but show no secret.
-        at = min(_common_prefix_len(old_text, new_text), len(old_red))
-    return _excerpt(old_red, at), _excerpt(new_red, at)
+    """Redacted excerpts of both texts around their first differing character.
+
+    Only a window around the difference is redacted, wide enough to hold any realistic secret
+    that runs into the excerpt, so a 300 KB tool output costs no more than a short one.
+    """
+    at = _common_prefix_len(old_text, new_text)
+    lo = max(0, at - _EXCERPT_LEAD - _SECRET_MARGIN)
+    hi = at + EXCERPT_CHARS + _SECRET_MARGIN
+    old_red, new_red = redact_text(old_text[lo:hi]), redact_text(new_text[lo:hi])
+    # Redaction changes lengths: find the difference again, in the redacted windows. Equal windows
+    # mean the texts differ only inside a secret: point near there, and show no secret.
+    at = _common_prefix_len(old_red, new_red) if old_red != new_red else min(at - lo, len(old_red))
+    return (
+        _excerpt(old_red, at, lo > 0, hi < len(old_text)),
+        _excerpt(new_red, at, lo > 0, hi < len(new_text)),
+    )
 
 
-def _excerpt(text: str, at: int) -> str:
+def _excerpt(window: str, at: int, more_before: bool, more_after: bool) -> str:
     # The same start in both texts, so the two excerpts line up character for character.
-    start = max(0, min(at - _EXCERPT_LEAD, len(text)))
-    end = min(len(text), start + EXCERPT_CHARS)
-    # Never cut a redaction marker in two: widen the window to hold it whole.
+    start = max(0, min(at - _EXCERPT_LEAD, len(window)))
+    end = min(len(window), start + EXCERPT_CHARS)
+    # Never cut a redaction marker in two: widen the excerpt to hold it whole.
     width = len(REDACTED)
-    marker = text.rfind(REDACTED, max(0, start - width + 1), start + width - 1)
+    marker = window.rfind(REDACTED, max(0, start - width + 1), start + width - 1)
     if marker >= 0:
         start = marker
-    marker = text.find(REDACTED, max(0, end - width + 1), end + width - 1)
+    marker = window.find(REDACTED, max(0, end - width + 1), end + width - 1)
     if marker >= 0:
         end = marker + width
-    return ("…" if start > 0 else "") + text[start:end] + ("…" if end < len(text) else "")
+    before = "…" if start > 0 or more_before else ""
+    after = "…" if end < len(window) or more_after else ""
+    return before + window[start:end] + after
 
 
 # --- volatile tokens --------------------------------------------------------------------------
@@ -526,8 +542,15 @@ def volatile_kind(old_text: str, new_text: str) -> str | None:
     """
     if old_text == new_text:
         return None
-    old_norm, old_tokens = _normalize(old_text)
-    new_norm, new_tokens = _normalize(new_text)
+    # Outside the changed region the texts are equal: normalize only that region plus a margin
+    # that holds any token running across its edges (same cut on both sides).
+    head = _common_prefix_len(old_text, new_text)
+    tail = _common_suffix_len(old_text, new_text, min(len(old_text), len(new_text)) - head)
+    if max(len(old_text), len(new_text)) - head - tail > _VOLATILE_SCAN_CHARS:
+        return None  # far more changed than a token and a label
+    lo = max(0, head - _TOKEN_MARGIN)
+    old_norm, old_tokens = _normalize(old_text[lo : len(old_text) - tail + _TOKEN_MARGIN])
+    new_norm, new_tokens = _normalize(new_text[lo : len(new_text) - tail + _TOKEN_MARGIN])
     if old_norm == new_norm:
         for old_token, new_token in zip(old_tokens, new_tokens, strict=True):
             if old_token.group() != new_token.group():

@@ -50,6 +50,15 @@ class UpstreamAborted(Exception):
     """The upstream broke off mid-response; the client's connection is cut the same way."""
 
 
+class RetryRequest(Exception):
+    """The upstream refused in a way the caller can fix (``retry_if``); nothing reached the client."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(status)
+        self.status = status
+        self.body = body
+
+
 class _DisconnectWatch:
     """Cancels the relaying task the moment the client disconnects (uvicorn's ``send`` is silent)."""
 
@@ -156,6 +165,7 @@ class Relay:
         extra_headers: list[tuple[bytes, bytes]],
         record: bool,
         watch_now: bool = True,
+        retry_if: Callable[[int, bytes], bool] | None = None,
     ) -> None:
         """Relay the exchange. Fills ``ex``; raises only ``UpstreamAborted`` (after the response began)."""
         request = self.client.build_request(
@@ -184,6 +194,10 @@ class Relay:
             if watch is None:
                 watch = _DisconnectWatch(receive)
             ex.status = response.status_code
+            if retry_if is not None and response.status_code in (400, 413, 422):
+                error_body = await response.aread()
+                if retry_if(response.status_code, error_body):
+                    raise RetryRequest(response.status_code, error_body)
             if response.status_code >= 400:
                 ex.upstream_error = "status"
             ctype = response.headers.get("content-type", "")

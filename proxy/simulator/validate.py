@@ -44,12 +44,16 @@ def validate_messages(messages: Any) -> None:
     assistant message that opened its block.
     """
     if not isinstance(messages, list) or not messages:
-        raise ValidationError("Invalid 'messages': empty array. Expected an array with minimum length 1.")
+        raise ValidationError(
+            "Invalid 'messages': empty array. Expected an array with minimum length 1."
+        )
     pending: list[str] = []  # ids of the open block not yet answered, in call order
     open_block = False
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ValidationError(f"Invalid type for 'messages[{i}]': expected an object.", f"messages[{i}]")
+            raise ValidationError(
+                f"Invalid type for 'messages[{i}]': expected an object.", f"messages[{i}]"
+            )
         role = message.get("role")
         if role not in ROLES:
             raise ValidationError(

@@ -1,0 +1,147 @@
+"""The I/O side of compaction: decide per request, call the summarizer once, keep it sticky.
+
+The pure decisions live in ``proxy.compaction``; this module adds the one upstream call (the
+summarizer, without tools) and the session state. Compaction never breaks a session: when the
+summarizer fails or times out, the extractive summary is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import httpx
+import orjson
+
+from proxy import compaction, pairing
+from proxy.config import Settings
+from proxy.pipeline import Exchange, Observer, notify
+from proxy.sessions import SessionState
+
+log = logging.getLogger(__name__)
+
+# Labels of the messages pairing repair writes; they never count as the user's launching message.
+SYNTHETIC_PREFIXES: tuple[str, ...] = (
+    compaction.SUMMARY_MARKER,
+    "[cachegate]",
+    *pairing.DOWNGRADE_PREFIXES,
+)
+
+
+class Compactor:
+    """Per-request compaction transform; ``force=True`` after a ``context_length_exceeded``."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        client: httpx.AsyncClient,
+        base_url: str,
+        observers: list[Observer],
+    ) -> None:
+        self.settings = settings
+        self.client = client
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.observers = observers
+
+    async def apply(
+        self,
+        ex: Exchange,
+        state: SessionState,
+        body: dict[str, Any],
+        headers: list[tuple[bytes, bytes]],
+        *,
+        force: bool = False,
+    ) -> dict[str, Any]:
+        cfg = self.settings.compaction
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return body
+        _, model_cfg = self.settings.model(ex.model)
+        last = state.extra.get("last_usage")
+        prev_len = state.extra.get("last_len", 0)
+        existing: compaction.Compaction | None = state.extra.get("compaction")
+        plan = compaction.plan(
+            messages,
+            existing=existing,
+            window=model_cfg.context_window,
+            trigger_percent=cfg.trigger_percent,
+            keep_recent=cfg.keep_recent,
+            max_anchor_chars=cfg.max_anchor_chars,
+            last_prompt=last[0] if last else None,
+            last_completion=last[1] if last else None,
+            appended_estimate=compaction.estimate_tokens(messages[prev_len:]) if last else 0,
+            force=force,
+            synthetic_prefixes=SYNTHETIC_PREFIXES,
+        )
+        state.extra["last_len"] = len(messages)
+        if plan.discarded:
+            state.extra.pop("compaction", None)
+        if plan.cut is None:
+            if plan.reused is None:
+                return body
+            ex.compacted = True
+            ex.transforms["compacted"] = {"reused": True, "covered": plan.reused.covered}
+            notify(self.observers, "on_compaction", ex, plan.reused, "reused")
+            return {**body, "messages": plan.messages}
+        text, source = await self._summarize(ex, plan, headers)
+        comp = compaction.build_compaction(
+            messages,
+            plan.cut,
+            text,
+            source=source,
+            tokens_before=compaction.estimate_tokens(messages),
+        )
+        forwarded = compaction.apply_compaction(messages, comp, digest=comp.prefix_digest)
+        if forwarded is None:  # cannot happen for the history it was built from; stay safe
+            return body
+        state.extra["compaction"] = comp
+        state.extra["compacted_pending"] = True  # the next exchange's miss is expected, not waste
+        ex.compacted = True
+        ex.transforms["compacted"] = {
+            "start": comp.start,
+            "covered": comp.covered,
+            "source": source,
+            "tokens_before": comp.tokens_before,
+            "tokens_after": comp.tokens_after,
+        }
+        notify(self.observers, "on_compaction", ex, comp, source)
+        return {**body, "messages": forwarded}
+
+    async def _summarize(
+        self, ex: Exchange, plan: compaction.Plan, headers: list[tuple[bytes, bytes]]
+    ) -> tuple[str, compaction.Source]:
+        model = self.settings.compaction.summarizer_model or ex.model or ""
+        request = compaction.build_summary_request(
+            plan.middle, previous_summary=plan.previous_summary, model=model
+        )
+        started = time.perf_counter()
+        try:
+            response = await self.client.post(
+                self.url,
+                content=orjson.dumps(request),
+                headers=[(k, v) for k, v in headers if k != b"content-type"]
+                + [(b"content-type", b"application/json")],
+                timeout=self.settings.compaction.summary_timeout_s,
+            )
+            if response.status_code == 200:
+                text = response.json()["choices"][0]["message"]["content"]
+                if isinstance(text, str) and text.strip():
+                    return text.strip(), "model"
+            log.warning(
+                "summarizer answered %s; using the extractive summary", response.status_code
+            )
+        except Exception as exc:
+            log.warning(
+                "summarizer failed after %.1fs (%s); using the extractive summary",
+                time.perf_counter() - started,
+                type(exc).__name__,
+            )
+        return (
+            compaction.extractive_summary(
+                plan.middle,
+                previous_summary=plan.previous_summary,
+                synthetic_prefixes=SYNTHETIC_PREFIXES,
+            ),
+            "extractive",
+        )

@@ -1,0 +1,212 @@
+"""Observers wired by the app: cache accounting and cost, and the session event log.
+
+Both run after the client has its response (``on_response``) or when a request is forwarded
+(``on_request``), and neither can break the relay (``proxy.pipeline.notify`` swallows their errors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from proxy import __version__, cache, prefix
+from proxy.cache import CacheState, ModelPricing
+from proxy.config import Settings
+from proxy.eventlog import EventLogWriter, choose_base, session_log_path
+from proxy.metrics import Metrics
+from proxy.pipeline import Exchange
+from proxy.sessions import SessionStore
+
+
+def _location_label(divergence: prefix.Divergence) -> str:
+    return "messages" if divergence.location == "messages" else divergence.location
+
+
+class AccountingObserver:
+    """Prefix diagnosis for every request; cache waste, its cause and cost for every response."""
+
+    def __init__(self, settings: Settings, sessions: SessionStore, metrics: Metrics) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.metrics = metrics
+
+    def on_request(self, ex: Exchange) -> None:
+        """Nothing to do before the response: accounting runs once the client has its answer."""
+
+    def on_response(self, ex: Exchange) -> None:
+        if ex.route != "chat" or ex.body is None or ex.session_id is None:
+            return
+        state = self.sessions.get(ex.session_id)
+        if state is None:
+            return
+        extra = state.extra
+        previous: prefix.Fingerprint | None = extra.get("fingerprint")
+        fp = prefix.fingerprint(ex.body, previous)
+        divergence = None
+        if previous is not None:
+            divergence = prefix.find_divergence(previous, fp, extra["body"], ex.body)
+        extra["fingerprint"] = fp
+        extra["body"] = ex.body
+        if divergence is not None:
+            self.metrics.observe_prefix_rewrite(_location_label(divergence))
+            ex.transforms.setdefault("divergence", _divergence_dict(divergence))
+        usage = ex.usage
+        if usage is None or ex.status >= 400:
+            return
+        extra["last_usage"] = (usage.prompt, usage.completion)
+        name, model = self.settings.model(ex.model)
+        after_compaction = bool(extra.pop("compacted_pending", False))
+        new_state, result = cache.account(
+            extra.get("cache") or CacheState(),
+            usage=usage,
+            fingerprint=fp,
+            divergence=divergence,
+            started_at=ex.started_at,
+            ttl_s=model.cache_ttl_s,
+            noise_floor=self.settings.cache.noise_floor_tokens,
+            model=ex.model or name,
+            after_compaction=after_compaction,
+        )
+        extra["cache"] = new_state
+        ex.cache = dataclasses.asdict(result)
+        if result.waste and result.cause:
+            self.metrics.observe_cache_waste(ex.model, result.cause, result.waste)
+        pricing = ModelPricing(
+            model.price_input, model.price_cached_input, model.price_cache_write, model.price_output
+        )
+        cost = cache.compute_cost(usage, pricing)
+        ex.cost = {"actual": cost.actual, "uncached": cost.uncached}
+        self.metrics.observe_cost(ex.model, cost.actual, cost.uncached)
+
+    def on_compaction(self, ex: Exchange, comp: Any, source: str) -> None:
+        result = {"model": "summary", "extractive": "extractive"}.get(source, "reused")
+        self.metrics.observe_compaction(ex.model, result)
+
+
+def _divergence_dict(d: prefix.Divergence) -> dict[str, Any]:
+    return {
+        "location": d.location,
+        "index": d.index,
+        "role": d.role,
+        "field": d.field,
+        "old": d.old_excerpt,
+        "new": d.new_excerpt,
+        "volatile": d.volatile,
+        "volatile_kind": d.volatile_kind,
+    }
+
+
+class EventLogObserver:
+    """Writes the session's JSONL audit log through the background writer (never waits on disk)."""
+
+    def __init__(self, settings: Settings, sessions: SessionStore, writer: EventLogWriter) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.writer = writer
+
+    def _meta(self, ex: Exchange) -> None:
+        state = self.sessions.get(ex.session_id or "")
+        if state is None or state.meta_written:
+            return
+        state.meta_written = True
+        path = session_log_path(self.settings.logging.dir, state.id)
+        if os.path.exists(path):  # an explicit id seen by an earlier process: one meta per file
+            return
+        self.writer.emit(
+            state.id,
+            {
+                "type": "session_meta",
+                "session": state.id,
+                "created": _iso(state.created),
+                "model": ex.model,
+                "upstream": self.settings.upstream.base_url,
+                "user_agent": ex.user_agent,
+                "version": __version__,
+            },
+        )
+
+    def on_request(self, ex: Exchange) -> None:
+        if ex.route != "chat" or ex.session_id is None or ex.body is None:
+            return
+        self._meta(ex)
+        state = self.sessions.get(ex.session_id)
+        messages = ex.body.get("messages")
+        messages = messages if isinstance(messages, list) else []
+        candidates = [
+            (eid, msgs) for eid, msgs in (state.recent if state else []) if eid != ex.exchange_id
+        ]
+        base_exchange, base = choose_base(candidates, messages) if candidates else (None, 0)
+        self.writer.emit(
+            ex.session_id,
+            {
+                "type": "request",
+                "exchange": ex.exchange_id,
+                "model": ex.model,
+                "stream": ex.stream,
+                "path": "/v1/" + ex.path,
+                "base_exchange": base_exchange,
+                "base": base,
+                "appended": messages[base:],
+                "repairs": ex.repairs,
+                "transforms": dict(ex.transforms),
+                "bytes": ex.request_bytes,
+            },
+        )
+
+    def on_response(self, ex: Exchange) -> None:
+        if ex.route != "chat" or ex.session_id is None:
+            return
+        assembled = ex.assembled
+        usage = ex.usage
+        event: dict[str, Any] = {
+            "type": "response",
+            "exchange": ex.exchange_id,
+            "status": ex.status,
+            "message": assembled.message if assembled else None,
+            "finish_reason": assembled.finish_reason if assembled else None,
+            "usage": dataclasses.asdict(usage) if usage else None,
+            "ttfb_s": round(ex.ttfb_s, 6) if ex.ttfb_s is not None else None,
+            "duration_s": round(ex.duration_s, 6),
+            "interrupted": ex.interrupted,
+            "error": ex.error,
+        }
+        if ex.cache is not None:
+            event["cache"] = ex.cache
+        if ex.cost is not None:
+            event["cost"] = ex.cost
+        if "divergence" in ex.transforms:
+            event["divergence"] = ex.transforms["divergence"]
+        self.writer.emit(ex.session_id, event)
+
+    def on_compaction(self, ex: Exchange, comp: Any, source: str) -> None:
+        if ex.session_id is None:
+            return
+        self.writer.emit(
+            ex.session_id,
+            {
+                "type": "compacted",
+                "exchange": ex.exchange_id,
+                "start": comp.start,
+                "covered": comp.covered,
+                "summary": comp.message.get("content"),
+                "tokens_before": comp.tokens_before,
+                "tokens_after": comp.tokens_after,
+                "source": source,
+            },
+        )
+
+    def on_error(self, ex: Exchange) -> None:
+        if ex.session_id is None:
+            return
+        self._meta(ex)
+        self.writer.emit(
+            ex.session_id,
+            {"type": "error", "exchange": ex.exchange_id, "status": ex.status, "message": ex.error},
+        )
+
+
+def _iso(ts: float) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).isoformat().replace("+00:00", "Z")

@@ -1,0 +1,529 @@
+"""The simulator's HTTP face: routes, streaming with real-time pacing, injected faults.
+
+``create_simulator_app`` returns the Starlette app; ``run_simulator`` serves it on a free loopback
+port for tests and the demo. Per-request controls are headers:
+
+- ``X-Sim-Fault: 429|500|503|reset|stall|malformed|error_event`` (or ``fault_rate`` + ``seed``):
+  429/500/503 answer at once in the OpenAI error shape (429 with ``retry-after``); ``reset`` drops
+  the connection after a few chunks (non-streaming: halfway through the body); ``stall`` goes
+  silent after a few chunks for ``X-Sim-Stall-S`` seconds (default ``stall_s``) then finishes;
+  ``malformed`` inserts one truncated ``data:`` line; ``error_event`` sends ``data: {"error": …}``
+  and ends the stream without ``[DONE]`` (non-streaming: the error object is the 200 body).
+- ``X-Sim-Script``: one scripted reply as JSON (see ``proxy.simulator.reply``).
+- ``X-Sim-Time-Advance``: seconds to move the simulated clock before handling.
+
+Admin routes: ``POST /_sim/clock {"advance_s": N}``, ``GET /_sim/clock``, ``GET /_sim/requests``,
+``POST /_sim/reset``, ``POST /_sim/script`` (a reply, a list, or ``{"responses": [...]}``).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import math
+import random
+import struct
+from collections.abc import AsyncGenerator, Iterator, Mapping
+from contextlib import aclosing, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from proxy.serving import ServerThread
+from proxy.simulator.config import FAULTS, STATUS_FAULTS, SimConfig
+from proxy.simulator.reply import Reply, completion_tokens, derive_reply, parse_script
+from proxy.simulator.state import ReceivedRequest, Simulator
+from proxy.simulator.tokens import count_tokens, request_tokens
+from proxy.simulator.validate import ValidationError, validate_messages
+from proxy.simulator.wire import (
+    DONE,
+    KEEPALIVE,
+    completion_object,
+    encode_event,
+    error_object,
+    stream_chunks,
+    usage_object,
+)
+
+logger = logging.getLogger(__name__)
+
+BAD_JSON_TEXT = (
+    "We could not parse the JSON body of your request. (HINT: This likely means you aren't using "
+    "your HTTP library correctly. The OpenAI API expects a JSON payload, but what was sent was not "
+    "valid JSON. If you have trouble figuring out how to fix this, please contact us through our "
+    "help center at help.openai.com.)"
+)
+CONTEXT_TEXT = (
+    "This model's maximum context length is {window} tokens. However, your messages resulted in "
+    "{tokens} tokens. Please reduce the length of the messages."
+)
+SERVER_ERROR_TEXT = "The server had an error while processing your request. Sorry about that!"
+STATUS_FAULT_BODIES: dict[str, dict[str, Any]] = {
+    "429": error_object(
+        "Rate limit reached for requests. Please try again later.",
+        "requests",
+        None,
+        "rate_limit_exceeded",
+    ),
+    "500": error_object(SERVER_ERROR_TEXT, "server_error"),
+    "503": error_object("The server is overloaded or not ready yet.", "server_error"),
+}
+# Chunks sent before a mid-stream fault strikes (fewer when the stream is shorter).
+FAULT_AFTER_CHUNKS = 3
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+class SimulatedReset(Exception):
+    """Raised on purpose inside a response under way: uvicorn then drops the connection."""
+
+
+class _QuietReset(logging.Filter):
+    """Keeps uvicorn from logging a deliberate reset as an application crash."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, SimulatedReset)
+
+
+def _install_quiet_reset() -> None:
+    uvicorn_error = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _QuietReset) for f in uvicorn_error.filters):
+        uvicorn_error.addFilter(_QuietReset())
+
+
+class PacedResponse:
+    """An ASGI response sending body pieces as an async iterator yields them.
+
+    It stops at once when the client disconnects (so a stall never outlives its client), and a
+    ``SimulatedReset`` from the iterator closes the connection without finishing the body. With
+    ``start_at_once`` false the status line waits for the first piece (a stalled non-stream reply).
+    """
+
+    def __init__(
+        self,
+        body: AsyncGenerator[bytes, None],
+        *,
+        status_code: int = 200,
+        media_type: str,
+        headers: Mapping[str, str] | None = None,
+        start_at_once: bool = True,
+    ) -> None:
+        self.body = body
+        self.start_at_once = start_at_once
+        raw = [(b"content-type", media_type.encode())]
+        raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+        self.start_message = {"type": "http.response.start", "status": status_code, "headers": raw}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        reset = False
+        started = False
+
+        async def start() -> None:
+            nonlocal started
+            if not started:
+                started = True
+                await send(self.start_message)
+
+        async def pump() -> None:
+            nonlocal reset
+            try:
+                if self.start_at_once:
+                    await start()
+                async with aclosing(self.body) as pieces:
+                    async for piece in pieces:
+                        await start()
+                        await send({"type": "http.response.body", "body": piece, "more_body": True})
+                await start()
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except SimulatedReset:
+                reset = True
+            except OSError:  # the client left; uvicorn's ClientDisconnected is an OSError
+                pass
+            task_group.cancel_scope.cancel()
+
+        async def watch_disconnect() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            task_group.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(pump)
+            task_group.start_soon(watch_disconnect)
+        if reset:
+            if not started:
+                await start()
+            raise SimulatedReset("simulated connection reset")
+
+
+def _json_response(
+    obj: Any, status_code: int = 200, headers: Mapping[str, str] | None = None
+) -> Response:
+    return Response(orjson.dumps(obj), status_code, headers=headers, media_type="application/json")
+
+
+def _error(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> Response:
+    return _json_response(error_object(message, "invalid_request_error", param, code), status)
+
+
+@dataclass(frozen=True, slots=True)
+class _Controls:
+    """The per-request ``X-Sim-*`` headers, parsed."""
+
+    fault: str | None
+    stall_s: float
+    script: Reply | None
+
+
+def _seconds(text: str, header: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also rejects NaN
+        raise ValueError(f"{header} must be a number of seconds >= 0")
+    return value
+
+
+def _parse_controls(headers: Mapping[str, str], config: SimConfig) -> _Controls:
+    """``ValueError`` names a bad header."""
+    fault = headers.get("x-sim-fault")
+    if fault is not None and fault not in FAULTS:
+        raise ValueError(f"Unknown X-Sim-Fault {fault!r}; known: {', '.join(FAULTS)}")
+    stall_s = _seconds(headers.get("x-sim-stall-s", str(config.stall_s)), "X-Sim-Stall-S")
+    script = None
+    if "x-sim-script" in headers:
+        try:
+            script = parse_script(orjson.loads(headers["x-sim-script"]))
+        except orjson.JSONDecodeError:
+            raise ValueError("X-Sim-Script must be JSON") from None
+    return _Controls(fault=fault, stall_s=stall_s, script=script)
+
+
+def _fault_index(n_events: int) -> int:
+    """Where a mid-stream fault strikes: after a few events, but before the last chunk."""
+    return max(1, min(FAULT_AFTER_CHUNKS, n_events - 2))
+
+
+def _truncated(data: bytes) -> bytes:
+    """The first half of ``data``, cut on a UTF-8 character boundary."""
+    cut = len(data) // 2
+    while 0 < cut < len(data) and 0x80 <= data[cut] < 0xC0:
+        cut -= 1
+    return data[:cut]
+
+
+class _Handlers:
+    def __init__(self, sim: Simulator) -> None:
+        self.sim = sim
+        self.config = sim.config
+
+    # -- provider routes ------------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response | PacedResponse:
+        raw = await request.body()
+        headers = dict(request.headers)
+        try:
+            controls = _parse_controls(headers, self.config)
+            advance = _seconds(headers.get("x-sim-time-advance", "0"), "X-Sim-Time-Advance")
+            if advance:
+                self.sim.advance(advance)
+        except ValueError as exc:
+            return _error(400, str(exc), None, "invalid_sim_control")
+        received = self.sim.record(request.method, request.url.path, headers, raw)
+        response = self._chat(received, raw, controls)
+        if isinstance(response, Response):
+            received.status = response.status_code
+        return response
+
+    def _chat(
+        self, received: ReceivedRequest, raw: bytes, controls: _Controls
+    ) -> Response | PacedResponse:
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            body = None
+        if not isinstance(body, dict):
+            return _error(400, BAD_JSON_TEXT)
+        received.body = body
+        fault = controls.fault or self.sim.draw_fault()
+        if fault in STATUS_FAULTS:
+            received.fault = fault
+            return self._status_fault(fault)
+        if not body.get("model"):
+            return _error(400, "you must provide a model parameter")
+        try:
+            validate_messages(body.get("messages"))
+        except ValidationError as exc:
+            return _error(400, exc.message, exc.param, exc.code)
+        tokens = request_tokens(body)
+        if len(tokens) > self.config.context_window:
+            message = CONTEXT_TEXT.format(window=self.config.context_window, tokens=len(tokens))
+            return _error(400, message, "messages", "context_length_exceeded")
+
+        reply = controls.script or self.sim.take_scripted() or derive_reply(body)
+        fault = fault or reply.fault
+        received.fault = fault
+        if fault in STATUS_FAULTS:
+            return self._status_fault(fault)
+        missing = sum(1 for c in reply.tool_calls if not c.id)
+        reply = reply.with_call_ids([self.sim.new_id("call_", 24) for _ in range(missing)])
+        model = str(body["model"])
+        cache = self.sim.process_prompt(tokens, model)
+        usage = usage_object(self.config.dialect, len(tokens), completion_tokens(reply), cache)
+        received.usage = usage
+        received.status = 200
+        dialect = self.config.dialect
+        completion_id = (
+            self.sim.new_uuid() if dialect == "deepseek" else self.sim.new_id("chatcmpl-", 29)
+        )
+        created = int(self.sim.now)
+        request_id = self.sim.new_id("req_", 24)
+        if body.get("stream"):
+            options = body.get("stream_options")
+            include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            chunks = stream_chunks(
+                dialect=dialect,
+                completion_id=completion_id,
+                created=created,
+                model=model,
+                reply=reply,
+                usage=usage,
+                include_usage=include_usage,
+            )
+            events = [encode_event(c) for c in chunks] + [DONE]
+            return PacedResponse(
+                self._stream_body(events, fault, controls.stall_s),
+                media_type="text/event-stream; charset=utf-8",
+                headers={**SSE_HEADERS, "x-request-id": request_id},
+            )
+        obj = completion_object(
+            dialect=dialect,
+            completion_id=completion_id,
+            created=created,
+            model=model,
+            reply=reply,
+            usage=usage,
+        )
+        return self._plain_body(orjson.dumps(obj), fault, controls.stall_s, request_id)
+
+    def _status_fault(self, fault: str) -> Response:
+        headers = {"retry-after": str(self.config.retry_after_s)} if fault == "429" else None
+        return _json_response(STATUS_FAULT_BODIES[fault], int(fault), headers)
+
+    async def _ttft(self) -> AsyncGenerator[bytes, None]:
+        """Wait for the first token, with keep-alive comments if configured."""
+        remaining = self.config.ttft_ms / 1000
+        if not self.config.keepalive:
+            await anyio.sleep(remaining)
+            return
+        interval = self.config.keepalive_interval_ms / 1000
+        yield KEEPALIVE
+        while remaining > 0:
+            step = min(remaining, interval)
+            await anyio.sleep(step)
+            remaining -= step
+            if remaining > 1e-6:
+                yield KEEPALIVE
+
+    async def _stream_body(
+        self, events: list[bytes], fault: str | None, stall_s: float
+    ) -> AsyncGenerator[bytes, None]:
+        async for comment in self._ttft():
+            yield comment
+        strike = _fault_index(len(events))
+        for i, event in enumerate(events):
+            if i:
+                await anyio.sleep(self.config.chunk_ms / 1000)
+            if i == strike and fault is not None:
+                logger.info("simulated fault %s after %d events", fault, i)
+                if fault == "reset":
+                    raise SimulatedReset(fault)
+                if fault == "stall":
+                    await anyio.sleep(stall_s)
+                elif fault == "malformed":
+                    yield _truncated(event.rstrip(b"\n")) + b"\n\n"
+                elif fault == "error_event":
+                    yield encode_event(error_object(SERVER_ERROR_TEXT, "server_error"))
+                    return
+            yield event
+
+    def _plain_body(
+        self, body: bytes, fault: str | None, stall_s: float, request_id: str
+    ) -> PacedResponse:
+        if fault == "malformed":
+            body = _truncated(body)
+        elif fault == "error_event":
+            body = orjson.dumps(error_object(SERVER_ERROR_TEXT, "server_error"))
+
+        async def paced() -> AsyncGenerator[bytes, None]:
+            await anyio.sleep(self.config.ttft_ms / 1000)
+            if fault == "stall":
+                await anyio.sleep(stall_s)
+            if fault == "reset":
+                yield _truncated(body)
+                raise SimulatedReset(fault)
+            yield body
+
+        headers = {"content-length": str(len(body)), "x-request-id": request_id}
+        return PacedResponse(
+            paced(), media_type="application/json", headers=headers, start_at_once=False
+        )
+
+    async def models(self, request: Request) -> Response:
+        self.sim.record(request.method, request.url.path, dict(request.headers), b"").status = 200
+        created = int(self.config.start_time)
+        data = [
+            {"id": m, "object": "model", "created": created, "owned_by": "cachegate-sim"}
+            for m in self.config.model_ids
+        ]
+        return _json_response({"object": "list", "data": data})
+
+    async def embeddings(self, request: Request) -> Response:
+        raw = await request.body()
+        received = self.sim.record(request.method, request.url.path, dict(request.headers), raw)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            body = None
+        if not isinstance(body, dict):
+            received.status = 400
+            return _error(400, BAD_JSON_TEXT)
+        received.body = body
+        inputs = body.get("input")
+        if isinstance(inputs, str) or (
+            isinstance(inputs, list) and inputs and isinstance(inputs[0], int)
+        ):
+            inputs = [inputs]
+        if not isinstance(inputs, list) or not inputs:
+            received.status = 400
+            return _error(400, "'input' must be a non-empty string or array", "input")
+        dims = body.get("dimensions") or self.config.embedding_dimensions
+        if not isinstance(dims, int) or dims < 1:
+            received.status = 400
+            return _error(400, "'dimensions' must be a positive integer", "dimensions")
+        model = str(body.get("model", ""))
+        as_base64 = body.get("encoding_format") == "base64"
+        data = []
+        prompt = 0
+        for index, item in enumerate(inputs):
+            prompt += (
+                count_tokens(item)
+                if isinstance(item, str)
+                else len(item)
+                if isinstance(item, list)
+                else 1
+            )
+            vector = embed(item, model, dims)
+            encoded: Any = (
+                base64.b64encode(struct.pack(f"<{dims}f", *vector)).decode()
+                if as_base64
+                else vector
+            )
+            data.append({"object": "embedding", "index": index, "embedding": encoded})
+        usage = {"prompt_tokens": prompt, "total_tokens": prompt}
+        received.status = 200
+        received.usage = usage
+        return _json_response({"object": "list", "data": data, "model": model, "usage": usage})
+
+    # -- admin routes ---------------------------------------------------------------------------
+
+    async def clock(self, request: Request) -> Response:
+        if request.method == "POST":
+            try:
+                advance_s = orjson.loads(await request.body()).get("advance_s")
+                if isinstance(advance_s, bool) or not isinstance(advance_s, int | float):
+                    raise ValueError
+                self.sim.advance(advance_s)
+            except (orjson.JSONDecodeError, AttributeError, ValueError):
+                return _error(400, 'expected {"advance_s": seconds >= 0}', "advance_s")
+        return _json_response({"now": self.sim.now})
+
+    async def requests(self, request: Request) -> Response:
+        return _json_response({"requests": [r.to_json() for r in list(self.sim.requests)]})
+
+    async def reset(self, request: Request) -> Response:
+        self.sim.reset()
+        return _json_response({"reset": True, "now": self.sim.now})
+
+    async def script(self, request: Request) -> Response:
+        try:
+            obj = orjson.loads(await request.body())
+            if isinstance(obj, dict) and "responses" in obj:
+                obj = obj["responses"]
+            items = obj if isinstance(obj, list) else [obj]
+            replies = [parse_script(item) for item in items]
+        except orjson.JSONDecodeError:
+            return _error(400, BAD_JSON_TEXT)
+        except ValueError as exc:
+            return _error(400, str(exc), "responses")
+        return _json_response({"queued": self.sim.enqueue(replies)})
+
+
+def embed(item: Any, model: str, dimensions: int) -> list[float]:
+    """A deterministic unit vector for one embeddings input."""
+    digest = hashlib.blake2b(orjson.dumps([model, item]), digest_size=8).digest()
+    rng = random.Random(int.from_bytes(digest, "big"))
+    vector = [rng.gauss(0.0, 1.0) for _ in range(dimensions)]
+    norm = math.sqrt(sum(v * v for v in vector)) or 1.0
+    return [v / norm for v in vector]
+
+
+def create_simulator_app(
+    config: SimConfig | None = None, *, simulator: Simulator | None = None
+) -> Starlette:
+    """The simulator as an ASGI app; its state is ``app.state.simulator``.
+
+    Pass ``simulator`` to share state you already hold (its config then wins over ``config``).
+    """
+    sim = simulator or Simulator(config)
+    handlers = _Handlers(sim)
+    _install_quiet_reset()
+    routes = [
+        Route("/v1/chat/completions", handlers.chat, methods=["POST"]),
+        Route("/v1/models", handlers.models, methods=["GET"]),
+        Route("/v1/embeddings", handlers.embeddings, methods=["POST"]),
+        Route("/_sim/clock", handlers.clock, methods=["GET", "POST"]),
+        Route("/_sim/requests", handlers.requests, methods=["GET"]),
+        Route("/_sim/reset", handlers.reset, methods=["POST"]),
+        Route("/_sim/script", handlers.script, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes)
+    app.state.simulator = sim
+    return app
+
+
+@dataclass(frozen=True, slots=True)
+class RunningSimulator:
+    """A simulator served on a loopback port: ``url`` (no ``/v1``), ``api_base`` and its state."""
+
+    server: ServerThread
+    sim: Simulator
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def api_base(self) -> str:
+        """The base URL an OpenAI client takes (``url`` + ``/v1``)."""
+        return self.server.url + "/v1"
+
+
+@contextmanager
+def run_simulator(
+    config: SimConfig | None = None, *, host: str = "127.0.0.1", port: int = 0
+) -> Iterator[RunningSimulator]:
+    """Serve a fresh simulator in a background thread for the duration of the ``with`` block."""
+    sim = Simulator(config)
+    with ServerThread(create_simulator_app(simulator=sim), host=host, port=port) as server:
+        yield RunningSimulator(server=server, sim=sim)

@@ -1,0 +1,94 @@
+"""Command-line options of ``cachegate simulate``; ``proxy.cli`` owns the parser and dispatch."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import uvicorn
+
+from proxy.simulator.app import create_simulator_app
+from proxy.simulator.config import DIALECTS, SimConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8788
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the simulator's options to ``parser`` (defaults are ``SimConfig``'s)."""
+    defaults = SimConfig()
+    parser.add_argument(
+        "--host", default=DEFAULT_HOST, help="address to bind (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--dialect",
+        choices=DIALECTS,
+        default=defaults.dialect,
+        help="provider to imitate (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--ttft-ms",
+        type=float,
+        default=defaults.ttft_ms,
+        help="time to first token, ms (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--chunk-ms",
+        type=float,
+        default=defaults.chunk_ms,
+        help="pause between stream chunks, ms (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--cache-ttl-s",
+        type=float,
+        default=defaults.cache_ttl_s,
+        help="idle seconds before a prefix-cache entry expires (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--context-window",
+        type=int,
+        default=defaults.context_window,
+        help="largest prompt accepted, in tokens (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=defaults.seed,
+        help="seed for ids and faults (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--keepalive",
+        action="store_true",
+        help="send ': keep-alive' comments while waiting for the first token",
+    )
+    parser.add_argument(
+        "--fault-rate",
+        type=float,
+        default=defaults.fault_rate,
+        help="chance of a random fault per chat request, 0..1 (default: %(default)s)",
+    )
+
+
+def config_from_args(ns: argparse.Namespace) -> SimConfig:
+    """A ``SimConfig`` from parsed options; ``ValueError`` names a bad value."""
+    return SimConfig(
+        dialect=ns.dialect,
+        ttft_ms=ns.ttft_ms,
+        chunk_ms=ns.chunk_ms,
+        cache_ttl_s=ns.cache_ttl_s,
+        context_window=ns.context_window,
+        seed=ns.seed,
+        keepalive=ns.keepalive,
+        fault_rate=ns.fault_rate,
+    )
+
+
+def serve(config: SimConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> None:
+    """Serve the simulator until interrupted (blocking)."""
+    logger.info("simulating %s on http://%s:%d/v1", config.dialect, host, port)
+    uvicorn.run(create_simulator_app(config), host=host, port=port, log_level="info")

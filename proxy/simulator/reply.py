@@ -1,0 +1,155 @@
+"""What the simulated model answers: a scripted reply, or one derived from the request (pure).
+
+A script entry is a string (the content) or an object ``{"content" | "text": str, "tool_calls":
+[{"name": str, "arguments": str | JSON value, "id"?: str}], "finish_reason"?: str, "fault"?: str}``
+(``{"function": {"name", "arguments"}}`` is accepted for a call too). Without a script the reply
+echoes a short summary of the last message; when tools are offered and the last message is a user
+message containing "use tool", the reply calls the first tool with arguments built from its schema.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import orjson
+
+from proxy.simulator.config import FAULTS
+from proxy.simulator.tokens import content_text, count_tokens
+
+SUMMARY_WORDS = 12
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One function call of the reply; ``id`` is empty until the simulator assigns one."""
+
+    name: str
+    arguments: str
+    id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """An assistant reply: text and/or tool calls, why it ended, and an optional scripted fault."""
+
+    content: str | None
+    tool_calls: tuple[ToolCall, ...] = ()
+    finish_reason: str = "stop"
+    fault: str | None = None
+
+    def with_call_ids(self, ids: list[str]) -> Reply:
+        """This reply with ``ids`` given to the calls that have none, in order."""
+        fresh = iter(ids)
+        calls = tuple(c if c.id else replace(c, id=next(fresh)) for c in self.tool_calls)
+        return replace(self, tool_calls=calls)
+
+
+def completion_tokens(reply: Reply) -> int:
+    """Tokens the reply costs (see ``proxy.simulator.tokens``)."""
+    total = count_tokens(reply.content or "")
+    for call in reply.tool_calls:
+        total += count_tokens(call.name) + count_tokens(call.arguments)
+    return total
+
+
+def _arguments_text(value: Any) -> str:
+    return value if isinstance(value, str) else orjson.dumps(value).decode()
+
+
+def _parse_call(obj: Any) -> ToolCall:
+    if not isinstance(obj, Mapping):
+        raise ValueError("a scripted tool call must be an object")
+    function = obj.get("function")
+    source = function if isinstance(function, Mapping) else obj
+    name = source.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError("a scripted tool call needs a 'name'")
+    call_id = obj.get("id", "")
+    if not isinstance(call_id, str):
+        raise ValueError("a scripted tool call 'id' must be a string")
+    return ToolCall(name=name, arguments=_arguments_text(source.get("arguments", {})), id=call_id)
+
+
+def parse_script(obj: Any) -> Reply:
+    """One scripted reply from its JSON form; ``ValueError`` names what is wrong."""
+    if isinstance(obj, str):
+        return Reply(content=obj)
+    if not isinstance(obj, Mapping):
+        raise ValueError("a scripted reply must be a string or an object")
+    unknown = set(obj) - {"content", "text", "tool_calls", "finish_reason", "fault"}
+    if unknown:
+        raise ValueError(f"unknown scripted reply keys: {', '.join(sorted(unknown))}")
+    content = obj.get("content", obj.get("text"))
+    if content is not None and not isinstance(content, str):
+        raise ValueError("a scripted reply's content must be a string")
+    raw_calls = obj.get("tool_calls") or []
+    if not isinstance(raw_calls, list):
+        raise ValueError("'tool_calls' must be a list")
+    calls = tuple(_parse_call(c) for c in raw_calls)
+    if content is None and not calls:
+        content = ""
+    finish = obj.get("finish_reason") or ("tool_calls" if calls else "stop")
+    if not isinstance(finish, str):
+        raise ValueError("'finish_reason' must be a string")
+    fault = obj.get("fault")
+    if fault is not None and str(fault) not in FAULTS:
+        raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
+    return Reply(
+        content=content,
+        tool_calls=calls,
+        finish_reason=finish,
+        fault=None if fault is None else str(fault),
+    )
+
+
+def _summary(text: str) -> str:
+    words = text.split()
+    head = " ".join(words[:SUMMARY_WORDS])
+    return head + (" …" if len(words) > SUMMARY_WORDS else "")
+
+
+def _example_value(schema: Any) -> Any:
+    kind = schema.get("type") if isinstance(schema, Mapping) else None
+    if isinstance(schema, Mapping) and schema.get("enum"):
+        return schema["enum"][0]
+    examples: dict[str, Any] = {
+        "integer": 1,
+        "number": 1,
+        "boolean": True,
+        "array": [],
+        "null": None,
+    }
+    if kind == "object":
+        return _example_arguments(schema)
+    return examples.get(kind, "sim") if isinstance(kind, str) else "sim"
+
+
+def _example_arguments(schema: Any) -> dict[str, Any]:
+    if not isinstance(schema, Mapping):
+        return {}
+    properties = schema.get("properties") or {}
+    required = schema.get("required") or list(properties)
+    return {name: _example_value(properties.get(name)) for name in required}
+
+
+def derive_reply(body: Mapping[str, Any]) -> Reply:
+    """The deterministic unscripted answer to a (valid) chat-completions request."""
+    messages = body.get("messages") or []
+    last = messages[-1] if messages and isinstance(messages[-1], Mapping) else {}
+    role = last.get("role")
+    text = content_text(last.get("content"))
+    tools = [t for t in body.get("tools") or [] if isinstance(t, Mapping)]
+    if tools and role == "user" and "use tool" in text.lower():
+        function = tools[0].get("function") or {}
+        name = str(function.get("name", "tool"))
+        arguments = orjson.dumps(_example_arguments(function.get("parameters"))).decode()
+        return Reply(
+            content=None, tool_calls=(ToolCall(name, arguments),), finish_reason="tool_calls"
+        )
+    if role == "tool":
+        return Reply(content=f"Tool result received: {_summary(text)}")
+    if role == "user":
+        return Reply(content=f"You said: {_summary(text)}")
+    return Reply(content="OK.")

@@ -1,0 +1,130 @@
+"""The simulator's state: its clock, the requests it received, the prefix cache, the script queue.
+
+Tests hold the ``Simulator`` directly (its server runs in another thread), so every method takes a
+lock; none of them awaits.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+import threading
+import uuid
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.simulator.cache import POLICIES, CacheResult, PrefixCache
+from proxy.simulator.config import SimConfig
+from proxy.simulator.reply import Reply
+
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+@dataclass
+class ReceivedRequest:
+    """One request as the simulator saw it, and what it answered (filled in while handling)."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    raw: bytes
+    time: float
+    body: Any = None
+    status: int | None = None
+    fault: str | None = None
+    usage: dict[str, Any] | None = field(default=None)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON form served by ``GET /_sim/requests`` (raw bytes as their length)."""
+        return {
+            "method": self.method,
+            "path": self.path,
+            "headers": self.headers,
+            "body": self.body,
+            "raw_bytes": len(self.raw),
+            "time": self.time,
+            "status": self.status,
+            "fault": self.fault,
+            "usage": self.usage,
+        }
+
+
+class Simulator:
+    """Everything a simulated provider remembers between requests."""
+
+    def __init__(self, config: SimConfig | None = None) -> None:
+        self.config = config or SimConfig()
+        self._lock = threading.Lock()
+        self.requests: list[ReceivedRequest] = []
+        self.cache = PrefixCache(POLICIES[self.config.dialect], self.config.cache_ttl_s)
+        self._script: deque[Reply] = deque()
+        self._rng = random.Random(self.config.seed)
+        self._now = self.config.start_time
+
+    @property
+    def now(self) -> float:
+        """The simulated time (Unix seconds); it moves only through ``advance``."""
+        return self._now
+
+    def advance(self, seconds: float) -> float:
+        """Move the simulated clock forward by ``seconds`` (>= 0); return the new time."""
+        if seconds < 0:
+            raise ValueError("the clock only moves forward")
+        with self._lock:
+            self._now += seconds
+            return self._now
+
+    def reset(self) -> None:
+        """Forget requests, cache and script; restart the clock and the seeded generator."""
+        with self._lock:
+            self.requests.clear()
+            self.cache.clear()
+            self._script.clear()
+            self._rng = random.Random(self.config.seed)
+            self._now = self.config.start_time
+
+    def record(
+        self, method: str, path: str, headers: dict[str, str], raw: bytes
+    ) -> ReceivedRequest:
+        """Remember a request at the current simulated time."""
+        with self._lock:
+            received = ReceivedRequest(method, path, headers, raw, self._now)
+            self.requests.append(received)
+            return received
+
+    def enqueue(self, replies: Iterable[Reply]) -> int:
+        """Queue scripted replies for the next valid chat requests; return the queue length."""
+        with self._lock:
+            self._script.extend(replies)
+            return len(self._script)
+
+    def take_scripted(self) -> Reply | None:
+        """The next scripted reply, if any."""
+        with self._lock:
+            return self._script.popleft() if self._script else None
+
+    def draw_fault(self) -> str | None:
+        """A fault chosen by ``fault_rate`` with the seeded generator, or None."""
+        if self.config.fault_rate <= 0:
+            return None
+        with self._lock:
+            if self._rng.random() >= self.config.fault_rate:
+                return None
+            return self._rng.choice(self.config.faults)
+
+    def new_id(self, prefix: str, length: int) -> str:
+        """A seeded random id such as ``chatcmpl-…`` or ``call_…``."""
+        with self._lock:
+            return prefix + "".join(self._rng.choices(_ID_ALPHABET, k=length))
+
+    def new_uuid(self) -> str:
+        """A seeded random UUID (DeepSeek's completion ids look like this)."""
+        with self._lock:
+            return str(uuid.UUID(int=self._rng.getrandbits(128), version=4))
+
+    def process_prompt(self, tokens: Sequence[bytes], scope: str) -> CacheResult:
+        """Run a prompt through the prefix cache at the current simulated time."""
+        with self._lock:
+            return self.cache.process(tokens, self._now, scope)

@@ -1,0 +1,98 @@
+"""A deterministic stand-in for a provider's tokenizer (pure).
+
+Real tokenizers are model-specific and large; the simulator needs counts of the right order and,
+above all, stable token boundaries, so that a request that extends another yields a token sequence
+that extends the other's (which is what a prefix cache keys on).
+
+Rules:
+
+- Text is read as UTF-8. A token is a run of ASCII letters, digits and ``_``; or a run of non-ASCII
+  bytes; or a run of other ASCII punctuation — each run cut into pieces of at most 4 bytes.
+  Whitespace and control characters separate tokens and are not counted:
+  ``"hello, world"`` → ``hell o , worl d`` = 5 tokens; ``"abcd " * 10`` = 10 tokens.
+- A request is its ``tools`` (their compact JSON), then each message in order: a fixed overhead of
+  3 tokens (start, role, end) around its ``name``, its content (a string, or the text of a list's
+  text parts, other parts as compact JSON), its tool calls (id, function name, arguments) and its
+  ``tool_call_id``. ``prompt_tokens`` is the length of that sequence.
+- A reply costs the tokens of its content plus, per tool call, those of its name and arguments.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+MESSAGE_OVERHEAD = 3
+_TOKEN = re.compile(
+    rb"[A-Za-z0-9_]{1,4}|[\x80-\xff]{1,4}|[\x21-\x2f\x3a-\x40\x5b-\x5e\x60\x7b-\x7e]{1,4}"
+)
+# Markers are longer than any text token, so no text can produce one.
+_START = b"<|start|>"
+_END = b"<|end|>"
+
+
+def tokenize(text: str) -> list[bytes]:
+    """Split ``text`` into tokens by the rules in the module docstring."""
+    return _TOKEN.findall(text.encode("utf-8", "surrogatepass"))
+
+
+def count_tokens(text: str) -> int:
+    """How many tokens ``text`` costs."""
+    return len(tokenize(text))
+
+
+def _as_text(value: Any) -> str:
+    return value if isinstance(value, str) else orjson.dumps(value).decode()
+
+
+def content_text(content: Any) -> str:
+    """The text of a message ``content``: a string, or the joined text of a list's text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type") == "text":
+                parts.append(_as_text(part.get("text", "")))
+            else:
+                parts.append(_as_text(part))
+        return "\n".join(parts)
+    return _as_text(content)
+
+
+def message_tokens(message: Mapping[str, Any]) -> list[bytes]:
+    """The tokens of one chat message, overhead included."""
+    out = [_START, f"<|{message.get('role')}|>".encode()]
+    if message.get("name") is not None:
+        out += tokenize(_as_text(message["name"]))
+    out += tokenize(content_text(message.get("content")))
+    for call in message.get("tool_calls") or ():
+        if not isinstance(call, Mapping):
+            out += tokenize(_as_text(call))
+            continue
+        function = call.get("function") or {}
+        out += tokenize(_as_text(call.get("id", "")))
+        if isinstance(function, Mapping):
+            out += tokenize(_as_text(function.get("name", "")))
+            out += tokenize(_as_text(function.get("arguments", "")))
+    if message.get("tool_call_id") is not None:
+        out += tokenize(_as_text(message["tool_call_id"]))
+    out.append(_END)
+    return out
+
+
+def request_tokens(body: Mapping[str, Any]) -> list[bytes]:
+    """The prompt of a chat-completions request as one token sequence: tools, then messages."""
+    out: list[bytes] = []
+    if body.get("tools"):
+        out += tokenize(_as_text(body["tools"]))
+    for message in body.get("messages") or ():
+        out += (
+            message_tokens(message) if isinstance(message, Mapping) else tokenize(_as_text(message))
+        )
+    return out

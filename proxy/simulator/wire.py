@@ -1,0 +1,172 @@
+"""The provider's wire shapes: usage, completion objects, stream chunks, errors (pure).
+
+Everything is serialized compactly (no spaces), as OpenAI does. Streams follow OpenAI's order: a
+role chunk, content deltas, tool-call deltas (the first delta of a call carries its id, type and
+name with empty arguments; the arguments follow in pieces; parallel calls are interleaved by
+``index``), a finish chunk, then with ``stream_options.include_usage`` a usage-only chunk with
+``"choices": []`` (every other chunk then carries ``"usage": null``), then ``data: [DONE]``.
+The deepseek dialect puts the usage on its finish chunk instead, whether asked or not.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import orjson
+
+from proxy.simulator.cache import CacheResult
+from proxy.simulator.reply import Reply
+
+SYSTEM_FINGERPRINT = "fp_cachegate_sim"
+DONE = b"data: [DONE]\n\n"
+KEEPALIVE = b": keep-alive\n\n"
+# Leading whitespace plus up to 8 visible characters, or trailing whitespace: pieces that
+# concatenate back to the exact text.
+_PIECE = re.compile(r"\s*\S{1,8}|\s+")
+
+
+def pieces(text: str) -> list[str]:
+    """``text`` cut into stream-sized pieces whose concatenation is ``text``."""
+    return _PIECE.findall(text)
+
+
+def encode_event(obj: Any) -> bytes:
+    """One SSE ``data:`` event carrying ``obj`` as compact JSON."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def error_object(
+    message: str, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """An error body in the OpenAI shape."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage_object(dialect: str, prompt: int, completion: int, cache: CacheResult) -> dict[str, Any]:
+    """Usage in the dialect's fields; ``prompt_tokens`` always counts every input token."""
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    if dialect == "deepseek":
+        usage["prompt_cache_hit_tokens"] = cache.read
+        usage["prompt_cache_miss_tokens"] = prompt - cache.read
+    elif dialect == "anthropic-compat":
+        usage["cache_read_input_tokens"] = cache.read
+        usage["cache_creation_input_tokens"] = cache.written
+    else:
+        usage["prompt_tokens_details"] = {"cached_tokens": cache.read, "audio_tokens": 0}
+        usage["completion_tokens_details"] = {
+            "reasoning_tokens": 0,
+            "audio_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        }
+    return usage
+
+
+def _calls_json(reply: Reply) -> list[dict[str, Any]]:
+    return [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in reply.tool_calls
+    ]
+
+
+def completion_object(
+    *,
+    dialect: str,
+    completion_id: str,
+    created: int,
+    model: str,
+    reply: Reply,
+    usage: dict[str, Any],
+) -> dict[str, Any]:
+    """The non-streaming ``chat.completion`` body."""
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        message["tool_calls"] = _calls_json(reply)
+    if dialect == "openai":
+        message["refusal"] = None
+        message["annotations"] = []
+    body: dict[str, Any] = {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": 0, "message": message, "logprobs": None, "finish_reason": reply.finish_reason}
+        ],
+        "usage": usage,
+    }
+    if dialect == "openai":
+        body["service_tier"] = "default"
+    body["system_fingerprint"] = SYSTEM_FINGERPRINT
+    return body
+
+
+def _call_deltas(reply: Reply) -> list[dict[str, Any]]:
+    """Tool-call deltas, heads first, then argument pieces round-robin across calls by index."""
+    per_call: list[list[dict[str, Any]]] = []
+    for index, call in enumerate(reply.tool_calls):
+        head = {
+            "index": index,
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": ""},
+        }
+        rest = [{"index": index, "function": {"arguments": p}} for p in pieces(call.arguments)]
+        per_call.append([head, *rest])
+    out = []
+    for step in range(max((len(d) for d in per_call), default=0)):
+        out += [{"tool_calls": [d[step]]} for d in per_call if step < len(d)]
+    return out
+
+
+def stream_chunks(
+    *,
+    dialect: str,
+    completion_id: str,
+    created: int,
+    model: str,
+    reply: Reply,
+    usage: dict[str, Any],
+    include_usage: bool,
+) -> list[dict[str, Any]]:
+    """Every ``chat.completion.chunk`` of a streamed reply, in order ([DONE] not included)."""
+    nulls = include_usage
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+        if nulls:
+            out["usage"] = None
+        return out
+
+    role: dict[str, Any] = {
+        "role": "assistant",
+        "content": "" if reply.content is not None else None,
+    }
+    if dialect == "openai":
+        role["refusal"] = None
+    chunks = [chunk(role)]
+    chunks += [chunk({"content": p}) for p in pieces(reply.content or "")]
+    chunks += [chunk(d) for d in _call_deltas(reply)]
+    if dialect == "deepseek":
+        final = chunk({"content": ""}, reply.finish_reason)
+        final["usage"] = usage
+        return [*chunks, final]
+    chunks.append(chunk({}, reply.finish_reason))
+    if include_usage:
+        tail = chunk({})
+        tail["choices"] = []
+        tail["usage"] = usage
+        chunks.append(tail)
+    return chunks

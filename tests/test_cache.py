@@ -1,0 +1,379 @@
+"""Prompt-cache accounting, attribution and cost (proxy/cache.py)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pytest
+
+from proxy.cache import (
+    CacheResult,
+    CacheState,
+    Cost,
+    ModelPricing,
+    account,
+    compute_cost,
+    default_cache_ttl,
+    idle_seconds,
+    mark_compacted,
+)
+from proxy.prefix import Divergence, Fingerprint, find_divergence, fingerprint
+from proxy.usage import Usage
+
+TTL = 600.0
+FLOOR = 1024
+MODEL = "gpt-4o"
+SYSTEM = "You are a careful coding agent. Work in the repository at /src."
+
+
+def block(tokens: int) -> int:
+    """What an OpenAI-style cache serves of a processed prefix: whole 128-token blocks."""
+    return tokens // 128 * 128
+
+
+def tool_round(n: int, output: str | None = None) -> list[dict[str, Any]]:
+    call_id = f"call_{n}"
+    return [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": "shell", "arguments": orjson.dumps({"n": n}).decode()},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": output or f"output of step {n}"},
+    ]
+
+
+def opening(system: str = SYSTEM) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "tools": [{"type": "function", "function": {"name": "shell", "parameters": {}}}],
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "Fix the failing test."},
+        ],
+    }
+
+
+@dataclass
+class Session:
+    """Drives the pure modules the way the proxy does: fingerprint, diverge, account."""
+
+    state: CacheState
+    body: dict[str, Any] | None = None
+    fp: Fingerprint | None = None
+    divergence: Divergence | None = None
+
+    def exchange(
+        self,
+        body: dict[str, Any],
+        usage: Usage,
+        started_at: float,
+        *,
+        after_compaction: bool = False,
+    ) -> CacheResult:
+        body = orjson.loads(orjson.dumps(body))  # every request arrives parsed afresh
+        fp = fingerprint(body, previous=self.fp)
+        divergence = (
+            find_divergence(self.fp, fp, self.body, body) if self.fp and self.body else None
+        )
+        self.divergence = divergence
+        self.state, result = account(
+            self.state,
+            usage=usage,
+            fingerprint=fp,
+            divergence=divergence,
+            started_at=started_at,
+            ttl_s=TTL,
+            noise_floor=FLOOR,
+            model=body["model"],
+            after_compaction=after_compaction,
+        )
+        self.body, self.fp = body, fp
+        return result
+
+
+def reported(prompt: int, read: int, completion: int = 200) -> Usage:
+    return Usage(prompt=prompt, completion=completion, cache_read=read, reported_cache=True)
+
+
+def test_reference_scenario_six_rounds() -> None:
+    session = Session(CacheState())
+    body = opening()
+    big_output = "line\n" * 400
+
+    # 1. First exchange: nothing to compare with.
+    body["messages"] += tool_round(1, big_output)
+    r1 = session.exchange(body, reported(12_000, 0), started_at=0.0)
+    assert r1 == CacheResult(expected=0, read=0, write=0, waste=0, cause=None, location=None)
+
+    # 2. Normal: the cache serves the previous 12 000 tokens in whole blocks (11 904).
+    body["messages"] += tool_round(2)
+    r2 = session.exchange(body, reported(13_500, block(12_000)), started_at=60.0)
+    assert r2 == CacheResult(12_000, 11_904, 0, 0)
+    assert session.divergence is None
+
+    # 3. The user comes back 38 minutes after the last request started: everything missed.
+    body["messages"] += tool_round(3)
+    r3 = session.exchange(body, reported(15_000, 0), started_at=60.0 + 38 * 60)
+    assert r3 == CacheResult(13_500, 0, 0, 13_500, "ttl_expired", None)
+
+    # 4. Normal again.
+    body["messages"] += tool_round(4)
+    r4 = session.exchange(body, reported(16_200, block(15_000)), started_at=2_400.0)
+    assert r4 == CacheResult(15_000, 14_976, 0, 0)
+
+    # 5. The agent trims the old tool output of round 1 (messages[3]): the cache serves only the
+    #    prefix before it (~1 000 tokens: 896 in blocks), the prompt shrinks to 15 100.
+    body["messages"][3]["content"] = "line\n" * 20 + "[… output trimmed …]"
+    body["messages"] += tool_round(5)
+    r5 = session.exchange(body, reported(15_100, 896), started_at=2_460.0)
+    assert r5 == CacheResult(15_100, 896, 0, 15_100 - 896, "prefix_rewrite", "messages[3].content")
+    assert session.divergence is not None
+    assert (session.divergence.role, session.divergence.volatile) == ("tool", False)
+
+    # 6. A timestamp appears in the system prompt: nothing after the tools is served.
+    body["messages"][0]["content"] = SYSTEM + "\nCurrent time: 2025-03-14T10:07:41Z"
+    body["messages"] += tool_round(6)
+    r6 = session.exchange(body, reported(15_900, 0), started_at=2_520.0)
+    assert r6 == CacheResult(15_100, 0, 0, 15_100, "prefix_rewrite", "system")
+    assert session.divergence is not None
+    assert (session.divergence.volatile, session.divergence.volatile_kind) == (True, "timestamp")
+
+    total = sum(r.waste for r in (r1, r2, r3, r4, r5, r6))
+    assert total == 13_500 + 14_204 + 15_100 == 42_804
+
+
+def test_long_warm_session_with_many_tool_rounds_has_no_false_waste() -> None:
+    session = Session(CacheState())
+    body = opening()
+    prompt = 8_000
+    results = []
+    for n in range(80):
+        body["messages"] += tool_round(n)
+        previous = prompt
+        prompt += 300 + (n * 37) % 1_500  # tool outputs of varying size
+        read = 0 if n == 0 else block(previous)
+        results.append(session.exchange(body, reported(prompt, read), started_at=n * 45.0))
+    assert [r.waste for r in results] == [0] * 80
+    assert [r.cause for r in results] == [None] * 80
+    assert all(r.expected > 0 for r in results[1:])
+
+
+def test_provider_that_never_reports_cache_fields_shows_no_waste() -> None:
+    session = Session(CacheState())
+    body = opening()
+    results = []
+    for n, started in enumerate((0.0, 60.0, 3_000.0, 3_060.0)):
+        body["messages"] += tool_round(n)
+        if n == 3:
+            body["messages"][0]["content"] = SYSTEM + " Today is 2025-03-14."
+        results.append(session.exchange(body, Usage(prompt=10_000 + n * 1_000), started))
+    assert [(r.expected, r.waste, r.cause) for r in results] == [(0, 0, None)] * 4
+    assert session.state.has_reported is False
+
+
+def test_has_reported_is_sticky_so_a_later_zero_is_a_real_miss() -> None:
+    session = Session(CacheState())
+    body = opening()
+    session.exchange(body, reported(10_000, 0), 0.0)
+    body["messages"] += tool_round(1)
+    # The provider omits the cache fields this time, yet it has reported before: a miss.
+    result = session.exchange(body, Usage(prompt=11_000), 30.0)
+    assert result == CacheResult(10_000, 0, 0, 10_000, "unexplained", None)
+
+
+def test_exchange_after_a_compaction_is_not_counted() -> None:
+    session = Session(CacheState())
+    body = opening()
+    session.exchange(body, reported(50_000, 0), 0.0)
+    compacted = opening()
+    compacted["messages"].insert(1, {"role": "user", "content": "[summary of earlier work]"})
+    # The compacted request itself (flagged by the caller): a bought miss.
+    bought = session.exchange(compacted, reported(9_000, 0), 30.0, after_compaction=True)
+    assert bought == CacheResult(0, 0, 0, 0)
+    compacted["messages"] += tool_round(1)
+    after = session.exchange(compacted, reported(10_000, block(9_000)), 60.0)
+    assert after == CacheResult(9_000, 8_960, 0, 0)
+
+
+def test_mark_compacted_skips_exactly_the_next_exchange() -> None:
+    session = Session(CacheState())
+    body = opening()
+    session.exchange(body, reported(20_000, 0), 0.0)
+    session.state = mark_compacted(session.state)
+    body["messages"][1]["content"] = "[summary] Fix the failing test."
+    skipped = session.exchange(body, reported(6_000, 0), 10.0)
+    assert (skipped.expected, skipped.waste) == (0, 0)
+    body["messages"] += tool_round(1)
+    counted = session.exchange(body, reported(7_000, 0), 20.0)
+    assert counted == CacheResult(6_000, 0, 0, 6_000, "unexplained", None)
+
+
+@pytest.mark.parametrize(("shortfall", "waste"), [(0, 0), (1_024, 0), (1_025, 1_025)])
+def test_noise_floor(shortfall: int, waste: int) -> None:
+    session = Session(CacheState())
+    body = opening()
+    session.exchange(body, reported(20_000, 0), 0.0)
+    body["messages"] += tool_round(1)
+    result = session.exchange(body, reported(21_000, 20_000 - shortfall), 10.0)
+    assert (result.expected, result.waste) == (20_000, waste)
+    assert result.cause == ("unexplained" if waste else None)
+
+
+def test_changed_reasoning_effort_is_params_changed() -> None:
+    session = Session(CacheState())
+    body = {**opening(), "reasoning_effort": "low"}
+    session.exchange(body, reported(20_000, 0), 0.0)
+    body = {**copy.deepcopy(body), "reasoning_effort": "high"}
+    body["messages"] += tool_round(1)
+    result = session.exchange(body, reported(21_000, 0), 10.0)
+    assert result == CacheResult(20_000, 0, 0, 20_000, "params_changed", "params.reasoning_effort")
+
+
+def test_a_rewrite_after_a_long_idle_is_blamed_on_the_ttl() -> None:
+    session = Session(CacheState())
+    body = opening()
+    session.exchange(body, reported(20_000, 0), 0.0)
+    body["messages"][0]["content"] = SYSTEM + " Be brief."
+    result = session.exchange(body, reported(21_000, 0), 601.0)
+    assert (result.cause, result.location, result.waste) == ("ttl_expired", None, 20_000)
+
+
+def test_idle_runs_from_the_start_of_the_previous_request_not_its_end() -> None:
+    session = Session(CacheState())
+    body = opening()
+    # A long generation: the request started at 0 and its reply ended at 400.
+    session.exchange(body, reported(20_000, 0), 0.0)
+    body["messages"] += tool_round(1)
+    result = session.exchange(body, reported(21_000, 0), 401.0 + 200.0)
+    assert result.cause == "ttl_expired"
+
+
+def test_idle_is_judged_per_prefix_across_forks() -> None:
+    session = Session(CacheState())
+    main = opening()
+    main["messages"] += tool_round(1) + tool_round(2)
+    session.exchange(main, reported(30_000, 0), 0.0)
+    # A sub-agent shares only the system prompt; it refreshes that short prefix alone.
+    fork = opening()
+    fork["messages"][1]["content"] = "Summarize the repository layout."
+    session.exchange(fork, reported(4_000, block(1_000)), 400.0)
+    # Back on the main line, 700 s after its own last request started.
+    main["messages"] += tool_round(3)
+    fp = fingerprint(main)
+    assert idle_seconds(session.state, fp, 700.0) == 700.0
+    result = session.exchange(main, reported(31_000, block(1_000)), 700.0)
+    assert (result.cause, result.waste) == ("ttl_expired", 4_000 - 896)
+
+
+def test_usage_less_exchange_keeps_the_baseline() -> None:
+    session = Session(CacheState())
+    body = opening()
+    session.exchange(body, reported(20_000, 0), 0.0)
+    interrupted = session.exchange(body, Usage(), 10.0)
+    assert interrupted == CacheResult(0, 0, 0, 0)
+    body["messages"] += tool_round(1)
+    result = session.exchange(body, reported(21_000, 0), 20.0)
+    assert (result.expected, result.waste) == (20_000, 20_000)
+
+
+def test_state_round_trips_through_json() -> None:
+    session = Session(CacheState())
+    body = opening()
+    session.exchange(body, reported(20_000, 0), 0.0)
+    body["messages"] += tool_round(1)
+    session.exchange(body, reported(21_000, block(20_000)), 12.5)
+    state = mark_compacted(session.state)
+    restored = CacheState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert restored == state
+    with pytest.raises(ValueError, match="malformed cache state"):
+        CacheState.from_dict({"prefixes": [["zz", 1.0]]})
+
+
+def test_prefix_memory_is_bounded_and_keeps_the_longest_prefixes() -> None:
+    body = opening()
+    for n in range(20):
+        body["messages"] += tool_round(n)
+    fp = fingerprint(body)
+    state, _ = account(
+        CacheState(),
+        usage=reported(1_000, 0),
+        fingerprint=fp,
+        divergence=None,
+        started_at=5.0,
+        ttl_s=TTL,
+        noise_floor=FLOOR,
+        model=MODEL,
+        max_prefixes=10,
+    )
+    assert list(state.prefixes) == list(fp.digests[-10:])
+    assert set(state.prefixes.values()) == {5.0}
+
+
+def test_cost_openai() -> None:
+    # prompt_tokens 10 000 (cached_tokens 8 192 included), completion_tokens 500.
+    usage = Usage(prompt=10_000, completion=500, cache_read=8_192, reported_cache=True)
+    cost = compute_cost(usage, ModelPricing(2.50, 1.25, 0.0, 10.00))
+    # (1 808 × 2.50 + 8 192 × 1.25 + 500 × 10) / 1e6 and (10 000 × 2.50 + 500 × 10) / 1e6
+    assert cost.actual == pytest.approx(0.019_76, rel=1e-12)
+    assert cost.uncached == pytest.approx(0.030, rel=1e-12)
+    assert cost.saved == pytest.approx(0.010_24, rel=1e-12)
+
+
+def test_cost_deepseek() -> None:
+    # prompt_cache_hit_tokens 6 400, prompt_cache_miss_tokens 1 600, completion_tokens 1 000.
+    usage = Usage(prompt=8_000, completion=1_000, cache_read=6_400, reported_cache=True)
+    cost = compute_cost(usage, ModelPricing(0.28, 0.028, 0.0, 0.42))
+    # (1 600 × 0.28 + 6 400 × 0.028 + 1 000 × 0.42) / 1e6 = 1 047.2e-6
+    assert cost.actual == pytest.approx(0.001_047_2, rel=1e-12)
+    assert cost.uncached == pytest.approx(0.002_66, rel=1e-12)
+
+
+def test_cost_anthropic_style_with_cache_write() -> None:
+    # input_tokens 200 (uncached rest), cache_read_input_tokens 9 000,
+    # cache_creation_input_tokens 800, output_tokens 400 → prompt 10 000.
+    usage = Usage(
+        prompt=10_000, completion=400, cache_read=9_000, cache_write=800, reported_cache=True
+    )
+    cost = compute_cost(usage, ModelPricing(3.00, 0.30, 3.75, 15.00))
+    # (200 × 3 + 9 000 × 0.30 + 800 × 3.75 + 400 × 15) / 1e6 = 12 300e-6
+    assert cost.actual == pytest.approx(0.012_3, rel=1e-12)
+    assert cost.uncached == pytest.approx(0.036, rel=1e-12)
+
+
+def test_cache_write_without_its_own_price_costs_plain_input() -> None:
+    usage = Usage(prompt=1_000, completion=0, cache_write=1_000, reported_cache=True)
+    cost = compute_cost(usage, ModelPricing(2.00, 0.50, 0.0, 8.00))
+    assert cost == Cost(0.002, 0.002)
+    assert cost.saved == 0.0
+
+
+def test_costs_add_up_per_session() -> None:
+    total = Cost(0.01, 0.03) + Cost(0.002, 0.004)
+    assert total.actual == pytest.approx(0.012)
+    assert total.saved == pytest.approx(0.022)
+
+
+@pytest.mark.parametrize(
+    ("model", "ttl"),
+    [
+        ("gpt-4o", 600.0),
+        ("o3-mini", 600.0),
+        ("claude-sonnet-4", 300.0),
+        ("anthropic/claude-3-5-haiku", 300.0),
+        ("deepseek-chat", 3_600.0),
+        ("llama-3.1-70b", 300.0),
+    ],
+)
+def test_default_cache_ttl_per_provider(model: str, ttl: float) -> None:
+    assert default_cache_ttl(model) == ttl

@@ -1,0 +1,152 @@
+"""Dashboards: load, unique panel ids, every query names only metrics cachegate exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proxy.metrics import Metrics
+
+DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
+DASHBOARD_FILES = sorted(DASHBOARDS.glob("*.json"))
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+
+# PromQL words that look like identifiers but are not metric names.
+KEYWORDS = {
+    "and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right",
+    "bool", "offset", "inf", "nan",
+}  # fmt: skip
+# Parts of an expression that hold no metric name: strings, label matchers, ranges, grouping lists.
+NOT_NAMES = re.compile(
+    r'"(?:[^"\\]|\\.)*"|\{[^}]*\}|\[[^\]]*\]'
+    r"|\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)"
+)
+IDENTIFIER = re.compile(r"(?<![\w.:$])([A-Za-z_:][\w:]*)(\s*\()?")
+
+
+def exported_series() -> dict[str, set[str]]:
+    """Every series name a ``Metrics`` exposes, with the label names of its family."""
+    registry = CollectorRegistry()
+    Metrics(registry, ["gpt-4o"])
+    suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+    series: dict[str, set[str]] = {}
+    for family in registry.collect():
+        labels = {name for s in family.samples for name in s.labels if name != "le"}
+        for suffix in suffixes[family.type]:
+            series[family.name + suffix] = labels
+    return series
+
+
+SERIES = exported_series()
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects (function names and keywords excluded)."""
+    stripped = NOT_NAMES.sub(" ", expr)
+    return {
+        m.group(1)
+        for m in IDENTIFIER.finditer(stripped)
+        if m.group(2) is None and m.group(1) not in KEYWORDS
+    }
+
+
+def load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for panel in dashboard["panels"]:
+        out.append(panel)
+        out.extend(panel.get("panels", []))
+    return out
+
+
+def targets(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    return [t for p in panels(dashboard) for t in p.get("targets", [])]
+
+
+def test_both_dashboards_exist() -> None:
+    assert [p.name for p in DASHBOARD_FILES] == ["cachegate.json", "laptop.json"]
+
+
+def test_metric_name_parser() -> None:
+    expr = (
+        'histogram_quantile(0.95, sum by (le, kind) (rate(cachegate_x_bucket{model=~"$model", '
+        'kind="a b"}[$__rate_interval]))) / on (kind) group_left (status) (up or vector(1e-9))'
+    )
+    assert metric_names(expr) == {"cachegate_x_bucket", "up"}
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.name)
+def test_dashboard_shape(path: Path) -> None:
+    dashboard = load(path)
+    assert 36 <= dashboard["schemaVersion"] <= 41
+    assert dashboard["uid"].startswith("cachegate")
+    assert dashboard["id"] is None
+    ids = [p["id"] for p in panels(dashboard)]
+    assert len(ids) == len(set(ids))
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    for panel in panels(dashboard):
+        if panel["type"] == "row":
+            continue
+        assert panel["description"].strip(), panel["title"]
+        assert panel["datasource"] == DATASOURCE, panel["title"]
+        assert panel["targets"], panel["title"]
+        ref_ids = [t["refId"] for t in panel["targets"]]
+        assert len(ref_ids) == len(set(ref_ids)), panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == DATASOURCE, panel["title"]
+
+
+def test_dashboard_uids_differ() -> None:
+    assert len({load(p)["uid"] for p in DASHBOARD_FILES}) == len(DASHBOARD_FILES)
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.name)
+def test_every_query_uses_only_exported_metrics(path: Path) -> None:
+    for target in targets(load(path)):
+        names = metric_names(target["expr"])
+        assert names, target["expr"]
+        assert names <= set(SERIES), (target["expr"], names - set(SERIES))
+
+
+def test_overview_has_a_model_variable_that_every_model_labelled_query_honours() -> None:
+    dashboard = load(DASHBOARDS / "cachegate.json")
+    model = {v["name"]: v for v in dashboard["templating"]["list"]}["model"]
+    assert model["type"] == "query"
+    assert model["datasource"] == DATASOURCE
+    assert model["query"]["query"] == "label_values(cachegate_requests_total, model)"
+    assert model["includeAll"] is True
+    assert model["allValue"] == ".*"
+    for target in targets(dashboard):
+        expr = target["expr"]
+        for name in metric_names(expr):
+            if "model" in SERIES[name]:
+                assert f'{name}{{model=~"$model"' in expr, expr
+            elif "gen_ai_request_model" in SERIES[name]:
+                assert f'{name}{{gen_ai_request_model=~"$model"' in expr, expr
+
+
+def test_overview_shows_every_metric_family() -> None:
+    queried = {
+        n for t in targets(load(DASHBOARDS / "cachegate.json")) for n in metric_names(t["expr"])
+    }
+    families = {re.sub(r"_(total|bucket|sum|count)$", "", name) for name in SERIES}
+    shown = {re.sub(r"_(total|bucket|sum|count)$", "", name) for name in queried}
+    assert shown == families
+
+
+def test_histogram_quantiles_aggregate_rates_by_le() -> None:
+    for path in DASHBOARD_FILES:
+        for target in targets(load(path)):
+            expr = target["expr"]
+            if "histogram_quantile" in expr:
+                assert re.search(r"sum by \(le\b[^)]*\) \(rate\(\w+_bucket[{\[]", expr), expr

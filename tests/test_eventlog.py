@@ -1,0 +1,504 @@
+import hashlib
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from proxy.eventlog import (
+    EventLogWriter,
+    LogRead,
+    choose_base,
+    enforce_retention,
+    read_events,
+    replay,
+    session_log_path,
+)
+
+Message = dict[str, Any]
+
+
+@pytest.fixture
+def log_dir(tmp_path: Path) -> Path:
+    return tmp_path / "logs"
+
+
+@pytest.fixture
+def writers() -> Iterator[list[EventLogWriter]]:
+    """Writers created by a test, closed at teardown even when the test fails."""
+    made: list[EventLogWriter] = []
+    yield made
+    for w in made:
+        w.close()
+
+
+def started(writers: list[EventLogWriter], log_dir: Path, **kwargs: Any) -> EventLogWriter:
+    w = EventLogWriter(log_dir, **kwargs)
+    w.start()
+    writers.append(w)
+    return w
+
+
+def request_event(exchange: int, base_exchange: int | None, base: int, appended: list[Message]):
+    return {
+        "type": "request",
+        "exchange": exchange,
+        "model": "gpt-4o",
+        "stream": True,
+        "path": "/v1/chat/completions",
+        "base_exchange": base_exchange,
+        "base": base,
+        "appended": appended,
+        "repairs": [],
+        "transforms": {},
+        "bytes": 1000,
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing and reading
+
+
+def test_events_round_trip_one_object_per_line(log_dir: Path, writers) -> None:
+    w = started(writers, log_dir)
+    meta = {"ts": 1700000000.5, "type": "session_meta", "session": "s1", "model": "gpt-4o"}
+    req = request_event(1, None, 0, [{"role": "user", "content": "héllo ☃"}])
+    resp = {"type": "response", "exchange": 1, "status": 200, "message": None, "usage": None}
+    assert w.emit("s1", meta) and w.emit("s1", req) and w.emit("s1", resp)
+    before = time.time()
+    assert w.close()
+
+    path = log_dir / "s1.jsonl"
+    raw = path.read_bytes()
+    assert raw.endswith(b"\n") and raw.count(b"\n") == 3
+    log = read_events(path)
+    assert log.torn == 0
+    assert log.events[0] == meta
+    assert {k: v for k, v in log.events[1].items() if k != "ts"} == req
+    assert list(log.events[2])[:2] == ["ts", "type"]  # ts and type lead every line
+    assert before - 5 < log.events[2]["ts"] <= time.time()
+    assert (w.written, w.dropped, w.errors) == (3, 0, 0)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+def test_emit_never_mutates_the_callers_event(log_dir: Path, writers) -> None:
+    w = started(writers, log_dir)
+    event = {"type": "error", "exchange": 1, "status": 502, "message": "upstream unreachable"}
+    w.emit("s", event)
+    assert w.flush()
+    assert event == {
+        "type": "error",
+        "exchange": 1,
+        "status": 502,
+        "message": "upstream unreachable",
+    }
+
+
+def conversation_turn(i: int) -> tuple[Message, Message]:
+    reply = {"role": "assistant", "content": f"Answer number {i:04d}. " + "detail " * 30}
+    follow_up = {"role": "user", "content": f"Follow-up question {i:04d}? " + "context " * 30}
+    return reply, follow_up
+
+
+def test_200_exchanges_grow_the_log_linearly_and_replay_exactly(log_dir: Path, writers) -> None:
+    w = started(writers, log_dir)
+    path = log_dir / "conv.jsonl"
+    w.emit("conv", {"type": "session_meta", "session": "conv", "model": "gpt-4o"})
+    messages: list[Message] = [
+        {"role": "system", "content": "You are a careful coding agent. " * 40},
+        {"role": "user", "content": "Start the task."},
+    ]
+    sent: list[tuple[int, list[Message]]] = []
+    sizes: dict[int, int] = {}
+    for exchange in range(1, 201):
+        window = sent[-8:]
+        base_exchange, base = choose_base(window, messages)
+        w.emit("conv", request_event(exchange, base_exchange, base, messages[base:]))
+        sent.append((exchange, messages))
+        reply, follow_up = conversation_turn(exchange)
+        w.emit("conv", {"type": "response", "exchange": exchange, "status": 200, "message": reply})
+        messages = [*messages, reply, follow_up]  # a new list: the emitted one is never mutated
+        if exchange in (20, 40, 180, 200):
+            assert w.flush()
+            sizes[exchange] = path.stat().st_size
+    assert w.close()
+
+    early = (sizes[40] - sizes[20]) / 20
+    late = (sizes[200] - sizes[180]) / 20
+    assert late < early * 1.1  # linear: a late exchange costs what an early one did
+    assert sizes[200] < 300 * 1024  # not quadratic: the last request alone holds ~100 KB of text
+
+    log = read_events(path)
+    assert log.torn == 0
+    assert replay(log.events) == sent
+
+
+def test_interleaved_sub_agents_and_retries_replay_exactly(log_dir: Path, writers) -> None:
+    def agent(system: str, task: str) -> list[Message]:
+        return [{"role": "system", "content": system}, {"role": "user", "content": task}]
+
+    threads = {
+        "main": agent("You are the lead agent.", "Refactor the parser."),
+        "sub-a": agent("You are a search sub-agent.", "Find usages of parse()."),
+        "sub-b": agent("You are a search sub-agent.", "Find the tests of parse()."),
+    }
+    order = ["main", "sub-a", "sub-b", "sub-a", "main", "sub-b", "sub-b", "sub-a", "main"]
+    order += ["main", "sub-a", "main"]
+    retry_after = {4, 9}  # these exchanges are resent unchanged, as a client retry would
+    w = started(writers, log_dir)
+    sent: list[tuple[int, list[Message]]] = []
+    exchange = 0
+    for step, name in enumerate(order):
+        repeats = 2 if step in retry_after else 1
+        for _ in range(repeats):
+            exchange += 1
+            messages = threads[name]
+            base_exchange, base = choose_base(sent, messages)
+            w.emit("multi", request_event(exchange, base_exchange, base, messages[base:]))
+            sent.append((exchange, messages))
+        reply = {"role": "assistant", "content": f"{name} step {step}"}
+        threads[name] = [*messages, reply, {"role": "user", "content": f"go on {step}"}]
+    assert w.close()
+
+    log = read_events(log_dir / "multi.jsonl")
+    requests = [e for e in log.events if e["type"] == "request"]
+    assert requests[5]["appended"] == [] and requests[5]["base_exchange"] == 5  # the retry
+    assert replay(log.events) == sent
+
+
+def test_torn_last_line_is_counted_and_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "s.jsonl"
+    good = [{"ts": 1.0, "type": "session_meta", "session": "s"}, {"ts": 2.0, "type": "error"}]
+    path.write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in good) + b'{"ts": 3.0, "type": "req')
+    assert read_events(path) == LogRead(events=good, torn=1)
+
+
+def test_a_new_writer_does_not_glue_its_first_line_to_a_torn_one(log_dir: Path, writers) -> None:
+    log_dir.mkdir()
+    path = log_dir / "s.jsonl"
+    path.write_bytes(b'{"ts": 1.0, "type": "session_meta"}\n{"ts": 2.0, "type": "requ')
+    w = started(writers, log_dir)
+    w.emit("s", {"ts": 3.0, "type": "error", "status": 500, "message": "boom"})
+    assert w.close()
+    log = read_events(path)
+    assert log.torn == 1
+    assert [e["ts"] for e in log.events] == [1.0, 3.0]
+    assert path.read_bytes().startswith(b'{"ts": 1.0, "type": "session_meta"}\n{"ts": 2.0')
+
+
+def test_unknown_types_and_non_object_lines_are_ignored(tmp_path: Path) -> None:
+    path = tmp_path / "s.jsonl"
+    lines = [
+        {"ts": 1.0, "type": "session_meta", "session": "s"},
+        {"ts": 1.5, "type": "from_the_future", "exchange": 1, "appended": [{"x": 1}]},
+        request_event(1, None, 0, [{"role": "user", "content": "hi"}]),
+        [1, 2, 3],
+        "just a string",
+        request_event(2, 1, 1, [{"role": "user", "content": "again"}]),
+    ]
+    path.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines) + b"\n")
+    log = read_events(path)
+    assert log.torn == 0
+    assert len(log.events) == 4
+    assert replay(log.events) == [
+        (1, [{"role": "user", "content": "hi"}]),
+        (2, [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]),
+    ]
+
+
+def test_replay_skips_a_request_whose_base_was_lost(caplog) -> None:
+    m1, m2, m3 = ({"role": "user", "content": str(i)} for i in range(3))
+    events = [
+        request_event(2, 1, 1, [m2]),  # exchange 1 was torn away
+        request_event(3, 2, 2, [m3]),  # built on the unrebuildable 2
+        request_event(4, None, 0, [m1]),
+        {"type": "request", "exchange": 5, "base": 1, "appended": [m3]},  # no base_exchange
+    ]
+    with caplog.at_level(logging.WARNING, logger="proxy.eventlog"):
+        assert replay(events) == [(4, [m1]), (5, [m1, m3])]
+    assert "exchange 2 is based on exchange 1" in caplog.text
+
+
+class Strict(dict):
+    """A message that refuses ``==``: proves identical objects are matched by identity."""
+
+    def __eq__(self, other: object) -> bool:
+        raise AssertionError("compared by value")
+
+
+def test_choose_base_prefers_the_longest_shared_prefix() -> None:
+    a, b, c, d = ({"role": "user", "content": x} for x in "abcd")
+    assert choose_base([], [a]) == (None, 0)
+    assert choose_base([(1, [b])], [a, b]) == (None, 0)
+    assert choose_base([(1, [a, b]), (2, [a, c]), (3, [a, b, c])], [a, b, c, d]) == (3, 3)
+    assert choose_base([(1, [a, b]), (2, [a, b])], [a, b, c]) == (2, 2)  # ties: the later one
+    assert choose_base([(1, [a, b, c])], [a, b]) == (1, 2)  # a shorter request (e.g. compacted)
+    s = Strict(role="system", content="x")
+    assert choose_base([(1, [s, a])], [s, dict(a)]) == (1, 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# Refusals and losses
+
+
+HOSTILE_IDS = ["../../x", "a" * 200, "a\x00b", "séance", "ℌ", "..", ".", "", "a/b", "a\n", "/etc/x"]
+
+
+def test_hostile_session_ids_are_refused_and_touch_nothing(tmp_path: Path, writers) -> None:
+    log_dir = tmp_path / "logs"
+    losses: list[str] = []
+    w = started(writers, log_dir, on_loss=losses.append)
+    for bad in HOSTILE_IDS:
+        assert w.emit(bad, {"type": "error", "message": "x"}) is False
+        with pytest.raises(ValueError, match="invalid session id"):
+            session_log_path(log_dir, bad)
+    assert w.emit(123, {"type": "error"}) is False  # type: ignore[arg-type]
+    assert w.close()
+    assert w.dropped == len(HOSTILE_IDS) + 1
+    assert losses == ["invalid_session"] * (len(HOSTILE_IDS) + 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]
+    assert list(log_dir.iterdir()) == []
+    assert not (tmp_path.parent / "x.jsonl").exists()
+
+
+def test_longest_valid_id_is_accepted(log_dir: Path, writers) -> None:
+    sid = "A-z_0.9:" * 16
+    w = started(writers, log_dir)
+    assert w.emit(sid, {"type": "error"})
+    assert w.close()
+    assert (log_dir / f"{sid}.jsonl").exists()
+
+
+def test_unwritable_directory_counts_losses_and_warns_once(tmp_path: Path, writers, caplog) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    losses: list[str] = []
+    with caplog.at_level(logging.WARNING, logger="proxy.eventlog"):
+        w = started(writers, blocker / "logs", on_loss=losses.append)
+        results = [w.emit("s", {"type": "error", "message": str(i)}) for i in range(50)]
+        assert w.flush()
+    assert all(results)
+    assert (w.written, w.errors, w.dropped) == (0, 50, 0)
+    assert losses.count("io") == 50
+    io_warnings = [r for r in caplog.records if "cannot write" in r.getMessage()]
+    assert len(io_warnings) == 1  # rate-limited
+    assert w.close()
+
+
+def test_a_full_queue_drops_without_blocking(log_dir: Path) -> None:
+    losses: list[str] = []
+    w = EventLogWriter(log_dir, max_queue=2, on_loss=losses.append)  # not started: nothing drains
+    assert [w.emit("s", {"type": "error"}) for _ in range(4)] == [True, True, False, False]
+    assert w.dropped == 2 and losses == ["queue_full", "queue_full"]
+    assert w.close()
+    assert w.dropped == 4  # the two queued events could never be written
+    assert w.emit("s", {"type": "error"}) is False
+    assert losses[-1] == "closed"
+
+
+def test_unserializable_events_are_counted_not_raised(log_dir: Path, writers) -> None:
+    losses: list[str] = []
+    w = started(writers, log_dir, on_loss=losses.append)
+    w.emit("s", {"type": "error", "status": 2**70})  # beyond what JSON integers carry here
+    w.emit("s", ["not", "a", "dict"])  # type: ignore[arg-type]
+    w.emit("s", {"type": "error", "message": {1, 2}})  # a set: falls back to str()
+    assert w.close()
+    assert (w.written, w.errors) == (1, 2)
+    assert losses == ["serialize", "serialize"]
+
+
+def test_a_failing_loss_callback_does_not_break_the_writer(log_dir: Path, writers) -> None:
+    def explode(kind: str) -> None:
+        raise RuntimeError(kind)
+
+    w = started(writers, log_dir, on_loss=explode)
+    assert w.emit("..", {"type": "error"}) is False
+    assert w.emit("s", {"type": "error"})
+    assert w.close() and w.written == 1
+
+
+def test_many_threads_and_sessions_with_few_open_files(log_dir: Path, writers) -> None:
+    w = started(writers, log_dir, max_open_files=2)
+
+    def produce(t: int) -> None:
+        for i in range(200):
+            w.emit(f"s{i % 5}", {"type": "error", "status": 500, "message": f"{t}-{i}"})
+
+    threads = [threading.Thread(target=produce, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert w.flush()
+    assert len(w.open_sessions()) <= 2
+    assert w.close()
+    assert w.written == 800
+    seen = set()
+    for sid in range(5):
+        log = read_events(log_dir / f"s{sid}.jsonl")
+        assert log.torn == 0 and len(log.events) == 160
+        seen.update(e["message"] for e in log.events)
+    assert len(seen) == 800
+
+
+# ------------------------------------------------------------------------------------------------
+# Durability, bodies, secrets
+
+
+def test_fsync_none_never_syncs(log_dir: Path, writers) -> None:
+    w = started(writers, log_dir, fsync="none")
+    for _ in range(5):
+        w.emit("s", {"type": "error"})
+    assert w.close()
+    assert (w.written, w.syncs) == (5, 0)
+
+
+def test_fsync_line_syncs_every_line(log_dir: Path, writers) -> None:
+    w = started(writers, log_dir, fsync="line")
+    for _ in range(5):
+        w.emit("s", {"type": "error"})
+    assert w.close()
+    assert (w.written, w.syncs) == (5, 5)
+
+
+def test_fsync_interval_syncs_a_burst_once_it_settles(log_dir: Path, writers) -> None:
+    w = started(writers, log_dir, fsync="interval", fsync_interval_s=0.05)
+    for _ in range(20):
+        w.emit("s", {"type": "error"})
+    deadline = time.monotonic() + 5
+    while w.syncs == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w.written == 20 and 1 <= w.syncs < 20
+    settled = w.syncs
+    time.sleep(0.15)
+    assert w.syncs == settled  # nothing new written, nothing to sync
+    assert w.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"fsync": "always"}, {"bodies": "none"}, {"fsync_interval_s": 0}, {"max_queue": 0}]
+)
+def test_bad_settings_are_refused(log_dir: Path, kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        EventLogWriter(log_dir, **kwargs)
+
+
+def test_metadata_mode_keeps_sizes_and_hashes_but_no_text(log_dir: Path, writers) -> None:
+    user = {"role": "user", "content": "PRIVATE-QUESTION about the merger"}
+    tool = {"role": "tool", "tool_call_id": "call_1", "content": "PRIVATE-RESULT"}
+    reply = {
+        "role": "assistant",
+        "content": "PRIVATE-ANSWER",
+        "tool_calls": [{"id": "c2", "function": {"name": "grep", "arguments": '{"q":"PRIVATE"}'}}],
+    }
+    w = started(writers, log_dir, bodies="metadata")
+    w.emit("s", request_event(1, None, 0, [user, tool]))
+    w.emit("s", {"type": "response", "exchange": 1, "status": 200, "message": reply})
+    w.emit("s", {"type": "compacted", "exchange": 2, "covered": 2, "summary": "PRIVATE-SUMMARY"})
+    assert w.close()
+
+    raw = (log_dir / "s.jsonl").read_bytes()
+    assert b"PRIVATE" not in raw
+
+    def digest(m: Message) -> str:
+        return hashlib.sha256(orjson.dumps(m, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+    req, resp, compacted = read_events(log_dir / "s.jsonl").events
+    assert req["appended"] == [
+        {"role": "user", "chars": 33, "sha256": digest(user)},
+        {"role": "tool", "chars": 6 + 14, "sha256": digest(tool)},
+    ]
+    assert resp["message"] == {
+        "role": "assistant",
+        "chars": 14 + 2 + 4 + 15,
+        "sha256": digest(reply),
+    }
+    assert compacted["summary"] == {
+        "chars": 15,
+        "sha256": hashlib.sha256(b"PRIVATE-SUMMARY").hexdigest(),
+    }
+    assert req["bytes"] == 1000 and resp["status"] == 200
+
+
+KEY = "sk-proj-T3stK3yThatMustNeverBeLogged0123"
+
+
+def test_a_secret_never_reaches_the_file(log_dir: Path, writers) -> None:
+    w = started(writers, log_dir)
+    leaky = {"role": "user", "content": f"use OPENAI_API_KEY={KEY} please"}
+    w.emit("s", {"type": "session_meta", "session": "s", "user_agent": f"agent Bearer {KEY}"})
+    w.emit("s", request_event(1, None, 0, [leaky]))
+    w.emit("s", {"type": "response", "exchange": 1, "status": 401, "error": f"bad key {KEY}"})
+    w.emit("s", {"type": "error", "exchange": 1, "status": 401, "message": {KEY: KEY}})
+    assert w.close()
+    raw = (log_dir / "s.jsonl").read_bytes()
+    assert KEY.encode() not in raw
+    assert b"T3stK3y" not in raw
+    assert raw.count(b"[REDACTED]") == 5
+    assert leaky["content"] == f"use OPENAI_API_KEY={KEY} please"  # the caller's copy untouched
+
+
+def test_redaction_can_be_turned_off(log_dir: Path, writers) -> None:
+    w = started(writers, log_dir, redact_secrets=False)
+    w.emit("s", request_event(1, None, 0, [{"role": "user", "content": KEY}]))
+    assert w.close()
+    assert KEY.encode() in (log_dir / "s.jsonl").read_bytes()
+
+
+# ------------------------------------------------------------------------------------------------
+# Retention
+
+
+def make_log(log_dir: Path, sid: str, size: int, mtime: float) -> Path:
+    path = log_dir / f"{sid}.jsonl"
+    path.write_bytes(b"x" * size)
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_retention_removes_old_files_but_never_active_ones(tmp_path: Path) -> None:
+    now = 1_700_000_000.0
+    day = 86400.0
+    old = make_log(tmp_path, "old", 10, now - 10 * day)
+    old_active = make_log(tmp_path, "old-active", 10, now - 20 * day)
+    fresh = make_log(tmp_path, "fresh", 10, now - 1 * day)
+    other = tmp_path / "notes.txt"
+    other.write_text("keep")
+    os.utime(other, (now - 30 * day, now - 30 * day))
+
+    removed = enforce_retention(
+        tmp_path, max_age_days=7, max_total_mb=None, active={"old-active"}, now=now
+    )
+    assert removed == [str(old)]
+    assert old_active.exists() and fresh.exists() and other.exists()
+
+
+def test_retention_trims_the_oldest_until_the_total_fits(tmp_path: Path) -> None:
+    now = 1_700_000_000.0
+    mb = 1024 * 1024
+    a = make_log(tmp_path, "a", mb, now - 500)  # oldest, but active
+    b = make_log(tmp_path, "b", mb, now - 400)
+    c = make_log(tmp_path, "c", mb, now - 300)
+    d = make_log(tmp_path, "d", mb, now - 200)
+    removed = enforce_retention(
+        tmp_path, max_age_days=None, max_total_mb=2.5, active={"a"}, now=now
+    )
+    assert removed == [str(b), str(c)]
+    assert a.exists() and d.exists()
+    assert enforce_retention(
+        tmp_path, max_age_days=None, max_total_mb=0, active={"a"}, now=now
+    ) == [str(d)]
+    assert a.exists()
+
+
+def test_retention_of_a_missing_directory_removes_nothing(tmp_path: Path) -> None:
+    assert (
+        enforce_retention(tmp_path / "nope", max_age_days=1, max_total_mb=1, active=(), now=0.0)
+        == []
+    )

@@ -1,0 +1,323 @@
+"""Metrics: exact sample values and labels after scripted exchanges, on a fresh registry each."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from proxy.metrics import (
+    COMPACTION_RESULTS,
+    LOG_LOSS_KINDS,
+    REPAIR_KINDS,
+    REWRITE_LOCATIONS,
+    UPSTREAM_ERROR_KINDS,
+    WASTE_CAUSES,
+    Metrics,
+    MetricsObserver,
+)
+from proxy.pipeline import Exchange
+from proxy.usage import Usage
+
+MODELS = ("gpt-4o", "claude-sonnet-4", "*")
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def metrics(registry: CollectorRegistry) -> Metrics:
+    return Metrics(registry, MODELS)
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, labels)
+
+
+def test_model_label_passes_configured_names_and_bounds_the_rest(metrics: Metrics) -> None:
+    assert metrics.model_label("gpt-4o") == "gpt-4o"
+    assert metrics.model_label("claude-sonnet-4") == "claude-sonnet-4"
+    assert metrics.model_label("gpt-4o-2024-08-06") == "gpt-4o"
+    assert metrics.model_label("claude-sonnet-4-20250514") == "claude-sonnet-4"
+    assert metrics.model_label("gpt-4") == "other"
+    assert metrics.model_label("llama-3") == "other"
+    assert metrics.model_label("*") == "other"
+    assert metrics.model_label("") == "other"
+    assert metrics.model_label(None) == "other"
+
+
+def test_requests_count_by_route_model_and_status(
+    metrics: Metrics, registry: CollectorRegistry
+) -> None:
+    metrics.observe_request("chat", "gpt-4o", 200, 1.5)
+    metrics.observe_request("chat", "gpt-4o", 200, 0.2)
+    metrics.observe_request("chat", "mystery-model", 400, 0.003)
+
+    name = "cachegate_requests_total"
+    assert value(registry, name, route="chat", model="gpt-4o", status="200") == 2.0
+    assert value(registry, name, route="chat", model="other", status="400") == 1.0
+    assert value(registry, name, route="chat", model="mystery-model", status="400") is None
+
+    hist = "cachegate_request_duration_seconds"
+    labels = {"route": "chat", "model": "gpt-4o"}
+    assert value(registry, f"{hist}_count", **labels) == 2.0
+    assert value(registry, f"{hist}_sum", **labels) == pytest.approx(1.7)
+    assert value(registry, f"{hist}_bucket", le="0.25", **labels) == 1.0
+    assert value(registry, f"{hist}_bucket", le="2.5", **labels) == 2.0
+    assert value(registry, f"{hist}_bucket", le="600.0", **labels) == 2.0
+    other = {"route": "chat", "model": "other"}
+    assert value(registry, f"{hist}_bucket", le="0.01", **other) == 1.0
+
+
+def test_histogram_buckets_suit_each_quantity(
+    metrics: Metrics, registry: CollectorRegistry
+) -> None:
+    metrics.observe_overhead("chat", 0.00004)
+    metrics.observe_overhead("chat", 0.0003)
+    metrics.observe_ttfb("gpt-4o", 90.0)
+    metrics.observe_request("chat", "gpt-4o", 200, 420.0)
+
+    overhead = "cachegate_proxy_overhead_seconds_bucket"
+    assert value(registry, overhead, route="chat", le="5e-05") == 1.0
+    assert value(registry, overhead, route="chat", le="0.0005") == 2.0
+    assert value(registry, overhead, route="chat", le="0.1") == 2.0
+    ttfb = "cachegate_time_to_first_byte_seconds_bucket"
+    assert value(registry, ttfb, model="gpt-4o", le="60.0") == 0.0
+    assert value(registry, ttfb, model="gpt-4o", le="120.0") == 1.0
+    duration = "cachegate_request_duration_seconds_bucket"
+    assert value(registry, duration, route="chat", model="gpt-4o", le="300.0") == 0.0
+    assert value(registry, duration, route="chat", model="gpt-4o", le="600.0") == 1.0
+
+
+def test_usage_counts_tokens_and_the_gen_ai_histogram(
+    metrics: Metrics, registry: CollectorRegistry
+) -> None:
+    metrics.observe_usage(
+        "gpt-4o",
+        Usage(prompt=12000, completion=300, cache_read=10240, cache_write=0, reported_cache=True),
+    )
+    metrics.observe_usage("gpt-4o", Usage(prompt=500, completion=20))
+    metrics.observe_usage(
+        "unknown", Usage(prompt=7, completion=1, cache_write=5, reported_cache=True)
+    )
+
+    tokens = "cachegate_tokens_total"
+    assert value(registry, tokens, model="gpt-4o", kind="prompt") == 12500.0
+    assert value(registry, tokens, model="gpt-4o", kind="completion") == 320.0
+    assert value(registry, tokens, model="gpt-4o", kind="cache_read") == 10240.0
+    assert value(registry, tokens, model="gpt-4o", kind="cache_write") == 0.0
+    assert value(registry, tokens, model="other", kind="cache_write") == 5.0
+
+    usage = "gen_ai_client_token_usage"
+    gpt = {"gen_ai_operation_name": "chat", "gen_ai_request_model": "gpt-4o"}
+    assert value(registry, f"{usage}_count", gen_ai_token_type="input", **gpt) == 2.0
+    assert value(registry, f"{usage}_sum", gen_ai_token_type="input", **gpt) == 12500.0
+    assert value(registry, f"{usage}_sum", gen_ai_token_type="output", **gpt) == 320.0
+    # The second exchange reported no cache fields: only the first counts as a cache observation.
+    assert value(registry, f"{usage}_count", gen_ai_token_type="cached_input", **gpt) == 1.0
+    assert value(registry, f"{usage}_sum", gen_ai_token_type="cached_input", **gpt) == 10240.0
+    assert value(registry, f"{usage}_bucket", le="16384.0", gen_ai_token_type="input", **gpt) == 2.0
+    assert value(registry, f"{usage}_bucket", le="4096.0", gen_ai_token_type="input", **gpt) == 1.0
+    other = {"gen_ai_operation_name": "chat", "gen_ai_request_model": "other"}
+    assert value(registry, f"{usage}_sum", gen_ai_token_type="cache_creation_input", **other) == 5.0
+
+
+def test_cache_waste_rewrites_repairs_and_compactions(
+    metrics: Metrics, registry: CollectorRegistry
+) -> None:
+    metrics.observe_cache_waste("gpt-4o", "ttl_expired", 20000)
+    metrics.observe_cache_waste("gpt-4o", "prefix_rewrite", 3000)
+    metrics.observe_cache_waste("gpt-4o", "ttl_expired", 1500)
+    metrics.observe_prefix_rewrite("tools")
+    metrics.observe_prefix_rewrite("messages")
+    metrics.observe_prefix_rewrite("messages")
+    metrics.observe_repairs(["dangling_call", "dangling_call", "orphan_result"])
+    metrics.observe_repairs([])
+    metrics.observe_strict_rejection()
+    metrics.observe_compaction("gpt-4o", "summary")
+    metrics.observe_compaction("gpt-4o", "reused")
+    metrics.observe_compaction("gpt-4o", "reused")
+
+    waste = "cachegate_cache_waste_tokens_total"
+    assert value(registry, waste, model="gpt-4o", cause="ttl_expired") == 21500.0
+    assert value(registry, waste, model="gpt-4o", cause="prefix_rewrite") == 3000.0
+    assert value(registry, waste, model="gpt-4o", cause="unexplained") == 0.0
+    rewrites = "cachegate_prefix_rewrites_total"
+    assert value(registry, rewrites, location="tools") == 1.0
+    assert value(registry, rewrites, location="messages") == 2.0
+    assert value(registry, rewrites, location="system") == 0.0
+    repairs = "cachegate_pairing_repairs_total"
+    assert value(registry, repairs, kind="dangling_call") == 2.0
+    assert value(registry, repairs, kind="orphan_result") == 1.0
+    assert value(registry, repairs, kind="invalid_arguments") == 0.0
+    assert value(registry, "cachegate_strict_rejections_total") == 1.0
+    compactions = "cachegate_compactions_total"
+    assert value(registry, compactions, model="gpt-4o", result="summary") == 1.0
+    assert value(registry, compactions, model="gpt-4o", result="reused") == 2.0
+    assert value(registry, compactions, model="gpt-4o", result="extractive") == 0.0
+
+
+def test_cost_streams_disconnects_upstream_errors_and_log_loss(
+    metrics: Metrics, registry: CollectorRegistry
+) -> None:
+    metrics.observe_cost("gpt-4o", 0.0125, 0.05)
+    metrics.observe_cost("gpt-4o", 0.0025, 0.0025)
+    metrics.observe_cost("gpt-5-preview", 1.0, 2.0)
+    for _ in range(3):
+        metrics.stream_started()
+    metrics.stream_finished()
+    metrics.observe_client_disconnect()
+    metrics.observe_upstream_error("timeout")
+    metrics.observe_upstream_error("midstream")
+    metrics.observe_upstream_error("midstream")
+    metrics.observe_log_loss("queue_full")
+    metrics.observe_log_loss("queue_full", 4)
+
+    cost = "cachegate_cost_usd_total"
+    assert value(registry, cost, model="gpt-4o", kind="actual") == pytest.approx(0.015)
+    assert value(registry, cost, model="gpt-4o", kind="uncached") == pytest.approx(0.0525)
+    assert value(registry, cost, model="other", kind="uncached") == 2.0
+    assert value(registry, "cachegate_active_streams") == 2.0
+    assert value(registry, "cachegate_client_disconnects_total") == 1.0
+    errors = "cachegate_upstream_errors_total"
+    assert value(registry, errors, kind="timeout") == 1.0
+    assert value(registry, errors, kind="midstream") == 2.0
+    assert value(registry, errors, kind="connect") == 0.0
+    assert value(registry, "cachegate_event_log_lost_total", kind="queue_full") == 5.0
+    assert value(registry, "cachegate_event_log_lost_total", kind="write_error") == 0.0
+
+
+def test_finite_label_sets_start_at_zero(metrics: Metrics, registry: CollectorRegistry) -> None:
+    for model in ("gpt-4o", "claude-sonnet-4", "other"):
+        for cause in WASTE_CAUSES:
+            assert (
+                value(registry, "cachegate_cache_waste_tokens_total", model=model, cause=cause) == 0
+            )
+        for result in COMPACTION_RESULTS:
+            assert value(registry, "cachegate_compactions_total", model=model, result=result) == 0
+        for kind in ("prompt", "completion", "cache_read", "cache_write"):
+            assert value(registry, "cachegate_tokens_total", model=model, kind=kind) == 0
+        for kind in ("actual", "uncached"):
+            assert value(registry, "cachegate_cost_usd_total", model=model, kind=kind) == 0
+        assert value(registry, "cachegate_time_to_first_byte_seconds_count", model=model) == 0
+        for route in ("chat", "passthrough"):
+            labels = {"route": route, "model": model}
+            assert value(registry, "cachegate_requests_total", status="200", **labels) == 0
+            assert value(registry, "cachegate_request_duration_seconds_count", **labels) == 0
+            assert value(registry, "cachegate_proxy_overhead_seconds_count", route=route) == 0
+    for location in REWRITE_LOCATIONS:
+        assert value(registry, "cachegate_prefix_rewrites_total", location=location) == 0
+    for kind in REPAIR_KINDS:
+        assert value(registry, "cachegate_pairing_repairs_total", kind=kind) == 0
+    for kind in UPSTREAM_ERROR_KINDS:
+        assert value(registry, "cachegate_upstream_errors_total", kind=kind) == 0
+    for kind in LOG_LOSS_KINDS:
+        assert value(registry, "cachegate_event_log_lost_total", kind=kind) == 0
+    assert value(registry, "cachegate_strict_rejections_total") == 0
+    assert value(registry, "cachegate_client_disconnects_total") == 0
+    assert value(registry, "cachegate_active_streams") == 0
+    # "*" is the configuration fallback, never a label value.
+    assert b'model="*"' not in generate_latest(registry)
+
+
+def test_the_metric_set_and_label_names_match_the_design(
+    metrics: Metrics, registry: CollectorRegistry
+) -> None:
+    expected = {
+        ("cachegate_requests", "counter"): {"route", "model", "status"},
+        ("cachegate_request_duration_seconds", "histogram"): {"route", "model"},
+        ("cachegate_time_to_first_byte_seconds", "histogram"): {"model"},
+        ("cachegate_proxy_overhead_seconds", "histogram"): {"route"},
+        ("cachegate_tokens", "counter"): {"model", "kind"},
+        ("cachegate_cache_waste_tokens", "counter"): {"model", "cause"},
+        ("cachegate_prefix_rewrites", "counter"): {"location"},
+        ("cachegate_pairing_repairs", "counter"): {"kind"},
+        ("cachegate_strict_rejections", "counter"): set(),
+        ("cachegate_compactions", "counter"): {"model", "result"},
+        ("cachegate_cost_usd", "counter"): {"model", "kind"},
+        ("cachegate_active_streams", "gauge"): set(),
+        ("cachegate_client_disconnects", "counter"): set(),
+        ("cachegate_upstream_errors", "counter"): {"kind"},
+        ("cachegate_event_log_lost", "counter"): {"kind"},
+        ("gen_ai_client_token_usage", "histogram"): {
+            "gen_ai_operation_name",
+            "gen_ai_request_model",
+            "gen_ai_token_type",
+        },
+    }
+    families = {(f.name, f.type): f for f in registry.collect()}
+    assert set(families) == set(expected)
+    for key, labels in expected.items():
+        seen = {name for s in families[key].samples for name in s.labels if name != "le"}
+        assert seen == labels, key
+        assert not any("session" in name for name in seen), key
+
+
+def test_bad_values_are_logged_never_raised_and_add_no_series(
+    metrics: Metrics, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    before = generate_latest(registry)
+    with caplog.at_level(logging.ERROR, logger="proxy.metrics"):
+        metrics.observe_cache_waste("gpt-4o", "cosmic_rays", 10)
+        metrics.observe_prefix_rewrite("sess-1234")
+        metrics.observe_repairs(["dangling_call", "made_up"])
+        metrics.observe_compaction("gpt-4o", "magic")
+        metrics.observe_upstream_error("dns")
+        metrics.observe_log_loss("eaten")
+        metrics.observe_cost("gpt-4o", -1.0, 1.0)
+        metrics.observe_usage("gpt-4o", Usage(prompt=-5))
+        metrics.observe_cache_waste("gpt-4o", "ttl_expired", -3)
+    assert len(caplog.records) == 9
+    assert all(r.name == "proxy.metrics" for r in caplog.records)
+    assert generate_latest(registry) == before
+
+
+def exchange(**fields: object) -> Exchange:
+    ex = Exchange(route="chat", method="POST", path="chat/completions", started_at=0.0, t0=0.0)
+    for name, v in fields.items():
+        setattr(ex, name, v)
+    return ex
+
+
+def test_observer_turns_exchanges_into_metrics(
+    metrics: Metrics, registry: CollectorRegistry
+) -> None:
+    observer = MetricsObserver(metrics)
+    streamed = exchange(
+        model="gpt-4o-2024-08-06",
+        stream=True,
+        status=200,
+        duration_s=2.0,
+        ttfb_s=0.3,
+        overhead_s=0.0002,
+        usage=Usage(prompt=2000, completion=50, cache_read=1024, reported_cache=True),
+        repairs=[{"kind": "dangling_call"}, {"kind": "missing_id"}],
+    )
+    observer.on_request(streamed)
+    assert value(registry, "cachegate_active_streams") == 1.0
+    observer.on_response(streamed)
+    cut = exchange(model="gpt-4o", stream=True, status=200, duration_s=1.0, interrupted=True)
+    observer.on_request(cut)
+    observer.on_response(cut)
+    failed = exchange(route="passthrough", path="models", method="GET", status=504)
+    failed.upstream_error = "timeout"
+    observer.on_request(failed)
+    observer.on_response(failed)
+    observer.on_error(exchange(model="llama", status=400))
+
+    assert value(registry, "cachegate_active_streams") == 0.0
+    requests = "cachegate_requests_total"
+    assert value(registry, requests, route="chat", model="gpt-4o", status="200") == 2.0
+    assert value(registry, requests, route="passthrough", model="other", status="504") == 1.0
+    assert value(registry, requests, route="chat", model="other", status="400") == 1.0
+    assert value(registry, "cachegate_time_to_first_byte_seconds_count", model="gpt-4o") == 1.0
+    overhead = "cachegate_proxy_overhead_seconds_bucket"
+    assert value(registry, overhead, route="chat", le="0.00025") == 2.0
+    assert value(registry, "cachegate_tokens_total", model="gpt-4o", kind="cache_read") == 1024.0
+    assert value(registry, "cachegate_pairing_repairs_total", kind="dangling_call") == 1.0
+    assert value(registry, "cachegate_pairing_repairs_total", kind="missing_id") == 1.0
+    assert value(registry, "cachegate_upstream_errors_total", kind="timeout") == 1.0
+    assert value(registry, "cachegate_client_disconnects_total") == 1.0

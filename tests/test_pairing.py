@@ -1,0 +1,623 @@
+"""Tool-pairing repair: one exact case per rule, then random histories against the provider."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.pairing import (
+    DEFAULT_INTERRUPTED_NOTE,
+    DOWNGRADE_PREFIXES,
+    PairingResult,
+    Repair,
+    diagnose,
+    format_strict_error,
+    needs_repair,
+    repair_messages,
+)
+from proxy.simulator.validate import ValidationError, validate_messages
+
+Message = dict[str, Any]
+
+
+def user(text: str) -> Message:
+    return {"role": "user", "content": text}
+
+
+def call(call_id: str | None, name: str = "read", arguments: str = '{"path": "a.txt"}') -> Message:
+    made: Message = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    return made if call_id is None else {"id": call_id, **made}
+
+
+def asst(*calls: Message, content: str | None = None) -> Message:
+    message: Message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = list(calls)
+    return message
+
+
+def tool(call_id: str | None, content: Any = "ok") -> Message:
+    message: Message = {"role": "tool", "content": content}
+    if call_id is not None:
+        message["tool_call_id"] = call_id
+    return message
+
+
+def synthetic(call_id: str, name: str = "read") -> Message:
+    return {
+        "role": "tool",
+        "tool_call_id": call_id,
+        "content": DEFAULT_INTERRUPTED_NOTE.replace("{name}", name),
+    }
+
+
+def kinds_of(repairs: list[Repair]) -> list[tuple[str, int, str | None]]:
+    return [(r.kind, r.index, r.tool_call_id) for r in repairs]
+
+
+def kinds(result: PairingResult) -> list[tuple[str, int, str | None]]:
+    return kinds_of(result.repairs)
+
+
+CASES: list[tuple[str, list[Message], list[Message], list[tuple[str, int, str | None]]]] = [
+    (
+        "dangling call: synthetic result after the real ones, in call order",
+        [user("go"), asst(call("a"), call("b", "write"), call("c")), tool("a"), user("next")],
+        [
+            user("go"),
+            asst(call("a"), call("b", "write"), call("c")),
+            tool("a"),
+            synthetic("b", "write"),
+            synthetic("c"),
+            user("next"),
+        ],
+        [("dangling_call", 1, "b"), ("dangling_call", 1, "c")],
+    ),
+    (
+        "history ending with tool_calls: synthetic results appended",
+        [user("go"), asst(call("a"), call("b"))],
+        [user("go"), asst(call("a"), call("b")), synthetic("a"), synthetic("b")],
+        [("dangling_call", 1, "a"), ("dangling_call", 1, "b")],
+    ),
+    (
+        "displaced result: steer message moved after the block",
+        [user("go"), asst(call("a"), call("b")), tool("a", "A"), user("steer"), tool("b", "B")],
+        [user("go"), asst(call("a"), call("b")), tool("a", "A"), tool("b", "B"), user("steer")],
+        [("displaced_result", 4, "b")],
+    ),
+    (
+        "displaced results keep the client's order; other messages follow in order",
+        [
+            asst(call("a"), call("b")),
+            user("s1"),
+            asst(content="hm"),
+            tool("b", "B"),
+            tool("a", "A"),
+        ],
+        [
+            asst(call("a"), call("b")),
+            tool("b", "B"),
+            tool("a", "A"),
+            user("s1"),
+            asst(content="hm"),
+        ],
+        [("displaced_result", 3, "b"), ("displaced_result", 4, "a")],
+    ),
+    (
+        "displaced result answering an earlier assistant message than the current block",
+        [asst(call("a")), user("s"), asst(call("b")), tool("a", "A"), tool("b", "B")],
+        [asst(call("a")), tool("a", "A"), user("s"), asst(call("b")), tool("b", "B")],
+        [("displaced_result", 3, "a")],
+    ),
+    (
+        "orphan result: downgraded to a labelled user message",
+        [user("go"), tool("x", "stray output"), asst(content="done")],
+        [
+            user("go"),
+            user("[tool result for call x (no matching tool call)]\nstray output"),
+            asst(content="done"),
+        ],
+        [("orphan_result", 1, "x")],
+    ),
+    (
+        "orphan result inside a block: the block closes first",
+        [asst(call("a")), tool("x", "X"), tool("a", "A")],
+        [
+            asst(call("a")),
+            tool("a", "A"),
+            user("[tool result for call x (no matching tool call)]\nX"),
+        ],
+        [("orphan_result", 1, "x")],
+    ),
+    (
+        "orphan result without a tool_call_id",
+        [user("go"), tool(None, "X")],
+        [user("go"), user("[tool result without a tool_call_id (no matching tool call)]\nX")],
+        [("orphan_result", 1, None)],
+    ),
+    (
+        "orphan result with content parts keeps the parts",
+        [user("go"), tool("x", [{"type": "text", "text": "p1"}, {"type": "text", "text": "p2"}])],
+        [
+            user("go"),
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "[tool result for call x (no matching tool call)]"},
+                    {"type": "text", "text": "p1"},
+                    {"type": "text", "text": "p2"},
+                ],
+            },
+        ],
+        [("orphan_result", 1, "x")],
+    ),
+    (
+        "duplicate result: first kept, the later one downgraded",
+        [asst(call("a")), tool("a", "first"), tool("a", "second"), user("s"), tool("a", "third")],
+        [
+            asst(call("a")),
+            tool("a", "first"),
+            user("[duplicate tool result for call a]\nsecond"),
+            user("s"),
+            user("[duplicate tool result for call a]\nthird"),
+        ],
+        [("duplicate_result", 2, "a"), ("duplicate_result", 4, "a")],
+    ),
+    (
+        "invalid arguments: replaced by {}",
+        [asst(call("a", "write", '{"path": "x.py", "text": "def f(')), tool("a")],
+        [asst(call("a", "write", "{}")), tool("a")],
+        [("invalid_arguments", 0, "a")],
+    ),
+    (
+        "empty arguments string is not JSON either",
+        [asst(call("a", "now", "")), tool("a")],
+        [asst(call("a", "now", "{}")), tool("a")],
+        [("invalid_arguments", 0, "a")],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("given_messages", "expected", "expected_repairs"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_each_rule_gives_the_exact_history(
+    given_messages: list[Message],
+    expected: list[Message],
+    expected_repairs: list[tuple[str, int, str | None]],
+) -> None:
+    before = copy.deepcopy(given_messages)
+    result = repair_messages(given_messages)
+    assert result.messages == expected
+    assert kinds(result) == expected_repairs
+    assert result.changed
+    assert given_messages == before
+    validate_messages(result.messages)
+
+
+def test_call_without_id_gets_a_pinned_stable_id_and_a_synthetic_result() -> None:
+    messages = [user("go"), asst(call(None, "ls", '{"dir": "."}')), tool(None, "X")]
+    result = repair_messages(messages)
+    # pinned: a derived id that changed between releases would break the provider's prefix cache
+    new_id = "call_00622dc8fe112383b575e21c"
+    assert result.messages == [
+        user("go"),
+        asst(
+            {
+                "type": "function",
+                "function": {"name": "ls", "arguments": '{"dir": "."}'},
+                "id": new_id,
+            }
+        ),
+        synthetic(new_id, "ls"),
+        user("[tool result without a tool_call_id (no matching tool call)]\nX"),
+    ]
+    assert kinds(result) == [
+        ("missing_id", 1, new_id),
+        ("dangling_call", 1, new_id),
+        ("orphan_result", 2, None),
+    ]
+    assert repair_messages(copy.deepcopy(messages)).messages == result.messages
+
+
+def test_same_call_at_another_position_gets_another_id() -> None:
+    first = repair_messages([asst(call(None))]).messages[0]["tool_calls"][0]["id"]
+    moved = repair_messages([user("go"), asst(call(None))]).messages[1]["tool_calls"][0]["id"]
+    twice = repair_messages([asst(call(None), call(None))]).messages[0]["tool_calls"]
+    assert first != moved
+    assert twice[0]["id"] != twice[1]["id"]
+
+
+def test_orphan_policy_drop_removes_orphans_and_duplicates() -> None:
+    messages = [asst(call("a")), tool("a", "A"), tool("a", "again"), user("s"), tool("x", "X")]
+    result = repair_messages(messages, orphan_policy="drop")
+    assert result.messages == [asst(call("a")), tool("a", "A"), user("s")]
+    assert [(r.kind, r.index, r.action) for r in result.repairs] == [
+        ("duplicate_result", 2, "dropped"),
+        ("orphan_result", 4, "dropped"),
+    ]
+
+
+def test_interrupted_note_is_configurable_with_the_tool_name() -> None:
+    result = repair_messages([asst(call("a", "grep"))], interrupted_note="{name} was cancelled")
+    assert result.messages[1] == {
+        "role": "tool",
+        "tool_call_id": "a",
+        "content": "grep was cancelled",
+    }
+    empty = repair_messages([asst(call("a", "grep"))], interrupted_note="")
+    assert empty.messages[1] == synthetic("a", "grep")
+
+
+def test_default_note_says_interrupted_not_run_not_a_failure_and_retry() -> None:
+    note = DEFAULT_INTERRUPTED_NOTE.lower()
+    for phrase in ("interrupted", "did not run", "not a tool failure", "call the tool again"):
+        assert phrase in note
+
+
+def test_invalid_arguments_action_gives_length_and_keeps_no_original_text() -> None:
+    arguments = '{"path": "secret.txt", "content": "abc'
+    result = repair_messages([asst(call("a", "write", arguments)), tool("a")])
+    (repair,) = result.repairs
+    assert f"{len(arguments)} chars" in repair.action
+    assert "truncated" in repair.action
+    assert "secret" not in orjson.dumps(result.messages).decode()
+
+
+def test_mixed_defects_in_one_history() -> None:
+    messages = [
+        {"role": "system", "content": "sys"},  # 0
+        user("fix the bug"),  # 1
+        asst(call("a", "read"), call("b", "write", '{"path": "m.py", "te'), content="on it"),  # 2
+        tool("a", "file text"),  # 3
+        user("also run the tests"),  # 4 steer typed while tools ran
+        tool("b", "written"),  # 5 displaced
+        tool("b", "written again"),  # 6 duplicate
+        asst(call("c", "test")),  # 7 interrupted: no result
+        user("stop"),  # 8
+        tool("zzz", [{"type": "text", "text": "late"}]),  # 9 orphan
+        asst(call("d", "read"), call("e", "grep")),  # 10 history ends with tool_calls
+    ]
+    result = repair_messages(messages)
+    assert result.messages == [
+        {"role": "system", "content": "sys"},
+        user("fix the bug"),
+        asst(call("a", "read"), call("b", "write", "{}"), content="on it"),
+        tool("a", "file text"),
+        tool("b", "written"),
+        user("also run the tests"),
+        user("[duplicate tool result for call b]\nwritten again"),
+        asst(call("c", "test")),
+        synthetic("c", "test"),
+        user("stop"),
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "[tool result for call zzz (no matching tool call)]"},
+                {"type": "text", "text": "late"},
+            ],
+        },
+        asst(call("d", "read"), call("e", "grep")),
+        synthetic("d", "read"),
+        synthetic("e", "grep"),
+    ]
+    assert kinds(result) == [
+        ("invalid_arguments", 2, "b"),
+        ("displaced_result", 5, "b"),
+        ("duplicate_result", 6, "b"),
+        ("dangling_call", 7, "c"),
+        ("orphan_result", 9, "zzz"),
+        ("dangling_call", 10, "d"),
+        ("dangling_call", 10, "e"),
+    ]
+    unchanged = (0, 1, 3, 4, 5, 7, 8, 10)
+    assert all(any(m is messages[i] for m in result.messages) for i in unchanged)
+    validate_messages(result.messages)
+
+
+def test_valid_history_comes_back_as_the_same_object() -> None:
+    messages = [
+        {"role": "system", "content": "sys"},
+        user("go"),
+        asst(call("a"), call("b")),
+        tool("b", "B"),
+        tool("a", "A"),
+        asst(content="done"),
+        user("again"),
+        asst(call("a")),  # ids reused across turns, as some servers do
+        tool("a", "A2"),
+    ]
+    assert not needs_repair(messages)
+    result = repair_messages(messages)
+    assert result.messages is messages
+    assert result.repairs == []
+    assert not result.changed
+    assert diagnose(messages) == []
+
+
+def test_repeated_call_id_in_one_message_is_paired_one_result_per_call() -> None:
+    messages = [asst(call("a"), call("a")), tool("a", "1")]
+    result = repair_messages(messages)
+    assert result.messages == [asst(call("a"), call("a")), tool("a", "1"), synthetic("a")]
+    validate_messages(result.messages)
+    answered = result.messages
+    again = repair_messages(answered)
+    assert again.messages is answered and again.repairs == []
+
+
+def test_strict_error_lists_every_defect() -> None:
+    messages = [user("go"), asst(call("a")), user("s"), tool("x", "X"), asst(call(None))]
+    text = format_strict_error(diagnose(messages))
+    new_id = repair_messages(messages).repairs[-1].tool_call_id
+    assert text == (
+        "cachegate strict pairing: 4 defects: "
+        "messages[1] assistant tool_call a has no result (dangling_call); "
+        "messages[3] tool result for x answers no tool call (orphan_result); "
+        f"messages[4] assistant tool_call has no id (repair would assign {new_id}) (missing_id); "
+        f"messages[4] assistant tool_call {new_id} has no result (dangling_call)"
+    )
+    assert format_strict_error([Repair("duplicate_result", 2, "a", "dropped")]) == (
+        "cachegate strict pairing: 1 defect: "
+        "messages[2] tool result for a repeats an earlier result (duplicate_result)"
+    )
+
+
+def test_diagnose_changes_nothing() -> None:
+    messages = [asst(call("a", arguments="{")), user("s"), tool("a")]
+    before = copy.deepcopy(messages)
+    assert [r.kind for r in diagnose(messages)] == ["invalid_arguments", "displaced_result"]
+    assert messages == before
+
+
+def test_needs_repair_agrees_with_the_provider_on_plain_defects() -> None:
+    assert needs_repair([asst(call("a"))])
+    assert needs_repair([user("go"), tool("a")])
+    assert needs_repair([asst(call("a")), user("s"), tool("a")])
+    assert needs_repair([asst(call("a")), tool("a"), tool("a")])
+    assert needs_repair([asst(call("a", arguments='{"x": ')), tool("a")])
+    assert needs_repair([asst(call(None)), tool(None)])
+    assert not needs_repair([asst(call("a")), tool("a"), user("thanks")])
+
+
+# ---------------------------------------------------------------------------------------------
+# Random histories
+
+IDS = ("a", "b", "c", "d")
+NAMES = ("read", "write", "grep")
+
+
+@st.composite
+def random_histories(draw: st.DrawFn) -> list[Message]:
+    """Any mix of user, assistant and tool messages over a few reused ids: every defect at once."""
+    calls = st.builds(
+        lambda call_id, name, good, n: call(
+            call_id, name, f'{{"n": {n}}}' if good else f'{{"n": "{n}'
+        ),
+        st.one_of(st.none(), st.sampled_from(IDS)),
+        st.sampled_from(NAMES),
+        st.booleans(),
+        st.integers(0, 9),
+    )
+    kinds_ = draw(
+        st.lists(
+            st.sampled_from(["user", "text", "calls", "tool", "tool", "tool"]),
+            min_size=0,
+            max_size=24,
+        )
+    )
+    messages: list[Message] = [user("u-start")]
+    for i, kind in enumerate(kinds_):
+        if kind == "user":
+            messages.append(user(f"u{i}"))
+        elif kind == "text":
+            messages.append(asst(content=f"t{i}"))
+        elif kind == "calls":
+            messages.append(asst(*draw(st.lists(calls, min_size=1, max_size=3)), content=f"t{i}"))
+        else:
+            call_id = draw(st.one_of(st.sampled_from(IDS), st.just("zz"), st.none()))
+            content: Any = f"o{i}"
+            if draw(st.booleans()):
+                content = [{"type": "text", "text": f"o{i}"}]
+            messages.append(tool(call_id, content))
+    return messages
+
+
+@st.composite
+def damaged_histories(draw: st.DrawFn) -> tuple[list[Message], bool]:
+    """A realistic valid agent history, then a few typical defects; returns it and 'was damaged'."""
+    messages: list[Message] = [{"role": "system", "content": "sys"}]
+    for turn in range(draw(st.integers(1, 5))):
+        messages.append(user(f"u{turn}"))
+        for step in range(draw(st.integers(0, 3))):
+            n = draw(st.integers(1, 3))
+            # ids restart every step, as servers numbering calls call_0, call_1 ... do
+            ids = [f"call_{k}" for k in range(n)]
+            messages.append(asst(*(call(i, "read", f'{{"s": {step}}}') for i in ids)))
+            order = draw(st.permutations(ids))
+            messages.extend(tool(i, f"o{turn}.{step}.{i}") for i in order)
+        messages.append(asst(content=f"t{turn}"))
+    valid = copy.deepcopy(messages)
+    defects = draw(
+        st.lists(
+            st.sampled_from(["drop", "orphan", "displace", "duplicate", "args", "no_id", "cut"]),
+            max_size=4,
+        )
+    )
+    for defect in defects:
+        tools = [i for i, m in enumerate(messages) if m["role"] == "tool"]
+        assistants = [i for i, m in enumerate(messages) if m.get("tool_calls")]
+        if defect == "drop" and tools:
+            del messages[draw(st.sampled_from(tools))]
+        elif defect == "orphan":
+            at = draw(st.integers(1, len(messages)))
+            messages.insert(at, tool("ghost", f"g{at}"))
+        elif defect == "displace" and tools:
+            j = draw(st.sampled_from(tools))
+            moved = messages.pop(j)
+            messages.insert(j, user(f"steer{j}"))
+            messages.insert(draw(st.integers(j + 1, len(messages))), moved)
+        elif defect == "duplicate" and tools:
+            j = draw(st.sampled_from(tools))
+            dup = {**messages[j], "content": f"dup{j}"}
+            messages.insert(draw(st.integers(j + 1, len(messages))), dup)
+        elif defect == "args" and assistants:
+            a = draw(st.sampled_from(assistants))
+            calls = copy.deepcopy(messages[a]["tool_calls"])
+            calls[0]["function"]["arguments"] = calls[0]["function"]["arguments"][:-2]
+            messages[a] = {**messages[a], "tool_calls": calls}
+        elif defect == "no_id" and assistants:
+            a = draw(st.sampled_from(assistants))
+            calls = copy.deepcopy(messages[a]["tool_calls"])
+            calls[-1].pop("id", None)
+            messages[a] = {**messages[a], "tool_calls": calls}
+        elif defect == "cut" and assistants:
+            del messages[draw(st.sampled_from(assistants)) + 1 :]
+    return messages, messages != valid
+
+
+def _texts(content: Any) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [part["text"] for part in content if isinstance(part, dict) and "text" in part]
+    return []
+
+
+def _check_properties(messages: list[Message], policy: Any) -> PairingResult:
+    before = copy.deepcopy(messages)
+    result = repair_messages(messages, orphan_policy=policy)
+    out = result.messages
+
+    assert messages == before, "input mutated"
+    validate_messages(out)
+    assert not needs_repair(out)
+    again = repair_messages(out, orphan_policy=policy)
+    assert again.messages is out and again.repairs == [], "not idempotent"
+    twin = repair_messages(copy.deepcopy(messages), orphan_policy=policy)
+    assert orjson.dumps(twin.messages) == orjson.dumps(out), "not deterministic"
+    assert twin.repairs == result.repairs
+    assert kinds_of(diagnose(messages)) == kinds_of(result.repairs)
+
+    assert result.changed == (out is not messages)
+    assert _accepted(messages) == (not result.repairs), (
+        "repaired a valid history or missed a defect"
+    )
+    if not needs_repair(messages):
+        assert out is messages and result.repairs == []
+
+    touched = {r.index for r in result.repairs}
+    for i, message in enumerate(messages):
+        if i not in touched:
+            assert any(m is message for m in out), f"messages[{i}] was copied though untouched"
+
+    out_texts = [t for m in out for t in _texts(m.get("content"))]
+    removed = {r.index for r in result.repairs if r.action == "dropped"}
+    for i, message in enumerate(messages):
+        if i in removed:
+            continue
+        for text in _texts(message.get("content")):
+            found = any(o == text or o.endswith("\n" + text) for o in out_texts)
+            assert found, f"content of messages[{i}] lost"
+    non_tool_in = [m.get("content") for m in messages if m["role"] != "tool"]
+    non_tool_out = [m.get("content") for m in out if m["role"] != "tool" and not _downgraded(m)]
+    assert non_tool_out == non_tool_in, "user/assistant messages lost or reordered"
+    return result
+
+
+def _downgraded(message: Message) -> bool:
+    texts = _texts(message.get("content"))
+    return bool(texts) and texts[0].startswith(DOWNGRADE_PREFIXES)
+
+
+def _accepted(messages: list[Message]) -> bool:
+    """The provider's check, plus the two defects it cannot see: missing ids and bad arguments."""
+    try:
+        validate_messages(messages)
+    except ValidationError:
+        return False
+    for m in messages:
+        for c in m.get("tool_calls") or []:
+            if not c.get("id"):
+                return False
+            try:
+                orjson.loads(c["function"]["arguments"])
+            except orjson.JSONDecodeError:
+                return False
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(random_histories(), st.sampled_from(["downgrade", "drop"]))
+def test_random_histories_satisfy_every_property(messages: list[Message], policy: Any) -> None:
+    _check_properties(messages, policy)
+
+
+@settings(max_examples=300, deadline=None)
+@given(damaged_histories(), st.sampled_from(["downgrade", "drop"]))
+def test_damaged_agent_histories_satisfy_every_property(
+    damaged: tuple[list[Message], bool], policy: Any
+) -> None:
+    messages, was_damaged = damaged
+    result = _check_properties(messages, policy)
+    if not was_damaged:
+        assert result.messages is messages
+
+
+def _call_ids(messages: list[Message]) -> set[str]:
+    return {c["id"] for m in messages for c in m.get("tool_calls") or [] if c.get("id")}
+
+
+@settings(max_examples=300, deadline=None)
+@given(random_histories(), st.data())
+def test_extending_a_history_keeps_its_repaired_prefix(
+    messages: list[Message], data: st.DataObject
+) -> None:
+    cut = data.draw(st.integers(1, len(messages)))
+    old, new = messages[:cut], messages[cut:]
+    repaired_old = repair_messages(old).messages
+    repaired_all = repair_messages(messages).messages
+    answered_later = {m.get("tool_call_id") for m in new if m["role"] == "tool"} & _call_ids(old)
+    if not answered_later:
+        assert repaired_all[: len(repaired_old)] == repaired_old
+        return
+    # a later result may answer a call that had a synthetic result: only that block may change
+    first = next(
+        i
+        for i, m in enumerate(repaired_old)
+        if any(c.get("id") in answered_later for c in m.get("tool_calls") or [])
+    )
+    assert repaired_all[: first + 1] == repaired_old[: first + 1]
+
+
+def _time_needs_repair() -> None:
+    """Timing sanity check, run by hand: ``python -m tests.test_pairing``."""
+    import timeit
+
+    messages: list[Message] = [{"role": "system", "content": "s" * 20_000}]
+    for turn in range(100):
+        messages.append(user(f"please do step {turn} " + "x" * 1_000))
+        args = orjson.dumps({"path": f"src/mod{turn}.py", "text": "y" * 400}).decode()
+        messages.append(asst(call(f"call_{turn}_0", "write", args), content="working"))
+        messages.append(tool(f"call_{turn}_0", "z" * 3_000))
+        messages.append(asst(content="done " + "w" * 800))
+    body = orjson.dumps({"model": "m", "messages": messages})
+    assert not needs_repair(messages)
+    runs = 2_000
+    seconds = timeit.timeit(lambda: needs_repair(messages), number=runs) / runs
+    whole = timeit.timeit(lambda: repair_messages(messages), number=runs) / runs
+    print(f"{len(messages)} messages, {len(body) / 1024:.0f} KB body")
+    print(f"needs_repair: {seconds * 1e6:.1f} µs; repair_messages (valid): {whole * 1e6:.1f} µs")
+    broken = [*messages[:-2], user("steer"), messages[-2]]  # a result displaced by a steer
+    once = timeit.timeit(lambda: repair_messages(broken), number=200) / 200
+    print(f"repair_messages with defects: {once * 1e6:.1f} µs")
+
+
+if __name__ == "__main__":
+    _time_needs_repair()

@@ -1,0 +1,427 @@
+"""Hash chain and first divergence of forwarded requests (proxy/prefix.py)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.prefix import (
+    Divergence,
+    canonical_message,
+    find_divergence,
+    fingerprint,
+    shared_prefix_len,
+    volatile_kind,
+)
+
+SYSTEM = "You are a careful coding agent. Work in the repository at /src."
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "shell",
+            "description": "Run a shell command.",
+            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    },
+]
+
+
+def call(call_id: str, cmd: str) -> dict[str, Any]:
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": "shell", "arguments": orjson.dumps({"cmd": cmd}).decode()},
+            }
+        ],
+    }
+
+
+def result(call_id: str, text: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": text}
+
+
+def conversation() -> dict[str, Any]:
+    return {
+        "model": "gpt-4o",
+        "stream": True,
+        "tools": TOOLS,
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Run the tests and fix what fails."},
+            call("call_1", "pytest -q"),
+            result("call_1", "3 passed, 1 failed: test_parse - AssertionError"),
+            call("call_2", "cat proxy/parse.py"),
+            result("call_2", "def parse(x):\n    return x.split(',')\n"),
+        ],
+    }
+
+
+def diverge(old: dict[str, Any], new: dict[str, Any]) -> Divergence | None:
+    return find_divergence(fingerprint(old), fingerprint(new), old, new)
+
+
+def test_chain_lists_params_tools_system_then_each_message() -> None:
+    fp = fingerprint(conversation())
+    assert [location for location, _ in fp.chain] == [
+        "params",
+        "tools",
+        "system",
+        "messages[1]",
+        "messages[2]",
+        "messages[3]",
+        "messages[4]",
+        "messages[5]",
+    ]
+    assert len({digest for _, digest in fp.chain}) == len(fp.chain)
+    assert all(len(digest) == 16 for digest in fp.digests)
+
+
+def test_next_turn_that_appends_reply_and_new_messages_is_no_divergence() -> None:
+    old = conversation()
+    new = copy.deepcopy(old)
+    new["messages"] += [
+        call("call_3", "pytest -q"),
+        result("call_3", "4 passed"),
+        {"role": "assistant", "content": "All tests pass now."},
+        {"role": "user", "content": "Thanks, commit it."},
+    ]
+    assert diverge(old, new) is None
+    assert shared_prefix_len(fingerprint(old), fingerprint(new)) == 6
+
+
+def test_retry_that_drops_the_last_messages_is_no_divergence() -> None:
+    old = conversation()
+    new = copy.deepcopy(old)
+    del new["messages"][4:]
+    assert diverge(old, new) is None
+    assert shared_prefix_len(fingerprint(old), fingerprint(new)) == 4
+
+
+def test_key_order_null_keys_and_streamed_index_never_read_as_rewrite() -> None:
+    old = conversation()
+    new = copy.deepcopy(old)
+    # What a client rebuilding the history from a streamed reply typically sends instead.
+    new["messages"][2] = {
+        "tool_calls": [
+            {
+                "index": 0,
+                "function": {"arguments": '{"cmd":"pytest -q"}', "name": "shell"},
+                "type": "function",
+                "id": "call_1",
+            }
+        ],
+        "role": "assistant",
+    }
+    new["messages"][1] = {"content": "Run the tests and fix what fails.", "role": "user"}
+    new["tools"] = [dict(reversed(list(tool.items()))) for tool in TOOLS]
+    assert diverge(old, new) is None
+    assert fingerprint(old).head == fingerprint(new).head
+    assert canonical_message(new["messages"][2])["tool_calls"][0].keys() == {
+        "id",
+        "type",
+        "function",
+    }
+    assert "index" in new["messages"][2]["tool_calls"][0]  # the input is not mutated
+
+
+def test_index_inside_content_parts_is_not_content() -> None:
+    old = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    new = {"messages": [{"role": "user", "content": [{"index": 0, "type": "text", "text": "hi"}]}]}
+    assert diverge(old, new) is None
+
+
+def test_one_character_trimmed_from_an_old_tool_output_is_located_exactly() -> None:
+    old = conversation()
+    old["messages"][3]["content"] = "A" * 50 + "B" + "C" * 50
+    new = copy.deepcopy(old)
+    new["messages"][3]["content"] = "A" * 50 + "C" * 50
+    assert diverge(old, new) == Divergence(
+        location="messages",
+        index=3,
+        role="tool",
+        field="content",
+        old_excerpt="…" + "A" * 30 + "B" + "C" * 49 + "…",
+        new_excerpt="…" + "A" * 30 + "C" * 50,
+        volatile=False,
+        volatile_kind=None,
+    )
+
+
+def test_changed_tool_call_arguments_name_the_field_and_label() -> None:
+    old = conversation()
+    new = copy.deepcopy(old)
+    new["messages"][4] = call("call_2", "cat proxy/parse.py | head")
+    divergence = diverge(old, new)
+    assert divergence is not None
+    assert (divergence.location, divergence.index, divergence.role, divergence.field) == (
+        "messages",
+        4,
+        "assistant",
+        "tool_calls",
+    )
+    assert divergence.label == "messages[4].tool_calls"
+    assert "parse.py | head" in divergence.new_excerpt
+
+
+def test_reasoning_effort_change_is_a_params_divergence() -> None:
+    old = {**conversation(), "reasoning_effort": "medium"}
+    new = {**conversation(), "reasoning_effort": "high", "temperature": 0.2}
+    assert diverge(old, new) == Divergence(
+        "params", None, None, "reasoning_effort", "medium", "high"
+    )
+    divergence = diverge(old, new)
+    assert divergence is not None and divergence.label == "params.reasoning_effort"
+
+
+def test_sampling_parameters_are_not_cache_relevant() -> None:
+    old = {**conversation(), "temperature": 0.0, "max_tokens": 100}
+    new = {**conversation(), "temperature": 1.0, "stream": False}
+    assert diverge(old, new) is None
+
+
+def test_model_change_is_a_params_divergence() -> None:
+    old = conversation()
+    new = {**conversation(), "model": "gpt-4o-mini"}
+    divergence = diverge(old, new)
+    assert divergence is not None
+    assert (divergence.location, divergence.field, divergence.label) == (
+        "params",
+        "model",
+        "params.model",
+    )
+
+
+def test_reordered_tools_diverge_at_tools_naming_the_first_moved_tool() -> None:
+    old = conversation()
+    new = {**conversation(), "tools": list(reversed(TOOLS))}
+    divergence = diverge(old, new)
+    assert divergence is not None
+    assert (divergence.location, divergence.index, divergence.field, divergence.label) == (
+        "tools",
+        None,
+        "read_file",
+        "tools",
+    )
+
+
+def test_timestamp_added_to_system_prompt_is_a_volatile_system_rewrite() -> None:
+    old = conversation()
+    new = copy.deepcopy(old)
+    new["messages"][0]["content"] = SYSTEM + "\nCurrent time: 2025-03-14T09:26:53Z"
+    divergence = diverge(old, new)
+    assert divergence == Divergence(
+        location="system",
+        index=0,
+        role="system",
+        field="content",
+        old_excerpt="…" + SYSTEM[-30:],
+        new_excerpt="…" + SYSTEM[-30:] + "\nCurrent time: 2025-03-14T09:26:53Z",
+        volatile=True,
+        volatile_kind="timestamp",
+    )
+    assert divergence.label == "system"
+
+
+def test_added_developer_message_diverges_at_system() -> None:
+    old = conversation()
+    new = copy.deepcopy(old)
+    new["messages"].insert(1, {"role": "developer", "content": "Be brief."})
+    divergence = diverge(old, new)
+    assert divergence is not None
+    assert (divergence.location, divergence.index, divergence.role, divergence.field) == (
+        "system",
+        1,
+        "developer",
+        None,
+    )
+    assert (divergence.old_excerpt, divergence.new_excerpt) == ("", "Be brief.")
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "kind"),
+    [
+        ("Now: 2025-03-14T09:26:53Z.", "Now: 2025-03-14T09:31:02Z.", "timestamp"),
+        ("Now: 2025-03-14 09:26:53 UTC.", "Now: 2025-03-14 10:00:00 UTC.", "timestamp"),
+        ("It is 9:26 AM.", "It is 11:05 AM.", "timestamp"),
+        ("epoch=1741944413 ok", "epoch=1741944999 ok", "timestamp"),
+        ("Today is 2025-03-14.", "Today is 2025-03-15.", "date"),
+        ("Today is March 14, 2025.", "Today is March 15, 2025.", "date"),
+        ("Today is 03/14/2025.", "Today is 03/15/2025.", "date"),
+        ("It is Friday.", "It is Saturday.", "date"),
+        (
+            "request 9f1c2d3e-4b5a-4c6d-8e7f-0a1b2c3d4e5f done",
+            "request 0b1c2d3e-4b5a-4c6d-8e7f-0a1b2c3d4e5f done",
+            "uuid",
+        ),
+        ("trace 3fa9c0d2e4b61a7f in", "trace 77aa10d2e4b61a7f in", "id"),
+        ("This is turn 7 of the session.", "This is turn 8 of the session.", "counter"),
+        ("You are helpful.", "You are helpful.\nToday's date: 2025-03-14", "date"),
+        (
+            "You are helpful.",
+            "Session 9f1c2d3e-4b5a-4c6d-8e7f-0a1b2c3d4e5f. You are helpful.",
+            "uuid",
+        ),
+    ],
+)
+def test_volatile_token_changes_are_named(old: str, new: str, kind: str) -> None:
+    assert volatile_kind(old, new) == kind
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("Indent with tabs.", "Indent with spaces."),
+        ("Run the tests.", "Run 3 tests."),  # a number alone added is editing, not a counter
+        (
+            "Notes:",
+            "Notes: on 2025-03-14 we decided to drop Python 3.9 support and move CI to the new "
+            "runners, see the thread for details.",
+        ),
+        ("Today is 2025-03-14. Use tabs.", "Today is 2025-03-15. Use spaces."),
+    ],
+)
+def test_real_edits_are_not_volatile(old: str, new: str) -> None:
+    assert volatile_kind(old, new) is None
+
+
+def test_a_long_log_whose_every_timestamp_changed_is_an_edit_not_a_token() -> None:
+    old = "".join(f"2025-03-14T10:{m:02d}:00Z build step {m} ok\n" for m in range(60)) * 3
+    new = old.replace("T10:", "T11:")
+    few = len("2025-03-14T10:00:00Z build step 0 ok\n") * 3
+    assert volatile_kind(old[:few], new[:few]) == "timestamp"
+    assert volatile_kind(old, new) is None
+
+
+def test_non_volatile_rewrite_says_so() -> None:
+    old = conversation()
+    new = copy.deepcopy(old)
+    new["messages"][1]["content"] = "Run the tests and fix what fails. Be quick."
+    divergence = diverge(old, new)
+    assert divergence is not None
+    assert (divergence.volatile, divergence.volatile_kind) == (False, None)
+
+
+@pytest.mark.parametrize(
+    "secret",
+    [
+        "sk-proj-Abcdefghijklmnopqrstuvwx0123456789",
+        "AKIAIOSFODNN7EXAMPLE",
+        "Bearer eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N",
+    ],
+)
+def test_excerpts_redact_secrets_even_when_cut_by_the_window(secret: str) -> None:
+    old = conversation()
+    new = copy.deepcopy(old)
+    # The secret starts before the excerpt window and runs into it.
+    old["messages"][3]["content"] = f"env: {secret}XYZ tail"
+    new["messages"][3]["content"] = f"env: {secret}XYW tail"
+    divergence = diverge(old, new)
+    assert divergence is not None
+    for excerpt in (divergence.old_excerpt, divergence.new_excerpt):
+        assert "[REDACTED]" in excerpt
+        assert secret[-12:] not in excerpt
+        assert secret.split()[-1][:12] not in excerpt
+
+
+def test_difference_inside_a_secret_shows_no_secret() -> None:
+    old = {"messages": [{"role": "user", "content": "key sk-aaaaaaaaaaaaaaaaaaaaaaaaaaaa1"}]}
+    new = {"messages": [{"role": "user", "content": "key sk-aaaaaaaaaaaaaaaaaaaaaaaaaaaa2"}]}
+    divergence = diverge(old, new)
+    assert divergence is not None
+    assert divergence.old_excerpt == divergence.new_excerpt == "key [REDACTED]"
+
+
+def test_excerpts_stay_short_on_big_messages() -> None:
+    old = {"messages": [{"role": "tool", "content": "x" * 50_000 + "old" + "y" * 50_000}]}
+    new = {"messages": [{"role": "tool", "content": "x" * 50_000 + "new" + "y" * 50_000}]}
+    divergence = diverge(old, new)
+    assert divergence is not None
+    assert divergence.old_excerpt == "…" + "x" * 30 + "old" + "y" * 47 + "…"
+    assert len(divergence.new_excerpt) == 82
+
+
+def test_incremental_fingerprint_reuses_unchanged_messages() -> None:
+    old = conversation()
+    fp_old = fingerprint(old)
+    # Parsed afresh, as every request is: equal objects, not the same ones.
+    new = orjson.loads(orjson.dumps(old))
+    new["messages"].append({"role": "user", "content": "next"})
+    fp_new = fingerprint(new, previous=fp_old)
+    assert fp_new.chain == fingerprint(new).chain
+    assert fp_new.chain[: len(fp_old.chain)] == fp_old.chain
+    # The same message objects, as when the caller keeps the previous parse.
+    same = {**old, "messages": [*old["messages"], {"role": "user", "content": "next"}]}
+    assert fingerprint(same, previous=fp_old).chain == fp_new.chain
+
+
+_json_text = st.text(alphabet="ab 1:-", max_size=6)
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool"]), "content": _json_text}
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    old_messages=st.lists(_message, max_size=8),
+    edits=st.lists(
+        st.tuples(st.sampled_from(["append", "replace", "drop", "params"]), st.integers(0, 9)),
+        max_size=4,
+    ),
+    appended=st.lists(_message, min_size=1, max_size=3),
+)
+def test_incremental_fingerprint_equals_fresh_and_divergence_is_first_change(
+    old_messages: list[dict[str, Any]],
+    edits: list[tuple[str, int]],
+    appended: list[dict[str, Any]],
+) -> None:
+    old = {"model": "m", "tools": TOOLS, "messages": old_messages}
+    new = orjson.loads(orjson.dumps(old))
+    for op, at in edits:
+        if op == "append":
+            new["messages"] += appended
+        elif op == "replace" and new["messages"]:
+            new["messages"][at % len(new["messages"])] = appended[0]
+        elif op == "drop" and new["messages"]:
+            del new["messages"][at % len(new["messages"])]
+        elif op == "params":
+            new["reasoning_effort"] = "high" if at % 2 else "low"
+    fp_old = fingerprint(old)
+    fp_new = fingerprint(new, previous=fp_old)
+    fresh = fingerprint(new)
+    assert fp_new.chain == fresh.chain
+    assert fp_new.message_digests == fresh.message_digests
+
+    divergence = find_divergence(fp_old, fp_new, old, new)
+    shared = shared_prefix_len(fp_old, fp_new)
+    n_old, n_new = len(old["messages"]), len(new["messages"])
+    assert shared == next(
+        (i for i in range(min(n_old, n_new)) if old["messages"][i] != new["messages"][i]),
+        min(n_old, n_new),
+    )
+    if new.get("reasoning_effort"):
+        assert divergence is not None and divergence.location == "params"
+    elif shared == min(n_old, n_new):
+        assert divergence is None
+    else:
+        assert divergence is not None
+        assert divergence.location in ("system", "messages")
+        if divergence.location == "messages":
+            assert divergence.index == shared

@@ -1,0 +1,216 @@
+"""A real Prometheus scrapes a cachegate serving a scripted session against the simulator; every
+PromQL expression of every dashboard must parse and return data through Prometheus' HTTP API.
+
+Needs Debian's ``prometheus`` package (the ``prometheus`` binary on PATH; ``.ci/run`` installs it).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proxy.app import create_app
+from proxy.config import settings_from_mapping
+from proxy.serving import ServerThread
+from proxy.simulator.app import run_simulator
+
+DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
+# What Grafana would put in place of the dashboard variables.
+SUBSTITUTIONS = {"$__rate_interval": "1m", "$__range": "5m", "$model": ".*"}
+# Long enough that the simulated provider caches a prefix (it caches whole blocks of tokens).
+SYSTEM = "You are a careful coding agent. " + " ".join(f"rule{i} applies." for i in range(1500))
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    }
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def dashboard_queries() -> list[tuple[str, str, str]]:
+    """(dashboard file, panel title, PromQL with the variables substituted) for every target."""
+    out = []
+    for path in sorted(DASHBOARDS.glob("*.json")):
+        dashboard = json.loads(path.read_text(encoding="utf-8"))
+        for panel in dashboard["panels"]:
+            for target in panel.get("targets", []):
+                expr = target["expr"]
+                for variable, value in SUBSTITUTIONS.items():
+                    expr = expr.replace(variable, value)
+                out.append((path.name, panel["title"], expr))
+    return out
+
+
+def run_session(base_url: str) -> None:
+    """A short agent session: streamed turns over a growing history, a tool round-trip, a
+    history with a dangling tool call (repaired), a strict rejection and two upstream faults."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Read setup.py and tell me what it does."},
+    ]
+    headers = {"X-Session-Id": "live-metrics", "Authorization": "Bearer sk-test"}
+    with httpx.Client(base_url=base_url, headers=headers, timeout=30) as client:
+        for turn in range(3):
+            body = {"model": "gpt-4o", "messages": messages, "tools": TOOLS, "stream": True}
+            with client.stream("POST", "/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                response.read()
+            messages = [
+                *messages,
+                {"role": "assistant", "content": f"Turn {turn} done."},
+                {"role": "user", "content": f"Continue with step {turn + 1}."},
+            ]
+        dangling = [
+            *messages,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "read_file", "arguments": '{"path": "setup.py"}'},
+                    }
+                ],
+            },
+            {"role": "user", "content": "Never mind, summarize instead."},
+        ]
+        body = {"model": "gpt-4o", "messages": dangling, "tools": TOOLS}
+        repaired = client.post("/chat/completions", json=body)
+        assert repaired.status_code == 200
+        assert repaired.headers["x-cachegate-repairs"] != "0"
+        rejected = client.post("/chat/completions", json=body, headers={"X-Cachegate-Strict": "1"})
+        assert rejected.status_code == 400
+        body = {"model": "gpt-4o-mini", "messages": messages}
+        failed = client.post("/chat/completions", json=body, headers={"X-Sim-Fault": "500"})
+        assert failed.status_code == 500
+        with (
+            client.stream(
+                "POST",
+                "/chat/completions",
+                json={**body, "stream": True},
+                headers={"X-Sim-Fault": "reset"},
+            ) as response,
+            pytest.raises(httpx.HTTPError),
+        ):
+            response.read()
+        assert client.get("/models").status_code == 200
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path) -> Iterator[tuple[str, Any]]:
+    """Start ``prometheus`` on a free loopback port; yields its URL and a target setter."""
+    binary = shutil.which("prometheus")
+    assert binary is not None, "the prometheus binary is needed: apt-get install prometheus"
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    log = (tmp_path / "prometheus.log").open("wb")
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(target: str) -> None:
+        nonlocal process
+        config.write_text(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+            "scrape_configs:\n  - job_name: cachegate\n    static_configs:\n"
+            f'      - targets: ["{target}"]\n',
+            encoding="utf-8",
+        )
+        process = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+    try:
+        yield f"http://127.0.0.1:{port}", start
+    finally:
+        if process is not None:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        log.close()
+
+
+def query(client: httpx.Client, expr: str) -> dict[str, Any]:
+    response = client.get("/api/v1/query", params={"query": expr})
+    payload: dict[str, Any] = response.json()
+    assert response.status_code == 200 and payload["status"] == "success", (expr, payload)
+    return payload["data"]
+
+
+def wait_for_scrapes(client: httpx.Client, n: int, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            result = query(client, 'count_over_time(up{job="cachegate"}[1m])')["result"]
+            if result and float(result[0]["value"][1]) >= n:
+                return
+        except httpx.TransportError:
+            pass  # Prometheus is still starting
+        assert time.monotonic() < deadline, f"Prometheus did not scrape cachegate {n} times"
+        time.sleep(0.25)
+
+
+def test_every_dashboard_query_returns_data_from_a_real_prometheus(
+    tmp_path: Path, prometheus: tuple[str, Any]
+) -> None:
+    prometheus_url, start_prometheus = prometheus
+    with run_simulator() as sim:
+        settings = settings_from_mapping(
+            {"upstream": {"base_url": sim.api_base}, "logging": {"dir": str(tmp_path / "logs")}}
+        )
+        registry = CollectorRegistry()
+        app = create_app(settings, registry=registry, environ={})
+        assert any(f.name.startswith("cachegate_") for f in registry.collect()), (
+            "create_app registers no cachegate metrics: wire proxy.metrics into the app"
+        )
+        with ServerThread(app) as server, httpx.Client(base_url=prometheus_url) as prom:
+            start_prometheus(f"127.0.0.1:{server.port}")
+            # Counters are seen at zero first, so the session's traffic shows up as increases.
+            wait_for_scrapes(prom, 1)
+            run_session(server.url + "/v1")
+            wait_for_scrapes(prom, 4)
+            up = query(prom, 'up{job="cachegate"}')["result"]
+            assert [r["value"][1] for r in up] == ["1"]
+
+            queries = dashboard_queries()
+            assert len(queries) >= 30
+            # No series, or only NaN (a ratio or quantile over nothing), leaves a panel blank.
+            empty = [
+                (name, title, expr)
+                for name, title, expr in queries
+                if all(r["value"][1] == "NaN" for r in query(prom, expr)["result"])
+            ]
+            assert not empty, "dashboard queries that returned no data:\n" + "\n".join(
+                f"  {name} / {title}: {expr}" for name, title, expr in empty
+            )

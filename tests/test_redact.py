@@ -1,0 +1,112 @@
+import copy
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.redact import REDACTED, redact, redact_text
+
+OPENAI_KEY = "sk-abcdefghijklmnopqrstuvwxyz012345"
+PROJECT_KEY = "sk-proj-Ab3_dEf-GhIjKlMnOpQrStUvWx"
+ANTHROPIC_KEY = "sk-ant-api03-AbCdEfGhIjKlMnOpQrStUvWxYz-0123456789"
+AWS_ID = "AKIAIOSFODNN7EXAMPLE"
+GITHUB_TOKEN = "ghp_16C7e42F292c6912E7710c838347Ae178B4a"
+GITHUB_PAT = "github_pat_11ABCDEFG0123456789_abcdefghijklmnop"
+SLACK_TOKEN = "xoxb-1234567890-0987654321-AbCdEfGh"
+
+
+@pytest.mark.parametrize(
+    "secret",
+    [OPENAI_KEY, PROJECT_KEY, ANTHROPIC_KEY, AWS_ID, GITHUB_TOKEN, GITHUB_PAT, SLACK_TOKEN],
+)
+def test_each_kind_of_key_is_replaced_in_running_text(secret: str) -> None:
+    text = f"export TOKEN={secret}\nthen run it"
+    assert redact_text(text) == f"export TOKEN={REDACTED}\nthen run it"
+
+
+def test_bearer_token_keeps_the_scheme_and_loses_the_token() -> None:
+    header = "Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.c2lnbmF0dXJl"
+    assert redact_text(header) == "Authorization: Bearer [REDACTED]"
+    assert (
+        redact_text("authorization: bearer abcdef0123456789") == "authorization: bearer [REDACTED]"
+    )
+
+
+def test_several_secrets_in_one_string() -> None:
+    text = f"a={OPENAI_KEY} b={AWS_ID} c={SLACK_TOKEN}"
+    assert redact_text(text) == f"a={REDACTED} b={REDACTED} c={REDACTED}"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "short sk-abc",
+        "the task-abcdefghijklmnopqrstuvwxyz finished",  # a word ending in "sk-"
+        "AKIA is a prefix, AKIAshort is not a key",
+        "the bearer of good news",
+        "def f(x):\n    return x * 2  # ordinary code, nothing secret here at all",
+    ],
+)
+def test_ordinary_text_is_returned_unchanged_as_the_same_object(text: str) -> None:
+    assert redact_text(text) is text
+
+
+def test_redact_returns_the_same_object_when_nothing_changed() -> None:
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": [{"type": "text", "text": "hello there, how are you"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "n": 3}]},
+    ]
+    assert redact(messages) is messages
+
+
+def test_redact_copies_only_the_changed_path_and_never_mutates_the_input() -> None:
+    untouched = {"role": "system", "content": "You are a helpful assistant."}
+    leaky = {"role": "user", "content": [{"type": "text", "text": f"my key is {OPENAI_KEY}"}]}
+    event = {"type": "request", "appended": [untouched, leaky], "model": "gpt-4o"}
+    before = copy.deepcopy(event)
+
+    out = redact(event)
+
+    assert event == before
+    assert out == {
+        "type": "request",
+        "appended": [
+            untouched,
+            {"role": "user", "content": [{"type": "text", "text": f"my key is {REDACTED}"}]},
+        ],
+        "model": "gpt-4o",
+    }
+    assert out["appended"][0] is untouched
+    assert list(out) == list(event)  # key order kept
+
+
+def test_credential_fields_are_redacted_whatever_their_value() -> None:
+    headers = {"Authorization": "Basic dXNlcjpwYXNz", "X-Api-Key": "abc", "accept": "json"}
+    assert redact(headers) == {"Authorization": REDACTED, "X-Api-Key": REDACTED, "accept": "json"}
+
+
+def test_secrets_in_keys_and_tuples_are_redacted() -> None:
+    assert redact({OPENAI_KEY: 1}) == {REDACTED: 1}
+    assert redact(("x", AWS_ID)) == ("x", REDACTED)
+    assert redact(42) == 42
+
+
+_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=60)
+_key_body = st.text(
+    alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789",
+    min_size=20,
+    max_size=48,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    before=_text, after=_text, body=_key_body, prefix=st.sampled_from(["sk-", "sk-proj-", "ghp_"])
+)
+def test_a_key_anywhere_never_survives(before: str, after: str, body: str, prefix: str) -> None:
+    key = prefix + body
+    out = redact_text(f"{before} {key} {after}")
+    assert key not in out
+    assert redact_text(out) == out  # idempotent

@@ -1,0 +1,336 @@
+from pathlib import Path
+
+import orjson
+import pytest
+
+from proxy.report import (
+    CostReport,
+    list_sessions,
+    render_cost,
+    render_list,
+    render_show,
+    replay_lines,
+    session_cost,
+    show_session,
+)
+
+T0 = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
+
+
+def req(
+    ts, ex, model="gpt-4o", base_exchange=None, base=0, appended=(), repairs=(), transforms=None
+):
+    return {
+        "ts": ts,
+        "type": "request",
+        "exchange": ex,
+        "model": model,
+        "stream": True,
+        "path": "/v1/chat/completions",
+        "base_exchange": base_exchange,
+        "base": base,
+        "appended": list(appended),
+        "repairs": list(repairs),
+        "transforms": transforms or {},
+        "bytes": 100,
+    }
+
+
+def resp(
+    ts,
+    ex,
+    *,
+    prompt,
+    completion,
+    cache_read,
+    ttfb,
+    duration,
+    waste=0,
+    cause=None,
+    location=None,
+    actual,
+    uncached,
+    interrupted=False,
+    status=200,
+):
+    return {
+        "ts": ts,
+        "type": "response",
+        "exchange": ex,
+        "status": status,
+        "message": {"role": "assistant", "content": "ok"},
+        "finish_reason": "stop",
+        "usage": {
+            "prompt": prompt,
+            "completion": completion,
+            "cache_read": cache_read,
+            "cache_write": 0,
+            "reported_cache": True,
+        },
+        "ttfb_s": ttfb,
+        "duration_s": duration,
+        "interrupted": interrupted,
+        "error": None,
+        "cache": {
+            "expected": cache_read + waste,
+            "read": cache_read,
+            "write": 0,
+            "waste": waste,
+            "cause": cause,
+            "location": location,
+        },
+        "cost": {"actual": actual, "uncached": uncached},
+    }
+
+
+SYS = {"role": "system", "content": "be brief"}
+U1 = {"role": "user", "content": "hi"}
+A1 = {"role": "assistant", "content": "ok"}
+U2 = {"role": "user", "content": "more"}
+REPAIR = {"kind": "dangling_call", "index": 2, "tool_call_id": "call_1", "action": "synthesized"}
+
+ALPHA = [
+    {
+        "ts": T0 - 0.5,
+        "type": "session_meta",
+        "session": "alpha",
+        "created": "2023-11-14T22:13:19Z",
+        "model": "gpt-4o",
+        "upstream": "https://api.openai.com/v1",
+        "user_agent": "agent/1.0",
+        "version": "0.1.0",
+    },
+    req(T0, 1, appended=[SYS, U1], repairs=[REPAIR]),
+    resp(
+        T0 + 2.25,
+        1,
+        prompt=10000,
+        completion=500,
+        cache_read=0,
+        ttfb=0.5,
+        duration=2.25,
+        actual=0.25,
+        uncached=0.25,
+    ),
+    req(T0 + 60, 2, base_exchange=1, base=2, appended=[A1, U2], repairs=[REPAIR, REPAIR]),
+    {"ts": T0 + 60.5, "type": "from_a_later_version", "exchange": 2},
+    resp(
+        T0 + 63,
+        2,
+        prompt=12000,
+        completion=300,
+        cache_read=8000,
+        ttfb=0.25,
+        duration=3.0,
+        waste=2048,
+        cause="prefix_rewrite",
+        location="messages[3]",
+        actual=0.125,
+        uncached=0.375,
+    ),
+    {
+        "ts": T0 + 700,
+        "type": "compacted",
+        "exchange": 3,
+        "covered": 3,
+        "summary": "s",
+        "tokens_before": 12000,
+        "tokens_after": 4000,
+        "source": "model",
+    },
+    req(T0 + 700, 3, base_exchange=2, base=1, appended=[{"role": "user", "content": "summary"}]),
+    resp(
+        T0 + 703,
+        3,
+        prompt=4000,
+        completion=100,
+        cache_read=0,
+        ttfb=1.0,
+        duration=3.0,
+        waste=4000,
+        cause="ttl_expired",
+        actual=0.0625,
+        uncached=0.0625,
+        interrupted=True,
+    ),
+]
+
+BETA = [
+    req(T0 + 1000, 1, model="gpt-4o-mini", appended=[U1]),
+    {
+        "ts": T0 + 1001,
+        "type": "error",
+        "exchange": 1,
+        "status": 502,
+        "message": "upstream unreachable: connection refused",
+    },
+]
+
+
+def write_logs(log_dir: Path) -> None:
+    log_dir.mkdir(exist_ok=True)
+    (log_dir / "alpha.jsonl").write_bytes(
+        b"".join(orjson.dumps(e) + b"\n" for e in ALPHA) + b'{"ts": 1700000704.0, "type": "resp'
+    )
+    (log_dir / "beta.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in BETA))
+    (log_dir / "notes.txt").write_text("not a log")
+    (log_dir / "bad id.jsonl").write_text("{}\n")
+
+
+@pytest.fixture
+def log_dir(tmp_path: Path) -> Path:
+    write_logs(tmp_path / "logs")
+    return tmp_path / "logs"
+
+
+def test_list_sessions_summarizes_every_log_most_recent_first(log_dir: Path) -> None:
+    beta, alpha = list_sessions(log_dir)
+    assert alpha.to_json() == {
+        "session": "alpha",
+        "first_seen": T0 - 0.5,
+        "last_seen": T0 + 703,
+        "model": "gpt-4o",
+        "exchanges": 3,
+        "tokens_in": 26000,
+        "tokens_out": 900,
+        "cache_read": 8000,
+        "cache_hit_pct": pytest.approx(100 * 8000 / 26000),
+        "interruptions": 1,
+        "repairs": 3,
+        "errors": 0,
+        "torn": 1,
+    }
+    assert (beta.session, beta.exchanges, beta.errors, beta.cache_hit_pct) == ("beta", 1, 1, None)
+    assert beta.model == "gpt-4o-mini"  # no session_meta: taken from the requests
+
+
+def test_render_list(log_dir: Path) -> None:
+    assert render_list(list_sessions(log_dir)) == "\n".join(
+        [
+            "SESSION  FIRST SEEN           LAST SEEN            MODEL        EXCH      IN  OUT"
+            "  CACHE HIT  INTERRUPTED  REPAIRS  ERRORS  TORN",
+            "beta     2023-11-14 22:30:00  2023-11-14 22:30:01  gpt-4o-mini     1       0    0"
+            "          -            0        0       1     0",
+            "alpha    2023-11-14 22:13:19  2023-11-14 22:25:03  gpt-4o          3  26,000  900"
+            "      30.8%            1        3       0     1",
+        ]
+    )
+    assert render_list([]) == "no sessions"
+
+
+def test_show_session_has_one_row_per_exchange(log_dir: Path) -> None:
+    detail = show_session(log_dir, "alpha")
+    assert detail.torn == 1
+    assert [r.exchange for r in detail.rows] == [1, 2, 3]
+    second, third = detail.rows[1], detail.rows[2]
+    assert (second.tokens_in, second.cache_read, second.cache_waste) == (12000, 8000, 2048)
+    assert (second.waste_cause, second.waste_location, second.repairs) == (
+        "prefix_rewrite",
+        "messages[3]",
+        2,
+    )
+    assert (third.ts, third.compacted, third.interrupted, third.status) == (
+        T0 + 700,
+        True,
+        True,
+        200,
+    )
+    assert (third.ttfb_s, third.duration_s) == (1.0, 3.0)
+    assert (
+        orjson.loads(orjson.dumps(detail.to_json()))["exchanges"][2]["waste_cause"] == "ttl_expired"
+    )
+
+
+def test_render_show(log_dir: Path) -> None:
+    assert render_show(show_session(log_dir, "alpha")) == "\n".join(
+        [
+            "session alpha  model gpt-4o  upstream https://api.openai.com/v1"
+            "  created 2023-11-14T22:13:19Z  cachegate 0.1.0",
+            "#  TIME                 MODEL       IN  OUT  CACHED  WASTE                          "
+            "   REPAIRS   TTFB  DURATION  STATUS  NOTES",
+            "1  2023-11-14 22:13:20  gpt-4o  10,000  500       0  0                              "
+            "         1  0.50s     2.25s     200",
+            "2  2023-11-14 22:14:20  gpt-4o  12,000  300   8,000  2,048 prefix_rewrite@messages[3]"
+            "        2  0.25s     3.00s     200",
+            "3  2023-11-14 22:25:00  gpt-4o   4,000  100       0  4,000 ttl_expired              "
+            "         0  1.00s     3.00s     200  compacted, interrupted",
+            "1 torn line skipped",
+        ]
+    )
+
+
+def test_render_show_of_a_failed_exchange(log_dir: Path) -> None:
+    assert render_show(show_session(log_dir, "beta")) == "\n".join(
+        [
+            "session beta",
+            "#  TIME                 MODEL        IN  OUT  CACHED  WASTE  REPAIRS  TTFB  DURATION"
+            "  STATUS  NOTES",
+            "1  2023-11-14 22:30:00  gpt-4o-mini   -    -       -  -            0     -         -"
+            "     502  upstream unreachable: connection refused",
+        ]
+    )
+
+
+def test_session_cost(log_dir: Path) -> None:
+    report = session_cost(log_dir, "alpha")
+    assert report == CostReport(
+        session="alpha",
+        actual=0.4375,
+        uncached=0.6875,
+        saved=0.25,
+        priced_exchanges=3,
+        waste_tokens=6048,
+        waste_by_cause={"ttl_expired": 4000, "prefix_rewrite": 2048},
+        torn=1,
+    )
+    assert report.to_json()["saved_pct"] == pytest.approx(100 * 0.25 / 0.6875)
+    assert render_cost(report) == "\n".join(
+        [
+            "session              alpha",
+            "priced exchanges     3",
+            "actual cost          $0.4375",
+            "without cache        $0.6875",
+            "saved by cache       $0.2500 (36.4%)",
+            "wasted cache tokens  6,048",
+            "  ttl_expired        4,000",
+            "  prefix_rewrite     2,048",
+            "torn lines skipped   1",
+        ]
+    )
+
+
+def test_cost_of_a_session_without_prices(log_dir: Path) -> None:
+    report = session_cost(log_dir, "beta")
+    assert (report.actual, report.uncached, report.priced_exchanges, report.saved_pct) == (
+        0.0,
+        0.0,
+        0,
+        None,
+    )
+    assert "saved by cache       $0.0000\n" in render_cost(report)
+
+
+def test_replay_lines_give_the_full_forwarded_messages(log_dir: Path) -> None:
+    lines = list(replay_lines(log_dir, "alpha"))
+    assert [orjson.loads(line) for line in lines] == [
+        {"exchange_id": 1, "messages": [SYS, U1]},
+        {"exchange_id": 2, "messages": [SYS, U1, A1, U2]},
+        {"exchange_id": 3, "messages": [SYS, {"role": "user", "content": "summary"}]},
+    ]
+    assert all("\n" not in line for line in lines)
+
+
+@pytest.mark.parametrize("bad", ["../alpha", "..", "a" * 129, "al\x00pha", "álpha", ""])
+def test_hostile_ids_are_refused_before_any_path_is_built(log_dir: Path, bad: str) -> None:
+    for command in (show_session, session_cost, replay_lines):
+        with pytest.raises(ValueError, match="invalid session id"):
+            command(log_dir, bad)
+
+
+def test_missing_session_and_directory_say_so(log_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no log for session 'gamma'"):
+        show_session(log_dir, "gamma")
+    with pytest.raises(FileNotFoundError, match="no log for session 'gamma'"):
+        replay_lines(log_dir, "gamma")  # raised at the call, not at the first line
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        list_sessions(tmp_path / "nowhere")

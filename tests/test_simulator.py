@@ -1,0 +1,776 @@
+"""The offline provider simulator, over real loopback sockets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from proxy.simulator import RunningSimulator, SimConfig, Simulator, run_simulator
+from proxy.simulator.cache import POLICIES, PrefixCache
+from proxy.simulator.cli import add_arguments, config_from_args
+from proxy.simulator.config import FAULTS
+from proxy.simulator.tokens import count_tokens, request_tokens
+
+DANGLING = (
+    "An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+    "'tool_call_id'. The following tool_call_ids did not have response messages: call_b"
+)
+ORPHAN = (
+    "Invalid parameter: messages with role 'tool' must be a response to a preceeding message with "
+    "'tool_calls'."
+)
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city", "days"],
+        },
+    },
+}
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def parse_sse(raw: bytes) -> list[tuple[str, str]]:
+    """A tiny SSE reader: ("comment" | "data", text) per event; the body must end on a boundary."""
+    assert raw.endswith(b"\n\n"), raw[-80:]
+    events = []
+    for block in raw[:-2].split(b"\n\n"):
+        line = block.decode()
+        assert "\n" not in line, line
+        if line.startswith(":"):
+            events.append(("comment", line[1:].strip()))
+        else:
+            assert line.startswith("data: "), line
+            events.append(("data", line[len("data: ") :]))
+    return events
+
+
+def data_chunks(raw: bytes) -> list[dict[str, Any]]:
+    """The JSON chunks of a complete stream, which must end with [DONE]."""
+    payloads = [text for kind, text in parse_sse(raw) if kind == "data"]
+    assert payloads[-1] == "[DONE]"
+    return [json.loads(p) for p in payloads[:-1]]
+
+
+def assemble(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Content, tool calls (merged by index), finish reason and usage of a stream."""
+    content = ""
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    usage = None
+    for chunk in chunks:
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                slot = calls.setdefault(call["index"], {"id": "", "name": "", "arguments": ""})
+                slot["id"] += call.get("id", "")
+                slot["name"] += call.get("function", {}).get("name", "")
+                slot["arguments"] += call.get("function", {}).get("arguments", "")
+            finish = choice["finish_reason"] or finish
+    return {
+        "content": content,
+        "tool_calls": [calls[i] for i in sorted(calls)],
+        "finish_reason": finish,
+        "usage": usage,
+    }
+
+
+def chat_body(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {"model": "gpt-4o", "messages": messages, **extra}
+
+
+def words(n: int, word: str = "abcd") -> str:
+    """n tokens of text (a 4-letter word is one token)."""
+    return f"{word} " * n
+
+
+def long_chat(n_user_tokens: int) -> list[dict[str, Any]]:
+    """A system message (4 tokens) and a user message of n + 3 tokens."""
+    return [{"role": "system", "content": "hi"}, {"role": "user", "content": words(n_user_tokens)}]
+
+
+def post(
+    running: RunningSimulator, body: Any, headers: dict[str, str] | None = None, **kw: Any
+) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(
+        running.url + "/v1/chat/completions",
+        content=content,
+        headers={"content-type": "application/json", **(headers or {})},
+        timeout=kw.pop("timeout", 10),
+        **kw,
+    )
+
+
+def usage_of(
+    running: RunningSimulator, messages: list[dict[str, Any]], **headers: str
+) -> dict[str, Any]:
+    response = post(running, chat_body(messages), headers)
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]
+
+
+def cached(usage: dict[str, Any]) -> int:
+    return usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def stream(
+    running: RunningSimulator, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> bytes:
+    response = post(running, {**body, "stream": True}, headers)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/event-stream")
+    return response.content
+
+
+def script(running: RunningSimulator, *replies: Any) -> None:
+    response = httpx.post(running.url + "/_sim/script", json=list(replies))
+    assert response.status_code == 200, response.text
+
+
+@pytest.fixture(scope="module")
+def openai_server() -> Iterator[RunningSimulator]:
+    with run_simulator(SimConfig()) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def deepseek_server() -> Iterator[RunningSimulator]:
+    with run_simulator(SimConfig(dialect="deepseek")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def anthropic_server() -> Iterator[RunningSimulator]:
+    with run_simulator(SimConfig(dialect="anthropic-compat")) as running:
+        yield running
+
+
+@pytest.fixture
+def sim(openai_server: RunningSimulator) -> RunningSimulator:
+    openai_server.sim.reset()
+    return openai_server
+
+
+@pytest.fixture
+def deepseek(deepseek_server: RunningSimulator) -> RunningSimulator:
+    deepseek_server.sim.reset()
+    return deepseek_server
+
+
+@pytest.fixture
+def anthropic(anthropic_server: RunningSimulator) -> RunningSimulator:
+    anthropic_server.sim.reset()
+    return anthropic_server
+
+
+# -- validation ---------------------------------------------------------------------------------
+
+
+def test_dangling_tool_call_is_refused_with_the_providers_text(sim: RunningSimulator) -> None:
+    messages = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                {"id": "call_b", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_a", "content": "done"},
+        {"role": "user", "content": "and?"},
+    ]
+    response = post(sim, chat_body(messages))
+    assert response.status_code == 400
+    assert response.json() == {
+        "error": {
+            "message": DANGLING,
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": None,
+        }
+    }
+
+
+def test_orphan_tool_result_is_refused_with_the_providers_spelling(sim: RunningSimulator) -> None:
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "tool", "tool_call_id": "call_x", "content": "?"},
+    ]
+    response = post(sim, chat_body(messages))
+    assert response.status_code == 400
+    assert response.json() == {
+        "error": {
+            "message": ORPHAN,
+            "type": "invalid_request_error",
+            "param": "messages.[1].role",
+            "code": None,
+        }
+    }
+
+
+def test_prompt_over_the_context_window_is_refused(sim: RunningSimulator) -> None:
+    response = post(sim, chat_body([{"role": "user", "content": words(127_998)}]))
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": "This model's maximum context length is 128000 tokens. However, your messages resulted in "
+        "128001 tokens. Please reduce the length of the messages.",
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": "context_length_exceeded",
+    }
+    assert post(sim, chat_body([{"role": "user", "content": words(127_997)}])).status_code == 200
+
+
+def test_invalid_json_and_missing_model_are_400(sim: RunningSimulator) -> None:
+    bad = post(sim, b'{"model": "gpt-4o", "messages": [')
+    assert bad.status_code == 400
+    assert bad.json()["error"]["type"] == "invalid_request_error"
+    assert bad.json()["error"]["message"].startswith(
+        "We could not parse the JSON body of your request."
+    )
+    missing = post(sim, {"messages": [{"role": "user", "content": "x"}]})
+    assert missing.status_code == 400
+    assert missing.json()["error"]["message"] == "you must provide a model parameter"
+
+
+# -- tokens and the prefix cache ----------------------------------------------------------------
+
+
+def test_tokenizer_counts_by_the_documented_rules() -> None:
+    assert count_tokens("hello, world") == 5
+    assert count_tokens(words(10)) == 10
+    assert count_tokens("日本") == 2  # 6 UTF-8 bytes: 4 + 2
+    body = chat_body(
+        [{"role": "system", "content": "hi"}, {"role": "user", "content": "abcd efgh"}]
+    )
+    assert len(request_tokens(body)) == (3 + 1) + (3 + 2)
+
+
+def test_second_request_extending_the_first_reads_whole_blocks(sim: RunningSimulator) -> None:
+    first = long_chat(1100)
+    usage = usage_of(sim, first)
+    assert usage["prompt_tokens"] == 1107
+    assert cached(usage) == 0
+    second = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    usage = usage_of(sim, second)
+    assert usage["prompt_tokens"] == 1115
+    assert cached(usage) == 1024
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_cached_tokens_round_down_to_128_token_blocks(sim: RunningSimulator) -> None:
+    first = long_chat(1400)  # 1407 tokens
+    usage_of(sim, first)
+    assert cached(usage_of(sim, [*first, {"role": "user", "content": "again"}])) == 1280
+
+
+def test_prefix_below_1024_tokens_is_never_cached(sim: RunningSimulator) -> None:
+    first = long_chat(1000)  # 1007 tokens
+    usage_of(sim, first)
+    assert cached(usage_of(sim, [*first, {"role": "user", "content": words(200)}])) == 0
+
+
+def test_a_rewritten_prefix_or_another_model_misses(sim: RunningSimulator) -> None:
+    first = long_chat(1400)
+    usage_of(sim, first)
+    rewritten = [{"role": "system", "content": "hi at 12:00"}, *first[1:]]
+    assert cached(usage_of(sim, rewritten)) == 0
+    other_model = post(sim, {**chat_body(first), "model": "gpt-4o-mini"})
+    assert cached(other_model.json()["usage"]) == 0
+    assert cached(usage_of(sim, first)) == 1280
+
+
+def test_deepseek_caches_64_token_blocks_and_reports_hit_and_miss(
+    deepseek: RunningSimulator,
+) -> None:
+    first = long_chat(1000)  # 1007 tokens
+    usage = usage_of(deepseek, first)
+    assert usage == {
+        "prompt_tokens": 1007,
+        "completion_tokens": usage["completion_tokens"],
+        "total_tokens": 1007 + usage["completion_tokens"],
+        "prompt_cache_hit_tokens": 0,
+        "prompt_cache_miss_tokens": 1007,
+    }
+    usage = usage_of(deepseek, [*first, {"role": "user", "content": "again"}])
+    assert usage["prompt_tokens"] == 1012
+    assert (usage["prompt_cache_hit_tokens"], usage["prompt_cache_miss_tokens"]) == (
+        960,
+        1012 - 960,
+    )
+    small = [{"role": "user", "content": words(100)}]  # 103 tokens
+    usage_of(deepseek, small)
+    assert (
+        usage_of(deepseek, [*small, {"role": "user", "content": "x"}])["prompt_cache_hit_tokens"]
+        == 64
+    )
+
+
+def test_anthropic_compat_reports_cache_read_and_creation(anthropic: RunningSimulator) -> None:
+    first = long_chat(1100)  # 1107 tokens
+    usage = usage_of(anthropic, first)
+    assert (usage["cache_read_input_tokens"], usage["cache_creation_input_tokens"]) == (0, 1024)
+    assert usage["prompt_tokens"] == 1107
+    second = [
+        *first,
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": words(200)},
+    ]
+    usage = usage_of(anthropic, second)  # 1107 + 4 + 203 = 1314 tokens
+    assert usage["prompt_tokens"] == 1314
+    assert (usage["cache_read_input_tokens"], usage["cache_creation_input_tokens"]) == (1024, 256)
+
+
+def test_entries_expire_after_the_ttl_on_the_simulated_clock(sim: RunningSimulator) -> None:
+    first = long_chat(1100)
+    usage_of(sim, first)
+    sim.sim.advance(299)
+    assert cached(usage_of(sim, first)) == 1024  # a hit refreshes the entry
+    advanced = httpx.post(sim.url + "/_sim/clock", json={"advance_s": 299})
+    assert advanced.json() == {"now": sim.sim.config.start_time + 598}
+    assert cached(usage_of(sim, first)) == 1024
+    assert cached(usage_of(sim, first, **{"X-Sim-Time-Advance": "300"})) == 0
+    assert cached(usage_of(sim, first)) == 1024  # the miss wrote it again
+
+
+def test_prefix_cache_handles_150k_token_prompts_quickly() -> None:
+    body = chat_body(
+        [
+            {"role": "system", "content": "x"},
+            {"role": "user", "content": words(75_000)},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": words(75_000, "wxyz")},
+        ]
+    )
+    changed = {
+        **body,
+        "messages": [*body["messages"][:3], {"role": "user", "content": "zz " + words(75_000)}],
+    }
+    cache = PrefixCache(POLICIES["openai"], ttl_s=300)
+    started = time.perf_counter()
+    tokens = request_tokens(body)
+    assert len(tokens) == 4 + 75_003 + 4 + 75_003
+    assert cache.process(tokens, now=0.0).read == 0
+    assert cache.process(tokens, now=1.0).read == len(tokens) // 128 * 128
+    # Shared: the first three messages (75011 tokens) and the start of the fourth (2 tokens).
+    assert cache.process(request_tokens(changed), now=2.0).read == 75_013 // 128 * 128
+    assert time.perf_counter() - started < 5.0
+
+
+# -- responses and the streaming wire format ----------------------------------------------------
+
+
+def test_stream_assembles_to_the_scripted_text_with_openai_usage_chunks(
+    sim: RunningSimulator,
+) -> None:
+    text = "The answer is 42, as computed by the  deep thought machine.\n"
+    script(sim, {"content": text})
+    raw = stream(
+        sim, chat_body([{"role": "user", "content": "q"}], stream_options={"include_usage": True})
+    )
+    chunks = data_chunks(raw)
+    assert raw.endswith(b"\n\ndata: [DONE]\n\n")
+    for event in raw.split(b"\n\n")[:-2]:
+        payload = json.loads(event[len(b"data: ") :])
+        assert (
+            event
+            == b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+        )
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "refusal": None}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == []
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert len([c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]) > 3
+    result = assemble(chunks)
+    assert result["content"] == text
+    assert result["finish_reason"] == "stop"
+    assert result["usage"]["completion_tokens"] == count_tokens(text)
+
+
+def test_stream_without_include_usage_has_no_usage_field(sim: RunningSimulator) -> None:
+    chunks = data_chunks(stream(sim, chat_body([{"role": "user", "content": "hello there"}])))
+    assert all("usage" not in c for c in chunks)
+    assert assemble(chunks)["content"] == "You said: hello there"
+
+
+def test_parallel_tool_calls_stream_split_and_interleaved_by_index(sim: RunningSimulator) -> None:
+    script(
+        sim,
+        {
+            "tool_calls": [
+                {"name": "read_file", "arguments": {"path": "src/main.py", "limit": 200}},
+                {"name": "grep", "arguments": '{"pattern": "def main", "dir": "src"}'},
+            ]
+        },
+    )
+    chunks = data_chunks(stream(sim, chat_body([{"role": "user", "content": "look"}])))
+    assert chunks[0]["choices"][0]["delta"] == {
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+    }
+    deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert all(len(c["choices"][0]["delta"].get("tool_calls", [])) <= 1 for c in chunks)
+    for index, name in ((0, "read_file"), (1, "grep")):
+        mine = [d for d in deltas if d["index"] == index]
+        assert mine[0]["id"].startswith("call_") and mine[0]["function"] == {
+            "name": name,
+            "arguments": "",
+        }
+        assert len(mine) > 2
+        assert all("id" not in d and "name" not in d["function"] for d in mine[1:])
+    order = [d["index"] for d in deltas]
+    assert order.index(1) < len(order) - 1 - order[::-1].index(
+        0
+    )  # call 1 starts before call 0 ends
+    result = assemble(chunks)
+    assert [(c["name"], c["arguments"]) for c in result["tool_calls"]] == [
+        ("read_file", '{"path":"src/main.py","limit":200}'),
+        ("grep", '{"pattern": "def main", "dir": "src"}'),
+    ]
+    assert result["finish_reason"] == "tool_calls"
+
+
+def test_deepseek_stream_carries_usage_on_its_finish_chunk(deepseek: RunningSimulator) -> None:
+    body = chat_body([{"role": "user", "content": "hi"}], model="deepseek-chat")
+    for options, nulls in (({}, False), ({"stream_options": {"include_usage": True}}, True)):
+        chunks = data_chunks(stream(deepseek, {**body, **options}))
+        assert all(c["choices"] for c in chunks)
+        last = chunks[-1]
+        assert last["choices"][0]["finish_reason"] == "stop"
+        assert last["usage"]["prompt_cache_miss_tokens"] == last["usage"]["prompt_tokens"]
+        assert all(("usage" in c) is nulls for c in chunks[:-1])
+
+
+def test_keepalive_comments_come_before_the_first_token() -> None:
+    config = SimConfig(keepalive=True, ttft_ms=120, keepalive_interval_ms=40)
+    with run_simulator(config) as running:
+        started = time.perf_counter()
+        with httpx.stream(
+            "POST",
+            running.url + "/v1/chat/completions",
+            json=chat_body([{"role": "user", "content": "x"}], stream=True),
+        ) as response:
+            first_data = None
+            raw = b""
+            for piece in response.iter_bytes():
+                if first_data is None and b"data: " in piece:
+                    first_data = time.perf_counter() - started
+                raw += piece
+    events = parse_sse(raw)
+    assert events[:3] == [("comment", "keep-alive")] * 3
+    assert events[3][0] == "data"
+    assert first_data is not None and first_data >= 0.12
+
+
+def test_chunk_cadence_is_paced_in_real_time() -> None:
+    with run_simulator(SimConfig(chunk_ms=25)) as running:
+        started = time.perf_counter()
+        chunks = data_chunks(
+            stream(running, chat_body([{"role": "user", "content": "one two three"}]))
+        )
+        elapsed = time.perf_counter() - started
+    # role, 5 content pieces ("You said: one two three"), finish, [DONE]: 7 pauses of 25 ms.
+    assert len(chunks) == 7
+    assert elapsed >= 7 * 0.025
+
+
+def test_unscripted_replies_are_derived_from_the_input(sim: RunningSimulator) -> None:
+    plain = post(
+        sim, chat_body([{"role": "user", "content": "what is the weather like in Paris today?"}])
+    )
+    message = plain.json()["choices"][0]["message"]
+    assert message["content"] == "You said: what is the weather like in Paris today?"
+    assert plain.json()["choices"][0]["finish_reason"] == "stop"
+    asked = post(
+        sim, chat_body([{"role": "user", "content": "Please use tool now"}], tools=[WEATHER_TOOL])
+    )
+    choice = asked.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    call = choice["message"]["tool_calls"][0]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city":"sim","days":1}'}
+    followed = chat_body(
+        [
+            {"role": "user", "content": "Please use tool now"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "sunny, 24 C"},
+        ],
+        tools=[WEATHER_TOOL],
+    )
+    answer = post(sim, followed).json()["choices"][0]["message"]["content"]
+    assert answer == "Tool result received: sunny, 24 C"
+
+
+def test_scripts_are_consumed_in_order_and_a_header_script_wins(sim: RunningSimulator) -> None:
+    script(sim, "first", {"text": "second", "finish_reason": "length"})
+    ask = chat_body([{"role": "user", "content": "hello"}])
+    header = {"X-Sim-Script": json.dumps({"content": "from header"})}
+    assert post(sim, ask, header).json()["choices"][0]["message"]["content"] == "from header"
+    assert (
+        post(sim, {"model": "gpt-4o", "messages": []}).status_code == 400
+    )  # invalid: not consumed
+    assert post(sim, ask).json()["choices"][0]["message"]["content"] == "first"
+    second = post(sim, ask).json()["choices"][0]
+    assert (second["message"]["content"], second["finish_reason"]) == ("second", "length")
+    assert post(sim, ask).json()["choices"][0]["message"]["content"] == "You said: hello"
+    bad = httpx.post(
+        sim.url + "/_sim/script", json={"responses": [{"tool_calls": [{"arguments": "{}"}]}]}
+    )
+    assert bad.status_code == 400
+
+
+def test_requests_are_recorded_and_reset_clears_everything(sim: RunningSimulator) -> None:
+    body = chat_body(long_chat(1100))
+    post(sim, body, {"X-Trace": "t-1"})
+    recorded = httpx.get(sim.url + "/_sim/requests").json()["requests"]
+    assert len(recorded) == 1
+    assert recorded[0]["body"] == body
+    assert recorded[0]["headers"]["x-trace"] == "t-1"
+    assert (recorded[0]["path"], recorded[0]["status"]) == ("/v1/chat/completions", 200)
+    assert sim.sim.requests[0].usage == recorded[0]["usage"]
+    sim.sim.advance(10)
+    assert httpx.post(sim.url + "/_sim/reset").status_code == 200
+    assert httpx.get(sim.url + "/_sim/requests").json() == {"requests": []}
+    assert httpx.get(sim.url + "/_sim/clock").json() == {"now": sim.sim.config.start_time}
+    assert len(sim.sim.cache) == 0
+    assert cached(usage_of(sim, body["messages"])) == 0
+
+
+def test_models_and_deterministic_embeddings(sim: RunningSimulator) -> None:
+    models = httpx.get(sim.url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["gpt-4o", "gpt-4o-mini", "text-embedding-3-small"]
+    request = {"model": "text-embedding-3-small", "input": ["alpha", "beta"], "dimensions": 8}
+    one = httpx.post(sim.url + "/v1/embeddings", json=request).json()
+    two = httpx.post(sim.url + "/v1/embeddings", json=request).json()
+    assert one == two
+    vectors = [d["embedding"] for d in one["data"]]
+    assert len(vectors) == 2 and vectors[0] != vectors[1] and len(vectors[0]) == 8
+    assert sum(v * v for v in vectors[0]) == pytest.approx(1.0)
+    client = openai.OpenAI(base_url=sim.api_base, api_key="sk-test", max_retries=0)
+    via_client = client.embeddings.create(
+        model="text-embedding-3-small", input=["alpha", "beta"], dimensions=8
+    )
+    for got, want in zip(via_client.data, vectors, strict=True):
+        assert got.embedding == pytest.approx(want)
+    client.close()
+
+
+def test_the_openai_client_reads_a_stream(sim: RunningSimulator) -> None:
+    script(sim, "streamed through the official client")
+    client = openai.OpenAI(base_url=sim.api_base, api_key="sk-test", max_retries=0)
+    events = client.chat.completions.create(
+        model="gpt-4o",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text = ""
+    usage = None
+    for event in events:
+        text += "".join(c.delta.content or "" for c in event.choices)
+        usage = event.usage or usage
+    client.close()
+    assert text == "streamed through the official client"
+    assert usage is not None and usage.prompt_tokens == 4
+
+
+# -- faults -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fault", "error_type"), [("429", "requests"), ("500", "server_error"), ("503", "server_error")]
+)
+def test_status_faults_answer_in_the_openai_error_shape(
+    sim: RunningSimulator, fault: str, error_type: str
+) -> None:
+    response = post(sim, chat_body([{"role": "user", "content": "x"}]), {"X-Sim-Fault": fault})
+    assert response.status_code == int(fault)
+    assert response.json()["error"]["type"] == error_type
+    assert ("retry-after" in response.headers) is (fault == "429")
+    if fault == "429":
+        assert response.headers["retry-after"] == "1"
+        assert response.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_reset_drops_the_connection_mid_stream(sim: RunningSimulator) -> None:
+    received = b""
+    with (
+        pytest.raises(httpx.RemoteProtocolError),
+        httpx.stream(
+            "POST",
+            sim.url + "/v1/chat/completions",
+            json=chat_body([{"role": "user", "content": words(40)}], stream=True),
+            headers={"X-Sim-Fault": "reset"},
+        ) as response,
+    ):
+        assert response.status_code == 200
+        for piece in response.iter_bytes():
+            received += piece
+    assert received.count(b"data: ") == 3
+    assert b"[DONE]" not in received
+    with pytest.raises(httpx.RemoteProtocolError):
+        post(sim, chat_body([{"role": "user", "content": "x"}]), {"X-Sim-Fault": "reset"})
+    assert post(sim, chat_body([{"role": "user", "content": "x"}])).status_code == 200
+
+
+def test_stall_goes_silent_then_finishes(sim: RunningSimulator) -> None:
+    body = chat_body([{"role": "user", "content": words(20)}], stream=True)
+    received = b""
+    with (
+        pytest.raises(httpx.ReadTimeout),
+        httpx.stream(
+            "POST",
+            sim.url + "/v1/chat/completions",
+            json=body,
+            headers={"X-Sim-Fault": "stall", "X-Sim-Stall-S": "30"},
+            timeout=httpx.Timeout(5, read=0.3),
+        ) as response,
+    ):
+        for piece in response.iter_bytes():
+            received += piece
+    assert received.count(b"data: ") == 3
+    state = sim.server.server.server_state  # the stalled response ends when its client leaves
+    deadline = time.monotonic() + 2
+    while state.tasks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not state.tasks
+    started = time.perf_counter()
+    raw = stream(sim, body, {"X-Sim-Fault": "stall", "X-Sim-Stall-S": "0.3"})
+    assert time.perf_counter() - started >= 0.3
+    assert assemble(data_chunks(raw))["content"] == "You said: " + " ".join(["abcd"] * 12) + " …"
+
+
+def test_malformed_inserts_one_broken_data_line(sim: RunningSimulator) -> None:
+    script(sim, "a reply long enough to be cut into several pieces")
+    events = parse_sse(
+        stream(sim, chat_body([{"role": "user", "content": "x"}]), {"X-Sim-Fault": "malformed"})
+    )
+    broken = []
+    good = []
+    for _, text in events:
+        try:
+            good.append(json.loads(text) if text != "[DONE]" else None)
+        except json.JSONDecodeError:
+            broken.append(text)
+    assert len(broken) == 1 and broken[0].startswith('{"id":"chatcmpl-')
+    assert events[-1] == ("data", "[DONE]")
+    assert (
+        assemble([g for g in good if g])["content"]
+        == "a reply long enough to be cut into several pieces"
+    )
+
+
+def test_error_event_ends_the_stream_without_done(sim: RunningSimulator) -> None:
+    events = parse_sse(
+        stream(
+            sim, chat_body([{"role": "user", "content": words(30)}]), {"X-Sim-Fault": "error_event"}
+        )
+    )
+    payloads = [json.loads(text) for _, text in events]
+    assert "error" not in payloads[0]
+    assert payloads[-1] == {
+        "error": {
+            "message": "The server had an error while processing your request. Sorry about that!",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+    }
+    assert len(payloads) == 4
+
+
+def test_fault_rate_draws_faults_from_the_seed() -> None:
+    def draws(seed: int) -> list[str | None]:
+        sim = Simulator(SimConfig(fault_rate=0.5, seed=seed))
+        return [sim.draw_fault() for _ in range(40)]
+
+    assert draws(7) == draws(7)
+    assert draws(7) != draws(8)
+    drawn = set(draws(7))
+    assert None in drawn and len(drawn - {None}) >= 3 and drawn - {None} <= set(FAULTS)
+    with run_simulator(SimConfig(fault_rate=1.0, faults=("503",))) as running:
+        assert post(running, chat_body([{"role": "user", "content": "x"}])).status_code == 503
+
+
+def test_unknown_fault_header_is_a_400(sim: RunningSimulator) -> None:
+    response = post(sim, chat_body([{"role": "user", "content": "x"}]), {"X-Sim-Fault": "teapot"})
+    assert response.status_code == 400
+    assert "teapot" in response.json()["error"]["message"]
+    late = post(sim, chat_body([{"role": "user", "content": "x"}]), {"X-Sim-Time-Advance": "-5"})
+    assert late.status_code == 400
+    assert sim.sim.now == sim.sim.config.start_time
+
+
+# -- determinism and the command line ------------------------------------------------------------
+
+
+def test_same_seed_gives_byte_identical_responses(sim: RunningSimulator) -> None:
+    def exchange(running: RunningSimulator) -> list[bytes]:
+        running.sim.reset()
+        asked = chat_body([{"role": "user", "content": "use tool please"}], tools=[WEATHER_TOOL])
+        return [
+            post(running, asked).content,
+            stream(running, asked),
+            post(running, chat_body(long_chat(5))).content,
+        ]
+
+    first = exchange(sim)
+    assert exchange(sim) == first
+    with run_simulator(SimConfig(seed=1)) as other:
+        different = exchange(other)
+    assert different != first
+    assert [json.loads(b)["usage"] for b in (different[0], different[2])] == [
+        json.loads(b)["usage"] for b in (first[0], first[2])
+    ]
+
+
+def test_cli_options_build_a_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    ns = parser.parse_args(
+        [
+            *(
+                "--dialect",
+                "deepseek",
+                "--ttft-ms",
+                "250",
+                "--chunk-ms",
+                "5",
+                "--cache-ttl-s",
+                "600",
+            ),
+            *("--context-window", "64000", "--seed", "9", "--keepalive", "--port", "9000"),
+        ]
+    )
+    assert config_from_args(ns) == SimConfig(
+        dialect="deepseek",
+        ttft_ms=250,
+        chunk_ms=5,
+        cache_ttl_s=600,
+        context_window=64000,
+        seed=9,
+        keepalive=True,
+    )
+    assert (ns.host, ns.port) == ("127.0.0.1", 9000)
+    assert config_from_args(parser.parse_args([])) == SimConfig()
+    with pytest.raises(ValueError, match="fault_rate"):
+        config_from_args(parser.parse_args(["--fault-rate", "2"]))
