@@ -68,6 +68,25 @@ def proxy_factory(tmp_path: Path) -> Iterator[Any]:
         yield make
 
 
+@pytest.fixture
+def sdk() -> Iterator[Any]:
+    """Factory of official openai SDK clients, closed at teardown."""
+    from openai import OpenAI
+
+    made: list[OpenAI] = []
+
+    def make(base_url: str, **kw: Any) -> OpenAI:
+        kw.setdefault("api_key", "sk-test-not-a-real-key")
+        kw.setdefault("max_retries", 0)
+        c = OpenAI(base_url=base_url, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
 @dataclass
 class ScriptedUpstream:
     """A raw ASGI upstream that answers with exact chunks and records what it saw."""

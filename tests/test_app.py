@@ -1,0 +1,175 @@
+"""End to end with the official openai SDK through cachegate to the simulator, over loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.simulator import RunningSimulator, SimConfig, run_simulator
+from proxy.simulator.reply import parse_script
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "run",
+            "description": "Run a shell command",
+            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+        },
+    },
+]
+
+
+@pytest.fixture
+def sim() -> Iterator[RunningSimulator]:
+    with run_simulator(SimConfig(chunk_ms=1)) as running:
+        yield running
+
+
+
+
+def test_non_streaming_same_answer_as_direct(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+    proxy = proxy_factory(sim.api_base)
+    messages = [{"role": "user", "content": "Say hello to the proxy please"}]
+    direct = sdk(sim.api_base).chat.completions.create(model="gpt-4o", messages=messages)
+    raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(model="gpt-4o", messages=messages)
+    via = raw.parse()
+    assert via.choices[0].message.content == direct.choices[0].message.content
+    assert via.usage is not None and direct.usage is not None
+    assert via.usage.prompt_tokens == direct.usage.prompt_tokens
+    assert raw.headers["x-cachegate-session"]
+    assert raw.headers["x-cachegate-repairs"] == "0"
+
+
+def test_streaming_text(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+    proxy = proxy_factory(sim.api_base)
+    sim.sim.enqueue([parse_script("The quick brown fox jumps over the lazy dog, twice. ünïcødé ✓")])
+    stream = sdk(proxy.base_url).chat.completions.create(
+        model="gpt-4o", messages=[{"role": "user", "content": "go"}], stream=True
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "The quick brown fox jumps over the lazy dog, twice. ünïcødé ✓"
+    # the client did not ask for usage: it sees no usage-only chunk, though cachegate recorded usage
+    assert all(c.choices for c in chunks)
+    assert sim.sim.requests[-1].body["stream_options"] == {"include_usage": True}
+    assert proxy.metric("cachegate_tokens_total", {"model": "gpt-4o", "kind": "completion"}) > 0
+
+
+def test_streaming_parallel_tool_calls(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+    proxy = proxy_factory(sim.api_base)
+    sim.sim.enqueue(
+        [
+            parse_script(
+                {
+                    "content": None,
+                    "tool_calls": [
+                        {"name": "read_file", "arguments": {"path": "src/app.py"}},
+                        {"name": "run", "arguments": {"cmd": "pytest -q tests/test_app.py"}},
+                    ],
+                    "finish_reason": "tool_calls",
+                }
+            )
+        ]
+    )
+    stream = sdk(proxy.base_url).chat.completions.create(
+        model="gpt-4o",
+        messages=[{"role": "user", "content": "read and test"}],
+        tools=TOOLS,  # type: ignore[arg-type]
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    usage_seen = False
+    for c in stream:
+        if c.usage is not None:
+            usage_seen = True
+        for choice in c.choices:
+            finish = choice.finish_reason or finish
+            for tc in choice.delta.tool_calls or []:
+                entry = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                if tc.id:
+                    entry["id"] = tc.id
+                if tc.function and tc.function.name:
+                    entry["name"] += tc.function.name
+                if tc.function and tc.function.arguments:
+                    entry["arguments"] += tc.function.arguments
+    assert finish == "tool_calls"
+    assert usage_seen  # the client asked for usage: it gets it untouched
+    assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == [
+        ("read_file", '{"path":"src/app.py"}'),
+        ("run", '{"cmd":"pytest -q tests/test_app.py"}'),
+    ]
+    proxy.gateway.writer.flush()
+    events = [
+        e
+        for p in proxy.log_dir.glob("*.jsonl")
+        for e in __import__("proxy.eventlog", fromlist=["read_events"]).read_events(p).events
+        if e["type"] == "response"
+    ]
+    message = events[-1]["message"]
+    assert [tc["function"]["name"] for tc in message["tool_calls"]] == ["read_file", "run"]
+    assert message["tool_calls"][1]["function"]["arguments"] == '{"cmd":"pytest -q tests/test_app.py"}'
+
+
+def test_provider_errors_reach_the_sdk_unchanged(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+    proxy = proxy_factory(sim.api_base)
+    import openai
+
+    with pytest.raises(openai.RateLimitError) as info:
+        sdk(proxy.base_url).chat.completions.create(
+            model="gpt-4o",
+            messages=[{"role": "user", "content": "x"}],
+            extra_headers={"X-Sim-Fault": "429"},
+        )
+    assert info.value.response.headers.get("retry-after")
+
+
+def test_models_and_embeddings_relayed(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+    proxy = proxy_factory(sim.api_base)
+    c = sdk(proxy.base_url)
+    assert [m.id for m in c.models.list()] == [m.id for m in sdk(sim.api_base).models.list()]
+    emb = c.embeddings.create(model="text-embedding-3-small", input="hello")
+    assert emb.data[0].embedding == sdk(sim.api_base).embeddings.create(model="text-embedding-3-small", input="hello").data[0].embedding
+
+
+def test_healthz_and_metrics(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+    proxy = proxy_factory(sim.api_base)
+    assert httpx.get(proxy.url + "/healthz").json()["status"] == "ok"
+    sdk(proxy.base_url).chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+    text = httpx.get(proxy.url + "/metrics").text
+    for name in (
+        "cachegate_requests_total",
+        "cachegate_request_duration_seconds",
+        "cachegate_time_to_first_byte_seconds",
+        "cachegate_tokens_total",
+    ):
+        assert name in text
+    assert proxy.metric("cachegate_requests_total", {"route": "chat", "model": "gpt-4o", "status": "200"}) == 1
+
+
+def test_a_failing_observer_never_breaks_the_response(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+    proxy = proxy_factory(sim.api_base)
+
+    class Broken:
+        def on_request(self, ex: Any) -> None:
+            raise RuntimeError("observer bug")
+
+        def on_response(self, ex: Any) -> None:
+            raise RuntimeError("observer bug")
+
+    proxy.gateway.observers.insert(0, Broken())
+    out = sdk(proxy.base_url).chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "still works"}])
+    assert out.choices[0].message.content

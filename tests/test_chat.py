@@ -1,0 +1,131 @@
+"""The chat pipeline end to end: pairing repair and strict mode through cachegate to the simulator."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import orjson
+import pytest
+
+from proxy.chat import splice_usage_option
+from proxy.simulator import RunningSimulator, SimConfig, run_simulator
+
+INTERRUPTED = [
+    {"role": "system", "content": "You are a coding agent."},
+    {"role": "user", "content": "Fix the failing test"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}},
+            {"id": "call_b", "type": "function", "function": {"name": "run", "arguments": '{"cmd": "pytest'}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_a", "content": "print('a')"},
+    {"role": "user", "content": "Stop, look at b.py instead"},
+]
+
+
+@pytest.fixture
+def sim() -> Iterator[RunningSimulator]:
+    with run_simulator(SimConfig()) as running:
+        yield running
+
+
+
+
+def test_interrupted_turn_400_directly_200_through_cachegate(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+    proxy = proxy_factory(sim.api_base)
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk(sim.api_base).chat.completions.create(model="gpt-4o", messages=INTERRUPTED)  # type: ignore[arg-type]
+    assert "did not have response messages: call_b" in str(info.value)
+    for stream in (False, True):
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model="gpt-4o",
+            messages=INTERRUPTED,  # type: ignore[arg-type]
+            stream=stream,
+        )
+        assert raw.http_response.status_code == 200
+        assert raw.headers["x-cachegate-repairs"] == "2"  # a dangling call and truncated arguments
+        if stream:
+            assert any(c.choices and c.choices[0].delta.content for c in raw.parse())
+    forwarded = sim.sim.requests[-1].body["messages"]
+    assert [m["role"] for m in forwarded] == ["system", "user", "assistant", "tool", "tool", "user"]
+    assert forwarded[4]["tool_call_id"] == "call_b"
+    assert "interrupted" in forwarded[4]["content"]
+    assert forwarded[2]["tool_calls"][1]["function"]["arguments"] == "{}"
+    assert proxy.metric("cachegate_pairing_repairs_total", {"kind": "dangling_call"}) == 2
+    assert proxy.metric("cachegate_pairing_repairs_total", {"kind": "invalid_arguments"}) == 2
+
+
+def test_repaired_prefix_is_identical_on_every_turn(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+    proxy = proxy_factory(sim.api_base)
+    c = sdk(proxy.base_url)
+    c.chat.completions.create(model="gpt-4o", messages=INTERRUPTED)  # type: ignore[arg-type]
+    first = sim.sim.requests[-1].body["messages"]
+    later = [*INTERRUPTED, {"role": "assistant", "content": "Looking at b.py"}, {"role": "user", "content": "go on"}]
+    c.chat.completions.create(model="gpt-4o", messages=later)  # type: ignore[arg-type]
+    second = sim.sim.requests[-1].body["messages"]
+    assert orjson.dumps(second[: len(first)]) == orjson.dumps(first)
+
+
+def test_valid_history_is_forwarded_as_the_clients_exact_bytes(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+    proxy = proxy_factory(sim.api_base)
+    body = b'{"model": "gpt-4o",  "messages": [{"role": "user", "content": "caf\\u00e9"}], "unknown_field": {"x": 1}, "prompt_cache_key": "k"}'
+    import httpx
+
+    r = httpx.post(proxy.base_url + "/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 200
+    assert sim.sim.requests[-1].raw == body
+
+
+def test_strict_mode_rejects_with_a_diagnosis_and_contacts_nobody(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+    proxy = proxy_factory(sim.api_base)
+    before = len(sim.sim.requests)
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk(proxy.base_url).chat.completions.create(
+            model="gpt-4o",
+            messages=INTERRUPTED,  # type: ignore[arg-type]
+            extra_headers={"X-Cachegate-Strict": "1"},
+        )
+    body = info.value.body
+    assert isinstance(body, dict)
+    assert body["code"] == "strict_pairing"
+    assert "messages[2]" in body["message"] and "call_b" in body["message"]
+    assert "dangling_call" in body["message"] and "invalid_arguments" in body["message"]
+    assert len(sim.sim.requests) == before
+    assert proxy.metric("cachegate_strict_rejections_total") == 1
+
+
+def test_strict_mode_from_config_lets_valid_histories_through(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+    proxy = proxy_factory(sim.api_base, {"pairing": {"strict": True}})
+    ok = sdk(proxy.base_url).chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert ok.choices[0].message.content
+    with pytest.raises(openai.BadRequestError):
+        sdk(proxy.base_url).chat.completions.create(model="gpt-4o", messages=INTERRUPTED)  # type: ignore[arg-type]
+
+
+def test_orphan_policy_drop(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+    proxy = proxy_factory(sim.api_base, {"pairing": {"orphan_policy": "drop"}})
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "tool", "tool_call_id": "ghost", "content": "stale output"},
+        {"role": "user", "content": "again"},
+    ]
+    sdk(proxy.base_url).chat.completions.create(model="gpt-4o", messages=messages)  # type: ignore[arg-type]
+    assert [m["content"] for m in sim.sim.requests[-1].body["messages"]] == ["hi", "again"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (b'{"a":1}', b'{"stream_options":{"include_usage":true},"a":1}'),
+        (b'  {\n "a": 1}', b'  {"stream_options":{"include_usage":true},\n "a": 1}'),
+        (b"{}", b'{"stream_options":{"include_usage":true}}'),
+    ],
+)
+def test_usage_option_is_spliced_into_the_raw_bytes(raw: bytes, expected: bytes) -> None:
+    assert splice_usage_option(raw) == expected
+    assert orjson.loads(expected)["stream_options"] == {"include_usage": True}
