@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from proxy import compaction, pairing
+from proxy.compactor import provider_window
 from proxy.config import Settings
 from proxy.errors import ProxyError, bad_request
 from proxy.pipeline import Exchange, Observer, notify
@@ -225,12 +226,17 @@ class ChatPipeline:
                     record=True,
                     retry_if=retry_if,
                 )
-            except RetryRequest:
+            except RetryRequest as retry:
                 # The provider refused a history too long for its window: compact now, retry once.
                 log.info("session %s: context length exceeded; compacting and retrying", state.id)
                 assert self.compactor is not None
                 forwarded = await self.compactor.apply(
-                    ex, state, ex.client_body or body, upstream_headers, force=True
+                    ex,
+                    state,
+                    self.repair(ex, ex.client_body or body, strict=False),
+                    upstream_headers,
+                    force=True,
+                    window=provider_window(retry.body),
                 )
                 if ex.stream and ex.strip_usage:
                     forwarded = {

@@ -7,7 +7,9 @@ summarizer fails or times out, the extractive summary is used.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 import time
 from typing import Any
 
@@ -27,6 +29,15 @@ SYNTHETIC_PREFIXES: tuple[str, ...] = (
     "[cachegate]",
     *pairing.DOWNGRADE_PREFIXES,
 )
+
+
+_LIMIT_RE = re.compile(rb"maximum context length is (\d+)")
+
+
+def provider_window(error_body: bytes) -> int | None:
+    """The context window a provider's ``context_length_exceeded`` message states, if it does."""
+    match = _LIMIT_RE.search(error_body)
+    return int(match.group(1)) if match else None
 
 
 class Compactor:
@@ -52,12 +63,17 @@ class Compactor:
         headers: list[tuple[bytes, bytes]],
         *,
         force: bool = False,
+        window: int | None = None,
     ) -> dict[str, Any]:
+        """The body to forward. ``force`` compacts whatever the trigger says (the provider just
+        refused the history as too long); ``window`` is the provider's real limit when it said so."""
         cfg = self.settings.compaction
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return body
         _, model_cfg = self.settings.model(ex.model)
+        if window is not None:
+            model_cfg = dataclasses.replace(model_cfg, context_window=window)
         last = state.extra.get("last_usage")
         prev_len = state.extra.get("last_len", 0)
         existing: compaction.Compaction | None = state.extra.get("compaction")
@@ -75,6 +91,19 @@ class Compactor:
             synthetic_prefixes=SYNTHETIC_PREFIXES,
         )
         state.extra["last_len"] = len(messages)
+        if plan.cut is not None and not self._reduces(messages, plan.cut, model_cfg.context_window):
+            # Keeping the launching message verbatim would leave the history over the trigger:
+            # give up the anchor rather than forward a compaction that does not compact.
+            plan = compaction.plan(
+                messages,
+                existing=existing,
+                window=model_cfg.context_window,
+                trigger_percent=cfg.trigger_percent,
+                keep_recent=cfg.keep_recent,
+                max_anchor_chars=0,
+                force=True,
+                synthetic_prefixes=SYNTHETIC_PREFIXES,
+            )
         if plan.discarded:
             state.extra.pop("compaction", None)
         if plan.cut is None:
@@ -84,7 +113,7 @@ class Compactor:
             ex.transforms["compacted"] = {"reused": True, "covered": plan.reused.covered}
             notify(self.observers, "on_compaction", ex, plan.reused, "reused")
             return {**body, "messages": plan.messages}
-        text, source = await self._summarize(ex, plan, headers)
+        text, source = await self._summarize(ex, plan, headers, model_cfg.context_window)
         comp = compaction.build_compaction(
             messages,
             plan.cut,
@@ -108,12 +137,23 @@ class Compactor:
         notify(self.observers, "on_compaction", ex, comp, source)
         return {**body, "messages": forwarded}
 
+    def _reduces(self, messages: list[Any], cut: compaction.Cut, window: int) -> bool:
+        kept = [*messages[: cut.start], *messages[cut.end :]]
+        limit = window * self.settings.compaction.trigger_percent / 100
+        return compaction.estimate_tokens(kept) < limit
+
     async def _summarize(
-        self, ex: Exchange, plan: compaction.Plan, headers: list[tuple[bytes, bytes]]
+        self, ex: Exchange, plan: compaction.Plan, headers: list[tuple[bytes, bytes]], window: int
     ) -> tuple[str, compaction.Source]:
         model = self.settings.compaction.summarizer_model or ex.model or ""
+        # The transcript must fit the summarizer's window: share half of it among the tool outputs.
+        tools = sum(1 for m in plan.middle if isinstance(m, dict) and m.get("role") == "tool")
+        budget = window * compaction.BYTES_PER_TOKEN // 2
         request = compaction.build_summary_request(
-            plan.middle, previous_summary=plan.previous_summary, model=model
+            plan.middle,
+            previous_summary=plan.previous_summary,
+            model=model,
+            max_tool_chars=max(200, min(2000, budget // max(1, tools))),
         )
         started = time.perf_counter()
         try:

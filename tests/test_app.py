@@ -37,13 +37,15 @@ def sim() -> Iterator[RunningSimulator]:
         yield running
 
 
-
-
-def test_non_streaming_same_answer_as_direct(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+def test_non_streaming_same_answer_as_direct(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
     proxy = proxy_factory(sim.api_base)
     messages = [{"role": "user", "content": "Say hello to the proxy please"}]
     direct = sdk(sim.api_base).chat.completions.create(model="gpt-4o", messages=messages)
-    raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(model="gpt-4o", messages=messages)
+    raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+        model="gpt-4o", messages=messages
+    )
     via = raw.parse()
     assert via.choices[0].message.content == direct.choices[0].message.content
     assert via.usage is not None and direct.usage is not None
@@ -121,10 +123,14 @@ def test_streaming_parallel_tool_calls(sim: RunningSimulator, sdk: Any, proxy_fa
     ]
     message = events[-1]["message"]
     assert [tc["function"]["name"] for tc in message["tool_calls"]] == ["read_file", "run"]
-    assert message["tool_calls"][1]["function"]["arguments"] == '{"cmd":"pytest -q tests/test_app.py"}'
+    assert (
+        message["tool_calls"][1]["function"]["arguments"] == '{"cmd":"pytest -q tests/test_app.py"}'
+    )
 
 
-def test_provider_errors_reach_the_sdk_unchanged(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+def test_provider_errors_reach_the_sdk_unchanged(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
     proxy = proxy_factory(sim.api_base)
     import openai
 
@@ -142,13 +148,21 @@ def test_models_and_embeddings_relayed(sim: RunningSimulator, sdk: Any, proxy_fa
     c = sdk(proxy.base_url)
     assert [m.id for m in c.models.list()] == [m.id for m in sdk(sim.api_base).models.list()]
     emb = c.embeddings.create(model="text-embedding-3-small", input="hello")
-    assert emb.data[0].embedding == sdk(sim.api_base).embeddings.create(model="text-embedding-3-small", input="hello").data[0].embedding
+    assert (
+        emb.data[0].embedding
+        == sdk(sim.api_base)
+        .embeddings.create(model="text-embedding-3-small", input="hello")
+        .data[0]
+        .embedding
+    )
 
 
 def test_healthz_and_metrics(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
     proxy = proxy_factory(sim.api_base)
     assert httpx.get(proxy.url + "/healthz").json()["status"] == "ok"
-    sdk(proxy.base_url).chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+    sdk(proxy.base_url).chat.completions.create(
+        model="gpt-4o", messages=[{"role": "user", "content": "x"}]
+    )
     text = httpx.get(proxy.url + "/metrics").text
     for name in (
         "cachegate_requests_total",
@@ -157,10 +171,17 @@ def test_healthz_and_metrics(sim: RunningSimulator, sdk: Any, proxy_factory: Any
         "cachegate_tokens_total",
     ):
         assert name in text
-    assert proxy.metric("cachegate_requests_total", {"route": "chat", "model": "gpt-4o", "status": "200"}) == 1
+    assert (
+        proxy.metric(
+            "cachegate_requests_total", {"route": "chat", "model": "gpt-4o", "status": "200"}
+        )
+        == 1
+    )
 
 
-def test_a_failing_observer_never_breaks_the_response(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+def test_a_failing_observer_never_breaks_the_response(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
     proxy = proxy_factory(sim.api_base)
 
     class Broken:
@@ -171,5 +192,7 @@ def test_a_failing_observer_never_breaks_the_response(sim: RunningSimulator, sdk
             raise RuntimeError("observer bug")
 
     proxy.gateway.observers.insert(0, Broken())
-    out = sdk(proxy.base_url).chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "still works"}])
+    out = sdk(proxy.base_url).chat.completions.create(
+        model="gpt-4o", messages=[{"role": "user", "content": "still works"}]
+    )
     assert out.choices[0].message.content

@@ -19,8 +19,16 @@ INTERRUPTED = [
         "role": "assistant",
         "content": None,
         "tool_calls": [
-            {"id": "call_a", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}},
-            {"id": "call_b", "type": "function", "function": {"name": "run", "arguments": '{"cmd": "pytest'}},
+            {
+                "id": "call_a",
+                "type": "function",
+                "function": {"name": "read_file", "arguments": '{"path": "a.py"}'},
+            },
+            {
+                "id": "call_b",
+                "type": "function",
+                "function": {"name": "run", "arguments": '{"cmd": "pytest'},
+            },
         ],
     },
     {"role": "tool", "tool_call_id": "call_a", "content": "print('a')"},
@@ -34,9 +42,9 @@ def sim() -> Iterator[RunningSimulator]:
         yield running
 
 
-
-
-def test_interrupted_turn_400_directly_200_through_cachegate(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+def test_interrupted_turn_400_directly_200_through_cachegate(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
     proxy = proxy_factory(sim.api_base)
     with pytest.raises(openai.BadRequestError) as info:
         sdk(sim.api_base).chat.completions.create(model="gpt-4o", messages=INTERRUPTED)  # type: ignore[arg-type]
@@ -60,28 +68,42 @@ def test_interrupted_turn_400_directly_200_through_cachegate(sim: RunningSimulat
     assert proxy.metric("cachegate_pairing_repairs_total", {"kind": "invalid_arguments"}) == 2
 
 
-def test_repaired_prefix_is_identical_on_every_turn(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+def test_repaired_prefix_is_identical_on_every_turn(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
     proxy = proxy_factory(sim.api_base)
     c = sdk(proxy.base_url)
     c.chat.completions.create(model="gpt-4o", messages=INTERRUPTED)  # type: ignore[arg-type]
     first = sim.sim.requests[-1].body["messages"]
-    later = [*INTERRUPTED, {"role": "assistant", "content": "Looking at b.py"}, {"role": "user", "content": "go on"}]
+    later = [
+        *INTERRUPTED,
+        {"role": "assistant", "content": "Looking at b.py"},
+        {"role": "user", "content": "go on"},
+    ]
     c.chat.completions.create(model="gpt-4o", messages=later)  # type: ignore[arg-type]
     second = sim.sim.requests[-1].body["messages"]
     assert orjson.dumps(second[: len(first)]) == orjson.dumps(first)
 
 
-def test_valid_history_is_forwarded_as_the_clients_exact_bytes(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+def test_valid_history_is_forwarded_as_the_clients_exact_bytes(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
     proxy = proxy_factory(sim.api_base)
     body = b'{"model": "gpt-4o",  "messages": [{"role": "user", "content": "caf\\u00e9"}], "unknown_field": {"x": 1}, "prompt_cache_key": "k"}'
     import httpx
 
-    r = httpx.post(proxy.base_url + "/chat/completions", content=body, headers={"content-type": "application/json"})
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 200
     assert sim.sim.requests[-1].raw == body
 
 
-def test_strict_mode_rejects_with_a_diagnosis_and_contacts_nobody(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+def test_strict_mode_rejects_with_a_diagnosis_and_contacts_nobody(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
     proxy = proxy_factory(sim.api_base)
     before = len(sim.sim.requests)
     with pytest.raises(openai.BadRequestError) as info:
@@ -99,9 +121,13 @@ def test_strict_mode_rejects_with_a_diagnosis_and_contacts_nobody(sim: RunningSi
     assert proxy.metric("cachegate_strict_rejections_total") == 1
 
 
-def test_strict_mode_from_config_lets_valid_histories_through(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
+def test_strict_mode_from_config_lets_valid_histories_through(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
     proxy = proxy_factory(sim.api_base, {"pairing": {"strict": True}})
-    ok = sdk(proxy.base_url).chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    ok = sdk(proxy.base_url).chat.completions.create(
+        model="gpt-4o", messages=[{"role": "user", "content": "hi"}]
+    )
     assert ok.choices[0].message.content
     with pytest.raises(openai.BadRequestError):
         sdk(proxy.base_url).chat.completions.create(model="gpt-4o", messages=INTERRUPTED)  # type: ignore[arg-type]

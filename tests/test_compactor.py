@@ -1,0 +1,185 @@
+"""Compaction end to end: trigger, summarizer failure, stickiness with cache hits, rewind, retry."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import pytest
+
+from proxy.compaction import SUMMARY_MARKER
+from proxy.eventlog import read_events
+from proxy.simulator import RunningSimulator, SimConfig, run_simulator
+from proxy.simulator.reply import parse_script
+
+MODEL = "gpt-4o"
+
+
+def history(
+    rounds: int, *, output_chars: int = 1200, system_repeat: int = 200
+) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a careful coding agent. " * system_repeat},
+        {"role": "user", "content": "Earlier task: rename the config loader."},
+        {"role": "assistant", "content": "Done: renamed load_config to read_settings."},
+        {
+            "role": "user",
+            "content": "Now make the parser handle CRLF line endings in proxy/sse.py.",
+        },
+    ]
+    for i in range(rounds):
+        messages.append(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": f"call_{i}",
+                        "type": "function",
+                        "function": {
+                            "name": "run",
+                            "arguments": orjson.dumps({"cmd": f"pytest -k case{i}"}).decode(),
+                        },
+                    }
+                ],
+            }
+        )
+        messages.append(
+            {
+                "role": "tool",
+                "tool_call_id": f"call_{i}",
+                "content": f"output {i}: " + "x" * output_chars,
+            }
+        )
+    return messages
+
+
+@pytest.fixture
+def sim() -> Iterator[RunningSimulator]:
+    with run_simulator(SimConfig(context_window=200000)) as running:
+        yield running
+
+
+CONFIG = {
+    "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 4},
+    "models": {MODEL: {"context_window": 6000, "cache_ttl_s": 300}},
+}
+
+
+def compacted_events(proxy: Any) -> list[dict[str, Any]]:
+    proxy.gateway.writer.flush()
+    return [
+        e
+        for p in proxy.log_dir.glob("*.jsonl")
+        for e in read_events(p).events
+        if e["type"] == "compacted"
+    ]
+
+
+def test_history_over_the_trigger_is_compacted_and_stays_sticky(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    c = sdk(proxy.base_url)
+    msgs = history(18)
+    sim.sim.enqueue([parse_script("TASK: handle CRLF. DONE: cases 0-13 pass. LEFT: cases 14-17.")])
+    raw = c.chat.completions.with_raw_response.create(
+        model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "long"}
+    )
+    assert raw.headers["x-cachegate-compacted"] == "1"
+    summary_call = sim.sim.requests[-2].body
+    assert "tools" not in summary_call
+    forwarded = sim.sim.requests[-1].body["messages"]
+    assert forwarded[0] == msgs[0]
+    assert forwarded[1]["content"].startswith(SUMMARY_MARKER)
+    assert "TASK: handle CRLF" in forwarded[1]["content"]
+    # the launching user message survives verbatim when it fits max_anchor_chars; here the tail is kept
+    assert forwarded[-1] == msgs[-1]
+    assert len(forwarded) < len(msgs)
+    event = compacted_events(proxy)[0]
+    assert event["source"] == "model" and event["tokens_before"] > event["tokens_after"]
+
+    # the next turns resend the full history: the same substitution, byte for byte, and cache hits
+    for turn in range(2):
+        msgs = [
+            *msgs,
+            {"role": "assistant", "content": f"step {turn}"},
+            {"role": "user", "content": f"continue {turn}"},
+        ]
+        raw = c.chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "long"}
+        )
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        now = sim.sim.requests[-1].body["messages"]
+        assert orjson.dumps(now[: len(forwarded)]) == orjson.dumps(forwarded)
+        usage = raw.parse().usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        assert usage.prompt_tokens_details.cached_tokens >= 1024
+        forwarded = now
+    assert proxy.metric("cachegate_compactions_total", {"model": MODEL, "result": "summary"}) == 1
+    assert proxy.metric("cachegate_compactions_total", {"model": MODEL, "result": "reused"}) == 2
+
+
+def test_summarizer_failure_falls_back_to_extractive(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    sim.sim.enqueue([parse_script({"content": "never used", "fault": "429"})])
+    msgs = history(18)
+    raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(model=MODEL, messages=msgs)
+    assert raw.http_response.status_code == 200
+    assert raw.headers["x-cachegate-compacted"] == "1"
+    forwarded = sim.sim.requests[-1].body["messages"]
+    assert forwarded[1]["content"].startswith(SUMMARY_MARKER)
+    assert "CRLF" in forwarded[1]["content"]  # the task, quoted by the extractive skeleton
+    assert compacted_events(proxy)[0]["source"] == "extractive"
+    assert (
+        proxy.metric("cachegate_compactions_total", {"model": MODEL, "result": "extractive"}) == 1
+    )
+
+
+def test_rewind_before_the_covered_prefix_drops_the_stale_summary(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    c = sdk(proxy.base_url)
+    msgs = history(18)
+    sim.sim.enqueue([parse_script("SUMMARY OF THE FUTURE")])
+    c.chat.completions.create(model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "rw"})
+    covered = compacted_events(proxy)[0]["covered"]
+    # rewind after the covered prefix (drop only the last round): the summary is kept
+    c.chat.completions.create(model=MODEL, messages=msgs[:-2], extra_headers={"X-Session-Id": "rw"})
+    assert "SUMMARY OF THE FUTURE" in orjson.dumps(sim.sim.requests[-1].body).decode()
+    # rewind before it: edit an early message; the stale summary must not leak
+    rewound = [*msgs[:4], {"role": "user", "content": "Actually, do something else."}]
+    assert len(rewound) < covered
+    c.chat.completions.create(model=MODEL, messages=rewound, extra_headers={"X-Session-Id": "rw"})
+    sent = orjson.dumps(sim.sim.requests[-1].body).decode()
+    assert "SUMMARY OF THE FUTURE" not in sent
+    assert sim.sim.requests[-1].body["messages"] == rewound
+
+
+def test_context_length_exceeded_is_compacted_and_retried_once(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    with run_simulator(SimConfig(context_window=3000)) as small:
+        config = {
+            "compaction": {"enabled": True, "trigger_percent": 100, "keep_recent": 4},
+            "models": {MODEL: {"context_window": 1000000}},
+        }
+        proxy = proxy_factory(small.api_base, config)
+        msgs = history(10, output_chars=2000, system_repeat=10)
+        import openai
+
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk(small.api_base).chat.completions.create(model=MODEL, messages=msgs)  # type: ignore[arg-type]
+        assert "maximum context length" in str(info.value)
+        small.sim.enqueue([parse_script("short summary")])
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs
+        )
+        assert raw.http_response.status_code == 200
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        statuses = [r.status for r in small.sim.requests[-3:]]
+        assert statuses == [400, 200, 200]  # refused, the summary call, the compacted retry

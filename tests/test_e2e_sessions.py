@@ -1,0 +1,481 @@
+"""Sessions and the audit log end to end: the openai SDK → cachegate → the simulator, over sockets.
+
+Identity (header, path, inference, agent headers, hostile ids), the log as a user reads it back
+(linear growth, exact replay, interruptions), crash safety under kill -9, secrets, metadata mode.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import socket
+import string
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from proxy.eventlog import read_events
+from proxy.simulator import RunningSimulator, SimConfig, run_simulator
+from proxy.simulator.reply import parse_script
+from tests.conftest import run_proxy
+from tests.e2e_support import (
+    cachegate_process,
+    chat,
+    events,
+    make_client,
+    run_cli,
+    tree,
+    wait_for,
+)
+
+HELLO = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hello there"}]}
+
+
+@pytest.fixture
+def sim() -> Iterator[RunningSimulator]:
+    with run_simulator(SimConfig()) as running:
+        yield running
+
+
+def flush(proxy: Any) -> None:
+    assert proxy.gateway.writer.flush(5.0)
+
+
+# --- identity --------------------------------------------------------------------------------
+
+
+def test_x_session_id_header_names_the_session_and_its_file(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "build-42"})
+    _, h1 = chat(client, [{"role": "user", "content": "one"}], stream=False)
+    _, h2 = chat(client, [{"role": "user", "content": "something unrelated"}], stream=True)
+    assert h1["x-cachegate-session"] == h2["x-cachegate-session"] == "build-42"
+    flush(proxy)
+    assert sorted(p.name for p in proxy.log_dir.iterdir()) == ["build-42.jsonl"]
+    kinds = [e["type"] for e in events(proxy.log_dir, "build-42")]
+    assert kinds == ["session_meta", "request", "response", "request", "response"]
+
+
+def test_session_in_the_path_for_clients_that_only_set_a_base_url(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    client = make_client(proxy.url + "/s/my-id/v1")
+    messages = [{"role": "user", "content": "hi"}]
+    reply, headers = chat(client, messages, stream=True)
+    assert headers["x-cachegate-session"] == "my-id"
+    assert reply["content"] == "You said: hi"
+    assert [m.id for m in client.models.list().data] == ["gpt-4o", "gpt-4o-mini", "text-embedding-3-small"]
+    flush(proxy)
+    assert sorted(p.name for p in proxy.log_dir.iterdir()) == ["my-id.jsonl"]
+    # The path prefix is cachegate's: the provider sees the plain /v1 route.
+    assert [r.path for r in sim.sim.requests] == ["/v1/chat/completions", "/v1/models"]
+
+
+def test_growing_conversation_stays_one_session_unrelated_one_gets_its_own(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    client = make_client(proxy.base_url)
+    system = {"role": "system", "content": "You are terse."}
+    convo: list[dict[str, Any]] = [system, {"role": "user", "content": "first question"}]
+    seen = []
+    for turn in range(6):
+        reply, headers = chat(client, convo, stream=turn % 2 == 1)
+        seen.append(headers["x-cachegate-session"])
+        convo += [reply, {"role": "user", "content": f"follow-up {turn}"}]
+    other = [system, {"role": "user", "content": "a different task entirely"}]
+    _, other_headers = chat(client, other, stream=False)
+    reply, again = chat(client, convo, stream=False)  # the first conversation carries on
+    assert len(set(seen)) == 1
+    assert other_headers["x-cachegate-session"] not in seen
+    assert again["x-cachegate-session"] == seen[0]
+    flush(proxy)
+    files = sorted(p.name for p in proxy.log_dir.iterdir())
+    assert files == sorted([seen[0] + ".jsonl", other_headers["x-cachegate-session"] + ".jsonl"])
+    assert len(events(proxy.log_dir, seen[0], "request")) == 7
+    assert len(events(proxy.log_dir, other_headers["x-cachegate-session"], "request")) == 1
+
+
+@pytest.mark.parametrize(
+    ("header", "value"),
+    [
+        ("x-claude-code-session-id", "0f8fad5b-d9cb-469f-a165-70867728950e"),
+        ("Helicone-Session-Id", "helicone:run.7"),
+        ("x-litellm-session-id", "litellm_1"),
+    ],
+)
+def test_session_headers_agents_already_send_are_honoured(
+    sim: RunningSimulator, proxy_factory: Any, header: str, value: str
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    client = make_client(proxy.base_url, default_headers={header: value})
+    _, h1 = chat(client, [{"role": "user", "content": "a"}], stream=False)
+    _, h2 = chat(client, [{"role": "user", "content": "b"}], stream=True)
+    assert h1["x-cachegate-session"] == h2["x-cachegate-session"] == value
+    flush(proxy)
+    assert [p.name for p in proxy.log_dir.iterdir()] == [value + ".jsonl"]
+
+
+def test_x_session_id_wins_over_agent_headers_and_path_wins_over_both(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    both = {"X-Session-Id": "explicit", "x-claude-code-session-id": "agent"}
+    r = httpx.post(proxy.base_url + "/chat/completions", json=HELLO, headers=both)
+    assert r.headers["x-cachegate-session"] == "explicit"
+    r = httpx.post(proxy.url + "/s/from-path/v1/chat/completions", json=HELLO, headers=both)
+    assert r.headers["x-cachegate-session"] == "from-path"
+
+
+def _raw_request(host: str, port: int, head: bytes, body: bytes) -> tuple[int, bytes, bytes]:
+    """Send exact bytes on a fresh socket; (status, raw headers, body) of the answer."""
+    with socket.create_connection((host, port), timeout=10) as s:
+        s.sendall(head + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head_out, _, body_out = data.partition(b"\r\n\r\n")
+    return int(head_out.split(b" ", 2)[1]), head_out, body_out
+
+
+def _assert_openai_error(body: bytes, code: str) -> None:
+    error = orjson.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] == code
+    assert "[A-Za-z0-9._:-]{1,128}" in error["message"]
+
+
+HOSTILE_HEADER_IDS = [
+    b"../../x",
+    b"..",
+    b".",
+    b"a" * 200,
+    b"a" * 129,
+    "sessi\u00f6n-\u4e16\u754c".encode(),  # raw UTF-8 bytes on the wire
+    b"a/b",
+    b"a b",
+    b"%2e%2e",
+]
+
+
+def test_hostile_ids_are_400_in_openai_shape_and_touch_no_path(
+    sim: RunningSimulator, proxy_factory: Any, tmp_path: Path
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    before = tree(tmp_path)
+    host, port = proxy.server.host, proxy.server.port
+    body = orjson.dumps(HELLO)
+    for value in HOSTILE_HEADER_IDS:
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nX-Session-Id: " + value + b"\r\n"
+        )
+        status, _, out = _raw_request(host, port, head, body)
+        assert status == 400, value
+        _assert_openai_error(out, "invalid_session_id")
+    # In the path, as exact bytes (an HTTP client would normalize "/s/../v1" away itself).
+    for segment in [b"..", b"%2E%2E", b"a%00b", b"%C3%A9t%C3%A9", b"a" * 200, b"x%20y"]:
+        head = b"POST /s/" + segment + b"/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        head += b"Connection: close\r\nContent-Type: application/json\r\n"
+        status, _, out = _raw_request(host, port, head, body)
+        assert status == 400, segment
+        _assert_openai_error(out, "invalid_session_id")
+    # httpx sends a NUL in the path percent-encoded; it never becomes part of a file name.
+    r = httpx.post(proxy.url + "/s/a\x00b/v1/chat/completions", json=HELLO)
+    assert r.status_code == 400
+    _assert_openai_error(r.content, "invalid_session_id")
+    # A NUL in a header value: uvicorn refuses the request line itself, before cachegate.
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\nX-Session-Id: a\x00b\r\n"
+    )
+    status, _, _ = _raw_request(host, port, head, body)
+    assert status == 400
+    # Other routes through the path are refused the same way.
+    r = httpx.get(f"{proxy.url}/s/%2E%2E/v1/models")
+    assert r.status_code == 400
+    _assert_openai_error(r.content, "invalid_session_id")
+    flush(proxy)
+    assert sim.sim.requests == []  # nothing was forwarded
+    created = tree(tmp_path) - before
+    assert created <= {"logs"}  # at most the (empty) log directory itself
+    assert not (proxy.log_dir.exists() and any(proxy.log_dir.iterdir()))
+
+
+def test_a_slash_smuggled_into_the_path_id_is_a_400_not_a_file(
+    sim: RunningSimulator, proxy_factory: Any, tmp_path: Path
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    before = tree(tmp_path)
+    body = orjson.dumps(HELLO)
+    for segment in [b"..%2F..%2Fx", b"..%2Fescape", b"a%2Fb"]:
+        head = b"POST /s/" + segment + b"/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        head += b"Connection: close\r\nContent-Type: application/json\r\n"
+        status, _, out = _raw_request(proxy.server.host, proxy.server.port, head, body)
+        assert tree(tmp_path) - before <= {"logs"}
+        assert sim.sim.requests == []
+        assert status == 400, (segment, status, out)
+        _assert_openai_error(out, "invalid_session_id")
+
+
+def test_every_chat_response_names_its_session_even_errors(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    bad = {"model": "gpt-4o", "messages": [{"role": "tool", "content": "x", "tool_call_id": "c"}]}
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json=bad,
+        headers={"X-Session-Id": "err-1", "X-Cachegate-Strict": "1"},
+    )
+    assert r.status_code == 400
+    assert r.headers["x-cachegate-session"] == "err-1"
+    r = httpx.post(proxy.base_url + "/chat/completions", json=HELLO)
+    assert r.status_code == 200
+    assert r.headers["x-cachegate-session"]
+
+
+# --- the log through HTTP ----------------------------------------------------------------------
+
+
+def test_two_hundred_exchanges_log_grows_linearly_and_replays_exactly(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "long-1"})
+    log = proxy.log_dir / "long-1.jsonl"
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "turn 0"},
+    ]
+    sizes: dict[int, int] = {}
+    for i in range(1, 201):
+        reply, _ = chat(client, convo, stream=i % 3 == 0)
+        convo += [reply, {"role": "user", "content": f"turn {i}"}]
+        if i in (20, 60, 160, 200):
+            flush(proxy)
+            sizes[i] = log.stat().st_size
+    early = (sizes[60] - sizes[20]) / 40
+    late = (sizes[200] - sizes[160]) / 40
+    # Each exchange logs only what it added: a late exchange costs about what an early one did
+    # (a log that repeated the history would cost ~4x more per exchange late than early).
+    assert late < 1.5 * early, (early, late)
+
+    result = run_cli("sessions", "replay", "long-1", "--log-dir", str(proxy.log_dir))
+    assert result.code == 0, result.err
+    lines = [orjson.loads(line) for line in result.out.splitlines()]
+    assert [line["exchange_id"] for line in lines] == list(range(1, 201))
+    sent = [r.body["messages"] for r in sim.sim.requests]
+    assert len(sent) == 200
+    for line, messages in zip(lines, sent, strict=True):
+        assert line["messages"] == messages, line["exchange_id"]
+    # The last request is the whole conversation, as the client sent it.
+    assert lines[-1]["messages"] == convo[:-2]
+
+
+def test_client_closing_mid_stream_logs_an_interrupted_response(proxy_factory: Any) -> None:
+    with run_simulator(SimConfig(chunk_ms=30)) as sim:
+        sim.sim.enqueue([parse_script("word " * 300)])
+        proxy = proxy_factory(sim.api_base)
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "cut-1"})
+        stream = client.chat.completions.create(
+            model="gpt-4o", messages=[{"role": "user", "content": "talk"}], stream=True
+        )
+        received = ""
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                received += chunk.choices[0].delta.content
+                if received.count("word") >= 3:
+                    break
+        stream.close()
+
+        def response_logged() -> list[dict[str, Any]]:
+            flush(proxy)
+            return events(proxy.log_dir, "cut-1", "response")
+
+        (response,) = wait_for(response_logged, what="the response event")
+    assert response["interrupted"] is True
+    assert response["exchange"] == 1
+    assert response["finish_reason"] is None
+    show = run_cli("sessions", "show", "cut-1", "--log-dir", str(proxy.log_dir), "--json")
+    assert show.json()["exchanges"][0]["interrupted"] is True
+
+
+# --- crash safety --------------------------------------------------------------------------------
+
+
+def _stream_until_killed(url: str, sid: str, started: threading.Semaphore) -> int:
+    got = 0
+    try:
+        with httpx.stream(
+            "POST",
+            url + "/chat/completions",
+            json={"model": "gpt-4o", "stream": True, "messages": [{"role": "user", "content": sid}]},
+            headers={"X-Session-Id": sid},
+            timeout=30,
+        ) as r:
+            for chunk in r.iter_raw():
+                got += len(chunk)
+                if got == len(chunk):
+                    started.release()
+    except httpx.HTTPError:
+        pass
+    return got
+
+
+def test_kill_9_during_32_streams_leaves_every_log_readable(tmp_path: Path) -> None:
+    log_dir = tmp_path / "logs"
+    sids = [f"crash-{i:02d}" for i in range(32)]
+    with run_simulator(SimConfig(chunk_ms=50)) as sim:
+        sim.sim.enqueue([parse_script("token " * 400) for _ in sids])
+        with cachegate_process(sim.api_base, log_dir) as (proc, url):
+            started = threading.Semaphore(0)
+            results: dict[str, int] = {}
+            threads = [
+                threading.Thread(
+                    target=lambda s=sid: results.__setitem__(
+                        s, _stream_until_killed(url, s, started)
+                    )
+                )
+                for sid in sids
+            ]
+            for t in threads:
+                t.start()
+            for _ in sids:
+                assert started.acquire(timeout=20), "every stream should be under way"
+            # Every session's request line is on disk (the writer is asynchronous).
+            wait_for(
+                lambda: all(
+                    (log_dir / f"{s}.jsonl").exists()
+                    and b'"type":"request"' in (log_dir / f"{s}.jsonl").read_bytes()
+                    for s in sids
+                ),
+                what="every request event",
+            )
+            proc.kill()  # SIGKILL: no shutdown, no flush
+            proc.wait(10)
+            for t in threads:
+                t.join(20)
+            assert not any(t.is_alive() for t in threads)
+    assert all(results[s] > 0 for s in sids)
+    files = sorted(log_dir.iterdir())
+    assert [f.name for f in files] == [f"{s}.jsonl" for s in sids]
+    torn_total = 0
+    for f in files:
+        read = read_events(f)
+        lines = f.read_bytes().split(b"\n")
+        complete, last = lines[:-1], lines[-1]
+        for line in complete[:-1]:
+            orjson.loads(line)  # every line but the last one parses
+        torn_total += read.torn
+        assert read.torn <= 1
+        assert last == b"" or read.torn == 1  # a fragment can only be at the very end
+        kinds = [e["type"] for e in read.events]
+        assert kinds[:2] == ["session_meta", "request"]
+        assert "response" not in kinds  # killed mid-stream: nothing finished
+
+    show = run_cli("sessions", "show", "crash-00", "--log-dir", str(log_dir))
+    assert show.code == 0, show.err
+    assert "crash-00" in show.out
+    if torn_total == 0:
+        # One os.write per line leaves no torn line; make one as a crash inside a write would.
+        with open(log_dir / "crash-00.jsonl", "ab") as fh:
+            fh.write(b'{"ts":1700000000.5,"type":"response","exchange":1,"sta')
+    show = run_cli("sessions", "show", "crash-00", "--log-dir", str(log_dir))
+    assert show.code == 0, show.err
+    assert show.out.rstrip().endswith("1 torn line skipped")
+    assert run_cli("sessions", "show", "crash-00", "--log-dir", str(log_dir), "--json").json()[
+        "torn"
+    ] == 1
+    listing = run_cli("sessions", "list", "--log-dir", str(log_dir), "--json")
+    assert listing.code == 0
+    assert {s["session"] for s in listing.json()} == set(sids)
+
+    # A new process appending to the torn file starts on a fresh line: nothing more is lost.
+    with run_simulator(SimConfig()) as sim2, run_proxy(sim2.api_base, log_dir) as proxy:
+        r = httpx.post(
+            proxy.base_url + "/chat/completions", json=HELLO, headers={"X-Session-Id": "crash-00"}
+        )
+        assert r.status_code == 200
+        flush(proxy)
+    read = read_events(log_dir / "crash-00.jsonl")
+    assert read.torn == 1
+    assert [e["type"] for e in read.events][-2:] == ["request", "response"]
+    assert read.events[-1]["status"] == 200
+
+
+# --- secrets and metadata mode -------------------------------------------------------------------
+
+
+def _random(n: int) -> str:
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(n))
+
+
+def test_no_key_or_secret_reaches_any_log_file(sim: RunningSimulator, proxy_factory: Any) -> None:
+    api_key = "sk-test-" + _random(40)
+    pasted_key = "sk-proj-" + _random(32)
+    aws_id = "AKIA" + "".join(secrets.choice(string.ascii_uppercase + "234567") for _ in range(16))
+    bearer = _random(24)
+    proxy = proxy_factory(sim.api_base)
+    client = make_client(
+        proxy.base_url, api_key=api_key, default_headers={"X-Session-Id": "secrets-1"}
+    )
+    text = f"deploy with {pasted_key} and {aws_id} then curl -H 'Authorization: Bearer {bearer}'"
+    convo: list[dict[str, Any]] = [{"role": "user", "content": text}]
+    reply, _ = chat(client, convo, stream=False)
+    assert pasted_key in reply["content"]  # the simulator echoes it back: responses are tested too
+    convo += [reply, {"role": "user", "content": f"again: {aws_id}"}]
+    reply, _ = chat(client, convo, stream=True)
+    assert aws_id in reply["content"]
+    # A request the provider refuses is logged too, and redacted the same way.
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json={"model": "gpt-4o", "messages": [{"role": "user", "content": pasted_key}]},
+        headers={"Authorization": f"Bearer {api_key}", "X-Sim-Fault": "500"},
+    )
+    assert r.status_code == 500
+    # The simulator did get the key: cachegate forwards it, it only never writes it.
+    assert sim.sim.requests[0].headers["authorization"] == f"Bearer {api_key}"
+    flush(proxy)
+    files = [p for p in proxy.log_dir.rglob("*") if p.is_file()]
+    assert files
+    for path in files:
+        data = path.read_text()
+        for needle in (api_key, api_key[8:], pasted_key, pasted_key[8:], aws_id, bearer):
+            assert needle not in data, (path.name, needle[:12])
+        assert "[REDACTED]" in data
+    requests = events(proxy.log_dir, "secrets-1", "request")
+    assert "deploy with [REDACTED] and [REDACTED]" in json.dumps(requests[0]["appended"])
+
+
+def test_metadata_mode_keeps_sizes_and_hashes_but_no_message_text(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base, {"logging": {"bodies": "metadata"}})
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "meta-1"})
+    system = {"role": "system", "content": "zanzibar quokka protocol"}
+    convo: list[dict[str, Any]] = [system, {"role": "user", "content": "periwinkle marmalade"}]
+    reply, _ = chat(client, convo, stream=False)
+    convo += [reply, {"role": "user", "content": "obsidian tangerine"}]
+    chat(client, convo, stream=True)
+    flush(proxy)
+    data = (proxy.log_dir / "meta-1.jsonl").read_text()
+    for word in ("zanzibar", "quokka", "periwinkle", "marmalade", "obsidian", "tangerine", "You said"):
+        assert word not in data
+    requests = events(proxy.log_dir, "meta-1", "request")
+    assert [m["role"] for m in requests[0]["appended"]] == ["system", "user"]
+    assert requests[0]["appended"][1]["chars"] == len("periwinkle marmalade")
+    assert len(requests[0]["appended"][1]["sha256"]) == 64
+    responses = events(proxy.log_dir, "meta-1", "response")
+    assert [r["status"] for r in responses] == [200, 200]
+    assert responses[1]["message"]["role"] == "assistant"
+    assert responses[1]["usage"]["prompt"] == sim.sim.requests[1].usage["prompt_tokens"]
