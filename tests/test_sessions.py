@@ -1,0 +1,78 @@
+"""Session identity: explicit ids, agent headers, inference by shared history, bounded store."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.sessions import MemorySessionStore, explicit_session_id, new_session_id, valid_session_id
+
+SYSTEM = {"role": "system", "content": "agent"}
+
+
+def convo(task: str, turns: int) -> list[dict[str, str]]:
+    msgs = [SYSTEM, {"role": "user", "content": task}]
+    for i in range(turns):
+        msgs += [{"role": "assistant", "content": f"a{i}"}, {"role": "user", "content": f"u{i}"}]
+    return msgs
+
+
+@pytest.mark.parametrize("sid", ["abc", "A.b_c:d-1", "x" * 128, "2026-11-30T10:00:00"])
+def test_valid_ids(sid: str) -> None:
+    assert valid_session_id(sid)
+    assert explicit_session_id({"x-session-id": sid}, None) == sid
+
+
+@pytest.mark.parametrize("sid", ["", "../../x", "..", ".", "x" * 129, "a\x00b", "sess ion", "ünï", "a/b", "a\nb"])
+def test_hostile_ids_are_refused(sid: str) -> None:
+    assert not valid_session_id(sid)
+    with pytest.raises(ValueError, match="session id"):
+        explicit_session_id({"x-session-id": sid}, None)
+    with pytest.raises(ValueError):
+        explicit_session_id({}, sid)
+
+
+def test_path_wins_then_x_session_id_then_agent_headers() -> None:
+    headers = {"x-claude-code-session-id": "claude-1", "helicone-session-id": "h-1"}
+    assert explicit_session_id(headers, None) == "claude-1"
+    assert explicit_session_id({**headers, "x-session-id": "mine"}, None) == "mine"
+    assert explicit_session_id({**headers, "x-session-id": "mine"}, "from-path") == "from-path"
+    assert explicit_session_id({"helicone-session-id": "h-1"}, None) == "h-1"
+    assert explicit_session_id({}, None) is None
+
+
+def test_inference_follows_a_growing_conversation_and_separates_others() -> None:
+    store = MemorySessionStore()
+    a = store.create("a", 0.0)
+    store.index(a, convo("fix the bug", 0))
+    for turns in range(1, 5):
+        msgs = convo("fix the bug", turns)
+        found = store.infer(msgs)
+        assert found is a
+        store.index(a, msgs)
+    assert store.infer(convo("write the docs", 1)) is None
+
+
+def test_inference_picks_the_longest_shared_history() -> None:
+    store = MemorySessionStore()
+    a = store.create("a", 0.0)
+    b = store.create("b", 1.0)
+    store.index(a, convo("same start", 3))
+    fork = [*convo("same start", 1), {"role": "assistant", "content": "other path"}]
+    store.index(b, fork)
+    assert store.infer([*convo("same start", 3), {"role": "assistant", "content": "x"}]) is a
+    assert store.infer([*fork, {"role": "user", "content": "y"}]) is b
+
+
+def test_store_is_bounded_and_forgets_idle_sessions() -> None:
+    store = MemorySessionStore(max_sessions=3, idle_ttl_s=100)
+    for i in range(5):
+        store.create(f"s{i}", float(i))
+    assert sorted(store.active_ids()) == ["s2", "s3", "s4"]
+    store.create("late", 500.0)
+    assert list(store.active_ids()) == ["late"]
+
+
+def test_new_ids_are_valid_and_unique() -> None:
+    ids = {new_session_id(1_790_000_000.0) for _ in range(100)}
+    assert len(ids) == 100
+    assert all(valid_session_id(i) for i in ids)
