@@ -105,7 +105,7 @@ class Gateway:
                 redact_secrets=lg.redact_secrets,
                 on_loss=self._log_loss,
             )
-            self.observers.append(EventLogObserver(settings, self.sessions, self.writer))
+            self.observers.append(EventLogObserver(settings, self.sessions, self.writer, clock))
         self.observers.append(MetricsObserver(self.metrics))
         self._retention: asyncio.Task[None] | None = None
         self.client: httpx.AsyncClient | None = None
@@ -266,6 +266,17 @@ class _ProxyEndpoint:
             await self.gateway.passthrough(scope, receive, send, path, path_session)
 
 
+async def _bad_session_path(request: Request) -> Response:
+    err = bad_request(
+        "Invalid session path: use /s/{id}/v1/... with an id matching [A-Za-z0-9._:-]{1,128}",
+        "invalid_session_id",
+    )
+    return Response(err.body(), status_code=err.status, media_type="application/json")
+
+
+_ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
+
 def create_app(
     settings: Settings | None = None,
     *,
@@ -306,6 +317,8 @@ def create_app(
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/{path:path}", endpoint),
             Route("/s/{session_id}/v1/{path:path}", endpoint),
+            # Anything else under /s/ carries an id that is not one (a slash smuggled in as %2F, …).
+            Route("/s/{rest:path}", _bad_session_path, methods=_ALL_METHODS),
         ],
         lifespan=lifespan,
     )

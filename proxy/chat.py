@@ -161,6 +161,7 @@ class ChatPipeline:
             ex.client_body = body
             state = self.resolve_session(headers, path_session, body, now)
             ex.session_id = state.id
+            ex.exchange_id = state.next_exchange()
             strict = self.settings.pairing.strict or headers.get("x-cachegate-strict", "") in (
                 "1",
                 "true",
@@ -198,11 +199,9 @@ class ChatPipeline:
             ex.error = err.message
             extra = [(b"x-cachegate-session", state.id.encode())] if state is not None else []
             if state is not None:
-                ex.exchange_id = state.next_exchange()
                 notify(self.observers, "on_error", ex)
             await send_error(send, err, extra)
             return
-        ex.exchange_id = state.next_exchange()
         messages = forwarded.get("messages")
         state.remember(ex.exchange_id, messages if isinstance(messages, list) else [])
         notify(self.observers, "on_request", ex)

@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shlex
 import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import orjson
-from openai import BadRequestError, OpenAI
+from openai import BadRequestError, OpenAI, Stream
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from prometheus_client import CollectorRegistry
 
 from proxy import report
@@ -48,7 +50,8 @@ PRICES = {
     "price_output": 10.0,
 }
 TURN_GAP_S = 20.0  # simulated time an agent spends between two requests (tools, typing)
-IDLE_GAP_S = 600.0  # the user's coffee break in scenario 3, past the 300 s cache TTL
+IDLE_GAP_S = 600.0  # the user's lunch break in scenario 3, past the 300 s cache TTL
+WIDTH = 100  # the report's line width
 
 SYSTEM_PROMPT = """\
 You are Forge, a coding agent working in the user's repository through the tools below. You read \
@@ -194,7 +197,7 @@ TOOLS: list[dict[str, Any]] = [
 
 class DemoClock:
     """A clock that moves only when told to: cachegate's ``clock=``, kept in step with the
-    simulator's own clock by ``advance``."""
+    simulator's own clock."""
 
     def __init__(self, start: float) -> None:
         self.now = start
@@ -226,22 +229,35 @@ def demo_settings(upstream: str, log_dir: str) -> Settings:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Reply:
+    """What the agent sees of one response through cachegate."""
+
+    status: int
+    headers: dict[str, str]  # the X-Cachegate-* headers, lower-cased
+    message: dict[str, Any]  # the assistant message, ready to append to the history
+
+
 @dataclass
 class _Demo:
-    """What every scenario uses: the two clients, the simulator, the clocks and the log reader."""
+    """What every scenario uses: the clients, the simulator, the clocks and the log reader."""
 
     client: OpenAI  # through cachegate
     direct: OpenAI  # straight to the simulator
     running: RunningSimulator
+    proxy_url: str
     clock: DemoClock
     gateway: Gateway
-    settings: Settings
     log_dir: str
     out: TextIO
     problems: list[str] = field(default_factory=list)
+    sent: dict[str, int] = field(default_factory=dict)  # requests per session through cachegate
 
     def say(self, text: str = "", indent: int = 0) -> None:
-        self.out.write(textwrap.indent(text, " " * indent) + "\n")
+        """Print ``text`` indented, wrapped at ``WIDTH`` (continuation lines two spaces deeper)."""
+        pad = " " * indent
+        lines = textwrap.wrap(text, WIDTH, initial_indent=pad, subsequent_indent=pad + "  ")
+        self.out.write("\n".join(lines) + "\n")
 
     def expect(self, ok: bool, what: str) -> None:
         """Note (and print) a scenario that did not show what it is meant to show."""
@@ -254,20 +270,6 @@ class _Demo:
         self.running.sim.advance(seconds)
         self.clock.advance(seconds)
 
-    def rows(self, session: str) -> list[report.ExchangeRow]:
-        """The session's exchanges as cachegate logged them (after the writer caught up)."""
-        self.flush()
-        return report.show_session(self.log_dir, session).rows
-
-    def events(self, session: str, kind: str) -> list[dict[str, Any]]:
-        self.flush()
-        path = session_log_path(self.log_dir, session)
-        return [e for e in read_events(path).events if e.get("type") == kind]
-
-    def flush(self) -> None:
-        if self.gateway.writer is not None:
-            self.gateway.writer.flush()
-
     def chat(
         self,
         session: str,
@@ -275,11 +277,13 @@ class _Demo:
         *,
         stream: bool = False,
         script: dict[str, Any] | None = None,
-    ) -> tuple[dict[str, str], dict[str, Any]]:
-        """One request through cachegate: its ``X-Cachegate-*`` headers and the assistant message."""
+    ) -> _Reply:
+        """One request through cachegate, as an agent sends it; ``script`` is the simulated
+        model's reply (``X-Sim-Script``), else the simulator derives one."""
         headers = {"X-Session-Id": session}
         if script is not None:
             headers["X-Sim-Script"] = orjson.dumps(script).decode()
+        self.sent[session] = self.sent.get(session, 0) + 1
         raw = self.client.chat.completions.with_raw_response.create(
             model=DEMO_MODEL,
             messages=messages,  # type: ignore[arg-type]
@@ -287,16 +291,54 @@ class _Demo:
             stream=stream,
             extra_headers=headers,
         )
-        cachegate = {k.lower(): v for k, v in raw.headers.items() if k.lower().startswith("x-cache")}
+        status = raw.http_response.status_code
+        ours = {
+            k.lower(): v for k, v in raw.headers.items() if k.lower().startswith("x-cachegate-")
+        }
         if not stream:
-            completion = raw.parse()
-            message = completion.choices[0].message.model_dump(exclude_none=True)
-            return cachegate, message
-        content: list[str] = []
-        for chunk in raw.parse():
-            if chunk.choices and chunk.choices[0].delta.content:
-                content.append(chunk.choices[0].delta.content)
-        return cachegate, {"role": "assistant", "content": "".join(content)}
+            message = (
+                cast(ChatCompletion, raw.parse()).choices[0].message.model_dump(exclude_none=True)
+            )
+            return _Reply(status, ours, message)
+        content = [
+            chunk.choices[0].delta.content
+            for chunk in cast(Stream[ChatCompletionChunk], raw.parse())
+            if chunk.choices and chunk.choices[0].delta.content
+        ]
+        return _Reply(status, ours, {"role": "assistant", "content": "".join(content)})
+
+    # -- reading back what cachegate recorded -------------------------------------------------
+
+    def rows(self, session: str) -> dict[int, report.ExchangeRow]:
+        """The session's exchanges as cachegate logged them, by exchange id."""
+        self.settle(session)
+        rows = report.show_session(self.log_dir, session).rows
+        return {r.exchange: r for r in rows if r.exchange}
+
+    def events(self, session: str, kind: str) -> list[dict[str, Any]]:
+        """The session's logged events of one type, in order."""
+        self.settle(session)
+        path = session_log_path(self.log_dir, session)
+        return [e for e in read_events(path).events if e.get("type") == kind]
+
+    def settle(self, session: str, timeout_s: float = 5.0) -> None:
+        """Wait until the log holds a response for every request sent in ``session``: cachegate
+        logs a response once the client has it, so the client can be a step ahead."""
+        deadline = time.monotonic() + timeout_s
+        path = session_log_path(self.log_dir, session)
+        while True:
+            self.flush()
+            with contextlib.suppress(FileNotFoundError):
+                events = read_events(path).events
+                if sum(e.get("type") == "response" for e in events) >= self.sent.get(session, 0):
+                    return
+            if time.monotonic() > deadline:
+                return  # report what is there; the figures show what is missing
+            time.sleep(0.005)
+
+    def flush(self) -> None:
+        if self.gateway.writer is not None:
+            self.gateway.writer.flush()
 
 
 def _tokens(n: int | None) -> str:
@@ -316,8 +358,8 @@ def _user(text: str) -> dict[str, Any]:
     return {"role": "user", "content": text}
 
 
-def _system(extra: str = "") -> dict[str, Any]:
-    return {"role": "system", "content": extra + SYSTEM_PROMPT}
+def _system(preamble: str = "") -> dict[str, Any]:
+    return {"role": "system", "content": preamble + SYSTEM_PROMPT}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -328,7 +370,7 @@ def interrupted_turn(demo: _Demo) -> None:
     """A history whose last tool call has no result: the provider refuses it, cachegate repairs it."""
     session = "demo-interrupted"
     demo.say(f"1. The interrupted turn (session {session})")
-    demo.say("The user pressed Ctrl+C while read_file ran: the call has no result.", 3)
+    demo.say("The user pressed Ctrl+C while read_file ran: its call has no result.", 3)
     messages: list[dict[str, Any]] = [
         _system(),
         _user("test_retry fails since yesterday's merge. Find out why."),
@@ -351,17 +393,15 @@ def interrupted_turn(demo: _Demo) -> None:
             messages=messages,  # type: ignore[arg-type]
             tools=TOOLS,  # type: ignore[arg-type]
         )
-        demo.say("direct to the provider: 200 (the provider accepted the broken history)", 3)
+        demo.say("direct to the provider: 200", 3)
         demo.expect(False, "the provider should refuse a dangling tool call with a 400")
     except BadRequestError as exc:
         body = exc.body if isinstance(exc.body, dict) else {}
-        text = str(body.get("message", exc))
-        demo.say(f"direct to the provider: {exc.status_code}", 3)
-        demo.say(textwrap.fill(text, 96, initial_indent="  ", subsequent_indent="  "), 3)
+        demo.say(f"direct to the provider: {exc.status_code} {body.get('message', exc)}", 3)
 
-    headers, reply = demo.chat(session, messages)
-    repairs = headers.get("x-cachegate-repairs", "?")
-    demo.say(f"through cachegate:      200  X-Cachegate-Repairs: {repairs}", 3)
+    reply = demo.chat(session, messages)
+    repairs = reply.headers.get("x-cachegate-repairs", "absent")
+    demo.say(f"through cachegate:      {reply.status}  X-Cachegate-Repairs: {repairs}", 3)
     for repair in demo.events(session, "request")[-1].get("repairs") or []:
         demo.say(
             f"  {repair.get('kind')} at messages[{repair.get('index')}] "
@@ -371,22 +411,21 @@ def interrupted_turn(demo: _Demo) -> None:
     demo.expect(repairs == "1", f"expected 1 repair, cachegate reported {repairs}")
 
     demo.advance(TURN_GAP_S)
-    messages = [*messages, reply, _user("Thanks. Go on with the fix.")]
-    headers, reply = demo.chat(session, messages)
-    row = demo.rows(session)[-1]
+    messages = [*messages, reply.message, _user("Thanks. Go on with the fix.")]
+    reply = demo.chat(session, messages)
+    row = demo.rows(session).get(2)
+    read, prompt = (row.cache_read, row.tokens_in) if row else (None, None)
     demo.say(
-        f"the conversation goes on: {row.status}  X-Cachegate-Repairs: "
-        f"{headers.get('x-cachegate-repairs', '?')} (the same repair, byte-identical), "
-        f"{_tokens(row.cache_read)} of {_tokens(row.tokens_in)} prompt tokens read from cache",
+        f"next turn:              {reply.status}  X-Cachegate-Repairs: "
+        f"{reply.headers.get('x-cachegate-repairs', 'absent')} (the same repair, byte for byte), "
+        f"{_tokens(read)} of {_tokens(prompt)} prompt tokens cached",
         3,
     )
-    demo.expect(row.status == 200, "the next turn should succeed")
-    demo.expect(bool(row.cache_read), "the repaired prefix should hit the provider's cache")
+    demo.expect(bool(read), "the repaired prefix should hit the provider's cache")
 
 
 # --------------------------------------------------------------------------------------------------
 # 2. A timestamp in the system prompt
-
 
 QUESTIONS = (
     "Where does the proxy decide how long to wait before retrying a request?",
@@ -396,26 +435,17 @@ QUESTIONS = (
 )
 
 
-def _session_of_turns(
-    demo: _Demo, session: str, system: Callable[[], dict[str, Any]], questions: tuple[str, ...]
+def _streamed_session(
+    demo: _Demo, session: str, system: Callable[[], dict[str, Any]], questions: Sequence[str]
 ) -> None:
-    """A streamed question-and-answer session, ``TURN_GAP_S`` apart; the system prompt is rebuilt
-    for every request, as agents do."""
+    """Streamed question-and-answer turns, ``TURN_GAP_S`` apart; the system prompt is rebuilt for
+    every request, as agents do."""
     history: list[dict[str, Any]] = []
     for i, question in enumerate(questions):
         if i:
             demo.advance(TURN_GAP_S)
         history.append(_user(question))
-        _, reply = demo.chat(session, [system(), *history], stream=True)
-        history.append(reply)
-
-
-def _sums(rows: list[report.ExchangeRow]) -> tuple[int, int, int]:
-    return (
-        sum(r.tokens_in or 0 for r in rows),
-        sum(r.cache_read or 0 for r in rows),
-        sum(r.cache_waste or 0 for r in rows),
-    )
+        history.append(demo.chat(session, [system(), *history], stream=True).message)
 
 
 def timestamp_in_system_prompt(demo: _Demo) -> None:
@@ -423,8 +453,8 @@ def timestamp_in_system_prompt(demo: _Demo) -> None:
     stable, stamped = "demo-stable", "demo-timestamp"
     demo.say(f"2. A timestamp in the system prompt (sessions {stable}, {stamped})")
     demo.say(
-        f"{len(QUESTIONS)} streamed turns, {TURN_GAP_S:.0f} s apart; system prompt + 3 tools, "
-        "once as is, once starting with the current time.",
+        f"The same {len(QUESTIONS)} streamed turns, {TURN_GAP_S:.0f} s apart, with a long system "
+        f"prompt and {len(TOOLS)} tools: once as is, once starting with the current time.",
         3,
     )
 
@@ -432,51 +462,59 @@ def timestamp_in_system_prompt(demo: _Demo) -> None:
         now = datetime.fromtimestamp(demo.clock(), UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
         return _system(f"Current time: {now}\n\n")
 
-    _session_of_turns(demo, stable, _system, QUESTIONS)
+    _streamed_session(demo, stable, _system, QUESTIONS)
     demo.advance(TURN_GAP_S)
-    _session_of_turns(demo, stamped, stamped_system, QUESTIONS)
+    _streamed_session(demo, stamped, stamped_system, QUESTIONS)
 
-    costs = {s: report.session_cost(demo.log_dir, s) for s in (stable, stamped)}
-    for label, session in (("stable system prompt", stable), ("with the current time", stamped)):
-        prompt, read, waste = _sums(demo.rows(session))
-        cost = costs[session]
+    for label, session in (("as is:", stable), ("with the time:", stamped)):
+        rows = demo.rows(session).values()
+        cost = report.session_cost(demo.log_dir, session)
         demo.say(
-            f"{label:<22} {_tokens(prompt)} prompt tokens, {_tokens(read)} read from cache, "
-            f"{_tokens(waste)} wasted; cost {_money(cost.actual)} (uncached {_money(cost.uncached)})",
+            f"{label:<15}{_tokens(sum(r.tokens_in or 0 for r in rows))} prompt tokens, "
+            f"{_tokens(sum(r.cache_read or 0 for r in rows))} cached, "
+            f"{_tokens(cost.waste_tokens)} wasted; cost {_money(cost.actual)} "
+            f"(no cache: {_money(cost.uncached)})",
             3,
         )
-    wasteful = [r for r in demo.rows(stamped) if r.cache_waste]
+    wasteful = [r for r in demo.rows(stamped).values() if r.cache_waste]
     demo.expect(bool(wasteful), "the timestamped session should waste cache tokens")
     if not wasteful:
         return
-    row = wasteful[0]
+    first = wasteful[0]
     divergence = next(
         (
             e.get("divergence") or {}
             for e in demo.events(stamped, "response")
-            if e.get("exchange") == row.exchange
+            if e.get("exchange") == first.exchange
         ),
         {},
     )
     volatile = bool(divergence.get("volatile"))
-    kind = divergence.get("volatile_kind")
+    causes = sorted({f"{r.waste_cause} at {r.waste_location}" for r in wasteful})
     demo.say(
-        f"waste per turn: {_tokens(row.cache_waste)} tokens, cause {row.waste_cause} at "
-        f"{row.waste_location}"
-        + (f", flagged as a volatile token ({kind})" if volatile else ", not flagged as volatile"),
+        f"wasted on turns {', '.join(str(r.exchange) for r in wasteful)}: "
+        f"{' + '.join(_tokens(r.cache_waste) for r in wasteful)} tokens; cause {', '.join(causes)}"
+        + (
+            f", a volatile token ({divergence.get('volatile_kind')})"
+            if volatile
+            else ", not flagged as a volatile token"
+        ),
         3,
     )
-    demo.say(f"  before: {_clip(divergence.get('old', ''), 70)}", 3)
-    demo.say(f"  after:  {_clip(divergence.get('new', ''), 70)}", 3)
-    extra = costs[stamped].actual - costs[stable].actual
-    if costs[stable].actual > 0:
+    demo.say(f"  before: {_clip(divergence.get('old', ''), 64)}", 3)
+    demo.say(f"  after:  {_clip(divergence.get('new', ''), 64)}", 3)
+    base = report.session_cost(demo.log_dir, stable).actual
+    extra = report.session_cost(demo.log_dir, stamped).actual - base
+    if base > 0:
         demo.say(
             f"the timestamp cost {_money(extra)} more over {len(QUESTIONS)} turns "
-            f"({100 * extra / costs[stable].actual:+.0f}%)",
+            f"({100 * extra / base:+.0f}%)",
             3,
         )
-    demo.expect(row.waste_cause == "prefix_rewrite", f"cause should be prefix_rewrite, is {row.waste_cause}")
-    demo.expect(row.waste_location == "system", f"location should be system, is {row.waste_location}")
+    demo.expect(
+        causes == ["prefix_rewrite at system"],
+        f"the waste should be a prefix_rewrite at system, not {', '.join(causes)}",
+    )
     demo.expect(volatile, "the rewrite should be flagged as a volatile token")
 
 
@@ -496,32 +534,48 @@ def idle_gap(demo: _Demo) -> None:
     history: list[dict[str, Any]] = []
     for question in questions:
         history.append(_user(question))
-        _, reply = demo.chat(session, [_system(), *history], stream=True)
-        history.append(reply)
+        history.append(demo.chat(session, [_system(), *history], stream=True).message)
         demo.advance(TURN_GAP_S)
-    warm = demo.rows(session)[-1]
     demo.advance(IDLE_GAP_S - TURN_GAP_S)
     history.append(_user("Back from lunch. Write the missing tests."))
     demo.chat(session, [_system(), *history], stream=True)
-    row = demo.rows(session)[-1]
+    rows = demo.rows(session)
+    warm, cold = rows.get(len(questions)), rows.get(len(questions) + 1)
+    if warm is None or cold is None:
+        demo.expect(False, "the session's exchanges are missing from the log")
+        return
     demo.say(
-        f"turn {len(questions)}: {_tokens(warm.cache_read)} of {_tokens(warm.tokens_in)} prompt "
-        "tokens read from cache",
+        f"turn {warm.exchange}: {_tokens(warm.cache_read)} of {_tokens(warm.tokens_in)} prompt "
+        f"tokens cached; then {IDLE_GAP_S / 60:.0f} min idle (cache TTL {CACHE_TTL_S / 60:.0f} min)",
         3,
     )
     demo.say(
-        f"{IDLE_GAP_S / 60:.0f} min idle (the cache TTL of {DEMO_MODEL} is "
-        f"{CACHE_TTL_S / 60:.0f} min), then turn {len(questions) + 1}: "
-        f"{_tokens(row.cache_read)} read, {_tokens(row.cache_waste)} wasted, cause {row.waste_cause}",
+        f"turn {cold.exchange}: {_tokens(cold.cache_read)} cached, {_tokens(cold.cache_waste)} "
+        f"wasted, cause {cold.waste_cause}; cost {_money(cold.cost_actual or 0.0)} "
+        f"(turn {warm.exchange}: {_money(warm.cost_actual or 0.0)})",
         3,
     )
     demo.expect(bool(warm.cache_read), "the warm session should hit the cache")
-    demo.expect(bool(row.cache_waste), "the turn after the idle gap should waste cache tokens")
-    demo.expect(row.waste_cause == "ttl_expired", f"cause should be ttl_expired, is {row.waste_cause}")
+    demo.expect(bool(cold.cache_waste), "the turn after the idle gap should waste cache tokens")
+    demo.expect(
+        cold.waste_cause == "ttl_expired", f"cause should be ttl_expired, not {cold.waste_cause}"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
 # 4. Compaction
+
+FIRST_TASK_FILES = (
+    "proxy/retry.py",
+    "proxy/backoff.py",
+    "proxy/budget.py",
+    "proxy/clock.py",
+    "tests/test_retry.py",
+    "tests/test_backoff.py",
+    "tests/test_budget.py",
+    "proxy/relay.py",
+)
+SECOND_TASK_FILES = tuple(f"proxy/cli/part{i}.py" for i in range(1, 13))
 
 
 def _fake_file(path: str, functions: int = 5) -> str:
@@ -539,105 +593,98 @@ def _fake_file(path: str, functions: int = 5) -> str:
     return "\n".join(lines)
 
 
-def _tool_round(demo: _Demo, session: str, history: list[dict[str, Any]], path: str) -> dict[str, str]:
+def _tool_round(demo: _Demo, session: str, history: list[dict[str, Any]], path: str) -> _Reply:
     """One agent step: the (scripted) model asks to read ``path``; the agent runs the tool."""
     script = {
         "content": f"Reading {path}.",
         "tool_calls": [{"name": "read_file", "arguments": {"path": path}}],
     }
-    headers, reply = demo.chat(session, [_system(), *history], script=script)
-    history.append(reply)
-    for call in reply.get("tool_calls") or []:
+    reply = demo.chat(session, [_system(), *history], script=script)
+    history.append(reply.message)
+    for call in reply.message.get("tool_calls") or []:
         history.append({"role": "tool", "tool_call_id": call["id"], "content": _fake_file(path)})
     demo.advance(TURN_GAP_S)
-    return headers
-
-
-FIRST_TASK_FILES = (
-    "proxy/retry.py",
-    "proxy/backoff.py",
-    "proxy/budget.py",
-    "proxy/clock.py",
-    "tests/test_retry.py",
-    "tests/test_backoff.py",
-    "tests/test_budget.py",
-    "proxy/relay.py",
-)
-SECOND_TASK_FILES = tuple(f"proxy/cli_part{i}.py" for i in range(1, 12))
+    return reply
 
 
 def compaction_scenario(demo: _Demo) -> None:
-    """A long session: cachegate compacts it before the threshold, and the cache hits again after."""
+    """A long session: cachegate compacts it at the threshold, and the cache hits again after."""
     session = "demo-compaction"
     threshold = int(CONTEXT_WINDOW * TRIGGER_PERCENT / 100)
     demo.say(f"4. A history that crosses the compaction threshold (session {session})")
     demo.say(
-        f"context window of {DEMO_MODEL}: {_tokens(CONTEXT_WINDOW)} tokens; compaction at "
-        f"{TRIGGER_PERCENT:.0f}% = {_tokens(threshold)}",
+        f"An agent reads file after file for two tasks; window {_tokens(CONTEXT_WINDOW)} tokens, "
+        f"compaction at {TRIGGER_PERCENT:.0f}% ({_tokens(threshold)}).",
         3,
     )
     history: list[dict[str, Any]] = [_user("test_retry fails since yesterday's merge. Fix it.")]
     for path in FIRST_TASK_FILES:
         _tool_round(demo, session, history, path)
-    _, reply = demo.chat(session, [_system(), *history], script={"content": "Fixed: budget_s was ignored."})
-    history.append(reply)
+    done = demo.chat(session, [_system(), *history], script={"content": "Fixed: see the diff."})
+    history += [
+        done.message,
+        _user("Good. Now add a --max-retries option to the CLI, with a test."),
+    ]
     demo.advance(TURN_GAP_S)
-    history.append(_user("Good. Now add a --max-retries option to the CLI, with a test."))
-    compacted = False
+    compacting: _Reply | None = None
     for path in SECOND_TASK_FILES:
-        headers = _tool_round(demo, session, history, path)
-        if headers.get("x-cachegate-compacted") == "1":
-            compacted = True
+        reply = _tool_round(demo, session, history, path)
+        if reply.headers.get("x-cachegate-compacted") == "1":
+            compacting = reply
             break
-    if not compacted:
+    if compacting is None:
         demo.expect(False, "cachegate never compacted the session")
         return
-    _tool_round(demo, session, history, "proxy/cli.py")
-    rows = {r.exchange: r for r in demo.rows(session) if r.exchange}
+    following = _tool_round(demo, session, history, "proxy/cli.py")
+
     made = [
         e
         for e in demo.events(session, "request")
         if "source" in ((e.get("transforms") or {}).get("compacted") or {})
     ]
-    if not made:
-        demo.expect(False, "no request event records the new compaction")
+    rows = demo.rows(session)
+    at_id = made[0]["exchange"] if made else None
+    before, at, after = (rows.get(at_id + k) for k in (-1, 0, 1)) if at_id else (None, None, None)
+    if not made or before is None or at is None or after is None:
+        demo.expect(False, "the compaction or its neighbours are missing from the log")
         return
-    at_id = made[0]["exchange"]
     info = made[0]["transforms"]["compacted"]
-    before, at, after = rows.get(at_id - 1), rows.get(at_id), rows.get(at_id + 1)
-    if before is None or at is None or after is None:
-        demo.expect(False, f"exchanges {at_id - 1}..{at_id + 1} are missing from the log")
-        return
     demo.say(
-        f"request {at_id - 1}: {_tokens(before.tokens_in)} prompt + {_tokens(before.tokens_out)} "
-        "completion tokens; the client appends a tool result",
+        f"request {before.exchange}: {_tokens(before.tokens_in)} prompt + "
+        f"{_tokens(before.tokens_out)} completion tokens, {_tokens(before.cache_read)} cached",
         3,
     )
     demo.say(
-        f"request {at_id}: X-Cachegate-Compacted: 1, {info['covered'] - info['start']} messages "
-        f"replaced by one summary ({info['source']}); estimate {_tokens(info['tokens_before'])} "
-        f"-> {_tokens(info['tokens_after'])} tokens; provider: {_tokens(at.tokens_in)} prompt "
-        f"tokens, {_tokens(at.cache_read)} read from cache (the one expected miss)",
+        f"request {at.exchange}: X-Cachegate-Compacted: "
+        f"{compacting.headers.get('x-cachegate-compacted')}; {info['covered'] - info['start']} "
+        f"messages -> 1 summary ({info['source']}), messages estimated at "
+        f"{_tokens(info['tokens_before'])} -> {_tokens(info['tokens_after'])} tokens",
         3,
     )
     demo.say(
-        f"request {at_id + 1}: X-Cachegate-Compacted: 1 (the same summary, byte-identical); "
-        f"{_tokens(after.cache_read)} of {_tokens(after.tokens_in)} prompt tokens read from cache, "
+        f"  the provider counted {_tokens(at.tokens_in)} prompt tokens, "
+        f"{_tokens(at.cache_read)} cached; waste recorded: {_tokens(at.cache_waste)} (the miss "
+        "a compaction buys is expected)",
+        3,
+    )
+    demo.say(
+        f"request {after.exchange}: X-Cachegate-Compacted: "
+        f"{following.headers.get('x-cachegate-compacted', 'absent')} (the same summary); "
+        f"{_tokens(after.cache_read)} of {_tokens(after.tokens_in)} prompt tokens cached, "
         f"{_tokens(after.cache_waste)} wasted",
         3,
     )
-    demo.expect(info["tokens_before"] > info["tokens_after"], "compaction should shrink the history")
+    demo.expect(
+        info["tokens_before"] > info["tokens_after"], "compaction should shrink the history"
+    )
     demo.expect(
         (at.tokens_in or 0) < (before.tokens_in or 0),
         "the compacted request should be smaller than the one before",
     )
-    demo.expect(
-        (after.cache_read or 0) > (at.cache_read or 0), "the request after compaction should hit"
-    )
+    demo.expect((after.cache_read or 0) > (at.cache_read or 0), "the next request should hit")
 
 
 # --------------------------------------------------------------------------------------------------
-
 
 SCENARIOS: tuple[Callable[[_Demo], None], ...] = (
     interrupted_turn,
@@ -648,30 +695,32 @@ SCENARIOS: tuple[Callable[[_Demo], None], ...] = (
 
 
 @contextlib.contextmanager
-def _running(log_dir: str) -> Iterator[_Demo]:
+def _running(log_dir: str, out: TextIO) -> Iterator[_Demo]:
+    """The simulator and cachegate on free loopback ports, their clocks in step, two clients."""
     start = float(int(time.time()))
     clock = DemoClock(start)
     sim_config = SimConfig(ttft_ms=2, chunk_ms=1, cache_ttl_s=CACHE_TTL_S, start_time=start)
-    with run_simulator(sim_config) as running:
+    with contextlib.ExitStack() as stack:
+        running = stack.enter_context(run_simulator(sim_config))
         settings = demo_settings(running.api_base, log_dir)
         app = create_app(settings, registry=CollectorRegistry(), clock=clock, environ={})
-        with ServerThread(app) as server:
-            client = OpenAI(base_url=server.url + "/v1", api_key="demo", max_retries=0, timeout=30)
-            direct = OpenAI(base_url=running.api_base, api_key="demo", max_retries=0, timeout=30)
-            try:
-                yield _Demo(
-                    client=client,
-                    direct=direct,
-                    running=running,
-                    clock=clock,
-                    gateway=app.state.gateway,
-                    settings=settings,
-                    log_dir=log_dir,
-                    out=sys.stdout,
-                )
-            finally:
-                client.close()
-                direct.close()
+        server = stack.enter_context(ServerThread(app))
+        client = stack.enter_context(
+            OpenAI(base_url=server.url + "/v1", api_key="demo", max_retries=0, timeout=30)
+        )
+        direct = stack.enter_context(
+            OpenAI(base_url=running.api_base, api_key="demo", max_retries=0, timeout=30)
+        )
+        yield _Demo(
+            client=client,
+            direct=direct,
+            running=running,
+            proxy_url=server.url + "/v1",
+            clock=clock,
+            gateway=app.state.gateway,
+            log_dir=log_dir,
+            out=out,
+        )
 
 
 def run_demo(*, log_dir: str | None = None, out: TextIO = sys.stdout) -> int:
@@ -681,33 +730,32 @@ def run_demo(*, log_dir: str | None = None, out: TextIO = sys.stdout) -> int:
     """
     started = time.perf_counter()
     log_dir = log_dir or tempfile.mkdtemp(prefix="cachegate-demo-")
-    with _running(log_dir) as demo:
-        demo.out = out
+    with _running(log_dir, out) as demo:
+        demo.say(f"cachegate demo: simulator {demo.running.api_base}, cachegate {demo.proxy_url}")
         demo.say(
-            f"cachegate demo: provider simulator at {demo.running.url}, cachegate at "
-            f"{demo.client.base_url}"
-        )
-        demo.say(
-            f"model {DEMO_MODEL}: {_tokens(CONTEXT_WINDOW)}-token window, cache TTL "
-            f"{CACHE_TTL_S:.0f} s, ${PRICES['price_input']:.2f} per 1M input tokens, "
-            f"${PRICES['price_cached_input']:.3f} cached, ${PRICES['price_output']:.2f} output"
+            f"{DEMO_MODEL}: {_tokens(CONTEXT_WINDOW)}-token window, cache TTL {CACHE_TTL_S:.0f} s, "
+            f"${PRICES['price_input']:.2f} / ${PRICES['price_cached_input']:.3f} cached / "
+            f"${PRICES['price_output']:.2f} out per 1M tokens"
         )
         for scenario in SCENARIOS:
             demo.say()
             try:
                 scenario(demo)
             except Exception as exc:  # the report goes on; the exit code says it went wrong
-                log.debug("demo scenario failed", exc_info=True)
+                log.debug("demo scenario %s failed", scenario.__name__, exc_info=True)
                 demo.expect(False, f"{scenario.__name__} failed: {type(exc).__name__}: {exc}")
         demo.flush()
-        problems = list(demo.problems)
-    out.write(f"\nSession logs: {log_dir}\n")
-    out.write(f"  cachegate sessions list --log-dir {log_dir}\n")
-    out.write(f"  cachegate sessions show demo-timestamp --log-dir {log_dir}\n")
-    out.write(f"  cachegate sessions cost demo-timestamp --log-dir {log_dir}\n")
+        problems = len(demo.problems)
+    arg = shlex.quote(log_dir)
+    out.write(
+        f"\nSession logs in {log_dir}\n"
+        f"  cachegate sessions list --log-dir {arg}\n"
+        f"  cachegate sessions show demo-timestamp --log-dir {arg}\n"
+        f"  cachegate sessions cost demo-timestamp --log-dir {arg}\n"
+    )
     elapsed = time.perf_counter() - started
     if problems:
-        out.write(f"{len(problems)} unexpected result(s); done in {elapsed:.1f} s\n")
+        out.write(f"{problems} unexpected result(s), see the lines marked '!' ({elapsed:.1f} s)\n")
         return 1
-    out.write(f"All {len(SCENARIOS)} scenarios behaved as expected; done in {elapsed:.1f} s\n")
+    out.write(f"All {len(SCENARIOS)} scenarios showed what they should ({elapsed:.1f} s)\n")
     return 0

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 from proxy import __version__, cache, prefix
@@ -100,10 +102,20 @@ def _divergence_dict(d: prefix.Divergence) -> dict[str, Any]:
 class EventLogObserver:
     """Writes the session's JSONL audit log through the background writer (never waits on disk)."""
 
-    def __init__(self, settings: Settings, sessions: SessionStore, writer: EventLogWriter) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        sessions: SessionStore,
+        writer: EventLogWriter,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.settings = settings
         self.sessions = sessions
         self.writer = writer
+        self.clock = clock
+
+    def _emit(self, session_id: str, event: dict[str, Any]) -> None:
+        self.writer.emit(session_id, {"ts": self.clock(), **event})
 
     def _meta(self, ex: Exchange) -> None:
         state = self.sessions.get(ex.session_id or "")
@@ -113,7 +125,7 @@ class EventLogObserver:
         path = session_log_path(self.settings.logging.dir, state.id)
         if os.path.exists(path):  # an explicit id seen by an earlier process: one meta per file
             return
-        self.writer.emit(
+        self._emit(
             state.id,
             {
                 "type": "session_meta",
@@ -137,7 +149,7 @@ class EventLogObserver:
             (eid, msgs) for eid, msgs in (state.recent if state else []) if eid != ex.exchange_id
         ]
         base_exchange, base = choose_base(candidates, messages) if candidates else (None, 0)
-        self.writer.emit(
+        self._emit(
             ex.session_id,
             {
                 "type": "request",
@@ -177,12 +189,12 @@ class EventLogObserver:
             event["cost"] = ex.cost
         if "divergence" in ex.transforms:
             event["divergence"] = ex.transforms["divergence"]
-        self.writer.emit(ex.session_id, event)
+        self._emit(ex.session_id, event)
 
     def on_compaction(self, ex: Exchange, comp: Any, source: str) -> None:
         if ex.session_id is None:
             return
-        self.writer.emit(
+        self._emit(
             ex.session_id,
             {
                 "type": "compacted",
@@ -200,7 +212,7 @@ class EventLogObserver:
         if ex.session_id is None:
             return
         self._meta(ex)
-        self.writer.emit(
+        self._emit(
             ex.session_id,
             {"type": "error", "exchange": ex.exchange_id, "status": ex.status, "message": ex.error},
         )

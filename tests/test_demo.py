@@ -1,0 +1,156 @@
+"""``cachegate demo`` end to end: each scenario's report shows the figures cachegate recorded."""
+
+from __future__ import annotations
+
+import io
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from proxy import report
+from proxy.demo import run_demo
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    code: int
+    text: str  # the report as printed
+    flat: str  # the report with every run of whitespace made one space (lines are wrapped)
+    seconds: float
+    log_dir: Path
+
+
+def _number(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def _section(flat: str, number: int) -> str:
+    """The report of scenario ``number``, up to the next one (or the closing lines)."""
+    start = flat.index(f" {number}. ")
+    end = flat.find(f" {number + 1}. ", start)
+    return flat[start : end if end > 0 else flat.index("Session logs")]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    log_dir = tmp_path_factory.mktemp("demo-logs")
+    out = io.StringIO()
+    started = time.perf_counter()
+    code = run_demo(log_dir=str(log_dir), out=out)
+    seconds = time.perf_counter() - started
+    text = out.getvalue()
+    return DemoRun(code, text, " ".join(text.split()), seconds, log_dir)
+
+
+def test_the_demo_succeeds_offline_in_under_20_seconds(demo: DemoRun) -> None:
+    assert demo.code == 0, demo.text
+    assert "unexpected" not in demo.text
+    assert "All 4 scenarios showed what they should" in demo.text
+    assert demo.seconds < 20
+
+
+def test_interrupted_turn_is_refused_directly_and_repaired_through_cachegate(
+    demo: DemoRun,
+) -> None:
+    s = _section(demo.flat, 1)
+    assert re.search(
+        r"direct to the provider: 400 An assistant message with 'tool_calls' must be followed by "
+        r"tool messages responding to each 'tool_call_id'\. The following tool_call_ids did not "
+        r"have response messages: call_read_retry",
+        s,
+    ), s
+    assert re.search(r"through cachegate: 200 X-Cachegate-Repairs: 1 ", s), s
+    assert "dangling_call at messages[2] (call_read_retry)" in s
+    # The conversation goes on, and the repaired prefix is served from the provider's cache.
+    m = re.search(r"next turn: 200 X-Cachegate-Repairs: 1 .*?([\d,]+) of ([\d,]+) prompt tokens", s)
+    assert m, s
+    assert 0 < _number(m[1]) <= _number(m[2])
+
+
+def test_timestamp_in_the_system_prompt_shows_waste_its_cause_and_cost(demo: DemoRun) -> None:
+    s = _section(demo.flat, 2)
+    stable = re.search(r"as is: ([\d,]+) prompt tokens, ([\d,]+) cached, ([\d,]+) wasted", s)
+    stamped = re.search(
+        r"with the time: ([\d,]+) prompt tokens, ([\d,]+) cached, ([\d,]+) wasted", s
+    )
+    assert stable and stamped, s
+    assert _number(stable[2]) > 0 and _number(stable[3]) == 0
+    assert _number(stamped[3]) > 0
+    m = re.search(
+        r"wasted on turns ([\d, ]+): ([\d,+ ]+) tokens; cause prefix_rewrite at system, "
+        r"a volatile token \(timestamp\)",
+        s,
+    )
+    assert m, s
+    turns = [int(t) for t in m[1].split(",")]
+    wastes = [_number(w) for w in m[2].split("+")]
+    assert turns == [2, 3, 4]  # every turn after the first
+    assert all(w > 0 for w in wastes) and sum(wastes) == _number(stamped[3])
+    stamp = r"time: (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) UTC You are Forge"
+    old, new = re.search(rf"before: .{{0,16}}{stamp}", s), re.search(rf"after: .{{0,16}}{stamp}", s)
+    assert old and new and old[1] != new[1], s
+    costs = re.search(r"the timestamp cost \$(\d+\.\d{4}) more over 4 turns \(\+(\d+)%\)", s)
+    assert costs and float(costs[1]) > 0 and int(costs[2]) > 0, s
+
+
+def test_idle_gap_past_the_ttl_is_attributed_to_ttl_expired(demo: DemoRun) -> None:
+    s = _section(demo.flat, 3)
+    warm = re.search(r"turn 3: ([\d,]+) of ([\d,]+) prompt tokens cached; then 10 min idle", s)
+    cold = re.search(r"turn 4: ([\d,]+) cached, ([\d,]+) wasted, cause ttl_expired", s)
+    assert warm and cold, s
+    assert _number(warm[1]) > 0
+    assert _number(cold[1]) == 0 and _number(cold[2]) > 0
+
+
+def test_compaction_shrinks_the_history_and_the_next_request_hits(demo: DemoRun) -> None:
+    s = _section(demo.flat, 4)
+    made = re.search(
+        r"request (\d+): X-Cachegate-Compacted: 1; (\d+) messages -> 1 summary \((model|extractive)\), "
+        r"messages estimated at ([\d,]+) -> ([\d,]+) tokens",
+        s,
+    )
+    assert made, s
+    assert int(made[2]) >= 2
+    assert _number(made[4]) > _number(made[5])
+    before = re.search(rf"request {int(made[1]) - 1}: ([\d,]+) prompt", s)
+    counted = re.search(r"the provider counted ([\d,]+) prompt tokens, ([\d,]+) cached", s)
+    after = re.search(
+        rf"request {int(made[1]) + 1}: X-Cachegate-Compacted: 1 \(the same summary\); "
+        r"([\d,]+) of ([\d,]+) prompt tokens cached, 0 wasted",
+        s,
+    )
+    assert before and counted and after, s
+    assert _number(counted[1]) < _number(before[1])
+    assert _number(after[1]) > _number(counted[2])  # the cache hits again after the one miss
+
+
+def test_the_report_ends_with_the_logs_and_the_commands_that_open_them(demo: DemoRun) -> None:
+    assert f"Session logs in {demo.log_dir}" in demo.text
+    for command in ("list", "show demo-timestamp", "cost demo-timestamp"):
+        assert f"cachegate sessions {command} --log-dir {demo.log_dir}" in demo.text
+    sessions = {s.session for s in report.list_sessions(demo.log_dir)}
+    assert sessions == {
+        "demo-interrupted",
+        "demo-stable",
+        "demo-timestamp",
+        "demo-idle",
+        "demo-compaction",
+    }
+    cost = report.session_cost(demo.log_dir, "demo-timestamp")
+    assert cost.waste_by_cause.keys() == {"prefix_rewrite"}
+
+
+def test_without_a_log_dir_the_demo_writes_to_a_fresh_temporary_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    out = io.StringIO()
+    assert run_demo(out=out) == 0, out.getvalue()
+    (made,) = tmp_path.iterdir()
+    assert made.name.startswith("cachegate-demo-")
+    assert f"Session logs in {made}" in out.getvalue()
+    assert (made / "demo-compaction.jsonl").is_file()
