@@ -93,6 +93,7 @@ class ChatPipeline:
         self.compactor = compactor
         note = settings.pairing.interrupted_note or pairing.DEFAULT_INTERRUPTED_NOTE
         self.interrupted_note = note
+        self.in_flight = 0  # exchanges whose observers have not all run yet
 
     def resolve_session(
         self, headers: Mapping[str, str], path_id: str | None, body: dict[str, Any], now: float
@@ -198,8 +199,7 @@ class ChatPipeline:
             ex.status = err.status
             ex.error = err.message
             extra = [(b"x-cachegate-session", state.id.encode())] if state is not None else []
-            if state is not None:
-                notify(self.observers, "on_error", ex)
+            notify(self.observers, "on_error", ex)
             await send_error(send, err, extra)
             return
         messages = forwarded.get("messages")

@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sessions.add_argument("--json", action="store_true", help="machine-readable output")
     actions = sessions.add_subparsers(dest="action", required=True)
-    actions.add_parser("list", help="every session: exchanges, tokens, cache hit %, repairs")
+    actions.add_parser("list", help="every session: exchanges, tokens, cache hit %%, repairs")
     for name, text in (
         ("show", "one line per exchange"),
         ("cost", "actual, uncached and saved cost; waste by cause"),
@@ -162,7 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    return int(ns.func(ns))
+    try:
+        return int(ns.func(ns))
+    except BrokenPipeError:  # `cachegate sessions show … | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -201,7 +201,8 @@ class EventLogObserver:
                 "exchange": ex.exchange_id,
                 "start": comp.start,
                 "covered": comp.covered,
-                "summary": comp.message.get("content"),
+                # a reused compaction only points at the one logged when it was made
+                "summary": None if source == "reused" else comp.message.get("content"),
                 "tokens_before": comp.tokens_before,
                 "tokens_after": comp.tokens_after,
                 "source": source,

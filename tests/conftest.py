@@ -38,7 +38,17 @@ class RunningProxy:
     def gateway(self) -> Any:
         return self.app.state.gateway
 
+    def settle(self, timeout: float = 10.0) -> None:
+        """Wait until every exchange's observers have run (they run after the client has its
+        answer) and the event log writer has written what they emitted."""
+        deadline = time.monotonic() + timeout
+        while self.gateway.chat.in_flight and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if self.gateway.writer is not None:
+            self.gateway.writer.flush()
+
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        self.settle()
         value = self.registry.get_sample_value(name, labels or {})
         return 0.0 if value is None else value
 

@@ -114,7 +114,7 @@ def test_streaming_parallel_tool_calls(sim: RunningSimulator, sdk: Any, proxy_fa
         ("read_file", '{"path":"src/app.py"}'),
         ("run", '{"cmd":"pytest -q tests/test_app.py"}'),
     ]
-    proxy.gateway.writer.flush()
+    proxy.settle()
     events = [
         e
         for p in proxy.log_dir.glob("*.jsonl")

@@ -68,7 +68,7 @@ CONFIG = {
 
 
 def compacted_events(proxy: Any) -> list[dict[str, Any]]:
-    proxy.gateway.writer.flush()
+    proxy.settle()
     return [
         e
         for p in proxy.log_dir.glob("*.jsonl")

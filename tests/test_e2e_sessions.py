@@ -28,6 +28,7 @@ from tests.e2e_support import (
     chat,
     events,
     make_client,
+    post_chat,
     run_cli,
     tree,
     wait_for,
@@ -43,7 +44,7 @@ def sim() -> Iterator[RunningSimulator]:
 
 
 def flush(proxy: Any) -> None:
-    assert proxy.gateway.writer.flush(5.0)
+    proxy.settle()  # observers run after the client has its answer; wait for them, then the disk
 
 
 # --- identity --------------------------------------------------------------------------------
@@ -72,7 +73,13 @@ def test_session_in_the_path_for_clients_that_only_set_a_base_url(
     reply, headers = chat(client, messages, stream=True)
     assert headers["x-cachegate-session"] == "my-id"
     assert reply["content"] == "You said: hi"
-    assert [m.id for m in client.models.list().data] == ["gpt-4o", "gpt-4o-mini", "text-embedding-3-small"]
+    models = client.models.with_raw_response.list()
+    assert models.headers["x-cachegate-session"] == "my-id"  # other routes carry it too
+    assert [m.id for m in models.parse().data] == [
+        "gpt-4o",
+        "gpt-4o-mini",
+        "text-embedding-3-small",
+    ]
     flush(proxy)
     assert sorted(p.name for p in proxy.log_dir.iterdir()) == ["my-id.jsonl"]
     # The path prefix is cachegate's: the provider sees the plain /v1 route.
@@ -167,10 +174,18 @@ HOSTILE_HEADER_IDS = [
 ]
 
 
+@pytest.fixture
+def deep_proxy(sim: RunningSimulator, tmp_path: Path) -> Iterator[Any]:
+    """cachegate logging three levels below ``tmp_path``: "../../x" from there is still inside
+    ``tmp_path``, so listing ``tmp_path`` would show any escape."""
+    with run_proxy(sim.api_base, tmp_path / "a" / "b" / "logs") as proxy:
+        yield proxy
+
+
 def test_hostile_ids_are_400_in_openai_shape_and_touch_no_path(
-    sim: RunningSimulator, proxy_factory: Any, tmp_path: Path
+    sim: RunningSimulator, deep_proxy: Any, tmp_path: Path
 ) -> None:
-    proxy = proxy_factory(sim.api_base)
+    proxy = deep_proxy
     before = tree(tmp_path)
     host, port = proxy.server.host, proxy.server.port
     body = orjson.dumps(HELLO)
@@ -190,7 +205,7 @@ def test_hostile_ids_are_400_in_openai_shape_and_touch_no_path(
         assert status == 400, segment
         _assert_openai_error(out, "invalid_session_id")
     # httpx sends a NUL in the path percent-encoded; it never becomes part of a file name.
-    r = httpx.post(proxy.url + "/s/a\x00b/v1/chat/completions", json=HELLO)
+    r = httpx.post(proxy.url + "/s/a%00b/v1/chat/completions", json=HELLO)
     assert r.status_code == 400
     _assert_openai_error(r.content, "invalid_session_id")
     # A NUL in a header value: uvicorn refuses the request line itself, before cachegate.
@@ -206,22 +221,20 @@ def test_hostile_ids_are_400_in_openai_shape_and_touch_no_path(
     _assert_openai_error(r.content, "invalid_session_id")
     flush(proxy)
     assert sim.sim.requests == []  # nothing was forwarded
-    created = tree(tmp_path) - before
-    assert created <= {"logs"}  # at most the (empty) log directory itself
-    assert not (proxy.log_dir.exists() and any(proxy.log_dir.iterdir()))
+    assert tree(tmp_path) == before == {"a", "a/b", "a/b/logs"}
 
 
 def test_a_slash_smuggled_into_the_path_id_is_a_400_not_a_file(
-    sim: RunningSimulator, proxy_factory: Any, tmp_path: Path
+    sim: RunningSimulator, deep_proxy: Any, tmp_path: Path
 ) -> None:
-    proxy = proxy_factory(sim.api_base)
+    proxy = deep_proxy
     before = tree(tmp_path)
     body = orjson.dumps(HELLO)
     for segment in [b"..%2F..%2Fx", b"..%2Fescape", b"a%2Fb"]:
         head = b"POST /s/" + segment + b"/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
         head += b"Connection: close\r\nContent-Type: application/json\r\n"
         status, _, out = _raw_request(proxy.server.host, proxy.server.port, head, body)
-        assert tree(tmp_path) - before <= {"logs"}
+        assert tree(tmp_path) == before
         assert sim.sim.requests == []
         assert status == 400, (segment, status, out)
         _assert_openai_error(out, "invalid_session_id")
@@ -259,8 +272,9 @@ def test_two_hundred_exchanges_log_grows_linearly_and_replays_exactly(
     ]
     sizes: dict[int, int] = {}
     for i in range(1, 201):
-        reply, _ = chat(client, convo, stream=i % 3 == 0)
-        convo += [reply, {"role": "user", "content": f"turn {i}"}]
+        body = {"model": "gpt-4o", "messages": convo, "stream": i % 3 == 0}
+        reply = post_chat(client, body)
+        convo = [*convo, reply, {"role": "user", "content": f"turn {i}"}]
         if i in (20, 60, 160, 200):
             flush(proxy)
             sizes[i] = log.stat().st_size
@@ -319,7 +333,11 @@ def _stream_until_killed(url: str, sid: str, started: threading.Semaphore) -> in
         with httpx.stream(
             "POST",
             url + "/chat/completions",
-            json={"model": "gpt-4o", "stream": True, "messages": [{"role": "user", "content": sid}]},
+            json={
+                "model": "gpt-4o",
+                "stream": True,
+                "messages": [{"role": "user", "content": sid}],
+            },
             headers={"X-Session-Id": sid},
             timeout=30,
         ) as r:
@@ -374,8 +392,8 @@ def test_kill_9_during_32_streams_leaves_every_log_readable(tmp_path: Path) -> N
         read = read_events(f)
         lines = f.read_bytes().split(b"\n")
         complete, last = lines[:-1], lines[-1]
-        for line in complete[:-1]:
-            orjson.loads(line)  # every line but the last one parses
+        for line in complete:
+            orjson.loads(line)  # every complete line parses: only a trailing fragment may not
         torn_total += read.torn
         assert read.torn <= 1
         assert last == b"" or read.torn == 1  # a fragment can only be at the very end
@@ -393,9 +411,10 @@ def test_kill_9_during_32_streams_leaves_every_log_readable(tmp_path: Path) -> N
     show = run_cli("sessions", "show", "crash-00", "--log-dir", str(log_dir))
     assert show.code == 0, show.err
     assert show.out.rstrip().endswith("1 torn line skipped")
-    assert run_cli("sessions", "show", "crash-00", "--log-dir", str(log_dir), "--json").json()[
-        "torn"
-    ] == 1
+    assert (
+        run_cli("sessions", "show", "crash-00", "--log-dir", str(log_dir), "--json").json()["torn"]
+        == 1
+    )
     listing = run_cli("sessions", "list", "--log-dir", str(log_dir), "--json")
     assert listing.code == 0
     assert {s["session"] for s in listing.json()} == set(sids)
@@ -440,7 +459,11 @@ def test_no_key_or_secret_reaches_any_log_file(sim: RunningSimulator, proxy_fact
     r = httpx.post(
         proxy.base_url + "/chat/completions",
         json={"model": "gpt-4o", "messages": [{"role": "user", "content": pasted_key}]},
-        headers={"Authorization": f"Bearer {api_key}", "X-Sim-Fault": "500"},
+        headers={
+            "Authorization": f"Bearer {api_key}",
+            "X-Sim-Fault": "500",
+            "X-Session-Id": "secrets-1",
+        },
     )
     assert r.status_code == 500
     # The simulator did get the key: cachegate forwards it, it only never writes it.
@@ -455,6 +478,10 @@ def test_no_key_or_secret_reaches_any_log_file(sim: RunningSimulator, proxy_fact
         assert "[REDACTED]" in data
     requests = events(proxy.log_dir, "secrets-1", "request")
     assert "deploy with [REDACTED] and [REDACTED]" in json.dumps(requests[0]["appended"])
+    responses = events(proxy.log_dir, "secrets-1", "response")
+    assert [r["status"] for r in responses] == [200, 200, 500]
+    assert "[REDACTED]" in responses[0]["message"]["content"]  # the echoed reply, non-streamed
+    assert "[REDACTED]" in responses[1]["message"]["content"]  # and assembled from a stream
 
 
 def test_metadata_mode_keeps_sizes_and_hashes_but_no_message_text(
@@ -469,7 +496,15 @@ def test_metadata_mode_keeps_sizes_and_hashes_but_no_message_text(
     chat(client, convo, stream=True)
     flush(proxy)
     data = (proxy.log_dir / "meta-1.jsonl").read_text()
-    for word in ("zanzibar", "quokka", "periwinkle", "marmalade", "obsidian", "tangerine", "You said"):
+    for word in (
+        "zanzibar",
+        "quokka",
+        "periwinkle",
+        "marmalade",
+        "obsidian",
+        "tangerine",
+        "You said",
+    ):
         assert word not in data
     requests = events(proxy.log_dir, "meta-1", "request")
     assert [m["role"] for m in requests[0]["appended"]] == ["system", "user"]

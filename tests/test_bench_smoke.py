@@ -1,0 +1,86 @@
+"""The benchmark harness keeps working: a quick run produces every figure, and streams relayed by
+cachegate under load are byte-identical to the same streams fetched directly (timings not asserted)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench") / "results.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=55,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(60)
+def test_every_headline_figure_is_a_finite_number(results: dict) -> None:
+    figures = results["figures"]
+    for arm in ("direct", "bare", "cachegate"):
+        for key in (
+            "latency_c1_p50_ms",
+            "latency_c1_p99_ms",
+            "rps_c8",
+            "rps_c32",
+            "rps_c128",
+            "stream_c1_ttfb_p50_ms",
+            "streams_sustained",
+            "hangup_mid_stream_p50_s",
+            "hangup_before_first_token_p50_s",
+            "agent_large_p50_ms",
+        ):
+            assert f"{arm}.{key}" in figures, f"{arm}.{key} missing"
+    for key in (
+        "added_latency_c1_p50_ms",
+        "added_latency_c1_p99_ms",
+        "added_stream_c1_ttfb_p50_ms",
+        "added_stream_c20_ttfb_p50_ms",
+        "added_stream_c20_gap_p99_ms",
+        "added_stream_c20_gap_max_ms",
+        "cpu_ms_per_request_c32",
+        "cpu_us_per_event",
+        "rss_idle_mib",
+        "rss_peak_mib",
+        "rss_per_stream_kib",
+        "agent_added_large_p50_ms",
+    ):
+        assert f"cachegate.{key}" in figures, key
+    bad = {k: v for k, v in figures.items() if not math.isfinite(float(v))}
+    assert not bad, f"non-finite figures: {bad}"
+    assert figures["cachegate.rps_c32"] > 0
+    assert results["meta"]["load_tool"] in ("wrk", "asyncio raw-socket closed loop")
+    assert set(results["targets"]) >= {"added p50 c=1 <= 0.7 ms", "RSS per stream <= 64 KiB"}
+
+
+@pytest.mark.timeout(60)
+def test_streams_relayed_under_load_are_byte_identical(results: dict) -> None:
+    digests = results["digests"]
+    assert len(digests["direct_no_usage"]) == 1, "the mock's stream must be the same every time"
+    assert digests["cachegate_no_usage_streams"] >= 20
+    assert digests["cachegate_no_usage_identical"] is True
+    assert digests["cachegate_with_usage_identical"] is True
+    assert results["figures"]["cachegate.stream_c20_lost_events"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_mode_c_cpu_is_measured_against_history_and_appended_bytes(results: dict) -> None:
+    cpu = results["agent"]["cachegate_cpu"]
+    assert cpu["by_history_quarter"], "no per-request CPU rows"
+    assert math.isfinite(cpu["ms_per_100kb_history"])
+    for sweep in cpu["fork_sweeps"].values():
+        assert all(math.isfinite(v) and v > 0 for v in sweep["by_appended_kb"].values())

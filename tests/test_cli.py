@@ -1,0 +1,329 @@
+"""``cachegate`` on the command line: ``sessions list | show | cost | replay`` on logs written
+through HTTP, ``serve`` refusing bad configuration, ``--version``."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from proxy import __version__
+from proxy.simulator import SimConfig, run_simulator
+from proxy.simulator.reply import parse_script
+from tests.conftest import run_proxy
+from tests.e2e_support import (
+    REPO,
+    SYSTEM_PROMPT,
+    TOOLS,
+    chat,
+    clean_env,
+    make_client,
+    run_cli,
+)
+
+PRICES = {"price_input": 2.0, "price_cached_input": 0.5, "price_output": 8.0}
+
+
+@dataclass
+class Logged:
+    """A log directory written through HTTP, and what the provider saw for each session."""
+
+    log_dir: Path
+    sent: dict[str, list[dict[str, Any]]]  # session -> simulator requests (body, usage)
+    inferred: str
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Logged]:
+    log_dir = tmp_path_factory.mktemp("cli") / "logs"
+    with (
+        run_simulator(SimConfig()) as sim,
+        run_proxy(sim.api_base, log_dir, {"models": {"gpt-4o": PRICES}}) as proxy,
+    ):
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "cli-a"})
+        sim.sim.enqueue([parse_script("First answer."), parse_script("Second answer.")])
+        convo: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": "Start."},
+        ]
+        reply, _ = chat(client, convo, stream=False, tools=TOOLS)
+        convo += [reply, {"role": "user", "content": "Continue."}]
+        reply, _ = chat(client, convo, stream=True, tools=TOOLS)
+        # An interrupted turn: a tool call never answered. cachegate repairs it before forwarding.
+        convo += [
+            reply,
+            {"role": "user", "content": "Check the file."},
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {
+                        "id": "call_dangling",
+                        "type": "function",
+                        "function": {"name": "read_file", "arguments": '{"path": "a.py"}'},
+                    }
+                ],
+            },
+            {"role": "user", "content": "Never mind, finish up."},
+        ]
+        _, headers = chat(client, convo, stream=False, tools=TOOLS)
+        assert headers["x-cachegate-repairs"] == "1"
+        cli_a = [{"body": r.body, "usage": r.usage} for r in sim.sim.requests]
+
+        other = make_client(proxy.base_url)
+        _, headers = chat(other, [{"role": "user", "content": "unrelated"}], stream=False)
+        inferred = headers["x-cachegate-session"]
+        proxy.settle()
+        sent = {
+            "cli-a": cli_a,
+            inferred: [{"body": sim.sim.requests[-1].body, "usage": sim.sim.requests[-1].usage}],
+        }
+    yield Logged(log_dir, sent, inferred)
+
+
+def cached(usage: dict[str, Any]) -> int:
+    return int(usage["prompt_tokens_details"]["cached_tokens"])
+
+
+# --- sessions list -----------------------------------------------------------------------------
+
+
+def test_list_json_totals_match_what_the_provider_reported(logged: Logged) -> None:
+    result = run_cli("sessions", "list", "--log-dir", str(logged.log_dir), "--json")
+    assert result.code == 0, result.err
+    by_id = {s["session"]: s for s in result.json()}
+    assert set(by_id) == {"cli-a", logged.inferred}
+    a = by_id["cli-a"]
+    usages = [x["usage"] for x in logged.sent["cli-a"]]
+    prompt = sum(u["prompt_tokens"] for u in usages)
+    read = sum(cached(u) for u in usages)
+    assert a["exchanges"] == 3
+    assert a["model"] == "gpt-4o"
+    assert a["tokens_in"] == prompt
+    assert a["tokens_out"] == sum(u["completion_tokens"] for u in usages)
+    assert a["cache_read"] == read > 0
+    assert a["cache_hit_pct"] == pytest.approx(100.0 * read / prompt)
+    assert (a["interruptions"], a["repairs"], a["errors"], a["torn"]) == (0, 1, 0, 0)
+    assert a["first_seen"] <= a["last_seen"]
+    assert by_id[logged.inferred]["exchanges"] == 1
+
+
+def test_list_text_is_a_table_with_one_row_per_session(logged: Logged) -> None:
+    result = run_cli("sessions", "list", "--log-dir", str(logged.log_dir))
+    assert result.code == 0, result.err
+    header, *rows = result.out.rstrip("\n").splitlines()
+    assert header.split() == [
+        "SESSION", "FIRST", "SEEN", "LAST", "SEEN", "MODEL", "EXCH", "IN", "OUT", "CACHE", "HIT",
+        "INTERRUPTED", "REPAIRS", "ERRORS", "TORN",
+    ]  # fmt: skip
+    assert sorted(row.split()[0] for row in rows) == sorted(["cli-a", logged.inferred])
+    row = next(r for r in rows if r.startswith("cli-a "))
+    prompt = sum(x["usage"]["prompt_tokens"] for x in logged.sent["cli-a"])
+    assert f"{prompt:,}" in row.split()
+    assert row.split()[-4:] == ["0", "1", "0", "0"]  # interrupted, repairs, errors, torn
+
+
+def test_log_dir_from_the_group_option_or_the_environment(
+    logged: Logged, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = run_cli("sessions", "list", "--log-dir", str(logged.log_dir), "--json").out
+    assert run_cli("sessions", "--log-dir", str(logged.log_dir), "--json", "list").out == expected
+    monkeypatch.setenv("CACHEGATE_LOG_DIR", str(logged.log_dir))
+    assert run_cli("sessions", "list", "--json").out == expected
+
+
+# --- sessions show -----------------------------------------------------------------------------
+
+
+def test_show_json_has_one_row_per_exchange(logged: Logged) -> None:
+    result = run_cli("sessions", "show", "cli-a", "--log-dir", str(logged.log_dir), "--json")
+    assert result.code == 0, result.err
+    detail = result.json()
+    assert detail["session"] == "cli-a"
+    assert detail["torn"] == 0
+    assert detail["meta"]["type"] == "session_meta"
+    assert detail["meta"]["version"] == __version__
+    rows = detail["exchanges"]
+    usages = [x["usage"] for x in logged.sent["cli-a"]]
+    assert [r["exchange"] for r in rows] == [1, 2, 3]
+    assert [r["status"] for r in rows] == [200, 200, 200]
+    assert [r["tokens_in"] for r in rows] == [u["prompt_tokens"] for u in usages]
+    assert [r["tokens_out"] for r in rows] == [u["completion_tokens"] for u in usages]
+    assert [r["cache_read"] for r in rows] == [cached(u) for u in usages]
+    assert [r["repairs"] for r in rows] == [0, 0, 1]
+    assert [r["interrupted"] for r in rows] == [False, False, False]
+    assert all(r["duration_s"] >= r["ttfb_s"] > 0 for r in rows)
+
+
+def test_show_text_is_a_timeline(logged: Logged) -> None:
+    result = run_cli("sessions", "show", "cli-a", "--log-dir", str(logged.log_dir))
+    assert result.code == 0, result.err
+    head, columns, *rows = result.out.rstrip("\n").splitlines()
+    assert head.startswith("session cli-a  model gpt-4o  upstream http://127.0.0.1:")
+    assert head.endswith(f"cachegate {__version__}")
+    assert columns.split() == [
+        "#", "TIME", "MODEL", "IN", "OUT", "CACHED", "WASTE", "REPAIRS", "TTFB", "DURATION",
+        "STATUS", "NOTES",
+    ]  # fmt: skip
+    assert [r.split()[0] for r in rows] == ["1", "2", "3"]
+    usages = [x["usage"] for x in logged.sent["cli-a"]]
+    for row, usage in zip(rows, usages, strict=True):
+        cells = row.split()
+        assert cells[3] == "gpt-4o"  # after the date and the time
+        assert cells[4] == f"{usage['prompt_tokens']:,}"
+        assert cells[6] == f"{cached(usage):,}"
+        assert "200" in cells
+    assert "torn" not in result.out
+
+
+# --- sessions cost -----------------------------------------------------------------------------
+
+
+def _hand_cost(usage: dict[str, Any]) -> tuple[float, float]:
+    p, c, r = usage["prompt_tokens"], usage["completion_tokens"], cached(usage)
+    actual = ((p - r) * 2.0 + r * 0.5 + c * 8.0) / 1e6
+    return actual, (p * 2.0 + c * 8.0) / 1e6
+
+
+def test_cost_json_and_text(logged: Logged) -> None:
+    hand = [_hand_cost(x["usage"]) for x in logged.sent["cli-a"]]
+    actual, uncached = sum(a for a, _ in hand), sum(u for _, u in hand)
+    result = run_cli("sessions", "cost", "cli-a", "--log-dir", str(logged.log_dir), "--json")
+    assert result.code == 0, result.err
+    cost = result.json()
+    assert cost["session"] == "cli-a"
+    assert cost["priced_exchanges"] == 3
+    assert cost["actual"] == pytest.approx(actual, rel=1e-9)
+    assert cost["uncached"] == pytest.approx(uncached, rel=1e-9)
+    assert cost["saved"] == pytest.approx(uncached - actual, rel=1e-9)
+    assert cost["saved_pct"] == pytest.approx(100 * (uncached - actual) / uncached, rel=1e-9)
+    assert cost["waste_tokens"] == 0
+    assert cost["waste_by_cause"] == {}
+
+    text = run_cli("sessions", "cost", "cli-a", "--log-dir", str(logged.log_dir))
+    assert text.code == 0, text.err
+    lines = dict(
+        (label.strip(), value.strip())
+        for label, value in (line.split("  ", 1) for line in text.out.rstrip("\n").splitlines())
+    )
+    assert lines["session"] == "cli-a"
+    assert lines["priced exchanges"] == "3"
+    assert lines["actual cost"] == f"${actual:.4f}"
+    assert lines["without cache"] == f"${uncached:.4f}"
+    assert lines["saved by cache"].startswith(f"${uncached - actual:.4f} (")
+    assert lines["wasted cache tokens"] == "0"
+
+
+# --- sessions replay ---------------------------------------------------------------------------
+
+
+def test_replay_prints_every_forwarded_message_list(logged: Logged) -> None:
+    plain = run_cli("sessions", "replay", "cli-a", "--log-dir", str(logged.log_dir))
+    assert plain.code == 0, plain.err
+    with_json = run_cli("sessions", "replay", "cli-a", "--log-dir", str(logged.log_dir), "--json")
+    assert with_json.out == plain.out  # replay is JSON lines either way
+    lines = [orjson.loads(line) for line in plain.out.splitlines()]
+    assert [line["exchange_id"] for line in lines] == [1, 2, 3]
+    assert [line["messages"] for line in lines] == [
+        x["body"]["messages"] for x in logged.sent["cli-a"]
+    ]
+    # What was forwarded, not what the client sent: the dangling call got its synthetic result.
+    third = lines[2]["messages"]
+    assert [m["role"] for m in third[-3:]] == ["assistant", "tool", "user"]
+    assert third[-2]["tool_call_id"] == "call_dangling"
+    assert set(lines[0]) == {"exchange_id", "messages"}
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("action", ["show", "cost", "replay"])
+def test_unknown_and_invalid_session_ids_exit_1_with_a_message(logged: Logged, action: str) -> None:
+    missing = run_cli("sessions", action, "no-such-session", "--log-dir", str(logged.log_dir))
+    assert missing.code == 1
+    assert missing.out == ""
+    assert "no log for session 'no-such-session'" in missing.err
+    hostile = run_cli("sessions", action, "../cli-a", "--log-dir", str(logged.log_dir))
+    assert hostile.code == 1
+    assert hostile.out == ""
+    assert "invalid session id" in hostile.err
+
+
+def test_list_of_a_missing_directory_exits_1(tmp_path: Path) -> None:
+    result = run_cli("sessions", "list", "--log-dir", str(tmp_path / "nowhere"))
+    assert result.code == 1
+    assert "does not exist" in result.err
+
+
+def test_empty_log_directory_lists_no_sessions(tmp_path: Path) -> None:
+    assert run_cli("sessions", "list", "--log-dir", str(tmp_path)).out == "no sessions\n"
+    assert run_cli("sessions", "list", "--log-dir", str(tmp_path), "--json").json() == []
+
+
+# --- serve and --version -------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(20)  # a key wrongly accepted would start a server that never returns
+@pytest.mark.parametrize(
+    ("toml", "key"),
+    [
+        ("[server]\nprot = 8787\n", "server.prot"),
+        ("[logging]\nbodies = 'everything'\n", "logging.bodies"),
+        ('[models."gpt-4o"]\nprice_inptu = 1.0\n', 'models."gpt-4o".price_inptu'),
+        ("[upstreams]\nbase_url = 'http://x'\n", "upstreams"),
+    ],
+)
+def test_serve_with_a_bad_config_key_exits_non_zero_naming_it(
+    tmp_path: Path, toml: str, key: str
+) -> None:
+    config = tmp_path / "cachegate.toml"
+    config.write_text(toml)
+    result = run_cli("serve", "--config", str(config))
+    assert result.code != 0
+    assert f"'{key}'" in result.err
+    assert result.err.startswith("cachegate: ")
+
+
+@pytest.mark.timeout(20)
+def test_serve_with_a_bad_environment_value_names_the_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CACHEGATE_PORT", "eighty")
+    result = run_cli("serve")
+    assert result.code != 0
+    assert "'server.port'" in result.err
+
+
+def test_console_script_serve_refuses_a_bad_config_and_reports_its_version(
+    tmp_path: Path,
+) -> None:
+    script = shutil.which("cachegate")
+    assert script is not None, "the cachegate console script is installed with the package"
+    config = tmp_path / "bad.toml"
+    config.write_text("[server]\nprot = 8787\n")
+    proc = subprocess.run(
+        [script, "serve", "--config", str(config)],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert "unknown config key 'server.prot'" in proc.stderr
+    version = subprocess.run(
+        [script, "--version"], env=clean_env(), capture_output=True, text=True, timeout=30
+    )
+    assert version.returncode == 0
+    assert version.stdout == f"cachegate {__version__}\n"
+
+
+def test_version_in_process() -> None:
+    result = run_cli("--version")
+    assert result.code == 0
+    assert result.out == f"cachegate {__version__}\n"

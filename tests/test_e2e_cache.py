@@ -1,0 +1,392 @@
+"""Prompt-cache accounting end to end: the openai SDK → cachegate → the simulator's prefix cache.
+
+Waste figures are derived from what the simulator itself reported (its ``prompt_tokens`` and cache
+reads), with the rule of issue 6: ``expected = min(previous prompt, this prompt)``,
+``waste = expected - cache_read`` when above the 1024-token noise floor.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.simulator import RunningSimulator, SimConfig, run_simulator
+from proxy.simulator.reply import parse_script
+from tests.e2e_support import (
+    SYSTEM_PROMPT,
+    TOOLS,
+    chat,
+    events,
+    make_client,
+    run_cli,
+    run_no_cache_upstream,
+)
+
+NOISE_FLOOR = 1024
+# Configured prices (USD per 1M tokens) the cost assertions are computed from by hand.
+PRICES: dict[str, dict[str, float]] = {
+    "gpt-4o": {
+        "price_input": 2.0,
+        "price_cached_input": 0.5,
+        "price_cache_write": 0.0,
+        "price_output": 8.0,
+    },
+    "deepseek-chat": {
+        "price_input": 0.27,
+        "price_cached_input": 0.07,
+        "price_cache_write": 0.0,
+        "price_output": 1.1,
+    },
+    "claude-sonnet-4-5": {
+        "price_input": 3.0,
+        "price_cached_input": 0.3,
+        "price_cache_write": 3.75,
+        "price_output": 15.0,
+    },
+}
+
+
+def config(ttl_s: float = 300.0) -> dict[str, Any]:
+    return {"models": {name: {**p, "cache_ttl_s": ttl_s} for name, p in PRICES.items()}}
+
+
+def flush(proxy: Any) -> None:
+    proxy.settle()
+
+
+def cache_read(usage: dict[str, Any]) -> int:
+    """The cache read of a simulator usage object, whatever its dialect."""
+    details = usage.get("prompt_tokens_details") or {}
+    return int(
+        details.get("cached_tokens")
+        or usage.get("prompt_cache_hit_tokens")
+        or usage.get("cache_read_input_tokens")
+        or 0
+    )
+
+
+def expected_waste(prev: dict[str, Any] | None, this: dict[str, Any]) -> int:
+    if prev is None:
+        return 0
+    shortfall = min(prev["prompt_tokens"], this["prompt_tokens"]) - cache_read(this)
+    return shortfall if shortfall > NOISE_FLOOR else 0
+
+
+def hand_cost(usage: dict[str, Any], prices: dict[str, float]) -> tuple[float, float]:
+    """(actual, uncached) USD of one exchange from the provider's own usage object."""
+    prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
+    read = cache_read(usage)
+    write = int(usage.get("cache_creation_input_tokens") or 0)
+    write_price = prices["price_cache_write"] or prices["price_input"]
+    actual = (
+        (prompt - read - write) * prices["price_input"]
+        + read * prices["price_cached_input"]
+        + write * write_price
+        + completion * prices["price_output"]
+    ) / 1e6
+    uncached = (prompt * prices["price_input"] + completion * prices["price_output"]) / 1e6
+    return actual, uncached
+
+
+# --- the reference scenario -------------------------------------------------------------------
+
+FILE_TEXT = "\n".join(
+    f"def handler_{i}(request):\n    return respond(request, status={200 + i % 5})"
+    for i in range(120)
+)
+PYTEST_OUTPUT = (
+    "\n".join(f"tests/test_parser.py::test_case_{i} PASSED [{i}%]" for i in range(100))
+    + "\n100 passed in 0.42s"
+)
+
+
+@pytest.fixture
+def sim() -> Iterator[RunningSimulator]:
+    with run_simulator(SimConfig(cache_ttl_s=300)) as running:
+        yield running
+
+
+def test_reference_scenario_waste_cause_location_and_cost(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "ref-1"})
+    sim.sim.enqueue(
+        [
+            parse_script(
+                {
+                    "tool_calls": [
+                        {"id": "call_read", "name": "read_file", "arguments": {"path": "app.py"}}
+                    ]
+                }
+            ),
+            parse_script("The bug is in handler_7."),
+            parse_script(
+                {"tool_calls": [{"id": "call_test", "name": "run", "arguments": {"cmd": "pytest"}}]}
+            ),
+            parse_script("All tests pass now."),
+            parse_script("Changelog updated."),
+            parse_script("Summary: fixed handler_7, tests green."),
+        ]
+    )
+    system = {"role": "system", "content": SYSTEM_PROMPT}
+    convo: list[dict[str, Any]] = [system, {"role": "user", "content": "Fix the failing handler."}]
+
+    def turn(*follow: dict[str, Any], stream: bool) -> None:
+        reply, headers = chat(client, convo, stream=stream, tools=TOOLS)
+        assert headers["x-cachegate-session"] == "ref-1"
+        convo.append(reply)
+        convo.extend(follow)
+
+    # 1 normal (first exchange: nothing to expect yet)
+    turn({"role": "tool", "tool_call_id": "call_read", "content": FILE_TEXT}, stream=False)
+    sim.sim.advance(20)
+    # 2 normal
+    turn({"role": "user", "content": "Go ahead and fix it."}, stream=True)
+    sim.sim.advance(38 * 60)
+    # 3 after a 38-minute idle: the provider's 300 s cache is gone
+    turn({"role": "tool", "tool_call_id": "call_test", "content": PYTEST_OUTPUT}, stream=False)
+    sim.sim.advance(20)
+    # 4 normal
+    turn({"role": "user", "content": "Now update the changelog."}, stream=True)
+    sim.sim.advance(20)
+    # 5 an old tool output trimmed by the client (messages[3] is the read_file result)
+    assert convo[3]["role"] == "tool"
+    convo[3] = {**convo[3], "content": FILE_TEXT[:1500] + "\n[... output trimmed ...]"}
+    turn({"role": "user", "content": "Summarize what you did."}, stream=False)
+    sim.sim.advance(20)
+    # 6 the client puts the current time into its system prompt
+    convo[0] = {"role": "system", "content": SYSTEM_PROMPT + "\nCurrent time: 2025-03-14T09:26:53Z"}
+    chat(client, convo, stream=True, tools=TOOLS)
+
+    usages = [r.usage for r in sim.sim.requests]
+    assert len(usages) == 6 and all(u is not None for u in usages)
+    assert all(u["prompt_tokens"] > NOISE_FLOOR for u in usages)
+    waste = [expected_waste(prev, this) for prev, this in itertools.pairwise([None, *usages])]
+    # The scenario is what it claims to be: only rounds 3, 5 and 6 miss, and by more than noise.
+    assert waste[0] == waste[1] == waste[3] == 0
+    assert cache_read(usages[2]) == 0 and waste[2] == usages[1]["prompt_tokens"]
+    assert waste[4] > NOISE_FLOOR and waste[5] > NOISE_FLOOR
+
+    flush(proxy)
+    responses = events(proxy.log_dir, "ref-1", "response")
+    assert [r["exchange"] for r in responses] == [1, 2, 3, 4, 5, 6]
+    caches = [r["cache"] for r in responses]
+    for i, (c, u) in enumerate(zip(caches, usages, strict=True)):
+        assert c["read"] == cache_read(u), i
+        assert c["waste"] == waste[i], i
+        if i:
+            assert c["expected"] == min(usages[i - 1]["prompt_tokens"], u["prompt_tokens"]), i
+    assert caches[0]["expected"] == 0
+    assert [(c["cause"], c["location"]) for c in caches] == [
+        (None, None),
+        (None, None),
+        ("ttl_expired", None),
+        (None, None),
+        ("prefix_rewrite", "messages[3].content"),
+        ("prefix_rewrite", "system"),
+    ]
+    divergence = responses[5]["divergence"]
+    assert divergence["location"] == "system"
+    assert divergence["volatile"] is True
+    assert divergence["volatile_kind"] == "timestamp"
+    assert "2025-03-14T09:26:53Z" in divergence["new"]
+    assert responses[4]["divergence"]["location"] == "messages"
+    assert responses[4]["divergence"]["index"] == 3
+    assert responses[4]["divergence"]["role"] == "tool"
+    assert responses[4]["divergence"]["volatile"] is False
+    assert "divergence" not in responses[2]  # an idle gap rewrites nothing
+
+    # Cost per exchange, by hand from the configured prices.
+    hand = [hand_cost(u, PRICES["gpt-4o"]) for u in usages]
+    for r, (actual, uncached) in zip(responses, hand, strict=True):
+        assert r["cost"]["actual"] == pytest.approx(actual, rel=1e-9)
+        assert r["cost"]["uncached"] == pytest.approx(uncached, rel=1e-9)
+
+    report = run_cli("sessions", "cost", "ref-1", "--log-dir", str(proxy.log_dir), "--json")
+    assert report.code == 0, report.err
+    cost = report.json()
+    assert cost["waste_tokens"] == sum(waste)
+    assert cost["waste_by_cause"] == {
+        "ttl_expired": waste[2],
+        "prefix_rewrite": waste[4] + waste[5],
+    }
+    assert cost["priced_exchanges"] == 6
+    assert cost["actual"] == pytest.approx(sum(a for a, _ in hand), rel=1e-9)
+    assert cost["uncached"] == pytest.approx(sum(u for _, u in hand), rel=1e-9)
+    assert cost["saved"] == pytest.approx(sum(u - a for a, u in hand), rel=1e-9)
+
+    text = run_cli("sessions", "cost", "ref-1", "--log-dir", str(proxy.log_dir))
+    assert f"{waste[2]:,}" in text.out and "ttl_expired" in text.out
+    show = run_cli("sessions", "show", "ref-1", "--log-dir", str(proxy.log_dir)).out
+    assert f"{waste[4]:,} prefix_rewrite@messages[3].content" in show
+    assert f"{waste[5]:,} prefix_rewrite@system" in show
+    assert f"{waste[2]:,} ttl_expired" in show
+
+    m = proxy.metric
+    assert (
+        m("cachegate_cache_waste_tokens_total", {"model": "gpt-4o", "cause": "ttl_expired"})
+        == waste[2]
+    )
+    assert (
+        m("cachegate_cache_waste_tokens_total", {"model": "gpt-4o", "cause": "prefix_rewrite"})
+        == waste[4] + waste[5]
+    )
+    for cause in ("params_changed", "unexplained"):
+        assert m("cachegate_cache_waste_tokens_total", {"model": "gpt-4o", "cause": cause}) == 0
+    assert m("cachegate_prefix_rewrites_total", {"location": "messages"}) == 1
+    assert m("cachegate_prefix_rewrites_total", {"location": "system"}) == 1
+    assert m("cachegate_cost_usd_total", {"model": "gpt-4o", "kind": "actual"}) == pytest.approx(
+        sum(a for a, _ in hand), rel=1e-9
+    )
+    assert m("cachegate_cost_usd_total", {"model": "gpt-4o", "kind": "uncached"}) == pytest.approx(
+        sum(u for _, u in hand), rel=1e-9
+    )
+    assert m("cachegate_tokens_total", {"model": "gpt-4o", "kind": "cache_read"}) == sum(
+        cache_read(u) for u in usages
+    )
+
+
+# --- no false waste ------------------------------------------------------------------------------
+
+
+def test_long_warm_session_with_tool_rounds_wastes_nothing(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url)  # no explicit id: the session is inferred every turn
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Refactor the handlers, use tool as needed."},
+    ]
+    sessions = set()
+    for i in range(24):
+        calls = [
+            {"name": "read_file", "arguments": {"path": f"src/mod_{i}.py"}},
+            {"name": "run", "arguments": {"cmd": f"pytest -k case_{i}"}},
+        ][: 1 + i % 2]  # one call, or two parallel ones
+        sim.sim.enqueue([parse_script({"tool_calls": calls})])
+        reply, headers = chat(client, convo, stream=i % 2 == 0, tools=TOOLS)
+        sessions.add(headers["x-cachegate-session"])
+        convo.append(reply)
+        for call in reply["tool_calls"]:
+            convo.append(
+                {"role": "tool", "tool_call_id": call["id"], "content": f"ok {i}: " + "x " * 40}
+            )
+        sim.sim.advance(30)  # well inside the 300 s TTL
+    reply, _ = chat(client, convo, stream=True, tools=TOOLS)
+    assert len(sessions) == 1
+    (sid,) = sessions
+    flush(proxy)
+    responses = events(proxy.log_dir, sid, "response")
+    assert len(responses) == 25
+    assert all(r["cache"]["waste"] == 0 for r in responses)
+    assert all(r["cache"]["cause"] is None for r in responses)
+    # Accounting was live: every later exchange expected (and got) cache reads.
+    assert all(r["cache"]["expected"] > NOISE_FLOOR for r in responses[1:])
+    assert all(r["cache"]["read"] > 0 for r in responses[1:])
+    assert "divergence" not in str(responses)
+    for cause in ("ttl_expired", "prefix_rewrite", "params_changed", "unexplained"):
+        labels = {"model": "gpt-4o", "cause": cause}
+        assert proxy.metric("cachegate_cache_waste_tokens_total", labels) == 0
+    for location in ("system", "tools", "messages", "params"):
+        assert proxy.metric("cachegate_prefix_rewrites_total", {"location": location}) == 0
+    assert (
+        run_cli("sessions", "cost", sid, "--log-dir", str(proxy.log_dir), "--json").json()[
+            "waste_tokens"
+        ]
+        == 0
+    )
+
+
+def test_provider_without_cache_fields_is_never_charged_waste(proxy_factory: Any) -> None:
+    with run_no_cache_upstream() as (upstream, base):
+        proxy = proxy_factory(base, config(ttl_s=300))
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "nocache-1"})
+        convo: list[dict[str, Any]] = [{"role": "user", "content": "start"}]
+        for i in range(6):
+            reply, _ = chat(client, convo, stream=i % 2 == 1)
+            convo += [reply, {"role": "user", "content": f"next {i}"}]
+        # An idle gap and a rewritten history on top: still nothing to charge.
+        convo[0] = {"role": "user", "content": "start, rewritten"}
+        chat(client, convo, stream=False)
+        flush(proxy)
+    responses = events(proxy.log_dir, "nocache-1", "response")
+    assert len(responses) == 7
+    assert [r["usage"]["prompt"] for r in responses] == [
+        3000 + 50 * len(b["messages"]) for b in upstream.requests
+    ]
+    assert all(r["usage"]["reported_cache"] is False for r in responses)
+    assert all(r["cache"]["expected"] == 0 and r["cache"]["waste"] == 0 for r in responses)
+    assert all(r["cache"]["cause"] is None for r in responses)
+    for cause in ("ttl_expired", "prefix_rewrite", "params_changed", "unexplained"):
+        labels = {"model": "gpt-4o", "cause": cause}
+        assert proxy.metric("cachegate_cache_waste_tokens_total", labels) == 0
+    # The rewrite is still diagnosed (prefix diagnosis runs whatever the provider reports).
+    assert responses[-1]["divergence"]["location"] == "messages"
+    assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "messages"}) == 1
+    # Without cache fields, cost is plain input + output, actual equal to uncached.
+    prices = PRICES["gpt-4o"]
+    for r in responses:
+        plain = (r["usage"]["prompt"] * prices["price_input"] + 2 * prices["price_output"]) / 1e6
+        assert r["cost"]["actual"] == pytest.approx(plain, rel=1e-9)
+        assert r["cost"]["uncached"] == pytest.approx(plain, rel=1e-9)
+
+
+# --- cost per usage dialect --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dialect", "model"),
+    [
+        ("openai", "gpt-4o"),
+        ("deepseek", "deepseek-chat"),
+        ("anthropic-compat", "claude-sonnet-4-5"),
+    ],
+)
+def test_cost_matches_hand_computed_figures_for_each_usage_dialect(
+    proxy_factory: Any, tmp_path: Path, dialect: str, model: str
+) -> None:
+    with run_simulator(SimConfig(dialect=dialect)) as sim:
+        proxy = proxy_factory(sim.api_base, config(), clock=lambda: sim.sim.now)
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": f"cost-{dialect}"})
+        convo: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": "Explain the design. " * 60},
+        ]
+        for i in range(3):
+            reply, _ = chat(client, convo, stream=i == 1, model=model, tools=TOOLS)
+            convo += [reply, {"role": "user", "content": f"And part {i}? " * 20}]
+        usages = [r.usage for r in sim.sim.requests]
+        flush(proxy)
+    responses = events(proxy.log_dir, f"cost-{dialect}", "response")
+    prices = PRICES[model]
+    hand = [hand_cost(u, prices) for u in usages]
+    assert cache_read(usages[0]) == 0 and cache_read(usages[2]) > 0  # a miss, then hits
+    if dialect == "anthropic-compat":
+        assert usages[0]["cache_creation_input_tokens"] > 0  # the write price is exercised
+    for r, u, (actual, uncached) in zip(responses, usages, hand, strict=True):
+        assert r["usage"]["prompt"] == u["prompt_tokens"]
+        assert r["usage"]["cache_read"] == cache_read(u)
+        assert r["cost"]["actual"] == pytest.approx(actual, rel=1e-9)
+        assert r["cost"]["uncached"] == pytest.approx(uncached, rel=1e-9)
+        assert r["cache"]["waste"] == 0
+    assert proxy.metric("cachegate_cost_usd_total", {"model": model, "kind": "actual"}) == (
+        pytest.approx(sum(a for a, _ in hand), rel=1e-9)
+    )
+    assert proxy.metric("cachegate_cost_usd_total", {"model": model, "kind": "uncached"}) == (
+        pytest.approx(sum(u for _, u in hand), rel=1e-9)
+    )
+    assert proxy.metric("cachegate_tokens_total", {"model": model, "kind": "cache_read"}) == sum(
+        cache_read(u) for u in usages
+    )
+    report = run_cli(
+        "sessions", "cost", f"cost-{dialect}", "--log-dir", str(proxy.log_dir), "--json"
+    ).json()
+    assert report["actual"] == pytest.approx(sum(a for a, _ in hand), rel=1e-9)
+    assert report["saved"] == pytest.approx(sum(u - a for a, u in hand), rel=1e-9)
+    assert report["saved"] > 0 or dialect == "anthropic-compat"
