@@ -1,0 +1,1 @@
+"""The cachegate benchmark: a mock upstream, load generators and one runner (``python -m bench.run``)."""

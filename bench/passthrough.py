@@ -1,0 +1,133 @@
+"""A bare pass-through on cachegate's own stack: the floor the full pipeline is compared with.
+
+Raw ASGI under uvicorn (httptools, uvloop), one pooled ``httpx.AsyncClient`` with the same limits and
+timeouts cachegate configures, the request body forwarded as received and the upstream's bytes sent
+back as they arrive, with disconnect cancellation. No parsing, sessions, repair, accounting, logging or
+metrics: what is left is the cost of the stack itself.
+
+``python -m bench.passthrough --port N --upstream http://127.0.0.1:M/v1 [--transport aiohttp]``
+(``aiohttp``: the same httpx API over the ``httpx-aiohttp`` transport, from ``bench/.venv-tools``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+from typing import Any
+
+import httpx
+
+_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"host",
+        b"content-length",
+        b"accept-encoding",
+    }
+)
+
+
+class Passthrough:
+    """The ASGI app; ``client`` lives for the lifespan."""
+
+    def __init__(self, upstream: str, transport: str = "httpx") -> None:
+        self.upstream = upstream.rstrip("/")
+        self.transport = transport
+        self.client: httpx.AsyncClient | None = None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await receive()
+            limits = httpx.Limits(
+                max_connections=1000, max_keepalive_connections=200, keepalive_expiry=30.0
+            )
+            transport = None
+            if self.transport == "aiohttp":
+                # Only in the bench's tools venv (bench/.venv-tools): evidence, not a dependency.
+                from httpx_aiohttp import AiohttpTransport
+
+                transport = AiohttpTransport(limits=limits, trust_env=False)
+            self.client = httpx.AsyncClient(
+                timeout=httpx.Timeout(600.0, connect=10.0, pool=600.0),
+                limits=limits,
+                transport=transport,
+                trust_env=False,
+            )
+            await send({"type": "lifespan.startup.complete"})
+            await receive()
+            await self.client.aclose()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        assert self.client is not None
+        parts = []
+        while True:
+            message = await receive()
+            parts.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        path = scope["path"].removeprefix("/v1")
+        headers = [(k, v) for k, v in scope["headers"] if k not in _HOP]
+        headers.append((b"accept-encoding", b"identity"))
+        request = self.client.build_request(
+            scope["method"], self.upstream + path, headers=headers, content=b"".join(parts)
+        )
+        task = asyncio.current_task()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if task is not None:
+                task.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        response = None
+        try:
+            response = await self.client.send(request, stream=True)
+            out = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in _HOP]
+            if b"content-length" in (k.lower() for k, _ in response.headers.raw):
+                out.append((b"content-length", response.headers["content-length"].encode()))
+            await send(
+                {"type": "http.response.start", "status": response.status_code, "headers": out}
+            )
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            pass
+        finally:
+            watcher.cancel()
+            if response is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(response.aclose())
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description="bare pass-through proxy on cachegate's stack")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--upstream", required=True)
+    parser.add_argument("--transport", choices=("httpx", "aiohttp"), default="httpx")
+    ns = parser.parse_args(argv)
+    uvicorn.run(
+        Passthrough(ns.upstream, ns.transport),
+        host="127.0.0.1",
+        port=ns.port,
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+        log_level="warning",
+        server_header=False,
+        date_header=False,
+        backlog=4096,
+    )
+
+
+if __name__ == "__main__":
+    main()
