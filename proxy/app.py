@@ -67,6 +67,12 @@ def build_client(
         max_keepalive_connections=up.max_keepalive_connections,
         keepalive_expiry=30.0,
     )
+    if transport is None and up.transport == "aiohttp":
+        # httpcore's pool bookkeeping dominates under concurrency; aiohttp's pool under the same
+        # httpx API measured 4-6x the throughput and a fraction of the CPU (see bench/).
+        from httpx_aiohttp import AiohttpTransport
+
+        transport = AiohttpTransport(limits=limits, trust_env=False)
     return httpx.AsyncClient(
         transport=transport, timeout=timeout, limits=limits, follow_redirects=False, trust_env=False
     )

@@ -50,6 +50,17 @@ class UpstreamAborted(Exception):
     """The upstream broke off mid-response; the client's connection is cut the same way."""
 
 
+def _is_timeout(exc: httpx.TimeoutException) -> bool:
+    """A real timeout, not a refused or dropped connection that a transport filed as one
+    (httpx-aiohttp maps every aiohttp connection error to ``ConnectTimeout``)."""
+    cause = exc.__cause__
+    return (
+        cause is None
+        or isinstance(cause, TimeoutError)
+        or not type(cause).__module__.startswith("aiohttp")
+    )
+
+
 class RetryRequest(Exception):
     """The upstream refused in a way the caller can fix (``retry_if``); nothing reached the client."""
 
@@ -186,8 +197,11 @@ class Relay:
                 ex.overhead_s = time.perf_counter() - ex.t0
                 response = await self.client.send(request, stream=True)
             except httpx.TimeoutException as exc:
-                ex.upstream_error = "timeout"
-                raise upstream_timeout(type(exc).__name__) from exc
+                if _is_timeout(exc):
+                    ex.upstream_error = "timeout"
+                    raise upstream_timeout(type(exc).__name__) from exc
+                ex.upstream_error = "connect"
+                raise upstream_unreachable(str(exc) or type(exc).__name__) from exc
             except httpx.HTTPError as exc:
                 ex.upstream_error = "connect"
                 raise upstream_unreachable(str(exc) or type(exc).__name__) from exc
