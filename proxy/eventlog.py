@@ -15,11 +15,10 @@ import contextlib
 import hashlib
 import logging
 import os
-import queue
 import re
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -118,7 +117,11 @@ class EventLogWriter:
         self.redact_secrets = redact_secrets
         self.on_loss = on_loss
         self._max_open = max_open_files
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
+        # A deque and an Event rather than queue.Queue: emitting on the event loop then costs an
+        # append, and the writer is woken only when it sleeps (no lock and notify per event).
+        self._items: deque[Any] = deque()
+        self._max_queue = max_queue
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
         self._lock = threading.Lock()  # guards the counters touched by emitting threads
@@ -181,22 +184,24 @@ class EventLogWriter:
         if not is_valid_session_id(session_id):
             self._drop("invalid_session")
             return False
-        try:
-            self._queue.put_nowait((session_id, time.time(), event))
-        except queue.Full:
+        if len(self._items) >= self._max_queue:
             self._drop("queue_full")
             return False
+        self._items.append((session_id, time.time(), event))
+        if not self._wake.is_set():
+            self._wake.set()
         return True
+
+    def _put_control(self, item: Any) -> None:
+        self._items.append(item)
+        self._wake.set()
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every event emitted before this call is written; False on timeout."""
         if self._thread is None or not self._thread.is_alive():
             return False
         marker = _Flush()
-        try:
-            self._queue.put(marker, timeout=timeout)
-        except queue.Full:
-            return False
+        self._put_control(marker)
         return marker.done.wait(timeout)
 
     def close(self, timeout: float = 5.0) -> bool:
@@ -207,11 +212,7 @@ class EventLogWriter:
             self._discard_queued()
             return True
         deadline = time.monotonic() + timeout
-        try:
-            self._queue.put(_STOP, timeout=timeout)
-        except queue.Full:
-            logger.warning("event log writer did not drain within %.1fs", timeout)
-            return False
+        self._put_control(_STOP)
         thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
             logger.warning("event log writer did not drain within %.1fs", timeout)
@@ -231,8 +232,8 @@ class EventLogWriter:
         """Count events that raced with ``close`` and can no longer be written."""
         while True:
             try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
+                item = self._items.popleft()
+            except IndexError:
                 return
             if isinstance(item, tuple):
                 self._drop("closed")
@@ -270,11 +271,15 @@ class EventLogWriter:
                 timeout = None
                 if self.fsync == "interval" and self._dirty:
                     timeout = max(0.0, self._last_sync + self.fsync_interval_s - time.monotonic())
-                try:
-                    item = self._queue.get(timeout=timeout)
-                except queue.Empty:
-                    self._sync_dirty()
-                    continue
+                if not self._items:
+                    self._wake.clear()
+                    # Re-check after clearing: an emit that saw the event still set did not set it.
+                    if not self._items and not self._wake.wait(timeout):
+                        self._sync_dirty()
+                        continue
+                    if not self._items:
+                        continue
+                item = self._items.popleft()
                 if item is _STOP:
                     break
                 if isinstance(item, _Flush):
@@ -494,13 +499,17 @@ def choose_base(
 ) -> tuple[int | None, int]:
     """The earlier exchange whose forwarded messages share the longest prefix with ``messages``,
     and that prefix's length; ``(None, 0)`` when none shares anything. Ties go to the later
-    candidate. Cost is one comparison per shared message per candidate, so keep the list short
-    (the session's few most recent exchanges)."""
+    candidate. Cost is one comparison per shared message per candidate compared, so keep the list
+    short (the session's few most recent exchanges)."""
     best: int | None = None
     best_len = 0
-    for exchange, previous in candidates:
+    # Newest first, skipping candidates too short to beat the best so far: in an agent's growing
+    # history the newest exchange shares everything and the others are never compared.
+    for exchange, previous in reversed(candidates):
+        if min(len(previous), len(messages)) <= best_len:
+            continue
         shared = _shared_prefix(previous, messages)
-        if shared and shared >= best_len:
+        if shared > best_len:
             best, best_len = exchange, shared
     return best, best_len
 
