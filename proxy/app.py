@@ -20,7 +20,7 @@ from proxy import __version__
 from proxy.chat import ChatPipeline, header_map
 from proxy.compactor import Compactor
 from proxy.config import Settings
-from proxy.errors import ProxyError, bad_request
+from proxy.errors import ProxyError, bad_request, too_large
 from proxy.eventlog import EventLogWriter, enforce_retention
 from proxy.metrics import Metrics, MetricsObserver
 from proxy.observers import AccountingObserver, EventLogObserver
@@ -226,6 +226,9 @@ class Gateway:
             content = stream_body()
             watch_now = False
         else:
+            if len(body) > self.settings.server.max_body_bytes:
+                await send_error(send, too_large(self.settings.server.max_body_bytes), extra)
+                return
             content = body
             watch_now = True
         ex.request_bytes = len(body)

@@ -8,6 +8,7 @@ a 600 KB body.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -16,17 +17,17 @@ from typing import Any
 import orjson
 
 from proxy import compaction, pairing
-from proxy.compactor import provider_window
+from proxy.compactor import Compactor, provider_window
 from proxy.config import Settings
 from proxy.errors import ProxyError, bad_request
-from proxy.pipeline import Exchange, Observer, notify
+from proxy.pipeline import Exchange, Observer, Transform, notify
 from proxy.relay import (
+    DisconnectWatch,
     Receive,
     Relay,
     RetryRequest,
     Scope,
     Send,
-    UpstreamAborted,
     read_body,
     send_error,
     upstream_request_headers,
@@ -68,8 +69,54 @@ def header_map(scope: Scope) -> dict[str, str]:
     return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
 
 
+class PairingRepair:
+    """Transform: repair tool pairing, or in strict mode refuse with a diagnosis (a 400)."""
+
+    def __init__(self, settings: Settings, on_strict_rejection: Callable[[], None] | None) -> None:
+        self.settings = settings
+        self.on_strict_rejection = on_strict_rejection
+        self.note = settings.pairing.interrupted_note or pairing.DEFAULT_INTERRUPTED_NOTE
+
+    async def apply(
+        self, ex: Exchange, state: SessionState, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        return self.repair(ex, body)
+
+    def repair(self, ex: Exchange, body: dict[str, Any]) -> dict[str, Any]:
+        if not (self.settings.pairing.repair or ex.strict):
+            return body
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not pairing.needs_repair(messages):
+            return body
+        if ex.strict:
+            defects = pairing.diagnose(messages)
+            if self.on_strict_rejection is not None:
+                self.on_strict_rejection()
+            raise bad_request(pairing.format_strict_error(defects), "strict_pairing", "messages")
+        result = pairing.repair_messages(
+            messages, orphan_policy=self.settings.pairing.orphan_policy, interrupted_note=self.note
+        )
+        if not result.changed:
+            return body
+        ex.repairs = [
+            {"kind": r.kind, "index": r.index, "tool_call_id": r.tool_call_id, "action": r.action}
+            for r in result.repairs
+        ]
+        return {**body, "messages": result.messages}
+
+
+def internal_error(exc: BaseException) -> ProxyError:
+    return ProxyError(
+        500,
+        f"cachegate failed to process this request ({type(exc).__name__}); nothing was forwarded. "
+        "See cachegate's log.",
+        type="server_error",
+        code="internal_error",
+    )
+
+
 class ChatPipeline:
-    """Runs one chat-completions exchange through transforms, the relay and the observers."""
+    """Runs one chat-completions exchange through the transforms, the relay and the observers."""
 
     def __init__(
         self,
@@ -81,7 +128,7 @@ class ChatPipeline:
         api_key: Callable[[], str | None],
         clock: Callable[[], float] = time.time,
         on_strict_rejection: Callable[[], None] | None = None,
-        compactor: Any = None,
+        compactor: Compactor | None = None,
     ) -> None:
         self.settings = settings
         self.relay = relay
@@ -89,10 +136,11 @@ class ChatPipeline:
         self.observers = observers
         self.api_key = api_key
         self.clock = clock
-        self.on_strict_rejection = on_strict_rejection
+        self.pairing = PairingRepair(settings, on_strict_rejection)
         self.compactor = compactor
-        note = settings.pairing.interrupted_note or pairing.DEFAULT_INTERRUPTED_NOTE
-        self.interrupted_note = note
+        self.transforms: list[Transform] = [self.pairing]
+        if compactor is not None:
+            self.transforms.append(compactor)
         self.in_flight = 0  # exchanges whose observers have not all run yet
 
     def resolve_session(
@@ -111,36 +159,36 @@ class ChatPipeline:
         self.sessions.index(state, messages)
         return state
 
-    def repair(self, ex: Exchange, body: dict[str, Any], strict: bool) -> dict[str, Any]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not pairing.needs_repair(messages):
-            return body
-        if strict:
-            defects = pairing.diagnose(messages)
-            if defects:
-                if self.on_strict_rejection is not None:
-                    self.on_strict_rejection()
-                raise bad_request(
-                    pairing.format_strict_error(defects), "strict_pairing", "messages"
-                )
-            return body
-        result = pairing.repair_messages(
-            messages,
-            orphan_policy=self.settings.pairing.orphan_policy,
-            interrupted_note=self.interrupted_note,
-        )
-        if not result.changed:
-            return body
-        ex.repairs = [
-            {"kind": r.kind, "index": r.index, "tool_call_id": r.tool_call_id, "action": r.action}
-            for r in result.repairs
-        ]
-        return {**body, "messages": result.messages}
+    def request_usage(
+        self, ex: Exchange, body: dict[str, Any], raw: bytes
+    ) -> tuple[dict[str, Any], bytes | None]:
+        """Ask for stream usage the client did not ask for. Returns the body and, when only the
+        option was added to an otherwise untouched body, the raw bytes with it spliced in."""
+        if not (ex.stream and self.settings.upstream.request_usage):
+            return body, None
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
+            return body, None
+        ex.strip_usage = True
+        if body is ex.client_body and "stream_options" not in body:
+            spliced = splice_usage_option(raw)
+            if spliced is not None:
+                return {**body, "stream_options": {"include_usage": True}}, spliced
+        base = options if isinstance(options, dict) else {}
+        return {**body, "stream_options": {**base, "include_usage": True}}, None
 
     async def handle(
         self, scope: Scope, receive: Receive, send: Send, path_session: str | None
     ) -> None:
-        t0 = time.perf_counter()
+        self.in_flight += 1
+        try:
+            await self._handle(scope, receive, send, path_session)
+        finally:
+            self.in_flight -= 1
+
+    async def _handle(
+        self, scope: Scope, receive: Receive, send: Send, path_session: str | None
+    ) -> None:
         now = self.clock()
         headers = header_map(scope)
         ex = Exchange(
@@ -148,10 +196,11 @@ class ChatPipeline:
             method="POST",
             path="chat/completions",
             started_at=now,
-            t0=t0,
+            t0=time.perf_counter(),
             user_agent=headers.get("user-agent", ""),
         )
         state: SessionState | None = None
+        watch: DisconnectWatch | None = None
         try:
             raw = await read_body(receive, self.settings.server.max_body_bytes)
             ex.request_bytes = len(raw)
@@ -163,39 +212,41 @@ class ChatPipeline:
             state = self.resolve_session(headers, path_session, body, now)
             ex.session_id = state.id
             ex.exchange_id = state.next_exchange()
-            strict = self.settings.pairing.strict or headers.get("x-cachegate-strict", "") in (
+            ex.strict = self.settings.pairing.strict or headers.get("x-cachegate-strict", "") in (
                 "1",
                 "true",
             )
+            ex.upstream_headers = upstream_request_headers(scope["headers"], self.api_key())
+            watch = DisconnectWatch(receive)  # a client leaving during compaction cancels it too
             forwarded = body
-            if self.settings.pairing.repair or strict:
-                forwarded = self.repair(ex, forwarded, strict)
-            upstream_headers = upstream_request_headers(scope["headers"], self.api_key())
-            if self.compactor is not None:
-                forwarded = await self.compactor.apply(ex, state, forwarded, upstream_headers)
-            changed = forwarded is not body
-            content = raw
-            if ex.stream and self.settings.upstream.request_usage:
-                options = forwarded.get("stream_options")
-                if not (isinstance(options, dict) and options.get("include_usage")):
-                    ex.strip_usage = True
-                    if changed or options is not None:
-                        forwarded = {
-                            **forwarded,
-                            "stream_options": {**(options or {}), "include_usage": True},
-                        }
-                        changed = True
-                    else:
-                        spliced = splice_usage_option(raw)
-                        if spliced is None:
-                            forwarded = {**forwarded, "stream_options": {"include_usage": True}}
-                            changed = True
-                        else:
-                            content = spliced
-            if changed:
+            for transform in self.transforms:
+                forwarded = await transform.apply(ex, state, forwarded)
+            forwarded, spliced = self.request_usage(ex, forwarded, raw)
+            if spliced is not None:
+                content = spliced
+            elif forwarded is body:
+                content = raw  # nothing changed: the client's exact bytes
+            else:
                 content = orjson.dumps(forwarded)
             ex.body = forwarded
-        except ProxyError as err:
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if watch is None or not watch.disconnected or task is None:
+                raise
+            task.uncancel()
+            ex.interrupted = True
+            ex.status = 499  # client closed request
+            ex.error = "client disconnected before the request was forwarded"
+            notify(self.observers, "on_error", ex)
+            return
+        except Exception as exc:
+            if watch is not None:
+                watch.stop()
+            if isinstance(exc, ProxyError):
+                err = exc
+            else:
+                log.exception("chat pipeline failed before forwarding")
+                err = internal_error(exc)
             ex.status = err.status
             ex.error = err.message
             extra = [(b"x-cachegate-session", state.id.encode())] if state is not None else []
@@ -211,7 +262,7 @@ class ChatPipeline:
         ]
         if ex.compacted:
             extra.append((b"x-cachegate-compacted", b"1"))
-        retry_if = compaction.is_context_length_error if self.compactor is not None else None
+        compactor = self.compactor
         try:
             try:
                 await self.relay.forward(
@@ -220,32 +271,29 @@ class ChatPipeline:
                     receive,
                     send,
                     content=content,
-                    headers=upstream_headers,
+                    headers=ex.upstream_headers,
                     extra_headers=extra,
                     record=True,
-                    retry_if=retry_if,
+                    watch=watch,
+                    retry_if=compaction.is_context_length_error if compactor else None,
                 )
             except RetryRequest as retry:
                 # The provider refused a history too long for its window: compact now, retry once.
+                assert compactor is not None
                 log.info("session %s: context length exceeded; compacting and retrying", state.id)
-                assert self.compactor is not None
-                forwarded = await self.compactor.apply(
+                ex.status = 0
+                forwarded = await compactor.apply(
                     ex,
                     state,
-                    self.repair(ex, ex.client_body or body, strict=False),
-                    upstream_headers,
+                    self.pairing.repair(ex, body),
                     force=True,
                     window=provider_window(retry.body),
                 )
-                if ex.stream and ex.strip_usage:
-                    forwarded = {
-                        **forwarded,
-                        "stream_options": {
-                            **(forwarded.get("stream_options") or {}),
-                            "include_usage": True,
-                        },
-                    }
+                forwarded, _ = self.request_usage(ex, forwarded, b"")
                 ex.body = forwarded
+                messages = forwarded.get("messages")
+                state.remember(ex.exchange_id, messages if isinstance(messages, list) else [])
+                notify(self.observers, "on_retry", ex)  # the log records what was re-sent
                 if ex.compacted and (b"x-cachegate-compacted", b"1") not in extra:
                     extra.append((b"x-cachegate-compacted", b"1"))
                 await self.relay.forward(
@@ -254,11 +302,9 @@ class ChatPipeline:
                     receive,
                     send,
                     content=orjson.dumps(forwarded),
-                    headers=upstream_headers,
+                    headers=ex.upstream_headers,
                     extra_headers=extra,
                     record=True,
                 )
-        except UpstreamAborted:
+        finally:
             notify(self.observers, "on_response", ex)
-            raise
-        notify(self.observers, "on_response", ex)

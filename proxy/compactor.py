@@ -60,7 +60,6 @@ class Compactor:
         ex: Exchange,
         state: SessionState,
         body: dict[str, Any],
-        headers: list[tuple[bytes, bytes]],
         *,
         force: bool = False,
         window: int | None = None,
@@ -113,7 +112,7 @@ class Compactor:
             ex.transforms["compacted"] = {"reused": True, "covered": plan.reused.covered}
             notify(self.observers, "on_compaction", ex, plan.reused, "reused")
             return {**body, "messages": plan.messages}
-        text, source = await self._summarize(ex, plan, headers, model_cfg.context_window)
+        text, source = await self._summarize(ex, plan, model_cfg.context_window)
         comp = compaction.build_compaction(
             messages,
             plan.cut,
@@ -143,7 +142,7 @@ class Compactor:
         return compaction.estimate_tokens(kept) < limit
 
     async def _summarize(
-        self, ex: Exchange, plan: compaction.Plan, headers: list[tuple[bytes, bytes]], window: int
+        self, ex: Exchange, plan: compaction.Plan, window: int
     ) -> tuple[str, compaction.Source]:
         model = self.settings.compaction.summarizer_model or ex.model or ""
         # The transcript must fit the summarizer's window: share half of it among the tool outputs.
@@ -160,7 +159,7 @@ class Compactor:
             response = await self.client.post(
                 self.url,
                 content=orjson.dumps(request),
-                headers=[(k, v) for k, v in headers if k != b"content-type"]
+                headers=[(k, v) for k, v in ex.upstream_headers if k != b"content-type"]
                 + [(b"content-type", b"application/json")],
                 timeout=self.settings.compaction.summary_timeout_s,
             )

@@ -166,6 +166,11 @@ class EventLogObserver:
             },
         )
 
+    def on_retry(self, ex: Exchange) -> None:
+        """The request was compacted and re-sent: log it again under the same exchange id (replay
+        takes the latest), so the log holds what was actually forwarded."""
+        self.on_request(ex)
+
     def on_response(self, ex: Exchange) -> None:
         if ex.route != "chat" or ex.session_id is None:
             return

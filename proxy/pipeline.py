@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from proxy.assemble import AssembledResponse
+from proxy.sessions import SessionState
 from proxy.usage import Usage
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ class Exchange:
     base: int = 0
     repairs: list[dict[str, Any]] = field(default_factory=list)
     transforms: dict[str, Any] = field(default_factory=dict)
+    strict: bool = False  # strict pairing for this request (config or X-Cachegate-Strict)
+    upstream_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     strip_usage: bool = False
     compacted: bool = False
     # filled in as the response arrives
@@ -56,6 +59,15 @@ class Exchange:
     cost: dict[str, Any] | None = None
 
 
+class Transform(Protocol):
+    """A request transform: the parsed body in, the body to forward out (the same object when it
+    changed nothing), with what it did noted on the exchange. May raise ``ProxyError``."""
+
+    async def apply(
+        self, ex: Exchange, state: SessionState, body: dict[str, Any]
+    ) -> dict[str, Any]: ...
+
+
 class Observer(Protocol):
     """Receives exchanges; must not block (hand slow work to a background writer)."""
 
@@ -65,6 +77,7 @@ class Observer(Protocol):
 
     # Optional hooks, called when an observer defines them:
     #   on_compaction(ex, comp, source): a compaction was made (source model|extractive) or reused.
+    #   on_retry(ex): the request was transformed again and re-sent (context length exceeded).
     #   on_error(ex): cachegate answered itself (bad input, strict rejection); nothing forwarded.
 
 

@@ -70,7 +70,7 @@ class RetryRequest(Exception):
         self.body = body
 
 
-class _DisconnectWatch:
+class DisconnectWatch:
     """Cancels the relaying task the moment the client disconnects (uvicorn's ``send`` is silent)."""
 
     __slots__ = ("_done", "_task", "_watcher", "disconnected")
@@ -93,6 +93,10 @@ class _DisconnectWatch:
     def stop(self) -> None:
         self._done = True
         self._watcher.cancel()
+
+
+async def _one(data: bytes) -> AsyncIterator[bytes]:
+    yield data
 
 
 async def read_body(receive: Receive, limit: int) -> bytes:
@@ -119,11 +123,20 @@ async def read_body(receive: Receive, limit: int) -> bytes:
     return b"".join(parts)
 
 
+def _connection_listed(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """Header names a ``Connection`` header declares hop-by-hop (RFC 9110 7.6.1)."""
+    names = [
+        token.strip().lower() for k, v in headers if k == b"connection" for token in v.split(b",")
+    ]
+    return frozenset(n for n in names if n)
+
+
 def upstream_request_headers(
     scope_headers: list[tuple[bytes, bytes]], api_key: str | None
 ) -> list[tuple[bytes, bytes]]:
     """Client headers minus hop-by-hop ones; identity encoding; the configured key if none given."""
-    headers = [(k, v) for k, v in scope_headers if k not in _DROP_REQUEST]
+    drop = _DROP_REQUEST | _connection_listed(scope_headers)
+    headers = [(k, v) for k, v in scope_headers if k not in drop]
     headers.append((b"accept-encoding", b"identity"))
     if api_key and not any(k == b"authorization" for k, _ in headers):
         headers.append((b"authorization", b"Bearer " + api_key.encode("latin-1")))
@@ -133,10 +146,10 @@ def upstream_request_headers(
 def client_response_headers(
     upstream: httpx.Response, *, drop_length: bool, extra: list[tuple[bytes, bytes]]
 ) -> list[tuple[bytes, bytes]]:
+    raw = [(k.lower(), v) for k, v in upstream.headers.raw]
+    drop = HOP_BY_HOP | _connection_listed(raw)
     headers = [
-        (k.lower(), v)
-        for k, v in upstream.headers.raw
-        if k.lower() not in HOP_BY_HOP and not (drop_length and k.lower() == b"content-length")
+        (k, v) for k, v in raw if k not in drop and not (drop_length and k == b"content-length")
     ]
     headers.extend(extra)
     return headers
@@ -175,6 +188,7 @@ class Relay:
         headers: list[tuple[bytes, bytes]],
         extra_headers: list[tuple[bytes, bytes]],
         record: bool,
+        watch: DisconnectWatch | None = None,
         watch_now: bool = True,
         retry_if: Callable[[int, bytes], bool] | None = None,
     ) -> None:
@@ -185,7 +199,8 @@ class Relay:
             headers=headers,
             content=content,
         )
-        watch: _DisconnectWatch | None = _DisconnectWatch(receive) if watch_now else None
+        if watch is None and watch_now:
+            watch = DisconnectWatch(receive)
         response: httpx.Response | None = None
         started = False
         recorder: StreamRecorder | None = None
@@ -206,12 +221,14 @@ class Relay:
                 ex.upstream_error = "connect"
                 raise upstream_unreachable(str(exc) or type(exc).__name__) from exc
             if watch is None:
-                watch = _DisconnectWatch(receive)
+                watch = DisconnectWatch(receive)
             ex.status = response.status_code
+            chunks: AsyncIterator[bytes] = response.aiter_raw()
             if retry_if is not None and response.status_code in (400, 413, 422):
                 error_body = await response.aread()
                 if retry_if(response.status_code, error_body):
                     raise RetryRequest(response.status_code, error_body)
+                chunks = _one(error_body)  # not retried: relay what was read, verbatim
             if response.status_code >= 400:
                 ex.upstream_error = "status"
             ctype = response.headers.get("content-type", "")
@@ -235,7 +252,7 @@ class Relay:
             )
             started = True
             try:
-                async for chunk in response.aiter_raw():
+                async for chunk in chunks:
                     if ex.ttfb_s is None:
                         ex.ttfb_s = time.perf_counter() - ex.t0
                     out = chunk

@@ -155,3 +155,45 @@ def test_orphan_policy_drop(sim: RunningSimulator, sdk: Any, proxy_factory: Any)
 def test_usage_option_is_spliced_into_the_raw_bytes(raw: bytes, expected: bytes) -> None:
     assert splice_usage_option(raw) == expected
     assert orjson.loads(expected)["stream_options"] == {"include_usage": True}
+
+
+def test_stream_options_null_still_gets_usage_recorded(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    import httpx
+
+    proxy = proxy_factory(sim.api_base)
+    body = {
+        "model": "gpt-4o",
+        "stream": True,
+        "stream_options": None,
+        "messages": [{"role": "user", "content": "count me"}],
+    }
+    with httpx.stream("POST", proxy.base_url + "/chat/completions", json=body) as r:
+        data = b"".join(r.iter_raw())
+    assert b'"choices":[]' not in data  # the usage-only event cachegate asked for stays hidden
+    assert sim.sim.requests[-1].body["stream_options"] == {"include_usage": True}
+    assert proxy.metric("cachegate_tokens_total", {"model": "gpt-4o", "kind": "prompt"}) > 0
+
+
+def test_an_unexpected_failure_is_a_500_in_openai_shape_and_nothing_is_forwarded(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    import httpx
+
+    proxy = proxy_factory(sim.api_base)
+
+    class Broken:
+        async def apply(self, ex: Any, state: Any, body: Any) -> Any:
+            raise KeyError("bug in a transform")
+
+    proxy.gateway.chat.transforms.append(Broken())
+    before = len(sim.sim.requests)
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json={"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]},
+    )
+    assert r.status_code == 500
+    assert r.json()["error"]["code"] == "internal_error"
+    assert r.headers["x-cachegate-session"]
+    assert len(sim.sim.requests) == before

@@ -183,3 +183,76 @@ def test_context_length_exceeded_is_compacted_and_retried_once(
         assert raw.headers["x-cachegate-compacted"] == "1"
         statuses = [r.status for r in small.sim.requests[-3:]]
         assert statuses == [400, 200, 200]  # refused, the summary call, the compacted retry
+
+
+def test_other_upstream_errors_pass_verbatim_with_compaction_on(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    import httpx
+
+    proxy = proxy_factory(sim.api_base, {**CONFIG, "pairing": {"repair": False}})
+    dangling = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ],
+        },
+    ]
+    body = {"model": MODEL, "messages": dangling}
+    direct = httpx.post(sim.api_base + "/chat/completions", json=body)
+    via = httpx.post(proxy.base_url + "/chat/completions", json=body)
+    assert direct.status_code == via.status_code == 400
+    assert via.content == direct.content
+    proxy.settle()
+    responses = [
+        e
+        for p in proxy.log_dir.glob("*.jsonl")
+        for e in read_events(p).events
+        if e["type"] == "response"
+    ]
+    assert [r["status"] for r in responses] == [400]
+
+
+def test_retried_request_is_logged_as_sent_and_the_next_exchange_is_not_waste(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    from proxy.report import replay_lines
+
+    with run_simulator(SimConfig(context_window=3000)) as small:
+        config = {
+            "compaction": {"enabled": True, "trigger_percent": 100, "keep_recent": 4},
+            "models": {MODEL: {"context_window": 1000000}},
+        }
+        proxy = proxy_factory(small.api_base, config)
+        msgs = history(10, output_chars=2000, system_repeat=10)
+        small.sim.enqueue([parse_script("short summary")])
+        c = sdk(proxy.base_url)
+        c.chat.completions.create(
+            model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "retry"}
+        )
+        msgs = [*msgs, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "next"}]
+        c.chat.completions.create(
+            model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "retry"}
+        )
+        proxy.settle()
+        replayed = [orjson.loads(line) for line in replay_lines(str(proxy.log_dir), "retry")]
+        sent = [
+            r.body["messages"]
+            for r in small.sim.requests
+            if r.status == 200
+            and r.body.get("messages", [{}])[0].get("role") == "system"
+            and "tools" not in r.body
+            and len(r.body["messages"]) > 2
+        ]
+        # both attempts of exchange 1 were forwarded: the refused original, then the compacted retry
+        assert [r["exchange_id"] for r in replayed] == [1, 1, 2]
+        assert replayed[0]["messages"] == msgs[:-2]
+        assert replayed[1]["messages"] == sent[-2]
+        assert replayed[2]["messages"] == sent[-1]
+        responses = [
+            e for e in read_events(proxy.log_dir / "retry.jsonl").events if e["type"] == "response"
+        ]
+        assert responses[-1]["cache"]["waste"] == 0
