@@ -6,7 +6,8 @@ back as they arrive, with disconnect cancellation. No parsing, sessions, repair,
 metrics: what is left is the cost of the stack itself.
 
 ``python -m bench.passthrough --port N --upstream http://127.0.0.1:M/v1 [--transport aiohttp]``
-(``aiohttp``: the same httpx API over the ``httpx-aiohttp`` transport, from ``bench/.venv-tools``.)
+(``aiohttp``, the default: the httpx API over the ``httpx-aiohttp`` transport, as cachegate uses;
+``httpx``: httpx's own pool.)
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ _HOP = frozenset(
 class Passthrough:
     """The ASGI app; ``client`` lives for the lifespan."""
 
-    def __init__(self, upstream: str, transport: str = "httpx") -> None:
+    def __init__(self, upstream: str, transport: str = "aiohttp") -> None:
         self.upstream = upstream.rstrip("/")
         self.transport = transport
         self.client: httpx.AsyncClient | None = None
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="bare pass-through proxy on cachegate's stack")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True)
-    parser.add_argument("--transport", choices=("httpx", "aiohttp"), default="httpx")
+    parser.add_argument("--transport", choices=("httpx", "aiohttp"), default="aiohttp")
     ns = parser.parse_args(argv)
     uvicorn.run(
         Passthrough(ns.upstream, ns.transport),

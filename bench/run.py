@@ -34,7 +34,7 @@ from bench import agent, client, mock_upstream, procs
 
 LITELLM_VERSION = "1.106.12"
 VENV = Path(__file__).resolve().parent / ".venv-litellm"
-# Optional: python -m venv --system-site-packages bench/.venv-tools; pip install httpx-aiohttp py-spy
+# Optional, for --profile: python -m venv --system-site-packages bench/.venv-tools; pip install py-spy
 TOOLS_VENV = Path(__file__).resolve().parent / ".venv-tools"
 MODEL = "gpt-4o-mini"
 HOST = "127.0.0.1"
@@ -607,7 +607,7 @@ class Fleet:
 
 
 def start_fleet(
-    plan: Plan, workdir: Path, want_litellm: bool, profile: str | None, aiohttp_arm: bool
+    plan: Plan, workdir: Path, want_litellm: bool, profile: str | None, httpx_arm: bool
 ) -> Fleet:
     env = procs.bench_env()
     py = procs.python()
@@ -637,22 +637,22 @@ def start_fleet(
     )  # fmt: skip
     bare = procs.start(
         "bare",
-        [py, "-m", "bench.passthrough", "--port", str(bare_port), "--upstream", upstream],
+        [py, "-m", "bench.passthrough", "--port", str(bare_port), "--upstream", upstream,
+         "--transport", "aiohttp"],
         port=bare_port, cpu=0, log_dir=workdir, env=env,
     )  # fmt: skip
     servers += [cg, bare]
     arms = [Arm("direct", mock_port), Arm("bare", bare_port, bare), Arm("cachegate", cg_port, cg)]
-    tools_py = TOOLS_VENV / "bin" / "python"
-    if aiohttp_arm and tools_py.exists():
-        ah_port = procs.free_port()
-        ah = procs.start(
-            "bare_aiohttp",
-            [str(tools_py), "-m", "bench.passthrough", "--port", str(ah_port),
-             "--upstream", upstream, "--transport", "aiohttp"],
-            port=ah_port, cpu=0, log_dir=workdir, env=env,
+    if httpx_arm:  # the same bare pass-through on httpx's own pool (httpcore), for comparison
+        hx_port = procs.free_port()
+        hx = procs.start(
+            "bare_httpx",
+            [py, "-m", "bench.passthrough", "--port", str(hx_port),
+             "--upstream", upstream, "--transport", "httpx"],
+            port=hx_port, cpu=0, log_dir=workdir, env=env,
         )  # fmt: skip
-        servers.append(ah)
-        arms.append(Arm("bare_aiohttp", ah_port, ah))
+        servers.append(hx)
+        arms.append(Arm("bare_httpx", hx_port, hx))
     ll: procs.Server | None = None
     if want_litellm:
         why = install_litellm()
@@ -676,7 +676,7 @@ def start_fleet(
         cg.wait_ready("/healthz", 30)
         bare.wait_ready("/v1/models", 20)
         for extra in servers[3:]:
-            if extra.name == "bare_aiohttp":
+            if extra.name == "bare_httpx":
                 extra.wait_ready("/v1/models", 20)
         if ll is not None:
             ll.wait_ready("/health/liveliness", 180)
@@ -761,7 +761,7 @@ def flatten(results: dict[str, Any], plan: Plan, arm_names: list[str]) -> dict[s
 def table(results: dict[str, Any], plan: Plan, arm_names: list[str]) -> str:
     f = results["figures"]
     proxies = [a for a in arm_names if a != "direct"]
-    names = {"bare_aiohttp": "bare+aiohttp"}
+    names = {"bare_httpx": "bare+httpx"}
     cols = ["direct", *(names.get(p, p) for p in proxies), "cg/direct", "cg/litellm"]
     fan = f"c{plan.fanout}"
     rows: list[tuple[str, str, bool]] = [  # label, key suffix, is_added (no direct value)
@@ -993,9 +993,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile", default=None, help="record cachegate with py-spy to this file")
     parser.add_argument(
-        "--aiohttp",
+        "--httpx-pool",
         action="store_true",
-        help="add a bare pass-through on the httpx-aiohttp transport (needs bench/.venv-tools)",
+        help="add a bare pass-through on httpx's own connection pool (httpcore) for comparison",
     )
     parser.add_argument(
         "--concurrency", default=None, help="comma-separated load concurrencies (default 8,32,128)"
@@ -1015,7 +1015,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     workdir = Path(tempfile.mkdtemp(prefix="cachegate-bench-"))
     print(f"bench: workdir {workdir}", file=sys.stderr, flush=True)
-    fleet = start_fleet(plan, workdir, ns.litellm, ns.profile, ns.aiohttp)
+    fleet = start_fleet(plan, workdir, ns.litellm, ns.profile, ns.httpx_pool)
     try:
         results = asyncio.run(measure(fleet, plan, workdir, phases))
     finally:

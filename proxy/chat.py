@@ -32,7 +32,13 @@ from proxy.relay import (
     send_error,
     upstream_request_headers,
 )
-from proxy.sessions import SessionState, SessionStore, explicit_session_id, new_session_id
+from proxy.sessions import (
+    SessionState,
+    SessionStore,
+    explicit_session_id,
+    new_session_id,
+    shared_prefix,
+)
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +162,13 @@ class ChatPipeline:
         else:
             state = self.sessions.infer(messages) or self.sessions.create(new_session_id(now), now)
         state.last_seen = now
+        if isinstance(messages, list):
+            # Agents resend their whole history. Share the previous request's message objects for
+            # the unchanged prefix: the session then holds one copy of the history, not one per
+            # request, and every later comparison of those messages is an identity check.
+            previous = state.last_client_messages
+            shared = shared_prefix(previous, messages)
+            messages[:shared] = previous[:shared]
         self.sessions.index(state, messages)
         return state
 

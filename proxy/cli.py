@@ -37,10 +37,12 @@ def _serve(ns: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per upstream request
     app = create_app(settings)
+    logs = f"logs: {settings.logging.dir}" if settings.logging.enabled else "session logs off"
     print(
         f"cachegate {__version__} listening on http://{settings.server.host}:{settings.server.port}/v1"
-        f" -> {settings.upstream.base_url} (logs: {settings.logging.dir})",
+        f" -> {settings.upstream.base_url} ({logs})",
         file=sys.stderr,
     )
     uvicorn.run(

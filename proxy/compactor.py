@@ -7,18 +7,19 @@ summarizer fails or times out, the extractive summary is used.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import re
 import time
 from typing import Any
 
-import httpx
 import orjson
 
 from proxy import compaction, pairing
 from proxy.config import Settings
 from proxy.pipeline import Exchange, Observer, notify
+from proxy.relay import Relay
 from proxy.sessions import SessionState
 
 log = logging.getLogger(__name__)
@@ -43,16 +44,10 @@ def provider_window(error_body: bytes) -> int | None:
 class Compactor:
     """Per-request compaction transform; ``force=True`` after a ``context_length_exceeded``."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        client: httpx.AsyncClient,
-        base_url: str,
-        observers: list[Observer],
-    ) -> None:
+    def __init__(self, settings: Settings, relay: Relay, observers: list[Observer]) -> None:
         self.settings = settings
-        self.client = client
-        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.relay = relay
+        self.url = relay.url("chat/completions", b"")
         self.observers = observers
 
     async def apply(
@@ -155,16 +150,17 @@ class Compactor:
             max_tool_chars=max(200, min(2000, budget // max(1, tools))),
         )
         started = time.perf_counter()
+        headers = [(k, v) for k, v in ex.upstream_headers if k != b"content-type"]
+        headers.append((b"content-type", b"application/json"))
         try:
-            response = await self.client.post(
-                self.url,
-                content=orjson.dumps(request),
-                headers=[(k, v) for k, v in ex.upstream_headers if k != b"content-type"]
-                + [(b"content-type", b"application/json")],
-                timeout=self.settings.compaction.summary_timeout_s,
-            )
+            async with asyncio.timeout(self.settings.compaction.summary_timeout_s):
+                response = await self.relay.open("POST", self.url, headers, orjson.dumps(request))
+                try:
+                    body = await response.aread()
+                finally:
+                    await response.aclose()
             if response.status_code == 200:
-                text = response.json()["choices"][0]["message"]["content"]
+                text = orjson.loads(body)["choices"][0]["message"]["content"]
                 if isinstance(text, str) and text.strip():
                     return text.strip(), "model"
             log.warning(

@@ -90,6 +90,7 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry, models: Collection[str]) -> None:
         self._models = frozenset(m for m in models if m != "*")
+        self._label_cache: dict[str, str] = {}
         r = registry
         self.requests = Counter(
             "cachegate_requests",
@@ -227,13 +228,17 @@ class Metrics:
         """
         if not model:
             return OTHER_MODEL
-        if model in self._models:
-            return model
-        best = ""
-        for name in self._models:
-            if model.startswith(name) and len(name) > len(best):
-                best = name
-        return best or OTHER_MODEL
+        label = self._label_cache.get(model)
+        if label is None:
+            best = model if model in self._models else ""
+            if not best:
+                for name in self._models:
+                    if model.startswith(name) and len(name) > len(best):
+                        best = name
+            label = best or OTHER_MODEL
+            if len(self._label_cache) < 4096:  # clients choose model names: stay bounded
+                self._label_cache[model] = label
+        return label
 
     @_safe
     def observe_request(

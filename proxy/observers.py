@@ -6,7 +6,6 @@ Both run after the client has its response (``on_response``) or when a request i
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from proxy.eventlog import EventLogWriter, choose_base, session_log_path
 from proxy.metrics import Metrics
 from proxy.pipeline import Exchange
 from proxy.sessions import SessionStore
+from proxy.usage import Usage
 
 
 def _location_label(divergence: prefix.Divergence) -> str:
@@ -71,7 +71,14 @@ class AccountingObserver:
             after_compaction=after_compaction,
         )
         extra["cache"] = new_state
-        ex.cache = dataclasses.asdict(result)
+        ex.cache = {
+            "expected": result.expected,
+            "read": result.read,
+            "write": result.write,
+            "waste": result.waste,
+            "cause": result.cause,
+            "location": result.location,
+        }
         if result.waste and result.cause:
             self.metrics.observe_cache_waste(ex.model, result.cause, result.waste)
         pricing = ModelPricing(
@@ -182,7 +189,7 @@ class EventLogObserver:
             "status": ex.status,
             "message": assembled.message if assembled else None,
             "finish_reason": assembled.finish_reason if assembled else None,
-            "usage": dataclasses.asdict(usage) if usage else None,
+            "usage": _usage_dict(usage) if usage else None,
             "ttfb_s": round(ex.ttfb_s, 6) if ex.ttfb_s is not None else None,
             "duration_s": round(ex.duration_s, 6),
             "interrupted": ex.interrupted,
@@ -222,6 +229,16 @@ class EventLogObserver:
             ex.session_id,
             {"type": "error", "exchange": ex.exchange_id, "status": ex.status, "message": ex.error},
         )
+
+
+def _usage_dict(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt": usage.prompt,
+        "completion": usage.completion,
+        "cache_read": usage.cache_read,
+        "cache_write": usage.cache_write,
+        "reported_cache": usage.reported_cache,
+    }
 
 
 def _iso(ts: float) -> str:

@@ -374,7 +374,7 @@ def test_two_hundred_interrupted_streams_leave_nothing_behind(
         time.sleep(0.02)
     assert upstream.in_flight == 0
     assert len(upstream.disconnects) == 200
-    transport = proxy.gateway.client._transport
+    transport = proxy.gateway.upstream
     if hasattr(transport, "_pool"):  # httpcore
         assert sum(1 for c in transport._pool.connections if not c.is_idle()) == 0
     else:  # aiohttp: no connection still checked out of the pool
