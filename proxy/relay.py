@@ -247,7 +247,9 @@ class Relay:
             if watch is None:
                 watch = DisconnectWatch(receive)
             ex.status = response.status_code
-            chunks: AsyncIterator[bytes] = response.aiter_raw()
+            # The transport's own stream: httpx's aiter_raw() adds per-chunk work a relay does
+            # not need (re-chunking support, decoders, timers).
+            chunks: AsyncIterator[bytes] = aiter(response.stream)  # type: ignore[arg-type]
             if retry_if is not None and response.status_code in (400, 413, 422):
                 error_body = await response.aread()
                 if retry_if(response.status_code, error_body):

@@ -51,6 +51,13 @@ class UsageEventStripper:
         self.stripped = 0
 
     def feed(self, chunk: bytes) -> bytes:
+        if (
+            not self._event
+            and chunk.endswith((b"\n\n", b"\r\r"))
+            and b'"usage":{' not in chunk
+            and b'"usage": {' not in chunk
+        ):
+            return chunk  # whole events, none with a usage object: the common case, no copying
         event = self._event
         scan = max(0, len(event) - 3)
         event += chunk
