@@ -15,7 +15,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import re
 import threading
 import time
 from collections import OrderedDict, deque
@@ -26,10 +25,10 @@ from typing import Any, Final, Literal
 import orjson
 
 from proxy.redact import redact, redact_text
+from proxy.sessions import shared_prefix, valid_session_id
 
 logger = logging.getLogger(__name__)
 
-SESSION_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 LOG_SUFFIX: Final = ".jsonl"
 
 FsyncMode = Literal["none", "line", "interval"]
@@ -47,18 +46,9 @@ _OPEN_FLAGS: Final = (
 )
 
 
-def is_valid_session_id(session_id: object) -> bool:
-    """True when ``session_id`` may name a log file: the documented pattern, not ``.``/``..``."""
-    return (
-        isinstance(session_id, str)
-        and SESSION_ID_PATTERN.fullmatch(session_id) is not None
-        and session_id not in (".", "..")
-    )
-
-
 def session_log_path(log_dir: str | os.PathLike[str], session_id: str) -> str:
     """The log file of ``session_id``; a bad id raises ``ValueError`` before any path is built."""
-    if not is_valid_session_id(session_id):
+    if not valid_session_id(session_id):
         raise ValueError(
             f"invalid session id {session_id!r}: expected 1-128 characters of A-Z a-z 0-9 . _ : -"
         )
@@ -185,7 +175,7 @@ class EventLogWriter:
         if self._closed:
             self._drop("closed")
             return False
-        if not is_valid_session_id(session_id):
+        if not valid_session_id(session_id):
             self._drop("invalid_session")
             return False
         if len(self._items) >= self._max_queue:
@@ -497,14 +487,6 @@ def read_events(path: str | os.PathLike[str]) -> LogRead:
     return LogRead(events=events, torn=torn)
 
 
-def _shared_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and (a[i] is b[i] or a[i] == b[i]):
-        i += 1
-    return i
-
-
 def choose_base(
     candidates: Sequence[tuple[int, Sequence[dict[str, Any]]]], messages: Sequence[dict[str, Any]]
 ) -> tuple[int | None, int]:
@@ -519,7 +501,7 @@ def choose_base(
     for exchange, previous in reversed(candidates):
         if min(len(previous), len(messages)) <= best_len:
             continue
-        shared = _shared_prefix(previous, messages)
+        shared = shared_prefix(previous, messages)
         if shared > best_len:
             best, best_len = exchange, shared
     return best, best_len

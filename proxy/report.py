@@ -18,11 +18,11 @@ import orjson
 from proxy.eventlog import (
     LOG_SUFFIX,
     LogRead,
-    is_valid_session_id,
     read_events,
     replay,
     session_log_path,
 )
+from proxy.sessions import valid_session_id
 
 # --------------------------------------------------------------------------------------------------
 # Values
@@ -143,7 +143,7 @@ def list_sessions(log_dir: str | os.PathLike[str]) -> list[SessionSummary]:
     summaries = []
     for name in os.listdir(directory):
         session_id = name[: -len(LOG_SUFFIX)]
-        if not name.endswith(LOG_SUFFIX) or not is_valid_session_id(session_id):
+        if not name.endswith(LOG_SUFFIX) or not valid_session_id(session_id):
             continue
         path = os.path.join(directory, name)
         if not os.path.isfile(path):

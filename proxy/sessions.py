@@ -33,9 +33,13 @@ SESSION_HEADERS: tuple[str, ...] = (
 )
 
 
-def valid_session_id(value: str) -> bool:
+def valid_session_id(value: object) -> bool:
     """True for ids that can safely name a log file (``.`` and ``..`` are never ids)."""
-    return bool(SESSION_ID_RE.fullmatch(value)) and value not in {".", ".."}
+    return (
+        isinstance(value, str)
+        and SESSION_ID_RE.fullmatch(value) is not None
+        and value not in {".", ".."}
+    )
 
 
 def explicit_session_id(headers: Mapping[str, str], path_id: str | None) -> str | None:
