@@ -224,7 +224,7 @@ class Gateway:
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     if size > limit:
-                        raise ProxyError(413, f"Request body is larger than {limit} bytes.")
+                        raise too_large(limit)
                     more = message.get("more_body", False)
                     yield chunk
 

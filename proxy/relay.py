@@ -50,6 +50,18 @@ class UpstreamAborted(Exception):
     """The upstream broke off mid-response; the client's connection is cut the same way."""
 
 
+def _own_error(exc: BaseException) -> ProxyError | None:
+    """cachegate's own error raised inside a streamed request body, wrapped by the transport."""
+    current: BaseException | None = exc
+    for _ in range(8):
+        if current is None:
+            return None
+        if isinstance(current, ProxyError):
+            return current
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def _is_timeout(exc: httpx.TimeoutException) -> bool:
     """A real timeout, not a refused or dropped connection that a transport filed as one
     (httpx-aiohttp maps every aiohttp connection error to ``ConnectTimeout``)."""
@@ -235,13 +247,13 @@ class Relay:
                 response = await self.open(
                     ex.method, self.url(ex.path, scope.get("query_string", b"")), headers, content
                 )
-            except httpx.TimeoutException as exc:
-                if _is_timeout(exc):
+            except httpx.HTTPError as exc:
+                own = _own_error(exc)
+                if own is not None:  # the request body the client was streaming failed (413, 499)
+                    raise own from exc
+                if isinstance(exc, httpx.TimeoutException) and _is_timeout(exc):
                     ex.upstream_error = "timeout"
                     raise upstream_timeout(type(exc).__name__) from exc
-                ex.upstream_error = "connect"
-                raise upstream_unreachable(str(exc) or type(exc).__name__) from exc
-            except httpx.HTTPError as exc:
                 ex.upstream_error = "connect"
                 raise upstream_unreachable(str(exc) or type(exc).__name__) from exc
             if watch is None:

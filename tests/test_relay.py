@@ -444,3 +444,21 @@ def test_passthrough_body_over_limit_is_413(scripted: Any, proxy_factory: Any) -
     assert r.status_code == 413
     assert r.json()["error"]["code"] == "request_too_large"
     assert upstream.requests == []
+
+
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+def test_streamed_upload_over_limit_is_413_not_502(
+    scripted: Any, proxy_factory: Any, transport: str
+) -> None:
+    _upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
+    proxy = proxy_factory(
+        url, {"server": {"max_body_bytes": 100_000}, "upstream": {"transport": transport}}
+    )
+
+    def gen() -> Any:
+        for _ in range(10):
+            yield b"x" * 65536
+
+    r = httpx.post(proxy.base_url + "/files", content=gen())
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
