@@ -82,7 +82,7 @@ class SessionSettings:
 @dataclass(frozen=True)
 class ModelSettings:
     context_window: int = 128000
-    cache_ttl_s: float = 600.0
+    cache_ttl_s: float = 0.0  # 0: the provider's documented default, by model family (cache.py)
     price_input: float = 0.0
     price_cached_input: float = 0.0
     price_cache_write: float = 0.0

@@ -65,7 +65,7 @@ class AccountingObserver:
             fingerprint=fp,
             divergence=divergence,
             started_at=ex.started_at,
-            ttl_s=model.cache_ttl_s,
+            ttl_s=model.cache_ttl_s or cache.default_cache_ttl(ex.model or ""),
             noise_floor=self.settings.cache.noise_floor_tokens,
             model=ex.model or name,
             after_compaction=after_compaction,
