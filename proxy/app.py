@@ -8,6 +8,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from urllib.parse import quote, unquote
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -40,16 +41,16 @@ log = logging.getLogger(__name__)
 
 
 class _AbortFilter(logging.Filter):
-    """uvicorn logs an application error when cachegate cuts a client off because the upstream did;
-    that is the intended behaviour, not a bug worth a traceback."""
+    """uvicorn logs an application error when cachegate cuts a client off because the upstream did,
+    or when a shutdown cancels a stream; both are intended, not bugs worth a traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         for _ in range(8):  # the abort may be wrapped by middleware
             if exc is None:
                 return True
-            if isinstance(exc, UpstreamAborted):
-                return False
+            if isinstance(exc, UpstreamAborted | asyncio.CancelledError):
+                return False  # cut off by the upstream, or by a shutdown: not a bug
             exc = exc.__cause__ or exc.__context__
         return True
 
@@ -72,9 +73,22 @@ def build_transport(
     if up.transport == "aiohttp":
         # httpcore's pool bookkeeping dominates under concurrency; aiohttp's pool under the same
         # httpx API measured several times the throughput at a fraction of the CPU (see bench/).
+        import aiohttp
         from httpx_aiohttp import AiohttpTransport
 
-        return AiohttpTransport(limits=limits, trust_env=False)
+        def session() -> aiohttp.ClientSession:
+            # A proxy keeps no cookies (one client's upstream cookie must never reach another)
+            # and adds no headers of its own (no default User-Agent or Accept).
+            return aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(
+                    limit=up.max_connections, keepalive_timeout=30.0, ssl=True
+                ),
+                cookie_jar=aiohttp.DummyCookieJar(),
+                skip_auto_headers=("User-Agent", "Accept"),
+                auto_decompress=False,
+            )
+
+        return AiohttpTransport(limits=limits, trust_env=False, client=session)
     return httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
 
 
@@ -179,6 +193,10 @@ class Gateway:
     async def stop(self) -> None:
         if self._retention is not None:
             self._retention.cancel()
+        # Exchanges cut off by the shutdown still log their responses: let them finish first.
+        if self.chat is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.chat.idle.wait(), 3.0)
         if self.writer is not None:
             await asyncio.to_thread(self.writer.close, 5.0)
         if self.upstream is not None:
@@ -276,8 +294,32 @@ class _ProxyEndpoint:
         if path == "chat/completions" and scope["method"] == "POST":
             assert self.gateway.chat is not None
             await self.gateway.chat.handle(scope, receive, send, path_session)
-        else:
-            await self.gateway.passthrough(scope, receive, send, path, path_session)
+            return
+        upstream_path = upstream_path_of(scope)
+        if upstream_path is None:
+            await send_error(
+                send,
+                bad_request(
+                    "Invalid path: '.' and '..' segments (also percent-encoded) are not relayed.",
+                    "invalid_path",
+                ),
+            )
+            return
+        await self.gateway.passthrough(scope, receive, send, upstream_path, path_session)
+
+
+def upstream_path_of(scope: Scope) -> str | None:
+    """The path after ``/v1/`` (or ``/s/{id}/v1/``) exactly as the client encoded it, or None when
+    a segment would climb out of the upstream's ``/v1`` (``..``, also as ``%2E%2E`` or behind an
+    encoded ``%2F``). Starlette's path parameter is decoded, so ``%2F`` would become a separator."""
+    raw = scope.get("raw_path") or quote(scope["path"]).encode()
+    segments = raw.split(b"?", 1)[0].split(b"/")
+    rest = segments[2:] if segments[1:2] == [b"v1"] else segments[4:]
+    for segment in rest:
+        text = unquote(segment.decode("latin-1")).replace("\\", "/")
+        if any(part in (".", "..") for part in text.split("/")):
+            return None
+    return b"/".join(rest).decode("latin-1")
 
 
 async def _bad_session_path(request: Request) -> Response:

@@ -148,6 +148,8 @@ class ChatPipeline:
         if compactor is not None:
             self.transforms.append(compactor)
         self.in_flight = 0  # exchanges whose observers have not all run yet
+        self.idle = asyncio.Event()  # set whenever in_flight is 0
+        self.idle.set()
 
     def resolve_session(
         self, headers: Mapping[str, str], path_id: str | None, body: dict[str, Any], now: float
@@ -194,10 +196,13 @@ class ChatPipeline:
         self, scope: Scope, receive: Receive, send: Send, path_session: str | None
     ) -> None:
         self.in_flight += 1
+        self.idle.clear()
         try:
             await self._handle(scope, receive, send, path_session)
         finally:
             self.in_flight -= 1
+            if not self.in_flight:
+                self.idle.set()
 
     async def _handle(
         self, scope: Scope, receive: Receive, send: Send, path_session: str | None
@@ -244,6 +249,8 @@ class ChatPipeline:
             ex.body = forwarded
         except asyncio.CancelledError:
             task = asyncio.current_task()
+            if watch is not None:
+                watch.stop()
             if watch is None or not watch.disconnected or task is None:
                 raise
             task.uncancel()
@@ -295,13 +302,25 @@ class ChatPipeline:
                 assert compactor is not None
                 log.info("session %s: context length exceeded; compacting and retrying", state.id)
                 ex.status = 0
-                forwarded = await compactor.apply(
-                    ex,
-                    state,
-                    self.pairing.repair(ex, body),
-                    force=True,
-                    window=provider_window(retry.body),
-                )
+                watch = DisconnectWatch(receive)  # a client leaving now cancels the summary call
+                try:
+                    forwarded = await compactor.apply(
+                        ex,
+                        state,
+                        self.pairing.repair(ex, body),
+                        force=True,
+                        window=provider_window(retry.body),
+                    )
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    watch.stop()
+                    if not watch.disconnected or task is None:
+                        raise
+                    task.uncancel()
+                    ex.interrupted = True
+                    ex.status = 499
+                    ex.error = "client disconnected while the history was being compacted"
+                    return
                 forwarded, _ = self.request_usage(ex, forwarded, b"")
                 ex.body = forwarded
                 messages = forwarded.get("messages")
@@ -318,6 +337,7 @@ class ChatPipeline:
                     headers=ex.upstream_headers,
                     extra_headers=extra,
                     record=True,
+                    watch=watch,
                 )
         finally:
             notify(self.observers, "on_response", ex)

@@ -9,8 +9,10 @@ and outcome. A client that hangs up cancels the upstream request at once.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import logging
 import time
+import zlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -105,6 +107,21 @@ class DisconnectWatch:
     def stop(self) -> None:
         self._done = True
         self._watcher.cancel()
+
+
+def _decoded(response: httpx.Response, body: bytes) -> bytes:
+    """``body`` with its content-encoding undone, to read an error message; raw when it cannot be."""
+    encoding = response.headers.get("content-encoding", "identity").lower()
+    if encoding in ("", "identity"):
+        return body
+    try:
+        if encoding == "gzip":
+            return gzip.decompress(body)
+        if encoding == "deflate":
+            return zlib.decompress(body)
+    except (OSError, zlib.error):
+        pass
+    return body
 
 
 async def _one(data: bytes) -> AsyncIterator[bytes]:
@@ -256,6 +273,12 @@ class Relay:
                     raise upstream_timeout(type(exc).__name__) from exc
                 ex.upstream_error = "connect"
                 raise upstream_unreachable(str(exc) or type(exc).__name__) from exc
+            except Exception as exc:  # a transport error its wrapper did not map (malformed answer)
+                own = _own_error(exc)
+                if own is not None:
+                    raise own from exc
+                ex.upstream_error = "connect"
+                raise upstream_unreachable(f"invalid answer ({type(exc).__name__})") from exc
             if watch is None:
                 watch = DisconnectWatch(receive)
             ex.status = response.status_code
@@ -263,8 +286,14 @@ class Relay:
             # not need (re-chunking support, decoders, timers).
             chunks: AsyncIterator[bytes] = aiter(response.stream)  # type: ignore[arg-type]
             if retry_if is not None and response.status_code in (400, 413, 422):
-                error_body = await response.aread()
-                if retry_if(response.status_code, error_body):
+                try:  # the raw bytes, still encoded as the upstream sent them
+                    error_body = b"".join([chunk async for chunk in chunks])
+                except httpx.HTTPError as exc:
+                    ex.upstream_error = "midstream"
+                    raise upstream_unreachable(
+                        f"error answer broke off: {type(exc).__name__}"
+                    ) from exc
+                if retry_if(response.status_code, _decoded(response, error_body)):
                     raise RetryRequest(response.status_code, error_body)
                 chunks = _one(error_body)  # not retried: relay what was read, verbatim
             if response.status_code >= 400:
@@ -310,7 +339,7 @@ class Relay:
                             collected.append(chunk)
                         else:
                             collected = None
-            except httpx.HTTPError as exc:
+            except Exception as exc:  # after the headers went out: cut the client the same way
                 ex.upstream_error = "midstream"
                 ex.error = f"upstream broke off mid-response: {type(exc).__name__}"
                 if stripper is not None:

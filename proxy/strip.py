@@ -54,10 +54,9 @@ class UsageEventStripper:
         if (
             not self._event
             and chunk.endswith((b"\n\n", b"\r\r"))
-            and b'"usage":{' not in chunk
-            and b'"usage": {' not in chunk
+            and chunk.count(b'"usage"') == chunk.count(b'"usage":null')
         ):
-            return chunk  # whole events, none with a usage object: the common case, no copying
+            return chunk  # whole events, no usage object in any: the common case, no copying
         event = self._event
         scan = max(0, len(event) - 3)
         event += chunk

@@ -130,6 +130,7 @@ class ScriptedUpstream:
             {
                 "method": scope["method"],
                 "path": scope["path"],
+                "raw_path": scope.get("raw_path"),
                 "query": scope["query_string"],
                 "headers": scope["headers"],
                 "body": body,

@@ -256,3 +256,26 @@ def test_retried_request_is_logged_as_sent_and_the_next_exchange_is_not_waste(
             e for e in read_events(proxy.log_dir / "retry.jsonl").events if e["type"] == "response"
         ]
         assert responses[-1]["cache"]["waste"] == 0
+
+
+def test_a_compressed_error_answer_passes_intact_with_compaction_on(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    import gzip
+
+    import httpx
+
+    error = b'{"error":{"message":"Invalid value for temperature","code":"invalid_value"}}'
+    _up, url = scripted(
+        chunks=[gzip.compress(error)],
+        status=400,
+        content_type=b"application/json",
+        extra_headers=[(b"content-encoding", b"gzip")],
+    )
+    proxy = proxy_factory(url, CONFIG)
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+    )
+    assert r.status_code == 400
+    assert r.content == error  # httpx decoded the upstream's gzip bytes, relayed untouched

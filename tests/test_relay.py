@@ -462,3 +462,102 @@ def test_streamed_upload_over_limit_is_413_not_502(
     r = httpx.post(proxy.base_url + "/files", content=gen())
     assert r.status_code == 413
     assert r.json()["error"]["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize(
+    ("raw_path", "forwarded"),
+    [
+        (b"/v1/files/abc%2Fdef", b"/v1/files/abc%2Fdef"),
+        (b"/v1/models/a%3Fb", b"/v1/models/a%3Fb"),
+        (b"/s/sess-1/v1/files/x%20y", b"/v1/files/x%20y"),
+        (b"/v1/models/..%2F..%2Fadmin%2Fkeys", None),
+        (b"/v1/models/%2E%2E/admin", None),
+        (b"/s/sess-1/v1/..%2Fadmin", None),
+    ],
+)
+def test_paths_are_relayed_as_encoded_and_never_climb_out_of_v1(
+    scripted: Any, proxy_factory: Any, raw_path: bytes, forwarded: bytes | None
+) -> None:
+    upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
+    proxy = proxy_factory(url, environ={"OPENAI_API_KEY": "sk-server-key"})
+    with httpx.Client() as c:
+        r = c.get(httpx.URL(proxy.url).copy_with(raw_path=raw_path))
+    if forwarded is None:
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "invalid_path"
+        assert upstream.requests == []
+    else:
+        assert r.status_code == 200
+        assert upstream.requests[0]["raw_path"] == forwarded
+
+
+class RawUpstream:
+    """A raw-socket upstream answering every request with fixed bytes, for answers no server sends."""
+
+    def __init__(self, answer: bytes) -> None:
+        import threading
+
+        self.answer = answer
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                data = b""
+                try:
+                    while b"\r\n\r\n" not in data:
+                        data += conn.recv(65536)
+                    conn.sendall(self.answer)
+                except OSError:
+                    pass
+
+
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 abc OK\r\ncontent-length: 2\r\n\r\n{}",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nbad header line\r\n\r\n{}",
+    ],
+)
+def test_a_malformed_upstream_answer_is_a_502(
+    proxy_factory: Any, transport: str, answer: bytes
+) -> None:
+    upstream = RawUpstream(answer)
+    try:
+        proxy = proxy_factory(upstream.url, {"upstream": {"transport": transport}})
+        for path in ("/chat/completions", "/embeddings"):
+            r = httpx.post(proxy.base_url + path, json=CHAT)
+            assert r.status_code == 502, (path, r.text)
+            assert r.json()["error"]["code"] == "upstream_unreachable"
+    finally:
+        upstream.sock.close()
+
+
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+def test_no_cookie_from_one_client_reaches_another(
+    scripted: Any, proxy_factory: Any, transport: str
+) -> None:
+    upstream, url = scripted(
+        chunks=[b"{}"],
+        content_type=b"application/json",
+        extra_headers=[(b"set-cookie", b"__cf_bm=client-a-secret; Path=/")],
+    )
+    proxy = proxy_factory(
+        url.replace("127.0.0.1", "localhost"), {"upstream": {"transport": transport}}
+    )
+    httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers={"User-Agent": "client-a"})
+    httpx.get(proxy.base_url + "/models")
+    second = dict(upstream.requests[1]["headers"])
+    assert b"cookie" not in second
+    assert dict(upstream.requests[0]["headers"])[b"user-agent"] == b"client-a"
+    assert b"aiohttp" not in second.get(b"user-agent", b"")  # the pool adds no headers of its own

@@ -88,3 +88,11 @@ def test_any_chunking_gives_upstream_bytes_minus_usage(
     stream = b"".join(events) + (usage if usage_at_end else b"") + DONE.replace(b"\n\n", sep)
     expected = b"".join(events) + DONE.replace(b"\n\n", sep)
     assert run(stream, [c % (len(stream) + 1) for c in cuts]) == expected
+
+
+def test_usage_only_event_with_any_spacing_is_stripped_whole_or_split() -> None:
+    spaced = b'data: {"id":"c1","choices" : [],"usage" : {"prompt_tokens":9}}\n\n'
+    stream = CHUNK % b"a" + spaced + DONE
+    assert run(stream, []) == CHUNK % b"a" + DONE
+    stripper = UsageEventStripper()
+    assert stripper.feed(spaced) == b""
