@@ -228,8 +228,10 @@ class Gateway:
         first = await receive()
         body = first.get("body", b"")
         content: bytes | AsyncIterator[bytes]
+        uploaded: asyncio.Event | None = None
         if first.get("more_body", False):
             limit = self.settings.server.max_body_bytes
+            uploaded = asyncio.Event()  # from then on, a disconnect cancels the upstream request
 
             async def stream_body() -> AsyncIterator[bytes]:
                 size = len(body)
@@ -244,16 +246,16 @@ class Gateway:
                     if size > limit:
                         raise too_large(limit)
                     more = message.get("more_body", False)
+                    if not more:
+                        uploaded.set()
                     yield chunk
 
             content = stream_body()
-            watch_now = False
         else:
             if len(body) > self.settings.server.max_body_bytes:
                 await send_error(send, too_large(self.settings.server.max_body_bytes), extra)
                 return
             content = body
-            watch_now = True
         ex.request_bytes = len(body)
         notify(self.observers, "on_request", ex)
         try:
@@ -266,7 +268,7 @@ class Gateway:
                 headers=upstream_request_headers(scope["headers"], self.api_key()),
                 extra_headers=extra,
                 record=False,
-                watch_now=watch_now,
+                watch_after=uploaded,
             )
         finally:
             notify(self.observers, "on_response", ex)

@@ -89,13 +89,17 @@ class DisconnectWatch:
 
     __slots__ = ("_done", "_task", "_watcher", "disconnected")
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, after: asyncio.Event | None = None) -> None:
+        """Watch for the current task. With ``after``, start listening only once it is set (the
+        request body is still being read from ``receive`` until then)."""
         self.disconnected = False
         self._done = False
         self._task = asyncio.current_task()
-        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive, after))
 
-    async def _watch(self, receive: Receive) -> None:
+    async def _watch(self, receive: Receive, after: asyncio.Event | None) -> None:
+        if after is not None:
+            await after.wait()
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -245,13 +249,13 @@ class Relay:
         extra_headers: list[tuple[bytes, bytes]],
         record: bool,
         watch: DisconnectWatch | None = None,
-        watch_now: bool = True,
+        watch_after: asyncio.Event | None = None,
         retry_if: Callable[[int, bytes], bool] | None = None,
     ) -> None:
         """Relay the exchange and fill in ``ex``. Raises ``UpstreamAborted`` (the upstream broke off
         after the response began) and ``RetryRequest`` (``retry_if`` accepted an error answer)."""
-        if watch is None and watch_now:
-            watch = DisconnectWatch(receive)
+        if watch is None:
+            watch = DisconnectWatch(receive, watch_after)
         response: httpx.Response | None = None
         started = False
         recorder: StreamRecorder | None = None
@@ -279,8 +283,6 @@ class Relay:
                     raise own from exc
                 ex.upstream_error = "connect"
                 raise upstream_unreachable(f"invalid answer ({type(exc).__name__})") from exc
-            if watch is None:
-                watch = DisconnectWatch(receive)
             ex.status = response.status_code
             # The transport's own stream: httpx's aiter_raw() adds per-chunk work a relay does
             # not need (re-chunking support, decoders, timers).

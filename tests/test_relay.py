@@ -561,3 +561,23 @@ def test_no_cookie_from_one_client_reaches_another(
     assert b"cookie" not in second
     assert dict(upstream.requests[0]["headers"])[b"user-agent"] == b"client-a"
     assert b"aiohttp" not in second.get(b"user-agent", b"")  # the pool adds no headers of its own
+
+
+def test_client_leaving_after_a_streamed_upload_cancels_the_upstream(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json", header_delay_s=10)
+    proxy = proxy_factory(url)
+
+    def gen() -> Any:
+        for _ in range(8):
+            yield b"a" * 65536
+
+    t0 = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(proxy.base_url + "/audio/transcriptions", content=gen(), timeout=0.5)
+    deadline = time.monotonic() + 5
+    while not upstream.disconnects and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert upstream.disconnects and upstream.disconnects[0] - t0 < 2.0
+    assert upstream.requests[0]["body"] == b"a" * 8 * 65536
