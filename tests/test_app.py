@@ -196,3 +196,26 @@ def test_a_failing_observer_never_breaks_the_response(
         model="gpt-4o", messages=[{"role": "user", "content": "still works"}]
     )
     assert out.choices[0].message.content
+
+
+def test_retention_runs_at_start_and_spares_recent_logs(
+    sim: RunningSimulator, tmp_path: Any
+) -> None:
+    import os
+    import time as clock
+
+    from tests.conftest import run_proxy
+
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    old, recent = log_dir / "old-session.jsonl", log_dir / "recent-session.jsonl"
+    old.write_text('{"ts":1,"type":"session_meta"}\n')
+    recent.write_text('{"ts":2,"type":"session_meta"}\n')
+    ten_days_ago = clock.time() - 10 * 86400
+    os.utime(old, (ten_days_ago, ten_days_ago))
+    with run_proxy(sim.api_base, log_dir, {"logging": {"max_age_days": 1}}):
+        deadline = clock.monotonic() + 5
+        while old.exists() and clock.monotonic() < deadline:
+            clock.sleep(0.02)
+        assert not old.exists()
+        assert recent.exists()

@@ -117,6 +117,14 @@ def test_history_over_the_trigger_is_compacted_and_stays_sticky(
         assert usage is not None and usage.prompt_tokens_details is not None
         assert usage.prompt_tokens_details.cached_tokens >= 1024
         forwarded = now
+    proxy.settle()
+    responses = [
+        e
+        for p in proxy.log_dir.glob("*.jsonl")
+        for e in read_events(p).events
+        if e["type"] == "response"
+    ]
+    assert [r["cache"]["waste"] for r in responses] == [0, 0, 0]  # the bought miss is not waste
     assert proxy.metric("cachegate_compactions_total", {"model": MODEL, "result": "summary"}) == 1
     assert proxy.metric("cachegate_compactions_total", {"model": MODEL, "result": "reused"}) == 2
 
@@ -279,3 +287,37 @@ def test_a_compressed_error_answer_passes_intact_with_compaction_on(
     )
     assert r.status_code == 400
     assert r.content == error  # httpx decoded the upstream's gzip bytes, relayed untouched
+
+
+def test_the_miss_a_compaction_buys_is_not_counted_as_waste(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    c = sdk(proxy.base_url)
+    short = history(4, output_chars=3000, system_repeat=10)
+    c.chat.completions.create(model=MODEL, messages=short, extra_headers={"X-Session-Id": "bought"})
+    long = history(
+        18, output_chars=3000, system_repeat=10
+    )  # the same conversation, grown past the trigger
+    sim.sim.enqueue([parse_script("SUMMARY")])
+    raw = c.chat.completions.with_raw_response.create(
+        model=MODEL, messages=long, extra_headers={"X-Session-Id": "bought"}
+    )
+    assert raw.headers["x-cachegate-compacted"] == "1"
+    proxy.settle()
+    responses = [
+        e for e in read_events(proxy.log_dir / "bought.jsonl").events if e["type"] == "response"
+    ]
+    _first, compacted = responses
+    assert compacted["cache"]["expected"] == 0  # not counted at all …
+    usage = compacted["usage"]
+    assert (
+        min(_first["usage"]["prompt"], usage["prompt"]) - usage["cache_read"] > 1024
+    )  # … though it missed
+    assert compacted["cache"]["waste"] == 0 and compacted["cache"]["cause"] is None  # … not waste
+    assert (
+        proxy.metric(
+            "cachegate_cache_waste_tokens_total", {"model": MODEL, "cause": "prefix_rewrite"}
+        )
+        == 0
+    )
