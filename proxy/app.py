@@ -134,6 +134,7 @@ class Gateway:
         self.observers.append(MetricsObserver(self.metrics))
         self._retention: asyncio.Task[None] | None = None
         self.upstream: httpx.AsyncBaseTransport | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.relay: Relay | None = None
         self.chat: ChatPipeline | None = None
 
@@ -145,6 +146,7 @@ class Gateway:
         self.metrics.observe_log_loss("queue_full" if kind == "queue_full" else "write_error")
 
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         self.upstream = build_transport(self.settings, self.transport)
         self.relay = Relay(
             self.upstream, self.settings.upstream.base_url, build_timeout(self.settings)

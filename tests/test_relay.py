@@ -365,6 +365,18 @@ def test_two_hundred_interrupted_streams_leave_nothing_behind(
     events = [sse(chunk(str(i))) for i in range(50)]
     upstream, url = scripted(chunks=events, delay_s=0.05)
     proxy = proxy_factory(url)
+
+    def tasks() -> int:
+        import asyncio
+
+        for _ in range(10):  # read from another thread: retry if the set changes meanwhile
+            try:
+                return len(asyncio.all_tasks(proxy.gateway.loop))
+            except RuntimeError:
+                time.sleep(0.01)
+        raise AssertionError("could not count the proxy's tasks")
+
+    baseline = tasks()
     with httpx.Client(base_url=proxy.base_url, timeout=10) as client:
         for _ in range(200):
             with client.stream("POST", "/chat/completions", json={**CHAT, "stream": True}) as r:
@@ -382,6 +394,11 @@ def test_two_hundred_interrupted_streams_leave_nothing_behind(
         while transport.client.connector._acquired and time.monotonic() < deadline:
             time.sleep(0.02)
         assert not transport.client.connector._acquired
+    proxy.settle()
+    deadline = time.monotonic() + 5
+    while tasks() > baseline and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert tasks() <= baseline  # no watcher, relay or writer task left behind
 
 
 @pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
