@@ -218,6 +218,7 @@ class ChatPipeline:
             started_at=now,
             t0=time.perf_counter(),
             user_agent=headers.get("user-agent", ""),
+            query=scope.get("query_string", b""),
         )
         state: SessionState | None = None
         watch: DisconnectWatch | None = None

@@ -47,7 +47,6 @@ class Compactor:
     def __init__(self, settings: Settings, relay: Relay, observers: list[Observer]) -> None:
         self.settings = settings
         self.relay = relay
-        self.url = relay.url("chat/completions", b"")
         self.observers = observers
 
     async def apply(
@@ -154,7 +153,8 @@ class Compactor:
         headers.append((b"content-type", b"application/json"))
         try:
             async with asyncio.timeout(self.settings.compaction.summary_timeout_s):
-                response = await self.relay.open("POST", self.url, headers, orjson.dumps(request))
+                url = self.relay.url("chat/completions", ex.query)  # keeps e.g. ?api-version=
+                response = await self.relay.open("POST", url, headers, orjson.dumps(request))
                 try:
                     body = await response.aread()
                 finally:

@@ -29,6 +29,7 @@ class Exchange:
     started_at: float  # wall clock, seconds
     t0: float  # perf_counter when the request arrived
     user_agent: str = ""
+    query: bytes = b""  # the client's query string (e.g. Azure's api-version), forwarded as is
     session_id: str | None = None
     exchange_id: int = 0
     model: str | None = None

@@ -321,3 +321,29 @@ def test_the_miss_a_compaction_buys_is_not_counted_as_waste(
         )
         == 0
     )
+
+
+def test_the_summary_call_keeps_the_clients_query_string(scripted: Any, proxy_factory: Any) -> None:
+    import httpx
+
+    answer = orjson.dumps(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "SUMMARY"},
+                    "finish_reason": "stop",
+                }
+            ]
+        }
+    )
+    upstream, url = scripted(chunks=[answer], content_type=b"application/json")
+    proxy = proxy_factory(url, CONFIG)
+    r = httpx.post(
+        proxy.base_url + "/chat/completions?api-version=2024-10-21",
+        json={"model": MODEL, "messages": history(18)},
+    )
+    assert r.headers["x-cachegate-compacted"] == "1"
+    assert [q["query"] for q in upstream.requests] == [b"api-version=2024-10-21"] * 2
+    assert "tools" not in orjson.loads(upstream.requests[0]["body"])  # the summary call
+    assert SUMMARY_MARKER in orjson.loads(upstream.requests[1]["body"])["messages"][1]["content"]
