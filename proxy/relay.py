@@ -199,6 +199,14 @@ async def send_error(
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+class _RepeatedHeaders(httpx.Headers):
+    """Headers whose ``items()`` keeps a repeated header repeated: the aiohttp pool copies headers
+    through ``items()``, which httpx otherwise joins into one comma-separated value."""
+
+    def items(self) -> Any:
+        return self.multi_items()
+
+
 class Relay:
     """Streams one exchange through the shared, pooled upstream transport.
 
@@ -229,6 +237,7 @@ class Relay:
             content=content,
             extensions={"timeout": self._timeout},
         )
+        request.headers = _RepeatedHeaders(request.headers.raw)
         response = await self.transport.handle_async_request(request)
         response.request = request
         return response

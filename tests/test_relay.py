@@ -598,3 +598,15 @@ def test_client_leaving_after_a_streamed_upload_cancels_the_upstream(
         time.sleep(0.01)
     assert upstream.disconnects and upstream.disconnects[0] - t0 < 2.0
     assert upstream.requests[0]["body"] == b"a" * 8 * 65536
+
+
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+def test_a_repeated_request_header_stays_repeated(
+    scripted: Any, proxy_factory: Any, transport: str
+) -> None:
+    upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
+    proxy = proxy_factory(url, {"upstream": {"transport": transport}})
+    httpx.post(
+        proxy.base_url + "/chat/completions", json=CHAT, headers=[("x-dup", "a"), ("x-dup", "b")]
+    )
+    assert [v for k, v in upstream.requests[0]["headers"] if k == b"x-dup"] == [b"a", b"b"]
