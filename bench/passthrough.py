@@ -1,13 +1,13 @@
 """A bare pass-through on cachegate's own stack: the floor the full pipeline is compared with.
 
-Raw ASGI under uvicorn (httptools, uvloop), one pooled ``httpx.AsyncClient`` with the same limits and
-timeouts cachegate configures, the request body forwarded as received and the upstream's bytes sent
-back as they arrive, with disconnect cancellation. No parsing, sessions, repair, accounting, logging or
+Raw ASGI under uvicorn (httptools, uvloop), cachegate's native upstream pool (``proxy.upstream``)
+with the same limits and timeouts cachegate configures, the request body forwarded as received and
+the upstream's bytes sent back as they arrive, with disconnect cancellation. No parsing, sessions, repair, accounting, logging or
 metrics: what is left is the cost of the stack itself.
 
-``python -m bench.passthrough --port N --upstream http://127.0.0.1:M/v1 [--transport aiohttp]``
-(``aiohttp``, the default: the httpx API over the ``httpx-aiohttp`` transport, as cachegate uses;
-``httpx``: httpx's own pool.)
+``python -m bench.passthrough --port N --upstream http://127.0.0.1:M/v1 [--transport native]``
+(``native``, the default: cachegate's own pool; ``aiohttp``: the httpx API over the ``httpx-aiohttp``
+transport; ``httpx``: httpx's own pool.)
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class Passthrough:
         self.upstream = upstream.rstrip("/")
         self.transport = transport
         self.client: httpx.AsyncClient | None = None
+        self.pool: Any = None  # proxy.upstream.UpstreamPool with --transport native
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -49,7 +50,13 @@ class Passthrough:
                 max_connections=1000, max_keepalive_connections=200, keepalive_expiry=30.0
             )
             transport = None
-            if self.transport == "aiohttp":
+            if self.transport == "native":
+                from proxy.upstream import UpstreamPool
+
+                self.pool = UpstreamPool(
+                    max_connections=1000, max_keepalive=200, connect_timeout=10.0
+                )
+            elif self.transport == "aiohttp":
                 # Only in the bench's tools venv (bench/.venv-tools): evidence, not a dependency.
                 from httpx_aiohttp import AiohttpTransport
 
@@ -63,6 +70,8 @@ class Passthrough:
             await send({"type": "lifespan.startup.complete"})
             await receive()
             await self.client.aclose()
+            if self.pool is not None:
+                await self.pool.aclose()
             await send({"type": "lifespan.shutdown.complete"})
             return
         assert self.client is not None
@@ -75,6 +84,9 @@ class Passthrough:
         path = scope["path"].removeprefix("/v1")
         headers = [(k, v) for k, v in scope["headers"] if k not in _HOP]
         headers.append((b"accept-encoding", b"identity"))
+        if self.pool is not None:
+            await self._native(scope, receive, send, path, headers, b"".join(parts))
+            return
         request = self.client.build_request(
             scope["method"], self.upstream + path, headers=headers, content=b"".join(parts)
         )
@@ -107,6 +119,45 @@ class Passthrough:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(response.aclose())
 
+    async def _native(
+        self,
+        scope: dict[str, Any],
+        receive: Any,
+        send: Any,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> None:
+        """The same relay on cachegate's native pool (``proxy.upstream``)."""
+        task = asyncio.current_task()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if task is not None:
+                task.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        response = None
+        try:
+            response = await self.pool.open(scope["method"], self.upstream + path, headers, body)
+            out = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in _HOP]
+            length = response.headers.get("content-length")
+            if length is not None:
+                out.append((b"content-length", length.encode()))
+            await send(
+                {"type": "http.response.start", "status": response.status_code, "headers": out}
+            )
+            async for chunk in response.stream:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            pass
+        finally:
+            watcher.cancel()
+            if response is not None:
+                await response.aclose()
+
 
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
@@ -114,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="bare pass-through proxy on cachegate's stack")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True)
-    parser.add_argument("--transport", choices=("httpx", "aiohttp"), default="aiohttp")
+    parser.add_argument("--transport", choices=("native", "httpx", "aiohttp"), default="native")
     ns = parser.parse_args(argv)
     uvicorn.run(
         Passthrough(ns.upstream, ns.transport),

@@ -638,7 +638,7 @@ def start_fleet(
     bare = procs.start(
         "bare",
         [py, "-m", "bench.passthrough", "--port", str(bare_port), "--upstream", upstream,
-         "--transport", "aiohttp"],
+         "--transport", "native"],
         port=bare_port, cpu=0, log_dir=workdir, env=env,
     )  # fmt: skip
     servers += [cg, bare]

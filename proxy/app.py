@@ -36,6 +36,7 @@ from proxy.relay import (
     upstream_request_headers,
 )
 from proxy.sessions import MemorySessionStore, explicit_session_id, valid_session_id
+from proxy.upstream import UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +61,19 @@ logging.getLogger("uvicorn.error").addFilter(_AbortFilter())
 
 def build_transport(
     settings: Settings, transport: httpx.AsyncBaseTransport | None
-) -> httpx.AsyncBaseTransport:
+) -> httpx.AsyncBaseTransport | UpstreamPool:
     """The one pooled upstream transport (a test may inject its own)."""
     if transport is not None:
         return transport
     up = settings.upstream
+    if up.transport == "native":
+        return UpstreamPool(
+            max_connections=up.max_connections,
+            max_keepalive=up.max_keepalive_connections,
+            keepalive_expiry=30.0,
+            connect_timeout=up.connect_timeout_s,
+            read_timeout=up.timeout_s,
+        )
     limits = httpx.Limits(
         max_connections=up.max_connections,
         max_keepalive_connections=up.max_keepalive_connections,
@@ -133,7 +142,7 @@ class Gateway:
             self.observers.append(EventLogObserver(settings, self.sessions, self.writer, clock))
         self.observers.append(MetricsObserver(self.metrics))
         self._retention: asyncio.Task[None] | None = None
-        self.upstream: httpx.AsyncBaseTransport | None = None
+        self.upstream: httpx.AsyncBaseTransport | UpstreamPool | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.relay: Relay | None = None
         self.chat: ChatPipeline | None = None

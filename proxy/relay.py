@@ -23,6 +23,7 @@ from proxy.assemble import StreamRecorder, assemble_completion
 from proxy.errors import ProxyError, too_large, upstream_timeout, upstream_unreachable
 from proxy.pipeline import Exchange
 from proxy.strip import UsageEventStripper
+from proxy.upstream import UpstreamPool, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class DisconnectWatch:
         self._watcher.cancel()
 
 
-def _decoded(response: httpx.Response, body: bytes) -> bytes:
+def _decoded(response: httpx.Response | UpstreamResponse, body: bytes) -> bytes:
     """``body`` with its content-encoding undone, to read an error message; raw when it cannot be."""
     encoding = response.headers.get("content-encoding", "identity").lower()
     if encoding in ("", "identity"):
@@ -177,7 +178,10 @@ def upstream_request_headers(
 
 
 def client_response_headers(
-    upstream: httpx.Response, *, drop_length: bool, extra: list[tuple[bytes, bytes]]
+    upstream: httpx.Response | UpstreamResponse,
+    *,
+    drop_length: bool,
+    extra: list[tuple[bytes, bytes]],
 ) -> list[tuple[bytes, bytes]]:
     raw = [(k.lower(), v) for k, v in upstream.headers.raw]
     drop = HOP_BY_HOP | _connection_listed(raw)
@@ -216,7 +220,10 @@ class Relay:
     """
 
     def __init__(
-        self, transport: httpx.AsyncBaseTransport, base_url: str, timeout: httpx.Timeout
+        self,
+        transport: httpx.AsyncBaseTransport | UpstreamPool,
+        base_url: str,
+        timeout: httpx.Timeout,
     ) -> None:
         self.transport = transport
         self.base_url = base_url.rstrip("/")
@@ -228,8 +235,10 @@ class Relay:
         url: str,
         headers: list[tuple[bytes, bytes]],
         content: bytes | AsyncIterator[bytes],
-    ) -> httpx.Response:
+    ) -> httpx.Response | UpstreamResponse:
         """Send one request through the pool; the response's body is not read yet."""
+        if isinstance(self.transport, UpstreamPool):
+            return await self.transport.open(method, url, headers, content)
         request = httpx.Request(
             method,
             url,
@@ -265,7 +274,7 @@ class Relay:
         after the response began) and ``RetryRequest`` (``retry_if`` accepted an error answer)."""
         if watch is None:
             watch = DisconnectWatch(receive, watch_after)
-        response: httpx.Response | None = None
+        response: httpx.Response | UpstreamResponse | None = None
         started = False
         recorder: StreamRecorder | None = None
         stripper: UsageEventStripper | None = None

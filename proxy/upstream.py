@@ -1,0 +1,576 @@
+"""cachegate's upstream connection pool: HTTP/1.1 on asyncio protocols, responses parsed by httptools.
+
+A relay needs four things from its upstream client: send a request, read the status and headers,
+iterate the body as the bytes arrive, and close at once when the client hangs up. General clients do
+much more per request and per chunk (httpx's models and decoders, aiohttp's client session and
+stream reader, the httpx-aiohttp bridge between them). Measured on the benchmark (2 cores, loopback,
+100 concurrent streams), the same uvicorn app spent 3.9 ms of CPU per stream with httpx over aiohttp
+and 2.0 ms with this pool, and the time to first byte it added fell from about 30 ms to about 0.
+
+What it does:
+
+- keep-alive connections per origin (scheme, host, port), reused newest first, dropped after
+  ``keepalive_expiry`` idle seconds, at most ``max_keepalive`` idle and ``max_connections`` open;
+  a request waits for a free slot up to ``pool_timeout``;
+- request bodies as bytes (``content-length``) or an async iterator (``transfer-encoding:
+  chunked``), written with flow control;
+- response bodies framed by ``content-length``, chunked encoding, or the connection's end; interim
+  1xx responses skipped; HEAD answered without a body;
+- timeouts: ``connect_timeout`` to open a connection, ``read_timeout`` between bytes;
+- TLS for ``https`` origins, verified against certifi's bundle as httpx does (``SSL_CERT_FILE`` or
+  ``SSL_CERT_DIR`` select another);
+- a request that finds its reused connection closed by the server before any byte of an answer is
+  sent once more on a new connection (the server closed an idle connection as it was reused);
+- failures raised as httpx's exceptions (``ConnectError``, ``ConnectTimeout``, ``ReadTimeout``,
+  ``PoolTimeout``, ``RemoteProtocolError``, ``ReadError``), so callers handle every pool alike.
+
+It adds no header of its own but ``host``, ``content-length`` or ``transfer-encoding``, keeps no
+cookies, and never follows redirects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import ssl
+import time
+from collections.abc import AsyncIterator
+from typing import Any, overload
+from urllib.parse import urlsplit
+
+import httptools
+import httpx
+
+_HIGH_WATER = 256 * 1024  # buffered response bytes before the socket stops being read
+_LOW_WATER = 64 * 1024
+_WRITE_JOIN = 64 * 1024  # bodies up to this size go out in one write with the head
+
+Origin = tuple[str, str, int]  # scheme, host, port
+
+
+class UpstreamHeaders:
+    """The response's headers in the order and spelling the upstream sent them."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self.raw = raw
+
+    @overload
+    def get(self, name: str) -> str | None: ...
+    @overload
+    def get(self, name: str, default: str) -> str: ...
+    def get(self, name: str, default: str | None = None) -> str | None:
+        """The first value of ``name`` (any case), decoded as latin-1."""
+        key = name.lower().encode("latin-1")
+        for k, v in self.raw:
+            if k.lower() == key:
+                return v.decode("latin-1")
+        return default
+
+    def __getitem__(self, name: str) -> str:
+        value = self.get(name)
+        if value is None:
+            raise KeyError(name)
+        return value
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.get(name) is not None
+
+
+class UpstreamResponse:
+    """One response: status and headers are read; the body is iterated with ``async for chunk in
+    response.stream``. ``aclose()`` returns the connection to the pool when the body was read to its
+    end and the upstream keeps it alive, and closes it at once otherwise."""
+
+    __slots__ = (
+        "_buffered",
+        "_chunks",
+        "_conn",
+        "_done",
+        "_error",
+        "_waiter",
+        "headers",
+        "status_code",
+    )
+
+    def __init__(self, conn: _Connection, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self._conn: _Connection | None = conn
+        self.status_code = status
+        self.headers = UpstreamHeaders(headers)
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._done = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def stream(self) -> UpstreamResponse:
+        return self
+
+    # -- fed by the connection -----------------------------------------------------------------
+
+    def _feed(self, chunk: bytes) -> None:
+        self._chunks.append(chunk)
+        self._buffered += len(chunk)
+        if self._buffered > _HIGH_WATER and self._conn is not None:
+            self._conn.pause_reading()
+        self._wake()
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        if self._done or self._error is not None:
+            return
+        if error is None:
+            self._done = True
+        else:
+            self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- read by the caller --------------------------------------------------------------------
+
+    def __aiter__(self) -> UpstreamResponse:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while True:
+            if self._chunks:
+                chunk = self._chunks.popleft()
+                self._buffered -= len(chunk)
+                if self._buffered < _LOW_WATER and self._conn is not None:
+                    self._conn.resume_reading()
+                return chunk
+            if self._error is not None:
+                raise self._error
+            if self._done:
+                raise StopAsyncIteration
+            conn = self._conn
+            if conn is None:
+                raise httpx.ReadError("the response was closed")
+            self._waiter = conn.loop.create_future()
+            try:
+                await conn.wait(self._waiter)
+            finally:
+                self._waiter = None
+
+    async def aread(self) -> bytes:
+        """The rest of the body."""
+        return b"".join([chunk async for chunk in self])
+
+    async def aclose(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.release(self._done and not self._chunks)
+
+
+class _Connection(asyncio.Protocol):
+    """One upstream connection and the exchange currently on it."""
+
+    def __init__(self, pool: UpstreamPool, origin: Origin, read_timeout: float) -> None:
+        self.pool = pool
+        self.origin = origin
+        self.loop = asyncio.get_running_loop()
+        self.read_timeout = read_timeout
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.uses = 0
+        self.idle_since = 0.0
+        self._parser: httptools.HttpResponseParser | None = None
+        self._head_only = False
+        self._status = 0
+        self._raw_headers: list[tuple[bytes, bytes]] = []
+        self._head: asyncio.Future[UpstreamResponse] | None = None
+        self._response: UpstreamResponse | None = None
+        self._received = False  # any byte of an answer to the current request
+        self._until_close = False  # the body ends with the connection
+        self._complete = False
+        self._keep_alive = False
+        self._reading_paused = False
+        self._drain: asyncio.Future[None] | None = None
+
+    # -- asyncio.Protocol ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's too)
+
+    def data_received(self, data: bytes) -> None:
+        parser = self._parser
+        if parser is None or self._complete:  # nothing was asked: a confused upstream
+            self.abort()
+            return
+        self._received = True
+        try:
+            parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(httpx.RemoteProtocolError(f"invalid answer from upstream: {exc}"))
+            self.abort()
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport: connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.pool._forget(self)
+        if self._response is not None and self._until_close and exc is None:
+            self._response._finish()  # a body delimited by the connection's end has ended
+        elif not self._complete:
+            self._fail(
+                httpx.RemoteProtocolError("upstream closed the connection before answering")
+                if not self._received or self._response is None
+                else httpx.ReadError("upstream closed the connection mid-response")
+            )
+        drain = self._drain
+        if drain is not None and not drain.done():
+            drain.set_exception(httpx.WriteError("upstream closed the connection"))
+
+    def pause_writing(self) -> None:
+        if self._drain is None or self._drain.done():
+            self._drain = self.loop.create_future()
+
+    def resume_writing(self) -> None:
+        drain = self._drain
+        if drain is not None and not drain.done():
+            drain.set_result(None)
+
+    # -- httptools callbacks -------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        assert parser is not None
+        status = parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            self._raw_headers = []  # an interim answer (100 Continue, 103 Early Hints): skip it
+            return
+        headers, self._raw_headers = self._raw_headers, []
+        response = UpstreamResponse(self, status, headers)
+        self._response = response
+        framed = any(k.lower() in (b"content-length", b"transfer-encoding") for k, _ in headers)
+        bodiless = self._head_only or status in (204, 304) or status == 101
+        self._until_close = not framed and not bodiless
+        if self._head_only:  # the parser would wait for a body the length announces: stop here
+            self._complete = True
+            self._keep_alive = False
+            response._finish()
+        head = self._head
+        if head is not None and not head.done():
+            head.set_result(response)
+
+    def on_body(self, body: bytes) -> None:
+        if self._response is not None and not self._complete:
+            self._response._feed(body)
+
+    def on_message_complete(self) -> None:
+        parser = self._parser
+        if self._response is None or self._complete:  # the end of a skipped 1xx answer
+            return
+        assert parser is not None
+        self._complete = True
+        self._keep_alive = parser.should_keep_alive() and not self._until_close
+        self._response._finish()
+
+    # -- the exchange --------------------------------------------------------------------------
+
+    def _fail(self, error: BaseException) -> None:
+        head = self._head
+        if head is not None and not head.done():
+            head.set_exception(error)
+        if self._response is not None:
+            self._response._finish(error)
+
+    async def wait(self, future: asyncio.Future[Any]) -> Any:
+        """Await ``future`` with the read timeout; a timeout closes the connection."""
+        timer = self.loop.call_later(self.read_timeout, self._timed_out, future)
+        try:
+            return await future
+        finally:
+            timer.cancel()
+
+    def _timed_out(self, future: asyncio.Future[Any]) -> None:
+        if not future.done():
+            future.set_exception(httpx.ReadTimeout("upstream sent nothing for too long"))
+            error = httpx.ReadTimeout("upstream sent nothing for too long")
+            self._fail(error)
+            self.abort()
+
+    async def exchange(
+        self, method: bytes, head: bytes, content: bytes | AsyncIterator[bytes]
+    ) -> UpstreamResponse:
+        """Send one request and wait for the answer's status and headers."""
+        transport = self.transport
+        assert transport is not None
+        self.uses += 1
+        self._parser = httptools.HttpResponseParser(self)
+        self._head_only = method == b"HEAD"
+        self._response = None
+        self._received = self._complete = self._until_close = self._keep_alive = False
+        self._raw_headers = []
+        self._head = self.loop.create_future()
+        if isinstance(content, bytes | bytearray | memoryview):
+            if len(content) <= _WRITE_JOIN:
+                transport.write(head + content)
+            else:
+                transport.write(head)
+                transport.write(content)
+        else:
+            transport.write(head)
+            async for chunk in content:
+                if chunk:
+                    transport.write(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+                    drain = self._drain
+                    if drain is not None and not drain.done():
+                        await drain
+                if self._head.done():  # answered (or failed) before the body was all sent
+                    break
+            if not self._head.done():
+                transport.write(b"0\r\n\r\n")
+        return await self.wait(self._head)
+
+    def pause_reading(self) -> None:
+        if not self._reading_paused and self.transport is not None and not self.closed:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._reading_paused and self.transport is not None and not self.closed:
+            self._reading_paused = False
+            self.transport.resume_reading()
+
+    def release(self, read_to_end: bool) -> None:
+        """The caller is done with the response: back to the pool, or closed."""
+        if read_to_end and self._complete and self._keep_alive and not self.closed:
+            self._parser = None
+            self._response = None
+            self._head = None
+            self.resume_reading()
+            self.pool._release(self)
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        """Close at once (the upstream sees its socket closed)."""
+        if self.transport is not None:
+            self.transport.abort()
+        if not self.closed:
+            # connection_lost follows from the loop; account for the slot now
+            self.pool._forget(self)
+
+
+def _ssl_context() -> ssl.SSLContext:
+    """Verification as httpx does it: certifi's bundle unless SSL_CERT_FILE/SSL_CERT_DIR say else."""
+    cafile = os.environ.get("SSL_CERT_FILE")
+    capath = os.environ.get("SSL_CERT_DIR")
+    if not cafile and not capath:
+        try:
+            import certifi
+
+            cafile = certifi.where()
+        except ImportError:  # pragma: no cover - certifi comes with httpx
+            cafile = None
+    return ssl.create_default_context(cafile=cafile or None, capath=capath or None)
+
+
+class UpstreamPool:
+    """Pooled HTTP/1.1 connections to the upstream origins."""
+
+    def __init__(
+        self,
+        *,
+        max_connections: int = 1000,
+        max_keepalive: int = 200,
+        keepalive_expiry: float = 30.0,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 600.0,
+        pool_timeout: float | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self.max_connections = max_connections
+        self.max_keepalive = max_keepalive
+        self.keepalive_expiry = keepalive_expiry
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.pool_timeout = read_timeout if pool_timeout is None else pool_timeout
+        self._ssl = ssl_context
+        self._idle: dict[Origin, list[_Connection]] = {}
+        self._open: set[_Connection] = set()
+        self._connecting = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._targets: dict[str, tuple[Origin, bytes, bytes]] = {}
+        self._closed = False
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._open) + self._connecting
+
+    @property
+    def idle_connections(self) -> int:
+        return sum(len(v) for v in self._idle.values())
+
+    @property
+    def in_use(self) -> int:
+        """Connections checked out to an exchange (not idle, not closed)."""
+        return len(self._open) - self.idle_connections
+
+    def _target(self, url: str) -> tuple[Origin, bytes, bytes]:
+        """Origin, host header and request target of ``url`` (cached: a proxy has few URLs)."""
+        cached = self._targets.get(url)
+        if cached is not None:
+            return cached
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        if scheme not in ("http", "https") or not parts.hostname:
+            raise httpx.UnsupportedProtocol(f"cannot send a request to {url!r}")
+        default = 443 if scheme == "https" else 80
+        port = parts.port or default
+        host = parts.hostname
+        try:
+            name = host.encode("ascii")
+        except UnicodeEncodeError:
+            name = host.encode("idna")
+        host_header = name if b":" not in name else b"[%s]" % name
+        if port != default:
+            host_header += b":%d" % port
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        result = ((scheme, host, port), host_header, target.encode("latin-1"))
+        if len(self._targets) < 4096:
+            self._targets[url] = result
+        return result
+
+    async def open(
+        self,
+        method: str,
+        url: str,
+        headers: list[tuple[bytes, bytes]],
+        content: bytes | AsyncIterator[bytes] = b"",
+    ) -> UpstreamResponse:
+        """Send a request; the answer's status and headers are read, its body is not."""
+        origin, host, target = self._target(url)
+        verb = method.encode("ascii")
+        lines = [b"%s %s HTTP/1.1\r\nhost: %s\r\n" % (verb, target, host)]
+        lines.extend(b"%s: %s\r\n" % (k, v) for k, v in headers)
+        if isinstance(content, bytes):
+            if content or verb not in (b"GET", b"HEAD", b"DELETE", b"OPTIONS"):
+                lines.append(b"content-length: %d\r\n" % len(content))
+        else:
+            lines.append(b"transfer-encoding: chunked\r\n")
+        lines.append(b"\r\n")
+        head = b"".join(lines)
+        for attempt in (0, 1):
+            conn = await self._acquire(origin)
+            try:
+                return await conn.exchange(verb, head, content)
+            except httpx.RemoteProtocolError:
+                stale = conn.uses > 1 and not conn._received
+                conn.abort()
+                if attempt == 0 and stale and isinstance(content, bytes):
+                    continue  # the server closed this idle connection as it was reused
+                raise
+            except BaseException:
+                conn.abort()  # cancelled (the client left) or failed: the upstream sees the close
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _acquire(self, origin: Origin) -> _Connection:
+        if self._closed:
+            raise httpx.ConnectError("the upstream pool is closed")
+        idle = self._idle.get(origin)
+        if idle:
+            now = time.monotonic()
+            while idle:
+                conn = idle.pop()
+                if not conn.closed and now - conn.idle_since < self.keepalive_expiry:
+                    return conn
+                conn.abort()
+        while self.open_connections >= self.max_connections:
+            spare = next((c for idle in self._idle.values() for c in idle), None)
+            if spare is not None:  # an idle connection to another origin gives up its slot
+                spare.abort()
+                continue
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                async with asyncio.timeout(self.pool_timeout):
+                    await waiter
+            except TimeoutError:
+                raise httpx.PoolTimeout("no upstream connection became free in time") from None
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+            idle = self._idle.get(origin)
+            if idle:
+                conn = idle.pop()
+                if not conn.closed:
+                    return conn
+        return await self._connect(origin)
+
+    async def _connect(self, origin: Origin) -> _Connection:
+        scheme, host, port = origin
+        loop = asyncio.get_running_loop()
+        tls: ssl.SSLContext | None = None
+        if scheme == "https":
+            if self._ssl is None:
+                self._ssl = _ssl_context()
+            tls = self._ssl
+        self._connecting += 1
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(self, origin, self.read_timeout),
+                    host,
+                    port,
+                    ssl=tls,
+                    server_hostname=host if tls is not None else None,
+                )
+        except TimeoutError:
+            raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from None
+        except OSError as exc:
+            raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
+        finally:
+            self._connecting -= 1
+            self._wake_waiter()
+        self._open.add(conn)
+        return conn
+
+    def _release(self, conn: _Connection) -> None:
+        if self._closed or self.idle_connections >= self.max_keepalive:
+            conn.abort()
+            return
+        conn.idle_since = time.monotonic()
+        self._idle.setdefault(conn.origin, []).append(conn)
+        self._wake_waiter()
+
+    def _forget(self, conn: _Connection) -> None:
+        """``conn`` is closed or closing: it no longer counts."""
+        if conn in self._open:
+            self._open.discard(conn)
+            idle = self._idle.get(conn.origin)
+            if idle and conn in idle:
+                idle.remove(conn)
+            self._wake_waiter()
+
+    def _wake_waiter(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def aclose(self) -> None:
+        """Close every connection (exchanges still running see their connection end)."""
+        self._closed = True
+        for conn in list(self._open):
+            conn.abort()
+        self._idle.clear()
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_exception(httpx.ConnectError("the upstream pool is closed"))
+        self._waiters.clear()
