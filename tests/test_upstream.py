@@ -1,0 +1,449 @@
+"""The native upstream pool against raw-socket servers on 127.0.0.1: framing, reuse, timeouts,
+cancellation, limits, TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.upstream import UpstreamPool, UpstreamResponse, _ssl_context
+
+DATA = Path(__file__).parent / "data"
+CERT = DATA / "tls-test-cert.pem"
+KEY = DATA / "tls-test-key.pem"
+
+Handler = Callable[[int, int, bytes, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bool]]
+
+
+def answer(body: bytes, status: bytes = b"200 OK", extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 %s\r\ncontent-length: %d\r\n%s\r\n" % (status, len(body), extra) + body
+
+
+class Server:
+    """A raw HTTP/1.1 server. ``handler(conn_no, request_no_on_conn, request, reader, writer)``
+    answers one request and says whether to keep reading the connection."""
+
+    def __init__(self, handler: Handler, tls: ssl.SSLContext | None = None) -> None:
+        self.handler = handler
+        self.tls = tls
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.closed_at: list[float] = []
+        self.server: asyncio.Server | None = None
+        self.request_seen = asyncio.Event()
+        self.connection_closed = asyncio.Event()
+
+    async def __aenter__(self) -> Server:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.tls)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        port = self.server.sockets[0].getsockname()[1]
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        conn_no = self.connections
+        n = 0
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                body = b""
+                lower = head.lower()
+                if b"content-length:" in lower:
+                    size = int(lower.split(b"content-length:")[1].split(b"\r\n")[0])
+                    body = await reader.readexactly(size)
+                elif b"transfer-encoding: chunked" in lower:
+                    while True:
+                        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+                        data = await reader.readexactly(size + 2)
+                        if size == 0:
+                            break
+                        body += data[:-2]
+                n += 1
+                self.requests.append(head + body)
+                self.request_seen.set()
+                if not await self.handler(conn_no, n, head + body, reader, writer):
+                    return
+        finally:
+            self.closed_at.append(time.monotonic())
+            self.connection_closed.set()
+            writer.close()
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+async def read(response: UpstreamResponse) -> bytes:
+    try:
+        return await response.aread()
+    finally:
+        await response.aclose()
+
+
+def test_keep_alive_reuses_one_connection_and_preserves_headers() -> None:
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(answer(b"answer %d" % n, extra=b"X-Dup: a\r\nx-dup: b\r\n"))
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            for i in (1, 2, 3):
+                resp = await pool.open(
+                    "POST", srv.url + "/v1/x?q=1", [(b"x-h", b"1"), (b"x-h", b"2")], b"{}"
+                )
+                assert resp.status_code == 200
+                assert [v for k, v in resp.headers.raw if k.lower() == b"x-dup"] == [b"a", b"b"]
+                assert await read(resp) == b"answer %d" % i
+            assert srv.connections == 1
+            first = srv.requests[0]
+            port = srv.url.rsplit(":", 1)[1]
+            assert first.startswith(
+                b"POST /v1/x?q=1 HTTP/1.1\r\nhost: 127.0.0.1:%s\r\n" % port.encode()
+            )
+            assert b"x-h: 1\r\nx-h: 2\r\n" in first and first.endswith(
+                b"content-length: 2\r\n\r\n{}"
+            )
+            assert b"user-agent" not in first.lower()  # the pool adds nothing of its own
+            assert pool.in_use == 0 and pool.idle_connections == 1
+            await pool.aclose()
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("raw", "body", "reused"),
+    [
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n",
+            b"abcde",
+            True,
+        ),
+        (b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nuntil the end", b"until the end", False),
+        (b"HTTP/1.0 200 OK\r\ncontent-length: 3\r\n\r\nold", b"old", False),
+        (
+            b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n" + answer(b"after hints"),
+            b"after hints",
+            True,
+        ),
+        (b"HTTP/1.1 204 No Content\r\n\r\n", b"", True),
+    ],
+)
+def test_response_framings(raw: bytes, body: bytes, reused: bool) -> None:
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(raw)
+        await w.drain()
+        return b"connection: close" not in raw and b"HTTP/1.0" not in raw
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            for _ in range(2):
+                resp = await pool.open("GET", srv.url + "/", [], b"")
+                assert await read(resp) == body
+            assert srv.connections == (1 if reused else 2)
+            await pool.aclose()
+
+    run(main())
+
+
+def test_head_has_no_body_even_with_a_length() -> None:
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool(read_timeout=2)
+            resp = await pool.open("HEAD", srv.url + "/", [], b"")
+            assert resp.headers["content-length"] == "1000"
+            assert await asyncio.wait_for(read(resp), 1) == b""
+            await pool.aclose()
+
+    run(main())
+
+
+def test_large_body_with_a_slow_reader_arrives_whole() -> None:
+    payload = bytes(range(256)) * 16384  # 4 MiB: the socket is paused and resumed on the way
+
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(answer(payload))
+        await w.drain()
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            resp = await pool.open("GET", srv.url + "/", [], b"")
+            parts = []
+            async for chunk in resp.stream:
+                parts.append(chunk)
+                if len(parts) % 8 == 0:
+                    await asyncio.sleep(0.001)
+            await resp.aclose()
+            assert b"".join(parts) == payload
+            assert pool.idle_connections == 1  # read to the end: kept
+            await pool.aclose()
+
+    run(main())
+
+
+def test_streamed_request_body_is_sent_chunked() -> None:
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(answer(req.split(b"\r\n\r\n", 1)[1]))
+        return True
+
+    async def gen() -> AsyncIterator[bytes]:
+        for i in range(5):
+            yield b"part%d;" % i
+            await asyncio.sleep(0)
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            resp = await pool.open("POST", srv.url + "/upload", [], gen())
+            assert await read(resp) == b"part0;part1;part2;part3;part4;"
+            assert b"transfer-encoding: chunked" in srv.requests[0]
+            await pool.aclose()
+
+    run(main())
+
+
+def test_a_connection_the_server_closed_as_it_was_reused_is_retried_once() -> None:
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        if n == 2:  # the server had given up on this idle connection: close, answer nothing
+            return False
+        w.write(answer(b"ok from connection %d" % c))
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            assert await read(await pool.open("POST", srv.url + "/", [], b"{}")) == (
+                b"ok from connection 1"
+            )
+            assert await read(await pool.open("POST", srv.url + "/", [], b"{}")) == (
+                b"ok from connection 2"
+            )
+            assert len(srv.requests) == 3
+            await pool.aclose()
+
+    run(main())
+
+
+def test_a_new_connection_closed_before_answering_is_not_retried() -> None:
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        return False
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            with pytest.raises(httpx.RemoteProtocolError):
+                await pool.open("POST", srv.url + "/", [], b"{}")
+            assert len(srv.requests) == 1
+            assert pool.open_connections == 0
+            await pool.aclose()
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"HTTP/1.1 abc OK\r\ncontent-length: 2\r\n\r\n{}", b"NOT HTTP AT ALL\r\n\r\n"],
+)
+def test_a_malformed_answer_is_a_protocol_error(raw: bytes) -> None:
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(raw)
+        await w.drain()
+        await asyncio.sleep(0.5)
+        return False
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            with pytest.raises(httpx.RemoteProtocolError):
+                await pool.open("GET", srv.url + "/", [], b"")
+            await pool.aclose()
+
+    run(main())
+
+
+def test_death_mid_body_raises_from_the_stream() -> None:
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly this")
+        await w.drain()
+        return False
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            resp = await pool.open("GET", srv.url + "/", [], b"")
+            got = b""
+            with pytest.raises(httpx.ReadError):
+                async for chunk in resp.stream:
+                    got += chunk
+            assert got == b"only this"
+            await resp.aclose()
+            assert pool.open_connections == 0
+            await pool.aclose()
+
+    run(main())
+
+
+def test_read_timeouts_before_the_head_and_between_chunks_close_the_connection() -> None:
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        if b"/slow-body" in req:
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nstart")
+        await r.read()  # say nothing more until the client gives up
+        return False
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool(read_timeout=0.3)
+            t0 = time.monotonic()
+            with pytest.raises(httpx.ReadTimeout):
+                await pool.open("GET", srv.url + "/silent", [], b"")
+            assert 0.25 < time.monotonic() - t0 < 2
+            resp = await pool.open("GET", srv.url + "/slow-body", [], b"")
+            with pytest.raises(httpx.ReadTimeout):
+                async for _ in resp.stream:
+                    pass
+            await resp.aclose()
+            await asyncio.sleep(0.1)
+            assert len(srv.closed_at) == 2  # the server saw both connections closed
+            assert pool.open_connections == 0
+            await pool.aclose()
+
+    run(main())
+
+
+def test_cancelling_a_waiting_request_closes_its_connection_at_once() -> None:
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        await r.read()
+        return False
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            task = asyncio.create_task(pool.open("POST", srv.url + "/", [], b"{}"))
+            await asyncio.wait_for(srv.request_seen.wait(), 2)
+            cancelled = time.monotonic()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.wait_for(srv.connection_closed.wait(), 2)
+            assert srv.closed_at[0] - cancelled < 0.2
+            assert pool.open_connections == 0
+            await pool.aclose()
+
+    run(main())
+
+
+def test_a_body_left_unread_closes_the_connection_instead_of_reusing_it() -> None:
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await w.drain()
+        await r.read()
+        return False
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            resp = await pool.open("GET", srv.url + "/", [], b"")
+            assert await resp.stream.__anext__() == b"first"
+            await resp.aclose()
+            await asyncio.wait_for(srv.connection_closed.wait(), 2)
+            assert pool.open_connections == 0
+            await pool.aclose()
+
+    run(main())
+
+
+def test_the_connection_limit_queues_requests_and_times_out() -> None:
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(answer(b"ok"))
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool(max_connections=1, pool_timeout=0.2)
+            held = await pool.open("GET", srv.url + "/", [], b"")
+            with pytest.raises(httpx.PoolTimeout):
+                await pool.open("GET", srv.url + "/", [], b"")
+            waiting = asyncio.create_task(pool.open("GET", srv.url + "/", [], b""))
+            await asyncio.sleep(0.05)
+            assert not waiting.done()
+            assert await read(held) == b"ok"
+            assert await read(await asyncio.wait_for(waiting, 1)) == b"ok"
+            assert srv.connections == 1
+            await pool.aclose()
+
+    run(main())
+
+
+def test_unreachable_is_a_connect_error() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main() -> None:
+        pool = UpstreamPool()
+        with pytest.raises(httpx.ConnectError):
+            await pool.open("GET", f"http://127.0.0.1:{port}/", [], b"")
+        with pytest.raises(httpx.UnsupportedProtocol):
+            await pool.open("GET", "ftp://127.0.0.1/", [], b"")
+        assert pool.open_connections == 0
+        await pool.aclose()
+
+    run(main())
+
+
+def test_tls_upstream_is_verified() -> None:
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(CERT, KEY)
+
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(answer(b"over tls"))
+        return True
+
+    async def main() -> None:
+        async with Server(handler, tls=server_tls) as srv:
+            trusted = UpstreamPool(ssl_context=ssl.create_default_context(cafile=str(CERT)))
+            resp = await trusted.open("GET", srv.url + "/", [], b"")
+            assert await read(resp) == b"over tls"
+            await trusted.aclose()
+            untrusted = UpstreamPool(ssl_context=ssl.create_default_context())
+            with pytest.raises(httpx.ConnectError):
+                await untrusted.open("GET", srv.url + "/", [], b"")
+            await untrusted.aclose()
+
+    run(main())
+
+
+def test_ssl_cert_file_selects_the_trusted_bundle(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SSL_CERT_FILE", str(CERT))
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    names = [c.get("subject") for c in _ssl_context().get_ca_certs()]
+    assert names == [((("commonName", "cachegate test upstream"),),)]
+    monkeypatch.delenv("SSL_CERT_FILE")
+    assert len(_ssl_context().get_ca_certs()) > 50  # certifi's bundle, as httpx uses
