@@ -16,6 +16,9 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive as ASGIReceive
+from starlette.types import Scope as ASGIScope
+from starlette.types import Send as ASGISend
 
 from proxy import __version__
 from proxy.chat import ChatPipeline, header_map
@@ -106,6 +109,9 @@ def build_timeout(settings: Settings) -> httpx.Timeout:
     return httpx.Timeout(up.timeout_s, connect=up.connect_timeout_s, pool=up.timeout_s)
 
 
+_UNREAD = object()
+
+
 class Gateway:
     """Everything one cachegate process holds; the ASGI endpoints delegate here."""
 
@@ -142,14 +148,18 @@ class Gateway:
             self.observers.append(EventLogObserver(settings, self.sessions, self.writer, clock))
         self.observers.append(MetricsObserver(self.metrics))
         self._retention: asyncio.Task[None] | None = None
+        self._api_key: str | object | None = _UNREAD
         self.upstream: httpx.AsyncBaseTransport | UpstreamPool | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.relay: Relay | None = None
         self.chat: ChatPipeline | None = None
 
     def api_key(self) -> str | None:
-        name = self.settings.upstream.api_key_env
-        return self.environ.get(name) if name else None
+        """The configured key, read from the environment once (at the first request)."""
+        if self._api_key is _UNREAD:
+            name = self.settings.upstream.api_key_env
+            self._api_key = self.environ.get(name) if name else None
+        return self._api_key  # type: ignore[return-value]
 
     def _log_loss(self, kind: str) -> None:
         self.metrics.observe_log_loss("queue_full" if kind == "queue_full" else "write_error")
@@ -346,6 +356,34 @@ async def _bad_session_path(request: Request) -> Response:
 _ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
+class CachegateApp(Starlette):
+    """Starlette, with the relayed routes dispatched before its middleware and router.
+
+    ``/v1/{path}`` and ``/s/{id}/v1/{path}`` go straight to the raw endpoint, matched exactly as
+    their ``Route`` patterns would match them: every request and every relayed chunk would
+    otherwise pass through two middleware layers and two ``send`` wrappers that a raw endpoint
+    has no use for. Everything else (health, metrics, malformed session paths, 404s) takes the
+    normal Starlette path.
+    """
+
+    endpoint: _ProxyEndpoint
+
+    async def __call__(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
+        if scope["type"] == "http" and not scope.get("root_path"):
+            path: str = scope["path"]
+            if path.startswith("/v1/"):
+                scope["path_params"] = {"path": path[4:]}
+                await self.endpoint(scope, receive, send)  # type: ignore[arg-type]
+                return
+            if path.startswith("/s/"):
+                sid, slash, rest = path[3:].partition("/")
+                if sid and slash and rest.startswith("v1/"):
+                    scope["path_params"] = {"session_id": sid, "path": rest[3:]}
+                    await self.endpoint(scope, receive, send)  # type: ignore[arg-type]
+                    return
+        await super().__call__(scope, receive, send)
+
+
 def create_app(
     settings: Settings | None = None,
     *,
@@ -353,7 +391,7 @@ def create_app(
     registry: CollectorRegistry | None = None,
     clock: Callable[[], float] = time.time,
     environ: Mapping[str, str] | None = None,
-) -> Starlette:
+) -> CachegateApp:
     """Build the ASGI app. Tests inject a registry, an upstream transport and a clock."""
     settings = settings or Settings()
     registry = registry if registry is not None else CollectorRegistry()
@@ -380,7 +418,7 @@ def create_app(
             await gateway.stop()
 
     endpoint = _ProxyEndpoint(gateway)
-    app = Starlette(
+    app = CachegateApp(
         routes=[
             Route("/healthz", healthz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
@@ -392,4 +430,5 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.gateway = gateway
+    app.endpoint = endpoint
     return app

@@ -54,6 +54,7 @@ def _serve(ns: argparse.Namespace) -> int:
         access_log=False,
         server_header=False,
         date_header=False,
+        proxy_headers=False,  # a local proxy: X-Forwarded-* from clients mean nothing here
         log_level="warning",
         timeout_graceful_shutdown=5,
     )

@@ -11,7 +11,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable
-from typing import Final, ParamSpec
+from typing import Any, Final, ParamSpec
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -91,6 +91,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry, models: Collection[str]) -> None:
         self._models = frozenset(m for m in models if m != "*")
         self._label_cache: dict[str, str] = {}
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = registry
         self.requests = Counter(
             "cachegate_requests",
@@ -193,31 +194,41 @@ class Metrics:
 
     def _preinitialize(self) -> None:
         for route in ROUTES:
-            self.overhead.labels(route)
+            self._child(self.overhead, route)
         for label in (*sorted(self._models), OTHER_MODEL):
             for route in ROUTES:
                 # 200 stands for the normal answer; other statuses appear when they happen.
-                self.requests.labels(route, label, "200")
-                self.request_duration.labels(route, label)
-            self.ttfb.labels(label)
+                self._child(self.requests, route, label, "200")
+                self._child(self.request_duration, route, label)
+            self._child(self.ttfb, label)
             for kind in TOKEN_KINDS:
-                self.tokens.labels(label, kind)
+                self._child(self.tokens, label, kind)
             for cause in WASTE_CAUSES:
-                self.cache_waste.labels(label, cause)
+                self._child(self.cache_waste, label, cause)
             for result in COMPACTION_RESULTS:
-                self.compactions.labels(label, result)
+                self._child(self.compactions, label, result)
             for kind in COST_KINDS:
-                self.cost.labels(label, kind)
+                self._child(self.cost, label, kind)
             for token_type in GEN_AI_TOKEN_TYPES:
-                self.gen_ai_token_usage.labels(GEN_AI_OPERATION, label, token_type)
+                self._child(self.gen_ai_token_usage, GEN_AI_OPERATION, label, token_type)
         for location in REWRITE_LOCATIONS:
-            self.prefix_rewrites.labels(location)
+            self._child(self.prefix_rewrites, location)
         for kind in REPAIR_KINDS:
-            self.pairing_repairs.labels(kind)
+            self._child(self.pairing_repairs, kind)
         for kind in UPSTREAM_ERROR_KINDS:
-            self.upstream_errors.labels(kind)
+            self._child(self.upstream_errors, kind)
         for kind in LOG_LOSS_KINDS:
-            self.log_lost.labels(kind)
+            self._child(self.log_lost, kind)
+
+    def _child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, memoized: ``labels()`` takes a lock and validates on every
+        call, and an exchange records a dozen series."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = metric.labels(*values)
+            self._children[key] = child
+        return child
 
     def model_label(self, model: str | None) -> str:
         """The ``model`` label for ``model``: the configured name it resolves to, else ``other``.
@@ -246,18 +257,18 @@ class Metrics:
     ) -> None:
         """Count one answered request and its total duration."""
         label = self.model_label(model)
-        self.requests.labels(route, label, str(status)).inc()
-        self.request_duration.labels(route, label).observe(duration_s)
+        self._child(self.requests, route, label, str(status)).inc()
+        self._child(self.request_duration, route, label).observe(duration_s)
 
     @_safe
     def observe_ttfb(self, model: str | None, s: float) -> None:
         """Record the time to the first byte relayed to the client."""
-        self.ttfb.labels(self.model_label(model)).observe(s)
+        self._child(self.ttfb, self.model_label(model)).observe(s)
 
     @_safe
     def observe_overhead(self, route: str, s: float) -> None:
         """Record the time cachegate itself spent on one request."""
-        self.overhead.labels(route).observe(s)
+        self._child(self.overhead, route).observe(s)
 
     @_safe
     def observe_usage(self, model: str | None, usage: Usage) -> None:
@@ -276,32 +287,32 @@ class Metrics:
         if any(n < 0 for n in counts.values()):
             raise ValueError(f"negative token count in {usage!r}")
         for kind, n in counts.items():
-            self.tokens.labels(label, kind).inc(n)
+            self._child(self.tokens, label, kind).inc(n)
         gen_ai = {"input": usage.prompt, "output": usage.completion}
         if usage.reported_cache:
             gen_ai["cached_input"] = usage.cache_read
             gen_ai["cache_creation_input"] = usage.cache_write
         for token_type, n in gen_ai.items():
-            self.gen_ai_token_usage.labels(GEN_AI_OPERATION, label, token_type).observe(n)
+            self._child(self.gen_ai_token_usage, GEN_AI_OPERATION, label, token_type).observe(n)
 
     @_safe
     def observe_cache_waste(self, model: str | None, cause: str, tokens: int) -> None:
         """Count prompt tokens that missed the provider cache, by cause."""
-        self.cache_waste.labels(self.model_label(model), _check(cause, WASTE_CAUSES, "cause")).inc(
-            tokens
-        )
+        self._child(
+            self.cache_waste, self.model_label(model), _check(cause, WASTE_CAUSES, "cause")
+        ).inc(tokens)
 
     @_safe
     def observe_prefix_rewrite(self, location: str) -> None:
         """Count one request whose prefix was rewritten, at its first differing location."""
-        self.prefix_rewrites.labels(_check(location, REWRITE_LOCATIONS, "location")).inc()
+        self._child(self.prefix_rewrites, _check(location, REWRITE_LOCATIONS, "location")).inc()
 
     @_safe
     def observe_repairs(self, kinds: Iterable[str]) -> None:
         """Count pairing repairs, one per item of ``kinds`` (repeat a kind to count it again)."""
         checked = [_check(kind, REPAIR_KINDS, "repair kind") for kind in kinds]
         for kind in checked:
-            self.pairing_repairs.labels(kind).inc()
+            self._child(self.pairing_repairs, kind).inc()
 
     @_safe
     def observe_strict_rejection(self) -> None:
@@ -311,8 +322,10 @@ class Metrics:
     @_safe
     def observe_compaction(self, model: str | None, result: str) -> None:
         """Count one compaction, by how its summary was obtained."""
-        self.compactions.labels(
-            self.model_label(model), _check(result, COMPACTION_RESULTS, "compaction result")
+        self._child(
+            self.compactions,
+            self.model_label(model),
+            _check(result, COMPACTION_RESULTS, "compaction result"),
         ).inc()
 
     @_safe
@@ -321,8 +334,8 @@ class Metrics:
         label = self.model_label(model)
         if actual < 0 or uncached < 0:
             raise ValueError(f"negative cost actual={actual!r} uncached={uncached!r}")
-        self.cost.labels(label, "actual").inc(actual)
-        self.cost.labels(label, "uncached").inc(uncached)
+        self._child(self.cost, label, "actual").inc(actual)
+        self._child(self.cost, label, "uncached").inc(uncached)
 
     @_safe
     def stream_started(self) -> None:
@@ -342,12 +355,14 @@ class Metrics:
     @_safe
     def observe_upstream_error(self, kind: str) -> None:
         """Count one upstream failure: connect, timeout, status or midstream."""
-        self.upstream_errors.labels(_check(kind, UPSTREAM_ERROR_KINDS, "upstream error kind")).inc()
+        self._child(
+            self.upstream_errors, _check(kind, UPSTREAM_ERROR_KINDS, "upstream error kind")
+        ).inc()
 
     @_safe
     def observe_log_loss(self, kind: str, lines: int = 1) -> None:
         """Count event log lines lost: queue_full or write_error."""
-        self.log_lost.labels(_check(kind, LOG_LOSS_KINDS, "log loss kind")).inc(lines)
+        self._child(self.log_lost, _check(kind, LOG_LOSS_KINDS, "log loss kind")).inc(lines)
 
 
 class MetricsObserver:

@@ -45,6 +45,7 @@ class ServerThread:
             timeout_graceful_shutdown=2,
             server_header=False,  # a proxy's response headers are the upstream's
             date_header=False,
+            proxy_headers=False,
         )
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name=f"uvicorn:{self.port}", daemon=True)

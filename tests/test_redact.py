@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.redact import REDACTED, redact, redact_text
+from proxy.redact import _SECRET, REDACTED, _may_hold_secret, redact, redact_text
 
 OPENAI_KEY = "sk-abcdefghijklmnopqrstuvwxyz012345"
 PROJECT_KEY = "sk-proj-Ab3_dEf-GhIjKlMnOpQrStUvWx"
@@ -110,3 +110,31 @@ def test_a_key_anywhere_never_survives(before: str, after: str, body: str, prefi
     out = redact_text(f"{before} {key} {after}")
     assert key not in out
     assert redact_text(out) == out  # idempotent
+
+
+@given(
+    st.text(alphabet=st.characters(codec="ascii"), max_size=40),
+    st.sampled_from(
+        [
+            OPENAI_KEY,
+            PROJECT_KEY,
+            ANTHROPIC_KEY,
+            AWS_ID,
+            "ASIAIOSFODNN7EXAMPLE",
+            GITHUB_TOKEN,
+            GITHUB_PAT,
+            SLACK_TOKEN,
+            "gho_16C7e42F292c6912E7710c838347Ae178B4a",
+            "Bearer abcdefghijklmnop",
+            "BEARER abcdefghijklmnop",
+            "bearer abcdefghijklmnop",
+        ]
+    ),
+    st.text(alphabet=st.characters(codec="ascii"), max_size=40),
+)
+def test_the_fast_prefilter_never_hides_a_secret_the_pattern_finds(
+    before: str, secret: str, after: str
+) -> None:
+    text = f"{before} {secret} {after}"
+    assert (_SECRET.search(text) is not None) <= _may_hold_secret(text)
+    assert secret not in redact_text(text)
