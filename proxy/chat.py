@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from proxy import compaction, pairing
+from proxy import bodymemo, compaction, pairing
 from proxy.compactor import Compactor, provider_window
 from proxy.config import Settings
 from proxy.errors import ProxyError, bad_request
@@ -45,12 +45,14 @@ log = logging.getLogger(__name__)
 _USAGE_OPTION = b'"stream_options":{"include_usage":true}'
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """The request as a JSON object, or a 400 that says what is wrong with it."""
+def parse_request(raw: bytes, memos: list[bodymemo.BodyMemo]) -> bodymemo.Parsed:
+    """The request as a JSON object, or a 400 that says what is wrong with it. A body that continues
+    the session's previous one (``memos``) is spliced onto its parse (see ``proxy.bodymemo``)."""
     try:
-        body = orjson.loads(raw)
+        parsed = bodymemo.parse(raw, memos)
     except orjson.JSONDecodeError as exc:
         raise bad_request(f"Request body is not valid JSON: {exc}", "invalid_json") from None
+    body = parsed.body
     if not isinstance(body, dict):
         raise bad_request(
             f"Request body must be a JSON object, got {type(body).__name__}.", "invalid_body"
@@ -58,7 +60,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     messages = body.get("messages")
     if messages is not None and not isinstance(messages, list):
         raise bad_request("'messages' must be an array.", "invalid_messages", "messages")
-    return body
+    return parsed
 
 
 def splice_usage_option(raw: bytes) -> bytes | None:
@@ -147,6 +149,8 @@ class ChatPipeline:
         self.transforms: list[Transform] = [self.pairing]
         if compactor is not None:
             self.transforms.append(compactor)
+        self.memos = bodymemo.BodyMemos()  # the previous body of recent sessions, parsed
+        self.spliced_parses = 0  # bodies parsed only in what they appended
         self.in_flight = 0  # exchanges whose observers have not all run yet
         self.idle = asyncio.Event()  # set whenever in_flight is 0
         self.idle.set()
@@ -175,6 +179,27 @@ class ChatPipeline:
             messages[:shared] = previous[:shared]
         self.sessions.index(state, messages)
         return state
+
+    def remember_body(
+        self, key: str, raw: bytes, body: dict[str, Any], parsed: bodymemo.Parsed
+    ) -> None:
+        """Keep this body's parse (with the message objects the session now holds) for the next
+        turn to splice onto."""
+        if parsed.close is None:
+            self.memos.note_miss(key, parsed.misses)
+            return
+        if parsed.source is not None:
+            self.spliced_parses += 1
+        messages = body["messages"]
+        memo = bodymemo.BodyMemo(
+            raw,
+            parsed.close,
+            tuple(body),
+            {k: v for k, v in body.items() if k != "messages"},
+            tuple(messages),
+            0 if parsed.source is not None else parsed.misses,
+        )
+        self.memos.put(key, memo, replaces=parsed.source)
 
     def request_usage(
         self, ex: Exchange, body: dict[str, Any], raw: bytes
@@ -225,12 +250,24 @@ class ChatPipeline:
         try:
             raw = await read_body(receive, self.settings.server.max_body_bytes)
             ex.request_bytes = len(raw)
-            body = parse_body(raw)
+            memo_key: str | None = None
+            memos: list[bodymemo.BodyMemo] = []
+            if len(raw) >= bodymemo.MIN_BYTES:
+                try:
+                    sid = explicit_session_id(headers, path_session)
+                except ValueError:
+                    sid = None  # refused below, by resolve_session
+                memo_key = bodymemo.memo_key(raw, sid)
+                memos = self.memos.get(memo_key)
+            parsed = parse_request(raw, memos)
+            body = parsed.body
             model = body.get("model")
             ex.model = model if isinstance(model, str) else None
             ex.stream = body.get("stream") is True
             ex.client_body = body
             state = self.resolve_session(headers, path_session, body, now)
+            if memo_key is not None:
+                self.remember_body(memo_key, raw, body, parsed)
             ex.session_id = state.id
             ex.exchange_id = state.next_exchange()
             ex.strict = self.settings.pairing.strict or headers.get("x-cachegate-strict", "") in (

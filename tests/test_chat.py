@@ -197,3 +197,47 @@ def test_an_unexpected_failure_is_a_500_in_openai_shape_and_nothing_is_forwarded
     assert r.json()["error"]["code"] == "internal_error"
     assert r.headers["x-cachegate-session"]
     assert len(sim.sim.requests) == before
+
+
+def test_a_growing_agent_history_is_spliced_and_still_repaired_and_relayed_exactly(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    client = sdk(proxy.base_url)
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent. " + "Rules. " * 4000},
+        {"role": "user", "content": "Fix the failing test"},
+    ]
+    for turn in range(4):
+        raw = client.chat.completions.with_raw_response.create(model="gpt-4o", messages=history)
+        assert raw.http_response.status_code == 200
+        assert raw.headers["x-cachegate-repairs"] == "0"
+        sent = sim.sim.requests[-1].raw
+        assert orjson.loads(sent) == {"messages": history, "model": "gpt-4o"}
+        call = {
+            "id": f"call_{turn}",
+            "type": "function",
+            "function": {"name": "run", "arguments": '{"cmd": "pytest"}'},
+        }
+        history += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{turn}", "content": f"{turn} failed"},
+        ]
+    assert proxy.gateway.chat.spliced_parses == 3  # every turn after the first
+    # An interrupted turn on top of a spliced history is still repaired.
+    dangling = {
+        "id": "call_x",
+        "type": "function",
+        "function": {"name": "run", "arguments": "{}"},
+    }
+    history += [
+        {"role": "assistant", "content": None, "tool_calls": [dangling]},
+        {"role": "user", "content": "stop"},
+    ]
+    raw = client.chat.completions.with_raw_response.create(model="gpt-4o", messages=history)
+    assert raw.http_response.status_code == 200
+    assert raw.headers["x-cachegate-repairs"] == "1"
+    assert proxy.gateway.chat.spliced_parses == 4
+    forwarded = sim.sim.requests[-1].body["messages"]
+    assert forwarded[-2]["role"] == "tool" and forwarded[-2]["tool_call_id"] == "call_x"
+    assert forwarded[: len(history) - 1] == history[:-1]

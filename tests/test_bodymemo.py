@@ -1,0 +1,209 @@
+"""The incremental body parse: whatever the bytes, the result equals a full parse; an append is
+spliced."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy import bodymemo
+from proxy.bodymemo import BodyMemo, BodyMemos, Parsed
+
+FILLER = "x" * bodymemo.MIN_BYTES
+
+
+def dumps(body: dict[str, Any], style: str) -> bytes:
+    if style == "orjson":
+        return orjson.dumps(body)
+    if style == "python":  # json.dumps defaults: ", " and ": ", ASCII escapes
+        return json.dumps(body).encode()
+    if style == "python-utf8":
+        return json.dumps(body, ensure_ascii=False).encode()
+    if style == "indent":
+        return json.dumps(body, indent=2).encode()
+    raise AssertionError(style)
+
+
+def body_of(messages: list[Any], order: str, **extra: Any) -> dict[str, Any]:
+    rest = {"model": "gpt-4o", "stream": True, "tools": [{"type": "function", "x": "ü"}], **extra}
+    if order == "first":  # openai-python
+        return {"messages": messages, **rest}
+    if order == "last":
+        return {**rest, "messages": messages}
+    return {"model": rest.pop("model"), "messages": messages, **rest}
+
+
+def remember(raw: bytes, parsed: Parsed) -> BodyMemo | None:
+    if parsed.close is None:
+        return None
+    body = parsed.body
+    return BodyMemo(
+        raw,
+        parsed.close,
+        tuple(body),
+        {k: v for k, v in body.items() if k != "messages"},
+        tuple(body["messages"]),
+    )
+
+
+def turns(n: int) -> list[list[dict[str, Any]]]:
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are an agent. " + FILLER},
+        {"role": "user", "content": "Fix the tests ✓"},
+    ]
+    out = [list(history)]
+    for i in range(n):
+        call = {
+            "id": f"call_{i}",
+            "type": "function",
+            "function": {"name": "sh", "arguments": "{}"},
+        }
+        history += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": f'output {i} ]}}",['},
+        ]
+        out.append(list(history))
+    return out
+
+
+@pytest.mark.parametrize("style", ["orjson", "python", "python-utf8", "indent"])
+@pytest.mark.parametrize("order", ["first", "middle", "last"])
+def test_an_appending_agent_is_parsed_in_proportion_to_what_it_appended(
+    style: str, order: str
+) -> None:
+    memo: BodyMemo | None = None
+    spliced = 0
+    for i, messages in enumerate(turns(6)):
+        raw = dumps(body_of(messages, order), style)
+        parsed = bodymemo.parse(raw, [memo] if memo else [])
+        assert parsed.body == orjson.loads(raw)
+        assert list(parsed.body) == list(orjson.loads(raw))  # key order kept
+        if i >= 1:
+            assert memo is not None and parsed.source is memo, f"turn {i} was parsed in full"
+            kept = parsed.body["messages"][: len(memo.messages)]
+            assert all(a is b for a, b in zip(kept, memo.messages, strict=True))
+            spliced += 1
+        memo = remember(raw, parsed) or memo
+    assert spliced == 6
+
+
+def test_every_change_that_is_not_an_append_is_parsed_in_full() -> None:
+    history = turns(3)
+    base = orjson.dumps(body_of(history[2], "first"))
+    memo = remember(base, bodymemo.parse(base, []))
+    assert memo is not None
+    edited = [dict(m) for m in history[3]]
+    edited[1]["content"] = "Fix the tests, please"
+    for body in (
+        body_of(edited, "first"),  # an earlier message edited
+        body_of(history[3], "first", model="gpt-4o-mini"),  # a field after messages changed
+        body_of(history[1], "first"),  # a rewind
+        body_of(history[3], "first", temperature=0),  # a field added
+    ):
+        raw = orjson.dumps(body)
+        parsed = bodymemo.parse(raw, [memo])
+        assert parsed.source is None
+        assert parsed.body == body
+
+
+def test_bytes_that_only_look_like_an_append_are_not_spliced() -> None:
+    messages = turns(1)[1]
+    raw = orjson.dumps(body_of(messages, "first"))
+    memo = remember(raw, bodymemo.parse(raw, []))
+    assert memo is not None
+    head, tail = raw[: memo.close], raw[memo.close :]
+    for middle in (b",", b",1],[2", b"]", b',{"a":1}]', b' "x"', b",1,]"):
+        forged = head + middle + tail
+        try:
+            expected = orjson.loads(forged)
+        except orjson.JSONDecodeError:
+            with pytest.raises(orjson.JSONDecodeError):
+                bodymemo.parse(forged, [memo])
+            continue
+        assert bodymemo.parse(forged, [memo]).body == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    style=st.sampled_from(["orjson", "python", "indent"]),
+    order=st.sampled_from(["first", "middle", "last"]),
+    cut=st.integers(min_value=0, max_value=10**9),
+    insert=st.binary(min_size=0, max_size=12),
+    extra=st.lists(st.text(max_size=20), max_size=3),
+)
+def test_any_byte_edit_of_a_remembered_body_parses_as_a_full_parse_would(
+    style: str, order: str, cut: int, insert: bytes, extra: list[str]
+) -> None:
+    messages = turns(2)[2]
+    raw = dumps(body_of(messages, order), style)
+    memo = remember(raw, bodymemo.parse(raw, []))
+    assert memo is not None
+    appended = dumps(
+        body_of(messages + [{"role": "user", "content": e} for e in extra], order), style
+    )
+    position = cut % (len(appended) + 1)
+    candidate = appended[:position] + insert + appended[position:]
+    try:
+        expected = orjson.loads(candidate)
+    except orjson.JSONDecodeError:
+        with pytest.raises(orjson.JSONDecodeError):
+            bodymemo.parse(candidate, [memo])
+        return
+    parsed = bodymemo.parse(candidate, [memo])
+    assert parsed.body == expected
+    assert list(parsed.body) == list(expected) if isinstance(expected, dict) else True
+
+
+def test_a_duplicate_messages_key_is_never_remembered() -> None:
+    messages = turns(1)[1]
+    raw = (
+        b'{"messages":[{"role":"user","content":"decoy"}],"model":"m","\\u006dessages":'
+        + orjson.dumps(messages)
+        + b"}"
+    )
+    parsed = bodymemo.parse(raw, [])
+    assert parsed.body["messages"] == messages  # the last one wins, as in a full parse
+    memo = remember(raw, parsed)
+    if memo is not None:  # only if the position found is the array that won
+        more = raw[: memo.close] + b',{"role":"user","content":"more"}' + raw[memo.close :]
+        assert bodymemo.parse(more, [memo]).body == orjson.loads(more)
+
+
+def test_small_bodies_are_not_remembered_and_misses_back_off() -> None:
+    small = orjson.dumps({"messages": [{"role": "user", "content": "hi"}]})
+    assert bodymemo.parse(small, []).close is None
+    messages = turns(1)[1]
+    raw = orjson.dumps(body_of(messages, "first"))
+    memo = remember(raw, bodymemo.parse(raw, []))
+    assert memo is not None
+    other = orjson.dumps(body_of([{"role": "user", "content": FILLER * 2}], "first"))
+    tired = BodyMemo(memo.raw, memo.close, memo.keys, memo.values, memo.messages, misses=5)
+    parsed = bodymemo.parse(other, [tired])
+    assert parsed.close is None and parsed.misses == 6  # not verified again for a while
+    assert bodymemo.parse(other, [memo]).close is not None
+
+
+def test_memos_are_bounded_by_bytes_and_per_key() -> None:
+    memos = BodyMemos(max_bytes=3 * 100_000)
+    blobs = [bytes([i]) * 100_000 for i in range(8)]
+
+    def memo(raw: bytes) -> BodyMemo:
+        return BodyMemo(raw, 1, ("messages",), {}, ())
+
+    for i in range(6):
+        memos.put("k", memo(blobs[i]))
+    assert len(memos.get("k")) == bodymemo.MEMOS_PER_KEY or memos.bytes <= memos.max_bytes
+    assert memos.bytes <= memos.max_bytes
+    newest = memos.get("k")[0]
+    replacement = memo(blobs[7])
+    memos.put("k", replacement, replaces=newest)
+    assert memos.get("k")[0] is replacement
+    assert newest not in memos.get("k")
+    memos.put("other", memo(blobs[6]))
+    assert memos.bytes <= memos.max_bytes
+    assert memos.get("other")
