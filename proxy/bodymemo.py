@@ -16,6 +16,7 @@ it parse back to exactly the same body. Anything unexpected falls back to a full
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections import OrderedDict
@@ -26,7 +27,7 @@ import orjson
 
 _WS = b" \t\r\n"
 MIN_BYTES = 16 * 1024  # smaller bodies parse in microseconds: not worth remembering
-MEMOS_PER_KEY = 4  # sessions whose bodies open with the same bytes (one agent, several tasks)
+MEMOS_PER_KEY = 8  # sessions whose bodies open with the same bytes (one agent, several tasks)
 _MAX_MISSES = 3  # full parses in a row whose bytes did not continue the memo: stop verifying
 
 
@@ -40,6 +41,7 @@ class BodyMemo:
     values: dict[str, Any]  # every field but ``messages``, as parsed
     messages: tuple[Any, ...]  # the message objects the caller kept (shared across turns)
     misses: int = 0
+    lineage: int = 0  # memos that continue one another share it (set by ``BodyMemos.put``)
 
 
 @dataclass(frozen=True)
@@ -178,10 +180,11 @@ def parse(raw: bytes, memos: list[BodyMemo]) -> Parsed:
 
 
 def memo_key(raw: bytes, session_id: str | None) -> str:
-    """Where a body's memo is filed: its explicit session, else the digest of its first 1 KiB."""
+    """Where a body's memo is filed: its explicit session, else the digest of its first
+    ``MIN_BYTES`` (a system prompt, the tools and the task, which later turns resend)."""
     if session_id is not None:
         return "s:" + session_id
-    return "h:" + hashlib.blake2b(raw[:1024], digest_size=16).hexdigest()
+    return "h:" + hashlib.blake2b(raw[:MIN_BYTES], digest_size=16).hexdigest()
 
 
 class BodyMemos:
@@ -191,6 +194,7 @@ class BodyMemos:
         self.max_bytes = max_bytes
         self._memos: OrderedDict[str, list[BodyMemo]] = OrderedDict()
         self._bytes = 0
+        self._lineages = 0
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._memos.values())
@@ -206,15 +210,23 @@ class BodyMemos:
         self._memos.move_to_end(key)
         return list(memos)
 
-    def put(self, key: str, memo: BodyMemo, replaces: BodyMemo | None = None) -> None:
-        """File ``memo`` first under ``key``; ``replaces`` (the memo it continued) is dropped."""
+    def put(self, key: str, memo: BodyMemo, source: BodyMemo | None = None) -> None:
+        """File ``memo`` first under ``key``. With ``source`` (the memo it continued), the lineage
+        keeps just those two: the newest turn, and the one before it for a retry or a
+        regeneration from there. A resend of the same bytes replaces its source."""
         memos = self._memos.setdefault(key, [])
         self._memos.move_to_end(key)
-        for old in memos:
-            if old is replaces or old.raw is memo.raw:
-                memos.remove(old)
-                self._bytes -= len(old.raw)
-                break
+        if source is None:
+            self._lineages += 1
+            lineage = self._lineages
+        else:
+            lineage = source.lineage
+            identical = len(source.raw) == len(memo.raw)
+            for old in [m for m in memos if m.lineage == lineage]:
+                if old is not source or identical:
+                    memos.remove(old)
+                    self._bytes -= len(old.raw)
+        memo = dataclasses.replace(memo, lineage=lineage)
         memos.insert(0, memo)
         self._bytes += len(memo.raw)
         while len(memos) > MEMOS_PER_KEY:
@@ -228,6 +240,4 @@ class BodyMemos:
         memos = self._memos.get(key)
         if memos:
             first = memos[0]
-            memos[0] = BodyMemo(
-                first.raw, first.close, first.keys, first.values, first.messages, misses
-            )
+            memos[0] = dataclasses.replace(first, misses=misses)

@@ -88,13 +88,23 @@ class PairingRepair:
     async def apply(
         self, ex: Exchange, state: SessionState, body: dict[str, Any]
     ) -> dict[str, Any]:
-        return self.repair(ex, body)
+        return self.repair(ex, body, state)
 
-    def repair(self, ex: Exchange, body: dict[str, Any]) -> dict[str, Any]:
+    def repair(
+        self, ex: Exchange, body: dict[str, Any], state: SessionState | None = None
+    ) -> dict[str, Any]:
         if not (self.settings.pairing.repair or ex.strict):
             return body
         messages = body.get("messages")
-        if not isinstance(messages, list) or not pairing.needs_repair(messages):
+        if not isinstance(messages, list):
+            return body
+        # Resumed from where the session's previous request left off: an agent's next turn
+        # resends the same message objects (prefix sharing), so only the new ones are checked.
+        checkpoint = state.extra.get("pairing_checkpoint") if state is not None else None
+        needed, after = pairing.needs_repair_from(messages, checkpoint)
+        if state is not None and after is not None:
+            state.extra["pairing_checkpoint"] = after
+        if not needed:
             return body
         if ex.strict:
             defects = pairing.diagnose(messages)
@@ -199,7 +209,7 @@ class ChatPipeline:
             tuple(messages),
             0 if parsed.source is not None else parsed.misses,
         )
-        self.memos.put(key, memo, replaces=parsed.source)
+        self.memos.put(key, memo, source=parsed.source)
 
     def request_usage(
         self, ex: Exchange, body: dict[str, Any], raw: bytes

@@ -20,8 +20,10 @@ no earlier call has id ``t`` it is an *orphan*. Duplicates and orphans follow ``
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -130,20 +132,45 @@ def needs_repair(messages: list[dict[str, Any]]) -> bool:
 
     One pass, one small dict of the open block's call ids; only ``arguments`` strings are parsed.
     """
+    return needs_repair_from(messages, None)[0]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Where ``needs_repair`` stood after ``messages`` (which had no defect before their end)."""
+
+    messages: tuple[Any, ...]
+    pending: tuple[tuple[str, int], ...]
+    in_block: bool
+
+
+def needs_repair_from(
+    messages: list[dict[str, Any]], checkpoint: Checkpoint | None
+) -> tuple[bool, Checkpoint | None]:
+    """``needs_repair``, resumed after ``checkpoint`` when ``messages`` starts with the very same
+    objects (an agent's next turn): the work is in proportion to what was appended. Returns the
+    answer and a checkpoint at the end of ``messages`` (None when a defect stopped the scan)."""
     pending: dict[str, int] = {}  # call id -> results still expected in the open block
     in_block = False
-    for message in messages:
+    start = 0
+    if checkpoint is not None:
+        n = len(checkpoint.messages)
+        if n <= len(messages) and all(map(operator.is_, checkpoint.messages, messages)):
+            start = n
+            pending = dict(checkpoint.pending)
+            in_block = checkpoint.in_block
+    for message in itertools.islice(messages, start, None):
         role = message.get("role") if isinstance(message, dict) else None
         if role == "tool":
             tool_call_id = message.get("tool_call_id")
             if not in_block or not isinstance(tool_call_id, str) or tool_call_id not in pending:
-                return True
+                return True, None
             left = pending.pop(tool_call_id) - 1
             if left:
                 pending[tool_call_id] = left
             continue
         if pending:
-            return True
+            return True, None
         in_block = False
         if role != "assistant":
             continue
@@ -156,9 +183,10 @@ def needs_repair(messages: list[dict[str, Any]]) -> bool:
                 continue
             call_id = call.get("id")
             if not isinstance(call_id, str) or not call_id or _bad_arguments(call) is not None:
-                return True
+                return True, None
             pending[call_id] = pending.get(call_id, 0) + 1
-    return bool(pending)
+    # Calls still open at the end need a repair now, but the next turn's results may close them.
+    return bool(pending), Checkpoint(tuple(messages), tuple(pending.items()), in_block)
 
 
 def _derived_id(index: int, position: int, call: dict[str, Any]) -> str:

@@ -189,8 +189,8 @@ def test_small_bodies_are_not_remembered_and_misses_back_off() -> None:
 
 
 def test_memos_are_bounded_by_bytes_and_per_key() -> None:
-    memos = BodyMemos(max_bytes=3 * 100_000)
-    blobs = [bytes([i]) * 100_000 for i in range(8)]
+    memos = BodyMemos(max_bytes=3 * 100_010)
+    blobs = [bytes([i]) * (100_000 + i) for i in range(8)]  # a continuation is longer
 
     def memo(raw: bytes) -> BodyMemo:
         return BodyMemo(raw, 1, ("messages",), {}, ())
@@ -201,9 +201,13 @@ def test_memos_are_bounded_by_bytes_and_per_key() -> None:
     assert memos.bytes <= memos.max_bytes
     newest = memos.get("k")[0]
     replacement = memo(blobs[7])
-    memos.put("k", replacement, replaces=newest)
-    assert memos.get("k")[0] is replacement
-    assert newest not in memos.get("k")
+    memos.put("k", replacement, source=newest)
+    assert memos.get("k")[0].raw is replacement.raw
+    assert memos.get("k")[1] is newest  # kept: a regeneration from there still splices
+    third = memo(blobs[5])
+    memos.put("k", third, source=memos.get("k")[0])
+    lineage = [m.raw for m in memos.get("k") if m.lineage == newest.lineage]
+    assert lineage == [third.raw, replacement.raw]  # the lineage keeps its last two
     memos.put("other", memo(blobs[6]))
     assert memos.bytes <= memos.max_bytes
     assert memos.get("other")

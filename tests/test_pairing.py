@@ -18,6 +18,7 @@ from proxy.pairing import (
     diagnose,
     format_strict_error,
     needs_repair,
+    needs_repair_from,
     repair_messages,
 )
 from proxy.simulator.validate import ValidationError, validate_messages
@@ -621,3 +622,21 @@ def _time_needs_repair() -> None:
 
 if __name__ == "__main__":
     _time_needs_repair()
+
+
+@settings(max_examples=300, deadline=None)
+@given(random_histories(), random_histories(), st.integers(min_value=0, max_value=40))
+def test_the_check_resumed_from_a_checkpoint_answers_as_a_full_check(
+    first: list[Message], appended: list[Message], cut: int
+) -> None:
+    # Turn N is checked; turn N+1 resends the same message objects (prefix sharing) and more.
+    earlier = first[: cut % (len(first) + 1)]
+    _, checkpoint = needs_repair_from(earlier, None)
+    later = earlier + appended
+    resumed, after = needs_repair_from(later, checkpoint)
+    assert resumed == needs_repair(later)
+    assert after is None or after.messages == tuple(later)
+    # A history that only looks like the checkpointed one (equal, not the same objects) is
+    # checked from the start.
+    copied = [dict(m) if isinstance(m, dict) else m for m in later]
+    assert needs_repair_from(copied, checkpoint)[0] == needs_repair(copied)
