@@ -100,10 +100,25 @@ class PairingRepair:
             return body
         # Resumed from where the session's previous request left off: an agent's next turn
         # resends the same message objects (prefix sharing), so only the new ones are checked.
-        checkpoint = state.extra.get("pairing_checkpoint") if state is not None else None
+        # The last two checkpoints are kept: the latest turn, and the one before it for a retry
+        # or a regeneration of the latest turn (a fork from the turn before).
+        kept: list[pairing.Checkpoint] = (
+            state.extra.get("pairing_checkpoints", []) if state is not None else []
+        )
+        checkpoint = next(
+            (
+                c
+                for c in kept
+                if len(c.messages) <= len(messages)
+                and (not c.messages or c.messages[-1] is messages[len(c.messages) - 1])
+            ),
+            None,
+        )
         needed, after = pairing.needs_repair_from(messages, checkpoint)
         if state is not None and after is not None:
-            state.extra["pairing_checkpoint"] = after
+            others = [c for c in kept if c is not checkpoint]
+            base = checkpoint if checkpoint is not None else (others[0] if others else None)
+            state.extra["pairing_checkpoints"] = [after] if base is None else [after, base]
         if not needed:
             return body
         if ex.strict:
