@@ -248,7 +248,9 @@ def account(
     new_state = CacheState(
         prev_prompt=usage.prompt if usage.prompt > 0 else state.prev_prompt,
         has_reported=has_reported,
-        prefixes=_remember(state.prefixes, fingerprint.digests, started_at, max_prefixes),
+        prefixes=_remember(
+            state.prefixes, fingerprint.digests, started_at, max_prefixes, state.last_started
+        ),
         params_digest=fingerprint.params_digest,
         model=model,
         last_started=max(started_at, state.last_started or started_at),
@@ -299,13 +301,25 @@ def _remember(
     chain: tuple[bytes, ...],
     started_at: float,
     max_prefixes: int,
+    latest: float | None = None,
 ) -> dict[bytes, float]:
-    """``prefixes`` with every digest of ``chain`` stamped ``started_at``, oldest evicted first."""
-    in_chain = set(chain)
-    out = {digest: started for digest, started in prefixes.items() if digest not in in_chain}
-    for digest in chain:
-        # Requests finish out of order; a prefix's time only moves forward.
-        out[digest] = max(started_at, prefixes.get(digest, started_at))
+    """``prefixes`` with every digest of ``chain`` stamped ``started_at``, oldest evicted first.
+
+    ``latest`` is the newest time already in ``prefixes``: when ``started_at`` is not older, every
+    chain digest simply takes ``started_at`` and the work is done by dict operations in C.
+    """
+    if (latest is None and not prefixes) or (latest is not None and started_at >= latest):
+        stamped = dict.fromkeys(chain, started_at)
+        out = dict(prefixes)
+        for digest in stamped.keys() & out.keys():
+            del out[digest]  # re-inserted below, at the end: insertion order stays time order
+        out.update(stamped)
+    else:
+        in_chain = set(chain)
+        out = {digest: started for digest, started in prefixes.items() if digest not in in_chain}
+        for digest in chain:
+            # Requests finish out of order; a prefix's time only moves forward.
+            out[digest] = max(started_at, prefixes.get(digest, started_at))
     if len(out) > max_prefixes:
         # Insertion order is time order; for an over-long chain this keeps its longest prefixes.
         out = dict(islice(out.items(), len(out) - max_prefixes, None))

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -152,11 +153,16 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
         tuple(raw_messages) if isinstance(raw_messages, list | tuple) else ()
     )
     old_messages = previous.messages if previous is not None else ()
-    message_digests: list[bytes] = []
-    for i, message in enumerate(messages):
-        if previous is not None and i < len(old_messages):
+    # The leading run of the very same objects is found at C speed; past it, equal messages still
+    # reuse their digest.
+    same = _same_run(old_messages, messages)
+    message_digests: list[bytes] = list(previous.message_digests[:same]) if previous else []
+    for i in range(same, len(messages)):
+        message = messages[i]
+        if i < len(old_messages):
             old = old_messages[i]
             if old is message or old == message:
+                assert previous is not None
                 message_digests.append(previous.message_digests[i])
                 continue
         message_digests.append(_digest(canonical_message(message)))
@@ -177,19 +183,16 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
         hashlib.blake2b(b"".join(message_digests[:system_count]), digest_size=DIGEST_SIZE).digest(),
         *message_digests[system_count:],
     ]
-    locations = ["params", "tools", "system"] + [
-        f"messages[{i}]" for i in range(system_count, len(messages))
-    ]
+    locations = _locations(system_count, len(messages))
 
     chain: list[tuple[str, bytes]] = []
     if previous is not None:
-        # Chain digests depend only on element digests, so an unchanged run is copied as is.
-        for old_element, new_element, old_link in zip(
-            previous.element_digests, elements, previous.chain, strict=False
-        ):
-            if old_element != new_element or old_link[0] != locations[len(chain)]:
-                break
-            chain.append(old_link)
+        # Chain digests depend only on element digests (and locations, fixed by the number of
+        # system messages), so an unchanged run is copied as is.
+        kept = _equal_run(previous.element_digests, elements)
+        if previous.system_count != system_count:
+            kept = min(kept, _FIRST_MESSAGE)
+        chain = list(previous.chain[:kept])
     link = chain[-1][1] if chain else b""
     for position in range(len(chain), len(elements)):
         link = hashlib.blake2b(link + elements[position], digest_size=DIGEST_SIZE).digest()
@@ -203,6 +206,36 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
         messages=messages,
         tools=tools,
     )
+
+
+_LOCATION_NAMES: list[str] = []
+
+
+def _locations(system_count: int, count: int) -> list[str]:
+    """``params``, ``tools``, ``system``, then ``messages[i]`` for each later message."""
+    while len(_LOCATION_NAMES) < count:
+        _LOCATION_NAMES.extend(
+            f"messages[{i}]" for i in range(len(_LOCATION_NAMES), len(_LOCATION_NAMES) + 1024)
+        )
+    return ["params", "tools", "system", *_LOCATION_NAMES[system_count:count]]
+
+
+def _same_run(old: Sequence[Any], new: Sequence[Any]) -> int:
+    """How many leading items of ``old`` and ``new`` are the same objects."""
+    flags = list(map(operator.is_, old, new))
+    try:
+        return flags.index(False)
+    except ValueError:
+        return len(flags)
+
+
+def _equal_run(old: Sequence[Any], new: Sequence[Any]) -> int:
+    """How many leading items of ``old`` and ``new`` are equal."""
+    flags = list(map(operator.eq, old, new))
+    try:
+        return flags.index(False)
+    except ValueError:
+        return len(flags)
 
 
 def cache_params(body: Mapping[str, Any]) -> dict[str, Any]:

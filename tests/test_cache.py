@@ -9,12 +9,15 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.cache import (
     CacheResult,
     CacheState,
     Cost,
     ModelPricing,
+    _remember,
     account,
     compute_cost,
     default_cache_ttl,
@@ -377,3 +380,21 @@ def test_costs_add_up_per_session() -> None:
 )
 def test_default_cache_ttl_per_provider(model: str, ttl: float) -> None:
     assert default_cache_ttl(model) == ttl
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    old=st.lists(st.tuples(st.binary(min_size=1, max_size=2), st.floats(0, 100)), max_size=30),
+    chain=st.lists(st.binary(min_size=1, max_size=2), max_size=30, unique=True),
+    later=st.floats(0, 50),
+    cap=st.integers(1, 40),
+)
+def test_remembering_a_later_request_in_c_gives_the_same_prefixes_in_the_same_order(
+    old: list[tuple[bytes, float]], chain: list[bytes], later: float, cap: int
+) -> None:
+    prefixes = dict(old)
+    latest = max(prefixes.values(), default=0.0)
+    started = latest + later
+    fast = _remember(prefixes, tuple(chain), started, cap, latest)
+    slow = _remember(prefixes, tuple(chain), started, cap, latest + 1e9)  # forces the general path
+    assert list(fast.items()) == list(slow.items())

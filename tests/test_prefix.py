@@ -386,14 +386,19 @@ _message = st.fixed_dictionaries(
         max_size=4,
     ),
     appended=st.lists(_message, min_size=1, max_size=3),
+    same_objects=st.booleans(),
 )
 def test_incremental_fingerprint_equals_fresh_and_divergence_is_first_change(
     old_messages: list[dict[str, Any]],
     edits: list[tuple[str, int]],
     appended: list[dict[str, Any]],
+    same_objects: bool,
 ) -> None:
     old = {"model": "m", "tools": TOOLS, "messages": old_messages}
-    new = orjson.loads(orjson.dumps(old))
+    # Parsed afresh (equal objects), or spliced onto the previous parse (the very same ones).
+    new = (
+        {**old, "messages": list(old_messages)} if same_objects else orjson.loads(orjson.dumps(old))
+    )
     for op, at in edits:
         if op == "append":
             new["messages"] += appended
