@@ -94,7 +94,7 @@ class Fingerprint:
     @property
     def digests(self) -> tuple[bytes, ...]:
         """The chain digests alone, in order."""
-        return tuple(digest for _, digest in self.chain)
+        return tuple(map(operator.itemgetter(1), self.chain))
 
     @property
     def params_digest(self) -> bytes:

@@ -9,6 +9,7 @@ on a tie); else a new session.
 from __future__ import annotations
 
 import hashlib
+import operator
 import re
 import threading
 import time
@@ -81,7 +82,12 @@ def opening_key(messages: Sequence[Any]) -> str | None:
 def shared_prefix(old: Sequence[Any], new: Sequence[Any]) -> int:
     """How many leading messages two lists share."""
     n = min(len(old), len(new))
-    i = 0
+    # The leading run of the very same objects (a spliced or shared history) is found at C speed.
+    flags = list(map(operator.is_, old, new))
+    try:
+        i = flags.index(False)
+    except ValueError:
+        return n
     while i < n and (old[i] is new[i] or old[i] == new[i]):
         i += 1
     return i
