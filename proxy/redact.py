@@ -55,6 +55,32 @@ def _may_hold_secret(s: str) -> bool:
     )
 
 
+_SECRET_KEY_LITERALS: Final = tuple(b'"%s"' % key.encode() for key in sorted(_SECRET_KEYS))
+
+
+def line_may_hold_secret(line: bytes) -> bool:
+    """Whether a serialized JSON line might hold anything ``redact`` would change: one of the
+    literals every secret pattern contains, or a credential field's name (any case). Secrets are
+    made of characters JSON never escapes, so they appear in the line as they were."""
+    if (
+        b"sk-" in line
+        or b"earer" in line
+        or b"EARER" in line
+        or b"AKIA" in line
+        or b"ASIA" in line
+        or b"xox" in line
+        or b"ghp_" in line
+        or b"gho_" in line
+        or b"ghu_" in line
+        or b"ghs_" in line
+        or b"ghr_" in line
+        or b"github_pat_" in line
+    ):
+        return True
+    lowered = line.lower()
+    return any(key in lowered for key in _SECRET_KEY_LITERALS)
+
+
 def redact_text(s: str) -> str:
     """Return ``s`` with every secret-looking substring replaced (``s`` itself when none)."""
     if len(s) < _MIN_SECRET_LEN or not _may_hold_secret(s) or _SECRET.search(s) is None:

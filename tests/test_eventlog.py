@@ -504,3 +504,32 @@ def test_retention_of_a_missing_directory_removes_nothing(tmp_path: Path) -> Non
         enforce_retention(tmp_path / "nope", max_age_days=1, max_total_mb=1, active=(), now=0.0)
         == []
     )
+
+
+def test_a_burst_is_written_in_order_with_few_system_calls(
+    log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import proxy.eventlog as eventlog
+
+    calls: list[int] = []
+    real_write = os.write
+
+    def counting_write(fd: int, data: Any) -> int:
+        calls.append(len(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(eventlog.os, "write", counting_write)
+    w = EventLogWriter(log_dir)  # queued before the writer starts: one burst
+    writers.append(w)
+    for i in range(300):
+        for sid in ("a", "b", "c"):
+            assert w.emit(sid, {"type": "error", "n": i, "secret": "sk-" + "x" * 30 * (i == 7)})
+    w.start()
+    assert w.close()
+    assert w.written == 900
+    for sid in ("a", "b", "c"):
+        events = read_events(log_dir / f"{sid}.jsonl").events
+        assert [e["n"] for e in events] == list(range(300))
+        assert "sk-" + "x" * 30 not in (log_dir / f"{sid}.jsonl").read_text()
+        assert events[7]["secret"] == "[REDACTED]"  # still redacted within a batch
+    assert len(calls) < 30  # batched: not one write per event

@@ -4,7 +4,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.redact import _SECRET, REDACTED, _may_hold_secret, redact, redact_text
+from proxy.redact import (
+    _SECRET,
+    REDACTED,
+    _may_hold_secret,
+    line_may_hold_secret,
+    redact,
+    redact_text,
+)
 
 OPENAI_KEY = "sk-abcdefghijklmnopqrstuvwxyz012345"
 PROJECT_KEY = "sk-proj-Ab3_dEf-GhIjKlMnOpQrStUvWx"
@@ -138,3 +145,34 @@ def test_the_fast_prefilter_never_hides_a_secret_the_pattern_finds(
     text = f"{before} {secret} {after}"
     assert (_SECRET.search(text) is not None) <= _may_hold_secret(text)
     assert secret not in redact_text(text)
+
+
+_values = st.recursive(
+    st.one_of(
+        st.none(),
+        st.integers(min_value=-(2**63), max_value=2**63 - 1),
+        st.text(max_size=30),
+        st.sampled_from([OPENAI_KEY, AWS_ID, GITHUB_TOKEN, SLACK_TOKEN, "Bearer abcdefghijklmnop"]),
+    ),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.dictionaries(
+            st.one_of(
+                st.text(max_size=8),
+                st.sampled_from(["Authorization", "api_key", "X-Api-Key", "apikey", "content"]),
+            ),
+            children,
+            max_size=4,
+        ),
+    ),
+    max_leaves=12,
+)
+
+
+@given(_values)
+def test_a_serialized_line_without_the_literals_needs_no_redaction(value: object) -> None:
+    import orjson
+
+    line = orjson.dumps(value)
+    if not line_may_hold_secret(line):
+        assert redact(value) == value
