@@ -69,7 +69,7 @@ FULL = Plan(
     20,
     15,
     100,
-    (8, 32, 128),
+    (1, 8, 32, 128),
     5.0,
     2,
     12,
@@ -83,7 +83,7 @@ FULL = Plan(
     8,
 )
 QUICK = Plan(
-    50, 16, 10, 3, 20, (8, 32, 128), 0.3, 1, 2, 20, 1, (20, 40), 2, 1, 12, (1000, 20000), 2
+    50, 16, 10, 3, 20, (1, 8, 32, 128), 0.3, 1, 2, 20, 1, (20, 40), 2, 1, 12, (1000, 20000), 2
 )
 
 
@@ -881,9 +881,11 @@ def targets(results: dict[str, Any], plan: Plan) -> dict[str, Any]:
     )
     check("streams sustained >= 1000", f["cachegate.streams_sustained"], 1000, ge)
     check("RSS per stream <= 64 KiB", f["cachegate.rss_per_stream_kib"], 64.0, le)
-    check(
-        "rps c=32 >= rps c=1 (issue 2)", c32 / (1000.0 / f["cachegate.latency_c1_p50_ms"]), 1.0, ge
-    )
+    # Throughput at concurrency 1 as the load tool measures it (a closed loop of one connection):
+    # it includes the work cachegate does after each answer, as the concurrency-32 figure does.
+    c1 = f.get("cachegate.rps_c1")
+    if c1:
+        check("rps c=32 >= rps c=1 (issue 2)", c32 / c1, 1.0, ge)
     return t
 
 
@@ -998,7 +1000,9 @@ def main(argv: list[str] | None = None) -> int:
         help="add a bare pass-through on httpx's own connection pool (httpcore) for comparison",
     )
     parser.add_argument(
-        "--concurrency", default=None, help="comma-separated load concurrencies (default 8,32,128)"
+        "--concurrency",
+        default=None,
+        help="comma-separated load concurrencies (default 1,8,32,128)",
     )
     ns = parser.parse_args(argv)
     plan = QUICK if ns.quick else FULL

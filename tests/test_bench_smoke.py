@@ -35,6 +35,7 @@ def test_every_headline_figure_is_a_finite_number(results: dict) -> None:
         for key in (
             "latency_c1_p50_ms",
             "latency_c1_p99_ms",
+            "rps_c1",
             "rps_c8",
             "rps_c32",
             "rps_c128",
