@@ -6,8 +6,9 @@ the upstream's bytes sent back as they arrive, with disconnect cancellation. No 
 metrics: what is left is the cost of the stack itself.
 
 ``python -m bench.passthrough --port N --upstream http://127.0.0.1:M/v1 [--transport native]``
-(``native``, the default: cachegate's own pool; ``aiohttp``: the httpx API over the ``httpx-aiohttp``
-transport; ``httpx``: httpx's own pool.)
+(``native``, the default: cachegate's own pool; ``httpx``: httpx's own pool; ``aiohttp``: the httpx
+API over the ``httpx-aiohttp`` transport, cachegate's previous pool, which needs ``pip install
+httpx-aiohttp`` in the bench's tools venv: evidence, not a dependency.)
 """
 
 from __future__ import annotations

@@ -82,25 +82,6 @@ def build_transport(
         max_keepalive_connections=up.max_keepalive_connections,
         keepalive_expiry=30.0,
     )
-    if up.transport == "aiohttp":
-        # httpcore's pool bookkeeping dominates under concurrency; aiohttp's pool under the same
-        # httpx API measured several times the throughput at a fraction of the CPU (see bench/).
-        import aiohttp
-        from httpx_aiohttp import AiohttpTransport
-
-        def session() -> aiohttp.ClientSession:
-            # A proxy keeps no cookies (one client's upstream cookie must never reach another)
-            # and adds no headers of its own (no default User-Agent or Accept).
-            return aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(
-                    limit=up.max_connections, keepalive_timeout=30.0, ssl=True
-                ),
-                cookie_jar=aiohttp.DummyCookieJar(),
-                skip_auto_headers=("User-Agent", "Accept"),
-                auto_decompress=False,
-            )
-
-        return AiohttpTransport(limits=limits, trust_env=False, client=session)
     return httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
 
 

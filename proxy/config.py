@@ -35,7 +35,7 @@ class UpstreamSettings:
     max_connections: int = 1000
     max_keepalive_connections: int = 200
     request_usage: bool = True  # ask for stream usage when the client did not, and hide that event
-    transport: Literal["native", "aiohttp", "httpx"] = "native"  # the upstream connection pool
+    transport: Literal["native", "httpx"] = "native"  # the upstream connection pool
 
 
 @dataclass(frozen=True)

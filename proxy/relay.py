@@ -65,17 +65,6 @@ def _own_error(exc: BaseException) -> ProxyError | None:
     return None
 
 
-def _is_timeout(exc: httpx.TimeoutException) -> bool:
-    """A real timeout, not a refused or dropped connection that a transport filed as one
-    (httpx-aiohttp maps every aiohttp connection error to ``ConnectTimeout``)."""
-    cause = exc.__cause__
-    return (
-        cause is None
-        or isinstance(cause, TimeoutError)
-        or not type(cause).__module__.startswith("aiohttp")
-    )
-
-
 class RetryRequest(Exception):
     """The upstream refused in a way the caller can fix (``retry_if``); nothing reached the client."""
 
@@ -203,14 +192,6 @@ async def send_error(
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-class _RepeatedHeaders(httpx.Headers):
-    """Headers whose ``items()`` keeps a repeated header repeated: the aiohttp pool copies headers
-    through ``items()``, which httpx otherwise joins into one comma-separated value."""
-
-    def items(self) -> Any:
-        return self.multi_items()
-
-
 class Relay:
     """Streams one exchange through the shared, pooled upstream transport.
 
@@ -246,7 +227,6 @@ class Relay:
             content=content,
             extensions={"timeout": self._timeout},
         )
-        request.headers = _RepeatedHeaders(request.headers.raw)
         response = await self.transport.handle_async_request(request)
         response.request = request
         return response
@@ -290,7 +270,7 @@ class Relay:
                 own = _own_error(exc)
                 if own is not None:  # the request body the client was streaming failed (413, 499)
                     raise own from exc
-                if isinstance(exc, httpx.TimeoutException) and _is_timeout(exc):
+                if isinstance(exc, httpx.TimeoutException):
                     ex.upstream_error = "timeout"
                     raise upstream_timeout(type(exc).__name__) from exc
                 ex.upstream_error = "connect"
