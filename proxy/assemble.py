@@ -263,21 +263,45 @@ def assemble_completion(body: Mapping[str, Any]) -> AssembledResponse:
 
 
 class StreamRecorder:
-    """The relay's side channel: raw upstream byte chunks in, one ``AssembledResponse`` out."""
+    """The relay's side channel: raw upstream byte chunks in, one ``AssembledResponse`` out.
 
-    __slots__ = ("assembler", "decoder")
+    Chunks are only kept while the stream runs; they are decoded and assembled when it ends (or
+    every ``_DECODE_EVERY`` bytes of a long one). The relay's per-chunk path then costs a list
+    append, and the decoder splits a few large buffers instead of one small chunk at a time.
+    """
+
+    __slots__ = ("_chunks", "_size", "assembler", "decoder")
+
+    _DECODE_EVERY = 1 << 20
 
     def __init__(self) -> None:
         self.decoder = SSEDecoder()
         self.assembler = StreamAssembler()
+        self._chunks: list[bytes] = []
+        self._size = 0
 
     def feed(self, chunk: bytes) -> None:
         """Take one chunk exactly as the upstream sent it."""
-        for event in self.decoder.decode(chunk):
+        self._chunks.append(chunk)
+        self._size += len(chunk)
+        if self._size >= self._DECODE_EVERY:
+            self._decode()
+
+    def _decode(self) -> None:
+        data = b"".join(self._chunks)
+        self._chunks = []
+        self._size = 0
+        for event in self.decoder.decode(data):
             self.assembler.feed(event)
 
+    def result(self) -> AssembledResponse:
+        """The message so far, mid-stream (an event whose blank line has not arrived is left out)."""
+        self._decode()
+        return self.assembler.result()
+
     def finish(self) -> AssembledResponse:
-        """End of stream (complete or not): flush the decoder and return the result."""
+        """End of stream (complete or not): decode what is kept, flush, return the result."""
+        self._decode()
         for event in self.decoder.flush():
             self.assembler.feed(event)
         return self.assembler.result()

@@ -192,6 +192,9 @@ class _Connection(asyncio.Protocol):
         self._keep_alive = False
         self._reading_paused = False
         self._drain: asyncio.Future[None] | None = None
+        self._waiting: asyncio.Future[Any] | None = None  # what a caller awaits (read timeout)
+        self._mark = 0.0  # loop time of the last byte received or the last wait begun
+        self._timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -204,6 +207,7 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         self._received = True
+        self._mark = self.loop.time()
         try:
             parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -217,6 +221,9 @@ class _Connection(asyncio.Protocol):
         if self.closed:
             return
         self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self.pool._forget(self)
         if self._response is not None and self._until_close and exc is None:
             self._response._finish()  # a body delimited by the connection's end has ended
@@ -288,19 +295,32 @@ class _Connection(asyncio.Protocol):
             self._response._finish(error)
 
     async def wait(self, future: asyncio.Future[Any]) -> Any:
-        """Await ``future`` with the read timeout; a timeout closes the connection."""
-        timer = self.loop.call_later(self.read_timeout, self._timed_out, future)
+        """Await ``future`` with the read timeout (counted from the later of now and the last
+        byte received); a timeout closes the connection.
+
+        One timer per connection, re-armed when it fires early, instead of one per wait: a
+        stream waits once per event."""
+        self._waiting = future
+        self._mark = self.loop.time()
+        if self._timer is None:
+            self._timer = self.loop.call_at(self._mark + self.read_timeout, self._check_timeout)
         try:
             return await future
         finally:
-            timer.cancel()
+            self._waiting = None
 
-    def _timed_out(self, future: asyncio.Future[Any]) -> None:
-        if not future.done():
-            future.set_exception(httpx.ReadTimeout("upstream sent nothing for too long"))
-            error = httpx.ReadTimeout("upstream sent nothing for too long")
-            self._fail(error)
-            self.abort()
+    def _check_timeout(self) -> None:
+        self._timer = None
+        future = self._waiting
+        if future is None or future.done() or self.closed:
+            return  # nobody is waiting: the next wait arms a timer again
+        deadline = self._mark + self.read_timeout
+        if self.loop.time() < deadline:
+            self._timer = self.loop.call_at(deadline, self._check_timeout)
+            return
+        future.set_exception(httpx.ReadTimeout("upstream sent nothing for too long"))
+        self._fail(httpx.ReadTimeout("upstream sent nothing for too long"))
+        self.abort()
 
     async def exchange(
         self, method: bytes, head: bytes, content: bytes | AsyncIterator[bytes]
@@ -358,6 +378,9 @@ class _Connection(asyncio.Protocol):
 
     def abort(self) -> None:
         """Close at once (the upstream sees its socket closed)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self.transport is not None:
             self.transport.abort()
         if not self.closed:

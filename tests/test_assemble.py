@@ -334,7 +334,7 @@ def test_assembler_takes_sse_events_directly() -> None:
 def test_result_can_be_taken_mid_stream() -> None:
     recorder = StreamRecorder()
     recorder.feed(chunk({"content": "a"}))
-    assert recorder.assembler.result().message["content"] == "a"
+    assert recorder.result().message["content"] == "a"
     recorder.feed(chunk({"content": "b"}))
     assert recorder.finish().message["content"] == "ab"
 
