@@ -265,14 +265,16 @@ def assemble_completion(body: Mapping[str, Any]) -> AssembledResponse:
 class StreamRecorder:
     """The relay's side channel: raw upstream byte chunks in, one ``AssembledResponse`` out.
 
-    Chunks are only kept while the stream runs; they are decoded and assembled when it ends (or
-    every ``_DECODE_EVERY`` bytes of a long one). The relay's per-chunk path then costs a list
-    append, and the decoder splits a few large buffers instead of one small chunk at a time.
+    Chunks are kept and decoded a few at a time (every ``_BATCH`` chunks or ``_BATCH_BYTES``
+    bytes, and at the end): most chunks cost the relay a list append, and the decoder splits one
+    buffer per batch instead of each small chunk. Batches stay small so that streams ending
+    together do not leave a burst of decoding behind them.
     """
 
     __slots__ = ("_chunks", "_size", "assembler", "decoder")
 
-    _DECODE_EVERY = 1 << 20
+    _BATCH = 8
+    _BATCH_BYTES = 64 * 1024
 
     def __init__(self) -> None:
         self.decoder = SSEDecoder()
@@ -284,7 +286,7 @@ class StreamRecorder:
         """Take one chunk exactly as the upstream sent it."""
         self._chunks.append(chunk)
         self._size += len(chunk)
-        if self._size >= self._DECODE_EVERY:
+        if len(self._chunks) >= self._BATCH or self._size >= self._BATCH_BYTES:
             self._decode()
 
     def _decode(self) -> None:
