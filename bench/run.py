@@ -463,8 +463,10 @@ async def agent_sessions(arms: list[Arm], plan: Plan) -> dict[str, Any]:
     conns = {a.name: client.Connection(HOST, a.port) for a in arms}
     lat: dict[str, list[tuple[int, float]]] = {a.name: [] for a in arms}  # (history bytes, s)
     cpu_rows: list[tuple[int, int, float]] = []  # (history bytes, appended bytes, cpu s)
+    bare_rows: list[tuple[int, float]] = []  # the bare pass-through's (history bytes, cpu s)
     forks: dict[str, list[tuple[int, int, int, float]]] = {}  # (history, size, appended, cpu)
     cg = next(a for a in arms if a.name == "cachegate")
+    bare = next((a for a in arms if a.name == "bare"), None)
     max_size = 0
 
     async def send(a: Arm, body: bytes) -> float:
@@ -491,11 +493,14 @@ async def agent_sessions(arms: list[Arm], plan: Plan) -> dict[str, Any]:
             max_size = max(max_size, len(turn.body))
             order = arms[turn.index % len(arms) :] + arms[: turn.index % len(arms)]
             for a in order:
-                c0 = cg.cpu()
+                c0 = a.cpu()
                 elapsed = await send(a, turn.body)
                 if a is cg:
                     await asyncio.sleep(0.005)
                     cpu_rows.append((len(turn.body), turn.appended_bytes, cg.cpu() - c0))
+                elif a is bare:
+                    await asyncio.sleep(0.005)
+                    bare_rows.append((len(turn.body), a.cpu() - c0))
                 lat[a.name].append((len(turn.body), elapsed))
             if s == 0 and turn.index == checkpoint:
                 await sweep("small_history", turn.body)
@@ -530,9 +535,19 @@ async def agent_sessions(arms: list[Arm], plan: Plan) -> dict[str, Any]:
                     "requests": len(rows),
                 }
             )
-    xs = [r[0] / 1e5 for r in cpu_rows]
-    ys = [ms(r[2]) for r in cpu_rows]
-    slope = statistics.linear_regression(xs, ys).slope if len(set(xs)) > 1 else math.nan
+
+    def slope_of(rows: list[tuple[float, float]]) -> float:
+        xs = [r[0] / 1e5 for r in rows]
+        return (
+            statistics.linear_regression(xs, [ms(r[1]) for r in rows]).slope
+            if len(set(xs)) > 1
+            else math.nan
+        )
+
+    slope = slope_of([(r[0], r[2]) for r in cpu_rows])
+    # Relaying the bytes (socket reads and writes, the HTTP layers) grows with the body for any
+    # proxy: the bare pass-through's slope is that floor; cachegate's own work is the difference.
+    bare_slope = slope_of([(float(h), c) for h, c in bare_rows]) if bare_rows else math.nan
     sweeps: dict[str, Any] = {}
     for label, frows in forks.items():
         sweeps[label] = {
@@ -547,6 +562,8 @@ async def agent_sessions(arms: list[Arm], plan: Plan) -> dict[str, Any]:
     out["cachegate_cpu"] = {
         "by_history_quarter": quarters,
         "ms_per_100kb_history": slope,
+        "bare_ms_per_100kb_history": bare_slope,
+        "pipeline_ms_per_100kb_history": slope - bare_slope,
         "fork_sweeps": sweeps,
     }
     return out
@@ -752,6 +769,7 @@ def flatten(results: dict[str, Any], plan: Plan, arm_names: list[str]) -> dict[s
         f[f"{arm}.rss_per_stream_kib"] = mem["per_stream_kib"]
     cpu = ag["cachegate_cpu"]
     f["cachegate.agent_cpu_ms_per_100kb_history"] = cpu["ms_per_100kb_history"]
+    f["bare.agent_cpu_ms_per_100kb_history"] = cpu.get("bare_ms_per_100kb_history", math.nan)
     for label, sweep in cpu["fork_sweeps"].items():
         for kb, value in sweep["by_appended_kb"].items():
             f[f"cachegate.agent_cpu_ms_{label}_appended_{kb}kb"] = value
@@ -836,7 +854,11 @@ def table(results: dict[str, Any], plan: Plan, arm_names: list[str]) -> str:
             f"  history {q['history_kb']:>7} KB  appended {q['appended_kb']:>5} KB  "
             f"cpu {q['cpu_ms_median']:.2f} ms  (n={q['requests']})"
         )
-    lines.append(f"  slope: {cpu['ms_per_100kb_history']:.3f} ms CPU per 100 KB of history")
+    lines.append(
+        f"  slope: {cpu['ms_per_100kb_history']:.3f} ms CPU per 100 KB of history "
+        f"(bare pass-through: {cpu.get('bare_ms_per_100kb_history', math.nan):.3f}; "
+        f"cachegate's pipeline: {cpu.get('pipeline_ms_per_100kb_history', math.nan):.3f})"
+    )
     for label, sweep in cpu["fork_sweeps"].items():
         parts = ", ".join(f"+{kb} KB → {v:.2f} ms" for kb, v in sweep["by_appended_kb"].items())
         lines.append(f"  {label} ({sweep['history_kb']} KB): {parts}")
