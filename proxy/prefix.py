@@ -28,7 +28,7 @@ import hashlib
 import json
 import operator
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -220,22 +220,23 @@ def _locations(system_count: int, count: int) -> list[str]:
     return ["params", "tools", "system", *_LOCATION_NAMES[system_count:count]]
 
 
-def _same_run(old: Sequence[Any], new: Sequence[Any]) -> int:
-    """How many leading items of ``old`` and ``new`` are the same objects."""
-    flags = list(map(operator.is_, old, new))
+def _leading_run(test: Callable[[Any, Any], Any], old: Sequence[Any], new: Sequence[Any]) -> int:
+    """How many leading pairs of ``old`` and ``new`` pass ``test`` (compared at C speed)."""
+    flags = list(map(test, old, new))
     try:
         return flags.index(False)
     except ValueError:
         return len(flags)
+
+
+def _same_run(old: Sequence[Any], new: Sequence[Any]) -> int:
+    """How many leading items of ``old`` and ``new`` are the same objects."""
+    return _leading_run(operator.is_, old, new)
 
 
 def _equal_run(old: Sequence[Any], new: Sequence[Any]) -> int:
     """How many leading items of ``old`` and ``new`` are equal."""
-    flags = list(map(operator.eq, old, new))
-    try:
-        return flags.index(False)
-    except ValueError:
-        return len(flags)
+    return _leading_run(operator.eq, old, new)
 
 
 def cache_params(body: Mapping[str, Any]) -> dict[str, Any]:
