@@ -190,6 +190,7 @@ class _Connection(asyncio.Protocol):
         self._until_close = False  # the body ends with the connection
         self._complete = False
         self._keep_alive = False
+        self._request_incomplete = False  # the answer came before the request body was all sent
         self._reading_paused = False
         self._drain: asyncio.Future[None] | None = None
         self._waiting: asyncio.Future[Any] | None = None  # what a caller awaits (read timeout)
@@ -333,6 +334,7 @@ class _Connection(asyncio.Protocol):
         self._head_only = method == b"HEAD"
         self._response = None
         self._received = self._complete = self._until_close = self._keep_alive = False
+        self._request_incomplete = False
         self._raw_headers = []
         self._head = self.loop.create_future()
         if isinstance(content, bytes | bytearray | memoryview):
@@ -350,6 +352,7 @@ class _Connection(asyncio.Protocol):
                     if drain is not None and not drain.done():
                         await drain
                 if self._head.done():  # answered (or failed) before the body was all sent
+                    self._request_incomplete = True  # the connection cannot carry another
                     break
             if not self._head.done():
                 transport.write(b"0\r\n\r\n")
@@ -367,7 +370,13 @@ class _Connection(asyncio.Protocol):
 
     def release(self, read_to_end: bool) -> None:
         """The caller is done with the response: back to the pool, or closed."""
-        if read_to_end and self._complete and self._keep_alive and not self.closed:
+        if (
+            read_to_end
+            and self._complete
+            and self._keep_alive
+            and not self._request_incomplete
+            and not self.closed
+        ):
             self._parser = None
             self._response = None
             self._head = None

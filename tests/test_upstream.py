@@ -447,3 +447,41 @@ def test_ssl_cert_file_selects_the_trusted_bundle(monkeypatch: pytest.MonkeyPatc
     assert names == [((("commonName", "cachegate test upstream"),),)]
     monkeypatch.delenv("SSL_CERT_FILE")
     assert len(_ssl_context().get_ca_certs()) > 50  # certifi's bundle, as httpx uses
+
+
+def test_an_answer_before_the_whole_upload_retires_the_connection() -> None:
+    connections = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")  # a head; answer at once, body unread
+                writer.write(answer(b"too large", b"413 Payload Too Large"))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def slow_upload() -> AsyncIterator[bytes]:
+        for _ in range(50):
+            yield b"x" * 1000
+            await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+        pool = UpstreamPool()
+        resp = await pool.open("POST", url + "files", [], slow_upload())
+        assert resp.status_code == 413
+        assert await read(resp) == b"too large"
+        assert pool.idle_connections == 0  # half an upload is on that connection: not reused
+        resp = await pool.open("GET", url + "models", [], b"")
+        assert await read(resp) == b"too large"
+        assert connections == 2
+        await pool.aclose()
+        server.close()
+
+    run(main())
