@@ -70,8 +70,9 @@ def _splice(raw: bytes, memo: BodyMemo) -> Parsed | None:
             if middle[:1] != b",":
                 return None
             middle = middle[1:]
-        try:  # one valid array of values, or nothing: "[1],[2" is not one document
-            appended = orjson.loads(b"[" + middle + b"]")
+        try:  # one valid array of values, or nothing: "[1],[2" is not one document. Wrapped at
+            # the depth it has in the body, so orjson's nesting limit applies as to a full parse.
+            appended = orjson.loads(b'{"m":[' + middle + b"]}")["m"]
         except orjson.JSONDecodeError:
             return None
         if not appended:  # "," alone, or a stray "[]"-like fragment: not an append

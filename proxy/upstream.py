@@ -191,6 +191,7 @@ class _Connection(asyncio.Protocol):
         self._complete = False
         self._keep_alive = False
         self._request_incomplete = False  # the answer came before the request body was all sent
+        self._aborted = False
         self._reading_paused = False
         self._drain: asyncio.Future[None] | None = None
         self._waiting: asyncio.Future[Any] | None = None  # what a caller awaits (read timeout)
@@ -226,7 +227,7 @@ class _Connection(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         self.pool._forget(self)
-        if self._response is not None and self._until_close and exc is None:
+        if self._response is not None and self._until_close and exc is None and not self._aborted:
             self._response._finish()  # a body delimited by the connection's end has ended
         elif not self._complete:
             self._fail(
@@ -292,6 +293,7 @@ class _Connection(asyncio.Protocol):
         head = self._head
         if head is not None and not head.done():
             head.set_exception(error)
+            head.exception()  # retrieved: an exchange abandoned mid-upload must not log it
         if self._response is not None:
             self._response._finish(error)
 
@@ -337,7 +339,7 @@ class _Connection(asyncio.Protocol):
         self._request_incomplete = False
         self._raw_headers = []
         self._head = self.loop.create_future()
-        if isinstance(content, bytes | bytearray | memoryview):
+        if isinstance(content, bytes):
             if len(content) <= _WRITE_JOIN:
                 transport.write(head + content)
             else:
@@ -354,7 +356,7 @@ class _Connection(asyncio.Protocol):
                 if self._head.done():  # answered (or failed) before the body was all sent
                     self._request_incomplete = True  # the connection cannot carry another
                     break
-            if not self._head.done():
+            else:
                 transport.write(b"0\r\n\r\n")
         return await self.wait(self._head)
 
@@ -387,6 +389,7 @@ class _Connection(asyncio.Protocol):
 
     def abort(self) -> None:
         """Close at once (the upstream sees its socket closed)."""
+        self._aborted = True  # closed by us: a body delimited by the close has not ended
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -486,6 +489,8 @@ class UpstreamPool:
     ) -> UpstreamResponse:
         """Send a request; the answer's status and headers are read, its body is not."""
         origin, host, target = self._target(url)
+        if isinstance(content, bytearray | memoryview):
+            content = bytes(content)
         verb = method.encode("ascii")
         lines = [b"%s %s HTTP/1.1\r\nhost: %s\r\n" % (verb, target, host)]
         lines.extend(b"%s: %s\r\n" % (k, v) for k, v in headers)
@@ -532,11 +537,14 @@ class UpstreamPool:
             try:
                 async with asyncio.timeout(self.pool_timeout):
                     await waiter
-            except TimeoutError:
-                raise httpx.PoolTimeout("no upstream connection became free in time") from None
-            finally:
+            except BaseException as exc:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
+                elif waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                    self._wake_waiter()  # handed a free slot, but leaving: pass it on
+                if isinstance(exc, TimeoutError):
+                    raise httpx.PoolTimeout("no upstream connection became free in time") from None
+                raise
             idle = self._idle.get(origin)
             if idle:
                 conn = idle.pop()

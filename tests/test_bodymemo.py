@@ -211,3 +211,22 @@ def test_memos_are_bounded_by_bytes_and_per_key() -> None:
     memos.put("other", memo(blobs[6]))
     assert memos.bytes <= memos.max_bytes
     assert memos.get("other")
+
+
+def test_an_append_nested_past_the_parsers_limit_is_refused_as_a_full_parse_would() -> None:
+    messages = turns(1)[1]
+    raw = orjson.dumps(body_of(messages, "first"))
+    memo = remember(raw, bodymemo.parse(raw, []))
+    assert memo is not None
+    for depth in (1000, 1021, 1022, 1023, 1024):
+        nested = b"[" * depth + b"]" * depth
+        candidate = raw[: memo.close] + b"," + nested + raw[memo.close :]
+        try:
+            expected = orjson.loads(candidate)
+        except orjson.JSONDecodeError:
+            with pytest.raises(orjson.JSONDecodeError):
+                bodymemo.parse(candidate, [memo])
+            continue
+        parsed = bodymemo.parse(candidate, [memo])  # (too deep for == to compare)
+        assert parsed.source is memo
+        assert len(parsed.body["messages"]) == len(expected["messages"]) == len(messages) + 1

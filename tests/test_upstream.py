@@ -485,3 +485,110 @@ def test_an_answer_before_the_whole_upload_retires_the_connection() -> None:
         server.close()
 
     run(main())
+
+
+def test_a_slot_handed_to_a_request_that_leaves_passes_to_the_next() -> None:
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(answer(b"ok"))
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool(max_connections=1, pool_timeout=3)
+            held = await pool.open("GET", srv.url + "/", [], b"")
+            first = asyncio.create_task(pool.open("GET", srv.url + "/", [], b""))
+            second = asyncio.create_task(pool.open("GET", srv.url + "/", [], b""))
+            await asyncio.sleep(0.05)  # both wait for the one connection
+            assert await read(held) == b"ok"  # released: the first waiter is woken...
+            first.cancel()  # ...and its client leaves in the same turn of the loop
+            t0 = time.monotonic()
+            assert await read(await asyncio.wait_for(second, 2)) == b"ok"
+            assert time.monotonic() - t0 < 1  # not after pool_timeout
+            assert first.cancelled()
+            await pool.aclose()
+
+    run(main())
+
+
+def test_an_upload_that_ends_after_an_early_answer_still_ends_its_request() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                writer.write(answer(b"no", b"401 Unauthorized"))  # before reading the body
+                if b"chunked" in head:
+                    while True:
+                        line = await reader.readuntil(b"\r\n")
+                        try:
+                            size = int(line.strip(), 16)
+                        except ValueError:  # the next request read as a chunk: refuse it
+                            writer.write(answer(b"bad chunk", b"400 Bad Request"))
+                            await writer.drain()
+                            return
+                        await reader.readexactly(size + 2)
+                        if size == 0:
+                            break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+        pool = UpstreamPool(read_timeout=2)
+
+        async def upload() -> AsyncIterator[bytes]:
+            yield b"part"
+            await asyncio.sleep(0.1)  # the answer arrives meanwhile; then the body just ends
+
+        resp = await pool.open("POST", url + "files", [], upload())
+        assert await read(resp) == b"no"
+        resp = await pool.open("GET", url + "models", [], b"")
+        assert resp.status_code == 401  # the server read a well-formed next request
+        await read(resp)
+        await pool.aclose()
+        server.close()
+
+    run(main())
+
+
+def test_a_bytearray_body_is_sent_with_its_length() -> None:
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(answer(req.split(b"\r\n\r\n", 1)[1]))
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            for body in (bytearray(b'{"a":1}'), memoryview(b'{"a":1}')):
+                resp = await pool.open("POST", srv.url + "/", [], body)  # type: ignore[arg-type]
+                assert await read(resp) == b'{"a":1}'
+            assert b"content-length: 7" in srv.requests[0]
+            await pool.aclose()
+
+    run(main())
+
+
+def test_an_upload_that_fails_leaves_no_unretrieved_error(caplog: pytest.LogCaptureFixture) -> None:
+    import gc
+
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        return False
+
+    async def failing() -> AsyncIterator[bytes]:
+        yield b"x" * 10
+        raise ValueError("client disconnected")
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            with pytest.raises(ValueError):
+                await pool.open("POST", srv.url + "/", [], failing())
+            await asyncio.sleep(0.05)
+            gc.collect()
+            await asyncio.sleep(0.05)
+            await pool.aclose()
+
+    run(main())
+    assert "never retrieved" not in caplog.text
