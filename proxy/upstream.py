@@ -352,7 +352,7 @@ class _Connection(asyncio.Protocol):
                     transport.write(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
                     drain = self._drain
                     if drain is not None and not drain.done():
-                        await drain
+                        await self.wait(drain)  # an upstream that stops reading times out
                 if self._head.done():  # answered (or failed) before the body was all sent
                     self._request_incomplete = True  # the connection cannot carry another
                     break

@@ -592,3 +592,35 @@ def test_an_upload_that_fails_leaves_no_unretrieved_error(caplog: pytest.LogCapt
 
     run(main())
     assert "never retrieved" not in caplog.text
+
+
+@pytest.mark.timeout(20)
+def test_an_upstream_that_stops_reading_an_upload_times_out() -> None:
+    stop = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await stop.wait()  # reads nothing more: the socket buffers fill up
+        writer.close()
+        await writer.wait_closed()
+
+    async def endless() -> AsyncIterator[bytes]:
+        while True:
+            yield b"x" * 65536
+
+    async def main() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+        pool = UpstreamPool(read_timeout=0.5)
+        t0 = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout):
+            await pool.open("POST", url, [], endless())
+        assert time.monotonic() - t0 < 3
+        assert pool.open_connections == 0
+        await pool.aclose()
+        stop.set()
+        await asyncio.sleep(0.05)
+        server.close()
+        await server.wait_closed()
+
+    run(main())
