@@ -256,6 +256,9 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         parser = self._parser
         assert parser is not None
+        if self._complete:  # a second answer to one request: never reuse this connection
+            self._keep_alive = False
+            return
         status = parser.get_status_code()
         if 100 <= status < 200 and status != 101:
             self._raw_headers = []  # an interim answer (100 Continue, 103 Early Hints): skip it

@@ -624,3 +624,19 @@ def test_an_upstream_that_stops_reading_an_upload_times_out() -> None:
         await server.wait_closed()
 
     run(main())
+
+
+def test_a_connection_that_answered_twice_is_not_reused() -> None:
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(answer(b"first") + answer(b"unsolicited"))  # one request, two answers
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            assert await read(await pool.open("GET", srv.url + "/", [], b"")) == b"first"
+            assert await read(await pool.open("GET", srv.url + "/", [], b"")) == b"first"
+            assert srv.connections == 2  # the confused connection was closed, not reused
+            await pool.aclose()
+
+    run(main())
