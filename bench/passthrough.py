@@ -38,7 +38,7 @@ _HOP = frozenset(
 class Passthrough:
     """The ASGI app; ``client`` lives for the lifespan."""
 
-    def __init__(self, upstream: str, transport: str = "aiohttp") -> None:
+    def __init__(self, upstream: str, transport: str = "native") -> None:
         self.upstream = upstream.rstrip("/")
         self.transport = transport
         self.client: httpx.AsyncClient | None = None
@@ -85,12 +85,8 @@ class Passthrough:
         path = scope["path"].removeprefix("/v1")
         headers = [(k, v) for k, v in scope["headers"] if k not in _HOP]
         headers.append((b"accept-encoding", b"identity"))
-        if self.pool is not None:
-            await self._native(scope, receive, send, path, headers, b"".join(parts))
-            return
-        request = self.client.build_request(
-            scope["method"], self.upstream + path, headers=headers, content=b"".join(parts)
-        )
+        body = b"".join(parts)
+        url = self.upstream + path
         task = asyncio.current_task()
 
         async def watch() -> None:
@@ -100,16 +96,25 @@ class Passthrough:
                 task.cancel()
 
         watcher = asyncio.get_running_loop().create_task(watch())
-        response = None
+        response: Any = None
         try:
-            response = await self.client.send(request, stream=True)
+            if self.pool is not None:  # cachegate's native pool
+                response = await self.pool.open(scope["method"], url, headers, body)
+                chunks = response.stream
+            else:  # an httpx client
+                request = self.client.build_request(
+                    scope["method"], url, headers=headers, content=body
+                )
+                response = await self.client.send(request, stream=True)
+                chunks = response.aiter_raw()
             out = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in _HOP]
-            if b"content-length" in (k.lower() for k, _ in response.headers.raw):
-                out.append((b"content-length", response.headers["content-length"].encode()))
+            length = response.headers.get("content-length")
+            if length is not None:
+                out.append((b"content-length", length.encode()))
             await send(
                 {"type": "http.response.start", "status": response.status_code, "headers": out}
             )
-            async for chunk in response.aiter_raw():
+            async for chunk in chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
@@ -119,45 +124,6 @@ class Passthrough:
             if response is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(response.aclose())
-
-    async def _native(
-        self,
-        scope: dict[str, Any],
-        receive: Any,
-        send: Any,
-        path: str,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-    ) -> None:
-        """The same relay on cachegate's native pool (``proxy.upstream``)."""
-        task = asyncio.current_task()
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            if task is not None:
-                task.cancel()
-
-        watcher = asyncio.get_running_loop().create_task(watch())
-        response = None
-        try:
-            response = await self.pool.open(scope["method"], self.upstream + path, headers, body)
-            out = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in _HOP]
-            length = response.headers.get("content-length")
-            if length is not None:
-                out.append((b"content-length", length.encode()))
-            await send(
-                {"type": "http.response.start", "status": response.status_code, "headers": out}
-            )
-            async for chunk in response.stream:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            pass
-        finally:
-            watcher.cancel()
-            if response is not None:
-                await response.aclose()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -124,8 +124,7 @@ def _candidates(raw: bytes, body: dict[str, Any], previous: BodyMemo | None) -> 
                 if raw[i - 1 : i] == b"]":
                     out.append(i - 1)
             end = at
-    seen: set[int] = set()
-    return [c for c in out if not (c in seen or seen.add(c))]  # type: ignore[func-returns-value]
+    return list(dict.fromkeys(out))  # each candidate once, in order
 
 
 def _verify(raw: bytes, body: dict[str, Any], close: int) -> bool:
@@ -196,9 +195,6 @@ class BodyMemos:
         self._memos: OrderedDict[str, list[BodyMemo]] = OrderedDict()
         self._bytes = 0
         self._lineages = 0
-
-    def __len__(self) -> int:
-        return sum(len(v) for v in self._memos.values())
 
     @property
     def bytes(self) -> int:

@@ -287,25 +287,24 @@ class EventLogWriter:
                 if isinstance(item, _Flush):
                     item.done.set()
                     continue
-                if self.fsync == "line" or not self._items:
+                # The events queued now, up to a control item: one write per session for all of
+                # its lines (in order), not one system call per event. fsync "line": one at a time.
+                batch: dict[str, list[bytes]] = {}
+                while True:
                     session_id, ts, event = item
-                    self._write_event(session_id, ts, event)
-                else:
-                    # Several events queued: one write per session for all of its lines (in
-                    # order), not one system call per event. Control items end the batch.
-                    batch: dict[str, list[bytes]] = {}
-                    while True:
-                        session_id, ts, event = item
-                        line = self._line(session_id, ts, event)
-                        if line is not None:
-                            batch.setdefault(session_id, []).append(line)
-                        if len(batch) >= _BATCH_SESSIONS or not self._items:
-                            break
-                        if not isinstance(self._items[0], tuple):
-                            break
-                        item = self._items.popleft()
-                    for session_id, lines in batch.items():
-                        self._write_lines(session_id, lines)
+                    line = self._line(session_id, ts, event)
+                    if line is not None:
+                        batch.setdefault(session_id, []).append(line)
+                    if (
+                        self.fsync == "line"
+                        or len(batch) >= _BATCH_SESSIONS
+                        or not self._items
+                        or not isinstance(self._items[0], tuple)
+                    ):
+                        break
+                    item = self._items.popleft()
+                for session_id, lines in batch.items():
+                    self._write_lines(session_id, lines)
                 if (
                     self.fsync == "interval"
                     and time.monotonic() - self._last_sync >= self.fsync_interval_s
@@ -325,11 +324,6 @@ class EventLogWriter:
         except Exception as exc:  # orjson.JSONEncodeError, a non-dict event, a hostile __str__
             self._lose("serialize", "event log: cannot serialize event for %s: %s", session_id, exc)
             return None
-
-    def _write_event(self, session_id: str, ts: float, event: Any) -> None:
-        line = self._line(session_id, ts, event)
-        if line is not None:
-            self._write_lines(session_id, [line])
 
     def _write_lines(self, session_id: str, lines: list[bytes]) -> None:
         data = lines[0] if len(lines) == 1 else b"".join(lines)

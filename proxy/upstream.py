@@ -75,9 +75,6 @@ class UpstreamHeaders:
             raise KeyError(name)
         return value
 
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and self.get(name) is not None
-
 
 class UpstreamResponse:
     """One response: status and headers are read; the body is iterated with ``async for chunk in
@@ -182,7 +179,6 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self._parser: httptools.HttpResponseParser | None = None
         self._head_only = False
-        self._status = 0
         self._raw_headers: list[tuple[bytes, bytes]] = []
         self._head: asyncio.Future[UpstreamResponse] | None = None
         self._response: UpstreamResponse | None = None
