@@ -228,9 +228,15 @@ class BodyMemos:
         self._bytes += len(memo.raw)
         while len(memos) > MEMOS_PER_KEY:
             self._bytes -= len(memos.pop().raw)
-        while self._bytes > self.max_bytes and self._memos:
-            _, evicted = self._memos.popitem(last=False)
-            self._bytes -= sum(len(m.raw) for m in evicted)
+        while self._bytes > self.max_bytes:
+            oldest = next(iter(self._memos))
+            if oldest != key:  # other keys first, least recently used first
+                self._bytes -= sum(len(m.raw) for m in self._memos.pop(oldest))
+                continue
+            self._bytes -= len(memos.pop().raw)  # then this key's oldest memos
+            if not memos:
+                del self._memos[key]
+                break
 
     def note_miss(self, key: str, misses: int) -> None:
         """A full parse under ``key`` that continued no memo: remember the count on the newest."""
