@@ -100,24 +100,14 @@ class PairingRepair:
             return body
         # Resumed from where the session's previous request left off: an agent's next turn
         # resends the same message objects (prefix sharing), so only the new ones are checked.
-        # The last two checkpoints are kept: the latest turn, and the one before it for a retry
-        # or a regeneration of the latest turn (a fork from the turn before).
+        # Two checkpoints are kept: the latest turn's, and the one it resumed from (or the turn
+        # before), so a retry or a regeneration of the latest turn resumes too.
         kept: list[pairing.Checkpoint] = (
             state.extra.get("pairing_checkpoints", []) if state is not None else []
         )
-        checkpoint = next(
-            (
-                c
-                for c in kept
-                if len(c.messages) <= len(messages)
-                and (not c.messages or c.messages[-1] is messages[len(c.messages) - 1])
-            ),
-            None,
-        )
-        needed, after = pairing.needs_repair_from(messages, checkpoint)
+        needed, after, resumed = pairing.needs_repair_from(messages, kept)
         if state is not None and after is not None:
-            others = [c for c in kept if c is not checkpoint]
-            base = checkpoint if checkpoint is not None else (others[0] if others else None)
+            base = resumed or (kept[0] if kept else None)
             state.extra["pairing_checkpoints"] = [after] if base is None else [after, base]
         if not needed:
             return body

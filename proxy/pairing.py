@@ -24,6 +24,7 @@ import itertools
 import json
 import logging
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -132,7 +133,7 @@ def needs_repair(messages: list[dict[str, Any]]) -> bool:
 
     One pass, one small dict of the open block's call ids; only ``arguments`` strings are parsed.
     """
-    return needs_repair_from(messages, None)[0]
+    return needs_repair_from(messages)[0]
 
 
 @dataclass(frozen=True)
@@ -143,34 +144,34 @@ class Checkpoint:
     pending: tuple[tuple[str, int], ...]
     in_block: bool
 
+    def precedes(self, messages: Sequence[Any]) -> bool:
+        """``messages`` starts with the very same objects (an agent's next turn, shared)."""
+        n = len(self.messages)
+        return n <= len(messages) and all(map(operator.is_, self.messages, messages))
+
 
 def needs_repair_from(
-    messages: list[dict[str, Any]], checkpoint: Checkpoint | None
-) -> tuple[bool, Checkpoint | None]:
-    """``needs_repair``, resumed after ``checkpoint`` when ``messages`` starts with the very same
-    objects (an agent's next turn): the work is in proportion to what was appended. Returns the
-    answer and a checkpoint at the end of ``messages`` (None when a defect stopped the scan)."""
-    pending: dict[str, int] = {}  # call id -> results still expected in the open block
-    in_block = False
-    start = 0
-    if checkpoint is not None:
-        n = len(checkpoint.messages)
-        if n <= len(messages) and all(map(operator.is_, checkpoint.messages, messages)):
-            start = n
-            pending = dict(checkpoint.pending)
-            in_block = checkpoint.in_block
+    messages: list[dict[str, Any]], checkpoints: Sequence[Checkpoint] = ()
+) -> tuple[bool, Checkpoint | None, Checkpoint | None]:
+    """``needs_repair``, resumed after the first of ``checkpoints`` that ``precedes`` ``messages``:
+    the work is in proportion to what was appended. Returns the answer, a checkpoint at the end of
+    ``messages`` (None when a defect stopped the scan) and the checkpoint resumed from."""
+    resumed = next((c for c in checkpoints if c.precedes(messages)), None)
+    pending: dict[str, int] = dict(resumed.pending) if resumed else {}  # id -> results expected
+    in_block = resumed.in_block if resumed else False
+    start = len(resumed.messages) if resumed else 0
     for message in itertools.islice(messages, start, None):
         role = message.get("role") if isinstance(message, dict) else None
         if role == "tool":
             tool_call_id = message.get("tool_call_id")
             if not in_block or not isinstance(tool_call_id, str) or tool_call_id not in pending:
-                return True, None
+                return True, None, resumed
             left = pending.pop(tool_call_id) - 1
             if left:
                 pending[tool_call_id] = left
             continue
         if pending:
-            return True, None
+            return True, None, resumed
         in_block = False
         if role != "assistant":
             continue
@@ -183,10 +184,10 @@ def needs_repair_from(
                 continue
             call_id = call.get("id")
             if not isinstance(call_id, str) or not call_id or _bad_arguments(call) is not None:
-                return True, None
+                return True, None, resumed
             pending[call_id] = pending.get(call_id, 0) + 1
     # Calls still open at the end need a repair now, but the next turn's results may close them.
-    return bool(pending), Checkpoint(tuple(messages), tuple(pending.items()), in_block)
+    return bool(pending), Checkpoint(tuple(messages), tuple(pending.items()), in_block), resumed
 
 
 def _derived_id(index: int, position: int, call: dict[str, Any]) -> str:

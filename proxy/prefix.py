@@ -155,7 +155,7 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
     old_messages = previous.messages if previous is not None else ()
     # The leading run of the very same objects is found at C speed; past it, equal messages still
     # reuse their digest.
-    same = _same_run(old_messages, messages)
+    same = leading_run(operator.is_, old_messages, messages)
     message_digests: list[bytes] = list(previous.message_digests[:same]) if previous else []
     for i in range(same, len(messages)):
         message = messages[i]
@@ -189,7 +189,7 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
     if previous is not None:
         # Chain digests depend only on element digests (and locations, fixed by the number of
         # system messages), so an unchanged run is copied as is.
-        kept = _equal_run(previous.element_digests, elements)
+        kept = leading_run(operator.eq, previous.element_digests, elements)
         if previous.system_count != system_count:
             kept = min(kept, _FIRST_MESSAGE)
         chain = list(previous.chain[:kept])
@@ -220,23 +220,13 @@ def _locations(system_count: int, count: int) -> list[str]:
     return ["params", "tools", "system", *_LOCATION_NAMES[system_count:count]]
 
 
-def _leading_run(test: Callable[[Any, Any], Any], old: Sequence[Any], new: Sequence[Any]) -> int:
+def leading_run(test: Callable[[Any, Any], Any], old: Sequence[Any], new: Sequence[Any]) -> int:
     """How many leading pairs of ``old`` and ``new`` pass ``test`` (compared at C speed)."""
     flags = list(map(test, old, new))
     try:
         return flags.index(False)
     except ValueError:
         return len(flags)
-
-
-def _same_run(old: Sequence[Any], new: Sequence[Any]) -> int:
-    """How many leading items of ``old`` and ``new`` are the same objects."""
-    return _leading_run(operator.is_, old, new)
-
-
-def _equal_run(old: Sequence[Any], new: Sequence[Any]) -> int:
-    """How many leading items of ``old`` and ``new`` are equal."""
-    return _leading_run(operator.eq, old, new)
 
 
 def cache_params(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import orjson
 
+from proxy.prefix import leading_run
+
 SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 # Headers that agents and gateways already send, honoured in this order after X-Session-Id.
@@ -83,11 +85,7 @@ def shared_prefix(old: Sequence[Any], new: Sequence[Any]) -> int:
     """How many leading messages two lists share."""
     n = min(len(old), len(new))
     # The leading run of the very same objects (a spliced or shared history) is found at C speed.
-    flags = list(map(operator.is_, old, new))
-    try:
-        i = flags.index(False)
-    except ValueError:
-        return n
+    i = leading_run(operator.is_, old, new)
     while i < n and (old[i] is new[i] or old[i] == new[i]):
         i += 1
     return i

@@ -631,12 +631,16 @@ def test_the_check_resumed_from_a_checkpoint_answers_as_a_full_check(
 ) -> None:
     # Turn N is checked; turn N+1 resends the same message objects (prefix sharing) and more.
     earlier = first[: cut % (len(first) + 1)]
-    _, checkpoint = needs_repair_from(earlier, None)
+    _, checkpoint, _ = needs_repair_from(earlier)
     later = earlier + appended
-    resumed, after = needs_repair_from(later, checkpoint)
+    kept = [checkpoint] if checkpoint else []
+    resumed, after, used = needs_repair_from(later, kept)
     assert resumed == needs_repair(later)
+    assert used is checkpoint  # resumed whenever the earlier turn had a checkpoint
     assert after is None or after.messages == tuple(later)
     # A history that only looks like the checkpointed one (equal, not the same objects) is
     # checked from the start.
     copied = [dict(m) if isinstance(m, dict) else m for m in later]
-    assert needs_repair_from(copied, checkpoint)[0] == needs_repair(copied)
+    full, _, used = needs_repair_from(copied, kept)
+    assert full == needs_repair(copied)
+    assert used is None or not used.messages  # equal copies never resume past a message
