@@ -142,7 +142,29 @@ class StreamAssembler:
                 self._error = {"error": {"message": data}}
             self._malformed += 1
             return
-        if chunk.get("error") is not None or event.event == "error":
+        self._chunk(chunk, event.event)
+
+    def feed_data(self, payloads: list[bytes]) -> None:
+        """Take the raw data payloads of plain events (no ``event:``, ``id:`` or ``retry:``), as
+        ``SSEDecoder.decode_data`` gives them: the same result as ``feed`` on each, without the
+        per-event decoding. Anything but a JSON object or ``[DONE]`` goes through ``feed``."""
+        for data in payloads:
+            if data == b"[DONE]":
+                self._events += 1
+                self._done = True
+                continue
+            try:
+                chunk = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                chunk = None
+            if isinstance(chunk, dict):
+                self._events += 1
+                self._chunk(chunk, None)
+            else:
+                self.feed(SSEEvent(None, data.decode("utf-8", "replace")))
+
+    def _chunk(self, chunk: dict[str, Any], event_name: str | None) -> None:
+        if chunk.get("error") is not None or event_name == "error":
             if self._error is None:
                 self._error = chunk if chunk.get("error") is not None else {"error": chunk}
             return
@@ -293,6 +315,10 @@ class StreamRecorder:
         data = b"".join(self._chunks)
         self._chunks = []
         self._size = 0
+        payloads = self.decoder.decode_data(data)
+        if payloads is not None:
+            self.assembler.feed_data(payloads)
+            return
         for event in self.decoder.decode(data):
             self.assembler.feed(event)
 

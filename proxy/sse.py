@@ -74,6 +74,33 @@ class SSEDecoder:
             self._pending.append(rest)
         return self._lines(lines)
 
+    def decode_data(self, chunk: bytes) -> list[bytes] | None:
+        """The fast path for the common stream shape: when the decoder sits between events and
+        ``chunk`` is whole ``data: ...`` events of one line each (LF only, no other field), return
+        their raw data payloads and keep any trailing part for later; otherwise None, with nothing
+        consumed (call ``decode``). The payloads are what ``decode`` would give as ``data``, still
+        as bytes, for events with no ``event``, ``id`` or ``retry``."""
+        if (
+            self._pending
+            or self._has_data
+            or self._after_cr
+            or self._event is not None
+            or self._block_retry is not None
+            or (self._at_start and chunk.startswith(_BOM[: len(chunk)]))
+            or b"\r" in chunk
+        ):
+            return None
+        blocks = chunk.split(b"\n\n")
+        tail = blocks.pop()
+        for block in blocks:
+            if not block.startswith(b"data: ") or b"\n" in block:
+                return None
+        if blocks:
+            self._at_start = False
+        if tail:  # the start of an event whose blank line has not come yet
+            self.decode(tail)
+        return [block[6:] for block in blocks]
+
     def flush(self) -> list[SSEEvent]:
         """End of stream: finish a pending line; dispatch an event left without its blank line."""
         events = self._lines([b"".join(self._pending)]) if self._pending else []

@@ -43,7 +43,6 @@ import httptools
 import httpx
 
 _HIGH_WATER = 256 * 1024  # buffered response bytes before the socket stops being read
-_LOW_WATER = 64 * 1024
 _WRITE_JOIN = 64 * 1024  # bodies up to this size go out in one write with the head
 
 Origin = tuple[str, str, int]  # scheme, host, port
@@ -136,11 +135,15 @@ class UpstreamResponse:
 
     async def __anext__(self) -> bytes:
         while True:
-            if self._chunks:
-                chunk = self._chunks.popleft()
-                self._buffered -= len(chunk)
-                if self._buffered < _LOW_WATER and self._conn is not None:
-                    self._conn.resume_reading()
+            chunks = self._chunks
+            if chunks:
+                # Everything already buffered, as one piece: a relay that fell behind catches up
+                # with one write instead of one per upstream chunk (the bytes are the same).
+                chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
+                self._buffered = 0
+                if self._conn is not None:
+                    self._conn.resume_reading()  # a no-op unless reading was paused
                 return chunk
             if self._error is not None:
                 raise self._error

@@ -472,3 +472,37 @@ def test_any_chunking_assembles_the_expected_message(
 def test_byte_by_byte_assembles_the_same(conversation: tuple[bytes, dict[str, Any]]) -> None:
     raw, message = conversation
     assert record([raw[i : i + 1] for i in range(len(raw))]).message == message
+
+
+def test_fast_path_counts_odd_payloads_as_the_event_by_event_path_does() -> None:
+    """Malformed data, an error object, spaces around [DONE], a JSON array: the recorder's fast
+    path (plain ``data:`` events, LF endings) must give what feeding decoded events gives."""
+    raw = b"".join(
+        [
+            chunk({"role": "assistant", "content": ""}),
+            b"data: not json\n\n",
+            chunk({"content": "Hi"}),
+            b"data: [1, 2]\n\n",
+            b'data: {"error":{"message":"overloaded"}}\n\n',
+            b"data:  [DONE] \n\n",
+            b"data: \xff\n\n",
+            DONE,
+        ]
+    )
+    assembler = StreamAssembler()
+    for event in decode_stream(raw):
+        assembler.feed(event)
+    slow = assembler.result()
+    fast = record([raw])
+    assert fast == slow
+    assert fast.message["content"] == "Hi"
+    assert fast.malformed == 3
+    assert fast.error == {"error": {"message": "overloaded"}}
+    assert fast.done is True
+
+
+def decode_stream(raw: bytes) -> list[SSEEvent]:
+    from proxy.sse import SSEDecoder
+
+    decoder = SSEDecoder()
+    return decoder.decode(raw) + decoder.flush()

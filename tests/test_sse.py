@@ -213,3 +213,76 @@ def test_truncated_stream_flushes_its_last_event(stream: Stream, data: st.DataOb
     _, expected, truncated = stream
     cuts = data.draw(st.lists(st.integers(0, len(truncated)), max_size=4))
     assert decode_all(_cut(truncated, cuts))[0] == expected
+
+
+# --- the fast path for plain data events ----------------------------------------------------
+
+
+def decode_all_fast(chunks: list[bytes]) -> tuple[list[SSEEvent], int]:
+    """Like ``decode_all``, taking ``decode_data`` whenever it applies; also how often it did."""
+    decoder = SSEDecoder()
+    events: list[SSEEvent] = []
+    fast = 0
+    for chunk in chunks:
+        payloads = decoder.decode_data(chunk)
+        if payloads is None:
+            events += decoder.decode(chunk)
+        else:
+            fast += 1
+            events += [
+                SSEEvent(None, p.decode("utf-8", "replace"), decoder.last_event_id)
+                for p in payloads
+            ]
+    events += decoder.flush()
+    return events, fast
+
+
+def test_fast_path_returns_plain_data_payloads_and_keeps_a_partial_event() -> None:
+    decoder = SSEDecoder()
+    assert decoder.decode_data(b'data: {"a":1}\n\ndata: [DONE]\n\ndata: par') == [
+        b'{"a":1}',
+        b"[DONE]",
+    ]
+    # The partial event waits for its end like any other; the decoder is then mid-event.
+    assert decoder.decode_data(b"tial\n\n") is None
+    assert decoder.decode(b"tial\n\n") == [SSEEvent(None, "partial")]
+    assert decoder.decode_data(b"data: next\n\n") == [b"next"]
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        b"event: error\ndata: {}\n\n",
+        b"data: a\ndata: b\n\n",
+        b"data:no-space\n\n",
+        b": keep-alive\n\ndata: x\n\n",
+        b"data: x\r\n\r\n",
+        b"id: 1\ndata: x\n\n",
+        b"\xef\xbb\xbfdata: x\n\n",
+        b"data: x\n\n\n\n",
+    ],
+)
+def test_fast_path_declines_anything_else_and_consumes_nothing(chunk: bytes) -> None:
+    decoder = SSEDecoder()
+    assert decoder.decode_data(chunk) is None
+    assert decoder.decode(chunk) + decoder.flush() == decode(chunk)
+
+
+@settings(max_examples=300, deadline=None)
+@given(stream=_streams(), data=st.data())
+def test_fast_path_decodes_random_streams_the_same(stream: Stream, data: st.DataObject) -> None:
+    raw, expected, _ = stream
+    cuts = data.draw(st.lists(st.integers(0, len(raw)), max_size=8))
+    assert decode_all_fast(_cut(raw, cuts))[0] == expected
+
+
+def test_fast_path_takes_a_typical_completion_stream() -> None:
+    raw = b"".join(b'data: {"choices":[{"delta":{"content":"%d"}}]}\n\n' % i for i in range(9))
+    raw += b"data: [DONE]\n\n"
+    size = raw.index(b"\n\n") + 2  # one event (all but [DONE] have this length)
+    events, fast = decode_all_fast(_cut(raw, [2 * size, 3 * size + 10, 5 * size]))
+    assert [e.data for e in events][-2:] == ['{"choices":[{"delta":{"content":"8"}}]}', "[DONE]"]
+    assert len(events) == 10
+    # Chunks that start between events take it (the second ends mid-event and keeps its tail);
+    # the one that starts mid-event falls back, and the decoder is between events after it.
+    assert fast == 3
