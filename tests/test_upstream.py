@@ -206,6 +206,36 @@ def test_large_body_with_a_slow_reader_arrives_whole() -> None:
     run(main())
 
 
+def test_a_reader_that_fell_behind_gets_the_buffered_chunks_in_one_piece() -> None:
+    events = [b"data: %d\n\n" % i for i in range(6)]
+    framed = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await w.drain()
+        await asyncio.sleep(0.05)
+        w.write(framed[: framed.index(b"\r\n", 8) + 2])  # the first event alone
+        await w.drain()
+        await asyncio.sleep(0.05)
+        w.write(framed[framed.index(b"\r\n", 8) + 2 :])  # the rest, while the reader is busy
+        await w.drain()
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            resp = await pool.open("GET", srv.url + "/", [], b"")
+            parts = []
+            async for chunk in resp.stream:
+                parts.append(chunk)
+                await asyncio.sleep(0.2)  # behind: the other five events arrive meanwhile
+            await resp.aclose()
+            assert parts == [events[0], b"".join(events[1:])]
+            await pool.aclose()
+
+    run(main())
+
+
 def test_streamed_request_body_is_sent_chunked() -> None:
     async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
         w.write(answer(req.split(b"\r\n\r\n", 1)[1]))
