@@ -5,17 +5,22 @@ from __future__ import annotations
 import logging
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from proxy.metrics import (
     COMPACTION_RESULTS,
+    DURATION_BUCKETS,
     LOG_LOSS_KINDS,
+    OVERHEAD_BUCKETS,
     REPAIR_KINDS,
     REWRITE_LOCATIONS,
+    TOKEN_USAGE_BUCKETS,
     UPSTREAM_ERROR_KINDS,
     WASTE_CAUSES,
     Metrics,
     MetricsObserver,
+    _Collector,
+    _Family,
 )
 from proxy.pipeline import Exchange
 from proxy.usage import Usage
@@ -321,3 +326,48 @@ def test_observer_turns_exchanges_into_metrics(
     assert value(registry, "cachegate_pairing_repairs_total", kind="missing_id") == 1.0
     assert value(registry, "cachegate_upstream_errors_total", kind="timeout") == 1.0
     assert value(registry, "cachegate_client_disconnects_total") == 1.0
+
+
+def _exposition(registry: CollectorRegistry) -> list[str]:
+    """The text exposition with the ``_created`` timestamps (creation times) masked."""
+    lines = generate_latest(registry).decode().splitlines()
+    return [
+        line.rsplit(" ", 1)[0] + " T" if "_created" in line and not line.startswith("#") else line
+        for line in lines
+    ]
+
+
+@pytest.mark.parametrize(
+    ("bounds", "values"),
+    [
+        (TOKEN_USAGE_BUCKETS, [0, 1, 3, 4, 16777216, 10**9, 65536.5]),
+        (OVERHEAD_BUCKETS, [0.0, 0.00005, 0.000051, 0.1, 0.2, 1e-9]),
+        (DURATION_BUCKETS, [600.0, 600.0001, 0.01, 2.5, 3]),
+    ],
+)
+def test_plain_families_expose_what_prometheus_client_would(
+    bounds: tuple[float, ...], values: list[float]
+) -> None:
+    """cachegate keeps its series as plain numbers; the scrape must read exactly as
+    prometheus_client's own Counter, Gauge and Histogram would for the same updates, bucket
+    edges (``le`` is inclusive) and ``le`` spellings included."""
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    hist = _Family("histogram", "x_seconds", "Help.", ["route"], bounds)
+    count = _Family("counter", "x_events", "Help.", ["kind"])
+    gauge = _Family("gauge", "x_open", "Help.")
+    ours.register(_Collector([hist, count, gauge]))
+    ref_hist = Histogram("x_seconds", "Help.", ["route"], buckets=bounds, registry=theirs)
+    ref_count = Counter("x_events", "Help.", ["kind"], registry=theirs)
+    ref_gauge = Gauge("x_open", "Help.", registry=theirs)
+    for v in values:
+        hist.observe(hist.child("chat"), v)
+        ref_hist.labels("chat").observe(v)
+        count.child("a")[0] += v
+        ref_count.labels("a").inc(v)
+    count.child("b")
+    ref_count.labels("b")
+    gauge.child()[0] += 2
+    gauge.child()[0] -= 1
+    ref_gauge.inc(2)
+    ref_gauge.dec()
+    assert _exposition(ours) == _exposition(theirs)
