@@ -41,28 +41,39 @@ def _replace(match: re.Match[str]) -> str:
     return f"{bearer} {REDACTED}" if bearer else REDACTED
 
 
-# Every alternative of ``_SECRET`` contains one of these literals: a cheap necessary condition.
-# Substring tests run at memory speed; the pattern's search tries every position.
-_SECRET_LITERALS: Final = (
-    "sk-", "earer", "EARER", "AKIA", "ASIA", "xox",
-    "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_",
-)  # fmt: skip
-_SECRET_LITERAL_BYTES: Final = tuple(literal.encode() for literal in _SECRET_LITERALS)
-_SECRET_KEY_LITERALS: Final = tuple(b'"%s"' % key.encode() for key in sorted(_SECRET_KEYS))
+# Every alternative of ``_SECRET`` contains one of these literals or matches one of the anchors: a
+# cheap necessary condition. A substring test or a search for a pattern with a literal first
+# character runs at memory speed, where the full pattern's search tries every position. The GitHub
+# and AWS anchors are patterns because one search is cheaper than one substring test per prefix.
+_SECRET_LITERALS: Final = ("sk-", "earer", "EARER", "xox")
+_SECRET_ANCHORS: Final = (r"gh[pousr]_|github_pat_", r"A(?:KI|SI)A")
+_ANCHORS_STR: Final = tuple(re.compile(anchor) for anchor in _SECRET_ANCHORS)
+_LITERALS_BYTES: Final = tuple(literal.encode() for literal in _SECRET_LITERALS)
+_ANCHORS_BYTES: Final = tuple(re.compile(anchor.encode()) for anchor in _SECRET_ANCHORS)
+# Every credential key name ends in one of these (lowercased, with the closing quote of a JSON key).
+_KEY_ENDINGS: Final = (b'key"', b'authorization"')
 
 
 def _may_hold_secret(s: str) -> bool:
-    return any(literal in s for literal in _SECRET_LITERALS)
+    for literal in _SECRET_LITERALS:
+        if literal in s:
+            return True
+    return any(anchor.search(s) is not None for anchor in _ANCHORS_STR)
 
 
 def line_may_hold_secret(line: bytes) -> bool:
     """Whether a serialized JSON line might hold anything ``redact`` would change: one of the
-    literals every secret pattern contains, or a credential field's name (any case). Secrets are
-    made of characters JSON never escapes, so they appear in the line as they were."""
-    if any(literal in line for literal in _SECRET_LITERAL_BYTES):
-        return True
+    literals or anchors every secret pattern contains, or a key ending like a credential field's
+    name (any case). Secrets are made of characters JSON never escapes, so they appear in the line
+    as they were."""
+    for literal in _LITERALS_BYTES:
+        if literal in line:
+            return True
+    for anchor in _ANCHORS_BYTES:
+        if anchor.search(line) is not None:
+            return True
     lowered = line.lower()
-    return any(key in lowered for key in _SECRET_KEY_LITERALS)
+    return any(ending in lowered for ending in _KEY_ENDINGS)
 
 
 def redact_text(s: str) -> str:

@@ -176,3 +176,15 @@ def test_a_serialized_line_without_the_literals_needs_no_redaction(value: object
     line = orjson.dumps(value)
     if not line_may_hold_secret(line):
         assert redact(value) == value
+
+
+def test_every_credential_key_is_caught_by_the_line_prefilter_in_any_case() -> None:
+    import orjson
+
+    from proxy.redact import _SECRET_KEYS
+
+    for key in _SECRET_KEYS:
+        for spelling in (key, key.upper(), key.title()):
+            line = orjson.dumps({"headers": {spelling: "x"}})
+            assert line_may_hold_secret(line), spelling
+            assert redact({spelling: "x"}) == {spelling: "[REDACTED]"}
