@@ -164,6 +164,34 @@ class StreamAssembler:
                 self.feed(SSEEvent(None, data.decode("utf-8", "replace")))
 
     def _chunk(self, chunk: dict[str, Any], event_name: str | None) -> None:
+        choices = chunk.get("choices")
+        if (
+            self._id is not None
+            and event_name is None
+            and type(choices) is list
+            and len(choices) == 1
+            and chunk.get("usage") is None
+            and chunk.get("error") is None
+        ):
+            # The bulk of a stream: one choice whose delta carries only text. Same outcome as
+            # the general path below, with fewer lookups.
+            choice = choices[0]
+            if type(choice) is dict and choice.get("index") in (0, None):
+                delta = choice.get("delta")
+                if type(delta) is dict and len(delta) == 1:
+                    content = delta.get("content")
+                    if type(content) is str:
+                        self._has_content = True
+                        if content:
+                            self._content.append(content)
+                        finish_reason = choice.get("finish_reason")
+                        if isinstance(finish_reason, str):
+                            self._finish_reason = finish_reason
+                        if self._model is None:
+                            model = chunk.get("model")
+                            if isinstance(model, str) and model:
+                                self._model = model
+                        return
         if chunk.get("error") is not None or event_name == "error":
             if self._error is None:
                 self._error = chunk if chunk.get("error") is not None else {"error": chunk}

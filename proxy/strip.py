@@ -54,7 +54,7 @@ class UsageEventStripper:
         if (
             not self._event
             and chunk.endswith((b"\n\n", b"\r\r"))
-            and chunk.count(b'"usage"') == chunk.count(b'"usage":null')
+            and (b'"usage"' not in chunk or chunk.count(b'"usage"') == chunk.count(b'"usage":null'))
         ):
             return chunk  # whole events, no usage object in any: the common case, no copying
         event = self._event
