@@ -2,7 +2,9 @@
 
 Raw ASGI under uvicorn (httptools, uvloop), cachegate's native upstream pool (``proxy.upstream``)
 with the same limits and timeouts cachegate configures, the request body forwarded as received and
-the upstream's bytes sent back as they arrive, with disconnect cancellation. No parsing, sessions, repair, accounting, logging or
+the upstream's bytes sent back as they arrive (written to the client from the upstream
+connection's callback, as cachegate's relay does: ``proxy.relay.DirectBody``), with disconnect
+cancellation. No parsing, sessions, repair, accounting, logging or
 metrics: what is left is the cost of the stack itself.
 
 ``python -m bench.passthrough --port N --upstream http://127.0.0.1:M/v1 [--transport native]``
@@ -19,6 +21,8 @@ import contextlib
 from typing import Any
 
 import httpx
+
+from proxy.relay import DirectBody
 
 _HOP = frozenset(
     {
@@ -114,8 +118,14 @@ class Passthrough:
             await send(
                 {"type": "http.response.start", "status": response.status_code, "headers": out}
             )
-            async for chunk in chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            # The same relay technique as cachegate: upstream chunks written to the client from
+            # the upstream connection's callback when serving on uvicorn's httptools protocol.
+            direct = DirectBody.of(send) if self.pool is not None else None
+            if direct is not None:
+                await response.pipe(lambda c: direct.write(c) if c else True, direct.drain)
+            else:
+                async for chunk in chunks:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             pass

@@ -192,6 +192,96 @@ async def send_error(
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+class _Tee:
+    """The relay's side channel: every upstream chunk, as received, to the stream recorder (SSE)
+    or collected whole (a JSON body, up to ``MAX_RECORDED_BODY``). Never raises."""
+
+    __slots__ = ("collected", "recorder", "size")
+
+    def __init__(self, recorder: StreamRecorder | None, collect: bool) -> None:
+        self.recorder = recorder
+        self.collected: list[bytes] | None = [] if collect else None
+        self.size = 0
+
+    def take(self, chunk: bytes) -> None:
+        recorder = self.recorder
+        if recorder is not None:
+            try:
+                recorder.feed(chunk)
+            except Exception:
+                log.exception("stream recorder failed; relaying continues unrecorded")
+                self.recorder = None
+        elif self.collected is not None:
+            self.size += len(chunk)
+            if self.size <= MAX_RECORDED_BODY:
+                self.collected.append(chunk)
+            else:
+                self.collected = None
+
+
+_UvicornCycle: Any
+try:  # uvicorn's HTTP/1.1 protocol on httptools, the one cachegate serves with
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as _UvicornCycle
+except ImportError:  # pragma: no cover - httptools is a dependency
+    _UvicornCycle = None
+
+
+class DirectBody:
+    """Response body chunks written straight to the client's transport, for uvicorn's httptools
+    protocol: what its ``send`` does for a body chunk (chunked framing, or counting down the
+    declared length), without a coroutine and an ASGI message per chunk. Together with
+    ``UpstreamResponse.pipe`` a relayed chunk goes from the upstream socket's callback to the
+    client's socket with no task switch. The response's start and end still go through ``send``,
+    so uvicorn keeps its own bookkeeping (keep-alive, completion).
+
+    ``of(send)`` is None for any other server (or a uvicorn whose internals differ); the relay
+    then sends chunk by chunk through ASGI.
+    """
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+
+    @staticmethod
+    def of(send: Send) -> DirectBody | None:
+        cycle: Any = getattr(send, "__self__", None)
+        if _UvicornCycle is None or type(cycle) is not _UvicornCycle:
+            return None
+        try:  # the attributes the body branch of its send uses
+            cycle.transport.write  # noqa: B018
+            cycle.flow.write_paused  # noqa: B018
+            cycle.flow.drain  # noqa: B018
+            ok = cycle.response_started and not cycle.response_complete
+            ok = ok and cycle.chunked_encoding in (True, False)
+            ok = ok and isinstance(cycle.expected_content_length, int)
+            ok = ok and isinstance(cycle.disconnected, bool)
+            ok = ok and cycle.scope["method"] != "HEAD"
+        except (AttributeError, KeyError, TypeError):
+            return None
+        return DirectBody(cycle) if ok else None
+
+    def write(self, body: bytes) -> bool:
+        """Write one non-empty chunk; False when the client's buffer is full (wait on drain)."""
+        cycle = self._cycle
+        if cycle.disconnected or cycle.response_complete:
+            return True  # as uvicorn's send: nothing goes to a client that left
+        if cycle.chunked_encoding:
+            cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        else:
+            size = len(body)
+            if size > cycle.expected_content_length:
+                raise RuntimeError("Response content longer than Content-Length")
+            cycle.expected_content_length -= size
+            cycle.transport.write(body)
+        return not cycle.flow.write_paused
+
+    async def drain(self) -> None:
+        cycle = self._cycle
+        if cycle.flow.write_paused and not cycle.disconnected:
+            await cycle.flow.drain()
+
+
 class Relay:
     """Streams one exchange through the shared, pooled upstream transport.
 
@@ -209,6 +299,7 @@ class Relay:
         self.transport = transport
         self.base_url = base_url.rstrip("/")
         self._timeout = timeout.as_dict()
+        self.direct_relays = 0  # responses relayed through DirectBody (no task switch per chunk)
 
     async def open(
         self,
@@ -256,10 +347,8 @@ class Relay:
             watch = DisconnectWatch(receive, watch_after)
         response: httpx.Response | UpstreamResponse | None = None
         started = False
-        recorder: StreamRecorder | None = None
+        tee: _Tee | None = None
         stripper: UsageEventStripper | None = None
-        collected: list[bytes] | None = None
-        collected_size = 0
         try:
             try:
                 ex.overhead_s = time.perf_counter() - ex.t0
@@ -302,10 +391,7 @@ class Relay:
             encoded = response.headers.get("content-encoding", "identity") not in ("identity", "")
             is_sse = ctype.startswith("text/event-stream")
             if record and not encoded:
-                if is_sse:
-                    recorder = StreamRecorder()
-                else:
-                    collected = []
+                tee = _Tee(StreamRecorder() if is_sse else None, collect=not is_sse)
             if ex.strip_usage and is_sse and not encoded:
                 stripper = UsageEventStripper()
             await send(
@@ -318,27 +404,28 @@ class Relay:
                 }
             )
             started = True
+            direct = None
+            if isinstance(response, UpstreamResponse) and chunks is response.stream:
+                direct = DirectBody.of(send)
             try:
-                async for chunk in chunks:
-                    if ex.ttfb_s is None:
-                        ex.ttfb_s = time.perf_counter() - ex.t0
-                    out = chunk
-                    if stripper is not None:
-                        out = stripper.feed(chunk)
-                    if out:
-                        await send({"type": "http.response.body", "body": out, "more_body": True})
-                    if recorder is not None:
-                        try:
-                            recorder.feed(chunk)
-                        except Exception:
-                            log.exception("stream recorder failed; relaying continues unrecorded")
-                            recorder = None
-                    elif collected is not None:
-                        collected_size += len(chunk)
-                        if collected_size <= MAX_RECORDED_BODY:
-                            collected.append(chunk)
-                        else:
-                            collected = None
+                if direct is not None:
+                    self.direct_relays += 1
+                    await response.pipe(  # type: ignore[union-attr]
+                        _sink(ex, direct, stripper, tee), direct.drain
+                    )
+                else:
+                    async for chunk in chunks:
+                        if ex.ttfb_s is None:
+                            ex.ttfb_s = time.perf_counter() - ex.t0
+                        out = chunk
+                        if stripper is not None:
+                            out = stripper.feed(chunk)
+                        if out:
+                            await send(
+                                {"type": "http.response.body", "body": out, "more_body": True}
+                            )
+                        if tee is not None:
+                            tee.take(chunk)
             except Exception as exc:  # after the headers went out: cut the client the same way
                 ex.upstream_error = "midstream"
                 ex.error = f"upstream broke off mid-response: {type(exc).__name__}"
@@ -372,17 +459,34 @@ class Relay:
             if response is not None:
                 await response.aclose()
             ex.duration_s = time.perf_counter() - ex.t0
-            if recorder is not None:
+            if tee is not None and tee.recorder is not None:
                 try:
-                    ex.assembled = recorder.finish()
+                    ex.assembled = tee.recorder.finish()
                 except Exception:
                     log.exception("stream recorder failed to finish")
-            elif collected and ex.status < 400:
+            elif tee is not None and tee.collected and ex.status < 400:
                 try:
-                    ex.assembled = assemble_completion(orjson.loads(b"".join(collected)))
+                    ex.assembled = assemble_completion(orjson.loads(b"".join(tee.collected)))
                 except Exception:
                     log.debug("response body is not a chat completion", exc_info=True)
             if ex.assembled is not None:
                 ex.usage = ex.assembled.usage
                 if ex.assembled.error is not None and ex.error is None:
                     ex.error = str(ex.assembled.error.get("message", ex.assembled.error))
+
+
+def _sink(
+    ex: Exchange, direct: DirectBody, stripper: UsageEventStripper | None, tee: _Tee | None
+) -> Callable[[bytes], bool]:
+    """The per-chunk work of a piped relay, run in the upstream connection's callback."""
+
+    def sink(chunk: bytes) -> bool:
+        if ex.ttfb_s is None:
+            ex.ttfb_s = time.perf_counter() - ex.t0
+        out = stripper.feed(chunk) if stripper is not None else chunk
+        room = direct.write(out) if out else True
+        if tee is not None:
+            tee.take(chunk)
+        return room
+
+    return sink

@@ -35,7 +35,7 @@ import collections
 import os
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, overload
 from urllib.parse import urlsplit
 
@@ -86,6 +86,8 @@ class UpstreamResponse:
         "_conn",
         "_done",
         "_error",
+        "_sink",
+        "_sink_full",
         "_waiter",
         "headers",
         "status_code",
@@ -100,6 +102,8 @@ class UpstreamResponse:
         self._done = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._sink: Callable[[bytes], bool] | None = None
+        self._sink_full = False
 
     @property
     def stream(self) -> UpstreamResponse:
@@ -109,10 +113,39 @@ class UpstreamResponse:
 
     def _feed(self, chunk: bytes) -> None:
         self._chunks.append(chunk)
+        if self._sink is not None:  # piped: handed over when the socket read is parsed
+            return
         self._buffered += len(chunk)
         if self._buffered > _HIGH_WATER and self._conn is not None:
             self._conn.pause_reading()
         self._wake()
+
+    def _take(self) -> bytes:
+        """Everything buffered, as one piece (the caller checked there is some)."""
+        chunks = self._chunks
+        chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
+        return chunk
+
+    def _to_sink(self) -> None:
+        """Piped: what one socket read brought, to the sink in one call (several events that
+        arrived together leave in one write). Called from the connection's callback."""
+        sink = self._sink
+        if sink is None or not self._chunks:
+            return
+        try:
+            room = sink(self._take())
+        except Exception as exc:  # the consumer failed: the pipe ends with its error
+            self._sink = None
+            self._error = exc  # even when the body had just ended: the consumer did not get it
+            self._wake()
+            return
+        if not room and not self._sink_full:
+            self._sink_full = True
+            if self._conn is not None:
+                self._conn.pause_reading()
+            self._wake()
 
     def _finish(self, error: BaseException | None = None) -> None:
         if self._done or self._error is not None:
@@ -135,13 +168,10 @@ class UpstreamResponse:
 
     async def __anext__(self) -> bytes:
         while True:
-            chunks = self._chunks
-            if chunks:
+            if self._chunks:
                 # Everything already buffered, as one piece: a relay that fell behind catches up
                 # with one write instead of one per upstream chunk (the bytes are the same).
-                chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-                chunks.clear()
-                self._buffered = 0
+                chunk = self._take()
                 if self._conn is not None:
                     self._conn.resume_reading()  # a no-op unless reading was paused
                 return chunk
@@ -157,6 +187,41 @@ class UpstreamResponse:
                 await conn.wait(self._waiter)
             finally:
                 self._waiter = None
+
+    async def pipe(
+        self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[object]]
+    ) -> None:
+        """Hand the rest of the body to ``sink`` as it arrives, called from the connection's own
+        callback: a relay then costs no task switch per chunk, and what one socket read brought
+        goes in one call. ``sink`` returns False when its consumer is full; reading then pauses
+        until ``drain()`` returns. Returns at the end of the body; raises what ``__anext__``
+        would (and what ``sink`` raised), after handing over every byte received before the
+        error. Chunks already buffered go first. The read timeout applies as usual."""
+        self._sink = sink
+        try:
+            while True:
+                if self._chunks:
+                    self._to_sink()
+                if self._error is not None:
+                    raise self._error
+                conn = self._conn
+                if self._sink_full:
+                    await drain()
+                    self._sink_full = False
+                    if self._conn is not None:
+                        self._conn.resume_reading()
+                    continue
+                if self._done:
+                    return
+                if conn is None:
+                    raise httpx.ReadError("the response was closed")
+                self._waiter = conn.loop.create_future()
+                try:
+                    await conn.wait(self._waiter)
+                finally:
+                    self._waiter = None
+        finally:
+            self._sink = None
 
     async def aread(self) -> bytes:
         """The rest of the body."""
@@ -214,6 +279,9 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(httpx.RemoteProtocolError(f"invalid answer from upstream: {exc}"))
             self.abort()
+        response = self._response
+        if response is not None and response._sink is not None:
+            response._to_sink()
 
     def eof_received(self) -> bool | None:
         return None  # close the transport: connection_lost follows

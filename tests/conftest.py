@@ -112,6 +112,7 @@ class ScriptedUpstream:
     extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     abort_after: int | None = None  # drop the connection after this many chunks
     header_delay_s: float = 0.0  # wait this long before even the status line
+    sent: int = 0  # body chunks handed to the server so far (uvicorn waits while a reader lags)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -169,6 +170,7 @@ class ScriptedUpstream:
                 if self.abort_after is not None and i >= self.abort_after:
                     raise ConnectionAbortedError("scripted upstream dies mid-stream")
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                self.sent += 1
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             self.in_flight -= 1

@@ -610,3 +610,71 @@ def test_a_repeated_request_header_stays_repeated(
         proxy.base_url + "/chat/completions", json=CHAT, headers=[("x-dup", "a"), ("x-dup", "b")]
     )
     assert [v for k, v in upstream.requests[0]["headers"] if k == b"x-dup"] == [b"a", b"b"]
+
+
+def test_streams_go_from_upstream_socket_to_client_socket_directly(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """Under uvicorn with the native pool, chunks are written to the client from the upstream
+    connection's callback (``DirectBody`` + ``UpstreamResponse.pipe``), still byte for byte and
+    still as they arrive; with a content length the body keeps its length framing."""
+    events = [sse(chunk(str(i))) for i in range(4)]
+    _upstream, url = scripted(chunks=events, delay_s=0.15)
+    proxy = proxy_factory(url)
+    relay = proxy.gateway.relay
+    before = relay.direct_relays
+    arrivals = []
+    with httpx.stream(
+        "POST",
+        proxy.base_url + "/chat/completions",
+        json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
+    ) as r:
+        t0 = time.monotonic()
+        for piece in r.iter_raw():
+            arrivals.append((time.monotonic() - t0, piece))
+    assert [p for _, p in arrivals] == events
+    assert arrivals[-1][0] - arrivals[0][0] > 0.3
+    assert relay.direct_relays == before + 1
+    body = orjson.dumps({"id": "x", "choices": [], "usage": {"prompt_tokens": 1}})
+    _upstream, url = scripted(
+        chunks=cut_every(body, 7),
+        content_type=b"application/json",
+        extra_headers=[(b"content-length", str(len(body)).encode())],
+    )
+    proxy = proxy_factory(url)
+    r = httpx.post(proxy.base_url + "/chat/completions", json=CHAT)
+    assert r.content == body
+    assert r.headers["content-length"] == str(len(body))
+    assert proxy.gateway.relay.direct_relays == 1
+
+
+def test_a_client_that_stops_reading_stops_the_upstream_too(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """Back-pressure through the direct path: while the client reads nothing, the upstream can
+    only get as far as the socket buffers allow; then every byte still arrives, in order."""
+    piece = sse(chunk("x" * 16000))
+    upstream, url = scripted(chunks=[piece] * 4000)  # ~64 MB
+    proxy = proxy_factory(url)
+    with socket.create_connection(("127.0.0.1", proxy.server.port)) as sock:
+        body = orjson.dumps({**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        sock.recv(65536)  # the head and the first bytes: the stream is flowing
+        time.sleep(1.0)  # the client reads nothing for a second
+        stalled_at = upstream.sent
+        assert stalled_at < 2000  # 32 MB would have gone through without back-pressure
+        time.sleep(0.3)
+        assert upstream.sent - stalled_at < 50  # and it stays stalled
+        received = 0
+        sock.settimeout(10)
+        while True:
+            data = sock.recv(1 << 20)
+            if not data or data.endswith(b"0\r\n\r\n"):
+                received += len(data)
+                break
+            received += len(data)
+    assert upstream.sent == 4000
+    assert received > 4000 * len(piece)

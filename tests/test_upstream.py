@@ -670,3 +670,188 @@ def test_a_connection_that_answered_twice_is_not_reused() -> None:
             await pool.aclose()
 
     run(main())
+
+
+# --- pipe: chunks handed to a sink from the connection's callback ------------------------------
+
+
+def _chunked(events: list[bytes]) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+
+
+def test_pipe_hands_every_chunk_to_the_sink_in_order_and_keeps_the_connection() -> None:
+    events = [b"data: %d\n\n" % i for i in range(5)]
+    pieces = [b"%x\r\n%s\r\n" % (len(e), e) for e in events]
+
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        w.write(pieces[0] + pieces[1])  # two events before the pipe is set up
+        await w.drain()
+        await asyncio.sleep(0.1)
+        for piece in pieces[2:]:
+            w.write(piece)
+            await w.drain()
+            await asyncio.sleep(0.05)
+        w.write(b"0\r\n\r\n")
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            resp = await pool.open("GET", srv.url + "/", [], b"")
+            await asyncio.sleep(0.05)  # the first two events are buffered by now
+            got: list[tuple[bytes, bool]] = []
+
+            def sink(chunk: bytes) -> bool:
+                got.append((chunk, asyncio.current_task() is None))
+                return True
+
+            async def drain() -> None:
+                raise AssertionError("never full")
+
+            await resp.pipe(sink, drain)
+            await resp.aclose()
+            assert [c for c, _ in got] == [events[0] + events[1], *events[2:]]
+            # All but the buffered piece came straight from the protocol callback, no task.
+            assert all(outside for _, outside in got[1:])
+            assert pool.idle_connections == 1
+            await pool.aclose()
+
+    run(main())
+
+
+def test_pipe_pauses_reading_while_the_sink_is_full() -> None:
+    payload = b"x" * 65536
+    total = 256  # 16 MiB
+
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (len(payload) * total))
+        for _ in range(total):
+            w.write(payload)
+            await w.drain()
+            srv.written += len(payload)
+        return True
+
+    async def main() -> None:
+        nonlocal srv
+        async with Server(handler) as s:
+            srv = s
+            srv.written = 0  # type: ignore[attr-defined]
+            pool = UpstreamPool()
+            resp = await pool.open("GET", s.url + "/", [], b"")
+            received = 0
+            released = asyncio.Event()
+
+            def sink(chunk: bytes) -> bool:
+                nonlocal received
+                received += len(chunk)
+                return released.is_set()  # full until released
+
+            async def drain() -> None:
+                await released.wait()
+
+            piping = asyncio.get_running_loop().create_task(resp.pipe(sink, drain))
+            await asyncio.sleep(0.5)
+            held = srv.written  # type: ignore[attr-defined]
+            assert held < len(payload) * total // 4  # the upstream was made to wait
+            released.set()
+            await asyncio.wait_for(piping, 10)
+            await resp.aclose()
+            assert received == len(payload) * total
+            await pool.aclose()
+
+    srv: Any = None
+    run(main())
+
+
+def test_a_failing_sink_ends_the_pipe_with_its_error_and_retires_the_connection() -> None:
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for i in range(20):
+            w.write(_chunked([b"data: %d\n\n" % i])[:-5])
+            await w.drain()
+            await asyncio.sleep(0.01)
+        w.write(b"0\r\n\r\n")
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            resp = await pool.open("GET", srv.url + "/", [], b"")
+            seen = 0
+
+            def sink(chunk: bytes) -> bool:
+                nonlocal seen
+                seen += 1
+                if seen == 3:
+                    raise RuntimeError("client went away")
+                return True
+
+            async def drain() -> None:
+                pass
+
+            with pytest.raises(RuntimeError, match="client went away"):
+                await resp.pipe(sink, drain)
+            await resp.aclose()
+            assert seen == 3  # nothing more reached the failed sink
+            await asyncio.sleep(0.1)
+            assert pool.idle_connections == 0 and pool.open_connections == 0
+            await pool.aclose()
+
+    run(main())
+
+
+def test_the_read_timeout_applies_while_piping() -> None:
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nstart")
+        await r.read()
+        return False
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool(read_timeout=0.3)
+            resp = await pool.open("GET", srv.url + "/", [], b"")
+            got: list[bytes] = []
+
+            async def drain() -> None:
+                pass
+
+            t0 = time.monotonic()
+            with pytest.raises(httpx.ReadTimeout):
+                await resp.pipe(lambda c: got.append(c) is None, drain)
+            assert 0.25 < time.monotonic() - t0 < 2
+            assert b"".join(got) == b"start"
+            await resp.aclose()
+            await pool.aclose()
+
+    run(main())
+
+
+def test_a_sink_failing_on_the_last_piece_is_not_mistaken_for_success() -> None:
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await w.drain()
+        await asyncio.sleep(0.1)
+        w.write(_chunked([b"data: a\n\n", b"data: b\n\n"]))  # the rest and the end, at once
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            resp = await pool.open("GET", srv.url + "/", [], b"")
+            pieces: list[bytes] = []
+
+            def sink(chunk: bytes) -> bool:
+                pieces.append(chunk)
+                raise RuntimeError("client buffer refused it")
+
+            async def drain() -> None:
+                pass
+
+            with pytest.raises(RuntimeError, match="refused"):
+                await resp.pipe(sink, drain)
+            assert pieces == [b"data: a\n\ndata: b\n\n"]  # one read, one call
+            await resp.aclose()
+            await pool.aclose()
+
+    run(main())
