@@ -71,6 +71,29 @@ def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
     """
     if not isinstance(raw, Mapping):
         return None
+    prompt_tokens, completion_tokens = raw.get("prompt_tokens"), raw.get("completion_tokens")
+    if (
+        type(prompt_tokens) is int
+        and type(completion_tokens) is int
+        and prompt_tokens >= 0
+        and completion_tokens >= 0
+        and raw.keys().isdisjoint(_CACHE_FIELDS)
+    ):
+        # OpenAI's dialect, by far the most common: the same answer as below, sooner.
+        cached = [
+            n
+            for n in (
+                _count(d, "cached_tokens")
+                for d in map(raw.get, _DETAIL_FIELDS)
+                if isinstance(d, Mapping)
+            )
+            if n is not None
+        ]
+        return Usage(prompt_tokens, completion_tokens, max(cached, default=0), 0, bool(cached))
+    return _normalize(raw)
+
+
+def _normalize(raw: Mapping[str, Any]) -> Usage | None:
     details = [d for d in (raw.get(k) for k in _DETAIL_FIELDS) if isinstance(d, Mapping)]
     if not any(k in raw for k in _TOKEN_FIELDS) and not details:
         return None

@@ -195,3 +195,45 @@ def test_last_non_empty_report_wins(
     else:
         expected = Usage(0, 0, 0, 0, True)
     assert track(reports) == expected
+
+
+_counts = st.one_of(
+    st.none(),
+    st.integers(-3, 10**6),
+    st.floats(allow_nan=False, allow_infinity=False, min_value=-2, max_value=1e6),
+    st.booleans(),
+    st.text(max_size=3),
+)
+_usage_keys = [
+    "prompt_tokens",
+    "completion_tokens",
+    "input_tokens",
+    "output_tokens",
+    "cache_read_input_tokens",
+    "cache_creation_input_tokens",
+    "prompt_cache_hit_tokens",
+    "prompt_cache_miss_tokens",
+]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    fields=st.dictionaries(st.sampled_from(_usage_keys), _counts, max_size=5),
+    details=st.dictionaries(
+        st.sampled_from(["prompt_tokens_details", "input_tokens_details"]),
+        st.one_of(
+            st.none(), st.text(max_size=2), st.fixed_dictionaries({"cached_tokens": _counts})
+        ),
+        max_size=2,
+    ),
+    openai=st.booleans(),
+)
+def test_the_openai_shortcut_answers_as_the_general_rules_do(
+    fields: dict[str, Any], details: dict[str, Any], openai: bool
+) -> None:
+    from proxy.usage import _normalize
+
+    raw = {**fields, **details}
+    if openai:  # make the common shape likely: both counts present and valid
+        raw = {"prompt_tokens": 412, "completion_tokens": 64, **details}
+    assert normalize_usage(raw) == _normalize(raw)
