@@ -15,7 +15,7 @@ from proxy.config import ConfigError, load_settings
 DEFAULT_LOG_DIR = "./cachegate-logs"
 
 
-def _tune_gc() -> None:
+def tune_gc() -> None:
     """Keep the cyclic garbage collector off the relay's back.
 
     A full collection walks every live object: with a thousand streams in flight that is ~45 ms
@@ -64,7 +64,7 @@ def _serve(ns: argparse.Namespace) -> int:
         f" -> {settings.upstream.base_url} ({logs})",
         file=sys.stderr,
     )
-    _tune_gc()
+    tune_gc()
     uvicorn.run(
         app,
         host=settings.server.host,

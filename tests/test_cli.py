@@ -339,7 +339,7 @@ def test_serve_keeps_start_up_objects_out_of_garbage_collection() -> None:
         [
             sys.executable,
             "-c",
-            "import gc; from proxy.cli import _tune_gc; _tune_gc(); "
+            "import gc; from proxy.cli import tune_gc; tune_gc(); "
             "print(gc.get_freeze_count(), *gc.get_threshold())",
         ],
         capture_output=True,
