@@ -85,7 +85,9 @@ class DisconnectWatch:
         self.disconnected = False
         self._done = False
         self._task = asyncio.current_task()
-        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive, after))
+        self._watcher: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(
+            self._watch(receive, after)
+        )
 
     async def _watch(self, receive: Receive, after: asyncio.Event | None) -> None:
         if after is not None:
@@ -100,7 +102,12 @@ class DisconnectWatch:
 
     def stop(self) -> None:
         self._done = True
-        self._watcher.cancel()
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            # Dropped before it is cancelled: the cancelled task's traceback holds this object
+            # (the watching frame's ``self``), and holding the task back would make a reference
+            # cycle per request that only a full garbage collection frees.
+            watcher.cancel()
 
 
 def _decoded(response: httpx.Response | UpstreamResponse, body: bytes) -> bytes:

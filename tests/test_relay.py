@@ -678,3 +678,39 @@ def test_a_client_that_stops_reading_stops_the_upstream_too(
             received += len(data)
     assert upstream.sent == 4000
     assert received > 4000 * len(piece)
+
+
+def test_relayed_requests_leave_no_reference_cycles(scripted: Any, proxy_factory: Any) -> None:
+    """Everything a relayed request allocates is freed by reference counting the moment it is
+    done: nothing of cachegate's waits for a full garbage collection (with a thousand streams in
+    flight those walk every live object)."""
+    import gc
+    from collections import Counter
+
+    _upstream, url = scripted(chunks=[STREAM, USAGE_EVENT, b"data: [DONE]\n\n"])
+    proxy = proxy_factory(url)
+    with httpx.Client(base_url=proxy.base_url, timeout=10) as client:
+        client.post("/chat/completions", json={**CHAT, "stream": True}).read()  # warm
+        proxy.settle()
+        gc.collect()
+        gc.disable()
+        try:
+            for i in range(10):
+                body = {**CHAT, "stream": i % 2 == 0}
+                client.post("/chat/completions", json=body).read()
+                with client.stream("POST", "/chat/completions", json=body) as r:
+                    next(r.iter_raw())  # a client that leaves early: cancelled, disconnected
+            proxy.settle()
+            time.sleep(0.2)
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            ours = Counter(
+                type(o).__qualname__
+                for o in gc.garbage
+                if type(o).__module__.startswith(("proxy.", "uvicorn.", "asyncio"))
+            )
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    assert not ours, ours
