@@ -17,6 +17,7 @@ from itertools import accumulate
 from typing import Final, ParamSpec
 
 from prometheus_client import CollectorRegistry
+from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -138,15 +139,18 @@ class _Family:
         return cell
 
     def observe(self, cell: list[float], amount: float) -> None:
-        """Add one observation to a histogram series."""
-        cell[bisect_left(self.buckets, amount) + 2] += 1
+        """Add one observation to a histogram series (NaN, as prometheus_client does, only
+        to the sum)."""
         cell[0] += amount
+        if amount == amount:
+            cell[bisect_left(self.buckets, amount) + 2] += 1
 
     def family(self) -> Metric:
+        created = _created_series()
         if self.kind == "counter":
             counter = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
             for values, cell in list(self.series.items()):
-                counter.add_metric(values, cell[0], created=cell[1])
+                counter.add_metric(values, cell[0], created=cell[1] if created else None)
             return counter
         if self.kind == "gauge":
             gauge = GaugeMetricFamily(self.name, self.doc, labels=self.labelnames)
@@ -157,9 +161,16 @@ class _Family:
         for values, cell in list(self.series.items()):
             cumulative = list(accumulate(cell[2:]))
             hist.add_metric(values, list(zip(self.le, cumulative, strict=True)), cell[0])
-            labels = dict(zip(self.labelnames, values, strict=True))
-            hist.samples.append(Sample(f"{self.name}_created", labels, cell[1]))
+            if created:
+                labels = dict(zip(self.labelnames, values, strict=True))
+                hist.samples.append(Sample(f"{self.name}_created", labels, cell[1]))
         return hist
+
+
+def _created_series() -> bool:
+    """Whether ``_created`` series are exposed: prometheus_client's own switch
+    (``PROMETHEUS_DISABLE_CREATED_SERIES``, ``disable_created_metrics()``) decides."""
+    return bool(getattr(prometheus_metrics, "_use_created", True))
 
 
 class _Collector(Collector):

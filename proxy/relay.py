@@ -378,6 +378,10 @@ class Relay:
                 ex.upstream_error = "connect"
                 raise upstream_unreachable(f"invalid answer ({type(exc).__name__})") from exc
             ex.status = response.status_code
+            if watch_after is not None:
+                # An upstream that answered before the whole upload arrived has stopped taking
+                # it: from now on a disconnect must cancel the exchange, as after a full upload.
+                watch_after.set()
             # The transport's own stream: httpx's aiter_raw() adds per-chunk work a relay does
             # not need (re-chunking support, decoders, timers).
             chunks: AsyncIterator[bytes] = aiter(response.stream)  # type: ignore[arg-type]
@@ -406,7 +410,10 @@ class Relay:
                     "type": "http.response.start",
                     "status": response.status_code,
                     "headers": client_response_headers(
-                        response, drop_length=stripper is not None, extra=extra_headers
+                        response,
+                        # A 204 or 304 has no body: uvicorn would wait for the length announced.
+                        drop_length=stripper is not None or response.status_code in (204, 304),
+                        extra=extra_headers,
                     ),
                 }
             )

@@ -198,6 +198,10 @@ class UpstreamResponse:
         would (and what ``sink`` raised), after handing over every byte received before the
         error. Chunks already buffered go first. The read timeout applies as usual."""
         self._sink = sink
+        if self._conn is not None:
+            # Reading may have been paused while this body was buffered before the pipe began:
+            # from now on only a full sink pauses it.
+            self._conn.resume_reading()
         try:
             while True:
                 if self._chunks:

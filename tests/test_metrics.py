@@ -371,3 +371,27 @@ def test_plain_families_expose_what_prometheus_client_would(
     ref_gauge.inc(2)
     ref_gauge.dec()
     assert _exposition(ours) == _exposition(theirs)
+
+
+def test_nan_and_the_created_switch_behave_as_in_prometheus_client(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from prometheus_client import metrics as prometheus_metrics
+
+    for created in (True, False):
+        monkeypatch.setattr(prometheus_metrics, "_use_created", created)
+        ours, theirs = CollectorRegistry(), CollectorRegistry()
+        hist = _Family("histogram", "y_seconds", "Help.", ["route"], OVERHEAD_BUCKETS)
+        count = _Family("counter", "y_events", "Help.", ["kind"])
+        ours.register(_Collector([hist, count]))
+        ref_hist = Histogram(
+            "y_seconds", "Help.", ["route"], buckets=OVERHEAD_BUCKETS, registry=theirs
+        )
+        ref_count = Counter("y_events", "Help.", ["kind"], registry=theirs)
+        for v in (0.0001, float("nan"), 0.2):
+            hist.observe(hist.child("chat"), v)
+            ref_hist.labels("chat").observe(v)
+        count.child("a")[0] += 1
+        ref_count.labels("a").inc()
+        assert _exposition(ours) == _exposition(theirs)
+        assert any("_created" in line for line in _exposition(ours)) is created

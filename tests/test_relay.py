@@ -714,3 +714,72 @@ def test_relayed_requests_leave_no_reference_cycles(scripted: Any, proxy_factory
             gc.garbage.clear()
             gc.enable()
     assert not ours, ours
+
+
+def test_a_304_with_a_length_is_relayed_without_a_body(proxy_factory: Any) -> None:
+    upstream = RawUpstream(b'HTTP/1.1 304 Not Modified\r\ncontent-length: 12\r\netag: "v1"\r\n\r\n')
+    try:
+        proxy = proxy_factory(upstream.url)
+        with httpx.Client(base_url=proxy.base_url, timeout=5) as client:
+            for _ in range(2):  # and the client's connection is still good afterwards
+                r = client.get("/files/file-1/content", headers={"if-none-match": '"v1"'})
+                assert r.status_code == 304
+                assert r.headers["etag"] == '"v1"'
+                assert r.content == b""
+    finally:
+        upstream.sock.close()
+
+
+def test_a_client_leaving_after_an_early_answer_to_its_upload_cancels_the_upstream(
+    proxy_factory: Any,
+) -> None:
+    """The upstream answers (and streams) before the client's chunked upload is complete; the
+    client then hangs up. cachegate must notice and close the upstream socket at once."""
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    closed_at: list[float] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
+            conn.settimeout(0.1)
+            for i in range(100):  # 10 s of events unless the proxy goes away
+                event = b"data: %d\n\n" % i
+                try:
+                    conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
+                    while conn.recv(65536):  # the upload so far; b"" once the proxy closed
+                        pass
+                    closed_at.append(time.monotonic())
+                    return
+                except TimeoutError:
+                    continue
+                except OSError:
+                    closed_at.append(time.monotonic())
+                    return
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        proxy = proxy_factory(f"http://127.0.0.1:{listener.getsockname()[1]}/v1")
+        with socket.create_connection(("127.0.0.1", proxy.server.port)) as client:
+            client.sendall(b"POST /v1/uploads/u1/parts HTTP/1.1\r\nhost: x\r\n"
+                           b"transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")  # fmt: skip
+            time.sleep(0.3)  # the upstream has answered meanwhile; it shows between chunks
+            client.sendall(b"5\r\nworld\r\n")  # and the upload never ends
+            got = b""
+            while b"data: 1\n\n" not in got:
+                got += client.recv(65536)
+            left = time.monotonic()
+        deadline = time.monotonic() + 5
+        while not closed_at and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert closed_at and closed_at[0] - left < 1.0
+    finally:
+        listener.close()

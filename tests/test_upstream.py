@@ -855,3 +855,31 @@ def test_a_sink_failing_on_the_last_piece_is_not_mistaken_for_success() -> None:
             await pool.aclose()
 
     run(main())
+
+
+def test_a_body_buffered_past_the_pause_mark_before_the_pipe_still_arrives_whole() -> None:
+    """Reading pauses when more than the high-water mark is buffered and nobody reads; a pipe
+    started after that must turn reading back on, or it would wait for the read timeout."""
+    payload = bytes(range(256)) * 16384  # 4 MiB
+
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(answer(payload))
+        await w.drain()
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool(read_timeout=3.0)
+            resp = await pool.open("GET", srv.url + "/", [], b"")
+            await asyncio.sleep(0.3)  # the buffer passes the mark; reading pauses
+            got: list[bytes] = []
+
+            async def drain() -> None:
+                pass
+
+            await asyncio.wait_for(resp.pipe(lambda c: got.append(c) is None, drain), 10)
+            await resp.aclose()
+            assert b"".join(got) == payload
+            await pool.aclose()
+
+    run(main())
