@@ -195,8 +195,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry, models: Collection[str]) -> None:
         self._models = frozenset(m for m in models if m != "*")
         self._label_cache: dict[str, str] = {}
-        self._families: list[_Family] = []
-        f = self._family
+        f = _Family
         self.requests = f(
             "counter",
             "cachegate_requests",
@@ -297,51 +296,35 @@ class Metrics:
         for family in (self.strict_rejections, self.active_streams, self.client_disconnects):
             family.child()  # series without labels exist from the start, as prometheus_client's
         self._preinitialize()
-        registry.register(_Collector(self._families))
-
-    def _family(
-        self,
-        kind: str,
-        name: str,
-        doc: str,
-        labelnames: Sequence[str] = (),
-        buckets: Sequence[float] = (),
-    ) -> _Family:
-        family = _Family(kind, name, doc, labelnames, buckets)
-        self._families.append(family)
-        return family
+        registry.register(_Collector([v for v in vars(self).values() if isinstance(v, _Family)]))
 
     def _preinitialize(self) -> None:
         for route in ROUTES:
-            self._child(self.overhead, route)
+            self.overhead.child(route)
         for label in (*sorted(self._models), OTHER_MODEL):
             for route in ROUTES:
                 # 200 stands for the normal answer; other statuses appear when they happen.
-                self._child(self.requests, route, label, "200")
-                self._child(self.request_duration, route, label)
-            self._child(self.ttfb, label)
+                self.requests.child(route, label, "200")
+                self.request_duration.child(route, label)
+            self.ttfb.child(label)
             for kind in TOKEN_KINDS:
-                self._child(self.tokens, label, kind)
+                self.tokens.child(label, kind)
             for cause in WASTE_CAUSES:
-                self._child(self.cache_waste, label, cause)
+                self.cache_waste.child(label, cause)
             for result in COMPACTION_RESULTS:
-                self._child(self.compactions, label, result)
+                self.compactions.child(label, result)
             for kind in COST_KINDS:
-                self._child(self.cost, label, kind)
+                self.cost.child(label, kind)
             for token_type in GEN_AI_TOKEN_TYPES:
-                self._child(self.gen_ai_token_usage, GEN_AI_OPERATION, label, token_type)
+                self.gen_ai_token_usage.child(GEN_AI_OPERATION, label, token_type)
         for location in REWRITE_LOCATIONS:
-            self._child(self.prefix_rewrites, location)
+            self.prefix_rewrites.child(location)
         for kind in REPAIR_KINDS:
-            self._child(self.pairing_repairs, kind)
+            self.pairing_repairs.child(kind)
         for kind in UPSTREAM_ERROR_KINDS:
-            self._child(self.upstream_errors, kind)
+            self.upstream_errors.child(kind)
         for kind in LOG_LOSS_KINDS:
-            self._child(self.log_lost, kind)
-
-    @staticmethod
-    def _child(metric: _Family, *values: str) -> list[float]:
-        return metric.child(*values)
+            self.log_lost.child(kind)
 
     def model_label(self, model: str | None) -> str:
         """The ``model`` label for ``model``: the configured name it resolves to, else ``other``.

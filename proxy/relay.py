@@ -421,25 +421,24 @@ class Relay:
             direct = None
             if isinstance(response, UpstreamResponse) and chunks is response.stream:
                 direct = DirectBody.of(send)
+            step = _step(ex, stripper, tee)
             try:
                 if direct is not None:
                     self.direct_relays += 1
-                    await response.pipe(  # type: ignore[union-attr]
-                        _sink(ex, direct, stripper, tee), direct.drain
-                    )
+                    write = direct.write
+
+                    def sink(chunk: bytes) -> bool:  # in the upstream connection's callback
+                        out = step(chunk)
+                        return write(out) if out else True
+
+                    await response.pipe(sink, direct.drain)  # type: ignore[union-attr]
                 else:
                     async for chunk in chunks:
-                        if ex.ttfb_s is None:
-                            ex.ttfb_s = time.perf_counter() - ex.t0
-                        out = chunk
-                        if stripper is not None:
-                            out = stripper.feed(chunk)
+                        out = step(chunk)
                         if out:
                             await send(
                                 {"type": "http.response.body", "body": out, "more_body": True}
                             )
-                        if tee is not None:
-                            tee.take(chunk)
             except Exception as exc:  # after the headers went out: cut the client the same way
                 ex.upstream_error = "midstream"
                 ex.error = f"upstream broke off mid-response: {type(exc).__name__}"
@@ -489,18 +488,18 @@ class Relay:
                     ex.error = str(ex.assembled.error.get("message", ex.assembled.error))
 
 
-def _sink(
-    ex: Exchange, direct: DirectBody, stripper: UsageEventStripper | None, tee: _Tee | None
-) -> Callable[[bytes], bool]:
-    """The per-chunk work of a piped relay, run in the upstream connection's callback."""
+def _step(
+    ex: Exchange, stripper: UsageEventStripper | None, tee: _Tee | None
+) -> Callable[[bytes], bytes]:
+    """The per-chunk work of a relay, whichever way the bytes then go to the client: the time
+    to the first byte, the usage event cachegate asked for taken out, the side channel fed.
+    Returns what the client gets (possibly nothing, for now)."""
 
-    def sink(chunk: bytes) -> bool:
+    def step(chunk: bytes) -> bytes:
         if ex.ttfb_s is None:
             ex.ttfb_s = time.perf_counter() - ex.t0
-        out = stripper.feed(chunk) if stripper is not None else chunk
-        room = direct.write(out) if out else True
         if tee is not None:
             tee.take(chunk)
-        return room
+        return stripper.feed(chunk) if stripper is not None else chunk
 
-    return sink
+    return step

@@ -179,14 +179,18 @@ class UpstreamResponse:
                 raise self._error
             if self._done:
                 raise StopAsyncIteration
-            conn = self._conn
-            if conn is None:
-                raise httpx.ReadError("the response was closed")
-            self._waiter = conn.loop.create_future()
-            try:
-                await conn.wait(self._waiter)
-            finally:
-                self._waiter = None
+            await self._more()
+
+    async def _more(self) -> None:
+        """Wait, with the read timeout, until the connection brings something (or ends)."""
+        conn = self._conn
+        if conn is None:
+            raise httpx.ReadError("the response was closed")
+        self._waiter = conn.loop.create_future()
+        try:
+            await conn.wait(self._waiter)
+        finally:
+            self._waiter = None
 
     async def pipe(
         self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[object]]
@@ -208,7 +212,6 @@ class UpstreamResponse:
                     self._to_sink()
                 if self._error is not None:
                     raise self._error
-                conn = self._conn
                 if self._sink_full:
                     await drain()
                     self._sink_full = False
@@ -217,13 +220,7 @@ class UpstreamResponse:
                     continue
                 if self._done:
                     return
-                if conn is None:
-                    raise httpx.ReadError("the response was closed")
-                self._waiter = conn.loop.create_future()
-                try:
-                    await conn.wait(self._waiter)
-                finally:
-                    self._waiter = None
+                await self._more()
         finally:
             self._sink = None
 

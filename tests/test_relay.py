@@ -64,6 +64,20 @@ def read_stream(
     return r, data
 
 
+def timed_pieces(base_url: str) -> list[tuple[float, bytes]]:
+    """A stream (the client asked for usage itself), each piece with when it arrived."""
+    arrivals = []
+    with httpx.stream(
+        "POST",
+        base_url + "/chat/completions",
+        json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
+    ) as r:
+        t0 = time.monotonic()
+        for piece in r.iter_raw():
+            arrivals.append((time.monotonic() - t0, piece))
+    return arrivals
+
+
 def test_non_streaming_body_status_and_headers_unchanged(scripted: Any, proxy_factory: Any) -> None:
     body = orjson.dumps(
         {
@@ -137,15 +151,7 @@ def test_stream_arrives_piece_by_piece(scripted: Any, proxy_factory: Any) -> Non
     events = [sse(chunk(str(i))) for i in range(5)]
     _upstream, url = scripted(chunks=events, delay_s=0.2)
     proxy = proxy_factory(url)
-    arrivals = []
-    with httpx.stream(
-        "POST",
-        proxy.base_url + "/chat/completions",
-        json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
-    ) as r:
-        t0 = time.monotonic()
-        for piece in r.iter_raw():
-            arrivals.append((time.monotonic() - t0, piece))
+    arrivals = timed_pieces(proxy.base_url)
     assert [p for _, p in arrivals] == events
     assert arrivals[0][0] < arrivals[-1][0] - 0.5
 
@@ -623,15 +629,7 @@ def test_streams_go_from_upstream_socket_to_client_socket_directly(
     proxy = proxy_factory(url)
     relay = proxy.gateway.relay
     before = relay.direct_relays
-    arrivals = []
-    with httpx.stream(
-        "POST",
-        proxy.base_url + "/chat/completions",
-        json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
-    ) as r:
-        t0 = time.monotonic()
-        for piece in r.iter_raw():
-            arrivals.append((time.monotonic() - t0, piece))
+    arrivals = timed_pieces(proxy.base_url)
     assert [p for _, p in arrivals] == events
     assert arrivals[-1][0] - arrivals[0][0] > 0.3
     assert relay.direct_relays == before + 1

@@ -679,6 +679,10 @@ def _chunked(events: list[bytes]) -> bytes:
     return b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
 
 
+async def _nothing_to_drain() -> None:
+    """For sinks that never report full."""
+
+
 def test_pipe_hands_every_chunk_to_the_sink_in_order_and_keeps_the_connection() -> None:
     events = [b"data: %d\n\n" % i for i in range(5)]
     pieces = [b"%x\r\n%s\r\n" % (len(e), e) for e in events]
@@ -787,11 +791,8 @@ def test_a_failing_sink_ends_the_pipe_with_its_error_and_retires_the_connection(
                     raise RuntimeError("client went away")
                 return True
 
-            async def drain() -> None:
-                pass
-
             with pytest.raises(RuntimeError, match="client went away"):
-                await resp.pipe(sink, drain)
+                await resp.pipe(sink, _nothing_to_drain)
             await resp.aclose()
             assert seen == 3  # nothing more reached the failed sink
             await asyncio.sleep(0.1)
@@ -813,12 +814,9 @@ def test_the_read_timeout_applies_while_piping() -> None:
             resp = await pool.open("GET", srv.url + "/", [], b"")
             got: list[bytes] = []
 
-            async def drain() -> None:
-                pass
-
             t0 = time.monotonic()
             with pytest.raises(httpx.ReadTimeout):
-                await resp.pipe(lambda c: got.append(c) is None, drain)
+                await resp.pipe(lambda c: got.append(c) is None, _nothing_to_drain)
             assert 0.25 < time.monotonic() - t0 < 2
             assert b"".join(got) == b"start"
             await resp.aclose()
@@ -845,11 +843,8 @@ def test_a_sink_failing_on_the_last_piece_is_not_mistaken_for_success() -> None:
                 pieces.append(chunk)
                 raise RuntimeError("client buffer refused it")
 
-            async def drain() -> None:
-                pass
-
             with pytest.raises(RuntimeError, match="refused"):
-                await resp.pipe(sink, drain)
+                await resp.pipe(sink, _nothing_to_drain)
             assert pieces == [b"data: a\n\ndata: b\n\n"]  # one read, one call
             await resp.aclose()
             await pool.aclose()
@@ -874,10 +869,9 @@ def test_a_body_buffered_past_the_pause_mark_before_the_pipe_still_arrives_whole
             await asyncio.sleep(0.3)  # the buffer passes the mark; reading pauses
             got: list[bytes] = []
 
-            async def drain() -> None:
-                pass
-
-            await asyncio.wait_for(resp.pipe(lambda c: got.append(c) is None, drain), 10)
+            await asyncio.wait_for(
+                resp.pipe(lambda c: got.append(c) is None, _nothing_to_drain), 10
+            )
             await resp.aclose()
             assert b"".join(got) == payload
             await pool.aclose()
