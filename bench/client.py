@@ -1,14 +1,14 @@
 """A raw-socket HTTP/1.1 client for the benchmark: no client library in the measured path.
 
-Non-streaming requests reuse one keep-alive connection; each stream gets its own connection and every
-SSE event is timestamped as the chunk holding its end arrives. A closed-loop load generator (the
+Non-streaming requests reuse one keep-alive connection; each stream gets its own connection, read
+by a protocol in the transport's callback, and every SSE event is timestamped as the chunk holding
+its end arrives. A closed-loop load generator (the
 fallback when ``wrk`` is not installed) runs ``concurrency`` such connections back to back.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import itertools
 import time
@@ -29,17 +29,7 @@ def build_request(host: str, port: int, path: str, body: bytes, extra: bytes = b
 
 
 async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[bytes, bytes]]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.split(b"\r\n")
-    parts = lines[0].split(b" ", 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
-        raise HttpError(f"bad status line {lines[0]!r}")
-    headers: dict[bytes, bytes] = {}
-    for line in lines[1:]:
-        if line:
-            k, _, v = line.partition(b":")
-            headers[k.strip().lower()] = v.strip()
-    return int(parts[1]), headers
+    return _parse_head((await reader.readuntil(b"\r\n\r\n"))[:-4])
 
 
 async def _read_body(reader: asyncio.StreamReader, headers: dict[bytes, bytes]) -> bytes:
@@ -110,6 +100,144 @@ class StreamResult:
         return [b - a for a, b in itertools.pairwise(t)]
 
 
+class _Incomplete(Exception):
+    """The connection ended before the response did."""
+
+
+class _StreamProtocol(asyncio.Protocol):
+    """Reads one streamed response in the transport's own callback: no task switch and no
+    ``await`` per chunk, so a thousand streams cost the load generator little CPU (it shares a
+    core with the mock and must not be what delays them). Every chunk that ends an SSE event is
+    timestamped as it arrives; the de-chunked body feeds the digest."""
+
+    def __init__(self, result: StreamResult, hang_up_after_events: int | None) -> None:
+        self.result = result
+        self.hang_up_after_events = hang_up_after_events
+        self.t0 = 0.0
+        self.sha = hashlib.sha256()
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.transport: asyncio.Transport | None = None
+        self._buf = b""
+        self._head = True
+        self._chunked = False
+        self._remaining = -1  # content-length left; -1: until the connection closes
+        self._chunk_left = 0  # bytes of the current chunk still to come (+2 for its CRLF)
+        self._pending = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            if exc is not None:
+                self.done.set_exception(exc)
+            elif self._remaining < 0 and not self._chunked and not self._head:
+                self.done.set_result(None)  # a close-delimited body ends here
+            else:
+                self.done.set_exception(_Incomplete())
+
+    def _finish(self, exc: Exception | None = None) -> None:
+        if not self.done.done():
+            if exc is None:
+                self.done.set_result(None)
+            else:
+                self.done.set_exception(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.done.done():
+            return
+        now = time.perf_counter()
+        if self._head:
+            data = self._buf + data
+            end = data.find(b"\r\n\r\n")
+            if end < 0:
+                self._buf = data
+                return
+            self._buf = b""
+            try:
+                status, headers = _parse_head(data[:end])
+            except (HttpError, ValueError) as exc:
+                self._finish(exc)
+                return
+            self._head = False
+            self.result.status = status
+            self._chunked = headers.get(b"transfer-encoding", b"").lower() == b"chunked"
+            self._remaining = int(headers.get(b"content-length", b"-1"))
+            data = data[end + 4 :]
+            if not self._chunked and self._remaining == 0:
+                self._finish()
+                return
+        if self._chunked:
+            try:
+                body, ended = self._dechunk(data)
+            except ValueError as exc:
+                self._finish(exc)
+                return
+        else:
+            body = data if self._remaining < 0 else data[: self._remaining]
+            if self._remaining >= 0:
+                self._remaining -= len(body)
+            ended = self._remaining == 0
+        if body:
+            self._take(body, now)
+        if ended:
+            self._finish()
+
+    def _dechunk(self, data: bytes) -> tuple[bytes, bool]:
+        buf = self._buf + data if self._buf else data
+        self._buf = b""
+        parts: list[bytes] = []
+        pos = 0
+        while pos < len(buf):
+            if self._chunk_left:
+                take = buf[pos : pos + self._chunk_left]
+                self._chunk_left -= len(take)
+                pos += len(take)
+                # the chunk's data, without the CRLF that closes it
+                data_left = self._chunk_left - 2
+                parts.append(take[: len(take) + min(0, data_left)])
+                continue
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                self._buf = buf[pos:]
+                break
+            size = int(buf[pos:eol].split(b";")[0], 16)
+            pos = eol + 2
+            if size == 0:
+                return b"".join(parts), True
+            self._chunk_left = size + 2
+        return b"".join(parts), False
+
+    def _take(self, data: bytes, now: float) -> None:
+        result = self.result
+        self.sha.update(data)
+        pending = self._pending + data
+        n = pending.count(b"\n\n")
+        if n:
+            if result.ttfb_s is None:
+                result.ttfb_s = now - self.t0
+            result.events += n
+            result.event_times.extend([now] * n)
+            pending = pending[pending.rfind(b"\n\n") + 2 :]
+            limit = self.hang_up_after_events
+            if limit is not None and result.events >= limit:
+                self._finish()
+        self._pending = pending
+
+
+def _parse_head(head: bytes) -> tuple[int, dict[bytes, bytes]]:
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+        raise HttpError(f"bad status line {lines[0]!r}")
+    headers: dict[bytes, bytes] = {}
+    for line in lines[1:]:
+        if line:
+            k, _, v = line.partition(b":")
+            headers[k.strip().lower()] = v.strip()
+    return int(parts[1]), headers
+
+
 async def stream(
     host: str,
     port: int,
@@ -121,68 +249,31 @@ async def stream(
 ) -> StreamResult:
     """Run one stream; optionally hang up after some events or some seconds and note when."""
     result = StreamResult()
+    loop = asyncio.get_running_loop()
     try:
-        reader, writer = await asyncio.open_connection(host, port)
+        transport, proto = await loop.create_connection(
+            lambda: _StreamProtocol(result, hang_up_after_events), host, port
+        )
     except OSError as exc:
         result.error = f"connect: {exc}"
         return result
-    t0 = time.perf_counter()
-    writer.write(payload)
-    sha = hashlib.sha256()
-    pending = b""
-
-    async def run() -> None:
-        nonlocal pending
+    proto.t0 = time.perf_counter()
+    transport.write(payload)
+    try:
         if hang_up_after_s is not None:
             await asyncio.sleep(hang_up_after_s)
-            return
-        status, headers = await _read_head(reader)
-        result.status = status
-        chunked = headers.get(b"transfer-encoding", b"").lower() == b"chunked"
-        remaining = int(headers.get(b"content-length", b"-1"))
-        while True:
-            if chunked:
-                size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-                data = await reader.readexactly(size + 2)
-                if size == 0:
-                    return
-                data = data[:-2]
-            else:
-                if remaining == 0:
-                    return
-                data = await reader.read(65536 if remaining < 0 else min(remaining, 65536))
-                if not data:
-                    return
-                remaining -= len(data)
-            now = time.perf_counter()
-            sha.update(data)
-            pending += data
-            n = pending.count(b"\n\n")
-            if n:
-                if result.ttfb_s is None:
-                    result.ttfb_s = now - t0
-                result.events += n
-                result.event_times.extend([now] * n)
-                pending = pending[pending.rfind(b"\n\n") + 2 :]
-                if hang_up_after_events is not None and result.events >= hang_up_after_events:
-                    return
-
-    try:
-        await asyncio.wait_for(run(), timeout_s)
-    except (
-        TimeoutError,
-        asyncio.IncompleteReadError,
-        ConnectionError,
-        HttpError,
-        ValueError,
-    ) as exc:
-        result.error = type(exc).__name__
+        else:
+            await asyncio.wait_for(asyncio.shield(proto.done), timeout_s)
+    except (TimeoutError, _Incomplete, ConnectionError, HttpError, ValueError) as exc:
+        result.error = "IncompleteReadError" if isinstance(exc, _Incomplete) else type(exc).__name__
     if hang_up_after_events is not None or hang_up_after_s is not None:
         result.hung_up_at = time.monotonic()
-    writer.close()
-    with contextlib.suppress(Exception):
-        await writer.wait_closed()
-    result.digest = sha.hexdigest()
+    transport.close()
+    if not proto.done.done():
+        proto.done.cancel()
+    elif not proto.done.cancelled():
+        proto.done.exception()  # retrieved: no "never retrieved" warning
+    result.digest = proto.sha.hexdigest()
     return result
 
 
