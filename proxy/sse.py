@@ -87,15 +87,21 @@ class SSEDecoder:
             or self._event is not None
             or self._block_retry is not None
             or (self._at_start and chunk.startswith(_BOM[: len(chunk)]))
-            or b"\r" in chunk
+            or chunk.find(b"\r") >= 0
         ):
             return None
         blocks = chunk.split(b"\n\n")
         tail = blocks.pop()
-        for block in blocks:
-            if not block.startswith(b"data: ") or b"\n" in block:
-                return None
         if blocks:
+            # Every block one ``data: `` line, checked for the whole chunk at once: the chunk's
+            # newlines are the separators' and the tail's (none inside a block), and every
+            # separator but the tail's is followed by ``data: ``.
+            if (
+                not chunk.startswith(b"data: ")
+                or chunk.count(b"\n") - tail.count(b"\n") != 2 * len(blocks)
+                or chunk.count(b"\n\ndata: ") - tail.startswith(b"data: ") != len(blocks) - 1
+            ):
+                return None
             self._at_start = False
         if tail:  # the start of an event whose blank line has not come yet
             self.decode(tail)

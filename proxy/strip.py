@@ -26,7 +26,7 @@ def _boundary(buf: bytearray, start: int) -> int:
 
 def is_usage_only(event: bytes) -> bool:
     """True for an event whose data is a chunk with no choices and a usage object."""
-    if b'"usage"' not in event:
+    if event.find(b'"usage"') < 0:
         return False
     lines = event.splitlines()
     data = [ln[5:].lstrip(b" ") for ln in lines if ln.startswith(b"data:")]
@@ -54,7 +54,10 @@ class UsageEventStripper:
         if (
             not self._event
             and chunk.endswith((b"\n\n", b"\r\r"))
-            and (b'"usage"' not in chunk or chunk.count(b'"usage"') == chunk.count(b'"usage":null'))
+            and (
+                chunk.find(b'"usage"') < 0
+                or chunk.count(b'"usage"') == chunk.count(b'"usage":null')
+            )
         ):
             return chunk  # whole events, no usage object in any: the common case, no copying
         event = self._event
@@ -89,7 +92,7 @@ class UsageEventStripper:
     def _decided(event: bytearray) -> bool:
         if len(event) < 5:
             return not b"data:".startswith(bytes(event))
-        return not event.startswith(b"data:") or b'"delta"' in event
+        return not event.startswith(b"data:") or event.find(b'"delta"') >= 0
 
     def flush(self) -> bytes:
         """The bytes of a final event that never ended (a truncated stream): forwarded as they were."""

@@ -1,0 +1,169 @@
+"""The benchmark's own parts over real sockets: the mock upstream answers every mode on keep-alive
+connections and notes hang-ups; the stream client reads a chunked SSE answer however the bytes
+are split, timestamps each event and digests the de-chunked body."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import random
+from collections.abc import AsyncIterator
+
+import orjson
+import pytest
+
+from bench import client
+from bench.mock_upstream import MockProtocol, MockUpstream, StreamShape, stream_events
+
+pytestmark = pytest.mark.timeout(30)
+
+SHAPE = StreamShape(first_token_ms=20.0, deltas=5, interval_ms=5.0)
+
+
+async def _mock() -> tuple[asyncio.Server, MockUpstream, int]:
+    app = MockUpstream(SHAPE)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: MockProtocol(app), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, app, port
+
+
+def _body(stream: bool, user: str, usage: bool = False) -> bytes:
+    body: dict[str, object] = {"model": "m", "user": user, "messages": []}
+    if stream:
+        body["stream"] = True
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    return orjson.dumps(body)
+
+
+def test_mock_streams_the_canned_events_on_schedule_and_answers_on_the_same_connection() -> None:
+    async def run() -> None:
+        server, app, port = await _mock()
+        async with server:
+            expected = b"".join(stream_events(SHAPE.deltas, False))
+            res = await client.stream(
+                "127.0.0.1", port, client.build_request("h", port, "/v1/x", _body(True, "s1"))
+            )
+            assert res.error is None and res.status == 200
+            assert res.events == SHAPE.deltas + 2  # deltas, the finish chunk, [DONE]
+            assert res.digest == hashlib.sha256(expected).hexdigest()
+            assert res.ttfb_s is not None and res.ttfb_s >= SHAPE.first_token_ms / 1000 * 0.9
+            # deltas keep the interval: the last delta comes (deltas-1) intervals after the first
+            span = res.event_times[SHAPE.deltas - 1] - res.event_times[0]
+            assert span >= (SHAPE.deltas - 1) * SHAPE.interval_ms / 1000 * 0.9
+            with_usage = await client.stream(
+                "127.0.0.1",
+                port,
+                client.build_request("h", port, "/v1/x", _body(True, "s2", usage=True)),
+            )
+            assert with_usage.events == SHAPE.deltas + 3
+            # mode A twice on one keep-alive connection, then a GET on it
+            conn = client.Connection("127.0.0.1", port)
+            for _ in range(2):
+                status, body, _ = await conn.post(
+                    client.build_request("h", port, "/v1/x", _body(False, "a"))
+                )
+                assert status == 200 and body == app.completion
+            conn.close()
+            assert app.requests == 4
+            assert set(app.arrivals) == {"s1", "s2"}
+            assert app.disconnects == {}  # both streams ended before their clients closed
+
+    asyncio.run(run())
+
+
+def test_mock_notes_when_an_unfinished_stream_is_hung_up() -> None:
+    async def run() -> None:
+        server, app, port = await _mock()
+        async with server:
+            res = await client.stream(
+                "127.0.0.1",
+                port,
+                client.build_request("h", port, "/v1/x", _body(True, "gone")),
+                hang_up_after_events=2,
+            )
+            assert res.events >= 2 and res.hung_up_at is not None
+            for _ in range(100):
+                if "gone" in app.disconnects:
+                    break
+                await asyncio.sleep(0.01)
+            assert app.disconnects["gone"] >= res.hung_up_at
+
+    asyncio.run(run())
+
+
+async def _fetch_pieces(pieces: list[bytes]) -> client.StreamResult:
+    """Serve one answer written in ``pieces`` (separate reads on the client's side), then close;
+    return what the client made of it."""
+    done = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            for piece in pieces:
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.001)
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+            done.set()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        res = await client.stream("127.0.0.1", port, b"GET / HTTP/1.1\r\n\r\n")
+        await done.wait()
+    return res
+
+
+def _chunked(body: bytes, rnd: random.Random) -> bytes:
+    out = b""
+    pos = 0
+    while pos < len(body):
+        size = rnd.randint(1, 40)
+        out += b"%x\r\n%s\r\n" % (len(body[pos : pos + size]), body[pos : pos + size])
+        pos += size
+    return out + b"0\r\n\r\n"
+
+
+async def _split(data: bytes, rnd: random.Random) -> AsyncIterator[list[bytes]]:
+    cuts = sorted(rnd.sample(range(1, len(data)), k=min(len(data) - 1, rnd.randint(1, 30))))
+    yield [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_client_reads_a_chunked_stream_split_anywhere(seed: int) -> None:
+    rnd = random.Random(seed)
+    body = b"".join(stream_events(8, True))
+    head = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    wire = head + _chunked(body, rnd)
+
+    async def run() -> None:
+        async for pieces in _split(wire, rnd):
+            res = await _fetch_pieces(pieces)
+            assert res.error is None, res.error
+            assert res.status == 200
+            assert res.events == body.count(b"\n\n")
+            assert res.digest == hashlib.sha256(body).hexdigest()
+            assert len(res.event_times) == res.events
+
+    asyncio.run(run())
+
+
+def test_client_reports_a_stream_cut_short() -> None:
+    async def run() -> None:
+        wire = (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+            b'10\r\ndata: {"a":1}\n\n\r\n'  # one whole chunk, then the connection ends
+        )
+        res = await _fetch_pieces([wire])
+        assert res.events == 1
+        assert res.error == "IncompleteReadError"
+
+    asyncio.run(run())
