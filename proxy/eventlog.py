@@ -37,6 +37,7 @@ BodiesMode = Literal["full", "metadata"]
 _FSYNC_MODES: Final = ("none", "line", "interval")
 _BODIES_MODES: Final = ("full", "metadata")
 _WARN_EVERY_S: Final = 30.0
+_OPT_ANY_KEYS: Final = orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS
 _OPEN_FLAGS: Final = (
     os.O_WRONLY
     | os.O_APPEND
@@ -350,15 +351,21 @@ class EventLogWriter:
         out.update(event)
         if self.bodies == "metadata":
             out = strip_bodies(out)
-        option = orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS
+        default = _redacted_str if self.redact_secrets else str
+        try:
+            line = orjson.dumps(out, default=default, option=orjson.OPT_APPEND_NEWLINE)
+        except orjson.JSONEncodeError:
+            # Keys that are not strings (none of cachegate's own events has any) take orjson's
+            # slower path; a line that fails even so raises from here as before.
+            line = orjson.dumps(out, default=default, option=_OPT_ANY_KEYS)
         if not self.redact_secrets:
-            return orjson.dumps(out, default=str, option=option)
-        # Serialize first and look for the literals every secret pattern and credential key
-        # contains, at memory speed; only a line that has one is redacted field by field.
-        line = orjson.dumps(out, default=_redacted_str, option=option)
+            return line
+        # Serialized first, then looked through for the literals every secret pattern and
+        # credential key contains, at memory speed; only a line that has one is redacted field
+        # by field.
         if not line_may_hold_secret(line):
             return line
-        return orjson.dumps(redact(out), default=_redacted_str, option=option)
+        return orjson.dumps(redact(out), default=_redacted_str, option=_OPT_ANY_KEYS)
 
     def _lose(self, kind: str, msg: str, *args: object) -> None:
         self._errors += 1

@@ -14,7 +14,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import accumulate
-from typing import Final, ParamSpec
+from typing import Any, Final, ParamSpec
 
 from prometheus_client import CollectorRegistry
 from prometheus_client import metrics as prometheus_metrics
@@ -195,6 +195,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry, models: Collection[str]) -> None:
         self._models = frozenset(m for m in models if m != "*")
         self._label_cache: dict[str, str] = {}
+        self._exchange_cells: dict[tuple[str, str | None, int], tuple[Any, ...]] = {}
         f = _Family
         self.requests = f(
             "counter",
@@ -347,6 +348,69 @@ class Metrics:
                 self._label_cache[model] = label
         return label
 
+    def observe_exchange(
+        self,
+        route: str,
+        model: str | None,
+        status: int,
+        duration_s: float,
+        overhead_s: float,
+        ttfb_s: float | None,
+        usage: Usage | None,
+    ) -> None:
+        """``observe_request``, ``observe_overhead``, ``observe_ttfb`` and ``observe_usage`` for
+        one exchange at once: the series an exchange updates depend only on its route, model and
+        status, so they are looked up once per combination and kept (a few dozen combinations in
+        practice, bounded as the model labels are)."""
+        try:
+            key = (route, model, status)
+            cells = self._exchange_cells.get(key)
+            if cells is None:
+                cells = self._cells_for(route, model, status)
+            requests, duration, overhead, ttfb, tokens, gen_ai = cells
+            requests[0] += 1
+            _observe(self.request_duration.buckets, duration, duration_s)
+            _observe(self.overhead.buckets, overhead, overhead_s)
+            if ttfb_s is not None:
+                _observe(self.ttfb.buckets, ttfb, ttfb_s)
+        except Exception:
+            logger.exception("metrics: observe_exchange failed")
+            return
+        if usage is None:
+            return
+        prompt, completion = usage.prompt, usage.completion
+        read, write = usage.cache_read, usage.cache_write
+        if prompt < 0 or completion < 0 or read < 0 or write < 0:
+            self.observe_usage(model, usage)  # refuses and logs, as it always has
+            return
+        tokens[0][0] += prompt
+        tokens[1][0] += completion
+        tokens[2][0] += read
+        tokens[3][0] += write
+        buckets = self.gen_ai_token_usage.buckets
+        _observe(buckets, gen_ai[0], prompt)
+        _observe(buckets, gen_ai[1], completion)
+        if usage.reported_cache:
+            _observe(buckets, gen_ai[2], read)
+            _observe(buckets, gen_ai[3], write)
+
+    def _cells_for(self, route: str, model: str | None, status: int) -> tuple[Any, ...]:
+        label = self.model_label(model)
+        cells = (
+            self.requests.child(route, label, str(status)),
+            self.request_duration.child(route, label),
+            self.overhead.child(route),
+            self.ttfb.child(label),
+            tuple(self.tokens.child(label, kind) for kind in TOKEN_KINDS),
+            tuple(
+                self.gen_ai_token_usage.child(GEN_AI_OPERATION, label, token_type)
+                for token_type in GEN_AI_TOKEN_TYPES
+            ),
+        )
+        if len(self._exchange_cells) < 4096:  # model names come from clients: stay bounded
+            self._exchange_cells[(route, model, status)] = cells
+        return cells
+
     @_safe
     def observe_request(
         self, route: str, model: str | None, status: int, duration_s: float
@@ -462,6 +526,13 @@ class Metrics:
             _add(cell, lines)
 
 
+def _observe(buckets: tuple[float, ...], cell: list[float], amount: float) -> None:
+    """``_Family.observe`` without the family: one histogram observation."""
+    cell[0] += amount
+    if amount == amount:
+        cell[bisect_left(buckets, amount) + 2] += 1
+
+
 def _add(cell: list[float], amount: float) -> None:
     if amount < 0:
         raise ValueError(f"counters only go up; refusing {amount!r}")
@@ -488,12 +559,9 @@ class MetricsObserver:
         m = self.metrics
         if ex.stream:
             m.stream_finished()
-        m.observe_request(ex.route, ex.model, ex.status, ex.duration_s)
-        m.observe_overhead(ex.route, ex.overhead_s)
-        if ex.ttfb_s is not None:
-            m.observe_ttfb(ex.model, ex.ttfb_s)
-        if ex.usage is not None:
-            m.observe_usage(ex.model, ex.usage)
+        m.observe_exchange(
+            ex.route, ex.model, ex.status, ex.duration_s, ex.overhead_s, ex.ttfb_s, ex.usage
+        )
         if ex.repairs:
             m.observe_repairs(str(r.get("kind")) for r in ex.repairs)
         if ex.upstream_error is not None:

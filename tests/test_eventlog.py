@@ -313,6 +313,16 @@ def test_unserializable_events_are_counted_not_raised(log_dir: Path, writers) ->
     assert losses == ["serialize", "serialize"]
 
 
+def test_non_string_keys_are_written_as_strings_and_still_redacted(log_dir: Path, writers) -> None:
+    w = started(writers, log_dir)
+    w.emit("s", {"type": "request", "transforms": {1: "one", None: "none"}})
+    w.emit("s", {"type": "request", "transforms": {2: "key sk-" + "a" * 30}})
+    assert w.close() and (w.written, w.errors) == (2, 0)
+    first, second = read_events(log_dir / "s.jsonl").events
+    assert first["transforms"] == {"1": "one", "null": "none"}
+    assert second["transforms"] == {"2": "key [REDACTED]"}
+
+
 def test_a_failing_loss_callback_does_not_break_the_writer(log_dir: Path, writers) -> None:
     def explode(kind: str) -> None:
         raise RuntimeError(kind)

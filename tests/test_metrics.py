@@ -395,3 +395,37 @@ def test_nan_and_the_created_switch_behave_as_in_prometheus_client(
         ref_count.labels("a").inc()
         assert _exposition(ours) == _exposition(theirs)
         assert any("_created" in line for line in _exposition(ours)) is created
+
+
+def test_observe_exchange_is_the_four_separate_observations() -> None:
+    """The per-exchange shortcut the observer takes exposes exactly what observe_request,
+    observe_overhead, observe_ttfb and observe_usage would, for every kind of exchange."""
+    cases = [
+        ("chat", "gpt-4o", 200, 0.8, 0.0003, 0.2, Usage(1200, 80, 1024, 0, True)),
+        ("chat", "gpt-4o-2024-08-06", 200, 2.5, 0.0001, 0.05, Usage(10, 5, 0, 0, False)),
+        ("chat", "mystery", 502, 0.01, 0.00002, None, None),
+        ("passthrough", None, 200, 0.004, 0.00001, 0.003, None),
+        ("chat", "gpt-4o", 200, float("nan"), 0.0, 0.1, Usage(5, 1, 0, 7, True)),
+        ("chat", "gpt-4o", 200, 0.3, 0.0002, 0.1, Usage(-1, 3, 0, 0, True)),  # refused usage
+        ("chat", "gpt-4o", 200, 1.0, 0.0004, 0.6, Usage(99999999, 3, 5, 0, True)),
+    ]
+    a_reg, b_reg = CollectorRegistry(), CollectorRegistry()
+    a, b = Metrics(a_reg, ["gpt-4o", "*"]), Metrics(b_reg, ["gpt-4o", "*"])
+    for _ in range(2):  # the second time through, from the kept series
+        for route, model, status, duration, overhead, ttfb, usage in cases:
+            a.observe_exchange(route, model, status, duration, overhead, ttfb, usage)
+            b.observe_request(route, model, status, duration)
+            b.observe_overhead(route, overhead)
+            if ttfb is not None:
+                b.observe_ttfb(model, ttfb)
+            if usage is not None:
+                b.observe_usage(model, usage)
+
+    def exposition(registry: CollectorRegistry) -> list[str]:
+        lines = generate_latest(registry).decode().splitlines()
+        return [line for line in lines if "_created" not in line]
+
+    assert exposition(a_reg) == exposition(b_reg)
+    assert 'cachegate_requests_total{model="gpt-4o",route="chat",status="200"} 10.0' in (
+        exposition(a_reg)
+    )
