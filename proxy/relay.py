@@ -9,6 +9,8 @@ and outcome. A client that hangs up cancels the upstream request at once.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import gzip
 import logging
 import time
@@ -74,10 +76,25 @@ class RetryRequest(Exception):
         self.body = body
 
 
-class DisconnectWatch:
-    """Cancels the relaying task the moment the client disconnects (uvicorn's ``send`` is silent)."""
+_UvicornCycle: Any
+try:  # uvicorn's HTTP/1.1 protocol on httptools, the one cachegate serves with
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as _UvicornCycle
+except ImportError:  # pragma: no cover - httptools is a dependency
+    _UvicornCycle = None
 
-    __slots__ = ("_done", "_task", "_watcher", "disconnected")
+
+class DisconnectWatch:
+    """Cancels the relaying task the moment the client disconnects (uvicorn's ``send`` is silent).
+
+    Under uvicorn's httptools protocol, once the request body is read, the watch waits on the
+    request cycle's own event (set when the connection is lost) through a future with a callback:
+    no task per request. Otherwise (any other server, a body still being uploaded, a uvicorn whose
+    internals differ) a task waits on ``receive`` for ``http.disconnect``.
+    """
+
+    __slots__ = ("_cycle", "_done", "_task", "_waiter", "_watcher", "disconnected")
+
+    taskless = 0  # watches that used the cycle's event (for tests and the benchmark)
 
     def __init__(self, receive: Receive, after: asyncio.Event | None = None) -> None:
         """Watch for the current task. With ``after``, start listening only once it is set (the
@@ -85,9 +102,34 @@ class DisconnectWatch:
         self.disconnected = False
         self._done = False
         self._task = asyncio.current_task()
-        self._watcher: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(
-            self._watch(receive, after)
-        )
+        self._watcher: asyncio.Task[None] | None = None
+        self._waiter: asyncio.Future[Any] | None = None
+        self._cycle: Any = _watchable_cycle(receive) if after is None else None
+        if self._cycle is not None:
+            DisconnectWatch.taskless += 1
+            self._cycle.flow.resume_reading()  # as uvicorn's receive does before it waits
+            self._arm()
+            return
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive, after))
+
+    def _arm(self) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        waiter.add_done_callback(self._woken)
+        self._waiter = waiter
+        self._cycle.message_event._waiters.append(waiter)
+
+    def _woken(self, waiter: asyncio.Future[Any]) -> None:
+        self._waiter = None
+        if self._done or waiter.cancelled():
+            return
+        cycle = self._cycle
+        if cycle.disconnected or cycle.response_complete:  # what receive() reports as a disconnect
+            if self._task is not None:
+                self.disconnected = True
+                self._task.cancel()
+            return
+        cycle.message_event.clear()  # woken for something else: as receive() does, and wait again
+        self._arm()
 
     async def _watch(self, receive: Receive, after: asyncio.Event | None) -> None:
         if after is not None:
@@ -102,12 +144,37 @@ class DisconnectWatch:
 
     def stop(self) -> None:
         self._done = True
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            # Out of the event's waiters and its callback dropped (the callback holds this
+            # object); the pending future then simply goes away with its last reference.
+            waiter.remove_done_callback(self._woken)
+            with contextlib.suppress(ValueError, AttributeError):
+                self._cycle.message_event._waiters.remove(waiter)
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             # Dropped before it is cancelled: the cancelled task's traceback holds this object
             # (the watching frame's ``self``), and holding the task back would make a reference
             # cycle per request that only a full garbage collection frees.
             watcher.cancel()
+
+
+def _watchable_cycle(receive: Receive) -> Any:
+    """uvicorn's httptools request cycle behind ``receive`` when its whole body has been read and
+    it has the attributes the watch relies on (an ``asyncio.Event`` keeping its waiters in a
+    deque); else None."""
+    cycle: Any = getattr(receive, "__self__", None)
+    if _UvicornCycle is None or type(cycle) is not _UvicornCycle:
+        return None
+    try:
+        event = cycle.message_event
+        ok = type(event) is asyncio.Event and isinstance(event._waiters, collections.deque)
+        ok = ok and cycle.more_body is False and not cycle.body and not event.is_set()
+        ok = ok and isinstance(cycle.disconnected, bool) and not cycle.disconnected
+        ok = ok and not cycle.response_complete and callable(cycle.flow.resume_reading)
+    except AttributeError:
+        return None
+    return cycle if ok else None
 
 
 def _decoded(response: httpx.Response | UpstreamResponse, body: bytes) -> bytes:
@@ -224,13 +291,6 @@ class _Tee:
                 self.collected.append(chunk)
             else:
                 self.collected = None
-
-
-_UvicornCycle: Any
-try:  # uvicorn's HTTP/1.1 protocol on httptools, the one cachegate serves with
-    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as _UvicornCycle
-except ImportError:  # pragma: no cover - httptools is a dependency
-    _UvicornCycle = None
 
 
 class DirectBody:

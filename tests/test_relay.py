@@ -10,6 +10,7 @@ import httpx
 import orjson
 import pytest
 
+from proxy.relay import DisconnectWatch
 from proxy.upstream import UpstreamPool
 
 CHAT = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
@@ -332,6 +333,7 @@ def test_client_disconnect_mid_stream_closes_upstream_at_once(
     events = [sse(chunk(str(i))) for i in range(100)]
     upstream, url = scripted(chunks=events, delay_s=0.1)
     proxy = proxy_factory(url)
+    watches = DisconnectWatch.taskless
     with httpx.stream(
         "POST", proxy.base_url + "/chat/completions", json={**CHAT, "stream": True}
     ) as r:
@@ -344,6 +346,7 @@ def test_client_disconnect_mid_stream_closes_upstream_at_once(
     assert upstream.disconnects, "upstream never saw the connection close"
     assert upstream.disconnects[0] - hung_up < 1.0
     assert upstream.in_flight == 0
+    assert DisconnectWatch.taskless == watches + 1  # noticed with no watching task (uvicorn)
 
 
 def test_client_disconnect_before_first_byte_closes_upstream(
@@ -351,6 +354,7 @@ def test_client_disconnect_before_first_byte_closes_upstream(
 ) -> None:
     upstream, url = scripted(chunks=[sse(chunk("late"))], first_delay_s=30)
     proxy = proxy_factory(url)
+    watches = DisconnectWatch.taskless
     with socket.create_connection(("127.0.0.1", proxy.server.port)) as s:
         body = orjson.dumps({**CHAT, "stream": True})
         s.sendall(
@@ -365,6 +369,7 @@ def test_client_disconnect_before_first_byte_closes_upstream(
     while not upstream.disconnects and time.monotonic() < deadline:
         time.sleep(0.01)
     assert upstream.disconnects and upstream.disconnects[0] - hung_up < 1.0
+    assert DisconnectWatch.taskless == watches + 1
 
 
 def test_two_hundred_interrupted_streams_leave_nothing_behind(
