@@ -162,7 +162,11 @@ class _StreamProtocol(asyncio.Protocol):
             self._head = False
             self.result.status = status
             self._chunked = headers.get(b"transfer-encoding", b"").lower() == b"chunked"
-            self._remaining = int(headers.get(b"content-length", b"-1"))
+            try:
+                self._remaining = int(headers.get(b"content-length", b"-1"))
+            except ValueError as exc:
+                self._finish(exc)
+                return
             data = data[end + 4 :]
             if not self._chunked and self._remaining == 0:
                 self._finish()

@@ -212,12 +212,14 @@ class MockProtocol(asyncio.Protocol):
         request = (method, self._url, body, self.parser.should_keep_alive())
         if self._stream is not None or self._queue:
             self._queue.append(request)
-        else:
-            self._answer(*request)
+        elif self._answer(*request):
+            self._next()
 
     # -- answers ------------------------------------------------------------------------------
 
-    def _answer(self, method: bytes, url: bytes, body: bytes, keep_alive: bool) -> None:
+    def _answer(self, method: bytes, url: bytes, body: bytes, keep_alive: bool) -> bool:
+        """Answer one request: True when the answer is complete, False when a stream began
+        (its last event calls ``_next``)."""
         transport = self.transport
         assert transport is not None
         self._keep_alive = keep_alive
@@ -225,16 +227,14 @@ class MockProtocol(asyncio.Protocol):
         if method == b"GET":
             status, payload = app.get(url.split(b"?", 1)[0])
             transport.write(_json_response(payload, status, keep_alive))
-            self._next()
-            return
+            return True
         app.requests += 1
         # Only the first and last 512 bytes name the mode: clients put these keys first, and a
         # 600 KB body is never scanned whole (cachegate splices stream_options at the front).
         head = body[:512] + body[-512:]
         if not _STREAM_RE.search(head):
             transport.write(_json_response(app.completion, keep_alive=keep_alive))
-            self._next()
-            return
+            return True
         match = _USER_RE.search(head)
         name = match.group(1).decode() if match else ""
         if name:
@@ -248,6 +248,7 @@ class MockProtocol(asyncio.Protocol):
         stream.timer = self.loop.call_at(
             stream.start + app.shape.first_token_ms / 1000.0, self._tick, stream
         )
+        return False
 
     def _tick(self, stream: _Stream) -> None:
         if stream is not self._stream:
@@ -277,13 +278,15 @@ class MockProtocol(asyncio.Protocol):
             self._next()
 
     def _next(self) -> None:
-        """After an answer: close when the client asked to, else answer the next queued request."""
+        """After an answer: close when the client asked to, else answer the queued requests in
+        order (a loop, not recursion: a long pipelined burst is fine) until one is a stream."""
         assert self.transport is not None
-        if not self._keep_alive:
-            self.transport.close()
-            return
-        if self._queue:
-            self._answer(*self._queue.pop(0))
+        while True:
+            if not self._keep_alive:
+                self.transport.close()
+                return
+            if not self._queue or not self._answer(*self._queue.pop(0)):
+                return
 
 
 async def serve(app: MockUpstream, host: str, port: int) -> None:

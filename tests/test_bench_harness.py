@@ -66,10 +66,39 @@ def test_mock_streams_the_canned_events_on_schedule_and_answers_on_the_same_conn
                     client.build_request("h", port, "/v1/x", _body(False, "a"))
                 )
                 assert status == 200 and body == app.completion
+            status, body, _ = await conn.post(b"GET /v1/models HTTP/1.1\r\nhost: h\r\n\r\n")
+            assert status == 200 and b"gpt-4o-mini" in body
             conn.close()
             assert app.requests == 4
             assert set(app.arrivals) == {"s1", "s2"}
             assert app.disconnects == {}  # both streams ended before their clients closed
+
+    asyncio.run(run())
+
+
+def test_mock_answers_a_pipelined_burst_in_order() -> None:
+    """Requests sent back to back on one connection, a stream among them, are answered one after
+    the other in the order sent (a long burst too: no recursion per queued request)."""
+
+    async def run() -> None:
+        server, app, port = await _mock()
+        async with server:
+            plain = client.build_request("h", port, "/v1/x", _body(False, "p"))
+            stream = client.build_request("h", port, "/v1/x", _body(True, "piped"))
+            get = b"GET /healthz HTTP/1.1\r\nhost: h\r\n\r\n"
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(plain + stream + get + plain * 1500)
+            answers = []
+            for _ in range(1503):
+                status, headers = await client._read_head(reader)
+                answers.append((status, await client._read_body(reader, headers)))
+            writer.close()
+            assert all(status == 200 for status, _ in answers)
+            assert answers[0][1] == app.completion
+            assert answers[1][1] == b"".join(stream_events(SHAPE.deltas, False))
+            assert b"gpt-4o-mini" in answers[2][1]
+            assert all(body == app.completion for _, body in answers[3:])
+            assert app.requests == 1502
 
     asyncio.run(run())
 

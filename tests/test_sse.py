@@ -260,6 +260,10 @@ def test_fast_path_returns_plain_data_payloads_and_keeps_a_partial_event() -> No
         b"id: 1\ndata: x\n\n",
         b"\xef\xbb\xbfdata: x\n\n",
         b"data: x\n\n\n\n",
+        # a block that is not a data line, with an extra blank line before the tail
+        b"data: a\n\n: keep-alive\n\n\ndata: b\n",
+        b"data: a\n\nevent: ping\n\n\ndata: b",
+        b'data: a\n\ndata:{"x":1}\n\n\ndata: b',
     ],
 )
 def test_fast_path_declines_anything_else_and_consumes_nothing(chunk: bytes) -> None:
