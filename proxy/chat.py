@@ -9,6 +9,7 @@ a 600 KB body.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -41,6 +42,9 @@ from proxy.sessions import (
 )
 
 log = logging.getLogger(__name__)
+
+# The longest the event loop runs finished exchanges' observers before it polls sockets again.
+OBSERVER_SLICE_S = 0.002
 
 _USAGE_OPTION = b'"stream_options":{"include_usage":true}'
 
@@ -169,6 +173,8 @@ class ChatPipeline:
         self.in_flight = 0  # exchanges whose observers have not all run yet
         self.idle = asyncio.Event()  # set whenever in_flight is 0
         self.idle.set()
+        self._finished: collections.deque[Exchange] = collections.deque()
+        self._draining = False
 
     def resolve_session(
         self, headers: Mapping[str, str], path_id: str | None, body: dict[str, Any], now: float
@@ -242,9 +248,42 @@ class ChatPipeline:
         try:
             await self._handle(scope, receive, send, path_session)
         finally:
-            self.in_flight -= 1
-            if not self.in_flight:
-                self.idle.set()
+            self._one_done()
+
+    def _one_done(self) -> None:
+        self.in_flight -= 1
+        if not self.in_flight:
+            self.idle.set()
+
+    def _after_response(self, ex: Exchange) -> None:
+        """Run the observers of a finished exchange soon, off the relay's path.
+
+        Streams started together end together: a thousand of them ending at once left ~200 ms of
+        accounting, logging and metrics in one turn of the event loop, during which no other
+        stream moved. Finished exchanges are queued and their observers run in slices of at most
+        ``OBSERVER_SLICE_S``, with the loop polling sockets between slices. They run in the order
+        the exchanges finished; ``in_flight`` counts them until they have run.
+        """
+        self._finished.append(ex)
+        self.in_flight += 1
+        if not self._draining:
+            self._draining = True
+            asyncio.get_running_loop().call_soon(self._drain)
+
+    def _drain(self) -> None:
+        finished = self._finished
+        started = time.perf_counter()
+        try:
+            while finished:
+                notify(self.observers, "on_response", finished.popleft())
+                self._one_done()
+                if time.perf_counter() - started > OBSERVER_SLICE_S:
+                    break
+        finally:
+            if finished:
+                asyncio.get_running_loop().call_soon(self._drain)
+            else:
+                self._draining = False
 
     async def _handle(
         self, scope: Scope, receive: Receive, send: Send, path_session: str | None
@@ -395,4 +434,4 @@ class ChatPipeline:
                     watch=watch,
                 )
         finally:
-            notify(self.observers, "on_response", ex)
+            self._after_response(ex)

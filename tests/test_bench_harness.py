@@ -69,6 +69,7 @@ def test_mock_streams_the_canned_events_on_schedule_and_answers_on_the_same_conn
             status, body, _ = await conn.post(b"GET /v1/models HTTP/1.1\r\nhost: h\r\n\r\n")
             assert status == 200 and b"gpt-4o-mini" in body
             conn.close()
+            await asyncio.sleep(0.05)  # the mock's side closes too, before the loop ends
             assert app.requests == 4
             assert set(app.arrivals) == {"s1", "s2"}
             assert app.disconnects == {}  # both streams ended before their clients closed
@@ -93,6 +94,8 @@ def test_mock_answers_a_pipelined_burst_in_order() -> None:
                 status, headers = await client._read_head(reader)
                 answers.append((status, await client._read_body(reader, headers)))
             writer.close()
+            await writer.wait_closed()
+            await asyncio.sleep(0.05)
             assert all(status == 200 for status, _ in answers)
             assert answers[0][1] == app.completion
             assert answers[1][1] == b"".join(stream_events(SHAPE.deltas, False))
@@ -119,6 +122,7 @@ def test_mock_notes_when_an_unfinished_stream_is_hung_up() -> None:
                     break
                 await asyncio.sleep(0.01)
             assert app.disconnects["gone"] >= res.hung_up_at
+            await asyncio.sleep(0.05)
 
     asyncio.run(run())
 
