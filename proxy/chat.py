@@ -266,6 +266,7 @@ class ChatPipeline:
         """
         self._finished.append(ex)
         self.in_flight += 1
+        self.idle.clear()
         if not self._draining:
             self._draining = True
             asyncio.get_running_loop().call_soon(self._drain)

@@ -241,3 +241,49 @@ def test_a_growing_agent_history_is_spliced_and_still_repaired_and_relayed_exact
     forwarded = sim.sim.requests[-1].body["messages"]
     assert forwarded[-2]["role"] == "tool" and forwarded[-2]["tool_call_id"] == "call_x"
     assert forwarded[: len(history) - 1] == history[:-1]
+
+
+def test_observers_of_finished_exchanges_run_in_order_in_short_slices() -> None:
+    """Many exchanges finishing in one turn of the loop: their observers run in the order the
+    exchanges finished, in slices, and the loop gets to other work (a socket, a timer) between
+    slices instead of after all of them; in_flight counts them until they have run."""
+    import asyncio
+    import time
+
+    import httpx
+
+    from proxy.chat import OBSERVER_SLICE_S, ChatPipeline
+    from proxy.config import settings_from_mapping
+    from proxy.pipeline import Exchange
+    from proxy.relay import Relay
+    from proxy.sessions import MemorySessionStore
+
+    seen: list[int] = []
+
+    class Slow:
+        def on_request(self, ex: Exchange) -> None: ...
+
+        def on_response(self, ex: Exchange) -> None:
+            time.sleep(0.0005)  # an expensive observer: 0.5 ms per exchange
+            seen.append(ex.exchange_id)
+
+    async def run() -> None:
+        settings = settings_from_mapping({"upstream": {"base_url": "http://127.0.0.1:9/v1"}})
+        relay = Relay(httpx.AsyncHTTPTransport(), "http://127.0.0.1:9/v1", httpx.Timeout(5.0))
+        chat = ChatPipeline(settings, relay, MemorySessionStore(), [Slow()], api_key=lambda: None)
+        between: list[int] = []
+        loop = asyncio.get_running_loop()
+        for i in range(100):  # a hundred exchanges finish in the same turn
+            chat._after_response(
+                Exchange("chat", "POST", "chat/completions", 0.0, 0.0, exchange_id=i)
+            )
+        loop.call_soon(lambda: between.append(len(seen)))  # other work, queued after them
+        assert chat.in_flight == 100 and not chat.idle.is_set()
+        await asyncio.wait_for(chat.idle.wait(), 5)
+        assert seen == list(range(100))
+        assert chat.in_flight == 0
+        # the other work ran after the first slice (~2 ms of observers), not after all hundred
+        assert OBSERVER_SLICE_S <= 0.005
+        assert between and 1 <= between[0] <= 20
+
+    asyncio.run(run())
