@@ -29,42 +29,29 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import procs
-from bench.run import HOST, body_a, body_b
+from bench import client, procs
+from bench.run import HOST, PATH, body_a, body_b
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _request(body: bytes) -> bytes:
-    return (
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        b"authorization: Bearer sk-bench\r\ncontent-length: %d\r\n\r\n" % len(body)
-    ) + body
 
 
 async def _load(port: int, mode: str, count: int, connections: int) -> None:
     """``count`` requests over ``connections`` keep-alive connections, each answer read whole."""
     ids = itertools.count()
-    plain = _request(body_a())
+    plain = client.build_request(HOST, port, PATH, body_a())
 
     async def worker(n: int) -> None:
-        reader, writer = await asyncio.open_connection(HOST, port)
+        conn = client.Connection(HOST, port)
         for _ in range(n):
-            body = plain if mode == "a" else _request(body_b(f"cg-{os.getpid()}-{next(ids)}"))
-            writer.write(body)
-            head = (await reader.readuntil(b"\r\n\r\n")).lower()
-            if not head.startswith(b"http/1.1 200"):
-                raise RuntimeError(f"unexpected answer: {head[:80]!r}")
-            match = re.search(rb"content-length:\s*(\d+)", head)
-            if match:
-                await reader.readexactly(int(match.group(1)))
-                continue
-            while True:
-                size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-                await reader.readexactly(size + 2)
-                if size == 0:
-                    break
-        writer.close()
+            if mode == "a":
+                payload = plain
+            else:
+                body = body_b(f"cg-{os.getpid()}-{next(ids)}")
+                payload = client.build_request(HOST, port, PATH, body)
+            status, _, _ = await conn.post(payload)
+            if status != 200:
+                raise RuntimeError(f"unexpected status {status}")
+        conn.close()
 
     per = count // connections
     await asyncio.gather(*(worker(per) for _ in range(connections)))

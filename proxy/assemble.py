@@ -147,13 +147,8 @@ class StreamAssembler:
     def feed_data(self, payloads: list[bytes]) -> None:
         """Take the raw data payloads of plain events (no ``event:``, ``id:`` or ``retry:``), as
         ``SSEDecoder.decode_data`` gives them: the same result as ``feed`` on each, without the
-        per-event decoding. Anything but a JSON object or ``[DONE]`` goes through ``feed``.
-
-        The bulk of a stream, once its id and model are known, is one choice whose delta carries
-        only text: that lane is written out here, with no call per event (it is most of what a
-        relayed stream costs cachegate). Anything else takes ``_chunk``."""
+        per-event decoding. Anything but a JSON object or ``[DONE]`` goes through ``feed``."""
         loads = orjson.loads
-        content_parts = self._content
         for data in payloads:
             try:
                 chunk = loads(data)
@@ -164,32 +159,11 @@ class StreamAssembler:
                 else:
                     self.feed(SSEEvent(None, data.decode("utf-8", "replace")))
                 continue
-            if type(chunk) is not dict:
+            if type(chunk) is dict:
+                self._events += 1
+                self._chunk(chunk, None)
+            else:
                 self.feed(SSEEvent(None, data.decode("utf-8", "replace")))
-                continue
-            self._events += 1
-            if self._model is not None and self._id is not None:
-                choices = chunk.get("choices")
-                if (
-                    type(choices) is list
-                    and len(choices) == 1
-                    and chunk.get("usage") is None
-                    and chunk.get("error") is None
-                ):
-                    choice = choices[0]
-                    if type(choice) is dict and choice.get("index") in (0, None):
-                        delta = choice.get("delta")
-                        if type(delta) is dict and len(delta) == 1:
-                            content = delta.get("content")
-                            if type(content) is str:
-                                self._has_content = True
-                                if content:
-                                    content_parts.append(content)
-                                finish_reason = choice.get("finish_reason")
-                                if type(finish_reason) is str:
-                                    self._finish_reason = finish_reason
-                                continue
-            self._chunk(chunk, None)
 
     def _chunk(self, chunk: dict[str, Any], event_name: str | None) -> None:
         choices = chunk.get("choices")

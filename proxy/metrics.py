@@ -367,32 +367,21 @@ class Metrics:
             cells = self._exchange_cells.get(key)
             if cells is None:
                 cells = self._cells_for(route, model, status)
-            requests, duration, overhead, ttfb, tokens, gen_ai = cells
+            requests, duration, overhead, ttfb, usage_cells = cells
             requests[0] += 1
-            _observe(self.request_duration.buckets, duration, duration_s)
-            _observe(self.overhead.buckets, overhead, overhead_s)
+            self.request_duration.observe(duration, duration_s)
+            self.overhead.observe(overhead, overhead_s)
             if ttfb_s is not None:
-                _observe(self.ttfb.buckets, ttfb, ttfb_s)
+                self.ttfb.observe(ttfb, ttfb_s)
         except Exception:
             logger.exception("metrics: observe_exchange failed")
             return
         if usage is None:
             return
-        prompt, completion = usage.prompt, usage.completion
-        read, write = usage.cache_read, usage.cache_write
-        if prompt < 0 or completion < 0 or read < 0 or write < 0:
+        if min(usage.prompt, usage.completion, usage.cache_read, usage.cache_write) < 0:
             self.observe_usage(model, usage)  # refuses and logs, as it always has
             return
-        tokens[0][0] += prompt
-        tokens[1][0] += completion
-        tokens[2][0] += read
-        tokens[3][0] += write
-        buckets = self.gen_ai_token_usage.buckets
-        _observe(buckets, gen_ai[0], prompt)
-        _observe(buckets, gen_ai[1], completion)
-        if usage.reported_cache:
-            _observe(buckets, gen_ai[2], read)
-            _observe(buckets, gen_ai[3], write)
+        self._count_usage(usage_cells, usage)
 
     def _cells_for(self, route: str, model: str | None, status: int) -> tuple[Any, ...]:
         label = self.model_label(model)
@@ -401,11 +390,7 @@ class Metrics:
             self.request_duration.child(route, label),
             self.overhead.child(route),
             self.ttfb.child(label),
-            tuple(self.tokens.child(label, kind) for kind in TOKEN_KINDS),
-            tuple(
-                self.gen_ai_token_usage.child(GEN_AI_OPERATION, label, token_type)
-                for token_type in GEN_AI_TOKEN_TYPES
-            ),
+            self._usage_cells(label),
         )
         if len(self._exchange_cells) < 4096:  # model names come from clients: stay bounded
             self._exchange_cells[(route, model, status)] = cells
@@ -440,22 +425,35 @@ class Metrics:
         Cache token types enter the GenAI histogram only when the provider reported cache fields,
         so a provider that never reports does not read as a stream of misses.
         """
-        label = self.model_label(model)
+        if min(usage.prompt, usage.completion, usage.cache_read, usage.cache_write) < 0:
+            raise ValueError(f"negative token count in {usage!r}")
+        self._count_usage(self._usage_cells(self.model_label(model)), usage)
+
+    def _usage_cells(self, label: str) -> tuple[tuple[list[float], ...], tuple[list[float], ...]]:
+        """The token counters (``TOKEN_KINDS`` order) and GenAI histogram series
+        (``GEN_AI_TOKEN_TYPES`` order) of one model label."""
+        gen_ai = self.gen_ai_token_usage
+        return (
+            tuple(self.tokens.child(label, kind) for kind in TOKEN_KINDS),
+            tuple(gen_ai.child(GEN_AI_OPERATION, label, kind) for kind in GEN_AI_TOKEN_TYPES),
+        )
+
+    def _count_usage(
+        self, cells: tuple[tuple[list[float], ...], tuple[list[float], ...]], usage: Usage
+    ) -> None:
+        tokens, gen_ai = cells
         prompt, completion = usage.prompt, usage.completion
         read, write = usage.cache_read, usage.cache_write
-        if prompt < 0 or completion < 0 or read < 0 or write < 0:
-            raise ValueError(f"negative token count in {usage!r}")
-        tokens = self.tokens
-        tokens.child(label, "prompt")[0] += prompt
-        tokens.child(label, "completion")[0] += completion
-        tokens.child(label, "cache_read")[0] += read
-        tokens.child(label, "cache_write")[0] += write
-        gen_ai = self.gen_ai_token_usage
-        gen_ai.observe(gen_ai.child(GEN_AI_OPERATION, label, "input"), prompt)
-        gen_ai.observe(gen_ai.child(GEN_AI_OPERATION, label, "output"), completion)
+        tokens[0][0] += prompt
+        tokens[1][0] += completion
+        tokens[2][0] += read
+        tokens[3][0] += write
+        observe = self.gen_ai_token_usage.observe
+        observe(gen_ai[0], prompt)
+        observe(gen_ai[1], completion)
         if usage.reported_cache:
-            gen_ai.observe(gen_ai.child(GEN_AI_OPERATION, label, "cached_input"), read)
-            gen_ai.observe(gen_ai.child(GEN_AI_OPERATION, label, "cache_creation_input"), write)
+            observe(gen_ai[2], read)
+            observe(gen_ai[3], write)
 
     @_safe
     def observe_cache_waste(self, model: str | None, cause: str, tokens: int) -> None:
@@ -524,13 +522,6 @@ class Metrics:
         cell = self.log_lost.child(_check(kind, LOG_LOSS_KINDS, "log loss kind"))
         with self.log_lost.lock:
             _add(cell, lines)
-
-
-def _observe(buckets: tuple[float, ...], cell: list[float], amount: float) -> None:
-    """``_Family.observe`` without the family: one histogram observation."""
-    cell[0] += amount
-    if amount == amount:
-        cell[bisect_left(buckets, amount) + 2] += 1
 
 
 def _add(cell: list[float], amount: float) -> None:
