@@ -8,6 +8,7 @@ request is rare enough that its other choices are not worth the bookkeeping on t
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,14 @@ from proxy.sse import SSEDecoder, SSEEvent
 from proxy.usage import Usage, UsageTracker, normalize_usage
 
 logger = logging.getLogger(__name__)
+
+# Bytes a text slot of a learned chunk shape may not hold: a quote or backslash (the string would
+# end there or hold an escape) or a control character (not valid JSON).
+_UNSAFE = re.compile(rb'["\\\x00-\x1f]')
+_CONTENT_KEY = b'"content":"'
+# OpenAI pads each chunk with a random string to hide token lengths; it is the chunk's last key.
+_PADDING_KEY = b',"obfuscation":"'
+_LEARN_TRIES = 4  # chunk shapes learned per stream before the recorder stops trying
 
 
 @dataclass(slots=True)
@@ -122,6 +131,9 @@ class StreamAssembler:
         self._id: str | None = None
         self._events = 0
         self._malformed = 0
+        # (bytes before the text, bytes after it, padded, finish_reason) of a text-only chunk
+        self._shape: tuple[bytes, bytes, bool, str | None] | None = None
+        self._learn_tries = _LEARN_TRIES
 
     def feed(self, event: SSEEvent) -> None:
         """Take one SSE event of the stream."""
@@ -150,6 +162,8 @@ class StreamAssembler:
         per-event decoding. Anything but a JSON object or ``[DONE]`` goes through ``feed``."""
         loads = orjson.loads
         for data in payloads:
+            if self._shape is not None and self._same_shape(data):
+                continue
             try:
                 chunk = loads(data)
             except orjson.JSONDecodeError:
@@ -161,11 +175,110 @@ class StreamAssembler:
                 continue
             if type(chunk) is dict:
                 self._events += 1
-                self._chunk(chunk, None)
+                if self._chunk(chunk, None) and self._learn_tries:
+                    self._learn(data, chunk)
             else:
                 self.feed(SSEEvent(None, data.decode("utf-8", "replace")))
 
-    def _chunk(self, chunk: dict[str, Any], event_name: str | None) -> None:
+    def _same_shape(self, data: bytes) -> bool:
+        """Take ``data`` without parsing it when it is the learned text-only chunk with other
+        text (and other padding): same bytes before the text and after it, a text with nothing
+        to unescape. Then parsing it would give that chunk with this text, so the outcome is the
+        text lane's. False, with nothing taken, for anything else."""
+        head, tail, padded, finish = self._shape  # type: ignore[misc]
+        if not data.startswith(head):
+            return False
+        start = len(head)
+        end = data.find(b'"', start)  # the text's closing quote: the text has no escapes
+        if end < 0 or not data.startswith(tail, end):
+            return False
+        rest = end + len(tail)
+        if padded:
+            stop = len(data) - 2
+            # Any padding but a quote, backslash or control character is a string nothing
+            # reads (not UTF-8, the general path replaces it: still a string).
+            if stop < rest or not data.endswith(b'"}') or _UNSAFE.search(data, rest, stop):
+                return False
+        elif rest != len(data):
+            return False
+        if _UNSAFE.search(data, start, end) is not None:
+            return False
+        try:
+            text = data[start:end].decode()
+        except UnicodeDecodeError:
+            return False  # the general path decides (it replaces what is not UTF-8)
+        self._events += 1
+        self._has_content = True
+        if text:
+            self._content.append(text)
+        if finish is not None:
+            self._finish_reason = finish
+        return True
+
+    @property
+    def text_shape(self) -> tuple[bytes, bytes] | None:
+        """The learned text-only chunk as (bytes before the text, bytes after it), when its
+        chunks differ only in the text (no padding); None before one is learned."""
+        shape = self._shape
+        return None if shape is None or shape[2] else (shape[0], shape[1])
+
+    def feed_texts(self, texts: list[bytes]) -> bool:
+        """Take a run of chunks of ``text_shape`` by their raw texts (what stands between its two
+        parts), as ``feed_data`` would take the whole payloads; all or nothing: False, with
+        nothing taken, if any text would not stand verbatim in a JSON string."""
+        finish = self._shape[3]  # type: ignore[index]
+        joined = b"".join(texts)
+        if _UNSAFE.search(joined) is not None:
+            return False
+        if joined.isascii():
+            text = joined.decode("ascii")
+        else:
+            try:
+                # each text on its own, as parsing each chunk would: a character split across
+                # two chunks is not the character (the general path replaces its parts)
+                text = "".join([t.decode() for t in texts])
+            except UnicodeDecodeError:
+                return False
+        self._events += len(texts)
+        self._has_content = True
+        if text:
+            self._content.append(text)
+        if finish is not None:
+            self._finish_reason = finish
+        return True
+
+    def _learn(self, data: bytes, chunk: dict[str, Any]) -> None:
+        """Remember the shape of a chunk the text lane took, when its text stands in ``data``
+        verbatim under the only ``"content"`` key and nothing around it is escaped (a key could
+        hide behind an escape). ``_same_shape`` then takes chunks that differ only in the text
+        and in a trailing ``obfuscation`` string, which nothing reads."""
+        self._learn_tries -= 1
+        choice = chunk["choices"][0]  # the text lane checked this shape
+        at = data.find(_CONTENT_KEY)
+        if at < 0 or data.count(b'"content"') != 1:
+            return
+        start = at + len(_CONTENT_KEY)
+        try:
+            raw = choice["delta"]["content"].encode()
+        except UnicodeEncodeError:
+            return
+        end = start + len(raw)
+        if data[start:end] != raw or data[end : end + 1] != b'"':
+            return
+        head, tail = data[:start], data[end:]
+        if any(part.find(c) >= 0 for part in (head, tail) for c in (b"\\", b"\n", b"\r")):
+            return
+        padded = False
+        if tail.endswith(b'"}'):
+            pad = tail.rfind(_PADDING_KEY)
+            if pad >= 0 and _UNSAFE.search(tail, pad + len(_PADDING_KEY), len(tail) - 2) is None:
+                tail = tail[: pad + len(_PADDING_KEY)]
+                padded = True
+        finish = choice.get("finish_reason")
+        self._shape = (head, tail, padded, finish if isinstance(finish, str) else None)
+
+    def _chunk(self, chunk: dict[str, Any], event_name: str | None) -> bool:
+        """Apply one parsed chunk; True when it took the text lane (one choice, text only)."""
         choices = chunk.get("choices")
         if (
             self._id is not None
@@ -193,11 +306,11 @@ class StreamAssembler:
                             model = chunk.get("model")
                             if isinstance(model, str) and model:
                                 self._model = model
-                        return
+                        return True
         if chunk.get("error") is not None or event_name == "error":
             if self._error is None:
                 self._error = chunk if chunk.get("error") is not None else {"error": chunk}
-            return
+            return False
         if self._id is None and isinstance(chunk.get("id"), str) and chunk["id"]:
             self._id = chunk["id"]
         if self._model is None and isinstance(chunk.get("model"), str) and chunk["model"]:
@@ -207,10 +320,11 @@ class StreamAssembler:
             self._usage.update(usage)
         choices = chunk.get("choices")
         if not isinstance(choices, list):
-            return
+            return False
         for choice in choices:
             if isinstance(choice, dict) and choice.get("index") in (0, None):
                 self._choice(choice)
+        return False
 
     def _choice(self, choice: dict[str, Any]) -> None:
         delta = choice.get("delta")
@@ -317,16 +431,17 @@ def assemble_completion(body: Mapping[str, Any]) -> AssembledResponse:
 class StreamRecorder:
     """The relay's side channel: raw upstream byte chunks in, one ``AssembledResponse`` out.
 
-    Chunks are kept and decoded a few at a time (every ``_BATCH`` chunks or ``_BATCH_BYTES``
-    bytes, and at the end): most chunks cost the relay a list append, and the decoder splits one
-    buffer per batch instead of each small chunk. Batches stay small so that streams ending
-    together do not leave a burst of decoding behind them.
+    Feeding a chunk only keeps it; chunks are decoded when ``result`` or ``finish`` is asked
+    for, which the relay leaves to the observers, after the client has its response, or every
+    ``_KEEP_BYTES`` (a long stream is not kept whole). They are decoded ``_BATCH`` chunks at a
+    time: most batches are events that differ from a learned one only in their text, split off
+    with no Python step per event; the rest take the decoder's short path or the general one.
     """
 
     __slots__ = ("_chunks", "_size", "assembler", "decoder")
 
     _BATCH = 8
-    _BATCH_BYTES = 64 * 1024
+    _KEEP_BYTES = 64 * 1024
 
     def __init__(self) -> None:
         self.decoder = SSEDecoder()
@@ -338,13 +453,22 @@ class StreamRecorder:
         """Take one chunk exactly as the upstream sent it."""
         self._chunks.append(chunk)
         self._size += len(chunk)
-        if len(self._chunks) >= self._BATCH or self._size >= self._BATCH_BYTES:
+        if self._size >= self._KEEP_BYTES:
             self._decode()
 
     def _decode(self) -> None:
-        data = b"".join(self._chunks)
+        chunks = self._chunks
         self._chunks = []
         self._size = 0
+        for at in range(0, len(chunks), self._BATCH):
+            self._decode_batch(b"".join(chunks[at : at + self._BATCH]))
+
+    def _decode_batch(self, data: bytes) -> None:
+        shape = self.assembler.text_shape
+        if shape is not None and self.decoder.decode_shaped(
+            data, *shape, self.assembler.feed_texts
+        ):
+            return
         payloads = self.decoder.decode_data(data)
         if payloads is not None:
             self.assembler.feed_data(payloads)

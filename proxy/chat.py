@@ -276,7 +276,9 @@ class ChatPipeline:
         started = time.perf_counter()
         try:
             while finished:
-                notify(self.observers, "on_response", finished.popleft())
+                ex = finished.popleft()
+                ex.settle()
+                notify(self.observers, "on_response", ex)
                 self._one_done()
                 if time.perf_counter() - started > OBSERVER_SLICE_S:
                     break

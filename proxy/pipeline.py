@@ -58,6 +58,33 @@ class Exchange:
     upstream_error: str | None = None  # connect, timeout, status, midstream
     cache: dict[str, Any] | None = None
     cost: dict[str, Any] | None = None
+    # The relay keeps the response's bytes and leaves decoding them to ``settle``, which runs
+    # with the observers, off the relay's path.
+    recorded: Recorded | None = None
+
+    def settle(self) -> None:
+        """Assemble the recorded response, once: ``assembled``, ``usage`` and an error it
+        carries. Never raises (a recorder that fails leaves the response unassembled)."""
+        recorded, self.recorded = self.recorded, None
+        if recorded is None:
+            return
+        try:
+            assembled = recorded.assemble(self.status)
+        except Exception:
+            log.exception("assembling the recorded response failed")
+            return
+        if assembled is None:
+            return
+        self.assembled = assembled
+        self.usage = assembled.usage
+        if assembled.error is not None and self.error is None:
+            self.error = str(assembled.error.get("message", assembled.error))
+
+
+class Recorded(Protocol):
+    """A response's bytes as the relay kept them, assembled when the observers need them."""
+
+    def assemble(self, status: int) -> AssembledResponse | None: ...
 
 
 class Transform(Protocol):

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import orjson
 
-from proxy.assemble import StreamRecorder, assemble_completion
+from proxy.assemble import AssembledResponse, StreamRecorder, assemble_completion
 from proxy.errors import ProxyError, too_large, upstream_timeout, upstream_unreachable
 from proxy.pipeline import Exchange
 from proxy.strip import UsageEventStripper
@@ -292,6 +292,22 @@ class _Tee:
             else:
                 self.collected = None
 
+    def assemble(self, status: int) -> AssembledResponse | None:
+        """The recorded stream's message, or the collected body's when it is a chat completion
+        (``status`` below 400); None when nothing could be assembled."""
+        if self.recorder is not None:
+            try:
+                return self.recorder.finish()
+            except Exception:
+                log.exception("stream recorder failed to finish")
+                return None
+        if self.collected and status < 400:
+            try:
+                return assemble_completion(orjson.loads(b"".join(self.collected)))
+            except Exception:
+                log.debug("response body is not a chat completion", exc_info=True)
+        return None
+
 
 class DirectBody:
     """Response body chunks written straight to the client's transport, for uvicorn's httptools
@@ -532,20 +548,8 @@ class Relay:
             if response is not None:
                 await response.aclose()
             ex.duration_s = time.perf_counter() - ex.t0
-            if tee is not None and tee.recorder is not None:
-                try:
-                    ex.assembled = tee.recorder.finish()
-                except Exception:
-                    log.exception("stream recorder failed to finish")
-            elif tee is not None and tee.collected and ex.status < 400:
-                try:
-                    ex.assembled = assemble_completion(orjson.loads(b"".join(tee.collected)))
-                except Exception:
-                    log.debug("response body is not a chat completion", exc_info=True)
-            if ex.assembled is not None:
-                ex.usage = ex.assembled.usage
-                if ex.assembled.error is not None and ex.error is None:
-                    ex.error = str(ex.assembled.error.get("message", ex.assembled.error))
+            if tee is not None:
+                ex.recorded = tee  # assembled by ex.settle(), with the observers
 
 
 def _step(

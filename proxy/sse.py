@@ -8,6 +8,7 @@ character split across two chunks simply waits in the partial-line buffer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _BOM = b"\xef\xbb\xbf"
@@ -81,11 +82,7 @@ class SSEDecoder:
         consumed (call ``decode``). The payloads are what ``decode`` would give as ``data``, still
         as bytes, for events with no ``event``, ``id`` or ``retry``."""
         if (
-            self._pending
-            or self._has_data
-            or self._after_cr
-            or self._event is not None
-            or self._block_retry is not None
+            not self.idle
             or (self._at_start and chunk.startswith(_BOM[: len(chunk)]))
             or chunk.find(b"\r") >= 0
         ):
@@ -102,6 +99,49 @@ class SSEDecoder:
         if tail:  # the start of an event whose blank line has not come yet
             self.decode(tail)
         return [block[6:] for block in blocks]
+
+    def decode_shaped(
+        self, chunk: bytes, before: bytes, after: bytes, accept: Callable[[list[bytes]], bool]
+    ) -> bool:
+        """``decode_data`` for a chunk whose whole events are all plain one-line events with data
+        ``before + middle + after``: their middles go to ``accept`` and any trailing part is
+        kept for later, as there. False, with nothing consumed, if the chunk is anything else or
+        ``accept`` refuses the middles. ``before`` and ``after`` must hold no line break. The
+        events are checked by rebuilding them from the middles and comparing, so the bulk of a
+        stream costs one slice per event."""
+        if not self.idle:
+            return False
+        blocks = chunk.split(b"\n\n")
+        tail = blocks.pop()
+        if not blocks:
+            return False
+        first = b"data: " + before
+        start, stop = len(first), -len(after)
+        middles = [block[start:stop] for block in blocks]
+        joined = b"".join(middles)
+        end = after + b"\n\n"
+        if (
+            joined.find(b"\n") >= 0
+            or joined.find(b"\r") >= 0
+            or first + (end + first).join(middles) + end != chunk[: len(chunk) - len(tail)]
+            or not accept(middles)
+        ):
+            return False
+        self._at_start = False
+        if tail:
+            self.decode(tail)
+        return True
+
+    @property
+    def idle(self) -> bool:
+        """Between events: nothing pending, no field of an unfinished block kept."""
+        return not (
+            self._pending
+            or self._has_data
+            or self._after_cr
+            or self._event is not None
+            or self._block_retry is not None
+        )
 
     def flush(self) -> list[SSEEvent]:
         """End of stream: finish a pending line; dispatch an event left without its blank line."""

@@ -6,6 +6,7 @@ from itertools import pairwise
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -506,3 +507,196 @@ def decode_stream(raw: bytes) -> list[SSEEvent]:
 
     decoder = SSEDecoder()
     return decoder.decode(raw) + decoder.flush()
+
+
+# --- learned chunk shapes -------------------------------------------------------------------
+# Once a text-only chunk has been parsed, chunks that differ from it only in their text (and in
+# OpenAI's trailing obfuscation padding) are taken without parsing. The outcome must be the
+# general path's for any bytes: escapes, quotes that change the JSON's structure, control
+# characters, bytes that are not UTF-8, a character split across two chunks, a second content
+# key, a key spelled with an escape, another id.
+
+_HEAD = (
+    b'{"id":"chatcmpl-9","object":"chat.completion.chunk","created":1,"model":"m",'
+    b'"choices":[{"index":0,"delta":{"content":"'
+)
+_TAIL = b'"},"logprobs":null,"finish_reason":null}]'
+_SAFE = [b"w", b" hello", b"", "\u20ac".encode(), "\U0001f600".encode()]
+_ODD = [b"\xe2\x82", b"\xac", b"\xff", b"\\n", b'\\"', b"\\\\", b"\\u00e9", b"\t", b'"']
+_ODD += [b'a","x":"', b"\\", b"\n", b"\r", b"\n\ndata: x"]
+_PADS = [b"Ab3", b"xxxxxxxxx", b"", b"\xc3\xa9", b"\xff", b'q"', b"\\n", b"\x01", b'","z":"']
+_HEADS = [
+    _HEAD.replace(b"chatcmpl-9", b"chatcmpl-8"),
+    _HEAD.replace(b'"content"', b'"cont\\u0065nt"'),
+    _HEAD.replace(b'"index":0', b'"index":1'),
+    _HEAD.replace(b'"delta":{', b'"delta":{"role":"assistant",'),
+]
+# a second content key after the text: literal (the last one wins) or spelled with an escape
+_SECOND_KEYS = [b'","content":"', b'","cont\\u0065nt":"', b'","reasoning_content":"']
+
+
+@st.composite
+def _shaped_payloads(draw: st.DrawFn) -> list[bytes]:
+    """A stream of mostly typical text chunks (with or without padding) and, at a drawn rate,
+    odd ones: odd bytes in the text or the padding, other heads, a second content key, padding
+    where there was none and the reverse, other chunks."""
+    payloads = [chunk({"role": "assistant", "content": ""})[6:-2]]
+    padded = draw(st.booleans())
+    odd_percent = draw(st.sampled_from([0, 5, 20, 50, 100]))
+
+    def pad() -> bytes:
+        return b',"obfuscation":"' + draw(st.sampled_from(_PADS[:2])) + b'"}' if padded else b"}"
+
+    kinds = draw(st.lists(st.integers(0, 9), min_size=1, max_size=2))  # the odd kinds here
+    for _ in range(draw(st.integers(0, 40))):
+        if draw(st.integers(0, 99)) >= odd_percent:
+            payloads.append(_HEAD + draw(st.sampled_from(_SAFE)) + _TAIL + pad())
+            continue
+        kind = draw(st.sampled_from(kinds))
+        text = b"".join(draw(st.lists(st.sampled_from(_SAFE + _ODD), min_size=1, max_size=3)))
+        if kind == 0:
+            payloads.append(_HEAD + text + _TAIL + pad())
+        elif kind == 1:
+            payloads.append(draw(st.sampled_from(_HEADS)) + text + _TAIL + pad())
+        elif kind == 2:
+            first, second = draw(st.sampled_from(_SAFE[:2])), draw(st.sampled_from(_SAFE[:2]))
+            key = draw(st.sampled_from(_SECOND_KEYS))
+            payloads.append(_HEAD + first + key + second + _TAIL + pad())
+        elif kind == 3:  # padding where there was none, and the reverse
+            payloads.append(_HEAD + text + _TAIL + (b"}" if padded else b',"obfuscation":"x"}'))
+        elif kind == 4:
+            odd_pad = b',"obfuscation":"' + draw(st.sampled_from(_PADS)) + b'"}'
+            trailer = draw(st.sampled_from([b"", b" ", b"}", b',"obfuscation":"x"}']))
+            payloads.append(_HEAD + text + _TAIL + odd_pad + trailer)
+        elif kind == 5:
+            payloads.append(chunk({}, "stop")[6:-2])
+        elif kind == 6:
+            payloads.append(_HEAD + text + _TAIL.replace(b"null}", b'"length"}') + pad())
+        elif kind == 7:
+            payloads.append(b"not json")
+        elif kind == 8:
+            payloads.append(chunk(None, usage={"prompt_tokens": 5, "completion_tokens": 1})[6:-2])
+        else:
+            payloads.append(b"[DONE]")
+    return payloads
+
+
+@settings(max_examples=400, deadline=None)
+@given(payloads=_shaped_payloads(), data=st.data())
+def test_learned_shapes_give_what_parsing_every_event_gives(
+    payloads: list[bytes], data: st.DataObject
+) -> None:
+    raw = b"".join(b"data: " + p + b"\n\n" for p in payloads)
+    if data.draw(st.booleans()):
+        # one event per chunk, as providers send them; else cut anywhere
+        chunks = [b"data: " + p + b"\n\n" for p in payloads]
+    else:
+        cuts = sorted(data.draw(st.lists(st.integers(0, len(raw)), max_size=12)))
+        chunks = [raw[a:b] for a, b in pairwise([0, *cuts, len(raw)])]
+    assembler = StreamAssembler()
+    for event in decode_stream(raw):
+        assembler.feed(event)  # the general path: every event parsed
+    assert record(chunks) == assembler.result()
+
+
+def _events(*payloads: bytes) -> list[bytes]:
+    return [b"data: " + p + b"\n\n" for p in payloads]
+
+
+def _text(text: bytes, end: bytes = b"}", tail: bytes = _TAIL) -> bytes:
+    return _HEAD + text + tail + end
+
+
+_ROLE = chunk({"role": "assistant", "content": ""})[6:-2]
+_LENGTH = _TAIL.replace(b"null}", b'"length"}')
+_STOP = chunk({}, "stop")[6:-2]
+_PAD = b',"obfuscation":"%s"}'
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        # a second content key, spelled with an escape, then literally: the last one wins
+        _events(
+            _ROLE,
+            *[_text(b"w")] * 2,
+            *[_text(t + b'","cont\\u0065nt":"w') for t in (b"w", b"v", b"u")],
+        ),
+        _events(
+            _ROLE, *[_text(b"w")] * 2, *[_text(t + b'","content":"w') for t in (b"w", b"v", b"u")]
+        ),
+        # a character split across two chunks of one batch is not that character
+        _events(_ROLE, *[_text(b"w")] * 8, _text(b"\xe2\x82"), _text(b"\xac"), *[_text(b"w")] * 6),
+        # more after the learned chunk's end; padding that is no JSON string; padding not UTF-8
+        _events(_ROLE, *[_text(b"w")] * 3, _text(b"v", b"}}"), _text(b"u", b"} ")),
+        _events(
+            _ROLE,
+            *[_text(b"w", _PAD % b"ab")] * 3,
+            _text(b"v", _PAD % b'q"'),
+            _text(b"u", _PAD % b"\x01"),
+        ),
+        _events(_ROLE, *[_text(b"w", _PAD % b"ab")] * 3, _text(b"v", _PAD % b"\xff")),
+        # the learned chunk carries a finish reason; a later chunk changes it, a batch of the
+        # learned shape (or one chunk of it, padded) restores it; a tail of the same length
+        _events(_ROLE, *[_text(b"w", tail=_LENGTH)] * 6, _STOP, *[_text(b"w", tail=_LENGTH)] * 8),
+        _events(
+            _ROLE,
+            *[_text(b"w", _PAD % b"a", _LENGTH)] * 2,
+            _STOP,
+            _text(b"w", _PAD % b"b", _LENGTH),
+        ),
+        _events(_ROLE, *[_text(b"w")] * 3, _text(b"v", tail=_TAIL.replace(b"null}", b'"ab"}'))),
+        # padding without its closing quote and brace
+        _events(_ROLE, *[_text(b"w", _PAD % b"ab")] * 3, _text(b"v", b',"obfuscation":"abcxy')),
+        # a batch that starts inside an event (its "event: error" line came with the last batch)
+        [*_events(_ROLE, *[_text(b"w")] * 6), b"event: error\n", *_events(*[_text(b"v")] * 8)],
+    ],
+    ids=[
+        "escaped-key",
+        "second-key",
+        "split-char",
+        "trailer",
+        "odd-padding",
+        "padding-not-utf8",
+        "finish-batch",
+        "finish-padded",
+        "tail-same-length",
+        "padding-cut",
+        "mid-event",
+    ],
+)
+def test_learned_shapes_decline_what_parsing_reads_differently(chunks: list[bytes]) -> None:
+    assembler = StreamAssembler()
+    for event in decode_stream(b"".join(chunks)):
+        assembler.feed(event)
+    assert record(chunks) == assembler.result()
+
+
+def _openai_stream(padded: bool) -> list[bytes]:
+    pad = b',"obfuscation":"%s"}' if padded else b"}"
+    events = [b"data: " + _HEAD + b"Hi" + _TAIL + (pad % b"abc" if padded else pad) + b"\n\n"]
+    for i in range(64):
+        end = pad % (b"x" * (i % 7)) if padded else pad
+        events.append(b"data: " + _HEAD + b" w%d" % i + _TAIL + end + b"\n\n")
+    return [*events, DONE]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_typical_stream_is_parsed_a_few_events_only(
+    padded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OpenAI's streams, with and without obfuscation padding: after the first text chunks,
+    the text of the rest is taken without parsing them."""
+    parsed = 0
+    loads = orjson.loads
+
+    def counting(data: bytes | str) -> Any:
+        nonlocal parsed
+        parsed += 1
+        return loads(data)
+
+    monkeypatch.setattr("proxy.assemble.orjson.loads", counting)
+    result = record(_openai_stream(padded))
+    assert result.message["content"] == "Hi" + "".join(f" w{i}" for i in range(64))
+    assert result.events == 66 and result.done and result.malformed == 0
+    assert parsed <= 3

@@ -290,3 +290,45 @@ def test_fast_path_takes_a_typical_completion_stream() -> None:
     # Chunks that start between events take it (the second ends mid-event and keeps its tail);
     # the one that starts mid-event falls back, and the decoder is between events after it.
     assert fast == 3
+
+
+def test_shaped_run_gives_the_middles_and_keeps_a_partial_event() -> None:
+    decoder = SSEDecoder()
+    taken: list[list[bytes]] = []
+
+    def accept(middles: list[bytes]) -> bool:
+        taken.append(middles)
+        return True
+
+    chunk = b'data: {"t":"a"}\n\ndata: {"t":"bc"}\n\ndata: {"t":"'
+    assert decoder.decode_shaped(chunk, b'{"t":"', b'"}', accept)
+    assert taken == [[b"a", b"bc"]]
+    assert decoder.decode(b'd"}\n\n') == [SSEEvent(None, '{"t":"d"}')]
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        b'data: {"t":"a\nb"}\n\n',  # a line break in a middle: two lines, not one event
+        b'data: {"t":"a\rb"}\n\n',
+        b'data: {"t":"a"}\n\ndata: {"u":"b"}\n\n',  # one event of another shape
+        b'data: {"t":"a"}\n\nevent: x\ndata: {"t":"b"}\n\n',
+        b'data: {"t":"a"}\n\n\n\ndata: {"t":"b"}\n\n',
+        b'data: {"t":"a',  # no whole event
+    ],
+)
+def test_shaped_run_declines_anything_else_and_consumes_nothing(chunk: bytes) -> None:
+    decoder = SSEDecoder()
+    assert not decoder.decode_shaped(chunk, b'{"t":"', b'"}', lambda middles: True)
+    assert decoder.decode(chunk) + decoder.flush() == decode(chunk)
+
+
+def test_shaped_run_needs_the_decoder_between_events_and_an_accepted_run() -> None:
+    decoder = SSEDecoder()
+    decoder.decode(b"event: error\n")
+    chunk = b'data: {"t":"a"}\n\n'
+    assert not decoder.decode_shaped(chunk, b'{"t":"', b'"}', lambda middles: True)
+    assert decoder.decode(chunk) == [SSEEvent("error", '{"t":"a"}')]
+    refused = SSEDecoder()
+    assert not refused.decode_shaped(chunk + b"data: x", b'{"t":"', b'"}', lambda m: False)
+    assert refused.decode(chunk) == [SSEEvent(None, '{"t":"a"}')]  # nothing was kept
