@@ -267,8 +267,8 @@ async def send_error(
 
 
 class _Tee:
-    """The relay's side channel: every upstream chunk, as received, to the stream recorder (SSE)
-    or collected whole (a JSON body, up to ``MAX_RECORDED_BODY``). Never raises."""
+    """The relay's side channel: every upstream chunk, as received, to the stream recorder (SSE;
+    the relay calls its ``feed``) or collected whole (a JSON body, up to ``MAX_RECORDED_BODY``)."""
 
     __slots__ = ("collected", "recorder", "size")
 
@@ -278,14 +278,8 @@ class _Tee:
         self.size = 0
 
     def take(self, chunk: bytes) -> None:
-        recorder = self.recorder
-        if recorder is not None:
-            try:
-                recorder.feed(chunk)
-            except Exception:
-                log.exception("stream recorder failed; relaying continues unrecorded")
-                self.recorder = None
-        elif self.collected is not None:
+        """Collect one chunk of a JSON body; past the limit, the body is not kept."""
+        if self.collected is not None:
             self.size += len(chunk)
             if self.size <= MAX_RECORDED_BODY:
                 self.collected.append(chunk)
@@ -497,24 +491,26 @@ class Relay:
             direct = None
             if isinstance(response, UpstreamResponse) and chunks is response.stream:
                 direct = DirectBody.of(send)
-            step = _step(ex, stripper, tee)
             try:
                 if direct is not None:
                     self.direct_relays += 1
-                    write = direct.write
-
-                    def sink(chunk: bytes) -> bool:  # in the upstream connection's callback
-                        out = step(chunk)
-                        return write(out) if out else True
-
+                    sink = _sink(ex, stripper, tee, direct.write)  # in the upstream's callback
                     await response.pipe(sink, direct.drain)  # type: ignore[union-attr]
                 else:
+                    ready: list[bytes] = []
+
+                    def keep(out: bytes) -> bool:
+                        ready.append(out)
+                        return True
+
+                    sink = _sink(ex, stripper, tee, keep)
                     async for chunk in chunks:
-                        out = step(chunk)
-                        if out:
+                        sink(chunk)
+                        for out in ready:
                             await send(
                                 {"type": "http.response.body", "body": out, "more_body": True}
                             )
+                        ready.clear()
             except Exception as exc:  # after the headers went out: cut the client the same way
                 ex.upstream_error = "midstream"
                 ex.error = f"upstream broke off mid-response: {type(exc).__name__}"
@@ -552,18 +548,37 @@ class Relay:
                 ex.recorded = tee  # assembled by ex.settle(), with the observers
 
 
-def _step(
-    ex: Exchange, stripper: UsageEventStripper | None, tee: _Tee | None
-) -> Callable[[bytes], bytes]:
-    """The per-chunk work of a relay, whichever way the bytes then go to the client: the time
-    to the first byte, the usage event cachegate asked for taken out, the side channel fed.
-    Returns what the client gets (possibly nothing, for now)."""
+def _sink(
+    ex: Exchange,
+    stripper: UsageEventStripper | None,
+    tee: _Tee | None,
+    write: Callable[[bytes], bool],
+) -> Callable[[bytes], bool]:
+    """The per-chunk work of a relay, in one call: the time to the first byte, the side channel
+    fed, the usage event cachegate asked for taken out, then ``write`` what the client gets
+    (nothing, for now, while a usage event may be forming). Returns ``write``'s answer: False
+    when the client's buffer is full."""
+    record: Callable[[bytes], None] | None = None
+    if tee is not None:
+        record = tee.recorder.feed if tee.recorder is not None else tee.take
+    strip = stripper.feed if stripper is not None else None
 
-    def step(chunk: bytes) -> bytes:
+    def sink(chunk: bytes) -> bool:
+        nonlocal record
         if ex.ttfb_s is None:
             ex.ttfb_s = time.perf_counter() - ex.t0
-        if tee is not None:
-            tee.take(chunk)
-        return stripper.feed(chunk) if stripper is not None else chunk
+        if record is not None:
+            try:
+                record(chunk)
+            except Exception:
+                log.exception("response recorder failed; relaying continues unrecorded")
+                record = None
+                if tee is not None:
+                    tee.recorder = tee.collected = None  # nothing half recorded is assembled
+        if strip is not None:
+            chunk = strip(chunk)
+            if not chunk:
+                return True
+        return write(chunk)
 
-    return step
+    return sink

@@ -10,8 +10,10 @@ import httpx
 import orjson
 import pytest
 
+from proxy.assemble import StreamRecorder
 from proxy.relay import DisconnectWatch
 from proxy.upstream import UpstreamPool
+from tests.e2e_support import events
 
 CHAT = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -139,6 +141,26 @@ def test_usage_event_cachegate_asked_for_is_hidden_from_the_client(
     sent = orjson.loads(upstream.requests[-1]["body"])
     assert sent == {**body, "stream_options": {"include_usage": True}}
     assert "content-length" not in r.headers
+
+
+@pytest.mark.parametrize("fails_in", ["feed", "finish"])
+def test_a_failing_recorder_costs_the_log_its_message_not_the_client_its_stream(
+    scripted: Any, proxy_factory: Any, monkeypatch: pytest.MonkeyPatch, fails_in: str
+) -> None:
+    def broken(self: StreamRecorder, *args: Any) -> Any:
+        raise RuntimeError("recorder bug")
+
+    monkeypatch.setattr(StreamRecorder, fails_in, broken)
+    stream = STREAM + USAGE_EVENT + b"data: [DONE]\n\n"
+    _upstream, url = scripted(chunks=cut_every(stream, 40))
+    proxy = proxy_factory(url)
+    r, data = read_stream(proxy.base_url, {**CHAT, "stream": True})
+    assert r.status_code == 200
+    assert data == STREAM + b"data: [DONE]\n\n"  # the usage event is still taken out
+    proxy.settle()
+    [response] = events(proxy.log_dir, r.headers["x-cachegate-session"], "response")
+    assert response["status"] == 200
+    assert response["message"] is None and response["usage"] is None
 
 
 def test_usage_request_can_be_turned_off(scripted: Any, proxy_factory: Any) -> None:
