@@ -433,32 +433,35 @@ class StreamRecorder:
 
     Feeding a chunk only keeps it; chunks are decoded when ``result`` or ``finish`` is asked
     for, which the relay leaves to the observers, after the client has its response, or every
-    ``_KEEP_BYTES`` (a long stream is not kept whole). They are decoded ``_BATCH`` chunks at a
+    ``KEEP_BYTES`` (a long stream is not kept whole). They are decoded ``_BATCH`` chunks at a
     time: most batches are events that differ from a learned one only in their text, split off
     with no Python step per event; the rest take the decoder's short path or the general one.
     """
 
-    __slots__ = ("_chunks", "_size", "assembler", "decoder")
+    __slots__ = ("_size", "assembler", "chunks", "decoder")
 
     _BATCH = 8
-    _KEEP_BYTES = 64 * 1024
+    KEEP_BYTES = 64 * 1024
 
     def __init__(self) -> None:
         self.decoder = SSEDecoder()
         self.assembler = StreamAssembler()
-        self._chunks: list[bytes] = []
+        # The chunks kept since the last decoding. The relay appends to this list itself and
+        # calls ``decode`` every ``KEEP_BYTES``: what ``feed`` does, without a call per chunk.
+        self.chunks: list[bytes] = []
         self._size = 0
 
     def feed(self, chunk: bytes) -> None:
         """Take one chunk exactly as the upstream sent it."""
-        self._chunks.append(chunk)
+        self.chunks.append(chunk)
         self._size += len(chunk)
-        if self._size >= self._KEEP_BYTES:
-            self._decode()
+        if self._size >= self.KEEP_BYTES:
+            self.decode()
 
-    def _decode(self) -> None:
-        chunks = self._chunks
-        self._chunks = []
+    def decode(self) -> None:
+        """Decode the chunks kept so far (an event they leave unfinished waits for the rest)."""
+        chunks = self.chunks
+        self.chunks = []
         self._size = 0
         for at in range(0, len(chunks), self._BATCH):
             self._decode_batch(b"".join(chunks[at : at + self._BATCH]))
@@ -478,12 +481,12 @@ class StreamRecorder:
 
     def result(self) -> AssembledResponse:
         """The message so far, mid-stream (an event whose blank line has not arrived is left out)."""
-        self._decode()
+        self.decode()
         return self.assembler.result()
 
     def finish(self) -> AssembledResponse:
         """End of stream (complete or not): decode what is kept, flush, return the result."""
-        self._decode()
+        self.decode()
         for event in self.decoder.flush():
             self.assembler.feed(event)
         return self.assembler.result()

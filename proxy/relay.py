@@ -24,7 +24,7 @@ import orjson
 from proxy.assemble import AssembledResponse, StreamRecorder, assemble_completion
 from proxy.errors import ProxyError, too_large, upstream_timeout, upstream_unreachable
 from proxy.pipeline import Exchange
-from proxy.strip import UsageEventStripper
+from proxy.strip import EVENT_ENDS, UsageEventStripper
 from proxy.upstream import UpstreamPool, UpstreamResponse
 
 log = logging.getLogger(__name__)
@@ -557,26 +557,36 @@ def _sink(
     """The per-chunk work of a relay, in one call: the time to the first byte, the side channel
     fed, the usage event cachegate asked for taken out, then ``write`` what the client gets
     (nothing, for now, while a usage event may be forming). Returns ``write``'s answer: False
-    when the client's buffer is full."""
-    record: Callable[[bytes], None] | None = None
-    if tee is not None:
-        record = tee.recorder.feed if tee.recorder is not None else tee.take
-    strip = stripper.feed if stripper is not None else None
+    when the client's buffer is full. The common steps are done here rather than by calling
+    the recorder's ``feed`` and the stripper's ``feed``: a stream's chunk is kept with one list
+    append, and a chunk of whole events without usage passes the stripper untouched."""
+    recorder = tee.recorder if tee is not None else None
+    keep = recorder.chunks.append if recorder is not None else None
+    collect = tee.take if tee is not None and recorder is None else None
+    kept = 0
 
     def sink(chunk: bytes) -> bool:
-        nonlocal record
+        nonlocal keep, kept
         if ex.ttfb_s is None:
             ex.ttfb_s = time.perf_counter() - ex.t0
-        if record is not None:
-            try:
-                record(chunk)
-            except Exception:
-                log.exception("response recorder failed; relaying continues unrecorded")
-                record = None
-                if tee is not None:
-                    tee.recorder = tee.collected = None  # nothing half recorded is assembled
-        if strip is not None:
-            chunk = strip(chunk)
+        if keep is not None:
+            keep(chunk)  # recorder.feed(chunk), inlined
+            kept += len(chunk)
+            if kept >= StreamRecorder.KEEP_BYTES:
+                kept = 0
+                try:
+                    recorder.decode()  # type: ignore[union-attr]
+                    keep = recorder.chunks.append  # type: ignore[union-attr]
+                except Exception:
+                    log.exception("stream recorder failed; relaying continues unrecorded")
+                    keep = None
+                    tee.recorder = None  # type: ignore[union-attr]
+        elif collect is not None:
+            collect(chunk)
+        if stripper is not None and (
+            stripper.pending or not chunk.endswith(EVENT_ENDS) or chunk.find(b'"usage"') >= 0
+        ):
+            chunk = stripper.feed(chunk)
             if not chunk:
                 return True
         return write(chunk)

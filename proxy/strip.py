@@ -12,6 +12,7 @@ from __future__ import annotations
 import orjson
 
 _TERMINATORS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+EVENT_ENDS = (b"\n\n", b"\r\r")  # a chunk ending in one ends with a whole event
 
 
 def _boundary(buf: bytearray, start: int) -> int:
@@ -42,25 +43,28 @@ def is_usage_only(event: bytes) -> bool:
 class UsageEventStripper:
     """Incremental filter: ``feed(chunk)`` returns the bytes to forward now; ``flush()`` the rest."""
 
-    __slots__ = ("_event", "_passing", "_sent", "stripped")
+    __slots__ = ("_passing", "_sent", "pending", "stripped")
 
     def __init__(self) -> None:
-        self._event = bytearray()  # bytes of the current, incomplete event
+        # Bytes of the current, incomplete event: empty between events. A chunk of whole events
+        # (ending in a blank line) with no "usage" in it passes unchanged when nothing is
+        # pending; the relay checks that itself before calling ``feed``.
+        self.pending = bytearray()
         self._sent = 0  # how many of them were already forwarded
         self._passing = False  # the current event is known not to be usage-only
         self.stripped = 0
 
     def feed(self, chunk: bytes) -> bytes:
         if (
-            not self._event
-            and chunk.endswith((b"\n\n", b"\r\r"))
+            not self.pending
+            and chunk.endswith(EVENT_ENDS)
             and (
                 chunk.find(b'"usage"') < 0
                 or chunk.count(b'"usage"') == chunk.count(b'"usage":null')
             )
         ):
             return chunk  # whole events, no usage object in any: the common case, no copying
-        event = self._event
+        event = self.pending
         scan = max(0, len(event) - 3)
         event += chunk
         out = bytearray()
@@ -96,11 +100,11 @@ class UsageEventStripper:
 
     def flush(self) -> bytes:
         """The bytes of a final event that never ended (a truncated stream): forwarded as they were."""
-        rest = bytes(self._event[self._sent :])
+        rest = bytes(self.pending[self._sent :])
         if rest and not self._passing and is_usage_only(rest):
             self.stripped += 1
             rest = b""
-        self._event = bytearray()
+        self.pending = bytearray()
         self._sent = 0
         self._passing = False
         return rest

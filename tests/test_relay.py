@@ -143,14 +143,17 @@ def test_usage_event_cachegate_asked_for_is_hidden_from_the_client(
     assert "content-length" not in r.headers
 
 
-@pytest.mark.parametrize("fails_in", ["feed", "finish"])
+@pytest.mark.parametrize("fails_in", ["decode", "finish"])
 def test_a_failing_recorder_costs_the_log_its_message_not_the_client_its_stream(
     scripted: Any, proxy_factory: Any, monkeypatch: pytest.MonkeyPatch, fails_in: str
 ) -> None:
+    """Decoding mid-stream (every ``KEEP_BYTES``, here a few bytes) or at the end."""
+
     def broken(self: StreamRecorder, *args: Any) -> Any:
         raise RuntimeError("recorder bug")
 
     monkeypatch.setattr(StreamRecorder, fails_in, broken)
+    monkeypatch.setattr(StreamRecorder, "KEEP_BYTES", 50)
     stream = STREAM + USAGE_EVENT + b"data: [DONE]\n\n"
     _upstream, url = scripted(chunks=cut_every(stream, 40))
     proxy = proxy_factory(url)
