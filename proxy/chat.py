@@ -262,7 +262,8 @@ class ChatPipeline:
         accounting, logging and metrics in one turn of the event loop, during which no other
         stream moved. Finished exchanges are queued and their observers run in slices of at most
         ``OBSERVER_SLICE_S``, with the loop polling sockets between slices. They run in the order
-        the exchanges finished; ``in_flight`` counts them until they have run.
+        the exchanges finished; ``in_flight`` counts them until they have run. The response the
+        relay recorded is assembled here too, just before its observers see it.
         """
         self._finished.append(ex)
         self.in_flight += 1
@@ -277,7 +278,7 @@ class ChatPipeline:
         try:
             while finished:
                 ex = finished.popleft()
-                ex.settle()
+                ex.assemble()
                 notify(self.observers, "on_response", ex)
                 self._one_done()
                 if time.perf_counter() - started > OBSERVER_SLICE_S:

@@ -58,11 +58,11 @@ class Exchange:
     upstream_error: str | None = None  # connect, timeout, status, midstream
     cache: dict[str, Any] | None = None
     cost: dict[str, Any] | None = None
-    # The relay keeps the response's bytes and leaves decoding them to ``settle``, which runs
+    # The relay keeps the response's bytes and leaves decoding them to ``assemble``, which runs
     # with the observers, off the relay's path.
     recorded: Recorded | None = None
 
-    def settle(self) -> None:
+    def assemble(self) -> None:
         """Assemble the recorded response, once: ``assembled``, ``usage`` and an error it
         carries. Never raises (a recorder that fails leaves the response unassembled)."""
         recorded, self.recorded = self.recorded, None

@@ -545,7 +545,7 @@ class Relay:
                 await response.aclose()
             ex.duration_s = time.perf_counter() - ex.t0
             if tee is not None:
-                ex.recorded = tee  # assembled by ex.settle(), with the observers
+                ex.recorded = tee  # assembled by ex.assemble(), with the observers
 
 
 def _sink(
