@@ -26,7 +26,7 @@ _UNSAFE = re.compile(rb'["\\\x00-\x1f]')
 _CONTENT_KEY = b'"content":"'
 # OpenAI pads each chunk with a random string to hide token lengths; it is the chunk's last key.
 _PADDING_KEY = b',"obfuscation":"'
-_LEARN_TRIES = 4  # chunk shapes learned per stream before the recorder stops trying
+_LEARN_TRIES = 4  # chunk shapes learned per stream before the recorder stops learning
 
 
 @dataclass(slots=True)
@@ -252,7 +252,6 @@ class StreamAssembler:
         verbatim under the only ``"content"`` key and nothing around it is escaped (a key could
         hide behind an escape). ``_same_shape`` then takes chunks that differ only in the text
         and in a trailing ``obfuscation`` string, which nothing reads."""
-        self._learn_tries -= 1
         choice = chunk["choices"][0]  # the text lane checked this shape
         at = data.find(_CONTENT_KEY)
         if at < 0 or data.count(b'"content"') != 1:
@@ -276,6 +275,7 @@ class StreamAssembler:
                 padded = True
         finish = choice.get("finish_reason")
         self._shape = (head, tail, padded, finish if isinstance(finish, str) else None)
+        self._learn_tries -= 1
 
     def _chunk(self, chunk: dict[str, Any], event_name: str | None) -> bool:
         """Apply one parsed chunk; True when it took the text lane (one choice, text only)."""
@@ -431,40 +431,50 @@ def assemble_completion(body: Mapping[str, Any]) -> AssembledResponse:
 class StreamRecorder:
     """The relay's side channel: raw upstream byte chunks in, one ``AssembledResponse`` out.
 
-    Feeding a chunk only keeps it; chunks are decoded when ``result`` or ``finish`` is asked
-    for, which the relay leaves to the observers, after the client has its response, or every
-    ``KEEP_BYTES`` (a long stream is not kept whole). They are decoded ``_BATCH`` chunks at a
-    time: most batches are events that differ from a learned one only in their text, split off
-    with no Python step per event; the rest take the decoder's short path or the general one.
+    Feeding a chunk only keeps it. Chunks are decoded when ``result`` or ``finish`` is asked
+    for, which the relay leaves to the observers, after the client has its response, and every
+    ``KEEP_BYTES`` of a long stream (counting ``CHUNK_COST`` more per chunk, so that a stream of
+    tiny reads is not kept whole either). What is kept is decoded in batches of whole events of
+    about ``_BATCH_BYTES``: a batch of events that differ from a learned one only in their text
+    (``StreamAssembler.text_shape``) is split off with no Python step per event; other batches
+    take the decoder's short path or the general one.
     """
 
     __slots__ = ("_size", "assembler", "chunks", "decoder")
 
-    _BATCH = 8
-    KEEP_BYTES = 64 * 1024
+    _BATCH_BYTES = 2048
+    KEEP_BYTES = 16 * 1024
+    CHUNK_COST = 64  # what keeping one chunk costs beyond its bytes, roughly
 
     def __init__(self) -> None:
         self.decoder = SSEDecoder()
         self.assembler = StreamAssembler()
         # The chunks kept since the last decoding. The relay appends to this list itself and
-        # calls ``decode`` every ``KEEP_BYTES``: what ``feed`` does, without a call per chunk.
+        # calls ``decode`` as ``feed`` would: the same, without a call per chunk.
         self.chunks: list[bytes] = []
         self._size = 0
 
     def feed(self, chunk: bytes) -> None:
         """Take one chunk exactly as the upstream sent it."""
         self.chunks.append(chunk)
-        self._size += len(chunk)
+        self._size += len(chunk) + self.CHUNK_COST
         if self._size >= self.KEEP_BYTES:
             self.decode()
 
     def decode(self) -> None:
         """Decode the chunks kept so far (an event they leave unfinished waits for the rest)."""
-        chunks = self.chunks
+        data = b"".join(self.chunks)
         self.chunks = []
         self._size = 0
-        for at in range(0, len(chunks), self._BATCH):
-            self._decode_batch(b"".join(chunks[at : at + self._BATCH]))
+        start = 0
+        while start < len(data):
+            # Cut after a blank line, so that batches start between events; when an event was
+            # left unfinished, the first batch is only its end.
+            ahead = 0 if start == 0 and not self.decoder.idle else self._BATCH_BYTES
+            cut = data.find(b"\n\n", start + ahead)
+            end = len(data) if cut < 0 else cut + 2
+            self._decode_batch(data[start:end])
+            start = end
 
     def _decode_batch(self, data: bytes) -> None:
         shape = self.assembler.text_shape

@@ -58,8 +58,9 @@ class Exchange:
     upstream_error: str | None = None  # connect, timeout, status, midstream
     cache: dict[str, Any] | None = None
     cost: dict[str, Any] | None = None
-    # The relay keeps the response's bytes and leaves decoding them to ``assemble``, which runs
-    # with the observers, off the relay's path.
+    # The relay keeps the response's bytes (a long stream's are decoded every few KiB, after
+    # the write) and leaves the rest of the decoding to ``assemble``, which runs with the
+    # observers, after the client has its response.
     recorded: Recorded | None = None
 
     def assemble(self) -> None:

@@ -267,8 +267,9 @@ async def send_error(
 
 
 class _Tee:
-    """The relay's side channel: every upstream chunk, as received, to the stream recorder (SSE;
-    the relay calls its ``feed``) or collected whole (a JSON body, up to ``MAX_RECORDED_BODY``)."""
+    """The relay's side channel: every upstream chunk, as received, kept by the stream recorder
+    (SSE; the relay appends to its ``chunks``) or collected whole (a JSON body, up to
+    ``MAX_RECORDED_BODY``)."""
 
     __slots__ = ("collected", "recorder", "size")
 
@@ -559,7 +560,8 @@ def _sink(
     (nothing, for now, while a usage event may be forming). Returns ``write``'s answer: False
     when the client's buffer is full. The common steps are done here rather than by calling
     the recorder's ``feed`` and the stripper's ``feed``: a stream's chunk is kept with one list
-    append, and a chunk of whole events without usage passes the stripper untouched."""
+    append, and a chunk of whole events whose usage (if any) is null passes the stripper
+    untouched, as its own ``feed`` would pass it."""
     recorder = tee.recorder if tee is not None else None
     keep = recorder.chunks.append if recorder is not None else None
     collect = tee.take if tee is not None and recorder is None else None
@@ -570,25 +572,29 @@ def _sink(
         if ex.ttfb_s is None:
             ex.ttfb_s = time.perf_counter() - ex.t0
         if keep is not None:
-            keep(chunk)  # recorder.feed(chunk), inlined
-            kept += len(chunk)
-            if kept >= StreamRecorder.KEEP_BYTES:
-                kept = 0
-                try:
-                    recorder.decode()  # type: ignore[union-attr]
-                    keep = recorder.chunks.append  # type: ignore[union-attr]
-                except Exception:
-                    log.exception("stream recorder failed; relaying continues unrecorded")
-                    keep = None
-                    tee.recorder = None  # type: ignore[union-attr]
+            keep(chunk)  # recorder.feed(chunk), inlined; decoded below, after the write
+            kept += len(chunk) + StreamRecorder.CHUNK_COST
         elif collect is not None:
             collect(chunk)
         if stripper is not None and (
-            stripper.pending or not chunk.endswith(EVENT_ENDS) or chunk.find(b'"usage"') >= 0
+            stripper.pending
+            or not chunk.endswith(EVENT_ENDS)
+            or (
+                chunk.find(b'"usage"') >= 0
+                and chunk.count(b'"usage"') != chunk.count(b'"usage":null')
+            )
         ):
             chunk = stripper.feed(chunk)
-            if not chunk:
-                return True
-        return write(chunk)
+        room = write(chunk) if chunk else True
+        if kept >= StreamRecorder.KEEP_BYTES:  # a long stream is not kept whole
+            kept = 0
+            try:
+                recorder.decode()  # type: ignore[union-attr]
+                keep = recorder.chunks.append  # type: ignore[union-attr]
+            except Exception:
+                log.exception("stream recorder failed; relaying continues unrecorded")
+                keep = None
+                tee.recorder = None  # type: ignore[union-attr]
+        return room
 
     return sink

@@ -47,8 +47,9 @@ class UsageEventStripper:
 
     def __init__(self) -> None:
         # Bytes of the current, incomplete event: empty between events. A chunk of whole events
-        # (ending in a blank line) with no "usage" in it passes unchanged when nothing is
-        # pending; the relay checks that itself before calling ``feed``.
+        # (ending in a blank line) with no usage object in it ("usage":null is none) passes
+        # unchanged when nothing is pending; the relay checks that itself before calling
+        # ``feed``.
         self.pending = bytearray()
         self._sent = 0  # how many of them were already forwarded
         self._passing = False  # the current event is known not to be usage-only

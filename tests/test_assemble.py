@@ -681,12 +681,13 @@ def _openai_stream(padded: bool) -> list[bytes]:
     return [*events, DONE]
 
 
+@pytest.mark.parametrize("cut", [None, 37, 1000])
 @pytest.mark.parametrize("padded", [False, True])
 def test_a_typical_stream_is_parsed_a_few_events_only(
-    padded: bool, monkeypatch: pytest.MonkeyPatch
+    padded: bool, cut: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """OpenAI's streams, with and without obfuscation padding: after the first text chunks,
-    the text of the rest is taken without parsing them."""
+    """OpenAI's streams, with and without obfuscation padding, one event per read or cut
+    anywhere: after the first text chunks, the text of the rest is taken without parsing."""
     parsed = 0
     loads = orjson.loads
 
@@ -696,7 +697,27 @@ def test_a_typical_stream_is_parsed_a_few_events_only(
         return loads(data)
 
     monkeypatch.setattr("proxy.assemble.orjson.loads", counting)
-    result = record(_openai_stream(padded))
+    chunks = _openai_stream(padded)
+    if cut is not None:
+        raw = b"".join(chunks)
+        chunks = [raw[i : i + cut] for i in range(0, len(raw), cut)]
+    result = record(chunks)
     assert result.message["content"] == "Hi" + "".join(f" w{i}" for i in range(64))
     assert result.events == 66 and result.done and result.malformed == 0
-    assert parsed <= 3
+    # the role chunk, the first text chunk (its shape learned), the finish chunk, and each
+    # event that a decoding every KEEP_BYTES cut in two
+    kept = sum(len(c) + StreamRecorder.CHUNK_COST for c in chunks)
+    assert parsed <= 3 + kept // StreamRecorder.KEEP_BYTES
+
+
+def test_a_stream_of_tiny_reads_is_not_kept_whole() -> None:
+    """Kept chunks are decoded every ``KEEP_BYTES``, counting each chunk's own cost: a stream
+    read byte by byte holds a bounded number of them."""
+    raw = b"".join(_openai_stream(False))
+    recorder = StreamRecorder()
+    most = 0
+    for i in range(len(raw)):
+        recorder.feed(raw[i : i + 1])
+        most = max(most, len(recorder.chunks))
+    assert most <= StreamRecorder.KEEP_BYTES // StreamRecorder.CHUNK_COST
+    assert recorder.finish().message["content"] == "Hi" + "".join(f" w{i}" for i in range(64))

@@ -11,7 +11,8 @@ import orjson
 import pytest
 
 from proxy.assemble import StreamRecorder
-from proxy.relay import DisconnectWatch
+from proxy.pipeline import Exchange
+from proxy.relay import DisconnectWatch, _sink
 from proxy.upstream import UpstreamPool
 from tests.e2e_support import events
 
@@ -164,6 +165,22 @@ def test_a_failing_recorder_costs_the_log_its_message_not_the_client_its_stream(
     [response] = events(proxy.log_dir, r.headers["x-cachegate-session"], "response")
     assert response["status"] == 200
     assert response["message"] is None and response["usage"] is None
+
+
+def test_the_relay_writes_no_empty_chunk() -> None:
+    """An empty piece would end a chunked body early (``0\\r\\n\\r\\n``): it is not written."""
+    written: list[bytes] = []
+
+    def write(out: bytes) -> bool:
+        written.append(out)
+        return True
+
+    ex = Exchange("chat", "POST", "chat/completions", 0.0, time.perf_counter())
+    sink = _sink(ex, None, None, write)
+    assert sink(b"") is True
+    assert sink(b"data: x\n\n") is True
+    assert written == [b"data: x\n\n"]
+    assert ex.ttfb_s is not None
 
 
 def test_usage_request_can_be_turned_off(scripted: Any, proxy_factory: Any) -> None:
