@@ -464,7 +464,7 @@ class StreamRecorder:
     def decode(self) -> None:
         """Decode the chunks kept so far (an event they leave unfinished waits for the rest)."""
         data = b"".join(self.chunks)
-        self.chunks = []
+        self.chunks.clear()  # the same list: the relay holds its append
         self._size = 0
         start = 0
         while start < len(data):

@@ -590,7 +590,6 @@ def _sink(
             kept = 0
             try:
                 recorder.decode()  # type: ignore[union-attr]
-                keep = recorder.chunks.append  # type: ignore[union-attr]
             except Exception:
                 log.exception("stream recorder failed; relaying continues unrecorded")
                 keep = None

@@ -721,3 +721,18 @@ def test_a_stream_of_tiny_reads_is_not_kept_whole() -> None:
         most = max(most, len(recorder.chunks))
     assert most <= StreamRecorder.KEEP_BYTES // StreamRecorder.CHUNK_COST
     assert recorder.finish().message["content"] == "Hi" + "".join(f" w{i}" for i in range(64))
+
+
+def test_chunks_appended_to_the_recorders_list_survive_a_decoding() -> None:
+    """The relay appends to ``recorder.chunks`` through a bound ``append``: decoding (every
+    ``KEEP_BYTES``, or a ``result`` mid-stream) must keep that list, not replace it."""
+    raw = _openai_stream(False)
+    recorder = StreamRecorder()
+    keep = recorder.chunks.append
+    for i, piece in enumerate(raw):
+        keep(piece)
+        if i == 10:
+            assert recorder.result().message["content"] == "Hi" + "".join(
+                f" w{i}" for i in range(10)
+            )
+    assert recorder.finish().message["content"] == "Hi" + "".join(f" w{i}" for i in range(64))
