@@ -159,7 +159,8 @@ class StreamAssembler:
     def feed_data(self, payloads: list[bytes]) -> None:
         """Take the raw data payloads of plain events (no ``event:``, ``id:`` or ``retry:``), as
         ``SSEDecoder.decode_data`` gives them: the same result as ``feed`` on each, without the
-        per-event decoding. Anything but a JSON object or ``[DONE]`` goes through ``feed``."""
+        per-event decoding, and without parsing a chunk of the learned text-only shape
+        (``_same_shape``). Anything but a JSON object or ``[DONE]`` goes through ``feed``."""
         loads = orjson.loads
         for data in payloads:
             if self._shape is not None and self._same_shape(data):
