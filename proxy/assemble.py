@@ -159,62 +159,74 @@ class StreamAssembler:
     def feed_data(self, payloads: list[bytes]) -> None:
         """Take the raw data payloads of plain events (no ``event:``, ``id:`` or ``retry:``), as
         ``SSEDecoder.decode_data`` gives them: the same result as ``feed`` on each, without the
-        per-event decoding, and without parsing a chunk of the learned text-only shape
-        (``_same_shape``). Anything but a JSON object or ``[DONE]`` goes through ``feed``."""
-        loads = orjson.loads
+        per-event decoding. Consecutive chunks of the learned text-only shape are not parsed:
+        their texts go to ``feed_texts`` together. Anything but a JSON object or ``[DONE]`` goes
+        through ``feed``."""
+        run: list[bytes] = []  # payloads of the learned shape not taken yet, and their texts
+        texts: list[bytes] = []
         for data in payloads:
-            if self._shape is not None and self._same_shape(data):
-                continue
-            try:
-                chunk = loads(data)
-            except orjson.JSONDecodeError:
-                if data == b"[DONE]":
-                    self._events += 1
-                    self._done = True
-                else:
-                    self.feed(SSEEvent(None, data.decode("utf-8", "replace")))
-                continue
-            if type(chunk) is dict:
+            if self._shape is not None:
+                text = self._shaped_text(data)
+                if text is not None:
+                    run.append(data)
+                    texts.append(text)
+                    continue
+            if run:
+                self._take_run(run, texts)
+                run, texts = [], []
+            self._parse(data)
+        if run:
+            self._take_run(run, texts)
+
+    def _take_run(self, run: list[bytes], texts: list[bytes]) -> None:
+        """Texts of consecutive chunks of the learned shape; should one of them not stand
+        verbatim in a JSON string, each chunk is taken on its own (parsed, if it must be)."""
+        if self.feed_texts(texts):
+            return
+        for data, text in zip(run, texts, strict=True):
+            if not self.feed_texts([text]):
+                self._parse(data)
+
+    def _parse(self, data: bytes) -> None:
+        """One payload through the JSON parser (and ``feed`` for what is not a JSON object)."""
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            if data == b"[DONE]":
                 self._events += 1
-                if self._chunk(chunk, None) and self._learn_tries:
-                    self._learn(data, chunk)
+                self._done = True
             else:
                 self.feed(SSEEvent(None, data.decode("utf-8", "replace")))
+            return
+        if type(chunk) is dict:
+            self._events += 1
+            if self._chunk(chunk, None) and self._learn_tries:
+                self._learn(data, chunk)
+        else:
+            self.feed(SSEEvent(None, data.decode("utf-8", "replace")))
 
-    def _same_shape(self, data: bytes) -> bool:
-        """Take ``data`` without parsing it when it is the learned text-only chunk with other
-        text (and other padding): same bytes before the text and after it, a text with nothing
-        to unescape. Then parsing it would give that chunk with this text, so the outcome is the
-        text lane's. False, with nothing taken, for anything else."""
-        head, tail, padded, finish = self._shape  # type: ignore[misc]
+    def _shaped_text(self, data: bytes) -> bytes | None:
+        """The raw text of ``data`` when it is the learned text-only chunk with other text (and
+        other padding): the same bytes before the text and after it, and a text with no quote
+        (so it ends where the learned one did). Parsing it would then give that chunk with this
+        text, if the text needs no unescaping (``feed_texts`` checks). None for anything else."""
+        head, tail, padded, _ = self._shape  # type: ignore[misc]
         if not data.startswith(head):
-            return False
+            return None
         start = len(head)
         end = data.find(b'"', start)  # the text's closing quote: the text has no escapes
         if end < 0 or not data.startswith(tail, end):
-            return False
+            return None
         rest = end + len(tail)
         if padded:
             stop = len(data) - 2
             # Any padding but a quote, backslash or control character is a string nothing
             # reads (not UTF-8, the general path replaces it: still a string).
             if stop < rest or not data.endswith(b'"}') or _UNSAFE.search(data, rest, stop):
-                return False
+                return None
         elif rest != len(data):
-            return False
-        if _UNSAFE.search(data, start, end) is not None:
-            return False
-        try:
-            text = data[start:end].decode()
-        except UnicodeDecodeError:
-            return False  # the general path decides (it replaces what is not UTF-8)
-        self._events += 1
-        self._has_content = True
-        if text:
-            self._content.append(text)
-        if finish is not None:
-            self._finish_reason = finish
-        return True
+            return None
+        return data[start:end]
 
     @property
     def text_shape(self) -> tuple[bytes, bytes] | None:
@@ -224,9 +236,10 @@ class StreamAssembler:
         return None if shape is None or shape[2] else (shape[0], shape[1])
 
     def feed_texts(self, texts: list[bytes]) -> bool:
-        """Take a run of chunks of ``text_shape`` by their raw texts (what stands between its two
-        parts), as ``feed_data`` would take the whole payloads; all or nothing: False, with
-        nothing taken, if any text would not stand verbatim in a JSON string."""
+        """Take a run of chunks of the learned shape by their raw texts (what stands between its
+        two parts), as ``feed_data`` would take the whole payloads; all or nothing: False, with
+        nothing taken, if any text would not stand verbatim in a JSON string (the general path
+        then decides; it replaces what is not UTF-8)."""
         finish = self._shape[3]  # type: ignore[index]
         joined = b"".join(texts)
         if _UNSAFE.search(joined) is not None:
@@ -251,7 +264,7 @@ class StreamAssembler:
     def _learn(self, data: bytes, chunk: dict[str, Any]) -> None:
         """Remember the shape of a chunk the text lane took, when its text stands in ``data``
         verbatim under the only ``"content"`` key and nothing around it is escaped (a key could
-        hide behind an escape). ``_same_shape`` then takes chunks that differ only in the text
+        hide behind an escape). ``_shaped_text`` then finds chunks that differ only in the text
         and in a trailing ``obfuscation`` string, which nothing reads."""
         choice = chunk["choices"][0]  # the text lane checked this shape
         at = data.find(_CONTENT_KEY)
