@@ -71,6 +71,7 @@ _STOP: Final = object()
 # How long the writer sleeps when it has nothing to write; events reach the disk within this.
 POLL_S: Final = 0.05
 _BATCH_SESSIONS: Final = 64  # sessions gathered into one batch of writes
+_VALID_IDS_KEPT: Final = 4096  # session ids remembered as checked by emit()
 
 
 class EventLogWriter:
@@ -117,6 +118,7 @@ class EventLogWriter:
         # append, and the writer is woken only when it sleeps (no lock and notify per event).
         self._items: deque[Any] = deque()
         self._max_queue = max_queue
+        self._valid_ids: set[str] = set()  # ids emit() has checked (a set lookup, not a regex)
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -177,9 +179,13 @@ class EventLogWriter:
         if self._closed:
             self._drop("closed")
             return False
-        if not valid_session_id(session_id):
-            self._drop("invalid_session")
-            return False
+        if session_id not in self._valid_ids:
+            if not valid_session_id(session_id):
+                self._drop("invalid_session")
+                return False
+            if len(self._valid_ids) >= _VALID_IDS_KEPT:
+                self._valid_ids.clear()
+            self._valid_ids.add(session_id)
         if len(self._items) >= self._max_queue:
             self._drop("queue_full")
             return False
@@ -347,8 +353,12 @@ class EventLogWriter:
     def _serialize(self, ts: float, event: Any) -> bytes:
         if not isinstance(event, dict):
             raise TypeError(f"an event must be a dict, not {type(event).__name__}")
-        out: dict[str, Any] = {"ts": event.get("ts", ts), "type": event.get("type")}
-        out.update(event)
+        keys = iter(event)
+        if next(keys, None) == "ts" and next(keys, None) == "type" and event["ts"] is not None:
+            out = event  # already in line order (cachegate's own events): no copy
+        else:
+            out = {"ts": event.get("ts", ts), "type": event.get("type")}
+            out.update(event)
         if self.bodies == "metadata":
             out = strip_bodies(out)
         default = _redacted_str if self.redact_secrets else str

@@ -20,6 +20,8 @@ from proxy.pipeline import Exchange
 from proxy.sessions import SessionStore
 from proxy.usage import Usage
 
+_MAX_MODEL_TERMS = 256
+
 
 def _location_label(divergence: prefix.Divergence) -> str:
     return "messages" if divergence.location == "messages" else divergence.location
@@ -32,6 +34,24 @@ class AccountingObserver:
         self.settings = settings
         self.sessions = sessions
         self.metrics = metrics
+        # Per model name: (configured entry's name, cache TTL, pricing); looked up once.
+        self._terms: dict[str | None, tuple[str, float, ModelPricing]] = {}
+
+    def _model_terms(self, model_name: str | None) -> tuple[str, float, ModelPricing]:
+        terms = self._terms.get(model_name)
+        if terms is None:
+            name, model = self.settings.model(model_name)
+            ttl = model.cache_ttl_s or cache.default_cache_ttl(model_name or "")
+            pricing = ModelPricing(
+                model.price_input,
+                model.price_cached_input,
+                model.price_cache_write,
+                model.price_output,
+            )
+            if len(self._terms) >= _MAX_MODEL_TERMS:  # model names come from clients: bounded
+                self._terms.clear()
+            terms = self._terms[model_name] = (name, ttl, pricing)
+        return terms
 
     def on_request(self, ex: Exchange) -> None:
         """Nothing to do before the response: accounting runs once the client has its answer."""
@@ -57,7 +77,7 @@ class AccountingObserver:
         if usage is None or ex.status >= 400:
             return
         extra["last_usage"] = (usage.prompt, usage.completion)
-        name, model = self.settings.model(ex.model)
+        name, ttl_s, pricing = self._model_terms(ex.model)
         after_compaction = bool(extra.pop("compacted_pending", False))
         new_state, result = cache.account(
             extra.get("cache") or CacheState(),
@@ -65,7 +85,7 @@ class AccountingObserver:
             fingerprint=fp,
             divergence=divergence,
             started_at=ex.started_at,
-            ttl_s=model.cache_ttl_s or cache.default_cache_ttl(ex.model or ""),
+            ttl_s=ttl_s,
             noise_floor=self.settings.cache.noise_floor_tokens,
             model=ex.model or name,
             after_compaction=after_compaction,
@@ -81,9 +101,6 @@ class AccountingObserver:
         }
         if result.waste and result.cause:
             self.metrics.observe_cache_waste(ex.model, result.cause, result.waste)
-        pricing = ModelPricing(
-            model.price_input, model.price_cached_input, model.price_cache_write, model.price_output
-        )
         cost = cache.compute_cost(usage, pricing)
         ex.cost = {"actual": cost.actual, "uncached": cost.uncached}
         self.metrics.observe_cost(ex.model, cost.actual, cost.uncached)
@@ -122,7 +139,9 @@ class EventLogObserver:
         self.clock = clock
 
     def _emit(self, session_id: str, event: dict[str, Any]) -> None:
-        self.writer.emit(session_id, {"ts": self.clock(), **event})
+        """Queue ``event``, which starts with ``ts`` and ``type`` (the writer then takes the dict as
+        it is, where it would copy one with another key order)."""
+        self.writer.emit(session_id, event)
 
     def _meta(self, ex: Exchange) -> None:
         state = self.sessions.get(ex.session_id or "")
@@ -135,6 +154,7 @@ class EventLogObserver:
         self._emit(
             state.id,
             {
+                "ts": self.clock(),
                 "type": "session_meta",
                 "session": state.id,
                 "created": _iso(state.created),
@@ -159,6 +179,7 @@ class EventLogObserver:
         self._emit(
             ex.session_id,
             {
+                "ts": self.clock(),
                 "type": "request",
                 "exchange": ex.exchange_id,
                 "model": ex.model,
@@ -184,6 +205,7 @@ class EventLogObserver:
         assembled = ex.assembled
         usage = ex.usage
         event: dict[str, Any] = {
+            "ts": self.clock(),
             "type": "response",
             "exchange": ex.exchange_id,
             "status": ex.status,
@@ -209,6 +231,7 @@ class EventLogObserver:
         self._emit(
             ex.session_id,
             {
+                "ts": self.clock(),
                 "type": "compacted",
                 "exchange": ex.exchange_id,
                 "start": comp.start,
@@ -227,7 +250,13 @@ class EventLogObserver:
         self._meta(ex)
         self._emit(
             ex.session_id,
-            {"type": "error", "exchange": ex.exchange_id, "status": ex.status, "message": ex.error},
+            {
+                "ts": self.clock(),
+                "type": "error",
+                "exchange": ex.exchange_id,
+                "status": ex.status,
+                "message": ex.error,
+            },
         )
 
 

@@ -73,9 +73,10 @@ _FIRST_MESSAGE: Final = 3
 Location = Literal["params", "tools", "system", "messages"]
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class Fingerprint:
-    """The hash chain of one forwarded request.
+    """The hash chain of one forwarded request (a value: never mutated once built; not frozen
+    because a frozen dataclass costs ~1 µs more to build, once per request).
 
     ``chain`` is the list of ``(location, chain_digest)``: ``params``, ``tools``, ``system``, then
     ``messages[i]`` for each message after the system block (``i`` indexes ``body["messages"]``).
@@ -90,6 +91,7 @@ class Fingerprint:
     system_count: int
     messages: tuple[Any, ...]
     tools: Any
+    params: dict[str, Any] | None = None  # the cache parameters hashed (``cache_params``)
 
     @property
     def digests(self) -> tuple[bytes, ...]:
@@ -145,8 +147,9 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
     """Hash ``body`` into a chain; with ``previous``, reuse its digests of unchanged elements.
 
     A message at the same index that is the same object as, or equal to, the previous request's is
-    not hashed again, so a growing conversation costs in proportion to what was appended. (Equality
-    is Python's: ``true``/``1``/``1.0`` inside a reused element would read as equal.)
+    not hashed again, nor are equal parameters, tools or system block, so a growing conversation
+    costs in proportion to what was appended. (Equality is Python's: ``true``/``1``/``1.0`` inside
+    a reused element would read as equal.)
     """
     raw_messages = body.get("messages")
     messages: tuple[Any, ...] = (
@@ -172,17 +175,26 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
         system_count += 1
 
     tools = body.get("tools")
-    if previous is not None and (previous.tools is tools or previous.tools == tools):
-        tools_digest = previous.element_digests[_TOOLS]
-    else:
+    params = cache_params(body)
+    system = message_digests[:system_count]
+    if previous is None:
+        params_digest = _digest(params)
         tools_digest = _digest(tools)
-
-    elements = [
-        _digest(cache_params(body)),
-        tools_digest,
-        hashlib.blake2b(b"".join(message_digests[:system_count]), digest_size=DIGEST_SIZE).digest(),
-        *message_digests[system_count:],
-    ]
+        system_digest = _system_digest(system)
+    else:  # elements equal to the previous request's keep their digests
+        before = previous.element_digests
+        params_digest = before[_PARAMS] if previous.params == params else _digest(params)
+        if previous.tools is tools or previous.tools == tools:
+            tools_digest = before[_TOOLS]
+        else:
+            tools_digest = _digest(tools)
+        if previous.system_count == system_count and (
+            previous.message_digests[:system_count] == tuple(system)
+        ):
+            system_digest = before[_SYSTEM]
+        else:
+            system_digest = _system_digest(system)
+    elements = [params_digest, tools_digest, system_digest, *message_digests[system_count:]]
     locations = _locations(system_count, len(messages))
 
     chain: list[tuple[str, bytes]] = []
@@ -205,7 +217,12 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
         system_count=system_count,
         messages=messages,
         tools=tools,
+        params=params,
     )
+
+
+def _system_digest(message_digests: list[bytes]) -> bytes:
+    return hashlib.blake2b(b"".join(message_digests), digest_size=DIGEST_SIZE).digest()
 
 
 _LOCATION_NAMES: list[str] = []
@@ -223,10 +240,9 @@ def _locations(system_count: int, count: int) -> list[str]:
 def leading_run(test: Callable[[Any, Any], Any], old: Sequence[Any], new: Sequence[Any]) -> int:
     """How many leading pairs of ``old`` and ``new`` pass ``test`` (compared at C speed)."""
     flags = list(map(test, old, new))
-    try:
-        return flags.index(False)
-    except ValueError:
-        return len(flags)
+    # all() first: the common answer is "every pair", and a ValueError from index() costs more
+    # than the comparisons.
+    return len(flags) if all(flags) else list(map(bool, flags)).index(False)
 
 
 def cache_params(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -279,18 +295,12 @@ def find_divergence(
     messages) is no divergence, and neither is one that stops early (a retry or rewind): no element
     the provider processed was rewritten.
     """
-    position = next(
-        (
-            i
-            for i, ((_, old_link), (_, new_link)) in enumerate(
-                zip(old.chain, new.chain, strict=False)
-            )
-            if old_link != new_link
-        ),
-        None,
-    )
-    if position is None:
+    # (location, link) pairs: equal links at a position mean equal locations too (a different
+    # system block changes the link before the first message's).
+    shared = min(len(old.chain), len(new.chain))
+    if old.chain[:shared] == new.chain[:shared]:
         return None
+    position = leading_run(operator.eq, old.chain, new.chain)
     if position == _PARAMS:
         return _params_divergence(old_body, new_body)
     if position == _TOOLS:
@@ -342,6 +352,8 @@ def _digest(value: Any) -> bytes:
 
 
 def _role(message: Any) -> Any:
+    if type(message) is dict:  # what a parsed body holds; skips the ABC check
+        return message.get("role")
     return message.get("role") if isinstance(message, Mapping) else None
 
 

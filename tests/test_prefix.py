@@ -412,6 +412,7 @@ def test_incremental_fingerprint_equals_fresh_and_divergence_is_first_change(
     fp_new = fingerprint(new, previous=fp_old)
     fresh = fingerprint(new)
     assert fp_new.chain == fresh.chain
+    assert fp_new.element_digests == fresh.element_digests
     assert fp_new.message_digests == fresh.message_digests
 
     divergence = find_divergence(fp_old, fp_new, old, new)
