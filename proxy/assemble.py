@@ -418,13 +418,14 @@ def assemble_completion(body: Mapping[str, Any]) -> AssembledResponse:
         raw = choice.get("message")
         if isinstance(raw, dict):
             message["content"] = _text(raw.get("content"))
-            tools = _ToolCalls()
             calls = raw.get("tool_calls")
-            for position, call in enumerate(calls if isinstance(calls, list) else []):
-                if isinstance(call, dict):
-                    tools.add({**call, "index": position})
-            if tools.calls:
-                message["tool_calls"] = tools.ordered()
+            if calls and isinstance(calls, list):
+                tools = _ToolCalls()
+                for position, call in enumerate(calls):
+                    if isinstance(call, dict):
+                        tools.add({**call, "index": position})
+                if tools.calls:
+                    message["tool_calls"] = tools.ordered()
             reasoning = raw.get("reasoning_content")
             if isinstance(reasoning, str) and reasoning:
                 message["reasoning_content"] = reasoning

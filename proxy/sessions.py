@@ -81,6 +81,17 @@ def opening_key(messages: Sequence[Any]) -> str | None:
     return None
 
 
+def _same_opening(old: Sequence[Any], new: Sequence[Any]) -> bool:
+    """Whether ``new`` starts with the very objects of ``old`` up to its first non-system message
+    (so both have the same ``opening_key``, without hashing it again)."""
+    for i, message in enumerate(new):
+        if i >= len(old) or old[i] is not message:
+            return False
+        if not isinstance(message, dict) or message.get("role") not in ("system", "developer"):
+            return isinstance(message, dict)
+    return False
+
+
 def shared_prefix(old: Sequence[Any], new: Sequence[Any]) -> int:
     """How many leading messages two lists share."""
     n = min(len(old), len(new))
@@ -176,7 +187,9 @@ class MemorySessionStore:
         return best
 
     def index(self, state: SessionState, messages: list[Any]) -> None:
-        state.last_client_messages = messages
+        previous, state.last_client_messages = state.last_client_messages, messages
+        if state.opening is not None and _same_opening(previous, messages):
+            return  # the opening message is the very object already indexed: same key
         key = opening_key(messages)
         if key is not None and key != state.opening:
             if state.opening is not None:

@@ -44,6 +44,8 @@ _TOKEN_FIELDS = (
 def _count(raw: Mapping[str, Any], key: str) -> int | None:
     """A token count, or None when the field is absent, null or not a non-negative integer."""
     value = raw.get(key)
+    if type(value) is int:  # the common case, first
+        return value if value >= 0 else None
     if isinstance(value, bool):
         return None
     if isinstance(value, float) and value.is_integer():
@@ -70,7 +72,7 @@ def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
     ``cache_write`` is ``cache_creation_input_tokens``. ``reported_cache`` is true iff any cache
     field was present, even as 0.
     """
-    if not isinstance(raw, Mapping):
+    if type(raw) is not dict and not isinstance(raw, Mapping):
         return None
     prompt_tokens, completion_tokens = raw.get("prompt_tokens"), raw.get("completion_tokens")
     if (
@@ -81,16 +83,14 @@ def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
         and raw.keys().isdisjoint(_CACHE_FIELDS)
     ):
         # OpenAI's dialect, by far the most common: the same answer as below, sooner.
-        cached = [
-            n
-            for n in (
-                _count(d, "cached_tokens")
-                for d in map(raw.get, _DETAIL_FIELDS)
-                if isinstance(d, Mapping)
-            )
-            if n is not None
-        ]
-        return Usage(prompt_tokens, completion_tokens, max(cached, default=0), 0, bool(cached))
+        cached: int | None = None
+        for key in _DETAIL_FIELDS:
+            details = raw.get(key)
+            if details is not None and isinstance(details, Mapping):
+                n = _count(details, "cached_tokens")
+                if n is not None and (cached is None or n > cached):
+                    cached = n
+        return Usage(prompt_tokens, completion_tokens, cached or 0, 0, cached is not None)
     return _normalize(raw)
 
 
