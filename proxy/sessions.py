@@ -71,10 +71,21 @@ def new_session_id(now: float) -> str:
     return f"{stamp}-{uuid.uuid4().hex[:8]}"
 
 
-def opening_key(messages: Sequence[Any]) -> str | None:
-    """Digest of the first non-system message: what a conversation starts with and keeps."""
+OpeningKey = tuple[str, str] | str
+
+
+def opening_key(messages: Sequence[Any]) -> OpeningKey | None:
+    """The first non-system message, as a key: what a conversation starts with and keeps.
+
+    A plain ``{"role", "content"}`` message with text content is keyed by those two strings (a
+    dict lookup then hashes the text once, where a digest would serialize and hash it first);
+    any other message by a digest of its canonical JSON. Equal keys mean equal messages.
+    """
     for message in messages:
         if isinstance(message, dict) and message.get("role") not in ("system", "developer"):
+            role, content = message.get("role"), message.get("content")
+            if len(message) == 2 and type(role) is str and type(content) is str:
+                return (role, content)
             return hashlib.blake2b(
                 orjson.dumps(message, option=orjson.OPT_SORT_KEYS), digest_size=16
             ).hexdigest()
@@ -111,7 +122,7 @@ class SessionState:
     last_seen: float
     exchanges: int = 0
     meta_written: bool = False
-    opening: str | None = None
+    opening: OpeningKey | None = None
     last_client_messages: list[Any] = field(default_factory=list)
     # (exchange id, forwarded messages) of recent exchanges, the bases of delta-coded log lines.
     recent: list[tuple[int, list[Any]]] = field(default_factory=list)
@@ -150,7 +161,7 @@ class MemorySessionStore:
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
         self._sessions: OrderedDict[str, SessionState] = OrderedDict()
-        self._by_opening: dict[str, list[str]] = {}
+        self._by_opening: dict[OpeningKey, list[str]] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -197,7 +208,7 @@ class MemorySessionStore:
             state.opening = key
             self._by_opening.setdefault(key, []).append(state.id)
 
-    def _unindex(self, sid: str, key: str) -> None:
+    def _unindex(self, sid: str, key: OpeningKey) -> None:
         ids = self._by_opening.get(key)
         if ids and sid in ids:
             ids.remove(sid)
