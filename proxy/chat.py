@@ -173,7 +173,9 @@ class ChatPipeline:
         self.in_flight = 0  # exchanges whose observers have not all run yet
         self.idle = asyncio.Event()  # set whenever in_flight is 0
         self.idle.set()
-        self._finished: collections.deque[Exchange] = collections.deque()
+        # Exchanges whose observers are due: (exchange, True) for on_request, False for
+        # on_response, in the order they became due.
+        self._due: collections.deque[tuple[Exchange, bool]] = collections.deque()
         self._draining = False
 
     def resolve_session(
@@ -255,17 +257,33 @@ class ChatPipeline:
         if not self.in_flight:
             self.idle.set()
 
+    def _before_forward(self, ex: Exchange) -> None:
+        """Run the request's observers (its log line, the streams gauge) soon, not before the
+        request is forwarded: the upstream gets the request first. They run ahead of the same
+        exchange's response observers (see ``_after_response``); ``request_noted`` records it."""
+        self._queue(ex, True)
+
+    def _request_observers(self, ex: Exchange) -> None:
+        """The request's observers now, if they have not run yet (before a retry is logged)."""
+        if not ex.request_noted:
+            ex.request_noted = True
+            notify(self.observers, "on_request", ex)
+
     def _after_response(self, ex: Exchange) -> None:
         """Run the observers of a finished exchange soon, off the relay's path.
 
         Streams started together end together: a thousand of them ending at once left ~200 ms of
         accounting, logging and metrics in one turn of the event loop, during which no other
-        stream moved. Finished exchanges are queued and their observers run in slices of at most
+        stream moved. Due observers are queued and run in slices of at most
         ``OBSERVER_SLICE_S``, with the loop polling sockets between slices. They run in the order
-        the exchanges finished; ``in_flight`` counts them until they have run. The response the
-        relay recorded is assembled here too, just before its observers see it.
+        they became due (an exchange's request observers before its response's); ``in_flight``
+        counts them until they have run. The response the relay recorded is assembled here too,
+        just before its observers see it.
         """
-        self._finished.append(ex)
+        self._queue(ex, False)
+
+    def _queue(self, ex: Exchange, request: bool) -> None:
+        self._due.append((ex, request))
         self.in_flight += 1
         self.idle.clear()
         if not self._draining:
@@ -273,18 +291,21 @@ class ChatPipeline:
             asyncio.get_running_loop().call_soon(self._drain)
 
     def _drain(self) -> None:
-        finished = self._finished
+        due = self._due
         started = time.perf_counter()
         try:
-            while finished:
-                ex = finished.popleft()
-                ex.assemble()
-                notify(self.observers, "on_response", ex)
+            while due:
+                ex, request = due.popleft()
+                if request:
+                    self._request_observers(ex)
+                else:
+                    ex.assemble()
+                    notify(self.observers, "on_response", ex)
                 self._one_done()
                 if time.perf_counter() - started > OBSERVER_SLICE_S:
                     break
         finally:
-            if finished:
+            if due:
                 asyncio.get_running_loop().call_soon(self._drain)
             else:
                 self._draining = False
@@ -373,7 +394,7 @@ class ChatPipeline:
             return
         messages = forwarded.get("messages")
         state.remember(ex.exchange_id, messages if isinstance(messages, list) else [])
-        notify(self.observers, "on_request", ex)
+        self._before_forward(ex)
         extra = [
             (b"x-cachegate-session", state.id.encode()),
             (b"x-cachegate-repairs", str(len(ex.repairs)).encode()),
@@ -398,6 +419,7 @@ class ChatPipeline:
             except RetryRequest as retry:
                 # The provider refused a history too long for its window: compact now, retry once.
                 assert compactor is not None
+                self._request_observers(ex)  # the refused attempt's line first, as it was sent
                 log.info("session %s: context length exceeded; compacting and retrying", state.id)
                 ex.status = 0
                 watch = DisconnectWatch(receive)  # a client leaving now cancels the summary call

@@ -173,7 +173,10 @@ class EventLogObserver:
         messages = ex.body.get("messages")
         messages = messages if isinstance(messages, list) else []
         candidates = [
-            (eid, msgs) for eid, msgs in (state.recent if state else []) if eid != ex.exchange_id
+            # earlier exchanges only: a later one's line may not be written yet
+            (eid, msgs)
+            for eid, msgs in (state.recent if state else [])
+            if eid < ex.exchange_id
         ]
         base_exchange, base = choose_base(candidates, messages) if candidates else (None, 0)
         self._emit(

@@ -46,6 +46,7 @@ class Exchange:
     upstream_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     strip_usage: bool = False
     compacted: bool = False
+    request_noted: bool = False  # the request's observers have run
     # filled in as the response arrives
     status: int = 0
     ttfb_s: float | None = None

@@ -566,6 +566,7 @@ def _sink(
     keep = recorder.chunks.append if recorder is not None else None
     collect = tee.take if tee is not None and recorder is None else None
     kept = 0
+    chunk_cost, keep_bytes = StreamRecorder.CHUNK_COST, StreamRecorder.KEEP_BYTES  # as cells
 
     def sink(chunk: bytes) -> bool:
         nonlocal keep, kept
@@ -573,7 +574,7 @@ def _sink(
             ex.ttfb_s = time.perf_counter() - ex.t0
         if keep is not None:
             keep(chunk)  # recorder.feed(chunk), inlined; decoded below, after the write
-            kept += len(chunk) + StreamRecorder.CHUNK_COST
+            kept += len(chunk) + chunk_cost
         elif collect is not None:
             collect(chunk)
         if stripper is not None and (
@@ -586,7 +587,7 @@ def _sink(
         ):
             chunk = stripper.feed(chunk)
         room = write(chunk) if chunk else True
-        if kept >= StreamRecorder.KEEP_BYTES:  # a long stream is not kept whole
+        if kept >= keep_bytes:  # a long stream is not kept whole
             kept = 0
             try:
                 recorder.decode()  # type: ignore[union-attr]

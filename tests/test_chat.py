@@ -287,3 +287,59 @@ def test_observers_of_finished_exchanges_run_in_order_in_short_slices() -> None:
         assert between and 1 <= between[0] <= 20
 
     asyncio.run(run())
+
+
+def test_request_observers_run_after_the_forward_and_before_the_response_observers() -> None:
+    """An exchange's request observers (its log line) are queued when it is forwarded, not run
+    before it: they run on the next turn of the loop, ahead of that exchange's response
+    observers, once each, and a retry runs them at once if they have not run yet."""
+    import asyncio
+
+    import httpx
+
+    from proxy.chat import ChatPipeline
+    from proxy.config import settings_from_mapping
+    from proxy.pipeline import Exchange
+    from proxy.relay import Relay
+    from proxy.sessions import MemorySessionStore
+
+    seen: list[tuple[str, int]] = []
+
+    class Recording:
+        def on_request(self, ex: Exchange) -> None:
+            seen.append(("request", ex.exchange_id))
+
+        def on_response(self, ex: Exchange) -> None:
+            seen.append(("response", ex.exchange_id))
+
+    async def run() -> None:
+        settings = settings_from_mapping({"upstream": {"base_url": "http://127.0.0.1:9/v1"}})
+        relay = Relay(httpx.AsyncHTTPTransport(), "http://127.0.0.1:9/v1", httpx.Timeout(5.0))
+        chat = ChatPipeline(
+            settings, relay, MemorySessionStore(), [Recording()], api_key=lambda: None
+        )
+        a, b, c = (
+            Exchange("chat", "POST", "chat/completions", 0.0, 0.0, exchange_id=i) for i in (1, 2, 3)
+        )
+        chat._before_forward(a)
+        chat._before_forward(b)
+        assert seen == []  # nothing ran before the forward
+        chat._after_response(b)  # b ends first
+        chat._before_forward(c)
+        chat._request_observers(c)  # a retry of c: its request line goes first, now
+        assert seen == [("request", 3)]
+        chat._after_response(a)
+        chat._after_response(c)
+        assert chat.in_flight == 6  # three request and three response entries queued
+        await asyncio.wait_for(chat.idle.wait(), 5)
+        assert seen == [
+            ("request", 3),
+            ("request", 1),
+            ("request", 2),
+            ("response", 2),
+            ("response", 1),
+            ("response", 3),
+        ]
+        assert chat.in_flight == 0
+
+    asyncio.run(run())
