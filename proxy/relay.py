@@ -581,7 +581,7 @@ def _sink(
             stripper.pending
             or not chunk.endswith(EVENT_ENDS)
             or (
-                chunk.find(b'"usage"') >= 0
+                chunk.partition(b'"usage"')[1]  # fewer instructions than find() in CPython 3.11
                 and chunk.count(b'"usage"') != chunk.count(b'"usage":null')
             )
         ):

@@ -132,10 +132,15 @@ class UpstreamResponse:
         """Piped: what one socket read brought, to the sink in one call (several events that
         arrived together leave in one write). Called from the connection's callback."""
         sink = self._sink
-        if sink is None or not self._chunks:
+        chunks = self._chunks
+        if sink is None or not chunks:
             return
+        # _take(), inlined: this runs once per relayed chunk
+        chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
         try:
-            room = sink(self._take())
+            room = sink(chunk)
         except Exception as exc:  # the consumer failed: the pipe ends with its error
             self._sink = None
             self._error = exc  # even when the body had just ended: the consumer did not get it
@@ -346,8 +351,12 @@ class _Connection(asyncio.Protocol):
             head.set_result(response)
 
     def on_body(self, body: bytes) -> None:
-        if self._response is not None and not self._complete:
-            self._response._feed(body)
+        response = self._response
+        if response is not None and not self._complete:
+            if response._sink is not None:  # piped: handed over after the read is parsed
+                response._chunks.append(body)
+            else:
+                response._feed(body)
 
     def on_message_complete(self) -> None:
         parser = self._parser
