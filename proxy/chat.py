@@ -258,16 +258,26 @@ class ChatPipeline:
             self.idle.set()
 
     def _before_forward(self, ex: Exchange) -> None:
-        """Run the request's observers (its log line, the streams gauge) soon, not before the
-        request is forwarded: the upstream gets the request first. They run ahead of the same
-        exchange's response observers (see ``_after_response``); ``request_noted`` records it."""
+        """Run the request's observers (its log line, the streams gauge) soon, off the path
+        between the client's request and the upstream's: on the loop's next turn, ahead of the
+        same exchange's response observers (see ``_after_response``); ``request_noted`` records
+        that they ran."""
         self._queue(ex, True)
 
     def _request_observers(self, ex: Exchange) -> None:
-        """The request's observers now, if they have not run yet (before a retry is logged)."""
-        if not ex.request_noted:
-            ex.request_noted = True
-            notify(self.observers, "on_request", ex)
+        """The request's observers now, if they have not run yet (before a retry is logged).
+
+        The forwarded messages join the session's recent exchanges here, in the same step as the
+        request's log line: a later line is only ever delta-coded against an exchange whose own
+        line was emitted before it, whatever order the requests were forwarded in."""
+        if ex.request_noted:
+            return
+        ex.request_noted = True
+        state = self.sessions.get(ex.session_id) if ex.session_id is not None else None
+        if state is not None and ex.body is not None:
+            messages = ex.body.get("messages")
+            state.remember(ex.exchange_id, messages if isinstance(messages, list) else [])
+        notify(self.observers, "on_request", ex)
 
     def _after_response(self, ex: Exchange) -> None:
         """Run the observers of a finished exchange soon, off the relay's path.
@@ -392,8 +402,6 @@ class ChatPipeline:
             notify(self.observers, "on_error", ex)
             await send_error(send, err, extra)
             return
-        messages = forwarded.get("messages")
-        state.remember(ex.exchange_id, messages if isinstance(messages, list) else [])
         self._before_forward(ex)
         extra = [
             (b"x-cachegate-session", state.id.encode()),

@@ -173,10 +173,11 @@ class EventLogObserver:
         messages = ex.body.get("messages")
         messages = messages if isinstance(messages, list) else []
         candidates = [
-            # earlier exchanges only: a later one's line may not be written yet
+            # exchanges whose request lines were emitted before this one's (the pipeline
+            # remembers an exchange in the same step as its line)
             (eid, msgs)
             for eid, msgs in (state.recent if state else [])
-            if eid < ex.exchange_id
+            if eid != ex.exchange_id
         ]
         base_exchange, base = choose_base(candidates, messages) if candidates else (None, 0)
         self._emit(

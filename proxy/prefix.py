@@ -147,9 +147,9 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
     """Hash ``body`` into a chain; with ``previous``, reuse its digests of unchanged elements.
 
     A message at the same index that is the same object as, or equal to, the previous request's is
-    not hashed again, nor are equal parameters, tools or system block, so a growing conversation
-    costs in proportion to what was appended. (Equality is Python's: ``true``/``1``/``1.0`` inside
-    a reused element would read as equal.)
+    not hashed again, nor are equal tools, an equal system block or equal string-valued
+    parameters, so a growing conversation costs in proportion to what was appended. (Equality is
+    Python's: ``true``/``1``/``1.0`` inside a reused message or tools array would read as equal.)
     """
     raw_messages = body.get("messages")
     messages: tuple[Any, ...] = (
@@ -183,7 +183,12 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
         system_digest = _system_digest(system)
     else:  # elements equal to the previous request's keep their digests
         before = previous.element_digests
-        params_digest = before[_PARAMS] if previous.params == params else _digest(params)
+        # Only parameters that are all strings are compared (the usual model and effort): Python
+        # equality would take true for 1 or 1024 for 1024.0, which hash differently.
+        if previous.params == params and all(type(v) is str for v in params.values()):
+            params_digest = before[_PARAMS]
+        else:
+            params_digest = _digest(params)
         if previous.tools is tools or previous.tools == tools:
             tools_digest = before[_TOOLS]
         else:

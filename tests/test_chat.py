@@ -343,3 +343,62 @@ def test_request_observers_run_after_the_forward_and_before_the_response_observe
         assert chat.in_flight == 0
 
     asyncio.run(run())
+
+
+def test_request_lines_forwarded_out_of_order_are_coded_only_against_lines_already_written() -> (
+    None
+):
+    """Exchange 2 of a session is forwarded before exchange 1 (which waited, e.g. in a
+    compaction): each request line may only name a base whose own line came before it, so the
+    log replays both histories exactly."""
+    import asyncio
+
+    import httpx
+
+    from proxy.chat import ChatPipeline
+    from proxy.config import settings_from_mapping
+    from proxy.eventlog import replay
+    from proxy.observers import EventLogObserver
+    from proxy.pipeline import Exchange
+    from proxy.relay import Relay
+    from proxy.sessions import MemorySessionStore
+
+    class Lines:
+        def __init__(self) -> None:
+            self.events: list[dict[str, Any]] = []
+
+        def emit(self, session_id: str, event: dict[str, Any]) -> bool:
+            self.events.append(event)
+            return True
+
+    async def run() -> None:
+        settings = settings_from_mapping({"upstream": {"base_url": "http://127.0.0.1:9/v1"}})
+        relay = Relay(httpx.AsyncHTTPTransport(), "http://127.0.0.1:9/v1", httpx.Timeout(5.0))
+        store = MemorySessionStore()
+        store.create("s1", 0.0).meta_written = True
+        lines = Lines()
+        log = EventLogObserver(settings, store, lines)  # type: ignore[arg-type]
+        chat = ChatPipeline(settings, relay, store, [log], api_key=lambda: None)
+        first = [{"role": "user", "content": "a"}]
+        second = [*first, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+        exchanges = []
+        for i, messages in (
+            (2, second),
+            (1, first),
+            (3, [*second, {"role": "user", "content": "d"}]),
+        ):
+            ex = Exchange("chat", "POST", "chat/completions", 0.0, 0.0, exchange_id=i)
+            ex.session_id, ex.body = "s1", {"messages": messages}
+            exchanges.append(ex)
+            chat._before_forward(ex)
+        await asyncio.wait_for(chat.idle.wait(), 5)
+        written = [e["exchange"] for e in lines.events]
+        assert written == [2, 1, 3]
+        for event in lines.events:
+            base = event["base_exchange"]
+            assert base is None or written.index(base) < written.index(event["exchange"])
+        assert lines.events[2]["base_exchange"] == 2 and lines.events[2]["base"] == 3
+        rebuilt = dict(replay(lines.events))
+        assert rebuilt == {ex.exchange_id: ex.body["messages"] for ex in exchanges}
+
+    asyncio.run(run())

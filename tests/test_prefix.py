@@ -431,3 +431,23 @@ def test_incremental_fingerprint_equals_fresh_and_divergence_is_first_change(
         assert divergence.location in ("system", "messages")
         if divergence.location == "messages":
             assert divergence.index == shared
+
+
+def test_a_parameter_changed_only_in_its_json_type_is_a_params_divergence() -> None:
+    """``true`` -> ``1`` or ``1024`` -> ``1024.0`` renders differently to the provider: the
+    fingerprint reusing the previous request's work must not read them as equal."""
+    for key, old_value, new_value in (
+        ("parallel_tool_calls", True, 1),
+        (
+            "thinking",
+            {"type": "enabled", "budget_tokens": 1024},
+            {"type": "enabled", "budget_tokens": 1024.0},
+        ),
+    ):
+        old = {"model": "m", key: old_value, "messages": [{"role": "user", "content": "hi"}]}
+        new = {**old, key: new_value}
+        fp_old = fingerprint(old)
+        fp_new = fingerprint(new, previous=fp_old)
+        assert fp_new.chain == fingerprint(new).chain
+        divergence = find_divergence(fp_old, fp_new, old, new)
+        assert divergence is not None and divergence.location == "params"
