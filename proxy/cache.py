@@ -326,5 +326,8 @@ def _remember(
             out[digest] = max(started_at, prefixes.get(digest, started_at))
     if len(out) > max_prefixes:
         # Insertion order is time order; for an over-long chain this keeps its longest prefixes.
-        out = dict(islice(out.items(), len(out) - max_prefixes, None))
+        # The oldest are deleted in place: a full map of a long session (thousands of digests,
+        # a few new per exchange) is not rebuilt every exchange.
+        for digest in list(islice(out, len(out) - max_prefixes)):
+            del out[digest]
     return out

@@ -321,6 +321,24 @@ def test_prefix_memory_is_bounded_and_keeps_the_longest_prefixes() -> None:
     )
     assert list(state.prefixes) == list(fp.digests[-10:])
     assert set(state.prefixes.values()) == {5.0}
+    # the next turn, at capacity: the oldest go, the state before is left as it was
+    before = dict(state.prefixes)
+    body["messages"] += tool_round(20)
+    fp2 = fingerprint(body, fp)
+    state2, _ = account(
+        state,
+        usage=reported(1_100, 1_000),
+        fingerprint=fp2,
+        divergence=None,
+        started_at=6.0,
+        ttl_s=TTL,
+        noise_floor=FLOOR,
+        model=MODEL,
+        max_prefixes=10,
+    )
+    assert list(state2.prefixes) == list(fp2.digests[-10:])
+    assert set(state2.prefixes.values()) == {6.0}
+    assert state.prefixes == before
 
 
 def test_cost_openai() -> None:
