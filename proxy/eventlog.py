@@ -354,7 +354,7 @@ class EventLogWriter:
         if not isinstance(event, dict):
             raise TypeError(f"an event must be a dict, not {type(event).__name__}")
         keys = iter(event)
-        if next(keys, None) == "ts" and next(keys, None) == "type" and event["ts"] is not None:
+        if next(keys, None) == "ts" and next(keys, None) == "type":
             out = event  # already in line order (cachegate's own events): no copy
         else:
             out = {"ts": event.get("ts", ts), "type": event.get("type")}

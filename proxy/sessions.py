@@ -72,6 +72,7 @@ def new_session_id(now: float) -> str:
 
 
 OpeningKey = tuple[str, str] | str
+_SYSTEM_ROLES = ("system", "developer")  # messages before the opening one
 
 
 def opening_key(messages: Sequence[Any]) -> OpeningKey | None:
@@ -82,7 +83,7 @@ def opening_key(messages: Sequence[Any]) -> OpeningKey | None:
     any other message by a digest of its canonical JSON. Equal keys mean equal messages.
     """
     for message in messages:
-        if isinstance(message, dict) and message.get("role") not in ("system", "developer"):
+        if isinstance(message, dict) and message.get("role") not in _SYSTEM_ROLES:
             role, content = message.get("role"), message.get("content")
             if len(message) == 2 and type(role) is str and type(content) is str:
                 return (role, content)
@@ -98,7 +99,7 @@ def _same_opening(old: Sequence[Any], new: Sequence[Any]) -> bool:
     for i, message in enumerate(new):
         if i >= len(old) or old[i] is not message:
             return False
-        if not isinstance(message, dict) or message.get("role") not in ("system", "developer"):
+        if not isinstance(message, dict) or message.get("role") not in _SYSTEM_ROLES:
             return isinstance(message, dict)
     return False
 

@@ -307,35 +307,30 @@ def test_prefix_memory_is_bounded_and_keeps_the_longest_prefixes() -> None:
     body = opening()
     for n in range(20):
         body["messages"] += tool_round(n)
+
+    def turn(state: CacheState, fp: Fingerprint, usage: Usage, started_at: float) -> CacheState:
+        new_state, _ = account(
+            state,
+            usage=usage,
+            fingerprint=fp,
+            divergence=None,
+            started_at=started_at,
+            ttl_s=TTL,
+            noise_floor=FLOOR,
+            model=MODEL,
+            max_prefixes=10,
+        )
+        return new_state
+
     fp = fingerprint(body)
-    state, _ = account(
-        CacheState(),
-        usage=reported(1_000, 0),
-        fingerprint=fp,
-        divergence=None,
-        started_at=5.0,
-        ttl_s=TTL,
-        noise_floor=FLOOR,
-        model=MODEL,
-        max_prefixes=10,
-    )
+    state = turn(CacheState(), fp, reported(1_000, 0), 5.0)
     assert list(state.prefixes) == list(fp.digests[-10:])
     assert set(state.prefixes.values()) == {5.0}
     # the next turn, at capacity: the oldest go, the state before is left as it was
     before = dict(state.prefixes)
     body["messages"] += tool_round(20)
     fp2 = fingerprint(body, fp)
-    state2, _ = account(
-        state,
-        usage=reported(1_100, 1_000),
-        fingerprint=fp2,
-        divergence=None,
-        started_at=6.0,
-        ttl_s=TTL,
-        noise_floor=FLOOR,
-        model=MODEL,
-        max_prefixes=10,
-    )
+    state2 = turn(state, fp2, reported(1_100, 1_000), 6.0)
     assert list(state2.prefixes) == list(fp2.digests[-10:])
     assert set(state2.prefixes.values()) == {6.0}
     assert state.prefixes == before
