@@ -186,10 +186,12 @@ class ChatPipeline:
         except ValueError as exc:
             raise bad_request(str(exc), "invalid_session_id") from None
         messages = body.get("messages") or []
+        shared = -1  # not known yet
         if sid is not None:
             state = self.sessions.get(sid) or self.sessions.create(sid, now)
         else:
-            state = self.sessions.infer(messages) or self.sessions.create(new_session_id(now), now)
+            found, shared = self.sessions.infer_shared(messages)
+            state = found or self.sessions.create(new_session_id(now), now)
         state.last_seen = now
         if isinstance(messages, list):
             # Agents resend their whole history. Share the previous request's message objects for
@@ -198,8 +200,10 @@ class ChatPipeline:
             # equality: a message whose only change is 1 -> 1.0 or key order counts as unchanged;
             # that matters only when the body is re-serialized after a repair or compaction.)
             previous = state.last_client_messages
-            shared = shared_prefix(previous, messages)
-            messages[:shared] = previous[:shared]
+            if shared < 0:
+                shared = shared_prefix(previous, messages)
+            if shared:
+                messages[:shared] = previous[:shared]
         self.sessions.index(state, messages)
         return state
 

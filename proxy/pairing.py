@@ -136,9 +136,11 @@ def needs_repair(messages: list[dict[str, Any]]) -> bool:
     return needs_repair_from(messages)[0]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Checkpoint:
-    """Where ``needs_repair`` stood after ``messages`` (which had no defect before their end)."""
+    """Where ``needs_repair`` stood after ``messages`` (which had no defect before their end).
+    A value, never mutated (not frozen: a frozen dataclass sets each field through
+    ``object.__setattr__``, and one is made per request)."""
 
     messages: tuple[Any, ...]
     pending: tuple[tuple[str, int], ...]

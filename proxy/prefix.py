@@ -52,6 +52,7 @@ CACHE_PARAMS: Final = (
     "parallel_tool_calls",
     "prompt_cache_key",
 )
+_PARAM_SET: Final = frozenset(CACHE_PARAMS)
 SYSTEM_ROLES: Final = frozenset({"system", "developer"})
 DIGEST_SIZE: Final = 16
 EXCERPT_CHARS: Final = 80
@@ -155,36 +156,52 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
     messages: tuple[Any, ...] = (
         tuple(raw_messages) if isinstance(raw_messages, list | tuple) else ()
     )
-    old_messages = previous.messages if previous is not None else ()
-    # The leading run of the very same objects is found at C speed; past it, equal messages still
-    # reuse their digest.
-    same = leading_run(operator.is_, old_messages, messages)
-    message_digests: list[bytes] = list(previous.message_digests[:same]) if previous else []
-    for i in range(same, len(messages)):
-        message = messages[i]
-        if i < len(old_messages):
-            old = old_messages[i]
-            if old is message or old == message:
-                assert previous is not None
-                message_digests.append(previous.message_digests[i])
-                continue
-        message_digests.append(_digest(canonical_message(message)))
-
-    system_count = 0
-    while system_count < len(messages) and _role(messages[system_count]) in SYSTEM_ROLES:
-        system_count += 1
-
+    count = len(messages)
     tools = body.get("tools")
     params = cache_params(body)
-    system = message_digests[:system_count]
+    chain: list[tuple[str, bytes]]
     if previous is None:
+        message_digests = tuple([_digest(canonical_message(message)) for message in messages])
+        system_count = _system_count(messages)
         params_digest = _digest(params)
         tools_digest = _digest(tools)
-        system_digest = _system_digest(system)
-    else:  # elements equal to the previous request's keep their digests
+        system_digest = _system_digest(message_digests[:system_count])
+        chain = []
+    else:
+        old_messages = previous.messages
+        old_digests = previous.message_digests
         before = previous.element_digests
-        # Only parameters that are all strings are compared (the usual model and effort): Python
-        # equality would take true for 1 or 1024 for 1024.0, which hash differently.
+        # The leading run of the very same objects is found at C speed; past it, equal messages
+        # still reuse their digest.
+        same = leading_run(operator.is_, old_messages, messages)
+        if same == count == len(old_messages):
+            message_digests = old_digests
+        else:
+            digests = list(old_digests[:same])
+            for i in range(same, count):
+                message = messages[i]
+                if i < len(old_messages):
+                    old = old_messages[i]
+                    if old is message or old == message:
+                        digests.append(old_digests[i])
+                        continue
+                digests.append(_digest(canonical_message(message)))
+            message_digests = tuple(digests)
+        if same > previous.system_count:
+            # The system block and the message after it are the very same objects: same block.
+            system_count = previous.system_count
+            system_digest = before[_SYSTEM]
+        else:
+            system_count = _system_count(messages)
+            if previous.system_count == system_count and (
+                old_digests[:system_count] == message_digests[:system_count]
+            ):
+                system_digest = before[_SYSTEM]
+            else:
+                system_digest = _system_digest(message_digests[:system_count])
+        # Elements equal to the previous request's keep their digests. Only parameters that are
+        # all strings are compared (the usual model and effort): Python equality would take true
+        # for 1 or 1024 for 1024.0, which hash differently.
         if previous.params == params and all(type(v) is str for v in params.values()):
             params_digest = before[_PARAMS]
         else:
@@ -193,53 +210,63 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
             tools_digest = before[_TOOLS]
         else:
             tools_digest = _digest(tools)
-        if previous.system_count == system_count and (
-            previous.message_digests[:system_count] == tuple(system)
-        ):
-            system_digest = before[_SYSTEM]
-        else:
-            system_digest = _system_digest(system)
-    elements = [params_digest, tools_digest, system_digest, *message_digests[system_count:]]
-    locations = _locations(system_count, len(messages))
+    elements = (params_digest, tools_digest, system_digest, *message_digests[system_count:])
 
-    chain: list[tuple[str, bytes]] = []
     if previous is not None:
         # Chain digests depend only on element digests (and locations, fixed by the number of
         # system messages), so an unchanged run is copied as is.
         kept = leading_run(operator.eq, previous.element_digests, elements)
         if previous.system_count != system_count:
             kept = min(kept, _FIRST_MESSAGE)
+        if kept == len(elements) == len(previous.chain):
+            return Fingerprint(
+                previous.chain,
+                previous.element_digests,
+                message_digests,
+                system_count,
+                messages,
+                tools,
+                params,
+            )
         chain = list(previous.chain[:kept])
+    if len(_LOCATION_NAMES) < count:
+        _grow_locations(count)
     link = chain[-1][1] if chain else b""
     for position in range(len(chain), len(elements)):
         link = hashlib.blake2b(link + elements[position], digest_size=DIGEST_SIZE).digest()
-        chain.append((locations[position], link))
+        location = (
+            _ELEMENT_NAMES[position]
+            if position < _FIRST_MESSAGE
+            else _LOCATION_NAMES[system_count + position - _FIRST_MESSAGE]
+        )
+        chain.append((location, link))
 
     return Fingerprint(
-        chain=tuple(chain),
-        element_digests=tuple(elements),
-        message_digests=tuple(message_digests),
-        system_count=system_count,
-        messages=messages,
-        tools=tools,
-        params=params,
+        tuple(chain), elements, message_digests, system_count, messages, tools, params
     )
 
 
-def _system_digest(message_digests: list[bytes]) -> bytes:
+def _system_count(messages: tuple[Any, ...]) -> int:
+    """How many leading messages are system (or developer) messages."""
+    count = 0
+    while count < len(messages) and _role(messages[count]) in SYSTEM_ROLES:
+        count += 1
+    return count
+
+
+def _system_digest(message_digests: Sequence[bytes]) -> bytes:
     return hashlib.blake2b(b"".join(message_digests), digest_size=DIGEST_SIZE).digest()
 
 
-_LOCATION_NAMES: list[str] = []
+_ELEMENT_NAMES: Final = ("params", "tools", "system")
+_LOCATION_NAMES: list[str] = []  # "messages[0]", "messages[1]", …, grown on demand
 
 
-def _locations(system_count: int, count: int) -> list[str]:
-    """``params``, ``tools``, ``system``, then ``messages[i]`` for each later message."""
+def _grow_locations(count: int) -> None:
     while len(_LOCATION_NAMES) < count:
         _LOCATION_NAMES.extend(
             f"messages[{i}]" for i in range(len(_LOCATION_NAMES), len(_LOCATION_NAMES) + 1024)
         )
-    return ["params", "tools", "system", *_LOCATION_NAMES[system_count:count]]
 
 
 def leading_run(test: Callable[[Any, Any], Any], old: Sequence[Any], new: Sequence[Any]) -> int:
@@ -252,7 +279,8 @@ def leading_run(test: Callable[[Any, Any], Any], old: Sequence[Any], new: Sequen
 
 def cache_params(body: Mapping[str, Any]) -> dict[str, Any]:
     """The cache-relevant parameters present (and not null) in ``body``."""
-    return {key: body[key] for key in CACHE_PARAMS if body.get(key) is not None}
+    # One pass over the body's few keys (the digest sorts them; order does not matter).
+    return {key: value for key, value in body.items() if key in _PARAM_SET and value is not None}
 
 
 def canonical_message(message: Any) -> Any:

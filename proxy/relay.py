@@ -232,10 +232,21 @@ def upstream_request_headers(
     scope_headers: list[tuple[bytes, bytes]], api_key: str | None
 ) -> list[tuple[bytes, bytes]]:
     """Client headers minus hop-by-hop ones; identity encoding; the configured key if none given."""
-    drop = _DROP_REQUEST | _connection_listed(scope_headers)
-    headers = [(k, v) for k, v in scope_headers if k not in drop]
+    headers = []
+    connection = authorized = False
+    for header in scope_headers:  # one pass: the usual request has no Connection header
+        name = header[0]
+        if name in _DROP_REQUEST:
+            connection = connection or name == b"connection"
+            continue
+        authorized = authorized or name == b"authorization"
+        headers.append(header)
+    if connection:  # and the names it lists (RFC 9110 7.6.1)
+        listed = _connection_listed(scope_headers)
+        headers = [header for header in headers if header[0] not in listed]
+        authorized = any(header[0] == b"authorization" for header in headers)
     headers.append((b"accept-encoding", b"identity"))
-    if api_key and not any(k == b"authorization" for k, _ in headers):
+    if api_key and not authorized:
         headers.append((b"authorization", b"Bearer " + api_key.encode("latin-1")))
     return headers
 

@@ -50,6 +50,8 @@ def explicit_session_id(headers: Mapping[str, str], path_id: str | None) -> str 
     candidate = path_id
     source = "path"
     if candidate is None:
+        if headers.keys().isdisjoint(SESSION_HEADERS):  # the usual answer, in one call
+            return None
         for name in SESSION_HEADERS:
             value = headers.get(name)
             if value is not None:
@@ -150,6 +152,8 @@ class SessionStore(Protocol):
 
     def infer(self, messages: Sequence[Any]) -> SessionState | None: ...
 
+    def infer_shared(self, messages: Sequence[Any]) -> tuple[SessionState | None, int]: ...
+
     def index(self, state: SessionState, messages: list[Any]) -> None: ...
 
     def active_ids(self) -> Iterable[str]: ...
@@ -180,9 +184,15 @@ class MemorySessionStore:
         return state
 
     def infer(self, messages: Sequence[Any]) -> SessionState | None:
+        """The session ``messages`` continue (the longest shared prefix, then the latest seen)."""
+        return self.infer_shared(messages)[0]
+
+    def infer_shared(self, messages: Sequence[Any]) -> tuple[SessionState | None, int]:
+        """``infer``, with how many leading messages the session's last request shares (0 when
+        no session was found)."""
         key = opening_key(messages)
         if key is None:
-            return None
+            return None, 0
         best: SessionState | None = None
         best_len = -1
         for sid in self._by_opening.get(key, ()):
@@ -194,9 +204,10 @@ class MemorySessionStore:
                 n == best_len and best is not None and state.last_seen > best.last_seen
             ):
                 best, best_len = state, n
-        if best is not None:
-            self._sessions.move_to_end(best.id)
-        return best
+        if best is None:
+            return None, 0
+        self._sessions.move_to_end(best.id)
+        return best, best_len
 
     def index(self, state: SessionState, messages: list[Any]) -> None:
         previous, state.last_client_messages = state.last_client_messages, messages

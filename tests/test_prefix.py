@@ -414,6 +414,7 @@ def test_incremental_fingerprint_equals_fresh_and_divergence_is_first_change(
     assert fp_new.chain == fresh.chain
     assert fp_new.element_digests == fresh.element_digests
     assert fp_new.message_digests == fresh.message_digests
+    assert fp_new.system_count == fresh.system_count
 
     divergence = find_divergence(fp_old, fp_new, old, new)
     shared = shared_prefix_len(fp_old, fp_new)
