@@ -15,16 +15,6 @@ _TERMINATORS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 EVENT_ENDS = (b"\n\n", b"\r\r")  # a chunk ending in one ends with a whole event
 
 
-def _boundary(buf: bytearray, start: int) -> int:
-    """Index just past the first blank line at or after ``start``, or -1."""
-    best = -1
-    for term in _TERMINATORS:
-        i = buf.find(term, start)
-        if i >= 0 and (best < 0 or i + len(term) < best):
-            best = i + len(term)
-    return best
-
-
 def is_usage_only(event: bytes) -> bool:
     """True for an event whose data is a chunk with no choices and a usage object."""
     if event.find(b'"usage"') < 0:
@@ -69,20 +59,37 @@ class UsageEventStripper:
         scan = max(0, len(event) - 3)
         event += chunk
         out = bytearray()
+        # Where each terminator next occurs at or after ``scan`` (-1: nowhere). One is searched
+        # again only once ``scan`` has passed it, and the events are cut off once, at the end:
+        # a chunk of a thousand events costs a pass or two over it, not one per event.
+        found = [event.find(term, scan) for term in _TERMINATORS]
+        start = 0  # where the current event begins
+        copy_from = self._sent  # what was forwarded of the first event is not sent again
         while True:
-            end = _boundary(event, scan)
+            end = -1
+            for k, term in enumerate(_TERMINATORS):
+                at = found[k]
+                if 0 <= at < scan:
+                    at = found[k] = event.find(term, scan)
+                if at >= 0 and (end < 0 or at + len(term) < end):
+                    end = at + len(term)
             if end < 0:
                 break
-            if self._passing:
-                out += event[self._sent : end]
-            elif is_usage_only(bytes(event[:end])):
+            if (
+                not self._passing
+                # an event whose every usage is null is not the one (as the relay's own test)
+                and event.count(b'"usage"', start, end) != event.count(b'"usage":null', start, end)
+                and is_usage_only(bytes(event[start:end]))
+            ):
                 self.stripped += 1
-            else:
-                out += event[:end]
-            del event[:end]
+                out += event[copy_from:start]  # the events before it pass as they are
+                copy_from = end
+            start = scan = end
             self._sent = 0
             self._passing = False
-            scan = 0
+        if start > copy_from:
+            out += event[copy_from:start]
+        del event[:start]
         if event and not self._passing and self._decided(event):
             self._passing = True
         if self._passing and len(event) > self._sent:

@@ -72,7 +72,7 @@ def test_truncated_stream_keeps_its_partial_tail() -> None:
 @given(
     texts=st.lists(st.text(max_size=12), min_size=1, max_size=6),
     usage_at_end=st.booleans(),
-    sep=st.sampled_from([b"\n\n", b"\r\n\r\n"]),
+    sep=st.sampled_from([b"\n\n", b"\r\n\r\n", b"\r\r"]),
     cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=12),
 )
 def test_any_chunking_gives_upstream_bytes_minus_usage(
@@ -96,3 +96,15 @@ def test_usage_only_event_with_any_spacing_is_stripped_whole_or_split() -> None:
     assert run(stream, []) == CHUNK % b"a" + DONE
     stripper = UsageEventStripper()
     assert stripper.feed(spaced) == b""
+
+
+def test_a_long_stream_read_in_large_pieces_loses_only_the_usage_event() -> None:
+    """A fast upstream (or a loaded machine) delivers hundreds of events per read, cut anywhere:
+    every event but the usage one passes, in order, and the stripper keeps nothing back."""
+    events = [CHUNK % str(i).encode() for i in range(3000)]
+    events[1000] = events[1000].replace(b"\n\n", b"\r\n\r\n")  # terminators can differ by event
+    stream = b"".join(events) + USAGE + DONE
+    stripper = UsageEventStripper()
+    out = b"".join(stripper.feed(stream[at : at + 65536]) for at in range(0, len(stream), 65536))
+    assert out + stripper.flush() == b"".join(events) + DONE
+    assert stripper.stripped == 1 and not stripper.pending
