@@ -59,6 +59,10 @@ def session_log_path(log_dir: str | os.PathLike[str], session_id: str) -> str:
 # --------------------------------------------------------------------------------------------------
 # Writer
 
+# A line in a batch, for the secret scan: session id, the session's lines, the line's index
+# there, and the object it was serialized from.
+_Made = tuple[str, list[bytes], int, Any]
+
 
 @dataclass(slots=True)
 class _Flush:
@@ -297,11 +301,15 @@ class EventLogWriter:
                 # The events queued now, up to a control item: one write per session for all of
                 # its lines (in order), not one system call per event. fsync "line": one at a time.
                 batch: dict[str, list[bytes]] = {}
+                made: list[_Made] = []  # what the secret scan may have to redact
                 while True:
                     session_id, ts, event = item
-                    line = self._line(session_id, ts, event)
-                    if line is not None:
-                        batch.setdefault(session_id, []).append(line)
+                    encoded = self._line(session_id, ts, event)
+                    if encoded is not None:
+                        lines = batch.setdefault(session_id, [])
+                        if self.redact_secrets:
+                            made.append((session_id, lines, len(lines), encoded[1]))
+                        lines.append(encoded[0])
                     if (
                         self.fsync == "line"
                         or len(batch) >= _BATCH_SESSIONS
@@ -310,8 +318,11 @@ class EventLogWriter:
                     ):
                         break
                     item = self._items.popleft()
+                if made:
+                    self._redact(made)
                 for session_id, lines in batch.items():
-                    self._write_lines(session_id, lines)
+                    if lines:
+                        self._write_lines(session_id, lines)
                 if (
                     self.fsync == "interval"
                     and time.monotonic() - self._last_sync >= self.fsync_interval_s
@@ -325,12 +336,39 @@ class EventLogWriter:
             for sid in list(self._fds):
                 self._close_fd(sid)
 
-    def _line(self, session_id: str, ts: float, event: Any) -> bytes | None:
+    def _line(self, session_id: str, ts: float, event: Any) -> tuple[bytes, Any] | None:
+        """The serialized line, not yet scanned for secrets, and the object it was made from."""
         try:
             return self._serialize(ts, event)
         except Exception as exc:  # orjson.JSONEncodeError, a non-dict event, a hostile __str__
             self._lose("serialize", "event log: cannot serialize event for %s: %s", session_id, exc)
             return None
+
+    def _redact(self, made: list[_Made]) -> None:
+        """Redact the batch's lines that need it, in place.
+
+        The whole batch is looked through once for the literals every secret pattern and
+        credential key contains (``line_may_hold_secret``; a line ends in a newline, so no
+        literal spans two lines): in the usual batch there is none, and each line's own look
+        and its calls are saved. Otherwise each line is looked at alone, and one that has a
+        literal is serialized again from its object, redacted field by field. A line that
+        cannot be redacted is dropped, never written as it was."""
+        if not line_may_hold_secret(b"".join([lines[at] for _, lines, at, _ in made])):
+            return
+        dropped: list[list[bytes]] = []
+        for session_id, lines, at, out in made:
+            if not line_may_hold_secret(lines[at]):
+                continue
+            try:
+                lines[at] = orjson.dumps(redact(out), default=_redacted_str, option=_OPT_ANY_KEYS)
+            except Exception as exc:  # a hostile __str__, say
+                self._lose(
+                    "serialize", "event log: cannot redact event for %s: %s", session_id, exc
+                )
+                lines[at] = b""
+                dropped.append(lines)
+        for lines in dropped:
+            lines[:] = [line for line in lines if line]
 
     def _write_lines(self, session_id: str, lines: list[bytes]) -> None:
         data = lines[0] if len(lines) == 1 else b"".join(lines)
@@ -350,7 +388,7 @@ class EventLogWriter:
         elif self.fsync == "interval":
             self._dirty.add(session_id)
 
-    def _serialize(self, ts: float, event: Any) -> bytes:
+    def _serialize(self, ts: float, event: Any) -> tuple[bytes, Any]:
         if not isinstance(event, dict):
             raise TypeError(f"an event must be a dict, not {type(event).__name__}")
         keys = iter(event)
@@ -368,14 +406,9 @@ class EventLogWriter:
             # Keys that are not strings (none of cachegate's own events has any) take orjson's
             # slower path; a line that fails even so raises from here as before.
             line = orjson.dumps(out, default=default, option=_OPT_ANY_KEYS)
-        if not self.redact_secrets:
-            return line
-        # Serialized first, then looked through for the literals every secret pattern and
-        # credential key contains, at memory speed; only a line that has one is redacted field
-        # by field.
-        if not line_may_hold_secret(line):
-            return line
-        return orjson.dumps(redact(out), default=_redacted_str, option=_OPT_ANY_KEYS)
+        # Serialized first; with redact_secrets, the batch's lines are then looked through for
+        # secrets (``_redact``).
+        return line, out
 
     def _lose(self, kind: str, msg: str, *args: object) -> None:
         self._errors += 1

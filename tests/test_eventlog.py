@@ -456,6 +456,36 @@ def test_a_secret_never_reaches_the_file(log_dir: Path, writers) -> None:
     assert leaky["content"] == f"use OPENAI_API_KEY={KEY} please"  # the caller's copy untouched
 
 
+def test_a_line_that_cannot_be_redacted_is_dropped_and_the_batch_still_written(
+    log_dir: Path, writers
+) -> None:
+    class Flaky:
+        """Serializes once, then fails: the redacting pass is the one that breaks."""
+
+        calls = 0
+
+        def __str__(self) -> str:
+            Flaky.calls += 1
+            if Flaky.calls > 1:
+                raise RuntimeError("no second time")
+            return "flaky"
+
+    w = EventLogWriter(log_dir)  # queued before the writer starts: one batch
+    writers.append(w)
+    w.emit("s", {"type": "error", "n": 0, "message": "fine"})
+    w.emit("s", {"type": "error", "n": 1, "message": f"key {KEY}", "extra": Flaky()})
+    w.emit("s", {"type": "error", "n": 2, "message": f"key {KEY}"})
+    w.emit("s", {"type": "error", "n": 3, "message": "fine"})
+    w.start()
+    assert w.close()
+    raw = (log_dir / "s.jsonl").read_bytes()
+    assert KEY.encode() not in raw
+    events = read_events(log_dir / "s.jsonl").events
+    assert [e["n"] for e in events] == [0, 2, 3]
+    assert events[1]["message"] == "key [REDACTED]"
+    assert w.written == 3 and w.errors == 1
+
+
 def test_redaction_can_be_turned_off(log_dir: Path, writers) -> None:
     w = started(writers, log_dir, redact_secrets=False)
     w.emit("s", request_event(1, None, 0, [{"role": "user", "content": KEY}]))
