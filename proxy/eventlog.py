@@ -75,6 +75,8 @@ _STOP: Final = object()
 # How long the writer sleeps when it has nothing to write; events reach the disk within this.
 POLL_S: Final = 0.05
 _BATCH_SESSIONS: Final = 64  # sessions gathered into one batch of writes
+# Lines looked through for secrets at once: a literal found sends only its group line by line.
+_SCAN_GROUP: Final = 16
 _VALID_IDS_KEPT: Final = 4096  # session ids remembered as checked by emit()
 
 
@@ -347,26 +349,30 @@ class EventLogWriter:
     def _redact(self, made: list[_Made]) -> None:
         """Redact the batch's lines that need it, in place.
 
-        The whole batch is looked through once for the literals every secret pattern and
-        credential key contains (``line_may_hold_secret``; a line ends in a newline, so no
-        literal spans two lines): in the usual batch there is none, and each line's own look
-        and its calls are saved. Otherwise each line is looked at alone, and one that has a
-        literal is serialized again from its object, redacted field by field. A line that
-        cannot be redacted is dropped, never written as it was."""
-        if not line_may_hold_secret(b"".join([lines[at] for _, lines, at, _ in made])):
-            return
+        The lines are looked through for the literals every secret pattern and credential key
+        contains (``line_may_hold_secret``) a group at a time (a line ends in a newline, so no
+        literal spans two lines): a group without one, the usual case, costs one look where
+        each line would cost its own, and a group with one is looked through line by line. A
+        line that has a literal is serialized again from its object, redacted field by field;
+        one that cannot be redacted is dropped, never written as it was."""
         dropped: list[list[bytes]] = []
-        for session_id, lines, at, out in made:
-            if not line_may_hold_secret(lines[at]):
+        for first in range(0, len(made), _SCAN_GROUP):
+            group = made[first : first + _SCAN_GROUP]
+            if not line_may_hold_secret(b"".join([lines[at] for _, lines, at, _ in group])):
                 continue
-            try:
-                lines[at] = orjson.dumps(redact(out), default=_redacted_str, option=_OPT_ANY_KEYS)
-            except Exception as exc:  # a hostile __str__, say
-                self._lose(
-                    "serialize", "event log: cannot redact event for %s: %s", session_id, exc
-                )
-                lines[at] = b""
-                dropped.append(lines)
+            for session_id, lines, at, out in group:
+                if not line_may_hold_secret(lines[at]):
+                    continue
+                try:
+                    lines[at] = orjson.dumps(
+                        redact(out), default=_redacted_str, option=_OPT_ANY_KEYS
+                    )
+                except Exception as exc:  # a hostile __str__, say
+                    self._lose(
+                        "serialize", "event log: cannot redact event for %s: %s", session_id, exc
+                    )
+                    lines[at] = b""
+                    dropped.append(lines)
         for lines in dropped:
             lines[:] = [line for line in lines if line]
 
