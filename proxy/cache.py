@@ -237,7 +237,6 @@ def account(
         and not after_compaction
         and not state.compacted
     )
-    result = CacheResult(expected=0, read=usage.cache_read, write=usage.cache_write, waste=0)
     if counted and state.prev_prompt is not None:
         expected = min(state.prev_prompt, usage.prompt)
         shortfall = expected - usage.cache_read
@@ -248,17 +247,18 @@ def account(
             else (None, None)
         )
         result = CacheResult(expected, usage.cache_read, usage.cache_write, waste, cause, location)
+    else:
+        result = CacheResult(0, usage.cache_read, usage.cache_write, 0)
 
-    new_state = CacheState(
-        prev_prompt=usage.prompt if usage.prompt > 0 else state.prev_prompt,
-        has_reported=has_reported,
-        prefixes=_remember(
-            state.prefixes, fingerprint.digests, started_at, max_prefixes, state.last_started
-        ),
-        params_digest=fingerprint.params_digest,
-        model=model,
-        last_started=max(started_at, state.last_started or started_at),
-        compacted=False,
+    last_started = state.last_started
+    new_state = CacheState(  # positional, in field order: prev_prompt, has_reported, prefixes, …
+        usage.prompt if usage.prompt > 0 else state.prev_prompt,
+        has_reported,
+        _remember(state.prefixes, fingerprint.digests, started_at, max_prefixes, last_started),
+        fingerprint.params_digest,
+        model,
+        started_at if last_started is None or started_at > last_started else last_started,
+        False,
     )
     return new_state, result
 

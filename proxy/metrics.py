@@ -196,6 +196,7 @@ class Metrics:
         self._models = frozenset(m for m in models if m != "*")
         self._label_cache: dict[str, str] = {}
         self._exchange_cells: dict[tuple[str, str | None, int], tuple[Any, ...]] = {}
+        self._cost_cells: dict[str | None, tuple[list[float], list[float]]] = {}
         f = _Family
         self.requests = f(
             "counter",
@@ -488,11 +489,16 @@ class Metrics:
     @_safe
     def observe_cost(self, model: str | None, actual: float, uncached: float) -> None:
         """Add one exchange's cost in USD, as billed and as it would have been without the cache."""
-        label = self.model_label(model)
         if actual < 0 or uncached < 0:
             raise ValueError(f"negative cost actual={actual!r} uncached={uncached!r}")
-        self.cost.child(label, "actual")[0] += actual
-        self.cost.child(label, "uncached")[0] += uncached
+        cells = self._cost_cells.get(model)
+        if cells is None:  # looked up once per model name (bounded, as the labels are)
+            label = self.model_label(model)
+            cells = (self.cost.child(label, "actual"), self.cost.child(label, "uncached"))
+            if len(self._cost_cells) < 4096:  # model names come from clients: stay bounded
+                self._cost_cells[model] = cells
+        cells[0][0] += actual
+        cells[1][0] += uncached
 
     @_safe
     def stream_started(self) -> None:

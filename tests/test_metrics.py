@@ -171,6 +171,7 @@ def test_cost_streams_disconnects_upstream_errors_and_log_loss(
     metrics.observe_cost("gpt-4o", 0.0125, 0.05)
     metrics.observe_cost("gpt-4o", 0.0025, 0.0025)
     metrics.observe_cost("gpt-5-preview", 1.0, 2.0)
+    metrics.observe_cost("gpt-4o-2024-08-06", 0.001, 0.001)  # a snapshot: gpt-4o's series
     for _ in range(3):
         metrics.stream_started()
     metrics.stream_finished()
@@ -182,8 +183,8 @@ def test_cost_streams_disconnects_upstream_errors_and_log_loss(
     metrics.observe_log_loss("queue_full", 4)
 
     cost = "cachegate_cost_usd_total"
-    assert value(registry, cost, model="gpt-4o", kind="actual") == pytest.approx(0.015)
-    assert value(registry, cost, model="gpt-4o", kind="uncached") == pytest.approx(0.0525)
+    assert value(registry, cost, model="gpt-4o", kind="actual") == pytest.approx(0.016)
+    assert value(registry, cost, model="gpt-4o", kind="uncached") == pytest.approx(0.0535)
     assert value(registry, cost, model="other", kind="uncached") == 2.0
     assert value(registry, "cachegate_active_streams") == 2.0
     assert value(registry, "cachegate_client_disconnects_total") == 1.0
