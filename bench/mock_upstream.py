@@ -77,13 +77,16 @@ def completion_body() -> bytes:
 
 
 def stream_events(deltas: int, include_usage: bool) -> list[bytes]:
-    """Mode B's events, each a whole ``data: …\\n\\n`` of ~120 bytes, ending with ``[DONE]``."""
+    """Mode B's events, each a whole ``data: …\\n\\n`` of ~120 bytes, ending with ``[DONE]``.
+    With ``include_usage``, as OpenAI: a null ``usage`` ends every chunk, and a usage-only chunk
+    comes before ``[DONE]``."""
     head = b'data: {"id":"chatcmpl-bench-b","object":"chat.completion.chunk","created":1700000000,"model":"gpt-4o-mini","choices":[{"index":0,"delta":'
+    end = b',"usage":null}\n\n' if include_usage else b"}\n\n"
     events = []
     for i in range(deltas):
         role = b'"role":"assistant",' if i == 0 else b""
-        events.append(head + b"{" + role + b'"content":"w%03d "},"finish_reason":null}]}\n\n' % i)
-    events.append(head + b'{},"finish_reason":"stop"}]}\n\n')
+        events.append(head + b"{" + role + b'"content":"w%03d "},"finish_reason":null}]' % i + end)
+    events.append(head + b'{},"finish_reason":"stop"}]' + end)
     if include_usage:
         events.append(
             b'data: {"id":"chatcmpl-bench-b","object":"chat.completion.chunk","created":1700000000,"model":"gpt-4o-mini","choices":[],"usage":{"prompt_tokens":412,"completion_tokens":64,"total_tokens":476,"prompt_tokens_details":{"cached_tokens":0}}}\n\n'

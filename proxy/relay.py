@@ -567,12 +567,12 @@ def _sink(
     write: Callable[[bytes], bool],
 ) -> Callable[[bytes], bool]:
     """The per-chunk work of a relay, in one call: the time to the first byte, the side channel
-    fed, the usage event cachegate asked for taken out, then ``write`` what the client gets
-    (nothing, for now, while a usage event may be forming). Returns ``write``'s answer: False
-    when the client's buffer is full. The common steps are done here rather than by calling
-    the recorder's ``feed`` and the stripper's ``feed``: a stream's chunk is kept with one list
-    append, and a chunk of whole events whose usage (if any) is null passes the stripper
-    untouched, as its own ``feed`` would pass it."""
+    fed, what cachegate's own usage request added taken out (``proxy.strip``), then ``write``
+    what the client gets (nothing, for now, while an event is cut by a read). Returns
+    ``write``'s answer: False when the client's buffer is full. The common steps are done here
+    rather than by calling the recorder's ``feed`` and the stripper's ``feed``: a stream's chunk
+    is kept with one list append, and a chunk of whole events with no usage member passes the
+    stripper untouched, as its own ``feed`` would pass it."""
     recorder = tee.recorder if tee is not None else None
     keep = recorder.chunks.append if recorder is not None else None
     collect = tee.take if tee is not None and recorder is None else None
@@ -591,10 +591,7 @@ def _sink(
         if stripper is not None and (
             stripper.pending
             or not chunk.endswith(EVENT_ENDS)
-            or (
-                chunk.partition(b'"usage"')[1]  # fewer instructions than find() in CPython 3.11
-                and chunk.count(b'"usage"') != chunk.count(b'"usage":null')
-            )
+            or chunk.partition(b'"usage"')[1]  # fewer instructions than find() in CPython 3.11
         ):
             chunk = stripper.feed(chunk)
         room = write(chunk) if chunk else True

@@ -1,10 +1,12 @@
-"""Remove from an SSE byte stream the one usage-only event cachegate asked for, and nothing else.
+"""Take out of an SSE byte stream what cachegate's own usage request added, and nothing else.
 
 When a client streams without ``stream_options.include_usage``, cachegate asks the upstream for usage
-so it can account the exchange, and must then hide the extra event so the client receives exactly
-what it would have received directly. Every other byte passes through as it arrives: an event is only
-held back while it could still be the usage-only one (it starts with ``data:`` and no ``"delta"`` has
-appeared in it yet); a chunk event is recognised by ``"delta"`` within its first ~150 bytes.
+so it can account the exchange, and must then hide what that request added so the client receives
+exactly what it would have received directly: the usage-only event (``"choices": []`` and a usage
+object) and, on every other chunk, the ``"usage": null`` member OpenAI then adds (written last,
+``,"usage":null}`` at the end of the data line; a null usage written anywhere else is left as it
+is). Whole events pass as they arrive; an event cut by a read is held until its end (an SSE client
+can use no event before its blank line).
 """
 
 from __future__ import annotations
@@ -30,31 +32,35 @@ def is_usage_only(event: bytes) -> bool:
     return isinstance(obj, dict) and not obj.get("choices") and isinstance(obj.get("usage"), dict)
 
 
+# A null usage as OpenAI writes it: the data object's last member, at the end of the line.
+_NULL_USAGE_LF = b',"usage":null}\n'
+_NULL_USAGE_CR = b',"usage":null}\r'
+
+
+def without_null_usage(data: bytes) -> bytes:
+    """``data`` (whole events) without the ``"usage": null`` member ending a data line."""
+    out = data.replace(_NULL_USAGE_LF, b"}\n")
+    if out.find(_NULL_USAGE_CR) >= 0:
+        out = out.replace(_NULL_USAGE_CR, b"}\r")
+    return out
+
+
 class UsageEventStripper:
     """Incremental filter: ``feed(chunk)`` returns the bytes to forward now; ``flush()`` the rest."""
 
-    __slots__ = ("_passing", "_sent", "pending", "stripped")
+    __slots__ = ("pending", "stripped")
 
     def __init__(self) -> None:
-        # Bytes of the current, incomplete event: empty between events. A chunk of whole events
-        # (ending in a blank line) with no usage object in it ("usage":null is none) passes
-        # unchanged when nothing is pending; the relay checks that itself before calling
-        # ``feed``.
-        self.pending = bytearray()
-        self._sent = 0  # how many of them were already forwarded
-        self._passing = False  # the current event is known not to be usage-only
-        self.stripped = 0
+        self.pending = bytearray()  # the current event, cut by a read: empty between events
+        self.stripped = 0  # usage-only events taken out
 
     def feed(self, chunk: bytes) -> bytes:
-        if (
-            not self.pending
-            and chunk.endswith(EVENT_ENDS)
-            and (
-                chunk.find(b'"usage"') < 0
-                or chunk.count(b'"usage"') == chunk.count(b'"usage":null')
-            )
-        ):
-            return chunk  # whole events, no usage object in any: the common case, no copying
+        if not self.pending and chunk.endswith(EVENT_ENDS):  # whole events: the usual read
+            if chunk.find(b'"usage"') < 0:
+                return chunk  # no usage member at all: the very same object
+            plain = chunk.replace(_NULL_USAGE_LF, b"}\n")
+            if plain.find(b'"usage"') < 0:
+                return plain  # only null usages, each written as OpenAI does
         event = self.pending
         scan = max(0, len(event) - 3)
         event += chunk
@@ -64,7 +70,7 @@ class UsageEventStripper:
         # a chunk of a thousand events costs a pass or two over it, not one per event.
         found = [event.find(term, scan) for term in _TERMINATORS]
         start = 0  # where the current event begins
-        copy_from = self._sent  # what was forwarded of the first event is not sent again
+        copy_from = 0  # events from here to ``start`` pass as they are
         while True:
             end = -1
             for k, term in enumerate(_TERMINATORS):
@@ -75,44 +81,33 @@ class UsageEventStripper:
                     end = at + len(term)
             if end < 0:
                 break
-            if (
-                not self._passing
-                # an event whose every usage is null is not the one (as the relay's own test)
-                and event.count(b'"usage"', start, end) != event.count(b'"usage":null', start, end)
-                and is_usage_only(bytes(event[start:end]))
-            ):
-                self.stripped += 1
-                out += event[copy_from:start]  # the events before it pass as they are
-                copy_from = end
+            if event.find(b'"usage"', start, end) >= 0:
+                data = bytes(event[start:end])
+                if is_usage_only(data):
+                    self.stripped += 1
+                    kept = b""
+                else:
+                    kept = without_null_usage(data)
+                if kept != data:
+                    out += event[copy_from:start]
+                    out += kept
+                    copy_from = end
             start = scan = end
-            self._sent = 0
-            self._passing = False
         if start > copy_from:
             out += event[copy_from:start]
         del event[:start]
-        if event and not self._passing and self._decided(event):
-            self._passing = True
-        if self._passing and len(event) > self._sent:
-            out += event[self._sent :]
-            self._sent = len(event)
         if not out:
             return b""
-        # The common case, one whole event per chunk, forwards the caller's own bytes object.
+        # A read of whole events with nothing taken out forwards the caller's own bytes object.
         return chunk if len(out) == len(chunk) and out == chunk else bytes(out)
 
-    @staticmethod
-    def _decided(event: bytearray) -> bool:
-        if len(event) < 5:
-            return not b"data:".startswith(bytes(event))
-        return not event.startswith(b"data:") or event.find(b'"delta"') >= 0
-
     def flush(self) -> bytes:
-        """The bytes of a final event that never ended (a truncated stream): forwarded as they were."""
-        rest = bytes(self.pending[self._sent :])
-        if rest and not self._passing and is_usage_only(rest):
+        """The bytes of a final event that never ended (a truncated stream)."""
+        rest = bytes(self.pending)
+        if rest and is_usage_only(rest):
             self.stripped += 1
             rest = b""
+        elif rest:
+            rest = without_null_usage(rest)
         self.pending = bytearray()
-        self._sent = 0
-        self._passing = False
         return rest

@@ -58,6 +58,8 @@ def test_mock_streams_the_canned_events_on_schedule_and_answers_on_the_same_conn
                 client.build_request("h", port, "/v1/x", _body(True, "s2", usage=True)),
             )
             assert with_usage.events == SHAPE.deltas + 3
+            asked = b"".join(stream_events(SHAPE.deltas, True))
+            assert with_usage.digest == hashlib.sha256(asked).hexdigest()
             # mode A twice on one keep-alive connection, then a GET on it
             conn = client.Connection("127.0.0.1", port)
             for _ in range(2):
@@ -199,3 +201,14 @@ def test_client_reports_a_stream_cut_short() -> None:
         assert res.error == "IncompleteReadError"
 
     asyncio.run(run())
+
+
+def test_mock_streams_usage_as_openai_does() -> None:
+    """Asked for usage, every chunk ends with a null usage and a usage-only chunk precedes
+    [DONE]; without, neither: what a relay that asks on the client's behalf must take out."""
+    plain, asked = stream_events(4, False), stream_events(4, True)
+    assert len(asked) == len(plain) + 1
+    assert all(e.endswith(b"}]}\n\n") for e in plain[:-1]) and b"usage" not in b"".join(plain)
+    assert all(e.endswith(b'}],"usage":null}\n\n') for e in asked[:-2])
+    assert b'"choices":[],"usage":{' in asked[-2] and asked[-1] == plain[-1] == b"data: [DONE]\n\n"
+    assert [e.replace(b',"usage":null', b"") for e in asked[:-2]] == plain[:-1]

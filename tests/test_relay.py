@@ -14,6 +14,7 @@ import pytest
 from proxy.assemble import StreamRecorder
 from proxy.pipeline import Exchange
 from proxy.relay import DisconnectWatch, _sink
+from proxy.simulator import SimConfig, run_simulator
 from proxy.upstream import UpstreamPool
 from tests.e2e_support import events
 
@@ -143,6 +144,42 @@ def test_usage_event_cachegate_asked_for_is_hidden_from_the_client(
     sent = orjson.loads(upstream.requests[-1]["body"])
     assert sent == {**body, "stream_options": {"include_usage": True}}
     assert "content-length" not in r.headers
+
+
+@pytest.mark.parametrize("dialect", ["openai", "deepseek"])
+@pytest.mark.parametrize("tools", [False, True])
+def test_a_stream_without_usage_is_what_the_provider_sends_directly(
+    proxy_factory: Any, dialect: str, tools: bool
+) -> None:
+    """cachegate asks for usage on the client's behalf; OpenAI then sends a usage event and a
+    null usage on every other chunk. Two simulators started alike answer one request each
+    identically, so the client's bytes can be compared: with and without cachegate, the same."""
+    body: dict[str, Any] = {
+        "model": "gpt-4o",
+        "stream": True,
+        "messages": [{"role": "user", "content": "Tell me about byte-identical relays, please."}],
+    }
+    if tools:
+        body["tools"] = [
+            {
+                "type": "function",
+                "function": {"name": "read_file", "parameters": {"type": "object"}},
+            }
+        ]
+        body["messages"][0]["content"] = "read two files"
+    config = SimConfig(dialect=dialect, chunk_ms=0)
+    with run_simulator(config) as direct_sim, run_simulator(config) as proxied_sim:
+        _, direct = read_stream(direct_sim.api_base, body)
+        proxy = proxy_factory(proxied_sim.api_base)
+        r, via = read_stream(proxy.base_url, body)
+        asked = proxied_sim.sim.requests[-1].body
+    assert r.status_code == 200
+    assert asked["stream_options"] == {"include_usage": True}  # cachegate did ask for usage
+    assert via == direct
+    assert b'"usage":null' not in via if dialect == "openai" else True
+    proxy.settle()
+    [response] = events(proxy.log_dir, r.headers["x-cachegate-session"], "response")
+    assert response["usage"]["completion"] > 0  # and it has the usage it asked for
 
 
 @pytest.mark.parametrize("fails_in", ["decode", "finish"])

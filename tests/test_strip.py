@@ -7,7 +7,9 @@ from hypothesis import strategies as st
 
 from proxy.strip import UsageEventStripper, is_usage_only
 
+# A content chunk as OpenAI sends it when usage was asked for, and as it sends it otherwise.
 CHUNK = b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"%s"}}],"usage":null}\n\n'
+PLAIN = CHUNK.replace(b',"usage":null', b"")
 USAGE = b'data: {"id":"c1","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":2}}\n\n'
 DONE = b"data: [DONE]\n\n"
 
@@ -22,7 +24,9 @@ def run(stream: bytes, cuts: list[int]) -> bytes:
     return out + stripper.flush()
 
 
-def test_usage_only_event_is_removed_and_nothing_else() -> None:
+def test_what_the_usage_request_added_is_removed_and_nothing_else() -> None:
+    """The usage-only event and each chunk's null usage: the client gets what it would have
+    got without cachegate's usage request."""
     stream = (
         CHUNK % b"he"
         + b": keep-alive\n\n"
@@ -30,30 +34,34 @@ def test_usage_only_event_is_removed_and_nothing_else() -> None:
         + USAGE
         + DONE
     )
-    assert run(stream, []) == stream.replace(USAGE, b"")
+    direct = PLAIN % b"he" + b": keep-alive\n\n" + PLAIN % "llo \xc3\xa9".encode("latin-1") + DONE
+    assert run(stream, []) == direct
+    assert all(run(stream, [cut]) == direct for cut in range(len(stream) + 1))
 
 
 def test_every_byte_offset_two_cuts() -> None:
-    stream = (
-        (CHUNK % b"a").replace(b"\n\n", b"\r\n\r\n") + USAGE.replace(b"\n\n", b"\r\n\r\n") + DONE
-    )
-    expected = stream.replace(USAGE.replace(b"\n\n", b"\r\n\r\n"), b"")
+    def crlf(event: bytes) -> bytes:
+        return event.replace(b"\n\n", b"\r\n\r\n")
+
+    stream = crlf(CHUNK % b"a") + crlf(USAGE) + crlf(DONE)
+    expected = crlf(PLAIN % b"a") + crlf(DONE)
     for i in range(len(stream) + 1):
         for j in range(i, len(stream) + 1, 7):
             assert run(stream, [i, j]) == expected
 
 
-def test_content_chunks_are_forwarded_before_they_complete() -> None:
+def test_an_event_cut_by_a_read_is_forwarded_whole_at_its_end() -> None:
     stripper = UsageEventStripper()
     event = CHUNK % b"hello"
     cut = event.index(b'"delta"') + 10
-    assert stripper.feed(event[:cut]) == event[:cut]
-    assert stripper.feed(event[cut:]) == event[cut:]
+    assert stripper.feed(event[:cut]) == b""  # a client can use no part of an event
+    assert stripper.feed(event[cut:]) == PLAIN % b"hello"
+    assert not stripper.pending
 
 
 def test_whole_chunk_is_forwarded_as_the_same_object() -> None:
     stripper = UsageEventStripper()
-    event = CHUNK % b"x"
+    event = PLAIN % b"x"
     assert stripper.feed(event) is event
 
 
@@ -63,37 +71,54 @@ def test_chunk_with_choices_and_usage_is_not_stripped() -> None:
     assert run(final + DONE, []) == final + DONE
 
 
+def test_a_null_usage_written_otherwise_is_left_as_it_is() -> None:
+    """Only OpenAI's own form (the last member of the data line) is known to come from the usage
+    request; a provider that writes a null usage elsewhere may write it unasked too."""
+    first = b'data: {"usage":null,"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+    spaced = b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}], "usage": null}\n\n'
+    nested = b'data: {"choices":[{"index":0,"delta":{"content":"a"},"usage":null}]}\n\n'
+    for event in (first, spaced, nested):
+        assert run(event + USAGE + DONE, []) == event + DONE
+        assert run(event + USAGE + DONE, [7]) == event + DONE
+
+
 def test_truncated_stream_keeps_its_partial_tail() -> None:
-    stream = CHUNK % b"a" + b'data: {"id":"c1","choi'
-    assert run(stream, [5]) == stream
+    tail = b'data: {"id":"c1","choi'
+    assert run(CHUNK % b"a" + tail, [5]) == PLAIN % b"a" + tail
 
 
 @settings(max_examples=200, deadline=None)
 @given(
     texts=st.lists(st.text(max_size=12), min_size=1, max_size=6),
     usage_at_end=st.booleans(),
+    nulls=st.booleans(),
     sep=st.sampled_from([b"\n\n", b"\r\n\r\n", b"\r\r"]),
     cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=12),
 )
-def test_any_chunking_gives_upstream_bytes_minus_usage(
-    texts: list[str], usage_at_end: bool, sep: bytes, cuts: list[int]
+def test_any_chunking_gives_the_direct_stream(
+    texts: list[str], usage_at_end: bool, nulls: bool, sep: bytes, cuts: list[int]
 ) -> None:
+    """Any chunking of a stream with the usage event at its end and (as OpenAI sends them) null
+    usages on the other chunks gives the stream the upstream sends when usage is not asked for.
+    """
     import orjson
 
-    events = [
+    direct = [
         b'data: {"choices":[{"index":0,"delta":{"content":' + orjson.dumps(t) + b"}}]}" + sep
         for t in texts
     ]
+    asked = [event.replace(b"}]}" + sep, b"}]" + b',"usage":null}' + sep) for event in direct]
     usage = USAGE.replace(b"\n\n", sep)
-    stream = b"".join(events) + (usage if usage_at_end else b"") + DONE.replace(b"\n\n", sep)
-    expected = b"".join(events) + DONE.replace(b"\n\n", sep)
+    stream = b"".join(asked if nulls else direct) + (usage if usage_at_end else b"")
+    stream += DONE.replace(b"\n\n", sep)
+    expected = b"".join(direct) + DONE.replace(b"\n\n", sep)
     assert run(stream, [c % (len(stream) + 1) for c in cuts]) == expected
 
 
 def test_usage_only_event_with_any_spacing_is_stripped_whole_or_split() -> None:
     spaced = b'data: {"id":"c1","choices" : [],"usage" : {"prompt_tokens":9}}\n\n'
     stream = CHUNK % b"a" + spaced + DONE
-    assert run(stream, []) == CHUNK % b"a" + DONE
+    assert run(stream, []) == PLAIN % b"a" + DONE
     stripper = UsageEventStripper()
     assert stripper.feed(spaced) == b""
 
@@ -106,5 +131,5 @@ def test_a_long_stream_read_in_large_pieces_loses_only_the_usage_event() -> None
     stream = b"".join(events) + USAGE + DONE
     stripper = UsageEventStripper()
     out = b"".join(stripper.feed(stream[at : at + 65536]) for at in range(0, len(stream), 65536))
-    assert out + stripper.flush() == b"".join(events) + DONE
+    assert out + stripper.flush() == b"".join(events).replace(b',"usage":null', b"") + DONE
     assert stripper.stripped == 1 and not stripper.pending
