@@ -63,17 +63,22 @@ class _ToolCalls:
     calls sharing an index keep the order in which they started.
     """
 
-    __slots__ = ("_by_index", "_order", "calls")
+    __slots__ = ("_arguments", "_by_index", "_order", "calls")
 
     def __init__(self) -> None:
-        self.calls: list[dict[str, Any]] = []
-        self._by_index: dict[object, dict[str, Any]] = {}
+        self.calls: list[dict[str, Any]] = []  # arguments filled in by ordered()
+        # Each call's argument fragments, joined once by ordered(): a long argument (a file
+        # written by a tool) arrives in thousands of deltas, and a string grown by += is copied
+        # whole on every one of them.
+        self._arguments: list[list[str]] = []
+        self._by_index: dict[object, tuple[dict[str, Any], list[str]]] = {}
         self._order: list[float] = []  # each call's index; calls without one go last
 
     def add(self, delta: Mapping[str, Any]) -> None:
         index = delta.get("index")
         key = index if isinstance(index, int) else None
-        call = self._by_index.get(key)
+        held_call = self._by_index.get(key)
+        call = held_call[0] if held_call is not None else None
         call_id = delta.get("id")
         if isinstance(call_id, str) and call_id:
             if call is None or (call["id"] and call["id"] != call_id):
@@ -86,9 +91,13 @@ class _ToolCalls:
                 "type": "function",
                 "function": {"name": "", "arguments": ""},
             }
+            fragments: list[str] = []
             self.calls.append(call)
+            self._arguments.append(fragments)
             self._order.append(key if key is not None else float("inf"))
-            self._by_index[key] = call
+            self._by_index[key] = (call, fragments)
+        else:
+            fragments = self._by_index[key][1]
         kind = delta.get("type")
         if isinstance(kind, str) and kind:
             call["type"] = kind
@@ -99,16 +108,18 @@ class _ToolCalls:
             if isinstance(name, str) and name and name != held["name"]:
                 held["name"] += name
             arguments = function.get("arguments")
-            if isinstance(arguments, str):
-                held["arguments"] += arguments
+            if isinstance(arguments, str) and arguments:
+                fragments.append(arguments)
 
     def ordered(self) -> list[dict[str, Any]]:
         """Copies of the calls, by index, in the message's ``tool_calls`` shape."""
         positions = sorted(range(len(self.calls)), key=self._order.__getitem__)
-        return [
-            {"id": c["id"], "type": c["type"], "function": dict(c["function"])}
-            for c in (self.calls[i] for i in positions)
-        ]
+        out = []
+        for i in positions:
+            call = self.calls[i]
+            function = {**call["function"], "arguments": "".join(self._arguments[i])}
+            out.append({"id": call["id"], "type": call["type"], "function": function})
+        return out
 
 
 class StreamAssembler:

@@ -118,6 +118,27 @@ def test_parallel_tool_calls_interleaved_by_index() -> None:
     )
 
 
+def test_a_long_argument_in_thousands_of_deltas_is_assembled_whole() -> None:
+    """A file written by a tool arrives a few characters per delta; every one is kept, in order,
+    also when the result is read midway (an interrupted stream) and the stream goes on."""
+    text = orjson.dumps({"path": "big.py", "content": "x = 1\n" * 4000}).decode()
+    pieces = [text[i : i + 4] for i in range(0, len(text), 4)]
+    recorder = StreamRecorder()
+    recorder.feed(chunk({"role": "assistant", "tool_calls": [tool(0, "call_w", "write", "")]}))
+    for n, piece in enumerate(pieces):
+        recorder.feed(chunk({"tool_calls": [tool(0, args=piece)]}))
+        if n == len(pieces) // 2:
+            midway = recorder.result().message["tool_calls"][0]["function"]["arguments"]
+            assert midway == "".join(pieces[: n + 1])
+    recorder.feed(chunk({}, "tool_calls") + DONE)
+    [call] = recorder.finish().message["tool_calls"]
+    assert call == {
+        "id": "call_w",
+        "type": "function",
+        "function": {"name": "write", "arguments": text},
+    }
+
+
 def test_every_two_piece_cut_assembles_the_same() -> None:
     expected = record([PARALLEL_TOOLS_STREAM])
     stream = PARALLEL_TOOLS_STREAM.replace(b"\n", b"\r\n")
