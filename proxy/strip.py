@@ -33,13 +33,13 @@ def is_usage_only(event: bytes) -> bool:
 
 
 # A null usage as OpenAI writes it: the data object's last member, at the end of the line.
-_NULL_USAGE_LF = b',"usage":null}\n'
+NULL_USAGE_LF = b',"usage":null}\n'
 _NULL_USAGE_CR = b',"usage":null}\r'
 
 
 def without_null_usage(data: bytes) -> bytes:
     """``data`` (whole events) without the ``"usage": null`` member ending a data line."""
-    out = data.replace(_NULL_USAGE_LF, b"}\n")
+    out = data.replace(NULL_USAGE_LF, b"}\n")
     if out.find(_NULL_USAGE_CR) >= 0:
         out = out.replace(_NULL_USAGE_CR, b"}\r")
     return out
@@ -56,11 +56,9 @@ class UsageEventStripper:
 
     def feed(self, chunk: bytes) -> bytes:
         if not self.pending and chunk.endswith(EVENT_ENDS):  # whole events: the usual read
-            if chunk.find(b'"usage"') < 0:
-                return chunk  # no usage member at all: the very same object
-            plain = chunk.replace(_NULL_USAGE_LF, b"}\n")
+            plain = chunk.replace(NULL_USAGE_LF, b"}\n")  # the same object when none
             if plain.find(b'"usage"') < 0:
-                return plain  # only null usages, each written as OpenAI does
+                return plain  # no usage member left: none, or only OpenAI's null ones
         event = self.pending
         scan = max(0, len(event) - 3)
         event += chunk
