@@ -417,14 +417,18 @@ def assemble_completion(body: Mapping[str, Any]) -> AssembledResponse:
     message: dict[str, Any] = {"role": "assistant", "content": None}
     finish_reason: str | None = None
     choices = body.get("choices")
-    choice = next(
-        (
-            c
-            for c in (choices if isinstance(choices, list) else [])
-            if isinstance(c, dict) and c.get("index") in (0, None)
-        ),
-        None,
-    )
+    first = choices[0] if type(choices) is list and choices else None
+    if type(first) is dict and first.get("index") in (0, None):
+        choice: Any = first  # the usual answer: one choice, index 0
+    else:
+        choice = next(
+            (
+                c
+                for c in (choices if isinstance(choices, list) else [])
+                if isinstance(c, dict) and c.get("index") in (0, None)
+            ),
+            None,
+        )
     if choice is not None:
         raw = choice.get("message")
         if isinstance(raw, dict):

@@ -86,7 +86,7 @@ def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
         cached: int | None = None
         for key in _DETAIL_FIELDS:
             details = raw.get(key)
-            if details is not None and isinstance(details, Mapping):
+            if details is not None and (type(details) is dict or isinstance(details, Mapping)):
                 n = _count(details, "cached_tokens")
                 if n is not None and (cached is None or n > cached):
                     cached = n

@@ -757,3 +757,23 @@ def test_chunks_appended_to_the_recorders_list_survive_a_decoding() -> None:
                 f" w{i}" for i in range(10)
             )
     assert recorder.finish().message["content"] == "Hi" + "".join(f" w{i}" for i in range(64))
+
+
+def test_assemble_completion_takes_choice_zero_wherever_it_is() -> None:
+    def body(*choices: dict[str, Any]) -> dict[str, Any]:
+        return {"choices": list(choices)}
+
+    other = {
+        "index": 1,
+        "message": {"role": "assistant", "content": "other"},
+        "finish_reason": "length",
+    }
+    mine = {
+        "index": 0,
+        "message": {"role": "assistant", "content": "mine"},
+        "finish_reason": "stop",
+    }
+    for choices in ((other, mine), (mine, other), ({**mine, "index": None},)):
+        result = assemble_completion(body(*choices))
+        assert result.message["content"] == "mine" and result.finish_reason == "stop"
+    assert assemble_completion(body(other)).message["content"] is None
