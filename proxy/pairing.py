@@ -96,7 +96,36 @@ class _Block:
         return sorted(p for positions in self.unanswered.values() for p in positions)
 
 
+# Verdicts on long argument strings, by the string object (kept, so its id stays its own). An
+# agent resends its whole history every turn with the very same objects (``resolve_session``
+# shares them), and a history that keeps a repaired defect is repaired again every turn: without
+# this, every call's arguments in it would be parsed again on every request.
+_MEMO_MIN_CHARS: Final = 512
+_MEMO_MAX_CHARS: Final = 16 * 1024 * 1024  # in all; the oldest verdicts go first
+_json_verdicts: dict[int, tuple[str, bool]] = {}
+_memo_chars = 0
+
+
 def _valid_json(text: str) -> bool:
+    global _memo_chars
+    if len(text) < _MEMO_MIN_CHARS:
+        return _parses(text)
+    held = _json_verdicts.get(id(text))
+    if held is not None and held[0] is text:
+        return held[1]
+    verdict = _parses(text)
+    if held is not None:  # another string had this id once (freed since): replaced
+        _memo_chars -= len(held[0])
+        del _json_verdicts[id(text)]
+    _json_verdicts[id(text)] = (text, verdict)
+    _memo_chars += len(text)
+    while _memo_chars > _MEMO_MAX_CHARS:
+        old_id = next(iter(_json_verdicts))
+        _memo_chars -= len(_json_verdicts.pop(old_id)[0])
+    return verdict
+
+
+def _parses(text: str) -> bool:
     try:
         orjson.loads(text)
     except orjson.JSONDecodeError:

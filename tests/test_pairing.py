@@ -644,3 +644,49 @@ def test_the_check_resumed_from_a_checkpoint_answers_as_a_full_check(
     full, _, used = needs_repair_from(copied, kept)
     assert full == needs_repair(copied)
     assert used is None or not used.messages  # equal copies never resume past a message
+
+
+def test_long_arguments_are_parsed_once_per_string_and_the_memo_stays_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A history that keeps a repaired defect is repaired again on every turn; the arguments of
+    its calls (the very same string objects each turn) are parsed once, not once per turn."""
+    import proxy.pairing as pairing_module
+
+    parsed: list[str] = []
+    real = pairing_module._parses
+
+    def counting(text: str) -> bool:
+        parsed.append(text)
+        return real(text)
+
+    monkeypatch.setattr(pairing_module, "_parses", counting)
+    good = '{"content": "' + "x" * 2000 + '"}'
+    bad = good[:-2]  # cut off: not JSON
+    history = [
+        user("go"),
+        asst({"id": "c1", "type": "function", "function": {"name": "w", "arguments": good}}),
+        tool("c1"),
+        asst({"id": "c2", "type": "function", "function": {"name": "w", "arguments": bad}}),
+        tool("c2"),
+        asst(call("c3")),  # interrupted: no result
+        user("continue"),
+    ]
+    first = repair_messages(history)
+    assert [r.kind for r in first.repairs] == ["invalid_arguments", "dangling_call"]
+    assert sorted(t for t in parsed if len(t) > 100) == sorted([good, bad])
+    parsed.clear()
+    again = repair_messages([*history, user("and more")])  # the next turn: the same objects
+    assert again.messages[: len(first.messages)] == first.messages
+    assert all(len(t) < 100 for t in parsed)  # no long argument parsed again (short ones are)
+    # A copy of the same text is another object: parsed on its own, same verdict.
+    copied = "".join(list(bad))
+    assert copied is not bad and not pairing_module._valid_json(copied)
+    # Bounded by the characters it holds, the oldest verdicts dropped first.
+    monkeypatch.setattr(pairing_module, "_MEMO_MAX_CHARS", 10_000)
+    texts = ['{"k": "' + str(i) * 600 + '"}' for i in range(50)]
+    assert all(pairing_module._valid_json(t) for t in texts)
+    assert pairing_module._memo_chars <= 10_000
+    assert sum(len(t) for t, _ in pairing_module._json_verdicts.values()) == (
+        pairing_module._memo_chars
+    )
