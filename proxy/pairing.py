@@ -101,7 +101,7 @@ class _Block:
 # shares them), and a history that keeps a repaired defect is repaired again every turn: without
 # this, every call's arguments in it would be parsed again on every request.
 _MEMO_MIN_CHARS: Final = 512
-_MEMO_MAX_CHARS: Final = 16 * 1024 * 1024  # in all; the oldest verdicts go first
+_MEMO_MAX_CHARS: Final = 4 * 1024 * 1024  # in all (a few MB held); the oldest go first
 _json_verdicts: dict[int, tuple[str, bool]] = {}
 _memo_chars = 0
 
