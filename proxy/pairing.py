@@ -101,23 +101,20 @@ class _Block:
 # shares them), and a history that keeps a repaired defect is repaired again every turn: without
 # this, every call's arguments in it would be parsed again on every request.
 _MEMO_MIN_CHARS: Final = 512
-_MEMO_MAX_CHARS: Final = 4 * 1024 * 1024  # in all (a few MB held); the oldest go first
+_MEMO_MAX_CHARS: Final = 4 * 1024 * 1024  # in all (4-16 MB held); the oldest go first
 _json_verdicts: dict[int, tuple[str, bool]] = {}
 _memo_chars = 0
 
 
 def _valid_json(text: str) -> bool:
     global _memo_chars
-    if len(text) < _MEMO_MIN_CHARS:
+    if not _MEMO_MIN_CHARS <= len(text) <= _MEMO_MAX_CHARS // 4:  # short, or would crowd out
         return _parses(text)
     held = _json_verdicts.get(id(text))
     if held is not None and held[0] is text:
         return held[1]
     verdict = _parses(text)
-    if held is not None:  # another string had this id once (freed since): replaced
-        _memo_chars -= len(held[0])
-        del _json_verdicts[id(text)]
-    _json_verdicts[id(text)] = (text, verdict)
+    _json_verdicts[id(text)] = (text, verdict)  # no other string has this id: each is held
     _memo_chars += len(text)
     while _memo_chars > _MEMO_MAX_CHARS:
         old_id = next(iter(_json_verdicts))

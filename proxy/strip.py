@@ -3,17 +3,23 @@
 When a client streams without ``stream_options.include_usage``, cachegate asks the upstream for usage
 so it can account the exchange, and must then hide what that request added so the client receives
 exactly what it would have received directly: the usage-only event (``"choices": []`` and a usage
-object) and, on every other chunk, the ``"usage": null`` member OpenAI then adds (written last,
-``,"usage":null}`` at the end of the data line; a null usage written anywhere else is left as it
-is). Whole events pass as they arrive; an event cut by a read is held until its end (an SSE client
+object) and, on every other chunk, the ``"usage": null`` member OpenAI then adds: a line ending in
+``,"usage":null}`` loses those bytes (OpenAI writes it as the last member of the chunk's one
+``data:`` line); a null usage written any other way is left as the provider sent it. Whole events pass as they arrive; an event cut by a read is held until its end (an SSE client
 can use no event before its blank line).
 """
 
 from __future__ import annotations
 
+import re
+
 import orjson
 
-_TERMINATORS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+# An event ends with an empty line: two line ends in a row, each CRLF, LF or CR, mixed or not. A
+# CR followed by LF is one line end (CRLF), so an end whose last byte is a CR is only taken once
+# the next byte is known not to be an LF (until then the event waits for the next read, or for
+# the stream's end).
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\r\n|\r\r\n|\n\n|\r\r(?=[^\n])|\n\r(?=[^\n])|\r\n\r(?=[^\n])")
 EVENT_ENDS = (b"\n\n", b"\r\r")  # a chunk ending in one ends with a whole event
 
 
@@ -32,7 +38,8 @@ def is_usage_only(event: bytes) -> bool:
     return isinstance(obj, dict) and not obj.get("choices") and isinstance(obj.get("usage"), dict)
 
 
-# A null usage as OpenAI writes it: the data object's last member, at the end of the line.
+# A null usage as OpenAI writes it: the chunk's last member, at the end of its one data line.
+# (Matched on bytes: a JSON string cannot hold it, its quotes and line ends being escaped.)
 NULL_USAGE_LF = b',"usage":null}\n'
 _NULL_USAGE_CR = b',"usage":null}\r'
 
@@ -63,29 +70,23 @@ class UsageEventStripper:
         scan = max(0, len(event) - 3)
         event += chunk
         out = bytearray()
-        # Where each terminator next occurs at or after ``scan`` (-1: nowhere). One is searched
-        # again only once ``scan`` has passed it, and the events are cut off once, at the end:
-        # a chunk of a thousand events costs a pass or two over it, not one per event.
-        found = [event.find(term, scan) for term in _TERMINATORS]
+        # Each search starts where the last event ended, and the events are cut off once, at the
+        # end: a chunk of a thousand events costs one pass over it, not one per event.
         start = 0  # where the current event begins
         copy_from = 0  # events from here to ``start`` pass as they are
+        search = _EVENT_END.search
         while True:
-            end = -1
-            for k, term in enumerate(_TERMINATORS):
-                at = found[k]
-                if 0 <= at < scan:
-                    at = found[k] = event.find(term, scan)
-                if at >= 0 and (end < 0 or at + len(term) < end):
-                    end = at + len(term)
-            if end < 0:
+            found = search(event, scan)
+            if found is None:
                 break
+            end = found.end()
             if event.find(b'"usage"', start, end) >= 0:
                 data = bytes(event[start:end])
-                if is_usage_only(data):
+                kept = without_null_usage(data)
+                # Only a usage member other than OpenAI's null can make it the usage event.
+                if kept.find(b'"usage"') >= 0 and is_usage_only(data):
                     self.stripped += 1
                     kept = b""
-                else:
-                    kept = without_null_usage(data)
                 if kept != data:
                     out += event[copy_from:start]
                     out += kept

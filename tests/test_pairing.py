@@ -690,3 +690,8 @@ def test_long_arguments_are_parsed_once_per_string_and_the_memo_stays_bounded(
     assert sum(len(t) for t, _ in pairing_module._json_verdicts.values()) == (
         pairing_module._memo_chars
     )
+    # A string too long to be worth a quarter of the memo is parsed, not kept: it cannot empty it.
+    held = dict(pairing_module._json_verdicts)
+    huge = '{"k": "' + "z" * 9000 + '"}'
+    assert pairing_module._valid_json(huge)
+    assert pairing_module._json_verdicts == held

@@ -176,10 +176,17 @@ def test_a_stream_without_usage_is_what_the_provider_sends_directly(
     assert r.status_code == 200
     assert asked["stream_options"] == {"include_usage": True}  # cachegate did ask for usage
     assert via == direct
-    assert b'"usage":null' not in via if dialect == "openai" else True
+    assert b'"usage":null' not in via
     proxy.settle()
     [response] = events(proxy.log_dir, r.headers["x-cachegate-session"], "response")
     assert response["usage"]["completion"] > 0  # and it has the usage it asked for
+    # A client that asks for usage itself gets everything the provider sends, nulls included.
+    body["stream_options"] = {"include_usage": True}
+    with run_simulator(config) as direct_sim, run_simulator(config) as proxied_sim:
+        _, direct = read_stream(direct_sim.api_base, body)
+        _, via = read_stream(proxy_factory(proxied_sim.api_base).base_url, body)
+    assert via == direct
+    assert via.count(b'"usage":null') >= 2
 
 
 @pytest.mark.parametrize("fails_in", ["decode", "finish"])

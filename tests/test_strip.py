@@ -87,32 +87,66 @@ def test_truncated_stream_keeps_its_partial_tail() -> None:
     assert run(CHUNK % b"a" + tail, [5]) == PLAIN % b"a" + tail
 
 
-@settings(max_examples=200, deadline=None)
+# Every way an SSE event can end: two line ends in a row, each CRLF, LF or CR.
+EVENT_ENDINGS = [
+    b"\n\n",
+    b"\r\n\r\n",
+    b"\r\r",
+    b"\n\r\n",
+    b"\r\n\n",
+    b"\r\r\n",
+    b"\n\r",
+    b"\r\n\r",
+]
+
+
+@settings(max_examples=300, deadline=None)
 @given(
     texts=st.lists(st.text(max_size=12), min_size=1, max_size=6),
     usage_at_end=st.booleans(),
     nulls=st.booleans(),
-    sep=st.sampled_from([b"\n\n", b"\r\n\r\n", b"\r\r"]),
+    ends=st.lists(st.sampled_from(EVENT_ENDINGS), min_size=1, max_size=6),
     cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=12),
 )
 def test_any_chunking_gives_the_direct_stream(
-    texts: list[str], usage_at_end: bool, nulls: bool, sep: bytes, cuts: list[int]
+    texts: list[str], usage_at_end: bool, nulls: bool, ends: list[bytes], cuts: list[int]
 ) -> None:
     """Any chunking of a stream with the usage event at its end and (as OpenAI sends them) null
-    usages on the other chunks gives the stream the upstream sends when usage is not asked for.
-    """
+    usages on the other chunks gives the stream the upstream sends when usage is not asked for,
+    whatever line ends its events use, mixed or not."""
     import orjson
 
+    def end(i: int) -> bytes:
+        return ends[i % len(ends)]
+
     direct = [
-        b'data: {"choices":[{"index":0,"delta":{"content":' + orjson.dumps(t) + b"}}]}" + sep
-        for t in texts
+        b'data: {"choices":[{"index":0,"delta":{"content":' + orjson.dumps(t) + b"}}]}" + end(i)
+        for i, t in enumerate(texts)
     ]
-    asked = [event.replace(b"}]}" + sep, b"}]" + b',"usage":null}' + sep) for event in direct]
-    usage = USAGE.replace(b"\n\n", sep)
+    asked = [
+        event.replace(b"}]}" + end(i), b'}],"usage":null}' + end(i))
+        for i, event in enumerate(direct)
+    ]
+    last = end(len(texts))
+    usage = USAGE.replace(b"\n\n", last)
     stream = b"".join(asked if nulls else direct) + (usage if usage_at_end else b"")
-    stream += DONE.replace(b"\n\n", sep)
-    expected = b"".join(direct) + DONE.replace(b"\n\n", sep)
+    stream += DONE.replace(b"\n\n", last)
+    expected = b"".join(direct) + DONE.replace(b"\n\n", last)
     assert run(stream, [c % (len(stream) + 1) for c in cuts]) == expected
+
+
+def test_events_with_mixed_line_ends_are_forwarded_as_they_end() -> None:
+    """Not held to the stream's end: an LF then a CRLF ends an event as surely as two LFs. An
+    end whose last byte is a CR is known once the next byte is (it could be a CRLF's)."""
+    stripper = UsageEventStripper()
+    first = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\r\n'
+    second = first.replace(b'"a"', b'"b"')
+    assert stripper.feed(first) == first
+    assert stripper.feed(second) == second
+    cr_end = first.replace(b"\n\r\n", b"\n\r")
+    assert stripper.feed(cr_end) == b""  # an LF may follow
+    assert stripper.feed(second) == cr_end + second
+    assert stripper.flush() == b""
 
 
 def test_usage_only_event_with_any_spacing_is_stripped_whole_or_split() -> None:
