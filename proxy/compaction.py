@@ -664,18 +664,20 @@ def plan(
     appended_estimate: int = 0,
     force: bool = False,
     synthetic_prefixes: Sequence[str] = DEFAULT_SYNTHETIC_PREFIXES,
+    existing_digest: str | None = None,
 ) -> Plan:
     """Steps 1–3 of the module docstring for one request's CLIENT history ``messages``.
 
     ``force`` skips the trigger (the provider just refused with ``context_length_exceeded``).
     When ``existing`` no longer matches, the provider numbers describe another history and are
-    ignored in favour of the estimate.
+    ignored in favour of the estimate. ``existing_digest`` is ``prefix_digest(messages,
+    existing.covered)`` when the caller already knows it.
     """
     forwarded: list[Message] = messages
     reused: Compaction | None = None
     discarded = False
     if existing is not None:
-        substituted = apply_compaction(messages, existing)
+        substituted = apply_compaction(messages, existing, digest=existing_digest)
         if substituted is None:
             discarded = True
             last_prompt = last_completion = None

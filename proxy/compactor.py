@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import operator
 import re
 import time
 from typing import Any
@@ -70,9 +71,11 @@ class Compactor:
         last = state.extra.get("last_usage")
         prev_len = state.extra.get("last_len", 0)
         existing: compaction.Compaction | None = state.extra.get("compaction")
+        known = self._known_digest(state, existing, messages)
         plan = compaction.plan(
             messages,
             existing=existing,
+            existing_digest=known,
             window=model_cfg.context_window,
             trigger_percent=cfg.trigger_percent,
             keep_recent=cfg.keep_recent,
@@ -90,6 +93,7 @@ class Compactor:
             plan = compaction.plan(
                 messages,
                 existing=existing,
+                existing_digest=known,
                 window=model_cfg.context_window,
                 trigger_percent=cfg.trigger_percent,
                 keep_recent=cfg.keep_recent,
@@ -99,9 +103,11 @@ class Compactor:
             )
         if plan.discarded:
             state.extra.pop("compaction", None)
+            state.extra.pop("compaction_verified", None)
         if plan.cut is None:
             if plan.reused is None:
                 return body
+            self._verified(state, plan.reused, messages)
             ex.compacted = True
             ex.transforms["compacted"] = {"reused": True, "covered": plan.reused.covered}
             notify(self.observers, "on_compaction", ex, plan.reused, "reused")
@@ -118,6 +124,7 @@ class Compactor:
         if forwarded is None:  # cannot happen for the history it was built from; stay safe
             return body
         state.extra["compaction"] = comp
+        self._verified(state, comp, messages)
         state.extra["compacted_pending"] = True  # the next exchange's miss is expected, not waste
         ex.compacted = True
         ex.transforms["compacted"] = {
@@ -129,6 +136,25 @@ class Compactor:
         }
         notify(self.observers, "on_compaction", ex, comp, source)
         return {**body, "messages": forwarded}
+
+    @staticmethod
+    def _known_digest(
+        state: SessionState, existing: compaction.Compaction | None, messages: list[Any]
+    ) -> str | None:
+        """``existing``'s prefix digest when ``messages`` start with the very message objects it
+        was last checked against (an agent's next turn: ``resolve_session`` shares them), so
+        the covered prefix, the bulk of a long history, is not serialized and hashed again."""
+        verified = state.extra.get("compaction_verified")
+        if existing is None or verified is None or verified[0] is not existing:
+            return None
+        held = verified[1]
+        if len(messages) < len(held) or not all(map(operator.is_, held, messages)):
+            return None
+        return existing.prefix_digest
+
+    @staticmethod
+    def _verified(state: SessionState, comp: compaction.Compaction, messages: list[Any]) -> None:
+        state.extra["compaction_verified"] = (comp, tuple(messages[: comp.covered]))
 
     def _reduces(self, messages: list[Any], cut: compaction.Cut, window: int) -> bool:
         kept = [*messages[: cut.start], *messages[cut.end :]]

@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
+from proxy import compaction
 from proxy.compaction import SUMMARY_MARKER
 from proxy.eventlog import read_events
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
@@ -347,3 +348,48 @@ def test_the_summary_call_keeps_the_clients_query_string(scripted: Any, proxy_fa
     assert [q["query"] for q in upstream.requests] == [b"api-version=2024-10-21"] * 2
     assert "tools" not in orjson.loads(upstream.requests[0]["body"])  # the summary call
     assert SUMMARY_MARKER in orjson.loads(upstream.requests[1]["body"])["messages"][1]["content"]
+
+
+def test_a_reused_compaction_does_not_hash_its_covered_prefix_again(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each later turn resends the covered prefix as the very objects the session holds: the
+    compaction is reused without serializing and hashing that prefix again (the bulk of a long
+    history, every request), and still with the same substitution."""
+    hashed: list[int] = []
+    real = compaction.prefix_digest
+
+    def counting(messages: Any, end: int, **kw: Any) -> str:
+        hashed.append(end)
+        return real(messages, end, **kw)
+
+    monkeypatch.setattr(compaction, "prefix_digest", counting)
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    c = sdk(proxy.base_url)
+    msgs = history(18)
+    c.chat.completions.create(model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "h"})
+    first = sim.sim.requests[-1].body["messages"]
+    assert first[1]["content"].startswith(SUMMARY_MARKER)
+    hashed.clear()
+    for turn in range(3):
+        msgs = [*msgs, {"role": "user", "content": f"continue {turn}"}]
+        raw = c.chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "h"}
+        )
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        now = sim.sim.requests[-1].body["messages"]
+        assert now[: len(first)] == first  # the same substitution
+    assert hashed == []
+
+    # A history edited inside the covered prefix is checked, and the summary is not reused.
+    def made() -> float:
+        return sum(
+            proxy.metric("cachegate_compactions_total", {"model": MODEL, "result": result})
+            for result in ("summary", "extractive")
+        )
+
+    before = made()
+    edited = [*msgs[:5], {"role": "user", "content": "edited"}, *msgs[6:]]
+    c.chat.completions.create(model=MODEL, messages=edited, extra_headers={"X-Session-Id": "h"})
+    assert hashed  # the covered prefix was hashed: its objects were not the ones checked
+    assert made() == before + 1  # a new compaction, not the stale one reused
