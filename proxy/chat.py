@@ -120,9 +120,17 @@ class PairingRepair:
             if self.on_strict_rejection is not None:
                 self.on_strict_rejection()
             raise bad_request(pairing.format_strict_error(defects), "strict_pairing", "messages")
-        result = pairing.repair_messages(
-            messages, orphan_policy=self.settings.pairing.orphan_policy, interrupted_note=self.note
+        # A history that keeps a repaired defect is repaired again every turn: resumed from the
+        # session's previous repair, the work is in proportion to what was appended.
+        previous = state.extra.pop("pairing_repair", None) if state is not None else None
+        result, resume = pairing.repair_messages_from(
+            messages,
+            previous,
+            orphan_policy=self.settings.pairing.orphan_policy,
+            interrupted_note=self.note,
         )
+        if state is not None and resume is not None:
+            state.extra["pairing_repair"] = resume
         if not result.changed:
             return body
         ex.repairs = [

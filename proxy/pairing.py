@@ -303,28 +303,89 @@ def repair_messages(
     objects. With nothing to repair the input list itself comes back, with no repairs. An empty
     ``interrupted_note`` means the default one.
     """
-    if not needs_repair(messages):
-        return PairingResult(messages, [])
-    note = interrupted_note or DEFAULT_INTERRUPTED_NOTE
-    repairs: list[Repair] = []
-    blocks: dict[int, _Block] = {}  # input index of the assistant message -> its block
-    fixed: dict[int, dict[str, Any]] = {}  # input index -> message to emit instead
-    owner_of_id: dict[str, _Block] = {}  # call id -> latest block with a call of that id
-    paired: set[int] = set()  # tool messages emitted inside a block
-    removed: set[int] = set()  # tool messages dropped
-    run: _Block | None = None  # block whose run of tool messages we are in
+    result, _ = repair_messages_from(
+        messages, None, orphan_policy=orphan_policy, interrupted_note=interrupted_note
+    )
+    return result
 
-    for i, message in enumerate(messages):
+
+@dataclass(slots=True)
+class RepairState:
+    """Where ``repair_messages`` stood after ``messages`` (by object), to resume from.
+
+    A history that keeps a repaired defect (an interrupted turn) is repaired again on every
+    request; the next request resends the same message objects plus a few. Their repair is final
+    unless an appended result answers a call left open in them (then a result moves back and a
+    synthetic one goes away): ``repair_messages_from`` resumes only when none does.
+    """
+
+    messages: tuple[Any, ...]
+    policy: tuple[str, str]  # (orphan policy, note) the repair was made with
+    blocks: dict[int, _Block]
+    owner_of_id: dict[str, _Block]
+    paired: set[int]
+    removed: set[int]
+    fixed: dict[int, dict[str, Any]]
+    scanned: list[Repair]  # found message by message, in order
+    dangling: list[Repair]  # calls left without a result, block by block
+    run: _Block | None
+    out: tuple[Any, ...]  # the repaired history of ``messages``
+
+    def resumes(self, messages: Sequence[Any], policy: tuple[str, str]) -> bool:
+        """Whether ``messages`` extends this state's messages, with the same policy, and appends
+        no result for a call still open in them."""
+        done = len(self.messages)
+        if policy != self.policy or len(messages) < done:
+            return False
+        if not all(map(operator.is_, self.messages, messages)):
+            return False
+        owner_of_id = self.owner_of_id
+        for message in itertools.islice(messages, done, None):
+            if isinstance(message, dict) and message.get("role") == "tool":
+                call_id = message.get("tool_call_id")
+                owner = owner_of_id.get(call_id) if isinstance(call_id, str) else None
+                if owner is not None and owner.unanswered.get(call_id):  # type: ignore[arg-type]
+                    return False  # it may answer an earlier call: repair afresh
+        return True
+
+
+def repair_messages_from(
+    messages: list[dict[str, Any]],
+    previous: RepairState | None,
+    *,
+    orphan_policy: OrphanPolicy = "downgrade",
+    interrupted_note: str = DEFAULT_INTERRUPTED_NOTE,
+) -> tuple[PairingResult, RepairState | None]:
+    """``repair_messages``, resumed from ``previous`` when ``messages`` extends its messages
+    (``RepairState.resumes``): the work is in proportion to what was appended. Returns the result
+    and the state to resume the next request from (None when nothing needed repair). ``previous``
+    is taken over: do not use it again."""
+    note = interrupted_note or DEFAULT_INTERRUPTED_NOTE
+    policy = (orphan_policy, note)
+    if previous is not None and previous.resumes(messages, policy):
+        state = previous
+        start = len(previous.messages)
+    else:
+        if not needs_repair(messages):
+            return PairingResult(messages, []), None
+        state = RepairState((), policy, {}, {}, set(), set(), {}, [], [], None, ())
+        start = 0
+    blocks, owner_of_id, fixed = state.blocks, state.owner_of_id, state.fixed
+    paired, removed, scanned = state.paired, state.removed, state.scanned
+    run = state.run  # block whose run of tool messages we are in
+
+    for i in range(start, len(messages)):
+        message = messages[i]
         if isinstance(message, dict) and message.get("role") == "tool":
             _pair_result(
-                i, message, run, owner_of_id, orphan_policy, paired, removed, fixed, repairs
+                i, message, run, owner_of_id, orphan_policy, paired, removed, fixed, scanned
             )
             continue
         run = None
         calls = _tool_calls(message)
         if calls is None:
             continue
-        new_message, ids, names = _fix_calls(i, message, calls, repairs)
+        new_message, ids, names = _fix_calls(i, message, calls, scanned)
         if new_message is not message:
             fixed[i] = new_message
         unanswered: dict[str, list[int]] = {}
@@ -333,22 +394,27 @@ def repair_messages(
         run = blocks[i] = _Block(i, ids, names, unanswered, [])
         for call_id in ids:
             owner_of_id[call_id] = run
+    state.run = run
 
-    for block in blocks.values():
+    # Blocks before ``start`` are as they were: no appended result answered one (``resumes``).
+    for index in itertools.islice(blocks, _first_block_at(blocks, start), None):
+        block = blocks[index]
         for position in block.dangling():
             call_id, name = block.ids[position], block.names[position]
-            repairs.append(
+            state.dangling.append(
                 Repair(
                     "dangling_call", block.index, call_id, f"added a synthetic result for {name}"
                 )
             )
+    # Found message by message, then the dangling calls, in index order (a stable sort).
+    repairs = sorted([*scanned, *state.dangling], key=operator.attrgetter("index"))
     if not repairs:
-        return PairingResult(messages, [])
-    out: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
+        return PairingResult(messages, []), None
+    out = list(state.out)
+    for i in range(start, len(messages)):
         if i in paired or i in removed:
             continue
-        out.append(fixed.get(i, message))
+        out.append(fixed.get(i, messages[i]))
         own = blocks.get(i)
         if own is None:
             continue
@@ -357,9 +423,20 @@ def repair_messages(
             call_id, name = own.ids[position], own.names[position]
             note_text = note.replace("{name}", name)
             out.append({"role": "tool", "tool_call_id": call_id, "content": note_text})
-    repairs.sort(key=lambda repair: repair.index)
+    state.messages = tuple(messages)
+    state.out = tuple(out)
     logger.debug("repaired %d pairing defects in %d messages", len(repairs), len(messages))
-    return PairingResult(out, repairs)
+    return PairingResult(out, repairs), state
+
+
+def _first_block_at(blocks: dict[int, _Block], start: int) -> int:
+    """How many of ``blocks`` (in index order) are before message ``start``."""
+    if not start:
+        return 0
+    for after, index in enumerate(reversed(blocks)):  # appended blocks are few: count back
+        if index < start:
+            return len(blocks) - after
+    return 0
 
 
 def _pair_result(

@@ -20,6 +20,7 @@ from proxy.pairing import (
     needs_repair,
     needs_repair_from,
     repair_messages,
+    repair_messages_from,
 )
 from proxy.simulator.validate import ValidationError, validate_messages
 
@@ -695,3 +696,54 @@ def test_long_arguments_are_parsed_once_per_string_and_the_memo_stays_bounded(
     huge = '{"k": "' + "z" * 9000 + '"}'
     assert pairing_module._valid_json(huge)
     assert pairing_module._json_verdicts == held
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    history=st.one_of(random_histories(), damaged_histories().map(lambda d: d[0])),
+    cuts=st.lists(st.integers(0, 40), max_size=3),
+    policy=st.sampled_from(["downgrade", "drop"]),
+)
+def test_a_repair_resumed_turn_by_turn_equals_a_repair_from_scratch(
+    history: list[Message], cuts: list[int], policy: Any
+) -> None:
+    """The same history sent in growing turns (each the very objects of the last plus a few), a
+    repair resumed from the previous turn's gives exactly what repairing it whole gives."""
+    state = None
+    for end in [*sorted(c % (len(history) + 1) for c in cuts), len(history)]:
+        turn = history[:end]
+        resumed, state = repair_messages_from(turn, state, orphan_policy=policy)
+        whole = repair_messages(turn, orphan_policy=policy)
+        assert resumed.messages == whole.messages
+        assert resumed.repairs == whole.repairs
+
+
+def test_a_kept_defect_costs_each_turn_only_what_it_appended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An interrupted turn stays in the history; each later turn is repaired from where the last
+    one stopped, and a result that answers an open call sends it back to a whole repair."""
+    import proxy.pairing as pairing_module
+
+    looked_at: list[int] = []
+    real = pairing_module._tool_calls
+
+    def counting(message: Any) -> Any:
+        looked_at.append(1)
+        return real(message)
+
+    history = [user("go"), asst(call("int")), user("interrupted; go on")]
+    for k in range(50):
+        history += [asst(call(f"c{k}")), tool(f"c{k}")]
+    result, state = repair_messages_from(history, None)
+    assert state is not None and [r.kind for r in result.repairs] == ["dangling_call"]
+    monkeypatch.setattr(pairing_module, "_tool_calls", counting)
+    turn = [*history, asst(call("n1")), tool("n1"), user("more")]
+    result, state = repair_messages_from(turn, state)
+    assert len(looked_at) == 2  # the three appended messages (a tool message needs no look)
+    assert result.messages == repair_messages(turn).messages
+    late = [*turn, tool("int", "the result after all")]  # answers the interrupted call
+    result, state = repair_messages_from(late, state)
+    assert len(looked_at) > 50  # repaired whole
+    assert result.messages == repair_messages(late).messages
+    assert [r.kind for r in result.repairs] == ["displaced_result"]
