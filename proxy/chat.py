@@ -114,6 +114,8 @@ class PairingRepair:
             base = resumed or (kept[0] if kept else None)
             state.extra["pairing_checkpoints"] = [after] if base is None else [after, base]
         if not needed:
+            if state is not None:  # a repair state can never be resumed from again: let it go
+                state.extra.pop("pairing_repair", None)
             return body
         if ex.strict:
             defects = pairing.diagnose(messages)
@@ -447,7 +449,7 @@ class ChatPipeline:
                     forwarded = await compactor.apply(
                         ex,
                         state,
-                        self.pairing.repair(ex, body),
+                        self.pairing.repair(ex, body, state),
                         force=True,
                         window=provider_window(retry.body),
                     )

@@ -340,12 +340,19 @@ class RepairState:
         if not all(map(operator.is_, self.messages, messages)):
             return False
         owner_of_id = self.owner_of_id
+        appended_ids: set[str] = set()  # calls of appended blocks: theirs, not earlier ones
         for message in itertools.islice(messages, done, None):
             if isinstance(message, dict) and message.get("role") == "tool":
                 call_id = message.get("tool_call_id")
-                owner = owner_of_id.get(call_id) if isinstance(call_id, str) else None
-                if owner is not None and owner.unanswered.get(call_id):  # type: ignore[arg-type]
+                if not isinstance(call_id, str) or call_id in appended_ids:
+                    continue
+                owner = owner_of_id.get(call_id)
+                if owner is not None and owner.unanswered.get(call_id):
                     return False  # it may answer an earlier call: repair afresh
+                continue
+            calls = _tool_calls(message)
+            if calls is not None:
+                appended_ids.update(c["id"] for c in calls if isinstance(c, dict) and _has_id(c))
         return True
 
 

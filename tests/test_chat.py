@@ -9,7 +9,10 @@ import openai
 import orjson
 import pytest
 
-from proxy.chat import splice_usage_option
+from proxy.chat import PairingRepair, splice_usage_option
+from proxy.config import settings_from_mapping
+from proxy.pipeline import Exchange
+from proxy.sessions import SessionState
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
 
 INTERRUPTED = [
@@ -402,3 +405,30 @@ def test_request_lines_forwarded_out_of_order_are_coded_only_against_lines_alrea
         assert rebuilt == {ex.exchange_id: ex.body["messages"] for ex in exchanges}
 
     asyncio.run(run())
+
+
+def test_the_repair_state_lives_while_the_session_keeps_a_defect() -> None:
+    """Kept between turns to resume from, and let go once a turn needs no repair (it could
+    never be resumed from again, and it holds a copy of the history)."""
+    repair = PairingRepair(settings_from_mapping({}), None)
+    state = SessionState(id="s", created=0.0, last_seen=0.0)
+
+    def turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        ex = Exchange(route="chat", method="POST", path="chat/completions", started_at=0, t0=0)
+        return repair.repair(ex, {"messages": messages}, state)["messages"]
+
+    call = {"id": "c1", "type": "function", "function": {"name": "read", "arguments": "{}"}}
+    history = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "user", "content": "stop, go on"},
+    ]
+    first = turn(history)
+    assert [m["role"] for m in first] == ["user", "assistant", "tool", "user"]
+    assert "pairing_repair" in state.extra
+    history = [*history, {"role": "tool", "tool_call_id": "c1", "content": "late"}]
+    assert turn(history) == [history[0], history[1], history[3], history[2]]  # moved back
+    assert "pairing_repair" in state.extra
+    clean = [*history[:2], history[3]]
+    assert turn(clean) == clean
+    assert "pairing_repair" not in state.extra

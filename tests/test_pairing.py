@@ -740,10 +740,50 @@ def test_a_kept_defect_costs_each_turn_only_what_it_appended(
     monkeypatch.setattr(pairing_module, "_tool_calls", counting)
     turn = [*history, asst(call("n1")), tool("n1"), user("more")]
     result, state = repair_messages_from(turn, state)
-    assert len(looked_at) == 2  # the three appended messages (a tool message needs no look)
+    # The two appended non-tool messages, each looked at twice (the resume check, the repair);
+    # none of the 100 before them.
+    assert len(looked_at) == 4
     assert result.messages == repair_messages(turn).messages
     late = [*turn, tool("int", "the result after all")]  # answers the interrupted call
     result, state = repair_messages_from(late, state)
     assert len(looked_at) > 50  # repaired whole
     assert result.messages == repair_messages(late).messages
     assert [r.kind for r in result.repairs] == ["displaced_result"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    base=random_histories(),
+    other=random_histories(),
+    fork_at=st.integers(0, 30),
+    requests=st.lists(st.tuples(st.booleans(), st.integers(0, 60)), min_size=1, max_size=8),
+)
+def test_a_resumed_repair_is_exact_across_forks_retries_and_rewinds(
+    base: list[Message],
+    other: list[Message],
+    fork_at: int,
+    requests: list[tuple[bool, int]],
+) -> None:
+    """One session's requests come from two branches that share their first messages (the very
+    objects), in any order, longer, shorter or the same again: each repair, resumed from whatever
+    the last request left, equals the whole repair of its history."""
+    fork = [*base[: fork_at % (len(base) + 1)], *other[1:]]
+    state = None
+    for on_fork, end in requests:
+        branch = fork if on_fork else base
+        turn = branch[: end % (len(branch) + 1)]
+        resumed, state = repair_messages_from(turn, state)
+        whole = repair_messages(turn)
+        assert (resumed.messages, resumed.repairs) == (whole.messages, whole.repairs)
+
+
+def test_a_call_id_used_again_by_an_appended_call_does_not_stop_the_resume() -> None:
+    """Servers that number calls call_0, call_1 … in every turn reuse the interrupted call's id:
+    the appended result is for the appended call, and the repair still resumes."""
+    history = [user("go"), asst(call("call_0")), user("interrupted; go on")]
+    _, state = repair_messages_from(history, None)
+    assert state is not None
+    turn = [*history, asst(call("call_0")), tool("call_0")]
+    assert state.resumes(turn, state.policy)
+    result, _ = repair_messages_from(turn, state)
+    assert result.messages == repair_messages(turn).messages
