@@ -5,8 +5,9 @@ so it can account the exchange, and must then hide what that request added so th
 exactly what it would have received directly: the usage-only event (``"choices": []`` and a usage
 object) and, on every other chunk, the ``"usage": null`` member OpenAI then adds: a line ending in
 ``,"usage":null}`` loses those bytes (OpenAI writes it as the last member of the chunk's one
-``data:`` line); a null usage written any other way is left as the provider sent it. Whole events pass as they arrive; an event cut by a read is held until its end (an SSE client
-can use no event before its blank line).
+``data:`` line); a null usage written any other way is left as the provider sent it. Whole events
+pass as they arrive; an event cut by a read is held until its end (an SSE client can use no event
+before its blank line).
 """
 
 from __future__ import annotations
