@@ -71,14 +71,14 @@ class _ToolCalls:
         # written by a tool) arrives in thousands of deltas, and a string grown by += is copied
         # whole on every one of them.
         self._arguments: list[list[str]] = []
-        self._by_index: dict[object, tuple[dict[str, Any], list[str]]] = {}
+        self._by_index: dict[object, int] = {}  # index -> position of its latest call
         self._order: list[float] = []  # each call's index; calls without one go last
 
     def add(self, delta: Mapping[str, Any]) -> None:
         index = delta.get("index")
         key = index if isinstance(index, int) else None
-        held_call = self._by_index.get(key)
-        call = held_call[0] if held_call is not None else None
+        position = self._by_index.get(key)
+        call = self.calls[position] if position is not None else None
         call_id = delta.get("id")
         if isinstance(call_id, str) and call_id:
             if call is None or (call["id"] and call["id"] != call_id):
@@ -91,13 +91,11 @@ class _ToolCalls:
                 "type": "function",
                 "function": {"name": "", "arguments": ""},
             }
-            fragments: list[str] = []
+            position = self._by_index[key] = len(self.calls)
             self.calls.append(call)
-            self._arguments.append(fragments)
+            self._arguments.append([])
             self._order.append(key if key is not None else float("inf"))
-            self._by_index[key] = (call, fragments)
-        else:
-            fragments = self._by_index[key][1]
+        assert position is not None
         kind = delta.get("type")
         if isinstance(kind, str) and kind:
             call["type"] = kind
@@ -109,7 +107,7 @@ class _ToolCalls:
                 held["name"] += name
             arguments = function.get("arguments")
             if isinstance(arguments, str) and arguments:
-                fragments.append(arguments)
+                self._arguments[position].append(arguments)
 
     def ordered(self) -> list[dict[str, Any]]:
         """Copies of the calls, by index, in the message's ``tool_calls`` shape."""

@@ -63,10 +63,8 @@ class UsageEventStripper:
         self.stripped = 0  # usage-only events taken out
 
     def feed(self, chunk: bytes) -> bytes:
-        if not self.pending and chunk.endswith(EVENT_ENDS):  # whole events: the usual read
-            plain = chunk.replace(NULL_USAGE_LF, b"}\n")  # the same object when none
-            if plain.find(b'"usage"') < 0:
-                return plain  # no usage member left: none, or only OpenAI's null ones
+        # The usual read, whole events with no usage member but OpenAI's nulls, is handled by the
+        # relay's sink before it calls this (``proxy.relay._sink``); any read is right here too.
         event = self.pending
         scan = max(0, len(event) - 3)
         event += chunk
