@@ -56,18 +56,59 @@ def without_null_usage(data: bytes) -> bytes:
 class UsageEventStripper:
     """Incremental filter: ``feed(chunk)`` returns the bytes to forward now; ``flush()`` the rest."""
 
-    __slots__ = ("pending", "stripped")
+    __slots__ = ("_cr", "pending", "stripped")
 
     def __init__(self) -> None:
         self.pending = bytearray()  # the current event, cut by a read: empty between events
         self.stripped = 0  # usage-only events taken out
+        self._cr = False  # whether ``pending`` holds a CR
 
     def feed(self, chunk: bytes) -> bytes:
         # The usual read, whole events with no usage member but OpenAI's nulls, is handled by the
         # relay's sink before it calls this (``proxy.relay._sink``); any read is right here too.
         event = self.pending
-        scan = max(0, len(event) - 3)
+        held = len(event)
         event += chunk
+        if not self._cr and chunk.find(b"\r") < 0:
+            # Line ends are all LF (what every provider sends): the whole events end at the last
+            # blank line, and they are taken together, OpenAI's nulls with one replace, as long
+            # as no other usage member is among them. Else the general path below.
+            last = event.rfind(b"\n\n", held - 1 if held else 0)
+            if last < 0:
+                return b""
+            cut = last + 2
+            whole = bytes(event[:cut])
+            del event[:cut]
+            plain = whole.replace(NULL_USAGE_LF, b"}\n")
+            if plain.find(b'"usage"') >= 0:
+                plain = self._lf_events(whole)
+            return chunk if not held and cut == len(chunk) and plain == chunk else plain
+        out = self._events(event, max(0, held - 3))
+        self._cr = event.find(b"\r") >= 0
+        if not out:
+            return b""
+        # A read of whole events with nothing taken out forwards the caller's own bytes object.
+        return chunk if len(out) == len(chunk) and out == chunk else bytes(out)
+
+    def _lf_events(self, whole: bytes) -> bytes:
+        """What whole events with LF line ends forward, event by event (a read holding a usage
+        member other than OpenAI's null: the usage event, once per stream)."""
+        parts = whole.split(b"\n\n")
+        for i in range(len(parts) - 1):  # the last part is what follows the last end: b"" or LF
+            data = parts[i] + b"\n\n"
+            if data.find(b'"usage"') >= 0:
+                kept = data.replace(NULL_USAGE_LF, b"}\n")
+                # Only a usage member other than OpenAI's null can make it the usage event.
+                if kept.find(b'"usage"') >= 0 and is_usage_only(data):
+                    self.stripped += 1
+                    kept = b""
+                data = kept
+            parts[i] = data
+        return b"".join(parts)
+
+    def _events(self, event: bytearray, scan: int) -> bytearray:
+        """What the whole events in ``event`` forward, event by event (any line ends); they are
+        cut off ``event``, which keeps the event still open. ``scan`` is where an end may begin."""
         out = bytearray()
         # Each search starts where the last event ended, and the events are cut off once, at the
         # end: a chunk of a thousand events costs one pass over it, not one per event.
@@ -94,10 +135,7 @@ class UsageEventStripper:
         if start > copy_from:
             out += event[copy_from:start]
         del event[:start]
-        if not out:
-            return b""
-        # A read of whole events with nothing taken out forwards the caller's own bytes object.
-        return chunk if len(out) == len(chunk) and out == chunk else bytes(out)
+        return out
 
     def flush(self) -> bytes:
         """The bytes of a final event that never ended (a truncated stream)."""
@@ -108,4 +146,5 @@ class UsageEventStripper:
         elif rest:
             rest = without_null_usage(rest)
         self.pending = bytearray()
+        self._cr = False
         return rest

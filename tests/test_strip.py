@@ -59,6 +59,14 @@ def test_an_event_cut_by_a_read_is_forwarded_whole_at_its_end() -> None:
     assert not stripper.pending
 
 
+def test_an_event_whose_end_is_cut_between_its_line_ends_is_forwarded_on_the_next_read() -> None:
+    for event in (PLAIN % b"a", CHUNK % b"a", PLAIN.replace(b"\n", b"\r\n") % b"a"):
+        stripper = UsageEventStripper()
+        assert stripper.feed(event[:-1]) == b""
+        assert stripper.feed(event[-1:]) == event.replace(b',"usage":null', b"")
+        assert not stripper.pending
+
+
 def test_whole_chunk_is_forwarded_as_the_same_object() -> None:
     stripper = UsageEventStripper()
     event = PLAIN % b"x"
@@ -167,3 +175,40 @@ def test_a_long_stream_read_in_large_pieces_loses_only_the_usage_event() -> None
     out = b"".join(stripper.feed(stream[at : at + 65536]) for at in range(0, len(stream), 65536))
     assert out + stripper.flush() == b"".join(events).replace(b',"usage":null', b"") + DONE
     assert stripper.stripped == 1 and not stripper.pending
+
+
+KEPT_USAGE = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":1}}\n\n'
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["chunk", "comment", "blank", "kept_usage"]), max_size=12),
+    usage_at=st.integers(min_value=0, max_value=12),
+    cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=16),
+)
+def test_lf_streams_cut_anywhere_lose_only_what_the_usage_request_added(
+    kinds: list[str], usage_at: int, cuts: list[int]
+) -> None:
+    """LF line ends, the usual case (whole events taken together): the usage event anywhere in
+    a read, blank lines between events, comments, a chunk that carries choices and a usage of
+    its own (kept), text that mentions "usage": only the usage event and the nulls go."""
+    asked: list[bytes] = []
+    direct: list[bytes] = []
+    for i, kind in enumerate(kinds):
+        if i == usage_at:
+            asked.append(USAGE)
+        if kind == "chunk":
+            text = b'say \\"usage\\" %d' % i
+            asked.append(CHUNK % text)
+            direct.append(PLAIN % text)
+        else:
+            event = {"comment": b": ping\n\n", "blank": b"\n", "kept_usage": KEPT_USAGE}[kind]
+            if kind == "blank" and i + 1 == min(usage_at, len(kinds)):
+                event = b": ping\n\n"  # a blank line opens the next event: keep it out of USAGE
+            asked.append(event)
+            direct.append(event)
+    if usage_at >= len(kinds):
+        asked.append(USAGE)
+    stream = b"".join(asked) + DONE
+    expected = b"".join(direct) + DONE
+    assert run(stream, [c % (len(stream) + 1) for c in cuts]) == expected
