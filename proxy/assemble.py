@@ -198,14 +198,14 @@ class StreamAssembler:
 
     def _parse(self, data: bytes) -> None:
         """One payload through the JSON parser (and ``feed`` for what is not a JSON object)."""
+        if data == b"[DONE]":  # before the parser: its error is a costly Python exception
+            self._events += 1
+            self._done = True
+            return
         try:
             chunk = orjson.loads(data)
         except orjson.JSONDecodeError:
-            if data == b"[DONE]":
-                self._events += 1
-                self._done = True
-            else:
-                self.feed(SSEEvent(None, data.decode("utf-8", "replace")))
+            self.feed(SSEEvent(None, data.decode("utf-8", "replace")))
             return
         if type(chunk) is dict:
             self._events += 1
