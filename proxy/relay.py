@@ -315,6 +315,18 @@ class _Tee:
         return None
 
 
+class _Held:
+    """Stands in for a transport while uvicorn writes a response's start: keeps the bytes."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(data)
+
+
 class DirectBody:
     """Response body chunks written straight to the client's transport, for uvicorn's httptools
     protocol: what its ``send`` does for a body chunk (chunked framing, or counting down the
@@ -327,10 +339,51 @@ class DirectBody:
     then sends chunk by chunk through ASGI.
     """
 
-    __slots__ = ("_cycle",)
+    __slots__ = ("_cycle", "_head")
 
     def __init__(self, cycle: Any) -> None:
         self._cycle = cycle
+        self._head = b""  # the response's start, held to go out with the first body bytes
+
+    @staticmethod
+    async def start(send: Send, message: dict[str, Any]) -> DirectBody | None:
+        """Send the response's start with its bytes held back to go out with the first body
+        bytes: an answer and its headers in one write (one system call and one segment where
+        there were two). For uvicorn's httptools protocol, whose ``send`` writes the start to the
+        cycle's transport; for any other server the start is sent as usual and this is None.
+        The caller must ``release`` the start before sending anything through ``send``."""
+        cycle: Any = getattr(send, "__self__", None)
+        if _UvicornCycle is None or type(cycle) is not _UvicornCycle:
+            await send(message)
+            return None
+        try:
+            transport = cycle.transport
+            hold = not cycle.response_started and not cycle.flow.write_paused
+        except AttributeError:
+            hold = False
+        if not hold:
+            await send(message)
+            return DirectBody.of(send)
+        held = _Held()
+        cycle.transport = held  # its send(start) writes to the transport and does not wait
+        try:
+            await send(message)
+        finally:
+            cycle.transport = transport
+        direct = DirectBody.of(send)
+        head = b"".join(held.parts)
+        if direct is None:
+            if head:
+                transport.write(head)
+            return None
+        direct._head = head
+        return direct
+
+    def release(self) -> None:
+        """Write the held start, if it is still held."""
+        head, self._head = self._head, b""
+        if head and not self._cycle.disconnected:
+            self._cycle.transport.write(head)
 
     @staticmethod
     def of(send: Send) -> DirectBody | None:
@@ -356,13 +409,15 @@ class DirectBody:
         if cycle.disconnected or cycle.response_complete:
             return True  # as uvicorn's send: nothing goes to a client that left
         if cycle.chunked_encoding:
-            cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+            body = b"%x\r\n%b\r\n" % (len(body), body)
         else:
             size = len(body)
             if size > cycle.expected_content_length:
                 raise RuntimeError("Response content longer than Content-Length")
             cycle.expected_content_length -= size
-            cycle.transport.write(body)
+        if self._head:
+            body, self._head = self._head + body, b""
+        cycle.transport.write(body)
         return not cycle.flow.write_paused
 
     async def drain(self) -> None:
@@ -487,22 +542,25 @@ class Relay:
                 tee = _Tee(StreamRecorder() if is_sse else None, collect=not is_sse)
             if ex.strip_usage and is_sse and not encoded:
                 stripper = UsageEventStripper()
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": response.status_code,
-                    "headers": client_response_headers(
-                        response,
-                        # A 204 or 304 has no body: uvicorn would wait for the length announced.
-                        drop_length=stripper is not None or response.status_code in (204, 304),
-                        extra=extra_headers,
-                    ),
-                }
-            )
-            started = True
+            start: dict[str, Any] = {
+                "type": "http.response.start",
+                "status": response.status_code,
+                "headers": client_response_headers(
+                    response,
+                    # A 204 or 304 has no body: uvicorn would wait for the length announced.
+                    drop_length=stripper is not None or response.status_code in (204, 304),
+                    extra=extra_headers,
+                ),
+            }
             direct = None
-            if isinstance(response, UpstreamResponse) and chunks is response.stream:
+            if not isinstance(response, UpstreamResponse) or chunks is not response.stream:
+                await send(start)
+            elif is_sse:  # a stream's headers go at once: a client may wait on them
+                await send(start)
                 direct = DirectBody.of(send)
+            else:  # an answer's headers go with its first bytes
+                direct = await DirectBody.start(send, start)
+            started = True
             try:
                 if direct is not None:
                     self.direct_relays += 1
@@ -524,6 +582,8 @@ class Relay:
                             )
                         ready.clear()
             except Exception as exc:  # after the headers went out: cut the client the same way
+                if direct is not None:
+                    direct.release()
                 ex.upstream_error = "midstream"
                 ex.error = f"upstream broke off mid-response: {type(exc).__name__}"
                 if stripper is not None:
@@ -531,6 +591,8 @@ class Relay:
                     if tail:
                         await send({"type": "http.response.body", "body": tail, "more_body": True})
                 raise UpstreamAborted(ex.error) from exc
+            if direct is not None:
+                direct.release()
             if stripper is not None:
                 tail = stripper.flush()
                 if tail:

@@ -885,3 +885,108 @@ def test_a_client_leaving_after_an_early_answer_to_its_upload_cancels_the_upstre
         assert closed_at and closed_at[0] - left < 1.0
     finally:
         listener.close()
+
+
+class _WriteLog:
+    """Wraps a server connection's transport: every write it is asked for, in order."""
+
+    def __init__(self, transport: Any, writes: list[bytes]) -> None:
+        self._transport = transport
+        self.writes = writes
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+        self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+@pytest.fixture
+def server_writes(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[bytes]]:
+    """The writes of every uvicorn (httptools) connection accepted from now on, by local port."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    made = HttpToolsProtocol.connection_made
+    seen: dict[int, list[bytes]] = {}
+
+    def connection_made(self: Any, transport: Any) -> None:
+        port = transport.get_extra_info("sockname")[1]
+        made(self, _WriteLog(transport, seen.setdefault(port, [])))
+
+    monkeypatch.setattr(HttpToolsProtocol, "connection_made", connection_made)
+    return seen
+
+
+def test_an_answer_goes_out_with_its_headers_in_one_write(
+    scripted: Any, proxy_factory: Any, server_writes: dict[int, list[bytes]]
+) -> None:
+    """A non-streamed answer and its status line and headers reach the client in one write (one
+    system call and one segment, not two); bytes and framing as before."""
+    body = orjson.dumps({"id": "x", "choices": [], "usage": {"prompt_tokens": 1}})
+    _upstream, url = scripted(
+        chunks=[body],
+        content_type=b"application/json",
+        extra_headers=[(b"content-length", str(len(body)).encode())],
+    )
+    proxy = proxy_factory(url)
+    port = int(proxy.base_url.split(":")[2].split("/")[0])
+    with httpx.Client() as client:
+        for _ in range(2):  # and the connection stays good for the next request
+            r = client.post(proxy.base_url + "/chat/completions", json=CHAT)
+            assert r.status_code == 200 and r.content == body
+    writes = [w for w in server_writes[port] if w]  # uvicorn's end of a length-framed body: b""
+    assert len(writes) == 2
+    assert all(
+        w.startswith(b"HTTP/1.1 200 OK\r\n") and w.endswith(b"\r\n\r\n" + body) for w in writes
+    )
+
+
+def test_a_streams_headers_are_not_held_for_its_first_event(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A client may wait on a stream's headers (the SDKs do before iterating): they go out when
+    the upstream's do, not with the first event."""
+    _upstream, url = scripted(chunks=[sse(chunk("a")), b"data: [DONE]\n\n"], first_delay_s=1.0)
+    proxy = proxy_factory(url)
+    t0 = time.monotonic()
+    with httpx.stream(
+        "POST", proxy.base_url + "/chat/completions", json={**CHAT, "stream": True}
+    ) as r:
+        headers_after = time.monotonic() - t0
+        assert r.status_code == 200
+        assert r.read() == sse(chunk("a")) + b"data: [DONE]\n\n"
+    assert headers_after < 0.8
+
+
+@pytest.mark.parametrize("transport", ["native", "httpx"])
+def test_an_answer_whose_upstream_dies_before_its_body_reaches_the_client_as_it_would_directly(
+    proxy_factory: Any, transport: str
+) -> None:
+    """The held headers are written before the client is cut: it sees the status, then the
+    break (as from the upstream itself); an empty answer still gets its headers."""
+    upstream = RawUpstream(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 40\r\n\r\n"
+    )
+    try:
+        proxy = proxy_factory(upstream.url, {"upstream": {"transport": transport}})
+        for target in (upstream.url, proxy.base_url):
+            # directly, the raw upstream's close may come as a reset; through cachegate, the
+            # client's connection is cut after the headers
+            with httpx.stream("POST", target + "/chat/completions", json=CHAT) as r:
+                assert r.status_code == 200
+                with pytest.raises(httpx.TransportError):
+                    r.read()
+    finally:
+        upstream.sock.close()
+    empty = RawUpstream(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 0\r\n\r\n"
+    )
+    try:
+        proxy = proxy_factory(empty.url, {"upstream": {"transport": transport}})
+        with httpx.Client(timeout=5) as client:
+            for _ in range(2):
+                r = client.post(proxy.base_url + "/chat/completions", json=CHAT)
+                assert r.status_code == 200 and r.content == b""
+    finally:
+        empty.sock.close()
