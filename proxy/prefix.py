@@ -271,6 +271,8 @@ def _grow_locations(count: int) -> None:
 
 def leading_run(test: Callable[[Any, Any], Any], old: Sequence[Any], new: Sequence[Any]) -> int:
     """How many leading pairs of ``old`` and ``new`` pass ``test`` (compared at C speed)."""
+    if not old or not new or not test(old[0], new[0]):
+        return 0  # the first pair decides it: no list of every pair's answer
     flags = list(map(test, old, new))
     # all() first: the common answer is "every pair", and a ValueError from index() costs more
     # than the comparisons.
