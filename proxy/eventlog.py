@@ -39,7 +39,7 @@ _BODIES_MODES: Final = ("full", "metadata")
 _WARN_EVERY_S: Final = 30.0
 _OPT_ANY_KEYS: Final = orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS
 _OPEN_FLAGS: Final = (
-    os.O_WRONLY
+    os.O_RDWR  # read too: the last byte of a reopened file is checked on the same descriptor
     | os.O_APPEND
     | os.O_CREAT
     | getattr(os, "O_CLOEXEC", 0)
@@ -102,7 +102,7 @@ class EventLogWriter:
         max_queue: int = 10000,
         bodies: BodiesMode = "full",
         redact_secrets: bool = True,
-        max_open_files: int = 64,
+        max_open_files: int | None = None,
         on_loss: Callable[[str], None] | None = None,
     ) -> None:
         if fsync not in _FSYNC_MODES:
@@ -111,6 +111,8 @@ class EventLogWriter:
             raise ValueError(f"bodies must be one of {', '.join(_BODIES_MODES)}, not {bodies!r}")
         if fsync_interval_s <= 0:
             raise ValueError("fsync_interval_s must be positive")
+        if max_open_files is None:
+            max_open_files = default_max_open_files()
         if max_queue < 1 or max_open_files < 1:
             raise ValueError("max_queue and max_open_files must be at least 1")
         self.log_dir = os.fspath(log_dir)
@@ -139,7 +141,6 @@ class EventLogWriter:
         self._last_sync = time.monotonic()
         self._last_warn: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
-        self._open_ids: frozenset[str] = frozenset()
 
     # -- counters -----------------------------------------------------------------------------
 
@@ -165,7 +166,8 @@ class EventLogWriter:
 
     def open_sessions(self) -> frozenset[str]:
         """Session ids whose files the writer holds open: pass them to retention as active."""
-        return self._open_ids
+        with self._lock:  # the writer changes ``_fds`` under it
+            return frozenset(self._fds)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -424,26 +426,27 @@ class EventLogWriter:
     def _fd(self, session_id: str) -> int:
         fd = self._fds.get(session_id)
         if fd is not None:
-            self._fds.move_to_end(session_id)
+            with self._lock:
+                self._fds.move_to_end(session_id)
             return fd
         while len(self._fds) >= self._max_open:
             self._close_fd(next(iter(self._fds)))
         path = session_log_path(self.log_dir, session_id)
         fd = os.open(path, _OPEN_FLAGS, 0o600)
         try:
-            _terminate_torn_line(path, fd)
+            _terminate_torn_line(fd)
         except OSError:
             os.close(fd)
             raise
-        self._fds[session_id] = fd
-        self._open_ids = frozenset(self._fds)
+        with self._lock:
+            self._fds[session_id] = fd
         return fd
 
     def _close_fd(self, session_id: str) -> None:
-        fd = self._fds.pop(session_id, None)
+        with self._lock:
+            fd = self._fds.pop(session_id, None)
         if fd is None:
             return
-        self._open_ids = frozenset(self._fds)
         if session_id in self._dirty:
             self._sync(session_id, fd)
         with contextlib.suppress(OSError):
@@ -472,16 +475,27 @@ def _redacted_str(obj: Any) -> str:
     return redact_text(str(obj))
 
 
-def _terminate_torn_line(path: str, fd: int) -> None:
+def _terminate_torn_line(fd: int) -> None:
     """Append a newline when an earlier process died mid-line, so its fragment stays one torn line
     instead of swallowing the first event written now."""
-    if os.fstat(fd).st_size == 0:
-        return
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)
-    if last != b"\n":
+    size = os.fstat(fd).st_size
+    if size and os.pread(fd, 1, size - 1) != b"\n":
         os.write(fd, b"\n")
+
+
+def default_max_open_files() -> int:
+    """How many session files the writer keeps open: enough that a few hundred sessions in
+    flight are not reopened on every write (a reopen costs more than the write), and at most a
+    quarter of the process's file descriptor limit, which the connections need more."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 64
+    if soft == resource.RLIM_INFINITY:
+        return 512
+    return max(16, min(512, soft // 4))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -357,6 +357,41 @@ def test_many_threads_and_sessions_with_few_open_files(log_dir: Path, writers) -
     assert len(seen) == 800
 
 
+def test_hundreds_of_sessions_in_flight_keep_their_files_open(
+    log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reopen costs more than the write (open, size, last byte, close): with the default
+    limit (a descriptor limit of 2048), 300 sessions written in turn stay open, and each
+    file gets its lines in order."""
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (2048, 2048))
+    w = started(writers, log_dir)
+    for turn in range(3):
+        for sid in range(300):
+            assert w.emit(f"s{sid}", {"type": "error", "status": 500, "message": str(turn)})
+        assert w.flush()
+    assert len(w.open_sessions()) == 300
+    assert w.close()
+    for sid in (0, 150, 299):
+        log = read_events(log_dir / f"s{sid}.jsonl")
+        assert [e["message"] for e in log.events] == ["0", "1", "2"] and log.torn == 0
+
+
+def test_the_open_file_limit_follows_the_descriptor_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resource
+
+    from proxy.eventlog import default_max_open_files
+
+    for soft, expected in ((1024, 256), (100, 25), (20, 16), (1_000_000, 512)):
+        monkeypatch.setattr(resource, "getrlimit", lambda _which, soft=soft: (soft, soft))
+        assert default_max_open_files() == expected
+    monkeypatch.setattr(
+        resource, "getrlimit", lambda _which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
+    )
+    assert default_max_open_files() == 512
+
+
 # ------------------------------------------------------------------------------------------------
 # Durability, bodies, secrets
 
