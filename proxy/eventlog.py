@@ -484,9 +484,9 @@ def _terminate_torn_line(fd: int) -> None:
 
 
 def default_max_open_files() -> int:
-    """How many session files the writer keeps open: enough that a few hundred sessions in
-    flight are not reopened on every write (a reopen costs more than the write), and at most a
-    quarter of the process's file descriptor limit, which the connections need more."""
+    """How many session files the writer keeps open: enough that hundreds of sessions in flight
+    are not reopened on every write (a reopen costs more than the write); a quarter of the
+    process's file descriptor limit (the connections need the rest), at most 1,024."""
     try:
         import resource
 
@@ -494,8 +494,8 @@ def default_max_open_files() -> int:
     except (ImportError, OSError, ValueError):
         return 64
     if soft == resource.RLIM_INFINITY:
-        return 512
-    return max(16, min(512, soft // 4))
+        return 1024
+    return max(16, min(1024, soft // 4))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -383,13 +383,13 @@ def test_the_open_file_limit_follows_the_descriptor_limit(monkeypatch: pytest.Mo
 
     from proxy.eventlog import default_max_open_files
 
-    for soft, expected in ((1024, 256), (100, 25), (20, 16), (1_000_000, 512)):
+    for soft, expected in ((1024, 256), (100, 25), (20, 16), (8192, 1024), (1_000_000, 1024)):
         monkeypatch.setattr(resource, "getrlimit", lambda _which, soft=soft: (soft, soft))
         assert default_max_open_files() == expected
     monkeypatch.setattr(
         resource, "getrlimit", lambda _which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
     )
-    assert default_max_open_files() == 512
+    assert default_max_open_files() == 1024
 
 
 # ------------------------------------------------------------------------------------------------
