@@ -78,6 +78,9 @@ _BATCH_SESSIONS: Final = 64  # sessions gathered into one batch of writes
 # Lines looked through for secrets at once: a literal found sends only its group line by line.
 _SCAN_GROUP: Final = 16
 _VALID_IDS_KEPT: Final = 4096  # session ids remembered as checked by emit()
+# A session file not written for this long is closed: it no longer counts as being written, so
+# retention may delete it once the session is forgotten too.
+IDLE_CLOSE_S: Final = 600.0
 
 
 class EventLogWriter:
@@ -138,6 +141,7 @@ class EventLogWriter:
         # Owned by the writer thread only.
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._dirty: set[str] = set()
+        self._written_at: dict[str, float] = {}  # monotonic time of each open file's last write
         self._last_sync = time.monotonic()
         self._last_warn: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
@@ -294,6 +298,8 @@ class EventLogWriter:
                         and self._last_sync + self.fsync_interval_s <= time.monotonic()
                     ):
                         self._sync_dirty()
+                    if self._fds:
+                        self._close_idle()
                     if not self._items:
                         continue
                 item = self._items.popleft()
@@ -391,6 +397,7 @@ class EventLogWriter:
                 self._lose("io", "event log: cannot write %s: %s", session_id, exc)
             return
         self._written += len(lines)
+        self._written_at[session_id] = time.monotonic()
         if self.fsync == "line":
             self._sync(session_id, fd)
         elif self.fsync == "interval":
@@ -442,9 +449,20 @@ class EventLogWriter:
             self._fds[session_id] = fd
         return fd
 
+    def _close_idle(self) -> None:
+        """Close the files not written for ``IDLE_CLOSE_S`` (the least recently written come
+        first in ``_fds``)."""
+        oldest = time.monotonic() - IDLE_CLOSE_S
+        while self._fds:
+            session_id = next(iter(self._fds))
+            if self._written_at.get(session_id, 0.0) > oldest:
+                return
+            self._close_fd(session_id)
+
     def _close_fd(self, session_id: str) -> None:
         with self._lock:
             fd = self._fds.pop(session_id, None)
+        self._written_at.pop(session_id, None)
         if fd is None:
             return
         if session_id in self._dirty:
@@ -479,7 +497,14 @@ def _terminate_torn_line(fd: int) -> None:
     """Append a newline when an earlier process died mid-line, so its fragment stays one torn line
     instead of swallowing the first event written now."""
     size = os.fstat(fd).st_size
-    if size and os.pread(fd, 1, size - 1) != b"\n":
+    if not size:
+        return
+    if hasattr(os, "pread"):
+        last = os.pread(fd, 1, size - 1)
+    else:  # Windows: the offset does not matter to appends
+        os.lseek(fd, size - 1, os.SEEK_SET)
+        last = os.read(fd, 1)
+    if last != b"\n":
         os.write(fd, b"\n")
 
 

@@ -29,6 +29,10 @@ from proxy.upstream import UpstreamPool, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
+# A read ending in a blank line whose line ends run longer (three in a row, or mixed): the
+# stripper pairs them up as an SSE reader does.
+_LINE_ENDS = (b"\n", b"\r")
+
 Scope = dict[str, Any]
 Receive = Callable[[], Any]
 Send = Callable[[dict[str, Any]], Any]
@@ -372,7 +376,7 @@ class DirectBody:
             cycle.transport = transport
         direct = DirectBody.of(send)
         head = b"".join(held.parts)
-        if direct is None:
+        if direct is None or len(held.parts) != 1:  # not the one write of a start: as it came
             if head:
                 transport.write(head)
             return None
@@ -491,6 +495,7 @@ class Relay:
             watch = DisconnectWatch(receive, watch_after)
         response: httpx.Response | UpstreamResponse | None = None
         started = False
+        direct: DirectBody | None = None
         tee: _Tee | None = None
         stripper: UsageEventStripper | None = None
         try:
@@ -552,13 +557,14 @@ class Relay:
                     extra=extra_headers,
                 ),
             }
-            direct = None
             if not isinstance(response, UpstreamResponse) or chunks is not response.stream:
                 await send(start)
-            elif is_sse:  # a stream's headers go at once: a client may wait on them
+            elif is_sse or response.headers.get("content-length") is None:
+                # A stream's headers (or those of a body of unknown length, perhaps streamed
+                # too) go at once: a client may wait on them.
                 await send(start)
                 direct = DirectBody.of(send)
-            else:  # an answer's headers go with its first bytes
+            else:  # a whole answer's headers go with its first bytes
                 direct = await DirectBody.start(send, start)
             started = True
             try:
@@ -600,6 +606,8 @@ class Relay:
             watch.stop()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
+            if direct is not None:
+                direct.release()  # a shutdown cuts the client after the headers, as before
             task = asyncio.current_task()
             if watch is None or not watch.disconnected or task is None:
                 raise
@@ -651,7 +659,7 @@ def _sink(
         elif collect is not None:
             collect(chunk)
         if stripper is not None:
-            if stripper.pending or not chunk.endswith(EVENT_ENDS):
+            if stripper.pending or not chunk.endswith(EVENT_ENDS) or chunk[-3:-2] in _LINE_ENDS:
                 chunk = stripper.feed(chunk)
             else:  # whole events: the stripper's own short path, inlined
                 plain = chunk.replace(NULL_USAGE_LF, b"}\n")  # OpenAI's null usage, if any

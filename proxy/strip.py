@@ -69,22 +69,32 @@ class UsageEventStripper:
         event = self.pending
         held = len(event)
         event += chunk
-        if not self._cr and chunk.find(b"\r") < 0:
+        chunk_cr = chunk.find(b"\r") >= 0
+        if not self._cr and not chunk_cr:
             # Line ends are all LF (what every provider sends): the whole events end at the last
             # blank line, and they are taken together, OpenAI's nulls with one replace, as long
             # as no other usage member is among them. Else the general path below.
             last = event.rfind(b"\n\n", held - 1 if held else 0)
             if last < 0:
                 return b""
-            cut = last + 2
+            # Line ends pair up from the start of their run, as an SSE reader takes them: of
+            # three in a row, two end the event and the third opens the next one.
+            run = last
+            while run and event[run - 1] == 10:
+                run -= 1
+            cut = run + (last + 2 - run) // 2 * 2
             whole = bytes(event[:cut])
             del event[:cut]
             plain = whole.replace(NULL_USAGE_LF, b"}\n")
             if plain.find(b'"usage"') >= 0:
                 plain = self._lf_events(whole)
             return chunk if not held and cut == len(chunk) and plain == chunk else plain
+        before = len(event)
         out = self._events(event, max(0, held - 3))
-        self._cr = event.find(b"\r") >= 0
+        if len(event) < before:  # events were cut off: is a CR left in the one still open?
+            self._cr = event.find(b"\r") >= 0
+        else:
+            self._cr = self._cr or chunk_cr
         if not out:
             return b""
         # A read of whole events with nothing taken out forwards the caller's own bytes object.

@@ -378,6 +378,28 @@ def test_hundreds_of_sessions_in_flight_keep_their_files_open(
         assert [e["message"] for e in log.events] == ["0", "1", "2"] and log.torn == 0
 
 
+def test_a_file_not_written_for_a_while_is_closed(
+    log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files stay open only while their session is written: an idle one is closed (and so no
+    longer kept from retention), and reopened, lines in order, when its session comes back."""
+    import proxy.eventlog as eventlog
+
+    monkeypatch.setattr(eventlog, "IDLE_CLOSE_S", 0.2)
+    w = started(writers, log_dir)
+    assert w.emit("quiet", {"type": "error", "status": 500, "message": "1"})
+    assert w.flush()
+    assert w.open_sessions() == {"quiet"}
+    deadline = time.monotonic() + 5
+    while w.open_sessions() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert w.open_sessions() == frozenset()
+    assert w.emit("quiet", {"type": "error", "status": 500, "message": "2"})
+    assert w.close()
+    log = read_events(log_dir / "quiet.jsonl")
+    assert [e["message"] for e in log.events] == ["1", "2"] and log.torn == 0
+
+
 def test_the_open_file_limit_follows_the_descriptor_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     import resource
 

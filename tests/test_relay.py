@@ -228,6 +228,24 @@ def test_the_relay_writes_no_empty_chunk() -> None:
     assert ex.ttfb_s is not None
 
 
+def test_the_relays_short_path_strips_as_the_stripper_does() -> None:
+    """Reads of whole events take the sink's inline path; any read must give what the stripper
+    gives: a run of three line ends ending a read leaves its third for the next event."""
+    from proxy.strip import UsageEventStripper
+    from tests.test_strip import CHUNK, DONE, USAGE, reference
+
+    for blank in (b"", b"\n", b"\n\n\n", b"\r\n"):
+        reads = [CHUNK % b"a" + blank, USAGE, CHUNK % b"b" + blank + USAGE, DONE]
+        written: list[bytes] = []
+        ex = Exchange("chat", "POST", "chat/completions", 0.0, time.perf_counter())
+        stripper = UsageEventStripper()
+        sink = _sink(ex, stripper, None, lambda out, kept=written: kept.append(out) or True)
+        for read in reads:
+            sink(read)
+        got = b"".join(written) + stripper.flush()
+        assert (got, stripper.stripped) == reference(b"".join(reads)), blank
+
+
 def test_usage_request_can_be_turned_off(scripted: Any, proxy_factory: Any) -> None:
     upstream, url = scripted(chunks=[STREAM, b"data: [DONE]\n\n"])
     proxy = proxy_factory(url, {"upstream": {"request_usage": False}})
@@ -940,6 +958,25 @@ def test_an_answer_goes_out_with_its_headers_in_one_write(
     assert all(
         w.startswith(b"HTTP/1.1 200 OK\r\n") and w.endswith(b"\r\n\r\n" + body) for w in writes
     )
+
+
+def test_the_headers_of_a_body_of_unknown_length_are_not_held(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """Only a whole answer (with its length) waits to go out with its headers: a chunked one
+    may be streamed (ndjson, audio), and its client gets the headers when the upstream sends
+    them."""
+    body = orjson.dumps({"id": "x", "choices": [], "usage": {"prompt_tokens": 1}})
+    _upstream, url = scripted(
+        chunks=[body[:10], body[10:]], content_type=b"application/json", first_delay_s=1.0
+    )
+    proxy = proxy_factory(url)
+    t0 = time.monotonic()
+    with httpx.stream("POST", proxy.base_url + "/chat/completions", json=CHAT) as r:
+        headers_after = time.monotonic() - t0
+        assert r.status_code == 200
+        assert r.read() == body
+    assert headers_after < 0.8
 
 
 def test_a_streams_headers_are_not_held_for_its_first_event(

@@ -212,3 +212,65 @@ def test_lf_streams_cut_anywhere_lose_only_what_the_usage_request_added(
     stream = b"".join(asked) + DONE
     expected = b"".join(direct) + DONE
     assert run(stream, [c % (len(stream) + 1) for c in cuts]) == expected
+
+
+def reference(stream: bytes) -> tuple[bytes, int]:
+    """The stripper's rule on a whole stream at once: events end at two line ends in a row,
+    taken from the left as an SSE reader takes them; each event loses the null usages ending its
+    lines, a usage-only event goes whole; a tail that never ended is the flush's."""
+    import re
+
+    ends = re.compile(rb"\r\n\r\n|\n\r\n|\r\r\n|\n\n|\r\r(?=[^\n])|\n\r(?=[^\n])|\r\n\r(?=[^\n])")
+    out, stripped, start = b"", 0, 0
+    for found in ends.finditer(stream):
+        event = stream[start : found.end()]
+        start = found.end()
+        if is_usage_only(event):
+            stripped += 1
+        else:
+            out += event.replace(b',"usage":null}\n', b"}\n").replace(b',"usage":null}\r', b"}\r")
+    tail = stream[start:]
+    if tail and is_usage_only(tail):
+        return out, stripped + 1
+    return out + tail.replace(b',"usage":null}\n', b"}\n").replace(
+        b',"usage":null}\r', b"}\r"
+    ), stripped
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    pieces=st.lists(
+        st.sampled_from(
+            [CHUNK % b"a", PLAIN % b"b", USAGE, b"\n", b"\r", b"\r\n", b": ping\n\n", b"data: x"]
+        ),
+        max_size=10,
+    ),
+    cuts=st.lists(st.integers(min_value=0, max_value=3000), max_size=12),
+)
+def test_any_stream_cut_anywhere_is_stripped_as_a_whole_reading_would(
+    pieces: list[bytes], cuts: list[int]
+) -> None:
+    """Blank lines, runs of three line ends or more, CR and LF streams handing over in the
+    middle of a read, the usage event anywhere: however the stream is cut, the client gets what
+    reading it whole gives, and the same usage events are counted."""
+    stream = b"".join(pieces) + DONE
+    stripper = UsageEventStripper()
+    out, prev = b"", 0
+    for cut in [*sorted({c % (len(stream) + 1) for c in cuts}), len(stream)]:
+        out += stripper.feed(stream[prev:cut])
+        prev = cut
+    out += stripper.flush()
+    assert (out, stripper.stripped) == reference(stream)
+
+
+def test_a_run_of_three_line_ends_cut_anywhere_pairs_from_its_start() -> None:
+    """Of three LFs, the first two end the event and the third opens the next: a blank line
+    before the usage event goes with it, wherever a read cuts the run."""
+    for before in (CHUNK % b"a", PLAIN % b"a"):
+        for blank in (b"\n", b"\n\n\n"):
+            stream = before + blank + USAGE + DONE
+            expected = reference(stream)
+            for cut in range(len(stream) + 1):
+                stripper = UsageEventStripper()
+                out = stripper.feed(stream[:cut]) + stripper.feed(stream[cut:])
+                assert (out + stripper.flush(), stripper.stripped) == expected, cut
