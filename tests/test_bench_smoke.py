@@ -85,3 +85,17 @@ def test_mode_c_cpu_is_measured_against_history_and_appended_bytes(results: dict
     assert math.isfinite(cpu["ms_per_100kb_history"])
     for sweep in cpu["fork_sweeps"].values():
         assert all(math.isfinite(v) and v > 0 for v in sweep["by_appended_kb"].values())
+
+
+def test_the_micro_benchmarks_measure_every_part(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import micro
+
+    results = micro.main(["--scale", "0.02"])
+    assert set(results) == {"strip", "writer", "inference"}
+    for part, figures in results.items():
+        assert figures, part
+        assert all(math.isfinite(v) and v > 0 for v in figures.values()), (part, figures)
+    printed = capsys.readouterr().out
+    assert "us per event" in printed and "ms per inference" in printed
+    with pytest.raises(SystemExit):
+        micro.main(["nothing"])
