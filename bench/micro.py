@@ -96,8 +96,15 @@ def writer(scale: float) -> dict[str, float]:
     out: dict[str, float] = {}
     lines = max(100, int(4000 * scale))
     for sessions in (10, 64, 300, 1000):
-        w = EventLogWriter(tempfile.mkdtemp(prefix="cachegate-micro-"))
-        w.start()
+        with tempfile.TemporaryDirectory(prefix="cachegate-micro-") as log_dir:
+            out[f"{sessions} sessions"] = _writer_cpu_per_line(log_dir, sessions, lines)
+    return out
+
+
+def _writer_cpu_per_line(log_dir: str, sessions: int, lines: int) -> float:
+    w = EventLogWriter(log_dir)
+    w.start()
+    try:
 
         def event(i: int) -> dict[str, Any]:
             content = "hello " * 20
@@ -112,9 +119,9 @@ def writer(scale: float) -> dict[str, float]:
             if i % 1000 == 999:
                 w.flush()
         w.flush()
-        out[f"{sessions} sessions"] = 1e6 * (time.process_time() - t0) / lines
+        return 1e6 * (time.process_time() - t0) / lines
+    finally:
         w.close()
-    return out
 
 
 def inference(scale: float) -> dict[str, float]:
