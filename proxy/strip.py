@@ -74,7 +74,7 @@ class UsageEventStripper:
             # Line ends are all LF (what every provider sends): the whole events end at the last
             # blank line, and they are taken together, OpenAI's nulls with one replace, as long
             # as no other usage member is among them. Else the general path below.
-            last = event.rfind(b"\n\n", held - 1 if held else 0)
+            last = event.rfind(b"\n\n", max(held - 1, 0))
             if last < 0:
                 return b""
             # Line ends pair up from the start of their run, as an SSE reader takes them: of
@@ -106,14 +106,7 @@ class UsageEventStripper:
         parts = whole.split(b"\n\n")
         for i in range(len(parts) - 1):  # the last part is what follows the last end: b"" or LF
             data = parts[i] + b"\n\n"
-            if data.find(b'"usage"') >= 0:
-                kept = data.replace(NULL_USAGE_LF, b"}\n")
-                # Only a usage member other than OpenAI's null can make it the usage event.
-                if kept.find(b'"usage"') >= 0 and is_usage_only(data):
-                    self.stripped += 1
-                    kept = b""
-                data = kept
-            parts[i] = data
+            parts[i] = self._kept(data) if data.find(b'"usage"') >= 0 else data
         return b"".join(parts)
 
     def _events(self, event: bytearray, scan: int) -> bytearray:
@@ -132,11 +125,7 @@ class UsageEventStripper:
             end = found.end()
             if event.find(b'"usage"', start, end) >= 0:
                 data = bytes(event[start:end])
-                kept = without_null_usage(data)
-                # Only a usage member other than OpenAI's null can make it the usage event.
-                if kept.find(b'"usage"') >= 0 and is_usage_only(data):
-                    self.stripped += 1
-                    kept = b""
+                kept = self._kept(data)
                 if kept != data:
                     out += event[copy_from:start]
                     out += kept
@@ -147,14 +136,19 @@ class UsageEventStripper:
         del event[:start]
         return out
 
+    def _kept(self, data: bytes) -> bytes:
+        """What one event forwards: nothing for the usage event, else itself without OpenAI's
+        null usages."""
+        kept = without_null_usage(data)
+        # Only a usage member other than OpenAI's null can make it the usage event.
+        if kept.find(b'"usage"') >= 0 and is_usage_only(data):
+            self.stripped += 1
+            return b""
+        return kept
+
     def flush(self) -> bytes:
         """The bytes of a final event that never ended (a truncated stream)."""
-        rest = bytes(self.pending)
-        if rest and is_usage_only(rest):
-            self.stripped += 1
-            rest = b""
-        elif rest:
-            rest = without_null_usage(rest)
+        rest = self._kept(bytes(self.pending)) if self.pending else b""
         self.pending = bytearray()
         self._cr = False
         return rest
