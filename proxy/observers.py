@@ -173,8 +173,10 @@ class EventLogObserver:
         messages = ex.body.get("messages")
         messages = messages if isinstance(messages, list) else []
         candidates = [
-            # exchanges whose request lines were emitted before this one's (the pipeline
-            # remembers an exchange in the same step as its line)
+            # exchanges whose request lines were emitted before this one's: an exchange joins
+            # the session's recent ones right after its own line (below), so a line is only
+            # ever delta-coded against one written before it, in whatever order the requests
+            # were forwarded or their observers batched
             (eid, msgs)
             for eid, msgs in (state.recent if state else [])
             if eid != ex.exchange_id
@@ -197,6 +199,8 @@ class EventLogObserver:
                 "bytes": ex.request_bytes,
             },
         )
+        if state is not None:
+            state.remember(ex.exchange_id, messages)
 
     def on_retry(self, ex: Exchange) -> None:
         """The request was compacted and re-sent: log it again under the same exchange id (replay

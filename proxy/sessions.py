@@ -127,7 +127,8 @@ class SessionState:
     meta_written: bool = False
     opening: OpeningKey | None = None
     last_client_messages: list[Any] = field(default_factory=list)
-    # (exchange id, forwarded messages) of recent exchanges, the bases of delta-coded log lines.
+    # (exchange id, forwarded messages) of recent exchanges, the bases of delta-coded log lines
+    # (the event log adds each exchange right after writing its request line).
     recent: list[tuple[int, list[Any]]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # accounting, compaction, fingerprints
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

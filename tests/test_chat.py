@@ -348,6 +348,69 @@ def test_request_observers_run_after_the_forward_and_before_the_response_observe
     asyncio.run(run())
 
 
+def test_observers_of_many_exchanges_each_see_them_in_order_after_the_observers_before_them() -> (
+    None
+):
+    """Forty exchanges due at once run observer by observer in batches: every observer sees
+    every exchange's request and response once, in the order they became due, and always after
+    the observers before it in the list (the event log reads what accounting noted)."""
+    import asyncio
+
+    import httpx
+
+    from proxy.chat import OBSERVER_FIRST_GUESS_S, OBSERVER_SLICE_S, ChatPipeline
+    from proxy.config import settings_from_mapping
+    from proxy.pipeline import Exchange
+    from proxy.relay import Relay
+    from proxy.sessions import MemorySessionStore
+
+    class Noting:
+        def on_request(self, ex: Exchange) -> None:
+            ex.transforms["noted"] = "request"
+
+        def on_response(self, ex: Exchange) -> None:
+            ex.cache = {"noted": ex.exchange_id}
+
+    class Reading:
+        def __init__(self) -> None:
+            self.seen: list[tuple[str, int, object]] = []
+
+        def on_request(self, ex: Exchange) -> None:
+            self.seen.append(("request", ex.exchange_id, ex.transforms.get("noted")))
+
+        def on_response(self, ex: Exchange) -> None:
+            self.seen.append(("response", ex.exchange_id, ex.cache))
+
+    async def run() -> None:
+        settings = settings_from_mapping({"upstream": {"base_url": "http://127.0.0.1:9/v1"}})
+        relay = Relay(httpx.AsyncHTTPTransport(), "http://127.0.0.1:9/v1", httpx.Timeout(5.0))
+        reading = Reading()
+        chat = ChatPipeline(
+            settings, relay, MemorySessionStore(), [Noting(), reading], api_key=lambda: None
+        )
+        count = 20
+        assert 2 * count > OBSERVER_SLICE_S / OBSERVER_FIRST_GUESS_S  # more than one batch
+        exchanges = [
+            Exchange("chat", "POST", "chat/completions", 0.0, 0.0, exchange_id=i)
+            for i in range(count)
+        ]
+        expected = []
+        for ex in exchanges:  # each request, then the previous exchange's response
+            chat._before_forward(ex)
+            expected.append(("request", ex.exchange_id, "request"))
+            if ex.exchange_id:
+                chat._after_response(exchanges[ex.exchange_id - 1])
+                i = ex.exchange_id - 1
+                expected.append(("response", i, {"noted": i}))
+        chat._after_response(exchanges[-1])
+        expected.append(("response", count - 1, {"noted": count - 1}))
+        await asyncio.wait_for(chat.idle.wait(), 5)
+        assert reading.seen == expected
+        assert chat.in_flight == 0
+
+    asyncio.run(run())
+
+
 def test_request_lines_forwarded_out_of_order_are_coded_only_against_lines_already_written() -> (
     None
 ):

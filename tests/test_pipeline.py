@@ -1,0 +1,76 @@
+"""The observer seams: ``notify`` and ``notify_each`` never let an observer break the others."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from proxy.pipeline import Exchange, notify, notify_each
+
+
+def _exchange(i: int) -> Exchange:
+    return Exchange("chat", "POST", "chat/completions", 0.0, 0.0, exchange_id=i)
+
+
+class Recording:
+    def __init__(self, name: str, seen: list[tuple[str, str, int]]) -> None:
+        self.name = name
+        self.seen = seen
+
+    def on_request(self, ex: Exchange) -> None:
+        self.seen.append((self.name, "request", ex.exchange_id))
+
+    def on_response(self, ex: Exchange) -> None:
+        self.seen.append((self.name, "response", ex.exchange_id))
+
+
+class Failing:
+    def on_request(self, ex: Exchange) -> None:
+        raise RuntimeError("observer bug")
+
+    def on_response(self, ex: Exchange) -> None:
+        raise RuntimeError("observer bug")
+
+
+class ResponsesOnly:
+    def __init__(self, seen: list[tuple[str, str, int]]) -> None:
+        self.seen = seen
+
+    def on_response(self, ex: Exchange) -> None:
+        self.seen.append(("late", "response", ex.exchange_id))
+
+
+def test_notify_each_runs_every_observer_over_the_calls_in_order(caplog) -> None:
+    """Observer by observer, each over the calls in the order given; a failing observer is
+    logged for each of its calls and the observers after it still run; one without a hook is
+    skipped for that hook only."""
+    seen: list[tuple[str, str, int]] = []
+    first, second = Recording("first", seen), Recording("second", seen)
+    calls = [
+        ("on_request", _exchange(1)),
+        ("on_request", _exchange(2)),
+        ("on_response", _exchange(1)),
+    ]
+    with caplog.at_level(logging.ERROR, logger="proxy.pipeline"):
+        notify_each([first, Failing(), second, ResponsesOnly(seen)], calls)  # type: ignore[list-item]
+    assert seen == [
+        ("first", "request", 1),
+        ("first", "request", 2),
+        ("first", "response", 1),
+        ("second", "request", 1),
+        ("second", "request", 2),
+        ("second", "response", 1),
+        ("late", "response", 1),
+    ]
+    failures = [r for r in caplog.records if "Failing" in r.getMessage()]
+    assert len(failures) == 3 and all("response is unaffected" in r.getMessage() for r in failures)
+
+
+@pytest.mark.parametrize("hook", ["on_request", "on_response"])
+def test_notify_calls_each_observer_once_and_survives_a_failing_one(hook: str, caplog) -> None:
+    seen: list[tuple[str, str, int]] = []
+    with caplog.at_level(logging.ERROR, logger="proxy.pipeline"):
+        notify([Failing(), Recording("after", seen)], hook, _exchange(7))  # type: ignore[list-item]
+    assert seen == [("after", hook.removeprefix("on_"), 7)]
+    assert any("Failing" in r.getMessage() for r in caplog.records)
