@@ -72,6 +72,13 @@ class _Flush:
 _STOP: Final = object()
 
 
+@dataclass(slots=True)
+class _FirstInFile:
+    """An event to write only as the first line of its file (``emit(..., first_in_file=True)``)."""
+
+    event: dict[str, Any]
+
+
 # How long the writer sleeps when it has nothing to write; events reach the disk within this.
 POLL_S: Final = 0.05
 _BATCH_SESSIONS: Final = 64  # sessions gathered into one batch of writes
@@ -186,8 +193,12 @@ class EventLogWriter:
         self._thread = threading.Thread(target=self._run, name="cachegate-eventlog", daemon=True)
         self._thread.start()
 
-    def emit(self, session_id: str, event: dict[str, Any]) -> bool:
-        """Queue ``event`` for ``session_id``'s file; False (and a counted drop) when refused."""
+    def emit(self, session_id: str, event: dict[str, Any], first_in_file: bool = False) -> bool:
+        """Queue ``event`` for ``session_id``'s file; False (and a counted drop) when refused.
+
+        With ``first_in_file``, the event is written only if the file holds nothing yet when its
+        turn comes (a session's meta line: one per file, also when an earlier process started
+        the file); the writer thread looks, so the caller's thread makes no system call."""
         if self._closed:
             self._drop("closed")
             return False
@@ -203,7 +214,9 @@ class EventLogWriter:
             return False
         # No wake-up call: waking a sleeping thread per event cost the event loop ~15% of its
         # CPU in the benchmark (GIL hand-offs). The writer polls instead (POLL_S).
-        self._items.append((session_id, time.time(), event))
+        self._items.append(
+            (session_id, time.time(), _FirstInFile(event) if first_in_file else event)
+        )
         return True
 
     def _put_control(self, item: Any) -> None:
@@ -314,7 +327,9 @@ class EventLogWriter:
                 made: list[_Made] = []  # what the secret scan may have to redact
                 while True:
                     session_id, ts, event = item
-                    encoded = self._line(session_id, ts, event)
+                    if type(event) is _FirstInFile:
+                        event = event.event if self._file_is_empty(session_id, batch) else None
+                    encoded = self._line(session_id, ts, event) if event is not None else None
                     if encoded is not None:
                         lines = batch.setdefault(session_id, [])
                         if self.redact_secrets:
@@ -383,6 +398,16 @@ class EventLogWriter:
                     dropped.append(lines)
         for lines in dropped:
             lines[:] = [line for line in lines if line]
+
+    def _file_is_empty(self, session_id: str, batch: dict[str, list[bytes]]) -> bool:
+        """Whether ``session_id``'s file holds no line, written or in ``batch``. A file that
+        cannot be opened counts as empty: the write will fail and count the loss."""
+        if batch.get(session_id):
+            return False
+        try:
+            return os.fstat(self._fd(session_id)).st_size == 0
+        except OSError:
+            return True
 
     def _write_lines(self, session_id: str, lines: list[bytes]) -> None:
         data = lines[0] if len(lines) == 1 else b"".join(lines)

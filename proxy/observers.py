@@ -6,7 +6,6 @@ Both run after the client has its response (``on_response``) or when a request i
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 from proxy import __version__, cache, prefix
 from proxy.cache import CacheState, ModelPricing
 from proxy.config import Settings
-from proxy.eventlog import EventLogWriter, choose_base, session_log_path
+from proxy.eventlog import EventLogWriter, choose_base
 from proxy.metrics import Metrics
 from proxy.pipeline import Exchange
 from proxy.sessions import SessionStore
@@ -148,10 +147,7 @@ class EventLogObserver:
         if state is None or state.meta_written:
             return
         state.meta_written = True
-        path = session_log_path(self.settings.logging.dir, state.id)
-        if os.path.exists(path):  # an explicit id seen by an earlier process: one meta per file
-            return
-        self._emit(
+        self.writer.emit(
             state.id,
             {
                 "ts": self.clock(),
@@ -163,6 +159,9 @@ class EventLogObserver:
                 "user_agent": ex.user_agent,
                 "version": __version__,
             },
+            # One meta line per file: not again for an explicit id an earlier process logged
+            # (the writer looks at the file, off the event loop).
+            first_in_file=True,
         )
 
     def on_request(self, ex: Exchange) -> None:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import os
 import re
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -67,10 +67,18 @@ def explicit_session_id(headers: Mapping[str, str], path_id: str | None) -> str 
     return candidate
 
 
+_stamp: tuple[int, str] = (-1, "")  # the last second formatted, and its text
+
+
 def new_session_id(now: float) -> str:
-    """A fresh id that sorts by creation time: ``YYYYmmdd-HHMMSS-<8 hex>``."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
-    return f"{stamp}-{uuid.uuid4().hex[:8]}"
+    """A fresh id that sorts by creation time: ``YYYYmmdd-HHMMSS-<8 hex>``, 32 random bits
+    from the system's generator (a thousand sessions starting in one second share the
+    formatting of that second)."""
+    global _stamp
+    second = int(now)
+    if _stamp[0] != second:
+        _stamp = (second, time.strftime("%Y%m%d-%H%M%S", time.gmtime(second)))
+    return f"{_stamp[1]}-{os.urandom(4).hex()}"
 
 
 OpeningKey = tuple[str, str] | str

@@ -64,6 +64,20 @@ def test_x_session_id_header_names_the_session_and_its_file(
     assert kinds == ["session_meta", "request", "response", "request", "response"]
 
 
+def test_a_session_resumed_by_a_later_process_keeps_one_meta_line(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """cachegate restarted (or a second instance on the same log directory): the session the
+    agent names again gets its new exchanges appended, not a second session_meta line."""
+    for _ in range(2):
+        proxy = proxy_factory(sim.api_base)
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "build-43"})
+        chat(client, [{"role": "user", "content": "one"}], stream=False)
+        flush(proxy)
+    kinds = [e["type"] for e in events(proxy.log_dir, "build-43")]
+    assert kinds == ["session_meta", "request", "response", "request", "response"]
+
+
 def test_session_in_the_path_for_clients_that_only_set_a_base_url(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:

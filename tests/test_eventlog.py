@@ -106,6 +106,30 @@ def conversation_turn(i: int) -> tuple[Message, Message]:
     return reply, follow_up
 
 
+def test_a_first_in_file_event_is_written_only_to_a_file_with_no_line_yet(
+    log_dir: Path, writers
+) -> None:
+    """A session's meta line is written once per file: to a new file, not to one an earlier
+    process started (nor a second time when emitted twice in one batch); the events after it
+    are written either way."""
+    log_dir.mkdir()
+    earlier = log_dir / "old.jsonl"
+    earlier.write_bytes(b'{"ts":1.0,"type":"session_meta","session":"old"}\n')
+    w = started(writers, log_dir)
+    for sid in ("old", "new"):
+        w.emit(sid, {"type": "session_meta", "session": sid}, first_in_file=True)
+        w.emit(sid, {"type": "session_meta", "session": sid, "again": 1}, first_in_file=True)
+        w.emit(sid, {"type": "error", "exchange": 1, "status": 400, "message": "m"})
+    assert w.flush()
+    w.emit("new", {"type": "session_meta", "session": "new", "later": 1}, first_in_file=True)
+    assert w.close()
+    old = [e["type"] for e in read_events(earlier).events]
+    assert old == ["session_meta", "error"]
+    new = read_events(log_dir / "new.jsonl").events
+    assert [e["type"] for e in new] == ["session_meta", "error"]
+    assert "again" not in new[0] and w.written == 3 and w.errors == 0
+
+
 def test_200_exchanges_grow_the_log_linearly_and_replay_exactly(log_dir: Path, writers) -> None:
     w = started(writers, log_dir)
     path = log_dir / "conv.jsonl"

@@ -78,3 +78,7 @@ def test_new_ids_are_valid_and_unique() -> None:
     ids = {new_session_id(1_790_000_000.0) for _ in range(100)}
     assert len(ids) == 100
     assert all(valid_session_id(i) for i in ids)
+    assert all(i.startswith("20260921-141320-") and len(i) == 24 for i in ids)
+    # the time stamp follows the clock, back and forth, though one second is formatted once
+    assert new_session_id(1_790_000_061.9).startswith("20260921-141421-")
+    assert new_session_id(1_790_000_000.2).startswith("20260921-141320-")
