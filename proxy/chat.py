@@ -317,31 +317,33 @@ class ChatPipeline:
 
     def _drain(self) -> None:
         due = self._due
-        started = time.perf_counter()
+        started = begun = time.perf_counter()
         try:
             while due:
-                fit = int(OBSERVER_SLICE_S / self._entry_s)
-                batch = [due.popleft() for _ in range(max(1, min(len(due), fit, OBSERVER_BATCH)))]
-                begun = time.perf_counter()
-                calls: list[tuple[str, Exchange]] = []
-                for ex, request in batch:
-                    if request:
-                        if not ex.request_noted:  # else a retry ran them already
-                            ex.request_noted = True
-                            calls.append(("on_request", ex))
-                    else:
+                size = min(len(due), OBSERVER_BATCH, int(OBSERVER_SLICE_S / self._entry_s) or 1)
+                calls: list[tuple[bool, Exchange]] = []
+                for _ in range(size):
+                    ex, request = due.popleft()
+                    if not request:
                         ex.assemble()
-                        calls.append(("on_response", ex))
+                    elif ex.request_noted:  # a retry ran them already
+                        continue
+                    else:
+                        ex.request_noted = True
+                    calls.append((request, ex))
                 try:
                     notify_each(self.observers, calls)
                 finally:
-                    for _ in batch:
-                        self._one_done()
+                    self.in_flight -= size
+                    if not self.in_flight:
+                        self.idle.set()
                 now = time.perf_counter()
                 # A moving average, so that one slow entry (a long stream) or a pause of the
                 # whole process moves the batch size but does not set it.
-                self._entry_s += ((now - begun) / len(batch) - self._entry_s) / 4
-                self._entry_s = max(self._entry_s, 1e-6)
+                self._entry_s = max(
+                    1e-7, self._entry_s + ((now - begun) / size - self._entry_s) / 4
+                )
+                begun = now
                 if now - started > OBSERVER_SLICE_S:
                     break
         finally:

@@ -111,20 +111,21 @@ class Observer(Protocol):
     #   on_error(ex): cachegate answered itself (bad input, strict rejection); nothing forwarded.
 
 
-def notify_each(observers: list[Observer], calls: list[tuple[str, Exchange]]) -> None:
-    """Call ``hook`` on every observer for each ``(hook, ex)`` of ``calls``, observer by observer:
-    every observer sees the calls in their order, and an observer's calls follow those of the
-    observers before it in the list (the event log reads what accounting noted on the exchange).
+def notify_each(observers: list[Observer], calls: list[tuple[bool, Exchange]]) -> None:
+    """``on_request`` (``True``) or ``on_response`` (``False``) on every observer for each
+    ``(request, ex)`` of ``calls``, observer by observer: every observer sees the calls in their
+    order, and an observer's calls follow those of the observers before it in the list (the
+    event log reads what accounting noted on the exchange).
 
     The same calls as ``notify`` for each in turn, run in another order: one observer's code and
     state stay in the processor's caches across a batch of exchanges, where going through every
-    observer for one exchange at a time evicted them. At 32 concurrent requests this cut
-    cachegate's CPU per request by about a sixth (``python -m bench.run --phases throughput
-    --concurrency 32``). One failing call never stops the others or the relay."""
+    observer for one exchange at a time evicted them (``ChatPipeline._drain``). One failing call
+    never stops the others or the relay."""
     for observer in observers:
-        methods = {hook: getattr(observer, hook, None) for hook in {hook for hook, _ in calls}}
-        for hook, ex in calls:
-            method = methods[hook]
+        on_request = getattr(observer, "on_request", None)
+        on_response = getattr(observer, "on_response", None)
+        for request, ex in calls:
+            method = on_request if request else on_response
             if method is None:
                 continue
             try:
@@ -133,7 +134,7 @@ def notify_each(observers: list[Observer], calls: list[tuple[str, Exchange]]) ->
                 log.exception(
                     "observer %s.%s failed; the response is unaffected",
                     type(observer).__name__,
-                    hook,
+                    "on_request" if request else "on_response",
                 )
 
 

@@ -47,11 +47,7 @@ def test_notify_each_runs_every_observer_over_the_calls_in_order(caplog) -> None
     skipped for that hook only."""
     seen: list[tuple[str, str, int]] = []
     first, second = Recording("first", seen), Recording("second", seen)
-    calls = [
-        ("on_request", _exchange(1)),
-        ("on_request", _exchange(2)),
-        ("on_response", _exchange(1)),
-    ]
+    calls = [(True, _exchange(1)), (True, _exchange(2)), (False, _exchange(1))]
     with caplog.at_level(logging.ERROR, logger="proxy.pipeline"):
         notify_each([first, Failing(), second, ResponsesOnly(seen)], calls)  # type: ignore[list-item]
     assert seen == [
