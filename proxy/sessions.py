@@ -9,6 +9,7 @@ on a tie); else a new session.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import operator
 import os
 import re
@@ -70,15 +71,42 @@ def explicit_session_id(headers: Mapping[str, str], path_id: str | None) -> str 
 _stamp: tuple[int, str] = (-1, "")  # the last second formatted, and its text
 
 
+class _IdBits:
+    """Unpredictable id suffixes without a system call: a keyed BLAKE2b of a counter (a
+    pseudorandom function: without the key, one suffix tells nothing of another). The key comes
+    from ``os.urandom`` once per process, again in a forked child.
+
+    ``os.urandom`` per id releases the GIL for its system call, and the event loop then waited up
+    to the interpreter's switch interval (5 ms) whenever the log writer thread took the GIL
+    meanwhile: at 32 new sessions in flight the mean time before forwarding went from ~60 to
+    ~150 µs."""
+
+    def __init__(self) -> None:
+        self.reseed()
+
+    def reseed(self) -> None:
+        self._key = os.urandom(32)
+        self._count = itertools.count()
+
+    def take(self) -> str:
+        counter = next(self._count).to_bytes(8, "little")
+        return hashlib.blake2b(counter, key=self._key, digest_size=4).hexdigest()
+
+
+_id_bits = _IdBits()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_id_bits.reseed)
+
+
 def new_session_id(now: float) -> str:
-    """A fresh id that sorts by creation time: ``YYYYmmdd-HHMMSS-<8 hex>``, 32 random bits
-    from the system's generator (a thousand sessions starting in one second share the
-    formatting of that second)."""
+    """A fresh id that sorts by creation time: ``YYYYmmdd-HHMMSS-<8 hex>``, the hex digits
+    unpredictable (``_IdBits``; a thousand sessions starting in one second share the formatting
+    of that second)."""
     global _stamp
     second = int(now)
     if _stamp[0] != second:
         _stamp = (second, time.strftime("%Y%m%d-%H%M%S", time.gmtime(second)))
-    return f"{_stamp[1]}-{os.urandom(4).hex()}"
+    return f"{_stamp[1]}-{_id_bits.take()}"
 
 
 OpeningKey = tuple[str, str] | str

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from proxy.sessions import MemorySessionStore, explicit_session_id, new_session_id, valid_session_id
@@ -82,3 +84,21 @@ def test_new_ids_are_valid_and_unique() -> None:
     # the time stamp follows the clock, back and forth, though one second is formatted once
     assert new_session_id(1_790_000_061.9).startswith("20260921-141421-")
     assert new_session_id(1_790_000_000.2).startswith("20260921-141320-")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_process_makes_other_ids_than_its_parent() -> None:
+    """Ids come from a keyed hash of a counter (no system call per id): a forked child gets a
+    key of its own, so parent and child never hand out the same ids."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.write(write, "\n".join(new_session_id(1.0) for _ in range(500)).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read, "rb") as f:
+        child = set(f.read().decode().split("\n"))
+    parent = {new_session_id(1.0) for _ in range(500)}
+    assert len(child) == len(parent) == 500
+    assert not child & parent
