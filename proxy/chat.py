@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 OBSERVER_SLICE_S = 0.002
 # Due observer entries run together, observer by observer (``ChatPipeline._drain``): as many as
 # fit in a slice by the cost measured so far, at most this many, from this first guess per entry.
-OBSERVER_BATCH = 128
+OBSERVER_BATCH = 64
 OBSERVER_FIRST_GUESS_S = 0.00025
 
 _USAGE_OPTION = b'"stream_options":{"include_usage":true}'
@@ -338,11 +338,11 @@ class ChatPipeline:
                     if not self.in_flight:
                         self.idle.set()
                 now = time.perf_counter()
-                # A moving average, so that one slow entry (a long stream) or a pause of the
-                # whole process moves the batch size but does not set it.
-                self._entry_s = max(
-                    1e-7, self._entry_s + ((now - begun) / size - self._entry_s) / 4
-                )
+                # Up at once, down gradually: when costly entries (streams ending) follow cheap
+                # ones, only the first batch of them is sized by the cheap ones; a cheap batch or
+                # two do not make the next one long.
+                cost = (now - begun) / size
+                self._entry_s = max(cost, 1e-7, self._entry_s + (cost - self._entry_s) / 4)
                 begun = now
                 if now - started > OBSERVER_SLICE_S:
                     break

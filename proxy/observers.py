@@ -71,7 +71,7 @@ class AccountingObserver:
         extra["body"] = ex.body
         if divergence is not None:
             self.metrics.observe_prefix_rewrite(_location_label(divergence))
-            ex.transforms.setdefault("divergence", _divergence_dict(divergence))
+            ex.divergence = _divergence_dict(divergence)
         usage = ex.usage
         if usage is None or ex.status >= 400:
             return
@@ -137,10 +137,11 @@ class EventLogObserver:
         self.writer = writer
         self.clock = clock
 
-    def _emit(self, session_id: str, event: dict[str, Any]) -> None:
+    def _emit(self, session_id: str, event: dict[str, Any]) -> bool:
         """Queue ``event``, which starts with ``ts`` and ``type`` (the writer then takes the dict as
-        it is, where it would copy one with another key order)."""
-        self.writer.emit(session_id, event)
+        it is, where it would copy one with another key order); False when the writer refused
+        it (a full queue, say)."""
+        return self.writer.emit(session_id, event)
 
     def _meta(self, ex: Exchange) -> None:
         state = self.sessions.get(ex.session_id or "")
@@ -181,7 +182,7 @@ class EventLogObserver:
             if eid != ex.exchange_id
         ]
         base_exchange, base = choose_base(candidates, messages) if candidates else (None, 0)
-        self._emit(
+        written = self._emit(
             ex.session_id,
             {
                 "ts": self.clock(),
@@ -198,7 +199,7 @@ class EventLogObserver:
                 "bytes": ex.request_bytes,
             },
         )
-        if state is not None:
+        if state is not None and written:  # a line that was refused is no base
             state.remember(ex.exchange_id, messages)
 
     def on_retry(self, ex: Exchange) -> None:
@@ -228,13 +229,14 @@ class EventLogObserver:
             event["cache"] = ex.cache
         if ex.cost is not None:
             event["cost"] = ex.cost
-        if "divergence" in ex.transforms:
-            event["divergence"] = ex.transforms["divergence"]
+        if ex.divergence is not None:
+            event["divergence"] = ex.divergence
         self._emit(ex.session_id, event)
 
     def on_compaction(self, ex: Exchange, comp: Any, source: str) -> None:
         if ex.session_id is None:
             return
+        self._meta(ex)  # a compaction is noted before the request: the meta line comes first
         self._emit(
             ex.session_id,
             {

@@ -59,6 +59,9 @@ class Exchange:
     upstream_error: str | None = None  # connect, timeout, status, midstream
     cache: dict[str, Any] | None = None
     cost: dict[str, Any] | None = None
+    # Where the forwarded prefix first differs from the session's previous request (accounting
+    # notes it for the response's log line; the request's transforms stay as the request had them)
+    divergence: dict[str, Any] | None = None
     # The relay keeps the response's bytes (a long stream's are decoded every few KiB, after
     # the write) and leaves the rest of the decoding to ``assemble``, which runs with the
     # observers, after the client has its response.

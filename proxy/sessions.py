@@ -175,6 +175,10 @@ class SessionState:
             return self.exchanges
 
     def remember(self, exchange_id: int, forwarded: list[Any], keep: int = 4) -> None:
+        """Keep ``forwarded`` as the messages of ``exchange_id`` (replacing what a refused
+        attempt of the same exchange had: replay takes an exchange's latest request line)."""
+        if self.recent and any(eid == exchange_id for eid, _ in self.recent):
+            self.recent = [(eid, msgs) for eid, msgs in self.recent if eid != exchange_id]
         self.recent.append((exchange_id, forwarded))
         if len(self.recent) > keep:
             del self.recent[0 : len(self.recent) - keep]

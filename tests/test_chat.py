@@ -411,6 +411,65 @@ def test_observers_of_many_exchanges_each_see_them_in_order_after_the_observers_
     asyncio.run(run())
 
 
+def test_costly_observers_after_cheap_ones_get_short_slices_again_at_once() -> None:
+    """Batches are sized by the cost measured per entry: after hundreds of cheap entries
+    (requests), costly ones (streams ending) may fill one batch sized by the cheap ones, but the
+    next slices are short again (the estimate goes up at once, down gradually)."""
+    import asyncio
+    import collections
+    import time
+
+    import httpx
+
+    from proxy.chat import OBSERVER_BATCH, OBSERVER_SLICE_S, ChatPipeline
+    from proxy.config import settings_from_mapping
+    from proxy.pipeline import Exchange
+    from proxy.relay import Relay
+    from proxy.sessions import MemorySessionStore
+
+    turn = 0
+    per_turn: collections.Counter[int] = collections.Counter()
+
+    class Costly:
+        def on_request(self, ex: Exchange) -> None: ...
+
+        def on_response(self, ex: Exchange) -> None:
+            time.sleep(0.0005)
+            per_turn[turn] += 1
+
+    async def run() -> None:
+        nonlocal turn
+        settings = settings_from_mapping({"upstream": {"base_url": "http://127.0.0.1:9/v1"}})
+        relay = Relay(httpx.AsyncHTTPTransport(), "http://127.0.0.1:9/v1", httpx.Timeout(5.0))
+        chat = ChatPipeline(settings, relay, MemorySessionStore(), [Costly()], api_key=lambda: None)
+        loop = asyncio.get_running_loop()
+
+        def tick() -> None:  # counts turns of the loop while observers are due
+            nonlocal turn
+            turn += 1
+            if chat.in_flight:
+                loop.call_soon(tick)
+
+        exchanges = [
+            Exchange("chat", "POST", "chat/completions", 0.0, 0.0, exchange_id=i)
+            for i in range(400)
+        ]
+        for ex in exchanges:
+            chat._before_forward(ex)
+        await asyncio.wait_for(chat.idle.wait(), 5)  # the cheap ones: the estimate goes down
+        for ex in exchanges[:150]:
+            chat._after_response(ex)
+        loop.call_soon(tick)
+        await asyncio.wait_for(chat.idle.wait(), 10)
+        counts = [per_turn[t] for t in sorted(per_turn)]
+        assert sum(counts) == 150 and len(counts) > 2
+        assert counts[0] <= OBSERVER_BATCH
+        fit = OBSERVER_SLICE_S / 0.0005
+        assert all(n <= 2 * fit for n in counts[1:]), counts
+
+    asyncio.run(run())
+
+
 def test_request_lines_forwarded_out_of_order_are_coded_only_against_lines_already_written() -> (
     None
 ):

@@ -1,0 +1,124 @@
+"""The observers' log lines as written: meta first, refused lines, retries, divergences."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from proxy.cache import CacheState
+from proxy.config import settings_from_mapping
+from proxy.eventlog import EventLogWriter, read_events, replay
+from proxy.metrics import Metrics
+from proxy.observers import AccountingObserver, EventLogObserver
+from proxy.pipeline import Exchange
+from proxy.sessions import MemorySessionStore
+from proxy.usage import Usage
+
+Message = dict[str, Any]
+
+
+class Lines:
+    """A writer that keeps what it is given; ``refuse`` lists the exchange ids whose request
+    lines it refuses, as a full queue would."""
+
+    def __init__(self, refuse: tuple[int, ...] = ()) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.refuse = refuse
+
+    def emit(self, session_id: str, event: dict[str, Any], first_in_file: bool = False) -> bool:
+        if event["type"] == "request" and event["exchange"] in self.refuse:
+            return False
+        self.events.append(event)
+        return True
+
+
+def exchange(eid: int, messages: list[Message], session: str = "s1") -> Exchange:
+    ex = Exchange("chat", "POST", "chat/completions", 0.0, 0.0, exchange_id=eid, model="gpt-4o")
+    ex.session_id, ex.body = session, {"model": "gpt-4o", "messages": messages}
+    return ex
+
+
+def msgs(*texts: str) -> list[Message]:
+    return [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)
+    ]
+
+
+def test_a_refused_request_line_is_never_the_base_of_a_later_one() -> None:
+    store = MemorySessionStore()
+    store.create("s1", 0.0).meta_written = True
+    lines = Lines(refuse=(1,))
+    log = EventLogObserver(settings_from_mapping({}), store, lines)  # type: ignore[arg-type]
+    first = msgs("a", "b", "c")
+    log.on_request(exchange(1, first))  # refused: not in the log
+    second = [*first, *msgs("d", "e")[:1]]
+    log.on_request(exchange(2, second))
+    assert [e["exchange"] for e in lines.events] == [2]
+    assert lines.events[0]["base_exchange"] is None
+    assert dict(replay(lines.events)) == {2: second}
+
+
+def test_a_retried_exchange_is_a_base_only_as_it_was_last_sent() -> None:
+    """A request refused for its length and re-sent compacted is logged twice under one id;
+    replay takes the latest, so a later line may only be coded against that one."""
+    store = MemorySessionStore()
+    store.create("s1", 0.0).meta_written = True
+    lines = Lines()
+    log = EventLogObserver(settings_from_mapping({}), store, lines)  # type: ignore[arg-type]
+    original = msgs("m0", "m1", "m2", "m3", "m4", "m5")
+    log.on_request(exchange(1, original))
+    compacted = [original[0], {"role": "user", "content": "SUMMARY"}, original[4], original[5]]
+    log.on_retry(exchange(1, compacted))
+    later = [*original[:3], {"role": "user", "content": "edited"}]
+    log.on_request(exchange(2, later))
+    assert dict(replay(lines.events)) == {1: compacted, 2: later}
+
+
+def test_a_new_session_compacted_at_once_still_starts_with_its_meta_line(tmp_path: Path) -> None:
+    """The compaction is noted before the request: the meta line must still come first."""
+    writer = EventLogWriter(tmp_path)
+    writer.start()
+    store = MemorySessionStore()
+    store.create("s1", 0.0)
+    log = EventLogObserver(settings_from_mapping({}), store, writer)
+    ex = exchange(1, msgs("a", "b", "c"))
+    comp = SimpleNamespace(
+        start=0,
+        covered=2,
+        message={"role": "user", "content": "S"},
+        tokens_before=9,
+        tokens_after=3,
+    )
+    log.on_compaction(ex, comp, "model")
+    log.on_request(ex)
+    assert writer.close()
+    kinds = [e["type"] for e in read_events(tmp_path / "s1.jsonl").events]
+    assert kinds == ["session_meta", "compacted", "request"]
+
+
+def test_a_divergence_goes_in_the_response_line_not_the_request_transforms() -> None:
+    """Accounting notes where the prefix changed for the response's line; a request line
+    written after it (observers of one batch) still shows only the request's own transforms."""
+    from prometheus_client import CollectorRegistry
+
+    settings = settings_from_mapping({})
+    store = MemorySessionStore()
+    state = store.create("s1", 0.0)
+    state.meta_written = True
+    lines = Lines()
+    accounting = AccountingObserver(settings, store, Metrics(CollectorRegistry(), ()))
+    log = EventLogObserver(settings, store, lines)  # type: ignore[arg-type]
+    usage = Usage(5000, 10, 0, 0, True)
+    first = exchange(1, [{"role": "system", "content": "rules v1"}, *msgs("go")])
+    first.usage, first.status = usage, 200
+    accounting.on_response(first)
+    second = exchange(2, [{"role": "system", "content": "rules v2"}, *msgs("go")])
+    second.usage, second.status = usage, 200
+    accounting.on_response(second)
+    log.on_request(second)
+    log.on_response(second)
+    request, response = lines.events
+    assert request["transforms"] == {}
+    assert response["divergence"]["location"] == "system"
+    assert isinstance(state.extra["cache"], CacheState)
