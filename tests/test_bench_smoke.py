@@ -99,3 +99,16 @@ def test_the_micro_benchmarks_measure_every_part(capsys: pytest.CaptureFixture[s
     assert "us per event" in printed and "ms per inference" in printed
     with pytest.raises(SystemExit):
         micro.main(["nothing"])
+
+
+@pytest.mark.parametrize("arm", ["cachegate", "bare"])
+def test_the_sustain_probe_times_every_stream(arm: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A few streams: each one's send, arrival at the mock and first event are matched up."""
+    from bench import sustain_probe
+
+    out = sustain_probe.main(["--arm", arm, "--streams", "6", "--warm", ""])
+    assert out["arm"] == arm and out["streams"] == 6
+    assert 0 <= out["late"] <= 6 and out["direct_ttfb_p50_ms"] >= 100  # the mock's first token
+    assert len(out["ttfb_ms_by_tenth"]) == len(out["arrival_offset_ms_by_tenth"]) >= 1
+    assert all(t >= 100 for t in out["ttfb_ms_by_tenth"])
+    assert "streams late" in capsys.readouterr().out
