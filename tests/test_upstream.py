@@ -4,6 +4,7 @@ cancellation, limits, TLS."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -430,8 +431,6 @@ def test_the_connection_limit_queues_requests_and_times_out() -> None:
 
 
 def test_unreachable_is_a_connect_error() -> None:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -877,3 +876,143 @@ def test_a_body_buffered_past_the_pause_mark_before_the_pipe_still_arrives_whole
             await pool.aclose()
 
     run(main())
+
+
+# -- a new connection's first request ----------------------------------------------------------
+
+LOOPS = ["asyncio", "uvloop"]  # the tests' loop, and the one cachegate serves on
+
+
+def run_on(loop: str, coro: Awaitable[Any]) -> Any:
+    if loop == "uvloop":
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(coro)  # type: ignore[arg-type]
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def _read_request(conn: socket.socket) -> bytes:
+    """One request with a content-length, read with blocking calls (the test's loop stands)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    size = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+    while len(body) < size:
+        body += conn.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_new_connection_sends_its_request_before_the_loop_runs_again(loop: str) -> None:
+    """A burst of requests on new connections must not wait for the loop's next pass over I/O
+    (which comes after every handler of the burst has run) to reach the upstream."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    listener.settimeout(5)
+
+    async def main() -> None:
+        pool = UpstreamPool()
+        task = asyncio.get_running_loop().create_task(
+            pool.open("POST", f"http://127.0.0.1:{port}/v1/x", [(b"x-a", b"1")], b'{"k": 1}')
+        )
+        await asyncio.sleep(0)  # the task's first step, and nothing else, has run
+        conn, _ = listener.accept()  # blocking: the loop does not run while the server reads
+        with conn:
+            conn.settimeout(5)
+            request = _read_request(conn)
+            assert request.startswith(b"POST /v1/x HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n" % port)
+            assert b"\r\nx-a: 1\r\n" in request and request.endswith(b'\r\n\r\n{"k": 1}')
+            conn.sendall(answer(b"ok"))
+            resp = await task
+            assert resp.status_code == 200 and await read(resp) == b"ok"
+        assert pool.idle_connections == 1
+        await pool.aclose()
+
+    try:
+        run_on(loop, main())
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_new_connection_s_request_larger_than_the_socket_takes_arrives_whole(loop: str) -> None:
+    payload = bytes(range(256)) * 32768  # 8 MiB: the first send takes part, the transport the rest
+
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(answer(b"%d" % req.count(payload)))
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            resp = await pool.open("POST", srv.url + "/up", [], payload)
+            assert await read(resp) == b"1"
+            assert srv.requests[0].endswith(b"\r\n\r\n" + payload)
+            await pool.aclose()
+
+    run_on(loop, main())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_connect_still_in_progress_waits_and_then_sends_the_whole_request(loop: str) -> None:
+    """An upstream whose connect does not complete at once (here: a full accept queue, which
+    drops the SYN until the kernel retries it, ~1 s) gets the request once connected."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    filler = socket.create_connection(("127.0.0.1", port))  # the accept queue is full
+
+    async def main() -> None:
+        pool = UpstreamPool()
+        task = asyncio.get_running_loop().create_task(
+            pool.open("POST", f"http://127.0.0.1:{port}/late", [], b"whole")
+        )
+        await asyncio.sleep(0.3)
+        assert not task.done()  # connecting
+        got: list[bytes] = []
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            data = await reader.read(65536)
+            if not data:  # the filler
+                writer.close()
+                return
+            got.append(data)
+            writer.write(answer(b"done", extra=b"connection: close\r\n"))
+            await writer.drain()
+            writer.close()
+
+        filler.close()
+        server = await asyncio.start_server(serve, sock=listener)  # accepts the queue
+        resp = await asyncio.wait_for(task, 10)
+        assert await read(resp) == b"done"
+        assert got[0].startswith(b"POST /late HTTP/1.1\r\n") and got[0].endswith(b"\r\n\r\nwhole")
+        await pool.aclose()
+        server.close()
+        await server.wait_closed()
+
+    run_on(loop, main())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_connect_that_never_completes_times_out_and_frees_its_slot(loop: str) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    filler = socket.create_connection(("127.0.0.1", port))
+
+    async def main() -> None:
+        pool = UpstreamPool(connect_timeout=0.3)
+        with pytest.raises(httpx.ConnectTimeout):
+            await pool.open("POST", f"http://127.0.0.1:{port}/", [], b"x")
+        assert pool.open_connections == 0
+        await pool.aclose()
+
+    try:
+        run_on(loop, main())
+    finally:
+        filler.close()
+        listener.close()
