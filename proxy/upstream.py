@@ -46,6 +46,7 @@ import httpx
 
 _HIGH_WATER = 256 * 1024  # buffered response bytes before the socket stops being read
 _WRITE_JOIN = 64 * 1024  # bodies up to this size go out in one write with the head
+_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # a closed peer is an error, never a signal
 
 Origin = tuple[str, str, int]  # scheme, host, port
 
@@ -435,6 +436,8 @@ class _Connection(asyncio.Protocol):
         assert answer is not None
         if isinstance(content, bytes):
             if sent:  # as much as the socket took at once
+                if self.closed or transport.is_closing():  # answered and closed already
+                    return await self.wait(answer)
                 if sent < len(head):
                     transport.write(head[sent:])
                     sent = len(head)
@@ -749,14 +752,16 @@ class UpstreamPool:
             conn = _Connection(self, origin, self.read_timeout)
             conn.begin(method)  # the answer may arrive before the transport is handed over
             try:
-                conn._sent = sock.sendmsg([head, content] if content else [head])
+                conn._sent = sock.sendmsg([head, content] if content else [head], [], _NOSIGNAL)
             except (BlockingIOError, InterruptedError):  # still connecting
                 await _writable(loop, sock)
                 conn._sent = 0
         except BaseException:
             sock.close()
             raise
-        await loop.create_connection(lambda: conn, sock=sock)  # closes sock if it fails
+        # On failure or cancellation the loop closes the socket (uvloop since 0.23: earlier
+        # versions closed the descriptor and left the socket object to close it again).
+        await loop.create_connection(lambda: conn, sock=sock)
         return conn
 
     def _release(self, conn: _Connection) -> None:
