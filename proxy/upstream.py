@@ -14,6 +14,10 @@ What it does:
   a request waits for a free slot up to ``pool_timeout``;
 - request bodies as bytes (``content-length``) or an async iterator (``transfer-encoding:
   chunked``), written with flow control;
+- a new plain-HTTP connection to an IP address sends a request with a bytes body in the same
+  step as its non-blocking connect (``sendmsg``), then hands the socket to the loop; a connect
+  still in progress waits for the socket to be writable; names, ``https`` and streamed bodies
+  use ``loop.create_connection``;
 - response bodies framed by ``content-length``, chunked encoding, or the connection's end; interim
   1xx responses skipped; HEAD answered without a body;
 - timeouts: ``connect_timeout`` to open a connection, ``read_timeout`` between bytes;
@@ -732,7 +736,7 @@ class UpstreamPool:
         """A new plain-HTTP connection to an IP address, with ``request`` (method, head, body)
         sent in the same step as the connect where the kernel completes it at once.
 
-        On loopback and other fast links a non-blocking connect is complete when the call
+        To an upstream on the same host a non-blocking connect is usually complete when the call
         returns, so the request can go out before the event loop has seen the socket at all.
         Through ``loop.create_connection`` it waits for the loop's next pass over I/O, and when
         a burst of requests arrives that pass comes only after every handler of the burst has
@@ -750,7 +754,7 @@ class UpstreamPool:
             with contextlib.suppress(BlockingIOError, InterruptedError):  # in progress
                 sock.connect((host, port))
             conn = _Connection(self, origin, self.read_timeout)
-            conn.begin(method)  # the answer may arrive before the transport is handed over
+            conn.begin(method)  # the answer can be read once the loop has the socket
             try:
                 conn._sent = sock.sendmsg([head, content] if content else [head], [], _NOSIGNAL)
             except (BlockingIOError, InterruptedError):  # still connecting
