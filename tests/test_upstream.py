@@ -907,22 +907,25 @@ def _read_request(conn: socket.socket) -> bytes:
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize(("address", "host"), [("127.0.0.1", "127.0.0.1"), ("::1", "[::1]")])
 def test_a_new_connection_sends_its_request_before_the_loop_runs_again(
-    loop: str, monkeypatch: pytest.MonkeyPatch
+    loop: str, address: str, host: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A burst of requests on new connections must not wait for the loop's next pass over I/O
     (which comes after every handler of the burst has run) to reach the upstream."""
-    listener = socket.create_server(("127.0.0.1", 0))
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listener = socket.create_server((address, 0), family=family)
     port = listener.getsockname()[1]
     listener.settimeout(5)
     waited: list[int] = []  # connects the kernel had not completed within the call
-    writable = upstream._writable
+    writable = getattr(upstream, "_writable", None)
 
     async def counted(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
         waited.append(1)
+        assert writable is not None
         await writable(loop, sock)
 
-    monkeypatch.setattr(upstream, "_writable", counted)
+    monkeypatch.setattr(upstream, "_writable", counted, raising=False)
 
     async def main() -> None:
         pool = UpstreamPool()
@@ -930,7 +933,7 @@ def test_a_new_connection_sends_its_request_before_the_loop_runs_again(
         # the request rightly waits for the loop. That attempt proves nothing; try again.
         for _ in range(5):
             task = asyncio.get_running_loop().create_task(
-                pool.open("POST", f"http://127.0.0.1:{port}/v1/x", [(b"x-a", b"1")], b'{"k": 1}')
+                pool.open("POST", f"http://{host}:{port}/v1/x", [(b"x-a", b"1")], b'{"k": 1}')
             )
             await asyncio.sleep(0)  # the task's first step, and nothing else, has run
             if not waited:
@@ -946,7 +949,9 @@ def test_a_new_connection_sends_its_request_before_the_loop_runs_again(
         with conn:
             conn.settimeout(5)
             request = _read_request(conn)
-            assert request.startswith(b"POST /v1/x HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n" % port)
+            assert request.startswith(
+                b"POST /v1/x HTTP/1.1\r\nhost: %s:%d\r\n" % (host.encode(), port)
+            )
             assert b"\r\nx-a: 1\r\n" in request and request.endswith(b'\r\n\r\n{"k": 1}')
             conn.sendall(answer(b"ok"))
             resp = await task
