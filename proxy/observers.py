@@ -137,18 +137,18 @@ class EventLogObserver:
         self.writer = writer
         self.clock = clock
 
-    def _emit(self, session_id: str, event: dict[str, Any]) -> bool:
+    def _emit(self, session_id: str, event: dict[str, Any], first_in_file: bool = False) -> bool:
         """Queue ``event``, which starts with ``ts`` and ``type`` (the writer then takes the dict as
         it is, where it would copy one with another key order); False when the writer refused
-        it (a full queue, say)."""
-        return self.writer.emit(session_id, event)
+        it (a full queue, say). ``first_in_file``: see ``EventLogWriter.emit``."""
+        return self.writer.emit(session_id, event, first_in_file)
 
     def _meta(self, ex: Exchange) -> None:
         state = self.sessions.get(ex.session_id or "")
         if state is None or state.meta_written:
             return
         state.meta_written = True
-        self.writer.emit(
+        self._emit(
             state.id,
             {
                 "ts": self.clock(),

@@ -134,11 +134,7 @@ def notify_each(observers: list[Observer], calls: list[tuple[bool, Exchange]]) -
             try:
                 method(ex)
             except Exception:
-                log.exception(
-                    "observer %s.%s failed; the response is unaffected",
-                    type(observer).__name__,
-                    "on_request" if request else "on_response",
-                )
+                _failed(observer, "on_request" if request else "on_response")
 
 
 def notify(observers: list[Observer], hook: str, ex: Exchange, *args: Any) -> None:
@@ -149,6 +145,11 @@ def notify(observers: list[Observer], hook: str, ex: Exchange, *args: Any) -> No
             if method is not None:
                 method(ex, *args)
         except Exception:
-            log.exception(
-                "observer %s.%s failed; the response is unaffected", type(observer).__name__, hook
-            )
+            _failed(observer, hook)
+
+
+def _failed(observer: Observer, hook: str) -> None:
+    """Log the exception being handled: an observer's ``hook`` failed."""
+    log.exception(
+        "observer %s.%s failed; the response is unaffected", type(observer).__name__, hook
+    )

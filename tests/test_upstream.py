@@ -984,15 +984,22 @@ def test_a_new_connection_s_request_larger_than_the_socket_takes_arrives_whole(l
     run_on(loop, main())
 
 
-@pytest.mark.parametrize("loop", LOOPS)
-def test_a_connect_still_in_progress_waits_and_then_sends_the_whole_request(loop: str) -> None:
-    """An upstream whose connect does not complete at once (here: a full accept queue, which
-    drops the SYN until the kernel retries it, ~1 s) gets the request once connected."""
+def _full_accept_queue() -> tuple[socket.socket, int, socket.socket]:
+    """A listener on 127.0.0.1 whose accept queue one connection fills: the kernel drops the
+    SYN of the next connect and retries it ~1 s later. Returns the listener, its port and the
+    filling connection (the caller closes both)."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(0)
     port = listener.getsockname()[1]
-    filler = socket.create_connection(("127.0.0.1", port))  # the accept queue is full
+    return listener, port, socket.create_connection(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_connect_still_in_progress_waits_and_then_sends_the_whole_request(loop: str) -> None:
+    """An upstream whose connect does not complete at once (here: a full accept queue, which
+    drops the SYN until the kernel retries it, ~1 s) gets the request once connected."""
+    listener, port, filler = _full_accept_queue()
 
     async def main() -> None:
         pool = UpstreamPool()
@@ -1027,11 +1034,7 @@ def test_a_connect_still_in_progress_waits_and_then_sends_the_whole_request(loop
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_connect_that_never_completes_times_out_and_frees_its_slot(loop: str) -> None:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    filler = socket.create_connection(("127.0.0.1", port))
+    listener, port, filler = _full_accept_queue()
 
     async def main() -> None:
         pool = UpstreamPool(connect_timeout=0.3)
@@ -1049,11 +1052,7 @@ def test_a_connect_that_never_completes_times_out_and_frees_its_slot(loop: str) 
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_connect_refused_after_waiting_is_a_connect_error(loop: str) -> None:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    filler = socket.create_connection(("127.0.0.1", port))
+    listener, port, filler = _full_accept_queue()
 
     async def main() -> None:
         pool = UpstreamPool()
