@@ -83,7 +83,7 @@ class Server:
 
     def wait_ready(self, path: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        request = f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode()
+        request = f"GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n".encode()
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
                 raise RuntimeError(f"{self.name} exited: {self.log_tail()}")

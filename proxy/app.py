@@ -21,7 +21,8 @@ from starlette.types import Scope as ASGIScope
 from starlette.types import Send as ASGISend
 
 from proxy import __version__
-from proxy.chat import ChatPipeline, header_map
+from proxy.browser import BrowserGuard
+from proxy.chat import ChatPipeline, header_map, internal_error
 from proxy.compactor import Compactor
 from proxy.config import Settings
 from proxy.errors import ProxyError, bad_request, too_large
@@ -125,6 +126,7 @@ class Gateway:
                 bodies=lg.bodies,
                 redact_secrets=lg.redact_secrets,
                 on_loss=self._log_loss,
+                secrets=[key] if (key := self._configured_key(settings, environ)) else [],
             )
             self.observers.append(EventLogObserver(settings, self.sessions, self.writer, clock))
         self.observers.append(MetricsObserver(self.metrics))
@@ -134,6 +136,11 @@ class Gateway:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.relay: Relay | None = None
         self.chat: ChatPipeline | None = None
+
+    @staticmethod
+    def _configured_key(settings: Settings, environ: Mapping[str, str]) -> str | None:
+        name = settings.upstream.api_key_env
+        return environ.get(name) if name else None
 
     def api_key(self) -> str | None:
         """The configured key, read from the environment once (at the first request)."""
@@ -204,6 +211,24 @@ class Gateway:
         if self.upstream is not None:
             await self.upstream.aclose()
 
+    async def refuse(self, scope: Scope, send: Send, route: str, err: ProxyError) -> None:
+        """Answer a request cachegate refuses before any route's work begins (an invalid session
+        id or path), counted by the observers like every other answer: a request with no session
+        is in the metrics, not in any session's log."""
+        headers = header_map(scope)
+        ex = Exchange(
+            route=route,
+            method=scope["method"],
+            path="",
+            started_at=self.clock(),
+            t0=time.perf_counter(),
+            user_agent=headers.get("user-agent", ""),
+        )
+        ex.status = err.status
+        ex.error = err.message
+        notify(self.observers, "on_error", ex)
+        await send_error(send, err)
+
     async def passthrough(
         self, scope: Scope, receive: Receive, send: Send, path: str, path_session: str | None
     ) -> None:
@@ -222,11 +247,18 @@ class Gateway:
         try:
             sid = explicit_session_id(headers, path_session)
         except ValueError as exc:
-            await send_error(send, bad_request(str(exc), "invalid_session_id"))
+            await self.refuse(
+                scope, send, "passthrough", bad_request(str(exc), "invalid_session_id")
+            )
             return
         if sid is not None:
             ex.session_id = sid
             extra.append((b"x-cachegate-session", sid.encode()))
+        try:
+            forward_headers = upstream_request_headers(scope["headers"], self.api_key())
+        except ProxyError as err:
+            await self.refuse(scope, send, "passthrough", err)
+            return
         first = await receive()
         body = first.get("body", b"")
         content: bytes | AsyncIterator[bytes]
@@ -267,7 +299,7 @@ class Gateway:
                 receive,
                 send,
                 content=content,
-                headers=upstream_request_headers(scope["headers"], self.api_key()),
+                headers=forward_headers,
                 extra_headers=extra,
                 record=False,
                 watch_after=uploaded,
@@ -286,23 +318,28 @@ class _ProxyEndpoint:
         params = scope.get("path_params", {})
         path = params.get("path", "")
         path_session = params.get("session_id")
+        chat = path == "chat/completions" and scope["method"] == "POST"
         if path_session is not None and not valid_session_id(path_session):
-            await send_error(
+            await self.gateway.refuse(
+                scope,
                 send,
+                "chat" if chat else "passthrough",
                 bad_request(
                     "Invalid session id in path: ids must match [A-Za-z0-9._:-]{1,128}",
                     "invalid_session_id",
                 ),
             )
             return
-        if path == "chat/completions" and scope["method"] == "POST":
+        if chat:
             assert self.gateway.chat is not None
             await self.gateway.chat.handle(scope, receive, send, path_session)
             return
         upstream_path = upstream_path_of(scope)
         if upstream_path is None:
-            await send_error(
+            await self.gateway.refuse(
+                scope,
                 send,
+                "passthrough",
                 bad_request(
                     "Invalid path: '.' and '..' segments (also percent-encoded) are not relayed.",
                     "invalid_path",
@@ -326,12 +363,32 @@ def upstream_path_of(scope: Scope) -> str | None:
     return b"/".join(rest).decode("latin-1")
 
 
-async def _bad_session_path(request: Request) -> Response:
-    err = bad_request(
-        "Invalid session path: use /s/{id}/v1/... with an id matching [A-Za-z0-9._:-]{1,128}",
-        "invalid_session_id",
+def _error_response(err: ProxyError, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(
+        err.body(), status_code=err.status, headers=headers, media_type="application/json"
     )
-    return Response(err.body(), status_code=err.status, media_type="application/json")
+
+
+class _BadSessionPath:
+    """Raw ASGI endpoint for anything else under /s/: an id that is not one (a slash smuggled in
+    as %2F, an empty id, no /v1 after it). Refused, and counted as a chat request when the path
+    ends as one."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        chat = scope["method"] == "POST" and scope["path"].endswith("/v1/chat/completions")
+        await self.gateway.refuse(
+            scope,
+            send,
+            "chat" if chat else "passthrough",
+            bad_request(
+                "Invalid session path: use /s/{id}/v1/... with an id matching "
+                "[A-Za-z0-9._:-]{1,128}",
+                "invalid_session_id",
+            ),
+        )
 
 
 _ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
@@ -348,8 +405,14 @@ class CachegateApp(Starlette):
     """
 
     endpoint: _ProxyEndpoint
+    guard: BrowserGuard
 
     async def __call__(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
+        if scope["type"] == "http":
+            refusal = self.guard.refusal(scope["headers"])
+            if refusal is not None:
+                await self._refuse(scope, send, refusal)  # type: ignore[arg-type]
+                return
         if scope["type"] == "http" and not scope.get("root_path"):
             path: str = scope["path"]
             if path.startswith("/v1/"):
@@ -363,6 +426,14 @@ class CachegateApp(Starlette):
                     await self.endpoint(scope, receive, send)  # type: ignore[arg-type]
                     return
         await super().__call__(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, send: Send, err: ProxyError) -> None:
+        path: str = scope["path"]
+        if path.startswith(("/v1/", "/s/")):  # a relayed route's request: counted as one
+            chat = scope["method"] == "POST" and path.endswith("/v1/chat/completions")
+            await self.endpoint.gateway.refuse(scope, send, "chat" if chat else "passthrough", err)
+        else:
+            await send_error(send, err)
 
 
 def create_app(
@@ -398,6 +469,24 @@ def create_app(
         finally:
             await gateway.stop()
 
+    async def not_found(request: Request, exc: Exception) -> Response:
+        path = request.url.path
+        message = f"Nothing is served at {request.method} {path}."
+        if not path.startswith(("/v1/", "/s/")):
+            message += (
+                " cachegate serves the OpenAI API under /v1: a client's base URL ends in /v1,"
+                " e.g. OPENAI_BASE_URL=http://127.0.0.1:8787/v1."
+            )
+        return _error_response(ProxyError(404, message, code="not_found"))
+
+    async def not_allowed(request: Request, exc: Exception) -> Response:
+        message = f"{request.method} is not allowed on {request.url.path}."
+        allow = getattr(exc, "headers", None)  # Starlette's HTTPException names what is allowed
+        return _error_response(ProxyError(405, message, code="method_not_allowed"), allow)
+
+    async def failed(request: Request, exc: Exception) -> Response:
+        return _error_response(internal_error(exc))
+
     endpoint = _ProxyEndpoint(gateway)
     app = CachegateApp(
         routes=[
@@ -406,10 +495,12 @@ def create_app(
             Route("/v1/{path:path}", endpoint),
             Route("/s/{session_id}/v1/{path:path}", endpoint),
             # Anything else under /s/ carries an id that is not one (a slash smuggled in as %2F, …).
-            Route("/s/{rest:path}", _bad_session_path, methods=_ALL_METHODS),
+            Route("/s/{rest:path}", _BadSessionPath(gateway), methods=_ALL_METHODS),
         ],
         lifespan=lifespan,
+        exception_handlers={404: not_found, 405: not_allowed, 500: failed},
     )
     app.state.gateway = gateway
     app.endpoint = endpoint
+    app.guard = BrowserGuard(settings.server.host, settings.server.allowed_origins.split(","))
     return app

@@ -203,9 +203,9 @@ class ChatPipeline:
         messages = body.get("messages") or []
         shared = -1  # not known yet
         if sid is not None:
-            state = self.sessions.get(sid) or self.sessions.create(sid, now)
+            state = self.sessions.get(sid, now) or self.sessions.create(sid, now)
         else:
-            found, shared = self.sessions.infer_shared(messages)
+            found, shared = self.sessions.infer_shared(messages, now)
             state = found or self.sessions.create(new_session_id(now), now)
         state.last_seen = now
         if isinstance(messages, list):
@@ -480,6 +480,24 @@ class ChatPipeline:
                     ex.interrupted = True
                     ex.status = 499
                     ex.error = "client disconnected while the history was being compacted"
+                    return
+                except Exception as exc:  # nothing reached the client yet: answer in OpenAI's shape
+                    watch.stop()
+                    if isinstance(exc, ProxyError):
+                        err = exc
+                    else:
+                        log.exception("compaction after a context-length refusal failed")
+                        err = ProxyError(
+                            500,
+                            "The provider refused the request as too long for its context "
+                            "window, and cachegate failed to compact it for a retry "
+                            f"({type(exc).__name__}). See cachegate's log.",
+                            type="server_error",
+                            code="internal_error",
+                        )
+                    ex.status = err.status
+                    ex.error = err.message
+                    await send_error(send, err, extra)
                     return
                 forwarded, _ = self.request_usage(ex, forwarded, b"")
                 ex.body = forwarded

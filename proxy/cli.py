@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from proxy import __version__
-from proxy.config import ConfigError, load_settings
+from proxy.config import ConfigError, display_url, load_settings
 
 DEFAULT_LOG_DIR = "./cachegate-logs"
 
@@ -62,7 +62,7 @@ def _serve(ns: argparse.Namespace) -> int:
     logs = f"logs: {settings.logging.dir}" if settings.logging.enabled else "session logs off"
     print(
         f"cachegate {__version__} listening on http://{settings.server.host}:{settings.server.port}/v1"
-        f" -> {settings.upstream.base_url} ({logs})",
+        f" -> {display_url(settings.upstream.base_url)} ({logs})",
         file=sys.stderr,
     )
     tune_gc()

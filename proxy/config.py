@@ -24,6 +24,8 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8787
     max_body_bytes: int = 64 * 1024 * 1024
+    # Web pages (by origin, comma-separated) allowed to call cachegate besides loopback ones.
+    allowed_origins: str = ""
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,17 @@ class Settings:
             if best:
                 return best, self.models[best]
         return "*", self.models.get("*", ModelSettings())
+
+
+def display_url(url: str) -> str:
+    """``url`` as it may be shown or logged: without the ``user:password@`` a base URL can carry."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:
+        authority = authority.rpartition("@")[2]
+    return f"{scheme}://{authority}{slash}{path}"
 
 
 # Command-line options and their CACHEGATE_<OPTION> variables, mapped to config keys.

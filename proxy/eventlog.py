@@ -24,12 +24,13 @@ from typing import Any, Final, Literal
 
 import orjson
 
-from proxy.redact import line_may_hold_secret, redact, redact_text
+from proxy.redact import REDACTED, line_may_hold_secret, redact, redact_text
 from proxy.sessions import shared_prefix, valid_session_id
 
 logger = logging.getLogger(__name__)
 
 LOG_SUFFIX: Final = ".jsonl"
+_REDACTED_BYTES: Final = REDACTED.encode()
 
 FsyncMode = Literal["none", "line", "interval"]
 BodiesMode = Literal["full", "metadata"]
@@ -114,6 +115,7 @@ class EventLogWriter:
         redact_secrets: bool = True,
         max_open_files: int | None = None,
         on_loss: Callable[[str], None] | None = None,
+        secrets: Iterable[str] = (),
     ) -> None:
         if fsync not in _FSYNC_MODES:
             raise ValueError(f"fsync must be one of {', '.join(_FSYNC_MODES)}, not {fsync!r}")
@@ -130,7 +132,17 @@ class EventLogWriter:
         self.fsync_interval_s = fsync_interval_s
         self.bodies: BodiesMode = bodies
         self.redact_secrets = redact_secrets
+        # Exact values never written, whatever they look like and with or without redaction
+        # (cachegate's own upstream key): as they appear inside a JSON string. Short ones would
+        # take words out of the text and are not taken.
+        self._secrets = tuple(
+            orjson.dumps(s)[1:-1] for s in {s.strip() for s in secrets} if len(s) >= 8
+        )
         self.on_loss = on_loss
+        # Sessions that lost a line since their observer last looked (``take_broken``): its next
+        # request line must not be coded against one that never reached the file. A set shared
+        # with the event loop: add, discard and membership are each atomic under the GIL.
+        self.broken: set[str] = set()
         self._max_open = max_open_files
         # A deque and an Event rather than queue.Queue: emitting on the event loop then costs an
         # append, and the writer is woken only when it sleeps (no lock and notify per event).
@@ -345,6 +357,8 @@ class EventLogWriter:
                     item = self._items.popleft()
                 if made:
                     self._redact(made)
+                if self._secrets:
+                    self._remove_secrets(batch)
                 for session_id, lines in batch.items():
                     if lines:
                         self._write_lines(session_id, lines)
@@ -366,6 +380,7 @@ class EventLogWriter:
         try:
             return self._serialize(ts, event)
         except Exception as exc:  # orjson.JSONEncodeError, a non-dict event, a hostile __str__
+            self.broken.add(session_id)
             self._lose("serialize", "event log: cannot serialize event for %s: %s", session_id, exc)
             return None
 
@@ -391,6 +406,7 @@ class EventLogWriter:
                         redact(out), default=_redacted_str, option=_OPT_ANY_KEYS
                     )
                 except Exception as exc:  # a hostile __str__, say
+                    self.broken.add(session_id)
                     self._lose(
                         "serialize", "event log: cannot redact event for %s: %s", session_id, exc
                     )
@@ -398,6 +414,26 @@ class EventLogWriter:
                     dropped.append(lines)
         for lines in dropped:
             lines[:] = [line for line in lines if line]
+
+    def take_broken(self, session_id: str) -> bool:
+        """Whether ``session_id`` lost a line since the last call that said so (then forgotten)."""
+        if session_id in self.broken:
+            self.broken.discard(session_id)
+            return True
+        return False
+
+    def _remove_secrets(self, batch: dict[str, list[bytes]]) -> None:
+        """Replace the exact secret values in the batch's lines (one search per session's lines
+        together, the usual case finding none)."""
+        for lines in batch.values():
+            joined = b"".join(lines)
+            if all(joined.find(secret) < 0 for secret in self._secrets):
+                continue
+            for i, line in enumerate(lines):
+                for secret in self._secrets:
+                    if line.find(secret) >= 0:
+                        line = line.replace(secret, _REDACTED_BYTES)
+                lines[i] = line
 
     def _file_is_empty(self, session_id: str, batch: dict[str, list[bytes]]) -> bool:
         """Whether ``session_id``'s file holds no line, written or in ``batch``. A file that
@@ -418,6 +454,7 @@ class EventLogWriter:
                 view = view[os.write(fd, view) :]
         except OSError as exc:
             self._close_fd(session_id)  # reopen next time: the directory may come back
+            self.broken.add(session_id)
             for _ in lines:
                 self._lose("io", "event log: cannot write %s: %s", session_id, exc)
             return
@@ -700,14 +737,19 @@ def enforce_retention(
 ) -> list[str]:
     """Delete whole log files older than ``max_age_days`` (by mtime), then the oldest until the
     directory fits ``max_total_mb``; never the file of a session in ``active``. Returns the paths
-    removed. Files that vanish meanwhile are ignored; other errors are logged and skipped."""
+    removed. Only cachegate's own logs are candidates: a file named as a session's log whose
+    first bytes are an event's (a directory shared with other ``.jsonl`` files keeps them).
+    Files that vanish meanwhile are ignored; other errors are logged and skipped."""
     try:
         entries = list(os.scandir(log_dir))
     except FileNotFoundError:
         return []
     files: list[tuple[float, int, str, str]] = []  # mtime, size, path, session id
     for entry in entries:
-        if not entry.name.endswith(LOG_SUFFIX) or not entry.is_file(follow_symlinks=False):
+        name = entry.name
+        if not name.endswith(LOG_SUFFIX) or not valid_session_id(name[: -len(LOG_SUFFIX)]):
+            continue
+        if not entry.is_file(follow_symlinks=False) or not _is_event_log(entry.path):
             continue
         try:
             st = entry.stat(follow_symlinks=False)
@@ -734,6 +776,23 @@ def enforce_retention(
                 removed.append(path)
                 total -= size
     return removed
+
+
+EVENT_START: Final = b'{"ts":'  # every line cachegate writes begins so
+
+
+def _is_event_log(path: str) -> bool:
+    """Whether the file begins as cachegate's event lines do (read without following a link)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
+    try:
+        return os.read(fd, len(EVENT_START)) == EVENT_START
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _unlink(path: str) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 
 from proxy import __version__, cache, prefix
 from proxy.cache import CacheState, ModelPricing
-from proxy.config import Settings
+from proxy.config import Settings, display_url
 from proxy.eventlog import EventLogWriter, choose_base
 from proxy.metrics import Metrics
 from proxy.pipeline import Exchange
@@ -156,7 +156,7 @@ class EventLogObserver:
                 "session": state.id,
                 "created": _iso(state.created),
                 "model": ex.model,
-                "upstream": self.settings.upstream.base_url,
+                "upstream": display_url(self.settings.upstream.base_url),
                 "user_agent": ex.user_agent,
                 "version": __version__,
             },
@@ -170,6 +170,11 @@ class EventLogObserver:
             return
         self._meta(ex)
         state = self.sessions.get(ex.session_id)
+        if self.writer.broken and self.writer.take_broken(ex.session_id) and state is not None:
+            # A line of this session never reached its file (a full disk, say): the lines kept
+            # as bases may be that one, or coded against it. This line goes in full, and
+            # replay recovers from here on.
+            state.recent.clear()
         messages = ex.body.get("messages")
         messages = messages if isinstance(messages, list) else []
         candidates = [

@@ -43,7 +43,8 @@ class Exchange:
     repairs: list[dict[str, Any]] = field(default_factory=list)
     transforms: dict[str, Any] = field(default_factory=dict)
     strict: bool = False  # strict pairing for this request (config or X-Cachegate-Strict)
-    upstream_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    # the key cachegate adds is among them: never in a printed Exchange (a log, a traceback)
+    upstream_headers: list[tuple[bytes, bytes]] = field(default_factory=list, repr=False)
     strip_usage: bool = False
     compacted: bool = False
     request_noted: bool = False  # the request's observers have run

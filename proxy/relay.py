@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import gzip
 import logging
 import time
@@ -251,8 +252,34 @@ def upstream_request_headers(
         authorized = any(header[0] == b"authorization" for header in headers)
     headers.append((b"accept-encoding", b"identity"))
     if api_key and not authorized:
-        headers.append((b"authorization", b"Bearer " + api_key.encode("latin-1")))
+        value = bearer(api_key)
+        if value:
+            headers.append((b"authorization", value))
     return headers
+
+
+@functools.lru_cache(maxsize=4)
+def bearer(api_key: str) -> bytes:
+    """The ``Authorization`` value for the configured key, surrounding white space (a line end
+    read from a file) taken off. A key with a character a header cannot carry (a line break
+    would end the header and start another) is cachegate's configuration error, answered as a
+    500 that names the setting, never the key. Empty for a key of white space only (unset)."""
+    key = api_key.strip()
+    if not key:
+        return b""
+    value = b""
+    with contextlib.suppress(UnicodeEncodeError):
+        value = b"Bearer " + key.encode("latin-1")
+    if not value or any(c < 0x20 or c == 0x7F for c in value):
+        raise ProxyError(
+            500,
+            "The API key cachegate adds to requests without one has a character an HTTP header "
+            "cannot carry (a line break, a control or a non-Latin-1 character): check the "
+            "environment variable that upstream.api_key_env names.",
+            type="server_error",
+            code="internal_error",
+        )
+    return value
 
 
 def client_response_headers(

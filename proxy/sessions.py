@@ -47,25 +47,34 @@ def valid_session_id(value: object) -> bool:
 
 
 def explicit_session_id(headers: Mapping[str, str], path_id: str | None) -> str | None:
-    """The id the client named, if any; raises ``ValueError`` for an id that is not acceptable."""
-    candidate = path_id
-    source = "path"
-    if candidate is None:
-        if headers.keys().isdisjoint(SESSION_HEADERS):  # the usual answer, in one call
-            return None
-        for name in SESSION_HEADERS:
-            value = headers.get(name)
-            if value is not None:
-                candidate, source = value, name
-                break
-    if candidate is None:
+    """The id the client named, if any. The path's id and ``X-Session-Id`` (cachegate's own ways
+    to name a session) must be acceptable ids: ``ValueError`` otherwise. The other tools' headers
+    are honoured when their value is an acceptable id and passed over when it is not (the next
+    one is tried, then inference): a tracing tool's id need not fit a file name, and refusing it
+    would break a request that works without cachegate."""
+    if path_id is not None:
+        if not valid_session_id(path_id):
+            raise ValueError(_invalid("path"))
+        return path_id
+    if headers.keys().isdisjoint(SESSION_HEADERS):  # the usual answer, in one call
         return None
-    if not valid_session_id(candidate):
-        raise ValueError(
-            f"Invalid session id in {source}: ids must match [A-Za-z0-9._:-]{{1,128}} "
-            "(and not be '.' or '..')"
-        )
-    return candidate
+    own = headers.get("x-session-id")
+    if own is not None:
+        if not valid_session_id(own):
+            raise ValueError(_invalid("x-session-id"))
+        return own
+    for name in SESSION_HEADERS[1:]:
+        value = headers.get(name)
+        if value is not None and valid_session_id(value):
+            return value
+    return None
+
+
+def _invalid(source: str) -> str:
+    return (
+        f"Invalid session id in {source}: ids must match [A-Za-z0-9._:-]{{1,128}} "
+        "(and not be '.' or '..')"
+    )
 
 
 _stamp: tuple[int, str] = (-1, "")  # the last second formatted, and its text
@@ -187,13 +196,15 @@ class SessionState:
 class SessionStore(Protocol):
     """Where session state lives: memory now; a shared backend for several instances later."""
 
-    def get(self, session_id: str) -> SessionState | None: ...
+    def get(self, session_id: str, now: float | None = None) -> SessionState | None: ...
 
     def create(self, session_id: str, now: float) -> SessionState: ...
 
     def infer(self, messages: Sequence[Any]) -> SessionState | None: ...
 
-    def infer_shared(self, messages: Sequence[Any]) -> tuple[SessionState | None, int]: ...
+    def infer_shared(
+        self, messages: Sequence[Any], now: float | None = None
+    ) -> tuple[SessionState | None, int]: ...
 
     def index(self, state: SessionState, messages: list[Any]) -> None: ...
 
@@ -212,10 +223,18 @@ class MemorySessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def get(self, session_id: str) -> SessionState | None:
+    def get(self, session_id: str, now: float | None = None) -> SessionState | None:
+        """The session, or None. With ``now`` (a request's time), a session idle for longer than
+        ``idle_ttl_s`` is forgotten here and None returned: eviction by idle time otherwise runs
+        only when a session is created, and a session coming back after the limit must start
+        again whether or not another one was created meanwhile."""
         state = self._sessions.get(session_id)
-        if state is not None:
-            self._sessions.move_to_end(session_id)
+        if state is None:
+            return None
+        if now is not None and now - state.last_seen > self.idle_ttl_s:
+            self._forget(session_id, state)
+            return None
+        self._sessions.move_to_end(session_id)
         return state
 
     def create(self, session_id: str, now: float) -> SessionState:
@@ -228,23 +247,32 @@ class MemorySessionStore:
         """The session ``messages`` continue (the longest shared prefix, then the latest seen)."""
         return self.infer_shared(messages)[0]
 
-    def infer_shared(self, messages: Sequence[Any]) -> tuple[SessionState | None, int]:
+    def infer_shared(
+        self, messages: Sequence[Any], now: float | None = None
+    ) -> tuple[SessionState | None, int]:
         """``infer``, with how many leading messages the session's last request shares (0 when
-        no session was found)."""
+        no session was found). With ``now``, sessions idle for longer than ``idle_ttl_s`` are
+        forgotten instead of joined."""
         key = opening_key(messages)
         if key is None:
             return None, 0
         best: SessionState | None = None
         best_len = -1
+        stale: list[SessionState] = []
         for sid in self._by_opening.get(key, ()):
             state = self._sessions.get(sid)
             if state is None:
+                continue
+            if now is not None and now - state.last_seen > self.idle_ttl_s:
+                stale.append(state)
                 continue
             n = shared_prefix(state.last_client_messages, messages)
             if n > best_len or (
                 n == best_len and best is not None and state.last_seen > best.last_seen
             ):
                 best, best_len = state, n
+        for state in stale:
+            self._forget(state.id, state)
         if best is None:
             return None, 0
         self._sessions.move_to_end(best.id)
@@ -272,11 +300,14 @@ class MemorySessionStore:
         while self._sessions:
             sid, oldest = next(iter(self._sessions.items()))
             if len(self._sessions) > self.max_sessions or now - oldest.last_seen > self.idle_ttl_s:
-                del self._sessions[sid]
-                if oldest.opening:
-                    self._unindex(sid, oldest.opening)
+                self._forget(sid, oldest)
             else:
                 break
+
+    def _forget(self, sid: str, state: SessionState) -> None:
+        del self._sessions[sid]
+        if state.opening:
+            self._unindex(sid, state.opening)
 
     def active_ids(self) -> Iterable[str]:
         return list(self._sessions)

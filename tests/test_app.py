@@ -179,6 +179,53 @@ def test_healthz_and_metrics(sim: RunningSimulator, sdk: Any, proxy_factory: Any
     )
 
 
+def test_a_base_url_without_v1_gets_an_openai_shaped_404_that_says_so(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    import openai
+
+    proxy = proxy_factory(sim.api_base)
+    with pytest.raises(openai.NotFoundError) as info:  # the SDK reads the error's message
+        sdk(proxy.url).chat.completions.create(
+            model="gpt-4o", messages=[{"role": "user", "content": "x"}]
+        )
+    assert "/v1" in info.value.message
+    r = httpx.post(proxy.url + "/chat/completions", json={})
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "not_found"
+    wrong = httpx.post(proxy.url + "/healthz")
+    assert wrong.status_code == 405
+    assert wrong.json()["error"]["code"] == "method_not_allowed"
+    assert "GET" in wrong.headers["allow"]
+    assert sim.sim.requests == []
+
+
+def test_requests_refused_for_their_session_id_are_counted(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}
+    refused = [
+        httpx.post(proxy.url + "/s/bad%20id/v1/chat/completions", json=body),  # in the path
+        httpx.post(proxy.url + "/s/a%2Fb/v1/chat/completions", json=body),  # a slash smuggled in
+        httpx.post(
+            proxy.base_url + "/chat/completions", json=body, headers={"X-Session-Id": "a b"}
+        ),
+        httpx.get(proxy.url + "/s/bad%20id/v1/models"),
+        httpx.get(proxy.base_url + "/models", headers={"X-Session-Id": "a b"}),
+        httpx.get(proxy.base_url + "/%2E%2E/admin"),  # invalid_path
+    ]
+    assert [r.status_code for r in refused] == [400] * 6
+    proxy.settle()
+    labels = {"route": "chat", "model": "other", "status": "400"}
+    assert proxy.metric("cachegate_requests_total", labels) == 2  # refused before the body is read
+    labels["model"] = "gpt-4o"
+    assert proxy.metric("cachegate_requests_total", labels) == 1  # the header's: after it
+    labels = {"route": "passthrough", "model": "other", "status": "400"}
+    assert proxy.metric("cachegate_requests_total", labels) == 3
+    assert sim.sim.requests == []
+
+
 def test_a_failing_observer_never_breaks_the_response(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:

@@ -194,6 +194,45 @@ def test_context_length_exceeded_is_compacted_and_retried_once(
         assert statuses == [400, 200, 200]  # refused, the summary call, the compacted retry
 
 
+def test_a_failure_while_compacting_for_a_retry_is_a_500_in_openai_shape(
+    proxy_factory: Any,
+) -> None:
+    """The retry path runs after the relay: an unexpected error there used to reach uvicorn,
+    which answered a plain-text 500."""
+    import httpx
+
+    with run_simulator(SimConfig(context_window=3000)) as small:
+        config = {
+            "compaction": {"enabled": True, "trigger_percent": 100, "keep_recent": 4},
+            "models": {MODEL: {"context_window": 1000000}},
+        }
+        proxy = proxy_factory(small.api_base, config)
+        compactor = proxy.gateway.chat.compactor
+        original = compactor.apply
+
+        async def broken(*args: Any, force: bool = False, **kw: Any) -> Any:
+            if force:  # only the compaction after the provider's refusal
+                raise RuntimeError("compactor bug")
+            return await original(*args, force=force, **kw)
+
+        compactor.apply = broken
+        msgs = history(10, output_chars=2000, system_repeat=10)
+        r = httpx.post(
+            proxy.base_url + "/chat/completions",
+            json={"model": MODEL, "messages": msgs},
+            headers={"X-Session-Id": "broken-retry"},
+        )
+        assert r.status_code == 500
+        assert r.headers["content-type"] == "application/json"
+        assert r.json()["error"]["code"] == "internal_error"
+        assert r.headers["x-cachegate-session"] == "broken-retry"
+        assert [q.status for q in small.sim.requests] == [400]  # refused, then nothing re-sent
+        proxy.settle()
+        events = read_events(proxy.log_dir / "broken-retry.jsonl").events
+        responses = [e for e in events if e["type"] == "response"]
+        assert [(e["status"], "RuntimeError" in e["error"]) for e in responses] == [(500, True)]
+
+
 def test_other_upstream_errors_pass_verbatim_with_compaction_on(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:

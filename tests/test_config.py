@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import ConfigError, Settings, load_settings, settings_from_mapping
+from proxy.config import (
+    ConfigError,
+    Settings,
+    display_url,
+    load_settings,
+    settings_from_mapping,
+)
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "config" / "cachegate.example.toml"
 
@@ -97,3 +103,17 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
         documented = set(data.get(section, {}))
         fields = set(vars(getattr(defaults, section)))
         assert fields <= documented, f"[{section}] lacks {sorted(fields - documented)}"
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("https://api.openai.com/v1", "https://api.openai.com/v1"),
+        ("https://user:s3cret@gw.example.com:8443/v1", "https://gw.example.com:8443/v1"),
+        ("http://token@127.0.0.1:8080", "http://127.0.0.1:8080"),
+        ("http://a:b@c@host/v1?x=@y", "http://host/v1?x=@y"),
+        ("not a url", "not a url"),
+    ],
+)
+def test_a_base_urls_credentials_are_not_shown(url: str, shown: str) -> None:
+    assert display_url(url) == shown

@@ -125,6 +125,40 @@ def test_growing_conversation_stays_one_session_unrelated_one_gets_its_own(
     assert len(events(proxy.log_dir, other_headers["x-cachegate-session"], "request")) == 1
 
 
+def test_a_session_idle_past_its_limit_is_forgotten_when_it_comes_back(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """README: after ``sessions.idle_ttl_s`` without a request a session is forgotten, even when
+    no other session was created meanwhile (eviction by idle time used to run only then)."""
+    now = [1_790_000_000.0]
+    proxy = proxy_factory(sim.api_base, {"sessions": {"idle_ttl_s": 600}}, clock=lambda: now[0])
+    client = make_client(proxy.base_url)
+    convo: list[dict[str, Any]] = [{"role": "user", "content": "a long task"}]
+    reply, first = chat(client, convo, stream=False)
+    convo += [reply, {"role": "user", "content": "go on"}]
+    now[0] += 599
+    reply, second = chat(client, convo, stream=True)
+    convo += [reply, {"role": "user", "content": "and on"}]
+    now[0] += 601
+    _, third = chat(client, convo, stream=False)
+    sid = "x-cachegate-session"
+    assert first[sid] == second[sid]
+    assert third[sid] != second[sid]  # not joined to the forgotten session: a new one
+
+    named = make_client(proxy.base_url, default_headers={"X-Session-Id": "night-shift"})
+    chat(named, [{"role": "user", "content": "one"}], stream=False)
+    now[0] += 300
+    chat(named, [{"role": "user", "content": "two"}], stream=False)
+    now[0] += 601
+    _, back = chat(named, [{"role": "user", "content": "three"}], stream=True)
+    assert back[sid] == "night-shift"
+    flush(proxy)
+    # the same file; the forgotten session's exchange numbers start again, as after a restart
+    requests = events(proxy.log_dir, "night-shift", "request")
+    assert [r["exchange"] for r in requests] == [1, 2, 1]
+    assert requests[2]["base"] == 0  # logged in full: nothing to code it against
+
+
 @pytest.mark.parametrize(
     ("header", "value"),
     [
@@ -143,6 +177,24 @@ def test_session_headers_agents_already_send_are_honoured(
     assert h1["x-cachegate-session"] == h2["x-cachegate-session"] == value
     flush(proxy)
     assert [p.name for p in proxy.log_dir.iterdir()] == [value + ".jsonl"]
+
+
+def test_another_tools_session_value_that_is_no_id_does_not_break_the_request(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A tracing tool's session value may be any string: such a request works without cachegate,
+    so it works through it too (the value is passed over, the session inferred)."""
+    proxy = proxy_factory(sim.api_base)
+    client = make_client(
+        proxy.base_url, default_headers={"langfuse-session-id": "alice@example.com/run 1"}
+    )
+    convo: list[dict[str, Any]] = [{"role": "user", "content": "traced task"}]
+    reply, h1 = chat(client, convo, stream=False)
+    _, h2 = chat(client, [*convo, reply, {"role": "user", "content": "more"}], stream=True)
+    assert h1["x-cachegate-session"] == h2["x-cachegate-session"]  # one inferred session
+    assert httpx.get(proxy.base_url + "/models", headers={"langfuse-session-id": "a b"}).is_success
+    flush(proxy)
+    assert [p.name for p in proxy.log_dir.iterdir()] == [h1["x-cachegate-session"] + ".jsonl"]
 
 
 def test_x_session_id_wins_over_agent_headers_and_path_wins_over_both(
@@ -205,7 +257,7 @@ def test_hostile_ids_are_400_in_openai_shape_and_touch_no_path(
     body = orjson.dumps(HELLO)
     for value in HOSTILE_HEADER_IDS:
         head = (
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
             b"Content-Type: application/json\r\nX-Session-Id: " + value + b"\r\n"
         )
         status, _, out = _raw_request(host, port, head, body)
@@ -213,7 +265,7 @@ def test_hostile_ids_are_400_in_openai_shape_and_touch_no_path(
         _assert_openai_error(out, "invalid_session_id")
     # In the path, as exact bytes (an HTTP client would normalize "/s/../v1" away itself).
     for segment in [b"..", b"%2E%2E", b"a%00b", b"%C3%A9t%C3%A9", b"a" * 200, b"x%20y"]:
-        head = b"POST /s/" + segment + b"/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        head = b"POST /s/" + segment + b"/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         head += b"Connection: close\r\nContent-Type: application/json\r\n"
         status, _, out = _raw_request(host, port, head, body)
         assert status == 400, segment
@@ -224,7 +276,7 @@ def test_hostile_ids_are_400_in_openai_shape_and_touch_no_path(
     _assert_openai_error(r.content, "invalid_session_id")
     # A NUL in a header value: uvicorn refuses the request line itself, before cachegate.
     head = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
         b"Content-Type: application/json\r\nX-Session-Id: a\x00b\r\n"
     )
     status, _, _ = _raw_request(host, port, head, body)
@@ -245,7 +297,7 @@ def test_a_slash_smuggled_into_the_path_id_is_a_400_not_a_file(
     before = tree(tmp_path)
     body = orjson.dumps(HELLO)
     for segment in [b"..%2F..%2Fx", b"..%2Fescape", b"a%2Fb"]:
-        head = b"POST /s/" + segment + b"/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        head = b"POST /s/" + segment + b"/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         head += b"Connection: close\r\nContent-Type: application/json\r\n"
         status, _, out = _raw_request(proxy.server.host, proxy.server.port, head, body)
         assert tree(tmp_path) == before
@@ -496,6 +548,37 @@ def test_no_key_or_secret_reaches_any_log_file(sim: RunningSimulator, proxy_fact
     assert [r["status"] for r in responses] == [200, 200, 500]
     assert "[REDACTED]" in responses[0]["message"]["content"]  # the echoed reply, non-streamed
     assert "[REDACTED]" in responses[1]["message"]["content"]  # and assembled from a stream
+
+
+@pytest.mark.parametrize("redact_secrets", [True, False])
+def test_the_configured_key_of_any_shape_is_never_written(
+    sim: RunningSimulator, proxy_factory: Any, redact_secrets: bool
+) -> None:
+    """A provider key no pattern knows (Groq's ``gsk_``, Gemini's ``AIza``, a plain string),
+    echoed by a tool's output: cachegate knows its own key exactly and never writes it, even
+    with pattern redaction off; a base URL's user and password are not written either."""
+    key = "gsk_" + _random(40)
+    base = sim.api_base.replace("http://", "http://someone:hunter2-password@")
+    proxy = proxy_factory(
+        base,
+        {"logging": {"redact_secrets": redact_secrets}},
+        environ={"OPENAI_API_KEY": key + "\n"},
+    )
+    tool_output = f"OPENAI_API_KEY={key}\nHOME=/home/dev"
+    r = httpx.post(  # no Authorization: cachegate adds its own key
+        proxy.base_url + "/chat/completions",
+        json={"model": "gpt-4o", "messages": [{"role": "user", "content": tool_output}]},
+        headers={"X-Session-Id": "env-dump"},
+    )
+    assert key in r.json()["choices"][0]["message"]["content"]  # echoed: in the response too
+    assert sim.sim.requests[0].headers["authorization"] == f"Bearer {key}"
+    flush(proxy)
+    data = (proxy.log_dir / "env-dump.jsonl").read_text()
+    assert key not in data and key[4:] not in data
+    assert "OPENAI_API_KEY=[REDACTED]" in data
+    assert "hunter2" not in data and "someone" not in data
+    meta = events(proxy.log_dir, "env-dump", "session_meta")[0]
+    assert meta["upstream"] == sim.api_base
 
 
 def test_metadata_mode_keeps_sizes_and_hashes_but_no_message_text(

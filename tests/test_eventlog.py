@@ -574,13 +574,36 @@ def test_redaction_can_be_turned_off(log_dir: Path, writers) -> None:
     assert KEY.encode() in (log_dir / "s.jsonl").read_bytes()
 
 
+@pytest.mark.parametrize("redact_secrets", [True, False])
+def test_known_secrets_are_never_written_whatever_their_shape(
+    log_dir: Path, writers, redact_secrets: bool
+) -> None:
+    plain = "Zq8vN2mXw4Lr7TgY1bKc"  # no pattern knows it: a provider key of its own shape
+    quoted = 'pa"ss\\word-0123'  # characters JSON escapes: found as they appear in the line
+    w = started(
+        writers, log_dir, redact_secrets=redact_secrets, secrets=[f" {plain}\n", quoted, "short"]
+    )
+    w.emit("s", request_event(1, None, 0, [{"role": "tool", "content": f"KEY={plain} {quoted}"}]))
+    w.emit("t", {"ts": 1.0, "type": "error", plain: "as a key too", "message": "short words stay"})
+    assert w.close()
+    for name in ("s", "t"):
+        raw = (log_dir / f"{name}.jsonl").read_bytes()
+        assert plain.encode() not in raw and b"ss\\\\word" not in raw
+    content = read_events(log_dir / "s.jsonl").events[0]["appended"][0]["content"]
+    assert content == "KEY=[REDACTED] [REDACTED]"
+    event = read_events(log_dir / "t.jsonl").events[0]
+    assert event["[REDACTED]"] == "as a key too"
+    assert event["message"] == "short words stay"  # values under 8 characters are not taken
+
+
 # ------------------------------------------------------------------------------------------------
 # Retention
 
 
 def make_log(log_dir: Path, sid: str, size: int, mtime: float) -> Path:
     path = log_dir / f"{sid}.jsonl"
-    path.write_bytes(b"x" * size)
+    line = b'{"ts":1,"type":"session_meta"}\n'
+    path.write_bytes(line + b"x" * (size - len(line)))
     os.utime(path, (mtime, mtime))
     return path
 
@@ -600,6 +623,24 @@ def test_retention_removes_old_files_but_never_active_ones(tmp_path: Path) -> No
     )
     assert removed == [str(old)]
     assert old_active.exists() and fresh.exists() and other.exists()
+
+
+def test_retention_leaves_other_jsonl_files_in_a_shared_directory_alone(tmp_path: Path) -> None:
+    """``--log-dir .`` or a shared data directory: only cachegate's own logs are removed."""
+    now = 1_700_000_000.0
+    old = now - 30 * 86400.0
+    ours = make_log(tmp_path, "old-session", 100, old)
+    results = tmp_path / "results.jsonl"  # a valid session id as a name, but not an event log
+    results.write_bytes(b'{"epoch": 1, "loss": 0.5}\n' * 4)
+    spaced = tmp_path / "my data.jsonl"  # not a session id at all, though it looks like ours
+    spaced.write_bytes(b'{"ts":1,"type":"x"}\n')
+    link = tmp_path / "linked.jsonl"  # a link to one of ours is not followed
+    link.symlink_to(ours)
+    for path in (results, spaced):
+        os.utime(path, (old, old))
+    removed = enforce_retention(tmp_path, max_age_days=7, max_total_mb=0, active=(), now=now)
+    assert removed == [str(ours)]
+    assert results.exists() and spaced.exists() and link.is_symlink()
 
 
 def test_retention_trims_the_oldest_until_the_total_fits(tmp_path: Path) -> None:

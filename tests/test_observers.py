@@ -25,6 +25,7 @@ class Lines:
     def __init__(self, refuse: tuple[int, ...] = ()) -> None:
         self.events: list[dict[str, Any]] = []
         self.refuse = refuse
+        self.broken: set[str] = set()  # as the real writer's: sessions that lost a line
 
     def emit(self, session_id: str, event: dict[str, Any], first_in_file: bool = False) -> bool:
         if event["type"] == "request" and event["exchange"] in self.refuse:
@@ -57,6 +58,33 @@ def test_a_refused_request_line_is_never_the_base_of_a_later_one() -> None:
     assert [e["exchange"] for e in lines.events] == [2]
     assert lines.events[0]["base_exchange"] is None
     assert dict(replay(lines.events)) == {2: second}
+
+
+def test_a_line_the_writer_lost_is_no_base_and_the_next_is_written_whole(tmp_path: Path) -> None:
+    """Accepted by emit, then lost by the writer (the file could not be written): the next
+    request line must not be coded against it, or replay would lose every later one."""
+    writer = EventLogWriter(tmp_path)
+    writer.start()
+    store = MemorySessionStore()
+    store.create("s1", 0.0).meta_written = True
+    log = EventLogObserver(settings_from_mapping({}), store, writer)
+    blocker = tmp_path / "s1.jsonl"
+    blocker.mkdir()  # the session's file cannot be opened: its lines are lost
+    first = msgs("a", "b", "c")
+    log.on_request(exchange(1, first))
+    assert writer.flush()
+    blocker.rmdir()
+    second = [*first, {"role": "assistant", "content": "d"}]
+    log.on_request(exchange(2, second))
+    third = [*second, {"role": "user", "content": "e"}]
+    log.on_request(exchange(3, third))
+    assert writer.close()
+    events = read_events(tmp_path / "s1.jsonl").events
+    assert [(e["exchange"], e["base_exchange"], e["base"]) for e in events] == [
+        (2, None, 0),
+        (3, 2, 4),
+    ]
+    assert dict(replay(events)) == {2: second, 3: third}
 
 
 def test_a_retried_exchange_is_a_base_only_as_it_was_last_sent() -> None:

@@ -70,3 +70,10 @@ def test_notify_calls_each_observer_once_and_survives_a_failing_one(hook: str, c
         notify([Failing(), Recording("after", seen)], hook, _exchange(7))  # type: ignore[list-item]
     assert seen == [("after", hook.removeprefix("on_"), 7)]
     assert any("Failing" in r.getMessage() for r in caplog.records)
+
+
+def test_a_printed_exchange_never_shows_the_upstream_key() -> None:
+    ex = Exchange("chat", "POST", "chat/completions", 0.0, 0.0)
+    ex.upstream_headers = [(b"authorization", b"Bearer sk-server-key-0123456789")]
+    assert "sk-server-key" not in repr(ex) and "sk-server-key" not in str(ex)
+    assert "chat/completions" in repr(ex)  # the rest is still there to debug with

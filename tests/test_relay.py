@@ -385,6 +385,34 @@ def test_authorization_forwarded_unchanged_or_added_from_env(
     assert auth == [b"Bearer sk-client", b"Bearer sk-from-env"]
 
 
+def test_a_key_read_with_its_line_end_is_trimmed(scripted: Any, proxy_factory: Any) -> None:
+    upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
+    proxy = proxy_factory(url, environ={"OPENAI_API_KEY": " sk-from-file\n"})
+    assert httpx.post(proxy.base_url + "/chat/completions", json=CHAT).status_code == 200
+    assert dict(upstream.requests[0]["headers"])[b"authorization"] == b"Bearer sk-from-file"
+
+
+@pytest.mark.parametrize("key", ["sk-a\r\nX-Injected: 1", "sk-\u2026", "sk-a\x00b"])
+def test_a_key_no_header_can_carry_is_a_500_naming_the_setting_never_the_key(
+    scripted: Any, proxy_factory: Any, key: str
+) -> None:
+    upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
+    proxy = proxy_factory(url, environ={"OPENAI_API_KEY": key})
+    for r in (
+        httpx.post(proxy.base_url + "/chat/completions", json=CHAT),
+        httpx.get(proxy.base_url + "/models"),
+    ):
+        assert r.status_code == 500
+        error = r.json()["error"]
+        assert error["code"] == "internal_error"
+        assert "upstream.api_key_env" in error["message"]
+        assert "sk-" not in r.text
+    assert upstream.requests == []  # nothing went out with a broken header
+    # a client's own key needs none of it
+    ok = httpx.get(proxy.base_url + "/models", headers={"Authorization": "Bearer sk-client"})
+    assert ok.status_code == 200
+
+
 def test_hop_by_hop_and_encoding_headers_are_not_forwarded(
     scripted: Any, proxy_factory: Any
 ) -> None:
@@ -463,7 +491,7 @@ def test_client_disconnect_before_first_byte_closes_upstream(
     with socket.create_connection(("127.0.0.1", proxy.server.port)) as s:
         body = orjson.dumps({**CHAT, "stream": True})
         s.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: "
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: "
             + str(len(body)).encode()
             + b"\r\n\r\n"
             + body
@@ -767,7 +795,7 @@ def test_a_client_that_stops_reading_stops_the_upstream_too(
     with socket.create_connection(("127.0.0.1", proxy.server.port)) as sock:
         body = orjson.dumps({**CHAT, "stream": True, "stream_options": {"include_usage": True}})
         sock.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\n\r\n%s" % (len(body), body)
         )
         first = sock.recv(65536)  # the head and the first bytes: the stream is flowing
@@ -889,7 +917,7 @@ def test_a_client_leaving_after_an_early_answer_to_its_upload_cancels_the_upstre
     try:
         proxy = proxy_factory(f"http://127.0.0.1:{listener.getsockname()[1]}/v1")
         with socket.create_connection(("127.0.0.1", proxy.server.port)) as client:
-            client.sendall(b"POST /v1/uploads/u1/parts HTTP/1.1\r\nhost: x\r\n"
+            client.sendall(b"POST /v1/uploads/u1/parts HTTP/1.1\r\nhost: 127.0.0.1\r\n"
                            b"transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")  # fmt: skip
             time.sleep(0.3)  # the upstream has answered meanwhile; it shows between chunks
             client.sendall(b"5\r\nworld\r\n")  # and the upload never ends

@@ -44,6 +44,18 @@ def test_path_wins_then_x_session_id_then_agent_headers() -> None:
     assert explicit_session_id({}, None) is None
 
 
+def test_other_tools_ids_that_are_not_ids_are_passed_over_ours_are_refused() -> None:
+    # langfuse allows any string: an e-mail address must not break the request
+    assert explicit_session_id({"langfuse-session-id": "alice@example.com"}, None) is None
+    headers = {"x-portkey-trace-id": "trace/with/slashes", "langfuse-session-id": "lf-1"}
+    assert explicit_session_id(headers, None) == "lf-1"  # the next valid one
+    assert explicit_session_id({"helicone-session-id": "../../etc/passwd"}, None) is None
+    with pytest.raises(ValueError, match="x-session-id"):
+        explicit_session_id({"x-session-id": "bad id", "langfuse-session-id": "lf-1"}, None)
+    with pytest.raises(ValueError, match="path"):
+        explicit_session_id({"x-session-id": "fine"}, "..")
+
+
 def test_inference_follows_a_growing_conversation_and_separates_others() -> None:
     store = MemorySessionStore()
     a = store.create("a", 0.0)
@@ -74,6 +86,27 @@ def test_store_is_bounded_and_forgets_idle_sessions() -> None:
     assert sorted(store.active_ids()) == ["s2", "s3", "s4"]
     store.create("late", 500.0)
     assert list(store.active_ids()) == ["late"]
+
+
+def test_a_session_idle_past_the_limit_is_forgotten_when_it_is_looked_up() -> None:
+    store = MemorySessionStore(idle_ttl_s=100)
+    a = store.create("a", 0.0)
+    store.index(a, convo("hello", 3))
+    a.last_seen = 50.0
+    assert store.get("a", 150.0) is a  # idle 100 s: still there
+    assert store.get("a") is a  # without a time, as the observers look it up: no judgement
+    assert store.get("a", 150.5) is None  # no session was created meanwhile
+    assert list(store.active_ids()) == []
+    assert store.infer(convo("hello", 4)) is None  # and it left the inference index
+
+    b = store.create("b", 200.0)
+    store.index(b, convo("hi", 3))
+    c = store.create("c", 260.0)
+    store.index(c, [*convo("hi", 1), {"role": "assistant", "content": "elsewhere"}])
+    assert store.infer_shared(convo("hi", 4), 290.0) == (b, 8)  # the longest shared history
+    # b idle past the limit: not joined, forgotten; c, still fresh, is the one that continues
+    assert store.infer_shared(convo("hi", 4), 300.5) == (c, 4)
+    assert list(store.active_ids()) == ["c"]
 
 
 def test_new_ids_are_valid_and_unique() -> None:
