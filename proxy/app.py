@@ -409,7 +409,7 @@ class CachegateApp(Starlette):
 
     async def __call__(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
         if scope["type"] == "http":
-            refusal = self.guard.refusal(scope["headers"])
+            refusal = self.guard.refusal(header_map(scope))  # type: ignore[arg-type]
             if refusal is not None:
                 await self._refuse(scope, send, refusal)  # type: ignore[arg-type]
                 return
@@ -502,5 +502,8 @@ def create_app(
     )
     app.state.gateway = gateway
     app.endpoint = endpoint
-    app.guard = BrowserGuard(settings.server.host, settings.server.allowed_origins.split(","))
+    server = settings.server
+    app.guard = BrowserGuard(
+        server.host, server.allowed_origins.split(","), server.allowed_hosts.split(",")
+    )
     return app

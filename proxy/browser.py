@@ -3,38 +3,54 @@
 cachegate adds the user's API key to requests that carry none, so any page open in a browser on
 the same machine could spend it: a page can send a "simple" cross-origin POST (``text/plain``)
 without the browser asking first, and a page whose name an attacker re-points at 127.0.0.1 (DNS
-rebinding) can read the answers too. Two checks, on the request's headers alone:
+rebinding) can read the answers too. Three checks, on the request's headers alone:
 
 - ``Origin``, which browsers add to cross-origin requests and to every POST: a page that is not
   on this machine (a loopback name or address), and not listed in ``server.allowed_origins``, is
   refused. Agents and SDKs send no ``Origin``.
+- ``Sec-Fetch-Site``, which browsers add to every request: a request a page made without an
+  ``Origin`` to judge (not one the user typed, ``none``, or a link followed from another site),
+  and any request from a page at cachegate's own address (``same-origin``), comes from a page of
+  cachegate's origin, which serves no pages: a rebound name. Refused whatever the address
+  cachegate listens on (a container's ``0.0.0.0`` published on the host's loopback included).
 - ``Host``, when cachegate listens on a loopback address only: a name that is not a loopback one
-  (``localhost``, ``*.localhost``, ``127.x.x.x``, ``::1``) is a rebound name and is refused. Bound
-  to another address (a container's ``0.0.0.0``), clients use names of their own and the check is
-  off.
+  (``localhost``, ``*.localhost``, ``127.x.x.x``, ``::1``), a container's name for the host
+  (``host.docker.internal``, ``host.containers.internal``) or listed in ``server.allowed_hosts`` is
+  a rebound name, for browsers too old to send ``Sec-Fetch-Site``.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from urllib.parse import urlsplit
 
 from proxy.errors import ProxyError
 
+# Names containers use for the host they run on: a page cannot make a browser use them as its
+# own name (they are not in public DNS), so they are no rebinding risk.
+CONTAINER_HOST_NAMES = frozenset(
+    {"host.docker.internal", "gateway.docker.internal", "host.containers.internal"}
+)
+_DEFAULT_PORTS = {"http": ":80", "https": ":443"}
+_MEMO_LIMIT = 64  # verdicts remembered: a client sends the same Host (and Origin) every time
+
 
 def is_loopback_name(host: str) -> bool:
-    """``localhost``, a name under ``.localhost`` (RFC 6761), or a loopback IPv4/IPv6 address;
-    ``host`` without a port, IPv6 with or without brackets."""
+    """``localhost`` (and Debian's ``localhost6``, ``ip6-localhost``), a name under
+    ``.localhost`` (RFC 6761), or a loopback IPv4/IPv6 address (also IPv4-mapped); ``host``
+    without a port, IPv6 with or without brackets."""
     host = host.strip().lower().rstrip(".")
-    if host == "localhost" or host.endswith(".localhost"):
+    if host in ("localhost", "localhost6", "ip6-localhost") or host.endswith(".localhost"):
         return True
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
         return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return bool(address.is_loopback or (mapped is not None and mapped.is_loopback))
 
 
 def host_of_header(value: str) -> str:
@@ -47,62 +63,111 @@ def host_of_header(value: str) -> str:
 
 
 def normalize_origin(origin: str) -> str:
-    """``scheme://host[:port]`` lower-cased, without a trailing slash: how browsers write it."""
-    return origin.strip().rstrip("/").lower()
+    """``scheme://host[:port]`` lower-cased, without a trailing slash or the scheme's default
+    port: how browsers write it."""
+    origin = origin.strip().rstrip("/").lower()
+    scheme = origin.partition("://")[0]
+    default = _DEFAULT_PORTS.get(scheme)
+    if default and origin.endswith(default):
+        origin = origin[: -len(default)]
+    return origin
+
+
+def check_origin_entry(entry: str) -> str | None:
+    """Why an ``allowed_origins`` entry can never match, or None: ``scheme://host[:port]``, or
+    ``scheme://*`` for every origin of a scheme (``vscode-webview://*``)."""
+    scheme, sep, rest = entry.strip().partition("://")
+    if not sep or not scheme or not rest or "/" in rest.rstrip("/"):
+        return f"{entry.strip()!r} is not an origin: write scheme://host[:port] or scheme://*"
+    return None
 
 
 class BrowserGuard:
     """Decides, from a request's headers, whether it comes from a web page it must refuse."""
 
-    __slots__ = ("_hosts", "allowed", "check_host")
+    __slots__ = ("_hosts", "_origins", "allowed", "allowed_hosts", "check_host", "schemes")
 
-    def __init__(self, bind_host: str, allowed_origins: Iterable[str] = ()) -> None:
-        self.allowed = frozenset(normalize_origin(o) for o in allowed_origins if o.strip())
+    def __init__(
+        self,
+        bind_host: str,
+        allowed_origins: Iterable[str] = (),
+        allowed_hosts: Iterable[str] = (),
+    ) -> None:
+        entries = {normalize_origin(o) for o in allowed_origins if o.strip()}
+        self.schemes = frozenset(e[: -len("://*")] for e in entries if e.endswith("://*"))
+        self.allowed = frozenset(e for e in entries if not e.endswith("://*"))
+        self.allowed_hosts = CONTAINER_HOST_NAMES | {
+            h.strip().lower().rstrip(".") for h in allowed_hosts if h.strip()
+        }
         self.check_host = is_loopback_name(bind_host)
-        # Host headers judged loopback: every request of a client carries the same one, and
-        # this check runs before each. Bounded: a client cycling names cannot grow it.
-        self._hosts: set[bytes] = set()
+        # Verdicts of headers seen (allowed ones only, bounded): the check then costs a lookup.
+        self._hosts: set[str] = set()
+        self._origins: set[str] = set()
 
-    def refusal(self, headers: Iterable[tuple[bytes, bytes]]) -> ProxyError | None:
-        """None for a request to serve; else the error to answer (403)."""
-        origin: bytes | None = None
-        host: bytes | None = None
-        for name, value in headers:
-            if name == b"origin":
-                origin = value
-            elif name == b"host":
-                host = value
+    def refusal(self, headers: Mapping[str, str]) -> ProxyError | None:
+        """None for a request to serve; else the error to answer (403). ``headers``: names in
+        lower case, as ``proxy.chat.header_map`` gives them."""
+        origin = headers.get("origin")
         if origin is not None:
-            text = origin.decode("latin-1")
-            if not self._origin_allowed(text):
+            if origin not in self._origins:
+                if not self._origin_allowed(origin):
+                    return ProxyError(
+                        403,
+                        f"Requests from web pages are refused: origin {origin!r} is not on this "
+                        "machine and not in server.allowed_origins (cachegate would add your API "
+                        "key to them).",
+                        code="forbidden_origin",
+                    )
+                if len(self._origins) < _MEMO_LIMIT:
+                    self._origins.add(origin)
+        else:
+            site = headers.get("sec-fetch-site")
+            # Served: what the user typed ("none"), and a link followed from another page
+            # (a navigation the linking page cannot read). A page at cachegate's own address
+            # ("same-origin", even navigating a frame it could then read) can only be a
+            # rebound name: cachegate serves no pages.
+            if (
+                site is not None
+                and site != "none"
+                and (site == "same-origin" or headers.get("sec-fetch-mode") != "navigate")
+            ):
                 return ProxyError(
                     403,
-                    f"Requests from web pages are refused: origin {text!r} is not on this machine "
-                    "and not in server.allowed_origins (cachegate would add your API key to them).",
+                    "Requests from web pages are refused: a page's request without an Origin "
+                    "comes from cachegate's own address, which serves no pages (a page's name "
+                    "re-pointed at this machine).",
                     code="forbidden_origin",
                 )
+        host = headers.get("host")
         if self.check_host and host is not None and host not in self._hosts:
-            text = host.decode("latin-1")
-            if is_loopback_name(host_of_header(text)):
-                if len(self._hosts) < 64:
-                    self._hosts.add(host)
-            else:
+            name = host_of_header(host)
+            if not (is_loopback_name(name) or name.lower().rstrip(".") in self.allowed_hosts):
                 return ProxyError(
                     403,
-                    f"Host {text!r} is not a loopback name: cachegate listens on this machine only "
+                    f"Host {host!r} is not a loopback name: cachegate listens on this machine only "
                     "and refuses other names (a page's name re-pointed at 127.0.0.1). Use "
-                    "http://127.0.0.1:PORT or http://localhost:PORT.",
+                    "http://127.0.0.1:PORT or http://localhost:PORT, or list the name in "
+                    "server.allowed_hosts.",
                     code="forbidden_host",
                 )
+            if len(self._hosts) < _MEMO_LIMIT:
+                self._hosts.add(host)
         return None
 
     def _origin_allowed(self, origin: str) -> bool:
         normal = normalize_origin(origin)
         if normal in self.allowed:
             return True
+        scheme = normal.partition("://")[0]
+        if scheme in self.schemes:
+            return True
         if normal == "null":  # a sandboxed frame or a local file: not a page to trust
             return False
-        parts = urlsplit(normal)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        try:
+            parts = urlsplit(normal)
+            hostname = parts.hostname
+        except ValueError:  # "http://[::1" and the like: no page has such an origin
             return False
-        return is_loopback_name(parts.hostname)
+        if parts.scheme not in ("http", "https") or not hostname:
+            return False
+        return is_loopback_name(hostname)

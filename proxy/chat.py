@@ -82,7 +82,13 @@ def splice_usage_option(raw: bytes) -> bytes | None:
 
 
 def header_map(scope: Scope) -> dict[str, str]:
-    return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+    """The request's headers by (lower-case) name, the last of a repeated one; made once per
+    request (the browser guard reads it before the route does) and kept in the scope."""
+    headers: dict[str, str] | None = scope.get("cachegate.headers")
+    if headers is None:
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        scope["cachegate.headers"] = headers
+    return headers
 
 
 class PairingRepair:

@@ -13,6 +13,9 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, Literal, get_args, get_origin
+from urllib.parse import urlsplit, urlunsplit
+
+from proxy.browser import check_origin_entry
 
 
 class ConfigError(ValueError):
@@ -26,6 +29,8 @@ class ServerSettings:
     max_body_bytes: int = 64 * 1024 * 1024
     # Web pages (by origin, comma-separated) allowed to call cachegate besides loopback ones.
     allowed_origins: str = ""
+    # Host names (comma-separated) accepted besides loopback ones while bound to loopback.
+    allowed_hosts: str = ""
 
 
 @dataclass(frozen=True)
@@ -135,13 +140,13 @@ class Settings:
 
 def display_url(url: str) -> str:
     """``url`` as it may be shown or logged: without the ``user:password@`` a base URL can carry."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
+    try:
+        parts = urlsplit(url)
+    except ValueError:
         return url
-    authority, slash, path = rest.partition("/")
-    if "@" in authority:
-        authority = authority.rpartition("@")[2]
-    return f"{scheme}://{authority}{slash}{path}"
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 # Command-line options and their CACHEGATE_<OPTION> variables, mapped to config keys.
@@ -228,6 +233,10 @@ def _check(settings: Settings) -> None:
         raise ConfigError(
             f"config key 'upstream.base_url': {url!r} must start with http:// or https://"
         )
+    for entry in settings.server.allowed_origins.split(","):
+        problem = check_origin_entry(entry) if entry.strip() else None
+        if problem:
+            raise ConfigError(f"config key 'server.allowed_origins': {problem}")
     if not 0 < settings.compaction.trigger_percent <= 100:
         raise ConfigError("config key 'compaction.trigger_percent': must be in (0, 100]")
     if settings.upstream.timeout_s <= 0:

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 LOG_SUFFIX: Final = ".jsonl"
 _REDACTED_BYTES: Final = REDACTED.encode()
+_BROKEN_LIMIT: Final = 10000
 
 FsyncMode = Literal["none", "line", "interval"]
 BodiesMode = Literal["full", "metadata"]
@@ -380,7 +381,7 @@ class EventLogWriter:
         try:
             return self._serialize(ts, event)
         except Exception as exc:  # orjson.JSONEncodeError, a non-dict event, a hostile __str__
-            self.broken.add(session_id)
+            self._mark_broken(session_id)
             self._lose("serialize", "event log: cannot serialize event for %s: %s", session_id, exc)
             return None
 
@@ -406,7 +407,7 @@ class EventLogWriter:
                         redact(out), default=_redacted_str, option=_OPT_ANY_KEYS
                     )
                 except Exception as exc:  # a hostile __str__, say
-                    self.broken.add(session_id)
+                    self._mark_broken(session_id)
                     self._lose(
                         "serialize", "event log: cannot redact event for %s: %s", session_id, exc
                     )
@@ -414,6 +415,12 @@ class EventLogWriter:
                     dropped.append(lines)
         for lines in dropped:
             lines[:] = [line for line in lines if line]
+
+    def _mark_broken(self, session_id: str) -> None:
+        if len(self.broken) >= _BROKEN_LIMIT:  # sessions never seen again: bounded, not healed
+            with contextlib.suppress(KeyError):
+                self.broken.pop()
+        self.broken.add(session_id)
 
     def take_broken(self, session_id: str) -> bool:
         """Whether ``session_id`` lost a line since the last call that said so (then forgotten)."""
@@ -423,17 +430,15 @@ class EventLogWriter:
         return False
 
     def _remove_secrets(self, batch: dict[str, list[bytes]]) -> None:
-        """Replace the exact secret values in the batch's lines (one search per session's lines
-        together, the usual case finding none)."""
+        """Replace the exact secret values in the batch's lines (a search of each line in
+        place, at memory speed; a copy only of a line that holds one)."""
+        secrets = self._secrets
         for lines in batch.values():
-            joined = b"".join(lines)
-            if all(joined.find(secret) < 0 for secret in self._secrets):
-                continue
             for i, line in enumerate(lines):
-                for secret in self._secrets:
+                for secret in secrets:
                     if line.find(secret) >= 0:
                         line = line.replace(secret, _REDACTED_BYTES)
-                lines[i] = line
+                        lines[i] = line
 
     def _file_is_empty(self, session_id: str, batch: dict[str, list[bytes]]) -> bool:
         """Whether ``session_id``'s file holds no line, written or in ``batch``. A file that
@@ -454,7 +459,7 @@ class EventLogWriter:
                 view = view[os.write(fd, view) :]
         except OSError as exc:
             self._close_fd(session_id)  # reopen next time: the directory may come back
-            self.broken.add(session_id)
+            self._mark_broken(session_id)
             for _ in lines:
                 self._lose("io", "event log: cannot write %s: %s", session_id, exc)
             return

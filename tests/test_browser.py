@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from proxy.browser import BrowserGuard, host_of_header, is_loopback_name
+from proxy.config import ConfigError, settings_from_mapping
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
 
 HELLO = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hello"}]}
@@ -64,12 +65,12 @@ def test_host_of_header(value: str, host: str) -> None:
 
 
 def _refusal(guard: BrowserGuard, **headers: str) -> str | None:
-    err = guard.refusal([(k.encode(), v.encode()) for k, v in headers.items()])
+    err = guard.refusal({k.replace("_", "-"): v for k, v in headers.items()})
     return None if err is None else err.code
 
 
 def test_guard_refuses_foreign_pages_and_rebound_names() -> None:
-    guard = BrowserGuard("127.0.0.1", ["https://Chat.Example.com/"])
+    guard = BrowserGuard("127.0.0.1", ["https://Chat.Example.com:443/"])
     assert _refusal(guard, host="127.0.0.1:8787") is None  # an SDK: no Origin
     assert _refusal(guard, host="localhost:8787", origin="http://localhost:3000") is None
     assert _refusal(guard, host="127.0.0.1:8787", origin="http://[::1]:5173") is None
@@ -77,11 +78,58 @@ def test_guard_refuses_foreign_pages_and_rebound_names() -> None:
     assert _refusal(guard, host="127.0.0.1", origin="https://evil.example") == "forbidden_origin"
     assert _refusal(guard, host="127.0.0.1", origin="null") == "forbidden_origin"
     assert _refusal(guard, host="127.0.0.1", origin="file://") == "forbidden_origin"
+    assert _refusal(guard, host="127.0.0.1", origin="vscode-webview://1f2e") == "forbidden_origin"
+    for malformed in ("http://[::1", "http://[zz]:80", "http://"):  # no page has these
+        assert _refusal(guard, host="127.0.0.1", origin=malformed) == "forbidden_origin"
     assert _refusal(guard, host="rebind.evil.example:8787") == "forbidden_host"
-    assert _refusal(guard, host="127.0.0.1:8787") is None  # judged once, remembered
-    assert _refusal(guard, host="rebind.evil.example:8787") == "forbidden_host"  # still refused
+    assert _refusal(guard, host="0.0.0.0:8787") == "forbidden_host"
     # a request without Host (HTTP/1.0) is not judged by it
     assert _refusal(guard) is None
+
+
+def test_verdicts_are_remembered_for_allowed_headers_only() -> None:
+    guard = BrowserGuard("127.0.0.1")
+    for _ in range(3):
+        assert _refusal(guard, host="127.0.0.1:8787", origin="http://localhost:3000") is None
+        assert _refusal(guard, host="evil.example", origin="https://evil.example") is not None
+    assert guard._hosts == {"127.0.0.1:8787"}
+    assert guard._origins == {"http://localhost:3000"}
+    for i in range(200):  # a client cycling names does not grow them past their bound
+        _refusal(guard, host=f"127.0.0.{i % 250}:8787")
+    assert len(guard._hosts) == 64
+
+
+def test_a_page_without_an_origin_is_refused_what_the_user_opens_is_not() -> None:
+    guard = BrowserGuard("0.0.0.0")  # a container published on 127.0.0.1: no Host check
+    same = {"sec_fetch_site": "same-origin"}
+    # a rebound page's fetch() of its own (new) address: a same-origin GET carries no Origin
+    assert _refusal(guard, host="evil.example:8787", **same, sec_fetch_mode="cors") == (
+        "forbidden_origin"
+    )
+    # ... nor may it load cachegate in a frame of its own origin and read it
+    assert _refusal(guard, host="evil.example:8787", **same, sec_fetch_mode="navigate") == (
+        "forbidden_origin"
+    )
+    assert _refusal(guard, host="x", sec_fetch_site="cross-site", sec_fetch_mode="no-cors") == (
+        "forbidden_origin"
+    )
+    # typed in the address bar, or a link followed from another page: served
+    assert _refusal(guard, host="127.0.0.1:8787", sec_fetch_site="none") is None
+    assert _refusal(guard, host="x", sec_fetch_site="cross-site", sec_fetch_mode="navigate") is None
+
+
+def test_listed_names_containers_and_schemes() -> None:
+    guard = BrowserGuard("::1", ["vscode-webview://*", "app://studio"], ["proxy.lan"])
+    assert _refusal(guard, host="[::1]:8787") is None
+    assert _refusal(guard, host="localhost6:8787") is None
+    assert _refusal(guard, host="[::ffff:127.0.0.1]:8787") is None
+    assert _refusal(guard, host="host.docker.internal:8787") is None  # a container's agent
+    assert _refusal(guard, host="host.containers.internal:8787") is None
+    assert _refusal(guard, host="Proxy.LAN.:8787") is None
+    assert _refusal(guard, host="other.lan:8787") == "forbidden_host"
+    assert _refusal(guard, host="[::1]", origin="vscode-webview://9a8b-7c6d") is None
+    assert _refusal(guard, host="[::1]", origin="app://studio") is None
+    assert _refusal(guard, host="[::1]", origin="app://other") == "forbidden_origin"
 
 
 def test_bound_to_all_addresses_other_names_are_fine_but_pages_are_not() -> None:
@@ -90,6 +138,14 @@ def test_bound_to_all_addresses_other_names_are_fine_but_pages_are_not() -> None
     assert _refusal(guard, host="cachegate:8787", origin="https://evil.example") == (
         "forbidden_origin"
     )
+
+
+@pytest.mark.parametrize(
+    "entry", ["chat.example.com", "https://", "https://a.example/path", "null", "*"]
+)
+def test_an_allowed_origin_that_can_never_match_is_a_config_error(entry: str) -> None:
+    with pytest.raises(ConfigError, match=r"server\.allowed_origins"):
+        settings_from_mapping({"server": {"allowed_origins": f"https://ok.example, {entry}"}})
 
 
 # --- end to end, over loopback ------------------------------------------------------------------
@@ -119,6 +175,12 @@ def test_a_page_cannot_spend_the_key_and_a_rebound_name_cannot_read(
     assert rebound.json()["error"]["code"] == "forbidden_host"
     metrics = httpx.get(proxy.url + "/metrics", headers={"host": "rebind.evil.example"})
     assert metrics.status_code == 403
+    # a rebound page's same-origin read (Sec-Fetch-Site, no Origin) names the rebound host
+    read = httpx.get(
+        proxy.base_url + "/models",
+        headers={"sec-fetch-site": "same-origin", "sec-fetch-mode": "cors"},
+    )
+    assert read.status_code == 403
     assert sim.sim.requests == []  # nothing reached the provider with the user's key
 
     # the same requests from the machine itself go through
@@ -131,7 +193,7 @@ def test_a_page_cannot_spend_the_key_and_a_rebound_name_cannot_read(
     refused = {"route": "chat", "model": "other", "status": "403"}
     assert proxy.metric("cachegate_requests_total", refused) == 1
     refused["route"] = "passthrough"
-    assert proxy.metric("cachegate_requests_total", refused) == 1
+    assert proxy.metric("cachegate_requests_total", refused) == 2
 
 
 def test_allowed_origins_lets_a_listed_page_through(

@@ -113,6 +113,7 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
         ("http://token@127.0.0.1:8080", "http://127.0.0.1:8080"),
         ("http://a:b@c@host/v1?x=@y", "http://host/v1?x=@y"),
         ("not a url", "not a url"),
+        ("http://host?x=@y", "http://host?x=@y"),
     ],
 )
 def test_a_base_urls_credentials_are_not_shown(url: str, shown: str) -> None:
