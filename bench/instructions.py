@@ -9,8 +9,8 @@ warm-up, and the difference divided by the extra requests is the figure: start-u
 warm-up cancel out. Counts are user-space instructions of every thread (the log writer's
 included), not time: system calls and cache misses are not in them. Counts move far less than
 timings, but not by nothing: one day, cachegate's mode A count for the same code was 627k-730k
-across copies of the tree (within 0.3% run to run in one copy; cause unconfirmed). Compare runs
-made back to back in one copy. Needs valgrind (Debian's ``valgrind``);
+across copies of the tree, and on another the same commit counted 606k and 677k in two runs in
+one copy (cause unconfirmed). Compare commits by alternating several runs of each in one copy. Needs valgrind (Debian's ``valgrind``);
 the mock upstream and the client run natively. Mode B streams pace their events as the mock does
 (100 ms to the first, 20 ms apart) and four run at a time, so events arrive one by one as they
 would, even with the server slowed down ~50x.

@@ -5,7 +5,7 @@ iterate the body as the bytes arrive, and close at once when the client hangs up
 much more per request and per chunk (httpx's models and decoders, aiohttp's client session and
 stream reader, the httpx-aiohttp bridge between them). Measured on the benchmark (2 cores, loopback,
 100 concurrent streams), the same uvicorn app spent 3.9 ms of CPU per stream with httpx over aiohttp
-and 2.0 ms with this pool, and the time to first byte it added fell from about 30 ms to about 0.
+and 2.2 ms with this pool, and the time to first byte it added fell from about 30 ms to about 0.
 
 What it does:
 
