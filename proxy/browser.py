@@ -8,11 +8,10 @@ rebinding) can read the answers too. Three checks, on the request's headers alon
 - ``Origin``, which browsers add to cross-origin requests and to every POST: a page that is not
   on this machine (a loopback name or address), and not listed in ``server.allowed_origins``, is
   refused. Agents and SDKs send no ``Origin``.
-- ``Sec-Fetch-Site``, which browsers add to every request: a request a page made without an
-  ``Origin`` to judge (not one the user typed, ``none``, or a link followed from another site),
-  and any request from a page at cachegate's own address (``same-origin``), comes from a page of
-  cachegate's origin, which serves no pages: a rebound name. Refused whatever the address
-  cachegate listens on (a container's ``0.0.0.0`` published on the host's loopback included).
+- ``Sec-Fetch-Site``, which browsers add to every request: ``same-origin`` without an ``Origin``
+  (a page's same-origin read) by a ``Host`` that is not this machine's comes from a page at a
+  rebound name, since cachegate serves no pages. Refused whatever the address cachegate listens
+  on (a container's ``0.0.0.0`` published on the host's loopback included).
 - ``Host``, when cachegate listens on a loopback address only: a name that is not a loopback one
   (``localhost``, ``*.localhost``, ``127.x.x.x``, ``::1``), a container's name for the host
   (``host.docker.internal``, ``host.containers.internal``) or listed in ``server.allowed_hosts`` is
@@ -22,6 +21,7 @@ rebinding) can read the answers too. Three checks, on the request's headers alon
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Iterable, Mapping
 from urllib.parse import urlsplit
 
@@ -74,11 +74,25 @@ def normalize_origin(origin: str) -> str:
 
 
 def check_origin_entry(entry: str) -> str | None:
-    """Why an ``allowed_origins`` entry can never match, or None: ``scheme://host[:port]``, or
-    ``scheme://*`` for every origin of a scheme (``vscode-webview://*``)."""
-    scheme, sep, rest = entry.strip().partition("://")
+    """Why an ``allowed_origins`` entry is refused, or None: ``scheme://host[:port]``, or
+    ``scheme://*`` for every origin of a scheme other than http and https
+    (``vscode-webview://*``; ``https://*`` would allow every web page)."""
+    scheme, sep, rest = entry.strip().lower().partition("://")
     if not sep or not scheme or not rest or "/" in rest.rstrip("/"):
         return f"{entry.strip()!r} is not an origin: write scheme://host[:port] or scheme://*"
+    if rest.rstrip("/") == "*" and scheme in ("http", "https"):
+        return f"{entry.strip()!r} would allow every web page: list the pages' origins"
+    return None
+
+
+_HOST_NAME = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?\.?|\[[0-9a-f:.]+\]", re.IGNORECASE)
+
+
+def check_host_entry(entry: str) -> str | None:
+    """Why an ``allowed_hosts`` entry can never match, or None: a bare name or address, no
+    scheme or port (``proxy.lan``, ``[fd00::1]``)."""
+    if _HOST_NAME.fullmatch(entry.strip()) is None:
+        return f"{entry.strip()!r} is not a host name: write the name alone, without scheme or port"
     return None
 
 
@@ -120,28 +134,24 @@ class BrowserGuard:
                     )
                 if len(self._origins) < _MEMO_LIMIT:
                     self._origins.add(origin)
-        else:
-            site = headers.get("sec-fetch-site")
-            # Served: what the user typed ("none"), and a link followed from another page
-            # (a navigation the linking page cannot read). A page at cachegate's own address
-            # ("same-origin", even navigating a frame it could then read) can only be a
-            # rebound name: cachegate serves no pages.
-            if (
-                site is not None
-                and site != "none"
-                and (site == "same-origin" or headers.get("sec-fetch-mode") != "navigate")
-            ):
-                return ProxyError(
-                    403,
-                    "Requests from web pages are refused: a page's request without an Origin "
-                    "comes from cachegate's own address, which serves no pages (a page's name "
-                    "re-pointed at this machine).",
-                    code="forbidden_origin",
-                )
+        elif headers.get("sec-fetch-site") == "same-origin" and not self._host_ok(
+            headers.get("host")
+        ):
+            # A browser's request from a page at the very address it asks, by a name that is
+            # not this machine's: cachegate serves no pages, so the page is a rebound name
+            # (its same-origin reads carry no Origin). A dev server's proxy forwarding its
+            # page's same-origin request keeps a loopback Host and passes; requests from other
+            # sites without an Origin (Electron's net.fetch, a no-cors GET) cannot read a
+            # rebound answer and pass too.
+            return ProxyError(
+                403,
+                "Requests from web pages are refused: a page's request to its own address by "
+                "a name that is not this machine's (a page's name re-pointed at this machine).",
+                code="forbidden_origin",
+            )
         host = headers.get("host")
         if self.check_host and host is not None and host not in self._hosts:
-            name = host_of_header(host)
-            if not (is_loopback_name(name) or name.lower().rstrip(".") in self.allowed_hosts):
+            if not self._host_ok(host):
                 return ProxyError(
                     403,
                     f"Host {host!r} is not a loopback name: cachegate listens on this machine only "
@@ -153,6 +163,14 @@ class BrowserGuard:
             if len(self._hosts) < _MEMO_LIMIT:
                 self._hosts.add(host)
         return None
+
+    def _host_ok(self, host: str | None) -> bool:
+        """A loopback name, a container's name for the host, or a listed one (no Host: none to
+        judge)."""
+        if host is None:
+            return True
+        name = host_of_header(host)
+        return is_loopback_name(name) or name.lower().rstrip(".") in self.allowed_hosts
 
     def _origin_allowed(self, origin: str) -> bool:
         normal = normalize_origin(origin)

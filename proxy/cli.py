@@ -106,18 +106,33 @@ def _sessions(ns: argparse.Namespace) -> int:
             if ns.json:
                 print(json.dumps([s.to_json() for s in sessions], indent=2))
             else:
-                print(report.render_list(sessions))
+                print(report.terminal_safe(report.render_list(sessions)))
         elif ns.action == "show":
             detail = report.show_session(log_dir, ns.id)
-            print(json.dumps(detail.to_json(), indent=2) if ns.json else report.render_show(detail))
+            print(
+                json.dumps(detail.to_json(), indent=2)
+                if ns.json
+                else report.terminal_safe(report.render_show(detail))
+            )
         elif ns.action == "cost":
             cost = report.session_cost(log_dir, ns.id)
-            print(json.dumps(cost.to_json(), indent=2) if ns.json else report.render_cost(cost))
+            print(
+                json.dumps(cost.to_json(), indent=2)
+                if ns.json
+                else report.terminal_safe(report.render_cost(cost))
+            )
         elif ns.action == "replay":
             for line in report.replay_lines(log_dir, ns.id):
                 sys.stdout.write(line + "\n")
     except (ValueError, FileNotFoundError) as exc:
         print(f"cachegate: {exc}", file=sys.stderr)
+        return 1
+    except PermissionError as exc:  # a log directory written by another user (a container's)
+        print(
+            f"cachegate: cannot read {exc.filename or log_dir}: permission denied "
+            "(log files are private to the user that wrote them: run as that user)",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

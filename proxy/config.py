@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, Literal, get_args, get_origin
 from urllib.parse import urlsplit, urlunsplit
 
-from proxy.browser import check_origin_entry
+from proxy.browser import check_host_entry, check_origin_entry
 
 
 class ConfigError(ValueError):
@@ -233,10 +233,14 @@ def _check(settings: Settings) -> None:
         raise ConfigError(
             f"config key 'upstream.base_url': {url!r} must start with http:// or https://"
         )
-    for entry in settings.server.allowed_origins.split(","):
-        problem = check_origin_entry(entry) if entry.strip() else None
-        if problem:
-            raise ConfigError(f"config key 'server.allowed_origins': {problem}")
+    for key, check in (
+        ("allowed_origins", check_origin_entry),
+        ("allowed_hosts", check_host_entry),
+    ):
+        for entry in getattr(settings.server, key).split(","):
+            problem = check(entry) if entry.strip() else None
+            if problem:
+                raise ConfigError(f"config key 'server.{key}': {problem}")
     if not 0 < settings.compaction.trigger_percent <= 100:
         raise ConfigError("config key 'compaction.trigger_percent': must be in (0, 100]")
     if settings.upstream.timeout_s <= 0:

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 LOG_SUFFIX: Final = ".jsonl"
 _REDACTED_BYTES: Final = REDACTED.encode()
 _BROKEN_LIMIT: Final = 10000
+_NOT_BROKEN: Final = object()
 
 FsyncMode = Literal["none", "line", "interval"]
 BodiesMode = Literal["full", "metadata"]
@@ -141,9 +142,10 @@ class EventLogWriter:
         )
         self.on_loss = on_loss
         # Sessions that lost a line since their observer last looked (``take_broken``): its next
-        # request line must not be coded against one that never reached the file. A set shared
-        # with the event loop: add, discard and membership are each atomic under the GIL.
-        self.broken: set[str] = set()
+        # request line must not be coded against one that never reached the file. Shared with
+        # the event loop: a dict (in the order of the losses, the oldest evicted first past the
+        # bound) whose single operations are atomic under the GIL.
+        self.broken: dict[str, None] = {}
         self._max_open = max_open_files
         # A deque and an Event rather than queue.Queue: emitting on the event loop then costs an
         # append, and the writer is woken only when it sleeps (no lock and notify per event).
@@ -368,8 +370,11 @@ class EventLogWriter:
                     and time.monotonic() - self._last_sync >= self.fsync_interval_s
                 ):
                     self._sync_dirty()
-        except Exception:  # never die silently: losses after this point are counted by close()
+        except Exception:  # never die silently: what is queued, and everything emitted from now
+            # on, is counted as lost at once (not held until close(), unseen)
             logger.exception("event log writer crashed")
+            self._closed = True
+            self._discard_queued()
         finally:
             if self.fsync != "none":
                 self._sync_dirty()
@@ -417,17 +422,17 @@ class EventLogWriter:
             lines[:] = [line for line in lines if line]
 
     def _mark_broken(self, session_id: str) -> None:
-        if len(self.broken) >= _BROKEN_LIMIT:  # sessions never seen again: bounded, not healed
-            with contextlib.suppress(KeyError):
-                self.broken.pop()
-        self.broken.add(session_id)
+        broken = self.broken
+        broken.pop(session_id, None)  # to the end: the most recent loss
+        if len(broken) >= _BROKEN_LIMIT:  # sessions never seen again: bounded, oldest out
+            # (the event loop may take an entry meanwhile: the iteration can then fail)
+            with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+                del broken[next(iter(broken))]
+        broken[session_id] = None
 
     def take_broken(self, session_id: str) -> bool:
         """Whether ``session_id`` lost a line since the last call that said so (then forgotten)."""
-        if session_id in self.broken:
-            self.broken.discard(session_id)
-            return True
-        return False
+        return self.broken.pop(session_id, _NOT_BROKEN) is not _NOT_BROKEN
 
     def _remove_secrets(self, batch: dict[str, list[bytes]]) -> None:
         """Replace the exact secret values in the batch's lines (a search of each line in

@@ -147,8 +147,9 @@ class EventLogObserver:
         state = self.sessions.get(ex.session_id or "")
         if state is None or state.meta_written:
             return
-        state.meta_written = True
-        self._emit(
+        # Marked written only when the writer took it: a meta line refused (a full queue) is
+        # tried again with the session's next event.
+        state.meta_written = self._emit(
             state.id,
             {
                 "ts": self.clock(),

@@ -440,6 +440,19 @@ def _table(headers: list[str], rows: list[list[str]], *, left: set[int]) -> str:
     return "\n".join([line(headers), *(line(row) for row in rows)])
 
 
+# Control characters a terminal would act on (escape sequences can recolour, retitle or rewrite
+# the screen), from a client's model name or an upstream's error text: shown as U+FFFD.
+_CONTROLS = {
+    c: "\ufffd" for c in (*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0)) if c not in (9, 10)
+}
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with the control characters a terminal would act on replaced (tab and newline
+    kept): what the reports print comes from logs whose strings clients and upstreams chose."""
+    return text.translate(_CONTROLS)
+
+
 def _time(ts: float | None) -> str:
     if ts is None:
         return "-"

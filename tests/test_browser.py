@@ -99,7 +99,7 @@ def test_verdicts_are_remembered_for_allowed_headers_only() -> None:
     assert len(guard._hosts) == 64
 
 
-def test_a_page_without_an_origin_is_refused_what_the_user_opens_is_not() -> None:
+def test_a_rebound_pages_same_origin_reads_are_refused_on_any_bind() -> None:
     guard = BrowserGuard("0.0.0.0")  # a container published on 127.0.0.1: no Host check
     same = {"sec_fetch_site": "same-origin"}
     # a rebound page's fetch() of its own (new) address: a same-origin GET carries no Origin
@@ -110,8 +110,13 @@ def test_a_page_without_an_origin_is_refused_what_the_user_opens_is_not() -> Non
     assert _refusal(guard, host="evil.example:8787", **same, sec_fetch_mode="navigate") == (
         "forbidden_origin"
     )
-    assert _refusal(guard, host="x", sec_fetch_site="cross-site", sec_fetch_mode="no-cors") == (
-        "forbidden_origin"
+    # a dev server's proxy forwards its page's same-origin request with a loopback Host
+    assert _refusal(guard, host="localhost:5173", **same, sec_fetch_mode="cors") is None
+    # Electron's net.fetch from an app's main process: cross-site, no Origin; it cannot be a
+    # rebound page reading an answer (a page's cross-site read always carries an Origin)
+    assert (
+        _refusal(guard, host="127.0.0.1:8787", sec_fetch_site="cross-site", sec_fetch_mode="cors")
+        is None
     )
     # typed in the address bar, or a link followed from another page: served
     assert _refusal(guard, host="127.0.0.1:8787", sec_fetch_site="none") is None
@@ -141,11 +146,29 @@ def test_bound_to_all_addresses_other_names_are_fine_but_pages_are_not() -> None
 
 
 @pytest.mark.parametrize(
-    "entry", ["chat.example.com", "https://", "https://a.example/path", "null", "*"]
+    "entry",
+    [
+        "chat.example.com",
+        "https://",
+        "https://a.example/path",
+        "null",
+        "*",
+        "https://*",
+        "HTTP://*",
+    ],
 )
-def test_an_allowed_origin_that_can_never_match_is_a_config_error(entry: str) -> None:
+def test_an_allowed_origin_that_can_never_match_or_allows_every_page_is_a_config_error(
+    entry: str,
+) -> None:
     with pytest.raises(ConfigError, match=r"server\.allowed_origins"):
         settings_from_mapping({"server": {"allowed_origins": f"https://ok.example, {entry}"}})
+
+
+@pytest.mark.parametrize("entry", ["name:8080", "http://name", "fd00::1", "a b", "a_b"])
+def test_an_allowed_host_that_can_never_match_is_a_config_error(entry: str) -> None:
+    with pytest.raises(ConfigError, match=r"server\.allowed_hosts"):
+        settings_from_mapping({"server": {"allowed_hosts": f"proxy.lan, {entry}"}})
+    settings_from_mapping({"server": {"allowed_hosts": "proxy.lan, [fd00::1], box."}})  # fine
 
 
 # --- end to end, over loopback ------------------------------------------------------------------
@@ -175,12 +198,6 @@ def test_a_page_cannot_spend_the_key_and_a_rebound_name_cannot_read(
     assert rebound.json()["error"]["code"] == "forbidden_host"
     metrics = httpx.get(proxy.url + "/metrics", headers={"host": "rebind.evil.example"})
     assert metrics.status_code == 403
-    # a rebound page's same-origin read (Sec-Fetch-Site, no Origin) names the rebound host
-    read = httpx.get(
-        proxy.base_url + "/models",
-        headers={"sec-fetch-site": "same-origin", "sec-fetch-mode": "cors"},
-    )
-    assert read.status_code == 403
     assert sim.sim.requests == []  # nothing reached the provider with the user's key
 
     # the same requests from the machine itself go through
@@ -193,7 +210,7 @@ def test_a_page_cannot_spend_the_key_and_a_rebound_name_cannot_read(
     refused = {"route": "chat", "model": "other", "status": "403"}
     assert proxy.metric("cachegate_requests_total", refused) == 1
     refused["route"] = "passthrough"
-    assert proxy.metric("cachegate_requests_total", refused) == 2
+    assert proxy.metric("cachegate_requests_total", refused) == 1
 
 
 def test_allowed_origins_lets_a_listed_page_through(
@@ -207,3 +224,27 @@ def test_allowed_origins_lets_a_listed_page_through(
     assert httpx.post(url, json=HELLO, headers={"origin": "https://b.test"}).is_success
     other = httpx.post(url, json=HELLO, headers={"origin": "https://c.test"})
     assert other.status_code == 403
+
+
+def test_in_a_container_a_rebound_pages_read_is_refused_and_the_service_name_served(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """docker-compose: cachegate listens on 0.0.0.0 (published on the host's 127.0.0.1), so no
+    Host check; a rebound page's same-origin read is still refused, Prometheus's scrape by the
+    service's name is not."""
+    proxy = proxy_factory(sim.api_base, {"server": {"host": "0.0.0.0"}})
+    read = httpx.get(
+        proxy.base_url + "/models",
+        headers={
+            "host": "rebind.evil.example:8787",
+            "sec-fetch-site": "same-origin",
+            "sec-fetch-mode": "cors",
+        },
+    )
+    assert read.status_code == 403
+    assert read.json()["error"]["code"] == "forbidden_origin"
+    assert sim.sim.requests == []
+    scrape = httpx.get(proxy.url + "/metrics", headers={"host": "cachegate:8787"})
+    assert scrape.status_code == 200
+    models = httpx.get(proxy.base_url + "/models", headers={"host": "cachegate:8787"})
+    assert models.status_code == 200

@@ -491,7 +491,7 @@ def test_request_lines_forwarded_out_of_order_are_coded_only_against_lines_alrea
     class Lines:
         def __init__(self) -> None:
             self.events: list[dict[str, Any]] = []
-            self.broken: set[str] = set()
+            self.broken: dict[str, None] = {}
 
         def emit(self, session_id: str, event: dict[str, Any], first_in_file: bool = False) -> bool:
             self.events.append(event)

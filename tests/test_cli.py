@@ -260,6 +260,76 @@ def test_list_of_a_missing_directory_exits_1(tmp_path: Path) -> None:
     assert "does not exist" in result.err
 
 
+def test_escape_sequences_from_a_log_never_reach_the_terminal(tmp_path: Path) -> None:
+    """A client chooses its model name and an upstream its error text: a report prints them,
+    and a terminal would act on an escape sequence (retitle, recolour, rewrite the screen)."""
+    model, error = "\x1b[31mred\x1b[0m", "\x1b]0;owned\x07boom\x9b2J"
+    events = [
+        {
+            "ts": 1.0,
+            "type": "session_meta",
+            "session": "esc-1",
+            "created": "2026-12-01T00:00:00Z",
+            "model": model,
+            "upstream": "http://x/v1",
+            "user_agent": "",
+            "version": "0",
+        },
+        {
+            "ts": 2.0,
+            "type": "request",
+            "exchange": 1,
+            "model": model,
+            "stream": False,
+            "path": "/v1/chat/completions",
+            "base_exchange": None,
+            "base": 0,
+            "appended": [{"role": "user", "content": "hi"}],
+            "repairs": [],
+            "transforms": {},
+            "bytes": 10,
+        },
+        {
+            "ts": 3.0,
+            "type": "response",
+            "exchange": 1,
+            "status": 500,
+            "message": None,
+            "finish_reason": None,
+            "usage": None,
+            "ttfb_s": None,
+            "duration_s": 0.1,
+            "interrupted": False,
+            "error": error,
+        },
+    ]
+    (tmp_path / "esc-1.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
+    for argv in (("list",), ("show", "esc-1"), ("cost", "esc-1")):
+        result = run_cli("sessions", *argv, "--log-dir", str(tmp_path))
+        assert result.code == 0, result.err
+        assert not any(c in result.out for c in "\x1b\x07\x9b"), argv
+    shown = run_cli("sessions", "show", "esc-1", "--log-dir", str(tmp_path)).out
+    assert "\ufffd[31mred" in shown  # visible as what it was, inert
+    shown_json = run_cli("sessions", "show", "esc-1", "--json", "--log-dir", str(tmp_path)).json()
+    assert shown_json["meta"]["model"] == model  # JSON escapes it and keeps it exact
+    assert shown_json["exchanges"][0]["error"] == error
+
+
+def test_a_log_directory_of_another_user_is_a_message_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from proxy import report
+
+    def denied(log_dir: str) -> Any:  # root reads anything: the refusal is simulated
+        raise PermissionError(13, "Permission denied", str(tmp_path / "a.jsonl"))
+
+    monkeypatch.setattr(report, "list_sessions", denied)
+    result = run_cli("sessions", "list", "--log-dir", str(tmp_path))
+    assert result.code == 1
+    assert "permission denied" in result.err and "a.jsonl" in result.err
+    assert "Traceback" not in result.err
+
+
 def test_empty_log_directory_lists_no_sessions(tmp_path: Path) -> None:
     assert run_cli("sessions", "list", "--log-dir", str(tmp_path)).out == "no sessions\n"
     assert run_cli("sessions", "list", "--log-dir", str(tmp_path), "--json").json() == []

@@ -596,6 +596,23 @@ def test_known_secrets_are_never_written_whatever_their_shape(
     assert event["message"] == "short words stay"  # values under 8 characters are not taken
 
 
+def test_a_crashed_writer_counts_every_later_event_as_lost_at_once(log_dir: Path) -> None:
+    lost: list[str] = []
+    w = EventLogWriter(log_dir, on_loss=lost.append)
+
+    def bug(*args: Any) -> None:
+        raise RuntimeError("writer bug")
+
+    w._write_lines = bug  # type: ignore[method-assign]
+    w.start()
+    assert w.emit("s", {"ts": 1.0, "type": "error", "message": "first"})
+    assert w._thread is not None
+    w._thread.join(5)
+    assert not w._thread.is_alive()
+    assert w.emit("s", {"ts": 2.0, "type": "error", "message": "later"}) is False
+    assert lost == ["closed"]  # counted now, not when the server stops
+
+
 # ------------------------------------------------------------------------------------------------
 # Retention
 

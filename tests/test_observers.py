@@ -25,7 +25,7 @@ class Lines:
     def __init__(self, refuse: tuple[int, ...] = ()) -> None:
         self.events: list[dict[str, Any]] = []
         self.refuse = refuse
-        self.broken: set[str] = set()  # as the real writer's: sessions that lost a line
+        self.broken: dict[str, None] = {}  # as the real writer's: sessions that lost a line
 
     def emit(self, session_id: str, event: dict[str, Any], first_in_file: bool = False) -> bool:
         if event["type"] == "request" and event["exchange"] in self.refuse:
@@ -85,6 +85,29 @@ def test_a_line_the_writer_lost_is_no_base_and_the_next_is_written_whole(tmp_pat
         (3, 2, 4),
     ]
     assert dict(replay(events)) == {2: second, 3: third}
+
+
+def test_a_meta_line_the_writer_refused_is_tried_again() -> None:
+    class Refusing(Lines):
+        def __init__(self) -> None:
+            super().__init__()
+            self.refused_meta = 0
+
+        def emit(self, session_id: str, event: dict[str, Any], first_in_file: bool = False) -> bool:
+            if event["type"] == "session_meta" and not self.refused_meta:
+                self.refused_meta += 1  # a full queue, once
+                return False
+            return super().emit(session_id, event, first_in_file)
+
+    store = MemorySessionStore()
+    store.create("s1", 0.0)
+    lines = Refusing()
+    log = EventLogObserver(settings_from_mapping({}), store, lines)  # type: ignore[arg-type]
+    log.on_request(exchange(1, msgs("a")))
+    log.on_request(exchange(2, msgs("a", "b", "c")))
+    log.on_request(exchange(3, msgs("a", "b", "c", "d", "e")))
+    kinds = [e["type"] for e in lines.events]
+    assert kinds == ["request", "session_meta", "request", "request"]
 
 
 def test_a_retried_exchange_is_a_base_only_as_it_was_last_sent() -> None:
