@@ -145,8 +145,7 @@ class Gateway:
     def api_key(self) -> str | None:
         """The configured key, read from the environment once (at the first request)."""
         if self._api_key is _UNREAD:
-            name = self.settings.upstream.api_key_env
-            self._api_key = self.environ.get(name) if name else None
+            self._api_key = self._configured_key(self.settings, self.environ)
         return self._api_key  # type: ignore[return-value]
 
     def _log_loss(self, kind: str) -> None:
@@ -211,7 +210,14 @@ class Gateway:
         if self.upstream is not None:
             await self.upstream.aclose()
 
-    async def refuse(self, scope: Scope, send: Send, route: str, err: ProxyError) -> None:
+    async def refuse(
+        self,
+        scope: Scope,
+        send: Send,
+        route: str,
+        err: ProxyError,
+        extra: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
         """Answer a request cachegate refuses before any route's work begins (an invalid session
         id or path), counted by the observers like every other answer: a request with no session
         is in the metrics, not in any session's log."""
@@ -227,7 +233,7 @@ class Gateway:
         ex.status = err.status
         ex.error = err.message
         notify(self.observers, "on_error", ex)
-        await send_error(send, err)
+        await send_error(send, err, extra)
 
     async def passthrough(
         self, scope: Scope, receive: Receive, send: Send, path: str, path_session: str | None
@@ -287,7 +293,8 @@ class Gateway:
             content = stream_body()
         else:
             if len(body) > self.settings.server.max_body_bytes:
-                await send_error(send, too_large(self.settings.server.max_body_bytes), extra)
+                limit = self.settings.server.max_body_bytes
+                await self.refuse(scope, send, "passthrough", too_large(limit), extra)
                 return
             content = body
         ex.request_bytes = len(body)
@@ -363,6 +370,13 @@ def upstream_path_of(scope: Scope) -> str | None:
     return b"/".join(rest).decode("latin-1")
 
 
+def route_of(scope: Scope) -> str:
+    """The metrics' route label of a request refused before routing: "chat" for a POST to a
+    chat-completions path (also under /s/{id}/), else "passthrough"."""
+    chat = scope["method"] == "POST" and scope["path"].endswith("/v1/chat/completions")
+    return "chat" if chat else "passthrough"
+
+
 def _error_response(err: ProxyError, headers: Mapping[str, str] | None = None) -> Response:
     return Response(
         err.body(), status_code=err.status, headers=headers, media_type="application/json"
@@ -378,11 +392,10 @@ class _BadSessionPath:
         self.gateway = gateway
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        chat = scope["method"] == "POST" and scope["path"].endswith("/v1/chat/completions")
         await self.gateway.refuse(
             scope,
             send,
-            "chat" if chat else "passthrough",
+            route_of(scope),
             bad_request(
                 "Invalid session path: use /s/{id}/v1/... with an id matching "
                 "[A-Za-z0-9._:-]{1,128}",
@@ -430,8 +443,7 @@ class CachegateApp(Starlette):
     async def _refuse(self, scope: Scope, send: Send, err: ProxyError) -> None:
         path: str = scope["path"]
         if path.startswith(("/v1/", "/s/")):  # a relayed route's request: counted as one
-            chat = scope["method"] == "POST" and path.endswith("/v1/chat/completions")
-            await self.endpoint.gateway.refuse(scope, send, "chat" if chat else "passthrough", err)
+            await self.endpoint.gateway.refuse(scope, send, route_of(scope), err)
         else:
             await send_error(send, err)
 
@@ -485,7 +497,7 @@ def create_app(
         return _error_response(ProxyError(405, message, code="method_not_allowed"), allow)
 
     async def failed(request: Request, exc: Exception) -> Response:
-        return _error_response(internal_error(exc))
+        return _error_response(internal_error(exc, "this request failed"))
 
     endpoint = _ProxyEndpoint(gateway)
     app = CachegateApp(

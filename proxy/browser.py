@@ -12,10 +12,11 @@ rebinding) can read the answers too. Three checks, on the request's headers alon
   (a page's same-origin read) by a ``Host`` that is not this machine's comes from a page at a
   rebound name, since cachegate serves no pages. Refused whatever the address cachegate listens
   on (a container's ``0.0.0.0`` published on the host's loopback included).
-- ``Host``, when cachegate listens on a loopback address only: a name that is not a loopback one
-  (``localhost``, ``*.localhost``, ``127.x.x.x``, ``::1``), a container's name for the host
-  (``host.docker.internal``, ``host.containers.internal``) or listed in ``server.allowed_hosts`` is
-  a rebound name, for browsers too old to send ``Sec-Fetch-Site``.
+- ``Host``, when cachegate listens on a loopback address only: a rebound page names its own
+  host. Accepted: loopback names (``localhost``, ``*.localhost``, ``127.x.x.x``, ``::1``), the
+  names containers use for the host (``host.docker.internal``, ``gateway.docker.internal``,
+  ``host.containers.internal``) and those listed in ``server.allowed_hosts``; any other is
+  refused, whatever the browser.
 """
 
 from __future__ import annotations
@@ -80,12 +81,20 @@ def check_origin_entry(entry: str) -> str | None:
     scheme, sep, rest = entry.strip().lower().partition("://")
     if not sep or not scheme or not rest or "/" in rest.rstrip("/"):
         return f"{entry.strip()!r} is not an origin: write scheme://host[:port] or scheme://*"
-    if rest.rstrip("/") == "*" and scheme in ("http", "https"):
-        return f"{entry.strip()!r} would allow every web page: list the pages' origins"
+    host = rest.rstrip("/")
+    if host == "*":
+        if scheme in ("http", "https"):
+            return f"{entry.strip()!r} would allow every web page: list the pages' origins"
+        return None
+    if "*" in host:  # "https://*.example.com", "http://localhost:*": no wildcard but the whole
+        return f"{entry.strip()!r}: a wildcard stands only for a whole origin (scheme://*)"
+    port = host.rpartition("]")[2] if host.startswith("[") else host
+    if ":" in port and not port.rpartition(":")[2].isdigit():
+        return f"{entry.strip()!r}: the port must be a number"
     return None
 
 
-_HOST_NAME = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?\.?|\[[0-9a-f:.]+\]", re.IGNORECASE)
+_HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_.-]*[a-z0-9_])?\.?|\[[0-9a-f:.]+\]", re.IGNORECASE)
 
 
 def check_host_entry(entry: str) -> str | None:

@@ -152,11 +152,14 @@ class PairingRepair:
         return {**body, "messages": result.messages}
 
 
-def internal_error(exc: BaseException) -> ProxyError:
+def internal_error(exc: BaseException, what: str | None = None) -> ProxyError:
+    """A 500 for a bug (the traceback goes to cachegate's own log). Without ``what``, the
+    failure came before anything was forwarded; ``what`` says what failed otherwise."""
+    if what is None:
+        what = "cachegate failed to process this request; nothing was forwarded"
     return ProxyError(
         500,
-        f"cachegate failed to process this request ({type(exc).__name__}); nothing was forwarded. "
-        "See cachegate's log.",
+        f"{what} ({type(exc).__name__}). See cachegate's log.",
         type="server_error",
         code="internal_error",
     )
@@ -493,13 +496,10 @@ class ChatPipeline:
                         err = exc
                     else:
                         log.exception("compaction after a context-length refusal failed")
-                        err = ProxyError(
-                            500,
+                        err = internal_error(
+                            exc,
                             "The provider refused the request as too long for its context "
-                            "window, and cachegate failed to compact it for a retry "
-                            f"({type(exc).__name__}). See cachegate's log.",
-                            type="server_error",
-                            code="internal_error",
+                            "window, and cachegate failed to compact it for a retry",
                         )
                     ex.status = err.status
                     ex.error = err.message

@@ -308,6 +308,7 @@ class EventLogWriter:
     # -- writer thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        in_hand: dict[str, list[bytes]] = {}  # the batch being written, until it is
         try:
             while True:
                 timeout = POLL_S
@@ -339,6 +340,7 @@ class EventLogWriter:
                 # The events queued now, up to a control item: one write per session for all of
                 # its lines (in order), not one system call per event. fsync "line": one at a time.
                 batch: dict[str, list[bytes]] = {}
+                in_hand = batch  # what a crash below would lose, to be counted
                 made: list[_Made] = []  # what the secret scan may have to redact
                 while True:
                     session_id, ts, event = item
@@ -365,15 +367,19 @@ class EventLogWriter:
                 for session_id, lines in batch.items():
                     if lines:
                         self._write_lines(session_id, lines)
+                        lines.clear()  # written: no longer in hand
                 if (
                     self.fsync == "interval"
                     and time.monotonic() - self._last_sync >= self.fsync_interval_s
                 ):
                     self._sync_dirty()
-        except Exception:  # never die silently: what is queued, and everything emitted from now
-            # on, is counted as lost at once (not held until close(), unseen)
+        except Exception:  # never die silently: what it had in hand or queued, and everything
+            # emitted from now on, is counted as lost at once (not held until close(), unseen)
             logger.exception("event log writer crashed")
             self._closed = True
+            for lines in in_hand.values():
+                for _ in lines:
+                    self._drop("closed")
             self._discard_queued()
         finally:
             if self.fsync != "none":

@@ -447,6 +447,16 @@ _CONTROLS = {
 }
 
 
+# In JSON, C0 controls are already escaped; C1 controls (a terminal acts on U+009B as on ESC [)
+# may only stand inside strings, where their \u escapes mean exactly the same.
+_C1_ESCAPED = {c: f"\\u{c:04x}" for c in range(0x80, 0xA0)}
+
+
+def json_terminal_safe(line: str) -> str:
+    """A JSON line with the C1 control characters escaped: the same JSON, inert on a terminal."""
+    return line.translate(_C1_ESCAPED)
+
+
 def terminal_safe(text: str) -> str:
     """``text`` with the control characters a terminal would act on replaced (tab and newline
     kept): what the reports print comes from logs whose strings clients and upstreams chose."""

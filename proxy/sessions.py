@@ -26,7 +26,9 @@ from proxy.prefix import leading_run
 
 SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
-# Headers that agents and gateways already send, honoured in this order after X-Session-Id.
+# X-Session-Id (cachegate's own, strict), then the headers other agents and gateways already
+# send, honoured in this order when their value is an id (``explicit_session_id`` relies on
+# X-Session-Id coming first).
 SESSION_HEADERS: tuple[str, ...] = (
     "x-session-id",
     "x-claude-code-session-id",

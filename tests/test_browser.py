@@ -155,6 +155,9 @@ def test_bound_to_all_addresses_other_names_are_fine_but_pages_are_not() -> None
         "*",
         "https://*",
         "HTTP://*",
+        "https://*.example.com",
+        "http://localhost:*",
+        "http://localhost:port",
     ],
 )
 def test_an_allowed_origin_that_can_never_match_or_allows_every_page_is_a_config_error(
@@ -164,11 +167,14 @@ def test_an_allowed_origin_that_can_never_match_or_allows_every_page_is_a_config
         settings_from_mapping({"server": {"allowed_origins": f"https://ok.example, {entry}"}})
 
 
-@pytest.mark.parametrize("entry", ["name:8080", "http://name", "fd00::1", "a b", "a_b"])
+@pytest.mark.parametrize("entry", ["name:8080", "http://name", "fd00::1", "a b", "-a"])
 def test_an_allowed_host_that_can_never_match_is_a_config_error(entry: str) -> None:
     with pytest.raises(ConfigError, match=r"server\.allowed_hosts"):
         settings_from_mapping({"server": {"allowed_hosts": f"proxy.lan, {entry}"}})
-    settings_from_mapping({"server": {"allowed_hosts": "proxy.lan, [fd00::1], box."}})  # fine
+    fine = "proxy.lan, [fd00::1], box., proj_svc_1"  # compose v1 names have underscores
+    settings_from_mapping({"server": {"allowed_hosts": fine}})
+    origins = "https://a.example:8443, http://[::1]:5173, vscode-webview://*"
+    settings_from_mapping({"server": {"allowed_origins": origins}})
 
 
 # --- end to end, over loopback ------------------------------------------------------------------

@@ -284,7 +284,7 @@ def test_escape_sequences_from_a_log_never_reach_the_terminal(tmp_path: Path) ->
             "path": "/v1/chat/completions",
             "base_exchange": None,
             "base": 0,
-            "appended": [{"role": "user", "content": "hi"}],
+            "appended": [{"role": "user", "content": "hi\x9b2J"}],
             "repairs": [],
             "transforms": {},
             "bytes": 10,
@@ -304,7 +304,7 @@ def test_escape_sequences_from_a_log_never_reach_the_terminal(tmp_path: Path) ->
         },
     ]
     (tmp_path / "esc-1.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
-    for argv in (("list",), ("show", "esc-1"), ("cost", "esc-1")):
+    for argv in (("list",), ("show", "esc-1"), ("cost", "esc-1"), ("replay", "esc-1")):
         result = run_cli("sessions", *argv, "--log-dir", str(tmp_path))
         assert result.code == 0, result.err
         assert not any(c in result.out for c in "\x1b\x07\x9b"), argv
@@ -313,6 +313,8 @@ def test_escape_sequences_from_a_log_never_reach_the_terminal(tmp_path: Path) ->
     shown_json = run_cli("sessions", "show", "esc-1", "--json", "--log-dir", str(tmp_path)).json()
     assert shown_json["meta"]["model"] == model  # JSON escapes it and keeps it exact
     assert shown_json["exchanges"][0]["error"] == error
+    replayed = run_cli("sessions", "replay", "esc-1", "--log-dir", str(tmp_path)).out
+    assert orjson.loads(replayed)["messages"][0]["content"] == "hi\x9b2J"  # the same JSON, inert
 
 
 def test_a_log_directory_of_another_user_is_a_message_not_a_traceback(
