@@ -20,11 +20,25 @@ AWS_ID = "AKIAIOSFODNN7EXAMPLE"
 GITHUB_TOKEN = "ghp_16C7e42F292c6912E7710c838347Ae178B4a"
 GITHUB_PAT = "github_pat_11ABCDEFG0123456789_abcdefghijklmnop"
 SLACK_TOKEN = "xoxb-1234567890-0987654321-AbCdEfGh"
+STRIPE_KEY = "sk_live_51HxAbCdEfGhIjKlMnOpQr"
+STRIPE_RESTRICTED = "rk_test_51HxAbCdEfGhIjKlMnOpQr"
+GOOGLE_KEY = "AIzaSyA-AbCdEfGhIjKlMnOpQrStUvWxYz01234"
+MORE_KEYS = [STRIPE_KEY, STRIPE_RESTRICTED, GOOGLE_KEY]
+AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
 
 
 @pytest.mark.parametrize(
     "secret",
-    [OPENAI_KEY, PROJECT_KEY, ANTHROPIC_KEY, AWS_ID, GITHUB_TOKEN, GITHUB_PAT, SLACK_TOKEN],
+    [
+        OPENAI_KEY,
+        PROJECT_KEY,
+        ANTHROPIC_KEY,
+        AWS_ID,
+        GITHUB_TOKEN,
+        GITHUB_PAT,
+        SLACK_TOKEN,
+        *MORE_KEYS,
+    ],
 )
 def test_each_kind_of_key_is_replaced_in_running_text(secret: str) -> None:
     text = f"export TOKEN={secret}\nthen run it"
@@ -37,6 +51,27 @@ def test_bearer_token_keeps_the_scheme_and_loses_the_token() -> None:
     assert (
         redact_text("authorization: bearer abcdef0123456789") == "authorization: bearer [REDACTED]"
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "redacted"),
+    [
+        (f"aws_secret_access_key = {AWS_SECRET}", "aws_secret_access_key = [REDACTED]"),
+        (f'AWS_SECRET_ACCESS_KEY="{AWS_SECRET}"', 'AWS_SECRET_ACCESS_KEY="[REDACTED]"'),
+        (
+            "DATABASE_URL=postgres://app:hunter2@db:5432/x",
+            "DATABASE_URL=postgres://[REDACTED]@db:5432/x",
+        ),
+        (
+            "git clone https://bot:glpat-x@gitlab.example/r",
+            "git clone https://[REDACTED]@gitlab.example/r",
+        ),
+        ("http://u:p@h", "http://[REDACTED]@h"),
+    ],
+)
+def test_named_secrets_and_url_passwords_lose_only_the_secret(text: str, redacted: str) -> None:
+    assert redact_text(text) == redacted
+    assert line_may_hold_secret(text.encode())
 
 
 def test_several_secrets_in_one_string() -> None:
@@ -53,6 +88,9 @@ def test_several_secrets_in_one_string() -> None:
         "AKIA is a prefix, AKIAshort is not a key",
         "the bearer of good news",
         "def f(x):\n    return x * 2  # ordinary code, nothing secret here at all",
+        "see https://example.com/a:b and git@github.com:org/repo.git",  # no user:password@
+        "the task_live_and_test_ cases and xAIza are words",
+        "a 40-character value alone: wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
     ],
 )
 def test_ordinary_text_is_returned_unchanged_as_the_same_object(text: str) -> None:
@@ -135,6 +173,9 @@ def test_a_key_anywhere_never_survives(before: str, after: str, body: str, prefi
             "Bearer abcdefghijklmnop",
             "BEARER abcdefghijklmnop",
             "bearer abcdefghijklmnop",
+            *MORE_KEYS,
+            f"aws_secret_access_key={AWS_SECRET}",
+            "redis://default:s3cr3t@cache:6379",
         ]
     ),
     st.text(alphabet=st.characters(codec="ascii"), max_size=40),
@@ -152,7 +193,18 @@ _values = st.recursive(
         st.none(),
         st.integers(min_value=-(2**63), max_value=2**63 - 1),
         st.text(max_size=30),
-        st.sampled_from([OPENAI_KEY, AWS_ID, GITHUB_TOKEN, SLACK_TOKEN, "Bearer abcdefghijklmnop"]),
+        st.sampled_from(
+            [
+                OPENAI_KEY,
+                AWS_ID,
+                GITHUB_TOKEN,
+                SLACK_TOKEN,
+                "Bearer abcdefghijklmnop",
+                *MORE_KEYS,
+                f"AWS_SECRET_ACCESS_KEY: {AWS_SECRET}",
+                "amqp://guest:guest@rabbit/",
+            ]
+        ),
     ),
     lambda children: st.one_of(
         st.lists(children, max_size=4),
