@@ -497,7 +497,7 @@ def create_app(
         return _error_response(ProxyError(405, message, code="method_not_allowed"), allow)
 
     async def failed(request: Request, exc: Exception) -> Response:
-        return _error_response(internal_error(exc, "this request failed"))
+        return _error_response(internal_error(exc, "cachegate failed to answer this request"))
 
     endpoint = _ProxyEndpoint(gateway)
     app = CachegateApp(
