@@ -200,6 +200,23 @@ def test_a_base_url_without_v1_gets_an_openai_shaped_404_that_says_so(
     assert sim.sim.requests == []
 
 
+def test_a_failure_on_cachegates_own_routes_is_an_openai_shaped_500(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+
+    class Broken:
+        def collect(self) -> Any:
+            raise RuntimeError("collector bug")
+
+    proxy.registry.register(Broken())
+    r = httpx.get(proxy.url + "/metrics")
+    assert r.status_code == 500
+    assert r.headers["content-type"] == "application/json"
+    error = r.json()["error"]
+    assert error["code"] == "internal_error" and "RuntimeError" in error["message"]
+
+
 def test_requests_refused_for_their_session_id_are_counted(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
