@@ -91,9 +91,6 @@ def build_timeout(settings: Settings) -> httpx.Timeout:
     return httpx.Timeout(up.timeout_s, connect=up.connect_timeout_s, pool=up.timeout_s)
 
 
-_UNREAD = object()
-
-
 class Gateway:
     """Everything one cachegate process holds; the ASGI endpoints delegate here."""
 
@@ -110,10 +107,12 @@ class Gateway:
         self.transport = transport
         self.registry = registry
         self.clock = clock
-        self.environ = environ
         self.sessions = MemorySessionStore(
             max_sessions=settings.sessions.max_sessions, idle_ttl_s=settings.sessions.idle_ttl_s
         )
+        key_env = settings.upstream.api_key_env
+        # The key added to requests without one, read once: the log writer never writes it.
+        self._api_key: str | None = environ.get(key_env) if key_env else None
         self.metrics = Metrics(registry, settings.models.keys())
         self.writer: EventLogWriter | None = None
         self.observers: list[Observer] = [AccountingObserver(settings, self.sessions, self.metrics)]
@@ -126,27 +125,19 @@ class Gateway:
                 bodies=lg.bodies,
                 redact_secrets=lg.redact_secrets,
                 on_loss=self._log_loss,
-                secrets=[key] if (key := self._configured_key(settings, environ)) else [],
+                secrets=[self._api_key] if self._api_key else [],
             )
             self.observers.append(EventLogObserver(settings, self.sessions, self.writer, clock))
         self.observers.append(MetricsObserver(self.metrics))
         self._retention: asyncio.Task[None] | None = None
-        self._api_key: str | object | None = _UNREAD
         self.upstream: httpx.AsyncBaseTransport | UpstreamPool | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.relay: Relay | None = None
         self.chat: ChatPipeline | None = None
 
-    @staticmethod
-    def _configured_key(settings: Settings, environ: Mapping[str, str]) -> str | None:
-        name = settings.upstream.api_key_env
-        return environ.get(name) if name else None
-
     def api_key(self) -> str | None:
-        """The configured key, read from the environment once (at the first request)."""
-        if self._api_key is _UNREAD:
-            self._api_key = self._configured_key(self.settings, self.environ)
-        return self._api_key  # type: ignore[return-value]
+        """The configured key, read from the environment once (when the app was built)."""
+        return self._api_key
 
     def _log_loss(self, kind: str) -> None:
         self.metrics.observe_log_loss("queue_full" if kind == "queue_full" else "write_error")
