@@ -107,13 +107,17 @@ class Gateway:
         self.transport = transport
         self.registry = registry
         self.clock = clock
-        self.sessions = MemorySessionStore(
-            max_sessions=settings.sessions.max_sessions, idle_ttl_s=settings.sessions.idle_ttl_s
-        )
         key_env = settings.upstream.api_key_env
         # The key added to requests without one, read once: the log writer never writes it.
         self._api_key: str | None = environ.get(key_env) if key_env else None
         self.metrics = Metrics(registry, settings.models.keys())
+        ss = settings.sessions
+        self.sessions = MemorySessionStore(
+            max_sessions=ss.max_sessions,
+            idle_ttl_s=ss.idle_ttl_s,
+            max_bytes=ss.max_memory_mb * 1024 * 1024,
+            on_evict=self.metrics.observe_session_eviction,
+        )
         self.writer: EventLogWriter | None = None
         self.observers: list[Observer] = [AccountingObserver(settings, self.sessions, self.metrics)]
         if settings.logging.enabled:
@@ -462,6 +466,7 @@ def create_app(
         return JSONResponse({"status": "ok", "version": __version__})
 
     async def metrics(request: Request) -> Response:
+        gateway.metrics.observe_sessions(len(gateway.sessions), gateway.sessions.bytes)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @contextlib.asynccontextmanager

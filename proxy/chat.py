@@ -34,6 +34,7 @@ from proxy.relay import (
     upstream_request_headers,
 )
 from proxy.sessions import (
+    BYTES_HELD_PER_BODY_BYTE,
     SessionState,
     SessionStore,
     explicit_session_id,
@@ -191,7 +192,10 @@ class ChatPipeline:
         self.transforms: list[Transform] = [self.pairing]
         if compactor is not None:
             self.transforms.append(compactor)
-        self.memos = bodymemo.BodyMemos()  # the previous body of recent sessions, parsed
+        # The previous body of recent sessions, parsed: its raw bytes and the objects parsed from
+        # them (shared with the sessions that hold them) count in the sessions' memory budget.
+        budget = settings.sessions.max_memory_mb * 1024 * 1024
+        self.memos = bodymemo.BodyMemos(budget // BYTES_HELD_PER_BODY_BYTE if budget else None)
         self.spliced_parses = 0  # bodies parsed only in what they appended
         self.in_flight = 0  # exchanges whose observers have not all run yet
         self.idle = asyncio.Event()  # set whenever in_flight is 0
@@ -396,6 +400,7 @@ class ChatPipeline:
             ex.stream = body.get("stream") is True
             ex.client_body = body
             state = self.resolve_session(headers, path_session, body, now)
+            self.sessions.weigh(state, len(raw))
             if memo_key is not None:
                 self.remember_body(memo_key, raw, body, parsed)
             ex.session_id = state.id

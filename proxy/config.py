@@ -83,6 +83,7 @@ class CompactionSettings:
 @dataclass(frozen=True)
 class SessionSettings:
     max_sessions: int = 10000
+    max_memory_mb: int = 512  # estimated memory sessions hold, parsed bodies included; 0: none
     idle_ttl_s: float = 6 * 3600.0  # must outlive the longest cache TTL it judges
 
 

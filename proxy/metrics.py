@@ -53,6 +53,7 @@ COMPACTION_RESULTS: Final = ("summary", "extractive", "reused")
 COST_KINDS: Final = ("actual", "uncached")
 UPSTREAM_ERROR_KINDS: Final = ("connect", "timeout", "status", "midstream")
 LOG_LOSS_KINDS: Final = ("queue_full", "write_error")
+SESSION_EVICTION_REASONS: Final = ("idle", "count", "memory")
 GEN_AI_TOKEN_TYPES: Final = ("input", "output", "cached_input", "cache_creation_input")
 GEN_AI_OPERATION: Final = "chat"
 
@@ -288,6 +289,23 @@ class Metrics:
             "Event log lines lost: the writer queue was full, or writing failed.",
             ["kind"],
         )
+        self.sessions = f(
+            "gauge",
+            "cachegate_sessions",
+            "Sessions held in memory (as of this scrape).",
+        )
+        self.sessions_memory = f(
+            "gauge",
+            "cachegate_sessions_memory_bytes",
+            "Memory the sessions hold, as estimated from their latest requests' sizes.",
+        )
+        self.session_evictions = f(
+            "counter",
+            "cachegate_session_evictions",
+            "Sessions forgotten: idle past sessions.idle_ttl_s, over sessions.max_sessions, or "
+            "over sessions.max_memory_mb.",
+            ["reason"],
+        )
         self.gen_ai_token_usage = f(
             "histogram",
             "gen_ai_client_token_usage",
@@ -295,7 +313,13 @@ class Metrics:
             ["gen_ai_operation_name", "gen_ai_request_model", "gen_ai_token_type"],
             TOKEN_USAGE_BUCKETS,
         )
-        for family in (self.strict_rejections, self.active_streams, self.client_disconnects):
+        for family in (
+            self.strict_rejections,
+            self.active_streams,
+            self.client_disconnects,
+            self.sessions,
+            self.sessions_memory,
+        ):
             family.child()  # series without labels exist from the start, as prometheus_client's
         self._preinitialize()
         registry.register(_Collector([v for v in vars(self).values() if isinstance(v, _Family)]))
@@ -327,6 +351,8 @@ class Metrics:
             self.upstream_errors.child(kind)
         for kind in LOG_LOSS_KINDS:
             self.log_lost.child(kind)
+        for reason in SESSION_EVICTION_REASONS:
+            self.session_evictions.child(reason)
 
     def model_label(self, model: str | None) -> str:
         """The ``model`` label for ``model``: the configured name it resolves to, else ``other``.
@@ -528,6 +554,19 @@ class Metrics:
         cell = self.log_lost.child(_check(kind, LOG_LOSS_KINDS, "log loss kind"))
         with self.log_lost.lock:
             _add(cell, lines)
+
+    def observe_session_eviction(self, reason: str) -> None:
+        """Count a session forgotten: idle, count or memory."""
+        cell = self.session_evictions.child(
+            _check(reason, SESSION_EVICTION_REASONS, "session eviction reason")
+        )
+        with self.session_evictions.lock:
+            _add(cell, 1)
+
+    def observe_sessions(self, held: int, held_bytes: int) -> None:
+        """Set the sessions gauges (at scrape time)."""
+        self.sessions.child()[0] = float(held)
+        self.sessions_memory.child()[0] = float(held_bytes)
 
 
 def _add(cell: list[float], amount: float) -> None:

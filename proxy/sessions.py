@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import operator
 import os
 import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import orjson
 
 from proxy.prefix import leading_run
+
+log = logging.getLogger("cachegate.sessions")
 
 SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -172,6 +175,7 @@ class SessionState:
     last_seen: float
     exchanges: int = 0
     meta_written: bool = False
+    weight: int = 0  # estimated bytes held (``MemorySessionStore.weigh``)
     opening: OpeningKey | None = None
     last_client_messages: list[Any] = field(default_factory=list)
     # (exchange id, forwarded messages) of recent exchanges, the bases of delta-coded log lines
@@ -210,20 +214,62 @@ class SessionStore(Protocol):
 
     def index(self, state: SessionState, messages: list[Any]) -> None: ...
 
+    def weigh(self, state: SessionState, request_bytes: int) -> None: ...
+
     def active_ids(self) -> Iterable[str]: ...
 
 
-class MemorySessionStore:
-    """In-process store, bounded in size (least recently seen evicted) and in idle time."""
+# What a session holds in memory per byte of its latest request: the parsed history (Python
+# objects take ~3 bytes per byte of JSON), the raw bytes the body memo keeps, the fingerprint.
+# Measured: ~2.4 MB per session of 600 KB agent requests (README, "Memory").
+BYTES_HELD_PER_BODY_BYTE = 4
+SESSION_BASE_BYTES = 2048  # the state, its index entry, a small request's objects
 
-    def __init__(self, *, max_sessions: int = 10000, idle_ttl_s: float = 6 * 3600.0) -> None:
+EvictionReason = Literal["idle", "count", "memory"]
+
+
+class MemorySessionStore:
+    """In-process store, bounded in number, in estimated memory (least recently seen evicted
+    first) and in idle time. ``on_evict`` hears each session forgotten and why."""
+
+    def __init__(
+        self,
+        *,
+        max_sessions: int = 10000,
+        idle_ttl_s: float = 6 * 3600.0,
+        max_bytes: int = 0,
+        on_evict: Callable[[EvictionReason], None] | None = None,
+    ) -> None:
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
+        self.max_bytes = max_bytes  # 0: no limit
+        self.on_evict = on_evict
         self._sessions: OrderedDict[str, SessionState] = OrderedDict()
         self._by_opening: dict[OpeningKey, list[str]] = {}
+        self._bytes = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    @property
+    def bytes(self) -> int:
+        """The estimated memory all sessions hold."""
+        return self._bytes
+
+    def weigh(self, state: SessionState, request_bytes: int) -> None:
+        """Estimate what ``state`` holds now that its latest request had ``request_bytes``, and
+        forget the least recently seen other sessions while all of them hold more than
+        ``max_bytes`` (the one being served is kept, however large)."""
+        weight = SESSION_BASE_BYTES + BYTES_HELD_PER_BODY_BYTE * request_bytes
+        if self._sessions.get(state.id) is state:
+            self._bytes += weight - state.weight
+            self._sessions.move_to_end(state.id)
+        state.weight = weight
+        if not self.max_bytes:
+            return
+        while self._bytes > self.max_bytes and len(self._sessions) > 1:
+            sid, oldest = next(iter(self._sessions.items()))  # never ``state``: it is last
+            self._forget(sid, oldest, "memory")
 
     def get(self, session_id: str, now: float | None = None) -> SessionState | None:
         """The session, or None. With ``now`` (a request's time), a session idle for longer than
@@ -234,13 +280,16 @@ class MemorySessionStore:
         if state is None:
             return None
         if now is not None and now - state.last_seen > self.idle_ttl_s:
-            self._forget(session_id, state)
+            self._forget(session_id, state, "idle")
             return None
         self._sessions.move_to_end(session_id)
         return state
 
     def create(self, session_id: str, now: float) -> SessionState:
         state = SessionState(id=session_id, created=now, last_seen=now)
+        replaced = self._sessions.pop(session_id, None)
+        if replaced is not None:
+            self._forget_state(session_id, replaced)
         self._sessions[session_id] = state
         self._evict(now)
         return state
@@ -274,7 +323,7 @@ class MemorySessionStore:
             ):
                 best, best_len = state, n
         for state in stale:
-            self._forget(state.id, state)
+            self._forget(state.id, state, "idle")
         if best is None:
             return None, 0
         self._sessions.move_to_end(best.id)
@@ -301,13 +350,24 @@ class MemorySessionStore:
     def _evict(self, now: float) -> None:
         while self._sessions:
             sid, oldest = next(iter(self._sessions.items()))
-            if len(self._sessions) > self.max_sessions or now - oldest.last_seen > self.idle_ttl_s:
-                self._forget(sid, oldest)
+            if now - oldest.last_seen > self.idle_ttl_s:
+                self._forget(sid, oldest, "idle")
+            elif len(self._sessions) > self.max_sessions:
+                self._forget(sid, oldest, "count")
             else:
                 break
 
-    def _forget(self, sid: str, state: SessionState) -> None:
+    def _forget(self, sid: str, state: SessionState, reason: EvictionReason) -> None:
         del self._sessions[sid]
+        self._forget_state(sid, state)
+        if self.on_evict is not None:
+            try:
+                self.on_evict(reason)
+            except Exception:  # an observer (metrics) must not break the request
+                log.exception("session eviction observer failed")
+
+    def _forget_state(self, sid: str, state: SessionState) -> None:
+        self._bytes -= state.weight
         if state.opening:
             self._unindex(sid, state.opening)
 

@@ -6,11 +6,13 @@ Identity (header, path, inference, agent headers, hostile ids), the log as a use
 
 from __future__ import annotations
 
+import gc
 import json
 import secrets
 import socket
 import string
 import threading
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ import orjson
 import pytest
 
 from proxy.eventlog import read_events
+from proxy.serving import ServerThread
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
 from proxy.simulator.reply import parse_script
 from tests.conftest import run_proxy
@@ -157,6 +160,112 @@ def test_a_session_idle_past_its_limit_is_forgotten_when_it_comes_back(
     requests = events(proxy.log_dir, "night-shift", "request")
     assert [r["exchange"] for r in requests] == [1, 2, 1]
     assert requests[2]["base"] == 0  # logged in full: nothing to code it against
+
+
+def agent_history(seed: int, rounds: int, output_chars: int = 4000) -> list[dict[str, Any]]:
+    """An agent's history: a task, then ``rounds`` tool calls with their outputs."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": f"task {seed}"},
+    ]
+    for i in range(rounds):
+        call = f"call_{seed}_{i}"
+        fn = {"name": "read_file", "arguments": '{"path": "x.py"}'}
+        messages.append(
+            {"role": "assistant", "tool_calls": [{"id": call, "type": "function", "function": fn}]}
+        )
+        output = (f"line {i} of session {seed}; " * (output_chars // 20 + 1))[:output_chars]
+        messages.append({"role": "tool", "tool_call_id": call, "content": output})
+    return messages
+
+
+COMPLETION = orjson.dumps(
+    {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "gpt-4o",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+        ],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11},
+    }
+)
+
+
+async def forgetful_upstream(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Answers every chat request with one small completion and keeps nothing of it."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    while (await receive()).get("more_body"):
+        pass
+    headers = [(b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": COMPLETION})
+
+
+def test_the_memory_sessions_hold_stays_within_the_budget(tmp_path: Path) -> None:
+    """README, "Memory": what cachegate keeps between requests (parsed histories, and the last
+    bodies kept so that a next turn is parsed only in what it appended) stays within
+    ``sessions.max_memory_mb``, the least recently seen sessions forgotten; without a budget it
+    grows with every session. Measured with tracemalloc: the bytes still allocated after ten
+    ~250 KB agent sessions (the upstream, in this process too, keeps nothing)."""
+
+    def run(upstream: str, budget_mb: int) -> tuple[int, dict[str, float], list[int]]:
+        config = {"sessions": {"max_memory_mb": budget_mb}}
+        with run_proxy(upstream, tmp_path / f"logs-{budget_mb}", config) as proxy:
+            client = make_client(proxy.base_url)
+            post_chat(client, {"model": "gpt-4o", "messages": agent_history(99, 1)})  # warm up
+            flush(proxy)
+            gc.collect()
+            tracemalloc.start()
+            try:
+                before = tracemalloc.get_traced_memory()[0]
+                for seed in range(10):
+                    named = client.with_options(default_headers={"X-Session-Id": f"agent-{seed}"})
+                    for rounds in (60, 61):  # a turn, then the next one (parsed in its append)
+                        post_chat(
+                            named, {"model": "gpt-4o", "messages": agent_history(seed, rounds)}
+                        )
+                flush(proxy)
+                gc.collect()
+                held = tracemalloc.get_traced_memory()[0] - before
+            finally:
+                tracemalloc.stop()
+            again = client.with_options(default_headers={"X-Session-Id": "agent-0"})
+            post_chat(again, {"model": "gpt-4o", "messages": agent_history(0, 62)})
+            text = httpx.get(proxy.url + "/metrics").text
+            flush(proxy)
+            numbers = [r["exchange"] for r in events(proxy.log_dir, "agent-0", "request")]
+        wanted = (
+            "cachegate_sessions ",
+            "cachegate_sessions_memory_bytes ",
+            'cachegate_session_evictions_total{reason="memory"} ',
+        )
+        scraped = {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(wanted)
+        }
+        return held, scraped, numbers
+
+    mib = 1024 * 1024
+    with ServerThread(forgetful_upstream) as upstream:
+        held, scraped, numbers = run(upstream.url + "/v1", 2)
+        unbounded, scraped_unbounded, numbers_unbounded = run(upstream.url + "/v1", 0)
+    assert held <= 2.5 * mib, f"held {held / mib:.1f} MiB with a 2 MiB budget"
+    assert scraped["cachegate_sessions_memory_bytes"] <= 2 * mib
+    assert 1 <= scraped["cachegate_sessions"] < 10
+    assert scraped['cachegate_session_evictions_total{reason="memory"}'] >= 8
+    assert numbers == [1, 2, 1]  # forgotten, then back: numbers start again, as after a restart
+
+    assert unbounded > 6 * mib and unbounded > 3 * held, f"{unbounded / mib:.1f} MiB unbounded"
+    assert scraped_unbounded["cachegate_sessions"] == 11  # the warm-up's inferred session too
+    assert scraped_unbounded['cachegate_session_evictions_total{reason="memory"}'] == 0
+    assert numbers_unbounded == [1, 2, 3]
 
 
 @pytest.mark.parametrize(

@@ -248,6 +248,9 @@ def test_the_metric_set_and_label_names_match_the_design(
         ("cachegate_client_disconnects", "counter"): set(),
         ("cachegate_upstream_errors", "counter"): {"kind"},
         ("cachegate_event_log_lost", "counter"): {"kind"},
+        ("cachegate_sessions", "gauge"): set(),
+        ("cachegate_sessions_memory_bytes", "gauge"): set(),
+        ("cachegate_session_evictions", "counter"): {"reason"},
         ("gen_ai_client_token_usage", "histogram"): {
             "gen_ai_operation_name",
             "gen_ai_request_model",

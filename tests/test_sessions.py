@@ -6,7 +6,14 @@ import os
 
 import pytest
 
-from proxy.sessions import MemorySessionStore, explicit_session_id, new_session_id, valid_session_id
+from proxy.sessions import (
+    BYTES_HELD_PER_BODY_BYTE,
+    SESSION_BASE_BYTES,
+    MemorySessionStore,
+    explicit_session_id,
+    new_session_id,
+    valid_session_id,
+)
 
 SYSTEM = {"role": "system", "content": "agent"}
 
@@ -107,6 +114,64 @@ def test_a_session_idle_past_the_limit_is_forgotten_when_it_is_looked_up() -> No
     # b idle past the limit: not joined, forgotten; c, still fresh, is the one that continues
     assert store.infer_shared(convo("hi", 4), 300.5) == (c, 4)
     assert list(store.active_ids()) == ["c"]
+
+
+def held(request_bytes: int) -> int:
+    return SESSION_BASE_BYTES + BYTES_HELD_PER_BODY_BYTE * request_bytes
+
+
+def test_sessions_past_the_memory_budget_are_forgotten_least_recently_seen_first() -> None:
+    reasons: list[str] = []
+    store = MemorySessionStore(max_bytes=3 * held(100_000), on_evict=reasons.append)
+    states = {}
+    for i, sid in enumerate(("a", "b", "c")):
+        states[sid] = store.create(sid, float(i))
+        store.index(states[sid], convo(f"task {sid}", 3))
+        store.weigh(states[sid], 100_000)
+    assert store.bytes == 3 * held(100_000) and reasons == []
+    assert store.get("a", 3.0) is states["a"]  # a seen again: b is now the least recent
+    store.weigh(states["a"], 100_100)  # a grew past the budget: b goes, not a
+    assert sorted(store.active_ids()) == ["a", "c"]
+    assert store.bytes == held(100_100) + held(100_000)
+    assert reasons == ["memory"]
+    assert store.infer(convo("task b", 4)) is None  # b also left the inference index
+    assert store.infer(convo("task c", 4)) is states["c"]
+
+    store.weigh(states["a"], 100_100)  # the same size again: counted once, nothing forgotten
+    assert store.bytes == held(100_100) + held(100_000) and reasons == ["memory"]
+
+    big = store.create("big", 5.0)
+    store.weigh(big, 10 * 100_000)  # alone over the budget: the others go, it stays
+    assert list(store.active_ids()) == ["big"]
+    assert store.bytes == held(10 * 100_000)
+    assert reasons == ["memory"] * 3
+
+
+def test_forgetting_for_idle_time_or_count_gives_back_the_memory_and_says_why() -> None:
+    reasons: list[str] = []
+    store = MemorySessionStore(max_sessions=2, idle_ttl_s=100, on_evict=reasons.append)
+    for i, sid in enumerate(("a", "b", "c")):
+        store.weigh(store.create(sid, float(i)), 1000)
+    assert sorted(store.active_ids()) == ["b", "c"] and reasons == ["count"]
+    assert store.bytes == 2 * held(1000)
+    assert store.get("b", 150.0) is None  # idle 149 s
+    assert reasons == ["count", "idle"] and store.bytes == held(1000)
+    store.create("d", 300.0)  # c idle too: forgotten as d arrives
+    assert reasons == ["count", "idle", "idle"] and store.bytes == 0
+
+
+def test_no_memory_budget_keeps_every_session_and_a_failing_observer_breaks_nothing() -> None:
+    def broken(reason: str) -> None:
+        raise RuntimeError("metrics down")
+
+    store = MemorySessionStore(max_bytes=0, on_evict=broken)
+    for i in range(50):
+        store.weigh(store.create(f"s{i}", float(i)), 10_000_000)
+    assert len(store) == 50 and store.bytes == 50 * held(10_000_000)
+    capped = MemorySessionStore(max_bytes=held(10), on_evict=broken)
+    capped.weigh(capped.create("x", 0.0), 10)
+    capped.weigh(capped.create("y", 1.0), 10)  # x forgotten; the observer's failure is logged
+    assert list(capped.active_ids()) == ["y"]
 
 
 def test_new_ids_are_valid_and_unique() -> None:
