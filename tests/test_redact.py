@@ -23,7 +23,10 @@ SLACK_TOKEN = "xoxb-1234567890-0987654321-AbCdEfGh"
 STRIPE_KEY = "sk_live_51HxAbCdEfGhIjKlMnOpQr"
 STRIPE_RESTRICTED = "rk_test_51HxAbCdEfGhIjKlMnOpQr"
 GOOGLE_KEY = "AIzaSyA-AbCdEfGhIjKlMnOpQrStUvWxYz01234"
-MORE_KEYS = [STRIPE_KEY, STRIPE_RESTRICTED, GOOGLE_KEY]
+GITLAB_TOKEN = "glpat-AbCdEfGhIjKlMnOpQrSt"
+HF_TOKEN = "hf_AbCdEfGhIjKlMnOpQrStUvWxYz01234567"
+GROQ_KEY = "gsk_" + "AbCdEfGhIjKlMnOpQrStUvWxYz0123456789AbCdEfGhIjKlMnOp"
+MORE_KEYS = [STRIPE_KEY, STRIPE_RESTRICTED, GOOGLE_KEY, GITLAB_TOKEN, HF_TOKEN, GROQ_KEY]
 AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
 
 
@@ -90,6 +93,7 @@ def test_several_secrets_in_one_string() -> None:
         "def f(x):\n    return x * 2  # ordinary code, nothing secret here at all",
         "see https://example.com/a:b and git@github.com:org/repo.git",  # no user:password@
         "the task_live_and_test_ cases and xAIza are words",
+        "self.hf_model_name_for_this_run, the glpat- and gsk_ prefixes alone, a dask_live_ run",
         "a 40-character value alone: wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
     ],
 )
