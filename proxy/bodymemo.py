@@ -191,8 +191,8 @@ class BodyMemos:
     """Recent memos by key, least recently used evicted first, bounded by the raw bytes they hold
     (the objects parsed from them take about three times as much again)."""
 
-    def __init__(self, max_bytes: int | None = 128 * 1024 * 1024) -> None:
-        self.max_bytes = max_bytes if max_bytes is not None else float("inf")  # None: no limit
+    def __init__(self, max_bytes: int = 128 * 1024 * 1024) -> None:
+        self.max_bytes = max_bytes
         self._memos: OrderedDict[str, list[BodyMemo]] = OrderedDict()
         self._bytes = 0
         self._lineages = 0

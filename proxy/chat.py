@@ -194,8 +194,13 @@ class ChatPipeline:
             self.transforms.append(compactor)
         # The previous body of recent sessions, parsed: its raw bytes and the objects parsed from
         # them (shared with the sessions that hold them) count in the sessions' memory budget.
+        # Without a budget they keep their own bound: memos outlive the sessions they came from.
         budget = settings.sessions.max_memory_mb * 1024 * 1024
-        self.memos = bodymemo.BodyMemos(budget // BYTES_HELD_PER_BODY_BYTE if budget else None)
+        self.memos = (
+            bodymemo.BodyMemos(budget // BYTES_HELD_PER_BODY_BYTE)
+            if budget
+            else bodymemo.BodyMemos()
+        )
         self.spliced_parses = 0  # bodies parsed only in what they appended
         self.in_flight = 0  # exchanges whose observers have not all run yet
         self.idle = asyncio.Event()  # set whenever in_flight is 0
@@ -403,7 +408,7 @@ class ChatPipeline:
             self.sessions.weigh(state, len(raw))
             if memo_key is not None:
                 self.remember_body(memo_key, raw, body, parsed)
-            ex.session_id = state.id
+            ex.session_id, ex.session = state.id, state
             ex.exchange_id = state.next_exchange()
             ex.strict = self.settings.pairing.strict or headers.get("x-cachegate-strict", "") in (
                 "1",

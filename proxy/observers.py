@@ -16,10 +16,18 @@ from proxy.config import Settings, display_url
 from proxy.eventlog import EventLogWriter, choose_base
 from proxy.metrics import Metrics
 from proxy.pipeline import Exchange
-from proxy.sessions import SessionStore
+from proxy.sessions import SessionState, SessionStore
 from proxy.usage import Usage
 
 _MAX_MODEL_TERMS = 256
+
+
+def _state_of(ex: Exchange, sessions: SessionStore) -> SessionState | None:
+    """The exchange's session state: the one it was served with (kept even if the store has
+    forgotten the session since), else the store's, for an exchange made without one."""
+    if ex.session is not None:
+        return ex.session
+    return sessions.get(ex.session_id) if ex.session_id is not None else None
 
 
 def _location_label(divergence: prefix.Divergence) -> str:
@@ -58,7 +66,7 @@ class AccountingObserver:
     def on_response(self, ex: Exchange) -> None:
         if ex.route != "chat" or ex.body is None or ex.session_id is None:
             return
-        state = self.sessions.get(ex.session_id)
+        state = _state_of(ex, self.sessions)
         if state is None:
             return
         extra = state.extra
@@ -144,7 +152,7 @@ class EventLogObserver:
         return self.writer.emit(session_id, event, first_in_file)
 
     def _meta(self, ex: Exchange) -> None:
-        state = self.sessions.get(ex.session_id or "")
+        state = _state_of(ex, self.sessions)
         if state is None or state.meta_written:
             return
         # Marked written only when the writer took it: a meta line refused (a full queue) is
@@ -170,7 +178,7 @@ class EventLogObserver:
         if ex.route != "chat" or ex.session_id is None or ex.body is None:
             return
         self._meta(ex)
-        state = self.sessions.get(ex.session_id)
+        state = _state_of(ex, self.sessions)
         if self.writer.broken and self.writer.take_broken(ex.session_id) and state is not None:
             # A line of this session never reached its file (a full disk, say): the lines kept
             # as bases may be that one, or coded against it. This line goes in full, and

@@ -31,6 +31,9 @@ class Exchange:
     user_agent: str = ""
     query: bytes = b""  # the client's query string (e.g. Azure's api-version), forwarded as is
     session_id: str | None = None
+    # The session's state, for the observers: an exchange in flight keeps it even when the store
+    # forgets the session meanwhile (its memory budget), so its accounting and log lines complete.
+    session: SessionState | None = field(default=None, repr=False)
     exchange_id: int = 0
     model: str | None = None
     model_label: str = "other"

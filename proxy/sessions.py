@@ -176,6 +176,7 @@ class SessionState:
     exchanges: int = 0
     meta_written: bool = False
     weight: int = 0  # estimated bytes held (``MemorySessionStore.weigh``)
+    sizes: list[int] = field(default_factory=list)  # of its latest requests, for ``weight``
     opening: OpeningKey | None = None
     last_client_messages: list[Any] = field(default_factory=list)
     # (exchange id, forwarded messages) of recent exchanges, the bases of delta-coded log lines
@@ -219,11 +220,14 @@ class SessionStore(Protocol):
     def active_ids(self) -> Iterable[str]: ...
 
 
-# What a session holds in memory per byte of its latest request: the parsed history (Python
-# objects take ~3 bytes per byte of JSON), the raw bytes the body memo keeps, the fingerprint.
-# Measured: ~2.4 MB per session of 600 KB agent requests (README, "Memory").
+# What a session holds in memory per byte of its largest recent request: the parsed history
+# (shared by its last request, the recent ones kept as bases of the log's delta coding, and the
+# accounting's copy), the raw bytes of the last two bodies the body memos keep. Measured: ~2.4 MB
+# of RSS per session of 600 KB agent requests; tracemalloc, 3.4 bytes per byte (README, "Memory").
 BYTES_HELD_PER_BODY_BYTE = 4
 SESSION_BASE_BYTES = 2048  # the state, its index entry, a small request's objects
+SIZES_KEPT = 4  # as many requests as ``SessionState.remember`` keeps by default
+_WARN_EVERY_S = 300.0
 
 EvictionReason = Literal["idle", "count", "memory"]
 
@@ -247,6 +251,7 @@ class MemorySessionStore:
         self._sessions: OrderedDict[str, SessionState] = OrderedDict()
         self._by_opening: dict[OpeningKey, list[str]] = {}
         self._bytes = 0
+        self._warned = -_WARN_EVERY_S
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -257,10 +262,16 @@ class MemorySessionStore:
         return self._bytes
 
     def weigh(self, state: SessionState, request_bytes: int) -> None:
-        """Estimate what ``state`` holds now that its latest request had ``request_bytes``, and
-        forget the least recently seen other sessions while all of them hold more than
-        ``max_bytes`` (the one being served is kept, however large)."""
-        weight = SESSION_BASE_BYTES + BYTES_HELD_PER_BODY_BYTE * request_bytes
+        """Estimate what ``state`` holds now that its latest request had ``request_bytes`` (by
+        the largest of its last few: a small side request does not free the history its agent
+        turn left), and forget the least recently seen other sessions while all of them hold
+        more than ``max_bytes`` (the one being served is kept, however large; a request still
+        in flight keeps its own state, see ``Exchange.session``)."""
+        sizes = state.sizes
+        sizes.append(request_bytes)
+        if len(sizes) > SIZES_KEPT:
+            del sizes[0]
+        weight = SESSION_BASE_BYTES + BYTES_HELD_PER_BODY_BYTE * max(sizes)
         if self._sessions.get(state.id) is state:
             self._bytes += weight - state.weight
             self._sessions.move_to_end(state.id)
@@ -270,6 +281,22 @@ class MemorySessionStore:
         while self._bytes > self.max_bytes and len(self._sessions) > 1:
             sid, oldest = next(iter(self._sessions.items()))  # never ``state``: it is last
             self._forget(sid, oldest, "memory")
+            self._warn_memory(state.last_seen - oldest.last_seen)
+
+    def _warn_memory(self, idle_s: float) -> None:
+        """Say, now and then, that the budget forgets sessions: a session seen minutes ago that
+        comes back starts its accounting again, so a budget too small should be noticed."""
+        now = time.monotonic()
+        if now - self._warned < _WARN_EVERY_S:
+            return
+        self._warned = now
+        log.warning(
+            "sessions.max_memory_mb (%d MiB) reached: forgetting the least recently seen "
+            "sessions (this one last seen %.0f s ago); raise it if sessions still at work are "
+            'forgotten (cachegate_session_evictions_total{reason="memory"})',
+            self.max_bytes // (1024 * 1024),
+            idle_s,
+        )
 
     def get(self, session_id: str, now: float | None = None) -> SessionState | None:
         """The session, or None. With ``now`` (a request's time), a session idle for longer than

@@ -555,3 +555,27 @@ def test_the_repair_state_lives_while_the_session_keeps_a_defect() -> None:
     clean = [*history[:2], history[3]]
     assert turn(clean) == clean
     assert "pairing_repair" not in state.extra
+
+
+@pytest.mark.parametrize(("budget_mb", "memo_mib"), [(512, 128), (64, 16), (0, 128)])
+def test_the_bodies_kept_for_the_next_turn_are_bounded_with_or_without_a_memory_budget(
+    budget_mb: int, memo_mib: int
+) -> None:
+    """The parsed bodies kept so that a next turn is parsed only in what it appended take ~4
+    bytes per byte kept: a quarter of the budget. Without a budget (0) they keep their own
+    bound, since they outlive the sessions they came from."""
+    import httpx
+
+    from proxy.chat import ChatPipeline
+    from proxy.relay import Relay
+    from proxy.sessions import MemorySessionStore
+
+    settings = settings_from_mapping(
+        {
+            "upstream": {"base_url": "http://127.0.0.1:9/v1"},
+            "sessions": {"max_memory_mb": budget_mb},
+        }
+    )
+    relay = Relay(httpx.AsyncHTTPTransport(), "http://127.0.0.1:9/v1", httpx.Timeout(5.0))
+    chat = ChatPipeline(settings, relay, MemorySessionStore(), [], api_key=lambda: None)
+    assert chat.memos.max_bytes == memo_mib * 1024 * 1024

@@ -175,3 +175,34 @@ def test_a_divergence_goes_in_the_response_line_not_the_request_transforms() -> 
     assert request["transforms"] == {}
     assert response["divergence"]["location"] == "system"
     assert isinstance(state.extra["cache"], CacheState)
+
+
+def test_an_exchange_in_flight_completes_its_accounting_after_its_session_is_forgotten() -> None:
+    """The memory budget may forget a session while one of its requests is still streaming (other
+    sessions' requests arrived meanwhile): that exchange's cost, cache figures and log lines are
+    still written, against the state it was served with, and not against a new session that
+    took the same id since."""
+    from prometheus_client import CollectorRegistry
+
+    settings = settings_from_mapping({})
+    store = MemorySessionStore(max_bytes=1024 * 1024)
+    served = store.create("s1", 0.0)
+    store.weigh(served, 200_000)
+    lines = Lines()
+    metrics = Metrics(CollectorRegistry(), ())
+    accounting = AccountingObserver(settings, store, metrics)
+    log = EventLogObserver(settings, store, lines)  # type: ignore[arg-type]
+    ex = exchange(7, msgs("a long task"))
+    ex.session = served
+    ex.usage, ex.status = Usage(5000, 10, 0, 0, True), 200
+    store.weigh(store.create("other", 1.0), 300_000)  # over the budget: s1 is forgotten
+    assert store.get("s1") is None
+    again = store.create("s1", 2.0)  # and the same id comes back meanwhile
+
+    log.on_request(ex)
+    accounting.on_response(ex)
+    log.on_response(ex)
+    assert [e["type"] for e in lines.events] == ["session_meta", "request", "response"]
+    assert ex.cost is not None and ex.cost["actual"] > 0
+    assert "fingerprint" in served.extra and served.recent  # the state it was served with
+    assert again.extra == {} and again.recent == [] and not again.meta_written

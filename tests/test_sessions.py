@@ -147,6 +147,19 @@ def test_sessions_past_the_memory_budget_are_forgotten_least_recently_seen_first
     assert reasons == ["memory"] * 3
 
 
+def test_a_small_side_request_does_not_hide_the_history_its_session_still_holds() -> None:
+    """A title or summary call under the agent's session id: the agent's last history is still
+    held (as a base of the log's delta coding, by the body memos), so it still counts."""
+    store = MemorySessionStore()
+    agent = store.create("agent", 0.0)
+    store.weigh(agent, 250_000)
+    store.weigh(agent, 1_000)
+    assert agent.weight == held(250_000) and store.bytes == held(250_000)
+    for _ in range(3):
+        store.weigh(agent, 1_000)
+    assert agent.weight == held(1_000) and store.bytes == held(1_000)  # four small ones since
+
+
 def test_forgetting_for_idle_time_or_count_gives_back_the_memory_and_says_why() -> None:
     reasons: list[str] = []
     store = MemorySessionStore(max_sessions=2, idle_ttl_s=100, on_evict=reasons.append)
@@ -158,6 +171,24 @@ def test_forgetting_for_idle_time_or_count_gives_back_the_memory_and_says_why() 
     assert reasons == ["count", "idle"] and store.bytes == held(1000)
     store.create("d", 300.0)  # c idle too: forgotten as d arrives
     assert reasons == ["count", "idle", "idle"] and store.bytes == 0
+
+    e = store.create("e", 400.0)
+    store.index(e, convo("task e", 2))
+    store.weigh(e, 5000)
+    assert store.infer_shared(convo("task e", 3), 501.0) == (None, 0)  # idle: not joined
+    assert reasons[-1] == "idle" and "e" not in store.active_ids() and store.bytes == 0
+
+
+def test_forgetting_for_memory_is_logged_now_and_then(caplog: pytest.LogCaptureFixture) -> None:
+    store = MemorySessionStore(max_bytes=1024 * 1024)
+    with caplog.at_level("WARNING", logger="cachegate.sessions"):
+        for i in range(5):
+            store.weigh(store.create(f"s{i}", float(i)), 200_000)
+    assert len(store) == 1
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1  # four sessions forgotten, one warning (at most every 5 minutes)
+    assert "sessions.max_memory_mb (1 MiB) reached" in warnings[0]
+    assert "last seen 1 s ago" in warnings[0]
 
 
 def test_no_memory_budget_keeps_every_session_and_a_failing_observer_breaks_nothing() -> None:
