@@ -44,6 +44,8 @@ from proxy.sessions import (
 
 log = logging.getLogger(__name__)
 
+_TRUE = frozenset({"1", "true", "yes", "on"})  # as the configuration's booleans
+
 # The longest the event loop runs finished exchanges' observers before it polls sockets again.
 OBSERVER_SLICE_S = 0.002
 # Due observer entries run together, observer by observer (``ChatPipeline._drain``): as many as
@@ -410,9 +412,9 @@ class ChatPipeline:
                 self.remember_body(memo_key, raw, body, parsed)
             ex.session_id, ex.session = state.id, state
             ex.exchange_id = state.next_exchange()
-            ex.strict = self.settings.pairing.strict or headers.get("x-cachegate-strict", "") in (
-                "1",
-                "true",
+            ex.strict = (
+                self.settings.pairing.strict
+                or headers.get("x-cachegate-strict", "").strip().lower() in _TRUE
             )
             ex.upstream_headers = upstream_request_headers(scope["headers"], self.api_key())
             watch = DisconnectWatch(receive)  # a client leaving during compaction cancels it too

@@ -13,6 +13,7 @@ from proxy import __version__
 from proxy.config import ConfigError, display_url, load_settings
 
 DEFAULT_LOG_DIR = "./cachegate-logs"
+SHUTDOWN_GRACE_S = 5  # after Ctrl+C, how long answers in flight may still finish
 
 
 def tune_gc() -> None:
@@ -39,6 +40,7 @@ def _serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy.app import create_app
+    from proxy.serving import listening_socket
 
     try:
         settings = load_settings(
@@ -58,18 +60,22 @@ def _serve(ns: argparse.Namespace) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per upstream request
+    host, port = settings.server.host, settings.server.port
+    try:  # bound before anything else: a port in use stops here, with nothing created
+        sock = listening_socket(host, port)
+    except OSError as exc:
+        print(f"cachegate: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     app = create_app(settings)
     logs = f"logs: {settings.logging.dir}" if settings.logging.enabled else "session logs off"
     print(
-        f"cachegate {__version__} listening on http://{settings.server.host}:{settings.server.port}/v1"
+        f"cachegate {__version__} listening on http://{f'[{host}]' if ':' in host else host}:{port}/v1"
         f" -> {display_url(settings.upstream.base_url)} ({logs})",
         file=sys.stderr,
     )
     tune_gc()
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
-        host=settings.server.host,
-        port=settings.server.port,
         loop="auto",
         http="auto",
         access_log=False,
@@ -77,15 +83,24 @@ def _serve(ns: argparse.Namespace) -> int:
         date_header=False,
         proxy_headers=False,  # a local proxy: X-Forwarded-* from clients mean nothing here
         log_level="warning",
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
+    with sock:
+        uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 
 def _simulate(ns: argparse.Namespace) -> int:
     from proxy.simulator import cli as sim_cli
 
-    config = sim_cli.config_from_args(ns)
+    try:
+        config = sim_cli.config_from_args(ns)
+    except ValueError as exc:  # named as the flag that set it: fault_rate -> --fault-rate
+        message = str(exc)
+        for action in sim_cli.flags():
+            message = message.replace(action.lstrip("-").replace("-", "_"), action)
+        print(f"cachegate simulate: {message}", file=sys.stderr)
+        return 2
     sim_cli.serve(config, ns.host, ns.port)
     return 0
 

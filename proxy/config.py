@@ -6,11 +6,12 @@ naming the key instead of failing at the first request.
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, Literal, get_args, get_origin
 from urllib.parse import urlsplit, urlunsplit
@@ -221,7 +222,7 @@ def _build(cls: Any, data: Mapping[str, Any], prefix: str, base: Any) -> Any:
     names = {f.name for f in fields(cls)}
     for key in data:
         if key not in names:
-            raise ConfigError(f"unknown config key '{prefix}.{key}'")
+            raise ConfigError(f"unknown config key '{prefix}.{key}'{_did_you_mean(key, names)}")
     changes = {k: _coerce(f"{prefix}.{k}", v, hints[k]) for k, v in data.items()}
     return replace(base, **changes)
 
@@ -267,11 +268,27 @@ def settings_from_mapping(data: Mapping[str, Any], base: Settings | None = None)
             continue
         current = getattr(settings, section, None)
         if current is None or not is_dataclass(current):
-            raise ConfigError(f"unknown config section '{section}'")
+            sections = {f.name for f in fields(Settings)}
+            hint = _did_you_mean(section, sections)
+            if not hint and not isinstance(value, Mapping):  # a key above every [section]
+                owners = [
+                    f.name
+                    for f in fields(Settings)
+                    if is_dataclass(getattr(settings, f.name))
+                    and section in {k.name for k in fields(getattr(settings, f.name))}
+                ]
+                where = f"[{owners[0]}]" if owners else "a section such as [server]"
+                hint = f" (keys go under a section: put it under {where})"
+            raise ConfigError(f"unknown config section '{section}'{hint}")
         changes[section] = _build(type(current), value, section, current)
     settings = replace(settings, **changes)
     _check(settings)
     return settings
+
+
+def _did_you_mean(name: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _nest(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -299,17 +316,25 @@ def load_settings(
             raise ConfigError(f"config file not found: {path}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path}: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {path}: not UTF-8 text ({exc.reason})") from None
+        except OSError as exc:  # a directory, no permission
+            raise ConfigError(f"config file {path}: cannot read it: {exc.strerror}") from None
         settings = settings_from_mapping(data, settings)
-    from_env = {
-        OPTION_KEYS[o]: env[f"CACHEGATE_{o.upper()}"]
-        for o in OPTION_KEYS
-        if env.get(f"CACHEGATE_{o.upper()}")
-    }
-    if from_env:
-        settings = settings_from_mapping(_nest(from_env), settings)
-    given = {
-        OPTION_KEYS[o]: v for o, v in (options or {}).items() if v is not None and o in OPTION_KEYS
-    }
-    if given:
-        settings = settings_from_mapping(_nest(given), settings)
+    # One variable, then one flag, at a time: an error names the one the user set.
+    for option, key in OPTION_KEYS.items():
+        variable = f"CACHEGATE_{option.upper()}"
+        if env.get(variable):
+            settings = _apply_one(settings, key, env[variable], variable)
+    for option, value in (options or {}).items():
+        if value is not None and option in OPTION_KEYS:
+            flag = "--" + option.replace("_", "-")
+            settings = _apply_one(settings, OPTION_KEYS[option], value, flag)
     return settings
+
+
+def _apply_one(settings: Settings, key: str, value: Any, source: str) -> Settings:
+    try:
+        return settings_from_mapping(_nest({key: value}), settings)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None

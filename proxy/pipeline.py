@@ -12,6 +12,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import orjson
+
 from proxy.assemble import AssembledResponse
 from proxy.sessions import SessionState
 from proxy.usage import Usage
@@ -79,6 +81,10 @@ class Exchange:
             return
         try:
             assembled = recorded.assemble(self.status)
+        except UnreadableAnswer as exc:  # relayed as it came; the log says what was wrong
+            if self.error is None:
+                self.error = str(exc)
+            return
         except Exception:
             log.exception("assembling the recorded response failed")
             return
@@ -87,7 +93,31 @@ class Exchange:
         self.assembled = assembled
         self.usage = assembled.usage
         if assembled.error is not None and self.error is None:
-            self.error = str(assembled.error.get("message", assembled.error))
+            self.error = error_message(assembled.error)
+
+
+class UnreadableAnswer(ValueError):
+    """A successful status with a body that is no JSON (cut short, say): ``Recorded.assemble``
+    raises it with what was wrong, for the exchange's ``error``."""
+
+
+def error_message(payload: Any) -> str:
+    """An error payload as one line of text: its ``message`` (inside ``{"error": …}`` as
+    OpenAI-compatible APIs nest it), else its JSON (never a Python repr)."""
+    error = payload
+    for _ in range(3):  # {"error": {"error": {...}}} from some gateways
+        if isinstance(error, dict) and isinstance(error.get("error"), dict | str):
+            error = error["error"]
+    if isinstance(error, str):
+        return error
+    if isinstance(error, dict):
+        message = error.get("message")
+        if isinstance(message, str) and message:
+            return message
+    try:
+        return orjson.dumps(payload, default=str).decode()
+    except (TypeError, orjson.JSONEncodeError):
+        return str(payload)
 
 
 class Recorded(Protocol):

@@ -23,8 +23,9 @@ import httpx
 import orjson
 
 from proxy.assemble import AssembledResponse, StreamRecorder, assemble_completion
+from proxy.config import display_url
 from proxy.errors import ProxyError, too_large, upstream_timeout, upstream_unreachable
-from proxy.pipeline import Exchange
+from proxy.pipeline import Exchange, UnreadableAnswer
 from proxy.strip import EVENT_ENDS, NULL_USAGE_LF, UsageEventStripper
 from proxy.upstream import UpstreamPool, UpstreamResponse
 
@@ -53,6 +54,7 @@ HOP_BY_HOP = frozenset(
 )
 # Request headers cachegate sets itself or that only concern cachegate.
 _DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"x-cachegate-strict"}
+UPSTREAM_WARN_EVERY_S = 30.0  # an unreachable upstream is logged at most this often
 MAX_RECORDED_BODY = 32 * 1024 * 1024  # non-streamed bodies larger than this are relayed, not parsed
 
 
@@ -339,8 +341,16 @@ class _Tee:
                 log.exception("stream recorder failed to finish")
                 return None
         if self.collected and status < 400:
+            body = b"".join(self.collected)
             try:
-                return assemble_completion(orjson.loads(b"".join(self.collected)))
+                parsed = orjson.loads(body)
+            except orjson.JSONDecodeError as exc:
+                raise UnreadableAnswer(
+                    f"upstream answered {status} with a body that is not JSON "
+                    f"({len(body)} bytes: {exc})"
+                ) from None
+            try:
+                return assemble_completion(parsed)
             except Exception:
                 log.debug("response body is not a chat completion", exc_info=True)
         return None
@@ -475,6 +485,26 @@ class Relay:
         self.base_url = base_url.rstrip("/")
         self._timeout = timeout.as_dict()
         self.direct_relays = 0  # responses relayed through DirectBody (no task switch per chunk)
+        self._warned_at = -UPSTREAM_WARN_EVERY_S
+        self._unwarned = 0  # upstream failures since the last warning
+
+    def _warn_upstream(self, err: ProxyError) -> None:
+        """Say on the terminal, now and then, that the upstream cannot be reached: the client
+        gets a 502 or 504, but the user watching cachegate should see why too."""
+        self._unwarned += 1
+        now = time.monotonic()
+        if now - self._warned_at < UPSTREAM_WARN_EVERY_S:
+            return
+        log.warning(
+            "upstream %s: %s (%d request(s) answered %d since the last such warning; next at "
+            "most in %.0f s)",
+            display_url(self.base_url),
+            err.message,
+            self._unwarned,
+            err.status,
+            UPSTREAM_WARN_EVERY_S,
+        )
+        self._warned_at, self._unwarned = now, 0
 
     async def open(
         self,
@@ -635,16 +665,21 @@ class Relay:
         except asyncio.CancelledError:
             if direct is not None:
                 direct.release()  # a shutdown cuts the client after the headers, as before
+            ex.interrupted = True  # cut, by the client or by cachegate: never a clean answer
             task = asyncio.current_task()
             if watch is None or not watch.disconnected or task is None:
+                # Not the client: cachegate is stopping (its grace period for answers in
+                # flight ran out) and cancelled the request. The log says so.
+                ex.error = ex.error or "cut: cachegate stopped before the response was complete"
                 raise
             task.uncancel()
-            ex.interrupted = True
         except ProxyError as err:
             if watch is not None:
                 watch.stop()
             ex.status = err.status
             ex.error = err.message
+            if ex.upstream_error in ("connect", "timeout") and not started:
+                self._warn_upstream(err)
             if not started:
                 await send_error(send, err, extra_headers)
         finally:

@@ -15,6 +15,21 @@ from typing import Any, Literal
 import uvicorn
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (an IPv6 literal, an IPv4 one or a name), as
+    uvicorn binds its own; the server listens on it. Raises ``OSError`` (``socket.gaierror``
+    for a name that does not resolve)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class ServerThread:
     """A uvicorn server bound to ``host`` on a free (or given) port, served from a daemon thread.
 
@@ -30,9 +45,7 @@ class ServerThread:
         loop: str = "auto",
         lifespan: Literal["auto", "on", "off"] = "on",
     ) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
+        self._sock = listening_socket(host, port)
         self.host = host
         self.port: int = self._sock.getsockname()[1]
         config = uvicorn.Config(

@@ -104,8 +104,9 @@ def test_valid_history_is_forwarded_as_the_clients_exact_bytes(
     assert sim.sim.requests[-1].raw == body
 
 
+@pytest.mark.parametrize("value", ["1", "true", "Yes", "on"])
 def test_strict_mode_rejects_with_a_diagnosis_and_contacts_nobody(
-    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any, value: str
 ) -> None:
     proxy = proxy_factory(sim.api_base)
     before = len(sim.sim.requests)
@@ -113,7 +114,7 @@ def test_strict_mode_rejects_with_a_diagnosis_and_contacts_nobody(
         sdk(proxy.base_url).chat.completions.create(
             model="gpt-4o",
             messages=INTERRUPTED,  # type: ignore[arg-type]
-            extra_headers={"X-Cachegate-Strict": "1"},
+            extra_headers={"X-Cachegate-Strict": value},  # the values the config file takes
         )
     body = info.value.body
     assert isinstance(body, dict)

@@ -362,13 +362,91 @@ def test_serve_with_a_bad_config_key_exits_non_zero_naming_it(
 
 
 @pytest.mark.timeout(20)
-def test_serve_with_a_bad_environment_value_names_the_key(
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("[server]\nprot = 8787\n", "unknown config key 'server.prot' (did you mean 'port'?)"),
+        ("[sesions]\nmax_sessions = 5\n", "unknown config section 'sesions' (did you mean "),
+        (
+            "max_memory_mb = 5\n",
+            "unknown config section 'max_memory_mb' (keys go under a section: put it under "
+            "[sessions])",
+        ),
+    ],
+)
+def test_a_misspelt_or_misplaced_key_gets_a_hint(tmp_path: Path, toml: str, message: str) -> None:
+    config = tmp_path / "cachegate.toml"
+    config.write_text(toml)
+    result = run_cli("serve", "--config", str(config))
+    assert result.code == 2
+    assert result.err.startswith("cachegate: " + message)
+
+
+@pytest.mark.timeout(20)
+def test_a_config_file_that_cannot_be_read_is_a_message_not_a_traceback(tmp_path: Path) -> None:
+    result = run_cli("serve", "--config", str(tmp_path))  # a directory
+    assert result.code == 2
+    assert result.err == f"cachegate: config file {tmp_path}: cannot read it: Is a directory\n"
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b"# caf\xe9\n[server]\nport = 8787\n")
+    result = run_cli("serve", "--config", str(latin))
+    assert result.code == 2
+    assert result.err.startswith(f"cachegate: config file {latin}: not UTF-8 text")
+
+
+@pytest.mark.timeout(20)
+def test_serve_with_a_bad_environment_value_or_flag_names_the_one_set(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("CACHEGATE_PORT", "eighty")
     result = run_cli("serve")
-    assert result.code != 0
-    assert "'server.port'" in result.err
+    assert result.code == 2
+    assert result.err == (
+        "cachegate: CACHEGATE_PORT: config key 'server.port': expected an integer, got 'eighty'\n"
+    )
+    monkeypatch.delenv("CACHEGATE_PORT")
+    result = run_cli("serve", "--port", "abc")
+    assert result.code == 2
+    assert result.err.startswith("cachegate: --port: config key 'server.port'")
+    monkeypatch.setenv("CACHEGATE_STRICT_PAIRING", "maybe")
+    result = run_cli("serve")
+    assert result.err.startswith("cachegate: CACHEGATE_STRICT_PAIRING: config key 'pairing.strict'")
+
+
+@pytest.mark.timeout(30)
+def test_serve_on_a_port_in_use_says_so_and_creates_nothing(tmp_path: Path) -> None:
+    """The port is bound before anything else: no "listening" line, no log directory."""
+    import socket
+
+    script = shutil.which("cachegate")
+    assert script is not None
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [script, "serve", "--port", str(port), "--log-dir", str(tmp_path / "logs")],
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert proc.returncode == 1
+    assert proc.stderr == f"cachegate: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        (["--fault-rate", "2"], "--fault-rate must be between 0 and 1"),
+        (["--context-window", "-5"], "--context-window must be >= 1"),
+    ],
+)
+def test_simulate_with_a_bad_value_names_the_flag(flag: list[str], message: str) -> None:
+    result = run_cli("simulate", *flag)
+    assert result.code == 2
+    assert result.err == f"cachegate simulate: {message}\n"
 
 
 def test_console_script_serve_refuses_a_bad_config_and_reports_its_version(

@@ -502,6 +502,56 @@ def test_client_closing_mid_stream_logs_an_interrupted_response(proxy_factory: A
 # --- crash safety --------------------------------------------------------------------------------
 
 
+def test_a_stream_cut_by_ctrl_c_is_logged_as_interrupted_not_as_a_clean_answer(
+    tmp_path: Path,
+) -> None:
+    """Ctrl+C lets answers in flight finish for 5 s (README, "Command line"), then cuts them:
+    the log must say the answer was cut, where it recorded a 200 with no error."""
+    import signal
+
+    log_dir = tmp_path / "logs"
+    with run_simulator(SimConfig(chunk_ms=20)) as sim:
+        sim.sim.enqueue([parse_script("token " * 200)])
+        with cachegate_process(sim.api_base, log_dir) as (proc, url):
+            started = threading.Semaphore(0)
+            got: list[int] = []
+            stalled = {"X-Session-Id": "stopped", "X-Sim-Fault": "stall", "X-Sim-Stall-S": "60"}
+
+            def stream() -> None:
+                try:
+                    with httpx.stream(
+                        "POST",
+                        url + "/chat/completions",
+                        json={
+                            "model": "gpt-4o",
+                            "stream": True,
+                            "messages": [HELLO["messages"][0]],
+                        },
+                        headers=stalled,
+                        timeout=30,
+                    ) as r:
+                        for chunk in r.iter_raw():
+                            got.append(len(chunk))
+                            started.release()
+                except httpx.HTTPError:
+                    pass
+
+            client = threading.Thread(target=stream)
+            client.start()
+            assert started.acquire(timeout=20), "the stream should be under way"
+            proc.send_signal(signal.SIGINT)
+            proc.wait(20)
+            client.join(20)
+            assert not client.is_alive()
+    kinds = [e["type"] for e in events(log_dir, "stopped")]
+    assert kinds == ["session_meta", "request", "response"]  # written before the exit
+    response = events(log_dir, "stopped", "response")[0]
+    assert response["interrupted"] is True
+    assert response["error"] == "cut: cachegate stopped before the response was complete"
+    show = run_cli("sessions", "show", "stopped", "--log-dir", str(log_dir))
+    assert "interrupted" in show.out
+
+
 def _stream_until_killed(url: str, sid: str, started: threading.Semaphore) -> int:
     got = 0
     try:

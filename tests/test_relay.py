@@ -84,6 +84,48 @@ def timed_pieces(base_url: str) -> list[tuple[float, bytes]]:
     return arrivals
 
 
+def test_a_successful_status_with_a_body_that_is_not_json_is_relayed_and_logged_as_an_error(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A provider's answer cut short (or an HTML page from a captive portal) under a 200: the
+    client gets it as it came, and the log says it was not a chat completion, where it used to
+    record a clean exchange with no message."""
+    from proxy.eventlog import read_events
+
+    cut = b'{"id":"x","choices":[{"index":0,"message":{"role":"assistant","content":"ha'
+    _upstream, url = scripted(chunks=[cut], content_type=b"application/json")
+    proxy = proxy_factory(url)
+    via = httpx.post(
+        proxy.base_url + "/chat/completions", json=CHAT, headers={"X-Session-Id": "cut"}
+    )
+    assert via.status_code == 200 and via.content == cut
+    proxy.settle()
+    response = read_events(proxy.log_dir / "cut.jsonl").events[-1]
+    assert response["type"] == "response" and response["status"] == 200
+    assert response["message"] is None
+    assert response["error"].startswith("upstream answered 200 with a body that is not JSON")
+
+
+def test_an_error_event_mid_stream_is_logged_as_its_message_not_a_python_repr(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    from proxy.eventlog import read_events
+
+    error = {"error": {"message": "The server had an error", "type": "server_error"}}
+    _upstream, url = scripted(chunks=[sse(chunk("a")), sse(error)])
+    proxy = proxy_factory(url)
+    with httpx.stream(
+        "POST",
+        proxy.base_url + "/chat/completions",
+        json={**CHAT, "stream": True},
+        headers={"X-Session-Id": "errs"},
+    ) as r:
+        r.read()
+    proxy.settle()
+    response = read_events(proxy.log_dir / "errs.jsonl").events[-1]
+    assert response["error"] == "The server had an error"
+
+
 def test_non_streaming_body_status_and_headers_unchanged(scripted: Any, proxy_factory: Any) -> None:
     body = orjson.dumps(
         {
@@ -311,14 +353,23 @@ def test_body_over_limit_is_413(scripted: Any, proxy_factory: Any) -> None:
     assert upstream.requests == []
 
 
-def test_unreachable_upstream_is_502(proxy_factory: Any) -> None:
+def test_unreachable_upstream_is_502_and_said_on_the_terminal_now_and_then(
+    proxy_factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proxy = proxy_factory(f"http://127.0.0.1:{port}/v1")
-    r = httpx.post(proxy.base_url + "/chat/completions", json=CHAT)
-    assert r.status_code == 502
-    assert r.json()["error"]["code"] == "upstream_unreachable"
+    with caplog.at_level("WARNING", logger="proxy.relay"):
+        for _ in range(3):
+            r = httpx.post(proxy.base_url + "/chat/completions", json=CHAT)
+            assert r.status_code == 502
+            assert r.json()["error"]["code"] == "upstream_unreachable"
+    warnings = [r.getMessage() for r in caplog.records if r.name == "proxy.relay"]
+    assert len(warnings) == 1  # not one per request
+    assert warnings[0].startswith(f"upstream http://127.0.0.1:{port}/v1: cachegate could not reach")
+    assert "Connection refused" in warnings[0]
+    assert "(1 request(s) answered 502 since the last such warning" in warnings[0]
 
 
 def test_upstream_silent_before_headers_is_504(scripted: Any, proxy_factory: Any) -> None:

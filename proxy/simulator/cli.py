@@ -74,6 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def flags() -> list[str]:
+    """The long options ``add_arguments`` adds, longest first."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    names = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    return sorted(names, key=len, reverse=True)
+
+
 def config_from_args(ns: argparse.Namespace) -> SimConfig:
     """A ``SimConfig`` from parsed options; ``ValueError`` names a bad value."""
     return SimConfig(
