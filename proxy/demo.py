@@ -51,6 +51,7 @@ PRICES = {
 }
 TURN_GAP_S = 20.0  # simulated time an agent spends between two requests (tools, typing)
 IDLE_GAP_S = 600.0  # the user's lunch break in scenario 3, past the 300 s cache TTL
+DEMO_START_AGO_S = 3600  # the fake clocks start this long before the real now
 WIDTH = 100  # the report's line width
 
 SYSTEM_PROMPT = """\
@@ -697,7 +698,9 @@ SCENARIOS: tuple[Callable[[_Demo], None], ...] = (
 @contextlib.contextmanager
 def _running(log_dir: str, out: TextIO) -> Iterator[_Demo]:
     """The simulator and cachegate on free loopback ports, their clocks in step, two clients."""
-    start = float(int(time.time()))
+    # The scenarios take ~20 minutes of fake time: starting an hour ago keeps every line of
+    # their logs in the past, below the user's real sessions in `sessions list`.
+    start = float(int(time.time()) - DEMO_START_AGO_S)
     clock = DemoClock(start)
     sim_config = SimConfig(ttft_ms=2, chunk_ms=1, cache_ttl_s=CACHE_TTL_S, start_time=start)
     with contextlib.ExitStack() as stack:

@@ -53,6 +53,17 @@ def test_the_demo_succeeds_offline_in_under_20_seconds(demo: DemoRun) -> None:
     assert demo.seconds < 20
 
 
+def test_the_demos_fake_time_stays_in_the_past(demo: DemoRun) -> None:
+    """Its sessions must not sort above the user's real ones, dated in the future."""
+    from proxy.eventlog import read_events
+
+    stamps = [
+        event["ts"] for log in demo.log_dir.glob("*.jsonl") for event in read_events(log).events
+    ]
+    assert stamps and max(stamps) < time.time()
+    assert min(stamps) > time.time() - 2 * 3600
+
+
 def test_interrupted_turn_is_refused_directly_and_repaired_through_cachegate(
     demo: DemoRun,
 ) -> None:

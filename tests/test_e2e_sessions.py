@@ -514,29 +514,10 @@ def test_a_stream_cut_by_ctrl_c_is_logged_as_interrupted_not_as_a_clean_answer(
         sim.sim.enqueue([parse_script("token " * 200)])
         with cachegate_process(sim.api_base, log_dir) as (proc, url):
             started = threading.Semaphore(0)
-            got: list[int] = []
-            stalled = {"X-Session-Id": "stopped", "X-Sim-Fault": "stall", "X-Sim-Stall-S": "60"}
-
-            def stream() -> None:
-                try:
-                    with httpx.stream(
-                        "POST",
-                        url + "/chat/completions",
-                        json={
-                            "model": "gpt-4o",
-                            "stream": True,
-                            "messages": [HELLO["messages"][0]],
-                        },
-                        headers=stalled,
-                        timeout=30,
-                    ) as r:
-                        for chunk in r.iter_raw():
-                            got.append(len(chunk))
-                            started.release()
-                except httpx.HTTPError:
-                    pass
-
-            client = threading.Thread(target=stream)
+            stalled = {"X-Sim-Fault": "stall", "X-Sim-Stall-S": "60"}
+            client = threading.Thread(
+                target=_stream_until_killed, args=(url, "stopped", started, stalled)
+            )
             client.start()
             assert started.acquire(timeout=20), "the stream should be under way"
             proc.send_signal(signal.SIGINT)
@@ -552,7 +533,9 @@ def test_a_stream_cut_by_ctrl_c_is_logged_as_interrupted_not_as_a_clean_answer(
     assert "interrupted" in show.out
 
 
-def _stream_until_killed(url: str, sid: str, started: threading.Semaphore) -> int:
+def _stream_until_killed(
+    url: str, sid: str, started: threading.Semaphore, headers: dict[str, str] | None = None
+) -> int:
     got = 0
     try:
         with httpx.stream(
@@ -563,7 +546,7 @@ def _stream_until_killed(url: str, sid: str, started: threading.Semaphore) -> in
                 "stream": True,
                 "messages": [{"role": "user", "content": sid}],
             },
-            headers={"X-Session-Id": sid},
+            headers={"X-Session-Id": sid, **(headers or {})},
             timeout=30,
         ) as r:
             for chunk in r.iter_raw():
