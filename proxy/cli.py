@@ -68,6 +68,9 @@ def _serve(ns: argparse.Namespace) -> int:
         return 1
     app = create_app(settings)
     logs = f"logs: {settings.logging.dir}" if settings.logging.enabled else "session logs off"
+    config_file = ns.config or os.environ.get("CACHEGATE_CONFIG")
+    if config_file:
+        logs = f"config: {config_file}; {logs}"
     print(
         f"cachegate {__version__} listening on http://{f'[{host}]' if ':' in host else host}:{port}/v1"
         f" -> {display_url(settings.upstream.base_url)} ({logs})",
@@ -203,12 +206,21 @@ def build_parser() -> argparse.ArgumentParser:
         ("cost", "actual, uncached and saved cost; waste by cause"),
         ("replay", "every request's full message list as forwarded, one JSON object per line"),
     ):
-        action = actions.add_parser(name, help=text)
-        action.add_argument("id")
-        action.add_argument("--log-dir", default=argparse.SUPPRESS)
-        action.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
-    actions.choices["list"].add_argument("--log-dir", default=argparse.SUPPRESS)
-    actions.choices["list"].add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+        action = actions.add_parser(name, help=text, description=text)
+        action.add_argument("id", help="the session id (its log is <log dir>/<id>.jsonl)")
+    actions.choices["list"].description = "Every session in the log directory, latest first."
+    for action in actions.choices.values():  # also after the action, as a user types them
+        action.add_argument(
+            "--log-dir",
+            default=argparse.SUPPRESS,
+            help=f"log directory (default {DEFAULT_LOG_DIR}; env CACHEGATE_LOG_DIR)",
+        )
+        action.add_argument(
+            "--json",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="machine-readable output (replay's is JSON lines either way)",
+        )
     sessions.set_defaults(func=_sessions)
     return parser
 

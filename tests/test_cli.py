@@ -23,6 +23,7 @@ from tests.e2e_support import (
     TOOLS,
     chat,
     clean_env,
+    free_port,
     make_client,
     run_cli,
 )
@@ -434,6 +435,35 @@ def test_serve_on_a_port_in_use_says_so_and_creates_nothing(tmp_path: Path) -> N
     assert proc.returncode == 1
     assert proc.stderr == f"cachegate: cannot listen on 127.0.0.1:{port}: Address already in use\n"
     assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.timeout(30)
+def test_serve_says_where_it_listens_and_which_config_file_it_read(tmp_path: Path) -> None:
+    import signal
+
+    script = shutil.which("cachegate")
+    assert script is not None
+    config = tmp_path / "cachegate.toml"
+    config.write_text("[sessions]\nmax_memory_mb = 64\n")
+    port = free_port()
+    logs = tmp_path / "logs"
+    proc = subprocess.Popen(
+        [script, "serve", "--config", str(config), "--port", str(port), "--log-dir", str(logs)],
+        env=clean_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    with proc:
+        try:
+            assert proc.stderr is not None
+            line = proc.stderr.readline()
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(20)
+    assert line == (
+        f"cachegate {__version__} listening on http://127.0.0.1:{port}/v1 -> "
+        f"https://api.openai.com/v1 (config: {config}; logs: {logs})\n"
+    )
 
 
 @pytest.mark.parametrize(
