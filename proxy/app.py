@@ -7,7 +7,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
+from typing import Any
 from urllib.parse import quote, unquote
 
 import httpx
@@ -433,6 +434,23 @@ class CachegateApp(Starlette):
                     scope["path_params"] = {"session_id": sid, "path": rest[3:]}
                     await self.endpoint(scope, receive, send)  # type: ignore[arg-type]
                     return
+        if scope["type"] == "lifespan":
+
+            async def quiet(message: MutableMapping[str, Any]) -> None:
+                # A second Ctrl+C: uvicorn skips the shutdown and cancels the lifespan, and
+                # Starlette reports that as a failed shutdown, which uvicorn prints as a
+                # traceback. Nothing failed (the log's queue is written at exit: proxy.cli).
+                text = message.get("message")
+                if (
+                    message.get("type") == "lifespan.shutdown.failed"
+                    and isinstance(text, str)
+                    and text.rstrip().endswith("CancelledError")
+                ):
+                    return
+                await send(message)
+
+            await super().__call__(scope, receive, quiet)
+            return
         await super().__call__(scope, receive, send)
 
     async def _refuse(self, scope: Scope, send: Send, err: ProxyError) -> None:

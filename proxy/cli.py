@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -40,7 +42,7 @@ def _serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy.app import create_app
-    from proxy.serving import listening_socket
+    from proxy.serving import listening_sockets
 
     try:
         settings = load_settings(
@@ -62,17 +64,20 @@ def _serve(ns: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per upstream request
     host, port = settings.server.host, settings.server.port
     try:  # bound before anything else: a port in use stops here, with nothing created
-        sock = listening_socket(host, port)
+        sockets = listening_sockets(host, port)
     except OSError as exc:
         print(f"cachegate: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     app = create_app(settings)
+    writer = app.state.gateway.writer
+    if writer is not None:  # a second Ctrl+C skips the shutdown: still write what is queued
+        atexit.register(writer.close, 2.0)
     logs = f"logs: {settings.logging.dir}" if settings.logging.enabled else "session logs off"
     config_file = ns.config or os.environ.get("CACHEGATE_CONFIG")
     if config_file:
         logs = f"config: {config_file}; {logs}"
     print(
-        f"cachegate {__version__} listening on http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+        f"cachegate {__version__} listening on http://{_url_host(host)}:{port}/v1"
         f" -> {display_url(settings.upstream.base_url)} ({logs})",
         file=sys.stderr,
     )
@@ -88,9 +93,21 @@ def _serve(ns: argparse.Namespace) -> int:
         log_level="warning",
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
-    with sock:
-        uvicorn.Server(config).run(sockets=[sock])
-    return 0
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=sockets)
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl+C it deferred, once it has shut down
+        pass
+    finally:
+        for sock in sockets:
+            sock.close()
+    return 0 if server.started else 3  # 3: start-up failed (uvicorn logged why), as uvicorn.run
+
+
+def _url_host(host: str) -> str:
+    """``host`` as a URL writes it: an IPv6 address in brackets (once)."""
+    bare = host.strip("[]")
+    return f"[{bare}]" if ":" in bare else bare
 
 
 def _simulate(ns: argparse.Namespace) -> int:
@@ -100,8 +117,9 @@ def _simulate(ns: argparse.Namespace) -> int:
         config = sim_cli.config_from_args(ns)
     except ValueError as exc:  # named as the flag that set it: fault_rate -> --fault-rate
         message = str(exc)
-        for action in sim_cli.flags():
-            message = message.replace(action.lstrip("-").replace("-", "_"), action)
+        for flag in sim_cli.flags():
+            name = re.escape(flag.lstrip("-").replace("-", "_"))
+            message = re.sub(rf"(?<![\w-]){name}(?!\w)", flag, message)
         print(f"cachegate simulate: {message}", file=sys.stderr)
         return 2
     sim_cli.serve(config, ns.host, ns.port)

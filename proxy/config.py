@@ -268,16 +268,16 @@ def settings_from_mapping(data: Mapping[str, Any], base: Settings | None = None)
             continue
         current = getattr(settings, section, None)
         if current is None or not is_dataclass(current):
-            sections = {f.name for f in fields(Settings)}
-            hint = _did_you_mean(section, sections)
-            if not hint and not isinstance(value, Mapping):  # a key above every [section]
+            if isinstance(value, Mapping):  # a table: a misspelt section
+                hint = _did_you_mean(section, {f.name for f in fields(Settings)})
+            else:  # a key above every [section]
                 owners = [
-                    f.name
+                    f"[{f.name}]"
                     for f in fields(Settings)
                     if is_dataclass(getattr(settings, f.name))
                     and section in {k.name for k in fields(getattr(settings, f.name))}
                 ]
-                where = f"[{owners[0]}]" if owners else "a section such as [server]"
+                where = " or ".join(owners) or "a section such as [server]"
                 hint = f" (keys go under a section: put it under {where})"
             raise ConfigError(f"unknown config section '{section}'{hint}")
         changes[section] = _build(type(current), value, section, current)

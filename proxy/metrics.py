@@ -602,7 +602,7 @@ class MetricsObserver:
             m.observe_repairs(str(r.get("kind")) for r in ex.repairs)
         if ex.upstream_error is not None:
             m.observe_upstream_error(ex.upstream_error)
-        if ex.interrupted:
+        if ex.interrupted and not ex.stopped:  # the client left (not a shutdown's cut)
             m.observe_client_disconnect()
 
     def on_error(self, ex: Exchange) -> None:

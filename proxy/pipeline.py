@@ -61,6 +61,7 @@ class Exchange:
     assembled: AssembledResponse | None = None
     usage: Usage | None = None
     interrupted: bool = False
+    stopped: bool = False  # interrupted by cachegate's own shutdown, not by the client
     error: str | None = None
     upstream_error: str | None = None  # connect, timeout, status, midstream
     cache: dict[str, Any] | None = None
@@ -82,7 +83,7 @@ class Exchange:
         try:
             assembled = recorded.assemble(self.status)
         except UnreadableAnswer as exc:  # relayed as it came; the log says what was wrong
-            if self.error is None:
+            if self.error is None and not self.interrupted:  # (cut short by the client: not it)
                 self.error = str(exc)
             return
         except Exception:

@@ -485,26 +485,30 @@ class Relay:
         self.base_url = base_url.rstrip("/")
         self._timeout = timeout.as_dict()
         self.direct_relays = 0  # responses relayed through DirectBody (no task switch per chunk)
-        self._warned_at = -UPSTREAM_WARN_EVERY_S
-        self._unwarned = 0  # upstream failures since the last warning
+        self._warned_at: float | None = None
+        self._unwarned: collections.Counter[int] = collections.Counter()  # statuses since
 
     def _warn_upstream(self, err: ProxyError) -> None:
         """Say on the terminal, now and then, that the upstream cannot be reached: the client
         gets a 502 or 504, but the user watching cachegate should see why too."""
-        self._unwarned += 1
+        self._unwarned[err.status] += 1
         now = time.monotonic()
-        if now - self._warned_at < UPSTREAM_WARN_EVERY_S:
+        if self._warned_at is not None and now - self._warned_at < UPSTREAM_WARN_EVERY_S:
             return
+        answered = ", ".join(
+            f"{n} answered {status}" for status, n in sorted(self._unwarned.items())
+        )
+        since = "the last such warning" if self._warned_at is not None else "start-up"
         log.warning(
-            "upstream %s: %s (%d request(s) answered %d since the last such warning; next at "
-            "most in %.0f s)",
+            "upstream %s: %s (requests since %s: %s; next such warning in %.0f s at the soonest)",
             display_url(self.base_url),
             err.message,
-            self._unwarned,
-            err.status,
+            since,
+            answered,
             UPSTREAM_WARN_EVERY_S,
         )
-        self._warned_at, self._unwarned = now, 0
+        self._warned_at = now
+        self._unwarned.clear()
 
     async def open(
         self,
@@ -671,6 +675,7 @@ class Relay:
                 # Not the client: cachegate is stopping (its grace period for answers in
                 # flight ran out) and cancelled the request. The log says so.
                 ex.error = ex.error or "cut: cachegate stopped before the response was complete"
+                ex.stopped = True
                 raise
             task.uncancel()
         except ProxyError as err:

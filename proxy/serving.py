@@ -6,6 +6,7 @@ through ``httpx.ASGITransport``), so every in-process server goes through this o
 
 from __future__ import annotations
 
+import errno
 import socket
 import threading
 import time
@@ -15,19 +16,38 @@ from typing import Any, Literal
 import uvicorn
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host``:``port`` (an IPv6 literal, an IPv4 one or a name), as
-    uvicorn binds its own; the server listens on it. Raises ``OSError`` (``socket.gaierror``
-    for a name that does not resolve)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+def listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """TCP sockets bound to every address ``host`` resolves to, as ``uvicorn.run`` gets them from
+    asyncio's ``create_server`` (``localhost``: 127.0.0.1 and ::1; an IPv6 socket is IPv6 only;
+    ``SO_REUSEADDR``); the server listens on them. Raises ``OSError`` (``socket.gaierror`` for a
+    name that does not resolve), with none left open."""
+    infos = socket.getaddrinfo(
+        host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    sockets: list[socket.socket] = []
+    unavailable: OSError | None = None
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host.strip("[]"), port))
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+            except OSError as exc:
+                sock.close()
+                if exc.errno != errno.EADDRNOTAVAIL:
+                    raise
+                unavailable = exc  # the family is off here (::1 without IPv6): skipped
+                continue
+            sockets.append(sock)
     except BaseException:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         raise
-    return sock
+    if not sockets:
+        raise unavailable or OSError(errno.EADDRNOTAVAIL, f"no address for {host!r}")
+    return sockets
 
 
 class ServerThread:
@@ -45,7 +65,9 @@ class ServerThread:
         loop: str = "auto",
         lifespan: Literal["auto", "on", "off"] = "on",
     ) -> None:
-        self._sock = listening_socket(host, port)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
         self.host = host
         self.port: int = self._sock.getsockname()[1]
         config = uvicorn.Config(

@@ -281,9 +281,9 @@ class MemorySessionStore:
         while self._bytes > self.max_bytes and len(self._sessions) > 1:
             sid, oldest = next(iter(self._sessions.items()))  # never ``state``: it is last
             self._forget(sid, oldest, "memory")
-            self._warn_memory(state.last_seen - oldest.last_seen)
+            self._warn_memory(sid, state.last_seen - oldest.last_seen)
 
-    def _warn_memory(self, idle_s: float) -> None:
+    def _warn_memory(self, sid: str, idle_s: float) -> None:
         """Say, now and then, that the budget forgets sessions: a session seen minutes ago that
         comes back starts its accounting again, so a budget too small should be noticed."""
         now = time.monotonic()
@@ -292,9 +292,10 @@ class MemorySessionStore:
         self._warned = now
         log.warning(
             "sessions.max_memory_mb (%d MiB) reached: forgetting the least recently seen "
-            "sessions (this one last seen %.0f s ago); raise it if sessions still at work are "
-            'forgotten (cachegate_session_evictions_total{reason="memory"})',
+            "sessions (session %s, last seen %.0f s ago); raise it if sessions still at work "
+            'are forgotten (cachegate_session_evictions_total{reason="memory"})',
             self.max_bytes // (1024 * 1024),
+            sid,
             idle_s,
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -373,6 +374,8 @@ def test_serve_with_a_bad_config_key_exits_non_zero_naming_it(
             "unknown config section 'max_memory_mb' (keys go under a section: put it under "
             "[sessions])",
         ),
+        ("max_sessions = 5\n", "unknown config section 'max_sessions' (keys go under a "),
+        ("enabled = false\n", "unknown config section 'enabled' (keys go under a section: put "),
     ],
 )
 def test_a_misspelt_or_misplaced_key_gets_a_hint(tmp_path: Path, toml: str, message: str) -> None:
@@ -457,9 +460,12 @@ def test_serve_says_where_it_listens_and_which_config_file_it_read(tmp_path: Pat
         try:
             assert proc.stderr is not None
             line = proc.stderr.readline()
+            time.sleep(0.5)  # serving (the line comes just before uvicorn starts)
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(20)
+        rest = proc.stderr.read()
+    assert proc.returncode == 0 and rest == ""  # Ctrl+C: a clean exit, no traceback
     assert line == (
         f"cachegate {__version__} listening on http://127.0.0.1:{port}/v1 -> "
         f"https://api.openai.com/v1 (config: {config}; logs: {logs})\n"
@@ -529,3 +535,13 @@ def test_serve_keeps_start_up_objects_out_of_garbage_collection() -> None:
     frozen, young, middle, old = map(int, out)
     assert frozen > 10000  # the modules and the app, imported before serving
     assert (young, middle, old) == (700, 10, 100)
+
+
+@pytest.mark.parametrize(
+    ("host", "shown"),
+    [("127.0.0.1", "127.0.0.1"), ("::1", "[::1]"), ("[::1]", "[::1]"), ("localhost", "localhost")],
+)
+def test_the_start_up_line_writes_the_host_as_a_url_does(host: str, shown: str) -> None:
+    from proxy.cli import _url_host
+
+    assert _url_host(host) == shown

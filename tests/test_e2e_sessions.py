@@ -12,6 +12,7 @@ import secrets
 import socket
 import string
 import threading
+import time
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -521,7 +522,7 @@ def test_a_stream_cut_by_ctrl_c_is_logged_as_interrupted_not_as_a_clean_answer(
             client.start()
             assert started.acquire(timeout=20), "the stream should be under way"
             proc.send_signal(signal.SIGINT)
-            proc.wait(20)
+            assert proc.wait(20) == 0  # a clean exit, after the grace period
             client.join(20)
             assert not client.is_alive()
     kinds = [e["type"] for e in events(log_dir, "stopped")]
@@ -531,6 +532,35 @@ def test_a_stream_cut_by_ctrl_c_is_logged_as_interrupted_not_as_a_clean_answer(
     assert response["error"] == "cut: cachegate stopped before the response was complete"
     show = run_cli("sessions", "show", "stopped", "--log-dir", str(log_dir))
     assert "interrupted" in show.out
+
+
+def test_a_second_ctrl_c_exits_at_once_cleanly_with_the_queued_lines_written(
+    tmp_path: Path,
+) -> None:
+    import signal
+
+    log_dir = tmp_path / "logs"
+    with (
+        run_simulator(SimConfig(chunk_ms=20)) as sim,
+        cachegate_process(sim.api_base, log_dir) as (proc, url),
+    ):
+        started = threading.Semaphore(0)
+        stalled = {"X-Sim-Fault": "stall", "X-Sim-Stall-S": "60"}
+        client = threading.Thread(
+            target=_stream_until_killed, args=(url, "twice", started, stalled)
+        )
+        client.start()
+        assert started.acquire(timeout=20), "the stream should be under way"
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        began = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 0
+        assert time.monotonic() - began < 4  # not the 5 s grace
+        client.join(20)
+        assert proc.stderr is not None
+        assert "Traceback" not in proc.stderr.read().decode()
+    assert [e["type"] for e in events(log_dir, "twice")][:2] == ["session_meta", "request"]
 
 
 def _stream_until_killed(

@@ -311,6 +311,9 @@ def test_observer_turns_exchanges_into_metrics(
     cut = exchange(model="gpt-4o", stream=True, status=200, duration_s=1.0, interrupted=True)
     observer.on_request(cut)
     observer.on_response(cut)
+    stopped = exchange(model="gpt-4o", stream=True, status=200, interrupted=True, stopped=True)
+    observer.on_request(stopped)  # cut by cachegate's own shutdown: no client disconnect
+    observer.on_response(stopped)
     failed = exchange(route="passthrough", path="models", method="GET", status=504)
     failed.upstream_error = "timeout"
     observer.on_request(failed)
@@ -319,12 +322,12 @@ def test_observer_turns_exchanges_into_metrics(
 
     assert value(registry, "cachegate_active_streams") == 0.0
     requests = "cachegate_requests_total"
-    assert value(registry, requests, route="chat", model="gpt-4o", status="200") == 2.0
+    assert value(registry, requests, route="chat", model="gpt-4o", status="200") == 3.0
     assert value(registry, requests, route="passthrough", model="other", status="504") == 1.0
     assert value(registry, requests, route="chat", model="other", status="400") == 1.0
     assert value(registry, "cachegate_time_to_first_byte_seconds_count", model="gpt-4o") == 1.0
     overhead = "cachegate_proxy_overhead_seconds_bucket"
-    assert value(registry, overhead, route="chat", le="0.00025") == 2.0
+    assert value(registry, overhead, route="chat", le="0.00025") == 3.0
     assert value(registry, "cachegate_tokens_total", model="gpt-4o", kind="cache_read") == 1024.0
     assert value(registry, "cachegate_pairing_repairs_total", kind="dangling_call") == 1.0
     assert value(registry, "cachegate_pairing_repairs_total", kind="missing_id") == 1.0

@@ -106,6 +106,32 @@ def test_a_successful_status_with_a_body_that_is_not_json_is_relayed_and_logged_
     assert response["error"].startswith("upstream answered 200 with a body that is not JSON")
 
 
+def test_a_client_leaving_halfway_through_an_answer_is_not_blamed_on_the_upstream(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    from proxy.eventlog import read_events
+
+    body = b'{"id":"x","choices":[{"index":0,"message":{"role":"assistant","content":"hi"}}]}'
+    _upstream, url = scripted(
+        chunks=[body[:40], body[40:]], content_type=b"application/json", delay_s=3.0
+    )
+    proxy = proxy_factory(url)
+    with socket.create_connection((proxy.server.host, proxy.server.port)) as conn:
+        payload = orjson.dumps(CHAT)
+        conn.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nx-session-id: left\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+            % (len(payload), payload)
+        )
+        received = b""
+        while body[:40] not in received:
+            received += conn.recv(65536)
+    proxy.settle()
+    response = read_events(proxy.log_dir / "left.jsonl").events[-1]
+    assert response["type"] == "response" and response["interrupted"] is True
+    assert response["error"] is None  # the client left: the upstream did nothing wrong
+
+
 def test_an_error_event_mid_stream_is_logged_as_its_message_not_a_python_repr(
     scripted: Any, proxy_factory: Any
 ) -> None:
@@ -369,7 +395,7 @@ def test_unreachable_upstream_is_502_and_said_on_the_terminal_now_and_then(
     assert len(warnings) == 1  # not one per request
     assert warnings[0].startswith(f"upstream http://127.0.0.1:{port}/v1: cachegate could not reach")
     assert "Connection refused" in warnings[0]
-    assert "(1 request(s) answered 502 since the last such warning" in warnings[0]
+    assert "(requests since start-up: 1 answered 502; next such warning in 30 s" in warnings[0]
 
 
 def test_upstream_silent_before_headers_is_504(scripted: Any, proxy_factory: Any) -> None:

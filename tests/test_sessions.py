@@ -188,7 +188,7 @@ def test_forgetting_for_memory_is_logged_now_and_then(caplog: pytest.LogCaptureF
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1  # four sessions forgotten, one warning (at most every 5 minutes)
     assert "sessions.max_memory_mb (1 MiB) reached" in warnings[0]
-    assert "last seen 1 s ago" in warnings[0]
+    assert "(session s0, last seen 1 s ago)" in warnings[0]
 
 
 def test_no_memory_budget_keeps_every_session_and_a_failing_observer_breaks_nothing() -> None:
