@@ -6,9 +6,11 @@ Identity (header, path, inference, agent headers, hostile ids), the log as a use
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import secrets
+import signal
 import socket
 import string
 import threading
@@ -503,28 +505,33 @@ def test_client_closing_mid_stream_logs_an_interrupted_response(proxy_factory: A
 # --- crash safety --------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _stalled_stream(log_dir: Path, sid: str) -> Iterator[Any]:
+    """cachegate in a process, relaying a stream the upstream holds after its first events;
+    yields the process once the client has them."""
+    with (
+        run_simulator(SimConfig(chunk_ms=20)) as sim,
+        cachegate_process(sim.api_base, log_dir) as (proc, url),
+    ):
+        started = threading.Semaphore(0)
+        stalled = {"X-Sim-Fault": "stall", "X-Sim-Stall-S": "60"}
+        client = threading.Thread(target=_stream_until_killed, args=(url, sid, started, stalled))
+        client.start()
+        assert started.acquire(timeout=20), "the stream should be under way"
+        yield proc
+        client.join(20)
+        assert not client.is_alive()
+
+
 def test_a_stream_cut_by_ctrl_c_is_logged_as_interrupted_not_as_a_clean_answer(
     tmp_path: Path,
 ) -> None:
     """Ctrl+C lets answers in flight finish for 5 s (README, "Command line"), then cuts them:
     the log must say the answer was cut, where it recorded a 200 with no error."""
-    import signal
-
     log_dir = tmp_path / "logs"
-    with run_simulator(SimConfig(chunk_ms=20)) as sim:
-        sim.sim.enqueue([parse_script("token " * 200)])
-        with cachegate_process(sim.api_base, log_dir) as (proc, url):
-            started = threading.Semaphore(0)
-            stalled = {"X-Sim-Fault": "stall", "X-Sim-Stall-S": "60"}
-            client = threading.Thread(
-                target=_stream_until_killed, args=(url, "stopped", started, stalled)
-            )
-            client.start()
-            assert started.acquire(timeout=20), "the stream should be under way"
-            proc.send_signal(signal.SIGINT)
-            assert proc.wait(20) == 0  # a clean exit, after the grace period
-            client.join(20)
-            assert not client.is_alive()
+    with _stalled_stream(log_dir, "stopped") as proc:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 0  # a clean exit, after the grace period
     kinds = [e["type"] for e in events(log_dir, "stopped")]
     assert kinds == ["session_meta", "request", "response"]  # written before the exit
     response = events(log_dir, "stopped", "response")[0]
@@ -537,27 +544,14 @@ def test_a_stream_cut_by_ctrl_c_is_logged_as_interrupted_not_as_a_clean_answer(
 def test_a_second_ctrl_c_exits_at_once_cleanly_with_the_queued_lines_written(
     tmp_path: Path,
 ) -> None:
-    import signal
-
     log_dir = tmp_path / "logs"
-    with (
-        run_simulator(SimConfig(chunk_ms=20)) as sim,
-        cachegate_process(sim.api_base, log_dir) as (proc, url),
-    ):
-        started = threading.Semaphore(0)
-        stalled = {"X-Sim-Fault": "stall", "X-Sim-Stall-S": "60"}
-        client = threading.Thread(
-            target=_stream_until_killed, args=(url, "twice", started, stalled)
-        )
-        client.start()
-        assert started.acquire(timeout=20), "the stream should be under way"
+    with _stalled_stream(log_dir, "twice") as proc:
         proc.send_signal(signal.SIGINT)
         time.sleep(0.5)
         began = time.monotonic()
         proc.send_signal(signal.SIGINT)
         assert proc.wait(20) == 0
         assert time.monotonic() - began < 4  # not the 5 s grace
-        client.join(20)
         assert proc.stderr is not None
         assert "Traceback" not in proc.stderr.read().decode()
     assert [e["type"] for e in events(log_dir, "twice")][:2] == ["session_meta", "request"]
