@@ -439,7 +439,8 @@ class CachegateApp(Starlette):
             async def quiet(message: MutableMapping[str, Any]) -> None:
                 # A second Ctrl+C: uvicorn skips the shutdown and cancels the lifespan, and
                 # Starlette reports that as a failed shutdown, which uvicorn prints as a
-                # traceback. Nothing failed (the log's queue is written at exit: proxy.cli).
+                # traceback. Nothing failed: the lifespan's ``finally`` still stops the gateway
+                # (the answers cut are logged, the log's queue written).
                 text = message.get("message")
                 if (
                     message.get("type") == "lifespan.shutdown.failed"

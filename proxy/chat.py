@@ -19,7 +19,7 @@ import orjson
 
 from proxy import bodymemo, compaction, pairing
 from proxy.compactor import Compactor, provider_window
-from proxy.config import Settings
+from proxy.config import TRUE_WORDS, Settings
 from proxy.errors import ProxyError, bad_request
 from proxy.pipeline import Exchange, Observer, Transform, notify, notify_each
 from proxy.relay import (
@@ -43,8 +43,6 @@ from proxy.sessions import (
 )
 
 log = logging.getLogger(__name__)
-
-_TRUE = frozenset({"1", "true", "yes", "on"})  # as the configuration's booleans
 
 # The longest the event loop runs finished exchanges' observers before it polls sockets again.
 OBSERVER_SLICE_S = 0.002
@@ -414,7 +412,7 @@ class ChatPipeline:
             ex.exchange_id = state.next_exchange()
             ex.strict = (
                 self.settings.pairing.strict
-                or headers.get("x-cachegate-strict", "").strip().lower() in _TRUE
+                or headers.get("x-cachegate-strict", "").strip().lower() in TRUE_WORDS
             )
             ex.upstream_headers = upstream_request_headers(scope["headers"], self.api_key())
             watch = DisconnectWatch(receive)  # a client leaving during compaction cancels it too

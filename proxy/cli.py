@@ -66,42 +66,46 @@ def _serve(ns: argparse.Namespace) -> int:
     try:  # bound before anything else: a port in use stops here, with nothing created
         sockets = listening_sockets(host, port)
     except OSError as exc:
-        print(f"cachegate: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        where = f"{_url_host(host)}:{port}"
+        print(f"cachegate: cannot listen on {where}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    app = create_app(settings)
-    writer = app.state.gateway.writer
-    if writer is not None:  # a second Ctrl+C skips the shutdown: still write what is queued
-        atexit.register(writer.close, 2.0)
-    logs = f"logs: {settings.logging.dir}" if settings.logging.enabled else "session logs off"
-    config_file = ns.config or os.environ.get("CACHEGATE_CONFIG")
-    if config_file:
-        logs = f"config: {config_file}; {logs}"
-    print(
-        f"cachegate {__version__} listening on http://{_url_host(host)}:{port}/v1"
-        f" -> {display_url(settings.upstream.base_url)} ({logs})",
-        file=sys.stderr,
-    )
-    tune_gc()
-    config = uvicorn.Config(
-        app,
-        loop="auto",
-        http="auto",
-        access_log=False,
-        server_header=False,
-        date_header=False,
-        proxy_headers=False,  # a local proxy: X-Forwarded-* from clients mean nothing here
-        log_level="warning",
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-    )
-    server = uvicorn.Server(config)
+    server: uvicorn.Server | None = None
+    interrupted = False
     try:
+        app = create_app(settings)
+        writer = app.state.gateway.writer
+        if writer is not None:  # the shutdown closes it; at exit, whatever happened to that
+            atexit.register(writer.close, 2.0)
+        logs = f"logs: {settings.logging.dir}" if settings.logging.enabled else "session logs off"
+        config_file = ns.config or os.environ.get("CACHEGATE_CONFIG")
+        if config_file:
+            logs = f"config: {config_file}; {logs}"
+        print(
+            f"cachegate {__version__} listening on http://{_url_host(host)}:{port}/v1"
+            f" -> {display_url(settings.upstream.base_url)} ({logs})",
+            file=sys.stderr,
+        )
+        tune_gc()
+        config = uvicorn.Config(
+            app,
+            loop="auto",
+            http="auto",
+            access_log=False,
+            server_header=False,
+            date_header=False,
+            proxy_headers=False,  # a local proxy: X-Forwarded-* from clients mean nothing here
+            log_level="warning",
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        )
+        server = uvicorn.Server(config)
         server.run(sockets=sockets)
     except KeyboardInterrupt:  # uvicorn raises the Ctrl+C it deferred, once it has shut down
-        pass
+        interrupted = True
     finally:
         for sock in sockets:
             sock.close()
-    return 0 if server.started else 3  # 3: start-up failed (uvicorn logged why), as uvicorn.run
+    # 3: start-up failed (uvicorn logged why), as uvicorn.run; Ctrl+C at any point: 0
+    return 0 if interrupted or (server is not None and server.started) else 3
 
 
 def _url_host(host: str) -> str:

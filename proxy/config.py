@@ -161,6 +161,11 @@ OPTION_KEYS: dict[str, str] = {
 }
 
 
+# How a boolean is written in a CACHEGATE_* variable (and X-Cachegate-Strict), lower-cased.
+TRUE_WORDS: frozenset[str] = frozenset({"1", "true", "yes", "on"})
+FALSE_WORDS: frozenset[str] = frozenset({"0", "false", "no", "off"})
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     origin = get_origin(tp)
     if origin is Literal:
@@ -174,17 +179,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in {
-            "1",
-            "true",
-            "yes",
-            "on",
-            "0",
-            "false",
-            "no",
-            "off",
-        }:
-            return value.lower() in {"1", "true", "yes", "on"}
+        if isinstance(value, str) and value.lower() in TRUE_WORDS | FALSE_WORDS:
+            return value.lower() in TRUE_WORDS
         raise ConfigError(f"config key '{key}': expected true or false, got {value!r}")
     if tp is int:
         if isinstance(value, bool):
@@ -319,7 +315,9 @@ def load_settings(
         except UnicodeDecodeError as exc:
             raise ConfigError(f"config file {path}: not UTF-8 text ({exc.reason})") from None
         except OSError as exc:  # a directory, no permission
-            raise ConfigError(f"config file {path}: cannot read it: {exc.strerror}") from None
+            raise ConfigError(
+                f"config file {path}: cannot read it: {exc.strerror or exc}"
+            ) from None
         settings = settings_from_mapping(data, settings)
     # One variable, then one flag, at a time: an error names the one the user set.
     for option, key in OPTION_KEYS.items():

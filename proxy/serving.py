@@ -19,8 +19,9 @@ import uvicorn
 def listening_sockets(host: str, port: int) -> list[socket.socket]:
     """TCP sockets bound to every address ``host`` resolves to, as ``uvicorn.run`` gets them from
     asyncio's ``create_server`` (``localhost``: 127.0.0.1 and ::1; an IPv6 socket is IPv6 only;
-    ``SO_REUSEADDR``); the server listens on them. Raises ``OSError`` (``socket.gaierror`` for a
-    name that does not resolve), with none left open."""
+    ``SO_REUSEADDR``); the server listens on them. An address whose family the machine lacks
+    (no IPv6) is skipped. Raises ``OSError`` (``socket.gaierror`` for a name that does not
+    resolve), with none left open."""
     infos = socket.getaddrinfo(
         host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )
@@ -28,7 +29,11 @@ def listening_sockets(host: str, port: int) -> list[socket.socket]:
     unavailable: OSError | None = None
     try:
         for family, kind, proto, _, address in dict.fromkeys(infos):
-            sock = socket.socket(family, kind, proto)
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError as exc:  # the family is not supported here (IPv6 off): skipped
+                unavailable = exc
+                continue
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):

@@ -25,7 +25,7 @@ import orjson
 
 from proxy.prefix import leading_run
 
-log = logging.getLogger("cachegate.sessions")
+log = logging.getLogger(__name__)
 
 SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 

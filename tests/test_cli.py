@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from tests.e2e_support import (
     free_port,
     make_client,
     run_cli,
+    wait_for,
 )
 
 PRICES = {"price_input": 2.0, "price_cached_input": 0.5, "price_output": 8.0}
@@ -460,7 +460,9 @@ def test_serve_says_where_it_listens_and_which_config_file_it_read(tmp_path: Pat
         try:
             assert proc.stderr is not None
             line = proc.stderr.readline()
-            time.sleep(0.5)  # serving (the line comes just before uvicorn starts)
+            wait_for(  # serving: the line comes just before uvicorn starts
+                lambda: _healthy(f"http://127.0.0.1:{port}/healthz"), what="cachegate /healthz"
+            )
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(20)
@@ -535,6 +537,15 @@ def test_serve_keeps_start_up_objects_out_of_garbage_collection() -> None:
     frozen, young, middle, old = map(int, out)
     assert frozen > 10000  # the modules and the app, imported before serving
     assert (young, middle, old) == (700, 10, 100)
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 @pytest.mark.parametrize(

@@ -541,7 +541,7 @@ def test_a_stream_cut_by_ctrl_c_is_logged_as_interrupted_not_as_a_clean_answer(
     assert "interrupted" in show.out
 
 
-def test_a_second_ctrl_c_exits_at_once_cleanly_with_the_queued_lines_written(
+def test_a_second_ctrl_c_exits_at_once_cleanly_with_the_cut_stream_logged(
     tmp_path: Path,
 ) -> None:
     log_dir = tmp_path / "logs"
@@ -554,7 +554,11 @@ def test_a_second_ctrl_c_exits_at_once_cleanly_with_the_queued_lines_written(
         assert time.monotonic() - began < 4  # not the 5 s grace
         assert proc.stderr is not None
         assert "Traceback" not in proc.stderr.read().decode()
-    assert [e["type"] for e in events(log_dir, "twice")][:2] == ["session_meta", "request"]
+    assert [e["type"] for e in events(log_dir, "twice")] == ["session_meta", "request", "response"]
+    response = events(log_dir, "twice", "response")[0]
+    assert response["interrupted"] is True and response["error"].startswith(
+        "cut: cachegate stopped"
+    )
 
 
 def _stream_until_killed(

@@ -181,7 +181,7 @@ def test_forgetting_for_idle_time_or_count_gives_back_the_memory_and_says_why() 
 
 def test_forgetting_for_memory_is_logged_now_and_then(caplog: pytest.LogCaptureFixture) -> None:
     store = MemorySessionStore(max_bytes=1024 * 1024)
-    with caplog.at_level("WARNING", logger="cachegate.sessions"):
+    with caplog.at_level("WARNING", logger="proxy.sessions"):
         for i in range(5):
             store.weigh(store.create(f"s{i}", float(i)), 200_000)
     assert len(store) == 1
