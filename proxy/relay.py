@@ -17,7 +17,7 @@ import logging
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Final
 
 import httpx
 import orjson
@@ -227,6 +227,12 @@ async def read_body(receive: Receive, limit: int) -> bytes:
     return b"".join(parts)
 
 
+# Request headers that carry a client's own key: with any of them, cachegate adds none of its own.
+CLIENT_KEY_HEADERS: Final = frozenset(
+    {b"authorization", b"api-key", b"x-api-key", b"x-goog-api-key"}
+)
+
+
 def _connection_listed(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
     """Header names a ``Connection`` header declares hop-by-hop (RFC 9110 7.6.1)."""
     names = [
@@ -238,7 +244,11 @@ def _connection_listed(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
 def upstream_request_headers(
     scope_headers: list[tuple[bytes, bytes]], api_key: str | None
 ) -> list[tuple[bytes, bytes]]:
-    """Client headers minus hop-by-hop ones; identity encoding; the configured key if none given."""
+    """Client headers minus hop-by-hop ones; identity encoding; the configured key if the client
+    brought none (in ``Authorization`` or another provider's key header, ``CLIENT_KEY_HEADERS``:
+    a client talking to Azure or Anthropic through cachegate must not have the OpenAI key sent
+    along with its own). A key header the client's ``Connection`` header lists is dropped and not
+    replaced: the client chose to send no key."""
     headers = []
     connection = authorized = False
     for header in scope_headers:  # one pass: the usual request has no Connection header
@@ -246,12 +256,11 @@ def upstream_request_headers(
         if name in _DROP_REQUEST:
             connection = connection or name == b"connection"
             continue
-        authorized = authorized or name == b"authorization"
+        authorized = authorized or name in CLIENT_KEY_HEADERS
         headers.append(header)
     if connection:  # and the names it lists (RFC 9110 7.6.1)
         listed = _connection_listed(scope_headers)
         headers = [header for header in headers if header[0] not in listed]
-        authorized = any(header[0] == b"authorization" for header in headers)
     headers.append((b"accept-encoding", b"identity"))
     if api_key and not authorized:
         value = bearer(api_key)

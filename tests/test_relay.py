@@ -462,6 +462,40 @@ def test_authorization_forwarded_unchanged_or_added_from_env(
     assert auth == [b"Bearer sk-client", b"Bearer sk-from-env"]
 
 
+@pytest.mark.parametrize(
+    ("path", "header"),
+    [
+        ("/chat/completions", "api-key"),  # Azure OpenAI
+        ("/chat/completions", "X-Api-Key"),  # Anthropic and many gateways
+        ("/models", "x-goog-api-key"),  # Google, on the generic relay
+    ],
+)
+def test_the_configured_key_is_not_sent_beside_a_key_the_client_brought(
+    scripted: Any, proxy_factory: Any, path: str, header: str
+) -> None:
+    """A client with its own key for another provider must not have the user's OpenAI key sent
+    to that provider too."""
+    upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
+    proxy = proxy_factory(url, environ={"OPENAI_API_KEY": "sk-from-env"})
+    send = httpx.post if path == "/chat/completions" else httpx.get
+    kwargs: dict[str, Any] = {"json": CHAT} if send is httpx.post else {}
+    r = send(proxy.base_url + path, headers={header: "client-own-key"}, **kwargs)
+    assert r.status_code == 200
+    sent = dict(upstream.requests[0]["headers"])
+    assert sent[header.lower().encode()] == b"client-own-key"
+    assert b"authorization" not in sent
+
+
+def test_a_key_header_the_client_declares_hop_by_hop_is_dropped_not_replaced(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
+    proxy = proxy_factory(url, environ={"OPENAI_API_KEY": "sk-from-env"})
+    headers = {"Authorization": "Bearer sk-client", "Connection": "authorization"}
+    httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=headers)
+    assert b"authorization" not in dict(upstream.requests[0]["headers"])
+
+
 def test_a_key_read_with_its_line_end_is_trimmed(scripted: Any, proxy_factory: Any) -> None:
     upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
     proxy = proxy_factory(url, environ={"OPENAI_API_KEY": " sk-from-file\n"})
