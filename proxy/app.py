@@ -120,7 +120,11 @@ class Gateway:
             on_evict=self.metrics.observe_session_eviction,
         )
         self.writer: EventLogWriter | None = None
-        self.observers: list[Observer] = [AccountingObserver(settings, self.sessions, self.metrics)]
+        self.observers: list[Observer] = [
+            AccountingObserver(
+                settings, self.sessions, self.metrics, [self._api_key] if self._api_key else []
+            )
+        ]
         if settings.logging.enabled:
             lg = settings.logging
             self.writer = EventLogWriter(

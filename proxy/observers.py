@@ -7,7 +7,7 @@ Both run after the client has its response (``on_response``) or when a request i
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from proxy import __version__, cache, prefix
@@ -37,10 +37,18 @@ def _location_label(divergence: prefix.Divergence) -> str:
 class AccountingObserver:
     """Prefix diagnosis for every request; cache waste, its cause and cost for every response."""
 
-    def __init__(self, settings: Settings, sessions: SessionStore, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        sessions: SessionStore,
+        metrics: Metrics,
+        secrets: Iterable[str] = (),
+    ) -> None:
         self.settings = settings
         self.sessions = sessions
         self.metrics = metrics
+        # Exact values no excerpt may show a piece of (the operator's key), as the event log's.
+        self.secrets = tuple({s.strip() for s in secrets if len(s.strip()) >= 8})
         # Per model name: (configured entry's name, cache TTL, pricing); looked up once.
         self._terms: dict[str | None, tuple[str, float, ModelPricing]] = {}
 
@@ -74,7 +82,7 @@ class AccountingObserver:
         fp = prefix.fingerprint(ex.body, previous)
         divergence = None
         if previous is not None:
-            divergence = prefix.find_divergence(previous, fp, extra["body"], ex.body)
+            divergence = prefix.find_divergence(previous, fp, extra["body"], ex.body, self.secrets)
         extra["fingerprint"] = fp
         extra["body"] = ex.body
         if divergence is not None:

@@ -323,12 +323,15 @@ def find_divergence(
     new: Fingerprint,
     old_body: Mapping[str, Any],
     new_body: Mapping[str, Any],
+    secrets: tuple[str, ...] = (),
 ) -> Divergence | None:
     """The first element of ``new`` that differs from ``old``; None when one prefixes the other.
 
     A request that extends the previous one (its messages plus the assistant reply plus new
     messages) is no divergence, and neither is one that stops early (a retry or rewind): no element
-    the provider processed was rewritten.
+    the provider processed was rewritten. ``secrets`` are exact values (the operator's API key)
+    replaced in the texts before an excerpt is cut from them, so that no part of one is shown
+    whatever its shape: a cut through a value leaves a piece no later search for it can find.
     """
     # (location, link) pairs: equal links at a position mean equal locations too (a different
     # system block changes the link before the first message's).
@@ -337,9 +340,9 @@ def find_divergence(
         return None
     position = leading_run(operator.eq, old.chain, new.chain)
     if position == _PARAMS:
-        return _params_divergence(old_body, new_body)
+        return _params_divergence(old_body, new_body, secrets)
     if position == _TOOLS:
-        return _tools_divergence(old.tools, new.tools)
+        return _tools_divergence(old.tools, new.tools, secrets)
     if position == _SYSTEM:
         shorter, longer = sorted((old, new), key=lambda fp: fp.system_count)
         if (
@@ -363,9 +366,10 @@ def find_divergence(
             index,
             old.messages[index] if index < old.system_count else None,
             new.messages[index] if index < new.system_count else None,
+            secrets,
         )
     index = new.system_count + position - _FIRST_MESSAGE
-    return _message_divergence("messages", index, old.messages[index], new.messages[index])
+    return _message_divergence("messages", index, old.messages[index], new.messages[index], secrets)
 
 
 def shared_prefix_len(old: Fingerprint, new: Fingerprint) -> int:
@@ -407,7 +411,7 @@ _FIELD_ORDER: Final = ("role", "content", "tool_calls", "tool_call_id", "name")
 
 
 def _message_divergence(
-    location: Location, index: int, old_message: Any, new_message: Any
+    location: Location, index: int, old_message: Any, new_message: Any, secrets: tuple[str, ...]
 ) -> Divergence:
     role = _role(new_message) if new_message is not None else _role(old_message)
     role_text = role if isinstance(role, str) else None
@@ -421,7 +425,7 @@ def _message_divergence(
             return _text(message)
 
         return _divergence(
-            location, index, role_text, None, content(old_message), content(new_message)
+            location, index, role_text, None, content(old_message), content(new_message), secrets
         )
 
     old_c, new_c = canonical_message(old_message), canonical_message(new_message)
@@ -435,28 +439,30 @@ def _message_divergence(
             or canonical_json(old_value) != canonical_json(new_value)
         ):
             return _divergence(
-                location, index, role_text, str(key), _text(old_value), _text(new_value)
+                location, index, role_text, str(key), _text(old_value), _text(new_value), secrets
             )
     # Equal canonical forms yet different digests cannot happen; report the whole message.
-    return _divergence(location, index, role_text, None, _text(old_c), _text(new_c))
+    return _divergence(location, index, role_text, None, _text(old_c), _text(new_c), secrets)
 
 
-def _params_divergence(old_body: Mapping[str, Any], new_body: Mapping[str, Any]) -> Divergence:
+def _params_divergence(
+    old_body: Mapping[str, Any], new_body: Mapping[str, Any], secrets: tuple[str, ...]
+) -> Divergence:
     old_params, new_params = cache_params(old_body), cache_params(new_body)
     for key in CACHE_PARAMS:
         old_value, new_value = old_params.get(key, _MISSING), new_params.get(key, _MISSING)
         if (old_value is _MISSING) != (new_value is _MISSING) or (
             old_value is not _MISSING and canonical_json(old_value) != canonical_json(new_value)
         ):
-            old_excerpt, new_excerpt = _excerpts(_text(old_value), _text(new_value))
+            old_excerpt, new_excerpt = _excerpts(_text(old_value), _text(new_value), secrets)
             return Divergence("params", None, None, key, old_excerpt, new_excerpt)
-    old_excerpt, new_excerpt = _excerpts(_text(old_params), _text(new_params))
+    old_excerpt, new_excerpt = _excerpts(_text(old_params), _text(new_params), secrets)
     return Divergence("params", None, None, None, old_excerpt, new_excerpt)
 
 
-def _tools_divergence(old_tools: Any, new_tools: Any) -> Divergence:
+def _tools_divergence(old_tools: Any, new_tools: Any, secrets: tuple[str, ...]) -> Divergence:
     if not isinstance(old_tools, list) or not isinstance(new_tools, list):
-        return _divergence("tools", None, None, None, _text(old_tools), _text(new_tools))
+        return _divergence("tools", None, None, None, _text(old_tools), _text(new_tools), secrets)
     for i in range(max(len(old_tools), len(new_tools))):
         old_tool = old_tools[i] if i < len(old_tools) else _MISSING
         new_tool = new_tools[i] if i < len(new_tools) else _MISSING
@@ -466,8 +472,8 @@ def _tools_divergence(old_tools: Any, new_tools: Any) -> Divergence:
             or canonical_json(old_tool) != canonical_json(new_tool)
         ):
             name = _tool_name(new_tool) or _tool_name(old_tool)
-            return _divergence("tools", None, None, name, _text(old_tool), _text(new_tool))
-    return _divergence("tools", None, None, None, _text(old_tools), _text(new_tools))
+            return _divergence("tools", None, None, name, _text(old_tool), _text(new_tool), secrets)
+    return _divergence("tools", None, None, None, _text(old_tools), _text(new_tools), secrets)
 
 
 def _tool_name(tool: Any) -> str | None:
@@ -485,8 +491,9 @@ def _divergence(
     field: str | None,
     old_text: str,
     new_text: str,
+    secrets: tuple[str, ...],
 ) -> Divergence:
-    old_excerpt, new_excerpt = _excerpts(old_text, new_text)
+    old_excerpt, new_excerpt = _excerpts(old_text, new_text, secrets)
     kind = volatile_kind(old_text, new_text)
     return Divergence(
         location, index, role, field, old_excerpt, new_excerpt, kind is not None, kind
@@ -519,12 +526,18 @@ def _common_suffix_len(a: str, b: str, limit: int) -> int:
     return lo
 
 
-def _excerpts(old_text: str, new_text: str) -> tuple[str, str]:
+def _excerpts(old_text: str, new_text: str, secrets: tuple[str, ...] = ()) -> tuple[str, str]:
     """Redacted excerpts of both texts around their first differing character.
 
     Only a window around the difference is redacted, wide enough to hold any realistic secret
-    that runs into the excerpt, so a 300 KB tool output costs no more than a short one.
+    that runs into the excerpt, so a 300 KB tool output costs no more than a short one. The exact
+    ``secrets`` go first, from the whole texts (a substring search each).
     """
+    for secret in secrets:
+        if secret in old_text:
+            old_text = old_text.replace(secret, REDACTED)
+        if secret in new_text:
+            new_text = new_text.replace(secret, REDACTED)
     at = _common_prefix_len(old_text, new_text)
     lo = max(0, at - _EXCERPT_LEAD - _SECRET_MARGIN)
     hi = at + EXCERPT_CHARS + _SECRET_MARGIN

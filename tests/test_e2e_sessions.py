@@ -751,6 +751,31 @@ def test_the_configured_key_of_any_shape_is_never_written(
     assert meta["upstream"] == sim.api_base
 
 
+@pytest.mark.parametrize("bodies", ["full", "metadata"])
+def test_no_piece_of_the_configured_key_is_shown_where_an_excerpt_cuts_through_it(
+    sim: RunningSimulator, proxy_factory: Any, bodies: str
+) -> None:
+    """A changed timestamp just before the key in a system prompt: the cache diagnosis's excerpt
+    of ~80 characters ends inside the key. Removing the whole key after the cut found nothing to
+    remove, and 26 of its 40 characters were written (in either body mode)."""
+    key = _random(40)
+    proxy = proxy_factory(
+        sim.api_base, {"logging": {"bodies": bodies}}, environ={"OPENAI_API_KEY": key}
+    )
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "cut-key"})
+    for minute in ("10:00", "10:01"):
+        system = f"Time {minute}. Deploy with the token that follows: TOKEN={key}"
+        convo = [{"role": "system", "content": system}, {"role": "user", "content": "go"}]
+        chat(client, convo, stream=minute == "10:01")
+    flush(proxy)
+    data = (proxy.log_dir / "cut-key.jsonl").read_text()
+    divergence = events(proxy.log_dir, "cut-key", "response")[1]["divergence"]
+    assert divergence["location"] == "system"
+    assert "TOKEN=[REDACTED]" in divergence["old"]
+    pieces = [key[i : i + 8] for i in range(len(key) - 7)]
+    assert not [piece for piece in pieces if piece in data]
+
+
 def test_metadata_mode_keeps_sizes_and_hashes_but_no_message_text(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -339,6 +340,42 @@ def test_excerpts_redact_secrets_even_when_cut_by_the_window(secret: str) -> Non
         assert "[REDACTED]" in excerpt
         assert secret[-12:] not in excerpt
         assert secret.split()[-1][:12] not in excerpt
+
+
+KEY = "Zx9Qm4Lr8Tn2Vb6Hc1Kd5Wp7Ys3Fg0Jh4Nm8Rt2U"  # a key of no known shape
+
+
+def _in_message(body: dict[str, Any], minute: str) -> None:
+    body["messages"][3]["content"] = f"Time {minute}. Use the token that follows: TOKEN={KEY}"
+
+
+def _in_tool(body: dict[str, Any], minute: str) -> None:
+    body["tools"][0]["function"]["description"] = f"At {minute} call with TOKEN={KEY}"
+
+
+def _in_param(body: dict[str, Any], minute: str) -> None:
+    body["response_format"] = {"type": "json_object", "note": f"{minute} TOKEN={KEY}"}
+
+
+@pytest.mark.parametrize("put", [_in_message, _in_tool, _in_param])
+def test_no_piece_of_a_known_secret_is_left_where_an_excerpt_cuts_through_it(
+    put: Callable[[dict[str, Any], str], None],
+) -> None:
+    """Pattern redaction knows shapes; the operator's own key may have none. Cut by the excerpt
+    and then looked for whole, it was found nowhere and 26 of its 40 characters stayed."""
+    old, new = conversation(), conversation()
+    old["tools"] = copy.deepcopy(old["tools"])
+    new["tools"] = copy.deepcopy(new["tools"])
+    put(old, "10:00")
+    put(new, "10:01")
+    shown = find_divergence(fingerprint(old), fingerprint(new), old, new)
+    assert shown is not None and KEY[:8] in shown.old_excerpt + shown.new_excerpt  # the leak
+    divergence = find_divergence(fingerprint(old), fingerprint(new), old, new, (KEY,))
+    assert divergence is not None
+    assert (divergence.location, divergence.volatile) == (shown.location, shown.volatile)
+    for excerpt in (divergence.old_excerpt, divergence.new_excerpt):
+        assert "TOKEN=[REDACTED]" in excerpt
+        assert not [KEY[i : i + 6] for i in range(len(KEY) - 5) if KEY[i : i + 6] in excerpt]
 
 
 def test_difference_inside_a_secret_shows_no_secret() -> None:
