@@ -43,11 +43,14 @@ RepairKind = Literal[
 OrphanPolicy = Literal["downgrade", "drop"]
 
 DEFAULT_INTERRUPTED_NOTE: Final = (
-    "[cachegate] The user interrupted this turn before the {name} tool ran: the tool did not run "
-    "and no result exists. This is not a tool failure. If the result is still needed, call the "
-    "tool again."
+    "[cachegate] This turn was interrupted before a result of the {name} tool was recorded: no "
+    "result exists, and the tool may not have run, or may have run only in part. This is not a "
+    "tool failure. If the result is still needed, check what the tool would have changed, then "
+    "call it again."
 )
-"""Content of the synthetic result of a dangling call; ``{name}`` becomes the tool's name."""
+"""Content of the synthetic result of a dangling call; ``{name}`` becomes the tool's name. A proxy
+cannot know whether an interrupted tool ran (Ctrl+C while it wrote a file, a push half done): the
+note says what is known, and leads the model to look before it repeats the call."""
 
 DOWNGRADE_PREFIXES: Final = ("[tool result ", "[duplicate tool result ")
 """How the text of every downgraded orphan or duplicate result starts (to recognize cachegate's)."""
@@ -59,7 +62,8 @@ class Repair:
 
     ``index`` is the position in the *input* list: the assistant message for ``dangling_call``,
     ``invalid_arguments`` and ``missing_id`` (whose ``tool_call_id`` is the id assigned), the tool
-    message for the other kinds.
+    message for the other kinds, and for ``missing_id`` on a result without an id that was given
+    its call's assigned id.
     """
 
     kind: RepairKind
@@ -90,6 +94,7 @@ class _Block:
     names: list[str]
     unanswered: dict[str, list[int]]  # id -> positions of its unanswered calls, ascending
     results: list[int]  # input indices of the tool messages paired with it, in input order
+    idless: list[str]  # ids assigned to calls sent without one and still unanswered, in order
 
     def dangling(self) -> list[int]:
         """Positions of the calls still without a result, in call order."""
@@ -249,10 +254,12 @@ def _downgrade(message: dict[str, Any], label: str) -> dict[str, Any]:
 
 def _fix_calls(
     index: int, message: dict[str, Any], calls: list[Any], repairs: list[Repair]
-) -> tuple[dict[str, Any], list[str], list[str]]:
-    """Assign missing ids and blank invalid arguments; copies the message only when it changes."""
+) -> tuple[dict[str, Any], list[str], list[str], list[str]]:
+    """Assign missing ids and blank invalid arguments; copies the message only when it changes.
+    Returns the message, its calls' ids and names, and the ids it assigned."""
     ids: list[str] = []
     names: list[str] = []
+    assigned: list[str] = []
     new_calls: list[Any] | None = None
     for position, call in enumerate(calls):
         if not isinstance(call, dict):
@@ -260,6 +267,7 @@ def _fix_calls(
         fixed = call
         if not _has_id(call):
             call_id = _derived_id(index, position, call)
+            assigned.append(call_id)
             fixed = {**call, "id": call_id}
             repairs.append(
                 Repair(
@@ -287,8 +295,8 @@ def _fix_calls(
         ids.append(call_id)
         names.append(_tool_name(call))
     if new_calls is None:
-        return message, ids, names
-    return {**message, "tool_calls": new_calls}, ids, names
+        return message, ids, names, assigned
+    return {**message, "tool_calls": new_calls}, ids, names, assigned
 
 
 def repair_messages(
@@ -344,6 +352,8 @@ class RepairState:
         for message in itertools.islice(messages, done, None):
             if isinstance(message, dict) and message.get("role") == "tool":
                 call_id = message.get("tool_call_id")
+                if (call_id is None or call_id == "") and self.run is not None and self.run.idless:
+                    return False  # it may answer a call sent without an id: repair afresh
                 if not isinstance(call_id, str) or call_id in appended_ids:
                     continue
                 owner = owner_of_id.get(call_id)
@@ -392,13 +402,13 @@ def repair_messages_from(
         calls = _tool_calls(message)
         if calls is None:
             continue
-        new_message, ids, names = _fix_calls(i, message, calls, scanned)
+        new_message, ids, names, assigned = _fix_calls(i, message, calls, scanned)
         if new_message is not message:
             fixed[i] = new_message
         unanswered: dict[str, list[int]] = {}
         for position, call_id in enumerate(ids):
             unanswered.setdefault(call_id, []).append(position)
-        run = blocks[i] = _Block(i, ids, names, unanswered, [])
+        run = blocks[i] = _Block(i, ids, names, unanswered, [], assigned)
         for call_id in ids:
             owner_of_id[call_id] = run
     state.run = run
@@ -425,7 +435,7 @@ def repair_messages_from(
         own = blocks.get(i)
         if own is None:
             continue
-        out.extend(messages[j] for j in own.results)
+        out.extend(fixed.get(j, messages[j]) for j in own.results)
         for position in own.dangling():
             call_id, name = own.ids[position], own.names[position]
             note_text = note.replace("{name}", name)
@@ -457,8 +467,27 @@ def _pair_result(
     fixed: dict[int, dict[str, Any]],
     repairs: list[Repair],
 ) -> None:
-    """Decide tool message ``i``: pair it with its call, or handle it as a duplicate or orphan."""
+    """Decide tool message ``i``: pair it with its call, or handle it as a duplicate or orphan.
+
+    Some servers (Gemini's OpenAI-compatible API, some local ones) send tool calls with an empty
+    id, and their clients answer with an empty ``tool_call_id``. Such a result, in the run of
+    results right after its calls, answers the first call of the run still unanswered that came
+    without an id, and is given the id assigned to that call: matched by order, as such a server
+    does. Anywhere else it answers nothing (an orphan)."""
     raw_id = message.get("tool_call_id")
+    while (raw_id is None or raw_id == "") and run is not None and run.idless:
+        call_id = run.idless.pop(0)
+        positions = run.unanswered.get(call_id)  # an assigned id is its call's only
+        if not positions:
+            continue  # answered by its assigned id, by a client that knew it
+        del run.unanswered[call_id]
+        fixed[i] = {**message, "tool_call_id": call_id}
+        repairs.append(
+            Repair("missing_id", i, call_id, f"gave the result the id {call_id} of its call")
+        )
+        run.results.append(i)
+        paired.add(i)
+        return
     tool_call_id = raw_id if isinstance(raw_id, str) else None
     owner = owner_of_id.get(tool_call_id) if tool_call_id is not None else None
     if owner is not None and tool_call_id is not None:
@@ -506,7 +535,10 @@ _DESCRIPTIONS: Final[dict[str, str]] = {
     ),
     "duplicate_result": "messages[{index}] tool result for {id} repeats an earlier result",
     "invalid_arguments": "messages[{index}] assistant tool_call {id} has invalid JSON arguments",
-    "missing_id": "messages[{index}] assistant tool_call has no id (repair would assign {id})",
+    "missing_id": (
+        "messages[{index}] assistant tool_call, or the tool result answering it, has no id "
+        "(repair would assign {id})"
+    ),
 }
 
 

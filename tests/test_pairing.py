@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any
 
 import orjson
@@ -204,7 +205,7 @@ def test_each_rule_gives_the_exact_history(
     validate_messages(result.messages)
 
 
-def test_call_without_id_gets_a_pinned_stable_id_and_a_synthetic_result() -> None:
+def test_call_without_id_gets_a_pinned_stable_id_and_its_result_the_same_id() -> None:
     messages = [user("go"), asst(call(None, "ls", '{"dir": "."}')), tool(None, "X")]
     result = repair_messages(messages)
     # pinned: a derived id that changed between releases would break the provider's prefix cache
@@ -218,15 +219,63 @@ def test_call_without_id_gets_a_pinned_stable_id_and_a_synthetic_result() -> Non
                 "id": new_id,
             }
         ),
-        synthetic(new_id, "ls"),
-        user("[tool result without a tool_call_id (no matching tool call)]\nX"),
+        tool(new_id, "X"),
     ]
-    assert kinds(result) == [
-        ("missing_id", 1, new_id),
-        ("dangling_call", 1, new_id),
-        ("orphan_result", 2, None),
-    ]
+    assert kinds(result) == [("missing_id", 1, new_id), ("missing_id", 2, new_id)]
     assert repair_messages(copy.deepcopy(messages)).messages == result.messages
+    assert repair_messages(result.messages).messages is result.messages  # nothing left to do
+    validate_messages(result.messages)
+
+
+def test_empty_ids_are_matched_by_order_as_the_servers_that_send_them_do() -> None:
+    """Gemini's OpenAI-compatible API and some local servers send calls with ``"id": ""`` and
+    their clients answer with ``"tool_call_id": ""``. The results were downgraded to user
+    messages and every call got a synthetic "interrupted" result, on every turn."""
+    messages = [
+        user("go"),
+        asst(call("", "read"), call("", "ls")),
+        tool("", "file contents"),
+        tool("", "a.txt b.txt"),
+        asst(content="done"),
+        user("next"),
+    ]
+    result = repair_messages(messages)
+    calls = result.messages[1]["tool_calls"]
+    first, second = calls[0]["id"], calls[1]["id"]
+    assert first.startswith("call_") and second.startswith("call_") and first != second
+    assert result.messages[2:] == [
+        tool(first, "file contents"),
+        tool(second, "a.txt b.txt"),
+        asst(content="done"),
+        user("next"),
+    ]
+    assert {r.kind for r in result.repairs} == {"missing_id"}
+    assert len(result.repairs) == 4
+    validate_messages(result.messages)
+
+
+def test_a_result_without_an_id_away_from_its_calls_answers_nothing() -> None:
+    messages = [user("go"), asst(call("")), user("steer"), tool("", "late")]
+    result = repair_messages(messages)
+    new_id = result.messages[1]["tool_calls"][0]["id"]
+    assert result.messages[2:] == [
+        synthetic(new_id),
+        user("steer"),
+        user("[tool result for call  (no matching tool call)]\nlate"),
+    ]
+    validate_messages(result.messages)
+
+
+def test_results_without_ids_appended_on_the_next_turn_answer_the_calls_left_open() -> None:
+    """The resumed repair must not keep the synthetic results of the turn before."""
+    first = [user("go"), asst(call("", "read"), call("", "ls"))]
+    result, state = repair_messages_from(first, None)
+    assert [m["role"] for m in result.messages] == ["user", "assistant", "tool", "tool"]
+    assert state is not None
+    second = [*first, tool("", "R"), tool("", "L"), user("next")]
+    resumed, _ = repair_messages_from(second, state)
+    assert resumed.messages == repair_messages(second).messages
+    assert [m["content"] for m in resumed.messages[2:]] == ["R", "L", "next"]
 
 
 def test_same_call_at_another_position_gets_another_id() -> None:
@@ -258,10 +307,18 @@ def test_interrupted_note_is_configurable_with_the_tool_name() -> None:
     assert empty.messages[1] == synthetic("a", "grep")
 
 
-def test_default_note_says_interrupted_not_run_not_a_failure_and_retry() -> None:
+def test_default_note_says_interrupted_maybe_run_in_part_not_a_failure_check_and_retry() -> None:
+    """A proxy cannot know whether an interrupted tool ran: the note must not say it did not."""
     note = DEFAULT_INTERRUPTED_NOTE.lower()
-    for phrase in ("interrupted", "did not run", "not a tool failure", "call the tool again"):
+    for phrase in (
+        "interrupted",
+        "no result exists",
+        "may not have run, or may have run only in part",
+        "not a tool failure",
+        "check what the tool would have changed, then call it again",
+    ):
         assert phrase in note
+    assert "did not run" not in note
 
 
 def test_invalid_arguments_action_gives_length_and_keeps_no_original_text() -> None:
@@ -362,7 +419,8 @@ def test_strict_error_lists_every_defect() -> None:
         "cachegate strict pairing: 4 defects: "
         "messages[1] assistant tool_call a has no result (dangling_call); "
         "messages[3] tool result for x answers no tool call (orphan_result); "
-        f"messages[4] assistant tool_call has no id (repair would assign {new_id}) (missing_id); "
+        f"messages[4] assistant tool_call, or the tool result answering it, has no id "
+        f"(repair would assign {new_id}) (missing_id); "
         f"messages[4] assistant tool_call {new_id} has no result (dangling_call)"
     )
     assert format_strict_error([Repair("duplicate_result", 2, "a", "dropped")]) == (
@@ -402,7 +460,7 @@ def random_histories(draw: st.DrawFn) -> list[Message]:
         lambda call_id, name, good, n: call(
             call_id, name, f'{{"n": {n}}}' if good else f'{{"n": "{n}'
         ),
-        st.one_of(st.none(), st.sampled_from(IDS)),
+        st.one_of(st.none(), st.just(""), st.sampled_from(IDS)),
         st.sampled_from(NAMES),
         st.booleans(),
         st.integers(0, 9),
@@ -423,7 +481,7 @@ def random_histories(draw: st.DrawFn) -> list[Message]:
         elif kind == "calls":
             messages.append(asst(*draw(st.lists(calls, min_size=1, max_size=3)), content=f"t{i}"))
         else:
-            call_id = draw(st.one_of(st.sampled_from(IDS), st.just("zz"), st.none()))
+            call_id = draw(st.one_of(st.sampled_from(IDS), st.just("zz"), st.none(), st.just("")))
             content: Any = f"o{i}"
             if draw(st.booleans()):
                 content = [{"type": "text", "text": f"o{i}"}]
@@ -586,15 +644,27 @@ def test_extending_a_history_keeps_its_repaired_prefix(
     repaired_old = repair_messages(old).messages
     repaired_all = repair_messages(messages).messages
     answered_later = {m.get("tool_call_id") for m in new if m["role"] == "tool"} & _call_ids(old)
-    if not answered_later:
+    # results without an id right after the cut may answer the last block's calls without one
+    leading = itertools.takewhile(lambda m: m["role"] == "tool", new)
+    last = next((m for m in reversed(old) if m["role"] != "tool"), {})
+    idless_later = any(not m.get("tool_call_id") for m in leading) and any(
+        not c.get("id") for c in last.get("tool_calls") or []
+    )
+    if not answered_later and not idless_later:
         assert repaired_all[: len(repaired_old)] == repaired_old
         return
     # a later result may answer a call that had a synthetic result: only that block may change
+    blocks = [i for i, m in enumerate(repaired_old) if m.get("tool_calls")]
     first = next(
-        i
-        for i, m in enumerate(repaired_old)
-        if any(c.get("id") in answered_later for c in m.get("tool_calls") or [])
+        (
+            i
+            for i in blocks
+            if any(c.get("id") in answered_later for c in repaired_old[i]["tool_calls"])
+        ),
+        len(repaired_old),
     )
+    if idless_later:
+        first = min(first, blocks[-1])
     assert repaired_all[: first + 1] == repaired_old[: first + 1]
 
 
