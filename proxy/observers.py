@@ -6,9 +6,11 @@ Both run after the client has its response (``on_response``) or when a request i
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Final
 
 from proxy import __version__, cache, prefix
 from proxy.cache import CacheState, ModelPricing
@@ -28,6 +30,45 @@ def _state_of(ex: Exchange, sessions: SessionStore) -> SessionState | None:
     if ex.session is not None:
         return ex.session
     return sessions.get(ex.session_id) if ex.session_id is not None else None
+
+
+# Requests of distinct conversations a session's accounting compares the next one with.
+_BASELINES: Final = 4
+
+
+class _Baseline:
+    """A request a later one of its session may continue: its fingerprint, body, prompt tokens
+    (None when unknown) and model."""
+
+    __slots__ = ("body", "fp", "model", "prompt")
+
+    def __init__(
+        self, fp: prefix.Fingerprint, body: Any, prompt: int | None, model: str | None
+    ) -> None:
+        self.fp, self.body, self.prompt, self.model = fp, body, prompt, model
+
+
+def _hash_base(baselines: list[_Baseline], body: Any) -> prefix.Fingerprint | None:
+    """The fingerprint to reuse digests from: the baseline that shares the longest run of the
+    very same message objects (an agent resends its history as the same objects), else the
+    latest."""
+    if len(baselines) < 2:
+        return baselines[0].fp if baselines else None
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return baselines[0].fp
+    runs = [prefix.leading_run(operator.is_, b.fp.messages, messages) for b in baselines]
+    return baselines[runs.index(max(runs))].fp
+
+
+def _closest(baselines: list[_Baseline], fp: prefix.Fingerprint) -> _Baseline | None:
+    """The baseline sharing the longest prefix with ``fp`` (the latest of equals): a main agent's
+    turn is compared with its previous turn, not with a sub-agent's or a title request sent in
+    between."""
+    if len(baselines) < 2:
+        return baselines[0] if baselines else None
+    shared = [prefix.shared_links(b.fp, fp) for b in baselines]
+    return baselines[shared.index(max(shared))]
 
 
 def _location_label(divergence: prefix.Divergence) -> str:
@@ -78,31 +119,64 @@ class AccountingObserver:
         if state is None:
             return
         extra = state.extra
-        previous: prefix.Fingerprint | None = extra.get("fingerprint")
-        fp = prefix.fingerprint(ex.body, previous)
+        body = ex.body
+        baselines: list[_Baseline] = extra.get("baselines") or []
+        fp = prefix.fingerprint(body, _hash_base(baselines, body))
+        chosen = _closest(baselines, fp)
         divergence = None
-        if previous is not None:
-            divergence = prefix.find_divergence(previous, fp, extra["body"], ex.body, self.secrets)
-        extra["fingerprint"] = fp
-        extra["body"] = ex.body
+        continues = chosen is not None
+        if chosen is not None:
+            divergence = prefix.find_divergence(chosen.fp, fp, chosen.body, body, self.secrets)
+            if (
+                divergence is not None
+                and not divergence.volatile
+                and not prefix.same_conversation(chosen.fp, fp)
+            ):
+                divergence, continues = None, False  # another conversation: nothing rewritten
         if divergence is not None:
             self.metrics.observe_prefix_rewrite(_location_label(divergence))
             ex.divergence = _divergence_dict(divergence)
         usage = ex.usage
+        name, ttl_s, pricing = self._model_terms(ex.model)
+        model = ex.model or name
+        # What this request is accounted against (before its baseline is replaced by it).
+        base: tuple[int | None, bytes | None, str | None] = (None, None, None)
+        if chosen is not None and continues:
+            base = (chosen.prompt, chosen.fp.params_digest, chosen.model)
+        if ex.status < 400:  # a refused request is no baseline: the provider may not have seen it
+            if usage is not None and usage.prompt > 0:
+                prompt: int | None = usage.prompt
+            else:  # interrupted before its usage: the prompt count of what it continued
+                prompt = chosen.prompt if continues and chosen is not None else None
+            if continues and chosen is not None:  # this request takes its place, and leads
+                chosen.fp, chosen.body, chosen.prompt, chosen.model = fp, body, prompt, model
+                if chosen is not baselines[0]:
+                    baselines.remove(chosen)
+                    baselines.insert(0, chosen)
+            else:
+                baselines.insert(0, _Baseline(fp, body, prompt, model))
+                del baselines[_BASELINES:]
+                extra["baselines"] = baselines
         if usage is None or ex.status >= 400:
             return
         extra["last_usage"] = (usage.prompt, usage.completion)
-        name, ttl_s, pricing = self._model_terms(ex.model)
         after_compaction = bool(extra.pop("compacted_pending", False))
+        cache_state: CacheState = extra.get("cache") or CacheState()
+        if base != (cache_state.prev_prompt, cache_state.params_digest, cache_state.model):
+            # Compared with another request than the session's latest (interleaved
+            # conversations), or with none (a new conversation: nothing was expected).
+            cache_state = dataclasses.replace(
+                cache_state, prev_prompt=base[0], params_digest=base[1], model=base[2]
+            )
         new_state, result = cache.account(
-            extra.get("cache") or CacheState(),
+            cache_state,
             usage=usage,
             fingerprint=fp,
             divergence=divergence,
             started_at=ex.started_at,
             ttl_s=ttl_s,
             noise_floor=self.settings.cache.noise_floor_tokens,
-            model=ex.model or name,
+            model=model,
             after_compaction=after_compaction,
         )
         extra["cache"] = new_state

@@ -372,6 +372,44 @@ def find_divergence(
     return _message_divergence("messages", index, old.messages[index], new.messages[index], secrets)
 
 
+def shared_links(old: Fingerprint, new: Fingerprint) -> int:
+    """How many leading links of their chains the two requests share: ``params``, ``tools``,
+    ``system``, then one per message. A link's digest covers every element before it, so equal
+    links at a position mean equal chains up to it: a binary search, ~10 comparisons for a history
+    of 400 messages."""
+    old_chain, new_chain = old.chain, new.chain
+    lo, hi = 0, min(len(old_chain), len(new_chain))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if old_chain[mid - 1][1] == new_chain[mid - 1][1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def same_conversation(old: Fingerprint, new: Fingerprint) -> bool:
+    """Whether ``new`` continues or rewrites ``old``'s conversation rather than starting another:
+    their first messages after the system block are equal (or neither has one), or a later one
+    is, at the same place after it. A sub-agent, a title or summary request, or a conversation
+    started afresh under the same session begins with a message of its own and shares none after
+    it; a rewritten system prompt, tools or parameters leave the messages as they were, and a
+    rewritten first message the ones after it. (The caller also takes a change of a volatile token
+    alone as a rewrite: a date in the only message of a first turn.) A request with another model
+    and another system prompt is another conversation whatever its messages: a title request
+    sends the user's first message to a small model under a prompt of its own.
+    """
+    if old.element_digests[_SYSTEM] != new.element_digests[_SYSTEM] and (
+        (old.params or {}).get("model") != (new.params or {}).get("model")
+    ):
+        return False
+    old_messages = old.message_digests[old.system_count :]
+    new_messages = new.message_digests[new.system_count :]
+    if not old_messages or not new_messages:
+        return not old_messages and not new_messages
+    return any(map(operator.eq, old_messages, new_messages))
+
+
 def shared_prefix_len(old: Fingerprint, new: Fingerprint) -> int:
     """How many leading messages of ``body["messages"]`` the two requests share (system included).
 

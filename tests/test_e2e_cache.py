@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
@@ -252,6 +253,95 @@ def test_reference_scenario_waste_cause_location_and_cost(
 
 
 # --- no false waste ------------------------------------------------------------------------------
+
+
+def test_a_sub_agent_and_a_title_request_in_the_session_neither_waste_nor_hide_waste(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """One session id for a main agent, its sub-agent and a title request on a small model (as
+    coding agents send them). Each request was compared with whichever finished last: the
+    sub-agent's first request was charged the main agent's whole prompt as a system rewrite, the
+    main agent's next, fully cached turn showed a divergence, and a real rewrite after the title
+    request was compared with the title's 25 tokens and hidden."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "shared-1"})
+    main: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Fix the failing handler."},
+    ]
+
+    def main_turn(follow: str, *, stream: bool) -> None:
+        reply, _ = chat(client, main, stream=stream, tools=TOOLS)
+        main.extend([reply, {"role": "user", "content": follow}])
+        sim.sim.advance(20)
+
+    main_turn("Go on.", stream=False)
+    main_turn("And the tests?", stream=True)
+    sub = [
+        {"role": "system", "content": "You are a search sub-agent.\n" + FILE_TEXT},
+        {"role": "user", "content": "Find where handler_7 is defined."},
+    ]
+    chat(client, sub, stream=True)  # 3: the sub-agent's first request
+    sim.sim.advance(20)
+    main_turn("Now the changelog.", stream=False)  # 4: the main agent again, all cached
+    title = [
+        {"role": "system", "content": "Write a five-word title for this conversation."},
+        {"role": "user", "content": "Fix the failing handler."},
+    ]
+    chat(client, title, stream=False, model="gpt-4o-mini")  # 5
+    sim.sim.advance(20)
+    main[0] = {"role": "system", "content": "Today is 2026-12-01.\n" + SYSTEM_PROMPT}
+    chat(client, main, stream=True, tools=TOOLS)  # 6: a real rewrite of the main agent's prompt
+    flush(proxy)
+
+    usages = [r.usage for r in sim.sim.requests]
+    assert len(usages) == 6 and all(u is not None for u in usages)
+    responses = events(proxy.log_dir, "shared-1", "response")
+    caches = [r["cache"] for r in responses]
+    # The sub-agent's and the title's first requests: nothing was expected of them.
+    for i in (2, 4):
+        assert caches[i]["expected"] == caches[i]["waste"] == 0, i
+        assert "divergence" not in responses[i], i
+    # The main agent after the sub-agent: compared with its own previous turn, all cached.
+    assert "divergence" not in responses[3]
+    assert caches[3]["read"] == cache_read(usages[3]) > NOISE_FLOOR
+    assert caches[3]["expected"] == min(usages[1]["prompt_tokens"], usages[3]["prompt_tokens"])
+    assert caches[3]["waste"] == 0
+    # The rewrite after the title request: the main agent's turn 4 is its baseline.
+    expected = min(usages[3]["prompt_tokens"], usages[5]["prompt_tokens"])
+    assert caches[5]["expected"] == expected
+    assert caches[5]["waste"] == expected - cache_read(usages[5]) > NOISE_FLOOR
+    assert (caches[5]["cause"], caches[5]["location"]) == ("prefix_rewrite", "system")
+    assert responses[5]["divergence"]["volatile_kind"] == "date"
+    assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "system"}) == 1
+    assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "params"}) == 0
+
+
+def test_a_refused_request_does_not_move_the_baseline_of_its_retry(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A rewritten prompt refused with a 429, then retried as it was (the openai SDK does so by
+    itself): the retry's miss is the rewrite's, not "unexplained" against the refused copy."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "retry-1"})
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Fix the failing handler."},
+    ]
+    reply, _ = chat(client, convo, stream=False, tools=TOOLS)
+    convo += [reply, {"role": "user", "content": "Go on."}]
+    sim.sim.advance(20)
+    convo[0] = {"role": "system", "content": "Current time: 2026-12-01T10:00:00Z\n" + SYSTEM_PROMPT}
+    with pytest.raises(openai.RateLimitError):
+        chat(client, convo, stream=False, tools=TOOLS, extra_headers={"X-Sim-Fault": "429"})
+    chat(client, convo, stream=True, tools=TOOLS)
+    flush(proxy)
+    responses = events(proxy.log_dir, "retry-1", "response")
+    assert [r["status"] for r in responses] == [200, 429, 200]
+    retried = responses[2]
+    assert (retried["cache"]["cause"], retried["cache"]["location"]) == ("prefix_rewrite", "system")
+    assert retried["cache"]["waste"] > NOISE_FLOOR
+    assert retried["divergence"]["volatile_kind"] == "timestamp"
 
 
 def test_long_warm_session_with_tool_rounds_wastes_nothing(

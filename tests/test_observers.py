@@ -204,5 +204,5 @@ def test_an_exchange_in_flight_completes_its_accounting_after_its_session_is_for
     log.on_response(ex)
     assert [e["type"] for e in lines.events] == ["session_meta", "request", "response"]
     assert ex.cost is not None and ex.cost["actual"] > 0
-    assert "fingerprint" in served.extra and served.recent  # the state it was served with
+    assert "baselines" in served.extra and served.recent  # the state it was served with
     assert again.extra == {} and again.recent == [] and not again.meta_written

@@ -16,6 +16,8 @@ from proxy.prefix import (
     canonical_message,
     find_divergence,
     fingerprint,
+    same_conversation,
+    shared_links,
     shared_prefix_len,
     volatile_kind,
 )
@@ -489,3 +491,61 @@ def test_a_parameter_changed_only_in_its_json_type_is_a_params_divergence() -> N
         assert fp_new.chain == fingerprint(new).chain
         divergence = find_divergence(fp_old, fp_new, old, new)
         assert divergence is not None and divergence.location == "params"
+
+
+# --- which request a request continues ----------------------------------------------------------
+
+
+def test_shared_links_counts_the_leading_links_two_chains_share() -> None:
+    old = conversation()
+    fp_old = fingerprint(old)
+    links = len(fp_old.chain)  # params, tools, system, then one per message after the system
+    assert shared_links(fp_old, fingerprint(old)) == links
+    longer = {**old, "messages": [*old["messages"], user_message("and then?")]}
+    assert shared_links(fp_old, fingerprint(longer)) == links
+    for i in range(1, len(old["messages"])):
+        edited = copy.deepcopy(old)
+        edited["messages"][i]["content"] = "edited"
+        assert shared_links(fp_old, fingerprint(edited)) == 3 + i - 1, i
+    assert shared_links(fp_old, fingerprint({**old, "model": "gpt-4.1"})) == 0
+    assert shared_links(fp_old, fingerprint({**old, "tools": []})) == 1
+
+
+def user_message(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+@pytest.mark.parametrize(
+    ("change", "same"),
+    [
+        ("system rewritten", True),
+        ("tools changed", True),
+        ("model switched", True),
+        ("first message rewritten, the rest kept", True),
+        ("a sub-agent: its own prompt and task", False),
+        ("a title request: another model and prompt, the user's first message", False),
+        ("the same prompt, another task", False),
+    ],
+)
+def test_same_conversation_tells_a_rewrite_from_another_conversation(
+    change: str, same: bool
+) -> None:
+    old = conversation()
+    task = old["messages"][1]["content"]
+    new: dict[str, Any] = copy.deepcopy(old)
+    if change == "system rewritten":
+        new["messages"][0]["content"] = "Current time: 10:01\n" + SYSTEM
+    elif change == "tools changed":
+        new["tools"] = TOOLS[:0]
+    elif change == "model switched":
+        new["model"] = "gpt-4.1"
+    elif change.startswith("first message"):
+        new["messages"][1]["content"] = task + " Quickly."
+    elif change.startswith("a sub-agent"):
+        new = {**old, "messages": [{"role": "system", "content": "Search."}, user_message("Find")]}
+    elif change.startswith("a title"):
+        title = [{"role": "system", "content": "Write a title."}, user_message(task)]
+        new = {"model": "gpt-4o-mini", "messages": title}
+    else:
+        new["messages"] = [old["messages"][0], user_message("Another task.")]
+    assert same_conversation(fingerprint(old), fingerprint(new)) is same
