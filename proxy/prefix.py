@@ -285,21 +285,31 @@ def cache_params(body: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in body.items() if key in _PARAM_SET and value is not None}
 
 
+# Keys that are no part of the prompt a provider caches: a streaming parser's ``index`` of tool
+# calls and content parts, and the ``cache_control`` breakpoints Anthropic-style clients (and
+# OpenRouter's) move to the latest message every turn; the cache holds the prefix before a
+# breakpoint whatever marks it.
+_NOT_PROMPT: Final = frozenset({"index", "cache_control"})
+
+
 def canonical_message(message: Any) -> Any:
-    """``message`` without null-valued keys and without the ``index`` of tool calls / content parts.
+    """``message`` without null-valued keys, without a ``cache_control`` marker, and without the
+    ``index`` or ``cache_control`` of its tool calls / content parts.
 
     Returns a shallow copy; the input is never mutated. Key order is left to the serializer.
     """
     if not isinstance(message, Mapping):
         return message
-    out = {key: value for key, value in message.items() if value is not None}
+    out = {
+        key: value for key, value in message.items() if value is not None and key != "cache_control"
+    }
     for key in ("tool_calls", "content"):
         entries = out.get(key)
         if isinstance(entries, list) and any(
-            isinstance(entry, Mapping) and "index" in entry for entry in entries
+            isinstance(entry, Mapping) and not _NOT_PROMPT.isdisjoint(entry) for entry in entries
         ):
             out[key] = [
-                {k: v for k, v in entry.items() if k != "index"}
+                {k: v for k, v in entry.items() if k not in _NOT_PROMPT}
                 if isinstance(entry, Mapping)
                 else entry
                 for entry in entries

@@ -23,7 +23,7 @@ from typing import Any, Literal, Protocol
 
 import orjson
 
-from proxy.prefix import leading_run
+from proxy.prefix import canonical_message, leading_run
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,9 @@ def opening_key(messages: Sequence[Any]) -> OpeningKey | None:
 
     A plain ``{"role", "content"}`` message with text content is keyed by those two strings (a
     dict lookup then hashes the text once, where a digest would serialize and hash it first);
-    any other message by a digest of its canonical JSON. Equal keys mean equal messages.
+    any other message by a digest of its canonical form (``canonical_message``: a
+    ``cache_control`` marker the client moves on to a later message the next turn, or a null
+    field, changes no key). Equal keys mean equal messages.
     """
     for message in messages:
         if isinstance(message, dict) and message.get("role") not in _SYSTEM_ROLES:
@@ -140,7 +142,8 @@ def opening_key(messages: Sequence[Any]) -> OpeningKey | None:
             if len(message) == 2 and type(role) is str and type(content) is str:
                 return (role, content)
             return hashlib.blake2b(
-                orjson.dumps(message, option=orjson.OPT_SORT_KEYS), digest_size=16
+                orjson.dumps(canonical_message(message), option=orjson.OPT_SORT_KEYS),
+                digest_size=16,
             ).hexdigest()
     return None
 

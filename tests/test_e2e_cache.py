@@ -317,6 +317,44 @@ def test_a_sub_agent_and_a_title_request_in_the_session_neither_waste_nor_hide_w
     assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "params"}) == 0
 
 
+def test_cache_markers_moved_on_each_turn_keep_one_session_and_rewrite_nothing(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """An Anthropic-style client with no session header marks its latest message with
+    ``cache_control`` each turn. Turn 1 went to one inferred session and turns 2 and 3 to
+    another, and each turn counted a rewrite of the message that lost its marker."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url)
+    marker = {"type": "ephemeral"}
+
+    def marked(text: str) -> dict[str, Any]:
+        return {
+            "role": "user",
+            "content": [{"type": "text", "text": text, "cache_control": marker}],
+        }
+
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        marked("Fix the failing handler."),
+    ]
+    sessions = []
+    for i, follow in enumerate(("Go on.", "And the tests?", "Done?")):
+        reply, headers = chat(client, convo, stream=i % 2 == 1, tools=TOOLS)
+        sessions.append(headers["x-cachegate-session"])
+        for message in convo[1:]:  # the client moves the marker to the new message
+            if isinstance(message.get("content"), list):
+                message["content"] = [{"type": "text", "text": message["content"][0]["text"]}]
+        convo += [reply, marked(follow)]
+        sim.sim.advance(20)
+    flush(proxy)
+    assert len(set(sessions)) == 1
+    responses = events(proxy.log_dir, sessions[0], "response")
+    assert len(responses) == 3
+    assert not [r for r in responses if "divergence" in r]
+    assert all(r["cache"]["waste"] == 0 for r in responses)
+    assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "messages"}) == 0
+
+
 def test_a_refused_request_does_not_move_the_baseline_of_its_retry(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:

@@ -549,3 +549,34 @@ def test_same_conversation_tells_a_rewrite_from_another_conversation(
     else:
         new["messages"] = [old["messages"][0], user_message("Another task.")]
     assert same_conversation(fingerprint(old), fingerprint(new)) is same
+
+
+def _marked(text: str) -> dict[str, Any]:
+    part = {"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}
+    return {"role": "user", "content": [part]}
+
+
+def _plain(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": [{"type": "text", "text": text}]}
+
+
+def test_a_cache_control_marker_moved_to_the_latest_message_rewrites_nothing() -> None:
+    """Anthropic-style clients (opencode, Cline, OpenRouter's users) mark the latest message with
+    ``cache_control`` and take the mark off the one before: every turn read as a rewrite."""
+    old = {"model": "m", "messages": [{"role": "system", "content": SYSTEM}, _marked("one")]}
+    reply = {"role": "assistant", "content": "ok"}
+    new = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": SYSTEM, "cache_control": {"type": "ephemeral"}},
+            _plain("one"),
+            reply,
+            _marked("two"),
+        ],
+    }
+    assert diverge(old, new) is None
+    assert same_conversation(fingerprint(old), fingerprint(new))
+    edited = copy.deepcopy(new)
+    edited["messages"][1]["content"][0]["text"] = "one, edited"
+    divergence = diverge(old, edited)
+    assert divergence is not None and (divergence.index, divergence.field) == (1, "content")

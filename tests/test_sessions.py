@@ -75,6 +75,25 @@ def test_inference_follows_a_growing_conversation_and_separates_others() -> None
     assert store.infer(convo("write the docs", 1)) is None
 
 
+def test_inference_follows_a_conversation_whose_cache_marker_moves_on() -> None:
+    """The first message marked with ``cache_control`` on turn 1 and unmarked on turn 2 (the
+    marker moved to the latest message) is the same opening: one session, not two."""
+    marker = {"type": "ephemeral"}
+    store = MemorySessionStore()
+    a = store.create("a", 0.0)
+    first = [{"type": "text", "text": "fix the bug", "cache_control": marker}]
+    store.index(a, [SYSTEM, {"role": "user", "content": first}])
+    turn_2 = [
+        SYSTEM,
+        {"role": "user", "content": [{"type": "text", "text": "fix the bug"}]},
+        {"role": "assistant", "content": "done"},
+        {"role": "user", "content": [{"type": "text", "text": "thanks", "cache_control": marker}]},
+    ]
+    assert store.infer(turn_2) is a
+    other = [SYSTEM, {"role": "user", "content": [{"type": "text", "text": "write docs"}]}]
+    assert store.infer(other) is None
+
+
 def test_inference_picks_the_longest_shared_history() -> None:
     store = MemorySessionStore()
     a = store.create("a", 0.0)
