@@ -48,6 +48,7 @@ REPAIR_KINDS: Final = (
     "duplicate_result",
     "invalid_arguments",
     "missing_id",
+    "empty_tool_calls",
 )
 COMPACTION_RESULTS: Final = ("summary", "extractive", "reused")
 COST_KINDS: Final = ("actual", "uncached")

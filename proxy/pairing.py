@@ -39,6 +39,7 @@ RepairKind = Literal[
     "duplicate_result",
     "invalid_arguments",
     "missing_id",
+    "empty_tool_calls",
 ]
 OrphanPolicy = Literal["downgrade", "drop"]
 
@@ -159,6 +160,16 @@ def _tool_calls(message: Any) -> list[Any] | None:
     return calls if isinstance(calls, list) and calls else None
 
 
+def _empty_calls(message: Any) -> bool:
+    """An assistant message with ``"tool_calls": []``, which OpenAI refuses (some SDKs and
+    agents write one on every plain answer)."""
+    return (
+        isinstance(message, dict)
+        and message.get("role") == "assistant"
+        and message.get("tool_calls") == []
+    )
+
+
 def needs_repair(messages: list[dict[str, Any]]) -> bool:
     """Cheap check for every request: True exactly when ``repair_messages`` would change anything.
 
@@ -209,8 +220,10 @@ def needs_repair_from(
         if role != "assistant":
             continue
         calls = message.get("tool_calls")
-        if not isinstance(calls, list) or not calls:
+        if not isinstance(calls, list):
             continue
+        if not calls:  # OpenAI refuses an empty array ("empty_array")
+            return True, None, resumed
         in_block = True
         for call in calls:
             if not isinstance(call, dict):
@@ -401,6 +414,11 @@ def repair_messages_from(
         run = None
         calls = _tool_calls(message)
         if calls is None:
+            if _empty_calls(message):
+                fixed[i] = {k: v for k, v in message.items() if k != "tool_calls"}
+                scanned.append(
+                    Repair("empty_tool_calls", i, None, "removed an empty tool_calls array")
+                )
             continue
         new_message, ids, names, assigned = _fix_calls(i, message, calls, scanned)
         if new_message is not message:
@@ -539,6 +557,7 @@ _DESCRIPTIONS: Final[dict[str, str]] = {
         "messages[{index}] assistant tool_call, or the tool result answering it, has no id "
         "(repair would assign {id})"
     ),
+    "empty_tool_calls": "messages[{index}] assistant message has an empty tool_calls array",
 }
 
 

@@ -71,6 +71,47 @@ def test_interrupted_turn_400_directly_200_through_cachegate(
     assert proxy.metric("cachegate_pairing_repairs_total", {"kind": "invalid_arguments"}) == 2
 
 
+@pytest.mark.parametrize("ids", ["", None])
+def test_gemini_style_histories_400_directly_200_through_cachegate(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any, ids: str | None
+) -> None:
+    """What OpenAI-compatible servers such as Gemini's send back: calls with empty (or no) ids,
+    answered with empty ids, and a plain answer with ``"tool_calls": []``. Forwarded to OpenAI,
+    the empty array is a 400; the results stay results, with their calls' assigned ids."""
+    call: dict[str, Any] = {
+        "type": "function",
+        "function": {"name": "read_file", "arguments": '{"path": "a.py"}'},
+    }
+    result: dict[str, Any] = {"role": "tool", "content": "print('a')"}
+    if ids is not None:
+        call["id"], result["tool_call_id"] = ids, ids
+    history = [
+        {"role": "user", "content": "Read a.py"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        result,
+        {"role": "assistant", "content": "It prints a.", "tool_calls": []},
+        {"role": "user", "content": "Thanks"},
+    ]
+    proxy = proxy_factory(sim.api_base)
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk(sim.api_base).chat.completions.create(model="gpt-4o", messages=history)  # type: ignore[arg-type]
+    assert "empty array" in str(info.value)
+    raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+        model="gpt-4o",
+        messages=history,  # type: ignore[arg-type]
+    )
+    assert raw.http_response.status_code == 200
+    assert raw.headers["x-cachegate-repairs"] == "3"  # two ids given, one empty array removed
+    forwarded = sim.sim.requests[-1].body["messages"]
+    assert [m["role"] for m in forwarded] == ["user", "assistant", "tool", "assistant", "user"]
+    assigned = forwarded[1]["tool_calls"][0]["id"]
+    assert assigned.startswith("call_")
+    assert forwarded[2] == {"role": "tool", "tool_call_id": assigned, "content": "print('a')"}
+    assert "tool_calls" not in forwarded[3]
+    assert proxy.metric("cachegate_pairing_repairs_total", {"kind": "missing_id"}) == 2
+    assert proxy.metric("cachegate_pairing_repairs_total", {"kind": "empty_tool_calls"}) == 1
+
+
 def test_repaired_prefix_is_identical_on_every_turn(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:

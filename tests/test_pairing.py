@@ -254,6 +254,35 @@ def test_empty_ids_are_matched_by_order_as_the_servers_that_send_them_do() -> No
     validate_messages(result.messages)
 
 
+def test_an_empty_tool_calls_array_is_removed() -> None:
+    """Some SDKs write ``"tool_calls": []`` on every plain answer; OpenAI refuses it with a 400
+    (``empty_array``) the history then carries on every later turn."""
+    empty = {"role": "assistant", "content": "Done.", "tool_calls": []}
+    messages = [user("go"), empty, user("thanks")]
+    with pytest.raises(ValidationError) as refused:
+        validate_messages(messages)
+    assert refused.value.code == "empty_array"
+    assert refused.value.param == "messages[1].tool_calls"
+    result = repair_messages(messages)
+    assert result.messages == [
+        user("go"),
+        {"role": "assistant", "content": "Done."},
+        user("thanks"),
+    ]
+    assert kinds(result) == [("empty_tool_calls", 1, None)]
+    validate_messages(result.messages)
+    assert empty == {"role": "assistant", "content": "Done.", "tool_calls": []}  # not mutated
+    assert format_strict_error(diagnose(messages)) == (
+        "cachegate strict pairing: 1 defect: messages[1] assistant message has an empty "
+        "tool_calls array (empty_tool_calls)"
+    )
+    # a result after it answers nothing: no block was opened
+    assert kinds(repair_messages([user("go"), empty, tool("a")])) == [
+        ("empty_tool_calls", 1, None),
+        ("orphan_result", 2, "a"),
+    ]
+
+
 def test_a_result_without_an_id_away_from_its_calls_answers_nothing() -> None:
     messages = [user("go"), asst(call("")), user("steer"), tool("", "late")]
     result = repair_messages(messages)
@@ -467,7 +496,7 @@ def random_histories(draw: st.DrawFn) -> list[Message]:
     )
     kinds_ = draw(
         st.lists(
-            st.sampled_from(["user", "text", "calls", "tool", "tool", "tool"]),
+            st.sampled_from(["user", "text", "calls", "tool", "tool", "tool", "empty"]),
             min_size=0,
             max_size=24,
         )
@@ -478,6 +507,8 @@ def random_histories(draw: st.DrawFn) -> list[Message]:
             messages.append(user(f"u{i}"))
         elif kind == "text":
             messages.append(asst(content=f"t{i}"))
+        elif kind == "empty":
+            messages.append({**asst(content=f"t{i}"), "tool_calls": []})
         elif kind == "calls":
             messages.append(asst(*draw(st.lists(calls, min_size=1, max_size=3)), content=f"t{i}"))
         else:

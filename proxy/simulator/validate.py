@@ -39,7 +39,7 @@ def validate_messages(messages: Any) -> None:
     """Raise ``ValidationError`` where a provider would refuse ``messages``; return None if valid.
 
     Rules, in the order a provider applies them while reading the list:
-    every assistant ``tool_calls`` message must be followed, before any other kind of message, by
+    no ``tool_calls`` array may be empty; every assistant ``tool_calls`` message must be followed, before any other kind of message, by
     one ``tool`` message per call id; a ``tool`` message must answer a not-yet-answered call of the
     assistant message that opened its block.
     """
@@ -47,6 +47,14 @@ def validate_messages(messages: Any) -> None:
         raise ValidationError(
             "Invalid 'messages': empty array. Expected an array with minimum length 1."
         )
+    for i, message in enumerate(messages):  # the schema is checked before the pairing
+        if isinstance(message, dict) and message.get("tool_calls") == []:
+            raise ValidationError(
+                f"Invalid 'messages[{i}].tool_calls': empty array. Expected an array with minimum "
+                "length 1, but got an empty array instead.",
+                f"messages[{i}].tool_calls",
+                "empty_array",
+            )
     pending: list[str] = []  # ids of the open block not yet answered, in call order
     open_block = False
     for i, message in enumerate(messages):
