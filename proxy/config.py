@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import tomllib
 import types
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass, replace
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Final, Literal, get_args, get_origin
 from urllib.parse import urlsplit, urlunsplit
 
 from proxy.browser import check_host_entry, check_origin_entry
@@ -100,19 +101,84 @@ class ModelSettings:
 
 
 # Public list prices (USD per 1M tokens) as documented by the providers; override in the config file.
+_CLAUDE_SONNET = ModelSettings(200000, 300, 3.00, 0.30, 3.75, 15.00, "anthropic")
+_CLAUDE_OPUS_4 = ModelSettings(200000, 300, 15.00, 1.50, 18.75, 75.00, "anthropic")
 DEFAULT_MODELS: dict[str, ModelSettings] = {
     "gpt-4o": ModelSettings(128000, 600, 2.50, 1.25, 0.0, 10.00),
     "gpt-4o-mini": ModelSettings(128000, 600, 0.15, 0.075, 0.0, 0.60),
     "gpt-4.1": ModelSettings(1047576, 600, 2.00, 0.50, 0.0, 8.00),
     "gpt-4.1-mini": ModelSettings(1047576, 600, 0.40, 0.10, 0.0, 1.60),
+    "gpt-4.1-nano": ModelSettings(1047576, 600, 0.10, 0.025, 0.0, 0.40),
     "gpt-5": ModelSettings(400000, 600, 1.25, 0.125, 0.0, 10.00),
     "gpt-5-mini": ModelSettings(400000, 600, 0.25, 0.025, 0.0, 2.00),
+    "gpt-5-nano": ModelSettings(400000, 600, 0.05, 0.005, 0.0, 0.40),
+    "gpt-5.1": ModelSettings(400000, 600, 1.25, 0.125, 0.0, 10.00),
+    "gpt-5.1-codex-mini": ModelSettings(400000, 600, 0.25, 0.025, 0.0, 2.00),
+    "gpt-5.2": ModelSettings(400000, 600, 1.75, 0.175, 0.0, 14.00),
+    "gpt-5.4": ModelSettings(400000, 600, 2.50, 0.25, 0.0, 15.00),
+    "gpt-5.4-mini": ModelSettings(400000, 600, 0.75, 0.075, 0.0, 4.50),
+    "gpt-5.4-nano": ModelSettings(400000, 600, 0.20, 0.02, 0.0, 1.25),
     "o3": ModelSettings(200000, 600, 2.00, 0.50, 0.0, 8.00),
+    "o3-mini": ModelSettings(200000, 600, 1.10, 0.55, 0.0, 4.40),
+    "o4-mini": ModelSettings(200000, 600, 1.10, 0.275, 0.0, 4.40),
     "deepseek-chat": ModelSettings(128000, 3600, 0.28, 0.028, 0.0, 0.42, "deepseek"),
     "deepseek-reasoner": ModelSettings(128000, 3600, 0.28, 0.028, 0.0, 0.42, "deepseek"),
-    "claude-sonnet-4": ModelSettings(200000, 300, 3.00, 0.30, 3.75, 15.00, "anthropic"),
+    "claude-sonnet-4": _CLAUDE_SONNET,
+    "claude-sonnet-4-5": _CLAUDE_SONNET,
+    "claude-opus-4": _CLAUDE_OPUS_4,
+    "claude-opus-4-1": _CLAUDE_OPUS_4,
+    "claude-opus-4-5": ModelSettings(200000, 300, 5.00, 0.50, 6.25, 25.00, "anthropic"),
+    "claude-haiku-4-5": ModelSettings(200000, 300, 1.00, 0.10, 1.25, 5.00, "anthropic"),
     "*": ModelSettings(),
 }
+
+# Words that make a name another, differently priced model than the configured name it extends:
+# gpt-5-nano is not gpt-5, nor o3-pro o3.
+_VARIANT_WORDS: Final = frozenset(
+    {
+        "mini",
+        "nano",
+        "micro",
+        "pro",
+        "lite",
+        "turbo",
+        "max",
+        "audio",
+        "realtime",
+        "search",
+        "research",
+        "transcribe",
+        "tts",
+        "image",
+    }
+)
+_SNAPSHOT_OF: Final = re.compile(
+    r"(?:[-_@:/](?!\d{1,3}(?:[-_.]|$))"  # a separator, not before a version number (-5, -4.5)
+    r"[A-Za-z0-9._@:/-]*)?"
+)
+_WORDS: Final = re.compile(r"[^a-z]+")
+
+
+def configured_model(name: str, configured: Iterable[str]) -> str | None:
+    """The configured model entry a request's model ``name`` resolves to, or None ("*").
+
+    The exact name, else the longest configured name that ``name`` extends as a snapshot or tag
+    of the same model: past a separator (``-2024-08-06``, ``-20250514``, ``-latest``,
+    ``:7b``), with no word of a variant (``-mini``, ``-pro``, …, ``_VARIANT_WORDS``) and no short
+    version number (``claude-opus-4`` does not cover ``claude-opus-4-5``, nor ``gpt-5``
+    ``gpt-5.4``: other models, other prices). A name nothing covers is priced by ``"*"``.
+    """
+    names = configured if isinstance(configured, Mapping | frozenset | set) else set(configured)
+    if name in names:
+        return name
+    best = ""
+    for key in names:
+        if key == "*" or len(key) <= len(best) or not name.startswith(key):
+            continue
+        rest = name[len(key) :]
+        if _SNAPSHOT_OF.fullmatch(rest) and _VARIANT_WORDS.isdisjoint(_WORDS.split(rest.lower())):
+            best = key
+    return best or None
 
 
 @dataclass(frozen=True)
@@ -127,16 +193,11 @@ class Settings:
     models: dict[str, ModelSettings] = field(default_factory=lambda: dict(DEFAULT_MODELS))
 
     def model(self, name: str | None) -> tuple[str, ModelSettings]:
-        """The configured entry for ``name``: exact, else the longest configured prefix, else "*"."""
+        """The configured entry for ``name`` (``configured_model``), else "*"."""
         if name:
-            if name in self.models:
-                return name, self.models[name]
-            best = ""
-            for key in self.models:
-                if key != "*" and name.startswith(key) and len(key) > len(best):
-                    best = key
-            if best:
-                return best, self.models[best]
+            key = configured_model(name, self.models)
+            if key is not None:
+                return key, self.models[key]
         return "*", self.models.get("*", ModelSettings())
 
 

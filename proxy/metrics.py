@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+from proxy.config import configured_model
 from proxy.pipeline import Exchange
 from proxy.usage import Usage
 
@@ -358,20 +359,15 @@ class Metrics:
     def model_label(self, model: str | None) -> str:
         """The ``model`` label for ``model``: the configured name it resolves to, else ``other``.
 
-        Resolution follows the configuration's rule: the exact name, else the longest configured
-        prefix (a dated snapshot such as ``gpt-4o-2024-08-06`` is priced, and labelled, as
-        ``gpt-4o``).
+        Resolution follows the configuration's rule (``configured_model``): a dated snapshot
+        such as ``gpt-4o-2024-08-06`` is priced, and labelled, as ``gpt-4o``; ``gpt-4o-mini``
+        is not.
         """
         if not model:
             return OTHER_MODEL
         label = self._label_cache.get(model)
         if label is None:
-            best = model if model in self._models else ""
-            if not best:
-                for name in self._models:
-                    if model.startswith(name) and len(name) > len(best):
-                        best = name
-            label = best or OTHER_MODEL
+            label = configured_model(model, self._models) or OTHER_MODEL
             if len(self._label_cache) < 4096:  # clients choose model names: stay bounded
                 self._label_cache[model] = label
         return label

@@ -7,6 +7,7 @@ Both run after the client has its response (``on_response``) or when a request i
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 import time
 from collections.abc import Callable, Iterable
@@ -22,6 +23,7 @@ from proxy.sessions import SessionState, SessionStore
 from proxy.usage import Usage
 
 _MAX_MODEL_TERMS = 256
+log = logging.getLogger(__name__)
 
 
 def _state_of(ex: Exchange, sessions: SessionStore) -> SessionState | None:
@@ -106,6 +108,14 @@ class AccountingObserver:
             )
             if len(self._terms) >= _MAX_MODEL_TERMS:  # model names come from clients: bounded
                 self._terms.clear()
+            if model_name and not (pricing.price_input or pricing.price_output):
+                log.info(
+                    "model %r has no prices (the configured entry %r): its cost counts as $0; "
+                    'set price_input and price_output in [models."%s"] of the config file',
+                    model_name,
+                    name,
+                    model_name,
+                )
             terms = self._terms[model_name] = (name, ttl, pricing)
         return terms
 

@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 
 from proxy.config import (
+    DEFAULT_MODELS,
     ConfigError,
     Settings,
+    configured_model,
     display_url,
     load_settings,
     settings_from_mapping,
@@ -91,6 +93,46 @@ def test_model_lookup_exact_prefix_and_fallback() -> None:
     assert s.model("unknown")[0] == "*"
     assert s.model(None)[0] == "*"
     assert s.model("my-model")[1].context_window == 1000
+
+
+@pytest.mark.parametrize(
+    ("name", "entry"),
+    [
+        ("gpt-4o-2024-08-06", "gpt-4o"),  # a dated snapshot: the same model
+        ("gpt-4o-mini-2024-07-18", "gpt-4o-mini"),
+        ("gpt-5-chat-latest", "gpt-5"),
+        ("gpt-5-codex", "gpt-5"),
+        ("claude-sonnet-4-20250514", "claude-sonnet-4"),
+        ("claude-sonnet-4-5-20250929", "claude-sonnet-4-5"),
+        ("o3-mini-2025-01-31", "o3-mini"),
+        ("gpt-5.4-nano-2026-03-17", "gpt-5.4-nano"),
+        # Variants and versions are other models at other prices: never a longer name's price.
+        ("gpt-5-nano", "gpt-5-nano"),
+        ("gpt-4.1-nano", "gpt-4.1-nano"),
+        ("o4-mini", "o4-mini"),
+        ("gpt-5-pro", None),  # not gpt-5 ($1.25 in): $15
+        ("o3-pro", None),
+        ("gpt-5.9", None),  # not gpt-5: a version of its own
+        ("claude-opus-4-7", None),  # not claude-opus-4 ($15 in)
+        ("gpt-4o-audio-preview", None),
+        ("openai/gpt-4o", None),
+    ],
+)
+def test_a_model_name_is_priced_by_its_own_entry_or_a_snapshot_of_one(
+    name: str, entry: str | None
+) -> None:
+    """Longest-prefix matching priced gpt-5-nano as gpt-5 (25x its price), o3-mini and o3-pro as
+    o3, and gpt-5.4 as gpt-5."""
+    assert configured_model(name, DEFAULT_MODELS) == entry
+    assert Settings().model(name)[0] == (entry or "*")
+
+
+def test_a_configured_local_model_covers_its_tags() -> None:
+    models = {"qwen2.5-coder": {"context_window": 32768}, "llama3": {"context_window": 8192}}
+    s = settings_from_mapping({"models": models})
+    assert s.model("qwen2.5-coder:7b")[1].context_window == 32768
+    assert s.model("qwen2.5-coder:14b-instruct-q4_K_M")[0] == "qwen2.5-coder"
+    assert s.model("llama3.1")[0] == "*"  # another model
 
 
 def test_example_config_is_valid_and_documents_every_key() -> None:

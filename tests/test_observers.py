@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from proxy.cache import CacheState
 from proxy.config import settings_from_mapping
@@ -206,3 +209,26 @@ def test_an_exchange_in_flight_completes_its_accounting_after_its_session_is_for
     assert ex.cost is not None and ex.cost["actual"] > 0
     assert "baselines" in served.extra and served.recent  # the state it was served with
     assert again.extra == {} and again.recent == [] and not again.meta_written
+
+
+def test_a_model_without_prices_is_said_once_not_silently_costed_at_zero(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from prometheus_client import CollectorRegistry
+
+    store = MemorySessionStore()
+    store.create("s1", 0.0)
+    accounting = AccountingObserver(
+        settings_from_mapping({}), store, Metrics(CollectorRegistry(), ())
+    )
+    with caplog.at_level(logging.INFO, logger="proxy.observers"):
+        for i, model in enumerate(["my-local-model", "my-local-model", "gpt-4o"]):
+            ex = exchange(i + 1, msgs(f"task {i}"))
+            ex.model = model
+            ex.usage, ex.status = Usage(5000, 10, 0, 0, True), 200
+            accounting.on_response(ex)
+    said = [r.getMessage() for r in caplog.records if "has no prices" in r.getMessage()]
+    assert said == [
+        "model 'my-local-model' has no prices (the configured entry '*'): its cost counts as $0; "
+        'set price_input and price_output in [models."my-local-model"] of the config file'
+    ]
