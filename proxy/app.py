@@ -12,7 +12,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 import httpx
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -490,7 +490,7 @@ def create_app(
 
     async def metrics(request: Request) -> Response:
         gateway.metrics.observe_sessions(len(gateway.sessions), gateway.sessions.bytes)
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(gateway.metrics.scrape(registry), media_type=CONTENT_TYPE_LATEST)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import accumulate
 from typing import Any, Final, ParamSpec
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -109,7 +109,7 @@ class _Family:
     is the same: names, help, label sets, ``le`` strings, ``_created``.
     """
 
-    __slots__ = ("buckets", "doc", "kind", "labelnames", "le", "lock", "name", "series")
+    __slots__ = ("_text", "buckets", "doc", "kind", "labelnames", "le", "lock", "name", "series")
 
     def __init__(
         self,
@@ -128,6 +128,8 @@ class _Family:
         self.lock = threading.Lock()
         # label values -> [value, created] (counter, gauge) or [sum, created, *bucket counts]
         self.series: dict[tuple[str, ...], list[float]] = {}
+        # label values -> the text of their label sets, made at the first scrape (``render``)
+        self._text: dict[tuple[str, ...], tuple[str, ...]] = {}
 
     def child(self, *values: str) -> list[float]:
         """The series for ``values``, created at zero the first time."""
@@ -147,6 +149,52 @@ class _Family:
         cell[0] += amount
         if amount == amount:
             cell[bisect_left(self.buckets, amount) + 2] += 1
+
+    def _labels(self, values: tuple[str, ...]) -> tuple[str, ...]:
+        """The label sets of a series as the exposition writes them, names sorted: ``{…}`` (or
+        nothing), then for a histogram one per bucket with its ``le``."""
+        text = self._text.get(values)
+        if text is None:
+            pairs = [(k, _escape_value(v)) for k, v in zip(self.labelnames, values, strict=True)]
+
+            def joined(extra: list[tuple[str, str]]) -> str:
+                items = sorted(pairs + extra)
+                return "{" + ",".join(f'{k}="{v}"' for k, v in items) + "}" if items else ""
+
+            text = (joined([]), *(joined([("le", le)]) for le in self.le))
+            if self.kind != "histogram":
+                text = text[:1]
+            self._text[values] = text
+        return text
+
+    def render(self, out: list[str], created: bool) -> None:
+        """Append this family in Prometheus' text format, exactly as ``generate_latest`` writes
+        what ``family()`` returns, without building prometheus_client's objects (which cost
+        ~12 µs a line: ~50 ms on the event loop for a scrape of 4,000 lines)."""
+        name, doc, go = self.name, _escape_help(self.doc), _go_float
+        items = list(self.series.items())
+        if self.kind == "gauge":
+            out.append(f"# HELP {name} {doc}\n# TYPE {name} gauge\n")
+            out.extend(f"{name}{self._labels(v)[0]} {go(cell[0])}\n" for v, cell in items)
+            return
+        if self.kind == "counter":
+            total = name + "_total"
+            out.append(f"# HELP {total} {doc}\n# TYPE {total} counter\n")
+            out.extend(f"{total}{self._labels(v)[0]} {go(cell[0])}\n" for v, cell in items)
+        else:
+            out.append(f"# HELP {name} {doc}\n# TYPE {name} histogram\n")
+            bucket, count, total_sum = name + "_bucket", name + "_count", name + "_sum"
+            for values, cell in items:
+                text = self._labels(values)
+                cumulative = list(accumulate(cell[2:]))
+                out.extend(
+                    f"{bucket}{le} {go(n)}\n" for le, n in zip(text[1:], cumulative, strict=True)
+                )
+                out.append(f"{count}{text[0]} {go(cumulative[-1])}\n")
+                out.append(f"{total_sum}{text[0]} {go(cell[0])}\n")
+        if created and items:
+            out.append(f"# HELP {name}_created {doc}\n# TYPE {name}_created gauge\n")
+            out.extend(f"{name}_created{self._labels(v)[0]} {go(cell[1])}\n" for v, cell in items)
 
     def family(self) -> Metric:
         created = _created_series()
@@ -170,6 +218,21 @@ class _Family:
         return hist
 
 
+def _escape_value(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _escape_help(doc: str) -> str:
+    return doc.replace("\\", r"\\").replace("\n", r"\n")
+
+
+def _go_float(value: float) -> str:
+    """``floatToGoString``: below a million in size (and not NaN) it is Python's ``repr``."""
+    if -1_000_000.0 < value < 1_000_000.0:
+        return repr(float(value))
+    return floatToGoString(value)
+
+
 def _created_series() -> bool:
     """Whether ``_created`` series are exposed: prometheus_client's own switch
     (``PROMETHEUS_DISABLE_CREATED_SERIES``, ``disable_created_metrics()``) decides."""
@@ -181,9 +244,10 @@ class _Collector(Collector):
 
     def __init__(self, families: list[_Family]) -> None:
         self.families = families
+        self.silent = False  # while ``Metrics.scrape`` writes the families itself
 
     def collect(self) -> Iterable[Metric]:
-        return [f.family() for f in self.families]
+        return [] if self.silent else [f.family() for f in self.families]
 
     def describe(self) -> Iterable[Metric]:
         return [_Family(f.kind, f.name, f.doc, f.labelnames).family() for f in self.families]
@@ -324,27 +388,35 @@ class Metrics:
         ):
             family.child()  # series without labels exist from the start, as prometheus_client's
         self._preinitialize()
-        registry.register(_Collector([v for v in vars(self).values() if isinstance(v, _Family)]))
+        self._families = [v for v in vars(self).values() if isinstance(v, _Family)]
+        self._collector = _Collector(self._families)
+        registry.register(self._collector)
+
+    def exposition(self) -> bytes:
+        """These metrics in Prometheus' text format: what ``generate_latest`` writes of them,
+        about ten times faster (~6 ms for the built-in model entries' ~4,000 lines, on the event
+        loop, where prometheus_client's writer took ~50 ms)."""
+        out: list[str] = []
+        created = _created_series()
+        for family in self._families:
+            family.render(out, created)
+        return "".join(out).encode()
+
+    def scrape(self, registry: CollectorRegistry) -> bytes:
+        """``generate_latest(registry)`` for the registry these metrics were registered on
+        first: their text from ``exposition``, then whatever else is registered there."""
+        self._collector.silent = True
+        try:
+            rest = generate_latest(registry)
+        finally:
+            self._collector.silent = False
+        return self.exposition() + rest
 
     def _preinitialize(self) -> None:
         for route in ROUTES:
             self.overhead.child(route)
         for label in (*sorted(self._models), OTHER_MODEL):
-            for route in ROUTES:
-                # 200 stands for the normal answer; other statuses appear when they happen.
-                self.requests.child(route, label, "200")
-                self.request_duration.child(route, label)
-            self.ttfb.child(label)
-            for kind in TOKEN_KINDS:
-                self.tokens.child(label, kind)
-            for cause in WASTE_CAUSES:
-                self.cache_waste.child(label, cause)
-            for result in COMPACTION_RESULTS:
-                self.compactions.child(label, result)
-            for kind in COST_KINDS:
-                self.cost.child(label, kind)
-            for token_type in GEN_AI_TOKEN_TYPES:
-                self.gen_ai_token_usage.child(GEN_AI_OPERATION, label, token_type)
+            self._seed_model(label)
         for location in REWRITE_LOCATIONS:
             self.prefix_rewrites.child(location)
         for kind in REPAIR_KINDS:
@@ -355,6 +427,24 @@ class Metrics:
             self.log_lost.child(kind)
         for reason in SESSION_EVICTION_REASONS:
             self.session_evictions.child(reason)
+
+    def _seed_model(self, label: str) -> None:
+        """Create every series of a model label at zero."""
+        for route in ROUTES:
+            # 200 stands for the normal answer; other statuses appear when they happen.
+            self.requests.child(route, label, "200")
+            self.request_duration.child(route, label)
+        self.ttfb.child(label)
+        for kind in TOKEN_KINDS:
+            self.tokens.child(label, kind)
+        for cause in WASTE_CAUSES:
+            self.cache_waste.child(label, cause)
+        for result in COMPACTION_RESULTS:
+            self.compactions.child(label, result)
+        for kind in COST_KINDS:
+            self.cost.child(label, kind)
+        for token_type in GEN_AI_TOKEN_TYPES:
+            self.gen_ai_token_usage.child(GEN_AI_OPERATION, label, token_type)
 
     def model_label(self, model: str | None) -> str:
         """The ``model`` label for ``model``: the configured name it resolves to, else ``other``.
