@@ -72,6 +72,15 @@ def parse_request(raw: bytes, memos: list[bodymemo.BodyMemo]) -> bodymemo.Parsed
     return parsed
 
 
+def _explicit_or_none(headers: Mapping[str, str], path_session: str | None) -> str | None:
+    """The session a request named, for the header of an error answered before its session was
+    resolved (a body that is not JSON); None when it named none or an invalid one."""
+    try:
+        return explicit_session_id(headers, path_session)
+    except ValueError:
+        return None
+
+
 def splice_usage_option(raw: bytes) -> bytes | None:
     """Insert ``stream_options.include_usage`` as the first key of a JSON object, bytes only."""
     start = raw.find(b"{")
@@ -449,7 +458,8 @@ class ChatPipeline:
                 err = internal_error(exc)
             ex.status = err.status
             ex.error = err.message
-            extra = [(b"x-cachegate-session", state.id.encode())] if state is not None else []
+            sid = state.id if state is not None else _explicit_or_none(headers, path_session)
+            extra = [(b"x-cachegate-session", sid.encode())] if sid is not None else []
             notify(self.observers, "on_error", ex)
             await send_error(send, err, extra)
             return

@@ -433,6 +433,18 @@ def test_every_chat_response_names_its_session_even_errors(
     r = httpx.post(proxy.base_url + "/chat/completions", json=HELLO)
     assert r.status_code == 200
     assert r.headers["x-cachegate-session"]
+    # Refused before the body says anything: the session the request named, if valid.
+    for url, headers in (
+        (proxy.base_url + "/chat/completions", {"X-Session-Id": "err-2"}),
+        (proxy.url + "/s/err-2/v1/chat/completions", {}),
+    ):
+        r = httpx.post(url, content=b'{"model": "gpt-4o", "messages": [', headers=headers)
+        assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_json")
+        assert r.headers["x-cachegate-session"] == "err-2"
+    r = httpx.post(
+        proxy.base_url + "/chat/completions", content=b"[1]", headers={"X-Session-Id": "bad id"}
+    )
+    assert r.status_code == 400 and "x-cachegate-session" not in r.headers
 
 
 # --- the log through HTTP ----------------------------------------------------------------------
