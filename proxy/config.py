@@ -205,8 +205,8 @@ def display_url(url: str) -> str:
     """``url`` as it may be shown or logged: without the ``user:password@`` a base URL can carry."""
     try:
         parts = urlsplit(url)
-    except ValueError:
-        return url
+    except ValueError:  # unparseable: still no user info shown
+        return re.sub(r"(?<=//)[^/?#]*@", "", url)
     if "@" not in parts.netloc:
         return url
     return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
@@ -290,7 +290,18 @@ def _check(settings: Settings) -> None:
     url = settings.upstream.base_url
     if not url.startswith(("http://", "https://")):
         raise ConfigError(
-            f"config key 'upstream.base_url': {url!r} must start with http:// or https://"
+            f"config key 'upstream.base_url': {display_url(url)!r} must start with http:// or "
+            "https://"
+        )
+    host: str | None = None
+    why = ""
+    try:
+        host = urlsplit(url).hostname
+    except ValueError as exc:
+        why = f" ({exc})"
+    if not host:
+        raise ConfigError(
+            f"config key 'upstream.base_url': {display_url(url)!r} names no host{why}"
         )
     for key, check in (
         ("allowed_origins", check_origin_entry),

@@ -156,7 +156,19 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
         ("http://a:b@c@host/v1?x=@y", "http://host/v1?x=@y"),
         ("not a url", "not a url"),
         ("http://host?x=@y", "http://host?x=@y"),
+        ("http://u:Secr3t@[::1/v1", "http://[::1/v1"),  # unparseable: user info still out
     ],
 )
 def test_a_base_urls_credentials_are_not_shown(url: str, shown: str) -> None:
     assert display_url(url) == shown
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["htps://admin:Sup3rSecretPw@api.example.com/v1", "http://admin:Sup3rSecretPw@[::1/v1"],
+)
+def test_a_mistyped_base_url_is_refused_without_showing_its_password(url: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        settings_from_mapping({"upstream": {"base_url": url}})
+    assert "Sup3rSecretPw" not in str(refused.value)
+    assert "upstream.base_url" in str(refused.value)
