@@ -17,7 +17,8 @@ RUN pip install --no-cache-dir . \
 
 RUN useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin cachegate \
     && mkdir -p /config /logs \
-    && chown cachegate:cachegate /logs
+    && chown cachegate:cachegate /logs \
+    && chmod 700 /logs
 
 USER cachegate
 WORKDIR /logs

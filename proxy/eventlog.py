@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict, deque
@@ -201,10 +202,7 @@ class EventLogWriter:
         """Create the log directory (a failure is only logged) and start the writer thread."""
         if self._thread is not None:
             return
-        try:
-            os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
-        except OSError as exc:
-            self._warn("mkdir", "cannot create log directory %s: %s", self.log_dir, exc)
+        _prepare_log_dir(self.log_dir, self._warn)
         self._thread = threading.Thread(target=self._run, name="cachegate-eventlog", daemon=True)
         self._thread.start()
 
@@ -519,6 +517,11 @@ class EventLogWriter:
         path = session_log_path(self.log_dir, session_id)
         fd = os.open(path, _OPEN_FLAGS, 0o600)
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                # A hard link (or a device, a FIFO) planted under a session's name would make
+                # the log append to a file elsewhere: O_NOFOLLOW stops only symbolic links.
+                raise OSError(f"{path} is not a regular file of its own (links: {st.st_nlink})")
             _terminate_torn_line(fd)
         except OSError:
             os.close(fd)
@@ -569,6 +572,51 @@ class EventLogWriter:
 
 def _redacted_str(obj: Any) -> str:
     return redact_text(str(obj))
+
+
+GITIGNORE: Final = "# cachegate's session logs: prompts, tool outputs, answers. Not for git.\n*\n"
+
+
+def _prepare_log_dir(log_dir: str | os.PathLike[str], warn: Callable[..., None]) -> None:
+    """Create the log directory (0700) with a ``.gitignore`` that ignores everything in it: the
+    default directory is relative, often inside the repository an agent works in, and the logs
+    hold its prompts and tool outputs. An existing directory is left as it is, with a warning
+    when other users may read it. Failures are only logged (the writer counts lost lines)."""
+    try:
+        os.mkdir(log_dir, 0o700)
+    except FileExistsError:
+        try:
+            mode = os.stat(log_dir).st_mode
+        except OSError:
+            return
+        if os.name == "posix" and stat.S_ISDIR(mode) and mode & 0o077:
+            warn(
+                "mode",
+                "log directory %s can be read by other users (mode %o): the logs hold prompts "
+                "and tool outputs; chmod 700 it",
+                log_dir,
+                stat.S_IMODE(mode),
+            )
+        return
+    except FileNotFoundError:  # its parents too: made as makedirs would
+        try:
+            os.makedirs(log_dir, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            warn("mkdir", "cannot create log directory %s: %s", log_dir, exc)
+            return
+    except OSError as exc:
+        warn("mkdir", "cannot create log directory %s: %s", log_dir, exc)
+        return
+    try:
+        fd = os.open(
+            os.path.join(log_dir, ".gitignore"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
+        )
+        try:
+            os.write(fd, GITIGNORE.encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        warn("gitignore", "cannot write %s/.gitignore: %s", log_dir, exc)
 
 
 def _terminate_torn_line(fd: int) -> None:

@@ -65,7 +65,7 @@ def test_x_session_id_header_names_the_session_and_its_file(
     _, h2 = chat(client, [{"role": "user", "content": "something unrelated"}], stream=True)
     assert h1["x-cachegate-session"] == h2["x-cachegate-session"] == "build-42"
     flush(proxy)
-    assert sorted(p.name for p in proxy.log_dir.iterdir()) == ["build-42.jsonl"]
+    assert sorted(p.name for p in proxy.log_dir.iterdir()) == [".gitignore", "build-42.jsonl"]
     kinds = [e["type"] for e in events(proxy.log_dir, "build-42")]
     assert kinds == ["session_meta", "request", "response", "request", "response"]
 
@@ -101,7 +101,7 @@ def test_session_in_the_path_for_clients_that_only_set_a_base_url(
         "text-embedding-3-small",
     ]
     flush(proxy)
-    assert sorted(p.name for p in proxy.log_dir.iterdir()) == ["my-id.jsonl"]
+    assert sorted(p.name for p in proxy.log_dir.iterdir()) == [".gitignore", "my-id.jsonl"]
     # The path prefix is cachegate's: the provider sees the plain /v1 route.
     assert [r.path for r in sim.sim.requests] == ["/v1/chat/completions", "/v1/models"]
 
@@ -126,7 +126,8 @@ def test_growing_conversation_stays_one_session_unrelated_one_gets_its_own(
     assert again["x-cachegate-session"] == seen[0]
     flush(proxy)
     files = sorted(p.name for p in proxy.log_dir.iterdir())
-    assert files == sorted([seen[0] + ".jsonl", other_headers["x-cachegate-session"] + ".jsonl"])
+    sessions = [seen[0] + ".jsonl", other_headers["x-cachegate-session"] + ".jsonl"]
+    assert files == [".gitignore", *sorted(sessions)]
     assert len(events(proxy.log_dir, seen[0], "request")) == 7
     assert len(events(proxy.log_dir, other_headers["x-cachegate-session"], "request")) == 1
 
@@ -288,7 +289,7 @@ def test_session_headers_agents_already_send_are_honoured(
     _, h2 = chat(client, [{"role": "user", "content": "b"}], stream=True)
     assert h1["x-cachegate-session"] == h2["x-cachegate-session"] == value
     flush(proxy)
-    assert [p.name for p in proxy.log_dir.iterdir()] == [value + ".jsonl"]
+    assert sorted(p.name for p in proxy.log_dir.iterdir()) == [".gitignore", value + ".jsonl"]
 
 
 def test_another_tools_session_value_that_is_no_id_does_not_break_the_request(
@@ -306,7 +307,8 @@ def test_another_tools_session_value_that_is_no_id_does_not_break_the_request(
     assert h1["x-cachegate-session"] == h2["x-cachegate-session"]  # one inferred session
     assert httpx.get(proxy.base_url + "/models", headers={"langfuse-session-id": "a b"}).is_success
     flush(proxy)
-    assert [p.name for p in proxy.log_dir.iterdir()] == [h1["x-cachegate-session"] + ".jsonl"]
+    names = sorted(p.name for p in proxy.log_dir.iterdir())
+    assert names == [".gitignore", h1["x-cachegate-session"] + ".jsonl"]
 
 
 def test_x_session_id_wins_over_agent_headers_and_path_wins_over_both(
@@ -399,7 +401,7 @@ def test_hostile_ids_are_400_in_openai_shape_and_touch_no_path(
     _assert_openai_error(r.content, "invalid_session_id")
     flush(proxy)
     assert sim.sim.requests == []  # nothing was forwarded
-    assert tree(tmp_path) == before == {"a", "a/b", "a/b/logs"}
+    assert tree(tmp_path) == before == {"a", "a/b", "a/b/logs", "a/b/logs/.gitignore"}
 
 
 def test_a_slash_smuggled_into_the_path_id_is_a_400_not_a_file(
@@ -633,8 +635,10 @@ def test_kill_9_during_32_streams_leaves_every_log_readable(tmp_path: Path) -> N
                 t.join(20)
             assert not any(t.is_alive() for t in threads)
     assert all(results[s] > 0 for s in sids)
-    files = sorted(log_dir.iterdir())
-    assert [f.name for f in files] == [f"{s}.jsonl" for s in sids]
+    assert sorted(f.name for f in log_dir.iterdir()) == [".gitignore"] + [
+        f"{s}.jsonl" for s in sids
+    ]
+    files = sorted(log_dir.glob("*.jsonl"))
     torn_total = 0
     for f in files:
         read = read_events(f)
@@ -718,8 +722,8 @@ def test_no_key_or_secret_reaches_any_log_file(sim: RunningSimulator, proxy_fact
     assert sim.sim.requests[0].headers["authorization"] == f"Bearer {api_key}"
     flush(proxy)
     files = [p for p in proxy.log_dir.rglob("*") if p.is_file()]
-    assert files
-    for path in files:
+    assert sorted(p.name for p in files) == [".gitignore", "secrets-1.jsonl"]
+    for path in (p for p in files if p.suffix == ".jsonl"):
         data = path.read_text()
         for needle in (api_key, api_key[8:], pasted_key, pasted_key[8:], aws_id, bearer):
             assert needle not in data, (path.name, needle[:12])

@@ -274,6 +274,65 @@ def test_choose_base_prefers_the_longest_shared_prefix() -> None:
 HOSTILE_IDS = ["../../x", "a" * 200, "a\x00b", "séance", "ℌ", "..", ".", "", "a/b", "a\n", "/etc/x"]
 
 
+def test_a_new_log_directory_is_private_and_kept_out_of_git(tmp_path: Path, writers) -> None:
+    """The default directory (``./cachegate-logs``) is relative: started in a repository, the
+    logs (prompts, tool outputs) would show up in ``git status`` and go out with ``git add -A``."""
+    import shutil
+    import subprocess
+
+    git = shutil.which("git")
+    assert git is not None
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run([git, "init", "-q", str(repo)], check=True)
+    w = started(writers, repo / "cachegate-logs")
+    assert w.emit("s1", {"type": "error", "message": "x"})
+    assert w.close()
+    log_dir = repo / "cachegate-logs"
+    assert (log_dir / "s1.jsonl").exists()
+    assert stat.S_IMODE(log_dir.stat().st_mode) == 0o700
+    status = subprocess.run(
+        [git, "-C", str(repo), "status", "--porcelain", "--untracked-files=all"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    assert status.stdout == ""
+
+
+def test_an_existing_log_directory_is_left_as_it_is_with_a_word_if_others_can_read_it(
+    tmp_path: Path, writers, caplog: pytest.LogCaptureFixture
+) -> None:
+    log_dir = tmp_path / "shared"
+    log_dir.mkdir()
+    log_dir.chmod(0o755)
+    with caplog.at_level(logging.WARNING, logger="proxy.eventlog"):
+        w = started(writers, log_dir)
+        assert w.emit("s1", {"type": "error", "message": "x"})
+        assert w.close()
+    assert [p.name for p in log_dir.iterdir()] == ["s1.jsonl"]  # nothing else written there
+    assert stat.S_IMODE(log_dir.stat().st_mode) == 0o755
+    assert any("can be read by other users (mode 755)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_hard_link_planted_under_a_sessions_name_is_not_written_through(
+    tmp_path: Path, writers
+) -> None:
+    """``O_NOFOLLOW`` stops a symbolic link, not a hard link: in a directory others can write
+    to, one under a session's name would have the log appended to a file elsewhere."""
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir(mode=0o700)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    os.link(victim, log_dir / "s1.jsonl")
+    losses: list[str] = []
+    w = started(writers, log_dir, on_loss=losses.append)
+    assert w.emit("s1", {"type": "error", "message": "x"})
+    assert w.close()
+    assert victim.read_text() == "precious\n"
+    assert losses == ["io"]  # counted as lost: cachegate_event_log_lost_total{kind="write_error"}
+
+
 def test_hostile_session_ids_are_refused_and_touch_nothing(tmp_path: Path, writers) -> None:
     log_dir = tmp_path / "logs"
     losses: list[str] = []
@@ -287,7 +346,7 @@ def test_hostile_session_ids_are_refused_and_touch_nothing(tmp_path: Path, write
     assert w.dropped == len(HOSTILE_IDS) + 1
     assert losses == ["invalid_session"] * (len(HOSTILE_IDS) + 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]
-    assert list(log_dir.iterdir()) == []
+    assert [p.name for p in log_dir.iterdir()] == [".gitignore"]  # written with the directory
     assert not (tmp_path.parent / "x.jsonl").exists()
 
 
