@@ -780,14 +780,14 @@ def test_no_piece_of_the_configured_key_is_shown_where_an_excerpt_cuts_through_i
     )
     client = make_client(proxy.base_url, default_headers={"X-Session-Id": "cut-key"})
     for minute in ("10:00", "10:01"):
-        system = f"Time {minute}. Deploy with the token that follows: TOKEN={key}"
+        system = f"Time {minute}. Deploy with the value that follows: VALUE={key}"
         convo = [{"role": "system", "content": system}, {"role": "user", "content": "go"}]
         chat(client, convo, stream=minute == "10:01")
     flush(proxy)
     data = (proxy.log_dir / "cut-key.jsonl").read_text()
     divergence = events(proxy.log_dir, "cut-key", "response")[1]["divergence"]
     assert divergence["location"] == "system"
-    assert "TOKEN=[REDACTED]" in divergence["old"]
+    assert "VALUE=[REDACTED]" in divergence["old"]
     pieces = [key[i : i + 8] for i in range(len(key) - 7)]
     assert not [piece for piece in pieces if piece in data]
 

@@ -348,15 +348,15 @@ KEY = "Zx9Qm4Lr8Tn2Vb6Hc1Kd5Wp7Ys3Fg0Jh4Nm8Rt2U"  # a key of no known shape
 
 
 def _in_message(body: dict[str, Any], minute: str) -> None:
-    body["messages"][3]["content"] = f"Time {minute}. Use the token that follows: TOKEN={KEY}"
+    body["messages"][3]["content"] = f"Time {minute}. Use the value that follows: VALUE={KEY}"
 
 
 def _in_tool(body: dict[str, Any], minute: str) -> None:
-    body["tools"][0]["function"]["description"] = f"At {minute} call with TOKEN={KEY}"
+    body["tools"][0]["function"]["description"] = f"At {minute} call with VALUE={KEY}"
 
 
 def _in_param(body: dict[str, Any], minute: str) -> None:
-    body["response_format"] = {"type": "json_object", "note": f"{minute} TOKEN={KEY}"}
+    body["response_format"] = {"type": "json_object", "note": f"{minute} VALUE={KEY}"}
 
 
 @pytest.mark.parametrize("put", [_in_message, _in_tool, _in_param])
@@ -376,7 +376,7 @@ def test_no_piece_of_a_known_secret_is_left_where_an_excerpt_cuts_through_it(
     assert divergence is not None
     assert (divergence.location, divergence.volatile) == (shown.location, shown.volatile)
     for excerpt in (divergence.old_excerpt, divergence.new_excerpt):
-        assert "TOKEN=[REDACTED]" in excerpt
+        assert "VALUE=[REDACTED]" in excerpt
         assert not [KEY[i : i + 6] for i in range(len(KEY) - 5) if KEY[i : i + 6] in excerpt]
 
 

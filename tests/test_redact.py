@@ -77,6 +77,66 @@ def test_named_secrets_and_url_passwords_lose_only_the_secret(text: str, redacte
     assert line_may_hold_secret(text.encode())
 
 
+PEM = (
+    "-----BEGIN OPENSSH PRIVATE KEY-----\n"
+    "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\n"
+    "QyNTUxOQAAACBHK2Ow5bq0+Go1TfaJyE3K9Lh8hAB7GTSSVz6xlT1IawAAAJiXDLsulwy7\n"
+    "-----END OPENSSH PRIVATE KEY-----"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "redacted"),
+    [
+        # Authorization headers in text (a curl command in a tool's output), any scheme
+        (
+            'curl -H "Authorization: Basic dXNlcjpwYXNzd29yZA==" https://api.example.com',
+            'curl -H "Authorization: Basic [REDACTED]" https://api.example.com',
+        ),
+        ("authorization: Token 9944b09199c62bcf9418ad84", "authorization: Token [REDACTED]"),
+        ("Authorization: Bearer abcdefghijklmnop", "Authorization: Bearer [REDACTED]"),
+        # .env lines an agent cats
+        ("DATABASE_PASSWORD=hunter22xx\nDEBUG=1", "DATABASE_PASSWORD=[REDACTED]\nDEBUG=1"),
+        ('SECRET_KEY="django-insecure-4f9x"', 'SECRET_KEY="[REDACTED]"'),
+        ("JWT_SECRET=s3cr3tvalue", "JWT_SECRET=[REDACTED]"),
+        ("TWILIO_AUTH_TOKEN=0123456789abcdef0123", "TWILIO_AUTH_TOKEN=[REDACTED]"),
+        ("redis:\n  password: hunter2", "redis:\n  password: [REDACTED]"),
+        # JSON inside a string: a tool call's arguments, an API's answer in a tool output
+        ('{"api_key": "zz9aa8bb7cc6dd5ee", "n": 1}', '{"api_key": "[REDACTED]", "n": 1}'),
+        ('{"client_secret": "abcDEF123456"}', '{"client_secret": "[REDACTED]"}'),
+        ("https://x.example/cb?access_token=ya29.a0AfH6SMB&x=1", None),
+        # a private key, whole or cut off
+        (f"cat ~/.ssh/id_ed25519\n{PEM}\ndone", None),
+        (PEM[:120], None),
+    ],
+)
+def test_credentials_named_in_text_lose_their_value(text: str, redacted: str | None) -> None:
+    out = redact_text(text)
+    if redacted is not None:
+        assert out == redacted
+    assert line_may_hold_secret(text.encode())
+    assert redact_text(out) == out  # idempotent
+    for secret in ("ya29.a0AfH6SMB", "b3BlbnNzaC1rZXkt", "QyNTUxOQAAACBHK2Ow5bq0"):
+        assert secret not in out
+    if "PRIVATE KEY" in text:
+        assert "-----BEGIN OPENSSH PRIVATE KEY-----[REDACTED]" in out
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "max_tokens: 1000",
+        "prompt_tokens=12345678",  # a count: no letter
+        "the tokenizer: bert-base-uncased",
+        "the secret of a good cache is a stable prefix",
+        "password_hash = bcrypt(password)",
+        "Authorization: required",  # too short for a credential
+    ],
+)
+def test_text_that_only_mentions_credentials_is_left_alone(text: str) -> None:
+    assert redact_text(text) is text
+
+
 def test_several_secrets_in_one_string() -> None:
     text = f"a={OPENAI_KEY} b={AWS_ID} c={SLACK_TOKEN}"
     assert redact_text(text) == f"a={REDACTED} b={REDACTED} c={REDACTED}"
@@ -180,6 +240,11 @@ def test_a_key_anywhere_never_survives(before: str, after: str, body: str, prefi
             *MORE_KEYS,
             f"aws_secret_access_key={AWS_SECRET}",
             "redis://default:s3cr3t@cache:6379",
+            "Authorization: Basic dXNlcjpwYXNzd29yZA==",
+            "DB_PASSWORD=hunter22xx",
+            '"client_secret": "abcDEF123456"',
+            "TWILIO_AUTH_TOKEN=0123456789abcdef0123",
+            PEM,
         ]
     ),
     st.text(alphabet=st.characters(codec="ascii"), max_size=40),
@@ -207,6 +272,10 @@ _values = st.recursive(
                 *MORE_KEYS,
                 f"AWS_SECRET_ACCESS_KEY: {AWS_SECRET}",
                 "amqp://guest:guest@rabbit/",
+                "Authorization: Basic dXNlcjpwYXNzd29yZA==",
+                "SMTP_PASSWORD=hunter22xx",
+                '{"api_key": "zz9aa8bb7cc6dd5ee"}',
+                PEM,
             ]
         ),
     ),
