@@ -100,12 +100,15 @@ class _ToolCalls:
         if isinstance(kind, str) and kind:
             call["type"] = kind
         function = delta.get("function")
+        argument_key = "arguments"
+        if not isinstance(function, Mapping):  # a custom tool's call: its input is free text
+            function, argument_key = delta.get("custom"), "input"
         if isinstance(function, Mapping):
             held = call["function"]
             name = function.get("name")
             if isinstance(name, str) and name and name != held["name"]:
                 held["name"] += name
-            arguments = function.get("arguments")
+            arguments = function.get(argument_key)
             if isinstance(arguments, str) and arguments:
                 self._arguments[position].append(arguments)
 
@@ -115,7 +118,12 @@ class _ToolCalls:
         out = []
         for i in positions:
             call = self.calls[i]
-            function = {**call["function"], "arguments": "".join(self._arguments[i])}
+            text = "".join(self._arguments[i])
+            if call["type"] == "custom":
+                custom = {"name": call["function"]["name"], "input": text}
+                out.append({"id": call["id"], "type": "custom", "custom": custom})
+                continue
+            function = {**call["function"], "arguments": text}
             out.append({"id": call["id"], "type": call["type"], "function": function})
         return out
 
@@ -131,6 +139,8 @@ class StreamAssembler:
         self._content: list[str] = []
         self._has_content = False
         self._reasoning: list[str] = []
+        self._refusal: list[str] | None = None  # set once a delta carries ``refusal``
+        self._function: tuple[list[str], list[str]] | None = None  # legacy function_call
         self._tools = _ToolCalls()
         self._usage = UsageTracker()
         self._finish_reason: str | None = None
@@ -360,6 +370,19 @@ class StreamAssembler:
             reasoning = delta.get("reasoning_content")
             if isinstance(reasoning, str) and reasoning:
                 self._reasoning.append(reasoning)
+            refusal = delta.get("refusal")
+            if isinstance(refusal, str):
+                if self._refusal is None:
+                    self._refusal = []
+                self._refusal.append(refusal)
+            function = delta.get("function_call")
+            if isinstance(function, dict):
+                if self._function is None:
+                    self._function = ([], [])
+                for part, key in zip(self._function, ("name", "arguments"), strict=True):
+                    value = function.get(key)
+                    if isinstance(value, str):
+                        part.append(value)
             tool_calls = delta.get("tool_calls")
             if isinstance(tool_calls, list):
                 for tool_call in tool_calls:
@@ -375,6 +398,11 @@ class StreamAssembler:
             "role": "assistant",
             "content": "".join(self._content) if self._has_content else None,
         }
+        if self._refusal is not None:
+            message["refusal"] = "".join(self._refusal)
+        if self._function is not None:
+            name, arguments = self._function
+            message["function_call"] = {"name": "".join(name), "arguments": "".join(arguments)}
         if self._tools.calls:
             message["tool_calls"] = self._tools.ordered()
         if self._reasoning:
@@ -431,6 +459,16 @@ def assemble_completion(body: Mapping[str, Any]) -> AssembledResponse:
         raw = choice.get("message")
         if isinstance(raw, dict):
             message["content"] = _text(raw.get("content"))
+            refusal = raw.get("refusal")
+            if isinstance(refusal, str):
+                message["refusal"] = refusal
+            function = raw.get("function_call")
+            if isinstance(function, dict):
+                message["function_call"] = {
+                    key: function[key]
+                    for key in ("name", "arguments")
+                    if isinstance(function.get(key), str)
+                }
             calls = raw.get("tool_calls")
             if calls and isinstance(calls, list):
                 tools = _ToolCalls()

@@ -245,6 +245,8 @@ def _derived_id(index: int, position: int, call: dict[str, Any]) -> str:
 
 def _tool_name(call: dict[str, Any]) -> str:
     function = call.get("function")
+    if not isinstance(function, dict):
+        function = call.get("custom")  # a custom tool's call
     name = function.get("name") if isinstance(function, dict) else None
     return name if isinstance(name, str) and name else "unknown"
 

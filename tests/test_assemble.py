@@ -420,6 +420,64 @@ def test_assemble_completion_text_and_reasoning() -> None:
     assert result.usage is None
 
 
+def test_a_refusal_a_legacy_function_call_and_a_custom_tool_call_are_logged_as_sent() -> None:
+    """They were logged as ``{"role": "assistant", "content": null}``: the audit log lost what
+    the model answered."""
+    refusal = "I can't help with that."
+    streamed = record(
+        [
+            chunk({"role": "assistant", "content": None, "refusal": ""}),
+            chunk({"refusal": "I can't "}),
+            chunk({"refusal": "help with that."}, "stop"),
+            DONE,
+        ]
+    )
+    plain = assemble_completion(
+        {"choices": [{"index": 0, "message": {"role": "assistant", "refusal": refusal}}]}
+    )
+    for result in (streamed, plain):
+        assert result.message == {"role": "assistant", "content": None, "refusal": refusal}
+    function_call = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    streamed = record(
+        [
+            chunk({"role": "assistant", "function_call": {"name": "get_weather", "arguments": ""}}),
+            chunk({"function_call": {"arguments": '{"city": '}}),
+            chunk({"function_call": {"arguments": '"Paris"}'}}, "function_call"),
+            DONE,
+        ]
+    )
+    plain = assemble_completion(
+        {
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "function_call": function_call}}
+            ]
+        }
+    )
+    for result in (streamed, plain):
+        assert result.message["function_call"] == function_call
+    custom = {"index": 0, "id": "call_1", "type": "custom", "custom": {"name": "apply_patch"}}
+    streamed = record(
+        [
+            chunk({"role": "assistant", "tool_calls": [custom]}),
+            chunk({"tool_calls": [{"index": 0, "custom": {"input": "*** Begin Patch\n"}}]}),
+            chunk(
+                {"tool_calls": [{"index": 0, "custom": {"input": "*** End Patch"}}]}, "tool_calls"
+            ),
+            DONE,
+        ]
+    )
+    call = {
+        "id": "call_1",
+        "type": "custom",
+        "custom": {"name": "apply_patch", "input": "*** Begin Patch\n*** End Patch"},
+    }
+    plain = assemble_completion(
+        {"choices": [{"index": 0, "message": {"role": "assistant", "tool_calls": [call]}}]}
+    )
+    for result in (streamed, plain):
+        assert result.message["tool_calls"] == [call]
+
+
 def test_assemble_completion_error_body() -> None:
     body = {
         "error": {"message": "bad", "type": "invalid_request_error", "param": None, "code": None}

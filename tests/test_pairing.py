@@ -254,6 +254,13 @@ def test_empty_ids_are_matched_by_order_as_the_servers_that_send_them_do() -> No
     validate_messages(result.messages)
 
 
+def test_a_custom_tools_dangling_call_is_named_in_its_synthetic_result() -> None:
+    custom = {"id": "c1", "type": "custom", "custom": {"name": "apply_patch", "input": "*** x"}}
+    result = repair_messages([user("go"), {"role": "assistant", "tool_calls": [custom]}])
+    assert result.messages[2] == synthetic("c1", "apply_patch")
+    assert kinds(result) == [("dangling_call", 1, "c1")]  # free-text input is no bad JSON
+
+
 def test_an_empty_tool_calls_array_is_removed() -> None:
     """Some SDKs write ``"tool_calls": []`` on every plain answer; OpenAI refuses it with a 400
     (``empty_array``) the history then carries on every later turn."""
