@@ -42,13 +42,21 @@ SESSION_HEADERS: tuple[str, ...] = (
 )
 
 
+# On Windows a ``:`` in a file name names a drive (``D:x`` is outside the log directory) or an
+# alternate data stream, and a device's name (``CON``, ``NUL``, ``COM1``, also with an extension)
+# is no file: such ids name no log file there.
+WINDOWS_FILE_NAMES: bool = os.name == "nt"
+_WINDOWS_DEVICE = re.compile(r"(?i)(?:CON|PRN|AUX|NUL|COM[0-9]|LPT[0-9])(?:\..*)?")
+
+
 def valid_session_id(value: object) -> bool:
-    """True for ids that can safely name a log file (``.`` and ``..`` are never ids)."""
-    return (
-        isinstance(value, str)
-        and SESSION_ID_RE.fullmatch(value) is not None
-        and value not in {".", ".."}
-    )
+    """True for ids that can safely name a log file (``.`` and ``..`` are never ids; on Windows,
+    nor ids with a ``:`` or a device's name)."""
+    if not isinstance(value, str) or SESSION_ID_RE.fullmatch(value) is None:
+        return False
+    if value in {".", ".."}:
+        return False
+    return not WINDOWS_FILE_NAMES or (":" not in value and not _WINDOWS_DEVICE.fullmatch(value))
 
 
 def explicit_session_id(headers: Mapping[str, str], path_id: str | None) -> str | None:

@@ -42,6 +42,28 @@ def test_hostile_ids_are_refused(sid: str) -> None:
         explicit_session_id({}, sid)
 
 
+@pytest.mark.parametrize(
+    ("sid", "on_windows"),
+    [
+        ("D:x", False),  # ntpath.join(dir, "D:x.jsonl") is D:x.jsonl, outside the directory
+        ("a:b", False),  # an alternate data stream of file "a"
+        ("CON", False),
+        ("nul.txt", False),
+        ("com1", False),
+        ("console", True),
+        ("2026-11-30T10-00-00", True),
+    ],
+)
+def test_ids_that_name_no_file_on_windows_are_refused_there(
+    monkeypatch: pytest.MonkeyPatch, sid: str, on_windows: bool
+) -> None:
+    from proxy import sessions
+
+    assert valid_session_id(sid)  # elsewhere: any file name
+    monkeypatch.setattr(sessions, "WINDOWS_FILE_NAMES", True)
+    assert valid_session_id(sid) is on_windows
+
+
 def test_path_wins_then_x_session_id_then_agent_headers() -> None:
     headers = {"x-claude-code-session-id": "claude-1", "helicone-session-id": "h-1"}
     assert explicit_session_id(headers, None) == "claude-1"
