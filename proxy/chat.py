@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -60,7 +62,10 @@ def parse_request(raw: bytes, memos: list[bodymemo.BodyMemo]) -> bodymemo.Parsed
     try:
         parsed = bodymemo.parse(raw, memos)
     except orjson.JSONDecodeError as exc:
-        raise bad_request(f"Request body is not valid JSON: {exc}", "invalid_json") from None
+        lenient = _lenient_body(raw)
+        if lenient is _UNREADABLE:
+            raise bad_request(f"Request body is not valid JSON: {exc}", "invalid_json") from None
+        parsed = bodymemo.Parsed(lenient, None)
     body = parsed.body
     if not isinstance(body, dict):
         raise bad_request(
@@ -70,6 +75,34 @@ def parse_request(raw: bytes, memos: list[bodymemo.BodyMemo]) -> bodymemo.Parsed
     if messages is not None and not isinstance(messages, list):
         raise bad_request("'messages' must be an array.", "invalid_messages", "messages")
     return parsed
+
+
+_UNREADABLE: Final = object()
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+
+
+def _lenient_body(raw: bytes) -> Any:
+    """A body orjson refuses that the standard library reads, or ``_UNREADABLE``: a lone UTF-16
+    surrogate escaped in a string (``"\\ud83d"``, what JavaScript writes for a text cut in the
+    middle of an emoji, and an agent then resends every turn), a number beyond a double. Such a
+    body is the provider's to judge: it is forwarded as its client sent it unless a repair
+    changes it; in cachegate's own copy (accounting, the log, a repaired body) a lone surrogate
+    reads as U+FFFD."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return _UNREADABLE
+    return _without_surrogates(body)
+
+
+def _without_surrogates(value: Any) -> Any:
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {_without_surrogates(k): _without_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_surrogates(v) for v in value]
+    return value
 
 
 def _explicit_or_none(headers: Mapping[str, str], path_session: str | None) -> str | None:

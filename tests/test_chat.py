@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import orjson
 import pytest
@@ -621,3 +622,53 @@ def test_the_bodies_kept_for_the_next_turn_are_bounded_with_or_without_a_memory_
     relay = Relay(httpx.AsyncHTTPTransport(), "http://127.0.0.1:9/v1", httpx.Timeout(5.0))
     chat = ChatPipeline(settings, relay, MemorySessionStore(), [], api_key=lambda: None)
     assert chat.memos.max_bytes == memo_mib * 1024 * 1024
+
+
+def test_a_lone_surrogate_is_the_providers_to_judge_not_a_400(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A JavaScript agent that cuts a tool's output in the middle of an emoji sends ``"\\ud83d"``
+    (what ``JSON.stringify`` writes) in every later request of the session; orjson refuses it,
+    and cachegate answered 400 ``invalid_json`` on every turn. The body goes as sent, and its log
+    lines are written (with U+FFFD)."""
+    upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
+    proxy = proxy_factory(url)
+    cut = b'{"role":"tool","tool_call_id":"c1","content":"done \\ud83d"}'
+    call = b'{"id":"c1","type":"function","function":{"name":"run","arguments":"{}"}}'
+    history = (
+        b'{"model":"gpt-4o","n":1e400,"messages":[{"role":"user","content":"go"},'
+        b'{"role":"assistant","content":null,"tool_calls":[' + call + b"]}," + cut
+    )
+    headers = {"X-Session-Id": "lone-1", "Content-Type": "application/json"}
+    as_is = history + b"]}"
+    r = httpx.post(proxy.base_url + "/chat/completions", content=as_is, headers=headers)
+    assert r.status_code == 200
+    assert r.headers["x-cachegate-repairs"] == "0"
+    assert upstream.requests[0]["body"] == as_is  # byte for byte
+    # A turn that needs a repair (a call left without a result) is serialized again: valid JSON
+    # (UTF-8), the lone surrogate as U+FFFD.
+    broken = (
+        history
+        + b',{"role":"assistant","content":null,"tool_calls":['
+        + call.replace(b"c1", b"c2")
+        + b"]}]}"
+    )
+    r = httpx.post(proxy.base_url + "/chat/completions", content=broken, headers=headers)
+    assert r.status_code == 200
+    assert r.headers["x-cachegate-repairs"] == "1"
+    forwarded = orjson.loads(upstream.requests[1]["body"])
+    assert forwarded["messages"][2]["content"] == "done \ufffd"
+    assert forwarded["messages"][4]["tool_call_id"] == "c2"
+    proxy.settle()
+    lines = (proxy.log_dir / "lone-1.jsonl").read_text().splitlines()
+    assert [orjson.loads(line)["type"] for line in lines] == [
+        "session_meta",
+        "request",
+        "response",
+        "request",
+        "response",
+    ]
+    assert proxy.metric("cachegate_event_log_lost_total", {"kind": "write_error"}) == 0
+    # Not JSON by any reading: still a 400 in OpenAI's shape.
+    r = httpx.post(proxy.base_url + "/chat/completions", content=b'{"a": "\\ud83d', headers=headers)
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_json")
