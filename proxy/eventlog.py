@@ -658,7 +658,11 @@ def strip_bodies(event: dict[str, Any]) -> dict[str, Any]:
     sha256), for logs that must keep sizes and identities but no content."""
     kind = event.get("type")
     if kind == "request" and isinstance(event.get("appended"), list):
-        return {**event, "appended": [message_metadata(m) for m in event["appended"]]}
+        stripped = {**event, "appended": [message_metadata(m) for m in event["appended"]]}
+        tools = event.get("tools")
+        if isinstance(tools, list):
+            stripped["tools"] = {"count": len(tools), "sha256": _sha256_json(tools)}
+        return stripped
     if kind == "response" and event.get("message") is not None:
         return {**event, "message": message_metadata(event["message"])}
     if kind == "compacted" and isinstance(event.get("summary"), str):
@@ -674,15 +678,14 @@ def message_metadata(message: Any) -> dict[str, Any]:
     body = (
         {k: v for k, v in message.items() if k != "role"} if isinstance(message, dict) else message
     )
-    return {
-        "role": role,
-        "chars": _count_chars(body),
-        "sha256": hashlib.sha256(
-            orjson.dumps(
-                message, default=str, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS
-            )
-        ).hexdigest(),
-    }
+    return {"role": role, "chars": _count_chars(body), "sha256": _sha256_json(message)}
+
+
+def _sha256_json(value: Any) -> str:
+    """The sha256 of ``value``'s canonical JSON (keys sorted)."""
+    return hashlib.sha256(
+        orjson.dumps(value, default=str, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
+    ).hexdigest()
 
 
 def _count_chars(obj: Any) -> int:
@@ -756,9 +759,18 @@ def replay(events: Iterable[dict[str, Any]]) -> list[tuple[int, list[dict[str, A
     A request whose base cannot be found (its line was torn) cannot be rebuilt exactly; it is left
     out with a warning, and so is anything delta-coded against it.
     """
+    return [(r["exchange_id"], r["messages"]) for r in replay_requests(events)]
+
+
+def replay_requests(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``replay``, as the requests that were forwarded: ``{exchange_id, model, stream, params,
+    tools, messages}`` (``params`` and ``tools`` as far as the log records them: a line carries
+    the tools only when they changed, and logs written before cachegate recorded them have
+    neither; ``tools`` is left out while none are known)."""
     rebuilt: dict[int, list[dict[str, Any]]] = {}
-    out: list[tuple[int, list[dict[str, Any]]]] = []
+    out: list[dict[str, Any]] = []
     last: list[dict[str, Any]] | None = None
+    tools: Any = _NO_TOOLS_SEEN
     for ev in events:
         if ev.get("type") != "request":
             continue
@@ -783,8 +795,21 @@ def replay(events: Iterable[dict[str, Any]]) -> list[tuple[int, list[dict[str, A
                 continue
             messages = previous[:base] + appended
         rebuilt[exchange] = last = messages
-        out.append((exchange, messages))
+        if "tools" in ev:
+            tools = ev["tools"]
+        request: dict[str, Any] = {"exchange_id": exchange, "model": ev.get("model")}
+        if isinstance(ev.get("stream"), bool):
+            request["stream"] = ev["stream"]
+        if isinstance(ev.get("params"), dict):
+            request["params"] = ev["params"]
+        if tools is not _NO_TOOLS_SEEN and tools is not None:
+            request["tools"] = tools
+        request["messages"] = messages
+        out.append(request)
     return out
+
+
+_NO_TOOLS_SEEN: Final = object()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -34,6 +34,10 @@ def _state_of(ex: Exchange, sessions: SessionStore) -> SessionState | None:
     return sessions.get(ex.session_id) if ex.session_id is not None else None
 
 
+# Top-level request keys the request line gives fields of their own (not ``params``).
+_NOT_PARAMS: Final = frozenset({"messages", "tools", "model", "stream"})
+_NO_TOOLS: Final = object()  # no line of the session written yet (in this process)
+
 # Requests of distinct conversations a session's accounting compares the next one with.
 _BASELINES: Final = 4
 
@@ -276,7 +280,9 @@ class EventLogObserver:
             # as bases may be that one, or coded against it. This line goes in full, and
             # replay recovers from here on.
             state.recent.clear()
-        messages = ex.body.get("messages")
+            state.extra.pop("logged_tools", None)
+        body = ex.body
+        messages = body.get("messages")
         messages = messages if isinstance(messages, list) else []
         candidates = [
             # exchanges whose request lines were emitted before this one's: an exchange joins
@@ -288,25 +294,31 @@ class EventLogObserver:
             if eid != ex.exchange_id
         ]
         base_exchange, base = choose_base(candidates, messages) if candidates else (None, 0)
-        written = self._emit(
-            ex.session_id,
-            {
-                "ts": self.clock(),
-                "type": "request",
-                "exchange": ex.exchange_id,
-                "model": ex.model,
-                "stream": ex.stream,
-                "path": "/v1/" + ex.path,
-                "base_exchange": base_exchange,
-                "base": base,
-                "appended": messages[base:],
-                "repairs": ex.repairs,
-                "transforms": dict(ex.transforms),
-                "bytes": ex.request_bytes,
-            },
-        )
+        event = {
+            "ts": self.clock(),
+            "type": "request",
+            "exchange": ex.exchange_id,
+            "model": ex.model,
+            "stream": ex.stream,
+            "path": "/v1/" + ex.path,
+            "params": {k: v for k, v in body.items() if k not in _NOT_PARAMS},
+            "base_exchange": base_exchange,
+            "base": base,
+            "appended": messages[base:],
+            "repairs": ex.repairs,
+            "transforms": dict(ex.transforms),
+            "bytes": ex.request_bytes,
+        }
+        # The tools, when they differ from those of the session's last line (an agent sends
+        # the same tools every turn; a body continued from the last one holds the same object).
+        tools = body.get("tools")
+        logged = state.extra.get("logged_tools", _NO_TOOLS) if state is not None else _NO_TOOLS
+        if tools is not logged and (logged is _NO_TOOLS or tools != logged):
+            event["tools"] = tools  # null: no tools any more (or none on a first line)
+        written = self._emit(ex.session_id, event)
         if state is not None and written:  # a line that was refused is no base
             state.remember(ex.exchange_id, messages)
+            state.extra["logged_tools"] = tools
 
     def on_retry(self, ex: Exchange) -> None:
         """The request was compacted and re-sent: log it again under the same exchange id (replay

@@ -19,7 +19,7 @@ from proxy.eventlog import (
     LOG_SUFFIX,
     LogRead,
     read_events,
-    replay,
+    replay_requests,
     session_log_path,
 )
 from proxy.sessions import valid_session_id
@@ -185,13 +185,11 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
 
 
 def replay_lines(log_dir: str | os.PathLike[str], session_id: str) -> Iterator[str]:
-    """One JSON object per forwarded request, ``{"exchange_id", "messages"}``, in log order. The id
-    is checked and the file read at call time, so errors surface before the first line."""
-    exchanges = replay(_load(log_dir, session_id).events)
-    return (
-        orjson.dumps({"exchange_id": ex, "messages": messages}).decode()
-        for ex, messages in exchanges
-    )
+    """One JSON object per forwarded request (``replay_requests``: ``exchange_id``, ``model``,
+    ``stream``, ``params``, ``tools``, ``messages``), in log order. The id is checked and the
+    file read at call time, so errors surface before the first line."""
+    requests = replay_requests(_load(log_dir, session_id).events)
+    return (orjson.dumps(request).decode() for request in requests)
 
 
 def _load(log_dir: str | os.PathLike[str], session_id: str) -> LogRead:

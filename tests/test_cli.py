@@ -238,7 +238,17 @@ def test_replay_prints_every_forwarded_message_list(logged: Logged) -> None:
     third = lines[2]["messages"]
     assert [m["role"] for m in third[-3:]] == ["assistant", "tool", "user"]
     assert third[-2]["tool_call_id"] == "call_dangling"
-    assert set(lines[0]) == {"exchange_id", "messages"}
+    # Each line is the request as it was forwarded, resendable: model, stream, the other
+    # parameters and the tools (logged when they change, carried forward by replay).
+    for line, sent in zip(lines, logged.sent["cli-a"], strict=True):
+        rebuilt = {"model": line["model"], **line["params"], "messages": line["messages"]}
+        if "tools" in line:
+            rebuilt["tools"] = line["tools"]
+        if line["stream"]:
+            rebuilt["stream"] = True
+        forwarded = {k: v for k, v in sent["body"].items() if (k, v) != ("stream", False)}
+        assert rebuilt == forwarded
+    assert all(line["tools"] == TOOLS for line in lines)
 
 
 # --- errors ------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from proxy.eventlog import (
     read_events,
     replay,
     session_log_path,
+    strip_bodies,
 )
 
 Message = dict[str, Any]
@@ -772,3 +773,15 @@ def test_a_burst_is_written_in_order_with_few_system_calls(
         assert "sk-" + "x" * 30 not in (log_dir / f"{sid}.jsonl").read_text()
         assert events[7]["secret"] == "[REDACTED]"  # still redacted within a batch
     assert len(calls) < 30  # batched: not one write per event
+
+
+def test_metadata_mode_keeps_the_tools_count_and_hash_not_their_text() -> None:
+    tools = [{"type": "function", "function": {"name": "deploy", "description": "Ship it."}}]
+    same = [{"function": {"description": "Ship it.", "name": "deploy"}, "type": "function"}]
+    event = {"ts": 1.0, "type": "request", "appended": [], "tools": tools, "params": {"n": 1}}
+    stripped = strip_bodies(event)
+    assert stripped["tools"]["count"] == 1
+    assert stripped["tools"] == strip_bodies({**event, "tools": same})["tools"]  # key order
+    assert "Ship it" not in orjson.dumps(stripped).decode()
+    assert stripped["params"] == {"n": 1}
+    assert strip_bodies({**event, "tools": None})["tools"] is None

@@ -232,3 +232,32 @@ def test_a_model_without_prices_is_said_once_not_silently_costed_at_zero(
         "model 'my-local-model' has no prices (the configured entry '*'): its cost counts as $0; "
         'set price_input and price_output in [models."my-local-model"] of the config file'
     ]
+
+
+def test_request_lines_carry_the_parameters_and_the_tools_when_they_change() -> None:
+    """What was forwarded, resendable from the log: the other parameters on every line, the
+    tools (often tens of KB, the same every turn) on the lines where they changed, a refused
+    line's change on the next written one."""
+    settings = settings_from_mapping({})
+    store = MemorySessionStore()
+    store.create("s1", 0.0)
+    lines = Lines(refuse=(4,))
+    log = EventLogObserver(settings, store, lines)  # type: ignore[arg-type]
+    tools = [{"type": "function", "function": {"name": "read", "parameters": {}}}]
+    other = [{"type": "function", "function": {"name": "write", "parameters": {}}}]
+    history: list[Message] = []
+    for eid, turn_tools in enumerate([tools, tools, list(tools), other, other, None], start=1):
+        history = [*history, {"role": "user", "content": f"turn {eid}"}]
+        ex = exchange(eid, history)
+        assert ex.body is not None
+        ex.body = {**ex.body, "temperature": 0.2, "stream_options": {"include_usage": True}}
+        if turn_tools is not None:
+            ex.body["tools"] = turn_tools
+        log.on_request(ex)
+    requests = [e for e in lines.events if e["type"] == "request"]
+    assert [e["exchange"] for e in requests] == [1, 2, 3, 5, 6]  # 4 was refused
+    assert all(
+        e["params"] == {"temperature": 0.2, "stream_options": {"include_usage": True}}
+        for e in requests
+    )
+    assert [e.get("tools", "-") for e in requests] == [tools, "-", "-", other, None]

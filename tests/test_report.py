@@ -312,10 +312,11 @@ def test_cost_of_a_session_without_prices(log_dir: Path) -> None:
 
 def test_replay_lines_give_the_full_forwarded_messages(log_dir: Path) -> None:
     lines = list(replay_lines(log_dir, "alpha"))
+    head = {"model": "gpt-4o", "stream": True}  # a log from before params and tools were kept
     assert [orjson.loads(line) for line in lines] == [
-        {"exchange_id": 1, "messages": [SYS, U1]},
-        {"exchange_id": 2, "messages": [SYS, U1, A1, U2]},
-        {"exchange_id": 3, "messages": [SYS, {"role": "user", "content": "summary"}]},
+        {"exchange_id": 1, **head, "messages": [SYS, U1]},
+        {"exchange_id": 2, **head, "messages": [SYS, U1, A1, U2]},
+        {"exchange_id": 3, **head, "messages": [SYS, {"role": "user", "content": "summary"}]},
     ]
     assert all("\n" not in line for line in lines)
 
