@@ -131,6 +131,14 @@ def test_credentials_named_in_text_lose_their_value(text: str, redacted: str | N
         "the secret of a good cache is a stable prefix",
         "password_hash = bcrypt(password)",
         "Authorization: required",  # too short for a credential
+        # code that names credentials without holding one
+        "token = self.tokenizer.encode(text)",
+        "password: Optional[str] = None",
+        'api_key = os.environ["OPENAI_API_KEY"]',
+        "authorization = authorization_header_value.strip()",
+        "cache_key = make_key(request)",
+        "export GITHUB_TOKEN=$TOKEN",
+        'if line.startswith("-----BEGIN PRIVATE KEY-----"):\n    return parse_pem(line)',
     ],
 )
 def test_text_that_only_mentions_credentials_is_left_alone(text: str) -> None:
