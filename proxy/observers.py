@@ -39,7 +39,7 @@ _NOT_PARAMS: Final = frozenset({"messages", "tools", "model", "stream"})
 _NO_TOOLS: Final = object()  # no line of the session written yet (in this process)
 
 # Requests of distinct conversations a session's accounting compares the next one with.
-_BASELINES: Final = 4
+_BASELINES: Final = 8
 
 
 class _Baseline:
@@ -67,14 +67,15 @@ def _hash_base(baselines: list[_Baseline], body: Any) -> prefix.Fingerprint | No
     return baselines[runs.index(max(runs))].fp
 
 
-def _closest(baselines: list[_Baseline], fp: prefix.Fingerprint) -> _Baseline | None:
-    """The baseline sharing the longest prefix with ``fp`` (the latest of equals): a main agent's
-    turn is compared with its previous turn, not with a sub-agent's or a title request sent in
-    between."""
+def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint) -> list[_Baseline]:
+    """The baselines by the length of the prefix they share with ``fp``, longest first (the
+    latest of equals first): a main agent's turn is compared with its previous turn, not with a
+    sub-agent's or a title request sent in between."""
     if len(baselines) < 2:
-        return baselines[0] if baselines else None
+        return baselines
     shared = [prefix.shared_links(b.fp, fp) for b in baselines]
-    return baselines[shared.index(max(shared))]
+    order = sorted(range(len(baselines)), key=lambda i: -shared[i])  # stable: latest first
+    return [baselines[i] for i in order]
 
 
 def _location_label(divergence: prefix.Divergence) -> str:
@@ -136,19 +137,10 @@ class AccountingObserver:
         body = ex.body
         baselines: list[_Baseline] = extra.get("baselines") or []
         fp = prefix.fingerprint(body, _hash_base(baselines, body))
-        chosen = _closest(baselines, fp)
-        divergence = None
-        continues = chosen is not None
-        if chosen is not None:
-            divergence = prefix.find_divergence(chosen.fp, fp, chosen.body, body, self.secrets)
-            if (
-                divergence is not None
-                and not divergence.volatile
-                and not prefix.same_conversation(chosen.fp, fp)
-            ):
-                divergence, continues = None, False  # another conversation: nothing rewritten
+        chosen, continues, divergence = self._compare(_ranked(baselines, fp), fp, body)
         if divergence is not None:
-            self.metrics.observe_prefix_rewrite(_location_label(divergence))
+            if ex.status < 400:  # a refused attempt's retry counts it
+                self.metrics.observe_prefix_rewrite(_location_label(divergence))
             ex.divergence = _divergence_dict(divergence)
         usage = ex.usage
         name, ttl_s, pricing = self._model_terms(ex.model)
@@ -207,6 +199,25 @@ class AccountingObserver:
         cost = cache.compute_cost(usage, pricing)
         ex.cost = {"actual": cost.actual, "uncached": cost.uncached}
         self.metrics.observe_cost(ex.model, cost.actual, cost.uncached)
+
+    def _compare(
+        self, ranked: list[_Baseline], fp: prefix.Fingerprint, body: Any
+    ) -> tuple[_Baseline | None, bool, prefix.Divergence | None]:
+        """The baseline this request is compared with, whether it continues that baseline's
+        conversation, and its first difference from it. The closest baseline unless the request
+        differs from it and is not of its conversation; then the closest one of its own
+        conversation; failing that, the request starts another (nothing rewritten)."""
+        if not ranked:
+            return None, False, None
+        top = ranked[0]
+        divergence = prefix.find_divergence(top.fp, fp, top.body, body, self.secrets)
+        if divergence is None or divergence.volatile or prefix.same_conversation(top.fp, fp):
+            return top, True, divergence
+        for other in ranked[1:]:
+            if prefix.same_conversation(other.fp, fp):
+                found = prefix.find_divergence(other.fp, fp, other.body, body, self.secrets)
+                return other, True, found
+        return top, False, None
 
     def on_compaction(self, ex: Exchange, comp: Any, source: str) -> None:
         result = {"model": "summary", "extractive": "extractive"}.get(source, "reused")

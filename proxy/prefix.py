@@ -400,14 +400,14 @@ def shared_links(old: Fingerprint, new: Fingerprint) -> int:
 
 def same_conversation(old: Fingerprint, new: Fingerprint) -> bool:
     """Whether ``new`` continues or rewrites ``old``'s conversation rather than starting another:
-    their first messages after the system block are equal (or neither has one), or a later one
-    is, at the same place after it. A sub-agent, a title or summary request, or a conversation
-    started afresh under the same session begins with a message of its own and shares none after
-    it; a rewritten system prompt, tools or parameters leave the messages as they were, and a
-    rewritten first message the ones after it. (The caller also takes a change of a volatile token
-    alone as a rewrite: a date in the only message of a first turn.) A request with another model
-    and another system prompt is another conversation whatever its messages: a title request
-    sends the user's first message to a small model under a prompt of its own.
+    one of its messages after the system block is one of ``old``'s, wherever (or neither has
+    any). A sub-agent, a title or summary request, or a conversation started afresh under the
+    same session begins with a message of its own and shares none; a rewritten system prompt,
+    tools or parameters leave the messages as they were, and a history trimmed at its start or
+    compacted keeps its later ones. (The caller also takes a change of a volatile token alone as
+    a rewrite: a date in the only message of a first turn.) A request with another model and
+    another system prompt is another conversation whatever its messages: a title request sends
+    the user's first message to a small model under a prompt of its own.
     """
     if old.element_digests[_SYSTEM] != new.element_digests[_SYSTEM] and (
         (old.params or {}).get("model") != (new.params or {}).get("model")
@@ -417,7 +417,10 @@ def same_conversation(old: Fingerprint, new: Fingerprint) -> bool:
     new_messages = new.message_digests[new.system_count :]
     if not old_messages or not new_messages:
         return not old_messages and not new_messages
-    return any(map(operator.eq, old_messages, new_messages))
+    if old_messages[0] == new_messages[0]:  # the usual case: the same opening
+        return True
+    held = set(old_messages)
+    return any(digest in held for digest in new_messages)
 
 
 def shared_prefix_len(old: Fingerprint, new: Fingerprint) -> int:

@@ -237,7 +237,10 @@ class SessionStore(Protocol):
 # of RSS per session of 600 KB agent requests; tracemalloc, 3.4 bytes per byte (README, "Memory").
 BYTES_HELD_PER_BODY_BYTE = 4
 SESSION_BASE_BYTES = 2048  # the state, its index entry, a small request's objects
-SIZES_KEPT = 4  # as many requests as ``SessionState.remember`` keeps by default
+# As many requests as the accounting keeps as baselines (the last of up to eight conversations;
+# ``SessionState.remember`` keeps four for the log's delta coding): a burst of small requests of
+# other conversations does not hide the large history the session still holds.
+SIZES_KEPT = 8
 _WARN_EVERY_S = 300.0
 
 EvictionReason = Literal["idle", "count", "memory"]

@@ -261,3 +261,88 @@ def test_request_lines_carry_the_parameters_and_the_tools_when_they_change() -> 
         for e in requests
     )
     assert [e.get("tools", "-") for e in requests] == [tools, "-", "-", other, None]
+
+
+class _Accounting:
+    """An AccountingObserver on one session, fed exchanges with the usage a provider reported."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry
+
+        self.store = MemorySessionStore()
+        self.state = self.store.create("s1", 0.0)
+        self.metrics = Metrics(CollectorRegistry(), ())
+        settings = settings_from_mapping({"models": {"gpt-4o": {"cache_ttl_s": 3600}}})
+        self.observer = AccountingObserver(settings, self.store, self.metrics)
+        self.eid = 0
+
+    def send(self, messages: list[Message], prompt: int, read: int, status: int = 200) -> Exchange:
+        self.eid += 1
+        ex = exchange(self.eid, messages)
+        ex.session, ex.started_at = self.state, float(self.eid)
+        ex.usage, ex.status = Usage(prompt, 10, read, 0, True), status
+        self.observer.on_response(ex)
+        return ex
+
+
+def _system(text: str) -> Message:
+    return {"role": "system", "content": text}
+
+
+def test_a_history_trimmed_at_its_start_is_still_its_conversation() -> None:
+    """Agents drop their oldest turns when the window fills: the messages move up, and a
+    comparison by position took the request for another conversation and hid a 9,000-token
+    miss."""
+    acc = _Accounting()
+    history = [_system("agent"), *msgs("one", "a1", "two", "a2", "three", "a3", "four")]
+    acc.send(history, 9000, 0)
+    trimmed = [history[0], *history[3:], *msgs("a4", "five")]
+    ex = acc.send(trimmed, 9000, 0)
+    assert ex.cache is not None and ex.divergence is not None
+    assert (ex.cache["expected"], ex.cache["waste"], ex.cache["cause"]) == (
+        9000,
+        9000,
+        "prefix_rewrite",
+    )
+
+
+def test_a_rewrite_is_compared_with_its_own_conversation_not_the_latest_of_equals() -> None:
+    """The main agent's turn, a sub-agent with the same parameters and tools, then the main
+    agent with its system prompt rewritten: both earlier requests share as much with it (up to
+    the system prompt); the sub-agent's is the later one, but the rewrite is the main agent's."""
+    acc = _Accounting()
+    main = [_system("main agent"), *msgs("fix the bug")]
+    acc.send(main, 10_000, 0)
+    acc.send([_system("sub agent"), *msgs("find the file")], 3_000, 0)
+    rewritten = [_system("main agent, rewritten"), *main[1:], *msgs("done?", "go on")[1:]]
+    ex = acc.send(rewritten, 10_100, 0)
+    assert ex.cache is not None and ex.divergence is not None
+    assert ex.divergence["location"] == "system"
+    assert (ex.cache["expected"], ex.cache["waste"]) == (10_000, 10_000)
+
+
+def test_eight_interleaved_conversations_are_each_compared_with_their_own() -> None:
+    acc = _Accounting()
+    tasks = ["search", "parse", "review", "deploy", "document", "profile", "refactor", "triage"]
+    histories = {t: [_system(f"You {t}."), *msgs(f"Please {t} it.")] for t in tasks}
+    for turn in range(3):
+        for t in tasks:
+            ex = acc.send(histories[t], 5_000 + 100 * turn, 5_000 if turn else 0)
+            assert ex.divergence is None, (turn, t)
+            assert ex.cache is not None
+            assert ex.cache["waste"] == 0
+            assert ex.cache["expected"] == (5_000 + 100 * (turn - 1) if turn else 0), (turn, t)
+            histories[t] = [*histories[t], *msgs("reply", f"more {turn}")[:1]]
+
+
+def test_a_rewrite_refused_then_retried_is_one_rewrite() -> None:
+    acc = _Accounting()
+    history = [_system("agent"), *msgs("go")]
+    acc.send(history, 5_000, 0)
+    rewritten = [_system("agent, at 10:01"), *history[1:]]
+    for _ in range(3):
+        acc.send(rewritten, 0, 0, status=429)
+    ex = acc.send(rewritten, 5_000, 0)
+    assert ex.cache is not None and ex.cache["cause"] == "prefix_rewrite"
+    registry = acc.metrics
+    assert registry.prefix_rewrites.child("system")[0] == 1
