@@ -82,17 +82,29 @@ _SURROGATE: Final = re.compile("[\ud800-\udfff]")
 
 
 def _lenient_body(raw: bytes) -> Any:
-    """A body orjson refuses that the standard library reads, or ``_UNREADABLE``: a lone UTF-16
-    surrogate escaped in a string (``"\\ud83d"``, what JavaScript writes for a text cut in the
-    middle of an emoji, and an agent then resends every turn), a number beyond a double. Such a
-    body is the provider's to judge: it is forwarded as its client sent it unless a repair
-    changes it; in cachegate's own copy (accounting, the log, a repaired body) a lone surrogate
-    reads as U+FFFD."""
+    """A body orjson refuses only for a lone UTF-16 surrogate escaped in a string
+    (``"\\ud83d"``, what JavaScript writes for a text cut in the middle of an emoji, and an
+    agent then resends every turn), or ``_UNREADABLE``. Such a body is the provider's to judge:
+    it is forwarded as its client sent it unless a repair changes it; in cachegate's own copy
+    (accounting, the log, a repaired body) the surrogate reads as U+FFFD. Anything else JSON
+    does not allow stays refused: another encoding than UTF-8, ``NaN``/``Infinity``, a number
+    beyond a double (it would be written back as ``null``)."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw.decode("utf-8"), parse_constant=_refuse, parse_float=_finite_float)
+        return _without_surrogates(body)
     except (ValueError, RecursionError):
         return _UNREADABLE
-    return _without_surrogates(body)
+
+
+def _refuse(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value - value != 0.0:  # inf (NaN cannot be written as a number)
+        raise ValueError(f"{text} is beyond a double")
+    return value
 
 
 def _without_surrogates(value: Any) -> Any:

@@ -124,8 +124,10 @@ DEFAULT_MODELS: dict[str, ModelSettings] = {
     "deepseek-chat": ModelSettings(128000, 3600, 0.28, 0.028, 0.0, 0.42, "deepseek"),
     "deepseek-reasoner": ModelSettings(128000, 3600, 0.28, 0.028, 0.0, 0.42, "deepseek"),
     "claude-sonnet-4": _CLAUDE_SONNET,
+    "claude-sonnet-4-0": _CLAUDE_SONNET,
     "claude-sonnet-4-5": _CLAUDE_SONNET,
     "claude-opus-4": _CLAUDE_OPUS_4,
+    "claude-opus-4-0": _CLAUDE_OPUS_4,
     "claude-opus-4-1": _CLAUDE_OPUS_4,
     "claude-opus-4-5": ModelSettings(200000, 300, 5.00, 0.50, 6.25, 25.00, "anthropic"),
     "claude-haiku-4-5": ModelSettings(200000, 300, 1.00, 0.10, 1.25, 5.00, "anthropic"),
@@ -153,8 +155,8 @@ _VARIANT_WORDS: Final = frozenset(
     }
 )
 _SNAPSHOT_OF: Final = re.compile(
-    r"(?:[-_@:/](?!\d{1,3}(?:[-_.]|$))"  # a separator, not before a version number (-5, -4.5)
-    r"[A-Za-z0-9._@:/-]*)?"
+    r"(?:(?:[-_](?!\d{1,3}(?:[-_.]|$))|[@:/])"  # a separator; no version number after - or _
+    r"[A-Za-z0-9._@:/-]*)?"  # (-5, -4.5); a tag after : may be a size (qwen3:0.6b)
 )
 _WORDS: Final = re.compile(r"[^a-z]+")
 
@@ -201,12 +203,18 @@ class Settings:
         return "*", self.models.get("*", ModelSettings())
 
 
+# What may be a URL's user:password@ where no authority could be told apart (the first "@" ends it)
+_USER_INFO: Final = re.compile(r"[^/?#@\s]+@")
+
+
 def display_url(url: str) -> str:
     """``url`` as it may be shown or logged: without the ``user:password@`` a base URL can carry."""
     try:
         parts = urlsplit(url)
     except ValueError:  # unparseable: still no user info shown
-        return re.sub(r"(?<=//)[^/?#]*@", "", url)
+        return _USER_INFO.sub("", url)
+    if not parts.netloc:  # a mistyped scheme (https:/…, http//…, none): no authority found
+        return _USER_INFO.sub("", url) if "@" in url else url
     if "@" not in parts.netloc:
         return url
     return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))

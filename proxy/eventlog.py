@@ -518,10 +518,11 @@ class EventLogWriter:
         fd = os.open(path, _OPEN_FLAGS, 0o600)
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-                # A hard link (or a device, a FIFO) planted under a session's name would make
-                # the log append to a file elsewhere: O_NOFOLLOW stops only symbolic links.
-                raise OSError(f"{path} is not a regular file of its own (links: {st.st_nlink})")
+            if not stat.S_ISREG(st.st_mode) or (_UID is not None and st.st_uid != _UID):
+                # A hard link to another user's file (or a device, a FIFO) planted under a
+                # session's name would have the log appended there: O_NOFOLLOW stops only
+                # symbolic links. (A hard link of the user's own, a snapshot backup's, is fine.)
+                raise OSError(f"{path} is not a regular file of this user's")
             _terminate_torn_line(fd)
         except OSError:
             os.close(fd)
@@ -574,6 +575,7 @@ def _redacted_str(obj: Any) -> str:
     return redact_text(str(obj))
 
 
+_UID: Final = os.geteuid() if hasattr(os, "geteuid") else None
 GITIGNORE: Final = "# cachegate's session logs: prompts, tool outputs, answers. Not for git.\n*\n"
 
 

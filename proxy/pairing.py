@@ -417,7 +417,11 @@ def repair_messages_from(
         calls = _tool_calls(message)
         if calls is None:
             if _empty_calls(message):
-                fixed[i] = {k: v for k, v in message.items() if k != "tool_calls"}
+                # Without its calls, an assistant message needs content: null becomes "".
+                kept = {k: v for k, v in message.items() if k != "tool_calls"}
+                if kept.get("content") is None:
+                    kept["content"] = ""
+                fixed[i] = kept
                 scanned.append(
                     Repair("empty_tool_calls", i, None, "removed an empty tool_calls array")
                 )

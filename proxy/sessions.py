@@ -146,6 +146,8 @@ def opening_key(messages: Sequence[Any]) -> OpeningKey | None:
     """
     for message in messages:
         if isinstance(message, dict) and message.get("role") not in _SYSTEM_ROLES:
+            if len(message) != 2:  # a marker, a null field: keyed as the message they leave
+                message = canonical_message(message)
             role, content = message.get("role"), message.get("content")
             if len(message) == 2 and type(role) is str and type(content) is str:
                 return (role, content)

@@ -636,7 +636,7 @@ def test_a_lone_surrogate_is_the_providers_to_judge_not_a_400(
     cut = b'{"role":"tool","tool_call_id":"c1","content":"done \\ud83d"}'
     call = b'{"id":"c1","type":"function","function":{"name":"run","arguments":"{}"}}'
     history = (
-        b'{"model":"gpt-4o","n":1e400,"messages":[{"role":"user","content":"go"},'
+        b'{"model":"gpt-4o","messages":[{"role":"user","content":"go"},'
         b'{"role":"assistant","content":null,"tool_calls":[' + call + b"]}," + cut
     )
     headers = {"X-Session-Id": "lone-1", "Content-Type": "application/json"}
@@ -669,6 +669,14 @@ def test_a_lone_surrogate_is_the_providers_to_judge_not_a_400(
         "response",
     ]
     assert proxy.metric("cachegate_event_log_lost_total", {"kind": "write_error"}) == 0
-    # Not JSON by any reading: still a 400 in OpenAI's shape.
-    r = httpx.post(proxy.base_url + "/chat/completions", content=b'{"a": "\\ud83d', headers=headers)
-    assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_json")
+    # Not JSON by any reading, or not JSON's (it would be written back otherwise): still a 400
+    # in OpenAI's shape, nothing forwarded.
+    for bad in (
+        b'{"a": "\\ud83d',
+        b'{"model": "m", "n": 1e400, "x": "\\ud83d"}',
+        b'{"model": "m", "temperature": NaN, "x": "\\ud83d"}',
+        '{"model": "m", "x": "\\ud83d"}'.encode("utf-16"),
+    ):
+        r = httpx.post(proxy.base_url + "/chat/completions", content=bad, headers=headers)
+        assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_json"), bad
+    assert len(upstream.requests) == 2

@@ -104,6 +104,8 @@ def test_model_lookup_exact_prefix_and_fallback() -> None:
         ("gpt-5-codex", "gpt-5"),
         ("claude-sonnet-4-20250514", "claude-sonnet-4"),
         ("claude-sonnet-4-5-20250929", "claude-sonnet-4-5"),
+        ("claude-sonnet-4-0", "claude-sonnet-4-0"),  # Anthropic's alias of claude-sonnet-4
+        ("claude-opus-4-0", "claude-opus-4-0"),
         ("o3-mini-2025-01-31", "o3-mini"),
         ("gpt-5.4-nano-2026-03-17", "gpt-5.4-nano"),
         # Variants and versions are other models at other prices: never a longer name's price.
@@ -133,6 +135,7 @@ def test_a_configured_local_model_covers_its_tags() -> None:
     assert s.model("qwen2.5-coder:7b")[1].context_window == 32768
     assert s.model("qwen2.5-coder:14b-instruct-q4_K_M")[0] == "qwen2.5-coder"
     assert s.model("llama3.1")[0] == "*"  # another model
+    assert s.model("qwen2.5-coder:1.5b")[0] == "qwen2.5-coder"  # a size, after the tag's colon
 
 
 def test_example_config_is_valid_and_documents_every_key() -> None:
@@ -157,6 +160,9 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
         ("not a url", "not a url"),
         ("http://host?x=@y", "http://host?x=@y"),
         ("http://u:Secr3t@[::1/v1", "http://[::1/v1"),  # unparseable: user info still out
+        ("user:s3cret@api.example.com/v1", "api.example.com/v1"),  # no scheme
+        ("https:/user:s3cret@host/v1", "https:/host/v1"),
+        ("http//user:s3cret@host/v1", "http//host/v1"),
     ],
 )
 def test_a_base_urls_credentials_are_not_shown(url: str, shown: str) -> None:
@@ -165,7 +171,12 @@ def test_a_base_urls_credentials_are_not_shown(url: str, shown: str) -> None:
 
 @pytest.mark.parametrize(
     "url",
-    ["htps://admin:Sup3rSecretPw@api.example.com/v1", "http://admin:Sup3rSecretPw@[::1/v1"],
+    [
+        "htps://admin:Sup3rSecretPw@api.example.com/v1",
+        "http://admin:Sup3rSecretPw@[::1/v1",
+        "https:/admin:Sup3rSecretPw@api.example.com/v1",
+        "admin:Sup3rSecretPw@api.example.com/v1",
+    ],
 )
 def test_a_mistyped_base_url_is_refused_without_showing_its_password(url: str) -> None:
     with pytest.raises(ConfigError) as refused:

@@ -316,22 +316,36 @@ def test_an_existing_log_directory_is_left_as_it_is_with_a_word_if_others_can_re
     assert any("can be read by other users (mode 755)" in r.getMessage() for r in caplog.records)
 
 
-def test_a_hard_link_planted_under_a_sessions_name_is_not_written_through(
-    tmp_path: Path, writers
+def test_a_hard_link_to_another_users_file_is_not_written_through(
+    tmp_path: Path, writers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``O_NOFOLLOW`` stops a symbolic link, not a hard link: in a directory others can write
-    to, one under a session's name would have the log appended to a file elsewhere."""
+    to, one under a session's name to their own file would have the log (prompts, tool outputs)
+    appended there. A hard link to a file of the user's own (a snapshot backup's) is written."""
+    from proxy import eventlog
+
     log_dir = tmp_path / "logs"
     log_dir.mkdir(mode=0o700)
-    victim = tmp_path / "victim.txt"
-    victim.write_text("precious\n")
-    os.link(victim, log_dir / "s1.jsonl")
+    theirs = tmp_path / "theirs.txt"
+    theirs.write_text("collecting\n")
+    os.link(theirs, log_dir / "s1.jsonl")
+    snapshot = tmp_path / "snapshot-s2.jsonl"
+    (log_dir / "s2.jsonl").write_text("")
+    os.link(log_dir / "s2.jsonl", snapshot)
+    # The file's owner is this process's user; the writer is made to run as another one.
+    monkeypatch.setattr(eventlog, "_UID", theirs.stat().st_uid + 1)
     losses: list[str] = []
     w = started(writers, log_dir, on_loss=losses.append)
     assert w.emit("s1", {"type": "error", "message": "x"})
     assert w.close()
-    assert victim.read_text() == "precious\n"
+    assert theirs.read_text() == "collecting\n"
     assert losses == ["io"]  # counted as lost: cachegate_event_log_lost_total{kind="write_error"}
+    monkeypatch.setattr(eventlog, "_UID", theirs.stat().st_uid)
+    w = started(writers, log_dir, on_loss=losses.append)
+    assert w.emit("s2", {"type": "error", "message": "y"})
+    assert w.close()
+    assert '"message":"y"' in snapshot.read_text()  # the same file, linked twice
+    assert losses == ["io"]
 
 
 def test_hostile_session_ids_are_refused_and_touch_nothing(tmp_path: Path, writers) -> None:

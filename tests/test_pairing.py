@@ -283,6 +283,9 @@ def test_an_empty_tool_calls_array_is_removed() -> None:
         "cachegate strict pairing: 1 defect: messages[1] assistant message has an empty "
         "tool_calls array (empty_tool_calls)"
     )
+    # with no content either, the message keeps an empty one (an assistant message needs it)
+    bare = {"role": "assistant", "content": None, "tool_calls": []}
+    assert repair_messages([user("go"), bare]).messages[1] == {"role": "assistant", "content": ""}
     # a result after it answers nothing: no block was opened
     assert kinds(repair_messages([user("go"), empty, tool("a")])) == [
         ("empty_tool_calls", 1, None),

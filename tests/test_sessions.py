@@ -115,6 +115,12 @@ def test_inference_follows_a_conversation_whose_cache_marker_moves_on() -> None:
     assert store.infer(turn_2) is a
     other = [SYSTEM, {"role": "user", "content": [{"type": "text", "text": "write docs"}]}]
     assert store.infer(other) is None
+    # A plain-text first message with the marker (or a null field) on it, then without.
+    b = store.create("b", 1.0)
+    store.index(b, [SYSTEM, {"role": "user", "content": "hi", "cache_control": marker}])
+    assert store.infer([SYSTEM, {"role": "user", "content": "hi"}, *turn_2[2:]]) is b
+    store.index(b, [SYSTEM, {"role": "user", "content": "yo", "name": None}])
+    assert store.infer([SYSTEM, {"role": "user", "content": "yo"}]) is b
 
 
 def test_inference_picks_the_longest_shared_history() -> None:
