@@ -65,49 +65,71 @@ def _replace(match: re.Match[str]) -> str:
 # Found by their names with plain substring searches, each hit then checked by an anchored match:
 # one pattern able to start anywhere cost ~0.5 ms per 3 KB of text, and a name alone says little
 # (``token = self.tokenizer.encode(text)`` is code, ``JWT_SECRET=4f…`` is not).
-_NAME_WORDS: Final = ("passw", "secret", "token", "_key", "-key", "apikey")
+_NAME_WORDS: Final = ("passw", "secret", "token", "key")
+# The name must end in one of these (lower-cased): a credential's name, not one that only contains
+# a word (``tokenizer``, ``token_type``, ``secretName``, ``prompt_cache_key``, ``primary_key``).
+_CREDENTIAL_NAME = re.compile(
+    r"(?:passw(?:or)?d|secret|token|api[_-]?key"
+    r"|(?:access|private|auth|secret|signing|encryption|master|client)[_-]?key)\Z"
+)
 _IDENT: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
-_JSON_VALUE = re.compile(r'\s*:\s*"(?=[^"\\\n]*[A-Za-z])([^"\\\n]{6,})"')
-_ENV_VALUE = re.compile(r"""=(["']?)(?=[^\s"'`]*[A-Za-z])([^\s"'`$][^\s"'`]{5,})\1(?![^\s"'`])""")
+_IDENT_RUN = re.compile(r"[A-Za-z0-9_.-]*")
+_MAX_NAME = 64  # longer runs are no names (and a run is looked at once: no quadratic walks)
+# Values: a quoted one holds anything but its closing quote (escapes inside JSON); an unquoted
+# one is a literal, not code (no call, index or attribute chain: ``self.tokenizer.encode(…)``).
+_JSON_VALUE = re.compile(r'\s*:\s*"(?=(?:[^"\\\n]|\\.)*[A-Za-z])((?:[^"\\\n]|\\.){6,}?)"')
+_QUOTED = r"""(?:"(?=[^"\n]*[A-Za-z])([^"\n]{6,})"|'(?=[^'\n]*[A-Za-z])([^'\n]{6,})')"""
+_BARE = (
+    r"(?![A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+(?![^\s,;]))"  # no a.b.c
+    r"(?=[^\s\"'`]*[A-Za-z])([^\s\"'`$(){}\[\]<>,;][^\s\"'`(){}\[\]<>,;]{5,})(?![^\s,;])"
+)
+_ASSIGN_VALUE = re.compile(r"[ \t]*=[ \t]*(?:" + _QUOTED + "|" + _BARE + ")")
 _QUERY_VALUE = re.compile(r"=(?=[^&\s#\"']*[A-Za-z])([^&\s#\"']{6,})")
 _YAML_VALUE = re.compile(
-    r"""[ \t]*:[ \t]+(["']?)(?=[^\s"'()\[\]{},;=#]*[A-Za-z])([^\s"'()\[\]{},;=#]{6,})\1"""
-    r"[ \t]*(?:#[^\n]*)?(?=\n|\Z)"
+    r"[ \t]*:[ \t]+(?:" + _QUOTED + "|" + _BARE + r")[ \t]*(?:#[^\n]*)?(?=\n|\Z)"
 )
-_AUTHORIZATION = re.compile(
-    r"""(?i:authorization)["']?\s*[:=]\s*["']?(?i:basic|bearer|token|digest)\s+"""
-    r"([A-Za-z0-9._~+/=:-]{12,})"
+_AUTHORIZATION = re.compile(  # a scheme, or a header's colon and a token alone (no code)
+    r"""(?i:authorization)["']?\s*(?:[:=]\s*["']?(?i:basic|bearer|token|digest)\s+"""
+    r"""([A-Za-z0-9._~+/=:-]{12,})|:\s*["']?([A-Za-z0-9_~+/=-]{16,})(?![A-Za-z0-9._~+/=(-]))"""
 )
 
 
-def _named_value(s: str, at: int, length: int) -> tuple[int, int] | None:
-    """The span of the value named by the credential word at ``s[at:at + length]``, if the text
-    there reads as an assignment of a literal; None otherwise."""
-    start, end = at, at + length
-    while start > 0 and s[start - 1] in _IDENT:
-        start -= 1
-    while end < len(s) and s[end] in _IDENT:
-        end += 1
+def _value_span(found: re.Match[str] | None) -> tuple[int, int] | None:
+    if found is None:
+        return None
+    for group in range(1, (found.re.groups or 0) + 1):
+        if found.group(group) is not None:
+            return found.span(group)
+    return None
+
+
+def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
+    """The span of the value named by the credential name ``s[start:end]``, if the text there
+    reads as an assignment of a literal to it; None otherwise."""
+    if end - start > _MAX_NAME or _CREDENTIAL_NAME.search(s[start:end].lower()) is None:
+        return None
     before = s[start - 1] if start else "\n"
-    if before == '"' and s.startswith('"', end):  # "client_secret": "…" (JSON)
-        found = _JSON_VALUE.match(s, end + 1)
-        return found.span(1) if found else None
-    if not s.startswith(("=", ":"), end) and not s.startswith((" :", "\t:"), end):
+    after = s[end : end + 1]
+    if after == '"' and before == '"':  # "client_secret": "…" (JSON)
+        return _value_span(_JSON_VALUE.match(s, end + 1))
+    if after == '"' and s[start - 2 : start] == '\\"':  # the same inside a JSON string
         return None
-    if s.startswith("=", end):
-        if before in "?&":  # …?access_token=… (a URL's query)
-            found = _QUERY_VALUE.match(s, end)
-            return found.span(1) if found else None
-        name = s[start:end]
-        if name.isupper():  # DB_PASSWORD=… (an .env line, a shell export)
-            found = _ENV_VALUE.match(s, end)
-            return found.span(2) if found else None
-        return None
-    line_start = s.rfind("\n", 0, start) + 1  # password: … alone on its line (YAML)
-    if s[line_start:start].strip(" \t-"):
-        return None
-    found = _YAML_VALUE.match(s, end)
-    return found.span(2) if found else None
+    if before in "?&" and after == "=":  # …?access_token=… (a URL's query)
+        return _value_span(_QUERY_VALUE.match(s, end))
+    line_start = s.rfind("\n", 0, start) + 1
+    alone = not s[line_start:start].strip(" \t-") or s[line_start:start].strip() in (
+        "export",
+        "set",
+    )
+    upper_env = after == "=" and s[start:end].isupper()  # X_TOKEN=… anywhere (env, docker -e)
+    if alone or upper_env or before in ":" or s[start - 2 : start] == "--":
+        # DB_PASSWORD=…, export JWT_SECRET=…, password = … (INI), --password=…, :_authToken=…
+        found = _value_span(_ASSIGN_VALUE.match(s, end))
+        if found is not None or not alone:
+            return found  # (a line that is no assignment may still be YAML's)
+    if alone:  # password: … alone on its line (YAML)
+        return _value_span(_YAML_VALUE.match(s, end))
+    return None
 
 
 def _redact_named(s: str, lowered: str) -> str:
@@ -115,15 +137,24 @@ def _redact_named(s: str, lowered: str) -> str:
     for word in _NAME_WORDS:
         at = lowered.find(word)
         while at >= 0:
-            span = _named_value(s, at, len(word))
-            if span is not None:
-                spans.append(span)
-            at = lowered.find(word, at + len(word))
+            # The name around the hit: its run of name characters, looked at once.
+            start = at
+            while start > 0 and at - start <= _MAX_NAME and s[start - 1] in _IDENT:
+                start -= 1
+            while start < at and s[start] in "-.":  # a flag's dashes are no part of the name
+                start += 1
+            run = _IDENT_RUN.match(s, at)  # always matches (maybe empty)
+            end = run.end() if run is not None else at
+            if at - start <= _MAX_NAME:
+                span = _named_value(s, start, end)
+                if span is not None:
+                    spans.append(span)
+            at = lowered.find(word, max(end, at + len(word)))
     at = lowered.find("authorization")
     while at >= 0:
-        found = _AUTHORIZATION.match(s, at)
-        if found is not None:
-            spans.append(found.span(1))
+        span = _value_span(_AUTHORIZATION.match(s, at))
+        if span is not None:
+            spans.append(span)
         at = lowered.find("authorization", at + 13)
     if not spans:
         return s
@@ -161,15 +192,18 @@ _SECRET_ANCHORS: Final = (
 _ANCHORS_STR: Final = tuple(re.compile(anchor) for anchor in _SECRET_ANCHORS)
 _LITERALS_BYTES: Final = tuple(literal.encode() for literal in _SECRET_LITERALS)
 _ANCHORS_BYTES: Final = tuple(re.compile(anchor.encode()) for anchor in _SECRET_ANCHORS)
-# Every credential key name ends in one of these (lowercased, with the closing quote of a JSON key,
-# or its escape inside a JSON string: a tool call's arguments).
-_KEY_ENDINGS: Final = (b'key"',)
-# Looked for in the lowered line too: names whose value is a secret in running text
-# (``_redact_named``; "secret" covers the AWS secret's name, "_key" a JSON key inside a string,
-# ``"api_key\\": …``). Each is one more scan of every line (~0.7 µs per 1.5 KB).
-_NAMES: Final = (*_KEY_ENDINGS, b"authorization", b"secret", b"passw", b"token", b"_key")
-_LOWERED_NAMES: Final = (b"earer", *_NAMES)
-_LOWERED_STR: Final = tuple(name.decode() for name in _NAMES)
+# Looked for in the lowered line: the names of credentials with what follows a name that is
+# assigned a value (a JSON key's closing quote, escaped or not inside a JSON string, ``=``, ``:``),
+# so that ``max_tokens``, ``tokenizer`` or the usual text pass; and "authorization", "secret" and
+# "passw" as they are. A pattern with a literal start is found as fast as a plain substring (~0.7
+# µs per 1.5 KB). Object fields named ``apikey``, ``x-api-key``, … end in ``key"``.
+_NAMED_BYTES: Final = (
+    re.compile(rb'key(?:\\?"|\s*[=:])'),
+    re.compile(rb'token(?:\\?"|\s*[=:])'),
+)
+_NAMED_STR: Final = tuple(re.compile(p.pattern.decode()) for p in _NAMED_BYTES)
+_WORDS_BYTES: Final = (b"authorization", b"secret", b"passw", b"earer")
+_WORDS_STR: Final = ("authorization", "secret", "passw")
 
 
 def _may_hold_secret(s: str, lowered: str | None = None) -> bool:
@@ -207,7 +241,10 @@ def line_may_hold_secret(line: bytes) -> bool:
         if anchor.search(line) is not None:
             return True
     lowered = line.lower()
-    return any(lowered.find(name) >= 0 for name in _LOWERED_NAMES)
+    for word in _WORDS_BYTES:
+        if lowered.find(word) >= 0:
+            return True
+    return any(name.search(lowered) is not None for name in _NAMED_BYTES)
 
 
 def redact_text(s: str) -> str:
@@ -219,7 +256,9 @@ def redact_text(s: str) -> str:
     if _may_hold_secret(s, lowered) and _SECRET.search(s) is not None:
         out = _SECRET.sub(_replace, s)
         lowered = _lowered(out)
-    if any(name in lowered for name in _LOWERED_STR):
+    if any(word in lowered for word in _WORDS_STR) or any(
+        name.search(lowered) is not None for name in _NAMED_STR
+    ):
         out = _redact_named(out, lowered)
     return s if out == s else out
 

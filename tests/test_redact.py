@@ -105,6 +105,16 @@ PEM = (
         ('{"api_key": "zz9aa8bb7cc6dd5ee", "n": 1}', '{"api_key": "[REDACTED]", "n": 1}'),
         ('{"client_secret": "abcDEF123456"}', '{"client_secret": "[REDACTED]"}'),
         ("https://x.example/cb?access_token=ya29.a0AfH6SMB&x=1", None),
+        # other layouts: INI, a flag, .npmrc, a quoted value with spaces, escapes in JSON,
+        # a YAML list item, an Authorization header with a bare token
+        ("[db]\npassword = hunter2abc", "[db]\npassword = [REDACTED]"),
+        ("psql --password=hunter2abc db", "psql --password=[REDACTED] db"),
+        ("//registry.npmjs.org/:_authToken=npm_abcdefghij", None),
+        ('DB_PASSWORD="a b c d e f"', 'DB_PASSWORD="[REDACTED]"'),
+        ('{"password": "ab\\"cd\\"efgh"}', '{"password": "[REDACTED]"}'),
+        ('env:\n  - password: "aB3$x! 9#Qz"', 'env:\n  - password: "[REDACTED]"'),
+        ("Authorization: 0123456789abcdef0123", "Authorization: [REDACTED]"),
+        ('{"apikey": "abcdef123456", "x-api-key": "zyxwvu987654"}', None),
         # a private key, whole or cut off
         (f"cat ~/.ssh/id_ed25519\n{PEM}\ndone", None),
         (PEM[:120], None),
@@ -116,7 +126,14 @@ def test_credentials_named_in_text_lose_their_value(text: str, redacted: str | N
         assert out == redacted
     assert line_may_hold_secret(text.encode())
     assert redact_text(out) == out  # idempotent
-    for secret in ("ya29.a0AfH6SMB", "b3BlbnNzaC1rZXkt", "QyNTUxOQAAACBHK2Ow5bq0"):
+    for secret in (
+        "ya29.a0AfH6SMB",
+        "b3BlbnNzaC1rZXkt",
+        "QyNTUxOQAAACBHK2Ow5bq0",
+        "npm_abcdefghij",
+        "abcdef123456",
+        "zyxwvu987654",
+    ):
         assert secret not in out
     if "PRIVATE KEY" in text:
         assert "-----BEGIN OPENSSH PRIVATE KEY-----[REDACTED]" in out
@@ -138,6 +155,13 @@ def test_credentials_named_in_text_lose_their_value(text: str, redacted: str | N
         "authorization = authorization_header_value.strip()",
         "cache_key = make_key(request)",
         "export GITHUB_TOKEN=$TOKEN",
+        "token=self.tokenizer",
+        "tokenizer: bert-base-uncased",
+        '"tokenizer_class": "LlamaTokenizerFast"',
+        '"token_type": "Bearer"',
+        '"prompt_cache_key": "session-abc123"',
+        "primary_key: user_id_x",
+        "secretName: db-credentials",
         'if line.startswith("-----BEGIN PRIVATE KEY-----"):\n    return parse_pem(line)',
     ],
 )
@@ -321,3 +345,19 @@ def test_every_credential_key_is_caught_by_the_line_prefilter_in_any_case() -> N
             line = orjson.dumps({"headers": {spelling: "x"}})
             assert line_may_hold_secret(line), spelling
             assert redact({spelling: "x"}) == {spelling: "[REDACTED]"}
+
+
+def test_a_request_lines_parameters_do_not_send_it_down_the_slow_path() -> None:
+    """``max_tokens`` is in nearly every request's parameters: the line prefilter looks for
+    credential names as assigned names, not for the word anywhere."""
+    import orjson
+
+    line = orjson.dumps({"type": "request", "params": {"max_tokens": 1000, "top_p": 1}})
+    assert not line_may_hold_secret(line)
+    for named in ('{"token": "abcdef123"}', "TOKEN=abcdef123", '"client_secret"', "passwd"):
+        assert line_may_hold_secret(orjson.dumps({"content": named})), named
+    # a key named inside a JSON string (a tool call's arguments), any spelling
+    for key in ("apikey", "x-api-key", "API_KEY"):
+        arguments = orjson.dumps({key: "abcdef123456"}).decode()
+        assert line_may_hold_secret(orjson.dumps({"arguments": arguments})), key
+        assert "abcdef123456" not in redact_text(arguments), key
