@@ -88,9 +88,14 @@ def _lenient_body(raw: bytes) -> Any:
     it is forwarded as its client sent it unless a repair changes it; in cachegate's own copy
     (accounting, the log, a repaired body) the surrogate reads as U+FFFD. Anything else JSON
     does not allow stays refused: another encoding than UTF-8, ``NaN``/``Infinity``, a number
-    beyond a double (it would be written back as ``null``)."""
+    beyond a double (it would be written back as ``null``), an integer beyond 64 bits."""
     try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_refuse, parse_float=_finite_float)
+        body = json.loads(
+            raw.decode("utf-8"),
+            parse_constant=_refuse,
+            parse_float=_finite_float,
+            parse_int=_int64,
+        )
         return _without_surrogates(body)
     except (ValueError, RecursionError):
         return _UNREADABLE
@@ -98,6 +103,13 @@ def _lenient_body(raw: bytes) -> Any:
 
 def _refuse(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+def _int64(text: str) -> int:
+    value = int(text)
+    if not -(2**63) <= value < 2**64:  # what orjson, and so the log, can write
+        raise ValueError(f"{text[:20]}... is beyond 64 bits")
+    return value
 
 
 def _finite_float(text: str) -> float:

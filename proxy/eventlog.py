@@ -148,6 +148,7 @@ class EventLogWriter:
         # bound) whose single operations are atomic under the GIL.
         self.broken: dict[str, None] = {}
         self._max_open = max_open_files
+        self._shared_dir = True  # others may write into the log directory (known at start)
         # A deque and an Event rather than queue.Queue: emitting on the event loop then costs an
         # append, and the writer is woken only when it sleeps (no lock and notify per event).
         self._items: deque[Any] = deque()
@@ -202,7 +203,7 @@ class EventLogWriter:
         """Create the log directory (a failure is only logged) and start the writer thread."""
         if self._thread is not None:
             return
-        _prepare_log_dir(self.log_dir, self._warn)
+        self._shared_dir = _prepare_log_dir(self.log_dir, self._warn)
         self._thread = threading.Thread(target=self._run, name="cachegate-eventlog", daemon=True)
         self._thread.start()
 
@@ -518,11 +519,16 @@ class EventLogWriter:
         fd = os.open(path, _OPEN_FLAGS, 0o600)
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or (_UID is not None and st.st_uid != _UID):
-                # A hard link to another user's file (or a device, a FIFO) planted under a
-                # session's name would have the log appended there: O_NOFOLLOW stops only
-                # symbolic links. (A hard link of the user's own, a snapshot backup's, is fine.)
-                raise OSError(f"{path} is not a regular file of this user's")
+            if (
+                not stat.S_ISREG(st.st_mode)
+                or (_UID is not None and st.st_uid != _UID)
+                or (st.st_nlink > 1 and self._shared_dir)
+            ):
+                # A hard link (or a device, a FIFO) planted under a session's name would have
+                # the log appended to a file elsewhere: O_NOFOLLOW stops only symbolic links.
+                # Another user's file never; a second link to one of the user's own (a snapshot
+                # backup's) only where nobody else can write into the directory.
+                raise OSError(f"{path} is not a regular file of this user's own")
             _terminate_torn_line(fd)
         except OSError:
             os.close(fd)
@@ -579,18 +585,21 @@ _UID: Final = os.geteuid() if hasattr(os, "geteuid") else None
 GITIGNORE: Final = "# cachegate's session logs: prompts, tool outputs, answers. Not for git.\n*\n"
 
 
-def _prepare_log_dir(log_dir: str | os.PathLike[str], warn: Callable[..., None]) -> None:
+def _prepare_log_dir(log_dir: str | os.PathLike[str], warn: Callable[..., None]) -> bool:
     """Create the log directory (0700) with a ``.gitignore`` that ignores everything in it: the
     default directory is relative, often inside the repository an agent works in, and the logs
     hold its prompts and tool outputs. An existing directory is left as it is, with a warning
-    when other users may read it. Failures are only logged (the writer counts lost lines)."""
+    when other users may read it. Failures are only logged (the writer counts lost lines).
+    Returns whether others may write into the directory (another owner, or group or world
+    write permission)."""
     try:
         os.mkdir(log_dir, 0o700)
     except FileExistsError:
         try:
-            mode = os.stat(log_dir).st_mode
+            st = os.stat(log_dir)
         except OSError:
-            return
+            return True
+        mode = st.st_mode
         if os.name == "posix" and stat.S_ISDIR(mode) and mode & 0o077:
             warn(
                 "mode",
@@ -599,16 +608,16 @@ def _prepare_log_dir(log_dir: str | os.PathLike[str], warn: Callable[..., None])
                 log_dir,
                 stat.S_IMODE(mode),
             )
-        return
+        return bool(mode & 0o022) or (_UID is not None and st.st_uid != _UID)
     except FileNotFoundError:  # its parents too: made as makedirs would
         try:
             os.makedirs(log_dir, mode=0o700, exist_ok=True)
         except OSError as exc:
             warn("mkdir", "cannot create log directory %s: %s", log_dir, exc)
-            return
+            return True
     except OSError as exc:
         warn("mkdir", "cannot create log directory %s: %s", log_dir, exc)
-        return
+        return True
     try:
         fd = os.open(
             os.path.join(log_dir, ".gitignore"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
@@ -619,6 +628,7 @@ def _prepare_log_dir(log_dir: str | os.PathLike[str], warn: Callable[..., None])
             os.close(fd)
     except OSError as exc:
         warn("gitignore", "cannot write %s/.gitignore: %s", log_dir, exc)
+    return False
 
 
 def _terminate_torn_line(fd: int) -> None:
@@ -664,6 +674,14 @@ def strip_bodies(event: dict[str, Any]) -> dict[str, Any]:
         tools = event.get("tools")
         if isinstance(tools, list):
             stripped["tools"] = {"count": len(tools), "sha256": _sha256_json(tools)}
+        params = event.get("params")
+        if isinstance(params, dict) and any(isinstance(v, dict | list) for v in params.values()):
+            # A structured parameter may carry text (a prediction's content, a schema): its
+            # hash only; numbers, strings and booleans (temperature, reasoning_effort) as sent.
+            stripped["params"] = {
+                k: {"sha256": _sha256_json(v)} if isinstance(v, dict | list) else v
+                for k, v in params.items()
+            }
         return stripped
     if kind == "response" and event.get("message") is not None:
         return {**event, "message": message_metadata(event["message"])}
@@ -782,6 +800,8 @@ def replay_requests(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         base_exchange = ev.get("base_exchange")
         if not isinstance(exchange, int) or not isinstance(appended, list):
             continue
+        if "tools" in ev:  # what the next lines carry forward, even from a line left out
+            tools = ev["tools"]
         if base == 0:
             messages = list(appended)
         else:
@@ -797,8 +817,6 @@ def replay_requests(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 continue
             messages = previous[:base] + appended
         rebuilt[exchange] = last = messages
-        if "tools" in ev:
-            tools = ev["tools"]
         request: dict[str, Any] = {"exchange_id": exchange, "model": ev.get("model")}
         if isinstance(ev.get("stream"), bool):
             request["stream"] = ev["stream"]

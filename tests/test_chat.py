@@ -675,6 +675,7 @@ def test_a_lone_surrogate_is_the_providers_to_judge_not_a_400(
         b'{"a": "\\ud83d',
         b'{"model": "m", "n": 1e400, "x": "\\ud83d"}',
         b'{"model": "m", "temperature": NaN, "x": "\\ud83d"}',
+        b'{"model": "m", "seed": 1' + b"0" * 400 + b', "x": "\\ud83d"}',
         '{"model": "m", "x": "\\ud83d"}'.encode("utf-16"),
     ):
         r = httpx.post(proxy.base_url + "/chat/completions", content=bad, headers=headers)

@@ -18,6 +18,7 @@ from proxy.eventlog import (
     enforce_retention,
     read_events,
     replay,
+    replay_requests,
     session_log_path,
     strip_bodies,
 )
@@ -346,6 +347,14 @@ def test_a_hard_link_to_another_users_file_is_not_written_through(
     assert w.close()
     assert '"message":"y"' in snapshot.read_text()  # the same file, linked twice
     assert losses == ["io"]
+    # In a directory others may write into, a second link to the user's own file is refused
+    # too (a planted link to ~/.zshrc on a system that lets users link others' files).
+    log_dir.chmod(0o777)
+    w = started(writers, log_dir, on_loss=losses.append)
+    assert w.emit("s2", {"type": "error", "message": "z"})
+    assert w.close()
+    assert '"message":"z"' not in snapshot.read_text()
+    assert losses == ["io", "io"]
 
 
 def test_hostile_session_ids_are_refused_and_touch_nothing(tmp_path: Path, writers) -> None:
@@ -799,3 +808,41 @@ def test_metadata_mode_keeps_the_tools_count_and_hash_not_their_text() -> None:
     assert "Ship it" not in orjson.dumps(stripped).decode()
     assert stripped["params"] == {"n": 1}
     assert strip_bodies({**event, "tools": None})["tools"] is None
+
+
+def test_replay_carries_the_tools_of_a_line_it_has_to_leave_out() -> None:
+    def line(exchange: int, base_exchange: int | None, base: int, **more: Any) -> dict[str, Any]:
+        return {
+            "type": "request",
+            "exchange": exchange,
+            "model": "m",
+            "stream": False,
+            "params": {},
+            "base_exchange": base_exchange,
+            "base": base,
+            "appended": [{"role": "user", "content": str(exchange)}],
+            **more,
+        }
+
+    events = [
+        line(1, None, 0, tools=["T1"]),
+        line(2, 7, 1, tools=["T2"]),  # its base is missing: left out, its tools still hold
+        line(3, None, 0),
+    ]
+    replayed = replay_requests(events)
+    assert [r["exchange_id"] for r in replayed] == [1, 3]
+    assert replayed[1]["tools"] == ["T2"]
+
+
+def test_metadata_mode_keeps_structured_parameters_as_hashes() -> None:
+    prediction = {"type": "content", "content": "def secret_plan(): ..."}
+    event = {
+        "ts": 1.0,
+        "type": "request",
+        "appended": [],
+        "params": {"temperature": 0.2, "prediction": prediction, "reasoning_effort": "low"},
+    }
+    params = strip_bodies(event)["params"]
+    assert params["temperature"] == 0.2 and params["reasoning_effort"] == "low"
+    assert set(params["prediction"]) == {"sha256"}
+    assert "secret_plan" not in orjson.dumps(params).decode()
