@@ -785,12 +785,14 @@ def replay(events: Iterable[dict[str, Any]]) -> list[tuple[int, list[dict[str, A
 def replay_requests(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """``replay``, as the requests that were forwarded: ``{exchange_id, model, stream, params,
     tools, messages}`` (``params`` and ``tools`` as far as the log records them: a line carries
-    the tools only when they changed, and logs written before cachegate recorded them have
-    neither; ``tools`` is left out while none are known)."""
+    the tools only when they changed, or names the earlier line that carried them
+    (``tools_ref``), and logs written before cachegate recorded them have neither; ``tools`` is
+    left out while none are known)."""
     rebuilt: dict[int, list[dict[str, Any]]] = {}
     out: list[dict[str, Any]] = []
     last: list[dict[str, Any]] | None = None
     tools: Any = _NO_TOOLS_SEEN
+    tools_of: dict[int, Any] = {}  # the tools each exchange's line carried or named
     for ev in events:
         if ev.get("type") != "request":
             continue
@@ -802,6 +804,9 @@ def replay_requests(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         if "tools" in ev:  # what the next lines carry forward, even from a line left out
             tools = ev["tools"]
+        elif isinstance(ev.get("tools_ref"), int):  # those an earlier line of this process had
+            tools = tools_of.get(ev["tools_ref"], _NO_TOOLS_SEEN)
+        tools_of[exchange] = tools
         if base == 0:
             messages = list(appended)
         else:

@@ -36,7 +36,7 @@ def _state_of(ex: Exchange, sessions: SessionStore) -> SessionState | None:
 
 # Top-level request keys the request line gives fields of their own (not ``params``).
 _NOT_PARAMS: Final = frozenset({"messages", "tools", "model", "stream"})
-_NO_TOOLS: Final = object()  # no line of the session written yet (in this process)
+_TOOLS_KEPT: Final = 4  # tools arrays a session's lines may name by an earlier line's number
 
 # Requests of distinct conversations a session's accounting compares the next one with.
 _BASELINES: Final = 8
@@ -323,13 +323,27 @@ class EventLogObserver:
         # The tools, when they differ from those of the session's last line (an agent sends
         # the same tools every turn; a body continued from the last one holds the same object).
         tools = body.get("tools")
-        logged = state.extra.get("logged_tools", _NO_TOOLS) if state is not None else _NO_TOOLS
-        if tools is not logged and (logged is _NO_TOOLS or tools != logged):
-            event["tools"] = tools  # null: no tools any more (or none on a first line)
+        logged: list[tuple[int, Any]] = state.extra.get("logged_tools", []) if state else []
+        keep = logged
+        if not logged:
+            event["tools"] = tools  # a session's first line in this process (null: none)
+            keep = [(ex.exchange_id, tools)]
+        elif tools is not logged[0][1] and tools != logged[0][1]:
+            # Other tools than the last line's: those of another conversation of the session
+            # (a sub-agent's), logged already by an earlier line, are named by its number.
+            earlier = next(
+                (i for i, (_, held) in enumerate(logged) if held is tools or held == tools), None
+            )
+            if earlier is not None:
+                event["tools_ref"] = logged[earlier][0]
+                keep = [logged[earlier], *logged[:earlier], *logged[earlier + 1 :]]
+            else:
+                event["tools"] = tools
+                keep = [(ex.exchange_id, tools), *logged[: _TOOLS_KEPT - 1]]
         written = self._emit(ex.session_id, event)
         if state is not None and written:  # a line that was refused is no base
             state.remember(ex.exchange_id, messages)
-            state.extra["logged_tools"] = tools
+            state.extra["logged_tools"] = keep
 
     def on_retry(self, ex: Exchange) -> None:
         """The request was compacted and re-sent: log it again under the same exchange id (replay

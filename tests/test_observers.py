@@ -11,7 +11,7 @@ import pytest
 
 from proxy.cache import CacheState
 from proxy.config import settings_from_mapping
-from proxy.eventlog import EventLogWriter, read_events, replay
+from proxy.eventlog import EventLogWriter, read_events, replay, replay_requests
 from proxy.metrics import Metrics
 from proxy.observers import AccountingObserver, EventLogObserver
 from proxy.pipeline import Exchange
@@ -261,6 +261,38 @@ def test_request_lines_carry_the_parameters_and_the_tools_when_they_change() -> 
         for e in requests
     )
     assert [e.get("tools", "-") for e in requests] == [tools, "-", "-", other, None]
+
+
+def test_conversations_with_other_tools_name_the_line_that_carried_theirs() -> None:
+    """A main agent and a sub-agent with other tools under one session: each line carried its
+    tools in full (tens of KB every turn); a line now names the earlier line that has them, and
+    replay gives every request its own."""
+    settings = settings_from_mapping({})
+    store = MemorySessionStore()
+    store.create("s1", 0.0)
+    lines = Lines()
+    log = EventLogObserver(settings, store, lines)  # type: ignore[arg-type]
+    main_tools = [{"type": "function", "function": {"name": "edit", "parameters": {}}}]
+    sub_tools = [{"type": "function", "function": {"name": "grep", "parameters": {}}}]
+    sent = []
+    for eid, (who, tools) in enumerate(
+        [("main", main_tools), ("sub", sub_tools), ("main", main_tools), ("sub", list(sub_tools))],
+        start=1,
+    ):
+        ex = exchange(eid, msgs(f"{who} turn {eid}"))
+        assert ex.body is not None
+        ex.body = {**ex.body, "tools": tools}
+        log.on_request(ex)
+        sent.append(ex.body)
+    requests = [e for e in lines.events if e["type"] == "request"]
+    assert [(e.get("tools") is not None, e.get("tools_ref")) for e in requests] == [
+        (True, None),
+        (True, None),
+        (False, 1),
+        (False, 2),
+    ]
+    replayed = replay_requests(lines.events)
+    assert [r["tools"] for r in replayed] == [b["tools"] for b in sent]
 
 
 class _Accounting:
