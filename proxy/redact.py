@@ -66,31 +66,55 @@ def _replace(match: re.Match[str]) -> str:
 # one pattern able to start anywhere cost ~0.5 ms per 3 KB of text, and a name alone says little
 # (``token = self.tokenizer.encode(text)`` is code, ``JWT_SECRET=4f…`` is not).
 _NAME_WORDS: Final = ("passw", "secret", "token", "key")
-# The name must end in one of these (lower-cased): a credential's name, not one that only contains
-# a word (``tokenizer``, ``token_type``, ``secretName``, ``prompt_cache_key``, ``primary_key``).
+# A credential's name (lower-cased) ends in one of these: "password", "secret" or "token" after
+# anything (``authToken``, ``client_secret``), "key(s)" after a separator or a known prefix
+# (``OPENAI_KEY``, ``apiKey``; not ``monkey``), maybe then a version, ``_base``, ``_id`` or
+# ``_hash`` (``SECRET_KEY_BASE``, ``WEBHOOK_SECRET_V2``).
 _CREDENTIAL_NAME = re.compile(
-    r"(?:passw(?:or)?d|secret|token|api[_-]?key"
-    r"|(?:access|private|auth|secret|signing|encryption|master|client)[_-]?key)\Z"
+    r"(?:passw(?:or)?d|pwd|secrets?|tokens?|(?:^|[_.-])(?:pass|keys?)"
+    r"|(?:api|auth|access|private|priv|secret|master|signing|encryption|client|app|service"
+    r"|license|deploy|ssh|anon)[_-]?keys?)(?:[_-]?(?:v\d+|base|id|hash))?\Z"
+)
+# ...but these are no credentials' names.
+_HARMLESS_NAME = re.compile(
+    r"(?:cache|primary|foreign|sort|partition|idempotency|row|hash|range|lookup|dict|map|object"
+    r"|group|dedup|cursor)[_-]?keys?\Z"
+    r"|(?:page|max|completion|prompt|input|output|total|reasoning|cached|num|n)[_-]?tokens?\Z"
+    r"|\Atoken[_-]?(?:type|count|limit|usage)\Z"
 )
 _IDENT: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 _IDENT_RUN = re.compile(r"[A-Za-z0-9_.-]*")
 _MAX_NAME = 64  # longer runs are no names (and a run is looked at once: no quadratic walks)
-# Values: a quoted one holds anything but its closing quote (escapes inside JSON); an unquoted
-# one is a literal, not code (no call, index or attribute chain: ``self.tokenizer.encode(…)``).
-_JSON_VALUE = re.compile(r'\s*:\s*"(?=(?:[^"\\\n]|\\.)*[A-Za-z])((?:[^"\\\n]|\\.){6,}?)"')
-_QUOTED = r"""(?:"(?=[^"\n]*[A-Za-z])([^"\n]{6,})"|'(?=[^'\n]*[A-Za-z])([^'\n]{6,})')"""
-_BARE = (
-    r"(?![A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+(?![^\s,;]))"  # no a.b.c
-    r"(?=[^\s\"'`]*[A-Za-z])([^\s\"'`$(){}\[\]<>,;][^\s\"'`(){}\[\]<>,;]{5,})(?![^\s,;])"
+# Values, at most 512 characters (so that no look at a value runs to the end of a long string):
+# a quoted one holds anything but its closing quote (escapes inside JSON); an unquoted one is a
+# literal, stops at a backslash (an escaped line end inside a JSON string: a file a tool call
+# writes) and, but for upper-case names, is no code (a call, an index, an attribute chain:
+# ``self.tokenizer.encode(…)``).
+_JSON_VALUE = re.compile(r'\s*:\s*"(?=(?:[^"\\\n]|\\.){0,512}?[A-Za-z])((?:[^"\\\n]|\\.){6,512}?)"')
+_ESCAPED_JSON_VALUE = re.compile(  # \"name\": \"value\" inside a JSON string
+    r'\\"\s*:\s*\\"(?=[^"\\]{0,512}[A-Za-z])([^"\\]{6,512})\\"'
 )
-_ASSIGN_VALUE = re.compile(r"[ \t]*=[ \t]*(?:" + _QUOTED + "|" + _BARE + ")")
-_QUERY_VALUE = re.compile(r"=(?=[^&\s#\"']*[A-Za-z])([^&\s#\"']{6,})")
+_QUOTED = (
+    r"""(?:"(?=[^"\n\\]{0,512}[A-Za-z])([^"\n\\]{6,512})"|'(?=[^'\n\\]{0,512}[A-Za-z])"""
+    r"""([^'\n\\]{6,512})')"""
+)
+_LITERAL = (
+    r"(?=[^\s\"'`\\]{0,512}[A-Za-z])([^\s\"'`$(){}\[\]<>,;\\][^\s\"'`(){}\[\]<>,;\\]{5,511})"
+    r"(?![^\s,;\\])"
+)
+_NOT_CODE = r"(?![A-Za-z_][A-Za-z0-9_]{0,64}(?:\.[A-Za-z_][A-Za-z0-9_]{0,64}){1,8}(?![^\s,;\\]))"
+_ASSIGN_VALUE = re.compile(r"[ \t]*=[ \t]*(?:" + _QUOTED + "|" + _NOT_CODE + _LITERAL + ")")
+_ENV_VALUE = re.compile(r"=(?:" + _QUOTED + "|" + _LITERAL + ")")
+_HEADER_VALUE = re.compile(r":[ \t]*([A-Za-z0-9._~+/=-]{8,512})(?![A-Za-z0-9._~+/=(-])")
+_QUERY_VALUE = re.compile(r"=(?=[^&\s#\"'\\]{0,512}[A-Za-z])([^&\s#\"'\\]{6,512})")
 _YAML_VALUE = re.compile(
-    r"[ \t]*:[ \t]+(?:" + _QUOTED + "|" + _BARE + r")[ \t]*(?:#[^\n]*)?(?=\n|\Z)"
+    r"[ \t]*:[ \t]+(?:" + _QUOTED + "|" + _NOT_CODE + _LITERAL + r")[ \t]*(?:#[^\n\\]*)?"
+    r"(?=\n|\\n|\\r|\Z)"
 )
 _AUTHORIZATION = re.compile(  # a scheme, or a header's colon and a token alone (no code)
     r"""(?i:authorization)["']?\s*(?:[:=]\s*["']?(?i:basic|bearer|token|digest)\s+"""
-    r"""([A-Za-z0-9._~+/=:-]{12,})|:\s*["']?([A-Za-z0-9_~+/=-]{16,})(?![A-Za-z0-9._~+/=(-]))"""
+    r"""([A-Za-z0-9._~+/=:-]{12,512})|:\s*["']?([A-Za-z0-9_~+/=-]{16,512})"""
+    r"""(?![A-Za-z0-9._~+/=(-]))"""
 )
 
 
@@ -106,37 +130,50 @@ def _value_span(found: re.Match[str] | None) -> tuple[int, int] | None:
 def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     """The span of the value named by the credential name ``s[start:end]``, if the text there
     reads as an assignment of a literal to it; None otherwise."""
-    if end - start > _MAX_NAME or _CREDENTIAL_NAME.search(s[start:end].lower()) is None:
+    name = s[start:end].lower()
+    if end - start > _MAX_NAME or _CREDENTIAL_NAME.search(name) is None:
+        return None
+    if _HARMLESS_NAME.search(name) is not None:
         return None
     before = s[start - 1] if start else "\n"
     after = s[end : end + 1]
+    if s[end : end + 2] == '\\"' and s[start - 2 : start] == '\\"':  # \"api_key\": \"…\"
+        return _value_span(_ESCAPED_JSON_VALUE.match(s, end))  # (in a JSON string)
     if after == '"' and before == '"':  # "client_secret": "…" (JSON)
         return _value_span(_JSON_VALUE.match(s, end + 1))
-    if after == '"' and s[start - 2 : start] == '\\"':  # the same inside a JSON string
-        return None
+    if before in "'\"" and after == ":":  # -H 'X-Api-Key: …' (a header in a command)
+        return _value_span(_HEADER_VALUE.match(s, end))
     if before in "?&" and after == "=":  # …?access_token=… (a URL's query)
         return _value_span(_QUERY_VALUE.match(s, end))
-    line_start = s.rfind("\n", 0, start) + 1
-    alone = not s[line_start:start].strip(" \t-") or s[line_start:start].strip() in (
-        "export",
-        "set",
-    )
-    upper_env = after == "=" and s[start:end].isupper()  # X_TOKEN=… anywhere (env, docker -e)
-    if alone or upper_env or before in ":" or s[start - 2 : start] == "--":
-        # DB_PASSWORD=…, export JWT_SECRET=…, password = … (INI), --password=…, :_authToken=…
+    if after == "=" and s[start:end].isupper():  # X_TOKEN=… anywhere (env, export, docker -e)
+        return _value_span(_ENV_VALUE.match(s, end))
+    lo = max(0, start - 256)
+    line_start = max(s.rfind("\n", lo, start) + 1, s.rfind("\\n", lo, start) + 2)
+    head = s[line_start:start].strip(" \t-")
+    alone = not head or head in ("export", "set")
+    if alone or before == ":" or s[start - 2 : start] == "--":
+        # password = … (INI), --password=…, :_authToken=… (.npmrc)
         found = _value_span(_ASSIGN_VALUE.match(s, end))
         if found is not None or not alone:
-            return found  # (a line that is no assignment may still be YAML's)
+            return found
     if alone:  # password: … alone on its line (YAML)
         return _value_span(_YAML_VALUE.match(s, end))
     return None
 
 
+# Name hits looked at per string: a value is looked for up to 512 characters on, so a string
+# made of thousands of names (``A_TOKEN=A_TOKEN=…``) would cost ~40 µs per hit; past this many
+# hits the rest of the string is left to the other checks (no text holds that many by chance).
+_MAX_HITS: Final = 1000
+
+
 def _redact_named(s: str, lowered: str) -> str:
     spans: list[tuple[int, int]] = []
+    hits = 0
     for word in _NAME_WORDS:
         at = lowered.find(word)
-        while at >= 0:
+        while at >= 0 and hits < _MAX_HITS:
+            hits += 1
             # The name around the hit: its run of name characters, looked at once.
             start = at
             while start > 0 and at - start <= _MAX_NAME and s[start - 1] in _IDENT:
@@ -145,11 +182,13 @@ def _redact_named(s: str, lowered: str) -> str:
                 start += 1
             run = _IDENT_RUN.match(s, at)  # always matches (maybe empty)
             end = run.end() if run is not None else at
+            resume = max(end, at + len(word))
             if at - start <= _MAX_NAME:
                 span = _named_value(s, start, end)
                 if span is not None:
                     spans.append(span)
-            at = lowered.find(word, max(end, at + len(word)))
+                    resume = max(resume, span[1])  # the value is looked at once too
+            at = lowered.find(word, resume)
     at = lowered.find("authorization")
     while at >= 0:
         span = _value_span(_AUTHORIZATION.match(s, at))
@@ -161,10 +200,13 @@ def _redact_named(s: str, lowered: str) -> str:
     out: list[str] = []
     done = 0
     for start, end in sorted(spans):
-        if start < done:  # overlapping hits of one value
+        if end <= done:  # inside a value redacted already
             continue
-        out.append(s[done:start])
-        out.append(REDACTED)
+        if start < done:  # overlapping: the rest of it goes too
+            start = done
+        else:
+            out.append(s[done:start])
+            out.append(REDACTED)
         done = end
     out.append(s[done:])
     return "".join(out)
@@ -198,8 +240,8 @@ _ANCHORS_BYTES: Final = tuple(re.compile(anchor.encode()) for anchor in _SECRET_
 # "passw" as they are. A pattern with a literal start is found as fast as a plain substring (~0.7
 # µs per 1.5 KB). Object fields named ``apikey``, ``x-api-key``, … end in ``key"``.
 _NAMED_BYTES: Final = (
-    re.compile(rb'key(?:\\?"|\s*[=:])'),
-    re.compile(rb'token(?:\\?"|\s*[=:])'),
+    re.compile(rb'key(?:\\*"|\s*[=:])'),  # key", key\", key\\\" (nested strings), key=, key:
+    re.compile(rb'token(?:\\*"|\s*[=:])'),
 )
 _NAMED_STR: Final = tuple(re.compile(p.pattern.decode()) for p in _NAMED_BYTES)
 _WORDS_BYTES: Final = (b"authorization", b"secret", b"passw", b"earer")

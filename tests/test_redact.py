@@ -115,6 +115,19 @@ PEM = (
         ('env:\n  - password: "aB3$x! 9#Qz"', 'env:\n  - password: "[REDACTED]"'),
         ("Authorization: 0123456789abcdef0123", "Authorization: [REDACTED]"),
         ('{"apikey": "abcdef123456", "x-api-key": "zyxwvu987654"}', None),
+        # names that end in a credential's word, a version or a suffix
+        ("OPENAI_KEY=hunter2hunter", "OPENAI_KEY=[REDACTED]"),
+        ("SUPABASE_SERVICE_ROLE_KEY=eyJabc.def123", "SUPABASE_SERVICE_ROLE_KEY=[REDACTED]"),
+        ("SECRET_KEY_BASE=abcdef123456", "SECRET_KEY_BASE=[REDACTED]"),
+        ("WEBHOOK_SECRET_V2=abcdef123456", "WEBHOOK_SECRET_V2=[REDACTED]"),
+        ("export JWT_TOKEN=eyJhbGciOi.eyJzdWIiOiIx.c2lnbmF0dXJl", "export JWT_TOKEN=[REDACTED]"),
+        ("GOOGLE_TOKEN=ya29.xxxabcdef", "GOOGLE_TOKEN=[REDACTED]"),
+        # a header in a command
+        (
+            "curl -H 'X-Api-Key: abc123def456' https://x",
+            "curl -H 'X-Api-Key: [REDACTED]' https://x",
+        ),
+        ('-H "X-Auth-Token: abcdef123456"', '-H "X-Auth-Token: [REDACTED]"'),
         # a private key, whole or cut off
         (f"cat ~/.ssh/id_ed25519\n{PEM}\ndone", None),
         (PEM[:120], None),
@@ -162,6 +175,8 @@ def test_credentials_named_in_text_lose_their_value(text: str, redacted: str | N
         '"prompt_cache_key": "session-abc123"',
         "primary_key: user_id_x",
         "secretName: db-credentials",
+        "monkey = banana12345",
+        "cache_key = abcdef123456",
         'if line.startswith("-----BEGIN PRIVATE KEY-----"):\n    return parse_pem(line)',
     ],
 )
@@ -361,3 +376,28 @@ def test_a_request_lines_parameters_do_not_send_it_down_the_slow_path() -> None:
         arguments = orjson.dumps({key: "abcdef123456"}).decode()
         assert line_may_hold_secret(orjson.dumps({"arguments": arguments})), key
         assert "abcdef123456" not in redact_text(arguments), key
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "DB_PASSWORD=hunter2hunter\nX=1",  # a .env file a tool call writes
+        '{"password": "hunter2hunter"}',  # a JSON file
+        "db:\n  password: hunter2hunter\n",  # a YAML file
+    ],
+)
+def test_a_file_a_tool_call_writes_loses_its_credentials(content: str) -> None:
+    """The file is a string inside the call's ``arguments``, itself a JSON string: its line ends
+    are ``\\n`` and its quotes ``\\"`` there."""
+    import orjson
+
+    arguments = orjson.dumps({"path": "app/.env", "content": content}).decode()
+    event = {"appended": [{"role": "assistant", "tool_calls": [{"arguments": arguments}]}]}
+    assert line_may_hold_secret(orjson.dumps(event))
+    assert "hunter2hunter" not in orjson.dumps(redact(event)).decode()
+
+
+def test_overlapping_values_are_redacted_whole() -> None:
+    text = '"secret": "abcdef PASSWORD=\'xyzxyz" tail tail\''
+    out = redact_text(text)
+    assert "xyzxyz" not in out and "abcdef" not in out
