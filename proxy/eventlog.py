@@ -593,8 +593,12 @@ def _prepare_log_dir(log_dir: str | os.PathLike[str], warn: Callable[..., None])
     Returns whether others may write into the directory (another owner, or group or world
     write permission)."""
     try:
-        os.mkdir(log_dir, 0o700)
-    except FileExistsError:
+        try:
+            os.mkdir(log_dir, 0o700)
+        except FileNotFoundError:  # its parents first, then the directory itself, as here
+            os.makedirs(os.path.dirname(os.path.abspath(log_dir)), exist_ok=True)
+            os.mkdir(log_dir, 0o700)
+    except FileExistsError:  # (also when another process made it meanwhile)
         try:
             st = os.stat(log_dir)
         except OSError:
@@ -609,12 +613,6 @@ def _prepare_log_dir(log_dir: str | os.PathLike[str], warn: Callable[..., None])
                 stat.S_IMODE(mode),
             )
         return bool(mode & 0o022) or (_UID is not None and st.st_uid != _UID)
-    except FileNotFoundError:  # its parents too: made as makedirs would
-        try:
-            os.makedirs(log_dir, mode=0o700, exist_ok=True)
-        except OSError as exc:
-            warn("mkdir", "cannot create log directory %s: %s", log_dir, exc)
-            return True
     except OSError as exc:
         warn("mkdir", "cannot create log directory %s: %s", log_dir, exc)
         return True
