@@ -100,16 +100,16 @@ _QUOTED = (
 )
 _LITERAL = (
     r"(?=[^\s\"'`\\]{0,512}[A-Za-z])([^\s\"'`$(){}\[\]<>,;\\][^\s\"'`(){}\[\]<>,;\\]{5,511})"
-    r"(?![^\s,;\\])"
+    r"(?![^\s,;\\\"])"
 )
-_NOT_CODE = r"(?![A-Za-z_][A-Za-z0-9_]{0,64}(?:\.[A-Za-z_][A-Za-z0-9_]{0,64}){1,8}(?![^\s,;\\]))"
+_NOT_CODE = r"(?![A-Za-z_][A-Za-z0-9_]{0,64}(?:\.[A-Za-z_][A-Za-z0-9_]{0,64}){1,8}(?![^\s,;\\\"]))"
 _ASSIGN_VALUE = re.compile(r"[ \t]*=[ \t]*(?:" + _QUOTED + "|" + _NOT_CODE + _LITERAL + ")")
 _ENV_VALUE = re.compile(r"=(?:" + _QUOTED + "|" + _LITERAL + ")")
 _HEADER_VALUE = re.compile(r":[ \t]*([A-Za-z0-9._~+/=-]{8,512})(?![A-Za-z0-9._~+/=(-])")
 _QUERY_VALUE = re.compile(r"=(?=[^&\s#\"'\\]{0,512}[A-Za-z])([^&\s#\"'\\]{6,512})")
 _YAML_VALUE = re.compile(
     r"[ \t]*:[ \t]+(?:" + _QUOTED + "|" + _NOT_CODE + _LITERAL + r")[ \t]*(?:#[^\n\\]*)?"
-    r"(?=\n|\\n|\\r|\Z)"
+    r"(?=\n|\\n|\\r|\"|\Z)"  # the line's end, escaped or not, or the end of a JSON string
 )
 _AUTHORIZATION = re.compile(  # a scheme, or a header's colon and a token alone (no code)
     r"""(?i:authorization)["']?\s*(?:[:=]\s*["']?(?i:basic|bearer|token|digest)\s+"""
@@ -147,10 +147,13 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
         return _value_span(_QUERY_VALUE.match(s, end))
     if after == "=" and s[start:end].isupper():  # X_TOKEN=… anywhere (env, export, docker -e)
         return _value_span(_ENV_VALUE.match(s, end))
-    lo = max(0, start - 256)
-    line_start = max(s.rfind("\n", lo, start) + 1, s.rfind("\\n", lo, start) + 2)
-    head = s[line_start:start].strip(" \t-")
-    alone = not head or head in ("export", "set")
+    lo = max(0, start - 256)  # a name after 256 characters of its line is not alone on it
+    newline, escaped = s.rfind("\n", lo, start), s.rfind("\\n", lo, start)
+    if newline < 0 and escaped < 0 and lo > 0:
+        alone = False
+    else:
+        head = s[max(newline + 1, escaped + 2 if escaped >= 0 else 0) : start].strip(" \t-")
+        alone = not head or head in ("export", "set")
     if alone or before == ":" or s[start - 2 : start] == "--":
         # password = … (INI), --password=…, :_authToken=… (.npmrc)
         found = _value_span(_ASSIGN_VALUE.match(s, end))

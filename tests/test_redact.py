@@ -176,6 +176,7 @@ def test_credentials_named_in_text_lose_their_value(text: str, redacted: str | N
         "primary_key: user_id_x",
         "secretName: db-credentials",
         "monkey = banana12345",
+        '["token=self.tokenizer"]',
         "cache_key = abcdef123456",
         'if line.startswith("-----BEGIN PRIVATE KEY-----"):\n    return parse_pem(line)',
     ],
@@ -384,6 +385,8 @@ def test_a_request_lines_parameters_do_not_send_it_down_the_slow_path() -> None:
         "DB_PASSWORD=hunter2hunter\nX=1",  # a .env file a tool call writes
         '{"password": "hunter2hunter"}',  # a JSON file
         "db:\n  password: hunter2hunter\n",  # a YAML file
+        "db:\n  password: hunter2hunter",  # ... that ends there
+        "DB_PASSWORD=hunter2hunter",  # ... and a .env one
     ],
 )
 def test_a_file_a_tool_call_writes_loses_its_credentials(content: str) -> None:
