@@ -32,16 +32,18 @@ _SECRET = re.compile(
     r"|(?P<awsname>(?i:aws_secret_access_key)[\s\"']*[=:][\s\"']*)[A-Za-z0-9/+=]{40}"
     r")"
     # a URL's user:password (its scheme and host kept)
-    r"|(?<=://)[^\s/:@\"']+:[^\s/@\"']+(?=@)"
+    r"|(?<=://)[^\s/:@\"']*:[^\s/@\"']+(?=@)"
     # a private key's PEM block, whole or cut off (its armour lines kept): base64 and the
     # encrypted form's header lines only, so a parser's source that names the armour is no block
-    r"|-----BEGIN (?P<pem>[A-Z0-9 ]*)PRIVATE KEY-----(?:[A-Za-z0-9+/=\s:,.-]*?"
-    r"-----END (?P=pem)PRIVATE KEY-----|[A-Za-z0-9+/=\s:,.-]*\Z)"
+    # (a body's dashes never run to five: scanning stops at the next armour line, so text with
+    # thousands of BEGIN lines costs no more than its length; escaped line ends are body too)
+    r"|-----BEGIN (?P<pem>[A-Z0-9 ]*)PRIVATE KEY-----(?:(?:[A-Za-z0-9+/=\s:,.\\]|-(?!----))*"
+    r"-----END (?P=pem)PRIVATE KEY-----|(?:[A-Za-z0-9+/=\s:,.\\]|-(?!----)){16,}(?=\Z|\"))"
 )
 
-# The shortest string any alternative can match (a URL's "://u:p@"), so anything shorter cannot
+# The shortest string any alternative can match (a URL's "://:p@"), so anything shorter cannot
 # hold a secret.
-_MIN_SECRET_LEN: Final = 7
+_MIN_SECRET_LEN: Final = 6
 
 # Fields whose whole value is a credential, whatever it looks like.
 _SECRET_KEYS: Final = frozenset(
@@ -65,20 +67,21 @@ def _replace(match: re.Match[str]) -> str:
 # Found by their names with plain substring searches, each hit then checked by an anchored match:
 # one pattern able to start anywhere cost ~0.5 ms per 3 KB of text, and a name alone says little
 # (``token = self.tokenizer.encode(text)`` is code, ``JWT_SECRET=4f…`` is not).
-_NAME_WORDS: Final = ("passw", "secret", "token", "key")
+_NAME_WORDS: Final = ("passw", "secret", "token", "key", "_pass", "pwd")
 # A credential's name (lower-cased) ends in one of these: "password", "secret" or "token" after
 # anything (``authToken``, ``client_secret``), "key(s)" after a separator or a known prefix
 # (``OPENAI_KEY``, ``apiKey``; not ``monkey``), maybe then a version, ``_base``, ``_id`` or
 # ``_hash`` (``SECRET_KEY_BASE``, ``WEBHOOK_SECRET_V2``).
 _CREDENTIAL_NAME = re.compile(
-    r"(?:passw(?:or)?d|pwd|secrets?|tokens?|(?:^|[_.-])(?:pass|keys?)"
+    r"(?:passw(?:or)?d|pwd|secrets?|tokens?|[_.-](?:pass|keys?)"
     r"|(?:api|auth|access|private|priv|secret|master|signing|encryption|client|app|service"
     r"|license|deploy|ssh|anon)[_-]?keys?)(?:[_-]?(?:v\d+|base|id|hash))?\Z"
 )
 # ...but these are no credentials' names.
 _HARMLESS_NAME = re.compile(
     r"(?:cache|primary|foreign|sort|partition|idempotency|row|hash|range|lookup|dict|map|object"
-    r"|group|dedup|cursor)[_-]?keys?\Z"
+    r"|group|dedup|cursor|public|publishable)[_-]?keys?\Z"
+    r"|(?:pad|eos|bos|unk|mask|sep|cls|special|start|end|stop)[_-]?tokens?\Z"
     r"|(?:page|max|completion|prompt|input|output|total|reasoning|cached|num|n)[_-]?tokens?\Z"
     r"|\Atoken[_-]?(?:type|count|limit|usage)\Z"
 )
@@ -103,12 +106,16 @@ _LITERAL = (
     r"(?![^\s,;\\\"])"
 )
 _NOT_CODE = r"(?![A-Za-z_][A-Za-z0-9_]{0,64}(?:\.[A-Za-z_][A-Za-z0-9_]{0,64}){1,8}(?![^\s,;\\\"]))"
-_ASSIGN_VALUE = re.compile(r"[ \t]*=[ \t]*(?:" + _QUOTED + "|" + _NOT_CODE + _LITERAL + ")")
-_ENV_VALUE = re.compile(r"=(?:" + _QUOTED + "|" + _LITERAL + ")")
+# Where code is as likely as a setting (INI, YAML: ``token: TokenType``, ``self.password =
+# password``), an unquoted value must hold a digit or be 20 characters or more.
+_SETTING = r"(?:(?=[^\s\"'`\\]{0,512}[0-9])|(?=[^\s\"'`\\]{20}))" + _NOT_CODE + _LITERAL
+_ASSIGN_VALUE = re.compile(r"[ \t]*=[ \t]*(?:" + _QUOTED + "|" + _SETTING + ")")
+_ESCAPED_QUOTED = r'\\"(?=[^"\\]{0,512}[A-Za-z])([^"\\]{6,512})\\"'  # \"…\" in a JSON string
+_ENV_VALUE = re.compile(r"=(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + "|" + _LITERAL + ")")
 _HEADER_VALUE = re.compile(r":[ \t]*([A-Za-z0-9._~+/=-]{8,512})(?![A-Za-z0-9._~+/=(-])")
 _QUERY_VALUE = re.compile(r"=(?=[^&\s#\"'\\]{0,512}[A-Za-z])([^&\s#\"'\\]{6,512})")
 _YAML_VALUE = re.compile(
-    r"[ \t]*:[ \t]+(?:" + _QUOTED + "|" + _NOT_CODE + _LITERAL + r")[ \t]*(?:#[^\n\\]*)?"
+    r"[ \t]*:[ \t]+(?:" + _QUOTED + "|" + _SETTING + r")[ \t]*(?:#[^\n\\]*)?"
     r"(?=\n|\\n|\\r|\"|\Z)"  # the line's end, escaped or not, or the end of a JSON string
 )
 _AUTHORIZATION = re.compile(  # a scheme, or a header's colon and a token alone (no code)
@@ -176,17 +183,26 @@ def _redact_named(s: str, lowered: str) -> str:
     for word in _NAME_WORDS:
         at = lowered.find(word)
         while at >= 0 and hits < _MAX_HITS:
-            hits += 1
             # The name around the hit: its run of name characters, looked at once.
             start = at
             while start > 0 and at - start <= _MAX_NAME and s[start - 1] in _IDENT:
                 start -= 1
             while start < at and s[start] in "-.":  # a flag's dashes are no part of the name
                 start += 1
+            if start < at and s[start - 1 : start] == "\\" and s[start] in "nrt":
+                start += 1  # an escaped line end inside a JSON string (a file, written by a tool)
             run = _IDENT_RUN.match(s, at)  # always matches (maybe empty)
             end = run.end() if run is not None else at
             resume = max(end, at + len(word))
-            if at - start <= _MAX_NAME:
+            name = s[start:end].lower()
+            if (
+                at - start <= _MAX_NAME
+                and end - start <= _MAX_NAME
+                and _CREDENTIAL_NAME.search(name) is not None
+                and _HARMLESS_NAME.search(name) is None
+            ):
+                if s[end : end + 1] in ("=", ":", '"', "\\") or s[end : end + 2] in (" =", " :"):
+                    hits += 1  # (only names a value is looked for after count)
                 span = _named_value(s, start, end)
                 if span is not None:
                     spans.append(span)
@@ -232,7 +248,7 @@ _SECRET_ANCHORS: Final = (
     r"A(?:KI|SI)A|AIza",
     r"k_(?:live_|test_|(?<=gsk_))",
     r"hf_",
-    r"://[^\s/:@]+:[^\s/@]+@",  # a URL with a password
+    r"://[^\s/:@]*:[^\s/@]+@",  # a URL with a password (and a user, or none)
 )
 _ANCHORS_STR: Final = tuple(re.compile(anchor) for anchor in _SECRET_ANCHORS)
 _LITERALS_BYTES: Final = tuple(literal.encode() for literal in _SECRET_LITERALS)
@@ -245,6 +261,8 @@ _ANCHORS_BYTES: Final = tuple(re.compile(anchor.encode()) for anchor in _SECRET_
 _NAMED_BYTES: Final = (
     re.compile(rb'key(?:\\*"|\s*[=:])'),  # key", key\", key\\\" (nested strings), key=, key:
     re.compile(rb'token(?:\\*"|\s*[=:])'),
+    re.compile(rb'_pass(?:\\*"|\s*[=:])'),  # DB_PASS=
+    re.compile(rb'pwd(?:\\*"|\s*[=:])'),  # MYSQL_PWD=
 )
 _NAMED_STR: Final = tuple(re.compile(p.pattern.decode()) for p in _NAMED_BYTES)
 _WORDS_BYTES: Final = (b"authorization", b"secret", b"passw", b"earer")

@@ -109,7 +109,7 @@ PEM = (
         # a YAML list item, an Authorization header with a bare token
         ("[db]\npassword = hunter2abc", "[db]\npassword = [REDACTED]"),
         ("psql --password=hunter2abc db", "psql --password=[REDACTED] db"),
-        ("//registry.npmjs.org/:_authToken=npm_abcdefghij", None),
+        ("//registry.npmjs.org/:_authToken=npm_" + "aBcDeFgHiJ" * 3 + "abcdef", None),
         ('DB_PASSWORD="a b c d e f"', 'DB_PASSWORD="[REDACTED]"'),
         ('{"password": "ab\\"cd\\"efgh"}', '{"password": "[REDACTED]"}'),
         ('env:\n  - password: "aB3$x! 9#Qz"', 'env:\n  - password: "[REDACTED]"'),
@@ -122,6 +122,9 @@ PEM = (
         ("WEBHOOK_SECRET_V2=abcdef123456", "WEBHOOK_SECRET_V2=[REDACTED]"),
         ("export JWT_TOKEN=eyJhbGciOi.eyJzdWIiOiIx.c2lnbmF0dXJl", "export JWT_TOKEN=[REDACTED]"),
         ("GOOGLE_TOKEN=ya29.xxxabcdef", "GOOGLE_TOKEN=[REDACTED]"),
+        ("DB_PWD=hunter2abc", "DB_PWD=[REDACTED]"),
+        ("DB_PASS=hunter2abc", "DB_PASS=[REDACTED]"),
+        ("redis://:hunter2abc@localhost:6379/0", "redis://[REDACTED]@localhost:6379/0"),
         # a header in a command
         (
             "curl -H 'X-Api-Key: abc123def456' https://x",
@@ -143,7 +146,7 @@ def test_credentials_named_in_text_lose_their_value(text: str, redacted: str | N
         "ya29.a0AfH6SMB",
         "b3BlbnNzaC1rZXkt",
         "QyNTUxOQAAACBHK2Ow5bq0",
-        "npm_abcdefghij",
+        "npm_aBcDeFgHiJ",
         "abcdef123456",
         "zyxwvu987654",
     ):
@@ -176,6 +179,14 @@ def test_credentials_named_in_text_lose_their_value(text: str, redacted: str | N
         "primary_key: user_id_x",
         "secretName: db-credentials",
         "monkey = banana12345",
+        "    key: pip-cache-v1",
+        '{"Key": "uploads/2024/image.png"}',
+        "    key=lambda x: x[1],",
+        '{"pad_token": "<|endoftext|>", "mask_token": "[MASK]"}',
+        "    token: TokenType",
+        "    api_key: SecretStr",
+        "self.password = password",
+        'public_key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5"',
         '["token=self.tokenizer"]',
         "cache_key = abcdef123456",
         'if line.startswith("-----BEGIN PRIVATE KEY-----"):\n    return parse_pem(line)',
@@ -387,6 +398,11 @@ def test_a_request_lines_parameters_do_not_send_it_down_the_slow_path() -> None:
         "db:\n  password: hunter2hunter\n",  # a YAML file
         "db:\n  password: hunter2hunter",  # ... that ends there
         "DB_PASSWORD=hunter2hunter",  # ... and a .env one
+        "X=1\nAPI_KEY=hunter2hunter\n",  # not on its first line
+        "[db]\npassword = hunter2hunter",  # INI
+        'export PGPASSWORD="hunter2hunter"',  # quoted, so escaped in the arguments
+        "-----BEGIN OPENSSH PRIVATE KEY-----\nhunter2hunterAAAA\n-----END OPENSSH PRIVATE KEY-----\n",
+        "-----BEGIN OPENSSH PRIVATE KEY-----\nhunter2hunterAAAA",  # cut off
     ],
 )
 def test_a_file_a_tool_call_writes_loses_its_credentials(content: str) -> None:
@@ -404,3 +420,8 @@ def test_overlapping_values_are_redacted_whole() -> None:
     text = '"secret": "abcdef PASSWORD=\'xyzxyz" tail tail\''
     out = redact_text(text)
     assert "xyzxyz" not in out and "abcdef" not in out
+
+
+def test_many_names_before_a_secret_do_not_hide_it() -> None:
+    assert "abcdef123456" not in redact_text("token " * 1001 + "\nAPI_KEY=abcdef123456")
+    assert "abcdef123456" not in redact_text("OPENAI_API_KEY=abcdef123456\n" + "token " * 1001)
