@@ -25,7 +25,7 @@ from typing import Any, Final, Literal
 
 import orjson
 
-from proxy.redact import REDACTED, line_may_hold_secret, redact, redact_text
+from proxy.redact import REDACTED, known_secrets, line_may_hold_secret, redact, redact_text
 from proxy.sessions import shared_prefix, valid_session_id
 
 logger = logging.getLogger(__name__)
@@ -138,9 +138,7 @@ class EventLogWriter:
         # Exact values never written, whatever they look like and with or without redaction
         # (cachegate's own upstream key): as they appear inside a JSON string. Short ones would
         # take words out of the text and are not taken.
-        self._secrets = tuple(
-            orjson.dumps(s)[1:-1] for s in {s.strip() for s in secrets} if len(s) >= 8
-        )
+        self._secrets = tuple(orjson.dumps(s)[1:-1] for s in known_secrets(secrets))
         self.on_loss = on_loss
         # Sessions that lost a line since their observer last looked (``take_broken``): its next
         # request line must not be coded against one that never reached the file. Shared with

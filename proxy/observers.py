@@ -19,6 +19,7 @@ from proxy.config import Settings, display_url
 from proxy.eventlog import EventLogWriter, choose_base
 from proxy.metrics import Metrics
 from proxy.pipeline import Exchange
+from proxy.redact import known_secrets
 from proxy.sessions import SessionState, SessionStore
 from proxy.usage import Usage
 
@@ -96,7 +97,7 @@ class AccountingObserver:
         self.sessions = sessions
         self.metrics = metrics
         # Exact values no excerpt may show a piece of (the operator's key), as the event log's.
-        self.secrets = tuple({s.strip() for s in secrets if len(s.strip()) >= 8})
+        self.secrets = known_secrets(secrets)
         # Per model name: (configured entry's name, cache TTL, pricing); looked up once.
         self._terms: dict[str | None, tuple[str, float, ModelPricing]] = {}
 

@@ -9,6 +9,7 @@ and a string or container without a match is returned as the very same object (n
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any, Final
 
 REDACTED: Final = "[REDACTED]"
@@ -135,13 +136,8 @@ def _value_span(found: re.Match[str] | None) -> tuple[int, int] | None:
 
 
 def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
-    """The span of the value named by the credential name ``s[start:end]``, if the text there
-    reads as an assignment of a literal to it; None otherwise."""
-    name = s[start:end].lower()
-    if end - start > _MAX_NAME or _CREDENTIAL_NAME.search(name) is None:
-        return None
-    if _HARMLESS_NAME.search(name) is not None:
-        return None
+    """The span of the value named by the credential name ``s[start:end]`` (``_is_credential``),
+    if the text there reads as an assignment of a literal to it; None otherwise."""
     before = s[start - 1] if start else "\n"
     after = s[end : end + 1]
     if s[end : end + 2] == '\\"' and s[start - 2 : start] == '\\"':  # \"api_key\": \"…\"
@@ -171,6 +167,22 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     return None
 
 
+def _is_credential(name: str) -> bool:
+    """Whether ``name`` (a run of name characters) names a credential."""
+    lowered = name.lower()
+    return (
+        len(name) <= _MAX_NAME
+        and _CREDENTIAL_NAME.search(lowered) is not None
+        and _HARMLESS_NAME.search(lowered) is None
+    )
+
+
+def known_secrets(values: Iterable[str]) -> tuple[str, ...]:
+    """Exact values never shown, whatever they look like (cachegate's own upstream key): white
+    space around them taken off, and short ones left out (they would take words out of text)."""
+    return tuple({value.strip() for value in values if len(value.strip()) >= 8})
+
+
 # Name hits looked at per string: a value is looked for up to 512 characters on, so a string
 # made of thousands of names (``A_TOKEN=A_TOKEN=…``) would cost ~40 µs per hit; past this many
 # hits the rest of the string is left to the other checks (no text holds that many by chance).
@@ -194,13 +206,7 @@ def _redact_named(s: str, lowered: str) -> str:
             run = _IDENT_RUN.match(s, at)  # always matches (maybe empty)
             end = run.end() if run is not None else at
             resume = max(end, at + len(word))
-            name = s[start:end].lower()
-            if (
-                at - start <= _MAX_NAME
-                and end - start <= _MAX_NAME
-                and _CREDENTIAL_NAME.search(name) is not None
-                and _HARMLESS_NAME.search(name) is None
-            ):
+            if at - start <= _MAX_NAME and _is_credential(s[start:end]):
                 if s[end : end + 1] in ("=", ":", '"', "\\") or s[end : end + 2] in (" =", " :"):
                     hits += 1  # (only names a value is looked for after count)
                 span = _named_value(s, start, end)

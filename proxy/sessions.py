@@ -146,14 +146,16 @@ def opening_key(messages: Sequence[Any]) -> OpeningKey | None:
     """
     for message in messages:
         if isinstance(message, dict) and message.get("role") not in _SYSTEM_ROLES:
-            if len(message) != 2:  # a marker, a null field: keyed as the message they leave
-                message = canonical_message(message)
             role, content = message.get("role"), message.get("content")
             if len(message) == 2 and type(role) is str and type(content) is str:
                 return (role, content)
+            # A marker, a null field: keyed as the message they leave.
+            canonical = canonical_message(message)
+            role, content = canonical.get("role"), canonical.get("content")
+            if len(canonical) == 2 and type(role) is str and type(content) is str:
+                return (role, content)
             return hashlib.blake2b(
-                orjson.dumps(canonical_message(message), option=orjson.OPT_SORT_KEYS),
-                digest_size=16,
+                orjson.dumps(canonical, option=orjson.OPT_SORT_KEYS), digest_size=16
             ).hexdigest()
     return None
 
