@@ -78,6 +78,15 @@ _CREDENTIAL_NAME = re.compile(
     r"|(?:api|auth|access|private|priv|secret|master|signing|encryption|client|app|service"
     r"|license|deploy|ssh|anon)[_-]?keys?)(?:[_-]?(?:v\d+|base|id|hash))?\Z"
 )
+# In code, where any ``…_key`` may be named so (``edge_key="weight"``, ``sort_key=…``), a name in
+# lower or mixed case must say more: a password, secret or token, ``pass`` after a separator, or
+# a key with a known prefix (``api_key``, ``apiKey``, ``private_key``); ``OPENAI_KEY`` in upper
+# case is a constant and counts.
+_CODE_CREDENTIAL_NAME = re.compile(
+    r"(?:passw(?:or)?d|pwd|secrets?|tokens?|[_.-]pass"
+    r"|(?:api|auth|access|private|priv|secret|master|signing|encryption|client|app|service"
+    r"|license|deploy|ssh|anon)[_-]?keys?)(?:[_-]?(?:v\d+|base|id|hash))?\Z"
+)
 # ...but these are no credentials' names.
 _HARMLESS_NAME = re.compile(
     r"(?:cache|primary|foreign|sort|partition|idempotency|row|hash|range|lookup|dict|map|object"
@@ -94,12 +103,14 @@ _MAX_NAME = 64  # longer runs are no names (and a run is looked at once: no quad
 # literal, stops at a backslash (an escaped line end inside a JSON string: a file a tool call
 # writes) and, but for upper-case names, is no code (a call, an index, an attribute chain:
 # ``self.tokenizer.encode(…)``).
-_JSON_VALUE = re.compile(r'\s*:\s*"(?=(?:[^"\\\n]|\\.){0,512}?[A-Za-z])((?:[^"\\\n]|\\.){6,512}?)"')
+_JSON_VALUE = re.compile(
+    r'\s*:\s*"(?=(?:[^"\\\n]|\\.){0,512}?[A-Za-z0-9])((?:[^"\\\n]|\\.){6,512}?)"'
+)
 _ESCAPED_JSON_VALUE = re.compile(  # \"name\": \"value\" inside a JSON string
-    r'\\"\s*:\s*\\"(?=[^"\\]{0,512}[A-Za-z])([^"\\]{6,512})\\"'
+    r'\\"\s*:\s*\\"(?=[^"\\]{0,512}[A-Za-z0-9])([^"\\]{6,512})\\"'
 )
 _QUOTED = (
-    r"""(?:"(?=[^"\n\\]{0,512}[A-Za-z])([^"\n\\]{6,512})"|'(?=[^'\n\\]{0,512}[A-Za-z])"""
+    r"""(?:"(?=[^"\n\\]{0,512}[A-Za-z0-9])([^"\n\\]{6,512})"|'(?=[^'\n\\]{0,512}[A-Za-z0-9])"""
     r"""([^'\n\\]{6,512})')"""
 )
 _LITERAL = (
@@ -111,7 +122,7 @@ _NOT_CODE = r"(?![A-Za-z_][A-Za-z0-9_]{0,64}(?:\.[A-Za-z_][A-Za-z0-9_]{0,64}){1,
 # password``), an unquoted value must hold a digit or be 20 characters or more.
 _SETTING = r"(?:(?=[^\s\"'`\\]{0,512}[0-9])|(?=[^\s\"'`\\]{20}))" + _NOT_CODE + _LITERAL
 _ASSIGN_VALUE = re.compile(r"[ \t]*=[ \t]*(?:" + _QUOTED + "|" + _SETTING + ")")
-_ESCAPED_QUOTED = r'\\"(?=[^"\\]{0,512}[A-Za-z])([^"\\]{6,512})\\"'  # \"…\" in a JSON string
+_ESCAPED_QUOTED = r'\\"(?=[^"\\]{0,512}[A-Za-z0-9])([^"\\]{6,512})\\"'  # \"…\" in a JSON string
 _ENV_VALUE = re.compile(r"=(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + "|" + _LITERAL + ")")
 _HEADER_VALUE = re.compile(r":[ \t]*([A-Za-z0-9._~+/=-]{8,512})(?![A-Za-z0-9._~+/=(-])")
 _QUERY_VALUE = re.compile(r"=(?=[^&\s#\"'\\]{0,512}[A-Za-z])([^&\s#\"'\\]{6,512})")
@@ -120,10 +131,32 @@ _YAML_VALUE = re.compile(
     r"(?=\n|\\n|\\r|\"|\Z)"  # the line's end, escaped or not, or the end of a JSON string
 )
 _AUTHORIZATION = re.compile(  # a scheme, or a header's colon and a token alone (no code)
-    r"""(?i:authorization)["']?\s*(?:[:=]\s*["']?(?i:basic|bearer|token|digest)\s+"""
+    r"""(?i:authorization)["']?\s*(?:[:=]\s*["']?[A-Za-z][A-Za-z0-9_-]{0,31}[ \t]+"""
     r"""([A-Za-z0-9._~+/=:-]{12,512})|:\s*["']?([A-Za-z0-9_~+/=-]{16,512})"""
     r"""(?![A-Za-z0-9._~+/=(-]))"""
 )
+# A quoted literal assigned to a credential's name in code, wherever the name stands:
+# ``const API_KEY = "…"``, ``f(api_key="…")``, ``{password: "…"}``, ``$password => "…"``,
+# ``token := "…"`` (an unquoted value there is code: ``token = make_token()``; a quoted type
+# after a colon is an annotation: ``private_key: "RSAPrivateKey"``).
+_CODE_VALUE = re.compile(
+    r"""[ \t]*(?:=>?|:=|:(?![ \t]*\\?["'][A-Z_][A-Za-z_.\[\], |]{0,512}\\?["']))[ \t]*"""
+    r"(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + ")"
+)
+# ...and to a quoted name: ``os.environ["API_KEY"] = "…"``, ``'password' => '…'``,
+# ``{'api_key': '…'}`` (a Python dict printed).
+_INDEXED_VALUE = re.compile(r"\]?[ \t]*(?:=>?|:)[ \t]*" + _QUOTED)
+_ESCAPED_INDEXED_VALUE = re.compile(r'\\"\]?[ \t]*(?:=>?|:)[ \t]*' + _ESCAPED_QUOTED)
+# A name that is given a value (counted against ``_MAX_HITS``).
+_ASSIGNED = re.compile(r"""[ \t]{0,4}[=:"'\\\]]""")
+# Passwords given to commands without a name: ``curl -u user:password`` (``-U``: a proxy's),
+# ``mysql -pPASSWORD`` (found after the command's name on the same line; ``-p`` alone asks for
+# the password, ``-P`` is a port).
+_COMMAND_PASSWORD = re.compile(
+    r"""(?:(?i:curl)[^\n]{0,512}?\s(?:-[uU]|--user|--proxy-user)(?:[ \t]+|=)?["']?[^\s:"']*:"""
+    r"""|(?i:mysql|mysqldump|mysqladmin|mariadb)[^\n]{0,512}?\s-p)([^\s"'\\]{4,512})"""
+)
+_COMMANDS: Final = ("curl", "mysql", "mariadb")
 
 
 def _value_span(found: re.Match[str] | None) -> tuple[int, int] | None:
@@ -141,9 +174,18 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     before = s[start - 1] if start else "\n"
     after = s[end : end + 1]
     if s[end : end + 2] == '\\"' and s[start - 2 : start] == '\\"':  # \"api_key\": \"…\"
-        return _value_span(_ESCAPED_JSON_VALUE.match(s, end))  # (in a JSON string)
-    if after == '"' and before == '"':  # "client_secret": "…" (JSON)
-        return _value_span(_JSON_VALUE.match(s, end + 1))
+        found = _value_span(_ESCAPED_JSON_VALUE.match(s, end))  # (in a JSON string)
+        if found is None and _in_code(s[start:end]):
+            found = _value_span(_ESCAPED_INDEXED_VALUE.match(s, end))
+        return found
+    if after == before and after in "'\"":
+        if after == '"':  # "client_secret": "…" (JSON)
+            found = _value_span(_JSON_VALUE.match(s, end + 1))
+            if found is not None:
+                return found
+        if _in_code(s[start:end]):
+            return _value_span(_INDEXED_VALUE.match(s, end + 1))
+        return None
     if before in "'\"" and after == ":":  # -H 'X-Api-Key: …' (a header in a command)
         return _value_span(_HEADER_VALUE.match(s, end))
     if before in "?&" and after == "=":  # …?access_token=… (a URL's query)
@@ -160,11 +202,18 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     if alone or before == ":" or s[start - 2 : start] == "--":
         # password = … (INI), --password=…, :_authToken=… (.npmrc)
         found = _value_span(_ASSIGN_VALUE.match(s, end))
-        if found is not None or not alone:
+        if found is not None:
             return found
-    if alone:  # password: … alone on its line (YAML)
-        return _value_span(_YAML_VALUE.match(s, end))
-    return None
+        if alone:  # password: … alone on its line (YAML)
+            found = _value_span(_YAML_VALUE.match(s, end))
+            if found is not None:
+                return found
+    return _value_span(_CODE_VALUE.match(s, end)) if _in_code(s[start:end]) else None
+
+
+def _in_code(name: str) -> bool:
+    """Whether ``name`` (``_is_credential``) names a credential in code too."""
+    return name.isupper() or _CODE_CREDENTIAL_NAME.search(name.lower()) is not None
 
 
 def _is_credential(name: str) -> bool:
@@ -207,7 +256,7 @@ def _redact_named(s: str, lowered: str) -> str:
             end = run.end() if run is not None else at
             resume = max(end, at + len(word))
             if at - start <= _MAX_NAME and _is_credential(s[start:end]):
-                if s[end : end + 1] in ("=", ":", '"', "\\") or s[end : end + 2] in (" =", " :"):
+                if _ASSIGNED.match(s, end) is not None:
                     hits += 1  # (only names a value is looked for after count)
                 span = _named_value(s, start, end)
                 if span is not None:
@@ -220,6 +269,14 @@ def _redact_named(s: str, lowered: str) -> str:
         if span is not None:
             spans.append(span)
         at = lowered.find("authorization", at + 13)
+    for command in _COMMANDS:  # each a look at most 512 characters on: so many at most
+        at, looks = lowered.find(command), 0
+        while at >= 0 and looks < _MAX_HITS:
+            found = _COMMAND_PASSWORD.match(s, at)
+            if found is not None:
+                spans.append(found.span(1))
+            looks += 1
+            at = lowered.find(command, found.end() if found is not None else at + len(command))
     if not spans:
         return s
     out: list[str] = []
@@ -265,13 +322,18 @@ _ANCHORS_BYTES: Final = tuple(re.compile(anchor.encode()) for anchor in _SECRET_
 # "passw" as they are. A pattern with a literal start is found as fast as a plain substring (~0.7
 # µs per 1.5 KB). Object fields named ``apikey``, ``x-api-key``, … end in ``key"``.
 _NAMED_BYTES: Final = (
-    re.compile(rb'key(?:\\*"|\s*[=:])'),  # key", key\", key\\\" (nested strings), key=, key:
-    re.compile(rb'token(?:\\*"|\s*[=:])'),
-    re.compile(rb'_pass(?:\\*"|\s*[=:])'),  # DB_PASS=
-    re.compile(rb'pwd(?:\\*"|\s*[=:])'),  # MYSQL_PWD=
+    re.compile(rb"""key(?:\\*["']|\s*[=:])"""),  # key", key\", key\\\" (nested strings), key', key=
+    re.compile(rb"""token(?:\\*["']|\s*[=:])"""),
+    re.compile(rb"""_pass(?:\\*["']|\s*[=:])"""),  # DB_PASS=
+    re.compile(rb"""pwd(?:\\*["']|\s*[=:])"""),  # MYSQL_PWD=
 )
 _NAMED_STR: Final = tuple(re.compile(p.pattern.decode()) for p in _NAMED_BYTES)
 _WORDS_BYTES: Final = (b"authorization", b"secret", b"passw", b"earer")
+# A command's password flag (``-u``, ``--user``, ``--proxy-user``, ``-p``; one literal start, as
+# fast as a substring test), and only then the commands' names (three more scans, ~2 µs each).
+_FLAG_BYTES: Final = re.compile(rb"-[uUp]")
+_FLAG_STR: Final = re.compile(r"-[uUp]")
+_COMMANDS_BYTES: Final = tuple(command.encode() for command in _COMMANDS)
 _WORDS_STR: Final = ("authorization", "secret", "passw")
 
 
@@ -313,7 +375,11 @@ def line_may_hold_secret(line: bytes) -> bool:
     for word in _WORDS_BYTES:
         if lowered.find(word) >= 0:
             return True
-    return any(name.search(lowered) is not None for name in _NAMED_BYTES)
+    if any(name.search(lowered) is not None for name in _NAMED_BYTES):
+        return True
+    return _FLAG_BYTES.search(line) is not None and any(
+        lowered.find(command) >= 0 for command in _COMMANDS_BYTES
+    )
 
 
 def redact_text(s: str) -> str:
@@ -325,8 +391,10 @@ def redact_text(s: str) -> str:
     if _may_hold_secret(s, lowered) and _SECRET.search(s) is not None:
         out = _SECRET.sub(_replace, s)
         lowered = _lowered(out)
-    if any(word in lowered for word in _WORDS_STR) or any(
-        name.search(lowered) is not None for name in _NAMED_STR
+    if (
+        any(word in lowered for word in _WORDS_STR)
+        or any(name.search(lowered) is not None for name in _NAMED_STR)
+        or (_FLAG_STR.search(out) is not None and any(c in lowered for c in _COMMANDS))
     ):
         out = _redact_named(out, lowered)
     return s if out == s else out

@@ -425,3 +425,75 @@ def test_overlapping_values_are_redacted_whole() -> None:
 def test_many_names_before_a_secret_do_not_hide_it() -> None:
     assert "abcdef123456" not in redact_text("token " * 1001 + "\nAPI_KEY=abcdef123456")
     assert "abcdef123456" not in redact_text("OPENAI_API_KEY=abcdef123456\n" + "token " * 1001)
+
+
+@pytest.mark.parametrize(
+    ("text", "redacted"),
+    [
+        # a literal assigned to a credential's name in code, wherever the name stands
+        ('const API_KEY = "hunter2hunter";', 'const API_KEY = "[REDACTED]";'),
+        ("let token = 'hunter2hunter'", "let token = '[REDACTED]'"),
+        ('String apiKey = "hunter2hunter";', 'String apiKey = "[REDACTED]";'),
+        ('private static final String DB_PASSWORD = "hunter2hunter";', None),
+        ('client = Client(api_key="hunter2hunter", timeout=3)', None),
+        ('const cfg = { user: "bob", password: "hunter2hunter" };', None),
+        ('token := "hunter2hunter"', 'token := "[REDACTED]"'),
+        ('$password => "hunter2hunter"', '$password => "[REDACTED]"'),
+        (':password => "hunter2hunter"', ':password => "[REDACTED]"'),
+        # a quoted name: an index, a PHP array, a Python dict printed
+        ('os.environ["OPENAI_API_KEY"] = "hunter2hunter"', None),
+        ("config['db_password'] = 'hunter2hunter'", "config['db_password'] = '[REDACTED]'"),
+        ("'password' => 'hunter2hunter',", "'password' => '[REDACTED]',"),
+        ("{'api_key': 'hunter2hunter', 'model': 'gpt-4o'}", None),
+        # a password of digits only, quoted
+        ('{"password": "802519374650"}', '{"password": "[REDACTED]"}'),
+        ('PIN_SECRET="80251937"', 'PIN_SECRET="[REDACTED]"'),
+        # passwords given to commands without a name
+        ("curl -u admin:hunter2hunter https://x", "curl -u admin:[REDACTED] https://x"),
+        ("curl -s --user 'admin:hunter2hunter' https://x", None),
+        ("curl -uadmin:hunter2hunter https://x", "curl -uadmin:[REDACTED] https://x"),
+        ("curl -U proxyuser:hunter2hunter https://x", None),
+        ("mysql -h db -uroot -phunter2hunter app", "mysql -h db -uroot -p[REDACTED] app"),
+        ("mysqldump -u root -phunter2hunter app > a.sql", None),
+        # an Authorization header of any scheme
+        ("Authorization: ApiKey hunter2hunter12", "Authorization: ApiKey [REDACTED]"),
+        ('-H "Authorization: SSWS 00hunter2hunter-AB"', '-H "Authorization: SSWS [REDACTED]"'),
+    ],
+)
+def test_credentials_assigned_in_code_or_given_to_commands_lose_their_value(
+    text: str, redacted: str | None
+) -> None:
+    out = redact_text(text)
+    if redacted is not None:
+        assert out == redacted
+    assert "hunter2hunter" not in out and "802519374650" not in out and "80251937" not in out
+    assert redact_text(out) == out  # idempotent
+    import orjson
+
+    assert line_may_hold_secret(orjson.dumps({"content": text}))  # the writer's prefilter too
+    # ... and in a file a tool call writes (quotes escaped inside the call's arguments)
+    arguments = orjson.dumps({"path": "app/config.js", "content": text}).decode()
+    event = {"appended": [{"role": "assistant", "tool_calls": [{"arguments": arguments}]}]}
+    assert line_may_hold_secret(orjson.dumps(event))
+    assert "hunter2hunter" not in orjson.dumps(redact(event)).decode()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'if password == "hunter2hunter":',  # a comparison, not an assignment
+        'token = make_token("hunter2hunter")',  # code: a call
+        'api_key = os.environ["OPENAI_API_KEY"]',
+        'assert config["password"] != "hunter2hunter"',
+        "mysql -h db -P 3306 -u root -p app",  # -p alone asks; -P is a port
+        'curl -u "$USER" https://x',  # no password given
+        "Authorization: Bearer tokens are supported",  # prose
+        "the curl and mysql commands --user and -p flags",
+        "pip install -U requests; pytest -p no:cacheprovider",
+        'nx.to_pandas_edgelist(G, edge_key="weight_attribute")',  # any lower-case *_key in code
+        "config['sort_key'] = 'created_at'",
+        'def sign(backend: "Backend", private_key: "RSAPrivateKey", data: bytes)',  # annotations
+    ],
+)
+def test_code_and_commands_that_give_no_credential_are_left_alone(text: str) -> None:
+    assert redact_text(text) is text
