@@ -8,7 +8,7 @@ built from them; torn lines are counted, never fatal; unknown event types are ig
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -88,9 +88,9 @@ class SessionSummary:
     last_seen: float | None
     model: str | None
     exchanges: int
-    tokens_in: int
-    tokens_out: int
-    cache_read: int
+    tokens_in: int | None  # None: no response reported usage
+    tokens_out: int | None
+    cache_read: int | None
     cache_hit_pct: float | None
     interruptions: int
     repairs: int
@@ -298,15 +298,21 @@ def summarize(detail: SessionDetail) -> SessionSummary:
         last_seen=detail.last_seen,
         model=model,
         exchanges=sum(1 for row in detail.rows if row.exchange is not None),
-        tokens_in=sum(row.tokens_in or 0 for row in detail.rows),
-        tokens_out=sum(row.tokens_out or 0 for row in detail.rows),
-        cache_read=sum(row.cache_read or 0 for row in detail.rows),
+        tokens_in=_total(row.tokens_in for row in detail.rows),
+        tokens_out=_total(row.tokens_out for row in detail.rows),
+        cache_read=_total(row.cache_read for row in detail.rows),
         cache_hit_pct=100.0 * reported_read / reported_in if reported_in else None,
         interruptions=sum(1 for row in detail.rows if row.interrupted),
         repairs=sum(row.repairs for row in detail.rows),
         errors=sum(1 for row in detail.rows if row.error or (row.status or 0) >= 400),
         torn=detail.torn,
     )
+
+
+def _total(values: Iterable[int | None]) -> int | None:
+    """The sum of the values known, None when none is (``-`` in a table, as in ``show``)."""
+    known = [value for value in values if value is not None]
+    return sum(known) if known else None
 
 
 def _int(value: Any) -> int | None:

@@ -202,6 +202,8 @@ def test_list_sessions_summarizes_every_log_most_recent_first(log_dir: Path) -> 
     }
     assert (beta.session, beta.exchanges, beta.errors, beta.cache_hit_pct) == ("beta", 1, 1, None)
     assert beta.model == "gpt-4o-mini"  # no session_meta: taken from the requests
+    # no response reported usage: unknown, not 0 (as ``sessions show`` prints it)
+    assert (beta.tokens_in, beta.tokens_out, beta.cache_read) == (None, None, None)
 
 
 def test_render_list(log_dir: Path) -> None:
@@ -209,7 +211,7 @@ def test_render_list(log_dir: Path) -> None:
         [
             "SESSION  FIRST SEEN           LAST SEEN            MODEL        EXCH      IN  OUT"
             "  CACHE HIT  INTERRUPTED  REPAIRS  ERRORS  TORN",
-            "beta     2023-11-14 22:30:00  2023-11-14 22:30:01  gpt-4o-mini     1       0    0"
+            "beta     2023-11-14 22:30:00  2023-11-14 22:30:01  gpt-4o-mini     1       -    -"
             "          -            0        0       1     0",
             "alpha    2023-11-14 22:13:19  2023-11-14 22:25:03  gpt-4o          3  26,000  900"
             "      30.8%            1        3       0     1",
