@@ -7,6 +7,7 @@ naming the key instead of failing at the first request.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import tomllib
@@ -235,7 +236,10 @@ TRUE_WORDS: frozenset[str] = frozenset({"1", "true", "yes", "on"})
 FALSE_WORDS: frozenset[str] = frozenset({"0", "false", "no", "off"})
 
 
-def _coerce(key: str, value: Any, tp: Any) -> Any:
+def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
+    """``value`` as the type ``tp``; ``text``: it came as text (an environment variable, a flag),
+    so words and digits are read (a file's value must have its type: ``port = "8787"`` is
+    refused, as the README says)."""
     origin = get_origin(tp)
     if origin is Literal:
         choices = get_args(tp)
@@ -248,14 +252,16 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in TRUE_WORDS | FALSE_WORDS:
+        if text and isinstance(value, str) and value.lower() in TRUE_WORDS | FALSE_WORDS:
             return value.lower() in TRUE_WORDS
         raise ConfigError(f"config key '{key}': expected true or false, got {value!r}")
     if tp is int:
         if isinstance(value, bool):
             raise ConfigError(f"config key '{key}': expected an integer, got {value!r}")
         try:
-            result = int(value) if isinstance(value, int | str) else None
+            result = (
+                int(value) if isinstance(value, int) or (text and isinstance(value, str)) else None
+            )
         except ValueError:
             result = None
         if result is None:
@@ -266,12 +272,16 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"config key '{key}': expected a number, got {value!r}")
+        if not (isinstance(value, int | float) or (text and isinstance(value, str))):
+            raise ConfigError(f"config key '{key}': expected a number, got {value!r}")
         try:
             number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"config key '{key}': expected a number, got {value!r}") from None
-        if number < 0 or number != number:
-            raise ConfigError(f"config key '{key}': must be a non-negative number, got {value!r}")
+        if not 0 <= number < math.inf:  # NaN, inf and negatives
+            raise ConfigError(
+                f"config key '{key}': must be a finite non-negative number, got {value!r}"
+            )
         return number
     if tp is str:
         if not isinstance(value, str):
@@ -280,7 +290,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     raise ConfigError(f"config key '{key}': unsupported type")  # pragma: no cover
 
 
-def _build(cls: Any, data: Mapping[str, Any], prefix: str, base: Any) -> Any:
+def _build(cls: Any, data: Mapping[str, Any], prefix: str, base: Any, text: bool = False) -> Any:
     if not isinstance(data, Mapping):
         raise ConfigError(f"config key '{prefix}': expected a table")
     hints = typing.get_type_hints(cls)
@@ -288,7 +298,7 @@ def _build(cls: Any, data: Mapping[str, Any], prefix: str, base: Any) -> Any:
     for key in data:
         if key not in names:
             raise ConfigError(f"unknown config key '{prefix}.{key}'{_did_you_mean(key, names)}")
-    changes = {k: _coerce(f"{prefix}.{k}", v, hints[k]) for k, v in data.items()}
+    changes = {k: _coerce(f"{prefix}.{k}", v, hints[k], text) for k, v in data.items()}
     return replace(base, **changes)
 
 
@@ -321,15 +331,28 @@ def _check(settings: Settings) -> None:
                 raise ConfigError(f"config key 'server.{key}': {problem}")
     if not 0 < settings.compaction.trigger_percent <= 100:
         raise ConfigError("config key 'compaction.trigger_percent': must be in (0, 100]")
-    if settings.upstream.timeout_s <= 0:
-        raise ConfigError("config key 'upstream.timeout_s': must be positive")
+    for key, value in (
+        ("upstream.timeout_s", settings.upstream.timeout_s),
+        ("upstream.connect_timeout_s", settings.upstream.connect_timeout_s),
+        ("upstream.max_connections", settings.upstream.max_connections),
+        ("server.max_body_bytes", settings.server.max_body_bytes),
+        ("logging.queue_size", settings.logging.queue_size),
+        ("compaction.summary_timeout_s", settings.compaction.summary_timeout_s),
+        ("sessions.max_sessions", settings.sessions.max_sessions),
+        ("sessions.idle_ttl_s", settings.sessions.idle_ttl_s),
+    ):
+        if value <= 0:  # 0 would refuse, or wait forever on, every request
+            raise ConfigError(f"config key '{key}': must be positive, got {value}")
     for name, model in settings.models.items():
         if model.context_window <= 0:
             raise ConfigError(f"config key 'models.\"{name}\".context_window': must be positive")
 
 
-def settings_from_mapping(data: Mapping[str, Any], base: Settings | None = None) -> Settings:
-    """Apply a nested mapping (a parsed TOML file) over ``base`` and validate every key."""
+def settings_from_mapping(
+    data: Mapping[str, Any], base: Settings | None = None, text: bool = False
+) -> Settings:
+    """Apply a nested mapping (a parsed TOML file) over ``base`` and validate every key;
+    ``text``: the values came as text (``_coerce``)."""
     settings = base or Settings()
     changes: dict[str, Any] = {}
     for section, value in data.items():
@@ -339,7 +362,7 @@ def settings_from_mapping(data: Mapping[str, Any], base: Settings | None = None)
             models = dict(settings.models)
             for name, table in value.items():
                 start = models.get(name, models.get("*", ModelSettings()))
-                models[name] = _build(ModelSettings, table, f'models."{name}"', start)
+                models[name] = _build(ModelSettings, table, f'models."{name}"', start, text)
             changes["models"] = models
             continue
         current = getattr(settings, section, None)
@@ -356,7 +379,7 @@ def settings_from_mapping(data: Mapping[str, Any], base: Settings | None = None)
                 where = " or ".join(owners) or "a section such as [server]"
                 hint = f" (keys go under a section: put it under {where})"
             raise ConfigError(f"unknown config section '{section}'{hint}")
-        changes[section] = _build(type(current), value, section, current)
+        changes[section] = _build(type(current), value, section, current, text)
     settings = replace(settings, **changes)
     _check(settings)
     return settings
@@ -413,6 +436,6 @@ def load_settings(
 
 def _apply_one(settings: Settings, key: str, value: Any, source: str) -> Settings:
     try:
-        return settings_from_mapping(_nest({key: value}), settings)
+        return settings_from_mapping(_nest({key: value}), settings, text=isinstance(value, str))
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None

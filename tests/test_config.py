@@ -72,6 +72,20 @@ def test_env_vars_for_every_option(tmp_path: Path) -> None:
         ({"models": {"gpt-x": {"price_input": "cheap"}}}, 'models."gpt-x".price_input'),
         ({"models": {"gpt-x": {"context": 5}}}, 'models."gpt-x".context'),
         ({"cache": {"noise_floor_tokens": True}}, "cache.noise_floor_tokens"),
+        # a file's value must have its type (text is read as words and digits only from the
+        # environment and flags)
+        ({"server": {"port": "18110"}}, "server.port"),
+        ({"logging": {"enabled": "off"}}, "logging.enabled"),
+        ({"upstream": {"timeout_s": "30"}}, "upstream.timeout_s"),
+        ({"upstream": {"timeout_s": float("inf")}}, "upstream.timeout_s"),
+        ({"sessions": {"idle_ttl_s": float("nan")}}, "sessions.idle_ttl_s"),
+        # zero where it would refuse, or wait forever on, every request
+        ({"upstream": {"max_connections": 0}}, "upstream.max_connections"),
+        ({"upstream": {"connect_timeout_s": 0}}, "upstream.connect_timeout_s"),
+        ({"logging": {"queue_size": 0}}, "logging.queue_size"),
+        ({"server": {"max_body_bytes": 0}}, "server.max_body_bytes"),
+        ({"sessions": {"max_sessions": 0}}, "sessions.max_sessions"),
+        ({"compaction": {"summary_timeout_s": 0}}, "compaction.summary_timeout_s"),
     ],
 )
 def test_bad_config_names_the_key(data: dict, needle: str) -> None:
@@ -183,3 +197,14 @@ def test_a_mistyped_base_url_is_refused_without_showing_its_password(url: str) -
         settings_from_mapping({"upstream": {"base_url": url}})
     assert "Sup3rSecretPw" not in str(refused.value)
     assert "upstream.base_url" in str(refused.value)
+
+
+def test_text_values_are_read_from_the_environment_and_flags_only(tmp_path: Path) -> None:
+    env = {"CACHEGATE_PORT": "18110", "CACHEGATE_STRICT_PAIRING": "on"}
+    s = load_settings(None, environ=env)
+    assert (s.server.port, s.pairing.strict) == (18110, True)
+    assert load_settings(None, {"port": "18111"}, environ={}).server.port == 18111
+    config = tmp_path / "c.toml"
+    config.write_text('[server]\nport = "18110"\n')
+    with pytest.raises(ConfigError, match="server.port"):
+        load_settings(str(config), environ={})
