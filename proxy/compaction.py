@@ -269,6 +269,8 @@ def find_cut(
     The tail keeps at least ``keep_recent`` messages. The cut is pulled back to the last real
     (non-synthetic) user message, the one that launched the current task, so that it survives
     verbatim — unless the tail would then hold more than ``max_anchor_chars`` characters of content.
+    Where that message opens the conversation (fewer than two messages before it to compact), it
+    is kept with the leading messages instead, and the middle starts after it.
     The tail never starts with a ``tool`` message and never holds a result whose call is compacted:
     the cut moves earlier so the whole pair is kept.
     """
@@ -286,7 +288,13 @@ def find_cut(
     if anchor is not None and anchor < end:
         tail_chars = sum(content_chars(m) for m in messages[anchor:])
         if tail_chars <= max_anchor_chars:
-            end = anchor
+            if _pair_safe(messages, anchor, start) - start >= 2:
+                end = anchor
+            else:
+                # The launching message opens the conversation (one task, then its tool loop,
+                # the usual agent session): it stays verbatim with the leading messages and the
+                # rounds after it are compacted.
+                start = anchor + 1
 
     end = _pair_safe(messages, end, start)
     if end - start < 2:
@@ -708,12 +716,15 @@ def plan(
         return Plan(forwarded, None, discarded, cut, list(messages[cut.start : cut.end]), None)
     if cut.end <= reused.covered:
         return nothing()
+    # What the previous compaction kept verbatim before its summary (a task that opened the
+    # conversation) and this one covers is summarized too, or it would be lost.
+    earlier = messages[cut.start : reused.start] if cut.start < reused.start else []
     return Plan(
         forwarded,
         reused,
         discarded,
         cut,
-        list(messages[reused.covered : cut.end]),
+        [*earlier, *messages[reused.covered : cut.end]],
         summary_text(reused.message),
     )
 

@@ -101,6 +101,30 @@ class Compactor:
                 force=True,
                 synthetic_prefixes=SYNTHETIC_PREFIXES,
             )
+        keep = cfg.keep_recent
+        while (
+            force
+            and keep > 1
+            and (
+                plan.cut is None or not self._reduces(messages, plan.cut, model_cfg.context_window)
+            )
+        ):
+            # The provider refused the history: a retry that would not fit is refused again
+            # (or is the very body it refused). Keep fewer of the latest messages until it fits.
+            keep //= 2
+            smaller = compaction.plan(
+                messages,
+                existing=existing,
+                existing_digest=known,
+                window=model_cfg.context_window,
+                trigger_percent=cfg.trigger_percent,
+                keep_recent=keep,
+                max_anchor_chars=0,
+                force=True,
+                synthetic_prefixes=SYNTHETIC_PREFIXES,
+            )
+            if smaller.cut is not None:
+                plan = smaller
         if plan.discarded:
             state.extra.pop("compaction", None)
             state.extra.pop("compaction_verified", None)

@@ -87,6 +87,45 @@ def test_cut_falls_exactly_on_the_launching_message() -> None:
     assert history[cut.end] is LAUNCH
 
 
+def test_a_task_that_opens_the_conversation_stays_and_its_tool_loop_is_compacted() -> None:
+    """The usual agent session: one task, then only tool rounds. Pulling the cut back to the task
+    would leave nothing to compact; the task is kept with the system prompt instead."""
+    rounds = [m for k in range(10) for m in tool_round(k)]
+    history = [SYSTEM, LAUNCH, *rounds]
+
+    cut = find_cut(history, keep_recent=4, max_anchor_chars=40000)
+
+    assert cut == Cut(start=2, end=18)
+    assert history[cut.start - 1] is LAUNCH  # kept verbatim, before the summary
+    assert history[cut.end]["role"] == "assistant" and len(history[cut.end :]) == 4
+    # without the anchor (too long to keep, or the compactor's fallback), the task is compacted
+    assert find_cut(history, keep_recent=4, max_anchor_chars=0) == Cut(1, 18)
+    # the same with no system prompt
+    assert find_cut(history[1:], keep_recent=4, max_anchor_chars=40000) == Cut(1, 17)
+
+
+def test_a_rolling_compaction_that_moves_its_start_earlier_still_summarizes_the_task() -> None:
+    """A compaction kept the task verbatim (start after it); a new user message then becomes the
+    anchor and the next compaction starts right after the system prompt: the old task, no longer
+    kept verbatim, must reach the summarizer."""
+    first = [SYSTEM, LAUNCH, *[m for k in range(6) for m in tool_round(k)]]
+    cut = find_cut(first, keep_recent=4, max_anchor_chars=40000)
+    assert cut == Cut(2, 10)
+    done = build_compaction(first, cut, "Ran tests 0-3.", source="extractive")
+    follow_up = {"role": "user", "content": "Now update the changelog."}
+    later = [*first, {"role": "assistant", "content": "All pass."}, follow_up]
+    later += [m for k in range(6, 12) for m in tool_round(k)]
+
+    p = plan(
+        later, existing=done, window=100, trigger_percent=50, keep_recent=4, max_anchor_chars=40000
+    )
+
+    assert p.cut == Cut(1, 15) and later[15] is follow_up
+    assert p.middle[0] is LAUNCH  # the task the earlier compaction had kept
+    assert p.middle[1:] == later[done.covered : 15]
+    assert p.previous_summary == "Ran tests 0-3."
+
+
 def test_cut_does_not_pull_back_beyond_max_anchor_chars() -> None:
     history = reference()
     anchored_tail = sum(content_chars(m) for m in history[3:])
@@ -231,18 +270,25 @@ def test_a_cut_never_splits_a_tool_pair(
     if cut is None:
         return
     leading = next((i for i, m in enumerate(history) if m["role"] != "system"), len(history))
-    assert cut.start == leading
+    real_users = [
+        i for i, m in enumerate(history) if m["role"] == "user" and not is_synthetic(m, PREFIXES)
+    ]
+    # The middle starts after the leading messages, or right after a launching message that
+    # opens the conversation (kept verbatim with them).
+    assert cut.start == leading or (
+        real_users and cut.start == real_users[-1] + 1 and real_users[-1] - leading < 2
+    )
     assert cut.end - cut.start >= 2
     assert len(history) - cut.end >= keep_recent
     tail = history[cut.end :]
     assert tail[0]["role"] != "tool"
     tail_call_ids = {c["id"] for m in tail for c in m.get("tool_calls") or []}
     assert all(m["tool_call_id"] in tail_call_ids for m in tail if m["role"] == "tool")
+    middle = history[cut.start : cut.end]
+    middle_call_ids = {c["id"] for m in middle for c in m.get("tool_calls") or []}
+    assert all(m["tool_call_id"] in middle_call_ids for m in middle if m["role"] == "tool")
     # The launching message is kept, unless keeping it would exceed the anchor budget.
-    real_users = [
-        i for i, m in enumerate(history) if m["role"] == "user" and not is_synthetic(m, PREFIXES)
-    ]
-    if real_users and real_users[-1] < cut.end:
+    if real_users and cut.start <= real_users[-1] < cut.end:
         assert sum(content_chars(m) for m in history[real_users[-1] :]) > max_anchor_chars
     # What is forwarded after substitution is a history the provider accepts.
     compaction = build_compaction(history, cut, "summary", source="extractive")

@@ -194,6 +194,59 @@ def test_context_length_exceeded_is_compacted_and_retried_once(
         assert statuses == [400, 200, 200]  # refused, the summary call, the compacted retry
 
 
+def one_task(rounds: int, output_chars: int) -> list[dict[str, Any]]:
+    """The usual agent session: a system prompt, one task, then only tool rounds."""
+    full = history(rounds, output_chars=output_chars, system_repeat=10)
+    return [full[0], full[3], *full[4:]]
+
+
+def test_one_task_and_its_tool_loop_are_compacted_keeping_the_task(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """Pulling the cut back to the task would leave nothing to compact: the task is kept
+    verbatim after the system prompt and the rounds after it are summarized (the history
+    used to be forwarded over the trigger, uncompacted, on every turn)."""
+    config = {
+        "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 4},
+        "models": {MODEL: {"context_window": 2000}},
+    }
+    proxy = proxy_factory(sim.api_base, config)
+    msgs = one_task(12, output_chars=400)
+    assert compaction.estimate_tokens(msgs) > 1500  # over the trigger
+    sim.sim.enqueue([parse_script("Read the files of rounds 0-9.")])
+    raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+        model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "one-task"}
+    )
+    assert raw.headers["x-cachegate-compacted"] == "1"
+    forwarded = sim.sim.requests[-1].body["messages"]
+    assert forwarded[:2] == msgs[:2]  # the system prompt and the task, verbatim
+    assert forwarded[2]["content"].startswith(SUMMARY_MARKER)
+    assert forwarded[3:] == msgs[-4:]
+    assert compaction.estimate_tokens(forwarded) < 1500
+
+
+def test_a_retry_after_a_refusal_keeps_fewer_messages_until_it_fits(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """Keeping ``keep_recent`` messages would still be over the window the provider stated:
+    the retry keeps fewer (the client used to get the provider's 400 again)."""
+    with run_simulator(SimConfig(context_window=3000)) as small:
+        config = {
+            "compaction": {"enabled": True, "trigger_percent": 100, "keep_recent": 8},
+            "models": {MODEL: {"context_window": 1000000}},
+        }
+        proxy = proxy_factory(small.api_base, config)
+        msgs = one_task(10, output_chars=3000)
+        small.sim.enqueue([parse_script("short summary")])
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs
+        )
+        assert raw.http_response.status_code == 200
+        assert [r.status for r in small.sim.requests[-3:]] == [400, 200, 200]
+        retried = small.sim.requests[-1].body["messages"]
+        assert retried[-1] == msgs[-1] and len(retried) < 2 + 1 + 8
+
+
 def test_a_failure_while_compacting_for_a_retry_is_a_500_in_openai_shape(
     proxy_factory: Any,
 ) -> None:

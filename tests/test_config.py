@@ -206,5 +206,5 @@ def test_text_values_are_read_from_the_environment_and_flags_only(tmp_path: Path
     assert load_settings(None, {"port": "18111"}, environ={}).server.port == 18111
     config = tmp_path / "c.toml"
     config.write_text('[server]\nport = "18110"\n')
-    with pytest.raises(ConfigError, match="server.port"):
+    with pytest.raises(ConfigError, match=r"server\.port"):
         load_settings(str(config), environ={})
