@@ -86,6 +86,10 @@ class Exchange:
             if self.error is None and not self.interrupted:  # (cut short by the client: not it)
                 self.error = str(exc)
             return
+        except RefusedAnswer as exc:  # the provider's own words for a status >= 400
+            if self.error is None:
+                self.error = str(exc)
+            return
         except Exception:
             log.exception("assembling the recorded response failed")
             return
@@ -100,6 +104,27 @@ class Exchange:
 class UnreadableAnswer(ValueError):
     """A successful status with a body that is no JSON (cut short, say): ``Recorded.assemble``
     raises it with what was wrong, for the exchange's ``error``."""
+
+
+class RefusedAnswer(Exception):
+    """A status of 400 or more: ``Recorded.assemble`` raises it with what the body says (its
+    error message, or the start of a body that is no JSON), for the exchange's ``error``."""
+
+
+# The most of an error body's text an exchange keeps (an HTML error page is cut here).
+MAX_ERROR_TEXT = 300
+
+
+def refusal_text(status: int, body: bytes) -> str:
+    """What a body answered with ``status`` (>= 400) says, as one line for the log."""
+    try:
+        return error_message(orjson.loads(body))[:MAX_ERROR_TEXT]
+    except orjson.JSONDecodeError:
+        pass
+    text = " ".join(body[: MAX_ERROR_TEXT * 4].decode("utf-8", "replace").split())
+    if not text:
+        return f"upstream answered {status} with an empty body"
+    return f"upstream answered {status}: {text[:MAX_ERROR_TEXT]}"
 
 
 def error_message(payload: Any) -> str:

@@ -25,7 +25,7 @@ import orjson
 from proxy.assemble import AssembledResponse, StreamRecorder, assemble_completion
 from proxy.config import display_url
 from proxy.errors import ProxyError, too_large, upstream_timeout, upstream_unreachable
-from proxy.pipeline import Exchange, UnreadableAnswer
+from proxy.pipeline import Exchange, RefusedAnswer, UnreadableAnswer, refusal_text
 from proxy.strip import EVENT_ENDS, NULL_USAGE_LF, UsageEventStripper
 from proxy.upstream import UpstreamPool, UpstreamResponse
 
@@ -342,13 +342,18 @@ class _Tee:
 
     def assemble(self, status: int) -> AssembledResponse | None:
         """The recorded stream's message, or the collected body's when it is a chat completion
-        (``status`` below 400); None when nothing could be assembled."""
+        (``status`` below 400); None when nothing could be assembled. A body answered with a
+        status of 400 or more raises ``RefusedAnswer`` with what it says."""
         if self.recorder is not None:
             try:
                 return self.recorder.finish()
             except Exception:
                 log.exception("stream recorder failed to finish")
                 return None
+        if status >= 400:
+            if self.collected is None:  # past the limit: not kept
+                raise RefusedAnswer(f"upstream answered {status}")
+            raise RefusedAnswer(refusal_text(status, b"".join(self.collected)))
         if self.collected and status < 400:
             body = b"".join(self.collected)
             try:

@@ -346,6 +346,55 @@ def test_upstream_errors_relayed_verbatim(scripted: Any, proxy_factory: Any) -> 
 
 
 @pytest.mark.parametrize(
+    ("status", "body", "content_type", "logged"),
+    [
+        (
+            429,
+            b'{"error":{"message":"Rate limit reached","type":"requests","code":"rate_limit"}}',
+            b"application/json",
+            "Rate limit reached",
+        ),
+        (400, b'{"error":"model not found"}', b"application/json", "model not found"),
+        (
+            502,
+            b"<html>\n<head><title>502 Bad Gateway</title></head>\n</html>\n",
+            b"text/html",
+            "upstream answered 502: <html> <head><title>502 Bad Gateway</title></head> </html>",
+        ),
+        (503, b"", b"text/plain", "upstream answered 503 with an empty body"),
+    ],
+)
+def test_an_upstream_error_is_logged_with_what_its_body_says(
+    scripted: Any,
+    proxy_factory: Any,
+    status: int,
+    body: bytes,
+    content_type: bytes,
+    logged: str,
+) -> None:
+    """The client gets the error as it came; the log (and ``sessions show``) says why the
+    request failed, where its response line used to hold ``"error": null``."""
+    from proxy.eventlog import read_events
+
+    _upstream, url = scripted(
+        chunks=[body] if body else [], status=status, content_type=content_type
+    )
+    proxy = proxy_factory(url)
+    for stream in (False, True):
+        r = httpx.post(
+            proxy.base_url + "/chat/completions",
+            json={**CHAT, "stream": stream},
+            headers={"X-Session-Id": "refused"},
+        )
+        assert (r.status_code, r.content) == (status, body)
+    proxy.settle()
+    responses = [
+        e for e in read_events(proxy.log_dir / "refused.jsonl").events if e["type"] == "response"
+    ]
+    assert [(e["status"], e["error"]) for e in responses] == [(status, logged)] * 2
+
+
+@pytest.mark.parametrize(
     ("content", "status", "code"),
     [
         (b"{not json", 400, "invalid_json"),
