@@ -517,6 +517,7 @@ class ChatPipeline:
             ex.error = err.message
             sid = state.id if state is not None else _explicit_or_none(headers, path_session)
             extra = [(b"x-cachegate-session", sid.encode())] if sid is not None else []
+            extra.append((b"x-cachegate-repairs", str(len(ex.repairs)).encode()))  # as forwarded
             notify(self.observers, "on_error", ex)
             await send_error(send, err, extra)
             return

@@ -165,6 +165,9 @@ def test_strict_mode_rejects_with_a_diagnosis_and_contacts_nobody(
     assert "dangling_call" in body["message"] and "invalid_arguments" in body["message"]
     assert len(sim.sim.requests) == before
     assert proxy.metric("cachegate_strict_rejections_total") == 1
+    # the headers of every chat answer, cachegate's own refusals too
+    assert info.value.response.headers["x-cachegate-repairs"] == "0"
+    assert info.value.response.headers["x-cachegate-session"]
 
 
 def test_strict_mode_from_config_lets_valid_histories_through(

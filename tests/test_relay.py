@@ -417,6 +417,7 @@ def test_bad_input_is_refused_in_openai_shape_and_not_forwarded(
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == code
     assert upstream.requests == []
+    assert r.headers["x-cachegate-repairs"] == "0"  # a chat answer's header, as documented
 
 
 def test_body_over_limit_is_413(scripted: Any, proxy_factory: Any) -> None:
