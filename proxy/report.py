@@ -202,6 +202,11 @@ def _load(log_dir: str | os.PathLike[str], session_id: str) -> LogRead:
         ) from None
 
 
+# The note of a request the provider refused as too long, compacted and sent again (the log has
+# no response line for it: the retry's answer is the exchange's).
+RESENT_COMPACTED = "refused as too long for the context window; compacted and re-sent"
+
+
 def build_detail(session_id: str, log: LogRead) -> SessionDetail:
     """Fold a session's events into one row per exchange (pure; unknown event types ignored)."""
     meta: dict[str, Any] | None = None
@@ -209,6 +214,7 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
     # An exchange id may repeat (a restarted process numbers from 1 again): the latest row wins.
     latest: dict[int, ExchangeRow] = {}
     requested: set[int] = set()  # id() of the rows that already hold their request
+    displaced: dict[int, ExchangeRow] = {}  # a compaction's row: the exchange's row before it
 
     def new_row(ev: dict[str, Any]) -> ExchangeRow:
         row = ExchangeRow(exchange=_int(ev.get("exchange")), ts=_float(ev.get("ts")))
@@ -229,20 +235,30 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
                 meta = ev
         elif kind == "request":
             row = row_for(ev)
+            transforms = ev.get("transforms")
+            compacted = isinstance(transforms, dict) and "compacted" in transforms
             if id(row) in requested or row.status is not None:
                 row = new_row(ev)
+            earlier = displaced.pop(id(row), None)  # the attempt before this one's compaction
+            if compacted and earlier is not None and earlier.status is None and not earlier.error:
+                earlier.error = RESENT_COMPACTED  # the provider refused it: re-sent compacted
             # else: a fresh row, or one opened by a compaction announced just before forwarding
             row.ts = _float(ev.get("ts"))
             requested.add(id(row))
             row.model = _str(ev.get("model"))
             repairs = ev.get("repairs")
             row.repairs = len(repairs) if isinstance(repairs, list) else 0
-            transforms = ev.get("transforms")
-            row.compacted |= isinstance(transforms, dict) and "compacted" in transforms
+            row.compacted |= compacted
         elif kind == "response":
             _apply_response(row_for(ev), ev)
         elif kind == "compacted":
-            row_for(ev).compacted = True
+            # announced before the request it shapes: a row of its own when the exchange's
+            # latest row already went out (the attempt a compaction is retried after)
+            row = row_for(ev)
+            if id(row) in requested or row.status is not None:
+                earlier, row = row, new_row(ev)
+                displaced[id(row)] = earlier
+            row.compacted = True
         elif kind == "error":
             row = row_for(ev)
             row.status = _int(ev.get("status")) if row.status is None else row.status
@@ -297,14 +313,20 @@ def summarize(detail: SessionDetail) -> SessionSummary:
         first_seen=detail.first_seen,
         last_seen=detail.last_seen,
         model=model,
-        exchanges=sum(1 for row in detail.rows if row.exchange is not None),
+        exchanges=sum(
+            1 for row in detail.rows if row.exchange is not None and row.error != RESENT_COMPACTED
+        ),
         tokens_in=_total(row.tokens_in for row in detail.rows),
         tokens_out=_total(row.tokens_out for row in detail.rows),
         cache_read=_total(row.cache_read for row in detail.rows),
         cache_hit_pct=100.0 * reported_read / reported_in if reported_in else None,
         interruptions=sum(1 for row in detail.rows if row.interrupted),
         repairs=sum(row.repairs for row in detail.rows),
-        errors=sum(1 for row in detail.rows if row.error or (row.status or 0) >= 400),
+        errors=sum(
+            1
+            for row in detail.rows
+            if (row.error and row.error != RESENT_COMPACTED) or (row.status or 0) >= 400
+        ),
         torn=detail.torn,
     )
 

@@ -337,3 +337,36 @@ def test_missing_session_and_directory_say_so(log_dir: Path, tmp_path: Path) -> 
         replay_lines(log_dir, "gamma")  # raised at the call, not at the first line
     with pytest.raises(FileNotFoundError, match="does not exist"):
         list_sessions(tmp_path / "nowhere")
+
+
+def test_a_request_compacted_and_retried_after_a_refusal_shows_both_attempts_rightly(
+    tmp_path: Path,
+) -> None:
+    """The refused attempt has no response line; the compaction and the retry follow it under
+    the same exchange number. The compaction is the retry's, and the first attempt says why it
+    has no answer (it used to be shown as the compacted one, with no status)."""
+    events = [
+        req(T0, 1, appended=[U1]),
+        {"ts": T0 + 1, "type": "compacted", "exchange": 1, "start": 1, "covered": 20},
+        req(T0 + 2, 1, transforms={"compacted": {"start": 1, "covered": 20}}),
+        resp(
+            T0 + 3,
+            1,
+            prompt=900,
+            completion=10,
+            cache_read=0,
+            ttfb=0.5,
+            duration=1.0,
+            actual=0.01,
+            uncached=0.01,
+        ),
+    ]
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    (log_dir / "ctx.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
+    refused, retried = show_session(log_dir, "ctx").rows
+    assert (refused.compacted, refused.status) == (False, None)
+    assert refused.error is not None and "compacted and re-sent" in refused.error
+    assert (retried.compacted, retried.status, retried.tokens_in) == (True, 200, 900)
+    [summary] = list_sessions(log_dir)
+    assert (summary.exchanges, summary.errors) == (1, 0)  # one exchange, answered
