@@ -64,6 +64,14 @@ def parse_request(raw: bytes, memos: list[bodymemo.BodyMemo]) -> bodymemo.Parsed
     except orjson.JSONDecodeError as exc:
         lenient = _lenient_body(raw)
         if lenient is _UNREADABLE:
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as bad:  # orjson says "surrogates not allowed" of it
+                byte = raw[bad.start : bad.start + 1].hex()
+                raise bad_request(
+                    f"Request body is not valid UTF-8: byte 0x{byte} at position {bad.start}.",
+                    "invalid_json",
+                ) from None
             raise bad_request(f"Request body is not valid JSON: {exc}", "invalid_json") from None
         parsed = bodymemo.Parsed(lenient, None)
     body = parsed.body

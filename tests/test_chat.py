@@ -683,4 +683,11 @@ def test_a_lone_surrogate_is_the_providers_to_judge_not_a_400(
     ):
         r = httpx.post(proxy.base_url + "/chat/completions", content=bad, headers=headers)
         assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_json"), bad
+    # bytes that are no UTF-8 are said to be so (orjson calls them "surrogates not allowed")
+    latin1 = '{"model": "m", "messages": [{"role": "user", "content": "café"}]}'.encode("latin-1")
+    r = httpx.post(proxy.base_url + "/chat/completions", content=latin1, headers=headers)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == (
+        "Request body is not valid UTF-8: byte 0xe9 at position 60."
+    )
     assert len(upstream.requests) == 2

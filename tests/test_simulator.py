@@ -248,6 +248,21 @@ def test_invalid_json_and_missing_model_are_400(sim: RunningSimulator) -> None:
     missing = post(sim, {"messages": [{"role": "user", "content": "x"}]})
     assert missing.status_code == 400
     assert missing.json()["error"]["message"] == "you must provide a model parameter"
+    no_messages = post(sim, {"model": "gpt-4o"})
+    assert no_messages.status_code == 400
+    assert no_messages.json()["error"]["message"] == "Missing required parameter: 'messages'."
+    not_a_list = post(sim, {"model": "gpt-4o", "messages": "hi"})
+    assert not_a_list.json()["error"]["code"] == "invalid_type"
+
+
+def test_unknown_paths_and_methods_answer_in_the_openai_error_shape(sim: RunningSimulator) -> None:
+    unknown = httpx.post(sim.api_base + "/responses", json={})
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["message"] == "Invalid URL (POST /v1/responses)"
+    wrong = httpx.get(sim.api_base + "/chat/completions")
+    assert wrong.status_code == 405
+    assert wrong.json()["error"]["message"] == "Invalid method for URL (GET /v1/chat/completions)"
+    assert set(wrong.json()["error"]) == {"message", "type", "param", "code"}
 
 
 # -- tokens and the prefix cache ----------------------------------------------------------------

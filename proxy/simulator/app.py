@@ -32,6 +32,7 @@ from typing import Any
 import anyio
 import orjson
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -497,9 +498,16 @@ def create_simulator_app(
         Route("/_sim/reset", handlers.reset, methods=["POST"]),
         Route("/_sim/script", handlers.script, methods=["POST"]),
     ]
-    app = Starlette(routes=routes)
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     app.state.simulator = sim
     return app
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """An unknown path or a wrong method, answered as OpenAI words it (in its error shape)."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    what = "Invalid method for URL" if status == 405 else "Invalid URL"
+    return _error(status, f"{what} ({request.method} {request.url.path})")
 
 
 @dataclass(frozen=True, slots=True)

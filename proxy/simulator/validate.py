@@ -43,7 +43,17 @@ def validate_messages(messages: Any) -> None:
     one ``tool`` message per call id; a ``tool`` message must answer a not-yet-answered call of the
     assistant message that opened its block.
     """
-    if not isinstance(messages, list) or not messages:
+    if messages is None:  # as OpenAI words it
+        raise ValidationError(
+            "Missing required parameter: 'messages'.", code="missing_required_parameter"
+        )
+    if not isinstance(messages, list):
+        raise ValidationError(
+            f"Invalid type for 'messages': expected an array, but got {type(messages).__name__}"
+            " instead.",
+            code="invalid_type",
+        )
+    if not messages:
         raise ValidationError(
             "Invalid 'messages': empty array. Expected an array with minimum length 1."
         )
