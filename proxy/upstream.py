@@ -275,6 +275,7 @@ class _Connection(asyncio.Protocol):
         self._mark = 0.0  # loop time of the last byte received or the last wait begun
         self._timer: asyncio.TimerHandle | None = None
         self._sent: int | None = None  # bytes of the first request sent before the transport
+        self._sent_at = 0.0  # loop time the request was all written
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -465,6 +466,7 @@ class _Connection(asyncio.Protocol):
                     break
             else:
                 transport.write(b"0\r\n\r\n")
+        self._sent_at = self.loop.time()
         return await self.wait(answer)
 
     def pause_reading(self) -> None:
@@ -551,6 +553,10 @@ def _ssl_context() -> ssl.SSLContext:
     return ssl.create_default_context(cafile=cafile or None, capath=capath or None)
 
 
+# A round trip to a far provider, with margin (see ``UpstreamPool.resend_window``).
+RESEND_WINDOW_S = 1.0
+
+
 class UpstreamPool:
     """Pooled HTTP/1.1 connections to the upstream origins."""
 
@@ -571,6 +577,9 @@ class UpstreamPool:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.pool_timeout = read_timeout if pool_timeout is None else pool_timeout
+        # How soon after its request a reused connection's close without an answer reads as the
+        # keep-alive race, and the request is sent again on a new connection.
+        self.resend_window = RESEND_WINDOW_S
         self._ssl = ssl_context
         self._idle: dict[Origin, list[_Connection]] = {}
         self._open: set[_Connection] = set()
@@ -644,10 +653,18 @@ class UpstreamPool:
             try:
                 return await conn.exchange(verb, head, content)
             except httpx.RemoteProtocolError:
-                stale = conn.uses > 1 and not conn._received
+                # The server closed this idle connection as it was reused (its keep-alive
+                # timeout): the close comes within a round trip of the request, unanswered.
+                # Closed later, the request may have been taken (a generation begun, billed):
+                # not sent twice (RFC 9112, 9.3.1), the client gets the error.
+                stale = (
+                    conn.uses > 1
+                    and not conn._received
+                    and conn.loop.time() - conn._sent_at < self.resend_window
+                )
                 conn.abort()
                 if attempt == 0 and stale and isinstance(content, bytes):
-                    continue  # the server closed this idle connection as it was reused
+                    continue
                 raise
             except BaseException:
                 conn.abort()  # cancelled (the client left) or failed: the upstream sees the close

@@ -282,6 +282,33 @@ def test_a_connection_the_server_closed_as_it_was_reused_is_retried_once() -> No
     run(main())
 
 
+def test_a_request_the_server_took_and_then_dropped_is_not_sent_twice() -> None:
+    """A reused connection the server closes well after taking the request (a crash mid-
+    generation): the request may have been applied, and billed. It is not sent again: the
+    error reaches the caller (it used to be re-sent on a new connection, unseen)."""
+
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        if n == 2:
+            await asyncio.sleep(0.3)  # generating...
+            return False  # ...and gone
+        w.write(answer(b"ok from connection %d" % c))
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            pool.resend_window = 0.1
+            assert await read(await pool.open("POST", srv.url + "/", [], b"{}")) == (
+                b"ok from connection 1"
+            )
+            with pytest.raises(httpx.RemoteProtocolError):
+                await pool.open("POST", srv.url + "/", [], b"{}")
+            assert len(srv.requests) == 2  # the second request once
+            await pool.aclose()
+
+    run(main())
+
+
 def test_a_new_connection_closed_before_answering_is_not_retried() -> None:
     async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
         return False
