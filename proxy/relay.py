@@ -12,7 +12,6 @@ import asyncio
 import collections
 import contextlib
 import functools
-import gzip
 import logging
 import time
 import zlib
@@ -184,19 +183,29 @@ def _watchable_cycle(receive: Receive) -> Any:
     return cycle if ok else None
 
 
+def _coding(response: httpx.Response | UpstreamResponse) -> str:
+    """The answer's content coding, lower-cased (codings are case-insensitive); "" for none."""
+    coding = response.headers.get("content-encoding", "").strip().lower()
+    return "" if coding == "identity" else coding
+
+
+# Codings cachegate can undo (zlib's auto-detected gzip or zlib header); others (br, zstd) not.
+_DECODABLE: Final = frozenset({"gzip", "x-gzip", "deflate"})
+
+
+def _decode(coding: str, body: bytes) -> bytes:
+    """``body`` with its content coding undone; ``body`` as it is when it cannot be."""
+    if coding in _DECODABLE:
+        try:
+            return zlib.decompress(body, zlib.MAX_WBITS | 32)
+        except zlib.error:
+            pass
+    return body
+
+
 def _decoded(response: httpx.Response | UpstreamResponse, body: bytes) -> bytes:
     """``body`` with its content-encoding undone, to read an error message; raw when it cannot be."""
-    encoding = response.headers.get("content-encoding", "identity").lower()
-    if encoding in ("", "identity"):
-        return body
-    try:
-        if encoding == "gzip":
-            return gzip.decompress(body)
-        if encoding == "deflate":
-            return zlib.decompress(body)
-    except (OSError, zlib.error):
-        pass
-    return body
+    return _decode(_coding(response), body)
 
 
 async def _one(data: bytes) -> AsyncIterator[bytes]:
@@ -298,12 +307,15 @@ def client_response_headers(
     *,
     drop_length: bool,
     extra: list[tuple[bytes, bytes]],
+    drop_coding: bool = False,
 ) -> list[tuple[bytes, bytes]]:
     raw = [(k.lower(), v) for k, v in upstream.headers.raw]
     drop = HOP_BY_HOP | _connection_listed(raw)
-    headers = [
-        (k, v) for k, v in raw if k not in drop and not (drop_length and k == b"content-length")
-    ]
+    if drop_length:
+        drop = drop | {b"content-length"}
+    if drop_coding:  # the body goes decoded
+        drop = drop | {b"content-encoding"}
+    headers = [(k, v) for k, v in raw if k not in drop]
     headers.extend(extra)
     return headers
 
@@ -324,12 +336,13 @@ class _Tee:
     (SSE; the relay appends to its ``chunks``) or collected whole (a JSON body, up to
     ``MAX_RECORDED_BODY``)."""
 
-    __slots__ = ("collected", "recorder", "size")
+    __slots__ = ("coding", "collected", "recorder", "size")
 
-    def __init__(self, recorder: StreamRecorder | None, collect: bool) -> None:
+    def __init__(self, recorder: StreamRecorder | None, collect: bool, coding: str = "") -> None:
         self.recorder = recorder
         self.collected: list[bytes] | None = [] if collect else None
         self.size = 0
+        self.coding = coding  # a collected body's content coding, undone to read it
 
     def take(self, chunk: bytes) -> None:
         """Collect one chunk of a JSON body; past the limit, the body is not kept."""
@@ -353,9 +366,18 @@ class _Tee:
         if status >= 400:
             if self.collected is None:  # past the limit: not kept
                 raise RefusedAnswer(f"upstream answered {status}")
-            raise RefusedAnswer(refusal_text(status, b"".join(self.collected)))
-        if self.collected and status < 400:
-            body = b"".join(self.collected)
+            body = _decode(self.coding, b"".join(self.collected))
+            raise RefusedAnswer(refusal_text(status, body))
+        if self.collected is not None:
+            if self.coding and self.coding not in _DECODABLE:
+                raise UnreadableAnswer(
+                    f"upstream compressed its answer ({self.coding}) though asked not to: not read"
+                )
+            body = _decode(self.coding, b"".join(self.collected))
+            if not body:
+                raise UnreadableAnswer(f"upstream answered {status} with an empty body")
+            if body.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark, which JSON readers skip
+                body = body[3:]
             try:
                 parsed = orjson.loads(body)
             except orjson.JSONDecodeError as exc:
@@ -615,12 +637,27 @@ class Relay:
                 chunks = _one(error_body)  # not retried: relay what was read, verbatim
             if response.status_code >= 400:
                 ex.upstream_error = "status"
-            ctype = response.headers.get("content-type", "")
-            encoded = response.headers.get("content-encoding", "identity") not in ("identity", "")
+            ctype = response.headers.get("content-type", "").lstrip().lower()  # case-insensitive
             is_sse = ctype.startswith("text/event-stream")
-            if record and not encoded:
-                tee = _Tee(StreamRecorder() if is_sse else None, collect=not is_sse)
-            if ex.strip_usage and is_sse and not encoded:
+            coding = _coding(response)  # we asked for none; some upstreams compress anyway
+            # A compressed stream is decoded for the client (as its HTTP client would) where
+            # cachegate must read it: to take out the usage event it asked for, or to record it.
+            decoder = None
+            if is_sse and coding in _DECODABLE and (record or ex.strip_usage):
+                decoder = zlib.decompressobj(zlib.MAX_WBITS | 32)
+            elif is_sse and coding and (record or ex.strip_usage):
+                ex.error = (
+                    f"upstream compressed its stream ({coding}) though asked not to: not "
+                    "recorded"
+                    + (
+                        ", the usage event cachegate asked for not removed"
+                        if ex.strip_usage
+                        else ""
+                    )
+                )
+            if record and (not is_sse or not coding or decoder is not None):
+                tee = _Tee(StreamRecorder() if is_sse else None, collect=not is_sse, coding=coding)
+            if ex.strip_usage and is_sse and (not coding or decoder is not None):
                 stripper = UsageEventStripper()
             start: dict[str, Any] = {
                 "type": "http.response.start",
@@ -628,7 +665,10 @@ class Relay:
                 "headers": client_response_headers(
                     response,
                     # A 204 or 304 has no body: uvicorn would wait for the length announced.
-                    drop_length=stripper is not None or response.status_code in (204, 304),
+                    drop_length=stripper is not None
+                    or decoder is not None
+                    or response.status_code in (204, 304),
+                    drop_coding=decoder is not None,
                     extra=extra_headers,
                 ),
             }
@@ -646,7 +686,13 @@ class Relay:
                 if direct is not None:
                     self.direct_relays += 1
                     sink = _sink(ex, stripper, tee, direct.write)  # in the upstream's callback
-                    await response.pipe(sink, direct.drain)  # type: ignore[union-attr]
+                    if decoder is None:
+                        await response.pipe(sink, direct.drain)  # type: ignore[union-attr]
+                    else:
+                        await response.pipe(_decoding(decoder, sink), direct.drain)  # type: ignore[union-attr]
+                        rest = decoder.flush()
+                        if rest and not sink(rest):
+                            await direct.drain()
                 else:
                     ready: list[bytes] = []
 
@@ -655,13 +701,21 @@ class Relay:
                         return True
 
                     sink = _sink(ex, stripper, tee, keep)
+                    feed = sink if decoder is None else _decoding(decoder, sink)
                     async for chunk in chunks:
-                        sink(chunk)
+                        feed(chunk)
                         for out in ready:
                             await send(
                                 {"type": "http.response.body", "body": out, "more_body": True}
                             )
                         ready.clear()
+                    rest = decoder.flush() if decoder is not None else b""
+                    if rest:
+                        sink(rest)
+                        for out in ready:
+                            await send(
+                                {"type": "http.response.body", "body": out, "more_body": True}
+                            )
             except Exception as exc:  # after the headers went out: cut the client the same way
                 if direct is not None:
                     direct.release()
@@ -709,6 +763,16 @@ class Relay:
             ex.duration_s = time.perf_counter() - ex.t0
             if tee is not None:
                 ex.recorded = tee  # assembled by ex.assemble(), with the observers
+
+
+def _decoding(decoder: Any, sink: Callable[[bytes], bool]) -> Callable[[bytes], bool]:
+    """``sink`` fed what ``decoder`` (a ``zlib.decompressobj``) makes of each chunk."""
+
+    def decoding(chunk: bytes) -> bool:
+        plain = decoder.decompress(chunk)
+        return sink(plain) if plain else True
+
+    return decoding
 
 
 def _sink(

@@ -1216,3 +1216,156 @@ def test_an_answer_whose_upstream_dies_before_its_body_reaches_the_client_as_it_
                 assert r.status_code == 200 and r.content == b""
     finally:
         empty.sock.close()
+
+
+def _stream_with_usage() -> bytes:
+    """An OpenAI stream as it comes when usage was asked for: text, then the usage event."""
+    base = {"id": "c1", "object": "chat.completion.chunk", "model": "gpt-4o"}
+    parts = [
+        {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}}]},
+        {**base, "choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}]},
+        {**base, "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2}},
+    ]
+    return b"".join(sse(p) for p in parts) + b"data: [DONE]\n\n"
+
+
+def _client_sees(proxy: Any, session: str) -> tuple[httpx.Response, list[dict[str, Any]]]:
+    """A streamed chat request as the openai SDK makes it (no usage asked for), read whole;
+    the data events the client got."""
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json={**CHAT, "stream": True},
+        headers={"X-Session-Id": session},
+    )
+    data = [orjson.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    return r, data
+
+
+@pytest.mark.parametrize(
+    ("content_type", "encoding", "transport"),
+    [
+        (b"Text/Event-Stream; charset=utf-8", None, "native"),  # media types: any case
+        (b"text/event-stream", b"gzip", "native"),  # compressed though asked for identity
+        (b"text/event-stream", b"gzip", "httpx"),
+        (b"text/event-stream", b"Identity", "native"),  # codings are case-insensitive
+    ],
+)
+def test_a_stream_in_an_unusual_dress_still_loses_the_usage_event_and_is_recorded(
+    scripted: Any,
+    proxy_factory: Any,
+    content_type: bytes,
+    encoding: bytes | None,
+    transport: str,
+) -> None:
+    """cachegate asked for the usage event on the client's behalf: it must not reach a client
+    that did not ask (the SDK fails on its empty ``choices``), and the log must hold the answer.
+    Both were skipped for a capitalized media type or any ``Content-Encoding``."""
+    import zlib
+
+    from proxy.eventlog import read_events
+
+    stream = _stream_with_usage()
+    body = stream
+    headers: list[tuple[bytes, bytes]] = []
+    if encoding == b"gzip":
+        packer = zlib.compressobj(wbits=zlib.MAX_WBITS | 16)
+        body = packer.compress(stream) + packer.flush()
+    if encoding is not None:
+        headers.append((b"content-encoding", encoding))
+    half = len(body) // 2
+    _upstream, url = scripted(
+        chunks=[body[:half], body[half:]], content_type=content_type, extra_headers=headers
+    )
+    proxy = proxy_factory(url, {"upstream": {"transport": transport}})
+    r, data = _client_sees(proxy, "dressed")
+    assert r.status_code == 200
+    if encoding == b"gzip":  # decoded for the client, as its HTTP client would have
+        assert "content-encoding" not in r.headers
+    assert [d["choices"][0]["delta"].get("content") for d in data] == ["Hel", "lo"]
+    assert all("usage" not in d for d in data)
+    proxy.settle()
+    [response] = [
+        e for e in read_events(proxy.log_dir / "dressed.jsonl").events if e["type"] == "response"
+    ]
+    assert response["message"]["content"] == "Hello"
+    assert response["usage"]["prompt"] == 9 and response["error"] is None
+
+
+def test_a_stream_compressed_beyond_reading_is_relayed_as_it_came_and_said_in_the_log(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    from proxy.eventlog import read_events
+
+    _upstream, url = scripted(
+        chunks=[b"\x1b\x00\xf8"], extra_headers=[(b"content-encoding", b"br")]
+    )
+    proxy = proxy_factory(url)
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json={**CHAT, "stream": True},
+        headers={"X-Session-Id": "brotli", "accept-encoding": "identity"},
+    )
+    assert (r.headers["content-encoding"], r.content) == ("br", b"\x1b\x00\xf8")
+    proxy.settle()
+    [response] = [
+        e for e in read_events(proxy.log_dir / "brotli.jsonl").events if e["type"] == "response"
+    ]
+    assert response["error"].startswith("upstream compressed its stream (br) though asked not to")
+
+
+@pytest.mark.parametrize(
+    ("body", "encoding", "error"),
+    [
+        ("gzip", b"gzip", None),  # the client gets it as it came; the log reads it decoded
+        ("bom", None, None),  # a byte order mark, which JSON readers skip
+        ("empty", None, "upstream answered 200 with an empty body"),
+    ],
+)
+def test_an_answer_body_is_read_for_the_log_as_a_json_reader_would(
+    scripted: Any, proxy_factory: Any, body: str, encoding: bytes | None, error: str | None
+) -> None:
+    import zlib
+
+    from proxy.eventlog import read_events
+
+    completion = orjson.dumps(
+        {
+            "id": "c1",
+            "object": "chat.completion",
+            "model": "gpt-4o",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "Hello"},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 9, "completion_tokens": 2},
+        }
+    )
+    if body == "gzip":
+        packer = zlib.compressobj(wbits=zlib.MAX_WBITS | 16)
+        raw = packer.compress(completion) + packer.flush()
+    else:
+        raw = {"bom": b"\xef\xbb\xbf" + completion, "empty": b""}[body]
+    headers = [(b"content-encoding", encoding)] if encoding else []
+    _upstream, url = scripted(
+        chunks=[raw] if raw else [], content_type=b"application/json", extra_headers=headers
+    )
+    proxy = proxy_factory(url)
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json=CHAT,
+        headers={"X-Session-Id": "plain", "accept-encoding": "identity"},
+    )
+    if encoding:  # relayed compressed, as it came (httpx decodes it here)
+        assert (r.headers["content-encoding"], r.content) == ("gzip", completion)
+    else:
+        assert r.content == raw  # verbatim
+    proxy.settle()
+    [response] = [
+        e for e in read_events(proxy.log_dir / "plain.jsonl").events if e["type"] == "response"
+    ]
+    assert response["error"] == error
+    if error is None:
+        assert response["message"]["content"] == "Hello" and response["usage"]["prompt"] == 9
