@@ -64,6 +64,15 @@ def upstream_unreachable(detail: str) -> ProxyError:
     )
 
 
+def upstream_invalid(detail: str) -> ProxyError:
+    return ProxyError(
+        502,
+        f"The upstream provider's answer could not be read as HTTP: {detail}",
+        type="upstream_error",
+        code="upstream_invalid_answer",
+    )
+
+
 def upstream_timeout(detail: str) -> ProxyError:
     return ProxyError(
         504,

@@ -53,7 +53,7 @@ REPAIR_KINDS: Final = (
 )
 COMPACTION_RESULTS: Final = ("summary", "extractive", "reused")
 COST_KINDS: Final = ("actual", "uncached")
-UPSTREAM_ERROR_KINDS: Final = ("connect", "timeout", "status", "midstream")
+UPSTREAM_ERROR_KINDS: Final = ("connect", "timeout", "status", "midstream", "invalid")
 LOG_LOSS_KINDS: Final = ("queue_full", "write_error")
 SESSION_EVICTION_REASONS: Final = ("idle", "count", "memory")
 GEN_AI_TOKEN_TYPES: Final = ("input", "output", "cached_input", "cache_creation_input")

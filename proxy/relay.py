@@ -23,10 +23,16 @@ import orjson
 
 from proxy.assemble import AssembledResponse, StreamRecorder, assemble_completion
 from proxy.config import display_url
-from proxy.errors import ProxyError, too_large, upstream_timeout, upstream_unreachable
+from proxy.errors import (
+    ProxyError,
+    too_large,
+    upstream_invalid,
+    upstream_timeout,
+    upstream_unreachable,
+)
 from proxy.pipeline import Exchange, RefusedAnswer, UnreadableAnswer, refusal_text
 from proxy.strip import EVENT_ENDS, NULL_USAGE_LF, UsageEventStripper
-from proxy.upstream import UpstreamPool, UpstreamResponse
+from proxy.upstream import InvalidAnswer, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +317,7 @@ def client_response_headers(
 ) -> list[tuple[bytes, bytes]]:
     raw = [(k.lower(), v) for k, v in upstream.headers.raw]
     drop = HOP_BY_HOP | _connection_listed(raw)
-    if drop_length:
+    if drop_length or any(k == b"transfer-encoding" for k, _ in raw):  # chunks win (RFC 9112)
         drop = drop | {b"content-length"}
     if drop_coding:  # the body goes decoded
         drop = drop | {b"content-encoding"}
@@ -608,6 +614,11 @@ class Relay:
                 if isinstance(exc, httpx.TimeoutException):
                     ex.upstream_error = "timeout"
                     raise upstream_timeout(type(exc).__name__) from exc
+                if isinstance(exc, InvalidAnswer) or (  # reached, but its answer is no HTTP
+                    type(exc) is httpx.RemoteProtocolError and "disconnected" not in str(exc)
+                ):  # (httpcore's words for an answer it could not parse, as against none)
+                    ex.upstream_error = "invalid"
+                    raise upstream_invalid(str(exc)) from exc
                 ex.upstream_error = "connect"
                 raise upstream_unreachable(str(exc) or type(exc).__name__) from exc
             except Exception as exc:  # a transport error its wrapper did not map (malformed answer)

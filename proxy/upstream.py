@@ -42,7 +42,7 @@ import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, overload
+from typing import Any, Final, overload
 from urllib.parse import urlsplit
 
 import httptools
@@ -53,6 +53,14 @@ _WRITE_JOIN = 64 * 1024  # bodies up to this size go out in one write with the h
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # a closed peer is an error, never a signal
 
 Origin = tuple[str, str, int]  # scheme, host, port
+
+
+class InvalidAnswer(httpx.RemoteProtocolError):
+    """The upstream answered, but not in HTTP/1.1 as cachegate (and other clients) read it."""
+
+
+# httptools 0.6.4 and later expose llhttp's leniencies (pyproject asks for it; kept optional).
+_LENIENT: Final = hasattr(httptools.HttpResponseParser, "set_dangerous_leniencies")
 
 
 class UpstreamHeaders:
@@ -265,6 +273,7 @@ class _Connection(asyncio.Protocol):
         self._response: UpstreamResponse | None = None
         self._received = False  # any byte of an answer to the current request
         self._until_close = False  # the body ends with the connection
+        self._ambiguous = False  # framed both by length and by chunks
         self._complete = False
         self._keep_alive = False
         self._request_incomplete = False  # the answer came before the request body was all sent
@@ -292,7 +301,7 @@ class _Connection(asyncio.Protocol):
         try:
             parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(httpx.RemoteProtocolError(f"invalid answer from upstream: {exc}"))
+            self._fail(InvalidAnswer(f"invalid answer from upstream: {exc}"))
             self.abort()
         response = self._response
         if response is not None and response._sink is not None:
@@ -348,9 +357,10 @@ class _Connection(asyncio.Protocol):
         headers, self._raw_headers = self._raw_headers, []
         response = UpstreamResponse(self, status, headers)
         self._response = response
-        framed = any(k.lower() in (b"content-length", b"transfer-encoding") for k, _ in headers)
+        framing = {k.lower() for k, _ in headers} & {b"content-length", b"transfer-encoding"}
         bodiless = self._head_only or status in (204, 304) or status == 101
-        self._until_close = not framed and not bodiless
+        self._until_close = not framing and not bodiless
+        self._ambiguous = len(framing) == 2  # RFC 9112, 6.3: close the connection after it
         if self._head_only:  # the parser would wait for a body the length announces: stop here
             self._complete = True
             self._keep_alive = False
@@ -373,7 +383,9 @@ class _Connection(asyncio.Protocol):
             return
         assert parser is not None
         self._complete = True
-        self._keep_alive = parser.should_keep_alive() and not self._until_close
+        self._keep_alive = (
+            parser.should_keep_alive() and not self._until_close and not self._ambiguous
+        )
         self._response._finish()
 
     # -- the exchange --------------------------------------------------------------------------
@@ -417,10 +429,16 @@ class _Connection(asyncio.Protocol):
     def begin(self, method: bytes) -> None:
         """Ready the connection for one answer, before any byte of its request goes out."""
         self.uses += 1
-        self._parser = httptools.HttpResponseParser(self)
+        self._parser = parser = httptools.HttpResponseParser(self)
+        if _LENIENT:  # what HTTP clients take (h11, httpx): bare LF line ends, and a length
+            # beside chunked framing (the chunks win; the connection is not reused after)
+            parser.set_dangerous_leniencies(
+                lenient_optional_cr_before_lf=True, lenient_chunked_length=True
+            )
         self._head_only = method == b"HEAD"
         self._response = None
         self._received = self._complete = self._until_close = self._keep_alive = False
+        self._ambiguous = False
         self._request_incomplete = False
         self._raw_headers = []
         self._head = self.loop.create_future()

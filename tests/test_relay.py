@@ -854,13 +854,38 @@ class RawUpstream:
 def test_a_malformed_upstream_answer_is_a_502(
     proxy_factory: Any, transport: str, answer: bytes
 ) -> None:
+    """The upstream was reached: its answer could not be read, which the error and the metric
+    say (it used to be "could not reach the upstream", counted as a connect failure)."""
     upstream = RawUpstream(answer)
     try:
         proxy = proxy_factory(upstream.url, {"upstream": {"transport": transport}})
         for path in ("/chat/completions", "/embeddings"):
             r = httpx.post(proxy.base_url + path, json=CHAT)
             assert r.status_code == 502, (path, r.text)
-            assert r.json()["error"]["code"] == "upstream_unreachable"
+            assert r.json()["error"]["code"] == "upstream_invalid_answer"
+            assert "could not be read as HTTP" in r.json()["error"]["message"]
+        assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 2
+        assert proxy.metric("cachegate_upstream_errors_total", {"kind": "connect"}) == 0
+    finally:
+        upstream.sock.close()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\ncontent-type: application/json\ncontent-length: 2\n\n{}",  # bare LF
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n"
+        b"content-length: 99\r\n\r\n2\r\n{}\r\n0\r\n\r\n",  # chunks beside a length
+    ],
+)
+def test_answers_other_http_clients_read_are_read(proxy_factory: Any, answer: bytes) -> None:
+    """A bare LF line end, or chunked framing beside a length (the chunks win, as in httpx): the
+    native pool refused these with a 502 that the SDK then retried."""
+    upstream = RawUpstream(answer)
+    try:
+        proxy = proxy_factory(upstream.url)
+        r = httpx.post(proxy.base_url + "/chat/completions", json=CHAT)
+        assert (r.status_code, r.content) == (200, b"{}")
     finally:
         upstream.sock.close()
 

@@ -148,6 +148,15 @@ def test_keep_alive_reuses_one_connection_and_preserves_headers() -> None:
             True,
         ),
         (b"HTTP/1.1 204 No Content\r\n\r\n", b"", True),
+        # bare LF line ends, as h11 and httpx read them
+        (b"HTTP/1.1 200 OK\ncontent-length: 3\n\nabc", b"abc", True),
+        # chunks beside a length: the chunks win, and the connection is not reused after
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 9\r\n\r\n"
+            b"3\r\nabc\r\n0\r\n\r\n",
+            b"abc",
+            False,
+        ),
     ],
 )
 def test_response_framings(raw: bytes, body: bytes, reused: bool) -> None:
