@@ -50,6 +50,7 @@ class AssembledResponse:
     id: str | None = None
     events: int = 0
     malformed: int = 0
+    unfinished: bool = False  # a stream that ended inside an event, with no [DONE] seen
 
 
 class _ToolCalls:
@@ -563,6 +564,9 @@ class StreamRecorder:
     def finish(self) -> AssembledResponse:
         """End of stream (complete or not): decode what is kept, flush, return the result."""
         self.decode()
+        cut = not self.decoder.idle
         for event in self.decoder.flush():
             self.assembler.feed(event)
-        return self.assembler.result()
+        result = self.assembler.result()
+        result.unfinished = cut and not result.done
+        return result

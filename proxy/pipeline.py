@@ -99,6 +99,11 @@ class Exchange:
         self.usage = assembled.usage
         if assembled.error is not None and self.error is None:
             self.error = error_message(assembled.error)
+        elif assembled.unfinished and self.error is None and not self.interrupted:
+            # (a body framed by the connection's end has no other sign of being cut short)
+            self.error = "upstream ended the stream inside an event, before [DONE]"
+            if self.upstream_error is None:
+                self.upstream_error = "midstream"  # counted as a cut chunked stream is
 
 
 class UnreadableAnswer(ValueError):

@@ -1394,3 +1394,48 @@ def test_an_answer_body_is_read_for_the_log_as_a_json_reader_would(
     assert response["error"] == error
     if error is None:
         assert response["message"]["content"] == "Hello" and response["usage"]["prompt"] == 9
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (  # cut inside an event: only the connection's end framed it
+            b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n'
+            b'data: {"id":"c1","choices":[{"index":0,"delta":{"cont',
+            "upstream ended the stream inside an event, before [DONE]",
+        ),
+        (  # whole, even without the last blank line after [DONE]
+            b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n'
+            b"data: [DONE]\n",
+            None,
+        ),
+    ],
+)
+def test_a_stream_framed_by_the_connections_end_and_cut_short_is_logged_as_cut(
+    proxy_factory: Any, body: bytes, error: str | None
+) -> None:
+    """An HTTP/1.0-style answer (no length, no chunks) ends when the connection does: a cut is
+    then a clean end to HTTP. The client gets the bytes as they came; the log used to record a
+    clean success."""
+    from proxy.eventlog import read_events
+
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+    upstream = RawUpstream(head + body)
+    try:
+        proxy = proxy_factory(upstream.url, {"upstream": {"request_usage": False}})
+        r = httpx.post(
+            proxy.base_url + "/chat/completions",
+            json={**CHAT, "stream": True},
+            headers={"X-Session-Id": "closed"},
+        )
+        assert (r.status_code, r.content) == (200, body)
+        proxy.settle()
+        [response] = [
+            e for e in read_events(proxy.log_dir / "closed.jsonl").events if e["type"] == "response"
+        ]
+        assert response["message"]["content"] == "Hel"
+        assert response["error"] == error
+        cut = proxy.metric("cachegate_upstream_errors_total", {"kind": "midstream"})
+        assert cut == (1 if error else 0)
+    finally:
+        upstream.sock.close()
