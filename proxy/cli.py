@@ -126,7 +126,17 @@ def _simulate(ns: argparse.Namespace) -> int:
             message = re.sub(rf"(?<![\w-]){name}(?!\w)", flag, message)
         print(f"cachegate simulate: {message}", file=sys.stderr)
         return 2
-    sim_cli.serve(config, ns.host, ns.port)
+    from proxy.serving import listening_sockets
+
+    try:  # a port in use: one line and exit code 1, as for serve
+        sockets = listening_sockets(ns.host, ns.port)
+    except OSError as exc:
+        where = f"{_url_host(ns.host)}:{ns.port}"
+        print(
+            f"cachegate simulate: cannot listen on {where}: {exc.strerror or exc}", file=sys.stderr
+        )
+        return 1
+    sim_cli.serve(config, ns.host, ns.port, sockets)
     return 0
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 
@@ -448,6 +449,62 @@ def test_serve_on_a_port_in_use_says_so_and_creates_nothing(tmp_path: Path) -> N
     assert proc.returncode == 1
     assert proc.stderr == f"cachegate: cannot listen on 127.0.0.1:{port}: Address already in use\n"
     assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.timeout(30)
+def test_simulate_on_a_port_in_use_says_so_in_one_line() -> None:
+    import socket
+
+    script = shutil.which("cachegate")
+    assert script is not None
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [script, "simulate", "--port", str(port)],
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert proc.returncode == 1  # was uvicorn's "[Errno 98]" and exit code 3
+    assert proc.stderr == (
+        f"cachegate simulate: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    )
+
+
+@pytest.mark.timeout(30)
+def test_simulate_serves_on_the_port_it_bound(tmp_path: Path) -> None:
+    import signal
+    import socket
+    import time
+
+    script = shutil.which("cachegate")
+    assert script is not None
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [script, "simulate", "--port", str(port), "--dialect", "anthropic"],
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+        assert r.status_code == 200 and "claude" in r.text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=10)
 
 
 @pytest.mark.timeout(30)

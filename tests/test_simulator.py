@@ -787,5 +787,8 @@ def test_cli_options_build_a_config() -> None:
     )
     assert (ns.host, ns.port) == ("127.0.0.1", 9000)
     assert config_from_args(parser.parse_args([])) == SimConfig()
+    # the config file's spelling of the dialect is taken too
+    anthropic = config_from_args(parser.parse_args(["--dialect", "anthropic"]))
+    assert anthropic.dialect == "anthropic-compat"
     with pytest.raises(ValueError, match="fault_rate"):
         config_from_args(parser.parse_args(["--fault-rate", "2"]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 
 import uvicorn
 
@@ -27,9 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dialect",
+        # "anthropic" as the config file's models.*.dialect spells it
+        type=lambda value: "anthropic-compat" if value == "anthropic" else value,
         choices=DIALECTS,
         default=defaults.dialect,
-        help="provider to imitate (default: %(default)s)",
+        help="provider to imitate (default: %(default)s; anthropic: anthropic-compat)",
     )
     parser.add_argument(
         "--ttft-ms",
@@ -96,7 +99,16 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
     )
 
 
-def serve(config: SimConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> None:
-    """Serve the simulator until interrupted (blocking)."""
+def serve(
+    config: SimConfig,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    sockets: list[socket.socket] | None = None,
+) -> None:
+    """Serve the simulator until interrupted (blocking), on ``sockets`` when bound already."""
     logger.info("simulating %s on http://%s:%d/v1", config.dialect, host, port)
-    uvicorn.run(create_simulator_app(config), host=host, port=port, log_level="info")
+    app = create_simulator_app(config)
+    if sockets is None:
+        uvicorn.run(app, host=host, port=port, log_level="info")
+        return
+    uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=sockets)
