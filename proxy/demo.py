@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shlex
 import sys
 import tempfile
@@ -39,6 +40,20 @@ from proxy.simulator import RunningSimulator, SimConfig, run_simulator
 log = logging.getLogger(__name__)
 
 DEMO_MODEL = "demo-model"
+# The sessions the scenarios log (a second run in the same directory replaces their files).
+INTERRUPTED_SESSION, STABLE_SESSION, STAMPED_SESSION = (
+    "demo-interrupted",
+    "demo-stable",
+    "demo-timestamp",
+)
+IDLE_SESSION, COMPACTION_SESSION = "demo-idle", "demo-compaction"
+DEMO_SESSIONS = (
+    INTERRUPTED_SESSION,
+    STABLE_SESSION,
+    STAMPED_SESSION,
+    IDLE_SESSION,
+    COMPACTION_SESSION,
+)
 CONTEXT_WINDOW = 8000
 CACHE_TTL_S = 300.0
 TRIGGER_PERCENT = 75.0
@@ -369,7 +384,7 @@ def _system(preamble: str = "") -> dict[str, Any]:
 
 def interrupted_turn(demo: _Demo) -> None:
     """A history whose last tool call has no result: the provider refuses it, cachegate repairs it."""
-    session = "demo-interrupted"
+    session = INTERRUPTED_SESSION
     demo.say(f"1. The interrupted turn (session {session})")
     demo.say("The user pressed Ctrl+C while read_file ran: its call has no result.", 3)
     messages: list[dict[str, Any]] = [
@@ -451,7 +466,7 @@ def _streamed_session(
 
 def timestamp_in_system_prompt(demo: _Demo) -> None:
     """The same session twice: a stable system prompt, then one that starts with the current time."""
-    stable, stamped = "demo-stable", "demo-timestamp"
+    stable, stamped = STABLE_SESSION, STAMPED_SESSION
     demo.say(f"2. A timestamp in the system prompt (sessions {stable}, {stamped})")
     demo.say(
         f"The same {len(QUESTIONS)} streamed turns, {TURN_GAP_S:.0f} s apart, with a long system "
@@ -525,7 +540,7 @@ def timestamp_in_system_prompt(demo: _Demo) -> None:
 
 def idle_gap(demo: _Demo) -> None:
     """A warm session, a pause longer than the cache TTL, and the miss it costs."""
-    session = "demo-idle"
+    session = IDLE_SESSION
     demo.say(f"3. An idle gap past the cache TTL (session {session})")
     questions = (
         "Summarize what the retry module does.",
@@ -610,7 +625,7 @@ def _tool_round(demo: _Demo, session: str, history: list[dict[str, Any]], path: 
 
 def compaction_scenario(demo: _Demo) -> None:
     """A long session: cachegate compacts it at the threshold, and the cache hits again after."""
-    session = "demo-compaction"
+    session = COMPACTION_SESSION
     threshold = int(CONTEXT_WINDOW * TRIGGER_PERCENT / 100)
     demo.say(f"4. A history that crosses the compaction threshold (session {session})")
     demo.say(
@@ -733,7 +748,14 @@ def run_demo(*, log_dir: str | None = None, out: TextIO = sys.stdout) -> int:
     """
     started = time.perf_counter()
     log_dir = log_dir or tempfile.mkdtemp(prefix="cachegate-demo-")
+    # An earlier demo's logs there: replaced, or the two runs' exchanges (on fake clocks) would
+    # interleave in one session and its costs add up.
+    earlier = [p for s in DEMO_SESSIONS if os.path.exists(p := session_log_path(log_dir, s))]
+    for path in earlier:
+        os.unlink(path)
     with _running(log_dir, out) as demo:
+        if earlier:
+            demo.say(f"(replaced the logs of an earlier demo in {log_dir})")
         demo.say(f"cachegate demo: simulator {demo.running.api_base}, cachegate {demo.proxy_url}")
         demo.say(
             f"{DEMO_MODEL}: {_tokens(CONTEXT_WINDOW)}-token window, cache TTL {CACHE_TTL_S:.0f} s, "
@@ -753,8 +775,8 @@ def run_demo(*, log_dir: str | None = None, out: TextIO = sys.stdout) -> int:
     out.write(
         f"\nSession logs in {log_dir}\n"
         f"  cachegate sessions list --log-dir {arg}\n"
-        f"  cachegate sessions show demo-timestamp --log-dir {arg}\n"
-        f"  cachegate sessions cost demo-timestamp --log-dir {arg}\n"
+        f"  cachegate sessions show {STAMPED_SESSION} --log-dir {arg}\n"
+        f"  cachegate sessions cost {STAMPED_SESSION} --log-dir {arg}\n"
     )
     elapsed = time.perf_counter() - started
     if problems:

@@ -165,3 +165,17 @@ def test_without_a_log_dir_the_demo_writes_to_a_fresh_temporary_directory(
     assert made.name.startswith("cachegate-demo-")
     assert f"Session logs in {made}" in out.getvalue()
     assert (made / "demo-compaction.jsonl").is_file()
+
+
+def test_a_second_demo_in_the_same_directory_replaces_the_first_ones_logs(
+    demo: DemoRun,
+) -> None:
+    """Both runs' exchanges, on fake clocks, used to interleave in one session, and the cost
+    the demo suggests looking up added the two runs up."""
+    first = report.session_cost(demo.log_dir, "demo-timestamp")
+    out = io.StringIO()
+    assert run_demo(log_dir=str(demo.log_dir), out=out) == 0
+    assert f"(replaced the logs of an earlier demo in {demo.log_dir})" in out.getvalue()
+    again = report.session_cost(demo.log_dir, "demo-timestamp")
+    assert again.priced_exchanges == first.priced_exchanges
+    assert again.actual == pytest.approx(first.actual)
