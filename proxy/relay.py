@@ -200,12 +200,16 @@ _DECODABLE: Final = frozenset({"gzip", "x-gzip", "deflate"})
 
 
 def _decode(coding: str, body: bytes) -> bytes:
-    """``body`` with its content coding undone; ``body`` as it is when it cannot be."""
+    """``body`` with its content coding undone; ``body`` as it is when it cannot be, or when it
+    would come to more than ``MAX_RECORDED_BODY`` (a compressed body of a few MB can hold GBs)."""
     if coding in _DECODABLE:
+        decoder = zlib.decompressobj(zlib.MAX_WBITS | 32)
         try:
-            return zlib.decompress(body, zlib.MAX_WBITS | 32)
+            plain = decoder.decompress(body, MAX_RECORDED_BODY)
         except zlib.error:
-            pass
+            return body
+        if not decoder.unconsumed_tail:
+            return plain
     return body
 
 

@@ -1439,3 +1439,16 @@ def test_a_stream_framed_by_the_connections_end_and_cut_short_is_logged_as_cut(
         assert cut == (1 if error else 0)
     finally:
         upstream.sock.close()
+
+
+def test_a_compressed_body_is_decoded_for_the_log_only_up_to_the_recorded_size() -> None:
+    """100 KB of gzip can hold 100 MB: decoding it whole for the log would take that memory."""
+    import zlib
+
+    from proxy.relay import MAX_RECORDED_BODY, _decode
+
+    packer = zlib.compressobj(wbits=zlib.MAX_WBITS | 16)
+    bomb = packer.compress(b"\0" * (MAX_RECORDED_BODY + 1)) + packer.flush()
+    assert _decode("gzip", bomb) is bomb  # left as it came: not read
+    packer = zlib.compressobj(wbits=zlib.MAX_WBITS | 16)
+    assert _decode("GZIP".lower(), packer.compress(b'{"a":1}') + packer.flush()) == b'{"a":1}'
