@@ -155,12 +155,16 @@ class AccountingObserver:
                 prompt: int | None = usage.prompt
             else:  # interrupted before its usage: the prompt count of what it continued
                 prompt = chosen.prompt if continues and chosen is not None else None
-            if continues and chosen is not None:  # this request takes its place, and leads
+            if continues and chosen is not None and divergence is None:
+                # It extends (or rewinds) its baseline: it takes that one's place, and leads.
                 chosen.fp, chosen.body, chosen.prompt, chosen.model = fp, body, prompt, model
                 if chosen is not baselines[0]:
                     baselines.remove(chosen)
                     baselines.insert(0, chosen)
             else:
+                # A new conversation, or one that differs from its baseline: a rewrite, or
+                # another conversation that opens alike (two agents with the same boilerplate
+                # first message, a fork). Both are kept: each next turn finds its own.
                 baselines.insert(0, _Baseline(fp, body, prompt, model))
                 del baselines[_BASELINES:]
                 extra["baselines"] = baselines

@@ -378,3 +378,30 @@ def test_a_rewrite_refused_then_retried_is_one_rewrite() -> None:
     assert ex.cache is not None and ex.cache["cause"] == "prefix_rewrite"
     registry = acc.metrics
     assert registry.prefix_rewrites.child("system")[0] == 1
+
+
+def test_conversations_that_open_alike_keep_their_own_baselines() -> None:
+    """Two agents (or a conversation and its fork) with the same system prompt and the same
+    boilerplate first message, then their own: each next turn is compared with its own
+    conversation's previous one. The later one used to take the earlier one's place, so the
+    first agent's next turn was charged the other's messages as a rewrite."""
+    acc = _Accounting()
+    boilerplate = {
+        "role": "user",
+        "content": "<environment_context>cwd: /repo</environment_context>",
+    }
+    a = [_system("agent"), boilerplate, *msgs("A: fix the bug")]
+    b = [_system("agent"), boilerplate, *msgs("B: read this long log")]
+    acc.send(a, 2_900, 0)
+    first_b = acc.send(b, 9_900, 2_816)  # shares the opening with A: that much is read
+    assert first_b.cache is not None and first_b.divergence is not None  # against A: a rewrite
+    for turn in range(2):
+        a = [*a, *msgs(f"a reply {turn}", f"A: go on {turn}")]
+        ex = acc.send(a, 3_000 + 100 * turn, 2_816 + 100 * turn)
+        assert ex.divergence is None, turn
+        assert ex.cache is not None and ex.cache["waste"] == 0, turn
+        b = [*b, *msgs(f"b reply {turn}", f"B: go on {turn}")]
+        ex = acc.send(b, 10_000 + 100 * turn, 9_900 + 100 * turn)
+        assert ex.divergence is None, turn
+        assert ex.cache is not None and ex.cache["waste"] == 0, turn
+    assert acc.metrics.prefix_rewrites.child("messages")[0] == 1  # B's first request only
