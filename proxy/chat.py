@@ -311,7 +311,7 @@ class ChatPipeline:
                 shared = shared_prefix(previous, messages)
             if shared:
                 messages[:shared] = previous[:shared]
-        self.sessions.index(state, messages)
+        self.sessions.index(state, messages, inferable=sid is None)
         return state
 
     def remember_body(

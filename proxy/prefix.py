@@ -294,7 +294,8 @@ _NOT_PROMPT: Final = frozenset({"index", "cache_control"})
 
 def canonical_message(message: Any) -> Any:
     """``message`` without null-valued keys, without a ``cache_control`` marker, and without the
-    ``index`` or ``cache_control`` of its tool calls / content parts.
+    ``index`` or ``cache_control`` of its tool calls / content parts; a content of one text part
+    as that text.
 
     Returns a shallow copy; the input is never mutated. Key order is left to the serializer.
     """
@@ -314,6 +315,18 @@ def canonical_message(message: Any) -> Any:
                 else entry
                 for entry in entries
             ]
+    content = out.get("content")
+    if type(content) is list and len(content) == 1:
+        # One text part is the text (a provider renders them alike): clients that mark their
+        # latest messages for the cache send those as parts and the older ones as strings.
+        part = content[0]
+        if (
+            isinstance(part, Mapping)
+            and part.keys() == {"type", "text"}
+            and part["type"] == "text"
+            and type(part["text"]) is str
+        ):
+            out["content"] = part["text"]
     return out
 
 

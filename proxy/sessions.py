@@ -228,7 +228,7 @@ class SessionStore(Protocol):
         self, messages: Sequence[Any], now: float | None = None
     ) -> tuple[SessionState | None, int]: ...
 
-    def index(self, state: SessionState, messages: list[Any]) -> None: ...
+    def index(self, state: SessionState, messages: list[Any], inferable: bool = True) -> None: ...
 
     def weigh(self, state: SessionState, request_bytes: int) -> None: ...
 
@@ -375,8 +375,13 @@ class MemorySessionStore:
         self._sessions.move_to_end(best.id)
         return best, best_len
 
-    def index(self, state: SessionState, messages: list[Any]) -> None:
+    def index(self, state: SessionState, messages: list[Any], inferable: bool = True) -> None:
+        """Keep ``messages`` as the session's latest; ``inferable``: a request without an id may
+        be found to continue it (a session named by its client is only ever named: another
+        client that sends no id is no part of it, whatever it sends)."""
         previous, state.last_client_messages = state.last_client_messages, messages
+        if not inferable and state.opening is None:
+            return
         if state.opening is not None and _same_opening(previous, messages):
             return  # the opening message is the very object already indexed: same key
         key = opening_key(messages)

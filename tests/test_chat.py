@@ -691,3 +691,29 @@ def test_a_lone_surrogate_is_the_providers_to_judge_not_a_400(
         "Request body is not valid UTF-8: byte 0xe9 at position 60."
     )
     assert len(upstream.requests) == 2
+
+
+def test_a_request_without_an_id_never_joins_another_clients_named_session(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+    url = proxy.base_url + "/chat/completions"
+    named = httpx.post(url, json=body, headers={"X-Session-Id": "alice-claude-code"})
+    assert named.headers["x-cachegate-session"] == "alice-claude-code"
+    anonymous = httpx.post(url, json=body)
+    assert anonymous.status_code == 200
+    assert anonymous.headers["x-cachegate-session"] != "alice-claude-code"
+    # ...while requests without an id still find each other
+    again = httpx.post(
+        url,
+        json={
+            **body,
+            "messages": [
+                *body["messages"],
+                {"role": "assistant", "content": "You said: hi"},
+                {"role": "user", "content": "more"},
+            ],
+        },
+    )
+    assert again.headers["x-cachegate-session"] == anonymous.headers["x-cachegate-session"]

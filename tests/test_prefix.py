@@ -580,3 +580,25 @@ def test_a_cache_control_marker_moved_to_the_latest_message_rewrites_nothing() -
     edited["messages"][1]["content"][0]["text"] = "one, edited"
     divergence = diverge(old, edited)
     assert divergence is not None and (divergence.index, divergence.field) == (1, "content")
+
+
+def test_one_text_part_and_its_string_are_the_same_message() -> None:
+    """A provider renders them alike; Cline-style clients switch a message from one form to the
+    other as it stops being one of the latest two. Every turn used to log a divergence."""
+    marked = [{"type": "text", "text": "fix it", "cache_control": {"type": "ephemeral"}}]
+    before = {"model": "m", "messages": [{"role": "user", "content": marked}]}
+    after = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": "fix it"},
+            {"role": "assistant", "content": "done"},
+            {"role": "user", "content": [{**marked[0], "text": "thanks"}]},
+        ],
+    }
+    old = fingerprint(before)
+    assert find_divergence(old, fingerprint(after), before, after) is None
+    assert find_divergence(old, fingerprint(after, old), before, after) is None
+    # an image beside the text is another message
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    other = {"model": "m", "messages": [{"role": "user", "content": [*marked, image]}]}
+    assert find_divergence(old, fingerprint(other), before, other) is not None

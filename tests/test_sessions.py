@@ -123,6 +123,38 @@ def test_inference_follows_a_conversation_whose_cache_marker_moves_on() -> None:
     assert store.infer([SYSTEM, {"role": "user", "content": "yo"}]) is b
 
 
+def test_a_text_part_and_a_string_are_the_same_opening() -> None:
+    """Cline-style clients send their latest two user messages as text parts (to mark them for
+    the cache) and older ones as strings: the first message changes form on turn 2. The session
+    used to split in two there."""
+    store = MemorySessionStore()
+    a = store.create("a", 0.0)
+    marked = {"type": "text", "text": "fix the bug", "cache_control": {"type": "ephemeral"}}
+    store.index(a, [SYSTEM, {"role": "user", "content": [marked]}])
+    later = [
+        SYSTEM,
+        {"role": "user", "content": "fix the bug"},
+        {"role": "assistant", "content": "on it"},
+        {"role": "user", "content": [{**marked, "text": "go on"}]},
+    ]
+    assert store.infer(later) is a
+    # two parts are no single text: another opening
+    two = [{"type": "text", "text": "fix the"}, {"type": "text", "text": " bug"}]
+    assert store.infer([SYSTEM, {"role": "user", "content": two}]) is None
+
+
+def test_a_named_session_is_never_inferred_for_a_request_without_an_id() -> None:
+    """A client that sends no id, with the same opening as a named session, gets a session of
+    its own: it used to land in the other client's named session (and its log)."""
+    store = MemorySessionStore()
+    named = store.create("alice-claude-code", 0.0)
+    store.index(named, convo("hello", 0), inferable=False)
+    assert store.infer(convo("hello", 1)) is None
+    inferred = store.create("20261201-000000-aaaaaaaa", 1.0)
+    store.index(inferred, convo("hello", 0))
+    assert store.infer(convo("hello", 1)) is inferred
+
+
 def test_inference_picks_the_longest_shared_history() -> None:
     store = MemorySessionStore()
     a = store.create("a", 0.0)
