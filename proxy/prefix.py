@@ -12,9 +12,11 @@ element's digest is blake2b-128 of its canonical JSON; each chain digest hashes 
 digest with the element's digest, so equal chain digests mean equal prefixes.
 
 Canonical form: keys sorted (``orjson.OPT_SORT_KEYS``); in messages, keys whose value is ``null``
-are dropped (absent and ``null`` mean the same to the API) and the ``index`` key of ``tool_calls``
-entries and of content parts is dropped (streamed assembly adds it; it is not message content).
-Everything else counts: one changed character is a rewrite.
+are dropped (absent and ``null`` mean the same to the API), the ``index`` key of ``tool_calls``
+entries and of content parts and ``cache_control`` markers are dropped (not message content), and
+a content of one text part is that text. In the tools, the ``properties`` of a schema keep the
+order sent: a provider renders them into the prompt as parameters, in that order. Everything else
+counts: one changed character is a rewrite.
 
 The first divergence between two requests is reported as a ``Divergence``: where (``params``,
 ``tools``, ``system`` or a message index with its role and field), a short redacted excerpt of old
@@ -164,7 +166,7 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
         message_digests = tuple([_digest(canonical_message(message)) for message in messages])
         system_count = _system_count(messages)
         params_digest = _digest(params)
-        tools_digest = _digest(tools)
+        tools_digest = _tools_digest(tools)
         system_digest = _system_digest(message_digests[:system_count])
         chain = []
     else:
@@ -206,10 +208,8 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
             params_digest = before[_PARAMS]
         else:
             params_digest = _digest(params)
-        if previous.tools is tools or previous.tools == tools:
-            tools_digest = before[_TOOLS]
-        else:
-            tools_digest = _digest(tools)
+        # (not Python's equality, which takes reordered properties for equal: a provider does not)
+        tools_digest = before[_TOOLS] if previous.tools is tools else _tools_digest(tools)
     elements = (params_digest, tools_digest, system_digest, *message_digests[system_count:])
 
     if previous is not None:
@@ -454,10 +454,52 @@ def _digest(value: Any) -> bytes:
     return hashlib.blake2b(canonical_json(value), digest_size=DIGEST_SIZE).digest()
 
 
+def tools_json(tools: Any) -> bytes:
+    """The canonical JSON of tools: keys sorted, but for the ``properties`` of their schemas,
+    which a provider renders into the prompt as parameters in the order sent (reordered, the
+    cache misses; other keys are read by name)."""
+    try:
+        return orjson.dumps(_schema_order(tools))
+    except TypeError:  # integers beyond 64 bits, which a stdlib-parsed body may hold
+        return json.dumps(
+            _schema_order(tools), ensure_ascii=False, separators=(",", ":"), default=str
+        ).encode()
+
+
+def _schema_order(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {
+            key: (
+                {name: _schema_order(v) for name, v in item.items()}
+                if key == "properties" and isinstance(item, Mapping)
+                else _schema_order(item)
+            )
+            for key, item in sorted(value.items(), key=_by_key)
+        }
+    if isinstance(value, list):
+        return [_schema_order(item) for item in value]
+    return value
+
+
+def _by_key(item: tuple[Any, Any]) -> str:
+    return str(item[0])
+
+
+def _tools_digest(tools: Any) -> bytes:
+    return hashlib.blake2b(tools_json(tools), digest_size=DIGEST_SIZE).digest()
+
+
 def _role(message: Any) -> Any:
     if type(message) is dict:  # what a parsed body holds; skips the ABC check
         return message.get("role")
     return message.get("role") if isinstance(message, Mapping) else None
+
+
+def _tools_text(value: Any) -> str:
+    """Tools as the text an excerpt is cut from: in the order sent, as they are compared."""
+    if value is _MISSING:
+        return ""
+    return tools_json(value).decode("utf-8", "replace")
 
 
 def _text(value: Any) -> str:
@@ -526,18 +568,22 @@ def _params_divergence(
 
 def _tools_divergence(old_tools: Any, new_tools: Any, secrets: tuple[str, ...]) -> Divergence:
     if not isinstance(old_tools, list) or not isinstance(new_tools, list):
-        return _divergence("tools", None, None, None, _text(old_tools), _text(new_tools), secrets)
+        old_text, new_text = _tools_text(old_tools), _tools_text(new_tools)
+        return _divergence("tools", None, None, None, old_text, new_text, secrets)
     for i in range(max(len(old_tools), len(new_tools))):
         old_tool = old_tools[i] if i < len(old_tools) else _MISSING
         new_tool = new_tools[i] if i < len(new_tools) else _MISSING
         if (
             old_tool is _MISSING
             or new_tool is _MISSING
-            or canonical_json(old_tool) != canonical_json(new_tool)
+            or tools_json(old_tool) != tools_json(new_tool)
         ):
             name = _tool_name(new_tool) or _tool_name(old_tool)
-            return _divergence("tools", None, None, name, _text(old_tool), _text(new_tool), secrets)
-    return _divergence("tools", None, None, None, _text(old_tools), _text(new_tools), secrets)
+            old_text, new_text = _tools_text(old_tool), _tools_text(new_tool)
+            return _divergence("tools", None, None, name, old_text, new_text, secrets)
+    return _divergence(
+        "tools", None, None, None, _tools_text(old_tools), _tools_text(new_tools), secrets
+    )
 
 
 def _tool_name(tool: Any) -> str | None:

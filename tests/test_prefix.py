@@ -602,3 +602,33 @@ def test_one_text_part_and_its_string_are_the_same_message() -> None:
     image = {"type": "image_url", "image_url": {"url": "data:,"}}
     other = {"model": "m", "messages": [{"role": "user", "content": [*marked, image]}]}
     assert find_divergence(old, fingerprint(other), before, other) is not None
+
+
+def test_reordered_parameters_of_a_tool_are_a_rewrite_of_the_tools() -> None:
+    """A provider renders a schema's ``properties`` as the function's parameters, in the order
+    sent: a client that rebuilds them in another order misses the cache. Keys sorted for the
+    comparison hid it ("unexplained"); other keys, read by name, may still come in any order."""
+    params = {
+        "type": "object",
+        "properties": {"path": {"type": "string"}, "n": {"type": "integer"}},
+    }
+    tool = {"type": "function", "function": {"name": "read_file", "parameters": params}}
+    old = {"model": "m", "tools": [tool], "messages": [{"role": "user", "content": "hi"}]}
+    flipped = {**params, "properties": dict(reversed(list(params["properties"].items())))}
+    new = copy.deepcopy(old)
+    new["tools"][0]["function"]["parameters"] = flipped
+    found = diverge(old, new)
+    assert found is not None
+    assert (found.location, found.field) == ("tools", "read_file")
+    assert found.old_excerpt != found.new_excerpt  # the excerpts show the order as sent
+    assert diverge(old, new) == find_divergence(
+        fingerprint(old), fingerprint(new, fingerprint(old)), old, new
+    )
+    # the schema's other keys, and the tool's, in another order: the same prompt
+    same = copy.deepcopy(old)
+    same["tools"][0] = {
+        "function": dict(reversed(list(tool["function"].items()))),
+        "type": "function",
+    }
+    same["tools"][0]["function"]["parameters"] = dict(reversed(list(params.items())))
+    assert diverge(old, same) is None
