@@ -792,3 +792,24 @@ def test_cli_options_build_a_config() -> None:
     assert anthropic.dialect == "anthropic-compat"
     with pytest.raises(ValueError, match="fault_rate"):
         config_from_args(parser.parse_args(["--fault-rate", "2"]))
+
+
+def test_tools_are_rendered_as_a_provider_renders_them() -> None:
+    """Fields are read by name (their order changes nothing); a schema's properties are the
+    function's parameters, in the order sent (reordered, another prompt)."""
+    from proxy.simulator.tokens import request_tokens
+
+    params = {
+        "type": "object",
+        "properties": {"path": {"type": "string"}, "n": {"type": "integer"}},
+    }
+    tool = {"type": "function", "function": {"name": "read", "parameters": params}}
+    body = {"tools": [tool], "messages": [{"role": "user", "content": "hi"}]}
+    fields_moved = {
+        **body,
+        "tools": [{"function": {"parameters": params, "name": "read"}, "type": "function"}],
+    }
+    assert request_tokens(fields_moved) == request_tokens(body)
+    flipped = {**params, "properties": {"n": {"type": "integer"}, "path": {"type": "string"}}}
+    reordered = {**body, "tools": [{**tool, "function": {"name": "read", "parameters": flipped}}]}
+    assert request_tokens(reordered) != request_tokens(body)

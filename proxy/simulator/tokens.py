@@ -10,7 +10,8 @@ Rules:
   bytes; or a run of other ASCII punctuation — each run cut into pieces of at most 4 bytes.
   Whitespace and control characters separate tokens and are not counted:
   ``"hello, world"`` → ``hell o , worl d`` = 5 tokens; ``"abcd " * 10`` = 10 tokens.
-- A request is its ``tools`` (their compact JSON), then each message in order: a fixed overhead of
+- A request is its ``tools`` (their compact JSON, keys sorted but for a schema's ``properties``,
+  which a provider renders as parameters in the order sent), then each message in order: a fixed overhead of
   3 tokens (start, role, end) around its ``name``, its content (a string, or the text of a list's
   text parts, other parts as compact JSON), its tool calls (id, function name, arguments) and its
   ``tool_call_id``. ``prompt_tokens`` is the length of that sequence.
@@ -42,6 +43,23 @@ def tokenize(text: str) -> list[bytes]:
 def count_tokens(text: str) -> int:
     """How many tokens ``text`` costs."""
     return len(tokenize(text))
+
+
+def _rendered_tools(value: Any) -> Any:
+    """Tools as a provider renders them: fields read by name (so their order does not count),
+    a schema's ``properties`` as the function's parameters, in the order sent."""
+    if isinstance(value, Mapping):
+        return {
+            key: (
+                {name: _rendered_tools(v) for name, v in item.items()}
+                if key == "properties" and isinstance(item, Mapping)
+                else _rendered_tools(item)
+            )
+            for key, item in sorted(value.items(), key=lambda kv: str(kv[0]))
+        }
+    if isinstance(value, list):
+        return [_rendered_tools(item) for item in value]
+    return value
 
 
 def _as_text(value: Any) -> str:
@@ -90,7 +108,7 @@ def request_tokens(body: Mapping[str, Any]) -> list[bytes]:
     """The prompt of a chat-completions request as one token sequence: tools, then messages."""
     out: list[bytes] = []
     if body.get("tools"):
-        out += tokenize(_as_text(body["tools"]))
+        out += tokenize(orjson.dumps(_rendered_tools(body["tools"])).decode())
     for message in body.get("messages") or ():
         out += (
             message_tokens(message) if isinstance(message, Mapping) else tokenize(_as_text(message))
