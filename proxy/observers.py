@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
+import orjson
+
 from proxy import __version__, cache, prefix
 from proxy.cache import CacheState, ModelPricing
 from proxy.config import Settings, display_url
@@ -77,6 +79,19 @@ def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint) -> list[_Baselin
     shared = [prefix.shared_links(b.fp, fp) for b in baselines]
     order = sorted(range(len(baselines)), key=lambda i: -shared[i])  # stable: latest first
     return [baselines[i] for i in order]
+
+
+def _same_tools(a: Any, b: Any) -> bool:
+    """Whether two tools arrays are the same as sent, keys in the same order (Python's equality
+    ignores it; a replay must not, nor a provider, for a schema's properties)."""
+    if a is b:
+        return True
+    if a != b:
+        return False
+    try:
+        return orjson.dumps(a) == orjson.dumps(b)
+    except TypeError:  # integers beyond 64 bits: taken as other tools, logged again
+        return False
 
 
 def _location_label(divergence: prefix.Divergence) -> str:
@@ -333,11 +348,11 @@ class EventLogObserver:
         if not logged:
             event["tools"] = tools  # a session's first line in this process (null: none)
             keep = [(ex.exchange_id, tools)]
-        elif tools is not logged[0][1] and tools != logged[0][1]:
+        elif not _same_tools(tools, logged[0][1]):
             # Other tools than the last line's: those of another conversation of the session
             # (a sub-agent's), logged already by an earlier line, are named by its number.
             earlier = next(
-                (i for i, (_, held) in enumerate(logged) if held is tools or held == tools), None
+                (i for i, (_, held) in enumerate(logged) if _same_tools(tools, held)), None
             )
             if earlier is not None:
                 event["tools_ref"] = logged[earlier][0]

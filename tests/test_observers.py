@@ -405,3 +405,34 @@ def test_conversations_that_open_alike_keep_their_own_baselines() -> None:
         assert ex.divergence is None, turn
         assert ex.cache is not None and ex.cache["waste"] == 0, turn
     assert acc.metrics.prefix_rewrites.child("messages")[0] == 1  # B's first request only
+
+
+def test_tools_with_their_properties_reordered_are_logged_again_for_replay() -> None:
+    """Equal to Python, other to a provider: a replay of the line must send them as they were
+    sent (the order of a schema's properties is the order of the function's parameters)."""
+    settings = settings_from_mapping({})
+    store = MemorySessionStore()
+    store.create("s1", 0.0)
+    lines = Lines()
+    log = EventLogObserver(settings, store, lines)  # type: ignore[arg-type]
+    props = {"path": {"type": "string"}, "n": {"type": "integer"}}
+    first = [
+        {"type": "function", "function": {"name": "read", "parameters": {"properties": props}}}
+    ]
+    flipped = dict(reversed(list(props.items())))
+    second = [
+        {"type": "function", "function": {"name": "read", "parameters": {"properties": flipped}}}
+    ]
+    assert first == second
+    history: list[Message] = []
+    for eid, tools in enumerate([first, second], start=1):
+        history = [*history, {"role": "user", "content": f"turn {eid}"}]
+        ex = exchange(eid, history)
+        assert ex.body is not None
+        ex.body = {**ex.body, "tools": tools}
+        log.on_request(ex)
+    replayed = replay_requests(lines.events)
+    assert [list(r["tools"][0]["function"]["parameters"]["properties"]) for r in replayed] == [
+        ["path", "n"],
+        ["n", "path"],
+    ]
