@@ -88,33 +88,37 @@ _CODE_CREDENTIAL_NAME = re.compile(
     r"|license|deploy|ssh|anon)[_-]?keys?)(?:[_-]?(?:v\d+|base|id|hash))?\Z"
 )
 # ...but these are no credentials' names.
+# (Each word starts the name or follows a separator: ``n_tokens`` is a count, ``session_token``
+# and ``AWS_SESSION_TOKEN`` are not; a camelCase name is read with its words separated.)
 _HARMLESS_NAME = re.compile(
+    r"(?:\A|[_.-])(?:"
     r"(?:cache|primary|foreign|sort|partition|idempotency|row|hash|range|lookup|dict|map|object"
-    r"|group|dedup|cursor|public|publishable)[_-]?keys?\Z"
-    r"|(?:pad|eos|bos|unk|mask|sep|cls|special|start|end|stop)[_-]?tokens?\Z"
-    r"|(?:page|max|completion|prompt|input|output|total|reasoning|cached|num|n)[_-]?tokens?\Z"
+    r"|group|dedup|cursor|public|publishable)[_-]?keys?"
+    r"|(?:pad|eos|bos|unk|mask|sep|cls|special|start|end|stop)[_-]?tokens?"
+    r"|(?:page|max|new|completion|prompt|input|output|total|reasoning|cached|num|n)[_-]?tokens?"
+    r")\Z"
     r"|\Atoken[_-]?(?:type|count|limit|usage)\Z"
 )
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 _IDENT: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 _IDENT_RUN = re.compile(r"[A-Za-z0-9_.-]*")
 _MAX_NAME = 64  # longer runs are no names (and a run is looked at once: no quadratic walks)
-# Values, at most 512 characters (so that no look at a value runs to the end of a long string):
-# a quoted one holds anything but its closing quote (escapes inside JSON); an unquoted one is a
-# literal, stops at a backslash (an escaped line end inside a JSON string: a file a tool call
+# Values: a quoted one holds anything but its closing quote (escapes inside JSON); an unquoted one
+# is a literal, stops at a backslash (an escaped line end inside a JSON string: a file a tool call
 # writes) and, but for upper-case names, is no code (a call, an index, an attribute chain:
-# ``self.tokenizer.encode(…)``).
-_JSON_VALUE = re.compile(
-    r'\s*:\s*"(?=(?:[^"\\\n]|\\.){0,512}?[A-Za-z0-9])((?:[^"\\\n]|\\.){6,512}?)"'
-)
+# ``self.tokenizer.encode(…)``). A value is taken whole however long (a JWT, an STS session token:
+# thousands of characters), possessively: it is consumed, and looked at once; the checks before
+# it look at most 512 characters on.
+_JSON_VALUE = re.compile(r'\s*:\s*"(?=(?:[^"\\\n]|\\.){0,512}?[A-Za-z0-9])((?:[^"\\\n]|\\.){6,}+)"')
 _ESCAPED_JSON_VALUE = re.compile(  # \"name\": \"value\" inside a JSON string
-    r'\\"\s*:\s*\\"(?=[^"\\]{0,512}[A-Za-z0-9])([^"\\]{6,512})\\"'
+    r'\\"\s*:\s*\\"(?=[^"\\]{0,512}[A-Za-z0-9])([^"\\]{6,}+)\\"'
 )
 _QUOTED = (
-    r"""(?:"(?=[^"\n\\]{0,512}[A-Za-z0-9])([^"\n\\]{6,512})"|'(?=[^'\n\\]{0,512}[A-Za-z0-9])"""
-    r"""([^'\n\\]{6,512})')"""
+    r"""(?:"(?=[^"\n\\]{0,512}[A-Za-z0-9])([^"\n\\]{6,}+)"|'(?=[^'\n\\]{0,512}[A-Za-z0-9])"""
+    r"""([^'\n\\]{6,}+)')"""
 )
 _LITERAL = (
-    r"(?=[^\s\"'`\\]{0,512}[A-Za-z])([^\s\"'`$(){}\[\]<>,;\\][^\s\"'`(){}\[\]<>,;\\]{5,511})"
+    r"(?=[^\s\"'`\\]{0,512}[A-Za-z])([^\s\"'`$(){}\[\]<>,;\\][^\s\"'`(){}\[\]<>,;\\]{5,}+)"
     r"(?![^\s,;\\\"])"
 )
 _NOT_CODE = r"(?![A-Za-z_][A-Za-z0-9_]{0,64}(?:\.[A-Za-z_][A-Za-z0-9_]{0,64}){1,8}(?![^\s,;\\\"]))"
@@ -122,18 +126,23 @@ _NOT_CODE = r"(?![A-Za-z_][A-Za-z0-9_]{0,64}(?:\.[A-Za-z_][A-Za-z0-9_]{0,64}){1,
 # password``), an unquoted value must hold a digit or be 20 characters or more.
 _SETTING = r"(?:(?=[^\s\"'`\\]{0,512}[0-9])|(?=[^\s\"'`\\]{20}))" + _NOT_CODE + _LITERAL
 _ASSIGN_VALUE = re.compile(r"[ \t]*=[ \t]*(?:" + _QUOTED + "|" + _SETTING + ")")
-_ESCAPED_QUOTED = r'\\"(?=[^"\\]{0,512}[A-Za-z0-9])([^"\\]{6,512})\\"'  # \"…\" in a JSON string
+_ESCAPED_QUOTED = r'\\"(?=[^"\\]{0,512}[A-Za-z0-9])([^"\\]{6,}+)\\"'  # \"…\" in a JSON string
 _ENV_VALUE = re.compile(r"=(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + "|" + _LITERAL + ")")
-_HEADER_VALUE = re.compile(r":[ \t]*([A-Za-z0-9._~+/=-]{8,512})(?![A-Za-z0-9._~+/=(-])")
-_QUERY_VALUE = re.compile(r"=(?=[^&\s#\"'\\]{0,512}[A-Za-z])([^&\s#\"'\\]{6,512})")
+_HEADER_VALUE = re.compile(r":[ \t]*([A-Za-z0-9._~+/=-]{8,}+)(?![(])")
+_QUERY_VALUE = re.compile(r"=(?=[^&\s#\"'\\]{0,512}[A-Za-z])([^&\s#\"'\\]{6,}+)")
+# A flag and its value, apart: ``--api-key VALUE`` (a digit in it, or 20 characters: not a word).
+_FLAG_VALUE = re.compile(r"[ \t]+(?:" + _QUOTED + "|" + _SETTING + ")")
 _YAML_VALUE = re.compile(
     r"[ \t]*:[ \t]+(?:" + _QUOTED + "|" + _SETTING + r")[ \t]*(?:#[^\n\\]*)?"
-    r"(?=\n|\\n|\\r|\"|\Z)"  # the line's end, escaped or not, or the end of a JSON string
+    r"(?=\r|\n|\\n|\\r|\"|\Z)"  # the line's end, escaped or not, or the end of a JSON string
 )
 _AUTHORIZATION = re.compile(  # a scheme, or a header's colon and a token alone (no code)
-    r"""(?i:authorization)["']?\s*(?:[:=]\s*["']?[A-Za-z][A-Za-z0-9_-]{0,31}[ \t]+"""
-    r"""([A-Za-z0-9._~+/=:-]{12,512})|:\s*["']?([A-Za-z0-9_~+/=-]{16,512})"""
-    r"""(?![A-Za-z0-9._~+/=(-]))"""
+    r"""(?i:authorization)["']?\s*(?:[:=]\s*["']?(?:(?i:basic|bearer|token|digest)[ \t]+"""
+    r"""([A-Za-z0-9._~+/=:-]{12,}+)"""
+    # another scheme (ApiKey, SSWS, AWS4-HMAC-SHA256): its credential has a digit (no prose)
+    r"""|[A-Za-z][A-Za-z0-9_-]{0,31}[ \t]+(?=[A-Za-z0-9._~+/=:-]{0,512}?[0-9])"""
+    r"""([A-Za-z0-9._~+/=:-]{12,}+))"""
+    r"""|:\s*["']?([A-Za-z0-9_~+/=-]{16,}+)(?![.(]))"""
 )
 # A quoted literal assigned to a credential's name in code, wherever the name stands:
 # ``const API_KEY = "…"``, ``f(api_key="…")``, ``{password: "…"}``, ``$password => "…"``,
@@ -152,11 +161,16 @@ _ASSIGNED = re.compile(r"""[ \t]{0,4}[=:"'\\\]]""")
 # Passwords given to commands without a name: ``curl -u user:password`` (``-U``: a proxy's),
 # ``mysql -pPASSWORD`` (found after the command's name on the same line; ``-p`` alone asks for
 # the password, ``-P`` is a port).
-_COMMAND_PASSWORD = re.compile(
-    r"""(?:(?i:curl)[^\n]{0,512}?\s(?:-[uU]|--user|--proxy-user)(?:[ \t]+|=)?["']?[^\s:"']*:"""
-    r"""|(?i:mysql|mysqldump|mysqladmin|mariadb)[^\n]{0,512}?\s-p)([^\s"'\\]{4,512})"""
+_COMMAND_PASSWORD = re.compile(  # (on the command's own part of the line: to a pipe, ; or &)
+    r"""(?:(?i:curl)[^\n|;&]{0,512}?\s(?:-[uU]|--user|--proxy-user)(?:[ \t]+|=)?["']?"""
+    r"""[^\s:"']{0,256}:"""
+    r"""|(?i:mysql|mysqldump|mysqladmin|mariadb)[^\n|;&]{0,512}?\s-p"""
+    r"""|(?i:login)[^\n|;&]{0,512}?\s-p[ \t]+)([^\s"'\\]{4,}+)"""  # docker/podman/helm login
 )
-_COMMANDS: Final = ("curl", "mysql", "mariadb")
+_COMMANDS: Final = ("curl", "mysql", "mariadb", "login")
+# A bare ``token`` or ``pwd`` in code is as often a grammar's token type or a path:
+# ``{ token: "comment" }``, ``pwd = "/srv/app"``; its value must look like a credential.
+_BARE_NAMES: Final = frozenset({"token", "tokens", "pwd"})
 
 
 def _value_span(found: re.Match[str] | None) -> tuple[int, int] | None:
@@ -176,7 +190,7 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     if s[end : end + 2] == '\\"' and s[start - 2 : start] == '\\"':  # \"api_key\": \"…\"
         found = _value_span(_ESCAPED_JSON_VALUE.match(s, end))  # (in a JSON string)
         if found is None and _in_code(s[start:end]):
-            found = _value_span(_ESCAPED_INDEXED_VALUE.match(s, end))
+            found = _plausible(s, start, end, _value_span(_ESCAPED_INDEXED_VALUE.match(s, end)))
         return found
     if after == before and after in "'\"":
         if after == '"':  # "client_secret": "…" (JSON)
@@ -184,7 +198,7 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
             if found is not None:
                 return found
         if _in_code(s[start:end]):
-            return _value_span(_INDEXED_VALUE.match(s, end + 1))
+            return _plausible(s, start, end, _value_span(_INDEXED_VALUE.match(s, end + 1)))
         return None
     if before in "'\"" and after == ":":  # -H 'X-Api-Key: …' (a header in a command)
         return _value_span(_HEADER_VALUE.match(s, end))
@@ -199,16 +213,40 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     else:
         head = s[max(newline + 1, escaped + 2 if escaped >= 0 else 0) : start].strip(" \t-")
         alone = not head or head in ("export", "set")
-    if alone or before == ":" or s[start - 2 : start] == "--":
-        # password = … (INI), --password=…, :_authToken=… (.npmrc)
+    flag = s[start - 2 : start] == "--"
+    if after in " \t" and (flag or _netrc(s, start, end, lo)):
+        # --api-key VALUE (a flag, its value apart); machine … login … password VALUE (.netrc)
+        return _value_span(_FLAG_VALUE.match(s, end))
+    if alone or before in ":;" or flag:
+        # password = … (INI), --password=…, :_authToken=… (.npmrc), …;Password=…; (a .NET
+        # connection string)
         found = _value_span(_ASSIGN_VALUE.match(s, end))
-        if found is not None:
-            return found
-        if alone:  # password: … alone on its line (YAML)
+        if found is None and alone:  # password: … alone on its line (YAML)
             found = _value_span(_YAML_VALUE.match(s, end))
-            if found is not None:
-                return found
-    return _value_span(_CODE_VALUE.match(s, end)) if _in_code(s[start:end]) else None
+        if found is not None:
+            return found if flag else _plausible(s, start, end, found)
+    if not _in_code(s[start:end]):
+        return None
+    return _plausible(s, start, end, _value_span(_CODE_VALUE.match(s, end)))
+
+
+def _netrc(s: str, start: int, end: int, lo: int) -> bool:
+    """Whether the name ``s[start:end]`` is a ``.netrc`` line's ``password`` (after ``login``)."""
+    return s[start:end].lower() == "password" and s.rfind("login", lo, start) >= 0
+
+
+def _plausible(
+    s: str, start: int, end: int, span: tuple[int, int] | None
+) -> tuple[int, int] | None:
+    """``span``, the value given to the name ``s[start:end]`` in code or a setting; for a bare
+    ``token`` or ``pwd``, only when the value looks like a credential (a digit in it, no space,
+    not a path or a markup)."""
+    if span is None or s[start:end].lower() not in _BARE_NAMES:
+        return span
+    value = s[span[0] : span[1]]
+    if value[0] in "/<.#" or any(c.isspace() for c in value) or not any(c.isdigit() for c in value):
+        return None
+    return span
 
 
 def _in_code(name: str) -> bool:
@@ -222,7 +260,7 @@ def _is_credential(name: str) -> bool:
     return (
         len(name) <= _MAX_NAME
         and _CREDENTIAL_NAME.search(lowered) is not None
-        and _HARMLESS_NAME.search(lowered) is None
+        and _HARMLESS_NAME.search(_CAMEL.sub("_", name).lower()) is None
     )
 
 
@@ -232,9 +270,10 @@ def known_secrets(values: Iterable[str]) -> tuple[str, ...]:
     return tuple({value.strip() for value in values if len(value.strip()) >= 8})
 
 
-# Name hits looked at per string: a value is looked for up to 512 characters on, so a string
-# made of thousands of names (``A_TOKEN=A_TOKEN=…``) would cost ~40 µs per hit; past this many
-# hits the rest of the string is left to the other checks (no text holds that many by chance).
+# Looks for a value that found none, per string: each looks up to 512 characters on, so a string
+# made of thousands of names with no value (``A_TOKEN=\nA_TOKEN=\n…``) would cost ~40 µs per
+# name; past this many the rest of the string is left to the other checks. A value found is
+# consumed and costs no more than its length.
 _MAX_HITS: Final = 1000
 
 
@@ -255,13 +294,21 @@ def _redact_named(s: str, lowered: str) -> str:
             run = _IDENT_RUN.match(s, at)  # always matches (maybe empty)
             end = run.end() if run is not None else at
             resume = max(end, at + len(word))
-            if at - start <= _MAX_NAME and _is_credential(s[start:end]):
-                if _ASSIGNED.match(s, end) is not None:
-                    hits += 1  # (only names a value is looked for after count)
+            if (
+                at - start <= _MAX_NAME
+                and (
+                    _ASSIGNED.match(s, end) is not None  # an operator or a quote follows
+                    or (s[end : end + 1] in (" ", "\t") and s[start - 2 : start] == "--")
+                    or (s[end : end + 1] == " " and s[start:end].lower() == "password")
+                )
+                and _is_credential(s[start:end])
+            ):
                 span = _named_value(s, start, end)
-                if span is not None:
+                if span is not None:  # the value is consumed: looked at once
                     spans.append(span)
-                    resume = max(resume, span[1])  # the value is looked at once too
+                    resume = max(resume, span[1])
+                else:  # (only the looks that found nothing count: each costs up to 512)
+                    hits += 1
             at = lowered.find(word, resume)
     at = lowered.find("authorization")
     while at >= 0:
@@ -321,11 +368,14 @@ _ANCHORS_BYTES: Final = tuple(re.compile(anchor.encode()) for anchor in _SECRET_
 # so that ``max_tokens``, ``tokenizer`` or the usual text pass; and "authorization", "secret" and
 # "passw" as they are. A pattern with a literal start is found as fast as a plain substring (~0.7
 # µs per 1.5 KB). Object fields named ``apikey``, ``x-api-key``, … end in ``key"``.
+# (White space before the operator may be a tab, written ``\t`` in a JSON line.)
 _NAMED_BYTES: Final = (
-    re.compile(rb"""key(?:\\*["']|\s*[=:])"""),  # key", key\", key\\\" (nested strings), key', key=
-    re.compile(rb"""token(?:\\*["']|\s*[=:])"""),
-    re.compile(rb"""_pass(?:\\*["']|\s*[=:])"""),  # DB_PASS=
-    re.compile(rb"""pwd(?:\\*["']|\s*[=:])"""),  # MYSQL_PWD=
+    re.compile(rb"""key(?:\\*["']|(?:\s|\\t)*[=:])"""),  # key", key\", key\\\" (nested), key', key=
+    re.compile(rb"""token(?:\\*["']|(?:\s|\\t)*[=:])"""),
+    re.compile(rb"""_pass(?:\\*["']|(?:\s|\\t)*[=:])"""),  # DB_PASS=
+    re.compile(rb"""pwd(?:\\*["']|(?:\s|\\t)*[=:])"""),  # MYSQL_PWD=
+    # a flag and its value apart: --api-key VALUE, --token VALUE
+    re.compile(rb"""--[a-z0-9_.-]{0,60}?(?:key|token|pass|secret|pwd)(?: |\\t)"""),
 )
 _NAMED_STR: Final = tuple(re.compile(p.pattern.decode()) for p in _NAMED_BYTES)
 _WORDS_BYTES: Final = (b"authorization", b"secret", b"passw", b"earer")

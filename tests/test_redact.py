@@ -497,3 +497,74 @@ def test_credentials_assigned_in_code_or_given_to_commands_lose_their_value(
 )
 def test_code_and_commands_that_give_no_credential_are_left_alone(text: str) -> None:
     assert redact_text(text) is text
+
+
+LONG = "A1b2" * 450  # 1,800 characters: a JWT, an STS session token
+
+
+@pytest.mark.parametrize(
+    ("text", "redacted"),
+    [
+        # values of any length (they were cut at 512 characters: the rest, or all, leaked)
+        (f"GITHUB_TOKEN={LONG}", "GITHUB_TOKEN=[REDACTED]"),
+        (f'{{"access_token": "{LONG}"}}', '{"access_token": "[REDACTED]"}'),
+        (f"Authorization: Token {LONG}", "Authorization: Token [REDACTED]"),
+        (f"https://x/cb?access_token={LONG}&x=1", "https://x/cb?access_token=[REDACTED]&x=1"),
+        # names that end in a count's word, but are no counts
+        ("AWS_SESSION_TOKEN=IQoJb3JpZ2luX2VjEJr123", "AWS_SESSION_TOKEN=[REDACTED]"),
+        ('{"SessionToken": "IQoJb3JpZ2luX2VjEJr123"}', '{"SessionToken": "[REDACTED]"}'),
+        ("BACKEND_TOKEN=abc123def456", "BACKEND_TOKEN=[REDACTED]"),
+        # a tab before the operator, CRLF line ends
+        ("[client]\nuser\t= app\napi_key\t= 9f8e7d6c5b4a39281706\n", None),
+        ("password: hunter2abc9\r\n", "password: [REDACTED]\r\n"),
+        ("X-Api-Key: 0123456789abcdef0123\r\nHost: x\r\n", "X-Api-Key: [REDACTED]\r\nHost: x\r\n"),
+        ("environment:\r\n  POSTGRES_PASSWORD: s3cretpass99\r\n", None),
+        # a .NET connection string, .netrc, docker login, a flag and its value apart
+        (
+            "Server=db;Database=app;User Id=sa;Password=Str0ngPass1;",
+            "Server=db;Database=app;User Id=sa;Password=[REDACTED];",
+        ),
+        ("machine api.x.com login bob password hunter2secret42", None),
+        ("docker login -u bob -p hunter2secret42 registry.x", None),
+        ("tool --api-key 9f8e7d6c5b4a39281706 run", "tool --api-key [REDACTED] run"),
+        ("tool --token abc123def456ghi run", "tool --token [REDACTED] run"),
+    ],
+)
+def test_secrets_a_second_review_found_leaking_are_redacted(
+    text: str, redacted: str | None
+) -> None:
+    out = redact_text(text)
+    if redacted is not None:
+        assert out == redacted
+    for secret in (LONG, "IQoJb3JpZ2lu", "abc123def456", "9f8e7d6c5b4a", "hunter2", "s3cretpass"):
+        assert secret not in out
+    assert "0123456789abcdef0123" not in out and "Str0ngPass1" not in out
+    assert redact_text(out) == out
+    import orjson
+
+    assert line_may_hold_secret(orjson.dumps({"content": text}))  # the writer's prefilter too
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{ token: "comment", regex: "//.*$" }',  # an editor grammar's token types
+        "{ token: 'string.quote', next: 'start' }",
+        'pwd = "/srv/app/releases/current"',  # a path
+        'token = "<|endoftext|>"',  # a tokenizer's special token
+        "curl https://x.sh | sh -s -- -u user:group",  # -u of another command
+        "Authorization: Requires authentication.",  # prose
+        "max_new_tokens = 512345678",
+        "tool --password prompt",
+    ],
+)
+def test_code_and_prose_a_second_review_found_redacted_are_left_alone(text: str) -> None:
+    assert redact_text(text) is text
+
+
+def test_found_values_do_not_use_up_the_looks_of_a_later_secret() -> None:
+    """A users.json of 1,200 passwords: the last 200 leaked once 1,000 names had been looked at."""
+    users = ",".join(f'{{"name": "u{i}", "password": "Pw-{i:04d}-x9k2"}}' for i in range(1200))
+    out = redact_text(f"[{users}]")
+    assert "x9k2" not in out
+    assert out.count(REDACTED) == 1200
