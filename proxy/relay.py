@@ -780,12 +780,29 @@ class Relay:
                 ex.recorded = tee  # assembled by ex.assemble(), with the observers
 
 
+# A compressed stream is decoded in pieces of at most this many bytes, and cut past the most a
+# stream decodes to: a few MB of gzip can hold GBs, which the client's buffer would take.
+_DECODE_PIECE = 1024 * 1024
+MAX_DECODED_STREAM = 64 * 1024 * 1024
+
+
 def _decoding(decoder: Any, sink: Callable[[bytes], bool]) -> Callable[[bytes], bool]:
-    """``sink`` fed what ``decoder`` (a ``zlib.decompressobj``) makes of each chunk."""
+    """``sink`` fed what ``decoder`` (a ``zlib.decompressobj``) makes of each chunk, piece by
+    piece; past ``MAX_DECODED_STREAM`` it raises (the relay cuts the stream)."""
+    total = 0
 
     def decoding(chunk: bytes) -> bool:
-        plain = decoder.decompress(chunk)
-        return sink(plain) if plain else True
+        nonlocal total
+        room = True
+        while chunk:
+            plain = decoder.decompress(chunk, _DECODE_PIECE)
+            total += len(plain)
+            if total > MAX_DECODED_STREAM:
+                raise ValueError(f"a compressed stream decodes to over {MAX_DECODED_STREAM} bytes")
+            if plain:
+                room = sink(plain) and room
+            chunk = decoder.unconsumed_tail
+        return room
 
     return decoding
 

@@ -53,6 +53,10 @@ def without_null_usage(data: bytes) -> bytes:
     return out
 
 
+# The most of one event the stripper holds back until its end (see ``UsageEventStripper.feed``).
+MAX_PENDING = 16 * 1024 * 1024
+
+
 class UsageEventStripper:
     """Incremental filter: ``feed(chunk)`` returns the bytes to forward now; ``flush()`` the rest."""
 
@@ -64,6 +68,14 @@ class UsageEventStripper:
         self._cr = False  # whether ``pending`` holds a CR
 
     def feed(self, chunk: bytes) -> bytes:
+        """The bytes to forward now. An event held past ``MAX_PENDING`` bytes (a stream with no
+        event ends, or one huge event) is passed on as it is: no usage event is that long."""
+        out = self._feed(chunk)
+        if len(self.pending) > MAX_PENDING:
+            out, self.pending, self._cr = out + bytes(self.pending), bytearray(), False
+        return out
+
+    def _feed(self, chunk: bytes) -> bytes:
         # The usual read, whole events with no usage member but OpenAI's nulls, is handled by the
         # relay's sink before it calls this (``proxy.relay._sink``); any read is right here too.
         event = self.pending

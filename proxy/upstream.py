@@ -668,16 +668,19 @@ class UpstreamPool:
         request = (verb, head, content) if isinstance(content, bytes) else None
         for attempt in (0, 1):
             conn = await self._acquire(origin, request)
+            idle = time.monotonic() - conn.idle_since  # (a new connection: never used, no matter)
             try:
                 return await conn.exchange(verb, head, content)
             except httpx.RemoteProtocolError:
                 # The server closed this idle connection as it was reused (its keep-alive
-                # timeout): the close comes within a round trip of the request, unanswered.
-                # Closed later, the request may have been taken (a generation begun, billed):
-                # not sent twice (RFC 9112, 9.3.1), the client gets the error.
+                # timeout, which a connection idle for a second or more may have run into):
+                # the close comes within a round trip of the request, unanswered. Else the
+                # request may have been taken (a generation begun, billed): not sent twice
+                # (RFC 9112, 9.3.1), the client gets the error.
                 stale = (
                     conn.uses > 1
                     and not conn._received
+                    and idle >= self.resend_window
                     and conn.loop.time() - conn._sent_at < self.resend_window
                 )
                 conn.abort()

@@ -1452,3 +1452,23 @@ def test_a_compressed_body_is_decoded_for_the_log_only_up_to_the_recorded_size()
     assert _decode("gzip", bomb) is bomb  # left as it came: not read
     packer = zlib.compressobj(wbits=zlib.MAX_WBITS | 16)
     assert _decode("GZIP".lower(), packer.compress(b'{"a":1}') + packer.flush()) == b'{"a":1}'
+
+
+def test_a_compressed_stream_is_decoded_piece_by_piece_and_cut_past_the_limit() -> None:
+    import zlib
+
+    from proxy import relay
+
+    pieces: list[int] = []
+
+    def sink(chunk: bytes) -> bool:
+        pieces.append(len(chunk))
+        return True
+
+    packer = zlib.compressobj(wbits=zlib.MAX_WBITS | 16)
+    bomb = packer.compress(b"\0" * (relay.MAX_DECODED_STREAM + 1)) + packer.flush()
+    decoding = relay._decoding(zlib.decompressobj(zlib.MAX_WBITS | 32), sink)
+    with pytest.raises(ValueError, match="decodes to over"):
+        decoding(bomb)  # one small chunk: ~64 KB of gzip
+    assert max(pieces) <= relay._DECODE_PIECE  # never one allocation of the whole
+    assert sum(pieces) <= relay.MAX_DECODED_STREAM

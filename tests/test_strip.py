@@ -274,3 +274,20 @@ def test_a_run_of_three_line_ends_cut_anywhere_pairs_from_its_start() -> None:
                 stripper = UsageEventStripper()
                 out = stripper.feed(stream[:cut]) + stripper.feed(stream[cut:])
                 assert (out + stripper.flush(), stripper.stripped) == expected, cut
+
+
+def test_an_event_that_never_ends_is_passed_on_past_the_limit_not_held_whole() -> None:
+    """A stream with no event ends (or one event of many MB) was held until its end: memory in
+    proportion to the stream. Past the limit it is passed on as it came (no usage event is that
+    long)."""
+    from proxy.strip import MAX_PENDING
+
+    stripper = UsageEventStripper()
+    piece = b"data: " + b"x" * (1024 * 1024)
+    out = b""
+    for _ in range(MAX_PENDING // len(piece) + 2):
+        out += stripper.feed(piece)
+        assert len(stripper.pending) <= MAX_PENDING
+    assert out and out == piece * (len(out) // len(piece))  # passed on, bytes unchanged
+    rest = stripper.feed(b"\n\ndata: [DONE]\n\n")
+    assert (out + rest).endswith(b"\n\ndata: [DONE]\n\n")

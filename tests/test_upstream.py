@@ -279,13 +279,40 @@ def test_a_connection_the_server_closed_as_it_was_reused_is_retried_once() -> No
     async def main() -> None:
         async with Server(handler) as srv:
             pool = UpstreamPool()
+            pool.resend_window = 0.1
             assert await read(await pool.open("POST", srv.url + "/", [], b"{}")) == (
                 b"ok from connection 1"
             )
+            await asyncio.sleep(0.15)  # idle long enough to have met a keep-alive timeout
             assert await read(await pool.open("POST", srv.url + "/", [], b"{}")) == (
                 b"ok from connection 2"
             )
             assert len(srv.requests) == 3
+            await pool.aclose()
+
+    run(main())
+
+
+def test_a_connection_reused_at_once_and_dropped_unanswered_is_not_retried() -> None:
+    """Reused right after its last answer, the connection met no keep-alive timeout: a close
+    with no answer, however soon, may follow a request the server took (a fast completion,
+    billed, then a crash). It is not sent twice."""
+
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        if n == 2:
+            return False
+        w.write(answer(b"ok from connection %d" % c))
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            assert await read(await pool.open("POST", srv.url + "/", [], b"{}")) == (
+                b"ok from connection 1"
+            )
+            with pytest.raises(httpx.RemoteProtocolError):
+                await pool.open("POST", srv.url + "/", [], b"{}")
+            assert len(srv.requests) == 2
             await pool.aclose()
 
     run(main())
@@ -310,6 +337,7 @@ def test_a_request_the_server_took_and_then_dropped_is_not_sent_twice() -> None:
             assert await read(await pool.open("POST", srv.url + "/", [], b"{}")) == (
                 b"ok from connection 1"
             )
+            await asyncio.sleep(0.15)  # idle as long as a keep-alive race needs
             with pytest.raises(httpx.RemoteProtocolError):
                 await pool.open("POST", srv.url + "/", [], b"{}")
             assert len(srv.requests) == 2  # the second request once
