@@ -136,8 +136,7 @@ def _simulate(ns: argparse.Namespace) -> int:
             f"cachegate simulate: cannot listen on {where}: {exc.strerror or exc}", file=sys.stderr
         )
         return 1
-    sim_cli.serve(config, ns.host, ns.port, sockets)
-    return 0
+    return sim_cli.serve(config, ns.host, ns.port, sockets)
 
 
 def _demo(ns: argparse.Namespace) -> int:

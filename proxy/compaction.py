@@ -270,7 +270,8 @@ def find_cut(
     (non-synthetic) user message, the one that launched the current task, so that it survives
     verbatim — unless the tail would then hold more than ``max_anchor_chars`` characters of content.
     Where that message opens the conversation (fewer than two messages before it to compact), it
-    is kept with the leading messages instead, and the middle starts after it.
+    is kept with the leading messages instead, unless it alone holds more than
+    ``max_anchor_chars``, and the middle starts after it.
     The tail never starts with a ``tool`` message and never holds a result whose call is compacted:
     the cut moves earlier so the whole pair is kept.
     """
@@ -286,15 +287,15 @@ def find_cut(
 
     anchor = _last_real_user(messages, start, synthetic_prefixes)
     if anchor is not None and anchor < end:
-        tail_chars = sum(content_chars(m) for m in messages[anchor:])
-        if tail_chars <= max_anchor_chars:
-            if _pair_safe(messages, anchor, start) - start >= 2:
+        if _pair_safe(messages, anchor, start) - start >= 2:
+            tail_chars = sum(content_chars(m) for m in messages[anchor:])
+            if tail_chars <= max_anchor_chars:
                 end = anchor
-            else:
-                # The launching message opens the conversation (one task, then its tool loop,
-                # the usual agent session): it stays verbatim with the leading messages and the
-                # rounds after it are compacted.
-                start = anchor + 1
+        elif content_chars(messages[anchor]) <= max_anchor_chars:
+            # The launching message opens the conversation (one task, then its tool loop, the
+            # usual agent session): it stays verbatim with the leading messages, however long
+            # the rounds after it, which are compacted.
+            start = anchor + 1
 
     end = _pair_safe(messages, end, start)
     if end - start < 2:

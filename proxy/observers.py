@@ -94,6 +94,20 @@ def _same_tools(a: Any, b: Any) -> bool:
         return False
 
 
+def _takes_place(
+    chosen: _Baseline, fp: prefix.Fingerprint, divergence: prefix.Divergence | None
+) -> bool:
+    """Whether a request of ``chosen``'s conversation takes its place rather than branch off:
+    it extends or rewinds it (no divergence), changes only a volatile token, rewrites what comes
+    before the messages (parameters, tools, system prompt), or keeps its last message after the
+    change (an old tool output trimmed in place). A request that differs in a message and drops
+    what followed is a branch: a fork, or another agent's conversation that opens alike."""
+    if divergence is None or divergence.volatile or divergence.location != "messages":
+        return True
+    last = chosen.fp.message_digests[-1:]
+    return bool(last) and last[0] in fp.message_digests
+
+
 def _location_label(divergence: prefix.Divergence) -> str:
     return "messages" if divergence.location == "messages" else divergence.location
 
@@ -170,16 +184,16 @@ class AccountingObserver:
                 prompt: int | None = usage.prompt
             else:  # interrupted before its usage: the prompt count of what it continued
                 prompt = chosen.prompt if continues and chosen is not None else None
-            if continues and chosen is not None and divergence is None:
-                # It extends (or rewinds) its baseline: it takes that one's place, and leads.
+            if continues and chosen is not None and _takes_place(chosen, fp, divergence):
+                # It extends, rewinds or rewrites its baseline: it takes that one's place.
                 chosen.fp, chosen.body, chosen.prompt, chosen.model = fp, body, prompt, model
                 if chosen is not baselines[0]:
                     baselines.remove(chosen)
                     baselines.insert(0, chosen)
             else:
-                # A new conversation, or one that differs from its baseline: a rewrite, or
-                # another conversation that opens alike (two agents with the same boilerplate
-                # first message, a fork). Both are kept: each next turn finds its own.
+                # A new conversation, or a branch: another conversation that opens alike (two
+                # agents with the same boilerplate first message), a fork. Both are kept: each
+                # next turn finds its own.
                 baselines.insert(0, _Baseline(fp, body, prompt, model))
                 del baselines[_BASELINES:]
                 extra["baselines"] = baselines

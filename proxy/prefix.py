@@ -459,25 +459,26 @@ def tools_json(tools: Any) -> bytes:
     which a provider renders into the prompt as parameters in the order sent (reordered, the
     cache misses; other keys are read by name)."""
     try:
-        return orjson.dumps(_schema_order(tools))
+        return orjson.dumps(schema_order(tools))
     except TypeError:  # integers beyond 64 bits, which a stdlib-parsed body may hold
         return json.dumps(
-            _schema_order(tools), ensure_ascii=False, separators=(",", ":"), default=str
+            schema_order(tools), ensure_ascii=False, separators=(",", ":"), default=str
         ).encode()
 
 
-def _schema_order(value: Any) -> Any:
+def schema_order(value: Any) -> Any:
+    """``value`` (tools) with its keys sorted, but for the ``properties`` of schemas."""
     if isinstance(value, Mapping):
         return {
             key: (
-                {name: _schema_order(v) for name, v in item.items()}
+                {name: schema_order(v) for name, v in item.items()}
                 if key == "properties" and isinstance(item, Mapping)
-                else _schema_order(item)
+                else schema_order(item)
             )
             for key, item in sorted(value.items(), key=_by_key)
         }
     if isinstance(value, list):
-        return [_schema_order(item) for item in value]
+        return [schema_order(item) for item in value]
     return value
 
 

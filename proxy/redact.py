@@ -95,7 +95,8 @@ _HARMLESS_NAME = re.compile(
     r"(?:cache|primary|foreign|sort|partition|idempotency|row|hash|range|lookup|dict|map|object"
     r"|group|dedup|cursor|public|publishable)[_-]?keys?"
     r"|(?:pad|eos|bos|unk|mask|sep|cls|special|start|end|stop)[_-]?tokens?"
-    r"|(?:page|max|new|completion|prompt|input|output|total|reasoning|cached|num|n)[_-]?tokens?"
+    r"|(?:page|max|max[_-]?new|completion|prompt|input|output|total|reasoning|cached|num|n)"
+    r"[_-]?tokens?"
     r")\Z"
     r"|\Atoken[_-]?(?:type|count|limit|usage)\Z"
 )
@@ -132,8 +133,11 @@ _HEADER_VALUE = re.compile(r":[ \t]*([A-Za-z0-9._~+/=-]{8,}+)(?![(])")
 _QUERY_VALUE = re.compile(r"=(?=[^&\s#\"'\\]{0,512}[A-Za-z])([^&\s#\"'\\]{6,}+)")
 # A flag and its value, apart: ``--api-key VALUE`` (a digit in it, or 20 characters: not a word).
 _FLAG_VALUE = re.compile(r"[ \t]+(?:" + _QUOTED + "|" + _SETTING + ")")
+# After a colon, a quoted type name is an annotation: ``private_key: "RSAPrivateKey"`` (in a
+# class body, alone on its line, as a YAML setting would be).
+_NO_ANNOTATION = r"""(?![ \t]*\\?["'][A-Z_][A-Za-z_.\[\], |]{0,512}\\?["'])"""
 _YAML_VALUE = re.compile(
-    r"[ \t]*:[ \t]+(?:" + _QUOTED + "|" + _SETTING + r")[ \t]*(?:#[^\n\\]*)?"
+    r"[ \t]*:" + _NO_ANNOTATION + r"[ \t]+(?:" + _QUOTED + "|" + _SETTING + r")[ \t]*(?:#[^\n\\]*)?"
     r"(?=\r|\n|\\n|\\r|\"|\Z)"  # the line's end, escaped or not, or the end of a JSON string
 )
 _AUTHORIZATION = re.compile(  # a scheme, or a header's colon and a token alone (no code)
@@ -149,7 +153,7 @@ _AUTHORIZATION = re.compile(  # a scheme, or a header's colon and a token alone 
 # ``token := "…"`` (an unquoted value there is code: ``token = make_token()``; a quoted type
 # after a colon is an annotation: ``private_key: "RSAPrivateKey"``).
 _CODE_VALUE = re.compile(
-    r"""[ \t]*(?:=>?|:=|:(?![ \t]*\\?["'][A-Z_][A-Za-z_.\[\], |]{0,512}\\?["']))[ \t]*"""
+    r"""[ \t]*(?:=>?|:=|:""" + _NO_ANNOTATION + r""")[ \t]*"""
     r"(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + ")"
 )
 # ...and to a quoted name: ``os.environ["API_KEY"] = "…"``, ``'password' => '…'``,
@@ -165,9 +169,10 @@ _COMMAND_PASSWORD = re.compile(  # (on the command's own part of the line: to a 
     r"""(?:(?i:curl)[^\n|;&]{0,512}?\s(?:-[uU]|--user|--proxy-user)(?:[ \t]+|=)?["']?"""
     r"""[^\s:"']{0,256}:"""
     r"""|(?i:mysql|mysqldump|mysqladmin|mariadb)[^\n|;&]{0,512}?\s-p"""
-    r"""|(?i:login)[^\n|;&]{0,512}?\s-p[ \t]+)([^\s"'\\]{4,}+)"""  # docker/podman/helm login
+    r"""|(?i:docker|podman|helm|nerdctl)[ \t]+(?:registry[ \t]+)?login[^\n|;&]{0,512}?\s-p[ \t]+)"""
+    r"""(?!\$)([^\s"'\\]{4,}+)"""  # (not a $VARIABLE)
 )
-_COMMANDS: Final = ("curl", "mysql", "mariadb", "login")
+_COMMANDS: Final = ("curl", "mysql", "mariadb", "docker", "podman", "helm", "nerdctl")
 # A bare ``token`` or ``pwd`` in code is as often a grammar's token type or a path:
 # ``{ token: "comment" }``, ``pwd = "/srv/app"``; its value must look like a credential.
 _BARE_NAMES: Final = frozenset({"token", "tokens", "pwd"})

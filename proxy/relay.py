@@ -202,15 +202,25 @@ _DECODABLE: Final = frozenset({"gzip", "x-gzip", "deflate"})
 def _decode(coding: str, body: bytes) -> bytes:
     """``body`` with its content coding undone; ``body`` as it is when it cannot be, or when it
     would come to more than ``MAX_RECORDED_BODY`` (a compressed body of a few MB can hold GBs)."""
-    if coding in _DECODABLE:
-        decoder = zlib.decompressobj(zlib.MAX_WBITS | 32)
+    if coding not in _DECODABLE:
+        return body
+    for wbits in _WBITS[coding]:
+        decoder = zlib.decompressobj(wbits)
         try:
             plain = decoder.decompress(body, MAX_RECORDED_BODY)
         except zlib.error:
-            return body
-        if not decoder.unconsumed_tail:
-            return plain
+            continue
+        return body if decoder.unconsumed_tail else plain
     return body
+
+
+# How each coding may be framed: gzip's or zlib's header (zlib tells them apart), else a raw
+# deflate stream, which some servers send as "deflate" (HTTP clients read both).
+_WBITS: Final = {
+    "gzip": (zlib.MAX_WBITS | 32,),
+    "x-gzip": (zlib.MAX_WBITS | 32,),
+    "deflate": (zlib.MAX_WBITS | 32, -zlib.MAX_WBITS),
+}
 
 
 def _decoded(response: httpx.Response | UpstreamResponse, body: bytes) -> bytes:
@@ -619,8 +629,9 @@ class Relay:
                     ex.upstream_error = "timeout"
                     raise upstream_timeout(type(exc).__name__) from exc
                 if isinstance(exc, InvalidAnswer) or (  # reached, but its answer is no HTTP
-                    type(exc) is httpx.RemoteProtocolError and "disconnected" not in str(exc)
-                ):  # (httpcore's words for an answer it could not parse, as against none)
+                    type(exc) is httpx.RemoteProtocolError
+                    and not any(word in str(exc) for word in ("disconnected", "closed"))
+                ):  # (httpx's pool says so in words: an answer it could not parse, or none)
                     ex.upstream_error = "invalid"
                     raise upstream_invalid(str(exc)) from exc
                 ex.upstream_error = "connect"
@@ -659,7 +670,7 @@ class Relay:
             # cachegate must read it: to take out the usage event it asked for, or to record it.
             decoder = None
             if is_sse and coding in _DECODABLE and (record or ex.strip_usage):
-                decoder = zlib.decompressobj(zlib.MAX_WBITS | 32)
+                decoder = _Decoder(coding)
             elif is_sse and coding and (record or ex.strip_usage):
                 ex.error = (
                     f"upstream compressed its stream ({coding}) though asked not to: not "
@@ -786,9 +797,37 @@ _DECODE_PIECE = 1024 * 1024
 MAX_DECODED_STREAM = 64 * 1024 * 1024
 
 
-def _decoding(decoder: Any, sink: Callable[[bytes], bool]) -> Callable[[bytes], bool]:
-    """``sink`` fed what ``decoder`` (a ``zlib.decompressobj``) makes of each chunk, piece by
-    piece; past ``MAX_DECODED_STREAM`` it raises (the relay cuts the stream)."""
+class _Decoder:
+    """A compressed stream's decoder (``zlib.decompressobj``), which falls back to a raw deflate
+    stream when a "deflate" one has no zlib header (its first bytes say so)."""
+
+    def __init__(self, coding: str) -> None:
+        self.wbits = list(_WBITS[coding])
+        self.obj = zlib.decompressobj(self.wbits.pop(0))
+        self.started = False
+
+    def decompress(self, data: bytes, limit: int) -> bytes:
+        try:
+            plain = self.obj.decompress(data, limit)
+        except zlib.error:
+            if self.started or not self.wbits:
+                raise
+            self.obj = zlib.decompressobj(self.wbits.pop(0))
+            plain = self.obj.decompress(data, limit)
+        self.started = True
+        return plain
+
+    @property
+    def unconsumed_tail(self) -> bytes:
+        return self.obj.unconsumed_tail
+
+    def flush(self) -> bytes:
+        return self.obj.flush()
+
+
+def _decoding(decoder: _Decoder, sink: Callable[[bytes], bool]) -> Callable[[bytes], bool]:
+    """``sink`` fed what ``decoder`` makes of each chunk, piece by piece; past
+    ``MAX_DECODED_STREAM`` it raises (the relay cuts the stream)."""
     total = 0
 
     def decoding(chunk: bytes) -> bool:

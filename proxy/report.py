@@ -305,6 +305,8 @@ def summarize(detail: SessionDetail) -> SessionSummary:
         if row.cache_reported and row.tokens_in:
             reported_in += row.tokens_in
             reported_read += row.cache_read or 0
+    # The attempt a compaction was retried after is no exchange of its own (its retry is).
+    answered = [row for row in detail.rows if row.error != RESENT_COMPACTED]
     model = _str(detail.meta.get("model")) if detail.meta else None
     if model is None:
         model = next((row.model for row in detail.rows if row.model), None)
@@ -313,20 +315,14 @@ def summarize(detail: SessionDetail) -> SessionSummary:
         first_seen=detail.first_seen,
         last_seen=detail.last_seen,
         model=model,
-        exchanges=sum(
-            1 for row in detail.rows if row.exchange is not None and row.error != RESENT_COMPACTED
-        ),
+        exchanges=sum(1 for row in answered if row.exchange is not None),
         tokens_in=_total(row.tokens_in for row in detail.rows),
         tokens_out=_total(row.tokens_out for row in detail.rows),
         cache_read=_total(row.cache_read for row in detail.rows),
         cache_hit_pct=100.0 * reported_read / reported_in if reported_in else None,
-        interruptions=sum(1 for row in detail.rows if row.interrupted),
-        repairs=sum(row.repairs for row in detail.rows),
-        errors=sum(
-            1
-            for row in detail.rows
-            if (row.error and row.error != RESENT_COMPACTED) or (row.status or 0) >= 400
-        ),
+        interruptions=sum(1 for row in answered if row.interrupted),
+        repairs=sum(row.repairs for row in answered),
+        errors=sum(1 for row in answered if row.error or (row.status or 0) >= 400),
         torn=detail.torn,
     )
 

@@ -571,7 +571,10 @@ def _ssl_context() -> ssl.SSLContext:
     return ssl.create_default_context(cafile=cafile or None, capath=capath or None)
 
 
-# A round trip to a far provider, with margin (see ``UpstreamPool.resend_window``).
+# A request is sent again on a new connection (``UpstreamPool.open``) when the reused one had
+# been idle this long at least (long enough to have met the server's keep-alive timeout)...
+RESEND_IDLE_S = 1.0
+# ...and closed unanswered within this time of the request: a round trip to a far provider.
 RESEND_WINDOW_S = 1.0
 
 
@@ -595,8 +598,9 @@ class UpstreamPool:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.pool_timeout = read_timeout if pool_timeout is None else pool_timeout
-        # How soon after its request a reused connection's close without an answer reads as the
-        # keep-alive race, and the request is sent again on a new connection.
+        # When a reused connection's close without an answer reads as the keep-alive race, and
+        # the request is sent again on a new connection (``RESEND_IDLE_S``).
+        self.resend_idle = RESEND_IDLE_S
         self.resend_window = RESEND_WINDOW_S
         self._ssl = ssl_context
         self._idle: dict[Origin, list[_Connection]] = {}
@@ -680,7 +684,7 @@ class UpstreamPool:
                 stale = (
                     conn.uses > 1
                     and not conn._received
-                    and idle >= self.resend_window
+                    and idle >= self.resend_idle
                     and conn.loop.time() - conn._sent_at < self.resend_window
                 )
                 conn.abort()

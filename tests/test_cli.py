@@ -504,7 +504,8 @@ def test_simulate_serves_on_the_port_it_bound(tmp_path: Path) -> None:
         assert r.status_code == 200 and "claude" in r.text
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=10)
+        _out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0 and "Traceback" not in err  # Ctrl+C: a clean stop
 
 
 @pytest.mark.timeout(30)

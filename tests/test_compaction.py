@@ -549,3 +549,16 @@ def test_is_context_length_error() -> None:
     assert is_context_length_error(400, b"prompt is too long: 210000 tokens > 200000 maximum")
     assert not is_context_length_error(429, body)
     assert not is_context_length_error(400, b'{"error": {"message": "Invalid value: \'x\'."}}')
+
+
+def test_one_task_stays_however_long_its_tool_loop() -> None:
+    """The task's own size decides, not the whole loop's: a session long enough to reach a real
+    trigger (hundreds of KB) used to have its task summarized."""
+    rounds = [m for k in range(600) for m in tool_round(k)]
+    history = [SYSTEM, LAUNCH, *rounds]
+    assert sum(content_chars(m) for m in history[1:]) > 40000
+    assert find_cut(history, keep_recent=8, max_anchor_chars=40000) == Cut(2, 1194)
+    assert history[1] is LAUNCH  # kept verbatim, before the summary
+    # a task longer than the budget is summarized with the rest
+    huge = {"role": "user", "content": "x" * 50000}
+    assert find_cut([SYSTEM, huge, *rounds], keep_recent=8, max_anchor_chars=40000) == Cut(1, 1194)

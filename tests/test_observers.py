@@ -436,3 +436,26 @@ def test_tools_with_their_properties_reordered_are_logged_again_for_replay() -> 
         ["path", "n"],
         ["n", "path"],
     ]
+
+
+def test_a_system_prompt_with_the_time_does_not_crowd_out_other_conversations() -> None:
+    """Each turn of the main agent changes a timestamp in its system prompt: that is a rewrite
+    of its conversation, which takes its place, not a branch kept beside it (nine such turns
+    used to fill the eight baselines and forget the sub-agent's)."""
+    acc = _Accounting()
+    sub_prompt = "You are a sub-agent that searches the repository. Answer with file paths only."
+    main_prompt = "You are the main coding agent. Fix what the user asks, then run the tests."
+    sub = [_system(sub_prompt), *msgs("find the file")]
+    acc.send(sub, 3_000, 0)
+    main_history = msgs("fix the bug")
+    for turn in range(10):
+        main_history = [*main_history, *msgs(f"reply {turn}", f"go on {turn}")]
+        stamped = _system(f"{main_prompt} Current time: 10:{turn:02d}.")
+        ex = acc.send([stamped, *main_history], 10_000, 9_000)
+        if turn:
+            assert ex.divergence is not None and ex.divergence["volatile"]
+    sub = [*sub, *msgs("found it", "now read it")]
+    ex = acc.send(sub, 3_100, 3_000)
+    assert ex.divergence is None
+    assert ex.cache is not None and (ex.cache["expected"], ex.cache["waste"]) == (3_000, 0)
+    assert len(acc.state.extra["baselines"]) == 2

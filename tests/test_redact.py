@@ -568,3 +568,33 @@ def test_found_values_do_not_use_up_the_looks_of_a_later_secret() -> None:
     out = redact_text(f"[{users}]")
     assert "x9k2" not in out
     assert out.count(REDACTED) == 1200
+
+
+@pytest.mark.parametrize(
+    ("text", "redacted"),
+    [
+        ("NEW_TOKEN=abc123def456ghi", "NEW_TOKEN=[REDACTED]"),  # not max_new_tokens
+        ('{"new_token": "abc123def456ghi"}', '{"new_token": "[REDACTED]"}'),
+        ("podman login -u bob -p hunter2secret42 quay.io", None),
+    ],
+)
+def test_a_third_reads_leaks_stay_closed(text: str, redacted: str | None) -> None:
+    out = redact_text(text)
+    if redacted is not None:
+        assert out == redacted
+    assert "abc123def456" not in out and "hunter2secret42" not in out
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '    private_key: "RSAPrivateKey"',  # an annotation in a class body, alone on its line
+        "To login, run: ssh -p 2222 deploy@host",  # a port, after some "login"
+        "docker run --name login -p 8080:80 nginx",
+        'curl -u "$USER:$PASS" https://x',  # variables, not values
+        'docker login -u bob -p "$REGISTRY_PASSWORD" r',
+        "max_new_tokens: '512345'",
+    ],
+)
+def test_a_third_reads_over_redactions_stay_fixed(text: str) -> None:
+    assert redact_text(text) is text

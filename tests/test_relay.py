@@ -1467,8 +1467,38 @@ def test_a_compressed_stream_is_decoded_piece_by_piece_and_cut_past_the_limit() 
 
     packer = zlib.compressobj(wbits=zlib.MAX_WBITS | 16)
     bomb = packer.compress(b"\0" * (relay.MAX_DECODED_STREAM + 1)) + packer.flush()
-    decoding = relay._decoding(zlib.decompressobj(zlib.MAX_WBITS | 32), sink)
+    decoding = relay._decoding(relay._Decoder("gzip"), sink)
     with pytest.raises(ValueError, match="decodes to over"):
         decoding(bomb)  # one small chunk: ~64 KB of gzip
     assert max(pieces) <= relay._DECODE_PIECE  # never one allocation of the whole
     assert sum(pieces) <= relay.MAX_DECODED_STREAM
+
+
+def test_a_raw_deflate_stream_is_read_as_http_clients_read_it(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """Some servers send "deflate" without zlib's header; HTTP clients read both. The stream was
+    cut after its headers."""
+    import zlib
+
+    stream = _stream_with_usage()
+    packer = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    body = packer.compress(stream) + packer.flush()
+    _upstream, url = scripted(chunks=[body], extra_headers=[(b"content-encoding", b"deflate")])
+    proxy = proxy_factory(url)
+    r, data = _client_sees(proxy, "raw-deflate")
+    assert r.status_code == 200
+    assert [d["choices"][0]["delta"].get("content") for d in data] == ["Hel", "lo"]
+
+
+def test_an_upstream_that_closes_without_answering_is_unreachable_not_invalid(
+    proxy_factory: Any,
+) -> None:
+    upstream = RawUpstream(b"")  # reads the request, answers nothing, closes
+    try:
+        proxy = proxy_factory(upstream.url)
+        r = httpx.post(proxy.base_url + "/chat/completions", json=CHAT)
+        assert (r.status_code, r.json()["error"]["code"]) == (502, "upstream_unreachable")
+        assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 0
+    finally:
+        upstream.sock.close()

@@ -370,3 +370,28 @@ def test_a_request_compacted_and_retried_after_a_refusal_shows_both_attempts_rig
     assert (retried.compacted, retried.status, retried.tokens_in) == (True, 200, 900)
     [summary] = list_sessions(log_dir)
     assert (summary.exchanges, summary.errors) == (1, 0)  # one exchange, answered
+
+
+def test_a_compacted_retrys_repairs_count_once(tmp_path: Path) -> None:
+    repair = [{"kind": "dangling_call", "index": 2, "tool_call_id": "c1", "action": "added"}]
+    events = [
+        req(T0, 1, appended=[U1], repairs=repair),
+        {"ts": T0 + 1, "type": "compacted", "exchange": 1, "start": 1, "covered": 20},
+        req(T0 + 2, 1, repairs=repair, transforms={"compacted": {"start": 1, "covered": 20}}),
+        resp(
+            T0 + 3,
+            1,
+            prompt=900,
+            completion=10,
+            cache_read=0,
+            ttfb=0.5,
+            duration=1.0,
+            actual=0.01,
+            uncached=0.01,
+        ),
+    ]
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    (log_dir / "ctx.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
+    [summary] = list_sessions(log_dir)
+    assert (summary.exchanges, summary.repairs, summary.errors) == (1, 1, 0)

@@ -279,7 +279,7 @@ def test_a_connection_the_server_closed_as_it_was_reused_is_retried_once() -> No
     async def main() -> None:
         async with Server(handler) as srv:
             pool = UpstreamPool()
-            pool.resend_window = 0.1
+            pool.resend_window = pool.resend_idle = 0.1
             assert await read(await pool.open("POST", srv.url + "/", [], b"{}")) == (
                 b"ok from connection 1"
             )
@@ -333,7 +333,7 @@ def test_a_request_the_server_took_and_then_dropped_is_not_sent_twice() -> None:
     async def main() -> None:
         async with Server(handler) as srv:
             pool = UpstreamPool()
-            pool.resend_window = 0.1
+            pool.resend_window = pool.resend_idle = 0.1
             assert await read(await pool.open("POST", srv.url + "/", [], b"{}")) == (
                 b"ok from connection 1"
             )

@@ -104,11 +104,20 @@ def serve(
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
     sockets: list[socket.socket] | None = None,
-) -> None:
-    """Serve the simulator until interrupted (blocking), on ``sockets`` when bound already."""
+) -> int:
+    """Serve the simulator until interrupted (blocking), on ``sockets`` when bound already (they
+    are closed at the end). Returns the exit code: 0 after Ctrl+C, 3 when start-up failed."""
     logger.info("simulating %s on http://%s:%d/v1", config.dialect, host, port)
     app = create_simulator_app(config)
     if sockets is None:
         uvicorn.run(app, host=host, port=port, log_level="info")
-        return
-    uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=sockets)
+        return 0
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info"))
+    try:
+        server.run(sockets=sockets)
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl+C it deferred, once it has shut down
+        return 0
+    finally:
+        for sock in sockets:
+            sock.close()
+    return 0 if server.started else 3

@@ -26,6 +26,8 @@ from typing import Any
 
 import orjson
 
+from proxy.prefix import schema_order  # tools as a provider renders them
+
 MESSAGE_OVERHEAD = 3
 _TOKEN = re.compile(
     rb"[A-Za-z0-9_]{1,4}|[\x80-\xff]{1,4}|[\x21-\x2f\x3a-\x40\x5b-\x5e\x60\x7b-\x7e]{1,4}"
@@ -43,23 +45,6 @@ def tokenize(text: str) -> list[bytes]:
 def count_tokens(text: str) -> int:
     """How many tokens ``text`` costs."""
     return len(tokenize(text))
-
-
-def _rendered_tools(value: Any) -> Any:
-    """Tools as a provider renders them: fields read by name (so their order does not count),
-    a schema's ``properties`` as the function's parameters, in the order sent."""
-    if isinstance(value, Mapping):
-        return {
-            key: (
-                {name: _rendered_tools(v) for name, v in item.items()}
-                if key == "properties" and isinstance(item, Mapping)
-                else _rendered_tools(item)
-            )
-            for key, item in sorted(value.items(), key=lambda kv: str(kv[0]))
-        }
-    if isinstance(value, list):
-        return [_rendered_tools(item) for item in value]
-    return value
 
 
 def _as_text(value: Any) -> str:
@@ -108,7 +93,7 @@ def request_tokens(body: Mapping[str, Any]) -> list[bytes]:
     """The prompt of a chat-completions request as one token sequence: tools, then messages."""
     out: list[bytes] = []
     if body.get("tools"):
-        out += tokenize(orjson.dumps(_rendered_tools(body["tools"])).decode())
+        out += tokenize(orjson.dumps(schema_order(body["tools"])).decode())
     for message in body.get("messages") or ():
         out += (
             message_tokens(message) if isinstance(message, Mapping) else tokenize(_as_text(message))
