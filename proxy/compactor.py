@@ -87,20 +87,25 @@ class Compactor:
             synthetic_prefixes=SYNTHETIC_PREFIXES,
         )
         state.extra["last_len"] = len(messages)
-        if plan.cut is not None and not self._reduces(messages, plan.cut, model_cfg.context_window):
-            # Keeping the launching message verbatim would leave the history over the trigger:
-            # give up the anchor rather than forward a compaction that does not compact.
-            plan = compaction.plan(
+
+        def without_anchor(keep_recent: int) -> compaction.Plan:
+            """The plan that keeps no launching message verbatim, whatever the trigger says."""
+            return compaction.plan(
                 messages,
                 existing=existing,
                 existing_digest=known,
                 window=model_cfg.context_window,
                 trigger_percent=cfg.trigger_percent,
-                keep_recent=cfg.keep_recent,
+                keep_recent=keep_recent,
                 max_anchor_chars=0,
                 force=True,
                 synthetic_prefixes=SYNTHETIC_PREFIXES,
             )
+
+        if plan.cut is not None and not self._reduces(messages, plan.cut, model_cfg.context_window):
+            # Keeping the launching message verbatim would leave the history over the trigger:
+            # give up the anchor rather than forward a compaction that does not compact.
+            plan = without_anchor(cfg.keep_recent)
         keep = cfg.keep_recent
         while (
             force
@@ -112,17 +117,7 @@ class Compactor:
             # The provider refused the history: a retry that would not fit is refused again
             # (or is the very body it refused). Keep fewer of the latest messages until it fits.
             keep //= 2
-            smaller = compaction.plan(
-                messages,
-                existing=existing,
-                existing_digest=known,
-                window=model_cfg.context_window,
-                trigger_percent=cfg.trigger_percent,
-                keep_recent=keep,
-                max_anchor_chars=0,
-                force=True,
-                synthetic_prefixes=SYNTHETIC_PREFIXES,
-            )
+            smaller = without_anchor(keep)
             if smaller.cut is not None:
                 plan = smaller
         if plan.discarded:

@@ -1,4 +1,5 @@
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -339,31 +340,30 @@ def test_missing_session_and_directory_say_so(log_dir: Path, tmp_path: Path) -> 
         list_sessions(tmp_path / "nowhere")
 
 
+def compacted_retry_log(tmp_path: Path, repairs: list[dict[str, Any]]) -> Path:
+    """A request refused as too long (no response line), its compaction and its retry under
+    the same exchange number, then the retry's answer; the log directory."""
+    compacted = {"start": 1, "covered": 20}
+    answer = dict(ttfb=0.5, duration=1.0, actual=0.01, uncached=0.01)
+    events = [
+        req(T0, 1, appended=[U1], repairs=repairs),
+        {"ts": T0 + 1, "type": "compacted", "exchange": 1, **compacted},
+        req(T0 + 2, 1, repairs=repairs, transforms={"compacted": compacted}),
+        resp(T0 + 3, 1, prompt=900, completion=10, cache_read=0, **answer),
+    ]
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    (log_dir / "ctx.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
+    return log_dir
+
+
 def test_a_request_compacted_and_retried_after_a_refusal_shows_both_attempts_rightly(
     tmp_path: Path,
 ) -> None:
     """The refused attempt has no response line; the compaction and the retry follow it under
     the same exchange number. The compaction is the retry's, and the first attempt says why it
     has no answer (it used to be shown as the compacted one, with no status)."""
-    events = [
-        req(T0, 1, appended=[U1]),
-        {"ts": T0 + 1, "type": "compacted", "exchange": 1, "start": 1, "covered": 20},
-        req(T0 + 2, 1, transforms={"compacted": {"start": 1, "covered": 20}}),
-        resp(
-            T0 + 3,
-            1,
-            prompt=900,
-            completion=10,
-            cache_read=0,
-            ttfb=0.5,
-            duration=1.0,
-            actual=0.01,
-            uncached=0.01,
-        ),
-    ]
-    log_dir = tmp_path / "logs"
-    log_dir.mkdir()
-    (log_dir / "ctx.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
+    log_dir = compacted_retry_log(tmp_path, [])
     refused, retried = show_session(log_dir, "ctx").rows
     assert (refused.compacted, refused.status) == (False, None)
     assert refused.error is not None and "compacted and re-sent" in refused.error
@@ -373,25 +373,6 @@ def test_a_request_compacted_and_retried_after_a_refusal_shows_both_attempts_rig
 
 
 def test_a_compacted_retrys_repairs_count_once(tmp_path: Path) -> None:
-    repair = [{"kind": "dangling_call", "index": 2, "tool_call_id": "c1", "action": "added"}]
-    events = [
-        req(T0, 1, appended=[U1], repairs=repair),
-        {"ts": T0 + 1, "type": "compacted", "exchange": 1, "start": 1, "covered": 20},
-        req(T0 + 2, 1, repairs=repair, transforms={"compacted": {"start": 1, "covered": 20}}),
-        resp(
-            T0 + 3,
-            1,
-            prompt=900,
-            completion=10,
-            cache_read=0,
-            ttfb=0.5,
-            duration=1.0,
-            actual=0.01,
-            uncached=0.01,
-        ),
-    ]
-    log_dir = tmp_path / "logs"
-    log_dir.mkdir()
-    (log_dir / "ctx.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
-    [summary] = list_sessions(log_dir)
+    repair = {"kind": "dangling_call", "index": 2, "tool_call_id": "c1", "action": "added"}
+    [summary] = list_sessions(compacted_retry_log(tmp_path, [repair]))
     assert (summary.exchanges, summary.repairs, summary.errors) == (1, 1, 0)
