@@ -97,15 +97,22 @@ def _same_tools(a: Any, b: Any) -> bool:
 def _takes_place(
     chosen: _Baseline, fp: prefix.Fingerprint, divergence: prefix.Divergence | None
 ) -> bool:
-    """Whether a request of ``chosen``'s conversation takes its place rather than branch off:
-    it extends or rewinds it (no divergence), changes only a volatile token, rewrites what comes
-    before the messages (parameters, tools, system prompt), or keeps its last message after the
-    change (an old tool output trimmed in place). A request that differs in a message and drops
-    what followed is a branch: a fork, or another agent's conversation that opens alike."""
-    if divergence is None or divergence.volatile or divergence.location != "messages":
+    """Whether a request of ``chosen``'s conversation takes its place rather than branch off: it
+    extends or rewinds it (no divergence); it rewrites what comes before the messages
+    (parameters, tools, a system prompt with the time in it) and its messages continue the
+    baseline's, or the baseline's continue its; or it changes a message and keeps the baseline's
+    last one after the change (an old tool output trimmed in place). Anything else is a branch:
+    a fork, or another agent's conversation that opens alike (its own tools, its own task)."""
+    if divergence is None:
         return True
-    last = chosen.fp.message_digests[-1:]
-    return bool(last) and last[0] in fp.message_digests
+    old = chosen.fp.message_digests
+    if divergence.location != "messages":
+        old_messages = old[chosen.fp.system_count :]
+        new_messages = fp.message_digests[fp.system_count :]
+        shorter = min(len(old_messages), len(new_messages))
+        return old_messages[:shorter] == new_messages[:shorter]
+    after = fp.message_digests[(divergence.index or 0) + 1 :]
+    return bool(old) and old[-1] in after
 
 
 def _location_label(divergence: prefix.Divergence) -> str:

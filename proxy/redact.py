@@ -133,11 +133,12 @@ _HEADER_VALUE = re.compile(r":[ \t]*([A-Za-z0-9._~+/=-]{8,}+)(?![(])")
 _QUERY_VALUE = re.compile(r"=(?=[^&\s#\"'\\]{0,512}[A-Za-z])([^&\s#\"'\\]{6,}+)")
 # A flag and its value, apart: ``--api-key VALUE`` (a digit in it, or 20 characters: not a word).
 _FLAG_VALUE = re.compile(r"[ \t]+(?:" + _QUOTED + "|" + _SETTING + ")")
-# After a colon, a quoted type name is an annotation: ``private_key: "RSAPrivateKey"`` (in a
-# class body, alone on its line, as a YAML setting would be).
+# After a colon in code, a quoted type name is an annotation: ``def sign(private_key:
+# "RSAPrivateKey")`` (alone on its line it reads as a YAML setting, whose value may be a
+# passphrase of letters: redacted there).
 _NO_ANNOTATION = r"""(?![ \t]*\\?["'][A-Z_][A-Za-z_.\[\], |]{0,512}\\?["'])"""
 _YAML_VALUE = re.compile(
-    r"[ \t]*:" + _NO_ANNOTATION + r"[ \t]+(?:" + _QUOTED + "|" + _SETTING + r")[ \t]*(?:#[^\n\\]*)?"
+    r"[ \t]*:[ \t]+(?:" + _QUOTED + "|" + _SETTING + r")[ \t]*(?:#[^\n\\]*)?"
     r"(?=\r|\n|\\n|\\r|\"|\Z)"  # the line's end, escaped or not, or the end of a JSON string
 )
 _AUTHORIZATION = re.compile(  # a scheme, or a header's colon and a token alone (no code)
@@ -169,10 +170,23 @@ _COMMAND_PASSWORD = re.compile(  # (on the command's own part of the line: to a 
     r"""(?:(?i:curl)[^\n|;&]{0,512}?\s(?:-[uU]|--user|--proxy-user)(?:[ \t]+|=)?["']?"""
     r"""[^\s:"']{0,256}:"""
     r"""|(?i:mysql|mysqldump|mysqladmin|mariadb)[^\n|;&]{0,512}?\s-p"""
-    r"""|(?i:docker|podman|helm|nerdctl)[ \t]+(?:registry[ \t]+)?login[^\n|;&]{0,512}?\s-p[ \t]+)"""
-    r"""(?!\$)([^\s"'\\]{4,}+)"""  # (not a $VARIABLE)
+    # docker (podman, …) login, global options maybe before it: docker --config DIR login
+    r"""|(?i:docker|podman|helm|nerdctl|buildah|skopeo)"""
+    r"""(?:[ \t]+-{1,2}[^\s|;&]+(?:[ \t]+[^-\s|;&][^\s|;&]*)?){0,6}[ \t]+(?:registry[ \t]+)?"""
+    r"""login[^\n|;&]{0,512}?\s-p[ \t]+)"""
+    r"""(?!\$[A-Za-z_{(])([^\s"'\\]{4,}+)"""  # (not a $VARIABLE; a literal $ may start one)
 )
-_COMMANDS: Final = ("curl", "mysql", "mariadb", "docker", "podman", "helm", "nerdctl")
+_COMMANDS: Final = (
+    "curl",
+    "mysql",
+    "mariadb",
+    "docker",
+    "podman",
+    "helm",
+    "nerdctl",
+    "buildah",
+    "skopeo",
+)
 # A bare ``token`` or ``pwd`` in code is as often a grammar's token type or a path:
 # ``{ token: "comment" }``, ``pwd = "/srv/app"``; its value must look like a credential.
 _BARE_NAMES: Final = frozenset({"token", "tokens", "pwd"})

@@ -804,17 +804,23 @@ class _Decoder:
     def __init__(self, coding: str) -> None:
         self.wbits = list(_WBITS[coding])
         self.obj = zlib.decompressobj(self.wbits.pop(0))
-        self.started = False
+        self.head = b""  # the first bytes fed, until the framing is known (zlib's is 2 bytes)
 
     def decompress(self, data: bytes, limit: int) -> bytes:
+        if self.wbits:  # the framing is not known yet: the first bytes may change the guess
+            self.head += data
         try:
             plain = self.obj.decompress(data, limit)
         except zlib.error:
-            if self.started or not self.wbits:
+            if not self.wbits:
                 raise
-            self.obj = zlib.decompressobj(self.wbits.pop(0))
-            plain = self.obj.decompress(data, limit)
-        self.started = True
+            self.obj = zlib.decompressobj(self.wbits.pop(0))  # raw deflate: start again
+            self.wbits.clear()
+            plain = self.obj.decompress(self.head, limit)
+        if self.wbits and (plain or len(self.head) >= 2):  # zlib's header was read: it is zlib
+            self.wbits.clear()
+        if not self.wbits:
+            self.head = b""
         return plain
 
     @property

@@ -311,6 +311,15 @@ class _Accounting:
     def send(self, messages: list[Message], prompt: int, read: int, status: int = 200) -> Exchange:
         self.eid += 1
         ex = exchange(self.eid, messages)
+        return self._answered(ex, prompt, read, status)
+
+    def send_body(self, body: dict[str, Any], prompt: int) -> Exchange:
+        self.eid += 1
+        ex = exchange(self.eid, body["messages"])
+        ex.body = body
+        return self._answered(ex, prompt, 0, 200)
+
+    def _answered(self, ex: Exchange, prompt: int, read: int, status: int) -> Exchange:
         ex.session, ex.started_at = self.state, float(self.eid)
         ex.usage, ex.status = Usage(prompt, 10, read, 0, True), status
         self.observer.on_response(ex)
@@ -459,3 +468,39 @@ def test_a_system_prompt_with_the_time_does_not_crowd_out_other_conversations() 
     assert ex.divergence is None
     assert ex.cache is not None and (ex.cache["expected"], ex.cache["waste"]) == (3_000, 0)
     assert len(acc.state.extra["baselines"]) == 2
+
+
+def test_look_alike_conversations_do_not_replace_each_other() -> None:
+    """Agents that share a system prompt and an opening, with their own tools, or workers whose
+    tasks differ by a number only: each keeps its own baseline. And a fork that repeats a
+    short message ("continue") of the original is still a fork."""
+    acc = _Accounting()
+    opening = [_system("You are a careful agent working in the repository."), *msgs("start")]
+    tools_a = [{"type": "function", "function": {"name": "read", "parameters": {}}}]
+    tools_b = [{"type": "function", "function": {"name": "write", "parameters": {}}}]
+    a, b = list(opening), list(opening)
+    for turn in range(3):
+        a = [*a, *msgs(f"a {turn}", f"reader goes on {turn}")]
+        b = [*b, *msgs(f"b {turn}", f"writer goes on {turn}")]
+        for history, tools in ((a, tools_a), (b, tools_b)):
+            ex = acc.send_body({"model": "gpt-4o", "messages": history, "tools": tools}, 5_000)
+            if turn:
+                assert ex.divergence is None, (turn, tools[0]["function"]["name"])
+    shards = {n: [_system("worker"), *msgs(f"Process shard {n} of 8.")] for n in (1, 2)}
+    for turn in range(3):
+        for n in (1, 2):
+            shards[n] = [*shards[n], *msgs(f"done part {turn}", f"next part of {n}")]
+            ex = acc.send(shards[n], 4_000, 0)
+            if turn:
+                assert ex.divergence is None, (turn, n)
+
+
+def test_a_fork_that_repeats_a_short_message_is_still_a_fork() -> None:
+    acc = _Accounting()
+    base = [_system("agent"), *msgs("task", "a1", "continue", "a2", "continue")]
+    acc.send(base, 5_000, 0)
+    fork = [*base[:4], *msgs("a2, edited", "more")]
+    acc.send(fork, 5_000, 0)
+    assert len(acc.state.extra["baselines"]) == 2
+    ex = acc.send([*base, *msgs("a3", "and on")], 5_100, 5_000)
+    assert ex.divergence is None

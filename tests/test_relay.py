@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import socket
 import time
 from typing import Any
@@ -1502,3 +1503,28 @@ def test_an_upstream_that_closes_without_answering_is_unreachable_not_invalid(
         assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 0
     finally:
         upstream.sock.close()
+
+
+@pytest.mark.parametrize("coding", ["deflate", "gzip"])
+def test_a_compressed_stream_is_decoded_whatever_its_first_reads_hold(coding: str) -> None:
+    """One byte first: zlib waits on it, then the next read tells the framing (raw deflate was
+    cut as soon as its second read came)."""
+    import zlib
+
+    from proxy import relay
+
+    plain = _stream_with_usage()
+    wbits = -zlib.MAX_WBITS if coding == "deflate" else zlib.MAX_WBITS | 16
+    packer = zlib.compressobj(wbits=wbits)
+    packed = packer.compress(plain) + packer.flush()
+    for split in (1, 2, 3):
+        got: list[bytes] = []
+        decoding = relay._decoding(relay._Decoder(coding), functools.partial(_kept, got))
+        decoding(packed[:split])
+        decoding(packed[split:])
+        assert b"".join(got) == plain, split
+
+
+def _kept(into: list[bytes], chunk: bytes) -> bool:
+    into.append(chunk)
+    return True
