@@ -157,6 +157,11 @@ _CODE_VALUE = re.compile(
     r"""[ \t]*(?:=>?|:=|:""" + _NO_ANNOTATION + r""")[ \t]*"""
     r"(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + ")"
 )
+# ...and inside an object literal's braces, where a colon gives a value, never a type:
+# ``{ password: "Correcthorsebattery" }``.
+_OBJECT_VALUE = re.compile(
+    r"""[ \t]*(?:=>?|:=?)[ \t]*(?:""" + _QUOTED + "|" + _ESCAPED_QUOTED + ")"
+)
 # ...and to a quoted name: ``os.environ["API_KEY"] = "…"``, ``'password' => '…'``,
 # ``{'api_key': '…'}`` (a Python dict printed).
 _INDEXED_VALUE = re.compile(r"\]?[ \t]*(?:=>?|:)[ \t]*" + _QUOTED)
@@ -246,7 +251,11 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
             return found if flag else _plausible(s, start, end, found)
     if not _in_code(s[start:end]):
         return None
-    return _plausible(s, start, end, _value_span(_CODE_VALUE.match(s, end)))
+    # In an object literal (a brace opened nearer than a parenthesis on the line), not in a
+    # signature, where a quoted type may follow the colon.
+    literal = s.rfind("{", lo, start) > max(s.rfind("(", lo, start), s.rfind("\n", lo, start))
+    pattern = _OBJECT_VALUE if literal else _CODE_VALUE
+    return _plausible(s, start, end, _value_span(pattern.match(s, end)))
 
 
 def _netrc(s: str, start: int, end: int, lo: int) -> bool:

@@ -607,6 +607,7 @@ def test_a_third_reads_over_redactions_stay_fixed(text: str) -> None:
         "docker --config /tmp/cfg login -u ci -p s3cretpass r.io",  # global options first
         "buildah login -u ci -p s3cretpass quay.io",
         "curl -u 'admin:$3cr3tpass' https://x",  # a literal $, in single quotes
+        'const cfg = { user: "bob", password: "CorrectHorseBattery" };',  # a value, not a type
     ],
 )
 def test_a_fourth_reads_leaks_stay_closed(text: str) -> None:
