@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -42,7 +43,7 @@ def _serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy.app import create_app
-    from proxy.serving import listening_sockets
+    from proxy.serving import serve_until_stopped
 
     try:
         settings = load_settings(
@@ -63,15 +64,11 @@ def _serve(ns: argparse.Namespace) -> int:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per upstream request
     host, port = settings.server.host, settings.server.port
-    try:  # bound before anything else: a port in use stops here, with nothing created
-        sockets = listening_sockets(host, port)
-    except OSError as exc:
-        where = f"{_url_host(host)}:{port}"
-        print(f"cachegate: cannot listen on {where}: {exc.strerror or exc}", file=sys.stderr)
+    sockets = _bound(host, port, "cachegate")  # before anything else: nothing created yet
+    if sockets is None:
         return 1
-    server: uvicorn.Server | None = None
-    interrupted = False
-    try:
+
+    def server() -> uvicorn.Server:
         app = create_app(settings)
         writer = app.state.gateway.writer
         if writer is not None:  # the shutdown closes it; at exit, whatever happened to that
@@ -97,15 +94,22 @@ def _serve(ns: argparse.Namespace) -> int:
             log_level="warning",
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         )
-        server = uvicorn.Server(config)
-        server.run(sockets=sockets)
-    except KeyboardInterrupt:  # uvicorn raises the Ctrl+C it deferred, once it has shut down
-        interrupted = True
-    finally:
-        for sock in sockets:
-            sock.close()
-    # 3: start-up failed (uvicorn logged why), as uvicorn.run; Ctrl+C at any point: 0
-    return 0 if interrupted or (server is not None and server.started) else 3
+        return uvicorn.Server(config)
+
+    return serve_until_stopped(sockets, server)
+
+
+def _bound(host: str, port: int, prog: str) -> list[socket.socket] | None:
+    """Sockets listening on ``host:port``; None, once the reason is said in one line (a port in
+    use), when they cannot be bound."""
+    from proxy.serving import listening_sockets
+
+    try:
+        return listening_sockets(host, port)
+    except OSError as exc:
+        where = f"{_url_host(host)}:{port}"
+        print(f"{prog}: cannot listen on {where}: {exc.strerror or exc}", file=sys.stderr)
+        return None
 
 
 def _url_host(host: str) -> str:
@@ -126,15 +130,8 @@ def _simulate(ns: argparse.Namespace) -> int:
             message = re.sub(rf"(?<![\w-]){name}(?!\w)", flag, message)
         print(f"cachegate simulate: {message}", file=sys.stderr)
         return 2
-    from proxy.serving import listening_sockets
-
-    try:  # a port in use: one line and exit code 1, as for serve
-        sockets = listening_sockets(ns.host, ns.port)
-    except OSError as exc:
-        where = f"{_url_host(ns.host)}:{ns.port}"
-        print(
-            f"cachegate simulate: cannot listen on {where}: {exc.strerror or exc}", file=sys.stderr
-        )
+    sockets = _bound(ns.host, ns.port, "cachegate simulate")  # in use: one line, as for serve
+    if sockets is None:
         return 1
     return sim_cli.serve(config, ns.host, ns.port, sockets)
 

@@ -475,15 +475,11 @@ def schema_order(value: Any) -> Any:
                 if key == "properties" and isinstance(item, Mapping)
                 else schema_order(item)
             )
-            for key, item in sorted(value.items(), key=_by_key)
+            for key, item in sorted(value.items(), key=operator.itemgetter(0))
         }
     if isinstance(value, list):
         return [schema_order(item) for item in value]
     return value
-
-
-def _by_key(item: tuple[Any, Any]) -> str:
-    return str(item[0])
 
 
 def _tools_digest(tools: Any) -> bytes:

@@ -73,19 +73,20 @@ _NAME_WORDS: Final = ("passw", "secret", "token", "key", "_pass", "pwd")
 # anything (``authToken``, ``client_secret``), "key(s)" after a separator or a known prefix
 # (``OPENAI_KEY``, ``apiKey``; not ``monkey``), maybe then a version, ``_base``, ``_id`` or
 # ``_hash`` (``SECRET_KEY_BASE``, ``WEBHOOK_SECRET_V2``).
+_NAMED_KEY = (
+    r"(?:api|auth|access|private|priv|secret|master|signing|encryption|client|app|service"
+    r"|license|deploy|ssh|anon)[_-]?keys?"
+)
+_NAME_END = r"(?:[_-]?(?:v\d+|base|id|hash))?\Z"
 _CREDENTIAL_NAME = re.compile(
-    r"(?:passw(?:or)?d|pwd|secrets?|tokens?|[_.-](?:pass|keys?)"
-    r"|(?:api|auth|access|private|priv|secret|master|signing|encryption|client|app|service"
-    r"|license|deploy|ssh|anon)[_-]?keys?)(?:[_-]?(?:v\d+|base|id|hash))?\Z"
+    r"(?:passw(?:or)?d|pwd|secrets?|tokens?|[_.-](?:pass|keys?)|" + _NAMED_KEY + ")" + _NAME_END
 )
 # In code, where any ``…_key`` may be named so (``edge_key="weight"``, ``sort_key=…``), a name in
 # lower or mixed case must say more: a password, secret or token, ``pass`` after a separator, or
 # a key with a known prefix (``api_key``, ``apiKey``, ``private_key``); ``OPENAI_KEY`` in upper
 # case is a constant and counts.
 _CODE_CREDENTIAL_NAME = re.compile(
-    r"(?:passw(?:or)?d|pwd|secrets?|tokens?|[_.-]pass"
-    r"|(?:api|auth|access|private|priv|secret|master|signing|encryption|client|app|service"
-    r"|license|deploy|ssh|anon)[_-]?keys?)(?:[_-]?(?:v\d+|base|id|hash))?\Z"
+    r"(?:passw(?:or)?d|pwd|secrets?|tokens?|[_.-]pass|" + _NAMED_KEY + ")" + _NAME_END
 )
 # ...but these are no credentials' names.
 # (Each word starts the name or follows a separator: ``n_tokens`` is a count, ``session_token``
@@ -153,15 +154,11 @@ _AUTHORIZATION = re.compile(  # a scheme, or a header's colon and a token alone 
 # ``const API_KEY = "…"``, ``f(api_key="…")``, ``{password: "…"}``, ``$password => "…"``,
 # ``token := "…"`` (an unquoted value there is code: ``token = make_token()``; a quoted type
 # after a colon is an annotation: ``private_key: "RSAPrivateKey"``).
-_CODE_VALUE = re.compile(
-    r"""[ \t]*(?:=>?|:=|:""" + _NO_ANNOTATION + r""")[ \t]*"""
-    r"(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + ")"
-)
+_ANY_QUOTED = "(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + ")"
+_CODE_VALUE = re.compile(r"[ \t]*(?:=>?|:=|:" + _NO_ANNOTATION + r")[ \t]*" + _ANY_QUOTED)
 # ...and inside an object literal's braces, where a colon gives a value, never a type:
 # ``{ password: "Correcthorsebattery" }``.
-_OBJECT_VALUE = re.compile(
-    r"""[ \t]*(?:=>?|:=?)[ \t]*(?:""" + _QUOTED + "|" + _ESCAPED_QUOTED + ")"
-)
+_OBJECT_VALUE = re.compile(r"[ \t]*(?:=>?|:=?)[ \t]*" + _ANY_QUOTED)
 # ...and to a quoted name: ``os.environ["API_KEY"] = "…"``, ``'password' => '…'``,
 # ``{'api_key': '…'}`` (a Python dict printed).
 _INDEXED_VALUE = re.compile(r"\]?[ \t]*(?:=>?|:)[ \t]*" + _QUOTED)

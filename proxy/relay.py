@@ -223,11 +223,6 @@ _WBITS: Final = {
 }
 
 
-def _decoded(response: httpx.Response | UpstreamResponse, body: bytes) -> bytes:
-    """``body`` with its content-encoding undone, to read an error message; raw when it cannot be."""
-    return _decode(_coding(response), body)
-
-
 async def _one(data: bytes) -> AsyncIterator[bytes]:
     yield data
 
@@ -658,7 +653,7 @@ class Relay:
                     raise upstream_unreachable(
                         f"error answer broke off: {type(exc).__name__}"
                     ) from exc
-                if retry_if(response.status_code, _decoded(response, error_body)):
+                if retry_if(response.status_code, _decode(_coding(response), error_body)):
                     raise RetryRequest(response.status_code, error_body)
                 chunks = _one(error_body)  # not retried: relay what was read, verbatim
             if response.status_code >= 400:

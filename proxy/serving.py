@@ -10,6 +10,7 @@ import errno
 import socket
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Literal
 
@@ -53,6 +54,25 @@ def listening_sockets(host: str, port: int) -> list[socket.socket]:
     if not sockets:
         raise unavailable or OSError(errno.EADDRNOTAVAIL, f"no address for {host!r}")
     return sockets
+
+
+def serve_until_stopped(
+    sockets: list[socket.socket], make_server: Callable[[], uvicorn.Server]
+) -> int:
+    """Make the server (``make_server``, which may build the app) and run it on ``sockets``
+    (bound already: see ``listening_sockets``) until it stops; the sockets are closed whatever
+    happens. The exit code, as ``uvicorn.run`` gives it: 0 after Ctrl+C (at any point) or a
+    clean stop, 3 when start-up failed (uvicorn logged why)."""
+    server: uvicorn.Server | None = None
+    try:
+        server = make_server()
+        server.run(sockets=sockets)
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl+C it deferred, once it has shut down
+        return 0
+    finally:
+        for sock in sockets:
+            sock.close()
+    return 0 if server.started else 3
 
 
 class ServerThread:

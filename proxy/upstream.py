@@ -42,7 +42,7 @@ import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Final, overload
+from typing import Any, overload
 from urllib.parse import urlsplit
 
 import httptools
@@ -57,10 +57,6 @@ Origin = tuple[str, str, int]  # scheme, host, port
 
 class InvalidAnswer(httpx.RemoteProtocolError):
     """The upstream answered, but not in HTTP/1.1 as cachegate (and other clients) read it."""
-
-
-# httptools 0.6.4 and later expose llhttp's leniencies (pyproject asks for it; kept optional).
-_LENIENT: Final = hasattr(httptools.HttpResponseParser, "set_dangerous_leniencies")
 
 
 class UpstreamHeaders:
@@ -430,11 +426,11 @@ class _Connection(asyncio.Protocol):
         """Ready the connection for one answer, before any byte of its request goes out."""
         self.uses += 1
         self._parser = parser = httptools.HttpResponseParser(self)
-        if _LENIENT:  # what HTTP clients take (h11, httpx): bare LF line ends, and a length
-            # beside chunked framing (the chunks win; the connection is not reused after)
-            parser.set_dangerous_leniencies(
-                lenient_optional_cr_before_lf=True, lenient_chunked_length=True
-            )
+        # What HTTP clients take (h11, httpx): bare LF line ends, and a length beside chunked
+        # framing (the chunks win; the connection is not reused after). httptools >= 0.6.4.
+        parser.set_dangerous_leniencies(
+            lenient_optional_cr_before_lf=True, lenient_chunked_length=True
+        )
         self._head_only = method == b"HEAD"
         self._response = None
         self._received = self._complete = self._until_close = self._keep_alive = False

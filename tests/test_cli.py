@@ -429,49 +429,32 @@ def test_serve_with_a_bad_environment_value_or_flag_names_the_one_set(
 
 
 @pytest.mark.timeout(30)
-def test_serve_on_a_port_in_use_says_so_and_creates_nothing(tmp_path: Path) -> None:
-    """The port is bound before anything else: no "listening" line, no log directory."""
+@pytest.mark.parametrize("command", ["serve", "simulate"])
+def test_a_port_in_use_is_said_in_one_line_and_creates_nothing(
+    tmp_path: Path, command: str
+) -> None:
+    """The port is bound before anything else: no "listening" line, no log directory, exit code
+    1 (``simulate`` gave uvicorn's "[Errno 98]" and exit code 3)."""
     import socket
 
     script = shutil.which("cachegate")
     assert script is not None
+    extra = ["--log-dir", str(tmp_path / "logs")] if command == "serve" else []
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         proc = subprocess.run(
-            [script, "serve", "--port", str(port), "--log-dir", str(tmp_path / "logs")],
+            [script, command, "--port", str(port), *extra],
             env=clean_env(),
             capture_output=True,
             text=True,
             timeout=30,
         )
+    prog = "cachegate" if command == "serve" else "cachegate simulate"
     assert proc.returncode == 1
-    assert proc.stderr == f"cachegate: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    assert proc.stderr == f"{prog}: cannot listen on 127.0.0.1:{port}: Address already in use\n"
     assert not (tmp_path / "logs").exists()
-
-
-@pytest.mark.timeout(30)
-def test_simulate_on_a_port_in_use_says_so_in_one_line() -> None:
-    import socket
-
-    script = shutil.which("cachegate")
-    assert script is not None
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        proc = subprocess.run(
-            [script, "simulate", "--port", str(port)],
-            env=clean_env(),
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    assert proc.returncode == 1  # was uvicorn's "[Errno 98]" and exit code 3
-    assert proc.stderr == (
-        f"cachegate simulate: cannot listen on 127.0.0.1:{port}: Address already in use\n"
-    )
 
 
 @pytest.mark.timeout(30)

@@ -153,20 +153,27 @@ def test_an_error_event_mid_stream_is_logged_as_its_message_not_a_python_repr(
     assert response["error"] == "The server had an error"
 
 
-def test_non_streaming_body_status_and_headers_unchanged(scripted: Any, proxy_factory: Any) -> None:
-    body = orjson.dumps(
+def completion(content: str, prompt_tokens: int, completion_tokens: int) -> bytes:
+    """A chat completion's body, as OpenAI writes it."""
+    return orjson.dumps(
         {
-            "id": "x",
+            "id": "c1",
+            "object": "chat.completion",
+            "model": "gpt-4o",
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": "hé"},
+                    "message": {"role": "assistant", "content": content},
                     "finish_reason": "stop",
                 }
             ],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
         }
     )
+
+
+def test_non_streaming_body_status_and_headers_unchanged(scripted: Any, proxy_factory: Any) -> None:
+    body = completion("hé", 3, 1)
     upstream, url = scripted(
         chunks=[body[:7], body[7:]],
         content_type=b"application/json",
@@ -1354,26 +1361,12 @@ def test_an_answer_body_is_read_for_the_log_as_a_json_reader_would(
 
     from proxy.eventlog import read_events
 
-    completion = orjson.dumps(
-        {
-            "id": "c1",
-            "object": "chat.completion",
-            "model": "gpt-4o",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "Hello"},
-                    "finish_reason": "stop",
-                }
-            ],
-            "usage": {"prompt_tokens": 9, "completion_tokens": 2},
-        }
-    )
+    answer = completion("Hello", 9, 2)
     if body == "gzip":
         packer = zlib.compressobj(wbits=zlib.MAX_WBITS | 16)
-        raw = packer.compress(completion) + packer.flush()
+        raw = packer.compress(answer) + packer.flush()
     else:
-        raw = {"bom": b"\xef\xbb\xbf" + completion, "empty": b""}[body]
+        raw = {"bom": b"\xef\xbb\xbf" + answer, "empty": b""}[body]
     headers = [(b"content-encoding", encoding)] if encoding else []
     _upstream, url = scripted(
         chunks=[raw] if raw else [], content_type=b"application/json", extra_headers=headers
@@ -1385,7 +1378,7 @@ def test_an_answer_body_is_read_for_the_log_as_a_json_reader_would(
         headers={"X-Session-Id": "plain", "accept-encoding": "identity"},
     )
     if encoding:  # relayed compressed, as it came (httpx decodes it here)
-        assert (r.headers["content-encoding"], r.content) == ("gzip", completion)
+        assert (r.headers["content-encoding"], r.content) == ("gzip", answer)
     else:
         assert r.content == raw  # verbatim
     proxy.settle()

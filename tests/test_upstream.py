@@ -269,9 +269,27 @@ def test_streamed_request_body_is_sent_chunked() -> None:
     run(main())
 
 
-def test_a_connection_the_server_closed_as_it_was_reused_is_retried_once() -> None:
+@pytest.mark.parametrize(
+    ("idle_s", "taken_s", "resent"),
+    [
+        # idle long enough to have met the server's keep-alive timeout, closed at once: the
+        # server had given up on this connection; the request goes again on a new one
+        (0.15, 0.0, True),
+        # reused right after its last answer: no keep-alive timeout met, and a close with no
+        # answer, however soon, may follow a request the server took (a fast completion,
+        # billed, then a crash): not sent twice
+        (0.0, 0.0, False),
+        # closed well after taking the request (a crash mid-generation): it may have been
+        # applied, and billed; it used to be re-sent on a new connection, unseen
+        (0.15, 0.3, False),
+    ],
+)
+def test_a_reused_connection_closed_unanswered_is_retried_only_in_the_keep_alive_race(
+    idle_s: float, taken_s: float, resent: bool
+) -> None:
     async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
-        if n == 2:  # the server had given up on this idle connection: close, answer nothing
+        if n == 2:  # the second request on this connection: closed, unanswered
+            await asyncio.sleep(taken_s)
             return False
         w.write(answer(b"ok from connection %d" % c))
         return True
@@ -283,64 +301,16 @@ def test_a_connection_the_server_closed_as_it_was_reused_is_retried_once() -> No
             assert await read(await pool.open("POST", srv.url + "/", [], b"{}")) == (
                 b"ok from connection 1"
             )
-            await asyncio.sleep(0.15)  # idle long enough to have met a keep-alive timeout
-            assert await read(await pool.open("POST", srv.url + "/", [], b"{}")) == (
-                b"ok from connection 2"
-            )
-            assert len(srv.requests) == 3
-            await pool.aclose()
-
-    run(main())
-
-
-def test_a_connection_reused_at_once_and_dropped_unanswered_is_not_retried() -> None:
-    """Reused right after its last answer, the connection met no keep-alive timeout: a close
-    with no answer, however soon, may follow a request the server took (a fast completion,
-    billed, then a crash). It is not sent twice."""
-
-    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
-        if n == 2:
-            return False
-        w.write(answer(b"ok from connection %d" % c))
-        return True
-
-    async def main() -> None:
-        async with Server(handler) as srv:
-            pool = UpstreamPool()
-            assert await read(await pool.open("POST", srv.url + "/", [], b"{}")) == (
-                b"ok from connection 1"
-            )
-            with pytest.raises(httpx.RemoteProtocolError):
-                await pool.open("POST", srv.url + "/", [], b"{}")
-            assert len(srv.requests) == 2
-            await pool.aclose()
-
-    run(main())
-
-
-def test_a_request_the_server_took_and_then_dropped_is_not_sent_twice() -> None:
-    """A reused connection the server closes well after taking the request (a crash mid-
-    generation): the request may have been applied, and billed. It is not sent again: the
-    error reaches the caller (it used to be re-sent on a new connection, unseen)."""
-
-    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
-        if n == 2:
-            await asyncio.sleep(0.3)  # generating...
-            return False  # ...and gone
-        w.write(answer(b"ok from connection %d" % c))
-        return True
-
-    async def main() -> None:
-        async with Server(handler) as srv:
-            pool = UpstreamPool()
-            pool.resend_window = pool.resend_idle = 0.1
-            assert await read(await pool.open("POST", srv.url + "/", [], b"{}")) == (
-                b"ok from connection 1"
-            )
-            await asyncio.sleep(0.15)  # idle as long as a keep-alive race needs
-            with pytest.raises(httpx.RemoteProtocolError):
-                await pool.open("POST", srv.url + "/", [], b"{}")
-            assert len(srv.requests) == 2  # the second request once
+            await asyncio.sleep(idle_s)
+            if resent:
+                assert await read(await pool.open("POST", srv.url + "/", [], b"{}")) == (
+                    b"ok from connection 2"
+                )
+                assert len(srv.requests) == 3
+            else:
+                with pytest.raises(httpx.RemoteProtocolError):
+                    await pool.open("POST", srv.url + "/", [], b"{}")
+                assert len(srv.requests) == 2  # the second request once
             await pool.aclose()
 
     run(main())

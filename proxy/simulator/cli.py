@@ -8,6 +8,7 @@ import socket
 
 import uvicorn
 
+from proxy.serving import serve_until_stopped
 from proxy.simulator.app import create_simulator_app
 from proxy.simulator.config import DIALECTS, SimConfig
 
@@ -112,12 +113,6 @@ def serve(
     if sockets is None:
         uvicorn.run(app, host=host, port=port, log_level="info")
         return 0
-    server = uvicorn.Server(uvicorn.Config(app, log_level="info"))
-    try:
-        server.run(sockets=sockets)
-    except KeyboardInterrupt:  # uvicorn raises the Ctrl+C it deferred, once it has shut down
-        return 0
-    finally:
-        for sock in sockets:
-            sock.close()
-    return 0 if server.started else 3
+    return serve_until_stopped(
+        sockets, lambda: uvicorn.Server(uvicorn.Config(app, log_level="info"))
+    )
