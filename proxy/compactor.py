@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from proxy import compaction, pairing
-from proxy.config import Settings
+from proxy.config import ModelSettings, Settings
 from proxy.pipeline import Exchange, Observer, notify
 from proxy.relay import Relay
 from proxy.sessions import SessionState
@@ -32,6 +32,8 @@ SYNTHETIC_PREFIXES: tuple[str, ...] = (
     *pairing.DOWNGRADE_PREFIXES,
 )
 
+
+_MAX_MODELS = 256
 
 _LIMIT_RE = re.compile(rb"maximum context length is (\d+)")
 
@@ -49,6 +51,16 @@ class Compactor:
         self.settings = settings
         self.relay = relay
         self.observers = observers
+        # Per model name, its configured entry: looked up once (a snapshot's name scans them all).
+        self._models: dict[str | None, ModelSettings] = {}
+
+    def _model(self, name: str | None) -> ModelSettings:
+        found = self._models.get(name)
+        if found is None:
+            if len(self._models) >= _MAX_MODELS:  # model names come from clients: bounded
+                self._models.clear()
+            found = self._models[name] = self.settings.model(name)[1]
+        return found
 
     async def apply(
         self,
@@ -65,7 +77,7 @@ class Compactor:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return body
-        _, model_cfg = self.settings.model(ex.model)
+        model_cfg = self._model(ex.model)
         if window is not None:
             model_cfg = dataclasses.replace(model_cfg, context_window=window)
         last = state.extra.get("last_usage")

@@ -130,6 +130,26 @@ def test_history_over_the_trigger_is_compacted_and_stays_sticky(
     assert proxy.metric("cachegate_compactions_total", {"model": MODEL, "result": "reused"}) == 2
 
 
+def test_each_model_is_compacted_by_its_own_window(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    big = "local-llama"  # no configured entry covers it: sized by "*"
+    config = {**CONFIG, "models": {**CONFIG["models"], "*": {"context_window": 1000000}}}
+    proxy = proxy_factory(sim.api_base, config)
+    c = sdk(proxy.base_url)
+    msgs = history(18)
+    for model, session, compacted in [
+        (big, "wide-1", None),
+        (MODEL, "narrow", "1"),
+        (big, "wide-2", None),
+        (MODEL + "-2024-08-06", "narrow-snapshot", "1"),
+    ]:
+        raw = c.chat.completions.with_raw_response.create(
+            model=model, messages=msgs, extra_headers={"X-Session-Id": session}
+        )
+        assert raw.headers.get("x-cachegate-compacted") == compacted, model
+
+
 def test_summarizer_failure_falls_back_to_extractive(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:
