@@ -78,18 +78,21 @@ def completion_body() -> bytes:
 
 def stream_events(deltas: int, include_usage: bool) -> list[bytes]:
     """Mode B's events, each a whole ``data: …\\n\\n`` of ~120 bytes, ending with ``[DONE]``.
-    With ``include_usage``, as OpenAI: a null ``usage`` ends every chunk, and a usage-only chunk
-    comes before ``[DONE]``."""
+    As OpenAI has sent them since August 2025, each chunk ends with an ``obfuscation`` padding
+    string; with ``include_usage``, a null ``usage`` stands before it in every chunk, and a
+    usage-only chunk comes before ``[DONE]``."""
     head = b'data: {"id":"chatcmpl-bench-b","object":"chat.completion.chunk","created":1700000000,"model":"gpt-4o-mini","choices":[{"index":0,"delta":'
-    end = b',"usage":null}\n\n' if include_usage else b"}\n\n"
+    nulls = b',"usage":null' if include_usage else b""
     events = []
     for i in range(deltas):
         role = b'"role":"assistant",' if i == 0 else b""
-        events.append(head + b"{" + role + b'"content":"w%03d "},"finish_reason":null}]' % i + end)
-    events.append(head + b'{},"finish_reason":"stop"}]' + end)
+        pad = b',"obfuscation":"%s"}\n\n' % b"Xq7pL2mZ"[: 1 + i % 8]
+        delta = b'"content":"w%03d "},"finish_reason":null}]' % i
+        events.append(head + b"{" + role + delta + nulls + pad)
+    events.append(head + b'{},"finish_reason":"stop"}]' + nulls + b',"obfuscation":"Rk"}\n\n')
     if include_usage:
         events.append(
-            b'data: {"id":"chatcmpl-bench-b","object":"chat.completion.chunk","created":1700000000,"model":"gpt-4o-mini","choices":[],"usage":{"prompt_tokens":412,"completion_tokens":64,"total_tokens":476,"prompt_tokens_details":{"cached_tokens":0}}}\n\n'
+            b'data: {"id":"chatcmpl-bench-b","object":"chat.completion.chunk","created":1700000000,"model":"gpt-4o-mini","choices":[],"usage":{"prompt_tokens":412,"completion_tokens":64,"total_tokens":476,"prompt_tokens_details":{"cached_tokens":0}},"obfuscation":"m3"}\n\n'
         )
     events.append(b"data: [DONE]\n\n")
     return events

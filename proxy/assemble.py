@@ -325,7 +325,11 @@ class StreamAssembler:
             # The bulk of a stream: one choice whose delta carries only text. Same outcome as
             # the general path below, with fewer lookups.
             choice = choices[0]
-            if type(choice) is dict and choice.get("index") in (0, None):
+            if (
+                type(choice) is dict
+                and choice.get("index") in (0, None)
+                and choice.get("usage") is None
+            ):
                 delta = choice.get("delta")
                 if type(delta) is dict and len(delta) == 1:
                     content = delta.get("content")
@@ -350,6 +354,11 @@ class StreamAssembler:
         if self._model is None and isinstance(chunk.get("model"), str) and chunk["model"]:
             self._model = chunk["model"]
         usage = chunk.get("usage")
+        if usage is None:
+            # Groq puts a stream's usage in ``x_groq`` when it was not asked for it
+            extension = chunk.get("x_groq")
+            if isinstance(extension, dict):
+                usage = extension.get("usage")
         if usage is not None:
             self._usage.update(usage)
         choices = chunk.get("choices")
@@ -358,6 +367,9 @@ class StreamAssembler:
         for choice in choices:
             if isinstance(choice, dict) and choice.get("index") in (0, None):
                 self._choice(choice)
+                if usage is None and choice.get("usage") is not None:
+                    # Moonshot (Kimi) streams its usage inside the last chunk's choice
+                    self._usage.update(choice["usage"])
         return False
 
     def _choice(self, choice: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ import orjson
 
 from proxy import bodymemo, compaction, pairing
 from proxy.compactor import Compactor, provider_window
-from proxy.config import TRUE_WORDS, Settings
+from proxy.config import TRUE_WORDS, Settings, sends_usage_unasked
 from proxy.errors import ProxyError, bad_request
 from proxy.pipeline import Exchange, Observer, Transform, notify, notify_each
 from proxy.relay import (
@@ -263,6 +263,10 @@ class ChatPipeline:
         self.clock = clock
         self.pairing = PairingRepair(settings, on_strict_rejection)
         self.compactor = compactor
+        # An upstream that streams usage to everyone is not asked, and its usage not hidden.
+        self.asks_usage = settings.upstream.request_usage and not sends_usage_unasked(
+            settings.upstream.base_url
+        )
         self.transforms: list[Transform] = [self.pairing]
         if compactor is not None:
             self.transforms.append(compactor)
@@ -340,7 +344,7 @@ class ChatPipeline:
     ) -> tuple[dict[str, Any], bytes | None]:
         """Ask for stream usage the client did not ask for. Returns the body and, when only the
         option was added to an otherwise untouched body, the raw bytes with it spliced in."""
-        if not (ex.stream and self.settings.upstream.request_usage):
+        if not (ex.stream and self.asks_usage):
             return body, None
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):

@@ -204,6 +204,20 @@ class Settings:
         return "*", self.models.get("*", ModelSettings())
 
 
+# Upstreams that send a stream's usage whether or not it was asked for (OpenRouter: "always
+# included", ``stream_options.include_usage`` has no effect): cachegate neither asks nor hides.
+ALWAYS_SEND_USAGE: Final = ("openrouter.ai",)
+
+
+def sends_usage_unasked(base_url: str) -> bool:
+    """Whether the upstream at ``base_url`` streams usage to every client (``ALWAYS_SEND_USAGE``)."""
+    try:
+        host = (urlsplit(base_url).hostname or "").rstrip(".")
+    except ValueError:
+        return False
+    return any(host == name or host.endswith("." + name) for name in ALWAYS_SEND_USAGE)
+
+
 # What may be a URL's user:password@ where no authority could be told apart (the first "@" ends it)
 _USER_INFO: Final = re.compile(r"[^/?#@\s]+@")
 

@@ -31,7 +31,7 @@ from proxy.errors import (
     upstream_unreachable,
 )
 from proxy.pipeline import Exchange, RefusedAnswer, UnreadableAnswer, refusal_text
-from proxy.strip import EVENT_ENDS, NULL_USAGE_LF, UsageEventStripper
+from proxy.strip import EVENT_ENDS, UsageEventStripper, without_lf_nulls
 from proxy.upstream import InvalidAnswer, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger(__name__)
@@ -879,7 +879,7 @@ def _sink(
             if stripper.pending or not chunk.endswith(EVENT_ENDS) or chunk[-3:-2] in _LINE_ENDS:
                 chunk = stripper.feed(chunk)
             else:  # whole events: the stripper's own short path, inlined
-                plain = chunk.replace(NULL_USAGE_LF, b"}\n")  # OpenAI's null usage, if any
+                plain = without_lf_nulls(chunk)  # OpenAI's null usages, if any
                 # partition: fewer instructions than find() in CPython 3.11
                 chunk = stripper.feed(chunk) if plain.partition(b'"usage"')[1] else plain
         room = write(chunk) if chunk else True

@@ -402,6 +402,8 @@ def render_show(detail: SessionDetail) -> str:
             notes.append("compacted")
         if r.interrupted:
             notes.append("interrupted")
+        elif r.tokens_in is None and not r.error and r.status is not None and 200 <= r.status < 300:
+            notes.append("no usage reported")
         if r.error:
             notes.append(_clip(r.error, 60))
         rows.append(

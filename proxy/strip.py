@@ -5,9 +5,10 @@ so it can account the exchange, and must then hide what that request added so th
 exactly what it would have received directly: the usage-only event (``"choices": []`` and a usage
 object) and, on every other chunk, the ``"usage": null`` member OpenAI then adds: a line ending in
 ``,"usage":null}`` loses those bytes (OpenAI writes it as the last member of the chunk's one
-``data:`` line); a null usage written any other way is left as the provider sent it. Whole events
-pass as they arrive; an event cut by a read is held until its end (an SSE client can use no event
-before its blank line).
+``data:`` line), and so does one ending in ``,"usage":null,"obfuscation":"…"}`` (since August 2025
+OpenAI pads each chunk with that last member, unless asked not to); a null usage written any
+other way is left as the provider sent it. Whole events pass as they arrive; an event cut by a
+read is held until its end (an SSE client can use no event before its blank line).
 """
 
 from __future__ import annotations
@@ -43,11 +44,24 @@ def is_usage_only(event: bytes) -> bool:
 # (Matched on bytes: a JSON string cannot hold it, its quotes and line ends being escaped.)
 NULL_USAGE_LF = b',"usage":null}\n'
 _NULL_USAGE_CR = b',"usage":null}\r'
+# The same null before OpenAI's padding, the chunk's last member: a string with no escape, so its
+# first quote ends it, and then the chunk and its line.
+_PADDED_NULL = b',"usage":null,"obfuscation":"'
+_PADDED_NULL_AT = re.compile(rb',"usage":null(?=,"obfuscation":"[^"\\\r\n]*"\}[\r\n])')
+
+
+def without_lf_nulls(data: bytes) -> bytes:
+    """``data`` (whole events, LF line ends) without the null usages ending its data lines."""
+    out = data.replace(NULL_USAGE_LF, b"}\n")
+    if out.find(_PADDED_NULL) >= 0:
+        out = _PADDED_NULL_AT.sub(b"", out)
+    return out
 
 
 def without_null_usage(data: bytes) -> bytes:
-    """``data`` (whole events) without the ``"usage": null`` member ending a data line."""
-    out = data.replace(NULL_USAGE_LF, b"}\n")
+    """``data`` (whole events) without the ``"usage": null`` member ending a data line, or
+    standing before the padding that ends it."""
+    out = without_lf_nulls(data)
     if out.find(_NULL_USAGE_CR) >= 0:
         out = out.replace(_NULL_USAGE_CR, b"}\r")
     return out
@@ -97,7 +111,7 @@ class UsageEventStripper:
             cut = run + (last + 2 - run) // 2 * 2
             whole = bytes(event[:cut])
             del event[:cut]
-            plain = whole.replace(NULL_USAGE_LF, b"}\n")
+            plain = without_lf_nulls(whole)
             if plain.find(b'"usage"') >= 0:
                 plain = self._lf_events(whole)
             return chunk if not held and cut == len(chunk) and plain == chunk else plain

@@ -24,9 +24,11 @@ class Usage:
     reported_cache: bool = False
 
 
-_CACHE_READ_FIELDS = ("cache_read_input_tokens", "prompt_cache_hit_tokens")
+# ``cached_tokens`` at the top level: Moonshot (Kimi).
+_CACHE_READ_FIELDS = ("cache_read_input_tokens", "prompt_cache_hit_tokens", "cached_tokens")
 _CACHE_FIELDS = (
     "cache_read_input_tokens",
+    "cached_tokens",
     "cache_creation_input_tokens",
     "prompt_cache_hit_tokens",
     "prompt_cache_miss_tokens",
@@ -60,17 +62,19 @@ def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
 
     Dialects: OpenAI (``prompt_tokens``, ``completion_tokens``,
     ``prompt_tokens_details.cached_tokens``; also ``input_tokens_details`` of the Responses API),
-    DeepSeek (``prompt_cache_hit_tokens`` / ``prompt_cache_miss_tokens``) and Anthropic-style
-    fields on OpenAI-compatible endpoints (``input_tokens``, ``output_tokens``,
-    ``cache_read_input_tokens``, ``cache_creation_input_tokens``).
+    DeepSeek (``prompt_cache_hit_tokens`` / ``prompt_cache_miss_tokens``), Moonshot (a top-level
+    ``cached_tokens``), OpenRouter (``prompt_tokens_details.cache_write_tokens`` beside
+    OpenAI's ``cached_tokens``) and Anthropic-style fields on OpenAI-compatible endpoints
+    (``input_tokens``, ``output_tokens``, ``cache_read_input_tokens``,
+    ``cache_creation_input_tokens``, as LiteLLM and other gateways write them).
 
     ``prompt`` is the total input: ``prompt_tokens`` when present (OpenAI semantics, cached tokens
     included); otherwise DeepSeek's hit + miss; otherwise ``input_tokens`` + cache read + cache
     creation, because Anthropic's ``input_tokens`` counts only the uncached remainder (for the
     Responses API, which has no such fields, that is just ``input_tokens``). ``cache_read`` is the
     largest of the cache-read fields present (providers that send several mean the same number);
-    ``cache_write`` is ``cache_creation_input_tokens``. ``reported_cache`` is true iff any cache
-    field was present, even as 0.
+    ``cache_write`` the largest of ``cache_creation_input_tokens`` and the details'
+    ``cache_write_tokens``. ``reported_cache`` is true iff any cache field was present, even as 0.
     """
     if type(raw) is not dict and not isinstance(raw, Mapping):
         return None
@@ -84,13 +88,24 @@ def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
     ):
         # OpenAI's dialect, by far the most common: the same answer as below, sooner.
         cached: int | None = None
+        written: int | None = None
         for key in _DETAIL_FIELDS:
             details = raw.get(key)
             if details is not None and (type(details) is dict or isinstance(details, Mapping)):
                 n = _count(details, "cached_tokens")
                 if n is not None and (cached is None or n > cached):
                     cached = n
-        return Usage(prompt_tokens, completion_tokens, cached or 0, 0, cached is not None)
+                if "cache_write_tokens" in details:  # OpenRouter
+                    n = _count(details, "cache_write_tokens")
+                    if n is not None and (written is None or n > written):
+                        written = n
+        return Usage(
+            prompt_tokens,
+            completion_tokens,
+            cached or 0,
+            written or 0,
+            cached is not None or written is not None,
+        )
     return _normalize(raw)
 
 
@@ -101,9 +116,11 @@ def _normalize(raw: Mapping[str, Any]) -> Usage | None:
 
     reads = [c for c in (_count(raw, k) for k in _CACHE_READ_FIELDS) if c is not None]
     reads += [c for c in (_count(d, "cached_tokens") for d in details) if c is not None]
-    reported_cache = bool(reads) or any(_count(raw, k) is not None for k in _CACHE_FIELDS)
+    created = _count(raw, "cache_creation_input_tokens")
+    writes = [c for c in (_count(d, "cache_write_tokens") for d in details) if c is not None]
+    reported_cache = bool(reads or writes) or any(_count(raw, k) is not None for k in _CACHE_FIELDS)
     cache_read = max(reads, default=0)
-    cache_write = _count(raw, "cache_creation_input_tokens") or 0
+    cache_write = max([*writes, created or 0])
 
     prompt = _count(raw, "prompt_tokens")
     if prompt is None:
@@ -115,7 +132,7 @@ def _normalize(raw: Mapping[str, Any]) -> Usage | None:
             prompt = (
                 (_count(raw, "input_tokens") or 0)
                 + (_count(raw, "cache_read_input_tokens") or 0)
-                + cache_write
+                + (created or 0)
             )
     completion = _count(raw, "completion_tokens")
     if completion is None:

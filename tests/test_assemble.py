@@ -274,6 +274,43 @@ def test_anthropic_style_usage_on_an_openai_stream() -> None:
     )
 
 
+def sse(body: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+def test_moonshot_usage_inside_the_last_choice_is_read() -> None:
+    usage = {"prompt_tokens": 6000, "completion_tokens": 20, "cached_tokens": 4992}
+    last = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "model": "kimi-k2.6",
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "usage": usage}],
+    }
+    # the same chunk with text too, which must not take the text-only lane
+    with_text = {**last, "choices": [{**last["choices"][0], "delta": {"content": "!"}}]}
+    for stream in (
+        [chunk({"content": "ok"}), sse(last)],
+        [chunk({"content": "ok"}), sse(with_text)],
+    ):
+        result = record([*stream, b"data: [DONE]\n\n"])
+        assert result.usage == Usage(6000, 20, 4992, 0, True)
+        assert result.finish_reason == "stop"
+
+
+def test_groq_usage_in_x_groq_is_read() -> None:
+    usage = {"prompt_tokens": 300, "completion_tokens": 9, "total_tokens": 309}
+    last = orjson.loads(chunk({}, "stop")[6:])
+    last["x_groq"] = {"id": "req_01", "usage": usage}
+    assert record([chunk({"content": "ok"}), sse(last)]).usage == Usage(300, 9)
+
+
+def test_top_level_usage_wins_over_a_choices_copy() -> None:
+    top = {"prompt_tokens": 10, "completion_tokens": 2}
+    last = orjson.loads(chunk({}, "stop", usage=top)[6:])
+    last["choices"][0]["usage"] = {"prompt_tokens": 99, "completion_tokens": 99}
+    assert record([chunk({"content": "ok"}), sse(last)]).usage == Usage(10, 2)
+
+
 def test_error_event_mid_stream_is_captured() -> None:
     error = {"error": {"message": "Overloaded", "type": "server_error", "code": "overloaded"}}
     stream = [

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import hashlib
 import random
+import re
 
 import orjson
 import pytest
@@ -204,11 +205,13 @@ def test_client_reports_a_stream_cut_short() -> None:
 
 
 def test_mock_streams_usage_as_openai_does() -> None:
-    """Asked for usage, every chunk ends with a null usage and a usage-only chunk precedes
-    [DONE]; without, neither: what a relay that asks on the client's behalf must take out."""
+    """Asked for usage, every chunk has a null usage before its padding (as OpenAI writes it)
+    and a usage-only chunk precedes [DONE]; without, neither: what a relay that asks on the
+    client's behalf must take out."""
     plain, asked = stream_events(4, False), stream_events(4, True)
     assert len(asked) == len(plain) + 1
-    assert all(e.endswith(b"}]}\n\n") for e in plain[:-1]) and b"usage" not in b"".join(plain)
-    assert all(e.endswith(b'}],"usage":null}\n\n') for e in asked[:-2])
+    assert all(re.search(rb'}],"obfuscation":"\w+"}\n\n$', e) for e in plain[:-1])
+    assert b"usage" not in b"".join(plain)
+    assert all(re.search(rb'}],"usage":null,"obfuscation":"\w+"}\n\n$', e) for e in asked[:-2])
     assert b'"choices":[],"usage":{' in asked[-2] and asked[-1] == plain[-1] == b"data: [DONE]\n\n"
     assert [e.replace(b',"usage":null', b"") for e in asked[:-2]] == plain[:-1]

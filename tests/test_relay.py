@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import socket
 import time
 from typing import Any
@@ -13,6 +14,8 @@ import orjson
 import pytest
 
 from proxy.assemble import StreamRecorder
+from proxy.config import sends_usage_unasked
+from proxy.eventlog import read_events
 from proxy.pipeline import Exchange
 from proxy.relay import DisconnectWatch, _sink
 from proxy.simulator import SimConfig, run_simulator
@@ -253,6 +256,7 @@ def test_a_stream_without_usage_is_what_the_provider_sends_directly(
     assert asked["stream_options"] == {"include_usage": True}  # cachegate did ask for usage
     assert via == direct
     assert b'"usage":null' not in via
+    assert (b'"obfuscation":"' in via) is (dialect == "openai")  # OpenAI pads its chunks
     proxy.settle()
     [response] = events(proxy.log_dir, r.headers["x-cachegate-session"], "response")
     assert response["usage"]["completion"] > 0  # and it has the usage it asked for
@@ -308,10 +312,10 @@ def test_the_relays_short_path_strips_as_the_stripper_does() -> None:
     """Reads of whole events take the sink's inline path; any read must give what the stripper
     gives: a run of three line ends ending a read leaves its third for the next event."""
     from proxy.strip import UsageEventStripper
-    from tests.test_strip import CHUNK, DONE, USAGE, reference
+    from tests.test_strip import CHUNK, DONE, PADDED, USAGE, reference
 
-    for blank in (b"", b"\n", b"\n\n\n", b"\r\n"):
-        reads = [CHUNK % b"a" + blank, USAGE, CHUNK % b"b" + blank + USAGE, DONE]
+    for blank, chunk in itertools.product((b"", b"\n", b"\n\n\n", b"\r\n"), (CHUNK, PADDED)):
+        reads = [chunk % b"a" + blank, USAGE, chunk % b"b" + blank + USAGE, DONE]
         written: list[bytes] = []
         ex = Exchange("chat", "POST", "chat/completions", 0.0, time.perf_counter())
         stripper = UsageEventStripper()
@@ -327,6 +331,62 @@ def test_usage_request_can_be_turned_off(scripted: Any, proxy_factory: Any) -> N
     proxy = proxy_factory(url, {"upstream": {"request_usage": False}})
     read_stream(proxy.base_url, {**CHAT, "stream": True})
     assert upstream.requests[-1]["body"] == orjson.dumps({**CHAT, "stream": True})
+
+
+def test_an_upstream_that_always_streams_usage_is_not_asked_and_keeps_it(
+    proxy_factory: Any,
+) -> None:
+    """OpenRouter sends a stream's usage to every client (``include_usage`` has no effect): the
+    client must get that event as it would directly, and the exchange is still accounted."""
+    usage = {
+        "prompt_tokens": 6000,
+        "completion_tokens": 20,
+        "cost": 0.0019,
+        "prompt_tokens_details": {"cached_tokens": 4992, "cache_write_tokens": 896},
+    }
+    answer = (
+        sse(chunk("ok", finish_reason="stop"))
+        + sse({"id": "c1", "object": "chat.completion.chunk", "choices": [], "usage": usage})
+        + b"data: [DONE]\n\n"
+    )
+    sent: list[bytes] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        sent.append(request.content)
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=answer)
+
+    proxy = proxy_factory("https://openrouter.ai/api/v1", transport=httpx.MockTransport(upstream))
+    body = {**CHAT, "stream": True}
+    _, got = read_stream(proxy.base_url, body, {"X-Session-Id": "openrouter"})
+    assert got == answer
+    assert orjson.loads(sent[-1]) == body  # no stream_options added
+    proxy.settle()
+    (log,) = proxy.log_dir.glob("openrouter*.jsonl")
+    (response,) = [e for e in read_events(log).events if e["type"] == "response"]
+    assert response["usage"] == {
+        "prompt": 6000,
+        "completion": 20,
+        "cache_read": 4992,
+        "cache_write": 896,
+        "reported_cache": True,
+    }
+
+
+@pytest.mark.parametrize(
+    ("url", "unasked"),
+    [
+        ("https://openrouter.ai/api/v1", True),
+        ("https://eu.openrouter.ai/api/v1", True),
+        ("https://OpenRouter.ai./api/v1", True),
+        ("https://api.openai.com/v1", False),
+        ("https://notopenrouter.ai/v1", False),
+        ("https://openrouter.ai.example.com/v1", False),
+        ("http://127.0.0.1:8000/v1", False),
+        ("http://[::1", False),
+    ],
+)
+def test_which_upstreams_stream_usage_unasked(url: str, unasked: bool) -> None:
+    assert sends_usage_unasked(url) is unasked
 
 
 def test_stream_arrives_piece_by_piece(scripted: Any, proxy_factory: Any) -> None:

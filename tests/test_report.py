@@ -274,6 +274,35 @@ def test_render_show_of_a_failed_exchange(log_dir: Path) -> None:
     )
 
 
+def test_a_complete_answer_without_usage_says_so(tmp_path: Path) -> None:
+    """A provider that ignores ``stream_options`` leaves IN/OUT blank; the row says why."""
+    bare = {
+        **resp(
+            T0 + 1,
+            1,
+            prompt=1,
+            completion=1,
+            cache_read=0,
+            ttfb=0.1,
+            duration=0.2,
+            actual=0,
+            uncached=0,
+        ),
+        "usage": None,
+    }
+    bare.pop("cache")
+    bare.pop("cost", None)
+    cut = {**bare, "exchange": 2, "interrupted": True}
+    failed = {**bare, "exchange": 3, "error": "upstream broke off mid-response"}
+    events = [req(T0, 1, appended=[U1]), bare, req(T0 + 2, 2, appended=[U1]), cut]
+    events += [req(T0 + 3, 3, appended=[U1]), failed]
+    (tmp_path / "quiet.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
+    rows = render_show(show_session(tmp_path, "quiet")).splitlines()[2:]
+    assert rows[0].endswith("200  no usage reported")
+    assert rows[1].endswith("200  interrupted")
+    assert rows[2].endswith("200  upstream broke off mid-response")
+
+
 def test_session_cost(log_dir: Path) -> None:
     report = session_cost(log_dir, "alpha")
     assert report == CostReport(

@@ -10,6 +10,9 @@ from proxy.strip import UsageEventStripper, is_usage_only
 # A content chunk as OpenAI sends it when usage was asked for, and as it sends it otherwise.
 CHUNK = b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"%s"}}],"usage":null}\n\n'
 PLAIN = CHUNK.replace(b',"usage":null', b"")
+# The same as OpenAI has sent them since August 2025: a padding member ends each chunk.
+PADDED = CHUNK.replace(b"null}", b'null,"obfuscation":"Rm9xQ2"}')
+PADDED_PLAIN = PLAIN.replace(b"}]}", b'}],"obfuscation":"Rm9xQ2"}')
 USAGE = b'data: {"id":"c1","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":2}}\n\n'
 DONE = b"data: [DONE]\n\n"
 
@@ -37,6 +40,25 @@ def test_what_the_usage_request_added_is_removed_and_nothing_else() -> None:
     direct = PLAIN % b"he" + b": keep-alive\n\n" + PLAIN % "llo \xc3\xa9".encode("latin-1") + DONE
     assert run(stream, []) == direct
     assert all(run(stream, [cut]) == direct for cut in range(len(stream) + 1))
+
+
+def test_openais_padded_chunks_lose_their_null_usage_and_keep_their_padding() -> None:
+    stream = (
+        PADDED % b"he" + PADDED % b"llo" + USAGE.replace(b"}}\n", b'},"obfuscation":"x"}\n') + DONE
+    )
+    direct = PADDED_PLAIN % b"he" + PADDED_PLAIN % b"llo" + DONE
+    assert all(run(stream, [cut]) == direct for cut in range(len(stream) + 1))
+    crlf = stream.replace(b"\n", b"\r\n")
+    assert run(crlf, [len(crlf) // 2]) == direct.replace(b"\n", b"\r\n")
+
+
+def test_a_null_usage_before_padding_that_does_not_end_the_chunk_is_left() -> None:
+    """Only the null right before the chunk's last member, the padding, is OpenAI's."""
+    escaped = PADDED.replace(b"Rm9xQ2", b'Rm\\"x') % b"a"  # a quote escaped in the padding
+    not_last = PADDED.replace(b'Q2"}', b'Q2","x":1}') % b"a"
+    nested = b'data: {"choices":[{"index":0,"usage":null,"obfuscation":"a"}]}\n\n'
+    for event in (escaped, not_last, nested):
+        assert run(event + USAGE + DONE, []) == event + DONE
 
 
 def test_every_byte_offset_two_cuts() -> None:
@@ -113,11 +135,17 @@ EVENT_ENDINGS = [
     texts=st.lists(st.text(max_size=12), min_size=1, max_size=6),
     usage_at_end=st.booleans(),
     nulls=st.booleans(),
+    padding=st.sampled_from([b"", b',"obfuscation":""', b',"obfuscation":"aZ09"']),
     ends=st.lists(st.sampled_from(EVENT_ENDINGS), min_size=1, max_size=6),
     cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=12),
 )
 def test_any_chunking_gives_the_direct_stream(
-    texts: list[str], usage_at_end: bool, nulls: bool, ends: list[bytes], cuts: list[int]
+    texts: list[str],
+    usage_at_end: bool,
+    nulls: bool,
+    padding: bytes,
+    ends: list[bytes],
+    cuts: list[int],
 ) -> None:
     """Any chunking of a stream with the usage event at its end and (as OpenAI sends them) null
     usages on the other chunks gives the stream the upstream sends when usage is not asked for,
@@ -128,11 +156,16 @@ def test_any_chunking_gives_the_direct_stream(
         return ends[i % len(ends)]
 
     direct = [
-        b'data: {"choices":[{"index":0,"delta":{"content":' + orjson.dumps(t) + b"}}]}" + end(i)
+        b'data: {"choices":[{"index":0,"delta":{"content":'
+        + orjson.dumps(t)
+        + b"}}]"
+        + padding
+        + b"}"
+        + end(i)
         for i, t in enumerate(texts)
     ]
     asked = [
-        event.replace(b"}]}" + end(i), b'}],"usage":null}' + end(i))
+        event.replace(b"}]" + padding + b"}" + end(i), b'}],"usage":null' + padding + b"}" + end(i))
         for i, event in enumerate(direct)
     ]
     last = end(len(texts))
@@ -221,6 +254,7 @@ def reference(stream: bytes) -> tuple[bytes, int]:
     import re
 
     ends = re.compile(rb"\r\n\r\n|\n\r\n|\r\r\n|\n\n|\r\r(?=[^\n])|\n\r(?=[^\n])|\r\n\r(?=[^\n])")
+    null = re.compile(rb',"usage":null(}[\r\n]|,"obfuscation":"[a-zA-Z0-9]*"}[\r\n])')
     out, stripped, start = b"", 0, 0
     for found in ends.finditer(stream):
         event = stream[start : found.end()]
@@ -228,20 +262,29 @@ def reference(stream: bytes) -> tuple[bytes, int]:
         if is_usage_only(event):
             stripped += 1
         else:
-            out += event.replace(b',"usage":null}\n', b"}\n").replace(b',"usage":null}\r', b"}\r")
+            out += null.sub(rb"\1", event)
     tail = stream[start:]
     if tail and is_usage_only(tail):
         return out, stripped + 1
-    return out + tail.replace(b',"usage":null}\n', b"}\n").replace(
-        b',"usage":null}\r', b"}\r"
-    ), stripped
+    return out + null.sub(rb"\1", tail), stripped
 
 
 @settings(max_examples=500, deadline=None)
 @given(
     pieces=st.lists(
         st.sampled_from(
-            [CHUNK % b"a", PLAIN % b"b", USAGE, b"\n", b"\r", b"\r\n", b": ping\n\n", b"data: x"]
+            [
+                CHUNK % b"a",
+                PLAIN % b"b",
+                PADDED % b"c",
+                PADDED_PLAIN % b"d",
+                USAGE,
+                b"\n",
+                b"\r",
+                b"\r\n",
+                b": ping\n\n",
+                b"data: x",
+            ]
         ),
         max_size=10,
     ),

@@ -108,6 +108,44 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
             id="responses-api",
         ),
         pytest.param(
+            {
+                "prompt_tokens": 6000,
+                "completion_tokens": 20,
+                "total_tokens": 6020,
+                "cached_tokens": 4992,
+            },
+            Usage(6000, 20, 4992, 0, True),
+            id="moonshot-top-level-cached-tokens",
+        ),
+        pytest.param(
+            {"prompt_tokens": 7000, "completion_tokens": 20, "cached_tokens": 0},
+            Usage(7000, 20, 0, 0, True),
+            id="moonshot-miss-is-reported",
+        ),
+        pytest.param(
+            {
+                "prompt_tokens": 6000,
+                "completion_tokens": 20,
+                "cost": 0.0019,
+                "prompt_tokens_details": {
+                    "cached_tokens": 4992,
+                    "cache_write_tokens": 896,
+                    "audio_tokens": 0,
+                },
+            },
+            Usage(6000, 20, 4992, 896, True),
+            id="openrouter-cache-writes",
+        ),
+        pytest.param(
+            {
+                "prompt_tokens": 5000,
+                "completion_tokens": 20,
+                "prompt_tokens_details": {"cache_write_tokens": 4992},
+            },
+            Usage(5000, 20, 0, 4992, True),
+            id="openrouter-write-only",
+        ),
+        pytest.param(
             {"prompt_tokens": True, "completion_tokens": "5", "prompt_cache_hit_tokens": -1},
             Usage(0, 0, 0, 0, False),
             id="non-counts-ignored",
@@ -213,6 +251,7 @@ _usage_keys = [
     "cache_creation_input_tokens",
     "prompt_cache_hit_tokens",
     "prompt_cache_miss_tokens",
+    "cached_tokens",
 ]
 
 
@@ -222,7 +261,12 @@ _usage_keys = [
     details=st.dictionaries(
         st.sampled_from(["prompt_tokens_details", "input_tokens_details"]),
         st.one_of(
-            st.none(), st.text(max_size=2), st.fixed_dictionaries({"cached_tokens": _counts})
+            st.none(),
+            st.text(max_size=2),
+            st.fixed_dictionaries({"cached_tokens": _counts}),
+            st.fixed_dictionaries(
+                {}, optional={"cached_tokens": _counts, "cache_write_tokens": _counts}
+            ),
         ),
         max_size=2,
     ),

@@ -292,6 +292,9 @@ class _Handlers:
         if body.get("stream"):
             options = body.get("stream_options")
             include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            obfuscation = not (
+                isinstance(options, dict) and options.get("include_obfuscation") is False
+            )
             chunks = stream_chunks(
                 dialect=dialect,
                 completion_id=completion_id,
@@ -300,6 +303,7 @@ class _Handlers:
                 reply=reply,
                 usage=usage,
                 include_usage=include_usage,
+                obfuscation=obfuscation,
             )
             events = [encode_event(c) for c in chunks] + [DONE]
             return PacedResponse(

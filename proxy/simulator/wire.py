@@ -5,11 +5,15 @@ role chunk, content deltas, tool-call deltas (the first delta of a call carries 
 name with empty arguments; the arguments follow in pieces; parallel calls are interleaved by
 ``index``), a finish chunk, then with ``stream_options.include_usage`` a usage-only chunk with
 ``"choices": []`` (every other chunk then carries ``"usage": null``), then ``data: [DONE]``.
+As OpenAI has since August 2025, the openai dialect ends each chunk with an ``obfuscation``
+padding string (unless ``stream_options.include_obfuscation`` is false); its padding is derived
+from the chunk's delta, so the same reply pads alike whether or not usage was asked for.
 The deepseek dialect puts the usage on its finish chunk instead, whether asked or not.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any
 
@@ -133,9 +137,11 @@ def stream_chunks(
     reply: Reply,
     usage: dict[str, Any],
     include_usage: bool,
+    obfuscation: bool = True,
 ) -> list[dict[str, Any]]:
     """Every ``chat.completion.chunk`` of a streamed reply, in order ([DONE] not included)."""
     nulls = include_usage
+    pad = obfuscation and dialect == "openai"
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -148,6 +154,8 @@ def stream_chunks(
         }
         if nulls:
             out["usage"] = None
+        if pad:
+            out["obfuscation"] = padding(delta)
         return out
 
     role: dict[str, Any] = {
@@ -168,5 +176,16 @@ def stream_chunks(
         tail = chunk({})
         tail["choices"] = []
         tail["usage"] = usage
+        if pad:
+            tail["obfuscation"] = tail.pop("obfuscation")  # still the last member
         chunks.append(tail)
     return chunks
+
+
+_PAD_CHARS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+
+
+def padding(delta: dict[str, Any]) -> str:
+    """An ``obfuscation`` value for a chunk with ``delta``: letters and digits, 1-16 of them."""
+    digest = hashlib.blake2b(orjson.dumps(delta), digest_size=17).digest()
+    return bytes(_PAD_CHARS[b % len(_PAD_CHARS)] for b in digest[1 : 2 + digest[0] % 16]).decode()
