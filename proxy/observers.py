@@ -153,10 +153,11 @@ class AccountingObserver:
             if model_name and not (pricing.price_input or pricing.price_output):
                 log.info(
                     "model %r has no prices (the configured entry %r): its cost counts as $0; "
-                    'set price_input and price_output in [models."%s"] of the config file',
+                    "set price_input and price_output in [models.%s] of the config file",
                     model_name,
                     name,
-                    model_name,
+                    # as TOML writes the name: quoted and escaped, no control character raw
+                    orjson.dumps(model_name).decode(),
                 )
             terms = self._terms[model_name] = (name, ttl, pricing)
         return terms

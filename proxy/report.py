@@ -368,7 +368,7 @@ def render_list(sessions: Sequence[SessionSummary]) -> str:
             s.session,
             _time(s.first_seen),
             _time(s.last_seen),
-            s.model or "-",
+            _model(s.model),
             str(s.exchanges),
             _tokens(s.tokens_in),
             _tokens(s.tokens_out),
@@ -410,7 +410,7 @@ def render_show(detail: SessionDetail) -> str:
             [
                 "-" if r.exchange is None else str(r.exchange),
                 _time(r.ts),
-                r.model or "-",
+                _model(r.model),
                 _tokens(r.tokens_in),
                 _tokens(r.tokens_out),
                 _tokens(r.cache_read),
@@ -451,7 +451,18 @@ def render_cost(report: CostReport) -> str:
     return "\n".join(f"{label.ljust(width)}  {value}" for label, value in pairs)
 
 
+# A table cell is one line: a tab or line end in a client's string (a model name) would shift
+# the columns, or start a line that reads as another row.
+_CELL_BREAKS = {9: "\ufffd", 10: "\ufffd", 11: "\ufffd", 12: "\ufffd", 13: "\ufffd"}
+_CELL_BREAKS.update({0x85: "\ufffd", 0x2028: "\ufffd", 0x2029: "\ufffd"})
+
+
+def _model(name: str | None) -> str:
+    return "-" if not name else _clip(name.translate(_CELL_BREAKS), 40)
+
+
 def _table(headers: list[str], rows: list[list[str]], *, left: set[int]) -> str:
+    rows = [[c.translate(_CELL_BREAKS) for c in row] for row in rows]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
 
     def line(cells: list[str]) -> str:

@@ -222,7 +222,8 @@ def test_a_model_without_prices_is_said_once_not_silently_costed_at_zero(
         settings_from_mapping({}), store, Metrics(CollectorRegistry(), ())
     )
     with caplog.at_level(logging.INFO, logger="proxy.observers"):
-        for i, model in enumerate(["my-local-model", "my-local-model", "gpt-4o"]):
+        models = ["my-local-model", "my-local-model", "gpt-4o", "x\x1b[31m\nFORGED"]
+        for i, model in enumerate(models):
             ex = exchange(i + 1, msgs(f"task {i}"))
             ex.model = model
             ex.usage, ex.status = Usage(5000, 10, 0, 0, True), 200
@@ -230,7 +231,11 @@ def test_a_model_without_prices_is_said_once_not_silently_costed_at_zero(
     said = [r.getMessage() for r in caplog.records if "has no prices" in r.getMessage()]
     assert said == [
         "model 'my-local-model' has no prices (the configured entry '*'): its cost counts as $0; "
-        'set price_input and price_output in [models."my-local-model"] of the config file'
+        'set price_input and price_output in [models."my-local-model"] of the config file',
+        # a client's name, shown escaped: no control character reaches the operator's terminal
+        "model 'x\\x1b[31m\\nFORGED' has no prices (the configured entry '*'): its cost counts"
+        ' as $0; set price_input and price_output in [models."x\\u001b[31m\\nFORGED"] of the'
+        " config file",
     ]
 
 

@@ -303,6 +303,30 @@ def test_a_complete_answer_without_usage_says_so(tmp_path: Path) -> None:
     assert rows[2].endswith("200  upstream broke off mid-response")
 
 
+def test_a_model_name_with_line_breaks_cannot_forge_a_row(tmp_path: Path) -> None:
+    forged = "gpt-4o\nfake-session  2026-01-01 00:00:00  gpt-4o  99\tx" + "y" * 200
+    events = [req(T0, 1, model=forged, appended=[U1])]
+    events.append(
+        resp(
+            T0 + 1,
+            1,
+            prompt=10,
+            completion=1,
+            cache_read=0,
+            ttfb=0.1,
+            duration=0.2,
+            actual=0,
+            uncached=0,
+        )
+    )
+    (tmp_path / "odd.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
+    for text in (render_show(show_session(tmp_path, "odd")), render_list(list_sessions(tmp_path))):
+        lines = text.splitlines()
+        assert not any(line.startswith("fake-session") for line in lines)
+        assert "gpt-4o\ufffdfake-session" in text and "\t" not in text
+        assert max(len(line) for line in lines) < 250  # the name is clipped, not 200+ wide
+
+
 def test_session_cost(log_dir: Path) -> None:
     report = session_cost(log_dir, "alpha")
     assert report == CostReport(
