@@ -26,7 +26,7 @@ from proxy.browser import BrowserGuard
 from proxy.chat import ChatPipeline, header_map, internal_error
 from proxy.compactor import Compactor
 from proxy.config import Settings
-from proxy.errors import ProxyError, bad_request, too_large
+from proxy.errors import ProxyError, bad_request, client_closed, too_large
 from proxy.eventlog import EventLogWriter, enforce_retention
 from proxy.metrics import Metrics, MetricsObserver
 from proxy.observers import AccountingObserver, EventLogObserver
@@ -280,7 +280,7 @@ class Gateway:
                 while more:
                     message = await receive()
                     if message["type"] == "http.disconnect":
-                        raise ProxyError(499, "client disconnected", code="client_closed")
+                        raise client_closed("client disconnected")
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     if size > limit:

@@ -22,7 +22,7 @@ import orjson
 from proxy import bodymemo, compaction, pairing
 from proxy.compactor import Compactor, provider_window
 from proxy.config import TRUE_WORDS, Settings, sends_usage_unasked
-from proxy.errors import ProxyError, bad_request
+from proxy.errors import CLIENT_CLOSED, ProxyError, bad_request, shutting_down
 from proxy.pipeline import Exchange, Observer, Transform, notify, notify_each
 from proxy.relay import (
     DisconnectWatch,
@@ -367,6 +367,19 @@ class ChatPipeline:
         finally:
             self._one_done()
 
+    @staticmethod
+    def _refusal_headers(
+        ex: Exchange,
+        state: SessionState | None,
+        headers: Mapping[str, str],
+        path_session: str | None,
+    ) -> list[tuple[bytes, bytes]]:
+        """cachegate's own headers on an answer it gives before forwarding."""
+        sid = state.id if state is not None else _explicit_or_none(headers, path_session)
+        extra = [(b"x-cachegate-session", sid.encode())] if sid is not None else []
+        extra.append((b"x-cachegate-repairs", str(len(ex.repairs)).encode()))  # as forwarded
+        return extra
+
     def _one_done(self) -> None:
         self.in_flight -= 1
         if not self.in_flight:
@@ -509,11 +522,18 @@ class ChatPipeline:
             task = asyncio.current_task()
             if watch is not None:
                 watch.stop()
-            if watch is None or not watch.disconnected or task is None:
+            if task is None:
                 raise
             task.uncancel()
             ex.interrupted = True
-            ex.status = 499  # client closed request
+            if watch is None or not watch.disconnected:  # cachegate is stopping
+                ex.stopped = True
+                err = shutting_down()
+                ex.status, ex.error = err.status, err.message
+                notify(self.observers, "on_error", ex)
+                await send_error(send, err, self._refusal_headers(ex, state, headers, path_session))
+                return
+            ex.status = CLIENT_CLOSED
             ex.error = "client disconnected before the request was forwarded"
             notify(self.observers, "on_error", ex)
             return
@@ -527,11 +547,9 @@ class ChatPipeline:
                 err = internal_error(exc)
             ex.status = err.status
             ex.error = err.message
-            sid = state.id if state is not None else _explicit_or_none(headers, path_session)
-            extra = [(b"x-cachegate-session", sid.encode())] if sid is not None else []
-            extra.append((b"x-cachegate-repairs", str(len(ex.repairs)).encode()))  # as forwarded
+            ex.interrupted = err.status == CLIENT_CLOSED  # the client left while sending its body
             notify(self.observers, "on_error", ex)
-            await send_error(send, err, extra)
+            await send_error(send, err, self._refusal_headers(ex, state, headers, path_session))
             return
         self._before_forward(ex)
         extra = [
@@ -573,11 +591,17 @@ class ChatPipeline:
                 except asyncio.CancelledError:
                     task = asyncio.current_task()
                     watch.stop()
-                    if not watch.disconnected or task is None:
+                    if task is None:
                         raise
                     task.uncancel()
                     ex.interrupted = True
-                    ex.status = 499
+                    if not watch.disconnected:  # cachegate is stopping
+                        ex.stopped = True
+                        err = shutting_down()
+                        ex.status, ex.error = err.status, err.message
+                        await send_error(send, err, extra)
+                        return
+                    ex.status = CLIENT_CLOSED
                     ex.error = "client disconnected while the history was being compacted"
                     return
                 except Exception as exc:  # nothing reached the client yet: answer in OpenAI's shape

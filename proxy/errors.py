@@ -41,6 +41,17 @@ class ProxyError(Exception):
         )
 
 
+# nginx's "client closed request": the status an exchange is recorded with when its client left
+# before any answer was sent (none was; 0 is no HTTP status, and the client's leaving is no error
+# of the server's)
+CLIENT_CLOSED = 499
+
+
+def client_closed(message: str) -> ProxyError:
+    """The client hung up while sending its request."""
+    return ProxyError(CLIENT_CLOSED, message, code="client_closed")
+
+
 def bad_request(
     message: str, code: str = "invalid_request", param: str | None = None
 ) -> ProxyError:
@@ -79,4 +90,15 @@ def upstream_timeout(detail: str) -> ProxyError:
         f"The upstream provider did not answer in time: {detail}",
         type="upstream_error",
         code="upstream_timeout",
+    )
+
+
+def shutting_down() -> ProxyError:
+    """A request cachegate's shutdown cut before any of its answer was sent."""
+    return ProxyError(
+        503,
+        "cachegate is shutting down and stopped this request before the upstream answered; "
+        "send it again once cachegate is back.",
+        type="server_error",
+        code="server_shutting_down",
     )

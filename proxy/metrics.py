@@ -696,5 +696,5 @@ class MetricsObserver:
         self.metrics.observe_request(
             ex.route, ex.model, ex.status, max(0.0, time.perf_counter() - ex.t0)
         )
-        if ex.interrupted:  # the client left before the request was forwarded
+        if ex.interrupted and not ex.stopped:  # the client left before the request was forwarded
             self.metrics.observe_client_disconnect()

@@ -24,7 +24,10 @@ import orjson
 from proxy.assemble import AssembledResponse, StreamRecorder, assemble_completion
 from proxy.config import display_url
 from proxy.errors import (
+    CLIENT_CLOSED,
     ProxyError,
+    client_closed,
+    shutting_down,
     too_large,
     upstream_invalid,
     upstream_timeout,
@@ -240,9 +243,7 @@ async def read_body(receive: Receive, limit: int) -> bytes:
     while message.get("more_body", False):
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise ProxyError(
-                499, "client disconnected while sending the request", code="client_closed"
-            )
+            raise client_closed("client disconnected while sending the request")
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
@@ -765,13 +766,24 @@ class Relay:
                 # flight ran out) and cancelled the request. The log says so.
                 ex.error = ex.error or "cut: cachegate stopped before the response was complete"
                 ex.stopped = True
-                raise
-            task.uncancel()
+                if started or task is None:
+                    raise
+                # Nothing sent yet: the client is told why, in OpenAI's shape, rather than
+                # left to the server's bare 500.
+                task.uncancel()
+                ex.status = 503
+                await send_error(send, shutting_down(), extra_headers)
+            else:
+                task.uncancel()
+                if not started:
+                    ex.status = CLIENT_CLOSED  # no status was sent: the client left first
         except ProxyError as err:
             if watch is not None:
                 watch.stop()
             ex.status = err.status
             ex.error = err.message
+            if err.status == CLIENT_CLOSED:  # the client left while sending its body
+                ex.interrupted = True
             if ex.upstream_error in ("connect", "timeout") and not started:
                 self._warn_upstream(err)
             if not started:

@@ -7,6 +7,7 @@ through ``httpx.ASGITransport``), so every in-process server goes through this o
 from __future__ import annotations
 
 import errno
+import signal
 import socket
 import threading
 import time
@@ -64,15 +65,36 @@ def serve_until_stopped(
     happens. The exit code, as ``uvicorn.run`` gives it: 0 after Ctrl+C (at any point) or a
     clean stop, 3 when start-up failed (uvicorn logged why)."""
     server: uvicorn.Server | None = None
+    hangup = _on_hangup(lambda: server)
     try:
         server = make_server()
         server.run(sockets=sockets)
     except KeyboardInterrupt:  # uvicorn raises the Ctrl+C it deferred, once it has shut down
         return 0
     finally:
+        if hangup is not None:
+            signal.signal(signal.SIGHUP, hangup)
         for sock in sockets:
             sock.close()
     return 0 if server.started else 3
+
+
+def _on_hangup(server: Callable[[], uvicorn.Server | None]) -> Any:
+    """Stop gracefully on SIGHUP (the terminal closed), as on SIGTERM: answers in flight get
+    their grace period and their log lines, where the default action ended the process at
+    once. Returns the handler it replaced, or None where it left SIGHUP alone (ignored, as
+    under ``nohup``; not the main thread; no SIGHUP on this system)."""
+    if not hasattr(signal, "SIGHUP") or threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+        return None
+
+    def stop(signum: int, frame: Any) -> None:
+        running = server()
+        if running is not None:
+            running.should_exit = True
+
+    return signal.signal(signal.SIGHUP, stop)
 
 
 class ServerThread:

@@ -537,14 +537,16 @@ def _stalled_stream(log_dir: Path, sid: str) -> Iterator[Any]:
         assert not client.is_alive()
 
 
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGHUP])
 def test_a_stream_cut_by_ctrl_c_is_logged_as_interrupted_not_as_a_clean_answer(
-    tmp_path: Path,
+    tmp_path: Path, stop: signal.Signals
 ) -> None:
     """Ctrl+C lets answers in flight finish for 5 s (README, "Command line"), then cuts them:
-    the log must say the answer was cut, where it recorded a 200 with no error."""
+    the log must say the answer was cut, where it recorded a 200 with no error. A closed
+    terminal (SIGHUP) stops it the same way, where it used to end the process with no line."""
     log_dir = tmp_path / "logs"
     with _stalled_stream(log_dir, "stopped") as proc:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         assert proc.wait(20) == 0  # a clean exit, after the grace period
     kinds = [e["type"] for e in events(log_dir, "stopped")]
     assert kinds == ["session_meta", "request", "response"]  # written before the exit
@@ -553,6 +555,53 @@ def test_a_stream_cut_by_ctrl_c_is_logged_as_interrupted_not_as_a_clean_answer(
     assert response["error"] == "cut: cachegate stopped before the response was complete"
     show = run_cli("sessions", "show", "stopped", "--log-dir", str(log_dir))
     assert "interrupted" in show.out
+
+
+def test_a_request_the_upstream_has_not_answered_gets_a_503_when_cachegate_stops(
+    tmp_path: Path,
+) -> None:
+    """Cut by the shutdown before any answer: the client is told why in OpenAI's shape (it got
+    the server's bare "Internal Server Error"), and the log and metrics say 503, not 0."""
+    silent = socket.socket()  # takes the connection, never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    log_dir = tmp_path / "logs"
+    try:
+        upstream = f"http://127.0.0.1:{silent.getsockname()[1]}/v1"
+        with cachegate_process(upstream, log_dir) as (proc, url):
+            answers: list[httpx.Response] = []
+
+            def ask() -> None:
+                body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+                answers.append(
+                    httpx.post(
+                        url + "/chat/completions",
+                        json=body,
+                        headers={"X-Session-Id": "unanswered"},
+                        timeout=30,
+                    )
+                )
+
+            client = threading.Thread(target=ask)
+            client.start()
+            wait_for(
+                lambda: (
+                    (log_dir / "unanswered.jsonl").exists()
+                    and bool(events(log_dir, "unanswered", "request"))
+                ),
+                what="the request line",
+            )
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(20) == 0
+            client.join(10)
+    finally:
+        silent.close()
+    (answer,) = answers
+    assert answer.status_code == 503
+    error = answer.json()["error"]
+    assert error["code"] == "server_shutting_down" and "shutting down" in error["message"]
+    (response,) = events(log_dir, "unanswered", "response")
+    assert response["status"] == 503 and response["interrupted"] is True
 
 
 def test_a_second_ctrl_c_exits_at_once_cleanly_with_the_cut_stream_logged(

@@ -136,6 +136,50 @@ def test_a_client_leaving_halfway_through_an_answer_is_not_blamed_on_the_upstrea
     assert response["error"] is None  # the client left: the upstream did nothing wrong
 
 
+def test_a_client_that_leaves_before_any_answer_is_a_499_and_a_disconnect(
+    proxy_factory: Any,
+) -> None:
+    """Whether it leaves while the upstream thinks or while it is still sending its body: no
+    status was sent, so none is recorded but nginx's 499, and each counts as a disconnect."""
+    silent = socket.socket()  # takes connections (the kernel's backlog), never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    try:
+        proxy = proxy_factory(f"http://127.0.0.1:{silent.getsockname()[1]}/v1")
+        payload = orjson.dumps(CHAT)
+
+        def leave(path: str, sid: str, sent: bytes, length: int) -> None:
+            with socket.create_connection((proxy.server.host, proxy.server.port)) as conn:
+                conn.sendall(
+                    b"POST /v1/%s HTTP/1.1\r\nhost: 127.0.0.1\r\nx-session-id: %s\r\n"
+                    b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+                    % (path.encode(), sid.encode(), length, sent)
+                )
+                time.sleep(0.3)  # the upstream has the request (or cachegate waits for the rest)
+
+        leave("chat/completions", "waiting", payload, len(payload))
+        leave("chat/completions", "uploading", payload[:10], len(payload))
+        leave("embeddings", "uploading-elsewhere", payload[:10], len(payload))
+        leave("embeddings", "waiting-elsewhere", payload, len(payload))
+        deadline = time.monotonic() + 5
+        while (
+            proxy.metric("cachegate_client_disconnects_total") < 4 and time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        assert proxy.metric("cachegate_client_disconnects_total") == 4
+        for route in ("chat", "passthrough"):
+            labels = {"route": route, "model": "other" if route == "passthrough" else "gpt-4o"}
+            assert proxy.metric("cachegate_requests_total", {**labels, "status": "499"}) == (
+                2 if route == "passthrough" else 1
+            )
+            assert proxy.metric("cachegate_requests_total", {**labels, "status": "0"}) == 0
+        (waited,) = events(proxy.log_dir, "waiting", "response")
+        assert waited["status"] == 499 and waited["interrupted"] is True
+        assert waited["error"] is None  # the upstream did nothing wrong
+    finally:
+        silent.close()
+
+
 def test_an_error_event_mid_stream_is_logged_as_its_message_not_a_python_repr(
     scripted: Any, proxy_factory: Any
 ) -> None:
