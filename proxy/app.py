@@ -489,6 +489,7 @@ def create_app(
         return JSONResponse({"status": "ok", "version": __version__})
 
     async def metrics(request: Request) -> Response:
+        gateway.sessions.forget_idle(gateway.clock())
         gateway.metrics.observe_sessions(len(gateway.sessions), gateway.sessions.bytes)
         return Response(gateway.metrics.scrape(registry), media_type=CONTENT_TYPE_LATEST)
 

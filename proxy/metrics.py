@@ -38,6 +38,12 @@ OTHER_MODEL: Final = "other"
 """The ``model`` label of every model that is not configured (and of requests without a model)."""
 
 ROUTES: Final = ("chat", "passthrough")
+# Statuses whose series exist from the start (at zero), so that the first one of each shows in a
+# rate: Prometheus cannot tell a series' first value from its creation. 200, then what clients,
+# cachegate and providers answer most; others appear when they happen.
+REQUEST_STATUSES: Final = (
+    *("200", "400", "401", "403", "404", "413", "429", "499", "500", "502", "503", "504"),
+)
 """The ``route`` label: the chat-completions pipeline, or the generic relay of any other path."""
 TOKEN_KINDS: Final = ("prompt", "completion", "cache_read", "cache_write")
 WASTE_CAUSES: Final = ("ttl_expired", "prefix_rewrite", "params_changed", "unexplained")
@@ -53,7 +59,9 @@ REPAIR_KINDS: Final = (
 )
 COMPACTION_RESULTS: Final = ("summary", "extractive", "reused")
 COST_KINDS: Final = ("actual", "uncached")
-UPSTREAM_ERROR_KINDS: Final = ("connect", "timeout", "status", "midstream", "invalid")
+UPSTREAM_ERROR_KINDS: Final = (
+    *("connect", "timeout", "status", "midstream", "invalid", "error_event"),
+)
 LOG_LOSS_KINDS: Final = ("queue_full", "write_error")
 SESSION_EVICTION_REASONS: Final = ("idle", "count", "memory")
 GEN_AI_TOKEN_TYPES: Final = ("input", "output", "cached_input", "cache_creation_input")
@@ -431,8 +439,10 @@ class Metrics:
     def _seed_model(self, label: str) -> None:
         """Create every series of a model label at zero."""
         for route in ROUTES:
-            # 200 stands for the normal answer; other statuses appear when they happen.
-            self.requests.child(route, label, "200")
+            # Passthrough requests are labelled "other" (their bodies are not read for a model)
+            seeded = ("200",) if route != "chat" and label != OTHER_MODEL else REQUEST_STATUSES
+            for status in seeded:
+                self.requests.child(route, label, status)
             self.request_duration.child(route, label)
         self.ttfb.child(label)
         for kind in TOKEN_KINDS:

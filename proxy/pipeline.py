@@ -63,7 +63,7 @@ class Exchange:
     interrupted: bool = False
     stopped: bool = False  # interrupted by cachegate's own shutdown, not by the client
     error: str | None = None
-    upstream_error: str | None = None  # connect, timeout, status, midstream
+    upstream_error: str | None = None  # connect, timeout, status, midstream, invalid, error_event
     cache: dict[str, Any] | None = None
     cost: dict[str, Any] | None = None
     # Where the forwarded prefix first differs from the session's previous request (accounting
@@ -99,6 +99,8 @@ class Exchange:
         self.usage = assembled.usage
         if assembled.error is not None and self.error is None:
             self.error = error_message(assembled.error)
+            if self.upstream_error is None:  # a failure the provider reported inside a 200
+                self.upstream_error = "error_event"
         elif assembled.unfinished and self.error is None and not self.interrupted:
             # (a body framed by the connection's end has no other sign of being cut short)
             self.error = "upstream ended the stream inside an event, before [DONE]"

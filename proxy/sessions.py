@@ -398,6 +398,11 @@ class MemorySessionStore:
             if not ids:
                 del self._by_opening[key]
 
+    def forget_idle(self, now: float) -> None:
+        """Forget the sessions idle for longer than ``idle_ttl_s`` now, as the next request would
+        (a scrape calls it, so the sessions gauges fall once agents stop)."""
+        self._evict(now)
+
     def _evict(self, now: float) -> None:
         while self._sessions:
             sid, oldest = next(iter(self._sessions.items()))

@@ -283,3 +283,29 @@ def test_retention_runs_at_start_and_spares_recent_logs(
             clock.sleep(0.02)
         assert not old.exists()
         assert recent.exists()
+
+
+def test_a_scrape_forgets_idle_sessions_so_the_gauges_fall_when_agents_stop(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    now = [1_800_000_000.0]
+    proxy = proxy_factory(sim.api_base, {"sessions": {"idle_ttl_s": 60}}, clock=lambda: now[0])
+    c = sdk(proxy.base_url)
+    c.chat.completions.create(
+        model="gpt-4o",
+        messages=[{"role": "user", "content": "hi"}],
+        extra_headers={"X-Session-Id": "quiet-agent"},
+    )
+
+    def scrape() -> tuple[float, float, float]:
+        assert httpx.get(proxy.url + "/metrics").status_code == 200
+        return (
+            proxy.metric("cachegate_sessions"),
+            proxy.metric("cachegate_sessions_memory_bytes"),
+            proxy.metric("cachegate_session_evictions_total", {"reason": "idle"}),
+        )
+
+    held, held_bytes, forgotten = scrape()
+    assert held == 1 and held_bytes > 0 and forgotten == 0
+    now[0] += 61  # no request since: only the scrape can notice
+    assert scrape() == (0, 0, 1)

@@ -212,6 +212,9 @@ def test_finite_label_sets_start_at_zero(metrics: Metrics, registry: CollectorRe
         for route in ("chat", "passthrough"):
             labels = {"route": route, "model": model}
             assert value(registry, "cachegate_requests_total", status="200", **labels) == 0
+            if route == "chat" or model == "other":  # the first error of each shows in a rate
+                for status in ("400", "429", "499", "500", "502", "503", "504"):
+                    assert value(registry, "cachegate_requests_total", status=status, **labels) == 0
             assert value(registry, "cachegate_request_duration_seconds_count", **labels) == 0
             assert value(registry, "cachegate_proxy_overhead_seconds_count", route=route) == 0
     for location in REWRITE_LOCATIONS:

@@ -198,6 +198,12 @@ def test_an_error_event_mid_stream_is_logged_as_its_message_not_a_python_repr(
     proxy.settle()
     response = read_events(proxy.log_dir / "errs.jsonl").events[-1]
     assert response["error"] == "The server had an error"
+    # a provider failing inside its 200 answers is an upstream error on the dashboard too
+    assert proxy.metric("cachegate_upstream_errors_total", {"kind": "error_event"}) == 1
+    assert proxy.metric("cachegate_upstream_errors_total", {"kind": "midstream"}) == 0
+    ok = httpx.post(proxy.base_url + "/chat/completions", json=CHAT)  # the same answer again
+    assert ok.status_code == 200
+    assert proxy.metric("cachegate_upstream_errors_total", {"kind": "error_event"}) == 2
 
 
 def completion(content: str, prompt_tokens: int, completion_tokens: int) -> bytes:
