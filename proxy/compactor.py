@@ -211,11 +211,14 @@ class Compactor:
         try:
             async with asyncio.timeout(self.settings.compaction.summary_timeout_s):
                 url = self.relay.url("chat/completions", ex.query)  # keeps e.g. ?api-version=
-                response = await self.relay.open("POST", url, headers, orjson.dumps(request))
                 try:
-                    body = await response.aread()
-                finally:
-                    await response.aclose()
+                    response = await self.relay.open("POST", url, headers, orjson.dumps(request))
+                    try:
+                        body = await response.aread()
+                    finally:
+                        await response.aclose()
+                finally:  # the provider's time, not cachegate's overhead
+                    ex.upstream_wait_s += time.perf_counter() - started
             if response.status_code == 200:
                 text = orjson.loads(body)["choices"][0]["message"]["content"]
                 if isinstance(text, str) and text.strip():

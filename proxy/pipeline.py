@@ -58,6 +58,9 @@ class Exchange:
     ttfb_s: float | None = None
     duration_s: float = 0.0
     overhead_s: float = 0.0
+    # Time spent waiting on the upstream before the forwarded request went out (a summarizer
+    # call, a first attempt refused as too long): not cachegate's overhead
+    upstream_wait_s: float = 0.0
     assembled: AssembledResponse | None = None
     usage: Usage | None = None
     interrupted: bool = False

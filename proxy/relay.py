@@ -613,7 +613,8 @@ class Relay:
         stripper: UsageEventStripper | None = None
         try:
             try:
-                ex.overhead_s = time.perf_counter() - ex.t0
+                opened_at = time.perf_counter()
+                ex.overhead_s = opened_at - ex.t0 - ex.upstream_wait_s
                 response = await self.open(
                     ex.method, self.url(ex.path, scope.get("query_string", b"")), headers, content
                 )
@@ -655,6 +656,7 @@ class Relay:
                         f"error answer broke off: {type(exc).__name__}"
                     ) from exc
                 if retry_if(response.status_code, _decode(_coding(response), error_body)):
+                    ex.upstream_wait_s += time.perf_counter() - opened_at
                     raise RetryRequest(response.status_code, error_body)
                 chunks = _one(error_body)  # not retried: relay what was read, verbatim
             if response.status_code >= 400:

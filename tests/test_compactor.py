@@ -150,6 +150,24 @@ def test_each_model_is_compacted_by_its_own_window(
         assert raw.headers.get("x-cachegate-compacted") == compacted, model
 
 
+def test_the_wait_for_the_summarizer_is_not_counted_as_cachegates_overhead(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    with run_simulator(SimConfig(context_window=200000, ttft_ms=300)) as slow:
+        proxy = proxy_factory(slow.api_base, CONFIG)
+        slow.sim.enqueue([parse_script("TASK: t. DONE: d. LEFT: l.")])
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model=MODEL, messages=history(18), extra_headers={"X-Session-Id": "slow-summary"}
+        )
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        labels = {"route": "chat"}
+        assert proxy.metric("cachegate_proxy_overhead_seconds_count", labels) == 1
+        # the summary call and the answer each waited 300 ms; cachegate's own part is ms
+        assert proxy.metric("cachegate_proxy_overhead_seconds_sum", labels) < 0.2
+        duration = {"route": "chat", "model": MODEL}
+        assert proxy.metric("cachegate_request_duration_seconds_sum", duration) > 0.55
+
+
 def test_summarizer_failure_falls_back_to_extractive(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:
