@@ -85,6 +85,10 @@ class _FirstInFile:
 
 # How long the writer sleeps when it has nothing to write; events reach the disk within this.
 POLL_S: Final = 0.05
+# How often the writer, when idle, looks that the log directory is still the one it writes into
+DIR_CHECK_S: Final = 1.0
+_META_TYPE: Final = b'"type":"session_meta"'
+_METAS_KEPT: Final = 4096
 _BATCH_SESSIONS: Final = 64  # sessions gathered into one batch of writes
 # Lines looked through for secrets at once: a literal found sends only its group line by line.
 _SCAN_GROUP: Final = 16
@@ -167,6 +171,12 @@ class EventLogWriter:
         self._last_sync = time.monotonic()
         self._last_warn: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
+        # Each session's meta line as last written, or lost, to its file: a file created anew
+        # (its first line lost, or the directory gone and made again) starts with it all the same.
+        self._metas: OrderedDict[str, bytes] = OrderedDict()
+        self._fresh: set[str] = set()  # sessions whose file was empty when opened
+        self._dir_id: tuple[int, int] | None = None  # the log directory's (device, inode)
+        self._dir_checked = 0.0
 
     # -- counters -----------------------------------------------------------------------------
 
@@ -202,6 +212,8 @@ class EventLogWriter:
         if self._thread is not None:
             return
         self._shared_dir = _prepare_log_dir(self.log_dir, self._warn)
+        self._dir_id = _dir_id(self.log_dir)
+        self._dir_checked = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="cachegate-eventlog", daemon=True)
         self._thread.start()
 
@@ -328,6 +340,8 @@ class EventLogWriter:
                         self._close_idle()
                     if not self._items:
                         continue
+                if time.monotonic() - self._dir_checked >= DIR_CHECK_S:
+                    self._check_dir()
                 item = self._items.popleft()
                 if item is _STOP:
                     break
@@ -363,6 +377,8 @@ class EventLogWriter:
                     self._remove_secrets(batch)
                 for session_id, lines in batch.items():
                     if lines:
+                        if lines[0].find(_META_TYPE, 0, 64) >= 0:
+                            self._remember_meta(session_id, lines[0])
                         self._write_lines(session_id, lines)
                         lines.clear()  # written: no longer in hand
                 if (
@@ -458,10 +474,22 @@ class EventLogWriter:
         except OSError:
             return True
 
+    def _remember_meta(self, session_id: str, line: bytes) -> None:
+        metas = self._metas
+        metas[session_id] = line
+        metas.move_to_end(session_id)
+        if len(metas) > _METAS_KEPT:
+            del metas[next(iter(metas))]
+
     def _write_lines(self, session_id: str, lines: list[bytes]) -> None:
         data = lines[0] if len(lines) == 1 else b"".join(lines)
         try:
             fd = self._fd(session_id)
+            if session_id in self._fresh:  # a new file: its meta line first, lost or not
+                self._fresh.discard(session_id)
+                meta = self._metas.get(session_id)
+                if meta is not None and lines[0].find(_META_TYPE, 0, 64) < 0:
+                    data = meta + data
             view = memoryview(data)
             while view:  # one write for the lines; the loop only runs again on a short write
                 view = view[os.write(fd, view) :]
@@ -514,7 +542,11 @@ class EventLogWriter:
         while len(self._fds) >= self._max_open:
             self._close_fd(next(iter(self._fds)))
         path = session_log_path(self.log_dir, session_id)
-        fd = os.open(path, _OPEN_FLAGS, 0o600)
+        try:
+            fd = os.open(path, _OPEN_FLAGS, 0o600)
+        except FileNotFoundError:  # the directory is gone (or never was): made again, once
+            self._check_dir()
+            fd = os.open(path, _OPEN_FLAGS, 0o600)
         try:
             st = os.fstat(fd)
             if (
@@ -528,12 +560,29 @@ class EventLogWriter:
                 # backup's) only where nobody else can write into the directory.
                 raise OSError(f"{path} is not a regular file of this user's own")
             _terminate_torn_line(fd)
+            if st.st_size == 0:
+                self._fresh.add(session_id)
         except OSError:
             os.close(fd)
             raise
         with self._lock:
             self._fds[session_id] = fd
         return fd
+
+    def _check_dir(self) -> None:
+        """Make the log directory again when it is gone, as at start (0700, ``.gitignore``), and
+        drop the files held open in one that was removed or replaced: their lines would go to
+        files no directory names any more."""
+        self._dir_checked = time.monotonic()
+        now = _dir_id(self.log_dir)
+        if now is not None and now == self._dir_id:
+            return
+        for session_id in list(self._fds):
+            self._close_fd(session_id)
+        if now is None:
+            self._shared_dir = _prepare_log_dir(self.log_dir, self._warn)
+            now = _dir_id(self.log_dir)
+        self._dir_id = now
 
     def _close_idle(self) -> None:
         """Close the files not written for ``IDLE_CLOSE_S`` (the least recently written come
@@ -549,6 +598,7 @@ class EventLogWriter:
         with self._lock:
             fd = self._fds.pop(session_id, None)
         self._written_at.pop(session_id, None)
+        self._fresh.discard(session_id)
         if fd is None:
             return
         if session_id in self._dirty:
@@ -573,6 +623,15 @@ class EventLogWriter:
             else:
                 self._sync(sid, fd)
         self._last_sync = time.monotonic()
+
+
+def _dir_id(path: str) -> tuple[int, int] | None:
+    """A directory's (device, inode), or None when there is no directory there."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
 
 
 def _redacted_str(obj: Any) -> str:

@@ -398,6 +398,47 @@ def test_unwritable_directory_counts_losses_and_warns_once(tmp_path: Path, write
     assert w.close()
 
 
+def test_a_log_directory_removed_while_running_is_made_again_with_each_files_meta_line(
+    log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Removed (an rm -rf of old logs) or replaced by something else for a while: logging
+    resumes once a directory can be made there, private and kept out of git as at start, and
+    each file begins with its session's meta line, lost with the directory or not."""
+    import shutil
+
+    import proxy.eventlog as eventlog
+
+    monkeypatch.setattr(eventlog, "DIR_CHECK_S", 0.0, raising=False)  # look at every batch
+    w = started(writers, log_dir)
+    w.emit("a", {"type": "session_meta", "session": "a"}, first_in_file=True)
+    w.emit("a", {"type": "error", "exchange": 1, "status": 400, "message": "one"})
+    assert w.flush()
+    shutil.rmtree(log_dir)
+    w.emit("a", {"type": "error", "exchange": 2, "status": 400, "message": "two"})
+    assert w.flush()
+    assert stat.S_IMODE(log_dir.stat().st_mode) == 0o700
+    assert (log_dir / ".gitignore").exists()
+    assert [e.get("message") for e in read_events(log_dir / "a.jsonl").events] == [None, "two"]
+    # A file where the directory should be: the lines are lost (counted), then it comes back.
+    shutil.rmtree(log_dir)
+    log_dir.write_text("not a directory")
+    w.emit("b", {"type": "session_meta", "session": "b"}, first_in_file=True)
+    w.emit("b", {"type": "error", "exchange": 1, "status": 400, "message": "lost"})
+    assert w.flush()
+    assert w.errors == 2
+    log_dir.unlink()
+    for sid in ("a", "b"):
+        w.emit(sid, {"type": "error", "exchange": 3, "status": 400, "message": "back"})
+    assert w.flush()
+    for sid in ("a", "b"):
+        events = read_events(log_dir / f"{sid}.jsonl").events
+        assert [(e["type"], e.get("message")) for e in events] == [
+            ("session_meta", None),
+            ("error", "back"),
+        ]
+        assert events[0]["session"] == sid
+
+
 def test_a_full_queue_drops_without_blocking(log_dir: Path) -> None:
     losses: list[str] = []
     w = EventLogWriter(log_dir, max_queue=2, on_loss=losses.append)  # not started: nothing drains
