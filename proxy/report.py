@@ -215,6 +215,7 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
     latest: dict[int, ExchangeRow] = {}
     requested: set[int] = set()  # id() of the rows that already hold their request
     displaced: dict[int, ExchangeRow] = {}  # a compaction's row: the exchange's row before it
+    pending: dict[int, list[ExchangeRow]] = {}  # per exchange number, the rows sent, in order
 
     def new_row(ev: dict[str, Any]) -> ExchangeRow:
         row = ExchangeRow(exchange=_int(ev.get("exchange")), ts=_float(ev.get("ts")))
@@ -227,6 +228,24 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
         exchange = _int(ev.get("exchange"))
         row = latest.get(exchange) if exchange is not None else None
         return new_row(ev) if row is None else row
+
+    def answered_row(ev: dict[str, Any]) -> ExchangeRow:
+        """The row a response answers: its exchange's request still waiting for one. Two can
+        wait under one number (a session forgotten while a request was in flight, then numbered
+        from 1 again; a process restarted): the one sent closest to when this response's
+        exchange began."""
+        exchange = _int(ev.get("exchange"))
+        sent = pending.get(exchange) if exchange is not None else None
+        if sent:
+            sent[:] = [r for r in sent if r.status is None and not r.error]
+        if not sent:
+            return row_for(ev)
+        waiting = sent
+        ts, duration = _float(ev.get("ts")), _float(ev.get("duration_s"))
+        if len(waiting) == 1 or ts is None or duration is None:
+            return waiting[-1]
+        began = ts - duration
+        return min(reversed(waiting), key=lambda r: abs((r.ts or 0.0) - began))
 
     for ev in log.events:
         kind = ev.get("type")
@@ -245,12 +264,14 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
             # else: a fresh row, or one opened by a compaction announced just before forwarding
             row.ts = _float(ev.get("ts"))
             requested.add(id(row))
+            if row.exchange is not None:
+                pending.setdefault(row.exchange, []).append(row)
             row.model = _str(ev.get("model"))
             repairs = ev.get("repairs")
             row.repairs = len(repairs) if isinstance(repairs, list) else 0
             row.compacted |= compacted
         elif kind == "response":
-            _apply_response(row_for(ev), ev)
+            _apply_response(answered_row(ev), ev)
         elif kind == "compacted":
             # announced before the request it shapes: a row of its own when the exchange's
             # latest row already went out (the attempt a compaction is retried after)

@@ -327,6 +327,44 @@ def test_a_model_name_with_line_breaks_cannot_forge_a_row(tmp_path: Path) -> Non
         assert max(len(line) for line in lines) < 250  # the name is clipped, not 200+ wide
 
 
+@pytest.mark.parametrize("slow_first", [False, True])
+def test_two_requests_under_one_number_each_get_their_own_response(
+    tmp_path: Path, slow_first: bool
+) -> None:
+    """A session forgotten while a request was in flight numbers from 1 again: each response
+    goes to the request its exchange began with, whichever finishes first."""
+    slow = resp(
+        T0 + 2.0,
+        1,
+        prompt=17,
+        completion=17,
+        cache_read=0,
+        ttfb=1.9,
+        duration=2.0,
+        actual=0.2,
+        uncached=0.2,
+    )
+    fast = resp(
+        T0 + 0.6,
+        1,
+        prompt=11,
+        completion=11,
+        cache_read=0,
+        ttfb=0.05,
+        duration=0.1,
+        actual=0.1,
+        uncached=0.1,
+    )
+    events = [req(T0, 1, appended=[U1]), req(T0 + 0.5, 1, appended=[U2])]
+    events += [slow, fast] if slow_first else [fast, slow]
+    (tmp_path / "again.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
+    rows = show_session(tmp_path, "again").rows
+    assert [(r.tokens_in, r.duration_s) for r in rows] == [(17, 2.0), (11, 0.1)]
+    assert session_cost(tmp_path, "again").priced_exchanges == 2
+    (listed,) = list_sessions(tmp_path)
+    assert listed.tokens_in == 28
+
+
 def test_session_cost(log_dir: Path) -> None:
     report = session_cost(log_dir, "alpha")
     assert report == CostReport(
