@@ -170,7 +170,7 @@ def _sessions(ns: argparse.Namespace) -> int:
         elif ns.action == "replay":
             for line in report.replay_lines(log_dir, ns.id):
                 sys.stdout.write(report.json_terminal_safe(line) + "\n")
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
         print(f"cachegate: {exc}", file=sys.stderr)
         return 1
     except PermissionError as exc:  # a log directory written by another user (a container's)

@@ -12,6 +12,7 @@ with its square.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -789,11 +790,30 @@ class LogRead:
     torn: int
 
 
+class NotALogFile(ValueError):
+    """A session's log path names something that is not a regular file (a directory, a FIFO, a
+    symbolic link): never read, as the writer never writes through one."""
+
+
 def read_events(path: str | os.PathLike[str]) -> LogRead:
-    """Read a log file: torn (unparseable) lines skipped and counted, non-object lines ignored."""
+    """Read a log file: torn (unparseable) lines skipped and counted, non-object lines ignored.
+    Raises ``NotALogFile`` for anything but a regular file (a FIFO would block the reader)."""
     events: list[dict[str, Any]] = []
     torn = 0
-    with open(path, "rb") as f:
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotALogFile(f"{os.fspath(path)} is a symbolic link, not a log file") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotALogFile(f"{os.fspath(path)} is not a log file (not a regular file)")
+    except BaseException:
+        os.close(fd)
+        raise
+    with open(fd, "rb") as f:
         for raw in f:
             line = raw.strip()
             if not line:

@@ -18,6 +18,7 @@ import orjson
 from proxy.eventlog import (
     LOG_SUFFIX,
     LogRead,
+    NotALogFile,
     read_events,
     replay_requests,
     session_log_path,
@@ -139,6 +140,8 @@ def list_sessions(log_dir: str | os.PathLike[str]) -> list[SessionSummary]:
     """Every session logged in ``log_dir``, most recently seen first."""
     directory = os.fspath(log_dir)
     if not os.path.isdir(directory):
+        if os.path.exists(directory):
+            raise NotADirectoryError(f"log directory {directory!r} is not a directory")
         raise FileNotFoundError(f"log directory {directory!r} does not exist")
     summaries = []
     for name in os.listdir(directory):
@@ -146,11 +149,9 @@ def list_sessions(log_dir: str | os.PathLike[str]) -> list[SessionSummary]:
         if not name.endswith(LOG_SUFFIX) or not valid_session_id(session_id):
             continue
         path = os.path.join(directory, name)
-        if not os.path.isfile(path):
-            continue
         try:
             log = read_events(path)
-        except FileNotFoundError:  # removed by retention while we listed
+        except (FileNotFoundError, NotALogFile):  # removed meanwhile; a directory, a link
             continue
         summaries.append(summarize(build_detail(session_id, log)))
     summaries.sort(key=lambda s: (-(s.last_seen or 0.0), s.session))

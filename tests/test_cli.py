@@ -273,6 +273,30 @@ def test_list_of_a_missing_directory_exits_1(tmp_path: Path) -> None:
     assert "does not exist" in result.err
 
 
+def test_a_log_path_that_is_no_regular_file_is_refused_in_one_line_never_read(
+    tmp_path: Path,
+) -> None:
+    """A directory, a FIFO (reading one would hang) or a link named like a session's log: show
+    says so and exits 1, list passes over them; a --log-dir that is a file says what it is."""
+    import os
+
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    (log_dir / "adir.jsonl").mkdir()
+    os.mkfifo(log_dir / "pipe.jsonl")
+    secret = tmp_path / "elsewhere.txt"
+    secret.write_text('{"ts":1.0,"type":"session_meta","session":"x"}\n')
+    (log_dir / "link.jsonl").symlink_to(secret)
+    for sid in ("adir", "pipe", "link"):
+        result = run_cli("sessions", "show", sid, "--log-dir", str(log_dir))
+        assert result.code == 1, sid
+        assert "not a log file" in result.err and "Traceback" not in result.err
+    listed = run_cli("sessions", "list", "--log-dir", str(log_dir), "--json")
+    assert listed.code == 0 and orjson.loads(listed.out) == []
+    not_dir = run_cli("sessions", "list", "--log-dir", str(secret))
+    assert not_dir.code == 1 and "is not a directory" in not_dir.err
+
+
 def test_escape_sequences_from_a_log_never_reach_the_terminal(tmp_path: Path) -> None:
     """A client chooses its model name and an upstream its error text: a report prints them,
     and a terminal would act on an escape sequence (retitle, recolour, rewrite the screen)."""
