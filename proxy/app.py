@@ -26,7 +26,13 @@ from proxy.browser import BrowserGuard
 from proxy.chat import ChatPipeline, header_map, internal_error
 from proxy.compactor import Compactor
 from proxy.config import Settings
-from proxy.errors import ProxyError, bad_request, client_closed, too_large
+from proxy.errors import (
+    ProxyError,
+    bad_request,
+    client_closed,
+    too_large,
+    websocket_unsupported,
+)
 from proxy.eventlog import EventLogWriter, enforce_retention
 from proxy.metrics import Metrics, MetricsObserver
 from proxy.observers import AccountingObserver, EventLogObserver
@@ -61,7 +67,18 @@ class _AbortFilter(logging.Filter):
         return True
 
 
+class _UpgradeFilter(logging.Filter):
+    """uvicorn warns of a WebSocket upgrade it cannot make and suggests installing a WebSocket
+    library; cachegate answers such a request itself (``websocket_unsupported``), and a library
+    would not help: the warning only misleads."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.msg if isinstance(record.msg, str) else ""
+        return not message.startswith(("Unsupported upgrade request", "No supported WebSocket"))
+
+
 logging.getLogger("uvicorn.error").addFilter(_AbortFilter())
+logging.getLogger("uvicorn.error").addFilter(_UpgradeFilter())
 
 
 def build_transport(
@@ -422,7 +439,10 @@ class CachegateApp(Starlette):
 
     async def __call__(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
         if scope["type"] == "http":
-            refusal = self.guard.refusal(header_map(scope))  # type: ignore[arg-type]
+            headers = header_map(scope)  # type: ignore[arg-type]
+            refusal = self.guard.refusal(headers)
+            if refusal is None and headers.get("upgrade", "").lower().find("websocket") >= 0:
+                refusal = websocket_unsupported()
             if refusal is not None:
                 await self._refuse(scope, send, refusal)  # type: ignore[arg-type]
                 return

@@ -102,3 +102,13 @@ def shutting_down() -> ProxyError:
         type="server_error",
         code="server_shutting_down",
     )
+
+
+def websocket_unsupported() -> ProxyError:
+    """A WebSocket handshake (the Realtime API, Responses over WebSocket): not relayed."""
+    return ProxyError(
+        501,
+        "cachegate does not relay WebSocket connections (the Realtime API, Responses over "
+        "WebSocket): point that client at the provider directly.",
+        code="websocket_not_supported",
+    )

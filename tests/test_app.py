@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -309,3 +311,35 @@ def test_a_scrape_forgets_idle_sessions_so_the_gauges_fall_when_agents_stop(
     assert held == 1 and held_bytes > 0 and forgotten == 0
     now[0] += 61  # no request since: only the scrape can notice
     assert scrape() == (0, 0, 1)
+
+
+def test_a_websocket_handshake_is_refused_plainly_not_relayed_as_a_get(
+    sim: RunningSimulator, proxy_factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The Realtime API's client builds ws://<base URL>/realtime: cachegate does not relay
+    WebSockets, and says so, where the upstream got a plain GET and the client a failed
+    handshake (and the terminal advice to install a WebSocket library)."""
+    import socket
+
+    proxy = proxy_factory(sim.api_base)
+    seen = len(sim.sim.requests)
+    with (
+        caplog.at_level(logging.WARNING),
+        socket.create_connection((proxy.server.host, proxy.server.port)) as conn,
+    ):
+        conn.sendall(
+            b"GET /v1/realtime?model=gpt-realtime HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            b"upgrade: websocket\r\nconnection: Upgrade\r\nsec-websocket-version: 13\r\n"
+            b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+        )
+        answer = b""
+        while b"}}" not in answer:
+            piece = conn.recv(65536)
+            if not piece:
+                break
+            answer += piece
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 501 ")
+    assert json.loads(body)["error"]["code"] == "websocket_not_supported"
+    assert len(sim.sim.requests) == seen  # nothing went upstream
+    assert not [r for r in caplog.records if "WebSocket library" in r.getMessage()]
