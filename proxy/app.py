@@ -47,7 +47,7 @@ from proxy.relay import (
     upstream_request_headers,
 )
 from proxy.sessions import MemorySessionStore, explicit_session_id, valid_session_id
-from proxy.upstream import UpstreamPool
+from proxy.upstream import SizedStream, UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -307,7 +307,13 @@ class Gateway:
                         uploaded.set()
                     yield chunk
 
-            content = stream_body()
+            length = headers.get("content-length", "")
+            # (uvicorn has read the length; the body arrives as announced, or the client left)
+            content = (
+                SizedStream(stream_body(), int(length))
+                if length.isascii() and length.isdigit()
+                else stream_body()
+            )
         else:
             if len(body) > self.settings.server.max_body_bytes:
                 limit = self.settings.server.max_body_bytes

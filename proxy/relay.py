@@ -35,7 +35,7 @@ from proxy.errors import (
 )
 from proxy.pipeline import Exchange, RefusedAnswer, UnreadableAnswer, refusal_text
 from proxy.strip import EVENT_ENDS, UsageEventStripper, without_lf_nulls
-from proxy.upstream import InvalidAnswer, UpstreamPool, UpstreamResponse
+from proxy.upstream import InvalidAnswer, SizedStream, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -572,6 +572,9 @@ class Relay:
         """Send one request through the pool; the response's body is not read yet."""
         if isinstance(self.transport, UpstreamPool):
             return await self.transport.open(method, url, headers, content)
+        if isinstance(content, SizedStream):  # httpx sends a stream chunked unless told its length
+            headers = [*headers, (b"content-length", b"%d" % content.length)]
+            content = content.chunks
         request = httpx.Request(
             method,
             url,

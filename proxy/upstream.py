@@ -55,6 +55,24 @@ _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # a closed peer is an error, nev
 Origin = tuple[str, str, int]  # scheme, host, port
 
 
+class SizedStream(AsyncIterator[bytes]):
+    """A request body streamed on as it arrives, of the length its client announced: sent with
+    that ``content-length`` (an upload of a file, an audio clip), not chunked, as the client
+    sent it; servers that take no chunked request bodies, or check a length, see no difference."""
+
+    __slots__ = ("chunks", "length")
+
+    def __init__(self, chunks: AsyncIterator[bytes], length: int) -> None:
+        self.chunks = chunks
+        self.length = length
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await self.chunks.__anext__()
+
+
 class InvalidAnswer(httpx.RemoteProtocolError):
     """The upstream answered, but not in HTTP/1.1 as cachegate (and other clients) read it."""
 
@@ -469,9 +487,10 @@ class _Connection(asyncio.Protocol):
                 transport.write(content)
         else:
             transport.write(head)
+            sized = isinstance(content, SizedStream)
             async for chunk in content:
                 if chunk:
-                    transport.write(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+                    transport.write(chunk if sized else b"%x\r\n" % len(chunk) + chunk + b"\r\n")
                     drain = self._drain
                     if drain is not None and not drain.done():
                         await self.wait(drain)  # an upstream that stops reading times out
@@ -479,7 +498,8 @@ class _Connection(asyncio.Protocol):
                     self._request_incomplete = True  # the connection cannot carry another
                     break
             else:
-                transport.write(b"0\r\n\r\n")
+                if not sized:
+                    transport.write(b"0\r\n\r\n")
         self._sent_at = self.loop.time()
         return await self.wait(answer)
 
@@ -661,6 +681,8 @@ class UpstreamPool:
         if isinstance(content, bytes):
             if content or verb not in (b"GET", b"HEAD", b"DELETE", b"OPTIONS"):
                 lines.append(b"content-length: %d\r\n" % len(content))
+        elif isinstance(content, SizedStream):
+            lines.append(b"content-length: %d\r\n" % content.length)
         else:
             lines.append(b"transfer-encoding: chunked\r\n")
         lines.append(b"\r\n")

@@ -825,6 +825,29 @@ def test_two_hundred_interrupted_streams_leave_nothing_behind(
 
 
 @pytest.mark.parametrize("transport", ["native", "httpx"])
+def test_an_upload_keeps_the_length_its_client_announced(
+    scripted: Any, proxy_factory: Any, transport: str
+) -> None:
+    """A file or audio upload arrives in many reads and is streamed on as it comes, with the
+    client's Content-Length, not chunked: a server that takes no chunked request body (or sizes
+    an upload by its length) sees what it would see directly."""
+    upstream, url = scripted(chunks=[b'{"id":"file-1"}'], content_type=b"application/json")
+    proxy = proxy_factory(url, {"upstream": {"transport": transport}})
+    data = bytes(range(256)) * 4096  # 1 MiB: many reads
+    r = httpx.post(proxy.base_url + "/files", content=data, headers={"x-kind": "upload"})
+    assert r.status_code == 200
+    seen = upstream.requests[-1]
+    headers = dict(seen["headers"])
+    assert headers.get(b"content-length") == str(len(data)).encode()
+    assert b"transfer-encoding" not in headers
+    assert seen["body"] == data
+
+    # a client that sends its body chunked, with no length, is relayed whole all the same
+    r = httpx.post(proxy.base_url + "/files", content=iter([data[:1000], data[1000:]]))
+    assert r.status_code == 200 and upstream.requests[-1]["body"] == data
+
+
+@pytest.mark.parametrize("transport", ["native", "httpx"])
 def test_both_upstream_transports_relay_and_cancel(
     scripted: Any, proxy_factory: Any, transport: str
 ) -> None:
