@@ -31,6 +31,7 @@ from proxy.relay import (
     RetryRequest,
     Scope,
     Send,
+    decoded_request,
     read_body,
     send_error,
     upstream_request_headers,
@@ -479,6 +480,9 @@ class ChatPipeline:
         watch: DisconnectWatch | None = None
         try:
             raw = await read_body(receive, self.settings.server.max_body_bytes)
+            coding = headers.get("content-encoding")
+            if coding is not None and coding.strip().lower() not in ("", "identity"):
+                raw = decoded_request(coding, raw, self.settings.server.max_body_bytes)
             ex.request_bytes = len(raw)
             memo_key: str | None = None
             memos: list[bodymemo.BodyMemo] = []
@@ -506,6 +510,10 @@ class ChatPipeline:
                 or headers.get("x-cachegate-strict", "").strip().lower() in TRUE_WORDS
             )
             ex.upstream_headers = upstream_request_headers(scope["headers"], self.api_key())
+            if coding is not None:  # forwarded as read: decoded
+                ex.upstream_headers = [
+                    h for h in ex.upstream_headers if h[0].lower() != b"content-encoding"
+                ]
             watch = DisconnectWatch(receive)  # a client leaving during compaction cancels it too
             forwarded = body
             for transform in self.transforms:

@@ -26,6 +26,7 @@ from proxy.config import display_url
 from proxy.errors import (
     CLIENT_CLOSED,
     ProxyError,
+    bad_request,
     client_closed,
     shutting_down,
     too_large,
@@ -224,6 +225,35 @@ _WBITS: Final = {
     "x-gzip": (zlib.MAX_WBITS | 32,),
     "deflate": (zlib.MAX_WBITS | 32, -zlib.MAX_WBITS),
 }
+
+
+def decoded_request(coding: str, body: bytes, limit: int) -> bytes:
+    """A chat request's body with its ``Content-Encoding`` undone (gzip or deflate), for the
+    pipeline to read; at most ``limit`` bytes of it (413 beyond, as for a plain body). Another
+    coding, or bytes that are not what the coding says, is refused in OpenAI's shape."""
+    coding = coding.strip().lower()
+    if coding not in _DECODABLE:
+        raise ProxyError(
+            415,
+            f"cachegate cannot read a chat request in Content-Encoding {coding!r}: send it "
+            "uncompressed, or compressed with gzip or deflate.",
+            code="unsupported_content_encoding",
+        )
+    for wbits in _WBITS[coding]:
+        decoder = zlib.decompressobj(wbits)
+        try:
+            plain = decoder.decompress(body, limit + 1)
+        except zlib.error:
+            continue
+        if len(plain) > limit:
+            raise too_large(limit)
+        if not decoder.eof:
+            break  # cut short
+        return plain
+    raise bad_request(
+        f"The request body is not valid {coding}: it could not be decompressed.",
+        code="invalid_content_encoding",
+    )
 
 
 async def _one(data: bytes) -> AsyncIterator[bytes]:

@@ -824,6 +824,48 @@ def test_two_hundred_interrupted_streams_leave_nothing_behind(
     assert tasks() <= baseline  # no watcher, relay or writer task left behind
 
 
+def test_a_compressed_chat_request_is_read_and_forwarded_decoded(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """Some clients gzip large request bodies: the pipeline reads it as JSON (it answered
+    "not valid UTF-8: byte 0x8b"), and the upstream gets it decoded, without the coding."""
+    import gzip
+    import zlib
+
+    upstream, url = scripted(chunks=[completion("ok", 5, 1)], content_type=b"application/json")
+    proxy = proxy_factory(url, {"server": {"max_body_bytes": 100_000}})
+    payload = orjson.dumps(CHAT)
+    for coding, body in (
+        ("gzip", gzip.compress(payload)),
+        ("deflate", zlib.compress(payload)),
+        ("Deflate", zlib.compress(payload)[2:-4]),  # raw deflate, as some clients send it
+    ):
+        r = httpx.post(
+            proxy.base_url + "/chat/completions",
+            content=body,
+            headers={"content-encoding": coding, "content-type": "application/json"},
+        )
+        assert r.status_code == 200, (coding, r.text)
+        seen = upstream.requests[-1]
+        assert seen["body"] == payload
+        assert b"content-encoding" not in dict(seen["headers"])
+    refusals = {
+        "br": (415, "unsupported_content_encoding", b"\x0b\x02\x80{}\x03"),
+        "gzip": (400, "invalid_content_encoding", b"not gzip at all"),
+    }
+    for coding, (status, code, body) in refusals.items():
+        r = httpx.post(
+            proxy.base_url + "/chat/completions", content=body, headers={"content-encoding": coding}
+        )
+        assert (r.status_code, r.json()["error"]["code"]) == (status, code)
+    bomb = gzip.compress(b" " * 1_000_000)  # 1 KB that decodes past the body limit
+    r = httpx.post(
+        proxy.base_url + "/chat/completions", content=bomb, headers={"content-encoding": "gzip"}
+    )
+    assert (r.status_code, r.json()["error"]["code"]) == (413, "request_too_large")
+    assert len(upstream.requests) == 3  # none of the refused went upstream
+
+
 @pytest.mark.parametrize("transport", ["native", "httpx"])
 def test_an_upload_keeps_the_length_its_client_announced(
     scripted: Any, proxy_factory: Any, transport: str
