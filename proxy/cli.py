@@ -67,6 +67,19 @@ def _serve(ns: argparse.Namespace) -> int:
     sockets = _bound(host, port, "cachegate")  # before anything else: nothing created yet
     if sockets is None:
         return 1
+    if settings.logging.enabled:
+        from proxy.eventlog import claim_log_dir
+
+        holder = claim_log_dir(settings.logging.dir)
+        if holder is not None:
+            for sock in sockets:
+                sock.close()
+            print(
+                f"cachegate: log directory {settings.logging.dir} is being written by another "
+                f"cachegate (pid {holder}); give this one its own --log-dir",
+                file=sys.stderr,
+            )
+            return 1
 
     def server() -> uvicorn.Server:
         app = create_app(settings)

@@ -626,6 +626,45 @@ class EventLogWriter:
         self._last_sync = time.monotonic()
 
 
+LOCK_NAME: Final = ".cachegate.lock"
+_CLAIMS: list[int] = []  # the lock files this process holds, open until it exits
+
+
+def claim_log_dir(log_dir: str | os.PathLike[str]) -> str | None:
+    """Claim ``log_dir`` for this process: an exclusive ``flock`` on its ``.cachegate.lock``,
+    held until the process exits (the kernel lets go of it even after a crash). Two processes
+    writing one directory number a session's exchanges each on its own, and its log no longer
+    reads as one conversation. Returns None when claimed, or when it cannot be looked at (no
+    directory can be made there, no ``flock`` on this system: the writer then says what is
+    wrong); else the process id the holder wrote, as text."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on POSIX
+        return None
+    _prepare_log_dir(log_dir, lambda *_: None)  # the writer warns, when it starts
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(os.path.join(log_dir, LOCK_NAME), flags, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.read(fd, 32).decode("ascii", "replace").strip()
+        finally:
+            os.close(fd)
+        return holder or "?"
+    except OSError:  # a file system without locks: nothing to say
+        os.close(fd)
+        return None
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.write(fd, b"%d\n" % os.getpid())
+    _CLAIMS.append(fd)
+    return None
+
+
 def _dir_id(path: str) -> tuple[int, int] | None:
     """A directory's (device, inode), or None when there is no directory there."""
     try:

@@ -22,6 +22,7 @@ from tests.e2e_support import (
     REPO,
     SYSTEM_PROMPT,
     TOOLS,
+    cachegate_process,
     chat,
     clean_env,
     free_port,
@@ -479,6 +480,34 @@ def test_a_port_in_use_is_said_in_one_line_and_creates_nothing(
     assert proc.returncode == 1
     assert proc.stderr == f"{prog}: cannot listen on 127.0.0.1:{port}: Address already in use\n"
     assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_second_cachegate_on_the_same_log_directory_is_refused_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """Two processes writing one directory number a session's exchanges each on its own and
+    garble its log: the second says so and exits 1; the first keeps serving."""
+    script = shutil.which("cachegate")
+    assert script is not None
+    log_dir = tmp_path / "logs"
+    with cachegate_process("http://127.0.0.1:9/v1", log_dir) as (first, url):
+        second = subprocess.run(
+            [script, "serve", "--port", str(free_port()), "--log-dir", str(log_dir)],
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert second.returncode == 1
+        assert second.stderr == (
+            f"cachegate: log directory {log_dir} is being written by another cachegate "
+            f"(pid {first.pid}); give this one its own --log-dir\n"
+        )
+        assert httpx.get(url.removesuffix("/v1") + "/healthz").status_code == 200
+    # once the first has exited, the directory is free again
+    with cachegate_process("http://127.0.0.1:9/v1", log_dir) as (_, url):
+        assert httpx.get(url.removesuffix("/v1") + "/healthz").status_code == 200
 
 
 @pytest.mark.timeout(30)

@@ -684,7 +684,7 @@ def test_kill_9_during_32_streams_leaves_every_log_readable(tmp_path: Path) -> N
                 t.join(20)
             assert not any(t.is_alive() for t in threads)
     assert all(results[s] > 0 for s in sids)
-    assert sorted(f.name for f in log_dir.iterdir()) == [".gitignore"] + [
+    assert sorted(f.name for f in log_dir.iterdir()) == [".cachegate.lock", ".gitignore"] + [
         f"{s}.jsonl" for s in sids
     ]
     files = sorted(log_dir.glob("*.jsonl"))
