@@ -181,7 +181,17 @@ def _sessions(ns: argparse.Namespace) -> int:
                 else report.terminal_safe(report.render_cost(cost))
             )
         elif ns.action == "replay":
-            for line in report.replay_lines(log_dir, ns.id):
+            import orjson
+
+            requests = report.replayed(log_dir, ns.id)
+            if any(report.metadata_only(r) for r in requests):
+                print(
+                    'cachegate: this log was written with logging.bodies = "metadata": it keeps'
+                    " sizes and hashes, not the text; these lines cannot be sent again",
+                    file=sys.stderr,
+                )
+            for request in requests:
+                line = orjson.dumps(request).decode()
                 sys.stdout.write(report.json_terminal_safe(line) + "\n")
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
         print(f"cachegate: {exc}", file=sys.stderr)

@@ -185,12 +185,28 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
     )
 
 
+def replayed(log_dir: str | os.PathLike[str], session_id: str) -> list[dict[str, Any]]:
+    """Every forwarded request (``replay_requests``: ``exchange_id``, ``model``, ``stream``,
+    ``params``, ``tools``, ``messages``), in log order."""
+    return replay_requests(_load(log_dir, session_id).events)
+
+
 def replay_lines(log_dir: str | os.PathLike[str], session_id: str) -> Iterator[str]:
-    """One JSON object per forwarded request (``replay_requests``: ``exchange_id``, ``model``,
-    ``stream``, ``params``, ``tools``, ``messages``), in log order. The id is checked and the
-    file read at call time, so errors surface before the first line."""
-    requests = replay_requests(_load(log_dir, session_id).events)
-    return (orjson.dumps(request).decode() for request in requests)
+    """One JSON object per forwarded request (``replayed``), in log order. The id is checked and
+    the file read at call time, so errors surface before the first line."""
+    return (orjson.dumps(request).decode() for request in replayed(log_dir, session_id))
+
+
+def metadata_only(request: dict[str, Any]) -> bool:
+    """Whether a replayed request comes from a log written with ``logging.bodies = "metadata"``:
+    its messages are ``{role, chars, sha256}`` and its tools ``{count, sha256}``, not text."""
+    tools = request.get("tools")
+    if isinstance(tools, dict) and "sha256" in tools:
+        return True
+    messages = request.get("messages")
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and "sha256" in m and "content" not in m for m in messages
+    )
 
 
 def _load(log_dir: str | os.PathLike[str], session_id: str) -> LogRead:

@@ -228,7 +228,7 @@ def test_cost_json_and_text(logged: Logged) -> None:
 
 def test_replay_prints_every_forwarded_message_list(logged: Logged) -> None:
     plain = run_cli("sessions", "replay", "cli-a", "--log-dir", str(logged.log_dir))
-    assert plain.code == 0, plain.err
+    assert plain.code == 0 and plain.err == "", plain.err  # a full log: no word of metadata
     with_json = run_cli("sessions", "replay", "cli-a", "--log-dir", str(logged.log_dir), "--json")
     assert with_json.out == plain.out  # replay is JSON lines either way
     lines = [orjson.loads(line) for line in plain.out.splitlines()]

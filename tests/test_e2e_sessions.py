@@ -871,3 +871,7 @@ def test_metadata_mode_keeps_sizes_and_hashes_but_no_message_text(
     assert [r["status"] for r in responses] == [200, 200]
     assert responses[1]["message"]["role"] == "assistant"
     assert responses[1]["usage"]["prompt"] == sim.sim.requests[1].usage["prompt_tokens"]
+    # replay prints what it has, and says that these are no requests to send again
+    replayed = run_cli("sessions", "replay", "meta-1", "--log-dir", str(proxy.log_dir))
+    assert replayed.code == 0 and len(replayed.out.splitlines()) == 2
+    assert 'logging.bodies = "metadata"' in replayed.err and "cannot be sent again" in replayed.err
