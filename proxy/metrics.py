@@ -495,7 +495,7 @@ class Metrics:
             requests[0] += 1
             self.request_duration.observe(duration, duration_s)
             self.overhead.observe(overhead, overhead_s)
-            if ttfb_s is not None:
+            if ttfb_s is not None and route == "chat":  # a model's answer, not /v1/models
                 self.ttfb.observe(ttfb, ttfb_s)
         except Exception:
             logger.exception("metrics: observe_exchange failed")

@@ -130,7 +130,7 @@ def test_overview_has_a_model_variable_that_every_model_labelled_query_honours()
         expr = target["expr"]
         for name in metric_names(expr):
             if "model" in SERIES[name]:
-                assert f'{name}{{model=~"$model"' in expr, expr
+                assert re.search(rf'{name}{{(route="chat", )?model=~"\$model"', expr), expr
             elif "gen_ai_request_model" in SERIES[name]:
                 assert f'{name}{{gen_ai_request_model=~"$model"' in expr, expr
 
@@ -150,3 +150,13 @@ def test_histogram_quantiles_aggregate_rates_by_le() -> None:
             expr = target["expr"]
             if "histogram_quantile" in expr:
                 assert re.search(r"sum by \(le\b[^)]*\) \(rate\(\w+_bucket[{\[]", expr), expr
+
+
+def test_latency_panels_show_chat_requests_only() -> None:
+    """/v1/models and embeddings answer in a millisecond: mixed in, they would pull a chat
+    model's percentiles down (passthrough requests carry the model label "other")."""
+    dashboard = load(DASHBOARDS / "cachegate.json")
+    for target in targets(dashboard):
+        for name in metric_names(target["expr"]):
+            if name.startswith(("cachegate_request_duration", "cachegate_proxy_overhead")):
+                assert f'{name}{{route="chat"' in target["expr"], target["expr"]

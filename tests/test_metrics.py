@@ -426,7 +426,7 @@ def test_observe_exchange_is_the_four_separate_observations() -> None:
             a.observe_exchange(route, model, status, duration, overhead, ttfb, usage)
             b.observe_request(route, model, status, duration)
             b.observe_overhead(route, overhead)
-            if ttfb is not None:
+            if ttfb is not None and route == "chat":  # a chat answer's first byte only
                 b.observe_ttfb(model, ttfb)
             if usage is not None:
                 b.observe_usage(model, usage)
@@ -439,6 +439,8 @@ def test_observe_exchange_is_the_four_separate_observations() -> None:
     assert 'cachegate_requests_total{model="gpt-4o",route="chat",status="200"} 10.0' in (
         exposition(a_reg)
     )
+    # the passthrough request's first byte is no model's answer: not in the TTFB histogram
+    assert 'cachegate_time_to_first_byte_seconds_count{model="other"} 0.0' in exposition(a_reg)
 
 
 @pytest.mark.parametrize("created", [True, False])
