@@ -837,8 +837,6 @@ class NotALogFile(ValueError):
 def read_events(path: str | os.PathLike[str]) -> LogRead:
     """Read a log file: torn (unparseable) lines skipped and counted, non-object lines ignored.
     Raises ``NotALogFile`` for anything but a regular file (a FIFO would block the reader)."""
-    events: list[dict[str, Any]] = []
-    torn = 0
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
         fd = os.open(path, flags)
@@ -853,17 +851,28 @@ def read_events(path: str | os.PathLike[str]) -> LogRead:
         os.close(fd)
         raise
     with open(fd, "rb") as f:
-        for raw in f:
-            line = raw.strip()
-            if not line:
-                continue
+        return parse_lines(f)
+
+
+def parse_lines(lines: Iterable[bytes]) -> LogRead:
+    """A log's events from its lines as a file yields them: torn lines counted, non-object
+    lines ignored, and nothing read past a line with no line end (the file's end, inside a line
+    cut by a crash or being written as it is read: were it read on, the rest of that line,
+    appended meanwhile, would count as a second torn line)."""
+    events: list[dict[str, Any]] = []
+    torn = 0
+    for raw in lines:
+        line = raw.strip()
+        if line:
             try:
                 obj = orjson.loads(line)
             except orjson.JSONDecodeError:
                 torn += 1
-                continue
-            if isinstance(obj, dict):
-                events.append(obj)
+            else:
+                if isinstance(obj, dict):
+                    events.append(obj)
+        if not raw.endswith(b"\n"):
+            break
     return LogRead(events=events, torn=torn)
 
 

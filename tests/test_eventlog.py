@@ -205,6 +205,18 @@ def test_torn_last_line_is_counted_and_skipped(tmp_path: Path) -> None:
     assert read_events(path) == LogRead(events=good, torn=1)
 
 
+def test_a_line_being_written_while_it_is_read_counts_once_at_most() -> None:
+    """A reader that reaches the file's end inside a line stops there: the rest of that line,
+    appended meanwhile, is not read as a second torn line (a report run during a session
+    showed 2 torn lines in a file that had none)."""
+    from proxy.eventlog import parse_lines
+
+    as_read = [b'{"ts":1.0,"type":"error"}\n', b'{"ts":2.0,"ty', b'pe":"error"}\n']
+    assert parse_lines(as_read) == LogRead(events=[{"ts": 1.0, "type": "error"}], torn=1)
+    whole = [b'{"ts":1.0,"type":"error"}\n', b'{"ts":2.0,"type":"error"}']  # no line end yet
+    assert len(parse_lines(whole).events) == 2
+
+
 def test_a_new_writer_does_not_glue_its_first_line_to_a_torn_one(log_dir: Path, writers) -> None:
     log_dir.mkdir()
     path = log_dir / "s.jsonl"
