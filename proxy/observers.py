@@ -435,6 +435,9 @@ class EventLogObserver:
                 "tokens_before": comp.tokens_before,
                 "tokens_after": comp.tokens_after,
                 "source": source,
+                # made for a retry after the provider refused the request as too long (its
+                # request line was written): the reports tell it from another request
+                "retry": ex.request_noted,
             },
         )
 
@@ -450,6 +453,7 @@ class EventLogObserver:
                 "exchange": ex.exchange_id,
                 "status": ex.status,
                 "message": ex.error,
+                "forwarded": False,  # answered by cachegate: nothing went upstream
             },
         )
 

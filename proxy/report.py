@@ -233,6 +233,7 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
     requested: set[int] = set()  # id() of the rows that already hold their request
     displaced: dict[int, ExchangeRow] = {}  # a compaction's row: the exchange's row before it
     pending: dict[int, list[ExchangeRow]] = {}  # per exchange number, the rows sent, in order
+    first_sent: dict[int, float] = {}  # id() of a retried row: when its exchange's first went
 
     def new_row(ev: dict[str, Any]) -> ExchangeRow:
         row = ExchangeRow(exchange=_int(ev.get("exchange")), ts=_float(ev.get("ts")))
@@ -262,7 +263,7 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
         if len(waiting) == 1 or ts is None or duration is None:
             return waiting[-1]
         began = ts - duration
-        return min(reversed(waiting), key=lambda r: abs((r.ts or 0.0) - began))
+        return min(reversed(waiting), key=lambda r: abs(first_sent.get(id(r), r.ts or 0.0) - began))
 
     for ev in log.events:
         kind = ev.get("type")
@@ -280,6 +281,8 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
                 earlier.error = RESENT_COMPACTED  # the provider refused it: re-sent compacted
             # else: a fresh row, or one opened by a compaction announced just before forwarding
             row.ts = _float(ev.get("ts"))
+            if earlier is not None:  # a retry: its exchange began with the refused attempt
+                first_sent[id(row)] = first_sent.get(id(earlier), earlier.ts or 0.0)
             requested.add(id(row))
             if row.exchange is not None:
                 pending.setdefault(row.exchange, []).append(row)
@@ -291,14 +294,22 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
             _apply_response(answered_row(ev), ev)
         elif kind == "compacted":
             # announced before the request it shapes: a row of its own when the exchange's
-            # latest row already went out (the attempt a compaction is retried after)
+            # latest row already went out: the attempt a compaction is retried after (a line
+            # with "retry": true; older logs do not say) or, with "retry": false, another
+            # request under the same number (its session forgotten while that one waited)
             row = row_for(ev)
             if id(row) in requested or row.status is not None:
                 earlier, row = row, new_row(ev)
-                displaced[id(row)] = earlier
+                if ev.get("retry") is not False:
+                    displaced[id(row)] = earlier
             row.compacted = True
         elif kind == "error":
+            # cachegate's own answer to a request it did not forward ("forwarded": false; older
+            # logs do not say): never the row of one that went out, which may still wait for
+            # its answer under the same number
             row = row_for(ev)
+            if ev.get("forwarded") is False and (id(row) in requested or row.status is not None):
+                row = new_row(ev)
             row.status = _int(ev.get("status")) if row.status is None else row.status
             row.error = _str(ev.get("message"))
     stamps = [ts for ev in log.events if (ts := _float(ev.get("ts"))) is not None]

@@ -5,6 +5,7 @@ import orjson
 import pytest
 
 from proxy.report import (
+    RESENT_COMPACTED,
     CostReport,
     list_sessions,
     render_cost,
@@ -363,6 +364,101 @@ def test_two_requests_under_one_number_each_get_their_own_response(
     assert session_cost(tmp_path, "again").priced_exchanges == 2
     (listed,) = list_sessions(tmp_path)
     assert listed.tokens_in == 28
+
+
+def _compacted(ts: float, ex: int, retry: bool) -> dict[str, Any]:
+    return {
+        "ts": ts,
+        "type": "compacted",
+        "exchange": ex,
+        "covered": 3,
+        "summary": "s",
+        "tokens_before": 9000,
+        "tokens_after": 2000,
+        "source": "model",
+        "retry": retry,
+    }
+
+
+def _rows(tmp_path: Path, sid: str, events: list[dict[str, Any]]) -> list[Any]:
+    (tmp_path / f"{sid}.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
+    return show_session(tmp_path, sid).rows
+
+
+def test_a_compacted_or_refused_request_under_a_waiting_number_is_a_row_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """A waits; its session is forgotten; B comes under the same number, compacted (not a
+    retry of A's) or refused by cachegate itself: each keeps its own answer."""
+    slow = resp(
+        T0 + 4.0,
+        1,
+        prompt=6,
+        completion=6,
+        cache_read=0,
+        ttfb=3.9,
+        duration=4.0,
+        actual=0.1,
+        uncached=0.1,
+    )
+    fast = resp(
+        T0 + 2.5,
+        1,
+        prompt=240,
+        completion=16,
+        cache_read=0,
+        ttfb=0.4,
+        duration=0.5,
+        actual=0.2,
+        uncached=0.2,
+    )
+    compacted = [req(T0, 1, appended=[U1]), _compacted(T0 + 2.0, 1, retry=False)]
+    compacted += [req(T0 + 2.0, 1, appended=[U2], transforms={"compacted": {}}), fast, slow]
+    rows = _rows(tmp_path, "both", compacted)
+    assert [(r.tokens_in, r.error, r.compacted) for r in rows] == [
+        (6, None, False),
+        (240, None, True),
+    ]
+    refused = {
+        "ts": T0 + 2.0,
+        "type": "error",
+        "exchange": 1,
+        "status": 400,
+        "message": "strict pairing",
+        "forwarded": False,
+    }
+    rows = _rows(tmp_path, "refused", [req(T0, 1, appended=[U1]), refused, slow])
+    assert [(r.status, r.tokens_in, r.error) for r in rows] == [
+        (200, 6, None),
+        (400, None, "strict pairing"),
+    ]
+
+
+def test_a_retried_request_is_matched_by_when_its_exchange_began(tmp_path: Path) -> None:
+    """A crashed process left #2 waiting; the new one's #2 was refused as too long and re-sent
+    compacted 30 s later: its answer began with the refused attempt, not the crashed one."""
+    events = [req(T0 + 95, 2, appended=[U1]), req(T0 + 100, 2, appended=[U2])]
+    events += [_compacted(T0 + 130, 2, retry=True)]
+    events += [req(T0 + 130, 2, appended=[U2], transforms={"compacted": {}})]
+    events += [
+        resp(
+            T0 + 140,
+            2,
+            prompt=5000,
+            completion=9,
+            cache_read=0,
+            ttfb=38.0,
+            duration=40.0,
+            actual=0.3,
+            uncached=0.3,
+        )
+    ]
+    rows = _rows(tmp_path, "crash", events)
+    assert [(r.tokens_in, r.error) for r in rows] == [
+        (None, None),  # the crashed process's: never answered
+        (None, RESENT_COMPACTED),
+        (5000, None),
+    ]
 
 
 def test_session_cost(log_dir: Path) -> None:
