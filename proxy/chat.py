@@ -644,4 +644,7 @@ class ChatPipeline:
                     watch=watch,
                 )
         finally:
+            # (a retry's compaction cut by the client or a shutdown: its time since arrival,
+            # not the refused first attempt's, which the relay wrote)
+            ex.duration_s = time.perf_counter() - ex.t0
             self._after_response(ex)

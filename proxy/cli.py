@@ -106,6 +106,9 @@ def _serve(ns: argparse.Namespace) -> int:
             proxy_headers=False,  # a local proxy: X-Forwarded-* from clients mean nothing here
             log_level="warning",
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            # WebSocket handshakes reach the app as HTTP, which answers them with its 501
+            # (with a WebSocket library installed, uvicorn would refuse them with a bare 403)
+            ws="none",
         )
         return uvicorn.Server(config)
 

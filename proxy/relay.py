@@ -240,20 +240,42 @@ def decoded_request(coding: str, body: bytes, limit: int) -> bytes:
             code="unsupported_content_encoding",
         )
     for wbits in _WBITS[coding]:
-        decoder = zlib.decompressobj(wbits)
         try:
-            plain = decoder.decompress(body, limit + 1)
+            plain = _members(body, wbits, limit)
         except zlib.error:
             continue
-        if len(plain) > limit:
-            raise too_large(limit)
-        if not decoder.eof:
-            break  # cut short
-        return plain
+        if plain is not None:
+            return plain
+        break  # cut short, or followed by bytes of no member
     raise bad_request(
         f"The request body is not valid {coding}: it could not be decompressed.",
         code="invalid_content_encoding",
     )
+
+
+def _members(body: bytes, wbits: int, limit: int) -> bytes | None:
+    """``body`` decoded: gzip members one after another as gzip reads them (RFC 1952), one
+    zlib or raw deflate stream otherwise; None when it stops short or bytes follow that are
+    no member. Raises ``zlib.error`` when it is not that coding; 413 past ``limit`` bytes."""
+    out: list[bytes] = []
+    size = 0
+    while True:
+        decoder = zlib.decompressobj(wbits)
+        plain = decoder.decompress(body, limit + 1 - size)
+        size += len(plain)
+        if size > limit or decoder.unconsumed_tail:
+            raise too_large(limit)
+        out.append(plain)
+        if not decoder.eof:
+            return None
+        body = decoder.unused_data
+        if not body:
+            return b"".join(out)
+        if wbits != _GZIP_WBITS or not body.startswith(b"\x1f\x8b"):
+            return None
+
+
+_GZIP_WBITS: Final = zlib.MAX_WBITS | 32
 
 
 async def _one(data: bytes) -> AsyncIterator[bytes]:
@@ -806,8 +828,9 @@ class Relay:
                 # Nothing sent yet: the client is told why, in OpenAI's shape, rather than
                 # left to the server's bare 500.
                 task.uncancel()
-                ex.status = 503
-                await send_error(send, shutting_down(), extra_headers)
+                err = shutting_down()
+                ex.status, ex.error = err.status, err.message
+                await send_error(send, err, extra_headers)
             else:
                 task.uncancel()
                 if not started:

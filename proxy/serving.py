@@ -65,9 +65,18 @@ def serve_until_stopped(
     happens. The exit code, as ``uvicorn.run`` gives it: 0 after Ctrl+C (at any point) or a
     clean stop, 3 when start-up failed (uvicorn logged why)."""
     server: uvicorn.Server | None = None
-    hangup = _on_hangup(lambda: server)
+    hung_up = False
+
+    def stop() -> None:
+        nonlocal hung_up
+        hung_up = True  # (a SIGHUP while the app is being built: the server stops at once)
+        if server is not None:
+            server.should_exit = True
+
+    hangup = _on_hangup(stop)
     try:
         server = make_server()
+        server.should_exit = server.should_exit or hung_up
         server.run(sockets=sockets)
     except KeyboardInterrupt:  # uvicorn raises the Ctrl+C it deferred, once it has shut down
         return 0
@@ -79,7 +88,7 @@ def serve_until_stopped(
     return 0 if server.started else 3
 
 
-def _on_hangup(server: Callable[[], uvicorn.Server | None]) -> Any:
+def _on_hangup(stop: Callable[[], None]) -> Any:
     """Stop gracefully on SIGHUP (the terminal closed), as on SIGTERM: answers in flight get
     their grace period and their log lines, where the default action ended the process at
     once. Returns the handler it replaced, or None where it left SIGHUP alone (ignored, as
@@ -89,12 +98,7 @@ def _on_hangup(server: Callable[[], uvicorn.Server | None]) -> Any:
     if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
         return None
 
-    def stop(signum: int, frame: Any) -> None:
-        running = server()
-        if running is not None:
-            running.should_exit = True
-
-    return signal.signal(signal.SIGHUP, stop)
+    return signal.signal(signal.SIGHUP, lambda signum, frame: stop())
 
 
 class ServerThread:
@@ -125,6 +129,7 @@ class ServerThread:
             http="auto",
             lifespan=lifespan,
             timeout_graceful_shutdown=2,
+            ws="none",  # as `cachegate serve`: WebSocket handshakes reach the app as HTTP
             server_header=False,  # a proxy's response headers are the upstream's
             date_header=False,
             proxy_headers=False,

@@ -508,6 +508,18 @@ def test_a_second_cachegate_on_the_same_log_directory_is_refused_in_one_line(
     # once the first has exited, the directory is free again
     with cachegate_process("http://127.0.0.1:9/v1", log_dir) as (_, url):
         assert httpx.get(url.removesuffix("/v1") + "/healthz").status_code == 200
+        # and `serve` answers a WebSocket handshake itself, a WebSocket library installed or not
+        realtime = httpx.get(
+            url + "/realtime?model=gpt-realtime",
+            headers={
+                "connection": "Upgrade",
+                "upgrade": "websocket",
+                "sec-websocket-version": "13",
+                "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ==",
+            },
+        )
+        assert realtime.status_code == 501
+        assert realtime.json()["error"]["code"] == "websocket_not_supported"
 
 
 @pytest.mark.timeout(30)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 
@@ -230,6 +232,39 @@ def test_context_length_exceeded_is_compacted_and_retried_once(
         assert raw.headers["x-cachegate-compacted"] == "1"
         statuses = [r.status for r in small.sim.requests[-3:]]
         assert statuses == [400, 200, 200]  # refused, the summary call, the compacted retry
+
+
+def test_a_client_leaving_during_a_retrys_compaction_is_logged_with_its_whole_wait(
+    proxy_factory: Any,
+) -> None:
+    """Refused as too long, then compacted for the retry while the summarizer thinks: the
+    client gives up. Its line says 499 and how long it waited (it said the refusal's few ms)."""
+    with run_simulator(SimConfig(context_window=3000, ttft_ms=3000)) as small:
+        proxy = proxy_factory(
+            small.api_base,
+            {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 1000000}}},
+        )
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(
+                proxy.base_url + "/chat/completions",
+                json={"model": MODEL, "messages": history(18)},
+                headers={"X-Session-Id": "gave-up"},
+                timeout=1.0,
+            )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            proxy.settle()
+            logged = [
+                e
+                for e in read_events(proxy.log_dir / "gave-up.jsonl").events
+                if e["type"] == "response"
+            ]
+            if logged:
+                break
+            time.sleep(0.05)
+    (response,) = logged
+    assert response["status"] == 499 and response["interrupted"] is True
+    assert response["duration_s"] >= 0.9
 
 
 def one_task(rounds: int, output_chars: int) -> list[dict[str, Any]]:

@@ -602,6 +602,7 @@ def test_a_request_the_upstream_has_not_answered_gets_a_503_when_cachegate_stops
     assert error["code"] == "server_shutting_down" and "shutting down" in error["message"]
     (response,) = events(log_dir, "unanswered", "response")
     assert response["status"] == 503 and response["interrupted"] is True
+    assert response["error"] == error["message"]  # what the client was told
 
 
 def test_a_second_ctrl_c_exits_at_once_cleanly_with_the_cut_stream_logged(

@@ -58,3 +58,30 @@ def test_a_port_in_use_or_a_name_that_does_not_resolve_raises_and_leaves_nothing
         assert info.value.errno == errno.EADDRINUSE
     with pytest.raises(socket.gaierror):
         listening_sockets("nosuchhost.invalid", free_port())
+
+
+@pytest.mark.timeout(30)
+def test_a_hangup_while_the_server_is_being_built_still_stops_it() -> None:
+    """SIGHUP stops `cachegate serve` as SIGTERM does; one that comes while the app is being
+    built (before there is a server to stop) is not lost: the server stops once it runs."""
+    import os
+    import signal
+    import threading
+
+    import uvicorn
+
+    from proxy.serving import serve_until_stopped
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.fail("signal handlers need the main thread")
+
+    async def app(scope: dict, receive: object, send: object) -> None:  # never called
+        raise AssertionError
+
+    def build() -> uvicorn.Server:
+        os.kill(os.getpid(), signal.SIGHUP)  # delivered now, before the server exists
+        return uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
+
+    before = signal.getsignal(signal.SIGHUP)
+    assert serve_until_stopped(listening_sockets("127.0.0.1", free_port()), build) == 0
+    assert signal.getsignal(signal.SIGHUP) is before  # put back as it was
