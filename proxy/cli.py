@@ -67,19 +67,10 @@ def _serve(ns: argparse.Namespace) -> int:
     sockets = _bound(host, port, "cachegate")  # before anything else: nothing created yet
     if sockets is None:
         return 1
-    if settings.logging.enabled:
-        from proxy.eventlog import claim_log_dir
-
-        holder = claim_log_dir(settings.logging.dir)
-        if holder is not None:
-            for sock in sockets:
-                sock.close()
-            print(
-                f"cachegate: log directory {settings.logging.dir} is being written by another "
-                f"cachegate (pid {holder}); give this one its own --log-dir",
-                file=sys.stderr,
-            )
-            return 1
+    if settings.logging.enabled and _log_dir_taken(settings.logging.dir):
+        for sock in sockets:
+            sock.close()
+        return 1
 
     def server() -> uvicorn.Server:
         app = create_app(settings)
@@ -155,7 +146,25 @@ def _simulate(ns: argparse.Namespace) -> int:
 def _demo(ns: argparse.Namespace) -> int:
     from proxy.demo import run_demo
 
+    if ns.log_dir and _log_dir_taken(ns.log_dir):
+        return 1
     return run_demo(log_dir=ns.log_dir, out=sys.stdout)
+
+
+def _log_dir_taken(log_dir: str) -> bool:
+    """Claim ``log_dir`` for this process (``claim_log_dir``); True, once said in one line, when
+    another cachegate writes it."""
+    from proxy.eventlog import claim_log_dir
+
+    holder = claim_log_dir(log_dir)
+    if holder is None:
+        return False
+    print(
+        f"cachegate: log directory {log_dir} is being written by another cachegate "
+        f"(pid {holder}); give this one its own --log-dir",
+        file=sys.stderr,
+    )
+    return True
 
 
 def _sessions(ns: argparse.Namespace) -> int:

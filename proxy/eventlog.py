@@ -86,8 +86,9 @@ class _FirstInFile:
 
 # How long the writer sleeps when it has nothing to write; events reach the disk within this.
 POLL_S: Final = 0.05
-# How often the writer, when idle, looks that the log directory is still the one it writes into
-DIR_CHECK_S: Final = 1.0
+# How often the writer looks that the log directory is still the one it writes into: before
+# every batch (a stat; lines written to files in a directory removed meanwhile go nowhere)
+DIR_CHECK_S: Final = 0.0
 _META_TYPE: Final = b'"type":"session_meta"'
 _METAS_KEPT: Final = 4096
 _BATCH_SESSIONS: Final = 64  # sessions gathered into one batch of writes
@@ -491,6 +492,7 @@ class EventLogWriter:
                 meta = self._metas.get(session_id)
                 if meta is not None and lines[0].find(_META_TYPE, 0, 64) < 0:
                     data = meta + data
+                    self._mark_broken(session_id)  # its earlier lines are not in this file
             view = memoryview(data)
             while view:  # one write for the lines; the loop only runs again on a short write
                 view = view[os.write(fd, view) :]
@@ -580,9 +582,24 @@ class EventLogWriter:
             return
         for session_id in list(self._fds):
             self._close_fd(session_id)
+        if self._dir_id is not None:
+            # Each session's next request line goes in full: the lines its delta coding
+            # would name went with the directory.
+            for session_id in self._metas:
+                self._mark_broken(session_id)
         if now is None:
             self._shared_dir = _prepare_log_dir(self.log_dir, self._warn)
             now = _dir_id(self.log_dir)
+            if now is not None and os.path.abspath(self.log_dir) in _CLAIMED:
+                holder = claim_log_dir(self.log_dir)  # the lock went with the directory
+                if holder is not None:
+                    self._warn(
+                        "claim",
+                        "log directory %s was made again, and another cachegate (pid %s) now "
+                        "writes it too",
+                        self.log_dir,
+                        holder,
+                    )
         self._dir_id = now
 
     def _close_idle(self) -> None:
@@ -628,6 +645,7 @@ class EventLogWriter:
 
 LOCK_NAME: Final = ".cachegate.lock"
 _CLAIMS: list[int] = []  # the lock files this process holds, open until it exits
+_CLAIMED: set[str] = set()  # the directories they lock (absolute paths)
 
 
 def claim_log_dir(log_dir: str | os.PathLike[str]) -> str | None:
@@ -662,6 +680,7 @@ def claim_log_dir(log_dir: str | os.PathLike[str]) -> str | None:
         os.ftruncate(fd, 0)
         os.write(fd, b"%d\n" % os.getpid())
     _CLAIMS.append(fd)
+    _CLAIMED.add(os.path.abspath(log_dir))
     return None
 
 

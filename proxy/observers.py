@@ -119,6 +119,18 @@ def _location_label(divergence: prefix.Divergence) -> str:
     return "messages" if divergence.location == "messages" else divergence.location
 
 
+def _toml_string(text: str) -> str:
+    """``text`` as a TOML basic string: quoted, with every character that is not printable (C0,
+    DEL, C1 controls: a terminal acts on some), the quote and the backslash escaped."""
+    out = []
+    for c in text:
+        if c.isprintable() and c not in '"\\':
+            out.append(c)
+        else:
+            out.append(f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}")
+    return '"' + "".join(out) + '"'
+
+
 class AccountingObserver:
     """Prefix diagnosis for every request; cache waste, its cause and cost for every response."""
 
@@ -156,8 +168,7 @@ class AccountingObserver:
                     "set price_input and price_output in [models.%s] of the config file",
                     model_name,
                     name,
-                    # as TOML writes the name: quoted and escaped, no control character raw
-                    orjson.dumps(model_name).decode(),
+                    _toml_string(model_name),
                 )
             terms = self._terms[model_name] = (name, ttl, pricing)
         return terms

@@ -438,9 +438,10 @@ def render_show(detail: SessionDetail) -> str:
     head = [f"session {detail.session}"]
     for key, label in (("model", "model"), ("upstream", "upstream"), ("created", "created")):
         if isinstance(meta.get(key), str):
-            head.append(f"{label} {meta[key]}")
+            value = _model(meta[key]) if key == "model" else meta[key].translate(_CELL_BREAKS)
+            head.append(f"{label} {value}")  # one line, as a cell
     if isinstance(meta.get("version"), str):
-        head.append(f"cachegate {meta['version']}")
+        head.append(f"cachegate {meta['version'].translate(_CELL_BREAKS)}")
     lines = ["  ".join(head)]
     headers = ["#", "TIME", "MODEL", "IN", "OUT", "CACHED", "WASTE", "REPAIRS"]
     headers += ["TTFB", "DURATION", "STATUS", "NOTES"]

@@ -522,6 +522,17 @@ def test_a_second_cachegate_on_the_same_log_directory_is_refused_in_one_line(
         assert realtime.json()["error"]["code"] == "websocket_not_supported"
 
 
+def test_a_demo_into_a_log_directory_another_cachegate_writes_is_refused(tmp_path: Path) -> None:
+    from proxy.eventlog import claim_log_dir
+
+    log_dir = tmp_path / "taken"
+    assert claim_log_dir(log_dir) is None  # as a running `serve` holds it
+    result = run_cli("demo", "--log-dir", str(log_dir))
+    assert result.code == 1
+    assert "is being written by another cachegate" in result.err
+    assert not list(log_dir.glob("*.jsonl"))
+
+
 @pytest.mark.timeout(30)
 def test_simulate_serves_on_the_port_it_bound(tmp_path: Path) -> None:
     import signal

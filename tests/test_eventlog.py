@@ -1,6 +1,7 @@
 import hashlib
 import logging
 import os
+import shutil
 import stat
 import threading
 import time
@@ -431,6 +432,7 @@ def test_a_log_directory_removed_while_running_is_made_again_with_each_files_met
     assert stat.S_IMODE(log_dir.stat().st_mode) == 0o700
     assert (log_dir / ".gitignore").exists()
     assert [e.get("message") for e in read_events(log_dir / "a.jsonl").events] == [None, "two"]
+    assert w.take_broken("a")  # its next request line goes in full: the earlier ones are gone
     # A file where the directory should be: the lines are lost (counted), then it comes back.
     shutil.rmtree(log_dir)
     log_dir.write_text("not a directory")
@@ -449,6 +451,21 @@ def test_a_log_directory_removed_while_running_is_made_again_with_each_files_met
             ("error", "back"),
         ]
         assert events[0]["session"] == sid
+
+
+def test_the_claim_on_a_log_directory_is_taken_again_when_the_directory_is_made_again(
+    log_dir: Path, writers
+) -> None:
+    from proxy.eventlog import LOCK_NAME, claim_log_dir
+
+    assert claim_log_dir(log_dir) is None
+    assert claim_log_dir(log_dir) == str(os.getpid())  # held: a second claim is refused
+    w = started(writers, log_dir)
+    shutil.rmtree(log_dir)
+    w.emit("a", {"type": "error", "exchange": 1, "status": 400, "message": "m"})
+    assert w.flush()
+    assert (log_dir / LOCK_NAME).exists()
+    assert claim_log_dir(log_dir) == str(os.getpid())  # still held, on the new directory
 
 
 def test_a_full_queue_drops_without_blocking(log_dir: Path) -> None:

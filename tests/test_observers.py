@@ -222,7 +222,7 @@ def test_a_model_without_prices_is_said_once_not_silently_costed_at_zero(
         settings_from_mapping({}), store, Metrics(CollectorRegistry(), ())
     )
     with caplog.at_level(logging.INFO, logger="proxy.observers"):
-        models = ["my-local-model", "my-local-model", "gpt-4o", "x\x1b[31m\nFORGED"]
+        models = ["my-local-model", "my-local-model", "gpt-4o", "x\x1b[31m\nFORGED\x9b\x7f"]
         for i, model in enumerate(models):
             ex = exchange(i + 1, msgs(f"task {i}"))
             ex.model = model
@@ -232,10 +232,11 @@ def test_a_model_without_prices_is_said_once_not_silently_costed_at_zero(
     assert said == [
         "model 'my-local-model' has no prices (the configured entry '*'): its cost counts as $0; "
         'set price_input and price_output in [models."my-local-model"] of the config file',
-        # a client's name, shown escaped: no control character reaches the operator's terminal
-        "model 'x\\x1b[31m\\nFORGED' has no prices (the configured entry '*'): its cost counts"
-        ' as $0; set price_input and price_output in [models."x\\u001b[31m\\nFORGED"] of the'
-        " config file",
+        # a client's name, shown escaped (as TOML reads it): no control character reaches the
+        # operator's terminal
+        "model 'x\\x1b[31m\\nFORGED\\x9b\\x7f' has no prices (the configured entry '*'): its"
+        " cost counts as $0; set price_input and price_output in"
+        ' [models."x\\u001b[31m\\u000aFORGED\\u009b\\u007f"] of the config file',
     ]
 
 

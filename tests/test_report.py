@@ -306,7 +306,8 @@ def test_a_complete_answer_without_usage_says_so(tmp_path: Path) -> None:
 
 def test_a_model_name_with_line_breaks_cannot_forge_a_row(tmp_path: Path) -> None:
     forged = "gpt-4o\nfake-session  2026-01-01 00:00:00  gpt-4o  99\tx" + "y" * 200
-    events = [req(T0, 1, model=forged, appended=[U1])]
+    meta = {"ts": T0, "type": "session_meta", "session": "odd", "model": forged}
+    events = [meta, req(T0, 1, model=forged, appended=[U1])]
     events.append(
         resp(
             T0 + 1,
