@@ -275,98 +275,6 @@ def test_render_show_of_a_failed_exchange(log_dir: Path) -> None:
     )
 
 
-def test_a_complete_answer_without_usage_says_so(tmp_path: Path) -> None:
-    """A provider that ignores ``stream_options`` leaves IN/OUT blank; the row says why."""
-    bare = {
-        **resp(
-            T0 + 1,
-            1,
-            prompt=1,
-            completion=1,
-            cache_read=0,
-            ttfb=0.1,
-            duration=0.2,
-            actual=0,
-            uncached=0,
-        ),
-        "usage": None,
-    }
-    bare.pop("cache")
-    bare.pop("cost", None)
-    cut = {**bare, "exchange": 2, "interrupted": True}
-    failed = {**bare, "exchange": 3, "error": "upstream broke off mid-response"}
-    events = [req(T0, 1, appended=[U1]), bare, req(T0 + 2, 2, appended=[U1]), cut]
-    events += [req(T0 + 3, 3, appended=[U1]), failed]
-    (tmp_path / "quiet.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
-    rows = render_show(show_session(tmp_path, "quiet")).splitlines()[2:]
-    assert rows[0].endswith("200  no usage reported")
-    assert rows[1].endswith("200  interrupted")
-    assert rows[2].endswith("200  upstream broke off mid-response")
-
-
-def test_a_model_name_with_line_breaks_cannot_forge_a_row(tmp_path: Path) -> None:
-    forged = "gpt-4o\nfake-session  2026-01-01 00:00:00  gpt-4o  99\tx" + "y" * 200
-    meta = {"ts": T0, "type": "session_meta", "session": "odd", "model": forged}
-    events = [meta, req(T0, 1, model=forged, appended=[U1])]
-    events.append(
-        resp(
-            T0 + 1,
-            1,
-            prompt=10,
-            completion=1,
-            cache_read=0,
-            ttfb=0.1,
-            duration=0.2,
-            actual=0,
-            uncached=0,
-        )
-    )
-    (tmp_path / "odd.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
-    for text in (render_show(show_session(tmp_path, "odd")), render_list(list_sessions(tmp_path))):
-        lines = text.splitlines()
-        assert not any(line.startswith("fake-session") for line in lines)
-        assert "gpt-4o\ufffdfake-session" in text and "\t" not in text
-        assert max(len(line) for line in lines) < 250  # the name is clipped, not 200+ wide
-
-
-@pytest.mark.parametrize("slow_first", [False, True])
-def test_two_requests_under_one_number_each_get_their_own_response(
-    tmp_path: Path, slow_first: bool
-) -> None:
-    """A session forgotten while a request was in flight numbers from 1 again: each response
-    goes to the request its exchange began with, whichever finishes first."""
-    slow = resp(
-        T0 + 2.0,
-        1,
-        prompt=17,
-        completion=17,
-        cache_read=0,
-        ttfb=1.9,
-        duration=2.0,
-        actual=0.2,
-        uncached=0.2,
-    )
-    fast = resp(
-        T0 + 0.6,
-        1,
-        prompt=11,
-        completion=11,
-        cache_read=0,
-        ttfb=0.05,
-        duration=0.1,
-        actual=0.1,
-        uncached=0.1,
-    )
-    events = [req(T0, 1, appended=[U1]), req(T0 + 0.5, 1, appended=[U2])]
-    events += [slow, fast] if slow_first else [fast, slow]
-    (tmp_path / "again.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
-    rows = show_session(tmp_path, "again").rows
-    assert [(r.tokens_in, r.duration_s) for r in rows] == [(17, 2.0), (11, 0.1)]
-    assert session_cost(tmp_path, "again").priced_exchanges == 2
-    (listed,) = list_sessions(tmp_path)
-    assert listed.tokens_in == 28
-
-
 def _compacted(ts: float, ex: int, retry: bool) -> dict[str, Any]:
     return {
         "ts": ts,
@@ -381,9 +289,75 @@ def _compacted(ts: float, ex: int, retry: bool) -> dict[str, Any]:
     }
 
 
-def _rows(tmp_path: Path, sid: str, events: list[dict[str, Any]]) -> list[Any]:
+def _logged(tmp_path: Path, sid: str, events: list[dict[str, Any]]) -> Path:
     (tmp_path / f"{sid}.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events))
-    return show_session(tmp_path, sid).rows
+    return tmp_path
+
+
+def _rows(tmp_path: Path, sid: str, events: list[dict[str, Any]]) -> list[Any]:
+    return show_session(_logged(tmp_path, sid, events), sid).rows
+
+
+def _answer(
+    ts: float, prompt: int, completion: int, duration: float, cost: float, exchange: int = 1
+) -> dict[str, Any]:
+    """A response line, ``duration`` after its exchange began."""
+    return resp(
+        ts,
+        exchange,
+        prompt=prompt,
+        completion=completion,
+        cache_read=0,
+        ttfb=duration - 0.1,
+        duration=duration,
+        actual=cost,
+        uncached=cost,
+    )
+
+
+def test_a_complete_answer_without_usage_says_so(tmp_path: Path) -> None:
+    """A provider that ignores ``stream_options`` leaves IN/OUT blank; the row says why."""
+    bare = {**_answer(T0 + 1, 1, 1, duration=0.2, cost=0), "usage": None}
+    bare.pop("cache")
+    bare.pop("cost", None)
+    cut = {**bare, "exchange": 2, "interrupted": True}
+    failed = {**bare, "exchange": 3, "error": "upstream broke off mid-response"}
+    events = [req(T0, 1, appended=[U1]), bare, req(T0 + 2, 2, appended=[U1]), cut]
+    events += [req(T0 + 3, 3, appended=[U1]), failed]
+    rows = render_show(show_session(_logged(tmp_path, "quiet", events), "quiet")).splitlines()[2:]
+    assert rows[0].endswith("200  no usage reported")
+    assert rows[1].endswith("200  interrupted")
+    assert rows[2].endswith("200  upstream broke off mid-response")
+
+
+def test_a_model_name_with_line_breaks_cannot_forge_a_row(tmp_path: Path) -> None:
+    forged = "gpt-4o\nfake-session  2026-01-01 00:00:00  gpt-4o  99\tx" + "y" * 200
+    meta = {"ts": T0, "type": "session_meta", "session": "odd", "model": forged}
+    events = [meta, req(T0, 1, model=forged, appended=[U1])]
+    events.append(_answer(T0 + 1, 10, 1, duration=0.2, cost=0))
+    _logged(tmp_path, "odd", events)
+    for text in (render_show(show_session(tmp_path, "odd")), render_list(list_sessions(tmp_path))):
+        lines = text.splitlines()
+        assert not any(line.startswith("fake-session") for line in lines)
+        assert "gpt-4o\ufffdfake-session" in text and "\t" not in text
+        assert max(len(line) for line in lines) < 250  # the name is clipped, not 200+ wide
+
+
+@pytest.mark.parametrize("slow_first", [False, True])
+def test_two_requests_under_one_number_each_get_their_own_response(
+    tmp_path: Path, slow_first: bool
+) -> None:
+    """A session forgotten while a request was in flight numbers from 1 again: each response
+    goes to the request its exchange began with, whichever finishes first."""
+    slow = _answer(T0 + 2.0, 17, 17, duration=2.0, cost=0.2)
+    fast = _answer(T0 + 0.6, 11, 11, duration=0.1, cost=0.1)
+    events = [req(T0, 1, appended=[U1]), req(T0 + 0.5, 1, appended=[U2])]
+    events += [slow, fast] if slow_first else [fast, slow]
+    rows = _rows(tmp_path, "again", events)
+    assert [(r.tokens_in, r.duration_s) for r in rows] == [(17, 2.0), (11, 0.1)]
+    assert session_cost(tmp_path, "again").priced_exchanges == 2
+    (listed,) = list_sessions(tmp_path)
+    assert listed.tokens_in == 28
 
 
 def test_a_compacted_or_refused_request_under_a_waiting_number_is_a_row_of_its_own(
@@ -391,28 +365,8 @@ def test_a_compacted_or_refused_request_under_a_waiting_number_is_a_row_of_its_o
 ) -> None:
     """A waits; its session is forgotten; B comes under the same number, compacted (not a
     retry of A's) or refused by cachegate itself: each keeps its own answer."""
-    slow = resp(
-        T0 + 4.0,
-        1,
-        prompt=6,
-        completion=6,
-        cache_read=0,
-        ttfb=3.9,
-        duration=4.0,
-        actual=0.1,
-        uncached=0.1,
-    )
-    fast = resp(
-        T0 + 2.5,
-        1,
-        prompt=240,
-        completion=16,
-        cache_read=0,
-        ttfb=0.4,
-        duration=0.5,
-        actual=0.2,
-        uncached=0.2,
-    )
+    slow = _answer(T0 + 4.0, 6, 6, duration=4.0, cost=0.1)
+    fast = _answer(T0 + 2.5, 240, 16, duration=0.5, cost=0.2)
     compacted = [req(T0, 1, appended=[U1]), _compacted(T0 + 2.0, 1, retry=False)]
     compacted += [req(T0 + 2.0, 1, appended=[U2], transforms={"compacted": {}}), fast, slow]
     rows = _rows(tmp_path, "both", compacted)
@@ -441,19 +395,7 @@ def test_a_retried_request_is_matched_by_when_its_exchange_began(tmp_path: Path)
     events = [req(T0 + 95, 2, appended=[U1]), req(T0 + 100, 2, appended=[U2])]
     events += [_compacted(T0 + 130, 2, retry=True)]
     events += [req(T0 + 130, 2, appended=[U2], transforms={"compacted": {}})]
-    events += [
-        resp(
-            T0 + 140,
-            2,
-            prompt=5000,
-            completion=9,
-            cache_read=0,
-            ttfb=38.0,
-            duration=40.0,
-            actual=0.3,
-            uncached=0.3,
-        )
-    ]
+    events += [_answer(T0 + 140, 5000, 9, duration=40.0, cost=0.3, exchange=2)]
     rows = _rows(tmp_path, "crash", events)
     assert [(r.tokens_in, r.error) for r in rows] == [
         (None, None),  # the crashed process's: never answered
