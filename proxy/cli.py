@@ -193,8 +193,6 @@ def _sessions(ns: argparse.Namespace) -> int:
                 else report.terminal_safe(report.render_cost(cost))
             )
         elif ns.action == "replay":
-            import orjson
-
             requests = report.replayed(log_dir, ns.id)
             if any(report.metadata_only(r) for r in requests):
                 print(
@@ -202,8 +200,7 @@ def _sessions(ns: argparse.Namespace) -> int:
                     " sizes and hashes, not the text; these lines cannot be sent again",
                     file=sys.stderr,
                 )
-            for request in requests:
-                line = orjson.dumps(request).decode()
+            for line in report.request_lines(requests):
                 sys.stdout.write(report.json_terminal_safe(line) + "\n")
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
         print(f"cachegate: {exc}", file=sys.stderr)

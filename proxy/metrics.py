@@ -38,13 +38,13 @@ OTHER_MODEL: Final = "other"
 """The ``model`` label of every model that is not configured (and of requests without a model)."""
 
 ROUTES: Final = ("chat", "passthrough")
-# Statuses whose series exist from the start (at zero), so that the first one of each shows in a
-# rate: Prometheus cannot tell a series' first value from its creation. 200, then what clients,
-# cachegate and providers answer most; others appear when they happen.
+"""The ``route`` label: the chat-completions pipeline, or the generic relay of any other path."""
 REQUEST_STATUSES: Final = (
     *("200", "400", "401", "403", "404", "413", "429", "499", "500", "502", "503", "504"),
 )
-"""The ``route`` label: the chat-completions pipeline, or the generic relay of any other path."""
+"""Statuses whose series exist from the start (at zero), so that the first one of each shows in a
+rate: Prometheus cannot tell a series' first value from its creation. 200, then what clients,
+cachegate and providers answer most; others appear when they happen."""
 TOKEN_KINDS: Final = ("prompt", "completion", "cache_read", "cache_write")
 WASTE_CAUSES: Final = ("ttl_expired", "prefix_rewrite", "params_changed", "unexplained")
 REWRITE_LOCATIONS: Final = ("system", "tools", "messages", "params")

@@ -194,7 +194,12 @@ def replayed(log_dir: str | os.PathLike[str], session_id: str) -> list[dict[str,
 def replay_lines(log_dir: str | os.PathLike[str], session_id: str) -> Iterator[str]:
     """One JSON object per forwarded request (``replayed``), in log order. The id is checked and
     the file read at call time, so errors surface before the first line."""
-    return (orjson.dumps(request).decode() for request in replayed(log_dir, session_id))
+    return request_lines(replayed(log_dir, session_id))
+
+
+def request_lines(requests: Iterable[dict[str, Any]]) -> Iterator[str]:
+    """``replay``'s output: each replayed request as one line of JSON."""
+    return (orjson.dumps(request).decode() for request in requests)
 
 
 def metadata_only(request: dict[str, Any]) -> bool:
