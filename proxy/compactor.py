@@ -22,6 +22,7 @@ from proxy.config import ModelSettings, Settings
 from proxy.pipeline import Exchange, Observer, notify
 from proxy.relay import Relay
 from proxy.sessions import SessionState
+from proxy.usage import Usage, normalize_usage
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +193,24 @@ class Compactor:
         limit = window * self.settings.compaction.trigger_percent / 100
         return compaction.estimate_tokens(kept) < limit
 
+    @staticmethod
+    def _count_summary(ex: Exchange, model: str, answer: Any) -> None:
+        """The summary call's usage, as its answer reports it, on the exchange: the provider
+        bills it, so it is priced with the exchange (``AccountingObserver``)."""
+        usage = normalize_usage(answer.get("usage")) if isinstance(answer, dict) else None
+        if usage is None:
+            return
+        earlier = ex.summary_usage  # (a retry's compaction after the first one's)
+        if earlier is not None and ex.summary_model == model:
+            usage = Usage(
+                earlier.prompt + usage.prompt,
+                earlier.completion + usage.completion,
+                earlier.cache_read + usage.cache_read,
+                earlier.cache_write + usage.cache_write,
+                earlier.reported_cache or usage.reported_cache,
+            )
+        ex.summary_usage, ex.summary_model = usage, model
+
     async def _summarize(
         self, ex: Exchange, plan: compaction.Plan, window: int
     ) -> tuple[str, compaction.Source]:
@@ -220,7 +239,9 @@ class Compactor:
                 finally:  # the provider's time, not cachegate's overhead
                     ex.upstream_wait_s += time.perf_counter() - started
             if response.status_code == 200:
-                text = orjson.loads(body)["choices"][0]["message"]["content"]
+                answer = orjson.loads(body)
+                self._count_summary(ex, model, answer)
+                text = answer["choices"][0]["message"]["content"]
                 if isinstance(text, str) and text.strip():
                     return text.strip(), "model"
             log.warning(

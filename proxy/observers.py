@@ -217,6 +217,7 @@ class AccountingObserver:
                 del baselines[_BASELINES:]
                 extra["baselines"] = baselines
         if usage is None or ex.status >= 400:
+            self._price_summary(ex, None)
             return
         extra["last_usage"] = (usage.prompt, usage.completion)
         after_compaction = bool(extra.pop("compacted_pending", False))
@@ -250,8 +251,25 @@ class AccountingObserver:
         if result.waste and result.cause:
             self.metrics.observe_cache_waste(ex.model, result.cause, result.waste)
         cost = cache.compute_cost(usage, pricing)
-        ex.cost = {"actual": cost.actual, "uncached": cost.uncached}
         self.metrics.observe_cost(ex.model, cost.actual, cost.uncached)
+        self._price_summary(ex, cost)
+
+    def _price_summary(self, ex: Exchange, cost: cache.Cost | None) -> None:
+        """``ex.cost``: the exchange's ``cost`` plus, when a compaction's summary call reported
+        its usage, that call's, at its model's prices. Its tokens and cost count in the metrics
+        under its model."""
+        actual, uncached = (cost.actual, cost.uncached) if cost is not None else (0.0, 0.0)
+        summary = ex.summary_usage
+        if summary is not None:
+            _, _, pricing = self._model_terms(ex.summary_model)
+            extra = cache.compute_cost(summary, pricing)
+            self.metrics.observe_usage(ex.summary_model, summary)
+            self.metrics.observe_cost(ex.summary_model, extra.actual, extra.uncached)
+            actual += extra.actual
+            uncached += extra.uncached
+        elif cost is None:
+            return
+        ex.cost = {"actual": actual, "uncached": uncached}
 
     def _compare(
         self, ranked: list[_Baseline], fp: prefix.Fingerprint, body: Any

@@ -63,6 +63,9 @@ class Exchange:
     upstream_wait_s: float = 0.0
     assembled: AssembledResponse | None = None
     usage: Usage | None = None
+    # A compaction's summary call (its usage and model), priced with the exchange
+    summary_usage: Usage | None = None
+    summary_model: str | None = None
     interrupted: bool = False
     stopped: bool = False  # interrupted by cachegate's own shutdown, not by the client
     error: str | None = None

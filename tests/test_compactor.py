@@ -170,6 +170,43 @@ def test_the_wait_for_the_summarizer_is_not_counted_as_cachegates_overhead(
         assert proxy.metric("cachegate_request_duration_seconds_sum", duration) > 0.55
 
 
+def test_the_summary_call_is_priced_with_its_exchange(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """The provider bills the summary call: its cost is in the exchange's (log, sessions cost)
+    and in the metrics, where "Spent" came out below the bill with compaction on."""
+    prices = {"price_input": 1.0, "price_cached_input": 0.5, "price_output": 2.0}
+    config = {**CONFIG, "models": {MODEL: {**CONFIG["models"][MODEL], **prices}}}
+    proxy = proxy_factory(sim.api_base, config)
+    sim.sim.enqueue([parse_script("TASK: t. DONE: d. LEFT: l.")])
+    raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+        model=MODEL, messages=history(18), extra_headers={"X-Session-Id": "priced"}
+    )
+    assert raw.headers["x-cachegate-compacted"] == "1"
+    summary, answer = sim.sim.requests[-2].usage, sim.sim.requests[-1].usage
+    assert "tools" not in sim.sim.requests[-2].body  # (the summary call)
+
+    def cost(usage: dict[str, Any]) -> float:
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        fresh = usage["prompt_tokens"] - cached
+        return (fresh * 1.0 + cached * 0.5 + usage["completion_tokens"] * 2.0) / 1e6
+
+    proxy.settle()
+    (response,) = [
+        e for e in read_events(proxy.log_dir / "priced.jsonl").events if e["type"] == "response"
+    ]
+    assert response["cost"]["actual"] == pytest.approx(cost(summary) + cost(answer))
+    assert response["usage"]["prompt"] == answer["prompt_tokens"]  # the answer's own usage
+    labels = {"model": MODEL, "kind": "actual"}
+    assert proxy.metric("cachegate_cost_usd_total", labels) == pytest.approx(
+        cost(summary) + cost(answer)
+    )
+    prompt = {"model": MODEL, "kind": "prompt"}
+    assert proxy.metric("cachegate_tokens_total", prompt) == (
+        summary["prompt_tokens"] + answer["prompt_tokens"]
+    )
+
+
 def test_summarizer_failure_falls_back_to_extractive(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:
