@@ -381,7 +381,7 @@ class EventLogObserver:
             "type": "request",
             "exchange": ex.exchange_id,
             "model": ex.model,
-            "stream": ex.stream,
+            "stream": body.get("stream"),  # as sent: null when the body had none (replay)
             "path": "/v1/" + ex.path,
             "params": {k: v for k, v in body.items() if k not in _NOT_PARAMS},
             "base_exchange": base_exchange,
