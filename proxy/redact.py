@@ -457,9 +457,22 @@ def line_may_hold_secret(line: bytes) -> bool:
     )
 
 
+# A binary payload carried as text: an image or a file as a base64 data URL (OpenAI's
+# ``image_url``) or bare base64 (Anthropic's ``source.data``), a kilobyte or more. It holds no
+# credential as text, and a secret pattern found in it would be chance: the scan took ~0.2 s of
+# the interpreter (the event loop's too) per 2 MB screenshot and now and then cut the image.
+_BINARY_MIN: Final = 1024
+_BINARY = re.compile(
+    r"(?:data:[\w.+-]+/[\w.+-]+(?:;[\w.+-]+=[\w.+-]+)*;base64,)?[A-Za-z0-9+/]+={0,2}"
+)
+
+
 def redact_text(s: str) -> str:
-    """Return ``s`` with every secret-looking substring replaced (``s`` itself when none)."""
+    """Return ``s`` with every secret-looking substring replaced (``s`` itself when none). A
+    base64 payload of a kilobyte or more (``_BINARY``) is returned as it is."""
     if len(s) < _MIN_SECRET_LEN:
+        return s
+    if len(s) >= _BINARY_MIN and _BINARY.fullmatch(s) is not None:
         return s
     out = s
     lowered = _lowered(s)

@@ -614,3 +614,23 @@ def test_a_fourth_reads_leaks_stay_closed(text: str) -> None:
     out = redact_text(text)
     for secret in ("CorrectHorse", "SuperSecret", "s3cretpass", "3cr3tpass"):
         assert secret not in out
+
+
+def test_an_image_or_file_in_base64_is_logged_as_it_is_and_costs_little() -> None:
+    """A screenshot as a data URL (OpenAI's image_url) or bare base64 (Anthropic's source.data):
+    its bytes can spell a key pattern by chance (an "/AIza…" run), which was cut out, spoiling
+    the image in the log (and its scan took ~0.2 s of the interpreter per 2 MB: bench/NOTES.md)."""
+    import base64
+    import random
+
+    rnd = random.Random(7)
+    body = base64.b64encode(bytes(rnd.getrandbits(8) for _ in range(300_000))).decode()
+    chance = body[:5000] + "/AIzaSyA1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8" + body[5000:]
+    for payload in (chance, "data:image/png;base64," + chance, chance + "=="):
+        assert redact_text(payload) is payload  # not scanned: one check of its characters
+    # the same run in text, or a short base64 string, is still looked at
+    assert (
+        redact_text("key AIzaSyA1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8 here") == "key [REDACTED] here"
+    )
+    short = "/AIzaSyA1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
+    assert "[REDACTED]" in redact_text("QUJD" + short)
