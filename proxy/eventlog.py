@@ -86,9 +86,6 @@ class _FirstInFile:
 
 # How long the writer sleeps when it has nothing to write; events reach the disk within this.
 POLL_S: Final = 0.05
-# How often the writer looks that the log directory is still the one it writes into: before
-# every batch (a stat; lines written to files in a directory removed meanwhile go nowhere)
-DIR_CHECK_S: Final = 0.0
 _META_TYPE: Final = b'"type":"session_meta"'
 _METAS_KEPT: Final = 4096
 _BATCH_SESSIONS: Final = 64  # sessions gathered into one batch of writes
@@ -178,7 +175,6 @@ class EventLogWriter:
         self._metas: OrderedDict[str, bytes] = OrderedDict()
         self._fresh: set[str] = set()  # sessions whose file was empty when opened
         self._dir_id: tuple[int, int] | None = None  # the log directory's (device, inode)
-        self._dir_checked = 0.0
 
     # -- counters -----------------------------------------------------------------------------
 
@@ -215,7 +211,6 @@ class EventLogWriter:
             return
         self._shared_dir = _prepare_log_dir(self.log_dir, self._warn)
         self._dir_id = _dir_id(self.log_dir)
-        self._dir_checked = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="cachegate-eventlog", daemon=True)
         self._thread.start()
 
@@ -342,8 +337,9 @@ class EventLogWriter:
                         self._close_idle()
                     if not self._items:
                         continue
-                if time.monotonic() - self._dir_checked >= DIR_CHECK_S:
-                    self._check_dir()
+                # Before every batch, a stat: is the log directory still the one written
+                # into? (lines to files in a directory removed meanwhile go nowhere)
+                self._check_dir()
                 item = self._items.popleft()
                 if item is _STOP:
                     break
@@ -576,7 +572,6 @@ class EventLogWriter:
         """Make the log directory again when it is gone, as at start (0700, ``.gitignore``), and
         drop the files held open in one that was removed or replaced: their lines would go to
         files no directory names any more."""
-        self._dir_checked = time.monotonic()
         now = _dir_id(self.log_dir)
         if now is not None and now == self._dir_id:
             return

@@ -263,12 +263,11 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
             sent[:] = [r for r in sent if r.status is None and not r.error]
         if not sent:
             return row_for(ev)
-        waiting = sent
         ts, duration = _float(ev.get("ts")), _float(ev.get("duration_s"))
-        if len(waiting) == 1 or ts is None or duration is None:
-            return waiting[-1]
+        if len(sent) == 1 or ts is None or duration is None:
+            return sent[-1]
         began = ts - duration
-        return min(reversed(waiting), key=lambda r: abs(first_sent.get(id(r), r.ts or 0.0) - began))
+        return min(reversed(sent), key=lambda r: abs(first_sent.get(id(r), r.ts or 0.0) - began))
 
     for ev in log.events:
         kind = ev.get("type")

@@ -412,16 +412,13 @@ def test_unwritable_directory_counts_losses_and_warns_once(tmp_path: Path, write
 
 
 def test_a_log_directory_removed_while_running_is_made_again_with_each_files_meta_line(
-    log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch
+    log_dir: Path, writers
 ) -> None:
     """Removed (an rm -rf of old logs) or replaced by something else for a while: logging
     resumes once a directory can be made there, private and kept out of git as at start, and
     each file begins with its session's meta line, lost with the directory or not."""
     import shutil
 
-    import proxy.eventlog as eventlog
-
-    monkeypatch.setattr(eventlog, "DIR_CHECK_S", 0.0, raising=False)  # look at every batch
     w = started(writers, log_dir)
     w.emit("a", {"type": "session_meta", "session": "a"}, first_in_file=True)
     w.emit("a", {"type": "error", "exchange": 1, "status": 400, "message": "one"})
