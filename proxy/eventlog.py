@@ -20,7 +20,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -848,9 +848,22 @@ class NotALogFile(ValueError):
     symbolic link): never read, as the writer never writes through one."""
 
 
-def read_events(path: str | os.PathLike[str]) -> LogRead:
-    """Read a log file: torn (unparseable) lines skipped and counted, non-object lines ignored.
-    Raises ``NotALogFile`` for anything but a regular file (a FIFO would block the reader)."""
+# The fields a report of exchanges (``sessions list``, ``show``, ``cost``) never reads, by event
+# type: the messages, tools and summaries, which are nearly all of a log's bytes.
+BODY_FIELDS: Mapping[str, frozenset[str]] = {
+    "request": frozenset({"appended", "tools", "params"}),
+    "response": frozenset({"message", "divergence"}),
+    "compacted": frozenset({"summary"}),
+}
+
+
+def read_events(
+    path: str | os.PathLike[str], *, drop: Mapping[str, frozenset[str]] | None = None
+) -> LogRead:
+    """Read a log file: torn (unparseable) lines skipped and counted, non-object lines ignored,
+    the fields ``drop`` names for an event's type left out (``BODY_FIELDS``: a report holds a
+    large log in a fraction of its size). Raises ``NotALogFile`` for anything but a regular
+    file (a FIFO would block the reader)."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
         fd = os.open(path, flags)
@@ -865,10 +878,12 @@ def read_events(path: str | os.PathLike[str]) -> LogRead:
         os.close(fd)
         raise
     with open(fd, "rb") as f:
-        return parse_lines(f)
+        return parse_lines(f, drop=drop)
 
 
-def parse_lines(lines: Iterable[bytes]) -> LogRead:
+def parse_lines(
+    lines: Iterable[bytes], *, drop: Mapping[str, frozenset[str]] | None = None
+) -> LogRead:
     """A log's events from its lines as a file yields them: torn lines counted, non-object
     lines ignored, and nothing read past a line with no line end (the file's end, inside a line
     cut by a crash or being written as it is read: were it read on, the rest of that line,
@@ -884,6 +899,11 @@ def parse_lines(lines: Iterable[bytes]) -> LogRead:
                 torn += 1
             else:
                 if isinstance(obj, dict):
+                    kind = obj.get("type")
+                    fields = drop.get(kind) if drop and isinstance(kind, str) else None
+                    if fields:
+                        for key in fields.intersection(obj):
+                            del obj[key]
                     events.append(obj)
         if not raw.endswith(b"\n"):
             break

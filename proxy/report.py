@@ -8,7 +8,7 @@ built from them; torn lines are counted, never fatal; unknown event types are ig
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from proxy.eventlog import (
+    BODY_FIELDS,
     LOG_SUFFIX,
     LogRead,
     NotALogFile,
@@ -133,7 +134,7 @@ class CostReport:
 def show_session(log_dir: str | os.PathLike[str], session_id: str) -> SessionDetail:
     """The timeline of one session. Raises ``ValueError`` for an invalid id and
     ``FileNotFoundError`` when the session has no log."""
-    return build_detail(session_id, _load(log_dir, session_id))
+    return build_detail(session_id, _load(log_dir, session_id, drop=BODY_FIELDS))
 
 
 def list_sessions(log_dir: str | os.PathLike[str]) -> list[SessionSummary]:
@@ -150,7 +151,7 @@ def list_sessions(log_dir: str | os.PathLike[str]) -> list[SessionSummary]:
             continue
         path = os.path.join(directory, name)
         try:
-            log = read_events(path)
+            log = read_events(path, drop=BODY_FIELDS)
         except (FileNotFoundError, NotALogFile):  # removed meanwhile; a directory, a link
             continue
         summaries.append(summarize(build_detail(session_id, log)))
@@ -214,10 +215,15 @@ def metadata_only(request: dict[str, Any]) -> bool:
     )
 
 
-def _load(log_dir: str | os.PathLike[str], session_id: str) -> LogRead:
+def _load(
+    log_dir: str | os.PathLike[str],
+    session_id: str,
+    *,
+    drop: Mapping[str, frozenset[str]] | None = None,
+) -> LogRead:
     path = session_log_path(log_dir, session_id)  # validates the id first
     try:
-        return read_events(path)
+        return read_events(path, drop=drop)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"no log for session {session_id!r} in {os.fspath(log_dir)!r}"

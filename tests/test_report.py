@@ -1,3 +1,4 @@
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -506,3 +507,42 @@ def test_a_compacted_retrys_repairs_count_once(tmp_path: Path) -> None:
     repair = {"kind": "dangling_call", "index": 2, "tool_call_id": "c1", "action": "added"}
     [summary] = list_sessions(compacted_retry_log(tmp_path, [repair]))
     assert (summary.exchanges, summary.repairs, summary.errors) == (1, 1, 0)
+
+
+def test_reports_hold_a_large_log_in_a_fraction_of_its_size(tmp_path: Path) -> None:
+    # a long agent session: every turn appends tool outputs (the bulk of any real log)
+    events: list[dict[str, Any]] = [
+        {"ts": T0, "type": "session_meta", "session": "big", "model": "gpt-4o"}
+    ]
+    output = "line of a build log\n" * 2500  # ~50 KB
+    for ex in range(1, 401):
+        appended = [{"role": "tool", "tool_call_id": f"c{ex}", "content": output}]
+        events.append(req(T0 + ex, ex, base_exchange=ex - 1 or None, base=ex, appended=appended))
+        events.append(
+            resp(
+                T0 + ex + 0.5,
+                ex,
+                prompt=1000 * ex,
+                completion=10,
+                cache_read=900 * ex,
+                ttfb=0.1,
+                duration=0.5,
+                actual=0.01,
+                uncached=0.02,
+            )
+        )
+    size = (_logged(tmp_path, "big", events) / "big.jsonl").stat().st_size
+    assert size > 20_000_000
+
+    tracemalloc.start()
+    try:
+        (summary,) = list_sessions(tmp_path)
+        detail = show_session(tmp_path, "big")
+        cost = session_cost(tmp_path, "big")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (summary.exchanges, len(detail.rows), cost.priced_exchanges) == (400, 400, 400)
+    assert summary.tokens_in == sum(1000 * ex for ex in range(1, 401))
+    # the messages are read a line at a time and let go: never the whole log at once
+    assert peak < size / 5
