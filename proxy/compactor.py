@@ -208,6 +208,7 @@ class Compactor:
                 earlier.cache_read + usage.cache_read,
                 earlier.cache_write + usage.cache_write,
                 earlier.reported_cache or usage.reported_cache,
+                earlier.reported_cache_write or usage.reported_cache_write,
             )
         ex.summary_usage, ex.summary_model = usage, model
 

@@ -577,6 +577,7 @@ class Metrics:
         observe(gen_ai[1], completion)
         if usage.reported_cache:
             observe(gen_ai[2], read)
+        if usage.reported_cache_write:  # OpenAI reports no writes: not a stream of zeros
             observe(gen_ai[3], write)
 
     @_safe

@@ -14,7 +14,9 @@ class Usage:
 
     ``prompt`` counts every input token, cached or not. ``reported_cache`` is true when the provider
     sent any cache field at all, so a 0 from a provider that never reports can be told apart from a
-    real miss.
+    real miss; ``reported_cache_write`` when it sent a cache-write field (Anthropic-style
+    ``cache_creation_input_tokens``, OpenRouter's ``cache_write_tokens``): OpenAI reports reads
+    only, and its writes are unknown, not 0.
     """
 
     prompt: int = 0
@@ -22,6 +24,7 @@ class Usage:
     cache_read: int = 0
     cache_write: int = 0
     reported_cache: bool = False
+    reported_cache_write: bool = False
 
 
 # ``cached_tokens`` at the top level: Moonshot (Kimi).
@@ -105,6 +108,7 @@ def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
             cached or 0,
             written or 0,
             cached is not None or written is not None,
+            written is not None,
         )
     return _normalize(raw)
 
@@ -137,7 +141,8 @@ def _normalize(raw: Mapping[str, Any]) -> Usage | None:
     completion = _count(raw, "completion_tokens")
     if completion is None:
         completion = _count(raw, "output_tokens") or 0
-    return Usage(prompt, completion, cache_read, cache_write, reported_cache)
+    reported_write = created is not None or bool(writes)
+    return Usage(prompt, completion, cache_read, cache_write, reported_cache, reported_write)
 
 
 def _is_empty(usage: Usage) -> bool:

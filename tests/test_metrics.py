@@ -106,7 +106,10 @@ def test_usage_counts_tokens_and_the_gen_ai_histogram(
     )
     metrics.observe_usage("gpt-4o", Usage(prompt=500, completion=20))
     metrics.observe_usage(
-        "unknown", Usage(prompt=7, completion=1, cache_write=5, reported_cache=True)
+        "unknown",
+        Usage(
+            prompt=7, completion=1, cache_write=5, reported_cache=True, reported_cache_write=True
+        ),
     )
 
     tokens = "cachegate_tokens_total"
@@ -124,6 +127,8 @@ def test_usage_counts_tokens_and_the_gen_ai_histogram(
     # The second exchange reported no cache fields: only the first counts as a cache observation.
     assert value(registry, f"{usage}_count", gen_ai_token_type="cached_input", **gpt) == 1.0
     assert value(registry, f"{usage}_sum", gen_ai_token_type="cached_input", **gpt) == 10240.0
+    # OpenAI's usage has no cache-write field: no zeros that a p95 panel would draw as ~0.95
+    assert value(registry, f"{usage}_count", gen_ai_token_type="cache_creation_input", **gpt) == 0
     assert value(registry, f"{usage}_bucket", le="16384.0", gen_ai_token_type="input", **gpt) == 2.0
     assert value(registry, f"{usage}_bucket", le="4096.0", gen_ai_token_type="input", **gpt) == 1.0
     other = {"gen_ai_operation_name": "chat", "gen_ai_request_model": "other"}

@@ -79,7 +79,7 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
                 "cache_read_input_tokens": 4000,
                 "cache_creation_input_tokens": 600,
             },
-            Usage(4612, 85, 4000, 600, True),
+            Usage(4612, 85, 4000, 600, True, True),
             id="anthropic-style-prompt-includes-cache",
         ),
         pytest.param(
@@ -90,12 +90,12 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
                 "cache_creation_input_tokens": 600,
                 "prompt_tokens_details": {"cached_tokens": 4000},
             },
-            Usage(4612, 85, 4000, 600, True),
+            Usage(4612, 85, 4000, 600, True, True),
             id="anthropic-fields-with-openai-prompt-total",
         ),
         pytest.param(
             {"input_tokens": 30, "output_tokens": 3, "cache_creation_input_tokens": 0},
-            Usage(30, 3, 0, 0, True),
+            Usage(30, 3, 0, 0, True, True),
             id="anthropic-style-zero-cache-is-reported",
         ),
         pytest.param(
@@ -133,7 +133,7 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
                     "audio_tokens": 0,
                 },
             },
-            Usage(6000, 20, 4992, 896, True),
+            Usage(6000, 20, 4992, 896, True, True),
             id="openrouter-cache-writes",
         ),
         pytest.param(
@@ -142,7 +142,7 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
                 "completion_tokens": 20,
                 "prompt_tokens_details": {"cache_write_tokens": 4992},
             },
-            Usage(5000, 20, 0, 4992, True),
+            Usage(5000, 20, 0, 4992, True, True),
             id="openrouter-write-only",
         ),
         pytest.param(
