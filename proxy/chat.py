@@ -20,7 +20,7 @@ from typing import Any, Final
 import orjson
 
 from proxy import bodymemo, compaction, pairing
-from proxy.compactor import Compactor, provider_window
+from proxy.compactor import Compactor
 from proxy.config import TRUE_WORDS, Settings, sends_usage_unasked
 from proxy.errors import CLIENT_CLOSED, ProxyError, bad_request, shutting_down
 from proxy.pipeline import Exchange, Observer, Transform, notify, notify_each
@@ -594,7 +594,7 @@ class ChatPipeline:
                         state,
                         self.pairing.repair(ex, body, state),
                         force=True,
-                        window=provider_window(retry.body),
+                        window=compaction.provider_window(retry.body),
                     )
                 except asyncio.CancelledError:
                     task = asyncio.current_task()

@@ -732,12 +732,27 @@ def plan(
 
 # --- provider refusal -----------------------------------------------------------------------
 
+# The wordings of the servers agents use, lower-cased: OpenAI, Azure, DeepSeek, vLLM and Mistral
+# ("maximum context length"), Anthropic ("prompt is too long"), llama.cpp and Ollama, which passes
+# llama.cpp's text on ("exceeds the available context size", type "exceed_context_size_error"),
+# Together and SGLang ("longer than the model's context length"), Gemini ("exceeds the maximum
+# number of tokens allowed"), xAI ("maximum prompt length"), LM Studio ("greater than the context
+# length"), Bedrock ("input is too long").
 _CONTEXT_PHRASES = (
     b"context_length_exceeded",
     b"maximum context length",
     b"context window",
     b"prompt is too long",
     b"too many tokens",
+    b"exceeds the available context size",
+    b"exceed_context_size_error",
+    b"model's context length",
+    b"exceeds context length",
+    b"exceeds the context length",
+    b"than the context length",
+    b"exceeds the maximum number of tokens allowed",
+    b"maximum prompt length",
+    b"input is too long",
 )
 
 
@@ -756,3 +771,28 @@ def is_context_length_error(status: int, body: bytes) -> bool:
             return True
     lowered = body.lower()
     return any(phrase in lowered for phrase in _CONTEXT_PHRASES)
+
+
+# Where those refusals state the window: OpenAI's family, llama.cpp (its text and "n_ctx"),
+# Together/SGLang, Gemini, xAI, Mistral ("… too large for model with N maximum context length")
+# and Anthropic ("prompt is too long: M tokens > N maximum").
+_WINDOW_RE = re.compile(
+    rb"maximum context length is (\d+)"
+    rb"|available context size \((\d+) tokens?\)"
+    rb'|"n_ctx"\s*:\s*(\d+)'
+    rb"|model's context length \((\d+) tokens?\)"
+    rb"|maximum number of tokens allowed \((\d+)\)"
+    rb"|maximum prompt length is (\d+)"
+    rb"|(\d+) maximum context length"
+    rb"|tokens > (\d+) maximum",
+    re.IGNORECASE,
+)
+
+
+def provider_window(error_body: bytes) -> int | None:
+    """The context window a provider's ``context_length_exceeded`` message states, if it does."""
+    match = _WINDOW_RE.search(error_body)
+    if match is None:
+        return None
+    window = int(next(group for group in match.groups() if group is not None))
+    return window if window > 0 else None

@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 import logging
 import operator
-import re
 import time
 from typing import Any
 
@@ -35,14 +34,6 @@ SYNTHETIC_PREFIXES: tuple[str, ...] = (
 
 
 _MAX_MODELS = 256
-
-_LIMIT_RE = re.compile(rb"maximum context length is (\d+)")
-
-
-def provider_window(error_body: bytes) -> int | None:
-    """The context window a provider's ``context_length_exceeded`` message states, if it does."""
-    match = _LIMIT_RE.search(error_body)
-    return int(match.group(1)) if match else None
 
 
 class Compactor:

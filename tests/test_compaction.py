@@ -26,6 +26,7 @@ from proxy.compaction import (
     is_synthetic,
     plan,
     prefix_digest,
+    provider_window,
     should_compact,
     summary_message,
     summary_text,
@@ -549,6 +550,89 @@ def test_is_context_length_error() -> None:
     assert is_context_length_error(400, b"prompt is too long: 210000 tokens > 200000 maximum")
     assert not is_context_length_error(429, body)
     assert not is_context_length_error(400, b'{"error": {"message": "Invalid value: \'x\'."}}')
+
+
+@pytest.mark.parametrize(
+    ("body", "window"),
+    [
+        pytest.param(
+            b'{"error":{"message":"This model\'s maximum context length is 128000 tokens. However,'
+            b' your messages resulted in 130412 tokens.","type":"invalid_request_error",'
+            b'"param":"messages","code":"context_length_exceeded"}}',
+            128000,
+            id="openai",
+        ),
+        pytest.param(
+            b'{"error":{"code":400,"message":"request (9412 tokens) exceeds the available context'
+            b' size (8192 tokens), try increasing it","type":"exceed_context_size_error",'
+            b'"n_prompt_tokens":9412,"n_ctx":8192}}',
+            8192,
+            id="llama.cpp-and-ollama",
+        ),
+        pytest.param(
+            b'{"error":{"message":"the request exceeds the available context size, try increasing'
+            b' it","type":"exceed_context_size_error","n_ctx":4096}}',
+            4096,
+            id="llama.cpp-older",
+        ),
+        pytest.param(
+            b'{"object":"error","message":"The input (150000 tokens) is longer than the model\'s'
+            b' context length (128000 tokens).","type":"BadRequestError","code":400}',
+            128000,
+            id="together-sglang",
+        ),
+        pytest.param(
+            b'[{"error":{"code":400,"message":"The input token count (1200000) exceeds the maximum'
+            b' number of tokens allowed (1048576).","status":"INVALID_ARGUMENT"}}]',
+            1048576,
+            id="gemini",
+        ),
+        pytest.param(
+            b'{"code":"Client specified an invalid argument","error":"This model\'s maximum prompt'
+            b' length is 131072 but the request contains 140000 tokens."}',
+            131072,
+            id="xai",
+        ),
+        pytest.param(
+            b'{"object":"error","message":"Prompt contains 40000 tokens and 0 draft tokens, too'
+            b' large for model with 32768 maximum context length","type":"invalid_request_error"}',
+            32768,
+            id="mistral",
+        ),
+        pytest.param(
+            b'{"type":"error","error":{"type":"invalid_request_error","message":"prompt is too'
+            b' long: 210000 tokens > 200000 maximum"}}',
+            200000,
+            id="anthropic",
+        ),
+        pytest.param(
+            b'{"error":"The number of tokens to keep from the initial prompt is greater than the'
+            b' context length. Try to load the model with a larger context length."}',
+            None,
+            id="lm-studio",
+        ),
+        pytest.param(
+            b'{"message":"Input is too long for requested model."}',
+            None,
+            id="bedrock",
+        ),
+    ],
+)
+def test_the_context_refusals_of_the_usual_servers_are_recognised_with_their_window(
+    body: bytes, window: int | None
+) -> None:
+    assert is_context_length_error(400, body)
+    assert provider_window(body) == window
+
+
+def test_other_refusals_are_not_taken_for_context_length() -> None:
+    for body in (
+        b'{"error":{"message":"Invalid type for \'messages[2].content\'","code":null}}',
+        b'{"error":{"message":"max_tokens is too large: 9000. Use at most 4096.","code":null}}',
+        b'{"error":{"message":"Rate limit reached for tokens per min (TPM)"}}',
+    ):
+        assert not is_context_length_error(400, body)
+        assert provider_window(body) is None
 
 
 def test_one_task_stays_however_long_its_tool_loop() -> None:
