@@ -129,11 +129,22 @@ def _valid_json(text: str) -> bool:
 
 
 def _parses(text: str) -> bool:
+    """Whether ``text`` is JSON as the grammar has it. orjson refuses two things the grammar
+    allows and providers accept: a lone UTF-16 surrogate escape (``"\\ud83d"``: JavaScript's
+    ``JSON.stringify`` of a text cut inside an emoji) and a number beyond a double (``1e400``);
+    the standard parser settles those (the text is forwarded as it is, never re-serialized)."""
     try:
         orjson.loads(text)
     except orjson.JSONDecodeError:
-        return False
+        try:
+            json.loads(text, parse_constant=_not_json)
+        except ValueError:  # JSONDecodeError, and NaN/Infinity, which JSON does not have
+            return False
     return True
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _has_id(call: dict[str, Any]) -> bool:

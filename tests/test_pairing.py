@@ -187,6 +187,28 @@ CASES: list[tuple[str, list[Message], list[Message], list[tuple[str, int, str | 
 
 
 @pytest.mark.parametrize(
+    "arguments",
+    [
+        '{"text": "Hi \\ud83d"}',  # JavaScript's JSON.stringify of a text cut inside an emoji
+        '{"limit": 1e400}',  # beyond a double: JSON all the same
+        '{"text": "Hi \\ud83d\\ude00"}',
+    ],
+)
+def test_arguments_that_are_json_but_not_to_orjson_are_left_alone(arguments: str) -> None:
+    history = [user("go"), asst(call("a", "say", arguments)), tool("a")]
+    result = repair_messages(history)
+    assert result.repairs == []
+    assert result.messages[1]["tool_calls"][0]["function"]["arguments"] == arguments
+    assert diagnose(history) == []
+
+
+@pytest.mark.parametrize("arguments", ['{"limit": NaN}', '{"limit": Infinity}', '{"a": 1'])
+def test_arguments_that_are_not_json_are_still_repaired(arguments: str) -> None:
+    result = repair_messages([user("go"), asst(call("a", "say", arguments)), tool("a")])
+    assert [r.kind for r in result.repairs] == ["invalid_arguments"]
+
+
+@pytest.mark.parametrize(
     ("given_messages", "expected", "expected_repairs"),
     [case[1:] for case in CASES],
     ids=[case[0] for case in CASES],
