@@ -310,6 +310,11 @@ CLIENT_KEY_HEADERS: Final = frozenset(
 )
 
 
+# The key a client that must send one (the OpenAI SDKs refuse to start without) sends to have
+# cachegate's own key used instead: ``OPENAI_API_KEY=cachegate`` in the agent's environment.
+PLACEHOLDER_AUTHORIZATION: Final = b"Bearer cachegate"
+
+
 def _connection_listed(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
     """Header names a ``Connection`` header declares hop-by-hop (RFC 9110 7.6.1)."""
     names = [
@@ -325,7 +330,8 @@ def upstream_request_headers(
     brought none (in ``Authorization`` or another provider's key header, ``CLIENT_KEY_HEADERS``:
     a client talking to Azure or Anthropic through cachegate must not have the OpenAI key sent
     along with its own). A key header the client's ``Connection`` header lists is dropped and not
-    replaced: the client chose to send no key."""
+    replaced: the client chose to send no key. The placeholder key ``cachegate``
+    (``PLACEHOLDER_AUTHORIZATION``) is replaced by the configured key when there is one."""
     headers = []
     connection = authorized = False
     for header in scope_headers:  # one pass: the usual request has no Connection header
@@ -333,7 +339,10 @@ def upstream_request_headers(
         if name in _DROP_REQUEST:
             connection = connection or name == b"connection"
             continue
-        authorized = authorized or name in CLIENT_KEY_HEADERS
+        if name in CLIENT_KEY_HEADERS:
+            if api_key and header[1] == PLACEHOLDER_AUTHORIZATION and name == b"authorization":
+                continue
+            authorized = True
         headers.append(header)
     if connection:  # and the names it lists (RFC 9110 7.6.1)
         listed = _connection_listed(scope_headers)

@@ -630,6 +630,34 @@ def test_authorization_forwarded_unchanged_or_added_from_env(
     assert auth == [b"Bearer sk-client", b"Bearer sk-from-env"]
 
 
+def test_the_placeholder_key_cachegate_stands_for_the_configured_key(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """The OpenAI SDKs refuse to start without a key: an agent given OPENAI_API_KEY=cachegate
+    has the key in cachegate's environment used, on the pipeline and on the generic relay."""
+    import openai
+
+    upstream, url = scripted(
+        chunks=[b'{"object":"list","data":[]}'], content_type=b"application/json"
+    )
+    proxy = proxy_factory(url, environ={"OPENAI_API_KEY": "sk-from-env"})
+    client = openai.OpenAI(base_url=proxy.base_url, api_key="cachegate", max_retries=0)
+    client.chat.completions.with_raw_response.create(model="gpt-4o", messages=[])
+    client.models.list()
+    auth = [dict(r["headers"]).get(b"authorization") for r in upstream.requests]
+    assert auth == [b"Bearer sk-from-env", b"Bearer sk-from-env"]
+
+    # without a key of its own, cachegate forwards the placeholder: the provider says it is wrong
+    upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
+    bare = proxy_factory(url, environ={})
+    httpx.post(
+        bare.base_url + "/chat/completions",
+        json=CHAT,
+        headers={"Authorization": "Bearer cachegate"},
+    )
+    assert dict(upstream.requests[0]["headers"])[b"authorization"] == b"Bearer cachegate"
+
+
 @pytest.mark.parametrize(
     ("path", "header"),
     [
