@@ -5,9 +5,11 @@
 # on 127.0.0.1 (as above and in docker-compose.yml) to keep it off the network.
 FROM python:3.11-slim
 
+# CACHEGATE_LOG_DIR: `docker exec <container> cachegate sessions list` reads the served logs.
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    CACHEGATE_LOG_DIR=/logs
 
 WORKDIR /build
 COPY pyproject.toml README.md ./

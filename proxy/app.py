@@ -533,7 +533,7 @@ def create_app(
         if not path.startswith(("/v1/", "/s/")):
             message += (
                 " cachegate serves the OpenAI API under /v1: a client's base URL ends in /v1,"
-                " e.g. OPENAI_BASE_URL=http://127.0.0.1:8787/v1."
+                f" e.g. OPENAI_BASE_URL={request.base_url}v1."
             )
         return _error_response(ProxyError(404, message, code="not_found"))
 

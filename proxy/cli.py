@@ -11,9 +11,10 @@ import re
 import socket
 import sys
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 from proxy import __version__
-from proxy.config import ConfigError, display_url, load_settings
+from proxy.config import ConfigError, display_url, load_settings, url_host
 
 DEFAULT_LOG_DIR = "./cachegate-logs"
 SHUTDOWN_GRACE_S = 5  # after Ctrl+C, how long answers in flight may still finish
@@ -81,8 +82,15 @@ def _serve(ns: argparse.Namespace) -> int:
         config_file = ns.config or os.environ.get("CACHEGATE_CONFIG")
         if config_file:
             logs = f"config: {config_file}; {logs}"
+        if urlsplit(settings.upstream.base_url).path.strip("/") == "":
+            print(
+                f"cachegate: note: the upstream URL {display_url(settings.upstream.base_url)}"
+                " has no path; an OpenAI-compatible base URL usually ends in /v1"
+                " (https://api.openai.com/v1), or the provider's 404 answers every request",
+                file=sys.stderr,
+            )
         print(
-            f"cachegate {__version__} listening on http://{_url_host(host)}:{port}/v1"
+            f"cachegate {__version__} listening on http://{url_host(host)}:{port}/v1"
             f" -> {display_url(settings.upstream.base_url)} ({logs})",
             file=sys.stderr,
         )
@@ -114,15 +122,9 @@ def _bound(host: str, port: int, prog: str) -> list[socket.socket] | None:
     try:
         return listening_sockets(host, port)
     except OSError as exc:
-        where = f"{_url_host(host)}:{port}"
+        where = f"{url_host(host)}:{port}"
         print(f"{prog}: cannot listen on {where}: {exc.strerror or exc}", file=sys.stderr)
         return None
-
-
-def _url_host(host: str) -> str:
-    """``host`` as a URL writes it: an IPv6 address in brackets (once)."""
-    bare = host.strip("[]")
-    return f"[{bare}]" if ":" in bare else bare
 
 
 def _simulate(ns: argparse.Namespace) -> int:

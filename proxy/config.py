@@ -222,6 +222,12 @@ def sends_usage_unasked(base_url: str) -> bool:
 _USER_INFO: Final = re.compile(r"[^/?#@\s]+@")
 
 
+def url_host(host: str) -> str:
+    """``host`` as a URL writes it: an IPv6 address in brackets (once)."""
+    bare = host.strip("[]")
+    return f"[{bare}]" if ":" in bare else bare
+
+
 def display_url(url: str) -> str:
     """``url`` as it may be shown or logged: without the ``user:password@`` a base URL can carry."""
     try:
@@ -319,6 +325,15 @@ def _build(cls: Any, data: Mapping[str, Any], prefix: str, base: Any, text: bool
 def _check(settings: Settings) -> None:
     if not 0 < settings.server.port < 65536:
         raise ConfigError(f"config key 'server.port': {settings.server.port} is not a TCP port")
+    if not settings.server.host.strip():  # the socket layer reads "" as every interface
+        raise ConfigError(
+            "config key 'server.host': empty; give an address (127.0.0.1, or 0.0.0.0 to listen"
+            " on every interface)"
+        )
+    if not settings.logging.dir.strip():  # "" would write the logs into the current directory
+        raise ConfigError(
+            "config key 'logging.dir': empty; give a directory (or set logging.enabled = false)"
+        )
     url = settings.upstream.base_url
     if not url.startswith(("http://", "https://")):
         raise ConfigError(
@@ -334,6 +349,11 @@ def _check(settings: Settings) -> None:
     if not host:
         raise ConfigError(
             f"config key 'upstream.base_url': {display_url(url)!r} names no host{why}"
+        )
+    if "?" in url or "#" in url:  # the route is appended to the URL: ".../v1?x=1/chat/completions"
+        raise ConfigError(
+            f"config key 'upstream.base_url': {display_url(url)!r} has a query or fragment; give"
+            " the base URL alone (a client's query string is passed on with each request)"
         )
     for key, check in (
         ("allowed_origins", check_origin_entry),
@@ -374,7 +394,8 @@ def settings_from_mapping(
             if not isinstance(value, Mapping):
                 raise ConfigError("config key 'models': expected a table of model tables")
             models = dict(settings.models)
-            for name, table in value.items():
+            # "*" first, wherever the file puts it: the tables that start from it see it all
+            for name, table in sorted(value.items(), key=lambda item: item[0] != "*"):
                 start = models.get(name, models.get("*", ModelSettings()))
                 models[name] = _build(ModelSettings, table, f'models."{name}"', start, text)
             changes["models"] = models
@@ -424,7 +445,9 @@ def load_settings(
     if path:
         try:
             with open(path, "rb") as fh:
-                data = tomllib.load(fh)
+                raw = fh.read()
+            # a byte-order mark, as Windows editors save UTF-8, is no TOML: read past it
+            data = tomllib.loads(raw.decode("utf-8").removeprefix("\ufeff"))
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
         except tomllib.TOMLDecodeError as exc:

@@ -191,7 +191,8 @@ def test_a_base_url_without_v1_gets_an_openai_shaped_404_that_says_so(
         sdk(proxy.url).chat.completions.create(
             model="gpt-4o", messages=[{"role": "user", "content": "x"}]
         )
-    assert "/v1" in info.value.message
+    # the address to use, with the port this cachegate listens on
+    assert f"OPENAI_BASE_URL={proxy.url}/v1." in info.value.message
     r = httpx.post(proxy.url + "/chat/completions", json={})
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "not_found"

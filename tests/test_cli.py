@@ -564,6 +564,8 @@ def test_simulate_serves_on_the_port_it_bound(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGINT)
         _out, err = proc.communicate(timeout=10)
     assert proc.returncode == 0 and "Traceback" not in err  # Ctrl+C: a clean stop
+    # it says where it listens, as serve does
+    assert err.startswith(f"cachegate simulate: anthropic-compat on http://127.0.0.1:{port}/v1\n")
 
 
 @pytest.mark.timeout(30)
@@ -600,6 +602,37 @@ def test_serve_says_where_it_listens_and_which_config_file_it_read(tmp_path: Pat
     )
 
 
+@pytest.mark.timeout(30)
+def test_serve_notes_an_upstream_url_without_a_path(tmp_path: Path) -> None:
+    """``--upstream https://api.openai.com`` (no /v1) is the usual slip: every request would get
+    the provider's 404."""
+    import signal
+
+    script = shutil.which("cachegate")
+    assert script is not None
+    port = free_port()
+    argv = [script, "serve", "--port", str(port), "--log-dir", str(tmp_path / "logs")]
+    proc = subprocess.Popen(
+        [*argv, "--upstream", "http://127.0.0.1:9"],
+        env=clean_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    with proc:
+        try:
+            assert proc.stderr is not None
+            note, line = proc.stderr.readline(), proc.stderr.readline()
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(20)
+    assert note == (
+        "cachegate: note: the upstream URL http://127.0.0.1:9 has no path; an OpenAI-compatible"
+        " base URL usually ends in /v1 (https://api.openai.com/v1), or the provider's 404 answers"
+        " every request\n"
+    )
+    assert line.startswith(f"cachegate {__version__} listening on")
+
+
 @pytest.mark.parametrize(
     ("flag", "message"),
     [
@@ -611,6 +644,20 @@ def test_simulate_with_a_bad_value_names_the_flag(flag: list[str], message: str)
     result = run_cli("simulate", *flag)
     assert result.code == 2
     assert result.err == f"cachegate simulate: {message}\n"
+
+
+@pytest.mark.parametrize("port", ["106659", "-1", "0"])
+def test_simulate_refuses_a_port_that_is_no_tcp_port(port: str) -> None:
+    # 106659 used to listen on 106659 - 65536 = 41123, silently
+    result = run_cli("simulate", "--port", port)
+    assert result.code == 2
+    assert result.err.endswith(f"argument --port: {port} is not a TCP port\n")
+
+
+def test_simulate_refuses_a_ttl_that_is_not_a_number() -> None:
+    result = run_cli("simulate", "--cache-ttl-s", "nan")
+    assert result.code == 2
+    assert result.err == "cachegate simulate: --cache-ttl-s must be a number >= 0\n"
 
 
 def test_console_script_serve_refuses_a_bad_config_and_reports_its_version(
@@ -679,6 +726,6 @@ def _healthy(url: str) -> bool:
     [("127.0.0.1", "127.0.0.1"), ("::1", "[::1]"), ("[::1]", "[::1]"), ("localhost", "localhost")],
 )
 def test_the_start_up_line_writes_the_host_as_a_url_does(host: str, shown: str) -> None:
-    from proxy.cli import _url_host
+    from proxy.config import url_host
 
-    assert _url_host(host) == shown
+    assert url_host(host) == shown

@@ -86,12 +86,43 @@ def test_env_vars_for_every_option(tmp_path: Path) -> None:
         ({"server": {"max_body_bytes": 0}}, "server.max_body_bytes"),
         ({"sessions": {"max_sessions": 0}}, "sessions.max_sessions"),
         ({"compaction": {"summary_timeout_s": 0}}, "compaction.summary_timeout_s"),
+        # "" would listen on every interface, or write the logs into the working directory
+        ({"server": {"host": ""}}, "server.host"),
+        ({"server": {"host": "  "}}, "server.host"),
+        ({"logging": {"dir": ""}}, "logging.dir"),
+        # the route is appended to the base URL: a query would swallow it
+        ({"upstream": {"base_url": "http://127.0.0.1:8788/v1?x=1"}}, "upstream.base_url"),
+        ({"upstream": {"base_url": "http://127.0.0.1:8788/v1#top"}}, "upstream.base_url"),
     ],
 )
 def test_bad_config_names_the_key(data: dict, needle: str) -> None:
     with pytest.raises(ConfigError) as info:
         settings_from_mapping(data)
     assert needle in str(info.value)
+
+
+def test_an_empty_host_or_log_dir_from_a_flag_is_refused_too() -> None:
+    for option, key in (("host", "server.host"), ("log_dir", "logging.dir")):
+        with pytest.raises(ConfigError, match=key):
+            load_settings(None, {option: ""}, environ={})
+
+
+def test_the_fallback_model_table_applies_wherever_the_file_puts_it(tmp_path: Path) -> None:
+    for order in (("my-model", "*"), ("*", "my-model")):
+        tables = {
+            "my-model": '[models."my-model"]\ncontext_window = 8192\n',
+            "*": '[models."*"]\nprice_input = 1.0\n',
+        }
+        path = tmp_path / "cachegate.toml"
+        path.write_text("".join(tables[name] for name in order))
+        model = load_settings(str(path), environ={}).models["my-model"]
+        assert (model.price_input, model.context_window) == (1.0, 8192), order
+
+
+def test_a_config_file_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "cachegate.toml"
+    path.write_bytes("\ufeff[server]\nport = 9999\n".encode())  # as Windows editors save it
+    assert load_settings(str(path), environ={}).server.port == 9999
 
 
 def test_missing_config_file_is_an_error() -> None:

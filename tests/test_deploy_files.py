@@ -217,3 +217,13 @@ def test_dockerfile_command_serves_on_all_interfaces_of_the_container() -> None:
     ]
     assert "[ -f /config/cachegate.toml ]" in script
     assert "export CACHEGATE_CONFIG=/config/cachegate.toml" in script
+
+
+def test_the_reports_run_inside_the_image_read_the_served_logs() -> None:
+    """``docker exec … cachegate sessions list`` reads CACHEGATE_LOG_DIR: it must name the
+    directory the served command writes (else it looks for /logs/cachegate-logs)."""
+    (env,) = instructions("ENV")
+    settings = dict(pair.split("=", 1) for pair in shlex.split(env))
+    (cmd,) = instructions("CMD")
+    serve = shlex.split(json.loads(cmd)[2].rpartition("exec ")[2])
+    assert settings["CACHEGATE_LOG_DIR"] == serve[serve.index("--log-dir") + 1] == "/logs"

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import socket
+import sys
 
 import uvicorn
 
+from proxy.config import url_host
 from proxy.serving import serve_until_stopped
 from proxy.simulator.app import create_simulator_app
 from proxy.simulator.config import DIALECTS, SimConfig
@@ -18,6 +20,16 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8788
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536:  # the socket layer would take 106659 as 106659 - 65536
+        raise argparse.ArgumentTypeError(f"{text} is not a TCP port")
+    return port
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the simulator's options to ``parser`` (defaults are ``SimConfig``'s)."""
     defaults = SimConfig()
@@ -25,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--host", default=DEFAULT_HOST, help="address to bind (default: %(default)s)"
     )
     parser.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)"
+        "--port", type=_port, default=DEFAULT_PORT, help="port (default: %(default)s)"
     )
     parser.add_argument(
         "--dialect",
@@ -108,7 +120,10 @@ def serve(
 ) -> int:
     """Serve the simulator until interrupted (blocking), on ``sockets`` when bound already (they
     are closed at the end). Returns the exit code: 0 after Ctrl+C, 3 when start-up failed."""
-    logger.info("simulating %s on http://%s:%d/v1", config.dialect, host, port)
+    print(
+        f"cachegate simulate: {config.dialect} on http://{url_host(host)}:{port}/v1",
+        file=sys.stderr,
+    )
     app = create_simulator_app(config)
     if sockets is None:
         uvicorn.run(app, host=host, port=port, log_level="info")

@@ -48,8 +48,8 @@ class SimConfig:
         if self.dialect not in DIALECTS:
             raise ValueError(f"dialect must be one of {', '.join(DIALECTS)}, not {self.dialect!r}")
         for name in ("ttft_ms", "chunk_ms", "cache_ttl_s", "stall_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
+            if not getattr(self, name) >= 0:  # nan too
+                raise ValueError(f"{name} must be a number >= 0")
         if self.keepalive_interval_ms <= 0:
             raise ValueError("keepalive_interval_ms must be > 0")
         if self.context_window < 1:
