@@ -371,7 +371,8 @@ class _ProxyEndpoint:
                 send,
                 "passthrough",
                 bad_request(
-                    "Invalid path: '.' and '..' segments (also percent-encoded) are not relayed.",
+                    "Invalid path: '.' and '..' segments (also percent-encoded), and a /v1 or"
+                    " /s/{id}/v1 prefix that is percent-encoded, are not relayed.",
                     "invalid_path",
                 ),
             )
@@ -382,10 +383,17 @@ class _ProxyEndpoint:
 def upstream_path_of(scope: Scope) -> str | None:
     """The path after ``/v1/`` (or ``/s/{id}/v1/``) exactly as the client encoded it, or None when
     a segment would climb out of the upstream's ``/v1`` (``..``, also as ``%2E%2E`` or behind an
-    encoded ``%2F``). Starlette's path parameter is decoded, so ``%2F`` would become a separator."""
+    encoded ``%2F``), or when the prefix was routed only once decoded (``/v1%2Fmodels``,
+    ``/s/abc%2Fv1/models``: the raw path's segments would not line up with the route's).
+    Starlette's path parameter is decoded, so ``%2F`` would become a separator."""
     raw = scope.get("raw_path") or quote(scope["path"]).encode()
     segments = raw.split(b"?", 1)[0].split(b"/")
-    rest = segments[2:] if segments[1:2] == [b"v1"] else segments[4:]
+    if segments[1:2] == [b"v1"]:
+        rest = segments[2:]
+    elif segments[1:2] == [b"s"] and segments[3:4] == [b"v1"]:
+        rest = segments[4:]
+    else:
+        return None
     for segment in rest:
         text = unquote(segment.decode("latin-1")).replace("\\", "/")
         if any(part in (".", "..") for part in text.split("/")):

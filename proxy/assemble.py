@@ -507,6 +507,15 @@ def assemble_completion(body: Mapping[str, Any]) -> AssembledResponse:
     )
 
 
+# A stream's bytes beyond this are relayed but not recorded (an upstream that never ends its
+# answer, or one line of it, must not take cachegate's memory with it): ~8 million tokens of text.
+MAX_RECORDED_STREAM = 32 * 1024 * 1024
+
+
+class RecordingTooLong(Exception):
+    """The stream went past ``MAX_RECORDED_STREAM``: its recording is given up."""
+
+
 class StreamRecorder:
     """The relay's side channel: raw upstream byte chunks in, one ``AssembledResponse`` out.
 
@@ -519,7 +528,7 @@ class StreamRecorder:
     take the decoder's short path or the general one.
     """
 
-    __slots__ = ("_size", "assembler", "chunks", "decoder")
+    __slots__ = ("_size", "assembler", "chunks", "decoder", "recorded")
 
     _BATCH_BYTES = 2048
     KEEP_BYTES = 16 * 1024
@@ -532,6 +541,7 @@ class StreamRecorder:
         # calls ``decode`` as ``feed`` would: the same, without a call per chunk.
         self.chunks: list[bytes] = []
         self._size = 0
+        self.recorded = 0  # bytes decoded so far
 
     def feed(self, chunk: bytes) -> None:
         """Take one chunk exactly as the upstream sent it."""
@@ -541,10 +551,15 @@ class StreamRecorder:
             self.decode()
 
     def decode(self) -> None:
-        """Decode the chunks kept so far (an event they leave unfinished waits for the rest)."""
+        """Decode the chunks kept so far (an event they leave unfinished waits for the rest).
+        Raises ``RecordingTooLong`` once the stream has gone past ``MAX_RECORDED_STREAM``."""
         data = b"".join(self.chunks)
         self.chunks.clear()  # the same list: the relay holds its append
         self._size = 0
+        self.recorded += len(data)
+        if self.recorded > MAX_RECORDED_STREAM:
+            self.decoder = SSEDecoder()  # and what it held of an unfinished line or event
+            raise RecordingTooLong(f"stream longer than {MAX_RECORDED_STREAM:,} bytes")
         start = 0
         while start < len(data):
             # Cut after a blank line, so that batches start between events; when an event was

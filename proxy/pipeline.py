@@ -9,6 +9,7 @@ swallowed (mitmproxy's ``safecall``).
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -131,13 +132,29 @@ MAX_ERROR_TEXT = 300
 def refusal_text(status: int, body: bytes) -> str:
     """What a body answered with ``status`` (>= 400) says, as one line for the log."""
     try:
-        return error_message(orjson.loads(body))[:MAX_ERROR_TEXT]
+        return clip_words(error_message(orjson.loads(body)), MAX_ERROR_TEXT)
     except orjson.JSONDecodeError:
         pass
     text = " ".join(body[: MAX_ERROR_TEXT * 4].decode("utf-8", "replace").split())
     if not text:
         return f"upstream answered {status} with an empty body"
-    return f"upstream answered {status}: {text[:MAX_ERROR_TEXT]}"
+    return f"upstream answered {status}: {clip_words(text, MAX_ERROR_TEXT)}"
+
+
+# A run of the characters keys are made of (and the words around them).
+_WORD_END = re.compile(r"[\w.~+/=-]+\Z")
+
+
+def clip_words(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, never inside a word: a provider that echoes the
+    key it refused (``Incorrect API key provided: sk-…``) must not leave a piece of it that the
+    log's redaction, which looks for the whole key or a key's pattern, no longer recognises."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit]
+    if _WORD_END.match(text[limit]):  # the cut falls inside a run: drop its start
+        cut = _WORD_END.sub("", cut)
+    return cut + "…"
 
 
 def error_message(payload: Any) -> str:

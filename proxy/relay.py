@@ -21,7 +21,12 @@ from typing import Any, Final
 import httpx
 import orjson
 
-from proxy.assemble import AssembledResponse, StreamRecorder, assemble_completion
+from proxy.assemble import (
+    AssembledResponse,
+    RecordingTooLong,
+    StreamRecorder,
+    assemble_completion,
+)
 from proxy.config import display_url
 from proxy.errors import (
     CLIENT_CLOSED,
@@ -437,6 +442,9 @@ class _Tee:
         if self.recorder is not None:
             try:
                 return self.recorder.finish()
+            except RecordingTooLong as exc:
+                log.warning("%s: relayed in full, not recorded", exc)
+                return None
             except Exception:
                 log.exception("stream recorder failed to finish")
                 return None
@@ -966,6 +974,10 @@ def _sink(
             kept = 0
             try:
                 recorder.decode()  # type: ignore[union-attr]
+            except RecordingTooLong as exc:
+                log.warning("%s: relayed in full, not recorded", exc)
+                keep = None
+                tee.recorder = None  # type: ignore[union-attr]
             except Exception:
                 log.exception("stream recorder failed; relaying continues unrecorded")
                 keep = None

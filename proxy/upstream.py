@@ -50,6 +50,9 @@ import httpx
 
 _HIGH_WATER = 256 * 1024  # buffered response bytes before the socket stops being read
 _WRITE_JOIN = 64 * 1024  # bodies up to this size go out in one write with the head
+# An answer's status line and headers beyond this are refused (h11, under httpx, allows 16 KiB;
+# providers send 1-4): an upstream that never ends its headers must not take the memory with it.
+MAX_HEAD_BYTES = 64 * 1024
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # a closed peer is an error, never a signal
 
 Origin = tuple[str, str, int]  # scheme, host, port
@@ -299,6 +302,7 @@ class _Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._sent: int | None = None  # bytes of the first request sent before the transport
         self._sent_at = 0.0  # loop time the request was all written
+        self._head_bytes = 0  # bytes received of the current answer before its headers ended
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -317,8 +321,17 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(InvalidAnswer(f"invalid answer from upstream: {exc}"))
             self.abort()
+        except httptools.HttpParserUpgrade:  # after a 101, which on_headers_complete refused
+            self.abort()
         response = self._response
-        if response is not None and response._sink is not None:
+        if response is None:  # the headers have not ended yet
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES and not self._aborted:
+                self._fail(
+                    InvalidAnswer(f"upstream's response headers exceed {MAX_HEAD_BYTES} bytes")
+                )
+                self.abort()
+        elif response._sink is not None:
             response._to_sink()
 
     def eof_received(self) -> bool | None:
@@ -367,6 +380,10 @@ class _Connection(asyncio.Protocol):
         status = parser.get_status_code()
         if 100 <= status < 200 and status != 101:
             self._raw_headers = []  # an interim answer (100 Continue, 103 Early Hints): skip it
+            return
+        if status == 101:  # cachegate never asks to switch protocols (Upgrade is not forwarded)
+            self._raw_headers = []
+            self._fail(InvalidAnswer("upstream switched protocols (101) unasked"))
             return
         headers, self._raw_headers = self._raw_headers, []
         response = UpstreamResponse(self, status, headers)
@@ -455,6 +472,7 @@ class _Connection(asyncio.Protocol):
         self._ambiguous = False
         self._request_incomplete = False
         self._raw_headers = []
+        self._head_bytes = 0
         self._head = self.loop.create_future()
 
     async def exchange(

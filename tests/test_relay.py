@@ -1014,6 +1014,11 @@ def test_streamed_upload_over_limit_is_413_not_502(
         (b"/v1/models/..%2F..%2Fadmin%2Fkeys", None),
         (b"/v1/models/%2E%2E/admin", None),
         (b"/s/sess-1/v1/..%2Fadmin", None),
+        # a prefix that routes only once decoded: its raw segments do not line up with the route
+        (b"/v1%2Fmodels%2Fgpt-4o", None),
+        (b"/v1%2F..%2Fadmin", None),
+        (b"/s/abc%2Fv1/models/gpt-4o", None),
+        (b"/s/a%3Ab/v1/models", b"/v1/models"),  # an id's ':' percent-encoded is still the id
     ],
 )
 def test_paths_are_relayed_as_encoded_and_never_climb_out_of_v1(
@@ -1087,6 +1092,88 @@ def test_a_malformed_upstream_answer_is_a_502(
         assert proxy.metric("cachegate_upstream_errors_total", {"kind": "connect"}) == 0
     finally:
         upstream.sock.close()
+
+
+@pytest.mark.parametrize("transport", ["native", "httpx"])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        # headers that never end: they used to be held whole (1.5 GB in 10 s from a hostile
+        # upstream), waiting for an end that never came
+        b"HTTP/1.1 200 OK\r\n" + b"x-a: " + b"b" * 1000 + b"\r\n" * 1 + b"x-a: b\r\n" * 20000,
+        # a switch of protocols nobody asked for: it used to reach the client as a 101 with a body
+        b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n"
+        b"raw bytes of another protocol",
+    ],
+    ids=["endless-headers", "unasked-101"],
+)
+def test_an_answer_no_client_should_take_is_a_502(
+    proxy_factory: Any, transport: str, answer: bytes
+) -> None:
+    upstream = RawUpstream(answer)
+    try:
+        proxy = proxy_factory(upstream.url, {"upstream": {"transport": transport}})
+        for path in ("/chat/completions", "/models"):
+            send = httpx.post if path == "/chat/completions" else httpx.get
+            kwargs: dict[str, Any] = {"json": CHAT} if send is httpx.post else {}
+            r = send(proxy.base_url + path, **kwargs)
+            assert r.status_code == 502, (path, r.status_code, r.content[:200])
+            assert r.json()["error"]["code"] == "upstream_invalid_answer"
+    finally:
+        upstream.sock.close()
+
+
+@pytest.mark.parametrize("pad", [250, 262, 270, 280])
+def test_a_refusal_that_echoes_the_key_leaves_no_piece_of_it_in_the_log(
+    scripted: Any, proxy_factory: Any, pad: int
+) -> None:
+    """The log keeps 300 characters of a refusal: cut inside an echoed key, the piece left was
+    neither the whole key nor a key's pattern, and went to the log as it was."""
+    from proxy.eventlog import read_events
+
+    key = "sk-proj-Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4zAb7cDe0f"
+    message = "." * pad + f" Incorrect API key provided: {key}. You can find your API key at …"
+    _upstream, url = scripted(
+        chunks=[orjson.dumps({"error": {"message": message, "code": "invalid_api_key"}})],
+        content_type=b"application/json",
+        status=401,
+    )
+    proxy = proxy_factory(url, environ={"OPENAI_API_KEY": key})
+    r = httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers={"X-Session-Id": "k"})
+    assert r.status_code == 401  # relayed verbatim to the client, whose key it is
+    proxy.settle()
+    logged = (proxy.log_dir / "k.jsonl").read_text()
+    response = read_events(proxy.log_dir / "k.jsonl").events[-1]
+    assert response["error"].startswith("." * pad)
+    for n in range(8, len(key) + 1):
+        assert key[:n] not in logged, key[:n]
+
+
+def test_a_stream_past_the_recording_limit_is_relayed_whole_and_not_recorded(
+    scripted: Any, proxy_factory: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """An upstream that never ends its answer used to have every byte recorded: 4 GB of
+    cachegate's memory, then one 725 MB log line."""
+    from proxy import assemble
+    from proxy.eventlog import read_events
+
+    monkeypatch.setattr(assemble, "MAX_RECORDED_STREAM", 256 * 1024)
+    delta = b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * 1000 + b'"}}]}\n\n'
+    events = [delta] * 600 + [b"data: [DONE]\n\n"]  # ~620 KB
+    _upstream, url = scripted(chunks=events)
+    proxy = proxy_factory(url)
+    with caplog.at_level("WARNING"):
+        r = httpx.post(
+            proxy.base_url + "/chat/completions",
+            json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
+            headers={"X-Session-Id": "endless"},
+        )
+        proxy.settle()
+    assert r.status_code == 200 and r.content == b"".join(events)  # the client lost nothing
+    response = read_events(proxy.log_dir / "endless.jsonl").events[-1]
+    assert response["type"] == "response" and response["status"] == 200
+    assert response["message"] is None  # not recorded: no 600 KB line
+    assert "stream longer than 262,144 bytes: relayed in full, not recorded" in caplog.text
 
 
 @pytest.mark.parametrize(
