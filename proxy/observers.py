@@ -21,7 +21,7 @@ from proxy.config import Settings, display_url
 from proxy.eventlog import EventLogWriter, choose_base
 from proxy.metrics import Metrics
 from proxy.pipeline import Exchange
-from proxy.redact import known_secrets
+from proxy.redact import known_secrets, redact_text
 from proxy.sessions import SessionState, SessionStore
 from proxy.usage import Usage
 
@@ -163,12 +163,15 @@ class AccountingObserver:
             if len(self._terms) >= _MAX_MODEL_TERMS:  # model names come from clients: bounded
                 self._terms.clear()
             if model_name and not (pricing.price_input or pricing.price_output):
+                shown = redact_text(model_name)  # a client's text, on stderr: as in the log
+                for secret in self.secrets:
+                    shown = shown.replace(secret, "[REDACTED]")
                 log.info(
                     "model %r has no prices (the configured entry %r): its cost counts as $0; "
                     "set price_input and price_output in [models.%s] of the config file",
-                    model_name,
+                    shown,
                     name,
-                    _toml_string(model_name),
+                    _toml_string(shown),
                 )
             terms = self._terms[model_name] = (name, ttl, pricing)
         return terms

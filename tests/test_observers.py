@@ -240,6 +240,32 @@ def test_a_model_without_prices_is_said_once_not_silently_costed_at_zero(
     ]
 
 
+def test_a_key_sent_as_a_model_name_is_not_shown_on_stderr(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The no-prices line quotes the model name a client sent: a key pasted there (or the
+    operator's own) is redacted there as in the session log."""
+    from prometheus_client import CollectorRegistry
+
+    store = MemorySessionStore()
+    store.create("s1", 0.0)
+    operator_key = "srvKEY0123456789abcdefSERVER"
+    accounting = AccountingObserver(
+        settings_from_mapping({}), store, Metrics(CollectorRegistry(), ()), [operator_key]
+    )
+    client_key = "sk-proj-Zq7TxClientKey9f8e7d6c5b4a3Zq7TxClientKey9"
+    with caplog.at_level(logging.INFO, logger="proxy.observers"):
+        for i, model in enumerate([client_key, f"m-{operator_key}"]):
+            ex = exchange(i + 1, msgs(f"task {i}"))
+            ex.model = model
+            ex.usage, ex.status = Usage(5000, 10, 0, 0, True), 200
+            accounting.on_response(ex)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert said.count("has no prices") == 2
+    assert client_key[:12] not in said and operator_key not in said
+    assert "[REDACTED]" in said
+
+
 def test_request_lines_carry_the_parameters_and_the_tools_when_they_change() -> None:
     """What was forwarded, resendable from the log: the other parameters on every line, the
     tools (often tens of KB, the same every turn) on the lines where they changed, a refused
