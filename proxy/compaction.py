@@ -30,7 +30,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
@@ -139,6 +139,7 @@ class Plan:
     history with ``reused`` substituted). ``discarded`` is true when the session's compaction no
     longer matches (rewind or fork): drop it from the session. ``cut`` (over the client history) is
     set when a new compaction should be made: summarize ``middle``, passing ``previous_summary``.
+    ``triggered``: the history reached the trigger (or ``force``), whether or not a cut was found.
     """
 
     messages: list[Message]
@@ -147,6 +148,7 @@ class Plan:
     cut: Cut | None
     middle: list[Message]
     previous_summary: str | None
+    triggered: bool = False
 
 
 # --- estimates and trigger ------------------------------------------------------------------
@@ -157,15 +159,29 @@ def estimate_tokens(obj: Any) -> int:
 
     A list is taken as a message list: each element is estimated alone and gets
     ``MESSAGE_OVERHEAD_TOKENS`` for its framing. Four bytes per token over-counts JSON punctuation
-    and escapes a little, which is the safe side for a trigger.
+    and escapes a little, which is the safe side for a trigger. An image (or audio, or a file)
+    part counts ``MEDIA_PART_TOKENS``, not its base64: a 1 MB screenshot is ~1,000 tokens to a
+    provider, not the 250,000 its bytes would say.
     """
     if isinstance(obj, list):
         return sum(_json_tokens(m) + MESSAGE_OVERHEAD_TOKENS for m in obj)
     return _json_tokens(obj)
 
 
+# What one image part costs at most, roughly: Anthropic's ~1,600 tokens for 1.15 megapixels,
+# OpenAI's 765-1,105 for a high-detail image of usual sizes.
+MEDIA_PART_TOKENS = 1600
+_MEDIA_PART_TYPES = frozenset({"image_url", "input_image", "image", "input_audio", "file"})
+
+
 def _json_tokens(obj: Any) -> int:
-    return -(-len(orjson.dumps(obj)) // BYTES_PER_TOKEN)
+    size = len(orjson.dumps(obj))
+    content = obj.get("content") if isinstance(obj, dict) else None
+    if isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict) and part.get("type") in _MEDIA_PART_TYPES:
+                size += MEDIA_PART_TOKENS * BYTES_PER_TOKEN - len(orjson.dumps(part))
+    return -(-max(size, 0) // BYTES_PER_TOKEN)
 
 
 def should_compact(
@@ -350,13 +366,16 @@ def build_summary_request(
     previous_summary: str | None,
     model: str,
     max_tool_chars: int = 2000,
+    max_chars: int | None = None,
+    words: int | None = None,
 ) -> dict[str, Any]:
     """A chat-completions body (no tools, not streamed) asking ``model`` to summarize ``middle``.
 
     Tool calls and results are rendered as text so the summarizer needs no tools; tool outputs
-    longer than ``max_tool_chars`` keep their head and tail with a note of what was cut. With a
+    longer than ``max_tool_chars`` keep their head and tail with a note of what was cut, and a
+    transcript longer than ``max_chars`` keeps its head and tail likewise. With a
     ``previous_summary`` the compaction is rolling: the old summary goes in with the instruction
-    to copy its still relevant parts verbatim.
+    to copy its still relevant parts verbatim. ``words``: the length to ask for.
     """
     parts: list[str] = []
     if previous_summary is not None:
@@ -368,13 +387,16 @@ def build_summary_request(
             "</previous_summary>",
             "",
         ]
+    transcript = render_transcript(middle, max_tool_chars=max_tool_chars)
     parts += [
         f"Summarize the following {len(middle)} messages of the session, as instructed.",
         "",
         "<transcript>",
-        render_transcript(middle, max_tool_chars=max_tool_chars),
+        _clip_middle(transcript, max_chars) if max_chars is not None else transcript,
         "</transcript>",
     ]
+    if words is not None:
+        parts += ["", f"Keep the summary under about {words} words."]
     return {
         "model": model,
         "messages": [
@@ -444,6 +466,73 @@ def _first_line(text: str) -> str:
     return ""
 
 
+EXTRACTIVE_HEADER = "(Extractive skeleton of the compacted messages, built without a model.)"
+_PREVIOUS = "## Previous summary\n"
+_TASK = "## Task (the user's words)\n"
+_STEPS = "## Steps\n"
+_FILES = "## Files\n"
+_COMMANDS = "## Commands\n"
+_TASKS_OMITTED = re.compile(r"\((\d+) of the user's messages omitted\)")
+_STEPS_OMITTED = re.compile(r"- \((\d+) earlier steps omitted\)")
+
+
+def summary_chars(window: int) -> int:
+    """How long a summary may be for a model with a context ``window`` (tokens): an eighth of
+    the window, between 1,000 and 12,000 characters. The extractive summary keeps to it and the
+    summarizer is asked to; the cut counts on it when it judges whether a compaction fits."""
+    return max(1000, min(12000, window * BYTES_PER_TOKEN // 8))
+
+
+@dataclass(slots=True)
+class _Skeleton:
+    """The parts of an extractive summary, as built or as read back from an earlier one."""
+
+    previous: str | None = None  # a model-written summary it carries along
+    tasks: list[str] = field(default_factory=list)  # the user's messages, quoted
+    tasks_omitted: int = 0
+    steps: list[str] = field(default_factory=list)
+    steps_omitted: int = 0
+    files: dict[str, None] = field(default_factory=dict)  # insertion-ordered sets
+    commands: dict[str, None] = field(default_factory=dict)
+
+
+def _read_skeleton(text: str) -> _Skeleton | None:
+    """An extractive summary's parts, so that a rolling one extends them rather than nesting
+    the whole (each layer cut to half of the last: the user's later instructions fell out);
+    None for any other text (a model's summary)."""
+    if not text.startswith(EXTRACTIVE_HEADER):
+        return None
+    head, found, body = text.rpartition("\n\n" + _TASK)  # quotes start "> ": never a heading
+    if not found:
+        return None
+    skeleton = _Skeleton()
+    if head.startswith(EXTRACTIVE_HEADER + "\n\n" + _PREVIOUS):
+        skeleton.previous = head[len(EXTRACTIVE_HEADER + "\n\n" + _PREVIOUS) :]
+    task, _, rest = body.partition("\n\n" + _STEPS)  # lines below start "- ": no heading
+    steps, found, rest = rest.partition("\n\n" + _FILES)
+    if found:
+        files, _, commands = rest.partition("\n\n" + _COMMANDS)
+    else:
+        files = ""
+        steps, _, commands = steps.partition("\n\n" + _COMMANDS)
+    sections = {"task": task, "steps": steps, "files": files, "commands": commands}
+    for block in sections["task"].split("\n\n"):
+        if (omitted := _TASKS_OMITTED.fullmatch(block)) is not None:
+            skeleton.tasks_omitted += int(omitted.group(1))
+        elif block.startswith(">"):
+            skeleton.tasks.append(block)
+    for line in sections["steps"].splitlines():
+        if (omitted := _STEPS_OMITTED.fullmatch(line)) is not None:
+            skeleton.steps_omitted += int(omitted.group(1))
+        elif line.startswith("- "):
+            skeleton.steps.append(line)
+    for name, into in (("files", skeleton.files), ("commands", skeleton.commands)):
+        for line in sections.get(name, "").splitlines():
+            if line.startswith("- `") and line.endswith("`"):
+                into.setdefault(line[3:-1], None)
+    return skeleton
+
+
 def extractive_summary(
     middle: Sequence[Message],
     *,
@@ -453,17 +542,21 @@ def extractive_summary(
 ) -> str:
     """A deterministic skeleton of ``middle`` built without a model, at most ``max_chars`` long.
 
-    Sections: the previous summary (rolling), the user's messages quoted, the steps (assistant
-    first lines, each tool call as ``name(args…) -> first line of its result``), then the file
-    paths and shell commands found, verbatim. When too long, the earliest steps go first.
+    Sections: a model-written previous summary (rolling), the user's messages quoted, the steps
+    (assistant first lines, each tool call as ``name(args…) -> first line of its result``), then
+    the file paths and shell commands found, verbatim. A previous summary that is itself such a
+    skeleton is extended, section by section, not nested. When too long, the user's first
+    message and the latest ones are kept (the ones between are counted), and the earliest steps
+    go first.
     """
     results = {
         str(m.get("tool_call_id")): message_text(m) for m in middle if m.get("role") == "tool"
     }
-    task: list[str] = []
-    steps: list[str] = []
-    files: dict[str, None] = {}  # insertion-ordered set
-    commands: dict[str, None] = {}
+    skeleton = _read_skeleton(previous_summary) if previous_summary is not None else None
+    if skeleton is None:
+        skeleton = _Skeleton(previous=previous_summary)
+    quote_limit = max(200, min(2000, max_chars // 4))
+    files, commands = skeleton.files, skeleton.commands
 
     for message in middle:
         role = message.get("role")
@@ -471,49 +564,81 @@ def extractive_summary(
         if role == "tool":
             continue
         if role == "user" and not is_synthetic(message, synthetic_prefixes):
-            quoted = "\n".join(f"> {line}" for line in _clip(text, 2000).splitlines() or [""])
-            task.append(quoted)
+            lines = _clip(text, quote_limit).splitlines() or [""]
+            skeleton.tasks.append("\n".join(f"> {line}" for line in lines))
             _collect(text, files, commands)
         elif role == "assistant":
             if first := _first_line(text):
-                steps.append(f"- assistant: {_clip(first, 200)}")
+                skeleton.steps.append(f"- assistant: {_clip(first, 200)}")
             _collect(text, files, commands)
             for call in _tool_calls(message):
                 arguments = _call_arguments(call)
                 result = results.get(str(call.get("id")))
                 outcome = "(no result)" if result is None else _clip(_first_line(result), 160)
-                steps.append(f"- {_call_name(call)}({_clip(arguments, 120)}) -> {outcome}")
+                skeleton.steps.append(f"- {_call_name(call)}({_clip(arguments, 120)}) -> {outcome}")
                 _collect_arguments(arguments, files, commands)
         elif first := _first_line(text):
-            steps.append(f"- {role}: {_clip(first, 200)}")
+            skeleton.steps.append(f"- {role}: {_clip(first, 200)}")
 
-    fixed: list[str] = ["(Extractive skeleton of the compacted messages, built without a model.)"]
-    if previous_summary is not None:
-        fixed.append("## Previous summary\n" + _clip(previous_summary, max_chars // 2))
-    fixed.append("## Task (the user's words)\n" + ("\n\n".join(task) if task else "(none)"))
+    fixed: list[str] = [EXTRACTIVE_HEADER]
+    if skeleton.previous is not None:
+        fixed.append(_PREVIOUS + _clip(skeleton.previous, max_chars * 3 // 10))
+    fixed.append(_TASK + _kept_tasks(skeleton, max_chars * 4 // 10))
     tail_sections: list[str] = []
-    if files:
-        tail_sections.append(
-            "## Files\n" + "\n".join(f"- `{_clip(f, 300)}`" for f in list(files)[:60])
-        )
-    if commands:
-        tail_sections.append(
-            "## Commands\n" + "\n".join(f"- `{_clip(c, 300)}`" for c in list(commands)[:40])
-        )
+    for heading, found, most in ((_FILES, files, 60), (_COMMANDS, commands, 40)):
+        if found:
+            lines = _latest(list(found)[-most:], max_chars // 10)
+            tail_sections.append(heading + "\n".join(lines))
 
-    budget = max_chars - sum(len(s) + 2 for s in (*fixed, *tail_sections)) - len("## Steps\n")
+    budget = max_chars - sum(len(s) + 2 for s in (*fixed, *tail_sections)) - len(_STEPS)
     kept: list[str] = []
     used = 0
-    for step in reversed(steps):
+    for step in reversed(skeleton.steps):
         if used + len(step) + 1 > budget - 40:
             break
         kept.append(step)
         used += len(step) + 1
     kept.reverse()
-    omitted = len(steps) - len(kept)
+    omitted = skeleton.steps_omitted + len(skeleton.steps) - len(kept)
     step_lines = ([f"- ({omitted} earlier steps omitted)"] if omitted else []) + kept
-    sections = [*fixed, "## Steps\n" + ("\n".join(step_lines) or "(none)"), *tail_sections]
+    sections = [*fixed, _STEPS + ("\n".join(step_lines) or "(none)"), *tail_sections]
     return _clip("\n\n".join(sections), max_chars)
+
+
+def _latest(items: list[str], limit: int) -> list[str]:
+    """``items`` as ``- `item``` lines: the latest of them that fit ``limit`` characters."""
+    lines: list[str] = []
+    used = 0
+    for item in reversed(items):
+        line = f"- `{_clip(item, 300)}`"
+        if lines and used + len(line) + 1 > limit:
+            break
+        lines.append(line)
+        used += len(line) + 1
+    lines.reverse()
+    return lines
+
+
+def _kept_tasks(skeleton: _Skeleton, limit: int) -> str:
+    """The Task section: every quote when they fit ``limit``; else the first (the task that
+    opened the session) and as many of the latest as fit, with a count of those between."""
+    tasks = skeleton.tasks
+    if not tasks:
+        return "(none)"
+    if skeleton.tasks_omitted == 0 and sum(len(t) + 2 for t in tasks) <= limit:
+        return "\n\n".join(tasks)
+    first, later = tasks[0], tasks[1:]
+    used = len(first) + 2 + 50  # the count's line
+    kept: list[str] = []
+    for task in reversed(later):
+        if used + len(task) + 2 > limit:
+            break
+        kept.append(task)
+        used += len(task) + 2
+    kept.reverse()
+    omitted = skeleton.tasks_omitted + len(later) - len(kept)
+    between = [f"({omitted} of the user's messages omitted)"] if omitted else []
+    return "\n\n".join([first, *between, *kept])
 
 
 def _collect(text: str, files: dict[str, None], commands: dict[str, None]) -> None:
@@ -693,8 +818,8 @@ def plan(
         else:
             forwarded, reused = substituted, existing
 
-    def nothing() -> Plan:
-        return Plan(forwarded, reused, discarded, None, [], None)
+    def nothing(triggered: bool = True) -> Plan:
+        return Plan(forwarded, reused, discarded, None, [], None, triggered)
 
     if not force and not should_compact(
         window=window,
@@ -704,7 +829,7 @@ def plan(
         appended_estimate=appended_estimate,
         full_estimate=estimate_tokens(forwarded) if last_prompt is None else 0,
     ):
-        return nothing()
+        return nothing(triggered=False)
     cut = find_cut(
         messages,
         keep_recent=keep_recent,
@@ -714,7 +839,8 @@ def plan(
     if cut is None:
         return nothing()
     if reused is None:
-        return Plan(forwarded, None, discarded, cut, list(messages[cut.start : cut.end]), None)
+        middle = list(messages[cut.start : cut.end])
+        return Plan(forwarded, None, discarded, cut, middle, None, True)
     if cut.end <= reused.covered:
         return nothing()
     # What the previous compaction kept verbatim before its summary (a task that opened the
@@ -727,6 +853,7 @@ def plan(
         cut,
         [*earlier, *messages[reused.covered : cut.end]],
         summary_text(reused.message),
+        True,
     )
 
 

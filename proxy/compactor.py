@@ -35,6 +35,10 @@ SYNTHETIC_PREFIXES: tuple[str, ...] = (
 
 _MAX_MODELS = 256
 
+# A compaction aims below this share of the trigger (60% of the window at the default 75%): a
+# history compacted to just under the trigger reaches it again with the next turn's round.
+TARGET_SHARE = 0.8
+
 
 class Compactor:
     """Per-request compaction transform; ``force=True`` after a ``context_length_exceeded``."""
@@ -76,6 +80,9 @@ class Compactor:
         prev_len = state.extra.get("last_len", 0)
         existing: compaction.Compaction | None = state.extra.get("compaction")
         known = self._known_digest(state, existing, messages)
+        appended = messages[prev_len:] if last else []
+        if appended and isinstance(appended[0], dict) and appended[0].get("role") == "assistant":
+            appended = appended[1:]  # the previous answer: its completion tokens count it
         plan = compaction.plan(
             messages,
             existing=existing,
@@ -86,7 +93,7 @@ class Compactor:
             max_anchor_chars=cfg.max_anchor_chars,
             last_prompt=last[0] if last else None,
             last_completion=last[1] if last else None,
-            appended_estimate=compaction.estimate_tokens(messages[prev_len:]) if last else 0,
+            appended_estimate=compaction.estimate_tokens(appended),
             force=force,
             synthetic_prefixes=SYNTHETIC_PREFIXES,
         )
@@ -106,20 +113,26 @@ class Compactor:
                 synthetic_prefixes=SYNTHETIC_PREFIXES,
             )
 
-        if plan.cut is not None and not self._reduces(messages, plan.cut, model_cfg.context_window):
-            # Keeping the launching message verbatim would leave the history over the trigger:
+        window = model_cfg.context_window
+        extra = 0  # what a compacted request holds besides the kept messages: the summary, tools
+        if plan.triggered:
+            tools = body.get("tools")
+            extra = compaction.summary_chars(window) // compaction.BYTES_PER_TOKEN + 100
+            extra += compaction.estimate_tokens(tools) if tools else 0
+        if plan.cut is not None and not self._fits(messages, plan.cut, window, extra):
+            # Keeping the launching message verbatim would leave the history over its target:
             # give up the anchor rather than forward a compaction that does not compact.
             plan = without_anchor(cfg.keep_recent)
         keep = cfg.keep_recent
         while (
-            force
+            plan.triggered
             and keep > 1
-            and (
-                plan.cut is None or not self._reduces(messages, plan.cut, model_cfg.context_window)
-            )
+            and (plan.cut is None or not self._fits(messages, plan.cut, window, extra))
         ):
-            # The provider refused the history: a retry that would not fit is refused again
-            # (or is the very body it refused). Keep fewer of the latest messages until it fits.
+            # The latest messages alone fill the window (or the provider refused the history: a
+            # retry that would not fit is refused again, or is the very body it refused): keep
+            # fewer of them until it fits, rather than forward what is known to be too long, or
+            # compact again on the next turn.
             keep //= 2
             smaller = without_anchor(keep)
             if smaller.cut is not None:
@@ -179,10 +192,13 @@ class Compactor:
     def _verified(state: SessionState, comp: compaction.Compaction, messages: list[Any]) -> None:
         state.extra["compaction_verified"] = (comp, tuple(messages[: comp.covered]))
 
-    def _reduces(self, messages: list[Any], cut: compaction.Cut, window: int) -> bool:
+    def _fits(self, messages: list[Any], cut: compaction.Cut, window: int, extra: int) -> bool:
+        """Whether the history compacted at ``cut`` comes under its target: the kept messages
+        and ``extra`` (the summary's allowance, the tools) within ``TARGET_SHARE`` of the
+        trigger, so that the next turns do not reach the trigger again at once."""
         kept = [*messages[: cut.start], *messages[cut.end :]]
-        limit = window * self.settings.compaction.trigger_percent / 100
-        return compaction.estimate_tokens(kept) < limit
+        limit = window * self.settings.compaction.trigger_percent / 100 * TARGET_SHARE
+        return compaction.estimate_tokens(kept) + extra < limit
 
     @staticmethod
     def _count_summary(ex: Exchange, model: str, answer: Any) -> None:
@@ -207,14 +223,20 @@ class Compactor:
         self, ex: Exchange, plan: compaction.Plan, window: int
     ) -> tuple[str, compaction.Source]:
         model = self.settings.compaction.summarizer_model or ex.model or ""
-        # The transcript must fit the summarizer's window: share half of it among the tool outputs.
+        # The request must fit the summarizer's window: half of it for what goes in (the
+        # previous summary, the instructions, the transcript, whose tool outputs share it),
+        # and the summary asked for no longer than it may be.
         tools = sum(1 for m in plan.middle if isinstance(m, dict) and m.get("role") == "tool")
         budget = window * compaction.BYTES_PER_TOKEN // 2
+        fixed = len(compaction.SUMMARIZER_SYSTEM_PROMPT) + len(plan.previous_summary or "") + 600
+        chars = compaction.summary_chars(window)
         request = compaction.build_summary_request(
             plan.middle,
             previous_summary=plan.previous_summary,
             model=model,
             max_tool_chars=max(200, min(2000, budget // max(1, tools))),
+            max_chars=max(1000, budget - fixed),
+            words=chars // 6,
         )
         started = time.perf_counter()
         headers = [(k, v) for k, v in ex.upstream_headers if k != b"content-type"]
@@ -249,6 +271,7 @@ class Compactor:
             compaction.extractive_summary(
                 plan.middle,
                 previous_summary=plan.previous_summary,
+                max_chars=chars,
                 synthetic_prefixes=SYNTHETIC_PREFIXES,
             ),
             "extractive",

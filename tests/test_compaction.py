@@ -28,6 +28,7 @@ from proxy.compaction import (
     prefix_digest,
     provider_window,
     should_compact,
+    summary_chars,
     summary_message,
     summary_text,
 )
@@ -383,6 +384,91 @@ def test_extractive_summary_is_rolling_and_bounded() -> None:
     assert "> Fix the failing test in tests/test_app.py." in text
     assert "earlier steps omitted)" in text
     assert "shell(" in text
+
+
+def test_rolling_extractive_summaries_keep_the_users_instructions_without_nesting() -> None:
+    """Each rolling extractive summary nested the one before, cut to half: after 40 compactions
+    the user's instructions 6 to 38 were gone."""
+    previous: str | None = None
+    for i in range(40):
+        middle = [
+            {"role": "user", "content": f"Instruction {i}: also handle case {i}."},
+            *tool_round(i),
+        ]
+        previous = extractive_summary(middle, previous_summary=previous, max_chars=4000)
+    assert previous is not None and len(previous) <= 4000
+    assert "## Previous summary" not in previous
+    assert previous.count("## Task (the user's words)") == 1
+    kept = [i for i in range(40) if f"> Instruction {i}: also handle case {i}." in previous]
+    assert kept == list(range(40))  # they fit: every one of them, in order
+    assert previous.index("Instruction 0:") < previous.index("Instruction 39:")
+    assert "(none)" not in previous
+
+
+def test_rolling_extractive_summaries_keep_the_first_and_latest_when_they_do_not_fit() -> None:
+    previous: str | None = None
+    for i in range(60):
+        middle = [{"role": "user", "content": f"Instruction {i}: " + "details " * 30}]
+        previous = extractive_summary(middle, previous_summary=previous, max_chars=3000)
+    assert previous is not None and len(previous) <= 3000
+    kept = [i for i in range(60) if f"> Instruction {i}: " in previous]
+    assert kept[0] == 0 and kept[-1] == 59  # the task that opened it, and the latest
+    assert kept == [0, *range(60 - len(kept) + 1, 60)]
+    assert f"({60 - len(kept)} of the user's messages omitted)" in previous
+
+
+def test_a_model_written_previous_summary_is_carried_along_once() -> None:
+    model_summary = "## Task\n> Rename the package.\n\n## Done\nRenamed the modules."
+    first = extractive_summary(work_middle(), previous_summary=model_summary)
+    second = extractive_summary(work_middle(), previous_summary=first)
+    for text in (first, second):
+        assert text.count("## Previous summary") == 1
+        assert "## Previous summary\n" + model_summary in text
+    assert second.count("> Fix the failing test in tests/test_app.py.") == 2  # both compactions
+
+
+def test_summaries_are_sized_to_the_window() -> None:
+    assert summary_chars(3000) == 1500
+    assert summary_chars(8192) == 4096
+    assert summary_chars(1000) == 1000
+    assert summary_chars(200000) == 12000
+    long = [m for k in range(200) for m in tool_round(k)]
+    assert len(extractive_summary(long, previous_summary=None, max_chars=1500)) <= 1500
+
+
+def test_an_image_counts_as_an_image_not_as_its_base64() -> None:
+    """A 1 MB screenshot in the history read as 250,000 tokens: compaction fired on a session's
+    first request, and a window of 128k looked full."""
+    screenshot = "data:image/png;base64," + "iVBORw0KGgo" * 100_000
+    message = {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "What is wrong on this page?"},
+            {"type": "image_url", "image_url": {"url": screenshot}},
+        ],
+    }
+    assert 1600 < estimate_tokens([message]) < 1700
+    by_url = {
+        **message,
+        "content": [{"type": "image_url", "image_url": {"url": "https://x/a.png"}}],
+    }
+    assert 1600 < estimate_tokens([by_url]) < 1650  # an image costs as much whichever way it comes
+    text = {"role": "user", "content": "x" * 4000}  # text alone: 4,028 bytes of JSON / 4, + 4
+    assert estimate_tokens([text]) == 1007 + 4
+
+
+def test_a_summary_request_keeps_its_transcript_within_its_budget_and_asks_for_a_length() -> None:
+    long = [m for k in range(300) for m in tool_round(k)]
+    body = build_summary_request(
+        long, previous_summary=None, model="m", max_tool_chars=200, max_chars=5000, words=250
+    )
+    prompt = body["messages"][1]["content"]
+    transcript = prompt.split("<transcript>\n", 1)[1].split("\n</transcript>", 1)[0]
+    assert len(transcript) <= 5000 + 60
+    assert "characters omitted by cachegate" in transcript
+    assert transcript.startswith("[0] assistant:")  # its head and its tail are kept
+    assert transcript.rstrip().endswith(long[-1]["content"][-20:])
+    assert prompt.endswith("Keep the summary under about 250 words.")
 
 
 def test_summary_request_renders_tools_as_text_and_asks_for_the_sections() -> None:

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from proxy import compaction
-from proxy.compaction import SUMMARY_MARKER
+from proxy.compaction import SUMMARIZER_SYSTEM_PROMPT, SUMMARY_MARKER
 from proxy.eventlog import read_events
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
 from proxy.simulator.reply import parse_script
@@ -355,6 +355,42 @@ def test_a_retry_after_a_refusal_keeps_fewer_messages_until_it_fits(
         assert [r.status for r in small.sim.requests[-3:]] == [400, 200, 200]
         retried = small.sim.requests[-1].body["messages"]
         assert retried[-1] == msgs[-1] and len(retried) < 2 + 1 + 8
+
+
+@pytest.mark.parametrize("output_chars", [6000, 9000])
+def test_a_small_window_with_large_tool_outputs_is_never_sent_over_it(
+    sdk: Any, proxy_factory: Any, output_chars: int
+) -> None:
+    """A local model's 8k window, each round's output a quarter of it: the compaction used to
+    keep ``keep_recent`` messages whatever they held, so every turn went out over the window,
+    was refused, and was compacted again for the retry (three calls a turn; with a server whose
+    refusal was not recognised, a 400 every turn). The tail now keeps fewer messages when they
+    alone fill the window, and the compacted history leaves room for the next turns."""
+    with run_simulator(SimConfig(context_window=8000)) as small:
+        config = {
+            "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 8},
+            "models": {MODEL: {"context_window": 8000}},
+        }
+        proxy = proxy_factory(small.api_base, config)
+        client = sdk(proxy.base_url)
+        msgs = one_task(0, output_chars=0)
+        turns = 14
+        for turn in range(turns):
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL,
+                messages=msgs,
+                extra_headers={"X-Session-Id": "local", "X-Sim-Script": '"Next step."'},
+            )
+            assert raw.http_response.status_code == 200, turn
+            msgs += history(turn + 1, output_chars=output_chars)[-2:]  # 1,500 or 2,250 tokens
+        refused = [r for r in small.sim.requests if r.status != 200]
+        assert refused == []  # nothing sent over the window, nothing retried
+        summaries = [
+            r
+            for r in small.sim.requests
+            if r.body["messages"][0]["content"] == SUMMARIZER_SYSTEM_PROMPT
+        ]
+        assert 2 <= len(summaries) <= turns // 2  # not a compaction on every turn
 
 
 def test_a_failure_while_compacting_for_a_retry_is_a_500_in_openai_shape(
