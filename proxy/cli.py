@@ -148,6 +148,9 @@ def _simulate(ns: argparse.Namespace) -> int:
 def _demo(ns: argparse.Namespace) -> int:
     from proxy.demo import run_demo
 
+    if ns.log_dir and os.path.exists(ns.log_dir) and not os.path.isdir(ns.log_dir):
+        print(f"cachegate: log directory {ns.log_dir!r} is not a directory", file=sys.stderr)
+        return 1
     if ns.log_dir and _log_dir_taken(ns.log_dir):
         return 1
     return run_demo(log_dir=ns.log_dir, out=sys.stdout)

@@ -577,24 +577,26 @@ class EventLogWriter:
             return
         for session_id in list(self._fds):
             self._close_fd(session_id)
-        if self._dir_id is not None:
+        changed = self._dir_id is not None
+        if changed:
             # Each session's next request line goes in full: the lines its delta coding
             # would name went with the directory.
             for session_id in self._metas:
                 self._mark_broken(session_id)
-        if now is None:
-            self._shared_dir = _prepare_log_dir(self.log_dir, self._warn)
-            now = _dir_id(self.log_dir)
-            if now is not None and os.path.abspath(self.log_dir) in _CLAIMED:
-                holder = claim_log_dir(self.log_dir)  # the lock went with the directory
-                if holder is not None:
-                    self._warn(
-                        "claim",
-                        "log directory %s was made again, and another cachegate (pid %s) now "
-                        "writes it too",
-                        self.log_dir,
-                        holder,
-                    )
+        # Made again when gone; looked at again when replaced (another directory, maybe of
+        # another owner or open to others: what the writer refuses there depends on it).
+        self._shared_dir = _prepare_log_dir(self.log_dir, self._warn)
+        now = _dir_id(self.log_dir)
+        if changed and now is not None and os.path.abspath(self.log_dir) in _CLAIMED:
+            holder = claim_log_dir(self.log_dir)  # the lock went with the directory
+            if holder is not None:
+                self._warn(
+                    "claim",
+                    "log directory %s was made again or replaced, and another cachegate (pid %s)"
+                    " now writes it too",
+                    self.log_dir,
+                    holder,
+                )
         self._dir_id = now
 
     def _close_idle(self) -> None:

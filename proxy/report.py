@@ -222,6 +222,8 @@ def _load(
     drop: Mapping[str, frozenset[str]] | None = None,
 ) -> LogRead:
     path = session_log_path(log_dir, session_id)  # validates the id first
+    if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        raise NotADirectoryError(f"log directory {os.fspath(log_dir)!r} is not a directory")
     try:
         return read_events(path, drop=drop)
     except FileNotFoundError:

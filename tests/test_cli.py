@@ -273,6 +273,29 @@ def test_list_of_a_missing_directory_exits_1(tmp_path: Path) -> None:
     assert "does not exist" in result.err
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["sessions", "list"],
+        ["sessions", "show", "x"],
+        ["sessions", "cost", "x"],
+        ["sessions", "replay", "x"],
+        ["demo"],
+    ],
+)
+def test_a_log_directory_that_is_a_file_is_said_in_one_line(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """``show`` used to print "[Errno 20] Not a directory: '…/x.jsonl'", and ``demo`` ran its
+    four scenarios into it, failing each."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    result = run_cli(*command, "--log-dir", str(a_file))
+    assert result.code == 1
+    assert result.err == f"cachegate: log directory {str(a_file)!r} is not a directory\n"
+    assert result.out == ""
+
+
 def test_a_log_path_that_is_no_regular_file_is_refused_in_one_line_never_read(
     tmp_path: Path,
 ) -> None:

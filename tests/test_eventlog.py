@@ -450,6 +450,31 @@ def test_a_log_directory_removed_while_running_is_made_again_with_each_files_met
         assert events[0]["session"] == sid
 
 
+def test_a_log_directory_replaced_while_running_is_judged_again(
+    tmp_path: Path, writers, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A private directory swapped for one others may write into: the writer kept its judgement
+    from the start, gave no warning, and appended the log through a hard link planted there."""
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir(mode=0o700)
+    losses: list[str] = []
+    w = started(writers, log_dir, on_loss=losses.append)
+    w.emit("s1", {"type": "error", "message": "before"})
+    assert w.flush()
+    shutil.rmtree(log_dir)
+    log_dir.mkdir()
+    log_dir.chmod(0o777)
+    own = tmp_path / "own.txt"
+    own.write_text("mine\n")
+    os.link(own, log_dir / "s3.jsonl")
+    with caplog.at_level("WARNING", logger="proxy.eventlog"):
+        w.emit("s3", {"type": "error", "message": "MARKER-s3"})
+        assert w.flush()
+    assert own.read_text() == "mine\n"  # not written through the planted link
+    assert losses == ["io"]
+    assert "can be read by other users (mode 777)" in caplog.text
+
+
 def test_the_claim_on_a_log_directory_is_taken_again_when_the_directory_is_made_again(
     log_dir: Path, writers
 ) -> None:
