@@ -179,7 +179,8 @@ def _json_tokens(obj: Any) -> int:
     content = obj.get("content") if isinstance(obj, dict) else None
     if isinstance(content, list):
         for part in content:
-            if isinstance(part, dict) and part.get("type") in _MEDIA_PART_TYPES:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind in _MEDIA_PART_TYPES:
                 size += MEDIA_PART_TOKENS * BYTES_PER_TOKEN - len(orjson.dumps(part))
     return -(-max(size, 0) // BYTES_PER_TOKEN)
 
@@ -499,7 +500,8 @@ class _Skeleton:
 def _read_skeleton(text: str) -> _Skeleton | None:
     """An extractive summary's parts, so that a rolling one extends them rather than nesting
     the whole (each layer cut to half of the last: the user's later instructions fell out);
-    None for any other text (a model's summary)."""
+    None for any other text: a model's summary, also one that copied the skeleton's header
+    (every line after the Task heading must be one the skeleton writes)."""
     if not text.startswith(EXTRACTIVE_HEADER):
         return None
     head, found, body = text.rpartition("\n\n" + _TASK)  # quotes start "> ": never a heading
@@ -508,6 +510,8 @@ def _read_skeleton(text: str) -> _Skeleton | None:
     skeleton = _Skeleton()
     if head.startswith(EXTRACTIVE_HEADER + "\n\n" + _PREVIOUS):
         skeleton.previous = head[len(EXTRACTIVE_HEADER + "\n\n" + _PREVIOUS) :]
+    elif head != EXTRACTIVE_HEADER:
+        return None
     task, _, rest = body.partition("\n\n" + _STEPS)  # lines below start "- ": no heading
     steps, found, rest = rest.partition("\n\n" + _FILES)
     if found:
@@ -515,21 +519,26 @@ def _read_skeleton(text: str) -> _Skeleton | None:
     else:
         files = ""
         steps, _, commands = steps.partition("\n\n" + _COMMANDS)
-    sections = {"task": task, "steps": steps, "files": files, "commands": commands}
-    for block in sections["task"].split("\n\n"):
+    for block in task.split("\n\n"):
         if (omitted := _TASKS_OMITTED.fullmatch(block)) is not None:
             skeleton.tasks_omitted += int(omitted.group(1))
-        elif block.startswith(">"):
+        elif all(line.startswith(">") for line in block.split("\n")):
             skeleton.tasks.append(block)
-    for line in sections["steps"].splitlines():
+        elif block != "(none)":
+            return None
+    for line in steps.splitlines():
         if (omitted := _STEPS_OMITTED.fullmatch(line)) is not None:
             skeleton.steps_omitted += int(omitted.group(1))
         elif line.startswith("- "):
             skeleton.steps.append(line)
-    for name, into in (("files", skeleton.files), ("commands", skeleton.commands)):
-        for line in sections.get(name, "").splitlines():
+        elif line != "(none)" and not line.endswith("…"):  # (a last line the length cut)
+            return None
+    for section, into in ((files, skeleton.files), (commands, skeleton.commands)):
+        for line in section.splitlines():
             if line.startswith("- `") and line.endswith("`"):
                 into.setdefault(line[3:-1], None)
+            elif not line.endswith("…"):
+                return None
     return skeleton
 
 
@@ -575,7 +584,8 @@ def extractive_summary(
                 arguments = _call_arguments(call)
                 result = results.get(str(call.get("id")))
                 outcome = "(no result)" if result is None else _clip(_first_line(result), 160)
-                skeleton.steps.append(f"- {_call_name(call)}({_clip(arguments, 120)}) -> {outcome}")
+                shown = _clip(" ".join(arguments.split()), 120)  # one line: read back whole
+                skeleton.steps.append(f"- {_call_name(call)}({shown}) -> {outcome}")
                 _collect_arguments(arguments, files, commands)
         elif first := _first_line(text):
             skeleton.steps.append(f"- {role}: {_clip(first, 200)}")
@@ -610,7 +620,7 @@ def _latest(items: list[str], limit: int) -> list[str]:
     lines: list[str] = []
     used = 0
     for item in reversed(items):
-        line = f"- `{_clip(item, 300)}`"
+        line = f"- `{_clip(item.replace(chr(10), ' ⏎ '), 300)}`"  # one line: read back whole
         if lines and used + len(line) + 1 > limit:
             break
         lines.append(line)
@@ -621,24 +631,32 @@ def _latest(items: list[str], limit: int) -> list[str]:
 
 def _kept_tasks(skeleton: _Skeleton, limit: int) -> str:
     """The Task section: every quote when they fit ``limit``; else the first (the task that
-    opened the session) and as many of the latest as fit, with a count of those between."""
+    opened the session), the latest (both cut to share ``limit`` when they alone do not fit),
+    and as many of those between, latest first, as fit, with a count of the others."""
     tasks = skeleton.tasks
     if not tasks:
         return "(none)"
     if skeleton.tasks_omitted == 0 and sum(len(t) + 2 for t in tasks) <= limit:
         return "\n\n".join(tasks)
     first, later = tasks[0], tasks[1:]
-    used = len(first) + 2 + 50  # the count's line
+    room = max(200, limit - 60)  # the count's line
+    if not later:
+        return _clip(first, room)
+    latest, between = later[-1], later[:-1]
+    if len(first) + len(latest) + 2 > room:
+        first = _clip(first, max(room // 2, room - len(latest) - 2))
+        latest = _clip(latest, room - len(first) - 2)
+    used = len(first) + len(latest) + 4
     kept: list[str] = []
-    for task in reversed(later):
-        if used + len(task) + 2 > limit:
+    for task in reversed(between):
+        if used + len(task) + 2 > room:
             break
         kept.append(task)
         used += len(task) + 2
     kept.reverse()
-    omitted = skeleton.tasks_omitted + len(later) - len(kept)
-    between = [f"({omitted} of the user's messages omitted)"] if omitted else []
-    return "\n\n".join([first, *between, *kept])
+    omitted = skeleton.tasks_omitted + len(between) - len(kept)
+    count = [f"({omitted} of the user's messages omitted)"] if omitted else []
+    return "\n\n".join([first, *count, *kept, latest])
 
 
 def _collect(text: str, files: dict[str, None], commands: dict[str, None]) -> None:
@@ -874,30 +892,66 @@ _CONTEXT_PHRASES = (
     b"exceeds the available context size",
     b"exceed_context_size_error",
     b"model's context length",
+    b"exceeds the maximum number of tokens allowed",
+    b"maximum prompt length",
+)
+_BROAD_CONTEXT_PHRASES = (
     b"exceeds context length",
     b"exceeds the context length",
     b"than the context length",
-    b"exceeds the maximum number of tokens allowed",
-    b"maximum prompt length",
     b"input is too long",
 )
 
 
 def is_context_length_error(status: int, body: bytes) -> bool:
     """True for a provider's refusal of a prompt longer than the model's context window
-    (OpenAI's ``code: context_length_exceeded`` and the wordings of compatible servers)."""
+    (OpenAI's ``code: context_length_exceeded`` and the wordings of compatible servers).
+
+    A JSON body is judged by what its error says (``message``, ``error``, ``detail``, ``code``,
+    ``type``), not by what it echoes of the request: a validation error quoting a message that
+    says "the input is too long" is no refusal of the history's length. The broader wordings do
+    not count where the message is about ``max_tokens`` (too large for the window by itself:
+    compacting the history would not help)."""
     if status not in (400, 413, 422):
         return False
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
-        parsed = None
-    if isinstance(parsed, dict):
-        error = parsed.get("error")
-        if isinstance(error, dict) and error.get("code") == "context_length_exceeded":
-            return True
-    lowered = body.lower()
-    return any(phrase in lowered for phrase in _CONTEXT_PHRASES)
+        said = body.lower()
+    else:
+        if isinstance(parsed, dict):
+            error = parsed.get("error")
+            if isinstance(error, dict) and error.get("code") == "context_length_exceeded":
+                return True
+        said = "\n".join(_error_words(parsed)).lower().encode()
+    if any(phrase in said for phrase in _CONTEXT_PHRASES):
+        return True
+    if any(word in said for word in _OUTPUT_LIMIT_WORDS):
+        return False
+    return any(phrase in said for phrase in _BROAD_CONTEXT_PHRASES)
+
+
+_ERROR_KEYS = frozenset({"message", "msg", "error", "detail", "code", "type"})
+_OUTPUT_LIMIT_WORDS = (b"max_tokens", b"max_completion_tokens", b"max_new_tokens")
+
+
+def _error_words(value: Any, depth: int = 0) -> list[str]:
+    """The strings an error body says under its error keys (also nested: ``{"error":
+    {"message": …}}``, a list of errors), never under others (``input``, ``loc``: echoes)."""
+    if depth > 4:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [w for item in value[:20] for w in _error_words(item, depth + 1)]
+    if isinstance(value, dict):
+        return [
+            w
+            for key, item in value.items()
+            if key in _ERROR_KEYS
+            for w in _error_words(item, depth + 1)
+        ]
+    return []
 
 
 # Where those refusals state the window: OpenAI's family, llama.cpp (its text and "n_ctx"),

@@ -68,7 +68,26 @@ class Compactor:
         window: int | None = None,
     ) -> dict[str, Any]:
         """The body to forward. ``force`` compacts whatever the trigger says (the provider just
-        refused the history as too long); ``window`` is the provider's real limit when it said so."""
+        refused the history as too long); ``window`` is the provider's real limit when it said so.
+        A compaction that fails before forwarding lets the request go as it is (compaction never
+        breaks a request); one for a retry raises (the caller answers it in OpenAI's shape)."""
+        if force:
+            return await self._apply(ex, state, body, force=True, window=window)
+        try:
+            return await self._apply(ex, state, body, force=False, window=window)
+        except Exception:
+            log.exception("compaction failed; the request is forwarded as the client sent it")
+            return body
+
+    async def _apply(
+        self,
+        ex: Exchange,
+        state: SessionState,
+        body: dict[str, Any],
+        *,
+        force: bool,
+        window: int | None,
+    ) -> dict[str, Any]:
         cfg = self.settings.compaction
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -99,8 +118,9 @@ class Compactor:
         )
         state.extra["last_len"] = len(messages)
 
-        def without_anchor(keep_recent: int) -> compaction.Plan:
-            """The plan that keeps no launching message verbatim, whatever the trigger says."""
+        def shrunk(keep_recent: int, anchor: bool) -> compaction.Plan:
+            """The plan that keeps ``keep_recent`` messages, the launching one verbatim or not,
+            whatever the trigger says."""
             return compaction.plan(
                 messages,
                 existing=existing,
@@ -108,7 +128,7 @@ class Compactor:
                 window=model_cfg.context_window,
                 trigger_percent=cfg.trigger_percent,
                 keep_recent=keep_recent,
-                max_anchor_chars=0,
+                max_anchor_chars=cfg.max_anchor_chars if anchor else 0,
                 force=True,
                 synthetic_prefixes=SYNTHETIC_PREFIXES,
             )
@@ -119,24 +139,38 @@ class Compactor:
             tools = body.get("tools")
             extra = compaction.summary_chars(window) // compaction.BYTES_PER_TOKEN + 100
             extra += compaction.estimate_tokens(tools) if tools else 0
-        if plan.cut is not None and not self._fits(messages, plan.cut, window, extra):
-            # Keeping the launching message verbatim would leave the history over its target:
+        aim = window * cfg.trigger_percent / 100 * TARGET_SHARE
+        if plan.cut is not None and not self._fits(messages, plan.cut, aim, extra):
+            # Keeping the launching message verbatim would leave the history over its aim:
             # give up the anchor rather than forward a compaction that does not compact.
-            plan = without_anchor(cfg.keep_recent)
+            plan = shrunk(cfg.keep_recent, anchor=False)
+        # The latest messages alone fill the aim (large tool outputs, a small window): keep
+        # fewer of them, the launching message still verbatim where that fits, rather than
+        # compact again on the next turn. Where a session not compacted yet has too little
+        # history to compact at all, only what would not fit the window is shrunk (a pasted
+        # document that fits stays). After a refusal, always: a retry that does not fit is
+        # refused again.
+        if not plan.triggered:
+            limit = 0.0
+        elif force or plan.cut is not None or plan.reused is not None:
+            limit = aim
+        elif compaction.estimate_tokens(plan.messages) + extra > window:
+            limit = window
+        else:
+            limit = 0.0
         keep = cfg.keep_recent
         while (
-            plan.triggered
+            limit
             and keep > 1
-            and (plan.cut is None or not self._fits(messages, plan.cut, window, extra))
+            and (plan.cut is None or not self._fits(messages, plan.cut, limit, extra))
         ):
-            # The latest messages alone fill the window (or the provider refused the history: a
-            # retry that would not fit is refused again, or is the very body it refused): keep
-            # fewer of them until it fits, rather than forward what is known to be too long, or
-            # compact again on the next turn.
             keep //= 2
-            smaller = without_anchor(keep)
-            if smaller.cut is not None:
-                plan = smaller
+            for anchor in (True, False):
+                smaller = shrunk(keep, anchor)
+                if smaller.cut is not None:
+                    plan = smaller
+                    if self._fits(messages, smaller.cut, limit, extra):
+                        break
         if plan.discarded:
             state.extra.pop("compaction", None)
             state.extra.pop("compaction_verified", None)
@@ -192,12 +226,11 @@ class Compactor:
     def _verified(state: SessionState, comp: compaction.Compaction, messages: list[Any]) -> None:
         state.extra["compaction_verified"] = (comp, tuple(messages[: comp.covered]))
 
-    def _fits(self, messages: list[Any], cut: compaction.Cut, window: int, extra: int) -> bool:
-        """Whether the history compacted at ``cut`` comes under its target: the kept messages
-        and ``extra`` (the summary's allowance, the tools) within ``TARGET_SHARE`` of the
-        trigger, so that the next turns do not reach the trigger again at once."""
+    @staticmethod
+    def _fits(messages: list[Any], cut: compaction.Cut, limit: float, extra: int) -> bool:
+        """Whether the history compacted at ``cut`` comes under ``limit`` tokens: the kept
+        messages and ``extra`` (the summary's allowance, the tools)."""
         kept = [*messages[: cut.start], *messages[cut.end :]]
-        limit = window * self.settings.compaction.trigger_percent / 100 * TARGET_SHARE
         return compaction.estimate_tokens(kept) + extra < limit
 
     @staticmethod
@@ -225,14 +258,18 @@ class Compactor:
         model = self.settings.compaction.summarizer_model or ex.model or ""
         # The request must fit the summarizer's window: half of it for what goes in (the
         # previous summary, the instructions, the transcript, whose tool outputs share it),
-        # and the summary asked for no longer than it may be.
+        # and the summary asked for no longer than the compacted model's window allows.
+        writer = self._model(model).context_window if model != ex.model else window
         tools = sum(1 for m in plan.middle if isinstance(m, dict) and m.get("role") == "tool")
-        budget = window * compaction.BYTES_PER_TOKEN // 2
-        fixed = len(compaction.SUMMARIZER_SYSTEM_PROMPT) + len(plan.previous_summary or "") + 600
-        chars = compaction.summary_chars(window)
+        budget = min(window, writer) * compaction.BYTES_PER_TOKEN // 2
+        previous = plan.previous_summary
+        if previous is not None and len(previous) > budget // 2:
+            previous = previous[: budget // 2 - 1] + "…"
+        fixed = len(compaction.SUMMARIZER_SYSTEM_PROMPT) + len(previous or "") + 600
+        chars = min(compaction.summary_chars(window), compaction.summary_chars(writer))
         request = compaction.build_summary_request(
             plan.middle,
-            previous_summary=plan.previous_summary,
+            previous_summary=previous,
             model=model,
             max_tool_chars=max(200, min(2000, budget // max(1, tools))),
             max_chars=max(1000, budget - fixed),

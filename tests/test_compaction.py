@@ -427,6 +427,61 @@ def test_a_model_written_previous_summary_is_carried_along_once() -> None:
     assert second.count("> Fix the failing test in tests/test_app.py.") == 2  # both compactions
 
 
+def test_the_latest_user_message_is_kept_when_it_and_the_first_are_long() -> None:
+    """At an 8k window's 4,000 characters, a first task of ~1,100 characters and a latest
+    message of ~1,600 left the latest out."""
+    first = [{"role": "user", "content": "The task: " + "rename the module. " * 58}]
+    latest = [{"role": "user", "content": "Now also: " + "check the edge cases. " * 72}]
+    middle = [*first, *tool_round(1), *latest, *tool_round(2)]
+    for limit in (1000, 4000):
+        text = extractive_summary(middle, previous_summary=None, max_chars=limit)
+        assert len(text) <= limit
+        assert "> The task: rename the module." in text
+        assert "> Now also: check the edge cases." in text
+
+
+def test_a_multi_line_command_and_pretty_arguments_survive_a_rolling_summary() -> None:
+    heredoc = "cat > /repo/conf.ini <<'EOF'\n[main]\nx = 1\nEOF"
+    pretty = orjson.dumps({"command": "pytest -q"}, option=orjson.OPT_INDENT_2).decode()
+    middle = [
+        {"role": "user", "content": "Configure it."},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "h",
+                    "type": "function",
+                    "function": {
+                        "name": "run",
+                        "arguments": orjson.dumps({"command": heredoc}).decode(),
+                    },
+                },
+                {"id": "p", "type": "function", "function": {"name": "run", "arguments": pretty}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "h", "content": "written"},
+        {"role": "tool", "tool_call_id": "p", "content": "1 passed"},
+    ]
+    first = extractive_summary(middle, previous_summary=None)
+    second = extractive_summary([{"role": "user", "content": "Go on."}], previous_summary=first)
+    for text in (first, second):
+        assert "- `cat > /repo/conf.ini <<'EOF' ⏎ [main] ⏎ x = 1 ⏎ EOF`" in text
+        assert '- run({ "command": "pytest -q" }) -> 1 passed' in text
+
+
+def test_a_model_summary_that_copied_the_skeletons_header_is_carried_whole() -> None:
+    from proxy.compaction import EXTRACTIVE_HEADER
+
+    model_summary = (
+        f"{EXTRACTIVE_HEADER}\n\n## Task (the user's words)\n> Rename the package.\n\n"
+        "## Done\nRenamed the modules.\n\n## Left\n1. Update the imports."
+    )
+    text = extractive_summary(work_middle(), previous_summary=model_summary)
+    assert "## Previous summary\n" + model_summary in text
+    assert "1. Update the imports." in text
+
+
 def test_summaries_are_sized_to_the_window() -> None:
     assert summary_chars(3000) == 1500
     assert summary_chars(8192) == 4096
@@ -455,6 +510,8 @@ def test_an_image_counts_as_an_image_not_as_its_base64() -> None:
     assert 1600 < estimate_tokens([by_url]) < 1650  # an image costs as much whichever way it comes
     text = {"role": "user", "content": "x" * 4000}  # text alone: 4,028 bytes of JSON / 4, + 4
     assert estimate_tokens([text]) == 1007 + 4
+    odd = {"role": "user", "content": [{"type": ["image_url"]}, {"type": {"a": 1}}, "text", None]}
+    assert estimate_tokens([odd]) > 0  # a malformed part is counted as it is, never an error
 
 
 def test_a_summary_request_keeps_its_transcript_within_its_budget_and_asks_for_a_length() -> None:
@@ -716,6 +773,13 @@ def test_other_refusals_are_not_taken_for_context_length() -> None:
         b'{"error":{"message":"Invalid type for \'messages[2].content\'","code":null}}',
         b'{"error":{"message":"max_tokens is too large: 9000. Use at most 4096.","code":null}}',
         b'{"error":{"message":"Rate limit reached for tokens per min (TPM)"}}',
+        # a validation error that echoes the request: what the request says is not the error
+        b'{"detail":[{"type":"literal_error","loc":["body","messages",0,"content",0,"type"],'
+        b'"msg":"Input should be \'text\'","input":{"type":"note","text":"the input is too long'
+        b' for one buffer"}}]}',
+        # the output limit alone is too large for the window: compacting would not help
+        b'{"error":{"message":"max_tokens (200000) exceeds context length (131072)"}}',
+        b'{"error":"max_tokens is greater than the context length"}',
     ):
         assert not is_context_length_error(400, body)
         assert provider_window(body) is None

@@ -385,12 +385,80 @@ def test_a_small_window_with_large_tool_outputs_is_never_sent_over_it(
             msgs += history(turn + 1, output_chars=output_chars)[-2:]  # 1,500 or 2,250 tokens
         refused = [r for r in small.sim.requests if r.status != 200]
         assert refused == []  # nothing sent over the window, nothing retried
+        chats = [
+            r.body["messages"]
+            for r in small.sim.requests
+            if r.body["messages"][0]["content"] != SUMMARIZER_SYSTEM_PROMPT
+        ]
+        # the task that opened the session stays verbatim after the system prompt, however
+        # few of the latest messages are kept (it used to be summarized whenever they were)
+        assert all(sent[:2] == msgs[:2] for sent in chats)
         summaries = [
             r
             for r in small.sim.requests
             if r.body["messages"][0]["content"] == SUMMARIZER_SYSTEM_PROMPT
         ]
         assert 2 <= len(summaries) <= turns // 2  # not a compaction on every turn
+
+
+def test_a_pasted_document_that_fits_the_window_is_not_summarized(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """Over the trigger, but with too little history to compact and well within the window: it
+    goes as the client sent it (shrinking the kept messages to compact it summarized the
+    document, which the window could hold)."""
+    config = {
+        "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 8},
+        "models": {MODEL: {"context_window": 10000}},
+    }
+    proxy = proxy_factory(sim.api_base, config)
+    document = {"role": "user", "content": "Review this design:\n" + "The parser reads. " * 1330}
+    msgs = [history(0)[0], document, *history(2, output_chars=200)[-4:]]
+    assert 7500 < compaction.estimate_tokens(msgs) < 8500  # over 75% of 10,000, under it all
+    raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+        model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "doc"}
+    )
+    assert raw.http_response.status_code == 200
+    assert "x-cachegate-compacted" not in raw.headers
+    assert sim.sim.requests[-1].body["messages"] == msgs
+
+
+def test_a_compaction_that_fails_lets_the_request_go_as_it_is(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compaction never breaks a request: a malformed part (``"type": ["image_url"]``) made
+    the estimate raise, and the client got a 500 for a request the provider would take."""
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise TypeError("unhashable type: 'list'")
+
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    monkeypatch.setattr(compaction, "plan", broken)
+    msgs = history(18)
+    raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(model=MODEL, messages=msgs)
+    assert raw.http_response.status_code == 200
+    assert sim.sim.requests[-1].body["messages"] == msgs
+
+
+def test_the_summary_request_fits_the_summarizer_models_own_window(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    config = {
+        "compaction": {
+            "enabled": True,
+            "trigger_percent": 75,
+            "keep_recent": 4,
+            "summarizer_model": "small",
+        },
+        "models": {MODEL: {"context_window": 128000}, "small": {"context_window": 8000}},
+    }
+    proxy = proxy_factory(sim.api_base, config)
+    msgs = history(60, output_chars=8000)  # ~120k tokens
+    raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(model=MODEL, messages=msgs)
+    assert raw.headers["x-cachegate-compacted"] == "1"
+    (summary,) = [r for r in sim.sim.requests if r.body["model"] == "small"]
+    assert compaction.estimate_tokens(summary.body["messages"]) < 8000 // 2 + 500
+    assert summary.body["messages"][1]["content"].endswith("under about 666 words.")
 
 
 def test_a_failure_while_compacting_for_a_retry_is_a_500_in_openai_shape(
