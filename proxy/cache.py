@@ -263,6 +263,28 @@ def account(
     return new_state, result
 
 
+def touch(
+    state: CacheState,
+    fingerprint: Fingerprint,
+    started_at: float,
+    max_prefixes: int = DEFAULT_MAX_PREFIXES,
+) -> CacheState:
+    """``state`` once a request the provider received but that reported no usage (the client
+    hung up mid-answer, the stream broke off) has refreshed its prefixes: the provider read
+    its prompt, and the cache entry's life runs from that request's start. Nothing else
+    changes: with no usage, it is no baseline for the next request's count."""
+    last_started = state.last_started
+    return dataclasses.replace(
+        state,
+        prefixes=_remember(
+            state.prefixes, fingerprint.digests, started_at, max_prefixes, last_started
+        ),
+        last_started=started_at
+        if last_started is None or started_at > last_started
+        else last_started,
+    )
+
+
 def idle_seconds(state: CacheState, fingerprint: Fingerprint, started_at: float) -> float | None:
     """Seconds since the last request sharing this request's longest known prefix started.
 

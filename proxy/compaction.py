@@ -129,6 +129,10 @@ class Compaction:
     source: Source
     tokens_before: int
     tokens_after: int
+    # The digest of the history's opening (its leading messages and the first after them): a
+    # request that opens otherwise is another conversation of the session (a sub-agent), which
+    # neither gets this compaction nor undoes it.
+    opening: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -759,6 +763,15 @@ def prefix_digest(
     return digest
 
 
+def opening_digest(messages: Sequence[Message]) -> str:
+    """The digest of a history's opening: its leading system/developer messages and the first
+    message after them."""
+    lead = 0
+    while lead < len(messages) and messages[lead].get("role") in LEADING_ROLES:
+        lead += 1
+    return prefix_digest(messages, min(lead + 1, len(messages)))
+
+
 def apply_compaction(
     messages: Sequence[Message], compaction: Compaction, *, digest: str | None = None
 ) -> list[Message] | None:
@@ -793,6 +806,7 @@ def build_compaction(
     message = summary_message(text, covered=cut.end - cut.start, source=source)
     after = [*messages[: cut.start], message, *messages[cut.end :]]
     return Compaction(
+        opening=opening_digest(messages),
         prefix_digest=prefix_digest(messages, cut.end),
         covered=cut.end,
         start=cut.start,
@@ -830,11 +844,13 @@ def plan(
     discarded = False
     if existing is not None:
         substituted = apply_compaction(messages, existing, digest=existing_digest)
-        if substituted is None:
+        if substituted is not None:
+            forwarded, reused = substituted, existing
+        elif existing.opening and opening_digest(messages) != existing.opening:
+            existing = None  # another conversation of the session: the compaction stays its own
+        else:  # a rewind or a fork of the compacted conversation
             discarded = True
             last_prompt = last_completion = None
-        else:
-            forwarded, reused = substituted, existing
 
     def nothing(triggered: bool = True) -> Plan:
         return Plan(forwarded, reused, discarded, None, [], None, triggered)

@@ -96,10 +96,14 @@ class Compactor:
         if window is not None:
             model_cfg = dataclasses.replace(model_cfg, context_window=window)
         last = state.extra.get("last_usage")
-        prev_len = state.extra.get("last_len", 0)
+        if last is not None:  # the provider's numbers, if this history carries theirs on
+            count, tail = last[2], last[3]
+            held = messages[count - 1] if 0 < count <= len(messages) else None
+            if held is None or (held is not tail and held != tail):
+                last = None  # another conversation's, or a rewind: the estimate decides
         existing: compaction.Compaction | None = state.extra.get("compaction")
         known = self._known_digest(state, existing, messages)
-        appended = messages[prev_len:] if last else []
+        appended = messages[last[2] :] if last else []
         if appended and isinstance(appended[0], dict) and appended[0].get("role") == "assistant":
             appended = appended[1:]  # the previous answer: its completion tokens count it
         plan = compaction.plan(
@@ -116,7 +120,6 @@ class Compactor:
             force=force,
             synthetic_prefixes=SYNTHETIC_PREFIXES,
         )
-        state.extra["last_len"] = len(messages)
 
         def shrunk(keep_recent: int, anchor: bool) -> compaction.Plan:
             """The plan that keeps ``keep_recent`` messages, the launching one verbatim or not,

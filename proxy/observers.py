@@ -18,6 +18,7 @@ import orjson
 from proxy import __version__, cache, prefix
 from proxy.cache import CacheState, ModelPricing
 from proxy.config import Settings, display_url
+from proxy.errors import CLIENT_CLOSED
 from proxy.eventlog import EventLogWriter, choose_base
 from proxy.metrics import Metrics
 from proxy.pipeline import Exchange
@@ -71,13 +72,18 @@ def _hash_base(baselines: list[_Baseline], body: Any) -> prefix.Fingerprint | No
 
 
 def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint) -> list[_Baseline]:
-    """The baselines by the length of the prefix they share with ``fp``, longest first (the
-    latest of equals first): a main agent's turn is compared with its previous turn, not with a
-    sub-agent's or a title request sent in between."""
+    """The baselines by the length of the prefix they share with ``fp``, longest first: a main
+    agent's turn is compared with its previous turn, not with a sub-agent's or a title request
+    sent in between. Of equals, one that ``fp`` carries on whole comes first (two agents that
+    open alike share only the opening with each other's turns: each extends its own), then the
+    latest."""
     if len(baselines) < 2:
         return baselines
     shared = [prefix.shared_links(b.fp, fp) for b in baselines]
-    order = sorted(range(len(baselines)), key=lambda i: -shared[i])  # stable: latest first
+    order = sorted(  # stable: the latest of equals first
+        range(len(baselines)),
+        key=lambda i: (-shared[i], shared[i] < len(baselines[i].fp.chain)),
+    )
     return [baselines[i] for i in order]
 
 
@@ -98,19 +104,23 @@ def _takes_place(
     chosen: _Baseline, fp: prefix.Fingerprint, divergence: prefix.Divergence | None
 ) -> bool:
     """Whether a request of ``chosen``'s conversation takes its place rather than branch off: it
-    extends or rewinds it (no divergence); it rewrites what comes before the messages
-    (parameters, tools, a system prompt with the time in it) and its messages continue the
-    baseline's, or the baseline's continue its; or it changes a message and keeps the baseline's
-    last one after the change (an old tool output trimmed in place). Anything else is a branch:
-    a fork, or another agent's conversation that opens alike (its own tools, its own task)."""
+    extends or repeats it (no divergence); it rewrites what comes before the messages
+    (parameters, tools, a system prompt with the time in it) and its messages carry the
+    baseline's on; or it changes a message and keeps the baseline's last one after the change
+    (an old tool output trimmed in place). Anything else is a branch, the baseline kept: a fork,
+    a rewind (the undone turns may be another agent's that opened alike and goes on), or
+    another agent's conversation that opens alike (its own tools, its own task)."""
     if divergence is None:
-        return True
+        return len(fp.message_digests) >= len(chosen.fp.message_digests)
     old = chosen.fp.message_digests
     if divergence.location != "messages":
+        # Its messages carry the baseline's on (the next turn, the time in its system prompt
+        # changed). Fewer of them, under a rewritten prompt, is a side request that starts
+        # alike (a title), or a rewind with a rewrite: a branch either way, the baseline kept.
         old_messages = old[chosen.fp.system_count :]
         new_messages = fp.message_digests[fp.system_count :]
-        shorter = min(len(old_messages), len(new_messages))
-        return old_messages[:shorter] == new_messages[:shorter]
+        kept = len(old_messages)
+        return len(new_messages) >= kept and old_messages == new_messages[:kept]
     after = fp.message_digests[(divergence.index or 0) + 1 :]
     return bool(old) and old[-1] in after
 
@@ -220,9 +230,18 @@ class AccountingObserver:
                 del baselines[_BASELINES:]
                 extra["baselines"] = baselines
         if usage is None or ex.status >= 400:
+            if usage is None and (ex.status < 400 or ex.status == CLIENT_CLOSED):
+                # The provider read this prompt (the client left, or the answer broke off,
+                # before any usage): its prefixes' cache life starts again from this request.
+                extra["cache"] = cache.touch(extra.get("cache") or CacheState(), fp, ex.started_at)
             self._price_summary(ex, None)
             return
-        extra["last_usage"] = (usage.prompt, usage.completion)
+        # For the compaction trigger: the provider's count, and the client history it was of
+        # (its length and last message: a turn of another conversation of the session, a
+        # sub-agent's, is not counted on the numbers of this one).
+        sent = ex.client_body.get("messages") if isinstance(ex.client_body, dict) else None
+        tail = (len(sent), sent[-1]) if isinstance(sent, list) and sent else (0, None)
+        extra["last_usage"] = (usage.prompt, usage.completion, *tail)
         after_compaction = bool(extra.pop("compacted_pending", False))
         cache_state: CacheState = extra.get("cache") or CacheState()
         if base != (cache_state.prev_prompt, cache_state.params_digest, cache_state.model):
@@ -285,6 +304,13 @@ class AccountingObserver:
             return None, False, None
         top = ranked[0]
         divergence = prefix.find_divergence(top.fp, fp, top.body, body, self.secrets)
+        if divergence is not None and divergence.location == "messages" and not divergence.volatile:
+            # It differs inside the messages from the closest: if it carries another request
+            # of the session on whole, it is that one's next turn (two agents that opened
+            # alike, their first answers alike too), not an edit of the closest.
+            for other in ranked[1:]:
+                if prefix.shared_links(other.fp, fp) == len(other.fp.chain):
+                    return other, True, None
         if divergence is None or divergence.volatile or prefix.same_conversation(top.fp, fp):
             return top, True, divergence
         for other in ranked[1:]:

@@ -420,14 +420,20 @@ def same_conversation(old: Fingerprint, new: Fingerprint) -> bool:
     compacted keeps its later ones. (The caller also takes a change of a volatile token alone as
     a rewrite: a date in the only message of a first turn.) A request with another model and
     another system prompt is another conversation whatever its messages: a title request sends
-    the user's first message to a small model under a prompt of its own.
+    the user's first message to a small model under a prompt of its own. So is one with another
+    system prompt and other tools whose messages do not carry ``old``'s on (a title or summary
+    request on the main model: the user's first message under a prompt and tools of its own).
     """
-    if old.element_digests[_SYSTEM] != new.element_digests[_SYSTEM] and (
-        (old.params or {}).get("model") != (new.params or {}).get("model")
-    ):
-        return False
     old_messages = old.message_digests[old.system_count :]
     new_messages = new.message_digests[new.system_count :]
+    if old.element_digests[_SYSTEM] != new.element_digests[_SYSTEM] and (
+        (old.params or {}).get("model") != (new.params or {}).get("model")
+        or (
+            old.element_digests[_TOOLS] != new.element_digests[_TOOLS]
+            and len(new_messages) < len(old_messages)
+        )
+    ):
+        return False
     if not old_messages or not new_messages:
         return not old_messages and not new_messages
     if old_messages[0] == new_messages[0]:  # the usual case: the same opening

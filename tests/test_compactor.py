@@ -401,6 +401,42 @@ def test_a_small_window_with_large_tool_outputs_is_never_sent_over_it(
         assert 2 <= len(summaries) <= turns // 2  # not a compaction on every turn
 
 
+def test_a_sub_agent_in_a_compacted_session_is_neither_compacted_nor_undoes_the_compaction(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """One session id for a main agent over the trigger and a sub-agent's small requests: the
+    trigger counted the main agent's tokens for the sub-agent (whose task was then replaced by
+    a summary, a summary call billed each time), and the sub-agent's requests, which the main
+    agent's compaction does not fit, dropped it: the main agent was summarized again."""
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    client = sdk(proxy.base_url)
+    headers = {"X-Session-Id": "mixed"}
+
+    def send(messages: list[dict[str, Any]]) -> Any:
+        return client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, extra_headers=headers
+        )
+
+    main = history(18)
+    assert send(main).headers["x-cachegate-compacted"] == "1"
+    summaries = len(sim.sim.requests) - 1
+    sub: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a search sub-agent."},
+        {"role": "user", "content": "Find where handler_7 is defined."},
+    ]
+    for turn in range(3):
+        raw = send(sub)
+        assert "x-cachegate-compacted" not in raw.headers, turn
+        assert sim.sim.requests[-1].body["messages"] == sub
+        sub += [{"role": "assistant", "content": f"Looked in file {turn}."}]
+        sub += [{"role": "user", "content": "Look further."}]
+        main = history(19 + turn)  # the main agent's next turn, between the sub-agent's
+        before = len(sim.sim.requests)
+        assert send(main).headers["x-cachegate-compacted"] == "1"
+        assert len(sim.sim.requests) == before + 1  # the compaction reused: no summary call
+    assert summaries == 1
+
+
 def test_a_pasted_document_that_fits_the_window_is_not_summarized(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:

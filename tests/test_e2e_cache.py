@@ -518,3 +518,108 @@ def test_cost_matches_hand_computed_figures_for_each_usage_dialect(
     assert report["actual"] == pytest.approx(sum(a for a, _ in hand), rel=1e-9)
     assert report["saved"] == pytest.approx(sum(u - a for a, u in hand), rel=1e-9)
     assert report["saved"] > 0 or dialect == "anthropic-compat"
+
+
+def test_a_title_request_on_the_main_model_neither_wastes_nor_takes_the_main_agents_place(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A title request on the same model as the main agent (the user's first message under a
+    prompt of its own, no tools): it was charged as a tools rewrite, and the main agent's next
+    turn, which rewrote its system prompt, was compared with the title's few tokens and
+    reported as a tools rewrite too."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "title-1"})
+    first = {"role": "user", "content": "Fix the failing handler. " + FILE_TEXT[:2000]}
+    main: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}, first]
+    for follow in ("Go on.", "And the tests?"):
+        reply, _ = chat(client, main, stream=False, tools=TOOLS)
+        main.extend([reply, {"role": "user", "content": follow}])
+        sim.sim.advance(20)
+    title = [{"role": "system", "content": "Write a five-word title."}, first]
+    chat(client, title, stream=False)  # 3: the same model, no tools
+    sim.sim.advance(20)
+    main[0] = {"role": "system", "content": "Current time: 2026-12-01T10:00:00Z\n" + SYSTEM_PROMPT}
+    chat(client, main, stream=True, tools=TOOLS)  # 4: a real rewrite of the main prompt
+    flush(proxy)
+
+    usages = [r.usage for r in sim.sim.requests]
+    responses = events(proxy.log_dir, "title-1", "response")
+    caches = [r["cache"] for r in responses]
+    assert caches[2]["expected"] == caches[2]["waste"] == 0
+    assert "divergence" not in responses[2]
+    expected = min(usages[1]["prompt_tokens"], usages[3]["prompt_tokens"])
+    assert caches[3]["expected"] == expected > NOISE_FLOOR
+    assert caches[3]["waste"] == expected - cache_read(usages[3]) > NOISE_FLOOR
+    assert (caches[3]["cause"], caches[3]["location"]) == ("prefix_rewrite", "system")
+    assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "tools"}) == 0
+    assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "system"}) == 1
+
+
+def test_two_agents_that_open_alike_without_session_ids_are_each_compared_with_their_own(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """B's first request, a prefix of A's history, took A's place as a rewind; A's next turn
+    took it back, and B's second request was then compared with A's: B's own reply and tool
+    output, which the provider had never seen, were charged as a rewrite."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url)
+    opening = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Fix the failing tests in this repository."},
+    ]
+    a, b = list(opening), list(opening)
+    sessions = set()
+
+    def turn(convo: list[dict[str, Any]], output: str) -> None:
+        reply, headers = chat(client, convo, stream=False, tools=TOOLS)
+        sessions.add(headers["x-cachegate-session"])
+        convo.extend([reply, {"role": "user", "content": output}])
+        sim.sim.advance(10)
+
+    turn(a, "A's output: " + FILE_TEXT[:3000])
+    turn(a, "next")
+    turn(b, "B's output: " + PYTEST_OUTPUT * 3)
+    turn(a, "next again")
+    turn(b, "next")
+    turn(a, "and again")
+    turn(b, "and again")
+    flush(proxy)
+    (session,) = sessions  # one inferred session: the collision this is about
+    responses = events(proxy.log_dir, session, "response")
+    assert len(responses) == 7
+    for i, r in enumerate(responses):
+        assert r["cache"]["waste"] == 0, (i, r["cache"], r.get("divergence"))
+        assert "divergence" not in r, i
+
+
+def test_a_request_the_client_left_mid_answer_still_refreshes_its_prefix(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """Ctrl+C during an answer, then the user types on with the time in the system prompt: the
+    provider had read the interrupted request's prompt, so its cache was alive, and the miss
+    is the rewrite. It was reported as ttl_expired (counted from the turn before)."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "ctrl-c"})
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Fix the failing handler."},
+    ]
+    reply, _ = chat(client, convo, stream=False, tools=TOOLS)
+    convo.extend([reply, {"role": "user", "content": "Go on. " + FILE_TEXT[:1000]}])
+    sim.sim.advance(200)
+    sim.sim.enqueue([parse_script("A long answer " * 400)])
+    with client.chat.completions.with_streaming_response.create(
+        model="gpt-4o", messages=convo, stream=True, tools=TOOLS
+    ) as response:
+        next(response.iter_bytes())  # the first bytes, then Ctrl+C
+    flush(proxy)
+    sim.sim.advance(200)  # 400 s after the first turn, 200 s after the interrupted one
+    convo[0] = {"role": "system", "content": "Current time: 2026-12-01T10:00:00Z\n" + SYSTEM_PROMPT}
+    convo.append({"role": "user", "content": "Sorry, carry on."})
+    chat(client, convo, stream=False, tools=TOOLS)
+    flush(proxy)
+    responses = events(proxy.log_dir, "ctrl-c", "response")
+    assert [r["interrupted"] for r in responses] == [False, True, False]
+    last = responses[-1]["cache"]
+    assert last["waste"] > NOISE_FLOOR
+    assert (last["cause"], last["location"]) == ("prefix_rewrite", "system")
