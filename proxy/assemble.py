@@ -51,6 +51,7 @@ class AssembledResponse:
     events: int = 0
     malformed: int = 0
     unfinished: bool = False  # a stream that ended inside an event, with no [DONE] seen
+    text_dropped: bool = False  # past MAX_RECORDED_STREAM: the message's text was let go
 
 
 class _ToolCalls:
@@ -154,6 +155,20 @@ class StreamAssembler:
         # (bytes before the text, bytes after it, padded, finish_reason) of a text-only chunk
         self._shape: tuple[bytes, bytes, bool, str | None] | None = None
         self._learn_tries = _LEARN_TRIES
+        self._text_dropped = False
+
+    def drop_text(self) -> None:
+        """Let go of the text gathered so far (content, reasoning, a refusal, arguments): a
+        stream past the recording limit keeps its usage, finish reason and error, not its text."""
+        self._content.clear()
+        self._reasoning.clear()
+        if self._refusal is not None:
+            self._refusal.clear()
+        if self._function is not None:
+            self._function[1].clear()
+        for arguments in self._tools._arguments:
+            arguments.clear()
+        self._text_dropped = True
 
     def feed(self, event: SSEEvent) -> None:
         """Take one SSE event of the stream."""
@@ -430,6 +445,7 @@ class StreamAssembler:
             id=self._id,
             events=self._events,
             malformed=self._malformed,
+            text_dropped=self._text_dropped,
         )
 
 
@@ -507,13 +523,14 @@ def assemble_completion(body: Mapping[str, Any]) -> AssembledResponse:
     )
 
 
-# A stream's bytes beyond this are relayed but not recorded (an upstream that never ends its
-# answer, or one line of it, must not take cachegate's memory with it): ~8 million tokens of text.
+# Past this many bytes of a stream, its text is no longer kept (an upstream that never ends its
+# answer, or one line of it, must not take cachegate's memory with it): its usage, finish reason
+# and error still are. ~100k output tokens of OpenAI's chunks, ~300 bytes a token with usage
+# asked for and the padding.
 MAX_RECORDED_STREAM = 32 * 1024 * 1024
-
-
-class RecordingTooLong(Exception):
-    """The stream went past ``MAX_RECORDED_STREAM``: its recording is given up."""
+# An event not ended past this many bytes, once the text is no longer kept, is let go: no usage
+# or finish reason is that long.
+_MAX_PENDING_EVENT = 1024 * 1024
 
 
 class StreamRecorder:
@@ -557,9 +574,12 @@ class StreamRecorder:
         self.chunks.clear()  # the same list: the relay holds its append
         self._size = 0
         self.recorded += len(data)
-        if self.recorded > MAX_RECORDED_STREAM:
-            self.decoder = SSEDecoder()  # and what it held of an unfinished line or event
-            raise RecordingTooLong(f"stream longer than {MAX_RECORDED_STREAM:,} bytes")
+        over = self.recorded > MAX_RECORDED_STREAM
+        if over and not self.assembler._text_dropped:
+            logger.warning(
+                "stream longer than %s bytes: relayed in full, its text not recorded",
+                f"{MAX_RECORDED_STREAM:,}",
+            )
         start = 0
         while start < len(data):
             # Cut after a blank line, so that batches start between events; when an event was
@@ -569,6 +589,10 @@ class StreamRecorder:
             end = len(data) if cut < 0 else cut + 2
             self._decode_batch(data[start:end])
             start = end
+        if over:
+            self.assembler.drop_text()
+            if self.decoder.pending_bytes > _MAX_PENDING_EVENT:  # a line that never ends
+                self.decoder = SSEDecoder()
 
     def _decode_batch(self, data: bytes) -> None:
         shape = self.assembler.text_shape

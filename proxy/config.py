@@ -330,7 +330,7 @@ def _check(settings: Settings) -> None:
             "config key 'server.host': empty; give an address (127.0.0.1, or 0.0.0.0 to listen"
             " on every interface)"
         )
-    if not settings.logging.dir.strip():  # "" would write the logs into the current directory
+    if settings.logging.enabled and not settings.logging.dir.strip():  # "": the working dir
         raise ConfigError(
             "config key 'logging.dir': empty; give a directory (or set logging.enabled = false)"
         )

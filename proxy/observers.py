@@ -460,7 +460,7 @@ class EventLogObserver:
             "type": "response",
             "exchange": ex.exchange_id,
             "status": ex.status,
-            "message": assembled.message if assembled else None,
+            "message": assembled.message if assembled and not assembled.text_dropped else None,
             "finish_reason": assembled.finish_reason if assembled else None,
             "usage": _usage_dict(usage) if usage else None,
             "ttfb_s": round(ex.ttfb_s, 6) if ex.ttfb_s is not None else None,

@@ -138,7 +138,7 @@ def _parses(text: str) -> bool:
     except orjson.JSONDecodeError:
         try:
             json.loads(text, parse_constant=_not_json)
-        except ValueError:  # JSONDecodeError, and NaN/Infinity, which JSON does not have
+        except (ValueError, RecursionError):  # and NaN/Infinity; nesting past the stack
             return False
     return True
 

@@ -141,19 +141,25 @@ def refusal_text(status: int, body: bytes) -> str:
     return f"upstream answered {status}: {clip_words(text, MAX_ERROR_TEXT)}"
 
 
-# A run of the characters keys are made of (and the words around them).
-_WORD_END = re.compile(r"[\w.~+/=-]+\Z")
+# A run of the characters keys are made of, at the end of a text and at its start.
+_RUN_END = re.compile(r"[A-Za-z0-9_.~+/=-]+\Z")
+_RUN_START = re.compile(r"[A-Za-z0-9_.~+/=-]+")
+_MAX_KEY_CHARS = 512  # no key is longer: a longer run cut is no key's piece
 
 
 def clip_words(text: str, limit: int) -> str:
-    """``text`` cut to ``limit`` characters, never inside a word: a provider that echoes the
-    key it refused (``Incorrect API key provided: sk-…``) must not leave a piece of it that the
-    log's redaction, which looks for the whole key or a key's pattern, no longer recognises."""
+    """``text`` cut to ``limit`` characters, never inside a run of the characters keys are
+    made of: a provider that echoes the key it refused (``Incorrect API key provided: sk-…``)
+    must not leave a piece of it that the log's redaction, which looks for the whole key or a
+    key's pattern, no longer recognises. A run longer than any key, and text in other scripts,
+    are cut where the limit falls."""
     if len(text) <= limit:
         return text
     cut = text[:limit]
-    if _WORD_END.match(text[limit]):  # the cut falls inside a run: drop its start
-        cut = _WORD_END.sub("", cut)
+    head = _RUN_END.search(cut)
+    tail = _RUN_START.match(text, limit)
+    if head is not None and tail is not None and tail.end() - head.start() <= _MAX_KEY_CHARS:
+        cut = cut[: head.start()]
     return cut + "…"
 
 

@@ -21,12 +21,7 @@ from typing import Any, Final
 import httpx
 import orjson
 
-from proxy.assemble import (
-    AssembledResponse,
-    RecordingTooLong,
-    StreamRecorder,
-    assemble_completion,
-)
+from proxy.assemble import AssembledResponse, StreamRecorder, assemble_completion
 from proxy.config import display_url
 from proxy.errors import (
     CLIENT_CLOSED,
@@ -318,6 +313,7 @@ CLIENT_KEY_HEADERS: Final = frozenset(
 # The key a client that must send one (the OpenAI SDKs refuse to start without) sends to have
 # cachegate's own key used instead: ``OPENAI_API_KEY=cachegate`` in the agent's environment.
 PLACEHOLDER_AUTHORIZATION: Final = b"Bearer cachegate"
+_PLACEHOLDER_WORDS: Final = PLACEHOLDER_AUTHORIZATION.lower().split()  # any case and spacing
 
 
 def _connection_listed(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
@@ -345,7 +341,11 @@ def upstream_request_headers(
             connection = connection or name == b"connection"
             continue
         if name in CLIENT_KEY_HEADERS:
-            if api_key and header[1] == PLACEHOLDER_AUTHORIZATION and name == b"authorization":
+            if (
+                api_key
+                and name == b"authorization"
+                and header[1].lower().split() == _PLACEHOLDER_WORDS
+            ):
                 continue
             authorized = True
         headers.append(header)
@@ -442,9 +442,6 @@ class _Tee:
         if self.recorder is not None:
             try:
                 return self.recorder.finish()
-            except RecordingTooLong as exc:
-                log.warning("%s: relayed in full, not recorded", exc)
-                return None
             except Exception:
                 log.exception("stream recorder failed to finish")
                 return None
@@ -974,10 +971,6 @@ def _sink(
             kept = 0
             try:
                 recorder.decode()  # type: ignore[union-attr]
-            except RecordingTooLong as exc:
-                log.warning("%s: relayed in full, not recorded", exc)
-                keep = None
-                tee.recorder = None  # type: ignore[union-attr]
             except Exception:
                 log.exception("stream recorder failed; relaying continues unrecorded")
                 keep = None

@@ -133,6 +133,11 @@ class SSEDecoder:
         return True
 
     @property
+    def pending_bytes(self) -> int:
+        """Bytes held of an event not ended yet: its unfinished line and its data lines."""
+        return sum(map(len, self._pending)) + sum(map(len, self._data))
+
+    @property
     def idle(self) -> bool:
         """Between events: nothing pending, no field of an unfinished block kept."""
         return not (

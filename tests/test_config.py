@@ -101,6 +101,11 @@ def test_bad_config_names_the_key(data: dict, needle: str) -> None:
     assert needle in str(info.value)
 
 
+def test_an_empty_log_dir_is_fine_when_logging_is_off() -> None:
+    settings = settings_from_mapping({"logging": {"enabled": False, "dir": ""}})
+    assert settings.logging.enabled is False
+
+
 def test_an_empty_host_or_log_dir_from_a_flag_is_refused_too() -> None:
     for option, key in (("host", "server.host"), ("log_dir", "logging.dir")):
         with pytest.raises(ConfigError, match=key):

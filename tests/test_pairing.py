@@ -202,7 +202,20 @@ def test_arguments_that_are_json_but_not_to_orjson_are_left_alone(arguments: str
     assert diagnose(history) == []
 
 
-@pytest.mark.parametrize("arguments", ['{"limit": NaN}', '{"limit": Infinity}', '{"a": 1'])
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        '{"limit": NaN}',
+        '{"limit": Infinity}',
+        '{"a": 1',
+        # a small model looping on brackets, cut at max_tokens: past the parser's stack (it
+        # raised, and every request of the session got a 500)
+        "[" * 3000,
+        "[" * 1100 + "]" * 1100,
+        '{"a":' * 2000,
+    ],
+    ids=["nan", "infinity", "cut", "open-brackets", "deep-brackets", "deep-objects"],
+)
 def test_arguments_that_are_not_json_are_still_repaired(arguments: str) -> None:
     result = repair_messages([user("go"), asst(call("a", "say", arguments)), tool("a")])
     assert [r.kind for r in result.repairs] == ["invalid_arguments"]

@@ -77,3 +77,18 @@ def test_a_printed_exchange_never_shows_the_upstream_key() -> None:
     ex.upstream_headers = [(b"authorization", b"Bearer sk-server-key-0123456789")]
     assert "sk-server-key" not in repr(ex) and "sk-server-key" not in str(ex)
     assert "chat/completions" in repr(ex)  # the rest is still there to debug with
+
+
+def test_a_logged_refusal_is_cut_outside_a_key_but_keeps_what_it_says() -> None:
+    from proxy.pipeline import MAX_ERROR_TEXT, clip_words
+
+    key = "sk-proj-Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4zAb7cDe0f"
+    text = "." * 262 + f" Incorrect API key provided: {key}. See your account."
+    cut = clip_words(text, MAX_ERROR_TEXT)
+    assert cut == "." * 262 + " Incorrect API key provided: …"
+    # a run longer than any key, and text in another script, are cut where the limit falls:
+    # the logged error used to be "…" alone
+    assert clip_words("x" * 2000, 300) == "x" * 300 + "…"
+    assert clip_words("错误" * 400, 300) == ("错误" * 400)[:300] + "…"
+    assert clip_words("<html>" + "y" * 2000, 300) == ("<html>" + "y" * 2000)[:300] + "…"
+    assert clip_words("short", 300) == "short"

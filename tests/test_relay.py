@@ -644,8 +644,10 @@ def test_the_placeholder_key_cachegate_stands_for_the_configured_key(
     client = openai.OpenAI(base_url=proxy.base_url, api_key="cachegate", max_retries=0)
     client.chat.completions.with_raw_response.create(model="gpt-4o", messages=[])
     client.models.list()
+    # as RFC 9110 allows it too: the scheme in any case, more spaces
+    httpx.get(proxy.base_url + "/models", headers={"Authorization": "bearer  cachegate"})
     auth = [dict(r["headers"]).get(b"authorization") for r in upstream.requests]
-    assert auth == [b"Bearer sk-from-env", b"Bearer sk-from-env"]
+    assert auth == [b"Bearer sk-from-env"] * 3
 
     # without a key of its own, cachegate forwards the placeholder: the provider says it is wrong
     upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
@@ -1149,17 +1151,23 @@ def test_a_refusal_that_echoes_the_key_leaves_no_piece_of_it_in_the_log(
         assert key[:n] not in logged, key[:n]
 
 
-def test_a_stream_past_the_recording_limit_is_relayed_whole_and_not_recorded(
+def test_a_stream_past_the_recording_limit_is_relayed_whole_its_text_not_recorded(
     scripted: Any, proxy_factory: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any
 ) -> None:
     """An upstream that never ends its answer used to have every byte recorded: 4 GB of
-    cachegate's memory, then one 725 MB log line."""
+    cachegate's memory, then one 725 MB log line. Past the limit the text is let go; the usage
+    at the end is still read (a long answer of ~100k tokens reaches the limit: it is priced)."""
     from proxy import assemble
     from proxy.eventlog import read_events
 
     monkeypatch.setattr(assemble, "MAX_RECORDED_STREAM", 256 * 1024)
     delta = b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * 1000 + b'"}}]}\n\n'
-    events = [delta] * 600 + [b"data: [DONE]\n\n"]  # ~620 KB
+    usage = (
+        b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}],"usage":'
+        b'{"prompt_tokens":20000,"completion_tokens":150000,'
+        b'"prompt_tokens_details":{"cached_tokens":18000}}}\n\n'
+    )
+    events = [delta] * 600 + [usage, b"data: [DONE]\n\n"]  # ~620 KB
     _upstream, url = scripted(chunks=events)
     proxy = proxy_factory(url)
     with caplog.at_level("WARNING"):
@@ -1172,8 +1180,36 @@ def test_a_stream_past_the_recording_limit_is_relayed_whole_and_not_recorded(
     assert r.status_code == 200 and r.content == b"".join(events)  # the client lost nothing
     response = read_events(proxy.log_dir / "endless.jsonl").events[-1]
     assert response["type"] == "response" and response["status"] == 200
-    assert response["message"] is None  # not recorded: no 600 KB line
-    assert "stream longer than 262,144 bytes: relayed in full, not recorded" in caplog.text
+    assert response["message"] is None  # its text not recorded: no 600 KB line
+    assert response["usage"]["prompt"] == 20000 and response["usage"]["completion"] == 150000
+    assert response["finish_reason"] == "length"
+    assert "stream longer than 262,144 bytes: relayed in full, its text not recorded" in caplog.text
+    assert caplog.text.count("stream longer than") == 1
+
+
+def test_a_stream_line_that_never_ends_is_let_go_past_the_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tracemalloc
+
+    from proxy import assemble
+
+    monkeypatch.setattr(assemble, "MAX_RECORDED_STREAM", 64 * 1024)
+    recorder = assemble.StreamRecorder()
+    recorder.feed(b'data: {"choices":[{"index":0,"delta":{"content":"')
+    tracemalloc.start()
+    try:
+        for _ in range(2000):  # 32 MB of one line
+            recorder.feed(b"y" * 16384)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 1024 * 1024
+    recorder.feed(
+        b'"}}]}\n\ndata: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":9}}\n\n'
+    )
+    result = recorder.finish()
+    assert result.usage is not None and result.usage.completion == 9
 
 
 @pytest.mark.parametrize(
