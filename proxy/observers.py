@@ -104,14 +104,17 @@ def _takes_place(
     chosen: _Baseline, fp: prefix.Fingerprint, divergence: prefix.Divergence | None
 ) -> bool:
     """Whether a request of ``chosen``'s conversation takes its place rather than branch off: it
-    extends or repeats it (no divergence); it rewrites what comes before the messages
+    extends it (no divergence); it rewrites what comes before the messages
     (parameters, tools, a system prompt with the time in it) and its messages carry the
     baseline's on; or it changes a message and keeps the baseline's last one after the change
     (an old tool output trimmed in place). Anything else is a branch, the baseline kept: a fork,
-    a rewind (the undone turns may be another agent's that opened alike and goes on), or
-    another agent's conversation that opens alike (its own tools, its own task)."""
+    a retry or a rewind (the undone turns may be another agent's that opened alike and goes on),
+    or another agent's conversation that opens alike (its own tools, its own task)."""
     if divergence is None:
-        return len(fp.message_digests) >= len(chosen.fp.message_digests)
+        # Longer: its next turn. The same or shorter: a retry, a rewind, or another agent that
+        # opens alike (sub-agents fanned out with the same task): kept beside it, so that each
+        # one's next turn finds its own.
+        return len(fp.message_digests) > len(chosen.fp.message_digests)
     old = chosen.fp.message_digests
     if divergence.location != "messages":
         # Its messages carry the baseline's on (the next turn, the time in its system prompt
@@ -222,10 +225,18 @@ class AccountingObserver:
                 if chosen is not baselines[0]:
                     baselines.remove(chosen)
                     baselines.insert(0, chosen)
-            else:
+            elif not (
+                chosen is not None
+                and not continues
+                and not fp.tools
+                and len(fp.message_digests) - fp.system_count == 1
+                and prefix.side_request(chosen.fp, fp)
+            ):
                 # A new conversation, or a branch: another conversation that opens alike (two
                 # agents with the same boilerplate first message), a fork. Both are kept: each
-                # next turn finds its own.
+                # next turn finds its own. (Not a title request, one message and no tools: it
+                # has no next turn, and would only be taken for the start of the next side
+                # request, a summary of the same conversation.)
                 baselines.insert(0, _Baseline(fp, body, prompt, model))
                 del baselines[_BASELINES:]
                 extra["baselines"] = baselines
@@ -304,7 +315,7 @@ class AccountingObserver:
             return None, False, None
         top = ranked[0]
         divergence = prefix.find_divergence(top.fp, fp, top.body, body, self.secrets)
-        if divergence is not None and divergence.location == "messages" and not divergence.volatile:
+        if divergence is not None and divergence.location == "messages":
             # It differs inside the messages from the closest: if it carries another request
             # of the session on whole, it is that one's next turn (two agents that opened
             # alike, their first answers alike too), not an edit of the closest.

@@ -411,6 +411,19 @@ def shared_links(old: Fingerprint, new: Fingerprint) -> int:
     return lo
 
 
+def side_request(old: Fingerprint, new: Fingerprint) -> bool:
+    """Whether ``new`` is a request an agent sends beside ``old``'s conversation, not in it: a
+    title or summary request, under a system prompt of its own, on another model, or on the same
+    one with other tools and a single message or no tools (see ``same_conversation``)."""
+    if old.element_digests[_SYSTEM] == new.element_digests[_SYSTEM]:
+        return False
+    if (old.params or {}).get("model") != (new.params or {}).get("model"):
+        return True
+    return old.element_digests[_TOOLS] != new.element_digests[_TOOLS] and (
+        len(new.message_digests) - new.system_count == 1 or not new.tools
+    )
+
+
 def same_conversation(old: Fingerprint, new: Fingerprint) -> bool:
     """Whether ``new`` continues or rewrites ``old``'s conversation rather than starting another:
     one of its messages after the system block is one of ``old``'s, wherever (or neither has
@@ -420,20 +433,17 @@ def same_conversation(old: Fingerprint, new: Fingerprint) -> bool:
     compacted keeps its later ones. (The caller also takes a change of a volatile token alone as
     a rewrite: a date in the only message of a first turn.) A request with another model and
     another system prompt is another conversation whatever its messages: a title request sends
-    the user's first message to a small model under a prompt of its own. So is one with another
-    system prompt and other tools whose messages do not carry ``old``'s on (a title or summary
-    request on the main model: the user's first message under a prompt and tools of its own).
+    the user's first message to a small model under a prompt of its own. So is one on the same
+    model with another system prompt and other tools that holds a single message or sends no
+    tools (a title or summary request on the main model: the user's first message, or the
+    history and a request to sum it up, under a prompt of its own and without the agent's
+    tools), unless ``old`` sent none either. A history rewound or trimmed while the tools
+    changed (an MCP server connected) keeps its tools and messages: still the conversation.
     """
+    if side_request(old, new):
+        return False
     old_messages = old.message_digests[old.system_count :]
     new_messages = new.message_digests[new.system_count :]
-    if old.element_digests[_SYSTEM] != new.element_digests[_SYSTEM] and (
-        (old.params or {}).get("model") != (new.params or {}).get("model")
-        or (
-            old.element_digests[_TOOLS] != new.element_digests[_TOOLS]
-            and len(new_messages) < len(old_messages)
-        )
-    ):
-        return False
     if not old_messages or not new_messages:
         return not old_messages and not new_messages
     if old_messages[0] == new_messages[0]:  # the usual case: the same opening

@@ -623,3 +623,116 @@ def test_a_request_the_client_left_mid_answer_still_refreshes_its_prefix(
     last = responses[-1]["cache"]
     assert last["waste"] > NOISE_FLOOR
     assert (last["cause"], last["location"]) == ("prefix_rewrite", "system")
+
+
+def _tool_turn(client: Any, convo: list[dict[str, Any]], output: str, **kw: Any) -> None:
+    """One agent step: the model's reply, then the tool's (or the user's) answer to it."""
+    reply, _ = chat(client, convo, stream=False, **kw)
+    convo.append(reply)
+    calls = reply.get("tool_calls") or []
+    if calls:
+        convo.extend({"role": "tool", "tool_call_id": c["id"], "content": output} for c in calls)
+    else:
+        convo.append({"role": "user", "content": output})
+
+
+def test_sub_agents_fanned_out_with_one_task_are_each_compared_with_their_own(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """Three sub-agents sent the same first request before any second turn (the usual fan-out):
+    each took the previous one's place, and the second and third agents' second turns were
+    compared with the first agent's, their own replies and outputs charged as a rewrite."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "fan-out"})
+    opening = [
+        {"role": "system", "content": "You are a search sub-agent. " + SYSTEM_PROMPT},
+        {"role": "user", "content": "Explore the code and report where handlers live."},
+    ]
+    subs = [list(opening) for _ in range(3)]
+    for step in range(3):
+        for k, sub in enumerate(subs):
+            _tool_turn(client, sub, f"sub {k} step {step}: " + FILE_TEXT[:1500], tools=TOOLS)
+            sim.sim.advance(2)
+    flush(proxy)
+    responses = events(proxy.log_dir, "fan-out", "response")
+    assert len(responses) == 9
+    assert [r["cache"]["waste"] for r in responses] == [0] * 9
+    assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "messages"}) == 0
+
+
+def test_title_and_summary_requests_on_the_main_model_leave_the_main_agent_its_own(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A title request at the first turn, and a summary request later (the history and a
+    request to sum it up, no tools): each was charged as a tools rewrite and took the main
+    agent's place, and the main agent's turn after a long pause was then counted against the
+    summary request, or not at all."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "side"})
+    first = {"role": "user", "content": "Fix the failing handler. Log:\n" + PYTEST_OUTPUT * 4}
+    main: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}, first]
+    _tool_turn(client, main, "output 0: " + FILE_TEXT[:2000], tools=TOOLS)
+    title = [{"role": "system", "content": "Write a five-word title."}, first]
+    chat(client, title, stream=False)  # the first turn's title: one message, no tools
+    sim.sim.advance(5)
+    for i in (1, 2):
+        _tool_turn(client, main, f"output {i}: " + FILE_TEXT[:2000], tools=TOOLS)
+        sim.sim.advance(5)
+    summary = [
+        {"role": "system", "content": "Summarize this coding session."},
+        *main[1:],
+        {"role": "user", "content": "Summarize the session so far."},
+    ]
+    chat(client, summary, stream=False)  # the whole history, no tools
+    sim.sim.advance(700)  # past the 300 s TTL
+    _tool_turn(client, main, "output 3", tools=TOOLS)
+    flush(proxy)
+    responses = events(proxy.log_dir, "side", "response")
+    caches = [r["cache"] for r in responses]
+    assert len(caches) == 6
+    for i in (1, 4):  # the title and the summary request: nothing expected of them
+        assert caches[i]["expected"] == caches[i]["waste"] == 0, i
+    for i in (2, 3):  # the main agent's turns: compared with its own, all cached
+        assert caches[i]["waste"] == 0 and caches[i]["read"] > NOISE_FLOOR, i
+    usages = [r.usage for r in sim.sim.requests]
+    assert caches[5]["expected"] == usages[3]["prompt_tokens"]  # its own previous turn
+    assert caches[5]["waste"] == caches[5]["expected"] - caches[5]["read"] > NOISE_FLOOR
+    assert caches[5]["cause"] == "ttl_expired"
+
+
+def test_a_rewind_after_an_mcp_server_connected_still_reports_the_miss(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """An agent that rebuilds its system prompt and tools each turn, rewound after another MCP
+    server connected: fewer messages, another prompt and other tools, but its own conversation
+    (its tools and its messages): the provider missed, and that is a tools rewrite."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "mcp"})
+    servers: list[str] = []
+
+    def system() -> dict[str, Any]:
+        extra = "".join(f"\nMCP server {s}: use it for {s} work." for s in servers)
+        return {"role": "system", "content": SYSTEM_PROMPT + extra}
+
+    def tools() -> list[dict[str, Any]]:
+        more = [
+            {"type": "function", "function": {"name": f"mcp_{s}", "parameters": {"type": "object"}}}
+            for s in servers
+        ]
+        return [*TOOLS, *more]
+
+    convo = [system(), {"role": "user", "content": "Fix the handler. " + FILE_TEXT[:1500]}]
+    snapshots = []
+    for i in range(4):
+        convo[0] = system()
+        snapshots.append(list(convo))
+        _tool_turn(client, convo, f"output {i}: " + FILE_TEXT[:3000], tools=tools())
+        sim.sim.advance(10)
+    servers.append("late")  # connected meanwhile; then the user rewinds two turns
+    convo = [system(), *snapshots[2][1:], {"role": "user", "content": "Undo that; try again."}]
+    _tool_turn(client, convo, "output again", tools=tools())
+    flush(proxy)
+    last = events(proxy.log_dir, "mcp", "response")[-1]["cache"]
+    assert last["expected"] > NOISE_FLOOR
+    assert last["waste"] == last["expected"] - last["read"] > NOISE_FLOOR
+    assert (last["cause"], last["location"]) == ("prefix_rewrite", "tools")
