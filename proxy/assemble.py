@@ -164,10 +164,8 @@ class StreamAssembler:
         self._reasoning.clear()
         if self._refusal is not None:
             self._refusal.clear()
-        if self._function is not None:
-            self._function[1].clear()
-        for arguments in self._tools._arguments:
-            arguments.clear()
+        self._function = None
+        self._tools = _ToolCalls()  # a new call per delta would be kept without end
         self._text_dropped = True
 
     def feed(self, event: SSEEvent) -> None:
@@ -528,9 +526,9 @@ def assemble_completion(body: Mapping[str, Any]) -> AssembledResponse:
 # and error still are. ~100k output tokens of OpenAI's chunks, ~300 bytes a token with usage
 # asked for and the padding.
 MAX_RECORDED_STREAM = 32 * 1024 * 1024
-# An event not ended past this many bytes, once the text is no longer kept, is let go: no usage
-# or finish reason is that long.
-_MAX_PENDING_EVENT = 1024 * 1024
+# An event not ended past this many bytes, once the text is no longer kept, is let go (a line
+# that never ends). A last chunk holding a whole tool call beside the usage can be megabytes.
+_MAX_PENDING_EVENT = 16 * 1024 * 1024
 
 
 class StreamRecorder:

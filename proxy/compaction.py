@@ -624,7 +624,7 @@ def _latest(items: list[str], limit: int) -> list[str]:
     lines: list[str] = []
     used = 0
     for item in reversed(items):
-        line = f"- `{_clip(item.replace(chr(10), ' ⏎ '), 300)}`"  # one line: read back whole
+        line = f"- `{_clip(' ⏎ '.join(item.splitlines()), 300)}`"  # one line: read back whole
         if lines and used + len(line) + 1 > limit:
             break
         lines.append(line)
@@ -941,10 +941,26 @@ def is_context_length_error(status: int, body: bytes) -> bool:
                 return True
         said = "\n".join(_error_words(parsed)).lower().encode()
     if any(phrase in said for phrase in _CONTEXT_PHRASES):
-        return True
+        return not _output_alone_too_large(said)
     if any(word in said for word in _OUTPUT_LIMIT_WORDS):
         return False
     return any(phrase in said for phrase in _BROAD_CONTEXT_PHRASES)
+
+
+# What a refusal says the completion asked for: vLLM's "'max_tokens' … is too large: N" and
+# "(M in the messages, N in the completion)".
+_OUTPUT_ASKED = re.compile(rb"is too large: (\d+)|(\d+) in the completion")
+
+
+def _output_alone_too_large(said: bytes) -> bool:
+    """Whether the refusal says the completion asked for fills the window by itself (a
+    ``max_tokens`` as large as the window): compacting the history would not help, and each
+    retry would cost a summary call for the same refusal."""
+    asked = _OUTPUT_ASKED.search(said)
+    window = provider_window(said)
+    if asked is None or window is None:
+        return False
+    return int(asked.group(1) or asked.group(2)) >= window
 
 
 _ERROR_KEYS = frozenset({"message", "msg", "error", "detail", "code", "type"})

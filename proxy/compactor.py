@@ -34,10 +34,17 @@ SYNTHETIC_PREFIXES: tuple[str, ...] = (
 
 
 _MAX_MODELS = 256
+MAX_COMPACTIONS = 8  # conversations of one session with a compaction of their own
 
 # A compaction aims below this share of the trigger (60% of the window at the default 75%): a
 # history compacted to just under the trigger reaches it again with the next turn's round.
 TARGET_SHARE = 0.8
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The same message: the very object (an agent's next turn resends its history as the
+    objects cachegate holds), or an equal one."""
+    return a is b or a == b
 
 
 class Compactor:
@@ -97,12 +104,15 @@ class Compactor:
             model_cfg = dataclasses.replace(model_cfg, context_window=window)
         last = state.extra.get("last_usage")
         if last is not None:  # the provider's numbers, if this history carries theirs on
-            count, tail = last[2], last[3]
-            held = messages[count - 1] if 0 < count <= len(messages) else None
-            if held is None or (held is not tail and held != tail):
+            count, head, tail = last[2], last[3], last[4]
+            if not (
+                0 < count <= len(messages)
+                and _same(messages[0], head)
+                and _same(messages[count - 1], tail)
+            ):
                 last = None  # another conversation's, or a rewind: the estimate decides
-        existing: compaction.Compaction | None = state.extra.get("compaction")
-        known = self._known_digest(state, existing, messages)
+        held: dict[str, list[Any]] = state.extra.setdefault("compactions", {})
+        existing, known = self._existing(held, messages)
         appended = messages[last[2] :] if last else []
         if appended and isinstance(appended[0], dict) and appended[0].get("role") == "assistant":
             appended = appended[1:]  # the previous answer: its completion tokens count it
@@ -174,13 +184,12 @@ class Compactor:
                     plan = smaller
                     if self._fits(messages, smaller.cut, limit, extra):
                         break
-        if plan.discarded:
-            state.extra.pop("compaction", None)
-            state.extra.pop("compaction_verified", None)
+        if plan.discarded and existing is not None:
+            held.pop(existing.opening, None)
         if plan.cut is None:
             if plan.reused is None:
                 return body
-            self._verified(state, plan.reused, messages)
+            held[plan.reused.opening] = [plan.reused, tuple(messages[: plan.reused.covered])]
             ex.compacted = True
             ex.transforms["compacted"] = {"reused": True, "covered": plan.reused.covered}
             notify(self.observers, "on_compaction", ex, plan.reused, "reused")
@@ -196,8 +205,10 @@ class Compactor:
         forwarded = compaction.apply_compaction(messages, comp, digest=comp.prefix_digest)
         if forwarded is None:  # cannot happen for the history it was built from; stay safe
             return body
-        state.extra["compaction"] = comp
-        self._verified(state, comp, messages)
+        held.pop(comp.opening, None)  # (re-inserted last: the oldest conversation goes first)
+        held[comp.opening] = [comp, tuple(messages[: comp.covered])]
+        while len(held) > MAX_COMPACTIONS:
+            del held[next(iter(held))]
         state.extra["compacted_pending"] = True  # the next exchange's miss is expected, not waste
         ex.compacted = True
         ex.transforms["compacted"] = {
@@ -211,23 +222,21 @@ class Compactor:
         return {**body, "messages": forwarded}
 
     @staticmethod
-    def _known_digest(
-        state: SessionState, existing: compaction.Compaction | None, messages: list[Any]
-    ) -> str | None:
-        """``existing``'s prefix digest when ``messages`` start with the very message objects it
-        was last checked against (an agent's next turn: ``resolve_session`` shares them), so
-        the covered prefix, the bulk of a long history, is not serialized and hashed again."""
-        verified = state.extra.get("compaction_verified")
-        if existing is None or verified is None or verified[0] is not existing:
-            return None
-        held = verified[1]
-        if len(messages) < len(held) or not all(map(operator.is_, held, messages)):
-            return None
-        return existing.prefix_digest
-
-    @staticmethod
-    def _verified(state: SessionState, comp: compaction.Compaction, messages: list[Any]) -> None:
-        state.extra["compaction_verified"] = (comp, tuple(messages[: comp.covered]))
+    def _existing(
+        held: dict[str, list[Any]], messages: list[Any]
+    ) -> tuple[compaction.Compaction | None, str | None]:
+        """The session's compaction of this history's conversation (each conversation of a
+        session, a main agent's and its sub-agents', has its own, by the digest of its opening),
+        and its prefix digest when ``messages`` start with the very message objects it was last
+        checked against (an agent's next turn: ``resolve_session`` shares them), so that the
+        covered prefix, the bulk of a long history, is not serialized and hashed again."""
+        for comp, verified in held.values():
+            if len(messages) >= len(verified) and all(map(operator.is_, verified, messages)):
+                return comp, comp.prefix_digest
+        if not held:
+            return None, None
+        entry = held.get(compaction.opening_digest(messages))
+        return (entry[0], None) if entry is not None else (None, None)
 
     @staticmethod
     def _fits(messages: list[Any], cut: compaction.Cut, limit: float, extra: int) -> bool:

@@ -251,8 +251,10 @@ class AccountingObserver:
         # (its length and last message: a turn of another conversation of the session, a
         # sub-agent's, is not counted on the numbers of this one).
         sent = ex.client_body.get("messages") if isinstance(ex.client_body, dict) else None
-        tail = (len(sent), sent[-1]) if isinstance(sent, list) and sent else (0, None)
-        extra["last_usage"] = (usage.prompt, usage.completion, *tail)
+        ends = (
+            (len(sent), sent[0], sent[-1]) if isinstance(sent, list) and sent else (0, None, None)
+        )
+        extra["last_usage"] = (usage.prompt, usage.completion, *ends)
         after_compaction = bool(extra.pop("compacted_pending", False))
         cache_state: CacheState = extra.get("cache") or CacheState()
         if base != (cache_state.prev_prompt, cache_state.params_digest, cache_state.model):

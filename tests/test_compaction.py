@@ -470,6 +470,28 @@ def test_a_multi_line_command_and_pretty_arguments_survive_a_rolling_summary() -
         assert '- run({ "command": "pytest -q" }) -> 1 passed' in text
 
 
+def test_a_command_with_any_line_break_survives_a_rolling_summary() -> None:
+    for command in ("cd /repo\r\npytest -q", "cd /repo\u2028pytest -q", "cd /repo\rpytest -q"):
+        call = {
+            "id": "c",
+            "type": "function",
+            "function": {"name": "run", "arguments": orjson.dumps({"command": command}).decode()},
+        }
+        middle = [
+            {"role": "user", "content": "Run it."},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "content": "ok"},
+        ]
+        previous: str | None = None
+        for i in range(4):
+            step = [{"role": "user", "content": f"Instruction {i}."}, *middle[1:]] if i else middle
+            previous = extractive_summary(step, previous_summary=previous)
+        assert previous is not None
+        assert "## Previous summary" not in previous, repr(command)
+        assert "- `cd /repo ⏎ pytest -q`" in previous
+        assert all(f"> Instruction {i}." in previous for i in (1, 2, 3))
+
+
 def test_a_model_summary_that_copied_the_skeletons_header_is_carried_whole() -> None:
     from proxy.compaction import EXTRACTIVE_HEADER
 
@@ -695,6 +717,14 @@ def test_is_context_length_error() -> None:
     assert not is_context_length_error(400, b'{"error": {"message": "Invalid value: \'x\'."}}')
 
 
+def test_a_history_too_long_beside_its_max_tokens_is_still_a_context_refusal() -> None:
+    body = (
+        b'{"object":"error","message":"This model\'s maximum context length is 4096 tokens.'
+        b' However, you requested 5000 tokens (3000 in the messages, 2000 in the completion)."}'
+    )
+    assert is_context_length_error(400, body) and provider_window(body) == 4096
+
+
 @pytest.mark.parametrize(
     ("body", "window"),
     [
@@ -770,6 +800,13 @@ def test_the_context_refusals_of_the_usual_servers_are_recognised_with_their_win
 
 def test_other_refusals_are_not_taken_for_context_length() -> None:
     for body in (
+        # vLLM: max_tokens fills the window alone; a compaction cannot help, and each retry
+        # cost a summary call for the same refusal
+        b'{"object":"error","message":"\'max_tokens\' or \'max_completion_tokens\' is too large:'
+        b" 5000. This model's maximum context length is 4096 tokens and your request has 896"
+        b' input tokens (5000 > 4096 - 896).","type":"BadRequestError","code":400}',
+        b'{"object":"error","message":"This model\'s maximum context length is 4096 tokens.'
+        b' However, you requested 5896 tokens (896 in the messages, 5000 in the completion)."}',
         b'{"error":{"message":"Invalid type for \'messages[2].content\'","code":null}}',
         b'{"error":{"message":"max_tokens is too large: 9000. Use at most 4096.","code":null}}',
         b'{"error":{"message":"Rate limit reached for tokens per min (TPM)"}}',
@@ -782,7 +819,6 @@ def test_other_refusals_are_not_taken_for_context_length() -> None:
         b'{"error":"max_tokens is greater than the context length"}',
     ):
         assert not is_context_length_error(400, body)
-        assert provider_window(body) is None
 
 
 def test_one_task_stays_however_long_its_tool_loop() -> None:

@@ -437,6 +437,63 @@ def test_a_sub_agent_in_a_compacted_session_is_neither_compacted_nor_undoes_the_
     assert summaries == 1
 
 
+def test_two_conversations_of_a_session_each_keep_their_own_compaction(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """A main agent and a sub-agent, both past the trigger, taking turns under one session id:
+    one slot per session held one compaction, each overwrote the other's, and every request
+    made a summary call and missed the cache."""
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    client = sdk(proxy.base_url)
+
+    def send(messages: list[dict[str, Any]]) -> Any:
+        return client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, extra_headers={"X-Session-Id": "two"}
+        )
+
+    def sub_history(rounds: int) -> list[dict[str, Any]]:
+        main = history(rounds)
+        return [{"role": "system", "content": "You are a sub-agent. " * 200}, *main[3:]]
+
+    summaries_before = 0
+    for turn in range(4):
+        for messages in (history(18 + turn), sub_history(18 + turn)):
+            assert send(messages).headers["x-cachegate-compacted"] == "1"
+        if turn == 0:
+            summaries_before = len(sim.sim.requests)
+    calls = [
+        r for r in sim.sim.requests if r.body["messages"][0]["content"] == SUMMARIZER_SYSTEM_PROMPT
+    ]
+    assert len(calls) == 2  # one for each conversation, then reused turn after turn
+    assert len(sim.sim.requests) == summaries_before + 6
+
+
+def test_a_title_request_ending_like_the_main_history_does_not_feed_its_trigger(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """A title request [its prompt, the user's task] ends with the main history's second
+    message: its small prompt count was taken for the main agent's, plus an estimate of the
+    whole raw history after it, and every main turn went over the trigger and was compacted
+    again."""
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    client = sdk(proxy.base_url)
+    headers = {"X-Session-Id": "titled"}
+    main = history(18)
+    task = main[1]
+    for turn in range(4):
+        main = history(18 + turn)
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=main, extra_headers=headers
+        )
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        title = [{"role": "system", "content": "Generate a short title."}, task]
+        client.chat.completions.create(model=MODEL, messages=title, extra_headers=headers)
+    calls = [
+        r for r in sim.sim.requests if r.body["messages"][0]["content"] == SUMMARIZER_SYSTEM_PROMPT
+    ]
+    assert len(calls) == 1
+
+
 def test_a_pasted_document_that_fits_the_window_is_not_summarized(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:

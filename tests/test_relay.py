@@ -1195,6 +1195,7 @@ def test_a_stream_line_that_never_ends_is_let_go_past_the_limit(
     from proxy import assemble
 
     monkeypatch.setattr(assemble, "MAX_RECORDED_STREAM", 64 * 1024)
+    monkeypatch.setattr(assemble, "_MAX_PENDING_EVENT", 1024 * 1024)
     recorder = assemble.StreamRecorder()
     recorder.feed(b'data: {"choices":[{"index":0,"delta":{"content":"')
     tracemalloc.start()
@@ -1855,3 +1856,53 @@ def test_a_compressed_stream_is_decoded_whatever_its_first_reads_hold(coding: st
 def _kept(into: list[bytes], chunk: bytes) -> bool:
     into.append(chunk)
     return True
+
+
+def test_past_the_limit_new_tool_calls_on_every_delta_are_not_kept_either(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A broken upstream that opens a new tool call on every delta: past the limit their
+    arguments were let go but the calls themselves kept, 66 MB for 13 MB streamed."""
+    import tracemalloc
+
+    from proxy import assemble
+
+    monkeypatch.setattr(assemble, "MAX_RECORDED_STREAM", 64 * 1024)
+    recorder = assemble.StreamRecorder()
+    tracemalloc.start()
+    try:
+        for i in range(40_000):  # ~5 MB
+            recorder.feed(
+                b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":%d,"id":"c%d",'
+                b'"function":{"name":"f","arguments":"{}"}}]}}]}\n\n' % (i, i)
+            )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * 1024 * 1024
+
+
+def test_past_the_limit_a_last_event_of_megabytes_still_gives_its_usage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A provider that sends a whole tool call in one last chunk, with the finish reason and the
+    usage: past the limit, an unfinished event was dropped at 1 MiB, and the exchange went
+    unpriced."""
+    from proxy import assemble
+
+    monkeypatch.setattr(assemble, "MAX_RECORDED_STREAM", 64 * 1024)
+    recorder = assemble.StreamRecorder()
+    delta = b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * 1000 + b'"}}]}\n\n'
+    for _ in range(130):
+        recorder.feed(delta)
+    last = (
+        b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c","function":'
+        b'{"name":"write","arguments":"' + b"y" * (3 * 1024 * 1024) + b'"}}]},'
+        b'"finish_reason":"tool_calls"}],"usage":{"prompt_tokens":7,"completion_tokens":9}}\n\n'
+    )
+    for start in range(0, len(last), 16384):
+        recorder.feed(last[start : start + 16384])
+    result = recorder.finish()
+    assert result.usage is not None and result.usage.completion == 9
+    assert result.finish_reason == "tool_calls"
+    assert result.text_dropped
