@@ -41,6 +41,10 @@ MAX_COMPACTIONS = 8  # conversations of one session with a compaction of their o
 TARGET_SHARE = 0.8
 
 
+def _key(comp: compaction.Compaction) -> str:
+    return comp.opening + comp.prefix_digest
+
+
 def _same(a: Any, b: Any) -> bool:
     """The same message: the very object (an agent's next turn resends its history as the
     objects cachegate holds), or an equal one."""
@@ -185,11 +189,11 @@ class Compactor:
                     if self._fits(messages, smaller.cut, limit, extra):
                         break
         if plan.discarded and existing is not None:
-            held.pop(existing.opening, None)
+            held.pop(_key(existing), None)
         if plan.cut is None:
             if plan.reused is None:
                 return body
-            held[plan.reused.opening] = [plan.reused, tuple(messages[: plan.reused.covered])]
+            self._hold(held, plan.reused, messages)
             ex.compacted = True
             ex.transforms["compacted"] = {"reused": True, "covered": plan.reused.covered}
             notify(self.observers, "on_compaction", ex, plan.reused, "reused")
@@ -205,10 +209,7 @@ class Compactor:
         forwarded = compaction.apply_compaction(messages, comp, digest=comp.prefix_digest)
         if forwarded is None:  # cannot happen for the history it was built from; stay safe
             return body
-        held.pop(comp.opening, None)  # (re-inserted last: the oldest conversation goes first)
-        held[comp.opening] = [comp, tuple(messages[: comp.covered])]
-        while len(held) > MAX_COMPACTIONS:
-            del held[next(iter(held))]
+        self._hold(held, comp, messages)
         state.extra["compacted_pending"] = True  # the next exchange's miss is expected, not waste
         ex.compacted = True
         ex.transforms["compacted"] = {
@@ -225,18 +226,46 @@ class Compactor:
     def _existing(
         held: dict[str, list[Any]], messages: list[Any]
     ) -> tuple[compaction.Compaction | None, str | None]:
-        """The session's compaction of this history's conversation (each conversation of a
-        session, a main agent's and its sub-agents', has its own, by the digest of its opening),
-        and its prefix digest when ``messages`` start with the very message objects it was last
-        checked against (an agent's next turn: ``resolve_session`` shares them), so that the
-        covered prefix, the bulk of a long history, is not serialized and hashed again."""
+        """The session's compaction of this history's conversation, and its prefix digest.
+
+        Each conversation of a session (a main agent's, its sub-agents', fanned out with one
+        task or not) has its own. The one used last keeps the message objects it was checked
+        against: an agent's next turn resends them (``resolve_session`` shares them), so its
+        covered prefix, the bulk of a long history, is not serialized and hashed again. Else
+        the compactions made from a history that opened as this one are tried, latest first,
+        by their covered prefix. None when none covers it: another conversation that opens
+        alike, or this one rewound or forked before what its compaction covers, goes on without
+        one (and the summary of a future the user undid never reaches the provider)."""
         for comp, verified in held.values():
-            if len(messages) >= len(verified) and all(map(operator.is_, verified, messages)):
+            if (
+                verified is not None
+                and len(messages) >= len(verified)
+                and all(map(operator.is_, verified, messages))
+            ):
                 return comp, comp.prefix_digest
         if not held:
             return None, None
-        entry = held.get(compaction.opening_digest(messages))
-        return (entry[0], None) if entry is not None else (None, None)
+        opening = compaction.opening_digest(messages)
+        alike = [comp for comp, _ in held.values() if comp.opening == opening]
+        for comp in reversed(alike):
+            if len(messages) >= comp.covered:
+                digest = compaction.prefix_digest(messages, comp.covered)
+                if digest == comp.prefix_digest:
+                    return comp, digest
+        return None, None
+
+    @staticmethod
+    def _hold(held: dict[str, list[Any]], comp: compaction.Compaction, messages: list[Any]) -> None:
+        """Keep ``comp`` as the session's most recently used compaction (the least recently used
+        goes past ``MAX_COMPACTIONS``), with the message objects it was checked against; the
+        others let go of theirs (one covered prefix held, as with one compaction)."""
+        key = _key(comp)
+        held.pop(key, None)
+        for entry in held.values():
+            entry[1] = None
+        held[key] = [comp, tuple(messages[: comp.covered])]
+        while len(held) > MAX_COMPACTIONS:
+            del held[next(iter(held))]
 
     @staticmethod
     def _fits(messages: list[Any], cut: compaction.Cut, limit: float, extra: int) -> bool:

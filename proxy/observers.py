@@ -48,14 +48,16 @@ _BASELINES: Final = 8
 
 class _Baseline:
     """A request a later one of its session may continue: its fingerprint, body, prompt tokens
-    (None when unknown) and model."""
+    (None when unknown) and model; ``copies``: how many requests sent it as it is (a retry, or
+    sub-agents fanned out with one task: each of those may go on in its own way)."""
 
-    __slots__ = ("body", "fp", "model", "prompt")
+    __slots__ = ("body", "copies", "fp", "model", "prompt")
 
     def __init__(
         self, fp: prefix.Fingerprint, body: Any, prompt: int | None, model: str | None
     ) -> None:
         self.fp, self.body, self.prompt, self.model = fp, body, prompt, model
+        self.copies = 1
 
 
 def _hash_base(baselines: list[_Baseline], body: Any) -> prefix.Fingerprint | None:
@@ -111,11 +113,19 @@ def _takes_place(
     a retry or a rewind (the undone turns may be another agent's that opened alike and goes on),
     or another agent's conversation that opens alike (its own tools, its own task)."""
     if divergence is None:
-        # Longer: its next turn. The same or shorter: a retry, a rewind, or another agent that
-        # opens alike (sub-agents fanned out with the same task): kept beside it, so that each
-        # one's next turn finds its own.
+        # Longer: its next turn. Shorter: a rewind, or another agent that opens alike: kept
+        # beside it, so that each one's next turn finds its own. (The same: counted on it.)
         return len(fp.message_digests) > len(chosen.fp.message_digests)
     old = chosen.fp.message_digests
+    if (
+        divergence.location != "messages"
+        and chosen.fp.element_digests[1] != fp.element_digests[1]  # the tools
+        and chosen.fp.element_digests[2] != fp.element_digests[2]  # the system prompt
+    ):
+        # Another prompt and other tools at once: a side request that carries the history on
+        # (a summary of it, without the agent's tools), or a turn with the tools switched off.
+        # Kept beside it: the agent's next turn finds its own previous one.
+        return False
     if divergence.location != "messages":
         # Its messages carry the baseline's on (the next turn, the time in its system prompt
         # changed). Fewer of them, under a rewritten prompt, is a side request that starts
@@ -219,24 +229,29 @@ class AccountingObserver:
                 prompt: int | None = usage.prompt
             else:  # interrupted before its usage: the prompt count of what it continued
                 prompt = chosen.prompt if continues and chosen is not None else None
-            if continues and chosen is not None and _takes_place(chosen, fp, divergence):
-                # It extends, rewinds or rewrites its baseline: it takes that one's place.
-                chosen.fp, chosen.body, chosen.prompt, chosen.model = fp, body, prompt, model
-                if chosen is not baselines[0]:
-                    baselines.remove(chosen)
-                    baselines.insert(0, chosen)
-            elif not (
-                chosen is not None
-                and not continues
-                and not fp.tools
-                and len(fp.message_digests) - fp.system_count == 1
-                and prefix.side_request(chosen.fp, fp)
+            if (
+                continues
+                and chosen is not None
+                and divergence is None
+                and chosen.fp.chain == fp.chain
             ):
+                # The very same request again (a retry, a sub-agent fanned out with one task):
+                # counted on its baseline, which each of them may carry on in its own way.
+                chosen.copies += 1
+                chosen.prompt = prompt if prompt is not None else chosen.prompt
+            elif continues and chosen is not None and _takes_place(chosen, fp, divergence):
+                if chosen.copies > 1:  # one of several that sent it: the others may go on too
+                    chosen.copies -= 1
+                    baselines.insert(0, _Baseline(fp, body, prompt, model))
+                else:  # it extends or rewrites its baseline: it takes that one's place
+                    chosen.fp, chosen.body, chosen.prompt, chosen.model = fp, body, prompt, model
+                    if chosen is not baselines[0]:
+                        baselines.remove(chosen)
+                        baselines.insert(0, chosen)
+            else:
                 # A new conversation, or a branch: another conversation that opens alike (two
-                # agents with the same boilerplate first message), a fork. Both are kept: each
-                # next turn finds its own. (Not a title request, one message and no tools: it
-                # has no next turn, and would only be taken for the start of the next side
-                # request, a summary of the same conversation.)
+                # agents with the same boilerplate first message), a fork, a rewind. Both are
+                # kept: each next turn finds its own.
                 baselines.insert(0, _Baseline(fp, body, prompt, model))
                 del baselines[_BASELINES:]
                 extra["baselines"] = baselines

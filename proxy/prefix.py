@@ -413,14 +413,15 @@ def shared_links(old: Fingerprint, new: Fingerprint) -> int:
 
 def side_request(old: Fingerprint, new: Fingerprint) -> bool:
     """Whether ``new`` is a request an agent sends beside ``old``'s conversation, not in it: a
-    title or summary request, under a system prompt of its own, on another model, or on the same
-    one with other tools and a single message or no tools (see ``same_conversation``)."""
+    title request, under a system prompt of its own, on another model, or on the same one with
+    other tools and a single message (see ``same_conversation``)."""
     if old.element_digests[_SYSTEM] == new.element_digests[_SYSTEM]:
         return False
     if (old.params or {}).get("model") != (new.params or {}).get("model"):
         return True
-    return old.element_digests[_TOOLS] != new.element_digests[_TOOLS] and (
-        len(new.message_digests) - new.system_count == 1 or not new.tools
+    return (
+        old.element_digests[_TOOLS] != new.element_digests[_TOOLS]
+        and len(new.message_digests) - new.system_count == 1
     )
 
 
@@ -434,11 +435,9 @@ def same_conversation(old: Fingerprint, new: Fingerprint) -> bool:
     a rewrite: a date in the only message of a first turn.) A request with another model and
     another system prompt is another conversation whatever its messages: a title request sends
     the user's first message to a small model under a prompt of its own. So is one on the same
-    model with another system prompt and other tools that holds a single message or sends no
-    tools (a title or summary request on the main model: the user's first message, or the
-    history and a request to sum it up, under a prompt of its own and without the agent's
-    tools), unless ``old`` sent none either. A history rewound or trimmed while the tools
-    changed (an MCP server connected) keeps its tools and messages: still the conversation.
+    model with another system prompt and other tools that holds a single message (a title
+    request on the main model). A history rewound or trimmed while the tools changed (an MCP
+    server connected), or a turn with the tools switched off, is still the conversation.
     """
     if side_request(old, new):
         return False

@@ -437,8 +437,9 @@ def test_a_sub_agent_in_a_compacted_session_is_neither_compacted_nor_undoes_the_
     assert summaries == 1
 
 
+@pytest.mark.parametrize("same_opening", [False, True])
 def test_two_conversations_of_a_session_each_keep_their_own_compaction(
-    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any, same_opening: bool
 ) -> None:
     """A main agent and a sub-agent, both past the trigger, taking turns under one session id:
     one slot per session held one compaction, each overwrote the other's, and every request
@@ -453,6 +454,14 @@ def test_two_conversations_of_a_session_each_keep_their_own_compaction(
 
     def sub_history(rounds: int) -> list[dict[str, Any]]:
         main = history(rounds)
+        if same_opening:  # fanned out with one task: the same opening, then its own rounds
+            return [
+                *main[:4],
+                *(
+                    {**m, "content": f"other {m['content']}"} if m["role"] == "tool" else m
+                    for m in main[4:]
+                ),
+            ]
         return [{"role": "system", "content": "You are a sub-agent. " * 200}, *main[3:]]
 
     summaries_before = 0
@@ -466,6 +475,32 @@ def test_two_conversations_of_a_session_each_keep_their_own_compaction(
     ]
     assert len(calls) == 2  # one for each conversation, then reused turn after turn
     assert len(sim.sim.requests) == summaries_before + 6
+
+
+def test_the_compaction_in_use_outlives_many_others(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """Nine sub-agents compacted between the main agent's turns: the oldest compaction went
+    first, the main agent's too though it was reused on every turn."""
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    client = sdk(proxy.base_url)
+
+    def send(messages: list[dict[str, Any]]) -> None:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, extra_headers={"X-Session-Id": "many"}
+        )
+        assert raw.headers["x-cachegate-compacted"] == "1"
+
+    send(history(18))
+    for k in range(9):
+        sub = history(18)
+        sub[0] = {"role": "system", "content": f"You are sub-agent {k}. " * 200}
+        send(sub)
+        send(history(18))  # the main agent again (a retry): its compaction reused
+    calls = [
+        r for r in sim.sim.requests if r.body["messages"][0]["content"] == SUMMARIZER_SYSTEM_PROMPT
+    ]
+    assert len(calls) == 1 + 9
 
 
 def test_a_title_request_ending_like_the_main_history_does_not_feed_its_trigger(

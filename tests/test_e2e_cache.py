@@ -663,9 +663,9 @@ def test_sub_agents_fanned_out_with_one_task_are_each_compared_with_their_own(
 def test_title_and_summary_requests_on_the_main_model_leave_the_main_agent_its_own(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
-    """A title request at the first turn, and a summary request later (the history and a
-    request to sum it up, no tools): each was charged as a tools rewrite and took the main
-    agent's place, and the main agent's turn after a long pause was then counted against the
+    """A title request at the first turn was charged as a tools rewrite and took the main
+    agent's place; a summary request later (the history and a request to sum it up, no tools)
+    took it too, and the main agent's turn after a long pause was then counted against the
     summary request, or not at all."""
     proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
     client = make_client(proxy.base_url, default_headers={"X-Session-Id": "side"})
@@ -690,14 +690,76 @@ def test_title_and_summary_requests_on_the_main_model_leave_the_main_agent_its_o
     responses = events(proxy.log_dir, "side", "response")
     caches = [r["cache"] for r in responses]
     assert len(caches) == 6
-    for i in (1, 4):  # the title and the summary request: nothing expected of them
-        assert caches[i]["expected"] == caches[i]["waste"] == 0, i
+    # the title: another conversation, nothing expected of it
+    assert caches[1]["expected"] == caches[1]["waste"] == 0
+    # the summary request under its own prompt: the provider misses it all, and it reads as a
+    # rewrite (it carries the history on); it does not take the main agent's place
+    assert caches[4]["cause"] == "prefix_rewrite"
     for i in (2, 3):  # the main agent's turns: compared with its own, all cached
         assert caches[i]["waste"] == 0 and caches[i]["read"] > NOISE_FLOOR, i
     usages = [r.usage for r in sim.sim.requests]
     assert caches[5]["expected"] == usages[3]["prompt_tokens"]  # its own previous turn
     assert caches[5]["waste"] == caches[5]["expected"] - caches[5]["read"] > NOISE_FLOOR
     assert caches[5]["cause"] == "ttl_expired"
+
+
+def test_retries_do_not_crowd_out_the_other_conversations_of_a_session(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A sub-agent that sends each step several times (an answer it rejected, best-of-N): each
+    identical retry was kept as one more copy of its baseline, eight of them pushed the main
+    agent's out, and the main agent's miss after a long pause was not reported."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "retries"})
+    main = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Fix the handler. " + FILE_TEXT[:2000]},
+    ]
+    _tool_turn(client, main, "output 0: " + FILE_TEXT[:2000], tools=TOOLS)
+    sub = [
+        {"role": "system", "content": "You check one file at a time."},
+        {"role": "user", "content": "Check app.py."},
+    ]
+    for step in range(4):
+        for _ in range(4):  # the same request, four times
+            chat(client, sub, stream=False, tools=TOOLS)
+        sub += [
+            {"role": "assistant", "content": f"Checked {step}."},
+            {"role": "user", "content": "Next."},
+        ]
+        sim.sim.advance(100)  # 400 s in all: past the 300 s TTL
+    _tool_turn(client, main, "output 1", tools=TOOLS)
+    flush(proxy)
+    last = events(proxy.log_dir, "retries", "response")[-1]["cache"]
+    assert last["expected"] == sim.sim.requests[0].usage["prompt_tokens"]  # its own last turn
+    assert (last["cause"], last["waste"]) == ("ttl_expired", last["expected"] - last["read"])
+
+
+def test_switching_a_chats_tools_off_is_still_its_conversation(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A chat whose user turns a search tool off (the tool gone, and its mention from the
+    system prompt): the turn was taken for a side request, a new conversation, and its miss
+    was not reported."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "toggle"})
+    search = [
+        {"type": "function", "function": {"name": "web_search", "parameters": {"type": "object"}}}
+    ]
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT + "\nYou can search the web."},
+        {"role": "user", "content": "Explain this log:\n" + PYTEST_OUTPUT * 3},
+    ]
+    for follow in ("Go on.", "And then?"):
+        reply, _ = chat(client, convo, stream=False, tools=search)
+        convo += [reply, {"role": "user", "content": follow}]
+        sim.sim.advance(10)
+    convo[0] = {"role": "system", "content": SYSTEM_PROMPT}
+    chat(client, convo, stream=False)  # search switched off: no tools
+    flush(proxy)
+    last = events(proxy.log_dir, "toggle", "response")[-1]["cache"]
+    assert last["waste"] == last["expected"] - last["read"] > NOISE_FLOOR
+    assert (last["cause"], last["location"]) == ("prefix_rewrite", "tools")
 
 
 def test_a_rewind_after_an_mcp_server_connected_still_reports_the_miss(
