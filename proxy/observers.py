@@ -117,11 +117,7 @@ def _takes_place(
         # beside it, so that each one's next turn finds its own. (The same: counted on it.)
         return len(fp.message_digests) > len(chosen.fp.message_digests)
     old = chosen.fp.message_digests
-    if (
-        divergence.location != "messages"
-        and chosen.fp.element_digests[1] != fp.element_digests[1]  # the tools
-        and chosen.fp.element_digests[2] != fp.element_digests[2]  # the system prompt
-    ):
+    if divergence.location != "messages" and prefix.prompt_and_tools_differ(chosen.fp, fp):
         # Another prompt and other tools at once: a side request that carries the history on
         # (a summary of it, without the agent's tools), or a turn with the tools switched off.
         # Kept beside it: the agent's next turn finds its own previous one.
@@ -263,8 +259,8 @@ class AccountingObserver:
             self._price_summary(ex, None)
             return
         # For the compaction trigger: the provider's count, and the client history it was of
-        # (its length and last message: a turn of another conversation of the session, a
-        # sub-agent's, is not counted on the numbers of this one).
+        # (its length, first and last message: a turn of another conversation of the session,
+        # a sub-agent's or a title request's, is not counted on the numbers of this one).
         sent = ex.client_body.get("messages") if isinstance(ex.client_body, dict) else None
         ends = (
             (len(sent), sent[0], sent[-1]) if isinstance(sent, list) and sent else (0, None, None)

@@ -411,6 +411,14 @@ def shared_links(old: Fingerprint, new: Fingerprint) -> int:
     return lo
 
 
+def prompt_and_tools_differ(old: Fingerprint, new: Fingerprint) -> bool:
+    """Whether the two requests differ in both their system prompt and their tools."""
+    return (
+        old.element_digests[_SYSTEM] != new.element_digests[_SYSTEM]
+        and old.element_digests[_TOOLS] != new.element_digests[_TOOLS]
+    )
+
+
 def side_request(old: Fingerprint, new: Fingerprint) -> bool:
     """Whether ``new`` is a request an agent sends beside ``old``'s conversation, not in it: a
     title request, under a system prompt of its own, on another model, or on the same one with
