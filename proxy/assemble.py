@@ -157,6 +157,11 @@ class StreamAssembler:
         self._learn_tries = _LEARN_TRIES
         self._text_dropped = False
 
+    @property
+    def text_dropped(self) -> bool:
+        """Whether ``drop_text`` was called: the message's text is not all there."""
+        return self._text_dropped
+
     def drop_text(self) -> None:
         """Let go of the text gathered so far (content, reasoning, a refusal, arguments): a
         stream past the recording limit keeps its usage, finish reason and error, not its text."""
@@ -567,13 +572,14 @@ class StreamRecorder:
 
     def decode(self) -> None:
         """Decode the chunks kept so far (an event they leave unfinished waits for the rest).
-        Raises ``RecordingTooLong`` once the stream has gone past ``MAX_RECORDED_STREAM``."""
+        Past ``MAX_RECORDED_STREAM`` bytes, the text is let go (``StreamAssembler.drop_text``)
+        after each decoding, with one warning."""
         data = b"".join(self.chunks)
         self.chunks.clear()  # the same list: the relay holds its append
         self._size = 0
         self.recorded += len(data)
         over = self.recorded > MAX_RECORDED_STREAM
-        if over and not self.assembler._text_dropped:
+        if over and not self.assembler.text_dropped:
             logger.warning(
                 "stream longer than %s bytes: relayed in full, its text not recorded",
                 f"{MAX_RECORDED_STREAM:,}",
