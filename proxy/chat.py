@@ -23,7 +23,7 @@ from proxy import bodymemo, compaction, pairing
 from proxy.compactor import Compactor
 from proxy.config import TRUE_WORDS, Settings, sends_usage_unasked
 from proxy.errors import CLIENT_CLOSED, ProxyError, bad_request, shutting_down
-from proxy.pipeline import Exchange, Observer, Transform, notify, notify_each
+from proxy.pipeline import Exchange, Observer, Transform, notify, notify_each, refusal_text
 from proxy.relay import (
     DisconnectWatch,
     Receive,
@@ -628,7 +628,21 @@ class ChatPipeline:
                     await send_error(send, err, extra)
                     return
                 forwarded, _ = self.request_usage(ex, forwarded, b"")
+                if forwarded == ex.body:
+                    # Nothing could be compacted: the retry would be the very body refused. The
+                    # client gets the provider's refusal as it came, and nothing is sent again.
+                    watch.stop()
+                    ex.status, ex.upstream_error = retry.status, "status"
+                    ex.error = refusal_text(retry.status, retry.body)
+                    ctype = retry.content_type or b"application/json"
+                    answer = [(b"content-type", ctype), *extra]
+                    await send(
+                        {"type": "http.response.start", "status": retry.status, "headers": answer}
+                    )
+                    await send({"type": "http.response.body", "body": retry.body})
+                    return
                 ex.body = forwarded
+                notify(self.observers, "on_refused", ex)  # the provider's refusal, counted
                 notify(self.observers, "on_retry", ex)  # the log records what was re-sent
                 if ex.compacted and (b"x-cachegate-compacted", b"1") not in extra:
                     extra.append((b"x-cachegate-compacted", b"1"))

@@ -82,6 +82,13 @@ def _serve(ns: argparse.Namespace) -> int:
         config_file = ns.config or os.environ.get("CACHEGATE_CONFIG")
         if config_file:
             logs = f"config: {config_file}; {logs}"
+        key_env = settings.upstream.api_key_env
+        if key_env and os.environ.get(key_env, "").strip().lower() == "cachegate":
+            print(
+                f"cachegate: note: ${key_env} here is the placeholder 'cachegate', which"
+                " stands for this key: give cachegate the real key, and the agent the placeholder",
+                file=sys.stderr,
+            )
         if urlsplit(settings.upstream.base_url).path.strip("/") == "":
             print(
                 f"cachegate: note: the upstream URL {display_url(settings.upstream.base_url)}"

@@ -703,6 +703,11 @@ class MetricsObserver:
         if ex.interrupted and not ex.stopped:  # the client left (not a shutdown's cut)
             m.observe_client_disconnect()
 
+    def on_refused(self, ex: Exchange) -> None:
+        """The provider refused an attempt as too long for its window, which cachegate then
+        compacts and sends again (or answers with that refusal): an upstream answer >= 400."""
+        self.metrics.observe_upstream_error("status")
+
     def on_error(self, ex: Exchange) -> None:
         self.metrics.observe_request(
             ex.route, ex.model, ex.status, max(0.0, time.perf_counter() - ex.t0)

@@ -185,12 +185,15 @@ class AccountingObserver:
                 shown = redact_text(model_name)  # a client's text, on stderr: as in the log
                 for secret in self.secrets:
                     shown = shown.replace(secret, "[REDACTED]")
+                # the table to add them to: the configured entry the name matched (a new table
+                # of its own would start from "*" and lose that entry's window), else its own
+                table = shown if name == "*" else name
                 log.info(
                     "model %r has no prices (the configured entry %r): its cost counts as $0; "
                     "set price_input and price_output in [models.%s] of the config file",
                     shown,
                     name,
-                    _toml_string(shown),
+                    _toml_string(table),
                 )
             terms = self._terms[model_name] = (name, ttl, pricing)
         return terms

@@ -86,10 +86,11 @@ def _own_error(exc: BaseException) -> ProxyError | None:
 class RetryRequest(Exception):
     """The upstream refused in a way the caller can fix (``retry_if``); nothing reached the client."""
 
-    def __init__(self, status: int, body: bytes) -> None:
+    def __init__(self, status: int, body: bytes, content_type: bytes = b"") -> None:
         super().__init__(status)
         self.status = status
-        self.body = body
+        self.body = body  # as the upstream sent it (identity asked for; an odd one not undone)
+        self.content_type = content_type
 
 
 _UvicornCycle: Any
@@ -726,7 +727,11 @@ class Relay:
                     ) from exc
                 if retry_if(response.status_code, _decode(_coding(response), error_body)):
                     ex.upstream_wait_s += time.perf_counter() - opened_at
-                    raise RetryRequest(response.status_code, error_body)
+                    raise RetryRequest(
+                        response.status_code,
+                        error_body,
+                        response.headers.get("content-type", "").encode("latin-1", "replace"),
+                    )
                 chunks = _one(error_body)  # not retried: relay what was read, verbatim
             if response.status_code >= 400:
                 ex.upstream_error = "status"

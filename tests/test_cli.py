@@ -626,6 +626,28 @@ def test_serve_says_where_it_listens_and_which_config_file_it_read(tmp_path: Pat
 
 
 @pytest.mark.timeout(30)
+def test_serve_notes_the_placeholder_given_as_its_own_key(tmp_path: Path) -> None:
+    import signal
+
+    script = shutil.which("cachegate")
+    assert script is not None
+    argv = [script, "serve", "--port", str(free_port()), "--log-dir", str(tmp_path / "logs")]
+    env = clean_env(OPENAI_API_KEY="cachegate")
+    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    with proc:
+        try:
+            assert proc.stderr is not None
+            note = proc.stderr.readline()
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(20)
+    assert note == (
+        "cachegate: note: $OPENAI_API_KEY here is the placeholder 'cachegate', which stands for"
+        " this key: give cachegate the real key, and the agent the placeholder\n"
+    )
+
+
+@pytest.mark.timeout(30)
 def test_serve_notes_an_upstream_url_without_a_path(tmp_path: Path) -> None:
     """``--upstream https://api.openai.com`` (no /v1) is the usual slip: every request would get
     the provider's 404."""

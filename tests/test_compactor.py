@@ -269,6 +269,39 @@ def test_context_length_exceeded_is_compacted_and_retried_once(
         assert raw.headers["x-cachegate-compacted"] == "1"
         statuses = [r.status for r in small.sim.requests[-3:]]
         assert statuses == [400, 200, 200]  # refused, the summary call, the compacted retry
+        # the refused attempt is an upstream answer >= 400 too
+        assert proxy.metric("cachegate_upstream_errors_total", {"kind": "status"}) == 1
+
+
+def test_a_refused_history_with_nothing_to_compact_is_not_sent_again(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """One message too long for the window: nothing can be compacted, and the very body refused
+    was sent a second time, refused again, and shown as two exchanges, one never answered."""
+    import openai
+
+    with run_simulator(SimConfig(context_window=3000)) as small:
+        config = {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 1000000}}}
+        proxy = proxy_factory(small.api_base, config)
+        msgs = [history(0)[0], {"role": "user", "content": "word " * 4000}]
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk(proxy.base_url).chat.completions.create(
+                model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "one-big"}
+            )
+        assert "maximum context length" in str(info.value)  # the provider's refusal, as it came
+        assert [r.status for r in small.sim.requests] == [400]  # sent once
+        proxy.settle()
+        responses = [
+            e
+            for e in read_events(proxy.log_dir / "one-big.jsonl").events
+            if e["type"] == "response"
+        ]
+        assert [(r["exchange"], r["status"]) for r in responses] == [(1, 400)]
+        from proxy.report import show_session
+
+        rows = show_session(proxy.log_dir, "one-big").rows
+        assert [(r.exchange, r.status) for r in rows] == [(1, 400)]
+        assert proxy.metric("cachegate_upstream_errors_total", {"kind": "status"}) == 1
 
 
 def test_a_client_leaving_during_a_retrys_compaction_is_logged_with_its_whole_wait(

@@ -536,3 +536,27 @@ def test_a_fork_that_repeats_a_short_message_is_still_a_fork() -> None:
     assert len(acc.state.extra["baselines"]) == 2
     ex = acc.send([*base, *msgs("a3", "and on")], 5_100, 5_000)
     assert ex.divergence is None
+
+
+def test_the_no_prices_hint_names_the_table_the_model_matched(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A tagged local model matched its configured entry (its window for compaction): the hint
+    named a new table of the full name, which starts from "*" and lost that window."""
+    from prometheus_client import CollectorRegistry
+
+    store = MemorySessionStore()
+    store.create("s1", 0.0)
+    settings = settings_from_mapping({"models": {"qwen2.5-coder": {"context_window": 8192}}})
+    accounting = AccountingObserver(settings, store, Metrics(CollectorRegistry(), ()))
+    with caplog.at_level(logging.INFO, logger="proxy.observers"):
+        ex = exchange(1, msgs("task"))
+        ex.model = "qwen2.5-coder:7b"
+        ex.usage, ex.status = Usage(5000, 10, 0, 0, True), 200
+        accounting.on_response(ex)
+    said = [r.getMessage() for r in caplog.records if "has no prices" in r.getMessage()]
+    assert said == [
+        "model 'qwen2.5-coder:7b' has no prices (the configured entry 'qwen2.5-coder'): its cost"
+        ' counts as $0; set price_input and price_output in [models."qwen2.5-coder"] of the'
+        " config file"
+    ]

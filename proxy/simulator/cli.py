@@ -126,8 +126,8 @@ def serve(
     )
     app = create_simulator_app(config)
     if sockets is None:
-        uvicorn.run(app, host=host, port=port, log_level="info")
+        uvicorn.run(app, host=host, port=port, log_level="warning")
         return 0
     return serve_until_stopped(
-        sockets, lambda: uvicorn.Server(uvicorn.Config(app, log_level="info"))
+        sockets, lambda: uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     )
