@@ -209,6 +209,8 @@ class Compactor:
         forwarded = compaction.apply_compaction(messages, comp, digest=comp.prefix_digest)
         if forwarded is None:  # cannot happen for the history it was built from; stay safe
             return body
+        if existing is not None:  # a rolling compaction supersedes the one it extends
+            held.pop(_key(existing), None)
         self._hold(held, comp, messages)
         state.extra["compacted_pending"] = True  # the next exchange's miss is expected, not waste
         ex.compacted = True
@@ -236,23 +238,37 @@ class Compactor:
         by their covered prefix. None when none covers it: another conversation that opens
         alike, or this one rewound or forked before what its compaction covers, goes on without
         one (and the summary of a future the user undid never reaches the provider)."""
+        if not held:
+            return None, None
+        known: tuple[int, str] | None = None  # a prefix of ``messages`` whose digest is known
+        best: tuple[compaction.Compaction, str] | None = None
+        opening: str | None = None
         for comp, verified in held.values():
             if (
                 verified is not None
                 and len(messages) >= len(verified)
                 and all(map(operator.is_, verified, messages))
             ):
-                return comp, comp.prefix_digest
-        if not held:
-            return None, None
-        opening = compaction.opening_digest(messages)
-        alike = [comp for comp, _ in held.values() if comp.opening == opening]
-        for comp in reversed(alike):
-            if len(messages) >= comp.covered:
+                known, opening = (comp.covered, comp.prefix_digest), comp.opening
+                best = (comp, comp.prefix_digest)
+        if opening is None:
+            opening = compaction.opening_digest(messages)
+        # Of those that cover a prefix of this history, the one that covers the most (after a
+        # rewind and a return to the branch undone, not the one the rewind used).
+        for comp, _ in held.values():
+            if comp.opening != opening or len(messages) < comp.covered:
+                continue
+            if best is not None and comp.covered <= best[0].covered:
+                continue
+            if known is not None and known[0] == comp.covered:
+                digest = known[1]
+            elif known is not None and known[0] < comp.covered:
+                digest = compaction.prefix_digest(messages, comp.covered, known=known)
+            else:
                 digest = compaction.prefix_digest(messages, comp.covered)
-                if digest == comp.prefix_digest:
-                    return comp, digest
-        return None, None
+            if digest == comp.prefix_digest:
+                best = (comp, digest)
+        return best if best is not None else (None, None)
 
     @staticmethod
     def _hold(held: dict[str, list[Any]], comp: compaction.Compaction, messages: list[Any]) -> None:

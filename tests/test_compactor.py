@@ -536,6 +536,36 @@ def test_the_compaction_in_use_outlives_many_others(
     assert len(calls) == 1 + 9
 
 
+def test_back_on_the_branch_a_rewind_left_its_latest_compaction_is_reused(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """Compacted twice (rolling), rewound to before the second compaction, then back on the
+    original branch: the compaction the rewind used was taken, and the history summarized
+    again."""
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    client = sdk(proxy.base_url)
+
+    def send(messages: list[dict[str, Any]]) -> None:
+        client.chat.completions.create(
+            model=MODEL, messages=messages, extra_headers={"X-Session-Id": "branches"}
+        )
+
+    send(history(18))  # compacted
+    send(history(40))  # compacted again, rolling on the first
+    rewound = [*history(18), {"role": "user", "content": "Undo the last steps."}]
+    send(rewound)  # back before the second compaction: the first applies
+    before = [
+        r for r in sim.sim.requests if r.body["messages"][0]["content"] == SUMMARIZER_SYSTEM_PROMPT
+    ]
+    send(history(41))  # the original branch again
+    after = [
+        r for r in sim.sim.requests if r.body["messages"][0]["content"] == SUMMARIZER_SYSTEM_PROMPT
+    ]
+    assert len(after) == len(before)  # the second compaction reused: no summary call
+    sent = sim.sim.requests[-1].body["messages"]
+    assert sent[-2:] == history(41)[-2:] and len(sent) < 20
+
+
 def test_a_title_request_ending_like_the_main_history_does_not_feed_its_trigger(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:

@@ -798,3 +798,64 @@ def test_a_rewind_after_an_mcp_server_connected_still_reports_the_miss(
     assert last["expected"] > NOISE_FLOOR
     assert last["waste"] == last["expected"] - last["read"] > NOISE_FLOOR
     assert (last["cause"], last["location"]) == ("prefix_rewrite", "tools")
+
+
+def test_a_repeated_request_keeps_its_conversation_the_most_recently_seen(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """The main agent resends a turn as it was (a dropped stream), then eight sub-agents run:
+    the repeat was counted but did not make the main agent recent, a sub-agent's arrival pushed
+    it out, and its miss after a long pause was not reported."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "recent"})
+    main = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Fix the handler. " + FILE_TEXT[:2000]},
+    ]
+    _tool_turn(client, main, "output 0: " + FILE_TEXT[:2000], tools=TOOLS)
+    sent = list(main)
+    _tool_turn(client, main, "output 1: " + FILE_TEXT[:2000], tools=TOOLS)
+    for k in range(7):
+        sub = [
+            {"role": "system", "content": f"Sub-agent {k}."},
+            {"role": "user", "content": f"Look at part {k}."},
+        ]
+        chat(client, sub, stream=False)
+    chat(client, sent, stream=False, tools=TOOLS)  # the main agent's last turn, sent again
+    sub = [{"role": "system", "content": "Sub-agent 8."}, {"role": "user", "content": "Look at 8."}]
+    chat(client, sub, stream=False)
+    sim.sim.advance(400)
+    _tool_turn(client, main, "output 2", tools=TOOLS)
+    flush(proxy)
+    last = events(proxy.log_dir, "recent", "response")[-1]["cache"]
+    assert last["expected"] > NOISE_FLOOR
+    assert (last["cause"], last["waste"]) == ("ttl_expired", last["expected"] - last["read"])
+
+
+def test_with_a_title_request_in_the_session_tools_switched_off_are_still_a_rewrite(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A title request (its own prompt, no tools, the user's first message) and then a turn with
+    the tools switched off: the turn shared "no tools" with the title and was compared with it,
+    and its 2,000-token miss vanished."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "toggle-titled"})
+    search = [
+        {"type": "function", "function": {"name": "web_search", "parameters": {"type": "object"}}}
+    ]
+    first = {"role": "user", "content": "Explain this log:\n" + PYTEST_OUTPUT * 3}
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT + "\nYou can search the web."},
+        first,
+    ]
+    reply, _ = chat(client, convo, stream=False, tools=search)
+    convo += [reply, {"role": "user", "content": "Go on."}]
+    chat(client, [{"role": "system", "content": "Write a title."}, first], stream=False)
+    reply, _ = chat(client, convo, stream=False, tools=search)
+    convo += [reply, {"role": "user", "content": "And then?"}]
+    convo[0] = {"role": "system", "content": SYSTEM_PROMPT}
+    chat(client, convo, stream=False)  # search switched off: no tools
+    flush(proxy)
+    last = events(proxy.log_dir, "toggle-titled", "response")[-1]["cache"]
+    assert last["waste"] == last["expected"] - last["read"] > NOISE_FLOOR
+    assert (last["cause"], last["location"]) == ("prefix_rewrite", "tools")

@@ -560,3 +560,25 @@ def test_the_no_prices_hint_names_the_table_the_model_matched(
         ' counts as $0; set price_input and price_output in [models."qwen2.5-coder"] of the'
         " config file"
     ]
+
+
+def test_a_session_keeps_at_most_eight_conversations_however_its_requests_repeat() -> None:
+    """Every turn sent twice as it is (a dropped stream resent): the list of requests to compare
+    with grew by one a turn, and the work per request with it (14 ms at turn 400)."""
+    from prometheus_client import CollectorRegistry
+
+    store = MemorySessionStore()
+    store.create("s1", 0.0)
+    accounting = AccountingObserver(
+        settings_from_mapping({}), store, Metrics(CollectorRegistry(), ())
+    )
+    history = msgs("task")
+    for i in range(1, 41):
+        history = [*history, {"role": "assistant", "content": f"step {i}"}]
+        history = [*history, {"role": "user", "content": f"go on {i}"}]
+        for attempt in range(2):
+            ex = exchange(2 * i + attempt, list(history))
+            ex.usage, ex.status = Usage(1000 + i, 10, 900, 0, True), 200
+            accounting.on_response(ex)
+    state = store.get("s1")
+    assert state is not None and len(state.extra["baselines"]) <= 8
