@@ -209,8 +209,6 @@ class Compactor:
         forwarded = compaction.apply_compaction(messages, comp, digest=comp.prefix_digest)
         if forwarded is None:  # cannot happen for the history it was built from; stay safe
             return body
-        if existing is not None:  # a rolling compaction supersedes the one it extends
-            held.pop(_key(existing), None)
         self._hold(held, comp, messages)
         state.extra["compacted_pending"] = True  # the next exchange's miss is expected, not waste
         ex.compacted = True

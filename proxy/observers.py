@@ -51,20 +51,13 @@ class _Baseline:
     (None when unknown) and model; ``copies``: how many requests sent it as it is (a retry, or
     sub-agents fanned out with one task: each of those may go on in its own way)."""
 
-    __slots__ = ("body", "copies", "fp", "model", "prompt", "side")
+    __slots__ = ("body", "copies", "fp", "model", "prompt")
 
     def __init__(
-        self,
-        fp: prefix.Fingerprint,
-        body: Any,
-        prompt: int | None,
-        model: str | None,
-        side: bool = False,
+        self, fp: prefix.Fingerprint, body: Any, prompt: int | None, model: str | None
     ) -> None:
         self.fp, self.body, self.prompt, self.model = fp, body, prompt, model
         self.copies = 1
-        # A side request (a title request): compared only with requests under its own prompt.
-        self.side = side
 
 
 def _to_front(baselines: list[_Baseline], baseline: _Baseline) -> None:
@@ -93,7 +86,6 @@ def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint) -> list[_Baselin
     sent in between. Of equals, one that ``fp`` carries on whole comes first (two agents that
     open alike share only the opening with each other's turns: each extends its own), then the
     latest."""
-    baselines = [b for b in baselines if not b.side or prefix.same_system(b.fp, fp)]
     if len(baselines) < 2:
         return baselines
     shared = [prefix.shared_links(b.fp, fp) for b in baselines]
@@ -257,17 +249,15 @@ class AccountingObserver:
             elif continues and chosen is not None and _takes_place(chosen, fp, divergence):
                 if chosen.copies > 1:  # one of several that sent it: the others may go on too
                     chosen.copies -= 1
-                    baselines.insert(0, _Baseline(fp, body, prompt, model, chosen.side))
+                    baselines.insert(0, _Baseline(fp, body, prompt, model))
                 else:  # it extends or rewrites its baseline: it takes that one's place
                     chosen.fp, chosen.body, chosen.prompt, chosen.model = fp, body, prompt, model
                     _to_front(baselines, chosen)
             else:
                 # A new conversation, or a branch: another conversation that opens alike (two
                 # agents with the same boilerplate first message), a fork, a rewind. Both are
-                # kept: each next turn finds its own. A side request (a title) is marked: only a
-                # request under its own system prompt is compared with it.
-                side = chosen is not None and prefix.side_request(chosen.fp, fp)
-                baselines.insert(0, _Baseline(fp, body, prompt, model, side))
+                # kept: each next turn finds its own.
+                baselines.insert(0, _Baseline(fp, body, prompt, model))
             del baselines[_BASELINES:]  # the least recently seen conversation goes first
             extra["baselines"] = baselines
         if usage is None or ex.status >= 400:

@@ -411,11 +411,6 @@ def shared_links(old: Fingerprint, new: Fingerprint) -> int:
     return lo
 
 
-def same_system(old: Fingerprint, new: Fingerprint) -> bool:
-    """Whether the two requests have the same system prompt."""
-    return old.element_digests[_SYSTEM] == new.element_digests[_SYSTEM]
-
-
 def prompt_and_tools_differ(old: Fingerprint, new: Fingerprint) -> bool:
     """Whether the two requests differ in both their system prompt and their tools."""
     return (
@@ -427,14 +422,14 @@ def prompt_and_tools_differ(old: Fingerprint, new: Fingerprint) -> bool:
 def side_request(old: Fingerprint, new: Fingerprint) -> bool:
     """Whether ``new`` is a request an agent sends beside ``old``'s conversation, not in it: a
     title request, under a system prompt of its own, on another model, or on the same one with
-    a single message where ``old`` has other tools or more messages (see ``same_conversation``)."""
+    other tools and a single message (see ``same_conversation``)."""
     if old.element_digests[_SYSTEM] == new.element_digests[_SYSTEM]:
         return False
     if (old.params or {}).get("model") != (new.params or {}).get("model"):
         return True
-    return len(new.message_digests) - new.system_count == 1 and (
+    return (
         old.element_digests[_TOOLS] != new.element_digests[_TOOLS]
-        or len(old.message_digests) - old.system_count > 1
+        and len(new.message_digests) - new.system_count == 1
     )
 
 

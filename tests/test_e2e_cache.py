@@ -830,32 +830,3 @@ def test_a_repeated_request_keeps_its_conversation_the_most_recently_seen(
     last = events(proxy.log_dir, "recent", "response")[-1]["cache"]
     assert last["expected"] > NOISE_FLOOR
     assert (last["cause"], last["waste"]) == ("ttl_expired", last["expected"] - last["read"])
-
-
-def test_with_a_title_request_in_the_session_tools_switched_off_are_still_a_rewrite(
-    sim: RunningSimulator, proxy_factory: Any
-) -> None:
-    """A title request (its own prompt, no tools, the user's first message) and then a turn with
-    the tools switched off: the turn shared "no tools" with the title and was compared with it,
-    and its 2,000-token miss vanished."""
-    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
-    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "toggle-titled"})
-    search = [
-        {"type": "function", "function": {"name": "web_search", "parameters": {"type": "object"}}}
-    ]
-    first = {"role": "user", "content": "Explain this log:\n" + PYTEST_OUTPUT * 3}
-    convo: list[dict[str, Any]] = [
-        {"role": "system", "content": SYSTEM_PROMPT + "\nYou can search the web."},
-        first,
-    ]
-    reply, _ = chat(client, convo, stream=False, tools=search)
-    convo += [reply, {"role": "user", "content": "Go on."}]
-    chat(client, [{"role": "system", "content": "Write a title."}, first], stream=False)
-    reply, _ = chat(client, convo, stream=False, tools=search)
-    convo += [reply, {"role": "user", "content": "And then?"}]
-    convo[0] = {"role": "system", "content": SYSTEM_PROMPT}
-    chat(client, convo, stream=False)  # search switched off: no tools
-    flush(proxy)
-    last = events(proxy.log_dir, "toggle-titled", "response")[-1]["cache"]
-    assert last["waste"] == last["expected"] - last["read"] > NOISE_FLOOR
-    assert (last["cause"], last["location"]) == ("prefix_rewrite", "tools")
