@@ -625,22 +625,26 @@ def test_serve_says_where_it_listens_and_which_config_file_it_read(tmp_path: Pat
     )
 
 
-@pytest.mark.timeout(30)
-def test_serve_notes_the_placeholder_given_as_its_own_key(tmp_path: Path) -> None:
+def _serve_first_lines(tmp_path: Path, *args: str, env: dict[str, str], count: int) -> list[str]:
+    """The first ``count`` lines ``cachegate serve ARGS`` writes to stderr; then Ctrl+C."""
     import signal
 
     script = shutil.which("cachegate")
     assert script is not None
     argv = [script, "serve", "--port", str(free_port()), "--log-dir", str(tmp_path / "logs")]
-    env = clean_env(OPENAI_API_KEY="cachegate")
-    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*argv, *args], env=env, stderr=subprocess.PIPE, text=True)
     with proc:
         try:
             assert proc.stderr is not None
-            note = proc.stderr.readline()
+            return [proc.stderr.readline() for _ in range(count)]
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(20)
+
+
+@pytest.mark.timeout(30)
+def test_serve_notes_the_placeholder_given_as_its_own_key(tmp_path: Path) -> None:
+    (note,) = _serve_first_lines(tmp_path, env=clean_env(OPENAI_API_KEY="cachegate"), count=1)
     assert note == (
         "cachegate: note: $OPENAI_API_KEY here is the placeholder 'cachegate', which stands for"
         " this key: give cachegate the real key, and the agent the placeholder\n"
@@ -651,25 +655,8 @@ def test_serve_notes_the_placeholder_given_as_its_own_key(tmp_path: Path) -> Non
 def test_serve_notes_an_upstream_url_without_a_path(tmp_path: Path) -> None:
     """``--upstream https://api.openai.com`` (no /v1) is the usual slip: every request would get
     the provider's 404."""
-    import signal
-
-    script = shutil.which("cachegate")
-    assert script is not None
-    port = free_port()
-    argv = [script, "serve", "--port", str(port), "--log-dir", str(tmp_path / "logs")]
-    proc = subprocess.Popen(
-        [*argv, "--upstream", "http://127.0.0.1:9"],
-        env=clean_env(),
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    with proc:
-        try:
-            assert proc.stderr is not None
-            note, line = proc.stderr.readline(), proc.stderr.readline()
-        finally:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(20)
+    upstream = ("--upstream", "http://127.0.0.1:9")
+    note, line = _serve_first_lines(tmp_path, *upstream, env=clean_env(), count=2)
     assert note == (
         "cachegate: note: the upstream URL http://127.0.0.1:9 has no path; an OpenAI-compatible"
         " base URL usually ends in /v1 (https://api.openai.com/v1), or the provider's 404 answers"
