@@ -250,17 +250,26 @@ def account(
     else:
         result = CacheResult(0, usage.cache_read, usage.cache_write, 0)
 
-    last_started = state.last_started
+    prefixes, last_started = _stamped(state, fingerprint, started_at, max_prefixes)
     new_state = CacheState(  # positional, in field order: prev_prompt, has_reported, prefixes, …
         usage.prompt if usage.prompt > 0 else state.prev_prompt,
         has_reported,
-        _remember(state.prefixes, fingerprint.digests, started_at, max_prefixes, last_started),
+        prefixes,
         fingerprint.params_digest,
         model,
-        started_at if last_started is None or started_at > last_started else last_started,
+        last_started,
         False,
     )
     return new_state, result
+
+
+def _stamped(
+    state: CacheState, fingerprint: Fingerprint, started_at: float, max_prefixes: int
+) -> tuple[dict[bytes, float], float]:
+    """``state``'s prefixes with ``fingerprint``'s stamped ``started_at``, and its latest start."""
+    last = state.last_started
+    prefixes = _remember(state.prefixes, fingerprint.digests, started_at, max_prefixes, last)
+    return prefixes, started_at if last is None or started_at > last else last
 
 
 def touch(
@@ -273,16 +282,8 @@ def touch(
     hung up mid-answer, the stream broke off) has refreshed its prefixes: the provider read
     its prompt, and the cache entry's life runs from that request's start. Nothing else
     changes: with no usage, it is no baseline for the next request's count."""
-    last_started = state.last_started
-    return dataclasses.replace(
-        state,
-        prefixes=_remember(
-            state.prefixes, fingerprint.digests, started_at, max_prefixes, last_started
-        ),
-        last_started=started_at
-        if last_started is None or started_at > last_started
-        else last_started,
-    )
+    prefixes, last_started = _stamped(state, fingerprint, started_at, max_prefixes)
+    return dataclasses.replace(state, prefixes=prefixes, last_started=last_started)
 
 
 def idle_seconds(state: CacheState, fingerprint: Fingerprint, started_at: float) -> float | None:

@@ -129,9 +129,9 @@ class Compaction:
     source: Source
     tokens_before: int
     tokens_after: int
-    # The digest of the history's opening (its leading messages and the first after them): a
-    # request that opens otherwise is another conversation of the session (a sub-agent), which
-    # neither gets this compaction nor undoes it.
+    # The digest of the history's opening (its leading messages and the first after them): the
+    # caller keeps a session's compactions by it, and tries for a history only those that
+    # opened as it did (a sub-agent's history neither gets the main agent's nor undoes it).
     opening: str = ""
 
 
@@ -846,8 +846,6 @@ def plan(
         substituted = apply_compaction(messages, existing, digest=existing_digest)
         if substituted is not None:
             forwarded, reused = substituted, existing
-        elif existing.opening and opening_digest(messages) != existing.opening:
-            existing = None  # another conversation of the session: the compaction stays its own
         else:  # a rewind or a fork of the compacted conversation
             discarded = True
             last_prompt = last_completion = None

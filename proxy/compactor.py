@@ -188,8 +188,8 @@ class Compactor:
                     plan = smaller
                     if self._fits(messages, smaller.cut, limit, extra):
                         break
-        if plan.discarded and existing is not None:
-            held.pop(_key(existing), None)
+        # (``plan`` never discards ``existing``: ``_existing`` gives only one that covers this
+        # history; one a rewind left is evicted in its turn.)
         if plan.cut is None:
             if plan.reused is None:
                 return body
