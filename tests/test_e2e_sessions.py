@@ -548,6 +548,11 @@ def test_a_stream_cut_by_ctrl_c_is_logged_as_interrupted_not_as_a_clean_answer(
     with _stalled_stream(log_dir, "stopped") as proc:
         proc.send_signal(stop)
         assert proc.wait(20) == 0  # a clean exit, after the grace period
+        assert proc.stderr is not None
+        said = proc.stderr.read().decode()
+    # The cut is said in cachegate's words, not as uvicorn's "ERROR: Cancel 1 running task(s)".
+    assert "ERROR" not in said and "Cancel" not in said, said
+    assert "cachegate: stopping: 1 request(s) still in flight after the 5 s grace period" in said
     kinds = [e["type"] for e in events(log_dir, "stopped")]
     assert kinds == ["session_meta", "request", "response"]  # written before the exit
     response = events(log_dir, "stopped", "response")[0]
