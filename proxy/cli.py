@@ -314,9 +314,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _dash_id(argv: list[str]) -> list[str]:
+    """``sessions show -abc`` read as ``sessions show -- -abc``: a session id may start with a
+    dash (the server accepts ``X-Session-Id: -abc``), which argparse would take for an unknown
+    option. After ``show``, ``cost`` or ``replay``, a word with one leading dash that is no
+    option of theirs is that id (``--…`` stays an option: a mistyped ``--jsn`` is refused)."""
+    if not argv or argv[0] != "sessions":
+        return argv
+    action: str | None = None
+    skip = False
+    for at, word in enumerate(argv[1:], 1):
+        if skip:  # the value of --log-dir
+            skip = False
+        elif word == "--":
+            break
+        elif word == "--log-dir":
+            skip = True
+        elif action is None and not word.startswith("-"):
+            action = word
+            if action not in ("show", "cost", "replay"):
+                break
+        elif action is not None and word.startswith("-") and not word.startswith("--"):
+            if word != "-h":
+                return [*argv[:at], *argv[at + 1 :], "--", word]
+    return argv
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parser.parse_args(_dash_id(list(sys.argv[1:] if argv is None else argv)))
     try:
         return int(ns.func(ns))
     except BrokenPipeError:  # `cachegate sessions show … | head`

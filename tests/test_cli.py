@@ -267,6 +267,28 @@ def test_unknown_and_invalid_session_ids_exit_1_with_a_message(logged: Logged, a
     assert "invalid session id" in hostile.err
 
 
+@pytest.mark.parametrize("action", ["show", "cost", "replay"])
+def test_a_session_id_that_starts_with_a_dash_is_read_as_the_id(
+    logged: Logged, tmp_path: Path, action: str
+) -> None:
+    """The server takes ``X-Session-Id: -dash`` and writes ``-dash.jsonl``; ``show -dash`` said
+    "the following arguments are required: id"."""
+    shutil.copy(logged.log_dir / "cli-a.jsonl", tmp_path / "-dash.jsonl")
+    expected = run_cli("sessions", action, "cli-a", "--log-dir", str(logged.log_dir))
+    assert expected.code == 0, expected.err
+    for argv in (
+        ["sessions", action, "-dash", "--log-dir", str(tmp_path)],
+        ["sessions", "--log-dir", str(tmp_path), action, "-dash"],
+        ["sessions", action, "--log-dir", str(tmp_path), "-dash"],
+        ["sessions", "--log-dir", str(tmp_path), action, "--", "-dash"],
+    ):
+        result = run_cli(*argv)
+        assert result.code == 0, (argv, result.err)
+        assert result.out.replace("-dash", "cli-a") == expected.out, argv
+    typo = run_cli("sessions", action, "cli-a", "--jsn", "--log-dir", str(tmp_path))
+    assert typo.code == 2 and "--jsn" in typo.err  # a mistyped option is no id
+
+
 def test_list_of_a_missing_directory_exits_1(tmp_path: Path) -> None:
     result = run_cli("sessions", "list", "--log-dir", str(tmp_path / "nowhere"))
     assert result.code == 1

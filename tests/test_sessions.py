@@ -72,6 +72,8 @@ def test_path_wins_then_x_session_id_then_agent_headers() -> None:
     assert explicit_session_id({**headers, "x-session-id": "mine"}, "from-path") == "from-path"
     assert explicit_session_id({"helicone-session-id": "h-1"}, None) == "h-1"
     assert explicit_session_id({}, None) is None
+    # A path's id wins: the header beside it is not read, so not refused (README, "Sessions").
+    assert explicit_session_id({"x-session-id": "bad id"}, "from-path") == "from-path"
 
 
 def test_other_tools_ids_that_are_not_ids_are_passed_over_ours_are_refused() -> None:
