@@ -334,9 +334,8 @@ def _dash_id(argv: list[str]) -> list[str]:
             action = word
             if action not in ("show", "cost", "replay"):
                 break
-        elif action is not None and word.startswith("-") and not word.startswith("--"):
-            if word != "-h":
-                return [*argv[:at], *argv[at + 1 :], "--", word]
+        elif action is not None and word.startswith("-") and word[:2] != "--" and word != "-h":
+            return [*argv[:at], *argv[at + 1 :], "--", word]
     return argv
 
 
