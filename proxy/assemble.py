@@ -38,7 +38,8 @@ class AssembledResponse:
     plus ``"reasoning_content"`` when the provider sent non-empty reasoning. ``error`` is an
     ``{"error": …}`` payload seen in the body or mid-stream; ``done`` is true once ``[DONE]`` was
     seen (for a non-streaming body: when it held no error). ``events`` counts SSE events fed and
-    ``malformed`` the data payloads that were neither ``[DONE]`` nor a JSON object.
+    ``malformed`` the data payloads that were neither ``[DONE]`` nor a JSON object (of a stream
+    that ended inside an event, ``unfinished``, the torn last one is not counted).
     """
 
     message: dict[str, Any]
@@ -156,6 +157,11 @@ class StreamAssembler:
         self._shape: tuple[bytes, bytes, bool, str | None] | None = None
         self._learn_tries = _LEARN_TRIES
         self._text_dropped = False
+
+    @property
+    def malformed(self) -> int:
+        """Data payloads so far that were neither ``[DONE]`` nor a JSON object."""
+        return self._malformed
 
     @property
     def text_dropped(self) -> bool:
@@ -620,8 +626,11 @@ class StreamRecorder:
         """End of stream (complete or not): decode what is kept, flush, return the result."""
         self.decode()
         cut = not self.decoder.idle
+        whole = self.assembler.malformed
         for event in self.decoder.flush():
             self.assembler.feed(event)
         result = self.assembler.result()
         result.unfinished = cut and not result.done
+        if result.unfinished:  # an event torn by the stream's end is that, not a malformed one
+            result.malformed = whole
         return result

@@ -108,6 +108,16 @@ class Exchange:
             self.error = error_message(assembled.error)
             if self.upstream_error is None:  # a failure the provider reported inside a 200
                 self.upstream_error = "error_event"
+        elif assembled.malformed and self.error is None:
+            # Relayed as they came; the client's SDK fails on them (the openai SDKs raise on a
+            # data line that is not JSON), so the exchange is no clean answer.
+            count = assembled.malformed
+            self.error = (
+                f"upstream sent {count} stream event{'s' if count > 1 else ''} whose data was"
+                " not a JSON object (a client that parses events fails on it)"
+            )
+            if self.upstream_error is None:
+                self.upstream_error = "invalid"
         elif assembled.unfinished and self.error is None and not self.interrupted:
             # (a body framed by the connection's end has no other sign of being cut short)
             self.error = "upstream ended the stream inside an event, before [DONE]"

@@ -516,6 +516,36 @@ def test_client_closing_mid_stream_logs_an_interrupted_response(proxy_factory: A
     assert show.json()["exchanges"][0]["interrupted"] is True
 
 
+def test_a_stream_with_an_event_that_is_not_json_is_logged_as_failed_not_clean(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """The upstream sends a data line that is no JSON: relayed as it came, the SDK raises on it,
+    so the log must not show a clean answer (it had the full message, "stop" and no error)."""
+    proxy = proxy_factory(sim.api_base)
+    client = make_client(
+        proxy.base_url,
+        default_headers={"X-Session-Id": "torn-event", "X-Sim-Fault": "malformed"},
+    )
+    stream = client.chat.completions.create(
+        model="gpt-4o",
+        messages=[{"role": "user", "content": "a message long enough for several chunks"}],
+        stream=True,
+    )
+    with pytest.raises(json.JSONDecodeError):
+        for _ in stream:
+            pass
+    flush(proxy)
+    (response,) = events(proxy.log_dir, "torn-event", "response")
+    assert response["status"] == 200
+    assert response["error"] == (
+        "upstream sent 1 stream event whose data was not a JSON object"
+        " (a client that parses events fails on it)"
+    )
+    show = run_cli("sessions", "show", "torn-event", "--log-dir", str(proxy.log_dir))
+    assert "upstream sent 1 stream event" in show.out
+    assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 1
+
+
 # --- crash safety --------------------------------------------------------------------------------
 
 
