@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from proxy.errors import CLIENT_CLOSED
 from proxy.eventlog import (
     BODY_FIELDS,
     LOG_SUFFIX,
@@ -383,7 +384,12 @@ def summarize(detail: SessionDetail) -> SessionSummary:
         cache_hit_pct=100.0 * reported_read / reported_in if reported_in else None,
         interruptions=sum(1 for row in answered if row.interrupted),
         repairs=sum(row.repairs for row in answered),
-        errors=sum(1 for row in answered if row.error or (row.status or 0) >= 400),
+        # (a client that left before any answer, 499, is INTERRUPTED, as one that left after)
+        errors=sum(
+            1
+            for row in answered
+            if (row.error or (row.status or 0) >= 400) and row.status != CLIENT_CLOSED
+        ),
         torn=detail.torn,
     )
 

@@ -331,6 +331,21 @@ def test_a_complete_answer_without_usage_says_so(tmp_path: Path) -> None:
     assert rows[2].endswith("200  upstream broke off mid-response")
 
 
+def test_a_client_that_left_is_an_interruption_not_an_error_whenever_it_left(
+    tmp_path: Path,
+) -> None:
+    """Ctrl+C before the provider's headers is logged 499, after them 200 and interrupted: the
+    same act, so neither counts in ERRORS; both count in INTERRUPTED."""
+    early = {**_answer(T0 + 1, 1, 1, duration=0.2, cost=0), "usage": None, "status": 499}
+    early.update(interrupted=True, error="client disconnected before the response started")
+    late = {**_answer(T0 + 3, 1, 1, duration=0.2, cost=0, exchange=2), "interrupted": True}
+    failed = {**_answer(T0 + 5, 1, 1, duration=0.2, cost=0, exchange=3), "status": 500}
+    events = [req(T0, 1, appended=[U1]), early, req(T0 + 2, 2, appended=[U1]), late]
+    events += [req(T0 + 4, 3, appended=[U1]), failed]
+    (summary,) = list_sessions(_logged(tmp_path, "cut", events))
+    assert (summary.exchanges, summary.interruptions, summary.errors) == (3, 2, 1)
+
+
 def test_a_model_name_with_line_breaks_cannot_forge_a_row(tmp_path: Path) -> None:
     forged = "gpt-4o\nfake-session  2026-01-01 00:00:00  gpt-4o  99\tx" + "y" * 200
     meta = {"ts": T0, "type": "session_meta", "session": "odd", "model": forged}
