@@ -93,6 +93,17 @@ def upstream_timeout(detail: str) -> ProxyError:
     )
 
 
+def upstream_busy(detail: str) -> ProxyError:
+    """No upstream connection became free in time: cachegate's own limit, not the provider."""
+    return ProxyError(
+        503,
+        f"cachegate had no free upstream connection: {detail}; raise upstream.max_connections"
+        " or send fewer requests at once",
+        type="server_error",
+        code="upstream_connections_busy",
+    )
+
+
 def shutting_down() -> ProxyError:
     """A request cachegate's shutdown cut before any of its answer was sent."""
     return ProxyError(

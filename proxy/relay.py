@@ -30,6 +30,7 @@ from proxy.errors import (
     client_closed,
     shutting_down,
     too_large,
+    upstream_busy,
     upstream_invalid,
     upstream_timeout,
     upstream_unreachable,
@@ -693,6 +694,8 @@ class Relay:
                 own = _own_error(exc)
                 if own is not None:  # the request body the client was streaming failed (413, 499)
                     raise own from exc
+                if isinstance(exc, httpx.PoolTimeout):  # cachegate's own limit, not the upstream
+                    raise upstream_busy(str(exc) or "the pool stayed full") from exc
                 if isinstance(exc, httpx.TimeoutException):
                     ex.upstream_error = "timeout"
                     raise upstream_timeout(type(exc).__name__) from exc
@@ -862,7 +865,10 @@ class Relay:
             ex.error = err.message
             if err.status == CLIENT_CLOSED:  # the client left while sending its body
                 ex.interrupted = True
-            if ex.upstream_error in ("connect", "timeout") and not started:
+            if (
+                ex.upstream_error in ("connect", "timeout")
+                or err.code == "upstream_connections_busy"
+            ) and not started:
                 self._warn_upstream(err)
             if not started:
                 await send_error(send, err, extra_headers)

@@ -707,7 +707,9 @@ class UpstreamPool:
         head = b"".join(lines)
         request = (verb, head, content) if isinstance(content, bytes) else None
         for attempt in (0, 1):
-            conn = await self._acquire(origin, request)
+            # The resend goes on a new connection: the other idle ones may be as stale (a burst
+            # of sub-agents leaves several, whose keep-alive ends together).
+            conn = await self._acquire(origin, request, fresh=attempt == 1)
             idle = time.monotonic() - conn.idle_since  # (a new connection: never used, no matter)
             try:
                 return await conn.exchange(verb, head, content)
@@ -733,13 +735,17 @@ class UpstreamPool:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _acquire(
-        self, origin: Origin, request: tuple[bytes, bytes, bytes] | None = None
+        self,
+        origin: Origin,
+        request: tuple[bytes, bytes, bytes] | None = None,
+        *,
+        fresh: bool = False,
     ) -> _Connection:
         """An idle connection to ``origin``, or a new one (which ``request``, when given, may
-        already be on its way through: see ``_connect_sending``)."""
+        already be on its way through: see ``_connect_sending``); ``fresh``: a new one."""
         if self._closed:
             raise httpx.ConnectError("the upstream pool is closed")
-        idle = self._idle.get(origin)
+        idle = None if fresh else self._idle.get(origin)
         if idle:
             now = time.monotonic()
             while idle:
@@ -763,9 +769,13 @@ class UpstreamPool:
                 elif waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                     self._wake_waiter()  # handed a free slot, but leaving: pass it on
                 if isinstance(exc, TimeoutError):
-                    raise httpx.PoolTimeout("no upstream connection became free in time") from None
+                    raise httpx.PoolTimeout(
+                        f"all {self.max_connections} upstream connections"
+                        " (upstream.max_connections) stayed in use"
+                        f" for {self.pool_timeout:g} s"
+                    ) from None
                 raise
-            idle = self._idle.get(origin)
+            idle = None if fresh else self._idle.get(origin)
             if idle:
                 conn = idle.pop()
                 if not conn.closed:

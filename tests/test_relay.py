@@ -574,6 +574,38 @@ def test_upstream_silent_before_headers_is_504(scripted: Any, proxy_factory: Any
     assert r.json()["error"]["code"] == "upstream_timeout"
 
 
+def test_no_free_upstream_connection_is_cachegates_own_503_not_the_providers_timeout(
+    scripted: Any, proxy_factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A healthy upstream, every connection of ``upstream.max_connections`` busy: the wait
+    was reported as a 504 "The upstream provider did not answer in time: PoolTimeout" and
+    counted as the upstream's timeout."""
+    events = [sse(chunk(str(i))) for i in range(8)]
+    _upstream, url = scripted(chunks=events, delay_s=0.15)  # ~1.2 s, a chunk well within 0.5
+    proxy = proxy_factory(url, {"upstream": {"max_connections": 1, "timeout_s": 0.5}})
+    with httpx.stream(
+        "POST", proxy.base_url + "/chat/completions", json={**CHAT, "stream": True}
+    ) as held:
+        pieces = held.iter_raw()
+        got = next(pieces)
+        assert got.startswith(b"data: ")
+        with caplog.at_level("WARNING", logger="proxy.relay"):
+            r = httpx.post(proxy.base_url + "/chat/completions", json=CHAT, timeout=10)
+        got += b"".join(pieces)
+    assert got == b"".join(events)  # the stream that held the slot is whole
+    assert r.status_code == 503
+    error = r.json()["error"]
+    assert error["code"] == "upstream_connections_busy"
+    assert error["message"] == (
+        "cachegate had no free upstream connection: all 1 upstream connections"
+        " (upstream.max_connections) stayed in use for 0.5 s; raise upstream.max_connections"
+        " or send fewer requests at once"
+    )
+    assert proxy.metric("cachegate_upstream_errors_total", {"kind": "timeout"}) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.name == "proxy.relay"]
+    assert len(warnings) == 1 and "no free upstream connection" in warnings[0]
+
+
 def test_upstream_stalling_mid_body_cuts_the_client(scripted: Any, proxy_factory: Any) -> None:
     _upstream, url = scripted(chunks=[sse(chunk("a")), sse(chunk("b"))], delay_s=5)
     proxy = proxy_factory(url, {"upstream": {"timeout_s": 0.3}})

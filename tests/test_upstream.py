@@ -316,6 +316,35 @@ def test_a_reused_connection_closed_unanswered_is_retried_only_in_the_keep_alive
     run(main())
 
 
+def test_the_resend_after_a_stale_connection_goes_on_a_new_one_not_another_idle_one() -> None:
+    """A burst (sub-agents) leaves several idle connections, whose keep-alive ends together:
+    the resend took the next idle one, as stale, and the client got a 502."""
+
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        if n == 2:  # every connection's second request: closed, unanswered (keep-alive over)
+            return False
+        await asyncio.sleep(0.05)  # the burst's requests overlap: one connection each
+        w.write(answer(b"ok from connection %d" % c))
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            pool.resend_window = pool.resend_idle = 0.1
+            burst = [pool.open("POST", srv.url + "/", [], b"{}") for _ in range(3)]
+            for response in await asyncio.gather(*burst):
+                await read(response)
+            assert pool.idle_connections == 3
+            await asyncio.sleep(0.15)
+            assert await read(await pool.open("POST", srv.url + "/", [], b"{}")) == (
+                b"ok from connection 4"
+            )
+            assert srv.connections == 4
+            await pool.aclose()
+
+    run(main())
+
+
 def test_a_new_connection_closed_before_answering_is_not_retried() -> None:
     async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
         return False
@@ -453,7 +482,7 @@ def test_the_connection_limit_queues_requests_and_times_out() -> None:
         async with Server(handler) as srv:
             pool = UpstreamPool(max_connections=1, pool_timeout=0.2)
             held = await pool.open("GET", srv.url + "/", [], b"")
-            with pytest.raises(httpx.PoolTimeout):
+            with pytest.raises(httpx.PoolTimeout, match=r"all 1 upstream connections"):
                 await pool.open("GET", srv.url + "/", [], b"")
             waiting = asyncio.create_task(pool.open("GET", srv.url + "/", [], b""))
             await asyncio.sleep(0.05)
