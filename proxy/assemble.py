@@ -372,6 +372,12 @@ class StreamAssembler:
         if chunk.get("error") is not None or event_name == "error":
             if self._error is None:
                 self._error = chunk if chunk.get("error") is not None else {"error": chunk}
+            # OpenRouter's mid-stream error also ends its choice: ``"finish_reason": "error"``
+            choices = chunk.get("choices")
+            if type(choices) is list and choices and type(choices[0]) is dict:
+                reason = choices[0].get("finish_reason")
+                if isinstance(reason, str):
+                    self._finish_reason = reason
             return False
         if self._id is None and isinstance(chunk.get("id"), str) and chunk["id"]:
             self._id = chunk["id"]

@@ -325,6 +325,19 @@ def test_error_event_mid_stream_is_captured() -> None:
     assert result.message == {"role": "assistant", "content": "Partial answer"}
 
 
+def test_an_error_chunk_that_ends_its_choice_gives_the_finish_reason() -> None:
+    """OpenRouter's mid-stream error: the error and a choice with ``finish_reason: "error"``."""
+    error = {"code": 502, "message": "Provider disconnected"}
+    stream = [
+        chunk({"role": "assistant", "content": "Partial"}),
+        chunk({"content": ""}, finish="error", error=error),
+    ]
+    result = record(stream)
+    assert result.error is not None and result.error["error"] == error
+    assert result.finish_reason == "error"
+    assert result.message == {"role": "assistant", "content": "Partial"}
+
+
 def test_error_typed_event_without_error_key_is_wrapped() -> None:
     stream = [b'event: error\ndata: {"message": "rate limited"}\n\n']
     assert record(stream).error == {"error": {"message": "rate limited"}}
