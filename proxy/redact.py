@@ -265,13 +265,19 @@ def _plausible(
 ) -> tuple[int, int] | None:
     """``span``, the value given to the name ``s[start:end]`` in code or a setting; for a bare
     ``token`` or ``pwd``, only when the value looks like a credential (a digit in it, no space,
-    not a path or a markup)."""
-    if span is None or s[start:end].lower() not in _BARE_NAMES:
+    not a path or a markup); for a lower-case ``…_key`` that does not say which key (alone on
+    its line, where code and settings look alike: ``storage_key = "uploads/avatars"``), only
+    when it looks like a key: that, and 16 characters or more."""
+    if span is None:
+        return span
+    name = s[start:end]
+    bare = name.lower() in _BARE_NAMES
+    if not bare and _in_code(name):
         return span
     value = s[span[0] : span[1]]
     if value[0] in "/<.#" or any(c.isspace() for c in value) or not any(c.isdigit() for c in value):
         return None
-    return span
+    return span if bare or len(value) >= 16 else None
 
 
 def _in_code(name: str) -> bool:

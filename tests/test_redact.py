@@ -493,6 +493,14 @@ def test_credentials_assigned_in_code_or_given_to_commands_lose_their_value(
         'nx.to_pandas_edgelist(G, edge_key="weight_attribute")',  # any lower-case *_key in code
         "config['sort_key'] = 'created_at'",
         'def sign(backend: "Backend", private_key: "RSAPrivateKey", data: bytes)',  # annotations
+        # ... and alone on its line, where code and a setting look alike (all were redacted,
+        # so a file the agent read or wrote was not the one in the log, nor in a replay)
+        '    model_key = "gpt-4o"',
+        '    translation_key = "errors.not_found"',
+        '    storage_key = "uploads/avatars"',
+        '    redis_key = "session:user"',
+        'header_key = "content-type"\nargument_key = "arguments"\n',
+        'field_key: "username"',
     ],
 )
 def test_code_and_commands_that_give_no_credential_are_left_alone(text: str) -> None:
@@ -517,6 +525,9 @@ LONG = "A1b2" * 450  # 1,800 characters: a JWT, an STS session token
         # a tab before the operator, CRLF line ends
         ("[client]\nuser\t= app\napi_key\t= 9f8e7d6c5b4a39281706\n", None),
         ("password: hunter2abc9\r\n", "password: [REDACTED]\r\n"),
+        # a key whose name does not say which, alone on its line, when it looks like one
+        ('sendgrid_key = "SG.abcdefgh12345678xyz"', 'sendgrid_key = "[REDACTED]"'),
+        ("webhook_key: whsec_abc123def456ghi789\n", "webhook_key: [REDACTED]\n"),
         ("X-Api-Key: 0123456789abcdef0123\r\nHost: x\r\n", "X-Api-Key: [REDACTED]\r\nHost: x\r\n"),
         ("environment:\r\n  POSTGRES_PASSWORD: s3cretpass99\r\n", None),
         # a .NET connection string, .netrc, docker login, a flag and its value apart
