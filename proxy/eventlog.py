@@ -174,6 +174,9 @@ class EventLogWriter:
         # (its first line lost, or the directory gone and made again) starts with it all the same.
         self._metas: OrderedDict[str, bytes] = OrderedDict()
         self._fresh: set[str] = set()  # sessions whose file was empty when opened
+        # Each open file's (device, inode) and the size it had after the writer's last write:
+        # a file removed, replaced or truncated by hand meanwhile is noticed before the next.
+        self._files: dict[str, tuple[tuple[int, int], int]] = {}
         self._dir_id: tuple[int, int] | None = None  # the log directory's (device, inode)
 
     # -- counters -----------------------------------------------------------------------------
@@ -482,6 +485,8 @@ class EventLogWriter:
     def _write_lines(self, session_id: str, lines: list[bytes]) -> None:
         data = lines[0] if len(lines) == 1 else b"".join(lines)
         try:
+            if session_id in self._fds:
+                self._check_file(session_id)
             fd = self._fd(session_id)
             if session_id in self._fresh:  # a new file: its meta line first, lost or not
                 self._fresh.discard(session_id)
@@ -500,6 +505,9 @@ class EventLogWriter:
             return
         self._written += len(lines)
         self._written_at[session_id] = time.monotonic()
+        held = self._files.get(session_id)
+        if held is not None:
+            self._files[session_id] = (held[0], held[1] + len(data))
         if self.fsync == "line":
             self._sync(session_id, fd)
         elif self.fsync == "interval":
@@ -558,15 +566,51 @@ class EventLogWriter:
                 # Another user's file never; a second link to one of the user's own (a snapshot
                 # backup's) only where nobody else can write into the directory.
                 raise OSError(f"{path} is not a regular file of this user's own")
-            _terminate_torn_line(fd)
-            if st.st_size == 0:
+            size = _terminate_torn_line(fd)
+            if size == 0:
                 self._fresh.add(session_id)
         except OSError:
             os.close(fd)
             raise
         with self._lock:
             self._fds[session_id] = fd
+        self._files[session_id] = ((st.st_dev, st.st_ino), size)
         return fd
+
+    def _check_file(self, session_id: str) -> None:
+        """Before writing to a file held open: was it removed or replaced (``rm``, logrotate's
+        rename), or truncated (``: > file``, logrotate's ``copytruncate``) meanwhile? Lines
+        written on would go to no file, or after a hole with no meta line and no bases for the
+        delta coding. A new file is started (its meta line first), or the truncated one goes
+        on as a new one; either way the session's next request line is written in full."""
+        held = self._files.get(session_id)
+        try:
+            st = os.stat(session_log_path(self.log_dir, session_id), follow_symlinks=False)
+        except OSError:
+            st = None
+        if held is None or (st is not None and (st.st_dev, st.st_ino) == held[0]):
+            if held is None or st is None or st.st_size >= held[1]:
+                return
+            fd = self._fds[session_id]
+            self._warn(
+                "file",
+                "event log: %s was truncated while cachegate wrote it; writing on from its end",
+                session_id + ".jsonl",
+            )
+            meta = self._metas.get(session_id)
+            if st.st_size < (len(meta) if meta is not None else 1):  # its meta line gone too
+                self._fresh.add(session_id)
+            size = _terminate_torn_line(fd)
+            self._files[session_id] = (held[0], size)
+            self._mark_broken(session_id)
+            return
+        self._warn(
+            "file",
+            "event log: %s was removed or replaced while cachegate wrote it; a new one is started",
+            session_id + ".jsonl",
+        )
+        self._close_fd(session_id)
+        self._mark_broken(session_id)
 
     def _check_dir(self) -> None:
         """Make the log directory again when it is gone, as at start (0700, ``.gitignore``), and
@@ -613,6 +657,7 @@ class EventLogWriter:
         with self._lock:
             fd = self._fds.pop(session_id, None)
         self._written_at.pop(session_id, None)
+        self._files.pop(session_id, None)
         self._fresh.discard(session_id)
         if fd is None:
             return
@@ -742,19 +787,20 @@ def _prepare_log_dir(log_dir: str | os.PathLike[str], warn: Callable[..., None])
     return False
 
 
-def _terminate_torn_line(fd: int) -> None:
+def _terminate_torn_line(fd: int) -> int:
     """Append a newline when an earlier process died mid-line, so its fragment stays one torn line
-    instead of swallowing the first event written now."""
+    instead of swallowing the first event written now. Returns the file's size then."""
     size = os.fstat(fd).st_size
     if not size:
-        return
+        return 0
     if hasattr(os, "pread"):
         last = os.pread(fd, 1, size - 1)
     else:  # Windows: the offset does not matter to appends
         os.lseek(fd, size - 1, os.SEEK_SET)
         last = os.read(fd, 1)
     if last != b"\n":
-        os.write(fd, b"\n")
+        size += os.write(fd, b"\n")
+    return size
 
 
 def default_max_open_files() -> int:

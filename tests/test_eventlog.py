@@ -450,6 +450,48 @@ def test_a_log_directory_removed_while_running_is_made_again_with_each_files_met
         assert events[0]["session"] == sid
 
 
+@pytest.mark.parametrize("how", ["removed", "renamed", "emptied", "cut mid-line"])
+def test_a_session_file_removed_or_truncated_while_running_starts_again_with_its_meta_line(
+    log_dir: Path, writers, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    """``rm logs/*.jsonl``, logrotate's rename or ``copytruncate``: the writer appended on to a
+    file no directory named (every later line lost, unseen) or after a hole, with no meta line
+    and request lines coded against bases that were gone (replay skipped every one)."""
+    w = started(writers, log_dir)
+    w.emit("a", {"type": "session_meta", "session": "a"}, first_in_file=True)
+    w.emit("a", {"type": "error", "exchange": 1, "status": 400, "message": "one"})
+    assert w.flush()
+    path = log_dir / "a.jsonl"
+    if how == "removed":
+        path.unlink()
+    elif how == "renamed":
+        path.rename(log_dir / "a.jsonl.1")
+    elif how == "emptied":
+        path.write_bytes(b"")
+    else:
+        with path.open("r+b") as f:
+            f.truncate(20)
+    with caplog.at_level(logging.WARNING, logger="proxy.eventlog"):
+        w.emit("a", {"type": "error", "exchange": 2, "status": 400, "message": "two"})
+        assert w.flush()
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "a.jsonl was " + ("truncated" if "cut" in how or how == "emptied" else "removed") in said
+    log = read_events(path)
+    messages = [(e["type"], e.get("message")) for e in log.events]
+    assert messages == [("session_meta", None), ("error", "two")]
+    assert log.torn == (1 if how == "cut mid-line" else 0)  # the fragment left, one torn line
+    assert w.take_broken("a")  # its next request line goes in full: its bases are gone
+    w.emit("a", {"type": "error", "exchange": 3, "status": 400, "message": "three"})
+    assert w.flush()
+    assert [e.get("message") for e in read_events(path).events][-2:] == ["two", "three"]
+    assert not w.take_broken("a")  # written on as usual: nothing noticed again
+    if how == "renamed":  # the renamed file kept what was written before
+        assert [e.get("message") for e in read_events(log_dir / "a.jsonl.1").events] == [
+            None,
+            "one",
+        ]
+
+
 def test_a_log_directory_replaced_while_running_is_judged_again(
     tmp_path: Path, writers, caplog: pytest.LogCaptureFixture
 ) -> None:
