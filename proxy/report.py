@@ -474,6 +474,9 @@ def render_show(detail: SessionDetail) -> str:
             notes.append("no usage reported")
         if r.error:
             notes.append(_clip(r.error, 60))
+        elif r.status is None and r.exchange is not None:
+            # its request line, no response line: still in flight, or cachegate was killed
+            notes.append("no response logged")
         rows.append(
             [
                 "-" if r.exchange is None else str(r.exchange),

@@ -331,6 +331,15 @@ def test_a_complete_answer_without_usage_says_so(tmp_path: Path) -> None:
     assert rows[2].endswith("200  upstream broke off mid-response")
 
 
+def test_a_request_with_no_response_line_says_so(tmp_path: Path) -> None:
+    """cachegate killed mid-stream (or the answer still in flight): the row was all dashes."""
+    events = [req(T0, 1, appended=[U1]), _answer(T0 + 1, 1, 1, duration=0.2, cost=0)]
+    events += [req(T0 + 2, 2, appended=[U1])]
+    rows = render_show(show_session(_logged(tmp_path, "killed", events), "killed")).splitlines()
+    assert rows[-1].endswith("-  no response logged")
+    assert "no response logged" not in rows[-2]
+
+
 def test_a_client_that_left_is_an_interruption_not_an_error_whenever_it_left(
     tmp_path: Path,
 ) -> None:
