@@ -78,6 +78,11 @@ def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
     largest of the cache-read fields present (providers that send several mean the same number);
     ``cache_write`` the largest of ``cache_creation_input_tokens`` and the details'
     ``cache_write_tokens``. ``reported_cache`` is true iff any cache field was present, even as 0.
+
+    ``completion`` is ``completion_tokens`` (else ``output_tokens``), or ``total_tokens`` less
+    ``prompt_tokens`` when that is more: xAI's Grok and Gemini count reasoning tokens outside
+    ``completion_tokens`` (xAI in ``completion_tokens_details.reasoning_tokens``) but in the
+    total, and bill them as output.
     """
     if type(raw) is not dict and not isinstance(raw, Mapping):
         return None
@@ -102,6 +107,10 @@ def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
                     n = _count(details, "cache_write_tokens")
                     if n is not None and (written is None or n > written):
                         written = n
+        if "total_tokens" in raw:  # reasoning counted apart from the completion (xAI, Gemini)
+            total = _count(raw, "total_tokens")
+            if total is not None and total > prompt_tokens + completion_tokens:
+                completion_tokens = total - prompt_tokens
         return Usage(
             prompt_tokens,
             completion_tokens,
@@ -141,6 +150,8 @@ def _normalize(raw: Mapping[str, Any]) -> Usage | None:
     completion = _count(raw, "completion_tokens")
     if completion is None:
         completion = _count(raw, "output_tokens") or 0
+    elif _count(raw, "prompt_tokens") is not None:
+        completion = max(completion, (_count(raw, "total_tokens") or 0) - prompt)
     reported_write = created is not None or bool(writes)
     return Usage(prompt, completion, cache_read, cache_write, reported_cache, reported_write)
 

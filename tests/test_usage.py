@@ -150,6 +150,27 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
             Usage(0, 0, 0, 0, False),
             id="non-counts-ignored",
         ),
+        pytest.param(  # xAI's Grok: reasoning apart from the completion, in the total
+            {
+                "prompt_tokens": 663,
+                "completion_tokens": 50,
+                "total_tokens": 837,
+                "prompt_tokens_details": {"cached_tokens": 654},
+                "completion_tokens_details": {"reasoning_tokens": 124},
+            },
+            Usage(663, 174, 654, 0, True),
+            id="xai-reasoning-outside-completion",
+        ),
+        pytest.param(  # Gemini: thoughts in the total only
+            {"prompt_tokens": 758, "completion_tokens": 102, "total_tokens": 1725},
+            Usage(758, 967, 0, 0, False),
+            id="gemini-thoughts-in-total",
+        ),
+        pytest.param(  # a total below the sum (a provider's own rounding) changes nothing
+            {"prompt_tokens": 758, "completion_tokens": 102, "total_tokens": 800},
+            Usage(758, 102, 0, 0, False),
+            id="total-below-the-sum",
+        ),
         pytest.param(
             {"prompt_tokens": 10.0, "completion_tokens": 2},
             Usage(10, 2, 0, 0, False),
@@ -252,6 +273,7 @@ _usage_keys = [
     "prompt_cache_hit_tokens",
     "prompt_cache_miss_tokens",
     "cached_tokens",
+    "total_tokens",
 ]
 
 
