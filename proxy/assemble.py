@@ -159,6 +159,11 @@ class StreamAssembler:
         self._text_dropped = False
 
     @property
+    def done(self) -> bool:
+        """Whether ``[DONE]`` was fed."""
+        return self._done
+
+    @property
     def malformed(self) -> int:
         """Data payloads so far that were neither ``[DONE]`` nor a JSON object."""
         return self._malformed
@@ -581,6 +586,12 @@ class StreamRecorder:
         self._size += len(chunk) + self.CHUNK_COST
         if self._size >= self.KEEP_BYTES:
             self.decode()
+
+    def saw_done(self) -> bool:
+        """Whether ``[DONE]`` has come (the chunks kept so far decoded first)."""
+        if self.chunks:
+            self.decode()
+        return self.assembler.done
 
     def decode(self) -> None:
         """Decode the chunks kept so far (an event they leave unfinished waits for the rest).

@@ -858,6 +858,10 @@ class Relay:
                 task.uncancel()
                 if not started:
                     ex.status = CLIENT_CLOSED  # no status was sent: the client left first
+                elif tee is not None and tee.recorder is not None and tee.recorder.saw_done():
+                    # The client had the whole stream, [DONE] included, and closed before the
+                    # upstream's last bytes came (the openai SDKs stop reading at [DONE]).
+                    ex.interrupted = False
         except ProxyError as err:
             if watch is not None:
                 watch.stop()

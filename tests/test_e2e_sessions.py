@@ -546,6 +546,40 @@ def test_a_stream_with_an_event_that_is_not_json_is_logged_as_failed_not_clean(
     assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 1
 
 
+def test_a_client_that_closes_at_done_before_the_upstreams_last_bytes_got_a_whole_answer(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """The openai SDK stops reading at ``[DONE]`` and closes; an upstream whose chunked
+    stream ends a moment later had the exchange logged as interrupted (and in INTERRUPTED)."""
+    chunks = [
+        b'data: {"id":"c1","object":"chat.completion.chunk","model":"gpt-4o","choices":'
+        b'[{"index":0,"delta":{"role":"assistant","content":"whole"},"finish_reason":null}]}\n\n',
+        b'data: {"id":"c1","object":"chat.completion.chunk","model":"gpt-4o","choices":'
+        b'[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n',
+        b"data: [DONE]\n\n",
+        b"",  # the upstream's end comes a moment after [DONE]
+    ]
+    _upstream, url = scripted(chunks=chunks, delay_s=0.3)
+    proxy = proxy_factory(url)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "closed-at-done"})
+    stream = client.chat.completions.create(
+        model="gpt-4o", messages=[{"role": "user", "content": "hi"}], stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == "whole"
+
+    def response_logged() -> list[dict[str, Any]]:
+        flush(proxy)
+        return events(proxy.log_dir, "closed-at-done", "response")
+
+    (response,) = wait_for(response_logged, what="the response event")
+    assert response["interrupted"] is False, response
+    assert response["finish_reason"] == "stop"
+    assert response["message"]["content"] == "whole"
+    listed = run_cli("sessions", "list", "--log-dir", str(proxy.log_dir), "--json").json()
+    assert listed[0]["interruptions"] == 0
+
+
 # --- crash safety --------------------------------------------------------------------------------
 
 
