@@ -495,7 +495,9 @@ class Metrics:
             requests[0] += 1
             self.request_duration.observe(duration, duration_s)
             self.overhead.observe(overhead, overhead_s)
-            if ttfb_s is not None and route == "chat":  # a model's answer, not /v1/models
+            # A model's answer: not /v1/models, nor an error answer (a 429 comes at once, and
+            # a storm of them would read as the provider getting faster).
+            if ttfb_s is not None and route == "chat" and status < 400:
                 self.ttfb.observe(ttfb, ttfb_s)
         except Exception:
             logger.exception("metrics: observe_exchange failed")

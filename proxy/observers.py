@@ -220,7 +220,9 @@ class AccountingObserver:
         fp = prefix.fingerprint(body, _hash_base(baselines, body))
         chosen, continues, divergence = self._compare(_ranked(baselines, fp), fp, body)
         if divergence is not None:
-            if ex.status < 400:  # a refused attempt's retry counts it
+            # A refused attempt's retry counts it; a compaction's summary in place of the
+            # history is cachegate's own (an expected miss, as in the waste), not the agent's.
+            if ex.status < 400 and not extra.get("compacted_pending"):
                 self.metrics.observe_prefix_rewrite(_location_label(divergence))
             ex.divergence = _divergence_dict(divergence)
         usage = ex.usage

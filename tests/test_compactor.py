@@ -368,6 +368,38 @@ def test_one_task_and_its_tool_loop_are_compacted_keeping_the_task(
     assert compaction.estimate_tokens(forwarded) < 1500
 
 
+def test_a_compaction_is_not_counted_as_the_agents_rewrite_of_its_history(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """The summary in place of the rounds it covers diverges from the previous turn inside the
+    messages: the log says where, but the agent rewrote nothing, so the dashboard's "Prefix
+    rewrites by location" must not count it (nor is the miss waste)."""
+    config = {
+        "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 4},
+        "models": {MODEL: {"context_window": 2000}},
+    }
+    proxy = proxy_factory(sim.api_base, config)
+    client = sdk(proxy.base_url)
+    head = {"X-Session-Id": "own-rewrite"}
+    first = one_task(6, output_chars=400)
+    assert compaction.estimate_tokens(first) < 1500  # under the trigger
+    client.chat.completions.create(model=MODEL, messages=first, extra_headers=head)
+    sim.sim.enqueue([parse_script("Read the files of rounds 0-9.")])
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=one_task(12, output_chars=400), extra_headers=head
+    )
+    assert raw.headers["x-cachegate-compacted"] == "1"
+    proxy.settle()
+    compacted = [
+        e
+        for e in read_events(proxy.log_dir / "own-rewrite.jsonl").events
+        if e["type"] == "response"
+    ][-1]
+    assert compacted["divergence"]["location"] == "messages"  # the log says where
+    assert compacted["cache"]["waste"] == 0
+    assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "messages"}) == 0
+
+
 def test_a_retry_after_a_refusal_keeps_fewer_messages_until_it_fits(
     sdk: Any, proxy_factory: Any
 ) -> None:

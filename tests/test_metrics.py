@@ -419,6 +419,7 @@ def test_observe_exchange_is_the_four_separate_observations() -> None:
         ("chat", "gpt-4o", 200, 0.8, 0.0003, 0.2, Usage(1200, 80, 1024, 0, True)),
         ("chat", "gpt-4o-2024-08-06", 200, 2.5, 0.0001, 0.05, Usage(10, 5, 0, 0, False)),
         ("chat", "mystery", 502, 0.01, 0.00002, None, None),
+        ("chat", "mystery", 429, 0.002, 0.00002, 0.001, None),  # the provider's instant refusal
         ("passthrough", None, 200, 0.004, 0.00001, 0.003, None),
         ("chat", "gpt-4o", 200, float("nan"), 0.0, 0.1, Usage(5, 1, 0, 7, True)),
         ("chat", "gpt-4o", 200, 0.3, 0.0002, 0.1, Usage(-1, 3, 0, 0, True)),  # refused usage
@@ -431,7 +432,7 @@ def test_observe_exchange_is_the_four_separate_observations() -> None:
             a.observe_exchange(route, model, status, duration, overhead, ttfb, usage)
             b.observe_request(route, model, status, duration)
             b.observe_overhead(route, overhead)
-            if ttfb is not None and route == "chat":  # a chat answer's first byte only
+            if ttfb is not None and route == "chat" and status < 400:  # an answer's only
                 b.observe_ttfb(model, ttfb)
             if usage is not None:
                 b.observe_usage(model, usage)
@@ -446,6 +447,8 @@ def test_observe_exchange_is_the_four_separate_observations() -> None:
     )
     # the passthrough request's first byte is no model's answer: not in the TTFB histogram
     assert 'cachegate_time_to_first_byte_seconds_count{model="other"} 0.0' in exposition(a_reg)
+    # nor is an error answer's (a storm of instant 429s would read as a faster provider)
+    assert value(a_reg, "cachegate_requests_total", route="chat", model="other", status="429") == 2
 
 
 @pytest.mark.parametrize("created", [True, False])
