@@ -267,7 +267,7 @@ def _plausible(
     ``token`` or ``pwd``, only when the value looks like a credential (a digit in it, no space,
     not a path or a markup); for a lower-case ``…_key`` that does not say which key (alone on
     its line, where code and settings look alike: ``storage_key = "uploads/avatars"``), only
-    when it looks like a key: that, and 16 characters or more."""
+    when it looks like a key: 16 characters or more, a digit, no space."""
     if span is None:
         return span
     name = s[start:end]
@@ -275,9 +275,11 @@ def _plausible(
     if not bare and _in_code(name):
         return span
     value = s[span[0] : span[1]]
-    if value[0] in "/<.#" or any(c.isspace() for c in value) or not any(c.isdigit() for c in value):
+    if any(c.isspace() for c in value) or not any(c.isdigit() for c in value):
         return None
-    return span if bare or len(value) >= 16 else None
+    if bare:  # (a path or a markup is no token; a key's base64 may well start with "/")
+        return None if value[0] in "/<.#" else span
+    return span if len(value) >= 16 else None
 
 
 def _in_code(name: str) -> bool:

@@ -528,6 +528,10 @@ LONG = "A1b2" * 450  # 1,800 characters: a JWT, an STS session token
         # a key whose name does not say which, alone on its line, when it looks like one
         ('sendgrid_key = "SG.abcdefgh12345678xyz"', 'sendgrid_key = "[REDACTED]"'),
         ("webhook_key: whsec_abc123def456ghi789\n", "webhook_key: [REDACTED]\n"),
+        (  # base64 may start with "/": no path
+            'aes_key = "/U2RZfCiUWwhjiApPIcjIhsHuiYInYlVispy1qFZBCU="',
+            'aes_key = "[REDACTED]"',
+        ),
         ("X-Api-Key: 0123456789abcdef0123\r\nHost: x\r\n", "X-Api-Key: [REDACTED]\r\nHost: x\r\n"),
         ("environment:\r\n  POSTGRES_PASSWORD: s3cretpass99\r\n", None),
         # a .NET connection string, .netrc, docker login, a flag and its value apart

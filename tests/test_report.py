@@ -351,8 +351,14 @@ def test_a_client_that_left_is_an_interruption_not_an_error_whenever_it_left(
     failed = {**_answer(T0 + 5, 1, 1, duration=0.2, cost=0, exchange=3), "status": 500}
     events = [req(T0, 1, appended=[U1]), early, req(T0 + 2, 2, appended=[U1]), late]
     events += [req(T0 + 4, 3, appended=[U1]), failed]
+    # ... and one that left while its request was being prepared (a compaction's summary call):
+    # an "error" line, cachegate's own answer
+    gone = {"ts": T0 + 7, "type": "error", "exchange": 4, "status": 499, "forwarded": False}
+    events += [{**gone, "message": "client disconnected"}]  # (never forwarded: no request line)
     (summary,) = list_sessions(_logged(tmp_path, "cut", events))
-    assert (summary.exchanges, summary.interruptions, summary.errors) == (3, 2, 1)
+    assert (summary.exchanges, summary.interruptions, summary.errors) == (4, 3, 1)
+    rows = render_show(show_session(tmp_path, "cut")).splitlines()
+    assert rows[-1].endswith("499  interrupted, client disconnected")
 
 
 def test_a_model_name_with_line_breaks_cannot_forge_a_row(tmp_path: Path) -> None:
