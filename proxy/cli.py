@@ -130,8 +130,8 @@ def _grace_note(record: logging.LogRecord) -> bool:
         count = record.args[0] if isinstance(record.args, tuple) and record.args else "some"
         print(
             f"cachegate: stopping: {count} request(s) still in flight after the"
-            f" {SHUTDOWN_GRACE_S} s grace period were cut (streams cut, unanswered requests"
-            " a 503), each logged as interrupted",
+            f" {SHUTDOWN_GRACE_S} s grace period were cut (a stream ends short, a request"
+            " not answered yet gets a 503)",
             file=sys.stderr,
         )
         return False

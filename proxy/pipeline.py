@@ -108,21 +108,26 @@ class Exchange:
             self.error = error_message(assembled.error)
             if self.upstream_error is None:  # a failure the provider reported inside a 200
                 self.upstream_error = "error_event"
-        elif assembled.malformed and self.error is None:
-            # Relayed as they came; the client's SDK fails on them (the openai SDKs raise on a
-            # data line that is not JSON), so the exchange is no clean answer.
-            count = assembled.malformed
-            self.error = (
-                f"upstream sent {count} stream event{'s' if count > 1 else ''} whose data was"
-                " not a JSON object (a client that parses events fails on it)"
-            )
-            if self.upstream_error is None:
-                self.upstream_error = "invalid"
-        elif assembled.unfinished and self.error is None and not self.interrupted:
+            return
+        if self.error is not None:
+            return
+        cut = assembled.unfinished and not self.interrupted
+        if cut:
             # (a body framed by the connection's end has no other sign of being cut short)
             self.error = "upstream ended the stream inside an event, before [DONE]"
             if self.upstream_error is None:
                 self.upstream_error = "midstream"  # counted as a cut chunked stream is
+        if assembled.malformed:
+            # Relayed as they came; the client's SDK fails on them (the openai SDKs raise on a
+            # data line that is not JSON), so the exchange is no clean answer.
+            count = assembled.malformed
+            said = (
+                f"upstream sent {count} stream event{'s' if count > 1 else ''} whose data was"
+                " not a JSON object (a client that parses events fails on it)"
+            )
+            self.error = f"{self.error}; {said}" if cut else said
+            if self.upstream_error is None:
+                self.upstream_error = "invalid"
 
 
 class UnreadableAnswer(ValueError):

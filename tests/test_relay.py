@@ -1770,6 +1770,13 @@ def test_an_answer_body_is_read_for_the_log_as_a_json_reader_would(
             b"data: [DONE]\n",
             None,
         ),
+        (  # an event that is no JSON, then the cut: both said, the cut counted as one
+            b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n'
+            b"data: {broken\n\n"
+            b'data: {"id":"c1","choices":[{"index":0,"delta":{"cont',
+            "upstream ended the stream inside an event, before [DONE]; upstream sent 1 stream"
+            " event whose data was not a JSON object (a client that parses events fails on it)",
+        ),
     ],
 )
 def test_a_stream_framed_by_the_connections_end_and_cut_short_is_logged_as_cut(
