@@ -25,6 +25,9 @@ Cause of a waste, in this order of precedence:
    where (``system``, ``tools``, ``messages[12].content``).
 4. ``unexplained`` — none of these: provider eviction or routing.
 
+Before all of them, ``not_requested``: the provider caches only the prefixes a request marks
+(Anthropic's ``cache_control``), and this request marked none.
+
 The dataclasses here are values, never mutated once built (``dataclasses.replace`` makes a changed
 copy). They are not declared frozen because a frozen dataclass costs ~1 µs more to build, and a few
 are built for every exchange.
@@ -45,7 +48,7 @@ from proxy.usage import Usage
 
 logger = logging.getLogger(__name__)
 
-Cause = Literal["ttl_expired", "prefix_rewrite", "params_changed", "unexplained"]
+Cause = Literal["ttl_expired", "prefix_rewrite", "params_changed", "unexplained", "not_requested"]
 
 # How long a provider keeps an idle prompt-cache entry, in seconds; a model's ``cache_ttl_s`` in the
 # config overrides it. OpenAI: in-memory cache, evicted after 5–10 minutes of inactivity (up to an
@@ -222,13 +225,15 @@ def account(
     model: str,
     after_compaction: bool = False,
     max_prefixes: int = DEFAULT_MAX_PREFIXES,
+    unmarked: bool = False,
 ) -> tuple[CacheState, CacheResult]:
     """Account one finished exchange; return the session's new state and the exchange's figures.
 
     ``divergence`` is ``find_divergence`` against the session's previous request (None when this
     one extends it); ``started_at`` is when this request was forwarded; ``ttl_s`` the model's cache
     TTL. An exchange with no usage (``prompt == 0``, e.g. interrupted) keeps the previous prompt
-    count as the baseline for the next one.
+    count as the baseline for the next one. ``unmarked``: the provider caches only marked
+    prefixes and the request marked none; its waste is ``not_requested``.
     """
     has_reported = state.has_reported or usage.reported_cache
     counted = (
@@ -241,11 +246,13 @@ def account(
         expected = min(state.prev_prompt, usage.prompt)
         shortfall = expected - usage.cache_read
         waste = shortfall if shortfall > noise_floor else 0
-        cause, location = (
-            _attribute(state, fingerprint, divergence, started_at, ttl_s, model)
-            if waste
-            else (None, None)
-        )
+        cause: Cause | None
+        if not waste:
+            cause, location = None, None
+        elif unmarked:  # nothing was asked of the cache: whatever else changed
+            cause, location = "not_requested", None
+        else:
+            cause, location = _attribute(state, fingerprint, divergence, started_at, ttl_s, model)
         result = CacheResult(expected, usage.cache_read, usage.cache_write, waste, cause, location)
     else:
         result = CacheResult(0, usage.cache_read, usage.cache_write, 0)

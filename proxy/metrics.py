@@ -46,7 +46,13 @@ REQUEST_STATUSES: Final = (
 rate: Prometheus cannot tell a series' first value from its creation. 200, then what clients,
 cachegate and providers answer most; others appear when they happen."""
 TOKEN_KINDS: Final = ("prompt", "completion", "cache_read", "cache_write")
-WASTE_CAUSES: Final = ("ttl_expired", "prefix_rewrite", "params_changed", "unexplained")
+WASTE_CAUSES: Final = (
+    "ttl_expired",
+    "prefix_rewrite",
+    "params_changed",
+    "unexplained",
+    "not_requested",
+)
 REWRITE_LOCATIONS: Final = ("system", "tools", "messages", "params")
 REPAIR_KINDS: Final = (
     "dangling_call",

@@ -295,6 +295,7 @@ class AccountingObserver:
             noise_floor=self.settings.cache.noise_floor_tokens,
             model=model,
             after_compaction=after_compaction,
+            unmarked=usage.explicit_cache and not prefix.has_cache_marker(body),
         )
         extra["cache"] = new_state
         ex.cache = {

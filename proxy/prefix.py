@@ -330,6 +330,33 @@ def canonical_message(message: Any) -> Any:
     return out
 
 
+def has_cache_marker(body: Mapping[str, Any]) -> bool:
+    """Whether the request marks any prefix for the provider's cache: a ``cache_control`` on a
+    message, one of its content parts, or a tool (Anthropic-style breakpoints). The latest
+    messages are looked at first, where clients put their moving breakpoint."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in reversed(messages):
+            if not isinstance(message, dict):
+                continue
+            if "cache_control" in message:
+                return True
+            content = message.get("content")
+            if isinstance(content, list) and any(
+                isinstance(part, dict) and "cache_control" in part for part in content
+            ):
+                return True
+    tools = body.get("tools")
+    return isinstance(tools, list) and any(
+        isinstance(tool, dict)
+        and (
+            "cache_control" in tool
+            or (isinstance(tool.get("function"), dict) and "cache_control" in tool["function"])
+        )
+        for tool in tools
+    )
+
+
 def canonical_json(value: Any) -> bytes:
     """Canonical JSON bytes of ``value``: sorted keys, compact, UTF-8."""
     try:

@@ -25,6 +25,9 @@ class Usage:
     cache_write: int = 0
     reported_cache: bool = False
     reported_cache_write: bool = False
+    # Anthropic's own ``cache_creation_input_tokens`` was there: a provider that caches only the
+    # prefixes a request marks with ``cache_control`` (Claude, behind LiteLLM and the like)
+    explicit_cache: bool = False
 
 
 # ``cached_tokens`` at the top level: Moonshot (Kimi).
@@ -153,7 +156,15 @@ def _normalize(raw: Mapping[str, Any]) -> Usage | None:
     elif _count(raw, "prompt_tokens") is not None:
         completion = max(completion, (_count(raw, "total_tokens") or 0) - prompt)
     reported_write = created is not None or bool(writes)
-    return Usage(prompt, completion, cache_read, cache_write, reported_cache, reported_write)
+    return Usage(
+        prompt,
+        completion,
+        cache_read,
+        cache_write,
+        reported_cache,
+        reported_write,
+        created is not None,
+    )
 
 
 def _is_empty(usage: Usage) -> bool:

@@ -83,6 +83,7 @@ class Session:
         started_at: float,
         *,
         after_compaction: bool = False,
+        unmarked: bool = False,
     ) -> CacheResult:
         body = orjson.loads(orjson.dumps(body))  # every request arrives parsed afresh
         fp = fingerprint(body, previous=self.fp)
@@ -100,6 +101,7 @@ class Session:
             noise_floor=FLOOR,
             model=body["model"],
             after_compaction=after_compaction,
+            unmarked=unmarked,
         )
         self.body, self.fp = body, fp
         return result
@@ -220,6 +222,24 @@ def test_mark_compacted_skips_exactly_the_next_exchange() -> None:
     body["messages"] += tool_round(1)
     counted = session.exchange(body, reported(7_000, 0), 20.0)
     assert counted == CacheResult(6_000, 0, 0, 6_000, "unexplained", None)
+
+
+def test_a_miss_of_a_request_that_marked_nothing_where_marks_are_needed_is_not_requested() -> None:
+    """Claude caches only marked prefixes: an agent that sends no ``cache_control`` misses on
+    every turn. That is no eviction ("unexplained"), nor a rewrite, nor the idle time: nothing
+    was asked of the cache, whatever else changed."""
+    session = Session(CacheState())
+    body = opening()
+    session.exchange(body, reported(20_000, 0), 0.0, unmarked=True)
+    body["messages"] += tool_round(1)
+    grown = session.exchange(body, reported(21_000, 0), 10.0, unmarked=True)
+    assert grown == CacheResult(20_000, 0, 0, 20_000, "not_requested", None)
+    body["messages"][0]["content"] = SYSTEM + " Today is 2025-03-14."
+    rewritten = session.exchange(body, reported(21_000, 0), 20.0 + TTL, unmarked=True)
+    assert (rewritten.cause, rewritten.location) == ("not_requested", None)
+    body["messages"] += tool_round(2)
+    # A turn that hits anyway (under the noise floor) is no waste at all.
+    assert session.exchange(body, reported(22_000, 20_500), 30.0 + TTL, unmarked=True).waste == 0
 
 
 @pytest.mark.parametrize(("shortfall", "waste"), [(0, 0), (1_024, 0), (1_025, 1_025)])

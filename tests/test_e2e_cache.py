@@ -830,3 +830,48 @@ def test_a_repeated_request_keeps_its_conversation_the_most_recently_seen(
     last = events(proxy.log_dir, "recent", "response")[-1]["cache"]
     assert last["expected"] > NOISE_FLOOR
     assert (last["cause"], last["waste"]) == ("ttl_expired", last["expected"] - last["read"])
+
+
+@pytest.mark.parametrize("marked", [False, True])
+def test_claude_behind_a_gateway_without_cache_marks_is_told_apart_from_an_eviction(
+    scripted: Any, proxy_factory: Any, marked: bool
+) -> None:
+    """Claude caches only the prefixes a request marks, and its gateways report its cache
+    fields (zeros) all the same: an agent that marks nothing misses every turn. That was
+    charged as "unexplained" (the provider evicted the entry or routed elsewhere); it is
+    "not_requested", which says what to do. A marked request that misses stays unexplained."""
+    answer = (
+        b'{"id":"m1","object":"chat.completion","model":"claude-sonnet-4-5","choices":[{"index":0,'
+        b'"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":'
+        b'{"prompt_tokens":6000,"completion_tokens":5,"cache_read_input_tokens":0,'
+        b'"cache_creation_input_tokens":0}}'
+    )
+    _upstream, url = scripted(chunks=[answer], content_type=b"application/json")
+    proxy = proxy_factory(url, config())
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "unmarked"})
+    task: dict[str, Any] = {"role": "user", "content": "Fix the failing test."}
+    if marked:
+        task = {
+            "role": "user",
+            "content": [{"type": "text", "text": task["content"]}],
+            "cache_control": {"type": "ephemeral"},
+        }
+    convo: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}, task]
+    reply, _ = chat(client, convo, model="claude-sonnet-4-5", stream=False)
+    convo += [reply, {"role": "user", "content": "Go on."}]
+    chat(client, convo, model="claude-sonnet-4-5", stream=False)
+    flush(proxy)
+    second = events(proxy.log_dir, "unmarked", "response")[1]
+    cause = "unexplained" if marked else "not_requested"
+    assert second["cache"] == {
+        "expected": 6000,
+        "read": 0,
+        "write": 0,
+        "waste": 6000,
+        "cause": cause,
+        "location": None,
+    }
+    labels = {"model": "claude-sonnet-4-5", "cause": cause}
+    assert proxy.metric("cachegate_cache_waste_tokens_total", labels) == 6000
+    show = run_cli("sessions", "show", "unmarked", "--log-dir", str(proxy.log_dir))
+    assert f"6,000 {cause}" in show.out

@@ -16,6 +16,7 @@ from proxy.prefix import (
     canonical_message,
     find_divergence,
     fingerprint,
+    has_cache_marker,
     same_conversation,
     shared_links,
     shared_prefix_len,
@@ -632,3 +633,40 @@ def test_reordered_parameters_of_a_tool_are_a_rewrite_of_the_tools() -> None:
     }
     same["tools"][0]["function"]["parameters"] = dict(reversed(list(params.items())))
     assert diverge(old, same) is None
+
+
+@pytest.mark.parametrize(
+    ("body", "marked"),
+    [
+        ({"messages": [{"role": "user", "content": "hi"}]}, False),
+        (
+            {
+                "messages": [
+                    {"role": "system", "content": "s", "cache_control": {"type": "ephemeral"}}
+                ]
+            },
+            True,
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "system", "content": "s"},
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "a"},
+                            {"type": "text", "text": "b", "cache_control": {"type": "ephemeral"}},
+                        ],
+                    },
+                ]
+            },
+            True,
+        ),
+        ({"messages": [], "tools": [{**TOOLS[0], "cache_control": {"type": "ephemeral"}}]}, True),
+        ({"messages": "not a list", "tools": "nor this"}, False),
+    ],
+)
+def test_a_request_marks_a_prefix_for_the_cache_on_a_message_a_part_or_a_tool(
+    body: dict, marked: bool
+) -> None:
+    assert has_cache_marker(body) is marked

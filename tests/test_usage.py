@@ -79,7 +79,7 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
                 "cache_read_input_tokens": 4000,
                 "cache_creation_input_tokens": 600,
             },
-            Usage(4612, 85, 4000, 600, True, True),
+            Usage(4612, 85, 4000, 600, True, True, True),  # Claude's own field: marks needed
             id="anthropic-style-prompt-includes-cache",
         ),
         pytest.param(
@@ -90,12 +90,12 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
                 "cache_creation_input_tokens": 600,
                 "prompt_tokens_details": {"cached_tokens": 4000},
             },
-            Usage(4612, 85, 4000, 600, True, True),
+            Usage(4612, 85, 4000, 600, True, True, True),
             id="anthropic-fields-with-openai-prompt-total",
         ),
         pytest.param(
             {"input_tokens": 30, "output_tokens": 3, "cache_creation_input_tokens": 0},
-            Usage(30, 3, 0, 0, True, True),
+            Usage(30, 3, 0, 0, True, True, True),
             id="anthropic-style-zero-cache-is-reported",
         ),
         pytest.param(
