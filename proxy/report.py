@@ -486,8 +486,9 @@ def render_show(detail: SessionDetail) -> str:
                 _model(r.model),
                 _tokens(r.tokens_in),
                 _tokens(r.tokens_out),
-                _tokens(r.cache_read),
-                _waste(r),
+                # (a provider that reports no cache fields: unknown, not a measured 0)
+                _tokens(r.cache_read) if r.cache_reported or r.cache_read else "-",
+                _waste(r) if r.cache_reported or r.cache_waste else "-",
                 str(r.repairs),
                 _seconds(r.ttfb_s),
                 _seconds(r.duration_s),

@@ -331,6 +331,17 @@ def test_a_complete_answer_without_usage_says_so(tmp_path: Path) -> None:
     assert rows[2].endswith("200  upstream broke off mid-response")
 
 
+def test_a_provider_that_reports_no_cache_fields_shows_unknown_not_zero(tmp_path: Path) -> None:
+    """vLLM, llama.cpp, Mistral: CACHED and WASTE read "0  0", like a measured full miss."""
+    silent = _answer(T0 + 1, 900, 10, duration=0.2, cost=0)
+    silent["usage"]["reported_cache"] = False
+    measured = _answer(T0 + 3, 900, 10, duration=0.2, cost=0, exchange=2)
+    events = [req(T0, 1, appended=[U1]), silent, req(T0 + 2, 2, appended=[U1]), measured]
+    rows = render_show(show_session(_logged(tmp_path, "vllm", events), "vllm")).splitlines()[2:]
+    assert rows[0].split()[6:8] == ["-", "-"]  # CACHED, WASTE (after #, date, time, model, in, out)
+    assert rows[1].split()[6:8] == ["0", "0"]
+
+
 def test_a_request_with_no_response_line_says_so(tmp_path: Path) -> None:
     """cachegate killed mid-stream (or the answer still in flight): the row was all dashes."""
     events = [req(T0, 1, appended=[U1]), _answer(T0 + 1, 1, 1, duration=0.2, cost=0)]
