@@ -587,12 +587,6 @@ class StreamRecorder:
         if self._size >= self.KEEP_BYTES:
             self.decode()
 
-    def saw_done(self) -> bool:
-        """Whether ``[DONE]`` has come (the chunks kept so far decoded first)."""
-        if self.chunks:
-            self.decode()
-        return self.assembler.done
-
     def decode(self) -> None:
         """Decode the chunks kept so far (an event they leave unfinished waits for the rest).
         Past ``MAX_RECORDED_STREAM`` bytes, the text is let go (``StreamAssembler.drop_text``)

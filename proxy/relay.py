@@ -501,11 +501,15 @@ class DirectBody:
     then sends chunk by chunk through ASGI.
     """
 
-    __slots__ = ("_cycle", "_head")
+    __slots__ = ("_cycle", "_head", "done_handed_over", "dropped")
 
     def __init__(self, cycle: Any) -> None:
         self._cycle = cycle
         self._head = b""  # the response's start, held to go out with the first body bytes
+        # A stream's ``[DONE]`` went to the client's socket whole, nothing of it left in the
+        # transport's buffer: a client that hangs up after that had the whole answer.
+        self.done_handed_over = False
+        self.dropped = False  # bytes came after the client had left: it never had them
 
     @staticmethod
     async def start(send: Send, message: dict[str, Any]) -> DirectBody | None:
@@ -569,6 +573,7 @@ class DirectBody:
         """Write one non-empty chunk; False when the client's buffer is full (wait on drain)."""
         cycle = self._cycle
         if cycle.disconnected or cycle.response_complete:
+            self.dropped = True
             return True  # as uvicorn's send: nothing goes to a client that left
         if cycle.chunked_encoding:
             body = b"%x\r\n%b\r\n" % (len(body), body)
@@ -579,7 +584,10 @@ class DirectBody:
             cycle.expected_content_length -= size
         if self._head:
             body, self._head = self._head + body, b""
-        cycle.transport.write(body)
+        transport = cycle.transport
+        transport.write(body)
+        if body.find(b"[DONE]", -24) >= 0:
+            self.done_handed_over = transport.get_write_buffer_size() == 0
         return not cycle.flow.write_paused
 
     async def drain(self) -> None:
@@ -830,6 +838,8 @@ class Relay:
                 raise UpstreamAborted(ex.error) from exc
             if direct is not None:
                 direct.release()
+                if direct.dropped:  # the client left as the last bytes came: it never had them
+                    ex.interrupted = True
             if stripper is not None:
                 tail = stripper.flush()
                 if tail:
@@ -858,9 +868,10 @@ class Relay:
                 task.uncancel()
                 if not started:
                     ex.status = CLIENT_CLOSED  # no status was sent: the client left first
-                elif tee is not None and tee.recorder is not None and tee.recorder.saw_done():
-                    # The client had the whole stream, [DONE] included, and closed before the
-                    # upstream's last bytes came (the openai SDKs stop reading at [DONE]).
+                elif direct is not None and direct.done_handed_over and not direct.dropped:
+                    # The whole stream, [DONE] included, had gone to the client's socket, and
+                    # the client closed before the upstream's last bytes came (the openai SDKs
+                    # stop reading at [DONE]): a whole answer.
                     ex.interrupted = False
         except ProxyError as err:
             if watch is not None:

@@ -606,6 +606,48 @@ def test_no_free_upstream_connection_is_cachegates_own_503_not_the_providers_tim
     assert len(warnings) == 1 and "no free upstream connection" in warnings[0]
 
 
+def test_direct_body_knows_whether_done_reached_the_socket_and_what_was_dropped() -> None:
+    """A client that hangs up once the whole stream, [DONE] included, is in its socket had the
+    whole answer (as nginx judges a request complete); one whose bytes were still in cachegate's
+    buffer, or came after it left, did not."""
+    from types import SimpleNamespace
+
+    from proxy.relay import DirectBody
+
+    class Transport:
+        def __init__(self, left: int) -> None:
+            self.left, self.written = left, b""
+
+        def write(self, data: bytes) -> None:
+            self.written += data
+
+        def get_write_buffer_size(self) -> int:
+            return self.left
+
+    def cycle(left: int) -> Any:
+        return SimpleNamespace(
+            disconnected=False,
+            response_complete=False,
+            chunked_encoding=False,
+            expected_content_length=10**9,
+            transport=Transport(left),
+            flow=SimpleNamespace(write_paused=False),
+        )
+
+    sent = DirectBody(cycle(0))
+    sent.write(sse(chunk("a")))
+    assert not sent.done_handed_over
+    sent.write(sse(chunk("b")) + b"data: [DONE]\n\n")
+    assert sent.done_handed_over and not sent.dropped
+    held = DirectBody(cycle(70_000))  # the socket took part of it: the rest waits in the buffer
+    held.write(b"data: [DONE]\n\n")
+    assert not held.done_handed_over
+    gone = DirectBody(cycle(0))
+    gone._cycle.disconnected = True
+    gone.write(sse(chunk("c")))
+    assert gone.dropped and gone._cycle.transport.written == b""
+
+
 def test_upstream_stalling_mid_body_cuts_the_client(scripted: Any, proxy_factory: Any) -> None:
     _upstream, url = scripted(chunks=[sse(chunk("a")), sse(chunk("b"))], delay_s=5)
     proxy = proxy_factory(url, {"upstream": {"timeout_s": 0.3}})
