@@ -82,10 +82,9 @@ def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
     ``cache_write`` the largest of ``cache_creation_input_tokens`` and the details'
     ``cache_write_tokens``. ``reported_cache`` is true iff any cache field was present, even as 0.
 
-    ``completion`` is ``completion_tokens`` (else ``output_tokens``), or ``total_tokens`` less
-    ``prompt_tokens`` when that is more: xAI's Grok and Gemini count reasoning tokens outside
-    ``completion_tokens`` (xAI in ``completion_tokens_details.reasoning_tokens``) but in the
-    total, and bill them as output.
+    ``completion`` is ``completion_tokens`` (else ``output_tokens``), plus the reasoning tokens
+    a provider counts outside it (``_reasoning_apart``: xAI's Grok, gateways in front of
+    Gemini), which are billed as output.
     """
     if type(raw) is not dict and not isinstance(raw, Mapping):
         return None
@@ -110,10 +109,8 @@ def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
                     n = _count(details, "cache_write_tokens")
                     if n is not None and (written is None or n > written):
                         written = n
-        if "total_tokens" in raw:  # reasoning counted apart from the completion (xAI, Gemini)
-            total = _count(raw, "total_tokens")
-            if total is not None and total > prompt_tokens + completion_tokens:
-                completion_tokens = total - prompt_tokens
+        if "completion_tokens_details" in raw:
+            completion_tokens += _reasoning_apart(raw, prompt_tokens, completion_tokens)
         return Usage(
             prompt_tokens,
             completion_tokens,
@@ -153,8 +150,8 @@ def _normalize(raw: Mapping[str, Any]) -> Usage | None:
     completion = _count(raw, "completion_tokens")
     if completion is None:
         completion = _count(raw, "output_tokens") or 0
-    elif _count(raw, "prompt_tokens") is not None:
-        completion = max(completion, (_count(raw, "total_tokens") or 0) - prompt)
+    elif (tokens := _count(raw, "prompt_tokens")) is not None:
+        completion += _reasoning_apart(raw, tokens, completion)
     reported_write = created is not None or bool(writes)
     return Usage(
         prompt,
@@ -165,6 +162,22 @@ def _normalize(raw: Mapping[str, Any]) -> Usage | None:
         reported_write,
         created is not None,
     )
+
+
+def _reasoning_apart(raw: Mapping[str, Any], prompt: int, completion: int) -> int:
+    """Reasoning tokens a provider counts outside ``completion_tokens`` (xAI's Grok; gateways in
+    front of Gemini): ``completion_tokens_details.reasoning_tokens``, when the total holds them
+    beside the completion (OpenAI counts them inside it: its total is prompt + completion).
+    Only the reasoning tokens: a total's other surplus (Gemini's grounding tool-use prompt,
+    a gateway's cache writes) is input, not output. 0 when they are inside, or not said."""
+    details = raw.get("completion_tokens_details")
+    if not isinstance(details, Mapping):
+        return 0
+    reasoning = _count(details, "reasoning_tokens")
+    total = _count(raw, "total_tokens")
+    if not reasoning or total is None or prompt + completion + reasoning > total:
+        return 0
+    return reasoning
 
 
 def _is_empty(usage: Usage) -> bool:

@@ -161,10 +161,30 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
             Usage(663, 174, 654, 0, True),
             id="xai-reasoning-outside-completion",
         ),
-        pytest.param(  # Gemini: thoughts in the total only
-            {"prompt_tokens": 758, "completion_tokens": 102, "total_tokens": 1725},
-            Usage(758, 967, 0, 0, False),
-            id="gemini-thoughts-in-total",
+        pytest.param(  # a gateway in front of Gemini: thoughts beside the completion
+            {
+                "prompt_tokens": 21,
+                "completion_tokens": 0,
+                "total_tokens": 81,
+                "completion_tokens_details": {"reasoning_tokens": 60},
+            },
+            Usage(21, 60, 0, 0, False),
+            id="gemini-thoughts-beside-completion",
+        ),
+        pytest.param(  # OpenAI: reasoning inside the completion, the total their sum
+            {
+                "prompt_tokens": 100,
+                "completion_tokens": 500,
+                "total_tokens": 600,
+                "completion_tokens_details": {"reasoning_tokens": 448},
+            },
+            Usage(100, 500, 0, 0, False),
+            id="openai-reasoning-inside-completion",
+        ),
+        pytest.param(  # Gemini with grounding: the tool-use prompt in the total is input
+            {"prompt_tokens": 151, "completion_tokens": 2209, "total_tokens": 20689},
+            Usage(151, 2209, 0, 0, False),
+            id="gemini-grounding-surplus-is-no-output",
         ),
         pytest.param(  # a total below the sum (a provider's own rounding) changes nothing
             {"prompt_tokens": 758, "completion_tokens": 102, "total_tokens": 800},
@@ -274,6 +294,7 @@ _usage_keys = [
     "prompt_cache_miss_tokens",
     "cached_tokens",
     "total_tokens",
+    "completion_tokens_details",
 ]
 
 
