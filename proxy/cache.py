@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from itertools import islice
 from types import MappingProxyType
@@ -225,15 +225,16 @@ def account(
     model: str,
     after_compaction: bool = False,
     max_prefixes: int = DEFAULT_MAX_PREFIXES,
-    unmarked: bool = False,
+    unmarked: Callable[[], bool] | None = None,
 ) -> tuple[CacheState, CacheResult]:
     """Account one finished exchange; return the session's new state and the exchange's figures.
 
     ``divergence`` is ``find_divergence`` against the session's previous request (None when this
     one extends it); ``started_at`` is when this request was forwarded; ``ttl_s`` the model's cache
     TTL. An exchange with no usage (``prompt == 0``, e.g. interrupted) keeps the previous prompt
-    count as the baseline for the next one. ``unmarked``: the provider caches only marked
-    prefixes and the request marked none; its waste is ``not_requested``.
+    count as the baseline for the next one. ``unmarked``, asked only of a waste: whether the
+    provider caches only marked prefixes and the request marked none (the waste is then
+    ``not_requested``).
     """
     has_reported = state.has_reported or usage.reported_cache
     counted = (
@@ -249,7 +250,7 @@ def account(
         cause: Cause | None
         if not waste:
             cause, location = None, None
-        elif unmarked:  # nothing was asked of the cache: whatever else changed
+        elif unmarked is not None and unmarked():  # nothing was asked of the cache
             cause, location = "not_requested", None
         else:
             cause, location = _attribute(state, fingerprint, divergence, started_at, ttl_s, model)

@@ -295,7 +295,7 @@ class AccountingObserver:
             noise_floor=self.settings.cache.noise_floor_tokens,
             model=model,
             after_compaction=after_compaction,
-            unmarked=usage.explicit_cache and not prefix.has_cache_marker(body),
+            unmarked=self._unmarked(extra, usage, body) if usage.explicit_cache else None,
         )
         extra["cache"] = new_state
         ex.cache = {
@@ -311,6 +311,21 @@ class AccountingObserver:
         cost = cache.compute_cost(usage, pricing)
         self.metrics.observe_cost(ex.model, cost.actual, cost.uncached)
         self._price_summary(ex, cost)
+
+    @staticmethod
+    def _unmarked(extra: dict[str, Any], usage: Usage, body: Any) -> Callable[[], bool] | None:
+        """For a provider that reports Anthropic's cache fields (Claude, which caches only marked
+        prefixes): whether this request asked nothing of the cache, looked at when the answer is
+        a waste (its cause is then ``not_requested``). Once an unmarked request of the session
+        has read or written the cache, the provider (or a gateway marking for the client: LiteLLM,
+        Bifrost) caches without marks, and its misses get their usual causes."""
+        if extra.get("caches_unmarked"):
+            return None
+        if usage.cache_read or usage.cache_write:
+            if not prefix.has_cache_marker(body):
+                extra["caches_unmarked"] = True
+            return None
+        return lambda: not prefix.has_cache_marker(body)
 
     def _price_summary(self, ex: Exchange, cost: cache.Cost | None) -> None:
         """``ex.cost``: the exchange's ``cost`` plus, when a compaction's summary call reported

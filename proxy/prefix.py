@@ -331,27 +331,33 @@ def canonical_message(message: Any) -> Any:
 
 
 def has_cache_marker(body: Mapping[str, Any]) -> bool:
-    """Whether the request marks any prefix for the provider's cache: a ``cache_control`` on a
-    message, one of its content parts, or a tool (Anthropic-style breakpoints). The latest
-    messages are looked at first, where clients put their moving breakpoint."""
+    """Whether the request asks the provider's cache for anything: a ``cache_control`` (not
+    null) on the request itself (automatic caching), a message, one of its content parts, or a
+    tool (Anthropic-style breakpoints). The latest messages are looked at first, where clients
+    put their moving breakpoint."""
+    if body.get("cache_control") is not None:
+        return True
     messages = body.get("messages")
     if isinstance(messages, list):
         for message in reversed(messages):
             if not isinstance(message, dict):
                 continue
-            if "cache_control" in message:
+            if message.get("cache_control") is not None:
                 return True
             content = message.get("content")
             if isinstance(content, list) and any(
-                isinstance(part, dict) and "cache_control" in part for part in content
+                isinstance(part, dict) and part.get("cache_control") is not None for part in content
             ):
                 return True
     tools = body.get("tools")
     return isinstance(tools, list) and any(
         isinstance(tool, dict)
         and (
-            "cache_control" in tool
-            or (isinstance(tool.get("function"), dict) and "cache_control" in tool["function"])
+            tool.get("cache_control") is not None
+            or (
+                isinstance(tool.get("function"), dict)
+                and tool["function"].get("cache_control") is not None
+            )
         )
         for tool in tools
     )

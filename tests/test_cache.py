@@ -101,7 +101,7 @@ class Session:
             noise_floor=FLOOR,
             model=body["model"],
             after_compaction=after_compaction,
-            unmarked=unmarked,
+            unmarked=(lambda: True) if unmarked else None,
         )
         self.body, self.fp = body, fp
         return result

@@ -875,3 +875,30 @@ def test_claude_behind_a_gateway_without_cache_marks_is_told_apart_from_an_evict
     assert proxy.metric("cachegate_cache_waste_tokens_total", labels) == 6000
     show = run_cli("sessions", "show", "unmarked", "--log-dir", str(proxy.log_dir))
     assert f"6,000 {cause}" in show.out
+
+
+def test_claude_behind_a_gateway_that_marks_for_the_client_gets_the_usual_causes(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A gateway that adds the breakpoints itself (LiteLLM's cache_control_injection_points,
+    Bifrost): the client marks nothing, yet the cache is read. Its system-prompt rewrite is a
+    prefix_rewrite, not "nothing was asked of the cache" (the simulator's anthropic-compat
+    dialect caches unmarked prefixes, as such a gateway makes Claude do)."""
+    with run_simulator(SimConfig(dialect="anthropic-compat")) as claude:
+        proxy = proxy_factory(claude.api_base, config())
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "injected"})
+        system = SYSTEM_PROMPT + " Follow the style guide." * 800  # well past 1,024 tokens
+        convo: list[dict[str, Any]] = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "Fix the failing test."},
+        ]
+        for turn in range(3):
+            if turn == 2:
+                convo[0] = {"role": "system", "content": "Now: 12:00. " + system}
+            reply, _ = chat(client, convo, model="claude-sonnet-4-5", stream=False)
+            convo += [reply, {"role": "user", "content": f"Go on ({turn})."}]
+        flush(proxy)
+    responses = events(proxy.log_dir, "injected", "response")
+    assert responses[1]["cache"]["read"] > 0 and responses[1]["cache"]["waste"] == 0
+    assert responses[2]["cache"]["cause"] == "prefix_rewrite"
+    assert responses[2]["cache"]["location"] == "system"

@@ -664,6 +664,8 @@ def test_reordered_parameters_of_a_tool_are_a_rewrite_of_the_tools() -> None:
         ),
         ({"messages": [], "tools": [{**TOOLS[0], "cache_control": {"type": "ephemeral"}}]}, True),
         ({"messages": "not a list", "tools": "nor this"}, False),
+        ({"cache_control": {"type": "ephemeral"}, "messages": []}, True),  # automatic caching
+        ({"messages": [{"role": "user", "content": "hi", "cache_control": None}]}, False),
     ],
 )
 def test_a_request_marks_a_prefix_for_the_cache_on_a_message_a_part_or_a_tool(
