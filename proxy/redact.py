@@ -279,7 +279,19 @@ def _plausible(
         return None
     if bare:  # (a path or a markup is no token; a key's base64 may well start with "/")
         return None if value[0] in "/<.#" else span
-    return span if len(value) >= 16 else None
+    return span if len(value) >= 16 and not _is_path(value) else None
+
+
+# A path: segments of name characters between slashes (``/uploads/2024/avatars``,
+# ``exports/2025-01-31/report.csv``), one of them a lower-case word, as base64 seldom has.
+_PATH = re.compile(r"(?:[~.]{0,2}/)?(?:[\w.-]+/)+[\w.-]+")
+
+
+def _is_path(value: str) -> bool:
+    return _PATH.fullmatch(value) is not None and any(
+        len(part) >= 3 and part.islower() and part.replace("-", "").replace("_", "").isalnum()
+        for part in value.split("/")
+    )
 
 
 def _in_code(name: str) -> bool:

@@ -501,6 +501,9 @@ def test_credentials_assigned_in_code_or_given_to_commands_lose_their_value(
         '    redis_key = "session:user"',
         'header_key = "content-type"\nargument_key = "arguments"\n',
         'field_key: "username"',
+        '    storage_key = "/uploads/2024/avatars"',  # paths, with a date in them
+        's3_key = "/exports/2025-01-31/report.csv"',
+        "cache_dir_key: exports/2025-01-31/report.csv",
     ],
 )
 def test_code_and_commands_that_give_no_credential_are_left_alone(text: str) -> None:
