@@ -270,7 +270,7 @@ def test_anthropic_style_usage_on_an_openai_stream() -> None:
         "cache_creation_input_tokens": 600,
     }
     assert record([chunk({"content": "ok"}, "stop"), chunk(None, usage=usage)]).usage == Usage(
-        4612, 85, 4000, 600, True, True
+        4612, 85, 4000, 600, True, True, True
     )
 
 
