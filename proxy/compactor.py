@@ -210,8 +210,7 @@ class Compactor:
         if forwarded is None:  # cannot happen for the history it was built from; stay safe
             return body
         self._hold(held, comp, messages)
-        state.extra["compacted_pending"] = True  # the next exchange's miss is expected, not waste
-        ex.compacted = True
+        ex.compacted = ex.compaction_made = True  # (its miss is expected: not waste)
         ex.transforms["compacted"] = {
             "start": comp.start,
             "covered": comp.covered,

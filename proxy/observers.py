@@ -222,7 +222,7 @@ class AccountingObserver:
         if divergence is not None:
             # A refused attempt's retry counts it; a compaction's summary in place of the
             # history is cachegate's own (an expected miss, as in the waste), not the agent's.
-            if ex.status < 400 and not extra.get("compacted_pending"):
+            if ex.status < 400 and not ex.compaction_made:
                 self.metrics.observe_prefix_rewrite(_location_label(divergence))
             ex.divergence = _divergence_dict(divergence)
         usage = ex.usage
@@ -277,7 +277,7 @@ class AccountingObserver:
             (len(sent), sent[0], sent[-1]) if isinstance(sent, list) and sent else (0, None, None)
         )
         extra["last_usage"] = (usage.prompt, usage.completion, *ends)
-        after_compaction = bool(extra.pop("compacted_pending", False))
+        after_compaction = ex.compaction_made
         cache_state: CacheState = extra.get("cache") or CacheState()
         if base != (cache_state.prev_prompt, cache_state.params_digest, cache_state.model):
             # Compared with another request than the session's latest (interleaved

@@ -53,6 +53,9 @@ class Exchange:
     upstream_headers: list[tuple[bytes, bytes]] = field(default_factory=list, repr=False)
     strip_usage: bool = False
     compacted: bool = False
+    # a new compaction (not one reused): the provider's cache misses this request where the
+    # summary stands, an expected, paid-for miss that is neither waste nor the agent's rewrite
+    compaction_made: bool = False
     request_noted: bool = False  # the request's observers have run
     # filled in as the response arrives
     status: int = 0

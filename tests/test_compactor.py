@@ -853,6 +853,57 @@ def test_the_miss_a_compaction_buys_is_not_counted_as_waste(
     )
 
 
+def test_a_compaction_in_flight_leaves_another_conversations_miss_counted(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """Sub-agents under one session id: a compacted turn of one is still streaming when another
+    rewrites its system prompt and is answered first. The compaction's expected miss was a flag
+    on the session, taken by whichever exchange finished next: the rewrite went uncounted, and
+    the compaction's own miss was charged as a prefix_rewrite."""
+    import threading
+
+    with run_simulator(SimConfig(context_window=200000, chunk_ms=25)) as slow:
+        proxy = proxy_factory(slow.api_base, CONFIG)
+        c = sdk(proxy.base_url)
+        head = {"X-Session-Id": "two-agents"}
+        reviewer = [
+            {"role": "system", "content": "You review diffs line by line. " * 250},
+            {"role": "user", "content": "Review the change to proxy/sse.py."},
+        ]
+        c.chat.completions.create(model=MODEL, messages=reviewer, extra_headers=head)
+        short = history(4, output_chars=3000, system_repeat=10)
+        c.chat.completions.create(model=MODEL, messages=short, extra_headers=head)
+        slow.sim.enqueue([parse_script("SUMMARY"), parse_script("word " * 60)])
+        started = threading.Event()
+
+        def compacted_turn() -> None:
+            long = history(18, output_chars=3000, system_repeat=10)
+            stream = c.chat.completions.create(
+                model=MODEL, messages=long, extra_headers=head, stream=True
+            )
+            for _chunk in stream:
+                started.set()
+
+        agent = threading.Thread(target=compacted_turn)
+        agent.start()
+        assert started.wait(20), "the compacted turn should be streaming"
+        rewritten = [{"role": "system", "content": "Now: 12:00. " + reviewer[0]["content"]}]
+        c.chat.completions.create(
+            model=MODEL, messages=[*rewritten, reviewer[1]], extra_headers=head
+        )
+        agent.join(20)
+        proxy.settle()
+    responses = [
+        e for e in read_events(proxy.log_dir / "two-agents.jsonl").events if e["type"] == "response"
+    ]
+    *_, rewrite, compacted = responses  # the rewrite was answered first
+    assert rewrite["cache"]["cause"] == "prefix_rewrite" and rewrite["cache"]["waste"] > 1024
+    assert rewrite["cache"]["location"] == "system"
+    assert compacted["cache"]["expected"] == 0 and compacted["cache"]["waste"] == 0
+    assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "system"}) == 1
+    assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "messages"}) == 0
+
+
 def test_the_summary_call_keeps_the_clients_query_string(scripted: Any, proxy_factory: Any) -> None:
     import httpx
 
