@@ -49,14 +49,21 @@ _BASELINES: Final = 8
 class _Baseline:
     """A request a later one of its session may continue: its fingerprint, body, prompt tokens
     (None when unknown) and model; ``copies``: how many requests sent it as it is (a retry, or
-    sub-agents fanned out with one task: each of those may go on in its own way)."""
+    sub-agents fanned out with one task: each of those may go on in its own way); ``ready_at``:
+    when the provider had read its prompt (its first byte), so could serve it from the cache."""
 
-    __slots__ = ("body", "copies", "fp", "model", "prompt")
+    __slots__ = ("body", "copies", "fp", "model", "prompt", "ready_at")
 
     def __init__(
-        self, fp: prefix.Fingerprint, body: Any, prompt: int | None, model: str | None
+        self,
+        fp: prefix.Fingerprint,
+        body: Any,
+        prompt: int | None,
+        model: str | None,
+        ready_at: float,
     ) -> None:
         self.fp, self.body, self.prompt, self.model = fp, body, prompt, model
+        self.ready_at = ready_at
         self.copies = 1
 
 
@@ -230,8 +237,11 @@ class AccountingObserver:
         model = ex.model or name
         # What this request is accounted against (before its baseline is replaced by it).
         base: tuple[int | None, bytes | None, str | None] = (None, None, None)
-        if chosen is not None and continues:
+        if chosen is not None and continues and chosen.ready_at <= ex.started_at:
+            # (one the provider had not read yet when this went out, a request fanned out
+            # beside it that was answered first, could not have warmed the cache for it)
             base = (chosen.prompt, chosen.fp.params_digest, chosen.model)
+        ready_at = ex.started_at + (ex.ttfb_s if ex.ttfb_s is not None else ex.duration_s)
         if ex.status < 400:  # a refused request is no baseline: the provider may not have seen it
             if usage is not None and usage.prompt > 0:
                 prompt: int | None = usage.prompt
@@ -247,19 +257,21 @@ class AccountingObserver:
                 # counted on its baseline, which each of them may carry on in its own way.
                 chosen.copies += 1
                 chosen.prompt = prompt if prompt is not None else chosen.prompt
+                chosen.ready_at = min(chosen.ready_at, ready_at)
                 _to_front(baselines, chosen)
             elif continues and chosen is not None and _takes_place(chosen, fp, divergence):
                 if chosen.copies > 1:  # one of several that sent it: the others may go on too
                     chosen.copies -= 1
-                    baselines.insert(0, _Baseline(fp, body, prompt, model))
+                    baselines.insert(0, _Baseline(fp, body, prompt, model, ready_at))
                 else:  # it extends or rewrites its baseline: it takes that one's place
                     chosen.fp, chosen.body, chosen.prompt, chosen.model = fp, body, prompt, model
+                    chosen.ready_at = ready_at
                     _to_front(baselines, chosen)
             else:
                 # A new conversation, or a branch: another conversation that opens alike (two
                 # agents with the same boilerplate first message), a fork, a rewind. Both are
                 # kept: each next turn finds its own.
-                baselines.insert(0, _Baseline(fp, body, prompt, model))
+                baselines.insert(0, _Baseline(fp, body, prompt, model, ready_at))
             del baselines[_BASELINES:]  # the least recently seen conversation goes first
             extra["baselines"] = baselines
         if usage is None or ex.status >= 400:

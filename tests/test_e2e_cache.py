@@ -902,3 +902,43 @@ def test_claude_behind_a_gateway_that_marks_for_the_client_gets_the_usual_causes
     assert responses[1]["cache"]["read"] > 0 and responses[1]["cache"]["waste"] == 0
     assert responses[2]["cache"]["cause"] == "prefix_rewrite"
     assert responses[2]["cache"]["location"] == "system"
+
+
+def test_a_copy_answered_first_is_no_baseline_for_the_one_sent_before_it(
+    proxy_factory: Any,
+) -> None:
+    """Two sub-agents fanned out with one task: the first sent streams slowly, the second is
+    answered first. The first could not have read a prefix the second wrote after it went out,
+    yet it was charged its whole prompt as "unexplained" waste."""
+    import threading
+
+    with run_simulator(SimConfig(chunk_ms=30)) as sim:
+        proxy = proxy_factory(sim.api_base, config())
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "fanned"})
+        task: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM_PROMPT + " Follow the style guide." * 600},
+            {"role": "user", "content": "Fix the failing test."},
+        ]
+        sim.sim.enqueue([parse_script("word " * 40)])  # the first one's answer: ~1.2 s
+        started = threading.Event()
+
+        def first() -> None:
+            stream = client.chat.completions.create(model="gpt-4o", messages=task, stream=True)
+            for _chunk in stream:
+                started.set()
+
+        slow = threading.Thread(target=first)
+        slow.start()
+        assert started.wait(20)
+        chat(client, task, stream=False)  # sent second, answered first
+        slow.join(20)
+        flush(proxy)
+    second, first_sent = events(proxy.log_dir, "fanned", "response")
+    assert first_sent["exchange"] == 1 and second["exchange"] == 2
+    assert first_sent["cache"]["expected"] == 0 and first_sent["cache"]["waste"] == 0
+    assert (
+        proxy.metric(
+            "cachegate_cache_waste_tokens_total", {"model": "gpt-4o", "cause": "unexplained"}
+        )
+        == 0
+    )
