@@ -40,7 +40,7 @@ def _state_of(ex: Exchange, sessions: SessionStore) -> SessionState | None:
 
 # Top-level request keys the request line gives fields of their own (not ``params``).
 _NOT_PARAMS: Final = frozenset({"messages", "tools", "model", "stream"})
-_TOOLS_KEPT: Final = 4  # tools arrays a session's lines may name by an earlier line's number
+_TOOLS_KEPT: Final = 8  # tools arrays a session's lines may name by an earlier line's number
 
 # Requests of distinct conversations a session's accounting compares the next one with.
 _BASELINES: Final = 8
@@ -505,7 +505,9 @@ class EventLogObserver:
                 keep = [(ex.exchange_id, tools), *logged[: _TOOLS_KEPT - 1]]
         written = self._emit(ex.session_id, event)
         if state is not None and written:  # a line that was refused is no base
-            state.remember(ex.exchange_id, messages)
+            carried = next((m for eid, m in candidates if eid == base_exchange), None)
+            whole = carried is not None and base == len(carried)  # it carries that one on whole
+            state.remember(ex.exchange_id, messages, continues=base_exchange if whole else None)
             state.extra["logged_tools"] = keep
 
     def on_retry(self, ex: Exchange) -> None:

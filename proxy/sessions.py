@@ -205,11 +205,21 @@ class SessionState:
             self.exchanges += 1
             return self.exchanges
 
-    def remember(self, exchange_id: int, forwarded: list[Any], keep: int = 4) -> None:
+    def remember(
+        self,
+        exchange_id: int,
+        forwarded: list[Any],
+        keep: int = 8,
+        continues: int | None = None,
+    ) -> None:
         """Keep ``forwarded`` as the messages of ``exchange_id`` (replacing what a refused
-        attempt of the same exchange had: replay takes an exchange's latest request line)."""
-        if self.recent and any(eid == exchange_id for eid, _ in self.recent):
-            self.recent = [(eid, msgs) for eid, msgs in self.recent if eid != exchange_id]
+        attempt of the same exchange had: replay takes an exchange's latest request line), in
+        the place of ``continues``, the exchange whose messages it carries on whole: one base per
+        conversation, so that sub-agents interleaved in one session each find their own."""
+        if self.recent and any(eid in (exchange_id, continues) for eid, _ in self.recent):
+            self.recent = [
+                (eid, msgs) for eid, msgs in self.recent if eid not in (exchange_id, continues)
+            ]
         self.recent.append((exchange_id, forwarded))
         if len(self.recent) > keep:
             del self.recent[0 : len(self.recent) - keep]

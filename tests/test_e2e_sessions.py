@@ -580,6 +580,40 @@ def test_a_client_that_closes_at_done_before_the_upstreams_last_bytes_got_a_whol
     assert listed[0]["interruptions"] == 0
 
 
+def test_sub_agents_interleaved_in_one_session_are_each_coded_against_their_own_turn(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """Eight conversations taking turns under one session id: each request line names its own
+    conversation's previous turn as its base, so the log grows with the conversations, not
+    with their squares (with four bases kept, most lines were logged whole), and replay gives
+    back what was sent."""
+    proxy = proxy_factory(sim.api_base)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "fan-8"})
+    agents = [
+        [
+            {"role": "system", "content": f"You are sub-agent {n}."},
+            {"role": "user", "content": f"Task {n}: " + "read the code. " * 40},
+        ]
+        for n in range(8)
+    ]
+    sent: list[list[dict[str, Any]]] = []
+    for turn in range(4):
+        for convo in agents:
+            reply, _ = chat(client, convo, stream=False)
+            sent.append([dict(m) for m in convo])
+            convo += [reply, {"role": "user", "content": f"tool output {turn}: " + "x" * 400}]
+    flush(proxy)
+    requests = events(proxy.log_dir, "fan-8", "request")
+    assert len(requests) == 32
+    for number, line in enumerate(requests[8:], start=9):
+        assert line["base_exchange"] == number - 8, number  # its own conversation's last turn
+        assert line["base"] == len(sent[number - 9]), number  # all of it carried on
+    replayed = run_cli("sessions", "replay", "fan-8", "--log-dir", str(proxy.log_dir))
+    assert [orjson.loads(x)["messages"] for x in replayed.out.splitlines()] == [
+        r.body["messages"] for r in sim.sim.requests
+    ]
+
+
 # --- crash safety --------------------------------------------------------------------------------
 
 
