@@ -574,6 +574,7 @@ class EventLogObserver:
                 "ts": self.clock(),
                 "type": "error",
                 "exchange": ex.exchange_id,
+                "model": ex.model,
                 "status": ex.status,
                 "message": ex.error,
                 "forwarded": False,  # answered by cachegate: nothing went upstream

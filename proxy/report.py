@@ -325,6 +325,7 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
                 row = new_row(ev)
             row.status = _int(ev.get("status")) if row.status is None else row.status
             row.error = _str(ev.get("message"))
+            row.model = row.model or _str(ev.get("model"))
             # the client left while its request was prepared (or compacted): an interruption
             row.interrupted |= row.status == CLIENT_CLOSED
     stamps = [ts for ev in log.events if (ts := _float(ev.get("ts"))) is not None]

@@ -364,12 +364,14 @@ def test_a_client_that_left_is_an_interruption_not_an_error_whenever_it_left(
     events += [req(T0 + 4, 3, appended=[U1]), failed]
     # ... and one that left while its request was being prepared (a compaction's summary call):
     # an "error" line, cachegate's own answer
-    gone = {"ts": T0 + 7, "type": "error", "exchange": 4, "status": 499, "forwarded": False}
+    gone = {"ts": T0 + 7, "type": "error", "exchange": 4, "model": "gpt-4o", "status": 499}
+    gone["forwarded"] = False
     events += [{**gone, "message": "client disconnected"}]  # (never forwarded: no request line)
     (summary,) = list_sessions(_logged(tmp_path, "cut", events))
     assert (summary.exchanges, summary.interruptions, summary.errors) == (4, 3, 1)
     rows = render_show(show_session(tmp_path, "cut")).splitlines()
     assert rows[-1].endswith("499  interrupted, client disconnected")
+    assert rows[-1].split()[3] == "gpt-4o"  # the model it asked for (was "-")
 
 
 def test_a_model_name_with_line_breaks_cannot_forge_a_row(tmp_path: Path) -> None:
