@@ -50,7 +50,8 @@ class _Baseline:
     """A request a later one of its session may continue: its fingerprint, body, prompt tokens
     (None when unknown) and model; ``copies``: how many requests sent it as it is (a retry, or
     sub-agents fanned out with one task: each of those may go on in its own way); ``ready_at``:
-    when the provider had read its prompt (its first byte), so could serve it from the cache."""
+    when the provider had read its prompt (its first byte, on the monotonic clock of
+    ``Exchange.t0``), so could serve it from the cache."""
 
     __slots__ = ("body", "copies", "fp", "model", "prompt", "ready_at")
 
@@ -237,11 +238,11 @@ class AccountingObserver:
         model = ex.model or name
         # What this request is accounted against (before its baseline is replaced by it).
         base: tuple[int | None, bytes | None, str | None] = (None, None, None)
-        if chosen is not None and continues and chosen.ready_at <= ex.started_at:
+        if chosen is not None and continues and chosen.ready_at <= ex.t0:
             # (one the provider had not read yet when this went out, a request fanned out
             # beside it that was answered first, could not have warmed the cache for it)
             base = (chosen.prompt, chosen.fp.params_digest, chosen.model)
-        ready_at = ex.started_at + (ex.ttfb_s if ex.ttfb_s is not None else ex.duration_s)
+        ready_at = ex.t0 + (ex.ttfb_s if ex.ttfb_s is not None else ex.duration_s)
         if ex.status < 400:  # a refused request is no baseline: the provider may not have seen it
             if usage is not None and usage.prompt > 0:
                 prompt: int | None = usage.prompt

@@ -283,14 +283,15 @@ def _plausible(
 
 
 # A path: segments of name characters between slashes (``/uploads/2024/avatars``,
-# ``exports/2025-01-31/report.csv``), one of them a lower-case word, as base64 seldom has.
+# ``exports/2025-01-31/report.csv``), one of them a word (five lower-case letters or more, a
+# vowel among them, maybe an extension), as random base64 seldom has one between its slashes.
 _PATH = re.compile(r"(?:[~.]{0,2}/)?(?:[\w.-]+/)+[\w.-]+")
+_WORD = re.compile(r"[a-z]*[aeiouy][a-z]*(?:[-_][a-z]+)*(?:\.[a-z0-9]{1,5})?")
 
 
 def _is_path(value: str) -> bool:
     return _PATH.fullmatch(value) is not None and any(
-        len(part) >= 3 and part.islower() and part.replace("-", "").replace("_", "").isalnum()
-        for part in value.split("/")
+        len(part) >= 5 and _WORD.fullmatch(part) is not None for part in value.split("/")
     )
 
 

@@ -489,6 +489,9 @@ class _Held:
         self.parts.append(data)
 
 
+_DONE_EVENTS: Final = (b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n", b"data:[DONE]\n\n")
+
+
 class DirectBody:
     """Response body chunks written straight to the client's transport, for uvicorn's httptools
     protocol: what its ``send`` does for a body chunk (chunked framing, or counting down the
@@ -586,8 +589,10 @@ class DirectBody:
             body, self._head = self._head + body, b""
         transport = cycle.transport
         transport.write(body)
-        if body.find(b"[DONE]", -24) >= 0:
-            self.done_handed_over = transport.get_write_buffer_size() == 0
+        # (the event itself: a model's text may say "[DONE]", never with a raw blank line)
+        self.done_handed_over = (
+            body.endswith(_DONE_EVENTS) and transport.get_write_buffer_size() == 0
+        )
         return not cycle.flow.write_paused
 
     async def drain(self) -> None:

@@ -166,8 +166,8 @@ def _normalize(raw: Mapping[str, Any]) -> Usage | None:
 
 def _reasoning_apart(raw: Mapping[str, Any], prompt: int, completion: int) -> int:
     """Reasoning tokens a provider counts outside ``completion_tokens`` (xAI's Grok; gateways in
-    front of Gemini): ``completion_tokens_details.reasoning_tokens``, when the total holds them
-    beside the completion (OpenAI counts them inside it: its total is prompt + completion).
+    front of Gemini): ``completion_tokens_details.reasoning_tokens``, when the total is exactly
+    prompt + completion + those (OpenAI counts them inside: its total is prompt + completion).
     Only the reasoning tokens: a total's other surplus (Gemini's grounding tool-use prompt,
     a gateway's cache writes) is input, not output. 0 when they are inside, or not said."""
     details = raw.get("completion_tokens_details")
@@ -175,9 +175,8 @@ def _reasoning_apart(raw: Mapping[str, Any], prompt: int, completion: int) -> in
         return 0
     reasoning = _count(details, "reasoning_tokens")
     total = _count(raw, "total_tokens")
-    if not reasoning or total is None or prompt + completion + reasoning > total:
-        return 0
-    return reasoning
+    # (exactly: a total with another surplus as well, a gateway's cache writes, says nothing)
+    return reasoning if reasoning and prompt + completion + reasoning == total else 0
 
 
 def _is_empty(usage: Usage) -> bool:

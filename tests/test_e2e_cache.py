@@ -942,3 +942,26 @@ def test_a_copy_answered_first_is_no_baseline_for_the_one_sent_before_it(
         )
         == 0
     )
+
+
+def test_a_clock_that_stands_still_hides_no_rewrite(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """Whether a baseline was read before a request went out is judged on the monotonic clock:
+    with an injected clock that does not move (an embedder's, a test's), every turn read as sent
+    before its baseline was read, and a system-prompt rewrite went unreported."""
+    proxy = proxy_factory(sim.api_base, config(), clock=lambda: 1_800_000_000.0)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "frozen"})
+    system = SYSTEM_PROMPT + " Follow the style guide." * 600
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Fix the failing test."},
+    ]
+    for turn in range(3):
+        if turn == 2:
+            convo[0] = {"role": "system", "content": "Now: 12:00. " + system}
+        reply, _ = chat(client, convo, stream=False)
+        convo += [reply, {"role": "user", "content": f"Go on ({turn})."}]
+    flush(proxy)
+    third = events(proxy.log_dir, "frozen", "response")[2]
+    assert (third["cache"]["cause"], third["cache"]["location"]) == ("prefix_rewrite", "system")

@@ -639,6 +639,11 @@ def test_direct_body_knows_whether_done_reached_the_socket_and_what_was_dropped(
     assert not sent.done_handed_over
     sent.write(sse(chunk("b")) + b"data: [DONE]\n\n")
     assert sent.done_handed_over and not sent.dropped
+    sent.write(b'data: {"choices":[{"index":0,"delta":{"content":"Step 1 [DONE]"}}]}')
+    assert not sent.done_handed_over  # a model's text saying it, then more: not the end
+    said = DirectBody(cycle(0))
+    said.write(b'data: {"choices":[{"index":0,"delta":{"content":"Step 1 [DONE]"}}]}\n\n')
+    assert not said.done_handed_over
     held = DirectBody(cycle(70_000))  # the socket took part of it: the rest waits in the buffer
     held.write(b"data: [DONE]\n\n")
     assert not held.done_handed_over

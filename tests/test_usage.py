@@ -181,6 +181,17 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
             Usage(100, 500, 0, 0, False),
             id="openai-reasoning-inside-completion",
         ),
+        pytest.param(  # reasoning inside, and a gateway's cache writes in the total: no sum
+            {
+                "prompt_tokens": 1000,
+                "completion_tokens": 500,
+                "total_tokens": 3500,
+                "completion_tokens_details": {"reasoning_tokens": 300},
+                "cache_creation_input_tokens": 2000,
+            },
+            Usage(1000, 500, 0, 2000, True, True, True),
+            id="reasoning-inside-beside-a-cache-write-surplus",
+        ),
         pytest.param(  # Gemini with grounding: the tool-use prompt in the total is input
             {"prompt_tokens": 151, "completion_tokens": 2209, "total_tokens": 20689},
             Usage(151, 2209, 0, 0, False),
