@@ -578,6 +578,8 @@ class DirectBody:
         if cycle.disconnected or cycle.response_complete:
             self.dropped = True
             return True  # as uvicorn's send: nothing goes to a client that left
+        # (the event itself: a model's text may say "[DONE]", never with a raw blank line)
+        done = body.endswith(_DONE_EVENTS)
         if cycle.chunked_encoding:
             body = b"%x\r\n%b\r\n" % (len(body), body)
         else:
@@ -589,10 +591,7 @@ class DirectBody:
             body, self._head = self._head + body, b""
         transport = cycle.transport
         transport.write(body)
-        # (the event itself: a model's text may say "[DONE]", never with a raw blank line)
-        self.done_handed_over = (
-            body.endswith(_DONE_EVENTS) and transport.get_write_buffer_size() == 0
-        )
+        self.done_handed_over = done and transport.get_write_buffer_size() == 0
         return not cycle.flow.write_paused
 
     async def drain(self) -> None:

@@ -628,7 +628,7 @@ def test_direct_body_knows_whether_done_reached_the_socket_and_what_was_dropped(
         return SimpleNamespace(
             disconnected=False,
             response_complete=False,
-            chunked_encoding=False,
+            chunked_encoding=True,  # framed as uvicorn frames a stream: judged before that
             expected_content_length=10**9,
             transport=Transport(left),
             flow=SimpleNamespace(write_paused=False),
@@ -651,6 +651,7 @@ def test_direct_body_knows_whether_done_reached_the_socket_and_what_was_dropped(
     gone._cycle.disconnected = True
     gone.write(sse(chunk("c")))
     assert gone.dropped and gone._cycle.transport.written == b""
+    assert b"data: [DONE]\n\n\r\n" in sent._cycle.transport.written  # (framed)
 
 
 def test_upstream_stalling_mid_body_cuts_the_client(scripted: Any, proxy_factory: Any) -> None:
