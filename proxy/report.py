@@ -372,9 +372,16 @@ def summarize(detail: SessionDetail) -> SessionSummary:
             reported_read += row.cache_read or 0
     # The attempt a compaction was retried after is no exchange of its own (its retry is).
     answered = [row for row in detail.rows if row.error != RESENT_COMPACTED]
-    model = _str(detail.meta.get("model")) if detail.meta else None
-    if model is None:
-        model = next((row.model for row in detail.rows if row.model), None)
+    # The model most of its exchanges asked for (of equals, the latest): an agent that opens
+    # with a title request on a small model is listed by its own model. The meta line's (the
+    # first request's) when no row names one.
+    counts: dict[str, int] = {}
+    for row in answered:
+        if row.model:
+            counts[row.model] = counts.get(row.model, 0) + 1
+    model = max(reversed(list(counts)), key=counts.__getitem__) if counts else None
+    if model is None and detail.meta:
+        model = _str(detail.meta.get("model"))
     return SessionSummary(
         session=detail.session,
         first_seen=detail.first_seen,

@@ -331,6 +331,18 @@ def test_a_complete_answer_without_usage_says_so(tmp_path: Path) -> None:
     assert rows[2].endswith("200  upstream broke off mid-response")
 
 
+def test_a_session_is_listed_by_the_model_most_of_it_asked_for(tmp_path: Path) -> None:
+    """A coding agent opens with a title request on a small model: the session was listed as
+    gpt-4o-mini, the meta line's (its first request's), for 46 exchanges on gpt-4o."""
+    meta = {"ts": T0, "type": "session_meta", "session": "titled", "model": "gpt-4o-mini"}
+    events: list[dict[str, Any]] = [meta, req(T0, 1, model="gpt-4o-mini", appended=[U1])]
+    events.append(_answer(T0 + 0.5, 50, 5, duration=0.2, cost=0))
+    for n in range(2, 5):
+        events += [req(T0 + n, n, appended=[U1]), _answer(T0 + n + 0.5, 900, 9, 0.2, 0, n)]
+    (summary,) = list_sessions(_logged(tmp_path, "titled", events))
+    assert summary.model == "gpt-4o"
+
+
 def test_a_provider_that_reports_no_cache_fields_shows_unknown_not_zero(tmp_path: Path) -> None:
     """vLLM, llama.cpp, Mistral: CACHED and WASTE read "0  0", like a measured full miss."""
     silent = _answer(T0 + 1, 900, 10, duration=0.2, cost=0)
