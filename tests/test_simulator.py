@@ -813,3 +813,27 @@ def test_tools_are_rendered_as_a_provider_renders_them() -> None:
     flipped = {**params, "properties": {"n": {"type": "integer"}, "path": {"type": "string"}}}
     reordered = {**body, "tools": [{**tool, "function": {"name": "read", "parameters": flipped}}]}
     assert request_tokens(reordered) != request_tokens(body)
+
+
+def test_a_long_running_simulator_keeps_only_the_latest_requests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Left running as an agent's upstream for a day, it kept every body (3 GB): the latest
+    requests are kept, by count and by their bodies' bytes; the newest always."""
+    from proxy.simulator import state
+
+    monkeypatch.setattr(state, "KEEP_REQUESTS", 3)
+    monkeypatch.setattr(state, "KEEP_BYTES", 1000)
+    sim = state.Simulator()
+    for n in range(5):
+        sim.record("POST", "/v1/chat/completions", {}, b"%d" % n * 10)
+    assert [r.raw[:1] for r in sim.requests] == [b"2", b"3", b"4"]  # by count
+    sim.record("POST", "/v1/chat/completions", {}, b"x" * 900)
+    assert [len(r.raw) for r in sim.requests] == [10, 10, 900]
+    sim.record("POST", "/v1/chat/completions", {}, b"w" * 95)
+    assert [len(r.raw) for r in sim.requests] == [900, 95]  # by bytes: 1,000 at most
+    sim.record("POST", "/v1/chat/completions", {}, b"y" * 5000)
+    assert [len(r.raw) for r in sim.requests] == [5000]  # a larger one alone is still kept
+    sim.reset()
+    sim.record("POST", "/v1/chat/completions", {}, b"z" * 990)
+    assert len(sim.requests) == 1  # the count of bytes starts again

@@ -51,6 +51,12 @@ class ReceivedRequest:
         }
 
 
+# The requests a simulator keeps for ``GET /_sim/requests``: the latest this many, of at most
+# this many body bytes (a simulator left running as an agent's upstream all day took 3 GB).
+KEEP_REQUESTS = 10_000
+KEEP_BYTES = 64 * 1024 * 1024
+
+
 class Simulator:
     """Everything a simulated provider remembers between requests."""
 
@@ -58,6 +64,7 @@ class Simulator:
         self.config = config or SimConfig()
         self._lock = threading.Lock()
         self.requests: list[ReceivedRequest] = []
+        self._kept_bytes = 0
         self.cache = PrefixCache(POLICIES[self.config.dialect], self.config.cache_ttl_s)
         self._script: deque[Reply] = deque()
         self._rng = random.Random(self.config.seed)
@@ -80,6 +87,7 @@ class Simulator:
         """Forget requests, cache and script; restart the clock and the seeded generator."""
         with self._lock:
             self.requests.clear()
+            self._kept_bytes = 0
             self.cache.clear()
             self._script.clear()
             self._rng = random.Random(self.config.seed)
@@ -88,10 +96,21 @@ class Simulator:
     def record(
         self, method: str, path: str, headers: dict[str, str], raw: bytes
     ) -> ReceivedRequest:
-        """Remember a request at the current simulated time."""
+        """Remember a request at the current simulated time (the oldest are forgotten past
+        ``KEEP_REQUESTS`` requests or ``KEEP_BYTES`` of bodies)."""
         with self._lock:
             received = ReceivedRequest(method, path, headers, raw, self._now)
-            self.requests.append(received)
+            requests = self.requests
+            requests.append(received)
+            self._kept_bytes += len(raw)
+            drop = 0
+            while len(requests) - drop > 1 and (
+                len(requests) - drop > KEEP_REQUESTS or self._kept_bytes > KEEP_BYTES
+            ):
+                self._kept_bytes -= len(requests[drop].raw)
+                drop += 1
+            if drop:
+                del requests[:drop]
             return received
 
     def enqueue(self, replies: Iterable[Reply]) -> int:
