@@ -877,6 +877,21 @@ def test_claude_behind_a_gateway_without_cache_marks_is_told_apart_from_an_evict
     assert f"6,000 {cause}" in show.out
 
 
+def _three_turns_the_last_with_the_time_in_its_prompt(client: Any, model: str) -> None:
+    """A conversation of three turns on a system prompt well past 1,024 tokens; the third turn
+    puts the time at its start (a rewrite the provider misses)."""
+    system = SYSTEM_PROMPT + " Follow the style guide." * 700
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Fix the failing test."},
+    ]
+    for turn in range(3):
+        if turn == 2:
+            convo[0] = {"role": "system", "content": "Now: 12:00. " + system}
+        reply, _ = chat(client, convo, model=model, stream=False)
+        convo += [reply, {"role": "user", "content": f"Go on ({turn})."}]
+
+
 def test_claude_behind_a_gateway_that_marks_for_the_client_gets_the_usual_causes(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
@@ -887,16 +902,7 @@ def test_claude_behind_a_gateway_that_marks_for_the_client_gets_the_usual_causes
     with run_simulator(SimConfig(dialect="anthropic-compat")) as claude:
         proxy = proxy_factory(claude.api_base, config())
         client = make_client(proxy.base_url, default_headers={"X-Session-Id": "injected"})
-        system = SYSTEM_PROMPT + " Follow the style guide." * 800  # well past 1,024 tokens
-        convo: list[dict[str, Any]] = [
-            {"role": "system", "content": system},
-            {"role": "user", "content": "Fix the failing test."},
-        ]
-        for turn in range(3):
-            if turn == 2:
-                convo[0] = {"role": "system", "content": "Now: 12:00. " + system}
-            reply, _ = chat(client, convo, model="claude-sonnet-4-5", stream=False)
-            convo += [reply, {"role": "user", "content": f"Go on ({turn})."}]
+        _three_turns_the_last_with_the_time_in_its_prompt(client, "claude-sonnet-4-5")
         flush(proxy)
     responses = events(proxy.log_dir, "injected", "response")
     assert responses[1]["cache"]["read"] > 0 and responses[1]["cache"]["waste"] == 0
@@ -952,16 +958,7 @@ def test_a_clock_that_stands_still_hides_no_rewrite(
     before its baseline was read, and a system-prompt rewrite went unreported."""
     proxy = proxy_factory(sim.api_base, config(), clock=lambda: 1_800_000_000.0)
     client = make_client(proxy.base_url, default_headers={"X-Session-Id": "frozen"})
-    system = SYSTEM_PROMPT + " Follow the style guide." * 600
-    convo: list[dict[str, Any]] = [
-        {"role": "system", "content": system},
-        {"role": "user", "content": "Fix the failing test."},
-    ]
-    for turn in range(3):
-        if turn == 2:
-            convo[0] = {"role": "system", "content": "Now: 12:00. " + system}
-        reply, _ = chat(client, convo, stream=False)
-        convo += [reply, {"role": "user", "content": f"Go on ({turn})."}]
+    _three_turns_the_last_with_the_time_in_its_prompt(client, "gpt-4o")
     flush(proxy)
     third = events(proxy.log_dir, "frozen", "response")[2]
     assert (third["cache"]["cause"], third["cache"]["location"]) == ("prefix_rewrite", "system")
