@@ -363,6 +363,19 @@ def _apply_response(row: ExchangeRow, ev: dict[str, Any]) -> None:
         row.cost_uncached = _float(cost.get("uncached"))
 
 
+def main_model(detail: SessionDetail) -> str | None:
+    """The model most of the session's exchanges asked for (of equals, the one that appeared
+    first): an agent that opens with a title request on a small model is shown by its own. The
+    meta line's (the first request's) when no exchange names one."""
+    counts: dict[str, int] = {}
+    for row in detail.rows:
+        if row.model and row.error != RESENT_COMPACTED:
+            counts[row.model] = counts.get(row.model, 0) + 1
+    if counts:
+        return max(counts, key=counts.__getitem__)
+    return _str(detail.meta.get("model")) if detail.meta else None
+
+
 def summarize(detail: SessionDetail) -> SessionSummary:
     """One ``sessions list`` line from a session's timeline."""
     reported_in = reported_read = 0
@@ -372,16 +385,7 @@ def summarize(detail: SessionDetail) -> SessionSummary:
             reported_read += row.cache_read or 0
     # The attempt a compaction was retried after is no exchange of its own (its retry is).
     answered = [row for row in detail.rows if row.error != RESENT_COMPACTED]
-    # The model most of its exchanges asked for (of equals, the latest): an agent that opens
-    # with a title request on a small model is listed by its own model. The meta line's (the
-    # first request's) when no row names one.
-    counts: dict[str, int] = {}
-    for row in answered:
-        if row.model:
-            counts[row.model] = counts.get(row.model, 0) + 1
-    model = max(reversed(list(counts)), key=counts.__getitem__) if counts else None
-    if model is None and detail.meta:
-        model = _str(detail.meta.get("model"))
+    model = main_model(detail)
     return SessionSummary(
         session=detail.session,
         first_seen=detail.first_seen,
@@ -464,10 +468,12 @@ def render_show(detail: SessionDetail) -> str:
     """``sessions show``: a header line, then one line per exchange (no trailing newline)."""
     meta = detail.meta or {}
     head = [f"session {detail.session}"]
-    for key, label in (("model", "model"), ("upstream", "upstream"), ("created", "created")):
+    model = main_model(detail)
+    if model is not None:
+        head.append(f"model {_model(model)}")  # one line, as a cell
+    for key in ("upstream", "created"):
         if isinstance(meta.get(key), str):
-            value = _model(meta[key]) if key == "model" else meta[key].translate(_CELL_BREAKS)
-            head.append(f"{label} {value}")  # one line, as a cell
+            head.append(f"{key} {meta[key].translate(_CELL_BREAKS)}")
     if isinstance(meta.get("version"), str):
         head.append(f"cachegate {meta['version'].translate(_CELL_BREAKS)}")
     lines = ["  ".join(head)]

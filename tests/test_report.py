@@ -267,7 +267,7 @@ def test_render_show(log_dir: Path) -> None:
 def test_render_show_of_a_failed_exchange(log_dir: Path) -> None:
     assert render_show(show_session(log_dir, "beta")) == "\n".join(
         [
-            "session beta",
+            "session beta  model gpt-4o-mini",  # (no meta line: the model its exchange named)
             "#  TIME                 MODEL        IN  OUT  CACHED  WASTE  REPAIRS  TTFB  DURATION"
             "  STATUS  NOTES",
             "1  2023-11-14 22:30:00  gpt-4o-mini   -    -       -  -            0     -         -"
@@ -341,6 +341,8 @@ def test_a_session_is_listed_by_the_model_most_of_it_asked_for(tmp_path: Path) -
         events += [req(T0 + n, n, appended=[U1]), _answer(T0 + n + 0.5, 900, 9, 0.2, 0, n)]
     (summary,) = list_sessions(_logged(tmp_path, "titled", events))
     assert summary.model == "gpt-4o"
+    head = render_show(show_session(tmp_path, "titled")).splitlines()[0]
+    assert "model gpt-4o " in head + " "  # the show header names the same one
 
 
 def test_a_provider_that_reports_no_cache_fields_shows_unknown_not_zero(tmp_path: Path) -> None:
