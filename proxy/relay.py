@@ -13,6 +13,7 @@ import collections
 import contextlib
 import functools
 import logging
+import re
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable
@@ -489,7 +490,11 @@ class _Held:
         self.parts.append(data)
 
 
-_DONE_EVENTS: Final = (b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n", b"data:[DONE]\n\n")
+# A stream's last event, at the end of what was written (any of SSE's line ends; its start at
+# a line's start). Bytes that end so are looked at with the tail of the writes before: a
+# gateway may split the event across reads.
+_DONE_ENDS: Final = (b"]\n\n", b"]\r\n\r\n", b"]\r\r")
+_DONE_EVENT: Final = re.compile(rb"(?:\A|[\r\n])data: ?\[DONE\](?:\n\n|\r\n\r\n|\r\r)\Z")
 
 
 class DirectBody:
@@ -504,7 +509,7 @@ class DirectBody:
     then sends chunk by chunk through ASGI.
     """
 
-    __slots__ = ("_cycle", "_head", "done_handed_over", "dropped")
+    __slots__ = ("_cycle", "_head", "_tail", "done_handed_over", "dropped")
 
     def __init__(self, cycle: Any) -> None:
         self._cycle = cycle
@@ -513,6 +518,7 @@ class DirectBody:
         # transport's buffer: a client that hangs up after that had the whole answer.
         self.done_handed_over = False
         self.dropped = False  # bytes came after the client had left: it never had them
+        self._tail = b""  # the last bytes written (before the framing)
 
     @staticmethod
     async def start(send: Send, message: dict[str, Any]) -> DirectBody | None:
@@ -579,7 +585,9 @@ class DirectBody:
             self.dropped = True
             return True  # as uvicorn's send: nothing goes to a client that left
         # (the event itself: a model's text may say "[DONE]", never with a raw blank line)
-        done = body.endswith(_DONE_EVENTS)
+        tail = body[-32:] if len(body) >= 32 else (self._tail + body)[-32:]
+        self._tail = tail
+        done = tail.endswith(_DONE_ENDS) and _DONE_EVENT.search(tail) is not None
         if cycle.chunked_encoding:
             body = b"%x\r\n%b\r\n" % (len(body), body)
         else:

@@ -644,6 +644,21 @@ def test_direct_body_knows_whether_done_reached_the_socket_and_what_was_dropped(
     said = DirectBody(cycle(0))
     said.write(b'data: {"choices":[{"index":0,"delta":{"content":"Step 1 [DONE]"}}]}\n\n')
     assert not said.done_handed_over
+    # any of SSE's line ends, with or without the space; split across reads by a gateway
+    for pieces in (
+        [b"data:[DONE]\r\n\r\n"],
+        [b"data: [DONE]\r\r"],
+        [sse(chunk("a")) + b"data: [DO", b"NE]\n\n"],
+        [sse(chunk("a")), b"da", b"ta: [DONE]\n", b"\n"],
+    ):
+        split = DirectBody(cycle(0))
+        for piece in pieces:
+            split.write(piece)
+        assert split.done_handed_over, pieces
+    glued = DirectBody(cycle(0))
+    glued.write(b'data: {"x":"data: [DO')  # text that looks like the start of one
+    glued.write(b'NE]"}\n\n')
+    assert not glued.done_handed_over
     held = DirectBody(cycle(70_000))  # the socket took part of it: the rest waits in the buffer
     held.write(b"data: [DONE]\n\n")
     assert not held.done_handed_over
