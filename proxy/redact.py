@@ -286,7 +286,7 @@ def _plausible(
 # ``exports/2025-01-31/report.csv``), one of them a word (five lower-case letters or more, a
 # vowel among them, maybe an extension), as random base64 seldom has one between its slashes.
 _PATH = re.compile(r"(?:[~.]{0,2}/)?(?:[\w.-]+/)+[\w.-]+")
-_WORD = re.compile(r"[a-z]*[aeiouy][a-z]*(?:[-_][a-z]+)*(?:\.[a-z0-9]{1,5})?")
+_WORD = re.compile(r"[a-z]*[aeiouy][a-z]*(?:[-_][a-z0-9]+)*(?:\.[a-z0-9]{1,8})?")
 
 
 def _is_path(value: str) -> bool:

@@ -504,6 +504,7 @@ def test_credentials_assigned_in_code_or_given_to_commands_lose_their_value(
         '    storage_key = "/uploads/2024/avatars"',  # paths, with a date in them
         's3_key = "/exports/2025-01-31/report.csv"',
         "cache_dir_key: exports/2025-01-31/report.csv",
+        'part_key = "data/2024/part-00001.parquet"',  # a Spark part file
     ],
 )
 def test_code_and_commands_that_give_no_credential_are_left_alone(text: str) -> None:

@@ -823,7 +823,7 @@ def test_a_long_running_simulator_keeps_only_the_latest_requests(
     from proxy.simulator import state
 
     monkeypatch.setattr(state, "KEEP_REQUESTS", 3)
-    monkeypatch.setattr(state, "KEEP_BYTES", 1000)
+    monkeypatch.setattr(state, "KEEP_BYTES", 7000)  # 1,000 bytes of bodies, at 7 a byte
     sim = state.Simulator()
     for n in range(5):
         sim.record("POST", "/v1/chat/completions", {}, b"%d" % n * 10)

@@ -51,10 +51,13 @@ class ReceivedRequest:
         }
 
 
-# The requests a simulator keeps for ``GET /_sim/requests``: the latest this many, of at most
-# this many body bytes (a simulator left running as an agent's upstream all day took 3 GB).
+# The requests a simulator keeps for ``GET /_sim/requests``: the latest this many, holding at
+# most this much memory (a simulator left running as an agent's upstream all day took 3 GB).
+# A request costs its body twice over: as received, and parsed (~6x its bytes for an agent's
+# history of many small messages).
 KEEP_REQUESTS = 10_000
 KEEP_BYTES = 64 * 1024 * 1024
+BODY_COST = 7  # bytes held per byte of a body
 
 
 class Simulator:
@@ -97,17 +100,17 @@ class Simulator:
         self, method: str, path: str, headers: dict[str, str], raw: bytes
     ) -> ReceivedRequest:
         """Remember a request at the current simulated time (the oldest are forgotten past
-        ``KEEP_REQUESTS`` requests or ``KEEP_BYTES`` of bodies)."""
+        ``KEEP_REQUESTS`` requests or ``KEEP_BYTES`` of memory held, ``BODY_COST`` per byte)."""
         with self._lock:
             received = ReceivedRequest(method, path, headers, raw, self._now)
             requests = self.requests
             requests.append(received)
-            self._kept_bytes += len(raw)
+            self._kept_bytes += BODY_COST * len(raw)
             drop = 0
             while len(requests) - drop > 1 and (
                 len(requests) - drop > KEEP_REQUESTS or self._kept_bytes > KEEP_BYTES
             ):
-                self._kept_bytes -= len(requests[drop].raw)
+                self._kept_bytes -= BODY_COST * len(requests[drop].raw)
                 drop += 1
             if drop:
                 del requests[:drop]
