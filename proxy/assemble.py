@@ -159,11 +159,6 @@ class StreamAssembler:
         self._text_dropped = False
 
     @property
-    def done(self) -> bool:
-        """Whether ``[DONE]`` was fed."""
-        return self._done
-
-    @property
     def malformed(self) -> int:
         """Data payloads so far that were neither ``[DONE]`` nor a JSON object."""
         return self._malformed
