@@ -267,7 +267,7 @@ def _plausible(
     ``token`` or ``pwd``, only when the value looks like a credential (a digit in it, no space,
     not a path or a markup); for a lower-case ``…_key`` that does not say which key (alone on
     its line, where code and settings look alike: ``storage_key = "uploads/avatars"``), only
-    when it looks like a key: 16 characters or more, a digit, no space."""
+    when it looks like a key: 16 characters or more, a digit, no space, no path."""
     if span is None:
         return span
     name = s[start:end]
@@ -283,8 +283,9 @@ def _plausible(
 
 
 # A path: segments of name characters between slashes (``/uploads/2024/avatars``,
-# ``exports/2025-01-31/report.csv``), one of them a word (five lower-case letters or more, a
-# vowel among them, maybe an extension), as random base64 seldom has one between its slashes.
+# ``exports/2025-01-31/report.csv``), one of them five characters or more that begin as a
+# lower-case word with a vowel (``uploads``, ``report.csv``, ``part-00001.parquet``), as random
+# base64 seldom has between its slashes.
 _PATH = re.compile(r"(?:[~.]{0,2}/)?(?:[\w.-]+/)+[\w.-]+")
 _WORD = re.compile(r"[a-z]*[aeiouy][a-z]*(?:[-_][a-z0-9]+)*(?:\.[a-z0-9]{1,8})?")
 
