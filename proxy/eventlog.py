@@ -162,6 +162,7 @@ class EventLogWriter:
         self._dropped = 0
         self._written = 0
         self._errors = 0
+        self._unwritten = 0  # lines lost to write errors since the last line written
         self._syncs = 0
         # Owned by the writer thread only.
         self._fds: OrderedDict[str, int] = OrderedDict()
@@ -502,7 +503,15 @@ class EventLogWriter:
             self._mark_broken(session_id)
             for _ in lines:
                 self._lose("io", "event log: cannot write %s: %s", session_id, exc)
+            self._unwritten += len(lines)
             return
+        if self._unwritten:  # (a full disk, an unwritable directory: said once it is over)
+            logger.warning(
+                "event log: writing again; %d line(s) were lost meanwhile"
+                " (cachegate_event_log_lost_total)",
+                self._unwritten,
+            )
+            self._unwritten = 0
         self._written += len(lines)
         self._written_at[session_id] = time.monotonic()
         held = self._files.get(session_id)

@@ -412,7 +412,7 @@ def test_unwritable_directory_counts_losses_and_warns_once(tmp_path: Path, write
 
 
 def test_a_log_directory_removed_while_running_is_made_again_with_each_files_meta_line(
-    log_dir: Path, writers
+    log_dir: Path, writers, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Removed (an rm -rf of old logs) or replaced by something else for a while: logging
     resumes once a directory can be made there, private and kept out of git as at start, and
@@ -438,9 +438,14 @@ def test_a_log_directory_removed_while_running_is_made_again_with_each_files_met
     assert w.flush()
     assert w.errors == 2
     log_dir.unlink()
-    for sid in ("a", "b"):
-        w.emit(sid, {"type": "error", "exchange": 3, "status": 400, "message": "back"})
-    assert w.flush()
+    with caplog.at_level(logging.WARNING, logger="proxy.eventlog"):
+        for sid in ("a", "b"):
+            w.emit(sid, {"type": "error", "exchange": 3, "status": 400, "message": "back"})
+        assert w.flush()
+    said = [r.getMessage() for r in caplog.records if "writing again" in r.getMessage()]
+    assert said == [
+        "event log: writing again; 2 line(s) were lost meanwhile (cachegate_event_log_lost_total)"
+    ]  # once, when it is over
     for sid in ("a", "b"):
         events = read_events(log_dir / f"{sid}.jsonl").events
         assert [(e["type"], e.get("message")) for e in events] == [
