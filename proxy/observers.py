@@ -23,7 +23,7 @@ from proxy.eventlog import EventLogWriter, choose_base
 from proxy.metrics import Metrics
 from proxy.pipeline import Exchange
 from proxy.redact import known_secrets, redact_text
-from proxy.sessions import SessionState, SessionStore
+from proxy.sessions import CONVERSATIONS_KEPT, SessionState, SessionStore
 from proxy.usage import Usage
 
 _MAX_MODEL_TERMS = 256
@@ -40,10 +40,6 @@ def _state_of(ex: Exchange, sessions: SessionStore) -> SessionState | None:
 
 # Top-level request keys the request line gives fields of their own (not ``params``).
 _NOT_PARAMS: Final = frozenset({"messages", "tools", "model", "stream"})
-_TOOLS_KEPT: Final = 8  # tools arrays a session's lines may name by an earlier line's number
-
-# Requests of distinct conversations a session's accounting compares the next one with.
-_BASELINES: Final = 8
 
 
 class _Baseline:
@@ -273,7 +269,7 @@ class AccountingObserver:
                 # agents with the same boilerplate first message), a fork, a rewind. Both are
                 # kept: each next turn finds its own.
                 baselines.insert(0, _Baseline(fp, body, prompt, model, ready_at))
-            del baselines[_BASELINES:]  # the least recently seen conversation goes first
+            del baselines[CONVERSATIONS_KEPT:]  # the least recently seen conversation goes first
             extra["baselines"] = baselines
         if usage is None or ex.status >= 400:
             if usage is None and (ex.status < 400 or ex.status == CLIENT_CLOSED):
@@ -503,7 +499,7 @@ class EventLogObserver:
                 keep = [logged[earlier], *logged[:earlier], *logged[earlier + 1 :]]
             else:
                 event["tools"] = tools
-                keep = [(ex.exchange_id, tools), *logged[: _TOOLS_KEPT - 1]]
+                keep = [(ex.exchange_id, tools), *logged[: CONVERSATIONS_KEPT - 1]]
         written = self._emit(ex.session_id, event)
         if state is not None and written:  # a line that was refused is no base
             carried = next((m for eid, m in candidates if eid == base_exchange), None)

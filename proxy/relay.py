@@ -518,7 +518,7 @@ class DirectBody:
         # transport's buffer: a client that hangs up after that had the whole answer.
         self.done_handed_over = False
         self.dropped = False  # bytes came after the client had left: it never had them
-        self._tail = b""  # the last bytes written (before the framing)
+        self._tail = b""  # the last write of 32 bytes or more, and those after it (unframed)
 
     @staticmethod
     async def start(send: Send, message: dict[str, Any]) -> DirectBody | None:
@@ -584,10 +584,14 @@ class DirectBody:
         if cycle.disconnected or cycle.response_complete:
             self.dropped = True
             return True  # as uvicorn's send: nothing goes to a client that left
-        # (the event itself: a model's text may say "[DONE]", never with a raw blank line)
-        tail = body[-32:] if len(body) >= 32 else (self._tail + body)[-32:]
+        # (the event itself: a model's text may say "[DONE]", never with a raw blank line;
+        # a short write is looked at with the end of the one before, which is kept, not copied)
+        tail = body if len(body) >= 32 else self._tail[-32:] + body
         self._tail = tail
-        done = tail.endswith(_DONE_ENDS) and _DONE_EVENT.search(tail) is not None
+        done = (
+            tail.endswith(_DONE_ENDS)
+            and _DONE_EVENT.search(tail, max(0, len(tail) - 32)) is not None
+        )
         if cycle.chunked_encoding:
             body = b"%x\r\n%b\r\n" % (len(body), body)
         else:

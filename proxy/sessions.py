@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 
 import orjson
 
@@ -131,6 +131,10 @@ def new_session_id(now: float) -> str:
     return f"{_stamp[1]}-{_id_bits.take()}"
 
 
+# Conversations of one session kept track of (a main agent, its sub-agents, title requests):
+# the accounting's baselines, the event log's delta bases and tools arrays, one each.
+CONVERSATIONS_KEPT: Final = 8
+
 OpeningKey = tuple[str, str] | str
 _SYSTEM_ROLES = ("system", "developer")  # messages before the opening one
 
@@ -209,7 +213,7 @@ class SessionState:
         self,
         exchange_id: int,
         forwarded: list[Any],
-        keep: int = 8,
+        keep: int = CONVERSATIONS_KEPT,
         continues: int | None = None,
     ) -> None:
         """Keep ``forwarded`` as the messages of ``exchange_id`` (replacing what a refused
