@@ -187,6 +187,8 @@ class StreamAssembler:
             self._done = True
             return
         if not data or data.isspace():
+            # (the openai SDKs parse every data line but [DONE]: an empty one raises in them)
+            self._malformed += 1
             return
         try:
             chunk = orjson.loads(data)

@@ -546,6 +546,42 @@ def test_a_stream_with_an_event_that_is_not_json_is_logged_as_failed_not_clean(
     assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 1
 
 
+def test_a_stream_with_an_empty_data_line_is_logged_as_failed_not_clean(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """``data: `` with nothing after it: the openai SDK parses it as JSON and raises, so the log
+    must not show the clean answer it otherwise had."""
+    chunks = [
+        b'data: {"id":"c1","object":"chat.completion.chunk","model":"gpt-4o","choices":'
+        b'[{"index":0,"delta":{"role":"assistant","content":"half"},"finish_reason":null}]}\n\n',
+        b"data: \n\n",
+        b'data: {"id":"c1","object":"chat.completion.chunk","model":"gpt-4o","choices":'
+        b'[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    _upstream, url = scripted(chunks=chunks)
+    proxy = proxy_factory(url)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "empty-data"})
+    stream = client.chat.completions.create(
+        model="gpt-4o", messages=[{"role": "user", "content": "hi"}], stream=True
+    )
+    with pytest.raises(json.JSONDecodeError):
+        for _ in stream:
+            pass
+    stream.close()
+
+    def response_logged() -> list[dict[str, Any]]:
+        flush(proxy)
+        return events(proxy.log_dir, "empty-data", "response")
+
+    (response,) = wait_for(response_logged, what="the response event")
+    assert response["error"] == (
+        "upstream sent 1 stream event whose data was not a JSON object"
+        " (a client that parses events fails on it)"
+    )
+    assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 1
+
+
 def test_a_client_that_closes_at_done_before_the_upstreams_last_bytes_got_a_whole_answer(
     scripted: Any, proxy_factory: Any
 ) -> None:
