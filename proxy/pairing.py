@@ -181,6 +181,14 @@ def _empty_calls(message: Any) -> bool:
     )
 
 
+def _says_nothing(message: dict[str, Any]) -> bool:
+    """An assistant message (its empty ``tool_calls`` taken out) with no content, refusal,
+    legacy ``function_call`` or audio."""
+    return not message.get("content") and not any(
+        message.get(key) for key in ("refusal", "function_call", "audio")
+    )
+
+
 def needs_repair(messages: list[dict[str, Any]]) -> bool:
     """Cheap check for every request: True exactly when ``repair_messages`` would change anything.
 
@@ -428,14 +436,18 @@ def repair_messages_from(
         calls = _tool_calls(message)
         if calls is None:
             if _empty_calls(message):
-                # Without its calls, an assistant message needs content: null becomes "".
                 kept = {k: v for k, v in message.items() if k != "tool_calls"}
-                if kept.get("content") is None:
-                    kept["content"] = ""
-                fixed[i] = kept
-                scanned.append(
-                    Repair("empty_tool_calls", i, None, "removed an empty tool_calls array")
-                )
+                if _says_nothing(kept):
+                    # Nothing else in it: Claude refuses an empty assistant message but the last
+                    # ("must have non-empty content"), OpenAI one with no content at all.
+                    removed.add(i)
+                    action = "removed an assistant message with nothing but an empty tool_calls"
+                else:
+                    if kept.get("content") is None:  # (a refusal, a legacy function_call)
+                        kept["content"] = ""
+                    fixed[i] = kept
+                    action = "removed an empty tool_calls array"
+                scanned.append(Repair("empty_tool_calls", i, None, action))
             continue
         new_message, ids, names, assigned = _fix_calls(i, message, calls, scanned)
         if new_message is not message:

@@ -318,9 +318,28 @@ def test_an_empty_tool_calls_array_is_removed() -> None:
         "cachegate strict pairing: 1 defect: messages[1] assistant message has an empty "
         "tool_calls array (empty_tool_calls)"
     )
-    # with no content either, the message keeps an empty one (an assistant message needs it)
-    bare = {"role": "assistant", "content": None, "tool_calls": []}
-    assert repair_messages([user("go"), bare]).messages[1] == {"role": "assistant", "content": ""}
+    # with nothing else in it, the message goes: Claude refuses an empty assistant message
+    # ("all messages must have non-empty content except for the optional final assistant
+    # message"), OpenAI one without content
+    for said in (None, "", []):
+        bare = {"role": "assistant", "content": said, "tool_calls": []}
+        result = repair_messages([user("go"), bare, user("again")])
+        assert result.messages == [user("go"), user("again")]
+        assert [(r.kind, r.index, r.action) for r in result.repairs] == [
+            (
+                "empty_tool_calls",
+                1,
+                "removed an assistant message with nothing but an empty tool_calls",
+            )
+        ]
+        validate_messages(result.messages)
+    # a refusal is something said: the message stays, with an empty content
+    refusal = {"role": "assistant", "content": None, "refusal": "No.", "tool_calls": []}
+    assert repair_messages([user("go"), refusal]).messages[1] == {
+        "role": "assistant",
+        "content": "",
+        "refusal": "No.",
+    }
     # a result after it answers nothing: no block was opened
     assert kinds(repair_messages([user("go"), empty, tool("a")])) == [
         ("empty_tool_calls", 1, None),
