@@ -511,15 +511,35 @@ def _digest(value: Any) -> bytes:
 
 
 def tools_json(tools: Any) -> bytes:
-    """The canonical JSON of tools: keys sorted, but for the ``properties`` of their schemas,
-    which a provider renders into the prompt as parameters in the order sent (reordered, the
-    cache misses; other keys are read by name)."""
+    """The canonical JSON of tools (an array, or one tool): keys sorted, but for the
+    ``properties`` of their schemas, which a provider renders into the prompt as parameters in
+    the order sent (reordered, the cache misses; other keys are read by name); without a tool's
+    ``cache_control`` breakpoint, no part of the prompt (as a message's is not)."""
+    if type(tools) is list:
+        tools = [_unmarked_tool(tool) for tool in tools]
+    else:
+        tools = _unmarked_tool(tools)
     try:
         return orjson.dumps(schema_order(tools))
     except TypeError:  # integers beyond 64 bits, which a stdlib-parsed body may hold
         return json.dumps(
             schema_order(tools), ensure_ascii=False, separators=(",", ":"), default=str
         ).encode()
+
+
+def _unmarked_tool(tool: Any) -> Any:
+    """``tool`` without a ``cache_control`` of its own or of its ``function`` (the same object
+    when it has none)."""
+    if not isinstance(tool, Mapping):
+        return tool
+    function = tool.get("function")
+    marked_function = isinstance(function, Mapping) and "cache_control" in function
+    if "cache_control" not in tool and not marked_function:
+        return tool
+    out = {key: value for key, value in tool.items() if key != "cache_control"}
+    if marked_function:
+        out["function"] = {key: value for key, value in function.items() if key != "cache_control"}
+    return out
 
 
 def schema_order(value: Any) -> Any:

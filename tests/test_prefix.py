@@ -583,6 +583,28 @@ def test_a_cache_control_marker_moved_to_the_latest_message_rewrites_nothing() -
     assert divergence is not None and (divergence.index, divergence.field) == (1, "content")
 
 
+def test_a_tools_cache_control_marker_moved_or_dropped_rewrites_nothing() -> None:
+    """A breakpoint on the last tool (Anthropic's advice), taken off or moved to the function:
+    the same prompt to the provider, no ``prefix_rewrite@tools`` (a message's mark was already
+    left out; a tool's was compared)."""
+    first = {**TOOLS[0], "cache_control": {"type": "ephemeral"}}
+    old = {"model": "m", "tools": [first, *TOOLS[1:]], "messages": [_plain("one")]}
+    reply = {"role": "assistant", "content": "ok"}
+    inner = {**TOOLS[0], "function": {**TOOLS[0]["function"], "cache_control": {"type": "x"}}}
+    for tools in (TOOLS, [inner, *TOOLS[1:]]):
+        new = {"model": "m", "tools": tools, "messages": [_plain("one"), reply, _plain("two")]}
+        assert diverge(old, new) is None
+    # a property named cache_control in a tool's parameters is the tool's text
+    renamed = copy.deepcopy(TOOLS)
+    properties = renamed[0]["function"]["parameters"]["properties"]
+    renamed[0]["function"]["parameters"]["properties"] = {"cache_control": {"type": "string"}}
+    changed = {"model": "m", "tools": renamed, "messages": [_plain("one"), reply]}
+    assert properties != {"cache_control": {"type": "string"}}
+    divergence = diverge({**old, "tools": TOOLS}, changed)
+    assert divergence is not None and divergence.location == "tools"
+    assert first["cache_control"] == {"type": "ephemeral"}  # not mutated
+
+
 def test_one_text_part_and_its_string_are_the_same_message() -> None:
     """A provider renders them alike; Cline-style clients switch a message from one form to the
     other as it stops being one of the latest two. Every turn used to log a divergence."""

@@ -11,7 +11,8 @@ Rules:
   Whitespace and control characters separate tokens and are not counted:
   ``"hello, world"`` → ``hell o , worl d`` = 5 tokens; ``"abcd " * 10`` = 10 tokens.
 - A request is its ``tools`` (their compact JSON, keys sorted but for a schema's ``properties``,
-  which a provider renders as parameters in the order sent), then each message in order: a fixed overhead of
+  which a provider renders as parameters in the order sent; a ``cache_control`` mark is no
+  text), then each message in order: a fixed overhead of
   3 tokens (start, role, end) around its ``name``, its content (a string, or the text of a list's
   text parts, other parts as compact JSON), its tool calls (id, function name, arguments) and its
   ``tool_call_id``. ``prompt_tokens`` is the length of that sequence.
@@ -26,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from proxy.prefix import schema_order  # tools as a provider renders them
+from proxy.prefix import tools_json  # tools as a provider renders them
 
 MESSAGE_OVERHEAD = 3
 _TOKEN = re.compile(
@@ -93,7 +94,7 @@ def request_tokens(body: Mapping[str, Any]) -> list[bytes]:
     """The prompt of a chat-completions request as one token sequence: tools, then messages."""
     out: list[bytes] = []
     if body.get("tools"):
-        out += tokenize(orjson.dumps(schema_order(body["tools"])).decode())
+        out += tokenize(tools_json(body["tools"]).decode())
     for message in body.get("messages") or ():
         out += (
             message_tokens(message) if isinstance(message, Mapping) else tokenize(_as_text(message))
