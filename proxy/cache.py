@@ -43,6 +43,7 @@ from itertools import islice
 from types import MappingProxyType
 from typing import Any, Final, Literal
 
+from proxy.config import gateway_alias
 from proxy.prefix import Divergence, Fingerprint
 from proxy.usage import Usage
 
@@ -75,7 +76,7 @@ _MODEL_PROVIDERS: Final = (
 
 def provider_of(model: str) -> str:
     """The provider of a model name: ``openai``, ``anthropic``, ``deepseek``, else ``*``."""
-    name = model.lower().rsplit("/", 1)[-1]
+    name = gateway_alias(model.lower())
     return next((provider for prefix, provider in _MODEL_PROVIDERS if name.startswith(prefix)), "*")
 
 

@@ -169,9 +169,37 @@ def configured_model(name: str, configured: Iterable[str]) -> str | None:
     of the same model: past a separator (``-2024-08-06``, ``-20250514``, ``-latest``,
     ``:7b``), with no word of a variant (``-mini``, ``-pro``, …, ``_VARIANT_WORDS``) and no short
     version number (``claude-opus-4`` does not cover ``claude-opus-4-5``, nor ``gpt-5``
-    ``gpt-5.4``: other models, other prices). A name nothing covers is priced by ``"*"``.
+    ``gpt-5.4``: other models, other prices). Failing that, the same for its
+    ``gateway_alias`` (``anthropic/claude-sonnet-4.5`` is ``claude-sonnet-4-5``). A name nothing
+    covers is priced by ``"*"``.
     """
     names = configured if isinstance(configured, Mapping | frozenset | set) else set(configured)
+    found = _configured(name, names)
+    if found is None:
+        alias = gateway_alias(name)
+        if alias != name:
+            found = _configured(alias, names)
+    return found
+
+
+# Bedrock's model ids: a cross-region inference profile's region, then the vendor
+# (``us.anthropic.claude-sonnet-4-5-20250929-v1:0``).
+_BEDROCK_PREFIX: Final = re.compile(r"\A(?:(?:us|eu|apac|global|us-gov|jp|au|ca)\.)?anthropic\.")
+_DOTTED_VERSION: Final = re.compile(r"(?<=\d)\.(?=\d)")
+
+
+def gateway_alias(name: str) -> str:
+    """``name`` as the provider itself spells it, when a gateway wrote it its own way: without
+    a vendor or route prefix (OpenRouter's and LiteLLM's ``anthropic/…``, ``openai/…``) or
+    Bedrock's (``us.anthropic.…``), and a Claude version with dashes (OpenRouter's
+    ``claude-sonnet-4.5`` is ``claude-sonnet-4-5``). ``name`` itself when none applies."""
+    alias = _BEDROCK_PREFIX.sub("", name.rsplit("/", 1)[-1])
+    if alias.startswith("claude-"):
+        alias = _DOTTED_VERSION.sub("-", alias)
+    return alias
+
+
+def _configured(name: str, names: Iterable[str]) -> str | None:
     if name in names:
         return name
     best = ""

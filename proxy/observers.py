@@ -177,9 +177,12 @@ class AccountingObserver:
         # Exact values no excerpt may show a piece of (the operator's key), as the event log's.
         self.secrets = known_secrets(secrets)
         # Per model name: (configured entry's name, cache TTL, pricing); looked up once.
-        self._terms: dict[str | None, tuple[str, float, ModelPricing]] = {}
+        self._terms: dict[str | None, tuple[str, float, ModelPricing, bool]] = {}
 
-    def _model_terms(self, model_name: str | None) -> tuple[str, float, ModelPricing]:
+    def _model_terms(self, model_name: str | None) -> tuple[str, float, ModelPricing, bool]:
+        """The configured entry's name, cache TTL and prices for ``model_name``, and whether
+        it is a model that caches only marked prefixes (Claude, by its entry's dialect or its
+        name: ``anthropic/claude-…`` of OpenRouter, whose usage has no Anthropic fields)."""
         terms = self._terms.get(model_name)
         if terms is None:
             name, model = self.settings.model(model_name)
@@ -206,7 +209,10 @@ class AccountingObserver:
                     name,
                     _toml_string(table),
                 )
-            terms = self._terms[model_name] = (name, ttl, pricing)
+            marked_only = model.dialect == "anthropic" or (
+                cache.provider_of(model_name or "") == "anthropic"
+            )
+            terms = self._terms[model_name] = (name, ttl, pricing, marked_only)
         return terms
 
     def on_request(self, ex: Exchange) -> None:
@@ -230,7 +236,7 @@ class AccountingObserver:
                 self.metrics.observe_prefix_rewrite(_location_label(divergence))
             ex.divergence = _divergence_dict(divergence)
         usage = ex.usage
-        name, ttl_s, pricing = self._model_terms(ex.model)
+        name, ttl_s, pricing, marked_only = self._model_terms(ex.model)
         model = ex.model or name
         # What this request is accounted against (before its baseline is replaced by it).
         base: tuple[int | None, bytes | None, str | None] = (None, None, None)
@@ -304,7 +310,9 @@ class AccountingObserver:
             noise_floor=self.settings.cache.noise_floor_tokens,
             model=model,
             after_compaction=after_compaction,
-            unmarked=self._unmarked(extra, usage, body) if usage.explicit_cache else None,
+            unmarked=(
+                self._unmarked(extra, usage, body) if usage.explicit_cache or marked_only else None
+            ),
         )
         extra["cache"] = new_state
         ex.cache = {
@@ -343,7 +351,7 @@ class AccountingObserver:
         actual, uncached = (cost.actual, cost.uncached) if cost is not None else (0.0, 0.0)
         summary = ex.summary_usage
         if summary is not None:
-            _, _, pricing = self._model_terms(ex.summary_model)
+            _, _, pricing, _ = self._model_terms(ex.summary_model)
             extra = cache.compute_cost(summary, pricing)
             self.metrics.observe_usage(ex.summary_model, summary)
             self.metrics.observe_cost(ex.summary_model, extra.actual, extra.uncached)

@@ -533,11 +533,12 @@ def _unmarked_tool(tool: Any) -> Any:
     if not isinstance(tool, Mapping):
         return tool
     function = tool.get("function")
-    marked_function = isinstance(function, Mapping) and "cache_control" in function
-    if "cache_control" not in tool and not marked_function:
+    if not isinstance(function, Mapping) or "cache_control" not in function:
+        function = None
+    if "cache_control" not in tool and function is None:
         return tool
     out = {key: value for key, value in tool.items() if key != "cache_control"}
-    if marked_function:
+    if function is not None:
         out["function"] = {key: value for key, value in function.items() if key != "cache_control"}
     return out
 

@@ -167,7 +167,19 @@ def test_model_lookup_exact_prefix_and_fallback() -> None:
         ("gpt-5.9", None),  # not gpt-5: a version of its own
         ("claude-opus-4-7", None),  # not claude-opus-4 ($15 in)
         ("gpt-4o-audio-preview", None),
-        ("openai/gpt-4o", None),
+        # a gateway's spelling of a provider's model: its vendor or route prefix, Bedrock's
+        # region and vendor, OpenRouter's dotted Claude versions
+        ("openai/gpt-4o", "gpt-4o"),
+        ("openai/gpt-5.4-mini", "gpt-5.4-mini"),
+        ("anthropic/claude-sonnet-4.5", "claude-sonnet-4-5"),
+        ("anthropic/claude-opus-4.1", "claude-opus-4-1"),
+        ("anthropic/claude-sonnet-4.5:thinking", "claude-sonnet-4-5"),
+        ("us.anthropic.claude-sonnet-4-5-20250929-v1:0", "claude-sonnet-4-5"),
+        ("bedrock/anthropic.claude-haiku-4-5-20251001-v1:0", "claude-haiku-4-5"),
+        ("vertex_ai/claude-opus-4-5@20251101", "claude-opus-4-5"),
+        ("anthropic/claude-3.7-sonnet", None),  # no entry for it
+        ("openai/gpt-5-pro", None),  # still a variant
+        ("my.anthropic.claude-sonnet-4-5", None),  # no Bedrock region
     ],
 )
 def test_a_model_name_is_priced_by_its_own_entry_or_a_snapshot_of_one(
@@ -177,6 +189,13 @@ def test_a_model_name_is_priced_by_its_own_entry_or_a_snapshot_of_one(
     o3, and gpt-5.4 as gpt-5."""
     assert configured_model(name, DEFAULT_MODELS) == entry
     assert Settings().model(name)[0] == (entry or "*")
+
+
+def test_a_configured_name_wins_over_a_gateways_spelling() -> None:
+    s = settings_from_mapping({"models": {"openai/gpt-4o": {"price_input": 9.0}}})
+    assert s.model("openai/gpt-4o") == ("openai/gpt-4o", s.models["openai/gpt-4o"])
+    assert s.model("openai/gpt-4o")[1].price_input == 9.0
+    assert s.model("azure/gpt-4o")[0] == "gpt-4o"
 
 
 def test_a_configured_local_model_covers_its_tags() -> None:

@@ -832,19 +832,32 @@ def test_a_repeated_request_keeps_its_conversation_the_most_recently_seen(
     assert (last["cause"], last["waste"]) == ("ttl_expired", last["expected"] - last["read"])
 
 
-@pytest.mark.parametrize("marked", [False, True])
+_LITELLM_USAGE = b'"cache_read_input_tokens":0,"cache_creation_input_tokens":0'
+_OPENROUTER_USAGE = b'"prompt_tokens_details":{"cached_tokens":0,"cache_write_tokens":0}'
+
+
+@pytest.mark.parametrize(
+    ("marked", "model", "fields"),
+    [
+        (False, "claude-sonnet-4-5", _LITELLM_USAGE),
+        (True, "claude-sonnet-4-5", _LITELLM_USAGE),
+        # OpenRouter: OpenAI's usage fields, the model told by its name alone
+        (False, "anthropic/claude-sonnet-4.5", _OPENROUTER_USAGE),
+        (True, "anthropic/claude-sonnet-4.5", _OPENROUTER_USAGE),
+    ],
+)
 def test_claude_behind_a_gateway_without_cache_marks_is_told_apart_from_an_eviction(
-    scripted: Any, proxy_factory: Any, marked: bool
+    scripted: Any, proxy_factory: Any, marked: bool, model: str, fields: bytes
 ) -> None:
     """Claude caches only the prefixes a request marks, and its gateways report its cache
     fields (zeros) all the same: an agent that marks nothing misses every turn. That was
     charged as "unexplained" (the provider evicted the entry or routed elsewhere); it is
-    "not_requested", which says what to do. A marked request that misses stays unexplained."""
+    "not_requested", which says what to do. A marked request that misses stays unexplained.
+    OpenRouter's name for the model is priced and labelled as Anthropic's."""
     answer = (
         b'{"id":"m1","object":"chat.completion","model":"claude-sonnet-4-5","choices":[{"index":0,'
         b'"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":'
-        b'{"prompt_tokens":6000,"completion_tokens":5,"cache_read_input_tokens":0,'
-        b'"cache_creation_input_tokens":0}}'
+        b'{"prompt_tokens":6000,"completion_tokens":5,' + fields + b"}}"
     )
     _upstream, url = scripted(chunks=[answer], content_type=b"application/json")
     proxy = proxy_factory(url, config())
@@ -857,11 +870,12 @@ def test_claude_behind_a_gateway_without_cache_marks_is_told_apart_from_an_evict
             "cache_control": {"type": "ephemeral"},
         }
     convo: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}, task]
-    reply, _ = chat(client, convo, model="claude-sonnet-4-5", stream=False)
+    reply, _ = chat(client, convo, model=model, stream=False)
     convo += [reply, {"role": "user", "content": "Go on."}]
-    chat(client, convo, model="claude-sonnet-4-5", stream=False)
+    chat(client, convo, model=model, stream=False)
     flush(proxy)
     second = events(proxy.log_dir, "unmarked", "response")[1]
+    assert second["cost"]["actual"] == pytest.approx((6000 * 3.00 + 5 * 15.00) / 1e6)
     cause = "unexplained" if marked else "not_requested"
     assert second["cache"] == {
         "expected": 6000,
