@@ -75,7 +75,8 @@ def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
     ``cache_creation_input_tokens``, as LiteLLM and other gateways write them).
 
     ``prompt`` is the total input: ``prompt_tokens`` when present (OpenAI semantics, cached tokens
-    included); otherwise DeepSeek's hit + miss; otherwise ``input_tokens`` + cache read + cache
+    included; when it is less than cache read + cache write, the parts it left out are added);
+    otherwise DeepSeek's hit + miss; otherwise ``input_tokens`` + cache read + cache
     creation, because Anthropic's ``input_tokens`` counts only the uncached remainder (for the
     Responses API, which has no such fields, that is just ``input_tokens``). ``cache_read`` is the
     largest of the cache-read fields present (providers that send several mean the same number);
@@ -111,8 +112,11 @@ def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
                         written = n
         if "completion_tokens_details" in raw:
             completion_tokens += _reasoning_apart(raw, prompt_tokens, completion_tokens)
+        prompt = prompt_tokens
+        if (cached or written) and prompt < (cached or 0) + (written or 0):
+            prompt += (written or 0) if prompt >= (cached or 0) else (cached or 0) + (written or 0)
         return Usage(
-            prompt_tokens,
+            prompt,
             completion_tokens,
             cached or 0,
             written or 0,
@@ -136,6 +140,11 @@ def _normalize(raw: Mapping[str, Any]) -> Usage | None:
     cache_write = max([*writes, created or 0])
 
     prompt = _count(raw, "prompt_tokens")
+    if prompt is not None and prompt < cache_read + cache_write:
+        # A total is never less than its parts: some LiteLLM releases in front of Claude write
+        # input + cache reads, leaving the writes out (a whole miss read as a 10-token prompt);
+        # below the reads too, it is Anthropic's input_tokens alone.
+        prompt += cache_write if prompt >= cache_read else cache_read + cache_write
     if prompt is None:
         hit = _count(raw, "prompt_cache_hit_tokens")
         miss = _count(raw, "prompt_cache_miss_tokens")

@@ -189,8 +189,38 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
                 "completion_tokens_details": {"reasoning_tokens": 300},
                 "cache_creation_input_tokens": 2000,
             },
-            Usage(1000, 500, 0, 2000, True, True, True),
+            Usage(3000, 500, 0, 2000, True, True, True),  # (the writes were left out of 1000)
             id="reasoning-inside-beside-a-cache-write-surplus",
+        ),
+        pytest.param(  # LiteLLM releases in front of Claude: input + reads, the writes left out
+            {
+                "prompt_tokens": 10,
+                "completion_tokens": 5,
+                "cache_read_input_tokens": 0,
+                "cache_creation_input_tokens": 4990,
+            },
+            Usage(5000, 5, 0, 4990, True, True, True),
+            id="prompt-without-the-cache-writes",
+        ),
+        pytest.param(
+            {
+                "prompt_tokens": 5110,
+                "completion_tokens": 5,
+                "cache_read_input_tokens": 5100,
+                "cache_creation_input_tokens": 0,
+            },
+            Usage(5110, 5, 5100, 0, True, True, True),
+            id="prompt-without-the-cache-writes-a-hit",
+        ),
+        pytest.param(
+            {
+                "prompt_tokens": 10,
+                "completion_tokens": 5,
+                "cache_read_input_tokens": 4000,
+                "cache_creation_input_tokens": 900,
+            },
+            Usage(4910, 5, 4000, 900, True, True, True),
+            id="prompt-without-any-cache-part",
         ),
         pytest.param(  # Gemini with grounding: the tool-use prompt in the total is input
             {"prompt_tokens": 151, "completion_tokens": 2209, "total_tokens": 20689},
@@ -201,6 +231,15 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
             {"prompt_tokens": 758, "completion_tokens": 102, "total_tokens": 800},
             Usage(758, 102, 0, 0, False),
             id="total-below-the-sum",
+        ),
+        pytest.param(  # OpenAI's fields, a prompt that leaves out what it read from the cache
+            {
+                "prompt_tokens": 100,
+                "completion_tokens": 2,
+                "prompt_tokens_details": {"cached_tokens": 900},
+            },
+            Usage(1000, 2, 900, 0, True),
+            id="openai-fields-prompt-without-the-reads",
         ),
         pytest.param(
             {"prompt_tokens": 10.0, "completion_tokens": 2},
@@ -272,6 +311,7 @@ def test_only_zero_reports_give_a_zero_usage() -> None:
 def test_last_non_empty_report_wins(
     totals: list[tuple[int, int, int]], noise: list[str | None]
 ) -> None:
+    totals = [(p, c, min(r, p)) for p, c, r in totals]  # a total holds its reads
     reports: list[dict[str, Any] | None] = [
         {"prompt_tokens": p, "completion_tokens": c, "prompt_tokens_details": {"cached_tokens": r}}
         for p, c, r in totals
