@@ -612,23 +612,23 @@ class ChatPipeline:
                     ex.status = CLIENT_CLOSED
                     ex.error = "client disconnected while the history was being compacted"
                     return
-                except Exception as exc:  # nothing reached the client yet: answer in OpenAI's shape
+                except ProxyError as err:  # nothing reached the client yet: OpenAI's shape
                     watch.stop()
-                    if isinstance(exc, ProxyError):
-                        err = exc
-                    else:
-                        log.exception("compaction after a context-length refusal failed")
-                        err = internal_error(
-                            exc,
-                            "The provider refused the request as too long for its context "
-                            "window, and cachegate failed to compact it for a retry",
-                        )
                     ex.status = err.status
                     ex.error = err.message
                     await send_error(send, err, extra)
                     return
-                forwarded, _ = self.request_usage(ex, forwarded, b"")
-                if forwarded == ex.body:
+                except Exception:
+                    # cachegate's own defect: the client gets the provider's refusal as it came
+                    # (an agent that compacts on context_length_exceeded itself still can)
+                    log.exception(
+                        "compaction after a context-length refusal failed; the provider's "
+                        "refusal is relayed"
+                    )
+                    forwarded = None
+                if forwarded is not None:
+                    forwarded, _ = self.request_usage(ex, forwarded, b"")
+                if forwarded is None or forwarded == ex.body:
                     # Nothing could be compacted: the retry would be the very body refused. The
                     # client gets the provider's refusal as it came, and nothing is sent again.
                     watch.stop()

@@ -400,6 +400,7 @@ def _check(settings: Settings) -> None:
         ("server.max_body_bytes", settings.server.max_body_bytes),
         ("logging.queue_size", settings.logging.queue_size),
         ("compaction.summary_timeout_s", settings.compaction.summary_timeout_s),
+        ("compaction.keep_recent", settings.compaction.keep_recent),  # (the latest message)
         ("sessions.max_sessions", settings.sessions.max_sessions),
         ("sessions.idle_ttl_s", settings.sessions.idle_ttl_s),
     ):

@@ -304,6 +304,30 @@ def test_a_refused_history_with_nothing_to_compact_is_not_sent_again(
         assert proxy.metric("cachegate_upstream_errors_total", {"kind": "status"}) == 1
 
 
+def test_a_compaction_that_fails_after_a_refusal_relays_the_providers_refusal(
+    sdk: Any, proxy_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cachegate's own defect while compacting for the retry: the client got a 500 of
+    cachegate's, and an agent that compacts on ``context_length_exceeded`` itself never saw it."""
+    import openai
+
+    from proxy.compactor import Compactor
+
+    async def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a defect")
+
+    monkeypatch.setattr(Compactor, "_apply", broken)
+    with run_simulator(SimConfig(context_window=3000)) as small:
+        config = {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 1000000}}}
+        proxy = proxy_factory(small.api_base, config)
+        msgs = history(10, output_chars=2000, system_repeat=10)
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk(proxy.base_url).chat.completions.create(model=MODEL, messages=msgs)
+        assert info.value.code == "context_length_exceeded"
+        assert "maximum context length" in str(info.value)
+        assert [r.status for r in small.sim.requests] == [400]  # sent once
+
+
 def test_a_client_leaving_during_a_retrys_compaction_is_logged_with_its_whole_wait(
     proxy_factory: Any,
 ) -> None:

@@ -86,6 +86,7 @@ def test_env_vars_for_every_option(tmp_path: Path) -> None:
         ({"server": {"max_body_bytes": 0}}, "server.max_body_bytes"),
         ({"sessions": {"max_sessions": 0}}, "sessions.max_sessions"),
         ({"compaction": {"summary_timeout_s": 0}}, "compaction.summary_timeout_s"),
+        ({"compaction": {"keep_recent": 0}}, "compaction.keep_recent"),  # every compaction failed
         # "" would listen on every interface, or write the logs into the working directory
         ({"server": {"host": ""}}, "server.host"),
         ({"server": {"host": "  "}}, "server.host"),
