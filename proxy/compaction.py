@@ -831,10 +831,12 @@ def plan(
     force: bool = False,
     synthetic_prefixes: Sequence[str] = DEFAULT_SYNTHETIC_PREFIXES,
     existing_digest: str | None = None,
+    tools_estimate: int = 0,
 ) -> Plan:
     """Steps 1–3 of the module docstring for one request's CLIENT history ``messages``.
 
-    ``force`` skips the trigger (the provider just refused with ``context_length_exceeded``).
+    ``tools_estimate`` is the request's tools, counted with the history where there are no
+    provider numbers (which include them). ``force`` skips the trigger (the provider just refused with ``context_length_exceeded``).
     When ``existing`` no longer matches, the provider numbers describe another history and are
     ignored in favour of the estimate. ``existing_digest`` is ``prefix_digest(messages,
     existing.covered)`` when the caller already knows it.
@@ -859,7 +861,7 @@ def plan(
         last_prompt=last_prompt,
         last_completion=last_completion,
         appended_estimate=appended_estimate,
-        full_estimate=estimate_tokens(forwarded) if last_prompt is None else 0,
+        full_estimate=estimate_tokens(forwarded) + tools_estimate if last_prompt is None else 0,
     ):
         return nothing(triggered=False)
     cut = find_cut(

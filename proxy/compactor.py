@@ -14,6 +14,7 @@ import operator
 import time
 from typing import Any
 
+import httpx
 import orjson
 
 from proxy import compaction, pairing
@@ -117,6 +118,8 @@ class Compactor:
                 last = None  # another conversation's, or a rewind: the estimate decides
         held: dict[str, list[Any]] = state.extra.setdefault("compactions", {})
         existing, known = self._existing(held, messages)
+        tools = body.get("tools")
+        tools_tokens = compaction.estimate_tokens(tools) if tools else 0
         appended = messages[last[2] :] if last else []
         if appended and isinstance(appended[0], dict) and appended[0].get("role") == "assistant":
             appended = appended[1:]  # the previous answer: its completion tokens count it
@@ -133,6 +136,7 @@ class Compactor:
             appended_estimate=compaction.estimate_tokens(appended),
             force=force,
             synthetic_prefixes=SYNTHETIC_PREFIXES,
+            tools_estimate=tools_tokens,
         )
 
         def shrunk(keep_recent: int, anchor: bool) -> compaction.Plan:
@@ -153,9 +157,8 @@ class Compactor:
         window = model_cfg.context_window
         extra = 0  # what a compacted request holds besides the kept messages: the summary, tools
         if plan.triggered:
-            tools = body.get("tools")
             extra = compaction.summary_chars(window) // compaction.BYTES_PER_TOKEN + 100
-            extra += compaction.estimate_tokens(tools) if tools else 0
+            extra += tools_tokens
         aim = window * cfg.trigger_percent / 100 * TARGET_SHARE
         if plan.cut is not None and not self._fits(messages, plan.cut, aim, extra):
             # Keeping the launching message verbatim would leave the history over its aim:
@@ -171,11 +174,12 @@ class Compactor:
             limit = 0.0
         elif force or plan.cut is not None or plan.reused is not None:
             limit = aim
-        elif compaction.estimate_tokens(plan.messages) + extra > window:
-            limit = window
+        elif compaction.estimate_tokens(plan.messages) + tools_tokens > window:
+            limit = window  # (as it is, with no summary in it: the summary's room is no part)
         else:
             limit = 0.0
         keep = cfg.keep_recent
+        anchored: compaction.Plan | None = None  # the last that kept it and fits the window
         while (
             limit
             and keep > 1
@@ -188,6 +192,16 @@ class Compactor:
                     plan = smaller
                     if self._fits(messages, smaller.cut, limit, extra):
                         break
+                    if anchor and self._fits(messages, smaller.cut, window, extra):
+                        anchored = smaller
+        if (
+            anchored is not None
+            and plan.cut is not None
+            and not self._fits(messages, plan.cut, limit, extra)
+        ):
+            # Nothing came under the aim (the latest round alone is over it): the launching
+            # message stays verbatim where the history still fits the window with it.
+            plan = anchored
         # (``plan`` never discards ``existing``: ``_existing`` gives only one that covers this
         # history; one a rewind left is evicted in its turn.)
         if plan.cut is None:
@@ -332,17 +346,20 @@ class Compactor:
         started = time.perf_counter()
         headers = [(k, v) for k, v in ex.upstream_headers if k != b"content-type"]
         headers.append((b"content-type", b"application/json"))
+        stage = "connect"  # what a failure was, for cachegate_upstream_errors_total
         try:
             async with asyncio.timeout(self.settings.compaction.summary_timeout_s):
                 url = self.relay.url("chat/completions", ex.query)  # keeps e.g. ?api-version=
                 try:
                     response = await self.relay.open("POST", url, headers, orjson.dumps(request))
+                    stage = "midstream"
                     try:
                         body = await response.aread()
                     finally:
                         await response.aclose()
                 finally:  # the provider's time, not cachegate's overhead
                     ex.upstream_wait_s += time.perf_counter() - started
+            stage = "status" if response.status_code >= 400 else "invalid"
             if response.status_code == 200:
                 answer = orjson.loads(body)
                 self._count_summary(ex, model, answer)
@@ -352,12 +369,18 @@ class Compactor:
             log.warning(
                 "summarizer answered %s; using the extractive summary", response.status_code
             )
+            if response.status_code >= 400:
+                notify(self.observers, "on_summary_error", ex, "status")
         except Exception as exc:
             log.warning(
                 "summarizer failed after %.1fs (%s); using the extractive summary",
                 time.perf_counter() - started,
                 type(exc).__name__,
             )
+            if isinstance(exc, TimeoutError | httpx.TimeoutException):
+                stage = "" if isinstance(exc, httpx.PoolTimeout) else "timeout"  # (the pool's)
+            if stage:
+                notify(self.observers, "on_summary_error", ex, stage)
         return (
             compaction.extractive_summary(
                 plan.middle,

@@ -716,6 +716,11 @@ class MetricsObserver:
         compacts and sends again (or answers with that refusal): an upstream answer >= 400."""
         self.metrics.observe_upstream_error("status")
 
+    def on_summary_error(self, ex: Exchange, kind: str) -> None:
+        """A compaction's summary call failed (``kind`` as for an exchange): the extractive
+        summary stands in, and the failure is the upstream's all the same."""
+        self.metrics.observe_upstream_error(kind)
+
     def on_error(self, ex: Exchange) -> None:
         self.metrics.observe_request(
             ex.route, ex.model, ex.status, max(0.0, time.perf_counter() - ex.t0)
