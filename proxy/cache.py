@@ -118,7 +118,8 @@ def compute_cost(usage: Usage, pricing: ModelPricing) -> Cost:
     """Price one exchange.
 
     ``actual = (prompt - cache_read - cache_write) × input + cache_read × cached_input
-    + cache_write × cache_write_price (input price when 0) + completion × output``;
+    + cache_write × cache_write_price (input price when 0) + completion × output``, where the
+    writes for an hour (``cache_write_1h``, Anthropic's) cost twice the input price;
     ``uncached = prompt × input + completion × output``.
 
     ``usage.prompt`` is the whole input in every dialect (``proxy.usage`` normalizes it): OpenAI's
@@ -129,10 +130,12 @@ def compute_cost(usage: Usage, pricing: ModelPricing) -> Cost:
     """
     fresh = max(usage.prompt - usage.cache_read - usage.cache_write, 0)
     write_price = pricing.price_cache_write or pricing.price_input
+    hour = usage.cache_write_1h  # (Anthropic's one-hour writes: twice the input price)
     actual = (
         fresh * pricing.price_input
         + usage.cache_read * pricing.price_cached_input
-        + usage.cache_write * write_price
+        + (usage.cache_write - hour) * write_price
+        + hour * 2 * pricing.price_input
         + usage.completion * pricing.price_output
     )
     uncached = usage.prompt * pricing.price_input + usage.completion * pricing.price_output

@@ -317,6 +317,8 @@ class Compactor:
                 earlier.cache_write + usage.cache_write,
                 earlier.reported_cache or usage.reported_cache,
                 earlier.reported_cache_write or usage.reported_cache_write,
+                earlier.explicit_cache or usage.explicit_cache,
+                earlier.cache_write_1h + usage.cache_write_1h,
             )
         ex.summary_usage, ex.summary_model = usage, model
 

@@ -237,6 +237,9 @@ class AccountingObserver:
             ex.divergence = _divergence_dict(divergence)
         usage = ex.usage
         name, ttl_s, pricing, marked_only = self._model_terms(ex.model)
+        if marked_only or (usage is not None and usage.explicit_cache):
+            # Claude keeps a prefix as long as the breakpoint that wrote it asks: "1h" or "5m"
+            ttl_s = prefix.marked_ttl_s(body) or ttl_s
         model = ex.model or name
         # What this request is accounted against (before its baseline is replaced by it).
         base: tuple[int | None, bytes | None, str | None] = (None, None, None)

@@ -333,34 +333,53 @@ def canonical_message(message: Any) -> Any:
 def has_cache_marker(body: Mapping[str, Any]) -> bool:
     """Whether the request asks the provider's cache for anything: a ``cache_control`` (not
     null) on the request itself (automatic caching), a message, one of its content parts, or a
-    tool (Anthropic-style breakpoints). The latest messages are looked at first, where clients
-    put their moving breakpoint."""
-    if body.get("cache_control") is not None:
-        return True
+    tool (Anthropic-style breakpoints)."""
+    return last_cache_marker(body) is not None
+
+
+def last_cache_marker(body: Mapping[str, Any]) -> Any:
+    """The ``cache_control`` that covers the longest prefix (None when there is none): the
+    request's own (automatic caching marks the end), else the last in the order a provider
+    renders the prompt, messages from the latest back (where clients put their moving
+    breakpoint), then the tools."""
+    marker = body.get("cache_control")
+    if marker is not None:
+        return marker
     messages = body.get("messages")
     if isinstance(messages, list):
         for message in reversed(messages):
             if not isinstance(message, dict):
                 continue
-            if message.get("cache_control") is not None:
-                return True
+            marker = message.get("cache_control")
+            if marker is not None:
+                return marker
             content = message.get("content")
-            if isinstance(content, list) and any(
-                isinstance(part, dict) and part.get("cache_control") is not None for part in content
-            ):
-                return True
+            if isinstance(content, list):
+                for part in reversed(content):
+                    if isinstance(part, dict) and part.get("cache_control") is not None:
+                        return part["cache_control"]
     tools = body.get("tools")
-    return isinstance(tools, list) and any(
-        isinstance(tool, dict)
-        and (
-            tool.get("cache_control") is not None
-            or (
-                isinstance(tool.get("function"), dict)
-                and tool["function"].get("cache_control") is not None
-            )
-        )
-        for tool in tools
-    )
+    if isinstance(tools, list):
+        for tool in reversed(tools):
+            if not isinstance(tool, dict):
+                continue
+            if tool.get("cache_control") is not None:
+                return tool["cache_control"]
+            function = tool.get("function")
+            if isinstance(function, dict) and function.get("cache_control") is not None:
+                return function["cache_control"]
+    return None
+
+
+_MARKER_TTLS: Final = {"5m": 300.0, "1h": 3600.0}
+
+
+def marked_ttl_s(body: Mapping[str, Any]) -> float | None:
+    """The cache life the request's last breakpoint asks for (Anthropic's ``"ttl": "1h"`` or
+    ``"5m"``), in seconds; None when it names none."""
+    marker = last_cache_marker(body)
+    ttl = marker.get("ttl") if isinstance(marker, dict) else None
+    return _MARKER_TTLS.get(ttl) if isinstance(ttl, str) else None
 
 
 def canonical_json(value: Any) -> bytes:

@@ -28,6 +28,9 @@ class Usage:
     # Anthropic's own ``cache_creation_input_tokens`` was there: a provider that caches only the
     # prefixes a request marks with ``cache_control`` (Claude, behind LiteLLM and the like)
     explicit_cache: bool = False
+    # of ``cache_write``, the tokens written for an hour (Anthropic's
+    # ``cache_creation.ephemeral_1h_input_tokens``), billed at twice the input price
+    cache_write_1h: int = 0
 
 
 # ``cached_tokens`` at the top level: Moonshot (Kimi).
@@ -162,6 +165,8 @@ def _normalize(raw: Mapping[str, Any]) -> Usage | None:
     elif (tokens := _count(raw, "prompt_tokens")) is not None:
         completion += _reasoning_apart(raw, tokens, completion)
     reported_write = created is not None or bool(writes)
+    split = raw.get("cache_creation")  # Anthropic's writes by cache life
+    hour = _count(split, "ephemeral_1h_input_tokens") if isinstance(split, Mapping) else None
     return Usage(
         prompt,
         completion,
@@ -170,6 +175,7 @@ def _normalize(raw: Mapping[str, Any]) -> Usage | None:
         reported_cache,
         reported_write,
         created is not None,
+        min(hour or 0, cache_write),
     )
 
 

@@ -387,6 +387,21 @@ def test_cost_anthropic_style_with_cache_write() -> None:
     assert cost.uncached == pytest.approx(0.036, rel=1e-12)
 
 
+def test_one_hour_cache_writes_cost_twice_the_input_price() -> None:
+    usage = Usage(
+        prompt=10_000,
+        completion=400,
+        cache_read=9_000,
+        cache_write=800,
+        reported_cache=True,
+        cache_write_1h=500,
+    )
+    cost = compute_cost(usage, ModelPricing(3.00, 0.30, 3.75, 15.00))
+    # (200 × 3 + 9 000 × 0.30 + 300 × 3.75 + 500 × 6 + 400 × 15) / 1e6 = 13 425e-6
+    assert cost.actual == pytest.approx(0.013_425, rel=1e-12)
+    assert cost.uncached == pytest.approx(0.036, rel=1e-12)
+
+
 def test_cache_write_without_its_own_price_costs_plain_input() -> None:
     usage = Usage(prompt=1_000, completion=0, cache_write=1_000, reported_cache=True)
     cost = compute_cost(usage, ModelPricing(2.00, 0.50, 0.0, 8.00))

@@ -891,6 +891,51 @@ def test_claude_behind_a_gateway_without_cache_marks_is_told_apart_from_an_evict
     assert f"6,000 {cause}" in show.out
 
 
+@pytest.mark.parametrize(("ttl", "cause"), [("1h", "prefix_rewrite"), ("5m", "ttl_expired")])
+def test_claudes_one_hour_breakpoints_keep_the_prefix_for_an_hour_and_cost_twice_the_input(
+    scripted: Any, proxy_factory: Any, ttl: str, cause: str
+) -> None:
+    """A client that marks its breakpoints ``"ttl": "1h"``: ten minutes idle, then an edited
+    system prompt. The miss was charged to an expired cache (the model's five minutes) and the
+    one-hour writes priced as five-minute ones (1.25x the input price, where Anthropic bills
+    2x)."""
+    answer = (
+        b'{"id":"m1","object":"chat.completion","model":"claude-sonnet-4-5","choices":[{"index":0,'
+        b'"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":'
+        b'{"prompt_tokens":6000,"completion_tokens":5,"cache_read_input_tokens":0,'
+        b'"cache_creation_input_tokens":6000,"cache_creation":{"ephemeral_5m_input_tokens":0,'
+        b'"ephemeral_1h_input_tokens":6000}}}'
+    )
+    _upstream, url = scripted(chunks=[answer], content_type=b"application/json")
+    now = [1_800_000_000.0]
+    proxy = proxy_factory(url, config(), clock=lambda: now[0])
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": f"ttl-{ttl}"})
+    mark = {"type": "ephemeral", "ttl": ttl}
+    system = {"role": "system", "content": [{"type": "text", "text": SYSTEM_PROMPT}]}
+    convo: list[dict[str, Any]] = [system, {"role": "user", "content": "Fix the failing test."}]
+
+    def marked(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        last = history[-1]
+        return [
+            *history[:-1],
+            {**last, "content": [{"type": "text", "text": last["content"]}], "cache_control": mark},
+        ]
+
+    reply, _ = chat(client, marked(convo), model="claude-sonnet-4-5", stream=False)
+    convo += [reply, {"role": "user", "content": "Go on."}]
+    now[0] += 600  # ten minutes: past five, within the hour
+    convo[0] = {
+        "role": "system",
+        "content": [{"type": "text", "text": "Now: 12:00. " + SYSTEM_PROMPT}],
+    }
+    chat(client, marked(convo), model="claude-sonnet-4-5", stream=False)
+    flush(proxy)
+    first, second = events(proxy.log_dir, f"ttl-{ttl}", "response")
+    assert (second["cache"]["waste"], second["cache"]["cause"]) == (6000, cause)
+    written_for_an_hour = 6000 * 2 * 3.00  # the usage says so, whatever the mark
+    assert first["cost"]["actual"] == pytest.approx((written_for_an_hour + 5 * 15.00) / 1e6)
+
+
 def _three_turns_the_last_with_the_time_in_its_prompt(client: Any, model: str) -> None:
     """A conversation of three turns on a system prompt well past 1,024 tokens; the third turn
     puts the time at its start (a rewrite the provider misses)."""

@@ -17,6 +17,7 @@ from proxy.prefix import (
     find_divergence,
     fingerprint,
     has_cache_marker,
+    marked_ttl_s,
     same_conversation,
     shared_links,
     shared_prefix_len,
@@ -603,6 +604,50 @@ def test_a_tools_cache_control_marker_moved_or_dropped_rewrites_nothing() -> Non
     divergence = diverge({**old, "tools": TOOLS}, changed)
     assert divergence is not None and divergence.location == "tools"
     assert first["cache_control"] == {"type": "ephemeral"}  # not mutated
+
+
+@pytest.mark.parametrize(
+    ("body", "ttl"),
+    [
+        ({"messages": [_marked("one")]}, None),  # no ttl named: the model's own
+        (
+            {
+                "tools": [{**TOOLS[0], "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+                "messages": [{**_plain("one"), "cache_control": {"type": "ephemeral"}}],
+            },
+            None,  # the last breakpoint (the message's) names none
+        ),
+        (
+            {
+                "tools": [{**TOOLS[0], "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+                "messages": [_plain("one")],
+            },
+            3600.0,
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "system", "content": "s", "cache_control": {"type": "x", "ttl": "1h"}},
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "a", "cache_control": {"ttl": "5m"}},
+                            {"type": "text", "text": "b"},
+                        ],
+                    },
+                ]
+            },
+            300.0,  # the latest message's mark, not the system prompt's
+        ),
+        ({"cache_control": {"type": "ephemeral", "ttl": "1h"}, "messages": []}, 3600.0),
+        ({"messages": [{**_plain("one"), "cache_control": {"ttl": 3600}}]}, None),
+        ({"messages": [_plain("one")]}, None),
+    ],
+)
+def test_the_cache_life_a_request_asks_for_is_its_last_breakpoints(
+    body: dict[str, Any], ttl: float | None
+) -> None:
+    assert marked_ttl_s(body) == ttl
 
 
 def test_one_text_part_and_its_string_are_the_same_message() -> None:

@@ -192,6 +192,30 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
             Usage(3000, 500, 0, 2000, True, True, True),  # (the writes were left out of 1000)
             id="reasoning-inside-beside-a-cache-write-surplus",
         ),
+        pytest.param(  # Anthropic's writes by cache life, as a gateway passes them on
+            {
+                "prompt_tokens": 7000,
+                "completion_tokens": 5,
+                "cache_read_input_tokens": 1000,
+                "cache_creation_input_tokens": 6000,
+                "cache_creation": {
+                    "ephemeral_5m_input_tokens": 2000,
+                    "ephemeral_1h_input_tokens": 4000,
+                },
+            },
+            Usage(7000, 5, 1000, 6000, True, True, True, 4000),
+            id="anthropic-one-hour-writes",
+        ),
+        pytest.param(  # never more of them than the writes
+            {
+                "input_tokens": 10,
+                "output_tokens": 5,
+                "cache_creation_input_tokens": 100,
+                "cache_creation": {"ephemeral_1h_input_tokens": 900},
+            },
+            Usage(110, 5, 0, 100, True, True, True, 100),
+            id="one-hour-writes-capped",
+        ),
         pytest.param(  # LiteLLM releases in front of Claude: input + reads, the writes left out
             {
                 "prompt_tokens": 10,
