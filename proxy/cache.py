@@ -230,6 +230,7 @@ def account(
     after_compaction: bool = False,
     max_prefixes: int = DEFAULT_MAX_PREFIXES,
     unmarked: Callable[[], bool] | None = None,
+    min_cached: int = 0,
 ) -> tuple[CacheState, CacheResult]:
     """Account one finished exchange; return the session's new state and the exchange's figures.
 
@@ -238,7 +239,8 @@ def account(
     TTL. An exchange with no usage (``prompt == 0``, e.g. interrupted) keeps the previous prompt
     count as the baseline for the next one. ``unmarked``, asked only of a waste: whether the
     provider caches only marked prefixes and the request marked none (the waste is then
-    ``not_requested``).
+    ``not_requested``). A prefix shorter than ``min_cached`` (the model's minimum) was no more
+    to be read than nothing.
     """
     has_reported = state.has_reported or usage.reported_cache
     counted = (
@@ -249,6 +251,8 @@ def account(
     )
     if counted and state.prev_prompt is not None:
         expected = min(state.prev_prompt, usage.prompt)
+        if expected < min_cached:
+            expected = 0
         shortfall = expected - usage.cache_read
         waste = shortfall if shortfall > noise_floor else 0
         cause: Cause | None

@@ -99,6 +99,7 @@ class ModelSettings:
     price_cache_write: float = 0.0
     price_output: float = 0.0
     dialect: Literal["openai", "deepseek", "anthropic"] = "openai"
+    cache_min_tokens: int = 0  # the shortest prefix the provider caches (0: no minimum of its own)
 
 
 # Public list prices (USD per 1M tokens) as documented by the providers; override in the config file.
@@ -130,8 +131,9 @@ DEFAULT_MODELS: dict[str, ModelSettings] = {
     "claude-opus-4": _CLAUDE_OPUS_4,
     "claude-opus-4-0": _CLAUDE_OPUS_4,
     "claude-opus-4-1": _CLAUDE_OPUS_4,
-    "claude-opus-4-5": ModelSettings(200000, 300, 5.00, 0.50, 6.25, 25.00, "anthropic"),
-    "claude-haiku-4-5": ModelSettings(200000, 300, 1.00, 0.10, 1.25, 5.00, "anthropic"),
+    # (Anthropic caches nothing shorter than 4,096 tokens for these two)
+    "claude-opus-4-5": ModelSettings(200000, 300, 5.00, 0.50, 6.25, 25.00, "anthropic", 4096),
+    "claude-haiku-4-5": ModelSettings(200000, 300, 1.00, 0.10, 1.25, 5.00, "anthropic", 4096),
     "*": ModelSettings(),
 }
 

@@ -11,7 +11,7 @@ import logging
 import operator
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import orjson
 
@@ -161,6 +161,19 @@ def _toml_string(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
+class _Terms(NamedTuple):
+    """What accounting needs of a model's configured entry: its name, cache TTL and prices,
+    whether it caches only marked prefixes (Claude, by its entry's dialect or its name:
+    ``anthropic/claude-…`` of OpenRouter, whose usage has no Anthropic fields), and the
+    shortest prefix it caches."""
+
+    name: str
+    ttl_s: float
+    pricing: ModelPricing
+    marked_only: bool
+    min_cached: int
+
+
 class AccountingObserver:
     """Prefix diagnosis for every request; cache waste, its cause and cost for every response."""
 
@@ -177,12 +190,10 @@ class AccountingObserver:
         # Exact values no excerpt may show a piece of (the operator's key), as the event log's.
         self.secrets = known_secrets(secrets)
         # Per model name: (configured entry's name, cache TTL, pricing); looked up once.
-        self._terms: dict[str | None, tuple[str, float, ModelPricing, bool]] = {}
+        self._terms: dict[str | None, _Terms] = {}
 
-    def _model_terms(self, model_name: str | None) -> tuple[str, float, ModelPricing, bool]:
-        """The configured entry's name, cache TTL and prices for ``model_name``, and whether
-        it is a model that caches only marked prefixes (Claude, by its entry's dialect or its
-        name: ``anthropic/claude-…`` of OpenRouter, whose usage has no Anthropic fields)."""
+    def _model_terms(self, model_name: str | None) -> _Terms:
+        """The accounting terms of ``model_name``'s configured entry (``_Terms``)."""
         terms = self._terms.get(model_name)
         if terms is None:
             name, model = self.settings.model(model_name)
@@ -212,7 +223,8 @@ class AccountingObserver:
             marked_only = model.dialect == "anthropic" or (
                 cache.provider_of(model_name or "") == "anthropic"
             )
-            terms = self._terms[model_name] = (name, ttl, pricing, marked_only)
+            terms = _Terms(name, ttl, pricing, marked_only, model.cache_min_tokens)
+            self._terms[model_name] = terms
         return terms
 
     def on_request(self, ex: Exchange) -> None:
@@ -236,7 +248,7 @@ class AccountingObserver:
                 self.metrics.observe_prefix_rewrite(_location_label(divergence))
             ex.divergence = _divergence_dict(divergence)
         usage = ex.usage
-        name, ttl_s, pricing, marked_only = self._model_terms(ex.model)
+        name, ttl_s, pricing, marked_only, min_cached = self._model_terms(ex.model)
         if marked_only or (usage is not None and usage.explicit_cache):
             # Claude keeps a prefix as long as the breakpoint that wrote it asks: "1h" or "5m"
             ttl_s = prefix.marked_ttl_s(body) or ttl_s
@@ -311,6 +323,7 @@ class AccountingObserver:
             started_at=ex.started_at,
             ttl_s=ttl_s,
             noise_floor=self.settings.cache.noise_floor_tokens,
+            min_cached=min_cached,
             model=model,
             after_compaction=after_compaction,
             unmarked=(
@@ -354,7 +367,7 @@ class AccountingObserver:
         actual, uncached = (cost.actual, cost.uncached) if cost is not None else (0.0, 0.0)
         summary = ex.summary_usage
         if summary is not None:
-            _, _, pricing, _ = self._model_terms(ex.summary_model)
+            pricing = self._model_terms(ex.summary_model).pricing
             extra = cache.compute_cost(summary, pricing)
             self.metrics.observe_usage(ex.summary_model, summary)
             self.metrics.observe_cost(ex.summary_model, extra.actual, extra.uncached)

@@ -84,6 +84,7 @@ class Session:
         *,
         after_compaction: bool = False,
         unmarked: bool = False,
+        min_cached: int = 0,
     ) -> CacheResult:
         body = orjson.loads(orjson.dumps(body))  # every request arrives parsed afresh
         fp = fingerprint(body, previous=self.fp)
@@ -102,6 +103,7 @@ class Session:
             model=body["model"],
             after_compaction=after_compaction,
             unmarked=(lambda: True) if unmarked else None,
+            min_cached=min_cached,
         )
         self.body, self.fp = body, fp
         return result
@@ -240,6 +242,23 @@ def test_a_miss_of_a_request_that_marked_nothing_where_marks_are_needed_is_not_r
     body["messages"] += tool_round(2)
     # A turn that hits anyway (under the noise floor) is no waste at all.
     assert session.exchange(body, reported(22_000, 20_500), 30.0 + TTL, unmarked=True).waste == 0
+
+
+def test_a_prefix_shorter_than_the_models_minimum_is_expected_to_miss() -> None:
+    """Claude Haiku 4.5 caches nothing under 4,096 tokens: a 3,000-token history that missed on
+    every turn was charged 3,000 tokens of waste a turn it could never have read."""
+    session = Session(CacheState())
+    body = opening()
+    session.exchange(body, reported(3_000, 0), 0.0, min_cached=4_096)
+    body["messages"] += tool_round(1)
+    short = session.exchange(body, reported(3_500, 0), 10.0, min_cached=4_096)
+    assert short == CacheResult(0, 0, 0, 0, None, None)
+    body["messages"] += tool_round(2)
+    long = session.exchange(body, reported(5_000, 0), 20.0, min_cached=4_096)
+    assert (long.expected, long.waste) == (0, 0)  # 3,500 of the last: under it still
+    body["messages"] += tool_round(3)
+    past = session.exchange(body, reported(6_000, 0), 30.0, min_cached=4_096)
+    assert (past.expected, past.waste) == (5_000, 5_000)
 
 
 @pytest.mark.parametrize(("shortfall", "waste"), [(0, 0), (1_024, 0), (1_025, 1_025)])
