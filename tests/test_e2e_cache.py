@@ -487,7 +487,10 @@ def test_cost_matches_hand_computed_figures_for_each_usage_dialect(
             {"role": "user", "content": "Explain the design. " * 60},
         ]
         for i in range(3):
-            reply, _ = chat(client, convo, stream=i == 1, model=model, tools=TOOLS)
+            sent = convo
+            if dialect == "anthropic-compat":  # Claude caches what is marked: the latest turn
+                sent = [*convo[:-1], {**convo[-1], "cache_control": {"type": "ephemeral"}}]
+            reply, _ = chat(client, sent, stream=i == 1, model=model, tools=TOOLS)
             convo += [reply, {"role": "user", "content": f"And part {i}? " * 20}]
         usages = [r.usage for r in sim.sim.requests]
         flush(proxy)
@@ -891,6 +894,21 @@ def test_claude_behind_a_gateway_without_cache_marks_is_told_apart_from_an_evict
     assert f"6,000 {cause}" in show.out
 
 
+def test_an_unmarked_claude_session_against_the_simulator_is_not_requested(
+    proxy_factory: Any,
+) -> None:
+    """The simulator caches for Claude only what a request marks, as Claude does: an agent that
+    marks nothing reads nothing, and cachegate says why."""
+    with run_simulator(SimConfig(dialect="anthropic-compat")) as claude:
+        proxy = proxy_factory(claude.api_base, config())
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "plain-claude"})
+        _three_turns_the_last_with_the_time_in_its_prompt(client, "claude-sonnet-4-5")
+        flush(proxy)
+    responses = events(proxy.log_dir, "plain-claude", "response")
+    assert [r["cache"]["read"] for r in responses] == [0, 0, 0]
+    assert [r["cache"]["cause"] for r in responses] == [None, "not_requested", "not_requested"]
+
+
 @pytest.mark.parametrize(("ttl", "cause"), [("1h", "prefix_rewrite"), ("5m", "ttl_expired")])
 def test_claudes_one_hour_breakpoints_keep_the_prefix_for_an_hour_and_cost_twice_the_input(
     scripted: Any, proxy_factory: Any, ttl: str, cause: str
@@ -956,9 +974,9 @@ def test_claude_behind_a_gateway_that_marks_for_the_client_gets_the_usual_causes
 ) -> None:
     """A gateway that adds the breakpoints itself (LiteLLM's cache_control_injection_points,
     Bifrost): the client marks nothing, yet the cache is read. Its system-prompt rewrite is a
-    prefix_rewrite, not "nothing was asked of the cache" (the simulator's anthropic-compat
-    dialect caches unmarked prefixes, as such a gateway makes Claude do)."""
-    with run_simulator(SimConfig(dialect="anthropic-compat")) as claude:
+    prefix_rewrite, not "nothing was asked of the cache" (the simulator's ``cache_unmarked``
+    caches unmarked prefixes, as such a gateway makes Claude do)."""
+    with run_simulator(SimConfig(dialect="anthropic-compat", cache_unmarked=True)) as claude:
         proxy = proxy_factory(claude.api_base, config())
         client = make_client(proxy.base_url, default_headers={"X-Session-Id": "injected"})
         _three_turns_the_last_with_the_time_in_its_prompt(client, "claude-sonnet-4-5")

@@ -338,19 +338,52 @@ def test_deepseek_caches_64_token_blocks_and_reports_hit_and_miss(
     )
 
 
+def _marked(message: dict[str, Any]) -> dict[str, Any]:
+    return {**message, "cache_control": {"type": "ephemeral"}}
+
+
 def test_anthropic_compat_reports_cache_read_and_creation(anthropic: RunningSimulator) -> None:
     first = long_chat(1100)  # 1107 tokens
-    usage = usage_of(anthropic, first)
+    usage = usage_of(anthropic, [first[0], _marked(first[1])])
     assert (usage["cache_read_input_tokens"], usage["cache_creation_input_tokens"]) == (0, 1024)
     assert usage["prompt_tokens"] == 1107
     second = [
         *first,
         {"role": "assistant", "content": "ok"},
-        {"role": "user", "content": words(200)},
+        _marked({"role": "user", "content": words(200)}),
     ]
     usage = usage_of(anthropic, second)  # 1107 + 4 + 203 = 1314 tokens
     assert usage["prompt_tokens"] == 1314
     assert (usage["cache_read_input_tokens"], usage["cache_creation_input_tokens"]) == (1024, 256)
+
+
+def test_anthropic_compat_caches_only_up_to_the_last_breakpoint(
+    anthropic: RunningSimulator,
+) -> None:
+    """Claude caches nothing of a request that marks nothing, and of a marked one nothing past
+    its last mark (a gateway's clients that mark nothing miss every turn: ``not_requested``)."""
+    big = long_chat(1100)
+    longer = [*big, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+    for _ in range(2):
+        usage = usage_of(anthropic, longer)
+        assert (usage["cache_read_input_tokens"], usage["cache_creation_input_tokens"]) == (0, 0)
+    # the mark on the long message: its 1,024-token blocks, not the turn after it
+    marked = [big[0], _marked(big[1]), *longer[2:]]
+    usage = usage_of(anthropic, marked)
+    assert (usage["cache_read_input_tokens"], usage["cache_creation_input_tokens"]) == (0, 1024)
+    # a request-level mark (automatic caching): up to its end
+    anthropic.sim.reset()
+    body = {**chat_body(longer), "cache_control": {"type": "ephemeral"}}
+    first = post(anthropic, body).json()["usage"]
+    again = post(anthropic, body).json()["usage"]
+    assert first["cache_creation_input_tokens"] == 1024
+    assert again["cache_read_input_tokens"] == 1024
+
+
+def test_anthropic_compat_caches_unmarked_requests_when_a_gateway_marks_them() -> None:
+    with run_simulator(SimConfig(dialect="anthropic-compat", cache_unmarked=True)) as gateway:
+        usage_of(gateway, long_chat(1100))
+        assert usage_of(gateway, long_chat(1100))["cache_read_input_tokens"] == 1024
 
 
 def test_entries_expire_after_the_ttl_on_the_simulated_clock(sim: RunningSimulator) -> None:
@@ -790,6 +823,9 @@ def test_cli_options_build_a_config() -> None:
     # the config file's spelling of the dialect is taken too
     anthropic = config_from_args(parser.parse_args(["--dialect", "anthropic"]))
     assert anthropic.dialect == "anthropic-compat"
+    assert not anthropic.cache_unmarked
+    gateway = config_from_args(parser.parse_args(["--dialect", "anthropic", "--cache-unmarked"]))
+    assert gateway.cache_unmarked
     with pytest.raises(ValueError, match="fault_rate"):
         config_from_args(parser.parse_args(["--fault-rate", "2"]))
 

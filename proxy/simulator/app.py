@@ -42,7 +42,7 @@ from proxy.serving import ServerThread
 from proxy.simulator.config import FAULTS, STATUS_FAULTS, SimConfig
 from proxy.simulator.reply import Reply, completion_tokens, derive_reply, parse_script
 from proxy.simulator.state import ReceivedRequest, Simulator
-from proxy.simulator.tokens import count_tokens, request_tokens
+from proxy.simulator.tokens import count_tokens, marked_request_tokens
 from proxy.simulator.validate import ValidationError, validate_messages
 from proxy.simulator.wire import (
     DONE,
@@ -266,7 +266,7 @@ class _Handlers:
             validate_messages(body.get("messages"))
         except ValidationError as exc:
             return _error(400, exc.message, exc.param, exc.code)
-        tokens = request_tokens(body)
+        tokens, marked = marked_request_tokens(body)
         if len(tokens) > self.config.context_window:
             message = CONTEXT_TEXT.format(window=self.config.context_window, tokens=len(tokens))
             return _error(400, message, "messages", "context_length_exceeded")
@@ -279,7 +279,9 @@ class _Handlers:
         missing = sum(1 for c in reply.tool_calls if not c.id)
         reply = reply.with_call_ids([self.sim.new_id("call_", 24) for _ in range(missing)])
         model = str(body["model"])
-        cache = self.sim.process_prompt(tokens, model)
+        # Claude caches up to the last breakpoint only (a gateway may mark for the client)
+        claude = self.config.dialect == "anthropic-compat" and not self.config.cache_unmarked
+        cache = self.sim.process_prompt(tokens, model, marked if claude else None)
         usage = usage_object(self.config.dialect, len(tokens), completion_tokens(reply), cache)
         received.usage = usage
         received.status = 200

@@ -92,9 +92,15 @@ class PrefixCache:
             matched += 1
         return self.policy.round(matched * self.policy.block)
 
-    def process(self, tokens: Sequence[bytes], now: float, scope: str = "") -> CacheResult:
-        """Serve a request's prompt at ``now``: read its cached prefix, store/refresh the rest."""
+    def process(
+        self, tokens: Sequence[bytes], now: float, scope: str = "", limit: int | None = None
+    ) -> CacheResult:
+        """Serve a request's prompt at ``now``: read its cached prefix, store/refresh the rest;
+        with a ``limit``, only its first ``limit`` tokens are looked up and stored (Claude's
+        last breakpoint)."""
         self._prune(now)
+        if limit is not None:
+            tokens = tokens[:limit]
         hashes = block_hashes(tokens, self.policy.block, scope)
         matched = 0
         for digest in hashes:

@@ -83,6 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="send ': keep-alive' comments while waiting for the first token",
     )
     parser.add_argument(
+        "--cache-unmarked",
+        action="store_true",
+        help="anthropic-compat: cache requests with no cache_control whole, as a gateway that"
+        " marks them for its clients makes Claude do (default: only up to the last mark)",
+    )
+    parser.add_argument(
         "--fault-rate",
         type=float,
         default=defaults.fault_rate,
@@ -109,6 +115,7 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
         seed=ns.seed,
         keepalive=ns.keepalive,
         fault_rate=ns.fault_rate,
+        cache_unmarked=ns.cache_unmarked,
     )
 
 

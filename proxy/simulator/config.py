@@ -43,6 +43,10 @@ class SimConfig:
     start_time: float = 1_700_000_000.0
     embedding_dimensions: int = 1536
     models: tuple[str, ...] = ()
+    # anthropic-compat caches only up to a request's last cache_control breakpoint, as Claude
+    # does; this caches unmarked requests whole, as a gateway that marks for its clients makes
+    # it (LiteLLM's cache_control_injection_points, Bifrost)
+    cache_unmarked: bool = False
 
     def __post_init__(self) -> None:
         if self.dialect not in DIALECTS:

@@ -146,7 +146,10 @@ class Simulator:
         with self._lock:
             return str(uuid.UUID(int=self._rng.getrandbits(128), version=4))
 
-    def process_prompt(self, tokens: Sequence[bytes], scope: str) -> CacheResult:
-        """Run a prompt through the prefix cache at the current simulated time."""
+    def process_prompt(
+        self, tokens: Sequence[bytes], scope: str, limit: int | None = None
+    ) -> CacheResult:
+        """Run a prompt (its first ``limit`` tokens) through the prefix cache at the current
+        simulated time."""
         with self._lock:
-            return self.cache.process(tokens, self._now, scope)
+            return self.cache.process(tokens, self._now, scope, limit)

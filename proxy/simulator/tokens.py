@@ -17,6 +17,8 @@ Rules:
   text parts, other parts as compact JSON), its tool calls (id, function name, arguments) and its
   ``tool_call_id``. ``prompt_tokens`` is the length of that sequence.
 - A reply costs the tokens of its content plus, per tool call, those of its name and arguments.
+- Claude (``anthropic-compat``) caches a request's tokens only up to its last ``cache_control``
+  breakpoint (``marked_request_tokens``).
 """
 
 from __future__ import annotations
@@ -92,11 +94,44 @@ def message_tokens(message: Mapping[str, Any]) -> list[bytes]:
 
 def request_tokens(body: Mapping[str, Any]) -> list[bytes]:
     """The prompt of a chat-completions request as one token sequence: tools, then messages."""
+    return marked_request_tokens(body)[0]
+
+
+def marked_request_tokens(body: Mapping[str, Any]) -> tuple[list[bytes], int]:
+    """``request_tokens`` and how many of them end at the request's last ``cache_control``
+    breakpoint (0 when there is none; all of them for one on the request itself). A mark on
+    a tool counts at the end of the tools, on a content part at the end of its message."""
     out: list[bytes] = []
-    if body.get("tools"):
-        out += tokenize(tools_json(body["tools"]).decode())
+    marked = 0
+    tools = body.get("tools")
+    if tools:
+        out += tokenize(tools_json(tools).decode())
+        if isinstance(tools, list) and any(_tool_marked(tool) for tool in tools):
+            marked = len(out)
     for message in body.get("messages") or ():
-        out += (
-            message_tokens(message) if isinstance(message, Mapping) else tokenize(_as_text(message))
-        )
-    return out
+        if isinstance(message, Mapping):
+            out += message_tokens(message)
+            if _message_marked(message):
+                marked = len(out)
+        else:
+            out += tokenize(_as_text(message))
+    if body.get("cache_control") is not None:  # automatic caching: up to the end
+        marked = len(out)
+    return out, marked
+
+
+def _tool_marked(tool: Any) -> bool:
+    if not isinstance(tool, Mapping):
+        return False
+    function = tool.get("function")
+    return tool.get("cache_control") is not None or (
+        isinstance(function, Mapping) and function.get("cache_control") is not None
+    )
+
+
+def _message_marked(message: Mapping[str, Any]) -> bool:
+    content = message.get("content")
+    return message.get("cache_control") is not None or (
+        isinstance(content, list)
+        and any(isinstance(p, Mapping) and p.get("cache_control") is not None for p in content)
+    )
