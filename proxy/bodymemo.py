@@ -72,9 +72,15 @@ def _splice(raw: bytes, memo: BodyMemo) -> Parsed | None:
             middle = middle[1:]
         try:  # one valid array of values, or nothing: "[1],[2" is not one document. Wrapped at
             # the depth it has in the body, so orjson's nesting limit applies as to a full parse.
-            appended = orjson.loads(b'{"m":[' + middle + b"]}")["m"]
+            wrapped = orjson.loads(b"[[" + middle + b"]]")
         except orjson.JSONDecodeError:
             return None
+        # One array, nothing beside it: "…],[…" would close the messages early and open another
+        # value. (Wrapped in an object, fields after the messages that end in an array, as
+        # ``"tools":[…]}`` does, parsed as that object's other keys, and were lost.)
+        if len(wrapped) != 1:
+            return None
+        appended = wrapped[0]
         if not appended:  # "," alone, or a stray "[]"-like fragment: not an append
             return None
     messages = [*memo.messages, *appended]

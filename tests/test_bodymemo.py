@@ -117,7 +117,7 @@ def test_bytes_that_only_look_like_an_append_are_not_spliced() -> None:
     memo = remember(raw, bodymemo.parse(raw, []))
     assert memo is not None
     head, tail = raw[: memo.close], raw[memo.close :]
-    for middle in (b",", b",1],[2", b"]", b',{"a":1}]', b' "x"', b",1,]"):
+    for middle in (b",", b",1],[2", b"]", b',{"a":1}]', b' "x"', b",1,]", b',1],"t":[2'):
         forged = head + middle + tail
         try:
             expected = orjson.loads(forged)
@@ -126,6 +126,32 @@ def test_bytes_that_only_look_like_an_append_are_not_spliced() -> None:
                 bodymemo.parse(forged, [memo])
             continue
         assert bodymemo.parse(forged, [memo]).body == expected
+
+
+@pytest.mark.parametrize("style", ["orjson", "python", "indent"])
+def test_fields_added_after_messages_are_never_taken_for_an_append(style: str) -> None:
+    """The previous body ended with its messages; the next adds fields after them, the last an
+    array (``"tools":[…]}`` ends as ``messages`` did). The splice took ``],"temperature":…,
+    "tools":[…`` for more messages and kept none of those fields: the log had no tools, and a
+    repaired body went to the provider without them."""
+    history = turns(2)
+    first = {"model": "gpt-4o", "messages": history[1]}
+    raw = dumps(first, style)
+    memo = remember(raw, bodymemo.parse(raw, []))
+    assert memo is not None
+    tools = [{"type": "function", "function": {"name": "sh", "parameters": {}}}]
+    for extra in (
+        {"temperature": 0.2, "tools": tools},
+        {"stream": True, "tools": tools},
+        {"stop": ["\n"]},
+        {"messages_2": [], "tools": []},
+    ):
+        body = {**first, "messages": history[2], **extra}
+        grown = dumps(body, style)
+        parsed = bodymemo.parse(grown, [memo])
+        assert parsed.body == body
+        assert list(parsed.body) == list(body)
+        assert parsed.source is None  # no append: parsed in full
 
 
 @settings(max_examples=300, deadline=None)

@@ -650,6 +650,43 @@ def test_sub_agents_interleaved_in_one_session_are_each_coded_against_their_own_
     ]
 
 
+def test_tools_added_to_a_large_history_reach_the_provider_and_the_log(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """The SDK puts ``messages`` last when nothing follows it; the next turn adds tools and a
+    temperature after them. Those bytes were spliced as appended messages (over 16 KiB, the
+    body is parsed in proportion to what was appended): the log lost the fields, and when
+    the turn needed a repair, the provider got the body without its tools."""
+    proxy = proxy_factory(sim.api_base)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "grown"})
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are an agent. " + "Follow the guide. " * 1200},
+        {"role": "user", "content": "Look at the repository."},
+    ]
+    client.chat.completions.create(model="gpt-4o", messages=convo)  # type: ignore[arg-type]
+    call = {"id": "call_1", "type": "function", "function": {"name": "sh", "arguments": "{}"}}
+    convo += [
+        {"role": "assistant", "content": None, "tool_calls": [call]},  # interrupted: no result
+        {"role": "user", "content": "Go on."},
+    ]
+    tools = [{"type": "function", "function": {"name": "sh", "parameters": {"type": "object"}}}]
+    raw = client.chat.completions.with_raw_response.create(
+        model="gpt-4o",
+        messages=convo,  # type: ignore[arg-type]
+        tools=tools,  # type: ignore[arg-type]
+        temperature=0.2,
+    )
+    assert raw.headers["x-cachegate-repairs"] == "1"
+    received = sim.sim.requests[-1].body
+    assert received["tools"] == tools and received["temperature"] == 0.2
+    flush(proxy)
+    request = events(proxy.log_dir, "grown", "request")[-1]
+    assert request["params"].get("temperature") == 0.2
+    replayed = run_cli("sessions", "replay", "grown", "--log-dir", str(proxy.log_dir))
+    last = orjson.loads(replayed.out.splitlines()[-1])
+    assert last["tools"] == tools and last["params"]["temperature"] == 0.2
+
+
 # --- crash safety --------------------------------------------------------------------------------
 
 
