@@ -202,7 +202,14 @@ def _sessions(ns: argparse.Namespace) -> int:
     log_dir = ns.log_dir or os.environ.get("CACHEGATE_LOG_DIR") or DEFAULT_LOG_DIR
     try:
         if ns.action == "list":
-            sessions = report.list_sessions(log_dir)
+            unreadable: list[str] = []
+            sessions = report.list_sessions(log_dir, unreadable)
+            for path in unreadable:  # (the others are listed: one file must not hide them)
+                print(
+                    f"cachegate: cannot read {path}: permission denied (left out; log files are"
+                    " private to the user that wrote them: run as that user)",
+                    file=sys.stderr,
+                )
             if ns.json:
                 print(json.dumps([s.to_json() for s in sessions], indent=2))
             else:

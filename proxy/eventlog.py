@@ -898,6 +898,7 @@ class LogRead:
 
     events: list[dict[str, Any]]
     torn: int
+    starts_as_log: bool = True  # its first line begins as cachegate's do (``EVENT_START``)
 
 
 class NotALogFile(ValueError):
@@ -947,7 +948,10 @@ def parse_lines(
     appended meanwhile, would count as a second torn line)."""
     events: list[dict[str, Any]] = []
     torn = 0
+    starts_as_log: bool | None = None
     for raw in lines:
+        if starts_as_log is None:
+            starts_as_log = raw.startswith(EVENT_START)
         line = raw.strip()
         if line:
             try:
@@ -964,7 +968,7 @@ def parse_lines(
                     events.append(obj)
         if not raw.endswith(b"\n"):
             break
-    return LogRead(events=events, torn=torn)
+    return LogRead(events=events, torn=torn, starts_as_log=bool(starts_as_log))
 
 
 def choose_base(

@@ -138,8 +138,13 @@ def show_session(log_dir: str | os.PathLike[str], session_id: str) -> SessionDet
     return build_detail(session_id, _load(log_dir, session_id, drop=BODY_FIELDS))
 
 
-def list_sessions(log_dir: str | os.PathLike[str]) -> list[SessionSummary]:
-    """Every session logged in ``log_dir``, most recently seen first."""
+def list_sessions(
+    log_dir: str | os.PathLike[str], unreadable: list[str] | None = None
+) -> list[SessionSummary]:
+    """Every session logged in ``log_dir``, most recently seen first. A file another user's
+    permissions keep from us is left out and its path added to ``unreadable`` (raised when
+    that is None); a ``.jsonl`` file that does not begin as cachegate's lines do (another
+    tool's, an empty one) is no session."""
     directory = os.fspath(log_dir)
     if not os.path.isdir(directory):
         if os.path.exists(directory):
@@ -154,6 +159,13 @@ def list_sessions(log_dir: str | os.PathLike[str]) -> list[SessionSummary]:
         try:
             log = read_events(path, drop=BODY_FIELDS)
         except (FileNotFoundError, NotALogFile):  # removed meanwhile; a directory, a link
+            continue
+        except PermissionError:
+            if unreadable is None:
+                raise
+            unreadable.append(path)
+            continue
+        if not log.starts_as_log:
             continue
         summaries.append(summarize(build_detail(session_id, log)))
     summaries.sort(key=lambda s: (-(s.last_seen or 0.0), s.session))

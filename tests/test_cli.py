@@ -404,7 +404,7 @@ def test_a_log_directory_of_another_user_is_a_message_not_a_traceback(
 ) -> None:
     from proxy import report
 
-    def denied(log_dir: str) -> Any:  # root reads anything: the refusal is simulated
+    def denied(log_dir: str, unreadable: Any = None) -> Any:  # root reads anything: simulated
         raise PermissionError(13, "Permission denied", str(tmp_path / "a.jsonl"))
 
     monkeypatch.setattr(report, "list_sessions", denied)
@@ -412,6 +412,21 @@ def test_a_log_directory_of_another_user_is_a_message_not_a_traceback(
     assert result.code == 1
     assert "permission denied" in result.err and "a.jsonl" in result.err
     assert "Traceback" not in result.err
+
+
+def test_an_unreadable_log_file_is_named_and_the_rest_listed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from proxy import report
+
+    def some(log_dir: str, unreadable: list[str]) -> list[Any]:  # (root reads anything)
+        unreadable.append(str(tmp_path / "secret.jsonl"))
+        return []
+
+    monkeypatch.setattr(report, "list_sessions", some)
+    result = run_cli("sessions", "list", "--log-dir", str(tmp_path))
+    assert result.code == 0 and result.out == "no sessions\n"
+    assert "cannot read" in result.err and "secret.jsonl: permission denied" in result.err
 
 
 def test_empty_log_directory_lists_no_sessions(tmp_path: Path) -> None:

@@ -209,6 +209,37 @@ def test_list_sessions_summarizes_every_log_most_recent_first(log_dir: Path) -> 
     assert (beta.tokens_in, beta.tokens_out, beta.cache_read) == (None, None, None)
 
 
+def test_files_that_are_not_cachegates_logs_are_no_sessions(log_dir: Path) -> None:
+    """Another tool's JSONL, an empty file or random bytes named ``*.jsonl`` each got a row
+    (415 torn lines, a first seen of 1970)."""
+    (log_dir / "other.jsonl").write_text('{"level": "info", "msg": "started"}\n')
+    (log_dir / "empty.jsonl").write_bytes(b"")
+    (log_dir / "noise.jsonl").write_bytes(bytes(range(256)) * 8)
+    assert [s.session for s in list_sessions(log_dir)] == ["beta", "alpha"]
+
+
+def test_one_unreadable_file_is_named_and_the_others_are_listed(
+    log_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log directory shared with a container's user: one file we may not read made ``list``
+    print nothing at all."""
+    from proxy import report
+
+    real = report.read_events
+
+    def guarded(path: Any, **kw: Any) -> Any:  # root reads anything: the refusal is simulated
+        if str(path).endswith("alpha.jsonl"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, **kw)
+
+    monkeypatch.setattr(report, "read_events", guarded)
+    unreadable: list[str] = []
+    assert [s.session for s in list_sessions(log_dir, unreadable)] == ["beta"]
+    assert unreadable == [str(log_dir / "alpha.jsonl")]
+    with pytest.raises(PermissionError):  # with no list to name it in
+        list_sessions(log_dir)
+
+
 def test_render_list(log_dir: Path) -> None:
     assert render_list(list_sessions(log_dir)) == "\n".join(
         [
