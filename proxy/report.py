@@ -117,6 +117,8 @@ class CostReport:
     waste_tokens: int
     waste_by_cause: dict[str, int] = field(default_factory=dict)
     torn: int = 0
+    # priced at $0 though tokens were used: their models have no prices in the configuration
+    unpriced: dict[str, int] = field(default_factory=dict)  # model -> exchanges
 
     @property
     def saved_pct(self) -> float | None:
@@ -178,11 +180,15 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
     actual = uncached = 0.0
     priced = waste = 0
     by_cause: dict[str, int] = {}
+    unpriced: dict[str, int] = {}
     for row in detail.rows:
         if row.cost_actual is not None and row.cost_uncached is not None:
             actual += row.cost_actual
             uncached += row.cost_uncached
             priced += 1
+            if not row.cost_uncached and (row.tokens_in or row.tokens_out):
+                model = row.model or "-"
+                unpriced[model] = unpriced.get(model, 0) + 1
         if row.cache_waste:
             waste += row.cache_waste
             cause = row.waste_cause or "unexplained"
@@ -196,6 +202,7 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
         waste_tokens=waste,
         waste_by_cause=dict(sorted(by_cause.items(), key=lambda kv: (-kv[1], kv[0]))),
         torn=detail.torn,
+        unpriced=unpriced,
     )
 
 
@@ -548,7 +555,13 @@ def render_cost(report: CostReport) -> str:
     if report.torn:
         pairs.append(("torn lines skipped", str(report.torn)))
     width = max(len(label) for label, _ in pairs)
-    return "\n".join(f"{label.ljust(width)}  {value}" for label, value in pairs)
+    lines = [f"{label.ljust(width)}  {value}" for label, value in pairs]
+    for model, count in report.unpriced.items():
+        lines.append(
+            f"{count} exchange{'s' if count > 1 else ''} on {_model(model)} counted as $0: the"
+            " model has no prices (set price_input and price_output in its [models] table)"
+        )
+    return "\n".join(lines)
 
 
 # A table cell is one line: a tab or line end in a client's string (a model name) would shift

@@ -532,6 +532,42 @@ def test_cost_of_a_session_without_prices(log_dir: Path) -> None:
     assert "saved by cache       $0.0000\n" in render_cost(report)
 
 
+def test_cost_says_which_models_had_no_prices(tmp_path: Path) -> None:
+    """An unpriced model's exchanges are logged with a $0 cost: ``cost`` printed $0.0000 and
+    "priced exchanges 2" with no word of why."""
+    usage = {"prompt": 1000, "completion": 50, "cache_read": 0, "cache_write": 0}
+    events = [
+        {"ts": T0, "type": "session_meta", "session": "free"},
+        *(
+            event
+            for n, model, cost in (
+                (1, "my-local-model", {"actual": 0.0, "uncached": 0.0}),
+                (2, "my-local-model", {"actual": 0.0, "uncached": 0.0}),
+                (3, "gpt-4o", {"actual": 0.003, "uncached": 0.003}),
+            )
+            for event in (
+                {"ts": T0 + n, "type": "request", "exchange": n, "model": model},
+                {
+                    "ts": T0 + n,
+                    "type": "response",
+                    "exchange": n,
+                    "status": 200,
+                    "usage": usage,
+                    "cost": cost,
+                },
+            )
+        ),
+    ]
+    _logged(tmp_path, "free", events)
+    report = session_cost(tmp_path, "free")
+    assert report.priced_exchanges == 3 and report.unpriced == {"my-local-model": 2}
+    assert render_cost(report).endswith(
+        "\n2 exchanges on my-local-model counted as $0: the model has no prices (set "
+        "price_input and price_output in its [models] table)"
+    )
+    assert report.to_json()["unpriced"] == {"my-local-model": 2}
+
+
 def test_replay_lines_give_the_full_forwarded_messages(log_dir: Path) -> None:
     lines = list(replay_lines(log_dir, "alpha"))
     head = {"model": "gpt-4o", "stream": True}  # a log from before params and tools were kept
