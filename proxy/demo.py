@@ -1,7 +1,8 @@
 """``cachegate demo``: the simulator and cachegate in-process, four scripted agent conversations.
 
 Everything runs offline on loopback ports: the provider simulator, cachegate in front of it, and an
-agent played by the official ``openai`` SDK through the real HTTP path. Each scenario prints what
+agent's requests over the real HTTP path (httpx, as the SDKs send them: the demo needs nothing
+beyond cachegate's own dependencies). Each scenario prints what
 cachegate recorded for it (read back from the session logs through ``proxy.report``, never
 hard-coded): an interrupted turn repaired, a timestamp in the system prompt that destroys the prompt
 cache, an idle gap past the cache TTL, and a history compacted before it outgrows the context window.
@@ -23,11 +24,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, TextIO, cast
+from typing import Any, TextIO
 
+import httpx
 import orjson
-from openai import BadRequestError, OpenAI, Stream
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from prometheus_client import CollectorRegistry
 
 from proxy import report
@@ -36,6 +36,7 @@ from proxy.config import Settings, settings_from_mapping
 from proxy.eventlog import read_events, session_log_path
 from proxy.serving import ServerThread
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
+from proxy.sse import SSEDecoder
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +246,20 @@ def demo_settings(upstream: str, log_dir: str) -> Settings:
     )
 
 
+class DemoError(RuntimeError):
+    """A request of the demo's agent that cachegate answered with an error."""
+
+
+def _error_text(raw: bytes) -> str:
+    """The ``error.message`` of an OpenAI-shaped error body, else its start."""
+    try:
+        error = orjson.loads(raw).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        error = None
+    message = error.get("message") if isinstance(error, dict) else None
+    return message if isinstance(message, str) else raw[:200].decode("utf-8", "replace")
+
+
 @dataclass(frozen=True, slots=True)
 class _Reply:
     """What the agent sees of one response through cachegate."""
@@ -258,8 +273,8 @@ class _Reply:
 class _Demo:
     """What every scenario uses: the clients, the simulator, the clocks and the log reader."""
 
-    client: OpenAI  # through cachegate
-    direct: OpenAI  # straight to the simulator
+    client: httpx.Client  # through cachegate
+    direct: httpx.Client  # straight to the simulator
     running: RunningSimulator
     proxy_url: str
     clock: DemoClock
@@ -300,27 +315,23 @@ class _Demo:
         if script is not None:
             headers["X-Sim-Script"] = orjson.dumps(script).decode()
         self.sent[session] = self.sent.get(session, 0) + 1
-        raw = self.client.chat.completions.with_raw_response.create(
-            model=DEMO_MODEL,
-            messages=messages,  # type: ignore[arg-type]
-            tools=TOOLS,  # type: ignore[arg-type]
-            stream=stream,
-            extra_headers=headers,
-        )
-        status = raw.http_response.status_code
-        ours = {
-            k.lower(): v for k, v in raw.headers.items() if k.lower().startswith("x-cachegate-")
-        }
+        body = {"model": DEMO_MODEL, "messages": messages, "tools": TOOLS, "stream": stream}
+        response = self.client.post("chat/completions", content=orjson.dumps(body), headers=headers)
+        if response.status_code >= 400:
+            raise DemoError(f"{response.status_code}: {_error_text(response.content)}")
+        status = response.status_code
+        ours = {k: v for k, v in response.headers.items() if k.startswith("x-cachegate-")}
         if not stream:
-            message = (
-                cast(ChatCompletion, raw.parse()).choices[0].message.model_dump(exclude_none=True)
-            )
-            return _Reply(status, ours, message)
-        content = [
-            chunk.choices[0].delta.content
-            for chunk in cast(Stream[ChatCompletionChunk], raw.parse())
-            if chunk.choices and chunk.choices[0].delta.content
-        ]
+            message = orjson.loads(response.content)["choices"][0]["message"]
+            return _Reply(status, ours, {k: v for k, v in message.items() if v is not None})
+        content = []
+        for event in SSEDecoder().decode(response.content):
+            if event.data.strip() == "[DONE]":
+                break
+            choices = orjson.loads(event.data).get("choices") or []
+            delta = choices[0].get("delta") or {} if choices else {}
+            if delta.get("content"):
+                content.append(delta["content"])
         return _Reply(status, ours, {"role": "assistant", "content": "".join(content)})
 
     # -- reading back what cachegate recorded -------------------------------------------------
@@ -403,17 +414,13 @@ def interrupted_turn(demo: _Demo) -> None:
         },
         _user("Sorry, I stopped you. Look at tests/test_retry.py first."),
     ]
-    try:
-        demo.direct.chat.completions.create(
-            model=DEMO_MODEL,
-            messages=messages,  # type: ignore[arg-type]
-            tools=TOOLS,  # type: ignore[arg-type]
-        )
-        demo.say("direct to the provider: 200", 3)
+    body = {"model": DEMO_MODEL, "messages": messages, "tools": TOOLS}
+    direct = demo.direct.post("chat/completions", content=orjson.dumps(body))
+    if direct.status_code == 400:
+        demo.say(f"direct to the provider: 400 {_error_text(direct.content)}", 3)
+    else:
+        demo.say(f"direct to the provider: {direct.status_code}", 3)
         demo.expect(False, "the provider should refuse a dangling tool call with a 400")
-    except BadRequestError as exc:
-        body = exc.body if isinstance(exc.body, dict) else {}
-        demo.say(f"direct to the provider: {exc.status_code} {body.get('message', exc)}", 3)
 
     reply = demo.chat(session, messages)
     repairs = reply.headers.get("x-cachegate-repairs", "absent")
@@ -723,11 +730,12 @@ def _running(log_dir: str, out: TextIO) -> Iterator[_Demo]:
         settings = demo_settings(running.api_base, log_dir)
         app = create_app(settings, registry=CollectorRegistry(), clock=clock, environ={})
         server = stack.enter_context(ServerThread(app))
+        auth = {"Authorization": "Bearer demo", "Content-Type": "application/json"}
         client = stack.enter_context(
-            OpenAI(base_url=server.url + "/v1", api_key="demo", max_retries=0, timeout=30)
+            httpx.Client(base_url=server.url + "/v1/", headers=auth, timeout=30)
         )
         direct = stack.enter_context(
-            OpenAI(base_url=running.api_base, api_key="demo", max_retries=0, timeout=30)
+            httpx.Client(base_url=running.api_base + "/", headers=auth, timeout=30)
         )
         yield _Demo(
             client=client,

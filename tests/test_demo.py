@@ -179,3 +179,21 @@ def test_a_second_demo_in_the_same_directory_replaces_the_first_ones_logs(
     again = report.session_cost(demo.log_dir, "demo-timestamp")
     assert again.priced_exchanges == first.priced_exchanges
     assert again.actual == pytest.approx(first.actual)
+
+
+def test_the_demo_runs_with_cachegates_own_dependencies_only(tmp_path: Path) -> None:
+    """``pip install .`` (the README's first line, the Docker image) has no openai SDK: the demo,
+    the Quick start's first command, stopped with ModuleNotFoundError."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['openai'] = None\n"  # an import of it now fails
+        "from proxy.cli import main\n"
+        f"sys.exit(main(['demo', '--log-dir', {str(tmp_path)!r}]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "scenarios showed what they should" in result.stdout
