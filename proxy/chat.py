@@ -595,6 +595,7 @@ class ChatPipeline:
                         self.pairing.repair(ex, body, state),
                         force=True,
                         window=compaction.provider_window(retry.body),
+                        overcount=_overcount(ex.body, retry.body),
                     )
                 except asyncio.CancelledError:
                     task = asyncio.current_task()
@@ -662,3 +663,16 @@ class ChatPipeline:
             # not the refused first attempt's, which the relay wrote)
             ex.duration_s = time.perf_counter() - ex.t0
             self._after_response(ex)
+
+
+def _overcount(sent: Any, refusal: bytes) -> float:
+    """How many times cachegate's estimate of the refused body ``sent`` the provider counted it,
+    when its refusal says (1.0 when it does not, or counted less)."""
+    said = compaction.provider_prompt_tokens(refusal)
+    if not said or not isinstance(sent, dict):
+        return 1.0
+    tools = sent.get("tools")
+    messages = sent.get("messages")
+    estimate = compaction.estimate_tokens(messages if isinstance(messages, list) else [])
+    estimate += compaction.estimate_tokens(tools) if isinstance(tools, list) else 0
+    return max(1.0, said / estimate) if estimate > 0 else 1.0

@@ -1002,6 +1002,27 @@ _WINDOW_RE = re.compile(
 )
 
 
+# Where they state how many tokens the refused prompt held: OpenAI's family ("your messages
+# resulted in N tokens", "(N in the messages, …)"), Anthropic ("prompt is too long: N tokens"),
+# llama.cpp ("the request (N tokens) exceeds …").
+_PROMPT_RE = re.compile(
+    rb"messages resulted in (\d+) tokens?"
+    rb"|\((\d+) in the messages"
+    rb"|prompt is too long: (\d+) tokens?"
+    rb"|request \((\d+) tokens?\) exceeds",
+    re.IGNORECASE,
+)
+
+
+def provider_prompt_tokens(error_body: bytes) -> int | None:
+    """How many tokens a provider's ``context_length_exceeded`` message says the prompt held."""
+    match = _PROMPT_RE.search(error_body)
+    if match is None:
+        return None
+    tokens = int(next(group for group in match.groups() if group is not None))
+    return tokens if tokens > 0 else None
+
+
 def provider_window(error_body: bytes) -> int | None:
     """The context window a provider's ``context_length_exceeded`` message states, if it does."""
     match = _WINDOW_RE.search(error_body)

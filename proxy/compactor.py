@@ -40,6 +40,10 @@ MAX_COMPACTIONS = 8  # conversations of one session with a compaction of their o
 # A compaction aims below this share of the trigger (60% of the window at the default 75%): a
 # history compacted to just under the trigger reaches it again with the next turn's round.
 TARGET_SHARE = 0.8
+# Where no plan comes under the aim, a launching message of at most this share of the window is
+# kept verbatim all the same (the cost of a short task is in the estimate's noise; a long one's
+# may not be: 4 bytes a token is a guess, and dense text runs over it).
+ANCHOR_SHARE = 0.02
 
 
 def _key(comp: compaction.Compaction) -> str:
@@ -78,13 +82,18 @@ class Compactor:
         *,
         force: bool = False,
         window: int | None = None,
+        overcount: float = 1.0,
     ) -> dict[str, Any]:
         """The body to forward. ``force`` compacts whatever the trigger says (the provider just
-        refused the history as too long); ``window`` is the provider's real limit when it said so.
+        refused the history as too long); ``window`` is the provider's real limit when it said so,
+        ``overcount`` how many times cachegate's estimate the provider counted the refused body
+        (the window is planned as that much smaller: dense text, code).
         A compaction that fails before forwarding lets the request go as it is (compaction never
         breaks a request); one for a retry raises (the caller answers it in OpenAI's shape)."""
         if force:
-            return await self._apply(ex, state, body, force=True, window=window)
+            return await self._apply(
+                ex, state, body, force=True, window=window, overcount=overcount
+            )
         try:
             return await self._apply(ex, state, body, force=False, window=window)
         except Exception:
@@ -99,6 +108,7 @@ class Compactor:
         *,
         force: bool,
         window: int | None,
+        overcount: float = 1.0,
     ) -> dict[str, Any]:
         cfg = self.settings.compaction
         messages = body.get("messages")
@@ -107,6 +117,9 @@ class Compactor:
         model_cfg = self._model(ex.model)
         if window is not None:
             model_cfg = dataclasses.replace(model_cfg, context_window=window)
+        if overcount > 1:  # plan against the window as cachegate's estimate counts
+            shrunk_window = max(1, int(model_cfg.context_window / overcount))
+            model_cfg = dataclasses.replace(model_cfg, context_window=shrunk_window)
         last = state.extra.get("last_usage")
         if last is not None:  # the provider's numbers, if this history carries theirs on
             count, head, tail = last[2], last[3], last[4]
@@ -196,11 +209,16 @@ class Compactor:
                         anchored = smaller
         if (
             anchored is not None
+            and anchored.cut is not None
+            and not force  # (after a refusal: the smallest)
             and plan.cut is not None
             and not self._fits(messages, plan.cut, limit, extra)
+            and self._kept(messages, anchored.cut) - self._kept(messages, plan.cut)
+            <= window * ANCHOR_SHARE
         ):
-            # Nothing came under the aim (the latest round alone is over it): the launching
-            # message stays verbatim where the history still fits the window with it.
+            # Nothing came under the aim (the latest round alone is over it): a short launching
+            # message stays verbatim where the history still fits the window with it (a long
+            # one is estimated no better than the rest: the provider may count it over).
             plan = anchored
         # (``plan`` never discards ``existing``: ``_existing`` gives only one that covers this
         # history; one a rewind left is evicted in its turn.)
@@ -295,11 +313,15 @@ class Compactor:
             del held[next(iter(held))]
 
     @staticmethod
-    def _fits(messages: list[Any], cut: compaction.Cut, limit: float, extra: int) -> bool:
+    def _kept(messages: list[Any], cut: compaction.Cut) -> int:
+        """The estimated tokens of the messages a compaction at ``cut`` keeps."""
+        return compaction.estimate_tokens([*messages[: cut.start], *messages[cut.end :]])
+
+    @classmethod
+    def _fits(cls, messages: list[Any], cut: compaction.Cut, limit: float, extra: int) -> bool:
         """Whether the history compacted at ``cut`` comes under ``limit`` tokens: the kept
         messages and ``extra`` (the summary's allowance, the tools)."""
-        kept = [*messages[: cut.start], *messages[cut.end :]]
-        return compaction.estimate_tokens(kept) + extra < limit
+        return cls._kept(messages, cut) + extra < limit
 
     @staticmethod
     def _count_summary(ex: Exchange, model: str, answer: Any) -> None:

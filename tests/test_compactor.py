@@ -292,6 +292,69 @@ def test_context_length_exceeded_is_compacted_and_retried_once(
         assert proxy.metric("cachegate_upstream_errors_total", {"kind": "status"}) == 1
 
 
+def test_a_retry_plans_against_the_tokens_the_provider_counted(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """Tool outputs of dense text (CSV, minified JSON) cost the provider a token a byte or two,
+    not four: a retry planned on the estimate kept what it took for a quarter of the window and
+    was refused again. The provider's refusal says how many tokens it counted; the retry plans
+    that much smaller."""
+    with run_simulator(SimConfig(context_window=3000)) as small:
+        config = {
+            "compaction": {"enabled": True, "trigger_percent": 100, "keep_recent": 8},
+            "models": {MODEL: {"context_window": 1000000}},
+        }
+        proxy = proxy_factory(small.api_base, config)
+        msgs = history(10, output_chars=0, system_repeat=10)
+        for message in msgs:
+            if message["role"] == "tool":
+                message["content"] = "a," * 600  # 300 estimated tokens, 1,200 to the provider
+        small.sim.enqueue([parse_script("short summary")])
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "dense-tail"}
+        )
+        assert raw.http_response.status_code == 200
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        statuses = [r.status for r in small.sim.requests]
+        assert statuses == [400, 200, 200]  # refused, the summary call, the compacted retry
+
+
+def test_a_compaction_the_provider_refuses_is_compacted_further_for_the_retry(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """The compaction made before forwarding was itself over the window (dense tool outputs):
+    the retry, which finds it in use, keeps fewer messages and rolls it on."""
+    with run_simulator(SimConfig(context_window=4000)) as small:
+        config = {
+            "compaction": {"enabled": True, "trigger_percent": 50, "keep_recent": 6},
+            "models": {MODEL: {"context_window": 4000}},
+        }
+        proxy = proxy_factory(small.api_base, config)
+        msgs = history(10, output_chars=0, system_repeat=10)
+        for message in msgs:
+            if message["role"] == "tool":
+                message["content"] = "a," * 700  # 350 estimated tokens, 1,400 to the provider
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "refused-compaction"}
+        )
+        assert raw.http_response.status_code == 200
+        chats = [
+            r.status
+            for r in small.sim.requests
+            if r.body["messages"][0]["content"] != SUMMARIZER_SYSTEM_PROMPT
+        ]
+        assert chats == [400, 200]  # the first compaction refused, the one made afresh taken
+
+
+def test_the_prompt_size_a_refusal_states_is_read() -> None:
+    said = compaction.provider_prompt_tokens
+    assert said(b"However, your messages resulted in 4542 tokens. Please reduce") == 4542
+    assert said(b"you requested 5000 tokens (4000 in the messages, 1000 in the completion)") == 4000
+    assert said(b'"message":"prompt is too long: 210000 tokens > 200000 maximum"') == 210000
+    assert said(b"the request (9000 tokens) exceeds the available context size") == 9000
+    assert said(b"maximum context length is 4000 tokens") is None
+
+
 def test_a_refused_history_with_nothing_to_compact_is_not_sent_again(
     sdk: Any, proxy_factory: Any
 ) -> None:
@@ -530,6 +593,33 @@ def test_the_task_stays_verbatim_when_the_latest_round_alone_is_over_the_aim(
     assert [r.status for r in small.sim.requests] == [200] * len(small.sim.requests)
     assert any(str(sent[2]["content"]).startswith(SUMMARY_MARKER) for sent in chats[1:])
     assert all(sent[:2] == msgs[:2] for sent in chats)
+
+
+def test_a_long_launching_message_gives_way_when_nothing_comes_under_the_aim(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """Dense text (a CSV) costs the provider more tokens than 4 bytes each: keeping such a task
+    verbatim because the estimate said the window held it sent a body over the window, and the
+    retry reused that very compaction, so the client got the provider's 400."""
+    with run_simulator(SimConfig(context_window=4000)) as small:
+        config = {
+            "compaction": {"enabled": True, "trigger_percent": 50, "keep_recent": 4},
+            "models": {MODEL: {"context_window": 4000}},
+        }
+        proxy = proxy_factory(small.api_base, config)
+        msgs = [
+            {"role": "system", "content": "You are a careful agent."},
+            {"role": "user", "content": "TASK: " + "a," * 1500},  # ~750 estimated, 3,000 real
+            *_parallel_round(0, 1, 100),
+            *_parallel_round(1, 1, 100),
+            *_parallel_round(2, 1, 0),
+        ]
+        msgs[-1]["content"] = "word " * 1400  # the latest round alone over the aim
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "dense"}
+        )
+        assert raw.http_response.status_code == 200
+        assert raw.headers["x-cachegate-compacted"] == "1"
 
 
 def test_a_sub_agent_in_a_compacted_session_is_neither_compacted_nor_undoes_the_compaction(
