@@ -187,8 +187,10 @@ class StreamAssembler:
             self._done = True
             return
         if not data or data.isspace():
-            # (the openai SDKs parse every data line but [DONE]: an empty one raises in them)
-            self._malformed += 1
+            # (the openai SDKs parse every data line but [DONE]: an empty one raises in them;
+            # after [DONE] they read nothing more)
+            if not self._done:
+                self._malformed += 1
             return
         try:
             chunk = orjson.loads(data)

@@ -365,6 +365,12 @@ def test_malformed_data_is_counted_not_raised() -> None:
     assert result.events == 7
 
 
+def test_an_empty_data_line_after_done_is_no_fault() -> None:
+    """The SDKs stop reading at ``[DONE]``: what comes after it cannot fail them."""
+    result = record([chunk({"content": "a"}), DONE, b"data: \n\n"])
+    assert result.malformed == 0 and result.done
+
+
 def test_only_choice_zero_is_assembled() -> None:
     body = {
         "choices": [
