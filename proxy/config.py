@@ -155,6 +155,13 @@ _VARIANT_WORDS: Final = frozenset(
         "transcribe",
         "tts",
         "image",
+        # OpenRouter's variants: other prices (":free" costs nothing, ":extended" more)
+        "free",
+        "extended",
+        "nitro",
+        "floor",
+        "online",
+        "exacto",
     }
 )
 _SNAPSHOT_OF: Final = re.compile(
@@ -172,15 +179,16 @@ def configured_model(name: str, configured: Iterable[str]) -> str | None:
     ``:7b``), with no word of a variant (``-mini``, ``-pro``, …, ``_VARIANT_WORDS``) and no short
     version number (``claude-opus-4`` does not cover ``claude-opus-4-5``, nor ``gpt-5``
     ``gpt-5.4``: other models, other prices). Failing that, the same for its
-    ``gateway_alias`` (``anthropic/claude-sonnet-4.5`` is ``claude-sonnet-4-5``). A name nothing
-    covers is priced by ``"*"``.
+    ``gateway_aliases`` (``anthropic/claude-sonnet-4.5`` is ``claude-sonnet-4-5``). A name
+    nothing covers is priced by ``"*"``.
     """
     names = configured if isinstance(configured, Mapping | frozenset | set) else set(configured)
     found = _configured(name, names)
     if found is None:
-        alias = gateway_alias(name)
-        if alias != name:
+        for alias in gateway_aliases(name):
             found = _configured(alias, names)
+            if found is not None:
+                break
     return found
 
 
@@ -190,15 +198,24 @@ _BEDROCK_PREFIX: Final = re.compile(r"\A(?:(?:us|eu|apac|global|us-gov|jp|au|ca)
 _DOTTED_VERSION: Final = re.compile(r"(?<=\d)\.(?=\d)")
 
 
+def gateway_aliases(name: str) -> list[str]:
+    """``name`` as the provider itself may spell it, when a gateway wrote it its own way, most
+    literal first (not ``name`` itself): without a vendor or route prefix (OpenRouter's and
+    LiteLLM's ``anthropic/…``, ``openai/…``) or Bedrock's (``us.anthropic.…``), then with a
+    Claude version in dashes (OpenRouter's ``claude-sonnet-4.5`` is ``claude-sonnet-4-5``)."""
+    bare = _BEDROCK_PREFIX.sub("", name.rsplit("/", 1)[-1])
+    out = [bare] if bare != name else []
+    if bare.startswith("claude-"):
+        dashed = _DOTTED_VERSION.sub("-", bare)
+        if dashed != bare:
+            out.append(dashed)
+    return out
+
+
 def gateway_alias(name: str) -> str:
-    """``name`` as the provider itself spells it, when a gateway wrote it its own way: without
-    a vendor or route prefix (OpenRouter's and LiteLLM's ``anthropic/…``, ``openai/…``) or
-    Bedrock's (``us.anthropic.…``), and a Claude version with dashes (OpenRouter's
-    ``claude-sonnet-4.5`` is ``claude-sonnet-4-5``). ``name`` itself when none applies."""
-    alias = _BEDROCK_PREFIX.sub("", name.rsplit("/", 1)[-1])
-    if alias.startswith("claude-"):
-        alias = _DOTTED_VERSION.sub("-", alias)
-    return alias
+    """The provider's own spelling of ``name`` (``gateway_aliases``' last), else ``name``."""
+    aliases = gateway_aliases(name)
+    return aliases[-1] if aliases else name
 
 
 def _configured(name: str, names: Iterable[str]) -> str | None:

@@ -181,6 +181,11 @@ def test_model_lookup_exact_prefix_and_fallback() -> None:
         ("anthropic/claude-3.7-sonnet", None),  # no entry for it
         ("openai/gpt-5-pro", None),  # still a variant
         ("my.anthropic.claude-sonnet-4-5", None),  # no Bedrock region
+        # OpenRouter's variants are other prices: ":free" costs nothing, ":extended" more
+        ("deepseek/deepseek-chat:free", None),
+        ("openai/gpt-4o:extended", None),
+        ("openai/gpt-4o:online", None),
+        ("anthropic/claude-sonnet-4.5:nitro", None),
     ],
 )
 def test_a_model_name_is_priced_by_its_own_entry_or_a_snapshot_of_one(
@@ -193,6 +198,9 @@ def test_a_model_name_is_priced_by_its_own_entry_or_a_snapshot_of_one(
 
 
 def test_a_configured_name_wins_over_a_gateways_spelling() -> None:
+    # a table named as OpenRouter spells the model past its vendor, dots and all
+    dotted = settings_from_mapping({"models": {"claude-3.5-sonnet": {"price_input": 3.0}}})
+    assert dotted.model("anthropic/claude-3.5-sonnet")[0] == "claude-3.5-sonnet"
     s = settings_from_mapping({"models": {"openai/gpt-4o": {"price_input": 9.0}}})
     assert s.model("openai/gpt-4o") == ("openai/gpt-4o", s.models["openai/gpt-4o"])
     assert s.model("openai/gpt-4o")[1].price_input == 9.0
