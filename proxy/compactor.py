@@ -20,7 +20,7 @@ import orjson
 from proxy import compaction, pairing
 from proxy.config import ModelSettings, Settings
 from proxy.pipeline import Exchange, Observer, notify
-from proxy.relay import Relay
+from proxy.relay import Relay, open_error_kind
 from proxy.sessions import SessionState
 from proxy.usage import Usage, normalize_usage
 
@@ -401,8 +401,12 @@ class Compactor:
                 time.perf_counter() - started,
                 type(exc).__name__,
             )
-            if isinstance(exc, TimeoutError | httpx.TimeoutException):
-                stage = "" if isinstance(exc, httpx.PoolTimeout) else "timeout"  # (the pool's)
+            if isinstance(exc, httpx.PoolTimeout):
+                stage = ""  # cachegate's own pool, full: no upstream error
+            elif isinstance(exc, TimeoutError):
+                stage = "timeout"
+            elif stage == "connect" and isinstance(exc, httpx.HTTPError):
+                stage = open_error_kind(exc)  # as an exchange's is counted
             if stage:
                 notify(self.observers, "on_summary_error", ex, stage)
         return (

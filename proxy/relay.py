@@ -612,6 +612,20 @@ class DirectBody:
             await cycle.flow.drain()
 
 
+def open_error_kind(exc: httpx.HTTPError) -> str:
+    """What a transport error while opening an upstream request was, for
+    ``cachegate_upstream_errors_total``: ``timeout``, ``invalid`` (reached, but its answer is no
+    HTTP) or ``connect``. (The pool's own ``PoolTimeout`` is no upstream error: the caller's.)"""
+    if isinstance(exc, httpx.TimeoutException):
+        return "timeout"
+    if isinstance(exc, InvalidAnswer) or (
+        type(exc) is httpx.RemoteProtocolError
+        and not any(word in str(exc) for word in ("disconnected", "closed"))
+    ):  # (httpx's pool says so in words: an answer it could not parse, or none)
+        return "invalid"
+    return "connect"
+
+
 class Relay:
     """Streams one exchange through the shared, pooled upstream transport.
 
@@ -720,16 +734,12 @@ class Relay:
                     raise own from exc
                 if isinstance(exc, httpx.PoolTimeout):  # cachegate's own limit, not the upstream
                     raise upstream_busy(str(exc) or "the pool stayed full") from exc
-                if isinstance(exc, httpx.TimeoutException):
-                    ex.upstream_error = "timeout"
+                kind = open_error_kind(exc)
+                ex.upstream_error = kind
+                if kind == "timeout":
                     raise upstream_timeout(type(exc).__name__) from exc
-                if isinstance(exc, InvalidAnswer) or (  # reached, but its answer is no HTTP
-                    type(exc) is httpx.RemoteProtocolError
-                    and not any(word in str(exc) for word in ("disconnected", "closed"))
-                ):  # (httpx's pool says so in words: an answer it could not parse, or none)
-                    ex.upstream_error = "invalid"
+                if kind == "invalid":
                     raise upstream_invalid(str(exc)) from exc
-                ex.upstream_error = "connect"
                 raise upstream_unreachable(str(exc) or type(exc).__name__) from exc
             except Exception as exc:  # a transport error its wrapper did not map (malformed answer)
                 own = _own_error(exc)

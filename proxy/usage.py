@@ -165,8 +165,18 @@ def _normalize(raw: Mapping[str, Any]) -> Usage | None:
     elif (tokens := _count(raw, "prompt_tokens")) is not None:
         completion += _reasoning_apart(raw, tokens, completion)
     reported_write = created is not None or bool(writes)
-    split = raw.get("cache_creation")  # Anthropic's writes by cache life
-    hour = _count(split, "ephemeral_1h_input_tokens") if isinstance(split, Mapping) else None
+    # Anthropic's writes by cache life: its own ``cache_creation``, or LiteLLM's
+    # ``prompt_tokens_details.cache_creation_token_details``
+    splits = [raw.get("cache_creation")]
+    splits += [d.get("cache_creation_token_details") for d in details]
+    hour = max(
+        (
+            _count(split, "ephemeral_1h_input_tokens") or 0
+            for split in splits
+            if isinstance(split, Mapping)
+        ),
+        default=0,
+    )
     return Usage(
         prompt,
         completion,

@@ -229,6 +229,25 @@ def test_summarizer_failure_falls_back_to_extractive(
     assert proxy.metric("cachegate_upstream_errors_total", {"kind": kind}) == 1
 
 
+def test_a_summarizer_answer_that_is_no_http_counts_as_invalid(proxy_factory: Any) -> None:
+    """As an exchange's is: the summary call's was counted as a failure to connect."""
+    from tests.test_relay import RawUpstream
+
+    upstream = RawUpstream(b"SSH-2.0-OpenSSH_9.2\r\n")
+    try:
+        proxy = proxy_factory(upstream.url, CONFIG)
+        r = httpx.post(
+            proxy.base_url + "/chat/completions",
+            json={"model": MODEL, "messages": history(18)},
+            headers={"X-Session-Id": "garbage"},
+        )
+        assert r.status_code == 502
+        assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 2
+        assert proxy.metric("cachegate_upstream_errors_total", {"kind": "connect"}) == 0
+    finally:
+        upstream.sock.close()
+
+
 def test_a_summarizer_slower_than_its_timeout_falls_back_and_counts_a_timeout(
     sdk: Any, proxy_factory: Any
 ) -> None:

@@ -206,6 +206,23 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
             Usage(7000, 5, 1000, 6000, True, True, True, 4000),
             id="anthropic-one-hour-writes",
         ),
+        pytest.param(  # LiteLLM's OpenAI-shaped usage: the split inside the prompt details
+            {
+                "prompt_tokens": 100_010,
+                "completion_tokens": 5,
+                "cache_creation_input_tokens": 100_000,
+                "prompt_tokens_details": {
+                    "cached_tokens": 0,
+                    "cache_creation_tokens": 100_000,
+                    "cache_creation_token_details": {
+                        "ephemeral_5m_input_tokens": 0,
+                        "ephemeral_1h_input_tokens": 100_000,
+                    },
+                },
+            },
+            Usage(100_010, 5, 0, 100_000, True, True, True, 100_000),
+            id="litellm-one-hour-writes",
+        ),
         pytest.param(  # never more of them than the writes
             {
                 "input_tokens": 10,
