@@ -172,12 +172,13 @@ def _simulate(ns: argparse.Namespace) -> int:
 def _demo(ns: argparse.Namespace) -> int:
     from proxy.demo import run_demo
 
-    if ns.log_dir and os.path.exists(ns.log_dir) and not os.path.isdir(ns.log_dir):
-        print(f"cachegate: log directory {ns.log_dir!r} is not a directory", file=sys.stderr)
+    log_dir = os.path.expanduser(ns.log_dir) if ns.log_dir else None
+    if log_dir and os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        print(f"cachegate: log directory {log_dir!r} is not a directory", file=sys.stderr)
         return 1
-    if ns.log_dir and _log_dir_taken(ns.log_dir):
+    if log_dir and _log_dir_taken(log_dir):
         return 1
-    return run_demo(log_dir=ns.log_dir, out=sys.stdout)
+    return run_demo(log_dir=log_dir, out=sys.stdout)
 
 
 def _log_dir_taken(log_dir: str) -> bool:
@@ -199,7 +200,9 @@ def _log_dir_taken(log_dir: str) -> bool:
 def _sessions(ns: argparse.Namespace) -> int:
     from proxy import report
 
-    log_dir = ns.log_dir or os.environ.get("CACHEGATE_LOG_DIR") or DEFAULT_LOG_DIR
+    log_dir = os.path.expanduser(
+        ns.log_dir or os.environ.get("CACHEGATE_LOG_DIR") or DEFAULT_LOG_DIR
+    )
     try:
         if ns.action == "list":
             unreadable: list[str] = []
@@ -347,13 +350,15 @@ def _dash_id(argv: list[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(_dash_id(list(sys.argv[1:] if argv is None else argv)))
     try:
+        parser = build_parser()  # (imports most of cachegate: Ctrl+C may come meanwhile)
+        ns = parser.parse_args(_dash_id(list(sys.argv[1:] if argv is None else argv)))
         return int(ns.func(ns))
     except BrokenPipeError:  # `cachegate sessions show … | head`
         sys.stderr.close()
         return 0
+    except KeyboardInterrupt:  # Ctrl+C before serve or simulate were up: no traceback
+        return 130
 
 
 if __name__ == "__main__":

@@ -516,6 +516,9 @@ def load_settings(
         if value is not None and option in OPTION_KEYS:
             flag = "--" + option.replace("_", "-")
             settings = _apply_one(settings, OPTION_KEYS[option], value, flag)
+    home = os.path.expanduser(settings.logging.dir)  # "~/logs" in a file or a variable
+    if home != settings.logging.dir:
+        settings = replace(settings, logging=replace(settings.logging, dir=home))
     return settings
 
 

@@ -14,6 +14,7 @@ takes no time at all.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import shlex
@@ -24,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import httpx
 import orjson
@@ -749,12 +750,43 @@ def _running(log_dir: str, out: TextIO) -> Iterator[_Demo]:
         )
 
 
+class _Report(io.TextIOBase):
+    """The demo's output, which a reader may stop taking (``cachegate demo | head``): the demo
+    plays on to the end regardless, so its logs are written (an earlier demo's were removed
+    at the start), and what it would print goes nowhere."""
+
+    def __init__(self, out: TextIO) -> None:
+        self._out: TextIO | None = out
+
+    def write(self, text: str) -> int:
+        if self._out is not None:
+            try:
+                self._out.write(text)
+            except BrokenPipeError:
+                self._gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if self._out is not None:
+            try:
+                self._out.flush()
+            except BrokenPipeError:
+                self._gone()
+
+    def _gone(self) -> None:
+        out, self._out = self._out, None
+        if out is not None and out is sys.stdout:  # (or the interpreter's flush at exit fails)
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+
+
 def run_demo(*, log_dir: str | None = None, out: TextIO = sys.stdout) -> int:
     """Play the four scenarios and print their report to ``out``; 0 when each showed what it should.
 
     ``log_dir`` None: a fresh temporary directory, left in place so the logs can be opened after.
     """
     started = time.perf_counter()
+    out = cast(TextIO, _Report(out))
     log_dir = log_dir or tempfile.mkdtemp(prefix="cachegate-demo-")
     # An earlier demo's logs there: replaced, or the two runs' exchanges (on fake clocks) would
     # interleave in one session and its costs add up.

@@ -798,3 +798,26 @@ def test_the_start_up_line_writes_the_host_as_a_url_does(host: str, shown: str) 
     from proxy.config import url_host
 
     assert url_host(host) == shown
+
+
+def test_ctrl_c_while_cachegate_is_starting_is_no_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl+C in the first half second of ``serve`` (its imports) printed a KeyboardInterrupt
+    traceback; once serving, it is a clean stop."""
+    from proxy import cli
+
+    def interrupted() -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["serve"]) == 130
+
+
+def test_sessions_read_a_log_directory_under_the_home_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("CACHEGATE_LOG_DIR", "~/cg-logs")
+    (tmp_path / "cg-logs").mkdir()
+    assert run_cli("sessions", "list").out == "no sessions\n"

@@ -272,3 +272,16 @@ def test_text_values_are_read_from_the_environment_and_flags_only(tmp_path: Path
     config.write_text('[server]\nport = "18110"\n')
     with pytest.raises(ConfigError, match=r"server\.port"):
         load_settings(str(config), environ={})
+
+
+def test_a_log_directory_under_the_home_directory_is_expanded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``dir = "~/logs"`` made a directory named ``~`` in the working directory (the shell
+    expands a flag's ``~``, not a file's or a variable's)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    f = tmp_path / "c.toml"
+    f.write_text('[logging]\ndir = "~/cg-logs"\n')
+    assert load_settings(str(f), {}, environ={}).logging.dir == str(tmp_path / "cg-logs")
+    from_env = load_settings(None, {}, environ={"CACHEGATE_LOG_DIR": "~/other"})
+    assert from_env.logging.dir == str(tmp_path / "other")

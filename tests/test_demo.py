@@ -197,3 +197,25 @@ def test_the_demo_runs_with_cachegates_own_dependencies_only(tmp_path: Path) -> 
     )
     assert result.returncode == 0, result.stderr
     assert "scenarios showed what they should" in result.stdout
+
+
+def test_a_reader_that_stops_early_leaves_the_demo_to_finish_its_logs(tmp_path: Path) -> None:
+    """``cachegate demo --log-dir D | head``: the earlier demo's logs were removed, the next
+    write broke the pipe, and the demo stopped with none written (exit 0)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "demo-stable.jsonl").write_text("")  # an earlier demo's, replaced
+    code = f"from proxy.cli import main; raise SystemExit(main(['demo', '--log-dir', {str(tmp_path)!r}]))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()
+    proc.stdout.close()  # as head does after its lines
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
+    logs = sorted(p.name for p in tmp_path.glob("*.jsonl"))
+    assert len(logs) == 5 and all((tmp_path / name).stat().st_size > 0 for name in logs)
