@@ -146,11 +146,17 @@ def _verify(raw: bytes, body: dict[str, Any], close: int) -> bool:
     else:
         return False
     try:
-        head = orjson.loads(raw[:close] + b"]}")
+        # A null closes the array cut at ``close``: it must land in the messages (with a key
+        # that comes twice, ``{"tools":[…],"messages":[…],"tools":[…]}``, the cut may be in the
+        # other array, and a parse keeps the key's first place).
+        head = orjson.loads(raw[:close] + b",null]}")
         tail = orjson.loads(rest)
     except orjson.JSONDecodeError:
         return False
     if not isinstance(head, dict) or not isinstance(tail, dict) or not head:
+        return False
+    messages = head.get("messages")
+    if not isinstance(messages, list) or not messages or messages.pop() is not None:
         return False
     if list(head)[-1] != "messages" or not set(head).isdisjoint(tail):
         return False

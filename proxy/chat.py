@@ -308,9 +308,9 @@ class ChatPipeline:
         if isinstance(messages, list):
             # Agents resend their whole history. Share the previous request's message objects for
             # the unchanged prefix: the session then holds one copy of the history, not one per
-            # request, and every later comparison of those messages is an identity check. (Python
-            # equality: a message whose only change is 1 -> 1.0 or key order counts as unchanged;
-            # that matters only when the body is re-serialized after a repair or compaction.)
+            # request, and every later comparison of those messages is an identity check. (The
+            # same JSON, not Python's equality, under which 1 -> 1.0 or a new key order would
+            # keep the old message in the log and in a re-serialized body.)
             previous = state.last_client_messages
             if shared < 0:
                 shared = shared_prefix(previous, messages)

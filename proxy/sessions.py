@@ -176,13 +176,24 @@ def _same_opening(old: Sequence[Any], new: Sequence[Any]) -> bool:
 
 
 def shared_prefix(old: Sequence[Any], new: Sequence[Any]) -> int:
-    """How many leading messages two lists share."""
+    """How many leading messages two lists share: the same JSON, key order and number types
+    included (``1``, ``1.0`` and ``true`` are equal to Python; a history that shares an old
+    message in place of its edit would log and re-send the old one)."""
     n = min(len(old), len(new))
     # The leading run of the very same objects (a spliced or shared history) is found at C speed.
     i = leading_run(operator.is_, old, new)
-    while i < n and (old[i] is new[i] or old[i] == new[i]):
+    while i < n and (old[i] is new[i] or _same_json(old[i], new[i])):
         i += 1
     return i
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    if a != b:
+        return False
+    try:  # equal to Python: the same when serialized (C speed, where a walk would be Python's)
+        return bool(orjson.dumps(a) == orjson.dumps(b))
+    except TypeError:  # an integer beyond 64 bits: not told apart, so not shared
+        return False
 
 
 @dataclass

@@ -200,6 +200,32 @@ def test_a_duplicate_messages_key_is_never_remembered() -> None:
         assert bodymemo.parse(more, [memo]).body == orjson.loads(more)
 
 
+def test_a_key_on_both_sides_of_messages_is_never_taken_for_them() -> None:
+    """``{"tools":[a],"messages":[…],"tools":[b]}``: the parse keeps the first place of the key
+    and the last value, so a cut inside the second array read as the end of the messages, and
+    a tool added there next turn became an appended message (the new tool lost)."""
+    messages = turns(1)[1]
+    a, b, c = ({"type": "function", "function": {"name": n}} for n in "abc")
+
+    def raw_of(tools: list[Any]) -> bytes:
+        return (
+            b'{"model":"m","tools":['
+            + orjson.dumps(a)
+            + b'],"messages":'
+            + orjson.dumps(messages)
+            + b',"tools":'
+            + orjson.dumps(tools)
+            + b"}"
+        )
+
+    first = raw_of([b])
+    memo = remember(first, bodymemo.parse(first, []))
+    grown = raw_of([b, c])
+    parsed = bodymemo.parse(grown, [memo] if memo else [])
+    assert parsed.body == orjson.loads(grown)
+    assert parsed.body["tools"] == [b, c] and parsed.body["messages"] == messages
+
+
 def test_small_bodies_are_not_remembered_and_misses_back_off() -> None:
     small = orjson.dumps({"messages": [{"role": "user", "content": "hi"}]})
     assert bodymemo.parse(small, []).close is None

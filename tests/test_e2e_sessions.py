@@ -687,6 +687,28 @@ def test_tools_added_to_a_large_history_reach_the_provider_and_the_log(
     assert last["tools"] == tools and last["params"]["temperature"] == 0.2
 
 
+def test_an_earlier_message_edited_from_1_to_true_is_logged_as_sent(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """Python holds 1 == True: the session kept the previous turn's message for the edited one,
+    and replay gave back a body that was never sent."""
+    proxy = proxy_factory(sim.api_base)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "typed"})
+    first = [{"role": "user", "content": "hi", "weight": 1}]
+    post_chat(client, {"model": "gpt-4o", "messages": first})
+    edited = [
+        {"role": "user", "content": "hi", "weight": True},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "again"},
+    ]
+    post_chat(client, {"model": "gpt-4o", "messages": edited})
+    assert sim.sim.requests[-1].body["messages"][0]["weight"] is True
+    flush(proxy)
+    replayed = run_cli("sessions", "replay", "typed", "--log-dir", str(proxy.log_dir))
+    last = orjson.loads(replayed.out.splitlines()[-1])
+    assert last["messages"][0]["weight"] is True
+
+
 # --- crash safety --------------------------------------------------------------------------------
 
 

@@ -315,3 +315,21 @@ def test_a_forked_process_makes_other_ids_than_its_parent() -> None:
     parent = {new_session_id(1.0) for _ in range(500)}
     assert len(child) == len(parent) == 500
     assert not child & parent
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ({"role": "user", "content": "hi", "n": 1}, {"role": "user", "content": "hi", "n": True}),
+        ({"role": "user", "content": "hi", "n": 1.0}, {"role": "user", "content": "hi", "n": 1}),
+        ({"role": "user", "content": "hi"}, {"content": "hi", "role": "user"}),  # key order
+    ],
+)
+def test_a_message_equal_only_to_python_is_not_shared(old: dict, new: dict) -> None:
+    """1, 1.0 and true are equal to Python: the session shared the previous request's message
+    for the edited one, so the log and a repaired body kept the old value."""
+    from proxy.sessions import shared_prefix
+
+    first = {"role": "system", "content": "s"}
+    assert shared_prefix([first, old], [dict(first), new, {"role": "user", "content": "x"}]) == 1
+    assert shared_prefix([first, old], [first, dict(old)]) == 2
