@@ -155,13 +155,10 @@ _VARIANT_WORDS: Final = frozenset(
         "transcribe",
         "tts",
         "image",
-        # OpenRouter's variants: other prices (":free" costs nothing, ":extended" more)
+        # OpenRouter's catalog variants, other prices (":free" costs nothing, ":extended" more);
+        # its routing variants (":nitro", ":floor", ":exacto", ":online") are the base model
         "free",
         "extended",
-        "nitro",
-        "floor",
-        "online",
-        "exacto",
     }
 )
 _SNAPSHOT_OF: Final = re.compile(

@@ -181,11 +181,14 @@ def test_model_lookup_exact_prefix_and_fallback() -> None:
         ("anthropic/claude-3.7-sonnet", None),  # no entry for it
         ("openai/gpt-5-pro", None),  # still a variant
         ("my.anthropic.claude-sonnet-4-5", None),  # no Bedrock region
-        # OpenRouter's variants are other prices: ":free" costs nothing, ":extended" more
+        # OpenRouter's catalog variants are other prices: ":free" costs nothing, ":extended"
+        # more; its routing variants are the base model, at its prices and window
         ("deepseek/deepseek-chat:free", None),
         ("openai/gpt-4o:extended", None),
-        ("openai/gpt-4o:online", None),
-        ("anthropic/claude-sonnet-4.5:nitro", None),
+        ("anthropic/claude-sonnet-4.5:nitro", "claude-sonnet-4-5"),
+        ("openai/gpt-5:exacto", "gpt-5"),
+        ("openai/gpt-4o:floor", "gpt-4o"),
+        ("openai/gpt-4o:online", "gpt-4o"),
     ],
 )
 def test_a_model_name_is_priced_by_its_own_entry_or_a_snapshot_of_one(
