@@ -594,8 +594,8 @@ class ChatPipeline:
                         state,
                         self.pairing.repair(ex, body, state),
                         force=True,
-                        window=compaction.provider_window(retry.body),
-                        overcount=_overcount(ex.body, retry.body),
+                        window=compaction.provider_window(retry.text),
+                        overcount=_overcount(ex.body, retry.text),
                     )
                 except asyncio.CancelledError:
                     task = asyncio.current_task()
@@ -634,9 +634,11 @@ class ChatPipeline:
                     # client gets the provider's refusal as it came, and nothing is sent again.
                     watch.stop()
                     ex.status, ex.upstream_error = retry.status, "status"
-                    ex.error = refusal_text(retry.status, retry.body)
+                    ex.error = refusal_text(retry.status, retry.text)
                     ctype = retry.content_type or b"application/json"
                     answer = [(b"content-type", ctype), *extra]
+                    if retry.encoding:  # relayed as it came: said how it came
+                        answer.append((b"content-encoding", retry.encoding))
                     await send(
                         {"type": "http.response.start", "status": retry.status, "headers": answer}
                     )

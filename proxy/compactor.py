@@ -117,6 +117,7 @@ class Compactor:
         model_cfg = self._model(ex.model)
         if window is not None:
             model_cfg = dataclasses.replace(model_cfg, context_window=window)
+        summary_window = model_cfg.context_window  # (the summary's length: the real window's)
         if overcount > 1:  # plan against the window as cachegate's estimate counts
             shrunk_window = max(1, int(model_cfg.context_window / overcount))
             model_cfg = dataclasses.replace(model_cfg, context_window=shrunk_window)
@@ -230,7 +231,7 @@ class Compactor:
             ex.transforms["compacted"] = {"reused": True, "covered": plan.reused.covered}
             notify(self.observers, "on_compaction", ex, plan.reused, "reused")
             return {**body, "messages": plan.messages}
-        text, source = await self._summarize(ex, plan, model_cfg.context_window)
+        text, source = await self._summarize(ex, plan, summary_window, overcount)
         comp = compaction.build_compaction(
             messages,
             plan.cut,
@@ -345,7 +346,7 @@ class Compactor:
         ex.summary_usage, ex.summary_model = usage, model
 
     async def _summarize(
-        self, ex: Exchange, plan: compaction.Plan, window: int
+        self, ex: Exchange, plan: compaction.Plan, window: int, overcount: float = 1.0
     ) -> tuple[str, compaction.Source]:
         model = self.settings.compaction.summarizer_model or ex.model or ""
         # The request must fit the summarizer's window: half of it for what goes in (the
@@ -353,7 +354,8 @@ class Compactor:
         # and the summary asked for no longer than the compacted model's window allows.
         writer = self._model(model).context_window if model != ex.model else window
         tools = sum(1 for m in plan.middle if isinstance(m, dict) and m.get("role") == "tool")
-        budget = min(window, writer) * compaction.BYTES_PER_TOKEN // 2
+        # (the transcript is the history's text: as dense as the provider found it)
+        budget = int(min(window, writer) * compaction.BYTES_PER_TOKEN // 2 / overcount)
         previous = plan.previous_summary
         if previous is not None and len(previous) > budget // 2:
             previous = previous[: budget // 2 - 1] + "…"

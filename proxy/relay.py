@@ -88,11 +88,20 @@ def _own_error(exc: BaseException) -> ProxyError | None:
 class RetryRequest(Exception):
     """The upstream refused in a way the caller can fix (``retry_if``); nothing reached the client."""
 
-    def __init__(self, status: int, body: bytes, content_type: bytes = b"") -> None:
+    def __init__(
+        self,
+        status: int,
+        body: bytes,
+        content_type: bytes = b"",
+        encoding: bytes = b"",
+        text: bytes | None = None,
+    ) -> None:
         super().__init__(status)
         self.status = status
         self.body = body  # as the upstream sent it (identity asked for; an odd one not undone)
         self.content_type = content_type
+        self.encoding = encoding  # its Content-Encoding, to relay it with
+        self.text = body if text is None else text  # its coding undone, to read
 
 
 _UvicornCycle: Any
@@ -763,12 +772,15 @@ class Relay:
                     raise upstream_unreachable(
                         f"error answer broke off: {type(exc).__name__}"
                     ) from exc
-                if retry_if(response.status_code, _decode(_coding(response), error_body)):
+                text = _decode(_coding(response), error_body)
+                if retry_if(response.status_code, text):
                     ex.upstream_wait_s += time.perf_counter() - opened_at
                     raise RetryRequest(
                         response.status_code,
                         error_body,
                         response.headers.get("content-type", "").encode("latin-1", "replace"),
+                        response.headers.get("content-encoding", "").encode("latin-1", "replace"),
+                        text,
                     )
                 chunks = _one(error_body)  # not retried: relay what was read, verbatim
             if response.status_code >= 400:

@@ -558,8 +558,9 @@ def render_cost(report: CostReport) -> str:
     lines = [f"{label.ljust(width)}  {value}" for label, value in pairs]
     for model, count in report.unpriced.items():
         lines.append(
-            f"{count} exchange{'s' if count > 1 else ''} on {_model(model)} counted as $0: the"
-            " model has no prices (set price_input and price_output in its [models] table)"
+            f"{count} exchange{'s' if count > 1 else ''} on {_model(model)} counted as $0: its"
+            " prices are 0 (unless it is free, set price_input and price_output in its [models]"
+            " table)"
         )
     return "\n".join(lines)
 

@@ -106,6 +106,8 @@ def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
         for key in _DETAIL_FIELDS:
             details = raw.get(key)
             if details is not None and (type(details) is dict or isinstance(details, Mapping)):
+                if "cache_creation_tokens" in details or "cache_creation_token_details" in details:
+                    return _normalize(raw)  # LiteLLM's Anthropic writes, in the details alone
                 n = _count(details, "cached_tokens")
                 if n is not None and (cached is None or n > cached):
                     cached = n
@@ -137,6 +139,11 @@ def _normalize(raw: Mapping[str, Any]) -> Usage | None:
     reads = [c for c in (_count(raw, k) for k in _CACHE_READ_FIELDS) if c is not None]
     reads += [c for c in (_count(d, "cached_tokens") for d in details) if c is not None]
     created = _count(raw, "cache_creation_input_tokens")
+    if created is None:  # LiteLLM's Anthropic writes, in the prompt details alone
+        created = max(
+            (c for c in (_count(d, "cache_creation_tokens") for d in details) if c is not None),
+            default=None,
+        )
     writes = [c for c in (_count(d, "cache_write_tokens") for d in details) if c is not None]
     reported_cache = bool(reads or writes) or any(_count(raw, k) is not None for k in _CACHE_FIELDS)
     cache_read = max(reads, default=0)

@@ -365,6 +365,47 @@ def test_a_compaction_the_provider_refuses_is_compacted_further_for_the_retry(
         assert chats == [400, 200]  # the first compaction refused, the one made afresh taken
 
 
+def test_a_compressed_refusal_is_read_and_relayed_with_its_coding(
+    scripted: Any, sdk: Any, proxy_factory: Any
+) -> None:
+    """An upstream that gzips its 400 though identity was asked for: the window it states was
+    not read (the retry was planned on the configured window and refused again), and when
+    nothing could be compacted the client got the gzip bytes with no Content-Encoding."""
+    import gzip
+
+    import openai
+
+    error = {
+        "error": {
+            "message": "This model's maximum context length is 3000 tokens. However, your "
+            "messages resulted in 9000 tokens. Please reduce the length of the messages.",
+            "type": "invalid_request_error",
+            "code": "context_length_exceeded",
+        }
+    }
+    upstream, url = scripted(
+        chunks=[gzip.compress(orjson.dumps(error))],
+        status=400,
+        content_type=b"application/json",
+        extra_headers=[(b"content-encoding", b"gzip")],
+    )
+    config = {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 1000000}}}
+    proxy = proxy_factory(url, config)
+    msgs = [history(0)[0], {"role": "user", "content": "word " * 4000}]  # nothing to compact
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk(proxy.base_url).chat.completions.create(
+            model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "gz"}
+        )
+    assert info.value.code == "context_length_exceeded"
+    assert "maximum context length is 3000" in str(info.value)
+    assert len(upstream.requests) == 1
+    proxy.settle()
+    responses = [
+        e for e in read_events(proxy.log_dir / "gz.jsonl").events if e["type"] == "response"
+    ]
+    assert "maximum context length is 3000" in responses[0]["error"]
+
+
 def test_the_prompt_size_a_refusal_states_is_read() -> None:
     said = compaction.provider_prompt_tokens
     assert said(b"However, your messages resulted in 4542 tokens. Please reduce") == 4542

@@ -562,8 +562,8 @@ def test_cost_says_which_models_had_no_prices(tmp_path: Path) -> None:
     report = session_cost(tmp_path, "free")
     assert report.priced_exchanges == 3 and report.unpriced == {"my-local-model": 2}
     assert render_cost(report).endswith(
-        "\n2 exchanges on my-local-model counted as $0: the model has no prices (set "
-        "price_input and price_output in its [models] table)"
+        "\n2 exchanges on my-local-model counted as $0: its prices are 0 (unless it is free, "
+        "set price_input and price_output in its [models] table)"
     )
     assert report.to_json()["unpriced"] == {"my-local-model": 2}
 

@@ -223,6 +223,19 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
             Usage(100_010, 5, 0, 100_000, True, True, True, 100_000),
             id="litellm-one-hour-writes",
         ),
+        pytest.param(  # LiteLLM's Usage built with the details alone
+            {
+                "prompt_tokens": 5000,
+                "completion_tokens": 10,
+                "prompt_tokens_details": {
+                    "cached_tokens": 0,
+                    "cache_creation_tokens": 4000,
+                    "cache_creation_token_details": {"ephemeral_1h_input_tokens": 4000},
+                },
+            },
+            Usage(5000, 10, 0, 4000, True, True, True, 4000),
+            id="litellm-writes-in-the-details-alone",
+        ),
         pytest.param(  # never more of them than the writes
             {
                 "input_tokens": 10,
