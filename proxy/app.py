@@ -238,7 +238,13 @@ class Gateway:
         """Answer a request cachegate refuses before any route's work begins (an invalid session
         id or path), counted by the observers like every other answer: a request with no session
         is in the metrics, not in any session's log."""
-        headers = header_map(scope)
+        self.count_refusal(scope, route, err)
+        await send_error(send, err, extra)
+
+    def count_refusal(self, scope: MutableMapping[str, Any], route: str, err: ProxyError) -> None:
+        """Tell the observers of an answer cachegate gives itself before any route's work (the
+        metrics count it; no session's log has it)."""
+        headers = header_map(dict(scope))
         ex = Exchange(
             route=route,
             method=scope["method"],
@@ -250,7 +256,6 @@ class Gateway:
         ex.status = err.status
         ex.error = err.message
         notify(self.observers, "on_error", ex)
-        await send_error(send, err, extra)
 
     async def passthrough(
         self, scope: Scope, receive: Receive, send: Send, path: str, path_session: str | None
@@ -543,12 +548,16 @@ def create_app(
                 " cachegate serves the OpenAI API under /v1: a client's base URL ends in /v1,"
                 f" e.g. OPENAI_BASE_URL={request.base_url}v1."
             )
-        return _error_response(ProxyError(404, message, code="not_found"))
+        err = ProxyError(404, message, code="not_found")
+        gateway.count_refusal(request.scope, "passthrough", err)  # (a base URL without /v1)
+        return _error_response(err)
 
     async def not_allowed(request: Request, exc: Exception) -> Response:
         message = f"{request.method} is not allowed on {request.url.path}."
         allow = getattr(exc, "headers", None)  # Starlette's HTTPException names what is allowed
-        return _error_response(ProxyError(405, message, code="method_not_allowed"), allow)
+        err = ProxyError(405, message, code="method_not_allowed")
+        gateway.count_refusal(request.scope, "passthrough", err)
+        return _error_response(err, allow)
 
     async def failed(request: Request, exc: Exception) -> Response:
         return _error_response(internal_error(exc, "cachegate failed to answer this request"))

@@ -445,9 +445,11 @@ class Metrics:
     def _seed_model(self, label: str) -> None:
         """Create every series of a model label at zero."""
         for route in ROUTES:
-            # Passthrough requests are labelled "other" (their bodies are not read for a model)
-            seeded = ("200",) if route != "chat" and label != OTHER_MODEL else REQUEST_STATUSES
-            for status in seeded:
+            # Passthrough requests are labelled "other" (their bodies are not read for a model):
+            # a model's passthrough series would never move
+            if route != "chat" and label != OTHER_MODEL:
+                continue
+            for status in REQUEST_STATUSES:
                 self.requests.child(route, label, status)
             self.request_duration.child(route, label)
         self.ttfb.child(label)

@@ -95,6 +95,8 @@ class Exchange:
         except UnreadableAnswer as exc:  # relayed as it came; the log says what was wrong
             if self.error is None and not self.interrupted:  # (cut short by the client: not it)
                 self.error = str(exc)
+                if exc.invalid and self.upstream_error is None:
+                    self.upstream_error = "invalid"  # as a stream's event that is no JSON
             return
         except RefusedAnswer as exc:  # the provider's own words for a status >= 400
             if self.error is None:
@@ -135,7 +137,12 @@ class Exchange:
 
 class UnreadableAnswer(ValueError):
     """A successful status with a body that is no JSON (cut short, say): ``Recorded.assemble``
-    raises it with what was wrong, for the exchange's ``error``."""
+    raises it with what was wrong, for the exchange's ``error``. ``invalid``: the client's SDK
+    fails on it too (not so for a coding cachegate cannot undo: its client may)."""
+
+    def __init__(self, message: str, *, invalid: bool = True) -> None:
+        super().__init__(message)
+        self.invalid = invalid
 
 
 class RefusedAnswer(Exception):

@@ -466,7 +466,8 @@ class _Tee:
         if self.collected is not None:
             if self.coding and self.coding not in _DECODABLE:
                 raise UnreadableAnswer(
-                    f"upstream compressed its answer ({self.coding}) though asked not to: not read"
+                    f"upstream compressed its answer ({self.coding}) though asked not to: not read",
+                    invalid=False,
                 )
             body = _decode(self.coding, b"".join(self.collected))
             if not body:

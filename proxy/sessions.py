@@ -176,9 +176,10 @@ def _same_opening(old: Sequence[Any], new: Sequence[Any]) -> bool:
 
 
 def shared_prefix(old: Sequence[Any], new: Sequence[Any]) -> int:
-    """How many leading messages two lists share: the same JSON, key order and number types
-    included (``1``, ``1.0`` and ``true`` are equal to Python; a history that shares an old
-    message in place of its edit would log and re-send the old one)."""
+    """How many leading messages two lists share: the same JSON, number types included (``1``,
+    ``1.0`` and ``true`` are equal to Python; a history that shared an old message in place of
+    its edit logged and re-sent the old one), in any key order (a client whose serializer orders
+    keys anew each turn still shares its history, or the log would grow with its square)."""
     n = min(len(old), len(new))
     # The leading run of the very same objects (a spliced or shared history) is found at C speed.
     i = leading_run(operator.is_, old, new)
@@ -191,8 +192,9 @@ def _same_json(a: Any, b: Any) -> bool:
     if a != b:
         return False
     try:  # equal to Python: the same when serialized (C speed, where a walk would be Python's)
-        return bool(orjson.dumps(a) == orjson.dumps(b))
-    except TypeError:  # an integer beyond 64 bits: not told apart, so not shared
+        sort = orjson.OPT_SORT_KEYS
+        return bool(orjson.dumps(a, option=sort) == orjson.dumps(b, option=sort))
+    except TypeError:  # (a value JSON has no form for, from a stdlib parse): not shared
         return False
 
 

@@ -201,6 +201,10 @@ def test_a_base_url_without_v1_gets_an_openai_shaped_404_that_says_so(
     assert wrong.json()["error"]["code"] == "method_not_allowed"
     assert "GET" in wrong.headers["allow"]
     assert sim.sim.requests == []
+    # counted, so that a misdirected agent shows on a dashboard (it showed nowhere)
+    labels = {"route": "passthrough", "model": "other"}
+    assert proxy.metric("cachegate_requests_total", {**labels, "status": "404"}) == 2
+    assert proxy.metric("cachegate_requests_total", {**labels, "status": "405"}) == 1
 
 
 def test_a_failure_on_cachegates_own_routes_is_an_openai_shaped_500(

@@ -709,6 +709,29 @@ def test_an_earlier_message_edited_from_1_to_true_is_logged_as_sent(
     assert last["messages"][0]["weight"] is True
 
 
+def test_a_history_resent_in_new_key_orders_is_logged_as_deltas(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A client whose serializer orders keys anew each turn: once messages had to be the same
+    JSON to be shared, each line logged the whole history. Key order is no change."""
+    proxy = proxy_factory(sim.api_base)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "shuffled"})
+    history: list[dict[str, Any]] = []
+    for turn in range(6):
+        history.append({"role": "user", "content": f"step {turn}: " + "x" * 300})
+        sent = [
+            dict(reversed(list(m.items()))) if turn % 2 else dict(m)  # another order each turn
+            for m in history
+        ]
+        reply = post_chat(client, {"model": "gpt-4o", "messages": sent})
+        history.append({"role": reply["role"], "content": reply["content"]})
+    flush(proxy)
+    requests = events(proxy.log_dir, "shuffled", "request")
+    for number, line in enumerate(requests[1:], start=2):
+        assert line["base_exchange"] == number - 1, number
+        assert len(line["appended"]) == 2, number  # the answer and the new step, not it all
+
+
 # --- crash safety --------------------------------------------------------------------------------
 
 

@@ -216,12 +216,17 @@ def test_finite_label_sets_start_at_zero(metrics: Metrics, registry: CollectorRe
         assert value(registry, "cachegate_time_to_first_byte_seconds_count", model=model) == 0
         for route in ("chat", "passthrough"):
             labels = {"route": route, "model": model}
-            assert value(registry, "cachegate_requests_total", status="200", **labels) == 0
-            if route == "chat" or model == "other":  # the first error of each shows in a rate
-                for status in ("400", "429", "499", "500", "502", "503", "504"):
-                    assert value(registry, "cachegate_requests_total", status=status, **labels) == 0
-            assert value(registry, "cachegate_request_duration_seconds_count", **labels) == 0
             assert value(registry, "cachegate_proxy_overhead_seconds_count", route=route) == 0
+            if route == "passthrough" and model != "other":
+                # passthrough is labelled "other" (its body is not read for a model): a model's
+                # series would never move, and took a counter and a histogram each in a scrape
+                assert value(registry, "cachegate_requests_total", status="200", **labels) is None
+                assert value(registry, "cachegate_request_duration_seconds_count", **labels) is None
+                continue
+            for status in ("200", "400", "429", "499", "500", "502", "503", "504"):
+                # (the first error of each shows in a rate)
+                assert value(registry, "cachegate_requests_total", status=status, **labels) == 0
+            assert value(registry, "cachegate_request_duration_seconds_count", **labels) == 0
     for location in REWRITE_LOCATIONS:
         assert value(registry, "cachegate_prefix_rewrites_total", location=location) == 0
     for kind in REPAIR_KINDS:

@@ -108,6 +108,8 @@ def test_a_successful_status_with_a_body_that_is_not_json_is_relayed_and_logged_
     assert response["type"] == "response" and response["status"] == 200
     assert response["message"] is None
     assert response["error"].startswith("upstream answered 200 with a body that is not JSON")
+    # the client's SDK fails on it: counted as a stream's event that is no JSON is
+    assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 1
 
 
 def test_a_client_leaving_halfway_through_an_answer_is_not_blamed_on_the_upstream(

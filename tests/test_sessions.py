@@ -322,7 +322,7 @@ def test_a_forked_process_makes_other_ids_than_its_parent() -> None:
     [
         ({"role": "user", "content": "hi", "n": 1}, {"role": "user", "content": "hi", "n": True}),
         ({"role": "user", "content": "hi", "n": 1.0}, {"role": "user", "content": "hi", "n": 1}),
-        ({"role": "user", "content": "hi"}, {"content": "hi", "role": "user"}),  # key order
+        ({"role": "user", "content": [1]}, {"role": "user", "content": [True]}),
     ],
 )
 def test_a_message_equal_only_to_python_is_not_shared(old: dict, new: dict) -> None:
@@ -333,3 +333,13 @@ def test_a_message_equal_only_to_python_is_not_shared(old: dict, new: dict) -> N
     first = {"role": "system", "content": "s"}
     assert shared_prefix([first, old], [dict(first), new, {"role": "user", "content": "x"}]) == 1
     assert shared_prefix([first, old], [first, dict(old)]) == 2
+
+
+def test_a_message_sent_again_in_another_key_order_is_shared() -> None:
+    """A serializer that orders keys anew each turn: no message was shared, and every log line
+    held the whole history (a log growing with the conversation's square)."""
+    from proxy.sessions import shared_prefix
+
+    old = [{"role": "user", "content": "hi", "meta": {"a": 1, "b": 2}}]
+    new = [{"meta": {"b": 2, "a": 1}, "content": "hi", "role": "user"}, {"role": "user"}]
+    assert shared_prefix(old, new) == 1
