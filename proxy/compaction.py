@@ -748,14 +748,17 @@ def prefix_digest(
     *,
     known: tuple[int, str] | None = None,
 ) -> str:
-    """The chained digest of ``messages[:end]``.
+    """The chained digest of ``messages[:end]`` past its leading system/developer messages
+    (``leading_count``): a compaction keeps the system prompt as the request sends it, so one
+    that changes every turn (the time in it) keeps the compaction, whose summary was made again
+    on every turn.
 
     ``known=(k, digest_of_first_k)`` resumes the chain from a digest the caller computed before
     (e.g. for an unchanged prefix of the previous request), hashing only ``messages[k:end]``.
     """
     if end > len(messages):
         raise ValueError(f"prefix of {end} messages asked of a list of {len(messages)}")
-    index, digest = known if known is not None else (0, GENESIS_DIGEST)
+    index, digest = known if known is not None else (leading_count(messages), GENESIS_DIGEST)
     if index > end:
         raise ValueError(f"known digest covers {index} messages, more than {end}")
     for message in messages[index:end]:
@@ -763,13 +766,23 @@ def prefix_digest(
     return digest
 
 
-def opening_digest(messages: Sequence[Message]) -> str:
-    """The digest of a history's opening: its leading system/developer messages and the first
-    message after them."""
+def leading_count(messages: Sequence[Message]) -> int:
+    """How many system/developer messages open ``messages``."""
     lead = 0
-    while lead < len(messages) and messages[lead].get("role") in LEADING_ROLES:
+    while (
+        lead < len(messages)
+        and isinstance(messages[lead], dict)
+        and messages[lead].get("role") in LEADING_ROLES
+    ):
         lead += 1
-    return prefix_digest(messages, min(lead + 1, len(messages)))
+    return lead
+
+
+def opening_digest(messages: Sequence[Message]) -> str:
+    """The digest of a history's opening: the first message after its leading system/developer
+    messages (which a compaction keeps as each request sends them), and how many those are."""
+    lead = leading_count(messages)
+    return f"{lead}:" + prefix_digest(messages, min(lead + 1, len(messages)))
 
 
 def apply_compaction(

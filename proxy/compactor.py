@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import orjson
 
-from proxy import compaction, pairing
+from proxy import compaction, pairing, prefix
 from proxy.config import ModelSettings, Settings
 from proxy.pipeline import Exchange, Observer, notify
 from proxy.relay import Relay, open_error_kind
@@ -54,6 +54,19 @@ def _same(a: Any, b: Any) -> bool:
     """The same message: the very object (an agent's next turn resends its history as the
     objects cachegate holds), or an equal one."""
     return a is b or a == b
+
+
+def _retimed(new: Any, old: Any) -> bool:
+    """Two system prompts that differ only by a volatile token, the current time in it: the
+    same conversation, whose provider numbers still count (another system prompt is another
+    conversation's: a title request opening with the task)."""
+    if not (isinstance(new, dict) and isinstance(old, dict)):
+        return False
+    role = new.get("role")
+    if role not in compaction.LEADING_ROLES or role != old.get("role"):
+        return False
+    before, after = compaction.message_text(old), compaction.message_text(new)
+    return prefix.volatile_kind(before, after) is not None
 
 
 class Compactor:
@@ -126,7 +139,7 @@ class Compactor:
             count, head, tail = last[2], last[3], last[4]
             if not (
                 0 < count <= len(messages)
-                and _same(messages[0], head)
+                and (_same(messages[0], head) or _retimed(messages[0], head))
                 and _same(messages[count - 1], tail)
             ):
                 last = None  # another conversation's, or a rewind: the estimate decides
@@ -273,11 +286,13 @@ class Compactor:
         known: tuple[int, str] | None = None  # a prefix of ``messages`` whose digest is known
         best: tuple[compaction.Compaction, str] | None = None
         opening: str | None = None
-        for comp, verified in held.values():
+        lead = compaction.leading_count(messages)  # (its digests begin past them: the system
+        for comp, verified in held.values():  # prompt may change from turn to turn)
             if (
                 verified is not None
                 and len(messages) >= len(verified)
-                and all(map(operator.is_, verified, messages))
+                and compaction.leading_count(verified) == lead
+                and all(map(operator.is_, verified[lead:], messages[lead:]))
             ):
                 known, opening = (comp.covered, comp.prefix_digest), comp.opening
                 best = (comp, comp.prefix_digest)

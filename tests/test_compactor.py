@@ -682,6 +682,47 @@ def test_a_long_launching_message_gives_way_when_nothing_comes_under_the_aim(
         assert raw.headers["x-cachegate-compacted"] == "1"
 
 
+def _summaries_over_turns(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any, tag: str, clock_in_system: bool
+) -> int:
+    config = {
+        "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 2},
+        "models": {MODEL: {"context_window": 6000}},
+    }
+    proxy = proxy_factory(sim.api_base, config)
+    client = sdk(proxy.base_url)
+    history: list[dict[str, Any]] = [{"role": "user", "content": "Fix the failing test."}]
+    before = len(sim.sim.requests)
+    for turn in range(12):
+        now = f" Current time: 2026-12-02T10:{turn:02d}:00Z." if clock_in_system else ""
+        system = "You are an agent." + now
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "system", "content": system}, *history],  # type: ignore[arg-type]
+            extra_headers={"X-Session-Id": tag, "X-Sim-Script": '"Looked."'},
+        )
+        history += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "user", "content": f"step {turn}: " + "word " * 600},
+        ]
+    return sum(
+        1
+        for r in sim.sim.requests[before:]
+        if r.body["messages"][0]["content"] == SUMMARIZER_SYSTEM_PROMPT
+    )
+
+
+def test_the_time_in_the_system_prompt_does_not_undo_a_compaction(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """A compaction keeps the system prompt as each request sends it; keyed on it too, one
+    that changes every turn (the current time) made a new summary call on every turn."""
+    steady = _summaries_over_turns(sim, sdk, proxy_factory, "steady", clock_in_system=False)
+    ticking = _summaries_over_turns(sim, sdk, proxy_factory, "ticking", clock_in_system=True)
+    assert 1 <= steady <= 3
+    assert ticking == steady
+
+
 def test_a_sub_agent_in_a_compacted_session_is_neither_compacted_nor_undoes_the_compaction(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:
@@ -776,6 +817,7 @@ def test_the_compaction_in_use_outlives_many_others(
     for k in range(9):
         sub = history(18)
         sub[0] = {"role": "system", "content": f"You are sub-agent {k}. " * 200}
+        sub[1] = {"role": "user", "content": f"Sub-task {k}: rename the config loader."}
         send(sub)
         send(history(18))  # the main agent again (a retry): its compaction reused
     calls = [
