@@ -295,8 +295,12 @@ async def _one(data: bytes) -> AsyncIterator[bytes]:
 
 
 async def read_body(receive: Receive, limit: int) -> bytes:
-    """The whole request body; a 413 ``ProxyError`` past ``limit`` bytes."""
+    """The whole request body; a 413 ``ProxyError`` past ``limit`` bytes, a 499 when the client
+    leaves before it is whole (also before its first byte: read as an empty body, it was a 400
+    ``invalid_json`` counted as the client's error)."""
     message = await receive()
+    if message["type"] == "http.disconnect":
+        raise client_closed("client disconnected while sending the request")
     body = message.get("body", b"")
     if not message.get("more_body", False):
         if len(body) > limit:

@@ -163,12 +163,18 @@ def test_a_client_that_leaves_before_any_answer_is_a_499_and_a_disconnect(
         leave("chat/completions", "uploading", payload[:10], len(payload))
         leave("embeddings", "uploading-elsewhere", payload[:10], len(payload))
         leave("embeddings", "waiting-elsewhere", payload, len(payload))
+        # gone after its headers, before any byte of its body (httpx writes them apart): read
+        # as an empty body, it was a 400 invalid_json, the client's own error on a dashboard
+        leave("chat/completions", "headers-only", b"", len(payload))
         deadline = time.monotonic() + 5
         while (
-            proxy.metric("cachegate_client_disconnects_total") < 4 and time.monotonic() < deadline
+            proxy.metric("cachegate_client_disconnects_total") < 5 and time.monotonic() < deadline
         ):
             time.sleep(0.05)
-        assert proxy.metric("cachegate_client_disconnects_total") == 4
+        assert proxy.metric("cachegate_client_disconnects_total") == 5
+        unread = {"route": "chat", "model": "other"}  # (no whole body: no model)
+        assert proxy.metric("cachegate_requests_total", {**unread, "status": "499"}) == 2
+        assert proxy.metric("cachegate_requests_total", {**unread, "status": "400"}) == 0
         for route in ("chat", "passthrough"):
             labels = {"route": route, "model": "other" if route == "passthrough" else "gpt-4o"}
             assert proxy.metric("cachegate_requests_total", {**labels, "status": "499"}) == (
