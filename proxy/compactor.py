@@ -19,7 +19,8 @@ import orjson
 
 from proxy import compaction, pairing, prefix
 from proxy.config import ModelSettings, Settings
-from proxy.pipeline import Exchange, Observer, notify
+from proxy.pipeline import Exchange, Observer, error_message, notify
+from proxy.redact import redact_text
 from proxy.relay import Relay, open_error_kind
 from proxy.sessions import SessionState
 from proxy.usage import Usage, normalize_usage
@@ -403,6 +404,12 @@ class Compactor:
             stage = "status" if response.status_code >= 400 else "invalid"
             if response.status_code == 200:
                 answer = orjson.loads(body)
+                error = answer.get("error") if isinstance(answer, dict) else None
+                if error is not None and not answer.get("choices"):
+                    # a failure reported inside a 200, as an exchange's error_event is counted
+                    stage = "error_event"
+                    said = redact_text(error_message(answer)[:300])  # (said on stderr)
+                    raise ValueError(f"the provider reported: {said}")
                 self._count_summary(ex, model, answer)
                 text = answer["choices"][0]["message"]["content"]
                 if isinstance(text, str) and text.strip():
@@ -414,9 +421,10 @@ class Compactor:
                 notify(self.observers, "on_summary_error", ex, "status")
         except Exception as exc:
             log.warning(
-                "summarizer failed after %.1fs (%s); using the extractive summary",
+                "summarizer failed after %.1fs (%s%s); using the extractive summary",
                 time.perf_counter() - started,
                 type(exc).__name__,
+                f": {exc}" if stage == "error_event" else "",
             )
             if isinstance(exc, httpx.PoolTimeout):
                 stage = ""  # cachegate's own pool, full: no upstream error

@@ -207,7 +207,10 @@ def test_the_summary_call_is_priced_with_its_exchange(
     )
 
 
-@pytest.mark.parametrize(("fault", "kind"), [("429", "status"), ("reset", "midstream")])
+@pytest.mark.parametrize(
+    ("fault", "kind"),
+    [("429", "status"), ("reset", "midstream"), ("error_event", "error_event")],
+)
 def test_summarizer_failure_falls_back_to_extractive(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any, fault: str, kind: str
 ) -> None:
