@@ -309,8 +309,9 @@ class ChatPipeline:
             # Agents resend their whole history. Share the previous request's message objects for
             # the unchanged prefix: the session then holds one copy of the history, not one per
             # request, and every later comparison of those messages is an identity check. (The
-            # same JSON, not Python's equality, under which 1 -> 1.0 or a new key order would
-            # keep the old message in the log and in a re-serialized body.)
+            # same JSON, not Python's equality, under which 1 -> 1.0 kept the old message in the
+            # log and a re-serialized body; in any key order, so a message resent in another
+            # order is logged and re-sent in the order it first came, the same JSON.)
             previous = state.last_client_messages
             if shared < 0:
                 shared = shared_prefix(previous, messages)

@@ -267,6 +267,7 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
     displaced: dict[int, ExchangeRow] = {}  # a compaction's row: the exchange's row before it
     pending: dict[int, list[ExchangeRow]] = {}  # per exchange number, the rows sent, in order
     first_sent: dict[int, float] = {}  # id() of a retried row: when its exchange's first went
+    retries: dict[int, list[ExchangeRow]] = {}  # id() of a refused attempt's row: its retry's
 
     def new_row(ev: dict[str, Any]) -> ExchangeRow:
         row = ExchangeRow(exchange=_int(ev.get("exchange")), ts=_float(ev.get("ts")))
@@ -315,6 +316,7 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
             row.ts = _float(ev.get("ts"))
             if earlier is not None:  # a retry: its exchange began with the refused attempt
                 first_sent[id(row)] = first_sent.get(id(earlier), earlier.ts or 0.0)
+                retries.setdefault(id(earlier), []).append(row)
             requested.add(id(row))
             if row.exchange is not None:
                 pending.setdefault(row.exchange, []).append(row)
@@ -347,6 +349,21 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
             row.model = row.model or _str(ev.get("model"))
             # the client left while its request was prepared (or compacted): an interruption
             row.interrupted |= row.status == CLIENT_CLOSED
+    if retries:
+        # A retry's row right after the attempt it re-sent (requests in flight together log
+        # other exchanges between them): two rows under one number, read as one exchange.
+        retried = {id(r) for held in retries.values() for r in held}
+        ordered: list[ExchangeRow] = []
+
+        def place(row: ExchangeRow) -> None:
+            ordered.append(row)
+            for retry in retries.get(id(row), ()):
+                place(retry)
+
+        for row in rows:
+            if id(row) not in retried:
+                place(row)
+        rows = ordered
     stamps = [ts for ev in log.events if (ts := _float(ev.get("ts"))) is not None]
     return SessionDetail(
         session=session_id,

@@ -493,6 +493,22 @@ def test_a_retried_request_is_matched_by_when_its_exchange_began(tmp_path: Path)
     ]
 
 
+def test_a_retry_row_follows_the_attempt_it_resent(tmp_path: Path) -> None:
+    """Requests in flight together: #2 was refused and re-sent compacted while #3 went and came
+    back; the retry's row came after #3's, and read as #3's retry."""
+    events = [req(T0, 2, appended=[U1]), req(T0 + 1, 3, appended=[U2])]
+    events += [_answer(T0 + 2, 100, 5, duration=1.0, cost=0.1, exchange=3)]
+    events += [_compacted(T0 + 3, 2, retry=True)]
+    events += [req(T0 + 3, 2, appended=[U2], transforms={"compacted": {}})]
+    events += [_answer(T0 + 4, 900, 9, duration=4.0, cost=0.3, exchange=2)]
+    rows = _rows(tmp_path, "interleaved", events)
+    assert [(r.exchange, r.tokens_in, r.error) for r in rows] == [
+        (2, None, RESENT_COMPACTED),
+        (2, 900, None),
+        (3, 100, None),
+    ]
+
+
 def test_session_cost(log_dir: Path) -> None:
     report = session_cost(log_dir, "alpha")
     assert report == CostReport(
