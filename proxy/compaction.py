@@ -1029,17 +1029,18 @@ _PROMPT_RE = re.compile(
 
 def provider_prompt_tokens(error_body: bytes) -> int | None:
     """How many tokens a provider's ``context_length_exceeded`` message says the prompt held."""
-    match = _PROMPT_RE.search(error_body)
-    if match is None:
-        return None
-    tokens = int(next(group for group in match.groups() if group is not None))
-    return tokens if tokens > 0 else None
+    return _stated(_PROMPT_RE, error_body)
 
 
 def provider_window(error_body: bytes) -> int | None:
     """The context window a provider's ``context_length_exceeded`` message states, if it does."""
-    match = _WINDOW_RE.search(error_body)
+    return _stated(_WINDOW_RE, error_body)
+
+
+def _stated(pattern: re.Pattern[bytes], error_body: bytes) -> int | None:
+    """The positive number the first of ``pattern``'s wordings found in ``error_body`` holds."""
+    match = pattern.search(error_body)
     if match is None:
         return None
-    window = int(next(group for group in match.groups() if group is not None))
-    return window if window > 0 else None
+    number = int(next(group for group in match.groups() if group is not None))
+    return number if number > 0 else None

@@ -314,6 +314,16 @@ def test_context_length_exceeded_is_compacted_and_retried_once(
         assert proxy.metric("cachegate_upstream_errors_total", {"kind": "status"}) == 1
 
 
+def _dense_history(pairs: int) -> list[dict[str, Any]]:
+    """Ten tool rounds whose outputs are ``pairs`` times "a,": dense text (CSV, minified JSON),
+    a token a byte to the simulator where the estimate counts one per four."""
+    msgs = history(10, output_chars=0, system_repeat=10)
+    for message in msgs:
+        if message["role"] == "tool":
+            message["content"] = "a," * pairs
+    return msgs
+
+
 def test_a_retry_plans_against_the_tokens_the_provider_counted(
     sdk: Any, proxy_factory: Any
 ) -> None:
@@ -327,10 +337,7 @@ def test_a_retry_plans_against_the_tokens_the_provider_counted(
             "models": {MODEL: {"context_window": 1000000}},
         }
         proxy = proxy_factory(small.api_base, config)
-        msgs = history(10, output_chars=0, system_repeat=10)
-        for message in msgs:
-            if message["role"] == "tool":
-                message["content"] = "a," * 600  # 300 estimated tokens, 1,200 to the provider
+        msgs = _dense_history(600)  # 300 estimated tokens an output, 1,200 to the provider
         small.sim.enqueue([parse_script("short summary")])
         raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
             model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "dense-tail"}
@@ -352,10 +359,7 @@ def test_a_compaction_the_provider_refuses_is_compacted_further_for_the_retry(
             "models": {MODEL: {"context_window": 4000}},
         }
         proxy = proxy_factory(small.api_base, config)
-        msgs = history(10, output_chars=0, system_repeat=10)
-        for message in msgs:
-            if message["role"] == "tool":
-                message["content"] = "a," * 700  # 350 estimated tokens, 1,400 to the provider
+        msgs = _dense_history(700)  # 350 estimated tokens an output, 1,400 to the provider
         raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
             model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "refused-compaction"}
         )
