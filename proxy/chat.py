@@ -525,7 +525,7 @@ class ChatPipeline:
             elif forwarded is body:
                 content = raw  # nothing changed: the client's exact bytes
             else:
-                content = orjson.dumps(forwarded)
+                content = dump_body(forwarded)
             ex.body = forwarded
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -655,7 +655,7 @@ class ChatPipeline:
                     scope,
                     receive,
                     send,
-                    content=orjson.dumps(forwarded),
+                    content=dump_body(forwarded),
                     headers=ex.upstream_headers,
                     extra_headers=extra,
                     record=True,
@@ -679,3 +679,14 @@ def _overcount(sent: Any, refusal: bytes) -> float:
     estimate = compaction.estimate_tokens(messages if isinstance(messages, list) else [])
     estimate += compaction.estimate_tokens(tools) if isinstance(tools, list) else 0
     return max(1.0, said / estimate) if estimate > 0 else 1.0
+
+
+def dump_body(body: Any) -> bytes:
+    """A request body cachegate changed, as JSON bytes: orjson's, or the standard library's for
+    what orjson does not write (content nested deeper than 254 levels, which a client may send
+    and orjson reads up to 1,024; an integer beyond 64 bits from a lenient parse). A repair of
+    such a body was a 500 of cachegate's."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:  # (orjson.JSONEncodeError is one)
+        return json.dumps(body, separators=(",", ":")).encode()

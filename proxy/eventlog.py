@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import logging
 import os
 import stat
@@ -538,8 +539,12 @@ class EventLogWriter:
             line = orjson.dumps(out, default=default, option=orjson.OPT_APPEND_NEWLINE)
         except orjson.JSONEncodeError:
             # Keys that are not strings (none of cachegate's own events has any) take orjson's
-            # slower path; a line that fails even so raises from here as before.
-            line = orjson.dumps(out, default=default, option=_OPT_ANY_KEYS)
+            # slower path; content nested deeper than orjson writes (254 levels, which a
+            # request may hold) the standard library's; a line that fails even so raises.
+            try:
+                line = orjson.dumps(out, default=default, option=_OPT_ANY_KEYS)
+            except orjson.JSONEncodeError:
+                line = json.dumps(out, default=default, separators=(",", ":")).encode() + b"\n"
         # Serialized first; with redact_secrets, the batch's lines are then looked through for
         # secrets (``_redact``).
         return line, out

@@ -732,6 +732,37 @@ def test_a_history_resent_in_new_key_orders_is_logged_as_deltas(
         assert len(line["appended"]) == 2, number  # the answer and the new step, not it all
 
 
+def test_content_nested_deeper_than_orjson_writes_is_repaired_forwarded_and_logged(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """orjson reads 1,024 levels and writes 254: a body nested 300 deep that needed a repair
+    was a 500 of cachegate's, and without one its log lines were lost."""
+    proxy = proxy_factory(sim.api_base)
+    deep: Any = "x"
+    for _ in range(300):
+        deep = [deep]
+    call = {"id": "call_1", "type": "function", "function": {"name": "sh", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "look", "metadata": deep},
+        {"role": "assistant", "content": None, "tool_calls": [call]},  # no result: repaired
+        {"role": "user", "content": "go on"},
+    ]
+    raw = json.dumps({"model": "gpt-4o", "messages": messages}).encode()
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        content=raw,
+        headers={"X-Session-Id": "deep", "content-type": "application/json"},
+    )
+    assert r.status_code == 200, r.text
+    assert r.headers["x-cachegate-repairs"] == "1"
+    assert sim.sim.requests[-1].body["messages"][0]["metadata"] == deep
+    flush(proxy)
+    (request,) = events(proxy.log_dir, "deep", "request")
+    (response,) = events(proxy.log_dir, "deep", "response")
+    assert request["appended"][0]["metadata"] == deep
+    assert response["usage"] is not None and "cost" in response
+
+
 # --- crash safety --------------------------------------------------------------------------------
 
 
