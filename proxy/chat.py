@@ -689,4 +689,11 @@ def dump_body(body: Any) -> bytes:
     try:
         return orjson.dumps(body)
     except TypeError:  # (orjson.JSONEncodeError is one)
-        return json.dumps(body, separators=(",", ":")).encode()
+        try:
+            return json.dumps(body, separators=(",", ":")).encode()
+        except RecursionError:  # ~990 levels and more (orjson reads up to 1,024)
+            raise bad_request(
+                "The request is nested too deeply (about 990 levels or more) for cachegate to"
+                " send it again after repairing or compacting it.",
+                "invalid_body",
+            ) from None

@@ -98,6 +98,17 @@ _VALID_IDS_KEPT: Final = 4096  # session ids remembered as checked by emit()
 IDLE_CLOSE_S: Final = 600.0
 
 
+def _dumps_line(out: Any, default: Callable[[Any], Any]) -> bytes:
+    """An event's line where orjson's fast path refused it: keys that are not strings (none of
+    cachegate's own events has any) take orjson's slower path; content nested deeper than
+    orjson writes (254 levels, which a request may hold) the standard library's (ASCII, as
+    valid). A line that fails even so raises (its caller counts it lost)."""
+    try:
+        return orjson.dumps(out, default=default, option=_OPT_ANY_KEYS)
+    except orjson.JSONEncodeError:
+        return json.dumps(out, default=default, separators=(",", ":")).encode() + b"\n"
+
+
 class EventLogWriter:
     """Appends events to per-session JSONL files from one background thread.
 
@@ -430,9 +441,7 @@ class EventLogWriter:
                 if not line_may_hold_secret(lines[at]):
                     continue
                 try:
-                    lines[at] = orjson.dumps(
-                        redact(out), default=_redacted_str, option=_OPT_ANY_KEYS
-                    )
+                    lines[at] = _dumps_line(redact(out), _redacted_str)
                 except Exception as exc:  # a hostile __str__, say
                     self._mark_broken(session_id)
                     self._lose(
@@ -538,13 +547,7 @@ class EventLogWriter:
         try:
             line = orjson.dumps(out, default=default, option=orjson.OPT_APPEND_NEWLINE)
         except orjson.JSONEncodeError:
-            # Keys that are not strings (none of cachegate's own events has any) take orjson's
-            # slower path; content nested deeper than orjson writes (254 levels, which a
-            # request may hold) the standard library's; a line that fails even so raises.
-            try:
-                line = orjson.dumps(out, default=default, option=_OPT_ANY_KEYS)
-            except orjson.JSONEncodeError:
-                line = json.dumps(out, default=default, separators=(",", ":")).encode() + b"\n"
+            line = _dumps_line(out, default)
         # Serialized first; with redact_secrets, the batch's lines are then looked through for
         # secrets (``_redact``).
         return line, out

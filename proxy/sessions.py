@@ -23,7 +23,7 @@ from typing import Any, Final, Literal, Protocol
 
 import orjson
 
-from proxy.prefix import canonical_message, leading_run
+from proxy.prefix import canonical_json, canonical_message, leading_run
 
 log = logging.getLogger(__name__)
 
@@ -158,9 +158,10 @@ def opening_key(messages: Sequence[Any]) -> OpeningKey | None:
             role, content = canonical.get("role"), canonical.get("content")
             if len(canonical) == 2 and type(role) is str and type(content) is str:
                 return (role, content)
-            return hashlib.blake2b(
-                orjson.dumps(canonical, option=orjson.OPT_SORT_KEYS), digest_size=16
-            ).hexdigest()
+            try:  # (canonical_json: content nested deeper than orjson writes, 254 levels)
+                return hashlib.blake2b(canonical_json(canonical), digest_size=16).hexdigest()
+            except RecursionError:  # past what even the standard library writes: no key
+                return None
     return None
 
 

@@ -761,6 +761,24 @@ def test_content_nested_deeper_than_orjson_writes_is_repaired_forwarded_and_logg
     (response,) = events(proxy.log_dir, "deep", "response")
     assert request["appended"][0]["metadata"] == deep
     assert response["usage"] is not None and "cost" in response
+    # a line the secret scan looks through ("disk-usage" holds "sk-") is redacted as deep
+    messages[2] = {"role": "user", "content": "check the disk-usage sk-" + "a" * 30}
+    raw = json.dumps({"model": "gpt-4o", "messages": messages}).encode()
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        content=raw,
+        headers={"X-Session-Id": "deep-secret", "content-type": "application/json"},
+    )
+    assert r.status_code == 200, r.text
+    flush(proxy)
+    (request,) = events(proxy.log_dir, "deep-secret", "request")
+    assert request["appended"][-1]["content"] == "check the disk-usage [REDACTED]"
+    # past what even the standard library writes (~990 levels): a clear 400, not a 500
+    messages[0] = {"role": "user", "content": "look", "metadata": "DEEP"}
+    raw = orjson.dumps({"model": "gpt-4o", "messages": messages})
+    raw = raw.replace(b'"DEEP"', b"[" * 1000 + b'"x"' + b"]" * 1000)
+    r = httpx.post(proxy.base_url + "/chat/completions", content=raw)
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_body")
 
 
 # --- crash safety --------------------------------------------------------------------------------

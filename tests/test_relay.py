@@ -996,6 +996,13 @@ def test_a_compressed_chat_request_is_read_and_forwarded_decoded(
         # empty gzip members by the thousand: each copied the rest of the body, and 160,000
         # held the event loop (every other client) for 9 s
         ("gzip", 400, "invalid_content_encoding", gzip.compress(payload) + gzip.compress(b"") * 65),
+        # few, but before a large one: each copied the large rest (63 before 64 MB: 4 s)
+        (
+            "gzip",
+            400,
+            "invalid_content_encoding",
+            gzip.compress(b"") * 8 + gzip.compress(payload + b" " * (4 << 20), compresslevel=0),
+        ),
     ]
     for coding, status, code, body in refusals:
         r = httpx.post(
