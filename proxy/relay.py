@@ -272,7 +272,7 @@ def _members(body: bytes, wbits: int, limit: int) -> bytes | None:
     no member. Raises ``zlib.error`` when it is not that coding; 413 past ``limit`` bytes."""
     out: list[bytes] = []
     size = 0
-    copied, budget = 0, 2 * len(body) + (1 << 20)  # (what the members' rests copy, at most)
+    copied, budget = 0, 2 * len(body) + (1 << 16)  # (what the members' rests copy, at most)
     for _ in range(_MAX_MEMBERS):
         copied += len(body)
         if copied > budget:  # empty members before a large one: each copied the large rest

@@ -1001,7 +1001,7 @@ def test_a_compressed_chat_request_is_read_and_forwarded_decoded(
             "gzip",
             400,
             "invalid_content_encoding",
-            gzip.compress(b"") * 8 + gzip.compress(payload + b" " * (4 << 20), compresslevel=0),
+            gzip.compress(b"") * 8 + gzip.compress(payload + b" " * 90_000, compresslevel=0),
         ),
     ]
     for coding, status, code, body in refusals:
