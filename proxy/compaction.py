@@ -299,9 +299,7 @@ def find_cut(
     if keep_recent < 1:
         raise ValueError(f"keep_recent must be at least 1, got {keep_recent}")
     n = len(messages)
-    start = 0
-    while start < n and messages[start].get("role") in LEADING_ROLES:
-        start += 1
+    start = leading_count(messages)
     end = n - keep_recent
     if end - start < 2:
         return None

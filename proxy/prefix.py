@@ -345,29 +345,28 @@ def last_cache_marker(body: Mapping[str, Any]) -> Any:
     marker = body.get("cache_control")
     if marker is not None:
         return marker
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        for message in reversed(messages):
-            if not isinstance(message, dict):
-                continue
-            marker = message.get("cache_control")
-            if marker is not None:
-                return marker
-            content = message.get("content")
-            if isinstance(content, list):
-                for part in reversed(content):
-                    if isinstance(part, dict) and part.get("cache_control") is not None:
-                        return part["cache_control"]
-    tools = body.get("tools")
-    if isinstance(tools, list):
-        for tool in reversed(tools):
-            if not isinstance(tool, dict):
-                continue
-            if tool.get("cache_control") is not None:
-                return tool["cache_control"]
-            function = tool.get("function")
-            if isinstance(function, dict) and function.get("cache_control") is not None:
-                return function["cache_control"]
+    for key, inner in (("messages", "content"), ("tools", "function")):
+        items = body.get(key)
+        if isinstance(items, list):
+            for item in reversed(items):
+                marker = cache_mark(item, inner)
+                if marker is not None:
+                    return marker
+    return None
+
+
+def cache_mark(item: Any, inner: str) -> Any:
+    """``item``'s own ``cache_control``, else the last of its ``inner``'s (a message's content
+    parts, a tool's function); None when it has none."""
+    if not isinstance(item, dict):
+        return None
+    marker = item.get("cache_control")
+    if marker is not None:
+        return marker
+    nested = item.get(inner)
+    for part in reversed(nested) if isinstance(nested, list) else (nested,):
+        if isinstance(part, dict) and part.get("cache_control") is not None:
+            return part["cache_control"]
     return None
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from proxy.prefix import tools_json  # tools as a provider renders them
+from proxy.prefix import cache_mark, tools_json  # tools as a provider renders them
 
 MESSAGE_OVERHEAD = 3
 _TOKEN = re.compile(
@@ -106,32 +106,15 @@ def marked_request_tokens(body: Mapping[str, Any]) -> tuple[list[bytes], int]:
     tools = body.get("tools")
     if tools:
         out += tokenize(tools_json(tools).decode())
-        if isinstance(tools, list) and any(_tool_marked(tool) for tool in tools):
+        if isinstance(tools, list) and any(cache_mark(t, "function") is not None for t in tools):
             marked = len(out)
     for message in body.get("messages") or ():
         if isinstance(message, Mapping):
             out += message_tokens(message)
-            if _message_marked(message):
+            if cache_mark(message, "content") is not None:
                 marked = len(out)
         else:
             out += tokenize(_as_text(message))
     if body.get("cache_control") is not None:  # automatic caching: up to the end
         marked = len(out)
     return out, marked
-
-
-def _tool_marked(tool: Any) -> bool:
-    if not isinstance(tool, Mapping):
-        return False
-    function = tool.get("function")
-    return tool.get("cache_control") is not None or (
-        isinstance(function, Mapping) and function.get("cache_control") is not None
-    )
-
-
-def _message_marked(message: Mapping[str, Any]) -> bool:
-    content = message.get("content")
-    return message.get("cache_control") is not None or (
-        isinstance(content, list)
-        and any(isinstance(p, Mapping) and p.get("cache_control") is not None for p in content)
-    )
