@@ -25,6 +25,8 @@ What it does:
   ``SSL_CERT_DIR`` select another);
 - a request that finds its reused connection closed by the server before any byte of an answer is
   sent once more on a new connection (the server closed an idle connection as it was reused);
+  an idle connection whose socket has bytes or its end waiting is not reused, nor one that
+  carried a 5xx answer (servers close after those, sometimes without saying so);
 - failures raised as httpx's exceptions (``ConnectError``, ``ConnectTimeout``, ``ReadTimeout``,
   ``PoolTimeout``, ``RemoteProtocolError``, ``ReadError``), so callers handle every pool alike.
 
@@ -38,6 +40,7 @@ import asyncio
 import collections
 import contextlib
 import os
+import select
 import socket
 import ssl
 import time
@@ -303,11 +306,24 @@ class _Connection(asyncio.Protocol):
         self._sent: int | None = None  # bytes of the first request sent before the transport
         self._sent_at = 0.0  # loop time the request was all written
         self._head_bytes = 0  # bytes received of the current answer before its headers ended
+        self._fd = -1
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's too)
+        sock = transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else -1
+
+    def readable(self) -> bool:
+        """Whether the socket has bytes or its end waiting that the loop has not read yet. An
+        idle connection should have none: it is the server's close (or a stray answer) that
+        arrived after the last answer, in the same moment (httpcore checks the same)."""
+        if self._fd < 0:
+            return False
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        return bool(poller.poll(0))
 
     def data_received(self, data: bytes) -> None:
         parser = self._parser
@@ -539,6 +555,10 @@ class _Connection(asyncio.Protocol):
             and self._keep_alive
             and not self._request_incomplete
             and not self.closed
+            # A server in trouble may close after its 5xx without saying so (no "connection:
+            # close"), a moment after the answer: the next request sent on it would be lost
+            # unanswered. Errors are rare; a new connection for the next request costs little.
+            and (self._response is None or self._response.status_code < 500)
         ):
             self._parser = None
             self._response = None
@@ -750,7 +770,11 @@ class UpstreamPool:
             now = time.monotonic()
             while idle:
                 conn = idle.pop()
-                if not conn.closed and now - conn.idle_since < self.keepalive_expiry:
+                if (
+                    not conn.closed
+                    and now - conn.idle_since < self.keepalive_expiry
+                    and not conn.readable()
+                ):
                     return conn
                 conn.abort()
         while self.open_connections >= self.max_connections:

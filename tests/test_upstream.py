@@ -345,6 +345,38 @@ def test_the_resend_after_a_stale_connection_goes_on_a_new_one_not_another_idle_
     run(main())
 
 
+@pytest.mark.parametrize(
+    ("status", "close_after_s"),
+    [
+        # closes as it answers, without "connection: close": its end waits on the socket
+        # when the next request comes (every second request was a 502)
+        (b"200 OK", 0.0),
+        (b"404 Not Found", 0.0),
+        # closes a moment after its 500, when the next request may already be on its way
+        (b"500 Internal Server Error", 0.02),
+    ],
+)
+def test_a_connection_the_server_closes_after_answering_is_not_reused(
+    status: bytes, close_after_s: float
+) -> None:
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(answer(b"from connection %d" % c, status))
+        await w.drain()
+        await asyncio.sleep(close_after_s)
+        return False
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            for i in range(1, 21):  # back to back, as an agent's next request follows
+                response = await pool.open("POST", srv.url + "/", [], b"{}")
+                assert await read(response) == b"from connection %d" % i
+            assert len(srv.requests) == 20  # none lost on a closing connection, none resent
+            await pool.aclose()
+
+    run(main())
+
+
 def test_a_new_connection_closed_before_answering_is_not_retried() -> None:
     async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
         return False
