@@ -246,7 +246,10 @@ class EventLogWriter:
             if len(self._valid_ids) >= _VALID_IDS_KEPT:
                 self._valid_ids.clear()
             self._valid_ids.add(session_id)
-        if len(self._items) >= self._max_queue:
+        queued = len(self._items)
+        # A session's meta line (one per file, the line that names the file cachegate's log) may
+        # go past the bound, up to twice it: a burst of new sessions dropped it.
+        if queued >= self._max_queue and (not first_in_file or queued >= 2 * self._max_queue):
             self._drop("queue_full")
             return False
         # No wake-up call: waking a sleeping thread per event cost the event loop ~15% of its

@@ -548,6 +548,26 @@ def test_a_full_queue_drops_without_blocking(log_dir: Path) -> None:
     assert losses[-1] == "closed"
 
 
+def test_a_burst_of_new_sessions_keeps_each_files_meta_line(log_dir: Path, writers) -> None:
+    """With the queue full, a new session's meta line still goes in (up to twice the bound):
+    dropped, its file began with a response line, no longer marked as cachegate's log."""
+    losses: list[str] = []
+    w = EventLogWriter(log_dir, max_queue=4, on_loss=losses.append)  # not started yet
+    for i in range(4):
+        assert w.emit(f"s{i}", {"type": "session_meta", "session": f"s{i}"}, True)
+    assert w.emit("late", {"type": "session_meta", "session": "late"}, True)  # past the bound
+    assert w.emit("late", {"type": "response", "exchange": 1}) is False
+    for i in range(3):
+        assert w.emit(f"m{i}", {"type": "session_meta", "session": f"m{i}"}, True)
+    assert w.emit("over", {"type": "session_meta", "session": "over"}, True) is False  # 2 x 4
+    assert losses == ["queue_full", "queue_full"]
+    w.start()
+    writers.append(w)
+    assert w.flush()
+    line = (log_dir / "late.jsonl").read_bytes().splitlines()
+    assert [orjson.loads(x)["type"] for x in line] == ["session_meta"]
+
+
 def test_unserializable_events_are_counted_not_raised(log_dir: Path, writers) -> None:
     losses: list[str] = []
     w = started(writers, log_dir, on_loss=losses.append)
