@@ -501,7 +501,8 @@ class ChatPipeline:
             ex.stream = body.get("stream") is True
             ex.client_body = body
             state = self.resolve_session(headers, path_session, body, now)
-            self.sessions.weigh(state, len(raw))
+            messages = body.get("messages")
+            self.sessions.weigh(state, len(raw), len(messages) if isinstance(messages, list) else 0)
             if memo_key is not None:
                 self.remember_body(memo_key, raw, body, parsed)
             ex.session_id, ex.session = state.id, state

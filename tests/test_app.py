@@ -318,6 +318,26 @@ def test_a_scrape_forgets_idle_sessions_so_the_gauges_fall_when_agents_stop(
     assert scrape() == (0, 0, 1)
 
 
+def test_a_history_of_many_short_messages_is_weighed_by_its_messages(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """~40-byte messages hold ~750 bytes each (their objects, not their bytes): counted at 4
+    bytes per body byte, 100,000 of them read as 16 MB against sessions.max_memory_mb while
+    they held ~75 MB."""
+    from proxy.sessions import BYTES_HELD_PER_MESSAGE
+
+    proxy = proxy_factory(sim.api_base)
+    history = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"short {i}"}
+        for i in range(2001)
+    ]
+    sdk(proxy.base_url).chat.completions.create(
+        model="gpt-4o", messages=history, extra_headers={"X-Session-Id": "chatty"}
+    )
+    assert httpx.get(proxy.url + "/metrics").status_code == 200
+    assert proxy.metric("cachegate_sessions_memory_bytes") >= 2001 * BYTES_HELD_PER_MESSAGE
+
+
 def test_a_websocket_handshake_is_refused_plainly_not_relayed_as_a_get(
     sim: RunningSimulator, proxy_factory: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from proxy.sessions import (
     BYTES_HELD_PER_BODY_BYTE,
+    BYTES_HELD_PER_MESSAGE,
     SESSION_BASE_BYTES,
     SIZES_KEPT,
     MemorySessionStore,
@@ -242,6 +243,17 @@ def test_a_small_side_request_does_not_hide_the_history_its_session_still_holds(
     assert agent.weight == held(250_000)  # the accounting may still hold it as a baseline
     store.weigh(agent, 1_000)
     assert agent.weight == held(1_000) and store.bytes == held(1_000)  # as many small ones since
+
+
+def test_a_request_of_many_short_messages_weighs_by_its_messages() -> None:
+    store = MemorySessionStore()
+    chat = store.create("chat", 0.0)
+    store.weigh(chat, 40_000, 1_000)  # 1,000 messages of 40 bytes
+    assert chat.weight == SESSION_BASE_BYTES + 1_000 * BYTES_HELD_PER_MESSAGE
+    agent = store.create("agent", 0.0)
+    store.weigh(agent, 600_000, 400)  # an agent's turn: its bytes outweigh its messages
+    assert agent.weight == held(600_000)
+    assert store.bytes == chat.weight + agent.weight
 
 
 def test_forgetting_for_idle_time_or_count_gives_back_the_memory_and_says_why() -> None:
