@@ -349,7 +349,8 @@ class AccountingObserver:
     def _unmarked(extra: dict[str, Any], usage: Usage, body: Any) -> Callable[[], bool] | None:
         """For a provider that reports Anthropic's cache fields (Claude, which caches only marked
         prefixes): whether this request asked nothing of the cache, looked at when the answer is
-        a waste (its cause is then ``not_requested``). Once an unmarked request of the session
+        a waste (its cause is then ``not_requested``), or marked only a prefix it read whole.
+        Once an unmarked request of the session
         has read or written the cache, the provider (or a gateway marking for the client: LiteLLM,
         Bifrost) caches without marks, and its misses get their usual causes."""
         if extra.get("caches_unmarked"):
@@ -357,6 +358,12 @@ class AccountingObserver:
         if usage.cache_read or usage.cache_write:
             if not prefix.has_cache_marker(body):
                 extra["caches_unmarked"] = True
+                return None
+            if usage.explicit_cache and not usage.cache_write:
+                # Marked, and all that was marked was read (a marked prefix the cache lacked is
+                # written): what was not read lies past the last mark, which asked nothing of
+                # the cache (an agent that marks only its system prompt).
+                return lambda: True
             return None
         return lambda: not prefix.has_cache_marker(body)
 

@@ -969,6 +969,43 @@ def _three_turns_the_last_with_the_time_in_its_prompt(client: Any, model: str) -
         convo += [reply, {"role": "user", "content": f"Go on ({turn})."}]
 
 
+@pytest.mark.parametrize("edited", [False, True])
+def test_a_claude_agent_that_marks_only_its_system_prompt_is_told_what_it_did_not_ask(
+    proxy_factory: Any, edited: bool
+) -> None:
+    """Claude caches up to the last mark: an agent marking only its system prompt reads that
+    and misses the conversation after it every turn. The miss read as "unexplained" (an
+    eviction); it is "not_requested". A marked system prompt the cache lacked (edited) is
+    written again: that miss keeps its cause."""
+    system = SYSTEM_PROMPT + " Follow the style guide." * 700
+    marked = {
+        "role": "system",
+        "content": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+    }
+    with run_simulator(SimConfig(dialect="anthropic-compat")) as claude:
+        proxy = proxy_factory(claude.api_base, config())
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "system-mark"})
+        convo: list[dict[str, Any]] = [marked, {"role": "user", "content": "Fix the test. " * 400}]
+        for turn in range(3):
+            if turn == 2 and edited:
+                convo[0] = {
+                    **marked,
+                    "content": [{**marked["content"][0], "text": "Now: 12:00. " + system}],
+                }
+            reply, _ = chat(client, convo, model="claude-sonnet-4-5", stream=False)
+            convo += [reply, {"role": "user", "content": f"Go on ({turn}). " * 400}]
+        flush(proxy)
+    caches = [r["cache"] for r in events(proxy.log_dir, "system-mark", "response")]
+    assert caches[0]["write"] > 1024 and caches[1]["read"] == caches[0]["write"]
+    assert caches[1]["write"] == 0 and caches[1]["waste"] > 1000
+    assert caches[1]["cause"] == "not_requested"
+    if edited:
+        assert caches[2]["write"] > 0
+        assert (caches[2]["cause"], caches[2]["location"]) == ("prefix_rewrite", "system")
+    else:
+        assert caches[2]["cause"] == "not_requested"
+
+
 def test_claude_behind_a_gateway_that_marks_for_the_client_gets_the_usual_causes(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
