@@ -27,6 +27,7 @@ from proxy.chat import ChatPipeline, header_map, internal_error
 from proxy.compactor import Compactor
 from proxy.config import Settings
 from proxy.errors import (
+    CLIENT_CLOSED,
     ProxyError,
     bad_request,
     client_closed,
@@ -43,6 +44,7 @@ from proxy.relay import (
     Scope,
     Send,
     UpstreamAborted,
+    refuse_announced,
     send_error,
     upstream_request_headers,
 )
@@ -287,7 +289,18 @@ class Gateway:
         except ProxyError as err:
             await self.refuse(scope, send, "passthrough", err)
             return
+        try:
+            refuse_announced(headers, self.settings.server.max_body_bytes)
+        except ProxyError as err:
+            await self.refuse(scope, send, "passthrough", err, extra)
+            return
         first = await receive()
+        if first["type"] == "http.disconnect":  # gone before its body's first byte: not sent
+            ex.status = CLIENT_CLOSED
+            ex.error = "client disconnected while sending the request"
+            ex.interrupted = True
+            notify(self.observers, "on_error", ex)
+            return
         body = first.get("body", b"")
         content: bytes | AsyncIterator[bytes]
         uploaded: asyncio.Event | None = None

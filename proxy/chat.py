@@ -33,6 +33,7 @@ from proxy.relay import (
     Send,
     decoded_request,
     read_body,
+    refuse_announced,
     send_error,
     upstream_request_headers,
 )
@@ -480,6 +481,7 @@ class ChatPipeline:
         state: SessionState | None = None
         watch: DisconnectWatch | None = None
         try:
+            refuse_announced(headers, self.settings.server.max_body_bytes)
             raw = await read_body(receive, self.settings.server.max_body_bytes)
             coding = headers.get("content-encoding")
             if coding is not None and coding.strip().lower() not in ("", "identity"):

@@ -16,7 +16,7 @@ import logging
 import re
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Final
 
 import httpx
@@ -301,6 +301,15 @@ _MAX_MEMBERS: Final = 64
 
 async def _one(data: bytes) -> AsyncIterator[bytes]:
     yield data
+
+
+def refuse_announced(headers: Mapping[str, str], limit: int) -> None:
+    """A 413 ``ProxyError`` for a request whose ``content-length`` announces more than ``limit``
+    bytes: refused before any of it is read or forwarded (it waited for the limit's worth, and a
+    relayed upload had sent that much upstream)."""
+    length = headers.get("content-length", "")
+    if length.isascii() and length.isdigit() and int(length) > limit:
+        raise too_large(limit)
 
 
 async def read_body(receive: Receive, limit: int) -> bytes:

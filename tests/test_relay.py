@@ -1102,6 +1102,45 @@ def test_passthrough_body_over_limit_is_413(scripted: Any, proxy_factory: Any) -
     assert upstream.requests == []
 
 
+@pytest.mark.parametrize("path", ["chat/completions", "files"])
+def test_a_body_announced_past_the_limit_is_refused_before_any_of_it_is_sent(
+    scripted: Any, proxy_factory: Any, path: str
+) -> None:
+    """The 413 came once the limit's worth had arrived, and a relayed upload had sent that much
+    upstream, with the client's key, before it was cut."""
+    upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
+    proxy = proxy_factory(url, {"server": {"max_body_bytes": 1000}})
+    with socket.create_connection((proxy.server.host, proxy.server.port)) as conn:
+        conn.sendall(
+            b"POST /v1/%s HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            b"content-length: 5000\r\n\r\n" % path.encode()
+        )  # and not a byte of the body
+        conn.settimeout(5)
+        head = conn.recv(65536)
+    assert head.startswith(b"HTTP/1.1 413 ")
+    assert b"request_too_large" in head
+    assert upstream.requests == []
+
+
+def test_a_relayed_request_whose_client_leaves_before_its_body_is_not_sent(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """Gone after its headers: its empty body went upstream all the same, a request the client
+    never made (with cachegate's key where the client sent none)."""
+    upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
+    proxy = proxy_factory(url)
+    with socket.create_connection((proxy.server.host, proxy.server.port)) as conn:
+        conn.sendall(b"POST /v1/files HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: 500\r\n\r\n")
+    deadline = time.monotonic() + 5
+    while proxy.metric("cachegate_client_disconnects_total") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    labels = {"route": "passthrough", "model": "other", "status": "499"}
+    assert proxy.metric("cachegate_requests_total", labels) == 1
+    assert proxy.metric("cachegate_client_disconnects_total") == 1
+    time.sleep(0.2)
+    assert upstream.requests == []
+
+
 @pytest.mark.parametrize("transport", ["native", "httpx"])
 def test_streamed_upload_over_limit_is_413_not_502(
     scripted: Any, proxy_factory: Any, transport: str
