@@ -571,7 +571,7 @@ class StreamRecorder:
     CHUNK_COST = 64  # what keeping one chunk costs beyond its bytes, roughly
 
     def __init__(self) -> None:
-        self.decoder = SSEDecoder()
+        self.decoder = SSEDecoder(sdk_events=True)
         self.assembler = StreamAssembler()
         # The chunks kept since the last decoding. The relay appends to this list itself and
         # calls ``decode`` as ``feed`` would: the same, without a call per chunk.
@@ -612,7 +612,7 @@ class StreamRecorder:
         if over:
             self.assembler.drop_text()
             if self.decoder.pending_bytes > _MAX_PENDING_EVENT:  # a line that never ends
-                self.decoder = SSEDecoder()
+                self.decoder = SSEDecoder(sdk_events=True)
 
     def _decode_batch(self, data: bytes) -> None:
         shape = self.assembler.text_shape

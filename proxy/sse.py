@@ -36,9 +36,15 @@ class SSEDecoder:
     stream returns a last event that never got its blank line (a truncated stream). As in WHATWG, a
     block without any ``data:`` field dispatches nothing, and ``retry:`` values are also kept in
     ``retry``. ``comments`` counts comment lines such as ``: keep-alive``.
+
+    With ``sdk_events``, a blank line also dispatches an event with empty ``data`` where the
+    openai SDKs dispatch one (and then fail to parse it): after a block with a non-empty
+    ``event:`` or a ``retry:`` but no data, and after any extra blank line once the stream has
+    given a non-empty ``id:`` (which persists).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sdk_events: bool = False) -> None:
+        self.sdk_events = sdk_events
         self.comments = 0
         self.retry: int | None = None
         self.last_event_id: str | None = None
@@ -153,7 +159,9 @@ class SSEDecoder:
         events = self._lines([b"".join(self._pending)]) if self._pending else []
         self._pending = []
         self._after_cr = False
+        sdk_events, self.sdk_events = self.sdk_events, False  # (the SDKs dispatch none at the end)
         events += self._lines([b""])
+        self.sdk_events = sdk_events
         return events
 
     def _lines(self, lines: list[bytes]) -> list[SSEEvent]:
@@ -173,6 +181,10 @@ class SSEDecoder:
                             self._block_retry,
                         )
                     )
+                elif self.sdk_events and (
+                    self._event or self._block_retry is not None or self.last_event_id
+                ):
+                    events.append(SSEEvent(self._event, "", self.last_event_id, self._block_retry))
                 self._data = []
                 self._event = None
                 self._block_retry = None

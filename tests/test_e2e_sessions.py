@@ -546,15 +546,27 @@ def test_a_stream_with_an_event_that_is_not_json_is_logged_as_failed_not_clean(
     assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 1
 
 
+@pytest.mark.parametrize(
+    "odd",
+    [
+        b"data: \n\n",
+        # blocks WHATWG dispatches nothing for, but the openai SDKs do, with empty data
+        b"event: ping\n\n",
+        b"retry: 3000\n\n",
+        b"id: 7\ndata: {}\n\n\n",  # a blank line more, once an id was given
+    ],
+    ids=["empty-data", "event-only", "retry-only", "blank-after-id"],
+)
 def test_a_stream_with_an_empty_data_line_is_logged_as_failed_not_clean(
-    scripted: Any, proxy_factory: Any
+    scripted: Any, proxy_factory: Any, odd: bytes
 ) -> None:
-    """``data: `` with nothing after it: the openai SDK parses it as JSON and raises, so the log
-    must not show the clean answer it otherwise had."""
+    """``data: `` with nothing after it, or a block the SDK dispatches without data: the openai
+    SDK parses it as JSON and raises, so the log must not show the clean answer it otherwise
+    had."""
     chunks = [
         b'data: {"id":"c1","object":"chat.completion.chunk","model":"gpt-4o","choices":'
         b'[{"index":0,"delta":{"role":"assistant","content":"half"},"finish_reason":null}]}\n\n',
-        b"data: \n\n",
+        odd,
         b'data: {"id":"c1","object":"chat.completion.chunk","model":"gpt-4o","choices":'
         b'[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n',
         b"data: [DONE]\n\n",

@@ -71,6 +71,29 @@ def test_decodes_event_stream(stream: bytes, expected: list[SSEEvent]) -> None:
     assert decode_all([bytes([b]) for b in stream])[0] == expected
 
 
+@pytest.mark.parametrize(
+    ("stream", "expected"),
+    [
+        (b"event: ping\n\nretry: 10\n\n", [SSEEvent("ping", ""), SSEEvent(None, "", None, 10)]),
+        (b"event:\n\n: keep-alive\n\n", []),  # an empty event name: nothing, as in the SDKs
+        (
+            b"id: 7\ndata: a\n\n\n: keep-alive\n\n",
+            [SSEEvent(None, "a", "7"), SSEEvent(None, "", "7"), SSEEvent(None, "", "7")],
+        ),
+        (b"event: x\n", []),  # unfinished at the end: the SDKs dispatch nothing either
+    ],
+)
+def test_sdk_events_dispatches_the_data_less_blocks_the_openai_sdks_dispatch(
+    stream: bytes, expected: list[SSEEvent]
+) -> None:
+    """The openai SDKs dispatch a block with an event name or a retry but no data, and any
+    blank line after an id was given, then fail to parse its empty data as JSON."""
+    for chunks in ([stream], [bytes([b]) for b in stream]):
+        decoder = SSEDecoder(sdk_events=True)
+        events = [e for chunk in chunks for e in decoder.decode(chunk)] + decoder.flush()
+        assert events == expected
+
+
 def test_events_returned_as_soon_as_their_blank_line_arrives() -> None:
     decoder = SSEDecoder()
     assert decoder.decode(b"data: a\n") == []
