@@ -770,11 +770,7 @@ class UpstreamPool:
             now = time.monotonic()
             while idle:
                 conn = idle.pop()
-                if (
-                    not conn.closed
-                    and now - conn.idle_since < self.keepalive_expiry
-                    and not conn.readable()
-                ):
+                if self._usable(conn, now):
                     return conn
                 conn.abort()
         while self.open_connections >= self.max_connections:
@@ -802,9 +798,19 @@ class UpstreamPool:
             idle = None if fresh else self._idle.get(origin)
             if idle:
                 conn = idle.pop()
-                if not conn.closed:
+                if self._usable(conn, time.monotonic()):
                     return conn
+                conn.abort()  # its slot is free now: a new connection takes it
         return await self._connect(origin, request)
+
+    def _usable(self, conn: _Connection, now: float) -> bool:
+        """Whether an idle connection may carry a request: open, not idle past
+        ``keepalive_expiry``, and with nothing waiting on its socket (the server's close)."""
+        return (
+            not conn.closed
+            and now - conn.idle_since < self.keepalive_expiry
+            and not conn.readable()
+        )
 
     async def _connect(
         self, origin: Origin, request: tuple[bytes, bytes, bytes] | None = None
