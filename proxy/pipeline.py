@@ -116,10 +116,17 @@ class Exchange:
             return
         if self.error is not None:
             return
-        cut = assembled.unfinished and not self.interrupted
-        if cut:
-            # (a body framed by the connection's end has no other sign of being cut short)
-            self.error = "upstream ended the stream inside an event, before [DONE]"
+        # A stream that ended with neither [DONE] nor a finish_reason was cut short where its
+        # framing could not tell (chunked encoding ended early, a body framed by the
+        # connection's end): the client's SDK ends quietly with half an answer. (A body that is
+        # not a stream is ``done`` unless it held an error.)
+        early = not assembled.done and assembled.finish_reason is None
+        if not self.interrupted and (assembled.unfinished or early):
+            self.error = (
+                "upstream ended the stream inside an event, before [DONE]"
+                if assembled.unfinished
+                else "upstream ended the stream before [DONE], with no finish_reason"
+            )
             if self.upstream_error is None:
                 self.upstream_error = "midstream"  # counted as a cut chunked stream is
         if assembled.malformed:
@@ -130,7 +137,7 @@ class Exchange:
                 f"upstream sent {count} stream event{'s' if count > 1 else ''} whose data was"
                 " not a JSON object (a client that parses events fails on it)"
             )
-            self.error = f"{self.error}; {said}" if cut else said
+            self.error = f"{self.error}; {said}" if self.error else said
             if self.upstream_error is None:
                 self.upstream_error = "invalid"
 

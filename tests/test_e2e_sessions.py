@@ -594,6 +594,49 @@ def test_a_stream_with_an_empty_data_line_is_logged_as_failed_not_clean(
     assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 1
 
 
+@pytest.mark.parametrize("finished", [False, True])
+def test_a_stream_that_ends_early_between_events_is_logged_as_cut(
+    scripted: Any, proxy_factory: Any, sdk: Any, finished: bool
+) -> None:
+    """A chunked stream properly ended after a few events, with neither [DONE] nor a
+    finish_reason: the SDK ends quietly with half an answer, and the log showed a clean one. A
+    stream with its finish_reason but no [DONE] (some providers leave it out) is whole."""
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        payload = {"id": "c1", "object": "chat.completion.chunk", "model": "gpt-4o"}
+        return b"data: " + json.dumps({**payload, "choices": [choice]}).encode() + b"\n\n"
+
+    chunks = [chunk({"role": "assistant", "content": "w0 "}), chunk({"content": "w1 "})]
+    if finished:
+        chunks.append(chunk({}, "stop"))
+    _upstream, url = scripted(chunks=chunks)
+    proxy = proxy_factory(url)
+    client = sdk(proxy.base_url, default_headers={"X-Session-Id": "ended-early"})
+    stream = client.chat.completions.create(
+        model="gpt-4o", messages=[{"role": "user", "content": "hi"}], stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == "w0 w1 "  # no exception: the SDK cannot tell
+
+    def response_logged() -> list[dict[str, Any]]:
+        flush(proxy)
+        return events(proxy.log_dir, "ended-early", "response")
+
+    (response,) = wait_for(response_logged, what="the response event")
+    assert response["status"] == 200 and response["interrupted"] is False
+    if finished:
+        assert response["error"] is None and response["finish_reason"] == "stop"
+        assert proxy.metric("cachegate_upstream_errors_total", {"kind": "midstream"}) == 0
+    else:
+        assert response["error"] == (
+            "upstream ended the stream before [DONE], with no finish_reason"
+        )
+        assert proxy.metric("cachegate_upstream_errors_total", {"kind": "midstream"}) == 1
+        show = run_cli("sessions", "show", "ended-early", "--log-dir", str(proxy.log_dir))
+        assert "before [DONE]" in show.out
+
+
 def test_a_client_that_closes_at_done_before_the_upstreams_last_bytes_got_a_whole_answer(
     scripted: Any, proxy_factory: Any
 ) -> None:
