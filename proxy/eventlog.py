@@ -174,7 +174,9 @@ class EventLogWriter:
         self._dropped = 0
         self._written = 0
         self._errors = 0
-        self._unwritten = 0  # lines lost to write errors since the last line written
+        # Per session, lines lost to write errors since its last line written (bounded: the
+        # oldest go first)
+        self._unwritten: OrderedDict[str, int] = OrderedDict()
         self._syncs = 0
         # Owned by the writer thread only.
         self._fds: OrderedDict[str, int] = OrderedDict()
@@ -370,13 +372,19 @@ class EventLogWriter:
                 batch: dict[str, list[bytes]] = {}
                 in_hand = batch  # what a crash below would lose, to be counted
                 made: list[_Made] = []  # what the secret scan may have to redact
+                # Meta lines not written (the file, an earlier process's, has its own): kept
+                # all the same, to begin the file anew should it go (removed, rotated).
+                kept_metas: dict[str, list[bytes]] = {}
                 while True:
                     session_id, ts, event = item
+                    target = batch
                     if type(event) is _FirstInFile:
-                        event = event.event if self._file_is_empty(session_id, batch) else None
-                    encoded = self._line(session_id, ts, event) if event is not None else None
+                        event = event.event
+                        if not self._file_is_empty(session_id, batch):
+                            target = kept_metas
+                    encoded = self._line(session_id, ts, event)
                     if encoded is not None:
-                        lines = batch.setdefault(session_id, [])
+                        lines = target.setdefault(session_id, [])
                         if self.redact_secrets:
                             made.append((session_id, lines, len(lines), encoded[1]))
                         lines.append(encoded[0])
@@ -392,6 +400,10 @@ class EventLogWriter:
                     self._redact(made)
                 if self._secrets:
                     self._remove_secrets(batch)
+                    self._remove_secrets(kept_metas)
+                for session_id, lines in kept_metas.items():
+                    if lines:
+                        self._remember_meta(session_id, lines[-1])
                 for session_id, lines in batch.items():
                     if lines:
                         if lines[0].find(_META_TYPE, 0, 64) >= 0:
@@ -516,15 +528,20 @@ class EventLogWriter:
             self._mark_broken(session_id)
             for _ in lines:
                 self._lose("io", "event log: cannot write %s: %s", session_id, exc)
-            self._unwritten += len(lines)
+            unwritten = self._unwritten
+            unwritten[session_id] = unwritten.pop(session_id, 0) + len(lines)
+            if len(unwritten) > _METAS_KEPT:
+                del unwritten[next(iter(unwritten))]
             return
-        if self._unwritten:  # (a full disk, an unwritable directory: said once it is over)
-            logger.warning(
-                "event log: writing again; %d line(s) were lost meanwhile"
+        lost = self._unwritten.pop(session_id, 0) if self._unwritten else 0
+        if lost:  # (a full disk, an unwritable file or directory: said once it is over for it)
+            self._warn(
+                "io_again",
+                "event log: writing %s again; %d line(s) of it were lost meanwhile"
                 " (cachegate_event_log_lost_total)",
-                self._unwritten,
+                session_id,
+                lost,
             )
-            self._unwritten = 0
         self._written += len(lines)
         self._written_at[session_id] = time.monotonic()
         held = self._files.get(session_id)

@@ -442,9 +442,10 @@ def test_a_log_directory_removed_while_running_is_made_again_with_each_files_met
         for sid in ("a", "b"):
             w.emit(sid, {"type": "error", "exchange": 3, "status": 400, "message": "back"})
         assert w.flush()
-    said = [r.getMessage() for r in caplog.records if "writing again" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if " again; " in r.getMessage()]
     assert said == [
-        "event log: writing again; 2 line(s) were lost meanwhile (cachegate_event_log_lost_total)"
+        "event log: writing b again; 2 line(s) of it were lost meanwhile"
+        " (cachegate_event_log_lost_total)"
     ]  # once, when it is over
     for sid in ("a", "b"):
         events = read_events(log_dir / f"{sid}.jsonl").events
@@ -535,6 +536,72 @@ def test_the_claim_on_a_log_directory_is_taken_again_when_the_directory_is_made_
     assert w.flush()
     assert (log_dir / LOCK_NAME).exists()
     assert claim_log_dir(log_dir) == str(os.getpid())  # still held, on the new directory
+
+
+@pytest.mark.parametrize("removed", ["directory", "file"])
+def test_a_file_an_earlier_process_began_starts_with_its_meta_line_when_made_anew(
+    log_dir: Path, writers: list[EventLogWriter], removed: str
+) -> None:
+    """After a restart the session's meta line is not written (the file has one), and was not
+    kept either: a file made anew once the directory or the file was removed began without it,
+    and with the directory gone its request lines stayed coded against lines gone with it."""
+    import shutil
+
+    meta = {"type": "session_meta", "session": "a", "upstream": "http://up/v1"}
+    first = started(writers, log_dir)
+    first.emit("a", meta, first_in_file=True)
+    first.emit("a", {"type": "error", "exchange": 1, "status": 400, "message": "one"})
+    assert first.close()
+    second = started(writers, log_dir)  # cachegate started again
+    second.emit("a", meta, first_in_file=True)  # not written: the file has its own
+    second.emit("a", {"type": "error", "exchange": 1, "status": 400, "message": "two"})
+    assert second.flush()
+    assert [e["type"] for e in read_events(log_dir / "a.jsonl").events] == [
+        "session_meta",
+        "error",
+        "error",
+    ]
+    assert not second.take_broken("a")
+    if removed == "directory":
+        shutil.rmtree(log_dir)
+    else:
+        (log_dir / "a.jsonl").unlink()
+    second.emit("a", {"type": "error", "exchange": 2, "status": 400, "message": "three"})
+    assert second.flush()
+    events = read_events(log_dir / "a.jsonl").events
+    assert [(e["type"], e.get("message")) for e in events] == [
+        ("session_meta", None),
+        ("error", "three"),
+    ]
+    assert events[0]["upstream"] == "http://up/v1"
+    assert second.take_broken("a")  # its next request line goes in full
+
+
+def test_writing_again_is_said_of_the_session_that_lost_lines_not_of_every_other(
+    log_dir: Path, writers: list[EventLogWriter], caplog: pytest.LogCaptureFixture
+) -> None:
+    """One session's file cannot be written (a directory in its place) while the others can:
+    "writing again" came after every batch of the others, while its lines were still lost."""
+    w = started(writers, log_dir)
+    w.emit("ok", {"type": "error", "exchange": 1, "status": 400, "message": "m"})
+    assert w.flush()
+    (log_dir / "stuck.jsonl").mkdir()
+    with caplog.at_level(logging.WARNING, logger="proxy.eventlog"):
+        for i in range(10):
+            w.emit("stuck", {"type": "error", "exchange": i, "status": 400, "message": "m"})
+            w.emit("ok", {"type": "error", "exchange": i, "status": 400, "message": "m"})
+            assert w.flush()
+        said = [r.getMessage() for r in caplog.records if " again; " in r.getMessage()]
+        assert said == []
+        assert w.errors == 10
+        (log_dir / "stuck.jsonl").rmdir()
+        w.emit("stuck", {"type": "error", "exchange": 11, "status": 400, "message": "m"})
+        assert w.flush()
+    said = [r.getMessage() for r in caplog.records if " again; " in r.getMessage()]
+    assert said == [
+        "event log: writing stuck again; 10 line(s) of it were lost meanwhile"
+        " (cachegate_event_log_lost_total)"
+    ]
 
 
 def test_a_full_queue_drops_without_blocking(log_dir: Path) -> None:
