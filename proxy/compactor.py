@@ -415,7 +415,9 @@ class Compactor:
                 if isinstance(text, str) and text.strip():
                     return text.strip(), "model"
             log.warning(
-                "summarizer answered %s; using the extractive summary", response.status_code
+                "summarizer answered %s%s; using the extractive summary",
+                response.status_code,
+                " without text" if response.status_code == 200 else "",
             )
             if response.status_code >= 400:
                 notify(self.observers, "on_summary_error", ex, "status")

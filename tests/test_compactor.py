@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -230,6 +231,22 @@ def test_summarizer_failure_falls_back_to_extractive(
         proxy.metric("cachegate_compactions_total", {"model": MODEL, "result": "extractive"}) == 1
     )
     assert proxy.metric("cachegate_upstream_errors_total", {"kind": kind}) == 1
+
+
+def test_a_summarizer_answer_without_text_falls_back_and_says_so(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 200 whose message has no text (tool calls): stderr said only "answered 200"."""
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    sim.sim.enqueue([parse_script({"tool_calls": [{"name": "grep", "arguments": "{}"}]})])
+    with caplog.at_level(logging.WARNING):
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model=MODEL, messages=history(18)
+        )
+    assert raw.headers["x-cachegate-compacted"] == "1"
+    assert compacted_events(proxy)[0]["source"] == "extractive"
+    said = [r.getMessage() for r in caplog.records if "summarizer" in r.getMessage()]
+    assert said == ["summarizer answered 200 without text; using the extractive summary"]
 
 
 def test_a_summarizer_answer_that_is_no_http_counts_as_invalid(proxy_factory: Any) -> None:
