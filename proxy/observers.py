@@ -27,6 +27,9 @@ from proxy.sessions import CONVERSATIONS_KEPT, SessionState, SessionStore
 from proxy.usage import Usage
 
 _MAX_MODEL_TERMS = 256
+# The shortest prefix Claude caches (Sonnet, Opus 4 and 4.1; a model's ``cache_min_tokens`` may
+# say more): a marked prefix shorter than this is not cached, and nothing is read or written.
+CLAUDE_MIN_CACHED: Final = 1024
 log = logging.getLogger(__name__)
 
 
@@ -327,7 +330,9 @@ class AccountingObserver:
             model=model,
             after_compaction=after_compaction,
             unmarked=(
-                self._unmarked(extra, usage, body) if usage.explicit_cache or marked_only else None
+                self._unmarked(extra, usage, body, min_cached)
+                if usage.explicit_cache or marked_only
+                else None
             ),
         )
         extra["cache"] = new_state
@@ -346,7 +351,9 @@ class AccountingObserver:
         self._price_summary(ex, cost)
 
     @staticmethod
-    def _unmarked(extra: dict[str, Any], usage: Usage, body: Any) -> Callable[[], bool] | None:
+    def _unmarked(
+        extra: dict[str, Any], usage: Usage, body: Any, min_cached: int = 0
+    ) -> Callable[[], bool] | None:
         """For a provider that reports Anthropic's cache fields (Claude, which caches only marked
         prefixes): whether this request asked nothing of the cache, looked at when the answer is
         a waste (its cause is then ``not_requested``), or marked only a prefix it read whole.
@@ -365,6 +372,17 @@ class AccountingObserver:
                 # the cache (an agent that marks only its system prompt).
                 return lambda: True
             return None
+        if usage.explicit_cache:
+            # Nothing read, nothing written: what it marked, if anything, is shorter than the
+            # model's minimum, which Claude does not cache (a longer one the provider would
+            # have written: its marks did not reach it, a gateway's doing, say).
+            least = max(min_cached, CLAUDE_MIN_CACHED)
+
+            def too_short() -> bool:
+                share = prefix.marked_share(body)
+                return share is None or share * usage.prompt < least
+
+            return too_short
         return lambda: not prefix.has_cache_marker(body)
 
     def _price_summary(self, ex: Exchange, cost: cache.Cost | None) -> None:

@@ -121,7 +121,7 @@ class Exchange:
         # connection's end): the client's SDK ends quietly with half an answer. (A body that is
         # not a stream is ``done`` unless it held an error.)
         early = not assembled.done and assembled.finish_reason is None
-        if not self.interrupted and (assembled.unfinished or early):
+        if not self.interrupted and self.status < 400 and (assembled.unfinished or early):
             self.error = (
                 "upstream ended the stream inside an event, before [DONE]"
                 if assembled.unfinished

@@ -370,6 +370,29 @@ def cache_mark(item: Any, inner: str) -> Any:
     return None
 
 
+def marked_share(body: Mapping[str, Any]) -> float | None:
+    """The share of the prompt (by the compact JSON of its tools and messages, in the order a
+    provider renders them) up to and including its last breakpoint; None when it marks
+    nothing, 1.0 for the request's own ``cache_control`` (automatic caching)."""
+    if body.get("cache_control") is not None:
+        return 1.0
+    tools = body.get("tools")
+    messages = body.get("messages")
+    tools = tools if isinstance(tools, list) else []
+    messages = messages if isinstance(messages, list) else []
+    sizes = [len(canonical_json(item)) for item in (*tools, *messages)]
+    total = sum(sizes)
+    if not total:
+        return None
+    for at in range(len(messages) - 1, -1, -1):
+        if cache_mark(messages[at], "content") is not None:
+            return sum(sizes[: len(tools) + at + 1]) / total
+    for at in range(len(tools) - 1, -1, -1):
+        if cache_mark(tools[at], "function") is not None:
+            return sum(sizes[: at + 1]) / total
+    return None
+
+
 _MARKER_TTLS: Final = {"5m": 300.0, "1h": 3600.0}
 
 

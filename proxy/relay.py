@@ -827,7 +827,14 @@ class Relay:
                     )
                 )
             if record and (not is_sse or not coding or decoder is not None):
-                tee = _Tee(StreamRecorder() if is_sse else None, collect=not is_sse, coding=coding)
+                # A refusal is read for its words whatever its content type (a gateway may
+                # declare its stream before it knows the outcome): a stream only below 400.
+                streamed = is_sse and response.status_code < 400
+                tee = _Tee(
+                    StreamRecorder() if streamed else None,
+                    collect=not streamed,
+                    coding=coding if decoder is None else "",  # (a decoded stream's: undone)
+                )
             if ex.strip_usage and is_sse and (not coding or decoder is not None):
                 stripper = UsageEventStripper()
             start: dict[str, Any] = {

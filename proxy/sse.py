@@ -38,9 +38,9 @@ class SSEDecoder:
     ``retry``. ``comments`` counts comment lines such as ``: keep-alive``.
 
     With ``sdk_events``, a blank line also dispatches an event with empty ``data`` where the
-    openai SDKs dispatch one (and then fail to parse it): after a block with a non-empty
-    ``event:`` or a ``retry:`` but no data, and after any extra blank line once the stream has
-    given a non-empty ``id:`` (which persists).
+    openai Python SDK dispatches one (and then fails to parse it): after a block with a
+    non-empty ``event:`` (the Node SDK too) or a ``retry:`` but no data, and after any extra
+    blank line once the stream has given a non-empty ``id:`` (which persists).
     """
 
     def __init__(self, sdk_events: bool = False) -> None:

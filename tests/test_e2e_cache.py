@@ -1006,6 +1006,29 @@ def test_a_claude_agent_that_marks_only_its_system_prompt_is_told_what_it_did_no
         assert caches[2]["cause"] == "not_requested"
 
 
+def test_a_claude_agent_whose_marked_prefix_is_too_short_to_cache_is_told_so(
+    proxy_factory: Any,
+) -> None:
+    """A marked system prompt under Claude's 1,024-token minimum: nothing is read or written,
+    every turn. That read as "unexplained" (an eviction); nothing cacheable was asked."""
+    marked = {
+        "role": "system",
+        "content": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+    }
+    with run_simulator(SimConfig(dialect="anthropic-compat")) as claude:
+        proxy = proxy_factory(claude.api_base, config())
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "short-mark"})
+        convo: list[dict[str, Any]] = [marked, {"role": "user", "content": "Fix the test. " * 400}]
+        for turn in range(3):
+            reply, _ = chat(client, convo, model="claude-sonnet-4-5", stream=False)
+            convo += [reply, {"role": "user", "content": f"Go on ({turn}). " * 400}]
+        flush(proxy)
+    caches = [r["cache"] for r in events(proxy.log_dir, "short-mark", "response")]
+    assert [(c["read"], c["write"]) for c in caches] == [(0, 0)] * 3
+    assert [c["cause"] for c in caches] == [None, "not_requested", "not_requested"]
+    assert caches[2]["waste"] > 2000
+
+
 def test_claude_behind_a_gateway_that_marks_for_the_client_gets_the_usual_causes(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:

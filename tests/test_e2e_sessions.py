@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import orjson
 import pytest
 
@@ -635,6 +636,39 @@ def test_a_stream_that_ends_early_between_events_is_logged_as_cut(
         assert proxy.metric("cachegate_upstream_errors_total", {"kind": "midstream"}) == 1
         show = run_cli("sessions", "show", "ended-early", "--log-dir", str(proxy.log_dir))
         assert "before [DONE]" in show.out
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (
+            b'{"error":{"message":"Rate limit reached for requests"}}\n',
+            "Rate limit reached for requests",
+        ),
+        (b"data: overloaded\n\n", "upstream answered 429: data: overloaded"),
+    ],
+)
+def test_a_refusal_declared_as_an_event_stream_is_logged_with_its_words(
+    scripted: Any, proxy_factory: Any, sdk: Any, body: bytes, error: str
+) -> None:
+    """A gateway that sets its stream's content type before it knows the outcome: the 429's
+    words were lost, and the log said the stream was cut."""
+    _upstream, url = scripted(chunks=[body], status=429)
+    proxy = proxy_factory(url)
+    client = sdk(proxy.base_url, default_headers={"X-Session-Id": "sse-refusal"})
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(
+            model="gpt-4o", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+
+    def response_logged() -> list[dict[str, Any]]:
+        flush(proxy)
+        return events(proxy.log_dir, "sse-refusal", "response")
+
+    (response,) = wait_for(response_logged, what="the response event")
+    assert (response["status"], response["error"]) == (429, error)
+    assert proxy.metric("cachegate_upstream_errors_total", {"kind": "status"}) == 1
+    assert proxy.metric("cachegate_upstream_errors_total", {"kind": "midstream"}) == 0
 
 
 def test_a_client_that_closes_at_done_before_the_upstreams_last_bytes_got_a_whole_answer(

@@ -17,6 +17,7 @@ from proxy.prefix import (
     find_divergence,
     fingerprint,
     has_cache_marker,
+    marked_share,
     marked_ttl_s,
     same_conversation,
     shared_links,
@@ -739,3 +740,16 @@ def test_a_request_marks_a_prefix_for_the_cache_on_a_message_a_part_or_a_tool(
     body: dict, marked: bool
 ) -> None:
     assert has_cache_marker(body) is marked
+
+
+def test_the_marked_share_is_the_prompt_up_to_the_last_breakpoint() -> None:
+    mark = {"type": "ephemeral"}
+    short = {"role": "system", "content": [{"type": "text", "text": "x", "cache_control": mark}]}
+    long = {"role": "user", "content": "y" * 1000}
+    share = marked_share({"messages": [short, long]})
+    assert share is not None and 0 < share < 0.1
+    assert marked_share({"messages": [short, {**long, "cache_control": mark}]}) == 1.0
+    assert marked_share({"messages": [long]}) is None
+    assert marked_share({"cache_control": mark, "messages": [long]}) == 1.0
+    tool_share = marked_share({"tools": [{**TOOLS[0], "cache_control": mark}], "messages": [long]})
+    assert tool_share is not None and 0 < tool_share < 1
