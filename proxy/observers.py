@@ -15,7 +15,7 @@ from typing import Any, Final, NamedTuple
 
 import orjson
 
-from proxy import __version__, cache, prefix
+from proxy import __version__, cache, compaction, prefix
 from proxy.cache import CacheState, ModelPricing
 from proxy.config import Settings, display_url
 from proxy.errors import CLIENT_CLOSED
@@ -244,6 +244,7 @@ class AccountingObserver:
         baselines: list[_Baseline] = extra.get("baselines") or []
         fp = prefix.fingerprint(body, _hash_base(baselines, body))
         chosen, continues, divergence = self._compare(_ranked(baselines, fp), fp, body)
+        compared = chosen.fp if chosen is not None else None  # (before this one takes its place)
         if divergence is not None:
             # A refused attempt's retry counts it; a compaction's summary in place of the
             # history is cachegate's own (an expected miss, as in the waste), not the agent's.
@@ -323,6 +324,13 @@ class AccountingObserver:
             usage=usage,
             fingerprint=fp,
             divergence=divergence,
+            # After a rewrite, only what was sent before could have been read: not the
+            # rewritten element, nor a rewind's new branch (estimated, as compaction does).
+            unsent=(
+                compaction.estimate_tokens(prefix.unsent_elements(compared, fp))
+                if divergence is not None and compared is not None and base[0] is not None
+                else 0
+            ),
             started_at=ex.started_at,
             ttl_s=ttl_s,
             noise_floor=self.settings.cache.noise_floor_tokens,

@@ -533,6 +533,30 @@ def same_conversation(old: Fingerprint, new: Fingerprint) -> bool:
     return any(digest in held for digest in new_messages)
 
 
+def unsent_elements(old: Fingerprint, new: Fingerprint) -> list[Any]:
+    """What of ``new``, past its first difference from ``old``, could not have been read from
+    ``old``'s cache whatever came before it: the messages after that point that ``old`` did not
+    send (the turn appended since, a new branch), and the differing message itself when nothing
+    ``old`` sent follows it (a rewind, an edited last message: a branch, not an edit of what
+    ``old`` goes on with). A differing system block, tools or parameter is an edit of what ``old``
+    sent: not in it (left unchanged, it would have been read)."""
+    shared = shared_links(old, new)
+    elements = new.element_digests
+    if shared >= len(elements):
+        return []
+    seen = set(old.element_digests[_TOOLS:])
+    first = new.system_count - _FIRST_MESSAGE
+    later = [
+        position
+        for position in range(max(shared + 1, _FIRST_MESSAGE), len(elements))
+        if elements[position] not in seen
+    ]
+    branch = shared >= _FIRST_MESSAGE and len(later) == len(elements) - shared - 1
+    if branch and elements[shared] not in seen:
+        later.insert(0, shared)
+    return [new.messages[first + position] for position in later]
+
+
 def shared_prefix_len(old: Fingerprint, new: Fingerprint) -> int:
     """How many leading messages of ``body["messages"]`` the two requests share (system included).
 

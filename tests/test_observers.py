@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from proxy.cache import CacheState
+from proxy.compaction import estimate_tokens
 from proxy.config import settings_from_mapping
 from proxy.eventlog import EventLogWriter, read_events, replay, replay_requests
 from proxy.metrics import Metrics
@@ -369,14 +370,37 @@ def test_a_history_trimmed_at_its_start_is_still_its_conversation() -> None:
     acc = _Accounting()
     history = [_system("agent"), *msgs("one", "a1", "two", "a2", "three", "a3", "four")]
     acc.send(history, 9000, 0)
-    trimmed = [history[0], *history[3:], *msgs("a4", "five")]
+    appended = msgs("a4", "five")
+    trimmed = [history[0], *history[3:], *appended]
     ex = acc.send(trimmed, 9000, 0)
     assert ex.cache is not None and ex.divergence is not None
+    # (what it appended was never sent: no part of what it could have read)
+    expected = 9000 - estimate_tokens(appended)
     assert (ex.cache["expected"], ex.cache["waste"], ex.cache["cause"]) == (
-        9000,
-        9000,
+        expected,
+        expected,
         "prefix_rewrite",
     )
+
+
+def test_a_rewind_or_an_edited_last_message_wastes_only_what_was_sent_before() -> None:
+    """The client goes back two turns and asks something else: its new message was never sent,
+    so it could not have been read (it was charged as waste, at the place it replaced); what
+    follows an edit that the previous request sent is still the edit's cost."""
+    acc = _Accounting()
+    history = [_system("agent"), *msgs("one", "a1", "two", "a2", "three")]
+    acc.send(history, 9000, 0)
+    branch = [*history[:3], *msgs("something else entirely " * 200)]
+    ex = acc.send(branch, 6000, 0)
+    assert ex.cache is not None and ex.divergence is not None
+    assert ex.cache["expected"] == 6000 - estimate_tokens(branch[3:])
+    # an edit in place, followed by what the previous request sent: the rest is its cost
+    acc = _Accounting()
+    acc.send(history, 9000, 0)
+    edited = [*history[:2], *msgs("a1, edited"), *history[3:]]
+    ex = acc.send(edited, 9000, 0)
+    assert ex.cache is not None
+    assert (ex.cache["expected"], ex.cache["waste"]) == (9000, 9000)
 
 
 def test_a_rewrite_is_compared_with_its_own_conversation_not_the_latest_of_equals() -> None:
