@@ -62,6 +62,7 @@ REPAIR_KINDS: Final = (
     "invalid_arguments",
     "missing_id",
     "empty_tool_calls",
+    "missing_type",
 )
 COMPACTION_RESULTS: Final = ("summary", "extractive", "reused")
 COST_KINDS: Final = ("actual", "uncached")

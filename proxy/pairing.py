@@ -40,6 +40,7 @@ RepairKind = Literal[
     "invalid_arguments",
     "missing_id",
     "empty_tool_calls",
+    "missing_type",
 ]
 OrphanPolicy = Literal["downgrade", "drop"]
 
@@ -62,7 +63,8 @@ class Repair:
     """One defect and what was done about it.
 
     ``index`` is the position in the *input* list: the assistant message for ``dangling_call``,
-    ``invalid_arguments`` and ``missing_id`` (whose ``tool_call_id`` is the id assigned), the tool
+    ``invalid_arguments``, ``missing_type`` and ``missing_id`` (whose ``tool_call_id`` is the id
+    assigned), the tool
     message for the other kinds, and for ``missing_id`` on a result without an id that was given
     its call's assigned id.
     """
@@ -150,6 +152,12 @@ def _not_json(name: str) -> Any:
 def _has_id(call: dict[str, Any]) -> bool:
     call_id = call.get("id")
     return isinstance(call_id, str) and call_id != ""
+
+
+def _missing_type(call: dict[str, Any]) -> bool:
+    """A function call without its ``"type": "function"`` (LangChain's Azure integration sends
+    these; Azure OpenAI refuses them: "Missing required parameter: …tool_calls[0].type")."""
+    return not call.get("type") and isinstance(call.get("function"), dict) and "custom" not in call
 
 
 def _bad_arguments(call: dict[str, Any]) -> str | None:
@@ -248,7 +256,12 @@ def needs_repair_from(
             if not isinstance(call, dict):
                 continue
             call_id = call.get("id")
-            if not isinstance(call_id, str) or not call_id or _bad_arguments(call) is not None:
+            if (
+                not isinstance(call_id, str)
+                or not call_id
+                or _bad_arguments(call) is not None
+                or _missing_type(call)
+            ):
                 return True, None, resumed
             pending[call_id] = pending.get(call_id, 0) + 1
     # Calls still open at the end need a repair now, but the next turn's results may close them.
@@ -310,6 +323,16 @@ def _fix_calls(
             )
         else:
             call_id = call["id"]
+        if _missing_type(call):
+            fixed = {**fixed, "type": "function"}
+            repairs.append(
+                Repair(
+                    "missing_type",
+                    index,
+                    call_id,
+                    f'set "type": "function" on tool_calls[{position}]',
+                )
+            )
         bad = _bad_arguments(call)
         if bad is not None:
             fixed = {**fixed, "function": {**call["function"], "arguments": "{}"}}
@@ -587,6 +610,7 @@ _DESCRIPTIONS: Final[dict[str, str]] = {
         "(repair would assign {id})"
     ),
     "empty_tool_calls": "messages[{index}] assistant message has an empty tool_calls array",
+    "missing_type": 'messages[{index}] assistant tool_call {id} has no "type"',
 }
 
 

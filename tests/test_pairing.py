@@ -296,6 +296,32 @@ def test_a_custom_tools_dangling_call_is_named_in_its_synthetic_result() -> None
     assert kinds(result) == [("dangling_call", 1, "c1")]  # free-text input is no bad JSON
 
 
+def test_a_function_call_without_its_type_gets_it() -> None:
+    """LangChain's Azure integration writes calls without ``"type"``; Azure OpenAI refuses the
+    history on every later turn ("Missing required parameter: …tool_calls[0].type")."""
+    untyped = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c1", "function": {"name": "grep", "arguments": "{}"}}],
+    }
+    custom = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c2", "custom": {"name": "patch", "input": "x"}}],
+    }
+    messages = [user("go"), untyped, tool("c1", "found"), custom, tool("c2", "ok"), user("next")]
+    result = repair_messages(messages)
+    assert result.messages[1]["tool_calls"] == [{**untyped["tool_calls"][0], "type": "function"}]
+    assert result.messages[3] is custom  # a custom tool's call has no function type to add
+    assert kinds(result) == [("missing_type", 1, "c1")]
+    assert "type" not in untyped["tool_calls"][0]  # not mutated
+    assert repair_messages(result.messages).repairs == []  # idempotent
+    assert format_strict_error(diagnose(messages)) == (
+        'cachegate strict pairing: 1 defect: messages[1] assistant tool_call c1 has no "type" '
+        "(missing_type)"
+    )
+
+
 def test_an_empty_tool_calls_array_is_removed() -> None:
     """Some SDKs write ``"tool_calls": []`` on every plain answer; OpenAI refuses it with a 400
     (``empty_array``) the history then carries on every later turn."""
