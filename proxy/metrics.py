@@ -63,6 +63,7 @@ REPAIR_KINDS: Final = (
     "missing_id",
     "empty_tool_calls",
     "missing_type",
+    "duplicate_call_id",
 )
 COMPACTION_RESULTS: Final = ("summary", "extractive", "reused")
 COST_KINDS: Final = ("actual", "uncached")

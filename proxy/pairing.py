@@ -41,6 +41,7 @@ RepairKind = Literal[
     "missing_id",
     "empty_tool_calls",
     "missing_type",
+    "duplicate_call_id",
 ]
 OrphanPolicy = Literal["downgrade", "drop"]
 
@@ -98,6 +99,8 @@ class _Block:
     unanswered: dict[str, list[int]]  # id -> positions of its unanswered calls, ascending
     results: list[int]  # input indices of the tool messages paired with it, in input order
     idless: list[str]  # ids assigned to calls sent without one and still unanswered, in order
+    # id -> the ids given to later calls of this message that had it too, in call order
+    renamed: dict[str, list[str]]
 
     def dangling(self) -> list[int]:
         """Positions of the calls still without a result, in call order."""
@@ -259,11 +262,12 @@ def needs_repair_from(
             if (
                 not isinstance(call_id, str)
                 or not call_id
+                or call_id in pending  # an id repeated in one message
                 or _bad_arguments(call) is not None
                 or _missing_type(call)
             ):
                 return True, None, resumed
-            pending[call_id] = pending.get(call_id, 0) + 1
+            pending[call_id] = 1
     # Calls still open at the end need a repair now, but the next turn's results may close them.
     return bool(pending), Checkpoint(tuple(messages), tuple(pending.items()), in_block), resumed
 
@@ -301,12 +305,14 @@ def _downgrade(message: dict[str, Any], label: str) -> dict[str, Any]:
 
 def _fix_calls(
     index: int, message: dict[str, Any], calls: list[Any], repairs: list[Repair]
-) -> tuple[dict[str, Any], list[str], list[str], list[str]]:
-    """Assign missing ids and blank invalid arguments; copies the message only when it changes.
-    Returns the message, its calls' ids and names, and the ids it assigned."""
+) -> tuple[dict[str, Any], list[str], list[str], list[str], dict[str, list[str]]]:
+    """Assign missing ids, new ids to repeats of an id in the message, types and blank invalid
+    arguments; copies the message only when it changes. Returns the message, its calls' ids
+    and names, the ids it assigned, and the ids given to repeats (by the id they repeated)."""
     ids: list[str] = []
     names: list[str] = []
     assigned: list[str] = []
+    renamed: dict[str, list[str]] = {}
     new_calls: list[Any] | None = None
     for position, call in enumerate(calls):
         if not isinstance(call, dict):
@@ -323,6 +329,21 @@ def _fix_calls(
             )
         else:
             call_id = call["id"]
+            if call_id in ids:
+                # Claude refuses a message whose tool_use ids repeat ("tool_use ids must be
+                # unique"); its results are then matched in order (``_pair_result``)
+                repeated, call_id = call_id, _derived_id(index, position, call)
+                renamed.setdefault(repeated, []).append(call_id)
+                fixed = {**call, "id": call_id}
+                repairs.append(
+                    Repair(
+                        "duplicate_call_id",
+                        index,
+                        call_id,
+                        f"gave tool_calls[{position}] the id {call_id}: an earlier call of this"
+                        f" message has {repeated}",
+                    )
+                )
         if _missing_type(call):
             fixed = {**fixed, "type": "function"}
             repairs.append(
@@ -352,8 +373,8 @@ def _fix_calls(
         ids.append(call_id)
         names.append(_tool_name(call))
     if new_calls is None:
-        return message, ids, names, assigned
-    return {**message, "tool_calls": new_calls}, ids, names, assigned
+        return message, ids, names, assigned, renamed
+    return {**message, "tool_calls": new_calls}, ids, names, assigned, renamed
 
 
 def repair_messages(
@@ -414,7 +435,9 @@ class RepairState:
                 if not isinstance(call_id, str) or call_id in appended_ids:
                     continue
                 owner = owner_of_id.get(call_id)
-                if owner is not None and owner.unanswered.get(call_id):
+                if owner is not None and (
+                    owner.unanswered.get(call_id) or owner.renamed.get(call_id)
+                ):
                     return False  # it may answer an earlier call: repair afresh
                 continue
             calls = _tool_calls(message)
@@ -472,13 +495,13 @@ def repair_messages_from(
                     action = "removed an empty tool_calls array"
                 scanned.append(Repair("empty_tool_calls", i, None, action))
             continue
-        new_message, ids, names, assigned = _fix_calls(i, message, calls, scanned)
+        new_message, ids, names, assigned, renamed = _fix_calls(i, message, calls, scanned)
         if new_message is not message:
             fixed[i] = new_message
         unanswered: dict[str, list[int]] = {}
         for position, call_id in enumerate(ids):
             unanswered.setdefault(call_id, []).append(position)
-        run = blocks[i] = _Block(i, ids, names, unanswered, [], assigned)
+        run = blocks[i] = _Block(i, ids, names, unanswered, [], assigned, renamed)
         for call_id in ids:
             owner_of_id[call_id] = run
     state.run = run
@@ -578,6 +601,29 @@ def _pair_result(
             owner.results.append(i)
             paired.add(i)
             return
+        repeats = owner.renamed.get(tool_call_id) or []
+        while repeats:  # the next call of its message that repeated the id, renamed: in order
+            new_id = repeats.pop(0)
+            if owner.unanswered.pop(new_id, None) is None:
+                continue
+            fixed[i] = {**message, "tool_call_id": new_id}
+            repairs.append(
+                Repair(
+                    "duplicate_call_id", i, new_id, f"gave the result the id {new_id} of its call"
+                )
+            )
+            if owner is not run:
+                repairs.append(
+                    Repair(
+                        "displaced_result",
+                        i,
+                        new_id,
+                        f"moved back into the results of messages[{owner.index}]",
+                    )
+                )
+            owner.results.append(i)
+            paired.add(i)
+            return
         kind: RepairKind = "duplicate_result"
         label = f"[duplicate tool result for call {tool_call_id}]"
     else:
@@ -611,6 +657,10 @@ _DESCRIPTIONS: Final[dict[str, str]] = {
     ),
     "empty_tool_calls": "messages[{index}] assistant message has an empty tool_calls array",
     "missing_type": 'messages[{index}] assistant tool_call {id} has no "type"',
+    "duplicate_call_id": (
+        "messages[{index}] repeats a tool_call id of its own message, or answers such a call"
+        " (repair would assign {id})"
+    ),
 }
 
 

@@ -520,14 +520,37 @@ def test_valid_history_comes_back_as_the_same_object() -> None:
     assert diagnose(messages) == []
 
 
-def test_repeated_call_id_in_one_message_is_paired_one_result_per_call() -> None:
+def test_repeated_call_id_in_one_message_is_made_unique_one_result_per_call() -> None:
+    """Some frameworks number calls per message and repeat an id (``call_0`` twice): Claude
+    refuses such a message ("tool_use ids must be unique"), and the synthetic result for the
+    unanswered one repeated it a third time. The repeat gets an id of its own, and the results
+    are matched to the calls in order."""
     messages = [asst(call("a"), call("a")), tool("a", "1")]
     result = repair_messages(messages)
-    assert result.messages == [asst(call("a"), call("a")), tool("a", "1"), synthetic("a")]
+    (renamed,) = [r.tool_call_id for r in result.repairs if r.kind == "duplicate_call_id"]
+    assert renamed is not None and renamed.startswith("call_")
+    assert result.messages == [
+        asst(call("a"), call(renamed)),
+        tool("a", "1"),
+        synthetic(renamed),
+    ]
+    assert kinds(result) == [("duplicate_call_id", 0, renamed), ("dangling_call", 0, renamed)]
     validate_messages(result.messages)
-    answered = result.messages
+    assert repair_messages(result.messages).repairs == []  # idempotent
+    # both answered, in order: the second result answers the second call
+    answered = [asst(call("a"), call("a")), tool("a", "1"), tool("a", "2"), user("next")]
     again = repair_messages(answered)
-    assert again.messages is answered and again.repairs == []
+    assert again.messages == [
+        asst(call("a"), call(renamed)),
+        tool("a", "1"),
+        tool(renamed, "2"),
+        user("next"),
+    ]
+    assert kinds(again) == [("duplicate_call_id", 0, renamed), ("duplicate_call_id", 2, renamed)]
+    assert repair_messages(answered).messages == again.messages  # the same id every time
+    moved = repair_messages([*answered[:2], user("wait"), tool("a", "2"), user("next")])
+    assert moved.messages[:4] == [*again.messages[:3], user("wait")]
+    assert ("displaced_result", 3, renamed) in kinds(moved)
 
 
 def test_strict_error_lists_every_defect() -> None:
