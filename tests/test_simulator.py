@@ -253,6 +253,10 @@ def test_invalid_json_and_missing_model_are_400(sim: RunningSimulator) -> None:
     assert no_messages.json()["error"]["message"] == "Missing required parameter: 'messages'."
     not_a_list = post(sim, {"model": "gpt-4o", "messages": "hi"})
     assert not_a_list.json()["error"]["code"] == "invalid_type"
+    # a role that is no string: refused as OpenAI does (it was a plain-text 500)
+    odd_role = post(sim, {"model": "gpt-4o", "messages": [{"role": ["tool"], "content": "x"}]})
+    assert odd_role.status_code == 400
+    assert odd_role.json()["error"]["code"] == "invalid_value"
 
 
 def test_unknown_paths_and_methods_answer_in_the_openai_error_shape(sim: RunningSimulator) -> None:

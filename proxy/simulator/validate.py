@@ -73,7 +73,7 @@ def validate_messages(messages: Any) -> None:
                 f"Invalid type for 'messages[{i}]': expected an object.", f"messages[{i}]"
             )
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise ValidationError(
                 f"Invalid value: '{role}'. Supported values are: 'system', 'assistant', 'user', "
                 "'function', 'tool', and 'developer'.",
