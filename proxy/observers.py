@@ -50,9 +50,10 @@ class _Baseline:
     (None when unknown) and model; ``copies``: how many requests sent it as it is (a retry, or
     sub-agents fanned out with one task: each of those may go on in its own way); ``ready_at``:
     when the provider had read its prompt (its first byte, on the monotonic clock of
-    ``Exchange.t0``), so could serve it from the cache."""
+    ``Exchange.t0``), so could serve it from the cache; ``turns``: how many requests of its
+    conversation it stands for (a one-shot sub-agent's is 1)."""
 
-    __slots__ = ("body", "copies", "fp", "model", "prompt", "ready_at")
+    __slots__ = ("body", "copies", "fp", "model", "prompt", "ready_at", "turns")
 
     def __init__(
         self,
@@ -65,6 +66,20 @@ class _Baseline:
         self.fp, self.body, self.prompt, self.model = fp, body, prompt, model
         self.ready_at = ready_at
         self.copies = 1
+        self.turns = 1
+
+
+def _prune(baselines: list[_Baseline]) -> None:
+    """Keep ``CONVERSATIONS_KEPT`` baselines: past them, the least recently seen one-shot
+    conversation goes first (a sub-agent or a title request, seen once), else the least recently
+    seen. A fan-out of one-shot sub-agents evicted the main agent's own, whose next turn then
+    read as a new conversation, its miss unreported."""
+    while len(baselines) > CONVERSATIONS_KEPT:
+        victim = next(
+            (at for at in range(len(baselines) - 1, 0, -1) if baselines[at].turns == 1),
+            len(baselines) - 1,
+        )
+        del baselines[victim]
 
 
 def _to_front(baselines: list[_Baseline], baseline: _Baseline) -> None:
@@ -284,17 +299,20 @@ class AccountingObserver:
             elif continues and chosen is not None and _takes_place(chosen, fp, divergence):
                 if chosen.copies > 1:  # one of several that sent it: the others may go on too
                     chosen.copies -= 1
-                    baselines.insert(0, _Baseline(fp, body, prompt, model, ready_at))
+                    went_on = _Baseline(fp, body, prompt, model, ready_at)
+                    went_on.turns = chosen.turns + 1
+                    baselines.insert(0, went_on)
                 else:  # it extends or rewrites its baseline: it takes that one's place
                     chosen.fp, chosen.body, chosen.prompt, chosen.model = fp, body, prompt, model
                     chosen.ready_at = ready_at
+                    chosen.turns += 1
                     _to_front(baselines, chosen)
             else:
                 # A new conversation, or a branch: another conversation that opens alike (two
                 # agents with the same boilerplate first message), a fork, a rewind. Both are
                 # kept: each next turn finds its own.
                 baselines.insert(0, _Baseline(fp, body, prompt, model, ready_at))
-            del baselines[CONVERSATIONS_KEPT:]  # the least recently seen conversation goes first
+            _prune(baselines)
             extra["baselines"] = baselines
         if usage is None or ex.status >= 400:
             if usage is None and (ex.status < 400 or ex.status == CLIENT_CLOSED):

@@ -63,6 +63,8 @@ _EXCERPT_LEAD: Final = 30
 # An insertion counts as "only a volatile token" when, besides the token, it adds no more than a
 # short label ("Current time: ").
 _VOLATILE_LABEL_CHARS: Final = 48
+# ...and removes no more than a few characters besides tokens ("Date: Monday" -> "Date: …").
+_VOLATILE_LOST_CHARS: Final = 12
 # A change longer than this is an edit, whatever tokens it holds; bounds the regex work.
 _VOLATILE_SCAN_CHARS: Final = 4096
 # Context kept around a changed region so tokens crossing its edges are seen whole.
@@ -895,7 +897,11 @@ def volatile_kind(old_text: str, new_text: str) -> str | None:
     changed = new_norm[head : len(new_norm) - tail] + old_norm[head : len(old_norm) - tail]
     kinds = [_KIND_OF_PLACEHOLDER[c] for c in changed if c in _KIND_OF_PLACEHOLDER]
     label = sum(1 for c in changed if c not in _KIND_OF_PLACEHOLDER and not c.isspace())
+    # What the old side lost besides tokens: a label replaced, not only a token added ("You
+    # search the code." -> "Current time: …" is another prompt, not the same with the time in)
+    removed = old_norm[head : len(old_norm) - tail]
+    lost = sum(1 for c in removed if c not in _KIND_OF_PLACEHOLDER and not c.isspace())
     significant = [kind for kind in kinds if kind != "counter"]
-    if significant and label <= _VOLATILE_LABEL_CHARS:
+    if significant and label <= _VOLATILE_LABEL_CHARS and lost <= _VOLATILE_LOST_CHARS:
         return significant[0]
     return None

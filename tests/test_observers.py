@@ -418,6 +418,24 @@ def test_a_rewrite_is_compared_with_its_own_conversation_not_the_latest_of_equal
     assert (ex.cache["expected"], ex.cache["waste"]) == (10_000, 10_000)
 
 
+def test_a_fan_out_of_one_shot_sub_agents_does_not_evict_the_main_agents_conversation() -> None:
+    """Nine one-request sub-agents after two main-agent turns: the least recently seen, the
+    main agent's, was forgotten, and its next turn's rewrite read as a new conversation (no
+    waste, no divergence)."""
+    acc = _Accounting()
+    main = [_system("main agent"), *msgs("fix the bug")]
+    acc.send(main, 10_000, 0)
+    main = [*main, *msgs("looking", "go on")]
+    acc.send(main, 10_100, 10_000)
+    jobs = ["search", "parse", "review", "deploy", "document", "profile", "refactor", "triage"]
+    for job in [*jobs, "summarize"]:
+        acc.send([_system(f"You {job} the code."), *msgs(f"Please {job} it.")], 3_000, 0)
+    rewritten = [_system("main agent\nCurrent time: 2026-12-02T10:00:00Z"), *main[1:]]
+    ex = acc.send(rewritten, 10_100, 0)
+    assert ex.divergence is not None and ex.divergence["location"] == "system"
+    assert ex.cache is not None and (ex.cache["expected"], ex.cache["waste"]) == (10_100, 10_100)
+
+
 def test_eight_interleaved_conversations_are_each_compared_with_their_own() -> None:
     acc = _Accounting()
     tasks = ["search", "parse", "review", "deploy", "document", "profile", "refactor", "triage"]

@@ -302,6 +302,9 @@ def test_volatile_token_changes_are_named(old: str, new: str, kind: str) -> None
             "runners, see the thread for details.",
         ),
         ("Today is 2025-03-14. Use tabs.", "Today is 2025-03-15. Use spaces."),
+        # another prompt with the time in it, not the same one with the time added (a
+        # sub-agent's against its main agent's)
+        ("You summarize the code.", "main agent\nCurrent time: 2026-12-02T10:00:00Z"),
     ],
 )
 def test_real_edits_are_not_volatile(old: str, new: str) -> None:
