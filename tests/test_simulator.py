@@ -592,11 +592,21 @@ def test_scripts_are_consumed_in_order_and_a_header_script_wins(sim: RunningSimu
 
 def test_requests_are_recorded_and_reset_clears_everything(sim: RunningSimulator) -> None:
     body = chat_body(long_chat(1100))
-    post(sim, body, {"X-Trace": "t-1"})
+    key = "sk-proj-" + "k" * 40 + "WXYZ"
+    post(sim, body, {"X-Trace": "t-1", "Authorization": f"Bearer {key}", "api-key": key})
     recorded = httpx.get(sim.url + "/_sim/requests").json()["requests"]
     assert len(recorded) == 1
     assert recorded[0]["body"] == body
     assert recorded[0]["headers"]["x-trace"] == "t-1"
+    # keys are not served to any local client (a cachegate in front sends the user's real one)
+    assert recorded[0]["headers"]["authorization"] == "Bearer …WXYZ"
+    assert recorded[0]["headers"]["api-key"] == "…WXYZ"
+    assert key not in httpx.get(sim.url + "/_sim/requests").text
+    # nor to web pages: another origin, or a name re-pointed at this machine (DNS rebinding)
+    page = httpx.get(sim.url + "/_sim/requests", headers={"Origin": "https://evil.example"})
+    assert page.status_code == 403 and page.json()["error"]["code"] == "forbidden_origin"
+    rebound = httpx.get(sim.url + "/_sim/requests", headers={"Host": "evil.example:8788"})
+    assert rebound.status_code == 403
     assert (recorded[0]["path"], recorded[0]["status"]) == ("/v1/chat/completions", 200)
     assert sim.sim.requests[0].usage == recorded[0]["usage"]
     sim.sim.advance(10)

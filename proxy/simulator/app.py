@@ -33,11 +33,13 @@ import anyio
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from proxy.browser import BrowserGuard
 from proxy.serving import ServerThread
 from proxy.simulator.config import FAULTS, STATUS_FAULTS, SimConfig
 from proxy.simulator.reply import Reply, completion_tokens, derive_reply, parse_script
@@ -485,12 +487,46 @@ def embed(item: Any, model: str, dimensions: int) -> list[float]:
     return [v / norm for v in vector]
 
 
+class _BrowserGuarded:
+    """cachegate's browser guard before the simulator: a web page on another origin, or one
+    whose name was re-pointed at this machine, is refused (403), as by cachegate itself. The
+    simulator serves what it received (``/_sim/requests``: prompts, a key masked)."""
+
+    def __init__(self, app: ASGIApp, bind_host: str) -> None:
+        self.app = app
+        self.guard = BrowserGuard(bind_host)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+            refusal = self.guard.refusal(headers)
+            if refusal is not None:
+                body = refusal.body()
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": refusal.status,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", b"%d" % len(body)),
+                        ],
+                    }
+                )
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
 def create_simulator_app(
-    config: SimConfig | None = None, *, simulator: Simulator | None = None
+    config: SimConfig | None = None,
+    *,
+    simulator: Simulator | None = None,
+    bind_host: str = "127.0.0.1",
 ) -> Starlette:
     """The simulator as an ASGI app; its state is ``app.state.simulator``.
 
-    Pass ``simulator`` to share state you already hold (its config then wins over ``config``).
+    Pass ``simulator`` to share state you already hold (its config then wins over ``config``);
+    ``bind_host``, the address it listens on, for the browser guard (``_BrowserGuarded``).
     """
     sim = simulator or Simulator(config)
     handlers = _Handlers(sim)
@@ -504,7 +540,11 @@ def create_simulator_app(
         Route("/_sim/reset", handlers.reset, methods=["POST"]),
         Route("/_sim/script", handlers.script, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    app = Starlette(
+        routes=routes,
+        exception_handlers={HTTPException: _http_error},
+        middleware=[Middleware(_BrowserGuarded, bind_host=bind_host)],
+    )
     app.state.simulator = sim
     return app
 
@@ -539,5 +579,6 @@ def run_simulator(
 ) -> Iterator[RunningSimulator]:
     """Serve a fresh simulator in a background thread for the duration of the ``with`` block."""
     sim = Simulator(config)
-    with ServerThread(create_simulator_app(simulator=sim), host=host, port=port) as server:
+    app = create_simulator_app(simulator=sim, bind_host=host)
+    with ServerThread(app, host=host, port=port) as server:
         yield RunningSimulator(server=server, sim=sim)

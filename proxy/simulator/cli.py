@@ -131,7 +131,7 @@ def serve(
         f"cachegate simulate: {config.dialect} on http://{url_host(host)}:{port}/v1",
         file=sys.stderr,
     )
-    app = create_simulator_app(config)
+    app = create_simulator_app(config, bind_host=host)
     if sockets is None:
         uvicorn.run(app, host=host, port=port, log_level="warning")
         return 0

@@ -37,11 +37,15 @@ class ReceivedRequest:
     usage: dict[str, Any] | None = field(default=None)
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON form served by ``GET /_sim/requests`` (raw bytes as their length)."""
+        """The JSON form served by ``GET /_sim/requests`` (raw bytes as their length; keys masked:
+        a cachegate in front with the user's real key in its environment sends it here, and
+        this route answers any local client)."""
         return {
             "method": self.method,
             "path": self.path,
-            "headers": self.headers,
+            "headers": {
+                k: _masked(v) if k.lower() in _KEY_HEADERS else v for k, v in self.headers.items()
+            },
             "body": self.body,
             "raw_bytes": len(self.raw),
             "time": self.time,
@@ -49,6 +53,17 @@ class ReceivedRequest:
             "fault": self.fault,
             "usage": self.usage,
         }
+
+
+_KEY_HEADERS = frozenset({"authorization", "api-key", "x-api-key", "x-goog-api-key"})
+
+
+def _masked(value: str) -> str:
+    """A credential header's value with its secret hidden: its scheme and last four characters
+    stay, enough to tell which key came."""
+    scheme, _, secret = value.rpartition(" ")
+    hidden = "…" + secret[-4:] if len(secret) > 12 else "…"
+    return f"{scheme} {hidden}" if scheme else hidden
 
 
 # The requests a simulator keeps for ``GET /_sim/requests``: the latest this many, holding at
