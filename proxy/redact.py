@@ -32,8 +32,9 @@ _SECRET = re.compile(
     # AWS secret access keys, by their name (the value alone looks like any base64)
     r"|(?P<awsname>(?i:aws_secret_access_key)[\s\"']*[=:][\s\"']*)[A-Za-z0-9/+=]{40}"
     r")"
-    # a URL's user:password (its scheme and host kept)
-    r"|(?<=://)[^\s/:@\"']*:[^\s/@\"']+(?=@)"
+    # a URL's user:password (its scheme and host kept), to the last "@" before the host (a
+    # password written with a raw "@" in it)
+    r"|(?<=://)[^\s/:@\"']*:[^\s/\"']+(?=@[^\s/@\"']+)"
     # a private key's PEM block, whole or cut off (its armour lines kept): base64 and the
     # encrypted form's header lines only, so a parser's source that names the armour is no block
     # (a body's dashes never run to five: scanning stops at the next armour line, so text with
@@ -123,7 +124,10 @@ _LITERAL = (
     r"(?=[^\s\"'`\\]{0,512}[A-Za-z])([^\s\"'`$(){}\[\]<>,;\\][^\s\"'`(){}\[\]<>,;\\]{5,}+)"
     r"(?![^\s,;\\\"])"
 )
-_NOT_CODE = r"(?![A-Za-z_][A-Za-z0-9_]{0,64}(?:\.[A-Za-z_][A-Za-z0-9_]{0,64}){1,8}(?![^\s,;\\\"]))"
+# (a part of 17 characters or more with a digit in it is no name: a token's, a JWT's or a
+# SendGrid key's dotted parts)
+_CODE_PART = r"(?:[A-Za-z_][A-Za-z0-9_]{0,15}|[A-Za-z_][A-Za-z_]{16,64})(?![A-Za-z0-9_])"
+_NOT_CODE = r"(?!" + _CODE_PART + r"(?:\." + _CODE_PART + r"){1,8}(?![^\s,;\\\"]))"
 # Where code is as likely as a setting (INI, YAML: ``token: TokenType``, ``self.password =
 # password``), an unquoted value must hold a digit or be 20 characters or more.
 _SETTING = r"(?:(?=[^\s\"'`\\]{0,512}[0-9])|(?=[^\s\"'`\\]{20}))" + _NOT_CODE + _LITERAL

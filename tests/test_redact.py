@@ -56,6 +56,13 @@ def test_bearer_token_keeps_the_scheme_and_loses_the_token() -> None:
     )
 
 
+JWT = (
+    "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiJhZG1pbiIsImV4cCI6MTczNTY4OTYwMH0."
+    "Xq3bW9cK2mZ8pL1vN4rT7yU0iO5aS6dF9gH2jK3lZ4x"
+)
+SENDGRID = "SG.ngeVfQFYQlKU0ufo8x5d1A.TwL2iGABf9DHoTf09kqeF8tAmbihYzrnopKc1s5cr"
+
+
 @pytest.mark.parametrize(
     ("text", "redacted"),
     [
@@ -70,6 +77,17 @@ def test_bearer_token_keeps_the_scheme_and_loses_the_token() -> None:
             "git clone https://[REDACTED]@gitlab.example/r",
         ),
         ("http://u:p@h", "http://[REDACTED]@h"),
+        # a raw "@" in the password: all of it, to the host (most of it was left)
+        (
+            "postgres://admin:p@ssw0rd!@db.example.com/prod",
+            "postgres://[REDACTED]@db.example.com/prod",
+        ),
+        # dotted values after lower-case names: a JWT's, a SendGrid key's parts are no
+        # attribute chain (they were left whole)
+        (f"access_token={JWT}", "access_token=[REDACTED]"),
+        (f"token: {JWT}", "token: [REDACTED]"),
+        (f"--api-key {SENDGRID}", "--api-key [REDACTED]"),
+        ("api_key = settings.OPENAI_API_KEY", "api_key = settings.OPENAI_API_KEY"),  # code
     ],
 )
 def test_named_secrets_and_url_passwords_lose_only_the_secret(text: str, redacted: str) -> None:
