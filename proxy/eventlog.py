@@ -877,8 +877,23 @@ def strip_bodies(event: dict[str, Any]) -> dict[str, Any]:
                 for k, v in params.items()
             }
         return stripped
-    if kind == "response" and event.get("message") is not None:
-        return {**event, "message": message_metadata(event["message"])}
+    if kind == "response":
+        stripped = event
+        if event.get("message") is not None:
+            stripped = {**stripped, "message": message_metadata(event["message"])}
+        divergence = event.get("divergence")
+        if isinstance(divergence, dict):
+            # its excerpts are of the changed text (a tool output, a system prompt): hashed too
+            stripped = {
+                **stripped,
+                "divergence": {
+                    k: {"chars": len(v), "sha256": _sha256(v)}
+                    if k in ("old", "new") and isinstance(v, str)
+                    else v
+                    for k, v in divergence.items()
+                },
+            }
+        return stripped
     if kind == "compacted" and isinstance(event.get("summary"), str):
         summary = event["summary"]
         return {**event, "summary": {"chars": len(summary), "sha256": _sha256(summary)}}

@@ -1075,3 +1075,28 @@ def test_metadata_mode_keeps_structured_parameters_as_hashes() -> None:
     assert params["temperature"] == 0.2 and params["reasoning_effort"] == "low"
     assert set(params["prediction"]) == {"sha256"}
     assert "secret_plan" not in orjson.dumps(params).decode()
+
+
+def test_metadata_mode_hashes_the_divergence_excerpts() -> None:
+    """The excerpts are of the changed text (a tool output, a system prompt): written as they
+    were, they kept text the mode promises to keep out."""
+    divergence = {
+        "location": "messages",
+        "index": 3,
+        "role": "tool",
+        "field": "content",
+        "old": "NPM_TOKEN npm_abcdefgh",
+        "new": "NPM_TOKEN npm_ZZZZefgh",
+        "volatile": False,
+        "volatile_kind": None,
+    }
+    event = {"ts": 1.0, "type": "response", "message": None, "divergence": divergence}
+    stripped = strip_bodies(event)["divergence"]
+    assert {k: stripped[k] for k in ("location", "index", "role", "field")} == {
+        "location": "messages",
+        "index": 3,
+        "role": "tool",
+        "field": "content",
+    }
+    assert stripped["old"]["chars"] == 22 and len(stripped["new"]["sha256"]) == 64
+    assert "npm_" not in orjson.dumps(stripped).decode()
