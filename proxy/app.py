@@ -408,7 +408,14 @@ def upstream_path_of(scope: Scope) -> str | None:
     segments = raw.split(b"?", 1)[0].split(b"/")
     if segments[1:2] == [b"v1"]:
         rest = segments[2:]
-    elif segments[1:2] == [b"s"] and segments[3:4] == [b"v1"]:
+    elif (
+        segments[1:2] == [b"s"]
+        and segments[3:4] == [b"v1"]
+        # the session segment as routed: "/s/zz%2Fv1/v1/chat/completions" routes, decoded, as
+        # session "zz" asking for "v1/chat/completions", and would reach the chat endpoint
+        # upstream past cachegate's chat route
+        and unquote(segments[2].decode("latin-1")) == scope.get("path_params", {}).get("session_id")
+    ):
         rest = segments[4:]
     else:
         return None

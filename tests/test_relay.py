@@ -1173,6 +1173,9 @@ def test_streamed_upload_over_limit_is_413_not_502(
         (b"/v1%2F..%2Fadmin", None),
         (b"/s/abc%2Fv1/models/gpt-4o", None),
         (b"/s/a%3Ab/v1/models", b"/v1/models"),  # an id's ':' percent-encoded is still the id
+        # routed, decoded, as session "zz" asking for "v1/chat/completions": the upstream's
+        # chat endpoint, past cachegate's chat route (no repair, no log)
+        (b"/s/zz%2Fv1/v1/chat/completions", None),
     ],
 )
 def test_paths_are_relayed_as_encoded_and_never_climb_out_of_v1(
