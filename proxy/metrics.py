@@ -76,8 +76,10 @@ GEN_AI_TOKEN_TYPES: Final = ("input", "output", "cached_input", "cache_creation_
 GEN_AI_OPERATION: Final = "chat"
 
 # Proxy overhead is what cachegate adds on top of the provider: tens of microseconds when healthy.
+# (up to seconds: an extractive compaction of a history of megabytes is cachegate's own work)
 OVERHEAD_BUCKETS: Final = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+    0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 # A long agent turn streams for minutes; the upstream timeout defaults to 600 s.
 DURATION_BUCKETS: Final = (
@@ -362,7 +364,8 @@ class Metrics:
         self.upstream_errors = f(
             "counter",
             "cachegate_upstream_errors",
-            "Upstream failures: connect, timeout, error status, or a stream broken midway.",
+            "Upstream failures: connect, timeout, error status, a stream broken midway, an"
+            " invalid answer, or an error event inside a 200.",
             ["kind"],
         )
         self.log_lost = f(
@@ -653,7 +656,8 @@ class Metrics:
 
     @_safe
     def observe_upstream_error(self, kind: str) -> None:
-        """Count one upstream failure: connect, timeout, status or midstream."""
+        """Count one upstream failure: connect, timeout, status, midstream, invalid or
+        error_event."""
         self.upstream_errors.child(_check(kind, UPSTREAM_ERROR_KINDS, "upstream error kind"))[
             0
         ] += 1
