@@ -488,9 +488,11 @@ def embed(item: Any, model: str, dimensions: int) -> list[float]:
 
 
 class _BrowserGuarded:
-    """cachegate's browser guard before the simulator: a web page on another origin, or one
-    whose name was re-pointed at this machine, is refused (403), as by cachegate itself. The
-    simulator serves what it received (``/_sim/requests``: prompts, a key masked)."""
+    """cachegate's browser guard before the simulator, by the Host only: a page whose name was
+    re-pointed at this machine (DNS rebinding), which could read the answers, is refused (403).
+    The simulator serves what it received (``/_sim/requests``: prompts, a key masked). A page on
+    another origin cannot read them (no CORS), and a cachegate in front passes on the Origin of
+    the pages it lets through (``server.allowed_origins``): not judged."""
 
     def __init__(self, app: ASGIApp, bind_host: str) -> None:
         self.app = app
@@ -498,7 +500,11 @@ class _BrowserGuarded:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+            headers = {
+                name: v.decode("latin-1")
+                for k, v in scope["headers"]
+                if (name := k.decode("latin-1")) != "origin"
+            }
             refusal = self.guard.refusal(headers)
             if refusal is not None:
                 body = refusal.body()
