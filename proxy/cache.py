@@ -7,11 +7,10 @@ Rule: everything the previous request sent should now be a cache read, so
 ``expected = min(previous prompt tokens, this prompt tokens)`` and
 ``waste = expected - cache_read`` when that exceeds the noise floor (partial misses count as much as
 full ones; below the floor they are block-granularity noise). When the prefix was rewritten,
-what this request holds that the previous one did not send (the rewritten element, a new
-branch after a rewind, the messages appended since: ``unsent``, estimated) is left out of the
-expected: only what was sent before could have been read. The rest after the rewrite, sent
-before but now behind it, is reported as waste with its cause and location, which is what a
-user must see.
+what the previous request sent that this one no longer holds (a trimmed start, the turns a
+rewind abandons: ``dropped``, estimated) comes off the previous prompt: this request could not
+read it. What it still holds, edited or behind the rewrite, is reported as waste with its cause
+and location, which is what a user must see.
 
 Not counted (expected 0, waste 0, cause None): the first exchange of a session; every exchange
 while the provider has never reported a cache field in this session (a 0 from a provider that never
@@ -234,7 +233,7 @@ def account(
     max_prefixes: int = DEFAULT_MAX_PREFIXES,
     unmarked: Callable[[], bool] | None = None,
     min_cached: int = 0,
-    unsent: int = 0,
+    dropped: int = 0,
 ) -> tuple[CacheState, CacheResult]:
     """Account one finished exchange; return the session's new state and the exchange's figures.
 
@@ -244,8 +243,8 @@ def account(
     count as the baseline for the next one. ``unmarked``, asked only of a waste: whether the
     provider caches only marked prefixes and the request marked none (the waste is then
     ``not_requested``). A prefix shorter than ``min_cached`` (the model's minimum) was no more
-    to be read than nothing. ``unsent``: tokens of this request that the previous one did not
-    send, left out of the expected read (given for a rewritten prefix).
+    to be read than nothing. ``dropped``: tokens the previous request sent that this one no
+    longer holds, off the expected read (given for a rewritten prefix).
     """
     has_reported = state.has_reported or usage.reported_cache
     counted = (
@@ -255,7 +254,7 @@ def account(
         and not state.compacted
     )
     if counted and state.prev_prompt is not None:
-        expected = max(0, min(state.prev_prompt, usage.prompt - unsent))
+        expected = max(0, min(state.prev_prompt - dropped, usage.prompt))
         if expected < min_cached:
             expected = 0
         shortfall = expected - usage.cache_read

@@ -82,6 +82,19 @@ def _prune(baselines: list[_Baseline]) -> None:
         del baselines[victim]
 
 
+def _dropped_tokens(old: prefix.Fingerprint, new: prefix.Fingerprint, prompt: int) -> int:
+    """Of the previous request's ``prompt`` tokens, those of what ``new`` no longer holds
+    (``prefix.dropped_elements``): its share of the previous request's estimate, so that a
+    tokenizer denser or sparser than the estimate's 4 bytes a token is the same on both sides."""
+    dropped = prefix.dropped_elements(old, new)
+    if not dropped:
+        return 0
+    whole = compaction.estimate_tokens(list(old.messages))
+    if old.tools:
+        whole += compaction.estimate_tokens(old.tools)
+    return prompt * compaction.estimate_tokens(dropped) // max(whole, 1)
+
+
 def _to_front(baselines: list[_Baseline], baseline: _Baseline) -> None:
     """``baseline`` the most recently seen of its session's."""
     if baseline is not baselines[0]:
@@ -310,8 +323,12 @@ class AccountingObserver:
             else:
                 # A new conversation, or a branch: another conversation that opens alike (two
                 # agents with the same boilerplate first message), a fork, a rewind. Both are
-                # kept: each next turn finds its own.
-                baselines.insert(0, _Baseline(fp, body, prompt, model, ready_at))
+                # kept: each next turn finds its own. (A branch goes on with its conversation's
+                # turns: after a rewind it is the live one, not a one-shot to forget first.)
+                started = _Baseline(fp, body, prompt, model, ready_at)
+                if continues and chosen is not None:
+                    started.turns = chosen.turns + 1
+                baselines.insert(0, started)
             _prune(baselines)
             extra["baselines"] = baselines
         if usage is None or ex.status >= 400:
@@ -342,10 +359,10 @@ class AccountingObserver:
             usage=usage,
             fingerprint=fp,
             divergence=divergence,
-            # After a rewrite, only what was sent before could have been read: not the
-            # rewritten element, nor a rewind's new branch (estimated, as compaction does).
-            unsent=(
-                compaction.estimate_tokens(prefix.unsent_elements(compared, fp))
+            # After a rewrite, what the previous request sent that this one dropped (a
+            # trimmed start, a rewind's abandoned turns) could not be read
+            dropped=(
+                _dropped_tokens(compared, fp, base[0])
                 if divergence is not None and compared is not None and base[0] is not None
                 else 0
             ),

@@ -535,28 +535,36 @@ def same_conversation(old: Fingerprint, new: Fingerprint) -> bool:
     return any(digest in held for digest in new_messages)
 
 
-def unsent_elements(old: Fingerprint, new: Fingerprint) -> list[Any]:
-    """What of ``new``, past its first difference from ``old``, could not have been read from
-    ``old``'s cache whatever came before it: the messages after that point that ``old`` did not
-    send (the turn appended since, a new branch), and the differing message itself when nothing
-    ``old`` sent follows it (a rewind, an edited last message: a branch, not an edit of what
-    ``old`` goes on with). A differing system block, tools or parameter is an edit of what ``old``
-    sent: not in it (left unchanged, it would have been read)."""
+def dropped_elements(old: Fingerprint, new: Fingerprint) -> list[Any]:
+    """What ``old`` sent, past its first difference from ``new``, that ``new`` no longer holds:
+    its messages found nowhere in ``new`` and not edited in place (a trimmed start, a rewind's
+    abandoned turns). A message of ``old`` counts as edited in place, so still held, where
+    ``new`` has a message at its position that ``old`` never sent and ``new`` goes on past it
+    (a message ``old`` sent follows, or ``new`` is the longer: a timestamp in every message, tool
+    call ids made anew each request), not where ``new`` ends there (a rewind to that message
+    with another question, an edited last message: a branch). The system block, tools and
+    parameters are at fixed places: a changed one is edited, never dropped."""
     shared = shared_links(old, new)
-    elements = new.element_digests
-    if shared >= len(elements):
+    old_elements, new_elements = old.element_digests, new.element_digests
+    if shared >= len(old_elements):
         return []
-    seen = set(old.element_digests[_TOOLS:])
-    first = new.system_count - _FIRST_MESSAGE
-    later = [
-        position
-        for position in range(max(shared + 1, _FIRST_MESSAGE), len(elements))
-        if elements[position] not in seen
+    in_new = set(new_elements[_TOOLS:])
+    in_old = set(old_elements[_TOOLS:])
+    first = max(shared, _FIRST_MESSAGE)
+    kept = [p for p in range(first, len(old_elements)) if old_elements[p] in in_new]
+    last_kept = kept[-1] if kept else -1
+    longer = len(new_elements) > len(old_elements)
+    offset = old.system_count - _FIRST_MESSAGE
+    return [
+        old.messages[offset + position]
+        for position in range(first, len(old_elements))
+        if old_elements[position] not in in_new
+        and not (
+            position < len(new_elements)
+            and new_elements[position] not in in_old
+            and (longer or position < last_kept)
+        )
     ]
-    branch = shared >= _FIRST_MESSAGE and len(later) == len(elements) - shared - 1
-    if branch and elements[shared] not in seen:
-        later.insert(0, shared)
-    return [new.messages[first + position] for position in later]
 
 
 def shared_prefix_len(old: Fingerprint, new: Fingerprint) -> int:

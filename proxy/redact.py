@@ -34,7 +34,7 @@ _SECRET = re.compile(
     r")"
     # a URL's user:password (its scheme and host kept), to the last "@" before the host (a
     # password written with a raw "@" in it)
-    r"|(?<=://)[^\s/:@\"']*:[^\s/\"']+(?=@[^\s/@\"']+)"
+    r"|(?<=://)[^\s/:@\"']*:[^\s/?#\"']+(?=@[^\s/?#@\"']+)"
     # a private key's PEM block, whole or cut off (its armour lines kept): base64 and the
     # encrypted form's header lines only, so a parser's source that names the armour is no block
     # (a body's dashes never run to five: scanning stops at the next armour line, so text with
@@ -124,9 +124,12 @@ _LITERAL = (
     r"(?=[^\s\"'`\\]{0,512}[A-Za-z])([^\s\"'`$(){}\[\]<>,;\\][^\s\"'`(){}\[\]<>,;\\]{5,}+)"
     r"(?![^\s,;\\\"])"
 )
-# (a part of 17 characters or more with a digit in it is no name: a token's, a JWT's or a
-# SendGrid key's dotted parts)
-_CODE_PART = r"(?:[A-Za-z_][A-Za-z0-9_]{0,15}|[A-Za-z_][A-Za-z_]{16,64})(?![A-Za-z0-9_])"
+# (a part of 17 characters or more with a digit in it and no underscore is no name: a token's,
+# a JWT's or a SendGrid key's dotted parts; ``database_password_v2`` is one)
+_CODE_PART = (
+    r"(?:[A-Za-z_][A-Za-z0-9_]{0,15}|[A-Za-z_][A-Za-z_]{16,64}"
+    r"|(?=[A-Za-z0-9_]{0,64}_)[A-Za-z_][A-Za-z0-9_]{16,64})(?![A-Za-z0-9_])"
+)
 _NOT_CODE = r"(?!" + _CODE_PART + r"(?:\." + _CODE_PART + r"){1,8}(?![^\s,;\\\"]))"
 # Where code is as likely as a setting (INI, YAML: ``token: TokenType``, ``self.password =
 # password``), an unquoted value must hold a digit or be 20 characters or more.

@@ -7,6 +7,7 @@ reads), with the rule of issue 6: ``expected = min(previous prompt, this prompt)
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,6 @@ from typing import Any
 import openai
 import pytest
 
-from proxy.compaction import estimate_tokens
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
 from proxy.simulator.reply import parse_script
 from tests.e2e_support import (
@@ -70,22 +70,17 @@ def cache_read(usage: dict[str, Any]) -> int:
     )
 
 
-def expected_read(prev: dict[str, Any], this: dict[str, Any], unsent: int = 0) -> int:
-    """What cachegate expects read: what the previous request sent, of what this one holds
-    (``unsent``: estimated tokens of this one the previous did not send, after a rewrite)."""
-    return min(prev["prompt_tokens"], this["prompt_tokens"] - unsent)
+def expected_read(prev: dict[str, Any], this: dict[str, Any], dropped: int = 0) -> int:
+    """What cachegate expects read: what the previous request sent, less what this one no
+    longer holds (``dropped``, estimated, after a rewrite), of this one's prompt."""
+    return min(prev["prompt_tokens"] - dropped, this["prompt_tokens"])
 
 
-def expected_waste(prev: dict[str, Any] | None, this: dict[str, Any], unsent: int = 0) -> int:
+def expected_waste(prev: dict[str, Any] | None, this: dict[str, Any]) -> int:
     if prev is None:
         return 0
-    shortfall = expected_read(prev, this, unsent) - cache_read(this)
+    shortfall = expected_read(prev, this) - cache_read(this)
     return shortfall if shortfall > NOISE_FLOOR else 0
-
-
-def appended(prev: dict[str, Any], this: dict[str, Any]) -> int:
-    """The estimated tokens of the messages ``this`` body appended to ``prev``'s."""
-    return estimate_tokens(this["messages"][len(prev["messages"]) :])
 
 
 def hand_cost(usage: dict[str, Any], prices: dict[str, float]) -> tuple[float, float]:
@@ -178,13 +173,7 @@ def test_reference_scenario_waste_cause_location_and_cost(
     usages = [r.usage for r in sim.sim.requests]
     assert len(usages) == 6 and all(u is not None for u in usages)
     assert all(u["prompt_tokens"] > NOISE_FLOOR for u in usages)
-    # After the rewrites of rounds 5 and 6, what they appended was never sent: not expected.
-    bodies = [r.body for r in sim.sim.requests]
-    unsent = [0, 0, 0, 0, appended(bodies[3], bodies[4]), appended(bodies[4], bodies[5])]
-    waste = [
-        expected_waste(prev, this, new)
-        for prev, this, new in zip([None, *usages[:-1]], usages, unsent, strict=True)
-    ]
+    waste = [expected_waste(prev, this) for prev, this in itertools.pairwise([None, *usages])]
     # The scenario is what it claims to be: only rounds 3, 5 and 6 miss, and by more than noise.
     assert waste[0] == waste[1] == waste[3] == 0
     assert cache_read(usages[2]) == 0 and waste[2] == usages[1]["prompt_tokens"]
@@ -198,7 +187,7 @@ def test_reference_scenario_waste_cause_location_and_cost(
         assert c["read"] == cache_read(u), i
         assert c["waste"] == waste[i], i
         if i:
-            assert c["expected"] == expected_read(usages[i - 1], u, unsent[i]), i
+            assert c["expected"] == expected_read(usages[i - 1], u), i
     assert caches[0]["expected"] == 0
     assert [(c["cause"], c["location"]) for c in caches] == [
         (None, None),
@@ -324,10 +313,8 @@ def test_a_sub_agent_and_a_title_request_in_the_session_neither_waste_nor_hide_w
     assert caches[3]["read"] == cache_read(usages[3]) > NOISE_FLOOR
     assert caches[3]["expected"] == min(usages[1]["prompt_tokens"], usages[3]["prompt_tokens"])
     assert caches[3]["waste"] == 0
-    # The rewrite after the title request: the main agent's turn 4 is its baseline (what it
-    # appended since was never sent).
-    bodies = [r.body for r in sim.sim.requests]
-    expected = expected_read(usages[3], usages[5], appended(bodies[3], bodies[5]))
+    # The rewrite after the title request: the main agent's turn 4 is its baseline.
+    expected = expected_read(usages[3], usages[5])
     assert caches[5]["expected"] == expected
     assert caches[5]["waste"] == expected - cache_read(usages[5]) > NOISE_FLOOR
     assert (caches[5]["cause"], caches[5]["location"]) == ("prefix_rewrite", "system")
@@ -594,8 +581,7 @@ def test_a_title_request_on_the_main_model_neither_wastes_nor_takes_the_main_age
     caches = [r["cache"] for r in responses]
     assert caches[2]["expected"] == caches[2]["waste"] == 0
     assert "divergence" not in responses[2]
-    bodies = [r.body for r in sim.sim.requests]
-    expected = expected_read(usages[1], usages[3], appended(bodies[1], bodies[3]))
+    expected = expected_read(usages[1], usages[3])
     assert caches[3]["expected"] == expected > NOISE_FLOOR
     assert caches[3]["waste"] == expected - cache_read(usages[3]) > NOISE_FLOOR
     assert (caches[3]["cause"], caches[3]["location"]) == ("prefix_rewrite", "system")
@@ -994,8 +980,7 @@ def test_claudes_one_hour_breakpoints_keep_the_prefix_for_an_hour_and_cost_twice
     chat(client, marked(convo), model="claude-sonnet-4-5", stream=False)
     flush(proxy)
     first, second = events(proxy.log_dir, f"ttl-{ttl}", "response")
-    unsent = estimate_tokens(marked(convo)[2:])  # the turn appended: never sent before
-    assert (second["cache"]["waste"], second["cache"]["cause"]) == (6000 - unsent, cause)
+    assert (second["cache"]["waste"], second["cache"]["cause"]) == (6000, cause)
     written_for_an_hour = 6000 * 2 * 3.00  # the usage says so, whatever the mark
     assert first["cost"]["actual"] == pytest.approx((written_for_an_hour + 5 * 15.00) / 1e6)
 

@@ -366,16 +366,15 @@ def _system(text: str) -> Message:
 def test_a_history_trimmed_at_its_start_is_still_its_conversation() -> None:
     """Agents drop their oldest turns when the window fills: the messages move up, and a
     comparison by position took the request for another conversation and hid a 9,000-token
-    miss."""
+    miss. What was trimmed could not be read: its share of the previous prompt is not
+    expected."""
     acc = _Accounting()
     history = [_system("agent"), *msgs("one", "a1", "two", "a2", "three", "a3", "four")]
     acc.send(history, 9000, 0)
-    appended = msgs("a4", "five")
-    trimmed = [history[0], *history[3:], *appended]
+    trimmed = [history[0], *history[3:], *msgs("a4", "five")]
     ex = acc.send(trimmed, 9000, 0)
     assert ex.cache is not None and ex.divergence is not None
-    # (what it appended was never sent: no part of what it could have read)
-    expected = 9000 - estimate_tokens(appended)
+    expected = 9000 - 9000 * estimate_tokens(history[1:3]) // estimate_tokens(history)
     assert (ex.cache["expected"], ex.cache["waste"], ex.cache["cause"]) == (
         expected,
         expected,
@@ -383,24 +382,28 @@ def test_a_history_trimmed_at_its_start_is_still_its_conversation() -> None:
     )
 
 
-def test_a_rewind_or_an_edited_last_message_wastes_only_what_was_sent_before() -> None:
-    """The client goes back two turns and asks something else: its new message was never sent,
-    so it could not have been read (it was charged as waste, at the place it replaced); what
-    follows an edit that the previous request sent is still the edit's cost."""
+def test_a_rewind_wastes_only_what_the_branch_still_holds_an_edit_all_it_holds() -> None:
+    """The client goes back two turns and asks something else: the turns it abandoned were
+    charged as waste. An edit in place, followed by what the previous request sent, still
+    costs all after it; so does a timestamp put in every message."""
     acc = _Accounting()
     history = [_system("agent"), *msgs("one", "a1", "two", "a2", "three")]
     acc.send(history, 9000, 0)
-    branch = [*history[:3], *msgs("something else entirely " * 200)]
-    ex = acc.send(branch, 6000, 0)
+    branch = [*history[:3], *msgs("something else entirely " * 20)]
+    ex = acc.send(branch, 9000, 0)
     assert ex.cache is not None and ex.divergence is not None
-    assert ex.cache["expected"] == 6000 - estimate_tokens(branch[3:])
-    # an edit in place, followed by what the previous request sent: the rest is its cost
-    acc = _Accounting()
-    acc.send(history, 9000, 0)
-    edited = [*history[:2], *msgs("a1, edited"), *history[3:]]
-    ex = acc.send(edited, 9000, 0)
-    assert ex.cache is not None
-    assert (ex.cache["expected"], ex.cache["waste"]) == (9000, 9000)
+    assert ex.cache["expected"] == 9000 - 9000 * estimate_tokens(history[3:]) // estimate_tokens(
+        history
+    )
+    for edited in (
+        [*history[:2], *msgs("a1, edited"), *history[3:]],
+        [history[0], *msgs("[1 min ago] one", "a1", "[1 min ago] two", "a2", "[0 min ago] three")],
+    ):
+        acc = _Accounting()
+        acc.send(history, 9000, 0)
+        ex = acc.send([*edited, *msgs("a3", "four")], 9100, 0)
+        assert ex.cache is not None
+        assert (ex.cache["expected"], ex.cache["waste"]) == (9000, 9000)
 
 
 def test_a_rewrite_is_compared_with_its_own_conversation_not_the_latest_of_equals() -> None:
@@ -434,6 +437,24 @@ def test_a_fan_out_of_one_shot_sub_agents_does_not_evict_the_main_agents_convers
     ex = acc.send(rewritten, 10_100, 0)
     assert ex.divergence is not None and ex.divergence["location"] == "system"
     assert ex.cache is not None and (ex.cache["expected"], ex.cache["waste"]) == (10_100, 10_100)
+
+
+def test_the_live_branch_after_a_rewind_is_not_forgotten_as_a_one_shot() -> None:
+    """After a rewind the new branch is the live one: seen once, it was forgotten first when
+    sub-agents fanned out, and its next turn read as a rewrite of the abandoned branch."""
+    acc = _Accounting()
+    main = [_system("main agent"), *msgs("fix the bug")]
+    for turn in range(3):
+        acc.send(main, 10_000 + 100 * turn, 0)
+        main = [*main, *msgs(f"reply {turn}", f"go on {turn}")]
+    branch = [*main[:3], *msgs("Actually, a different question.")]
+    acc.send(branch, 10_000, 0)
+    jobs = ["search", "parse", "review", "deploy", "document", "profile", "refactor"]
+    for job in jobs:
+        acc.send([_system(f"You {job} the code."), *msgs(f"Please {job} it.")], 3_000, 0)
+    ex = acc.send([*branch, *msgs("reply", "and then?")], 10_200, 10_000)
+    assert ex.divergence is None
+    assert ex.cache is not None and ex.cache["waste"] == 0
 
 
 def test_eight_interleaved_conversations_are_each_compared_with_their_own() -> None:

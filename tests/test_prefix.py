@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from proxy.prefix import (
     Divergence,
     canonical_message,
+    dropped_elements,
     find_divergence,
     fingerprint,
     has_cache_marker,
@@ -756,3 +757,27 @@ def test_the_marked_share_is_the_prompt_up_to_the_last_breakpoint() -> None:
     assert marked_share({"cache_control": mark, "messages": [long]}) == 1.0
     tool_share = marked_share({"tools": [{**TOOLS[0], "cache_control": mark}], "messages": [long]})
     assert tool_share is not None and 0 < tool_share < 1
+
+
+def test_what_a_request_dropped_of_the_previous_one() -> None:
+    """A trimmed start and a rewind's abandoned turns are dropped; an edit in place (ids made
+    anew each request, a timestamp in each message) is not, nor a rewritten system prompt."""
+
+    def say(role: str, text: str) -> dict[str, Any]:
+        return {"role": role, "content": text}
+
+    system = say("system", "You are an agent.")
+    turns = [say("user" if i % 2 == 0 else "assistant", f"turn {i}") for i in range(6)]
+    old = {"model": "m", "messages": [system, *turns]}
+
+    def dropped(messages: list[dict[str, Any]]) -> list[Any]:
+        new = {"model": "m", "messages": messages}
+        return dropped_elements(fingerprint(old), fingerprint(new))
+
+    assert dropped([system, *turns[2:], say("user", "more")]) == turns[:2]  # trimmed
+    assert dropped([system, *turns[:3], say("user", "instead")]) == turns[3:]  # a rewind
+    assert dropped([system, *turns[:5], say("user", "edited last")]) == [turns[5]]  # a branch
+    renamed = [say(t["role"], t["content"] + " (id 2)") for t in turns]
+    assert dropped([system, *renamed, say("user", "next")]) == []  # each edited in place
+    assert dropped([say("system", "Now 12:00. You are an agent."), *turns]) == []
+    assert dropped([system, *turns, say("user", "next")]) == []  # no difference at all

@@ -88,6 +88,12 @@ SENDGRID = "SG.ngeVfQFYQlKU0ufo8x5d1A.TwL2iGABf9DHoTf09kqeF8tAmbihYzrnopKc1s5cr"
         (f"token: {JWT}", "token: [REDACTED]"),
         (f"--api-key {SENDGRID}", "--api-key [REDACTED]"),
         ("api_key = settings.OPENAI_API_KEY", "api_key = settings.OPENAI_API_KEY"),  # code
+        # long names with digits are code too when they are words joined by underscores
+        ("password = settings.database_password_v2", "password = settings.database_password_v2"),
+        ("token = tokens.special_tokens_map_v2.eos", "token = tokens.special_tokens_map_v2.eos"),
+        # the host stays when a "?" or "#" after it holds an "@"
+        ("https://user:pw@host?x=a@b", "https://[REDACTED]@host?x=a@b"),
+        ("https://user:pw@host#frag@x", "https://[REDACTED]@host#frag@x"),
     ],
 )
 def test_named_secrets_and_url_passwords_lose_only_the_secret(text: str, redacted: str) -> None:
