@@ -55,7 +55,9 @@ class ReceivedRequest:
         }
 
 
-_KEY_HEADERS = frozenset({"authorization", "api-key", "x-api-key", "x-goog-api-key"})
+_KEY_HEADERS = frozenset(
+    {"authorization", "proxy-authorization", "api-key", "x-api-key", "x-goog-api-key", "cookie"}
+)
 
 
 def _masked(value: str) -> str:
