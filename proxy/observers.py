@@ -399,10 +399,10 @@ class AccountingObserver:
     ) -> Callable[[], bool] | None:
         """For a provider that reports Anthropic's cache fields (Claude, which caches only marked
         prefixes): whether this request asked nothing of the cache, looked at when the answer is
-        a waste (its cause is then ``not_requested``), or marked only a prefix it read whole.
-        Once an unmarked request of the session
-        has read or written the cache, the provider (or a gateway marking for the client: LiteLLM,
-        Bifrost) caches without marks, and its misses get their usual causes."""
+        a waste (its cause is then ``not_requested``), or marked only a prefix it read whole, or
+        one under the model's minimum. Once an unmarked request of the session has read or
+        written the cache, the provider (or a gateway marking for the client: LiteLLM, Bifrost)
+        caches without marks, and its misses get their usual causes."""
         if extra.get("caches_unmarked"):
             return None
         if usage.cache_read or usage.cache_write:
