@@ -69,14 +69,19 @@ class _Baseline:
         self.turns = 1
 
 
-def _prune(baselines: list[_Baseline]) -> None:
+def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
     """Keep ``CONVERSATIONS_KEPT`` baselines: past them, the least recently seen one-shot
-    conversation goes first (a sub-agent or a title request, seen once), else the least recently
-    seen. A fan-out of one-shot sub-agents evicted the main agent's own, whose next turn then
-    read as a new conversation, its miss unreported."""
+    conversation goes first (a sub-agent or a title request, seen once), but never the session's
+    first (``opening``: the main agent's, which may fan out sub-agents from its first turn),
+    else the least recently seen. A fan-out of one-shot sub-agents evicted the main agent's own,
+    whose next turn then read as a new conversation, its miss unreported."""
     while len(baselines) > CONVERSATIONS_KEPT:
         victim = next(
-            (at for at in range(len(baselines) - 1, 0, -1) if baselines[at].turns == 1),
+            (
+                at
+                for at in range(len(baselines) - 1, 0, -1)
+                if baselines[at].turns == 1 and baselines[at] is not opening
+            ),
             len(baselines) - 1,
         )
         del baselines[victim]
@@ -92,7 +97,8 @@ def _dropped_tokens(old: prefix.Fingerprint, new: prefix.Fingerprint, prompt: in
     whole = compaction.estimate_tokens(list(old.messages))
     if old.tools:
         whole += compaction.estimate_tokens(old.tools)
-    return prompt * compaction.estimate_tokens(dropped) // max(whole, 1)
+    gone = sum(compaction.estimate_tokens([message]) * share for message, share in dropped)
+    return int(prompt * gone) // max(whole, 1)
 
 
 def _to_front(baselines: list[_Baseline], baseline: _Baseline) -> None:
@@ -328,8 +334,10 @@ class AccountingObserver:
                 started = _Baseline(fp, body, prompt, model, ready_at)
                 if continues and chosen is not None:
                     started.turns = chosen.turns + 1
+                if not baselines and "opening" not in extra:
+                    extra["opening"] = started  # the session's first conversation
                 baselines.insert(0, started)
-            _prune(baselines)
+            _prune(baselines, extra.get("opening"))
             extra["baselines"] = baselines
         if usage is None or ex.status >= 400:
             if usage is None and (ex.status < 400 or ex.status == CLIENT_CLOSED):

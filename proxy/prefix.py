@@ -535,15 +535,18 @@ def same_conversation(old: Fingerprint, new: Fingerprint) -> bool:
     return any(digest in held for digest in new_messages)
 
 
-def dropped_elements(old: Fingerprint, new: Fingerprint) -> list[Any]:
-    """What ``old`` sent, past its first difference from ``new``, that ``new`` no longer holds:
-    its messages found nowhere in ``new`` and not edited in place (a trimmed start, a rewind's
-    abandoned turns). A message of ``old`` counts as edited in place, so still held, where
-    ``new`` has a message at its position that ``old`` never sent and ``new`` goes on past it
-    (a message ``old`` sent follows, or ``new`` is the longer: a timestamp in every message, tool
-    call ids made anew each request), not where ``new`` ends there (a rewind to that message
-    with another question, an edited last message: a branch). The system block, tools and
-    parameters are at fixed places: a changed one is edited, never dropped."""
+def dropped_elements(old: Fingerprint, new: Fingerprint) -> list[tuple[Any, float]]:
+    """What ``old`` sent, past its first difference from ``new``, that ``new`` no longer holds,
+    as ``(message, share)``: its messages found nowhere in ``new`` (a trimmed start, a rewind's
+    abandoned turns) whole, and those edited in place for the share of them that changed. A
+    message of ``old`` is edited in place where ``new`` has, at its position, a message ``old``
+    never sent and ``new`` goes on past it (a message ``old`` sent follows, or ``new`` is the
+    longer: a timestamp in every message, tool call ids made anew each request), not where
+    ``new`` ends there (a rewind to that message, an edited last message: a branch). The share
+    kept of an edited message is the start and end its compact JSON shares with its new
+    version (a timestamp put in keeps nearly all; a tool output cut to "[trimmed]", or another
+    message in its place, nearly none). The system block, tools and parameters are at fixed
+    places: a changed one is edited, never dropped."""
     shared = shared_links(old, new)
     old_elements, new_elements = old.element_digests, new.element_digests
     if shared >= len(old_elements):
@@ -554,17 +557,47 @@ def dropped_elements(old: Fingerprint, new: Fingerprint) -> list[Any]:
     kept = [p for p in range(first, len(old_elements)) if old_elements[p] in in_new]
     last_kept = kept[-1] if kept else -1
     longer = len(new_elements) > len(old_elements)
-    offset = old.system_count - _FIRST_MESSAGE
-    return [
-        old.messages[offset + position]
-        for position in range(first, len(old_elements))
-        if old_elements[position] not in in_new
-        and not (
+    old_offset = old.system_count - _FIRST_MESSAGE
+    new_offset = new.system_count - _FIRST_MESSAGE
+    dropped: list[tuple[Any, float]] = []
+    for position in range(first, len(old_elements)):
+        if old_elements[position] in in_new:
+            continue
+        message = old.messages[old_offset + position]
+        share = 1.0
+        if (
             position < len(new_elements)
             and new_elements[position] not in in_old
             and (longer or position < last_kept)
-        )
-    ]
+        ):
+            share = 1.0 - _kept_share(message, new.messages[new_offset + position])
+        if share > 0:
+            dropped.append((message, share))
+    return dropped
+
+
+def _kept_share(old: Any, new: Any) -> float:
+    """The share of ``old``'s compact JSON that ``new`` keeps as its start and its end."""
+    a, b = canonical_json(canonical_message(old)), canonical_json(canonical_message(new))
+    if not a:
+        return 1.0
+    most = min(len(a), len(b))
+    head = _common_run(most, lambda n: a[:n] == b[:n])
+    tail = _common_run(most - head, lambda n: a[len(a) - n :] == b[len(b) - n :])
+    return (head + tail) / len(a)
+
+
+def _common_run(most: int, same: Callable[[int], bool]) -> int:
+    """The longest ``n`` up to ``most`` for which ``same(n)`` holds (a binary search of slice
+    comparisons, at C speed, where a loop over the bytes would not be)."""
+    lo, hi = 0, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if same(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def shared_prefix_len(old: Fingerprint, new: Fingerprint) -> int:

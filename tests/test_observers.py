@@ -396,7 +396,7 @@ def test_a_rewind_wastes_only_what_the_branch_still_holds_an_edit_all_it_holds()
         history
     )
     for edited in (
-        [*history[:2], *msgs("a1, edited"), *history[3:]],
+        [*history[:2], {"role": "assistant", "content": "a1, edited"}, *history[3:]],
         [history[0], *msgs("[1 min ago] one", "a1", "[1 min ago] two", "a2", "[0 min ago] three")],
     ):
         acc = _Accounting()
@@ -455,6 +455,60 @@ def test_the_live_branch_after_a_rewind_is_not_forgotten_as_a_one_shot() -> None
     ex = acc.send([*branch, *msgs("reply", "and then?")], 10_200, 10_000)
     assert ex.divergence is None
     assert ex.cache is not None and ex.cache["waste"] == 0
+
+
+def test_real_shapes_of_rewrites_are_charged_only_for_what_was_sent_and_is_still_held() -> None:
+    """Prompt counts as the estimate gives them (a tokenizer of 4 bytes a token): a sub-agent
+    forked once from the main history, then the main agent going on, was charged the
+    sub-agent's task; a rewind to several new messages all the turns it abandoned; a tool
+    output cut to a stub, with a new one appended, the new one."""
+
+    def tokens(messages: list[Message]) -> int:
+        return estimate_tokens(messages)
+
+    def big(fill: str) -> str:
+        return fill * 8000
+
+    main = [_system("main agent"), *msgs("fix the bug", "looking " + big("a"), "go on " + big("b"))]
+    # a one-shot sub-agent forked from the main history, then the main agent goes on
+    acc = _Accounting()
+    acc.send(main, tokens(main), 0)
+    fork = [*main, *msgs("SUB-AGENT TASK " + big("c"))]
+    acc.send(fork, tokens(fork), tokens(main))
+    went_on = [*main, {"role": "assistant", "content": "ran it"}, *msgs("result " + big("d"))]
+    ex = acc.send(went_on, tokens(went_on), tokens(main))
+    assert ex.cache is not None and ex.cache["waste"] == 0
+    assert abs(ex.cache["expected"] - tokens(main)) < 50
+    # a rewind to after the first answer, with more new messages than it abandons
+    acc = _Accounting()
+    acc.send(main, tokens(main), 0)
+    rewound = [*main[:3], *msgs("file 1 " + big("e"), "noted", "file 2 " + big("f"), "ok", "and?")]
+    ex = acc.send(rewound, tokens(rewound), tokens(main[:3]))
+    assert ex.cache is not None and ex.cache["waste"] == 0
+    assert abs(ex.cache["expected"] - tokens(main[:3])) < 50
+    # an old tool output cut to a stub, a new one appended: the new one was never sent
+    acc = _Accounting()
+    acc.send(main, tokens(main), 0)
+    stubbed = [*main[:2], {"role": "assistant", "content": "[output trimmed]"}, main[3]]
+    stubbed += msgs("reply", "new output " + big("g"))[1:]
+    ex = acc.send(stubbed, tokens(stubbed), 0)
+    assert ex.cache is not None
+    assert abs(ex.cache["expected"] - tokens([*main[:2], main[3]])) < 50
+
+
+def test_sub_agents_fanned_out_from_the_first_turn_do_not_evict_the_main_agent() -> None:
+    """Eight sub-agents spawned from the main agent's first turn: its conversation, seen once
+    too, was the least recently seen one-shot, forgotten first; its rewrite went unreported."""
+    acc = _Accounting()
+    main = [_system("main agent"), *msgs("explore the repo")]
+    acc.send(main, 10_000, 0)
+    jobs = ["search", "parse", "review", "deploy", "document", "profile", "refactor", "triage"]
+    for job in jobs:
+        acc.send([_system(f"You {job} the code."), *msgs(f"Please {job} it.")], 3_000, 0)
+    rewritten = [_system("main agent\nCurrent time: 2026-12-02T10:00:00Z"), *main[1:]]
+    ex = acc.send([*rewritten, *msgs("found", "go on")], 10_100, 0)
+    assert ex.divergence is not None and ex.divergence["location"] == "system"
+    assert ex.cache is not None and ex.cache["waste"] == 10_000
 
 
 def test_eight_interleaved_conversations_are_each_compared_with_their_own() -> None:

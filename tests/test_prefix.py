@@ -760,24 +760,41 @@ def test_the_marked_share_is_the_prompt_up_to_the_last_breakpoint() -> None:
 
 
 def test_what_a_request_dropped_of_the_previous_one() -> None:
-    """A trimmed start and a rewind's abandoned turns are dropped; an edit in place (ids made
-    anew each request, a timestamp in each message) is not, nor a rewritten system prompt."""
+    """A trimmed start and a rewind's abandoned turns are dropped whole; a message edited in
+    place (ids made anew each request, a timestamp in each message) only for what changed of
+    it, a tool output cut to a stub for nearly all of it; a rewritten system prompt never."""
 
     def say(role: str, text: str) -> dict[str, Any]:
         return {"role": role, "content": text}
 
     system = say("system", "You are an agent.")
-    turns = [say("user" if i % 2 == 0 else "assistant", f"turn {i}") for i in range(6)]
+    turns = [say("user" if i % 2 == 0 else "assistant", f"turn {i} " + "x" * 400) for i in range(6)]
     old = {"model": "m", "messages": [system, *turns]}
 
-    def dropped(messages: list[dict[str, Any]]) -> list[Any]:
+    def dropped(messages: list[dict[str, Any]]) -> list[tuple[Any, float]]:
         new = {"model": "m", "messages": messages}
         return dropped_elements(fingerprint(old), fingerprint(new))
 
-    assert dropped([system, *turns[2:], say("user", "more")]) == turns[:2]  # trimmed
-    assert dropped([system, *turns[:3], say("user", "instead")]) == turns[3:]  # a rewind
-    assert dropped([system, *turns[:5], say("user", "edited last")]) == [turns[5]]  # a branch
-    renamed = [say(t["role"], t["content"] + " (id 2)") for t in turns]
-    assert dropped([system, *renamed, say("user", "next")]) == []  # each edited in place
+    def whole(messages: list[dict[str, Any]]) -> list[tuple[Any, float]]:
+        return [(m, 1.0) for m in messages]
+
+    assert dropped([system, *turns[2:], say("user", "more")]) == whole(turns[:2])  # trimmed
+    assert dropped([system, *turns[:3], say("user", "instead")]) == whole(turns[3:])  # rewind
+    assert dropped([system, *turns[:5], say("user", "edited last")]) == whole([turns[5]])
+    stamped = [say(t["role"], "[10:02] " + t["content"]) for t in turns]
+    assert dropped([system, *stamped, say("user", "next")]) == []  # each edited in place
+    restamped = [say(t["role"], "[10:03] " + t["content"]) for t in turns]
+    old_stamped = {"model": "m", "messages": [system, *stamped]}
+    shares = [
+        share
+        for _, share in dropped_elements(
+            fingerprint(old_stamped),
+            fingerprint({"model": "m", "messages": [system, *restamped, say("user", "next")]}),
+        )
+    ]
+    assert len(shares) == 6 and max(shares) < 0.01  # a character of each changed
+    stub = [*turns[:3], say("assistant", "[output trimmed]"), *turns[4:], say("user", "next")]
+    [(cut, share)] = dropped([system, *stub])
+    assert cut == turns[3] and share > 0.9  # only its JSON's frame is left of it
     assert dropped([say("system", "Now 12:00. You are an agent."), *turns]) == []
     assert dropped([system, *turns, say("user", "next")]) == []  # no difference at all
