@@ -577,8 +577,22 @@ def dropped_elements(old: Fingerprint, new: Fingerprint) -> list[tuple[Any, floa
 
 
 def _kept_share(old: Any, new: Any) -> float:
-    """The share of ``old``'s compact JSON that ``new`` keeps as its start and its end."""
-    a, b = canonical_json(canonical_message(old)), canonical_json(canonical_message(new))
+    """The share of ``old``'s compact JSON that ``new`` keeps as its start and its end (of
+    their text when both are plain text messages of one role: nothing to serialize)."""
+    a: str | bytes
+    b: str | bytes
+    if (
+        isinstance(old, dict)
+        and isinstance(new, dict)
+        and type(old.get("content")) is str
+        and type(new.get("content")) is str
+        and old.keys() == new.keys()
+        and old.get("role") == new.get("role")
+        and all(old[k] == new[k] for k in old if k != "content")
+    ):
+        a, b = old["content"], new["content"]
+    else:
+        a, b = canonical_json(canonical_message(old)), canonical_json(canonical_message(new))
     if not a:
         return 1.0
     most = min(len(a), len(b))
