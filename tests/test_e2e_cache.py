@@ -1,8 +1,9 @@
 """Prompt-cache accounting end to end: the openai SDK → cachegate → the simulator's prefix cache.
 
 Waste figures are derived from what the simulator itself reported (its ``prompt_tokens`` and cache
-reads), with the rule of issue 6: ``expected = min(previous prompt, this prompt)``,
-``waste = expected - cache_read`` when above the 1024-token noise floor.
+reads), with the rule of issue 6: ``expected = min(previous prompt, this prompt)`` (less, after a
+rewrite, what the previous request sent that this one no longer holds, as cachegate estimates
+it), ``waste = expected - cache_read`` when above the 1024-token noise floor.
 """
 
 from __future__ import annotations
