@@ -27,6 +27,7 @@ from proxy.sessions import CONVERSATIONS_KEPT, SessionState, SessionStore
 from proxy.usage import Usage
 
 _MAX_MODEL_TERMS = 256
+_UNPRICED_SAID = 64  # model names said on stderr to have no prices, at most
 # The shortest prefix Claude caches (Sonnet, Opus 4 and 4.1; a model's ``cache_min_tokens`` may
 # say more): a marked prefix shorter than this is not cached, and nothing is read or written.
 CLAUDE_MIN_CACHED: Final = 1024
@@ -228,6 +229,27 @@ class AccountingObserver:
         self.secrets = known_secrets(secrets)
         # Per model name: (configured entry's name, cache TTL, pricing); looked up once.
         self._terms: dict[str | None, _Terms] = {}
+        # Model names said on stderr to have no prices, once each (the terms above are
+        # forgotten when full: a client cycling through names made a line each time)
+        self._unpriced_said: set[str] = set()
+
+    def _first_unpriced(self, model_name: str | None, pricing: ModelPricing) -> bool:
+        """Whether to say that ``model_name`` has no prices: the first time for each name, for
+        the first ``_UNPRICED_SAID`` names; past them one line says there are more."""
+        if not model_name or pricing.price_input or pricing.price_output:
+            return False
+        said = self._unpriced_said
+        if model_name in said or len(said) > _UNPRICED_SAID:
+            return False
+        said.add(model_name)
+        if len(said) > _UNPRICED_SAID:
+            log.info(
+                "more than %d models have no prices: not each said here (cachegate sessions cost"
+                " names those of a session)",
+                _UNPRICED_SAID,
+            )
+            return False
+        return True
 
     def _model_terms(self, model_name: str | None) -> _Terms:
         """The accounting terms of ``model_name``'s configured entry (``_Terms``)."""
@@ -243,8 +265,8 @@ class AccountingObserver:
             )
             if len(self._terms) >= _MAX_MODEL_TERMS:  # model names come from clients: bounded
                 self._terms.clear()
-            if model_name and not (pricing.price_input or pricing.price_output):
-                shown = redact_text(model_name)  # a client's text, on stderr: as in the log
+            if self._first_unpriced(model_name, pricing):
+                shown = redact_text(model_name or "")  # a client's text, on stderr: as in the log
                 for secret in self.secrets:
                     shown = shown.replace(secret, "[REDACTED]")
                 # the table to add them to: the configured entry the name matched (a new table

@@ -241,6 +241,32 @@ def test_a_model_without_prices_is_said_once_not_silently_costed_at_zero(
     ]
 
 
+def test_models_without_prices_are_said_once_each_and_not_without_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client cycling through 300 model names: a line for each, again for each once the
+    terms cache (256 names) was full."""
+    from prometheus_client import CollectorRegistry
+
+    from proxy.observers import _UNPRICED_SAID
+
+    store = MemorySessionStore()
+    store.create("s1", 0.0)
+    accounting = AccountingObserver(
+        settings_from_mapping({}), store, Metrics(CollectorRegistry(), ())
+    )
+    with caplog.at_level(logging.INFO, logger="proxy.observers"):
+        for i, model in enumerate([f"local-{n}" for n in range(300)] * 2):
+            ex = exchange(i + 1, msgs(f"task {i}"))
+            ex.model = model
+            ex.usage, ex.status = Usage(5000, 10, 0, 0, True), 200
+            accounting.on_response(ex)
+    said = [r.getMessage() for r in caplog.records if "no prices" in r.getMessage()]
+    assert len(said) == _UNPRICED_SAID + 1
+    assert len({line.split("'")[1] for line in said[:-1]}) == _UNPRICED_SAID
+    assert said[-1].startswith(f"more than {_UNPRICED_SAID} models have no prices")
+
+
 def test_a_key_sent_as_a_model_name_is_not_shown_on_stderr(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
