@@ -314,9 +314,9 @@ class MemorySessionStore:
     def weigh(self, state: SessionState, request_bytes: int, messages: int = 0) -> None:
         """Estimate what ``state`` holds now that its latest request had ``request_bytes`` and
         ``messages`` (by the largest of its last few: a small side request does not free the
-        history its agent turn left), and forget the least recently seen other sessions while all of them hold
-        more than ``max_bytes`` (the one being served is kept, however large; a request still
-        in flight keeps its own state, see ``Exchange.session``)."""
+        history its agent turn left), and forget the least recently seen other sessions while
+        all of them hold more than ``max_bytes`` (the one being served is kept, however large;
+        a request still in flight keeps its own state, see ``Exchange.session``)."""
         sizes = state.sizes
         sizes.append(
             max(BYTES_HELD_PER_BODY_BYTE * request_bytes, BYTES_HELD_PER_MESSAGE * messages)

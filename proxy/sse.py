@@ -159,12 +159,10 @@ class SSEDecoder:
         events = self._lines([b"".join(self._pending)]) if self._pending else []
         self._pending = []
         self._after_cr = False
-        sdk_events, self.sdk_events = self.sdk_events, False  # (the SDKs dispatch none at the end)
-        events += self._lines([b""])
-        self.sdk_events = sdk_events
+        events += self._lines([b""], at_end=True)  # (the SDKs dispatch nothing there)
         return events
 
-    def _lines(self, lines: list[bytes]) -> list[SSEEvent]:
+    def _lines(self, lines: list[bytes], at_end: bool = False) -> list[SSEEvent]:
         if self._at_start and lines:
             self._at_start = False
             if lines[0].startswith(_BOM):
@@ -181,8 +179,10 @@ class SSEDecoder:
                             self._block_retry,
                         )
                     )
-                elif self.sdk_events and (
-                    self._event or self._block_retry is not None or self.last_event_id
+                elif (
+                    self.sdk_events
+                    and not at_end
+                    and (self._event or self._block_retry is not None or self.last_event_id)
                 ):
                     events.append(SSEEvent(self._event, "", self.last_event_id, self._block_retry))
                 self._data = []

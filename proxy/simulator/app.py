@@ -40,6 +40,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.browser import BrowserGuard
+from proxy.relay import send_error
 from proxy.serving import ServerThread
 from proxy.simulator.config import FAULTS, STATUS_FAULTS, SimConfig
 from proxy.simulator.reply import Reply, completion_tokens, derive_reply, parse_script
@@ -507,18 +508,7 @@ class _BrowserGuarded:
             }
             refusal = self.guard.refusal(headers)
             if refusal is not None:
-                body = refusal.body()
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": refusal.status,
-                        "headers": [
-                            (b"content-type", b"application/json"),
-                            (b"content-length", b"%d" % len(body)),
-                        ],
-                    }
-                )
-                await send({"type": "http.response.body", "body": body})
+                await send_error(send, refusal)
                 return
         await self.app(scope, receive, send)
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.relay import CLIENT_KEY_HEADERS
 from proxy.simulator.cache import POLICIES, CacheResult, PrefixCache
 from proxy.simulator.config import SimConfig
 from proxy.simulator.reply import Reply
@@ -56,7 +57,7 @@ class ReceivedRequest:
 
 
 _KEY_HEADERS = frozenset(
-    {"authorization", "proxy-authorization", "api-key", "x-api-key", "x-goog-api-key", "cookie"}
+    {name.decode() for name in CLIENT_KEY_HEADERS} | {"proxy-authorization", "cookie"}
 )
 
 
