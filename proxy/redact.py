@@ -26,6 +26,10 @@ _SECRET = re.compile(
     r"|hf_[A-Za-z0-9]{30,}"  # Hugging Face tokens
     r"|gsk_[A-Za-z0-9]{40,}"  # Groq keys
     r"|xox[abprs]-[A-Za-z0-9-]{10,}"  # Slack tokens
+    r"|xapp-[0-9]-[A-Za-z0-9-]{10,}"  # Slack app-level tokens
+    r"|npm_[A-Za-z0-9]{36}"  # npm access tokens
+    # JSON Web Tokens: a JSON header and payload (base64url of '{"'), then a signature
+    r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{16,}"
     r"|(?P<bearer>[Bb]earer|BEARER)\s+[A-Za-z0-9._~+/=-]{12,}"  # Authorization: Bearer <token>
     r"|[sr]k_(?:live|test)_[A-Za-z0-9]{16,}"  # Stripe secret and restricted keys
     r"|AIza[0-9A-Za-z_-]{35,}"  # Google API keys
@@ -76,7 +80,7 @@ _NAME_WORDS: Final = ("passw", "secret", "token", "key", "_pass", "pwd")
 # ``_hash`` (``SECRET_KEY_BASE``, ``WEBHOOK_SECRET_V2``).
 _NAMED_KEY = (
     r"(?:api|auth|access|private|priv|secret|master|signing|encryption|client|app|service"
-    r"|license|deploy|ssh|anon)[_-]?keys?"
+    r"|license|deploy|ssh|anon|account)[_-]?keys?"
 )
 _NAME_END = r"(?:[_-]?(?:v\d+|base|id|hash))?\Z"
 _CREDENTIAL_NAME = re.compile(
@@ -399,7 +403,7 @@ def _redact_named(s: str, lowered: str) -> str:
 # cheap necessary condition. A substring test or a search for a pattern with a literal first
 # character runs at memory speed, where the full pattern's search tries every position. The GitHub
 # and AWS anchors are patterns because one search is cheaper than one substring test per prefix.
-_SECRET_LITERALS: Final = ("sk-", "xox", "PRIVATE KEY")
+_SECRET_LITERALS: Final = ("sk-", "xox", "xapp-", "npm_", "eyJ", "PRIVATE KEY")
 # Looked for in the lowered text: "Bearer" in any case, and the AWS secret's name.
 _LOWERED_LITERALS: Final = ("earer", "secret_access_key")
 # Patterns that start with one literal character, or a literal string: as fast as a substring
@@ -541,16 +545,35 @@ def redact(obj: Any) -> Any:
     return obj
 
 
+def _secret_field(key: str, value: str) -> bool:
+    """Whether an object's field ``key`` holds a credential as its whole string ``value``: a
+    field named as one of ``_SECRET_KEYS``, or named as a credential (``_is_credential``) with a
+    value as a JSON text's would be redacted (``"db_password": "…"`` in a request's
+    ``metadata``); a bare ``token`` or ``pwd`` only with a value that looks like a credential."""
+    if not value:
+        return False
+    if key.lower() in _SECRET_KEYS:
+        return True
+    if len(value) < 6 or _FIELD_VALUE.match(value) is None or not _is_credential(key):
+        return False
+    if key.lower() in _BARE_NAMES:  # (a logprob's "token": "Hello", a "pwd": "/srv/app")
+        return (
+            value[0] not in "/<.#"
+            and any(c.isdigit() for c in value)
+            and not any(c.isspace() for c in value)
+        )
+    return value != REDACTED
+
+
+# (as ``_JSON_VALUE`` takes a value: a letter or a digit in its first 512 characters)
+_FIELD_VALUE = re.compile(r"[^A-Za-z0-9]{0,511}[A-Za-z0-9]")
+
+
 def _redact_dict(obj: dict[Any, Any]) -> dict[Any, Any]:
     out: dict[Any, Any] | None = None
     for i, (key, value) in enumerate(obj.items()):
         new_key = redact_text(key) if isinstance(key, str) else key
-        if (
-            isinstance(key, str)
-            and isinstance(value, str)
-            and value
-            and key.lower() in _SECRET_KEYS
-        ):
+        if isinstance(key, str) and isinstance(value, str) and _secret_field(key, value):
             new_value: Any = REDACTED
         else:
             new_value = redact(value)

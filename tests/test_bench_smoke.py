@@ -108,7 +108,10 @@ def test_the_sustain_probe_times_every_stream(arm: str, capsys: pytest.CaptureFi
 
     out = sustain_probe.main(["--arm", arm, "--streams", "6", "--warm", ""])
     assert out["arm"] == arm and out["streams"] + out["failed"] == 6 and out["streams"] >= 1
-    assert 0 <= out["late"] <= 6 and out["direct_ttfb_p50_ms"] >= 100  # the mock's first token
+    # The mock's first token comes 100 ms after the request, by uvloop's timers: whole
+    # milliseconds, counted from the loop's clock as its iteration began, so up to a millisecond
+    # early (99.86 ms seen).
+    assert 0 <= out["late"] <= 6 and out["direct_ttfb_p50_ms"] >= 99
     assert len(out["ttfb_ms_by_tenth"]) == len(out["arrival_offset_ms_by_tenth"]) >= 1
-    assert all(t >= 100 for t in out["ttfb_ms_by_tenth"])
+    assert all(t >= 99 for t in out["ttfb_ms_by_tenth"])
     assert "streams late" in capsys.readouterr().out

@@ -26,7 +26,23 @@ GOOGLE_KEY = "AIzaSyA-AbCdEfGhIjKlMnOpQrStUvWxYz01234"
 GITLAB_TOKEN = "glpat-AbCdEfGhIjKlMnOpQrSt"
 HF_TOKEN = "hf_AbCdEfGhIjKlMnOpQrStUvWxYz01234567"
 GROQ_KEY = "gsk_" + "AbCdEfGhIjKlMnOpQrStUvWxYz0123456789AbCdEfGhIjKlMnOp"
-MORE_KEYS = [STRIPE_KEY, STRIPE_RESTRICTED, GOOGLE_KEY, GITLAB_TOKEN, HF_TOKEN, GROQ_KEY]
+NPM_TOKEN = "npm_" + "AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"
+SLACK_APP_TOKEN = "xapp-1-A012ABCDEF-1234567890123-0123456789abcdef0123456789abcdef"
+JWT = (
+    "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIiwibmFtZSI6IkpvaG4ifQ"
+    ".SflKxwRJSMeKKF2QT4fwpMeJf36POk6yJV_adQssw5c"
+)
+MORE_KEYS = [
+    STRIPE_KEY,
+    STRIPE_RESTRICTED,
+    GOOGLE_KEY,
+    GITLAB_TOKEN,
+    HF_TOKEN,
+    GROQ_KEY,
+    NPM_TOKEN,
+    SLACK_APP_TOKEN,
+    JWT,
+]
 AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
 
 
@@ -677,3 +693,47 @@ def test_an_image_or_file_in_base64_is_logged_as_it_is_and_costs_little() -> Non
     )
     short = "/AIzaSyA1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
     assert "[REDACTED]" in redact_text("QUJD" + short)
+
+
+@pytest.mark.parametrize(
+    ("text", "redacted"),
+    [
+        (  # an Azure Storage connection string
+            "DefaultEndpointsProtocol=https;AccountName=acme;"
+            "AccountKey=Zm9vYmFyYmF6cXV4cXV1eDEyMzQ1Njc4OTA+/abcdEFGH==;"
+            "EndpointSuffix=core.windows.net",
+            "DefaultEndpointsProtocol=https;AccountName=acme;"
+            f"AccountKey={REDACTED};EndpointSuffix=core.windows.net",
+        ),
+        (  # the Azure SDK's keyword
+            'generate_blob_sas(account_name="acme", account_key="Zm9vYmFy0123456789==")',
+            f'generate_blob_sas(account_name="acme", account_key="{REDACTED}")',
+        ),
+        (  # bare, pasted in a message
+            f"the service answered 401 for {JWT}, why?",
+            f"the service answered 401 for {REDACTED}, why?",
+        ),
+        (f"//registry.npmjs.org/ uses {NPM_TOKEN}", f"//registry.npmjs.org/ uses {REDACTED}"),
+    ],
+)
+def test_a_fifth_reads_leaks_stay_closed(text: str, redacted: str) -> None:
+    assert redact_text(text) == redacted
+
+
+def test_a_structured_field_named_as_a_credential_loses_its_value() -> None:
+    """A request's ``metadata`` (or any object logged) with a field named as a credential: its
+    string value goes, as it would in JSON text; counts, ids and a logprob's token stay."""
+    event = {
+        "metadata": {"db_password": "hunter2hunter", "user": "bob", "session_token": "a1b2c3d4e5"},
+        "logprobs": [{"token": "Hello world", "logprob": -0.1}, {"token": "/srv", "logprob": -1}],
+        "prompt_cache_key": "repo-1234567",
+        "max_tokens": 1000,
+        "k": {"token": "9f8e7d6c5b4a", "pwd": "/srv/app"},
+    }
+    assert redact(event) == {
+        "metadata": {"db_password": REDACTED, "user": "bob", "session_token": REDACTED},
+        "logprobs": [{"token": "Hello world", "logprob": -0.1}, {"token": "/srv", "logprob": -1}],
+        "prompt_cache_key": "repo-1234567",
+        "max_tokens": 1000,
+        "k": {"token": REDACTED, "pwd": "/srv/app"},
+    }
