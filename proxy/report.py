@@ -7,6 +7,7 @@ built from them; torn lines are counted, never fatal; unknown event types are ig
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -185,10 +186,11 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
         if row.cost_actual is not None and row.cost_uncached is not None:
             actual += row.cost_actual
             uncached += row.cost_uncached
-            priced += 1
             if not row.cost_uncached and (row.tokens_in or row.tokens_out):
                 model = row.model or "-"
                 unpriced[model] = unpriced.get(model, 0) + 1
+            else:
+                priced += 1
         if row.cache_waste:
             waste += row.cache_waste
             cause = row.waste_cause or "unexplained"
@@ -648,7 +650,13 @@ def _seconds(s: float | None) -> str:
 
 
 def _money(usd: float) -> str:
-    return f"-${-usd:.4f}" if usd < 0 else f"${usd:.4f}"
+    """Dollars to four decimals, or to two significant digits for an amount under a tenth of a
+    cent (a cheap model's session: $0.000042, not $0.0000)."""
+    size = abs(usd)
+    digits = 4
+    if 0 < size < 0.001:
+        digits = min(12, 1 - math.floor(math.log10(size)))
+    return f"-${size:.{digits}f}" if usd < 0 else f"${size:.{digits}f}"
 
 
 def _waste(r: ExchangeRow) -> str:

@@ -576,7 +576,8 @@ def test_cost_says_which_models_had_no_prices(tmp_path: Path) -> None:
     ]
     _logged(tmp_path, "free", events)
     report = session_cost(tmp_path, "free")
-    assert report.priced_exchanges == 3 and report.unpriced == {"my-local-model": 2}
+    assert report.priced_exchanges == 1 and report.unpriced == {"my-local-model": 2}
+    assert "priced exchanges     1\n" in render_cost(report)
     assert render_cost(report).endswith(
         "\n2 exchanges on my-local-model counted as $0: its prices are 0 (unless it is free, "
         "set price_input and price_output in its [models] table)"
@@ -686,3 +687,18 @@ def test_reports_hold_a_large_log_in_a_fraction_of_its_size(tmp_path: Path) -> N
     assert summary.tokens_in == sum(1000 * ex for ex in range(1, 401))
     # the messages are read a line at a time and let go: never the whole log at once
     assert peak < size / 5
+
+
+def test_a_cheap_sessions_cost_is_shown_to_two_significant_digits() -> None:
+    """A session on a cheap model cost $0.000042: four decimals showed $0.0000, as if free."""
+    report = CostReport("cheap", 0.000042, 0.000056, 0.000014, 1, 0)
+    assert render_cost(report).splitlines()[2:5] == [
+        "actual cost          $0.000042",
+        "without cache        $0.000056",
+        "saved by cache       $0.000014 (25.0%)",
+    ]
+    assert "actual cost          $0.00073\n" in render_cost(CostReport("x", 0.00073, 0, 0, 1, 0))
+    big = CostReport("big", 12.5, 20.0, 7.5, 3, 0)
+    assert "actual cost          $12.5000\n" in render_cost(big)
+    lost = CostReport("lost", 0.000001, 0.0, -0.000001, 1, 0)
+    assert "saved by cache       -$0.0000010" in render_cost(lost)
