@@ -47,6 +47,7 @@ from proxy.sessions import (
 )
 
 log = logging.getLogger(__name__)
+_USAGE_REFUSED_KEPT: Final = 1024  # models remembered to refuse stream_options, at most
 
 # The longest the event loop runs finished exchanges' observers before it polls sockets again.
 OBSERVER_SLICE_S = 0.002
@@ -269,6 +270,8 @@ class ChatPipeline:
         self.asks_usage = settings.upstream.request_usage and not sends_usage_unasked(
             settings.upstream.base_url
         )
+        # Models whose upstream refused the stream_options cachegate added: not asked again.
+        self.usage_refused: set[str | None] = set()
         self.transforms: list[Transform] = [self.pairing]
         if compactor is not None:
             self.transforms.append(compactor)
@@ -342,12 +345,28 @@ class ChatPipeline:
         )
         self.memos.put(key, memo, source=parsed.source)
 
+    def _usage_option_refused(self, model: str | None, status: int) -> None:
+        """Remember that ``model``'s upstream refused ``stream_options`` (said on stderr once per
+        model, for the first ``_USAGE_REFUSED_KEPT``; past them every model is asked again, and
+        refuses once more)."""
+        if model in self.usage_refused or len(self.usage_refused) >= _USAGE_REFUSED_KEPT:
+            return
+        self.usage_refused.add(model)
+        log.warning(
+            "upstream answered %d to the stream_options cachegate added for model %s: its "
+            "streams go as the client sends them, and their tokens and cost are known only if "
+            "the upstream sends usage unasked or the client asks (upstream.request_usage = false "
+            "stops asking every model)",
+            status,
+            model,
+        )
+
     def request_usage(
         self, ex: Exchange, body: dict[str, Any], raw: bytes
     ) -> tuple[dict[str, Any], bytes | None]:
         """Ask for stream usage the client did not ask for. Returns the body and, when only the
         option was added to an otherwise untouched body, the raw bytes with it spliced in."""
-        if not (ex.stream and self.asks_usage):
+        if not (ex.stream and self.asks_usage) or ex.model in self.usage_refused:
             return body, None
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
@@ -522,6 +541,7 @@ class ChatPipeline:
             forwarded = body
             for transform in self.transforms:
                 forwarded = await transform.apply(ex, state, forwarded)
+            unasked = forwarded  # (sent instead if the upstream refuses the option)
             forwarded, spliced = self.request_usage(ex, forwarded, raw)
             if spliced is not None:
                 content = spliced
@@ -571,20 +591,51 @@ class ChatPipeline:
         if ex.compacted:
             extra.append((b"x-cachegate-compacted", b"1"))
         compactor = self.compactor
+        too_long = compaction.is_context_length_error if compactor else None
+        asked = ex.strip_usage
+
+        def retry_if(status: int, text: bytes) -> bool:
+            return (asked and refuses_usage_option(status, text)) or (
+                too_long is not None and too_long(status, text)
+            )
+
         try:
             try:
-                await self.relay.forward(
-                    ex,
-                    scope,
-                    receive,
-                    send,
-                    content=content,
-                    headers=ex.upstream_headers,
-                    extra_headers=extra,
-                    record=True,
-                    watch=watch,
-                    retry_if=compaction.is_context_length_error if compactor else None,
-                )
+                try:
+                    await self.relay.forward(
+                        ex,
+                        scope,
+                        receive,
+                        send,
+                        content=content,
+                        headers=ex.upstream_headers,
+                        extra_headers=extra,
+                        record=True,
+                        watch=watch,
+                        retry_if=retry_if if asked or too_long else None,
+                    )
+                except RetryRequest as refused:
+                    if not (asked and refuses_usage_option(refused.status, refused.text)):
+                        raise
+                    # The upstream refuses stream_options, which cachegate added: the request
+                    # goes again as the client sent it, and its model is not asked again.
+                    self._usage_option_refused(ex.model, refused.status)
+                    self._request_observers(ex)  # the refused attempt's line first, as sent
+                    ex.status, ex.strip_usage = 0, False
+                    ex.body = unasked
+                    ex.transforms["usage_not_asked"] = refusal_text(refused.status, refused.text)
+                    notify(self.observers, "on_retry", ex)  # the log records what was re-sent
+                    await self.relay.forward(
+                        ex,
+                        scope,
+                        receive,
+                        send,
+                        content=raw if unasked is body else dump_body(unasked),
+                        headers=ex.upstream_headers,
+                        extra_headers=extra,
+                        record=True,
+                        retry_if=too_long,
+                    )
             except RetryRequest as retry:
                 # The provider refused a history too long for its window: compact now, retry once.
                 assert compactor is not None
@@ -669,6 +720,13 @@ class ChatPipeline:
             # not the refused first attempt's, which the relay wrote)
             ex.duration_s = time.perf_counter() - ex.t0
             self._after_response(ex)
+
+
+def refuses_usage_option(status: int, text: bytes) -> bool:
+    """Whether an upstream's 400 or 422 refuses ``stream_options`` (Mistral: 422
+    ``extra_forbidden``; Azure OpenAI's older API versions: 400 ``Unrecognized request argument
+    supplied: stream_options``)."""
+    return status in (400, 422) and b"stream_options" in text
 
 
 def _overcount(sent: Any, refusal: bytes) -> float:

@@ -309,6 +309,18 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
             row = row_for(ev)
             transforms = ev.get("transforms")
             compacted = isinstance(transforms, dict) and "compacted" in transforms
+            resent = (  # sent again at once without the stream_options the upstream refused
+                isinstance(transforms, dict)
+                and "usage_not_asked" in transforms
+                and not compacted
+                and id(row) in requested
+                and row.status is None
+                and not row.error
+            )
+            if resent:
+                requested.discard(id(row))  # the same row: its line is the one re-sent
+                if row.exchange is not None and row.exchange in pending:
+                    pending[row.exchange] = [r for r in pending[row.exchange] if r is not row]
             if id(row) in requested or row.status is not None:
                 row = new_row(ev)
             earlier = displaced.pop(id(row), None)  # the attempt before this one's compaction

@@ -717,3 +717,62 @@ def test_a_request_without_an_id_never_joins_another_clients_named_session(
         },
     )
     assert again.headers["x-cachegate-session"] == anonymous.headers["x-cachegate-session"]
+
+
+def test_an_upstream_that_refuses_stream_options_gets_the_stream_as_the_client_sent_it(
+    sdk: Any, proxy_factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Mistral answers 422 to ``stream_options``: with cachegate asking for usage by default,
+    every stream of a client that never sent it failed. The refused request goes again at once
+    as the client sent it; the model is not asked again; the log holds one exchange, whose
+    request line is the body sent."""
+    from tests.e2e_support import events, run_cli, wait_for
+
+    with run_simulator(SimConfig(refuse_stream_options=True)) as mistral:
+        with pytest.raises(openai.UnprocessableEntityError):  # the client's own option: refused
+            sdk(mistral.api_base).chat.completions.create(
+                model="mistral-small",
+                messages=[{"role": "user", "content": "hi"}],
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        proxy = proxy_factory(mistral.api_base)
+        client = sdk(proxy.base_url, default_headers={"X-Session-Id": "mistral"})
+        history: list[dict[str, Any]] = [{"role": "user", "content": "Say hello"}]
+        for turn in range(2):
+            before = len(mistral.sim.requests)
+            stream = client.chat.completions.create(
+                model="mistral-small",
+                messages=history,  # type: ignore[arg-type]
+                stream=True,
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            assert text
+            sent = [r.body for r in mistral.sim.requests[before:]]
+            # The first turn: refused with the option, then sent as the client did; the second
+            # goes as the client sent it at once.
+            assert [("stream_options" in b) for b in sent] == (
+                [True, False] if turn == 0 else [False]
+            )
+            history += [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
+        proxy.settle()
+        said = [r for r in caplog.records if "answered 422 to the stream_options" in r.message]
+        assert len(said) == 1 and "model mistral-small" in said[0].message
+        requests = wait_for(lambda: events(proxy.log_dir, "mistral", "request"), what="requests")
+        assert [r["exchange"] for r in requests] == [1, 1, 2]
+        assert "stream_options" not in requests[1]["params"]
+        assert "usage_not_asked" in requests[1]["transforms"]
+        show = run_cli("sessions", "show", "mistral", "--log-dir", str(proxy.log_dir), "--json")
+        rows = show.json()["exchanges"]
+        assert [(r["exchange"], r["status"], r["error"]) for r in rows] == [
+            (1, 200, None),
+            (2, 200, None),
+        ]
+        replay = run_cli("sessions", "replay", "mistral", "--log-dir", str(proxy.log_dir))
+        replayed = [orjson.loads(line) for line in replay.out.splitlines()]
+        # every request as forwarded: the refused attempt, then the one that was answered
+        assert [(r["exchange_id"], "stream_options" in r["params"]) for r in replayed] == [
+            (1, True),
+            (1, False),
+            (2, False),
+        ]

@@ -840,6 +840,7 @@ def test_cli_options_build_a_config() -> None:
     assert not anthropic.cache_unmarked
     gateway = config_from_args(parser.parse_args(["--dialect", "anthropic", "--cache-unmarked"]))
     assert gateway.cache_unmarked
+    assert config_from_args(parser.parse_args(["--refuse-stream-options"])).refuse_stream_options
     with pytest.raises(ValueError, match="fault_rate"):
         config_from_args(parser.parse_args(["--fault-rate", "2"]))
 

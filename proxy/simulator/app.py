@@ -173,6 +173,24 @@ def _json_response(
     return Response(orjson.dumps(obj), status_code, headers=headers, media_type="application/json")
 
 
+# Mistral's answer to a request with stream_options (FastAPI's validation error, wrapped)
+STREAM_OPTIONS_REFUSAL: dict[str, Any] = {
+    "object": "error",
+    "message": {
+        "detail": [
+            {
+                "type": "extra_forbidden",
+                "loc": ["body", "stream_options"],
+                "msg": "Extra inputs are not permitted",
+            }
+        ]
+    },
+    "type": "invalid_request_error",
+    "param": None,
+    "code": None,
+}
+
+
 def _error(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> Response:
@@ -265,6 +283,8 @@ class _Handlers:
             return self._status_fault(fault)
         if not body.get("model"):
             return _error(400, "you must provide a model parameter")
+        if self.config.refuse_stream_options and "stream_options" in body:
+            return _json_response(STREAM_OPTIONS_REFUSAL, 422)
         try:
             validate_messages(body.get("messages"))
         except ValidationError as exc:

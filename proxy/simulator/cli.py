@@ -89,6 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " marks them for its clients makes Claude do (default: only up to the last mark)",
     )
     parser.add_argument(
+        "--refuse-stream-options",
+        action="store_true",
+        help="answer 422 to a request with stream_options, as Mistral does",
+    )
+    parser.add_argument(
         "--fault-rate",
         type=float,
         default=defaults.fault_rate,
@@ -116,6 +121,7 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
         keepalive=ns.keepalive,
         fault_rate=ns.fault_rate,
         cache_unmarked=ns.cache_unmarked,
+        refuse_stream_options=ns.refuse_stream_options,
     )
 
 

@@ -47,6 +47,9 @@ class SimConfig:
     # does; this caches unmarked requests whole, as a gateway that marks for its clients makes
     # it (LiteLLM's cache_control_injection_points, Bifrost)
     cache_unmarked: bool = False
+    # refuse any request with stream_options, as Mistral does (422, extra_forbidden) and Azure
+    # OpenAI's older API versions (400)
+    refuse_stream_options: bool = False
 
     def __post_init__(self) -> None:
         if self.dialect not in DIALECTS:
