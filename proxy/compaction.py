@@ -733,11 +733,50 @@ def summary_text(message: Message) -> str:
 
 def chain_digest(previous: str, message: Message) -> str:
     """The digest of a prefix extended by one message: sha256 of the previous digest and the
-    message's canonical JSON (sorted keys), so digests can be computed incrementally."""
+    message's canonical JSON (sorted keys, no ``cache_control``: ``unmarked``), so digests can be
+    computed incrementally."""
     h = hashlib.sha256(previous.encode())
     h.update(b"\n")
-    h.update(orjson.dumps(message, option=orjson.OPT_SORT_KEYS))
+    h.update(orjson.dumps(unmarked(message), option=orjson.OPT_SORT_KEYS))
     return h.hexdigest()
+
+
+def unmarked(message: Message) -> Message:
+    """``message`` without the ``cache_control`` breakpoints on it and on its content parts, and
+    a content of one text part as that text (the input itself when it has neither). Clients that
+    mark their latest user messages (Cline, Roo Code through OpenRouter) move the marks every
+    turn, sending a marked message as a text part and the others as strings: a history is the
+    same without them, and a compaction that covers a message whose mark has moved on still
+    applies."""
+    if not isinstance(message, dict):
+        return message
+    content = message.get("content")
+    parts = isinstance(content, list) and any(
+        isinstance(part, dict) and ("cache_control" in part or len(content) == 1)
+        for part in content
+    )
+    if "cache_control" not in message and not parts:
+        return message
+    out = {key: value for key, value in message.items() if key != "cache_control"}
+    if parts:
+        assert isinstance(content, list)
+        bare = [
+            {k: v for k, v in part.items() if k != "cache_control"}
+            if isinstance(part, dict)
+            else part
+            for part in content
+        ]
+        one = bare[0] if len(bare) == 1 else None
+        if (
+            isinstance(one, dict)
+            and one.keys() == {"type", "text"}
+            and one["type"] == "text"
+            and isinstance(one["text"], str)
+        ):
+            out["content"] = one["text"]
+        else:
+            out["content"] = bare
+    return out
 
 
 def prefix_digest(

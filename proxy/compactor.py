@@ -146,6 +146,11 @@ class Compactor:
                 last = None  # another conversation's, or a rewind: the estimate decides
         held: dict[str, list[Any]] = state.extra.setdefault("compactions", {})
         existing, known = self._existing(held, messages)
+        if last is not None and last[5] != (existing.prefix_digest if existing else None):
+            # The provider counted a history with another summary in it, or with one where
+            # this goes without (a message it covers was changed: an old tool output cleared),
+            # or none where this one would have one: the estimate decides.
+            last = None
         tools = body.get("tools")
         tools_tokens = compaction.estimate_tokens(tools) if tools else 0
         appended = messages[last[2] :] if last else []
@@ -242,6 +247,7 @@ class Compactor:
                 return body
             self._hold(held, plan.reused, messages)
             ex.compacted = True
+            ex.compaction_digest = plan.reused.prefix_digest
             ex.transforms["compacted"] = {"reused": True, "covered": plan.reused.covered}
             notify(self.observers, "on_compaction", ex, plan.reused, "reused")
             return {**body, "messages": plan.messages}
@@ -258,6 +264,7 @@ class Compactor:
             return body
         self._hold(held, comp, messages)
         ex.compacted = ex.compaction_made = True  # (its miss is expected: not waste)
+        ex.compaction_digest = comp.prefix_digest
         ex.transforms["compacted"] = {
             "start": comp.start,
             "covered": comp.covered,

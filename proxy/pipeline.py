@@ -56,6 +56,9 @@ class Exchange:
     # a new compaction (not one reused): the provider's cache misses this request where the
     # summary stands, an expected, paid-for miss that is neither waste nor the agent's rewrite
     compaction_made: bool = False
+    # the compaction the forwarded body carries (its prefix digest), new or reused: the
+    # provider's count of this request is of a history with that summary in it
+    compaction_digest: str | None = None
     request_noted: bool = False  # the request's observers have run
     # filled in as the response arrives
     status: int = 0

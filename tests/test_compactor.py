@@ -707,7 +707,12 @@ def test_a_long_launching_message_gives_way_when_nothing_comes_under_the_aim(
 
 
 def _summaries_over_turns(
-    sim: RunningSimulator, sdk: Any, proxy_factory: Any, tag: str, clock_in_system: bool
+    sim: RunningSimulator,
+    sdk: Any,
+    proxy_factory: Any,
+    tag: str,
+    clock_in_system: bool,
+    marks: bool = False,
 ) -> int:
     config = {
         "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 2},
@@ -720,9 +725,21 @@ def _summaries_over_turns(
     for turn in range(12):
         now = f" Current time: 2026-12-02T10:{turn:02d}:00Z." if clock_in_system else ""
         system = "You are an agent." + now
+        sent = history
+        if marks:  # the last two user messages marked for the cache, as Cline and Roo Code do
+            users = [i for i, m in enumerate(history) if m["role"] == "user"][-2:]
+            sent = [
+                {
+                    **m,
+                    "content": [{"type": "text", "text": m["content"], "cache_control": EPHEMERAL}],
+                }
+                if i in users
+                else m
+                for i, m in enumerate(history)
+            ]
         reply = client.chat.completions.create(
             model=MODEL,
-            messages=[{"role": "system", "content": system}, *history],  # type: ignore[arg-type]
+            messages=[{"role": "system", "content": system}, *sent],  # type: ignore[arg-type]
             extra_headers={"X-Session-Id": tag, "X-Sim-Script": '"Looked."'},
         )
         history += [
@@ -745,6 +762,43 @@ def test_the_time_in_the_system_prompt_does_not_undo_a_compaction(
     ticking = _summaries_over_turns(sim, sdk, proxy_factory, "ticking", clock_in_system=True)
     assert 1 <= steady <= 3
     assert ticking == steady
+
+
+EPHEMERAL = {"type": "ephemeral"}
+
+
+def test_cache_marks_that_move_every_turn_do_not_undo_a_compaction(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """A client that marks its last two user messages moves a mark off an older one each turn,
+    often one the summary covers: the compaction stopped applying, and every new user message
+    cost a summary call made from scratch and a full cache miss."""
+    steady = _summaries_over_turns(sim, sdk, proxy_factory, "unmarked", clock_in_system=False)
+    marked = _summaries_over_turns(sim, sdk, proxy_factory, "marked", False, marks=True)
+    assert 1 <= steady <= 3
+    assert marked == steady
+
+
+def test_a_message_changed_under_the_summary_lets_the_estimate_decide(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """After a compaction, the agent clears an old tool output the summary covers (opencode's
+    pruning): no compaction applies, and the provider's count of the compacted request, far
+    below this history, said it was under the trigger; the whole history went out, over it."""
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    c = sdk(proxy.base_url, default_headers={"X-Session-Id": "pruned"})
+    msgs = history(18)
+    raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=msgs)
+    assert raw.headers["x-cachegate-compacted"] == "1"
+    proxy.settle()  # (the provider's count of it noted)
+    assert msgs[5]["role"] == "tool"  # the first round's output, under the summary
+    msgs[5] = {**msgs[5], "content": "[Old tool result content cleared]"}
+    msgs += [{"role": "assistant", "content": "Next."}, {"role": "user", "content": "Go on."}]
+    raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=msgs)
+    assert raw.headers.get("x-cachegate-compacted") == "1"
+    forwarded = sim.sim.requests[-1].body["messages"]
+    assert compaction.estimate_tokens(forwarded) < 6000 * 0.75
+    assert compaction.estimate_tokens(msgs) > 6000 * 0.75  # (what went out before)
 
 
 def test_a_sub_agent_in_a_compacted_session_is_neither_compacted_nor_undoes_the_compaction(
