@@ -493,7 +493,14 @@ class AccountingObserver:
             for other in ranked[1:]:
                 if prefix.shared_links(other.fp, fp) == len(other.fp.chain):
                     return other, True, None
-        if divergence is None or divergence.volatile or prefix.same_conversation(top.fp, fp):
+        if (
+            divergence is None
+            # (a volatile token in a message: the only message of a first turn, dated; one in
+            # the system prompt says nothing of the messages: another agent's under the same
+            # prompt, the time in it, shares none of them)
+            or (divergence.volatile and divergence.location == "messages")
+            or prefix.same_conversation(top.fp, fp)
+        ):
             return top, True, divergence
         for other in ranked[1:]:
             if prefix.same_conversation(other.fp, fp):

@@ -645,6 +645,30 @@ def test_a_system_prompt_with_the_time_does_not_crowd_out_other_conversations() 
     assert len(acc.state.extra["baselines"]) == 2
 
 
+def test_two_agents_under_one_timed_system_prompt_are_each_compared_with_their_own() -> None:
+    """Two agents under one session id and one system prompt with the time in it: each turn
+    was compared with whichever agent sent last (the time makes each system prompt a volatile
+    rewrite of the other's), so the second agent's first request was charged the first's
+    prompt as waste, and each agent's real loss was the other's size."""
+    acc = _Accounting()
+    prompt = "You are a coding agent. Current time: 2026-12-02T10:{:02d}:00Z."
+    a, b = msgs("task A " + "long " * 100), msgs("task B")
+    tick = 0
+    for turn in range(3):
+        tick += 1
+        ex_a = acc.send([_system(prompt.format(tick)), *a], 8_000 + 100 * turn, 0)
+        tick += 1
+        ex_b = acc.send([_system(prompt.format(tick)), *b], 2_000 + 100 * turn, 0)
+        assert ex_a.cache is not None and ex_b.cache is not None
+        if turn == 0:  # B's first request: another conversation, nothing expected of it
+            assert ex_b.divergence is None and ex_b.cache["expected"] == 0
+        else:  # each misses its own previous prompt (the time in the system prompt)
+            assert ex_a.divergence is not None and ex_a.divergence["volatile"]
+            assert (ex_a.cache["expected"], ex_a.cache["waste"]) == (7_900 + 100 * turn,) * 2
+            assert (ex_b.cache["expected"], ex_b.cache["waste"]) == (1_900 + 100 * turn,) * 2
+        a, b = [*a, *msgs(f"a{turn}", f"more A {turn}")], [*b, *msgs(f"b{turn}", f"more B {turn}")]
+
+
 def test_look_alike_conversations_do_not_replace_each_other() -> None:
     """Agents that share a system prompt and an opening, with their own tools, or workers whose
     tasks differ by a number only: each keeps its own baseline. And a fork that repeats a
