@@ -414,7 +414,10 @@ class MemorySessionStore:
         be found to continue it (a session named by its client is only ever named: another
         client that sends no id is no part of it, whatever it sends)."""
         previous, state.last_client_messages = state.last_client_messages, messages
-        if not inferable and state.opening is None:
+        if not inferable:
+            if state.opening is not None:  # inferred, and now named: named from now on
+                self._unindex(state.id, state.opening)
+                state.opening = None
             return
         if state.opening is not None and _same_opening(previous, messages):
             return  # the opening message is the very object already indexed: same key

@@ -158,6 +158,18 @@ def test_a_named_session_is_never_inferred_for_a_request_without_an_id() -> None
     assert store.infer(convo("hello", 1)) is inferred
 
 
+def test_an_inferred_session_once_named_is_no_longer_inferred() -> None:
+    """A client copies X-Cachegate-Session into X-Session-Id after its first turn: from then on
+    the session is named, and another client that sends no id with the same opening gets one
+    of its own (it kept joining the named session)."""
+    store = MemorySessionStore()
+    inferred = store.create("20261201-000000-bbbbbbbb", 0.0)
+    store.index(inferred, convo("hello", 0))
+    assert store.infer(convo("hello", 1)) is inferred
+    store.index(inferred, convo("hello", 1), inferable=False)  # named from now on
+    assert store.infer(convo("hello", 2)) is None
+
+
 def test_inference_picks_the_longest_shared_history() -> None:
     store = MemorySessionStore()
     a = store.create("a", 0.0)
