@@ -61,7 +61,8 @@ class _ToolCalls:
     A delta carrying an id different from the one already held at its index starts a new call
     (providers that put every parallel call at index 0); a function name identical to the one
     already held is a repeat, not a fragment (providers that resend the full name on every chunk).
-    A delta without ``index`` is treated as one more index of its own, by the same rules.
+    A delta without ``index`` is treated as one more index of its own, by the same rules; there,
+    a name without an id starts a new call (each call whole in a chunk of its own).
     ``ordered()`` lists calls by index, as the message's ``tool_calls`` array would hold them;
     calls sharing an index keep the order in which they started.
     """
@@ -88,6 +89,15 @@ class _ToolCalls:
                 call = None
             else:
                 call["id"] = call_id
+        elif call is not None and key is None and call["function"]["name"]:
+            # Without an index or an id (Gemini's OpenAI endpoint sends each parallel call whole
+            # in a chunk of its own, with no index; a gateway in front of it, an empty id): a
+            # name starts the next call.
+            named = delta.get("function")
+            if not isinstance(named, Mapping):
+                named = delta.get("custom")
+            if isinstance(named, Mapping) and isinstance(named.get("name"), str) and named["name"]:
+                call = None
         if call is None:
             call = {
                 "id": call_id if isinstance(call_id, str) else "",
@@ -414,8 +424,8 @@ class StreamAssembler:
                 self._has_content = True
                 if content:
                     self._content.append(content)
-            reasoning = delta.get("reasoning_content")
-            if isinstance(reasoning, str) and reasoning:
+            reasoning = _reasoning(delta)
+            if reasoning:
                 self._reasoning.append(reasoning)
             refusal = delta.get("refusal")
             if isinstance(refusal, str):
@@ -525,8 +535,8 @@ def assemble_completion(body: Mapping[str, Any]) -> AssembledResponse:
                         tools.add({**call, "index": position})
                 if tools.calls:
                     message["tool_calls"] = tools.ordered()
-            reasoning = raw.get("reasoning_content")
-            if isinstance(reasoning, str) and reasoning:
+            reasoning = _reasoning(raw)
+            if reasoning:
                 message["reasoning_content"] = reasoning
         if isinstance(choice.get("finish_reason"), str):
             finish_reason = choice["finish_reason"]
@@ -644,3 +654,13 @@ class StreamRecorder:
         if result.unfinished:  # an event torn by the stream's end is that, not a malformed one
             result.malformed = whole
         return result
+
+
+def _reasoning(message: Mapping[str, Any]) -> str | None:
+    """A message's or delta's reasoning text: ``reasoning_content`` (DeepSeek, vLLM, SGLang),
+    else ``reasoning`` (Ollama, OpenRouter, Groq); None when it has none."""
+    for key in ("reasoning_content", "reasoning"):
+        text = message.get(key)
+        if isinstance(text, str) and text:
+            return text
+    return None

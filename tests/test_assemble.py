@@ -212,6 +212,55 @@ def test_index_zero_reused_for_parallel_calls_with_different_ids() -> None:
     ]
 
 
+@pytest.mark.parametrize("ids", [None, ""])
+@pytest.mark.parametrize("names", [("get_weather", "get_time"), ("read", "read")])
+def test_parallel_calls_without_index_or_id_are_each_a_call(
+    ids: str | None, names: tuple[str, str]
+) -> None:
+    """Gemini's OpenAI endpoint sends each parallel call whole in a chunk of its own, with no
+    index and no id (a gateway before it: an empty id): the calls were logged as one, named
+    ``get_weatherget_time`` with both arguments run together."""
+
+    def whole(name: str, args: str) -> dict[str, Any]:
+        call: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args}}
+        if ids is not None:
+            call["id"] = ids
+        return call
+
+    stream = [
+        chunk({"role": "assistant", "tool_calls": [whole(names[0], '{"p": "a"}')]}),
+        chunk({"tool_calls": [whole(names[1], '{"p": "b"}')]}),
+        chunk({}, "tool_calls"),
+        DONE,
+    ]
+    calls = record(stream).message["tool_calls"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        (names[0], '{"p": "a"}'),
+        (names[1], '{"p": "b"}'),
+    ]
+
+
+def test_reasoning_under_the_name_ollama_and_openrouter_give_it_is_logged() -> None:
+    stream = [
+        chunk({"role": "assistant", "content": "", "reasoning": "Think "}),
+        chunk({"content": "", "reasoning": "first."}),
+        chunk({"content": "Hi"}, "stop"),
+        DONE,
+    ]
+    assert record(stream).message == {
+        "role": "assistant",
+        "content": "Hi",
+        "reasoning_content": "Think first.",
+    }
+    body = {
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "Hi", "reasoning": "Hm."}}
+        ]
+    }
+    assembled = assemble_completion(body)
+    assert assembled is not None and assembled.message["reasoning_content"] == "Hm."
+
+
 def test_content_and_tool_call_together() -> None:
     stream = [
         chunk({"role": "assistant", "content": "Let me look."}),
