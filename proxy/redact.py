@@ -8,6 +8,7 @@ and a string or container without a match is returned as the very same object (n
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 from typing import Any, Final
@@ -554,7 +555,7 @@ def _secret_field(key: str, value: str) -> bool:
         return False
     if key.lower() in _SECRET_KEYS:
         return True
-    if len(value) < 6 or _FIELD_VALUE.match(value) is None or not _is_credential(key):
+    if len(value) < 6 or not _credential_field(key) or _FIELD_VALUE.match(value) is None:
         return False
     if key.lower() in _BARE_NAMES:  # (a logprob's "token": "Hello", a "pwd": "/srv/app")
         return (
@@ -563,6 +564,12 @@ def _secret_field(key: str, value: str) -> bool:
             and not any(c.isspace() for c in value)
         )
     return value != REDACTED
+
+
+@functools.lru_cache(maxsize=1024)
+def _credential_field(key: str) -> bool:
+    """``_is_credential`` for an object's field name: the same few names come in every event."""
+    return _is_credential(key)
 
 
 # (as ``_JSON_VALUE`` takes a value: a letter or a digit in its first 512 characters)
