@@ -120,7 +120,8 @@ def compute_cost(usage: Usage, pricing: ModelPricing) -> Cost:
     """Price one exchange.
 
     ``actual = (prompt - cache_read - cache_write) × input + cache_read × cached_input
-    + cache_write × cache_write_price (input price when 0) + completion × output``, where the
+    + cache_write × cache_write_price + completion × output`` (a read or write price of 0 is the
+    input price), where the
     writes for an hour (``cache_write_1h``, Anthropic's) cost twice the input price;
     ``uncached = prompt × input + completion × output``.
 
@@ -131,11 +132,14 @@ def compute_cost(usage: Usage, pricing: ModelPricing) -> Cost:
     cache_creation_input_tokens`` and ``cache_write = cache_creation_input_tokens``.
     """
     fresh = max(usage.prompt - usage.cache_read - usage.cache_write, 0)
+    # A price of 0 for reads or writes is one not given: those tokens cost the input price (a
+    # model priced by its input and output alone made every cached token free).
+    read_price = pricing.price_cached_input or pricing.price_input
     write_price = pricing.price_cache_write or pricing.price_input
     hour = usage.cache_write_1h  # (Anthropic's one-hour writes: twice the input price)
     actual = (
         fresh * pricing.price_input
-        + usage.cache_read * pricing.price_cached_input
+        + usage.cache_read * read_price
         + (usage.cache_write - hour) * write_price
         + hour * 2 * pricing.price_input
         + usage.completion * pricing.price_output

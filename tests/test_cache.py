@@ -428,6 +428,15 @@ def test_cache_write_without_its_own_price_costs_plain_input() -> None:
     assert cost.saved == 0.0
 
 
+def test_cache_reads_without_their_own_price_cost_plain_input_not_nothing() -> None:
+    """A model priced as the $0 hint says, by price_input and price_output alone: its 9,000
+    cached tokens were free, and "saved by cache" counted them all."""
+    usage = Usage(prompt=10_000, completion=100, cache_read=9_000, reported_cache=True)
+    cost = compute_cost(usage, ModelPricing(1.00, 0.0, 0.0, 2.00))
+    assert cost == Cost(0.0102, 0.0102)
+    assert cost.saved == 0.0
+
+
 def test_costs_add_up_per_session() -> None:
     total = Cost(0.01, 0.03) + Cost(0.002, 0.004)
     assert total.actual == pytest.approx(0.012)
