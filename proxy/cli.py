@@ -200,9 +200,15 @@ def _log_dir_taken(log_dir: str) -> bool:
 def _sessions(ns: argparse.Namespace) -> int:
     from proxy import report
 
-    log_dir = os.path.expanduser(
-        ns.log_dir or os.environ.get("CACHEGATE_LOG_DIR") or DEFAULT_LOG_DIR
-    )
+    log_dir = ns.log_dir or os.environ.get("CACHEGATE_LOG_DIR")
+    config_file = getattr(ns, "config", None) or os.environ.get("CACHEGATE_CONFIG")
+    if not log_dir and config_file:  # the directory serve writes with that file
+        try:
+            log_dir = load_settings(config_file).logging.dir
+        except ConfigError as exc:
+            print(f"cachegate: {exc}", file=sys.stderr)
+            return 2
+    log_dir = os.path.expanduser(log_dir or DEFAULT_LOG_DIR)
     try:
         if ns.action == "list":
             unreadable: list[str] = []
@@ -297,6 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"log directory (default {DEFAULT_LOG_DIR}; env CACHEGATE_LOG_DIR)",
     )
+    sessions.add_argument(
+        "--config",
+        default=None,
+        help="TOML config file whose logging.dir to read (env CACHEGATE_CONFIG)",
+    )
     sessions.add_argument("--json", action="store_true", help="machine-readable output")
     actions = sessions.add_subparsers(dest="action", required=True)
     actions.add_parser("list", help="every session: exchanges, tokens, cache hit %%, repairs")
@@ -313,6 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
             "--log-dir",
             default=argparse.SUPPRESS,
             help=f"log directory (default {DEFAULT_LOG_DIR}; env CACHEGATE_LOG_DIR)",
+        )
+        action.add_argument(
+            "--config",
+            default=argparse.SUPPRESS,
+            help="TOML config file whose logging.dir to read (env CACHEGATE_CONFIG)",
         )
         action.add_argument(
             "--json",

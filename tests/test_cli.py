@@ -141,6 +141,29 @@ def test_log_dir_from_the_group_option_or_the_environment(
     assert run_cli("sessions", "list", "--json").out == expected
 
 
+def test_log_dir_from_the_config_file_serve_was_given(
+    logged: Logged, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A user who sets logging.dir in the config file: sessions looked in ./cachegate-logs."""
+    expected = run_cli("sessions", "list", "--log-dir", str(logged.log_dir), "--json").out
+    config = tmp_path / "cachegate.toml"
+    config.write_text(f"[logging]\ndir = {str(logged.log_dir)!r}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CACHEGATE_LOG_DIR", raising=False)
+    assert run_cli("sessions", "--config", str(config), "list", "--json").out == expected
+    assert run_cli("sessions", "list", "--config", str(config), "--json").out == expected
+    monkeypatch.setenv("CACHEGATE_CONFIG", str(config))
+    assert run_cli("sessions", "list", "--json").out == expected
+    # the flag and the variable still come first
+    other = tmp_path / "other"
+    other.mkdir()
+    assert run_cli("sessions", "list", "--log-dir", str(other), "--json").out.strip() == "[]"
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[logging\n")
+    failed = run_cli("sessions", "--config", str(broken), "list")
+    assert failed.code == 2 and failed.err.startswith("cachegate: config file")
+
+
 # --- sessions show -----------------------------------------------------------------------------
 
 
