@@ -448,16 +448,25 @@ class _BadSessionPath:
         self.gateway = gateway
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.gateway.refuse(
-            scope,
-            send,
-            route_of(scope),
-            bad_request(
+        raw = scope.get("raw_path") or scope["path"].encode()
+        segment = raw.split(b"?", 1)[0].split(b"/")[2:3]  # b"/s/<id>/..." -> [b"<id>"]
+        if segment and valid_session_id(segment[0].decode("latin-1")):
+            # A valid id, without /v1 after it (/s/abc/healthz, /s/abc/chat/completions)
+            err = ProxyError(
+                404,
+                f"Nothing is served at {scope['method']} {scope['path']}. A session's base URL"
+                " ends in /v1: /s/{id}/v1/... (e.g. /s/"
+                + segment[0].decode("latin-1")
+                + "/v1/chat/completions).",
+                code="not_found",
+            )
+        else:
+            err = bad_request(
                 "Invalid session path: use /s/{id}/v1/... with an id matching "
                 "[A-Za-z0-9._:-]{1,128}",
                 "invalid_session_id",
-            ),
-        )
+            )
+        await self.gateway.refuse(scope, send, route_of(scope), err)
 
 
 _ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]

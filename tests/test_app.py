@@ -207,6 +207,26 @@ def test_a_base_url_without_v1_gets_an_openai_shaped_404_that_says_so(
     assert proxy.metric("cachegate_requests_total", {**labels, "status": "405"}) == 1
 
 
+def test_a_session_base_url_without_v1_gets_a_404_that_says_so(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """``/s/abc/chat/completions``: the id is valid, /v1 is missing; it was a 400 saying the
+    id was invalid."""
+    import openai
+
+    proxy = proxy_factory(sim.api_base)
+    with pytest.raises(openai.NotFoundError) as info:
+        sdk(proxy.url + "/s/abc").chat.completions.create(
+            model="gpt-4o", messages=[{"role": "user", "content": "x"}]
+        )
+    assert "/s/abc/v1/chat/completions" in info.value.message
+    r = httpx.get(proxy.url + "/s/abc/healthz")
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "not_found")
+    bad = httpx.get(proxy.url + "/s/a%2Fb/healthz")  # an id that is none: still a 400
+    assert (bad.status_code, bad.json()["error"]["code"]) == (400, "invalid_session_id")
+    assert sim.sim.requests == []
+
+
 def test_a_failure_on_cachegates_own_routes_is_an_openai_shaped_500(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
