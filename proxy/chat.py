@@ -618,8 +618,9 @@ class ChatPipeline:
                     if not (asked and refuses_usage_option(refused.status, refused.text)):
                         raise
                     # The upstream refuses stream_options, which cachegate added: the request
-                    # goes again as the client sent it, and its model is not asked again.
-                    self._usage_option_refused(ex.model, refused.status)
+                    # goes again as the client sent it, and once that is answered, its model
+                    # is not asked again (a refusal of an option the client sent itself, in
+                    # stream_options, is refused again, and the model asked next time).
                     self._request_observers(ex)  # the refused attempt's line first, as sent
                     ex.status, ex.strip_usage = 0, False
                     ex.body = unasked
@@ -636,6 +637,8 @@ class ChatPipeline:
                         record=True,
                         retry_if=too_long,
                     )
+                    if 0 < ex.status < 400:
+                        self._usage_option_refused(ex.model, refused.status)
             except RetryRequest as retry:
                 # The provider refused a history too long for its window: compact now, retry once.
                 assert compactor is not None

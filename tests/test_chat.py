@@ -776,3 +776,33 @@ def test_an_upstream_that_refuses_stream_options_gets_the_stream_as_the_client_s
             (1, False),
             (2, False),
         ]
+
+
+def test_a_refusal_of_the_clients_own_stream_options_reaches_it_and_is_not_remembered(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """The client sent stream_options of its own, without include_usage: cachegate added it,
+    the upstream refused the option, and the request went again as the client sent it, refused
+    again: the client gets that refusal, and the model is still asked next time."""
+    with run_simulator(SimConfig(refuse_stream_options=True)) as mistral:
+        proxy = proxy_factory(mistral.api_base)
+        client = sdk(proxy.base_url, max_retries=0)
+        with pytest.raises(openai.UnprocessableEntityError):
+            client.chat.completions.create(
+                model="mistral-small",
+                messages=[{"role": "user", "content": "hi"}],
+                stream=True,
+                stream_options={"include_obfuscation": False},
+            )
+        sent = [r.body["stream_options"] for r in mistral.sim.requests]
+        assert sent == [
+            {"include_obfuscation": False, "include_usage": True},
+            {"include_obfuscation": False},
+        ]
+        assert "mistral-small" not in proxy.gateway.chat.usage_refused
+        stream = client.chat.completions.create(
+            model="mistral-small", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert [("stream_options" in r.body) for r in mistral.sim.requests[2:]] == [True, False]
+        assert "mistral-small" in proxy.gateway.chat.usage_refused
