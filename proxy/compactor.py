@@ -156,6 +156,9 @@ class Compactor:
         appended = messages[last[2] :] if last else []
         if appended and isinstance(appended[0], dict) and appended[0].get("role") == "assistant":
             appended = appended[1:]  # the previous answer: its completion tokens count it
+        grown = 0  # tools added since (an MCP server connected): the provider's numbers lack them
+        if last is not None and last[6] is not tools and last[6] != tools:
+            grown = max(0, tools_tokens - (compaction.estimate_tokens(last[6]) if last[6] else 0))
         plan = compaction.plan(
             messages,
             existing=existing,
@@ -166,7 +169,7 @@ class Compactor:
             max_anchor_chars=cfg.max_anchor_chars,
             last_prompt=last[0] if last else None,
             last_completion=last[1] if last else None,
-            appended_estimate=compaction.estimate_tokens(appended),
+            appended_estimate=compaction.estimate_tokens(appended) + grown,
             force=force,
             synthetic_prefixes=SYNTHETIC_PREFIXES,
             tools_estimate=tools_tokens,

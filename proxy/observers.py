@@ -375,7 +375,8 @@ class AccountingObserver:
         ends = (
             (len(sent), sent[0], sent[-1]) if isinstance(sent, list) and sent else (0, None, None)
         )
-        extra["last_usage"] = (usage.prompt, usage.completion, *ends, ex.compaction_digest)
+        tools = ex.client_body.get("tools") if isinstance(ex.client_body, dict) else None
+        extra["last_usage"] = (usage.prompt, usage.completion, *ends, ex.compaction_digest, tools)
         after_compaction = ex.compaction_made
         cache_state: CacheState = extra.get("cache") or CacheState()
         if base != (cache_state.prev_prompt, cache_state.params_digest, cache_state.model):

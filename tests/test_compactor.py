@@ -801,6 +801,38 @@ def test_a_message_changed_under_the_summary_lets_the_estimate_decide(
     assert compaction.estimate_tokens(msgs) > 6000 * 0.75  # (what went out before)
 
 
+def test_tools_added_mid_session_count_toward_the_trigger(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """An MCP server connected mid-session adds a large tool: the trigger took the provider's
+    count of the last request (without it) plus the messages appended, and went over the
+    window to a refusal, or past the trigger, unseen."""
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    c = sdk(proxy.base_url, default_headers={"X-Session-Id": "mcp"})
+    msgs = history(4, system_repeat=60)
+    raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=msgs)
+    assert raw.headers.get("x-cachegate-compacted") is None
+    usage = raw.parse().usage
+    # under the trigger (4,500) by less than the tool below (~3,600 tokens by the estimate)
+    assert usage is not None and 4500 - 3600 < usage.total_tokens < 4500 - 1500
+    proxy.settle()  # (the provider's count of it noted)
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "browse",
+            "description": "Browse the web. " * 900,  # ~3,600 tokens by the estimate
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+    msgs += [{"role": "assistant", "content": "Next."}, {"role": "user", "content": "Go on."}]
+    raw = c.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=msgs,  # type: ignore[arg-type]
+        tools=[tool],  # type: ignore[list-item]
+    )
+    assert raw.headers.get("x-cachegate-compacted") == "1"
+
+
 def test_a_sub_agent_in_a_compacted_session_is_neither_compacted_nor_undoes_the_compaction(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:
