@@ -323,11 +323,27 @@ def find_cut(
 
 
 def _last_real_user(messages: Sequence[Message], start: int, prefixes: Sequence[str]) -> int | None:
+    """The latest user message that is the user's: not cachegate's own, and not a screenshot a
+    tool loop sends as a user message of images (or other media) alone (browser agents)."""
     for i in range(len(messages) - 1, start - 1, -1):
         message = messages[i]
-        if message.get("role") == "user" and not is_synthetic(message, prefixes):
+        if (
+            message.get("role") == "user"
+            and not _media_only(message)
+            and not is_synthetic(message, prefixes)
+        ):
             return i
     return None
+
+
+def _media_only(message: Message) -> bool:
+    """Whether a message's content is parts none of which is text (images, audio, files)."""
+    content = message.get("content")
+    return (
+        isinstance(content, list)
+        and bool(content)
+        and not any(isinstance(part, dict) and part.get("type") == "text" for part in content)
+    )
 
 
 def _pair_safe(messages: Sequence[Message], end: int, floor: int) -> int:

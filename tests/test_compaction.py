@@ -106,6 +106,20 @@ def test_a_task_that_opens_the_conversation_stays_and_its_tool_loop_is_compacted
     assert find_cut(history[1:], keep_recent=4, max_anchor_chars=40000) == Cut(1, 17)
 
 
+def test_a_screenshot_sent_as_a_user_message_is_not_the_launching_message() -> None:
+    """Browser agents send each screenshot as a user message of an image alone: it was taken for
+    the message that launched the task, and the task was summarized with the rest."""
+    shot = {
+        "role": "user",
+        "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],
+    }
+    rounds = [m for k in range(10) for m in (*tool_round(k), shot)]
+    history = [SYSTEM, LAUNCH, *rounds]
+    cut = find_cut(history, keep_recent=4, max_anchor_chars=40000)
+    assert cut is not None and cut.start == 2  # the task kept verbatim, before the summary
+    assert history[cut.start - 1] is LAUNCH
+
+
 def test_a_rolling_compaction_that_moves_its_start_earlier_still_summarizes_the_task() -> None:
     """A compaction kept the task verbatim (start after it); a new user message then becomes the
     anchor and the next compaction starts right after the system prompt: the old task, no longer
