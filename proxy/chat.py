@@ -345,12 +345,89 @@ class ChatPipeline:
         )
         self.memos.put(key, memo, source=parsed.source)
 
-    def _usage_option_refused(self, model: str | None, status: int) -> None:
+    async def _forward(
+        self,
+        ex: Exchange,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        content: bytes,
+        unasked: dict[str, Any] | None,
+        unasked_raw: bytes | None,
+        extra: list[tuple[bytes, bytes]],
+        watch: DisconnectWatch | None,
+        too_long: Callable[[int, bytes], bool] | None,
+    ) -> None:
+        """Relay the exchange (``RetryRequest`` when ``too_long`` accepts the refusal). When the
+        upstream refuses the ``stream_options`` cachegate added, the request goes again at once
+        as it was before that (``unasked``; its bytes ``unasked_raw`` if they are the client's),
+        and its model is not asked again; if that is refused for the option too (the client's
+        own), the model is asked again next time and the client gets the refusal."""
+        asked = ex.strip_usage
+
+        def retry_if(status: int, text: bytes) -> bool:
+            return (asked and refuses_usage_option(status, text)) or (
+                too_long is not None and too_long(status, text)
+            )
+
+        try:
+            await self.relay.forward(
+                ex,
+                scope,
+                receive,
+                send,
+                content=content,
+                headers=ex.upstream_headers,
+                extra_headers=extra,
+                record=True,
+                watch=watch,
+                retry_if=retry_if if asked or too_long else None,
+            )
+            return
+        except RetryRequest as refused:
+            if unasked is None or not (
+                asked and refuses_usage_option(refused.status, refused.text)
+            ):
+                raise
+            remembered = self._usage_option_refused(ex.model, refused.status)
+            self._request_observers(ex)  # the refused attempt's line first, as sent
+            ex.status, ex.strip_usage = 0, False
+            ex.body = unasked
+            ex.transforms["usage_not_asked"] = refusal_text(refused.status, refused.text)
+            notify(self.observers, "on_retry", ex)  # the log records what was re-sent
+
+        def again_if(status: int, text: bytes) -> bool:
+            return refuses_usage_option(status, text) or (
+                too_long is not None and too_long(status, text)
+            )
+
+        try:
+            await self.relay.forward(
+                ex,
+                scope,
+                receive,
+                send,
+                content=unasked_raw if unasked_raw is not None else dump_body(unasked),
+                headers=ex.upstream_headers,
+                extra_headers=extra,
+                record=True,
+                retry_if=again_if,
+            )
+        except RetryRequest as again:
+            if not refuses_usage_option(again.status, again.text):
+                raise  # too long: compacted by the caller, the option not asked for again
+            if remembered:  # the client's own option was refused: not the model's answer
+                self.usage_refused.discard(ex.model)
+            ex.status, ex.upstream_error = again.status, "status"
+            ex.error = refusal_text(again.status, again.text)
+            await _relay_refusal(send, again, extra)
+
+    def _usage_option_refused(self, model: str | None, status: int) -> bool:
         """Remember that ``model``'s upstream refused ``stream_options`` (said on stderr once per
         model, for the first ``_USAGE_REFUSED_KEPT``; past them every model is asked again, and
         refuses once more)."""
         if model in self.usage_refused or len(self.usage_refused) >= _USAGE_REFUSED_KEPT:
-            return
+            return False
         self.usage_refused.add(model)
         log.warning(
             "upstream answered %d to the stream_options cachegate added for model %s: its "
@@ -360,6 +437,7 @@ class ChatPipeline:
             status,
             model,
         )
+        return True
 
     def request_usage(
         self, ex: Exchange, body: dict[str, Any], raw: bytes
@@ -592,53 +670,20 @@ class ChatPipeline:
             extra.append((b"x-cachegate-compacted", b"1"))
         compactor = self.compactor
         too_long = compaction.is_context_length_error if compactor else None
-        asked = ex.strip_usage
-
-        def retry_if(status: int, text: bytes) -> bool:
-            return (asked and refuses_usage_option(status, text)) or (
-                too_long is not None and too_long(status, text)
-            )
-
         try:
             try:
-                try:
-                    await self.relay.forward(
-                        ex,
-                        scope,
-                        receive,
-                        send,
-                        content=content,
-                        headers=ex.upstream_headers,
-                        extra_headers=extra,
-                        record=True,
-                        watch=watch,
-                        retry_if=retry_if if asked or too_long else None,
-                    )
-                except RetryRequest as refused:
-                    if not (asked and refuses_usage_option(refused.status, refused.text)):
-                        raise
-                    # The upstream refuses stream_options, which cachegate added: the request
-                    # goes again as the client sent it, and once that is answered, its model
-                    # is not asked again (a refusal of an option the client sent itself, in
-                    # stream_options, is refused again, and the model asked next time).
-                    self._request_observers(ex)  # the refused attempt's line first, as sent
-                    ex.status, ex.strip_usage = 0, False
-                    ex.body = unasked
-                    ex.transforms["usage_not_asked"] = refusal_text(refused.status, refused.text)
-                    notify(self.observers, "on_retry", ex)  # the log records what was re-sent
-                    await self.relay.forward(
-                        ex,
-                        scope,
-                        receive,
-                        send,
-                        content=raw if unasked is body else dump_body(unasked),
-                        headers=ex.upstream_headers,
-                        extra_headers=extra,
-                        record=True,
-                        retry_if=too_long,
-                    )
-                    if 0 < ex.status < 400:
-                        self._usage_option_refused(ex.model, refused.status)
+                await self._forward(
+                    ex,
+                    scope,
+                    receive,
+                    send,
+                    content,
+                    unasked,
+                    raw if unasked is body else None,
+                    extra,
+                    watch,
+                    too_long,
+                )
             except RetryRequest as retry:
                 # The provider refused a history too long for its window: compact now, retry once.
                 assert compactor is not None
@@ -685,6 +730,7 @@ class ChatPipeline:
                         "refusal is relayed"
                     )
                     forwarded = None
+                compacted = forwarded
                 if forwarded is not None:
                     forwarded, _ = self.request_usage(ex, forwarded, b"")
                 if forwarded is None or forwarded == ex.body:
@@ -693,31 +739,28 @@ class ChatPipeline:
                     watch.stop()
                     ex.status, ex.upstream_error = retry.status, "status"
                     ex.error = refusal_text(retry.status, retry.text)
-                    ctype = retry.content_type or b"application/json"
-                    answer = [(b"content-type", ctype), *extra]
-                    if retry.encoding:  # relayed as it came: said how it came
-                        answer.append((b"content-encoding", retry.encoding))
-                    await send(
-                        {"type": "http.response.start", "status": retry.status, "headers": answer}
-                    )
-                    await send({"type": "http.response.body", "body": retry.body})
+                    await _relay_refusal(send, retry, extra)
                     return
                 ex.body = forwarded
                 notify(self.observers, "on_refused", ex)  # the provider's refusal, counted
                 notify(self.observers, "on_retry", ex)  # the log records what was re-sent
                 if ex.compacted and (b"x-cachegate-compacted", b"1") not in extra:
                     extra.append((b"x-cachegate-compacted", b"1"))
-                await self.relay.forward(
-                    ex,
-                    scope,
-                    receive,
-                    send,
-                    content=dump_body(forwarded),
-                    headers=ex.upstream_headers,
-                    extra_headers=extra,
-                    record=True,
-                    watch=watch,
-                )
+                try:
+                    await self._forward(
+                        ex,
+                        scope,
+                        receive,
+                        send,
+                        dump_body(forwarded),
+                        compacted,
+                        None,
+                        extra,
+                        watch,
+                        None,
+                    )
+                except RetryRequest as again:  # (cannot happen: nothing else is retried)
+                    await _relay_refusal(send, again, extra)
         finally:
             # (a retry's compaction cut by the client or a shutdown: its time since arrival,
             # not the refused first attempt's, which the relay wrote)
@@ -725,11 +768,55 @@ class ChatPipeline:
             self._after_response(ex)
 
 
+async def _relay_refusal(
+    send: Send, refused: RetryRequest, extra: list[tuple[bytes, bytes]]
+) -> None:
+    """The upstream's refusal to the client as it came (its bytes, content type and coding)."""
+    ctype = refused.content_type or b"application/json"
+    answer = [(b"content-type", ctype), *extra]
+    if refused.encoding:  # relayed as it came: said how it came
+        answer.append((b"content-encoding", refused.encoding))
+    await send({"type": "http.response.start", "status": refused.status, "headers": answer})
+    await send({"type": "http.response.body", "body": refused.body})
+
+
 def refuses_usage_option(status: int, text: bytes) -> bool:
     """Whether an upstream's 400 or 422 refuses ``stream_options`` (Mistral: 422
-    ``extra_forbidden``; Azure OpenAI's older API versions: 400 ``Unrecognized request argument
-    supplied: stream_options``)."""
-    return status in (400, 422) and b"stream_options" in text
+    ``extra_forbidden`` at ``["body", "stream_options"]``; Azure OpenAI's older API versions: 400
+    ``Unrecognized request argument supplied: stream_options``): by what the error says (its
+    message, param, code, a validation error's location and text), not by what it echoes of the
+    request (a validation error's ``input``: a message that mentions stream_options)."""
+    if status not in (400, 422) or b"stream_options" not in text:
+        return False
+    try:
+        said = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return True  # a refusal in plain words that names it
+    return any("stream_options" in _ECHOED.sub("", words) for words in _error_words(said, 0))
+
+
+# What a validation error's text quotes of the request (pydantic: ``input_value={...},``)
+_ECHOED = re.compile(r"input_value=.*?(?:, input_type=|\]|$)", re.DOTALL)
+_ECHO_KEYS = frozenset({"input", "body", "ctx", "url"})
+
+
+def _error_words(value: Any, depth: int) -> list[str]:
+    """The strings of an error body and the keys they stand under, without the fields that
+    echo the request (``_ECHO_KEYS``)."""
+    if depth > 8:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [w for item in value for w in _error_words(item, depth + 1)]
+    if isinstance(value, dict):
+        return [
+            w
+            for key, item in value.items()
+            if key not in _ECHO_KEYS
+            for w in _error_words(item, depth + 1)
+        ]
+    return []
 
 
 def _overcount(sent: Any, refusal: bytes) -> float:

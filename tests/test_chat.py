@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -806,3 +807,57 @@ def test_a_refusal_of_the_clients_own_stream_options_reaches_it_and_is_not_remem
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert [("stream_options" in r.body) for r in mistral.sim.requests[2:]] == [True, False]
         assert "mistral-small" in proxy.gateway.chat.usage_refused
+
+
+def test_a_history_too_long_for_an_upstream_that_refuses_stream_options_is_compacted(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """The first stream of a model: refused for the option cachegate added, sent again without
+    it, refused as too long, compacted and sent again: the compacted request went with the
+    option again and the client got a 422 about an option it never sent."""
+    config = {"compaction": {"enabled": True, "keep_recent": 4}}
+    with run_simulator(SimConfig(refuse_stream_options=True, context_window=3000)) as mistral:
+        proxy = proxy_factory(mistral.api_base, config)
+        history: list[dict[str, Any]] = [{"role": "user", "content": "Fix the tests."}]
+        for i in range(12):
+            history += [
+                {"role": "assistant", "content": f"Step {i}: " + "looked " * 150},
+                {"role": "user", "content": f"Go on {i}: " + "more " * 150},
+            ]
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model="mistral-small",
+            messages=history,  # type: ignore[arg-type]
+            stream=True,
+        )
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+        statuses = [(r.status, "stream_options" in r.body) for r in mistral.sim.requests]
+        assert statuses[:2] == [(422, True), (400, False)]
+        assert statuses[-1] == (200, False)  # (a summary call between them)
+
+
+def test_a_refusal_that_only_echoes_stream_options_is_not_taken_for_one(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A validation error that quotes the request (a message about stream_options) is no
+    refusal of the option: the client gets it, and nothing is sent again."""
+    refusal = {
+        "detail": [
+            {
+                "type": "string_type",
+                "loc": ["body", "messages", 0, "content"],
+                "msg": "Input should be a valid string",
+                "input": {"text": "what does stream_options do?"},
+            }
+        ]
+    }
+    upstream, url = scripted(
+        status=422, content_type=b"application/json", chunks=[json.dumps(refusal).encode()]
+    )
+    proxy = proxy_factory(url)
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]},
+    )
+    assert r.status_code == 422 and r.json() == refusal
+    assert len(upstream.requests) == 1
