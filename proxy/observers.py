@@ -498,9 +498,11 @@ class AccountingObserver:
             divergence is None
             # (a volatile token in a message: the only message of a first turn, dated; one in
             # the system prompt says nothing of the messages: another agent's under the same
-            # prompt, the time in it, shares none of them)
+            # prompt, the time in it, shares none of them, where a first turn sent again has
+            # the same ones, maybe with the time in them too)
             or (divergence.volatile and divergence.location == "messages")
             or prefix.same_conversation(top.fp, fp)
+            or (divergence.volatile and prefix.retimed_messages(top.body, body))
         ):
             return top, True, divergence
         for other in ranked[1:]:

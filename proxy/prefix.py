@@ -282,9 +282,18 @@ def leading_run(test: Callable[[Any, Any], Any], old: Sequence[Any], new: Sequen
 
 
 def cache_params(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The cache-relevant parameters present (and not null) in ``body``."""
+    """The cache-relevant parameters present (and not null) in ``body``, but for those that say
+    what leaving them out says: ``tool_choice`` ``"auto"`` with tools (``"none"`` without),
+    ``parallel_tool_calls`` true (the openai Node SDK's ``runTools`` sends ``"auto"``; the same
+    history sent again without it is no rewrite)."""
     # One pass over the body's few keys (the digest sorts them; order does not matter).
-    return {key: value for key, value in body.items() if key in _PARAM_SET and value is not None}
+    params = {key: value for key, value in body.items() if key in _PARAM_SET and value is not None}
+    if params.get("parallel_tool_calls") is True:
+        del params["parallel_tool_calls"]
+    choice = params.get("tool_choice")
+    if choice == ("auto" if body.get("tools") else "none"):
+        del params["tool_choice"]
+    return params
 
 
 # Keys that are no part of the prompt a provider caches: a streaming parser's ``index`` of tool
@@ -535,6 +544,31 @@ def same_conversation(old: Fingerprint, new: Fingerprint) -> bool:
     return any(digest in held for digest in new_messages)
 
 
+def retimed_messages(old_body: Mapping[str, Any], new_body: Mapping[str, Any]) -> bool:
+    """Whether the messages of ``new_body`` past its system block are those of ``old_body``, as
+    many, each the same or differing in a volatile token alone (a first turn sent again with
+    the time in its only message: a retry a minute later). Only what ``same_conversation``
+    could not tell: histories that share no message are short."""
+    old_messages, new_messages = old_body.get("messages"), new_body.get("messages")
+    if not isinstance(old_messages, list) or not isinstance(new_messages, list):
+        return False
+    old_rest = old_messages[_system_count(tuple(old_messages)) :]
+    new_rest = new_messages[_system_count(tuple(new_messages)) :]
+    if not old_rest or len(old_rest) != len(new_rest) or len(new_rest) > _RETIMED_MAX:
+        return False
+    for old_message, new_message in zip(old_rest, new_rest, strict=True):
+        if canonical_json(canonical_message(old_message)) == canonical_json(
+            canonical_message(new_message)
+        ):
+            continue
+        if not _retimed(old_message, new_message):
+            return False
+    return True
+
+
+_RETIMED_MAX: Final = 8  # messages compared so at most (a longer history shares one untouched)
+
+
 def dropped_elements(old: Fingerprint, new: Fingerprint) -> list[tuple[Any, float]]:
     """What ``old`` sent, past its first difference from ``new``, that ``new`` no longer holds,
     as ``(message, share)``: its messages found nowhere in ``new`` (a trimmed start, a rewind's
@@ -565,15 +599,30 @@ def dropped_elements(old: Fingerprint, new: Fingerprint) -> list[tuple[Any, floa
             continue
         message = old.messages[old_offset + position]
         share = 1.0
-        if (
-            position < len(new_elements)
-            and new_elements[position] not in in_old
-            and (longer or position < last_kept)
-        ):
-            share = 1.0 - _kept_share(message, new.messages[new_offset + position])
+        if position < len(new_elements) and new_elements[position] not in in_old:
+            other = new.messages[new_offset + position]
+            if longer or position < last_kept or _retimed(message, other):
+                share = 1.0 - _kept_share(message, other)
         if share > 0:
             dropped.append((message, share))
     return dropped
+
+
+def _retimed(old: Any, new: Any) -> bool:
+    """Whether ``new`` is ``old`` with a volatile token changed in its content and nothing else
+    (the last message sent again a minute later with the time in it: the same message, not a
+    rewind to an edited one)."""
+    if not isinstance(old, Mapping) or not isinstance(new, Mapping):
+        return False
+    old_c, new_c = canonical_message(old), canonical_message(new)
+    if {k: v for k, v in old_c.items() if k != "content"} != {
+        k: v for k, v in new_c.items() if k != "content"
+    }:
+        return False
+    return (
+        volatile_kind(_text(old_c.get("content", _MISSING)), _text(new_c.get("content", _MISSING)))
+        is not None
+    )
 
 
 def _kept_share(old: Any, new: Any) -> float:

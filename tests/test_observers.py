@@ -669,6 +669,22 @@ def test_two_agents_under_one_timed_system_prompt_are_each_compared_with_their_o
         a, b = [*a, *msgs(f"a{turn}", f"more A {turn}")], [*b, *msgs(f"b{turn}", f"more B {turn}")]
 
 
+def test_a_first_turn_sent_again_with_the_time_in_it_twice_is_a_rewrite() -> None:
+    """The time in the system prompt and in the only message (an agent's environment details):
+    sent again a minute later, nothing could be read, and the miss is waste; taken for another
+    conversation, it was hidden."""
+    acc = _Accounting()
+    prompt = "You are a coding agent. Current time: 2026-12-02T10:{:02d}:00Z."
+    task = "<environment_details>Time: 2026-12-02T10:{:02d}:00Z</environment_details> Fix it."
+    acc.send([_system(prompt.format(1)), *msgs(task.format(1))], 8_400, 0)
+    ex = acc.send([_system(prompt.format(2)), *msgs(task.format(2))], 8_400, 0)
+    assert ex.divergence is not None and ex.divergence["location"] == "system"
+    assert ex.divergence["volatile"]
+    assert ex.cache is not None and ex.cache["waste"] == ex.cache["expected"]
+    # (all but the share of the message its new time changed: a few characters)
+    assert 8_400 * 0.95 < ex.cache["expected"] <= 8_400
+
+
 def test_look_alike_conversations_do_not_replace_each_other() -> None:
     """Agents that share a system prompt and an opening, with their own tools, or workers whose
     tasks differ by a number only: each keeps its own baseline. And a fork that repeats a

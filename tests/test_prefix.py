@@ -204,6 +204,20 @@ def test_sampling_parameters_are_not_cache_relevant() -> None:
     assert diverge(old, new) is None
 
 
+def test_a_tool_choice_that_says_the_default_is_no_divergence() -> None:
+    """The Node SDK's runTools sends tool_choice "auto"; the same history sent again without
+    it counted as a rewrite of the parameters."""
+    base = conversation()
+    assert base.get("tools")
+    assert diverge({**base, "tool_choice": "auto", "parallel_tool_calls": True}, base) is None
+    no_tools = {k: v for k, v in base.items() if k != "tools"}
+    assert diverge({**no_tools, "tool_choice": "none"}, no_tools) is None
+    required = diverge(base, {**base, "tool_choice": "required"})
+    assert required is not None and required.label == "params.tool_choice"
+    serial = diverge(base, {**base, "parallel_tool_calls": False})
+    assert serial is not None and serial.label == "params.parallel_tool_calls"
+
+
 def test_model_change_is_a_params_divergence() -> None:
     old = conversation()
     new = {**conversation(), "model": "gpt-4o-mini"}
