@@ -428,9 +428,36 @@ _ANCHORS_BYTES: Final = tuple(re.compile(anchor.encode()) for anchor in _SECRET_
 # "passw" as they are. A pattern with a literal start is found as fast as a plain substring (~0.7
 # µs per 1.5 KB). Object fields named ``apikey``, ``x-api-key``, … end in ``key"``.
 # (White space before the operator may be a tab, written ``\t`` in a JSON line.)
+# What a plural ``_tokens`` field counts (``max_tokens``, ``max_completion_tokens``, …)
+_COUNT_NAMES: Final = (
+    b"max",
+    b"new",
+    b"completion",
+    b"prompt",
+    b"input",
+    b"output",
+    b"total",
+    b"reasoning",
+    b"cached",
+    b"num",
+    b"_n",
+    b"page",
+    b"special",
+    b"stop",
+    b"audio",
+    b"text",
+    b"image",
+)
 _NAMED_BYTES: Final = (
-    re.compile(rb"""key(?:\\*["']|(?:\s|\\t)*[=:])"""),  # key", key\", key\\\" (nested), key', key=
-    re.compile(rb"""token(?:\\*["']|(?:\s|\\t)*[=:])"""),
+    # key", key\", key\\\" (nested), key', key=; keys", key_id", token_hash" (not tokens": a count)
+    re.compile(rb"""keys?(?:_?ids?|_?hash)?(?:\\*["']|(?:\s|\\t)*[=:])"""),
+    re.compile(rb"""token(?:_?ids?|_?hash)?(?:\\*["']|(?:\s|\\t)*[=:])"""),
+    # deploy_tokens": a plural that names credentials, not a count (max_tokens", …)
+    re.compile(
+        rb"""_tokens"""
+        + b"".join(b"(?<!" + n + b"_tokens)" for n in _COUNT_NAMES)
+        + rb"""(?:\\*["']|(?:\s|\\t)*[=:])"""
+    ),
     re.compile(rb"""_pass(?:\\*["']|(?:\s|\\t)*[=:])"""),  # DB_PASS=
     re.compile(rb"""pwd(?:\\*["']|(?:\s|\\t)*[=:])"""),  # MYSQL_PWD=
     # a flag and its value apart: --api-key VALUE, --token VALUE
@@ -548,22 +575,29 @@ def redact(obj: Any) -> Any:
 
 def _secret_field(key: str, value: str) -> bool:
     """Whether an object's field ``key`` holds a credential as its whole string ``value``: a
-    field named as one of ``_SECRET_KEYS``, or named as a credential (``_is_credential``) with a
-    value as a JSON text's would be redacted (``"db_password": "…"`` in a request's
-    ``metadata``); a bare ``token`` or ``pwd`` only with a value that looks like a credential."""
+    field named as one of ``_SECRET_KEYS``, or named as a credential (``_is_credential``): a
+    password or a secret with a value as a JSON text's would be redacted (``"db_password":
+    "…"`` in a request's ``metadata``), a key or a token with a value that looks like one."""
     if not value:
         return False
     if key.lower() in _SECRET_KEYS:
         return True
     if len(value) < 6 or not _credential_field(key) or _FIELD_VALUE.match(value) is None:
         return False
-    if key.lower() in _BARE_NAMES:  # (a logprob's "token": "Hello", a "pwd": "/srv/app")
-        return (
-            value[0] not in "/<.#"
-            and any(c.isdigit() for c in value)
-            and not any(c.isspace() for c in value)
-        )
-    return value != REDACTED
+    if value == REDACTED:
+        return False
+    if _SAYS_SECRET.search(key.lower()) is not None:
+        return True
+    # A key or a token, as many things are named that are no credentials ("trace_key":
+    # "run-2024-11", "next_token" a page's cursor, a logprob's "token": "Hello"): its value must
+    # look like one: no space, a digit, 16 characters or more, no path, no markup.
+    return (
+        len(value) >= 16
+        and value[0] not in "/<.#"
+        and any(c.isdigit() for c in value)
+        and not any(c.isspace() for c in value)
+        and not _is_path(value)
+    )
 
 
 @functools.lru_cache(maxsize=1024)
@@ -572,6 +606,8 @@ def _credential_field(key: str) -> bool:
     return _is_credential(key)
 
 
+# Names that say a secret whatever their value (not a key or a token: those name other things too)
+_SAYS_SECRET = re.compile(r"passw|secret|[_.-]pwd|_pass(?:[_-]|$)")
 # (as ``_JSON_VALUE`` takes a value: a letter or a digit in its first 512 characters)
 _FIELD_VALUE = re.compile(r"[^A-Za-z0-9]{0,511}[A-Za-z0-9]")
 

@@ -1,5 +1,6 @@
 import copy
 
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -721,19 +722,52 @@ def test_a_fifth_reads_leaks_stay_closed(text: str, redacted: str) -> None:
 
 
 def test_a_structured_field_named_as_a_credential_loses_its_value() -> None:
-    """A request's ``metadata`` (or any object logged) with a field named as a credential: its
-    string value goes, as it would in JSON text; counts, ids and a logprob's token stay."""
+    """A request's ``metadata`` (or any object logged) with a field named as a credential: a
+    password's or a secret's value goes, as it would in JSON text, and a key's or a token's when
+    it looks like one (a digit, 16 characters or more, no space, no path); what such names also
+    name stays: a trace key, a cipher's name, a page's cursor word, a logprob's token."""
+    token = "a1b2c3d4e5f6a7b8c9d0"
     event = {
-        "metadata": {"db_password": "hunter2hunter", "user": "bob", "session_token": "a1b2c3d4e5"},
-        "logprobs": [{"token": "Hello world", "logprob": -0.1}, {"token": "/srv", "logprob": -1}],
-        "prompt_cache_key": "repo-1234567",
+        "metadata": {
+            "db_password": "hunter2hunter",
+            "client_secret": "letmeinplease",
+            "user": "bob",
+            "session_token": token,
+            "deploy_tokens": "glft-abc123def456ghi789",
+            "ssh_keys": "AAAAC3NzaC1lZDI1NTE5AAAAIG",
+            "trace_key": "run-2024-11",
+            "encryption_key": "aes-256-gcm",
+            "license_key": "community",
+            "music_key": "C-major-7",
+            "next_token": "page 2",
+            "storage_key": "uploads/2024/avatars/a.png",
+        },
+        "logprobs": [{"token": "Hello world", "logprob": -0.1}, {"token": "sha256", "logprob": -1}],
+        "prompt_cache_key": "repo-1234567890abcdef",
         "max_tokens": 1000,
-        "k": {"token": "9f8e7d6c5b4a", "pwd": "/srv/app"},
+        "k": {"token": "9f8e7d6c5b4a3f2e1d0c", "pwd": "/srv/app"},
     }
     assert redact(event) == {
-        "metadata": {"db_password": REDACTED, "user": "bob", "session_token": REDACTED},
-        "logprobs": [{"token": "Hello world", "logprob": -0.1}, {"token": "/srv", "logprob": -1}],
-        "prompt_cache_key": "repo-1234567",
+        "metadata": {
+            "db_password": REDACTED,
+            "client_secret": REDACTED,
+            "user": "bob",
+            "session_token": REDACTED,
+            "deploy_tokens": REDACTED,
+            "ssh_keys": REDACTED,
+            "trace_key": "run-2024-11",
+            "encryption_key": "aes-256-gcm",
+            "license_key": "community",
+            "music_key": "C-major-7",
+            "next_token": "page 2",
+            "storage_key": "uploads/2024/avatars/a.png",
+        },
+        "logprobs": [{"token": "Hello world", "logprob": -0.1}, {"token": "sha256", "logprob": -1}],
+        "prompt_cache_key": "repo-1234567890abcdef",
         "max_tokens": 1000,
         "k": {"token": REDACTED, "pwd": "/srv/app"},
     }
+    # the writer's gate lets every such line through to the redaction
+    line = orjson.dumps({"metadata": {"deploy_tokens": "glft-abc123def456ghi789"}})
+    assert line_may_hold_secret(line)
+    assert line_may_hold_secret(orjson.dumps({"metadata": {"ssh_keys": "AAAAC3NzaC1lZDI1NTE5"}}))
