@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -123,7 +123,9 @@ class CostReport:
 
     @property
     def saved_pct(self) -> float | None:
-        return 100.0 * self.saved / self.uncached if self.uncached > 0 else None
+        if self.uncached <= 0:
+            return None
+        return 0.0 if abs(self.saved) < _NO_MONEY else 100.0 * self.saved / self.uncached
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -199,7 +201,7 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
         session=session_id,
         actual=actual,
         uncached=uncached,
-        saved=uncached - actual,
+        saved=0.0 if abs(uncached - actual) < _NO_MONEY else uncached - actual,
         priced_exchanges=priced,
         waste_tokens=waste,
         waste_by_cause=dict(sorted(by_cause.items(), key=lambda kv: (-kv[1], kv[0]))),
@@ -665,10 +667,18 @@ def _money(usd: float) -> str:
     """Dollars to four decimals, or to two significant digits for an amount under a tenth of a
     cent (a cheap model's session: $0.000042, not $0.0000)."""
     size = abs(usd)
-    digits = 4
-    if 0 < size < 0.001:
+    if size < _NO_MONEY:  # (what two sums of the same prices leave of a float's error)
+        return "$0.0000"
+    text = f"{size:.4f}"
+    if size < 0.001:
         digits = min(12, 1 - math.floor(math.log10(size)))
-    return f"-${size:.{digits}f}" if usd < 0 else f"${size:.{digits}f}"
+        small = f"{size:.{digits}f}"
+        if float(small) < 0.001:  # (0.00099996 rounds to a tenth of a cent: $0.0010)
+            text = small
+    return f"-${text}" if usd < 0 else f"${text}"
+
+
+_NO_MONEY: Final = 5e-10  # dollars below which an amount shows as $0.0000
 
 
 def _waste(r: ExchangeRow) -> str:

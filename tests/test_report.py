@@ -702,3 +702,32 @@ def test_a_cheap_sessions_cost_is_shown_to_two_significant_digits() -> None:
     assert "actual cost          $12.5000\n" in render_cost(big)
     lost = CostReport("lost", 0.000001, 0.0, -0.000001, 1, 0)
     assert "saved by cache       -$0.0000010" in render_cost(lost)
+    # just under a tenth of a cent: four decimals, not three significant digits
+    assert "actual cost          $0.0010\n" in render_cost(CostReport("y", 0.00099996, 0, 0, 1, 0))
+    # what two sums of the same prices leave of a float's error is no money
+    noise = CostReport("noise", 0.1, 0.1, -5.5e-17, 1, 0)
+    assert "saved by cache       $0.0000 (0.0%)\n" in render_cost(noise)
+
+
+def test_a_session_without_a_cache_discount_saved_nothing_not_a_floats_error(
+    tmp_path: Path,
+) -> None:
+    """Input and output prices alone (cached reads at the input price): actual and uncached are
+    the same amount summed two ways, and "saved by cache" showed -$0.000000000000 (-0.0%)."""
+    events: list[dict[str, Any]] = [{"ts": T0, "type": "session_meta", "session": "flat"}]
+    for n, (actual, uncached) in enumerate([(0.1, 0.1), (0.2, 0.2), (0.30000000000000004, 0.3)]):
+        events += [
+            {"ts": T0 + n, "type": "request", "exchange": n + 1, "model": "io"},
+            {
+                "ts": T0 + n,
+                "type": "response",
+                "exchange": n + 1,
+                "status": 200,
+                "usage": {"prompt": 10, "completion": 1, "cache_read": 5, "cache_write": 0},
+                "cost": {"actual": actual, "uncached": uncached},
+            },
+        ]
+    _logged(tmp_path, "flat", events)
+    report = session_cost(tmp_path, "flat")
+    assert report.saved == 0.0
+    assert "saved by cache       $0.0000 (0.0%)" in render_cost(report)
