@@ -62,7 +62,8 @@ class _ToolCalls:
     (providers that put every parallel call at index 0); a function name identical to the one
     already held is a repeat, not a fragment (providers that resend the full name on every chunk).
     A delta without ``index`` is treated as one more index of its own, by the same rules; there,
-    a name without an id starts a new call (each call whole in a chunk of its own).
+    a name without an id after whole arguments starts a new call (each call whole in a chunk of
+    its own).
     ``ordered()`` lists calls by index, as the message's ``tool_calls`` array would hold them;
     calls sharing an index keep the order in which they started.
     """
@@ -92,11 +93,17 @@ class _ToolCalls:
         elif call is not None and key is None and call["function"]["name"]:
             # Without an index or an id (Gemini's OpenAI endpoint sends each parallel call whole
             # in a chunk of its own, with no index; a gateway in front of it, an empty id): a
-            # name starts the next call.
+            # name after arguments that are whole starts the next call (a name repeated on
+            # every chunk of one call's arguments does not).
             named = delta.get("function")
             if not isinstance(named, Mapping):
                 named = delta.get("custom")
-            if isinstance(named, Mapping) and isinstance(named.get("name"), str) and named["name"]:
+            if (
+                isinstance(named, Mapping)
+                and isinstance(named.get("name"), str)
+                and named["name"]
+                and _whole_json("".join(self._arguments[position]))  # type: ignore[index]
+            ):
                 call = None
         if call is None:
             call = {
@@ -664,3 +671,14 @@ def _reasoning(message: Mapping[str, Any]) -> str | None:
         if isinstance(text, str) and text:
             return text
     return None
+
+
+def _whole_json(text: str) -> bool:
+    """Whether ``text`` is a whole JSON value (a call's arguments all come)."""
+    if not text:
+        return False
+    try:
+        orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return False
+    return True

@@ -240,6 +240,23 @@ def test_parallel_calls_without_index_or_id_are_each_a_call(
     ]
 
 
+def test_one_call_without_index_whose_name_comes_on_every_chunk_stays_one_call() -> None:
+    def piece(args: str) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": "get_weather", "arguments": args}}
+
+    stream = [
+        chunk({"role": "assistant", "tool_calls": [{**piece(""), "id": "call_1"}]}),
+        chunk({"tool_calls": [piece('{"city": ')]}),
+        chunk({"tool_calls": [piece('"Paris"}')]}),
+        chunk({}, "tool_calls"),
+        DONE,
+    ]
+    calls = record(stream).message["tool_calls"]
+    assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("call_1", "get_weather", '{"city": "Paris"}')
+    ]
+
+
 def test_reasoning_under_the_name_ollama_and_openrouter_give_it_is_logged() -> None:
     stream = [
         chunk({"role": "assistant", "content": "", "reasoning": "Think "}),
