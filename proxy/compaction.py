@@ -185,8 +185,23 @@ def _json_tokens(obj: Any) -> int:
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if isinstance(kind, str) and kind in _MEDIA_PART_TYPES:
-                size += MEDIA_PART_TOKENS * BYTES_PER_TOKEN - len(orjson.dumps(part))
+                size += media_part_tokens(part) * BYTES_PER_TOKEN - len(orjson.dumps(part))
     return -(-max(size, 0) // BYTES_PER_TOKEN)
+
+
+# OpenAI's price of an image sent with "detail": "low", whatever its size
+LOW_DETAIL_IMAGE_TOKENS = 85
+
+
+def media_part_tokens(part: Any) -> int:
+    """What an image, audio or file part of a message is estimated to cost: ``MEDIA_PART_TOKENS``,
+    or ``LOW_DETAIL_IMAGE_TOKENS`` for an image sent with ``"detail": "low"``."""
+    if isinstance(part, dict):
+        image = part.get("image_url")
+        detail = image.get("detail") if isinstance(image, dict) else part.get("detail")
+        if detail == "low":
+            return LOW_DETAIL_IMAGE_TOKENS
+    return MEDIA_PART_TOKENS
 
 
 def should_compact(

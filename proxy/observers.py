@@ -92,7 +92,7 @@ def _dropped_tokens(old: prefix.Fingerprint, new: prefix.Fingerprint, prompt: in
     """Of the previous request's ``prompt`` tokens, those of what ``new`` no longer holds
     (``prefix.dropped_elements``): its share of the previous request's estimate, so that a
     tokenizer denser or sparser than the estimate's 4 bytes a token is the same on both sides."""
-    dropped = prefix.dropped_elements(old, new)
+    dropped = prefix.dropped_elements(old, new, compaction.media_part_tokens)
     if not dropped:
         return 0
     whole = compaction.estimate_tokens(list(old.messages))

@@ -569,7 +569,9 @@ def retimed_messages(old_body: Mapping[str, Any], new_body: Mapping[str, Any]) -
 _RETIMED_MAX: Final = 8  # messages compared so at most (a longer history shares one untouched)
 
 
-def dropped_elements(old: Fingerprint, new: Fingerprint) -> list[tuple[Any, float]]:
+def dropped_elements(
+    old: Fingerprint, new: Fingerprint, media_tokens: Callable[[Any], int] | None = None
+) -> list[tuple[Any, float]]:
     """What ``old`` sent, past its first difference from ``new``, that ``new`` no longer holds,
     as ``(message, share)``: its messages found nowhere in ``new`` (a trimmed start, a rewind's
     abandoned turns) whole, and those edited in place for the share of them that changed. A
@@ -579,8 +581,10 @@ def dropped_elements(old: Fingerprint, new: Fingerprint) -> list[tuple[Any, floa
     ``new`` ends there (a rewind to that message, an edited last message: a branch). The share
     kept of an edited message is the start and end its compact JSON shares with its new
     version (a timestamp put in keeps nearly all; a tool output cut to "[trimmed]", or another
-    message in its place, nearly none). The system block, tools and parameters are at fixed
-    places: a changed one is edited, never dropped."""
+    message in its place, nearly none), an image or other media part weighing what
+    ``media_tokens`` says it costs, not its base64 (a screenshot taken out of a message keeps
+    the message's text). The system block, tools and parameters are at fixed places: a changed
+    one is edited, never dropped."""
     shared = shared_links(old, new)
     old_elements, new_elements = old.element_digests, new.element_digests
     if shared >= len(old_elements):
@@ -602,7 +606,7 @@ def dropped_elements(old: Fingerprint, new: Fingerprint) -> list[tuple[Any, floa
         if position < len(new_elements) and new_elements[position] not in in_old:
             other = new.messages[new_offset + position]
             if longer or position < last_kept or _retimed(message, other):
-                share = 1.0 - _kept_share(message, other)
+                share = 1.0 - _kept_share(message, other, media_tokens)
         if share > 0:
             dropped.append((message, share))
     return dropped
@@ -625,9 +629,10 @@ def _retimed(old: Any, new: Any) -> bool:
     )
 
 
-def _kept_share(old: Any, new: Any) -> float:
+def _kept_share(old: Any, new: Any, media_tokens: Callable[[Any], int] | None = None) -> float:
     """The share of ``old``'s compact JSON that ``new`` keeps as its start and its end (of
-    their text when both are plain text messages of one role: nothing to serialize)."""
+    their text when both are plain text messages of one role: nothing to serialize; with each
+    media part as long as ``media_tokens`` weighs it, when given)."""
     a: str | bytes
     b: str | bytes
     if (
@@ -640,6 +645,8 @@ def _kept_share(old: Any, new: Any) -> float:
         and all(old[k] == new[k] for k in old if k != "content")
     ):
         a, b = old["content"], new["content"]
+    elif media_tokens is not None and (_has_media(old) or _has_media(new)):
+        a, b = _weighed(old, media_tokens), _weighed(new, media_tokens)
     else:
         a, b = canonical_json(canonical_message(old)), canonical_json(canonical_message(new))
     if not a:
@@ -648,6 +655,41 @@ def _kept_share(old: Any, new: Any) -> float:
     head = _common_run(most, lambda n: a[:n] == b[:n])
     tail = _common_run(most - head, lambda n: a[len(a) - n :] == b[len(b) - n :])
     return (head + tail) / len(a)
+
+
+def _weighed(message: Any, media_tokens: Callable[[Any], int]) -> bytes:
+    """``message``'s compact JSON as parts, each media part of its content (an image's base64)
+    replaced by a run of its digest as many bytes long as ``media_tokens`` says it costs (four a
+    token), so that shares of it are shares of what the provider counts; a content of text is
+    its one text part."""
+    if not isinstance(message, Mapping):
+        return canonical_json(message)
+    content = message.get("content")
+    head = {k: v for k, v in message.items() if k != "content" and v is not None}
+    pieces = [canonical_json(canonical_message(head))]
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    for part in parts if isinstance(parts, list) else []:
+        if _is_media(part):
+            size = 4 * media_tokens(part)
+            mark = _digest(part).hex().encode()
+            pieces.append((mark * (size // len(mark) + 1))[:size])
+        elif isinstance(part, Mapping):
+            pieces.append(canonical_json({k: v for k, v in part.items() if k not in _NOT_PROMPT}))
+        else:
+            pieces.append(canonical_json(part))
+    return b"\x00".join(pieces)
+
+
+def _has_media(message: Any) -> bool:
+    content = message.get("content") if isinstance(message, Mapping) else None
+    return isinstance(content, list) and any(_is_media(part) for part in content)
+
+
+_MEDIA_TYPES: Final = frozenset({"image_url", "input_image", "image", "input_audio", "file"})
+
+
+def _is_media(part: Any) -> bool:
+    return isinstance(part, Mapping) and part.get("type") in _MEDIA_TYPES
 
 
 def _common_run(most: int, same: Callable[[int], bool]) -> int:

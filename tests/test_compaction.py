@@ -548,6 +548,8 @@ def test_an_image_counts_as_an_image_not_as_its_base64() -> None:
     assert estimate_tokens([text]) == 1007 + 4
     odd = {"role": "user", "content": [{"type": ["image_url"]}, {"type": {"a": 1}}, "text", None]}
     assert estimate_tokens([odd]) > 0  # a malformed part is counted as it is, never an error
+    low = {"type": "image_url", "image_url": {"url": screenshot, "detail": "low"}}
+    assert 85 < estimate_tokens([{**message, "content": [low]}]) < 100  # OpenAI's 85
 
 
 def test_a_summary_request_keeps_its_transcript_within_its_budget_and_asks_for_a_length() -> None:

@@ -685,6 +685,28 @@ def test_a_first_turn_sent_again_with_the_time_in_it_twice_is_a_rewrite() -> Non
     assert 8_400 * 0.95 < ex.cache["expected"] <= 8_400
 
 
+def test_a_screenshot_taken_out_of_a_message_drops_the_image_not_its_text() -> None:
+    """Browser agents keep the last screenshots and strip older images from their messages: by
+    bytes the base64 was all of the message, so its text counted as dropped too, and most of
+    the waste after it was hidden. A low-detail image weighs OpenAI's 85 tokens."""
+    image = "data:image/png;base64," + "iVBORw0KGgo" * 15_000  # ~165 KB
+    text = "The page shows the login form. " * 500  # ~4,000 tokens by the estimate
+    for detail, image_tokens in (("high", 1600), ("low", 85)):
+        acc = _Accounting()
+        shot = {"type": "image_url", "image_url": {"url": image, "detail": detail}}
+        first = {"role": "user", "content": [{"type": "text", "text": text}, shot]}
+        history = [_system("browser agent"), first, *msgs("clicked", "next")]
+        whole = estimate_tokens(history)
+        acc.send(history, whole, 0)
+        stripped = {"role": "user", "content": [{"type": "text", "text": text}]}
+        ex = acc.send([history[0], stripped, *history[2:], *msgs("typed", "go on")], whole, 0)
+        assert ex.cache is not None and ex.divergence is not None
+        assert ex.divergence["location"] == "messages"
+        # all of the previous prompt but the image (and a few bytes around it) was still sent
+        assert whole - image_tokens - 20 <= ex.cache["expected"] <= whole - image_tokens + 20
+        assert ex.cache["waste"] == ex.cache["expected"]
+
+
 def test_look_alike_conversations_do_not_replace_each_other() -> None:
     """Agents that share a system prompt and an opening, with their own tools, or workers whose
     tasks differ by a number only: each keeps its own baseline. And a fork that repeats a
