@@ -269,7 +269,16 @@ def account(
         elif unmarked is not None and unmarked():  # nothing was asked of the cache
             cause, location = "not_requested", None
         else:
-            cause, location = _attribute(state, fingerprint, divergence, started_at, ttl_s, model)
+            cause, location = _attribute(
+                state,
+                fingerprint,
+                divergence,
+                started_at,
+                ttl_s,
+                model,
+                # what the provider read proves its entry outlived the idle time
+                alive=usage.cache_read > noise_floor,
+            )
         result = CacheResult(expected, usage.cache_read, usage.cache_write, waste, cause, location)
     else:
         result = CacheResult(0, usage.cache_read, usage.cache_write, 0)
@@ -331,9 +340,12 @@ def _attribute(
     started_at: float,
     ttl_s: float,
     model: str,
+    alive: bool = False,
 ) -> tuple[Cause, str | None]:
     idle = idle_seconds(state, fingerprint, started_at)
-    if idle is not None and idle > ttl_s:
+    if idle is not None and idle > ttl_s and not (alive and divergence is not None):
+        # (unless the provider read much of the prefix, up to a rewrite: its entry was alive,
+        # as OpenAI's may be up to an hour off-peak, and the rewrite cost the rest)
         return "ttl_expired", None
     if divergence is not None:
         cause: Cause = "params_changed" if divergence.location == "params" else "prefix_rewrite"

@@ -312,6 +312,8 @@ class AccountingObserver:
         if marked_only or (usage is not None and usage.explicit_cache):
             # Claude keeps a prefix as long as the breakpoint that wrote it asks: "1h" or "5m"
             ttl_s = prefix.marked_ttl_s(body) or ttl_s
+        elif body.get("prompt_cache_retention") == "24h":  # OpenAI's extended retention
+            ttl_s = max(ttl_s, 86_400.0)
         model = ex.model or name
         # What this request is accounted against (before its baseline is replaced by it).
         base: tuple[int | None, bytes | None, str | None] = (None, None, None)

@@ -291,6 +291,26 @@ def test_a_rewrite_after_a_long_idle_is_blamed_on_the_ttl() -> None:
     assert (result.cause, result.location, result.waste) == ("ttl_expired", None, 20_000)
 
 
+def test_a_rewrite_after_a_long_idle_is_its_own_cost_when_the_provider_still_read_to_it() -> None:
+    """OpenAI keeps an entry up to an hour off-peak: past the model's TTL the provider still
+    read the prefix up to a cleared tool output, and the rest was that rewrite's cost, not the
+    idle time's."""
+    session = Session(CacheState())
+    body = opening()
+    body["messages"] += tool_round(1, "line\n" * 400) + tool_round(2, "line\n" * 400)
+    session.exchange(body, reported(20_000, 0), 0.0)
+    cleared = copy.deepcopy(body)
+    cleared["messages"][3]["content"] = "[Old tool result content cleared]"
+    cleared["messages"] += tool_round(3)
+    result = session.exchange(cleared, reported(21_000, block(8_000)), 900.0)
+    assert result.cause == "prefix_rewrite" and result.location == "messages[3].content"
+    # nothing read: the TTL, as before
+    session = Session(CacheState())
+    session.exchange(body, reported(20_000, 0), 0.0)
+    result = session.exchange(cleared, reported(21_000, 0), 900.0)
+    assert result.cause == "ttl_expired"
+
+
 def test_idle_runs_from_the_start_of_the_previous_request_not_its_end() -> None:
     session = Session(CacheState())
     body = opening()

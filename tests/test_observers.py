@@ -372,14 +372,18 @@ class _Accounting:
         ex = exchange(self.eid, messages)
         return self._answered(ex, prompt, read, status)
 
-    def send_body(self, body: dict[str, Any], prompt: int) -> Exchange:
+    def send_body(
+        self, body: dict[str, Any], prompt: int, read: int = 0, at: float | None = None
+    ) -> Exchange:
         self.eid += 1
         ex = exchange(self.eid, body["messages"])
         ex.body = body
-        return self._answered(ex, prompt, 0, 200)
+        return self._answered(ex, prompt, read, 200, at)
 
-    def _answered(self, ex: Exchange, prompt: int, read: int, status: int) -> Exchange:
-        ex.session, ex.started_at = self.state, float(self.eid)
+    def _answered(
+        self, ex: Exchange, prompt: int, read: int, status: int, at: float | None = None
+    ) -> Exchange:
+        ex.session, ex.started_at = self.state, float(self.eid) if at is None else at
         ex.usage, ex.status = Usage(prompt, 10, read, 0, True), status
         self.observer.on_response(ex)
         return ex
@@ -705,6 +709,20 @@ def test_a_screenshot_taken_out_of_a_message_drops_the_image_not_its_text() -> N
         # all of the previous prompt but the image (and a few bytes around it) was still sent
         assert whole - image_tokens - 20 <= ex.cache["expected"] <= whole - image_tokens + 20
         assert ex.cache["waste"] == ex.cache["expected"]
+
+
+def test_openais_24_hour_retention_is_the_ttl_of_a_request_that_asks_for_it() -> None:
+    """``prompt_cache_retention: "24h"``: after 25 minutes idle the date in the system prompt
+    changed; the miss was blamed on the TTL and the timestamp never named."""
+    history = msgs("fix the bug", "looked", "go on")  # (gpt-4o: kept an hour in the settings)
+    for retention, cause in (("24h", "prefix_rewrite"), (None, "ttl_expired")):
+        acc = _Accounting()
+        params = {"model": "gpt-4o", "prompt_cache_retention": retention}
+        day_one = {**params, "messages": [_system("Current date: 2026-12-01"), *history]}
+        acc.send_body(day_one, 9_000, 0, at=0.0)
+        later = [_system("Current date: 2026-12-02"), *history, *msgs("done", "next")]
+        ex = acc.send_body({**params, "messages": later}, 9_100, 0, at=2 * 3600.0)
+        assert ex.cache is not None and ex.cache["cause"] == cause
 
 
 def test_look_alike_conversations_do_not_replace_each_other() -> None:
