@@ -52,9 +52,11 @@ class _Baseline:
     sub-agents fanned out with one task: each of those may go on in its own way); ``ready_at``:
     when the provider had read its prompt (its first byte, on the monotonic clock of
     ``Exchange.t0``), so could serve it from the cache; ``turns``: how many requests of its
-    conversation it stands for (a one-shot sub-agent's is 1)."""
+    conversation it stands for (a one-shot sub-agent's is 1); ``spare``: a request extended by
+    one user message alone, kept in case the agent's next turn carries it on instead (forgotten
+    first)."""
 
-    __slots__ = ("body", "copies", "fp", "model", "prompt", "ready_at", "turns")
+    __slots__ = ("body", "copies", "fp", "model", "prompt", "ready_at", "spare", "turns")
 
     def __init__(
         self,
@@ -68,6 +70,7 @@ class _Baseline:
         self.ready_at = ready_at
         self.copies = 1
         self.turns = 1
+        self.spare = False
 
 
 def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
@@ -81,10 +84,19 @@ def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
             (
                 at
                 for at in range(len(baselines) - 1, 0, -1)
-                if baselines[at].turns == 1 and baselines[at] is not opening
+                if baselines[at].spare and baselines[at] is not opening
             ),
-            len(baselines) - 1,
+            None,
         )
+        if victim is None:
+            victim = next(
+                (
+                    at
+                    for at in range(len(baselines) - 1, 0, -1)
+                    if baselines[at].turns == 1 and baselines[at] is not opening
+                ),
+                len(baselines) - 1,
+            )
         del baselines[victim]
 
 
@@ -164,7 +176,14 @@ def _takes_place(
     if divergence is None:
         # Longer: its next turn. Shorter: a rewind, or another agent that opens alike: kept
         # beside it, so that each one's next turn finds its own. (The same: counted on it.)
-        return len(fp.message_digests) > len(chosen.fp.message_digests)
+        # Longer by one user message alone, without the answer to the one it extends: a side
+        # request on the history ("suggest what the user might type next"), or a turn typed
+        # over an interrupted answer: kept beside it too, so that the agent's next turn, which
+        # carries the answer on, still finds its own previous one.
+        grown = len(fp.message_digests) - len(chosen.fp.message_digests)
+        if grown == 1 and _role_of(fp.messages[-1]) == "user":
+            return False
+        return grown > 0
     old = chosen.fp.message_digests
     if divergence.location != "messages" and prefix.prompt_and_tools_differ(chosen.fp, fp):
         # Another prompt and other tools at once: a side request that carries the history on
@@ -181,6 +200,10 @@ def _takes_place(
         return len(new_messages) >= kept and old_messages == new_messages[:kept]
     after = fp.message_digests[(divergence.index or 0) + 1 :]
     return bool(old) and old[-1] in after
+
+
+def _role_of(message: Any) -> Any:
+    return message.get("role") if isinstance(message, dict) else None
 
 
 def _location_label(divergence: prefix.Divergence) -> str:
@@ -349,6 +372,7 @@ class AccountingObserver:
                     chosen.fp, chosen.body, chosen.prompt, chosen.model = fp, body, prompt, model
                     chosen.ready_at = ready_at
                     chosen.turns += 1
+                    chosen.spare = False
                     _to_front(baselines, chosen)
             else:
                 # A new conversation, or a branch: another conversation that opens alike (two
@@ -358,6 +382,12 @@ class AccountingObserver:
                 started = _Baseline(fp, body, prompt, model, ready_at)
                 if continues and chosen is not None:
                     started.turns = chosen.turns + 1
+                    if divergence is None and len(fp.message_digests) > len(
+                        chosen.fp.message_digests
+                    ):  # (one user message more: ``_takes_place``)
+                        chosen.spare = True
+                        if extra.get("opening") is chosen:
+                            extra["opening"] = started  # the conversation goes on in it
                 if not baselines and "opening" not in extra:
                     extra["opening"] = started  # the session's first conversation
                 baselines.insert(0, started)
