@@ -865,8 +865,18 @@ def _tools_divergence(old_tools: Any, new_tools: Any, secrets: tuple[str, ...]) 
             or new_tool is _MISSING
             or tools_json(old_tool) != tools_json(new_tool)
         ):
-            name = _tool_name(new_tool) or _tool_name(old_tool)
-            old_text, new_text = _tools_text(old_tool), _tools_text(new_tool)
+            removed = (  # the old tool gone (an MCP server left), the next moved up in its place
+                new_tool is not _MISSING
+                and i + 1 < len(old_tools)
+                and tools_json(old_tools[i + 1]) == tools_json(new_tool)
+                and all(tools_json(old_tool) != tools_json(t) for t in new_tools[i + 1 :])
+            )
+            if removed:
+                name = _tool_name(old_tool)
+                old_text, new_text = _tools_text(old_tool), ""
+            else:
+                name = _tool_name(new_tool) or _tool_name(old_tool)
+                old_text, new_text = _tools_text(old_tool), _tools_text(new_tool)
             return _divergence("tools", None, None, name, old_text, new_text, secrets)
     return _divergence(
         "tools", None, None, None, _tools_text(old_tools), _tools_text(new_tools), secrets

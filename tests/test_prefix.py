@@ -243,6 +243,22 @@ def test_reordered_tools_diverge_at_tools_naming_the_first_moved_tool() -> None:
     )
 
 
+def test_a_tool_removed_from_the_middle_is_named_not_the_one_after_it() -> None:
+    """An MCP server disconnects: [write, read, bash] becomes [write, bash]; the location named
+    bash, which is still there."""
+
+    def tool(name: str) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": name, "parameters": {}}}
+
+    old = {**conversation(), "tools": [tool("write"), tool("read"), tool("bash")]}
+    new = {**conversation(), "tools": [tool("write"), tool("bash")]}
+    divergence = diverge(old, new)
+    assert divergence is not None and (divergence.location, divergence.field) == ("tools", "read")
+    assert divergence.new_excerpt == ""
+    added = diverge(new, old)  # read put back: named as the tool at its place
+    assert added is not None and added.field == "read"
+
+
 def test_timestamp_added_to_system_prompt_is_a_volatile_system_rewrite() -> None:
     old = conversation()
     new = copy.deepcopy(old)
