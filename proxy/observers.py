@@ -56,7 +56,17 @@ class _Baseline:
     one user message alone, kept in case the agent's next turn carries it on instead (forgotten
     first)."""
 
-    __slots__ = ("body", "copies", "fp", "model", "prompt", "ready_at", "spare", "turns")
+    __slots__ = (
+        "answer",
+        "body",
+        "copies",
+        "fp",
+        "model",
+        "prompt",
+        "ready_at",
+        "spare",
+        "turns",
+    )
 
     def __init__(
         self,
@@ -71,6 +81,9 @@ class _Baseline:
         self.copies = 1
         self.turns = 1
         self.spare = False
+        # what its answer said (its text, its tool call ids): a request that carries it on is
+        # of its conversation, whatever it changed before it
+        self.answer: tuple[str, frozenset[str]] | None = None
 
 
 def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
@@ -200,6 +213,54 @@ def _takes_place(
         return len(new_messages) >= kept and old_messages == new_messages[:kept]
     after = fp.message_digests[(divergence.index or 0) + 1 :]
     return bool(old) and old[-1] in after
+
+
+def _answer_of(ex: Exchange) -> tuple[str, frozenset[str]] | None:
+    """The answer's text (16 characters or more) and tool call ids, for ``_carries_answer``."""
+    message = ex.assembled.message if ex.assembled is not None else None
+    if not isinstance(message, dict):
+        return None
+    content = message.get("content")
+    text = content if isinstance(content, str) and len(content) >= 16 else ""
+    calls = message.get("tool_calls")
+    ids = frozenset(
+        call["id"]
+        for call in (calls if isinstance(calls, list) else ())
+        if isinstance(call, dict) and isinstance(call.get("id"), str) and call["id"]
+    )
+    return (text, ids) if text or ids else None
+
+
+def _carries_answer(baseline: _Baseline, body: Any) -> bool:
+    """Whether ``body`` holds ``baseline``'s answer where its next turn would: right after the
+    messages it sent (its first message edited at the second turn, where no message is left
+    that both share, still carries the first answer on)."""
+    answer = baseline.answer
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if answer is None or not isinstance(messages, list):
+        return False
+    at = len(baseline.fp.messages)
+    for message in messages[max(0, at - 1) : at + 1]:  # (a system message more or fewer)
+        if not isinstance(message, dict) or message.get("role") != "assistant":
+            continue
+        text, ids = answer
+        content = message.get("content")
+        if text and (
+            content == text
+            or (
+                isinstance(content, list)
+                and any(isinstance(p, dict) and p.get("text") == text for p in content)
+            )
+        ):
+            return True
+        calls = message.get("tool_calls")
+        if (
+            ids
+            and isinstance(calls, list)
+            and any(isinstance(c, dict) and c.get("id") in ids for c in calls)
+        ):
+            return True
+    return False
 
 
 def _role_of(message: Any) -> Any:
@@ -366,10 +427,12 @@ class AccountingObserver:
                 if chosen.copies > 1:  # one of several that sent it: the others may go on too
                     chosen.copies -= 1
                     went_on = _Baseline(fp, body, prompt, model, ready_at)
+                    went_on.answer = _answer_of(ex)
                     went_on.turns = chosen.turns + 1
                     baselines.insert(0, went_on)
                 else:  # it extends or rewrites its baseline: it takes that one's place
                     chosen.fp, chosen.body, chosen.prompt, chosen.model = fp, body, prompt, model
+                    chosen.answer = _answer_of(ex)
                     chosen.ready_at = ready_at
                     chosen.turns += 1
                     chosen.spare = False
@@ -380,6 +443,7 @@ class AccountingObserver:
                 # kept: each next turn finds its own. (A branch goes on with its conversation's
                 # turns: after a rewind it is the live one, not a one-shot to forget first.)
                 started = _Baseline(fp, body, prompt, model, ready_at)
+                started.answer = _answer_of(ex)
                 if continues and chosen is not None:
                     started.turns = chosen.turns + 1
                     if divergence is None and len(fp.message_digests) > len(
@@ -535,10 +599,11 @@ class AccountingObserver:
             or (divergence.volatile and divergence.location == "messages")
             or prefix.same_conversation(top.fp, fp)
             or (divergence.volatile and prefix.retimed_messages(top.body, body))
+            or _carries_answer(top, body)
         ):
             return top, True, divergence
         for other in ranked[1:]:
-            if prefix.same_conversation(other.fp, fp):
+            if prefix.same_conversation(other.fp, fp) or _carries_answer(other, body):
                 found = prefix.find_divergence(other.fp, fp, other.body, body, self.secrets)
                 return other, True, found
         return top, False, None

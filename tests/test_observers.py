@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from proxy.assemble import AssembledResponse
 from proxy.cache import CacheState
 from proxy.compaction import estimate_tokens
 from proxy.config import settings_from_mapping
@@ -368,9 +369,18 @@ class _Accounting:
         self.observer = AccountingObserver(settings, self.store, self.metrics)
         self.eid = 0
 
-    def send(self, messages: list[Message], prompt: int, read: int, status: int = 200) -> Exchange:
+    def send(
+        self,
+        messages: list[Message],
+        prompt: int,
+        read: int,
+        status: int = 200,
+        answer: str | None = None,
+    ) -> Exchange:
         self.eid += 1
         ex = exchange(self.eid, messages)
+        if answer is not None:
+            ex.assembled = AssembledResponse({"role": "assistant", "content": answer})
         return self._answered(ex, prompt, read, status)
 
     def send_body(
@@ -743,6 +753,28 @@ def test_a_side_request_on_the_history_is_no_rewrite_of_the_agents_next_turn() -
     assert acc.registry.get_sample_value(
         "cachegate_prefix_rewrites_total", {"location": "messages"}
     ) in (None, 0.0)
+
+
+def test_the_first_message_edited_at_the_second_turn_is_still_its_conversation() -> None:
+    """An agent moves its environment details out of the first message on the second turn: no
+    message was left that both requests share, the turn was taken for another conversation,
+    and the ~8,000 tokens of the pasted text processed again were no waste. It carries the
+    first answer on, where that one's next turn would."""
+    acc = _Accounting()
+    paste = "def handler(event):\n    return event\n" * 400
+    first = [_system("agent"), *msgs("<env>cwd=/repo, time=10:00</env>\n" + paste)]
+    acc.send(first, 8_300, 0, answer="The handler returns its event unchanged; nothing breaks.")
+    edited = [
+        _system("agent"),
+        *msgs(paste, "The handler returns its event unchanged; nothing breaks.", "Fix it."),
+    ]
+    ex = acc.send(edited, 8_350, 1_152)
+    assert ex.divergence is not None and ex.divergence["location"] == "messages"
+    assert ex.cache is not None and ex.cache["cause"] == "prefix_rewrite"
+    assert ex.cache["waste"] > 6_000
+    # another agent's first request, under the same prompt: still another conversation
+    other = acc.send([_system("agent"), *msgs("Write the release notes.")], 900, 0)
+    assert other.divergence is None and other.cache is not None and other.cache["expected"] == 0
 
 
 def test_look_alike_conversations_do_not_replace_each_other() -> None:
