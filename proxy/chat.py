@@ -363,64 +363,48 @@ class ChatPipeline:
         as it was before that (``unasked``; its bytes ``unasked_raw`` if they are the client's),
         and its model is not asked again; if that is refused for the option too (the client's
         own), the model is asked again next time and the client gets the refusal."""
-        asked = ex.strip_usage
+        second = False  # the request sent again without the option
+        remembered = False
+        while True:
+            asked = ex.strip_usage or second
 
-        def retry_if(status: int, text: bytes) -> bool:
-            return (asked and refuses_usage_option(status, text)) or (
-                too_long is not None and too_long(status, text)
-            )
+            def retry_if(status: int, text: bytes, asked: bool = asked) -> bool:
+                return (asked and refuses_usage_option(status, text)) or (
+                    too_long is not None and too_long(status, text)
+                )
 
-        try:
-            await self.relay.forward(
-                ex,
-                scope,
-                receive,
-                send,
-                content=content,
-                headers=ex.upstream_headers,
-                extra_headers=extra,
-                record=True,
-                watch=watch,
-                retry_if=retry_if if asked or too_long else None,
-            )
-            return
-        except RetryRequest as refused:
-            if unasked is None or not (
-                asked and refuses_usage_option(refused.status, refused.text)
-            ):
-                raise
-            remembered = self._usage_option_refused(ex.model, refused.status)
-            self._request_observers(ex)  # the refused attempt's line first, as sent
-            ex.status, ex.strip_usage = 0, False
-            ex.body = unasked
-            ex.transforms["usage_not_asked"] = refusal_text(refused.status, refused.text)
-            notify(self.observers, "on_retry", ex)  # the log records what was re-sent
-
-        def again_if(status: int, text: bytes) -> bool:
-            return refuses_usage_option(status, text) or (
-                too_long is not None and too_long(status, text)
-            )
-
-        try:
-            await self.relay.forward(
-                ex,
-                scope,
-                receive,
-                send,
-                content=unasked_raw if unasked_raw is not None else dump_body(unasked),
-                headers=ex.upstream_headers,
-                extra_headers=extra,
-                record=True,
-                retry_if=again_if,
-            )
-        except RetryRequest as again:
-            if not refuses_usage_option(again.status, again.text):
-                raise  # too long: compacted by the caller, the option not asked for again
-            if remembered:  # the client's own option was refused: not the model's answer
-                self.usage_refused.discard(ex.model)
-            ex.status, ex.upstream_error = again.status, "status"
-            ex.error = refusal_text(again.status, again.text)
-            await _relay_refusal(send, again, extra)
+            try:
+                await self.relay.forward(
+                    ex,
+                    scope,
+                    receive,
+                    send,
+                    content=content,
+                    headers=ex.upstream_headers,
+                    extra_headers=extra,
+                    record=True,
+                    watch=watch,
+                    retry_if=retry_if if asked or too_long else None,
+                )
+                return
+            except RetryRequest as refused:
+                if unasked is None or not refuses_usage_option(refused.status, refused.text):
+                    raise  # too long: compacted by the caller (the option not asked again)
+                if second:  # the client's own option was refused: not the model's answer
+                    if remembered:
+                        self.usage_refused.discard(ex.model)
+                    ex.status, ex.upstream_error = refused.status, "status"
+                    ex.error = refusal_text(refused.status, refused.text)
+                    await _relay_refusal(send, refused, extra)
+                    return
+                remembered = self._usage_option_refused(ex.model, refused.status)
+                self._request_observers(ex)  # the refused attempt's line first, as sent
+                ex.status, ex.strip_usage = 0, False
+                ex.body = unasked
+                ex.transforms["usage_not_asked"] = refusal_text(refused.status, refused.text)
+                notify(self.observers, "on_retry", ex)  # the log records what was re-sent
+                content = unasked_raw if unasked_raw is not None else dump_body(unasked)
+                watch, second = None, True
 
     def _usage_option_refused(self, model: str | None, status: int) -> bool:
         """Remember that ``model``'s upstream refused ``stream_options`` (said on stderr once per
