@@ -726,45 +726,33 @@ def test_a_structured_field_named_as_a_credential_loses_its_value() -> None:
     password's or a secret's value goes, as it would in JSON text, and a key's or a token's when
     it looks like one (a digit, 16 characters or more, no space, no path); what such names also
     name stays: a trace key, a cipher's name, a page's cursor word, a logprob's token."""
-    token = "a1b2c3d4e5f6a7b8c9d0"
-    event = {
-        "metadata": {
-            "db_password": "hunter2hunter",
-            "client_secret": "letmeinplease",
-            "user": "bob",
-            "session_token": token,
-            "deploy_tokens": "glft-abc123def456ghi789",
-            "ssh_keys": "AAAAC3NzaC1lZDI1NTE5AAAAIG",
-            "trace_key": "run-2024-11",
-            "encryption_key": "aes-256-gcm",
-            "license_key": "community",
-            "music_key": "C-major-7",
-            "next_token": "page 2",
-            "storage_key": "uploads/2024/avatars/a.png",
-        },
+    fields = [  # (name, value, whether it goes)
+        ("db_password", "hunter2hunter", True),
+        ("client_secret", "letmeinplease", True),
+        ("user", "bob", False),
+        ("session_token", "a1b2c3d4e5f6a7b8c9d0", True),
+        ("deploy_tokens", "glft-abc123def456ghi789", True),
+        ("ssh_keys", "AAAAC3NzaC1lZDI1NTE5AAAAIG", True),
+        ("trace_key", "run-2024-11", False),
+        ("encryption_key", "aes-256-gcm", False),
+        ("license_key", "community", False),
+        ("music_key", "C-major-7", False),
+        ("next_token", "page 2", False),
+        ("storage_key", "uploads/2024/avatars/a.png", False),
+    ]
+    untouched = {
         "logprobs": [{"token": "Hello world", "logprob": -0.1}, {"token": "sha256", "logprob": -1}],
         "prompt_cache_key": "repo-1234567890abcdef",
         "max_tokens": 1000,
+    }
+    event = {
+        "metadata": {name: value for name, value, _ in fields},
+        **untouched,
         "k": {"token": "9f8e7d6c5b4a3f2e1d0c", "pwd": "/srv/app"},
     }
     assert redact(event) == {
-        "metadata": {
-            "db_password": REDACTED,
-            "client_secret": REDACTED,
-            "user": "bob",
-            "session_token": REDACTED,
-            "deploy_tokens": REDACTED,
-            "ssh_keys": REDACTED,
-            "trace_key": "run-2024-11",
-            "encryption_key": "aes-256-gcm",
-            "license_key": "community",
-            "music_key": "C-major-7",
-            "next_token": "page 2",
-            "storage_key": "uploads/2024/avatars/a.png",
-        },
-        "logprobs": [{"token": "Hello world", "logprob": -0.1}, {"token": "sha256", "logprob": -1}],
-        "prompt_cache_key": "repo-1234567890abcdef",
-        "max_tokens": 1000,
+        "metadata": {name: REDACTED if gone else value for name, value, gone in fields},
+        **untouched,
         "k": {"token": REDACTED, "pwd": "/srv/app"},
     }
     # the writer's gate lets every such line through to the redaction
