@@ -62,8 +62,8 @@ class _ToolCalls:
     (providers that put every parallel call at index 0); a function name identical to the one
     already held is a repeat, not a fragment (providers that resend the full name on every chunk).
     A delta without ``index`` is treated as one more index of its own, by the same rules; there,
-    a name without an id after whole arguments starts a new call (each call whole in a chunk of
-    its own).
+    a name without an id starts a new call after arguments that came whole in one piece, or
+    after none under another name (each call whole in a chunk of its own).
     ``ordered()`` lists calls by index, as the message's ``tool_calls`` array would hold them;
     calls sharing an index keep the order in which they started.
     """
@@ -93,18 +93,19 @@ class _ToolCalls:
         elif call is not None and key is None and call["function"]["name"]:
             # Without an index or an id (Gemini's OpenAI endpoint sends each parallel call whole
             # in a chunk of its own, with no index; a gateway in front of it, an empty id): a
-            # name after arguments that are whole starts the next call (a name repeated on
-            # every chunk of one call's arguments does not).
+            # name starts the next call after a call whose arguments came whole in one piece,
+            # or after one with no arguments under another name; not after arguments streamed
+            # in pieces, each with the name repeated (looked at in O(1): one piece at most).
             named = delta.get("function")
             if not isinstance(named, Mapping):
                 named = delta.get("custom")
-            if (
-                isinstance(named, Mapping)
-                and isinstance(named.get("name"), str)
-                and named["name"]
-                and _whole_json("".join(self._arguments[position]))  # type: ignore[index]
-            ):
-                call = None
+            name = named.get("name") if isinstance(named, Mapping) else None
+            if isinstance(name, str) and name:
+                pieces = self._arguments[position]  # type: ignore[index]
+                if (len(pieces) == 1 and _whole_json(pieces[0])) or (
+                    not pieces and name != call["function"]["name"]
+                ):
+                    call = None
         if call is None:
             call = {
                 "id": call_id if isinstance(call_id, str) else "",

@@ -257,6 +257,20 @@ def test_one_call_without_index_whose_name_comes_on_every_chunk_stays_one_call()
     ]
 
 
+def test_parallel_calls_without_arguments_index_or_id_are_each_a_call() -> None:
+    def bare(name: str) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": name, "arguments": ""}}
+
+    stream = [
+        chunk({"role": "assistant", "tool_calls": [bare("list_tabs")]}),
+        chunk({"tool_calls": [bare("get_time")]}),
+        chunk({}, "tool_calls"),
+        DONE,
+    ]
+    calls = record(stream).message["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["list_tabs", "get_time"]
+
+
 def test_reasoning_under_the_name_ollama_and_openrouter_give_it_is_logged() -> None:
     stream = [
         chunk({"role": "assistant", "content": "", "reasoning": "Think "}),
