@@ -403,6 +403,9 @@ class ChatPipeline:
                 ex.body = unasked
                 ex.transforms["usage_not_asked"] = refusal_text(refused.status, refused.text)
                 notify(self.observers, "on_retry", ex)  # the log records what was re-sent
+                # (on that line only: a later line of the exchange, a compaction's retry, is
+                # no re-sending of this kind)
+                del ex.transforms["usage_not_asked"]
                 content = unasked_raw if unasked_raw is not None else dump_body(unasked)
                 watch, second = None, True
 

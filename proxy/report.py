@@ -314,7 +314,6 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
             resent = (  # sent again at once without the stream_options the upstream refused
                 isinstance(transforms, dict)
                 and "usage_not_asked" in transforms
-                and not compacted
                 and id(row) in requested
                 and row.status is None
                 and not row.error

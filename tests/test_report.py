@@ -493,6 +493,26 @@ def test_a_retried_request_is_matched_by_when_its_exchange_began(tmp_path: Path)
     ]
 
 
+def test_a_request_sent_again_without_the_usage_option_is_one_row(tmp_path: Path) -> None:
+    """The upstream refused the stream_options cachegate added: the request went again without
+    it, one more line of the exchange, in either order with a compaction after a refusal as too
+    long (a third line made a row that never got its answer, and the answer went to the
+    attempt refused)."""
+    resent = {"usage_not_asked": "Extra inputs are not permitted"}
+    plain = [req(T0, 1, appended=[U1]), req(T0 + 0.1, 1, appended=[U1], transforms=resent)]
+    plain += [_answer(T0 + 1, 700, 7, duration=1.0, cost=0.1)]
+    assert [(r.tokens_in, r.error) for r in _rows(tmp_path, "plain", plain)] == [(700, None)]
+    both = [req(T0, 1, appended=[U1]), _compacted(T0 + 1, 1, retry=True)]
+    both += [req(T0 + 1, 1, appended=[U2], transforms={"compacted": {}})]
+    both += [req(T0 + 1.1, 1, appended=[U2], transforms={"compacted": {}, **resent})]
+    both += [_answer(T0 + 2, 900, 9, duration=2.0, cost=0.3)]
+    rows = _rows(tmp_path, "both", both)
+    assert [(r.tokens_in, r.error, r.compacted) for r in rows] == [
+        (None, RESENT_COMPACTED, False),
+        (900, None, True),
+    ]
+
+
 def test_a_retry_row_follows_the_attempt_it_resent(tmp_path: Path) -> None:
     """Requests in flight together: #2 was refused and re-sent compacted while #3 went and came
     back; the retry's row came after #3's, and read as #3's retry."""
