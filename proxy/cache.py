@@ -238,6 +238,7 @@ def account(
     unmarked: Callable[[], bool] | None = None,
     min_cached: int = 0,
     dropped: int = 0,
+    read_before_rewrite: Callable[[], int] | None = None,
 ) -> tuple[CacheState, CacheResult]:
     """Account one finished exchange; return the session's new state and the exchange's figures.
 
@@ -248,7 +249,10 @@ def account(
     provider caches only marked prefixes and the request marked none (the waste is then
     ``not_requested``). A prefix shorter than ``min_cached`` (the model's minimum) was no more
     to be read than nothing. ``dropped``: tokens the previous request sent that this one no
-    longer holds, off the expected read (given for a rewritten prefix).
+    longer holds, off the expected read (given for a rewritten prefix). ``read_before_rewrite``,
+    asked only of a waste after an idle past the TTL with a rewrite: the tokens the provider
+    would read of this request before the rewrite; a read that reaches them (within the noise
+    floor) proves the entry outlived the TTL, and the rewrite is the cause.
     """
     has_reported = state.has_reported or usage.reported_cache
     counted = (
@@ -276,8 +280,12 @@ def account(
                 started_at,
                 ttl_s,
                 model,
-                # what the provider read proves its entry outlived the idle time
-                alive=usage.cache_read > noise_floor,
+                # what the provider read, up to the rewrite, proves its entry outlived the idle
+                alive=lambda: (
+                    read_before_rewrite is not None
+                    and usage.cache_read > noise_floor
+                    and usage.cache_read + noise_floor >= read_before_rewrite()
+                ),
             )
         result = CacheResult(expected, usage.cache_read, usage.cache_write, waste, cause, location)
     else:
@@ -340,10 +348,14 @@ def _attribute(
     started_at: float,
     ttl_s: float,
     model: str,
-    alive: bool = False,
+    alive: Callable[[], bool] | None = None,
 ) -> tuple[Cause, str | None]:
     idle = idle_seconds(state, fingerprint, started_at)
-    if idle is not None and idle > ttl_s and not (alive and divergence is not None):
+    if (
+        idle is not None
+        and idle > ttl_s
+        and not (divergence is not None and alive is not None and alive())
+    ):
         # (unless the provider read much of the prefix, up to a rewrite: its entry was alive,
         # as OpenAI's may be up to an hour off-peak, and the rewrite cost the rest)
         return "ttl_expired", None

@@ -127,6 +127,18 @@ def _dropped_tokens(old: prefix.Fingerprint, new: prefix.Fingerprint, prompt: in
     return int(prompt * gone) // max(whole, 1)
 
 
+def _tokens_before(fp: prefix.Fingerprint, divergence: prefix.Divergence, prompt: int) -> int:
+    """Of this request's ``prompt`` tokens, those before the message its ``divergence`` names
+    (the tools and the messages before it, by the estimate's shares)."""
+    messages = list(fp.messages)
+    whole = compaction.estimate_tokens(messages)
+    before = compaction.estimate_tokens(messages[: divergence.index or 0])
+    if fp.tools:
+        tools = compaction.estimate_tokens(fp.tools)
+        whole, before = whole + tools, before + tools
+    return prompt * before // max(whole, 1)
+
+
 def _to_front(baselines: list[_Baseline], baseline: _Baseline) -> None:
     """``baseline`` the most recently seen of its session's."""
     if baseline is not baselines[0]:
@@ -502,6 +514,11 @@ class AccountingObserver:
             unmarked=(
                 self._unmarked(extra, usage, body, min_cached)
                 if usage.explicit_cache or marked_only
+                else None
+            ),
+            read_before_rewrite=(
+                (lambda: _tokens_before(fp, divergence, usage.prompt))
+                if divergence is not None and divergence.location == "messages"
                 else None
             ),
         )

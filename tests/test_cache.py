@@ -85,6 +85,7 @@ class Session:
         after_compaction: bool = False,
         unmarked: bool = False,
         min_cached: int = 0,
+        read_before: int | None = None,
     ) -> CacheResult:
         body = orjson.loads(orjson.dumps(body))  # every request arrives parsed afresh
         fp = fingerprint(body, previous=self.fp)
@@ -104,6 +105,7 @@ class Session:
             after_compaction=after_compaction,
             unmarked=(lambda: True) if unmarked else None,
             min_cached=min_cached,
+            read_before_rewrite=(lambda: read_before) if read_before is not None else None,
         )
         self.body, self.fp = body, fp
         return result
@@ -302,13 +304,16 @@ def test_a_rewrite_after_a_long_idle_is_its_own_cost_when_the_provider_still_rea
     cleared = copy.deepcopy(body)
     cleared["messages"][3]["content"] = "[Old tool result content cleared]"
     cleared["messages"] += tool_round(3)
-    result = session.exchange(cleared, reported(21_000, block(8_000)), 900.0)
+    # (the tokens before the cleared output: 8,000, as the caller estimates them)
+    result = session.exchange(cleared, reported(21_000, block(8_000)), 900.0, read_before=8_000)
     assert result.cause == "prefix_rewrite" and result.location == "messages[3].content"
-    # nothing read: the TTL, as before
-    session = Session(CacheState())
-    session.exchange(body, reported(20_000, 0), 0.0)
-    result = session.exchange(cleared, reported(21_000, 0), 900.0)
-    assert result.cause == "ttl_expired"
+    # nothing read, or only a prefix far shorter (a system prompt other sessions keep warm):
+    # the TTL, as before
+    for read in (0, block(2_300)):
+        session = Session(CacheState())
+        session.exchange(body, reported(20_000, 0), 0.0)
+        result = session.exchange(cleared, reported(21_000, read), 900.0, read_before=8_000)
+        assert result.cause == "ttl_expired"
 
 
 def test_idle_runs_from_the_start_of_the_previous_request_not_its_end() -> None:
