@@ -228,19 +228,28 @@ def _takes_place(
 
 
 def _answer_of(ex: Exchange) -> tuple[str, frozenset[str]] | None:
-    """The answer's text (16 characters or more) and tool call ids, for ``_carries_answer``."""
+    """The answer's text and tool call ids, for ``_carries_answer``: a text of
+    ``_ANSWER_TEXT_MIN`` characters or more, ids of ``_ANSWER_ID_MIN`` or more (OpenAI's
+    ``call_`` and 24 random characters; not ``functions.read:0``, which another conversation
+    may give too)."""
     message = ex.assembled.message if ex.assembled is not None else None
     if not isinstance(message, dict):
         return None
     content = message.get("content")
-    text = content if isinstance(content, str) and len(content) >= 16 else ""
+    text = content if isinstance(content, str) and len(content) >= _ANSWER_TEXT_MIN else ""
     calls = message.get("tool_calls")
     ids = frozenset(
         call["id"]
         for call in (calls if isinstance(calls, list) else ())
-        if isinstance(call, dict) and isinstance(call.get("id"), str) and call["id"]
+        if isinstance(call, dict)
+        and isinstance(call.get("id"), str)
+        and len(call["id"]) >= _ANSWER_ID_MIN
     )
     return (text, ids) if text or ids else None
+
+
+_ANSWER_TEXT_MIN: Final = 200  # characters: "I'll look into it and report back." is no one's own
+_ANSWER_ID_MIN: Final = 20
 
 
 def _carries_answer(baseline: _Baseline, body: Any) -> bool:
@@ -616,13 +625,21 @@ class AccountingObserver:
             or (divergence.volatile and divergence.location == "messages")
             or prefix.same_conversation(top.fp, fp)
             or (divergence.volatile and prefix.retimed_messages(top.body, body))
-            or _carries_answer(top, body)
         ):
             return top, True, divergence
         for other in ranked[1:]:
-            if prefix.same_conversation(other.fp, fp) or _carries_answer(other, body):
+            if prefix.same_conversation(other.fp, fp):
                 found = prefix.find_divergence(other.fp, fp, other.body, body, self.secrets)
                 return other, True, found
+        # None shares a message: one whose answer it carries on, if only one's (a generic
+        # answer two sub-agents gave alike names neither)
+        answered = [b for b in ranked if _carries_answer(b, body)]
+        if len(answered) == 1:
+            other = answered[0]
+            if other is top:
+                return top, True, divergence
+            found = prefix.find_divergence(other.fp, fp, other.body, body, self.secrets)
+            return other, True, found
         return top, False, None
 
     def on_compaction(self, ex: Exchange, comp: Any, source: str) -> None:

@@ -759,15 +759,14 @@ def test_the_first_message_edited_at_the_second_turn_is_still_its_conversation()
     """An agent moves its environment details out of the first message on the second turn: no
     message was left that both requests share, the turn was taken for another conversation,
     and the ~8,000 tokens of the pasted text processed again were no waste. It carries the
-    first answer on, where that one's next turn would."""
-    acc = _Accounting()
+    first answer on, where that one's next turn would; an answer two conversations gave alike,
+    or a short one, names neither."""
     paste = "def handler(event):\n    return event\n" * 400
+    answer = "The handler returns its event unchanged, so nothing breaks here. " * 4
+    acc = _Accounting()
     first = [_system("agent"), *msgs("<env>cwd=/repo, time=10:00</env>\n" + paste)]
-    acc.send(first, 8_300, 0, answer="The handler returns its event unchanged; nothing breaks.")
-    edited = [
-        _system("agent"),
-        *msgs(paste, "The handler returns its event unchanged; nothing breaks.", "Fix it."),
-    ]
+    acc.send(first, 8_300, 0, answer=answer)
+    edited = [_system("agent"), *msgs(paste, answer, "Fix it.")]
     ex = acc.send(edited, 8_350, 1_152)
     assert ex.divergence is not None and ex.divergence["location"] == "messages"
     assert ex.cache is not None and ex.cache["cause"] == "prefix_rewrite"
@@ -775,6 +774,13 @@ def test_the_first_message_edited_at_the_second_turn_is_still_its_conversation()
     # another agent's first request, under the same prompt: still another conversation
     other = acc.send([_system("agent"), *msgs("Write the release notes.")], 900, 0)
     assert other.divergence is None and other.cache is not None and other.cache["expected"] == 0
+    for given in ("I'll look into it and report back.", answer):
+        acc = _Accounting()
+        acc.send([_system("agent"), *msgs("Research topic kappa. " * 50)], 3_000, 0, answer=given)
+        acc.send([_system("agent"), *msgs("Research topic beta. " * 50)], 3_000, 0, answer=given)
+        later = acc.send([_system("agent"), *msgs("Research topic gamma.", given, "go")], 3_100, 0)
+        assert later.divergence is None and later.cache is not None
+        assert later.cache["expected"] == 0  # another conversation: nothing expected
 
 
 def test_past_the_ttl_a_read_up_to_the_rewrite_names_the_rewrite_a_shorter_one_the_ttl() -> None:
