@@ -357,7 +357,9 @@ def _media_only(message: Message) -> bool:
     return (
         isinstance(content, list)
         and bool(content)
-        and not any(isinstance(part, dict) and part.get("type") == "text" for part in content)
+        and not any(
+            isinstance(part, dict) and part.get("type") in _TEXT_PART_TYPES for part in content
+        )
     )
 
 

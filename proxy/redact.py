@@ -607,7 +607,10 @@ def _credential_field(key: str) -> bool:
 
 
 # Names that say a secret whatever their value (not a key or a token: those name other things too)
-_SAYS_SECRET = re.compile(r"passw|secret|[_.-]pwd|_pass(?:[_-]|$)")
+_SAYS_SECRET = re.compile(
+    r"passw|secret|[_.-]pwd|_pass(?:[_-]|$)"
+    r"|(?:access|refresh|auth|api|bearer|oauth|session|id|csrf|xsrf|personal|bot)[_-]?tokens?$"
+)
 # (as ``_JSON_VALUE`` takes a value: a letter or a digit in its first 512 characters)
 _FIELD_VALUE = re.compile(r"[^A-Za-z0-9]{0,511}[A-Za-z0-9]")
 

@@ -201,7 +201,8 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
         session=session_id,
         actual=actual,
         uncached=uncached,
-        saved=0.0 if abs(uncached - actual) < _NO_MONEY else uncached - actual,
+        # (what two sums of the same prices leave of a float's error, however large they are)
+        saved=0.0 if abs(uncached - actual) < _NO_MONEY * max(1.0, uncached) else uncached - actual,
         priced_exchanges=priced,
         waste_tokens=waste,
         waste_by_cause=dict(sorted(by_cause.items(), key=lambda kv: (-kv[1], kv[0]))),

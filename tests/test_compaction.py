@@ -118,6 +118,13 @@ def test_a_screenshot_sent_as_a_user_message_is_not_the_launching_message() -> N
     cut = find_cut(history, keep_recent=4, max_anchor_chars=40000)
     assert cut is not None and cut.start == 2  # the task kept verbatim, before the summary
     assert history[cut.start - 1] is LAUNCH
+    # a task written as Responses-style parts, its text and a screenshot, is the task
+    task = {
+        "role": "user",
+        "content": [{"type": "input_text", "text": "Book the flight."}, shot["content"][0]],
+    }
+    cut = find_cut([SYSTEM, task, *rounds], keep_recent=4, max_anchor_chars=40000)
+    assert cut is not None and cut.start == 2
 
 
 def test_a_rolling_compaction_that_moves_its_start_earlier_still_summarizes_the_task() -> None:

@@ -731,6 +731,8 @@ def test_a_structured_field_named_as_a_credential_loses_its_value() -> None:
         ("client_secret", "letmeinplease", True),
         ("user", "bob", False),
         ("session_token", "a1b2c3d4e5f6a7b8c9d0", True),
+        ("access_token", "abc123def456", True),  # (short, but its name says a credential)
+        ("authToken", "zzzz9999", True),
         ("deploy_tokens", "glft-abc123def456ghi789", True),
         ("ssh_keys", "AAAAC3NzaC1lZDI1NTE5AAAAIG", True),
         ("trace_key", "run-2024-11", False),
