@@ -52,10 +52,9 @@ class _Baseline:
     sub-agents fanned out with one task: each of those may go on in its own way); ``ready_at``:
     when the provider had read its prompt (its first byte, on the monotonic clock of
     ``Exchange.t0``), so could serve it from the cache; ``turns``: how many requests of its
-    conversation it stands for (a one-shot sub-agent's is 1); ``spare``: one forgotten first,
-    with the one-shots: a request that extends another (``origin``) by one user message alone,
-    likely a side request on the history, and once the agent goes on from it after all (a turn
-    typed over an interrupted answer), its origin instead."""
+    conversation it stands for (a one-shot sub-agent's is 1); ``spare``: a request extended by
+    one user message alone, kept in case the agent's next turn carries it on instead (forgotten
+    first)."""
 
     __slots__ = (
         "answer",
@@ -63,7 +62,6 @@ class _Baseline:
         "copies",
         "fp",
         "model",
-        "origin",
         "prompt",
         "ready_at",
         "spare",
@@ -83,38 +81,32 @@ class _Baseline:
         self.copies = 1
         self.turns = 1
         self.spare = False
-        self.origin: _Baseline | None = None  # the request it extended (``spare``)
         # what its answer said (its text, its tool call ids): a request that carries it on is
         # of its conversation, whatever it changed before it
         self.answer: tuple[str, frozenset[str]] | None = None
 
 
-def _prune(baselines: list[_Baseline], extra: dict[str, Any]) -> None:
-    """Keep ``CONVERSATIONS_KEPT`` baselines: past them, a request that another one kept extends
-    by one user message (``_Baseline.spare``: the other goes on) goes first, then the least
-    recently seen one-shot conversation (a sub-agent or a title request, seen once) or spare,
-    but never the session's first (``extra["opening"]``: the main agent's, which may fan out
-    sub-agents from its first turn), else the least recently seen. A fan-out of one-shot
-    sub-agents evicted the main agent's own, whose next turn then read as a new conversation,
-    its miss unreported."""
+def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
+    """Keep ``CONVERSATIONS_KEPT`` baselines: past them, the least recently seen one-shot
+    conversation goes first (a sub-agent or a title request, seen once), but never the session's
+    first (``opening``: the main agent's, which may fan out sub-agents from its first turn),
+    else the least recently seen. A fan-out of one-shot sub-agents evicted the main agent's own,
+    whose next turn then read as a new conversation, its miss unreported."""
     while len(baselines) > CONVERSATIONS_KEPT:
-        # A request another extended by one user message, that one still kept: one of the two
-        # goes on (its extension as well as it), the older first.
-        extended = {id(b.origin): b for b in baselines if b.spare and b.origin is not None}
         victim = next(
-            (at for at in range(len(baselines) - 1, 0, -1) if id(baselines[at]) in extended),
+            (
+                at
+                for at in range(len(baselines) - 1, 0, -1)
+                if baselines[at].spare and baselines[at] is not opening
+            ),
             None,
         )
-        opening = extra.get("opening")
-        if victim is not None and baselines[victim] is opening:
-            extra["opening"] = extended[id(opening)]  # the conversation goes on in it
         if victim is None:
             victim = next(
                 (
                     at
                     for at in range(len(baselines) - 1, 0, -1)
-                    if (baselines[at].turns == 1 or baselines[at].spare)
-                    and baselines[at] is not opening
+                    if baselines[at].turns == 1 and baselines[at] is not opening
                 ),
                 len(baselines) - 1,
             )
@@ -464,13 +456,7 @@ class AccountingObserver:
                     chosen.answer = _answer_of(ex)
                     chosen.ready_at = ready_at
                     chosen.turns += 1
-                    if chosen.spare:  # the agent went on from it: no side request, but a
-                        chosen.spare = False  # turn typed over an interrupted answer
-                        origin, chosen.origin = chosen.origin, None
-                        if origin is not None:  # (which that one will not see again)
-                            origin.spare = True
-                            if extra.get("opening") is origin:
-                                extra["opening"] = chosen
+                    chosen.spare = False
                     _to_front(baselines, chosen)
             else:
                 # A new conversation, or a branch: another conversation that opens alike (two
@@ -484,11 +470,13 @@ class AccountingObserver:
                     if divergence is None and len(fp.message_digests) > len(
                         chosen.fp.message_digests
                     ):  # (one user message more: ``_takes_place``)
-                        started.spare, started.origin = True, chosen
+                        chosen.spare = True
+                        if extra.get("opening") is chosen:
+                            extra["opening"] = started  # the conversation goes on in it
                 if not baselines and "opening" not in extra:
                     extra["opening"] = started  # the session's first conversation
                 baselines.insert(0, started)
-            _prune(baselines, extra)
+            _prune(baselines, extra.get("opening"))
             extra["baselines"] = baselines
         if usage is None or ex.status >= 400:
             if usage is None and (ex.status < 400 or ex.status == CLIENT_CLOSED):
