@@ -52,21 +52,9 @@ class _Baseline:
     sub-agents fanned out with one task: each of those may go on in its own way); ``ready_at``:
     when the provider had read its prompt (its first byte, on the monotonic clock of
     ``Exchange.t0``), so could serve it from the cache; ``turns``: how many requests of its
-    conversation it stands for (a one-shot sub-agent's is 1); ``spare``: a request extended by
-    one user message alone, kept in case the agent's next turn carries it on instead (forgotten
-    first)."""
+    conversation it stands for (a one-shot sub-agent's is 1)."""
 
-    __slots__ = (
-        "answer",
-        "body",
-        "copies",
-        "fp",
-        "model",
-        "prompt",
-        "ready_at",
-        "spare",
-        "turns",
-    )
+    __slots__ = ("answer", "body", "copies", "fp", "model", "prompt", "ready_at", "turns")
 
     def __init__(
         self,
@@ -80,7 +68,6 @@ class _Baseline:
         self.ready_at = ready_at
         self.copies = 1
         self.turns = 1
-        self.spare = False
         # what its answer said (its text, its tool call ids): a request that carries it on is
         # of its conversation, whatever it changed before it
         self.answer: tuple[str, frozenset[str]] | None = None
@@ -97,19 +84,10 @@ def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
             (
                 at
                 for at in range(len(baselines) - 1, 0, -1)
-                if baselines[at].spare and baselines[at] is not opening
+                if baselines[at].turns == 1 and baselines[at] is not opening
             ),
-            None,
+            len(baselines) - 1,
         )
-        if victim is None:
-            victim = next(
-                (
-                    at
-                    for at in range(len(baselines) - 1, 0, -1)
-                    if baselines[at].turns == 1 and baselines[at] is not opening
-                ),
-                len(baselines) - 1,
-            )
         del baselines[victim]
 
 
@@ -201,14 +179,7 @@ def _takes_place(
     if divergence is None:
         # Longer: its next turn. Shorter: a rewind, or another agent that opens alike: kept
         # beside it, so that each one's next turn finds its own. (The same: counted on it.)
-        # Longer by one user message alone, without the answer to the one it extends: a side
-        # request on the history ("suggest what the user might type next"), or a turn typed
-        # over an interrupted answer: kept beside it too, so that the agent's next turn, which
-        # carries the answer on, still finds its own previous one.
-        grown = len(fp.message_digests) - len(chosen.fp.message_digests)
-        if grown == 1 and _role_of(fp.messages[-1]) == "user":
-            return False
-        return grown > 0
+        return len(fp.message_digests) > len(chosen.fp.message_digests)
     old = chosen.fp.message_digests
     if divergence.location != "messages" and prefix.prompt_and_tools_differ(chosen.fp, fp):
         # Another prompt and other tools at once: a side request that carries the history on
@@ -282,10 +253,6 @@ def _carries_answer(baseline: _Baseline, body: Any) -> bool:
         ):
             return True
     return False
-
-
-def _role_of(message: Any) -> Any:
-    return message.get("role") if isinstance(message, dict) else None
 
 
 def _location_label(divergence: prefix.Divergence) -> str:
@@ -456,7 +423,6 @@ class AccountingObserver:
                     chosen.answer = _answer_of(ex)
                     chosen.ready_at = ready_at
                     chosen.turns += 1
-                    chosen.spare = False
                     _to_front(baselines, chosen)
             else:
                 # A new conversation, or a branch: another conversation that opens alike (two
@@ -467,12 +433,6 @@ class AccountingObserver:
                 started.answer = _answer_of(ex)
                 if continues and chosen is not None:
                     started.turns = chosen.turns + 1
-                    if divergence is None and len(fp.message_digests) > len(
-                        chosen.fp.message_digests
-                    ):  # (one user message more: ``_takes_place``)
-                        chosen.spare = True
-                        if extra.get("opening") is chosen:
-                            extra["opening"] = started  # the conversation goes on in it
                 if not baselines and "opening" not in extra:
                     extra["opening"] = started  # the session's first conversation
                 baselines.insert(0, started)
