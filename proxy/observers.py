@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+import re
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, Final, NamedTuple
@@ -200,9 +201,9 @@ def _takes_place(
 
 def _answer_of(ex: Exchange) -> tuple[str, frozenset[str]] | None:
     """The answer's text and tool call ids, for ``_carries_answer``: a text of
-    ``_ANSWER_TEXT_MIN`` characters or more, ids of ``_ANSWER_ID_MIN`` or more (OpenAI's
-    ``call_`` and 24 random characters; not ``functions.read:0``, which another conversation
-    may give too)."""
+    ``_ANSWER_TEXT_MIN`` characters or more, ids that look random (OpenAI's ``call_`` and 24
+    characters, Mistral's 9, Ollama's ``call_`` and 8; not a name and a counter, as
+    ``functions.read:0`` or ``function-call-1``, which another conversation gives too)."""
     message = ex.assembled.message if ex.assembled is not None else None
     if not isinstance(message, dict):
         return None
@@ -212,15 +213,20 @@ def _answer_of(ex: Exchange) -> tuple[str, frozenset[str]] | None:
     ids = frozenset(
         call["id"]
         for call in (calls if isinstance(calls, list) else ())
-        if isinstance(call, dict)
-        and isinstance(call.get("id"), str)
-        and len(call["id"]) >= _ANSWER_ID_MIN
+        if isinstance(call, dict) and isinstance(call.get("id"), str) and _random_id(call["id"])
     )
     return (text, ids) if text or ids else None
 
 
 _ANSWER_TEXT_MIN: Final = 200  # characters: "I'll look into it and report back." is no one's own
-_ANSWER_ID_MIN: Final = 20
+_COUNTER = re.compile(r"[._:-]\d+\Z")
+
+
+def _random_id(call_id: str) -> bool:
+    """Whether a tool call id looks made at random: without a trailing counter, 6 characters or
+    more, with a letter and a digit."""
+    rest = _COUNTER.sub("", call_id)
+    return len(rest) >= 6 and any(c.isdigit() for c in rest) and any(c.isalpha() for c in rest)
 
 
 def _carries_answer(baseline: _Baseline, body: Any) -> bool:

@@ -374,12 +374,13 @@ class _Accounting:
         prompt: int,
         read: int,
         status: int = 200,
-        answer: str | None = None,
+        answer: str | Message | None = None,
     ) -> Exchange:
         self.eid += 1
         ex = exchange(self.eid, messages)
         if answer is not None:
-            ex.assembled = AssembledResponse({"role": "assistant", "content": answer})
+            said = {"role": "assistant", "content": answer} if isinstance(answer, str) else answer
+            ex.assembled = AssembledResponse(said)
         return self._answered(ex, prompt, read, status)
 
     def send_body(
@@ -754,6 +755,14 @@ def test_the_first_message_edited_at_the_second_turn_is_still_its_conversation()
     # another agent's first request, under the same prompt: still another conversation
     other = acc.send([_system("agent"), *msgs("Write the release notes.")], 900, 0)
     assert other.divergence is None and other.cache is not None and other.cache["expected"] == 0
+    # a first answer that is a tool call, with a short random id (Mistral's nine characters)
+    call = {"id": "D681PevKs", "type": "function", "function": {"name": "read", "arguments": "{}"}}
+    said = {"role": "assistant", "content": None, "tool_calls": [call]}
+    acc = _Accounting()
+    acc.send(first, 8_300, 0, answer=said)
+    result = {"role": "tool", "tool_call_id": "D681PevKs", "content": "ok"}
+    ex = acc.send([_system("agent"), *msgs(paste), said, result], 8_350, 1_152)
+    assert ex.cache is not None and ex.cache["cause"] == "prefix_rewrite"
     for given in ("I'll look into it and report back.", answer):
         acc = _Accounting()
         acc.send([_system("agent"), *msgs("Research topic kappa. " * 50)], 3_000, 0, answer=given)
@@ -768,7 +777,7 @@ def test_past_the_ttl_a_read_up_to_the_rewrite_names_the_rewrite_a_shorter_one_t
     to it, its entry outlived the TTL and the clearing cost the rest; if it read only the
     system prompt (other sessions keep it warm), the TTL is still the cause."""
     system = _system("You are a coding agent. " * 400)  # ~2,400 tokens by the estimate
-    history = [system, *msgs("task " * 1000, "reading", "output " * 1000, "done " * 2000, "go")]
+    history = [system, *msgs("task " * 3000, "reading", "output " * 1000, "done " * 2000, "go")]
     cleared = [*history[:3], {"role": "user", "content": "[cleared]"}, *history[4:]]
     cleared += msgs("next", "and now")[1:]
     whole = estimate_tokens(history)
