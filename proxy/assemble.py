@@ -62,13 +62,13 @@ class _ToolCalls:
     (providers that put every parallel call at index 0); a function name identical to the one
     already held is a repeat, not a fragment (providers that resend the full name on every chunk).
     A delta without ``index`` is treated as one more index of its own, by the same rules; there,
-    a name without an id starts a new call after arguments that came whole in one piece, or
-    after none under another name (each call whole in a chunk of its own).
+    a name without an id starts a new call once the held call's arguments are a whole JSON
+    value, or after none under another name (Gemini: each call whole in a chunk of its own).
     ``ordered()`` lists calls by index, as the message's ``tool_calls`` array would hold them;
     calls sharing an index keep the order in which they started.
     """
 
-    __slots__ = ("_arguments", "_by_index", "_order", "calls")
+    __slots__ = ("_arguments", "_by_index", "_order", "_scans", "calls")
 
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []  # arguments filled in by ordered()
@@ -78,6 +78,7 @@ class _ToolCalls:
         self._arguments: list[list[str]] = []
         self._by_index: dict[object, int] = {}  # index -> position of its latest call
         self._order: list[float] = []  # each call's index; calls without one go last
+        self._scans: dict[int, _JsonScan] = {}  # calls without an index: how far their JSON is
 
     def add(self, delta: Mapping[str, Any]) -> None:
         index = delta.get("index")
@@ -93,16 +94,18 @@ class _ToolCalls:
         elif call is not None and key is None and call["function"]["name"]:
             # Without an index or an id (Gemini's OpenAI endpoint sends each parallel call whole
             # in a chunk of its own, with no index; a gateway in front of it, an empty id): a
-            # name starts the next call after a call whose arguments came whole in one piece,
-            # or after one with no arguments under another name; not after arguments streamed
-            # in pieces, each with the name repeated (looked at in O(1): one piece at most).
+            # name starts the next call once the held call's arguments are whole, or after one
+            # with no arguments under another name; not while its arguments still stream, each
+            # piece with the name repeated (each piece scanned once: ``_JsonScan``).
             named = delta.get("function")
             if not isinstance(named, Mapping):
                 named = delta.get("custom")
             name = named.get("name") if isinstance(named, Mapping) else None
             if isinstance(name, str) and name:
-                pieces = self._arguments[position]  # type: ignore[index]
-                if (len(pieces) == 1 and _whole_json(pieces[0])) or (
+                assert position is not None
+                pieces = self._arguments[position]
+                scan = self._scans.setdefault(position, _JsonScan())
+                if (pieces and scan.whole(pieces)) or (
                     not pieces and name != call["function"]["name"]
                 ):
                     call = None
@@ -672,6 +675,61 @@ def _reasoning(message: Mapping[str, Any]) -> str | None:
         if isinstance(text, str) and text:
             return text
     return None
+
+
+class _JsonScan:
+    """How far a call's arguments, arriving in pieces, are a whole JSON value: each piece is
+    scanned once, for the brackets outside strings (a call's arguments are an object)."""
+
+    __slots__ = ("depth", "escaped", "in_string", "pieces", "scalar", "started")
+
+    def __init__(self) -> None:
+        self.pieces = 0  # pieces scanned
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False  # the last piece ended inside a string, on a backslash
+        self.started = False
+        self.scalar = False  # the value is no object or array: judged by parsing it all
+
+    def whole(self, pieces: list[str]) -> bool:
+        """Whether ``pieces`` (those scanned before, and any more) are a whole JSON value."""
+        for piece in pieces[self.pieces :]:
+            self._scan(piece)
+        self.pieces = len(pieces)
+        if self.scalar:
+            return _whole_json("".join(pieces))
+        return self.started and self.depth == 0 and not self.in_string
+
+    def _scan(self, piece: str) -> None:
+        skip = 0 if self.escaped else -1  # the position of a character a backslash escapes
+        self.escaped = False
+        if not self.started and not self.scalar:
+            head = piece.lstrip()
+            if head and head[0] not in "{[":
+                self.scalar = True
+        if self.scalar:
+            return
+        for found in _JSON_MARKS.finditer(piece):
+            at = found.start()
+            mark = piece[at]
+            if self.in_string:
+                if at == skip:
+                    continue
+                if mark == "\\":
+                    skip = at + 1
+                    self.escaped = skip == len(piece)
+                elif mark == '"':
+                    self.in_string = False
+            elif mark == '"':
+                self.in_string = True
+            elif mark in "{[":
+                self.depth += 1
+                self.started = True
+            elif mark in "}]":
+                self.depth -= 1
+
+
+_JSON_MARKS = re.compile(r'["\\{}\[\]]')
 
 
 def _whole_json(text: str) -> bool:

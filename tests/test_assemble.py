@@ -257,6 +257,35 @@ def test_one_call_without_index_whose_name_comes_on_every_chunk_stays_one_call()
     ]
 
 
+@pytest.mark.parametrize("repeat_name", [False, True])
+def test_calls_without_index_or_id_streamed_in_pieces_are_split_where_each_ends(
+    repeat_name: bool,
+) -> None:
+    """Arguments in pieces, without index or id (a gateway before Gemini), the name on the
+    first piece or on every one: a call ends where its arguments are a whole JSON value (a
+    quote escaped across two pieces, brackets inside a string included)."""
+
+    def piece(name: str, args: str, first: bool) -> dict[str, Any]:
+        function = {"arguments": args}
+        if first or repeat_name:
+            function["name"] = name
+        return {"type": "function", "function": function}
+
+    plan = [
+        ("read", ['{"path": ', '"a.py"}']),
+        ("write", ['{"text": "a\\', '"}{[ "', ", ", '"end": 1}']),
+        ("write", ['{"path": "c.py"}']),
+    ]
+    deltas = [piece(name, p, i == 0) for name, parts in plan for i, p in enumerate(parts)]
+    stream = [chunk({"role": "assistant", "tool_calls": [deltas[0]]})]
+    stream += [chunk({"tool_calls": [d]}) for d in deltas[1:]] + [chunk({}, "tool_calls"), DONE]
+    calls = record(stream).message["tool_calls"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        (name, "".join(parts)) for name, parts in plan
+    ]
+    assert orjson.loads(calls[1]["function"]["arguments"]) == {"text": 'a"}{[ ', "end": 1}
+
+
 def test_parallel_calls_without_arguments_index_or_id_are_each_a_call() -> None:
     def bare(name: str) -> dict[str, Any]:
         return {"type": "function", "function": {"name": name, "arguments": ""}}
