@@ -447,6 +447,7 @@ _COUNT_NAMES: Final = (
     b"audio",
     b"text",
     b"image",
+    b"prediction",
 )
 _NAMED_BYTES: Final = (
     # key", key\", key\\\" (nested), key', key=; keys", key_id", token_hash" (not tokens": a count)
@@ -456,6 +457,12 @@ _NAMED_BYTES: Final = (
     re.compile(
         rb"""_tokens"""
         + b"".join(b"(?<!" + n + b"_tokens)" for n in _COUNT_NAMES)
+        + rb"""(?:\\*["']|(?:\s|\\t)*[=:])"""
+    ),
+    # refreshTokens" (lowered: refreshtokens"), not maxTokens"
+    re.compile(
+        rb"""(?<=[a-z])tokens"""
+        + b"".join(b"(?<!" + n.lstrip(b"_") + b"tokens)" for n in _COUNT_NAMES)
         + rb"""(?:\\*["']|(?:\s|\\t)*[=:])"""
     ),
     re.compile(rb"""_pass(?:\\*["']|(?:\s|\\t)*[=:])"""),  # DB_PASS=
@@ -586,7 +593,7 @@ def _secret_field(key: str, value: str) -> bool:
         return False
     if value == REDACTED:
         return False
-    if _SAYS_SECRET.search(key.lower()) is not None:
+    if _SAYS_SECRET.search(_CAMEL.sub("_", key).lower()) is not None:
         return True
     # A key or a token, as many things are named that are no credentials ("trace_key":
     # "run-2024-11", "next_token" a page's cursor, a logprob's "token": "Hello"): its value must
@@ -607,9 +614,10 @@ def _credential_field(key: str) -> bool:
 
 
 # Names that say a secret whatever their value (not a key or a token: those name other things too)
-_SAYS_SECRET = re.compile(
+_SAYS_SECRET = re.compile(  # (of the name lowered, camelCase words separated)
     r"passw|secret|[_.-]pwd|_pass(?:[_-]|$)"
-    r"|(?:access|refresh|auth|api|bearer|oauth|session|id|csrf|xsrf|personal|bot)[_-]?tokens?$"
+    r"|(?:^|[_.-])(?:access|refresh|auth|api|bearer|oauth|session|id|csrf|xsrf|personal|bot)"
+    r"[_-]?tokens?$"
 )
 # (as ``_JSON_VALUE`` takes a value: a letter or a digit in its first 512 characters)
 _FIELD_VALUE = re.compile(r"[^A-Za-z0-9]{0,511}[A-Za-z0-9]")

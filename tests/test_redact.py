@@ -733,6 +733,9 @@ def test_a_structured_field_named_as_a_credential_loses_its_value() -> None:
         ("session_token", "a1b2c3d4e5f6a7b8c9d0", True),
         ("access_token", "abc123def456", True),  # (short, but its name says a credential)
         ("authToken", "zzzz9999", True),
+        ("userAccessToken", "q1w2e3r4", True),
+        ("paid_tokens", "1,024 used", False),  # (no id token)
+        ("refreshTokens", "rt-0a9f8e7d6c5b4a39", True),
         ("deploy_tokens", "glft-abc123def456ghi789", True),
         ("ssh_keys", "AAAAC3NzaC1lZDI1NTE5AAAAIG", True),
         ("trace_key", "run-2024-11", False),
@@ -761,3 +764,6 @@ def test_a_structured_field_named_as_a_credential_loses_its_value() -> None:
     line = orjson.dumps({"metadata": {"deploy_tokens": "glft-abc123def456ghi789"}})
     assert line_may_hold_secret(line)
     assert line_may_hold_secret(orjson.dumps({"metadata": {"ssh_keys": "AAAAC3NzaC1lZDI1NTE5"}}))
+    assert line_may_hold_secret(orjson.dumps({"metadata": {"refreshTokens": "rt-0a9f8e7d6c5"}}))
+    for count in ("maxTokens", "maxOutputTokens", "accepted_prediction_tokens", "max_tokens"):
+        assert not line_may_hold_secret(orjson.dumps({count: 100}))
