@@ -453,16 +453,13 @@ _NAMED_BYTES: Final = (
     # key", key\", key\\\" (nested), key', key=; keys", key_id", token_hash" (not tokens": a count)
     re.compile(rb"""keys?(?:_?ids?|_?hash)?(?:\\*["']|(?:\s|\\t)*[=:])"""),
     re.compile(rb"""token(?:_?ids?|_?hash)?(?:\\*["']|(?:\s|\\t)*[=:])"""),
-    # deploy_tokens": a plural that names credentials, not a count (max_tokens", …)
+    # deploy_tokens", refreshTokens" (lowered): a plural that names credentials, not a count
+    # (max_tokens", maxTokens"); the literal first, found as fast as a substring
     re.compile(
-        rb"""_tokens"""
-        + b"".join(b"(?<!" + n + b"_tokens)" for n in _COUNT_NAMES)
-        + rb"""(?:\\*["']|(?:\s|\\t)*[=:])"""
-    ),
-    # refreshTokens" (lowered: refreshtokens"), not maxTokens"
-    re.compile(
-        rb"""(?<=[a-z])tokens"""
-        + b"".join(b"(?<!" + n.lstrip(b"_") + b"tokens)" for n in _COUNT_NAMES)
+        rb"""tokens(?<=[a-z_]tokens)"""
+        + b"".join(
+            b"(?<!" + n + b"_tokens)(?<!" + n.lstrip(b"_") + b"tokens)" for n in _COUNT_NAMES
+        )
         + rb"""(?:\\*["']|(?:\s|\\t)*[=:])"""
     ),
     re.compile(rb"""_pass(?:\\*["']|(?:\s|\\t)*[=:])"""),  # DB_PASS=
