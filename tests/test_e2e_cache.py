@@ -658,8 +658,11 @@ def test_a_request_the_client_left_mid_answer_still_refreshes_its_prefix(
     convo.extend([reply, {"role": "user", "content": "Go on. " + FILE_TEXT[:1000]}])
     sim.sim.advance(200)
     sim.sim.enqueue([parse_script("A long answer " * 400)])
+    # (the answer stalls after its first chunks: a whole one, handed to the client's socket
+    # before it closed, would count as complete, as it should, on a busy machine)
+    stall = {"X-Sim-Fault": "stall", "X-Sim-Stall-S": "5"}
     with client.chat.completions.with_streaming_response.create(
-        model="gpt-4o", messages=convo, stream=True, tools=TOOLS
+        model="gpt-4o", messages=convo, stream=True, tools=TOOLS, extra_headers=stall
     ) as response:
         next(response.iter_bytes())  # the first bytes, then Ctrl+C
     flush(proxy)
