@@ -250,9 +250,9 @@ def account(
     ``not_requested``). A prefix shorter than ``min_cached`` (the model's minimum) was no more
     to be read than nothing. ``dropped``: tokens the previous request sent that this one no
     longer holds, off the expected read (given for a rewritten prefix). ``read_before_rewrite``,
-    asked only of a waste after an idle past the TTL with a rewrite: the tokens the provider
-    would read of this request before the rewrite, by the estimate; a read that reaches half of
-    them proves the entry outlived the TTL, and the rewrite is the cause.
+    asked only of a waste after an idle past the TTL with a rewrite: the least read that shows
+    the provider read this conversation's prefix up to the rewrite (the caller's estimate); one
+    that reaches it proves the entry outlived the TTL, and the rewrite is the cause.
     """
     has_reported = state.has_reported or usage.reported_cache
     counted = (
@@ -284,9 +284,7 @@ def account(
                 alive=lambda: (
                     read_before_rewrite is not None
                     and usage.cache_read > noise_floor
-                    # (half: the estimate's share of the prompt before the rewrite may be far
-                    # off, images counted at their most; a system prompt alone is far less)
-                    and usage.cache_read * 2 >= read_before_rewrite()
+                    and usage.cache_read >= read_before_rewrite()
                 ),
             )
         result = CacheResult(expected, usage.cache_read, usage.cache_write, waste, cause, location)

@@ -106,16 +106,19 @@ def _dropped_tokens(old: prefix.Fingerprint, new: prefix.Fingerprint, prompt: in
     return int(prompt * gone) // max(whole, 1)
 
 
-def _tokens_before(fp: prefix.Fingerprint, divergence: prefix.Divergence, prompt: int) -> int:
-    """Of this request's ``prompt`` tokens, those before the message its ``divergence`` names
-    (the tools and the messages before it, by the estimate's shares)."""
+def _alive_read(fp: prefix.Fingerprint, divergence: prefix.Divergence, prompt: int) -> int:
+    """The least read of this request's ``prompt`` tokens that shows the provider still held
+    its conversation's prefix up to the message its ``divergence`` names: the tools and system
+    prompt (which other sessions may keep warm) and half of the messages between them and that
+    message (by the estimate's shares, which may count images at their most)."""
     messages = list(fp.messages)
     whole = compaction.estimate_tokens(messages)
-    before = compaction.estimate_tokens(messages[: divergence.index or 0])
+    fixed = compaction.estimate_tokens(messages[: fp.system_count])
+    between = compaction.estimate_tokens(messages[fp.system_count : divergence.index or 0])
     if fp.tools:
         tools = compaction.estimate_tokens(fp.tools)
-        whole, before = whole + tools, before + tools
-    return prompt * before // max(whole, 1)
+        whole, fixed = whole + tools, fixed + tools
+    return prompt * (fixed + between // 2) // max(whole, 1)
 
 
 def _to_front(baselines: list[_Baseline], baseline: _Baseline) -> None:
@@ -492,7 +495,7 @@ class AccountingObserver:
                 else None
             ),
             read_before_rewrite=(
-                (lambda: _tokens_before(fp, divergence, usage.prompt))
+                (lambda: _alive_read(fp, divergence, usage.prompt))
                 if divergence is not None and divergence.location == "messages"
                 else None
             ),

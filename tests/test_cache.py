@@ -304,15 +304,16 @@ def test_a_rewrite_after_a_long_idle_is_its_own_cost_when_the_provider_still_rea
     cleared = copy.deepcopy(body)
     cleared["messages"][3]["content"] = "[Old tool result content cleared]"
     cleared["messages"] += tool_round(3)
-    # (the tokens before the cleared output: 8,000, as the caller estimates them)
-    result = session.exchange(cleared, reported(21_000, block(8_000)), 900.0, read_before=8_000)
+    # (the least read that shows the prefix up to the cleared output: 6,000, as the caller
+    # estimates it)
+    result = session.exchange(cleared, reported(21_000, block(8_000)), 900.0, read_before=6_000)
     assert result.cause == "prefix_rewrite" and result.location == "messages[3].content"
     # nothing read, or only a prefix far shorter (a system prompt other sessions keep warm):
     # the TTL, as before
     for read in (0, block(2_300)):
         session = Session(CacheState())
         session.exchange(body, reported(20_000, 0), 0.0)
-        result = session.exchange(cleared, reported(21_000, read), 900.0, read_before=8_000)
+        result = session.exchange(cleared, reported(21_000, read), 900.0, read_before=6_000)
         assert result.cause == "ttl_expired"
 
 

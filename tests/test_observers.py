@@ -777,7 +777,7 @@ def test_past_the_ttl_a_read_up_to_the_rewrite_names_the_rewrite_a_shorter_one_t
     to it, its entry outlived the TTL and the clearing cost the rest; if it read only the
     system prompt (other sessions keep it warm), the TTL is still the cause."""
     system = _system("You are a coding agent. " * 400)  # ~2,400 tokens by the estimate
-    history = [system, *msgs("task " * 3000, "reading", "output " * 1000, "done " * 2000, "go")]
+    history = [system, *msgs("task " * 1000, "reading", "output " * 1000, "done " * 2000, "go")]
     cleared = [*history[:3], {"role": "user", "content": "[cleared]"}, *history[4:]]
     cleared += msgs("next", "and now")[1:]
     whole = estimate_tokens(history)
