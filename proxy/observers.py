@@ -216,20 +216,38 @@ def _answer_of(ex: Exchange) -> tuple[str, frozenset[str]] | None:
     ids = frozenset(
         call["id"]
         for call in (calls if isinstance(calls, list) else ())
-        if isinstance(call, dict) and isinstance(call.get("id"), str) and _random_id(call["id"])
+        if isinstance(call, dict) and isinstance(call.get("id"), str) and _random_id(call)
     )
     return (text, ids) if text or ids else None
 
 
 _ANSWER_TEXT_MIN: Final = 200  # characters: "I'll look into it and report back." is no one's own
-_COUNTER = re.compile(r"[._:-]\d+\Z")
+_COUNTER = re.compile(r"[._:-]\d{1,3}\Z")
 
 
-def _random_id(call_id: str) -> bool:
-    """Whether a tool call id looks made at random: without a trailing counter, 6 characters or
-    more, with a letter and a digit."""
-    rest = _COUNTER.sub("", call_id)
-    return len(rest) >= 6 and any(c.isdigit() for c in rest) and any(c.isalpha() for c in rest)
+def _random_id(call: dict[str, Any]) -> bool:
+    """Whether a tool call's id looks made at random: without a short trailing counter, 6
+    characters or more of two kinds (lower case, upper case, digits), not holding the call's
+    function name (Kimi's ``functions.s3_list:0`` is a name and a counter, which another
+    conversation's first call has too)."""
+    rest = _COUNTER.sub("", call["id"])
+    function = call.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if len(rest) < 6:
+        return False
+    if isinstance(name, str) and name:  # the name as a word of the id
+        at = rest.find(name)
+        while at >= 0:
+            end = at + len(name)
+            if (at == 0 or rest[at - 1] in "._:-") and (end == len(rest) or rest[end] in "._:-"):
+                return False
+            at = rest.find(name, at + 1)
+    kinds = (
+        any(c.islower() for c in rest),
+        any(c.isupper() for c in rest),
+        any(c.isdigit() for c in rest),
+    )
+    return sum(kinds) >= 2
 
 
 def _carries_answer(baseline: _Baseline, body: Any) -> bool:

@@ -15,7 +15,7 @@ from proxy.compaction import estimate_tokens
 from proxy.config import settings_from_mapping
 from proxy.eventlog import EventLogWriter, read_events, replay, replay_requests
 from proxy.metrics import Metrics
-from proxy.observers import AccountingObserver, EventLogObserver
+from proxy.observers import AccountingObserver, EventLogObserver, _random_id
 from proxy.pipeline import Exchange
 from proxy.sessions import MemorySessionStore
 from proxy.usage import Usage
@@ -770,6 +770,29 @@ def test_the_first_message_edited_at_the_second_turn_is_still_its_conversation()
         later = acc.send([_system("agent"), *msgs("Research topic gamma.", given, "go")], 3_100, 0)
         assert later.divergence is None and later.cache is not None
         assert later.cache["expected"] == 0  # another conversation: nothing expected
+
+
+@pytest.mark.parametrize(
+    ("call_id", "name", "random"),
+    [
+        ("call_0eRNSqxG0QoQZ4cFRcXUQpGH", "read", True),  # OpenAI
+        ("toolu_01A09q90qw90lq917835lq9", "read", True),  # Anthropic
+        ("D681PevKs", "read", True),  # Mistral
+        ("abcDEFghi", "read", True),  # Mistral, no digit
+        ("call_k3j9x2ab", "read", True),  # Ollama
+        ("chatcmpl-tool-3f2a9b41", "read", True),  # vLLM
+        ("functions.read:0", "read", False),  # Kimi: a name and a counter
+        ("functions.s3_list:0", "s3_list", False),
+        ("function-call-1", "read", False),
+        ("call_0", "read", False),
+    ],
+)
+def test_only_ids_that_look_random_name_a_conversation(
+    call_id: str, name: str, random: bool
+) -> None:
+    """Kimi's ids restart in every conversation: two conversations' first calls share them."""
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}
+    assert _random_id(call) is random
 
 
 def test_past_the_ttl_a_read_up_to_the_rewrite_names_the_rewrite_a_shorter_one_the_ttl() -> None:
