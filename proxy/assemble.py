@@ -101,7 +101,9 @@ class _ToolCalls:
             if not isinstance(named, Mapping):
                 named = delta.get("custom")
             name = named.get("name") if isinstance(named, Mapping) else None
-            if isinstance(name, str) and name:
+            more = named.get("arguments") if isinstance(named, Mapping) else None
+            if isinstance(name, str) and name and (more or name != call["function"]["name"]):
+                # (the name alone again, after the arguments ended, is no call: a last chunk)
                 assert position is not None
                 pieces = self._arguments[position]
                 scan = self._scans.setdefault(position, _JsonScan())
@@ -705,7 +707,7 @@ class _JsonScan:
         self.escaped = False
         if not self.started and not self.scalar:
             head = piece.lstrip()
-            if head and head[0] not in "{[":
+            if head and head[0] not in '{["':  # (a string is scanned too: double-encoded)
                 self.scalar = True
         if self.scalar:
             return
@@ -722,6 +724,7 @@ class _JsonScan:
                     self.in_string = False
             elif mark == '"':
                 self.in_string = True
+                self.started = True
             elif mark in "{[":
                 self.depth += 1
                 self.started = True

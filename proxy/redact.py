@@ -448,6 +448,16 @@ _COUNT_NAMES: Final = (
     b"text",
     b"image",
     b"prediction",
+    b"min",
+    b"budget",
+    b"thinking",
+    b"hit",
+    b"miss",
+    b"write",
+    b"read",
+    b"creation",
+    b"count",
+    b"chunk",
 )
 _NAMED_BYTES: Final = (
     # key", key\", key\\\" (nested), key', key=; keys", key_id", token_hash" (not tokens": a count)
@@ -613,8 +623,8 @@ def _credential_field(key: str) -> bool:
 # Names that say a secret whatever their value (not a key or a token: those name other things too)
 _SAYS_SECRET = re.compile(  # (of the name lowered, camelCase words separated)
     r"passw|secret|[_.-]pwd|_pass(?:[_-]|$)"
-    r"|(?:^|[_.-])(?:access|refresh|auth|api|bearer|oauth|session|id|csrf|xsrf|personal|bot)"
-    r"[_-]?tokens?$"
+    r"|(?:access|refresh|auth|api|bearer|oauth|session|csrf|xsrf|personal|bot)[_-]?tokens?$"
+    r"|(?:^|[_.-])id[_-]?tokens?$"  # (an id token; not paid_tokens)
 )
 # (as ``_JSON_VALUE`` takes a value: a letter or a digit in its first 512 characters)
 _FIELD_VALUE = re.compile(r"[^A-Za-z0-9]{0,511}[A-Za-z0-9]")

@@ -286,6 +286,23 @@ def test_calls_without_index_or_id_streamed_in_pieces_are_split_where_each_ends(
     assert orjson.loads(calls[1]["function"]["arguments"]) == {"text": 'a"}{[ ', "end": 1}
 
 
+def test_index_less_calls_with_double_encoded_arguments_and_a_closing_name_chunk() -> None:
+    """Arguments sent as a JSON string (double-encoded) end where the string does; a last chunk
+    that repeats the name with no arguments is no call of its own."""
+
+    def piece(name: str, args: str) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": name, "arguments": args}}
+
+    deltas = [piece("w", '"{\\"a\\": '), piece("w", '1}"'), piece("v", "{}"), piece("v", "")]
+    stream = [chunk({"role": "assistant", "tool_calls": [deltas[0]]})]
+    stream += [chunk({"tool_calls": [d]}) for d in deltas[1:]] + [chunk({}, "tool_calls"), DONE]
+    calls = record(stream).message["tool_calls"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("w", '"{\\"a\\": 1}"'),
+        ("v", "{}"),
+    ]
+
+
 def test_parallel_calls_without_arguments_index_or_id_are_each_a_call() -> None:
     def bare(name: str) -> dict[str, Any]:
         return {"type": "function", "function": {"name": name, "arguments": ""}}

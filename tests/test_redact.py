@@ -735,6 +735,8 @@ def test_a_structured_field_named_as_a_credential_loses_its_value() -> None:
         ("authToken", "zzzz9999", True),
         ("userAccessToken", "q1w2e3r4", True),
         ("paid_tokens", "1,024 used", False),  # (no id token)
+        ("useraccesstoken", "abcDEF12", True),
+        ("slackbottoken", "abcDEF12", True),
         ("refreshTokens", "rt-0a9f8e7d6c5b4a39", True),
         ("deploy_tokens", "glft-abc123def456ghi789", True),
         ("ssh_keys", "AAAAC3NzaC1lZDI1NTE5AAAAIG", True),
@@ -765,5 +767,14 @@ def test_a_structured_field_named_as_a_credential_loses_its_value() -> None:
     assert line_may_hold_secret(line)
     assert line_may_hold_secret(orjson.dumps({"metadata": {"ssh_keys": "AAAAC3NzaC1lZDI1NTE5"}}))
     assert line_may_hold_secret(orjson.dumps({"metadata": {"refreshTokens": "rt-0a9f8e7d6c5"}}))
-    for count in ("maxTokens", "maxOutputTokens", "accepted_prediction_tokens", "max_tokens"):
+    for count in (
+        "maxTokens",
+        "maxOutputTokens",
+        "accepted_prediction_tokens",
+        "max_tokens",
+        "prompt_cache_hit_tokens",  # DeepSeek's usage
+        "budget_tokens",  # a thinking budget
+        "min_tokens",
+        "cache_write_tokens",
+    ):
         assert not line_may_hold_secret(orjson.dumps({count: 100}))
