@@ -238,7 +238,6 @@ def account(
     unmarked: Callable[[], bool] | None = None,
     min_cached: int = 0,
     dropped: int = 0,
-    read_before_rewrite: Callable[[], int] | None = None,
 ) -> tuple[CacheState, CacheResult]:
     """Account one finished exchange; return the session's new state and the exchange's figures.
 
@@ -249,10 +248,7 @@ def account(
     provider caches only marked prefixes and the request marked none (the waste is then
     ``not_requested``). A prefix shorter than ``min_cached`` (the model's minimum) was no more
     to be read than nothing. ``dropped``: tokens the previous request sent that this one no
-    longer holds, off the expected read (given for a rewritten prefix). ``read_before_rewrite``,
-    asked only of a waste after an idle past the TTL with a rewrite: the least read that shows
-    the provider read this conversation's prefix up to the rewrite (the caller's estimate); one
-    that reaches it proves the entry outlived the TTL, and the rewrite is the cause.
+    longer holds, off the expected read (given for a rewritten prefix).
     """
     has_reported = state.has_reported or usage.reported_cache
     counted = (
@@ -273,20 +269,7 @@ def account(
         elif unmarked is not None and unmarked():  # nothing was asked of the cache
             cause, location = "not_requested", None
         else:
-            cause, location = _attribute(
-                state,
-                fingerprint,
-                divergence,
-                started_at,
-                ttl_s,
-                model,
-                # what the provider read, up to the rewrite, proves its entry outlived the idle
-                alive=lambda: (
-                    read_before_rewrite is not None
-                    and usage.cache_read > noise_floor
-                    and usage.cache_read >= read_before_rewrite()
-                ),
-            )
+            cause, location = _attribute(state, fingerprint, divergence, started_at, ttl_s, model)
         result = CacheResult(expected, usage.cache_read, usage.cache_write, waste, cause, location)
     else:
         result = CacheResult(0, usage.cache_read, usage.cache_write, 0)
@@ -348,16 +331,9 @@ def _attribute(
     started_at: float,
     ttl_s: float,
     model: str,
-    alive: Callable[[], bool] | None = None,
 ) -> tuple[Cause, str | None]:
     idle = idle_seconds(state, fingerprint, started_at)
-    if (
-        idle is not None
-        and idle > ttl_s
-        and not (divergence is not None and alive is not None and alive())
-    ):
-        # (unless the provider read much of the prefix, up to a rewrite: its entry was alive,
-        # as OpenAI's may be up to an hour off-peak, and the rewrite cost the rest)
+    if idle is not None and idle > ttl_s:
         return "ttl_expired", None
     if divergence is not None:
         cause: Cause = "params_changed" if divergence.location == "params" else "prefix_rewrite"

@@ -106,21 +106,6 @@ def _dropped_tokens(old: prefix.Fingerprint, new: prefix.Fingerprint, prompt: in
     return int(prompt * gone) // max(whole, 1)
 
 
-def _alive_read(fp: prefix.Fingerprint, divergence: prefix.Divergence, prompt: int) -> int:
-    """The least read of this request's ``prompt`` tokens that shows the provider still held
-    its conversation's prefix up to the message its ``divergence`` names: the tools and system
-    prompt (which other sessions may keep warm) and half of the messages between them and that
-    message (by the estimate's shares, which may count images at their most)."""
-    messages = list(fp.messages)
-    whole = compaction.estimate_tokens(messages)
-    fixed = compaction.estimate_tokens(messages[: fp.system_count])
-    between = compaction.estimate_tokens(messages[fp.system_count : divergence.index or 0])
-    if fp.tools:
-        tools = compaction.estimate_tokens(fp.tools)
-        whole, fixed = whole + tools, fixed + tools
-    return prompt * (fixed + between // 2) // max(whole, 1)
-
-
 def _to_front(baselines: list[_Baseline], baseline: _Baseline) -> None:
     """``baseline`` the most recently seen of its session's."""
     if baseline is not baselines[0]:
@@ -510,11 +495,6 @@ class AccountingObserver:
             unmarked=(
                 self._unmarked(extra, usage, body, min_cached)
                 if usage.explicit_cache or marked_only
-                else None
-            ),
-            read_before_rewrite=(
-                (lambda: _alive_read(fp, divergence, usage.prompt))
-                if divergence is not None and divergence.location == "messages"
                 else None
             ),
         )

@@ -85,7 +85,6 @@ class Session:
         after_compaction: bool = False,
         unmarked: bool = False,
         min_cached: int = 0,
-        read_before: int | None = None,
     ) -> CacheResult:
         body = orjson.loads(orjson.dumps(body))  # every request arrives parsed afresh
         fp = fingerprint(body, previous=self.fp)
@@ -105,7 +104,6 @@ class Session:
             after_compaction=after_compaction,
             unmarked=(lambda: True) if unmarked else None,
             min_cached=min_cached,
-            read_before_rewrite=(lambda: read_before) if read_before is not None else None,
         )
         self.body, self.fp = body, fp
         return result
@@ -291,30 +289,6 @@ def test_a_rewrite_after_a_long_idle_is_blamed_on_the_ttl() -> None:
     body["messages"][0]["content"] = SYSTEM + " Be brief."
     result = session.exchange(body, reported(21_000, 0), 601.0)
     assert (result.cause, result.location, result.waste) == ("ttl_expired", None, 20_000)
-
-
-def test_a_rewrite_after_a_long_idle_is_its_own_cost_when_the_provider_still_read_to_it() -> None:
-    """OpenAI keeps an entry up to an hour off-peak: past the model's TTL the provider still
-    read the prefix up to a cleared tool output, and the rest was that rewrite's cost, not the
-    idle time's."""
-    session = Session(CacheState())
-    body = opening()
-    body["messages"] += tool_round(1, "line\n" * 400) + tool_round(2, "line\n" * 400)
-    session.exchange(body, reported(20_000, 0), 0.0)
-    cleared = copy.deepcopy(body)
-    cleared["messages"][3]["content"] = "[Old tool result content cleared]"
-    cleared["messages"] += tool_round(3)
-    # (the least read that shows the prefix up to the cleared output: 6,000, as the caller
-    # estimates it)
-    result = session.exchange(cleared, reported(21_000, block(8_000)), 900.0, read_before=6_000)
-    assert result.cause == "prefix_rewrite" and result.location == "messages[3].content"
-    # nothing read, or only a prefix far shorter (a system prompt other sessions keep warm):
-    # the TTL, as before
-    for read in (0, block(2_300)):
-        session = Session(CacheState())
-        session.exchange(body, reported(20_000, 0), 0.0)
-        result = session.exchange(cleared, reported(21_000, read), 900.0, read_before=6_000)
-        assert result.cause == "ttl_expired"
 
 
 def test_idle_runs_from_the_start_of_the_previous_request_not_its_end() -> None:

@@ -795,24 +795,6 @@ def test_only_ids_that_look_random_name_a_conversation(
     assert _random_id(call) is random
 
 
-def test_past_the_ttl_a_read_up_to_the_rewrite_names_the_rewrite_a_shorter_one_the_ttl() -> None:
-    """Idle past the model's TTL, the agent clears an old tool output: if the provider read up
-    to it, its entry outlived the TTL and the clearing cost the rest; if it read only the
-    system prompt (other sessions keep it warm), the TTL is still the cause."""
-    system = _system("You are a coding agent. " * 400)  # ~2,400 tokens by the estimate
-    history = [system, *msgs("task " * 1000, "reading", "output " * 1000, "done " * 2000, "go")]
-    cleared = [*history[:3], {"role": "user", "content": "[cleared]"}, *history[4:]]
-    cleared += msgs("next", "and now")[1:]
-    whole = estimate_tokens(history)
-    before = estimate_tokens(history[:3])  # the provider's read up to the cleared output
-    for read, cause in ((before - 200, "prefix_rewrite"), (2_300, "ttl_expired")):
-        acc = _Accounting()
-        acc.send_body({"model": "gpt-4o", "messages": history}, whole, 0, at=0.0)
-        now = estimate_tokens(cleared)
-        ex = acc.send_body({"model": "gpt-4o", "messages": cleared}, now, read, at=7_200.0)
-        assert ex.cache is not None and ex.cache["cause"] == cause, (read, ex.cache)
-
-
 def test_look_alike_conversations_do_not_replace_each_other() -> None:
     """Agents that share a system prompt and an opening, with their own tools, or workers whose
     tasks differ by a number only: each keeps its own baseline. And a fork that repeats a
