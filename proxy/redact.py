@@ -428,36 +428,55 @@ _ANCHORS_BYTES: Final = tuple(re.compile(anchor.encode()) for anchor in _SECRET_
 # "passw" as they are. A pattern with a literal start is found as fast as a plain substring (~0.7
 # µs per 1.5 KB). Object fields named ``apikey``, ``x-api-key``, … end in ``key"``.
 # (White space before the operator may be a tab, written ``\t`` in a JSON line.)
-# What a plural ``_tokens`` field counts (``max_tokens``, ``max_completion_tokens``, …)
-_COUNT_NAMES: Final = (
-    b"max",
-    b"new",
-    b"completion",
-    b"prompt",
-    b"input",
-    b"output",
-    b"total",
-    b"reasoning",
-    b"cached",
-    b"num",
-    b"_n",
-    b"page",
-    b"special",
-    b"stop",
-    b"audio",
-    b"text",
-    b"image",
-    b"prediction",
-    b"min",
-    b"budget",
-    b"thinking",
-    b"hit",
-    b"miss",
-    b"write",
-    b"read",
-    b"creation",
-    b"count",
-    b"chunk",
+# Fields that count tokens, as a JSON key (after its quote): a plural ``tokens`` that names no
+# credential (``deploy_tokens`` does; ``admin_tokens`` too, though it ends as ``min_tokens``).
+_COUNT_KEYS: Final = (
+    b"max_tokens",
+    b"max_completion_tokens",
+    b"max_new_tokens",
+    b"max_output_tokens",
+    b"max_thinking_tokens",
+    b"min_tokens",
+    b"prompt_tokens",
+    b"completion_tokens",
+    b"total_tokens",
+    b"input_tokens",
+    b"output_tokens",
+    b"reasoning_tokens",
+    b"thinking_tokens",
+    b"cached_tokens",
+    b"audio_tokens",
+    b"text_tokens",
+    b"image_tokens",
+    b"accepted_prediction_tokens",
+    b"rejected_prediction_tokens",
+    b"prompt_cache_hit_tokens",
+    b"prompt_cache_miss_tokens",
+    b"cache_read_input_tokens",
+    b"cache_creation_input_tokens",
+    b"cache_read_tokens",
+    b"cache_write_tokens",
+    b"cache_creation_tokens",
+    b"ephemeral_5m_input_tokens",
+    b"ephemeral_1h_input_tokens",
+    b"budget_tokens",
+    b"num_tokens",
+    b"n_tokens",
+    b"special_tokens",
+    b"stop_tokens",
+    b"count_tokens",
+    b"chunk_tokens",
+    b"maxtokens",  # camelCase, lowered
+    b"maxoutputtokens",
+    b"maxcompletiontokens",
+    b"prompttokens",
+    b"completiontokens",
+    b"totaltokens",
+    b"inputtokens",
+    b"outputtokens",
+    b"cachedtokens",
+    b"reasoningtokens",
+    b"budgettokens",
 )
 _NAMED_BYTES: Final = (
     # key", key\", key\\\" (nested), key', key=; keys", key_id", token_hash" (not tokens": a count)
@@ -467,9 +486,7 @@ _NAMED_BYTES: Final = (
     # (max_tokens", maxTokens"); the literal first, found as fast as a substring
     re.compile(
         rb"""tokens(?<=[a-z_]tokens)"""
-        + b"".join(
-            b"(?<!" + n + b"_tokens)(?<!" + n.lstrip(b"_") + b"tokens)" for n in _COUNT_NAMES
-        )
+        + b"".join(b'(?<!"' + key + b")" for key in _COUNT_KEYS)
         + rb"""(?:\\*["']|(?:\s|\\t)*[=:])"""
     ),
     re.compile(rb"""_pass(?:\\*["']|(?:\s|\\t)*[=:])"""),  # DB_PASS=

@@ -767,6 +767,10 @@ def test_a_structured_field_named_as_a_credential_loses_its_value() -> None:
     assert line_may_hold_secret(line)
     assert line_may_hold_secret(orjson.dumps({"metadata": {"ssh_keys": "AAAAC3NzaC1lZDI1NTE5"}}))
     assert line_may_hold_secret(orjson.dumps({"metadata": {"refreshTokens": "rt-0a9f8e7d6c5"}}))
+    for name in ("ADMIN_TOKENS", "SERVICE_ACCOUNT_TOKENS", "HF_READ_TOKENS"):  # not counts
+        text = f"{name}=Zq8v1234567890abcd"
+        assert line_may_hold_secret(orjson.dumps({"content": text}))
+        assert redact_text(text) == f"{name}={REDACTED}"
     for count in (
         "maxTokens",
         "maxOutputTokens",
