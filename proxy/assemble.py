@@ -101,9 +101,7 @@ class _ToolCalls:
             if not isinstance(named, Mapping):
                 named = delta.get("custom")
             name = named.get("name") if isinstance(named, Mapping) else None
-            more = named.get("arguments") if isinstance(named, Mapping) else None
-            if isinstance(name, str) and name and (more or name != call["function"]["name"]):
-                # (the name alone again, after the arguments ended, is no call: a last chunk)
+            if isinstance(name, str) and name:
                 assert position is not None
                 pieces = self._arguments[position]
                 scan = self._scans.setdefault(position, _JsonScan())
@@ -141,10 +139,19 @@ class _ToolCalls:
     def ordered(self) -> list[dict[str, Any]]:
         """Copies of the calls, by index, in the message's ``tool_calls`` shape."""
         positions = sorted(range(len(self.calls)), key=self._order.__getitem__)
-        out = []
+        out: list[dict[str, Any]] = []
         for i in positions:
             call = self.calls[i]
             text = "".join(self._arguments[i])
+            if (
+                not text
+                and not call["id"]
+                and self._order[i] == float("inf")
+                and out
+                and out[-1]["function" if "function" in out[-1] else "custom"]["name"]
+                == call["function"]["name"]
+            ):
+                continue  # the name alone again, after a call's arguments: a closing chunk
             if call["type"] == "custom":
                 custom = {"name": call["function"]["name"], "input": text}
                 out.append({"id": call["id"], "type": "custom", "custom": custom})

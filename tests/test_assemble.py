@@ -303,6 +303,23 @@ def test_index_less_calls_with_double_encoded_arguments_and_a_closing_name_chunk
     ]
 
 
+def test_same_named_calls_without_index_or_id_each_opened_by_a_name_only_delta() -> None:
+    """OpenAI's shape with the index and ids taken out by a gateway: each call opens with its
+    name (and empty arguments), then its arguments; two calls to one function were merged."""
+
+    def opening() -> dict[str, Any]:
+        return {"type": "function", "function": {"name": "read", "arguments": ""}}
+
+    def args(text: str) -> dict[str, Any]:
+        return {"function": {"arguments": text}}
+
+    deltas = [opening(), args('{"p":'), args('"a"}'), opening(), args('{"p":"b"}')]
+    stream = [chunk({"role": "assistant", "tool_calls": [deltas[0]]})]
+    stream += [chunk({"tool_calls": [d]}) for d in deltas[1:]] + [chunk({}, "tool_calls"), DONE]
+    calls = record(stream).message["tool_calls"]
+    assert [c["function"]["arguments"] for c in calls] == ['{"p":"a"}', '{"p":"b"}']
+
+
 def test_parallel_calls_without_arguments_index_or_id_are_each_a_call() -> None:
     def bare(name: str) -> dict[str, Any]:
         return {"type": "function", "function": {"name": name, "arguments": ""}}
