@@ -35,6 +35,8 @@ from typing import Any, Literal
 
 import orjson
 
+from proxy.prefix import MEDIA_PART_TYPES
+
 Message = dict[str, Any]
 Source = Literal["model", "extractive"]
 
@@ -175,7 +177,6 @@ def estimate_tokens(obj: Any) -> int:
 # What one image part costs at most, roughly: Anthropic's ~1,600 tokens for 1.15 megapixels,
 # OpenAI's 765-1,105 for a high-detail image of usual sizes.
 MEDIA_PART_TOKENS = 1600
-_MEDIA_PART_TYPES = frozenset({"image_url", "input_image", "image", "input_audio", "file"})
 
 
 def _json_tokens(obj: Any) -> int:
@@ -184,7 +185,7 @@ def _json_tokens(obj: Any) -> int:
     if isinstance(content, list):
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind in _MEDIA_PART_TYPES:
+            if isinstance(kind, str) and kind in MEDIA_PART_TYPES:
                 size += media_part_tokens(part) * BYTES_PER_TOKEN - len(orjson.dumps(part))
     return -(-max(size, 0) // BYTES_PER_TOKEN)
 

@@ -685,11 +685,13 @@ def _has_media(message: Any) -> bool:
     return isinstance(content, list) and any(_is_media(part) for part in content)
 
 
-_MEDIA_TYPES: Final = frozenset({"image_url", "input_image", "image", "input_audio", "file"})
+# A message's parts that are no text: an image, audio or a file (the compaction's estimate
+# counts them by what they cost, not by their base64, as the kept shares here do)
+MEDIA_PART_TYPES: Final = frozenset({"image_url", "input_image", "image", "input_audio", "file"})
 
 
 def _is_media(part: Any) -> bool:
-    return isinstance(part, Mapping) and part.get("type") in _MEDIA_TYPES
+    return isinstance(part, Mapping) and part.get("type") in MEDIA_PART_TYPES
 
 
 def _common_run(most: int, same: Callable[[int], bool]) -> int:
