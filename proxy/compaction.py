@@ -31,7 +31,7 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import orjson
 
@@ -107,6 +107,21 @@ _PATH_RE = re.compile(
     r")"
 )
 _FENCE_RE = re.compile(r"```(?:bash|sh|shell|console|zsh|terminal)[^\n]*\n(.*?)```", re.DOTALL)
+
+
+class LastUsage(NamedTuple):
+    """What the compaction trigger keeps of a session's last answered exchange: the provider's
+    count of it, the client history it was of (its length, first and last message: a turn of
+    another conversation is not counted on the numbers of this one), the compaction it went out
+    with (its prefix digest, or None) and its tools."""
+
+    prompt: int
+    completion: int
+    messages: int  # how many the client sent
+    head: Any
+    tail: Any
+    compaction: str | None
+    tools: Any
 
 
 @dataclass(frozen=True, slots=True)

@@ -135,30 +135,31 @@ class Compactor:
         if overcount > 1:  # plan against the window as cachegate's estimate counts
             shrunk_window = max(1, int(model_cfg.context_window / overcount))
             model_cfg = dataclasses.replace(model_cfg, context_window=shrunk_window)
-        last = state.extra.get("last_usage")
+        last: compaction.LastUsage | None = state.extra.get("last_usage")
         if last is not None:  # the provider's numbers, if this history carries theirs on
-            count, head, tail = last[2], last[3], last[4]
+            count = last.messages
             if not (
                 0 < count <= len(messages)
-                and (_same(messages[0], head) or _retimed(messages[0], head))
-                and _same(messages[count - 1], tail)
+                and (_same(messages[0], last.head) or _retimed(messages[0], last.head))
+                and _same(messages[count - 1], last.tail)
             ):
                 last = None  # another conversation's, or a rewind: the estimate decides
         held: dict[str, list[Any]] = state.extra.setdefault("compactions", {})
         existing, known = self._existing(held, messages)
-        if last is not None and last[5] != (existing.prefix_digest if existing else None):
+        if last is not None and last.compaction != (existing.prefix_digest if existing else None):
             # The provider counted a history with another summary in it, or with one where
             # this goes without (a message it covers was changed: an old tool output cleared),
             # or none where this one would have one: the estimate decides.
             last = None
         tools = body.get("tools")
         tools_tokens = compaction.estimate_tokens(tools) if tools else 0
-        appended = messages[last[2] :] if last else []
+        appended = messages[last.messages :] if last else []
         if appended and isinstance(appended[0], dict) and appended[0].get("role") == "assistant":
             appended = appended[1:]  # the previous answer: its completion tokens count it
         grown = 0  # tools added since (an MCP server connected): the provider's numbers lack them
-        if last is not None and last[6] is not tools and last[6] != tools:
-            grown = max(0, tools_tokens - (compaction.estimate_tokens(last[6]) if last[6] else 0))
+        if last is not None and last.tools is not tools and last.tools != tools:
+            before = compaction.estimate_tokens(last.tools) if last.tools else 0
+            grown = max(0, tools_tokens - before)
         plan = compaction.plan(
             messages,
             existing=existing,
@@ -167,8 +168,8 @@ class Compactor:
             trigger_percent=cfg.trigger_percent,
             keep_recent=cfg.keep_recent,
             max_anchor_chars=cfg.max_anchor_chars,
-            last_prompt=last[0] if last else None,
-            last_completion=last[1] if last else None,
+            last_prompt=last.prompt if last else None,
+            last_completion=last.completion if last else None,
             appended_estimate=compaction.estimate_tokens(appended) + grown,
             force=force,
             synthetic_prefixes=SYNTHETIC_PREFIXES,

@@ -460,12 +460,18 @@ class AccountingObserver:
         # For the compaction trigger: the provider's count, and the client history it was of
         # (its length, first and last message: a turn of another conversation of the session,
         # a sub-agent's or a title request's, is not counted on the numbers of this one).
-        sent = ex.client_body.get("messages") if isinstance(ex.client_body, dict) else None
-        ends = (
-            (len(sent), sent[0], sent[-1]) if isinstance(sent, list) and sent else (0, None, None)
+        client = ex.client_body if isinstance(ex.client_body, dict) else {}
+        sent = client.get("messages")
+        sent = sent if isinstance(sent, list) and sent else None
+        extra["last_usage"] = compaction.LastUsage(
+            prompt=usage.prompt,
+            completion=usage.completion,
+            messages=len(sent) if sent else 0,
+            head=sent[0] if sent else None,
+            tail=sent[-1] if sent else None,
+            compaction=ex.compaction_digest,
+            tools=client.get("tools"),
         )
-        tools = ex.client_body.get("tools") if isinstance(ex.client_body, dict) else None
-        extra["last_usage"] = (usage.prompt, usage.completion, *ends, ex.compaction_digest, tools)
         after_compaction = ex.compaction_made
         cache_state: CacheState = extra.get("cache") or CacheState()
         if base != (cache_state.prev_prompt, cache_state.params_digest, cache_state.model):
