@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import random
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -15,6 +17,7 @@ from proxy.metrics import (
     REPAIR_KINDS,
     REWRITE_LOCATIONS,
     TOKEN_USAGE_BUCKETS,
+    TTFB_BUCKETS,
     UPSTREAM_ERROR_KINDS,
     WASTE_CAUSES,
     Metrics,
@@ -73,8 +76,65 @@ def test_requests_count_by_route_model_and_status(
     assert value(registry, f"{hist}_bucket", le="0.25", **labels) == 1.0
     assert value(registry, f"{hist}_bucket", le="2.5", **labels) == 2.0
     assert value(registry, f"{hist}_bucket", le="600.0", **labels) == 2.0
+    # A refusal is counted, but its few milliseconds are not a request's duration
     other = {"route": "chat", "model": "other"}
-    assert value(registry, f"{hist}_bucket", le="0.01", **other) == 1.0
+    assert value(registry, f"{hist}_count", **other) == 0
+
+
+def test_request_duration_leaves_out_refusals_and_errors_but_not_a_client_leaving(
+    metrics: Metrics, registry: CollectorRegistry
+) -> None:
+    """A storm of 429s (answered within milliseconds) must not pull the duration percentiles
+    down just when the provider is in trouble; a stream the client cut short still took its
+    time."""
+    metrics.observe_request("chat", "gpt-4o", 200, 2.0)
+    for status in (400, 429, 500, 502, 504):
+        metrics.observe_request("chat", "gpt-4o", status, 0.002)
+    metrics.observe_exchange("chat", "gpt-4o", 429, 0.001, 0.0001, 0.001, None)
+    metrics.observe_exchange("chat", "gpt-4o", 499, 7.0, 0.0001, 0.4, None)
+    metrics.observe_exchange("passthrough", None, 404, 0.001, 0.0001, 0.001, None)
+    metrics.observe_exchange("passthrough", None, 200, 0.3, 0.0001, 0.01, None)
+
+    hist = "cachegate_request_duration_seconds"
+    chat = {"route": "chat", "model": "gpt-4o"}
+    assert value(registry, f"{hist}_count", **chat) == 2.0
+    assert value(registry, f"{hist}_sum", **chat) == pytest.approx(9.0)
+    assert value(registry, "cachegate_requests_total", status="429", **chat) == 2.0
+    passthrough = {"route": "passthrough", "model": "other"}
+    assert value(registry, f"{hist}_count", **passthrough) == 1.0
+    assert value(registry, "cachegate_requests_total", status="404", **passthrough) == 1.0
+
+
+def test_latency_buckets_read_a_typical_first_byte_closely(
+    metrics: Metrics, registry: CollectorRegistry
+) -> None:
+    """First bytes of 0.30-0.41 s (an ordinary chat answer): the panel's interpolated p50 must
+    land near 0.31 s, not at 0.375 as with buckets of 0.25, 0.5, 1."""
+    rng = random.Random(7)
+    samples = sorted(0.302 + rng.random() * 0.107 for _ in range(200))
+    for s in samples:
+        metrics.observe_ttfb("gpt-4o", s)
+        metrics.observe_request("chat", "gpt-4o", 200, s + 2.8)
+    true_p50 = samples[100]
+
+    def p50(name: str, labels: dict[str, str]) -> float:
+        bounds = TTFB_BUCKETS if "first_byte" in name else DURATION_BUCKETS
+        counts = [value(registry, f"{name}_bucket", le=str(b), **labels) or 0 for b in bounds]
+        rank = counts[-1] / 2
+        lower, below = 0.0, 0.0
+        for bound, count in zip(bounds, counts, strict=True):
+            if count >= rank:  # Prometheus's linear interpolation inside the bucket
+                return lower + (bound - lower) * (rank - below) / (count - below)
+            lower, below = bound, count
+        raise AssertionError("no bucket holds the median")
+
+    ttfb = p50("cachegate_time_to_first_byte_seconds", {"model": "gpt-4o"})
+    duration = p50("cachegate_request_duration_seconds", {"route": "chat", "model": "gpt-4o"})
+    assert abs(ttfb - true_p50) / true_p50 < 0.2
+    assert abs(duration - (true_p50 + 2.8)) / (true_p50 + 2.8) < 0.2
+    for bounds in (TTFB_BUCKETS, DURATION_BUCKETS):
+        inside = [b for b in bounds if 0.25 <= b <= 10.0]
+        assert all(b / a <= 2.0 for a, b in itertools.pairwise(inside))
 
 
 def test_histogram_buckets_suit_each_quantity(
@@ -226,6 +286,9 @@ def test_finite_label_sets_start_at_zero(metrics: Metrics, registry: CollectorRe
             for status in ("200", "400", "429", "499", "500", "502", "503", "504"):
                 # (the first error of each shows in a rate)
                 assert value(registry, "cachegate_requests_total", status=status, **labels) == 0
+            # cachegate's own 405 (a method a relayed path does not take) is a passthrough's
+            seeded = value(registry, "cachegate_requests_total", status="405", **labels)
+            assert seeded == (0 if route == "passthrough" else None)
             assert value(registry, "cachegate_request_duration_seconds_count", **labels) == 0
     for location in REWRITE_LOCATIONS:
         assert value(registry, "cachegate_prefix_rewrites_total", location=location) == 0
