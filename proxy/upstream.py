@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import os
 import select
 import socket
@@ -307,6 +308,7 @@ class _Connection(asyncio.Protocol):
         self._sent_at = 0.0  # loop time the request was all written
         self._head_bytes = 0  # bytes received of the current answer before its headers ended
         self._fd = -1
+        self._inode = -1  # the socket's, when plain TCP: what a salvage reads is its own
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -314,6 +316,9 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's too)
         sock = transport.get_extra_info("socket")
         self._fd = sock.fileno() if sock is not None else -1
+        if self._fd >= 0 and transport.get_extra_info("sslcontext") is None:
+            with contextlib.suppress(OSError):
+                self._inode = os.fstat(self._fd).st_ino
 
     def readable(self) -> bool:
         """Whether the socket has bytes or its end waiting that the loop has not read yet. An
@@ -356,6 +361,8 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.closed:
             return
+        if exc is not None and self._parser is not None and not self._complete:
+            self._salvage()
         self.closed = True
         if self._timer is not None:
             self._timer.cancel()
@@ -372,6 +379,28 @@ class _Connection(asyncio.Protocol):
         drain = self._drain
         if drain is not None and not drain.done():
             drain.set_exception(httpx.WriteError("upstream closed the connection"))
+
+    def _salvage(self) -> None:
+        """Read what the socket still holds when a write failed. A server that refuses an upload
+        (401, 413) answers and closes without reading it; a write of the upload's next piece
+        then fails on the reset, and the transport closes before the loop reads the answer that
+        came just before the reset: the client would get an error instead of the refusal (and
+        its SDK would send the whole upload again). Plain TCP only (TLS bytes are the
+        transport's to decrypt), and only the socket this connection opened (its inode)."""
+        if self._inode < 0 or self._aborted:
+            return
+        try:
+            if os.fstat(self._fd).st_ino != self._inode:
+                return
+            for _ in range(64):  # an error answer: a few KiB; at most 4 MiB
+                data = os.read(self._fd, 65536)
+                if not data:
+                    return
+                self.data_received(data)
+                if self._complete or self._aborted:
+                    return
+        except OSError:  # nothing more (the reset itself, or nothing waiting)
+            return
 
     def pause_writing(self) -> None:
         if self._drain is None or self._drain.done():
@@ -523,19 +552,43 @@ class _Connection(asyncio.Protocol):
             transport.write(head)
             sized = isinstance(content, SizedStream)
             async for chunk in content:
+                if answer.done() or self.closed or transport.is_closing():
+                    # Answered (or failed, or closed) before the body was all sent: a server
+                    # that refuses an upload (401, 413) answers and closes without reading it.
+                    # Its answer is relayed; the connection cannot carry another request.
+                    self._request_incomplete = True
+                    break
                 if chunk:
                     transport.write(chunk if sized else b"%x\r\n" % len(chunk) + chunk + b"\r\n")
                     drain = self._drain
                     if drain is not None and not drain.done():
-                        await self.wait(drain)  # an upstream that stops reading times out
-                if answer.done():  # answered (or failed) before the body was all sent
-                    self._request_incomplete = True  # the connection cannot carry another
+                        await self._drain_or_answer(drain, answer)
+                if answer.done():  # (not waiting for the client's next piece to notice)
+                    self._request_incomplete = True
                     break
             else:
-                if not sized:
+                if not sized and not (self.closed or transport.is_closing()):
                     transport.write(b"0\r\n\r\n")
         self._sent_at = self.loop.time()
         return await self.wait(answer)
+
+    async def _drain_or_answer(
+        self, drain: asyncio.Future[None], answer: asyncio.Future[Any]
+    ) -> None:
+        """Wait until the upstream reads more of an upload, or answers it. An upstream that stops
+        reading and says nothing times out; one that answers meanwhile (and closes, or keeps the
+        connection open unread) ends the wait, and its answer is what the client gets."""
+        if answer.done():
+            return
+        wake = functools.partial(_settle_drain, drain)
+        answer.add_done_callback(wake)
+        try:
+            await self.wait(drain)
+        except httpx.WriteError:
+            if not answer.done():  # closed with no answer: the answer's own error follows
+                raise
+        finally:
+            answer.remove_done_callback(wake)
 
     def pause_reading(self) -> None:
         if not self._reading_paused and self.transport is not None and not self.closed:
@@ -595,6 +648,10 @@ def _ip_family(host: str) -> int:
 def _settle(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _settle_drain(drain: asyncio.Future[None], _answer: asyncio.Future[Any]) -> None:
+    _settle(drain)
 
 
 async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:

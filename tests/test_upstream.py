@@ -703,6 +703,41 @@ def test_an_upload_that_ends_after_an_early_answer_still_ends_its_request() -> N
     run(main())
 
 
+@pytest.mark.timeout(30)
+def test_an_answer_while_the_upload_waits_for_room_ends_the_wait() -> None:
+    """An upstream that answers (413) and then leaves the connection open, reading nothing
+    more: the answer comes back at once, not after the read timeout's wait for room."""
+    release = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await asyncio.sleep(0.3)  # the socket buffers fill up meanwhile
+        writer.write(answer(b"too large", b"413 Payload Too Large"))
+        await writer.drain()
+        await release.wait()
+        writer.close()
+
+    async def endless() -> AsyncIterator[bytes]:
+        while True:
+            yield b"x" * 65536
+
+    async def main() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+        pool = UpstreamPool(read_timeout=8)
+        t0 = time.monotonic()
+        resp = await pool.open("POST", url, [], endless())
+        assert resp.status_code == 413
+        assert await read(resp) == b"too large"
+        assert time.monotonic() - t0 < 4
+        assert pool.idle_connections == 0  # half an upload is on it: not reused
+        release.set()
+        await pool.aclose()
+        server.close()
+
+    run(main())
+
+
 def test_a_bytearray_body_is_sent_with_its_length() -> None:
     async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
         w.write(answer(req.split(b"\r\n\r\n", 1)[1]))
@@ -1233,3 +1268,86 @@ def test_only_what_the_first_send_left_is_written(sent: int, expected: list[byte
         assert resp.status_code == 200 and await resp.aread() == b"ok"
 
     run(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("sized", [False, True], ids=["chunked", "with-length"])
+def test_a_refusal_before_the_upload_and_a_close_reach_the_caller(loop: str, sized: bool) -> None:
+    """nginx and Cloudflare answer an upload they refuse (401, 413) at once and close without
+    reading it. The answer is what the caller gets, every time: not an error from writing the
+    rest of the upload to the closed socket (which the client's SDK takes for an unreachable
+    upstream and answers by uploading it all again)."""
+    size = 30 * 1024 * 1024
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(
+                answer(b'{"error":"no key"}', b"401 Unauthorized", b"connection: close\r\n")
+            )
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()  # the upload is left unread in the socket
+
+    async def upload() -> AsyncIterator[bytes]:
+        piece = b"x" * (1024 * 1024)  # (more than the socket takes at once: writes wait)
+        for _ in range(size // len(piece)):
+            yield piece
+
+    async def main() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/files"
+        pool = UpstreamPool(read_timeout=10)
+        for _ in range(6):
+            body = upstream.SizedStream(upload(), size) if sized else upload()
+            resp = await pool.open("POST", url, [], body)
+            assert resp.status_code == 401
+            assert await read(resp) == b'{"error":"no key"}'
+        assert pool.open_connections == 0
+        await pool.aclose()
+        server.close()
+
+    run_on(loop, main())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("loop", LOOPS)
+def test_an_answer_the_loop_had_not_read_when_a_write_failed_still_reaches_the_caller(
+    loop: str,
+) -> None:
+    """The refusal and the reset arrive together; the next write of the upload fails on the reset
+    and the transport closes before the loop has read the refusal. It is read from the socket
+    then: the caller gets the 401, not 'closed before answering'. (Reading is paused here so the
+    loop cannot read it first, as it cannot when both land between its polls.)"""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer(b'{"error":"no key"}', b"401 Unauthorized", b"connection: close\r\n"))
+        await writer.drain()
+        writer.transport.abort()  # unread upload in its buffer: the kernel resets
+
+    async def main() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/files"
+        pool = UpstreamPool(read_timeout=10)
+
+        async def upload() -> AsyncIterator[bytes]:
+            (conn,) = pool._open
+            assert conn.transport is not None
+            conn.transport.pause_reading()  # the answer stays in the socket
+            yield b"x" * 1000
+            await asyncio.sleep(0.3)  # the refusal and the reset arrive
+            for _ in range(100):
+                yield b"x" * 65536
+                await asyncio.sleep(0.01)
+
+        resp = await pool.open("POST", url, [], upload())
+        assert resp.status_code == 401
+        assert await read(resp) == b'{"error":"no key"}'
+        await pool.aclose()
+        server.close()
+
+    run_on(loop, main())
