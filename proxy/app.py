@@ -572,7 +572,9 @@ def create_app(
     async def not_found(request: Request, exc: Exception) -> Response:
         path = request.url.path
         message = f"Nothing is served at {request.method} {path}."
-        if not path.startswith(("/v1/", "/s/")):
+        if path == "/v1":
+            message += " /v1 is the base URL: requests go under it (/v1/chat/completions)."
+        elif not path.startswith(("/v1/", "/s/")):
             message += (
                 " cachegate serves the OpenAI API under /v1: a client's base URL ends in /v1,"
                 f" e.g. OPENAI_BASE_URL={request.base_url}v1."
@@ -604,6 +606,9 @@ def create_app(
         lifespan=lifespan,
         exception_handlers={404: not_found, 405: not_allowed, 500: failed},
     )
+    # A 307 to /v1/ (Starlette's default for /v1) would be uncounted, built from the Host header,
+    # and a POST followed there goes to the upstream's /v1/: a 404 with a hint instead.
+    app.router.redirect_slashes = False
     app.state.gateway = gateway
     app.endpoint = endpoint
     server = settings.server

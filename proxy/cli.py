@@ -89,6 +89,14 @@ def _serve(ns: argparse.Namespace) -> int:
                 " stands for this key: give cachegate the real key, and the agent the placeholder",
                 file=sys.stderr,
             )
+        if "@" in (urlsplit(settings.upstream.base_url).netloc or ""):
+            print(
+                "cachegate: note: the upstream URL's user:password is not sent: cachegate"
+                " forwards the client's key headers (or adds Bearer"
+                f" ${key_env or 'OPENAI_API_KEY'}); an upstream behind basic"
+                " authentication needs the client to send it (an Authorization header)",
+                file=sys.stderr,
+            )
         if urlsplit(settings.upstream.base_url).path.strip("/") == "":
             print(
                 f"cachegate: note: the upstream URL {display_url(settings.upstream.base_url)}"

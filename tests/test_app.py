@@ -207,6 +207,22 @@ def test_a_base_url_without_v1_gets_an_openai_shaped_404_that_says_so(
     assert proxy.metric("cachegate_requests_total", {**labels, "status": "405"}) == 1
 
 
+def test_the_bare_v1_path_is_a_counted_404_not_a_redirect(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """``POST /v1``: Starlette's slash redirect answered 307 to ``/v1/`` (uncounted, its address
+    built from the Host header, and a client following it reached the upstream's ``/v1/``)."""
+    proxy = proxy_factory(sim.api_base)
+    for method in ("POST", "GET"):
+        r = httpx.request(method, proxy.url + "/v1?x=1", follow_redirects=False)
+        assert r.status_code == 404
+        assert r.json()["error"]["code"] == "not_found"
+        assert "/v1 is the base URL" in r.json()["error"]["message"]
+    assert sim.sim.requests == []
+    labels = {"route": "passthrough", "model": "other", "status": "404"}
+    assert proxy.metric("cachegate_requests_total", labels) == 2
+
+
 def test_a_session_base_url_without_v1_gets_a_404_that_says_so(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:

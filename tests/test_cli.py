@@ -725,6 +725,23 @@ def test_serve_notes_an_upstream_url_without_a_path(tmp_path: Path) -> None:
     assert line.startswith(f"cachegate {__version__} listening on")
 
 
+@pytest.mark.timeout(30)
+def test_serve_notes_that_an_upstream_url_s_user_and_password_are_not_sent(
+    tmp_path: Path,
+) -> None:
+    """An upstream behind basic authentication, given as ``http://user:pass@host/v1``, would
+    otherwise answer every request 401 with nothing said; the password is not printed."""
+    upstream = ("--upstream", "http://bob:hunter2pass@127.0.0.1:9/v1")
+    note, line = _serve_first_lines(tmp_path, *upstream, env=clean_env(), count=2)
+    assert note == (
+        "cachegate: note: the upstream URL's user:password is not sent: cachegate forwards the"
+        " client's key headers (or adds Bearer $OPENAI_API_KEY); an upstream behind basic"
+        " authentication needs the client to send it (an Authorization header)\n"
+    )
+    assert line.startswith(f"cachegate {__version__} listening on")
+    assert "hunter2pass" not in note + line and "http://127.0.0.1:9/v1" in line
+
+
 @pytest.mark.parametrize(
     ("flag", "message"),
     [
