@@ -96,6 +96,9 @@ _VALID_IDS_KEPT: Final = 4096  # session ids remembered as checked by emit()
 # A session file not written for this long is closed: it no longer counts as being written, so
 # retention may delete it once the session is forgotten too.
 IDLE_CLOSE_S: Final = 600.0
+# How often the writer, when idle, looks for files removed while held open (``rm`` of old logs
+# on a full disk frees nothing while a descriptor holds the file): closed, their space freed.
+REMOVED_CHECK_S: Final = 5.0
 
 
 def _dumps_line(out: Any, default: Callable[[Any], Any]) -> bytes:
@@ -193,6 +196,7 @@ class EventLogWriter:
         # a file removed, replaced or truncated by hand meanwhile is noticed before the next.
         self._files: dict[str, tuple[tuple[int, int], int]] = {}
         self._dir_id: tuple[int, int] | None = None  # the log directory's (device, inode)
+        self._removed_checked = time.monotonic()
 
     # -- counters -----------------------------------------------------------------------------
 
@@ -356,6 +360,8 @@ class EventLogWriter:
                         self._sync_dirty()
                     if self._fds:
                         self._close_idle()
+                        if time.monotonic() - self._removed_checked >= REMOVED_CHECK_S:
+                            self._close_removed()
                     if not self._items:
                         continue
                 # Before every batch, a stat: is the log directory still the one written
@@ -521,10 +527,21 @@ class EventLogWriter:
                     data = meta + data
                     self._mark_broken(session_id)  # its earlier lines are not in this file
             view = memoryview(data)
-            while view:  # one write for the lines; the loop only runs again on a short write
-                view = view[os.write(fd, view) :]
+            done = 0
+            try:
+                while view:  # one write for the lines; the loop only runs again on a short write
+                    n = os.write(fd, view)
+                    done += n
+                    view = view[n:]
+            except OSError:
+                if done:  # a full disk took part of the lines: no torn line left mid-file
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, os.fstat(fd).st_size - done)
+                raise
         except OSError as exc:
             self._close_fd(session_id)  # reopen next time: the directory may come back
+            if exc.errno == errno.ENOSPC and self._fds:
+                self._close_removed()  # space may have been freed by hand already
             self._mark_broken(session_id)
             for _ in lines:
                 self._lose("io", "event log: cannot write %s: %s", session_id, exc)
@@ -689,6 +706,21 @@ class EventLogWriter:
             if self._written_at.get(session_id, 0.0) > oldest:
                 return
             self._close_fd(session_id)
+
+    def _close_removed(self) -> None:
+        """Close the files removed while held open (no name left): a user who deletes old logs
+        to free a full disk gets the space back now, not when each session writes again or
+        its file has been idle for ``IDLE_CLOSE_S``. A session written again starts a new file
+        with its meta line, its next request line in full, as after ``_check_file``."""
+        self._removed_checked = time.monotonic()
+        for session_id, fd in list(self._fds.items()):
+            try:
+                removed = os.fstat(fd).st_nlink == 0
+            except OSError:
+                removed = True
+            if removed:
+                self._close_fd(session_id)
+                self._mark_broken(session_id)
 
     def _close_fd(self, session_id: str) -> None:
         with self._lock:

@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 import pytest
 
+from proxy import eventlog
 from proxy.eventlog import (
     EventLogWriter,
     LogRead,
@@ -1100,3 +1101,77 @@ def test_metadata_mode_hashes_the_divergence_excerpts() -> None:
     }
     assert stripped["old"]["chars"] == 22 and len(stripped["new"]["sha256"]) == 64
     assert "npm_" not in orjson.dumps(stripped).decode()
+
+
+def _held_deleted(name: str) -> bool:
+    """Whether this process holds a descriptor of a removed file named ``name``."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.endswith(f"/{name} (deleted)"):
+            return True
+    return False
+
+
+def test_a_session_file_removed_while_held_open_is_closed_without_waiting_for_a_write(
+    log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk, and the user deletes old logs: the space came back only once each session
+    wrote again or its file had been idle for ten minutes (the writer held the descriptors)."""
+    monkeypatch.setattr(eventlog, "REMOVED_CHECK_S", 0.05, raising=False)
+    w = started(writers, log_dir)
+    for sid in ("old", "kept"):
+        w.emit(sid, {"type": "session_meta", "session": sid}, first_in_file=True)
+        w.emit(sid, {"type": "error", "exchange": 1, "status": 400, "message": "x" * 1000})
+    assert w.flush()
+    (log_dir / "old.jsonl").unlink()
+    assert _held_deleted("old.jsonl")
+    deadline = time.monotonic() + 10
+    while _held_deleted("old.jsonl") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _held_deleted("old.jsonl")  # closed by the writer's idle pass: space freed
+    w.emit("old", {"type": "error", "exchange": 2, "status": 400, "message": "two"})
+    w.emit("kept", {"type": "error", "exchange": 2, "status": 400, "message": "two"})
+    assert w.flush()
+    assert [e.get("message") for e in read_events(log_dir / "old.jsonl").events] == [None, "two"]
+    assert w.take_broken("old")  # its next request line goes in full: its bases are gone
+    assert not w.take_broken("kept")
+    assert [e.get("message") for e in read_events(log_dir / "kept.jsonl").events][-1] == "two"
+
+
+def test_a_full_disk_mid_write_leaves_no_torn_line(
+    log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills in the middle of a batch: what got onto it is taken back, so the file
+    holds whole lines only (the reports skipped the fragment as a torn line, and the next line
+    went on after it)."""
+    import errno
+
+    w = started(writers, log_dir)
+    w.emit("s", {"type": "session_meta", "session": "s"}, first_in_file=True)
+    w.emit("s", {"type": "error", "exchange": 1, "status": 400, "message": "one"})
+    assert w.flush()
+    real_write = os.write
+    calls = 0
+
+    def filling(fd: int, data: Any) -> int:
+        nonlocal calls
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) != "s.jsonl":
+            return real_write(fd, data)
+        calls += 1
+        if calls == 1:  # half of the lines go onto the disk...
+            return real_write(fd, bytes(data)[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")  # ...and then it is full
+
+    monkeypatch.setattr(os, "write", filling)
+    w.emit("s", {"type": "error", "exchange": 2, "status": 400, "message": "lost " * 50})
+    assert w.flush()
+    monkeypatch.setattr(os, "write", real_write)
+    w.emit("s", {"type": "error", "exchange": 3, "status": 400, "message": "three"})
+    assert w.flush()
+    log = read_events(log_dir / "s.jsonl")
+    assert log.torn == 0
+    assert [e.get("message") for e in log.events] == [None, "one", "three"]
+    assert w.errors == 1
