@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from proxy import __version__
+from proxy.browser import is_loopback_name
 from proxy.config import ConfigError, display_url, load_settings, url_host
 
 DEFAULT_LOG_DIR = "./cachegate-logs"
@@ -87,6 +88,14 @@ def _serve(ns: argparse.Namespace) -> int:
             print(
                 f"cachegate: note: ${key_env} here is the placeholder 'cachegate', which"
                 " stands for this key: give cachegate the real key, and the agent the placeholder",
+                file=sys.stderr,
+            )
+        if key_env and os.environ.get(key_env, "").strip() and not is_loopback_name(host):
+            print(
+                f"cachegate: note: listening on {host}, beyond this machine, with ${key_env}"
+                " set: anyone who can reach the port can use that key (requests without their"
+                " own); keep the port behind something that authenticates, or set"
+                ' upstream.api_key_env = "" so that every client brings its own key',
                 file=sys.stderr,
             )
         if "@" in (urlsplit(settings.upstream.base_url).netloc or ""):
@@ -184,6 +193,13 @@ def _demo(ns: argparse.Namespace) -> int:
     if log_dir and os.path.exists(log_dir) and not os.path.isdir(log_dir):
         print(f"cachegate: log directory {log_dir!r} is not a directory", file=sys.stderr)
         return 1
+    if log_dir:
+        from proxy.eventlog import log_dir_problem
+
+        problem = log_dir_problem(log_dir)  # (four scenarios played for nothing, ~20 s)
+        if problem is not None:
+            print(f"cachegate: {problem}", file=sys.stderr)
+            return 1
     if log_dir and _log_dir_taken(log_dir):
         return 1
     return run_demo(log_dir=log_dir, out=sys.stdout)
@@ -358,11 +374,11 @@ def _dash_id(argv: list[str]) -> list[str]:
     action: str | None = None
     skip = False
     for at, word in enumerate(argv[1:], 1):
-        if skip:  # the value of --log-dir
+        if skip:  # the value of --log-dir or --config
             skip = False
         elif word == "--":
             break
-        elif word == "--log-dir":
+        elif word in ("--log-dir", "--config"):
             skip = True
         elif action is None and not word.startswith("-"):
             action = word

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import stat
+import tempfile
 import threading
 import time
 from collections import OrderedDict, deque
@@ -854,6 +855,29 @@ def _prepare_log_dir(log_dir: str | os.PathLike[str], warn: Callable[..., None])
     except OSError as exc:
         warn("gitignore", "cannot write %s/.gitignore: %s", log_dir, exc)
     return False
+
+
+def log_dir_problem(log_dir: str) -> str | None:
+    """Why nothing could be written in ``log_dir`` (made as the writer makes it, when missing),
+    or None when a file can be created there: for ``demo``, which has nothing to show without
+    its logs."""
+    said: list[str] = []
+
+    def note(kind: str, msg: str, *args: object) -> None:
+        if kind == "mkdir":
+            said.append(msg % args)
+
+    _prepare_log_dir(log_dir, note)
+    if said:
+        return said[0]
+    try:
+        fd, probe = tempfile.mkstemp(dir=log_dir, prefix=".probe-")
+    except OSError as exc:
+        return f"cannot write in log directory {log_dir}: {exc.strerror or exc}"
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return None
 
 
 def _terminate_torn_line(fd: int) -> int:

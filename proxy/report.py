@@ -275,7 +275,7 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
     retries: dict[int, list[ExchangeRow]] = {}  # id() of a refused attempt's row: its retry's
 
     def new_row(ev: dict[str, Any]) -> ExchangeRow:
-        row = ExchangeRow(exchange=_int(ev.get("exchange")), ts=_float(ev.get("ts")))
+        row = ExchangeRow(exchange=_int(ev.get("exchange")), ts=_stamp(ev.get("ts")))
         rows.append(row)
         if row.exchange is not None:
             latest[row.exchange] = row
@@ -297,7 +297,7 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
             sent[:] = [r for r in sent if r.status is None and not r.error]
         if not sent:
             return row_for(ev)
-        ts, duration = _float(ev.get("ts")), _float(ev.get("duration_s"))
+        ts, duration = _stamp(ev.get("ts")), _float(ev.get("duration_s"))
         if len(sent) == 1 or ts is None or duration is None:
             return sent[-1]
         began = ts - duration
@@ -329,7 +329,7 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
             if compacted and earlier is not None and earlier.status is None and not earlier.error:
                 earlier.error = RESENT_COMPACTED  # the provider refused it: re-sent compacted
             # else: a fresh row, or one opened by a compaction announced just before forwarding
-            row.ts = _float(ev.get("ts"))
+            row.ts = _stamp(ev.get("ts"))
             if earlier is not None:  # a retry: its exchange began with the refused attempt
                 first_sent[id(row)] = first_sent.get(id(earlier), earlier.ts or 0.0)
                 retries.setdefault(id(earlier), []).append(row)
@@ -380,7 +380,7 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
             if id(row) not in retried:
                 place(row)
         rows = ordered
-    stamps = [ts for ev in log.events if (ts := _float(ev.get("ts"))) is not None]
+    stamps = [ts for ev in log.events if (ts := _stamp(ev.get("ts"))) is not None]
     return SessionDetail(
         session=session_id,
         meta=meta,
@@ -474,6 +474,16 @@ def _float(value: Any) -> float | None:
     if isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     return None
+
+
+_LAST_STAMP: Final = 253_402_300_799.0  # 9999-12-31 23:59:59 UTC, the last a date can show
+
+
+def _stamp(value: Any) -> float | None:
+    """A line's ``ts`` as a time the reports can show, or None: a hand-edited or corrupted
+    line's ``1e20`` or ``-1e12`` is no time (it stopped the whole listing)."""
+    ts = _float(value)
+    return ts if ts is not None and 0.0 <= ts <= _LAST_STAMP else None
 
 
 def _str(value: Any) -> str | None:
@@ -624,18 +634,22 @@ def _table(headers: list[str], rows: list[list[str]], *, left: set[int]) -> str:
 
 # Control characters a terminal would act on (escape sequences can recolour, retitle or rewrite
 # the screen), from a client's model name or an upstream's error text: shown as U+FFFD.
+# Also the bidirectional overrides and isolates, which reorder how the rest of a line displays
+# ("Trojan Source"): a model name ending in U+202E could make a row read as another.
+_BIDI = (0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A))
 _CONTROLS = {
-    c: "\ufffd" for c in (*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0)) if c not in (9, 10)
+    c: "\ufffd" for c in (*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0), *_BIDI) if c not in (9, 10)
 }
 
 
 # In JSON, C0 controls are already escaped; C1 controls (a terminal acts on U+009B as on ESC [)
 # may only stand inside strings, where their \u escapes mean exactly the same.
-_C1_ESCAPED = {c: f"\\u{c:04x}" for c in range(0x80, 0xA0)}
+_C1_ESCAPED = {c: f"\\u{c:04x}" for c in (*range(0x80, 0xA0), *_BIDI)}
 
 
 def json_terminal_safe(line: str) -> str:
-    """A JSON line with the C1 control characters escaped: the same JSON, inert on a terminal."""
+    """A JSON line with the C1 control characters and the bidirectional controls escaped: the
+    same JSON, inert on a terminal."""
     return line.translate(_C1_ESCAPED)
 
 

@@ -297,6 +297,8 @@ def test_a_session_id_that_starts_with_a_dash_is_read_as_the_id(
     """The server takes ``X-Session-Id: -dash`` and writes ``-dash.jsonl``; ``show -dash`` said
     "the following arguments are required: id"."""
     shutil.copy(logged.log_dir / "cli-a.jsonl", tmp_path / "-dash.jsonl")
+    config = tmp_path / "c.toml"  # (its value was taken for the action: "id is required")
+    config.write_text(f"[logging]\ndir = {str(tmp_path)!r}\n")
     expected = run_cli("sessions", action, "cli-a", "--log-dir", str(logged.log_dir))
     assert expected.code == 0, expected.err
     for argv in (
@@ -304,12 +306,46 @@ def test_a_session_id_that_starts_with_a_dash_is_read_as_the_id(
         ["sessions", "--log-dir", str(tmp_path), action, "-dash"],
         ["sessions", action, "--log-dir", str(tmp_path), "-dash"],
         ["sessions", "--log-dir", str(tmp_path), action, "--", "-dash"],
+        ["sessions", "--config", str(config), action, "-dash"],
+        ["sessions", action, "--config", str(config), "-dash"],
     ):
         result = run_cli(*argv)
         assert result.code == 0, (argv, result.err)
         assert result.out.replace("-dash", "cli-a") == expected.out, argv
     typo = run_cli("sessions", action, "cli-a", "--jsn", "--log-dir", str(tmp_path))
     assert typo.code == 2 and "--jsn" in typo.err  # a mistyped option is no id
+
+
+@pytest.mark.parametrize("ts", [1e20, -1e12])
+def test_a_line_with_a_time_no_date_can_show_does_not_stop_the_reports(
+    logged: Logged, tmp_path: Path, ts: float
+) -> None:
+    """A hand-edited or corrupted line's ``"ts":1e20`` stopped ``list`` for the whole directory
+    with a traceback (``-1e12``: "year -29719 is out of range"); it is no time, like a NaN."""
+    shutil.copy(logged.log_dir / "cli-a.jsonl", tmp_path / "cli-a.jsonl")
+    with (tmp_path / "cli-a.jsonl").open("ab") as f:
+        f.write(b'{"ts":%r,"type":"response","exchange":2,"status":200}\n' % ts)
+        f.write(b'{"ts":%r,"type":"request","exchange":3,"model":"gpt-4o"}\n' % ts)
+    for action in (["list"], ["show", "cli-a"], ["cost", "cli-a"], ["list", "--json"]):
+        result = run_cli("sessions", *action, "--log-dir", str(tmp_path))
+        assert result.code == 0, (action, result.err)
+        assert "Traceback" not in result.err and "out of range" not in result.err
+    listed = run_cli("sessions", "list", "--log-dir", str(tmp_path), "--json").json()
+    assert [row["session"] for row in listed] == ["cli-a"]
+    assert listed[0]["last_seen"] < 4e9  # the session's own times, not the line's
+
+
+def test_a_demo_log_directory_that_cannot_be_written_is_said_at_once(tmp_path: Path) -> None:
+    """It played its four scenarios for ~20 s, each failing, and then named commands for a
+    directory that did not exist."""
+    import time
+
+    t0 = time.monotonic()
+    result = run_cli("demo", "--log-dir", "/proc/cachegate-no-such-dir")
+    assert result.code == 1
+    assert result.err.startswith("cachegate: cannot create log directory /proc/cachegate-no")
+    assert result.out == ""
+    assert time.monotonic() - t0 < 10
 
 
 def test_list_of_a_missing_directory_exits_1(tmp_path: Path) -> None:
@@ -368,7 +404,7 @@ def test_a_log_path_that_is_no_regular_file_is_refused_in_one_line_never_read(
 def test_escape_sequences_from_a_log_never_reach_the_terminal(tmp_path: Path) -> None:
     """A client chooses its model name and an upstream its error text: a report prints them,
     and a terminal would act on an escape sequence (retitle, recolour, rewrite the screen)."""
-    model, error = "\x1b[31mred\x1b[0m", "\x1b]0;owned\x07boom\x9b2J"
+    model, error = "\x1b[31mred\x1b[0m\u202e", "\x1b]0;owned\x07boom\x9b2J\u2066"
     events = [
         {
             "ts": 1.0,
@@ -412,7 +448,8 @@ def test_escape_sequences_from_a_log_never_reach_the_terminal(tmp_path: Path) ->
     for argv in (("list",), ("show", "esc-1"), ("cost", "esc-1"), ("replay", "esc-1")):
         result = run_cli("sessions", *argv, "--log-dir", str(tmp_path))
         assert result.code == 0, result.err
-        assert not any(c in result.out for c in "\x1b\x07\x9b"), argv
+        # (U+202E, U+2066: bidirectional controls reorder how the rest of a row displays)
+        assert not any(c in result.out for c in "\x1b\x07\x9b\u202e\u2066"), argv
     shown = run_cli("sessions", "show", "esc-1", "--log-dir", str(tmp_path)).out
     assert "\ufffd[31mred" in shown  # visible as what it was, inert
     shown_json = run_cli("sessions", "show", "esc-1", "--json", "--log-dir", str(tmp_path)).json()
@@ -722,6 +759,23 @@ def test_serve_notes_an_upstream_url_without_a_path(tmp_path: Path) -> None:
         " base URL usually ends in /v1 (https://api.openai.com/v1), or the provider's 404 answers"
         " every request\n"
     )
+    assert line.startswith(f"cachegate {__version__} listening on")
+
+
+@pytest.mark.timeout(30)
+def test_serve_notes_a_key_offered_beyond_this_machine(tmp_path: Path) -> None:
+    """``--host 0.0.0.0`` with $OPENAI_API_KEY set: anyone on the network could spend the key;
+    said at start. Not said on loopback, nor when clients must bring their own key."""
+    env = clean_env(OPENAI_API_KEY="sk-test-not-printed")
+    note, line = _serve_first_lines(tmp_path, "--host", "0.0.0.0", env=env, count=2)
+    assert note.startswith(
+        "cachegate: note: listening on 0.0.0.0, beyond this machine, with $OPENAI_API_KEY set:"
+    )
+    assert "sk-test" not in note + line
+    assert line.startswith(f"cachegate {__version__} listening on http://0.0.0.0:")
+    (line,) = _serve_first_lines(tmp_path, "--host", "localhost", env=env, count=1)
+    assert line.startswith(f"cachegate {__version__} listening on")
+    (line,) = _serve_first_lines(tmp_path, "--host", "0.0.0.0", env=clean_env(), count=1)
     assert line.startswith(f"cachegate {__version__} listening on")
 
 
