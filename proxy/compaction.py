@@ -35,7 +35,7 @@ from typing import Any, Literal, NamedTuple
 
 import orjson
 
-from proxy.prefix import MEDIA_PART_TYPES
+from proxy.prefix import MEDIA_PART_TYPES, canonical_json, json_size
 
 Message = dict[str, Any]
 Source = Literal["model", "extractive"]
@@ -195,13 +195,13 @@ MEDIA_PART_TOKENS = 1600
 
 
 def _json_tokens(obj: Any) -> int:
-    size = len(orjson.dumps(obj))
+    size = json_size(obj)  # (a message nested deeper than orjson writes failed the estimate)
     content = obj.get("content") if isinstance(obj, dict) else None
     if isinstance(content, list):
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if isinstance(kind, str) and kind in MEDIA_PART_TYPES:
-                size += media_part_tokens(part) * BYTES_PER_TOKEN - len(orjson.dumps(part))
+                size += media_part_tokens(part) * BYTES_PER_TOKEN - json_size(part)
     return -(-max(size, 0) // BYTES_PER_TOKEN)
 
 
@@ -786,7 +786,7 @@ def chain_digest(previous: str, message: Message) -> str:
     computed incrementally."""
     h = hashlib.sha256(previous.encode())
     h.update(b"\n")
-    h.update(orjson.dumps(unmarked(message), option=orjson.OPT_SORT_KEYS))
+    h.update(canonical_json(unmarked(message)))
     return h.hexdigest()
 
 

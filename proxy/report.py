@@ -7,6 +7,7 @@ built from them; torn lines are counted, never fatal; unknown event types are ig
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -224,8 +225,13 @@ def replay_lines(log_dir: str | os.PathLike[str], session_id: str) -> Iterator[s
 
 
 def request_lines(requests: Iterable[dict[str, Any]]) -> Iterator[str]:
-    """``replay``'s output: each replayed request as one line of JSON."""
-    return (orjson.dumps(request).decode() for request in requests)
+    """``replay``'s output: each replayed request as one line of JSON (the standard library's
+    for a body nested deeper than orjson writes, as the log holds it)."""
+    for request in requests:
+        try:
+            yield orjson.dumps(request).decode()
+        except TypeError:
+            yield json.dumps(request, ensure_ascii=False, separators=(",", ":"))
 
 
 def metadata_only(request: dict[str, Any]) -> bool:

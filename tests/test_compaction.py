@@ -332,6 +332,24 @@ def test_estimate_tokens_is_json_bytes_over_four_plus_message_overhead() -> None
     assert estimate_tokens([]) == 0
 
 
+@pytest.mark.parametrize("depth", [300, 1_010])
+def test_a_message_nested_deeper_than_orjson_writes_is_estimated_and_digested(
+    depth: int,
+) -> None:
+    """A client may send content nested up to 1,024 levels (what orjson reads); orjson writes
+    254 and the standard library ~990. The estimate and the compaction's digests raised: the
+    compaction failed (an error in cachegate's log) and the accounting's estimate with it."""
+    deep: Any = "x"
+    for _ in range(depth):
+        deep = [deep]
+    message = {"role": "user", "content": "look", "metadata": deep}
+    flat = {"role": "user", "content": "look", "metadata": "x"}
+    assert estimate_tokens(message) >= estimate_tokens(flat) + depth // 2  # ~2 bytes a level
+    if depth < 990:  # digested exactly as the standard library writes it
+        assert prefix_digest([message], 1) != prefix_digest([flat], 1)
+        assert prefix_digest([message], 1) == prefix_digest([dict(message)], 1)
+
+
 def test_should_compact_prefers_provider_numbers() -> None:
     common = {"window": 1000, "trigger_percent": 75.0}
     assert should_compact(

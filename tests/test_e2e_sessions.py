@@ -26,6 +26,7 @@ import orjson
 import pytest
 
 from proxy.eventlog import read_events
+from proxy.report import replay_lines
 from proxy.serving import ServerThread
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
 from proxy.simulator.reply import parse_script
@@ -850,6 +851,14 @@ def test_content_nested_deeper_than_orjson_writes_is_repaired_forwarded_and_logg
     (response,) = events(proxy.log_dir, "deep", "response")
     assert request["appended"][0]["metadata"] == deep
     assert response["usage"] is not None and "cost" in response
+    # the accounting weighed it (its estimate failed: no cache line), replay writes it again
+    # (it stopped there with a traceback), and the simulator still lists what it received
+    assert response["cache"] is not None
+    (replayed,) = [orjson.loads(line) for line in replay_lines(proxy.log_dir, "deep")]
+    assert replayed["messages"] == sim.sim.requests[-1].body["messages"]
+    listed = httpx.get(sim.url + "/_sim/requests")
+    assert listed.status_code == 200
+    assert listed.json()["requests"][-1]["body"]["messages"][0]["metadata"] == deep
     # a line the secret scan looks through ("disk-usage" holds "sk-") is redacted as deep
     messages[2] = {"role": "user", "content": "check the disk-usage sk-" + "a" * 30}
     raw = json.dumps({"model": "gpt-4o", "messages": messages}).encode()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import logging
 import math
 import random
@@ -170,7 +171,11 @@ class PacedResponse:
 def _json_response(
     obj: Any, status_code: int = 200, headers: Mapping[str, str] | None = None
 ) -> Response:
-    return Response(orjson.dumps(obj), status_code, headers=headers, media_type="application/json")
+    try:
+        content = orjson.dumps(obj)
+    except TypeError:  # a recorded request nested deeper than orjson writes: /_sim/requests
+        content = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    return Response(content, status_code, headers=headers, media_type="application/json")
 
 
 # Mistral's answer to a request with stream_options (FastAPI's validation error, wrapped)
