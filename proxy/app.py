@@ -14,6 +14,7 @@ from urllib.parse import quote, unquote
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -23,7 +24,7 @@ from starlette.types import Send as ASGISend
 
 from proxy import __version__
 from proxy.browser import BrowserGuard
-from proxy.chat import ChatPipeline, header_map, internal_error
+from proxy.chat import ChatPipeline, header_map, internal_error, request_headers
 from proxy.compactor import Compactor
 from proxy.config import Settings
 from proxy.errors import (
@@ -285,7 +286,7 @@ class Gateway:
             ex.session_id = sid
             extra.append((b"x-cachegate-session", sid.encode()))
         try:
-            forward_headers = upstream_request_headers(scope["headers"], self.api_key())
+            forward_headers = upstream_request_headers(request_headers(scope), self.api_key())
         except ProxyError as err:
             await self.refuse(scope, send, "passthrough", err)
             return
@@ -583,6 +584,9 @@ def create_app(
         gateway.count_refusal(request.scope, "passthrough", err)  # (a base URL without /v1)
         return _error_response(err)
 
+    async def bare_v1(request: Request) -> Response:
+        return await not_found(request, HTTPException(404))
+
     async def not_allowed(request: Request, exc: Exception) -> Response:
         message = f"{request.method} is not allowed on {request.url.path}."
         allow = getattr(exc, "headers", None)  # Starlette's HTTPException names what is allowed
@@ -599,6 +603,9 @@ def create_app(
             Route("/healthz", healthz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/{path:path}", endpoint),
+            # /v1 itself: a counted 404 with a hint (Starlette would answer a 307 to /v1/, uncounted,
+            # built from the Host header, and a POST followed there reached the upstream's /v1/)
+            Route("/v1", bare_v1, methods=_ALL_METHODS),
             Route("/s/{session_id}/v1/{path:path}", endpoint),
             # Anything else under /s/ carries an id that is not one (a slash smuggled in as %2F, …).
             Route("/s/{rest:path}", _BadSessionPath(gateway), methods=_ALL_METHODS),
@@ -606,9 +613,6 @@ def create_app(
         lifespan=lifespan,
         exception_handlers={404: not_found, 405: not_allowed, 500: failed},
     )
-    # A 307 to /v1/ (Starlette's default for /v1) would be uncounted, built from the Host header,
-    # and a POST followed there goes to the upstream's /v1/: a 404 with a hint instead.
-    app.router.redirect_slashes = False
     app.state.gateway = gateway
     app.endpoint = endpoint
     server = settings.server

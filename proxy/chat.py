@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import orjson
 
-from proxy import bodymemo, compaction, pairing
+from proxy import bodymemo, compaction, pairing, prefix
 from proxy.compactor import Compactor
 from proxy.config import TRUE_WORDS, Settings, sends_usage_unasked
 from proxy.errors import CLIENT_CLOSED, ProxyError, bad_request, shutting_down
@@ -166,7 +166,18 @@ def header_map(scope: Scope) -> dict[str, str]:
     if headers is None:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         scope["cachegate.headers"] = headers
+        scope["cachegate.header_count"] = len(scope["headers"])
     return headers
+
+
+def request_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
+    """The request's header fields as ``header_map`` read them. uvicorn appends a chunked
+    body's trailer fields to the same list as they arrive: those are not forwarded as headers
+    (RFC 9110, 6.5.1), nor does a late one change what the request was taken for (its session,
+    its key)."""
+    fields: list[tuple[bytes, bytes]] = scope["headers"]
+    count = scope.get("cachegate.header_count")
+    return fields if count is None or count >= len(fields) else fields[:count]
 
 
 class PairingRepair:
@@ -597,7 +608,7 @@ class ChatPipeline:
                 self.settings.pairing.strict
                 or headers.get("x-cachegate-strict", "").strip().lower() in TRUE_WORDS
             )
-            ex.upstream_headers = upstream_request_headers(scope["headers"], self.api_key())
+            ex.upstream_headers = upstream_request_headers(request_headers(scope), self.api_key())
             if coding is not None:  # forwarded as read: decoded
                 ex.upstream_headers = [
                     h for h in ex.upstream_headers if h[0].lower() != b"content-encoding"
@@ -828,10 +839,10 @@ def dump_body(body: Any) -> bytes:
         return orjson.dumps(body)
     except TypeError:  # (orjson.JSONEncodeError is one)
         try:
-            return json.dumps(body, separators=(",", ":")).encode()
-        except RecursionError:  # ~990 levels and more (orjson reads up to 1,024)
+            return prefix.deep_dumps(body, separators=(",", ":")).encode()
+        except RecursionError:  # deeper than orjson reads: not met from a client's JSON
             raise bad_request(
-                "The request is nested too deeply (about 990 levels or more) for cachegate to"
-                " send it again after repairing or compacting it.",
+                "The request is nested too deeply for cachegate to send it again after"
+                " repairing or compacting it.",
                 "invalid_body",
             ) from None

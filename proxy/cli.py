@@ -99,10 +99,10 @@ def _serve(ns: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         if "@" in (urlsplit(settings.upstream.base_url).netloc or ""):
+            added = f" (or adds Bearer ${key_env})" if key_env else ""
             print(
                 "cachegate: note: the upstream URL's user:password is not sent: cachegate"
-                " forwards the client's key headers (or adds Bearer"
-                f" ${key_env or 'OPENAI_API_KEY'}); an upstream behind basic"
+                f" forwards the client's key headers{added}; an upstream behind basic"
                 " authentication needs the client to send it (an Authorization header)",
                 file=sys.stderr,
             )
@@ -378,8 +378,8 @@ def _dash_id(argv: list[str]) -> list[str]:
             skip = False
         elif word == "--":
             break
-        elif word in ("--log-dir", "--config"):
-            skip = True
+        elif len(word) > 2 and ("--log-dir".startswith(word) or "--config".startswith(word)):
+            skip = True  # (argparse takes --conf, --log: unique prefixes)
         elif action is None and not word.startswith("-"):
             action = word
             if action not in ("show", "cost", "replay"):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import json
 import logging
 import os
 import stat
@@ -28,6 +27,7 @@ from typing import Any, Final, Literal
 
 import orjson
 
+from proxy.prefix import deep_dumps
 from proxy.redact import REDACTED, known_secrets, line_may_hold_secret, redact, redact_text
 from proxy.sessions import shared_prefix, valid_session_id
 
@@ -110,7 +110,7 @@ def _dumps_line(out: Any, default: Callable[[Any], Any]) -> bytes:
     try:
         return orjson.dumps(out, default=default, option=_OPT_ANY_KEYS)
     except orjson.JSONEncodeError:
-        return json.dumps(out, default=default, separators=(",", ":")).encode() + b"\n"
+        return deep_dumps(out, default=default, separators=(",", ":")).encode() + b"\n"
 
 
 class EventLogWriter:
@@ -541,7 +541,7 @@ class EventLogWriter:
                 raise
         except OSError as exc:
             self._close_fd(session_id)  # reopen next time: the directory may come back
-            if exc.errno == errno.ENOSPC and self._fds:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT) and self._fds:
                 self._close_removed()  # space may have been freed by hand already
             self._mark_broken(session_id)
             for _ in lines:

@@ -29,7 +29,6 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from proxy.config import configured_model
-from proxy.errors import CLIENT_CLOSED
 from proxy.pipeline import Exchange
 from proxy.usage import Usage
 
@@ -104,10 +103,11 @@ _P = ParamSpec("_P")
 
 def timed(status: int) -> bool:
     """Whether a request's duration goes into ``cachegate_request_duration_seconds``: an answer
-    (below 400), or one its client left (499: a stream cut short still took that long). Refusals
-    and errors are counted in ``cachegate_requests_total`` only: a 429 or a strict-mode 400 comes
-    within milliseconds, and a storm of them would read as requests getting faster."""
-    return status < 400 or status == CLIENT_CLOSED
+    (below 400; a stream its client cut short keeps its 200 and counts). Refusals, errors and
+    requests whose client left before any answer (499: the time until it gave up) are counted in
+    ``cachegate_requests_total`` only: a 429 or a strict-mode 400 comes within milliseconds, and
+    a storm of them, or of client timeouts, would read as requests getting faster."""
+    return status < 400
 
 
 def _safe(method: Callable[_P, None]) -> Callable[_P, None]:

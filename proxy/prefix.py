@@ -30,6 +30,8 @@ import hashlib
 import json
 import operator
 import re
+import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -415,6 +417,31 @@ def marked_ttl_s(body: Mapping[str, Any]) -> float | None:
     return _MARKER_TTLS.get(ttl) if isinstance(ttl, str) else None
 
 
+_DEEP_LOCK = threading.Lock()
+# orjson reads up to 1,024 levels and writes 254; the standard library's encoder stops at the
+# interpreter's recursion limit (1,000 frames, ~990 levels once called from a handler).
+_DEEP_FRAMES = 1_200
+
+
+def deep_dumps(value: Any, **options: Any) -> str:
+    """``json.dumps(value, **options)``, also for a value nested as deep as orjson reads (1,024
+    levels): the encoder's recursion limit is raised for the call when the first try meets it.
+    Where orjson refuses to write (past 254 levels), the standard library's encoder is the
+    fallback; without this, a body between ~990 and 1,024 levels deep, which cachegate reads and
+    forwards, could be neither hashed, estimated, logged nor written again."""
+    try:
+        return json.dumps(value, **options)
+    except RecursionError:
+        pass
+    with _DEEP_LOCK:  # (the limit is the interpreter's: one raise at a time, then put back)
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(limit + _DEEP_FRAMES)
+        try:
+            return json.dumps(value, **options)
+        finally:
+            sys.setrecursionlimit(limit)
+
+
 def json_size(value: Any) -> int:
     """How many bytes ``value`` takes as compact JSON: orjson's count, or, for what orjson does
     not write (content nested deeper than 254 levels, which a client may send; an integer beyond
@@ -425,7 +452,7 @@ def json_size(value: Any) -> int:
         pass
     try:
         return len(
-            json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str).encode()
+            deep_dumps(value, ensure_ascii=False, separators=(",", ":"), default=str).encode()
         )
     except RecursionError:
         pass
@@ -451,7 +478,7 @@ def canonical_json(value: Any) -> bytes:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
     except TypeError:
         # orjson refuses integers beyond 64 bits, which a stdlib-parsed body may hold.
-        return json.dumps(
+        return deep_dumps(
             value, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str
         ).encode()
 

@@ -779,6 +779,9 @@ class Relay:
                     raise own from exc
                 ex.upstream_error = "connect"
                 raise upstream_unreachable(f"invalid answer ({type(exc).__name__})") from exc
+            if not 100 <= response.status_code <= 599:  # three digits, which HTTP has no status
+                ex.upstream_error = "invalid"  # (for: the server's framing would fail on it)
+                raise upstream_invalid(f"status {response.status_code} is no HTTP status")
             ex.status = response.status_code
             if watch_after is not None:
                 # An upstream that answered before the whole upload arrived has stopped taking

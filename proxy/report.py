@@ -7,7 +7,6 @@ built from them; torn lines are counted, never fatal; unknown event types are ig
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -27,6 +26,7 @@ from proxy.eventlog import (
     replay_requests,
     session_log_path,
 )
+from proxy.prefix import deep_dumps
 from proxy.sessions import valid_session_id
 
 # --------------------------------------------------------------------------------------------------
@@ -231,7 +231,7 @@ def request_lines(requests: Iterable[dict[str, Any]]) -> Iterator[str]:
         try:
             yield orjson.dumps(request).decode()
         except TypeError:
-            yield json.dumps(request, ensure_ascii=False, separators=(",", ":"))
+            yield deep_dumps(request, ensure_ascii=False, separators=(",", ":"))
 
 
 def metadata_only(request: dict[str, Any]) -> bool:

@@ -379,6 +379,7 @@ class _Connection(asyncio.Protocol):
         drain = self._drain
         if drain is not None and not drain.done():
             drain.set_exception(httpx.WriteError("upstream closed the connection"))
+            drain.exception()  # retrieved: a body written whole (no one waits) must not log it
 
     def _salvage(self) -> None:
         """Read what the socket still holds when a write failed. A server that refuses an upload

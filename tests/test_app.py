@@ -221,6 +221,10 @@ def test_the_bare_v1_path_is_a_counted_404_not_a_redirect(
     assert sim.sim.requests == []
     labels = {"route": "passthrough", "model": "other", "status": "404"}
     assert proxy.metric("cachegate_requests_total", labels) == 2
+    # cachegate's own routes keep their slash redirect (a scrape of /metrics/ still works)
+    for path in ("/healthz/", "/metrics/"):
+        r = httpx.get(proxy.url + path, follow_redirects=True)
+        assert r.status_code == 200, path
 
 
 def test_a_session_base_url_without_v1_gets_a_404_that_says_so(
@@ -404,3 +408,43 @@ def test_a_websocket_handshake_is_refused_plainly_not_relayed_as_a_get(
     assert json.loads(body)["error"]["code"] == "websocket_not_supported"
     assert len(sim.sim.requests) == seen  # nothing went upstream
     assert not [r for r in caplog.records if "WebSocket library" in r.getMessage()]
+
+
+def _post_chunked_with_late_trailers(url: str, path: str, body: bytes, trailers: bytes) -> bytes:
+    """A chunked request whose trailer fields arrive 0.3 s after its body; the raw answer."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
+        sock.sendall(
+            b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (path.encode(), len(body), body)
+        )
+        time.sleep(0.3)
+        sock.sendall(b"0\r\n" + trailers + b"\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += sock.recv(65536)
+        return answer
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/embeddings"])
+def test_a_chunked_request_s_trailer_fields_are_not_forwarded_as_headers(
+    sim: RunningSimulator, proxy_factory: Any, path: str
+) -> None:
+    """uvicorn appends trailer fields to the request's header list as they arrive: a late
+    ``X-Session-Id`` or ``Authorization`` reached the upstream as a header (RFC 9110, 6.5.1
+    forbids it) while the request was accounted under another session."""
+    proxy = proxy_factory(sim.api_base)
+    body = json.dumps(
+        {"model": "gpt-4o", "input": "x", "messages": [{"role": "user", "content": "hi"}]}
+    ).encode()
+    trailers = b"X-Session-Id: late-trailer\r\nAuthorization: Bearer trailerQZX9\r\n"
+    answer = _post_chunked_with_late_trailers(proxy.url, path, body, trailers)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    assert b"late-trailer" not in answer
+    received = httpx.get(sim.url + "/_sim/requests").json()["requests"][-1]["headers"]
+    assert "x-session-id" not in received
+    assert "QZX9" not in received.get("authorization", "")

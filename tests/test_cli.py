@@ -308,6 +308,8 @@ def test_a_session_id_that_starts_with_a_dash_is_read_as_the_id(
         ["sessions", "--log-dir", str(tmp_path), action, "--", "-dash"],
         ["sessions", "--config", str(config), action, "-dash"],
         ["sessions", action, "--config", str(config), "-dash"],
+        ["sessions", "--conf", str(config), action, "-dash"],  # (argparse's abbreviations)
+        ["sessions", "--log", str(tmp_path), action, "-dash"],
     ):
         result = run_cli(*argv)
         assert result.code == 0, (argv, result.err)
@@ -794,6 +796,17 @@ def test_serve_notes_that_an_upstream_url_s_user_and_password_are_not_sent(
     )
     assert line.startswith(f"cachegate {__version__} listening on")
     assert "hunter2pass" not in note + line and "http://127.0.0.1:9/v1" in line
+    # with no key of cachegate's own, it names none
+    config = tmp_path / "no-key.toml"
+    config.write_text('[upstream]\napi_key_env = ""\n')
+    note, _ = _serve_first_lines(
+        tmp_path, *upstream, "--config", str(config), env=clean_env(), count=2
+    )
+    assert note == (
+        "cachegate: note: the upstream URL's user:password is not sent: cachegate forwards the"
+        " client's key headers; an upstream behind basic authentication needs the client to send"
+        " it (an Authorization header)\n"
+    )
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ import orjson
 import pytest
 
 from proxy.eventlog import read_events
+from proxy.prefix import deep_dumps
 from proxy.report import replay_lines
 from proxy.serving import ServerThread
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
@@ -871,12 +872,31 @@ def test_content_nested_deeper_than_orjson_writes_is_repaired_forwarded_and_logg
     flush(proxy)
     (request,) = events(proxy.log_dir, "deep-secret", "request")
     assert request["appended"][-1]["content"] == "check the disk-usage [REDACTED]"
-    # past what even the standard library writes (~990 levels): a clear 400, not a 500
+    # As deep as orjson reads (1,024 levels in all), past what the standard library writes by
+    # default (~990): repaired, forwarded, accounted, logged and replayed all the same (it was
+    # a 400 of cachegate's; the accounting, the log and replay failed on it)
     messages[0] = {"role": "user", "content": "look", "metadata": "DEEP"}
+    messages[2] = {"role": "user", "content": "go on"}
     raw = orjson.dumps({"model": "gpt-4o", "messages": messages})
     raw = raw.replace(b'"DEEP"', b"[" * 1000 + b'"x"' + b"]" * 1000)
-    r = httpx.post(proxy.base_url + "/chat/completions", content=raw)
-    assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_body")
+    r = httpx.post(
+        proxy.base_url + "/chat/completions", content=raw, headers={"X-Session-Id": "d1k"}
+    )
+    assert r.status_code == 200, r.text
+    assert r.headers["x-cachegate-repairs"] == "1"
+    sent = sim.sim.requests[-1].body["messages"]
+    flush(proxy)
+    (response,) = events(proxy.log_dir, "d1k", "response")
+    assert response["cache"] is not None
+    (replayed,) = [orjson.loads(line) for line in replay_lines(proxy.log_dir, "d1k")]
+    assert deep_dumps(replayed["messages"]) == deep_dumps(sent)  # (== recurses too deep)
+    assert httpx.get(sim.url + "/_sim/requests").status_code == 200
+    # past what orjson reads: not JSON cachegate can take, said as such, nothing forwarded
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        content=raw.replace(b"[" * 1000, b"[" * 1030).replace(b"]" * 1000, b"]" * 1030),
+    )
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_json")
 
 
 # --- crash safety --------------------------------------------------------------------------------

@@ -84,14 +84,15 @@ def test_requests_count_by_route_model_and_status(
 def test_request_duration_leaves_out_refusals_and_errors_but_not_a_client_leaving(
     metrics: Metrics, registry: CollectorRegistry
 ) -> None:
-    """A storm of 429s (answered within milliseconds) must not pull the duration percentiles
-    down just when the provider is in trouble; a stream the client cut short still took its
-    time."""
+    """A storm of 429s (answered within milliseconds), or of clients giving up before any answer
+    (499), must not pull the duration percentiles down just when the provider is in trouble; a
+    stream the client cut short keeps its 200 and its time."""
     metrics.observe_request("chat", "gpt-4o", 200, 2.0)
     for status in (400, 429, 500, 502, 504):
         metrics.observe_request("chat", "gpt-4o", status, 0.002)
     metrics.observe_exchange("chat", "gpt-4o", 429, 0.001, 0.0001, 0.001, None)
-    metrics.observe_exchange("chat", "gpt-4o", 499, 7.0, 0.0001, 0.4, None)
+    metrics.observe_exchange("chat", "gpt-4o", 499, 0.2, 0.0001, None, None)
+    metrics.observe_exchange("chat", "gpt-4o", 200, 7.0, 0.0001, 0.4, None)  # cut mid-stream
     metrics.observe_exchange("passthrough", None, 404, 0.001, 0.0001, 0.001, None)
     metrics.observe_exchange("passthrough", None, 200, 0.3, 0.0001, 0.01, None)
 

@@ -1261,8 +1261,12 @@ def test_a_malformed_upstream_answer_is_a_502(
         # a switch of protocols nobody asked for: it used to reach the client as a 101 with a body
         b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n"
         b"raw bytes of another protocol",
+        # three digits the parsers take, but no HTTP status: the client's connection was closed
+        # with no byte (the server's status-line table has none), the log said "empty body"
+        b"HTTP/1.1 999 Weird\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
+        b"HTTP/1.1 600 Nope\r\ncontent-length: 2\r\n\r\n{}",
     ],
-    ids=["endless-headers", "unasked-101"],
+    ids=["endless-headers", "unasked-101", "status-999", "status-600"],
 )
 def test_an_answer_no_client_should_take_is_a_502(
     proxy_factory: Any, transport: str, answer: bytes

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import ssl
 import time
@@ -1351,3 +1352,43 @@ def test_an_answer_the_loop_had_not_read_when_a_write_failed_still_reaches_the_c
         server.close()
 
     run_on(loop, main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_refused_body_sent_whole_logs_no_unretrieved_write_error(
+    loop: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A large chat body is written whole (no one waits for room); the upstream refuses it and
+    closes unread. The room the transport waited for failed with the close, and asyncio logged
+    "Future exception was never retrieved" at ERROR level for an ordinary refusal."""
+    import gc
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(answer(b"too large", b"413 Payload Too Large", b"connection: close\r\n"))
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.transport.abort()
+
+    async def main() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/chat/completions"
+        pool = UpstreamPool(read_timeout=10)
+        for _ in range(8):
+            resp = await pool.open("POST", url, [], b"x" * (16 * 1024 * 1024))
+            assert resp.status_code == 413
+            await read(resp)
+        await asyncio.sleep(0.1)
+        gc.collect()
+        await asyncio.sleep(0.1)
+        await pool.aclose()
+        server.close()
+
+    with caplog.at_level(logging.ERROR):
+        run_on(loop, main())
+        gc.collect()
+    assert "never retrieved" not in caplog.text

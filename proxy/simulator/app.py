@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import logging
 import math
 import random
@@ -41,6 +40,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.browser import BrowserGuard
+from proxy.prefix import deep_dumps
 from proxy.relay import send_error
 from proxy.serving import ServerThread
 from proxy.simulator.config import FAULTS, STATUS_FAULTS, SimConfig
@@ -174,7 +174,7 @@ def _json_response(
     try:
         content = orjson.dumps(obj)
     except TypeError:  # a recorded request nested deeper than orjson writes: /_sim/requests
-        content = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+        content = deep_dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
     return Response(content, status_code, headers=headers, media_type="application/json")
 
 
