@@ -131,6 +131,8 @@ class CostReport:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["saved_pct"] = self.saved_pct
+        for key in ("actual", "uncached", "saved"):  # sums of floats: 0.0031669999999999997
+            out[key] = round(out[key], 10)  # (a ten-billionth of a dollar: no price is finer)
         return out
 
 

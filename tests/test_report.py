@@ -1,3 +1,4 @@
+import dataclasses
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -542,6 +543,13 @@ def test_session_cost(log_dir: Path) -> None:
         torn=1,
     )
     assert report.to_json()["saved_pct"] == pytest.approx(100 * 0.25 / 0.6875)
+    # --json amounts without a float sum's noise (0.0031669999999999997)
+    noisy = dataclasses.replace(report, actual=0.0011 + 0.002, saved=0.1 + 0.2)
+    assert (repr(noisy.actual), repr(noisy.saved)) == (
+        "0.0031000000000000003",
+        "0.30000000000000004",
+    )
+    assert (noisy.to_json()["actual"], noisy.to_json()["saved"]) == (0.0031, 0.3)
     assert render_cost(report) == "\n".join(
         [
             "session              alpha",
