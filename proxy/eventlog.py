@@ -832,7 +832,14 @@ def _prepare_log_dir(log_dir: str | os.PathLike[str], warn: Callable[..., None])
         except OSError:
             return True
         mode = st.st_mode
-        if os.name == "posix" and stat.S_ISDIR(mode) and mode & 0o077:
+        if not stat.S_ISDIR(mode):  # said at start, not at the first lost line
+            warn(
+                "mkdir",
+                "cannot create log directory %s: a file of that name is in the way",
+                log_dir,
+            )
+            return True
+        if os.name == "posix" and mode & 0o077:
             warn(
                 "mode",
                 "log directory %s can be read by other users (mode %o): the logs hold prompts "

@@ -765,6 +765,22 @@ def test_serve_notes_an_upstream_url_without_a_path(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_serve_says_at_start_that_a_file_is_where_its_log_directory_should_be(
+    tmp_path: Path,
+) -> None:
+    """It said so only at the first request, as a lost line."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    line, warning = _serve_first_lines(
+        tmp_path, "--log-dir", str(blocker), env=clean_env(), count=2
+    )
+    assert line.startswith(f"cachegate {__version__} listening on")
+    assert warning.rstrip("\n").endswith(
+        f"cannot create log directory {blocker}: a file of that name is in the way"
+    )
+
+
+@pytest.mark.timeout(30)
 def test_serve_notes_a_key_offered_beyond_this_machine(tmp_path: Path) -> None:
     """``--host 0.0.0.0`` with $OPENAI_API_KEY set: anyone on the network could spend the key;
     said at start. Not said on loopback, nor when clients must bring their own key."""
