@@ -90,6 +90,19 @@ def _serve(ns: argparse.Namespace) -> int:
                 " stands for this key: give cachegate the real key, and the agent the placeholder",
                 file=sys.stderr,
             )
+        if key_env and os.environ.get(key_env, "").strip():
+            from proxy.errors import ProxyError
+            from proxy.relay import bearer
+
+            try:
+                bearer(os.environ[key_env])
+            except ProxyError:  # each request without a key of its own would get a 500
+                print(
+                    f"cachegate: note: ${key_env} has a character an HTTP header cannot carry"
+                    " (a line break, a control or a non-Latin-1 character): requests without a"
+                    " key of their own get a 500 until it is fixed",
+                    file=sys.stderr,
+                )
         if key_env and os.environ.get(key_env, "").strip() and not is_loopback_name(host):
             print(
                 f"cachegate: note: listening on {host}, beyond this machine, with ${key_env}"

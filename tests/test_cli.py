@@ -781,6 +781,21 @@ def test_serve_says_at_start_that_a_file_is_where_its_log_directory_should_be(
 
 
 @pytest.mark.timeout(30)
+def test_serve_notes_a_key_no_header_can_carry(tmp_path: Path) -> None:
+    """A key pasted with a line break inside: each request got a 500 naming the setting, and
+    nothing was said at start."""
+    env = clean_env(OPENAI_API_KEY="sk-test-first\nsecond-half")
+    note, line = _serve_first_lines(tmp_path, env=env, count=2)
+    assert note == (
+        "cachegate: note: $OPENAI_API_KEY has a character an HTTP header cannot carry (a line"
+        " break, a control or a non-Latin-1 character): requests without a key of their own get"
+        " a 500 until it is fixed\n"
+    )
+    assert "sk-test" not in note + line and "second-half" not in note + line
+    assert line.startswith(f"cachegate {__version__} listening on")
+
+
+@pytest.mark.timeout(30)
 def test_serve_notes_a_key_offered_beyond_this_machine(tmp_path: Path) -> None:
     """``--host 0.0.0.0`` with $OPENAI_API_KEY set: anyone on the network could spend the key;
     said at start. Not said on loopback, nor when clients must bring their own key."""
