@@ -15,7 +15,13 @@ from urllib.parse import urlsplit
 
 from proxy import __version__
 from proxy.browser import is_loopback_name
-from proxy.config import ConfigError, display_url, load_settings, url_host
+from proxy.config import (
+    ConfigError,
+    display_url,
+    load_settings,
+    unknown_variable_notes,
+    url_host,
+)
 
 DEFAULT_LOG_DIR = "./cachegate-logs"
 SHUTDOWN_GRACE_S = 5  # after Ctrl+C, how long answers in flight may still finish
@@ -90,6 +96,8 @@ def _serve(ns: argparse.Namespace) -> int:
                 " stands for this key: give cachegate the real key, and the agent the placeholder",
                 file=sys.stderr,
             )
+        for note in unknown_variable_notes(os.environ):
+            print(f"cachegate: note: {note}", file=sys.stderr)
         if key_env and os.environ.get(key_env, "").strip():
             from proxy.errors import ProxyError
             from proxy.relay import bearer

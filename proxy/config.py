@@ -295,6 +295,22 @@ OPTION_KEYS: dict[str, str] = {
 }
 
 
+def unknown_variable_notes(env: Mapping[str, str]) -> list[str]:
+    """A line for each ``CACHEGATE_*`` variable set in ``env`` that cachegate does not read
+    (``CACHEGATE_LOGDIR``): a mistyped name was ignored without a word, as a file's unknown key
+    is not."""
+    known = {"CACHEGATE_CONFIG", *(f"CACHEGATE_{option.upper()}" for option in OPTION_KEYS)}
+    notes = []
+    for name in sorted(env):
+        if name.startswith("CACHEGATE_") and name not in known:
+            # (the names after the prefix they share, which would make every one look close)
+            suffixes = sorted(k.removeprefix("CACHEGATE_") for k in known)
+            close = difflib.get_close_matches(name.removeprefix("CACHEGATE_"), suffixes, n=1)
+            hint = f" (did you mean CACHEGATE_{close[0]}?)" if close else ""
+            notes.append(f"{name} is set, but cachegate reads no such variable{hint}")
+    return notes
+
+
 # How a boolean is written in a CACHEGATE_* variable (and X-Cachegate-Strict), lower-cased.
 TRUE_WORDS: frozenset[str] = frozenset({"1", "true", "yes", "on"})
 FALSE_WORDS: frozenset[str] = frozenset({"0", "false", "no", "off"})

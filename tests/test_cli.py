@@ -781,6 +781,17 @@ def test_serve_says_at_start_that_a_file_is_where_its_log_directory_should_be(
 
 
 @pytest.mark.timeout(30)
+def test_serve_notes_a_mistyped_variable(tmp_path: Path) -> None:
+    env = clean_env(CACHEGATE_LOGDIR=str(tmp_path / "elsewhere"))
+    note, line = _serve_first_lines(tmp_path, env=env, count=2)
+    assert note == (
+        "cachegate: note: CACHEGATE_LOGDIR is set, but cachegate reads no such variable"
+        " (did you mean CACHEGATE_LOG_DIR?)\n"
+    )
+    assert line.startswith(f"cachegate {__version__} listening on")
+
+
+@pytest.mark.timeout(30)
 def test_serve_notes_a_key_no_header_can_carry(tmp_path: Path) -> None:
     """A key pasted with a line break inside: each request got a 500 naming the setting, and
     nothing was said at start."""

@@ -288,3 +288,27 @@ def test_a_log_directory_under_the_home_directory_is_expanded(
     assert load_settings(str(f), {}, environ={}).logging.dir == str(tmp_path / "cg-logs")
     from_env = load_settings(None, {}, environ={"CACHEGATE_LOG_DIR": "~/other"})
     assert from_env.logging.dir == str(tmp_path / "other")
+
+
+def test_a_mistyped_cachegate_variable_is_named_with_the_one_meant() -> None:
+    """``CACHEGATE_LOGDIR=/tmp/x`` was ignored without a word (a file's unknown key is refused
+    with a suggestion)."""
+    from proxy.config import unknown_variable_notes
+
+    env = {
+        "CACHEGATE_LOGDIR": "/tmp/x",
+        "CACHEGATE_PROT": "9000",
+        "CACHEGATE_PORT": "9000",
+        "CACHEGATE_CONFIG": "c.toml",
+        "CACHEGATE_WHATEVER_ELSE": "1",
+        "HOME": "/root",
+    }
+    assert unknown_variable_notes(env) == [
+        "CACHEGATE_LOGDIR is set, but cachegate reads no such variable"
+        " (did you mean CACHEGATE_LOG_DIR?)",
+        "CACHEGATE_PROT is set, but cachegate reads no such variable"
+        " (did you mean CACHEGATE_PORT?)",
+        "CACHEGATE_WHATEVER_ELSE is set, but cachegate reads no such variable",
+    ]
+    known = ("CONFIG", "HOST", "PORT", "UPSTREAM", "LOG_DIR", "STRICT_PAIRING")
+    assert unknown_variable_notes({f"CACHEGATE_{name}": "x" for name in known}) == []
