@@ -101,15 +101,37 @@ def _lenient_body(raw: bytes) -> Any:
     does not allow stays refused: another encoding than UTF-8, ``NaN``/``Infinity``, a number
     beyond a double (it would be written back as ``null``), an integer beyond 64 bits."""
     try:
-        body = json.loads(
-            raw.decode("utf-8"),
-            parse_constant=_refuse,
-            parse_float=_finite_float,
-            parse_int=_int64,
-        )
-        return _without_surrogates(body)
+        text = raw.decode("utf-8")
+        options: dict[str, Any] = {
+            "parse_constant": _refuse,
+            "parse_float": _finite_float,
+            "parse_int": _int64,
+        }
+        try:
+            body = json.loads(text, **options)
+        except RecursionError:  # ~990 levels: read on, as deep as orjson reads, no deeper
+            body = prefix.deep_call(json.loads, text, **options)
+            if _depth(body) > ORJSON_MAX_DEPTH:
+                return _UNREADABLE
+        return prefix.deep_call(_without_surrogates, body)  # (two frames a level)
     except (ValueError, RecursionError):
         return _UNREADABLE
+
+
+ORJSON_MAX_DEPTH = 1024  # the deepest body orjson reads, so the deepest cachegate takes
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value`` nests (an array or object of scalars is 1), walked without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, level)
+            stack.extend((inner, level + 1) for inner in item)
+    return deepest
 
 
 def _refuse(name: str) -> Any:

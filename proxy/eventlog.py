@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import logging
 import os
 import stat
@@ -27,7 +28,7 @@ from typing import Any, Final, Literal
 
 import orjson
 
-from proxy.prefix import deep_dumps
+from proxy.prefix import deep_call, deep_dumps
 from proxy.redact import REDACTED, known_secrets, line_may_hold_secret, redact, redact_text
 from proxy.sessions import shared_prefix, valid_session_id
 
@@ -463,7 +464,7 @@ class EventLogWriter:
                 if not line_may_hold_secret(lines[at]):
                     continue
                 try:
-                    lines[at] = _dumps_line(redact(out), _redacted_str)
+                    lines[at] = _dumps_line(deep_call(redact, out), _redacted_str)
                 except Exception as exc:  # a hostile __str__, say
                     self._mark_broken(session_id)
                     self._lose(
@@ -1045,6 +1046,15 @@ def read_events(
         return parse_lines(f, drop=drop)
 
 
+def _deep_line(line: bytes) -> Any:
+    """A line nested deeper than orjson reads (a body at its limit, wrapped by the log's own
+    event one or two levels more), read by the standard library; None if it is no JSON."""
+    try:
+        return deep_call(json.loads, line)
+    except (ValueError, RecursionError):
+        return None
+
+
 def parse_lines(
     lines: Iterable[bytes], *, drop: Mapping[str, frozenset[str]] | None = None
 ) -> LogRead:
@@ -1062,16 +1072,17 @@ def parse_lines(
         if line:
             try:
                 obj = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                torn += 1
-            else:
-                if isinstance(obj, dict):
-                    kind = obj.get("type")
-                    fields = drop.get(kind) if drop and isinstance(kind, str) else None
-                    if fields:
-                        for key in fields.intersection(obj):
-                            del obj[key]
-                    events.append(obj)
+            except orjson.JSONDecodeError as exc:
+                obj = _deep_line(line) if str(exc).startswith("depth limit") else None
+                if obj is None:
+                    torn += 1
+            if isinstance(obj, dict):
+                kind = obj.get("type")
+                fields = drop.get(kind) if drop and isinstance(kind, str) else None
+                if fields:
+                    for key in fields.intersection(obj):
+                        del obj[key]
+                events.append(obj)
         if not raw.endswith(b"\n"):
             break
     return LogRead(events=events, torn=torn, starts_as_log=bool(starts_as_log))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -280,7 +281,18 @@ def notify(observers: list[Observer], hook: str, ex: Exchange, *args: Any) -> No
 
 
 def _failed(observer: Observer, hook: str) -> None:
-    """Log the exception being handled: an observer's ``hook`` failed."""
+    """Log the exception being handled: an observer's ``hook`` failed. A ``RecursionError`` (a
+    body nested deeper than some walk of it takes) in one line: its traceback, ~1,000 frames of
+    two functions in turn, was ~225 KB a request, which a client could send on every one."""
+    error = sys.exc_info()[1]
+    if isinstance(error, RecursionError):
+        log.error(
+            "observer %s.%s failed; the response is unaffected: %s (a body nested too deep)",
+            type(observer).__name__,
+            hook,
+            error,
+        )
+        return
     log.exception(
         "observer %s.%s failed; the response is unaffected", type(observer).__name__, hook
     )

@@ -34,7 +34,7 @@ import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 import orjson
 
@@ -418,28 +418,36 @@ def marked_ttl_s(body: Mapping[str, Any]) -> float | None:
 
 
 _DEEP_LOCK = threading.Lock()
-# orjson reads up to 1,024 levels and writes 254; the standard library's encoder stops at the
-# interpreter's recursion limit (1,000 frames, ~990 levels once called from a handler).
-_DEEP_FRAMES = 1_200
+# orjson reads up to 1,024 levels and writes 254; the standard library's encoder and decoder,
+# and cachegate's own walks of a body (two frames a level where a comprehension recurses), stop
+# at the interpreter's recursion limit (1,000 frames: ~490 or ~990 levels).
+_DEEP_FRAMES = 2_400
+
+_T = TypeVar("_T")
 
 
-def deep_dumps(value: Any, **options: Any) -> str:
-    """``json.dumps(value, **options)``, also for a value nested as deep as orjson reads (1,024
-    levels): the encoder's recursion limit is raised for the call when the first try meets it.
-    Where orjson refuses to write (past 254 levels), the standard library's encoder is the
-    fallback; without this, a body between ~990 and 1,024 levels deep, which cachegate reads and
-    forwards, could be neither hashed, estimated, logged nor written again."""
+def deep_call(function: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``function(*args, **kwargs)``, also for a value nested as deep as orjson reads (1,024
+    levels, a few more where the log wraps it): when the first try meets the recursion limit,
+    the limit is raised for one more try. (Python calls do not take the C stack in 3.11; the
+    standard library's JSON encoder and decoder take a few hundred bytes of it a level.)"""
     try:
-        return json.dumps(value, **options)
+        return function(*args, **kwargs)
     except RecursionError:
         pass
     with _DEEP_LOCK:  # (the limit is the interpreter's: one raise at a time, then put back)
         limit = sys.getrecursionlimit()
         sys.setrecursionlimit(limit + _DEEP_FRAMES)
         try:
-            return json.dumps(value, **options)
+            return function(*args, **kwargs)
         finally:
             sys.setrecursionlimit(limit)
+
+
+def deep_dumps(value: Any, **options: Any) -> str:
+    """``json.dumps(value, **options)`` for a value as deep as cachegate reads (``deep_call``):
+    where orjson refuses to write (past 254 levels), the standard library's encoder writes it."""
+    return deep_call(json.dumps, value, **options)
 
 
 def json_size(value: Any) -> int:
@@ -791,12 +799,11 @@ def tools_json(tools: Any) -> bytes:
         tools = [_unmarked_tool(tool) for tool in tools]
     else:
         tools = _unmarked_tool(tools)
+    ordered = deep_call(schema_order, tools)  # (a schema may be nested as deep as JSON is read)
     try:
-        return orjson.dumps(schema_order(tools))
-    except TypeError:  # integers beyond 64 bits, which a stdlib-parsed body may hold
-        return json.dumps(
-            schema_order(tools), ensure_ascii=False, separators=(",", ":"), default=str
-        ).encode()
+        return orjson.dumps(ordered)
+    except TypeError:  # integers beyond 64 bits, content deeper than orjson writes
+        return deep_dumps(ordered, ensure_ascii=False, separators=(",", ":"), default=str).encode()
 
 
 def _unmarked_tool(tool: Any) -> Any:

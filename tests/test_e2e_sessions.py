@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import secrets
 import signal
 import socket
@@ -824,7 +825,7 @@ def test_a_history_resent_in_new_key_orders_is_logged_as_deltas(
 
 
 def test_content_nested_deeper_than_orjson_writes_is_repaired_forwarded_and_logged(
-    sim: RunningSimulator, proxy_factory: Any
+    sim: RunningSimulator, proxy_factory: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """orjson reads 1,024 levels and writes 254: a body nested 300 deep that needed a repair
     was a 500 of cachegate's, and without one its log lines were lost."""
@@ -891,6 +892,42 @@ def test_content_nested_deeper_than_orjson_writes_is_repaired_forwarded_and_logg
     (replayed,) = [orjson.loads(line) for line in replay_lines(proxy.log_dir, "d1k")]
     assert deep_dumps(replayed["messages"]) == deep_dumps(sent)  # (== recurses too deep)
     assert httpx.get(sim.url + "/_sim/requests").status_code == 200
+    # A tool schema as deep (its digest walked it in Python, two frames a level: every request
+    # lost its accounting and wrote ~225 KB of traceback), a secret in a body that deep (the
+    # redaction walked it: the request line was lost), and a lone surrogate in one (refused as
+    # invalid_json past ~490 levels): each taken as any other.
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"x": "DEEP"}}}
+    raw = orjson.dumps(
+        {"model": "gpt-4o", "tools": [tool], "messages": [{"role": "user", "content": "hi"}]}
+    ).replace(b'"DEEP"', b"[" * 1010 + b'"x"' + b"]" * 1010)
+    with caplog.at_level(logging.ERROR):
+        r = httpx.post(
+            proxy.base_url + "/chat/completions", content=raw, headers={"X-Session-Id": "dtool"}
+        )
+        assert r.status_code == 200, r.text
+        secret = {
+            "role": "user",
+            "content": "my key sk-proj-" + "Ab3dEf6hIj9kLm2nOp5qRs8t",
+            "m": "DEEP",
+        }
+        raw = orjson.dumps({"model": "gpt-4o", "messages": [secret]})
+        raw = raw.replace(b'"DEEP"', b"[" * 1000 + b'"x"' + b"]" * 1000)
+        r = httpx.post(
+            proxy.base_url + "/chat/completions", content=raw, headers={"X-Session-Id": "dsecret"}
+        )
+        assert r.status_code == 200, r.text
+        flush(proxy)
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR], caplog.text
+    assert events(proxy.log_dir, "dtool", "response")[0]["cache"] is not None
+    (request,) = events(proxy.log_dir, "dsecret", "request")
+    assert request["appended"][0]["content"] == "my key [REDACTED]"
+    surrogate = orjson.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "DEEP"}]})
+    surrogate = surrogate.replace(b'"DEEP"', b"[" * 985 + b'"a \\ud83d b"' + b"]" * 985)
+    forwarded = len(sim.sim.requests)
+    r = httpx.post(proxy.base_url + "/chat/completions", content=surrogate)
+    assert "Request body is not valid JSON" not in r.text  # not cachegate's refusal...
+    assert len(sim.sim.requests) == forwarded + 1  # ...the provider's to judge (it refused it)
+    assert r.json()["error"]["message"].startswith("We could not parse the JSON body")
     # past what orjson reads: not JSON cachegate can take, said as such, nothing forwarded
     r = httpx.post(
         proxy.base_url + "/chat/completions",

@@ -1175,3 +1175,15 @@ def test_a_full_disk_mid_write_leaves_no_torn_line(
     assert log.torn == 0
     assert [e.get("message") for e in log.events] == [None, "one", "three"]
     assert w.errors == 1
+
+
+def test_a_line_nested_deeper_than_orjson_reads_is_read_not_counted_torn() -> None:
+    """A body at orjson's limit (1,024 levels) is logged one or two levels deeper (the event
+    wraps it): the reader took that line for a torn one, and replay printed nothing."""
+    from proxy.eventlog import parse_lines
+
+    deep = b"[" * 1030 + b'"x"' + b"]" * 1030
+    line = b'{"ts":1.0,"type":"request","exchange":1,"params":{"m":' + deep + b"}}\n"
+    log = parse_lines([line, b'{"ts":2.0,"type":"error"}\n', b"{torn\n"])
+    assert [e["type"] for e in log.events] == ["request", "error"]
+    assert log.torn == 1

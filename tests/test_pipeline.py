@@ -72,6 +72,25 @@ def test_notify_calls_each_observer_once_and_survives_a_failing_one(hook: str, c
     assert any("Failing" in r.getMessage() for r in caplog.records)
 
 
+def test_an_observer_failing_on_a_deep_body_is_said_in_one_line(caplog) -> None:
+    """A RecursionError's traceback (a body nested deeper than a walk of it takes) was ~1,000
+    frames, ~225 KB of cachegate's log per request, which any client could send on every one."""
+
+    class TooDeep:
+        def on_response(self, ex: Exchange) -> None:
+            def walk(n: int) -> int:
+                return walk(n + 1)
+
+            walk(0)
+
+    with caplog.at_level(logging.ERROR, logger="proxy.pipeline"):
+        notify([TooDeep()], "on_response", _exchange(3))  # type: ignore[list-item]
+    (record,) = [r for r in caplog.records if "TooDeep" in r.getMessage()]
+    assert record.exc_info is None
+    assert "a body nested too deep" in record.getMessage()
+    assert len(record.getMessage()) < 300
+
+
 def test_a_printed_exchange_never_shows_the_upstream_key() -> None:
     ex = Exchange("chat", "POST", "chat/completions", 0.0, 0.0)
     ex.upstream_headers = [(b"authorization", b"Bearer sk-server-key-0123456789")]
