@@ -66,6 +66,12 @@ def parse_request(raw: bytes, memos: list[bodymemo.BodyMemo]) -> bodymemo.Parsed
         parsed = bodymemo.parse(raw, memos)
     except orjson.JSONDecodeError as exc:
         lenient = _lenient_body(raw)
+        if lenient is _TOO_DEEP:
+            raise bad_request(
+                f"Request body is nested deeper than {ORJSON_MAX_DEPTH} levels, the most"
+                " cachegate reads.",
+                "invalid_json",
+            ) from None
         if lenient is _UNREADABLE:
             try:
                 raw.decode("utf-8")
@@ -89,6 +95,7 @@ def parse_request(raw: bytes, memos: list[bodymemo.BodyMemo]) -> bodymemo.Parsed
 
 
 _UNREADABLE: Final = object()
+_TOO_DEEP: Final = object()
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")
 
 
@@ -107,12 +114,11 @@ def _lenient_body(raw: bytes) -> Any:
             "parse_float": _finite_float,
             "parse_int": _int64,
         }
-        try:
-            body = json.loads(text, **options)
-        except RecursionError:  # ~990 levels: read on, as deep as orjson reads, no deeper
-            body = prefix.deep_call(json.loads, text, **options)
-            if _depth(body) > ORJSON_MAX_DEPTH:
-                return _UNREADABLE
+        # ~990 levels at the usual recursion limit; read on as deep as orjson reads, no deeper
+        # (checked whichever way it was read: another thread may have the limit raised)
+        body = prefix.deep_call(json.loads, text, **options)
+        if _depth(body) > ORJSON_MAX_DEPTH:
+            return _TOO_DEEP
         return prefix.deep_call(_without_surrogates, body)  # (two frames a level)
     except (ValueError, RecursionError):
         return _UNREADABLE

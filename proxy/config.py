@@ -302,10 +302,12 @@ def unknown_variable_notes(env: Mapping[str, str]) -> list[str]:
     known = {"CACHEGATE_CONFIG", *(f"CACHEGATE_{option.upper()}" for option in OPTION_KEYS)}
     notes = []
     for name in sorted(env):
-        if name.startswith("CACHEGATE_") and name not in known:
-            # (the names after the prefix they share, which would make every one look close)
+        if name.upper().startswith("CACHEGATE_") and name not in known and env[name]:
+            # (the names after the prefix they share, which would make every one look close;
+            # an empty variable counts as unset, as the known ones do)
             suffixes = sorted(k.removeprefix("CACHEGATE_") for k in known)
-            close = difflib.get_close_matches(name.removeprefix("CACHEGATE_"), suffixes, n=1)
+            asked = name.upper().removeprefix("CACHEGATE_")
+            close = difflib.get_close_matches(asked, suffixes, n=1)
             hint = f" (did you mean CACHEGATE_{close[0]}?)" if close else ""
             notes.append(f"{name} is set, but cachegate reads no such variable{hint}")
     return notes

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -286,11 +287,17 @@ def _failed(observer: Observer, hook: str) -> None:
     two functions in turn, was ~225 KB a request, which a client could send on every one."""
     error = sys.exc_info()[1]
     if isinstance(error, RecursionError):
+        frames = traceback.extract_tb(error.__traceback__)
+        where = (
+            f" in {frames[-1].name} ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+        )
         log.error(
-            "observer %s.%s failed; the response is unaffected: %s (a body nested too deep)",
+            "observer %s.%s failed; the response is unaffected: %s%s (a body nested deeper than"
+            " that walk takes, or a bug)",
             type(observer).__name__,
             hook,
             error,
+            where,
         )
         return
     log.exception(

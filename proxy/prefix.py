@@ -424,6 +424,8 @@ _DEEP_LOCK = threading.Lock()
 _DEEP_FRAMES = 2_400
 
 _T = TypeVar("_T")
+_deep_calls = 0  # deep calls under way, in all threads
+_usual_limit = 1000  # the recursion limit before the first of them raised it
 
 
 def deep_call(function: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
@@ -435,13 +437,22 @@ def deep_call(function: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         return function(*args, **kwargs)
     except RecursionError:
         pass
-    with _DEEP_LOCK:  # (the limit is the interpreter's: one raise at a time, then put back)
-        limit = sys.getrecursionlimit()
-        sys.setrecursionlimit(limit + _DEEP_FRAMES)
-        try:
-            return function(*args, **kwargs)
-        finally:
-            sys.setrecursionlimit(limit)
+    global _deep_calls, _usual_limit
+    # The limit is the interpreter's, not a thread's: raised by the first deep call, put back
+    # by the last one to end (the lock is held only for that; a thread never waits for another
+    # thread's deep call to end: the event loop would stall meanwhile).
+    with _DEEP_LOCK:
+        if _deep_calls == 0:
+            _usual_limit = sys.getrecursionlimit()
+            sys.setrecursionlimit(_usual_limit + _DEEP_FRAMES)
+        _deep_calls += 1
+    try:
+        return function(*args, **kwargs)
+    finally:
+        with _DEEP_LOCK:
+            _deep_calls -= 1
+            if _deep_calls == 0:
+                sys.setrecursionlimit(_usual_limit)
 
 
 def deep_dumps(value: Any, **options: Any) -> str:

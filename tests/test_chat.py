@@ -861,3 +861,31 @@ def test_a_refusal_that_only_echoes_stream_options_is_not_taken_for_one(
     )
     assert r.status_code == 422 and r.json() == refusal
     assert len(upstream.requests) == 1
+
+
+def test_a_body_with_a_lone_surrogate_is_read_no_deeper_than_orjson_reads() -> None:
+    """The lenient read (a lone surrogate) took bodies deeper than orjson's 1,024 levels while
+    another thread had the recursion limit raised, and past it blamed the surrogate."""
+    import sys
+
+    from proxy.chat import ORJSON_MAX_DEPTH, parse_request
+    from proxy.errors import ProxyError
+
+    def body(depth: int) -> bytes:
+        inner = b"[" * (depth - 3) + b'"a \\ud83d b"' + b"]" * (depth - 3)
+        return b'{"model":"m","messages":[{"role":"user","content":' + inner + b"}]}"
+
+    parsed = parse_request(body(ORJSON_MAX_DEPTH), [])  # as deep as orjson reads: taken
+    assert parsed.body["model"] == "m"
+    limit = sys.getrecursionlimit()
+    for raised in (False, True):
+        if raised:  # (as while the log writer re-runs a deep redaction)
+            sys.setrecursionlimit(limit + 5000)
+        try:
+            for depth in (ORJSON_MAX_DEPTH + 1, 1500):
+                with pytest.raises(ProxyError) as info:
+                    parse_request(body(depth), [])
+                assert info.value.code == "invalid_json"
+                assert "nested deeper than 1024 levels" in info.value.message
+        finally:
+            sys.setrecursionlimit(limit)

@@ -301,6 +301,8 @@ def test_a_mistyped_cachegate_variable_is_named_with_the_one_meant() -> None:
         "CACHEGATE_PORT": "9000",
         "CACHEGATE_CONFIG": "c.toml",
         "CACHEGATE_WHATEVER_ELSE": "1",
+        "CACHEGATE_EMPTY": "",  # an empty variable counts as unset
+        "CACHEGATE_upstream": "http://u:pw@x/v1",  # (the value is never said)
         "HOME": "/root",
     }
     assert unknown_variable_notes(env) == [
@@ -309,6 +311,8 @@ def test_a_mistyped_cachegate_variable_is_named_with_the_one_meant() -> None:
         "CACHEGATE_PROT is set, but cachegate reads no such variable"
         " (did you mean CACHEGATE_PORT?)",
         "CACHEGATE_WHATEVER_ELSE is set, but cachegate reads no such variable",
+        "CACHEGATE_upstream is set, but cachegate reads no such variable"
+        " (did you mean CACHEGATE_UPSTREAM?)",
     ]
     known = ("CONFIG", "HOST", "PORT", "UPSTREAM", "LOG_DIR", "STRICT_PAIRING")
     assert unknown_variable_notes({f"CACHEGATE_{name}": "x" for name in known}) == []

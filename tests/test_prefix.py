@@ -828,3 +828,39 @@ def test_what_a_request_dropped_of_the_previous_one() -> None:
     assert cut == turns[3] and share > 0.9  # only its JSON's frame is left of it
     assert dropped([say("system", "Now 12:00. You are an agent."), *turns]) == []
     assert dropped([system, *turns, say("user", "next")]) == []  # no difference at all
+
+
+def test_a_deep_call_never_waits_for_another_threads_and_the_limit_comes_back() -> None:
+    """The recursion limit is the interpreter's: a deep call raises it and the last to end puts
+    it back. A lock held for the whole call made the event loop wait for the log writer's deep
+    redaction (0.9 s of a stalled loop)."""
+    import sys
+    import threading
+    import time
+
+    from proxy.prefix import deep_call
+
+    limit = sys.getrecursionlimit()
+    inside = threading.Event()
+
+    def dive(n: int, pause: float = 0.0) -> int:
+        if n == 0:
+            if pause:
+                inside.set()
+                time.sleep(pause)
+            return 0
+        return dive(n - 1, pause) + 1
+
+    writer = threading.Thread(target=deep_call, args=(dive, 1500, 1.0))
+    writer.start()
+    assert inside.wait(10)
+    t0 = time.monotonic()
+    assert deep_call(dive, 1500) == 1500  # meanwhile, on another thread: at once
+    with pytest.raises(RecursionError):  # deeper than any raise takes: said at once too
+        deep_call(dive, 10_000)
+    assert time.monotonic() - t0 < 0.5
+    writer.join(10)
+    assert sys.getrecursionlimit() == limit
+    with pytest.raises(RecursionError):  # a recursion without end still ends
+        deep_call(dive, 10**6)
+    assert sys.getrecursionlimit() == limit
