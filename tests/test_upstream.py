@@ -95,6 +95,12 @@ def run(coro: Awaitable[Any]) -> Any:
     return asyncio.run(coro)  # type: ignore[arg-type]
 
 
+async def endless_upload() -> AsyncIterator[bytes]:
+    """An upload that never ends, in 64 KiB pieces (for upstreams that stop reading it)."""
+    while True:
+        yield b"x" * 65536
+
+
 async def read(response: UpstreamResponse) -> bytes:
     try:
         return await response.aread()
@@ -718,16 +724,12 @@ def test_an_answer_while_the_upload_waits_for_room_ends_the_wait() -> None:
         await release.wait()
         writer.close()
 
-    async def endless() -> AsyncIterator[bytes]:
-        while True:
-            yield b"x" * 65536
-
     async def main() -> None:
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
         url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
         pool = UpstreamPool(read_timeout=8)
         t0 = time.monotonic()
-        resp = await pool.open("POST", url, [], endless())
+        resp = await pool.open("POST", url, [], endless_upload())
         assert resp.status_code == 413
         assert await read(resp) == b"too large"
         assert time.monotonic() - t0 < 4
@@ -790,17 +792,13 @@ def test_an_upstream_that_stops_reading_an_upload_times_out() -> None:
         writer.close()
         await writer.wait_closed()
 
-    async def endless() -> AsyncIterator[bytes]:
-        while True:
-            yield b"x" * 65536
-
     async def main() -> None:
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
         url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
         pool = UpstreamPool(read_timeout=0.5)
         t0 = time.monotonic()
         with pytest.raises(httpx.ReadTimeout):
-            await pool.open("POST", url, [], endless())
+            await pool.open("POST", url, [], endless_upload())
         assert time.monotonic() - t0 < 3
         assert pool.open_connections == 0
         await pool.aclose()
