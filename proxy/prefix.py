@@ -462,33 +462,15 @@ def deep_dumps(value: Any, **options: Any) -> str:
 
 
 def json_size(value: Any) -> int:
-    """How many bytes ``value`` takes as compact JSON: orjson's count, or, for what orjson does
-    not write (content nested deeper than 254 levels, which a client may send; an integer beyond
-    64 bits), the standard library's, or past its depth (~990 levels) a walk of the values."""
+    """How many bytes ``value`` takes as compact JSON: orjson's count, or the standard library's
+    for what orjson does not write (content nested deeper than 254 levels, which a client may
+    send; an integer beyond 64 bits)."""
     try:
         return len(orjson.dumps(value))
     except TypeError:
-        pass
-    try:
         return len(
             deep_dumps(value, ensure_ascii=False, separators=(",", ":"), default=str).encode()
         )
-    except RecursionError:
-        pass
-    size, stack = 0, [value]
-    while stack:  # (no recursion: the nesting is what the other two could not take)
-        item = stack.pop()
-        if isinstance(item, dict):
-            size += 2 + len(item)  # braces, colons and commas, about
-            for key, inner in item.items():
-                size += len(str(key)) + 2
-                stack.append(inner)
-        elif isinstance(item, list):
-            size += 2 + len(item)
-            stack.extend(item)
-        else:
-            size += len(str(item)) + (2 if isinstance(item, str) else 0)
-    return size
 
 
 def canonical_json(value: Any) -> bytes:
