@@ -535,6 +535,25 @@ def summary_chars(window: int) -> int:
     return max(1000, min(12000, window * BYTES_PER_TOKEN // 8))
 
 
+# A summarizer's answer may run this much over the length asked for before it is cut: models
+# miss a word count by a little, and the plan's room for the summary holds that much.
+SUMMARY_OVERRUN = 1.25
+
+
+def clip_summary(text: str, max_chars: int) -> str:
+    """A model-written summary at most ``max_chars`` long: a longer one (a verbose or echoing
+    summarizer) is cut at the end of a line where one is near, and says so. Used as it came, it
+    could leave the compacted history over the window, and every later turn with it."""
+    if len(text) <= max_chars:
+        return text
+    note = f"\n[… summary cut by cachegate: {len(text):,} characters, over the length asked for]"
+    keep = text[: max(0, max_chars - len(note))]
+    line_end = keep.rfind("\n")
+    if line_end >= len(keep) * 3 // 4:
+        keep = keep[:line_end]
+    return keep.rstrip() + note
+
+
 @dataclass(slots=True)
 class _Skeleton:
     """The parts of an extractive summary, as built or as read back from an earlier one."""

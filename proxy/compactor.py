@@ -244,6 +244,17 @@ class Compactor:
             # message stays verbatim where the history still fits the window with it (a long
             # one is estimated no better than the rest: the provider may count it over).
             plan = anchored
+        if plan.cut is not None and not self._fits(messages, plan.cut, window, tools_tokens):
+            # What the smallest compaction keeps is over the window by itself (one message too
+            # long for it): no summary makes it fit, so none is paid for; the request goes as it
+            # would without a new one (after a refusal, the refusal is the client's answer).
+            log.info(
+                "session %s: the latest messages alone are over the %d-token window; "
+                "nothing to compact",
+                state.id,
+                window,
+            )
+            plan = dataclasses.replace(plan, cut=None, middle=[], previous_summary=None)
         # (``plan`` never discards ``existing``: ``_existing`` gives only one that covers this
         # history; one a rewind left is evicted in its turn.)
         if plan.cut is None:
@@ -424,7 +435,8 @@ class Compactor:
                 self._count_summary(ex, model, answer)
                 text = answer["choices"][0]["message"]["content"]
                 if isinstance(text, str) and text.strip():
-                    return text.strip(), "model"
+                    limit = int(chars * compaction.SUMMARY_OVERRUN)
+                    return compaction.clip_summary(text.strip(), limit), "model"
             log.warning(
                 "summarizer answered %s%s; using the extractive summary",
                 response.status_code,

@@ -872,3 +872,17 @@ def test_one_task_stays_however_long_its_tool_loop() -> None:
     # a task longer than the budget is summarized with the rest
     huge = {"role": "user", "content": "x" * 50000}
     assert find_cut([SYSTEM, huge, *rounds], keep_recent=8, max_anchor_chars=40000) == Cut(1, 1194)
+
+
+def test_a_summary_over_its_length_is_cut_at_a_line_end_and_says_so() -> None:
+    from proxy.compaction import clip_summary
+
+    text = "\n".join(f"line {i} of the summary" for i in range(400))
+    clipped = clip_summary(text, 1000)
+    assert len(clipped) <= 1000
+    kept, note = clipped.rsplit("\n", 1)
+    assert text.startswith(kept + "\n")  # whole lines, cut at one's end
+    assert "summary cut by cachegate" in note and f"{len(text):,} characters" in note
+    assert clip_summary("short", 1000) == "short"
+    one_line = "x" * 5000  # no line end near the limit: cut where the limit falls
+    assert len(clip_summary(one_line, 1000)) <= 1000

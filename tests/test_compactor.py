@@ -1388,3 +1388,59 @@ def test_a_reused_compaction_does_not_hash_its_covered_prefix_again(
     c.chat.completions.create(model=MODEL, messages=edited, extra_headers={"X-Session-Id": "h"})
     assert hashed  # the covered prefix was hashed: its objects were not the ones checked
     assert made() == before + 1  # a new compaction, not the stale one reused
+
+
+def test_a_summary_far_longer_than_asked_is_cut_and_the_session_goes_on(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """A verbose summarizer answers 40,000 characters where ~3,000 were asked for: used as it
+    came, the compacted history was over the window, refused, and every later turn with it."""
+    with run_simulator(SimConfig(context_window=6000)) as small:
+        proxy = proxy_factory(small.api_base, CONFIG)
+        c = sdk(proxy.base_url)
+        text = "\n".join(f"- step {i}: ran the tests and read the output" for i in range(900))
+        assert len(text) > 40000
+        small.sim.enqueue([parse_script(text)])
+        msgs = history(18)
+        raw = c.chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "verbose"}
+        )
+        assert raw.status_code == 200 and raw.headers["x-cachegate-compacted"] == "1"
+        summary = small.sim.requests[-1].body["messages"][1]["content"]
+        assert summary.startswith(SUMMARY_MARKER)
+        assert "- step 0: ran the tests" in summary  # the model's text, not the extractive one
+        assert "summary cut by cachegate" in summary
+        assert len(summary) < compaction.summary_chars(6000) * 1.25 + 400
+        assert [r.status for r in small.sim.requests] == [200, 200]  # summary, answer
+        # the next turn reuses it: no second summary, no refusal
+        msgs = [*msgs, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+        raw = c.chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "verbose"}
+        )
+        assert raw.status_code == 200 and raw.headers["x-cachegate-compacted"] == "1"
+        assert [r.status for r in small.sim.requests] == [200, 200, 200]
+
+
+def test_a_history_whose_latest_message_alone_is_over_the_window_is_not_summarized(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """Rounds that could be compacted, then one message too long for the window by itself: no
+    compaction can fit, so no summary is paid for and the refusal reaches the client as it
+    came (a summary was bought, the request sent again, refused again, shown as two rows)."""
+    import openai
+
+    with run_simulator(SimConfig(context_window=3000)) as small:
+        config = {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 1000000}}}
+        proxy = proxy_factory(small.api_base, config)
+        msgs = [*history(6, system_repeat=5), {"role": "user", "content": "word " * 4000}]
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk(proxy.base_url).chat.completions.create(
+                model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "big-tail"}
+            )
+        assert "maximum context length" in str(info.value)
+        assert [r.status for r in small.sim.requests] == [400]  # no summary call, no re-send
+        from proxy.report import show_session
+
+        proxy.settle()
+        rows = show_session(proxy.log_dir, "big-tail").rows
+        assert [(r.exchange, r.status) for r in rows] == [(1, 400)]
