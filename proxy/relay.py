@@ -679,6 +679,17 @@ class Relay:
         self._warned_at: float | None = None
         self._unwarned: collections.Counter[int] = collections.Counter()  # statuses since
 
+    def _timeout_detail(self, exc: httpx.HTTPError) -> str:
+        """What a 504 says of the limit that ran out: the setting, and its value."""
+        if isinstance(exc, httpx.ConnectTimeout):
+            limit, what = self._timeout.get("connect"), "no connection within"
+            key = "upstream.connect_timeout_s"
+        else:
+            limit, what, key = self._timeout.get("read"), "nothing for", "upstream.timeout_s"
+        if not isinstance(limit, int | float):
+            return type(exc).__name__
+        return f"{type(exc).__name__} ({what} {limit:g} s, {key})"
+
     def _warn_upstream(self, err: ProxyError) -> None:
         """Say on the terminal, now and then, that the upstream cannot be reached: the client
         gets a 502 or 504, but the user watching cachegate should see why too."""
@@ -768,8 +779,8 @@ class Relay:
                     raise upstream_busy(str(exc) or "the pool stayed full") from exc
                 kind = open_error_kind(exc)
                 ex.upstream_error = kind
-                if kind == "timeout":
-                    raise upstream_timeout(type(exc).__name__) from exc
+                if kind == "timeout":  # (which limit, and the setting to raise)
+                    raise upstream_timeout(self._timeout_detail(exc)) from exc
                 if kind == "invalid":
                     raise upstream_invalid(str(exc)) from exc
                 raise upstream_unreachable(str(exc) or type(exc).__name__) from exc

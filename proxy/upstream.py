@@ -44,6 +44,7 @@ import os
 import select
 import socket
 import ssl
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, overload
@@ -51,6 +52,15 @@ from urllib.parse import urlsplit
 
 import httptools
 import httpx
+
+_OUTQ: int | None  # the ioctl that says what the kernel still holds of what a socket was given
+try:  # to send (Linux, BSDs)
+    import fcntl
+    import termios
+
+    _OUTQ = termios.TIOCOUTQ
+except ImportError:  # pragma: no cover  (Windows)
+    _OUTQ = None
 
 _HIGH_WATER = 256 * 1024  # buffered response bytes before the socket stops being read
 _WRITE_JOIN = 64 * 1024  # bodies up to this size go out in one write with the head
@@ -309,6 +319,7 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0  # bytes received of the current answer before its headers ended
         self._fd = -1
         self._inode = -1  # the socket's, when plain TCP: what a salvage reads is its own
+        self._queued = -1  # bytes of a large request not yet sent when last looked at (-1: none)
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -319,6 +330,17 @@ class _Connection(asyncio.Protocol):
         if self._fd >= 0 and transport.get_extra_info("sslcontext") is None:
             with contextlib.suppress(OSError):
                 self._inode = os.fstat(self._fd).st_ino
+
+    def unsent(self) -> int:
+        """Bytes of what was written that have not left yet: the transport's buffer and the
+        socket's send queue."""
+        transport = self.transport
+        queued = transport.get_write_buffer_size() if transport is not None else 0
+        if self._fd >= 0 and _OUTQ is not None:
+            with contextlib.suppress(OSError):
+                answer = fcntl.ioctl(self._fd, _OUTQ, b"\0\0\0\0")
+                queued += int.from_bytes(answer, sys.byteorder)
+        return queued
 
     def readable(self) -> bool:
         """Whether the socket has bytes or its end waiting that the loop has not read yet. An
@@ -495,10 +517,19 @@ class _Connection(asyncio.Protocol):
         future = self._waiting
         if future is None or future.done() or self.closed:
             return  # nobody is waiting: the next wait arms a timer again
+        now = self.loop.time()
         deadline = self._mark + self.read_timeout
-        if self.loop.time() < deadline:
+        if now < deadline:
             self._timer = self.loop.call_at(deadline, self._check_timeout)
             return
+        if self._queued > 0:
+            queued = self.unsent()
+            if 0 < queued < self._queued:
+                # The upstream is still reading a large request (an upload over a slow link,
+                # the answer not due before it has it all): it moved, so it is no silence.
+                self._queued, self._mark = queued, now
+                self._timer = self.loop.call_at(now + self.read_timeout, self._check_timeout)
+                return
         future.set_exception(httpx.ReadTimeout("upstream sent nothing for too long"))
         self._fail(httpx.ReadTimeout("upstream sent nothing for too long"))
         self.abort()
@@ -517,6 +548,7 @@ class _Connection(asyncio.Protocol):
         self._received = self._complete = self._until_close = self._keep_alive = False
         self._ambiguous = False
         self._request_incomplete = False
+        self._queued = -1
         self._raw_headers = []
         self._head_bytes = 0
         self._head = self.loop.create_future()
@@ -570,6 +602,9 @@ class _Connection(asyncio.Protocol):
             else:
                 if not sized and not (self.closed or transport.is_closing()):
                     transport.write(b"0\r\n\r\n")
+        if not isinstance(content, bytes) or len(content) > _WRITE_JOIN:
+            # (what of it is still on its way: the read timeout counts from its last progress)
+            self._queued = self.unsent()
         self._sent_at = self.loop.time()
         return await self.wait(answer)
 

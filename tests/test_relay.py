@@ -580,6 +580,11 @@ def test_upstream_silent_before_headers_is_504(scripted: Any, proxy_factory: Any
     r = httpx.post(proxy.base_url + "/chat/completions", json=CHAT)
     assert r.status_code == 504
     assert r.json()["error"]["code"] == "upstream_timeout"
+    # which limit ran out, and the setting to raise (it said "ReadTimeout" alone)
+    assert r.json()["error"]["message"] == (
+        "The upstream provider did not answer in time: ReadTimeout (nothing for 0.3 s,"
+        " upstream.timeout_s)"
+    )
 
 
 def test_no_free_upstream_connection_is_cachegates_own_503_not_the_providers_timeout(
@@ -2072,3 +2077,23 @@ def test_past_the_limit_a_last_event_of_megabytes_still_gives_its_usage(
     assert result.usage is not None and result.usage.completion == 9
     assert result.finish_reason == "tool_calls"
     assert result.text_dropped
+
+
+def test_an_upstream_that_does_not_accept_in_time_is_a_504_naming_the_connect_timeout(
+    proxy_factory: Any,
+) -> None:
+    from tests.test_upstream import _full_accept_queue
+
+    listener, port, filler = _full_accept_queue()  # the next connect waits ~1 s for its SYN
+    try:
+        config = {"upstream": {"connect_timeout_s": 0.3}}
+        proxy = proxy_factory(f"http://127.0.0.1:{port}/v1", config)
+        r = httpx.post(proxy.base_url + "/chat/completions", json=CHAT, timeout=10)
+        assert r.status_code == 504
+        assert r.json()["error"]["message"] == (
+            "The upstream provider did not answer in time: ConnectTimeout (no connection within"
+            " 0.3 s, upstream.connect_timeout_s)"
+        )
+    finally:
+        filler.close()
+        listener.close()

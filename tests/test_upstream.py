@@ -1390,3 +1390,37 @@ def test_a_refused_body_sent_whole_logs_no_unretrieved_write_error(
         run_on(loop, main())
         gc.collect()
     assert "never retrieved" not in caplog.text
+
+
+def test_an_upload_slower_than_the_read_timeout_that_keeps_moving_is_not_cut() -> None:
+    """A 16 MB body held whole, read by the upstream at ~6 MB/s, then answered: the upload
+    takes longer than the read timeout, but bytes move all along. It was a ReadTimeout (a 504
+    to the client) because the timeout counted from the moment the body was queued."""
+    size = 16 * 1024 * 1024
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        left = size
+        while left:
+            left -= len(await reader.read(min(left, 65536)))
+            await asyncio.sleep(0.01)
+        writer.write(answer(b"read it all"))
+        await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)  # (the kernel holds little)
+        sock.bind(("127.0.0.1", 0))
+        server = await asyncio.start_server(serve, sock=sock, limit=65536)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/"
+        pool = UpstreamPool(read_timeout=0.6)
+        t0 = time.monotonic()
+        response = await pool.open("POST", url, [], b"x" * size)
+        assert await read(response) == b"read it all"
+        assert time.monotonic() - t0 > 1.2  # (the upload did outlast the timeout)
+        await pool.aclose()
+        server.close()
+        await server.wait_closed()
+
+    run(main())
