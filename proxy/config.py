@@ -22,7 +22,16 @@ from proxy.browser import check_host_entry, check_origin_entry
 
 
 class ConfigError(ValueError):
-    """A configuration key is unknown or its value is unusable; the message names the key."""
+    """A configuration key is unknown or its value is unusable; the message names the key
+    (``key``, when one value is at fault: who set it is then said with it)."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+def _bad(key: str, problem: str) -> ConfigError:
+    return ConfigError(f"config key '{key}': {problem}", key)
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,8 @@ _CLAUDE_SONNET = ModelSettings(200000, 300, 3.00, 0.30, 3.75, 15.00, "anthropic"
 _CLAUDE_OPUS_4 = ModelSettings(200000, 300, 15.00, 1.50, 18.75, 75.00, "anthropic")
 DEFAULT_MODELS: dict[str, ModelSettings] = {
     "gpt-4o": ModelSettings(128000, 600, 2.50, 1.25, 0.0, 10.00),
+    # gpt-4o's first snapshot: other prices, and no prompt caching (so no read is expected)
+    "gpt-4o-2024-05-13": ModelSettings(128000, 600, 5.00, 5.00, 0.0, 15.00, "openai", 1 << 30),
     "gpt-4o-mini": ModelSettings(128000, 600, 0.15, 0.075, 0.0, 0.60),
     "gpt-4.1": ModelSettings(1047576, 600, 2.00, 0.50, 0.0, 8.00),
     "gpt-4.1-mini": ModelSettings(1047576, 600, 0.40, 0.10, 0.0, 1.60),
@@ -281,6 +292,10 @@ def display_url(url: str) -> str:
     if not parts.netloc:  # a mistyped scheme (https:/…, http//…, none): no authority found
         return _USER_INFO.sub("", url) if "@" in url else url
     if "@" not in parts.netloc:
+        # a password with "/", "?" or "#" in it ends the authority early: "user:pa/ss@host"
+        rest = url[len(parts.scheme) + 3 :]
+        if "@" in rest and ":" in rest.partition("@")[0]:
+            return url[: len(parts.scheme) + 3] + rest.rpartition("@")[2]
         return url
     return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
@@ -386,47 +401,52 @@ def _build(cls: Any, data: Mapping[str, Any], prefix: str, base: Any, text: bool
 
 def _check(settings: Settings) -> None:
     if not 0 < settings.server.port < 65536:
-        raise ConfigError(f"config key 'server.port': {settings.server.port} is not a TCP port")
+        raise _bad("server.port", f"{settings.server.port} is not a TCP port")
     if not settings.server.host.strip():  # the socket layer reads "" as every interface
-        raise ConfigError(
-            "config key 'server.host': empty; give an address (127.0.0.1, or 0.0.0.0 to listen"
-            " on every interface)"
+        raise _bad(
+            "server.host",
+            "empty; give an address (127.0.0.1, or 0.0.0.0 to listen on every interface)",
         )
     if settings.logging.enabled and not settings.logging.dir.strip():  # "": the working dir
-        raise ConfigError(
-            "config key 'logging.dir': empty; give a directory (or set logging.enabled = false)"
-        )
+        raise _bad("logging.dir", "empty; give a directory (or set logging.enabled = false)")
     url = settings.upstream.base_url
+    key = "upstream.base_url"
     if not url.startswith(("http://", "https://")):
-        raise ConfigError(
-            f"config key 'upstream.base_url': {display_url(url)!r} must start with http:// or "
-            "https://"
-        )
+        raise _bad(key, f"{display_url(url)!r} must start with http:// or https://")
     host: str | None = None
     why = ""
     try:
-        host = urlsplit(url).hostname
+        parts = urlsplit(url)
+        host = parts.hostname
     except ValueError as exc:
         why = f" ({exc})"
     if not host:
-        raise ConfigError(
-            f"config key 'upstream.base_url': {display_url(url)!r} names no host{why}"
-        )
+        raise _bad(key, f"{display_url(url)!r} names no host{why}")
     if "?" in url or "#" in url:  # the route is appended to the URL: ".../v1?x=1/chat/completions"
-        raise ConfigError(
-            f"config key 'upstream.base_url': {display_url(url)!r} has a query or fragment; give"
-            " the base URL alone (a client's query string is passed on with each request)"
+        raise _bad(
+            key,
+            f"{display_url(url)!r} has a query or fragment; give the base URL alone (a client's"
+            f" query string is passed on with each request){_ENCODE_HINT if '@' in url else ''}",
         )
-    for key, check in (
+    try:
+        port = parts.port  # (not said: a password with "/" in it is read as host and port)
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise _bad(
+            key,
+            f"{display_url(url)!r}: its port is not a number from 1 to 65535{_ENCODE_HINT}",
+        )
+    for option, check in (
         ("allowed_origins", check_origin_entry),
         ("allowed_hosts", check_host_entry),
     ):
-        for entry in getattr(settings.server, key).split(","):
+        for entry in getattr(settings.server, option).split(","):
             problem = check(entry) if entry.strip() else None
             if problem:
-                raise ConfigError(f"config key 'server.{key}': {problem}")
+                raise _bad(f"server.{option}", problem)
     if not 0 < settings.compaction.trigger_percent <= 100:
-        raise ConfigError("config key 'compaction.trigger_percent': must be in (0, 100]")
+        raise _bad("compaction.trigger_percent", "must be in (0, 100]")
     for key, value in (
         ("upstream.timeout_s", settings.upstream.timeout_s),
         ("upstream.connect_timeout_s", settings.upstream.connect_timeout_s),
@@ -439,17 +459,24 @@ def _check(settings: Settings) -> None:
         ("sessions.idle_ttl_s", settings.sessions.idle_ttl_s),
     ):
         if value <= 0:  # 0 would refuse, or wait forever on, every request
-            raise ConfigError(f"config key '{key}': must be positive, got {value}")
+            raise _bad(key, f"must be positive, got {value}")
     for name, model in settings.models.items():
         if model.context_window <= 0:
-            raise ConfigError(f"config key 'models.\"{name}\".context_window': must be positive")
+            raise _bad(f'models."{name}".context_window', "must be positive")
+
+
+# (a user:password in the URL whose password holds "/", "?", "#" or "@" is read otherwise)
+_ENCODE_HINT: Final = (
+    " (a user name or password in the URL must have / ? # @ percent-encoded: %2F %3F %23 %40)"
+)
 
 
 def settings_from_mapping(
-    data: Mapping[str, Any], base: Settings | None = None, text: bool = False
+    data: Mapping[str, Any], base: Settings | None = None, text: bool = False, check: bool = True
 ) -> Settings:
     """Apply a nested mapping (a parsed TOML file) over ``base`` and validate every key;
-    ``text``: the values came as text (``_coerce``)."""
+    ``text``: the values came as text (``_coerce``); ``check``: also check the settings as a
+    whole (``load_settings`` does once every source is applied: a flag may mend a file)."""
     settings = base or Settings()
     changes: dict[str, Any] = {}
     for section, value in data.items():
@@ -479,7 +506,8 @@ def settings_from_mapping(
             raise ConfigError(f"unknown config section '{section}'{hint}")
         changes[section] = _build(type(current), value, section, current, text)
     settings = replace(settings, **changes)
-    _check(settings)
+    if check:
+        _check(settings)
     return settings
 
 
@@ -521,16 +549,31 @@ def load_settings(
             raise ConfigError(
                 f"config file {path}: cannot read it: {exc.strerror or exc}"
             ) from None
-        settings = settings_from_mapping(data, settings)
+        try:
+            settings = settings_from_mapping(data, settings, check=False)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (config file {path})", exc.key) from None
     # One variable, then one flag, at a time: an error names the one the user set.
+    set_by: dict[str, str] = {}  # a key, and the variable or flag that set it last
     for option, key in OPTION_KEYS.items():
         variable = f"CACHEGATE_{option.upper()}"
         if env.get(variable):
             settings = _apply_one(settings, key, env[variable], variable)
+            set_by[key] = variable
     for option, value in (options or {}).items():
         if value is not None and option in OPTION_KEYS:
             flag = "--" + option.replace("_", "-")
             settings = _apply_one(settings, OPTION_KEYS[option], value, flag)
+            set_by[OPTION_KEYS[option]] = flag
+    try:
+        _check(settings)  # the whole, as it will run: a flag's port mends a file's port = 0
+    except ConfigError as exc:
+        source = set_by.get(exc.key or "")
+        if source is not None:
+            raise ConfigError(f"{source}: {exc}", exc.key) from None
+        if path:
+            raise ConfigError(f"{exc} (config file {path})", exc.key) from None
+        raise
     home = os.path.expanduser(settings.logging.dir)  # "~/logs" in a file or a variable
     if home != settings.logging.dir:
         settings = replace(settings, logging=replace(settings.logging, dir=home))
@@ -539,6 +582,7 @@ def load_settings(
 
 def _apply_one(settings: Settings, key: str, value: Any, source: str) -> Settings:
     try:
-        return settings_from_mapping(_nest({key: value}), settings, text=isinstance(value, str))
+        text = isinstance(value, str)
+        return settings_from_mapping(_nest({key: value}), settings, text=text, check=False)
     except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+        raise ConfigError(f"{source}: {exc}", exc.key) from None

@@ -970,3 +970,37 @@ def test_sessions_read_a_log_directory_under_the_home_directory(
     monkeypatch.setenv("CACHEGATE_LOG_DIR", "~/cg-logs")
     (tmp_path / "cg-logs").mkdir()
     assert run_cli("sessions", "list").out == "no sessions\n"
+
+
+@pytest.mark.timeout(30)
+def test_serve_notes_a_key_given_where_its_variable_s_name_goes(tmp_path: Path) -> None:
+    """``api_key_env = "sk-..."``: every request went without a key (the provider's 401s), with
+    nothing said; the note does not show what was written there."""
+    config = tmp_path / "key.toml"
+    config.write_text('[upstream]\napi_key_env = "sk-proj-RealKeyInTheWrongPlace"\n')
+    note, line = _serve_first_lines(tmp_path, "--config", str(config), env=clean_env(), count=2)
+    assert note == (
+        "cachegate: note: upstream.api_key_env is the name of the variable that holds the key"
+        " (OPENAI_API_KEY), and what it holds is no variable name (not shown): requests without"
+        " a key of their own go without one\n"
+    )
+    assert "RealKey" not in note + line
+    assert line.startswith(f"cachegate {__version__} listening on")
+
+
+@pytest.mark.timeout(30)
+def test_serve_notes_a_key_variable_of_its_own_name_that_is_not_set(tmp_path: Path) -> None:
+    config = tmp_path / "key.toml"
+    config.write_text('[upstream]\napi_key_env = "MY_GATEWAY_KEY"\n')
+    note, line = _serve_first_lines(tmp_path, "--config", str(config), env=clean_env(), count=2)
+    assert note == (
+        "cachegate: note: upstream.api_key_env names $MY_GATEWAY_KEY, which is not set here:"
+        " requests without a key of their own go without one\n"
+    )
+    assert line.startswith(f"cachegate {__version__} listening on")
+    # set: nothing to say; and $OPENAI_API_KEY unset is the usual setup (clients bring keys)
+    env = clean_env(MY_GATEWAY_KEY="sk-test-x")
+    (line,) = _serve_first_lines(tmp_path, "--config", str(config), env=env, count=1)
+    assert line.startswith(f"cachegate {__version__} listening on")
+    (line,) = _serve_first_lines(tmp_path, env=clean_env(), count=1)
+    assert line.startswith(f"cachegate {__version__} listening on")

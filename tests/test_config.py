@@ -316,3 +316,63 @@ def test_a_mistyped_cachegate_variable_is_named_with_the_one_meant() -> None:
     ]
     known = ("CONFIG", "HOST", "PORT", "UPSTREAM", "LOG_DIR", "STRICT_PAIRING")
     assert unknown_variable_notes({f"CACHEGATE_{name}": "x" for name in known}) == []
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:99999/v1",
+        "http://127.0.0.1:80a/v1",
+        "https://user:s3cr/tPassword@gw.example.com/v1",  # a password with "/" not encoded
+    ],
+)
+def test_an_upstream_url_with_no_usable_port_is_refused_at_start(url: str) -> None:
+    """It was accepted, and every request then got a 502 "invalid answer (ValueError)"."""
+    with pytest.raises(ConfigError) as refused:
+        load_settings(None, {"upstream": url}, environ={})
+    message = str(refused.value)
+    assert message.startswith("--upstream: config key 'upstream.base_url'")
+    assert "port is not a number from 1 to 65535" in message
+    assert "tPassword" not in message and "s3cr" not in message
+
+
+def test_a_password_with_a_query_or_fragment_character_is_not_shown_in_the_refusal() -> None:
+    for url in ("https://user:pa?Secretword@gw.example.com/v1", "https://u:pa#Secretword@h/v1"):
+        with pytest.raises(ConfigError) as refused:
+            settings_from_mapping({"upstream": {"base_url": url}})
+        assert "Secretword" not in str(refused.value)
+        assert "percent-encoded" in str(refused.value)
+
+
+def test_a_flag_or_variable_mends_a_value_of_the_file_it_overrides(tmp_path: Path) -> None:
+    """defaults < file < variables < flags: a file's unusable value that a flag or variable
+    replaces no longer stops ``serve`` (the file was checked alone, before them)."""
+    config = tmp_path / "c.toml"
+    config.write_text('[server]\nport = 0\n[logging]\ndir = ""\n')
+    settings = load_settings(
+        str(config), {"port": "18112"}, environ={"CACHEGATE_LOG_DIR": str(tmp_path / "logs")}
+    )
+    assert (settings.server.port, settings.logging.dir) == (18112, str(tmp_path / "logs"))
+    # not mended: the file's value is refused, naming the file
+    with pytest.raises(ConfigError) as refused:
+        load_settings(str(config), {"port": "18112"}, environ={})
+    assert str(refused.value) == (
+        "config key 'logging.dir': empty; give a directory (or set logging.enabled = false)"
+        f" (config file {config})"
+    )
+    # a flag's own unusable value is named by the flag
+    with pytest.raises(ConfigError) as refused:
+        load_settings(None, {"port": "0"}, environ={})
+    assert str(refused.value) == "--port: config key 'server.port': 0 is not a TCP port"
+
+
+def test_an_error_in_the_config_file_names_the_file(tmp_path: Path) -> None:
+    """In the Docker image the file comes from $CACHEGATE_CONFIG, which the user may not know
+    was read."""
+    config = tmp_path / "c.toml"
+    config.write_text('[server]\nport = "8787"\n')
+    with pytest.raises(ConfigError) as refused:
+        load_settings(str(config), environ={})
+    assert str(refused.value) == (
+        f"config key 'server.port': expected an integer, got '8787' (config file {config})"
+    )
