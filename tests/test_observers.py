@@ -12,7 +12,7 @@ import pytest
 from proxy.assemble import AssembledResponse
 from proxy.cache import CacheState
 from proxy.compaction import estimate_tokens
-from proxy.config import settings_from_mapping
+from proxy.config import Settings, settings_from_mapping
 from proxy.eventlog import EventLogWriter, read_events, replay, replay_requests
 from proxy.metrics import Metrics
 from proxy.observers import AccountingObserver, EventLogObserver, _random_id
@@ -875,3 +875,23 @@ def test_a_session_keeps_at_most_eight_conversations_however_its_requests_repeat
             accounting.on_response(ex)
     state = store.get("s1")
     assert state is not None and len(state.extra["baselines"]) <= 8
+
+
+def test_gpt_4o_s_first_snapshot_is_priced_as_itself_and_no_cache_read_is_expected() -> None:
+    """gpt-4o-2024-05-13 was priced as gpt-4o (half its price, with a cached price it does
+    not have), and every turn's miss counted as waste: that snapshot caches nothing."""
+    from prometheus_client import CollectorRegistry
+
+    store = MemorySessionStore()
+    state = store.create("s1", 0.0)
+    accounting = AccountingObserver(Settings(), store, Metrics(CollectorRegistry(), ()))
+    history = msgs("a task " * 2000)
+    for eid in (1, 2):
+        ex = exchange(eid, history)
+        ex.model = ex.body["model"] = "gpt-4o-2024-05-13"
+        ex.session, ex.started_at = state, float(eid)
+        ex.usage, ex.status = Usage(1_000_000, 1_000_000, 0, 0, True), 200
+        accounting.on_response(ex)
+        history = [*history, {"role": "assistant", "content": "done"}, *msgs("more")]
+    assert ex.cost is not None and ex.cost["actual"] == pytest.approx(5.0 + 15.0)
+    assert ex.cache is not None and ex.cache["waste"] == 0
