@@ -146,6 +146,8 @@ class Compactor:
                 last = None  # another conversation's, or a rewind: the estimate decides
         held: dict[str, list[Any]] = state.extra.setdefault("compactions", {})
         existing, known = self._existing(held, messages)
+        if existing is None and held:
+            ex.compaction_undone = self._undone(held, messages)
         if last is not None and last.compaction != (existing.prefix_digest if existing else None):
             # The provider counted a history with another summary in it, or with one where
             # this goes without (a message it covers was changed: an old tool output cleared),
@@ -289,6 +291,29 @@ class Compactor:
         }
         notify(self.observers, "on_compaction", ex, comp, source)
         return {**body, "messages": forwarded}
+
+    @staticmethod
+    def _undone(held: dict[str, list[Any]], messages: list[Any]) -> tuple[int, Any, Any] | None:
+        """Where this history, of the conversation of the compaction used last, changed a
+        message that compaction covers: its index, the message before and after. None for
+        another conversation (another first message) and for a history that only stops
+        early (a rewind)."""
+        for comp, verified in held.values():
+            if verified is None:
+                continue
+            lead = compaction.leading_count(messages)
+            if (
+                compaction.leading_count(verified) != lead
+                or len(messages) <= lead
+                or len(verified) <= lead
+                or not _same(messages[lead], verified[lead])
+            ):
+                return None
+            for index in range(lead + 1, min(len(messages), comp.covered)):
+                if not _same(messages[index], verified[index]):
+                    return index, verified[index], messages[index]
+            return None
+        return None
 
     @staticmethod
     def _existing(

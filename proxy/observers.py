@@ -385,6 +385,17 @@ class AccountingObserver:
         fp = prefix.fingerprint(body, _hash_base(baselines, body))
         chosen, continues, divergence = self._compare(_ranked(baselines, fp), fp, body)
         compared = chosen.fp if chosen is not None else None  # (before this one takes its place)
+        if (
+            divergence is not None
+            and ex.compaction_undone is not None
+            and chosen is not None
+            and _summary_at(chosen.body, divergence.index)
+        ):
+            # The previous request went with cachegate's summary where this one, whose client
+            # changed a message the summary covered, goes without: the change the client made
+            # is the one to show (the summary against a message it never sent is cachegate's).
+            index, old, new = ex.compaction_undone
+            divergence = prefix.message_divergence(index, old, new, self.secrets)
         if divergence is not None:
             # A refused attempt's retry counts it; a compaction's summary in place of the
             # history is cachegate's own (an expected miss, as in the waste), not the agent's.
@@ -618,6 +629,16 @@ class AccountingObserver:
     def on_compaction(self, ex: Exchange, comp: Any, source: str) -> None:
         result = {"model": "summary", "extractive": "extractive"}.get(source, "reused")
         self.metrics.observe_compaction(ex.model, result)
+
+
+def _summary_at(body: Any, index: int | None) -> bool:
+    """Whether ``body``'s message at ``index`` is a summary of cachegate's compaction."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if index is None or not isinstance(messages, list) or not 0 <= index < len(messages):
+        return False
+    message = messages[index]
+    content = message.get("content") if isinstance(message, dict) else None
+    return isinstance(content, str) and content.startswith(compaction.SUMMARY_MARKER)
 
 
 def _divergence_dict(d: prefix.Divergence) -> dict[str, Any]:

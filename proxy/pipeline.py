@@ -61,6 +61,9 @@ class Exchange:
     # the compaction the forwarded body carries (its prefix digest), new or reused: the
     # provider's count of this request is of a history with that summary in it
     compaction_digest: str | None = None
+    # the session's compaction no longer applies because the client changed a message it
+    # covered (opencode clears old tool outputs): that message's index, before and after
+    compaction_undone: tuple[int, Any, Any] | None = None
     request_noted: bool = False  # the request's observers have run
     # filled in as the response arrives
     status: int = 0

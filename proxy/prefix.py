@@ -862,6 +862,13 @@ _MISSING: Final = object()
 _FIELD_ORDER: Final = ("role", "content", "tool_calls", "tool_call_id", "name")
 
 
+def message_divergence(
+    index: int, old_message: Any, new_message: Any, secrets: tuple[str, ...] = ()
+) -> Divergence:
+    """The difference of two versions of the message at ``index`` of ``messages``."""
+    return _message_divergence("messages", index, old_message, new_message, secrets)
+
+
 def _message_divergence(
     location: Location, index: int, old_message: Any, new_message: Any, secrets: tuple[str, ...]
 ) -> Divergence:

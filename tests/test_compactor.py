@@ -1444,3 +1444,31 @@ def test_a_history_whose_latest_message_alone_is_over_the_window_is_not_summariz
         proxy.settle()
         rows = show_session(proxy.log_dir, "big-tail").rows
         assert [(r.exchange, r.status) for r in rows] == [(1, 400)]
+
+
+def test_a_compaction_undone_by_the_client_s_edit_names_the_message_the_client_changed(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """The agent clears an old tool output the summary covered (opencode does): the compaction
+    no longer applies, and the miss was put on messages[N].role, cachegate's own summary
+    against a message the client never changed."""
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    c = sdk(proxy.base_url)
+    msgs = history(18)
+    sim.sim.enqueue([parse_script("TASK: handle CRLF. DONE: cases 0-13 pass. LEFT: 14-17.")])
+    raw = c.chat.completions.with_raw_response.create(
+        model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "cleared"}
+    )
+    assert raw.headers["x-cachegate-compacted"] == "1"
+    assert msgs[5]["role"] == "tool"
+    cleared = [*msgs[:5], {**msgs[5], "content": "[cleared]"}, *msgs[6:]]
+    c.chat.completions.create(
+        model=MODEL, messages=cleared, extra_headers={"X-Session-Id": "cleared"}
+    )
+    proxy.settle()
+    responses = [
+        e for e in read_events(proxy.log_dir / "cleared.jsonl").events if e["type"] == "response"
+    ]
+    divergence = responses[-1]["divergence"]
+    assert (divergence["index"], divergence["role"], divergence["field"]) == (5, "tool", "content")
+    assert divergence["new"] == "[cleared]" and divergence["old"].startswith("output 0: xxx")
