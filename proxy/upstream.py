@@ -524,9 +524,10 @@ class _Connection(asyncio.Protocol):
             return
         if self._queued > 0:
             queued = self.unsent()
-            if 0 < queued < self._queued:
+            if queued < self._queued:
                 # The upstream is still reading a large request (an upload over a slow link,
-                # the answer not due before it has it all): it moved, so it is no silence.
+                # the answer not due before it has it all), or read its end since the last
+                # look: it moved, so it is no silence, and its answer gets a whole period.
                 self._queued, self._mark = queued, now
                 self._timer = self.loop.call_at(now + self.read_timeout, self._check_timeout)
                 return

@@ -1392,11 +1392,18 @@ def test_a_refused_body_sent_whole_logs_no_unretrieved_write_error(
     assert "never retrieved" not in caplog.text
 
 
-def test_an_upload_slower_than_the_read_timeout_that_keeps_moving_is_not_cut() -> None:
-    """A 16 MB body held whole, read by the upstream at ~6 MB/s, then answered: the upload
-    takes longer than the read timeout, but bytes move all along. It was a ReadTimeout (a 504
-    to the client) because the timeout counted from the moment the body was queued."""
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("think_s", [0.0, 0.45])
+def test_an_upload_slower_than_the_read_timeout_that_keeps_moving_is_not_cut(
+    loop: str, think_s: float
+) -> None:
+    """A 16 MB body held whole, read by the upstream at ~6 MB/s, then answered ``think_s``
+    later: the upload takes longer than the read timeout, but bytes move all along. It was a
+    ReadTimeout (a 504 to the client) because the timeout counted from the moment the body was
+    queued; and an upload that ended between two looks left its answer only what remained of
+    the period, not a whole one."""
     size = 16 * 1024 * 1024
+    read_at: list[float] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
@@ -1404,6 +1411,8 @@ def test_an_upload_slower_than_the_read_timeout_that_keeps_moving_is_not_cut() -
         while left:
             left -= len(await reader.read(min(left, 65536)))
             await asyncio.sleep(0.01)
+        read_at.append(time.monotonic())
+        await asyncio.sleep(think_s)  # (under the timeout: an answer due in time)
         writer.write(answer(b"read it all"))
         await writer.drain()
         writer.close()
@@ -1416,11 +1425,13 @@ def test_an_upload_slower_than_the_read_timeout_that_keeps_moving_is_not_cut() -
         url = f"http://127.0.0.1:{sock.getsockname()[1]}/"
         pool = UpstreamPool(read_timeout=0.6)
         t0 = time.monotonic()
-        response = await pool.open("POST", url, [], b"x" * size)
-        assert await read(response) == b"read it all"
-        assert time.monotonic() - t0 > 1.2  # (the upload did outlast the timeout)
-        await pool.aclose()
-        server.close()
-        await server.wait_closed()
+        try:
+            response = await pool.open("POST", url, [], b"x" * size)
+            assert await read(response) == b"read it all"
+        finally:
+            await pool.aclose()
+            server.close()
+            await server.wait_closed()
+        assert read_at[0] - t0 > 1.2  # (the upload did outlast the timeout, twice)
 
-    run(main())
+    run_on(loop, main())
