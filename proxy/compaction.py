@@ -536,7 +536,8 @@ def summary_chars(window: int) -> int:
 
 
 # A summarizer's answer may run this much over the length asked for before it is cut: models
-# miss a word count by a little, and the plan's room for the summary holds that much.
+# miss a word count by a little (the plan reserves the length asked for; the margin between a
+# compaction's aim and the trigger takes the rest).
 SUMMARY_OVERRUN = 1.25
 
 

@@ -262,6 +262,10 @@ class Compactor:
         if plan.cut is None:
             if plan.reused is None:
                 return body
+            if force and ex.compaction_digest == plan.reused.prefix_digest:
+                # the refused request had this very one: nothing new is sent (the caller
+                # relays the refusal), so no second reuse is counted or logged
+                return {**body, "messages": plan.messages}
             self._hold(held, plan.reused, messages)
             ex.compacted = True
             ex.compaction_digest = plan.reused.prefix_digest

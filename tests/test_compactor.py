@@ -1472,3 +1472,37 @@ def test_a_compaction_undone_by_the_client_s_edit_names_the_message_the_client_c
     divergence = responses[-1]["divergence"]
     assert (divergence["index"], divergence["role"], divergence["field"]) == (5, "tool", "content")
     assert divergence["new"] == "[cleared]" and divergence["old"].startswith("output 0: xxx")
+
+
+def test_a_refusal_of_a_reused_compaction_with_nothing_more_to_compact_is_relayed_once(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """Compacted, then a turn whose new message alone is over the window: the reuse goes out,
+    is refused, and the forced retry finds only the same reuse. The refusal is relayed, and the
+    log and metrics counted a second reuse and a "compacted" retry line though nothing was
+    sent again."""
+    import openai
+
+    with run_simulator(SimConfig(context_window=6000)) as small:
+        proxy = proxy_factory(small.api_base, CONFIG)
+        c = sdk(proxy.base_url)
+        small.sim.enqueue([parse_script("TASK: t. DONE: d. LEFT: l.")])
+        msgs = history(18)
+        raw = c.chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "reuse-refused"}
+        )
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        huge = [
+            *msgs,
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "data " * 8000},
+        ]
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(
+                model=MODEL, messages=huge, extra_headers={"X-Session-Id": "reuse-refused"}
+            )
+        assert [r.status for r in small.sim.requests] == [200, 200, 400]  # sent once
+        events = compacted_events(proxy)
+        assert [(e["exchange"], e.get("retry", False)) for e in events] == [(1, False), (2, False)]
+        labels = {"model": MODEL, "result": "reused"}
+        assert proxy.metric("cachegate_compactions_total", labels) == 1
