@@ -25,7 +25,7 @@ from proxy.config import (
 
 DEFAULT_LOG_DIR = "./cachegate-logs"
 DEFAULT_KEY_ENV = "OPENAI_API_KEY"  # (unset: the usual setup, where every client brings its own)
-_VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_VARIABLE_NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,63}")  # as variables are named, not as keys are
 SHUTDOWN_GRACE_S = 5  # after Ctrl+C, how long answers in flight may still finish
 
 
@@ -100,17 +100,18 @@ def _serve(ns: argparse.Namespace) -> int:
             )
         for note in unknown_variable_notes(os.environ):
             print(f"cachegate: note: {note}", file=sys.stderr)
-        if key_env and not _VARIABLE_NAME.fullmatch(key_env):  # a key put where its name goes
-            print(
-                "cachegate: note: upstream.api_key_env is the name of the variable that holds"
-                " the key (OPENAI_API_KEY), and what it holds is no variable name (not shown):"
-                " requests without a key of their own go without one",
-                file=sys.stderr,
+        if key_env and key_env != DEFAULT_KEY_ENV and not os.environ.get(key_env, "").strip():
+            # Named only when it reads as a variable's name (MY_GATEWAY_KEY): a key written
+            # where its variable's name goes (gsk_..., a hex key) is never shown.
+            what = (
+                f"${key_env}, which is not set here"
+                if _VARIABLE_NAME.fullmatch(key_env)
+                else "no variable set here (what it holds is not shown: a key belongs in a"
+                " variable it names)"
             )
-        elif key_env and key_env != DEFAULT_KEY_ENV and not os.environ.get(key_env, "").strip():
             print(
-                f"cachegate: note: upstream.api_key_env names ${key_env}, which is not set here:"
-                " requests without a key of their own go without one",
+                f"cachegate: note: upstream.api_key_env names {what}: requests without a key of"
+                " their own go without one",
                 file=sys.stderr,
             )
         if key_env and os.environ.get(key_env, "").strip():

@@ -116,8 +116,6 @@ _CLAUDE_SONNET = ModelSettings(200000, 300, 3.00, 0.30, 3.75, 15.00, "anthropic"
 _CLAUDE_OPUS_4 = ModelSettings(200000, 300, 15.00, 1.50, 18.75, 75.00, "anthropic")
 DEFAULT_MODELS: dict[str, ModelSettings] = {
     "gpt-4o": ModelSettings(128000, 600, 2.50, 1.25, 0.0, 10.00),
-    # gpt-4o's first snapshot: other prices, and no prompt caching (so no read is expected)
-    "gpt-4o-2024-05-13": ModelSettings(128000, 600, 5.00, 5.00, 0.0, 15.00, "openai", 1 << 30),
     "gpt-4o-mini": ModelSettings(128000, 600, 0.15, 0.075, 0.0, 0.60),
     "gpt-4.1": ModelSettings(1047576, 600, 2.00, 0.50, 0.0, 8.00),
     "gpt-4.1-mini": ModelSettings(1047576, 600, 0.40, 0.10, 0.0, 1.60),
@@ -422,21 +420,27 @@ def _check(settings: Settings) -> None:
         why = f" ({exc})"
     if not host:
         raise _bad(key, f"{display_url(url)!r} names no host{why}")
+    if "@" in url[len(parts.scheme) + 3 + len(parts.netloc) :]:
+        # a user:password whose password holds "/", "?" or "#" ends the host early: the rest
+        # would be taken for a path (or the password's start for a port); the URL may hold a
+        # password, so none of it is shown
+        raise _bad(
+            key,
+            "has an '@' after its host; a user name or password in the URL must have / ? # @"
+            " percent-encoded (%2F %3F %23 %40), and an '@' in its path too (%40)",
+        )
     if "?" in url or "#" in url:  # the route is appended to the URL: ".../v1?x=1/chat/completions"
         raise _bad(
             key,
             f"{display_url(url)!r} has a query or fragment; give the base URL alone (a client's"
-            f" query string is passed on with each request){_ENCODE_HINT if '@' in url else ''}",
+            " query string is passed on with each request)",
         )
     try:
         port = parts.port  # (not said: a password with "/" in it is read as host and port)
     except ValueError:
         port = 0
     if port == 0:
-        raise _bad(
-            key,
-            f"{display_url(url)!r}: its port is not a number from 1 to 65535{_ENCODE_HINT}",
-        )
+        raise _bad(key, f"{display_url(url)!r}: its port is not a number from 1 to 65535")
     for option, check in (
         ("allowed_origins", check_origin_entry),
         ("allowed_hosts", check_host_entry),
@@ -463,12 +467,6 @@ def _check(settings: Settings) -> None:
     for name, model in settings.models.items():
         if model.context_window <= 0:
             raise _bad(f'models."{name}".context_window', "must be positive")
-
-
-# (a user:password in the URL whose password holds "/", "?", "#" or "@" is read otherwise)
-_ENCODE_HINT: Final = (
-    " (a user name or password in the URL must have / ? # @ percent-encoded: %2F %3F %23 %40)"
-)
 
 
 def settings_from_mapping(

@@ -972,19 +972,27 @@ def test_sessions_read_a_log_directory_under_the_home_directory(
     assert run_cli("sessions", "list").out == "no sessions\n"
 
 
-@pytest.mark.timeout(30)
-def test_serve_notes_a_key_given_where_its_variable_s_name_goes(tmp_path: Path) -> None:
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "key",
+    [
+        "sk-proj-RealKeyInTheWrongPlace",
+        "gsk_8Qw3RealKeyInTheWrongPlace1234567890abcd",  # Groq's: the shape of a variable name
+        "abcdef0123456789abcdef0123456789",  # a hex key (Azure's)
+    ],
+)
+def test_serve_notes_a_key_given_where_its_variable_s_name_goes(tmp_path: Path, key: str) -> None:
     """``api_key_env = "sk-..."``: every request went without a key (the provider's 401s), with
     nothing said; the note does not show what was written there."""
     config = tmp_path / "key.toml"
-    config.write_text('[upstream]\napi_key_env = "sk-proj-RealKeyInTheWrongPlace"\n')
+    config.write_text(f'[upstream]\napi_key_env = "{key}"\n')
     note, line = _serve_first_lines(tmp_path, "--config", str(config), env=clean_env(), count=2)
     assert note == (
-        "cachegate: note: upstream.api_key_env is the name of the variable that holds the key"
-        " (OPENAI_API_KEY), and what it holds is no variable name (not shown): requests without"
-        " a key of their own go without one\n"
+        "cachegate: note: upstream.api_key_env names no variable set here (what it holds is not"
+        " shown: a key belongs in a variable it names): requests without a key of their own go"
+        " without one\n"
     )
-    assert "RealKey" not in note + line
+    assert "RealKey" not in note + line and "abcdef" not in note + line
     assert line.startswith(f"cachegate {__version__} listening on")
 
 

@@ -318,30 +318,39 @@ def test_a_mistyped_cachegate_variable_is_named_with_the_one_meant() -> None:
     assert unknown_variable_notes({f"CACHEGATE_{name}": "x" for name in known}) == []
 
 
-@pytest.mark.parametrize(
-    "url",
-    [
-        "http://127.0.0.1:99999/v1",
-        "http://127.0.0.1:80a/v1",
-        "https://user:s3cr/tPassword@gw.example.com/v1",  # a password with "/" not encoded
-    ],
-)
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999/v1", "http://127.0.0.1:80a/v1"])
 def test_an_upstream_url_with_no_usable_port_is_refused_at_start(url: str) -> None:
     """It was accepted, and every request then got a 502 "invalid answer (ValueError)"."""
     with pytest.raises(ConfigError) as refused:
         load_settings(None, {"upstream": url}, environ={})
+    assert str(refused.value) == (
+        f"--upstream: config key 'upstream.base_url': '{url}': its port is not a number from 1"
+        " to 65535"
+    )
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://user:s3cr/tSecretword@gw.example.com/v1",  # read as host "user", port "s3cr"
+        "http://admin:2024/Secretword@gw.example.com/v1",  # read as port 2024: it passed
+        "https://user:pa?Secretword@gw.example.com/v1",
+        "https://u:pa#Secretword@h/v1",
+        "https://sk-proj-abc/Secretword@h/v1",  # a key as the user name, with a "/"
+    ],
+)
+def test_a_password_the_url_cannot_hold_as_written_is_refused_and_not_shown(url: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        settings_from_mapping({"upstream": {"base_url": url}})
     message = str(refused.value)
-    assert message.startswith("--upstream: config key 'upstream.base_url'")
-    assert "port is not a number from 1 to 65535" in message
-    assert "tPassword" not in message and "s3cr" not in message
-
-
-def test_a_password_with_a_query_or_fragment_character_is_not_shown_in_the_refusal() -> None:
-    for url in ("https://user:pa?Secretword@gw.example.com/v1", "https://u:pa#Secretword@h/v1"):
-        with pytest.raises(ConfigError) as refused:
-            settings_from_mapping({"upstream": {"base_url": url}})
-        assert "Secretword" not in str(refused.value)
-        assert "percent-encoded" in str(refused.value)
+    assert "Secretword" not in message and "s3cr" not in message and "2024" not in message
+    assert message == (
+        "config key 'upstream.base_url': has an '@' after its host; a user name or password in"
+        " the URL must have / ? # @ percent-encoded (%2F %3F %23 %40), and an '@' in its path"
+        " too (%40)"
+    )
+    encoded = "https://user:s3cr%2FtSecretword@gw.example.com/v1"
+    assert settings_from_mapping({"upstream": {"base_url": encoded}}).upstream.base_url == encoded
 
 
 def test_a_flag_or_variable_mends_a_value_of_the_file_it_overrides(tmp_path: Path) -> None:

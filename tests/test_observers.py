@@ -12,7 +12,7 @@ import pytest
 from proxy.assemble import AssembledResponse
 from proxy.cache import CacheState
 from proxy.compaction import estimate_tokens
-from proxy.config import Settings, settings_from_mapping
+from proxy.config import settings_from_mapping
 from proxy.eventlog import EventLogWriter, read_events, replay, replay_requests
 from proxy.metrics import Metrics
 from proxy.observers import AccountingObserver, EventLogObserver, _random_id
@@ -877,14 +877,21 @@ def test_a_session_keeps_at_most_eight_conversations_however_its_requests_repeat
     assert state is not None and len(state.extra["baselines"]) <= 8
 
 
-def test_gpt_4o_s_first_snapshot_is_priced_as_itself_and_no_cache_read_is_expected() -> None:
-    """gpt-4o-2024-05-13 was priced as gpt-4o (half its price, with a cached price it does
-    not have), and every turn's miss counted as waste: that snapshot caches nothing."""
+def test_a_model_that_caches_nothing_is_priced_by_its_table_and_no_read_is_expected() -> None:
+    """gpt-4o-2024-05-13, given the table the README shows: its prices, and no turn's miss
+    counted as waste (that snapshot caches nothing)."""
     from prometheus_client import CollectorRegistry
 
+    table = {
+        "price_input": 5.0,
+        "price_cached_input": 5.0,
+        "price_output": 15.0,
+        "cache_min_tokens": 1073741824,
+    }
+    settings = settings_from_mapping({"models": {"gpt-4o-2024-05-13": table}})
     store = MemorySessionStore()
     state = store.create("s1", 0.0)
-    accounting = AccountingObserver(Settings(), store, Metrics(CollectorRegistry(), ()))
+    accounting = AccountingObserver(settings, store, Metrics(CollectorRegistry(), ()))
     history = msgs("a task " * 2000)
     for eid in (1, 2):
         ex = exchange(eid, history)
