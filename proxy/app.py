@@ -159,6 +159,7 @@ class Gateway:
             self.observers.append(EventLogObserver(settings, self.sessions, self.writer, clock))
         self.observers.append(MetricsObserver(self.metrics))
         self._retention: asyncio.Task[None] | None = None
+        self._started_at = time.time()  # (again in start: files written before it are another's)
         self.upstream: httpx.AsyncBaseTransport | UpstreamPool | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.relay: Relay | None = None
@@ -172,6 +173,7 @@ class Gateway:
         self.metrics.observe_log_loss("queue_full" if kind == "queue_full" else "write_error")
 
     async def start(self) -> None:
+        self._started_at = time.time()
         self.loop = asyncio.get_running_loop()
         self.upstream = build_transport(self.settings, self.transport)
         self.relay = Relay(
@@ -211,6 +213,7 @@ class Gateway:
                     max_total_mb=lg.max_total_mb or None,
                     active=active,
                     now=time.time(),
+                    previous=(self._started_at, self.settings.sessions.idle_ttl_s),
                 )
                 if removed:
                     log.info("retention removed %d old session logs", len(removed))

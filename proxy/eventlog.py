@@ -923,6 +923,17 @@ def default_max_open_files() -> int:
 # Body stripping (logging.bodies = metadata)
 
 
+# String parameters that carry free text or identify someone, not a setting's value.
+_TEXT_PARAMS: Final = frozenset(
+    {"user", "safety_identifier", "stop", "instructions", "prompt_cache_key", "prompt", "suffix"}
+)
+
+
+def _holds_text(param: tuple[str, Any]) -> bool:
+    key, value = param
+    return isinstance(value, dict | list) or (isinstance(value, str) and key in _TEXT_PARAMS)
+
+
 def strip_bodies(event: dict[str, Any]) -> dict[str, Any]:
     """The event with message text replaced by ``{role, chars, sha256}`` (summaries by chars and
     sha256), for logs that must keep sizes and identities but no content."""
@@ -933,11 +944,12 @@ def strip_bodies(event: dict[str, Any]) -> dict[str, Any]:
         if isinstance(tools, list):
             stripped["tools"] = {"count": len(tools), "sha256": _sha256_json(tools)}
         params = event.get("params")
-        if isinstance(params, dict) and any(isinstance(v, dict | list) for v in params.values()):
-            # A structured parameter may carry text (a prediction's content, a schema): its
-            # hash only; numbers, strings and booleans (temperature, reasoning_effort) as sent.
+        if isinstance(params, dict) and any(map(_holds_text, params.items())):
+            # A structured parameter may carry text (a prediction's content, a schema), a
+            # free-text one names or says something (an end user's e-mail in ``user``): their
+            # hash only; numbers, booleans and settings (temperature, reasoning_effort) as sent.
             stripped["params"] = {
-                k: {"sha256": _sha256_json(v)} if isinstance(v, dict | list) else v
+                k: {"sha256": _sha256_json(v)} if _holds_text((k, v)) else v
                 for k, v in params.items()
             }
         return stripped
@@ -1183,10 +1195,13 @@ def enforce_retention(
     max_total_mb: float | None,
     active: Collection[str],
     now: float,
+    previous: tuple[float, float] | None = None,
 ) -> list[str]:
     """Delete whole log files older than ``max_age_days`` (by mtime), then the oldest until the
-    directory fits ``max_total_mb``; never the file of a session in ``active``. Returns the paths
-    removed. Only cachegate's own logs are candidates: a file named as a session's log whose
+    directory fits ``max_total_mb``; never the file of a session in ``active``, nor, with
+    ``previous=(started_at, idle_s)``, one written before this process started and less than
+    ``idle_s`` ago (a session the process before a restart held: its agent may carry on, and
+    its log, kept in one process, was deleted on a restart). Returns the paths removed. Only cachegate's own logs are candidates: a file named as a session's log whose
     first bytes are an event's (a directory shared with other ``.jsonl`` files keeps them).
     Files that vanish meanwhile are ignored; other errors are logged and skipped."""
     try:
@@ -1194,6 +1209,7 @@ def enforce_retention(
     except FileNotFoundError:
         return []
     files: list[tuple[float, int, str, str]] = []  # mtime, size, path, session id
+    spared: set[str] = set()
     for entry in entries:
         name = entry.name
         if not name.endswith(LOG_SUFFIX) or not valid_session_id(name[: -len(LOG_SUFFIX)]):
@@ -1204,8 +1220,12 @@ def enforce_retention(
             st = entry.stat(follow_symlinks=False)
         except FileNotFoundError:
             continue
-        files.append((st.st_mtime, st.st_size, entry.path, entry.name[: -len(LOG_SUFFIX)]))
+        sid = entry.name[: -len(LOG_SUFFIX)]
+        if previous is not None and st.st_mtime <= previous[0] and now - st.st_mtime < previous[1]:
+            spared.add(sid)  # (counted, not deleted: as a session's held in memory)
+        files.append((st.st_mtime, st.st_size, entry.path, sid))
     files.sort()
+    active = spared.union(active) if spared else active
     removed: list[str] = []
     kept: list[tuple[float, int, str, str]] = []
     for item in files:

@@ -1078,6 +1078,36 @@ def test_metadata_mode_keeps_structured_parameters_as_hashes() -> None:
     assert "secret_plan" not in orjson.dumps(params).decode()
 
 
+def test_metadata_mode_hashes_free_text_parameters_and_keeps_settings() -> None:
+    """The README said such a log "keeps no text", but ``user`` (an end user's e-mail),
+    ``stop``, ``instructions`` and ``prompt_cache_key`` were written as sent."""
+    params = {
+        "user": "alice@corp.example",
+        "safety_identifier": "alice-hash-1",
+        "stop": "PRIVATESTOP",
+        "instructions": "PRIVATE instructions",
+        "prompt_cache_key": "PRIVATE-project",
+        "service_tier": "auto",
+        "reasoning_effort": "high",
+        "temperature": 0.2,
+    }
+    stripped = strip_bodies({"ts": 1.0, "type": "request", "appended": [], "params": params})
+    text = orjson.dumps(stripped).decode()
+    assert "alice" not in text and "PRIVATE" not in text
+    kept = stripped["params"]
+    assert (kept["service_tier"], kept["reasoning_effort"], kept["temperature"]) == (
+        "auto",
+        "high",
+        0.2,
+    )
+    assert (
+        kept["user"]
+        == strip_bodies(
+            {"ts": 2.0, "type": "request", "appended": [], "params": {"user": "alice@corp.example"}}
+        )["params"]["user"]
+    )  # the same value hashes the same: who is still told apart
+
+
 def test_metadata_mode_hashes_the_divergence_excerpts() -> None:
     """The excerpts are of the changed text (a tool output, a system prompt): written as they
     were, they kept text the mode promises to keep out."""
@@ -1187,3 +1217,37 @@ def test_a_line_nested_deeper_than_orjson_reads_is_read_not_counted_torn() -> No
     log = parse_lines([line, b'{"ts":2.0,"type":"error"}\n', b"{torn\n"])
     assert [e["type"] for e in log.events] == ["request", "error"]
     assert log.torn == 1
+
+
+def test_retention_after_a_restart_spares_the_logs_the_process_before_still_held(
+    tmp_path: Path,
+) -> None:
+    """At start no session is in memory and no file open: a restart (an upgrade, a crash under
+    systemd) deleted the logs of agents that were running seconds before, with max_total_mb
+    set, where one process would have kept them for ``sessions.idle_ttl_s``."""
+    now = 1_700_000_000.0
+    started = now - 60
+    mb = 1024 * 1024
+    stale = make_log(tmp_path, "stale", mb, now - 8 * 3600)  # idle past idle_ttl_s (6 h)
+    live = make_log(tmp_path, "live", mb, now - 120)  # written just before the restart
+    mine = make_log(tmp_path, "mine", mb, now - 30)  # this process's, its session forgotten
+    removed = enforce_retention(
+        tmp_path,
+        max_age_days=None,
+        max_total_mb=0,
+        active=(),
+        now=now,
+        previous=(started, 6 * 3600.0),
+    )
+    assert removed == [str(stale), str(mine)]
+    assert live.exists()
+    # once idle longer than idle_ttl_s, it goes as any other
+    later = now + 6 * 3600
+    assert enforce_retention(
+        tmp_path,
+        max_age_days=None,
+        max_total_mb=0,
+        active=(),
+        now=later,
+        previous=(started, 6 * 3600.0),
+    ) == [str(live)]
