@@ -993,8 +993,36 @@ class _Decoder:
         self.wbits = list(_WBITS[coding])
         self.obj = zlib.decompressobj(self.wbits.pop(0))
         self.head = b""  # the first bytes fed, until the framing is known (zlib's is 2 bytes)
+        # gzip may hold several members one after another (RFC 1952), as a server that
+        # compresses each flush on its own sends them: what follows one that ended
+        self.members = coding in ("gzip", "x-gzip")
+        self.rest: bytes | None = None  # (None: no member ended; b"": nothing after it yet)
+
+    def next_member(self, data: bytes = b"") -> bytes:
+        """After a gzip member ended: the bytes of the next one (``data`` added to what came
+        after the end), its decoder made ready; b"" while they are too few to tell, or when
+        what follows is no member (ignored, as HTTP clients ignore it)."""
+        if self.rest is None:
+            return data
+        rest = self.rest + data
+        if len(rest) < 2 or not rest.startswith(b"\x1f\x8b"):
+            self.rest = rest if len(rest) < 2 else b"\x00\x00"  # (no member: none after it)
+            return b""
+        self.rest = None
+        self.obj = zlib.decompressobj(zlib.MAX_WBITS | 16)
+        return rest
 
     def decompress(self, data: bytes, limit: int) -> bytes:
+        if self.rest is not None:
+            data = self.next_member(data)
+            if not data:
+                return b""
+        plain = self._decompress(data, limit)
+        if self.members and self.obj.eof:
+            self.rest = self.obj.unused_data
+        return plain
+
+    def _decompress(self, data: bytes, limit: int) -> bytes:
         if self.wbits:  # the framing is not known yet: the first bytes may change the guess
             self.head += data
         try:
@@ -1034,7 +1062,7 @@ def _decoding(decoder: _Decoder, sink: Callable[[bytes], bool]) -> Callable[[byt
                 raise ValueError(f"a compressed stream decodes to over {MAX_DECODED_STREAM} bytes")
             if plain:
                 room = sink(plain) and room
-            chunk = decoder.unconsumed_tail
+            chunk = decoder.unconsumed_tail or decoder.next_member()
         return room
 
     return decoding

@@ -25,14 +25,24 @@ _EVENT_END = re.compile(rb"\r\n\r\n|\n\r\n|\r\r\n|\n\n|\r\r(?=[^\n])|\n\r(?=[^\n
 EVENT_ENDS = (b"\n\n", b"\r\r")  # a chunk ending in one ends with a whole event
 
 
+# The other lines an event may have (an id, a name, a retry time, a comment), which some servers
+# and gateways give every event: the usage event goes with them (the upstream would have sent no
+# such event at all). An event named "error" is never taken for one.
+_OTHER_FIELD = re.compile(rb"(?::|id(?::|$)|retry(?::|$)|event(?::|$)(?! ?error\s*$))")
+
+
 def is_usage_only(event: bytes) -> bool:
-    """True for an event whose data is a chunk with no choices and a usage object."""
+    """True for an event whose data is a chunk with no choices and a usage object (one data
+    line; its other lines, if any, an id, a name, a retry time or comments)."""
     if event.find(b'"usage"') < 0:
         return False
     lines = event.splitlines()
     data = [ln[5:].lstrip(b" ") for ln in lines if ln.startswith(b"data:")]
-    if len(data) != 1 or len(data) != sum(1 for ln in lines if ln.strip()):
+    if len(data) != 1:
         return False
+    for line in lines:
+        if line.strip() and not line.startswith(b"data:") and not _OTHER_FIELD.match(line):
+            return False
     try:
         obj = orjson.loads(data[0])
     except orjson.JSONDecodeError:

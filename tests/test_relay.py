@@ -1823,6 +1823,34 @@ def test_a_stream_in_an_unusual_dress_still_loses_the_usage_event_and_is_recorde
     assert response["usage"]["prompt"] == 9 and response["error"] is None
 
 
+@pytest.mark.parametrize("read_size", [7, 1, 4096])
+def test_a_gzip_stream_of_several_members_is_decoded_whole(
+    scripted: Any, proxy_factory: Any, read_size: int
+) -> None:
+    """A server that compresses each flush on its own sends gzip members one after another
+    (RFC 1952): only the first was decoded, the rest dropped, and the client saw a clean end
+    after a cut event."""
+    import gzip
+
+    from proxy.eventlog import read_events
+
+    stream = _stream_with_usage()
+    body = b"".join(gzip.compress(stream[i : i + 40]) for i in range(0, len(stream), 40))
+    pieces = [body[i : i + read_size] for i in range(0, len(body), read_size)]
+    _upstream, url = scripted(chunks=pieces, extra_headers=[(b"content-encoding", b"gzip")])
+    proxy = proxy_factory(url)
+    r, data = _client_sees(proxy, "members")
+    assert r.status_code == 200
+    assert [d["choices"][0]["delta"].get("content") for d in data] == ["Hel", "lo"]
+    assert r.text.endswith("data: [DONE]\n\n") and all("usage" not in d for d in data)
+    proxy.settle()
+    [response] = [
+        e for e in read_events(proxy.log_dir / "members.jsonl").events if e["type"] == "response"
+    ]
+    assert response["message"]["content"] == "Hello"
+    assert response["usage"]["prompt"] == 9 and response["error"] is None
+
+
 def test_a_stream_compressed_beyond_reading_is_relayed_as_it_came_and_said_in_the_log(
     scripted: Any, proxy_factory: Any
 ) -> None:

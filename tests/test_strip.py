@@ -334,3 +334,18 @@ def test_an_event_that_never_ends_is_passed_on_past_the_limit_not_held_whole() -
     assert out and out == piece * (len(out) // len(piece))  # passed on, bytes unchanged
     rest = stripper.feed(b"\n\ndata: [DONE]\n\n")
     assert (out + rest).endswith(b"\n\ndata: [DONE]\n\n")
+
+
+def test_a_usage_event_with_an_id_a_name_or_a_comment_goes_whole() -> None:
+    """Servers and gateways that give every event an ``id:`` (or a name, or a comment line):
+    the usage event reached a client that never asked for it (the SDK failed on its empty
+    choices). An event named "error" is never taken for one."""
+    for extra in (b"id: 7\n", b"event: chunk\n", b": ping\n", b"retry: 3000\n", b"id: 7\r\n"):
+        stream = extra + CHUNK % b"hi" + extra + USAGE + extra + DONE
+        direct = extra + PLAIN % b"hi" + extra + DONE
+        assert run(stream, []) == direct, extra
+        assert all(run(stream, [cut]) == direct for cut in range(len(stream) + 1)), extra
+    named_error = b"event: error\n" + USAGE
+    assert not is_usage_only(named_error.strip())
+    assert run(named_error, []) == named_error
+    assert not is_usage_only(b"x-custom: 1\n" + USAGE.strip())  # a line SSE does not know
