@@ -823,7 +823,15 @@ class Relay:
             if response.status_code >= 400:
                 ex.upstream_error = "status"
             ctype = response.headers.get("content-type", "").lstrip().lower()  # case-insensitive
-            is_sse = ctype.startswith("text/event-stream")
+            # A chat stream's answer is read as SSE whatever it says it is (text/plain, x-ndjson,
+            # nothing), as the SDKs read it: the usage event cachegate asked for must not reach
+            # a client that did not. A JSON or HTML answer is none (a server that ignored
+            # "stream", an error page).
+            is_sse = ctype.startswith("text/event-stream") or (
+                ex.stream
+                and response.status_code < 300
+                and not ctype.startswith(("application/json", "text/html"))
+            )
             coding = _coding(response)  # we asked for none; some upstreams compress anyway
             # A compressed stream is decoded for the client (as its HTTP client would) where
             # cachegate must read it: to take out the usage event it asked for, or to record it.

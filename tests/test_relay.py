@@ -1777,6 +1777,10 @@ def _client_sees(proxy: Any, session: str) -> tuple[httpx.Response, list[dict[st
     ("content_type", "encoding", "transport"),
     [
         (b"Text/Event-Stream; charset=utf-8", None, "native"),  # media types: any case
+        # a stream that does not say it is one: the SDKs read it as SSE all the same
+        (b"text/plain; charset=utf-8", None, "native"),
+        (b"application/x-ndjson", None, "httpx"),
+        (b"", None, "native"),
         (b"text/event-stream", b"gzip", "native"),  # compressed though asked for identity
         (b"text/event-stream", b"gzip", "httpx"),
         (b"text/event-stream", b"Identity", "native"),  # codings are case-insensitive
