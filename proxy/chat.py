@@ -188,13 +188,21 @@ def splice_usage_option(raw: bytes) -> bytes | None:
 
 
 def header_map(scope: Scope) -> dict[str, str]:
-    """The request's headers by (lower-case) name, the last of a repeated one; made once per
-    request (the browser guard reads it before the route does) and kept in the scope."""
+    """The request's headers by (lower-case) name, a repeated one's values joined by ", " as
+    HTTP combines them (RFC 9110, 5.3: two different X-Session-Id values are no id, where the
+    last was taken and a framework upstream read the first); made once per request (the browser
+    guard reads it before the route does) and kept in the scope."""
     headers: dict[str, str] | None = scope.get("cachegate.headers")
     if headers is None:
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        raw = scope["headers"]
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
+        if len(headers) < len(raw):  # a name given more than once (rare): all its values
+            combined: dict[str, list[str]] = {}
+            for k, v in raw:
+                combined.setdefault(k.decode("latin-1"), []).append(v.decode("latin-1"))
+            headers = {k: ", ".join(dict.fromkeys(vs)) for k, vs in combined.items()}
         scope["cachegate.headers"] = headers
-        scope["cachegate.header_count"] = len(scope["headers"])
+        scope["cachegate.header_count"] = len(raw)
     return headers
 
 

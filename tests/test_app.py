@@ -448,3 +448,26 @@ def test_a_chunked_request_s_trailer_fields_are_not_forwarded_as_headers(
     received = httpx.get(sim.url + "/_sim/requests").json()["requests"][-1]["headers"]
     assert "x-session-id" not in received
     assert "QZX9" not in received.get("authorization", "")
+
+
+def test_a_session_id_given_twice_with_two_values_is_refused_not_guessed(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """cachegate took the last value, while a framework upstream (Starlette, the simulator)
+    reads the first: the two disagreed on whose session the request was. Repeated fields are
+    combined as HTTP combines them; the same value twice is that value."""
+    proxy = proxy_factory(sim.api_base)
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json=body,
+        headers=[("X-Session-Id", "first"), ("X-Session-Id", "second")],
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_session_id"
+    assert sim.sim.requests == []
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json=body,
+        headers=[("X-Session-Id", "same"), ("X-Session-Id", "same")],
+    )
+    assert r.status_code == 200 and r.headers["x-cachegate-session"] == "same"
