@@ -100,6 +100,15 @@ def _serve(ns: argparse.Namespace) -> int:
             )
         for note in unknown_variable_notes(os.environ):
             print(f"cachegate: note: {note}", file=sys.stderr)
+        idle = settings.sessions.idle_ttl_s
+        outlived = sorted(n for n, m in settings.models.items() if m.cache_ttl_s > idle)
+        if outlived:
+            print(
+                f"cachegate: note: the cache TTL of {', '.join(outlived)} is longer than"
+                f" sessions.idle_ttl_s ({idle:g} s): a session idle between the two is"
+                " forgotten, and the miss after its pause not judged; raise sessions.idle_ttl_s",
+                file=sys.stderr,
+            )
         if key_env and key_env != DEFAULT_KEY_ENV and not os.environ.get(key_env, "").strip():
             # Named only when it reads as a variable's name (MY_GATEWAY_KEY): a key written
             # where its variable's name goes (gsk_..., a hex key) is never shown.

@@ -1012,3 +1012,18 @@ def test_serve_notes_a_key_variable_of_its_own_name_that_is_not_set(tmp_path: Pa
     assert line.startswith(f"cachegate {__version__} listening on")
     (line,) = _serve_first_lines(tmp_path, env=clean_env(), count=1)
     assert line.startswith(f"cachegate {__version__} listening on")
+
+
+@pytest.mark.timeout(30)
+def test_serve_notes_a_cache_ttl_longer_than_the_sessions_are_kept(tmp_path: Path) -> None:
+    """idle_ttl_s must outlive the longest cache TTL it judges: a session forgotten before its
+    cache expired has its miss after the pause go unjudged."""
+    config = tmp_path / "ttl.toml"
+    config.write_text('[sessions]\nidle_ttl_s = 3600\n[models."my-model"]\ncache_ttl_s = 86400\n')
+    note, line = _serve_first_lines(tmp_path, "--config", str(config), env=clean_env(), count=2)
+    assert note == (
+        "cachegate: note: the cache TTL of my-model is longer than sessions.idle_ttl_s (3600 s):"
+        " a session idle between the two is forgotten, and the miss after its pause not judged;"
+        " raise sessions.idle_ttl_s\n"
+    )
+    assert line.startswith(f"cachegate {__version__} listening on")
