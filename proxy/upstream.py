@@ -320,6 +320,7 @@ class _Connection(asyncio.Protocol):
         self._fd = -1
         self._inode = -1  # the socket's, when plain TCP: what a salvage reads is its own
         self._queued = -1  # bytes of a large request not yet sent when last looked at (-1: none)
+        self._upload_poll: asyncio.TimerHandle | None = None  # looks at them while they leave
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -389,6 +390,7 @@ class _Connection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._stop_upload_poll()
         self.pool._forget(self)
         if self._response is not None and self._until_close and exc is None and not self._aborted:
             self._response._finish()  # a body delimited by the connection's end has ended
@@ -517,20 +519,10 @@ class _Connection(asyncio.Protocol):
         future = self._waiting
         if future is None or future.done() or self.closed:
             return  # nobody is waiting: the next wait arms a timer again
-        now = self.loop.time()
         deadline = self._mark + self.read_timeout
-        if now < deadline:
+        if self.loop.time() < deadline:
             self._timer = self.loop.call_at(deadline, self._check_timeout)
             return
-        if self._queued > 0:
-            queued = self.unsent()
-            if queued < self._queued:
-                # The upstream is still reading a large request (an upload over a slow link,
-                # the answer not due before it has it all), or read its end since the last
-                # look: it moved, so it is no silence, and its answer gets a whole period.
-                self._queued, self._mark = queued, now
-                self._timer = self.loop.call_at(now + self.read_timeout, self._check_timeout)
-                return
         future.set_exception(httpx.ReadTimeout("upstream sent nothing for too long"))
         self._fail(httpx.ReadTimeout("upstream sent nothing for too long"))
         self.abort()
@@ -549,7 +541,7 @@ class _Connection(asyncio.Protocol):
         self._received = self._complete = self._until_close = self._keep_alive = False
         self._ambiguous = False
         self._request_incomplete = False
-        self._queued = -1
+        self._stop_upload_poll()
         self._raw_headers = []
         self._head_bytes = 0
         self._head = self.loop.create_future()
@@ -604,10 +596,40 @@ class _Connection(asyncio.Protocol):
                 if not sized and not (self.closed or transport.is_closing()):
                     transport.write(b"0\r\n\r\n")
         if not isinstance(content, bytes) or len(content) > _WRITE_JOIN:
-            # (what of it is still on its way: the read timeout counts from its last progress)
-            self._queued = self.unsent()
+            queued = self.unsent()
+            if queued > 0:  # still on its way: the read timeout counts from its progress
+                self._queued = queued
+                self._upload_poll = self.loop.call_later(self._poll_s, self._poll_upload)
         self._sent_at = self.loop.time()
         return await self.wait(answer)
+
+    @property
+    def _poll_s(self) -> float:
+        return min(1.0, self.read_timeout / 8)
+
+    def _poll_upload(self) -> None:
+        """While a large request is still leaving (an upload over a slow link, the upstream
+        reading it before it answers), each step of it counts as the upstream's progress for
+        the read timeout, its last step included (within ``_poll_s``); it stops at the first
+        byte of the answer, or once nothing is left to send."""
+        self._upload_poll = None
+        if self.closed or self._received or self._queued <= 0:
+            self._queued = -1
+            return
+        queued = self.unsent()
+        if queued < self._queued:
+            self._mark = self.loop.time()
+        self._queued = queued
+        if queued > 0:
+            self._upload_poll = self.loop.call_later(self._poll_s, self._poll_upload)
+        else:
+            self._queued = -1
+
+    def _stop_upload_poll(self) -> None:
+        self._queued = -1
+        if self._upload_poll is not None:
+            self._upload_poll.cancel()
+            self._upload_poll = None
 
     async def _drain_or_answer(
         self, drain: asyncio.Future[None], answer: asyncio.Future[Any]

@@ -1435,3 +1435,40 @@ def test_an_upload_slower_than_the_read_timeout_that_keeps_moving_is_not_cut(
         assert read_at[0] - t0 > 1.2  # (the upload did outlast the timeout, twice)
 
     run_on(loop, main())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("size", [1000, 200_000, 4_000_000])
+def test_a_silent_upstream_is_cut_after_the_read_timeout_whatever_the_request_s_size(
+    loop: str, size: int
+) -> None:
+    """The upstream reads the whole request, then says nothing: cut after one read timeout.
+    A look at the request's unsent bytes granted a second period to every request over 64 KiB
+    (its upload long gone), a hung answer then waited twice ``upstream.timeout_s``."""
+
+    async def main() -> float:
+        read_all, done = asyncio.Event(), asyncio.Event()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(size)
+            read_all.set()
+            await done.wait()  # says nothing
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+        pool = UpstreamPool(read_timeout=1.0)
+        task = asyncio.ensure_future(pool.open("POST", url, [], b"x" * size))
+        await read_all.wait()
+        t0 = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout):
+            await task
+        waited = time.monotonic() - t0
+        await pool.aclose()
+        done.set()
+        server.close()
+        await server.wait_closed()
+        return waited
+
+    assert run_on(loop, main()) < 1.5
