@@ -825,12 +825,13 @@ class Relay:
             ctype = response.headers.get("content-type", "").lstrip().lower()  # case-insensitive
             # A chat stream's answer is read as SSE whatever it says it is (text/plain, x-ndjson,
             # nothing), as the SDKs read it: the usage event cachegate asked for must not reach
-            # a client that did not. A JSON or HTML answer is none (a server that ignored
-            # "stream", an error page).
+            # a client that did not. An answer of a known length is none (a whole completion of
+            # a server that ignored "stream", an error page), nor is a JSON or HTML one.
             is_sse = ctype.startswith("text/event-stream") or (
                 ex.stream
                 and response.status_code < 300
-                and not ctype.startswith(("application/json", "text/html"))
+                and response.headers.get("content-length") is None
+                and not _whole_type(ctype)
             )
             coding = _coding(response)  # we asked for none; some upstreams compress anyway
             # A compressed stream is decoded for the client (as its HTTP client would) where
@@ -991,6 +992,12 @@ class Relay:
 # stream decodes to: a few MB of gzip can hold GBs, which the client's buffer would take.
 _DECODE_PIECE = 1024 * 1024
 MAX_DECODED_STREAM = 64 * 1024 * 1024
+
+
+def _whole_type(ctype: str) -> bool:
+    """Whether a media type is a whole document's: JSON (``+json`` too, not NDJSON) or HTML."""
+    media = ctype.partition(";")[0].strip()
+    return (media.endswith("json") and not media.endswith("ndjson")) or media.endswith("html")
 
 
 class _Decoder:

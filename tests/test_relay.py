@@ -2129,3 +2129,46 @@ def test_an_upstream_that_does_not_accept_in_time_is_a_504_naming_the_connect_ti
     finally:
         filler.close()
         listener.close()
+
+
+@pytest.mark.parametrize(
+    ("content_type", "chunked"),
+    [(b"text/plain", False), (b"application/problem+json", True), (b"text/json", True)],
+)
+def test_a_stream_request_answered_whole_under_another_type_is_recorded_as_an_answer(
+    scripted: Any, proxy_factory: Any, content_type: bytes, chunked: bool
+) -> None:
+    """A server that ignores "stream" and answers a whole completion (with its length, or as
+    JSON of any kind): read as a stream, its message, usage and cost were lost."""
+    from proxy.eventlog import read_events
+
+    answer = orjson.dumps(
+        {
+            "id": "c1",
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "hello"},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12},
+        }
+    )
+    pieces = [answer[:20], answer[20:]] if chunked else [answer]
+    length = [] if chunked else [(b"content-length", b"%d" % len(answer))]
+    _upstream, url = scripted(chunks=pieces, content_type=content_type, extra_headers=length)
+    proxy = proxy_factory(url)
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json={**CHAT, "stream": True},
+        headers={"X-Session-Id": "whole"},
+    )
+    assert r.content == answer
+    proxy.settle()
+    [response] = [
+        e for e in read_events(proxy.log_dir / "whole.jsonl").events if e["type"] == "response"
+    ]
+    assert response["message"]["content"] == "hello"
+    assert response["usage"]["prompt"] == 10
