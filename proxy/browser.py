@@ -178,10 +178,14 @@ class BrowserGuard:
         judge)."""
         if host is None:
             return True
+        if "," in host:  # given twice (combined): one request has one Host
+            return False
         name = host_of_header(host)
         return is_loopback_name(name) or name.lower().rstrip(".") in self.allowed_hosts
 
     def _origin_allowed(self, origin: str) -> bool:
+        if "," in origin:  # given twice (combined), or a list: no browser sends either
+            return False
         normal = normalize_origin(origin)
         if normal in self.allowed:
             return True

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 from proxy import __version__
 from proxy.browser import is_loopback_name
 from proxy.config import (
+    DEFAULT_MODELS,
     ConfigError,
     display_url,
     load_settings,
@@ -101,7 +102,11 @@ def _serve(ns: argparse.Namespace) -> int:
         for note in unknown_variable_notes(os.environ):
             print(f"cachegate: note: {note}", file=sys.stderr)
         idle = settings.sessions.idle_ttl_s
-        outlived = sorted(n for n, m in settings.models.items() if m.cache_ttl_s > idle)
+        outlived = sorted(  # (of the user's own tables: a built-in one may be no model in use)
+            n
+            for n, m in settings.models.items()
+            if m.cache_ttl_s > idle and DEFAULT_MODELS.get(n) != m
+        )
         if outlived:
             print(
                 f"cachegate: note: the cache TTL of {', '.join(outlived)} is longer than"

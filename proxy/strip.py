@@ -47,7 +47,12 @@ def is_usage_only(event: bytes) -> bool:
         obj = orjson.loads(data[0])
     except orjson.JSONDecodeError:
         return False
-    return isinstance(obj, dict) and not obj.get("choices") and isinstance(obj.get("usage"), dict)
+    return (
+        isinstance(obj, dict)
+        and not obj.get("choices")
+        and isinstance(obj.get("usage"), dict)
+        and "error" not in obj  # (an error with usage the client must see, however named)
+    )
 
 
 # A null usage as OpenAI writes it: the chunk's last member, at the end of its one data line.

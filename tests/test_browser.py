@@ -219,6 +219,41 @@ def test_a_page_cannot_spend_the_key_and_a_rebound_name_cannot_read(
     assert proxy.metric("cachegate_requests_total", refused) == 1
 
 
+def test_an_origin_or_host_given_twice_is_refused_whichever_comes_first(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """Repeated fields are read combined (``a, b``): the guard parsed the first of them and let
+    a foreign second one through."""
+    import socket
+    from urllib.parse import urlsplit
+
+    proxy = proxy_factory(sim.api_base)
+    address = urlsplit(proxy.url)
+    body = json.dumps(HELLO).encode()
+
+    def status(headers: list[tuple[str, str]]) -> bytes:
+        """The status of a request sent as written (HTTP clients refuse a second Host)."""
+        lines = "".join(f"{k}: {v}\r\n" for k, v in headers)
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n{lines}\r\n"
+        )
+        with socket.create_connection((address.hostname, address.port), timeout=10) as sock:
+            sock.sendall(head.encode() + body)
+            return sock.recv(64).split(b" ")[1]
+
+    loopback = ("host", "127.0.0.1")
+    assert status([loopback]) == b"200"
+    for name, good, bad in (
+        ("origin", "http://localhost:3000", "https://evil.example"),
+        ("host", "127.0.0.1", "evil.example"),
+    ):
+        for pair in ((good, bad), (bad, good)):
+            extra = [] if name == "host" else [loopback]
+            assert status([*extra, (name, pair[0]), (name, pair[1])]) == b"403", (name, pair)
+    assert len(sim.sim.requests) == 1
+
+
 def test_allowed_origins_lets_a_listed_page_through(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:

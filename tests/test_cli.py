@@ -1027,3 +1027,7 @@ def test_serve_notes_a_cache_ttl_longer_than_the_sessions_are_kept(tmp_path: Pat
         " raise sessions.idle_ttl_s\n"
     )
     assert line.startswith(f"cachegate {__version__} listening on")
+    # the built-in tables (deepseek's 3600 s) are no model the user named: not said
+    config.write_text("[sessions]\nidle_ttl_s = 1000\n")
+    (line,) = _serve_first_lines(tmp_path, "--config", str(config), env=clean_env(), count=1)
+    assert line.startswith(f"cachegate {__version__} listening on")

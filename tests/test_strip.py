@@ -345,6 +345,10 @@ def test_a_usage_event_with_an_id_a_name_or_a_comment_goes_whole() -> None:
         direct = extra + PLAIN % b"hi" + extra + DONE
         assert run(stream, []) == direct, extra
         assert all(run(stream, [cut]) == direct for cut in range(len(stream) + 1)), extra
+    error = (
+        b'id: 3\ndata: {"error":{"message":"boom"},"choices":[],"usage":{"prompt_tokens":9}}\n\n'
+    )
+    assert run(error, []) == error  # an error that carries usage is the client's to see
     named_error = b"event: error\n" + USAGE
     assert not is_usage_only(named_error.strip())
     assert run(named_error, []) == named_error
