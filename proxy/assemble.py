@@ -29,6 +29,11 @@ _PADDING_KEY = b',"obfuscation":"'
 _LEARN_TRIES = 4  # chunk shapes learned per stream before the recorder stops learning
 
 
+# What the log keeps of an audio answer: its id (the client sends it back on its next turn) and
+# expiry, and its transcript; not its base64 data.
+_AUDIO_FIELDS: tuple[str, ...] = ("id", "expires_at")
+
+
 @dataclass(slots=True)
 class AssembledResponse:
     """What one exchange produced.
@@ -174,6 +179,8 @@ class StreamAssembler:
         self._reasoning: list[str] = []
         self._refusal: list[str] | None = None  # set once a delta carries ``refusal``
         self._function: tuple[list[str], list[str]] | None = None  # legacy function_call
+        # an audio answer (``modalities: ["audio"]``): its id and transcript, not its data
+        self._audio: tuple[dict[str, Any], list[str]] | None = None
         self._tools = _ToolCalls()
         self._usage = UsageTracker()
         self._finish_reason: str | None = None
@@ -206,6 +213,8 @@ class StreamAssembler:
         if self._refusal is not None:
             self._refusal.clear()
         self._function = None
+        if self._audio is not None:
+            self._audio[1].clear()
         self._tools = _ToolCalls()  # a new call per delta would be kept without end
         self._text_dropped = True
 
@@ -452,6 +461,14 @@ class StreamAssembler:
                 if self._refusal is None:
                     self._refusal = []
                 self._refusal.append(refusal)
+            audio = delta.get("audio")
+            if isinstance(audio, dict):
+                if self._audio is None:
+                    self._audio = ({}, [])
+                fields, transcript = self._audio
+                fields.update({k: audio[k] for k in _AUDIO_FIELDS if k in audio})
+                if isinstance(audio.get("transcript"), str):
+                    transcript.append(audio["transcript"])
             function = delta.get("function_call")
             if isinstance(function, dict):
                 if self._function is None:
@@ -484,6 +501,9 @@ class StreamAssembler:
             message["tool_calls"] = self._tools.ordered()
         if self._reasoning:
             message["reasoning_content"] = "".join(self._reasoning)
+        if self._audio is not None:
+            fields, transcript = self._audio
+            message["audio"] = {**fields, "transcript": "".join(transcript)}
         return AssembledResponse(
             message=message,
             finish_reason=self._finish_reason,
@@ -558,6 +578,11 @@ def assemble_completion(body: Mapping[str, Any]) -> AssembledResponse:
             reasoning = _reasoning(raw)
             if reasoning:
                 message["reasoning_content"] = reasoning
+            audio = raw.get("audio")
+            if isinstance(audio, dict):
+                message["audio"] = {
+                    k: audio[k] for k in (*_AUDIO_FIELDS, "transcript") if k in audio
+                }
         if isinstance(choice.get("finish_reason"), str):
             finish_reason = choice["finish_reason"]
     model, response_id = body.get("model"), body.get("id")

@@ -1035,3 +1035,40 @@ def test_assemble_completion_takes_choice_zero_wherever_it_is() -> None:
         result = assemble_completion(body(*choices))
         assert result.message["content"] == "mine" and result.finish_reason == "stop"
     assert assemble_completion(body(other)).message["content"] is None
+
+
+def test_an_audio_answer_keeps_its_id_and_transcript_not_its_data() -> None:
+    """``modalities: ["text", "audio"]``: the answer is an audio message, which the log showed
+    as ``{"content": null}``, an empty answer (the client sends its id back next turn)."""
+    stream = [
+        chunk({"role": "assistant", "audio": {"id": "audio_1", "expires_at": 1700000000}}),
+        chunk({"audio": {"transcript": "Hello ", "data": "UklGRiQA"}}),
+        chunk({"audio": {"transcript": "world", "data": "AAAAAAAA"}}),
+        chunk({}, "stop"),
+        DONE,
+    ]
+    expected = {
+        "role": "assistant",
+        "content": None,
+        "audio": {"id": "audio_1", "expires_at": 1700000000, "transcript": "Hello world"},
+    }
+    assert record(stream).message == expected
+    whole = {
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": None,
+                    "audio": {
+                        "id": "audio_1",
+                        "expires_at": 1700000000,
+                        "data": "UklGRiQAAAAAAAAA",
+                        "transcript": "Hello world",
+                    },
+                },
+                "finish_reason": "stop",
+            }
+        ]
+    }
+    assert assemble_completion(whole).message == expected
