@@ -997,7 +997,8 @@ MAX_DECODED_STREAM = 64 * 1024 * 1024
 def _whole_type(ctype: str) -> bool:
     """Whether a media type is a whole document's: JSON (``+json`` too, not NDJSON) or HTML."""
     media = ctype.partition(";")[0].strip()
-    return (media.endswith("json") and not media.endswith("ndjson")) or media.endswith("html")
+    streamed = media.endswith(("ndjson", "stream+json"))  # (NDJSON; Spring's streaming JSON)
+    return (media.endswith("json") and not streamed) or media.endswith("html")
 
 
 class _Decoder:

@@ -51,7 +51,7 @@ def is_usage_only(event: bytes) -> bool:
         isinstance(obj, dict)
         and not obj.get("choices")
         and isinstance(obj.get("usage"), dict)
-        and "error" not in obj  # (an error with usage the client must see, however named)
+        and obj.get("error") is None  # (an error with usage the client must see, however named)
     )
 
 

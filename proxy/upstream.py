@@ -321,6 +321,7 @@ class _Connection(asyncio.Protocol):
         self._inode = -1  # the socket's, when plain TCP: what a salvage reads is its own
         self._queued = -1  # bytes of a large request not yet sent when last looked at (-1: none)
         self._upload_poll: asyncio.TimerHandle | None = None  # looks at them while they leave
+        self._tls = False
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -328,13 +329,16 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's too)
         sock = transport.get_extra_info("socket")
         self._fd = sock.fileno() if sock is not None else -1
-        if self._fd >= 0 and transport.get_extra_info("sslcontext") is None:
+        self._tls = transport.get_extra_info("sslcontext") is not None
+        if self._fd >= 0 and not self._tls:
             with contextlib.suppress(OSError):
                 self._inode = os.fstat(self._fd).st_ino
 
     def unsent(self) -> int:
         """Bytes of what was written that have not left yet: the transport's buffer and the
-        socket's send queue."""
+        socket's send queue. Over TLS the transport's buffer is empty once it has encrypted
+        what it was given (the encrypted bytes wait in the TCP transport under it, which no
+        public interface shows): the socket's queue alone."""
         transport = self.transport
         queued = transport.get_write_buffer_size() if transport is not None else 0
         if self._fd >= 0 and _OUTQ is not None:
@@ -597,7 +601,7 @@ class _Connection(asyncio.Protocol):
                     transport.write(b"0\r\n\r\n")
         if not isinstance(content, bytes) or len(content) > _WRITE_JOIN:
             queued = self.unsent()
-            if queued > 0:  # still on its way: the read timeout counts from its progress
+            if queued > 0 or self._tls:  # on its way: the read timeout counts from its progress
                 self._queued = queued
                 self._upload_poll = self.loop.call_later(self._poll_s, self._poll_upload)
         self._sent_at = self.loop.time()
@@ -613,14 +617,16 @@ class _Connection(asyncio.Protocol):
         the read timeout, its last step included (within ``_poll_s``); it stops at the first
         byte of the answer, or once nothing is left to send."""
         self._upload_poll = None
-        if self.closed or self._received or self._queued <= 0:
+        if self.closed or self._received or self._queued < 0:
             self._queued = -1
             return
         queued = self.unsent()
-        if queued < self._queued:
+        if queued != self._queued:
+            # (a change either way: over TLS the count is the socket's queue only, the
+            # encrypted rest waiting in a transport below refills it as it empties)
             self._mark = self.loop.time()
         self._queued = queued
-        if queued > 0:
+        if queued > 0 or self._tls:  # (TLS: watched until the answer; see unsent)
             self._upload_poll = self.loop.call_later(self._poll_s, self._poll_upload)
         else:
             self._queued = -1

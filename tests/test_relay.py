@@ -1780,6 +1780,7 @@ def _client_sees(proxy: Any, session: str) -> tuple[httpx.Response, list[dict[st
         # a stream that does not say it is one: the SDKs read it as SSE all the same
         (b"text/plain; charset=utf-8", None, "native"),
         (b"application/x-ndjson", None, "httpx"),
+        (b"application/stream+json", None, "native"),
         (b"", None, "native"),
         (b"text/event-stream", b"gzip", "native"),  # compressed though asked for identity
         (b"text/event-stream", b"gzip", "httpx"),

@@ -349,6 +349,8 @@ def test_a_usage_event_with_an_id_a_name_or_a_comment_goes_whole() -> None:
         b'id: 3\ndata: {"error":{"message":"boom"},"choices":[],"usage":{"prompt_tokens":9}}\n\n'
     )
     assert run(error, []) == error  # an error that carries usage is the client's to see
+    no_error = USAGE.replace(b'"choices":[]', b'"error":null,"choices":[]')
+    assert run(no_error, []) == b""  # (a gateway's "error": null in every chunk is no error)
     named_error = b"event: error\n" + USAGE
     assert not is_usage_only(named_error.strip())
     assert run(named_error, []) == named_error

@@ -1393,9 +1393,9 @@ def test_a_refused_body_sent_whole_logs_no_unretrieved_write_error(
 
 
 @pytest.mark.parametrize("loop", LOOPS)
-@pytest.mark.parametrize("think_s", [0.0, 0.45])
+@pytest.mark.parametrize(("think_s", "tls"), [(0.0, False), (0.45, False), (0.45, True)])
 def test_an_upload_slower_than_the_read_timeout_that_keeps_moving_is_not_cut(
-    loop: str, think_s: float
+    loop: str, think_s: float, tls: bool
 ) -> None:
     """A 16 MB body held whole, read by the upstream at ~6 MB/s, then answered ``think_s``
     later: the upload takes longer than the read timeout, but bytes move all along. It was a
@@ -1421,9 +1421,15 @@ def test_an_upload_slower_than_the_read_timeout_that_keeps_moving_is_not_cut(
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)  # (the kernel holds little)
         sock.bind(("127.0.0.1", 0))
-        server = await asyncio.start_server(serve, sock=sock, limit=65536)
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}/"
-        pool = UpstreamPool(read_timeout=0.6)
+        server_tls = None
+        if tls:  # (the encrypted bytes wait below the TLS transport, where no count shows)
+            server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            server_tls.load_cert_chain(CERT, KEY)
+        server = await asyncio.start_server(serve, sock=sock, limit=65536, ssl=server_tls)
+        scheme = "https" if tls else "http"
+        url = f"{scheme}://127.0.0.1:{sock.getsockname()[1]}/"
+        trusted = ssl.create_default_context(cafile=str(CERT)) if tls else None
+        pool = UpstreamPool(read_timeout=0.6, ssl_context=trusted)
         t0 = time.monotonic()
         try:
             response = await pool.open("POST", url, [], b"x" * size)
@@ -1438,9 +1444,11 @@ def test_an_upload_slower_than_the_read_timeout_that_keeps_moving_is_not_cut(
 
 
 @pytest.mark.parametrize("loop", LOOPS)
-@pytest.mark.parametrize("size", [1000, 200_000, 4_000_000])
+@pytest.mark.parametrize(
+    ("size", "tls"), [(1000, False), (200_000, False), (4_000_000, False), (4_000_000, True)]
+)
 def test_a_silent_upstream_is_cut_after_the_read_timeout_whatever_the_request_s_size(
-    loop: str, size: int
+    loop: str, size: int, tls: bool
 ) -> None:
     """The upstream reads the whole request, then says nothing: cut after one read timeout.
     A look at the request's unsent bytes granted a second period to every request over 64 KiB
@@ -1456,9 +1464,15 @@ def test_a_silent_upstream_is_cut_after_the_read_timeout_whatever_the_request_s_
             await done.wait()  # says nothing
             writer.close()
 
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
-        pool = UpstreamPool(read_timeout=1.0)
+        server_tls = None
+        if tls:
+            server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            server_tls.load_cert_chain(CERT, KEY)
+        server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=server_tls)
+        scheme = "https" if tls else "http"
+        url = f"{scheme}://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+        trusted = ssl.create_default_context(cafile=str(CERT)) if tls else None
+        pool = UpstreamPool(read_timeout=1.0, ssl_context=trusted)
         task = asyncio.ensure_future(pool.open("POST", url, [], b"x" * size))
         await read_all.wait()
         t0 = time.monotonic()
@@ -1472,3 +1486,44 @@ def test_a_silent_upstream_is_cut_after_the_read_timeout_whatever_the_request_s_
         return waited
 
     assert run_on(loop, main()) < 1.5
+
+
+def test_over_tls_an_upload_is_watched_until_the_answer_however_its_queue_looks() -> None:
+    """Over TLS the count of unsent bytes is the socket's queue only: the encrypted rest waits
+    in the TCP transport below, refilling the queue as it empties. A look that found the queue
+    empty for a moment stopped the watch, and the rest of the upload ran unwatched (cut by the
+    read timeout while it moved); a refill read as no progress."""
+
+    class _TlsTransport(_Recorder):
+        def get_extra_info(self, name: str, default: Any = None) -> Any:
+            return object() if name == "sslcontext" else default
+
+        def get_write_buffer_size(self) -> int:
+            return 0
+
+    async def main() -> None:
+        pool = UpstreamPool(read_timeout=0.4)  # (looked at every 0.05 s)
+        conn = _Connection(pool, ("https", "127.0.0.1", 1), 0.4)
+        conn.connection_made(_TlsTransport())
+        # the socket's queue as the looks find it: emptied, refilled, emptied... then done
+        queue = iter([3_000_000, 0, 2_500_000, 2_000_000, 0, 1_500_000] * 4 + [0] * 1000)
+        conn.unsent = lambda: next(queue)  # type: ignore[method-assign]
+        task = asyncio.ensure_future(
+            conn.exchange(b"POST", b"POST / HTTP/1.1\r\n\r\n", b"x" * 100_000)
+        )
+        await asyncio.sleep(1.2)  # the upload moved all along: longer than the read timeout
+        assert not task.done()
+        conn.data_received(answer(b"got it"))
+        response = await task
+        assert response.status_code == 200 and await response.aread() == b"got it"
+        # once nothing moves, the silence is cut after the read timeout as ever
+        silent = _Connection(pool, ("https", "127.0.0.1", 1), 0.4)
+        silent.connection_made(_TlsTransport())
+        silent.unsent = lambda: 0  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout):
+            await silent.exchange(b"POST", b"POST / HTTP/1.1\r\n\r\n", b"x" * 100_000)
+        assert time.monotonic() - t0 < 0.8
+        await pool.aclose()
+
+    run(main())
