@@ -18,6 +18,7 @@ from proxy.browser import is_loopback_name
 from proxy.config import (
     DEFAULT_MODELS,
     ConfigError,
+    UpstreamSettings,
     display_url,
     load_settings,
     unknown_variable_notes,
@@ -25,7 +26,6 @@ from proxy.config import (
 )
 
 DEFAULT_LOG_DIR = "./cachegate-logs"
-DEFAULT_KEY_ENV = "OPENAI_API_KEY"  # (unset: the usual setup, where every client brings its own)
 _VARIABLE_NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,63}")  # as variables are named, not as keys are
 SHUTDOWN_GRACE_S = 5  # after Ctrl+C, how long answers in flight may still finish
 
@@ -114,7 +114,9 @@ def _serve(ns: argparse.Namespace) -> int:
                 " forgotten, and the miss after its pause not judged; raise sessions.idle_ttl_s",
                 file=sys.stderr,
             )
-        if key_env and key_env != DEFAULT_KEY_ENV and not os.environ.get(key_env, "").strip():
+        # (the default's variable unset is the usual setup, where every client brings its key)
+        default_env = UpstreamSettings.api_key_env
+        if key_env and key_env != default_env and not os.environ.get(key_env, "").strip():
             # Named only when it reads as a variable's name (MY_GATEWAY_KEY): a key written
             # where its variable's name goes (gsk_..., a hex key) is never shown.
             what = (
