@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
+import io
 import json
 import logging
 import os
@@ -274,9 +276,22 @@ def _log_dir_taken(log_dir: str) -> bool:
     return True
 
 
+def _utf8_stdout() -> None:
+    """Reports and replayed requests in UTF-8 where stdout is a file or a pipe in another
+    encoding (Windows' ANSI code page: one character it lacks failed the whole output)."""
+    out = sys.stdout
+    if (
+        isinstance(out, io.TextIOWrapper)
+        and out.encoding.lower().replace("-", "").replace("_", "") != "utf8"
+        and not out.isatty()
+    ):
+        out.reconfigure(encoding="utf-8")
+
+
 def _sessions(ns: argparse.Namespace) -> int:
     from proxy import report
 
+    _utf8_stdout()
     log_dir = ns.log_dir or os.environ.get("CACHEGATE_LOG_DIR")
     config_file = getattr(ns, "config", None) or os.environ.get("CACHEGATE_CONFIG")
     if not log_dir and config_file:  # the directory serve writes with that file
@@ -288,14 +303,15 @@ def _sessions(ns: argparse.Namespace) -> int:
     log_dir = os.path.expanduser(log_dir or DEFAULT_LOG_DIR)
     try:
         if ns.action == "list":
-            unreadable: list[str] = []
+            unreadable: list[tuple[str, str]] = []
             sessions = report.list_sessions(log_dir, unreadable)
-            for path in unreadable:  # (the others are listed: one file must not hide them)
-                print(
-                    f"cachegate: cannot read {path}: permission denied (left out; log files are"
-                    " private to the user that wrote them: run as that user)",
-                    file=sys.stderr,
+            for path, reason in unreadable:  # (the others are listed: one file must not hide them)
+                hint = (
+                    "; log files are private to the user that wrote them: run as that user"
+                    if reason == "permission denied"
+                    else ""
                 )
+                print(f"cachegate: cannot read {path}: {reason} (left out{hint})", file=sys.stderr)
             if ns.json:
                 print(json.dumps([s.to_json() for s in sessions], indent=2))
             else:
@@ -333,6 +349,14 @@ def _sessions(ns: argparse.Namespace) -> int:
             "(log files are private to the user that wrote them: run as that user)",
             file=sys.stderr,
         )
+        return 1
+    except BrokenPipeError:
+        raise  # `| head`: main ends quietly
+    except OSError as exc:  # a socket named like a log, an I/O error, stdout on a full disk
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"cachegate: {where}{exc.strerror or exc}", file=sys.stderr)
+        with contextlib.suppress(OSError, ValueError):  # what stdout still holds goes nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     return 0
 

@@ -137,10 +137,14 @@ def _parses(text: str) -> bool:
     """Whether ``text`` is JSON as the grammar has it. orjson refuses two things the grammar
     allows and providers accept: a lone UTF-16 surrogate escape (``"\\ud83d"``: JavaScript's
     ``JSON.stringify`` of a text cut inside an emoji) and a number beyond a double (``1e400``);
-    the standard parser settles those (the text is forwarded as it is, never re-serialized)."""
+    the standard parser settles those (the text is forwarded as it is, never re-serialized).
+    Nesting deeper than orjson's 1,024 levels is not JSON here, whatever the Python: the
+    standard parser's own limit followed the recursion limit until 3.12, and none since."""
     try:
         orjson.loads(text)
-    except orjson.JSONDecodeError:
+    except orjson.JSONDecodeError as exc:
+        if str(exc).startswith("depth limit"):
+            return False
         try:
             json.loads(text, parse_constant=_not_json)
         except (ValueError, RecursionError):  # and NaN/Infinity; nesting past the stack

@@ -147,12 +147,12 @@ def show_session(log_dir: str | os.PathLike[str], session_id: str) -> SessionDet
 
 
 def list_sessions(
-    log_dir: str | os.PathLike[str], unreadable: list[str] | None = None
+    log_dir: str | os.PathLike[str], unreadable: list[tuple[str, str]] | None = None
 ) -> list[SessionSummary]:
-    """Every session logged in ``log_dir``, most recently seen first. A file another user's
-    permissions keep from us is left out and its path added to ``unreadable`` (raised when
-    that is None); a ``.jsonl`` file that does not begin as cachegate's lines do (another
-    tool's, an empty one) is no session."""
+    """Every session logged in ``log_dir``, most recently seen first. A file that cannot be
+    read (another user's permissions, a socket, an I/O error) is left out and its path and the
+    reason added to ``unreadable`` (raised when that is None); a ``.jsonl`` file that does not
+    begin as cachegate's lines do (another tool's, an empty one) is no session."""
     directory = os.fspath(log_dir)
     if not os.path.isdir(directory):
         if os.path.exists(directory):
@@ -168,10 +168,11 @@ def list_sessions(
             log = read_events(path, drop=BODY_FIELDS)
         except (FileNotFoundError, NotALogFile):  # removed meanwhile; a directory, a link
             continue
-        except PermissionError:
+        except OSError as exc:  # one file must not hide the others
             if unreadable is None:
                 raise
-            unreadable.append(path)
+            reason = "permission denied" if isinstance(exc, PermissionError) else exc.strerror
+            unreadable.append((path, reason or type(exc).__name__))
             continue
         if not log.starts_as_log:
             continue

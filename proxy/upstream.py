@@ -15,9 +15,10 @@ What it does:
 - request bodies as bytes (``content-length``) or an async iterator (``transfer-encoding:
   chunked``), written with flow control;
 - a new plain-HTTP connection to an IP address sends a request with a bytes body in the same
-  step as its non-blocking connect (``sendmsg``), then hands the socket to the loop; a connect
-  still in progress waits for the socket to be writable; names, ``https`` and streamed bodies
-  use ``loop.create_connection``;
+  step as its non-blocking connect (``sendmsg``) where the connect completes at once (Linux, to
+  an upstream on the same host), then hands the socket to the loop; a connect still in progress
+  (macOS, a remote host) waits for the socket to be writable; names, ``https``, streamed bodies
+  and Windows use ``loop.create_connection``;
 - response bodies framed by ``content-length``, chunked encoding, or the connection's end; interim
   1xx responses skipped; HEAD answered without a body;
 - timeouts: ``connect_timeout`` to open a connection, ``read_timeout`` between bytes;
@@ -39,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import functools
 import os
 import select
@@ -54,13 +56,15 @@ import httptools
 import httpx
 
 _OUTQ: int | None  # the ioctl that says what the kernel still holds of what a socket was given
-try:  # to send (Linux, BSDs)
+try:  # to send (Linux)
     import fcntl
     import termios
 
-    _OUTQ = termios.TIOCOUTQ
+    # macOS defines it for terminals only (a socket answers ENOTTY there): Linux's alone
+    _OUTQ = termios.TIOCOUTQ if sys.platform.startswith("linux") else None
 except ImportError:  # pragma: no cover  (Windows)
     _OUTQ = None
+_POLL = getattr(select, "poll", None)  # not on Windows
 
 _HIGH_WATER = 256 * 1024  # buffered response bytes before the socket stops being read
 _WRITE_JOIN = 64 * 1024  # bodies up to this size go out in one write with the head
@@ -68,6 +72,12 @@ _WRITE_JOIN = 64 * 1024  # bodies up to this size go out in one write with the h
 # providers send 1-4): an upstream that never ends its headers must not take the memory with it.
 MAX_HEAD_BYTES = 64 * 1024
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # a closed peer is an error, never a signal
+# Sending a request in the connect's own step needs ``sendmsg`` and a loop that watches sockets
+# for writing (``add_writer``): Windows has neither (no ``sendmsg``; the Proactor loop).
+_SEND_WITH_CONNECT = hasattr(socket.socket, "sendmsg") and sys.platform != "win32"
+# What a non-blocking connect says when it has not completed in the call (EINTR: it goes on in
+# the background).
+_CONNECTING = frozenset({errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR})
 
 Origin = tuple[str, str, int]  # scheme, host, port
 
@@ -353,7 +363,9 @@ class _Connection(asyncio.Protocol):
         arrived after the last answer, in the same moment (httpcore checks the same)."""
         if self._fd < 0:
             return False
-        poller = select.poll()
+        if _POLL is None:  # Windows: ``select`` takes sockets there, whatever their number
+            return bool(select.select([self._fd], [], [], 0)[0])
+        poller = _POLL()
         poller.register(self._fd, select.POLLIN)
         return bool(poller.poll(0))
 
@@ -710,6 +722,11 @@ def _ip_family(host: str) -> int:
     return 0
 
 
+def _new_socket(family: int) -> socket.socket:
+    """A TCP socket for ``_connect_sending`` (a test puts another platform's behaviour here)."""
+    return socket.socket(family, socket.SOCK_STREAM)
+
+
 def _settle(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
@@ -944,7 +961,9 @@ class UpstreamPool:
             if self._ssl is None:
                 self._ssl = _ssl_context()
             tls = self._ssl
-        family = _ip_family(host) if tls is None and request is not None else 0
+        family = (
+            _ip_family(host) if tls is None and request is not None and _SEND_WITH_CONNECT else 0
+        )
         self._connecting += 1
         try:
             async with asyncio.timeout(self.connect_timeout):
@@ -987,19 +1006,27 @@ class UpstreamPool:
         _, host, port = origin
         method, head, content = request
         loop = asyncio.get_running_loop()
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock = _new_socket(family)
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with contextlib.suppress(BlockingIOError, InterruptedError):  # in progress
-                sock.connect((host, port))
+            error = sock.connect_ex((host, port))
+            if error and error not in _CONNECTING:
+                raise OSError(error, os.strerror(error))
             conn = _Connection(self, origin, self.read_timeout)
             conn.begin(method)  # the answer can be read once the loop has the socket
-            try:
-                conn._sent = sock.sendmsg([head, content] if content else [head], [], _NOSIGNAL)
-            except (BlockingIOError, InterruptedError):  # still connecting
+            try:  # Linux completes a connect to this host at once (though it says EINPROGRESS)
+                sent = sock.sendmsg([head, content] if content else [head], [], _NOSIGNAL)
+            except OSError as exc:
+                # Still connecting: Linux says EAGAIN, macOS ENOTCONN (even to this host). The
+                # transport sends all of the request once the socket is connected.
+                if not isinstance(exc, BlockingIOError | InterruptedError) and (
+                    exc.errno != errno.ENOTCONN
+                ):
+                    raise
                 await _writable(loop, sock)
-                conn._sent = 0
+                sent = 0
+            conn._sent = sent
         except BaseException:
             sock.close()
             raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -403,6 +404,78 @@ def test_a_log_path_that_is_no_regular_file_is_refused_in_one_line_never_read(
     assert not_dir.code == 1 and "is not a directory" in not_dir.err
 
 
+def _cli_process(*args: str, **env: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [sys.executable, "-m", "proxy.cli", *args],
+        cwd=REPO,
+        env=clean_env(**env),
+        capture_output=True,
+        timeout=60,
+    )
+
+
+def test_a_socket_named_like_a_log_is_named_and_passed_over(tmp_path: Path) -> None:
+    """A file that opens with an error other than a permission (a socket: ENXIO; an I/O error)
+    was a traceback, and list then printed no session at all."""
+    import socket
+
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    (log_dir / "ok.jsonl").write_bytes(
+        b'{"ts":1.0,"type":"session_meta","session":"ok","model":"gpt-4o"}\n'
+    )
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(log_dir / "sock.jsonl"))
+        listed = run_cli("sessions", "list", "--log-dir", str(log_dir), "--json")
+        assert listed.code == 0 and [s["session"] for s in orjson.loads(listed.out)] == ["ok"]
+        assert "sock.jsonl: No such device or address (left out)" in listed.err
+        shown = run_cli("sessions", "show", "sock", "--log-dir", str(log_dir))
+        assert shown.code == 1 and "Traceback" not in shown.err
+        assert "sock.jsonl: No such device or address" in shown.err
+
+
+def test_output_to_a_full_disk_is_one_line_not_a_traceback(logged: Logged) -> None:
+    for action in (["list"], ["replay", "cli-a"]):
+        with open("/dev/full", "wb") as full:
+            proc = subprocess.run(
+                [sys.executable, "-m", "proxy.cli", "sessions", *action],
+                cwd=REPO,
+                env=clean_env(CACHEGATE_LOG_DIR=str(logged.log_dir)),
+                stdout=full,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=60,
+            )
+        assert proc.returncode == 1, action
+        assert proc.stderr == "cachegate: No space left on device\n", proc.stderr
+
+
+def test_reports_and_replay_write_utf8_whatever_the_output_encoding(tmp_path: Path) -> None:
+    """Windows writes a redirected stdout in its ANSI code page: "→" or an emoji in a request
+    made ``replay > file`` fail part way (a model name outside it, a report)."""
+    text = "fix \u2192 caf\u00e9 \U0001f389 \u65e5\u672c\u8a9e"
+    line = {
+        "ts": 1.0,
+        "type": "request",
+        "exchange": 1,
+        "model": "\u6a21\u578b-\u2192",
+        "base_exchange": None,
+        "base": 0,
+        "appended": [{"role": "user", "content": text}],
+    }
+    (tmp_path / "uni.jsonl").write_bytes(orjson.dumps(line) + b"\n")
+    out = {}
+    for action in ("replay", "show", "list"):
+        args = [action] if action == "list" else [action, "uni"]
+        proc = _cli_process(
+            "sessions", *args, "--log-dir", str(tmp_path), PYTHONIOENCODING="cp1252"
+        )
+        assert proc.returncode == 0 and proc.stderr == b"", (action, proc.stderr)
+        out[action] = proc.stdout.decode("utf-8")
+    assert orjson.loads(out["replay"])["messages"][0]["content"] == text
+    assert "\u6a21\u578b-\u2192" in out["show"] and "\u6a21\u578b-\u2192" in out["list"]
+
+
 def test_escape_sequences_from_a_log_never_reach_the_terminal(tmp_path: Path) -> None:
     """A client chooses its model name and an upstream its error text: a report prints them,
     and a terminal would act on an escape sequence (retitle, recolour, rewrite the screen)."""
@@ -481,8 +554,8 @@ def test_an_unreadable_log_file_is_named_and_the_rest_listed(
 ) -> None:
     from proxy import report
 
-    def some(log_dir: str, unreadable: list[str]) -> list[Any]:  # (root reads anything)
-        unreadable.append(str(tmp_path / "secret.jsonl"))
+    def some(log_dir: str, unreadable: list[tuple[str, str]]) -> list[Any]:  # (root reads all)
+        unreadable.append((str(tmp_path / "secret.jsonl"), "permission denied"))
         return []
 
     monkeypatch.setattr(report, "list_sessions", some)

@@ -234,9 +234,9 @@ def test_one_unreadable_file_is_named_and_the_others_are_listed(
         return real(path, **kw)
 
     monkeypatch.setattr(report, "read_events", guarded)
-    unreadable: list[str] = []
+    unreadable: list[tuple[str, str]] = []
     assert [s.session for s in list_sessions(log_dir, unreadable)] == ["beta"]
-    assert unreadable == [str(log_dir / "alpha.jsonl")]
+    assert unreadable == [(str(log_dir / "alpha.jsonl"), "permission denied")]
     with pytest.raises(PermissionError):  # with no list to name it in
         list_sessions(log_dir)
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import os
 import socket
 import ssl
 import time
@@ -1183,6 +1185,103 @@ def test_a_connect_still_in_progress_waits_and_then_sends_the_whole_request(loop
         await server.wait_closed()
 
     run_on(loop, main())
+
+
+class _DarwinSocket(socket.socket):
+    """A socket whose non-blocking connect behaves as macOS's does, even to this host: it is
+    never complete within the call, and a send before the socket is seen writable fails with
+    ENOTCONN (where Linux says EAGAIN)."""
+
+    connecting = True
+
+    def connect(self, address: Any) -> None:
+        error = self.connect_ex(address)
+        if error:
+            raise OSError(error, os.strerror(error))
+
+    def connect_ex(self, address: Any) -> int:
+        error = super().connect_ex(address)
+        return errno.EINPROGRESS if error in (0, errno.EINPROGRESS) else error
+
+    def sendmsg(self, *args: Any) -> int:
+        if self.connecting:
+            raise OSError(errno.ENOTCONN, "Socket is not connected")
+        return super().sendmsg(*args)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_new_connection_on_macos_waits_for_its_connect_and_sends_the_request(
+    loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """macOS refuses a send on a socket still connecting (ENOTCONN): every new connection to an
+    upstream given as an IP address (``http://127.0.0.1:8788/v1``) was a 502."""
+    made: list[_DarwinSocket] = []
+
+    def darwin_socket(family: int) -> socket.socket:
+        made.append(_DarwinSocket(family, socket.SOCK_STREAM))
+        return made[-1]
+
+    monkeypatch.setattr(upstream, "_new_socket", darwin_socket)
+
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(answer(b"got " + req.rpartition(b"\r\n\r\n")[2]))
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool(max_keepalive=0)  # a new connection each time
+            for body in (b'{"n": 1}', b"x" * 200_000):  # one write with the head, and not
+                resp = await pool.open("POST", srv.url + "/v1/x", [], body)
+                assert resp.status_code == 200 and await read(resp) == b"got " + body
+            assert len(made) == 2 and srv.connections == 2
+            await pool.aclose()
+
+    run_on(loop, main())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_without_sendmsg_or_poll_as_on_windows_requests_go_through_and_reuse_connections(
+    loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Windows has no ``sendmsg`` and no ``select.poll``: each new connection to an IP address
+    failed (AttributeError, a 502), and each reuse of an idle one."""
+    monkeypatch.setattr(upstream, "_SEND_WITH_CONNECT", False)
+    monkeypatch.setattr(upstream, "_POLL", None)
+    monkeypatch.setattr(upstream, "_new_socket", None)  # the path that sends with the connect
+
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(answer(b"%d.%d" % (c, n)))
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            got = [await read(await pool.open("POST", srv.url + "/", [], b"{}")) for _ in range(3)]
+            assert got == [b"1.1", b"1.2", b"1.3"]  # one connection, reused
+            await pool.aclose()
+
+    run_on(loop, main())
+
+
+@pytest.mark.parametrize("poll", [True, False], ids=["poll", "select"])
+def test_an_idle_socket_is_readable_once_its_peer_closed(
+    poll: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What keeps a connection the server closed from being reused, with ``select.poll`` and
+    without it (Windows)."""
+    if not poll:
+        monkeypatch.setattr(upstream, "_POLL", None)
+    mine, theirs = socket.socketpair()
+
+    async def main() -> None:
+        conn = _Connection(UpstreamPool(), ("http", "127.0.0.1", 1), 1.0)
+        conn._fd = mine.fileno()
+        assert not conn.readable()
+        theirs.close()
+        assert conn.readable()
+
+    with mine, theirs:
+        run(main())
 
 
 @pytest.mark.parametrize("loop", LOOPS)
