@@ -56,7 +56,7 @@ def _serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy.app import create_app
-    from proxy.serving import serve_until_stopped
+    from proxy.serving import HttpProtocol, serve_until_stopped
 
     try:
         settings = load_settings(
@@ -177,7 +177,7 @@ def _serve(ns: argparse.Namespace) -> int:
         config = uvicorn.Config(
             app,
             loop="auto",
-            http="auto",
+            http=HttpProtocol,  # uvicorn's, reading on after an upgrade it does not make
             access_log=False,
             server_header=False,
             date_header=False,

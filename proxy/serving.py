@@ -6,6 +6,7 @@ through ``httpx.ASGITransport``), so every in-process server goes through this o
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import signal
 import socket
@@ -15,7 +16,9 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Literal
 
+import httptools
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
 def listening_sockets(host: str, port: int) -> list[socket.socket]:
@@ -55,6 +58,88 @@ def listening_sockets(host: str, port: int) -> list[socket.socket]:
     if not sockets:
         raise unavailable or OSError(errno.EADDRNOTAVAIL, f"no address for {host!r}")
     return sockets
+
+
+class HttpProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol, reading on after an upgrade it does not make.
+
+    A request that offers an upgrade (``Upgrade: h2c`` from ``curl --http2``, Java's HttpClient,
+    JetBrains' clients; a WebSocket handshake) stops uvicorn's parser at the end of its headers
+    (httptools skips the body of any upgrade request): the app got an empty body, answered
+    ``invalid_json`` for a valid request, and the body's bytes were then read as a request of
+    their own (uvicorn#2722). HTTP lets a server ignore an offer and answer in HTTP/1.1 (RFC
+    9110 7.8), which this one does: a parser of its own reads the body on (framed by the
+    request's ``Content-Length`` or chunked coding) into the same request, then the requests
+    that follow it on the connection. (cachegate answers a WebSocket handshake itself, 501.)"""
+
+    def data_received(self, data: bytes) -> None:
+        self._unset_keepalive_if_required()
+        while True:
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                msg = "Invalid HTTP request received."
+                self.logger.warning(msg)
+                self.send_400_response(msg)
+                return
+            except httptools.HttpParserUpgrade as upgrade:
+                if self._should_upgrade():  # a WebSocket, where uvicorn was given a library
+                    self.handle_websocket_upgrade()
+                    return
+                data = data[upgrade.args[0] :]  # where the headers ended: the body, if any
+                self._read_on()
+                if data:
+                    continue
+            return
+
+    def _read_on(self) -> None:
+        """Parse what follows the upgrade request's headers as its body, then as requests."""
+        headers = dict(self.headers)  # (names lowered)
+        coding = headers.get(b"transfer-encoding")
+        length = headers.get(b"content-length", b"").strip()
+        if coding is None and length.lstrip(b"0") == b"":  # no body: nothing to read on
+            return
+        parser = httptools.HttpRequestParser(_ReadOn(self))
+        with contextlib.suppress(AttributeError):  # as uvicorn sets it (httptools 0.6.3 on)
+            parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        framing = (
+            b"transfer-encoding: " + coding if coding is not None else b"content-length: " + length
+        )
+        parser.feed_data(b"POST / HTTP/1.1\r\n" + framing + b"\r\n\r\n")
+        self.parser = parser
+        self.cycle.more_body = True  # (the old parser ended the message at its headers)
+
+
+class _ReadOn:
+    """The callbacks of ``HttpProtocol``'s own parser: the head it is given to learn the body's
+    framing is not a request; the body and every request after it are the protocol's."""
+
+    def __init__(self, protocol: HttpToolsProtocol) -> None:
+        self._protocol = protocol
+        self._head = True
+
+    def on_message_begin(self) -> None:
+        if not self._head:
+            self._protocol.on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        if not self._head:
+            self._protocol.on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._head:
+            self._protocol.on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        if not self._head:
+            self._protocol.on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._protocol.on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._head = False
+        self._protocol.on_message_complete()
 
 
 def serve_until_stopped(
@@ -126,7 +211,7 @@ class ServerThread:
             log_level="warning",
             access_log=False,
             loop=loop,
-            http="auto",
+            http=HttpProtocol,
             lifespan=lifespan,
             timeout_graceful_shutdown=2,
             ws="none",  # as `cachegate serve`: WebSocket handshakes reach the app as HTTP

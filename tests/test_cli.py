@@ -1104,3 +1104,32 @@ def test_serve_notes_a_cache_ttl_longer_than_the_sessions_are_kept(tmp_path: Pat
     config.write_text("[sessions]\nidle_ttl_s = 1000\n")
     (line,) = _serve_first_lines(tmp_path, "--config", str(config), env=clean_env(), count=1)
     assert line.startswith(f"cachegate {__version__} listening on")
+
+
+def test_serve_answers_a_chat_request_that_offers_an_http2_upgrade(tmp_path: Path) -> None:
+    """``curl --http2`` and Java's HttpClient offer ``Upgrade: h2c`` on a plain-http POST:
+    ``cachegate serve`` answered ``invalid_json`` (the body never reached it) and logged
+    nothing. It answers in HTTP/1.1, with the body and the session's log line."""
+    import socket
+
+    body = b'{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}'
+    with (
+        run_simulator(SimConfig()) as sim,
+        cachegate_process(sim.api_base, tmp_path) as (_, url),
+    ):
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                b"content-type: application/json\r\nx-session-id: h2c-1\r\n"
+                b"connection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\nhttp2-settings: AAMAAABk\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            answer = b""
+            while b"You said: hi" not in answer:
+                chunk = sock.recv(65536)
+                assert chunk, answer
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+        shown = run_cli("sessions", "show", "h2c-1", "--log-dir", str(tmp_path))
+        assert shown.code == 0 and "gpt-4o" in shown.out

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import errno
 import socket
+import time
+from typing import Any
 
 import pytest
 
-from proxy.serving import listening_sockets
+from proxy.serving import ServerThread, listening_sockets
 from tests.e2e_support import free_port
 
 
@@ -85,3 +87,81 @@ def test_a_hangup_while_the_server_is_being_built_still_stops_it() -> None:
     before = signal.getsignal(signal.SIGHUP)
     assert serve_until_stopped(listening_sockets("127.0.0.1", free_port()), build) == 0
     assert signal.getsignal(signal.SIGHUP) is before  # put back as it was
+
+
+# --- requests that offer an upgrade (Upgrade: h2c) ------------------------------------------------
+
+
+async def _echo(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """An app that answers each request with its method, path and body."""
+    if scope["type"] != "http":
+        return
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    reply = b"%s %s %s" % (scope["method"].encode(), scope["path"].encode(), body)
+    await send(
+        {"type": "http.response.start", "status": 200,
+         "headers": [(b"content-length", b"%d" % len(reply))]}
+    )  # fmt: skip
+    await send({"type": "http.response.body", "body": reply})
+
+
+H2C = b"connection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\nhttp2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+
+
+def _answers(sock: socket.socket, count: int) -> list[bytes]:
+    """The bodies of ``count`` content-length framed answers read from ``sock``."""
+    data, bodies = b"", []
+    while len(bodies) < count:
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            assert chunk, f"connection closed after {len(bodies)} answers: {data!r}"
+            data += chunk
+        head, _, data = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 "), head
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        while len(data) < length:
+            data += sock.recv(65536)
+        bodies.append(data[:length])
+        data = data[length:]
+    return bodies
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_request_offering_an_upgrade_keeps_its_body_and_the_requests_after_it(
+    framing: str,
+) -> None:
+    """httptools skips the body of a request that offers an upgrade: ``curl --http2`` and Java's
+    HttpClient got an empty body (cachegate: ``invalid_json``), and the body was then read as a
+    request of its own (a second 400, the connection closed). The offer is ignored (HTTP/1.1)."""
+    body = b'{"model": "m", "messages": []}'
+    if framing == "chunked":
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
+        pieces = [b"%x\r\n%s\r\n" % (len(body[:9]), body[:9]),
+                  b"%x\r\n%s\r\n0\r\n\r\n" % (len(body[9:]), body[9:])]  # fmt: skip
+    else:
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n" % len(
+            body
+        )
+        pieces = [body[:9], body[9:]]
+    after = b"POST /next HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\nabc"
+    with ServerThread(_echo) as server, socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.settimeout(10)
+        s.sendall(head + H2C + b"\r\n")  # the headers, then the body in pieces, as Ktor sends
+        for piece in pieces:
+            time.sleep(0.1)
+            s.sendall(piece)
+        s.sendall(after)
+        assert _answers(s, 2) == [b"POST /v1/chat/completions " + body, b"POST /next abc"]
+        # and all in one write, an upgrade without a body between two with one
+        s.sendall(head + H2C + b"\r\n" + b"".join(pieces)
+                  + b"GET /h HTTP/1.1\r\nhost: x\r\n" + H2C + b"\r\n" + after)  # fmt: skip
+        assert _answers(s, 3) == [
+            b"POST /v1/chat/completions " + body,
+            b"GET /h ",
+            b"POST /next abc",
+        ]

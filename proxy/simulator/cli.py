@@ -10,7 +10,7 @@ import sys
 import uvicorn
 
 from proxy.config import url_host
-from proxy.serving import serve_until_stopped
+from proxy.serving import HttpProtocol, serve_until_stopped
 from proxy.simulator.app import create_simulator_app
 from proxy.simulator.config import DIALECTS, SimConfig
 
@@ -139,8 +139,9 @@ def serve(
     )
     app = create_simulator_app(config, bind_host=host)
     if sockets is None:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        uvicorn.run(app, host=host, port=port, log_level="warning", http=HttpProtocol)
         return 0
     return serve_until_stopped(
-        sockets, lambda: uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        sockets,
+        lambda: uvicorn.Server(uvicorn.Config(app, log_level="warning", http=HttpProtocol)),
     )
