@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 
 @dataclass(slots=True)
@@ -43,6 +43,7 @@ _CACHE_FIELDS = (
     "prompt_cache_miss_tokens",
 )
 _DETAIL_FIELDS = ("prompt_tokens_details", "input_tokens_details")
+_DETAIL_COUNTS = ("cached_tokens", "cache_write_tokens", "cache_creation_tokens")
 _TOKEN_FIELDS = (
     "prompt_tokens",
     "completion_tokens",
@@ -52,16 +53,22 @@ _TOKEN_FIELDS = (
 )
 
 
+# No request holds more tokens than this; a larger number is a broken answer, and beyond 2**64
+# the log's reader (orjson) reads it back as a float, so the reports would disagree with it.
+MAX_COUNT: Final = 2**53
+
+
 def _count(raw: Mapping[str, Any], key: str) -> int | None:
-    """A token count, or None when the field is absent, null or not a non-negative integer."""
+    """A token count, or None when the field is absent, null or not an integer from 0 to
+    ``MAX_COUNT``."""
     value = raw.get(key)
     if type(value) is int:  # the common case, first
-        return value if value >= 0 else None
+        return value if 0 <= value <= MAX_COUNT else None
     if isinstance(value, bool):
         return None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, int) and value >= 0:
+    if isinstance(value, int) and 0 <= value <= MAX_COUNT:
         return value
     return None
 
@@ -96,8 +103,8 @@ def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
     if (
         type(prompt_tokens) is int
         and type(completion_tokens) is int
-        and prompt_tokens >= 0
-        and completion_tokens >= 0
+        and 0 <= prompt_tokens <= MAX_COUNT
+        and 0 <= completion_tokens <= MAX_COUNT
         and raw.keys().isdisjoint(_CACHE_FIELDS)
     ):
         # OpenAI's dialect, by far the most common: the same answer as below, sooner.
@@ -133,8 +140,10 @@ def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
 
 def _normalize(raw: Mapping[str, Any]) -> Usage | None:
     details = [d for d in (raw.get(k) for k in _DETAIL_FIELDS) if isinstance(d, Mapping)]
-    if not any(k in raw for k in _TOKEN_FIELDS) and not details:
-        return None
+    if not any(_count(raw, k) is not None for k in _TOKEN_FIELDS) and not any(
+        _count(d, k) is not None for d in details for k in _DETAIL_COUNTS
+    ):
+        return None  # no count at all (nulls, negatives, strings): unknown, never a free 0
 
     reads = [c for c in (_count(raw, k) for k in _CACHE_READ_FIELDS) if c is not None]
     reads += [c for c in (_count(d, "cached_tokens") for d in details) if c is not None]

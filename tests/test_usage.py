@@ -147,8 +147,34 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
         ),
         pytest.param(
             {"prompt_tokens": True, "completion_tokens": "5", "prompt_cache_hit_tokens": -1},
-            Usage(0, 0, 0, 0, False),
+            None,  # no count at all: unknown, not a free exchange of 0 tokens
             id="non-counts-ignored",
+        ),
+        pytest.param(
+            {
+                "prompt_tokens": None,
+                "completion_tokens": None,
+                "prompt_tokens_details": {"cached_tokens": None},
+            },
+            None,  # a provider that sends nulls did not look free
+            id="null-counts-unknown",
+        ),
+        pytest.param(
+            {"prompt_tokens": -5, "completion_tokens": -3}, None, id="negative-counts-unknown"
+        ),
+        pytest.param(
+            {
+                "prompt_tokens": 10**30,
+                "completion_tokens": 10**30,
+                "prompt_tokens_details": {"cached_tokens": 10**29},
+            },
+            None,  # beyond any request: a broken answer, never billions in the cost panel
+            id="counts-beyond-2**53-unknown",
+        ),
+        pytest.param(
+            {"prompt_tokens": 2**53, "completion_tokens": 7},
+            Usage(2**53, 7, 0, 0, False),
+            id="2**53-still-a-count",
         ),
         pytest.param(  # xAI's Grok: reasoning apart from the completion, in the total
             {
