@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import unicodedata
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -559,8 +560,8 @@ def render_show(detail: SessionDetail) -> str:
             notes.append("interrupted")
         elif r.tokens_in is None and not r.error and r.status is not None and 200 <= r.status < 300:
             notes.append("no usage reported")
-        if r.error:
-            notes.append(_clip(r.error, 60))
+        if r.error:  # (cachegate's own note whole; an upstream's error text clipped)
+            notes.append(r.error if r.error == RESENT_COMPACTED else _clip(r.error, 60))
         elif r.status is None and r.exchange is not None:
             # its request line, no response line: still in flight, or cachegate was killed
             notes.append("no response logged")
@@ -629,13 +630,13 @@ def _model(name: str | None) -> str:
 
 def _table(headers: list[str], rows: list[list[str]], *, left: set[int]) -> str:
     rows = [[c.translate(_CELL_BREAKS) for c in row] for row in rows]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
+    widths = [max(_width(h), *(_width(row[i]) for row in rows)) for i, h in enumerate(headers)]
 
     def line(cells: list[str]) -> str:
-        out = [
-            c.ljust(w) if i in left else c.rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ]
+        out = []
+        for i, (c, w) in enumerate(zip(cells, widths, strict=True)):
+            pad = " " * (w - _width(c))
+            out.append(c + pad if i in left else pad + c)
         return "  ".join(out).rstrip()
 
     return "\n".join([line(headers), *(line(row) for row in rows)])
@@ -715,6 +716,28 @@ def _waste(r: ExchangeRow) -> str:
     return text
 
 
+def _width(text: str) -> int:
+    """Columns ``text`` takes on a terminal: two for a wide character (CJK, most emoji), none
+    for a combining mark (a provider's Chinese error text lined up as ASCII does)."""
+    if text.isascii():
+        return len(text)
+    return sum(_char_width(c) for c in text)
+
+
+def _char_width(char: str) -> int:
+    if unicodedata.combining(char) or unicodedata.category(char) in ("Mn", "Me", "Cf"):
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+
+
 def _clip(text: str, limit: int) -> str:
+    """``text`` on one line, in at most ``limit`` columns (an ellipsis where it was cut)."""
     text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    if _width(text) <= limit:
+        return text
+    used, end = 1, 0  # (the ellipsis's column)
+    for end, char in enumerate(text):  # noqa: B007 - ``end`` is read after the loop
+        used += _char_width(char)
+        if used > limit:
+            break
+    return text[:end] + "…"

@@ -1,5 +1,6 @@
 import dataclasses
 import tracemalloc
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -492,6 +493,8 @@ def test_a_retried_request_is_matched_by_when_its_exchange_began(tmp_path: Path)
         (None, RESENT_COMPACTED),
         (5000, None),
     ]
+    shown = render_show(show_session(tmp_path, "crash"))
+    assert shown.splitlines()[3].endswith(RESENT_COMPACTED)  # cachegate's own note, whole
 
 
 def test_a_request_sent_again_without_the_usage_option_is_one_row(tmp_path: Path) -> None:
@@ -759,3 +762,26 @@ def test_a_session_without_a_cache_discount_saved_nothing_not_a_floats_error(
     report = session_cost(tmp_path, "flat")
     assert report.saved == 0.0
     assert "saved by cache       $0.0000 (0.0%)" in render_cost(report)
+
+
+def test_wide_characters_keep_the_columns_in_line(tmp_path: Path) -> None:
+    """CJK and emoji take two columns each: padded by their count of characters, a row with
+    one pushed every column after it out of line (a Chinese model name, a provider's Chinese
+    error text), and a 40-character clip took 80 columns."""
+    models = ["\u6a21\u578b-\u6d4b\u8bd5-\u4e2d\u6587\u540d\u5b57", "gpt-4o-\U0001f600\U0001f389",
+              "gpt-4o", "\u6a21" * 50]  # fmt: skip
+    events = []
+    for n, model in enumerate(models, 1):
+        events += [req(T0 + n, n, model=model), _answer(T0 + n + 1, 9, 9, 1.0, 0.01, exchange=n)]
+    shown = render_show(show_session(_logged(tmp_path, "intl", events), "intl")).splitlines()
+    rows = [line for line in shown if line[:1].isdigit()]
+    assert len(rows) == 4
+    widths = {sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in r) for r in rows}
+    assert len(widths) == 1, rows  # every row as wide as the others: the columns line up
+    assert "\u6a21" * 19 + "\u2026" in rows[3]  # clipped to 40 columns, not 40 characters
+    _logged(tmp_path, "ascii", [req(T0 + 1, 1, model="gpt-4o"), _answer(T0 + 9, 9, 9, 1.0, 0.01)])
+    listed = render_list(list_sessions(tmp_path)).splitlines()[1:]
+    assert (
+        len({sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in r) for r in listed})
+        == 1
+    )
