@@ -1067,6 +1067,9 @@ def _deep_line(line: bytes) -> Any:
         return None
 
 
+_BOM: Final = b"\xef\xbb\xbf"
+
+
 def parse_lines(
     lines: Iterable[bytes], *, drop: Mapping[str, frozenset[str]] | None = None
 ) -> LogRead:
@@ -1079,7 +1082,13 @@ def parse_lines(
     starts_as_log: bool | None = None
     for raw in lines:
         if starts_as_log is None:
-            starts_as_log = raw.startswith(EVENT_START)
+            # Judged by the first line with content: a crash can leave a file's first blocks as
+            # NUL bytes (XFS, ext4's delayed allocation), which cachegate then writes on after;
+            # an editor can add a byte-order mark.
+            head = raw.strip(b"\0 \t\r\n").removeprefix(_BOM)
+            if head:
+                starts_as_log = head.startswith(EVENT_START)
+                raw = raw.removeprefix(_BOM)
         line = raw.strip()
         if line:
             try:

@@ -785,3 +785,20 @@ def test_wide_characters_keep_the_columns_in_line(tmp_path: Path) -> None:
         len({sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in r) for r in listed})
         == 1
     )
+
+
+@pytest.mark.parametrize(
+    ("start", "torn"), [(b"\0" * 3000 + b"\n", 1), (b"\xef\xbb\xbf", 0)], ids=["nul-blocks", "bom"]
+)
+def test_a_log_whose_start_a_crash_zeroed_or_an_editor_marked_is_still_listed(
+    tmp_path: Path, start: bytes, torn: int
+) -> None:
+    """A power loss can leave a file's first blocks as NUL bytes, which cachegate then writes
+    on after; a Windows editor adds a byte-order mark. ``list`` judged a file by its first
+    bytes and left such a session out for good (``show`` read it)."""
+    events = [req(T0 + 1, 1), _answer(T0 + 2, 9, 9, 1.0, 0.01)]
+    (tmp_path / "zeroed.jsonl").write_bytes(
+        start + b"".join(orjson.dumps(e) + b"\n" for e in events)
+    )
+    (listed,) = list_sessions(tmp_path)
+    assert (listed.session, listed.exchanges, listed.torn) == ("zeroed", 1, torn)
