@@ -1131,5 +1131,11 @@ def test_serve_answers_a_chat_request_that_offers_an_http2_upgrade(tmp_path: Pat
                 assert chunk, answer
                 answer += chunk
         assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
-        shown = run_cli("sessions", "show", "h2c-1", "--log-dir", str(tmp_path))
-        assert shown.code == 0 and "gpt-4o" in shown.out
+        # (the log is written after the answer: waited for)
+        wait_for(
+            lambda: (
+                "gpt-4o  " in run_cli("sessions", "show", "h2c-1", "--log-dir", str(tmp_path)).out
+            ),
+            timeout=10,
+            what="the exchange in the session log",
+        )
