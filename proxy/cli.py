@@ -340,6 +340,7 @@ def _sessions(ns: argparse.Namespace) -> int:
                 )
             for line in report.request_lines(requests):
                 sys.stdout.write(report.json_terminal_safe(line) + "\n")
+        sys.stdout.flush()  # (a write error here, not at exit where nothing reports it)
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
         print(f"cachegate: {exc}", file=sys.stderr)
         return 1
@@ -355,8 +356,11 @@ def _sessions(ns: argparse.Namespace) -> int:
     except OSError as exc:  # a socket named like a log, an I/O error, stdout on a full disk
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"cachegate: {where}{exc.strerror or exc}", file=sys.stderr)
-        with contextlib.suppress(OSError, ValueError):  # what stdout still holds goes nowhere
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if exc.filename is None:  # stdout's: what it still holds goes nowhere, not at exit
+            with contextlib.suppress(OSError, ValueError):
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                os.close(devnull)
         return 1
     return 0
 

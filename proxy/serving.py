@@ -86,28 +86,36 @@ class HttpProtocol(HttpToolsProtocol):
                 if self._should_upgrade():  # a WebSocket, where uvicorn was given a library
                     self.handle_websocket_upgrade()
                     return
+                if self._get_upgrade() == b"websocket":
+                    return  # the app answers it (501); what follows would be frames
                 data = data[upgrade.args[0] :]  # where the headers ended: the body, if any
-                self._read_on()
-                if data:
+                if self._read_on() and data:
                     continue
             return
 
-    def _read_on(self) -> None:
-        """Parse what follows the upgrade request's headers as its body, then as requests."""
+    def _read_on(self) -> bool:
+        """Parse what follows the upgrade request's headers as its body, then as requests.
+        False when the body's framing is refused (a 400, as without the offer)."""
         headers = dict(self.headers)  # (names lowered)
         coding = headers.get(b"transfer-encoding")
         length = headers.get(b"content-length", b"").strip()
         if coding is None and length.lstrip(b"0") == b"":  # no body: nothing to read on
-            return
+            return True
         parser = httptools.HttpRequestParser(_ReadOn(self))
         with contextlib.suppress(AttributeError):  # as uvicorn sets it (httptools 0.6.3 on)
             parser.set_dangerous_leniencies(lenient_data_after_close=True)
         framing = (
             b"transfer-encoding: " + coding if coding is not None else b"content-length: " + length
         )
-        parser.feed_data(b"POST / HTTP/1.1\r\n" + framing + b"\r\n\r\n")
+        try:  # (a coding other than chunked: the old parser let it pass, for the offer)
+            parser.feed_data(b"POST / HTTP/1.1\r\n" + framing + b"\r\n\r\n")
+        except httptools.HttpParserError:
+            self.cycle.disconnected = True  # the app, if it runs, sees the client gone
+            self.send_400_response("Invalid HTTP request received.")
+            return False
         self.parser = parser
         self.cycle.more_body = True  # (the old parser ended the message at its headers)
+        return True
 
 
 class _ReadOn:

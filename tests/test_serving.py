@@ -165,3 +165,31 @@ def test_a_request_offering_an_upgrade_keeps_its_body_and_the_requests_after_it(
             b"GET /h ",
             b"POST /next abc",
         ]
+
+
+def test_an_upgrade_offer_does_not_change_which_bodies_are_refused() -> None:
+    """A transfer coding other than chunked is refused with a 400 without an offer; with one,
+    the connection was dropped with no answer (a traceback on the server)."""
+    head = b"POST /p HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip\r\n"
+    with ServerThread(_echo) as server:
+        for offer in (b"", H2C):
+            with socket.create_connection(("127.0.0.1", server.port)) as s:
+                s.settimeout(10)
+                s.sendall(head + offer + b"\r\nabc")
+                answer = b""
+                while chunk := s.recv(65536):
+                    answer += chunk
+                assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n"), (offer, answer)
+                assert answer.endswith(b"Invalid HTTP request received.")
+
+
+def test_a_websocket_handshake_is_answered_by_the_app_whatever_follows_it() -> None:
+    """What a client sends after a WebSocket handshake would be frames: not read as HTTP."""
+    with ServerThread(_echo) as server, socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.settimeout(10)
+        s.sendall(
+            b"GET /ws HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\nupgrade: websocket\r\n"
+            b"sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+            b"\x81\x85\x37\xfa\x21\x3d\x7f\x9f\x4d\x51\x58"
+        )
+        assert _answers(s, 1) == [b"GET /ws "]
