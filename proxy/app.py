@@ -561,7 +561,10 @@ def create_app(
         return JSONResponse({"status": "ok", "version": __version__})
 
     async def metrics(request: Request) -> Response:
-        gateway.sessions.forget_idle(gateway.clock())
+        now = gateway.clock()
+        gateway.sessions.forget_idle(now)
+        if gateway.chat is not None:  # the bodies kept for the next turn go with the sessions
+            gateway.chat.memos.forget_idle(now)
         gateway.metrics.observe_sessions(len(gateway.sessions), gateway.sessions.bytes)
         return Response(gateway.metrics.scrape(registry), media_type=CONTENT_TYPE_LATEST)
 

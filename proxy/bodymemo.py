@@ -201,11 +201,15 @@ def memo_key(raw: bytes, session_id: str | None) -> str:
 
 class BodyMemos:
     """Recent memos by key, least recently used evicted first, bounded by the raw bytes they hold
-    (the objects parsed from them take about three times as much again)."""
+    (the objects parsed from them take about three times as much again) and, with ``idle_s``,
+    forgotten once no body was filed under their key for that long (as sessions are: an idle
+    proxy holds none of its agents' bodies)."""
 
-    def __init__(self, max_bytes: int = 128 * 1024 * 1024) -> None:
+    def __init__(self, max_bytes: int = 128 * 1024 * 1024, idle_s: float = 0.0) -> None:
         self.max_bytes = max_bytes
+        self.idle_s = idle_s
         self._memos: OrderedDict[str, list[BodyMemo]] = OrderedDict()
+        self._filed: dict[str, float] = {}  # when a key last had a memo filed
         self._bytes = 0
         self._lineages = 0
 
@@ -220,12 +224,16 @@ class BodyMemos:
         self._memos.move_to_end(key)
         return list(memos)
 
-    def put(self, key: str, memo: BodyMemo, source: BodyMemo | None = None) -> None:
-        """File ``memo`` first under ``key``. With ``source`` (the memo it continued), the lineage
-        keeps just those two: the newest turn, and the one before it for a retry or a
-        regeneration from there. A resend of the same bytes replaces its source."""
+    def put(
+        self, key: str, memo: BodyMemo, source: BodyMemo | None = None, now: float = 0.0
+    ) -> None:
+        """File ``memo`` first under ``key`` at ``now``. With ``source`` (the memo it continued),
+        the lineage keeps just those two: the newest turn, and the one before it for a retry or
+        a regeneration from there. A resend of the same bytes replaces its source."""
+        self.forget_idle(now)
         memos = self._memos.setdefault(key, [])
         self._memos.move_to_end(key)
+        self._filed[key] = now
         if source is None:
             self._lineages += 1
             lineage = self._lineages
@@ -244,12 +252,26 @@ class BodyMemos:
         while self._bytes > self.max_bytes:
             oldest = next(iter(self._memos))
             if oldest != key:  # other keys first, least recently used first
-                self._bytes -= sum(len(m.raw) for m in self._memos.pop(oldest))
+                self._drop(oldest)
                 continue
             self._bytes -= len(memos.pop().raw)  # then this key's oldest memos
             if not memos:
-                del self._memos[key]
+                self._drop(key)
                 break
+
+    def forget_idle(self, now: float) -> None:
+        """Forget the memos of keys with none filed in the last ``idle_s`` (none when 0)."""
+        if not self.idle_s:
+            return
+        while self._memos:
+            oldest = next(iter(self._memos))
+            if now - self._filed.get(oldest, now) <= self.idle_s:
+                break  # (least recently used first: the rest were used since)
+            self._drop(oldest)
+
+    def _drop(self, key: str) -> None:
+        self._bytes -= sum(len(m.raw) for m in self._memos.pop(key))
+        self._filed.pop(key, None)
 
     def note_miss(self, key: str, misses: int) -> None:
         """A full parse under ``key`` that continued no memo: remember the count on the newest."""

@@ -326,10 +326,11 @@ class ChatPipeline:
         # them (shared with the sessions that hold them) count in the sessions' memory budget.
         # Without a budget they keep their own bound: memos outlive the sessions they came from.
         budget = settings.sessions.max_memory_mb * 1024 * 1024
+        idle_s = settings.sessions.idle_ttl_s
         self.memos = (
-            bodymemo.BodyMemos(budget // BYTES_HELD_PER_BODY_BYTE)
+            bodymemo.BodyMemos(budget // BYTES_HELD_PER_BODY_BYTE, idle_s)
             if budget
-            else bodymemo.BodyMemos()
+            else bodymemo.BodyMemos(idle_s=idle_s)
         )
         self.spliced_parses = 0  # bodies parsed only in what they appended
         self.in_flight = 0  # exchanges whose observers have not all run yet
@@ -372,7 +373,7 @@ class ChatPipeline:
         return state
 
     def remember_body(
-        self, key: str, raw: bytes, body: dict[str, Any], parsed: bodymemo.Parsed
+        self, key: str, raw: bytes, body: dict[str, Any], parsed: bodymemo.Parsed, now: float
     ) -> None:
         """Keep this body's parse (with the message objects the session now holds) for the next
         turn to splice onto."""
@@ -390,7 +391,7 @@ class ChatPipeline:
             tuple(messages),
             0 if parsed.source is not None else parsed.misses,
         )
-        self.memos.put(key, memo, source=parsed.source)
+        self.memos.put(key, memo, source=parsed.source, now=now)
 
     async def _forward(
         self,
@@ -637,7 +638,7 @@ class ChatPipeline:
             messages = body.get("messages")
             self.sessions.weigh(state, len(raw), len(messages) if isinstance(messages, list) else 0)
             if memo_key is not None:
-                self.remember_body(memo_key, raw, body, parsed)
+                self.remember_body(memo_key, raw, body, parsed, now)
             ex.session_id, ex.session = state.id, state
             ex.exchange_id = state.next_exchange()
             ex.strict = (

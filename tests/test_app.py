@@ -340,9 +340,10 @@ def test_a_scrape_forgets_idle_sessions_so_the_gauges_fall_when_agents_stop(
     c = sdk(proxy.base_url)
     c.chat.completions.create(
         model="gpt-4o",
-        messages=[{"role": "user", "content": "hi"}],
+        messages=[{"role": "user", "content": "hi " * 20_000}],  # kept for the next turn too
         extra_headers={"X-Session-Id": "quiet-agent"},
     )
+    memos = proxy.gateway.chat.memos
 
     def scrape() -> tuple[float, float, float]:
         assert httpx.get(proxy.url + "/metrics").status_code == 200
@@ -353,9 +354,10 @@ def test_a_scrape_forgets_idle_sessions_so_the_gauges_fall_when_agents_stop(
         )
 
     held, held_bytes, forgotten = scrape()
-    assert held == 1 and held_bytes > 0 and forgotten == 0
+    assert held == 1 and held_bytes > 0 and forgotten == 0 and memos.bytes > 60_000
     now[0] += 61  # no request since: only the scrape can notice
     assert scrape() == (0, 0, 1)
+    assert memos.bytes == 0  # the body kept for the session's next turn went with it
 
 
 def test_a_history_of_many_short_messages_is_weighed_by_its_messages(

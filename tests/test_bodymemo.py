@@ -267,6 +267,29 @@ def test_memos_are_bounded_by_bytes_and_per_key() -> None:
     assert memos.get("k") == []  # the least recently used key went first
 
 
+def test_memos_are_forgotten_with_the_sessions_once_idle() -> None:
+    """A burst of large agent sessions left up to a quarter of the sessions' memory budget held
+    in memos after every session had gone idle (the sessions gauge read 0)."""
+    memos = BodyMemos(idle_s=60.0)
+
+    def memo(raw: bytes) -> BodyMemo:
+        return BodyMemo(raw, 1, ("messages",), {}, ())
+
+    memos.put("a", memo(b"a" * 1000), now=100.0)
+    memos.put("b", memo(b"b" * 1000), now=130.0)
+    memos.forget_idle(160.0)  # "a" idle for exactly the limit: kept
+    assert memos.bytes == 2000 and memos.get("a") and memos.get("b")
+    memos.put("a", memo(b"A" * 1000), now=150.0)  # filed again: "a" is the newer key now
+    memos.forget_idle(200.5)
+    assert memos.get("b") == [] and [m.raw for m in memos.get("a")] == [b"A" * 1000, b"a" * 1000]
+    memos.put("c", memo(b"c" * 10), now=300.0)  # filing forgets the idle ones too
+    assert memos.get("a") == [] and memos.bytes == 10
+    forever = BodyMemos()  # no idle limit: kept until the byte bound
+    forever.put("k", memo(b"k"), now=0.0)
+    forever.forget_idle(1e9)
+    assert forever.bytes == 1
+
+
 def test_an_append_nested_past_the_parsers_limit_is_refused_as_a_full_parse_would() -> None:
     messages = turns(1)[1]
     raw = orjson.dumps(body_of(messages, "first"))
