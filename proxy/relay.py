@@ -18,6 +18,7 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Final
+from urllib.parse import urlsplit
 
 import httpx
 import orjson
@@ -435,6 +436,33 @@ def client_response_headers(
     headers = [(k, v) for k, v in raw if k not in drop]
     headers.extend(extra)
     return headers
+
+
+def client_location(location: bytes, base_url: str, client_prefix: bytes) -> bytes:
+    """An upstream's redirect target as the client should follow it: one inside the upstream's
+    base URL (``http://127.0.0.1:8000/v1/chat/completions``, or the path ``/v1/...``) is given
+    under the prefix the client used (``/v1``, ``/s/<id>/v1``), as a path on cachegate's own
+    host; any other target is left as it is. Relayed unchanged, a framework's redirect of a
+    trailing slash sent the SDK, which follows redirects, to the provider directly: no log, no
+    repair, and its key dropped on the way."""
+    base = base_url.rstrip("/")
+    base_path = urlsplit(base).path
+    text = location.decode("latin-1")
+    if text[: len(base) + 1].lower() == base.lower() + "/":  # (scheme and host in any case)
+        rest = text[len(base) :]
+    elif text.startswith(base_path + "/") and not text.startswith("//"):
+        rest = text[len(base_path) :]
+    else:
+        return location
+    return client_prefix + rest.encode("latin-1")
+
+
+def _client_prefix(scope: Scope, path: str) -> bytes:
+    """The part of the client's path before the one relayed (``/v1``, ``/s/<id>/v1``)."""
+    raw: bytes = scope.get("raw_path") or scope["path"].encode("latin-1")
+    raw = raw.split(b"?", 1)[0]
+    tail = b"/" + path.encode("latin-1")
+    return raw[: -len(tail)] if raw.endswith(tail) else b"/v1"
 
 
 async def send_error(
@@ -873,6 +901,13 @@ class Relay:
                     extra=extra_headers,
                 ),
             }
+            if 300 <= response.status_code < 400:
+                start["headers"] = [
+                    (k, client_location(v, self.base_url, _client_prefix(scope, ex.path)))
+                    if k == b"location"
+                    else (k, v)
+                    for k, v in start["headers"]
+                ]
             if not isinstance(response, UpstreamResponse) or chunks is not response.stream:
                 await send(start)
             elif is_sse or response.headers.get("content-length") is None:

@@ -2173,3 +2173,43 @@ def test_a_stream_request_answered_whole_under_another_type_is_recorded_as_an_an
     ]
     assert response["message"]["content"] == "hello"
     assert response["usage"]["prompt"] == 10
+
+
+@pytest.mark.parametrize(
+    ("location", "prefix", "expected"),
+    [
+        (b"http://up:8000/v1/chat/completions", b"/v1", b"/v1/chat/completions"),
+        (b"HTTP://UP:8000/v1/models?x=1", b"/s/agent-1/v1", b"/s/agent-1/v1/models?x=1"),
+        (b"/v1/chat/completions", b"/s/a/v1", b"/s/a/v1/chat/completions"),  # a path on its host
+        (b"https://elsewhere.example/v1/x", b"/v1", b"https://elsewhere.example/v1/x"),
+        (b"http://up:8000/v10/x", b"/v1", b"http://up:8000/v10/x"),  # not under the base
+        (b"//up:8000/v1/x", b"/v1", b"//up:8000/v1/x"),  # another host, scheme-relative
+        (b"relative/x", b"/v1", b"relative/x"),
+    ],
+)
+def test_an_upstream_redirect_into_its_base_url_points_at_cachegate(
+    location: bytes, prefix: bytes, expected: bytes
+) -> None:
+    from proxy.relay import client_location
+
+    assert client_location(location, "http://up:8000/v1/", prefix) == expected
+
+
+@pytest.mark.parametrize("prefix", ["/v1", "/s/slash-agent/v1"])
+def test_a_trailing_slash_redirect_is_followed_through_cachegate(
+    prefix: str, proxy_factory: Any
+) -> None:
+    """FastAPI-style upstreams (vLLM, LiteLLM, the simulator) redirect ``/chat/completions/`` to
+    their own absolute URL: relayed as it was, the client (which follows redirects) went to the
+    provider directly, past the log, the repair and the key."""
+    with run_simulator(SimConfig()) as sim:
+        proxy = proxy_factory(sim.api_base)
+        with httpx.Client(follow_redirects=True, timeout=10) as client:
+            response = client.post(
+                proxy.url + prefix + "/chat/completions/",
+                json={"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]},
+            )
+        assert [r.status_code for r in response.history] == [307]
+        assert response.history[0].headers["location"] == prefix + "/chat/completions"
+        assert response.status_code == 200 and response.url.port == proxy.server.port
+        assert "x-cachegate-session" in response.headers  # the chat route's, not the provider's
