@@ -198,6 +198,8 @@ class EventLogWriter:
         # a file removed, replaced or truncated by hand meanwhile is noticed before the next.
         self._files: dict[str, tuple[tuple[int, int], int]] = {}
         self._dir_id: tuple[int, int] | None = None  # the log directory's (device, inode)
+        self._abs_dir = os.path.abspath(self.log_dir)
+        self._held_elsewhere: tuple[int, int] | None = None  # a directory whose lock another has
         self._removed_checked = time.monotonic()
 
     # -- counters -----------------------------------------------------------------------------
@@ -674,6 +676,8 @@ class EventLogWriter:
         files no directory names any more."""
         now = _dir_id(self.log_dir)
         if now is not None and now == self._dir_id:
+            if self._abs_dir in _WANTED and _CLAIMED.get(self._abs_dir) != now:
+                self._claim(now)  # not writable when serve started: the lock, once it is
             return
         for session_id in list(self._fds):
             self._close_fd(session_id)
@@ -687,17 +691,25 @@ class EventLogWriter:
         # another owner or open to others: what the writer refuses there depends on it).
         self._shared_dir = _prepare_log_dir(self.log_dir, self._warn)
         now = _dir_id(self.log_dir)
-        if changed and now is not None and os.path.abspath(self.log_dir) in _CLAIMED:
-            holder = claim_log_dir(self.log_dir)  # the lock went with the directory
-            if holder is not None:
-                self._warn(
-                    "claim",
-                    "log directory %s was made again or replaced, and another cachegate (pid %s)"
-                    " now writes it too",
-                    self.log_dir,
-                    holder,
-                )
         self._dir_id = now
+        if now is not None and self._abs_dir in _WANTED and _CLAIMED.get(self._abs_dir) != now:
+            self._claim(now)  # the lock went with the directory it was in
+
+    def _claim(self, now: tuple[int, int]) -> None:
+        """Take the lock ``serve`` took at start on the log directory as it is now (made again,
+        replaced, or not writable at start); say so once when another cachegate has it."""
+        if self._held_elsewhere == now:
+            return
+        holder = claim_log_dir(self.log_dir)
+        if holder is not None:
+            self._held_elsewhere = now
+            self._warn(
+                "claim",
+                "log directory %s was made again, replaced or made writable, and another"
+                " cachegate (pid %s) now writes it too",
+                self.log_dir,
+                holder,
+            )
 
     def _close_idle(self) -> None:
         """Close the files not written for ``IDLE_CLOSE_S`` (the least recently written come
@@ -758,7 +770,11 @@ class EventLogWriter:
 
 LOCK_NAME: Final = ".cachegate.lock"
 _CLAIMS: list[int] = []  # the lock files this process holds, open until it exits
-_CLAIMED: set[str] = set()  # the directories they lock (absolute paths)
+# The directories they lock (absolute paths), each with the (device, inode) it had then, or
+# that have no locks to take; and those this process asked for (its writer takes the lock again
+# once the directory is made again, or writable).
+_CLAIMED: dict[str, tuple[int, int] | None] = {}
+_WANTED: set[str] = set()
 
 
 def claim_log_dir(log_dir: str | os.PathLike[str]) -> str | None:
@@ -772,6 +788,8 @@ def claim_log_dir(log_dir: str | os.PathLike[str]) -> str | None:
         import fcntl
     except ImportError:  # pragma: no cover - not on POSIX
         return None
+    path = os.path.abspath(log_dir)
+    _WANTED.add(path)
     _prepare_log_dir(log_dir, lambda *_: None)  # the writer warns, when it starts
     flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
@@ -786,14 +804,15 @@ def claim_log_dir(log_dir: str | os.PathLike[str]) -> str | None:
         finally:
             os.close(fd)
         return holder or "?"
-    except OSError:  # a file system without locks: nothing to say
+    except OSError:  # a file system without locks: nothing to say (nor to ask again)
         os.close(fd)
+        _CLAIMED[path] = _dir_id(path)
         return None
     with contextlib.suppress(OSError):
         os.ftruncate(fd, 0)
         os.write(fd, b"%d\n" % os.getpid())
     _CLAIMS.append(fd)
-    _CLAIMED.add(os.path.abspath(log_dir))
+    _CLAIMED[path] = _dir_id(path)
     return None
 
 

@@ -539,6 +539,43 @@ def test_the_claim_on_a_log_directory_is_taken_again_when_the_directory_is_made_
     assert claim_log_dir(log_dir) == str(os.getpid())  # still held, on the new directory
 
 
+def test_the_claim_is_taken_again_after_something_else_stood_in_the_directory_s_place(
+    log_dir: Path, writers
+) -> None:
+    """A directory removed, a file put in its place, then removed: the writer made the
+    directory again without its lock, and a second cachegate could then write it too."""
+    from proxy.eventlog import claim_log_dir
+
+    assert claim_log_dir(log_dir) is None
+    w = started(writers, log_dir)
+    shutil.rmtree(log_dir)
+    log_dir.write_text("in the way")
+    w.emit("a", {"type": "error", "exchange": 1, "status": 400, "message": "m"})
+    assert w.flush()  # (the line is lost: no directory)
+    log_dir.unlink()
+    w.emit("a", {"type": "error", "exchange": 2, "status": 400, "message": "m"})
+    assert w.flush()
+    assert (log_dir / "a.jsonl").exists()
+    assert claim_log_dir(log_dir) == str(os.getpid())  # held again, on the new directory
+
+
+def test_the_claim_is_taken_once_the_directory_lets_the_lock_be_made(
+    log_dir: Path, writers
+) -> None:
+    """A log directory where the lock could not be made at start (not writable then: simulated
+    by a directory in the lock file's place, since root writes anywhere) stayed unclaimed for
+    good, and a second cachegate started later wrote it too."""
+    from proxy.eventlog import LOCK_NAME, claim_log_dir
+
+    (log_dir / LOCK_NAME).mkdir(parents=True)
+    assert claim_log_dir(log_dir) is None  # could not be taken: nothing said at start
+    w = started(writers, log_dir)
+    (log_dir / LOCK_NAME).rmdir()
+    w.emit("a", {"type": "error", "exchange": 1, "status": 400, "message": "m"})
+    assert w.flush()
+    assert claim_log_dir(log_dir) == str(os.getpid())  # taken by the writer since
+
+
 @pytest.mark.parametrize("removed", ["directory", "file"])
 def test_a_file_an_earlier_process_began_starts_with_its_meta_line_when_made_anew(
     log_dir: Path, writers: list[EventLogWriter], removed: str
