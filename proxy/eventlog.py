@@ -769,7 +769,9 @@ class EventLogWriter:
 
 
 LOCK_NAME: Final = ".cachegate.lock"
-_CLAIMS: list[int] = []  # the lock files this process holds, open until it exits
+# The lock file this process holds in each directory it claimed, open until it exits (or
+# until the directory, made again, is claimed again: the old one locks nothing still written).
+_CLAIMS: dict[str, int] = {}
 # The directories they lock (absolute paths), each with the (device, inode) it had then, or
 # that have no locks to take; and those this process asked for (its writer takes the lock again
 # once the directory is made again, or writable).
@@ -811,7 +813,11 @@ def claim_log_dir(log_dir: str | os.PathLike[str]) -> str | None:
     with contextlib.suppress(OSError):
         os.ftruncate(fd, 0)
         os.write(fd, b"%d\n" % os.getpid())
-    _CLAIMS.append(fd)
+    old = _CLAIMS.pop(path, None)
+    _CLAIMS[path] = fd
+    if old is not None:
+        with contextlib.suppress(OSError):
+            os.close(old)
     _CLAIMED[path] = _dir_id(path)
     return None
 

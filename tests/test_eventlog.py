@@ -559,6 +559,27 @@ def test_the_claim_is_taken_again_after_something_else_stood_in_the_directory_s_
     assert claim_log_dir(log_dir) == str(os.getpid())  # held again, on the new directory
 
 
+def test_a_directory_made_again_many_times_keeps_one_lock_file_open(log_dir: Path, writers) -> None:
+    from proxy.eventlog import LOCK_NAME, claim_log_dir
+
+    assert claim_log_dir(log_dir) is None
+    w = started(writers, log_dir)
+    for n in range(5):
+        shutil.rmtree(log_dir)
+        w.emit("a", {"type": "error", "exchange": n, "status": 400, "message": "m"})
+        assert w.flush()
+    fds = Path("/proc/self/fd")
+    locks = [os.readlink(fds / fd) for fd in os.listdir(fds) if LOCK_NAME in _target(fds / fd)]
+    assert len(locks) == 1 and not locks[0].endswith("(deleted)"), locks
+
+
+def _target(link: Path) -> str:
+    try:
+        return os.readlink(link)
+    except OSError:  # (the listing's own descriptor, closed since)
+        return ""
+
+
 def test_the_claim_is_taken_once_the_directory_lets_the_lock_be_made(
     log_dir: Path, writers
 ) -> None:
