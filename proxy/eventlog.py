@@ -1163,12 +1163,15 @@ def replay(events: Iterable[dict[str, Any]]) -> list[tuple[int, list[dict[str, A
     return [(r["exchange_id"], r["messages"]) for r in replay_requests(events)]
 
 
-def replay_requests(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+def replay_requests(
+    events: Iterable[dict[str, Any]], skipped: list[int] | None = None
+) -> list[dict[str, Any]]:
     """``replay``, as the requests that were forwarded: ``{exchange_id, model, stream, params,
     tools, messages}`` (``params`` and ``tools`` as far as the log records them: a line carries
     the tools only when they changed, or names the earlier line that carried them
     (``tools_ref``), and logs written before cachegate recorded them have neither; ``tools`` is
-    left out while none are known)."""
+    left out while none are known). The exchanges left out for want of their base are added to
+    ``skipped``."""
     rebuilt: dict[int, list[dict[str, Any]]] = {}
     out: list[dict[str, Any]] = []
     last: list[dict[str, Any]] | None = None
@@ -1200,6 +1203,8 @@ def replay_requests(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                     base_exchange,
                 )
                 rebuilt.pop(exchange, None)
+                if skipped is not None:
+                    skipped.append(exchange)
                 continue
             messages = previous[:base] + appended
         rebuilt[exchange] = last = messages

@@ -216,10 +216,13 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
     )
 
 
-def replayed(log_dir: str | os.PathLike[str], session_id: str) -> list[dict[str, Any]]:
+def replayed(
+    log_dir: str | os.PathLike[str], session_id: str, skipped: list[int] | None = None
+) -> list[dict[str, Any]]:
     """Every forwarded request (``replay_requests``: ``exchange_id``, ``model``, ``stream``,
-    ``params``, ``tools``, ``messages``), in log order."""
-    return replay_requests(_load(log_dir, session_id).events)
+    ``params``, ``tools``, ``messages``), in log order; those that cannot be rebuilt are added
+    to ``skipped``."""
+    return replay_requests(_load(log_dir, session_id).events, skipped)
 
 
 def replay_lines(log_dir: str | os.PathLike[str], session_id: str) -> Iterator[str]:

@@ -1144,3 +1144,27 @@ def test_serve_answers_a_chat_request_that_offers_an_http2_upgrade(tmp_path: Pat
             timeout=10,
             what="the exchange in the session log",
         )
+
+
+def test_replay_of_a_session_it_cannot_wholly_rebuild_exits_1_after_what_it_could(
+    tmp_path: Path,
+) -> None:
+    """One damaged request line loses every request coded against it: replay printed the rest
+    (or nothing) and exited 0, so a script re-sending the session took it for the whole."""
+
+    def request(exchange: int, base: int, text: str) -> bytes:
+        return orjson.dumps(
+            {"ts": 1.0 + exchange, "type": "request", "exchange": exchange, "model": "m",
+             "base_exchange": exchange - 1 if base else None, "base": base,
+             "appended": [{"role": "user", "content": text}]}
+        ) + b"\n"  # fmt: skip
+
+    first, second, third = request(1, 0, "one"), request(2, 1, "two"), request(3, 2, "three")
+    (tmp_path / "cut.jsonl").write_bytes(first + second[:40] + b"\n" + third)
+    result = run_cli("sessions", "replay", "cut", "--log-dir", str(tmp_path))
+    assert result.code == 1
+    assert [orjson.loads(line)["exchange_id"] for line in result.out.splitlines()] == [1]
+    assert "cachegate: 1 request could not be rebuilt" in result.err
+    (tmp_path / "whole.jsonl").write_bytes(first + second + third)
+    whole = run_cli("sessions", "replay", "whole", "--log-dir", str(tmp_path))
+    assert whole.code == 0 and len(whole.out.splitlines()) == 3
