@@ -484,6 +484,8 @@ class ChatPipeline:
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
             return body, None
+        if options is not None and not isinstance(options, dict):
+            return body, None  # ("x", []: the provider's to refuse, as without cachegate)
         ex.strip_usage = True
         if body is ex.client_body and "stream_options" not in body:
             spliced = splice_usage_option(raw)

@@ -226,6 +226,28 @@ def test_stream_options_null_still_gets_usage_recorded(
     assert proxy.metric("cachegate_tokens_total", {"model": "gpt-4o", "kind": "prompt"}) > 0
 
 
+@pytest.mark.parametrize("options", [b'"x"', b"[]", b"true"])
+def test_stream_options_that_are_no_object_reach_the_provider_as_sent(
+    options: bytes, scripted: Any, proxy_factory: Any
+) -> None:
+    """``{"include_usage": true}`` took their place: a request the provider refuses (a client's
+    bug) was answered, and the bug stayed hidden."""
+    import httpx
+
+    upstream, url = scripted(chunks=[b"data: [DONE]\n\n"])
+    proxy = proxy_factory(url)
+    raw = (
+        b'{"model":"gpt-4o","stream":true,"stream_options":' + options
+        + b',"messages":[{"role":"user","content":"hi"}]}'
+    )  # fmt: skip
+    headers = {"content-type": "application/json"}
+    with httpx.stream(
+        "POST", proxy.base_url + "/chat/completions", content=raw, headers=headers
+    ) as r:
+        r.read()
+    assert upstream.requests[-1]["body"] == raw
+
+
 def test_an_unexpected_failure_is_a_500_in_openai_shape_and_nothing_is_forwarded(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
