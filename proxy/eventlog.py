@@ -45,6 +45,7 @@ BodiesMode = Literal["full", "metadata"]
 _FSYNC_MODES: Final = ("none", "line", "interval")
 _BODIES_MODES: Final = ("full", "metadata")
 _WARN_EVERY_S: Final = 30.0
+CLAIM_RETRY_S: Final = 5.0  # the writer's next try at a log directory's lock it could not take
 _OPT_ANY_KEYS: Final = orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS
 _OPEN_FLAGS: Final = (
     os.O_RDWR  # read too: the last byte of a reopened file is checked on the same descriptor
@@ -199,7 +200,7 @@ class EventLogWriter:
         self._files: dict[str, tuple[tuple[int, int], int]] = {}
         self._dir_id: tuple[int, int] | None = None  # the log directory's (device, inode)
         self._abs_dir = os.path.abspath(self.log_dir)
-        self._held_elsewhere: tuple[int, int] | None = None  # a directory whose lock another has
+        self._claim_tried: tuple[tuple[int, int] | None, float] = (None, 0.0)  # (dir, when)
         self._removed_checked = time.monotonic()
 
     # -- counters -----------------------------------------------------------------------------
@@ -697,12 +698,16 @@ class EventLogWriter:
 
     def _claim(self, now: tuple[int, int]) -> None:
         """Take the lock ``serve`` took at start on the log directory as it is now (made again,
-        replaced, or not writable at start); say so once when another cachegate has it."""
-        if self._held_elsewhere == now:
+        replaced, or not writable at start); say so when another cachegate has it. Tried again
+        at most every ``CLAIM_RETRY_S`` for one directory (the lock file cannot be made there,
+        or another process holds it until it exits)."""
+        tried, at = self._claim_tried
+        clock = time.monotonic()
+        if tried == now and clock - at < CLAIM_RETRY_S:
             return
+        self._claim_tried = (now, clock)
         holder = claim_log_dir(self.log_dir)
         if holder is not None:
-            self._held_elsewhere = now
             self._warn(
                 "claim",
                 "log directory %s was made again, replaced or made writable, and another"

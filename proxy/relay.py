@@ -440,21 +440,31 @@ def client_response_headers(
 
 def client_location(location: bytes, base_url: str, client_prefix: bytes) -> bytes:
     """An upstream's redirect target as the client should follow it: one inside the upstream's
-    base URL (``http://127.0.0.1:8000/v1/chat/completions``, or the path ``/v1/...``) is given
-    under the prefix the client used (``/v1``, ``/s/<id>/v1``), as a path on cachegate's own
-    host; any other target is left as it is. Relayed unchanged, a framework's redirect of a
-    trailing slash sent the SDK, which follows redirects, to the provider directly: no log, no
-    repair, and its key dropped on the way."""
-    base = base_url.rstrip("/")
-    base_path = urlsplit(base).path
-    text = location.decode("latin-1")
-    if text[: len(base) + 1].lower() == base.lower() + "/":  # (scheme and host in any case)
-        rest = text[len(base) :]
-    elif text.startswith(base_path + "/") and not text.startswith("//"):
-        rest = text[len(base_path) :]
-    else:
+    base URL (``http://127.0.0.1:8000/v1/chat/completions``, ``//host/v1/...`` or the path
+    ``/v1/...``; the scheme may differ, as behind a proxy that ends TLS) is given under the
+    prefix the client used (``/v1``, ``/s/<id>/v1``), as a path on cachegate's own host; any
+    other target, or one with ``.``/``..`` segments, is left as it is. Relayed unchanged, a
+    framework's redirect of a trailing slash sent the SDK, which follows redirects, to the
+    provider directly: no log, no repair, and its key dropped on the way."""
+    base = urlsplit(base_url.rstrip("/"))
+    target = urlsplit(location.decode("latin-1"))
+    if target.netloc:
+        if target.netloc.lower() != base.netloc.lower() or target.scheme not in (
+            "",
+            "http",
+            "https",
+        ):
+            return location
+    elif target.scheme or not target.path.startswith("/"):
+        return location  # (another scheme; a relative reference resolves as it is)
+    if target.path != base.path and not target.path.startswith(base.path + "/"):
         return location
-    return client_prefix + rest.encode("latin-1")
+    rest = target.path[len(base.path) :]
+    if any(segment in (".", "..") for segment in rest.split("/")):
+        return location  # (it could lead out of the base: the upstream's to resolve)
+    query = "?" + target.query if target.query else ""
+    fragment = "#" + target.fragment if target.fragment else ""
+    return client_prefix + (rest + query + fragment).encode("latin-1")
 
 
 def _client_prefix(scope: Scope, path: str) -> bytes:

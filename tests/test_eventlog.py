@@ -569,8 +569,9 @@ def test_a_directory_made_again_many_times_keeps_one_lock_file_open(log_dir: Pat
         w.emit("a", {"type": "error", "exchange": n, "status": 400, "message": "m"})
         assert w.flush()
     fds = Path("/proc/self/fd")
-    locks = [os.readlink(fds / fd) for fd in os.listdir(fds) if LOCK_NAME in _target(fds / fd)]
-    assert len(locks) == 1 and not locks[0].endswith("(deleted)"), locks
+    mine = str(log_dir / LOCK_NAME)  # (other tests' claims stay held for the process's life)
+    locks = [t for t in map(_target, (fds / fd for fd in os.listdir(fds))) if t.startswith(mine)]
+    assert locks == [mine], locks  # one, and not a deleted directory's
 
 
 def _target(link: Path) -> str:
@@ -578,6 +579,38 @@ def _target(link: Path) -> str:
         return os.readlink(link)
     except OSError:  # (the listing's own descriptor, closed since)
         return ""
+
+
+def test_the_claim_is_taken_back_once_another_process_that_held_it_is_gone(
+    log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    """The directory was made again by a second cachegate, which took the lock, then stopped:
+    the first wrote on without taking the lock back, and a third was let in."""
+    import subprocess
+    import sys
+
+    from proxy.eventlog import claim_log_dir
+
+    monkeypatch.setattr(eventlog, "CLAIM_RETRY_S", 0.0)
+    assert claim_log_dir(log_dir) is None
+    w = started(writers, log_dir)
+    shutil.rmtree(log_dir)
+    with subprocess.Popen(
+        [sys.executable, "-c", "import sys; from proxy.eventlog import claim_log_dir;"
+         f" print(claim_log_dir({str(log_dir)!r}), flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    ) as other:  # fmt: skip
+        try:
+            assert other.stdout is not None and other.stdout.readline().strip() == "None"
+            with caplog.at_level(logging.WARNING, logger="proxy.eventlog"):
+                w.emit("a", {"type": "error", "exchange": 1, "status": 400, "message": "m"})
+                assert w.flush()
+            assert f"another cachegate (pid {other.pid})" in caplog.text
+        finally:
+            other.kill()
+    w.emit("a", {"type": "error", "exchange": 2, "status": 400, "message": "m"})
+    assert w.flush()
+    assert claim_log_dir(log_dir) == str(os.getpid())  # taken back: a third is refused
 
 
 def test_the_claim_is_taken_once_the_directory_lets_the_lock_be_made(

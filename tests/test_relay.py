@@ -2183,8 +2183,15 @@ def test_a_stream_request_answered_whole_under_another_type_is_recorded_as_an_an
         (b"/v1/chat/completions", b"/s/a/v1", b"/s/a/v1/chat/completions"),  # a path on its host
         (b"https://elsewhere.example/v1/x", b"/v1", b"https://elsewhere.example/v1/x"),
         (b"http://up:8000/v10/x", b"/v1", b"http://up:8000/v10/x"),  # not under the base
-        (b"//up:8000/v1/x", b"/v1", b"//up:8000/v1/x"),  # another host, scheme-relative
+        (b"//up:8000/v1/x", b"/v1", b"/v1/x"),  # scheme-relative, the same host
+        (b"//other:8000/v1/x", b"/v1", b"//other:8000/v1/x"),  # scheme-relative, another
+        (b"https://up:8000/v1/x", b"/v1", b"/v1/x"),  # TLS ended in front of the upstream
+        (b"http://up:8000/V1/models", b"/v1", b"http://up:8000/V1/models"),  # paths by case
+        (b"http://up:8000/v1/../admin", b"/v1", b"http://up:8000/v1/../admin"),  # out of it
+        (b"http://up:8000/v1", b"/s/a/v1", b"/s/a/v1"),
+        (b"http://up:8000/v1/x#part", b"/v1", b"/v1/x#part"),
         (b"relative/x", b"/v1", b"relative/x"),
+        (b"ftp://up:8000/v1/x", b"/v1", b"ftp://up:8000/v1/x"),
     ],
 )
 def test_an_upstream_redirect_into_its_base_url_points_at_cachegate(
