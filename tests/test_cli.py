@@ -996,16 +996,19 @@ def test_serve_keeps_start_up_objects_out_of_garbage_collection() -> None:
         [
             sys.executable,
             "-c",
-            "import gc; from proxy.cli import tune_gc; tune_gc(); "
-            "print(gc.get_freeze_count(), *gc.get_threshold())",
+            "import gc; before = gc.get_threshold(); from proxy.cli import tune_gc; tune_gc(); "
+            "print(gc.get_freeze_count(), *before, *gc.get_threshold())",
         ],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.split()
-    frozen, young, middle, old = map(int, out)
+    frozen, *thresholds = map(int, out)
     assert frozen > 10000  # the modules and the app, imported before serving
-    assert (young, middle, old) == (700, 10, 100)
+    # The interpreter's own young and middle thresholds (700 and 10 up to 3.12, 2000 and 10 in
+    # 3.13) are kept; full collections run a tenth as often as by default (10 -> 100).
+    assert thresholds[3:] == [*thresholds[:2], 100]
+    assert thresholds[2] == 10
 
 
 def _healthy(url: str) -> bool:
