@@ -441,18 +441,22 @@ def client_response_headers(
 def client_location(location: bytes, base_url: str, client_prefix: bytes) -> bytes:
     """An upstream's redirect target as the client should follow it: one inside the upstream's
     base URL (``http://127.0.0.1:8000/v1/chat/completions``, ``//host/v1/...`` or the path
-    ``/v1/...``; the scheme may differ, as behind a proxy that ends TLS) is given under the
-    prefix the client used (``/v1``, ``/s/<id>/v1``), as a path on cachegate's own host; any
-    other target, or one with ``.``/``..`` segments, is left as it is. Relayed unchanged, a
+    ``/v1/...``, in the base URL's own scheme) is given under the prefix the client used
+    (``/v1``, ``/s/<id>/v1``), as a path on cachegate's own host; any other target (another
+    scheme too: ``http`` to ``https`` is the upstream asking for TLS, which cachegate asked of
+    it again would only repeat), one with ``.``/``..`` segments, or one that cannot be read as
+    a URL, is left as it is. Relayed unchanged, a
     framework's redirect of a trailing slash sent the SDK, which follows redirects, to the
     provider directly: no log, no repair, and its key dropped on the way."""
-    base = urlsplit(base_url.rstrip("/"))
-    target = urlsplit(location.decode("latin-1"))
+    try:
+        base = urlsplit(base_url.rstrip("/"))
+        target = urlsplit(location.decode("latin-1"))
+    except ValueError:  # (``http://[bad/x``: not a URL; the client's to refuse)
+        return location
     if target.netloc:
         if target.netloc.lower() != base.netloc.lower() or target.scheme not in (
             "",
-            "http",
-            "https",
+            base.scheme.lower(),
         ):
             return location
     elif target.scheme or not target.path.startswith("/"):
