@@ -1200,7 +1200,11 @@ def test_paths_are_relayed_as_encoded_and_never_climb_out_of_v1(
 
 
 class RawUpstream:
-    """A raw-socket upstream answering every request with fixed bytes, for answers no server sends."""
+    """A raw-socket upstream answering every request with fixed bytes, for answers no server sends.
+
+    It closes each connection after its answer: an answer a client may read whole on a kept
+    connection says ``connection: close``, else the next request may race the close (the proxy
+    reuses the connection, finds it closed unanswered, and answers 502, as it should)."""
 
     def __init__(self, answer: bytes) -> None:
         import threading
@@ -1558,7 +1562,9 @@ def test_relayed_requests_leave_no_reference_cycles(scripted: Any, proxy_factory
 
 
 def test_a_304_with_a_length_is_relayed_without_a_body(proxy_factory: Any) -> None:
-    upstream = RawUpstream(b'HTTP/1.1 304 Not Modified\r\ncontent-length: 12\r\netag: "v1"\r\n\r\n')
+    upstream = RawUpstream(  # (it closes after each answer: it says so, see RawUpstream)
+        b'HTTP/1.1 304 Not Modified\r\ncontent-length: 12\r\netag: "v1"\r\nconnection: close\r\n\r\n'
+    )
     try:
         proxy = proxy_factory(upstream.url)
         with httpx.Client(base_url=proxy.base_url, timeout=5) as client:
@@ -1738,7 +1744,8 @@ def test_an_answer_whose_upstream_dies_before_its_body_reaches_the_client_as_it_
     finally:
         upstream.sock.close()
     empty = RawUpstream(
-        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 0\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 0\r\n"
+        b"connection: close\r\n\r\n"
     )
     try:
         proxy = proxy_factory(empty.url, {"upstream": {"transport": transport}})
