@@ -228,6 +228,8 @@ class Gateway:
         if self.chat is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.chat.idle.wait(), 3.0)
+            if self.chat.compactor is not None:  # summaries kept for a client that left
+                await self.chat.compactor.stop()
         if self.writer is not None:
             await asyncio.to_thread(self.writer.close, 5.0)
         if self.upstream is not None:

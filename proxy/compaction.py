@@ -916,17 +916,19 @@ def build_compaction(
     *,
     source: Source,
     tokens_before: int | None = None,
+    digest: str | None = None,
 ) -> Compaction:
     """The compaction of ``messages`` (the CLIENT history) at ``cut`` with summary ``text``.
 
     ``tokens_before`` defaults to the estimate of ``messages``; ``tokens_after`` is the estimate
-    of the substituted history.
+    of the substituted history. ``digest`` is ``prefix_digest(messages, cut.end)`` if the caller
+    already has it.
     """
     message = summary_message(text, covered=cut.end - cut.start, source=source)
     after = [*messages[: cut.start], message, *messages[cut.end :]]
     return Compaction(
         opening=opening_digest(messages),
-        prefix_digest=prefix_digest(messages, cut.end),
+        prefix_digest=prefix_digest(messages, cut.end) if digest is None else digest,
         covered=cut.end,
         start=cut.start,
         message=message,

@@ -47,6 +47,36 @@ TARGET_SHARE = 0.8
 ANCHOR_SHARE = 0.02
 
 
+@dataclasses.dataclass(slots=True)
+class _Summary:
+    """A summary being written (or written) for a session: its task, and whether an exchange
+    has been sent with it (which records it and its bill: once)."""
+
+    task: asyncio.Future[tuple[compaction.Compaction, str, Any, float]]
+    claimed: bool = False
+
+    @property
+    def failed(self) -> bool:
+        """Cancelled (cachegate stopping) or failed (cachegate's defect): made again if asked."""
+        task = self.task
+        return task.done() and (task.cancelled() or task.exception() is not None)
+
+    @property
+    def build_s(self) -> float:
+        """cachegate's own time in the task (building the compaction): not the provider's."""
+        task = self.task
+        if task.done() and not task.cancelled() and task.exception() is None:
+            return float(task.result()[3])
+        return 0.0
+
+
+def _settled(task: asyncio.Future[Any]) -> None:
+    """A summary's task is done: a failure nobody waited for is logged, not left to asyncio's
+    "exception was never retrieved" at collection."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("writing a summary failed", exc_info=task.exception())
+
+
 def _key(comp: compaction.Compaction) -> str:
     return comp.opening + comp.prefix_digest
 
@@ -79,6 +109,7 @@ class Compactor:
         self.observers = observers
         # Per model name, its configured entry: looked up once (a snapshot's name scans them all).
         self._models: dict[str | None, ModelSettings] = {}
+        self._tasks: set[asyncio.Future[Any]] = set()  # summaries being written (``_made``)
 
     def _model(self, name: str | None) -> ModelSettings:
         found = self._models.get(name)
@@ -267,23 +298,29 @@ class Compactor:
                 # relays the refusal), so no second reuse is counted or logged
                 return {**body, "messages": plan.messages}
             self._hold(held, plan.reused, messages)
-            ex.compacted = True
-            ex.compaction_digest = plan.reused.prefix_digest
-            ex.transforms["compacted"] = {"reused": True, "covered": plan.reused.covered}
-            notify(self.observers, "on_compaction", ex, plan.reused, "reused")
+            if not self._claim(state, ex, plan.reused):  # (else made for a try the client left)
+                self._reused_by(ex, plan.reused)
             return {**body, "messages": plan.messages}
-        text, source = await self._summarize(ex, plan, summary_window, overcount)
-        comp = compaction.build_compaction(
-            messages,
-            plan.cut,
-            text,
-            source=source,
-            tokens_before=compaction.estimate_tokens(messages),
-        )
+        comp, first = await self._made(ex, state, messages, plan, summary_window, overcount)
         forwarded = compaction.apply_compaction(messages, comp, digest=comp.prefix_digest)
         if forwarded is None:  # cannot happen for the history it was built from; stay safe
             return body
         self._hold(held, comp, messages)
+        if first:
+            self._made_for(ex, comp)
+        else:  # another request of the same history was sent with it first
+            self._reused_by(ex, comp)
+        return {**body, "messages": forwarded}
+
+    def _reused_by(self, ex: Exchange, comp: compaction.Compaction) -> None:
+        ex.compacted = True
+        ex.compaction_digest = comp.prefix_digest
+        ex.transforms["compacted"] = {"reused": True, "covered": comp.covered}
+        notify(self.observers, "on_compaction", ex, comp, "reused")
+
+    def _made_for(self, ex: Exchange, comp: compaction.Compaction) -> None:
+        """``ex`` goes out with ``comp``, made for it (or for a try of it the client left)."""
+        source = comp.source
         ex.compacted = ex.compaction_made = True  # (its miss is expected: not waste)
         ex.compaction_digest = comp.prefix_digest
         ex.transforms["compacted"] = {
@@ -294,7 +331,121 @@ class Compactor:
             "tokens_after": comp.tokens_after,
         }
         notify(self.observers, "on_compaction", ex, comp, source)
-        return {**body, "messages": forwarded}
+
+    async def _made(
+        self,
+        ex: Exchange,
+        state: SessionState,
+        messages: list[Any],
+        plan: compaction.Plan,
+        window: int,
+        overcount: float,
+    ) -> tuple[compaction.Compaction, bool]:
+        """The compaction ``plan`` cuts, summarized once however often the client asks, and
+        whether ``ex`` is the first request sent with it (which records it and its bill).
+
+        The summary is written in a task of its own: a client that hangs up while it is being
+        written (its timeout shorter than the summary call) does not cancel it. It is finished,
+        held for the session, and its retry (the same history) waits for it rather than pay for
+        another that its timeout would cut short in turn, which failed every turn."""
+        assert plan.cut is not None
+        cut = plan.cut
+        digest = compaction.prefix_digest(messages, cut.end)
+        key = f"{cut.start}:{cut.end}:{digest}"
+        pending: dict[str, _Summary] = state.extra.setdefault("summaries", {})
+        entry = pending.pop(key, None)
+        if entry is None or entry.failed:
+            entry = _Summary(
+                asyncio.ensure_future(
+                    self._summarized(ex, state, messages, plan, window, overcount, digest)
+                )
+            )
+            self._tasks.add(entry.task)
+            entry.task.add_done_callback(_settled)
+            entry.task.add_done_callback(self._tasks.discard)
+        else:
+            log.info(
+                "session %s: a retry of a request whose summary was being written uses it",
+                state.id,
+            )
+        pending[key] = entry  # (the latest last: the oldest go first)
+        while len(pending) > MAX_COMPACTIONS:
+            del pending[next(iter(pending))]
+        waited = time.perf_counter()
+        try:
+            comp, model, answer, _ = await asyncio.shield(entry.task)
+        except asyncio.CancelledError:
+            if not entry.task.done():
+                log.warning(
+                    "session %s: the client left while its history was being summarized; the "
+                    "summary is finished and kept for its retry (is the client's timeout shorter "
+                    "than compaction.summary_timeout_s?)",
+                    state.id,
+                )
+            raise
+        finally:  # the provider's time, not cachegate's overhead
+            ex.upstream_wait_s += max(0.0, time.perf_counter() - waited - entry.build_s)
+        if entry.claimed:
+            return comp, False
+        entry.claimed = True  # the provider bills it once: with the first exchange sent with it
+        if pending.get(key) is entry:
+            del pending[key]
+        self._count_summary(ex, model, answer)
+        return comp, True
+
+    async def _summarized(
+        self,
+        ex: Exchange,
+        state: SessionState,
+        messages: list[Any],
+        plan: compaction.Plan,
+        window: int,
+        overcount: float,
+        digest: str,
+    ) -> tuple[compaction.Compaction, str, Any, float]:
+        """The summary and the compaction built from it, held for the session (whether or not
+        anyone waits for it now), with what billing and overhead need."""
+        assert plan.cut is not None
+        text, source, model, answer = await self._summarize(ex, plan, window, overcount)
+        started = time.perf_counter()
+        comp = compaction.build_compaction(
+            messages,
+            plan.cut,
+            text,
+            source=source,
+            tokens_before=compaction.estimate_tokens(messages),
+            digest=digest,
+        )
+        self._hold(state.extra.setdefault("compactions", {}), comp, messages)
+        build_s = time.perf_counter() - started
+        return comp, model, answer, build_s
+
+    def _claim(self, state: SessionState, ex: Exchange, comp: compaction.Compaction) -> bool:
+        """Whether ``comp``, reused by ``ex``, was made for a request whose client left before it
+        was sent: ``ex`` is then the first sent with it, and records its making and its bill."""
+        pending: dict[str, _Summary] | None = state.extra.get("summaries")
+        if not pending:
+            return False
+        key = f"{comp.start}:{comp.covered}:{comp.prefix_digest}"
+        entry = pending.get(key)
+        if entry is None or not entry.task.done() or entry.task.cancelled() or entry.claimed:
+            return False
+        made, model, answer, _ = entry.task.result()
+        if made is not comp:
+            return False
+        entry.claimed = True
+        del pending[key]
+        self._count_summary(ex, model, answer)
+        self._made_for(ex, comp)
+        return True
+
+    async def stop(self) -> None:
+        """Cancel the summaries still being written (cachegate is stopping)."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     @staticmethod
     def _undone(held: dict[str, list[Any]], messages: list[Any]) -> tuple[int, Any, Any] | None:
@@ -414,7 +565,9 @@ class Compactor:
 
     async def _summarize(
         self, ex: Exchange, plan: compaction.Plan, window: int, overcount: float = 1.0
-    ) -> tuple[str, compaction.Source]:
+    ) -> tuple[str, compaction.Source, str, Any]:
+        """The summary's text and source, the model that wrote it and its answer (for the
+        bill: ``_count_summary``), or the extractive summary when the call failed."""
         model = self.settings.compaction.summarizer_model or ex.model or ""
         # The request must fit the summarizer's window: half of it for what goes in (the
         # previous summary, the instructions, the transcript, whose tool outputs share it),
@@ -440,18 +593,16 @@ class Compactor:
         headers = [(k, v) for k, v in ex.upstream_headers if k != b"content-type"]
         headers.append((b"content-type", b"application/json"))
         stage = "connect"  # what a failure was, for cachegate_upstream_errors_total
+        billed: Any = None  # the answer whose usage the provider bills
         try:
             async with asyncio.timeout(self.settings.compaction.summary_timeout_s):
                 url = self.relay.url("chat/completions", ex.query)  # keeps e.g. ?api-version=
+                response = await self.relay.open("POST", url, headers, orjson.dumps(request))
+                stage = "midstream"
                 try:
-                    response = await self.relay.open("POST", url, headers, orjson.dumps(request))
-                    stage = "midstream"
-                    try:
-                        body = await response.aread()
-                    finally:
-                        await response.aclose()
-                finally:  # the provider's time, not cachegate's overhead
-                    ex.upstream_wait_s += time.perf_counter() - started
+                    body = await response.aread()
+                finally:
+                    await response.aclose()
             stage = "status" if response.status_code >= 400 else "invalid"
             if response.status_code == 200:
                 answer = orjson.loads(body)
@@ -461,11 +612,11 @@ class Compactor:
                     stage = "error_event"
                     said = redact_text(error_message(answer)[:300])  # (said on stderr)
                     raise ValueError(f"the provider reported: {said}")
-                self._count_summary(ex, model, answer)
+                billed = answer
                 text = answer["choices"][0]["message"]["content"]
                 if isinstance(text, str) and text.strip():
                     limit = int(chars * compaction.SUMMARY_OVERRUN)
-                    return compaction.clip_summary(text.strip(), limit), "model"
+                    return compaction.clip_summary(text.strip(), limit), "model", model, answer
             log.warning(
                 "summarizer answered %s%s; using the extractive summary",
                 response.status_code,
@@ -496,4 +647,6 @@ class Compactor:
                 synthetic_prefixes=SYNTHETIC_PREFIXES,
             ),
             "extractive",
+            model,
+            billed,  # (a 200 without text is billed all the same)
         )

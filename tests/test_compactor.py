@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import openai
 import orjson
 import pytest
 
 from proxy import compaction
 from proxy.compaction import SUMMARIZER_SYSTEM_PROMPT, SUMMARY_MARKER
 from proxy.eventlog import read_events
+from proxy.serving import ServerThread
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
 from proxy.simulator.reply import parse_script
+from tests.e2e_support import NoCacheUpstream
 
 MODEL = "gpt-4o"
 
@@ -1506,3 +1511,109 @@ def test_a_refusal_of_a_reused_compaction_with_nothing_more_to_compact_is_relaye
         assert [(e["exchange"], e.get("retry", False)) for e in events] == [(1, False), (2, False)]
         labels = {"model": MODEL, "result": "reused"}
         assert proxy.metric("cachegate_compactions_total", labels) == 1
+
+
+@dataclass
+class SlowSummaries(NoCacheUpstream):
+    """An upstream that writes summaries slowly (``summary_s``) and answers the agent at once:
+    a summary call longer than the agent's client timeout."""
+
+    summary_s: float = 1.5
+    summaries: int = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        raw = b""
+        while True:
+            message = await receive()
+            raw += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        if SUMMARIZER_SYSTEM_PROMPT[:60].encode() in raw:
+            self.summaries += 1
+            await asyncio.sleep(self.summary_s)
+        sent = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        await super().__call__(scope, replay, send)
+
+
+PRICED = {
+    **CONFIG,
+    "models": {MODEL: {**CONFIG["models"][MODEL], "price_input": 1.0, "price_output": 2.0}},
+}
+
+
+def test_a_client_timeout_shorter_than_the_summary_call_gets_its_retry_answered(
+    sdk: Any, proxy_factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The agent's client gives up (0.8 s) while the summary is written (1.5 s), and its SDK
+    retries. The hang-up used to cancel the summary, and each retry's new summary was cut short
+    in turn: the turn failed after three paid summary calls, every turn past the trigger. Now
+    the summary is finished and the retry is answered with it: one summary call, billed once."""
+    upstream = SlowSummaries()
+    with ServerThread(upstream) as server:
+        proxy = proxy_factory(server.url + "/v1", PRICED)
+        client = sdk(proxy.base_url, timeout=0.8, max_retries=2)
+        with caplog.at_level(logging.WARNING):
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=history(18), extra_headers={"X-Session-Id": "short-timeout"}
+            )
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        assert upstream.summaries == 1
+        summary_call, answered = upstream.requests[0], upstream.requests[-1]
+        assert SUMMARIZER_SYSTEM_PROMPT in summary_call["messages"][0]["content"]
+        assert any(SUMMARY_MARKER in str(m.get("content")) for m in answered["messages"])
+        said = [r.getMessage() for r in caplog.records]
+        assert any("left while its history was being summarized" in m for m in said), said
+        proxy.settle()
+        logged = read_events(proxy.log_dir / "short-timeout.jsonl").events
+        (made,) = [e for e in logged if e["type"] == "compacted"]
+        assert made["source"] == "model"
+        answers = [e for e in logged if e["type"] == "response" and e["status"] == 200]
+        (response,) = answers
+        summary_prompt = 3000 + 50 * len(summary_call["messages"])
+        answer_prompt = 3000 + 50 * len(answered["messages"])
+        # the summary's bill (its prompt, 2 output tokens) once, with the answer's
+        expected = (summary_prompt + answer_prompt + 4 * 2.0) / 1e6
+        assert response["cost"]["actual"] == pytest.approx(expected)
+
+
+def test_a_summary_whose_client_left_is_used_and_billed_by_the_next_turn(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """No retry (max_retries=0): the turn fails at the client's timeout, the summary is finished
+    anyway, and the agent's next turn goes out with it, recorded there as made and billed."""
+    upstream = SlowSummaries(summary_s=1.0)
+    with ServerThread(upstream) as server:
+        proxy = proxy_factory(server.url + "/v1", PRICED)
+        client = sdk(proxy.base_url, timeout=0.4, max_retries=0)
+        messages = history(18)
+        headers = {"X-Session-Id": "next-turn"}
+        with pytest.raises(openai.APITimeoutError):
+            client.chat.completions.create(model=MODEL, messages=messages, extra_headers=headers)
+        time.sleep(1.2)  # the summary is finished meanwhile
+        messages.append({"role": "user", "content": "Go on."})
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, extra_headers=headers
+        )
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        assert upstream.summaries == 1
+        assert len(upstream.requests) == 2  # the summary call, then the next turn's
+        proxy.settle()
+        logged = read_events(proxy.log_dir / "next-turn.jsonl").events
+        (made,) = [e for e in logged if e["type"] == "compacted"]
+        assert made["source"] == "model"
+        (response,) = [e for e in logged if e["type"] == "response" and e["status"] == 200]
+        summary_prompt = 3000 + 50 * len(upstream.requests[0]["messages"])
+        answer_prompt = 3000 + 50 * len(upstream.requests[1]["messages"])
+        expected = (summary_prompt + answer_prompt + 4 * 2.0) / 1e6
+        assert response["cost"]["actual"] == pytest.approx(expected)
