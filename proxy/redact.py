@@ -531,7 +531,15 @@ def line_may_hold_secret(line: bytes) -> bool:
     """Whether a serialized JSON line might hold anything ``redact`` would change: one of the
     literals or anchors every secret pattern contains, or a key ending like a credential field's
     name (any case). Secrets are made of characters JSON never escapes, so they appear in the line
-    as they were."""
+    as they were.
+
+    The JSON strings that ``redact_text`` returns as they are, base64 payloads of a kilobyte or
+    more (``_BINARY``), are left out of a long line before it is looked through: the ~20 scans
+    cost ~20 ns a byte, 200 ms for 8 MB of screenshots, where leaving them out costs ~2; and a
+    megabyte of random base64 holds ``xox`` or ``eyJ`` by chance, for which the line was redacted
+    field by field (another ~60 ms)."""
+    if len(line) >= _BLANK_MIN:
+        line = blank_binary(line)
     for literal in _LITERALS_BYTES:
         if line.find(literal) >= 0:
             return True
@@ -559,12 +567,72 @@ _BINARY = re.compile(
 )
 
 
+# Lines this long have their base64 strings left out before they are looked through.
+_BLANK_MIN: Final = 64 * 1024
+# A base64 string's start in a serialized line: its opening quote, a data URL's prefix, 64
+# characters of base64. Its end is the next quote; what lies between is checked by ``_is_base64``.
+_BINARY_START: Final = re.compile(
+    rb'"(data:[\w.+-]+/[\w.+-]+(?:;[\w.+-]+=[\w.+-]+)*;base64,)?[A-Za-z0-9+/]{64}'
+)
+_BASE64_ALPHABET: Final = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+_DATA_URL: Final = re.compile(rb"data:[\w.+-]+/[\w.+-]+(?:;[\w.+-]+=[\w.+-]+)*;base64,")
+
+
+def _is_base64(data: bytes) -> bool:
+    """Whether ``data`` is base64 with at most two ``=`` of padding (as ``_BINARY``'s part after
+    a data URL's prefix): a table lookup per byte, ~4 times as fast as the pattern."""
+    if data.endswith(b"="):
+        data = data[:-2] if data.endswith(b"==") else data[:-1]
+    return bool(data) and not data.translate(None, _BASE64_ALPHABET)
+
+
+def is_binary(s: str) -> bool:
+    """Whether ``s`` is a base64 payload of a kilobyte or more, bare or as a data URL: an image,
+    a file, audio. ``_BINARY.fullmatch`` would say so too (an ASCII data URL's prefix only)."""
+    if len(s) < _BINARY_MIN or not s.isascii():
+        return False
+    data = s.encode("ascii")
+    if data.startswith(b"data:"):
+        prefix = _DATA_URL.match(data)
+        if prefix is None:
+            return False
+        data = data[prefix.end() :]
+    return _is_base64(data)
+
+
+def blank_binary(line: bytes) -> bytes:
+    """``line`` (serialized JSON) with each string that ``redact_text`` returns as it is, a base64
+    payload of a kilobyte or more, emptied; its keys kept (a key's name may say credential, which
+    ``redact`` reads): what is left holds whatever ``redact`` would change in the line."""
+    kept: list[bytes] = []
+    at = 0
+    for start in _BINARY_START.finditer(line):
+        opening = start.start()
+        if opening < at:
+            continue
+        closing = line.find(b'"', start.end())
+        if closing < 0:
+            break
+        if (
+            closing - opening > _BINARY_MIN
+            and line[opening - 1 : opening] != b"\\"  # (an escaped quote: inside a longer text)
+            and line[closing + 1 : closing + 2] != b":"  # (a key)
+            and _is_base64(line[start.end(1) if start.group(1) else opening + 1 : closing])
+        ):
+            kept.append(line[at : opening + 1])
+            at = closing
+    if not kept:
+        return line
+    kept.append(line[at:])
+    return b"".join(kept)
+
+
 def redact_text(s: str) -> str:
     """Return ``s`` with every secret-looking substring replaced (``s`` itself when none). A
-    base64 payload of a kilobyte or more (``_BINARY``) is returned as it is."""
+    base64 payload of a kilobyte or more (``is_binary``) is returned as it is."""
     if len(s) < _MIN_SECRET_LEN:
         return s
-    if len(s) >= _BINARY_MIN and _BINARY.fullmatch(s) is not None:
+    if is_binary(s):
         return s
     out = s
     lowered = _lowered(s)

@@ -941,6 +941,51 @@ def test_a_secret_never_reaches_the_file(log_dir: Path, writers) -> None:
     assert leaky["content"] == f"use OPENAI_API_KEY={KEY} please"  # the caller's copy untouched
 
 
+def test_a_history_of_screenshots_is_written_without_a_field_by_field_redaction(
+    log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random base64 spells "xox" or "eyJ" by chance: a whole history with screenshots in it was
+    redacted field by field (and serialized again) on every line, ~60 ms per 8 MB on the writer
+    thread, the interpreter's lock held from the event loop. A key beside them is still caught."""
+    import base64
+    import random
+
+    import proxy.eventlog as eventlog
+
+    walks: list[int] = []
+    real = eventlog.redact
+
+    def counted(obj: Any) -> Any:
+        walks.append(1)
+        return real(obj)
+
+    monkeypatch.setattr(eventlog, "redact", counted)
+    rnd = random.Random(3)
+    shots = [base64.b64encode(rnd.randbytes(60_000)).decode() for _ in range(30)]
+    assert any("xox" in s or "eyJ" in s for s in shots)
+    history: list[Message] = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": f"step {i}"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + s}},
+            ],
+        }
+        for i, s in enumerate(shots)
+    ]
+    w = started(writers, log_dir)
+    w.emit("s", request_event(1, None, 0, history))
+    assert w.close()
+    assert walks == []
+    [line] = (log_dir / "s.jsonl").read_bytes().splitlines()
+    assert orjson.loads(line)["appended"] == history
+    w = started(writers, log_dir)
+    w.emit("s", request_event(2, None, 0, [*history, {"role": "user", "content": f"key {KEY}"}]))
+    assert w.close()
+    assert walks
+    assert KEY.encode() not in (log_dir / "s.jsonl").read_bytes()
+
+
 def test_a_line_that_cannot_be_redacted_is_dropped_and_the_batch_still_written(
     log_dir: Path, writers
 ) -> None:

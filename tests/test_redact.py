@@ -782,3 +782,94 @@ def test_a_structured_field_named_as_a_credential_loses_its_value() -> None:
         "cache_write_tokens",
     ):
         assert not line_may_hold_secret(orjson.dumps({count: 100}))
+
+
+def _b64(n: int, seed: int) -> str:
+    import base64
+    import random
+
+    rnd = random.Random(seed)
+    return base64.b64encode(bytes(rnd.getrandbits(8) for _ in range(n))).decode()
+
+
+_BASE64_LIKE = st.text(
+    alphabet='AAzz09+/=-_:;.,"\\ data:image/png;base64,eyJxoxsk-', min_size=0, max_size=40
+)
+
+
+@given(st.lists(_BASE64_LIKE, min_size=1, max_size=4), st.integers(0, 3))
+def test_is_binary_agrees_with_the_pattern_it_stands_for(pieces: list[str], seed: int) -> None:
+    from proxy.redact import _BINARY, is_binary
+
+    # long strings made of base64, a data URL's prefix, padding and what breaks them
+    s = pieces[0] + _b64(800 + 100 * seed, seed) + "".join(pieces[1:])
+    assert is_binary(s) == (_BINARY.fullmatch(s) is not None), s[:60]
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["url", "data", "api_key", "content", "a" * 1100, "token"]),
+            st.sampled_from(["bare", "data-url", "padded", "secret-inside", "quoted", "text"]),
+            st.integers(0, 50),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+@settings(max_examples=60, deadline=None)
+def test_a_long_line_with_base64_left_out_still_shows_every_secret(
+    fields: list[tuple[str, str, int]],
+) -> None:
+    """The writer's prefilter leaves base64 payloads out of a long line (``blank_binary``): what
+    it leaves must still show everything ``redact`` would change."""
+    import orjson
+
+    from proxy.redact import blank_binary
+
+    secret = "ghp_" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8"
+    value: dict[str, object] = {}
+    for i, (key, shape, seed) in enumerate(fields):
+        body = _b64(1500, seed)
+        payload = {
+            "bare": body,
+            "data-url": "data:image/png;base64," + body,
+            "padded": body.rstrip("=") + "==",
+            "secret-inside": body[:900] + secret + body[900:],
+            "quoted": 'say \\"' + body,
+            "text": "see " + body + " " + secret,
+        }[shape]
+        value[f"{key}{i}" if key != "api_key" else key] = [{"text": payload}, payload]
+    line = orjson.dumps(value)
+    if not line_may_hold_secret(blank_binary(line)):
+        assert redact(value) == value
+
+
+def test_a_long_line_whose_base64_spells_a_key_pattern_by_chance_needs_no_redaction() -> None:
+    """Random base64 holds "xox" or "eyJ" about every 250 KB: a history with screenshots in it,
+    logged whole, was redacted field by field for that (~60 ms for 8 MB, plus ~200 ms of scans
+    through the base64). A secret beside the screenshots is still seen."""
+    import orjson
+
+    from proxy.redact import blank_binary
+
+    shots = [_b64(60_000, seed) for seed in range(30)]
+    assert any("xox" in s or "eyJ" in s for s in shots)
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what changed?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + s}},
+            ],
+        }
+        for s in shots
+    ] + [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": shots[0]}}]}]
+    line = orjson.dumps({"type": "request", "messages": messages})
+    assert len(line) > 2_000_000
+    assert not line_may_hold_secret(line)
+    messages.append({"role": "user", "content": "token xoxb-123456789012-abcdefABCDEF"})
+    assert line_may_hold_secret(orjson.dumps({"type": "request", "messages": messages}))
+    # a base64 string as an object's key stays in (a key's name may say credential); a value goes
+    blanked = blank_binary(orjson.dumps({shots[1]: "v", "pad": shots[2]}))
+    assert shots[1].encode() in blanked and shots[2].encode() not in blanked
