@@ -575,7 +575,9 @@ _BINARY_START: Final = re.compile(
     rb'"(data:[\w.+-]+/[\w.+-]+(?:;[\w.+-]+=[\w.+-]+)*;base64,)?[A-Za-z0-9+/]{64}'
 )
 _BASE64_ALPHABET: Final = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
-_DATA_URL: Final = re.compile(rb"data:[\w.+-]+/[\w.+-]+(?:;[\w.+-]+=[\w.+-]+)*;base64,")
+_BINARY_HEAD: Final = re.compile(
+    r"(data:[\w.+-]+/[\w.+-]+(?:;[\w.+-]+=[\w.+-]+)*;base64,)?[A-Za-z0-9+/]{64}", re.ASCII
+)
 
 
 def _is_base64(data: bytes) -> bool:
@@ -591,13 +593,10 @@ def is_binary(s: str) -> bool:
     a file, audio. ``_BINARY.fullmatch`` would say so too (an ASCII data URL's prefix only)."""
     if len(s) < _BINARY_MIN or not s.isascii():
         return False
-    data = s.encode("ascii")
-    if data.startswith(b"data:"):
-        prefix = _DATA_URL.match(data)
-        if prefix is None:
-            return False
-        data = data[prefix.end() :]
-    return _is_base64(data)
+    head = _BINARY_HEAD.match(s)  # (text fails here, at its first space: no copy of it made)
+    if head is None:
+        return False
+    return _is_base64(s[head.end(1) if head.group(1) else 0 :].encode("ascii"))
 
 
 def blank_binary(line: bytes) -> bytes:
