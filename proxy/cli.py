@@ -331,8 +331,7 @@ def _sessions(ns: argparse.Namespace) -> int:
                 else report.terminal_safe(report.render_cost(cost))
             )
         elif ns.action == "replay":
-            skipped: list[int] = []
-            requests = report.replayed(log_dir, ns.id, skipped)
+            requests, skipped, torn = report.replayed_whole(log_dir, ns.id)
             if any(report.metadata_only(r) for r in requests):
                 print(
                     'cachegate: this log was written with logging.bodies = "metadata": it keeps'
@@ -341,14 +340,24 @@ def _sessions(ns: argparse.Namespace) -> int:
                 )
             for line in report.request_lines(requests):
                 sys.stdout.write(report.json_terminal_safe(line) + "\n")
-            if skipped:  # a script re-sending the session must not take it for the whole
+            if skipped or torn:  # a script re-sending the session must not take it for the whole
                 sys.stdout.flush()
-                n = len(skipped)
-                print(
-                    f"cachegate: {n} request{'s' if n != 1 else ''} could not be rebuilt (built"
-                    " on a line that was torn or lost): the output is not the whole session",
-                    file=sys.stderr,
-                )
+                if skipped:
+                    n = len(skipped)
+                    print(
+                        f"cachegate: {n} request{'s' if n != 1 else ''} could not be rebuilt"
+                        " (built on a line that was torn or lost): the output is not the whole"
+                        " session",
+                        file=sys.stderr,
+                    )
+                if torn:
+                    print(
+                        f"cachegate: {torn} line{'s' if torn != 1 else ''} of the log"
+                        f" {'were' if torn != 1 else 'was'} torn (a crash or a full disk while"
+                        " writing) and held a request, or cannot say: not replayed; the output"
+                        " may not be the whole session",
+                        file=sys.stderr,
+                    )
                 return 1
         sys.stdout.flush()  # (a write error here, not at exit where nothing reports it)
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import stat
 import tempfile
 import threading
@@ -1048,6 +1049,8 @@ class LogRead:
     events: list[dict[str, Any]]
     torn: int
     starts_as_log: bool = True  # its first line begins as cachegate's do (``EVENT_START``)
+    # Of the torn lines, those that were requests, or cut before their type (``_torn_request``).
+    torn_requests: int = 0
 
 
 class NotALogFile(ValueError):
@@ -1108,7 +1111,7 @@ def parse_lines(
     cut by a crash or being written as it is read: were it read on, the rest of that line,
     appended meanwhile, would count as a second torn line)."""
     events: list[dict[str, Any]] = []
-    torn = 0
+    torn = torn_requests = 0
     starts_as_log: bool | None = None
     for raw in lines:
         if starts_as_log is None:
@@ -1127,6 +1130,7 @@ def parse_lines(
                 obj = _deep_line(line) if str(exc).startswith("depth limit") else None
                 if obj is None:
                     torn += 1
+                    torn_requests += _torn_request(line)
             if isinstance(obj, dict):
                 kind = obj.get("type")
                 fields = drop.get(kind) if drop and isinstance(kind, str) else None
@@ -1136,7 +1140,19 @@ def parse_lines(
                 events.append(obj)
         if not raw.endswith(b"\n"):
             break
-    return LogRead(events=events, torn=torn, starts_as_log=bool(starts_as_log))
+    return LogRead(
+        events=events, torn=torn, starts_as_log=bool(starts_as_log), torn_requests=torn_requests
+    )
+
+
+_TYPE_AT: Final = re.compile(rb'"type":"([a-z_]*)"')
+
+
+def _torn_request(line: bytes) -> bool:
+    """Whether a line that did not parse was a request's, or was cut before its type said what
+    it was (a crash's last line, a block of NULs): cachegate writes ``{"ts":…,"type":"…"`` first."""
+    found = _TYPE_AT.search(line, 0, 96)
+    return found is None or found.group(1) == b"request"
 
 
 def choose_base(

@@ -225,6 +225,17 @@ def replayed(
     return replay_requests(_load(log_dir, session_id).events, skipped)
 
 
+def replayed_whole(
+    log_dir: str | os.PathLike[str], session_id: str
+) -> tuple[list[dict[str, Any]], list[int], int]:
+    """``replayed``, the exchanges it could not rebuild, and how many torn lines of the log were
+    requests, or were cut before their type (none of those is in either list: its exchange is
+    not known)."""
+    read = _load(log_dir, session_id)
+    skipped: list[int] = []
+    return replay_requests(read.events, skipped), skipped, read.torn_requests
+
+
 def replay_lines(log_dir: str | os.PathLike[str], session_id: str) -> Iterator[str]:
     """One JSON object per forwarded request (``replayed``), in log order. The id is checked and
     the file read at call time, so errors surface before the first line."""

@@ -1171,3 +1171,33 @@ def test_replay_of_a_session_it_cannot_wholly_rebuild_exits_1_after_what_it_coul
     (tmp_path / "whole.jsonl").write_bytes(first + second + third)
     whole = run_cli("sessions", "replay", "whole", "--log-dir", str(tmp_path))
     assert whole.code == 0 and len(whole.out.splitlines()) == 3
+
+
+def test_replay_of_a_log_whose_last_request_line_is_torn_exits_1_and_says_so(
+    tmp_path: Path,
+) -> None:
+    """A crash (or a full disk) while the last request line was written: replay printed the
+    others and exited 0, its count of skipped requests leaving the torn one out, so a script
+    re-sending the session took it for the whole. A torn response line loses no request."""
+
+    def line(kind: str, exchange: int, **fields: object) -> bytes:
+        event = {"ts": 1.0 + exchange, "type": kind, "exchange": exchange, **fields}
+        return orjson.dumps(event) + b"\n"
+
+    first = line("request", 1, model="m", base_exchange=None, base=0, appended=[{"role": "user",
+                 "content": "one"}])  # fmt: skip
+    answer = line("response", 1, status=200)
+    second = line("request", 2, model="m", base_exchange=1, base=1, appended=[{"role": "user",
+                  "content": "two"}])  # fmt: skip
+    cases = {
+        "torn-request": (first + answer + second[:60] + b"\n", 1),
+        "cut-before-its-type": (first + answer + b'{"ts":17\n', 1),
+        "torn-response": (first + answer[:30] + b"\n" + second, 0),
+    }
+    for name, (data, code) in cases.items():
+        (tmp_path / f"{name}.jsonl").write_bytes(data)
+        result = run_cli("sessions", "replay", name, "--log-dir", str(tmp_path))
+        assert result.code == code, (name, result.err)
+        assert ("1 line of the log was torn" in result.err) == bool(code), name
+    whole = run_cli("sessions", "replay", "torn-response", "--log-dir", str(tmp_path))
+    assert [orjson.loads(x)["exchange_id"] for x in whole.out.splitlines()] == [1, 2]
