@@ -1145,7 +1145,7 @@ def parse_lines(
     )
 
 
-_TYPE_AT: Final = re.compile(rb'"type":"([a-z_]*)"')
+_TYPE_AT: Final = re.compile(rb'"type": ?"([a-z_]*)"')
 
 
 def _torn_request(line: bytes) -> bool:
