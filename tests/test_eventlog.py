@@ -215,7 +215,9 @@ def test_a_line_being_written_while_it_is_read_counts_once_at_most() -> None:
     from proxy.eventlog import parse_lines
 
     as_read = [b'{"ts":1.0,"type":"error"}\n', b'{"ts":2.0,"ty', b'pe":"error"}\n']
-    assert parse_lines(as_read) == LogRead(events=[{"ts": 1.0, "type": "error"}], torn=1)
+    assert parse_lines(as_read) == LogRead(
+        events=[{"ts": 1.0, "type": "error"}], torn=1, torn_requests=1
+    )
     whole = [b'{"ts":1.0,"type":"error"}\n', b'{"ts":2.0,"type":"error"}']  # no line end yet
     assert len(parse_lines(whole).events) == 2
 
