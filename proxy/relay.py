@@ -18,7 +18,7 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Final
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import httpx
 import orjson
@@ -454,9 +454,8 @@ def client_location(location: bytes, base_url: str, client_prefix: bytes) -> byt
     except ValueError:  # (``http://[bad/x``: not a URL; the client's to refuse)
         return location
     if target.netloc:
-        if target.netloc.lower() != base.netloc.lower() or target.scheme not in (
-            "",
-            base.scheme.lower(),
+        if target.scheme.lower() not in ("", base.scheme.lower()) or _origin(target, base) != (
+            _origin(base, base)
         ):
             return location
     elif target.scheme or not target.path.startswith("/"):
@@ -469,6 +468,17 @@ def client_location(location: bytes, base_url: str, client_prefix: bytes) -> byt
     query = "?" + target.query if target.query else ""
     fragment = "#" + target.fragment if target.fragment else ""
     return client_prefix + (rest + query + fragment).encode("latin-1")
+
+
+def _origin(url: SplitResult, base: SplitResult) -> tuple[str, int] | None:
+    """The host and port ``url`` names (its default port if none, in ``base``'s scheme if it
+    has none): ``http://user:pw@up:80/`` and ``//up/`` name one server. None for a bad port."""
+    try:
+        port = url.port
+    except ValueError:
+        return None
+    scheme = (url.scheme or base.scheme).lower()
+    return (url.hostname or "", port or (443 if scheme == "https" else 80))
 
 
 def _client_prefix(scope: Scope, path: str) -> bytes:

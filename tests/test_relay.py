@@ -2203,6 +2203,8 @@ def test_a_stream_request_answered_whole_under_another_type_is_recorded_as_an_an
         (b"http://up:8000/v1/x#part", b"/v1", b"/v1/x#part"),
         (b"relative/x", b"/v1", b"relative/x"),
         (b"ftp://up:8000/v1/x", b"/v1", b"ftp://up:8000/v1/x"),
+        (b"http://up:9000/v1/x", b"/v1", b"http://up:9000/v1/x"),  # another port
+        (b"http://up:8000x/v1/x", b"/v1", b"http://up:8000x/v1/x"),  # no port
     ],
 )
 def test_an_upstream_redirect_into_its_base_url_points_at_cachegate(
@@ -2211,6 +2213,26 @@ def test_an_upstream_redirect_into_its_base_url_points_at_cachegate(
     from proxy.relay import client_location
 
     assert client_location(location, "http://up:8000/v1/", prefix) == expected
+
+
+@pytest.mark.parametrize(
+    ("base", "location"),
+    [
+        # a base URL with credentials in it: the upstream's Location names the host alone
+        ("http://user:pw@up:8000/v1", b"http://up:8000/v1/models"),
+        # the default port, said or not, on either side
+        ("https://up/v1", b"https://up:443/v1/models"),
+        ("https://up:443/v1", b"https://UP/v1/models"),
+        ("http://up/v1", b"//up:80/v1/models"),
+    ],
+)
+def test_a_redirect_to_the_upstream_named_another_way_points_at_cachegate(
+    base: str, location: bytes
+) -> None:
+    """Compared as written, these pointed the client at the provider directly."""
+    from proxy.relay import client_location
+
+    assert client_location(location, base, b"/v1") == b"/v1/models"
 
 
 @pytest.mark.parametrize("prefix", ["/v1", "/s/slash-agent/v1"])
