@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import operator
 import time
@@ -49,11 +50,20 @@ ANCHOR_SHARE = 0.02
 
 @dataclasses.dataclass(slots=True)
 class _Summary:
-    """A summary being written (or written) for a session: its task, and whether an exchange
-    has been sent with it (which records it and its bill: once)."""
+    """A summary being written (or written) for a session: its task, the history prefix it
+    covers (``start``, ``end``, the digest of ``messages[:end]``), the requests waiting for it,
+    whether an exchange has been sent with it (which records it and its bill: once), and
+    whether its tokens and cost were counted in the metrics already (none waited when it was
+    done)."""
 
     task: asyncio.Future[tuple[compaction.Compaction, str, Any, float]]
+    start: int
+    end: int
+    digest: str
+    origin: Exchange | None  # the request it was written for (until it is billed)
+    waiting: int = 0
     claimed: bool = False
+    metered: bool = False
 
     @property
     def failed(self) -> bool:
@@ -62,19 +72,12 @@ class _Summary:
         return task.done() and (task.cancelled() or task.exception() is not None)
 
     @property
-    def build_s(self) -> float:
-        """cachegate's own time in the task (building the compaction): not the provider's."""
+    def upstream_s(self) -> float:
+        """The provider's time in the task (the summary call): not cachegate's overhead."""
         task = self.task
         if task.done() and not task.cancelled() and task.exception() is None:
             return float(task.result()[3])
         return 0.0
-
-
-def _settled(task: asyncio.Future[Any]) -> None:
-    """A summary's task is done: a failure nobody waited for is logged, not left to asyncio's
-    "exception was never retrieved" at collection."""
-    if not task.cancelled() and task.exception() is not None:
-        log.error("writing a summary failed", exc_info=task.exception())
 
 
 def _key(comp: compaction.Compaction) -> str:
@@ -175,6 +178,15 @@ class Compactor:
                 and _same(messages[count - 1], last.tail)
             ):
                 last = None  # another conversation's, or a rewind: the estimate decides
+        pending: dict[str, _Summary] | None = state.extra.get("summaries")
+        if pending:
+            running = self._running_for(pending, messages)
+            if running is not None:
+                # A retry, or the agent's next turn, while its history's summary is written
+                # (its client left): it waits for that one, then goes out with it, rather
+                # than pay for another (``_made``).
+                log.info("session %s: waiting for the summary of its history", state.id)
+                await self._wait(ex, state, running)
         held: dict[str, list[Any]] = state.extra.setdefault("compactions", {})
         existing, known = self._existing(held, messages)
         if existing is None and held:
@@ -346,8 +358,9 @@ class Compactor:
 
         The summary is written in a task of its own: a client that hangs up while it is being
         written (its timeout shorter than the summary call) does not cancel it. It is finished,
-        held for the session, and its retry (the same history) waits for it rather than pay for
-        another that its timeout would cut short in turn, which failed every turn."""
+        held for the session, and its retry or the agent's next turn (``_apply`` waits for a
+        summary of a prefix of its history) goes out with it, rather than pay for another that
+        its timeout would cut short in turn, which failed every turn."""
         assert plan.cut is not None
         cut = plan.cut
         digest = compaction.prefix_digest(messages, cut.end)
@@ -355,43 +368,104 @@ class Compactor:
         pending: dict[str, _Summary] = state.extra.setdefault("summaries", {})
         entry = pending.pop(key, None)
         if entry is None or entry.failed:
-            entry = _Summary(
-                asyncio.ensure_future(
-                    self._summarized(ex, state, messages, plan, window, overcount, digest)
-                )
+            task = asyncio.ensure_future(
+                self._summarized(ex, state, messages, plan, window, overcount, digest)
             )
-            self._tasks.add(entry.task)
-            entry.task.add_done_callback(_settled)
-            entry.task.add_done_callback(self._tasks.discard)
-        else:
-            log.info(
-                "session %s: a retry of a request whose summary was being written uses it",
-                state.id,
-            )
+            entry = _Summary(task, cut.start, cut.end, digest, ex)
+            self._tasks.add(task)
+            task.add_done_callback(functools.partial(self._done, entry))
         pending[key] = entry  # (the latest last: the oldest go first)
-        while len(pending) > MAX_COMPACTIONS:
+        while len(pending) > MAX_COMPACTIONS:  # (one still being written is billed when done)
             del pending[next(iter(pending))]
+        comp, model, answer = await self._wait(ex, state, entry)
+        if entry.claimed:
+            return comp, False
+        self._bill(ex, state, entry, model, answer)
+        return comp, True
+
+    async def _wait(
+        self, ex: Exchange, state: SessionState, entry: _Summary
+    ) -> tuple[compaction.Compaction, str, Any]:
+        """The summary of ``entry``, waited for by ``ex`` (whose client may leave meanwhile: the
+        summary goes on)."""
+        entry.waiting += 1
         waited = time.perf_counter()
         try:
             comp, model, answer, _ = await asyncio.shield(entry.task)
         except asyncio.CancelledError:
+            entry.waiting -= 1
             if not entry.task.done():
                 log.warning(
-                    "session %s: the client left while its history was being summarized; the "
-                    "summary is finished and kept for its retry (is the client's timeout shorter "
-                    "than compaction.summary_timeout_s?)",
+                    "session %s: the request left (its client, or cachegate stopping) while its "
+                    "history was being summarized; the summary goes on, kept for a retry or the "
+                    "next turn (is the client's timeout shorter than "
+                    "compaction.summary_timeout_s?)",
                     state.id,
                 )
+            elif not entry.waiting:
+                self._meter(entry)  # (it left as the summary was done: its bill is counted)
             raise
-        finally:  # the provider's time, not cachegate's overhead
-            ex.upstream_wait_s += max(0.0, time.perf_counter() - waited - entry.build_s)
-        if entry.claimed:
-            return comp, False
-        entry.claimed = True  # the provider bills it once: with the first exchange sent with it
+        except BaseException:
+            entry.waiting -= 1
+            raise
+        finally:
+            # the provider's time (at most the summary call's), not cachegate's overhead
+            ex.upstream_wait_s += min(time.perf_counter() - waited, entry.upstream_s)
+        entry.waiting -= 1
+        return comp, model, answer
+
+    @staticmethod
+    def _running_for(pending: dict[str, _Summary], messages: list[Any]) -> _Summary | None:
+        """A summary being written of a prefix of ``messages``, if any."""
+        for entry in reversed(pending.values()):
+            if (
+                not entry.task.done()
+                and len(messages) >= entry.end
+                and compaction.prefix_digest(messages, entry.end) == entry.digest
+            ):
+                return entry
+        return None
+
+    def _bill(
+        self, ex: Exchange, state: SessionState, entry: _Summary, model: str, answer: Any
+    ) -> None:
+        """``ex`` is the first request sent with ``entry``'s summary: it carries its bill (in
+        its log line's cost; in the metrics too unless they counted it when it was done)."""
+        entry.claimed = True
+        entry.origin = None
+        pending: dict[str, _Summary] = state.extra.get("summaries", {})
+        key = f"{entry.start}:{entry.end}:{entry.digest}"
         if pending.get(key) is entry:
             del pending[key]
         self._count_summary(ex, model, answer)
-        return comp, True
+        if entry.metered:
+            ex.summary_metered = True
+
+    def _done(self, entry: _Summary, task: asyncio.Future[Any]) -> None:
+        """A summary's task is done: a failure is logged (not left to asyncio's "exception was
+        never retrieved"); a summary no request is waiting for has its bill counted in the
+        metrics now (the request that goes out with it later records it in the log)."""
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            log.error("writing a summary failed", exc_info=task.exception())
+            return
+        if not entry.waiting:
+            self._meter(entry)
+
+    def _meter(self, entry: _Summary) -> None:
+        """Count the bill of a summary no request is waiting for in the metrics, under its
+        model (``on_summary_usage``): its client left, and no request may ever go out with it."""
+        origin = entry.origin
+        if entry.metered or entry.claimed or entry.failed or origin is None:
+            return
+        entry.metered = True
+        entry.origin = None
+        _, model, answer, _ = entry.task.result()
+        usage = normalize_usage(answer.get("usage")) if isinstance(answer, dict) else None
+        if usage is not None:
+            notify(self.observers, "on_summary_usage", origin, model, usage)
 
     async def _summarized(
         self,
@@ -406,8 +480,7 @@ class Compactor:
         """The summary and the compaction built from it, held for the session (whether or not
         anyone waits for it now), with what billing and overhead need."""
         assert plan.cut is not None
-        text, source, model, answer = await self._summarize(ex, plan, window, overcount)
-        started = time.perf_counter()
+        text, source, model, answer, upstream_s = await self._summarize(ex, plan, window, overcount)
         comp = compaction.build_compaction(
             messages,
             plan.cut,
@@ -417,8 +490,7 @@ class Compactor:
             digest=digest,
         )
         self._hold(state.extra.setdefault("compactions", {}), comp, messages)
-        build_s = time.perf_counter() - started
-        return comp, model, answer, build_s
+        return comp, model, answer, upstream_s
 
     def _claim(self, state: SessionState, ex: Exchange, comp: compaction.Compaction) -> bool:
         """Whether ``comp``, reused by ``ex``, was made for a request whose client left before it
@@ -433,9 +505,7 @@ class Compactor:
         made, model, answer, _ = entry.task.result()
         if made is not comp:
             return False
-        entry.claimed = True
-        del pending[key]
-        self._count_summary(ex, model, answer)
+        self._bill(ex, state, entry, model, answer)
         self._made_for(ex, comp)
         return True
 
@@ -565,9 +635,10 @@ class Compactor:
 
     async def _summarize(
         self, ex: Exchange, plan: compaction.Plan, window: int, overcount: float = 1.0
-    ) -> tuple[str, compaction.Source, str, Any]:
-        """The summary's text and source, the model that wrote it and its answer (for the
-        bill: ``_count_summary``), or the extractive summary when the call failed."""
+    ) -> tuple[str, compaction.Source, str, Any, float]:
+        """The summary's text and source, the model that wrote it, its answer (for the bill:
+        ``_count_summary``) and the seconds the call took, or the extractive summary when the
+        call failed."""
         model = self.settings.compaction.summarizer_model or ex.model or ""
         # The request must fit the summarizer's window: half of it for what goes in (the
         # previous summary, the instructions, the transcript, whose tool outputs share it),
@@ -589,20 +660,24 @@ class Compactor:
             max_chars=max(1000, budget - fixed),
             words=chars // 6,
         )
-        started = time.perf_counter()
         headers = [(k, v) for k, v in ex.upstream_headers if k != b"content-type"]
         headers.append((b"content-type", b"application/json"))
         stage = "connect"  # what a failure was, for cachegate_upstream_errors_total
         billed: Any = None  # the answer whose usage the provider bills
+        started = time.perf_counter()
+        upstream_s = 0.0
         try:
             async with asyncio.timeout(self.settings.compaction.summary_timeout_s):
                 url = self.relay.url("chat/completions", ex.query)  # keeps e.g. ?api-version=
-                response = await self.relay.open("POST", url, headers, orjson.dumps(request))
-                stage = "midstream"
                 try:
-                    body = await response.aread()
+                    response = await self.relay.open("POST", url, headers, orjson.dumps(request))
+                    stage = "midstream"
+                    try:
+                        body = await response.aread()
+                    finally:
+                        await response.aclose()
                 finally:
-                    await response.aclose()
+                    upstream_s = time.perf_counter() - started
             stage = "status" if response.status_code >= 400 else "invalid"
             if response.status_code == 200:
                 answer = orjson.loads(body)
@@ -616,7 +691,8 @@ class Compactor:
                 text = answer["choices"][0]["message"]["content"]
                 if isinstance(text, str) and text.strip():
                     limit = int(chars * compaction.SUMMARY_OVERRUN)
-                    return compaction.clip_summary(text.strip(), limit), "model", model, answer
+                    summary = compaction.clip_summary(text.strip(), limit)
+                    return summary, "model", model, answer, upstream_s
             log.warning(
                 "summarizer answered %s%s; using the extractive summary",
                 response.status_code,
@@ -649,4 +725,5 @@ class Compactor:
             "extractive",
             model,
             billed,  # (a 200 without text is billed all the same)
+            upstream_s,
         )

@@ -574,13 +574,22 @@ class AccountingObserver:
         if summary is not None:
             pricing = self._model_terms(ex.summary_model).pricing
             extra = cache.compute_cost(summary, pricing)
-            self.metrics.observe_usage(ex.summary_model, summary)
-            self.metrics.observe_cost(ex.summary_model, extra.actual, extra.uncached)
+            if not ex.summary_metered:
+                self.metrics.observe_usage(ex.summary_model, summary)
+                self.metrics.observe_cost(ex.summary_model, extra.actual, extra.uncached)
             actual += extra.actual
             uncached += extra.uncached
         elif cost is None:
             return
         ex.cost = {"actual": actual, "uncached": uncached}
+
+    def on_summary_usage(self, ex: Exchange, model: str, usage: Usage) -> None:
+        """A compaction's summary that no request was waiting for when it was done (its client
+        left): its tokens and cost count in the metrics now, under its model. The request that
+        goes out with it later carries it in its log line (``Exchange.summary_metered``)."""
+        extra = cache.compute_cost(usage, self._model_terms(model).pricing)
+        self.metrics.observe_usage(model, usage)
+        self.metrics.observe_cost(model, extra.actual, extra.uncached)
 
     def _compare(
         self, ranked: list[_Baseline], fp: prefix.Fingerprint, body: Any

@@ -78,6 +78,9 @@ class Exchange:
     # A compaction's summary call (its usage and model), priced with the exchange
     summary_usage: Usage | None = None
     summary_model: str | None = None
+    # The summary's bill was counted in the metrics when it was done (no request waited for it:
+    # ``Compactor._meter``): this exchange's log line carries it, the metrics not again.
+    summary_metered: bool = False
     interrupted: bool = False
     stopped: bool = False  # interrupted by cachegate's own shutdown, not by the client
     error: str | None = None

@@ -20,7 +20,7 @@ from proxy.eventlog import read_events
 from proxy.serving import ServerThread
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
 from proxy.simulator.reply import parse_script
-from tests.e2e_support import NoCacheUpstream
+from tests.e2e_support import NoCacheUpstream, wait_for
 
 MODEL = "gpt-4o"
 
@@ -1573,7 +1573,7 @@ def test_a_client_timeout_shorter_than_the_summary_call_gets_its_retry_answered(
         assert SUMMARIZER_SYSTEM_PROMPT in summary_call["messages"][0]["content"]
         assert any(SUMMARY_MARKER in str(m.get("content")) for m in answered["messages"])
         said = [r.getMessage() for r in caplog.records]
-        assert any("left while its history was being summarized" in m for m in said), said
+        assert any("while its history was being summarized" in m for m in said), said
         proxy.settle()
         logged = read_events(proxy.log_dir / "short-timeout.jsonl").events
         (made,) = [e for e in logged if e["type"] == "compacted"]
@@ -1617,3 +1617,83 @@ def test_a_summary_whose_client_left_is_used_and_billed_by_the_next_turn(
         answer_prompt = 3000 + 50 * len(upstream.requests[1]["messages"])
         expected = (summary_prompt + answer_prompt + 4 * 2.0) / 1e6
         assert response["cost"]["actual"] == pytest.approx(expected)
+
+
+def _cost(upstream: NoCacheUpstream, index: int) -> float:
+    """What the NoCacheUpstream's ``index``-th request cost at PRICED's prices."""
+    prompt = 3000 + 50 * len(upstream.requests[index]["messages"])
+    return (prompt * 1.0 + 2 * 2.0) / 1e6
+
+
+def test_the_next_turn_while_the_summary_is_written_waits_for_it_and_pays_once(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """The client left (its timeout), and the agent's next turn, its history longer (the cut
+    would move), came while the summary was still written: it started a second summary, and
+    the first, paid for, was recorded nowhere."""
+    upstream = SlowSummaries(summary_s=2.0)
+    with ServerThread(upstream) as server:
+        proxy = proxy_factory(server.url + "/v1", PRICED)
+        messages = history(18)
+        headers = {"X-Session-Id": "next-turn-early"}
+        with pytest.raises(openai.APITimeoutError):
+            sdk(proxy.base_url, timeout=0.4).chat.completions.create(
+                model=MODEL, messages=messages, extra_headers=headers
+            )
+        messages += [
+            {"role": "assistant", "content": "Still working on it."},
+            {"role": "user", "content": "Go on."},
+        ]
+        raw = sdk(proxy.base_url, timeout=10).chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, extra_headers=headers
+        )
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        assert upstream.summaries == 1
+        assert len(upstream.requests) == 2
+        proxy.settle()
+        logged = read_events(proxy.log_dir / "next-turn-early.jsonl").events
+        (made,) = [e for e in logged if e["type"] == "compacted"]
+        assert made["source"] == "model"
+        (response,) = [e for e in logged if e["type"] == "response" and e["status"] == 200]
+        total = _cost(upstream, 0) + _cost(upstream, 1)
+        assert response["cost"]["actual"] == pytest.approx(total)
+        labels = {"model": MODEL, "kind": "actual"}
+        assert proxy.metric("cachegate_cost_usd_total", labels) == pytest.approx(total)
+
+
+def test_a_summary_nobody_waits_for_is_counted_in_the_metrics_once(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """The client left and no request has gone out with the summary yet (the user quit, say):
+    the provider billed it, so the metrics count it when it is done; the next turn that goes
+    out with it carries it in its log line, and the metrics do not count it twice."""
+    upstream = SlowSummaries(summary_s=0.8)
+    with ServerThread(upstream) as server:
+        proxy = proxy_factory(server.url + "/v1", PRICED)
+        client = sdk(proxy.base_url, timeout=0.3)
+        messages = history(18)
+        headers = {"X-Session-Id": "unclaimed"}
+        with pytest.raises(openai.APITimeoutError):
+            client.chat.completions.create(model=MODEL, messages=messages, extra_headers=headers)
+        labels = {"model": MODEL, "kind": "actual"}
+        wait_for(
+            lambda: proxy.metric("cachegate_cost_usd_total", labels),
+            what="the summary's cost in the metrics",
+        )
+        summary = _cost(upstream, 0)
+        assert proxy.metric("cachegate_cost_usd_total", labels) == pytest.approx(summary)
+        prompt = {"model": MODEL, "kind": "prompt"}
+        assert proxy.metric("cachegate_tokens_total", prompt) == 3000 + 50 * len(
+            upstream.requests[0]["messages"]
+        )
+        messages.append({"role": "user", "content": "Go on."})
+        sdk(proxy.base_url, timeout=10).chat.completions.create(
+            model=MODEL, messages=messages, extra_headers=headers
+        )
+        assert upstream.summaries == 1
+        total = summary + _cost(upstream, 1)
+        assert proxy.metric("cachegate_cost_usd_total", labels) == pytest.approx(total)
+        proxy.settle()
+        logged = read_events(proxy.log_dir / "unclaimed.jsonl").events
+        (response,) = [e for e in logged if e["type"] == "response" and e["status"] == 200]
+        assert response["cost"]["actual"] == pytest.approx(total)
