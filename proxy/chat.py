@@ -59,6 +59,15 @@ OBSERVER_FIRST_GUESS_S = 0.00025
 _USAGE_OPTION = b'"stream_options":{"include_usage":true}'
 
 
+def _anchor(messages: Any) -> Any:
+    """A history's first message after its system prompt (``MemorySessionStore.weigh``)."""
+    if isinstance(messages, list):
+        for message in messages:
+            if not (isinstance(message, dict) and message.get("role") in ("system", "developer")):
+                return message
+    return None
+
+
 def parse_request(raw: bytes, memos: list[bodymemo.BodyMemo]) -> bodymemo.Parsed:
     """The request as a JSON object, or a 400 that says what is wrong with it. A body that continues
     the session's previous one (``memos``) is spliced onto its parse (see ``proxy.bodymemo``)."""
@@ -344,7 +353,9 @@ class ChatPipeline:
 
     def resolve_session(
         self, headers: Mapping[str, str], path_id: str | None, body: dict[str, Any], now: float
-    ) -> SessionState:
+    ) -> tuple[SessionState, int]:
+        """The request's session, and how many leading messages it shares with the session's
+        last request (their objects now the same: held once)."""
         try:
             sid = explicit_session_id(headers, path_id)
         except ValueError as exc:
@@ -370,7 +381,7 @@ class ChatPipeline:
             if shared:
                 messages[:shared] = previous[:shared]
         self.sessions.index(state, messages, inferable=sid is None)
-        return state
+        return state, max(shared, 0)
 
     def remember_body(
         self, key: str, raw: bytes, body: dict[str, Any], parsed: bodymemo.Parsed, now: float
@@ -636,9 +647,14 @@ class ChatPipeline:
             ex.model = model if isinstance(model, str) else None
             ex.stream = body.get("stream") is True
             ex.client_body = body
-            state = self.resolve_session(headers, path_session, body, now)
+            state, shared = self.resolve_session(headers, path_session, body, now)
             messages = body.get("messages")
-            self.sessions.weigh(state, len(raw), len(messages) if isinstance(messages, list) else 0)
+            count = len(messages) if isinstance(messages, list) else 0
+            if parsed.source is not None:  # spliced: only the appended bytes were parsed anew
+                new = (len(raw) - len(parsed.source.raw), count - len(parsed.source.messages))
+            else:  # the unchanged prefix it shares with the session's last request, by count
+                new = (len(raw) * (count - shared) // count if count else len(raw), count - shared)
+            self.sessions.weigh(state, len(raw), count, new, _anchor(messages))
             if memo_key is not None:
                 self.remember_body(memo_key, raw, body, parsed, now)
             ex.session_id, ex.session = state.id, state

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
@@ -378,6 +379,52 @@ def test_a_history_of_many_short_messages_is_weighed_by_its_messages(
     )
     assert httpx.get(proxy.url + "/metrics").status_code == 200
     assert proxy.metric("cachegate_sessions_memory_bytes") >= 2001 * BYTES_HELD_PER_MESSAGE
+
+
+@pytest.mark.parametrize("spliced", [True, False], ids=["memo-spliced", "parsed-whole"])
+def test_histories_that_do_not_continue_one_another_each_count_toward_the_memory_budget(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any, spliced: bool
+) -> None:
+    """A system prompt with the time in it: each turn's history shares no message objects
+    with the last (the shared prefix stops at the first message), and the log's bases and the
+    accounting's baselines hold each one whole. Weighed by the largest alone, 4 sessions of
+    4.7 MB held 285 MB of RSS under sessions.max_memory_mb = 100 and none was forgotten. An
+    agent that appends (its history shared, or spliced onto the last body) weighs its largest."""
+    from proxy.sessions import BYTES_HELD_PER_BODY_BYTE, BYTES_HELD_PER_OWN_BYTE
+
+    proxy = proxy_factory(sim.api_base)
+    c = sdk(proxy.base_url)
+    rounds = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"step {i} " + "x" * 2000}
+        for i in range(40)
+    ]
+
+    def weight(sid: str) -> int:
+        return proxy.gateway.chat.sessions.get(sid).weight  # type: ignore[no-any-return]
+
+    sizes = []
+    for turn in range(3):
+        messages = [{"role": "system", "content": f"You are an agent. It is {turn}:00."}, *rounds]
+        raw = c.chat.completions.with_raw_response.create(
+            model="gpt-4o", messages=messages, extra_headers={"X-Session-Id": "timed"}
+        )
+        assert raw.http_response.status_code == 200
+        sizes.append(len(orjson.dumps({"model": "gpt-4o", "messages": messages})))
+    whole = BYTES_HELD_PER_BODY_BYTE * max(sizes)
+    # the largest whole, and each other turn's history for its own (a byte or two apart)
+    assert weight("timed") >= whole + 2 * BYTES_HELD_PER_OWN_BYTE * min(sizes) * 0.99
+    appended: list[dict[str, Any]] = []
+    for turn in range(3):
+        appended = [{"role": "system", "content": "You are an agent."}, *rounds[: 34 + 2 * turn]]
+        # (a field after the messages that changes each turn: the body is parsed whole, and
+        # only the shared prefix of its history makes it light)
+        extra = {} if spliced else {"user": f"turn-{turn}"}
+        c.chat.completions.create(
+            model="gpt-4o", messages=appended, extra_headers={"X-Session-Id": "appending"}, **extra
+        )
+    assert proxy.gateway.chat.spliced_parses == (2 if spliced else 0)
+    largest = len(orjson.dumps({"model": "gpt-4o", "messages": appended}))
+    assert weight("appending") < 1.1 * BYTES_HELD_PER_BODY_BYTE * largest + 2048
 
 
 def test_a_websocket_handshake_is_refused_plainly_not_relayed_as_a_get(
