@@ -74,7 +74,10 @@ def parse_request(raw: bytes, memos: list[bodymemo.BodyMemo]) -> bodymemo.Parsed
     try:
         parsed = bodymemo.parse(raw, memos)
     except orjson.JSONDecodeError as exc:
-        lenient = _lenient_body(raw)
+        # (orjson's depth limit is its own verdict; the standard parser's recursion limit
+        # differs by Python version, and told it as "not valid JSON" on 3.12)
+        too_deep = str(exc).startswith("depth limit")
+        lenient = _TOO_DEEP if too_deep else _lenient_body(raw)
         if lenient is _TOO_DEEP:
             raise bad_request(
                 f"Request body is nested deeper than {ORJSON_MAX_DEPTH} levels, the most"
