@@ -202,6 +202,9 @@ class EventLogWriter:
         self._dir_id: tuple[int, int] | None = None  # the log directory's (device, inode)
         self._abs_dir = os.path.abspath(self.log_dir)
         self._claim_tried: tuple[tuple[int, int] | None, float] = (None, 0.0)  # (dir, when)
+        # The pid another cachegate wrote in the lock of the log directory as it is now, which
+        # it holds: this writer writes nothing there until it has the lock (``_claim``).
+        self._locked_out: str | None = None
         self._removed_checked = time.monotonic()
 
     # -- counters -----------------------------------------------------------------------------
@@ -521,6 +524,26 @@ class EventLogWriter:
             del metas[next(iter(metas))]
 
     def _write_lines(self, session_id: str, lines: list[bytes]) -> None:
+        if self._locked_out is not None:
+            now = _dir_id(self.log_dir)
+            if now is not None:
+                self._claim(now)  # (at most every CLAIM_RETRY_S)
+            if self._locked_out is not None:
+                # Another cachegate took the directory while it was gone (removed and made
+                # again): two processes writing one session's file interleave their exchange
+                # numbers, so this one's lines are lost, and said so, until the lock is its own.
+                self._close_fd(session_id)
+                self._mark_broken(session_id)
+                for _ in lines:
+                    self._lose(
+                        "locked_out",
+                        "event log: another cachegate (pid %s) writes %s now (it was removed and"
+                        " made again meanwhile); this one's lines are lost until it stops"
+                        " (cachegate_event_log_lost_total)",
+                        self._locked_out,
+                        self.log_dir,
+                    )
+                return
         data = lines[0] if len(lines) == 1 else b"".join(lines)
         try:
             if session_id in self._fds:
@@ -708,14 +731,17 @@ class EventLogWriter:
             return
         self._claim_tried = (now, clock)
         holder = claim_log_dir(self.log_dir)
-        if holder is not None:
+        if holder is not None and self._locked_out is None:
             self._warn(
                 "claim",
                 "log directory %s was made again, replaced or made writable, and another"
-                " cachegate (pid %s) now writes it too",
+                " cachegate (pid %s) holds it now: this one writes no line there until it stops",
                 self.log_dir,
                 holder,
             )
+        elif holder is None and self._locked_out is not None:
+            logger.warning("event log: %s is this cachegate's again; writing on", self.log_dir)
+        self._locked_out = holder
 
     def _close_idle(self) -> None:
         """Close the files not written for ``IDLE_CLOSE_S`` (the least recently written come

@@ -588,7 +588,8 @@ def test_the_claim_is_taken_back_once_another_process_that_held_it_is_gone(
     log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch, caplog
 ) -> None:
     """The directory was made again by a second cachegate, which took the lock, then stopped:
-    the first wrote on without taking the lock back, and a third was let in."""
+    the first wrote on without taking the lock back, and a third was let in. While the second
+    held it, the first wrote on into it too."""
     import subprocess
     import sys
 
@@ -609,11 +610,16 @@ def test_the_claim_is_taken_back_once_another_process_that_held_it_is_gone(
                 w.emit("a", {"type": "error", "exchange": 1, "status": 400, "message": "m"})
                 assert w.flush()
             assert f"another cachegate (pid {other.pid})" in caplog.text
+            # the other writes there now: this one's lines are lost, not interleaved with its
+            # (both numbered a session's exchanges from 1 in one file)
+            assert not (log_dir / "a.jsonl").exists()
+            assert "this one's lines are lost" in caplog.text
         finally:
             other.kill()
     w.emit("a", {"type": "error", "exchange": 2, "status": 400, "message": "m"})
     assert w.flush()
     assert claim_log_dir(log_dir) == str(os.getpid())  # taken back: a third is refused
+    assert [e["exchange"] for e in read_events(log_dir / "a.jsonl").events] == [2]
 
 
 def test_the_claim_is_taken_once_the_directory_lets_the_lock_be_made(
