@@ -80,6 +80,21 @@ class _Summary:
         return 0.0
 
 
+def _added(earlier: Usage | None, usage: Usage) -> Usage:
+    if earlier is None:
+        return usage
+    return Usage(
+        earlier.prompt + usage.prompt,
+        earlier.completion + usage.completion,
+        earlier.cache_read + usage.cache_read,
+        earlier.cache_write + usage.cache_write,
+        earlier.reported_cache or usage.reported_cache,
+        earlier.reported_cache_write or usage.reported_cache_write,
+        earlier.explicit_cache or usage.explicit_cache,
+        earlier.cache_write_1h + usage.cache_write_1h,
+    )
+
+
 def _key(comp: compaction.Compaction) -> str:
     return comp.opening + comp.prefix_digest
 
@@ -158,10 +173,39 @@ class Compactor:
         window: int | None,
         overcount: float = 1.0,
     ) -> dict[str, Any]:
-        cfg = self.settings.compaction
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return body
+        pending: dict[str, _Summary] | None = state.extra.get("summaries")
+        running = self._running_for(pending, messages) if pending else None
+        if running is None:
+            return await self._compact(ex, state, body, messages, force, window, overcount)
+        # A retry, or the agent's next turn, while its history's summary is written (its client
+        # left): it waits for that one, then goes out with it (``_claim``), rather than pay for
+        # another; or, should its history need more, with a compaction made on it.
+        log.info("session %s: waiting for the summary of its history", state.id)
+        await self._wait(ex, state, running)
+        try:
+            forwarded = await self._compact(ex, state, body, messages, force, window, overcount)
+        except BaseException:
+            self._meter(running)  # (no response of this one's prices it)
+            raise
+        if not running.claimed and not running.failed:  # its next compaction was made on it
+            _, model, answer, _ = running.task.result()
+            self._bill(ex, state, running, model, answer)
+        return forwarded
+
+    async def _compact(
+        self,
+        ex: Exchange,
+        state: SessionState,
+        body: dict[str, Any],
+        messages: list[Any],
+        force: bool,
+        window: int | None,
+        overcount: float,
+    ) -> dict[str, Any]:
+        cfg = self.settings.compaction
         model_cfg = self._model(ex.model)
         if window is not None:
             model_cfg = dataclasses.replace(model_cfg, context_window=window)
@@ -178,15 +222,6 @@ class Compactor:
                 and _same(messages[count - 1], last.tail)
             ):
                 last = None  # another conversation's, or a rewind: the estimate decides
-        pending: dict[str, _Summary] | None = state.extra.get("summaries")
-        if pending:
-            running = self._running_for(pending, messages)
-            if running is not None:
-                # A retry, or the agent's next turn, while its history's summary is written
-                # (its client left): it waits for that one, then goes out with it, rather
-                # than pay for another (``_made``).
-                log.info("session %s: waiting for the summary of its history", state.id)
-                await self._wait(ex, state, running)
         held: dict[str, list[Any]] = state.extra.setdefault("compactions", {})
         existing, known = self._existing(held, messages)
         if existing is None and held:
@@ -437,9 +472,7 @@ class Compactor:
         key = f"{entry.start}:{entry.end}:{entry.digest}"
         if pending.get(key) is entry:
             del pending[key]
-        self._count_summary(ex, model, answer)
-        if entry.metered:
-            ex.summary_metered = True
+        self._count_summary(ex, model, answer, entry.metered)
 
     def _done(self, entry: _Summary, task: asyncio.Future[Any]) -> None:
         """A summary's task is done: a failure is logged (not left to asyncio's "exception was
@@ -613,25 +646,20 @@ class Compactor:
         return cls._kept(messages, cut) + extra < limit
 
     @staticmethod
-    def _count_summary(ex: Exchange, model: str, answer: Any) -> None:
+    def _count_summary(ex: Exchange, model: str, answer: Any, metered: bool = False) -> None:
         """The summary call's usage, as its answer reports it, on the exchange: the provider
-        bills it, so it is priced with the exchange (``AccountingObserver``)."""
+        bills it, so it is priced with the exchange (``AccountingObserver``); ``metered``: the
+        metrics counted it already (``_meter``), so only the exchange's log line carries it."""
         usage = normalize_usage(answer.get("usage")) if isinstance(answer, dict) else None
         if usage is None:
             return
-        earlier = ex.summary_usage  # (a retry's compaction after the first one's)
-        if earlier is not None and ex.summary_model == model:
-            usage = Usage(
-                earlier.prompt + usage.prompt,
-                earlier.completion + usage.completion,
-                earlier.cache_read + usage.cache_read,
-                earlier.cache_write + usage.cache_write,
-                earlier.reported_cache or usage.reported_cache,
-                earlier.reported_cache_write or usage.reported_cache_write,
-                earlier.explicit_cache or usage.explicit_cache,
-                earlier.cache_write_1h + usage.cache_write_1h,
-            )
-        ex.summary_usage, ex.summary_model = usage, model
+        same = ex.summary_model == model  # (a retry's compaction after the first one's)
+        ex.summary_usage = _added(ex.summary_usage if same else None, usage)
+        if metered:
+            ex.summary_metered = _added(ex.summary_metered if same else None, usage)
+        elif not same:
+            ex.summary_metered = None
+        ex.summary_model = model
 
     async def _summarize(
         self, ex: Exchange, plan: compaction.Plan, window: int, overcount: float = 1.0

@@ -574,9 +574,13 @@ class AccountingObserver:
         if summary is not None:
             pricing = self._model_terms(ex.summary_model).pricing
             extra = cache.compute_cost(summary, pricing)
-            if not ex.summary_metered:
-                self.metrics.observe_usage(ex.summary_model, summary)
-                self.metrics.observe_cost(ex.summary_model, extra.actual, extra.uncached)
+            counted: Usage | None = summary
+            if ex.summary_metered is not None:  # (counted when its summary was done)
+                counted = _less(summary, ex.summary_metered)
+            if counted is not None:
+                once = cache.compute_cost(counted, pricing) if counted is not summary else extra
+                self.metrics.observe_usage(ex.summary_model, counted)
+                self.metrics.observe_cost(ex.summary_model, once.actual, once.uncached)
             actual += extra.actual
             uncached += extra.uncached
         elif cost is None:
@@ -843,6 +847,23 @@ class EventLogObserver:
                 "forwarded": False,  # answered by cachegate: nothing went upstream
             },
         )
+
+
+def _less(usage: Usage, counted: Usage) -> Usage | None:
+    """``usage`` without what ``counted`` holds of it; None when nothing is left."""
+    rest = Usage(
+        max(0, usage.prompt - counted.prompt),
+        max(0, usage.completion - counted.completion),
+        max(0, usage.cache_read - counted.cache_read),
+        max(0, usage.cache_write - counted.cache_write),
+        usage.reported_cache,
+        usage.reported_cache_write,
+        usage.explicit_cache,
+        max(0, usage.cache_write_1h - counted.cache_write_1h),
+    )
+    if not (rest.prompt or rest.completion or rest.cache_read or rest.cache_write):
+        return None
+    return rest
 
 
 def _usage_dict(usage: Usage) -> dict[str, Any]:

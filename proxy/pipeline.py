@@ -78,9 +78,10 @@ class Exchange:
     # A compaction's summary call (its usage and model), priced with the exchange
     summary_usage: Usage | None = None
     summary_model: str | None = None
-    # The summary's bill was counted in the metrics when it was done (no request waited for it:
-    # ``Compactor._meter``): this exchange's log line carries it, the metrics not again.
-    summary_metered: bool = False
+    # Of ``summary_usage``, what the metrics counted when its summary was done (no request
+    # waited for it: ``Compactor._meter``): this exchange's log line carries it, the metrics
+    # count only the rest.
+    summary_metered: Usage | None = None
     interrupted: bool = False
     stopped: bool = False  # interrupted by cachegate's own shutdown, not by the client
     error: str | None = None

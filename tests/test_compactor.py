@@ -1697,3 +1697,34 @@ def test_a_summary_nobody_waits_for_is_counted_in_the_metrics_once(
         logged = read_events(proxy.log_dir / "unclaimed.jsonl").events
         (response,) = [e for e in logged if e["type"] == "response" and e["status"] == 200]
         assert response["cost"]["actual"] == pytest.approx(total)
+
+
+def test_a_turn_that_waited_for_a_summary_and_needs_another_pays_for_both(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """The agent's next turn (a large tool output in it) waited for the summary its timed-out
+    try started, then needed a compaction of its own on top of it: the summary it waited for
+    was in no log line and no metric, though the provider billed it."""
+    upstream = SlowSummaries(summary_s=1.5)
+    with ServerThread(upstream) as server:
+        proxy = proxy_factory(server.url + "/v1", PRICED)
+        messages = history(18)
+        headers = {"X-Session-Id": "waited-then-more"}
+        with pytest.raises(openai.APITimeoutError):
+            sdk(proxy.base_url, timeout=0.3).chat.completions.create(
+                model=MODEL, messages=messages, extra_headers=headers
+            )
+        messages += history(19)[-2:]  # one more tool round...
+        messages[-1] = {**messages[-1], "content": "output: " + "y" * 9000}  # ...a large one
+        raw = sdk(proxy.base_url, timeout=20).chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, extra_headers=headers
+        )
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        assert upstream.summaries == 2
+        total = sum(_cost(upstream, i) for i in range(len(upstream.requests)))
+        labels = {"model": MODEL, "kind": "actual"}
+        assert proxy.metric("cachegate_cost_usd_total", labels) == pytest.approx(total)
+        proxy.settle()
+        logged = read_events(proxy.log_dir / "waited-then-more.jsonl").events
+        costs = [e["cost"]["actual"] for e in logged if e["type"] == "response" and e["cost"]]
+        assert sum(costs) == pytest.approx(total)

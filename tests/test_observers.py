@@ -902,3 +902,33 @@ def test_a_model_that_caches_nothing_is_priced_by_its_table_and_no_read_is_expec
         history = [*history, {"role": "assistant", "content": "done"}, *msgs("more")]
     assert ex.cost is not None and ex.cost["actual"] == pytest.approx(5.0 + 15.0)
     assert ex.cache is not None and ex.cache["waste"] == 0
+
+
+def test_a_summary_counted_when_it_was_done_is_not_counted_again_and_hides_no_other() -> None:
+    """An exchange went out with a summary the metrics counted when it was done (no request
+    waited for it), then made one of its own (the provider refused the history as too long):
+    one flag for the whole exchange left the second out of the metrics."""
+    from prometheus_client import CollectorRegistry
+
+    from proxy.compactor import Compactor
+
+    settings = settings_from_mapping(
+        {"models": {"gpt-4o": {"price_input": 1.0, "price_output": 2.0}}}
+    )
+    store = MemorySessionStore()
+    store.create("s1", 0.0)
+    accounting = AccountingObserver(settings, store, Metrics(CollectorRegistry(), ("gpt-4o",)))
+    first = {"usage": {"prompt_tokens": 3000, "completion_tokens": 10}}
+    second = {"usage": {"prompt_tokens": 5000, "completion_tokens": 20}}
+    accounting.on_summary_usage(exchange(1, msgs("t")), "gpt-4o", Usage(3000, 10, 0, 0, False))
+    ex = exchange(2, msgs("task"))
+    ex.usage, ex.status = Usage(100, 1, 0, 0, False), 200
+    Compactor._count_summary(ex, "gpt-4o", first, metered=True)
+    Compactor._count_summary(ex, "gpt-4o", second)
+    accounting.on_response(ex)
+
+    metrics = accounting.metrics
+    assert ex.cost is not None
+    assert ex.cost["actual"] == pytest.approx((3000 + 5000 + 100 + 2 * (10 + 20 + 1)) / 1e6)
+    assert metrics.cost.child("gpt-4o", "actual")[0] == pytest.approx(ex.cost["actual"])
+    assert metrics.tokens.child("gpt-4o", "prompt")[0] == 3000 + 5000  # (the summaries alone)
