@@ -1,4 +1,5 @@
 import copy
+from pathlib import Path
 
 import orjson
 import pytest
@@ -873,3 +874,54 @@ def test_a_long_line_whose_base64_spells_a_key_pattern_by_chance_needs_no_redact
     # a base64 string as an object's key stays in (a key's name may say credential); a value goes
     blanked = blank_binary(orjson.dumps({shots[1]: "v", "pad": shots[2]}))
     assert shots[1].encode() in blanked and shots[2].encode() not in blanked
+
+
+_STEMS = ["api_key", "apiKey", "auth_token", "authToken", "token", "client_key", "deploy_key",
+          "session_token", "refresh_token", "db_pass", "db-pass", "x.pass", "pwd", "user_pwd",
+          "password", "secret", "signing_key", "openai_key", "max_tokens", "deploy_tokens"]  # fmt: skip
+_SUFFIXES = ["", "_v2", "V2", "-v3", "_id", "-id", "Id", "_hash", "-hash", "_base", "Base"]
+
+
+@given(
+    st.sampled_from(_STEMS),
+    st.sampled_from(_SUFFIXES),
+    st.sampled_from(["lower", "upper", "as is"]),
+    st.sampled_from(["field", "env", "json-in-text", "yaml"]),
+)
+@settings(max_examples=400, deadline=None)
+def test_whatever_redact_removes_under_a_credential_name_the_line_prefilter_sees(
+    stem: str, suffix: str, case: str, shape: str
+) -> None:
+    """A credential's name followed by a version, ``_base``, ``_id`` or ``_hash`` (the README's
+    ``SECRET_KEY_BASE``, ``WEBHOOK_SECRET_V2``): ``redact`` removes its value, but the line
+    prefilter (and ``redact_text``'s own) looked for ``key"``, ``token=`` and ``_pass=`` only,
+    so ``OPENAI_KEY_V2=…`` in a tool output or ``"db-pass": …`` in metadata reached the log."""
+    import orjson
+
+    name = stem + suffix
+    name = name.lower() if case == "lower" else name.upper() if case == "upper" else name
+    value = "hunter2Hunter2hunter2x9"
+    event: dict[str, object] = {
+        "field": {"metadata": {name: value}},
+        "env": {"content": f"$ cat .env\n{name}={value}\n"},
+        "json-in-text": {"content": orjson.dumps({name: value}).decode()},
+        "yaml": {"content": f"config:\n  {name}: {value}\n"},
+    }[shape]
+    if redact(event) != event:
+        assert line_may_hold_secret(orjson.dumps(event)), (name, shape)
+
+
+def test_a_credential_name_with_a_version_is_redacted_in_text_and_in_the_log(
+    tmp_path: Path,
+) -> None:
+    from proxy.eventlog import EventLogWriter
+
+    value = "abc123def456ghi789jkl"
+    text = f"$ cat .env\nOPENAI_KEY_V2={value}\nexport DB_PASS_V2={value}\nDB_PWD_HASH={value}\n"
+    assert value not in redact_text(text)
+    w = EventLogWriter(tmp_path)
+    w.start()
+    w.emit("s", {"type": "error", "exchange": 1, "message": text})
+    w.emit("s", {"type": "error", "exchange": 2, "metadata": {"db-pass": value, "pwd_hash": value}})
+    assert w.close()
+    assert value.encode() not in (tmp_path / "s.jsonl").read_bytes()
