@@ -331,7 +331,8 @@ def _sessions(ns: argparse.Namespace) -> int:
                 else report.terminal_safe(report.render_cost(cost))
             )
         elif ns.action == "replay":
-            requests, skipped, torn = report.replayed_whole(log_dir, ns.id)
+            requests, skipped, read = report.replayed_whole(log_dir, ns.id)
+            torn = read.torn_requests
             if any(report.metadata_only(r) for r in requests):
                 print(
                     'cachegate: this log was written with logging.bodies = "metadata": it keeps'
@@ -351,11 +352,16 @@ def _sessions(ns: argparse.Namespace) -> int:
                         file=sys.stderr,
                     )
                 if torn:
+                    said = (
+                        "its last line has no end yet (being written as it was read, or cut by"
+                        " a crash) and holds a request, or cannot say"
+                        if torn == 1 and read.torn_at_end
+                        else f"{torn} line{'s' if torn != 1 else ''} of the log"
+                        f" {'were' if torn != 1 else 'was'} torn (a crash while writing) and"
+                        " held a request, or cannot say"
+                    )
                     print(
-                        f"cachegate: {torn} line{'s' if torn != 1 else ''} of the log"
-                        f" {'were' if torn != 1 else 'was'} torn (a crash or a full disk while"
-                        " writing) and held a request, or cannot say: not replayed; the output"
-                        " may not be the whole session",
+                        f"cachegate: {said}: not replayed; the output may not be the whole session",
                         file=sys.stderr,
                     )
                 return 1

@@ -1075,8 +1075,11 @@ class LogRead:
     events: list[dict[str, Any]]
     torn: int
     starts_as_log: bool = True  # its first line begins as cachegate's do (``EVENT_START``)
-    # Of the torn lines, those that were requests, or cut before their type (``_torn_request``).
+    # Of the torn lines, those that were requests, or cut before their type (``_torn_request``);
+    # and whether the last of those is the file's last line, with no line end yet (being
+    # written as it was read, or cut by a crash).
     torn_requests: int = 0
+    torn_at_end: bool = False
 
 
 class NotALogFile(ValueError):
@@ -1138,6 +1141,7 @@ def parse_lines(
     appended meanwhile, would count as a second torn line)."""
     events: list[dict[str, Any]] = []
     torn = torn_requests = 0
+    torn_at_end = False
     starts_as_log: bool | None = None
     for raw in lines:
         if starts_as_log is None:
@@ -1156,7 +1160,9 @@ def parse_lines(
                 obj = _deep_line(line) if str(exc).startswith("depth limit") else None
                 if obj is None:
                     torn += 1
-                    torn_requests += _torn_request(line)
+                    if _torn_request(line):
+                        torn_requests += 1
+                        torn_at_end = not raw.endswith(b"\n")
             if isinstance(obj, dict):
                 kind = obj.get("type")
                 fields = drop.get(kind) if drop and isinstance(kind, str) else None
@@ -1167,7 +1173,11 @@ def parse_lines(
         if not raw.endswith(b"\n"):
             break
     return LogRead(
-        events=events, torn=torn, starts_as_log=bool(starts_as_log), torn_requests=torn_requests
+        events=events,
+        torn=torn,
+        starts_as_log=bool(starts_as_log),
+        torn_requests=torn_requests,
+        torn_at_end=torn_at_end,
     )
 
 

@@ -227,13 +227,14 @@ def replayed(
 
 def replayed_whole(
     log_dir: str | os.PathLike[str], session_id: str
-) -> tuple[list[dict[str, Any]], list[int], int]:
-    """``replayed``, the exchanges it could not rebuild, and how many torn lines of the log were
-    requests, or were cut before their type (none of those is in either list: its exchange is
-    not known)."""
+) -> tuple[list[dict[str, Any]], list[int], LogRead]:
+    """``replayed``, the exchanges it could not rebuild, and the log as read: how many of its
+    torn lines were requests, or were cut before their type (``torn_requests``: none of those
+    is in either list, its exchange is not known), and whether the last is its last line,
+    with no line end yet (``torn_at_end``)."""
     read = _load(log_dir, session_id)
     skipped: list[int] = []
-    return replay_requests(read.events, skipped), skipped, read.torn_requests
+    return replay_requests(read.events, skipped), skipped, read
 
 
 def replay_lines(log_dir: str | os.PathLike[str], session_id: str) -> Iterator[str]:

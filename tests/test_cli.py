@@ -1198,6 +1198,12 @@ def test_replay_of_a_log_whose_last_request_line_is_torn_exits_1_and_says_so(
         (tmp_path / f"{name}.jsonl").write_bytes(data)
         result = run_cli("sessions", "replay", name, "--log-dir", str(tmp_path))
         assert result.code == code, (name, result.err)
-        assert ("1 line of the log was torn" in result.err) == bool(code), name
+        assert ("1 line of the log was torn (a crash" in result.err) == bool(code), name
+    # a last line with no end yet: being written as replay reads (or a crash's): said so, not
+    # blamed on a crash alone
+    (tmp_path / "being-written.jsonl").write_bytes(first + answer + second[:60])
+    result = run_cli("sessions", "replay", "being-written", "--log-dir", str(tmp_path))
+    assert result.code == 1
+    assert "its last line has no end yet (being written as it was read" in result.err
     whole = run_cli("sessions", "replay", "torn-response", "--log-dir", str(tmp_path))
     assert [orjson.loads(x)["exchange_id"] for x in whole.out.splitlines()] == [1, 2]

@@ -205,7 +205,7 @@ def test_torn_last_line_is_counted_and_skipped(tmp_path: Path) -> None:
     good = [{"ts": 1.0, "type": "session_meta", "session": "s"}, {"ts": 2.0, "type": "error"}]
     path.write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in good) + b'{"ts": 3.0, "type": "req')
     # (cut in its type: it may have been a request, which replay says)
-    assert read_events(path) == LogRead(events=good, torn=1, torn_requests=1)
+    assert read_events(path) == LogRead(events=good, torn=1, torn_requests=1, torn_at_end=True)
 
 
 def test_a_line_being_written_while_it_is_read_counts_once_at_most() -> None:
@@ -216,7 +216,7 @@ def test_a_line_being_written_while_it_is_read_counts_once_at_most() -> None:
 
     as_read = [b'{"ts":1.0,"type":"error"}\n', b'{"ts":2.0,"ty', b'pe":"error"}\n']
     assert parse_lines(as_read) == LogRead(
-        events=[{"ts": 1.0, "type": "error"}], torn=1, torn_requests=1
+        events=[{"ts": 1.0, "type": "error"}], torn=1, torn_requests=1, torn_at_end=True
     )
     whole = [b'{"ts":1.0,"type":"error"}\n', b'{"ts":2.0,"type":"error"}']  # no line end yet
     assert len(parse_lines(whole).events) == 2
