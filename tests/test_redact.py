@@ -872,7 +872,7 @@ def test_a_long_line_whose_base64_spells_a_key_pattern_by_chance_needs_no_redact
     messages.append({"role": "user", "content": "token xoxb-123456789012-abcdefABCDEF"})
     assert line_may_hold_secret(orjson.dumps({"type": "request", "messages": messages}))
     # a base64 string as an object's key stays in (a key's name may say credential); a value goes
-    blanked = blank_binary(orjson.dumps({shots[1]: "v", "pad": shots[2]}))
+    blanked = blank_binary(orjson.dumps({shots[1]: "v", "data": shots[2]}))
     assert shots[1].encode() in blanked and shots[2].encode() not in blanked
 
 
