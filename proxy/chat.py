@@ -59,6 +59,14 @@ OBSERVER_FIRST_GUESS_S = 0.00025
 _USAGE_OPTION = b'"stream_options":{"include_usage":true}'
 
 
+def _retry_count(value: str) -> int:
+    """An SDK's retry count (``x-stainless-retry-count``), 0 when it is none (bounded: logged)."""
+    value = value.strip()
+    if not (value.isascii() and value.isdigit() and len(value) <= 4):
+        return 0
+    return int(value)
+
+
 def _anchor(messages: Any) -> Any:
     """A history's first message after its system prompt (``MemorySessionStore.weigh``)."""
     if isinstance(messages, list):
@@ -626,6 +634,9 @@ class ChatPipeline:
             user_agent=headers.get("user-agent", ""),
             query=scope.get("query_string", b""),
         )
+        retry = headers.get("x-stainless-retry-count")
+        if retry is not None:
+            ex.client_retry = _retry_count(retry)
         state: SessionState | None = None
         watch: DisconnectWatch | None = None
         try:

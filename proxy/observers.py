@@ -750,6 +750,8 @@ class EventLogObserver:
             "transforms": dict(ex.transforms),
             "bytes": ex.request_bytes,
         }
+        if ex.client_retry:  # the client's own retry of an earlier exchange (its SDK's)
+            event["client_retry"] = ex.client_retry
         # The tools, when they differ from those of the session's last line (an agent sends
         # the same tools every turn; a body continued from the last one holds the same object).
         tools = body.get("tools")

@@ -44,6 +44,9 @@ class Exchange:
     model_label: str = "other"
     stream: bool = False
     request_bytes: int = 0
+    # Which try of the client's this is (the openai SDKs' ``x-stainless-retry-count``: 1 for
+    # their first retry of a request that failed or timed out; 0 when not said).
+    client_retry: int = 0
     client_body: dict[str, Any] | None = None
     body: dict[str, Any] | None = None  # as forwarded
     base_exchange: int | None = None

@@ -57,6 +57,7 @@ class ExchangeRow:
     cache_reported: bool = False
     cost_actual: float | None = None
     cost_uncached: float | None = None
+    client_retry: int = 0  # the client's retry of an earlier exchange (its SDK's count)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -365,6 +366,8 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
             repairs = ev.get("repairs")
             row.repairs = len(repairs) if isinstance(repairs, list) else 0
             row.compacted |= compacted
+            retry = ev.get("client_retry")
+            row.client_retry = retry if type(retry) is int and retry > 0 else 0
         elif kind == "response":
             _apply_response(answered_row(ev), ev)
         elif kind == "compacted":
@@ -569,6 +572,8 @@ def render_show(detail: SessionDetail) -> str:
     rows = []
     for r in detail.rows:
         notes = []
+        if r.client_retry:  # (the exchange before it failed or timed out at the client)
+            notes.append(f"client retry {r.client_retry}")
         if r.compacted:
             notes.append("compacted")
         if r.interrupted:

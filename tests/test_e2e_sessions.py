@@ -74,6 +74,28 @@ def test_x_session_id_header_names_the_session_and_its_file(
     assert kinds == ["session_meta", "request", "response", "request", "response"]
 
 
+def test_an_sdk_retry_is_logged_as_the_clients_retry_and_shown_so(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """The SDK retries a 429 on its own: two exchanges for one call of the agent's, which read
+    as two turns (EXCH counted attempts, nothing linked them). The retry's request line says
+    which try it is (the SDK's x-stainless-retry-count), and `sessions show` notes it."""
+    proxy = proxy_factory(sim.api_base)
+    sim.sim.enqueue([parse_script({"content": "unused", "fault": "429"}), parse_script("ok")])
+    client = sdk(proxy.base_url, max_retries=1, default_headers={"X-Session-Id": "retried"})
+    answer = client.chat.completions.create(model="gpt-4o", messages=HELLO["messages"])
+    assert answer.choices[0].message.content == "ok"
+    flush(proxy)
+    requests = events(proxy.log_dir, "retried", "request")
+    assert [r.get("client_retry") for r in requests] == [None, 1]
+    shown = run_cli("sessions", "show", "retried", "--log-dir", str(proxy.log_dir))
+    assert shown.code == 0
+    rows = [line for line in shown.out.splitlines() if "client retry 1" in line]
+    assert len(rows) == 1 and rows[0].split()[0] == "2"
+    listed = run_cli("sessions", "show", "retried", "--json", "--log-dir", str(proxy.log_dir))
+    assert [row["client_retry"] for row in orjson.loads(listed.out)["exchanges"]] == [0, 1]
+
+
 def test_a_session_resumed_by_a_later_process_keeps_one_meta_line(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
