@@ -701,8 +701,12 @@ class EventLogWriter:
         files no directory names any more."""
         now = _dir_id(self.log_dir)
         if now is not None and now == self._dir_id:
-            if self._abs_dir in _WANTED and _CLAIMED.get(self._abs_dir) != now:
-                self._claim(now)  # not writable when serve started: the lock, once it is
+            if self._abs_dir in _WANTED and (
+                _CLAIMED.get(self._abs_dir) != now or _lock_removed(self._abs_dir)
+            ):
+                # not writable when serve started: the lock, once it is; or the lock file was
+                # deleted (a retention job's ``find -delete``): a second cachegate would be let in
+                self._claim(now)
             return
         for session_id in list(self._fds):
             self._close_fd(session_id)
@@ -852,6 +856,17 @@ def claim_log_dir(log_dir: str | os.PathLike[str]) -> str | None:
             os.close(old)
     _CLAIMED[path] = _dir_id(path)
     return None
+
+
+def _lock_removed(path: str) -> bool:
+    """Whether the lock file this process holds for ``path`` was deleted (no name left)."""
+    fd = _CLAIMS.get(path)
+    if fd is None:
+        return False
+    try:
+        return os.fstat(fd).st_nlink == 0
+    except OSError:
+        return True
 
 
 def _dir_id(path: str) -> tuple[int, int] | None:

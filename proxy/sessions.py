@@ -336,7 +336,8 @@ class MemorySessionStore:
         ``messages``, of which ``new`` (bytes, messages) are objects of its own, shared with no
         earlier request (None: all shared, as an agent's next turn shares its history), whose
         history's first message after the system prompt is ``anchor`` (an earlier request with
-        that very object is an earlier turn of it: what it held is this one's now), and
+        that very object is an earlier turn of it: what it held of its own, this one holds now:
+        a sub-agent's history in its main agent's session is counted whole), and
         forget the least recently seen other sessions while all of them hold more than
         ``max_bytes`` (the one being served is kept, however large; a request still in flight
         keeps its own state, see ``Exchange.session``).
@@ -356,7 +357,10 @@ class MemorySessionStore:
                 max(BYTES_HELD_PER_OWN_BYTE * new[0], BYTES_HELD_PER_MESSAGE * new[1]),
             )
         if anchor is not None:  # the earlier turns of this history: their objects are its own
-            sizes[:] = [(w, 0 if a is anchor else o, a) for w, o, a in sizes]
+            carried = sum(o for _, o, a in sizes if a is anchor)
+            if carried:  # (a sub-agent's history, however little each turn appends)
+                own = min(whole, own + carried)
+                sizes[:] = [(w, 0 if a is anchor else o, a) for w, o, a in sizes]
         sizes.append((whole, own, anchor))
         if len(sizes) > SIZES_KEPT:
             del sizes[0]

@@ -622,6 +622,43 @@ def test_the_claim_is_taken_back_once_another_process_that_held_it_is_gone(
     assert [e["exchange"] for e in read_events(log_dir / "a.jsonl").events] == [2]
 
 
+def test_a_deleted_lock_file_is_claimed_again_before_another_cachegate_writes_alongside(
+    log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    """A retention job (``find DIR -mtime +N -delete``) deleted the lock file of a long-running
+    cachegate: a second one started on the directory then, and both wrote one session's file,
+    their exchange numbers interleaved, with no word from either."""
+    import subprocess
+    import sys
+
+    from proxy.eventlog import LOCK_NAME, claim_log_dir
+
+    monkeypatch.setattr(eventlog, "CLAIM_RETRY_S", 0.0)
+    assert claim_log_dir(log_dir) is None
+    w = started(writers, log_dir)
+    w.emit("a", {"type": "error", "exchange": 1, "status": 400, "message": "m"})
+    assert w.flush()
+    (log_dir / LOCK_NAME).unlink()
+    with subprocess.Popen(
+        [sys.executable, "-c", "import sys; from proxy.eventlog import claim_log_dir;"
+         f" print(claim_log_dir({str(log_dir)!r}), flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    ) as other:  # fmt: skip
+        try:
+            assert other.stdout is not None and other.stdout.readline().strip() == "None"
+            with caplog.at_level(logging.WARNING, logger="proxy.eventlog"):
+                w.emit("a", {"type": "error", "exchange": 2, "status": 400, "message": "m"})
+                assert w.flush()
+            assert f"another cachegate (pid {other.pid})" in caplog.text
+        finally:
+            other.kill()
+    assert [e["exchange"] for e in read_events(log_dir / "a.jsonl").events] == [1]
+    w.emit("a", {"type": "error", "exchange": 3, "status": 400, "message": "m"})
+    assert w.flush()
+    assert [e["exchange"] for e in read_events(log_dir / "a.jsonl").events] == [1, 3]
+    assert claim_log_dir(log_dir) == str(os.getpid())
+
+
 def test_the_claim_is_taken_once_the_directory_lets_the_lock_be_made(
     log_dir: Path, writers
 ) -> None:

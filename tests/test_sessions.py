@@ -367,3 +367,29 @@ def test_a_message_sent_again_in_another_key_order_is_shared() -> None:
     old = [{"role": "user", "content": "hi", "meta": {"a": 1, "b": 2}}]
     new = [{"meta": {"b": 2, "a": 1}, "content": "hi", "role": "user"}, {"role": "user"}]
     assert shared_prefix(old, new) == 1
+
+
+def test_sub_agents_sharing_their_main_agents_session_count_their_own_histories() -> None:
+    """Each sub-agent's body continues its own last one (a few KB appended a turn): weighed by
+    what each turn appended, a main agent and four sub-agents read as the main agent alone, at
+    ~0.4 of what they held."""
+    from proxy.sessions import BYTES_HELD_PER_OWN_BYTE
+
+    store = MemorySessionStore()
+    state = store.create("agents", 0.0)
+    anchors = [{"role": "user", "content": f"task {i}"} for i in range(5)]  # main, 4 sub-agents
+    sizes = [0] * 5
+    for turn in range(20):
+        for agent, anchor in enumerate(anchors):
+            grown = 30_000 if agent == 0 else 15_000
+            new = (sizes[agent] + grown, 10) if turn == 0 else (grown, 2)
+            sizes[agent] += grown
+            store.weigh(state, sizes[agent], 10 + 2 * turn, new, anchor)
+    expected = BYTES_HELD_PER_BODY_BYTE * sizes[0] + BYTES_HELD_PER_OWN_BYTE * sum(sizes[1:])
+    assert state.weight >= 0.95 * expected
+    # an agent alone that appends weighs its largest, as before
+    alone = store.create("alone", 0.0)
+    anchor = anchors[0]
+    for turn in range(20):
+        store.weigh(alone, 30_000 * (turn + 1), 10 + 2 * turn, (30_000, 2), anchor)
+    assert alone.weight <= held(30_000 * 20) * 1.05
