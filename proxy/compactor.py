@@ -444,8 +444,10 @@ class Compactor:
             entry.waiting -= 1
             raise
         finally:
-            # the provider's time (at most the summary call's), not cachegate's overhead
-            ex.upstream_wait_s += min(time.perf_counter() - waited, entry.upstream_s)
+            # the provider's time (at most the summary call's, when it is done), not
+            # cachegate's overhead
+            spent = time.perf_counter() - waited
+            ex.upstream_wait_s += min(spent, entry.upstream_s) if entry.task.done() else spent
         entry.waiting -= 1
         return comp, model, answer
 
