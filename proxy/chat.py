@@ -665,7 +665,8 @@ class ChatPipeline:
             messages = body.get("messages")
             count = len(messages) if isinstance(messages, list) else 0
             if parsed.source is not None:  # spliced: only the appended bytes were parsed anew
-                new = (len(raw) - len(parsed.source.raw), count - len(parsed.source.messages))
+                appended = count - len(parsed.source.messages)
+                new = (max(0, len(raw) - len(parsed.source.raw)), max(0, appended))
             else:  # the unchanged prefix it shares with the session's last request, by count
                 new = (len(raw) * (count - shared) // count if count else len(raw), count - shared)
             self.sessions.weigh(state, len(raw), count, new, _anchor(messages))
