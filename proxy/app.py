@@ -181,7 +181,7 @@ class Gateway:
         )
         compactor = None
         if self.settings.compaction.enabled:
-            compactor = Compactor(self.settings, self.relay, self.observers)
+            compactor = Compactor(self.settings, self.relay, self.observers, self.sessions)
         self.chat = ChatPipeline(
             self.settings,
             self.relay,

@@ -23,7 +23,7 @@ from proxy.config import ModelSettings, Settings
 from proxy.pipeline import Exchange, Observer, error_message, notify
 from proxy.redact import redact_text
 from proxy.relay import Relay, open_error_kind
-from proxy.sessions import SessionState
+from proxy.sessions import SessionState, SessionStore
 from proxy.usage import Usage, normalize_usage
 
 log = logging.getLogger(__name__)
@@ -121,10 +121,17 @@ def _retimed(new: Any, old: Any) -> bool:
 class Compactor:
     """Per-request compaction transform; ``force=True`` after a ``context_length_exceeded``."""
 
-    def __init__(self, settings: Settings, relay: Relay, observers: list[Observer]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        relay: Relay,
+        observers: list[Observer],
+        sessions: SessionStore | None = None,
+    ) -> None:
         self.settings = settings
         self.relay = relay
         self.observers = observers
+        self.sessions = sessions  # (a session a summary is written for is kept meanwhile)
         # Per model name, its configured entry: looked up once (a snapshot's name scans them all).
         self._models: dict[str | None, ModelSettings] = {}
         self._tasks: set[asyncio.Future[Any]] = set()  # summaries being written (``_made``)
@@ -190,9 +197,12 @@ class Compactor:
         except BaseException:
             self._meter(running)  # (no response of this one's prices it)
             raise
-        if not running.claimed and not running.failed:  # its next compaction was made on it
-            _, model, answer, _ = running.task.result()
-            self._bill(ex, state, running, model, answer)
+        if not running.claimed and not running.failed:
+            if ex.compaction_made:  # a compaction made on it (its summary rolled into this one)
+                _, model, answer, _ = running.task.result()
+                self._bill(ex, state, running, model, answer)
+            else:  # not sent with it (under the trigger without it, another cut): a later
+                self._meter(running)  # request sent with it records it; the metrics count it now
         return forwarded
 
     async def _compact(
@@ -408,7 +418,8 @@ class Compactor:
             )
             entry = _Summary(task, cut.start, cut.end, digest, ex)
             self._tasks.add(task)
-            task.add_done_callback(functools.partial(self._done, entry))
+            state.busy += 1  # (not forgotten for memory or count until it is done)
+            task.add_done_callback(functools.partial(self._done, entry, state))
         pending[key] = entry  # (the latest last: the oldest go first)
         while len(pending) > MAX_COMPACTIONS:  # (one still being written is billed when done)
             del pending[next(iter(pending))]
@@ -476,11 +487,16 @@ class Compactor:
             del pending[key]
         self._count_summary(ex, model, answer, entry.metered)
 
-    def _done(self, entry: _Summary, task: asyncio.Future[Any]) -> None:
-        """A summary's task is done: a failure is logged (not left to asyncio's "exception was
-        never retrieved"); a summary no request is waiting for has its bill counted in the
-        metrics now (the request that goes out with it later records it in the log)."""
+    def _done(self, entry: _Summary, state: SessionState, task: asyncio.Future[Any]) -> None:
+        """A summary's task is done: its session counts as just seen (its client's retry is on
+        its way: the session is not the first forgotten for memory meanwhile); a failure is
+        logged (not left to asyncio's "exception was never retrieved"); a summary no request
+        is waiting for has its bill counted in the metrics now (the request that goes out with
+        it later records it in the log)."""
         self._tasks.discard(task)
+        state.busy -= 1
+        if self.sessions is not None:
+            self.sessions.touch(state)
         if task.cancelled():
             return
         if task.exception() is not None:

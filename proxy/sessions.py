@@ -209,6 +209,9 @@ class SessionState:
     exchanges: int = 0
     meta_written: bool = False
     weight: int = 0  # estimated bytes held (``MemorySessionStore.weigh``)
+    # Summaries being written for it (``Compactor``): its client's retry, or next turn, is to
+    # find them, so it is not forgotten for memory or count meanwhile.
+    busy: int = 0
     # (held for the whole request, held for its own objects alone, its first message after the
     # system prompt: the requests that hold that very object continue one another)
     sizes: list[tuple[int, int, Any]] = field(default_factory=list)
@@ -270,6 +273,8 @@ class SessionStore(Protocol):
     ) -> None: ...
 
     def active_ids(self) -> Iterable[str]: ...
+
+    def touch(self, state: SessionState) -> None: ...
 
 
 # What a session holds in memory per byte of its largest recent request: the parsed history
@@ -364,9 +369,13 @@ class MemorySessionStore:
         sizes.append((whole, own, anchor))
         if len(sizes) > SIZES_KEPT:
             del sizes[0]
-        largest = max(range(len(sizes)), key=lambda i: sizes[i][0])
-        weight = SESSION_BASE_BYTES + sizes[largest][0]
-        weight += sum(entry[1] for i, entry in enumerate(sizes) if i != largest)
+        # the largest whole, plus the others' own (one pass: it runs for every request)
+        largest = owns = own_of_largest = 0
+        for whole_i, own_i, _ in sizes:
+            owns += own_i
+            if whole_i > largest:
+                largest, own_of_largest = whole_i, own_i
+        weight = SESSION_BASE_BYTES + largest + owns - own_of_largest
         if self._sessions.get(state.id) is state:
             self._bytes += weight - state.weight
             self._sessions.move_to_end(state.id)
@@ -374,9 +383,26 @@ class MemorySessionStore:
         if not self.max_bytes:
             return
         while self._bytes > self.max_bytes and len(self._sessions) > 1:
-            sid, oldest = next(iter(self._sessions.items()))  # never ``state``: it is last
+            found = self._oldest_idle(state)
+            if found is None:
+                return
+            sid, oldest = found
             self._forget(sid, oldest, "memory")
             self._warn_memory(sid, state.last_seen - oldest.last_seen)
+
+    def _oldest_idle(self, keep: SessionState | None = None) -> tuple[str, SessionState] | None:
+        """The least recently seen session with no summary being written for it, other than
+        ``keep`` (None when there is none)."""
+        for sid, state in self._sessions.items():
+            if not state.busy and state is not keep:
+                return sid, state
+        return None
+
+    def touch(self, state: SessionState) -> None:
+        """``state`` counts as just seen for eviction (a summary written for it is done: its
+        client's retry is on its way), if it is still held."""
+        if self._sessions.get(state.id) is state:
+            self._sessions.move_to_end(state.id)
 
     def _warn_memory(self, sid: str, idle_s: float) -> None:
         """Say, now and then, that the budget forgets sessions: a session seen minutes ago that
@@ -486,10 +512,13 @@ class MemorySessionStore:
     def _evict(self, now: float) -> None:
         while self._sessions:
             sid, oldest = next(iter(self._sessions.items()))
-            if now - oldest.last_seen > self.idle_ttl_s:
+            if now - oldest.last_seen > self.idle_ttl_s and not oldest.busy:
                 self._forget(sid, oldest, "idle")
             elif len(self._sessions) > self.max_sessions:
-                self._forget(sid, oldest, "count")
+                found = self._oldest_idle()
+                if found is None:
+                    break
+                self._forget(found[0], found[1], "count")
             else:
                 break
 

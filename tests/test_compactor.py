@@ -1728,3 +1728,34 @@ def test_a_turn_that_waited_for_a_summary_and_needs_another_pays_for_both(
         logged = read_events(proxy.log_dir / "waited-then-more.jsonl").events
         costs = [e["cost"]["actual"] for e in logged if e["type"] == "response" and e["cost"]]
         assert sum(costs) == pytest.approx(total)
+
+
+def test_a_session_whose_summary_is_written_is_not_forgotten_for_memory_meanwhile(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """Near sessions.max_memory_mb, the session waiting on its summary is the least recently
+    seen (its request came when the call began): it was forgotten, with the summary kept for
+    its client's retry, which then paid for another and timed out again."""
+    upstream = SlowSummaries(summary_s=1.5)
+    with ServerThread(upstream) as server:
+        config = {**PRICED, "sessions": {"max_memory_mb": 1}}
+        proxy = proxy_factory(server.url + "/v1", config)
+        messages = history(18)
+        with pytest.raises(openai.APITimeoutError):
+            sdk(proxy.base_url, timeout=0.5).chat.completions.create(
+                model=MODEL, messages=messages, extra_headers={"X-Session-Id": "victim"}
+            )
+        others = sdk(proxy.base_url, timeout=10)
+        for i in range(6):  # ~150 KB each: over the budget, sessions are forgotten
+            others.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": f"other {i} " + "z" * 150_000}],
+                extra_headers={"X-Session-Id": f"other-{i}"},
+            )
+        assert proxy.metric("cachegate_session_evictions_total", {"reason": "memory"}) >= 1
+        wait_for(lambda: upstream.summaries == 1 and not proxy.gateway.chat.compactor._tasks)
+        raw = sdk(proxy.base_url, timeout=1.0).chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, extra_headers={"X-Session-Id": "victim"}
+        )
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        assert upstream.summaries == 1

@@ -393,3 +393,23 @@ def test_sub_agents_sharing_their_main_agents_session_count_their_own_histories(
     for turn in range(20):
         store.weigh(alone, 30_000 * (turn + 1), 10 + 2 * turn, (30_000, 2), anchor)
     assert alone.weight <= held(30_000 * 20) * 1.05
+
+
+def test_a_session_a_summary_is_written_for_is_not_forgotten_until_it_is_done() -> None:
+    reasons: list[str] = []
+    store = MemorySessionStore(max_bytes=2 * held(100_000), max_sessions=3, on_evict=reasons.append)
+    busy = store.create("busy", 0.0)
+    store.weigh(busy, 100_000)
+    busy.busy = 1  # (a summary being written: Compactor)
+    idle = store.create("idle", 1.0)
+    store.weigh(idle, 100_000)
+    store.weigh(store.create("new", 2.0), 100_000)  # over the budget: idle goes, not busy
+    assert sorted(store.active_ids()) == ["busy", "new"]
+    store.create("x", 3.0)
+    store.create("y", 4.0)  # over max_sessions: the oldest not busy goes
+    assert "busy" in store.active_ids() and len(store) == 3
+    busy.busy = 0
+    store.touch(busy)  # done: as just seen
+    store.create("z", 5.0)
+    assert "busy" in store.active_ids()
+    assert reasons == ["memory", "count", "count"]
