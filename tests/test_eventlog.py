@@ -1,3 +1,4 @@
+import contextlib
 import hashlib
 import logging
 import os
@@ -584,14 +585,28 @@ def _target(link: Path) -> str:
         return ""
 
 
+@contextlib.contextmanager
+def another_cachegate(log_dir: Path) -> Iterator[Any]:
+    """Another process that has claimed ``log_dir`` (as a second ``cachegate serve`` would) and
+    holds it until it is killed."""
+    import subprocess
+    import sys
+
+    with subprocess.Popen(
+        [sys.executable, "-c", "import sys; from proxy.eventlog import claim_log_dir;"
+         f" print(claim_log_dir({str(log_dir)!r}), flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    ) as other:  # fmt: skip
+        assert other.stdout is not None and other.stdout.readline().strip() == "None"
+        yield other
+
+
 def test_the_claim_is_taken_back_once_another_process_that_held_it_is_gone(
     log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch, caplog
 ) -> None:
     """The directory was made again by a second cachegate, which took the lock, then stopped:
     the first wrote on without taking the lock back, and a third was let in. While the second
     held it, the first wrote on into it too."""
-    import subprocess
-    import sys
 
     from proxy.eventlog import claim_log_dir
 
@@ -599,13 +614,8 @@ def test_the_claim_is_taken_back_once_another_process_that_held_it_is_gone(
     assert claim_log_dir(log_dir) is None
     w = started(writers, log_dir)
     shutil.rmtree(log_dir)
-    with subprocess.Popen(
-        [sys.executable, "-c", "import sys; from proxy.eventlog import claim_log_dir;"
-         f" print(claim_log_dir({str(log_dir)!r}), flush=True); sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    ) as other:  # fmt: skip
+    with another_cachegate(log_dir) as other:
         try:
-            assert other.stdout is not None and other.stdout.readline().strip() == "None"
             with caplog.at_level(logging.WARNING, logger="proxy.eventlog"):
                 w.emit("a", {"type": "error", "exchange": 1, "status": 400, "message": "m"})
                 assert w.flush()
@@ -628,8 +638,6 @@ def test_a_deleted_lock_file_is_claimed_again_before_another_cachegate_writes_al
     """A retention job (``find DIR -mtime +N -delete``) deleted the lock file of a long-running
     cachegate: a second one started on the directory then, and both wrote one session's file,
     their exchange numbers interleaved, with no word from either."""
-    import subprocess
-    import sys
 
     from proxy.eventlog import LOCK_NAME, claim_log_dir
 
@@ -639,13 +647,8 @@ def test_a_deleted_lock_file_is_claimed_again_before_another_cachegate_writes_al
     w.emit("a", {"type": "error", "exchange": 1, "status": 400, "message": "m"})
     assert w.flush()
     (log_dir / LOCK_NAME).unlink()
-    with subprocess.Popen(
-        [sys.executable, "-c", "import sys; from proxy.eventlog import claim_log_dir;"
-         f" print(claim_log_dir({str(log_dir)!r}), flush=True); sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    ) as other:  # fmt: skip
+    with another_cachegate(log_dir) as other:
         try:
-            assert other.stdout is not None and other.stdout.readline().strip() == "None"
             with caplog.at_level(logging.WARNING, logger="proxy.eventlog"):
                 w.emit("a", {"type": "error", "exchange": 2, "status": 400, "message": "m"})
                 assert w.flush()
