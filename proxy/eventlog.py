@@ -530,15 +530,16 @@ class EventLogWriter:
                 self._claim(now)  # (at most every CLAIM_RETRY_S)
             if self._locked_out is not None:
                 # Another cachegate took the directory while it was gone (removed and made
-                # again): two processes writing one session's file interleave their exchange
-                # numbers, so this one's lines are lost, and said so, until the lock is its own.
+                # again) or its lock file was: two processes writing one session's file
+                # interleave their exchange numbers, so this one's lines are lost, and said so,
+                # until the lock is its own.
                 self._close_fd(session_id)
                 self._mark_broken(session_id)
                 for _ in lines:
                     self._lose(
                         "locked_out",
-                        "event log: another cachegate (pid %s) writes %s now (it was removed and"
-                        " made again meanwhile); this one's lines are lost until it stops"
+                        "event log: another cachegate (pid %s) writes %s now (it, or its lock"
+                        " file, was removed meanwhile); this one's lines are lost until it stops"
                         " (cachegate_event_log_lost_total)",
                         self._locked_out,
                         self.log_dir,
