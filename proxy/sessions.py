@@ -369,11 +369,12 @@ class MemorySessionStore:
         sizes.append((whole, own, anchor))
         if len(sizes) > SIZES_KEPT:
             del sizes[0]
-        # the largest whole, plus the others' own (one pass: it runs for every request)
+        # the largest whole (of equals, the latest: what earlier turns held is carried on to
+        # it), plus the others' own (one pass: it runs for every request)
         largest = owns = own_of_largest = 0
         for whole_i, own_i, _ in sizes:
             owns += own_i
-            if whole_i > largest:
+            if whole_i >= largest:
                 largest, own_of_largest = whole_i, own_i
         weight = SESSION_BASE_BYTES + largest + owns - own_of_largest
         if self._sessions.get(state.id) is state:
