@@ -198,11 +198,9 @@ class Compactor:
             self._meter(running)  # (no response of this one's prices it)
             raise
         if not running.claimed and not running.failed:
-            if ex.compaction_made:  # a compaction made on it (its summary rolled into this one)
-                _, model, answer, _ = running.task.result()
-                self._bill(ex, state, running, model, answer)
-            else:  # not sent with it (under the trigger without it, another cut): a later
-                self._meter(running)  # request sent with it records it; the metrics count it now
+            # not sent with it, nor a compaction made on it (another cut): a later request sent
+            # with it records it; the metrics count it now
+            self._meter(running)
         return forwarded
 
     async def _compact(
@@ -359,6 +357,11 @@ class Compactor:
                 self._reused_by(ex, plan.reused)
             return {**body, "messages": plan.messages}
         comp, first = await self._made(ex, state, messages, plan, summary_window, overcount)
+        if existing is not None:
+            # A compaction made on this history's: one made for a try whose client left, sent
+            # with no request, has its summary rolled into this one, so this exchange carries
+            # its bill (else no log line would)
+            self._bill_unsent(state, ex, existing)
         forwarded = compaction.apply_compaction(messages, comp, digest=comp.prefix_digest)
         if forwarded is None:  # cannot happen for the history it was built from; stay safe
             return body
@@ -559,6 +562,19 @@ class Compactor:
         self._bill(ex, state, entry, model, answer)
         self._made_for(ex, comp)
         return True
+
+    def _bill_unsent(self, state: SessionState, ex: Exchange, comp: compaction.Compaction) -> None:
+        """``ex`` carries the bill of ``comp``'s summary if it was made for a request whose
+        client left and no request was sent with it."""
+        pending: dict[str, _Summary] | None = state.extra.get("summaries")
+        if not pending:
+            return
+        entry = pending.get(f"{comp.start}:{comp.covered}:{comp.prefix_digest}")
+        if entry is None or not entry.task.done() or entry.failed or entry.claimed:
+            return
+        made, model, answer, _ = entry.task.result()
+        if made is comp:
+            self._bill(ex, state, entry, model, answer)
 
     async def stop(self) -> None:
         """Cancel the summaries still being written (cachegate is stopping)."""

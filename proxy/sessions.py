@@ -441,7 +441,7 @@ class MemorySessionStore:
         if replaced is not None:
             self._forget_state(session_id, replaced)
         self._sessions[session_id] = state
-        self._evict(now)
+        self._evict(now, keep=state)
         return state
 
     def infer(self, messages: Sequence[Any]) -> SessionState | None:
@@ -510,13 +510,15 @@ class MemorySessionStore:
         (a scrape calls it, so the sessions gauges fall once agents stop)."""
         self._evict(now)
 
-    def _evict(self, now: float) -> None:
+    def _evict(self, now: float, keep: SessionState | None = None) -> None:
+        """Forget the idle sessions, then the least recently seen past ``max_sessions`` (none a
+        summary is being written for, nor ``keep``, the one just created)."""
         while self._sessions:
             sid, oldest = next(iter(self._sessions.items()))
             if now - oldest.last_seen > self.idle_ttl_s and not oldest.busy:
                 self._forget(sid, oldest, "idle")
             elif len(self._sessions) > self.max_sessions:
-                found = self._oldest_idle()
+                found = self._oldest_idle(keep)
                 if found is None:
                     break
                 self._forget(found[0], found[1], "count")

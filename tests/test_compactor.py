@@ -1759,3 +1759,35 @@ def test_a_session_whose_summary_is_written_is_not_forgotten_for_memory_meanwhil
         )
         assert raw.headers["x-cachegate-compacted"] == "1"
         assert upstream.summaries == 1
+
+
+def test_a_turn_after_its_summary_was_done_that_needs_another_pays_for_both(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """The summary its timed-out try started was done (counted in the metrics) before the next
+    turn came, which needed a compaction of its own on top of it: the first summary was in no
+    log line, so `sessions cost` read less than the provider billed."""
+    upstream = SlowSummaries(summary_s=1.0)
+    with ServerThread(upstream) as server:
+        proxy = proxy_factory(server.url + "/v1", PRICED)
+        messages = history(18)
+        headers = {"X-Session-Id": "done-then-more"}
+        with pytest.raises(openai.APITimeoutError):
+            sdk(proxy.base_url, timeout=0.3).chat.completions.create(
+                model=MODEL, messages=messages, extra_headers=headers
+            )
+        wait_for(lambda: upstream.summaries == 1 and not proxy.gateway.chat.compactor._tasks)
+        messages += history(19)[-2:]  # one more tool round, a large one
+        messages[-1] = {**messages[-1], "content": "output: " + "y" * 9000}
+        raw = sdk(proxy.base_url, timeout=20).chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, extra_headers=headers
+        )
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        assert upstream.summaries == 2
+        total = sum(_cost(upstream, i) for i in range(len(upstream.requests)))
+        labels = {"model": MODEL, "kind": "actual"}
+        assert proxy.metric("cachegate_cost_usd_total", labels) == pytest.approx(total)
+        proxy.settle()
+        logged = read_events(proxy.log_dir / "done-then-more.jsonl").events
+        costs = [e["cost"]["actual"] for e in logged if e["type"] == "response" and e["cost"]]
+        assert sum(costs) == pytest.approx(total)

@@ -413,3 +413,17 @@ def test_a_session_a_summary_is_written_for_is_not_forgotten_until_it_is_done() 
     store.create("z", 5.0)
     assert "busy" in store.active_ids()
     assert reasons == ["memory", "count", "count"]
+
+
+def test_the_session_just_created_is_not_the_one_forgotten_for_count_when_the_others_are_busy() -> (
+    None
+):
+    store = MemorySessionStore(max_sessions=2)
+    a, b = store.create("a", 0.0), store.create("b", 1.0)
+    a.busy = b.busy = 1  # summaries being written for both
+    c = store.create("c", 2.0)
+    assert store.get("c") is c  # over the count until they are done, rather than c forgotten
+    assert sorted(store.active_ids()) == ["a", "b", "c"]
+    a.busy = 0
+    store.create("d", 3.0)
+    assert sorted(store.active_ids()) == ["b", "d"]  # the oldest not busy go: a, then c
