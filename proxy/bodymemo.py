@@ -274,14 +274,8 @@ class BodyMemos:
         self._filed.pop(key, None)
 
     def note_miss(self, key: str, misses: int) -> None:
-        """A full parse under ``key`` that continued no memo: remember the count on the newest.
-        Past ``_MAX_MISSES`` in a row, the others go: a client whose bodies do not continue
-        each other (the time in its system prompt) kept up to ``MEMOS_PER_KEY`` of its bodies
-        that nothing would splice onto, ~20 MB for a 4.7 MB history."""
+        """A full parse under ``key`` that continued no memo: remember the count on the newest."""
         memos = self._memos.get(key)
         if memos:
             first = memos[0]
             memos[0] = dataclasses.replace(first, misses=misses)
-            if misses > _MAX_MISSES and len(memos) > 1:
-                self._bytes -= sum(len(m.raw) for m in memos[1:])
-                del memos[1:]

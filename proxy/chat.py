@@ -391,15 +391,6 @@ class ChatPipeline:
                 shared = shared_prefix(previous, messages)
             if shared:
                 messages[:shared] = previous[:shared]
-            lead = compaction.leading_count(messages)
-            if shared < lead and lead == compaction.leading_count(previous):
-                # The system prompt alone changed (the time in it, every turn): the history
-                # after it is shared all the same, or each of the turns the log and the
-                # accounting keep held a copy of it (8 of a 4.7 MB history: ~74 MB).
-                more = shared_prefix(previous[lead:], messages[lead:])
-                if more:
-                    messages[lead : lead + more] = previous[lead : lead + more]
-                    shared = max(shared, 0) + more
         self.sessions.index(state, messages, inferable=sid is None)
         return state, max(shared, 0)
 

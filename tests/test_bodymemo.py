@@ -307,15 +307,3 @@ def test_an_append_nested_past_the_parsers_limit_is_refused_as_a_full_parse_woul
         parsed = bodymemo.parse(candidate, [memo])  # (too deep for == to compare)
         assert parsed.source is memo
         assert len(parsed.body["messages"]) == len(expected["messages"]) == len(messages) + 1
-
-
-def test_a_client_whose_bodies_never_continue_one_another_keeps_one_memo() -> None:
-    """The time in the system prompt: no body continues the last, and the key kept up to
-    MEMOS_PER_KEY of them (~20 MB for a 4.7 MB history) that nothing would splice onto."""
-    memos = BodyMemos()
-    blobs = [bytes([65 + i]) * 50_000 for i in range(6)]
-    for i, raw in enumerate(blobs):
-        memos.put("k", BodyMemo(raw, 1, ("messages",), {}, ()))
-        memos.note_miss("k", i + 1)
-    assert [m.raw for m in memos.get("k")] == [blobs[-1]]
-    assert memos.bytes == len(blobs[-1])

@@ -427,3 +427,14 @@ def test_the_session_just_created_is_not_the_one_forgotten_for_count_when_the_ot
     a.busy = 0
     store.create("d", 3.0)
     assert sorted(store.active_ids()) == ["b", "d"]  # the oldest not busy go: a, then c
+
+
+def test_a_retry_of_the_same_body_is_not_counted_twice() -> None:
+    """The same history sent again (an SDK's retry): of equal sizes the latest counts whole, and
+    what the first held is carried on to it, not counted beside it."""
+    store = MemorySessionStore()
+    state = store.create("s", 0.0)
+    anchor = {"role": "user", "content": "task"}
+    store.weigh(state, 100_000, 20, (100_000, 20), anchor)  # a first request: all its own
+    store.weigh(state, 100_000, 20, (0, 0), anchor)  # the retry: all shared
+    assert state.weight == held(100_000)
