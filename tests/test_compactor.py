@@ -1699,21 +1699,25 @@ def test_a_summary_nobody_waits_for_is_counted_in_the_metrics_once(
         assert response["cost"]["actual"] == pytest.approx(total)
 
 
-def test_a_turn_that_waited_for_a_summary_and_needs_another_pays_for_both(
-    sdk: Any, proxy_factory: Any
+@pytest.mark.parametrize("done_first", [False, True], ids=["while-written", "once-done"])
+def test_a_turn_that_needs_a_compaction_on_top_of_a_summary_its_client_left_pays_for_both(
+    sdk: Any, proxy_factory: Any, done_first: bool
 ) -> None:
-    """The agent's next turn (a large tool output in it) waited for the summary its timed-out
-    try started, then needed a compaction of its own on top of it: the summary it waited for
-    was in no log line and no metric, though the provider billed it."""
-    upstream = SlowSummaries(summary_s=1.5)
+    """The agent's next turn (a large tool output in it) came while the summary its timed-out
+    try started was written (it waited), or once it was done (counted in the metrics then), and
+    needed a compaction of its own on top of it: the first summary was in no log line (and, in
+    the first order, no metric), though the provider billed it."""
+    upstream = SlowSummaries(summary_s=1.5 if not done_first else 1.0)
     with ServerThread(upstream) as server:
         proxy = proxy_factory(server.url + "/v1", PRICED)
         messages = history(18)
-        headers = {"X-Session-Id": "waited-then-more"}
+        headers = {"X-Session-Id": "then-more"}
         with pytest.raises(openai.APITimeoutError):
             sdk(proxy.base_url, timeout=0.3).chat.completions.create(
                 model=MODEL, messages=messages, extra_headers=headers
             )
+        if done_first:
+            wait_for(lambda: upstream.summaries == 1 and not proxy.gateway.chat.compactor._tasks)
         messages += history(19)[-2:]  # one more tool round...
         messages[-1] = {**messages[-1], "content": "output: " + "y" * 9000}  # ...a large one
         raw = sdk(proxy.base_url, timeout=20).chat.completions.with_raw_response.create(
@@ -1725,7 +1729,7 @@ def test_a_turn_that_waited_for_a_summary_and_needs_another_pays_for_both(
         labels = {"model": MODEL, "kind": "actual"}
         assert proxy.metric("cachegate_cost_usd_total", labels) == pytest.approx(total)
         proxy.settle()
-        logged = read_events(proxy.log_dir / "waited-then-more.jsonl").events
+        logged = read_events(proxy.log_dir / "then-more.jsonl").events
         costs = [e["cost"]["actual"] for e in logged if e["type"] == "response" and e["cost"]]
         assert sum(costs) == pytest.approx(total)
 
@@ -1759,35 +1763,3 @@ def test_a_session_whose_summary_is_written_is_not_forgotten_for_memory_meanwhil
         )
         assert raw.headers["x-cachegate-compacted"] == "1"
         assert upstream.summaries == 1
-
-
-def test_a_turn_after_its_summary_was_done_that_needs_another_pays_for_both(
-    sdk: Any, proxy_factory: Any
-) -> None:
-    """The summary its timed-out try started was done (counted in the metrics) before the next
-    turn came, which needed a compaction of its own on top of it: the first summary was in no
-    log line, so `sessions cost` read less than the provider billed."""
-    upstream = SlowSummaries(summary_s=1.0)
-    with ServerThread(upstream) as server:
-        proxy = proxy_factory(server.url + "/v1", PRICED)
-        messages = history(18)
-        headers = {"X-Session-Id": "done-then-more"}
-        with pytest.raises(openai.APITimeoutError):
-            sdk(proxy.base_url, timeout=0.3).chat.completions.create(
-                model=MODEL, messages=messages, extra_headers=headers
-            )
-        wait_for(lambda: upstream.summaries == 1 and not proxy.gateway.chat.compactor._tasks)
-        messages += history(19)[-2:]  # one more tool round, a large one
-        messages[-1] = {**messages[-1], "content": "output: " + "y" * 9000}
-        raw = sdk(proxy.base_url, timeout=20).chat.completions.with_raw_response.create(
-            model=MODEL, messages=messages, extra_headers=headers
-        )
-        assert raw.headers["x-cachegate-compacted"] == "1"
-        assert upstream.summaries == 2
-        total = sum(_cost(upstream, i) for i in range(len(upstream.requests)))
-        labels = {"model": MODEL, "kind": "actual"}
-        assert proxy.metric("cachegate_cost_usd_total", labels) == pytest.approx(total)
-        proxy.settle()
-        logged = read_events(proxy.log_dir / "done-then-more.jsonl").events
-        costs = [e["cost"]["actual"] for e in logged if e["type"] == "response" and e["cost"]]
-        assert sum(costs) == pytest.approx(total)
