@@ -61,6 +61,9 @@ class _Summary:
     end: int
     digest: str
     origin: Exchange | None  # the request it was written for (until it is billed)
+    # The summary of the compaction this one was made on (rolled into it), when no request was
+    # sent with that one: the first request sent with this one carries both bills.
+    rolled: _Summary | None = None
     waiting: int = 0
     claimed: bool = False
     metered: bool = False
@@ -356,12 +359,11 @@ class Compactor:
             if not self._claim(state, ex, plan.reused):  # (else made for a try the client left)
                 self._reused_by(ex, plan.reused)
             return {**body, "messages": plan.messages}
-        comp, first = await self._made(ex, state, messages, plan, summary_window, overcount)
-        if existing is not None:
-            # A compaction made on this history's: one made for a try whose client left, sent
-            # with no request, has its summary rolled into this one, so this exchange carries
-            # its bill (else no log line would)
-            self._bill_unsent(state, ex, existing)
+        # (made on ``existing``: its summary, if no request was sent with it, is billed with
+        # this one's: ``_Summary.rolled``)
+        comp, first = await self._made(
+            ex, state, messages, plan, summary_window, overcount, existing
+        )
         forwarded = compaction.apply_compaction(messages, comp, digest=comp.prefix_digest)
         if forwarded is None:  # cannot happen for the history it was built from; stay safe
             return body
@@ -400,9 +402,11 @@ class Compactor:
         plan: compaction.Plan,
         window: int,
         overcount: float,
+        existing: compaction.Compaction | None = None,
     ) -> tuple[compaction.Compaction, bool]:
-        """The compaction ``plan`` cuts, summarized once however often the client asks, and
-        whether ``ex`` is the first request sent with it (which records it and its bill).
+        """The compaction ``plan`` cuts (on ``existing``, if any), summarized once however often
+        the client asks, and whether ``ex`` is the first request sent with it (which records it
+        and its bill).
 
         The summary is written in a task of its own: a client that hangs up while it is being
         written (its timeout shorter than the summary call) does not cancel it. It is finished,
@@ -420,6 +424,8 @@ class Compactor:
                 self._summarized(ex, state, messages, plan, window, overcount, digest)
             )
             entry = _Summary(task, cut.start, cut.end, digest, ex)
+            if existing is not None:
+                entry.rolled = self._unsent(pending, existing)
             self._tasks.add(task)
             state.busy += 1  # (not forgotten for memory or count until it is done)
             task.add_done_callback(functools.partial(self._done, entry, state))
@@ -489,6 +495,10 @@ class Compactor:
         if pending.get(key) is entry:
             del pending[key]
         self._count_summary(ex, model, answer, entry.metered)
+        rolled, entry.rolled = entry.rolled, None
+        if rolled is not None and not rolled.claimed and not rolled.failed and rolled.task.done():
+            _, model, answer, _ = rolled.task.result()
+            self._bill(ex, state, rolled, model, answer)  # (no request was sent with it)
 
     def _done(self, entry: _Summary, state: SessionState, task: asyncio.Future[Any]) -> None:
         """A summary's task is done: its session counts as just seen (its client's retry is on
@@ -563,18 +573,14 @@ class Compactor:
         self._made_for(ex, comp)
         return True
 
-    def _bill_unsent(self, state: SessionState, ex: Exchange, comp: compaction.Compaction) -> None:
-        """``ex`` carries the bill of ``comp``'s summary if it was made for a request whose
-        client left and no request was sent with it."""
-        pending: dict[str, _Summary] | None = state.extra.get("summaries")
-        if not pending:
-            return
+    @staticmethod
+    def _unsent(pending: dict[str, _Summary], comp: compaction.Compaction) -> _Summary | None:
+        """The summary ``comp`` was made from, if it was made for a request whose client left
+        and no request has been sent with it yet."""
         entry = pending.get(f"{comp.start}:{comp.covered}:{comp.prefix_digest}")
         if entry is None or not entry.task.done() or entry.failed or entry.claimed:
-            return
-        made, model, answer, _ = entry.task.result()
-        if made is comp:
-            self._bill(ex, state, entry, model, answer)
+            return None
+        return entry if entry.task.result()[0] is comp else None
 
     async def stop(self) -> None:
         """Cancel the summaries still being written (cachegate is stopping)."""

@@ -1763,3 +1763,38 @@ def test_a_session_whose_summary_is_written_is_not_forgotten_for_memory_meanwhil
         )
         assert raw.headers["x-cachegate-compacted"] == "1"
         assert upstream.summaries == 1
+
+
+def test_a_summary_rolled_into_one_whose_client_left_too_is_billed_with_it(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """Both clients left: the first while its summary was written, the next turn (a large tool
+    output in it) while the compaction on top of it was. The turn after went out with the
+    second: its line carried that summary's bill, and the first one's was in no log line."""
+    upstream = SlowSummaries(summary_s=1.0)
+    with ServerThread(upstream) as server:
+        proxy = proxy_factory(server.url + "/v1", PRICED)
+        messages = history(18)
+        headers = {"X-Session-Id": "both-left"}
+        short = sdk(proxy.base_url, timeout=0.3)
+        with pytest.raises(openai.APITimeoutError):
+            short.chat.completions.create(model=MODEL, messages=messages, extra_headers=headers)
+        wait_for(lambda: upstream.summaries == 1 and not proxy.gateway.chat.compactor._tasks)
+        messages += history(19)[-2:]
+        messages[-1] = {**messages[-1], "content": "output: " + "y" * 9000}
+        with pytest.raises(openai.APITimeoutError):
+            short.chat.completions.create(model=MODEL, messages=messages, extra_headers=headers)
+        wait_for(lambda: upstream.summaries == 2 and not proxy.gateway.chat.compactor._tasks)
+        messages.append({"role": "user", "content": "Go on."})
+        raw = sdk(proxy.base_url, timeout=20).chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, extra_headers=headers
+        )
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        assert upstream.summaries == 2
+        total = sum(_cost(upstream, i) for i in range(len(upstream.requests)))
+        labels = {"model": MODEL, "kind": "actual"}
+        assert proxy.metric("cachegate_cost_usd_total", labels) == pytest.approx(total)
+        proxy.settle()
+        logged = read_events(proxy.log_dir / "both-left.jsonl").events
+        costs = [e["cost"]["actual"] for e in logged if e["type"] == "response" and e["cost"]]
+        assert sum(costs) == pytest.approx(total)
