@@ -24,7 +24,7 @@ from proxy.pipeline import Exchange, Observer, error_message, notify
 from proxy.redact import redact_text
 from proxy.relay import Relay, open_error_kind
 from proxy.sessions import SessionState, SessionStore
-from proxy.usage import Usage, normalize_usage
+from proxy.usage import added, normalize_usage
 
 log = logging.getLogger(__name__)
 
@@ -83,19 +83,10 @@ class _Summary:
         return 0.0
 
 
-def _added(earlier: Usage | None, usage: Usage) -> Usage:
-    if earlier is None:
-        return usage
-    return Usage(
-        earlier.prompt + usage.prompt,
-        earlier.completion + usage.completion,
-        earlier.cache_read + usage.cache_read,
-        earlier.cache_write + usage.cache_write,
-        earlier.reported_cache or usage.reported_cache,
-        earlier.reported_cache_write or usage.reported_cache_write,
-        earlier.explicit_cache or usage.explicit_cache,
-        earlier.cache_write_1h + usage.cache_write_1h,
-    )
+def _summary_key(start: int, end: int, digest: str) -> str:
+    """Where a session keeps the summary of ``messages[start:end]`` (``_Summary``), by the
+    digest of ``messages[:end]``."""
+    return f"{start}:{end}:{digest}"
 
 
 def _key(comp: compaction.Compaction) -> str:
@@ -416,7 +407,7 @@ class Compactor:
         assert plan.cut is not None
         cut = plan.cut
         digest = compaction.prefix_digest(messages, cut.end)
-        key = f"{cut.start}:{cut.end}:{digest}"
+        key = _summary_key(cut.start, cut.end, digest)
         pending: dict[str, _Summary] = state.extra.setdefault("summaries", {})
         entry = pending.pop(key, None)
         if entry is None or entry.failed:
@@ -491,7 +482,7 @@ class Compactor:
         entry.claimed = True
         entry.origin = None
         pending: dict[str, _Summary] = state.extra.get("summaries", {})
-        key = f"{entry.start}:{entry.end}:{entry.digest}"
+        key = _summary_key(entry.start, entry.end, entry.digest)
         if pending.get(key) is entry:
             del pending[key]
         self._count_summary(ex, model, answer, entry.metered)
@@ -562,7 +553,7 @@ class Compactor:
         pending: dict[str, _Summary] | None = state.extra.get("summaries")
         if not pending:
             return False
-        key = f"{comp.start}:{comp.covered}:{comp.prefix_digest}"
+        key = _summary_key(comp.start, comp.covered, comp.prefix_digest)
         entry = pending.get(key)
         if entry is None or not entry.task.done() or entry.task.cancelled() or entry.claimed:
             return False
@@ -577,7 +568,7 @@ class Compactor:
     def _unsent(pending: dict[str, _Summary], comp: compaction.Compaction) -> _Summary | None:
         """The summary ``comp`` was made from, if it was made for a request whose client left
         and no request has been sent with it yet."""
-        entry = pending.get(f"{comp.start}:{comp.covered}:{comp.prefix_digest}")
+        entry = pending.get(_summary_key(comp.start, comp.covered, comp.prefix_digest))
         if entry is None or not entry.task.done() or entry.failed or entry.claimed:
             return None
         return entry if entry.task.result()[0] is comp else None
@@ -694,9 +685,9 @@ class Compactor:
         if usage is None:
             return
         same = ex.summary_model == model  # (a retry's compaction after the first one's)
-        ex.summary_usage = _added(ex.summary_usage if same else None, usage)
+        ex.summary_usage = added(ex.summary_usage if same else None, usage)
         if metered:
-            ex.summary_metered = _added(ex.summary_metered if same else None, usage)
+            ex.summary_metered = added(ex.summary_metered if same else None, usage)
         elif not same:
             ex.summary_metered = None
         ex.summary_model = model

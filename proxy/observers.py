@@ -25,7 +25,7 @@ from proxy.metrics import Metrics
 from proxy.pipeline import Exchange
 from proxy.redact import known_secrets, redact_text
 from proxy.sessions import CONVERSATIONS_KEPT, SessionState, SessionStore
-from proxy.usage import Usage
+from proxy.usage import Usage, less
 
 _MAX_MODEL_TERMS = 256
 _UNPRICED_SAID = 64  # model names said on stderr to have no prices, at most
@@ -576,7 +576,7 @@ class AccountingObserver:
             extra = cache.compute_cost(summary, pricing)
             counted: Usage | None = summary
             if ex.summary_metered is not None:  # (counted when its summary was done)
-                counted = _less(summary, ex.summary_metered)
+                counted = less(summary, ex.summary_metered)
             if counted is not None:
                 once = cache.compute_cost(counted, pricing) if counted is not summary else extra
                 self.metrics.observe_usage(ex.summary_model, counted)
@@ -849,23 +849,6 @@ class EventLogObserver:
                 "forwarded": False,  # answered by cachegate: nothing went upstream
             },
         )
-
-
-def _less(usage: Usage, counted: Usage) -> Usage | None:
-    """``usage`` without what ``counted`` holds of it; None when nothing is left."""
-    rest = Usage(
-        max(0, usage.prompt - counted.prompt),
-        max(0, usage.completion - counted.completion),
-        max(0, usage.cache_read - counted.cache_read),
-        max(0, usage.cache_write - counted.cache_write),
-        usage.reported_cache,
-        usage.reported_cache_write,
-        usage.explicit_cache,
-        max(0, usage.cache_write_1h - counted.cache_write_1h),
-    )
-    if not (rest.prompt or rest.completion or rest.cache_read or rest.cache_write):
-        return None
-    return rest
 
 
 def _usage_dict(usage: Usage) -> dict[str, Any]:

@@ -569,9 +569,9 @@ def line_may_hold_secret(line: bytes) -> bool:
 # credential as text, and a secret pattern found in it would be chance: the scan took ~0.2 s of
 # the interpreter (the event loop's too) per 2 MB screenshot and now and then cut the image.
 _BINARY_MIN: Final = 1024
-_BINARY = re.compile(
-    r"(?:data:[\w.+-]+/[\w.+-]+(?:;[\w.+-]+=[\w.+-]+)*;base64,)?[A-Za-z0-9+/]+={0,2}"
-)
+_DATA_URL: Final = r"data:[\w.+-]+/[\w.+-]+(?:;[\w.+-]+=[\w.+-]+)*;base64,"  # (its prefix)
+# What such a payload is, whole (``is_binary`` tells it without this pattern's walk)
+_BINARY = re.compile(r"(?:" + _DATA_URL + r")?[A-Za-z0-9+/]+={0,2}")
 
 
 # Lines this long have their base64 strings left out before they are looked through.
@@ -581,13 +581,9 @@ _BLANK_MIN: Final = 64 * 1024
 # (two patterns, each searched from its literal: one with the data URL's prefix optional was
 # tried at every quote, ~80 ns each, 2-3 times the scan of a long line of short strings)
 _BARE_START: Final = re.compile(rb'"[A-Za-z0-9+/]{64}')
-_DATA_START: Final = re.compile(
-    rb'"(data:[\w.+-]+/[\w.+-]+(?:;[\w.+-]+=[\w.+-]+)*;base64,)[A-Za-z0-9+/]{64}'
-)
+_DATA_START: Final = re.compile(b'"(' + _DATA_URL.encode() + b")[A-Za-z0-9+/]{64}")
 _BASE64_ALPHABET: Final = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
-_BINARY_HEAD: Final = re.compile(
-    r"(data:[\w.+-]+/[\w.+-]+(?:;[\w.+-]+=[\w.+-]+)*;base64,)?[A-Za-z0-9+/]{64}", re.ASCII
-)
+_BINARY_HEAD: Final = re.compile("(" + _DATA_URL + ")?[A-Za-z0-9+/]{64}", re.ASCII)
 
 
 def _is_base64(data: bytes) -> bool:

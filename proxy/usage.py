@@ -33,6 +33,39 @@ class Usage:
     cache_write_1h: int = 0
 
 
+def added(earlier: Usage | None, usage: Usage) -> Usage:
+    """``earlier`` and ``usage`` together (two calls billed as one: a compaction's summaries)."""
+    if earlier is None:
+        return usage
+    return Usage(
+        earlier.prompt + usage.prompt,
+        earlier.completion + usage.completion,
+        earlier.cache_read + usage.cache_read,
+        earlier.cache_write + usage.cache_write,
+        earlier.reported_cache or usage.reported_cache,
+        earlier.reported_cache_write or usage.reported_cache_write,
+        earlier.explicit_cache or usage.explicit_cache,
+        earlier.cache_write_1h + usage.cache_write_1h,
+    )
+
+
+def less(usage: Usage, counted: Usage) -> Usage | None:
+    """``usage`` without what ``counted`` holds of it; None when nothing is left."""
+    rest = Usage(
+        max(0, usage.prompt - counted.prompt),
+        max(0, usage.completion - counted.completion),
+        max(0, usage.cache_read - counted.cache_read),
+        max(0, usage.cache_write - counted.cache_write),
+        usage.reported_cache,
+        usage.reported_cache_write,
+        usage.explicit_cache,
+        max(0, usage.cache_write_1h - counted.cache_write_1h),
+    )
+    if not (rest.prompt or rest.completion or rest.cache_read or rest.cache_write):
+        return None
+    return rest
+
+
 # ``cached_tokens`` at the top level: Moonshot (Kimi).
 _CACHE_READ_FIELDS = ("cache_read_input_tokens", "prompt_cache_hit_tokens", "cached_tokens")
 _CACHE_FIELDS = (

@@ -1619,6 +1619,18 @@ def test_a_summary_whose_client_left_is_used_and_billed_by_the_next_turn(
         assert response["cost"]["actual"] == pytest.approx(expected)
 
 
+def assert_billed_as_the_provider_billed(proxy: Any, upstream: NoCacheUpstream, sid: str) -> None:
+    """Every call the upstream priced (summaries and answers) is in the metrics once, and in
+    the session's logged response costs once."""
+    total = sum(_cost(upstream, i) for i in range(len(upstream.requests)))
+    labels = {"model": MODEL, "kind": "actual"}
+    assert proxy.metric("cachegate_cost_usd_total", labels) == pytest.approx(total)
+    proxy.settle()
+    logged = read_events(proxy.log_dir / f"{sid}.jsonl").events
+    costs = [e["cost"]["actual"] for e in logged if e["type"] == "response" and e["cost"]]
+    assert sum(costs) == pytest.approx(total)
+
+
 def _cost(upstream: NoCacheUpstream, index: int) -> float:
     """What the NoCacheUpstream's ``index``-th request cost at PRICED's prices."""
     prompt = 3000 + 50 * len(upstream.requests[index]["messages"])
@@ -1725,13 +1737,7 @@ def test_a_turn_that_needs_a_compaction_on_top_of_a_summary_its_client_left_pays
         )
         assert raw.headers["x-cachegate-compacted"] == "1"
         assert upstream.summaries == 2
-        total = sum(_cost(upstream, i) for i in range(len(upstream.requests)))
-        labels = {"model": MODEL, "kind": "actual"}
-        assert proxy.metric("cachegate_cost_usd_total", labels) == pytest.approx(total)
-        proxy.settle()
-        logged = read_events(proxy.log_dir / "then-more.jsonl").events
-        costs = [e["cost"]["actual"] for e in logged if e["type"] == "response" and e["cost"]]
-        assert sum(costs) == pytest.approx(total)
+        assert_billed_as_the_provider_billed(proxy, upstream, "then-more")
 
 
 def test_a_session_whose_summary_is_written_is_not_forgotten_for_memory_meanwhile(
@@ -1791,10 +1797,4 @@ def test_a_summary_rolled_into_one_whose_client_left_too_is_billed_with_it(
         )
         assert raw.headers["x-cachegate-compacted"] == "1"
         assert upstream.summaries == 2
-        total = sum(_cost(upstream, i) for i in range(len(upstream.requests)))
-        labels = {"model": MODEL, "kind": "actual"}
-        assert proxy.metric("cachegate_cost_usd_total", labels) == pytest.approx(total)
-        proxy.settle()
-        logged = read_events(proxy.log_dir / "both-left.jsonl").events
-        costs = [e["cost"]["actual"] for e in logged if e["type"] == "response" and e["cost"]]
-        assert sum(costs) == pytest.approx(total)
+        assert_billed_as_the_provider_billed(proxy, upstream, "both-left")

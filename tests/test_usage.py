@@ -455,3 +455,16 @@ def test_the_openai_shortcut_answers_as_the_general_rules_do(
     if openai:  # make the common shape likely: both counts present and valid
         raw = {"prompt_tokens": 412, "completion_tokens": 64, **details}
     assert normalize_usage(raw) == _normalize(raw)
+
+
+def test_usages_add_up_and_what_was_counted_comes_off() -> None:
+    """Two summary calls billed with one exchange, and the part the metrics counted already."""
+    from proxy.usage import added, less
+
+    first = Usage(3000, 10, 100, 50, True, True, True, 20)
+    second = Usage(5000, 20, 0, 0, False, False, False, 0)
+    both = added(first, second)
+    assert both == Usage(8000, 30, 100, 50, True, True, True, 20)
+    assert added(None, second) is second
+    assert less(both, first) == Usage(5000, 20, 0, 0, True, True, True, 0)
+    assert less(first, first) is None
