@@ -268,6 +268,7 @@ class NoCacheUpstream:
             if not message.get("more_body"):
                 break
         body = orjson.loads(raw)
+        await self.before_answer(body)
         self.requests.append(body)
         usage = {
             "prompt_tokens": self.base_prompt + 50 * len(body["messages"]),
@@ -315,6 +316,10 @@ class NoCacheUpstream:
             {"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype)]}
         )
         await send({"type": "http.response.body", "body": payload})
+
+    async def before_answer(self, body: dict[str, Any]) -> None:
+        """Called with each request's body before it is recorded and answered (a subclass may
+        take its time here: a slow summarizer)."""
 
 
 @contextlib.contextmanager

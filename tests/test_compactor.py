@@ -1521,29 +1521,11 @@ class SlowSummaries(NoCacheUpstream):
     summary_s: float = 1.5
     summaries: int = 0
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await super().__call__(scope, receive, send)
-            return
-        raw = b""
-        while True:
-            message = await receive()
-            raw += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        if SUMMARIZER_SYSTEM_PROMPT[:60].encode() in raw:
+    async def before_answer(self, body: dict[str, Any]) -> None:
+        messages = body.get("messages") or [{}]
+        if SUMMARIZER_SYSTEM_PROMPT in str(messages[0].get("content")):
             self.summaries += 1
             await asyncio.sleep(self.summary_s)
-        sent = False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal sent
-            if sent:
-                return await receive()
-            sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-
-        await super().__call__(scope, replay, send)
 
 
 PRICED = {
