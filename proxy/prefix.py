@@ -93,17 +93,13 @@ class Fingerprint:
     """
 
     chain: tuple[tuple[str, bytes], ...]
+    digests: tuple[bytes, ...]  # the chain digests alone, in order
     element_digests: tuple[bytes, ...]
     message_digests: tuple[bytes, ...]
     system_count: int
     messages: tuple[Any, ...]
     tools: Any
     params: dict[str, Any] | None = None  # the cache parameters hashed (``cache_params``)
-
-    @property
-    def digests(self) -> tuple[bytes, ...]:
-        """The chain digests alone, in order."""
-        return tuple(map(operator.itemgetter(1), self.chain))
 
     @property
     def params_digest(self) -> bytes:
@@ -216,15 +212,24 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
         tools_digest = before[_TOOLS] if previous.tools is tools else _tools_digest(tools)
     elements = (params_digest, tools_digest, system_digest, *message_digests[system_count:])
 
+    links: tuple[bytes, ...] = ()  # the chain digests kept
     if previous is not None:
         # Chain digests depend only on element digests (and locations, fixed by the number of
         # system messages), so an unchanged run is copied as is.
-        kept = leading_run(operator.eq, previous.element_digests, elements)
+        old_elements = previous.element_digests
         if previous.system_count != system_count:
-            kept = min(kept, _FIRST_MESSAGE)
+            kept = min(leading_run(operator.eq, old_elements, elements), _FIRST_MESSAGE)
+        elif same > system_count and old_elements[:_FIRST_MESSAGE] == elements[:_FIRST_MESSAGE]:
+            # The digests of the leading run of the very same messages are the previous
+            # request's own objects (copied above): the comparison starts past them.
+            known = _FIRST_MESSAGE + same - system_count
+            kept = known + leading_run(operator.eq, old_elements[known:], elements[known:])
+        else:
+            kept = leading_run(operator.eq, old_elements, elements)
         if kept == len(elements) == len(previous.chain):
             return Fingerprint(
                 previous.chain,
+                previous.digests,
                 previous.element_digests,
                 message_digests,
                 system_count,
@@ -233,10 +238,12 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
                 params,
             )
         chain = list(previous.chain[:kept])
+        links = previous.digests[:kept]
     if len(_LOCATION_NAMES) < count:
         _grow_locations(count)
     link = chain[-1][1] if chain else b""
-    for position in range(len(chain), len(elements)):
+    kept = len(chain)
+    for position in range(kept, len(elements)):
         link = hashlib.blake2b(link + elements[position], digest_size=DIGEST_SIZE).digest()
         location = (
             _ELEMENT_NAMES[position]
@@ -246,7 +253,14 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
         chain.append((location, link))
 
     return Fingerprint(
-        tuple(chain), elements, message_digests, system_count, messages, tools, params
+        tuple(chain),
+        links + tuple([digest for _, digest in chain[kept:]]),
+        elements,
+        message_digests,
+        system_count,
+        messages,
+        tools,
+        params,
     )
 
 

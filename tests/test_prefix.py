@@ -488,9 +488,13 @@ def test_incremental_fingerprint_equals_fresh_and_divergence_is_first_change(
     fp_new = fingerprint(new, previous=fp_old)
     fresh = fingerprint(new)
     assert fp_new.chain == fresh.chain
+    assert fp_new.digests == fresh.digests == tuple(digest for _, digest in fresh.chain)
     assert fp_new.element_digests == fresh.element_digests
     assert fp_new.message_digests == fresh.message_digests
     assert fp_new.system_count == fresh.system_count
+    # and a next turn on top of it (the digests kept from a kept run of a kept run)
+    later = {**new, "messages": [*new["messages"], *appended]}
+    assert fingerprint(later, previous=fp_new).digests == fingerprint(later).digests
 
     divergence = find_divergence(fp_old, fp_new, old, new)
     shared = shared_prefix_len(fp_old, fp_new)
