@@ -25,11 +25,11 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, NamedTuple
 
 import orjson
 
-from proxy.prefix import deep_call, deep_dumps
+from proxy.prefix import SYSTEM_ROLES, deep_call, deep_dumps
 from proxy.redact import REDACTED, known_secrets, line_may_hold_secret, redact, redact_text
 from proxy.sessions import shared_prefix, valid_session_id
 
@@ -1013,6 +1013,8 @@ def strip_bodies(event: dict[str, Any]) -> dict[str, Any]:
     kind = event.get("type")
     if kind == "request" and isinstance(event.get("appended"), list):
         stripped = {**event, "appended": [message_metadata(m) for m in event["appended"]]}
+        if isinstance(event.get("head"), list):
+            stripped["head"] = [message_metadata(m) for m in event["head"]]
         tools = event.get("tools")
         if isinstance(tools, list):
             stripped["tools"] = {"count": len(tools), "sha256": _sha256_json(tools)}
@@ -1106,7 +1108,7 @@ class NotALogFile(ValueError):
 # The fields a report of exchanges (``sessions list``, ``show``, ``cost``) never reads, by event
 # type: the messages, tools and summaries, which are nearly all of a log's bytes.
 BODY_FIELDS: Mapping[str, frozenset[str]] = {
-    "request": frozenset({"appended", "tools", "params"}),
+    "request": frozenset({"head", "appended", "tools", "params"}),
     "response": frozenset({"message", "divergence"}),
     "compacted": frozenset({"summary"}),
 }
@@ -1227,6 +1229,52 @@ def choose_base(
     return best, best_len
 
 
+class Delta(NamedTuple):
+    """How a request line is coded (``choose_delta``): the forwarded messages are
+    ``messages[:head] + messages(base_exchange)[replaces:base] + appended`` (``appended`` being
+    what follows), ``head`` the request's own system block written in full where it differs from
+    the base's ``replaces`` leading system messages (a system prompt with the time in it)."""
+
+    base_exchange: int | None
+    base: int
+    head: int = 0
+    replaces: int = 0
+
+
+def choose_delta(
+    candidates: Sequence[tuple[int, Sequence[dict[str, Any]]]], messages: Sequence[dict[str, Any]]
+) -> Delta:
+    """``choose_base``, or, when the request's system block (its leading system and developer
+    messages) is not an earlier exchange's but what follows it is, that exchange with the system
+    block written in full: a client that puts the time in its system prompt resends an unchanged
+    history behind a new one every turn, which was logged whole each time (the log grew with
+    the square of the conversation). Taken only where it writes fewer messages."""
+    base_exchange, base = choose_base(candidates, messages)
+    head = _system_count(messages)
+    if head == 0 or base > head or len(messages) <= head:
+        return Delta(base_exchange, base)  # the system block is shared, or there is none
+    best: Delta | None = None
+    best_len = base  # the messages after the system block shared must beat the plain prefix
+    rest = messages[head:]
+    for exchange, previous in reversed(candidates):
+        replaces = _system_count(previous)
+        if replaces == 0 or min(len(previous) - replaces, len(rest)) <= best_len:
+            continue
+        shared = shared_prefix(previous[replaces:], rest)
+        if shared > best_len:
+            best, best_len = Delta(exchange, replaces + shared, head, replaces), shared
+    return best if best is not None else Delta(base_exchange, base)
+
+
+def _system_count(messages: Sequence[Any]) -> int:
+    count = 0
+    for message in messages:
+        if not isinstance(message, dict) or message.get("role") not in SYSTEM_ROLES:
+            break
+        count += 1
+    return count
+
+
 def replay(events: Iterable[dict[str, Any]]) -> list[tuple[int, list[dict[str, Any]]]]:
     """Every ``request``'s full forwarded message list, rebuilt from the deltas, in log order.
 
@@ -1264,12 +1312,21 @@ def replay_requests(
         elif isinstance(ev.get("tools_ref"), int):  # those an earlier line of this process had
             tools = tools_of.get(ev["tools_ref"], _NO_TOOLS_SEEN)
         tools_of[exchange] = tools
+        head = ev.get("head") if "head" in ev else []
+        replaces = ev.get("replaces") or 0
+        if not isinstance(head, list) or not isinstance(replaces, int) or replaces < 0:
+            continue
         if base == 0:
-            messages = list(appended)
+            messages = head + appended
         else:
             # Without a base_exchange, a request extends the session's previous one.
             previous = rebuilt.get(base_exchange) if isinstance(base_exchange, int) else last
-            if previous is None or not isinstance(base, int) or base > len(previous):
+            if (
+                previous is None
+                or not isinstance(base, int)
+                or base > len(previous)
+                or replaces > base
+            ):
                 logger.warning(
                     "replay: exchange %s is based on exchange %s, which is missing; skipped",
                     exchange,
@@ -1279,7 +1336,7 @@ def replay_requests(
                 if skipped is not None:
                     skipped.append(exchange)
                 continue
-            messages = previous[:base] + appended
+            messages = head + previous[replaces:base] + appended
         rebuilt[exchange] = last = messages
         request: dict[str, Any] = {"exchange_id": exchange, "model": ev.get("model")}
         if isinstance(ev.get("stream"), bool):

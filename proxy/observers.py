@@ -20,7 +20,7 @@ from proxy import __version__, cache, compaction, prefix
 from proxy.cache import CacheState, ModelPricing
 from proxy.config import Settings, display_url
 from proxy.errors import CLIENT_CLOSED
-from proxy.eventlog import EventLogWriter, choose_base
+from proxy.eventlog import Delta, EventLogWriter, choose_delta
 from proxy.metrics import Metrics
 from proxy.pipeline import Exchange
 from proxy.redact import known_secrets, redact_text
@@ -734,7 +734,8 @@ class EventLogObserver:
             for eid, msgs in (state.recent if state else [])
             if eid != ex.exchange_id
         ]
-        base_exchange, base = choose_base(candidates, messages) if candidates else (None, 0)
+        delta = choose_delta(candidates, messages) if candidates else Delta(None, 0)
+        base_exchange, base, head = delta.base_exchange, delta.base, delta.head
         event = {
             "ts": self.clock(),
             "type": "request",
@@ -745,11 +746,13 @@ class EventLogObserver:
             "params": {k: v for k, v in body.items() if k not in _NOT_PARAMS},
             "base_exchange": base_exchange,
             "base": base,
-            "appended": messages[base:],
-            "repairs": ex.repairs,
-            "transforms": dict(ex.transforms),
-            "bytes": ex.request_bytes,
         }
+        if head:  # its own system block ahead of the base's messages (the time in it, say)
+            event["head"], event["replaces"] = messages[:head], delta.replaces
+        event["appended"] = messages[head + base - delta.replaces :]
+        event["repairs"] = ex.repairs
+        event["transforms"] = dict(ex.transforms)
+        event["bytes"] = ex.request_bytes
         if ex.client_retry:  # the client's own retry of an earlier exchange (its SDK's)
             event["client_retry"] = ex.client_retry
         # The tools, when they differ from those of the session's last line (an agent sends

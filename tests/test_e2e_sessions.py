@@ -514,6 +514,52 @@ def test_two_hundred_exchanges_log_grows_linearly_and_replays_exactly(
     assert lines[-1]["messages"] == convo[:-2]
 
 
+def test_a_system_prompt_with_the_time_in_it_still_grows_the_log_linearly_and_replays_exactly(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """An agent that puts the time in its system prompt resends its whole history behind a new
+    system prompt every turn: each request line holds the new system block and what was
+    appended, not the history again (the log grew with the square of the conversation), and
+    replay gives back every request as it was forwarded, a system block that grows a developer
+    message and a rewound history included."""
+    proxy = proxy_factory(sim.api_base)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "clock-1"})
+    log = proxy.log_dir / "clock-1.jsonl"
+
+    def system(i: int) -> list[dict[str, Any]]:
+        block = [
+            {"role": "system", "content": f"Current time: 2026-12-03T08:{i:02d}:00Z. Be brief."}
+        ]
+        if i >= 50:  # the agent adds a developer message to its system block
+            block.append({"role": "developer", "content": "Prefer small diffs."})
+        return block
+
+    history: list[dict[str, Any]] = [{"role": "user", "content": "task: " + "x" * 2000}]
+    sizes: dict[int, int] = {}
+    for i in range(1, 61):
+        if i == 55:  # a rewind: the last two turns are dropped
+            history = history[:-4]
+        reply = post_chat(client, {"model": "gpt-4o", "messages": [*system(i), *history]})
+        history = [*history, reply, {"role": "user", "content": f"turn {i}: " + "y" * 2000}]
+        if i in (10, 20, 40, 60):
+            flush(proxy)
+            sizes[i] = log.stat().st_size
+    early = (sizes[20] - sizes[10]) / 10
+    late = (sizes[60] - sizes[40]) / 20
+    # ~2.2 KB appended a turn: a line that repeated the history would cost ~45 KB late on
+    assert late < 1.5 * early, (early, late)
+    lines = events(proxy.log_dir, "clock-1", "request")
+    assert lines[1]["head"] == system(2) and lines[1]["replaces"] == 1
+    assert lines[49]["head"] == system(50) and lines[49]["replaces"] == 1
+    assert lines[50]["head"] == system(51) and lines[50]["replaces"] == 2
+
+    result = run_cli("sessions", "replay", "clock-1", "--log-dir", str(proxy.log_dir))
+    assert result.code == 0, result.err
+    replayed = [orjson.loads(line)["messages"] for line in result.out.splitlines()]
+    sent = [r.body["messages"] for r in sim.sim.requests]
+    assert len(sent) == 60 and replayed == sent
+
+
 def test_client_closing_mid_stream_logs_an_interrupted_response(proxy_factory: Any) -> None:
     with run_simulator(SimConfig(chunk_ms=30)) as sim:
         sim.sim.enqueue([parse_script("word " * 300)])

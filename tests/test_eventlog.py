@@ -15,9 +15,11 @@ import pytest
 
 from proxy import eventlog
 from proxy.eventlog import (
+    Delta,
     EventLogWriter,
     LogRead,
     choose_base,
+    choose_delta,
     enforce_retention,
     read_events,
     replay,
@@ -285,6 +287,43 @@ def test_choose_base_prefers_the_longest_shared_prefix() -> None:
     assert choose_base([(1, [a, b, c])], [a, b]) == (1, 2)  # a shorter request (e.g. compacted)
     s = Strict(role="system", content="x")
     assert choose_base([(1, [s, a])], [s, dict(a)]) == (1, 2)
+
+
+def test_a_changed_system_block_is_written_ahead_of_the_shared_history() -> None:
+    """The time in a system prompt: the new system block in full, the history after it coded
+    against the exchange it continues; taken only where it writes fewer messages."""
+    a, b, c = ({"role": "user", "content": x} for x in "abc")
+    s1, s2 = ({"role": "system", "content": f"time {t}"} for t in (1, 2))
+    dev = {"role": "developer", "content": "d"}
+    assert choose_delta([(1, [s1, a, b])], [s2, a, b, c]) == Delta(1, 3, head=1, replaces=1)
+    # a system block that grows: it replaces the base's one message
+    assert choose_delta([(1, [s1, a, b])], [s2, dev, a, b, c]) == Delta(1, 3, 2, 1)
+    # the system block unchanged, or none: the plain prefix
+    assert choose_delta([(1, [s1, a, b])], [s1, a, b, c]) == Delta(1, 3)
+    assert choose_delta([(1, [a, b])], [b, a]) == Delta(None, 0)
+    # nothing after the system block is shared: written whole, no head
+    assert choose_delta([(1, [s1, a])], [s2, b]) == Delta(None, 0)
+    # of two candidates, the one sharing more after the system block
+    assert choose_delta([(1, [s1, a, b]), (2, [s1, a])], [s2, a, b]) == Delta(1, 3, 1, 1)
+    # replayed: the head, then the base's messages after its system block, then the appended
+    events = [
+        request_event(1, None, 0, [s1, a, b]),
+        {**request_event(2, 1, 3, [c]), "head": [s2, dev], "replaces": 1},
+    ]
+    assert replay(events) == [(1, [s1, a, b]), (2, [s2, dev, a, b, c])]
+
+
+def test_replay_leaves_out_a_line_whose_head_cannot_be_applied(caplog) -> None:
+    s1, s2, a = {"role": "system", "content": "1"}, {"role": "system", "content": "2"}, {"x": 1}
+    first = request_event(1, None, 0, [s1, a])
+    with caplog.at_level(logging.WARNING, logger="proxy.eventlog"):
+        assert replay([first, {**request_event(2, 1, 1, []), "head": [s2], "replaces": 2}]) == [
+            (1, [s1, a])
+        ]
+    assert "exchange 2 is based on exchange 1" in caplog.text
+    assert replay([first, {**request_event(2, 1, 2, []), "head": "x", "replaces": 1}]) == [
+        (1, [s1, a])
+    ]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1223,6 +1262,16 @@ def test_metadata_mode_keeps_the_tools_count_and_hash_not_their_text() -> None:
     assert "Ship it" not in orjson.dumps(stripped).decode()
     assert stripped["params"] == {"n": 1}
     assert strip_bodies({**event, "tools": None})["tools"] is None
+
+
+def test_metadata_mode_keeps_no_text_of_a_changed_system_block() -> None:
+    system = {"role": "system", "content": "Current time: 08:15. Secret plan."}
+    event = {"ts": 1.0, "type": "request", "head": [system], "replaces": 1, "appended": []}
+    stripped = strip_bodies(event)
+    assert stripped["head"] == [
+        {"role": "system", "chars": 33, "sha256": stripped["head"][0]["sha256"]}
+    ]
+    assert "Secret" not in orjson.dumps(stripped).decode() and stripped["replaces"] == 1
 
 
 def test_replay_carries_the_tools_of_a_line_it_has_to_leave_out() -> None:
