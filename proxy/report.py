@@ -58,6 +58,8 @@ class ExchangeRow:
     cost_actual: float | None = None
     cost_uncached: float | None = None
     client_retry: int = 0  # the client's retry of an earlier exchange (its SDK's count)
+    # what was repaired, as logged: {kind, index, tool_call_id, action} each
+    repaired: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -365,6 +367,7 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
             row.model = _str(ev.get("model"))
             repairs = ev.get("repairs")
             row.repairs = len(repairs) if isinstance(repairs, list) else 0
+            row.repaired = _repairs(repairs)
             row.compacted |= compacted
             retry = ev.get("client_retry")
             row.client_retry = retry if type(retry) is int and retry > 0 else 0
@@ -554,6 +557,48 @@ def render_list(sessions: Sequence[SessionSummary]) -> str:
     return _table(headers, rows, left={0, 1, 2, 3})
 
 
+def _repairs(logged: Any) -> list[dict[str, Any]]:
+    """A request line's ``repairs``, each with the fields a report shows (odd values as null)."""
+    if not isinstance(logged, list):
+        return []
+    out = []
+    for repair in logged:
+        if isinstance(repair, dict):
+            index = repair.get("index")
+            out.append(
+                {
+                    "kind": _str(repair.get("kind")),
+                    "index": index if type(index) is int else None,
+                    "tool_call_id": _str(repair.get("tool_call_id")),
+                    "action": _str(repair.get("action")),
+                }
+            )
+    return out
+
+
+def _repair_note(repaired: list[dict[str, Any]], seen: set[tuple[Any, ...]]) -> str | None:
+    """NOTES of a row's repairs: each one not made on an earlier row of the session, where and
+    which call (an interrupted turn stays in the history, and is repaired again on every later
+    request: those are counted, not listed again); ``seen`` is updated."""
+    new: list[str] = []
+    again = 0
+    for repair in repaired:
+        call = repair["tool_call_id"]
+        key = (
+            (repair["kind"], call) if call else (repair["kind"], repair["index"], repair["action"])
+        )
+        if key in seen:
+            again += 1
+            continue
+        seen.add(key)
+        where = f" at messages[{repair['index']}]" if repair["index"] is not None else ""
+        kind = _clip(repair["kind"], 32) if repair["kind"] else "repair"
+        new.append(f"{kind}{where}" + (f" ({_clip(call, 24)})" if call else ""))
+    if new:
+        return "repaired " + ", ".join(new) + (f" (+{again} again)" if again else "")
+    return f"{again} repaired again" if again else None
+
+
 def render_show(detail: SessionDetail) -> str:
     """``sessions show``: a header line, then one line per exchange (no trailing newline)."""
     meta = detail.meta or {}
@@ -570,8 +615,12 @@ def render_show(detail: SessionDetail) -> str:
     headers = ["#", "TIME", "MODEL", "IN", "OUT", "CACHED", "WASTE", "REPAIRS"]
     headers += ["TTFB", "DURATION", "STATUS", "NOTES"]
     rows = []
+    repaired: set[tuple[Any, ...]] = set()  # the repairs made on earlier rows
     for r in detail.rows:
         notes = []
+        repair_note = _repair_note(r.repaired, repaired)
+        if repair_note:
+            notes.append(repair_note)
         if r.client_retry:  # (the exchange before it failed or timed out at the client)
             notes.append(f"client retry {r.client_retry}")
         if r.compacted:

@@ -277,6 +277,31 @@ def test_show_session_has_one_row_per_exchange(log_dir: Path) -> None:
     assert (
         orjson.loads(orjson.dumps(detail.to_json()))["exchanges"][2]["waste_cause"] == "ttl_expired"
     )
+    # what was repaired, for --json
+    assert orjson.loads(orjson.dumps(detail.to_json()))["exchanges"][0]["repaired"] == [REPAIR]
+    assert second.repaired == [REPAIR, REPAIR] and third.repaired == []
+
+
+def test_show_lists_each_new_repair_where_it_was_made(tmp_path: Path) -> None:
+    """Two defects in one request, then one more two turns later: NOTES names each where it
+    was first repaired, and counts those repaired again."""
+    cut = {"kind": "invalid_arguments", "index": 4, "tool_call_id": "call_b", "action": "closed"}
+    odd = {"kind": "orphan_result\n", "index": "x", "tool_call_id": None, "action": "kept"}
+    path = tmp_path / "rep.jsonl"
+    lines = [
+        req(T0, 1, repairs=[REPAIR, cut]),
+        req(T0 + 1, 2, repairs=[REPAIR, cut]),
+        req(T0 + 2, 3, repairs=[REPAIR, cut, odd, "junk"]),
+    ]
+    path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    rows = render_show(show_session(tmp_path, "rep")).splitlines()[2:]
+    # (no response lines: each row also says so)
+    assert rows[0].endswith(
+        "  repaired dangling_call at messages[2] (call_1), invalid_arguments at messages[4]"
+        " (call_b), no response logged"
+    )
+    assert rows[1].endswith("  2 repaired again, no response logged")
+    assert rows[2].endswith("  repaired orphan_result (+2 again), no response logged")
 
 
 def test_render_show(log_dir: Path) -> None:
@@ -287,9 +312,10 @@ def test_render_show(log_dir: Path) -> None:
             "#  TIME                 MODEL       IN  OUT  CACHED  WASTE                          "
             "   REPAIRS   TTFB  DURATION  STATUS  NOTES",
             "1  2023-11-14 22:13:20  gpt-4o  10,000  500       0  0                              "
-            "         1  0.50s     2.25s     200",
+            "         1  0.50s     2.25s     200  repaired dangling_call at messages[2] (call_1)",
+            # (the interrupted turn is still in the history: repaired again, not listed again)
             "2  2023-11-14 22:14:20  gpt-4o  12,000  300   8,000  2,048 prefix_rewrite@messages[3]"
-            "        2  0.25s     3.00s     200",
+            "        2  0.25s     3.00s     200  2 repaired again",
             "3  2023-11-14 22:25:00  gpt-4o   4,000  100       0  4,000 ttl_expired              "
             "         0  1.00s     3.00s     200  compacted, interrupted",
             "1 torn line skipped",
