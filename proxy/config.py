@@ -30,6 +30,21 @@ class ConfigError(ValueError):
         self.key = key
 
 
+# Keys whose 0 would refuse, or wait forever on, every request: a negative value is refused as
+# not positive (not as "negative", which would have its user try 0 next).
+POSITIVE_KEYS: Final = (
+    "upstream.timeout_s",
+    "upstream.connect_timeout_s",
+    "upstream.max_connections",
+    "server.max_body_bytes",
+    "logging.queue_size",
+    "compaction.summary_timeout_s",
+    "compaction.keep_recent",  # (the latest message)
+    "sessions.max_sessions",
+    "sessions.idle_ttl_s",
+)
+
+
 def _bad(key: str, problem: str) -> ConfigError:
     return ConfigError(f"config key '{key}': {problem}", key)
 
@@ -362,6 +377,8 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
         if result is None:
             raise ConfigError(f"config key '{key}': expected an integer, got {value!r}")
         if result < 0:
+            if key in POSITIVE_KEYS:
+                raise ConfigError(f"config key '{key}': must be positive, got {result}")
             raise ConfigError(f"config key '{key}': must not be negative, got {result}")
         return result
     if tp is float:
@@ -374,9 +391,8 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"config key '{key}': expected a number, got {value!r}") from None
         if not 0 <= number < math.inf:  # NaN, inf and negatives
-            raise ConfigError(
-                f"config key '{key}': must be a finite non-negative number, got {value!r}"
-            )
+            which = "positive" if key in POSITIVE_KEYS else "non-negative"
+            raise ConfigError(f"config key '{key}': must be a finite {which} number, got {value!r}")
         return number
     if tp is str:
         if not isinstance(value, str):
@@ -451,17 +467,9 @@ def _check(settings: Settings) -> None:
                 raise _bad(f"server.{option}", problem)
     if not 0 < settings.compaction.trigger_percent <= 100:
         raise _bad("compaction.trigger_percent", "must be in (0, 100]")
-    for key, value in (
-        ("upstream.timeout_s", settings.upstream.timeout_s),
-        ("upstream.connect_timeout_s", settings.upstream.connect_timeout_s),
-        ("upstream.max_connections", settings.upstream.max_connections),
-        ("server.max_body_bytes", settings.server.max_body_bytes),
-        ("logging.queue_size", settings.logging.queue_size),
-        ("compaction.summary_timeout_s", settings.compaction.summary_timeout_s),
-        ("compaction.keep_recent", settings.compaction.keep_recent),  # (the latest message)
-        ("sessions.max_sessions", settings.sessions.max_sessions),
-        ("sessions.idle_ttl_s", settings.sessions.idle_ttl_s),
-    ):
+    for key in POSITIVE_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(settings, section), name)
         if value <= 0:  # 0 would refuse, or wait forever on, every request
             raise _bad(key, f"must be positive, got {value}")
     for name, model in settings.models.items():

@@ -8,6 +8,7 @@ import pytest
 
 from proxy.config import (
     DEFAULT_MODELS,
+    POSITIVE_KEYS,
     ConfigError,
     Settings,
     configured_model,
@@ -100,6 +101,17 @@ def test_bad_config_names_the_key(data: dict, needle: str) -> None:
     with pytest.raises(ConfigError) as info:
         settings_from_mapping(data)
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("key", POSITIVE_KEYS)
+@pytest.mark.parametrize("value", [-1, 0])
+def test_a_key_that_must_be_positive_says_so_for_a_negative_value_too(key: str, value: int) -> None:
+    """Told "non-negative" for -1, a user tried 0, which was then refused as not positive."""
+    section, name = key.split(".")
+    with pytest.raises(ConfigError) as info:
+        settings_from_mapping({section: {name: value}})
+    assert key in str(info.value) and "positive" in str(info.value)
+    assert "negative" not in str(info.value)
 
 
 def test_an_empty_log_dir_is_fine_when_logging_is_off() -> None:
