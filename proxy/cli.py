@@ -294,12 +294,14 @@ def _sessions(ns: argparse.Namespace) -> int:
     _utf8_stdout()
     log_dir = ns.log_dir or os.environ.get("CACHEGATE_LOG_DIR")
     config_file = getattr(ns, "config", None) or os.environ.get("CACHEGATE_CONFIG")
+    source = "--log-dir" if ns.log_dir else "CACHEGATE_LOG_DIR" if log_dir else "the default"
     if not log_dir and config_file:  # the directory serve writes with that file
         try:
             log_dir = load_settings(config_file).logging.dir
         except ConfigError as exc:
             print(f"cachegate: {exc}", file=sys.stderr)
             return 2
+        source = f"config file {config_file}"
     log_dir = os.path.expanduser(log_dir or DEFAULT_LOG_DIR)
     try:
         if ns.action == "list":
@@ -367,7 +369,14 @@ def _sessions(ns: argparse.Namespace) -> int:
                 return 1
         sys.stdout.flush()  # (a write error here, not at exit where nothing reports it)
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
-        print(f"cachegate: {exc}", file=sys.stderr)
+        where = ""
+        if isinstance(exc, FileNotFoundError) and not os.path.isabs(log_dir):
+            # (serve resolves a relative directory from where it runs, not from its config file)
+            where = (
+                f" (from {source}: a relative directory is taken from the current one,"
+                f" {os.getcwd()}; run from where cachegate serve runs, or give --log-dir)"
+            )
+        print(f"cachegate: {exc}{where}", file=sys.stderr)
         return 1
     except PermissionError as exc:  # a log directory written by another user (a container's)
         print(

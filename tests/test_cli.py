@@ -357,6 +357,26 @@ def test_list_of_a_missing_directory_exits_1(tmp_path: Path) -> None:
     assert "does not exist" in result.err
 
 
+def test_a_relative_log_directory_from_a_config_file_that_is_not_there_is_explained(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """serve takes a relative ``logging.dir`` from where it runs, not from its config file: a
+    user who passed the right --config from another directory was told only that
+    './cfglogs' does not exist."""
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "cachegate.toml").write_text('[logging]\ndir = "./cfglogs"\n')
+    (project / "cfglogs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    result = run_cli("sessions", "list", "--config", "proj/cachegate.toml")
+    assert result.code == 1
+    assert result.err.startswith("cachegate: log directory './cfglogs' does not exist")
+    assert "from config file proj/cachegate.toml" in result.err
+    assert str(tmp_path) in result.err and "--log-dir" in result.err
+    monkeypatch.chdir(project)  # from where serve ran: found
+    assert run_cli("sessions", "list", "--config", "cachegate.toml").code == 0
+
+
 @pytest.mark.parametrize(
     "command",
     [
