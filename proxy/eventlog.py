@@ -1231,39 +1231,48 @@ def choose_base(
 
 class Delta(NamedTuple):
     """How a request line is coded (``choose_delta``): the forwarded messages are
-    ``messages[:head] + messages(base_exchange)[replaces:base] + appended`` (``appended`` being
-    what follows), ``head`` the request's own system block written in full where it differs from
-    the base's ``replaces`` leading system messages (a system prompt with the time in it)."""
+    ``base[:kept] + messages[kept:head] + base[replaces:base_len] + appended`` where ``base`` is
+    the messages of ``base_exchange`` and ``base_len`` is ``Delta.base``: with ``head``, the
+    request's own system block differs from the base's ``replaces`` leading system messages
+    from its ``kept``-th on (a system prompt with the time in it), and is written from there."""
 
     base_exchange: int | None
     base: int
     head: int = 0
     replaces: int = 0
+    kept: int = 0
 
 
 def choose_delta(
     candidates: Sequence[tuple[int, Sequence[dict[str, Any]]]], messages: Sequence[dict[str, Any]]
 ) -> Delta:
     """``choose_base``, or, when the request's system block (its leading system and developer
-    messages) is not an earlier exchange's but what follows it is, that exchange with the system
-    block written in full: a client that puts the time in its system prompt resends an unchanged
-    history behind a new one every turn, which was logged whole each time (the log grew with
-    the square of the conversation). Taken only where it writes fewer messages."""
+    messages) is not an earlier exchange's but what follows it is, that exchange with the part
+    of the system block that changed written in full: a client that puts the time in its system
+    prompt resends an unchanged history behind a new one every turn, which was logged whole each
+    time (the log grew with the square of the conversation). Of the codings, the one that writes
+    the fewest messages (the plain one on a tie)."""
     base_exchange, base = choose_base(candidates, messages)
     head = _system_count(messages)
     if head == 0 or base > head or len(messages) <= head:
         return Delta(base_exchange, base)  # the system block is shared, or there is none
-    best: Delta | None = None
-    best_len = base  # the messages after the system block shared must beat the plain prefix
+    best = Delta(base_exchange, base)
+    best_written = len(messages) - base
     rest = messages[head:]
     for exchange, previous in reversed(candidates):
         replaces = _system_count(previous)
-        if replaces == 0 or min(len(previous) - replaces, len(rest)) <= best_len:
-            continue
+        after = min(len(previous) - replaces, len(rest))
+        if replaces == 0 or len(messages) - after - min(head, replaces) >= best_written:
+            continue  # (cannot write fewer, even sharing all it could)
         shared = shared_prefix(previous[replaces:], rest)
-        if shared > best_len:
-            best, best_len = Delta(exchange, replaces + shared, head, replaces), shared
-    return best if best is not None else Delta(base_exchange, base)
+        if shared == 0:
+            continue
+        kept = shared_prefix(previous[:replaces], messages[:head])  # the block's unchanged start
+        written = len(messages) - shared - kept
+        if written < best_written:
+            best = Delta(exchange, replaces + shared, head, replaces, kept)
+            best_written = written
+    return best
 
 
 def _system_count(messages: Sequence[Any]) -> int:
@@ -1314,7 +1323,17 @@ def replay_requests(
         tools_of[exchange] = tools
         head = ev.get("head") if "head" in ev else []
         replaces = ev.get("replaces") or 0
-        if not isinstance(head, list) or not isinstance(replaces, int) or replaces < 0:
+        kept = ev.get("kept") or 0
+        if (
+            not isinstance(head, list)
+            or type(replaces) is not int
+            or type(kept) is not int
+            or not 0 <= kept <= replaces
+        ):
+            logger.warning("replay: exchange %s has a malformed system block; skipped", exchange)
+            rebuilt.pop(exchange, None)
+            if skipped is not None:
+                skipped.append(exchange)
             continue
         if base == 0:
             messages = head + appended
@@ -1336,7 +1355,7 @@ def replay_requests(
                 if skipped is not None:
                     skipped.append(exchange)
                 continue
-            messages = head + previous[replaces:base] + appended
+            messages = previous[:kept] + head + previous[replaces:base] + appended
         rebuilt[exchange] = last = messages
         request: dict[str, Any] = {"exchange_id": exchange, "model": ev.get("model")}
         if isinstance(ev.get("stream"), bool):

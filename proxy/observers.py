@@ -748,7 +748,9 @@ class EventLogObserver:
             "base": base,
         }
         if head:  # its own system block ahead of the base's messages (the time in it, say)
-            event["head"], event["replaces"] = messages[:head], delta.replaces
+            event["head"], event["replaces"] = messages[delta.kept : head], delta.replaces
+            if delta.kept:
+                event["kept"] = delta.kept
         event["appended"] = messages[head + base - delta.replaces :]
         event["repairs"] = ex.repairs
         event["transforms"] = dict(ex.transforms)

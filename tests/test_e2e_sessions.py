@@ -521,12 +521,18 @@ def test_a_system_prompt_with_the_time_in_it_still_grows_the_log_linearly_and_re
     system prompt every turn: each request line holds the new system block and what was
     appended, not the history again (the log grew with the square of the conversation), and
     replay gives back every request as it was forwarded, a system block that grows a developer
-    message and a rewound history included."""
+    message, a rewound history, and a static system message kept before the one that changes
+    included."""
     proxy = proxy_factory(sim.api_base)
     client = make_client(proxy.base_url, default_headers={"X-Session-Id": "clock-1"})
     log = proxy.log_dir / "clock-1.jsonl"
 
     def system(i: int) -> list[dict[str, Any]]:
+        if i >= 57:  # then a static system message, and the time in a developer message after it
+            return [
+                {"role": "system", "content": "Be brief. " * 100},
+                {"role": "developer", "content": f"Current time: 2026-12-03T08:{i:02d}:00Z"},
+            ]
         block = [
             {"role": "system", "content": f"Current time: 2026-12-03T08:{i:02d}:00Z. Be brief."}
         ]
@@ -552,6 +558,8 @@ def test_a_system_prompt_with_the_time_in_it_still_grows_the_log_linearly_and_re
     assert lines[1]["head"] == system(2) and lines[1]["replaces"] == 1
     assert lines[49]["head"] == system(50) and lines[49]["replaces"] == 1
     assert lines[50]["head"] == system(51) and lines[50]["replaces"] == 2
+    assert "kept" not in lines[50] and lines[57]["kept"] == 1
+    assert lines[57]["head"] == system(58)[1:]  # the static system message is not written again
 
     result = run_cli("sessions", "replay", "clock-1", "--log-dir", str(proxy.log_dir))
     assert result.code == 0, result.err

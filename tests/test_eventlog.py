@@ -305,12 +305,25 @@ def test_a_changed_system_block_is_written_ahead_of_the_shared_history() -> None
     assert choose_delta([(1, [s1, a])], [s2, b]) == Delta(None, 0)
     # of two candidates, the one sharing more after the system block
     assert choose_delta([(1, [s1, a, b]), (2, [s1, a])], [s2, a, b]) == Delta(1, 3, 1, 1)
-    # replayed: the head, then the base's messages after its system block, then the appended
+    # a static system message, then one with the time: only the changed one is written
+    big = {"role": "system", "content": "rules " * 1000}
+    assert choose_delta([(1, [big, s1, a, b])], [big, s2, a, b, c]) == Delta(1, 4, 2, 2, kept=1)
+    # never more messages than the plain coding: here it shares the two system messages
+    assert choose_delta([(1, [big, s1, a])], [big, s1, dev, b]) == Delta(1, 2)
+    # replayed: what the base kept of its system block, the head, then the base's messages after
+    # its system block, then the appended
     events = [
         request_event(1, None, 0, [s1, a, b]),
         {**request_event(2, 1, 3, [c]), "head": [s2, dev], "replaces": 1},
+        request_event(3, None, 0, [big, s1, a]),
+        {**request_event(4, 3, 3, [c]), "head": [s2], "replaces": 2, "kept": 1},
     ]
-    assert replay(events) == [(1, [s1, a, b]), (2, [s2, dev, a, b, c])]
+    assert replay(events) == [
+        (1, [s1, a, b]),
+        (2, [s2, dev, a, b, c]),
+        (3, [big, s1, a]),
+        (4, [big, s2, a, c]),
+    ]
 
 
 def test_replay_leaves_out_a_line_whose_head_cannot_be_applied(caplog) -> None:
@@ -321,9 +334,11 @@ def test_replay_leaves_out_a_line_whose_head_cannot_be_applied(caplog) -> None:
             (1, [s1, a])
         ]
     assert "exchange 2 is based on exchange 1" in caplog.text
-    assert replay([first, {**request_event(2, 1, 2, []), "head": "x", "replaces": 1}]) == [
-        (1, [s1, a])
-    ]
+    for bad in ({"head": "x", "replaces": 1}, {"head": [], "replaces": 1, "kept": 2}):
+        skipped: list[int] = []
+        lines = [first, {**request_event(2, 1, 2, []), **bad}]
+        assert [r["messages"] for r in replay_requests(lines, skipped)] == [[s1, a]]
+        assert skipped == [2]
 
 
 # ------------------------------------------------------------------------------------------------
