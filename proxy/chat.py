@@ -726,6 +726,15 @@ class ChatPipeline:
             ex.status = err.status
             ex.error = err.message
             ex.interrupted = err.status == CLIENT_CLOSED  # the client left while sending its body
+            if state is None and err.status < 500:
+                # Refused before its session was resolved (a body too large, not JSON, without
+                # messages): a session the request named explicitly has the refusal in its log.
+                sid = _explicit_or_none(headers, path_session)
+                if sid is not None:
+                    state = self.sessions.get(sid, now) or self.sessions.create(sid, now)
+                    state.last_seen = now
+                    ex.session_id, ex.session = state.id, state
+                    ex.exchange_id = state.next_exchange()
             notify(self.observers, "on_error", ex)
             await send_error(send, err, self._refusal_headers(ex, state, headers, path_session))
             return

@@ -475,6 +475,38 @@ def test_every_chat_response_names_its_session_even_errors(
     assert r.status_code == 400 and "x-cachegate-session" not in r.headers
 
 
+def test_a_request_refused_before_its_session_was_known_is_in_the_session_it_named(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A body that is no JSON, a body too large, messages that are no array: a user looking into
+    the 400 their agent got found nothing in `sessions show`, though the answer named the
+    session (and the metrics counted it)."""
+    proxy = proxy_factory(sim.api_base, {"server": {"max_body_bytes": 4096}})
+    url = proxy.base_url + "/chat/completions"
+    named = {"X-Session-Id": "refused-1"}
+    assert (
+        httpx.post(url, content=b'{"model": "gpt-4o", "messages": [', headers=named).status_code
+        == 400
+    )
+    assert (
+        httpx.post(url, json={"model": "gpt-4o", "messages": {}}, headers=named).status_code == 400
+    )
+    big = {"model": "gpt-4o", "messages": [{"role": "user", "content": "x" * 5000}]}
+    assert httpx.post(url, json=big, headers=named).status_code == 413
+    assert post_chat(make_client(proxy.base_url, default_headers=named), HELLO)
+    # one that named no session is in none (nothing tells which it belongs to)
+    assert httpx.post(url, content=b"[", headers={}).status_code == 400
+    flush(proxy)
+    show = run_cli("sessions", "show", "refused-1", "--log-dir", str(proxy.log_dir), "--json")
+    rows = show.json()["exchanges"]
+    assert [(r["exchange"], r["status"]) for r in rows] == [(1, 400), (2, 400), (3, 413), (4, 200)]
+    assert (
+        "not valid JSON" in rows[0]["error"] and "'messages' must be an array" in rows[1]["error"]
+    )
+    assert sorted(p.name for p in proxy.log_dir.glob("*.jsonl")) == ["refused-1.jsonl"]
+    assert len(sim.sim.requests) == 1
+
+
 # --- the log through HTTP ----------------------------------------------------------------------
 
 
