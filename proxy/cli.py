@@ -301,7 +301,7 @@ def _sessions(ns: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"cachegate: {exc}", file=sys.stderr)
             return 2
-        source = f"config file {config_file}"
+        source = f"config file {config_file}" if log_dir != DEFAULT_LOG_DIR else "the default"
     log_dir = os.path.expanduser(log_dir or DEFAULT_LOG_DIR)
     try:
         if ns.action == "list":
@@ -370,7 +370,11 @@ def _sessions(ns: argparse.Namespace) -> int:
         sys.stdout.flush()  # (a write error here, not at exit where nothing reports it)
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
         where = ""
-        if isinstance(exc, FileNotFoundError) and not os.path.isabs(log_dir):
+        if (
+            isinstance(exc, FileNotFoundError)
+            and not os.path.isabs(log_dir)
+            and not os.path.isdir(log_dir)  # (not a session that is not there)
+        ):
             # (serve resolves a relative directory from where it runs, not from its config file)
             where = (
                 f" (from {source}: a relative directory is taken from the current one,"

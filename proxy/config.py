@@ -45,6 +45,16 @@ POSITIVE_KEYS: Final = (
 )
 
 
+def _not_negative(key: str, rule: str) -> str:
+    """The rule a key's value breaks when it is negative (or not finite): its own where 0 is no
+    better, so that the user is not sent from one refusal to the next."""
+    if key in POSITIVE_KEYS or key.endswith(".context_window"):
+        return "must be positive" if "finite" not in rule else "must be a finite positive number"
+    if key == "compaction.trigger_percent":
+        return "must be in (0, 100]"
+    return rule
+
+
 def _bad(key: str, problem: str) -> ConfigError:
     return ConfigError(f"config key '{key}': {problem}", key)
 
@@ -377,9 +387,9 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
         if result is None:
             raise ConfigError(f"config key '{key}': expected an integer, got {value!r}")
         if result < 0:
-            if key in POSITIVE_KEYS:
-                raise ConfigError(f"config key '{key}': must be positive, got {result}")
-            raise ConfigError(f"config key '{key}': must not be negative, got {result}")
+            raise ConfigError(
+                f"config key '{key}': {_not_negative(key, 'must not be negative')}, got {result}"
+            )
         return result
     if tp is float:
         if isinstance(value, bool):
@@ -391,8 +401,8 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"config key '{key}': expected a number, got {value!r}") from None
         if not 0 <= number < math.inf:  # NaN, inf and negatives
-            which = "positive" if key in POSITIVE_KEYS else "non-negative"
-            raise ConfigError(f"config key '{key}': must be a finite {which} number, got {value!r}")
+            rule = _not_negative(key, "must be a finite non-negative number")
+            raise ConfigError(f"config key '{key}': {rule}, got {value!r}")
         return number
     if tp is str:
         if not isinstance(value, str):
@@ -471,7 +481,7 @@ def _check(settings: Settings) -> None:
         section, name = key.split(".")
         value = getattr(getattr(settings, section), name)
         if value <= 0:  # 0 would refuse, or wait forever on, every request
-            raise _bad(key, f"must be positive, got {value}")
+            raise _bad(key, f"must be positive, got {value:g}")
     for name, model in settings.models.items():
         if model.context_window <= 0:
             raise _bad(f'models."{name}".context_window', "must be positive")

@@ -584,19 +584,24 @@ def _repair_note(repaired: list[dict[str, Any]], seen: set[tuple[Any, ...]]) -> 
     again = 0
     for repair in repaired:
         call = repair["tool_call_id"]
-        key = (
-            (repair["kind"], call) if call else (repair["kind"], repair["index"], repair["action"])
-        )
+        # (the index too: clients that number calls per message send call_0 in every turn)
+        key = (repair["kind"], repair["index"], call or repair["action"])
         if key in seen:
             again += 1
             continue
         seen.add(key)
         where = f" at messages[{repair['index']}]" if repair["index"] is not None else ""
         kind = _clip(repair["kind"], 32) if repair["kind"] else "repair"
-        new.append(f"{kind}{where}" + (f" ({_clip(call, 24)})" if call else ""))
-    if new:
-        return "repaired " + ", ".join(new) + (f" (+{again} again)" if again else "")
-    return f"{again} repaired again" if again else None
+        new.append(f"{kind}{where}" + (f" ({_clip(call, 40)})" if call else ""))
+    if not new:
+        return f"{again} repaired again" if again else None
+    listed = ", ".join(new[:_REPAIRS_LISTED])
+    if len(new) > _REPAIRS_LISTED:  # (a history resumed with many defects: one cell, not a page)
+        listed += f" and {len(new) - _REPAIRS_LISTED} more"
+    return "repaired " + listed + (f" (+{again} again)" if again else "")
+
+
+_REPAIRS_LISTED: Final = 3
 
 
 def render_show(detail: SessionDetail) -> str:

@@ -375,6 +375,14 @@ def test_a_relative_log_directory_from_a_config_file_that_is_not_there_is_explai
     assert str(tmp_path) in result.err and "--log-dir" in result.err
     monkeypatch.chdir(project)  # from where serve ran: found
     assert run_cli("sessions", "list", "--config", "cachegate.toml").code == 0
+    # a session that is not there, in a directory that is: no word of directories
+    missing = run_cli("sessions", "show", "nosuch", "--config", "cachegate.toml")
+    assert missing.code == 1
+    assert missing.err == "cachegate: no log for session 'nosuch' in './cfglogs'\n"
+    # a config file that sets no directory: the default's
+    (project / "other.toml").write_text("[server]\nport = 8790\n")
+    other = run_cli("sessions", "list", "--config", "other.toml")
+    assert "(from the default:" in other.err
 
 
 @pytest.mark.parametrize(

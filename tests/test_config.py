@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,16 @@ def test_a_key_that_must_be_positive_says_so_for_a_negative_value_too(key: str, 
         settings_from_mapping({section: {name: value}})
     assert key in str(info.value) and "positive" in str(info.value)
     assert "negative" not in str(info.value)
+
+
+def test_a_bounded_key_says_its_bounds_for_a_negative_value() -> None:
+    for data, said in (
+        ({"compaction": {"trigger_percent": -5}}, "must be in (0, 100], got -5"),
+        ({"models": {"gpt-4o": {"context_window": -1}}}, "must be positive, got -1"),
+        ({"cache": {"noise_floor_tokens": -1}}, "must not be negative, got -1"),  # 0 is fine
+    ):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            settings_from_mapping(data)
 
 
 def test_an_empty_log_dir_is_fine_when_logging_is_off() -> None:

@@ -286,12 +286,20 @@ def test_show_lists_each_new_repair_where_it_was_made(tmp_path: Path) -> None:
     """Two defects in one request, then one more two turns later: NOTES names each where it
     was first repaired, and counts those repaired again."""
     cut = {"kind": "invalid_arguments", "index": 4, "tool_call_id": "call_b", "action": "closed"}
+    # a client that numbers its calls per message: the same id, another interrupted turn
+    later = {**REPAIR, "index": 9}
+    empties = [
+        {"kind": "empty_tool_calls", "index": i, "tool_call_id": None, "action": "dropped"}
+        for i in (11, 13, 15, 17)
+    ]
     odd = {"kind": "orphan_result\n", "index": "x", "tool_call_id": None, "action": "kept"}
     path = tmp_path / "rep.jsonl"
     lines = [
         req(T0, 1, repairs=[REPAIR, cut]),
         req(T0 + 1, 2, repairs=[REPAIR, cut]),
         req(T0 + 2, 3, repairs=[REPAIR, cut, odd, "junk"]),
+        req(T0 + 3, 4, repairs=[REPAIR, cut, later]),
+        req(T0 + 4, 5, repairs=[REPAIR, cut, later, *empties]),
     ]
     path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
     rows = render_show(show_session(tmp_path, "rep")).splitlines()[2:]
@@ -302,6 +310,13 @@ def test_show_lists_each_new_repair_where_it_was_made(tmp_path: Path) -> None:
     )
     assert rows[1].endswith("  2 repaired again, no response logged")
     assert rows[2].endswith("  repaired orphan_result (+2 again), no response logged")
+    assert rows[3].endswith(
+        "  repaired dangling_call at messages[9] (call_1) (+2 again), no response logged"
+    )
+    assert rows[4].endswith(
+        "  repaired empty_tool_calls at messages[11], empty_tool_calls at messages[13],"
+        " empty_tool_calls at messages[15] and 1 more (+3 again), no response logged"
+    )
 
 
 def test_render_show(log_dir: Path) -> None:
