@@ -728,10 +728,11 @@ class ChatPipeline:
             ex.interrupted = err.status == CLIENT_CLOSED  # the client left while sending its body
             if state is None and err.status < 500:
                 # Refused before its session was resolved (a body too large, not JSON, without
-                # messages): a session the request named explicitly has the refusal in its log.
+                # messages): a session the request named, if held, has the refusal in its log
+                # (not made for it: refusals cost nothing, and would push real sessions out).
                 sid = _explicit_or_none(headers, path_session)
-                if sid is not None:
-                    state = self.sessions.get(sid, now) or self.sessions.create(sid, now)
+                state = self.sessions.get(sid, now) if sid is not None else None
+                if state is not None:
                     state.last_seen = now
                     ex.session_id, ex.session = state.id, state
                     ex.exchange_id = state.next_exchange()

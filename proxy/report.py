@@ -576,26 +576,41 @@ def _repairs(logged: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _repair_note(repaired: list[dict[str, Any]], seen: set[tuple[Any, ...]]) -> str | None:
+def _repair_note(repaired: list[dict[str, Any]], seen: dict[tuple[Any, ...], int]) -> str | None:
     """NOTES of a row's repairs: each one not made on an earlier row of the session, where and
     which call (an interrupted turn stays in the history, and is repaired again on every later
-    request: those are counted, not listed again); ``seen`` is updated."""
-    new: list[str] = []
-    again = 0
+    request: those are counted, not listed again); ``seen`` is updated.
+
+    A repair is told by its kind and call id (its kind and action without one), not by where it
+    is, which moves when a client trims its oldest turns; a row with more of one than any row
+    before it (clients that number calls per message send ``call_0`` every turn) has the later
+    ones, the history's newest, as new."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for repair in repaired:
         call = repair["tool_call_id"]
-        # (the index too: clients that number calls per message send call_0 in every turn)
-        key = (repair["kind"], repair["index"], call or repair["action"])
-        if key in seen:
-            again += 1
-            continue
-        seen.add(key)
-        where = f" at messages[{repair['index']}]" if repair["index"] is not None else ""
-        kind = _clip(repair["kind"], 32) if repair["kind"] else "repair"
-        new.append(f"{kind}{where}" + (f" ({_clip(call, 40)})" if call else ""))
+        key = (repair["kind"], call) if call else (repair["kind"], None, repair["action"])
+        groups.setdefault(key, []).append(repair)
+    new: list[dict[str, Any]] = []
+    for key, items in groups.items():
+        places: list[dict[str, Any]] = []  # (one per message: a duplicate line is no new one)
+        at: set[Any] = set()
+        for repair in items:
+            if repair["index"] not in at:
+                at.add(repair["index"])
+                places.append(repair)
+        before = seen.get(key, 0)
+        new += places[before:]
+        seen[key] = max(before, len(places))
+    again = len(repaired) - len(new)
     if not new:
         return f"{again} repaired again" if again else None
-    listed = ", ".join(new[:_REPAIRS_LISTED])
+    named = []
+    for repair in new[:_REPAIRS_LISTED]:
+        call = repair["tool_call_id"]
+        where = f" at messages[{repair['index']}]" if repair["index"] is not None else ""
+        kind = _clip(repair["kind"], 32) if repair["kind"] else "repair"
+        named.append(f"{kind}{where}" + (f" ({_clip(call, 40)})" if call else ""))
+    listed = ", ".join(named)
     if len(new) > _REPAIRS_LISTED:  # (a history resumed with many defects: one cell, not a page)
         listed += f" and {len(new) - _REPAIRS_LISTED} more"
     return "repaired " + listed + (f" (+{again} again)" if again else "")
@@ -620,7 +635,7 @@ def render_show(detail: SessionDetail) -> str:
     headers = ["#", "TIME", "MODEL", "IN", "OUT", "CACHED", "WASTE", "REPAIRS"]
     headers += ["TTFB", "DURATION", "STATUS", "NOTES"]
     rows = []
-    repaired: set[tuple[Any, ...]] = set()  # the repairs made on earlier rows
+    repaired: dict[tuple[Any, ...], int] = {}  # the repairs made on earlier rows (most in one)
     for r in detail.rows:
         notes = []
         repair_note = _repair_note(r.repaired, repaired)

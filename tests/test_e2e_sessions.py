@@ -480,31 +480,39 @@ def test_a_request_refused_before_its_session_was_known_is_in_the_session_it_nam
 ) -> None:
     """A body that is no JSON, a body too large, messages that are no array: a user looking into
     the 400 their agent got found nothing in `sessions show`, though the answer named the
-    session (and the metrics counted it)."""
+    session (and the metrics counted it). A session cachegate does not hold is not made for a
+    refusal: refusals cost nothing, and a flood of them pushed real sessions out."""
     proxy = proxy_factory(sim.api_base, {"server": {"max_body_bytes": 4096}})
     url = proxy.base_url + "/chat/completions"
     named = {"X-Session-Id": "refused-1"}
-    assert (
-        httpx.post(url, content=b'{"model": "gpt-4o", "messages": [', headers=named).status_code
-        == 400
-    )
-    assert (
-        httpx.post(url, json={"model": "gpt-4o", "messages": {}}, headers=named).status_code == 400
-    )
+    client = make_client(proxy.base_url, default_headers=named)
+    assert post_chat(client, HELLO)
+    not_json = httpx.post(url, content=b'{"model": "gpt-4o", "messages": [', headers=named)
+    assert not_json.status_code == 400
+    no_array = httpx.post(url, json={"model": "gpt-4o", "messages": {}}, headers=named)
+    assert no_array.status_code == 400
     big = {"model": "gpt-4o", "messages": [{"role": "user", "content": "x" * 5000}]}
     assert httpx.post(url, json=big, headers=named).status_code == 413
-    assert post_chat(make_client(proxy.base_url, default_headers=named), HELLO)
-    # one that named no session is in none (nothing tells which it belongs to)
+    assert post_chat(client, HELLO)
+    # one that named no session, or one cachegate does not hold, is in none
     assert httpx.post(url, content=b"[", headers={}).status_code == 400
+    unheld = httpx.post(url, content=b"[", headers={"X-Session-Id": "never-seen"})
+    assert unheld.status_code == 400 and unheld.headers["x-cachegate-session"] == "never-seen"
     flush(proxy)
     show = run_cli("sessions", "show", "refused-1", "--log-dir", str(proxy.log_dir), "--json")
     rows = show.json()["exchanges"]
-    assert [(r["exchange"], r["status"]) for r in rows] == [(1, 400), (2, 400), (3, 413), (4, 200)]
+    assert [(r["exchange"], r["status"]) for r in rows] == [
+        (1, 200),
+        (2, 400),
+        (3, 400),
+        (4, 413),
+        (5, 200),
+    ]
     assert (
-        "not valid JSON" in rows[0]["error"] and "'messages' must be an array" in rows[1]["error"]
+        "not valid JSON" in rows[1]["error"] and "'messages' must be an array" in rows[2]["error"]
     )
     assert sorted(p.name for p in proxy.log_dir.glob("*.jsonl")) == ["refused-1.jsonl"]
-    assert len(sim.sim.requests) == 1
+    assert len(sim.sim.requests) == 2
 
 
 # --- the log through HTTP ----------------------------------------------------------------------

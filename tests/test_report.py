@@ -300,6 +300,8 @@ def test_show_lists_each_new_repair_where_it_was_made(tmp_path: Path) -> None:
         req(T0 + 2, 3, repairs=[REPAIR, cut, odd, "junk"]),
         req(T0 + 3, 4, repairs=[REPAIR, cut, later]),
         req(T0 + 4, 5, repairs=[REPAIR, cut, later, *empties]),
+        # the client trimmed its oldest turn: the same repairs, one message earlier each
+        req(T0 + 5, 6, repairs=[{**r, "index": r["index"] - 1} for r in (REPAIR, cut, later)]),
     ]
     path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
     rows = render_show(show_session(tmp_path, "rep")).splitlines()[2:]
@@ -317,6 +319,7 @@ def test_show_lists_each_new_repair_where_it_was_made(tmp_path: Path) -> None:
         "  repaired empty_tool_calls at messages[11], empty_tool_calls at messages[13],"
         " empty_tool_calls at messages[15] and 1 more (+3 again), no response logged"
     )
+    assert rows[5].endswith("  3 repaired again, no response logged")
 
 
 def test_render_show(log_dir: Path) -> None:
