@@ -584,7 +584,8 @@ def _repair_note(repaired: list[dict[str, Any]], seen: dict[tuple[Any, ...], int
     A repair is told by its kind and call id (its kind and action without one), not by where it
     is, which moves when a client trims its oldest turns; a row with more of one than any row
     before it (clients that number calls per message send ``call_0`` every turn) has the later
-    ones, the history's newest, as new."""
+    ones, the history's newest, as new. (A heuristic: a trimmed history, or sub-agents reusing
+    ids, can have a new one counted as repaired again; REPAIRS is the exact count.)"""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for repair in repaired:
         call = repair["tool_call_id"]
@@ -604,6 +605,7 @@ def _repair_note(repaired: list[dict[str, Any]], seen: dict[tuple[Any, ...], int
     again = len(repaired) - len(new)
     if not new:
         return f"{again} repaired again" if again else None
+    new.sort(key=lambda repair: (repair["index"] is None, repair["index"] or 0))  # message order
     named = []
     for repair in new[:_REPAIRS_LISTED]:
         call = repair["tool_call_id"]

@@ -322,6 +322,25 @@ def test_show_lists_each_new_repair_where_it_was_made(tmp_path: Path) -> None:
     assert rows[5].endswith("  3 repaired again, no response logged")
 
 
+def test_new_repairs_are_named_in_message_order(tmp_path: Path) -> None:
+    def dangling(index: int, call: str) -> dict[str, Any]:
+        return {"kind": "dangling_call", "index": index, "tool_call_id": call, "action": "x"}
+
+    path = tmp_path / "order.jsonl"
+    lines = [
+        req(T0, 1, repairs=[dangling(2, "call_0")]),
+        req(
+            T0 + 1, 2, repairs=[dangling(2, "call_0"), dangling(5, "call_x"), dangling(9, "call_0")]
+        ),
+    ]
+    path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    rows = render_show(show_session(tmp_path, "order")).splitlines()[2:]
+    assert rows[1].endswith(
+        "  repaired dangling_call at messages[5] (call_x), dangling_call at messages[9] (call_0)"
+        " (+1 again), no response logged"
+    )
+
+
 def test_render_show(log_dir: Path) -> None:
     assert render_show(show_session(log_dir, "alpha")) == "\n".join(
         [
