@@ -45,14 +45,14 @@ POSITIVE_KEYS: Final = (
 )
 
 
-def _not_negative(key: str, rule: str) -> str:
-    """The rule a key's value breaks when it is negative (or not finite): its own where 0 is no
-    better, so that the user is not sent from one refusal to the next."""
+def _not_negative(key: str, finite: bool = False) -> str:
+    """The rule a key's value breaks when it is negative (or, with ``finite``, not finite): its
+    own where 0 is no better, so that the user is not sent from one refusal to the next."""
     if key in POSITIVE_KEYS or key.endswith(".context_window"):
-        return "must be positive" if "finite" not in rule else "must be a finite positive number"
+        return "must be a finite positive number" if finite else "must be positive"
     if key == "compaction.trigger_percent":
         return "must be in (0, 100]"
-    return rule
+    return "must be a finite non-negative number" if finite else "must not be negative"
 
 
 def _bad(key: str, problem: str) -> ConfigError:
@@ -387,9 +387,7 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
         if result is None:
             raise ConfigError(f"config key '{key}': expected an integer, got {value!r}")
         if result < 0:
-            raise ConfigError(
-                f"config key '{key}': {_not_negative(key, 'must not be negative')}, got {result}"
-            )
+            raise ConfigError(f"config key '{key}': {_not_negative(key)}, got {result}")
         return result
     if tp is float:
         if isinstance(value, bool):
@@ -401,7 +399,7 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"config key '{key}': expected a number, got {value!r}") from None
         if not 0 <= number < math.inf:  # NaN, inf and negatives
-            rule = _not_negative(key, "must be a finite non-negative number")
+            rule = _not_negative(key, finite=True)
             raise ConfigError(f"config key '{key}': {rule}, got {value!r}")
         return number
     if tp is str:

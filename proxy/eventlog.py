@@ -29,7 +29,7 @@ from typing import Any, Final, Literal, NamedTuple
 
 import orjson
 
-from proxy.prefix import SYSTEM_ROLES, deep_call, deep_dumps
+from proxy.prefix import deep_call, deep_dumps, leading_system_count
 from proxy.redact import REDACTED, known_secrets, line_may_hold_secret, redact, redact_text
 from proxy.sessions import shared_prefix, valid_session_id
 
@@ -1253,14 +1253,14 @@ def choose_delta(
     time (the log grew with the square of the conversation). Of the codings, the one that writes
     the fewest messages (the plain one on a tie)."""
     base_exchange, base = choose_base(candidates, messages)
-    head = _system_count(messages)
+    head = leading_system_count(messages)
     if head == 0 or base > head or len(messages) <= head:
         return Delta(base_exchange, base)  # the system block is shared, or there is none
     best = Delta(base_exchange, base)
     best_written = len(messages) - base
     rest = messages[head:]
     for exchange, previous in reversed(candidates):
-        replaces = _system_count(previous)
+        replaces = leading_system_count(previous)
         after = min(len(previous) - replaces, len(rest))
         if replaces == 0 or len(messages) - after - min(head, replaces) >= best_written:
             continue  # (cannot write fewer, even sharing all it could)
@@ -1273,15 +1273,6 @@ def choose_delta(
             best = Delta(exchange, replaces + shared, head, replaces, kept)
             best_written = written
     return best
-
-
-def _system_count(messages: Sequence[Any]) -> int:
-    count = 0
-    for message in messages:
-        if not isinstance(message, dict) or message.get("role") not in SYSTEM_ROLES:
-            break
-        count += 1
-    return count
 
 
 def replay(events: Iterable[dict[str, Any]]) -> list[tuple[int, list[dict[str, Any]]]]:

@@ -765,12 +765,11 @@ class EventLogObserver:
         if not logged:
             event["tools"] = tools  # a session's first line in this process (null: none)
             keep = [(ex.exchange_id, tools)]
-        elif tools is logged[0][1]:
-            pass
         elif _same_tools(tools, logged[0][1]):
-            # The same tools in another object (each parse makes its own): this one is held
-            # instead, so that the next turn's, the very same object, is told at once.
-            keep = [(logged[0][0], tools), *logged[1:]]
+            if tools is not logged[0][1]:
+                # The same tools in another object (each parse makes its own): this one is held
+                # instead, so that the next turn's, the very same object, is told at once.
+                keep = [(logged[0][0], tools), *logged[1:]]
         else:
             # Other tools than the last line's: those of another conversation of the session
             # (a sub-agent's), logged already by an earlier line, are named by its number.

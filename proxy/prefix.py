@@ -164,7 +164,7 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
     chain: list[tuple[str, bytes]]
     if previous is None:
         message_digests = tuple([_digest(canonical_message(message)) for message in messages])
-        system_count = _system_count(messages)
+        system_count = leading_system_count(messages)
         params_digest = _digest(params)
         tools_digest = _tools_digest(tools)
         system_digest = _system_digest(message_digests[:system_count])
@@ -194,7 +194,7 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
             system_count = previous.system_count
             system_digest = before[_SYSTEM]
         else:
-            system_count = _system_count(messages)
+            system_count = leading_system_count(messages)
             if previous.system_count == system_count and (
                 old_digests[:system_count] == message_digests[:system_count]
             ):
@@ -264,7 +264,7 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
     )
 
 
-def _system_count(messages: tuple[Any, ...]) -> int:
+def leading_system_count(messages: Sequence[Any]) -> int:
     """How many leading messages are system (or developer) messages."""
     count = 0
     while count < len(messages) and _role(messages[count]) in SYSTEM_ROLES:
@@ -624,8 +624,8 @@ def retimed_messages(old_body: Mapping[str, Any], new_body: Mapping[str, Any]) -
     old_messages, new_messages = old_body.get("messages"), new_body.get("messages")
     if not isinstance(old_messages, list) or not isinstance(new_messages, list):
         return False
-    old_rest = old_messages[_system_count(tuple(old_messages)) :]
-    new_rest = new_messages[_system_count(tuple(new_messages)) :]
+    old_rest = old_messages[leading_system_count(old_messages) :]
+    new_rest = new_messages[leading_system_count(new_messages) :]
     if not old_rest or len(old_rest) != len(new_rest) or len(new_rest) > _RETIMED_MAX:
         return False
     for old_message, new_message in zip(old_rest, new_rest, strict=True):
