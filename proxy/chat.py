@@ -521,9 +521,12 @@ class ChatPipeline:
     ) -> None:
         self.in_flight += 1
         self.idle.clear()
+        entered: list[SessionState] = []  # (the session, once resolved: at work until the end)
         try:
-            await self._handle(scope, receive, send, path_session)
+            await self._handle(scope, receive, send, path_session, entered)
         finally:
+            for state in entered:
+                self.sessions.leave(state, self.clock())
             self._one_done()
 
     @staticmethod
@@ -621,7 +624,12 @@ class ChatPipeline:
                 self._draining = False
 
     async def _handle(
-        self, scope: Scope, receive: Receive, send: Send, path_session: str | None
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        path_session: str | None,
+        entered: list[SessionState],
     ) -> None:
         now = self.clock()
         headers = header_map(scope)
@@ -662,6 +670,8 @@ class ChatPipeline:
             ex.stream = body.get("stream") is True
             ex.client_body = body
             state, shared = self.resolve_session(headers, path_session, body, now)
+            self.sessions.enter(state)
+            entered.append(state)
             messages = body.get("messages")
             count = len(messages) if isinstance(messages, list) else 0
             if parsed.source is not None:  # spliced: only the appended bytes were parsed anew

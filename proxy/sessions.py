@@ -212,6 +212,9 @@ class SessionState:
     # Summaries being written for it (``Compactor``): its client's retry, or next turn, is to
     # find them, so it is not forgotten for memory or count meanwhile.
     busy: int = 0
+    # Its requests in flight (``MemorySessionStore.enter``/``leave``): a session at work is not
+    # idle, however long an answer takes, nor forgotten for memory or count.
+    requests: int = 0
     # (held for the whole request, held for its own objects alone, its first message after the
     # system prompt: the requests that hold that very object continue one another)
     sizes: list[tuple[int, int, Any]] = field(default_factory=list)
@@ -275,6 +278,10 @@ class SessionStore(Protocol):
     def active_ids(self) -> Iterable[str]: ...
 
     def touch(self, state: SessionState) -> None: ...
+
+    def enter(self, state: SessionState) -> None: ...
+
+    def leave(self, state: SessionState, now: float) -> None: ...
 
 
 # What a session holds in memory per byte of its largest recent request: the parsed history
@@ -395,9 +402,27 @@ class MemorySessionStore:
         """The least recently seen session with no summary being written for it, other than
         ``keep`` (None when there is none)."""
         for sid, state in self._sessions.items():
-            if not state.busy and state is not keep:
+            if not (state.busy or state.requests) and state is not keep:
                 return sid, state
         return None
+
+    def _idle(self, state: SessionState, now: float) -> bool:
+        """Whether ``state`` has been idle for longer than ``idle_ttl_s`` at ``now``: no
+        request of it in flight, no summary being written for it, and none seen since."""
+        return now - state.last_seen > self.idle_ttl_s and not (state.requests or state.busy)
+
+    def enter(self, state: SessionState) -> None:
+        """A request of ``state`` is in flight (until ``leave``)."""
+        state.requests += 1
+
+    def leave(self, state: SessionState, now: float) -> None:
+        """A request of ``state`` is done at ``now``: the session's idle time runs from here
+        (not from the request's start: an answer that took longer than ``idle_ttl_s`` left the
+        session as much at work as its client is)."""
+        state.requests -= 1
+        if now > state.last_seen:
+            state.last_seen = now
+        self.touch(state)
 
     def touch(self, state: SessionState) -> None:
         """``state`` counts as just seen for eviction (a summary written for it is done: its
@@ -429,7 +454,7 @@ class MemorySessionStore:
         state = self._sessions.get(session_id)
         if state is None:
             return None
-        if now is not None and now - state.last_seen > self.idle_ttl_s:
+        if now is not None and self._idle(state, now):
             self._forget(session_id, state, "idle")
             return None
         self._sessions.move_to_end(session_id)
@@ -464,7 +489,7 @@ class MemorySessionStore:
             state = self._sessions.get(sid)
             if state is None:
                 continue
-            if now is not None and now - state.last_seen > self.idle_ttl_s:
+            if now is not None and self._idle(state, now):
                 stale.append(state)
                 continue
             n = shared_prefix(state.last_client_messages, messages)
@@ -515,7 +540,7 @@ class MemorySessionStore:
         summary is being written for, nor ``keep``, the one just created)."""
         while self._sessions:
             sid, oldest = next(iter(self._sessions.items()))
-            if now - oldest.last_seen > self.idle_ttl_s and not oldest.busy:
+            if self._idle(oldest, now):
                 self._forget(sid, oldest, "idle")
             elif len(self._sessions) > self.max_sessions:
                 found = self._oldest_idle(keep)

@@ -192,6 +192,44 @@ def test_a_session_idle_past_its_limit_is_forgotten_when_it_comes_back(
     assert requests[2]["base"] == 0  # logged in full: nothing to code it against
 
 
+def test_a_session_at_work_is_not_idle_however_long_its_answers_take(
+    proxy_factory: Any,
+) -> None:
+    """Idle time runs from a session's last request's end, and not while one is in flight: a
+    session whose answer outlasted ``sessions.idle_ttl_s`` was forgotten as idle under its own
+    request (a second request of it started the numbering again, its accounting too), and so
+    was its next turn, sent as soon as that answer ended."""
+    now = [1_790_000_000.0]
+    with run_simulator(SimConfig(ttft_ms=800)) as slow:
+        proxy = proxy_factory(slow.api_base, {"sessions": {"idle_ttl_s": 600}}, clock=lambda: now[0])
+        busy = make_client(proxy.base_url, default_headers={"X-Session-Id": "long-answer"})
+        convo: list[dict[str, Any]] = [{"role": "user", "content": "think hard"}]
+        first = threading.Thread(target=chat, args=(busy, convo), kwargs={"stream": True})
+        first.start()
+        time.sleep(0.3)  # the first answer in flight, ten minutes and more since it was asked
+        now[0] += 601
+        chat(busy, [{"role": "user", "content": "meanwhile"}], stream=False)
+        first.join()
+
+        turns = make_client(proxy.base_url, default_headers={"X-Session-Id": "slow-turn"})
+        done = threading.Thread(target=chat, args=(turns, convo), kwargs={"stream": False})
+        done.start()
+        time.sleep(0.3)
+        now[0] += 700  # the answer ends 700 s after it was asked
+        done.join()
+        now[0] += 500  # the next turn: 500 s after that answer, 1,200 after its request
+        chat(turns, [{"role": "user", "content": "next"}], stream=True)
+        flush(proxy)
+        assert [r["exchange"] for r in events(proxy.log_dir, "long-answer", "request")] == [1, 2]
+        assert [r["exchange"] for r in events(proxy.log_dir, "slow-turn", "request")] == [1, 2]
+        assert proxy.metric("cachegate_session_evictions_total", {"reason": "idle"}) == 0
+
+        now[0] += 601  # idle now, with nothing in flight: forgotten as before
+        chat(turns, [{"role": "user", "content": "after a break"}], stream=False)
+        flush(proxy)
+        assert [r["exchange"] for r in events(proxy.log_dir, "slow-turn", "request")] == [1, 2, 1]
+
+
 def agent_history(seed: int, rounds: int, output_chars: int = 4000) -> list[dict[str, Any]]:
     """An agent's history: a task, then ``rounds`` tool calls with their outputs."""
     messages: list[dict[str, Any]] = [

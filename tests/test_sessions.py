@@ -415,6 +415,26 @@ def test_a_session_a_summary_is_written_for_is_not_forgotten_until_it_is_done() 
     assert reasons == ["memory", "count", "count"]
 
 
+def test_a_session_with_a_request_in_flight_is_not_idle_and_its_idle_time_runs_from_the_end() -> (
+    None
+):
+    reasons: list[str] = []
+    store = MemorySessionStore(max_sessions=2, idle_ttl_s=100, on_evict=reasons.append)
+    working = store.create("working", 0.0)
+    store.enter(working)  # a request of it in flight from 0 to 150
+    assert store.get("working", 150.0) is working  # not idle under its own request
+    store.create("b", 150.0)
+    store.create("c", 150.0)  # over max_sessions: b goes, not the session at work
+    assert sorted(store.active_ids()) == ["c", "working"]
+    store.leave(working, 150.0)
+    assert working.requests == 0
+    store.create("d", 200.0)  # now the least recently seen is c
+    assert sorted(store.active_ids()) == ["d", "working"]
+    assert store.get("working", 249.0) is working  # 99 s after its request ended
+    assert store.get("working", 251.0) is None  # 101 s: idle, forgotten
+    assert reasons == ["count", "count", "idle"]
+
+
 def test_the_session_just_created_is_not_the_one_forgotten_for_count_when_the_others_are_busy() -> (
     None
 ):
