@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
@@ -30,6 +31,8 @@ from proxy.config import (
 DEFAULT_LOG_DIR = "./cachegate-logs"
 _VARIABLE_NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,63}")  # as variables are named, not as keys are
 SHUTDOWN_GRACE_S = 5  # after Ctrl+C, how long answers in flight may still finish
+# ...and how much longer a restart waits for the stopping one's log (observers, writer, exit)
+STOPPING_WAIT_S = 5
 
 
 def tune_gc() -> None:
@@ -56,7 +59,8 @@ def _serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy.app import create_app
-    from proxy.serving import HttpProtocol, serve_until_stopped
+    from proxy.eventlog import mark_stopping
+    from proxy.serving import HttpProtocol, Server, serve_until_stopped
 
     try:
         settings = load_settings(
@@ -85,7 +89,7 @@ def _serve(ns: argparse.Namespace) -> int:
             sock.close()
         return 1
 
-    def server() -> uvicorn.Server:
+    def server() -> Server:
         app = create_app(settings)
         writer = app.state.gateway.writer
         if writer is not None:  # the shutdown closes it; at exit, whatever happened to that
@@ -189,7 +193,8 @@ def _serve(ns: argparse.Namespace) -> int:
             ws="none",
         )
         logging.getLogger("uvicorn.error").addFilter(_grace_note)
-        return uvicorn.Server(config)
+        # (a restart on the same log directory meanwhile waits for this one: _log_dir_taken)
+        return Server(config, on_stop=mark_stopping)
 
     return serve_until_stopped(sockets, server)
 
@@ -263,16 +268,38 @@ def _demo(ns: argparse.Namespace) -> int:
 def _log_dir_taken(log_dir: str) -> bool:
     """Claim ``log_dir`` for this process (``claim_log_dir``); True, once said in one line, when
     another cachegate writes it."""
-    from proxy.eventlog import claim_log_dir
+    from proxy.eventlog import STOPPING, claim_log_dir
 
     holder = claim_log_dir(log_dir)
+    if holder is not None and holder.endswith(STOPPING):
+        # A restart: the cachegate before this one is stopping, its answers in flight finishing
+        # (SHUTDOWN_GRACE_S) and its log written. Wait for it, rather than refuse a user who
+        # did "stop; start", or send them to another directory (a session's log then in two).
+        pid = holder.removesuffix(STOPPING).strip()
+        print(
+            f"cachegate: waiting for the cachegate that is stopping (pid {pid}) to finish"
+            f" writing log directory {log_dir}",
+            file=sys.stderr,
+        )
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S + STOPPING_WAIT_S
+        while holder is not None and holder.endswith(STOPPING) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            holder = claim_log_dir(log_dir)
     if holder is None:
         return False
-    print(
-        f"cachegate: log directory {log_dir} is being written by another cachegate "
-        f"(pid {holder}); give this one its own --log-dir",
-        file=sys.stderr,
-    )
+    pid = holder.removesuffix(STOPPING).strip()
+    if holder.endswith(STOPPING):
+        print(
+            f"cachegate: log directory {log_dir} is still being written by the cachegate that"
+            f" is stopping (pid {pid}); start this one once it has exited",
+            file=sys.stderr,
+        )
+    else:
+        print(
+            f"cachegate: log directory {log_dir} is being written by another cachegate "
+            f"(pid {pid}); give this one its own --log-dir",
+            file=sys.stderr,
+        )
     return True
 
 

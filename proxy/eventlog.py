@@ -822,7 +822,8 @@ def claim_log_dir(log_dir: str | os.PathLike[str]) -> str | None:
     writing one directory number a session's exchanges each on its own, and its log no longer
     reads as one conversation. Returns None when claimed, or when it cannot be looked at (no
     directory can be made there, no ``flock`` on this system: the writer then says what is
-    wrong); else the process id the holder wrote, as text."""
+    wrong); else what the holder wrote, as text: its process id, followed by ``stopping`` once
+    it is stopping (``mark_stopping``)."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not on POSIX
@@ -857,6 +858,19 @@ def claim_log_dir(log_dir: str | os.PathLike[str]) -> str | None:
             os.close(old)
     _CLAIMED[path] = _dir_id(path)
     return None
+
+
+STOPPING: Final = "stopping"  # after the holder's process id in a lock file: it is stopping
+
+
+def mark_stopping() -> None:
+    """Say in the lock file of every log directory this process claimed that it is stopping
+    (``<pid> stopping``): a cachegate started meanwhile on the same directory, a restart, waits
+    for the lock while this one's answers in flight finish (see ``claim_log_dir``)."""
+    for fd in list(_CLAIMS.values()):
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, b"%d %s\n" % (os.getpid(), STOPPING.encode()), 0)
 
 
 def _lock_removed(path: str) -> bool:

@@ -150,6 +150,21 @@ class _ReadOn:
         self._protocol.on_message_complete()
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server, which calls ``on_stop`` as it begins to stop (a signal, a hang-up),
+    before it closes its sockets and gives the answers in flight their grace period."""
+
+    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self.on_stop = on_stop
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.on_stop is not None:
+            with contextlib.suppress(Exception):  # (saying so must not keep it from stopping)
+                self.on_stop()
+        await super().shutdown(sockets=sockets)
+
+
 def serve_until_stopped(
     sockets: list[socket.socket], make_server: Callable[[], uvicorn.Server]
 ) -> int:

@@ -749,6 +749,147 @@ def test_a_second_cachegate_on_the_same_log_directory_is_refused_in_one_line(
         assert realtime.json()["error"]["code"] == "websocket_not_supported"
 
 
+@pytest.mark.timeout(60)
+def test_a_restart_while_an_answer_is_in_flight_waits_for_the_cachegate_that_is_stopping(
+    tmp_path: Path,
+) -> None:
+    """ "Stop; start" while a stream runs: the stopping cachegate keeps the log directory for its
+    grace period, and the new one refused to start, telling the user to take another directory
+    (a session's log then in two). It waits, says so, and starts once the other has exited; the
+    session's log holds the whole answer, then the new process's lines."""
+    import contextlib
+    import os
+    import signal
+
+    import openai
+
+    log_dir = tmp_path / "logs"
+
+    def serve(port: int) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [
+                *(sys.executable, "-m", "proxy.cli", "serve", "--port", str(port)),
+                *("--upstream", sim.api_base, "--log-dir", str(log_dir)),
+            ],
+            cwd=REPO,
+            env=clean_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def healthy(port: int) -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    with run_simulator(SimConfig()) as sim:
+        first_port, second_port = free_port(), free_port()
+        first = serve(first_port)
+        second: subprocess.Popen[str] | None = None
+        try:
+            wait_for(lambda: healthy(first_port), timeout=20, what="the first cachegate")
+            client = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{first_port}/v1",
+                api_key="sk-test",
+                max_retries=0,
+                default_headers={
+                    "X-Session-Id": "restarted",
+                    "X-Sim-Fault": "stall",
+                    "X-Sim-Stall-S": "2",
+                },
+            )
+            stream = client.chat.completions.create(
+                model="gpt-4o", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+            chunks = iter(stream)
+            next(chunks)  # the answer has begun
+            first.send_signal(signal.SIGINT)
+            lock = log_dir / ".cachegate.lock"
+            wait_for(
+                lambda: lock.read_text().strip() == f"{first.pid} stopping",
+                timeout=10,
+                what="the stopping cachegate's mark",
+            )
+            second = serve(second_port)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert text  # the rest of the answer, after the stall: within the grace period
+            assert first.wait(20) == 0
+            wait_for(lambda: healthy(second_port), timeout=20, what="the second cachegate")
+            assert lock.read_text().strip() == str(second.pid)  # its own, once it holds it
+            again = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{second_port}/v1",
+                api_key="sk-test",
+                max_retries=0,
+                default_headers={"X-Session-Id": "restarted"},
+            )
+            again.chat.completions.create(
+                model="gpt-4o", messages=[{"role": "user", "content": "again"}]
+            )
+            wait_for(
+                lambda: len(read_log(log_dir / "restarted.jsonl", "response")) == 2,
+                timeout=10,
+                what="the second response line",
+            )
+        finally:
+            for proc in (first, second):
+                if proc is not None and proc.poll() is None:
+                    proc.send_signal(signal.SIGINT)
+                    try:
+                        proc.wait(15)
+                    except subprocess.TimeoutExpired:
+                        os.kill(proc.pid, signal.SIGKILL)
+                        proc.wait()
+        assert second is not None and second.stderr is not None
+        with second.stderr, first.stderr or contextlib.nullcontext():
+            said = second.stderr.read()
+        assert said.startswith(
+            f"cachegate: waiting for the cachegate that is stopping (pid {first.pid}) to finish"
+            f" writing log directory {log_dir}\n"
+        )
+        responses = read_log(log_dir / "restarted.jsonl", "response")
+        assert [(r["exchange"], r["status"], r["interrupted"]) for r in responses] == [
+            (1, 200, False),
+            (1, 200, False),
+        ]
+        assert responses[0]["message"]["content"] == text
+
+
+def test_a_restart_stops_waiting_for_a_stopping_cachegate_that_does_not_exit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+
+    from proxy import cli, eventlog
+
+    monkeypatch.setattr(eventlog, "_CLAIMS", {})  # (this test's claim alone is marked)
+    monkeypatch.setattr(cli, "SHUTDOWN_GRACE_S", 0)
+    monkeypatch.setattr(cli, "STOPPING_WAIT_S", 0.3)
+    log_dir = tmp_path / "held"
+    assert eventlog.claim_log_dir(log_dir) is None  # as a cachegate that is stopping holds it
+    eventlog.mark_stopping()
+    try:
+        assert (log_dir / ".cachegate.lock").read_text() == f"{os.getpid()} stopping\n"
+        assert cli._log_dir_taken(str(log_dir)) is True
+    finally:
+        for fd in eventlog._CLAIMS.values():
+            os.close(fd)
+    assert capsys.readouterr().err == (
+        f"cachegate: waiting for the cachegate that is stopping (pid {os.getpid()}) to finish"
+        f" writing log directory {log_dir}\n"
+        f"cachegate: log directory {log_dir} is still being written by the cachegate that is"
+        f" stopping (pid {os.getpid()}); start this one once it has exited\n"
+    )
+
+
+def read_log(path: Path, kind: str) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    lines = [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+    return [line for line in lines if line.get("type") == kind]
+
+
 def test_a_demo_into_a_log_directory_another_cachegate_writes_is_refused(tmp_path: Path) -> None:
     from proxy.eventlog import claim_log_dir
 

@@ -201,7 +201,9 @@ def test_a_session_at_work_is_not_idle_however_long_its_answers_take(
     was its next turn, sent as soon as that answer ended."""
     now = [1_790_000_000.0]
     with run_simulator(SimConfig(ttft_ms=800)) as slow:
-        proxy = proxy_factory(slow.api_base, {"sessions": {"idle_ttl_s": 600}}, clock=lambda: now[0])
+        proxy = proxy_factory(
+            slow.api_base, {"sessions": {"idle_ttl_s": 600}}, clock=lambda: now[0]
+        )
         busy = make_client(proxy.base_url, default_headers={"X-Session-Id": "long-answer"})
         convo: list[dict[str, Any]] = [{"role": "user", "content": "think hard"}]
         first = threading.Thread(target=chat, args=(busy, convo), kwargs={"stream": True})
