@@ -292,7 +292,9 @@ def _tool_name(call: dict[str, Any]) -> str:
 
 
 def _downgrade(message: dict[str, Any], label: str) -> dict[str, Any]:
-    """A user message carrying a tool message's content under ``label``, so nothing is lost."""
+    """A user message carrying a tool message's content under ``label``, so nothing is lost,
+    and its ``cache_control`` breakpoint (a Claude-style client marks its latest message: the
+    mark gone, that turn asked nothing of the cache)."""
     content = message.get("content")
     new_content: str | list[Any]
     if content is None or content == "":
@@ -304,7 +306,11 @@ def _downgrade(message: dict[str, Any], label: str) -> dict[str, Any]:
     else:
         dumped = json.dumps(content, sort_keys=True, ensure_ascii=False)
         new_content = f"{label}\n{dumped}"
-    return {"role": "user", "content": new_content}
+    downgraded: dict[str, Any] = {"role": "user", "content": new_content}
+    mark = message.get("cache_control")
+    if mark is not None:
+        downgraded["cache_control"] = mark
+    return downgraded
 
 
 def _fix_calls(

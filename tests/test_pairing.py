@@ -405,6 +405,24 @@ def test_same_call_at_another_position_gets_another_id() -> None:
     assert twice[0]["id"] != twice[1]["id"]
 
 
+def test_a_downgraded_result_keeps_its_cache_control_breakpoint() -> None:
+    """A Claude-style client marks its latest message; an orphan or duplicate result so marked
+    lost the mark in its downgrade, and the request asked nothing of the cache."""
+    mark = {"type": "ephemeral", "ttl": "5m"}
+    marked = {**tool("zzz", "output"), "cache_control": mark}
+    out = repair_messages([user("go"), asst(content="ok"), marked])
+    assert out.messages[2] == {
+        "role": "user",
+        "content": "[tool result for call zzz (no matching tool call)]\noutput",
+        "cache_control": mark,
+    }
+    duplicate = repair_messages(
+        [asst(call("a")), tool("a", "A"), {**tool("a", "again"), "cache_control": mark}]
+    )
+    assert duplicate.messages[2]["cache_control"] == mark
+    assert "cache_control" not in repair_messages([user("go"), tool("x", "y")]).messages[1]
+
+
 def test_orphan_policy_drop_removes_orphans_and_duplicates() -> None:
     messages = [asst(call("a")), tool("a", "A"), tool("a", "again"), user("s"), tool("x", "X")]
     result = repair_messages(messages, orphan_policy="drop")
