@@ -396,12 +396,14 @@ class AccountingObserver:
             # is the one to show (the summary against a message it never sent is cachegate's).
             index, old, new = ex.compaction_undone
             divergence = prefix.message_divergence(index, old, new, self.secrets)
+        shown = divergence  # (where the client's own history has it)
         if divergence is not None:
             # A refused attempt's retry counts it; a compaction's summary in place of the
             # history is cachegate's own (an expected miss, as in the waste), not the agent's.
             if ex.status < 400 and not ex.compaction_made:
                 self.metrics.observe_prefix_rewrite(_location_label(divergence))
-            ex.divergence = _divergence_dict(divergence)
+            shown = _in_client_terms(divergence, ex)
+            ex.divergence = _divergence_dict(shown)
         usage = ex.usage
         name, ttl_s, pricing, marked_only, min_cached = self._model_terms(ex.model)
         if marked_only or (usage is not None and usage.explicit_cache):
@@ -495,7 +497,7 @@ class AccountingObserver:
             cache_state,
             usage=usage,
             fingerprint=fp,
-            divergence=divergence,
+            divergence=shown,
             # After a rewrite, what the previous request sent that this one dropped (a
             # trimmed start, a rewind's abandoned turns) could not be read
             dropped=(
@@ -652,6 +654,29 @@ def _summary_at(body: Any, index: int | None) -> bool:
     message = messages[index]
     content = message.get("content") if isinstance(message, dict) else None
     return isinstance(content, str) and content.startswith(compaction.SUMMARY_MARKER)
+
+
+def _in_client_terms(divergence: prefix.Divergence, ex: Exchange) -> prefix.Divergence:
+    """``divergence`` with its message index in the client's history, where a repair made the
+    forwarded one differ from it (a synthetic result inserted, an orphan dropped: the repair
+    notes of the same row count in the client's): the message at the index if it is one of the
+    client's, else the place after the nearest one before it that is. A compacted history keeps
+    the forwarded index (a summary stands for many of the client's messages)."""
+    index = divergence.index
+    if divergence.location != "messages" or index is None or ex.compacted or not ex.repairs:
+        return divergence
+    forwarded = ex.body.get("messages") if isinstance(ex.body, dict) else None
+    client = ex.client_body.get("messages") if isinstance(ex.client_body, dict) else None
+    if not isinstance(forwarded, list) or not isinstance(client, list) or forwarded is client:
+        return divergence
+    position = {id(message): i for i, message in enumerate(client)}
+    at = 0
+    for k in range(min(index, len(forwarded) - 1), -1, -1):
+        i = position.get(id(forwarded[k]))
+        if i is not None:
+            at = i if k == index else i + 1
+            break
+    return divergence if at == index else dataclasses.replace(divergence, index=at)
 
 
 def _divergence_dict(d: prefix.Divergence) -> dict[str, Any]:

@@ -1149,3 +1149,43 @@ def test_a_clock_that_stands_still_hides_no_rewrite(
     flush(proxy)
     third = events(proxy.log_dir, "frozen", "response")[2]
     assert (third["cache"]["cause"], third["cache"]["location"]) == ("prefix_rewrite", "system")
+
+
+def test_a_rewrite_in_a_repaired_history_is_located_in_the_clients_own_messages(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """The repair inserts a synthetic result for an interrupted call; the client then edits a
+    message after it. The waste's location and the divergence count in the client's history, as
+    the repair notes of the same row do: they named the message after the one it edited."""
+    proxy = proxy_factory(sim.api_base, config())
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "repaired-edit"})
+    call = {
+        "id": "call_a",
+        "type": "function",
+        "function": {"name": "read_file", "arguments": "{}"},
+    }
+    long_tail = " ".join(f"word{i}" for i in range(2000))
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "read a"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},  # interrupted: no result
+        {"role": "user", "content": "steer"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "EDIT ME: original"},
+        {"role": "assistant", "content": "k"},
+        {"role": "user", "content": long_tail},
+    ]
+    _, first = chat(client, history, stream=False, tools=TOOLS)
+    edited = [*history[:5], {"role": "user", "content": "EDIT ME: changed"}, *history[6:]]
+    _, second = chat(client, edited, stream=True, tools=TOOLS)
+    assert first["x-cachegate-repairs"] == second["x-cachegate-repairs"] == "1"
+    assert len(sim.sim.requests[1].body["messages"]) == 9  # (the synthetic result forwarded)
+    flush(proxy)
+    response = events(proxy.log_dir, "repaired-edit", "response")[1]
+    assert response["cache"]["cause"] == "prefix_rewrite"
+    assert response["cache"]["location"] == "messages[5].content"
+    assert response["divergence"]["index"] == 5
+    assert response["divergence"]["role"] == "user"
+    assert "EDIT ME: changed" in response["divergence"]["new"]
+    request = events(proxy.log_dir, "repaired-edit", "request")[1]
+    assert [r["index"] for r in request["repairs"]] == [2]  # the same history's numbering
