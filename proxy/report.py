@@ -576,7 +576,9 @@ def _repairs(logged: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _repair_note(repaired: list[dict[str, Any]], seen: dict[tuple[Any, ...], int]) -> str | None:
+def _repair_note(
+    repaired: list[dict[str, Any]], seen: dict[tuple[Any, ...], int], resent: bool = False
+) -> str | None:
     """NOTES of a row's repairs: each one not made on an earlier row of the session, where and
     which call (an interrupted turn stays in the history, and is repaired again on every later
     request: those are counted, not listed again); ``seen`` is updated.
@@ -585,7 +587,9 @@ def _repair_note(repaired: list[dict[str, Any]], seen: dict[tuple[Any, ...], int
     is, which moves when a client trims its oldest turns; a row with more of one than any row
     before it (clients that number calls per message send ``call_0`` every turn) has the later
     ones, the history's newest, as new. (A heuristic: a trimmed history, or sub-agents reusing
-    ids, can have a new one counted as repaired again; REPAIRS is the exact count.)"""
+    ids, can have a new one counted as repaired again; REPAIRS is the exact count.) ``resent``:
+    the row is its exchange's attempt sent again (compacted after the provider refused it as too
+    long), whose repairs are the refused attempt's, not made again."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for repair in repaired:
         call = repair["tool_call_id"]
@@ -602,7 +606,7 @@ def _repair_note(repaired: list[dict[str, Any]], seen: dict[tuple[Any, ...], int
         before = seen.get(key, 0)
         new += places[before:]
         seen[key] = max(before, len(places))
-    again = len(repaired) - len(new)
+    again = 0 if resent else len(repaired) - len(new)
     if not new:
         return f"{again} repaired again" if again else None
     new.sort(key=lambda repair: (repair["index"] is None, repair["index"] or 0))  # message order
@@ -638,9 +642,15 @@ def render_show(detail: SessionDetail) -> str:
     headers += ["TTFB", "DURATION", "STATUS", "NOTES"]
     rows = []
     repaired: dict[tuple[Any, ...], int] = {}  # the repairs made on earlier rows (most in one)
+    refused: set[int] = set()  # exchanges whose latest row was refused as too long, re-sent
     for r in detail.rows:
         notes = []
-        repair_note = _repair_note(r.repaired, repaired)
+        resent = r.exchange in refused
+        if r.exchange is not None:
+            refused.discard(r.exchange)
+        if r.error == RESENT_COMPACTED and r.exchange is not None:
+            refused.add(r.exchange)
+        repair_note = _repair_note(r.repaired, repaired, resent)
         if repair_note:
             notes.append(repair_note)
         if r.client_retry:  # (the exchange before it failed or timed out at the client)

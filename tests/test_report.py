@@ -560,6 +560,23 @@ def test_a_retried_request_is_matched_by_when_its_exchange_began(tmp_path: Path)
     assert shown.splitlines()[3].endswith(RESENT_COMPACTED)  # cachegate's own note, whole
 
 
+def test_a_request_resent_compacted_does_not_count_its_repairs_again(tmp_path: Path) -> None:
+    """The provider refused #1 as too long; it went again compacted, with the same repairs: one
+    exchange, repaired once (its second row read "1 repaired again"). The next request repeats
+    them: again, as usual."""
+    events = [req(T0, 1, appended=[U1], repairs=[REPAIR]), _compacted(T0 + 1, 1, retry=True)]
+    events += [req(T0 + 1, 1, appended=[U2], repairs=[REPAIR], transforms={"compacted": {}})]
+    events += [_answer(T0 + 2, 900, 9, duration=2.0, cost=0.3)]
+    events += [req(T0 + 3, 2, appended=[U2], repairs=[REPAIR])]
+    events += [_answer(T0 + 4, 950, 9, duration=1.0, cost=0.3, exchange=2)]
+    path = tmp_path / "resent.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in events))
+    rows = render_show(show_session(tmp_path, "resent")).splitlines()[2:]
+    assert rows[0].endswith("  repaired dangling_call at messages[2] (call_1), " + RESENT_COMPACTED)
+    assert rows[1].endswith("  200  compacted")
+    assert rows[2].endswith("  200  1 repaired again")
+
+
 def test_a_request_sent_again_without_the_usage_option_is_one_row(tmp_path: Path) -> None:
     """The upstream refused the stream_options cachegate added: the request went again without
     it, one more line of the exchange, in either order with a compaction after a refusal as too
