@@ -181,7 +181,14 @@ class Gateway:
         )
         compactor = None
         if self.settings.compaction.enabled:
-            compactor = Compactor(self.settings, self.relay, self.observers, self.sessions)
+            logging_on = self.settings.logging.enabled
+            compactor = Compactor(
+                self.settings,
+                self.relay,
+                self.observers,
+                self.sessions,
+                log_dir=self.settings.logging.dir if logging_on else None,
+            )
         self.chat = ChatPipeline(
             self.settings,
             self.relay,

@@ -20,6 +20,7 @@ import orjson
 
 from proxy import compaction, pairing, prefix
 from proxy.config import ModelSettings, Settings
+from proxy.eventlog import NotALogFile, logged_compactions, session_log_path
 from proxy.pipeline import Exchange, Observer, error_message, notify
 from proxy.redact import redact_text
 from proxy.relay import Relay, open_error_kind
@@ -93,6 +94,11 @@ def _key(comp: compaction.Compaction) -> str:
     return comp.opening + comp.prefix_digest
 
 
+def _count(value: Any) -> int:
+    """A token count read from the log (0 for anything else)."""
+    return value if type(value) is int and value >= 0 else 0
+
+
 def _same(a: Any, b: Any) -> bool:
     """The same message: the very object (an agent's next turn resends its history as the
     objects cachegate holds), or an equal one."""
@@ -121,11 +127,15 @@ class Compactor:
         relay: Relay,
         observers: list[Observer],
         sessions: SessionStore | None = None,
+        log_dir: str | None = None,
     ) -> None:
         self.settings = settings
         self.relay = relay
         self.observers = observers
         self.sessions = sessions  # (a session a summary is written for is kept meanwhile)
+        # The event log's directory: a session cachegate forgot (a restart, an eviction) takes
+        # up the compactions its log records (``_restore``) rather than pay for new summaries.
+        self.log_dir = log_dir
         # Per model name, its configured entry: looked up once (a snapshot's name scans them all).
         self._models: dict[str | None, ModelSettings] = {}
         self._tasks: set[asyncio.Future[Any]] = set()  # summaries being written (``_made``)
@@ -258,6 +268,10 @@ class Compactor:
             tools_estimate=tools_tokens,
         )
 
+        if plan.cut is not None and existing is None and await self._restore(state):
+            # a summary would be made: one made by an earlier process may cover this history
+            return await self._compact(ex, state, body, messages, force, window, overcount)
+
         def shrunk(keep_recent: int, anchor: bool) -> compaction.Plan:
             """The plan that keeps ``keep_recent`` messages, the launching one verbatim or not,
             whatever the trigger says."""
@@ -369,7 +383,59 @@ class Compactor:
         ex.compacted = True
         ex.compaction_digest = comp.prefix_digest
         ex.transforms["compacted"] = {"reused": True, "covered": comp.covered}
+        restored: set[str] | None = ex.session.extra.get("restored") if ex.session else None
+        if restored and _key(comp) in restored:
+            restored.discard(_key(comp))  # (said on its first use)
+            ex.transforms["compacted"]["restored"] = True
+            log.info(
+                "session %s: reusing a compaction of %d messages made before (from its log)",
+                ex.session_id,
+                comp.covered - comp.start,
+            )
         notify(self.observers, "on_compaction", ex, comp, "reused")
+
+    async def _restore(self, state: SessionState) -> bool:
+        """Take up the compactions ``state``'s log records (``eventlog.logged_compactions``),
+        once per session held: True when one was added to those ``_existing`` tries. Each is
+        still checked against the history by its digests before it is used; the log is read in
+        a thread, only when a summary would otherwise be made."""
+        if self.log_dir is None or "restored" in state.extra:
+            return False
+        restored: set[str] = set()
+        state.extra["restored"] = restored
+        try:
+            path = session_log_path(self.log_dir, state.id)
+            logged = await asyncio.to_thread(logged_compactions, path)
+        except (OSError, ValueError, NotALogFile):  # (no log yet: a new session)
+            return False
+        held: dict[str, list[Any]] = state.extra.setdefault("compactions", {})
+        taken: dict[str, list[Any]] = {}
+        for event in logged[-MAX_COMPACTIONS:]:
+            comp = compaction.Compaction(
+                prefix_digest=event["prefix_digest"],
+                covered=event["covered"],
+                start=event["start"],
+                message={"role": "user", "content": event["summary"]},
+                source=event["source"],
+                tokens_before=_count(event.get("tokens_before")),
+                tokens_after=_count(event.get("tokens_after")),
+                opening=event["opening"],
+            )
+            key = _key(comp)
+            if key not in held and 0 <= comp.start < comp.covered:
+                taken.pop(key, None)
+                taken[key] = [comp, None]
+                restored.add(key)
+        # before those used in this process, as less recently used: the first to go past
+        # MAX_COMPACTIONS
+        merged = {**taken, **held}
+        held.clear()
+        held.update(merged)
+        while len(held) > MAX_COMPACTIONS:
+            oldest = next(iter(held))
+            restored.discard(oldest)
+            del held[oldest]
+        return bool(restored)
 
     def _made_for(self, ex: Exchange, comp: compaction.Compaction) -> None:
         """``ex`` goes out with ``comp``, made for it (or for a try of it the client left)."""

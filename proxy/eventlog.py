@@ -1135,6 +1135,46 @@ def read_events(
     the fields ``drop`` names for an event's type left out (``BODY_FIELDS``: a report holds a
     large log in a fraction of its size). Raises ``NotALogFile`` for anything but a regular
     file (a FIFO would block the reader)."""
+    with open(_open_log(path), "rb") as f:
+        return parse_lines(f, drop=drop)
+
+
+_COMPACTED_TYPE: Final = b'"type":"compacted"'
+
+
+def logged_compactions(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The compactions a session's log says were made, in log order: its ``compacted`` lines
+    with their summary's text and the digests of the history they cover (those of an earlier
+    process too). A session cachegate forgot (a restart, an idle eviction) takes them up again
+    instead of summarizing its history anew. Only the lines that hold the event's type are
+    parsed (a log of hundreds of megabytes is read at the disk's speed); a line with no end, a
+    summary logged as metadata, a reused compaction's line are passed over. Raises
+    ``OSError`` (no file) and ``NotALogFile`` as ``read_events``."""
+    found: list[dict[str, Any]] = []
+    with open(_open_log(path), "rb") as f:
+        for line in f:
+            if line.find(_COMPACTED_TYPE) < 0 or not line.endswith(b"\n"):
+                continue
+            try:
+                event = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            if (
+                isinstance(event, dict)
+                and event.get("type") == "compacted"
+                and event.get("source") in ("model", "extractive")
+                and isinstance(event.get("summary"), str)
+                and isinstance(event.get("prefix_digest"), str)
+                and isinstance(event.get("opening"), str)
+                and all(type(event.get(k)) is int for k in ("start", "covered"))
+            ):
+                found.append(event)
+    return found
+
+
+def _open_log(path: str | os.PathLike[str]) -> int:
+    """A read-only descriptor of the log file at ``path``: no symbolic link followed, nothing
+    but a regular file (a FIFO would block the reader)."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
         fd = os.open(path, flags)
@@ -1148,8 +1188,7 @@ def read_events(
     except BaseException:
         os.close(fd)
         raise
-    with open(fd, "rb") as f:
-        return parse_lines(f, drop=drop)
+    return fd
 
 
 def _deep_line(line: bytes) -> Any:

@@ -865,6 +865,11 @@ class EventLogObserver:
                 # made for a retry after the provider refused the request as too long (its
                 # request line was written): the reports tell it from another request
                 "retry": ex.request_noted,
+                **(
+                    {}
+                    if source == "reused"
+                    else {"prefix_digest": comp.prefix_digest, "opening": comp.opening}
+                ),
             },
         )
 

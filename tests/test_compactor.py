@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -136,6 +137,67 @@ def test_history_over_the_trigger_is_compacted_and_stays_sticky(
     assert [r["cache"]["waste"] for r in responses] == [0, 0, 0]  # the bought miss is not waste
     assert proxy.metric("cachegate_compactions_total", {"model": MODEL, "result": "summary"}) == 1
     assert proxy.metric("cachegate_compactions_total", {"model": MODEL, "result": "reused"}) == 2
+
+
+def test_a_restarted_cachegate_takes_up_the_compaction_its_log_records(
+    sim: RunningSimulator, sdk: Any, tmp_path: Path
+) -> None:
+    """Stickiness across a restart: the session's log holds the summary and the digests of the
+    history it covers, and the next turn after the restart gets the identical substitution,
+    byte for byte, with no summary call and a cache hit, where it was summarized anew (another
+    call, another wording for the agent, the cache missed). A history that differs inside what
+    the summary covers does not get it."""
+    from tests.conftest import run_proxy
+
+    logs = tmp_path / "logs"
+    msgs = history(18)
+    sim.sim.enqueue([parse_script("TASK: handle CRLF. DONE: cases 0-13 pass. LEFT: 14-17.")])
+    with run_proxy(sim.api_base, logs, CONFIG) as before:
+        c = sdk(before.base_url)
+        c.chat.completions.create(
+            model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "long"}
+        )
+        forwarded = sim.sim.requests[-1].body["messages"]
+        assert forwarded[1]["content"].startswith(SUMMARY_MARKER)
+        made = compacted_events(before)
+        assert [e["source"] for e in made] == ["model"]
+        assert made[0]["prefix_digest"] and made[0]["opening"]
+
+    with run_proxy(sim.api_base, logs, CONFIG) as after:  # the same log directory: a restart
+        c = sdk(after.base_url)
+        # a history changed under the summary (an old tool output cleared) is summarized anew
+        edited = [*msgs[:6], {**msgs[6], "content": "[cleared]"}, *msgs[7:]]
+        sent = len(sim.sim.requests)
+        sim.sim.enqueue([parse_script("TASK: handle CRLF, another summary.")])
+        c.chat.completions.create(
+            model=MODEL, messages=edited, extra_headers={"X-Session-Id": "long"}
+        )
+        assert len(sim.sim.requests) == sent + 2  # the summary call, then the request
+        assert "another summary" in sim.sim.requests[-1].body["messages"][1]["content"]
+
+        turn = [*msgs, {"role": "assistant", "content": "step"}, {"role": "user", "content": "go"}]
+        sent = len(sim.sim.requests)
+        raw = c.chat.completions.with_raw_response.create(
+            model=MODEL, messages=turn, extra_headers={"X-Session-Id": "long"}
+        )
+        assert len(sim.sim.requests) == sent + 1  # no summary call
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        now = sim.sim.requests[-1].body["messages"]
+        assert orjson.dumps(now[: len(forwarded)]) == orjson.dumps(forwarded)
+        usage = raw.parse().usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        assert usage.prompt_tokens_details.cached_tokens >= 1024  # the cache, across the restart
+        after.settle()
+        lines = read_events(logs / "long.jsonl").events
+        requests = [e for e in lines if e["type"] == "request"]
+        assert requests[-1]["transforms"]["compacted"] == {
+            "reused": True,
+            "covered": made[0]["covered"],
+            "restored": True,
+        }
+        assert (
+            after.metric("cachegate_compactions_total", {"model": MODEL, "result": "reused"}) == 1
+        )
 
 
 def test_each_model_is_compacted_by_its_own_window(

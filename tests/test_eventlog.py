@@ -18,9 +18,11 @@ from proxy.eventlog import (
     Delta,
     EventLogWriter,
     LogRead,
+    NotALogFile,
     choose_base,
     choose_delta,
     enforce_retention,
+    logged_compactions,
     read_events,
     replay,
     replay_requests,
@@ -1500,3 +1502,38 @@ def test_retention_after_a_restart_spares_the_logs_the_process_before_still_held
         now=later,
         previous=(started, 6 * 3600.0),
     ) == [str(live)]
+
+
+def test_the_compactions_a_log_records_are_read_back_for_a_restart(tmp_path: Path) -> None:
+    made = {
+        "type": "compacted",
+        "exchange": 3,
+        "start": 1,
+        "covered": 30,
+        "summary": "[cachegate summary] …",
+        "source": "model",
+        "prefix_digest": "ab" * 16,
+        "opening": "1:" + "cd" * 16,
+    }
+    lines = [
+        {"type": "request", "exchange": 1, "appended": [{"role": "user", "content": "compacted"}]},
+        made,
+        {**made, "source": "reused", "summary": None},  # points at the one made
+        {**made, "summary": {"chars": 20, "sha256": "00"}},  # metadata mode: no text to reuse
+        {**made, "prefix_digest": None},  # an older cachegate's line: no digests
+        {**made, "covered": "30"},
+        {**made, "source": "extractive", "prefix_digest": "ef" * 16},
+    ]
+    path = tmp_path / "s.jsonl"
+    data = b"".join(orjson.dumps(line) + b"\n" for line in lines)
+    path.write_bytes(data + orjson.dumps({**made, "prefix_digest": "99" * 16}))  # no end yet
+    found = logged_compactions(path)
+    assert [(e["source"], e["prefix_digest"]) for e in found] == [
+        ("model", "ab" * 16),
+        ("extractive", "ef" * 16),
+    ]
+    with pytest.raises(FileNotFoundError):
+        logged_compactions(tmp_path / "none.jsonl")
+    (tmp_path / "link.jsonl").symlink_to(path)
+    with pytest.raises(NotALogFile):
+        logged_compactions(tmp_path / "link.jsonl")
