@@ -147,6 +147,8 @@ def test_a_new_session_compacted_at_once_still_starts_with_its_meta_line(tmp_pat
         message={"role": "user", "content": "S"},
         tokens_before=9,
         tokens_after=3,
+        prefix_digest="ab" * 16,
+        opening="0:" + "cd" * 16,
     )
     log.on_compaction(ex, comp, "model")
     log.on_request(ex)
