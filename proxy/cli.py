@@ -31,8 +31,9 @@ from proxy.config import (
 DEFAULT_LOG_DIR = "./cachegate-logs"
 _VARIABLE_NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,63}")  # as variables are named, not as keys are
 SHUTDOWN_GRACE_S = 5  # after Ctrl+C, how long answers in flight may still finish
-# ...and how much longer a restart waits for the stopping one's log (observers, writer, exit)
-STOPPING_WAIT_S = 5
+# ...and how much longer a restart waits for the stopping one: its requests' observers (3 s at
+# most), its log writer's last lines (5 s, and 2 more at exit), with room for a slow disk
+STOPPING_WAIT_S = 20
 
 
 def tune_gc() -> None:

@@ -867,10 +867,12 @@ def mark_stopping() -> None:
     """Say in the lock file of every log directory this process claimed that it is stopping
     (``<pid> stopping``): a cachegate started meanwhile on the same directory, a restart, waits
     for the lock while this one's answers in flight finish (see ``claim_log_dir``)."""
+    mark = b"%d %s\n" % (os.getpid(), STOPPING.encode())
     for fd in list(_CLAIMS.values()):
         with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, b"%d %s\n" % (os.getpid(), STOPPING.encode()), 0)
+            # written over the process id, then cut to its length: never read empty
+            os.pwrite(fd, mark, 0)
+            os.ftruncate(fd, len(mark))
 
 
 def _lock_removed(path: str) -> bool:

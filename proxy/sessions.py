@@ -538,17 +538,23 @@ class MemorySessionStore:
     def _evict(self, now: float, keep: SessionState | None = None) -> None:
         """Forget the idle sessions, then the least recently seen past ``max_sessions`` (none a
         summary is being written for, nor ``keep``, the one just created)."""
-        while self._sessions:
-            sid, oldest = next(iter(self._sessions.items()))
-            if self._idle(oldest, now):
-                self._forget(sid, oldest, "idle")
-            elif len(self._sessions) > self.max_sessions:
-                found = self._oldest_idle(keep)
-                if found is None:
-                    break
-                self._forget(found[0], found[1], "count")
-            else:
+        # The idle ones, least recently seen first: up to the first not idle (the later ones
+        # were seen after it), past any with a request in flight or a summary being written
+        # (held whatever their age: one such at the front kept the idle ones after it).
+        idle = []
+        for sid, state in self._sessions.items():
+            if state.requests or state.busy:
+                continue
+            if now - state.last_seen <= self.idle_ttl_s:
                 break
+            idle.append((sid, state))
+        for sid, state in idle:
+            self._forget(sid, state, "idle")
+        while len(self._sessions) > self.max_sessions:
+            found = self._oldest_idle(keep)
+            if found is None:
+                break
+            self._forget(found[0], found[1], "count")
 
     def _forget(self, sid: str, state: SessionState, reason: EvictionReason) -> None:
         del self._sessions[sid]

@@ -435,6 +435,21 @@ def test_a_session_with_a_request_in_flight_is_not_idle_and_its_idle_time_runs_f
     assert reasons == ["count", "count", "idle"]
 
 
+def test_a_session_at_work_does_not_keep_the_idle_ones_after_it() -> None:
+    """The least recently seen session has a request in flight: the idle ones seen after it
+    are still forgotten (by a scrape too), so the sessions gauges fall."""
+    store = MemorySessionStore(idle_ttl_s=100)
+    working = store.create("working", 0.0)
+    store.enter(working)
+    store.create("idle", 10.0)
+    store.create("recent", 450.0)
+    store.forget_idle(500.0)
+    assert sorted(store.active_ids()) == ["recent", "working"]
+    store.leave(working, 600.0)
+    store.forget_idle(651.0)  # recent: idle 201 s; working: 51 s since its request ended
+    assert sorted(store.active_ids()) == ["working"]
+
+
 def test_the_session_just_created_is_not_the_one_forgotten_for_count_when_the_others_are_busy() -> (
     None
 ):
