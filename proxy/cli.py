@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
+from typing import Final
 from urllib.parse import urlsplit
 
 from proxy import __version__
@@ -334,7 +335,8 @@ def _sessions(ns: argparse.Namespace) -> int:
     try:
         if ns.action == "list":
             unreadable: list[tuple[str, str]] = []
-            sessions = report.list_sessions(log_dir, unreadable)
+            since = time.time() - ns.since if ns.since is not None else None
+            sessions = report.list_sessions(log_dir, unreadable, since=since, limit=ns.limit)
             for path, reason in unreadable:  # (the others are listed: one file must not hide them)
                 hint = (
                     "; log files are private to the user that wrote them: run as that user"
@@ -481,7 +483,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sessions.add_argument("--json", action="store_true", help="machine-readable output")
     actions = sessions.add_subparsers(dest="action", required=True)
-    actions.add_parser("list", help="every session: exchanges, tokens, cache hit %%, repairs")
+    listing = actions.add_parser(
+        "list", help="every session: exchanges, tokens, cache hit %%, repairs"
+    )
+    listing.add_argument(
+        "--since",
+        type=_duration,
+        default=None,
+        metavar="AGE",
+        help="only the sessions whose log was written in the last AGE (90s, 30m, 2h, 7d)",
+    )
+    listing.add_argument(
+        "--limit",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="only the N sessions whose logs were written last",
+    )
     for name, text in (
         ("show", "one line per exchange"),
         ("cost", "actual, uncached and saved cost; waste by cause"),
@@ -509,6 +527,35 @@ def build_parser() -> argparse.ArgumentParser:
         )
     sessions.set_defaults(func=_sessions)
     return parser
+
+
+_UNITS: Final = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def _duration(text: str) -> float:
+    """Seconds from ``90s``, ``30m``, ``2h``, ``7d`` or a plain number of seconds."""
+    value = text.strip().lower()
+    unit = _UNITS.get(value[-1:], None)
+    number = value[:-1] if unit is not None else value
+    try:
+        seconds = float(number) * (unit or 1.0)
+    except ValueError:
+        seconds = -1.0
+    if not (0 <= seconds < float("inf")):
+        raise argparse.ArgumentTypeError(
+            f"expected an age such as 90s, 30m, 2h or 7d, got {text!r}"
+        )
+    return seconds
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more, got {text!r}")
+    return value
 
 
 def _dash_id(argv: list[str]) -> list[str]:

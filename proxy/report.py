@@ -151,23 +151,47 @@ def show_session(log_dir: str | os.PathLike[str], session_id: str) -> SessionDet
 
 
 def list_sessions(
-    log_dir: str | os.PathLike[str], unreadable: list[tuple[str, str]] | None = None
+    log_dir: str | os.PathLike[str],
+    unreadable: list[tuple[str, str]] | None = None,
+    *,
+    since: float | None = None,
+    limit: int | None = None,
 ) -> list[SessionSummary]:
     """Every session logged in ``log_dir``, most recently seen first. A file that cannot be
     read (another user's permissions, a socket, an I/O error) is left out and its path and the
     reason added to ``unreadable`` (raised when that is None); a ``.jsonl`` file that does not
-    begin as cachegate's lines do (another tool's, an empty one) is no session."""
+    begin as cachegate's lines do (another tool's, an empty one) is no session.
+
+    ``since`` (a time) leaves out the files last written before it, and ``limit`` reads only
+    the most recently written files until that many sessions are found: both are judged by the
+    files' modification times before any is read, so days of logs are not read to list the
+    latest few."""
     directory = os.fspath(log_dir)
     if not os.path.isdir(directory):
         if os.path.exists(directory):
             raise NotADirectoryError(f"log directory {directory!r} is not a directory")
         raise FileNotFoundError(f"log directory {directory!r} does not exist")
-    summaries = []
-    for name in os.listdir(directory):
-        session_id = name[: -len(LOG_SUFFIX)]
-        if not name.endswith(LOG_SUFFIX) or not valid_session_id(session_id):
-            continue
-        path = os.path.join(directory, name)
+    candidates: list[tuple[float, str, str]] = []  # (modified, session id, path)
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            name = entry.name
+            session_id = name[: -len(LOG_SUFFIX)]
+            if not name.endswith(LOG_SUFFIX) or not valid_session_id(session_id):
+                continue
+            modified = 0.0
+            if since is not None or limit is not None:
+                try:
+                    modified = entry.stat(follow_symlinks=False).st_mtime
+                except OSError:
+                    modified = float("inf")  # (read below, where its error is said)
+                if since is not None and modified < since:
+                    continue
+            candidates.append((modified, session_id, entry.path))
+    candidates.sort(key=lambda c: (-c[0], c[1]))
+    summaries: list[SessionSummary] = []
+    for _, session_id, path in candidates:
+        if limit is not None and len(summaries) >= limit:
+            break
         try:
             log = read_events(path, drop=BODY_FIELDS)
         except (FileNotFoundError, NotALogFile):  # removed meanwhile; a directory, a link

@@ -133,6 +133,42 @@ def test_list_text_is_a_table_with_one_row_per_session(logged: Logged) -> None:
     assert row.split()[-4:] == ["0", "1", "0", "0"]  # interrupted, repairs, errors, torn
 
 
+def test_list_since_and_limit_read_only_the_logs_written_lately(
+    logged: Logged, tmp_path: Path
+) -> None:
+    """Days of logs: the latest few are listed without reading the rest (chosen by when each
+    file was last written)."""
+    import os
+    import shutil
+    import time
+
+    logs = tmp_path / "logs"
+    shutil.copytree(logged.log_dir, logs)
+    now = time.time()
+    for name, age in (("cli-a", 10 * 86400), (logged.inferred, 7200)):
+        os.utime(logs / f"{name}.jsonl", (now - age, now - age))
+    (logs / "fresh.jsonl").write_bytes((logs / "cli-a.jsonl").read_bytes())  # written now
+    (logs / "zz-unreadable.jsonl").write_text("")  # new and no log: passed over, not counted
+
+    def listed(*extra: str) -> list[str]:
+        result = run_cli("sessions", "list", "--log-dir", str(logs), "--json", *extra)
+        assert result.code == 0, result.err
+        return sorted(row["session"] for row in result.json())  # (listed by time last seen)
+
+    everything = sorted(["fresh", logged.inferred, "cli-a"])
+    assert listed() == everything
+    assert listed("--since", "1d") == sorted(["fresh", logged.inferred])
+    assert listed("--since", "3h", "--limit", "5") == sorted(["fresh", logged.inferred])
+    assert listed("--since", "30m") == ["fresh"]
+    assert listed("--limit", "2") == sorted(["fresh", logged.inferred])
+    assert listed("--since", "11d", "--limit", "1") == ["fresh"]
+    assert listed("--since", "1000000") == everything  # (a plain number: seconds)
+    for bad, word in (("--since", "soon"), ("--since", "-2h"), ("--limit", "0")):
+        result = run_cli("sessions", "list", "--log-dir", str(logs), f"{bad}={word}")
+        assert result.code == 2
+        assert f"argument {bad}: expected" in result.err and repr(word) in result.err
+
+
 def test_log_dir_from_the_group_option_or_the_environment(
     logged: Logged, monkeypatch: pytest.MonkeyPatch
 ) -> None:
