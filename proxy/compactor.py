@@ -236,6 +236,19 @@ class Compactor:
                 last = None  # another conversation's, or a rewind: the estimate decides
         held: dict[str, list[Any]] = state.extra.setdefault("compactions", {})
         existing, known = self._existing(held, messages)
+        if (
+            existing is None
+            and self.log_dir is not None
+            and len(messages) > compaction.leading_count(messages) + cfg.keep_recent
+            and await self._restore(state)
+        ):
+            # The session's first history in this process long enough to have been compacted:
+            # a compaction an earlier process made (or this one, before it forgot the session)
+            # may cover it. Tried whatever the trigger says, as a held one is reused: after a
+            # restart the provider's counts are gone, and cachegate's estimate of dense text
+            # (code, JSON) can be under the trigger the provider's count had reached.
+            held = state.extra["compactions"]
+            existing, known = self._existing(held, messages)
         if existing is None and held:
             ex.compaction_undone = self._undone(held, messages)
         if last is not None and last.compaction != (existing.prefix_digest if existing else None):
@@ -267,10 +280,6 @@ class Compactor:
             synthetic_prefixes=SYNTHETIC_PREFIXES,
             tools_estimate=tools_tokens,
         )
-
-        if plan.cut is not None and existing is None and await self._restore(state):
-            # a summary would be made: one made by an earlier process may cover this history
-            return await self._compact(ex, state, body, messages, force, window, overcount)
 
         def shrunk(keep_recent: int, anchor: bool) -> compaction.Plan:
             """The plan that keeps ``keep_recent`` messages, the launching one verbatim or not,
@@ -369,6 +378,9 @@ class Compactor:
         comp, first = await self._made(
             ex, state, messages, plan, summary_window, overcount, existing
         )
+        restored: set[str] | None = state.extra.get("restored")
+        if restored and existing is not None:
+            restored.discard(_key(existing))  # (rolled into a new one: never used as restored)
         forwarded = compaction.apply_compaction(messages, comp, digest=comp.prefix_digest)
         if forwarded is None:  # cannot happen for the history it was built from; stay safe
             return body
@@ -397,20 +409,34 @@ class Compactor:
     async def _restore(self, state: SessionState) -> bool:
         """Take up the compactions ``state``'s log records (``eventlog.logged_compactions``),
         once per session held: True when one was added to those ``_existing`` tries. Each is
-        still checked against the history by its digests before it is used; the log is read in
-        a thread, only when a summary would otherwise be made."""
-        if self.log_dir is None or "restored" in state.extra:
-            return False
+        still checked against the history by its digests before it is used. The log is read in
+        a thread; the session's other requests that come meanwhile (sub-agents, a retry) wait
+        for that read rather than each pay for a new summary."""
+        pending: asyncio.Future[bool] | None = state.extra.get("restoring")
+        if pending is None:
+            pending = asyncio.ensure_future(self._read_log(state))
+            state.extra["restoring"] = pending
+        elif pending.done():
+            return False  # read for an earlier request: what it found is held already
+        # (shielded: a client leaving does not cancel the read the others wait for)
+        return await asyncio.shield(pending)
+
+    async def _read_log(self, state: SessionState) -> bool:
         restored: set[str] = set()
         state.extra["restored"] = restored
+        if self.log_dir is None:
+            return False
         try:
             path = session_log_path(self.log_dir, state.id)
-            logged = await asyncio.to_thread(logged_compactions, path)
+            logged = await asyncio.to_thread(logged_compactions, path, MAX_COMPACTIONS)
         except (OSError, ValueError, NotALogFile):  # (no log yet: a new session)
+            return False
+        except Exception:  # (a defect: compaction goes on as if the log had none)
+            log.exception("session %s: its log's compactions could not be read", state.id)
             return False
         held: dict[str, list[Any]] = state.extra.setdefault("compactions", {})
         taken: dict[str, list[Any]] = {}
-        for event in logged[-MAX_COMPACTIONS:]:
+        for event in logged:
             comp = compaction.Compaction(
                 prefix_digest=event["prefix_digest"],
                 covered=event["covered"],

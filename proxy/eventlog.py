@@ -11,6 +11,7 @@ with its square.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import hashlib
@@ -1144,15 +1145,18 @@ def read_events(
 _COMPACTED_TYPE: Final = b'"type":"compacted"'
 
 
-def logged_compactions(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The compactions a session's log says were made, in log order: its ``compacted`` lines
+def logged_compactions(
+    path: str | os.PathLike[str], last: int | None = None
+) -> list[dict[str, Any]]:
+    """The compactions a session's log says were made, in log order (the ``last`` ones of
+    them, if given: the others are not kept while the log is read): its ``compacted`` lines
     with their summary's text and the digests of the history they cover (those of an earlier
     process too). A session cachegate forgot (a restart, an idle eviction) takes them up again
     instead of summarizing its history anew. Only the lines that hold the event's type are
     parsed (a log of hundreds of megabytes is read at the disk's speed); a line with no end, a
     summary logged as metadata, a reused compaction's line are passed over. Raises
     ``OSError`` (no file) and ``NotALogFile`` as ``read_events``."""
-    found: list[dict[str, Any]] = []
+    found: collections.deque[dict[str, Any]] = collections.deque(maxlen=last)
     with open(_open_log(path), "rb") as f:
         for line in f:
             if line.find(_COMPACTED_TYPE) < 0 or not line.endswith(b"\n"):
@@ -1171,7 +1175,7 @@ def logged_compactions(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
                 and all(type(event.get(k)) is int for k in ("start", "covered"))
             ):
                 found.append(event)
-    return found
+    return list(found)
 
 
 def _open_log(path: str | os.PathLike[str]) -> int:

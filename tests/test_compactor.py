@@ -200,6 +200,109 @@ def test_a_restarted_cachegate_takes_up_the_compaction_its_log_records(
         )
 
 
+def test_after_a_restart_a_history_the_estimate_puts_under_the_trigger_keeps_its_summary(
+    sdk: Any, tmp_path: Path
+) -> None:
+    """The provider refused a dense history as too long and cachegate compacted it; after a
+    restart cachegate's estimate (4 bytes a token) put the next turn under the trigger, so the
+    log was not read: the whole history went out, was refused again and summarized anew (a
+    refused round trip, another summary call, another wording). Now the compaction comes back."""
+    from tests.conftest import run_proxy
+
+    logs = tmp_path / "logs"
+    config = {
+        "compaction": {"enabled": True, "trigger_percent": 100, "keep_recent": 4},
+        "models": {MODEL: {"context_window": 1000000}},  # the estimate never triggers
+    }
+    msgs = history(10, output_chars=2000, system_repeat=10)
+    headers = {"X-Session-Id": "dense"}
+    with run_simulator(SimConfig(context_window=3000)) as small:
+        small.sim.enqueue([parse_script("short summary")])
+        with run_proxy(small.api_base, logs, config) as before:
+            sdk(before.base_url).chat.completions.create(
+                model=MODEL, messages=msgs, extra_headers=headers
+            )
+            assert [r.status for r in small.sim.requests] == [400, 200, 200]
+            forwarded = small.sim.requests[-1].body["messages"]
+        with run_proxy(small.api_base, logs, config) as after:
+            turn = [
+                *msgs,
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "go"},
+            ]
+            raw = sdk(after.base_url).chat.completions.with_raw_response.create(
+                model=MODEL, messages=turn, extra_headers=headers
+            )
+            assert raw.headers["x-cachegate-compacted"] == "1"
+            assert [r.status for r in small.sim.requests] == [400, 200, 200, 200]  # one more
+            now = small.sim.requests[-1].body["messages"]
+            assert orjson.dumps(now[: len(forwarded)]) == orjson.dumps(forwarded)
+
+
+def test_requests_of_a_session_arriving_together_after_a_restart_each_get_their_summary(
+    sim: RunningSimulator, sdk: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two sub-agents of one session, each compacted, send their next turns at once after a
+    restart, on a slow disk: the second found the log being read for the first, took it for
+    read, and paid for a new summary. Both wait for the one read and get their own back."""
+    import threading
+
+    from proxy import compactor as compactor_module
+    from tests.conftest import run_proxy
+
+    logs = tmp_path / "logs"
+    headers = {"X-Session-Id": "fan-out"}
+    agents = []
+    for k in range(2):
+        msgs = history(18)
+        msgs[1] = {"role": "user", "content": f"Sub-agent {k}: rename the config loader."}
+        agents.append(msgs)
+    with run_proxy(sim.api_base, logs, CONFIG) as before:
+        c = sdk(before.base_url)
+        for k, msgs in enumerate(agents):
+            sim.sim.enqueue([parse_script(f"Summary of sub-agent {k}.")])
+            c.chat.completions.create(model=MODEL, messages=msgs, extra_headers=headers)
+        summaries = [
+            r.body["messages"][1]["content"]
+            for r in sim.sim.requests
+            if str(r.body["messages"][1].get("content")).startswith(SUMMARY_MARKER)
+        ]
+        assert len(summaries) == 2 and "Summary of sub-agent 0." in summaries[0]
+        assert "Summary of sub-agent 1." in summaries[1]
+
+    read = compactor_module.logged_compactions
+    calls: list[int] = []
+
+    def slow_read(*args: Any) -> Any:
+        calls.append(1)
+        time.sleep(0.5)  # a slow disk: the other request arrives during the read
+        return read(*args)
+
+    monkeypatch.setattr(compactor_module, "logged_compactions", slow_read)
+    with run_proxy(sim.api_base, logs, CONFIG) as after:
+        c = sdk(after.base_url)
+        sent = len(sim.sim.requests)
+        turns = [
+            [*msgs, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+            for msgs in agents
+        ]
+        threads = [
+            threading.Thread(
+                target=c.chat.completions.create,
+                kwargs={"model": MODEL, "messages": turn, "extra_headers": headers},
+            )
+            for turn in turns
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(sim.sim.requests) == sent + 2  # no summary call
+        got = sorted(r.body["messages"][1]["content"] for r in sim.sim.requests[sent:])
+        assert got == sorted(summaries)
+        assert calls == [1]  # the log read once
+
+
 def test_each_model_is_compacted_by_its_own_window(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:
