@@ -608,7 +608,7 @@ def test_a_log_directory_of_another_user_is_a_message_not_a_traceback(
 ) -> None:
     from proxy import report
 
-    def denied(log_dir: str, unreadable: Any = None) -> Any:  # root reads anything: simulated
+    def denied(log_dir: str, unreadable: Any = None, **kw: Any) -> Any:  # (root reads all)
         raise PermissionError(13, "Permission denied", str(tmp_path / "a.jsonl"))
 
     monkeypatch.setattr(report, "list_sessions", denied)
@@ -623,7 +623,7 @@ def test_an_unreadable_log_file_is_named_and_the_rest_listed(
 ) -> None:
     from proxy import report
 
-    def some(log_dir: str, unreadable: list[tuple[str, str]]) -> list[Any]:  # (root reads all)
+    def some(log_dir: str, unreadable: list[tuple[str, str]], **kw: Any) -> list[Any]:
         unreadable.append((str(tmp_path / "secret.jsonl"), "permission denied"))
         return []
 
