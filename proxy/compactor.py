@@ -373,6 +373,10 @@ class Compactor:
             if not self._claim(state, ex, plan.reused):  # (else made for a try the client left)
                 self._reused_by(ex, plan.reused)
             return {**body, "messages": plan.messages}
+        if existing is None and await self._restore(state):
+            # A summary is to be made for a history too short for the try above (the latest
+            # messages so large that fewer of them were kept): one made before may cover it.
+            return await self._compact(ex, state, body, messages, force, window, overcount)
         # (made on ``existing``: its summary, if no request was sent with it, is billed with
         # this one's: ``_Summary.rolled``)
         comp, first = await self._made(

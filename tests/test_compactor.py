@@ -239,6 +239,50 @@ def test_after_a_restart_a_history_the_estimate_puts_under_the_trigger_keeps_its
             assert orjson.dumps(now[: len(forwarded)]) == orjson.dumps(forwarded)
 
 
+def test_after_a_restart_a_short_history_of_large_messages_keeps_its_summary(
+    sim: RunningSimulator, sdk: Any, tmp_path: Path
+) -> None:
+    """Few, large messages: the compaction kept fewer than keep_recent of them, and after a
+    restart the history, no longer than keep_recent, was summarized anew."""
+    from tests.conftest import run_proxy
+
+    logs = tmp_path / "logs"
+    config = {**CONFIG, "compaction": {"enabled": True, "trigger_percent": 75}}  # keep 8
+    call = {"id": "c1", "type": "function", "function": {"name": "run", "arguments": "{}"}}
+    msgs = [
+        {"role": "system", "content": "You are a careful coding agent."},
+        {"role": "user", "content": "Read these docs: " + "lorem ipsum dolor sit amet " * 200},
+        {"role": "assistant", "content": "Notes: " + "lorem ipsum dolor sit amet " * 200},
+        {"role": "user", "content": "Now run the tests."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {
+            "role": "tool",
+            "tool_call_id": "c1",
+            "content": "out " + "lorem ipsum dolor sit amet " * 500,
+        },
+    ]
+    turn = [*msgs, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+    assert len(turn) <= 1 + 8
+    headers = {"X-Session-Id": "short"}
+    with run_proxy(sim.api_base, logs, config) as before:
+        sim.sim.enqueue([parse_script("FIRST SUMMARY")])
+        c = sdk(before.base_url)
+        c.chat.completions.create(model=MODEL, messages=msgs, extra_headers=headers)
+        forwarded = sim.sim.requests[-1].body["messages"]
+        assert "FIRST SUMMARY" in forwarded[1]["content"]
+        sent = len(sim.sim.requests)
+        c.chat.completions.create(model=MODEL, messages=turn, extra_headers=headers)
+        assert len(sim.sim.requests) == sent + 1  # in the same process: reused
+    with run_proxy(sim.api_base, logs, config) as after:
+        sent = len(sim.sim.requests)
+        sdk(after.base_url).chat.completions.create(
+            model=MODEL, messages=turn, extra_headers=headers
+        )
+        assert len(sim.sim.requests) == sent + 1  # no summary call
+        now = sim.sim.requests[-1].body["messages"]
+        assert orjson.dumps(now[: len(forwarded)]) == orjson.dumps(forwarded)
+
+
 def test_requests_of_a_session_arriving_together_after_a_restart_each_get_their_summary(
     sim: RunningSimulator, sdk: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
