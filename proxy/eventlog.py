@@ -1153,14 +1153,14 @@ def logged_compactions(
     with their summary's text and the digests of the history they cover (those of an earlier
     process too). A session cachegate forgot (a restart, an idle eviction) takes them up again
     instead of summarizing its history anew. Only the lines that hold the event's type are
-    parsed (a 200 MB log is read in ~0.1 s); a line with no end, a
+    parsed (a 200 MB log is read in ~0.25 s); a line with no end, a
     summary logged as metadata, a reused compaction's line are passed over. Raises
     ``OSError`` (no file) and ``NotALogFile`` as ``read_events``."""
     found: collections.deque[dict[str, Any]] = collections.deque(maxlen=last)
     buf = bytearray()
     with open(_open_log(path), "rb", buffering=0) as f:
         # Read in large chunks and searched by ``find`` in C: a loop over the lines took ~1 s
-        # of the interpreter (and the event loop's turns) per 200 MB; this, a tenth of it.
+        # of the interpreter (and the event loop's turns) per 200 MB; this, a quarter of it.
         while chunk := f.read(_SCAN_CHUNK):
             buf += chunk
             end = buf.rfind(b"\n") + 1  # (the complete lines; the rest waits for more)

@@ -399,8 +399,8 @@ class MemorySessionStore:
             self._warn_memory(sid, state.last_seen - oldest.last_seen)
 
     def _oldest_idle(self, keep: SessionState | None = None) -> tuple[str, SessionState] | None:
-        """The least recently seen session with no summary being written for it, other than
-        ``keep`` (None when there is none)."""
+        """The least recently seen session with no summary being written for it and no request
+        in flight, other than ``keep`` (None when there is none)."""
         for sid, state in self._sessions.items():
             if not (state.busy or state.requests) and state is not keep:
                 return sid, state
