@@ -346,6 +346,8 @@ def _sessions(ns: argparse.Namespace) -> int:
                 print(f"cachegate: cannot read {path}: {reason} (left out{hint})", file=sys.stderr)
             if ns.json:
                 print(json.dumps([s.to_json() for s in sessions], indent=2))
+            elif not sessions and ns.since is not None:  # (not an empty directory: say why)
+                print(f"no sessions written in the last {_age(ns.since)}")
             else:
                 print(report.terminal_safe(report.render_list(sessions)))
         elif ns.action == "show":
@@ -491,7 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_duration,
         default=None,
         metavar="AGE",
-        help="only the sessions whose log was written in the last AGE (90s, 30m, 2h, 7d)",
+        help="only the sessions whose log was written in the last AGE (90s, 30m, 2h, 7d, or"
+        " seconds)",
     )
     listing.add_argument(
         "--limit",
@@ -507,7 +510,10 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         action = actions.add_parser(name, help=text, description=text)
         action.add_argument("id", help="the session id (its log is <log dir>/<id>.jsonl)")
-    actions.choices["list"].description = "Every session in the log directory, latest first."
+    actions.choices["list"].description = (
+        "The sessions in the log directory, latest first (all of them, unless --since or --limit"
+        " is given)."
+    )
     for action in actions.choices.values():  # also after the action, as a user types them
         action.add_argument(
             "--log-dir",
@@ -546,6 +552,14 @@ def _duration(text: str) -> float:
             f"expected an age such as 90s, 30m, 2h or 7d, got {text!r}"
         )
     return seconds
+
+
+def _age(seconds: float) -> str:
+    """``seconds`` as ``--since`` takes it: ``7d``, ``2h``, ``30m``, ``90s``."""
+    for unit in "dhm":
+        if seconds >= _UNITS[unit] and seconds % _UNITS[unit] == 0:
+            return f"{seconds / _UNITS[unit]:g}{unit}"
+    return f"{seconds:g}s"
 
 
 def _positive_int(text: str) -> int:

@@ -163,6 +163,12 @@ def test_list_since_and_limit_read_only_the_logs_written_lately(
     assert listed("--limit", "2") == sorted(["fresh", logged.inferred])
     assert listed("--since", "11d", "--limit", "1") == ["fresh"]
     assert listed("--since", "1000000") == everything  # (a plain number: seconds)
+    os.utime(logs / "fresh.jsonl", (now - 7200, now - 7200))
+    os.utime(logs / "zz-unreadable.jsonl", (now - 7200, now - 7200))
+    quiet = run_cli("sessions", "list", "--log-dir", str(logs), "--since", "1.5m")
+    assert (quiet.code, quiet.out) == (0, "no sessions written in the last 90s\n")  # (not empty)
+    quiet = run_cli("sessions", "list", "--log-dir", str(logs), "--since", "60m")
+    assert quiet.out == "no sessions written in the last 1h\n"
     for bad, word in (("--since", "soon"), ("--since", "-2h"), ("--limit", "0")):
         result = run_cli("sessions", "list", "--log-dir", str(logs), f"{bad}={word}")
         assert result.code == 2
