@@ -174,10 +174,9 @@ def _serve(ns: argparse.Namespace) -> int:
                 " (https://api.openai.com/v1), or the provider's 404 answers every request",
                 file=sys.stderr,
             )
-        print(
+        listening = (
             f"cachegate {__version__} listening on http://{url_host(host)}:{port}/v1"
-            f" -> {display_url(settings.upstream.base_url)} ({logs})",
-            file=sys.stderr,
+            f" -> {display_url(settings.upstream.base_url)} ({logs})"
         )
         tune_gc()
         config = uvicorn.Config(
@@ -196,7 +195,9 @@ def _serve(ns: argparse.Namespace) -> int:
         )
         logging.getLogger("uvicorn.error").addFilter(_grace_note)
         # (a restart on the same log directory meanwhile waits for this one: _log_dir_taken)
-        return Server(config, on_stop=mark_stopping)
+        return Server(  # (the line once it accepts connections: a script may wait for it)
+            config, on_stop=mark_stopping, on_started=lambda: print(listening, file=sys.stderr)
+        )
 
     return serve_until_stopped(sockets, server)
 

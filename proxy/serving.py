@@ -151,12 +151,25 @@ class _ReadOn:
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, which calls ``on_stop`` as it begins to stop (a signal, a hang-up),
-    before it closes its sockets and gives the answers in flight their grace period."""
+    """uvicorn's server, which calls ``on_started`` once it accepts connections (its app
+    started, its sockets listening: a script that waits for a line printed there finds the port
+    open), and ``on_stop`` as it begins to stop (a signal, a hang-up), before it closes its
+    sockets and gives the answers in flight their grace period."""
 
-    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_stop: Callable[[], None] | None = None,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self.on_stop = on_stop
+        self.on_started = on_started
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and not self.should_exit and self.on_started is not None:
+            self.on_started()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.on_stop is not None:

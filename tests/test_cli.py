@@ -999,9 +999,8 @@ def test_serve_says_where_it_listens_and_which_config_file_it_read(tmp_path: Pat
         try:
             assert proc.stderr is not None
             line = proc.stderr.readline()
-            wait_for(  # serving: the line comes just before uvicorn starts
-                lambda: _healthy(f"http://127.0.0.1:{port}/healthz"), what="cachegate /healthz"
-            )
+            # the line comes once it accepts connections: a script that waits for it may connect
+            assert _healthy(f"http://127.0.0.1:{port}/healthz")
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(20)
@@ -1057,10 +1056,11 @@ def test_serve_notes_an_upstream_url_without_a_path(tmp_path: Path) -> None:
 def test_serve_says_at_start_that_a_file_is_where_its_log_directory_should_be(
     tmp_path: Path,
 ) -> None:
-    """It said so only at the first request, as a lost line."""
+    """It said so only at the first request, as a lost line. (Before the line that says it
+    listens: that one comes once it accepts connections.)"""
     blocker = tmp_path / "afile"
     blocker.write_text("x")
-    line, warning = _serve_first_lines(
+    warning, line = _serve_first_lines(
         tmp_path, "--log-dir", str(blocker), env=clean_env(), count=2
     )
     assert line.startswith(f"cachegate {__version__} listening on")

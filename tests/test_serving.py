@@ -89,6 +89,55 @@ def test_a_hangup_while_the_server_is_being_built_still_stops_it() -> None:
     assert signal.getsignal(signal.SIGHUP) is before  # put back as it was
 
 
+def test_the_started_callback_comes_once_connections_are_accepted_and_the_stop_one_first() -> None:
+    """`cachegate serve` prints its "listening on" line from ``on_started``: it came before the
+    app's start-up (a slow one: retention over a large log directory) and before the port
+    listened, so a script that waited for the line had its first connection refused.
+    ``on_stop`` comes as the server begins to stop, before it closes its sockets."""
+    import asyncio
+    import threading
+
+    import uvicorn
+
+    from proxy.serving import Server
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await asyncio.sleep(0.5)  # a slow start-up
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+
+    port = free_port()
+    (sock,) = listening_sockets("127.0.0.1", port)
+    seen: list[str] = []
+    server: Server
+
+    def started() -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            seen.append("accepting")
+        server.should_exit = True
+
+    def stopping() -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            seen.append("stopping, still open")
+
+    server = Server(
+        uvicorn.Config(app, lifespan="on", log_level="warning"),
+        on_stop=stopping,
+        on_started=started,
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
+    thread.start()
+    thread.join(10)
+    sock.close()
+    assert seen == ["accepting", "stopping, still open"]
+
+
 # --- requests that offer an upgrade (Upgrade: h2c) ------------------------------------------------
 
 
