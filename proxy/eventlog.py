@@ -11,7 +11,6 @@ with its square.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
 import hashlib
@@ -1149,14 +1148,16 @@ def logged_compactions(
     path: str | os.PathLike[str], last: int | None = None
 ) -> list[dict[str, Any]]:
     """The compactions a session's log says were made, in log order (the ``last`` ones of
-    them, if given: the others are not kept while the log is read): its ``compacted`` lines
+    them, if given, one per history covered: the others are not kept while the log is read):
+    its ``compacted`` lines
     with their summary's text and the digests of the history they cover (those of an earlier
     process too). A session cachegate forgot (a restart, an idle eviction) takes them up again
     instead of summarizing its history anew. Only the lines that hold the event's type are
     parsed (a 200 MB log is read in ~0.25 s); a line with no end, a
     summary logged as metadata, a reused compaction's line are passed over. Raises
     ``OSError`` (no file) and ``NotALogFile`` as ``read_events``."""
-    found: collections.deque[dict[str, Any]] = collections.deque(maxlen=last)
+    # (by the history each covers: one made twice, forgotten and made again, is one of them)
+    found: dict[tuple[str, str], dict[str, Any]] = {}
     buf = bytearray()
     with open(_open_log(path), "rb", buffering=0) as f:
         # Read in large chunks and searched by ``find`` in C: a loop over the lines took ~1 s
@@ -1170,10 +1171,14 @@ def logged_compactions(
                 stop = buf.find(b"\n", at, end) + 1
                 event = _compacted_event(bytes(buf[start:stop]))
                 if event is not None:
-                    found.append(event)
+                    key = (event["opening"], event["prefix_digest"])
+                    found.pop(key, None)  # (the latest of equals, in its place)
+                    found[key] = event
+                    if last is not None and len(found) > last:
+                        del found[next(iter(found))]
                 at = buf.find(_COMPACTED_TYPE, stop, end)
             del buf[:end]
-    return list(found)
+    return list(found.values())
 
 
 _SCAN_CHUNK: Final = 4 * 1024 * 1024

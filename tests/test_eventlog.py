@@ -1532,6 +1532,11 @@ def test_the_compactions_a_log_records_are_read_back_for_a_restart(tmp_path: Pat
         ("model", "ab" * 16),
         ("extractive", "ef" * 16),
     ]
+    # one made twice (forgotten, then made again) is one of the last ones asked for
+    again = tmp_path / "again.jsonl"
+    older = {**made, "prefix_digest": "11" * 16}
+    again.write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in (older, made, made, made)))
+    assert [e["prefix_digest"] for e in logged_compactions(again, 2)] == ["11" * 16, "ab" * 16]
     with pytest.raises(FileNotFoundError):
         logged_compactions(tmp_path / "none.jsonl")
     (tmp_path / "link.jsonl").symlink_to(path)
