@@ -61,7 +61,6 @@ def _serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy.app import create_app
-    from proxy.eventlog import mark_stopping
     from proxy.serving import HttpProtocol, Server, serve_until_stopped
 
     try:
@@ -196,10 +195,24 @@ def _serve(ns: argparse.Namespace) -> int:
         logging.getLogger("uvicorn.error").addFilter(_grace_note)
         # (a restart on the same log directory meanwhile waits for this one: _log_dir_taken)
         return Server(  # (the line once it accepts connections: a script may wait for it)
-            config, on_stop=mark_stopping, on_started=lambda: print(listening, file=sys.stderr)
+            config, on_stop=_stopping, on_started=lambda: print(listening, file=sys.stderr)
         )
 
     return serve_until_stopped(sockets, server)
+
+
+def _stopping(running: int) -> None:
+    """Stopping: a restart on the same log directory meanwhile waits for this one
+    (``mark_stopping``), and the terminal says what it waits for, if anything."""
+    from proxy.eventlog import mark_stopping
+
+    mark_stopping()
+    if running:
+        print(
+            f"cachegate: stopping: {running} request(s) in flight have up to {SHUTDOWN_GRACE_S} s"
+            " to finish (Ctrl+C again cuts them now)",
+            file=sys.stderr,
+        )
 
 
 def _grace_note(record: logging.LogRecord) -> bool:

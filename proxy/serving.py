@@ -153,13 +153,13 @@ class _ReadOn:
 class Server(uvicorn.Server):
     """uvicorn's server, which calls ``on_started`` once it accepts connections (its app
     started, its sockets listening: a script that waits for a line printed there finds the port
-    open), and ``on_stop`` as it begins to stop (a signal, a hang-up), before it closes its
-    sockets and gives the answers in flight their grace period."""
+    open), and ``on_stop`` with the number of requests in flight as it begins to stop (a
+    signal, a hang-up), before it closes its sockets and gives those their grace period."""
 
     def __init__(
         self,
         config: uvicorn.Config,
-        on_stop: Callable[[], None] | None = None,
+        on_stop: Callable[[int], None] | None = None,
         on_started: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(config)
@@ -174,7 +174,7 @@ class Server(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.on_stop is not None:
             with contextlib.suppress(Exception):  # (saying so must not keep it from stopping)
-                self.on_stop()
+                self.on_stop(len(self.server_state.tasks))
         await super().shutdown(sockets=sockets)
 
 

@@ -886,6 +886,12 @@ def test_a_restart_while_an_answer_is_in_flight_waits_for_the_cachegate_that_is_
         assert second is not None and second.stderr is not None
         with second.stderr, first.stderr or contextlib.nullcontext():
             said = second.stderr.read()
+            first_said = first.stderr.read() if first.stderr else ""
+        # the one stopping says what it waits for
+        assert (
+            "cachegate: stopping: 1 request(s) in flight have up to 5 s to finish (Ctrl+C again"
+            " cuts them now)\n"
+        ) in first_said
         assert said.startswith(
             f"cachegate: waiting for the cachegate that is stopping (pid {first.pid}) to finish"
             f" writing log directory {log_dir}\n"

@@ -122,9 +122,9 @@ def test_the_started_callback_comes_once_connections_are_accepted_and_the_stop_o
             seen.append("accepting")
         server.should_exit = True
 
-    def stopping() -> None:
+    def stopping(running: int) -> None:
         with socket.create_connection(("127.0.0.1", port), timeout=1):
-            seen.append("stopping, still open")
+            seen.append(f"stopping with {running} in flight, still open")
 
     server = Server(
         uvicorn.Config(app, lifespan="on", log_level="warning"),
@@ -135,7 +135,7 @@ def test_the_started_callback_comes_once_connections_are_accepted_and_the_stop_o
     thread.start()
     thread.join(10)
     sock.close()
-    assert seen == ["accepting", "stopping, still open"]
+    assert seen == ["accepting", "stopping with 0 in flight, still open"]
 
 
 # --- requests that offer an upgrade (Upgrade: h2c) ------------------------------------------------
