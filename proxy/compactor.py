@@ -94,11 +94,6 @@ def _key(comp: compaction.Compaction) -> str:
     return comp.opening + comp.prefix_digest
 
 
-def _count(value: Any) -> int:
-    """A token count read from the log (0 for anything else)."""
-    return value if type(value) is int and value >= 0 else 0
-
-
 def _same(a: Any, b: Any) -> bool:
     """The same message: the very object (an agent's next turn resends its history as the
     objects cachegate holds), or an equal one."""
@@ -238,7 +233,6 @@ class Compactor:
         existing, known = self._existing(held, messages)
         if (
             existing is None
-            and self.log_dir is not None
             and len(messages) > compaction.leading_count(messages) + cfg.keep_recent
             and await self._restore(state)
         ):
@@ -416,22 +410,22 @@ class Compactor:
         still checked against the history by its digests before it is used. The log is read in
         a thread; the session's other requests that come meanwhile (sub-agents, a retry) wait
         for that read rather than each pay for a new summary."""
+        if self.log_dir is None:
+            return False
         pending: asyncio.Future[bool] | None = state.extra.get("restoring")
         if pending is None:
-            pending = asyncio.ensure_future(self._read_log(state))
+            pending = asyncio.ensure_future(self._read_log(state, self.log_dir))
             state.extra["restoring"] = pending
         elif pending.done():
             return False  # read for an earlier request: what it found is held already
         # (shielded: a client leaving does not cancel the read the others wait for)
         return await asyncio.shield(pending)
 
-    async def _read_log(self, state: SessionState) -> bool:
+    async def _read_log(self, state: SessionState, log_dir: str) -> bool:
         restored: set[str] = set()
         state.extra["restored"] = restored
-        if self.log_dir is None:
-            return False
         try:
-            path = session_log_path(self.log_dir, state.id)
+            path = session_log_path(log_dir, state.id)
             logged = await asyncio.to_thread(logged_compactions, path, MAX_COMPACTIONS)
         except (OSError, ValueError, NotALogFile):  # (no log yet: a new session)
             return False
@@ -447,8 +441,8 @@ class Compactor:
                 start=event["start"],
                 message={"role": "user", "content": event["summary"]},
                 source=event["source"],
-                tokens_before=_count(event.get("tokens_before")),
-                tokens_after=_count(event.get("tokens_after")),
+                tokens_before=event["tokens_before"],
+                tokens_after=event["tokens_after"],
                 opening=event["opening"],
             )
             key = _key(comp)

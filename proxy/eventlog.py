@@ -1198,7 +1198,10 @@ def _compacted_event(line: bytes) -> dict[str, Any] | None:
         and isinstance(event.get("summary"), str)
         and isinstance(event.get("prefix_digest"), str)
         and isinstance(event.get("opening"), str)
-        and all(type(event.get(k)) is int for k in ("start", "covered"))
+        and all(
+            type(event.get(k)) is int and event[k] >= 0
+            for k in ("start", "covered", "tokens_before", "tokens_after")
+        )
     ):
         return event
     return None

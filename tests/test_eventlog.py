@@ -1511,6 +1511,8 @@ def test_the_compactions_a_log_records_are_read_back_for_a_restart(tmp_path: Pat
         "start": 1,
         "covered": 30,
         "summary": "[cachegate summary] …",
+        "tokens_before": 9000,
+        "tokens_after": 3000,
         "source": "model",
         "prefix_digest": "ab" * 16,
         "opening": "1:" + "cd" * 16,
