@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,10 @@ import orjson
 
 _WS = b" \t\r\n"
 MIN_BYTES = 16 * 1024  # smaller bodies parse in microseconds: not worth remembering
-MEMOS_PER_KEY = 8  # sessions whose bodies open with the same bytes (one agent, several tasks)
+# Sessions whose bodies open with the same bytes (one agent, several tasks), or conversations of
+# one session: two memos each (``BodyMemos.put``), for as many as the session keeps
+# (``sessions.CONVERSATIONS_KEPT``). Eight let four sub-agents taking turns splice, not five.
+MEMOS_PER_KEY = 64
 _MAX_MISSES = 3  # full parses in a row whose bytes did not continue the memo: stop verifying
 
 
@@ -42,6 +46,7 @@ class BodyMemo:
     messages: tuple[Any, ...]  # the message objects the caller kept (shared across turns)
     misses: int = 0
     lineage: int = 0  # memos that continue one another share it (set by ``BodyMemos.put``)
+    continued: bool = False  # it continued another (set by ``BodyMemos.put``)
 
 
 @dataclass(frozen=True)
@@ -171,7 +176,7 @@ def parse(raw: bytes, memos: list[BodyMemo]) -> Parsed:
             return spliced
     body = orjson.loads(raw)
     previous = memos[0] if memos else None
-    misses = previous.misses + 1 if previous is not None else 0
+    misses = _misses(body, memos)
     if (
         len(raw) < MIN_BYTES
         or not isinstance(body, dict)
@@ -189,6 +194,34 @@ def parse(raw: bytes, memos: list[BodyMemo]) -> Parsed:
                 close -= 1
             return Parsed(body, close, None, misses)
     return Parsed(body, None, None, misses)
+
+
+def _misses(body: Any, memos: list[BodyMemo]) -> int:
+    """Full parses in a row under a key, with this one, of bodies that should have continued a
+    memo: of a conversation one holds (the same opening message) or not a conversation at all.
+    The first body of a new conversation counts for nothing (sub-agents fanned out under one
+    session id start a dozen at once, and each was counted: past three, the others' bodies were
+    no longer remembered, so their next turns were parsed whole), unless the key holds its full
+    number of memos and none was ever continued (one-shot requests: a batch)."""
+    if not memos:
+        return 0
+    misses = memos[0].misses
+    messages = body.get("messages") if isinstance(body, dict) else None
+    opening = _opening(messages) if isinstance(messages, list) else None
+    if opening is None or any(_opening(memo.messages) == opening for memo in memos):
+        return misses + 1
+    if len(memos) >= MEMOS_PER_KEY and not any(memo.continued for memo in memos):
+        return misses + 1
+    return misses
+
+
+def _opening(messages: Sequence[Any]) -> Any:
+    """A history's first message after its system block (None: none): what its conversation
+    keeps from turn to turn."""
+    for message in messages:
+        if not isinstance(message, dict) or message.get("role") not in ("system", "developer"):
+            return message
+    return None
 
 
 def memo_key(raw: bytes, session_id: str | None) -> str:
@@ -244,7 +277,7 @@ class BodyMemos:
                 if old is not source or identical:
                     memos.remove(old)
                     self._bytes -= len(old.raw)
-        memo = dataclasses.replace(memo, lineage=lineage)
+        memo = dataclasses.replace(memo, lineage=lineage, continued=source is not None)
         memos.insert(0, memo)
         self._bytes += len(memo.raw)
         while len(memos) > MEMOS_PER_KEY:

@@ -24,7 +24,7 @@ from proxy.eventlog import NotALogFile, logged_compactions, session_log_path
 from proxy.pipeline import Exchange, Observer, error_message, notify
 from proxy.redact import redact_text
 from proxy.relay import Relay, open_error_kind
-from proxy.sessions import SessionState, SessionStore
+from proxy.sessions import CONVERSATIONS_KEPT, SessionState, SessionStore
 from proxy.usage import added, normalize_usage
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ SYNTHETIC_PREFIXES: tuple[str, ...] = (
 
 
 _MAX_MODELS = 256
-MAX_COMPACTIONS = 8  # conversations of one session with a compaction of their own
+MAX_COMPACTIONS = CONVERSATIONS_KEPT  # conversations of one session with a compaction each
 
 # A compaction aims below this share of the trigger (60% of the window at the default 75%): a
 # history compacted to just under the trigger reaches it again with the next turn's round.

@@ -132,8 +132,10 @@ def new_session_id(now: float) -> str:
 
 
 # Conversations of one session kept track of (a main agent, its sub-agents, title requests):
-# the accounting's baselines, the event log's delta bases and tools arrays, one each.
-CONVERSATIONS_KEPT: Final = 8
+# the accounting's baselines, the event log's delta bases and tools arrays, the compactions,
+# one each. Past them, conversations taking turns push one another out and each turn reads as
+# a new conversation: eight was passed by nine sub-agents working at once.
+CONVERSATIONS_KEPT: Final = 32
 
 OpeningKey = tuple[str, str] | str
 _SYSTEM_ROLES = ("system", "developer")  # messages before the opening one
@@ -298,9 +300,12 @@ BYTES_HELD_PER_MESSAGE = 768
 # 4.7 MB history whose system prompt changed each turn held ~74 MB of RSS, ~16 bytes per byte.
 BYTES_HELD_PER_OWN_BYTE = 2
 SESSION_BASE_BYTES = 2048  # the state, its index entry, a small request's objects
-# As many requests as the accounting keeps as baselines (the last of up to eight conversations;
-# ``SessionState.remember`` keeps four for the log's delta coding): a burst of small requests of
-# other conversations does not hide the large history the session still holds.
+# The last requests the estimate looks at: a burst of small requests of other conversations does
+# not hide the large history the session still holds. Fewer than the conversations kept: a
+# client whose system prompt changes every turn (the time in it) shares no objects from turn to
+# turn, so each of these counts whole, as its body memos (a few: ``bodymemo``) and bases hold
+# about as many (8 turns of 4.7 MB: ~74 MB held, 85 estimated); over 32 turns it would count
+# turns no longer held. Past eight conversations taking turns, the others' own go uncounted.
 SIZES_KEPT = 8
 _WARN_EVERY_S = 300.0
 
@@ -369,10 +374,16 @@ class MemorySessionStore:
                 max(BYTES_HELD_PER_OWN_BYTE * new[0], BYTES_HELD_PER_MESSAGE * new[1]),
             )
         if anchor is not None:  # the earlier turns of this history: their objects are its own
-            carried = sum(o for _, o, a in sizes if a is anchor)
-            if carried:  # (a sub-agent's history, however little each turn appends)
-                own = min(whole, own + carried)
-                sizes[:] = [(w, 0 if a is anchor else o, a) for w, o, a in sizes]
+            # (a sub-agent's history, however little each turn appends). Each turn takes what
+            # its history's latest entry held, which took the earlier ones': that one alone is
+            # not 0 (one look back where turns follow one another, not a walk of them all).
+            for at in range(len(sizes) - 1, -1, -1):
+                w, o, a = sizes[at]
+                if a is anchor:
+                    if o:
+                        own = min(whole, own + o)
+                        sizes[at] = (w, 0, a)
+                    break
         sizes.append((whole, own, anchor))
         if len(sizes) > SIZES_KEPT:
             del sizes[0]

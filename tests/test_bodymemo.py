@@ -3,6 +3,7 @@ spliced."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -233,11 +234,79 @@ def test_small_bodies_are_not_remembered_and_misses_back_off() -> None:
     raw = orjson.dumps(body_of(messages, "first"))
     memo = remember(raw, bodymemo.parse(raw, []))
     assert memo is not None
-    other = orjson.dumps(body_of([{"role": "user", "content": FILLER * 2}], "first"))
+    # its next turn, with the system prompt rewritten: it cannot be spliced
+    edited = [{"role": "system", "content": "You are another agent. " + FILLER}, *messages[1:]]
+    other = orjson.dumps(body_of([*edited, {"role": "user", "content": "go on"}], "first"))
     tired = BodyMemo(memo.raw, memo.close, memo.keys, memo.values, memo.messages, misses=5)
     parsed = bodymemo.parse(other, [tired])
     assert parsed.close is None and parsed.misses == 6  # not verified again for a while
     assert bodymemo.parse(other, [memo]).close is not None
+
+
+def test_new_conversations_under_one_key_are_not_misses_unless_none_ever_continues() -> None:
+    """Sub-agents fanned out under one session id: each one's first large body continues no
+    memo, and each was counted a miss: past three, the rest were no longer remembered, and
+    their next turns were parsed whole. One-shot requests under one key (a batch) still back
+    off once the key is full and none was ever continued."""
+
+    def opening(n: int) -> bytes:
+        messages = [
+            {"role": "system", "content": "You are a sub-agent. " + FILLER},
+            {"role": "user", "content": f"Task {n}"},
+        ]
+        return orjson.dumps(body_of(messages, "first"))
+
+    memos = BodyMemos()
+    for n in range(12):  # a dozen sub-agents' first bodies, in a row
+        raw = opening(n)
+        parsed = bodymemo.parse(raw, memos.get("s:fan"))
+        assert parsed.close is not None and parsed.misses == 0, n
+        memo = remember(raw, parsed)
+        assert memo is not None
+        memos.put("s:fan", memo)
+    for n in range(12):  # then each one's next turn: spliced onto its own
+        body = orjson.loads(opening(n))
+        body["messages"] += [{"role": "assistant", "content": "ok"}]
+        parsed = bodymemo.parse(orjson.dumps(body), memos.get("s:fan"))
+        assert parsed.source is not None and parsed.source.raw == opening(n), n
+    # a batch: more one-shot requests under one key than it keeps memos, none continued
+    batch = BodyMemos()
+    misses = []
+    for n in range(bodymemo.MEMOS_PER_KEY + 8):
+        raw = opening(n)
+        parsed = bodymemo.parse(raw, batch.get("h:batch"))
+        misses.append(parsed.misses)
+        memo = remember(raw, parsed)
+        if memo is None:
+            batch.note_miss("h:batch", parsed.misses)
+        else:
+            batch.put("h:batch", dataclasses.replace(memo, misses=parsed.misses))
+    assert misses[: bodymemo.MEMOS_PER_KEY] == [0] * bodymemo.MEMOS_PER_KEY
+    assert misses[-1] > 3  # no longer verified
+
+
+def test_a_key_whose_bodies_were_continued_takes_new_conversations_past_its_memos() -> None:
+    """While the key holds a body that continued another, new conversations' bodies are
+    remembered, the key full or not."""
+    memos = BodyMemos()
+    history = turns(1)
+    first = orjson.dumps(body_of(history[0], "first"))
+    memo = remember(first, bodymemo.parse(first, []))
+    assert memo is not None
+    memos.put("s:k", memo)
+    grown = orjson.dumps(body_of(history[1], "first"))
+    parsed = bodymemo.parse(grown, memos.get("s:k"))
+    assert parsed.source is not None
+    continued = remember(grown, parsed)
+    assert continued is not None
+    memos.put("s:k", continued, source=parsed.source)
+    for n in range(bodymemo.MEMOS_PER_KEY):  # (the last two find the key full)
+        raw = orjson.dumps(body_of([{"role": "user", "content": f"Task {n} " + FILLER}], "first"))
+        parsed = bodymemo.parse(raw, memos.get("s:k"))
+        assert parsed.close is not None and parsed.misses == 0, n
+        fresh = remember(raw, parsed)
+        assert fresh is not None
+        memos.put("s:k", fresh)
 
 
 def test_memos_are_bounded_by_bytes_and_per_key() -> None:

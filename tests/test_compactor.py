@@ -17,6 +17,7 @@ import pytest
 
 from proxy import compaction
 from proxy.compaction import SUMMARIZER_SYSTEM_PROMPT, SUMMARY_MARKER
+from proxy.compactor import MAX_COMPACTIONS
 from proxy.eventlog import read_events
 from proxy.serving import ServerThread
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
@@ -1126,8 +1127,9 @@ def test_two_conversations_of_a_session_each_keep_their_own_compaction(
 def test_the_compaction_in_use_outlives_many_others(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:
-    """Nine sub-agents compacted between the main agent's turns: the oldest compaction went
-    first, the main agent's too though it was reused on every turn."""
+    """More sub-agents compacted between the main agent's turns than a session keeps
+    compactions: the oldest compaction went first, the main agent's too though it was reused on
+    every turn."""
     proxy = proxy_factory(sim.api_base, CONFIG)
     client = sdk(proxy.base_url)
 
@@ -1138,7 +1140,7 @@ def test_the_compaction_in_use_outlives_many_others(
         assert raw.headers["x-cachegate-compacted"] == "1"
 
     send(history(18))
-    for k in range(9):
+    for k in range(MAX_COMPACTIONS + 1):
         sub = history(18)
         sub[0] = {"role": "system", "content": f"You are sub-agent {k}. " * 200}
         sub[1] = {"role": "user", "content": f"Sub-task {k}: rename the config loader."}
@@ -1147,7 +1149,7 @@ def test_the_compaction_in_use_outlives_many_others(
     calls = [
         r for r in sim.sim.requests if r.body["messages"][0]["content"] == SUMMARIZER_SYSTEM_PROMPT
     ]
-    assert len(calls) == 1 + 9
+    assert len(calls) == 1 + MAX_COMPACTIONS + 1
 
 
 def test_back_on_the_branch_a_rewind_left_its_latest_compaction_is_reused(

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from proxy.prefix import fingerprint
+from proxy.sessions import CONVERSATIONS_KEPT
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
 from proxy.simulator.reply import parse_script
 from tests.e2e_support import (
@@ -760,8 +761,8 @@ def test_retries_do_not_crowd_out_the_other_conversations_of_a_session(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
     """A sub-agent that sends each step several times (an answer it rejected, best-of-N): each
-    identical retry was kept as one more copy of its baseline, eight of them pushed the main
-    agent's out, and the main agent's miss after a long pause was not reported."""
+    identical retry was kept as one more copy of its baseline, a session's worth of them pushed
+    the main agent's out, and the main agent's miss after a long pause was not reported."""
     proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
     client = make_client(proxy.base_url, default_headers={"X-Session-Id": "retries"})
     main = [
@@ -774,7 +775,7 @@ def test_retries_do_not_crowd_out_the_other_conversations_of_a_session(
         {"role": "user", "content": "Check app.py."},
     ]
     for step in range(4):
-        for _ in range(4):  # the same request, four times
+        for _ in range(CONVERSATIONS_KEPT // 4 + 1):  # the same request, again and again
             chat(client, sub, stream=False, tools=TOOLS)
         sub += [
             {"role": "assistant", "content": f"Checked {step}."},
@@ -786,6 +787,48 @@ def test_retries_do_not_crowd_out_the_other_conversations_of_a_session(
     last = events(proxy.log_dir, "retries", "response")[-1]["cache"]
     assert last["expected"] == sim.sim.requests[0].usage["prompt_tokens"]  # its own last turn
     assert (last["cause"], last["waste"]) == ("ttl_expired", last["expected"] - last["read"])
+
+
+def test_a_dozen_sub_agents_taking_turns_in_one_session_are_each_judged_against_their_own(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """Twelve sub-agents under one session id (one system prompt, a task each) taking turns:
+    past eight conversations they pushed one another out, so every turn read as a new
+    conversation (nothing expected, the misses after a pause past the TTL unreported), its
+    request line was logged against another agent's turn, and its body was parsed whole."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "dozen"})
+    agents = [
+        [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": f"Sub-agent {n}: check part {n}.\n" + FILE_TEXT},
+        ]
+        for n in range(12)
+    ]
+    for turn in range(4):
+        if turn == 3:
+            sim.sim.advance(400)  # past the 300 s TTL
+        for n, convo in enumerate(agents):
+            _tool_turn(client, convo, f"output {turn} of {n}:\n" + FILE_TEXT, tools=TOOLS)
+        sim.sim.advance(5)
+    flush(proxy)
+    responses = events(proxy.log_dir, "dozen", "response")
+    usages = [r.usage for r in sim.sim.requests]
+    assert len(responses) == len(usages) == 48
+    for i in range(12, 48):  # each compared with its own previous turn
+        cache = responses[i]["cache"]
+        assert cache["expected"] == usages[i - 12]["prompt_tokens"], i
+        if i < 36:
+            assert cache["waste"] == 0 and cache["read"] > NOISE_FLOOR, i
+        else:
+            assert cache["waste"] == cache["expected"] - cache["read"] > NOISE_FLOOR, i
+            assert cache["cause"] == "ttl_expired", i
+    requests = events(proxy.log_dir, "dozen", "request")
+    for number, line in enumerate(requests[12:], start=13):
+        assert line["base_exchange"] == number - 12, number  # its own agent's last turn
+        assert line["base"] == len(sim.sim.requests[number - 13].body["messages"]), number
+    # every body from each agent's third on (the second is the first large enough to keep)
+    assert proxy.gateway.chat.spliced_parses == 24
 
 
 def test_switching_a_chats_tools_off_is_still_its_conversation(
@@ -856,9 +899,10 @@ def test_a_rewind_after_an_mcp_server_connected_still_reports_the_miss(
 def test_a_repeated_request_keeps_its_conversation_the_most_recently_seen(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
-    """The main agent resends a turn as it was (a dropped stream), then eight sub-agents run:
-    the repeat was counted but did not make the main agent recent, a sub-agent's arrival pushed
-    it out, and its miss after a long pause was not reported."""
+    """The main agent resends a turn as it was (a dropped stream), then as many sub-agents run
+    as a session keeps conversations: the repeat was counted but did not make the main agent
+    recent, a sub-agent's arrival pushed it out, and its miss after a long pause was not
+    reported."""
     proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
     client = make_client(proxy.base_url, default_headers={"X-Session-Id": "recent"})
     main = [
@@ -868,14 +912,14 @@ def test_a_repeated_request_keeps_its_conversation_the_most_recently_seen(
     _tool_turn(client, main, "output 0: " + FILE_TEXT[:2000], tools=TOOLS)
     sent = list(main)
     _tool_turn(client, main, "output 1: " + FILE_TEXT[:2000], tools=TOOLS)
-    for k in range(7):
+    for k in range(CONVERSATIONS_KEPT - 1):
         sub = [
             {"role": "system", "content": f"Sub-agent {k}."},
             {"role": "user", "content": f"Look at part {k}."},
         ]
         chat(client, sub, stream=False)
     chat(client, sent, stream=False, tools=TOOLS)  # the main agent's last turn, sent again
-    sub = [{"role": "system", "content": "Sub-agent 8."}, {"role": "user", "content": "Look at 8."}]
+    sub = [{"role": "system", "content": "Sub-agent, last."}, {"role": "user", "content": "Look."}]
     chat(client, sub, stream=False)
     sim.sim.advance(400)
     _tool_turn(client, main, "output 2", tools=TOOLS)

@@ -17,7 +17,7 @@ from proxy.eventlog import EventLogWriter, read_events, replay, replay_requests
 from proxy.metrics import Metrics
 from proxy.observers import AccountingObserver, EventLogObserver, _random_id
 from proxy.pipeline import Exchange
-from proxy.sessions import MemorySessionStore
+from proxy.sessions import CONVERSATIONS_KEPT, MemorySessionStore
 from proxy.usage import Usage
 
 Message = dict[str, Any]
@@ -464,18 +464,26 @@ def test_a_rewrite_is_compared_with_its_own_conversation_not_the_latest_of_equal
     assert (ex.cache["expected"], ex.cache["waste"]) == (10_000, 10_000)
 
 
+def _jobs(n: int) -> list[str]:
+    """``n`` sub-agents' tasks, each in other words (not told apart by a number alone, which
+    reads as a volatile token)."""
+    verbs = ["search", "parse", "review", "deploy", "document", "profile", "refactor", "triage"]
+    things = ["code", "tests", "docs", "config", "schema", "build"]
+    return [f"{verb} the {thing}" for thing in things for verb in verbs][:n]
+
+
 def test_a_fan_out_of_one_shot_sub_agents_does_not_evict_the_main_agents_conversation() -> None:
-    """Nine one-request sub-agents after two main-agent turns: the least recently seen, the
-    main agent's, was forgotten, and its next turn's rewrite read as a new conversation (no
-    waste, no divergence)."""
+    """More one-request sub-agents after two main-agent turns than a session keeps
+    conversations: the least recently seen, the main agent's, was forgotten, and its next
+    turn's rewrite read as a new conversation (no waste, no divergence)."""
     acc = _Accounting()
     main = [_system("main agent"), *msgs("fix the bug")]
     acc.send(main, 10_000, 0)
     main = [*main, *msgs("looking", "go on")]
     acc.send(main, 10_100, 10_000)
-    jobs = ["search", "parse", "review", "deploy", "document", "profile", "refactor", "triage"]
-    for job in [*jobs, "summarize"]:
-        acc.send([_system(f"You {job} the code."), *msgs(f"Please {job} it.")], 3_000, 0)
+    jobs = _jobs(CONVERSATIONS_KEPT)
+    for job in [*jobs, "summarize it all"]:
+        acc.send([_system(f"You {job}."), *msgs(f"Please {job}.")], 3_000, 0)
     rewritten = [_system("main agent\nCurrent time: 2026-12-02T10:00:00Z"), *main[1:]]
     ex = acc.send(rewritten, 10_100, 0)
     assert ex.divergence is not None and ex.divergence["location"] == "system"
@@ -492,9 +500,9 @@ def test_the_live_branch_after_a_rewind_is_not_forgotten_as_a_one_shot() -> None
         main = [*main, *msgs(f"reply {turn}", f"go on {turn}")]
     branch = [*main[:3], *msgs("Actually, a different question.")]
     acc.send(branch, 10_000, 0)
-    jobs = ["search", "parse", "review", "deploy", "document", "profile", "refactor"]
+    jobs = _jobs(CONVERSATIONS_KEPT - 1)  # with both branches: one more
     for job in jobs:
-        acc.send([_system(f"You {job} the code."), *msgs(f"Please {job} it.")], 3_000, 0)
+        acc.send([_system(f"You {job}."), *msgs(f"Please {job}.")], 3_000, 0)
     ex = acc.send([*branch, *msgs("reply", "and then?")], 10_200, 10_000)
     assert ex.divergence is None
     assert ex.cache is not None and ex.cache["waste"] == 0
@@ -540,14 +548,15 @@ def test_real_shapes_of_rewrites_are_charged_only_for_what_was_sent_and_is_still
 
 
 def test_sub_agents_fanned_out_from_the_first_turn_do_not_evict_the_main_agent() -> None:
-    """Eight sub-agents spawned from the main agent's first turn: its conversation, seen once
-    too, was the least recently seen one-shot, forgotten first; its rewrite went unreported."""
+    """As many sub-agents spawned from the main agent's first turn as a session keeps
+    conversations: its conversation, seen once too, was the least recently seen one-shot,
+    forgotten first; its rewrite went unreported."""
     acc = _Accounting()
     main = [_system("main agent"), *msgs("explore the repo")]
     acc.send(main, 10_000, 0)
-    jobs = ["search", "parse", "review", "deploy", "document", "profile", "refactor", "triage"]
+    jobs = _jobs(CONVERSATIONS_KEPT)
     for job in jobs:
-        acc.send([_system(f"You {job} the code."), *msgs(f"Please {job} it.")], 3_000, 0)
+        acc.send([_system(f"You {job}."), *msgs(f"Please {job}.")], 3_000, 0)
     rewritten = [_system("main agent\nCurrent time: 2026-12-02T10:00:00Z"), *main[1:]]
     ex = acc.send([*rewritten, *msgs("found", "go on")], 10_100, 0)
     assert ex.divergence is not None and ex.divergence["location"] == "system"
@@ -641,15 +650,15 @@ def test_tools_with_their_properties_reordered_are_logged_again_for_replay() -> 
 
 def test_a_system_prompt_with_the_time_does_not_crowd_out_other_conversations() -> None:
     """Each turn of the main agent changes a timestamp in its system prompt: that is a rewrite
-    of its conversation, which takes its place, not a branch kept beside it (nine such turns
-    used to fill the eight baselines and forget the sub-agent's)."""
+    of its conversation, which takes its place, not a branch kept beside it (such turns used
+    to fill the baselines and forget the sub-agent's)."""
     acc = _Accounting()
     sub_prompt = "You are a sub-agent that searches the repository. Answer with file paths only."
     main_prompt = "You are the main coding agent. Fix what the user asks, then run the tests."
     sub = [_system(sub_prompt), *msgs("find the file")]
     acc.send(sub, 3_000, 0)
     main_history = msgs("fix the bug")
-    for turn in range(10):
+    for turn in range(CONVERSATIONS_KEPT + 2):
         main_history = [*main_history, *msgs(f"reply {turn}", f"go on {turn}")]
         stamped = _system(f"{main_prompt} Current time: 10:{turn:02d}.")
         ex = acc.send([stamped, *main_history], 10_000, 9_000)
@@ -857,7 +866,7 @@ def test_the_no_prices_hint_names_the_table_the_model_matched(
     ]
 
 
-def test_a_session_keeps_at_most_eight_conversations_however_its_requests_repeat() -> None:
+def test_a_session_keeps_a_bounded_number_of_conversations_however_its_requests_repeat() -> None:
     """Every turn sent twice as it is (a dropped stream resent): the list of requests to compare
     with grew by one a turn, and the work per request with it (14 ms at turn 400)."""
     from prometheus_client import CollectorRegistry
@@ -876,7 +885,7 @@ def test_a_session_keeps_at_most_eight_conversations_however_its_requests_repeat
             ex.usage, ex.status = Usage(1000 + i, 10, 900, 0, True), 200
             accounting.on_response(ex)
     state = store.get("s1")
-    assert state is not None and len(state.extra["baselines"]) <= 8
+    assert state is not None and len(state.extra["baselines"]) <= CONVERSATIONS_KEPT
 
 
 def test_a_model_that_caches_nothing_is_priced_by_its_table_and_no_read_is_expected() -> None:
