@@ -10,7 +10,7 @@ proxy that compares with the previous body only has the new round to examine.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import orjson
@@ -104,8 +104,12 @@ def session(
     rounds: int = 200,
     mean_result_bytes: int = 2800,
     round_sizes: list[int] | None = None,
+    marked: bool = False,
 ) -> Iterator[Turn]:
-    """The session's requests, turn by turn; ``round_sizes`` fixes each round's tool-output size."""
+    """The session's requests, turn by turn; ``round_sizes`` fixes each round's tool-output size.
+    ``marked``: the newest message carries a ``cache_control`` mark, taken off the one before
+    each turn (Claude's prompt caching through an OpenAI-compatible gateway), so a body never
+    continues the bytes of the one before."""
     rng = random.Random(seed)
     head = orjson.dumps(
         {"model": "gpt-4o-mini", "user": f"agent-{seed}", "tools": _TOOLS, "messages": []}
@@ -114,7 +118,14 @@ def session(
     task = {"role": "user", "content": f"Task {seed}: fix the failing tests.\n" + _text(rng, 800)}
     parts = [orjson.dumps(system), orjson.dumps(task)]
     size = sum(len(p) + 1 for p in parts)
-    yield Turn(0, head + b",".join(parts) + b"]}", len(parts), size)
+
+    def body(last: Mapping[str, object]) -> bytes:
+        if not marked:
+            return head + b",".join(parts) + b"]}"
+        newest = orjson.dumps({**last, "cache_control": {"type": "ephemeral"}})
+        return head + b",".join([*parts[:-1], newest]) + b"]}"
+
+    yield Turn(0, body(task), len(parts), size)
     for i in range(rounds):
         call_id = f"call_{seed}_{i:04d}"
         tool = _TOOL_NAMES[rng.randrange(len(_TOOL_NAMES))]
@@ -137,7 +148,7 @@ def session(
         result = {"role": "tool", "tool_call_id": call_id, "content": _text(rng, out_size)}
         new = [orjson.dumps(call), orjson.dumps(result)]
         parts.extend(new)
-        yield Turn(i + 1, head + b",".join(parts) + b"]}", len(parts), sum(len(p) + 1 for p in new))
+        yield Turn(i + 1, body(result), len(parts), sum(len(p) + 1 for p in new))
 
 
 def fork(base: bytes, seed: int, result_bytes: int) -> bytes:

@@ -506,6 +506,14 @@ async def agent_sessions(arms: list[Arm], plan: Plan) -> dict[str, Any]:
                 await sweep("small_history", turn.body)
         if s == 0:
             await sweep("large_history", last)
+    # A client that moves a cache_control mark to its newest message each turn (cachegate alone:
+    # its bodies never continue the bytes of the one before).
+    marked_rows: list[tuple[int, float]] = []
+    for turn in agent.session(2000, rounds=plan.agent_rounds, marked=True):
+        c0 = cg.cpu()
+        await send(cg, turn.body)
+        await asyncio.sleep(0.005)
+        marked_rows.append((len(turn.body), cg.cpu() - c0))
     for c in conns.values():
         c.close()
     large = 0.8 * max_size
@@ -559,7 +567,11 @@ async def agent_sessions(arms: list[Arm], plan: Plan) -> dict[str, Any]:
                 for size in plan.fork_sizes
             },
         }
+    marked_large = [c for size, c in marked_rows if size >= large]
+    plain_large = [r[2] for r in cpu_rows if r[0] >= large]
     out["cachegate_cpu"] = {
+        "moving_mark_large_ms": ms(statistics.median(marked_large)) if marked_large else None,
+        "appending_large_ms": ms(statistics.median(plain_large)) if plain_large else None,
         "by_history_quarter": quarters,
         "ms_per_100kb_history": slope,
         "bare_ms_per_100kb_history": bare_slope,
@@ -862,6 +874,11 @@ def table(results: dict[str, Any], plan: Plan, arm_names: list[str]) -> str:
     for label, sweep in cpu["fork_sweeps"].items():
         parts = ", ".join(f"+{kb} KB → {v:.2f} ms" for kb, v in sweep["by_appended_kb"].items())
         lines.append(f"  {label} ({sweep['history_kb']} KB): {parts}")
+    if cpu.get("moving_mark_large_ms") is not None:
+        lines.append(
+            f"  a cache_control mark moved to the newest message each turn, at the large end: "
+            f"{cpu['moving_mark_large_ms']:.2f} ms (appending: {cpu['appending_large_ms']:.2f})"
+        )
     dg = results["digests"]
     lines.append("")
     for arm in proxies:

@@ -20,7 +20,6 @@ import dataclasses
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +32,10 @@ MIN_BYTES = 16 * 1024  # smaller bodies parse in microseconds: not worth remembe
 # (``sessions.CONVERSATIONS_KEPT``). Eight let four sub-agents taking turns splice, not five.
 MEMOS_PER_KEY = 64
 _MAX_MISSES = 3  # full parses in a row whose bytes did not continue the memo: stop verifying
+# Where a body's last messages begin, kept with its memo: a body that changed one of them is
+# parsed from there on (``_resplice``).
+MARKS_KEPT = 8
+_SCAN_STEPS = 20_000  # steps of the walk that finds them, at most (~2 ms)
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,9 @@ class BodyMemo:
     misses: int = 0
     lineage: int = 0  # memos that continue one another share it (set by ``BodyMemos.put``)
     continued: bool = False  # it continued another (set by ``BodyMemos.put``)
+    # Where its last few messages begin: ``(offset, n)``, ``raw[:offset]`` holding messages up
+    # to ``n - 1``, the comma after it (or white space) at ``offset``; earliest first.
+    marks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,9 @@ class Parsed:
     close: int | None
     source: BodyMemo | None = None  # the memo this body continued (None: parsed in full)
     misses: int = 0  # full parses in a row under this key
+    marks: tuple[tuple[int, int], ...] = ()  # for ``BodyMemo.marks``
+    # From ``source``: the bytes up to this offset, and its messages before this index
+    kept: tuple[int, int] = (0, 0)
 
 
 def _splice(raw: bytes, memo: BodyMemo) -> Parsed | None:
@@ -67,11 +76,50 @@ def _splice(raw: bytes, memo: BodyMemo) -> Parsed | None:
     view = memoryview(old)
     if not raw.startswith(view[:close]) or not raw.endswith(view[close:]):
         return None
-    new_close = len(raw) - (len(old) - close)
-    middle = raw[close:new_close].strip(_WS)
+    marks = memo.marks
+    if memo.messages:  # where this body's appended messages begin
+        marks = (*marks, (close, len(memo.messages)))[-MARKS_KEPT:]
+    return _spliced(raw, memo, close, len(memo.messages), marks)
+
+
+def _resplice(raw: bytes, memo: BodyMemo) -> Parsed | None:
+    """``raw`` as ``memo``'s bytes up to one of its marks (where one of its last messages
+    begins), then other messages, then the same bytes after the messages: a client that moves
+    a ``cache_control`` mark to its newest message each turn, taking it off the one before, or
+    one that rewinds or redoes its last steps. Parsed from that mark on."""
+    marks = memo.marks
+    if not marks:
+        return None
+    old = memo.raw
+    view = memoryview(old)
+    tail = view[memo.close :]
+    if len(raw) < marks[0][0] + len(tail) or not raw.endswith(tail):
+        return None
+    if not raw.startswith(view[: marks[0][0]]):  # (not even up to the earliest)
+        return None
+    for at, count in reversed(marks):
+        if raw.startswith(view[:at]):
+            kept = tuple(mark for mark in marks if mark[0] <= at)
+            return _spliced(raw, memo, at, count, kept, scan=True)
+    return None
+
+
+def _spliced(
+    raw: bytes,
+    memo: BodyMemo,
+    at: int,
+    count: int,
+    marks: tuple[tuple[int, int], ...],
+    scan: bool = False,
+) -> Parsed | None:
+    """``raw`` parsed as ``memo``'s first ``count`` messages (its bytes up to ``at``), the
+    messages its bytes from ``at`` hold, then the fields after ``memo``'s messages. ``scan``:
+    find where the messages parsed here begin (the next turn may change one of them)."""
+    new_close = len(raw) - (len(memo.raw) - memo.close)
+    middle = raw[at:new_close].strip(_WS)
     appended: list[Any] = []
     if middle:
-        if memo.messages:
+        if count:
             if middle[:1] != b",":
                 return None
             middle = middle[1:]
@@ -88,9 +136,52 @@ def _splice(raw: bytes, memo: BodyMemo) -> Parsed | None:
         appended = wrapped[0]
         if not appended:  # "," alone, or a stray "[]"-like fragment: not an append
             return None
-    messages = [*memo.messages, *appended]
+    messages = [*memo.messages[:count], *appended]
+    if scan and appended:
+        found = _marks(raw, at, new_close, len(messages))
+        marks = (*marks, *found)[-MARKS_KEPT:]
     body = {k: (messages if k == "messages" else memo.values[k]) for k in memo.keys}
-    return Parsed(body, new_close, memo)
+    return Parsed(body, new_close, memo, marks=marks, kept=(at, count))
+
+
+def _marks(raw: bytes, start: int, stop: int, count: int) -> tuple[tuple[int, int], ...]:
+    """Where the last elements of the messages array begin, found walking ``raw`` back from
+    ``stop`` (the end of its element ``count - 1``) to ``start`` (none before it, nor out of the
+    array): ``(at, n)``, ``raw[:at]`` holding elements up to ``n - 1`` and ``raw[at]`` the comma
+    after it, earliest first, at most ``MARKS_KEPT``. Strings are skipped whole (a search for
+    their opening quote); the walk gives up past ``_SCAN_STEPS`` steps (a long text of escaped
+    quotes), with the marks it found."""
+    found: list[tuple[int, int]] = []
+    depth = 0
+    steps = 0
+    i = stop - 1
+    while i > start and steps < _SCAN_STEPS:
+        steps += 1
+        c = raw[i]
+        if c == 0x22:  # a string's closing quote: its opening one is the first not escaped
+            while True:
+                i = raw.rfind(b'"', start, i)
+                if i < 0:
+                    return tuple(reversed(found))
+                slashes = i
+                while slashes > start and raw[slashes - 1] == 0x5C:
+                    slashes -= 1
+                if (i - slashes) % 2 == 0:
+                    break
+                steps += 1
+        elif c == 0x7D or c == 0x5D:  # } ]
+            depth += 1
+        elif c == 0x7B or c == 0x5B:  # { [
+            depth -= 1
+            if depth < 0:  # the array's opening bracket
+                break
+        elif c == 0x2C and depth == 0:  # ,
+            count -= 1
+            found.append((i, count))
+            if len(found) >= MARKS_KEPT:
+                break
+        i -= 1
+    return tuple(reversed(found))
 
 
 def _candidates(raw: bytes, body: dict[str, Any], previous: BodyMemo | None) -> list[int]:
@@ -174,15 +265,19 @@ def parse(raw: bytes, memos: list[BodyMemo]) -> Parsed:
         spliced = _splice(raw, memo)
         if spliced is not None:
             return spliced
+    for memo in memos:
+        spliced = _resplice(raw, memo)
+        if spliced is not None:
+            return spliced
     body = orjson.loads(raw)
     previous = memos[0] if memos else None
-    misses = _misses(body, memos)
+    misses = previous.misses + 1 if previous is not None else 0
     if (
         len(raw) < MIN_BYTES
         or not isinstance(body, dict)
         or not isinstance(body.get("messages"), list)
         # This client's bodies do not continue each other: verify only now and then.
-        or (misses > _MAX_MISSES and misses % 16)
+        or (misses > _MAX_MISSES and misses % 16 and not _opens(body["messages"], memos))
     ):
         return Parsed(body, None, None, misses)
     for bracket in _candidates(raw, body, previous):
@@ -192,36 +287,22 @@ def parse(raw: bytes, memos: list[BodyMemo]) -> Parsed:
             close = bracket
             while close > 0 and raw[close - 1] in _WS:
                 close -= 1
-            return Parsed(body, close, None, misses)
+            marks = _marks(raw, 0, close, len(body["messages"]))
+            return Parsed(body, close, None, misses, marks)
     return Parsed(body, None, None, misses)
 
 
-def _misses(body: Any, memos: list[BodyMemo]) -> int:
-    """Full parses in a row under a key, with this one, of bodies that should have continued a
-    memo: of a conversation one holds (the same opening message) or not a conversation at all.
-    The first body of a new conversation counts for nothing (sub-agents fanned out under one
-    session id start a dozen at once, and each was counted: past three, the others' bodies were
-    no longer remembered, so their next turns were parsed whole), unless the key holds its full
-    number of memos and none was ever continued (one-shot requests: a batch)."""
-    if not memos:
-        return 0
-    misses = memos[0].misses
-    messages = body.get("messages") if isinstance(body, dict) else None
-    opening = _opening(messages) if isinstance(messages, list) else None
-    if opening is None or any(_opening(memo.messages) == opening for memo in memos):
-        return misses + 1
-    if len(memos) >= MEMOS_PER_KEY and not any(memo.continued for memo in memos):
-        return misses + 1
-    return misses
-
-
-def _opening(messages: Sequence[Any]) -> Any:
-    """A history's first message after its system block (None: none): what its conversation
-    keeps from turn to turn."""
-    for message in messages:
-        if not isinstance(message, dict) or message.get("role") not in ("system", "developer"):
-            return message
-    return None
+def _opens(messages: list[Any], memos: list[BodyMemo]) -> bool:
+    """Whether ``messages`` are a conversation's first request (nothing from the model in them
+    yet: a sub-agent's task) under a key whose client continues its bodies (a memo continued
+    another): sub-agents fanned out under one session id. Their first bodies are remembered
+    even after a run of full parses (a dozen such in a row, or a main agent whose system
+    prompt has the time in it, made the key stop remembering, and their next turns were
+    parsed whole). A client that never continues its bodies (a batch of one-shot requests)
+    still backs off, and so does a history trimmed at its start each turn."""
+    if not any(memo.continued for memo in memos):
+        return False
+    return not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
 
 
 def memo_key(raw: bytes, session_id: str | None) -> str:

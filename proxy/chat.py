@@ -412,6 +412,7 @@ class ChatPipeline:
             {k: v for k, v in body.items() if k != "messages"},
             tuple(messages),
             0 if parsed.source is not None else parsed.misses,
+            marks=parsed.marks,
         )
         self.memos.put(key, memo, source=parsed.source, now=now)
 
@@ -674,9 +675,10 @@ class ChatPipeline:
             entered.append(state)
             messages = body.get("messages")
             count = len(messages) if isinstance(messages, list) else 0
-            if parsed.source is not None:  # spliced: only the appended bytes were parsed anew
-                appended = count - len(parsed.source.messages)
-                new = (max(0, len(raw) - len(parsed.source.raw)), max(0, appended))
+            if parsed.source is not None:  # spliced: only the bytes past its cut parsed anew
+                at, kept = parsed.kept
+                source = parsed.source
+                new = (max(0, len(raw) - len(source.raw) + source.close - at), max(0, count - kept))
             else:  # the unchanged prefix it shares with the session's last request, by count
                 new = (len(raw) * (count - shared) // count if count else len(raw), count - shared)
             self.sessions.weigh(state, len(raw), count, new, _anchor(messages))

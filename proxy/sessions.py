@@ -220,6 +220,9 @@ class SessionState:
     # (held for the whole request, held for its own objects alone, its first message after the
     # system prompt: the requests that hold that very object continue one another)
     sizes: list[tuple[int, int, Any]] = field(default_factory=list)
+    # Of each history (by its first message after the system prompt, that object), what its
+    # latest request holds of its own: counted past ``sizes`` while the log keeps it as a base.
+    owns: dict[int, tuple[int, Any]] = field(default_factory=dict)
     opening: OpeningKey | None = None
     last_client_messages: list[Any] = field(default_factory=list)
     # (exchange id, forwarded messages) of recent exchanges, the bases of delta-coded log lines
@@ -312,6 +315,29 @@ _WARN_EVERY_S = 300.0
 EvictionReason = Literal["idle", "count", "memory"]
 
 
+def _held_beyond(state: SessionState) -> int:
+    """What the histories whose latest requests are older than ``state.sizes`` hold of their
+    own while the event log keeps them as bases (a dozen sub-agents taking turns: each one's
+    history counted; SIZES_KEPT alone left all but eight out, ~25 times less than was held).
+    The others are forgotten here: the log no longer holds them either."""
+    looked_at = {id(a) for _, _, a in state.sizes if a is not None}
+    live = set()
+    for _, messages in state.recent:
+        for message in messages:
+            if not (isinstance(message, dict) and message.get("role") in _SYSTEM_ROLES):
+                live.add(id(message))
+                break
+    held = 0
+    for key, (own, _) in list(state.owns.items()):
+        if key in looked_at:
+            continue
+        if key in live:
+            held += own
+        else:
+            del state.owns[key]
+    return held
+
+
 class MemorySessionStore:
     """In-process store, bounded in number, in estimated memory (least recently seen evicted
     first) and in idle time. ``on_evict`` hears each session forgotten and why."""
@@ -377,13 +403,20 @@ class MemorySessionStore:
             # (a sub-agent's history, however little each turn appends). Each turn takes what
             # its history's latest entry held, which took the earlier ones': that one alone is
             # not 0 (one look back where turns follow one another, not a walk of them all).
+            carried = 0
             for at in range(len(sizes) - 1, -1, -1):
                 w, o, a = sizes[at]
                 if a is anchor:
                     if o:
-                        own = min(whole, own + o)
+                        carried = o
                         sizes[at] = (w, 0, a)
                     break
+            else:  # its latest request is older than those looked at
+                held = state.owns.get(id(anchor))
+                carried = held[0] if held is not None else 0
+            if carried:
+                own = min(whole, own + carried)
+            state.owns[id(anchor)] = (own, anchor)
         sizes.append((whole, own, anchor))
         if len(sizes) > SIZES_KEPT:
             del sizes[0]
@@ -394,6 +427,8 @@ class MemorySessionStore:
             owns += own_i
             if whole_i >= largest:
                 largest, own_of_largest = whole_i, own_i
+        if len(state.owns) > 1:
+            owns += _held_beyond(state)
         weight = SESSION_BASE_BYTES + largest + owns - own_of_largest
         if self._sessions.get(state.id) is state:
             self._bytes += weight - state.weight

@@ -219,3 +219,22 @@ def test_mock_streams_usage_as_openai_does() -> None:
     assert all(re.search(rb'}],"usage":null,"obfuscation":"\w+"}\n\n$', e) for e in asked[:-2])
     assert b'"choices":[],"usage":{' in asked[-2] and asked[-1] == plain[-1] == b"data: [DONE]\n\n"
     assert [e.replace(b',"usage":null', b"") for e in asked[:-2]] == plain[:-1]
+
+
+def test_a_marked_agent_session_moves_its_cache_mark_to_the_newest_message() -> None:
+    """Mode C's moving-mark session: the same history as an unmarked one, the newest message
+    marked, so no body continues the bytes of the one before."""
+    import orjson
+
+    from bench import agent
+
+    plain = list(agent.session(5, rounds=6))
+    marked = list(agent.session(5, rounds=6, marked=True))
+    previous = b""
+    for a, b in zip(plain, marked, strict=True):
+        messages = orjson.loads(b.body)["messages"]
+        marks = [m.pop("cache_control", None) for m in messages]
+        assert marks == [None] * (len(messages) - 1) + [{"type": "ephemeral"}]
+        assert orjson.loads(a.body)["messages"] == messages
+        assert previous == b"" or not b.body.startswith(previous[: -len(b"]}")])
+        previous = b.body

@@ -315,6 +315,61 @@ def test_a_growing_agent_history_is_spliced_and_still_repaired_and_relayed_exact
     assert forwarded[: len(history) - 1] == history[:-1]
 
 
+def test_an_agent_that_moves_its_cache_mark_each_turn_is_parsed_from_the_message_it_left(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """A client that marks its newest message for the provider's cache (``cache_control`` on
+    its text part, as Claude through an OpenAI-compatible gateway takes it) and takes the mark
+    off the message before: its bytes never continued the last body's, so each turn was parsed
+    whole, and its history compared and hashed anew (~7 ms of CPU a request at 640 KB,
+    against ~2 for an agent that appends). The body is parsed from the message that lost its
+    mark on, relayed as sent, repaired and logged as before."""
+    from tests.e2e_support import run_cli
+
+    proxy = proxy_factory(sim.api_base)
+    client = sdk(proxy.base_url)
+    mark = {"type": "ephemeral"}
+
+    def marked(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        last = dict(history[-1])
+        last["content"] = [{"type": "text", "text": last["content"], "cache_control": mark}]
+        return [*history[:-1], last]
+
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent. " + "Rules. " * 4000},
+        {"role": "user", "content": "Fix the failing test"},
+    ]
+    for turn in range(5):
+        messages = marked(history)
+        raw = client.chat.completions.with_raw_response.create(
+            model="gpt-4o", messages=messages, extra_headers={"X-Session-Id": "marks"}
+        )
+        assert raw.http_response.status_code == 200
+        assert orjson.loads(sim.sim.requests[-1].raw) == {"messages": messages, "model": "gpt-4o"}
+        history += [
+            {"role": "assistant", "content": f"Ran step {turn}."},
+            {"role": "user", "content": f"step {turn} output: " + "ok " * 200},
+        ]
+    assert proxy.gateway.chat.spliced_parses == 4  # every turn after the first
+    dangling = {"id": "call_x", "type": "function", "function": {"name": "run", "arguments": "{}"}}
+    history += [
+        {"role": "assistant", "content": None, "tool_calls": [dangling]},
+        {"role": "user", "content": "stop"},
+    ]
+    raw = client.chat.completions.with_raw_response.create(
+        model="gpt-4o", messages=marked(history), extra_headers={"X-Session-Id": "marks"}
+    )
+    assert raw.headers["x-cachegate-repairs"] == "1"
+    assert proxy.gateway.chat.spliced_parses == 5
+    forwarded = sim.sim.requests[-1].body["messages"]
+    assert forwarded[-2]["role"] == "tool" and forwarded[-2]["tool_call_id"] == "call_x"
+    proxy.settle()
+    replayed = run_cli("sessions", "replay", "marks", "--log-dir", str(proxy.log_dir))
+    assert [orjson.loads(x)["messages"] for x in replayed.out.splitlines()] == [
+        r.body["messages"] for r in sim.sim.requests
+    ]
+
+
 def test_observers_of_finished_exchanges_run_in_order_in_short_slices() -> None:
     """Many exchanges finishing in one turn of the loop: their observers run in the order the
     exchanges finished, in slices, and the loop gets to other work (a socket, a timer) between

@@ -827,8 +827,9 @@ def test_a_dozen_sub_agents_taking_turns_in_one_session_are_each_judged_against_
     for number, line in enumerate(requests[12:], start=13):
         assert line["base_exchange"] == number - 12, number  # its own agent's last turn
         assert line["base"] == len(sim.sim.requests[number - 13].body["messages"]), number
-    # every body from each agent's third on (the second is the first large enough to keep)
-    assert proxy.gateway.chat.spliced_parses == 24
+    # Every body large enough to keep (each agent's second on) but the first: the others'
+    # second bodies are parsed from the end of the system prompt they share with it on.
+    assert proxy.gateway.chat.spliced_parses == 12 * 3 - 1
 
 
 def test_switching_a_chats_tools_off_is_still_its_conversation(

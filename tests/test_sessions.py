@@ -9,6 +9,7 @@ import pytest
 from proxy.sessions import (
     BYTES_HELD_PER_BODY_BYTE,
     BYTES_HELD_PER_MESSAGE,
+    BYTES_HELD_PER_OWN_BYTE,
     SESSION_BASE_BYTES,
     SIZES_KEPT,
     MemorySessionStore,
@@ -255,6 +256,31 @@ def test_a_small_side_request_does_not_hide_the_history_its_session_still_holds(
     assert agent.weight == held(250_000)  # the accounting may still hold it as a baseline
     store.weigh(agent, 1_000)
     assert agent.weight == held(1_000) and store.bytes == held(1_000)  # as many small ones since
+
+
+def test_every_history_the_log_still_holds_counts_past_the_last_eight_requests() -> None:
+    """A dozen sub-agents taking turns under one id, each turn appending 10 KB to its own
+    history (the same objects from turn to turn): only the last eight requests were looked
+    at, and the other histories, still held as the log's bases, went uncounted (~25 times
+    less than held with 32 of them). Once the log lets one go, it is no longer counted."""
+    store = MemorySessionStore()
+    state = store.create("fan", 0.0)
+    histories: list[list[dict[str, str]]] = [
+        [SYSTEM, {"role": "user", "content": f"task {n}"}] for n in range(12)
+    ]
+    for turn in range(5):
+        for n, history in enumerate(histories):
+            history.append({"role": "assistant", "content": f"step {turn}"})
+            size = 10_000 * (turn + 1)
+            store.weigh(state, size, len(history), (10_000, 1), history[1])
+            # (as the log does: an exchange replaces the one of its history it carries on)
+            state.remember(100 * turn + n, list(history), continues=100 * (turn - 1) + n)
+    own = BYTES_HELD_PER_OWN_BYTE * 10_000 * 5  # what each history appended, all five turns
+    largest = BYTES_HELD_PER_BODY_BYTE * 50_000
+    assert state.weight == SESSION_BASE_BYTES + largest + 11 * own
+    state.recent = state.recent[1:]  # the log no longer holds the oldest history
+    store.weigh(state, 100, 1)
+    assert state.weight == SESSION_BASE_BYTES + largest + 10 * own
 
 
 def test_a_request_of_many_short_messages_weighs_by_its_messages() -> None:
