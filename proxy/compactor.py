@@ -726,20 +726,28 @@ class Compactor:
         if opening is None:
             opening = compaction.opening_digest(messages)
         # Of those that cover a prefix of this history, the one that covers the most (after a
-        # rewind and a return to the branch undone, not the one the rewind used).
-        for comp, _ in held.values():
-            if comp.opening != opening or len(messages) < comp.covered:
-                continue
-            if best is not None and comp.covered <= best[0].covered:
-                continue
-            if known is not None and known[0] == comp.covered:
-                digest = known[1]
-            elif known is not None and known[0] < comp.covered:
-                digest = compaction.prefix_digest(messages, comp.covered, known=known)
-            else:
-                digest = compaction.prefix_digest(messages, comp.covered)
-            if digest == comp.prefix_digest:
-                best = (comp, digest)
+        # rewind and a return to the branch undone, not the one the rewind used). Tried from
+        # the least covered on, each digest resumed from the one before: sub-agents fanned out
+        # with one task, taking turns, each had the history hashed again from its start per
+        # compaction tried (25 ms a request with 32 of 272 KB histories; now one pass).
+        tried = sorted(
+            (
+                comp
+                for comp, _ in held.values()
+                if comp.opening == opening
+                and comp.covered <= len(messages)
+                and (best is None or comp.covered > best[0].covered)
+            ),
+            key=lambda comp: comp.covered,
+        )
+        for comp in tried:  # (all cover more than ``known``: ``best`` is set with it)
+            if known is None or known[0] != comp.covered:
+                known = (
+                    comp.covered,
+                    compaction.prefix_digest(messages, comp.covered, known=known),
+                )
+            if known[1] == comp.prefix_digest:
+                best = (comp, known[1])
         return best if best is not None else (None, None)
 
     @staticmethod

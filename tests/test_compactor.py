@@ -1991,3 +1991,45 @@ def test_a_summary_rolled_into_one_whose_client_left_too_is_billed_with_it(
         assert raw.headers["x-cachegate-compacted"] == "1"
         assert upstream.summaries == 2
         assert_billed_as_the_provider_billed(proxy, upstream, "both-left")
+
+
+def test_finding_a_conversations_compaction_hashes_its_history_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sub-agents fanned out with one task (one opening), each compacted at its own point and
+    taking turns: none is the compaction used last, so each of them was tried by hashing the
+    history from its start again (25 ms a request with 32 of 272 KB histories). The history is
+    now hashed once, each digest resumed from the one before."""
+    from proxy.compactor import Compactor, _key
+
+    system = {"role": "system", "content": "You are a sub-agent."}
+    task = {"role": "user", "content": "Rename the config loader."}
+    history = [system, task]
+    history += [{"role": "assistant", "content": f"step {i}"} for i in range(3 * MAX_COMPACTIONS)]
+    opening = compaction.opening_digest(history)
+
+    def made(covered: int, messages: list[Any]) -> compaction.Compaction:
+        return compaction.Compaction(
+            prefix_digest=compaction.prefix_digest(messages, covered),
+            covered=covered,
+            start=1,
+            message={"role": "user", "content": f"summary to {covered}"},
+            source="model",
+            tokens_before=1000,
+            tokens_after=100,
+            opening=opening,
+        )
+
+    other = [system, task, *({"role": "assistant", "content": f"other {i}"} for i in range(99))]
+    held: dict[str, list[Any]] = {}
+    for k in range(MAX_COMPACTIONS - 1):  # the others' compactions, at points of their own
+        comp = made(3 + 2 * k, other)
+        held[_key(comp)] = [comp, None]
+    mine = made(2 * MAX_COMPACTIONS, history)
+    held[_key(mine)] = [mine, None]
+    calls = []
+    real = compaction.chain_digest
+    monkeypatch.setattr(compaction, "chain_digest", lambda d, m: calls.append(1) or real(d, m))
+    found, digest = Compactor._existing(held, history)
+    assert found is mine and digest == mine.prefix_digest
+    assert len(calls) <= 2 * MAX_COMPACTIONS  # the longest covered prefix, once
