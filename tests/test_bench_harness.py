@@ -238,3 +238,17 @@ def test_a_marked_agent_session_moves_its_cache_mark_to_the_newest_message() -> 
         assert orjson.loads(a.body)["messages"] == messages
         assert previous == b"" or not b.body.startswith(previous[: -len(b"]}")])
         previous = b.body
+
+
+def test_the_sub_agent_benchmark_measures_every_round(capsys: pytest.CaptureFixture[str]) -> None:
+    """A few sub-agents for a few rounds: each round's figures are produced and printed."""
+    from bench import subagents
+
+    rows = subagents.main(["--agents", "3", "--rounds", "2", "--output-kb", "1"])
+    assert [row["round"] for row in rows] == [0, 1]
+    for row in rows:
+        assert row["cpu_ms_per_request"] > 0 and row["estimated_mb"] >= 0
+        assert row["history_kb"] > 18  # the ~18 KB system prompt and what each round appended
+    judged, answered = (int(x) for x in rows[-1]["judged"].split("/"))
+    assert answered == 6 and judged >= 3  # each agent's second turn, at least
+    assert "estimated" in capsys.readouterr().out
