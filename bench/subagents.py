@@ -10,10 +10,10 @@ mark, taken off the one before (Claude's prompt caching through an OpenAI-compat
 
 Printed per round: the history's size, cachegate's CPU per request (``/proc``), its RSS growth,
 the memory its sessions are estimated to hold (``cachegate_sessions_memory_bytes``, what
-``sessions.max_memory_mb`` bounds), and how many answers so far had a cache read expected of them
-(``expected`` above 0 in the log's response lines: compared with an earlier request; a
-conversation pushed out of the session's memory reads as new, with nothing expected, and so
-does each agent's first request unless it opens as an earlier one did).
+``sessions.max_memory_mb`` bounds), and how many turns so far (each agent's first left out) were
+compared with their own agent's previous turn (``expected`` in the log's response line at least
+90% of that turn's prompt; a conversation pushed out of the session's memory is compared with
+another agent's request instead, which shares only the system prompt).
 """
 
 from __future__ import annotations
@@ -59,17 +59,22 @@ def _marked(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [*messages[:-1], {**messages[-1], "cache_control": {"type": "ephemeral"}}]
 
 
-def _expected(log_dir: Path) -> tuple[int, int]:
-    """(response lines with an ``expected`` above 0, response lines after each agent's first)."""
-    judged = answered = 0
+def _own_turns(log_dir: Path, agents: int) -> tuple[int, int]:
+    """Of the answers after each agent's first, how many had at least 90% of that agent's
+    previous prompt expected from the cache: compared with its own previous turn, not with
+    another agent's request that shares only the system prompt."""
+    responses = []
     for path in log_dir.glob("*.jsonl"):
         for line in path.read_text().splitlines():
             event = json.loads(line)
-            if event.get("type") != "response" or not isinstance(event.get("cache"), dict):
-                continue
-            answered += 1
-            judged += event["cache"].get("expected", 0) > 0
-    return judged, answered
+            if event.get("type") == "response":
+                responses.append(event)
+    responses.sort(key=lambda event: event["exchange"])
+    own = 0
+    for j in range(agents, len(responses)):
+        cache, before = responses[j].get("cache") or {}, responses[j - agents].get("usage") or {}
+        own += cache.get("expected", 0) >= 0.9 * (before.get("prompt") or 0) > 0
+    return own, max(0, len(responses) - agents)
 
 
 def run(agents: int, rounds: int, output_kb: int, marked: bool) -> list[dict[str, Any]]:
@@ -146,7 +151,7 @@ def run(agents: int, rounds: int, output_kb: int, marked: bool) -> list[dict[str
                     history.append({"role": "user", "content": output})
             cpu = (proxy.cpu() - cpu0) / agents
             time.sleep(0.3)  # the observers and the log writer catch up
-            judged, answered = _expected(logs)
+            judged, answered = _own_turns(logs, agents)
             row = {
                 "round": r,
                 "history_kb": round(len(json.dumps({"messages": histories[0]})) / 1000),
@@ -162,7 +167,7 @@ def run(agents: int, rounds: int, output_kb: int, marked: bool) -> list[dict[str
                 f"round {r:3d}  history {row['history_kb']:5d} KB  "
                 f"cpu {row['cpu_ms_per_request']:6.2f} ms/request  "
                 f"RSS +{row['rss_growth_mb']:6.1f} MB  estimated {row['estimated_mb']:6.1f} MB  "
-                f"answers with something expected {row['judged']}",
+                f"turns compared with their own {row['judged']}",
                 flush=True,
             )
     finally:

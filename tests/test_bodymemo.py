@@ -452,3 +452,55 @@ def test_a_cache_mark_moved_to_the_newest_message_is_parsed_from_the_one_it_left
         memo = remember(raw, parsed)
         assert memo is not None
         memos = [memo]
+
+
+def test_a_body_cut_short_after_a_message_of_parts_is_refused_as_a_full_parse_would() -> None:
+    """Messages last in the body, a message of content parts (ending ``]}``) cut off after it:
+    the bytes kept and those after the messages (``]}``) overlap, nothing was left to parse,
+    and the body was taken for the first messages, forwarded and logged as valid."""
+
+    def part(text: str) -> dict[str, Any]:
+        return {"role": "user", "content": [{"type": "text", "text": text}]}
+
+    messages = [
+        {"role": "system", "content": FILLER},
+        part("one"),
+        {"role": "assistant", "content": "ok"},
+        part("two"),
+    ]
+    raw = orjson.dumps(body_of(messages, "last"))
+    memo = remember(raw, bodymemo.parse(raw, []))
+    assert memo is not None and memo.marks
+    cut = raw.index(b',{"role":"assistant"')
+    with pytest.raises(orjson.JSONDecodeError):
+        orjson.loads(raw[:cut])
+    with pytest.raises(orjson.JSONDecodeError):
+        bodymemo.parse(raw[:cut], [memo])
+
+
+def test_the_same_body_sent_again_keeps_the_marks_it_had() -> None:
+    """A retry adds no mark (it appended nothing): three of them had pushed out three of the
+    places where the last messages begin."""
+    history = turns(4)
+    raw = orjson.dumps(body_of(history[4], "first"))
+    memo = remember(raw, bodymemo.parse(raw, []))
+    assert memo is not None and len(memo.marks) == bodymemo.MARKS_KEPT
+    for _ in range(3):
+        parsed = bodymemo.parse(raw, [memo])
+        assert parsed.source is memo and parsed.marks == memo.marks
+
+
+def test_the_walk_for_marks_gives_up_on_text_that_would_make_it_long() -> None:
+    """A last message of many escaped quotes (a tool's JSON output) or numbers: the walk
+    stops within its allowance, with no mark past where it stopped, and the body parses."""
+    quoted = json.dumps({f"key {i}": [f"value {i}"] * 3 for i in range(20_000)})
+    for last in (
+        {"role": "tool", "content": quoted},
+        {"role": "tool", "data": list(range(20_000))},
+    ):
+        messages = [{"role": "user", "content": "read it"}, {"role": "assistant", "content": "ok"}]
+        body = body_of([*messages, last], "first")
+        raw = orjson.dumps(body)
+        parsed = bodymemo.parse(raw, [])
+        assert parsed.body == body and parsed.close is not None
+        assert parsed.marks == ()
