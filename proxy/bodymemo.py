@@ -33,6 +33,7 @@ MIN_BYTES = 16 * 1024  # smaller bodies parse in microseconds: not worth remembe
 # (``sessions.CONVERSATIONS_KEPT``). Eight let four sub-agents taking turns splice, not five.
 MEMOS_PER_KEY = 64
 _MAX_MISSES = 3  # full parses in a row whose bytes did not continue the memo: stop verifying
+_FIRSTS_REMEMBERED = 32  # ...but for this many first requests of conversations (a fan-out)
 # Where a body's last messages begin, kept with its memo: a body that changed one of them is
 # parsed from there on (``_resplice``).
 MARKS_KEPT = 8
@@ -52,8 +53,8 @@ class BodyMemo:
     values: dict[str, Any]  # every field but ``messages``, as parsed
     messages: tuple[Any, ...]  # the message objects the caller kept (shared across turns)
     misses: int = 0
+    firsts: int = 0  # conversations' first requests remembered since the misses began
     lineage: int = 0  # memos that continue one another share it (set by ``BodyMemos.put``)
-    continued: bool = False  # it continued another (set by ``BodyMemos.put``)
     # Where its last few messages begin: ``(offset, n)``, ``raw[:offset]`` holding messages up
     # to ``n - 1``, the comma after it (or white space) at ``offset``; earliest first.
     marks: tuple[tuple[int, int], ...] = ()
@@ -67,6 +68,7 @@ class Parsed:
     close: int | None
     source: BodyMemo | None = None  # the memo this body continued (None: parsed in full)
     misses: int = 0  # full parses in a row under this key
+    firsts: int = 0  # for ``BodyMemo.firsts``
     marks: tuple[tuple[int, int], ...] = ()  # for ``BodyMemo.marks``
     # From ``source``: the bytes up to this offset, and its messages before this index
     kept: tuple[int, int] = (0, 0)
@@ -309,14 +311,23 @@ def parse(raw: bytes, memos: list[BodyMemo]) -> Parsed:
     body = orjson.loads(raw)
     previous = memos[0] if memos else None
     misses = previous.misses + 1 if previous is not None else 0
+    firsts = previous.firsts if previous is not None else 0
     if (
         len(raw) < MIN_BYTES
         or not isinstance(body, dict)
         or not isinstance(body.get("messages"), list)
-        # This client's bodies do not continue each other: verify only now and then.
-        or (misses > _MAX_MISSES and misses % 16 and not _opens(body["messages"], memos))
     ):
-        return Parsed(body, None, None, misses)
+        return Parsed(body, None, None, misses, firsts)
+    if misses > _MAX_MISSES and misses % 16:
+        # This client's bodies do not continue each other: verify only now and then, but for
+        # the first requests of new conversations, a key's worth of them (sub-agents fanned
+        # out after a dozen others, or after a main agent whose system prompt has the time
+        # in it, were no longer remembered, and their next turns were parsed whole). One-shot
+        # requests (a batch) back off once past them; a history trimmed at its start is no
+        # first request.
+        if firsts >= _FIRSTS_REMEMBERED or not _first_request(body["messages"]):
+            return Parsed(body, None, None, misses, firsts)
+        firsts += 1
     for bracket in _candidates(raw, body, previous):
         if _verify(raw, body, bracket):
             # Remember the cut before the whitespace that precedes "]": an appended message
@@ -325,20 +336,12 @@ def parse(raw: bytes, memos: list[BodyMemo]) -> Parsed:
             while close > 0 and raw[close - 1] in _WS:
                 close -= 1
             marks = _marks(raw, 0, close, len(body["messages"]))
-            return Parsed(body, close, None, misses, marks)
-    return Parsed(body, None, None, misses)
+            return Parsed(body, close, None, misses, firsts, marks)
+    return Parsed(body, None, None, misses, firsts)
 
 
-def _opens(messages: list[Any], memos: list[BodyMemo]) -> bool:
-    """Whether ``messages`` are a conversation's first request (nothing from the model in them
-    yet: a sub-agent's task) under a key whose client continues its bodies (a memo continued
-    another): sub-agents fanned out under one session id. Their first bodies are remembered
-    even after a run of full parses (a dozen such in a row, or a main agent whose system
-    prompt has the time in it, made the key stop remembering, and their next turns were
-    parsed whole). A client that never continues its bodies (a batch of one-shot requests)
-    still backs off, and so does a history trimmed at its start each turn."""
-    if not any(memo.continued for memo in memos):
-        return False
+def _first_request(messages: list[Any]) -> bool:
+    """Whether ``messages`` hold nothing from the model yet: a conversation's first request."""
     return not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
 
 
@@ -395,7 +398,7 @@ class BodyMemos:
                 if old is not source or identical:
                     memos.remove(old)
                     self._bytes -= len(old.raw)
-        memo = dataclasses.replace(memo, lineage=lineage, continued=source is not None)
+        memo = dataclasses.replace(memo, lineage=lineage)
         memos.insert(0, memo)
         self._bytes += len(memo.raw)
         while len(memos) > MEMOS_PER_KEY:
@@ -424,9 +427,8 @@ class BodyMemos:
         self._bytes -= sum(len(m.raw) for m in self._memos.pop(key))
         self._filed.pop(key, None)
 
-    def note_miss(self, key: str, misses: int) -> None:
-        """A full parse under ``key`` that continued no memo: remember the count on the newest."""
+    def note_miss(self, key: str, misses: int, firsts: int = 0) -> None:
+        """A full parse under ``key`` that continued no memo: remember the counts on the newest."""
         memos = self._memos.get(key)
         if memos:
-            first = memos[0]
-            memos[0] = dataclasses.replace(first, misses=misses)
+            memos[0] = dataclasses.replace(memos[0], misses=misses, firsts=firsts)

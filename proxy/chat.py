@@ -400,7 +400,7 @@ class ChatPipeline:
         """Keep this body's parse (with the message objects the session now holds) for the next
         turn to splice onto."""
         if parsed.close is None:
-            self.memos.note_miss(key, parsed.misses)
+            self.memos.note_miss(key, parsed.misses, parsed.firsts)
             return
         if parsed.source is not None:
             self.spliced_parses += 1
@@ -412,6 +412,7 @@ class ChatPipeline:
             {k: v for k, v in body.items() if k != "messages"},
             tuple(messages),
             0 if parsed.source is not None else parsed.misses,
+            0 if parsed.source is not None else parsed.firsts,
             marks=parsed.marks,
         )
         self.memos.put(key, memo, source=parsed.source, now=now)

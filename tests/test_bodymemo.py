@@ -267,23 +267,26 @@ def _feed(memos: BodyMemos, key: str, raw: bytes) -> Parsed:
     parsed = bodymemo.parse(raw, memos.get(key))
     memo = remember(raw, parsed)
     if memo is None:
-        memos.note_miss(key, parsed.misses)
+        memos.note_miss(key, parsed.misses, parsed.firsts)
     else:
-        misses = 0 if parsed.source is not None else parsed.misses
-        memos.put(key, dataclasses.replace(memo, misses=misses), source=parsed.source)
+        kept = (0, 0) if parsed.source is not None else (parsed.misses, parsed.firsts)
+        memos.put(key, dataclasses.replace(memo, misses=kept[0], firsts=kept[1]), parsed.source)
     return parsed
 
 
 def test_sub_agents_fanned_out_after_a_run_of_misses_are_remembered() -> None:
-    """A key whose client continues its bodies (an agent's turn spliced), after a run of full
-    parses (a dozen sub-agents' first bodies, or a main agent with the time in its system
-    prompt): the sub-agents' first bodies were no longer remembered, and each of their next
-    turns was parsed whole."""
+    """After a run of full parses (a main agent whose system prompt has the time in it, a
+    dozen sub-agents' first bodies), the next sub-agents' first bodies were no longer
+    remembered, and each of their next turns was parsed whole."""
     memos = BodyMemos()
-    history = turns(1)
-    for messages in history:  # an agent whose second turn continued its first
-        _feed(memos, "s:fan", orjson.dumps(body_of(messages, "first")))
-    assert memos.get("s:fan")[0].continued
+    main = [{"role": "user", "content": "Fix the tests. " + FILLER}]
+    for minute in range(6):  # the main agent: its system prompt has the time in it
+        system = {"role": "system", "content": f"You are the main agent. It is 10:{minute:02d}."}
+        main += [
+            {"role": "assistant", "content": f"step {minute}"},
+            {"role": "user", "content": "go"},
+        ]
+        assert _feed(memos, "s:fan", orjson.dumps(body_of([system, *main], "first"))).source is None
     for n in range(12):  # a dozen sub-agents, each its own prompt: nothing to splice onto
         parsed = _feed(memos, "s:fan", _one_shot(n, f"You are sub-agent {n}."))
         assert parsed.source is None and parsed.close is not None, n
@@ -298,13 +301,15 @@ def test_sub_agents_fanned_out_after_a_run_of_misses_are_remembered() -> None:
 
 def test_a_client_whose_bodies_never_continue_backs_off_and_checks_now_and_then() -> None:
     """One-shot requests under one key (a batch), or a history trimmed at its start each turn:
-    each body opens a conversation no memo holds, and none ever continued another. After three
-    full parses in a row they are verified (a second parse) only every sixteenth time; the
-    count goes on (it had stopped at the first back-off, and no body was checked again)."""
+    no body continues another. After three full parses in a row they are verified (a second
+    parse) only every sixteenth time, but for the first requests of 32 conversations (sub-agents
+    fanned out); the count goes on (it had stopped at the first back-off, and no body was
+    checked again)."""
     memos = BodyMemos()
-    remembered = [_feed(memos, "h:batch", _one_shot(n)).close is not None for n in range(40)]
-    assert remembered[:4] == [True] * 4
-    assert [n for n, r in enumerate(remembered) if r and n >= 4] == [16, 32]
+    remembered = [_feed(memos, "h:batch", _one_shot(n)).close is not None for n in range(80)]
+    # the first four, then 32 first requests (and the checks at 16 and 32 in between)
+    assert remembered[:38] == [True] * 38
+    assert [n for n, r in enumerate(remembered) if r and n >= 38] == [48, 64]
     trimmed = BodyMemos()
     window = [{"role": "user", "content": "step 0 " + FILLER}]
     for i in range(1, 40):
