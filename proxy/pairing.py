@@ -221,6 +221,10 @@ class Checkpoint:
     messages: tuple[Any, ...]
     pending: tuple[tuple[str, int], ...]
     in_block: bool
+    # Where it stood before the last message: a client that takes a cache_control mark off its
+    # last message the next turn sends that one anew (parsed again, another object), and the
+    # whole history was checked again every turn.
+    before_last: Checkpoint | None = None
 
     def precedes(self, messages: Sequence[Any]) -> bool:
         """``messages`` starts with the very same objects (an agent's next turn, shared)."""
@@ -234,11 +238,27 @@ def needs_repair_from(
     """``needs_repair``, resumed after the first of ``checkpoints`` that ``precedes`` ``messages``:
     the work is in proportion to what was appended. Returns the answer, a checkpoint at the end of
     ``messages`` (None when a defect stopped the scan) and the checkpoint resumed from."""
-    resumed = next((c for c in checkpoints if c.precedes(messages)), None)
+    resumed = next(
+        (
+            c
+            for checkpoint in checkpoints
+            for c in (checkpoint, checkpoint.before_last)
+            if c is not None and c.precedes(messages)
+        ),
+        None,
+    )
     pending: dict[str, int] = dict(resumed.pending) if resumed else {}  # id -> results expected
     in_block = resumed.in_block if resumed else False
     start = len(resumed.messages) if resumed else 0
-    for message in itertools.islice(messages, start, None):
+    last = len(messages) - 1
+    before_last: Checkpoint | None = None
+    if resumed is not None and start >= last:  # (a chain of them held no more than one)
+        held = resumed if start == last else resumed.before_last
+        if held is not None:
+            before_last = Checkpoint(held.messages, held.pending, held.in_block)
+    for at, message in enumerate(itertools.islice(messages, start, None), start):
+        if at == last and before_last is None:
+            before_last = Checkpoint(tuple(messages[:at]), tuple(pending.items()), in_block)
         role = message.get("role") if isinstance(message, dict) else None
         if role == "tool":
             tool_call_id = message.get("tool_call_id")
@@ -273,7 +293,8 @@ def needs_repair_from(
                 return True, None, resumed
             pending[call_id] = 1
     # Calls still open at the end need a repair now, but the next turn's results may close them.
-    return bool(pending), Checkpoint(tuple(messages), tuple(pending.items()), in_block), resumed
+    after = Checkpoint(tuple(messages), tuple(pending.items()), in_block, before_last)
+    return bool(pending), after, resumed
 
 
 def _derived_id(index: int, position: int, call: dict[str, Any]) -> str:

@@ -879,6 +879,28 @@ def test_the_check_resumed_from_a_checkpoint_answers_as_a_full_check(
     assert used is None or not used.messages  # equal copies never resume past a message
 
 
+@settings(max_examples=300, deadline=None)
+@given(random_histories(), random_histories(), st.integers(min_value=1, max_value=40))
+def test_a_turn_that_sends_its_last_message_anew_resumes_from_before_it(
+    first: list[Message], appended: list[Message], cut: int
+) -> None:
+    """A client that moves a cache_control mark sends the previous turn's last message anew
+    (another object, parsed again): the whole history was checked again every turn. The check
+    resumes from before that message, and answers as a full check."""
+    earlier = first[: max(1, cut % (len(first) + 1))]
+    _, checkpoint, _ = needs_repair_from(earlier)
+    last = earlier[-1]
+    anew = {**last, "cache_control": {"type": "ephemeral"}} if isinstance(last, dict) else last
+    later = [*earlier[:-1], anew, *appended]
+    kept = [checkpoint] if checkpoint else []
+    resumed, after, used = needs_repair_from(later, kept)
+    assert resumed == needs_repair(later)
+    if checkpoint is not None and anew is not last:
+        assert checkpoint.before_last is not None
+        assert used is checkpoint.before_last
+    assert after is None or after.messages == tuple(later)
+
+
 def test_long_arguments_are_parsed_once_per_string_and_the_memo_stays_bounded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
