@@ -10,10 +10,10 @@ mark, taken off the one before (Claude's prompt caching through an OpenAI-compat
 
 Printed per round: the history's size, cachegate's CPU per request (``/proc``), its RSS growth,
 the memory its sessions are estimated to hold (``cachegate_sessions_memory_bytes``, what
-``sessions.max_memory_mb`` bounds), and how many turns so far (each agent's first left out) were
+``sessions.max_memory_mb`` bounds), and how many turns so far (from each agent's third) were
 compared with their own agent's previous turn (``expected`` in the log's response line at least
 90% of that turn's prompt; a conversation pushed out of the session's memory is compared with
-another agent's request instead, which shares only the system prompt).
+another agent's request instead, which shares only the system prompt and tools).
 """
 
 from __future__ import annotations
@@ -60,9 +60,10 @@ def _marked(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _own_turns(log_dir: Path, agents: int) -> tuple[int, int]:
-    """Of the answers after each agent's first, how many had at least 90% of that agent's
-    previous prompt expected from the cache: compared with its own previous turn, not with
-    another agent's request that shares only the system prompt."""
+    """Of the answers from each agent's third turn on, how many had at least 90% of that
+    agent's previous prompt expected from the cache: compared with its own previous turn, not
+    with another agent's request, which shares only the system prompt and tools (at the second
+    turn the previous prompt is little more than those, and either comparison passes)."""
     responses = []
     for path in log_dir.glob("*.jsonl"):
         for line in path.read_text().splitlines():
@@ -71,10 +72,10 @@ def _own_turns(log_dir: Path, agents: int) -> tuple[int, int]:
                 responses.append(event)
     responses.sort(key=lambda event: event["exchange"])
     own = 0
-    for j in range(agents, len(responses)):
+    for j in range(2 * agents, len(responses)):
         cache, before = responses[j].get("cache") or {}, responses[j - agents].get("usage") or {}
         own += cache.get("expected", 0) >= 0.9 * (before.get("prompt") or 0) > 0
-    return own, max(0, len(responses) - agents)
+    return own, max(0, len(responses) - 2 * agents)
 
 
 def run(agents: int, rounds: int, output_kb: int, marked: bool) -> list[dict[str, Any]]:

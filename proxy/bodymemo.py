@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import re
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -37,10 +37,9 @@ _FIRSTS_REMEMBERED = 32  # ...but for this many first requests of conversations 
 # Where a body's last messages begin, kept with its memo: a body that changed one of them is
 # parsed from there on (``_resplice``).
 MARKS_KEPT = 8
-# The walk that finds them gives up (with what it found) past this much work: a byte outside
-# strings is 1, a string at least 8 (``_opening_quote``). ~0.5-0.8 ms here at most, ~0.1 for eight
-# messages of an agent (a full parse of a 600 KB body, ~1).
-_SCAN_BUDGET = 4_000
+# They are found walking back over the messages' bytes, at most this many (the last message's
+# whole, however long): serialized and compared, then parsed once, at C's speed.
+_MARK_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -72,6 +71,9 @@ class Parsed:
     marks: tuple[tuple[int, int], ...] = ()  # for ``BodyMemo.marks``
     # From ``source``: the bytes up to this offset, and its messages before this index
     kept: tuple[int, int] = (0, 0)
+    # ``source`` sent again as it was: the counts above are the key's, kept as they were (a
+    # retry had set them back, and a batch retried now and then was checked nearly every time)
+    resent: bool = False
 
 
 def _splice(raw: bytes, memo: BodyMemo) -> Parsed | None:
@@ -146,80 +148,74 @@ def _spliced(
             return None
     messages = [*memo.messages[:count], *appended]
     if scan and appended:
-        found = _marks(raw, at, new_close, len(messages))
+        found = _marks(raw, at, new_close, messages, tiled=True)
         marks = (*marks, *found)[-MARKS_KEPT:]
     body = {k: (messages if k == "messages" else memo.values[k]) for k in memo.keys}
     return Parsed(body, new_close, memo, marks=marks, kept=(at, count))
 
 
-# Read reversed: a quote, then backslashes in pairs, then anything but a backslash. That is, in
-# the bytes as they are, a quote escaped by none of the backslashes before it. (Possessive: a
-# long run of backslashes is read once, not once per pair given back.)
-_UNESCAPED_QUOTE_REVERSED: Final = re.compile(rb'"(?:\\\\)*+(?!\\)')
+_STYLES: Final = (
+    orjson.dumps,  # compact, UTF-8 (httpx >= 0.28, most JavaScript clients)
+    lambda value: json.dumps(value).encode(),  # Python's defaults: ", " and ": ", ASCII escapes
+    lambda value: json.dumps(value, ensure_ascii=False).encode(),
+    lambda value: json.dumps(value, separators=(",", ":")).encode(),
+)
 
 
-def _opening_quote(raw: bytes, start: int, close: int, budget: list[int]) -> int:
-    """Where the string that ``raw[close]`` closes opens (-1: not after ``start``, or past the
-    walk's ``budget``), searched in growing windows of the bytes reversed, at C's speed over
-    text. The budget pays for the call, and for the quotes and backslashes in each window (a
-    tool's JSON output: ~50 ns per escaped quote) and its bytes (~1 ns each)."""
-    size = 256
-    while True:
-        low = max(start, close - size)
-        if raw.count(b'"', low, close) > budget[0]:  # (a search of it would cost more)
-            return -1
-        window = raw[low:close][::-1]
-        found = _UNESCAPED_QUOTE_REVERSED.search(window)
-        # (a run of backslashes that reaches the window's edge may go on before it)
-        done = found is not None and (found.end() < len(window) or low == start)
-        seen = close - 1 - found.start() if done and found is not None else low
-        budget[0] -= (
-            8
-            + raw.count(b'"', seen, close)
-            + raw.count(b"\\", seen, close) // 4
-            + (close - seen) // 512
-        )
-        if budget[0] < 0:
-            return -1
-        if done:
-            return seen
-        if low == start:
-            return -1
-        size *= 16
+def _marks(
+    raw: bytes, start: int, stop: int, messages: Sequence[Any], tiled: bool = False
+) -> tuple[tuple[int, int], ...]:
+    """Where the last messages begin, for those that lie in ``raw[start:stop]`` (``stop``: the
+    end of the last one): ``(at, n)``, ``raw[:at]`` holding messages up to ``n - 1`` and
+    ``raw[at]`` the comma after it, earliest first, at most ``MARKS_KEPT``.
 
-
-def _marks(raw: bytes, start: int, stop: int, count: int) -> tuple[tuple[int, int], ...]:
-    """Where the last elements of the messages array begin, found walking ``raw`` back from
-    ``stop`` (the end of its element ``count - 1``) to ``start`` (none before it, nor out of the
-    array): ``(at, n)``, ``raw[:at]`` holding elements up to ``n - 1`` and ``raw[at]`` the comma
-    after it, earliest first, at most ``MARKS_KEPT``. Strings are skipped whole (a search for
-    their opening quote); the walk gives up past ``_SCAN_BUDGET`` (arrays of numbers, a long
-    text of escaped quotes), with the marks it found."""
+    Each message is serialized as the client does (one of ``_STYLES``, found on the last one)
+    and must be the very bytes before the position reached, a comma before them: C's speed
+    over text, whatever it holds. Past ``_MARK_BYTES`` walked, or at a message whose bytes are
+    none of those forms (an indented body), it stops with what it found. ``tiled``: the bytes
+    from ``start`` to ``stop`` are known to be these messages, one after another (a splice
+    parsed them): reaching ``start`` proves the marks. Otherwise a parse of the bytes walked
+    must give as many messages as they were taken for."""
     found: list[tuple[int, int]] = []
-    depth = 0
-    budget = [_SCAN_BUDGET]
-    i = stop - 1
-    while i > start:
-        budget[0] -= 1
-        if budget[0] < 0:
+    styles = list(_STYLES)
+    pos = stop
+    index = len(messages) - 1
+    complete = False  # the messages walked reach back to ``start``
+    while index >= 0 and len(found) < MARKS_KEPT and stop - pos <= _MARK_BYTES:
+        for style in styles:
+            try:
+                text = style(messages[index])
+            except (TypeError, ValueError, RecursionError):  # (an integer past 64 bits)
+                continue
+            if pos - len(text) > start and raw.startswith(text, pos - len(text)):
+                styles.remove(style)
+                styles.insert(0, style)  # (the next message is most likely written alike)
+                break
+        else:
             break
-        c = raw[i]
-        if c == 0x22:  # a string's closing quote: skip to its opening one
-            i = _opening_quote(raw, start, i, budget)
-            if i < 0:
-                break
-        elif c == 0x7D or c == 0x5D:  # } ]
-            depth += 1
-        elif c == 0x7B or c == 0x5B:  # { [
-            depth -= 1
-            if depth < 0:  # the array's opening bracket
-                break
-        elif c == 0x2C and depth == 0:  # ,
-            count -= 1
-            found.append((i, count))
-            if len(found) >= MARKS_KEPT:
-                break
-        i -= 1
+        begin = pos - len(text)
+        comma = begin - 1
+        while comma > start and raw[comma] in _WS:
+            comma -= 1
+        if comma <= start:  # the first message of the bytes walked
+            complete = raw[start:begin].strip(_WS) in (b",", b"")
+            break
+        if raw[comma] != 0x2C:
+            break
+        found.append((comma, index))
+        pos = comma
+        while pos > start and raw[pos - 1] in _WS:
+            pos -= 1
+        index -= 1
+    if not found:
+        return ()
+    if not (tiled and complete):
+        try:
+            parsed = orjson.loads(b"[" + raw[found[-1][0] + 1 : stop] + b"]")
+        except orjson.JSONDecodeError:
+            return ()
+        if len(parsed) != len(messages) - found[-1][1]:
+            return ()
     return tuple(reversed(found))
 
 
@@ -303,6 +299,11 @@ def parse(raw: bytes, memos: list[BodyMemo]) -> Parsed:
     for memo in memos:
         spliced = _splice(raw, memo)
         if spliced is not None:
+            if len(raw) == len(memo.raw):  # the same bytes again (a retry): no sign either way
+                head = memos[0]
+                return dataclasses.replace(
+                    spliced, misses=head.misses, firsts=head.firsts, resent=True
+                )
             return spliced
     for memo in memos:
         spliced = _resplice(raw, memo)
@@ -335,7 +336,7 @@ def parse(raw: bytes, memos: list[BodyMemo]) -> Parsed:
             close = bracket
             while close > 0 and raw[close - 1] in _WS:
                 close -= 1
-            marks = _marks(raw, 0, close, len(body["messages"]))
+            marks = _marks(raw, 0, close, body["messages"])
             return Parsed(body, close, None, misses, firsts, marks)
     return Parsed(body, None, None, misses, firsts)
 

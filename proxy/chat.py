@@ -411,8 +411,8 @@ class ChatPipeline:
             tuple(body),
             {k: v for k, v in body.items() if k != "messages"},
             tuple(messages),
-            0 if parsed.source is not None else parsed.misses,
-            0 if parsed.source is not None else parsed.firsts,
+            0 if parsed.source is not None and not parsed.resent else parsed.misses,
+            0 if parsed.source is not None and not parsed.resent else parsed.firsts,
             marks=parsed.marks,
         )
         self.memos.put(key, memo, source=parsed.source, now=now)

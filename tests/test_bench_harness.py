@@ -244,11 +244,11 @@ def test_the_sub_agent_benchmark_measures_every_round(capsys: pytest.CaptureFixt
     """A few sub-agents for a few rounds: each round's figures are produced and printed."""
     from bench import subagents
 
-    rows = subagents.main(["--agents", "3", "--rounds", "2", "--output-kb", "1"])
-    assert [row["round"] for row in rows] == [0, 1]
+    rows = subagents.main(["--agents", "3", "--rounds", "3", "--output-kb", "4"])
+    assert [row["round"] for row in rows] == [0, 1, 2]
     for row in rows:
         assert row["cpu_ms_per_request"] > 0 and row["estimated_mb"] >= 0
         assert row["history_kb"] > 18  # the ~18 KB system prompt and what each round appended
     judged, answered = (int(x) for x in rows[-1]["judged"].split("/"))
-    assert (judged, answered) == (3, 3)  # each agent's second turn, with its first
+    assert (judged, answered) == (3, 3)  # each agent's third turn, with its second
     assert "estimated" in capsys.readouterr().out

@@ -269,7 +269,8 @@ def _feed(memos: BodyMemos, key: str, raw: bytes) -> Parsed:
     if memo is None:
         memos.note_miss(key, parsed.misses, parsed.firsts)
     else:
-        kept = (0, 0) if parsed.source is not None else (parsed.misses, parsed.firsts)
+        spliced = parsed.source is not None and not parsed.resent
+        kept = (0, 0) if spliced else (parsed.misses, parsed.firsts)
         memos.put(key, dataclasses.replace(memo, misses=kept[0], firsts=kept[1]), parsed.source)
     return parsed
 
@@ -404,16 +405,19 @@ _VALUES = st.recursive(
     style=st.sampled_from(["orjson", "python", "python-utf8", "indent"]),
 )
 def test_marks_are_where_the_last_messages_begin(elements: list[Any], style: str) -> None:
-    """Found walking back from the end (strings skipped whole, escaped quotes and backslashes
-    in them): each mark is a comma between two elements of the messages array, the bytes
-    before it those of the elements before it."""
+    """Found walking back from the end, each message's bytes as the client writes them
+    (escaped quotes and backslashes in its strings, brackets, non-ASCII text): each mark is a
+    comma between two elements of the messages array, the bytes before it those of the
+    elements before it. An indented body has none (its messages are not written alone as
+    they are in it)."""
     body = {"messages": [{"role": "user", "content": "x" * 100}, *elements], "model": "m"}
     raw = dumps(body, style)
     parsed = bodymemo.parse(raw + b" " * bodymemo.MIN_BYTES, [])
     assert parsed.close is not None
     opened = raw.index(b"[")
     count = len(body["messages"])
-    assert [n for _, n in parsed.marks] == list(range(max(1, count - 8), count))
+    if style != "indent":
+        assert [n for _, n in parsed.marks] == list(range(max(1, count - 8), count))
     for at, n in parsed.marks:
         assert raw[at : at + 1] == b","
         assert orjson.loads(b"[" + raw[opened + 1 : at] + b"]") == body["messages"][:n]
@@ -422,7 +426,7 @@ def test_marks_are_where_the_last_messages_begin(elements: list[Any], style: str
 @settings(max_examples=150, deadline=None)
 @given(
     contents=st.lists(_TRICKY, min_size=6, max_size=14),
-    style=st.sampled_from(["orjson", "python", "indent"]),
+    style=st.sampled_from(["orjson", "python", "python-utf8"]),
     part=st.booleans(),
 )
 def test_a_cache_mark_moved_to_the_newest_message_is_parsed_from_the_one_it_left(
@@ -495,10 +499,11 @@ def test_the_same_body_sent_again_keeps_the_marks_it_had() -> None:
         assert parsed.source is memo and parsed.marks == memo.marks
 
 
-def test_the_walk_for_marks_gives_up_on_text_that_would_make_it_long() -> None:
-    """A last message of many escaped quotes (a tool's JSON output) or numbers: the walk
-    stops within its allowance, with no mark past where it stopped, and the body parses."""
-    quoted = json.dumps({f"key {i}": [f"value {i}"] * 3 for i in range(20_000)})
+def test_marks_are_found_whatever_the_text_and_within_a_bound() -> None:
+    """A last message of many escaped quotes (a tool's JSON output) or of numbers: its bytes
+    are compared whole (a walk over them had cost ~30 times their parse). Past
+    ``_MARK_BYTES`` walked, no earlier mark is looked for."""
+    quoted = json.dumps({f"key {i}": [f"value {i}", '\\"'] for i in range(5_000)})
     for last in (
         {"role": "tool", "content": quoted},
         {"role": "tool", "data": list(range(20_000))},
@@ -508,4 +513,25 @@ def test_the_walk_for_marks_gives_up_on_text_that_would_make_it_long() -> None:
         raw = orjson.dumps(body)
         parsed = bodymemo.parse(raw, [])
         assert parsed.body == body and parsed.close is not None
-        assert parsed.marks == ()
+        assert [n for _, n in parsed.marks] == [1, 2]
+    big = [{"role": "tool", "content": f"{i} " + "y" * 200_000} for i in range(3)]
+    body = body_of([{"role": "user", "content": "go"}, *big], "first")
+    parsed = bodymemo.parse(orjson.dumps(body), [])
+    assert [n for _, n in parsed.marks] == [2, 3]  # (400 KB walked: no further)
+
+
+def test_a_retry_does_not_set_the_back_off_back() -> None:
+    """One-shot requests under one key, each sent again now and then (a 429, a timeout): the
+    retry spliced onto its own first send and set the counts back to nothing, so the batch
+    was checked (a second parse) nearly every time."""
+    memos = BodyMemos()
+    checked = 0
+    retried = 0
+    for n in range(120):
+        remembered = _feed(memos, "h:batch", _one_shot(n)).close is not None
+        checked += remembered
+        if n % 3 == 0 and remembered:  # retried at once: spliced onto its first send
+            assert _feed(memos, "h:batch", _one_shot(n)).source is not None
+            retried += 1
+    assert retried >= 12
+    assert checked <= 4 + 32 + 120 // 16 + 1
