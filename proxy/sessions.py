@@ -308,7 +308,8 @@ SESSION_BASE_BYTES = 2048  # the state, its index entry, a small request's objec
 # client whose system prompt changes every turn (the time in it) shares no objects from turn to
 # turn, so each of these counts whole, as its body memos (a few: ``bodymemo``) and bases hold
 # about as many (8 turns of 4.7 MB: ~74 MB held, 85 estimated); over 32 turns it would count
-# turns no longer held. Past eight conversations taking turns, the others' own go uncounted.
+# turns no longer held. The histories of other conversations the log still keeps count past
+# them (``_held_beyond``).
 SIZES_KEPT = 8
 _WARN_EVERY_S = 300.0
 
