@@ -57,6 +57,7 @@ class BodyMemo:
     # Where its last few messages begin: ``(offset, n)``, ``raw[:offset]`` holding messages up
     # to ``n - 1``, the comma after it (or white space) at ``offset``; earliest first.
     marks: tuple[tuple[int, int], ...] = ()
+    style: int = 0  # how the client writes its messages (``_marks``)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class Parsed:
     misses: int = 0  # full parses in a row under this key
     firsts: int = 0  # for ``BodyMemo.firsts``
     marks: tuple[tuple[int, int], ...] = ()  # for ``BodyMemo.marks``
+    style: int = 0  # for ``BodyMemo.style``
     # From ``source``: the bytes up to this offset, and its messages before this index
     kept: tuple[int, int] = (0, 0)
     # ``source`` sent again as it was: the counts above are the key's, kept as they were (a
@@ -147,76 +149,106 @@ def _spliced(
         if not appended:  # "," alone, or a stray "[]"-like fragment: not an append
             return None
     messages = [*memo.messages[:count], *appended]
+    style = memo.style
     if scan and appended:
-        found = _marks(raw, at, new_close, messages, tiled=True)
+        found, style = _marks(raw, at, new_close, messages, tiled=True, style=style)
         marks = (*marks, *found)[-MARKS_KEPT:]
     body = {k: (messages if k == "messages" else memo.values[k]) for k in memo.keys}
-    return Parsed(body, new_close, memo, marks=marks, kept=(at, count))
+    return Parsed(body, new_close, memo, marks=marks, style=style, kept=(at, count))
 
 
+def _go(value: Any) -> bytes:
+    """Go's ``encoding/json``: compact, UTF-8, ``<``, ``>``, ``&``, U+2028 and U+2029 escaped
+    (none of them appears outside a string)."""
+    text = orjson.dumps(value)
+    for raw, escaped in _GO_ESCAPES:
+        if raw in text:
+            text = text.replace(raw, escaped)
+    return text
+
+
+_GO_ESCAPES: Final = (
+    (b"<", b"\\u003c"),
+    (b">", b"\\u003e"),
+    (b"&", b"\\u0026"),
+    ("\u2028".encode(), b"\\u2028"),
+    ("\u2029".encode(), b"\\u2029"),
+)
+
+# How clients write a message, the most common first: each must give valid JSON of the value.
 _STYLES: Final = (
     orjson.dumps,  # compact, UTF-8 (httpx >= 0.28, most JavaScript clients)
     lambda value: json.dumps(value).encode(),  # Python's defaults: ", " and ": ", ASCII escapes
+    _go,
     lambda value: json.dumps(value, ensure_ascii=False).encode(),
     lambda value: json.dumps(value, separators=(",", ":")).encode(),
+    # PHP's json_encode: compact, ASCII escapes, "/" escaped (only ever inside a string)
+    lambda value: json.dumps(value, separators=(",", ":")).replace("/", "\\/").encode(),
 )
+_NO_STYLE: Final = -1  # none of them wrote the last message (an indented body)
 
 
 def _marks(
-    raw: bytes, start: int, stop: int, messages: Sequence[Any], tiled: bool = False
-) -> tuple[tuple[int, int], ...]:
+    raw: bytes,
+    start: int,
+    stop: int,
+    messages: Sequence[Any],
+    tiled: bool = False,
+    style: int = 0,
+) -> tuple[tuple[tuple[int, int], ...], int]:
     """Where the last messages begin, for those that lie in ``raw[start:stop]`` (``stop``: the
     end of the last one): ``(at, n)``, ``raw[:at]`` holding messages up to ``n - 1`` and
-    ``raw[at]`` the comma after it, earliest first, at most ``MARKS_KEPT``.
+    ``raw[at]`` the comma after it, earliest first, at most ``MARKS_KEPT``; and the style (of
+    ``_STYLES``) the client writes in, ``_NO_STYLE`` when none wrote its last message.
 
-    Each message is serialized as the client does (one of ``_STYLES``, found on the last one)
-    and must be the very bytes before the position reached, a comma before them: C's speed
-    over text, whatever it holds. Past ``_MARK_BYTES`` walked, or at a message whose bytes are
-    none of those forms (an indented body), it stops with what it found. ``tiled``: the bytes
-    from ``start`` to ``stop`` are known to be these messages, one after another (a splice
-    parsed them): reaching ``start`` proves the marks. Otherwise a parse of the bytes walked
-    must give as many messages as they were taken for."""
+    Each message is serialized as the client writes it (``style`` tried first: the one found
+    before under the key; with ``_NO_STYLE``, none is tried again) and must be the very bytes
+    before the position reached, a comma before them: C's speed over text, whatever it holds.
+    A text that is valid JSON of the same value and ends where a message ends begins where it
+    begins (a proper suffix of one would leave a bracket open or end inside a string), so each
+    mark found from ``stop`` back is exact. Past ``_MARK_BYTES`` walked, or at a message none
+    of the styles writes, it stops with what it found. Unless ``tiled`` (a splice has just
+    parsed these bytes), the bytes walked are parsed once more, as a check."""
+    if style == _NO_STYLE or not messages:
+        return (), style
     found: list[tuple[int, int]] = []
-    styles = list(_STYLES)
+    order = [style, *(i for i in range(len(_STYLES)) if i != style)]
     pos = stop
     index = len(messages) - 1
-    complete = False  # the messages walked reach back to ``start``
     while index >= 0 and len(found) < MARKS_KEPT and stop - pos <= _MARK_BYTES:
-        for style in styles:
+        for i in order:
             try:
-                text = style(messages[index])
+                text = _STYLES[i](messages[index])
             except (TypeError, ValueError, RecursionError):  # (an integer past 64 bits)
                 continue
             if pos - len(text) > start and raw.startswith(text, pos - len(text)):
-                styles.remove(style)
-                styles.insert(0, style)  # (the next message is most likely written alike)
+                if i != order[0]:
+                    order.remove(i)
+                    order.insert(0, i)  # (the next message is most likely written alike)
                 break
         else:
+            if pos == stop:  # not even the last one: not written in any of these styles
+                return (), _NO_STYLE
             break
         begin = pos - len(text)
         comma = begin - 1
         while comma > start and raw[comma] in _WS:
             comma -= 1
-        if comma <= start:  # the first message of the bytes walked
-            complete = raw[start:begin].strip(_WS) in (b",", b"")
-            break
-        if raw[comma] != 0x2C:
+        if comma <= start or raw[comma] != 0x2C:
             break
         found.append((comma, index))
         pos = comma
         while pos > start and raw[pos - 1] in _WS:
             pos -= 1
         index -= 1
-    if not found:
-        return ()
-    if not (tiled and complete):
+    if found and not tiled:
         try:
             parsed = orjson.loads(b"[" + raw[found[-1][0] + 1 : stop] + b"]")
         except orjson.JSONDecodeError:
-            return ()
+            return (), order[0]
         if len(parsed) != len(messages) - found[-1][1]:
-            return ()
-    return tuple(reversed(found))
+            return (), order[0]
+    return tuple(reversed(found)), order[0]
 
 
 def _candidates(raw: bytes, body: dict[str, Any], previous: BodyMemo | None) -> list[int]:
@@ -336,8 +368,9 @@ def parse(raw: bytes, memos: list[BodyMemo]) -> Parsed:
             close = bracket
             while close > 0 and raw[close - 1] in _WS:
                 close -= 1
-            marks = _marks(raw, 0, close, body["messages"])
-            return Parsed(body, close, None, misses, firsts, marks)
+            style = previous.style if previous is not None else 0
+            marks, style = _marks(raw, 0, close, body["messages"], style=style)
+            return Parsed(body, close, None, misses, firsts, marks, style)
     return Parsed(body, None, None, misses, firsts)
 
 

@@ -27,6 +27,11 @@ def dumps(body: dict[str, Any], style: str) -> bytes:
         return json.dumps(body, ensure_ascii=False).encode()
     if style == "indent":
         return json.dumps(body, indent=2).encode()
+    if style == "go":  # encoding/json: compact, <, > and & escaped
+        text = orjson.dumps(body).decode()
+        return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026").encode()
+    if style == "php":  # json_encode: compact, ASCII escapes, "/" escaped
+        return json.dumps(body, separators=(",", ":")).replace("/", "\\/").encode()
     raise AssertionError(style)
 
 
@@ -50,6 +55,7 @@ def remember(raw: bytes, parsed: Parsed) -> BodyMemo | None:
         {k: v for k, v in body.items() if k != "messages"},
         tuple(body["messages"]),
         marks=parsed.marks,
+        style=parsed.style,
     )
 
 
@@ -391,7 +397,7 @@ def test_an_append_nested_past_the_parsers_limit_is_refused_as_a_full_parse_woul
         assert len(parsed.body["messages"]) == len(expected["messages"]) == len(messages) + 1
 
 
-_TRICKY = st.text(alphabet=st.sampled_from('a"\\,[]{}: \n\u00e9\u2713'), max_size=12)
+_TRICKY = st.text(alphabet=st.sampled_from('a"\\,[]{}: \n\u00e9\u2713<>&/'), max_size=12)
 _VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | _TRICKY,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TRICKY, inner, max_size=3),
@@ -402,7 +408,7 @@ _VALUES = st.recursive(
 @settings(max_examples=200, deadline=None)
 @given(
     elements=st.lists(_VALUES, min_size=1, max_size=12),
-    style=st.sampled_from(["orjson", "python", "python-utf8", "indent"]),
+    style=st.sampled_from(["orjson", "python", "python-utf8", "go", "php", "indent"]),
 )
 def test_marks_are_where_the_last_messages_begin(elements: list[Any], style: str) -> None:
     """Found walking back from the end, each message's bytes as the client writes them
@@ -426,7 +432,7 @@ def test_marks_are_where_the_last_messages_begin(elements: list[Any], style: str
 @settings(max_examples=150, deadline=None)
 @given(
     contents=st.lists(_TRICKY, min_size=6, max_size=14),
-    style=st.sampled_from(["orjson", "python", "python-utf8"]),
+    style=st.sampled_from(["orjson", "python", "python-utf8", "go", "php"]),
     part=st.booleans(),
 )
 def test_a_cache_mark_moved_to_the_newest_message_is_parsed_from_the_one_it_left(
@@ -535,3 +541,30 @@ def test_a_retry_does_not_set_the_back_off_back() -> None:
             retried += 1
     assert retried >= 12
     assert checked <= 4 + 32 + 120 // 16 + 1
+
+
+def test_a_client_none_of_the_styles_writes_is_not_serialized_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An indented body: none of the styles writes its last message as it is there, so it has
+    no marks, and its key's next bodies are not serialized in every style again (each such
+    attempt costs a serialization of the newest message, ~4 ms per MB in Python's forms)."""
+    history = turns(2)
+    raw = dumps(body_of(history[1], "first"), "indent")
+    parsed = bodymemo.parse(raw, [])
+    assert parsed.close is not None and parsed.marks == ()
+    memo = remember(raw, parsed)
+    assert memo is not None and memo.style == bodymemo._NO_STYLE
+    calls: list[int] = []
+
+    def counting(style: Any) -> Any:
+        def write(value: Any) -> bytes:
+            calls.append(1)
+            return style(value)  # type: ignore[no-any-return]
+
+        return write
+
+    monkeypatch.setattr(bodymemo, "_STYLES", tuple(counting(s) for s in bodymemo._STYLES))
+    edited = [{"role": "system", "content": "Other rules. " + FILLER}, *history[2][1:]]
+    again = bodymemo.parse(dumps(body_of(edited, "first"), "indent"), [memo])
+    assert again.source is None and again.marks == () and calls == []
