@@ -184,8 +184,11 @@ _STYLES: Final = (
     lambda value: json.dumps(value, separators=(",", ":")).encode(),
     # PHP's json_encode: compact, ASCII escapes, "/" escaped (only ever inside a string)
     lambda value: json.dumps(value, separators=(",", ":")).replace("/", "\\/").encode(),
+    # httpx >= 0.28: as orjson but for floats (1e-07, where orjson writes 1e-7)
+    lambda value: json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode(),
 )
 _NO_STYLE: Final = -1  # none of them wrote the last message (an indented body)
+_FAST_STYLES: Final = (0, 2)  # those orjson writes
 
 
 def _marks(
@@ -202,17 +205,23 @@ def _marks(
     ``_STYLES``) the client writes in, ``_NO_STYLE`` when none wrote its last message.
 
     Each message is serialized as the client writes it (``style`` tried first: the one found
-    before under the key; with ``_NO_STYLE``, none is tried again) and must be the very bytes
+    before under the key; after ``_NO_STYLE``, a full parse tries only the forms orjson writes)
+    and must be the very bytes
     before the position reached, a comma before them: C's speed over text, whatever it holds.
     A text that is valid JSON of the same value and ends where a message ends begins where it
     begins (a proper suffix of one would leave a bracket open or end inside a string), so each
     mark found from ``stop`` back is exact. Past ``_MARK_BYTES`` walked, or at a message none
     of the styles writes, it stops with what it found. Unless ``tiled`` (a splice has just
     parsed these bytes), the bytes walked are parsed once more, as a check."""
-    if style == _NO_STYLE or not messages:
+    if not messages:
         return (), style
+    if style == _NO_STYLE:
+        # Tried again, but after a full parse only in the forms written at C's speed (a message
+        # none writes, an escape of a Go before 1.22, must not end the marks for a session)
+        order = list(range(len(_STYLES))) if tiled else list(_FAST_STYLES)
+    else:
+        order = [style, *(i for i in range(len(_STYLES)) if i != style)]
     found: list[tuple[int, int]] = []
-    order = [style, *(i for i in range(len(_STYLES)) if i != style)]
     pos = stop
     index = len(messages) - 1
     while index >= 0 and len(found) < MARKS_KEPT and stop - pos <= _MARK_BYTES:

@@ -547,8 +547,8 @@ def test_a_client_none_of_the_styles_writes_is_not_serialized_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An indented body: none of the styles writes its last message as it is there, so it has
-    no marks, and its key's next bodies are not serialized in every style again (each such
-    attempt costs a serialization of the newest message, ~4 ms per MB in Python's forms)."""
+    no marks, and its key's next bodies are not serialized in Python's forms again (each such
+    attempt costs ~4 ms per MB of the newest message), only in those orjson writes."""
     history = turns(2)
     raw = dumps(body_of(history[1], "first"), "indent")
     parsed = bodymemo.parse(raw, [])
@@ -567,4 +567,41 @@ def test_a_client_none_of_the_styles_writes_is_not_serialized_again(
     monkeypatch.setattr(bodymemo, "_STYLES", tuple(counting(s) for s in bodymemo._STYLES))
     edited = [{"role": "system", "content": "Other rules. " + FILLER}, *history[2][1:]]
     again = bodymemo.parse(dumps(body_of(edited, "first"), "indent"), [memo])
-    assert again.source is None and again.marks == () and calls == []
+    assert again.source is None and again.marks == ()
+    assert len(calls) == len(bodymemo._FAST_STYLES)  # the last message, in each of those
+
+
+def test_one_message_no_style_writes_does_not_end_the_marks() -> None:
+    """A Go client before 1.22 writes a backspace as \\u0008, which none of the forms does:
+    the body with it last had no marks, and from then on none was looked for under the key,
+    so a client moving its cache mark was parsed further back every turn (and whole after any
+    full parse). The next bodies' messages are looked for again."""
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are an agent. " + FILLER},
+        {"role": "user", "content": "go"},
+        {"role": "tool", "content": "bold\bb"},
+    ]
+
+    def go_before_1_22(messages: list[dict[str, Any]]) -> bytes:
+        return orjson.dumps(body_of(messages, "first")).replace(b"\\b", b"\\u0008")
+
+    raw = go_before_1_22(history)
+    parsed = bodymemo.parse(raw, [])
+    assert parsed.marks == () and parsed.style == bodymemo._NO_STYLE
+    memo = remember(raw, parsed)
+    assert memo is not None
+    history.append({"role": "assistant", "content": "ok"})
+    raw = go_before_1_22(history)
+    parsed = bodymemo.parse(raw, [memo])  # an append: spliced
+    memo = remember(raw, parsed)
+    assert parsed.source is not None and memo is not None
+    marked = {**history[-1], "cache_control": {"type": "ephemeral"}}
+    raw = go_before_1_22([*history[:-1], marked, {"role": "user", "content": "on"}])
+    parsed = bodymemo.parse(raw, [memo])  # the mark added: parsed from that message on
+    assert parsed.source is memo and parsed.body == orjson.loads(raw)
+    assert parsed.style == 0 and [n for _, n in parsed.marks] == [3, 4]
+    # and after a full parse (the system prompt edited)
+    edited = [{"role": "system", "content": "Other rules. " + FILLER}, *history[1:]]
+    tired = dataclasses.replace(memo, style=bodymemo._NO_STYLE)
+    parsed = bodymemo.parse(go_before_1_22(edited), [tired])
+    assert parsed.source is None and parsed.marks and parsed.style == 0
