@@ -177,7 +177,7 @@ _GO_ESCAPES: Final = (
 
 # How clients write a message, the most common first: each must give valid JSON of the value.
 _STYLES: Final = (
-    orjson.dumps,  # compact, UTF-8 (httpx >= 0.28, most JavaScript clients)
+    orjson.dumps,  # compact, UTF-8 (most JavaScript clients; httpx >= 0.28 but for floats)
     lambda value: json.dumps(value).encode(),  # Python's defaults: ", " and ": ", ASCII escapes
     _go,
     lambda value: json.dumps(value, ensure_ascii=False).encode(),
@@ -206,8 +206,8 @@ def _marks(
 
     Each message is serialized as the client writes it (``style`` tried first: the one found
     before under the key; after ``_NO_STYLE``, a full parse tries only the forms orjson writes)
-    and must be the very bytes
-    before the position reached, a comma before them: C's speed over text, whatever it holds.
+    and must be the very bytes before the position reached, a comma before them: C's speed
+    over text, whatever it holds.
     A text that is valid JSON of the same value and ends where a message ends begins where it
     begins (a proper suffix of one would leave a bracket open or end inside a string), so each
     mark found from ``stop`` back is exact. Past ``_MARK_BYTES`` walked, or at a message none
