@@ -335,13 +335,8 @@ def _verify(raw: bytes, body: dict[str, Any], close: int) -> bool:
     return [*head, *tail] == list(body) and {**head, **tail} == body
 
 
-def parse(raw: bytes, memos: list[BodyMemo], cold: tuple[int, int] | None = None) -> Parsed:
-    """Parse ``raw``, splicing onto the first memo it continues. Raises ``orjson.JSONDecodeError``.
-
-    ``cold``: for a body filed under a key that holds no memo yet, the counts (``misses``,
-    ``firsts``) of such keys' bodies before it, in a row, that continued nothing (``BodyMemos.cold``): a
-    client with no session id whose first 16 KiB change every turn (the time in its system
-    prompt) files each body under a new key, and each was checked (a second parse) and kept."""
+def parse(raw: bytes, memos: list[BodyMemo]) -> Parsed:
+    """Parse ``raw``, splicing onto the first memo it continues. Raises ``orjson.JSONDecodeError``."""
     for memo in memos:
         spliced = _splice(raw, memo)
         if spliced is not None:
@@ -357,10 +352,8 @@ def parse(raw: bytes, memos: list[BodyMemo], cold: tuple[int, int] | None = None
             return spliced
     body = orjson.loads(raw)
     previous = memos[0] if memos else None
-    if previous is not None:
-        misses, firsts = previous.misses + 1, previous.firsts
-    else:
-        misses, firsts = cold if cold is not None else (0, 0)
+    misses = previous.misses + 1 if previous is not None else 0
+    firsts = previous.firsts if previous is not None else 0
     if (
         len(raw) < MIN_BYTES
         or not isinstance(body, dict)
@@ -416,9 +409,6 @@ class BodyMemos:
         self._filed: dict[str, float] = {}  # when a key last had a memo filed
         self._bytes = 0
         self._lineages = 0
-        # (``parse``'s ``cold``) bodies in a row, under keys by their first bytes (no session id)
-        # that held no memo, that continued nothing; set back when such a key's body splices
-        self.cold: tuple[int, int] = (0, 0)
 
     @property
     def bytes(self) -> int:

@@ -76,13 +76,11 @@ def _anchor(messages: Any) -> Any:
     return None
 
 
-def parse_request(
-    raw: bytes, memos: list[bodymemo.BodyMemo], cold: tuple[int, int] | None = None
-) -> bodymemo.Parsed:
+def parse_request(raw: bytes, memos: list[bodymemo.BodyMemo]) -> bodymemo.Parsed:
     """The request as a JSON object, or a 400 that says what is wrong with it. A body that continues
     the session's previous one (``memos``) is spliced onto its parse (see ``proxy.bodymemo``)."""
     try:
-        parsed = bodymemo.parse(raw, memos, cold)
+        parsed = bodymemo.parse(raw, memos)
     except orjson.JSONDecodeError as exc:
         # (orjson's depth limit is its own verdict; the standard parser's recursion limit
         # differs by Python version, and told it as "not valid JSON" on 3.12)
@@ -661,7 +659,6 @@ class ChatPipeline:
             ex.request_bytes = len(raw)
             memo_key: str | None = None
             memos: list[bodymemo.BodyMemo] = []
-            sid: str | None = None
             if len(raw) >= bodymemo.MIN_BYTES:
                 try:
                     sid = explicit_session_id(headers, path_session)
@@ -669,8 +666,7 @@ class ChatPipeline:
                     sid = None  # refused below, by resolve_session
                 memo_key = bodymemo.memo_key(raw, sid)
                 memos = self.memos.get(memo_key)
-            cold = self.memos.cold if memo_key is not None and sid is None and not memos else None
-            parsed = parse_request(raw, memos, cold)
+            parsed = parse_request(raw, memos)
             body = parsed.body
             model = body.get("model")
             ex.model = model if isinstance(model, str) else None
@@ -690,10 +686,6 @@ class ChatPipeline:
             self.sessions.weigh(state, len(raw), count, new, _anchor(messages))
             if memo_key is not None:
                 self.remember_body(memo_key, raw, body, parsed, now)
-                if parsed.source is not None and not parsed.resent and sid is None:
-                    self.memos.cold = (0, 0)  # a body with no session id continued another
-                elif cold is not None:
-                    self.memos.cold = (parsed.misses + 1, parsed.firsts)
             ex.session_id, ex.session = state.id, state
             ex.exchange_id = state.next_exchange()
             ex.strict = (

@@ -605,20 +605,3 @@ def test_one_message_no_style_writes_does_not_end_the_marks() -> None:
     tired = dataclasses.replace(memo, style=bodymemo._NO_STYLE)
     parsed = bodymemo.parse(go_before_1_22(edited), [tired])
     assert parsed.source is None and parsed.marks and parsed.style == 0
-
-
-def test_a_new_key_after_a_run_of_them_backs_off_unless_it_opens_a_conversation() -> None:
-    """With no session id, a body is filed by its first 16 KiB: a client with the time in its
-    system prompt files each under a new key, and each was checked (a second parse) and kept.
-    The keys' run (``BodyMemos.cold``) counts as one key's misses would; a conversation's
-    first request is still remembered (32 of them in a row at most)."""
-    later = orjson.dumps(body_of(turns(1)[1], "first"))  # holds an answer of the model
-    first = _one_shot(1)
-    assert bodymemo.parse(later, [], cold=(0, 0)).close is not None
-    assert bodymemo.parse(later, [], cold=(3, 0)).close is not None  # the fourth in a row
-    backed_off = bodymemo.parse(later, [], cold=(4, 0))
-    assert backed_off.close is None and backed_off.misses == 4
-    assert bodymemo.parse(later, [], cold=(16, 0)).close is not None  # every sixteenth
-    opened = bodymemo.parse(first, [], cold=(5, 0))
-    assert opened.close is not None and opened.firsts == 1
-    assert bodymemo.parse(first, [], cold=(5, 32)).close is None

@@ -370,36 +370,6 @@ def test_an_agent_that_moves_its_cache_mark_each_turn_is_parsed_from_the_message
     ]
 
 
-def test_bodies_without_a_session_id_that_never_continue_are_not_all_kept(
-    sim: RunningSimulator, sdk: Any, proxy_factory: Any
-) -> None:
-    """No session id and the time in the system prompt: each body's first 16 KiB differ, so
-    each was filed under a new key, checked (a second parse of the whole body) and kept, none
-    ever continued. After three, only every sixteenth is; an appending agent without an id
-    still has its turns spliced."""
-    proxy = proxy_factory(sim.api_base)
-    client = sdk(proxy.base_url)
-    history: list[dict[str, Any]] = [{"role": "user", "content": "Fix the failing test"}]
-    for minute in range(12):
-        system = {"role": "system", "content": f"It is 10:{minute:02d}. " + "Rules. " * 4000}
-        client.chat.completions.create(model="gpt-4o", messages=[system, *history])
-        history += [
-            {"role": "assistant", "content": f"Ran step {minute}."},
-            {"role": "user", "content": f"step {minute} output"},
-        ]
-    memos = proxy.gateway.chat.memos
-    assert len(memos._memos) == 4  # the first four keys' bodies, not twelve
-    assert memos.cold[0] == 12  # (the next is the thirteenth in a row)
-    agent: list[dict[str, Any]] = [
-        {"role": "system", "content": "You are a coding agent. " + "Rules. " * 4000},
-        {"role": "user", "content": "Now the other bug"},
-    ]
-    for turn in range(3):
-        client.chat.completions.create(model="gpt-4o", messages=agent)
-        agent += [{"role": "assistant", "content": f"ok {turn}"}, {"role": "user", "content": "go"}]
-    assert proxy.gateway.chat.spliced_parses == 2 and memos.cold == (0, 0)
-
-
 def test_observers_of_finished_exchanges_run_in_order_in_short_slices() -> None:
     """Many exchanges finishing in one turn of the loop: their observers run in the order the
     exchanges finished, in slices, and the loop gets to other work (a socket, a timer) between
