@@ -41,6 +41,7 @@ from proxy.sessions import (
     BYTES_HELD_PER_BODY_BYTE,
     SessionState,
     SessionStore,
+    anchor_of,
     explicit_session_id,
     new_session_id,
     shared_prefix,
@@ -65,15 +66,6 @@ def _retry_count(value: str) -> int:
     if not (value.isascii() and value.isdigit() and len(value) <= 4):
         return 0
     return int(value)
-
-
-def _anchor(messages: Any) -> Any:
-    """A history's first message after its system prompt (``MemorySessionStore.weigh``)."""
-    if isinstance(messages, list):
-        for message in messages:
-            if not (isinstance(message, dict) and message.get("role") in ("system", "developer")):
-                return message
-    return None
 
 
 def parse_request(raw: bytes, memos: list[bodymemo.BodyMemo]) -> bodymemo.Parsed:
@@ -683,7 +675,7 @@ class ChatPipeline:
                 new = (max(0, len(raw) - len(source.raw) + source.close - at), max(0, count - kept))
             else:  # the unchanged prefix it shares with the session's last request, by count
                 new = (len(raw) * (count - shared) // count if count else len(raw), count - shared)
-            self.sessions.weigh(state, len(raw), count, new, _anchor(messages))
+            self.sessions.weigh(state, len(raw), count, new, anchor_of(messages))
             if memo_key is not None:
                 self.remember_body(memo_key, raw, body, parsed, now)
             ex.session_id, ex.session = state.id, state

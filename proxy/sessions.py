@@ -316,18 +316,23 @@ _WARN_EVERY_S = 300.0
 EvictionReason = Literal["idle", "count", "memory"]
 
 
+def anchor_of(messages: Any) -> Any:
+    """A history's first message after its system prompt (``MemorySessionStore.weigh``): the
+    requests that hold that very object continue one another."""
+    if isinstance(messages, list):
+        for message in messages:
+            if not (isinstance(message, dict) and message.get("role") in _SYSTEM_ROLES):
+                return message
+    return None
+
+
 def _held_beyond(state: SessionState) -> int:
     """What the histories whose latest requests are older than ``state.sizes`` hold of their
     own while the event log keeps them as bases (a dozen sub-agents taking turns: each one's
     history counted; SIZES_KEPT alone left all but eight out, ~25 times less than was held).
     The others are forgotten here: the log no longer holds them either."""
     looked_at = {id(a) for _, _, a in state.sizes if a is not None}
-    live = set()
-    for _, messages in state.recent:
-        for message in messages:
-            if not (isinstance(message, dict) and message.get("role") in _SYSTEM_ROLES):
-                live.add(id(message))
-                break
+    live = {id(anchor_of(messages)) for _, messages in state.recent}
     held = 0
     for key, (own, _) in list(state.owns.items()):
         if key in looked_at:
