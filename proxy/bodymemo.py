@@ -11,7 +11,10 @@ Soundness rests on knowing where the messages array closes. After a splice that 
 construction. After a full parse a candidate position is taken from the layout (``messages`` as the
 last key), from the previous body's tail, or from the usual serializations of the fields after
 ``messages``, and accepted only when the body cut there and closed with ``]}`` plus the fields after
-it parse back to exactly the same body. Anything unexpected falls back to a full parse.
+it parse back to exactly the same body. That check is a second parse of the whole body, so it is
+made only once a later body's bytes continue this one's at the candidate (``_settle``): a body that
+is never continued (a conversation's last turn, a one-shot request, a system prompt with the time
+in it) costs one parse, not two. Anything unexpected falls back to a full parse.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ MIN_BYTES = 16 * 1024  # smaller bodies parse in microseconds: not worth remembe
 # one session: two memos each (``BodyMemos.put``), for as many as the session keeps
 # (``sessions.CONVERSATIONS_KEPT``). Eight let four sub-agents taking turns splice, not five.
 MEMOS_PER_KEY = 64
-_MAX_MISSES = 3  # full parses in a row whose bytes did not continue the memo: stop verifying
+# Full parses in a row whose bytes did not continue a memo: stop remembering (each memo held
+# pushes out others, of other keys too, once the memos' budget is full)
+_MAX_MISSES = 3
 _FIRSTS_REMEMBERED = 32  # ...but for this many first requests of conversations (a fan-out)
 # Where a body's last messages begin, kept with its memo: a body that changed one of them is
 # parsed from there on (``_resplice``).
@@ -42,9 +47,11 @@ MARKS_KEPT = 8
 _MARK_BYTES = 256 * 1024
 
 
-@dataclass(frozen=True)
+@dataclass
 class BodyMemo:
-    """One parsed body and where its messages array closes."""
+    """One parsed body and where its messages array closes. Kept after a full parse with that
+    place not yet checked (``candidates``): ``close`` and ``marks`` are then where the body's
+    layout says they are, and ``_settle`` checks them, in place, once a body continues them."""
 
     raw: bytes
     close: int  # where the last message ends: only whitespace, then the "]" closing ``messages``
@@ -58,6 +65,9 @@ class BodyMemo:
     # to ``n - 1``, the comma after it (or white space) at ``offset``; earliest first.
     marks: tuple[tuple[int, int], ...] = ()
     style: int = 0  # how the client writes its messages (``_marks``)
+    # Where the "]" closing the messages may be, the likeliest first, not yet checked (after a
+    # full parse); () once checked (``_settle``): ``close`` is then -1 if none was it.
+    candidates: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -76,16 +86,19 @@ class Parsed:
     # ``source`` sent again as it was: the counts above are the key's, kept as they were (a
     # retry had set them back, and a batch retried now and then was checked nearly every time)
     resent: bool = False
+    candidates: tuple[int, ...] = ()  # for ``BodyMemo.candidates``
 
 
 def _splice(raw: bytes, memo: BodyMemo) -> Parsed | None:
     old = memo.raw
     close = memo.close
-    if len(raw) < len(old):
+    if len(raw) < len(old) or close < 0:
         return None
     view = memoryview(old)
     if not raw.startswith(view[:close]) or not raw.endswith(view[close:]):
         return None
+    if memo.candidates:  # it continues the memo where its layout says: check that place
+        return _splice(raw, memo) if _settle(memo) else None
     marks = memo.marks
     if memo.messages and len(raw) > len(old):  # where this body's appended messages begin
         marks = (*marks, (close, len(memo.messages)))[-MARKS_KEPT:]
@@ -98,7 +111,7 @@ def _resplice(raw: bytes, memo: BodyMemo) -> Parsed | None:
     a ``cache_control`` mark to its newest message each turn, taking it off the one before, or
     one that rewinds or redoes its last steps. Parsed from that mark on."""
     marks = memo.marks
-    if not marks:
+    if not marks or memo.close < 0:
         return None
     old = memo.raw
     view = memoryview(old)
@@ -109,6 +122,8 @@ def _resplice(raw: bytes, memo: BodyMemo) -> Parsed | None:
         return None
     for at, count in reversed(marks):
         if raw.startswith(view[:at]):
+            if memo.candidates:  # (as in ``_splice``)
+                return _resplice(raw, memo) if _settle(memo) else None
             kept = tuple(mark for mark in marks if mark[0] <= at)
             return _spliced(raw, memo, at, count, kept, scan=True)
     return None
@@ -198,6 +213,7 @@ def _marks(
     messages: Sequence[Any],
     tiled: bool = False,
     style: int = 0,
+    check: bool | None = None,
 ) -> tuple[tuple[tuple[int, int], ...], int]:
     """Where the last messages begin, for those that lie in ``raw[start:stop]`` (``stop``: the
     end of the last one): ``(at, n)``, ``raw[:at]`` holding messages up to ``n - 1`` and
@@ -211,8 +227,9 @@ def _marks(
     A text that is valid JSON of the same value and ends where a message ends begins where it
     begins (a proper suffix of one would leave a bracket open or end inside a string), so each
     mark found from ``stop`` back is exact. Past ``_MARK_BYTES`` walked, or at a message none
-    of the styles writes, it stops with what it found. Unless ``tiled`` (a splice has just
-    parsed these bytes), the bytes walked are parsed once more, as a check."""
+    of the styles writes, it stops with what it found. With ``check`` (by default unless
+    ``tiled``: a splice has just parsed these bytes), the bytes walked are parsed once more
+    (``_parsed_back``)."""
     if not messages:
         return (), style
     if style == _NO_STYLE:
@@ -250,14 +267,23 @@ def _marks(
         while pos > start and raw[pos - 1] in _WS:
             pos -= 1
         index -= 1
-    if found and not tiled:
-        try:
-            parsed = orjson.loads(b"[" + raw[found[-1][0] + 1 : stop] + b"]")
-        except orjson.JSONDecodeError:
-            return (), order[0]
-        if len(parsed) != len(messages) - found[-1][1]:
-            return (), order[0]
-    return tuple(reversed(found)), order[0]
+    marks = tuple(reversed(found))
+    if (not tiled if check is None else check) and not _parsed_back(raw, marks, stop, messages):
+        return (), order[0]
+    return marks, order[0]
+
+
+def _parsed_back(
+    raw: bytes, marks: tuple[tuple[int, int], ...], stop: int, messages: Sequence[Any]
+) -> bool:
+    """The bytes from the earliest of ``marks`` to ``stop`` parse as the messages after it."""
+    if not marks:
+        return True
+    try:
+        parsed = orjson.loads(b"[" + raw[marks[0][0] + 1 : stop] + b"]")
+    except orjson.JSONDecodeError:
+        return False
+    return len(parsed) == len(messages) - marks[0][1]
 
 
 def _candidates(raw: bytes, body: dict[str, Any], previous: BodyMemo | None) -> list[int]:
@@ -268,7 +294,7 @@ def _candidates(raw: bytes, body: dict[str, Any], previous: BodyMemo | None) -> 
         inner = trimmed[:-1].rstrip(_WS)
         if inner.endswith(b"]"):
             out.append(len(inner) - 1)
-    if previous is not None:
+    if previous is not None and previous.close >= 0:
         tail = memoryview(previous.raw)[previous.close :]
         if len(raw) >= len(tail) and raw.endswith(tail):
             start = len(raw) - len(tail)
@@ -361,7 +387,7 @@ def parse(raw: bytes, memos: list[BodyMemo]) -> Parsed:
     ):
         return Parsed(body, None, None, misses, firsts)
     if misses > _MAX_MISSES and misses % 16:
-        # This client's bodies do not continue each other: verify only now and then, but for
+        # This client's bodies do not continue each other: remember only now and then, but for
         # the first requests of new conversations, a key's worth of them (sub-agents fanned
         # out after a dozen others, or after a main agent whose system prompt has the time
         # in it, were no longer remembered, and their next turns were parsed whole). One-shot
@@ -370,17 +396,45 @@ def parse(raw: bytes, memos: list[BodyMemo]) -> Parsed:
         if firsts >= _FIRSTS_REMEMBERED or not _first_request(body["messages"]):
             return Parsed(body, None, None, misses, firsts)
         firsts += 1
-    for bracket in _candidates(raw, body, previous):
-        if _verify(raw, body, bracket):
-            # Remember the cut before the whitespace that precedes "]": an appended message
-            # follows the last one directly ("},\n  {"), not that whitespace.
-            close = bracket
-            while close > 0 and raw[close - 1] in _WS:
-                close -= 1
-            style = previous.style if previous is not None else 0
-            marks, style = _marks(raw, 0, close, body["messages"], style=style)
-            return Parsed(body, close, None, misses, firsts, marks, style)
-    return Parsed(body, None, None, misses, firsts)
+    candidates = _candidates(raw, body, previous)
+    if not candidates or not body["messages"]:
+        return Parsed(body, None, None, misses, firsts)
+    # Kept unchecked: where the layout says the messages close, and where the last of them
+    # begin there. A later body that continues it there has it checked first (``_settle``).
+    close = _before_space(raw, candidates[0])
+    style = previous.style if previous is not None else 0
+    marks, style = _marks(raw, 0, close, body["messages"], style=style, check=False)
+    return Parsed(body, close, None, misses, firsts, marks, style, candidates=tuple(candidates))
+
+
+def _before_space(raw: bytes, bracket: int) -> int:
+    """The cut before the whitespace that precedes "]": an appended message follows the last
+    one directly ("},\n  {"), not that whitespace."""
+    close = bracket
+    while close > 0 and raw[close - 1] in _WS:
+        close -= 1
+    return close
+
+
+def _settle(memo: BodyMemo) -> bool:
+    """Check, once, where ``memo``'s messages close (the first of its candidates that does) and
+    that its bytes from its earliest mark on hold its last messages; record the result in
+    ``memo`` (-1 if none closes them). Whether it can be spliced onto."""
+    if memo.candidates:
+        body = {k: (list(memo.messages) if k == "messages" else memo.values[k]) for k in memo.keys}
+        close = -1
+        marks: tuple[tuple[int, int], ...] = ()
+        for bracket in memo.candidates:
+            if _verify(memo.raw, body, bracket):
+                close = _before_space(memo.raw, bracket)
+                if close == memo.close:
+                    if _parsed_back(memo.raw, memo.marks, close, memo.messages):
+                        marks = memo.marks
+                else:
+                    marks, memo.style = _marks(memo.raw, 0, close, memo.messages, style=memo.style)
+                break
+        memo.close, memo.marks, memo.candidates = close, marks, ()
+    return memo.close >= 0
 
 
 def _first_request(messages: list[Any]) -> bool:

@@ -407,6 +407,7 @@ class ChatPipeline:
             0 if parsed.source is not None and not parsed.resent else parsed.firsts,
             marks=parsed.marks,
             style=parsed.style,
+            candidates=parsed.candidates,
         )
         self.memos.put(key, memo, source=parsed.source, now=now)
 

@@ -56,6 +56,7 @@ def remember(raw: bytes, parsed: Parsed) -> BodyMemo | None:
         tuple(body["messages"]),
         marks=parsed.marks,
         style=parsed.style,
+        candidates=parsed.candidates,
     )
 
 
@@ -605,3 +606,75 @@ def test_one_message_no_style_writes_does_not_end_the_marks() -> None:
     tired = dataclasses.replace(memo, style=bodymemo._NO_STYLE)
     parsed = bodymemo.parse(go_before_1_22(edited), [tired])
     assert parsed.source is None and parsed.marks and parsed.style == 0
+
+
+@pytest.fixture
+def parsed_bytes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The bytes each ``orjson.loads`` call was given, call by call."""
+    sizes: list[int] = []
+    loads = orjson.loads
+
+    def counting(data: Any) -> Any:
+        sizes.append(len(data))
+        return loads(data)
+
+    monkeypatch.setattr(orjson, "loads", counting)
+    return sizes
+
+
+def test_a_body_nothing_continues_is_parsed_once(parsed_bytes: list[int]) -> None:
+    """Where a body's messages close was checked right after its full parse: a second parse of
+    the whole body (~1.4 ms at 600 KB, more than the parse itself). A client whose bodies never
+    continue one another paid it every turn: without a session id and with the time in its
+    system prompt, each body is filed under a key of its own; with one, three times in a row
+    before the back-off. Now the check waits for a body that continues it."""
+    history = turns(8)
+    memos = BodyMemos()
+    for minute, messages in enumerate(history):
+        system = {"role": "system", "content": f"It is 10:{minute:02d}. " + FILLER}
+        raw = orjson.dumps(body_of([system, *messages[1:]], "first"))
+        for key in (bodymemo.memo_key(raw, None), "s:timed"):
+            parsed_bytes.clear()
+            parsed = _feed(memos, key, raw)
+            assert sum(parsed_bytes) == len(raw), (minute, key)  # one parse, nothing more
+            assert parsed.body == orjson.loads(raw) and parsed.source is None
+    assert len(memos.get("s:timed")) == 4  # (remembered, until the back-off: no check made)
+
+
+def test_a_body_is_checked_once_when_the_next_one_continues_it(parsed_bytes: list[int]) -> None:
+    """The check is made, once, by the first body that continues a full parse's bytes where
+    its messages seem to close (an append, a moved cache mark, a retry); after that each turn
+    parses what it appended. A body it proves wrong for is parsed in full."""
+    history = turns(6)
+    memos = BodyMemos()
+    raws = [orjson.dumps(body_of(messages, "first")) for messages in history]
+    first = _feed(memos, "s:a", raws[0])
+    assert first.source is None and sum(parsed_bytes) == len(raws[0])
+    memo = memos.get("s:a")[0]
+    assert memo.candidates  # not checked yet
+    for turn in range(1, len(raws)):
+        parsed_bytes.clear()
+        parsed = _feed(memos, "s:a", raws[turn])
+        parsed_here = sum(parsed_bytes)
+        assert parsed.body == orjson.loads(raws[turn]) and parsed.source is not None, turn
+        appended = len(raws[turn]) - len(raws[turn - 1])
+        if turn == 1:  # the check: the first body again, then what was appended
+            assert parsed.source is memo and not memo.candidates and memo.close > 0
+            assert len(raws[0]) <= parsed_here <= len(raws[0]) + 2 * appended + 64
+        else:
+            assert parsed_here <= appended + 16, turn
+    # A layout that misleads (a key on both sides of the messages, the last an array): the
+    # check proves the place wrong, the next body is parsed in full and remembered so.
+    a, b = ({"type": "function", "function": {"name": n}} for n in "ab")
+    misled = b'{"tools":[%s],"messages":%s,"tools":[%s]}' % (
+        orjson.dumps(a),
+        orjson.dumps(history[1]),
+        orjson.dumps(b),
+    )
+    wrong = _feed(memos, "s:b", misled)
+    assert wrong.candidates and misled[wrong.candidates[0]] == ord("]")
+    grown = misled[: wrong.close] + b"," + orjson.dumps(a) + misled[wrong.close :]
+    parsed = _feed(memos, "s:b", grown)
+    assert parsed.source is None and parsed.body == orjson.loads(grown)
+    assert parsed.body["tools"] == [b, a] and parsed.body["messages"] == history[1]
+    assert memos.get("s:b")[1].close == -1  # proved wrong: never checked again
