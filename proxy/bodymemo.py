@@ -95,10 +95,14 @@ def _splice(raw: bytes, memo: BodyMemo) -> Parsed | None:
     if len(raw) < len(old) or close < 0:
         return None
     view = memoryview(old)
+    if memo.candidates:  # not checked yet: at any of the places the messages may close
+        for bracket in memo.candidates:
+            at = _before_space(old, bracket)
+            if raw.startswith(view[:at]) and raw.endswith(view[at:]):
+                return _splice(raw, memo) if _settle(memo) else None
+        return None
     if not raw.startswith(view[:close]) or not raw.endswith(view[close:]):
         return None
-    if memo.candidates:  # it continues the memo where its layout says: check that place
-        return _splice(raw, memo) if _settle(memo) else None
     marks = memo.marks
     if memo.messages and len(raw) > len(old):  # where this body's appended messages begin
         marks = (*marks, (close, len(memo.messages)))[-MARKS_KEPT:]
@@ -294,11 +298,6 @@ def _candidates(raw: bytes, body: dict[str, Any], previous: BodyMemo | None) -> 
         inner = trimmed[:-1].rstrip(_WS)
         if inner.endswith(b"]"):
             out.append(len(inner) - 1)
-    if previous is not None and previous.close >= 0:
-        tail = memoryview(previous.raw)[previous.close :]
-        if len(raw) >= len(tail) and raw.endswith(tail):
-            start = len(raw) - len(tail)
-            out.append(start + (len(tail) - len(bytes(tail).lstrip(_WS))))
     after = {k: body[k] for k in keys[keys.index("messages") + 1 :]}
     if after:
         for text in (
@@ -311,6 +310,14 @@ def _candidates(raw: bytes, body: dict[str, Any], previous: BodyMemo | None) -> 
                 expected = b"]" + sep + text[1:]
                 if trimmed.endswith(expected):
                     out.append(len(trimmed) - len(expected))
+    # The previous body's tail: after this body's own fields, as it may be another body's
+    # (under one key, a side request without tools ends as ``],"stream":true}`` where this
+    # one's tools do), and the first candidate is the one a later body is matched at first.
+    if previous is not None and previous.close >= 0 and not previous.candidates:
+        tail = memoryview(previous.raw)[previous.close :]
+        if len(raw) >= len(tail) and raw.endswith(tail):
+            start = len(raw) - len(tail)
+            out.append(start + (len(tail) - len(bytes(tail).lstrip(_WS))))
     if after and not out:  # another layout (indented, say): find the next key's name instead
         name = orjson.dumps(next(iter(after)))
         end = len(raw)
@@ -430,8 +437,9 @@ def _settle(memo: BodyMemo) -> bool:
                 if close == memo.close:
                     if _parsed_back(memo.raw, memo.marks, close, memo.messages):
                         marks = memo.marks
-                else:
-                    marks, memo.style = _marks(memo.raw, 0, close, memo.messages, style=memo.style)
+                else:  # (the style found at the wrong place is no sign)
+                    style = 0 if memo.style == _NO_STYLE else memo.style
+                    marks, memo.style = _marks(memo.raw, 0, close, memo.messages, style=style)
                 break
         memo.close, memo.marks, memo.candidates = close, marks, ()
     return memo.close >= 0
@@ -477,10 +485,11 @@ class BodyMemos:
 
     def put(
         self, key: str, memo: BodyMemo, source: BodyMemo | None = None, now: float = 0.0
-    ) -> None:
-        """File ``memo`` first under ``key`` at ``now``. With ``source`` (the memo it continued),
-        the lineage keeps just those two: the newest turn, and the one before it for a retry or
-        a regeneration from there. A resend of the same bytes replaces its source."""
+    ) -> BodyMemo:
+        """File ``memo`` first under ``key`` at ``now``; the memo filed (a copy). With ``source``
+        (the memo it continued), the lineage keeps just those two: the newest turn, and the one
+        before it for a retry or a regeneration from there. A resend of the same bytes replaces
+        its source."""
         self.forget_idle(now)
         memos = self._memos.setdefault(key, [])
         self._memos.move_to_end(key)
@@ -495,9 +504,9 @@ class BodyMemos:
                 if old is not source or identical:
                     memos.remove(old)
                     self._bytes -= len(old.raw)
-        memo = dataclasses.replace(memo, lineage=lineage)
-        memos.insert(0, memo)
-        self._bytes += len(memo.raw)
+        filed = dataclasses.replace(memo, lineage=lineage)
+        memos.insert(0, filed)
+        self._bytes += len(filed.raw)
         while len(memos) > MEMOS_PER_KEY:
             self._bytes -= len(memos.pop().raw)
         while self._bytes > self.max_bytes:
@@ -509,6 +518,20 @@ class BodyMemos:
             if not memos:
                 self._drop(key)
                 break
+        return filed
+
+    def discard(self, key: str, memo: BodyMemo) -> None:
+        """Forget ``memo`` (that very object) if it is still filed under ``key``."""
+        memos = self._memos.get(key)
+        if memos is None:
+            return
+        for i, kept in enumerate(memos):
+            if kept is memo:
+                del memos[i]
+                self._bytes -= len(memo.raw)
+                if not memos:
+                    self._drop(key)
+                return
 
     def forget_idle(self, now: float) -> None:
         """Forget the memos of keys with none filed in the last ``idle_s`` (none when 0)."""
@@ -528,4 +551,4 @@ class BodyMemos:
         """A full parse under ``key`` that continued no memo: remember the counts on the newest."""
         memos = self._memos.get(key)
         if memos:
-            memos[0] = dataclasses.replace(memos[0], misses=misses, firsts=firsts)
+            memos[0].misses, memos[0].firsts = misses, firsts

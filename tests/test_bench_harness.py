@@ -240,6 +240,29 @@ def test_a_marked_agent_session_moves_its_cache_mark_to_the_newest_message() -> 
         previous = b.body
 
 
+def test_a_timed_agent_session_opens_with_a_later_time_each_turn() -> None:
+    """Mode C's session with the time in its system prompt: the same history as a plain one
+    but for the time, a minute later each turn, so no body opens with the bytes of the one
+    before (nor is filed with it, without a session id)."""
+    import orjson
+
+    from bench import agent
+    from proxy import bodymemo
+
+    plain = list(agent.session(5, rounds=6))
+    timed = list(agent.session(5, rounds=6, timed=True))
+    times, keys = [], set()
+    for a, b in zip(plain, timed, strict=True):
+        messages = orjson.loads(b.body)["messages"]
+        first, _, rest = messages[0]["content"].partition("\n")
+        messages[0]["content"] = rest
+        assert orjson.loads(a.body)["messages"] == messages
+        times.append(first)
+        keys.add(bodymemo.memo_key(b.body, None))
+    assert times == [f"It is 09:{m:02d}." for m in range(1, 8)]
+    assert len(keys) == len(timed)
+
+
 def test_the_sub_agent_benchmark_measures_every_round(capsys: pytest.CaptureFixture[str]) -> None:
     """A few sub-agents for a few rounds: each round's figures are produced and printed."""
     from bench import subagents

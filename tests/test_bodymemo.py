@@ -678,3 +678,39 @@ def test_a_body_is_checked_once_when_the_next_one_continues_it(parsed_bytes: lis
     assert parsed.source is None and parsed.body == orjson.loads(grown)
     assert parsed.body["tools"] == [b, a] and parsed.body["messages"] == history[1]
     assert memos.get("s:b")[1].close == -1  # proved wrong: never checked again
+
+
+def test_a_side_request_of_another_layout_under_the_key_does_not_stop_the_splices() -> None:
+    """A request without tools under the session id (a title, a sub-agent) ends as
+    ``],"stream":true}``, as the main agent's tools array does: that tail, taken first, put the
+    main agent's messages closing at its tools, no body continued them there, and no turn was
+    spliced again (the place was never checked, nor the right one tried)."""
+    system = {"role": "system", "content": "You are a coding agent. " + FILLER}
+    tools = [{"type": "function", "function": {"name": "sh", "parameters": {}}}]
+
+    def body(messages: list[Any], with_tools: bool) -> bytes:
+        fields = {"model": "gpt-4o", "messages": messages}
+        return orjson.dumps({**fields, **({"tools": tools} if with_tools else {}), "stream": True})
+
+    memos = BodyMemos()
+    _feed(memos, "s:one", body([system, {"role": "user", "content": "A title?"}], False))
+    main = [system, {"role": "user", "content": "Fix it"}]
+    spliced = 0
+    for turn in range(8):
+        spliced += _feed(memos, "s:one", body(main, True)).source is not None
+        main += [
+            {"role": "assistant", "content": f"step {turn}"},
+            {"role": "user", "content": "on"},
+        ]
+    assert spliced == 7
+    # ...nor a layout whose first place found is not where the messages close (a later body
+    # continues the body at another of its places)
+    metadata = {"tags": ["agent"], "tools": "on"}  # ("tools" found last: after "tags": [...])
+    nested = {"model": "m", "messages": main, "tools": tools, "metadata": metadata}
+    raw = json.dumps(nested, indent=2).encode()
+    first = _feed(memos, "s:two", raw)
+    assert len(first.candidates) > 1
+    nested["messages"] = [*main, {"role": "assistant", "content": "done"}]
+    grown = json.dumps(nested, indent=2).encode()
+    parsed = _feed(memos, "s:two", grown)
+    assert parsed.source is not None and parsed.body == orjson.loads(grown)

@@ -11,7 +11,7 @@ import openai
 import orjson
 import pytest
 
-from proxy.chat import PairingRepair, splice_usage_option
+from proxy.chat import KEYS_PER_SESSION, PairingRepair, splice_usage_option
 from proxy.config import settings_from_mapping
 from proxy.pipeline import Exchange
 from proxy.sessions import SessionState
@@ -313,6 +313,74 @@ def test_a_growing_agent_history_is_spliced_and_still_repaired_and_relayed_exact
     forwarded = sim.sim.requests[-1].body["messages"]
     assert forwarded[-2]["role"] == "tool" and forwarded[-2]["tool_call_id"] == "call_x"
     assert forwarded[: len(history) - 1] == history[:-1]
+
+
+def test_a_client_with_the_time_in_its_system_prompt_holds_one_history_not_one_per_turn(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """A client without a session id whose system prompt opens with the time: each turn's
+    first 16 KiB differ, so each body was filed under a key of its own and kept, though no
+    later body continues it; and, its system message changed, none of its history was shared
+    with the turn before, so every turn's history was a copy of its own, held by the log's
+    bases and the memos (~160 MB more RSS over 200 turns of up to ~600 KB). The history after
+    the system prompt is shared, and only the last few bodies are kept."""
+    proxy = proxy_factory(sim.api_base)
+    client = sdk(proxy.base_url)
+    rules = "Rules. " * 3000
+
+    def run(timed: bool) -> tuple[float, list[int]]:
+        task = {"role": "user", "content": f"Fix the failing test (timed: {timed})"}
+        history: list[dict[str, Any]] = [task]
+        sizes = []
+        for turn in range(12):
+            clock = f"It is 10:{turn:02d}. " if timed else ""
+            system = {"role": "system", "content": clock + "You are a coding agent. " + rules}
+            messages = [system, *history]
+            client.chat.completions.create(model="gpt-4o", messages=messages)
+            assert sim.sim.requests[-1].body["messages"] == messages
+            sizes.append(len(sim.sim.requests[-1].raw))
+            call = {"id": f"c{turn}", "type": "function", "function": {"name": "run"}}
+            call["function"]["arguments"] = "{}"
+            history += [
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": f"c{turn}", "content": f"{turn} " * 3000},
+            ]
+        proxy.settle()
+        assert httpx.get(proxy.url + "/metrics").status_code == 200
+        return proxy.metric("cachegate_sessions_memory_bytes"), sizes
+
+    plain, _ = run(timed=False)
+    memos = proxy.gateway.chat.memos.bytes
+    both, sizes = run(timed=True)
+    kept = sum(sizes[-KEYS_PER_SESSION:])
+    assert proxy.gateway.chat.memos.bytes - memos <= kept  # its last few bodies, not all twelve
+    assert both - plain <= 1.25 * plain  # about what the same history without the time holds
+    assert len(proxy.gateway.chat.sessions) == 2  # (one session each)
+
+
+def test_conversations_that_open_alike_taking_turns_without_an_id_are_each_spliced(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """Two conversations without a session id, the same first message under two system
+    prompts (found to be one session): each one's bodies are kept for its next turn, though
+    the other's come in between."""
+    proxy = proxy_factory(sim.api_base)
+    client = sdk(proxy.base_url)
+    task = {"role": "user", "content": "Fix the failing test"}
+    histories: list[list[dict[str, Any]]] = [
+        [{"role": "system", "content": f"You are agent {n}. " + "Rules. " * 3000}, task]
+        for n in range(2)
+    ]
+    for turn in range(5):
+        for history in histories:
+            client.chat.completions.create(model="gpt-4o", messages=history)
+            assert sim.sim.requests[-1].body["messages"] == history
+            history += [
+                {"role": "assistant", "content": f"step {turn}"},
+                {"role": "user", "content": f"go on {turn}"},
+            ]
+    assert len(proxy.gateway.chat.sessions) == 1
+    assert proxy.gateway.chat.spliced_parses == 2 * 4  # each turn after each one's first
 
 
 def test_an_agent_that_moves_its_cache_mark_each_turn_is_parsed_from_the_message_it_left(
