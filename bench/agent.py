@@ -105,11 +105,13 @@ def session(
     mean_result_bytes: int = 2800,
     round_sizes: list[int] | None = None,
     marked: bool = False,
+    timed: bool = False,
 ) -> Iterator[Turn]:
     """The session's requests, turn by turn; ``round_sizes`` fixes each round's tool-output size.
     ``marked``: the newest message carries a ``cache_control`` mark, taken off the one before
     each turn (Claude's prompt caching through an OpenAI-compatible gateway), so a body never
-    continues the bytes of the one before."""
+    continues the bytes of the one before. ``timed``: the system prompt opens with the time,
+    a minute later each turn, so no body opens as the one before did."""
     rng = random.Random(seed)
     head = orjson.dumps(
         {"model": "gpt-4o-mini", "user": f"agent-{seed}", "tools": _TOOLS, "messages": []}
@@ -120,6 +122,11 @@ def session(
     size = sum(len(p) + 1 for p in parts)
 
     def body(last: Mapping[str, object]) -> bytes:
+        if timed:
+            minutes = 9 * 60 + len(parts) // 2
+            now = {**system, "content": f"It is {minutes // 60:02d}:{minutes % 60:02d}.\n"}
+            now["content"] += str(system["content"])
+            parts[0] = orjson.dumps(now)
         if not marked:
             return head + b",".join(parts) + b"]}"
         newest = orjson.dumps({**last, "cache_control": {"type": "ephemeral"}})

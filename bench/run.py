@@ -514,6 +514,14 @@ async def agent_sessions(arms: list[Arm], plan: Plan) -> dict[str, Any]:
         await send(cg, turn.body)
         await asyncio.sleep(0.005)
         marked_rows.append((len(turn.body), cg.cpu() - c0))
+    # One whose system prompt opens with the time, a minute later each turn (cachegate alone:
+    # no body opens as the one before did, and none is continued).
+    timed_rows: list[tuple[int, float]] = []
+    for turn in agent.session(3000, rounds=plan.agent_rounds, timed=True):
+        c0 = cg.cpu()
+        await send(cg, turn.body)
+        await asyncio.sleep(0.005)
+        timed_rows.append((len(turn.body), cg.cpu() - c0))
     for c in conns.values():
         c.close()
     large = 0.8 * max_size
@@ -568,9 +576,12 @@ async def agent_sessions(arms: list[Arm], plan: Plan) -> dict[str, Any]:
             },
         }
     marked_large = [c for size, c in marked_rows if size >= large]
+    timed_end = 0.8 * max((size for size, _ in timed_rows), default=0)  # (its own sizes)
+    timed_large = [c for size, c in timed_rows if size >= timed_end]
     plain_large = [r[2] for r in cpu_rows if r[0] >= large]
     out["cachegate_cpu"] = {
         "moving_mark_large_ms": ms(statistics.median(marked_large)) if marked_large else None,
+        "timed_system_large_ms": ms(statistics.median(timed_large)) if timed_large else None,
         "appending_large_ms": ms(statistics.median(plain_large)) if plain_large else None,
         "by_history_quarter": quarters,
         "ms_per_100kb_history": slope,
@@ -878,6 +889,11 @@ def table(results: dict[str, Any], plan: Plan, arm_names: list[str]) -> str:
         lines.append(
             f"  a cache_control mark moved to the newest message each turn, at the large end: "
             f"{cpu['moving_mark_large_ms']:.2f} ms (appending: {cpu['appending_large_ms']:.2f})"
+        )
+    if cpu.get("timed_system_large_ms") is not None:
+        lines.append(
+            f"  the time in the system prompt, a minute later each turn, at the large end: "
+            f"{cpu['timed_system_large_ms']:.2f} ms"
         )
     dg = results["digests"]
     lines.append("")
