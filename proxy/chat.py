@@ -45,6 +45,7 @@ from proxy.sessions import (
     anchor_of,
     explicit_session_id,
     new_session_id,
+    realigned,
     shared_prefix,
 )
 
@@ -362,8 +363,9 @@ class ChatPipeline:
     def resolve_session(
         self, headers: Mapping[str, str], path_id: str | None, body: dict[str, Any], now: float
     ) -> tuple[SessionState, int]:
-        """The request's session, and how many leading messages it shares with the session's
-        last request (their objects now the same: held once)."""
+        """The request's session, and how many of its messages it shares with the session's
+        last request (their objects now the same: held once): the leading ones, and those of
+        the history it resumes after a change."""
         try:
             sid = explicit_session_id(headers, path_id)
         except ValueError as exc:
@@ -388,15 +390,14 @@ class ChatPipeline:
                 shared = shared_prefix(previous, messages)
             if shared:
                 messages[:shared] = previous[:shared]
-            head = prefix.leading_system_count(messages)
-            if shared < len(previous) and shared <= head < len(messages):
-                # The system block changed (the time in it), the history after it need not
-                # have: share that too. Each turn's history had been a copy of its own, held
-                # by the log and the body memos, and compared again by the log's delta coding.
-                replaces = prefix.leading_system_count(previous)
-                after = shared_prefix(previous[replaces:], messages[head:])
-                if after:
-                    messages[head : head + after] = previous[replaces : replaces + after]
+            # The history after a change may be unchanged (a system prompt with the time in
+            # it, a history trimmed at its start or in its middle): share that too. Each such
+            # turn's history had been a copy of its own, held by the log and the body memos,
+            # and compared again by the log's delta coding.
+            q, r, after = realigned(previous, messages, shared)
+            if after:
+                messages[q : q + after] = previous[r : r + after]
+                shared += after
         self.sessions.index(state, messages, inferable=sid is None)
         return state, max(shared, 0)
 

@@ -29,9 +29,9 @@ from typing import Any, Final, Literal, NamedTuple
 
 import orjson
 
-from proxy.prefix import deep_call, deep_dumps, leading_system_count
+from proxy.prefix import deep_call, deep_dumps
 from proxy.redact import REDACTED, known_secrets, line_may_hold_secret, redact, redact_text
-from proxy.sessions import shared_prefix, valid_session_id
+from proxy.sessions import realigned, shared_prefix, valid_session_id
 
 logger = logging.getLogger(__name__)
 
@@ -1320,9 +1320,10 @@ def choose_base(
 class Delta(NamedTuple):
     """How a request line is coded (``choose_delta``): the forwarded messages are
     ``base[:kept] + messages[kept:head] + base[replaces:base_len] + appended`` where ``base`` is
-    the messages of ``base_exchange`` and ``base_len`` is ``Delta.base``: with ``head``, the
-    request's own system block differs from the base's ``replaces`` leading system messages
-    from its ``kept``-th on (a system prompt with the time in it), and is written from there."""
+    the messages of ``base_exchange`` and ``base_len`` is ``Delta.base``: with ``head`` or
+    ``replaces``, the request parts from the base after ``kept`` messages, and its own
+    ``messages[kept:head]`` take the place of the base's up to ``replaces`` (a system block
+    with the time in it in place of the base's; none in place of dropped messages)."""
 
     base_exchange: int | None
     base: int
@@ -1334,30 +1335,31 @@ class Delta(NamedTuple):
 def choose_delta(
     candidates: Sequence[tuple[int, Sequence[dict[str, Any]]]], messages: Sequence[dict[str, Any]]
 ) -> Delta:
-    """``choose_base``, or, when the request's system block (its leading system and developer
-    messages) is not an earlier exchange's but what follows it is, that exchange with the part
-    of the system block that changed written in full: a client that puts the time in its system
-    prompt resends an unchanged history behind a new one every turn, which was logged whole each
-    time (the log grew with the square of the conversation). Of the codings, the one that writes
-    the fewest messages (the plain one on a tie)."""
+    """``choose_base``, or, when the request parts from an earlier exchange's messages and
+    meets them again further on, that exchange with what differs in between written in full:
+    its system block changed (a client that puts the time in its system prompt resends an
+    unchanged history behind a new one every turn, which was logged whole each time: the log
+    grew with the square of the conversation), or messages were dropped from the history's
+    start or middle (a sliding window, a client's truncation near the context limit: each
+    turn's line held the whole window). Of the codings, the one that writes the fewest
+    messages (the plain one on a tie)."""
     base_exchange, base = choose_base(candidates, messages)
-    head = leading_system_count(messages)
-    if head == 0 or base > head or len(messages) <= head:
-        return Delta(base_exchange, base)  # the system block is shared, or there is none
     best = Delta(base_exchange, base)
     best_written = len(messages) - base
-    rest = messages[head:]
+    carried = next((p for e, p in candidates if e == base_exchange), None)
+    if carried is not None and base == len(carried):
+        return best  # it carries that one on whole (an agent's next turn): nothing better
+    newest = candidates[-1][0]
     for exchange, previous in reversed(candidates):
-        replaces = leading_system_count(previous)
-        after = min(len(previous) - replaces, len(rest))
-        if replaces == 0 or len(messages) - after - min(head, replaces) >= best_written:
+        if len(messages) - len(previous) >= best_written:
             continue  # (cannot write fewer, even sharing all it could)
-        shared = shared_prefix(previous[replaces:], rest)
-        if shared == 0:
-            continue
-        kept = shared_prefix(previous[:replaces], messages[:head])  # the block's unchanged start
+        kept = shared_prefix(previous, messages)
+        # Looked for along the whole history only in the base found and the newest (a walk
+        # of each of 32 conversations' histories would cost more than the line saves)
+        search = exchange in (base_exchange, newest)
+        head, replaces, shared = realigned(previous, messages, kept, search)
         written = len(messages) - shared - kept
-        if written < best_written:
+        if shared and written < best_written:
             best = Delta(exchange, replaces + shared, head, replaces, kept)
             best_written = written
     return best

@@ -772,7 +772,8 @@ class EventLogObserver:
             "base_exchange": base_exchange,
             "base": base,
         }
-        if head:  # its own system block ahead of the base's messages (the time in it, say)
+        if head or delta.replaces:  # its own messages (a system block with the time in it,
+            # say, or none: messages dropped) before the base's from ``replaces`` on
             event["head"], event["replaces"] = messages[delta.kept : head], delta.replaces
             if delta.kept:
                 event["kept"] = delta.kept

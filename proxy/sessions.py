@@ -23,7 +23,7 @@ from typing import Any, Final, Literal, Protocol
 
 import orjson
 
-from proxy.prefix import canonical_json, canonical_message, leading_run
+from proxy.prefix import canonical_json, canonical_message, leading_run, leading_system_count
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +189,41 @@ def shared_prefix(old: Sequence[Any], new: Sequence[Any]) -> int:
     while i < n and (old[i] is new[i] or _same_json(old[i], new[i])):
         i += 1
     return i
+
+
+REALIGN_PROBES: Final = 4  # messages of ``new`` looked for in ``old`` (``realigned``)
+
+
+def realigned(
+    old: Sequence[Any], new: Sequence[Any], shared: int, search: bool = True
+) -> tuple[int, int, int]:
+    """Where two histories that part after their first ``shared`` messages meet again: ``(q,
+    r, n)``, ``new[q:q + n]`` the same JSON as ``old[r:r + n]`` (``n`` 0: nowhere). Looked for
+    from the first message after ``new``'s system block or the parting, whichever is later
+    (then the next few: messages put in before the history resumes), in ``old`` past its own
+    system block and the parting. A system prompt with the time in it (the history after it
+    unchanged), a history trimmed at its start, or cut in the middle (a client's truncation
+    near the context limit) each keep the messages after the change. Without ``search``, only
+    where both system blocks end (a changed system prompt): one comparison, not a walk."""
+    if shared >= len(old) or shared >= len(new):
+        return shared, shared, 0
+    start = max(shared, leading_system_count(new))
+    since = max(shared, leading_system_count(old))
+    if not search:
+        if start < len(new) and since < len(old):
+            n = shared_prefix(old[since:], new[start:])
+            if n:
+                return start, since, n
+        return start, shared, 0
+    for q in range(start, min(start + REALIGN_PROBES, len(new))):
+        target = new[q]
+        for r in range(since, len(old)):
+            candidate = old[r]
+            if candidate is target or candidate == target:  # (Python's equality first: C speed)
+                n = shared_prefix(old[r:], new[q:])
+                if n:
+                    return q, r, n
+    return start, shared, 0
 
 
 def _same_json(a: Any, b: Any) -> bool:

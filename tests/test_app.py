@@ -385,12 +385,12 @@ def test_a_history_of_many_short_messages_is_weighed_by_its_messages(
 def test_histories_that_do_not_continue_one_another_each_count_toward_the_memory_budget(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any, spliced: bool
 ) -> None:
-    """A history trimmed at its start each turn: each turn's history shares no message objects
-    with the last (the shared prefix stops at the first message it dropped), and the log's
-    bases and the accounting's baselines hold each one whole. Weighed by the largest alone, 4
-    sessions of 4.7 MB (a system prompt with the time in it, before what follows it was shared)
-    held 285 MB of RSS under sessions.max_memory_mb = 100 and none was forgotten. An agent that
-    appends (its history shared, or spliced onto the last body) weighs its largest."""
+    """A history rewritten each turn (every message re-rendered): each turn's history shares
+    no message objects with the last, and the log's bases and the accounting's baselines hold
+    each one whole. Weighed by the largest alone, 4 sessions of 4.7 MB (a system prompt with
+    the time in it, before what follows it was shared) held 285 MB of RSS under
+    sessions.max_memory_mb = 100 and none was forgotten. An agent that appends (its history
+    shared, or spliced onto the last body) weighs its largest."""
     from proxy.sessions import BYTES_HELD_PER_BODY_BYTE, BYTES_HELD_PER_OWN_BYTE
 
     proxy = proxy_factory(sim.api_base)
@@ -405,16 +405,16 @@ def test_histories_that_do_not_continue_one_another_each_count_toward_the_memory
 
     sizes = []
     for turn in range(3):
-        window = rounds[2 * turn : 2 * turn + 36]
-        messages = [{"role": "system", "content": "You are an agent."}, *window]
+        rendered = [{**m, "content": f"(turn {turn}) {m['content']}"} for m in rounds]
+        messages = [{"role": "system", "content": "You are an agent."}, *rendered]
         raw = c.chat.completions.with_raw_response.create(
-            model="gpt-4o", messages=messages, extra_headers={"X-Session-Id": "trimmed"}
+            model="gpt-4o", messages=messages, extra_headers={"X-Session-Id": "rewritten"}
         )
         assert raw.http_response.status_code == 200
         sizes.append(len(orjson.dumps({"model": "gpt-4o", "messages": messages})))
     whole = BYTES_HELD_PER_BODY_BYTE * max(sizes)
     # the largest whole, and each other turn's history for its own (a byte or two apart)
-    assert weight("trimmed") >= whole + 2 * BYTES_HELD_PER_OWN_BYTE * min(sizes) * 0.99
+    assert weight("rewritten") >= whole + 2 * BYTES_HELD_PER_OWN_BYTE * min(sizes) * 0.99
     appended: list[dict[str, Any]] = []
     for turn in range(3):
         appended = [{"role": "system", "content": "You are an agent."}, *rounds[: 34 + 2 * turn]]

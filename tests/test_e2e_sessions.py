@@ -648,6 +648,44 @@ def test_a_system_prompt_with_the_time_in_it_still_grows_the_log_linearly_and_re
     assert len(sent) == 60 and replayed == sent
 
 
+def test_a_sliding_window_still_grows_the_log_linearly_and_replays_exactly(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A client that keeps a window of its last messages (the oldest dropped each turn), and
+    one that cuts a run out after its first request near the context limit: each request line
+    held the whole history again (~90 KB a line here, where a turn appends ~4.3 KB). Now what
+    was appended, coded against the base's messages it kept; replay gives back every request
+    as it was forwarded."""
+    proxy = proxy_factory(sim.api_base)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "window-1"})
+    log = proxy.log_dir / "window-1.jsonl"
+    system = {"role": "system", "content": "Be brief. " * 50}
+    task = {"role": "user", "content": "task: " + "x" * 2000}
+    history: list[dict[str, Any]] = [task]
+    sizes: dict[int, int] = {}
+    for i in range(1, 61):
+        if i <= 40 and len(history) > 40:  # a sliding window of 40 messages
+            history = history[-40:]
+        if i == 45:  # its first message kept, a run of turns after it cut out
+            history = [history[0], *history[21:]]
+        reply = post_chat(client, {"model": "gpt-4o", "messages": [system, *history]})
+        history = [*history, reply, {"role": "user", "content": f"turn {i}: " + "y" * 2000}]
+        if i in (25, 35, 50, 60):
+            flush(proxy)
+            sizes[i] = log.stat().st_size
+    # ~7 KB a turn (its request and response lines): one that repeated the window, ~90 KB
+    assert (sizes[35] - sizes[25]) / 10 < 15_000, sizes
+    assert (sizes[60] - sizes[50]) / 10 < 15_000, sizes
+    lines = events(proxy.log_dir, "window-1", "request")
+    assert lines[30]["head"] == [] and lines[30]["replaces"] == 3 and lines[30]["kept"] == 1
+    assert lines[44]["head"] == [] and lines[44]["kept"] == 2
+    result = run_cli("sessions", "replay", "window-1", "--log-dir", str(proxy.log_dir))
+    assert result.code == 0, result.err
+    replayed = [orjson.loads(line)["messages"] for line in result.out.splitlines()]
+    sent = [r.body["messages"] for r in sim.sim.requests]
+    assert len(sent) == 60 and replayed == sent
+
+
 def test_client_closing_mid_stream_logs_an_interrupted_response(proxy_factory: Any) -> None:
     with run_simulator(SimConfig(chunk_ms=30)) as sim:
         sim.sim.enqueue([parse_script("word " * 300)])

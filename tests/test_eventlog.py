@@ -291,6 +291,39 @@ def test_choose_base_prefers_the_longest_shared_prefix() -> None:
     assert choose_base([(1, [s, a])], [s, dict(a)]) == (1, 2)
 
 
+def test_a_history_trimmed_at_its_start_or_in_its_middle_is_coded_against_what_it_kept() -> None:
+    """A sliding window (the oldest messages dropped each turn) or a client's truncation near
+    the context limit (the first request kept, a run after it dropped): each turn's line held
+    the whole history, as nothing was shared from its start on. Now the base's messages from
+    where the history meets them again, and only what follows them."""
+    s = {"role": "system", "content": "rules"}
+    m = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(12)]
+    window = [s, *m[0:8]]
+    slid = [s, *m[2:10]]  # two dropped from the start, two appended
+    assert choose_delta([(1, window)], slid) == Delta(1, 9, 1, 3, kept=1)
+    cut = [s, m[0], *m[5:8], *m[8:10]]  # the task kept, four after it dropped
+    assert choose_delta([(1, window)], cut) == Delta(1, 9, 2, 6, kept=2)
+    bare = [*m[3:8], m[8]]  # no system block at all
+    assert choose_delta([(1, m[0:8])], bare) == Delta(1, 8, 0, 3)
+    added = [s, *m[0:9]]  # a system prompt where there was none
+    assert choose_delta([(1, m[0:8])], added) == Delta(1, 8, 1, 0)
+    # a note put in where the messages were dropped: written, the history after it kept
+    note = {"role": "user", "content": "(earlier turns left out)"}
+    assert choose_delta([(1, window)], [s, note, *m[4:9]]) == Delta(1, 9, 2, 5, kept=1)
+    # an edit is no trim: nothing after it is found again, the plain prefix
+    edited = [s, m[0], {"role": "assistant", "content": "other"}, *m[8:10]]
+    assert choose_delta([(1, window)], edited) == Delta(1, 2)
+    events = [
+        request_event(1, None, 0, window),
+        {**request_event(2, 1, 9, slid[7:]), "head": [], "replaces": 3, "kept": 1},
+        {**request_event(3, 1, 9, cut[5:]), "head": [], "replaces": 6, "kept": 2},
+        request_event(4, None, 0, m[0:8]),
+        {**request_event(5, 4, 8, [m[8]]), "head": [], "replaces": 3},
+        {**request_event(6, 4, 8, [m[8]]), "head": [s], "replaces": 0},
+    ]
+    assert [messages for _, messages in replay(events)] == [window, slid, cut, m[0:8], bare, added]
+
+
 def test_a_changed_system_block_is_written_ahead_of_the_shared_history() -> None:
     """The time in a system prompt: the new system block in full, the history after it coded
     against the exchange it continues; taken only where it writes fewer messages."""
@@ -302,7 +335,8 @@ def test_a_changed_system_block_is_written_ahead_of_the_shared_history() -> None
     assert choose_delta([(1, [s1, a, b])], [s2, dev, a, b, c]) == Delta(1, 3, 2, 1)
     # the system block unchanged, or none: the plain prefix
     assert choose_delta([(1, [s1, a, b])], [s1, a, b, c]) == Delta(1, 3)
-    assert choose_delta([(1, [a, b])], [b, a]) == Delta(None, 0)
+    # no system block, and the first message dropped: the base's second, then the appended
+    assert choose_delta([(1, [a, b])], [b, a]) == Delta(1, 2, 0, 1)
     # nothing after the system block is shared: written whole, no head
     assert choose_delta([(1, [s1, a])], [s2, b]) == Delta(None, 0)
     # of two candidates, the one sharing more after the system block
