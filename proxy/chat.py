@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import json
 import logging
+import operator
 import re
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import orjson
@@ -108,9 +110,24 @@ def parse_request(raw: bytes, memos: list[bodymemo.BodyMemo]) -> bodymemo.Parsed
     return parsed
 
 
-# The keys a session without an id has its bodies filed under whose last body is kept even if
-# no later body continued it: a few, for conversations that open alike taking turns.
-KEYS_PER_SESSION: Final = 4
+# The keys a session without an id has had its bodies filed under, remembered to find a body
+# that a later one, filed under another key, carries on (``ChatPipeline.remember_body``).
+KEYS_TRACKED: Final = 32
+
+
+def _carried_on(older: Sequence[Any], newer: Sequence[Any], start: int) -> bool:
+    """Whether ``newer``'s messages from ``start`` (past its system block) begin with the very
+    objects of ``older``'s past its own system block, more than one, and go on past them
+    (conversations of one task under several models or role prompts open with the very same
+    task message, shared with the request before)."""
+    since = prefix.leading_system_count(older)
+    n = len(older) - since
+    return 1 < n < len(newer) - start and all(
+        map(
+            operator.is_, itertools.islice(older, since, None), itertools.islice(newer, start, None)
+        )
+    )
+
 
 _UNREADABLE: Final = object()
 _TOO_DEEP: Final = object()
@@ -393,9 +410,13 @@ class ChatPipeline:
             # The history after a change may be unchanged (a system prompt with the time in
             # it, a history trimmed at its start or in its middle): share that too. Each such
             # turn's history had been a copy of its own, held by the log and the body memos,
-            # and compared again by the log's delta coding.
+            # and compared again by the log's delta coding. Only a run of more than one
+            # message that carries the last request on to its end and goes on past it: another
+            # conversation that opens with the same task under another system prompt (a
+            # sub-agent's role) is no turn of this one (the memory estimate takes requests
+            # holding the very same first message for turns of one history).
             q, r, after = realigned(previous, messages, shared)
-            if after:
+            if after > 1 and r + after == len(previous) and q + after < len(messages):
                 messages[q : q + after] = previous[r : r + after]
                 shared += after
         self.sessions.index(state, messages, inferable=sid is None)
@@ -411,10 +432,11 @@ class ChatPipeline:
         state: SessionState | None = None,
     ) -> None:
         """Keep this body's parse (with the message objects the session now holds) for the next
-        turn to splice onto. A session without an id keeps those of its last few keys: one whose
-        first 16 KiB change every turn (the time in its system prompt) had every body kept under
-        a key of its own, though none was continued (~160 MB more RSS over a 200-turn session of
-        up to ~600 KB bodies)."""
+        turn to splice onto. Without a session id, a body filed under another key than an
+        earlier one of the session whose history it carries on (the very same messages after
+        the system prompt) replaces it: a client whose first 16 KiB change every turn (the time
+        in its system prompt) had every body kept under a key of its own, though none was
+        continued (~160 MB more RSS over a 200-turn session of up to ~600 KB bodies)."""
         if parsed.close is None:
             self.memos.note_miss(key, parsed.misses, parsed.firsts)
             return
@@ -439,12 +461,18 @@ class ChatPipeline:
             filed_by: dict[str, weakref.ref[bodymemo.BodyMemo]]
             filed_by = state.extra.setdefault("body_memos", {})
             filed_by.pop(key, None)
+            newer = filed.messages
+            start = prefix.leading_system_count(newer)
+            for other, ref in list(filed_by.items()):
+                older = ref()
+                if older is None:
+                    del filed_by[other]
+                elif _carried_on(older.messages, newer, start):
+                    self.memos.discard(other, older)
+                    del filed_by[other]
             filed_by[key] = weakref.ref(filed)
-            while len(filed_by) > KEYS_PER_SESSION:
-                oldest = next(iter(filed_by))
-                uncontinued = filed_by.pop(oldest)()
-                if uncontinued is not None and uncontinued.candidates:
-                    self.memos.discard(oldest, uncontinued)
+            while len(filed_by) > KEYS_TRACKED:  # (forgotten here, not discarded)
+                del filed_by[next(iter(filed_by))]
 
     async def _forward(
         self,

@@ -191,39 +191,44 @@ def shared_prefix(old: Sequence[Any], new: Sequence[Any]) -> int:
     return i
 
 
-REALIGN_PROBES: Final = 4  # messages of ``new`` looked for in ``old`` (``realigned``)
+REALIGN_PROBES: Final = 16  # the last messages of ``new`` looked at for ``old``'s last one
 
 
 def realigned(
     old: Sequence[Any], new: Sequence[Any], shared: int, search: bool = True
 ) -> tuple[int, int, int]:
     """Where two histories that part after their first ``shared`` messages meet again: ``(q,
-    r, n)``, ``new[q:q + n]`` the same JSON as ``old[r:r + n]`` (``n`` 0: nowhere). Looked for
-    from the first message after ``new``'s system block or the parting, whichever is later
-    (then the next few: messages put in before the history resumes), in ``old`` past its own
-    system block and the parting. A system prompt with the time in it (the history after it
-    unchanged), a history trimmed at its start, or cut in the middle (a client's truncation
-    near the context limit) each keep the messages after the change. Without ``search``, only
-    where both system blocks end (a changed system prompt): one comparison, not a walk."""
+    r, n)``, ``new[q:q + n]`` the same JSON as ``old[r:r + n]`` (``n`` 0: they do not), past
+    both system blocks and the parting. ``old``'s last message is looked for
+    among ``new``'s last few (what a turn appended comes after it), then the run is followed
+    back. A system prompt with the time in it (the history after it unchanged), a history
+    trimmed at its start or cut in its middle (a client's truncation near the context limit),
+    a message edited: each keeps the messages after the change. First, and alone without
+    ``search``, where both system blocks end (a changed system prompt, the history after it
+    maybe rewound: a run that need not reach ``old``'s end)."""
     if shared >= len(old) or shared >= len(new):
         return shared, shared, 0
     start = max(shared, leading_system_count(new))
     since = max(shared, leading_system_count(old))
-    if not search:
-        if start < len(new) and since < len(old):
-            n = shared_prefix(old[since:], new[start:])
-            if n:
-                return start, since, n
+    if start >= len(new) or since >= len(old):
         return start, shared, 0
-    for q in range(start, min(start + REALIGN_PROBES, len(new))):
-        target = new[q]
-        for r in range(since, len(old)):
-            candidate = old[r]
-            if candidate is target or candidate == target:  # (Python's equality first: C speed)
-                n = shared_prefix(old[r:], new[q:])
-                if n:
-                    return q, r, n
-    return start, shared, 0
+    aligned = shared_prefix(old[since:], new[start:])  # (a changed system block, rewound too)
+    if not search or since + aligned == len(old):
+        return (start, since, aligned) if aligned else (start, shared, 0)
+    last = old[-1]
+    for e in range(len(new) - 1, max(start, len(new) - REALIGN_PROBES) - 1, -1):
+        if new[e] is last or _same_json(new[e], last):
+            n = 1
+            while (
+                e - n >= start
+                and len(old) - 1 - n >= since
+                and (new[e - n] is old[-1 - n] or _same_json(new[e - n], old[-1 - n]))
+            ):
+                n += 1
+            if n > aligned:
+                return e - n + 1, len(old) - n, n
+            break
+    return (start, since, aligned) if aligned else (start, shared, 0)
 
 
 def _same_json(a: Any, b: Any) -> bool:

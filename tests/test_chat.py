@@ -11,7 +11,7 @@ import openai
 import orjson
 import pytest
 
-from proxy.chat import KEYS_PER_SESSION, PairingRepair, splice_usage_option
+from proxy.chat import PairingRepair, splice_usage_option
 from proxy.config import settings_from_mapping
 from proxy.pipeline import Exchange
 from proxy.sessions import SessionState
@@ -323,7 +323,7 @@ def test_a_client_with_the_time_in_its_system_prompt_holds_one_history_not_one_p
     later body continues it; and, its system message changed, none of its history was shared
     with the turn before, so every turn's history was a copy of its own, held by the log's
     bases and the memos (~160 MB more RSS over 200 turns of up to ~600 KB). The history after
-    the system prompt is shared, and only the last few bodies are kept."""
+    the system prompt is shared, and only the last body is kept (and the first)."""
     proxy = proxy_factory(sim.api_base)
     client = sdk(proxy.base_url)
     rules = "Rules. " * 3000
@@ -352,8 +352,8 @@ def test_a_client_with_the_time_in_its_system_prompt_holds_one_history_not_one_p
     plain, _ = run(timed=False)
     memos = proxy.gateway.chat.memos.bytes
     both, sizes = run(timed=True)
-    kept = sum(sizes[-KEYS_PER_SESSION:])
-    assert proxy.gateway.chat.memos.bytes - memos <= kept  # its last few bodies, not all twelve
+    # its last body (and its first: a one-message history tells no conversation from another)
+    assert proxy.gateway.chat.memos.bytes - memos == sizes[0] + sizes[-1]
     assert both - plain <= 1.25 * plain  # about what the same history without the time holds
     assert len(proxy.gateway.chat.sessions) == 2  # (one session each)
 
@@ -361,26 +361,59 @@ def test_a_client_with_the_time_in_its_system_prompt_holds_one_history_not_one_p
 def test_conversations_that_open_alike_taking_turns_without_an_id_are_each_spliced(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:
-    """Two conversations without a session id, the same first message under two system
-    prompts (found to be one session): each one's bodies are kept for its next turn, though
-    the other's come in between."""
+    """Conversations without a session id, one task under six system prompts or six models
+    (found to be one session, each filed under a key of its own), taking turns: each one's
+    bodies are kept for its next turn, though the others' come in between (kept for the last
+    four keys only, none of six was ever spliced)."""
     proxy = proxy_factory(sim.api_base)
     client = sdk(proxy.base_url)
     task = {"role": "user", "content": "Fix the failing test"}
+    rules = "Rules. " * 3000
     histories: list[list[dict[str, Any]]] = [
-        [{"role": "system", "content": f"You are agent {n}. " + "Rules. " * 3000}, task]
-        for n in range(2)
+        [{"role": "system", "content": f"You are agent {n % 3}. " + rules}, task] for n in range(6)
     ]
     for turn in range(5):
-        for history in histories:
-            client.chat.completions.create(model="gpt-4o", messages=history)
+        for n, history in enumerate(histories):
+            client.chat.completions.create(model=f"gpt-4o-{n // 3}", messages=history)
             assert sim.sim.requests[-1].body["messages"] == history
             history += [
-                {"role": "assistant", "content": f"step {turn}"},
+                {"role": "assistant", "content": f"step {turn} of {n}"},
                 {"role": "user", "content": f"go on {turn}"},
             ]
     assert len(proxy.gateway.chat.sessions) == 1
-    assert proxy.gateway.chat.spliced_parses == 2 * 4  # each turn after each one's first
+    assert proxy.gateway.chat.spliced_parses == 6 * 4  # each turn after each one's first
+
+
+def test_conversations_of_one_task_under_other_prompts_are_each_weighed(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """Sub-agents given one task under their own role prompts, taking turns in one session:
+    each holds its own history, and the memory estimate counts each (sharing what follows a
+    changed system prompt had shared their task message, and the estimate took them for
+    turns of one history: ~0.7 MB for six, where they held ~2 MB)."""
+    proxy = proxy_factory(sim.api_base)
+    client = sdk(proxy.base_url)
+    task = {"role": "user", "content": "Review the change"}
+
+    def run(sid: str, roles: int) -> int:
+        histories = [
+            [{"role": "system", "content": f"You are reviewer {n} of {sid}."}, task]
+            for n in range(roles)
+        ]
+        for turn in range(6):
+            for n, history in enumerate(histories):
+                client.chat.completions.create(
+                    model="gpt-4o", messages=history, extra_headers={"X-Session-Id": sid}
+                )
+                history += [
+                    {"role": "assistant", "content": f"note {turn} of {n}: " + "z" * 20_000},
+                    {"role": "user", "content": "go on"},
+                ]
+        return proxy.gateway.chat.sessions.get(sid).weight  # type: ignore[no-any-return]
+
+    one = run("alone", 1)
+    four = run("team", 4)
+    assert four > 2 * one, (one, four)  # (the others are counted for what they hold alone)
 
 
 def test_an_agent_that_moves_its_cache_mark_each_turn_is_parsed_from_the_message_it_left(

@@ -395,6 +395,32 @@ def test_a_message_sent_again_in_another_key_order_is_shared() -> None:
     assert shared_prefix(old, new) == 1
 
 
+def test_a_history_is_found_again_after_its_system_prompt_changed_or_it_was_trimmed() -> None:
+    """Where a history meets the previous request's again past a change: its messages after
+    the system prompt (the time in it), those it kept of a sliding window or of a cut, those
+    after an edited message; nothing for another conversation, nor for 1 where 1.0 was."""
+    from proxy.sessions import REALIGN_PROBES, realigned
+
+    s1, s2 = ({"role": "system", "content": f"It is {t}:00."} for t in (9, 10))
+    m = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(30)]
+    old = [s1, *m[:10]]
+    assert realigned(old, [s2, *m[:12]], 0) == (1, 1, 10)  # the time changed
+    assert realigned(old, [s1, *m[3:12]], 1) == (1, 4, 7)  # three dropped from the start
+    assert realigned(old, [s1, m[0], *m[6:12]], 2) == (2, 7, 4)  # a run cut after the task
+    edited = [s1, *m[:4], {"role": "assistant", "content": "other"}, *m[5:12]]
+    assert realigned(old, edited, 5) == (6, 6, 5)  # what follows the edit
+    rewound = [s2, *m[:6]]  # the time changed and two turns undone: up to where it parts
+    assert realigned(old, rewound, 0) == (1, 1, 6)
+    assert realigned(old, [s2, *m[:6], {"role": "user", "content": "no"}], 0) == (1, 1, 6)
+    assert realigned(old, [s1, *m[10:20]], 1)[2] == 0  # another conversation
+    many = [s1, *m[3:10], *m[10 : 10 + REALIGN_PROBES]]  # more appended than is looked at
+    assert realigned(old, many, 1)[2] == 0
+    assert realigned(old, [s1, *m[3:10], *m[10 : 9 + REALIGN_PROBES]], 1) == (1, 4, 7)
+    floats, ints = ([{**message, "n": n} for message in m[:10]] for n in (1.0, 1))
+    assert realigned([s1, *floats], [s2, *ints, m[10]], 0)[2] == 0  # equal to Python only
+    assert realigned(old, old[:5], 5) == (5, 5, 0)  # nothing past the parting
+
+
 def test_sub_agents_sharing_their_main_agents_session_count_their_own_histories() -> None:
     """Each sub-agent's body continues its own last one (a few KB appended a turn): weighed by
     what each turn appended, a main agent and four sub-agents read as the main agent alone, at
