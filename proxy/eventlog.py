@@ -1349,15 +1349,11 @@ def choose_delta(
     carried = next((p for e, p in candidates if e == base_exchange), None)
     if carried is not None and base == len(carried):
         return best  # it carries that one on whole (an agent's next turn): nothing better
-    newest = candidates[-1][0]
     for exchange, previous in reversed(candidates):
         if len(messages) - len(previous) >= best_written:
             continue  # (cannot write fewer, even sharing all it could)
         kept = shared_prefix(previous, messages)
-        # Looked for along the whole history only in the base found and the newest (a walk
-        # of each of 32 conversations' histories would cost more than the line saves)
-        search = exchange in (base_exchange, newest)
-        head, replaces, shared = realigned(previous, messages, kept, search)
+        head, replaces, shared = realigned(previous, messages, kept)
         written = len(messages) - shared - kept
         if shared and written < best_written:
             best = Delta(exchange, replaces + shared, head, replaces, kept)

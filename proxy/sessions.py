@@ -194,18 +194,18 @@ def shared_prefix(old: Sequence[Any], new: Sequence[Any]) -> int:
 REALIGN_PROBES: Final = 16  # the last messages of ``new`` looked at for ``old``'s last one
 
 
-def realigned(
-    old: Sequence[Any], new: Sequence[Any], shared: int, search: bool = True
-) -> tuple[int, int, int]:
+def realigned(old: Sequence[Any], new: Sequence[Any], shared: int) -> tuple[int, int, int]:
     """Where two histories that part after their first ``shared`` messages meet again: ``(q,
     r, n)``, ``new[q:q + n]`` the same JSON as ``old[r:r + n]`` (``n`` 0: they do not), past
-    both system blocks and the parting. ``old``'s last message is looked for
-    among ``new``'s last few (what a turn appended comes after it), then the run is followed
-    back. A system prompt with the time in it (the history after it unchanged), a history
-    trimmed at its start or cut in its middle (a client's truncation near the context limit),
-    a message edited: each keeps the messages after the change. First, and alone without
-    ``search``, where both system blocks end (a changed system prompt, the history after it
-    maybe rewound: a run that need not reach ``old``'s end)."""
+    both system blocks and the parting. ``old``'s last message is looked for among ``new``'s
+    last few (what a turn appended comes after it, maybe that message again: the longest run
+    is taken), then the run is followed back. A system prompt with the time in it (the history
+    after it unchanged), a history trimmed at its start or cut in its middle (a client's
+    truncation near the context limit), a message edited: each keeps the messages after the
+    change. Tried first: where both
+    system blocks end (a changed system prompt, the history after it maybe rewound: a run that
+    need not reach ``old``'s end). A turn that appended ``REALIGN_PROBES`` messages or more
+    is not found again."""
     if shared >= len(old) or shared >= len(new):
         return shared, shared, 0
     start = max(shared, leading_system_count(new))
@@ -213,9 +213,10 @@ def realigned(
     if start >= len(new) or since >= len(old):
         return start, shared, 0
     aligned = shared_prefix(old[since:], new[start:])  # (a changed system block, rewound too)
-    if not search or since + aligned == len(old):
+    if since + aligned == len(old):
         return (start, since, aligned) if aligned else (start, shared, 0)
     last = old[-1]
+    best, at = aligned, -1
     for e in range(len(new) - 1, max(start, len(new) - REALIGN_PROBES) - 1, -1):
         if new[e] is last or _same_json(new[e], last):
             n = 1
@@ -225,9 +226,13 @@ def realigned(
                 and (new[e - n] is old[-1 - n] or _same_json(new[e - n], old[-1 - n]))
             ):
                 n += 1
-            if n > aligned:
-                return e - n + 1, len(old) - n, n
-            break
+            if n > best:
+                best, at = n, e
+                if e - n < start or len(old) - 1 - n < since:
+                    break  # (back to the parting: none is longer)
+            # else: the same message again (a "continue" the turn appended): looked further
+    if at >= 0:
+        return at - best + 1, len(old) - best, best
     return (start, since, aligned) if aligned else (start, shared, 0)
 
 

@@ -310,6 +310,9 @@ def test_a_history_trimmed_at_its_start_or_in_its_middle_is_coded_against_what_i
     # a note put in where the messages were dropped: written, the history after it kept
     note = {"role": "user", "content": "(earlier turns left out)"}
     assert choose_delta([(1, window)], [s, note, *m[4:9]]) == Delta(1, 9, 2, 5, kept=1)
+    # sub-agents of one task under one prompt: each one's own base, not only the newest's
+    other = [s, m[0], *({"role": "assistant", "content": f"x{i}"} for i in range(6))]
+    assert choose_delta([(1, window), (2, other)], [s, m[0], *m[5:9]]) == Delta(1, 9, 2, 6, 2)
     # an edit is no trim: nothing after it is found again, the plain prefix
     edited = [s, m[0], {"role": "assistant", "content": "other"}, *m[8:10]]
     assert choose_delta([(1, window)], edited) == Delta(1, 2)

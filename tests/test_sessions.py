@@ -419,6 +419,10 @@ def test_a_history_is_found_again_after_its_system_prompt_changed_or_it_was_trim
     floats, ints = ([{**message, "n": n} for message in m[:10]] for n in (1.0, 1))
     assert realigned([s1, *floats], [s2, *ints, m[10]], 0)[2] == 0  # equal to Python only
     assert realigned(old, old[:5], 5) == (5, 5, 0)  # nothing past the parting
+    # the user says the same again ("continue"): the message appended is not the one it kept
+    go = {"role": "user", "content": "continue"}
+    said = [s1, *m[:9], go]
+    assert realigned(said, [s1, *m[4:9], go, m[9], go], 1) == (1, 5, 6)
 
 
 def test_sub_agents_sharing_their_main_agents_session_count_their_own_histories() -> None:
