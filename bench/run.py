@@ -506,22 +506,22 @@ async def agent_sessions(arms: list[Arm], plan: Plan) -> dict[str, Any]:
                 await sweep("small_history", turn.body)
         if s == 0:
             await sweep("large_history", last)
-    # A client that moves a cache_control mark to its newest message each turn (cachegate alone:
-    # its bodies never continue the bytes of the one before).
-    marked_rows: list[tuple[int, float]] = []
-    for turn in agent.session(2000, rounds=plan.agent_rounds, marked=True):
-        c0 = cg.cpu()
-        await send(cg, turn.body)
-        await asyncio.sleep(0.005)
-        marked_rows.append((len(turn.body), cg.cpu() - c0))
-    # One whose system prompt opens with the time, a minute later each turn (cachegate alone:
-    # no body opens as the one before did, and none is continued).
-    timed_rows: list[tuple[int, float]] = []
-    for turn in agent.session(3000, rounds=plan.agent_rounds, timed=True):
-        c0 = cg.cpu()
-        await send(cg, turn.body)
-        await asyncio.sleep(0.005)
-        timed_rows.append((len(turn.body), cg.cpu() - c0))
+
+    async def alone(turns: Any) -> list[tuple[int, float]]:
+        """Through cachegate alone: (body bytes, cachegate's CPU s) per turn."""
+        rows = []
+        for turn in turns:
+            c0 = cg.cpu()
+            await send(cg, turn.body)
+            await asyncio.sleep(0.005)
+            rows.append((len(turn.body), cg.cpu() - c0))
+        return rows
+
+    # A client that moves a cache_control mark to its newest message each turn (its bodies never
+    # continue the bytes of the one before), and one whose system prompt opens with the time, a
+    # minute later each turn (no body opens as the one before did, and none is continued).
+    marked_rows = await alone(agent.session(2000, rounds=plan.agent_rounds, marked=True))
+    timed_rows = await alone(agent.session(3000, rounds=plan.agent_rounds, timed=True))
     for c in conns.values():
         c.close()
     large = 0.8 * max_size
