@@ -202,10 +202,9 @@ def realigned(old: Sequence[Any], new: Sequence[Any], shared: int) -> tuple[int,
     is taken), then the run is followed back. A system prompt with the time in it (the history
     after it unchanged), a history trimmed at its start or cut in its middle (a client's
     truncation near the context limit), a message edited: each keeps the messages after the
-    change. Tried first: where both
-    system blocks end (a changed system prompt, the history after it maybe rewound: a run that
-    need not reach ``old``'s end). A turn that appended ``REALIGN_PROBES`` messages or more
-    is not found again."""
+    change. Tried first: where both system blocks end (a changed system prompt, the history
+    after it maybe rewound: a run that need not reach ``old``'s end). A turn that appended
+    ``REALIGN_PROBES`` messages or more is not found again."""
     if shared >= len(old) or shared >= len(new):
         return shared, shared, 0
     start = max(shared, leading_system_count(new))
@@ -350,11 +349,11 @@ BYTES_HELD_PER_OWN_BYTE = 2
 SESSION_BASE_BYTES = 2048  # the state, its index entry, a small request's objects
 # The last requests the estimate looks at: a burst of small requests of other conversations does
 # not hide the large history the session still holds. Fewer than the conversations kept: a
-# history trimmed at its start each turn shares no objects from turn to turn, so each of these
-# counts whole, as its body memos (a few: ``bodymemo``) and bases hold about as many (8 turns
-# of 4.7 MB of a system prompt that changed, before what follows it was shared: ~74 MB held, 85
-# estimated); over 32 turns it would count turns no longer held. The histories of other conversations the log still keeps count past
-# them (``_held_beyond``).
+# history rewritten each turn shares no objects from turn to turn, so each of these counts
+# whole, as its body memos (a few: ``bodymemo``) and bases hold about as many (8 turns of 4.7 MB
+# of a system prompt that changed, before what follows it was shared: ~74 MB held, 85
+# estimated); over 32 turns it would count turns no longer held. The histories of other
+# conversations the log still keeps count past them (``_held_beyond``).
 SIZES_KEPT = 8
 _WARN_EVERY_S = 300.0
 
@@ -438,8 +437,8 @@ class MemorySessionStore:
 
         The estimate is the largest of the last few requests (a small side request does not
         free the history its agent turn left), plus what each of the others holds of its own:
-        histories that do not continue one another (one trimmed at its start, which the
-        sharing of an unchanged prefix stops at) are each held whole, as bases of the log's
+        histories that do not continue one another (one rewritten each turn, which no sharing
+        finds again) are each held whole, as bases of the log's
         delta coding and the accounting's baselines: counted once, 4 sessions of 4.7 MB held
         285 MB of RSS under a budget of 100, and none was forgotten."""
         sizes = state.sizes
