@@ -14,8 +14,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Final, NamedTuple
 
-import orjson
-
 from proxy import __version__, cache, compaction, prefix
 from proxy.cache import CacheState, ModelPricing
 from proxy.config import Settings, display_url
@@ -140,19 +138,6 @@ def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint) -> list[_Baselin
         key=lambda i: (-shared[i], shared[i] < len(baselines[i].fp.chain)),
     )
     return [baselines[i] for i in order]
-
-
-def _same_tools(a: Any, b: Any) -> bool:
-    """Whether two tools arrays are the same as sent, keys in the same order (Python's equality
-    ignores it; a replay must not, nor a provider, for a schema's properties)."""
-    if a is b:
-        return True
-    if a != b:
-        return False
-    try:
-        return orjson.dumps(a) == orjson.dumps(b)
-    except TypeError:  # integers beyond 64 bits: taken as other tools, logged again
-        return False
 
 
 def _takes_place(
@@ -791,7 +776,7 @@ class EventLogObserver:
         if not logged:
             event["tools"] = tools  # a session's first line in this process (null: none)
             keep = [(ex.exchange_id, tools)]
-        elif _same_tools(tools, logged[0][1]):
+        elif prefix.same_as_sent(tools, logged[0][1]):
             if tools is not logged[0][1]:
                 # The same tools in another object (each parse makes its own): this one is held
                 # instead, so that the next turn's, the very same object, is told at once.
@@ -800,7 +785,7 @@ class EventLogObserver:
             # Other tools than the last line's: those of another conversation of the session
             # (a sub-agent's), logged already by an earlier line, are named by its number.
             earlier = next(
-                (i for i, (_, held) in enumerate(logged) if _same_tools(tools, held)), None
+                (i for i, (_, held) in enumerate(logged) if prefix.same_as_sent(tools, held)), None
             )
             if earlier is not None:
                 event["tools_ref"] = logged[earlier][0]

@@ -23,7 +23,13 @@ from typing import Any, Final, Literal, Protocol
 
 import orjson
 
-from proxy.prefix import canonical_json, canonical_message, leading_run, leading_system_count
+from proxy.prefix import (
+    canonical_json,
+    canonical_message,
+    leading_run,
+    leading_system_count,
+    same_as_sent,
+)
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +192,10 @@ def shared_prefix(old: Sequence[Any], new: Sequence[Any]) -> int:
     n = min(len(old), len(new))
     # The leading run of the very same objects (a spliced or shared history) is found at C speed.
     i = leading_run(operator.is_, old, new)
+    # Then the rest at once, where it is the same as sent (a body parsed in full: its first bytes
+    # changed): two serializations, not two sorted ones per message.
+    if n - i > 1 and same_as_sent(old[i:n], new[i:n]):
+        return n
     while i < n and (old[i] is new[i] or _same_json(old[i], new[i])):
         i += 1
     return i

@@ -393,6 +393,11 @@ def test_a_message_sent_again_in_another_key_order_is_shared() -> None:
     old = [{"role": "user", "content": "hi", "meta": {"a": 1, "b": 2}}]
     new = [{"meta": {"b": 2, "a": 1}, "content": "hi", "role": "user"}, {"role": "user"}]
     assert shared_prefix(old, new) == 1
+    # among others sent as they were (those are compared at once, as sent, then one by one)
+    same = [{"role": "assistant", "content": f"step {i}"} for i in range(3)]
+    old = [*same, *old, *same]
+    new = [*(dict(m) for m in same), new[0], *(dict(m) for m in same), {"role": "user"}]
+    assert shared_prefix(old, new) == 7
 
 
 def test_a_history_is_found_again_after_its_system_prompt_changed_or_it_was_trimmed() -> None:
