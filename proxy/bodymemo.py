@@ -22,12 +22,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections import OrderedDict
+import weakref
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 import orjson
+
+from proxy.prefix import leading_system_count
 
 _WS = b" \t\r\n"
 MIN_BYTES = 16 * 1024  # smaller bodies parse in microseconds: not worth remembering
@@ -38,6 +41,8 @@ MEMOS_PER_KEY = 64
 # Full parses in a row whose bytes did not continue a memo: stop remembering (each memo held
 # pushes out others, of other keys too, once the memos' budget is full)
 _MAX_MISSES = 3
+# Memos of other keys a body whose first bytes are new is matched against (``BodyMemos.recent``)
+RECENT_KEPT = 8
 _FIRSTS_REMEMBERED = 32  # ...but for this many first requests of conversations (a fan-out)
 # Where a body's last messages begin, kept with its memo: a body that changed one of them is
 # parsed from there on (``_resplice``).
@@ -68,6 +73,12 @@ class BodyMemo:
     # Where the "]" closing the messages may be, the likeliest first, not yet checked (after a
     # full parse); () once checked (``_settle``): ``close`` is then -1 if none was it.
     candidates: tuple[int, ...] = ()
+    # Where its first message after the system prompt begins: ``(offset, n)``, ``raw[offset]``
+    # the first byte of message ``n``, ``raw[:offset]`` holding the fields before the messages
+    # and messages up to ``n - 1`` (offset -1: none); checked (``head_checked``) before a body
+    # whose first bytes changed is parsed as other bytes up to there, then these (``_rehead``).
+    head: tuple[int, int] = (-1, 0)
+    head_checked: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,6 +98,11 @@ class Parsed:
     # retry had set them back, and a batch retried now and then was checked nearly every time)
     resent: bool = False
     candidates: tuple[int, ...] = ()  # for ``BodyMemo.candidates``
+    head: tuple[int, int] = (-1, 0)  # for ``BodyMemo.head``
+    head_checked: bool = False
+    # Parsed from bytes of its own, not ``source``'s: (bytes, messages); None: all but the
+    # source's bytes up to ``kept`` and its messages before it
+    own: tuple[int, int] | None = None
 
 
 def _splice(raw: bytes, memo: BodyMemo) -> Parsed | None:
@@ -147,33 +163,149 @@ def _spliced(
     new_close = len(raw) - (len(memo.raw) - memo.close)
     if new_close < at:  # the bytes kept and those after the messages overlap: not this body
         return None
-    middle = raw[at:new_close].strip(_WS)
-    appended: list[Any] = []
-    if middle:
-        if count:
-            if middle[:1] != b",":
-                return None
-            middle = middle[1:]
-        try:  # one valid array of values, or nothing: "[1],[2" is not one document. Wrapped at
-            # the depth it has in the body, so orjson's nesting limit applies as to a full parse.
-            wrapped = orjson.loads(b"[[" + middle + b"]]")
-        except orjson.JSONDecodeError:
-            return None
-        # One array, nothing beside it: "…],[…" would close the messages early and open another
-        # value. (Wrapped in an object, fields after the messages that end in an array, as
-        # ``"tools":[…]}`` does, parsed as that object's other keys, and were lost.)
-        if len(wrapped) != 1:
-            return None
-        appended = wrapped[0]
-        if not appended:  # "," alone, or a stray "[]"-like fragment: not an append
-            return None
+    appended = _appended(raw, at, new_close, count > 0)
+    if appended is None:
+        return None
     messages = [*memo.messages[:count], *appended]
     style = memo.style
     if scan and appended:
         found, style = _marks(raw, at, new_close, messages, tiled=True, style=style)
         marks = (*marks, *found)[-MARKS_KEPT:]
     body = {k: (messages if k == "messages" else memo.values[k]) for k in memo.keys}
-    return Parsed(body, new_close, memo, marks=marks, style=style, kept=(at, count))
+    # (where the first message after the system prompt begins is where it was, if kept)
+    head, checked = (memo.head, memo.head_checked) if memo.head[1] < count else ((-1, 0), False)
+    return Parsed(
+        body,
+        new_close,
+        memo,
+        marks=marks,
+        style=style,
+        kept=(at, count),
+        head=head,
+        head_checked=checked,
+    )
+
+
+def _appended(raw: bytes, at: int, close: int, after: bool) -> list[Any] | None:
+    """The messages ``raw[at:close]`` appends (a comma first, ``after`` earlier ones), [] for
+    white space alone, None if those bytes are anything else."""
+    middle = raw[at:close].strip(_WS)
+    if not middle:
+        return []
+    if after:
+        if middle[:1] != b",":
+            return None
+        middle = middle[1:]
+    try:  # one valid array of values, or nothing: "[1],[2" is not one document. Wrapped at
+        # the depth it has in the body, so orjson's nesting limit applies as to a full parse.
+        wrapped = orjson.loads(b"[[" + middle + b"]]")
+    except orjson.JSONDecodeError:
+        return None
+    # One array, nothing beside it: "…],[…" would close the messages early and open another
+    # value. (Wrapped in an object, fields after the messages that end in an array, as
+    # ``"tools":[…]}`` does, parsed as that object's other keys, and were lost.)
+    if len(wrapped) != 1:
+        return None
+    appended: list[Any] = wrapped[0]
+    if not appended:  # "," alone, or a stray "[]"-like fragment: not an append
+        return None
+    return appended
+
+
+# How far the first message after the system prompt may have moved (the prompt or the fields
+# before the messages grew or shrank by this much at most) to be looked for (``_rehead``).
+_HEAD_DRIFT: Final = 64 * 1024
+_HEAD_TRIES: Final = 4  # places where its first bytes are found, looked at in turn
+
+
+def _rehead(raw: bytes, memo: BodyMemo) -> Parsed | None:
+    """``raw`` as other bytes, then ``memo``'s bytes from where its first message after the
+    system prompt begins (``memo.head``) to where its messages end, then messages appended, then
+    its bytes after the messages: a system prompt with the time in it, a field before the
+    messages that changed each turn (the first bytes change, so the body is filed under
+    another key; its history need not be parsed again). The other bytes are parsed with a
+    null closing the messages (it must land as their last element: they end where an element
+    of the messages array begins), the rest as ``_splice`` parses an append."""
+    at, count = memo.head
+    close = memo.close
+    # More than one message kept: another conversation that opens with the same task under
+    # another system prompt (a sub-agent's role) is no turn of this one, and must not share
+    # its task message (the sessions' memory estimate takes a request holding the very same
+    # first message for a later turn of its history).
+    if not 0 < at < close or count + 1 >= len(memo.messages):
+        return None
+    view = memoryview(memo.raw)
+    kept = view[at:close]
+    tail = view[close:]
+    stop = len(raw) - len(tail) - len(kept)  # the furthest the kept bytes may begin
+    if stop < 0 or not raw.endswith(tail):
+        return None
+    probe = bytes(kept[:64])
+    lo, hi = max(0, at - _HEAD_DRIFT), min(stop, at + _HEAD_DRIFT) + len(probe)
+    where = raw.find(probe, lo, hi)
+    for _ in range(_HEAD_TRIES):
+        if where < 0:
+            return None
+        if raw.startswith(kept, where):
+            break
+        where = raw.find(probe, where + 1, hi)
+    else:
+        return None
+    if memo.candidates or not memo.head_checked:  # (checked once, when first found again)
+        if not (_settle(memo) and _check_head(memo)):
+            return None
+        return _rehead(raw, memo)
+    try:
+        head = orjson.loads(raw[:where] + b"null]}")
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(head, dict) or next(reversed(head)) != "messages":
+        return None
+    first = head["messages"]
+    if not isinstance(first, list) or not first or first.pop() is not None:
+        return None
+    after = memo.keys[memo.keys.index("messages") + 1 :]
+    if not head.keys().isdisjoint(after):  # (a key on both sides: the later value counts)
+        return None
+    end = where + len(kept)  # where the kept messages end, in ``raw``
+    new_close = len(raw) - len(tail)
+    appended = _appended(raw, end, new_close, True)
+    if appended is None:
+        return None
+    messages = [*first, *memo.messages[count:], *appended]
+    shift, renumber = where - at, len(first) - count
+    marks = tuple((o + shift, n + renumber) for o, n in memo.marks if n > count)
+    if appended:
+        marks = (*marks, (end, len(messages) - len(appended)))[-MARKS_KEPT:]
+    body = {k: (messages if k == "messages" else v) for k, v in head.items()}
+    for k in after:
+        body[k] = memo.values[k]
+    return Parsed(
+        body,
+        new_close,
+        memo,
+        marks=marks,
+        style=memo.style,
+        head=(where, len(first)),
+        head_checked=True,
+        own=(len(raw) - len(kept) - len(tail), len(first) + len(appended)),
+    )
+
+
+def _check_head(memo: BodyMemo) -> bool:
+    """Check, once, ``memo.head`` (its ``close`` checked): its bytes from there to ``close``
+    parse as one run of values, as many as its messages after ``memo.head[1]``. They then are
+    those messages: the array that ``close`` closes holds them (a cut in an earlier array under
+    the same key would take its end for a value's). Forgotten if not."""
+    if not memo.head_checked:
+        at, count = memo.head
+        try:
+            values = orjson.loads(b"[" + memo.raw[at : memo.close] + b"]")
+        except orjson.JSONDecodeError:
+            values = None
+        ok = isinstance(values, list) and len(values) == len(memo.messages) - count
+        memo.head, memo.head_checked = (memo.head if ok else (-1, 0)), True
+    return memo.head[0] >= 0
 
 
 def _go(value: Any) -> bytes:
@@ -368,8 +500,10 @@ def _verify(raw: bytes, body: dict[str, Any], close: int) -> bool:
     return [*head, *tail] == list(body) and {**head, **tail} == body
 
 
-def parse(raw: bytes, memos: list[BodyMemo]) -> Parsed:
-    """Parse ``raw``, splicing onto the first memo it continues. Raises ``orjson.JSONDecodeError``."""
+def parse(raw: bytes, memos: list[BodyMemo], others: Sequence[BodyMemo] = ()) -> Parsed:
+    """Parse ``raw``, splicing onto the first memo it continues; failing that, onto one of
+    ``memos`` or ``others`` (recent memos of other keys) whose bytes it holds after other first
+    bytes (``_rehead``). Raises ``orjson.JSONDecodeError``."""
     for memo in memos:
         spliced = _splice(raw, memo)
         if spliced is not None:
@@ -381,6 +515,10 @@ def parse(raw: bytes, memos: list[BodyMemo]) -> Parsed:
             return spliced
     for memo in memos:
         spliced = _resplice(raw, memo)
+        if spliced is not None:
+            return spliced
+    for memo in (*memos, *others):
+        spliced = _rehead(raw, memo)
         if spliced is not None:
             return spliced
     body = orjson.loads(raw)
@@ -411,7 +549,31 @@ def parse(raw: bytes, memos: list[BodyMemo]) -> Parsed:
     close = _before_space(raw, candidates[0])
     style = previous.style if previous is not None else 0
     marks, style = _marks(raw, 0, close, body["messages"], style=style, check=False)
-    return Parsed(body, close, None, misses, firsts, marks, style, candidates=tuple(candidates))
+    return Parsed(
+        body,
+        close,
+        None,
+        misses,
+        firsts,
+        marks,
+        style,
+        candidates=tuple(candidates),
+        head=_head_of(raw, close, body["messages"], style),
+    )
+
+
+def _head_of(raw: bytes, close: int, messages: list[Any], style: int) -> tuple[int, int]:
+    """Where the first message after the system prompt may begin (``BodyMemo.head``, not
+    checked): its first place as the client writes it (one message serialized, ~µs)."""
+    count = leading_system_count(messages)
+    if count >= len(messages) or style == _NO_STYLE:
+        return (-1, 0)
+    try:
+        text = _STYLES[style](messages[count])
+    except (TypeError, ValueError, RecursionError):  # (an integer past 64 bits)
+        return (-1, 0)
+    at = raw.find(text, 0, close)
+    return (at, count) if at > 0 else (-1, 0)
 
 
 def _before_space(raw: bytes, bracket: int) -> int:
@@ -471,6 +633,10 @@ class BodyMemos:
         self._filed: dict[str, float] = {}  # when a key last had a memo filed
         self._bytes = 0
         self._lineages = 0
+        # The memos filed last that have a ``head``, newest first (weak: what the memos let go
+        # is not kept here): a body under a key of its own may continue one of them past other
+        # first bytes (``_rehead``).
+        self._recent: deque[weakref.ref[BodyMemo]] = deque(maxlen=RECENT_KEPT)
 
     @property
     def bytes(self) -> int:
@@ -506,6 +672,8 @@ class BodyMemos:
                     self._bytes -= len(old.raw)
         filed = dataclasses.replace(memo, lineage=lineage)
         memos.insert(0, filed)
+        if filed.head[0] >= 0:
+            self._recent.appendleft(weakref.ref(filed))
         self._bytes += len(filed.raw)
         while len(memos) > MEMOS_PER_KEY:
             self._bytes -= len(memos.pop().raw)
@@ -519,6 +687,20 @@ class BodyMemos:
                 self._drop(key)
                 break
         return filed
+
+    def recent(self, besides: Sequence[BodyMemo] = ()) -> list[BodyMemo]:
+        """The memos filed last that may be continued past other first bytes, newest first,
+        but for ``besides`` (those of the body's own key, tried already)."""
+        out: list[BodyMemo] = []
+        for ref in self._recent:
+            memo = ref()
+            if (
+                memo is not None
+                and memo.head[0] >= 0
+                and all(memo is not m for m in (*besides, *out))
+            ):
+                out.append(memo)
+        return out
 
     def discard(self, key: str, memo: BodyMemo) -> None:
         """Forget ``memo`` (that very object) if it is still filed under ``key``."""

@@ -72,11 +72,14 @@ def _retry_count(value: str) -> int:
     return int(value)
 
 
-def parse_request(raw: bytes, memos: list[bodymemo.BodyMemo]) -> bodymemo.Parsed:
+def parse_request(
+    raw: bytes, memos: list[bodymemo.BodyMemo], others: Sequence[bodymemo.BodyMemo] = ()
+) -> bodymemo.Parsed:
     """The request as a JSON object, or a 400 that says what is wrong with it. A body that continues
-    the session's previous one (``memos``) is spliced onto its parse (see ``proxy.bodymemo``)."""
+    the session's previous one (``memos``; ``others``, recent ones of other keys, past its first
+    bytes) is spliced onto its parse (see ``proxy.bodymemo``)."""
     try:
-        parsed = bodymemo.parse(raw, memos)
+        parsed = bodymemo.parse(raw, memos, others)
     except orjson.JSONDecodeError as exc:
         # (orjson's depth limit is its own verdict; the standard parser's recursion limit
         # differs by Python version, and told it as "not valid JSON" on 3.12)
@@ -454,6 +457,8 @@ class ChatPipeline:
             marks=parsed.marks,
             style=parsed.style,
             candidates=parsed.candidates,
+            head=parsed.head,
+            head_checked=parsed.head_checked,
         )
         filed = self.memos.put(key, memo, source=parsed.source, now=now)
         if state is not None and key.startswith("h:"):
@@ -715,6 +720,7 @@ class ChatPipeline:
             ex.request_bytes = len(raw)
             memo_key: str | None = None
             memos: list[bodymemo.BodyMemo] = []
+            others: list[bodymemo.BodyMemo] = []
             if len(raw) >= bodymemo.MIN_BYTES:
                 try:
                     sid = explicit_session_id(headers, path_session)
@@ -722,7 +728,9 @@ class ChatPipeline:
                     sid = None  # refused below, by resolve_session
                 memo_key = bodymemo.memo_key(raw, sid)
                 memos = self.memos.get(memo_key)
-            parsed = parse_request(raw, memos)
+                if sid is None:  # (its first bytes changed: filed under a key of its own)
+                    others = self.memos.recent(memos)
+            parsed = parse_request(raw, memos, others)
             body = parsed.body
             model = body.get("model")
             ex.model = model if isinstance(model, str) else None
@@ -733,7 +741,9 @@ class ChatPipeline:
             entered.append(state)
             messages = body.get("messages")
             count = len(messages) if isinstance(messages, list) else 0
-            if parsed.source is not None:  # spliced: only the bytes past its cut parsed anew
+            if parsed.own is not None:  # spliced after other first bytes: those and the end
+                new = parsed.own
+            elif parsed.source is not None:  # spliced: only the bytes past its cut parsed anew
                 at, kept = parsed.kept
                 source = parsed.source
                 new = (max(0, len(raw) - len(source.raw) + source.close - at), max(0, count - kept))

@@ -57,6 +57,8 @@ def remember(raw: bytes, parsed: Parsed) -> BodyMemo | None:
         marks=parsed.marks,
         style=parsed.style,
         candidates=parsed.candidates,
+        head=parsed.head,
+        head_checked=parsed.head_checked,
     )
 
 
@@ -283,13 +285,14 @@ def _feed(memos: BodyMemos, key: str, raw: bytes) -> Parsed:
 
 
 def test_sub_agents_fanned_out_after_a_run_of_misses_are_remembered() -> None:
-    """After a run of full parses (a main agent whose system prompt has the time in it, a
-    dozen sub-agents' first bodies), the next sub-agents' first bodies were no longer
+    """After a run of full parses (a main agent that rewrites its prompt and its task each
+    turn, a dozen sub-agents' first bodies), the next sub-agents' first bodies were no longer
     remembered, and each of their next turns was parsed whole."""
     memos = BodyMemos()
-    main = [{"role": "user", "content": "Fix the tests. " + FILLER}]
-    for minute in range(6):  # the main agent: its system prompt has the time in it
+    main: list[dict[str, Any]] = [{}]
+    for minute in range(6):  # the main agent: its prompt and its task say the time
         system = {"role": "system", "content": f"You are the main agent. It is 10:{minute:02d}."}
+        main[0] = {"role": "user", "content": f"At 10:{minute:02d}: fix the tests. " + FILLER}
         main += [
             {"role": "assistant", "content": f"step {minute}"},
             {"role": "user", "content": "go"},
@@ -626,13 +629,14 @@ def test_a_body_nothing_continues_is_parsed_once(parsed_bytes: list[int]) -> Non
     """Where a body's messages close was checked right after its full parse: a second parse of
     the whole body (~1.4 ms at 600 KB, more than the parse itself). A client whose bodies never
     continue one another paid it every turn: without a session id and with the time in its
-    system prompt, each body is filed under a key of its own; with one, three times in a row
-    before the back-off. Now the check waits for a body that continues it."""
+    system prompt and its task, each body is filed under a key of its own; with one, three
+    times in a row before the back-off. Now the check waits for a body that continues it."""
     history = turns(8)
     memos = BodyMemos()
     for minute, messages in enumerate(history):
         system = {"role": "system", "content": f"It is 10:{minute:02d}. " + FILLER}
-        raw = orjson.dumps(body_of([system, *messages[1:]], "first"))
+        task = {"role": "user", "content": f"At 10:{minute:02d}: fix the tests."}
+        raw = orjson.dumps(body_of([system, task, *messages[2:]], "first"))
         for key in (bodymemo.memo_key(raw, None), "s:timed"):
             parsed_bytes.clear()
             parsed = _feed(memos, key, raw)
@@ -714,3 +718,128 @@ def test_a_side_request_of_another_layout_under_the_key_does_not_stop_the_splice
     grown = json.dumps(nested, indent=2).encode()
     parsed = _feed(memos, "s:two", grown)
     assert parsed.source is not None and parsed.body == orjson.loads(grown)
+
+
+def _timed_turns(n: int, order: str, style: str, changes: str) -> list[bytes]:
+    """An agent's bodies whose first bytes change each turn: the time in its system prompt
+    (``changes="prompt"``), or a field before its messages (``"field"``); a tool output of
+    ~8 KB appended each turn."""
+    history: list[dict[str, Any]] = [{"role": "user", "content": "Fix the tests ✓"}]
+    out = []
+    for minute in range(n):
+        prompt = "You are an agent. " + "Rules. " * 200
+        if changes == "prompt":
+            prompt = f"It is 10:{minute:02d}. " + prompt
+        extra = {"user": f"turn-{minute}"} if changes == "field" else {}
+        body = body_of([{"role": "system", "content": prompt}, *history], order, **extra)
+        out.append(dumps(body, style))
+        call = {"id": f"call_{minute}", "type": "function", "function": {"name": "sh"}}
+        call["function"]["arguments"] = '{"cmd": "make test"}'
+        history += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{minute}", "content": f"{minute} ]}}}}" * 2000},
+        ]
+    return out
+
+
+@pytest.mark.parametrize("style", ["orjson", "python", "python-utf8", "go", "php", "indent"])
+@pytest.mark.parametrize(
+    ("order", "changes"),
+    [("first", "prompt"), ("middle", "prompt"), ("last", "prompt"), ("last", "field")],
+)
+@pytest.mark.parametrize("key", ["own", "session"])
+def test_a_body_whose_first_bytes_changed_is_parsed_in_those_and_what_it_appended(
+    style: str, order: str, changes: str, key: str, parsed_bytes: list[int]
+) -> None:
+    """A system prompt with the time in it, or a field before the messages that changes each
+    turn: no body continued the one before, so each was parsed whole (~0.7 ms at 600 KB), its
+    history then compared with the last one's again (~0.6 ms). Now what comes before the
+    first message after the prompt is parsed, then what was appended; the messages between
+    are the previous parse's objects. Without a session id such a body is filed under a key
+    of its own (``own``): the recent memos of other keys are looked at."""
+    memos = BodyMemos()
+    previous: BodyMemo | None = None
+    for turn, raw in enumerate(_timed_turns(8, order, style, changes)):
+        filed_as = "s:agent" if key == "session" else bodymemo.memo_key(raw, None)
+        mine = memos.get(filed_as)
+        others = memos.recent(mine) if key == "own" else []
+        parsed_bytes.clear()
+        parsed = bodymemo.parse(raw, mine, others)
+        parsed_here = sum(parsed_bytes)
+        full = orjson.loads(raw)
+        assert parsed.body == full and list(parsed.body) == list(full), turn
+        if style == "indent" or turn < 3:  # (kept from turn 2 on: 16 KiB or more)
+            assert parsed.source is None, turn
+        else:
+            assert previous is not None and parsed.source is previous, turn
+            kept = parsed.body["messages"][1 : len(previous.messages)]
+            assert all(a is b for a, b in zip(kept, previous.messages[1:], strict=True))
+            assert parsed.own is not None and parsed.own[1] == 3  # the prompt, a call, a result
+            if turn > 3:  # (the first time, the bytes kept are checked: a parse of them)
+                before = raw.index(b"Fix the tests")
+                appended = len(raw) - len(previous.raw)
+                assert parsed_here <= before + appended + 64, turn
+        memo = remember(raw, parsed)
+        assert (memo is None) == (turn < 2), turn
+        previous = memos.put(filed_as, memo, source=parsed.source) if memo else None
+
+
+def test_a_cut_in_an_earlier_array_under_the_messages_key_is_never_taken_for_them() -> None:
+    """``{"model":…,"messages":[a,b,c],"messages":[a2,b,c]}``: a parse keeps the last array.
+    The place found for the first message after the prompt (``b``'s bytes, first found in the
+    first array) must not be taken for where the kept messages begin: the body with a new
+    first array's prompt would then have been read with it (``a`` where ``a2`` is)."""
+    b = {"role": "user", "content": "Fix it. " + FILLER}
+    c = {"role": "assistant", "content": "done"}
+
+    def raw_of(first: str, last: str, more: list[Any]) -> bytes:
+        winner = [{"role": "system", "content": last}, b, c, *more]
+        return (
+            b'{"model":"m","messages":'
+            + orjson.dumps([{"role": "system", "content": first}, b, c])
+            + b',"\\u006dessages":'
+            + orjson.dumps(winner)
+            + b"}"
+        )
+
+    old = raw_of("one", "two", [])
+    memo = remember(old, bodymemo.parse(old, []))
+    assert memo is not None and memo.head[0] < old.index(b"\\u006d")  # found in the first
+    new = raw_of("three", "two", [{"role": "user", "content": "more"}])
+    parsed = bodymemo.parse(new, [], [memo])
+    assert parsed.body == orjson.loads(new)
+    assert parsed.body["messages"][0]["content"] == "two"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    style=st.sampled_from(["orjson", "python"]),
+    order=st.sampled_from(["first", "middle", "last"]),
+    cut=st.integers(min_value=0, max_value=10**9),
+    insert=st.binary(min_size=0, max_size=12),
+    drop=st.integers(min_value=0, max_value=3),
+)
+def test_any_byte_edit_of_a_body_continued_past_new_first_bytes_parses_as_a_full_parse_would(
+    style: str, order: str, cut: int, insert: bytes, drop: int
+) -> None:
+    """A body that continued its previous one past other first bytes is remembered as parsed
+    (its places known, not checked again): any edit of the next body, anywhere, parses as a
+    full parse would."""
+    raws = _timed_turns(5, order, style, "prompt")
+    memo = None
+    for raw in raws[2:4]:
+        parsed = bodymemo.parse(raw, [], [memo] if memo else [])
+        memo = remember(raw, parsed)
+    assert memo is not None and memo.head_checked and not memo.candidates
+    nxt = raws[4]
+    position = cut % (len(nxt) + 1)
+    candidate = nxt[:position] + insert + nxt[position + drop :]
+    try:
+        expected = orjson.loads(candidate)
+    except orjson.JSONDecodeError:
+        with pytest.raises(orjson.JSONDecodeError):
+            bodymemo.parse(candidate, [], [memo])
+        return
+    parsed = bodymemo.parse(candidate, [], [memo])
+    assert parsed.body == expected
+    assert list(parsed.body) == list(expected) if isinstance(expected, dict) else True

@@ -323,7 +323,8 @@ def test_a_client_with_the_time_in_its_system_prompt_holds_one_history_not_one_p
     later body continues it; and, its system message changed, none of its history was shared
     with the turn before, so every turn's history was a copy of its own, held by the log's
     bases and the memos (~160 MB more RSS over 200 turns of up to ~600 KB). The history after
-    the system prompt is shared, and only the last body is kept (and the first)."""
+    the system prompt is shared, and only the last body is kept (and the first). Its bodies
+    are parsed in what changed and what was appended, as an appending agent's are."""
     proxy = proxy_factory(sim.api_base)
     client = sdk(proxy.base_url)
     rules = "Rules. " * 3000
@@ -351,7 +352,12 @@ def test_a_client_with_the_time_in_its_system_prompt_holds_one_history_not_one_p
 
     plain, _ = run(timed=False)
     memos = proxy.gateway.chat.memos.bytes
+    spliced = proxy.gateway.chat.spliced_parses
     both, sizes = run(timed=True)
+    # its first bytes change every turn, its history is spliced all the same: each turn after
+    # the second (the first keeps one message after the prompt: a task other conversations
+    # may open with too)
+    assert proxy.gateway.chat.spliced_parses - spliced == 12 - 2
     # its last body (and its first: a one-message history tells no conversation from another)
     assert proxy.gateway.chat.memos.bytes - memos == sizes[0] + sizes[-1]
     assert both - plain <= 1.25 * plain  # about what the same history without the time holds
