@@ -216,6 +216,7 @@ def _appended(raw: bytes, at: int, close: int, after: bool) -> list[Any] | None:
 # before the messages grew or shrank by this much at most) to be looked for (``_rehead``).
 _HEAD_DRIFT: Final = 64 * 1024
 _HEAD_TRIES: Final = 4  # places where its first bytes are found, looked at in turn
+_OWN_REHEADS: Final = 4  # a key's newest memos tried so (a key may hold 64: sub-agents)
 
 
 def _rehead(raw: bytes, memo: BodyMemo) -> Parsed | None:
@@ -226,6 +227,8 @@ def _rehead(raw: bytes, memo: BodyMemo) -> Parsed | None:
     another key; its history need not be parsed again). The other bytes are parsed with a
     null closing the messages (it must land as their last element: they end where an element
     of the messages array begins), the rest as ``_splice`` parses an append."""
+    if memo.head == _UNSOUGHT:  # (looked for once, the first time it may serve)
+        memo.head = _head_of(memo.raw, memo.close, memo.messages, memo.style)
     at, count = memo.head
     close = memo.close
     # More than one message kept: another conversation that opens with the same task under
@@ -241,16 +244,19 @@ def _rehead(raw: bytes, memo: BodyMemo) -> Parsed | None:
     if stop < 0 or not raw.endswith(tail):
         return None
     probe = bytes(kept[:64])
-    lo, hi = max(0, at - _HEAD_DRIFT), min(stop, at + _HEAD_DRIFT) + len(probe)
-    where = raw.find(probe, lo, hi)
-    for _ in range(_HEAD_TRIES):
-        if where < 0:
-            return None
-        if raw.startswith(kept, where):
-            break
-        where = raw.find(probe, where + 1, hi)
+    if at <= stop and raw.startswith(probe, at) and raw.startswith(kept, at):
+        where = at  # (where it was: the bytes before it changed, not their length)
     else:
-        return None
+        lo, hi = max(0, at - _HEAD_DRIFT), min(stop, at + _HEAD_DRIFT) + len(probe)
+        where = raw.find(probe, lo, hi)
+        for _ in range(_HEAD_TRIES):
+            if where < 0:
+                return None
+            if raw.startswith(kept, where):
+                break
+            where = raw.find(probe, where + 1, hi)
+        else:
+            return None
     if memo.candidates or not memo.head_checked:  # (checked once, when first found again)
         if not (_settle(memo) and _check_head(memo)):
             return None
@@ -263,6 +269,11 @@ def _rehead(raw: bytes, memo: BodyMemo) -> Parsed | None:
         return None
     first = head["messages"]
     if not isinstance(first, list) or not first or first.pop() is not None:
+        return None
+    # The null lands in the array of the key written last, which a parse puts at the key's
+    # first place (``{"x":1,"messages":[…,null],"x":[`` put it in x's array while the
+    # messages, last in order, ended in a null of their own): no other array may end in one.
+    if any(type(v) is list and v and v[-1] is None for k, v in head.items() if k != "messages"):
         return None
     after = memo.keys[memo.keys.index("messages") + 1 :]
     if not head.keys().isdisjoint(after):  # (a key on both sides: the later value counts)
@@ -517,7 +528,7 @@ def parse(raw: bytes, memos: list[BodyMemo], others: Sequence[BodyMemo] = ()) ->
         spliced = _resplice(raw, memo)
         if spliced is not None:
             return spliced
-    for memo in (*memos, *others):
+    for memo in (*memos[:_OWN_REHEADS], *others):
         spliced = _rehead(raw, memo)
         if spliced is not None:
             return spliced
@@ -558,13 +569,17 @@ def parse(raw: bytes, memos: list[BodyMemo], others: Sequence[BodyMemo] = ()) ->
         marks,
         style,
         candidates=tuple(candidates),
-        head=_head_of(raw, close, body["messages"], style),
+        head=_UNSOUGHT,
     )
 
 
-def _head_of(raw: bytes, close: int, messages: list[Any], style: int) -> tuple[int, int]:
+_UNSOUGHT: Final = (-2, 0)  # ``BodyMemo.head`` not looked for yet
+
+
+def _head_of(raw: bytes, close: int, messages: Sequence[Any], style: int) -> tuple[int, int]:
     """Where the first message after the system prompt may begin (``BodyMemo.head``, not
-    checked): its first place as the client writes it (one message serialized, ~µs)."""
+    checked): its first place as the client writes it (that message serialized, its first
+    bytes looked for, the rest compared), else (-1, 0)."""
     count = leading_system_count(messages)
     if count >= len(messages) or style == _NO_STYLE:
         return (-1, 0)
@@ -572,8 +587,15 @@ def _head_of(raw: bytes, close: int, messages: list[Any], style: int) -> tuple[i
         text = _STYLES[style](messages[count])
     except (TypeError, ValueError, RecursionError):  # (an integer past 64 bits)
         return (-1, 0)
-    at = raw.find(text, 0, close)
-    return (at, count) if at > 0 else (-1, 0)
+    probe = text[:64]
+    at = raw.find(probe, 0, close)
+    for _ in range(_HEAD_TRIES):
+        if at <= 0:
+            break
+        if raw.startswith(text, at):
+            return (at, count)
+        at = raw.find(probe, at + 1, close)
+    return (-1, 0)
 
 
 def _before_space(raw: bytes, bracket: int) -> int:
@@ -672,7 +694,7 @@ class BodyMemos:
                     self._bytes -= len(old.raw)
         filed = dataclasses.replace(memo, lineage=lineage)
         memos.insert(0, filed)
-        if filed.head[0] >= 0:
+        if filed.head[0] != -1:  # (one, or one not looked for yet)
             self._recent.appendleft(weakref.ref(filed))
         self._bytes += len(filed.raw)
         while len(memos) > MEMOS_PER_KEY:
@@ -696,7 +718,7 @@ class BodyMemos:
             memo = ref()
             if (
                 memo is not None
-                and memo.head[0] >= 0
+                and memo.head[0] != -1
                 and all(memo is not m for m in (*besides, *out))
             ):
                 out.append(memo)

@@ -731,6 +731,7 @@ class ChatPipeline:
                 if sid is None:  # (its first bytes changed: filed under a key of its own)
                     others = self.memos.recent(memos)
             parsed = parse_request(raw, memos, others)
+            del memos, others  # (held no longer than the parse: the memos' budget decides)
             body = parsed.body
             model = body.get("model")
             ex.model = model if isinstance(model, str) else None

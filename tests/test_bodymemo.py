@@ -804,11 +804,33 @@ def test_a_cut_in_an_earlier_array_under_the_messages_key_is_never_taken_for_the
 
     old = raw_of("one", "two", [])
     memo = remember(old, bodymemo.parse(old, []))
-    assert memo is not None and memo.head[0] < old.index(b"\\u006d")  # found in the first
+    assert memo is not None
+    assert bodymemo._head_of(old, memo.close, memo.messages, memo.style)[0] < old.index(
+        b"\\u006d"
+    )  # b's bytes are found first in the first array
     new = raw_of("three", "two", [{"role": "user", "content": "more"}])
     parsed = bodymemo.parse(new, [], [memo])
     assert parsed.body == orjson.loads(new)
     assert parsed.body["messages"][0]["content"] == "two"
+    assert memo.head == (-1, 0) and memo.head_checked  # found, checked, proved wrong
+
+
+def test_a_key_written_again_after_the_messages_never_takes_the_kept_messages() -> None:
+    """``{"x":1,"messages":[prompt,null],"x":[<kept bytes>…``: the null that closes the bytes
+    before the kept messages lands in x's array (the key written last), while the messages end
+    in a null of their own; a parse keeps x at its first place, so the messages looked last
+    and were taken to end there (found by a review's fuzzing)."""
+    raws = _timed_turns(5, "first", "orjson", "prompt")
+    memo = None
+    for raw in raws[2:4]:
+        memo = remember(raw, bodymemo.parse(raw, [], [memo] if memo else []))
+    assert memo is not None and memo.head_checked
+    kept, tail = memo.raw[memo.head[0] : memo.close], memo.raw[memo.close :]
+    system = orjson.dumps({"role": "system", "content": "It is 11:00."})
+    raw = b'{"x":1,"messages":[' + system + b',null],"x":[' + kept + tail
+    parsed = bodymemo.parse(raw, [], [memo])
+    assert parsed.body == orjson.loads(raw)
+    assert parsed.body["messages"][-1] is None and len(parsed.body["x"]) == len(memo.messages) - 1
 
 
 @settings(max_examples=300, deadline=None)

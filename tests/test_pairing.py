@@ -901,6 +901,37 @@ def test_a_turn_that_sends_its_last_message_anew_resumes_from_before_it(
     assert after is None or after.messages == tuple(later)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    random_histories(),
+    random_histories(),
+    st.integers(min_value=0, max_value=40),
+    st.integers(min_value=0, max_value=2),
+)
+def test_a_turn_whose_system_prompt_changed_resumes_past_it(
+    first: list[Message], appended: list[Message], cut: int, prompts: int
+) -> None:
+    """A system prompt with the time in it: the messages after it are the previous turn's
+    objects, but the prompt is another, and the whole history was checked again every turn.
+    After any prompt the check stands alike: it resumes past the same messages, and answers
+    as a full check."""
+    earlier = [{"role": "system", "content": "It is 10:00."}, *first[: cut % (len(first) + 1)]]
+    _, checkpoint, _ = needs_repair_from(earlier)
+    since = 1
+    while since < len(earlier) and isinstance(earlier[since], dict):
+        if earlier[since].get("role") not in ("system", "developer"):
+            break
+        since += 1
+    prompt = [{"role": "developer", "content": f"It is 10:0{n + 1}."} for n in range(prompts)]
+    later = [*prompt, *earlier[since:], *appended]
+    kept = [checkpoint] if checkpoint else []
+    resumed, after, used = needs_repair_from(later, kept)
+    assert resumed == needs_repair(later)
+    if checkpoint is not None and since < len(earlier) and (prompts or since > 1):
+        assert used is not None and used.messages == tuple(later[: prompts + len(earlier) - since])
+    assert after is None or after.messages == tuple(later)
+
+
 def test_long_arguments_are_parsed_once_per_string_and_the_memo_stays_bounded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
