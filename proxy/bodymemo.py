@@ -75,8 +75,9 @@ class BodyMemo:
     candidates: tuple[int, ...] = ()
     # Where its first message after the system prompt begins: ``(offset, n)``, ``raw[offset]``
     # the first byte of message ``n``, ``raw[:offset]`` holding the fields before the messages
-    # and messages up to ``n - 1`` (offset -1: none); checked (``head_checked``) before a body
-    # whose first bytes changed is parsed as other bytes up to there, then these (``_rehead``).
+    # and messages up to ``n - 1`` (offset -1: none; -2: not looked for yet, ``_UNSOUGHT``);
+    # checked (``head_checked``) before a body whose first bytes changed is parsed as other
+    # bytes up to there, then these (``_rehead``).
     head: tuple[int, int] = (-1, 0)
     head_checked: bool = False
 
@@ -173,7 +174,7 @@ def _spliced(
         marks = (*marks, *found)[-MARKS_KEPT:]
     body = {k: (messages if k == "messages" else memo.values[k]) for k in memo.keys}
     # (where the first message after the system prompt begins is where it was, if kept)
-    head, checked = (memo.head, memo.head_checked) if memo.head[1] < count else ((-1, 0), False)
+    head, checked = (memo.head, memo.head_checked) if memo.head[1] < count else (_UNSOUGHT, False)
     return Parsed(
         body,
         new_close,
@@ -216,10 +217,16 @@ def _appended(raw: bytes, at: int, close: int, after: bool) -> list[Any] | None:
 # before the messages grew or shrank by this much at most) to be looked for (``_rehead``).
 _HEAD_DRIFT: Final = 64 * 1024
 _HEAD_TRIES: Final = 4  # places where its first bytes are found, looked at in turn
-_OWN_REHEADS: Final = 4  # a key's newest memos tried so (a key may hold 64: sub-agents)
+# A key's memos tried so: the newest of each lineage (a conversation: sub-agents taking turns
+# under one session id), this many; past the first few, only near where the bytes were (the
+# time in a prompt moves them a few bytes): a body that continues none of them costs ~1 µs
+# for each, not the ~20 of the wider search.
+_OWN_REHEADS: Final = 32
+_WIDE_REHEADS: Final = 4
+_NEAR_DRIFT: Final = 1024
 
 
-def _rehead(raw: bytes, memo: BodyMemo) -> Parsed | None:
+def _rehead(raw: bytes, memo: BodyMemo, drift: int = _HEAD_DRIFT) -> Parsed | None:
     """``raw`` as other bytes, then ``memo``'s bytes from where its first message after the
     system prompt begins (``memo.head``) to where its messages end, then messages appended, then
     its bytes after the messages: a system prompt with the time in it, a field before the
@@ -247,7 +254,7 @@ def _rehead(raw: bytes, memo: BodyMemo) -> Parsed | None:
     if at <= stop and raw.startswith(probe, at) and raw.startswith(kept, at):
         where = at  # (where it was: the bytes before it changed, not their length)
     else:
-        lo, hi = max(0, at - _HEAD_DRIFT), min(stop, at + _HEAD_DRIFT) + len(probe)
+        lo, hi = max(0, at - drift), min(stop, at + drift) + len(probe)
         where = raw.find(probe, lo, hi)
         for _ in range(_HEAD_TRIES):
             if where < 0:
@@ -260,7 +267,7 @@ def _rehead(raw: bytes, memo: BodyMemo) -> Parsed | None:
     if memo.candidates or not memo.head_checked:  # (checked once, when first found again)
         if not (_settle(memo) and _check_head(memo)):
             return None
-        return _rehead(raw, memo)
+        return _rehead(raw, memo, drift)
     try:
         head = orjson.loads(raw[:where] + b"null]}")
     except orjson.JSONDecodeError:
@@ -528,8 +535,15 @@ def parse(raw: bytes, memos: list[BodyMemo], others: Sequence[BodyMemo] = ()) ->
         spliced = _resplice(raw, memo)
         if spliced is not None:
             return spliced
-    for memo in (*memos[:_OWN_REHEADS], *others):
-        spliced = _rehead(raw, memo)
+    lineages: dict[int, BodyMemo] = {}  # (the newest of each: the memos come newest first)
+    for memo in memos:
+        if len(lineages) >= _OWN_REHEADS:
+            break
+        lineages.setdefault(memo.lineage or id(memo), memo)  # (0: not filed, its own)
+    own = list(lineages.values())
+    for i, memo in enumerate((*own, *others)):
+        near = _WIDE_REHEADS <= i < len(own)
+        spliced = _rehead(raw, memo, _NEAR_DRIFT if near else _HEAD_DRIFT)
         if spliced is not None:
             return spliced
     body = orjson.loads(raw)

@@ -865,3 +865,38 @@ def test_any_byte_edit_of_a_body_continued_past_new_first_bytes_parses_as_a_full
     parsed = bodymemo.parse(candidate, [], [memo])
     assert parsed.body == expected
     assert list(parsed.body) == list(expected) if isinstance(expected, dict) else True
+
+
+@pytest.mark.parametrize("agents", [1, 5, 12])
+def test_sub_agents_with_the_time_in_their_prompts_under_one_id_are_each_continued(
+    agents: int,
+) -> None:
+    """Sub-agents taking turns under one session id, each with the time in its prompt: each
+    one's newest memo is tried, whichever came last (only the key's four newest were: from
+    five agents on, every turn was parsed whole again)."""
+    memos = BodyMemos()
+    histories: list[list[dict[str, Any]]] = [
+        [{"role": "user", "content": f"Agent {a}: fix the tests. " + FILLER}] for a in range(agents)
+    ]
+    for minute in range(1, 7):  # (the first two turns at 10:01: the second one appends)
+        for a, history in enumerate(histories):
+            prompt = {"role": "system", "content": f"It is 10:{minute:02d}. You are agent {a}."}
+            raw = orjson.dumps(body_of([prompt, *history], "first"))
+            parsed = _feed(memos, "s:team", raw)
+            assert parsed.body == orjson.loads(raw), (minute, a)
+            if len(history) > 1:  # each turn of each agent spliced onto its own previous one
+                assert (
+                    parsed.source is not None and parsed.source.raw.find(f"Agent {a}:".encode()) > 0
+                ), (minute, a)
+                assert (parsed.own is not None) == (minute > 1)
+            history += [
+                {"role": "assistant", "content": f"step {minute} of {a}"},
+                {"role": "user", "content": f"go on, {a}"},
+            ]
+            if minute == 1 and len(history) == 3:  # (its second turn, also at 10:01)
+                raw = orjson.dumps(body_of([prompt, *history], "first"))
+                assert _feed(memos, "s:team", raw).source is not None
+                history += [
+                    {"role": "assistant", "content": f"step 1b of {a}"},
+                    {"role": "user", "content": f"go on, {a}"},
+                ]
