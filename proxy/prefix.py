@@ -857,8 +857,8 @@ def _tools_digest(tools: Any) -> bytes:
 
 def same_as_sent(a: Any, b: Any) -> bool:
     """Whether two parsed JSON values (tools arrays, runs of messages) are the same as sent,
-    keys in the same order: Python's equality ignores the order (a replay must not, nor a provider, for
-    a schema's properties) and takes ``true``, ``1`` and ``1.0`` for equal."""
+    keys in the same order: Python's equality ignores the order (a replay must not, nor a
+    provider, for a schema's properties) and takes ``true``, ``1`` and ``1.0`` for equal."""
     if a is b:
         return True
     if a != b:
