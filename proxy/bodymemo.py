@@ -24,7 +24,7 @@ import hashlib
 import json
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -41,8 +41,9 @@ MEMOS_PER_KEY = 64
 # Full parses in a row whose bytes did not continue a memo: stop remembering (each memo held
 # pushes out others, of other keys too, once the memos' budget is full)
 _MAX_MISSES = 3
-# Memos of other keys a body whose first bytes are new is matched against (``BodyMemos.recent``)
-RECENT_KEPT = 8
+# Memos of other keys a body whose first bytes are new is matched against (``BodyMemos.recent``):
+# agents without a session id taking turns, each with the time in its prompt
+RECENT_KEPT = 32
 _FIRSTS_REMEMBERED = 32  # ...but for this many first requests of conversations (a fan-out)
 # Where a body's last messages begin, kept with its memo: a body that changed one of them is
 # parsed from there on (``_resplice``).
@@ -215,12 +216,12 @@ def _appended(raw: bytes, at: int, close: int, after: bool) -> list[Any] | None:
 
 # How far the first message after the system prompt may have moved (the prompt or the fields
 # before the messages grew or shrank by this much at most) to be looked for (``_rehead``).
-_HEAD_DRIFT: Final = 64 * 1024
+_HEAD_DRIFT: Final = 16 * 1024
 _HEAD_TRIES: Final = 4  # places where its first bytes are found, looked at in turn
 # A key's memos tried so: the newest of each lineage (a conversation: sub-agents taking turns
-# under one session id), this many; past the first few, only near where the bytes were (the
-# time in a prompt moves them a few bytes): a body that continues none of them costs ~1 µs
-# for each, not the ~20 of the wider search.
+# under one session id), this many; then the recent memos of other keys. Past the first few
+# memos tried, only near where the bytes were (the time in a prompt moves them a few bytes):
+# a body that continues none of them costs ~1 µs for each, not the ~20 of the wider search.
 _OWN_REHEADS: Final = 32
 _WIDE_REHEADS: Final = 4
 _NEAR_DRIFT: Final = 1024
@@ -518,10 +519,15 @@ def _verify(raw: bytes, body: dict[str, Any], close: int) -> bool:
     return [*head, *tail] == list(body) and {**head, **tail} == body
 
 
-def parse(raw: bytes, memos: list[BodyMemo], others: Sequence[BodyMemo] = ()) -> Parsed:
+def parse(
+    raw: bytes,
+    memos: list[BodyMemo],
+    others: Sequence[BodyMemo] | Callable[[], Sequence[BodyMemo]] = (),
+) -> Parsed:
     """Parse ``raw``, splicing onto the first memo it continues; failing that, onto one of
-    ``memos`` or ``others`` (recent memos of other keys) whose bytes it holds after other first
-    bytes (``_rehead``). Raises ``orjson.JSONDecodeError``."""
+    ``memos`` or ``others`` (recent memos of other keys, or what gives them, called only then)
+    whose bytes it holds after other first bytes (``_rehead``). Raises
+    ``orjson.JSONDecodeError``."""
     for memo in memos:
         spliced = _splice(raw, memo)
         if spliced is not None:
@@ -541,9 +547,10 @@ def parse(raw: bytes, memos: list[BodyMemo], others: Sequence[BodyMemo] = ()) ->
             break
         lineages.setdefault(memo.lineage or id(memo), memo)  # (0: not filed, its own)
     own = list(lineages.values())
+    if callable(others):
+        others = others()
     for i, memo in enumerate((*own, *others)):
-        near = _WIDE_REHEADS <= i < len(own)
-        spliced = _rehead(raw, memo, _NEAR_DRIFT if near else _HEAD_DRIFT)
+        spliced = _rehead(raw, memo, _NEAR_DRIFT if i >= _WIDE_REHEADS else _HEAD_DRIFT)
         if spliced is not None:
             return spliced
     body = orjson.loads(raw)
@@ -728,13 +735,11 @@ class BodyMemos:
         """The memos filed last that may be continued past other first bytes, newest first,
         but for ``besides`` (those of the body's own key, tried already)."""
         out: list[BodyMemo] = []
+        seen = set(map(id, besides))
         for ref in self._recent:
             memo = ref()
-            if (
-                memo is not None
-                and memo.head[0] != -1
-                and all(memo is not m for m in (*besides, *out))
-            ):
+            if memo is not None and memo.head[0] != -1 and id(memo) not in seen:
+                seen.add(id(memo))
                 out.append(memo)
         return out
 

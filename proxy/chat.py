@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import json
 import logging
@@ -73,7 +74,9 @@ def _retry_count(value: str) -> int:
 
 
 def parse_request(
-    raw: bytes, memos: list[bodymemo.BodyMemo], others: Sequence[bodymemo.BodyMemo] = ()
+    raw: bytes,
+    memos: list[bodymemo.BodyMemo],
+    others: Sequence[bodymemo.BodyMemo] | Callable[[], Sequence[bodymemo.BodyMemo]] = (),
 ) -> bodymemo.Parsed:
     """The request as a JSON object, or a 400 that says what is wrong with it. A body that continues
     the session's previous one (``memos``; ``others``, recent ones of other keys, past its first
@@ -720,7 +723,7 @@ class ChatPipeline:
             ex.request_bytes = len(raw)
             memo_key: str | None = None
             memos: list[bodymemo.BodyMemo] = []
-            others: list[bodymemo.BodyMemo] = []
+            others: Callable[[], list[bodymemo.BodyMemo]] | tuple[()] = ()
             if len(raw) >= bodymemo.MIN_BYTES:
                 try:
                     sid = explicit_session_id(headers, path_session)
@@ -729,7 +732,7 @@ class ChatPipeline:
                 memo_key = bodymemo.memo_key(raw, sid)
                 memos = self.memos.get(memo_key)
                 if sid is None:  # (its first bytes changed: filed under a key of its own)
-                    others = self.memos.recent(memos)
+                    others = functools.partial(self.memos.recent, memos)
             parsed = parse_request(raw, memos, others)
             del memos, others  # (held no longer than the parse: the memos' budget decides)
             body = parsed.body

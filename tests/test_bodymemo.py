@@ -900,3 +900,33 @@ def test_sub_agents_with_the_time_in_their_prompts_under_one_id_are_each_continu
                     {"role": "assistant", "content": f"step 1b of {a}"},
                     {"role": "user", "content": f"go on, {a}"},
                 ]
+
+
+def test_agents_without_an_id_with_the_time_in_their_prompts_are_each_continued() -> None:
+    """A dozen agents without a session id, each with the time in its prompt, taking turns:
+    each body is filed under a key of its own, so the memos filed last by other keys are
+    looked at; eight were, and a dozen agents' turns came between two of one agent's."""
+    memos = BodyMemos()
+    histories: list[list[dict[str, Any]]] = [
+        [{"role": "user", "content": f"Agent {a}: fix the tests. " + FILLER}] for a in range(12)
+    ]
+    for minute in range(1, 5):  # (the first two turns at 10:01: the second one appends)
+        for a, history in enumerate(histories):
+            prompt = {"role": "system", "content": f"It is 10:{minute:02d}. You are agent {a}."}
+            for _ in range(2 if minute == 1 else 1):
+                raw = orjson.dumps(body_of([prompt, *history], "first"))
+                key = bodymemo.memo_key(raw, None)
+                mine = memos.get(key)
+                parsed = bodymemo.parse(raw, mine, lambda mine=mine: memos.recent(mine))
+                assert parsed.body == orjson.loads(raw), (minute, a)
+                if minute > 1:
+                    assert parsed.own is not None, (minute, a)
+                    assert parsed.source is not None
+                    assert parsed.source.raw.find(f"Agent {a}:".encode()) > 0
+                memo = remember(raw, parsed)
+                assert memo is not None
+                memos.put(key, memo, source=parsed.source)
+                history += [
+                    {"role": "assistant", "content": f"step {minute} of {a}"},
+                    {"role": "user", "content": f"go on, {a}"},
+                ]
