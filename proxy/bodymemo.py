@@ -239,11 +239,7 @@ def _rehead(raw: bytes, memo: BodyMemo, drift: int = _HEAD_DRIFT) -> Parsed | No
         memo.head = _head_of(memo.raw, memo.close, memo.messages, memo.style)
     at, count = memo.head
     close = memo.close
-    # More than one message kept: another conversation that opens with the same task under
-    # another system prompt (a sub-agent's role) is no turn of this one, and must not share
-    # its task message (the sessions' memory estimate takes a request holding the very same
-    # first message for a later turn of its history).
-    if not 0 < at < close or count + 1 >= len(memo.messages):
+    if not 0 < at < close:
         return None
     view = memoryview(memo.raw)
     kept = view[at:close]
@@ -265,6 +261,13 @@ def _rehead(raw: bytes, memo: BodyMemo, drift: int = _HEAD_DRIFT) -> Parsed | No
             where = raw.find(probe, where + 1, hi)
         else:
             return None
+    # More than one message kept, and a reply of the model among them: another conversation
+    # that opens with the same task (and context) under another system prompt (a sub-agent's
+    # role) is no turn of this one, and must not share its messages (the sessions' memory
+    # estimate takes a request holding the very same first message for a later turn of its
+    # history). Its bytes go on here all the same: this body is a conversation's next turn.
+    if count + 1 >= len(memo.messages) or _first_request(memo.messages[count:]):
+        return _GOES_ON
     if memo.candidates or not memo.head_checked:  # (checked once, when first found again)
         if not (_settle(memo) and _check_head(memo)):
             return None
@@ -309,6 +312,11 @@ def _rehead(raw: bytes, memo: BodyMemo, drift: int = _HEAD_DRIFT) -> Parsed | No
         head_checked=True,
         own=(len(raw) - len(kept) - len(tail), len(first) + len(appended)),
     )
+
+
+# What ``_rehead`` gives for a body that goes on past a memo's opening but may not be spliced
+# onto it: kept for the next turn even once the misses back off (``parse``).
+_GOES_ON: Final = Parsed(None, None)
 
 
 def _check_head(memo: BodyMemo) -> bool:
@@ -542,16 +550,23 @@ def parse(
         if spliced is not None:
             return spliced
     lineages: dict[int, BodyMemo] = {}  # (the newest of each: the memos come newest first)
+    before: list[BodyMemo] = []  # the one before it, of the newest few (a rewind, a retry)
     for memo in memos:
-        if len(lineages) >= _OWN_REHEADS:
-            break
-        lineages.setdefault(memo.lineage or id(memo), memo)  # (0: not filed, its own)
-    own = list(lineages.values())
+        lineage = memo.lineage or id(memo)  # (0: not filed, its own)
+        if lineage not in lineages:
+            if len(lineages) >= _OWN_REHEADS:
+                break
+            lineages[lineage] = memo
+        elif len(before) < _WIDE_REHEADS and memo is not lineages[lineage]:
+            before.append(memo)
     if callable(others):
         others = others()
-    for i, memo in enumerate((*own, *others)):
+    goes_on = False
+    for i, memo in enumerate((*lineages.values(), *before, *others)):
         spliced = _rehead(raw, memo, _NEAR_DRIFT if i >= _WIDE_REHEADS else _HEAD_DRIFT)
-        if spliced is not None:
+        if spliced is _GOES_ON:
+            goes_on = True
+        elif spliced is not None:
             return spliced
     body = orjson.loads(raw)
     previous = memos[0] if memos else None
@@ -563,13 +578,15 @@ def parse(
         or not isinstance(body.get("messages"), list)
     ):
         return Parsed(body, None, None, misses, firsts)
-    if misses > _MAX_MISSES and misses % 16:
+    if misses > _MAX_MISSES and misses % 16 and not goes_on:
         # This client's bodies do not continue each other: remember only now and then, but for
         # the first requests of new conversations, a key's worth of them (sub-agents fanned
         # out after a dozen others, or after a main agent whose system prompt has the time
         # in it, were no longer remembered, and their next turns were parsed whole). One-shot
         # requests (a batch) back off once past them; a history trimmed at its start is no
-        # first request.
+        # first request. A body that goes on past a memo's opening under another prompt is
+        # remembered too: its next turn continues it (sub-agents under one id, the time in
+        # their prompts, each second turn a full parse, had every later turn parsed whole).
         if firsts >= _FIRSTS_REMEMBERED or not _first_request(body["messages"]):
             return Parsed(body, None, None, misses, firsts)
         firsts += 1
@@ -650,7 +667,7 @@ def _settle(memo: BodyMemo) -> bool:
     return memo.close >= 0
 
 
-def _first_request(messages: list[Any]) -> bool:
+def _first_request(messages: Sequence[Any]) -> bool:
     """Whether ``messages`` hold nothing from the model yet: a conversation's first request."""
     return not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
 

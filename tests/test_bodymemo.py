@@ -868,38 +868,72 @@ def test_any_byte_edit_of_a_body_continued_past_new_first_bytes_parses_as_a_full
 
 
 @pytest.mark.parametrize("agents", [1, 5, 12])
+@pytest.mark.parametrize("context", [False, True])
 def test_sub_agents_with_the_time_in_their_prompts_under_one_id_are_each_continued(
-    agents: int,
+    agents: int, context: bool
 ) -> None:
     """Sub-agents taking turns under one session id, each with the time in its prompt: each
     one's newest memo is tried, whichever came last (only the key's four newest were: from
-    five agents on, every turn was parsed whole again)."""
+    five agents on, every turn was parsed whole again). Their second turns cannot continue
+    their first (a task, maybe a context they all share, and no reply yet: another agent's
+    opening would be taken for theirs), but are kept though the misses back off (every later
+    turn was parsed whole until the back-off let a body be kept, ~16 parses on)."""
     memos = BodyMemos()
+    shared = [{"role": "user", "content": "<context>the repository's layout</context>"}]
     histories: list[list[dict[str, Any]]] = [
-        [{"role": "user", "content": f"Agent {a}: fix the tests. " + FILLER}] for a in range(agents)
+        [
+            {
+                "role": "user",
+                "content": ("Fix the tests. " if context else f"Agent {a}: ") + FILLER,
+            },
+            *(shared if context else []),
+        ]
+        for a in range(agents)
     ]
-    for minute in range(1, 7):  # (the first two turns at 10:01: the second one appends)
+    for minute in range(1, 7):
         for a, history in enumerate(histories):
             prompt = {"role": "system", "content": f"It is 10:{minute:02d}. You are agent {a}."}
             raw = orjson.dumps(body_of([prompt, *history], "first"))
             parsed = _feed(memos, "s:team", raw)
             assert parsed.body == orjson.loads(raw), (minute, a)
-            if len(history) > 1:  # each turn of each agent spliced onto its own previous one
-                assert (
-                    parsed.source is not None and parsed.source.raw.find(f"Agent {a}:".encode()) > 0
-                ), (minute, a)
-                assert (parsed.own is not None) == (minute > 1)
+            if minute <= 2:  # (the first turn holds no reply: nothing may continue it)
+                assert parsed.source is None, (minute, a)
+            else:  # each turn of each agent onto its own previous one, never another's
+                assert parsed.own is not None, (minute, a)
+                assert parsed.source is not None
+                assert f"You are agent {a}.".encode() in parsed.source.raw, (minute, a)
             history += [
                 {"role": "assistant", "content": f"step {minute} of {a}"},
                 {"role": "user", "content": f"go on, {a}"},
             ]
-            if minute == 1 and len(history) == 3:  # (its second turn, also at 10:01)
-                raw = orjson.dumps(body_of([prompt, *history], "first"))
-                assert _feed(memos, "s:team", raw).source is not None
-                history += [
-                    {"role": "assistant", "content": f"step 1b of {a}"},
-                    {"role": "user", "content": f"go on, {a}"},
-                ]
+
+
+def test_a_step_redone_after_the_time_changed_is_continued_from_the_turn_before() -> None:
+    """A client with the time in its prompt goes back one step and redoes it: its body goes on
+    past the turn before the newest one (kept for a retry or a regeneration), which was not
+    looked at, so it was parsed whole."""
+    memos = BodyMemos()
+    history: list[dict[str, Any]] = [{"role": "user", "content": "Fix the tests. " + FILLER}]
+    snapshots = []
+    for minute in range(1, 6):
+        snapshots.append(list(history))
+        prompt = {"role": "system", "content": f"It is 10:{minute:02d}."}
+        _feed(memos, "s:one", orjson.dumps(body_of([prompt, *history], "first")))
+        history += [
+            {"role": "assistant", "content": f"step {minute}"},
+            {"role": "user", "content": f"out {minute}"},
+        ]
+    redone = [  # the history the 10:04 turn sent, another step after it
+        *snapshots[-2],
+        {"role": "assistant", "content": "step 4, redone"},
+        {"role": "user", "content": "out 4b"},
+    ]
+    prompt = {"role": "system", "content": "It is 10:07."}
+    raw = orjson.dumps(body_of([prompt, *redone], "first"))
+    parsed = _feed(memos, "s:one", raw)
+    assert parsed.body == orjson.loads(raw)
+    assert parsed.own is not None and parsed.source is not None
+    assert b"It is 10:04." in parsed.source.raw  # the turn before the newest
 
 
 def test_agents_without_an_id_with_the_time_in_their_prompts_are_each_continued() -> None:
