@@ -227,51 +227,85 @@ _WIDE_REHEADS: Final = 4
 _NEAR_DRIFT: Final = 1024
 
 
-def _rehead(raw: bytes, memo: BodyMemo, drift: int = _HEAD_DRIFT) -> Parsed | None:
-    """``raw`` as other bytes, then ``memo``'s bytes from where its first message after the
-    system prompt begins (``memo.head``) to where its messages end, then messages appended, then
-    its bytes after the messages: a system prompt with the time in it, a field before the
-    messages that changed each turn (the first bytes change, so the body is filed under
-    another key; its history need not be parsed again). The other bytes are parsed with a
-    null closing the messages (it must land as their last element: they end where an element
-    of the messages array begins), the rest as ``_splice`` parses an append."""
+def _kept_at(raw: bytes, memo: BodyMemo, drift: int, goes_on: bool = False) -> int:
+    """Where ``raw`` holds ``memo``'s bytes from where its first message after the system
+    prompt begins (``memo.head``) to where its messages end, with its bytes after the messages
+    at its end and messages appended between (``_rehead``); -1 if nowhere, ``_GOES_ON`` if
+    there but ``memo`` may not be spliced onto (unless ``goes_on``: that is known already)."""
     if memo.head == _UNSOUGHT:  # (looked for once, the first time it may serve)
         memo.head = _head_of(memo.raw, memo.close, memo.messages, memo.style)
     at, count = memo.head
     close = memo.close
     if not 0 < at < close:
-        return None
+        return -1
+    # More than one message kept, and a reply of the model among them: another conversation
+    # that opens with the same task (and context) under another system prompt (a sub-agent's
+    # role) is no turn of this one, and must not share its messages (the sessions' memory
+    # estimate takes a request holding the very same first message for a later turn of its
+    # history). Its bytes may go on here all the same: this body is then a conversation's
+    # next turn, to be kept for the one after.
+    opening = count + 1 >= len(memo.messages) or _first_request(memo.messages[count:])
+    if opening and goes_on:
+        return -1
     view = memoryview(memo.raw)
     kept = view[at:close]
     tail = view[close:]
     stop = len(raw) - len(tail) - len(kept)  # the furthest the kept bytes may begin
     if stop < 0 or not raw.endswith(tail):
-        return None
+        return -1
     probe = bytes(kept[:64])
-    if at <= stop and raw.startswith(probe, at) and raw.startswith(kept, at):
-        where = at  # (where it was: the bytes before it changed, not their length)
-    else:
-        lo, hi = max(0, at - drift), min(stop, at + drift) + len(probe)
-        where = raw.find(probe, lo, hi)
-        for _ in range(_HEAD_TRIES):
-            if where < 0:
-                return None
-            if raw.startswith(kept, where):
-                break
-            where = raw.find(probe, where + 1, hi)
-        else:
-            return None
-    # More than one message kept, and a reply of the model among them: another conversation
-    # that opens with the same task (and context) under another system prompt (a sub-agent's
-    # role) is no turn of this one, and must not share its messages (the sessions' memory
-    # estimate takes a request holding the very same first message for a later turn of its
-    # history). Its bytes go on here all the same: this body is a conversation's next turn.
-    if count + 1 >= len(memo.messages) or _first_request(memo.messages[count:]):
-        return _GOES_ON
+    lo, hi = max(0, at - drift), min(stop, at + drift) + len(probe)
+    where = at if at <= stop and raw.startswith(probe, at) else raw.find(probe, lo, hi)
+    for _ in range(_HEAD_TRIES):
+        if where < 0:
+            return -1
+        # Nothing appended: the history again under another prompt (another conversation's
+        # opening, or a retry after the time changed): not spliced, nor a turn that goes on.
+        if not raw[where + len(kept) : len(raw) - len(tail)].strip(_WS):
+            return -1
+        if raw.startswith(kept, where):
+            return _GOES_ON_AT if opening else where
+        where = raw.find(probe, where + 1, hi)
+    return -1
+
+
+_GOES_ON_AT: Final = -2  # (``_kept_at``)
+
+
+def _changed(old: bytes, at: int, raw: bytes, where: int) -> int:
+    """How many bytes of ``old[:at]`` and ``raw[:where]`` differ: all but their common start and
+    end (the time in a prompt: a few; another sub-agent's role: its name and more)."""
+    a, b = memoryview(old), memoryview(raw)
+    limit = min(at, where)
+    lo, hi = 0, limit
+    while lo < hi:  # the common start, by halves (memcmp each)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid - 1)
+    start = lo
+    lo, hi = 0, limit - start
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if a[at - mid : at] == b[where - mid : where] else (lo, mid - 1)
+    return max(at, where) - start - lo
+
+
+def _rehead(raw: bytes, memo: BodyMemo, where: int, drift: int) -> Parsed | None:
+    """``raw`` as other bytes, then ``memo``'s bytes from where its first message after the
+    system prompt begins to where its messages end (found at ``where``, ``_kept_at``), then
+    messages appended, then its bytes after the messages: a system prompt with the time in it,
+    a field before the messages that changed each turn (the first bytes change, so the body is
+    filed under another key; its history need not be parsed again). The other bytes are parsed
+    with a null closing the messages (it must land as their last element: they end where an
+    element of the messages array begins), the rest as ``_splice`` parses an append."""
+    at, count = memo.head
+    view = memoryview(memo.raw)
+    kept = view[at : memo.close]
+    tail = view[memo.close :]
     if memo.candidates or not memo.head_checked:  # (checked once, when first found again)
         if not (_settle(memo) and _check_head(memo)):
             return None
-        return _rehead(raw, memo, drift)
+        where = _kept_at(raw, memo, drift)  # (its messages may close elsewhere)
+        return _rehead(raw, memo, where, drift) if where >= 0 else None
     try:
         head = orjson.loads(raw[:where] + b"null]}")
     except orjson.JSONDecodeError:
@@ -312,11 +346,6 @@ def _rehead(raw: bytes, memo: BodyMemo, drift: int = _HEAD_DRIFT) -> Parsed | No
         head_checked=True,
         own=(len(raw) - len(kept) - len(tail), len(first) + len(appended)),
     )
-
-
-# What ``_rehead`` gives for a body that goes on past a memo's opening but may not be spliced
-# onto it: kept for the next turn even once the misses back off (``parse``).
-_GOES_ON: Final = Parsed(None, None)
 
 
 def _check_head(memo: BodyMemo) -> bool:
@@ -550,23 +579,34 @@ def parse(
         if spliced is not None:
             return spliced
     lineages: dict[int, BodyMemo] = {}  # (the newest of each: the memos come newest first)
-    before: list[BodyMemo] = []  # the one before it, of the newest few (a rewind, a retry)
+    before: list[BodyMemo] = []  # the one before the newest, of the newest (a step redone)
     for memo in memos:
         lineage = memo.lineage or id(memo)  # (0: not filed, its own)
         if lineage not in lineages:
             if len(lineages) >= _OWN_REHEADS:
                 break
             lineages[lineage] = memo
-        elif len(before) < _WIDE_REHEADS and memo is not lineages[lineage]:
+        elif not before and memo is not lineages[lineage] and len(lineages) == 1:
             before.append(memo)
     if callable(others):
         others = others()
+    # Every memo whose bytes it holds, the one whose bytes before them differ least first:
+    # sub-agents whose openings are the same (a few-shot example, a parent's history) under
+    # role prompts of their own each go on from their own, not from the newest.
     goes_on = False
+    found: list[tuple[int, int, BodyMemo, int, int]] = []
     for i, memo in enumerate((*lineages.values(), *before, *others)):
-        spliced = _rehead(raw, memo, _NEAR_DRIFT if i >= _WIDE_REHEADS else _HEAD_DRIFT)
-        if spliced is _GOES_ON:
+        drift = _NEAR_DRIFT if i >= _WIDE_REHEADS else _HEAD_DRIFT
+        where = _kept_at(raw, memo, drift, goes_on)
+        if where == _GOES_ON_AT:
             goes_on = True
-        elif spliced is not None:
+        elif where >= 0:
+            found.append((0, i, memo, where, drift))
+    if len(found) > 1:
+        found = sorted((_changed(m.raw, m.head[0], raw, w), i, m, w, d) for _, i, m, w, d in found)
+    for _, _, memo, where, drift in found:
+        spliced = _rehead(raw, memo, where, drift)
+        if spliced is not None:
             return spliced
     body = orjson.loads(raw)
     previous = memos[0] if memos else None

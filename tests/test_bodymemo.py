@@ -868,44 +868,70 @@ def test_any_byte_edit_of_a_body_continued_past_new_first_bytes_parses_as_a_full
 
 
 @pytest.mark.parametrize("agents", [1, 5, 12])
-@pytest.mark.parametrize("context", [False, True])
+@pytest.mark.parametrize("opening", ["task", "context", "few-shot"])
 def test_sub_agents_with_the_time_in_their_prompts_under_one_id_are_each_continued(
-    agents: int, context: bool
+    agents: int, opening: str
 ) -> None:
     """Sub-agents taking turns under one session id, each with the time in its prompt: each
     one's newest memo is tried, whichever came last (only the key's four newest were: from
-    five agents on, every turn was parsed whole again). Their second turns cannot continue
-    their first (a task, maybe a context they all share, and no reply yet: another agent's
-    opening would be taken for theirs), but are kept though the misses back off (every later
-    turn was parsed whole until the back-off let a body be kept, ~16 parses on)."""
+    five agents on, every turn was parsed whole again). An opening they share (a task and its
+    context, a few-shot example) is another agent's too: each goes on from its own (the newest
+    was taken, and every agent's turns were spliced onto one agent's opening). Their second
+    turns cannot continue an opening that holds no reply yet, but are kept though the misses
+    back off (every later turn was parsed whole until the back-off let a body be kept)."""
     memos = BodyMemos()
-    shared = [{"role": "user", "content": "<context>the repository's layout</context>"}]
+    task = {"role": "user", "content": "Fix the tests. " + FILLER}
+    shared = {
+        "context": [task, {"role": "user", "content": "<context>the layout</context>"}],
+        "few-shot": [
+            {"role": "user", "content": "Example: fix a typo."},
+            {"role": "assistant", "content": "Fixed it, and ran the tests."},
+            task,
+        ],
+    }
     histories: list[list[dict[str, Any]]] = [
-        [
-            {
-                "role": "user",
-                "content": ("Fix the tests. " if context else f"Agent {a}: ") + FILLER,
-            },
-            *(shared if context else []),
-        ]
+        list(shared.get(opening, [{"role": "user", "content": f"Agent {a}: " + FILLER}]))
         for a in range(agents)
     ]
+    # An opening with a reply in it is continued from the second turn on; but from the fifth
+    # agent on, the misses back off and such an opening is no first request (which is kept
+    # all the same): those agents' bodies are kept again only as the back-off lets them.
+    continued = [2 if opening == "few-shot" and a < 4 else 3 for a in range(agents)]
+    if opening == "few-shot":
+        continued[4:] = [6] * len(continued[4:])
     for minute in range(1, 7):
         for a, history in enumerate(histories):
             prompt = {"role": "system", "content": f"It is 10:{minute:02d}. You are agent {a}."}
             raw = orjson.dumps(body_of([prompt, *history], "first"))
             parsed = _feed(memos, "s:team", raw)
             assert parsed.body == orjson.loads(raw), (minute, a)
-            if minute <= 2:  # (the first turn holds no reply: nothing may continue it)
-                assert parsed.source is None, (minute, a)
-            else:  # each turn of each agent onto its own previous one, never another's
-                assert parsed.own is not None, (minute, a)
-                assert parsed.source is not None
+            if parsed.source is not None:  # onto its own previous turn, never another's
                 assert f"You are agent {a}.".encode() in parsed.source.raw, (minute, a)
+            if minute < continued[a] and continued[a] < 6:
+                assert parsed.source is None, (minute, a)
+            elif minute >= continued[a]:
+                assert parsed.own is not None, (minute, a)
             history += [
                 {"role": "assistant", "content": f"step {minute} of {a}"},
                 {"role": "user", "content": f"go on, {a}"},
             ]
+
+
+def test_one_shot_requests_of_one_document_under_other_prompts_still_back_off() -> None:
+    """A batch of one-shot requests under one key, the same document under prompts of their
+    own: no body continues another (none appends anything to the document), so they are kept
+    as any batch's are, not all (each was taken for a conversation's next turn and kept, and
+    its bytes compared with every memo's)."""
+    memos = BodyMemos()
+    document = {"role": "user", "content": "Grade this essay. " + FILLER}
+    remembered = []
+    for n in range(80):
+        raw = orjson.dumps(
+            body_of([{"role": "system", "content": f"Rubric {n}: be strict."}, document], "first")
+        )
+        remembered.append(_feed(memos, "s:batch", raw).close is not None)
+    assert remembered[:38] == [True] * 38  # the first four, then 32 first requests
+    assert [n for n, r in enumerate(remembered) if r and n >= 38] == [48, 64]
 
 
 def test_a_step_redone_after_the_time_changed_is_continued_from_the_turn_before() -> None:
