@@ -230,7 +230,7 @@ _NEAR_DRIFT: Final = 1024
 def _kept_at(raw: bytes, memo: BodyMemo, drift: int, goes_on: bool = False) -> int:
     """Where ``raw`` holds ``memo``'s bytes from where its first message after the system
     prompt begins (``memo.head``) to where its messages end, with its bytes after the messages
-    at its end and messages appended between (``_rehead``); -1 if nowhere, ``_GOES_ON`` if
+    at its end and messages appended between (``_rehead``); -1 if nowhere, ``_GOES_ON_AT`` if
     there but ``memo`` may not be spliced onto (unless ``goes_on``: that is known already)."""
     if memo.head == _UNSOUGHT:  # (looked for once, the first time it may serve)
         memo.head = _head_of(memo.raw, memo.close, memo.messages, memo.style)
