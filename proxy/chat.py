@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import itertools
 import json
 import logging
-import operator
 import re
 import time
 import weakref
@@ -126,13 +124,7 @@ def _carried_on(older: Sequence[Any], newer: Sequence[Any], start: int) -> bool:
     objects of ``older``'s past its own system block, more than one, and go on past them
     (conversations of one task under several models or role prompts open with the very same
     task message, shared with the request before)."""
-    since = prefix.leading_system_count(older)
-    n = len(older) - since
-    return 1 < n < len(newer) - start and all(
-        map(
-            operator.is_, itertools.islice(older, since, None), itertools.islice(newer, start, None)
-        )
-    )
+    return 1 < prefix.carried_past_prompt(older, newer) < len(newer) - start
 
 
 _UNREADABLE: Final = object()

@@ -278,6 +278,16 @@ def leading_system_count(messages: Sequence[Any]) -> int:
     return count
 
 
+def carried_past_prompt(older: Sequence[Any], newer: Sequence[Any]) -> int:
+    """How many messages ``older`` has past its system block, when ``newer`` holds those very
+    objects right past its own (whatever either system block holds: the time in it); else 0."""
+    since, start = leading_system_count(older), leading_system_count(newer)
+    n = len(older) - since
+    if n <= 0 or start + n > len(newer) or older[since] is not newer[start]:
+        return 0
+    return n if all(map(operator.is_, older[since:], newer[start : start + n])) else 0
+
+
 def _system_digest(message_digests: Sequence[bytes]) -> bytes:
     return hashlib.blake2b(b"".join(message_digests), digest_size=DIGEST_SIZE).digest()
 
