@@ -277,6 +277,9 @@ class SessionState:
     # Of each history (by its first message after the system prompt, that object), what its
     # latest request holds of its own: counted past ``sizes`` while the log keeps it as a base.
     owns: dict[int, tuple[int, Any]] = field(default_factory=dict)
+    # The keys of ``owns`` whose history no entry of ``sizes`` holds any more (``_held_beyond``
+    # looks at these alone: not every one of ``owns`` for every request).
+    beyond: set[int] = field(default_factory=set)
     opening: OpeningKey | None = None
     last_client_messages: list[Any] = field(default_factory=list)
     # (exchange id, forwarded messages) of recent exchanges, the bases of delta-coded log lines
@@ -385,16 +388,17 @@ def _held_beyond(state: SessionState) -> int:
     own while the event log keeps them as bases (a dozen sub-agents taking turns: each one's
     history counted; SIZES_KEPT alone left all but eight out, ~25 times less than was held).
     The others are forgotten here: the log no longer holds them either."""
-    looked_at = {id(a) for _, _, a in state.sizes if a is not None}
+    beyond = state.beyond
+    if not beyond:
+        return 0
     live = {id(anchor_of(messages)) for _, messages in state.recent}
     held = 0
-    for key, (own, _) in list(state.owns.items()):
-        if key in looked_at:
-            continue
+    for key in list(beyond):
         if key in live:
-            held += own
+            held += state.owns[key][0]
         else:
             del state.owns[key]
+            beyond.discard(key)
     return held
 
 
@@ -463,23 +467,28 @@ class MemorySessionStore:
             # (a sub-agent's history, however little each turn appends). Each turn takes what
             # its history's latest entry held, which took the earlier ones': that one alone is
             # not 0 (one look back where turns follow one another, not a walk of them all).
+            key = id(anchor)
+            held = state.owns.get(key)
             carried = 0
-            for at in range(len(sizes) - 1, -1, -1):
-                w, o, a = sizes[at]
-                if a is anchor:
-                    if o:
-                        carried = o
-                        sizes[at] = (w, 0, a)
-                    break
-            else:  # its latest request is older than those looked at
-                held = state.owns.get(id(anchor))
-                carried = held[0] if held is not None else 0
+            if held is not None:  # (every history in ``sizes`` is in ``owns``: a new one is not)
+                for at in range(len(sizes) - 1, -1, -1):
+                    w, o, a = sizes[at]
+                    if a is anchor:
+                        if o:
+                            carried = o
+                            sizes[at] = (w, 0, a)
+                        break
+                else:  # its latest request is older than those looked at
+                    carried = held[0]
+                    state.beyond.discard(key)  # (in ``sizes`` again, below)
             if carried:
                 own = min(whole, own + carried)
-            state.owns[id(anchor)] = (own, anchor)
+            state.owns[key] = (own, anchor)
         sizes.append((whole, own, anchor))
         if len(sizes) > SIZES_KEPT:
-            del sizes[0]
+            dropped = sizes.pop(0)[2]
+            if dropped is not None and all(a is not dropped for _, _, a in sizes):
+                state.beyond.add(id(dropped))  # its history's latest request is past them now
         # the largest whole (of equals, the latest: what earlier turns held is carried on to
         # it), plus the others' own (one pass: it runs for every request)
         largest = owns = own_of_largest = 0

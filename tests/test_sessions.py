@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.sessions import (
     BYTES_HELD_PER_BODY_BYTE,
@@ -13,6 +15,7 @@ from proxy.sessions import (
     SESSION_BASE_BYTES,
     SIZES_KEPT,
     MemorySessionStore,
+    anchor_of,
     explicit_session_id,
     new_session_id,
     valid_session_id,
@@ -523,6 +526,84 @@ def test_the_session_just_created_is_not_the_one_forgotten_for_count_when_the_ot
     a.busy = 0
     store.create("d", 3.0)
     assert sorted(store.active_ids()) == ["b", "d"]  # the oldest not busy go: a, then c
+
+
+def _weight_by_definition(
+    sizes: list[tuple[int, int, object]],
+    owns: dict[int, tuple[int, object]],
+    recent: list[tuple[int, list[object]]],
+    request_bytes: int,
+    messages: int,
+    new: tuple[int, int],
+    anchor: object,
+) -> int:
+    """``weigh``'s estimate as it is defined, every history looked at each time: the largest of
+    the last SIZES_KEPT requests, plus each one's own, plus the own of every other history whose
+    opening one of the log's recent bases still holds (the others forgotten)."""
+    whole = max(BYTES_HELD_PER_BODY_BYTE * request_bytes, BYTES_HELD_PER_MESSAGE * messages)
+    own = min(whole, max(BYTES_HELD_PER_OWN_BYTE * new[0], BYTES_HELD_PER_MESSAGE * new[1]))
+    if anchor is not None:
+        latest = [at for at, (_, _, a) in enumerate(sizes) if a is anchor]
+        if latest:
+            w, carried, a = sizes[latest[-1]]
+            sizes[latest[-1]] = (w, 0, a)
+        else:
+            carried = owns.get(id(anchor), (0, None))[0]
+        own = min(whole, own + carried) if carried else own
+        owns[id(anchor)] = (own, anchor)
+    sizes.append((whole, own, anchor))
+    del sizes[:-SIZES_KEPT]
+    largest = max(sizes, key=lambda entry: entry[0])[0]
+    own_of_largest = [o for w, o, _ in sizes if w == largest][-1]
+    weight = SESSION_BASE_BYTES + largest + sum(o for _, o, _ in sizes) - own_of_largest
+    if len(owns) > 1:
+        looked_at = {id(a) for _, _, a in sizes if a is not None}
+        live = {id(anchor_of(m)) for _, m in recent}
+        for key, (o, _) in list(owns.items()):
+            if key in looked_at:
+                continue
+            if key in live:
+                weight += o
+            else:
+                del owns[key]
+    return weight
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(-2, 4),  # a history (of 5), a new one each time (-1), none (-2)
+            st.integers(1, 400_000),  # the request's bytes
+            st.integers(0, 300_000),  # its own bytes
+            st.booleans(),  # its line becomes one of the log's recent bases
+            st.integers(1, 8),  # how many bases the log keeps by then
+        ),
+        max_size=80,
+    )
+)
+def test_the_memory_estimate_of_many_histories_is_the_one_defined(
+    steps: list[tuple[int, int, int, bool, int]],
+) -> None:
+    """However histories interleave, come back after SIZES_KEPT other requests, or leave the
+    log's recent bases, the estimate ``weigh`` keeps as it goes equals the one computed from
+    everything each time (sub-agents, one-shot requests with a new history each)."""
+    store = MemorySessionStore()
+    state = store.create("s", 0.0)
+    openings = [{"role": "user", "content": f"task {i}"} for i in range(5)]
+    sizes: list[tuple[int, int, object]] = []
+    owns: dict[int, tuple[int, object]] = {}
+    for n, (which, size, own, remembered, kept) in enumerate(steps):
+        anchor = None if which == -2 else {"role": "user"} if which == -1 else openings[which]
+        history = [SYSTEM, anchor] if anchor is not None else [SYSTEM]
+        expected = _weight_by_definition(
+            sizes, owns, state.recent, size, 2, (min(own, size), 1), anchor
+        )
+        store.weigh(state, size, 2, (min(own, size), 1), anchor_of(history))
+        assert state.weight == expected
+        if remembered:
+            state.recent.append((n, history))
+        del state.recent[:-kept]
 
 
 def test_a_retry_of_the_same_body_is_not_counted_twice() -> None:
