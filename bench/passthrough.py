@@ -144,9 +144,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--upstream", required=True)
     parser.add_argument("--transport", choices=("native", "httpx", "aiohttp"), default="native")
     ns = parser.parse_args(argv)
-    from proxy.cli import tune_gc
+    from proxy.cli import tune_gc, tune_malloc
 
     tune_gc()  # the same process settings as ``cachegate serve``
+    tune_malloc()
     uvicorn.run(
         Passthrough(ns.upstream, ns.transport),
         host="127.0.0.1",

@@ -57,6 +57,45 @@ def tune_gc() -> None:
     gc.set_threshold(young, middle, 100)
 
 
+# glibc's mallopt parameters, and the values ``tune_malloc`` sets
+_M_TRIM_THRESHOLD: Final = -1
+_M_MMAP_THRESHOLD: Final = -3
+MMAP_THRESHOLD_BYTES: Final = 16 * 1024 * 1024
+TRIM_THRESHOLD_BYTES: Final = 32 * 1024 * 1024
+_MALLOC_ENV: Final = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+def tune_malloc() -> bool:
+    """Keep request bodies out of fresh memory from the kernel (glibc only; True when set).
+
+    glibc serves an allocation past its mmap threshold (128 KiB at first, then the size of the
+    largest such block freed) with memory mapped for it alone, and unmaps it when freed. An
+    agent's body grows every turn, past the last one freed: each turn's 600 KB body came in new
+    pages, ~150 page faults, ~0.4 ms of a 1.4 ms request at that size. Blocks up to 16 MiB now
+    come from the heap, and up to 32 MiB freed at its top is kept for the next ones rather than
+    given back: a few bodies' worth of resident memory, traded for no faults. ``MALLOC_*``
+    variables or a ``malloc.`` glibc tunable in the environment are left to decide instead."""
+    if sys.platform != "linux" or any(name in os.environ for name in _MALLOC_ENV):
+        return False
+    if "malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:
+        return False
+    # (glibc's own function: musl's mallopt does nothing)
+    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
+        return False
+    mallopt = libc.mallopt
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(
+        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    )
+
+
 def _serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
@@ -178,6 +217,7 @@ def _serve(ns: argparse.Namespace) -> int:
             f" -> {display_url(settings.upstream.base_url)} ({logs})"
         )
         tune_gc()
+        tune_malloc()
         config = uvicorn.Config(
             app,
             loop="auto",
