@@ -73,17 +73,18 @@ def tune_malloc() -> bool:
     agent's body grows every turn, past the last one freed: each turn's 600 KB body came in new
     pages, ~150 page faults, ~0.4 ms of a 1.4 ms request at that size. Blocks up to 16 MiB now
     come from the heap, and up to 32 MiB freed at its top is kept for the next ones rather than
-    given back: a few bodies' worth of resident memory, traded for no faults. ``MALLOC_*``
-    variables or a ``malloc.`` glibc tunable in the environment are left to decide instead."""
+    given back (freed blocks below live ones stay, as before). ``MALLOC_MMAP_THRESHOLD_``,
+    ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_`` or a ``malloc.`` glibc tunable in the
+    environment are left to decide instead."""
     if sys.platform != "linux" or any(name in os.environ for name in _MALLOC_ENV):
         return False
     if "malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
-    import ctypes
-
     try:
+        import ctypes  # (a Python built without libffi has none: left as it is)
+
         libc = ctypes.CDLL(None)
-    except OSError:
+    except (ImportError, OSError):
         return False
     # (glibc's own function: musl's mallopt does nothing)
     if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):

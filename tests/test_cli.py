@@ -1486,4 +1486,7 @@ def test_tune_malloc_leaves_malloc_settings_in_the_environment_to_decide(
             env.setenv(name, value)
             assert tune_malloc() is False
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.rtld.optional_static_tls=1024")  # not malloc's
+    with monkeypatch.context() as modules:  # a Python built without libffi: serve still starts
+        modules.setitem(sys.modules, "ctypes", None)
+        assert tune_malloc() is False
     assert tune_malloc() is GLIBC
