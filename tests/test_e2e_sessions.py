@@ -169,9 +169,11 @@ def test_a_session_idle_past_its_limit_is_forgotten_when_it_comes_back(
     convo: list[dict[str, Any]] = [{"role": "user", "content": "a long task"}]
     reply, first = chat(client, convo, stream=False)
     convo += [reply, {"role": "user", "content": "go on"}]
+    proxy.settle()  # (the request's end, as cachegate saw it, before the clock jumps)
     now[0] += 599
     reply, second = chat(client, convo, stream=True)
     convo += [reply, {"role": "user", "content": "and on"}]
+    proxy.settle()
     now[0] += 601
     _, third = chat(client, convo, stream=False)
     sid = "x-cachegate-session"
@@ -180,8 +182,10 @@ def test_a_session_idle_past_its_limit_is_forgotten_when_it_comes_back(
 
     named = make_client(proxy.base_url, default_headers={"X-Session-Id": "night-shift"})
     chat(named, [{"role": "user", "content": "one"}], stream=False)
+    proxy.settle()
     now[0] += 300
     chat(named, [{"role": "user", "content": "two"}], stream=False)
+    proxy.settle()
     now[0] += 601
     _, back = chat(named, [{"role": "user", "content": "three"}], stream=True)
     assert back[sid] == "night-shift"
