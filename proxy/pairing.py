@@ -309,8 +309,10 @@ def _past_new_prompt(
     checked from the start: ~0.2 ms at 400 messages.)"""
     for checkpoint in checkpoints:
         for c in (checkpoint, checkpoint.before_last):
-            n = carried_past_prompt(c.messages, messages) if c is not None else 0
-            if c is not None and n:
+            if c is None:
+                continue
+            n = carried_past_prompt(c.messages, messages)
+            if n:
                 start = leading_system_count(messages)
                 return Checkpoint(tuple(messages[: start + n]), c.pending, c.in_block)
     return None
