@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 from collections.abc import Iterable
 from typing import Any, Final
 
@@ -547,6 +548,17 @@ def line_may_hold_secret(line: bytes) -> bool:
     field by field (another ~60 ms)."""
     if len(line) >= _BLANK_MIN:
         line = blank_binary(line)
+    scan = _multi_scan()
+    if scan is not None:
+        try:
+            return scan(line)
+        except Exception:  # never a line unscanned: the scans below decide
+            pass
+    return _scans(line)
+
+
+def _scans(line: bytes) -> bool:
+    """``line_may_hold_secret``'s checks, one scan of the line each."""
     for literal in _LITERALS_BYTES:
         if line.find(literal) >= 0:
             return True
@@ -562,6 +574,112 @@ def line_may_hold_secret(line: bytes) -> bool:
     return _FLAG_BYTES.search(line) is not None and any(
         lowered.find(command) >= 0 for command in _COMMANDS_BYTES
     )
+
+
+# ``line_may_hold_secret``'s checks in one pass over the line, where the optional ``hyperscan``
+# package is installed (``pip install 'cachegate[fast]'``): its engine looks for many patterns
+# at once, ~1 ns a byte where the ~22 scans above cost ~12 (the log writer's largest cost, ~16
+# µs a request at concurrency 32), and outside the interpreter's lock. Each check has a pattern
+# there that matches wherever the check's would (a literal as it is; a pattern as it is, or
+# without its look-behinds, which hyperscan lacks, and then confirmed by the check's own pattern
+# when found). So the answer is the checks' answer; the pass only tells at once the usual line
+# that has none of them.
+_EXACT: Final = 0  # found: the line may hold a secret
+_CONFIRM: Final = 1  # found: the check's own pattern says (on the lowered line)
+_CONFIRM_CASED: Final = 2  # the same, on the line as it is
+_FLAG: Final = 3  # a command's password flag: with one of the commands' names
+_COMMAND: Final = 4
+_LOOK_BEHIND = re.compile(rb"\(\?<[=!](?:[^()\\]|\\.|\[[^]]*\])*\)")
+
+
+def _hs_literal(literal: bytes) -> bytes:
+    """``literal`` as a hyperscan pattern: every byte but a letter or digit escaped."""
+    return b"".join(bytes([c]) if chr(c).isalnum() and c < 128 else b"\\x%02x" % c for c in literal)
+
+
+def _hs_loose(pattern: bytes) -> bytes:
+    """``pattern`` without its look-behinds: it then matches wherever it did, and elsewhere.
+    (hyperscan's ``\\s``, ``\\d`` and repeats are Python's, for bytes.)"""
+    return _LOOK_BEHIND.sub(b"", pattern)
+
+
+class _MultiScan:
+    """One hyperscan pass in place of ``_scans`` (each thread with its own scratch space)."""
+
+    def __init__(self, hyperscan: Any) -> None:
+        caseless = hyperscan.HS_FLAG_CASELESS
+        entries: list[tuple[bytes, int, int, Any]] = []
+        for literal in _LITERALS_BYTES:
+            entries.append((_hs_literal(literal), 0, _EXACT, None))
+        for anchor in _ANCHORS_BYTES:
+            entries.append((_hs_loose(anchor.pattern), 0, _CONFIRM_CASED, anchor))
+        for word in _WORDS_BYTES:  # (found in any case: as in the lowered line)
+            entries.append((_hs_literal(word), caseless, _EXACT, None))
+        for name in _NAMED_BYTES:
+            entries.append((_hs_loose(name.pattern), caseless, _CONFIRM, name))
+        entries.append((_hs_loose(_FLAG_BYTES.pattern), 0, _FLAG, None))
+        for command in _COMMANDS_BYTES:
+            entries.append((_hs_literal(command), caseless, _COMMAND, None))
+        database = hyperscan.Database(mode=hyperscan.HS_MODE_BLOCK)
+        database.compile(
+            expressions=[entry[0] for entry in entries],
+            ids=list(range(len(entries))),
+            elements=len(entries),
+            # each reported once at most; none may match the empty string
+            flags=[entry[1] | hyperscan.HS_FLAG_SINGLEMATCH for entry in entries],
+        )
+        self._database = database
+        self._kinds = [entry[2] for entry in entries]
+        self._checks = [entry[3] for entry in entries]
+        self._new_scratch = functools.partial(hyperscan.Scratch, database)
+        self._local = threading.local()
+
+    def __call__(self, line: bytes) -> bool:
+        local = self._local
+        scratch = getattr(local, "scratch", None)
+        if scratch is None:
+            scratch = local.scratch = self._new_scratch()
+        found: list[int] = []
+        self._database.scan(line, _found, context=found, scratch=scratch)
+        if not found:
+            return False
+        kinds, checks = self._kinds, self._checks
+        flag = command = False
+        lowered: bytes | None = None
+        for index in found:
+            kind = kinds[index]
+            if kind == _EXACT:
+                return True
+            if kind == _CONFIRM_CASED:
+                if checks[index].search(line) is not None:
+                    return True
+            elif kind == _CONFIRM:
+                lowered = line.lower() if lowered is None else lowered
+                if checks[index].search(lowered) is not None:
+                    return True
+            elif kind == _FLAG:
+                flag = True
+            else:
+                command = True
+        return flag and command
+
+
+def _found(index: int, start: int, end: int, flags: int, found: list[int]) -> None:
+    found.append(index)
+
+
+@functools.cache
+def _multi_scan() -> _MultiScan | None:
+    """The one-pass scan, or None without ``hyperscan`` (or where its database cannot be made:
+    the scans then run one by one, as they always may)."""
+    try:
+        import hyperscan
+    except ImportError:
+        return None
+    try:
+        return _MultiScan(hyperscan)
+    except Exception:  # (hyperscan.error and kin: an engine without a feature a pattern uses)
+        return None
 
 
 # A binary payload carried as text: an image or a file as a base64 data URL (OpenAI's

@@ -1,4 +1,7 @@
 import copy
+import platform
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -925,3 +928,101 @@ def test_a_credential_name_with_a_version_is_redacted_in_text_and_in_the_log(
     w.emit("s", {"type": "error", "exchange": 2, "metadata": {"db-pass": value, "pwd_hash": value}})
     assert w.close()
     assert value.encode() not in (tmp_path / "s.jsonl").read_bytes()
+
+
+# What the one-pass scan (hyperscan, the ``fast`` extra) is installed for: where it has wheels.
+_FAST_PLATFORM = (
+    (sys.platform == "linux" and platform.machine() == "x86_64")
+    or (sys.platform == "darwin" and platform.machine() == "arm64")
+    or (sys.platform == "win32" and platform.machine() == "AMD64")
+)
+# Pieces of every check's pattern and of what looks like them, in several cases, with what may
+# stand between a credential's name and its value: lines made of them hit every check, alone
+# and together, and miss them narrowly (a count key, a look-behind's other side).
+_PIECES = [
+    *("sk-", "xox", "xapp-", "npm_", "eyJ", "PRIVATE KEY", "PRIVATE", "private key"),
+    *("ghp_", "gho_", "ghs_", "ghx_", "github_pat_", "glpat-", "GHP_", "g", "h"),
+    *("AKIA", "ASIA", "AIza", "AKI", "akia", "aiza", "A"),
+    *("k_live_", "k_test_", "gsk_", "gs", "k_", "K_LIVE_", "hf_", "HF_"),
+    *("://", "://u:p@", "://:p@", ":// u:p@", "://u/x:p@", "@", "https"),
+    *("authorization", "Authorization", "AUTHOR", "secret", "SECRET", "Secret", "passw"),
+    *("PassW", "earer", "Bearer", "BEARER", "bear"),
+    *("key", "keys", "KEY", "Key", "_key", "key_v2", "key-id", "keyhash", "KEYBASE"),
+    *("token", "tokens", "Token", "TOKENS", "tokenbase", "token_v12", "deploy_tokens"),
+    *("refreshTokens", "maxTokens", "max_tokens", "prompt_tokens", "_tokens", "atokens"),
+    *('"max_tokens', '"deploy_tokens', '"cached_tokens', "pass", "PASS", "DB_PASS", ".pass"),
+    *("-pass", "_pass", "pwd", "PWD", "pwd_hash", "Pwd", "--", "--api-key", "--token"),
+    *("--Secret", "--my.pwd", "-u", "-U", "-p", "-P", "u", "curl", "CURL", "mysql", "MariaDB"),
+    *("docker", "Podman", "helm", "nerdctl", "buildah", "skopeo"),
+    *('"', "'", '\\"', '\\\\\\"', "\\", "=", ":", " ", "\\t", "\t", "\x0b", "\x0c", "\r"),
+    *("\n", "a", "x", "_", "-", ".", "1", "v", "v2", "id", "ids", "base", "hash", "\x85", "é"),
+]
+
+
+def _one_pass() -> Callable[[bytes], bool]:
+    from proxy.redact import _multi_scan
+
+    scan = _multi_scan()
+    if scan is None:
+        if _FAST_PLATFORM:  # (the test extra installs it here)
+            raise AssertionError("hyperscan is not installed: pip install -e '.[test]'")
+        pytest.skip("hyperscan has no wheel for this platform: the scans run one by one")
+    return scan
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), max_size=14), st.binary(max_size=24), st.booleans())
+def test_the_one_pass_scan_answers_as_the_scans_one_by_one(
+    pieces: list[str], noise: bytes, noise_first: bool
+) -> None:
+    """The one pass finds a line that may hold a secret exactly when the scans one by one do:
+    a line it missed would go to the log unredacted."""
+    from proxy.redact import _scans
+
+    scan = _one_pass()
+    text = "".join(pieces).encode()
+    line = noise + text if noise_first else text + noise
+    assert scan(line) == _scans(line), line
+
+
+def test_the_one_pass_scan_answers_as_the_scans_on_every_example_here() -> None:
+    """Every credential and name this file tests, in a log line, and the lines that must pass."""
+    import orjson
+
+    from proxy.redact import _SECRET_KEYS, _scans
+
+    scan = _one_pass()
+    keys = [OPENAI_KEY, PROJECT_KEY, ANTHROPIC_KEY, AWS_ID, GITHUB_TOKEN, GITHUB_PAT, *MORE_KEYS]
+    keys += [SLACK_TOKEN, GROQ_KEY, NPM_TOKEN, SLACK_APP_TOKEN, JWT, HF_TOKEN, GITLAB_TOKEN]
+    lines = [orjson.dumps({"content": f"here: {key} ok"}) for key in keys]
+    lines += [
+        orjson.dumps({"headers": {spelling: "x"}})
+        for key in _SECRET_KEYS
+        for spelling in (key, key.upper(), key.title())
+    ]
+    lines += [
+        orjson.dumps({"content": "curl -u admin:hunter2 https://example.com"}),
+        orjson.dumps({"content": "postgres://app:hunter2@db:5432/x"}),
+        orjson.dumps({"type": "request", "params": {"max_tokens": 1000, "top_p": 1}}),
+        orjson.dumps({"usage": {"prompt_tokens": 1, "completion_tokens": 2}}),
+        orjson.dumps({"content": "The quick brown fox jumps over the lazy dog."}),
+    ]
+    for line in lines:
+        assert scan(line) == _scans(line) == line_may_hold_secret(line), line
+    assert sum(map(scan, lines)) == len(lines) - 3  # all but the last three may hold one
+
+
+def test_a_failing_one_pass_scan_leaves_the_answer_to_the_scans(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The one pass raising (an engine fault) never lets a line through unscanned."""
+    import orjson
+
+    from proxy import redact as module
+
+    def broken(line: bytes) -> bool:
+        raise RuntimeError("scratch space in use")
+
+    monkeypatch.setattr(module, "_multi_scan", lambda: broken)
+    assert line_may_hold_secret(orjson.dumps({"content": f"key {OPENAI_KEY}"}))
+    assert not line_may_hold_secret(orjson.dumps({"content": "nothing to see"}))
