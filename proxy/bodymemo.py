@@ -82,7 +82,7 @@ class BodyMemo:
     head_checked: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Parsed:
     """The body, and what the caller needs to remember it (``close`` is None: not rememberable)."""
 
@@ -564,6 +564,8 @@ def parse(
     ``memos`` or ``others`` (recent memos of other keys, or what gives them, called only then)
     whose bytes it holds after other first bytes (``_rehead``). Raises
     ``orjson.JSONDecodeError``."""
+    if not memos and not others and len(raw) < MIN_BYTES:  # (what the end below returns)
+        return Parsed(orjson.loads(raw), None)
     for memo in memos:
         spliced = _splice(raw, memo)
         if spliced is not None:
