@@ -14,8 +14,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /build
 COPY pyproject.toml README.md ./
 COPY proxy ./proxy
-# [fast]: hyperscan for the log's secret scan (on arm64 it installs nothing: no wheel there)
-RUN pip install --no-cache-dir '.[fast]' \
+RUN pip install --no-cache-dir . \
     && rm -rf /build
 
 RUN useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin cachegate \

@@ -576,8 +576,8 @@ def _scans(line: bytes) -> bool:
     )
 
 
-# ``line_may_hold_secret``'s checks in one pass over the line, where the optional ``hyperscan``
-# package is installed (``pip install 'cachegate[fast]'``): its engine looks for many patterns
+# ``line_may_hold_secret``'s checks in one pass over the line, where ``hyperscan`` is installed
+# (a dependency where it has wheels: pyproject.toml): its engine looks for many patterns
 # at once, ~1 ns a byte where the ~22 scans above cost ~12 (the log writer's largest cost, ~16
 # µs a request at concurrency 32), and outside the interpreter's lock. Each check has a pattern
 # there that matches wherever the check's would (a literal as it is; a pattern as it is, or
