@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import importlib.metadata
 import json
 import math
 import os
@@ -1007,7 +1008,16 @@ def machine() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "pinned": procs.HAVE_TASKSET,
         "kernel": os.uname().release,
+        # the log's secret scan in one pass (proxy/redact.py), or one scan at a time without it
+        "hyperscan": _version_of("hyperscan"),
     }
+
+
+def _version_of(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def summarise_profile(path: Path, top: int = 25) -> dict[str, list[tuple[str, float]]]:
