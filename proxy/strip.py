@@ -61,16 +61,16 @@ NULL_USAGE_LF = b',"usage":null}\n'
 _NULL_USAGE_CR = b',"usage":null}\r'
 # The same null before OpenAI's padding, the chunk's last member: a string with no escape, so its
 # first quote ends it, and then the chunk and its line.
-_PADDED_NULL = b',"usage":null,"obfuscation":"'
 _PADDED_NULL_AT = re.compile(rb',"usage":null(?=,"obfuscation":"[^"\\\r\n]*"\}[\r\n])')
 
 
 def without_lf_nulls(data: bytes) -> bytes:
     """``data`` (whole events, LF line ends) without the null usages ending its data lines."""
     out = data.replace(NULL_USAGE_LF, b"}\n")
-    if out.find(_PADDED_NULL) >= 0:
-        out = _PADDED_NULL_AT.sub(b"", out)
-    return out
+    # (no look for the padding first: OpenAI pads every chunk, and the pattern's own search
+    # for its literal start costs what a look would: 1.35 -> 0.92 µs a padded chunk, 0.33 ->
+    # 0.53 an unpadded one)
+    return _PADDED_NULL_AT.sub(b"", out)
 
 
 def without_null_usage(data: bytes) -> bytes:
