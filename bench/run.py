@@ -1008,16 +1008,19 @@ def machine() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "pinned": procs.HAVE_TASKSET,
         "kernel": os.uname().release,
-        # the log's secret scan in one pass (proxy/redact.py), or one scan at a time without it
-        "hyperscan": _version_of("hyperscan"),
+        # how the log writer's secret scan runs here (cachegate runs on this interpreter)
+        "secret_scan": _secret_scan(),
     }
 
 
-def _version_of(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+def _secret_scan() -> str:
+    """``one pass (hyperscan X)`` when proxy/redact.py's one-pass scan can be built, else ``one
+    scan at a time``."""
+    from proxy.redact import _multi_scan
+
+    if _multi_scan() is None:
+        return "one scan at a time"
+    return f"one pass (hyperscan {importlib.metadata.version('hyperscan')})"
 
 
 def summarise_profile(path: Path, top: int = 25) -> dict[str, list[tuple[str, float]]]:
