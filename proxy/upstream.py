@@ -420,6 +420,9 @@ class _Connection(asyncio.Protocol):
         if drain is not None and not drain.done():
             drain.set_exception(httpx.WriteError("upstream closed the connection"))
             drain.exception()  # retrieved: a body written whole (no one waits) must not log it
+        # The parser holds this connection's methods, a cycle only a collection would free
+        # (after an error answer or a failure; a connection released whole lets it go there).
+        self._parser = None
 
     def _salvage(self) -> None:
         """Read what the socket still holds when a write failed. A server that refuses an upload
@@ -1007,6 +1010,7 @@ class UpstreamPool:
         method, head, content = request
         loop = asyncio.get_running_loop()
         sock = _new_socket(family)
+        conn: _Connection | None = None
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -1029,6 +1033,8 @@ class UpstreamPool:
             conn._sent = sent
         except BaseException:
             sock.close()
+            if conn is not None:
+                conn._parser = None  # (a cycle, as in ``connection_lost``)
             raise
         # On failure or cancellation the loop closes the socket (uvloop since 0.23: earlier
         # versions closed the descriptor and left the socket object to close it again).

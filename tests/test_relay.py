@@ -1561,6 +1561,49 @@ def test_relayed_requests_leave_no_reference_cycles(scripted: Any, proxy_factory
     assert not ours, ours
 
 
+@pytest.mark.parametrize("failure", ["refused", "error answer"])
+def test_failed_upstream_requests_leave_no_reference_cycles(
+    failure: str, scripted: Any, proxy_factory: Any
+) -> None:
+    """An upstream that refuses the connection, or answers 500 (the connection is then closed,
+    not reused): the connection's parser, which holds its methods, is let go with it, not left
+    in a cycle for a collection, which runs seldom (``cachegate serve`` collects the young
+    generation past 10,000 objects)."""
+    import gc
+    from collections import Counter
+
+    from tests.e2e_support import free_port
+
+    if failure == "refused":
+        url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    else:
+        _upstream, url = scripted(chunks=[b'{"error":{"message":"boom"}}'], status=500)
+    proxy = proxy_factory(url)
+    with httpx.Client(base_url=proxy.base_url, timeout=10) as client:
+        client.post("/chat/completions", json=CHAT)  # warm
+        proxy.settle()
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(5):
+                status = client.post("/chat/completions", json=CHAT).status_code
+                assert status == (502 if failure == "refused" else 500)
+            proxy.settle()
+            time.sleep(0.2)
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            ours = Counter(
+                type(o).__qualname__
+                for o in gc.garbage
+                if type(o).__module__.startswith(("proxy.", "uvicorn.", "asyncio", "httptools"))
+            )
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    assert not ours, ours
+
+
 def test_a_304_with_a_length_is_relayed_without_a_body(proxy_factory: Any) -> None:
     upstream = RawUpstream(  # (it closes after each answer: it says so, see RawUpstream)
         b'HTTP/1.1 304 Not Modified\r\ncontent-length: 12\r\netag: "v1"\r\nconnection: close\r\n\r\n'
