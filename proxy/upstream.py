@@ -1038,7 +1038,11 @@ class UpstreamPool:
             raise
         # On failure or cancellation the loop closes the socket (uvloop since 0.23: earlier
         # versions closed the descriptor and left the socket object to close it again).
-        await loop.create_connection(lambda: conn, sock=sock)
+        try:
+            await loop.create_connection(lambda: conn, sock=sock)
+        except BaseException:
+            conn._parser = None
+            raise
         return conn
 
     def _release(self, conn: _Connection) -> None:
