@@ -1020,7 +1020,11 @@ def _secret_scan() -> str:
 
     if _multi_scan() is None:
         return "one scan at a time"
-    return f"one pass (hyperscan {importlib.metadata.version('hyperscan')})"
+    try:
+        version = importlib.metadata.version("hyperscan")
+    except importlib.metadata.PackageNotFoundError:  # (importable without its metadata)
+        version = "?"
+    return f"one pass (hyperscan {version})"
 
 
 def summarise_profile(path: Path, top: int = 25) -> dict[str, list[tuple[str, float]]]:
