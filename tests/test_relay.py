@@ -1525,39 +1525,49 @@ def test_a_client_that_stops_reading_stops_the_upstream_too(
     assert payload == piece * 4000
 
 
+def _cyclic_garbage(proxy: Any, requests: Any) -> Any:
+    """What of cachegate's (and its stack's) ``requests()`` left in reference cycles: run with
+    the collector off, then found by one collection (by type name)."""
+    import gc
+    from collections import Counter
+
+    proxy.settle()
+    gc.collect()
+    gc.disable()
+    try:
+        requests()
+        proxy.settle()
+        time.sleep(0.2)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        return Counter(
+            type(o).__qualname__
+            for o in gc.garbage
+            if type(o).__module__.startswith(("proxy.", "uvicorn.", "asyncio", "httptools"))
+        )
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
 def test_relayed_requests_leave_no_reference_cycles(scripted: Any, proxy_factory: Any) -> None:
     """Everything a relayed request allocates is freed by reference counting the moment it is
     done: nothing of cachegate's waits for a full garbage collection (with a thousand streams in
     flight those walk every live object)."""
-    import gc
-    from collections import Counter
-
     _upstream, url = scripted(chunks=[STREAM, USAGE_EVENT, b"data: [DONE]\n\n"])
     proxy = proxy_factory(url)
     with httpx.Client(base_url=proxy.base_url, timeout=10) as client:
         client.post("/chat/completions", json={**CHAT, "stream": True}).read()  # warm
-        proxy.settle()
-        gc.collect()
-        gc.disable()
-        try:
+
+        def requests() -> None:
             for i in range(10):
                 body = {**CHAT, "stream": i % 2 == 0}
                 client.post("/chat/completions", json=body).read()
                 with client.stream("POST", "/chat/completions", json=body) as r:
                     next(r.iter_raw())  # a client that leaves early: cancelled, disconnected
-            proxy.settle()
-            time.sleep(0.2)
-            gc.set_debug(gc.DEBUG_SAVEALL)
-            gc.collect()
-            ours = Counter(
-                type(o).__qualname__
-                for o in gc.garbage
-                if type(o).__module__.startswith(("proxy.", "uvicorn.", "asyncio"))
-            )
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-            gc.enable()
+
+        ours = _cyclic_garbage(proxy, requests)
     assert not ours, ours
 
 
@@ -1569,9 +1579,6 @@ def test_failed_upstream_requests_leave_no_reference_cycles(
     not reused): the connection's parser, which holds its methods, is let go with it, not left
     in a cycle for a collection, which runs seldom (``cachegate serve`` collects the young
     generation past 10,000 objects)."""
-    import gc
-    from collections import Counter
-
     from tests.e2e_support import free_port
 
     if failure == "refused":
@@ -1581,26 +1588,13 @@ def test_failed_upstream_requests_leave_no_reference_cycles(
     proxy = proxy_factory(url)
     with httpx.Client(base_url=proxy.base_url, timeout=10) as client:
         client.post("/chat/completions", json=CHAT)  # warm
-        proxy.settle()
-        gc.collect()
-        gc.disable()
-        try:
+
+        def requests() -> None:
             for _ in range(5):
                 status = client.post("/chat/completions", json=CHAT).status_code
                 assert status == (502 if failure == "refused" else 500)
-            proxy.settle()
-            time.sleep(0.2)
-            gc.set_debug(gc.DEBUG_SAVEALL)
-            gc.collect()
-            ours = Counter(
-                type(o).__qualname__
-                for o in gc.garbage
-                if type(o).__module__.startswith(("proxy.", "uvicorn.", "asyncio", "httptools"))
-            )
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-            gc.enable()
+
+        ours = _cyclic_garbage(proxy, requests)
     assert not ours, ours
 
 
