@@ -44,11 +44,10 @@ def tune_gc() -> None:
     during which no stream moves, and the default thresholds ran five of them per thousand-stream
     burst in the benchmark (~110 ms of pauses). The objects alive at start-up (modules, the app)
     live as long as the process: ``gc.freeze()`` takes them out of every collection. A relayed
-    request leaves no reference cycle behind, nor does one the upstream refused or answered
-    with an error (``tests/test_relay.py`` checks both; an answer cut off mid-way, or malformed,
-    still leaves one, through the stored exception's traceback), so reference
-    counting frees its objects at once and full collections can run a tenth as often (after 100
-    middle-generation ones instead of 10) without garbage piling up.
+    request leaves no reference cycle behind, nor does one the upstream refused, answered with
+    an error, cut off mid-way or answered malformed (``tests/test_relay.py`` checks each), so
+    reference counting frees its objects at once and full collections can run a tenth as often
+    (after 100 middle-generation ones instead of 10) without garbage piling up.
 
     The young generation is collected when the objects made since its last collection, less
     those freed, pass its threshold. Requests in flight hold theirs (a parsed body, its

@@ -48,6 +48,7 @@ import socket
 import ssl
 import sys
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, overload
 from urllib.parse import urlsplit
@@ -291,6 +292,10 @@ class UpstreamResponse:
 
     async def aclose(self) -> None:
         conn, self._conn = self._conn, None
+        # The error the body ended with was raised where it was awaited: its traceback holds
+        # that frame, which holds this response (a cycle only a collection would free, with
+        # the request's body in it). Read after the close, the body says it was closed.
+        self._error = None
         if conn is not None:
             conn.release(self._done and not self._chunks)
 
@@ -714,6 +719,15 @@ class _Connection(asyncio.Protocol):
             self.pool._forget(self)
 
 
+def _let_go(conn: _Connection, exc: BaseException) -> None:
+    """An exchange's error, on its way out of the pool: the frames it was raised through (the
+    exchange's, its waits') have ended, but its traceback keeps them, their locals with them,
+    and among those the future that holds the error, as the connection does: a cycle only a
+    collection would free, with the request's body in it. Both let it go."""
+    conn._head = None
+    traceback.clear_frames(exc.__traceback__)
+
+
 def _ip_family(host: str) -> int:
     """``AF_INET`` or ``AF_INET6`` for an IP address literal, 0 for a name (or a scoped address)."""
     for family in (socket.AF_INET, socket.AF_INET6):
@@ -875,7 +889,7 @@ class UpstreamPool:
             idle = time.monotonic() - conn.idle_since  # (a new connection: never used, no matter)
             try:
                 return await conn.exchange(verb, head, content)
-            except httpx.RemoteProtocolError:
+            except httpx.RemoteProtocolError as exc:
                 # The server closed this idle connection as it was reused (its keep-alive
                 # timeout, which a connection idle for a second or more may have run into):
                 # the close comes within a round trip of the request, unanswered. Else the
@@ -888,11 +902,13 @@ class UpstreamPool:
                     and conn.loop.time() - conn._sent_at < self.resend_window
                 )
                 conn.abort()
+                _let_go(conn, exc)
                 if attempt == 0 and stale and isinstance(content, bytes):
                     continue
                 raise
-            except BaseException:
+            except BaseException as exc:
                 conn.abort()  # cancelled (the client left) or failed: the upstream sees the close
+                _let_go(conn, exc)
                 raise
         raise AssertionError("unreachable")  # pragma: no cover
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import socket
@@ -1596,6 +1597,50 @@ def test_failed_upstream_requests_leave_no_reference_cycles(
 
         ours = _cyclic_garbage(proxy, requests)
     assert not ours, ours
+
+
+_CUT_ANSWERS = {
+    "cut mid-body": b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+    b'content-length: 100\r\n\r\n{"id":',
+    "cut mid-stream": b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    b'transfer-encoding: chunked\r\n\r\n10\r\ndata: {"a":1}\n\n\r\n',
+    "malformed status": b"HTTP/1.1 abc OK\r\ncontent-length: 2\r\n\r\n{}",
+    "headers cut": b"HTTP/1.1 200 OK\r\ncontent-le",
+    "until close": b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n"
+    b'{"id":"x","choices":[]}',
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("answer", list(_CUT_ANSWERS))
+def test_cut_or_malformed_answers_leave_no_reference_cycles(
+    answer: str, stream: bool, proxy_factory: Any
+) -> None:
+    """An answer cut mid-body or mid-stream, one with a malformed status line, headers cut by
+    the close: the error each becomes is raised where the relay waits for it, so its traceback
+    holds that frame, and the frame the connection or response that stored the error. Once the
+    request is done, the stored error is let go: a 600 KB request is not kept (~1.2 MB with its
+    copies) until a collection."""
+    upstream = RawUpstream(_CUT_ANSWERS[answer])
+    try:
+        proxy = proxy_factory(upstream.url)
+        body = {**CHAT, "stream": stream}
+        with httpx.Client(base_url=proxy.base_url, timeout=10) as client:
+
+            def post() -> None:
+                with contextlib.suppress(httpx.HTTPError):  # a cut stream: the client sees it
+                    client.post("/chat/completions", json=body).read()
+
+            post()  # warm
+
+            def requests() -> None:
+                for _ in range(5):
+                    post()
+
+            ours = _cyclic_garbage(proxy, requests)
+        assert not ours, ours
+    finally:
+        upstream.sock.close()
 
 
 def test_a_304_with_a_length_is_relayed_without_a_body(proxy_factory: Any) -> None:
