@@ -1492,4 +1492,11 @@ def test_tune_malloc_leaves_malloc_settings_in_the_environment_to_decide(
     with monkeypatch.context() as modules:  # a Python built without libffi: serve still starts
         modules.setitem(sys.modules, "ctypes", None)
         assert tune_malloc() is False
-    assert tune_malloc() is GLIBC
+    # Set in a process of its own: mallopt's settings would stay with the test run's
+    tuned = subprocess.run(
+        [sys.executable, "-c", "from proxy.cli import tune_malloc; print(tune_malloc())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert tuned.stdout.strip() == str(GLIBC)
