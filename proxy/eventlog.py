@@ -30,7 +30,14 @@ from typing import Any, Final, Literal, NamedTuple
 import orjson
 
 from proxy.prefix import deep_call, deep_dumps
-from proxy.redact import REDACTED, known_secrets, line_may_hold_secret, redact, redact_text
+from proxy.redact import (
+    REDACTED,
+    known_secrets,
+    line_may_hold_secret,
+    prepare_scan,
+    redact,
+    redact_text,
+)
 from proxy.sessions import realigned, shared_prefix, valid_session_id
 
 logger = logging.getLogger(__name__)
@@ -157,6 +164,8 @@ class EventLogWriter:
         self.fsync_interval_s = fsync_interval_s
         self.bodies: BodiesMode = bodies
         self.redact_secrets = redact_secrets
+        if redact_secrets:
+            prepare_scan()  # (before the first request, not on the event loop's time)
         # Exact values never written, whatever they look like and with or without redaction
         # (cachegate's own upstream key): as they appear inside a JSON string. Short ones would
         # take words out of the text and are not taken.

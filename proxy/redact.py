@@ -668,6 +668,14 @@ def _found(index: int, start: int, end: int, flags: int, found: list[int]) -> No
     found.append(index)
 
 
+def prepare_scan() -> None:
+    """Make the one-pass scan now, not when the first line is looked through: its database
+    compiles in ~50 ms holding the interpreter. The log writer makes it when it is created,
+    before cachegate serves: made for the first line, under a burst of first requests, it held
+    the event loop ~250 ms, every stream stalled by it."""
+    _multi_scan()
+
+
 @functools.cache
 def _multi_scan() -> _MultiScan | None:
     """The one-pass scan, or None without ``hyperscan`` (or where its database cannot be made:

@@ -838,6 +838,22 @@ def test_writing_again_is_said_of_the_session_that_lost_lines_not_of_every_other
     ]
 
 
+@pytest.mark.parametrize("redacting", [True, False])
+def test_the_writer_makes_its_secret_scan_when_it_is_created(
+    log_dir: Path, redacting: bool
+) -> None:
+    """The one-pass scan's database compiles in ~50 ms holding the interpreter: made for the
+    first line written, it stalled the event loop (every stream) under the first burst of
+    requests. A writer makes it when created (before cachegate serves); one that does not
+    redact never needs it."""
+    from proxy import redact
+
+    redact._multi_scan.cache_clear()
+    w = EventLogWriter(log_dir, redact_secrets=redacting)  # not started
+    assert redact._multi_scan.cache_info().currsize == (1 if redacting else 0)
+    assert w.close()
+
+
 def test_a_full_queue_drops_without_blocking(log_dir: Path) -> None:
     losses: list[str] = []
     w = EventLogWriter(log_dir, max_queue=2, on_loss=losses.append)  # not started: nothing drains
