@@ -842,10 +842,10 @@ def test_writing_again_is_said_of_the_session_that_lost_lines_not_of_every_other
 def test_the_writer_makes_its_secret_scan_when_it_is_created(
     log_dir: Path, redacting: bool
 ) -> None:
-    """The one-pass scan's database compiles in ~50 ms holding the interpreter: made for the
-    first line written, it stalled the event loop (every stream) under the first burst of
-    requests. A writer makes it when created (before cachegate serves); one that does not
-    redact never needs it."""
+    """The one-pass scan's database takes ~55 ms of CPU to compile: made for the first line
+    written, it competed with the event loop during the first burst of requests. A writer
+    makes it when created (before cachegate serves); one that does not redact never needs
+    it."""
     from proxy import redact
 
     redact._multi_scan.cache_clear()
