@@ -45,9 +45,11 @@ def tune_gc() -> None:
     burst in the benchmark (~110 ms of pauses). The objects alive at start-up (modules, the app)
     live as long as the process: ``gc.freeze()`` takes them out of every collection. A relayed
     request leaves no reference cycle behind, nor does one the upstream refused, answered with
-    an error, cut off mid-way or answered malformed (``tests/test_relay.py`` checks each), so
-    reference counting frees its objects at once and full collections can run a tenth as often
-    (after 100 middle-generation ones instead of 10) without garbage piling up.
+    an error, cut off mid-way, stalled past the read timeout or answered malformed
+    (``tests/test_relay.py`` checks each, on cachegate's own upstream pool, the default: with
+    ``upstream.transport: httpx`` httpcore's errors still leave some), so reference counting
+    frees its objects at once and full collections can run a tenth as often (after 100
+    middle-generation ones instead of 10) without garbage piling up.
 
     The young generation is collected when the objects made since its last collection, less
     those freed, pass its threshold. Requests in flight hold theirs (a parsed body, its

@@ -537,6 +537,9 @@ class _Connection(asyncio.Protocol):
             return await future
         finally:
             self._waiting = None
+            # A timeout is set on ``future`` itself: raised here, its traceback holds this frame,
+            # which would hold the future, which holds the error (a cycle, with the response).
+            del future
 
     def _check_timeout(self) -> None:
         self._timer = None

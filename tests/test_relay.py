@@ -1207,10 +1207,11 @@ class RawUpstream:
     connection says ``connection: close``, else the next request may race the close (the proxy
     reuses the connection, finds it closed unanswered, and answers 502, as it should)."""
 
-    def __init__(self, answer: bytes) -> None:
+    def __init__(self, answer: bytes, hold_s: float = 0.0) -> None:
         import threading
 
         self.answer = answer
+        self.hold_s = hold_s  # (then it stalls this long after its answer, before it closes)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(8)
@@ -1218,20 +1219,29 @@ class RawUpstream:
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
+        import threading
+
         while True:
             try:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            with conn:
-                conn.settimeout(5)
-                data = b""
-                try:
-                    while b"\r\n\r\n" not in data:
-                        data += conn.recv(65536)
-                    conn.sendall(self.answer)
-                except OSError:
-                    pass
+            if self.hold_s:  # (the next connection is answered meanwhile)
+                threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+            else:
+                self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(5)
+            data = b""
+            try:
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                conn.sendall(self.answer)
+                time.sleep(self.hold_s)
+            except OSError:
+                pass
 
 
 @pytest.mark.parametrize("transport", ["native", "httpx"])
@@ -1612,18 +1622,19 @@ _CUT_ANSWERS = {
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("answer", list(_CUT_ANSWERS))
+@pytest.mark.parametrize("answer", [*_CUT_ANSWERS, "stalled mid-body", "stalled mid-stream"])
 def test_cut_or_malformed_answers_leave_no_reference_cycles(
     answer: str, stream: bool, proxy_factory: Any
 ) -> None:
     """An answer cut mid-body or mid-stream, one with a malformed status line, headers cut by
-    the close: the error each becomes is raised where the relay waits for it, so its traceback
-    holds that frame, and the frame the connection or response that stored the error. Once the
-    request is done, the stored error is let go: a 600 KB request is not kept (~1.2 MB with its
-    copies) until a collection."""
-    upstream = RawUpstream(_CUT_ANSWERS[answer])
+    the close, one that stalls mid-way past the read timeout: the error each becomes is raised
+    where the relay waits for it, so its traceback holds that frame, and the frame the
+    connection or response that stored the error. Once the request is done, the stored error is
+    let go: a 600 KB request is not kept (~1.2 MB with its copies) until a collection."""
+    stalled = answer.startswith("stalled")
+    upstream = RawUpstream(_CUT_ANSWERS[answer.replace("stalled", "cut")], 0.5 if stalled else 0)
     try:
-        proxy = proxy_factory(upstream.url)
+        proxy = proxy_factory(upstream.url, {"upstream": {"timeout_s": 0.2}} if stalled else None)
         body = {**CHAT, "stream": stream}
         with httpx.Client(base_url=proxy.base_url, timeout=10) as client:
 
