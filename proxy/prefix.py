@@ -565,7 +565,27 @@ def find_divergence(
             secrets,
         )
     index = new.system_count + position - _FIRST_MESSAGE
-    return _message_divergence("messages", index, old.messages[index], new.messages[index], secrets)
+    old_message = old.messages[index] if index < len(old.messages) else None
+    new_message = new.messages[index] if index < len(new.messages) else None
+    moved = _moved(old.message_digests, new.message_digests, index)
+    if moved == "vanished":  # (a history trimmed at its start or in its middle)
+        new_message = None
+    elif moved == "appeared":  # (a message put in before the ones the provider had read)
+        old_message = None
+    return _message_divergence("messages", index, old_message, new_message, secrets)
+
+
+def _moved(old: Sequence[bytes], new: Sequence[bytes], index: int) -> str | None:
+    """Whether the messages differ at ``index`` because ``old``'s message there vanished (the
+    message ``new`` has there is one ``old`` sent later, and ``old``'s is nowhere after it in
+    ``new``), or because ``new``'s appeared (the other way round); None when one was edited."""
+    if index >= len(old) or index >= len(new):
+        return None
+    if new[index] in old[index + 1 :] and old[index] not in new[index + 1 :]:
+        return "vanished"
+    if old[index] in new[index + 1 :] and new[index] not in old[index + 1 :]:
+        return "appeared"
+    return None
 
 
 def shared_links(old: Fingerprint, new: Fingerprint) -> int:

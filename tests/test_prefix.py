@@ -259,6 +259,31 @@ def test_a_tool_removed_from_the_middle_is_named_not_the_one_after_it() -> None:
     assert added is not None and added.field == "read"
 
 
+def test_a_history_trimmed_at_its_start_names_the_message_gone_not_an_edit() -> None:
+    """A client drops its oldest turn (a sliding window near the context limit): the message
+    now at that place is one the previous request sent later. The location is the message that
+    vanished (no field), not an edit of the one that moved up into its place."""
+    old = conversation()
+    old["messages"].append({"role": "user", "content": "Now run them again."})
+    new = copy.deepcopy(old)
+    del new["messages"][1:3]  # the task and the first call: the first result now follows system
+    divergence = diverge(old, new)
+    assert divergence is not None
+    assert (divergence.location, divergence.index, divergence.field) == ("messages", 1, None)
+    assert divergence.role == "user"
+    assert divergence.old_excerpt == "Run the tests and fix what fails."
+    assert divergence.new_excerpt == ""
+    # A message put in before the ones read: named as the one that appeared
+    inserted = diverge(new, old)
+    assert inserted is not None
+    assert (inserted.index, inserted.field, inserted.role) == (1, None, "user")
+    assert (inserted.old_excerpt, inserted.new_excerpt) == ("", "Run the tests and fix what fails.")
+    # An edit in place is still an edit of its field
+    edited = copy.deepcopy(old)
+    edited["messages"][1]["content"] = "Run the tests."
+    assert (diverge(old, edited) or divergence).field == "content"
+
+
 def test_timestamp_added_to_system_prompt_is_a_volatile_system_rewrite() -> None:
     old = conversation()
     new = copy.deepcopy(old)
