@@ -239,6 +239,7 @@ def account(
     unmarked: Callable[[], bool] | None = None,
     min_cached: int = 0,
     dropped: int = 0,
+    cached_before: int | None = None,
 ) -> tuple[CacheState, CacheResult]:
     """Account one finished exchange; return the session's new state and the exchange's figures.
 
@@ -249,7 +250,12 @@ def account(
     provider caches only marked prefixes and the request marked none (the waste is then
     ``not_requested``). A prefix shorter than ``min_cached`` (the model's minimum) was no more
     to be read than nothing. ``dropped``: tokens the previous request sent that this one no
-    longer holds, off the expected read (given for a rewritten prefix).
+    longer holds, off the expected read (given for a rewritten prefix). ``cached_before``: where
+    the provider caches only marked prefixes, what it read or wrote for the previous request,
+    the most this one could have read: a miss with a cause (a rewrite, an expiry) is counted up
+    to it, not over the part past the previous request's last mark, which was never cached; a
+    miss of that part alone is ``not_requested``. (0: the previous request cached nothing,
+    marked or not, which tells no extent: its marks may not have reached the provider.)
     """
     has_reported = state.has_reported or usage.reported_cache
     counted = (
@@ -271,6 +277,12 @@ def account(
             cause, location = "not_requested", None
         else:
             cause, location = _attribute(state, fingerprint, divergence, started_at, ttl_s, model)
+            if cached_before and cached_before < expected:
+                shortfall = cached_before - usage.cache_read
+                if shortfall > noise_floor:
+                    expected, waste = cached_before, shortfall
+                else:  # all it missed lies past the previous request's last mark
+                    cause, location = "not_requested", None
         result = CacheResult(expected, usage.cache_read, usage.cache_write, waste, cause, location)
     else:
         result = CacheResult(0, usage.cache_read, usage.cache_write, 0)

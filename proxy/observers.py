@@ -51,9 +51,21 @@ class _Baseline:
     sub-agents fanned out with one task: each of those may go on in its own way); ``ready_at``:
     when the provider had read its prompt (its first byte, on the monotonic clock of
     ``Exchange.t0``), so could serve it from the cache; ``turns``: how many requests of its
-    conversation it stands for (a one-shot sub-agent's is 1)."""
+    conversation it stands for (a one-shot sub-agent's is 1); ``cached``: where the provider
+    caches only marked prefixes (Claude), the tokens it read or wrote for it, the most a next
+    request could read (None elsewhere, or unknown)."""
 
-    __slots__ = ("answer", "body", "copies", "fp", "model", "prompt", "ready_at", "turns")
+    __slots__ = (
+        "answer",
+        "body",
+        "cached",
+        "copies",
+        "fp",
+        "model",
+        "prompt",
+        "ready_at",
+        "turns",
+    )
 
     def __init__(
         self,
@@ -67,6 +79,7 @@ class _Baseline:
         self.ready_at = ready_at
         self.copies = 1
         self.turns = 1
+        self.cached: int | None = None
         # what its answer said (its text, its tool call ids): a request that carries it on is
         # of its conversation, whatever it changed before it
         self.answer: tuple[str, frozenset[str]] | None = None
@@ -399,16 +412,21 @@ class AccountingObserver:
         model = ex.model or name
         # What this request is accounted against (before its baseline is replaced by it).
         base: tuple[int | None, bytes | None, str | None] = (None, None, None)
+        cached_before: int | None = None
         if chosen is not None and continues and chosen.ready_at <= ex.t0:
             # (one the provider had not read yet when this went out, a request fanned out
             # beside it that was answered first, could not have warmed the cache for it)
             base = (chosen.prompt, chosen.fp.params_digest, chosen.model)
+            cached_before = chosen.cached
         ready_at = ex.t0 + (ex.ttfb_s if ex.ttfb_s is not None else ex.duration_s)
         if ex.status < 400:  # a refused request is no baseline: the provider may not have seen it
+            cached: int | None
             if usage is not None and usage.prompt > 0:
                 prompt: int | None = usage.prompt
+                cached = usage.cache_read + usage.cache_write if usage.explicit_cache else None
             else:  # interrupted before its usage: the prompt count of what it continued
                 prompt = chosen.prompt if continues and chosen is not None else None
+                cached = chosen.cached if continues and chosen is not None else None
             if (
                 continues
                 and chosen is not None
@@ -419,6 +437,7 @@ class AccountingObserver:
                 # counted on its baseline, which each of them may carry on in its own way.
                 chosen.copies += 1
                 chosen.prompt = prompt if prompt is not None else chosen.prompt
+                chosen.cached = cached if cached is not None else chosen.cached
                 chosen.ready_at = min(chosen.ready_at, ready_at)
                 _to_front(baselines, chosen)
             elif continues and chosen is not None and _takes_place(chosen, fp, divergence):
@@ -426,10 +445,12 @@ class AccountingObserver:
                     chosen.copies -= 1
                     went_on = _Baseline(fp, body, prompt, model, ready_at)
                     went_on.answer = _answer_of(ex)
+                    went_on.cached = cached
                     went_on.turns = chosen.turns + 1
                     baselines.insert(0, went_on)
                 else:  # it extends or rewrites its baseline: it takes that one's place
                     chosen.fp, chosen.body, chosen.prompt, chosen.model = fp, body, prompt, model
+                    chosen.cached = cached
                     chosen.answer = _answer_of(ex)
                     chosen.ready_at = ready_at
                     chosen.turns += 1
@@ -441,6 +462,7 @@ class AccountingObserver:
                 # turns: after a rewind it is the live one, not a one-shot to forget first.)
                 started = _Baseline(fp, body, prompt, model, ready_at)
                 started.answer = _answer_of(ex)
+                started.cached = cached
                 if continues and chosen is not None:
                     started.turns = chosen.turns + 1
                 if not baselines and "opening" not in extra:
@@ -491,6 +513,7 @@ class AccountingObserver:
                 else 0
             ),
             started_at=ex.started_at,
+            cached_before=cached_before if usage.explicit_cache else None,
             ttl_s=ttl_s,
             noise_floor=self.settings.cache.noise_floor_tokens,
             min_cached=min_cached,

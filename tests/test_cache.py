@@ -85,6 +85,7 @@ class Session:
         after_compaction: bool = False,
         unmarked: bool = False,
         min_cached: int = 0,
+        cached_before: int | None = None,
     ) -> CacheResult:
         body = orjson.loads(orjson.dumps(body))  # every request arrives parsed afresh
         fp = fingerprint(body, previous=self.fp)
@@ -104,6 +105,7 @@ class Session:
             after_compaction=after_compaction,
             unmarked=(lambda: True) if unmarked else None,
             min_cached=min_cached,
+            cached_before=cached_before,
         )
         self.body, self.fp = body, fp
         return result
@@ -242,6 +244,30 @@ def test_a_miss_of_a_request_that_marked_nothing_where_marks_are_needed_is_not_r
     body["messages"] += tool_round(2)
     # A turn that hits anyway (under the noise floor) is no waste at all.
     assert session.exchange(body, reported(22_000, 20_500), 30.0 + TTL, unmarked=True).waste == 0
+
+
+def test_a_rewrite_where_only_marked_prefixes_are_cached_costs_what_was_cached() -> None:
+    """Claude caches up to the last mark: an agent marking only its system prompt (8,000
+    tokens) had only that cached. A rewrite of the system prompt loses those 8,000, not the
+    whole 20,000-token history: the rest was never cached, a miss of every turn. A rewrite
+    past the last mark (here: of a message after the system prompt) loses nothing that was
+    cached: its miss is what was never asked of the cache."""
+    session = Session(CacheState())
+    body = opening()
+    session.exchange(body, reported(20_000, 8_000), 0.0)
+    body["messages"][0]["content"] = SYSTEM + " Today is 2025-03-14."
+    rewritten = session.exchange(body, reported(20_500, 0), 10.0, cached_before=8_000)
+    assert rewritten == CacheResult(8_000, 0, 0, 8_000, "prefix_rewrite", "system")
+    body["messages"][1]["content"] = "Fix the failing test, then run the linter."
+    past_mark = session.exchange(body, reported(20_600, 8_000), 20.0, cached_before=8_000)
+    assert (past_mark.expected, past_mark.waste) == (20_500, 12_500)
+    assert (past_mark.cause, past_mark.location) == ("not_requested", None)
+    # Where caching is automatic (no marks: OpenAI), the whole previous prompt was expected
+    session = Session(CacheState())
+    body = opening()
+    session.exchange(body, reported(20_000, 8_000), 0.0)
+    body["messages"][0]["content"] = SYSTEM + " Today is 2025-03-14."
+    assert session.exchange(body, reported(20_500, 0), 10.0).waste == 20_000
 
 
 def test_a_prefix_shorter_than_the_models_minimum_is_expected_to_miss() -> None:

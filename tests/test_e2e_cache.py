@@ -1071,7 +1071,7 @@ def test_a_claude_agent_that_marks_only_its_system_prompt_is_told_what_it_did_no
     """Claude caches up to the last mark: an agent marking only its system prompt reads that
     and misses the conversation after it every turn. The miss read as "unexplained" (an
     eviction); it is "not_requested". A marked system prompt the cache lacked (edited) is
-    written again: that miss keeps its cause."""
+    written again: that miss keeps its cause, for what had been cached."""
     system = SYSTEM_PROMPT + " Follow the style guide." * 700
     marked = {
         "role": "system",
@@ -1097,6 +1097,10 @@ def test_a_claude_agent_that_marks_only_its_system_prompt_is_told_what_it_did_no
     if edited:
         assert caches[2]["write"] > 0
         assert (caches[2]["cause"], caches[2]["location"]) == ("prefix_rewrite", "system")
+        # The rewrite lost what was cached, the marked system prompt, not the history after
+        # it, which no turn could read (it was charged the whole previous prompt)
+        assert caches[2]["expected"] == caches[1]["read"] + caches[1]["write"]
+        assert caches[2]["waste"] == caches[2]["expected"] - caches[2]["read"]
     else:
         assert caches[2]["cause"] == "not_requested"
 
