@@ -208,7 +208,10 @@ class CacheState:
 @dataclass(slots=True)
 class CacheResult:
     """One exchange's cache figures: tokens that should have been read (``expected``), were read and
-    written, the shortfall counted as ``waste``, its ``cause`` and, for a rewrite, its ``location``.
+    written, the shortfall counted as ``waste``, its ``cause`` and, for a rewrite, its ``location``;
+    ``unrequested``: where only marked prefixes are cached, the part of a shortfall with another
+    cause that lay past what the previous turn had cached (``not_requested``, counted apart:
+    ``waste + unrequested`` is the whole shortfall).
     """
 
     expected: int
@@ -217,6 +220,7 @@ class CacheResult:
     waste: int
     cause: Cause | None = None
     location: str | None = None
+    unrequested: int = 0
 
 
 def mark_compacted(state: CacheState) -> CacheState:
@@ -252,10 +256,11 @@ def account(
     to be read than nothing. ``dropped``: tokens the previous request sent that this one no
     longer holds, off the expected read (given for a rewritten prefix). ``cached_before``: where
     the provider caches only marked prefixes, what it read or wrote for the previous request,
-    the most this one could have read: a miss with a cause (a rewrite, an expiry) is counted up
-    to it, not over the part past the previous request's last mark, which was never cached; a
-    miss of that part alone is ``not_requested``. (0: the previous request cached nothing,
-    marked or not, which tells no extent: its marks may not have reached the provider.)
+    the most this one could have read: a miss with a cause (a rewrite, an expiry) is charged to
+    it up to that, the part past the previous request's last mark, which was never cached,
+    counted apart as ``unrequested``; a miss of that part alone is ``not_requested``. (0: the
+    previous request cached nothing, marked or not, which tells no extent: its marks may not
+    have reached the provider.)
     """
     has_reported = state.has_reported or usage.reported_cache
     counted = (
@@ -264,6 +269,7 @@ def account(
         and not after_compaction
         and not state.compacted
     )
+    unrequested = 0
     if counted and state.prev_prompt is not None:
         expected = max(0, min(state.prev_prompt - dropped, usage.prompt))
         if expected < min_cached:
@@ -277,13 +283,15 @@ def account(
             cause, location = "not_requested", None
         else:
             cause, location = _attribute(state, fingerprint, divergence, started_at, ttl_s, model)
-            if cached_before and cached_before < expected:
-                shortfall = cached_before - usage.cache_read
-                if shortfall > noise_floor:
-                    expected, waste = cached_before, shortfall
+            if cached_before and expected - cached_before > noise_floor:
+                within = cached_before - usage.cache_read
+                if within > noise_floor:  # the cause's part; the rest was never cached
+                    unrequested, waste = waste - within, within
                 else:  # all it missed lies past the previous request's last mark
                     cause, location = "not_requested", None
-        result = CacheResult(expected, usage.cache_read, usage.cache_write, waste, cause, location)
+        result = CacheResult(
+            expected, usage.cache_read, usage.cache_write, waste, cause, location, unrequested
+        )
     else:
         result = CacheResult(0, usage.cache_read, usage.cache_write, 0)
 

@@ -536,6 +536,9 @@ class AccountingObserver:
         }
         if result.waste and result.cause:
             self.metrics.observe_cache_waste(ex.model, result.cause, result.waste)
+        if result.unrequested:
+            ex.cache["not_requested"] = result.unrequested
+            self.metrics.observe_cache_waste(ex.model, "not_requested", result.unrequested)
         cost = cache.compute_cost(usage, pricing)
         self.metrics.observe_cost(ex.model, cost.actual, cost.uncached)
         self._price_summary(ex, cost)

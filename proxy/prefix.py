@@ -26,6 +26,7 @@ classic "current time in the system prompt".
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import operator
@@ -568,24 +569,56 @@ def find_divergence(
     old_message = old.messages[index] if index < len(old.messages) else None
     new_message = new.messages[index] if index < len(new.messages) else None
     moved = _moved(old.message_digests, new.message_digests, index)
+    if moved is None:
+        return _message_divergence("messages", index, old_message, new_message, secrets)
     if moved == "vanished":  # (a history trimmed at its start or in its middle)
         new_message = None
-    elif moved == "appeared":  # (a message put in before the ones the provider had read)
+    else:  # (a message put in before the ones the provider had read)
         old_message = None
-    return _message_divergence("messages", index, old_message, new_message, secrets)
+    found = _message_divergence("messages", index, old_message, new_message, secrets)
+    # A whole message, not a token in one (a dated message dropped is no timestamp changed)
+    return dataclasses.replace(found, volatile=False, volatile_kind=None)
 
 
 def _moved(old: Sequence[bytes], new: Sequence[bytes], index: int) -> str | None:
-    """Whether the messages differ at ``index`` because ``old``'s message there vanished (the
-    message ``new`` has there is one ``old`` sent later, and ``old``'s is nowhere after it in
-    ``new``), or because ``new``'s appeared (the other way round); None when one was edited."""
+    """Whether the messages differ at ``index`` because ``old``'s messages from there vanished
+    (what ``new`` has from ``index`` on is what ``old`` sent later, as far as both go: a history
+    trimmed at its start or in its middle), or because ``new``'s appeared (the other way round);
+    None for an edit in place (what follows lines up as it was). The first message kept may be
+    one of cachegate's own in place of the client's (a result whose call was trimmed, repaired
+    into a user message): then what follows it must line up, two messages at least."""
     if index >= len(old) or index >= len(new):
         return None
-    if new[index] in old[index + 1 :] and old[index] not in new[index + 1 :]:
+    if new[index + 1 : len(old)] == old[index + 1 : len(new)]:
+        return None  # the rest lines up where it was: an edit of this one
+    if _carried_later(old, new, index):
         return "vanished"
-    if old[index] in new[index + 1 :] and new[index] not in old[index + 1 :]:
+    if _carried_later(new, old, index):
         return "appeared"
     return None
+
+
+def _carried_later(longer: Sequence[bytes], other: Sequence[bytes], index: int) -> bool:
+    """Whether ``other`` from ``index`` on is ``longer`` from a later place on (as far as both
+    go), or, with ``other``'s message at ``index`` one ``longer`` never had, whether what follows
+    it is (two messages at least)."""
+    rest = other[index:]
+    first = rest[0]
+    second = rest[1] if len(rest) > 1 else None
+    own = second is not None and first not in longer
+    for at in range(index + 1, len(longer)):
+        span = min(len(rest), len(longer) - at)
+        if longer[at] == first:
+            if longer[at : at + span] == rest[:span]:
+                return True
+        elif (
+            own
+            and span >= 3
+            and longer[at + 1] == second
+            and longer[at + 1 : at + span] == rest[1:span]
+        ):
+            return True
+    return False
 
 
 def shared_links(old: Fingerprint, new: Fingerprint) -> int:

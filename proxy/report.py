@@ -47,6 +47,7 @@ class ExchangeRow:
     cache_waste: int | None = None
     waste_cause: str | None = None
     waste_location: str | None = None
+    unrequested: int = 0  # of a miss with a cause, what was never cached (not_requested)
     repairs: int = 0
     compacted: bool = False
     ttfb_s: float | None = None
@@ -229,6 +230,9 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
             waste += row.cache_waste
             cause = row.waste_cause or "unexplained"
             by_cause[cause] = by_cause.get(cause, 0) + row.cache_waste
+        if row.unrequested:
+            waste += row.unrequested
+            by_cause["not_requested"] = by_cause.get("not_requested", 0) + row.unrequested
     return CostReport(
         session=session_id,
         actual=actual,
@@ -464,6 +468,7 @@ def _apply_response(row: ExchangeRow, ev: dict[str, Any]) -> None:
         row.waste_cause = _str(cache.get("cause"))
         location = cache.get("location")
         row.waste_location = None if location is None else _location(location)
+        row.unrequested = max(0, _int(cache.get("not_requested")) or 0)
     cost = ev.get("cost")
     if isinstance(cost, dict):
         row.cost_actual = _float(cost.get("actual"))
@@ -838,6 +843,8 @@ def _waste(r: ExchangeRow) -> str:
         text += f" {r.waste_cause}"
     if r.waste_location:
         text += f"@{r.waste_location}"
+    if r.unrequested:
+        text += f" +{_tokens(r.unrequested)} not_requested"
     return text
 
 

@@ -249,15 +249,15 @@ def test_a_miss_of_a_request_that_marked_nothing_where_marks_are_needed_is_not_r
 def test_a_rewrite_where_only_marked_prefixes_are_cached_costs_what_was_cached() -> None:
     """Claude caches up to the last mark: an agent marking only its system prompt (8,000
     tokens) had only that cached. A rewrite of the system prompt loses those 8,000, not the
-    whole 20,000-token history: the rest was never cached, a miss of every turn. A rewrite
-    past the last mark (here: of a message after the system prompt) loses nothing that was
-    cached: its miss is what was never asked of the cache."""
+    whole 20,000-token history: the rest was never cached, a miss of every turn, counted apart
+    (not_requested). A rewrite past the last mark (here: of a message after the system prompt)
+    loses nothing that was cached: its miss is what was never asked of the cache."""
     session = Session(CacheState())
     body = opening()
     session.exchange(body, reported(20_000, 8_000), 0.0)
     body["messages"][0]["content"] = SYSTEM + " Today is 2025-03-14."
     rewritten = session.exchange(body, reported(20_500, 0), 10.0, cached_before=8_000)
-    assert rewritten == CacheResult(8_000, 0, 0, 8_000, "prefix_rewrite", "system")
+    assert rewritten == CacheResult(20_000, 0, 0, 8_000, "prefix_rewrite", "system", 12_000)
     body["messages"][1]["content"] = "Fix the failing test, then run the linter."
     past_mark = session.exchange(body, reported(20_600, 8_000), 20.0, cached_before=8_000)
     assert (past_mark.expected, past_mark.waste) == (20_500, 12_500)

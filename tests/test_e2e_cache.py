@@ -1097,10 +1097,22 @@ def test_a_claude_agent_that_marks_only_its_system_prompt_is_told_what_it_did_no
     if edited:
         assert caches[2]["write"] > 0
         assert (caches[2]["cause"], caches[2]["location"]) == ("prefix_rewrite", "system")
-        # The rewrite lost what was cached, the marked system prompt, not the history after
-        # it, which no turn could read (it was charged the whole previous prompt)
-        assert caches[2]["expected"] == caches[1]["read"] + caches[1]["write"]
-        assert caches[2]["waste"] == caches[2]["expected"] - caches[2]["read"]
+        # The rewrite lost what was cached, the marked system prompt; the history after it,
+        # which no turn could read, is counted apart, as on the turns before (it was all
+        # charged to the rewrite)
+        assert caches[2]["waste"] == caches[1]["read"] + caches[1]["write"] - caches[2]["read"]
+        rest = caches[2]["expected"] - caches[2]["read"] - caches[2]["waste"]
+        assert rest > 1000 and caches[2]["not_requested"] == rest
+        labels = {"model": "claude-sonnet-4-5", "cause": "not_requested"}
+        assert proxy.metric("cachegate_cache_waste_tokens_total", labels) == (
+            caches[1]["waste"] + rest
+        )
+        cost = run_cli("sessions", "cost", "system-mark", "--log-dir", str(proxy.log_dir))
+        by_cause = dict(line.split() for line in cost.out.splitlines() if line.startswith("  "))
+        assert by_cause["not_requested"] == f"{caches[1]['waste'] + rest:,}"
+        assert by_cause["prefix_rewrite"] == f"{caches[2]['waste']:,}"
+        show = run_cli("sessions", "show", "system-mark", "--log-dir", str(proxy.log_dir))
+        assert f"prefix_rewrite@system +{rest:,} not_requested" in show.out
     else:
         assert caches[2]["cause"] == "not_requested"
 

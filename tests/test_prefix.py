@@ -278,10 +278,25 @@ def test_a_history_trimmed_at_its_start_names_the_message_gone_not_an_edit() -> 
     assert inserted is not None
     assert (inserted.index, inserted.field, inserted.role) == (1, None, "user")
     assert (inserted.old_excerpt, inserted.new_excerpt) == ("", "Run the tests and fix what fails.")
-    # An edit in place is still an edit of its field
+    # An edit in place is still an edit of its field, even into the text of a later message
     edited = copy.deepcopy(old)
     edited["messages"][1]["content"] = "Run the tests."
     assert (diverge(old, edited) or divergence).field == "content"
+    edited["messages"][1]["content"] = "Now run them again."  # (what messages[6] says)
+    assert (diverge(old, edited) or divergence).field == "content"
+    # The first message kept made anew (cachegate's repair of a result whose call was trimmed,
+    # a user message in its place): what follows it lines up, so still the message that vanished
+    repaired = copy.deepcopy(new)
+    repaired["messages"][1] = {"role": "user", "content": "[tool result for call_1]"}
+    made = diverge(old, repaired)
+    assert made is not None and (made.index, made.field) == (1, None)
+    assert made.old_excerpt == "Run the tests and fix what fails."
+    # A dated message dropped is a message gone, not a timestamp changed
+    dated = copy.deepcopy(old)
+    dated["messages"].insert(1, {"role": "user", "content": "Current time: 2025-03-14T09:26Z"})
+    gone = diverge(dated, old)
+    assert gone is not None and (gone.index, gone.field) == (1, None)
+    assert (gone.volatile, gone.volatile_kind) == (False, None)
 
 
 def test_timestamp_added_to_system_prompt_is_a_volatile_system_rewrite() -> None:
