@@ -671,8 +671,10 @@ def _in_client_terms(divergence: prefix.Divergence, ex: Exchange) -> prefix.Dive
     """``divergence`` with its message index in the client's history, where a repair made the
     forwarded one differ from it (a synthetic result inserted, an orphan dropped: the repair
     notes of the same row count in the client's): the message at the index if it is one of the
-    client's, else the place after the nearest one before it that is. A compacted history keeps
-    the forwarded index (a summary stands for many of the client's messages)."""
+    client's, else the place after the nearest one before it that is (for messages that
+    vanished, always that place: the forwarded message at the index is the first after them,
+    and a repair may have dropped the client's before it). A compacted history keeps the
+    forwarded index (a summary stands for many of the client's messages)."""
     index = divergence.index
     if divergence.location != "messages" or index is None or ex.compacted or not ex.repairs:
         return divergence
@@ -682,7 +684,8 @@ def _in_client_terms(divergence: prefix.Divergence, ex: Exchange) -> prefix.Dive
         return divergence
     position = {id(message): i for i, message in enumerate(client)}
     at = 0
-    for k in range(min(index, len(forwarded) - 1), -1, -1):
+    start = index - 1 if divergence.vanished else index
+    for k in range(min(start, len(forwarded) - 1), -1, -1):
         i = position.get(id(forwarded[k]))
         if i is not None:
             at = i if k == index else i + 1

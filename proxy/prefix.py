@@ -135,6 +135,7 @@ class Divergence:
     new_excerpt: str
     volatile: bool = False
     volatile_kind: str | None = None
+    vanished: bool = False  # the old messages from ``index`` on are gone (a trimmed history)
 
     @property
     def label(self) -> str:
@@ -577,7 +578,9 @@ def find_divergence(
         old_message = None
     found = _message_divergence("messages", index, old_message, new_message, secrets)
     # A whole message, not a token in one (a dated message dropped is no timestamp changed)
-    return dataclasses.replace(found, volatile=False, volatile_kind=None)
+    return dataclasses.replace(
+        found, volatile=False, volatile_kind=None, vanished=moved == "vanished"
+    )
 
 
 def _moved(old: Sequence[bytes], new: Sequence[bytes], index: int) -> str | None:
@@ -589,6 +592,10 @@ def _moved(old: Sequence[bytes], new: Sequence[bytes], index: int) -> str | None
     into a user message): then what follows it must line up, two messages at least."""
     if index >= len(old) or index >= len(new):
         return None
+    if index + 1 >= min(len(old), len(new)):  # the last message of either: nothing follows
+        if len(old) == index + 1 < len(new) and new[index + 1] == old[index]:
+            return "appeared"  # (put in before the previous request's last message)
+        return None  # (a rewind whose retyped text is a later message's stays an edit)
     if new[index + 1 : len(old)] == old[index + 1 : len(new)]:
         return None  # the rest lines up where it was: an edit of this one
     if _carried_later(old, new, index):

@@ -1140,6 +1140,42 @@ def test_a_claude_agent_whose_marked_prefix_is_too_short_to_cache_is_told_so(
     assert caches[2]["waste"] > 2000
 
 
+@pytest.mark.parametrize("policy", ["downgrade", "drop"])
+def test_a_history_trimmed_past_a_call_names_the_first_message_dropped(
+    proxy_factory: Any, policy: str
+) -> None:
+    """A sliding window that cuts between a call and its result: the result left is an orphan,
+    which cachegate repairs (a user message in its place, or dropped). The location is where
+    the client's history lost its messages, messages[1], under either policy: not an edit of
+    the repaired message, nor the place after the one a repair dropped."""
+
+    def call(i: int) -> dict[str, Any]:
+        fn = {"name": "read", "arguments": "{}"}
+        return {"role": "assistant", "content": None,
+                "tool_calls": [{"id": f"call_{i:024d}", "type": "function", "function": fn}]}  # fmt: skip
+
+    def result(i: int) -> dict[str, Any]:
+        return {"role": "tool", "tool_call_id": f"call_{i:024d}", "content": f"file {i} " * 300}
+
+    with run_simulator(SimConfig()) as sim:
+        proxy = proxy_factory(sim.api_base, {**config(), "pairing": {"orphan_policy": policy}})
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "window"})
+        convo: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM_PROMPT * 20},
+            {"role": "user", "content": "Task " * 300},
+        ]
+        for i in range(4):
+            convo += [call(i), result(i)]
+        chat(client, convo, stream=False)
+        chat(client, [convo[0], *convo[3:]], stream=False)  # the task and the first call cut
+        flush(proxy)
+    second = events(proxy.log_dir, "window", "response")[1]
+    divergence = second["divergence"]
+    assert (divergence["index"], divergence["field"], divergence["new"]) == (1, None, "")
+    assert divergence["old"].startswith("Task Task")
+    assert second["cache"]["location"] == "messages[1]"
+
+
 def test_claude_behind_a_gateway_that_marks_for_the_client_gets_the_usual_causes(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:

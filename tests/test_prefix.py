@@ -291,6 +291,12 @@ def test_a_history_trimmed_at_its_start_names_the_message_gone_not_an_edit() -> 
     made = diverge(old, repaired)
     assert made is not None and (made.index, made.field) == (1, None)
     assert made.old_excerpt == "Run the tests and fix what fails."
+    # A message put in before the previous request's last one: that one follows it
+    reminder = copy.deepcopy(old)
+    reminder["messages"].insert(6, {"role": "user", "content": "<reminder>Use pytest</reminder>"})
+    reminder["messages"].append({"role": "user", "content": "Commit it."})
+    put = diverge(old, reminder)
+    assert put is not None and (put.index, put.field, put.old_excerpt) == (6, None, "")
     # A dated message dropped is a message gone, not a timestamp changed
     dated = copy.deepcopy(old)
     dated["messages"].insert(1, {"role": "user", "content": "Current time: 2025-03-14T09:26Z"})
