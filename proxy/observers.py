@@ -11,7 +11,7 @@ import logging
 import operator
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, NamedTuple
 
 from proxy import __version__, cache, compaction, prefix
@@ -400,7 +400,9 @@ class AccountingObserver:
             # history is cachegate's own (an expected miss, as in the waste), not the agent's.
             if ex.status < 400 and not ex.compaction_made:
                 self.metrics.observe_prefix_rewrite(_location_label(divergence))
-            shown = _in_client_terms(divergence, ex)
+            shown = _in_client_terms(
+                divergence, ex, compared.message_digests if compared is not None else ()
+            )
             ex.divergence = _divergence_dict(shown)
         usage = ex.usage
         name, ttl_s, pricing, marked_only, min_cached = self._model_terms(ex.model)
@@ -667,14 +669,17 @@ def _summary_at(body: Any, index: int | None) -> bool:
     return isinstance(content, str) and content.startswith(compaction.SUMMARY_MARKER)
 
 
-def _in_client_terms(divergence: prefix.Divergence, ex: Exchange) -> prefix.Divergence:
+def _in_client_terms(
+    divergence: prefix.Divergence, ex: Exchange, before: Sequence[bytes] = ()
+) -> prefix.Divergence:
     """``divergence`` with its message index in the client's history, where a repair made the
     forwarded one differ from it (a synthetic result inserted, an orphan dropped: the repair
     notes of the same row count in the client's): the message at the index if it is one of the
-    client's, else the place after the nearest one before it that is (for messages that
-    vanished, always that place: the forwarded message at the index is the first after them,
-    and a repair may have dropped the client's before it). A compacted history keeps the
-    forwarded index (a summary stands for many of the client's messages)."""
+    client's, else the place after the nearest one before it that is. Where messages vanished
+    just before a result the repair dropped as an orphan, they vanished before that result if
+    the compared request (``before``: its forwarded messages' digests) still sent it, its call
+    with it (the trim made it an orphan), else after it (an orphan all along). A compacted
+    history keeps the forwarded index (a summary stands for many of the client's messages)."""
     index = divergence.index
     if divergence.location != "messages" or index is None or ex.compacted or not ex.repairs:
         return divergence
@@ -684,7 +689,15 @@ def _in_client_terms(divergence: prefix.Divergence, ex: Exchange) -> prefix.Dive
         return divergence
     position = {id(message): i for i, message in enumerate(client)}
     at = 0
-    start = index - 1 if divergence.vanished else index
+    start = index
+    if divergence.vanished and index < len(forwarded):
+        i = position.get(id(forwarded[index]))
+        if i:  # (a client message, not the first)
+            dropped = client[i - 1]
+            if all(m is not dropped for m in forwarded) and (
+                prefix.message_digest(dropped) in before[index:]
+            ):
+                start = index - 1
     for k in range(min(start, len(forwarded) - 1), -1, -1):
         i = position.get(id(forwarded[k]))
         if i is not None:

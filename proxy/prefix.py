@@ -593,8 +593,8 @@ def _moved(old: Sequence[bytes], new: Sequence[bytes], index: int) -> str | None
     if index >= len(old) or index >= len(new):
         return None
     if index + 1 >= min(len(old), len(new)):  # the last message of either: nothing follows
-        if len(old) == index + 1 < len(new) and new[index + 1] == old[index]:
-            return "appeared"  # (put in before the previous request's last message)
+        if len(old) == index + 1 < len(new) and old[index] in new[index + 1 : index + 3]:
+            return "appeared"  # (one or two put in before the previous request's last message)
         return None  # (a rewind whose retyped text is a later message's stays an edit)
     if new[index + 1 : len(old)] == old[index + 1 : len(new)]:
         return None  # the rest lines up where it was: an edit of this one
@@ -878,6 +878,11 @@ def shared_prefix_len(old: Fingerprint, new: Fingerprint) -> int:
 
 def _digest(value: Any) -> bytes:
     return hashlib.blake2b(canonical_json(value), digest_size=DIGEST_SIZE).digest()
+
+
+def message_digest(message: Any) -> bytes:
+    """A message's digest, as ``Fingerprint.message_digests`` holds it."""
+    return _digest(canonical_message(message))
 
 
 def tools_json(tools: Any) -> bytes:

@@ -1176,6 +1176,39 @@ def test_a_history_trimmed_past_a_call_names_the_first_message_dropped(
     assert second["cache"]["location"] == "messages[1]"
 
 
+@pytest.mark.parametrize("policy", ["downgrade", "drop"])
+def test_messages_cut_after_an_orphan_all_along_are_named_after_it(
+    proxy_factory: Any, policy: str
+) -> None:
+    """An orphaned result (its call long gone) the client keeps sending, repaired every turn;
+    the client then deletes the turn after it: the messages vanished after the orphan, at the
+    client's messages[4], not before it."""
+
+    def text(role: str, words: str) -> dict[str, Any]:
+        return {"role": role, "content": words * 200}
+
+    orphan = {"role": "tool", "tool_call_id": "call_" + "7" * 24, "content": "file 7 " * 300}
+    with run_simulator(SimConfig()) as sim:
+        proxy = proxy_factory(sim.api_base, {**config(), "pairing": {"orphan_policy": policy}})
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "kept-orphan"})
+        first = [
+            {"role": "system", "content": SYSTEM_PROMPT * 20},
+            text("user", "Task "),
+            text("assistant", "Sure. "),
+            orphan,
+            text("user", "Second "),
+            text("assistant", "Second answer "),
+            text("user", "Third "),
+        ]
+        chat(client, first, stream=False)
+        chat(client, [*first[:4], first[6], text("assistant", "Third answer "),
+                      text("user", "Fourth ")], stream=False)  # fmt: skip
+        flush(proxy)
+    divergence = events(proxy.log_dir, "kept-orphan", "response")[1]["divergence"]
+    assert (divergence["index"], divergence["field"]) == (4, None)
+    assert divergence["old"].startswith("Second Second")
+
+
 def test_claude_behind_a_gateway_that_marks_for_the_client_gets_the_usual_causes(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:

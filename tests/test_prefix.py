@@ -297,6 +297,9 @@ def test_a_history_trimmed_at_its_start_names_the_message_gone_not_an_edit() -> 
     reminder["messages"].append({"role": "user", "content": "Commit it."})
     put = diverge(old, reminder)
     assert put is not None and (put.index, put.field, put.old_excerpt) == (6, None, "")
+    reminder["messages"].insert(7, {"role": "assistant", "content": "Noted."})  # and its reply
+    put = diverge(old, reminder)
+    assert put is not None and (put.index, put.field, put.old_excerpt) == (6, None, "")
     # A dated message dropped is a message gone, not a timestamp changed
     dated = copy.deepcopy(old)
     dated["messages"].insert(1, {"role": "user", "content": "Current time: 2025-03-14T09:26Z"})
