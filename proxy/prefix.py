@@ -165,7 +165,7 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
     params = cache_params(body)
     chain: list[tuple[str, bytes]]
     if previous is None:
-        message_digests = tuple([_digest(canonical_message(message)) for message in messages])
+        message_digests = tuple([message_digest(message) for message in messages])
         system_count = leading_system_count(messages)
         params_digest = _digest(params)
         tools_digest = _tools_digest(tools)
@@ -189,7 +189,7 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
                     if old is message or old == message:
                         digests.append(old_digests[i])
                         continue
-                digests.append(_digest(canonical_message(message)))
+                digests.append(message_digest(message))
             message_digests = tuple(digests)
         if same > previous.system_count:
             # The system block and the message after it are the very same objects: same block.
