@@ -397,11 +397,14 @@ def _remember(
             deque(map(out.pop, chain, repeat(None)), maxlen=0)
         out.update(dict.fromkeys(chain, started_at))
     else:
-        in_chain = set(chain)
-        out = {digest: started for digest, started in prefixes.items() if digest not in in_chain}
+        # Requests finish out of order; a prefix's time only moves forward. The map is copied
+        # in C and only the chain's digests are moved, not every other digest filtered in a
+        # loop here (one exchange in ten at concurrency 32 finishes after a later one started).
+        out = dict(prefixes)
+        pop = out.pop
         for digest in chain:
-            # Requests finish out of order; a prefix's time only moves forward.
-            out[digest] = max(started_at, prefixes.get(digest, started_at))
+            started = pop(digest, started_at)
+            out[digest] = started if started > started_at else started_at
     if len(out) > max_prefixes:
         # Insertion order is time order; for an over-long chain this keeps its longest prefixes.
         # The oldest are deleted in place: a full map of a long session (thousands of digests,

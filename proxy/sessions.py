@@ -304,13 +304,14 @@ class SessionState:
         attempt of the same exchange had: replay takes an exchange's latest request line), in
         the place of ``continues``, the exchange whose messages it carries on whole: one base per
         conversation, so that sub-agents interleaved in one session each find their own."""
-        if self.recent and any(eid in (exchange_id, continues) for eid, _ in self.recent):
-            self.recent = [
-                (eid, msgs) for eid, msgs in self.recent if eid not in (exchange_id, continues)
-            ]
-        self.recent.append((exchange_id, forwarded))
-        if len(self.recent) > keep:
-            del self.recent[0 : len(self.recent) - keep]
+        recent = self.recent
+        for i in range(len(recent) - 1, -1, -1):  # (in place, as the appends and trims are)
+            eid = recent[i][0]
+            if eid in (exchange_id, continues):
+                del recent[i]
+        recent.append((exchange_id, forwarded))
+        if len(recent) > keep:
+            del recent[0 : len(recent) - keep]
 
 
 class SessionStore(Protocol):
@@ -487,7 +488,12 @@ class MemorySessionStore:
         sizes.append((whole, own, anchor))
         if len(sizes) > SIZES_KEPT:
             dropped = sizes.pop(0)[2]
-            if dropped is not None and all(a is not dropped for _, _, a in sizes):
+            # (the usual case, one history's turns: it is this request's own, just appended)
+            if (
+                dropped is not None
+                and dropped is not anchor
+                and all(a is not dropped for _, _, a in sizes)
+            ):
                 state.beyond.add(id(dropped))  # its history's latest request is past them now
         # the largest whole (of equals, the latest: what earlier turns held is carried on to
         # it), plus the others' own (one pass: it runs for every request)

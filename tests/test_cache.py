@@ -500,3 +500,23 @@ def test_remembering_a_later_request_in_c_gives_the_same_prefixes_in_the_same_or
     fast = _remember(prefixes, tuple(chain), started, cap, latest)
     slow = _remember(prefixes, tuple(chain), started, cap, latest + 1e9)  # forces the general path
     assert list(fast.items()) == list(slow.items())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    old=st.lists(st.tuples(st.binary(min_size=1, max_size=2), st.floats(0, 100)), max_size=30),
+    chain=st.lists(st.binary(min_size=1, max_size=2), max_size=30, unique=True),
+    started=st.floats(0, 100),
+    cap=st.integers(1, 40),
+)
+def test_a_request_that_finished_after_a_later_one_moves_no_prefix_back_in_time(
+    old: list[tuple[bytes, float]], chain: list[bytes], started: float, cap: int
+) -> None:
+    prefixes = dict(old)
+    latest = max(prefixes.values(), default=0.0) + 1.0  # a later request was stamped already
+    out = _remember(prefixes, tuple(chain), started, cap, latest)
+    # What it must be: the other digests as they were, in their order, then the chain's, each
+    # at the later of its two times; the oldest past ``cap`` evicted.
+    expected = [(d, t) for d, t in prefixes.items() if d not in chain]
+    expected += [(d, max(started, prefixes.get(d, started))) for d in chain]
+    assert list(out.items()) == expected[max(0, len(expected) - cap) :]

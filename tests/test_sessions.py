@@ -15,6 +15,7 @@ from proxy.sessions import (
     SESSION_BASE_BYTES,
     SIZES_KEPT,
     MemorySessionStore,
+    SessionState,
     anchor_of,
     explicit_session_id,
     new_session_id,
@@ -615,3 +616,19 @@ def test_a_retry_of_the_same_body_is_not_counted_twice() -> None:
     store.weigh(state, 100_000, 20, (100_000, 20), anchor)  # a first request: all its own
     store.weigh(state, 100_000, 20, (0, 0), anchor)  # the retry: all shared
     assert state.weight == held(100_000)
+
+
+def test_recent_keeps_one_base_per_conversation_and_an_exchanges_latest_attempt() -> None:
+    state = SessionState(id="s", created=0.0, last_seen=0.0)
+    a1, b1 = [{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]
+    state.remember(1, a1)
+    state.remember(2, b1)
+    a2 = [*a1, {"role": "assistant", "content": "x"}]
+    state.remember(3, a2, continues=1)  # carries exchange 1 on whole: takes its place
+    assert state.recent == [(2, b1), (3, a2)]
+    retried = [*a2, {"role": "user", "content": "again"}]
+    state.remember(3, retried)  # the same exchange's retry replaces its refused attempt
+    assert state.recent == [(2, b1), (3, retried)]
+    for n in range(4, 8):
+        state.remember(n, [{"role": "user", "content": str(n)}], keep=3)
+    assert [eid for eid, _ in state.recent] == [5, 6, 7]  # the oldest go past ``keep``
