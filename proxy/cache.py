@@ -25,7 +25,9 @@ Cause of a waste, in this order of precedence:
 2. ``params_changed`` — the divergence is in ``params`` (model or a cache-relevant parameter).
 3. ``prefix_rewrite`` — the divergence is in ``system``, ``tools`` or a message; the location says
    where (``system``, ``tools``, ``messages[12].content``).
-4. ``unexplained`` — none of these: provider eviction or routing.
+4. ``ttl_expired`` again, where the provider documents a range rather than one TTL (OpenAI: 5 to
+   10 minutes) and the idle time is within it: the likeliest cause when there is no other.
+5. ``unexplained`` — none of these: provider eviction or routing.
 
 Before all of them, ``not_requested``: the provider caches only the prefixes a request marks
 (Anthropic's ``cache_control``), and this request marked none.
@@ -62,6 +64,10 @@ Cause = Literal["ttl_expired", "prefix_rewrite", "params_changed", "unexplained"
 DEFAULT_CACHE_TTL_S: Final[Mapping[str, float]] = MappingProxyType(
     {"openai": 600.0, "anthropic": 300.0, "deepseek": 3600.0, "*": 300.0}
 )
+# Where a provider documents a range, its shortest: OpenAI's cache "generally" keeps an idle
+# prefix 5 to 10 minutes. A miss past it with no other cause is named ``ttl_expired``; the
+# default TTL above (the longest) still decides when the idle time comes first, before a rewrite.
+CACHE_TTL_FLOOR_S: Final[Mapping[str, float]] = MappingProxyType({"openai": 300.0})
 DEFAULT_NOISE_FLOOR_TOKENS: Final = 1024
 # Prefix digests kept per session with their last start time: a 400-message conversation needs
 # ~400, the rest covers forks, sub-agents and retries. The oldest are evicted first.
@@ -86,6 +92,18 @@ def provider_of(model: str) -> str:
 def default_cache_ttl(model: str) -> float:
     """The documented default cache TTL for ``model``'s provider, in seconds."""
     return DEFAULT_CACHE_TTL_S.get(provider_of(model), DEFAULT_CACHE_TTL_S["*"])
+
+
+def cache_ttl_floor(model: str, ttl_s: float) -> float:
+    """The shortest idle time after which ``model``'s provider may have let a prefix go, given
+    ``ttl_s``, the TTL accounting uses: the low end of the provider's documented range when
+    ``ttl_s`` is that range's high end, its default (OpenAI: 300 s of 600); else ``ttl_s``
+    itself (a TTL set in the config, a 24 h retention, a Claude breakpoint's: one figure)."""
+    provider = provider_of(model)
+    floor = CACHE_TTL_FLOOR_S.get(provider)
+    if floor is None or ttl_s != DEFAULT_CACHE_TTL_S.get(provider):
+        return ttl_s
+    return min(floor, ttl_s)
 
 
 # --- cost -------------------------------------------------------------------------------------
@@ -244,6 +262,7 @@ def account(
     min_cached: int = 0,
     dropped: int = 0,
     cached_before: int | None = None,
+    ttl_floor_s: float | None = None,
 ) -> tuple[CacheState, CacheResult]:
     """Account one finished exchange; return the session's new state and the exchange's figures.
 
@@ -260,7 +279,8 @@ def account(
     it up to that, the part past the previous request's last mark, which was never cached,
     counted apart as ``unrequested``; a miss of that part alone is ``not_requested``. (0: the
     previous request cached nothing, marked or not, which tells no extent: its marks may not
-    have reached the provider.)
+    have reached the provider.) ``ttl_floor_s`` (``cache_ttl_floor``; None: ``ttl_s``): past
+    it, a miss with no other cause is ``ttl_expired``, not ``unexplained``.
     """
     has_reported = state.has_reported or usage.reported_cache
     counted = (
@@ -282,7 +302,9 @@ def account(
         elif unmarked is not None and unmarked():  # nothing was asked of the cache
             cause, location = "not_requested", None
         else:
-            cause, location = _attribute(state, fingerprint, divergence, started_at, ttl_s, model)
+            cause, location = _attribute(
+                state, fingerprint, divergence, started_at, ttl_s, model, ttl_floor_s
+            )
             if cached_before and expected - cached_before > noise_floor:
                 within = cached_before - usage.cache_read
                 if within > noise_floor:  # the cause's part; the rest was never cached
@@ -352,6 +374,7 @@ def _attribute(
     started_at: float,
     ttl_s: float,
     model: str,
+    ttl_floor_s: float | None = None,
 ) -> tuple[Cause, str | None]:
     idle = idle_seconds(state, fingerprint, started_at)
     if idle is not None and idle > ttl_s:
@@ -365,6 +388,8 @@ def _attribute(
         return "params_changed", "params.model"
     if state.params_digest is not None and state.params_digest != fingerprint.params_digest:
         return "params_changed", "params"
+    if idle is not None and ttl_floor_s is not None and idle > ttl_floor_s:
+        return "ttl_expired", None  # within the provider's documented range, and nothing else
     return "unexplained", None
 
 

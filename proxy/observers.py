@@ -292,6 +292,7 @@ class _Terms(NamedTuple):
     pricing: ModelPricing
     marked_only: bool
     min_cached: int
+    ttl_floor_s: float  # (``cache.cache_ttl_floor``)
 
 
 class AccountingObserver:
@@ -364,7 +365,8 @@ class AccountingObserver:
             marked_only = model.dialect == "anthropic" or (
                 cache.provider_of(model_name or "") == "anthropic"
             )
-            terms = _Terms(name, ttl, pricing, marked_only, model.cache_min_tokens)
+            floor = cache.cache_ttl_floor(model_name or "", ttl)
+            terms = _Terms(name, ttl, pricing, marked_only, model.cache_min_tokens, floor)
             self._terms[model_name] = terms
         return terms
 
@@ -405,12 +407,14 @@ class AccountingObserver:
             )
             ex.divergence = _divergence_dict(shown)
         usage = ex.usage
-        name, ttl_s, pricing, marked_only, min_cached = self._model_terms(ex.model)
+        name, ttl_s, pricing, marked_only, min_cached, ttl_floor_s = self._model_terms(ex.model)
         if marked_only or (usage is not None and usage.explicit_cache):
             # Claude keeps a prefix as long as the breakpoint that wrote it asks: "1h" or "5m"
-            ttl_s = prefix.marked_ttl_s(body) or ttl_s
+            marked_ttl_s = prefix.marked_ttl_s(body)
+            if marked_ttl_s:
+                ttl_s = ttl_floor_s = marked_ttl_s
         elif body.get("prompt_cache_retention") == "24h":  # OpenAI's extended retention
-            ttl_s = max(ttl_s, 86_400.0)
+            ttl_s = ttl_floor_s = max(ttl_s, 86_400.0)
         model = ex.model or name
         # What this request is accounted against (before its baseline is replaced by it).
         base: tuple[int | None, bytes | None, str | None] = (None, None, None)
@@ -516,6 +520,7 @@ class AccountingObserver:
             ),
             started_at=ex.started_at,
             cached_before=cached_before if usage.explicit_cache else None,
+            ttl_floor_s=ttl_floor_s,
             ttl_s=ttl_s,
             noise_floor=self.settings.cache.noise_floor_tokens,
             min_cached=min_cached,

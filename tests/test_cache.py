@@ -19,6 +19,7 @@ from proxy.cache import (
     ModelPricing,
     _remember,
     account,
+    cache_ttl_floor,
     compute_cost,
     default_cache_ttl,
     idle_seconds,
@@ -86,6 +87,7 @@ class Session:
         unmarked: bool = False,
         min_cached: int = 0,
         cached_before: int | None = None,
+        ttl_floor_s: float | None = None,
     ) -> CacheResult:
         body = orjson.loads(orjson.dumps(body))  # every request arrives parsed afresh
         fp = fingerprint(body, previous=self.fp)
@@ -106,6 +108,7 @@ class Session:
             unmarked=(lambda: True) if unmarked else None,
             min_cached=min_cached,
             cached_before=cached_before,
+            ttl_floor_s=ttl_floor_s,
         )
         self.body, self.fp = body, fp
         return result
@@ -520,3 +523,49 @@ def test_a_request_that_finished_after_a_later_one_moves_no_prefix_back_in_time(
     expected = [(d, t) for d, t in prefixes.items() if d not in chain]
     expected += [(d, max(started, prefixes.get(d, started))) for d in chain]
     assert list(out.items()) == expected[max(0, len(expected) - cap) :]
+
+
+@pytest.mark.parametrize(
+    ("model", "ttl", "floor"),
+    [
+        ("gpt-4o", 600.0, 300.0),  # OpenAI's 5 to 10 minutes
+        ("o3-mini", 600.0, 300.0),
+        ("gpt-4o", 900.0, 900.0),  # a TTL set in the config is one figure
+        ("gpt-4o", 86_400.0, 86_400.0),  # the 24 h retention
+        ("claude-sonnet-4", 300.0, 300.0),
+        ("deepseek-chat", 3_600.0, 3_600.0),
+        ("llama-3.1-70b", 300.0, 300.0),
+    ],
+)
+def test_the_ttl_floor_is_the_low_end_of_a_documented_range(
+    model: str, ttl: float, floor: float
+) -> None:
+    assert cache_ttl_floor(model, ttl) == floor
+
+
+def test_a_miss_within_openais_five_to_ten_minutes_with_no_other_cause_is_an_expiry() -> None:
+    """OpenAI keeps an idle prefix "generally" 5 to 10 minutes: a miss after 7 idle minutes,
+    with nothing rewritten, was reported as unexplained."""
+    floor = cache_ttl_floor(MODEL, TTL)
+    session = Session(CacheState())
+    body = opening()
+    body["messages"] += tool_round(1, "line\n" * 400)
+    session.exchange(body, reported(12_000, 0), started_at=0.0, ttl_floor_s=floor)
+    body["messages"] += tool_round(2)
+    r2 = session.exchange(body, reported(13_500, 0), started_at=7 * 60.0, ttl_floor_s=floor)
+    assert (r2.cause, r2.waste) == ("ttl_expired", 12_000)
+    # Under 5 minutes it is not: nothing explains that miss.
+    body["messages"] += tool_round(3)
+    r3 = session.exchange(body, reported(15_000, 0), started_at=11 * 60.0, ttl_floor_s=floor)
+    assert (r3.cause, r3.waste) == ("unexplained", 13_500)
+    # Within the range, a rewrite is named rather than the idle time (the cache may have been
+    # there: the rewrite missed it either way)...
+    body["messages"][0] = {"role": "system", "content": SYSTEM + " Be brief."}
+    body["messages"] += tool_round(4)
+    r4 = session.exchange(body, reported(16_500, 0), started_at=19 * 60.0, ttl_floor_s=floor)
+    assert (r4.cause, r4.location) == ("prefix_rewrite", "system")
+    # ...and past 10 minutes the idle time comes first, as before.
+    body["messages"][0] = {"role": "system", "content": SYSTEM}
+    body["messages"] += tool_round(5)
+    r5 = session.exchange(body, reported(18_000, 0), started_at=31 * 60.0, ttl_floor_s=floor)
+    assert (r5.cause, r5.location) == ("ttl_expired", None)

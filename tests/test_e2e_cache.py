@@ -430,6 +430,37 @@ def test_a_refused_request_does_not_move_the_baseline_of_its_retry(
     assert retried["divergence"]["volatile_kind"] == "timestamp"
 
 
+def test_an_idle_gap_inside_openais_five_to_ten_minutes_is_named_as_the_expiry(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """With the default TTL of OpenAI's models (the top of their documented 5 to 10 minutes),
+    an agent left 7 minutes whose provider had let the prefix go (the simulator's TTL is 300 s)
+    got ``unexplained``: the idle time is the cause. The log, the metric and ``sessions show``
+    say so."""
+    models = {"gpt-4o": PRICES["gpt-4o"]}  # no cache_ttl_s: the built-in default
+    proxy = proxy_factory(sim.api_base, {"models": models}, clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "idle-7"})
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Read the handlers.\n" + FILE_TEXT},
+    ]
+    for idle in (20, 7 * 60, 20):
+        reply, _ = chat(client, convo, stream=True, tools=TOOLS)
+        convo += [reply, {"role": "user", "content": "Go on."}]
+        sim.sim.advance(idle)
+    chat(client, convo, stream=False, tools=TOOLS)
+    usages = [r.usage for r in sim.sim.requests]
+    assert cache_read(usages[2]) == 0 < cache_read(usages[1])  # the provider's 300 s passed
+    flush(proxy)
+    caches = [r["cache"] for r in events(proxy.log_dir, "idle-7", "response")]
+    assert [c["cause"] for c in caches] == [None, None, "ttl_expired", None]
+    assert caches[2]["waste"] == expected_waste(usages[1], usages[2]) > NOISE_FLOOR
+    labels = {"model": "gpt-4o", "cause": "ttl_expired"}
+    assert proxy.metric("cachegate_cache_waste_tokens_total", labels) == caches[2]["waste"]
+    show = run_cli("sessions", "show", "idle-7", "--log-dir", str(proxy.log_dir)).out
+    assert f"{caches[2]['waste']:,} ttl_expired" in show
+
+
 def test_long_warm_session_with_tool_rounds_wastes_nothing(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:

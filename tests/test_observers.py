@@ -360,13 +360,14 @@ def test_conversations_with_other_tools_name_the_line_that_carried_theirs() -> N
 class _Accounting:
     """An AccountingObserver on one session, fed exchanges with the usage a provider reported."""
 
-    def __init__(self) -> None:
+    def __init__(self, models: dict[str, Any] | None = None) -> None:
         from prometheus_client import CollectorRegistry
 
         self.store = MemorySessionStore()
         self.state = self.store.create("s1", 0.0)
         self.metrics = Metrics(CollectorRegistry(), ())
-        settings = settings_from_mapping({"models": {"gpt-4o": {"cache_ttl_s": 3600}}})
+        models = {"gpt-4o": {"cache_ttl_s": 3600}} if models is None else models
+        settings = settings_from_mapping({"models": models})
         self.observer = AccountingObserver(settings, self.store, self.metrics)
         self.eid = 0
 
@@ -745,6 +746,32 @@ def test_openais_24_hour_retention_is_the_ttl_of_a_request_that_asks_for_it() ->
         later = [_system("Current date: 2026-12-02"), *history, *msgs("done", "next")]
         ex = acc.send_body({**params, "messages": later}, 9_100, 0, at=2 * 3600.0)
         assert ex.cache is not None and ex.cache["cause"] == cause
+
+
+def test_a_miss_after_openais_five_minutes_with_nothing_rewritten_is_an_expiry() -> None:
+    """The built-in TTL of OpenAI's models is the top of their documented 5 to 10 minutes: a miss
+    after 7 idle minutes was ``unexplained``. Past 5 minutes it is ``ttl_expired`` when nothing
+    else explains it; a TTL set in the config is taken as it is; Claude's 5 minutes are one
+    figure."""
+    history = msgs("fix the bug", "looked", "go on")
+    for models, model, cause in (
+        ({}, "gpt-4o", "ttl_expired"),  # the built-in entry: 600 s
+        ({}, "gpt-5-mini", "ttl_expired"),  # no entry: OpenAI's default by name
+        ({"gpt-4o": {"cache_ttl_s": 900}}, "gpt-4o", "unexplained"),
+        ({}, "claude-sonnet-4", "ttl_expired"),  # (past its 300 s outright)
+    ):
+        acc = _Accounting(models)
+        acc.send_body({"model": model, "messages": [_system("agent"), *history]}, 9_000, 0, at=0.0)
+        later = [_system("agent"), *history, *msgs("done", "next")]
+        ex = acc.send_body({"model": model, "messages": later}, 9_100, 0, at=7 * 60.0)
+        assert ex.cache is not None and ex.cache["waste"] == 9_000, model
+        assert ex.cache["cause"] == cause, (models, model)
+    # four minutes idle: nothing explains it, whatever the model
+    acc = _Accounting({})
+    acc.send_body({"model": "gpt-4o", "messages": [_system("agent"), *history]}, 9_000, 0, at=0.0)
+    later = {"model": "gpt-4o", "messages": [_system("agent"), *history, *msgs("done", "next")]}
+    ex = acc.send_body(later, 9_100, 0, at=4 * 60.0)
+    assert ex.cache is not None and ex.cache["cause"] == "unexplained"
 
 
 def test_the_first_message_edited_at_the_second_turn_is_still_its_conversation() -> None:
