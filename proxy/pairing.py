@@ -471,12 +471,18 @@ class RepairState:
 
     def resumes(self, messages: Sequence[Any], policy: tuple[str, str]) -> bool:
         """Whether ``messages`` extends this state's messages, with the same policy, and appends
-        no result for a call still open in them."""
+        no result for a call still open in them. A system block of as many messages in place of
+        theirs (the time in the system prompt) still does: nothing in a system block is
+        repaired, and nothing is pending after one (``repair_messages_from`` puts it in)."""
         done = len(self.messages)
         if policy != self.policy or len(messages) < done:
             return False
         if not all(map(operator.is_, self.messages, messages)):
-            return False
+            system = leading_system_count(self.messages)
+            if not system or system == done or leading_system_count(messages) != system:
+                return False
+            if not all(map(operator.is_, self.messages[system:], messages[system:done])):
+                return False
         owner_of_id = self.owner_of_id
         appended_ids: set[str] = set()  # calls of appended blocks: theirs, not earlier ones
         for message in itertools.islice(messages, done, None):
@@ -514,6 +520,11 @@ def repair_messages_from(
     if previous is not None and previous.resumes(messages, policy):
         state = previous
         start = len(previous.messages)
+        system = leading_system_count(messages)
+        if not all(map(operator.is_, previous.messages[:system], messages[:system])):
+            # Another system block (``resumes``): its messages in the place of the old ones,
+            # which no repair touched (the repaired history starts with them, as they were).
+            state.out = (*messages[:system], *state.out[system:])
     else:
         if not needs_repair(messages):
             return PairingResult(messages, []), None

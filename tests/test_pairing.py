@@ -1072,3 +1072,62 @@ def test_a_call_id_used_again_by_an_appended_call_does_not_stop_the_resume() -> 
     assert state.resumes(turn, state.policy)
     result, _ = repair_messages_from(turn, state)
     assert result.messages == repair_messages(turn).messages
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    history=st.one_of(random_histories(), damaged_histories().map(lambda d: d[0])),
+    cuts=st.lists(st.integers(0, 40), max_size=4),
+    system=st.integers(1, 2),
+    policy=st.sampled_from(["downgrade", "drop"]),
+)
+def test_a_repair_resumes_past_a_system_prompt_with_the_time_in_it(
+    history: list[Message], cuts: list[int], system: int, policy: Any
+) -> None:
+    """The time in the system prompt: each turn a new system block before the very same
+    messages. The repair resumes (it started over every turn: ~1.6 ms a turn at 100 turns where
+    a fixed prompt took ~0.05) and still equals the whole repair of each turn."""
+    state = None
+    for turn_no, end in enumerate([*sorted(c % (len(history) + 1) for c in cuts), len(history)]):
+        prompt = [
+            {"role": "system", "content": f"Agent {k}. Time: 10:{turn_no:02d}"}
+            for k in range(system)
+        ]
+        turn = [*prompt, *history[:end]]
+        resumed, state = repair_messages_from(turn, state, orphan_policy=policy)
+        whole = repair_messages(turn, orphan_policy=policy)
+        assert resumed.messages == whole.messages
+        assert resumed.repairs == whole.repairs
+        assert all(a is b for a, b in zip(resumed.messages[:system], prompt, strict=False))
+
+
+def test_a_kept_defect_behind_a_changing_system_prompt_is_repaired_from_where_it_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import proxy.pairing as pairing_module
+
+    looked_at: list[int] = []
+    real = pairing_module._tool_calls
+
+    def counting(message: Any) -> Any:
+        looked_at.append(1)
+        return real(message)
+
+    history = [user("go"), asst(call("int")), user("interrupted; go on")]
+    for k in range(50):
+        history += [asst(call(f"c{k}")), tool(f"c{k}")]
+    first = [{"role": "system", "content": "Time: 10:00"}, *history]
+    _, state = repair_messages_from(first, None)
+    assert state is not None
+    monkeypatch.setattr(pairing_module, "_tool_calls", counting)
+    turn = [{"role": "system", "content": "Time: 10:01"}, *history, asst(call("n1")), tool("n1")]
+    result, state = repair_messages_from(turn, state)
+    assert len(looked_at) == 2  # the appended call, twice; none of the 100 before it
+    assert result.messages == repair_messages(turn).messages
+    assert result.messages[0] is turn[0]
+    # another number of system messages: repaired whole, and right
+    looked_at.clear()
+    two = [{"role": "system", "content": "a"}, {"role": "developer", "content": "b"}, *history]
+    result, _ = repair_messages_from(two, state)
+    assert len(looked_at) > 50
+    assert result.messages == repair_messages(two).messages
