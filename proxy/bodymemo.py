@@ -274,17 +274,20 @@ _GOES_ON_AT: Final = -2  # (``_kept_at``)
 def _changed(old: bytes, at: int, raw: bytes, where: int) -> int:
     """How many bytes of ``old[:at]`` and ``raw[:where]`` differ: all but their common start and
     end (the time in a prompt: a few; another sub-agent's role: its name and more)."""
-    a, b = memoryview(old), memoryview(raw)
+    # By halves, each step a memcmp: ``bytes.startswith``/``endswith`` of a view. (Views
+    # compared with ``==`` go byte by byte through their format: ~30 times slower, ~0.3 ms a
+    # call for a 12 KB system prompt, twice a turn for an agent with the time in its prompt.)
+    b = memoryview(raw)
     limit = min(at, where)
     lo, hi = 0, limit
-    while lo < hi:  # the common start, by halves (memcmp each)
+    while lo < hi:  # the common start
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid - 1)
+        lo, hi = (mid, hi) if old.startswith(b[:mid]) else (lo, mid - 1)
     start = lo
     lo, hi = 0, limit - start
-    while lo < hi:
+    while lo < hi:  # the common end, of ``old[:at]`` and ``raw[:where]``
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if a[at - mid : at] == b[where - mid : where] else (lo, mid - 1)
+        lo, hi = (mid, hi) if old.endswith(b[where - mid : where], 0, at) else (lo, mid - 1)
     return max(at, where) - start - lo
 
 

@@ -990,3 +990,32 @@ def test_agents_without_an_id_with_the_time_in_their_prompts_are_each_continued(
                     {"role": "assistant", "content": f"step {minute} of {a}"},
                     {"role": "user", "content": f"go on, {a}"},
                 ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    common=st.binary(max_size=40),
+    old_mid=st.binary(max_size=20),
+    new_mid=st.binary(max_size=20),
+    end=st.binary(max_size=40),
+    old_after=st.binary(max_size=10),
+    new_after=st.binary(max_size=10),
+)
+def test_the_bytes_changed_before_the_kept_messages_are_counted_as_a_plain_comparison_would(
+    common: bytes, old_mid: bytes, new_mid: bytes, end: bytes, old_after: bytes, new_after: bytes
+) -> None:
+    """How far two heads differ (``_changed``, which ranks the memos a body is respliced on:
+    the one whose system prompt changed least first), against a byte-by-byte reference."""
+    from proxy.bodymemo import _changed
+
+    old_head, new_head = common + old_mid + end, common + new_mid + end
+    old, raw = old_head + old_after, new_head + new_after
+    at, where = len(old_head), len(new_head)
+    limit = min(at, where)
+    start = 0
+    while start < limit and old_head[start] == new_head[start]:
+        start += 1
+    tail = 0
+    while tail < limit - start and old_head[at - 1 - tail] == new_head[where - 1 - tail]:
+        tail += 1
+    assert _changed(old, at, raw, where) == max(at, where) - start - tail
