@@ -193,6 +193,10 @@ class EventLogWriter:
         # Per session, lines lost to write errors since its last line written (bounded: the
         # oldest go first)
         self._unwritten: OrderedDict[str, int] = OrderedDict()
+        # Per session, lines lost for any reason (a full queue, a write error, a line that could
+        # not be serialized or redacted) not yet told in its file: a ``lines_lost`` line goes
+        # before its next lines (guarded by ``_lock``: the event loop counts a full queue's).
+        self._lost_lines: OrderedDict[str, int] = OrderedDict()
         self._syncs = 0
         # Owned by the writer thread only.
         self._fds: OrderedDict[str, int] = OrderedDict()
@@ -275,6 +279,8 @@ class EventLogWriter:
         # go past the bound, up to twice it: a burst of new sessions dropped it.
         if queued >= self._max_queue and (not first_in_file or queued >= 2 * self._max_queue):
             self._drop("queue_full")
+            if not first_in_file:  # (a meta line is no gap: the file says who it is anyway)
+                self._count_lost(session_id, 1)
             return False
         # No wake-up call: waking a sleeping thread per event cost the event loop ~15% of its
         # CPU in the benchmark (GIL hand-offs). The writer polls instead (POLL_S).
@@ -318,6 +324,14 @@ class EventLogWriter:
             self._dropped += 1
         self._loss(kind)
         self._warn(kind, "event log: event dropped (%s)", kind)
+
+    def _count_lost(self, session_id: str, lines: int) -> None:
+        """``lines`` of ``session_id`` will not reach its file: its next lines say so."""
+        with self._lock:
+            lost = self._lost_lines
+            lost[session_id] = lost.pop(session_id, 0) + lines
+            if len(lost) > _METAS_KEPT:
+                del lost[next(iter(lost))]
 
     def _discard_queued(self) -> None:
         """Count events that raced with ``close`` and can no longer be written."""
@@ -459,6 +473,7 @@ class EventLogWriter:
             return self._serialize(ts, event)
         except Exception as exc:  # orjson.JSONEncodeError, a non-dict event, a hostile __str__
             self._mark_broken(session_id)
+            self._count_lost(session_id, 1)
             self._lose("serialize", "event log: cannot serialize event for %s: %s", session_id, exc)
             return None
 
@@ -483,6 +498,7 @@ class EventLogWriter:
                     lines[at] = _dumps_line(deep_call(redact, out), _redacted_str)
                 except Exception as exc:  # a hostile __str__, say
                     self._mark_broken(session_id)
+                    self._count_lost(session_id, 1)
                     self._lose(
                         "serialize", "event log: cannot redact event for %s: %s", session_id, exc
                     )
@@ -544,6 +560,9 @@ class EventLogWriter:
                 # until the lock is its own.
                 self._close_fd(session_id)
                 self._mark_broken(session_id)
+                events = len(lines) - (lines[0].find(_META_TYPE, 0, 64) >= 0)
+                if events:
+                    self._count_lost(session_id, events)
                 for _ in lines:
                     self._lose(
                         "locked_out",
@@ -554,6 +573,16 @@ class EventLogWriter:
                         self.log_dir,
                     )
                 return
+        count = len(lines)
+        # (a meta line lost is written again at the file's start: no gap in the session)
+        events = count - (lines[0].find(_META_TYPE, 0, 64) >= 0)
+        told = 0  # lost lines this write tells of (``_count_lost``)
+        if self._lost_lines:
+            with self._lock:
+                told = self._lost_lines.get(session_id, 0)
+            if told:  # said before the lines written next (after a meta line: it opens the file)
+                at = 1 if lines[0].find(_META_TYPE, 0, 64) >= 0 else 0
+                lines = [*lines[:at], _lost_line(told), *lines[at:]]
         data = lines[0] if len(lines) == 1 else b"".join(lines)
         try:
             if session_id in self._fds:
@@ -582,13 +611,20 @@ class EventLogWriter:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT) and self._fds:
                 self._close_removed()  # space may have been freed by hand already
             self._mark_broken(session_id)
-            for _ in lines:
+            if events:
+                self._count_lost(session_id, events)
+            for _ in range(count):
                 self._lose("io", "event log: cannot write %s: %s", session_id, exc)
             unwritten = self._unwritten
-            unwritten[session_id] = unwritten.pop(session_id, 0) + len(lines)
+            unwritten[session_id] = unwritten.pop(session_id, 0) + count
             if len(unwritten) > _METAS_KEPT:
                 del unwritten[next(iter(unwritten))]
             return
+        if told:
+            with self._lock:
+                left = self._lost_lines.pop(session_id, 0) - told  # (more may have come)
+                if left > 0:
+                    self._lost_lines[session_id] = left
         lost = self._unwritten.pop(session_id, 0) if self._unwritten else 0
         if lost:  # (a full disk, an unwritable file or directory: said once it is over for it)
             self._warn(
@@ -598,7 +634,7 @@ class EventLogWriter:
                 session_id,
                 lost,
             )
-        self._written += len(lines)
+        self._written += count
         self._written_at[session_id] = time.monotonic()
         held = self._files.get(session_id)
         if held is not None:
@@ -984,6 +1020,28 @@ def log_dir_problem(log_dir: str) -> str | None:
     with contextlib.suppress(OSError):
         os.unlink(probe)
     return None
+
+
+LOST_TYPE: Final = "lines_lost"
+
+
+def lost_lines(events: Iterable[dict[str, Any]]) -> int:
+    """How many lines a session's log says it lost (its ``lines_lost`` lines)."""
+    total = 0
+    for ev in events:
+        if ev.get("type") == LOST_TYPE:
+            lines = ev.get("lines")
+            if type(lines) is int and lines > 0:
+                total += lines
+    return total
+
+
+def _lost_line(lines: int) -> bytes:
+    """The line that tells of ``lines`` of a session lost before it (``sessions show`` notes
+    them, ``sessions replay`` fails on them): an audit log says where it has a hole."""
+    return orjson.dumps(
+        {"ts": time.time(), "type": LOST_TYPE, "lines": lines}, option=orjson.OPT_APPEND_NEWLINE
+    )
 
 
 def _terminate_torn_line(fd: int) -> int:

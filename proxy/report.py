@@ -23,6 +23,7 @@ from proxy.eventlog import (
     LOG_SUFFIX,
     LogRead,
     NotALogFile,
+    lost_lines,
     read_events,
     replay_requests,
     session_log_path,
@@ -76,6 +77,7 @@ class SessionDetail:
     torn: int
     first_seen: float | None = None
     last_seen: float | None = None
+    lost: int = 0  # lines cachegate could not write, as its ``lines_lost`` lines tell
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -84,6 +86,7 @@ class SessionDetail:
             "first_seen": self.first_seen,
             "last_seen": self.last_seen,
             "torn": self.torn,
+            "lost": self.lost,
             "exchanges": [row.to_json() for row in self.rows],
         }
 
@@ -106,6 +109,7 @@ class SessionSummary:
     repairs: int
     errors: int
     torn: int
+    lost: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -124,6 +128,7 @@ class CostReport:
     waste_tokens: int
     waste_by_cause: dict[str, int] = field(default_factory=dict)
     torn: int = 0
+    lost: int = 0  # lines the log could not hold: the figures may miss exchanges
     # priced at $0 though tokens were used: their models have no prices in the configuration
     unpriced: dict[str, int] = field(default_factory=dict)  # model -> exchanges
 
@@ -244,6 +249,7 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
         waste_by_cause=dict(sorted(by_cause.items(), key=lambda kv: (-kv[1], kv[0]))),
         torn=detail.torn,
         unpriced=unpriced,
+        lost=detail.lost,
     )
 
 
@@ -447,6 +453,7 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
         torn=log.torn,
         first_seen=min(stamps, default=None),
         last_seen=max(stamps, default=None),
+        lost=lost_lines(log.events),
     )
 
 
@@ -517,6 +524,7 @@ def summarize(detail: SessionDetail) -> SessionSummary:
             if (row.error or (row.status or 0) >= 400) and row.status != CLIENT_CLOSED
         ),
         torn=detail.torn,
+        lost=detail.lost,
     )
 
 
@@ -565,7 +573,7 @@ def render_list(sessions: Sequence[SessionSummary]) -> str:
     if not sessions:
         return "no sessions"
     headers = ["SESSION", "FIRST SEEN", "LAST SEEN", "MODEL", "EXCH", "IN", "OUT", "CACHE HIT"]
-    headers += ["INTERRUPTED", "REPAIRS", "ERRORS", "TORN"]
+    headers += ["INTERRUPTED", "REPAIRS", "ERRORS", "TORN", "LOST"]
     rows = [
         [
             s.session,
@@ -580,6 +588,7 @@ def render_list(sessions: Sequence[SessionSummary]) -> str:
             str(s.repairs),
             str(s.errors),
             str(s.torn),
+            str(s.lost),
         ]
         for s in sessions
     ]
@@ -718,7 +727,17 @@ def render_show(detail: SessionDetail) -> str:
         lines.append("no exchanges")
     if detail.torn:
         lines.append(f"{detail.torn} torn line{'s' if detail.torn != 1 else ''} skipped")
+    if detail.lost:
+        lines.append(_lost_note(detail.lost))
     return "\n".join(lines)
+
+
+def _lost_note(lost: int) -> str:
+    return (
+        f"{lost} line{'s' if lost != 1 else ''} of this session could not be written (a full"
+        " disk, a write error, a full queue: cachegate's log and cachegate_event_log_lost_total"
+        " say which); exchanges may be missing from this view"
+    )
 
 
 def render_cost(report: CostReport) -> str:
@@ -737,6 +756,8 @@ def render_cost(report: CostReport) -> str:
     pairs += [(f"  {cause}", _tokens(tokens)) for cause, tokens in report.waste_by_cause.items()]
     if report.torn:
         pairs.append(("torn lines skipped", str(report.torn)))
+    if report.lost:
+        pairs.append(("lines lost", f"{report.lost} (the figures may miss exchanges)"))
     width = max(len(label) for label, _ in pairs)
     lines = [f"{label.ljust(width)}  {value}" for label, value in pairs]
     for model, count in report.unpriced.items():

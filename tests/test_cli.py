@@ -126,13 +126,14 @@ def test_list_text_is_a_table_with_one_row_per_session(logged: Logged) -> None:
     header, *rows = result.out.rstrip("\n").splitlines()
     assert header.split() == [
         "SESSION", "FIRST", "SEEN", "LAST", "SEEN", "MODEL", "EXCH", "IN", "OUT", "CACHE", "HIT",
-        "INTERRUPTED", "REPAIRS", "ERRORS", "TORN",
+        "INTERRUPTED", "REPAIRS", "ERRORS", "TORN", "LOST",
     ]  # fmt: skip
     assert sorted(row.split()[0] for row in rows) == sorted(["cli-a", logged.inferred])
     row = next(r for r in rows if r.startswith("cli-a "))
     prompt = sum(x["usage"]["prompt_tokens"] for x in logged.sent["cli-a"])
     assert f"{prompt:,}" in row.split()
-    assert row.split()[-4:] == ["0", "1", "0", "0"]  # interrupted, repairs, errors, torn
+    # interrupted, repairs, errors, torn, lost
+    assert row.split()[-5:] == ["0", "1", "0", "0", "0"]
 
 
 def test_list_since_and_limit_read_only_the_logs_written_lately(

@@ -23,6 +23,7 @@ from proxy.eventlog import (
     choose_delta,
     enforce_retention,
     logged_compactions,
+    lost_lines,
     read_events,
     replay,
     replay_requests,
@@ -549,9 +550,11 @@ def test_a_log_directory_removed_while_running_is_made_again_with_each_files_met
         events = read_events(log_dir / f"{sid}.jsonl").events
         assert [(e["type"], e.get("message")) for e in events] == [
             ("session_meta", None),
+            *([("lines_lost", None)] if sid == "b" else []),  # b's error line "lost"
             ("error", "back"),
         ]
         assert events[0]["session"] == sid
+        assert lost_lines(events) == (sid == "b")  # (its meta line is written again: no gap)
 
 
 @pytest.mark.parametrize("how", ["removed", "renamed", "emptied", "cut mid-line"])
@@ -722,7 +725,11 @@ def test_the_claim_is_taken_back_once_another_process_that_held_it_is_gone(
     w.emit("a", {"type": "error", "exchange": 2, "status": 400, "message": "m"})
     assert w.flush()
     assert claim_log_dir(log_dir) == str(os.getpid())  # taken back: a third is refused
-    assert [e["exchange"] for e in read_events(log_dir / "a.jsonl").events] == [2]
+    events = read_events(log_dir / "a.jsonl").events
+    assert [(e["type"], e.get("exchange"), e.get("lines")) for e in events] == [
+        ("lines_lost", None, 1),  # exchange 1's line: the file says it has a hole
+        ("error", 2, None),
+    ]
 
 
 def test_a_deleted_lock_file_is_claimed_again_before_another_cachegate_writes_alongside(
@@ -751,7 +758,9 @@ def test_a_deleted_lock_file_is_claimed_again_before_another_cachegate_writes_al
     assert [e["exchange"] for e in read_events(log_dir / "a.jsonl").events] == [1]
     w.emit("a", {"type": "error", "exchange": 3, "status": 400, "message": "m"})
     assert w.flush()
-    assert [e["exchange"] for e in read_events(log_dir / "a.jsonl").events] == [1, 3]
+    events = read_events(log_dir / "a.jsonl").events
+    assert [e.get("exchange", e["type"]) for e in events] == [1, "lines_lost", 3]
+    assert lost_lines(events) == 1
     assert claim_log_dir(log_dir) == str(os.getpid())
 
 
@@ -882,7 +891,10 @@ def test_a_burst_of_new_sessions_keeps_each_files_meta_line(log_dir: Path, write
     writers.append(w)
     assert w.flush()
     line = (log_dir / "late.jsonl").read_bytes().splitlines()
-    assert [orjson.loads(x)["type"] for x in line] == ["session_meta"]
+    # its response line was refused: the file says so after its meta line
+    assert [orjson.loads(x)["type"] for x in line] == ["session_meta", "lines_lost"]
+    assert orjson.loads(line[1])["lines"] == 1
+    assert "lines_lost" not in (log_dir / "s0.jsonl").read_text()  # (lost nothing)
 
 
 def test_unserializable_events_are_counted_not_raised(log_dir: Path, writers) -> None:
@@ -1169,9 +1181,10 @@ def test_a_line_that_cannot_be_redacted_is_dropped_and_the_batch_still_written(
     raw = (log_dir / "s.jsonl").read_bytes()
     assert KEY.encode() not in raw
     events = read_events(log_dir / "s.jsonl").events
-    assert [e["n"] for e in events] == [0, 2, 3]
-    assert events[1]["message"] == "key [REDACTED]"
-    assert w.written == 3 and w.errors == 1
+    # the batch's lines, after the line that tells of the one dropped
+    assert [e.get("n", e["type"]) for e in events] == ["lines_lost", 0, 2, 3]
+    assert events[2]["message"] == "key [REDACTED]"
+    assert w.written == 3 and w.errors == 1 and lost_lines(events) == 1
 
 
 def test_redaction_can_be_turned_off(log_dir: Path, writers) -> None:
@@ -1507,8 +1520,14 @@ def test_a_full_disk_mid_write_leaves_no_torn_line(
     assert w.flush()
     log = read_events(log_dir / "s.jsonl")
     assert log.torn == 0
-    assert [e.get("message") for e in log.events] == [None, "one", "three"]
-    assert w.errors == 1
+    # and a line in its place tells of the one the full disk took
+    assert [e.get("message", e["type"]) for e in log.events] == [
+        "session_meta",
+        "one",
+        "lines_lost",
+        "three",
+    ]
+    assert w.errors == 1 and lost_lines(log.events) == 1
 
 
 def test_a_line_nested_deeper_than_orjson_reads_is_read_not_counted_torn() -> None:

@@ -84,7 +84,8 @@ def test_a_line_the_writer_lost_is_no_base_and_the_next_is_written_whole(tmp_pat
     third = [*second, {"role": "user", "content": "e"}]
     log.on_request(exchange(3, third))
     assert writer.close()
-    events = read_events(tmp_path / "s1.jsonl").events
+    lost, *events = read_events(tmp_path / "s1.jsonl").events
+    assert (lost["type"], lost["lines"]) == ("lines_lost", 1)  # the file says it has a hole
     assert [(e["exchange"], e["base_exchange"], e["base"]) for e in events] == [
         (2, None, 0),
         (3, 2, 4),

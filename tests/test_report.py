@@ -18,6 +18,7 @@ from proxy.report import (
     session_cost,
     show_session,
 )
+from tests.e2e_support import run_cli
 
 T0 = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
 
@@ -161,6 +162,8 @@ ALPHA = [
 ]
 
 BETA = [
+    # two lines cachegate could not write (a full disk) before this one
+    {"ts": T0 + 999, "type": "lines_lost", "lines": 2},
     req(T0 + 1000, 1, model="gpt-4o-mini", appended=[U1]),
     {
         "ts": T0 + 1001,
@@ -204,8 +207,10 @@ def test_list_sessions_summarizes_every_log_most_recent_first(log_dir: Path) -> 
         "repairs": 3,
         "errors": 0,
         "torn": 1,
+        "lost": 0,
     }
     assert (beta.session, beta.exchanges, beta.errors, beta.cache_hit_pct) == ("beta", 1, 1, None)
+    assert beta.lost == 2
     assert beta.model == "gpt-4o-mini"  # no session_meta: taken from the requests
     # no response reported usage: unknown, not 0 (as ``sessions show`` prints it)
     assert (beta.tokens_in, beta.tokens_out, beta.cache_read) == (None, None, None)
@@ -246,11 +251,11 @@ def test_render_list(log_dir: Path) -> None:
     assert render_list(list_sessions(log_dir)) == "\n".join(
         [
             "SESSION  FIRST SEEN           LAST SEEN            MODEL        EXCH      IN  OUT"
-            "  CACHE HIT  INTERRUPTED  REPAIRS  ERRORS  TORN",
-            "beta     2023-11-14 22:30:00  2023-11-14 22:30:01  gpt-4o-mini     1       -    -"
-            "          -            0        0       1     0",
+            "  CACHE HIT  INTERRUPTED  REPAIRS  ERRORS  TORN  LOST",
+            "beta     2023-11-14 22:29:59  2023-11-14 22:30:01  gpt-4o-mini     1       -    -"
+            "          -            0        0       1     0     2",
             "alpha    2023-11-14 22:13:19  2023-11-14 22:25:03  gpt-4o          3  26,000  900"
-            "      30.8%            1        3       0     1",
+            "      30.8%            1        3       0     1     0",
         ]
     )
     assert render_list([]) == "no sessions"
@@ -368,8 +373,26 @@ def test_render_show_of_a_failed_exchange(log_dir: Path) -> None:
             "  STATUS  NOTES",
             "1  2023-11-14 22:30:00  gpt-4o-mini   -    -       -  -            0     -         -"
             "     502  upstream unreachable: connection refused",
+            "2 lines of this session could not be written (a full disk, a write error, a full"
+            " queue: cachegate's log and cachegate_event_log_lost_total say which); exchanges may"
+            " be missing from this view",
         ]
     )
+
+
+def test_lines_the_log_lost_are_told_by_show_cost_and_replay(log_dir: Path) -> None:
+    """A full disk took lines of a session: cachegate knew (its stderr, a metric) but the
+    session's file had no trace, and ``replay`` printed the rest as the whole session."""
+    cost = session_cost(log_dir, "beta")
+    assert cost.lost == 2 and cost.to_json()["lost"] == 2
+    assert "lines lost" in render_cost(cost) and "lines lost" not in render_cost(
+        session_cost(log_dir, "alpha")
+    )
+    assert show_session(log_dir, "beta").to_json()["lost"] == 2
+    result = run_cli("sessions", "replay", "beta", "--log-dir", str(log_dir))
+    assert result.code == 1
+    assert "2 lines of this session could not be written" in result.err
+    assert len(result.out.splitlines()) == 1  # what the log holds is still printed
 
 
 def _compacted(ts: float, ex: int, retry: bool) -> dict[str, Any]:
