@@ -43,6 +43,11 @@ MAX_COMPACTIONS = CONVERSATIONS_KEPT  # conversations of one session with a comp
 # A compaction aims below this share of the trigger (60% of the window at the default 75%): a
 # history compacted to just under the trigger reaches it again with the next turn's round.
 TARGET_SHARE = 0.8
+# Where the provider counted the previous request at more than this many times cachegate's
+# estimate of it (dense text: CSV, minified JSON, long numbers), a compaction planned on the
+# estimate would keep more than the trigger: it is planned as after a refusal, on the window
+# divided by that factor (``_compact``).
+REPLAN_OVERCOUNT = 1 / TARGET_SHARE
 # Where no plan comes under the aim, a launching message of at most this share of the window is
 # kept verbatim all the same (the cost of a short task is in the estimate's noise; a long one's
 # may not be: 4 bytes a token is a guess, and dense text runs over it).
@@ -96,8 +101,11 @@ def _key(comp: compaction.Compaction) -> str:
 
 def _same(a: Any, b: Any) -> bool:
     """The same message: the very object (an agent's next turn resends its history as the
-    objects cachegate holds), or an equal one."""
-    return a is b or a == b
+    objects cachegate holds), an equal one, or one that differs only by its ``cache_control``
+    marks (clients that mark their latest messages move the marks on every turn: the previous
+    request's last message comes back unmarked, and the provider's numbers for the history it
+    ended were dropped every turn, the trigger left to the estimate)."""
+    return a is b or a == b or compaction.unmarked(a) == compaction.unmarked(b)
 
 
 def _retimed(new: Any, old: Any) -> bool:
@@ -111,6 +119,17 @@ def _retimed(new: Any, old: Any) -> bool:
         return False
     before, after = compaction.message_text(old), compaction.message_text(new)
     return prefix.volatile_kind(before, after) is not None
+
+
+def _provider_overcount(forwarded: list[Any], appended: int, last: compaction.LastUsage) -> float:
+    """How many times cachegate's estimate the provider counted the previous request at: its
+    prompt tokens against the estimate of what went out (``forwarded`` without the ``appended``
+    messages since, which come last; with its tools). 1.0 where nothing is known."""
+    previous = forwarded[: len(forwarded) - appended] if appended > 0 else forwarded
+    estimate = compaction.estimate_tokens(previous)
+    if last.tools:
+        estimate += compaction.estimate_tokens(last.tools)
+    return last.prompt / estimate if estimate > 0 and last.prompt > 0 else 1.0
 
 
 class Compactor:
@@ -274,6 +293,20 @@ class Compactor:
             synthetic_prefixes=SYNTHETIC_PREFIXES,
             tools_estimate=tools_tokens,
         )
+
+        if plan.triggered and not force and overcount <= 1 and last is not None:
+            ratio = _provider_overcount(plan.messages, len(messages) - last.messages, last)
+            if ratio > REPLAN_OVERCOUNT:
+                # Planned on the estimate, the kept tail (a dense tool output in it) would be
+                # near the window by the provider's count: compacted again every turn, a
+                # summary paid and the cache lost each time, and the history no smaller.
+                log.info(
+                    "session %s: the provider counts this history at %.1f times cachegate's"
+                    " estimate; compacting on its count",
+                    state.id,
+                    ratio,
+                )
+                return await self._compact(ex, state, body, messages, force, window, ratio)
 
         def shrunk(keep_recent: int, anchor: bool) -> compaction.Plan:
             """The plan that keeps ``keep_recent`` messages, the launching one verbatim or not,

@@ -2033,3 +2033,97 @@ def test_finding_a_conversations_compaction_hashes_its_history_once(
     found, digest = Compactor._existing(held, history)
     assert found is mine and digest == mine.prefix_digest
     assert len(calls) <= 2 * MAX_COMPACTIONS  # the longest covered prefix, once
+
+
+def _tool_turns(
+    c: Any,
+    sim: RunningSimulator,
+    sid: str,
+    turns: int,
+    output: Any,
+    model: str = MODEL,
+    mark: bool = False,
+) -> list[tuple[str | None, int]]:
+    """An agent's tool loop of ``turns`` turns (``output(turn)``, each tool result); each turn's
+    ``X-Cachegate-Compacted`` and the prompt tokens the provider counted. With ``mark``, the
+    latest message carries a ``cache_control`` mark, taken off the one before (Claude Code's
+    way, opencode's)."""
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": "Investigate data/big.csv and report the anomaly."},
+    ]
+    seen: list[tuple[str | None, int]] = []
+    for turn in range(turns):
+        call = {"tool_calls": [{"id": f"call_{turn}", "name": "run", "arguments": {"n": turn}}]}
+        sim.sim.enqueue([parse_script(call)])
+        sent = msgs
+        if mark:
+            last = {**msgs[-1], "cache_control": {"type": "ephemeral"}}
+            sent = [*msgs[:-1], last]
+        raw = c.chat.completions.with_raw_response.create(
+            model=model, messages=sent, tools=TOOLS, extra_headers={"X-Session-Id": sid}
+        )
+        reply = raw.parse()
+        assert reply.usage is not None
+        seen.append((raw.headers.get("x-cachegate-compacted"), reply.usage.prompt_tokens))
+        message = reply.choices[0].message.model_dump(exclude_none=True)
+        msgs += [message, {"role": "tool", "tool_call_id": f"call_{turn}", "content": output(turn)}]
+    return seen
+
+
+TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
+
+
+def test_a_dense_tool_output_is_compacted_once_on_the_providers_count(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """A CSV of digits counts a token a byte or two to the provider, a quarter of that to the
+    estimate: planned on the estimate, the compaction kept the output in its tail, the history
+    stayed at ~95% of the window, and it compacted again on each of the next four turns (a
+    summary paid and the cache lost each time; the first one larger than before)."""
+    dense = ",".join(str(i % 10) for i in range(3500))
+    with run_simulator(SimConfig(context_window=200_000)) as big:
+        config = {
+            "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 8},
+            "models": {MODEL: {"context_window": 8000}},
+        }
+        proxy = proxy_factory(big.api_base, config)
+        seen = _tool_turns(
+            sdk(proxy.base_url), big, "dense", 10, lambda t: dense if t == 4 else f"ok {t} " * 30
+        )
+    made = [e for e in compacted_events(proxy) if e["source"] != "reused"]
+    assert len(made) == 1, made  # compacted once...
+    crossed = next(i for i, (_, prompt) in enumerate(seen) if prompt > 6000)
+    after = [prompt for flag, prompt in seen[crossed + 1 :]]
+    assert all(flag == "1" for flag, _ in seen[crossed + 1 :])
+    assert max(after) < 0.6 * 8000  # ...under its aim by the provider's count, and stays so
+
+
+def test_a_moving_cache_mark_keeps_the_providers_count_for_the_trigger(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """A client that marks its latest message sends the previous one unmarked next turn: the
+    provider's numbers were taken for another history's, every turn, and the trigger left to
+    the estimate (later than the provider's count by the estimate's error: 86% of the window
+    here, ~90% with a real tokenizer on code). It compacts on the same turn as without marks."""
+    first: dict[bool, int] = {}
+    for mark in (False, True):
+        with run_simulator(SimConfig(context_window=200_000)) as big:
+            config = {
+                "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 8},
+                "models": {MODEL: {"context_window": 8000}},
+            }
+            proxy = proxy_factory(big.api_base, config)
+            # text the simulator counts at about twice the estimate (a token a 2 bytes)
+            seen = _tool_turns(
+                sdk(proxy.base_url),
+                big,
+                f"mark-{mark}",
+                16,
+                lambda t: "a," * 350,
+                mark=mark,
+            )
+        first[mark] = next(i for i, (flag, _) in enumerate(seen) if flag == "1")
+        crossed = next(i for i, (_, prompt) in enumerate(seen) if prompt >= 6000)
+        assert first[mark] == crossed + 1, seen  # the turn after the count reached the trigger
+    assert first[True] == first[False]
