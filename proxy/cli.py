@@ -390,7 +390,7 @@ def _utf8_stdout() -> None:
 
 def _sessions(ns: argparse.Namespace) -> int:
     from proxy import report
-    from proxy.eventlog import lost_lines
+    from proxy.eventlog import lost_requests
 
     _utf8_stdout()
     log_dir = ns.log_dir or os.environ.get("CACHEGATE_LOG_DIR")
@@ -447,14 +447,14 @@ def _sessions(ns: argparse.Namespace) -> int:
                 )
             for line in report.request_lines(requests):
                 sys.stdout.write(report.json_terminal_safe(line) + "\n")
-            lost = lost_lines(read.events)
+            lost = lost_requests(read.events)  # (a lost response line loses no request)
             if skipped or torn or lost:  # a script re-sending the session must not take it
                 sys.stdout.flush()  # for the whole
                 if lost:
                     print(
-                        f"cachegate: {lost} line{'s' if lost != 1 else ''} of this session could"
-                        " not be written to its log (a full disk, a write error, a full queue):"
-                        " the output may not be the whole session",
+                        f"cachegate: {lost} request line{'s' if lost != 1 else ''} of this"
+                        " session could not be written to its log (a full disk, a write error,"
+                        " a full queue): the output is not the whole session",
                         file=sys.stderr,
                     )
                 if skipped:

@@ -196,7 +196,7 @@ class EventLogWriter:
         # Per session, lines lost for any reason (a full queue, a write error, a line that could
         # not be serialized or redacted) not yet told in its file: a ``lines_lost`` line goes
         # before its next lines (guarded by ``_lock``: the event loop counts a full queue's).
-        self._lost_lines: OrderedDict[str, int] = OrderedDict()
+        self._lost_lines: OrderedDict[str, tuple[int, int]] = OrderedDict()  # (lines, requests)
         self._syncs = 0
         # Owned by the writer thread only.
         self._fds: OrderedDict[str, int] = OrderedDict()
@@ -280,7 +280,7 @@ class EventLogWriter:
         if queued >= self._max_queue and (not first_in_file or queued >= 2 * self._max_queue):
             self._drop("queue_full")
             if not first_in_file:  # (a meta line is no gap: the file says who it is anyway)
-                self._count_lost(session_id, 1)
+                self._count_lost(session_id, 1, _is_request(event))
             return False
         # No wake-up call: waking a sleeping thread per event cost the event loop ~15% of its
         # CPU in the benchmark (GIL hand-offs). The writer polls instead (POLL_S).
@@ -325,13 +325,31 @@ class EventLogWriter:
         self._loss(kind)
         self._warn(kind, "event log: event dropped (%s)", kind)
 
-    def _count_lost(self, session_id: str, lines: int) -> None:
-        """``lines`` of ``session_id`` will not reach its file: its next lines say so."""
+    def _count_lost(self, session_id: str, lines: int, requests: int) -> None:
+        """``lines`` of ``session_id``, ``requests`` of them request lines, will not reach its
+        file: its next lines say so."""
         with self._lock:
             lost = self._lost_lines
-            lost[session_id] = lost.pop(session_id, 0) + lines
+            held, of_requests = lost.pop(session_id, (0, 0))
+            lost[session_id] = (held + lines, of_requests + requests)
             if len(lost) > _METAS_KEPT:
                 del lost[next(iter(lost))]
+
+    def _lost_told(self, session_id: str, told: tuple[int, int]) -> None:
+        """``told`` of ``session_id``'s lost lines are in its file now (more may have come)."""
+        with self._lock:
+            held, of_requests = self._lost_lines.pop(session_id, (0, 0))
+            left = (held - told[0], of_requests - told[1])
+            if left[0] > 0:
+                self._lost_lines[session_id] = left
+
+    def _tell_lost(self) -> None:
+        """Before the writer stops: the losses no later line of their session told (a line
+        that could not be serialized, a full queue: the disk may take this one)."""
+        with self._lock:
+            pending = list(self._lost_lines)
+        for session_id in pending:
+            self._write_lines(session_id, [])
 
     def _discard_queued(self) -> None:
         """Count events that raced with ``close`` and can no longer be written."""
@@ -401,6 +419,7 @@ class EventLogWriter:
                 self._check_dir()
                 item = self._items.popleft()
                 if item is _STOP:
+                    self._tell_lost()
                     break
                 if isinstance(item, _Flush):
                     item.done.set()
@@ -473,7 +492,7 @@ class EventLogWriter:
             return self._serialize(ts, event)
         except Exception as exc:  # orjson.JSONEncodeError, a non-dict event, a hostile __str__
             self._mark_broken(session_id)
-            self._count_lost(session_id, 1)
+            self._count_lost(session_id, 1, _is_request(event))
             self._lose("serialize", "event log: cannot serialize event for %s: %s", session_id, exc)
             return None
 
@@ -498,7 +517,7 @@ class EventLogWriter:
                     lines[at] = _dumps_line(deep_call(redact, out), _redacted_str)
                 except Exception as exc:  # a hostile __str__, say
                     self._mark_broken(session_id)
-                    self._count_lost(session_id, 1)
+                    self._count_lost(session_id, 1, _is_request(out))
                     self._lose(
                         "serialize", "event log: cannot redact event for %s: %s", session_id, exc
                     )
@@ -560,9 +579,9 @@ class EventLogWriter:
                 # until the lock is its own.
                 self._close_fd(session_id)
                 self._mark_broken(session_id)
-                events = len(lines) - (lines[0].find(_META_TYPE, 0, 64) >= 0)
+                events, requests = _lost_in(lines)
                 if events:
-                    self._count_lost(session_id, events)
+                    self._count_lost(session_id, events, requests)
                 for _ in lines:
                     self._lose(
                         "locked_out",
@@ -574,15 +593,15 @@ class EventLogWriter:
                     )
                 return
         count = len(lines)
-        # (a meta line lost is written again at the file's start: no gap in the session)
-        events = count - (lines[0].find(_META_TYPE, 0, 64) >= 0)
-        told = 0  # lost lines this write tells of (``_count_lost``)
+        told = (0, 0)  # lost lines (and requests) this write tells of (``_count_lost``)
         if self._lost_lines:
             with self._lock:
-                told = self._lost_lines.get(session_id, 0)
-            if told:  # said before the lines written next (after a meta line: it opens the file)
-                at = 1 if lines[0].find(_META_TYPE, 0, 64) >= 0 else 0
-                lines = [*lines[:at], _lost_line(told), *lines[at:]]
+                told = self._lost_lines.get(session_id, (0, 0))
+            if told[0]:  # at the start of its next lines (after a meta line: it opens the file)
+                at = 1 if lines and lines[0].find(_META_TYPE, 0, 64) >= 0 else 0
+                lines = [*lines[:at], _lost_line(*told), *lines[at:]]
+        if not lines:
+            return
         data = lines[0] if len(lines) == 1 else b"".join(lines)
         try:
             if session_id in self._fds:
@@ -611,8 +630,9 @@ class EventLogWriter:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT) and self._fds:
                 self._close_removed()  # space may have been freed by hand already
             self._mark_broken(session_id)
+            events, requests = _lost_in(lines)  # (this write's marker and meta line aside)
             if events:
-                self._count_lost(session_id, events)
+                self._count_lost(session_id, events, requests)
             for _ in range(count):
                 self._lose("io", "event log: cannot write %s: %s", session_id, exc)
             unwritten = self._unwritten
@@ -620,11 +640,8 @@ class EventLogWriter:
             if len(unwritten) > _METAS_KEPT:
                 del unwritten[next(iter(unwritten))]
             return
-        if told:
-            with self._lock:
-                left = self._lost_lines.pop(session_id, 0) - told  # (more may have come)
-                if left > 0:
-                    self._lost_lines[session_id] = left
+        if told[0]:
+            self._lost_told(session_id, told)
         lost = self._unwritten.pop(session_id, 0) if self._unwritten else 0
         if lost:  # (a full disk, an unwritable file or directory: said once it is over for it)
             self._warn(
@@ -1036,12 +1053,48 @@ def lost_lines(events: Iterable[dict[str, Any]]) -> int:
     return total
 
 
-def _lost_line(lines: int) -> bytes:
-    """The line that tells of ``lines`` of a session lost before it (``sessions show`` notes
-    them, ``sessions replay`` fails on them): an audit log says where it has a hole."""
-    return orjson.dumps(
-        {"ts": time.time(), "type": LOST_TYPE, "lines": lines}, option=orjson.OPT_APPEND_NEWLINE
-    )
+def lost_requests(events: Iterable[dict[str, Any]]) -> int:
+    """How many of the lines a session's log says it lost were request lines (``replay``
+    misses those); a ``lines_lost`` line that does not say counts all of its lines."""
+    total = 0
+    for ev in events:
+        if ev.get("type") == LOST_TYPE:
+            requests = ev.get("requests", ev.get("lines"))
+            if type(requests) is int and requests > 0:
+                total += requests
+    return total
+
+
+def _lost_line(lines: int, requests: int) -> bytes:
+    """The line that tells of ``lines`` of a session lost (``requests`` of them request lines)
+    among or before the lines that follow it (``sessions show`` notes them, ``sessions
+    replay`` fails on lost requests): an audit log says it has a hole."""
+    event = {"ts": time.time(), "type": LOST_TYPE, "lines": lines, "requests": requests}
+    return orjson.dumps(event, option=orjson.OPT_APPEND_NEWLINE)
+
+
+_REQUEST_TYPE: Final = b'"type":"request"'
+_LOST_TYPE_BYTES: Final = b'"type":"lines_lost"'
+
+
+def _is_request(event: Any) -> int:
+    """1 for a request event (or one wrapped as a file's first), else 0."""
+    if type(event) is _FirstInFile:
+        event = event.event
+    return int(isinstance(event, dict) and event.get("type") == "request")
+
+
+def _lost_in(lines: Sequence[bytes]) -> tuple[int, int]:
+    """The events among ``lines`` a failed write lost, and the requests among them: a meta line
+    is written again at its file's start, and a ``lines_lost`` line's count stays held."""
+    events = requests = 0
+    for line in lines:
+        head = line[:64]
+        if _META_TYPE in head or _LOST_TYPE_BYTES in head:
+            continue
+        events += 1
+        requests += _REQUEST_TYPE in head
+    return events, requests
 
 
 def _terminate_torn_line(fd: int) -> int:

@@ -24,6 +24,7 @@ from proxy.eventlog import (
     enforce_retention,
     logged_compactions,
     lost_lines,
+    lost_requests,
     read_events,
     replay,
     replay_requests,
@@ -1528,6 +1529,28 @@ def test_a_full_disk_mid_write_leaves_no_torn_line(
         "three",
     ]
     assert w.errors == 1 and lost_lines(log.events) == 1
+
+
+def test_lines_lost_say_how_many_were_requests_and_are_told_when_the_writer_stops(
+    log_dir: Path, writers
+) -> None:
+    """A session's last line could not be serialized: no later line of it would tell, so the
+    writer tells when it stops; a lost response line is no lost request (replay is whole)."""
+    w = EventLogWriter(log_dir, max_queue=2)  # queued before the writer starts
+    writers.append(w)
+    assert w.emit("s", {"type": "request", "exchange": 1})
+    assert w.emit("s", {"type": "response", "exchange": 1})
+    assert not w.emit("s", {"type": "request", "exchange": 2})  # the queue is full
+    assert not w.emit("s", {"type": "response", "exchange": 2})
+    w.start()
+    assert w.flush()
+    w.emit("s", ["not", "a", "dict"])  # type: ignore[arg-type]  # cannot be serialized
+    assert w.close()
+    events = read_events(log_dir / "s.jsonl").events
+    told = [e for e in events if e["type"] == "lines_lost"]
+    assert [(e["lines"], e["requests"]) for e in told] == [(2, 1), (1, 0)]
+    assert events[-1]["type"] == "lines_lost"  # written as the writer stopped
+    assert (lost_lines(events), lost_requests(events)) == (3, 1)
 
 
 def test_a_line_nested_deeper_than_orjson_reads_is_read_not_counted_torn() -> None:

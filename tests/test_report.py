@@ -162,8 +162,8 @@ ALPHA = [
 ]
 
 BETA = [
-    # two lines cachegate could not write (a full disk) before this one
-    {"ts": T0 + 999, "type": "lines_lost", "lines": 2},
+    # two lines cachegate could not write (a full disk) before this one, one a request's
+    {"ts": T0 + 999, "type": "lines_lost", "lines": 2, "requests": 1},
     req(T0 + 1000, 1, model="gpt-4o-mini", appended=[U1]),
     {
         "ts": T0 + 1001,
@@ -391,8 +391,14 @@ def test_lines_the_log_lost_are_told_by_show_cost_and_replay(log_dir: Path) -> N
     assert show_session(log_dir, "beta").to_json()["lost"] == 2
     result = run_cli("sessions", "replay", "beta", "--log-dir", str(log_dir))
     assert result.code == 1
-    assert "2 lines of this session could not be written" in result.err
+    assert "1 request line of this session could not be written" in result.err
     assert len(result.out.splitlines()) == 1  # what the log holds is still printed
+    # Response lines lost lose no request: replay is whole (show and cost still say it).
+    path = log_dir / "beta.jsonl"
+    path.write_text(path.read_text().replace('"requests":1', '"requests":0'))
+    result = run_cli("sessions", "replay", "beta", "--log-dir", str(log_dir))
+    assert (result.code, result.err) == (0, "")
+    assert show_session(log_dir, "beta").lost == 2
 
 
 def _compacted(ts: float, ex: int, retry: bool) -> dict[str, Any]:
