@@ -2072,6 +2072,10 @@ def _tool_turns(
 
 
 TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
+WINDOW_8000 = {
+    "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 8},
+    "models": {MODEL: {"context_window": 8000}},
+}
 
 
 def test_a_dense_tool_output_is_compacted_once_on_the_providers_count(
@@ -2083,11 +2087,7 @@ def test_a_dense_tool_output_is_compacted_once_on_the_providers_count(
     summary paid and the cache lost each time; the first one larger than before)."""
     dense = ",".join(str(i % 10) for i in range(3500))
     with run_simulator(SimConfig(context_window=200_000)) as big:
-        config = {
-            "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 8},
-            "models": {MODEL: {"context_window": 8000}},
-        }
-        proxy = proxy_factory(big.api_base, config)
+        proxy = proxy_factory(big.api_base, WINDOW_8000)
         seen = _tool_turns(
             sdk(proxy.base_url), big, "dense", 10, lambda t: dense if t == 4 else f"ok {t} " * 30
         )
@@ -2109,11 +2109,7 @@ def test_a_moving_cache_mark_keeps_the_providers_count_for_the_trigger(
     first: dict[bool, int] = {}
     for mark in (False, True):
         with run_simulator(SimConfig(context_window=200_000)) as big:
-            config = {
-                "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 8},
-                "models": {MODEL: {"context_window": 8000}},
-            }
-            proxy = proxy_factory(big.api_base, config)
+            proxy = proxy_factory(big.api_base, WINDOW_8000)
             # text the simulator counts at about twice the estimate (a token a 2 bytes)
             seen = _tool_turns(
                 sdk(proxy.base_url),

@@ -1003,11 +1003,16 @@ def test_a_repair_resumed_turn_by_turn_equals_a_repair_from_scratch(
         assert resumed.repairs == whole.repairs
 
 
-def test_a_kept_defect_costs_each_turn_only_what_it_appended(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """An interrupted turn stays in the history; each later turn is repaired from where the last
-    one stopped, and a result that answers an open call sends it back to a whole repair."""
+def _kept_defect_history() -> list[Message]:
+    """An interrupted turn, then 50 tool rounds."""
+    history = [user("go"), asst(call("int")), user("interrupted; go on")]
+    for k in range(50):
+        history += [asst(call(f"c{k}")), tool(f"c{k}")]
+    return history
+
+
+def _count_looks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one each time the repair looks at a message for its calls."""
     import proxy.pairing as pairing_module
 
     looked_at: list[int] = []
@@ -1017,12 +1022,19 @@ def test_a_kept_defect_costs_each_turn_only_what_it_appended(
         looked_at.append(1)
         return real(message)
 
-    history = [user("go"), asst(call("int")), user("interrupted; go on")]
-    for k in range(50):
-        history += [asst(call(f"c{k}")), tool(f"c{k}")]
+    monkeypatch.setattr(pairing_module, "_tool_calls", counting)
+    return looked_at
+
+
+def test_a_kept_defect_costs_each_turn_only_what_it_appended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An interrupted turn stays in the history; each later turn is repaired from where the last
+    one stopped, and a result that answers an open call sends it back to a whole repair."""
+    history = _kept_defect_history()
     result, state = repair_messages_from(history, None)
     assert state is not None and [r.kind for r in result.repairs] == ["dangling_call"]
-    monkeypatch.setattr(pairing_module, "_tool_calls", counting)
+    looked_at = _count_looks(monkeypatch)
     turn = [*history, asst(call("n1")), tool("n1"), user("more")]
     result, state = repair_messages_from(turn, state)
     # The two appended non-tool messages, each looked at twice (the resume check, the repair);
@@ -1104,22 +1116,11 @@ def test_a_repair_resumes_past_a_system_prompt_with_the_time_in_it(
 def test_a_kept_defect_behind_a_changing_system_prompt_is_repaired_from_where_it_stopped(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import proxy.pairing as pairing_module
-
-    looked_at: list[int] = []
-    real = pairing_module._tool_calls
-
-    def counting(message: Any) -> Any:
-        looked_at.append(1)
-        return real(message)
-
-    history = [user("go"), asst(call("int")), user("interrupted; go on")]
-    for k in range(50):
-        history += [asst(call(f"c{k}")), tool(f"c{k}")]
+    history = _kept_defect_history()
     first = [{"role": "system", "content": "Time: 10:00"}, *history]
     _, state = repair_messages_from(first, None)
     assert state is not None
-    monkeypatch.setattr(pairing_module, "_tool_calls", counting)
+    looked_at = _count_looks(monkeypatch)
     turn = [{"role": "system", "content": "Time: 10:01"}, *history, asst(call("n1")), tool("n1")]
     result, state = repair_messages_from(turn, state)
     assert len(looked_at) == 2  # the appended call, twice; none of the 100 before it
