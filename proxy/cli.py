@@ -341,9 +341,13 @@ def _demo(ns: argparse.Namespace) -> int:
 def _log_dir_taken(log_dir: str) -> bool:
     """Claim ``log_dir`` for this process (``claim_log_dir``); True, once said in one line, when
     another cachegate writes it."""
-    from proxy.eventlog import STOPPING, claim_log_dir
+    from proxy.eventlog import STOPPING, UnsafeLockFile, claim_log_dir
 
-    holder = claim_log_dir(log_dir)
+    try:
+        holder = claim_log_dir(log_dir)
+    except UnsafeLockFile as exc:
+        print(f"cachegate: log directory {log_dir}: {exc}", file=sys.stderr)
+        return True
     if holder is not None and holder.endswith(STOPPING):
         # A restart: the cachegate before this one is stopping, its answers in flight finishing
         # (SHUTDOWN_GRACE_S) and its log written. Wait for it, rather than refuse a user who
@@ -357,7 +361,11 @@ def _log_dir_taken(log_dir: str) -> bool:
         deadline = time.monotonic() + SHUTDOWN_GRACE_S + STOPPING_WAIT_S
         while holder is not None and holder.endswith(STOPPING) and time.monotonic() < deadline:
             time.sleep(0.05)
-            holder = claim_log_dir(log_dir)
+            try:
+                holder = claim_log_dir(log_dir)
+            except UnsafeLockFile as exc:
+                print(f"cachegate: log directory {log_dir}: {exc}", file=sys.stderr)
+                return True
     if holder is None:
         return False
     pid = holder.removesuffix(STOPPING).strip()

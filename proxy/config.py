@@ -307,7 +307,17 @@ def url_host(host: str) -> str:
 
 
 def display_url(url: str) -> str:
-    """``url`` as it may be shown or logged: without the ``user:password@`` a base URL can carry."""
+    """``url`` as it may be shown or logged: without the ``user:password@`` a base URL can
+    carry, nor a query or fragment (``?key=…``: a base URL has none, and its error says so)."""
+    return _without_query(_without_user_info(url))
+
+
+def _without_query(url: str) -> str:
+    cut = min((at for at in (url.find("?"), url.find("#")) if at >= 0), default=len(url))
+    return url[:cut]
+
+
+def _without_user_info(url: str) -> str:
     try:
         parts = urlsplit(url)
     except ValueError:  # unparseable: still no user info shown
@@ -433,6 +443,14 @@ def _check(settings: Settings) -> None:
         raise _bad("logging.dir", "empty; give a directory (or set logging.enabled = false)")
     url = settings.upstream.base_url
     key = "upstream.base_url"
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
+        # (it goes into each request line as it is: a trailing space pasted with it made every
+        # request a 400 from the provider)
+        raise _bad(
+            key,
+            f"{display_url(url).strip()!r} has white space or a control character in it (a"
+            " space pasted with it?); percent-encode one that belongs there (%20)",
+        )
     if not url.startswith(("http://", "https://")):
         raise _bad(key, f"{display_url(url)!r} must start with http:// or https://")
     host: str | None = None
@@ -456,8 +474,8 @@ def _check(settings: Settings) -> None:
     if "?" in url or "#" in url:  # the route is appended to the URL: ".../v1?x=1/chat/completions"
         raise _bad(
             key,
-            f"{display_url(url)!r} has a query or fragment; give the base URL alone (a client's"
-            " query string is passed on with each request)",
+            f"{display_url(url)!r} has a query or fragment (not shown: it may hold a key); give"
+            " the base URL alone (a client's query string is passed on with each request)",
         )
     try:
         port = parts.port  # (not said: a password with "/" in it is read as host and port)

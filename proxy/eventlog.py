@@ -797,7 +797,12 @@ class EventLogWriter:
         if tried == now and clock - at < CLAIM_RETRY_S:
             return
         self._claim_tried = (now, clock)
-        holder = claim_log_dir(self.log_dir)
+        try:
+            holder = claim_log_dir(self.log_dir)
+        except UnsafeLockFile as exc:  # planted since: no line goes there until it is gone
+            self._warn("claim", "event log: %s: this cachegate writes no line there", exc)
+            self._locked_out = "?"
+            return
         if holder is not None and self._locked_out is None:
             self._warn(
                 "claim",
@@ -892,12 +897,26 @@ def claim_log_dir(log_dir: str | os.PathLike[str]) -> str | None:
         return None
     path = os.path.abspath(log_dir)
     _WANTED.add(path)
-    _prepare_log_dir(log_dir, lambda *_: None)  # the writer warns, when it starts
+    shared = _prepare_log_dir(log_dir, lambda *_: None)  # the writer warns, when it starts
     flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    lock = os.path.join(log_dir, LOCK_NAME)
     try:
-        fd = os.open(os.path.join(log_dir, LOCK_NAME), flags, 0o600)
-    except OSError:
+        fd = os.open(lock, flags, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symbolic link planted under its name
+            raise UnsafeLockFile(f"{lock} is a symbolic link; remove it") from None
         return None
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        st = None
+    problem = _lock_file_problem(st, shared) if st is not None else None
+    if problem is not None:
+        # Planted by another user of a shared directory (a hard link to one of the user's
+        # files, which the pid written below would have overwritten): refused, as a session's
+        # file would be (``EventLogWriter._fd``).
+        os.close(fd)
+        raise UnsafeLockFile(f"{lock} {problem}; remove it")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -919,6 +938,23 @@ def claim_log_dir(log_dir: str | os.PathLike[str]) -> str | None:
         with contextlib.suppress(OSError):
             os.close(old)
     _CLAIMED[path] = _dir_id(path)
+    return None
+
+
+class UnsafeLockFile(Exception):
+    """The log directory's lock file is not one cachegate may write (``claim_log_dir``)."""
+
+
+def _lock_file_problem(st: os.stat_result, shared: bool) -> str | None:
+    """What is wrong with a lock file found so, or None: not a regular file, another user's,
+    or, in a directory others may write into (``shared``), a file with another name too (a
+    hard link: a snapshot backup's own links elsewhere are no danger)."""
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if _UID is not None and st.st_uid != _UID:
+        return "belongs to another user"
+    if st.st_nlink > 1 and shared:
+        return "has another name too (a hard link to another file)"
     return None
 
 

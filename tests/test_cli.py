@@ -1501,3 +1501,30 @@ def test_tune_malloc_leaves_malloc_settings_in_the_environment_to_decide(
         check=True,
     )
     assert tuned.stdout.strip() == str(GLIBC)
+
+
+@pytest.mark.parametrize("planted", ["hard link", "symbolic link"])
+def test_a_lock_file_planted_in_a_shared_log_directory_is_refused_not_written(
+    tmp_path: Path, planted: str
+) -> None:
+    """Another user of a world-writable log directory links ``.cachegate.lock`` to one of the
+    user's files: starting cachegate emptied it and wrote a process id into it (a symbolic link
+    let it start with no lock at all)."""
+    import os
+
+    from proxy.eventlog import LOCK_NAME
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("IMPORTANT USER DATA\n")
+    if planted == "hard link":
+        os.link(victim, shared / LOCK_NAME)
+    else:
+        (shared / LOCK_NAME).symlink_to(victim)
+    result = run_cli("demo", "--log-dir", str(shared))
+    assert result.code == 1
+    assert f"{LOCK_NAME} is a symbolic link" in result.err or "hard link" in result.err
+    assert victim.read_text() == "IMPORTANT USER DATA\n"
+    assert not list(shared.glob("*.jsonl"))

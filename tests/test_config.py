@@ -260,9 +260,10 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
         ("https://api.openai.com/v1", "https://api.openai.com/v1"),
         ("https://user:s3cret@gw.example.com:8443/v1", "https://gw.example.com:8443/v1"),
         ("http://token@127.0.0.1:8080", "http://127.0.0.1:8080"),
-        ("http://a:b@c@host/v1?x=@y", "http://host/v1?x=@y"),
+        ("http://a:b@c@host/v1?x=@y", "http://host/v1"),  # (no query shown: it may hold a key)
         ("not a url", "not a url"),
-        ("http://host?x=@y", "http://host?x=@y"),
+        ("http://host?x=@y", "http://host"),
+        ("https://api.example.com/v1?key=sk-QUERYSECRET#f", "https://api.example.com/v1"),
         ("http://u:Secr3t@[::1/v1", "http://[::1/v1"),  # unparseable: user info still out
         ("user:s3cret@api.example.com/v1", "api.example.com/v1"),  # no scheme
         ("https:/user:s3cret@host/v1", "https:/host/v1"),
@@ -287,6 +288,29 @@ def test_a_mistyped_base_url_is_refused_without_showing_its_password(url: str) -
         settings_from_mapping({"upstream": {"base_url": url}})
     assert "Sup3rSecretPw" not in str(refused.value)
     assert "upstream.base_url" in str(refused.value)
+
+
+def test_a_base_url_with_a_key_in_its_query_is_refused_without_showing_it() -> None:
+    """Some providers take their key as ``?key=…``: the error printed the whole URL."""
+    with pytest.raises(ConfigError) as refused:
+        settings_from_mapping({"upstream": {"base_url": "https://api.example.com/v1?key=sk-QS1"}})
+    assert "sk-QS1" not in str(refused.value) and "has a query" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:9/v1 ",
+        " http://127.0.0.1:9/v1",
+        "https://exa mple.com/v1",
+        "http://h/v1\r\nX: 1",
+    ],
+)
+def test_a_base_url_with_white_space_in_it_is_refused(url: str) -> None:
+    """A space pasted with the URL went into every request line: each request a 400 from the
+    provider that said nothing of why."""
+    with pytest.raises(ConfigError, match="white space or a control character"):
+        settings_from_mapping({"upstream": {"base_url": url}})
 
 
 def test_text_values_are_read_from_the_environment_and_flags_only(tmp_path: Path) -> None:

@@ -1639,3 +1639,17 @@ def test_the_compactions_a_log_records_are_read_back_for_a_restart(tmp_path: Pat
     (tmp_path / "link.jsonl").symlink_to(path)
     with pytest.raises(NotALogFile):
         logged_compactions(tmp_path / "link.jsonl")
+
+
+def test_a_lock_file_with_a_second_name_in_a_private_directory_is_taken(tmp_path: Path) -> None:
+    """A snapshot backup hard-links the files it keeps: in a directory only the user may write
+    into, a second name is no danger, and cachegate starts (in a shared one it is refused:
+    tests/test_cli.py)."""
+    from proxy.eventlog import LOCK_NAME, claim_log_dir
+
+    private = tmp_path / "logs"
+    private.mkdir(mode=0o700)
+    (private / LOCK_NAME).write_text("")
+    os.link(private / LOCK_NAME, tmp_path / "snapshot.lock")
+    assert claim_log_dir(private) is None
+    assert (tmp_path / "snapshot.lock").read_text() == f"{os.getpid()}\n"  # (the same file)
