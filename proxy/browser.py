@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from collections.abc import Iterable, Mapping
 from urllib.parse import urlsplit
 
@@ -47,9 +48,16 @@ def is_loopback_name(host: str) -> bool:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     try:
-        address = ipaddress.ip_address(host)
+        address: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(host)
     except ValueError:
-        return False
+        # The short forms the socket layer binds as written (``127.1`` is 127.0.0.1): cachegate
+        # bound to one warned it listened beyond the machine and let any Host header in.
+        if not host or host.strip(".0123456789"):
+            return False
+        try:
+            address = ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return False
     mapped = getattr(address, "ipv4_mapped", None)
     return bool(address.is_loopback or (mapped is not None and mapped.is_loopback))
 

@@ -27,6 +27,8 @@ HELLO = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hello"}]}
         "127.8.9.10",
         "::1",
         "[::1]",
+        "127.1",  # (short forms the socket layer binds as 127.0.0.1: --host 127.1)
+        "127.0.1",
     ],
 )
 def test_loopback_names(host: str) -> None:
@@ -44,6 +46,9 @@ def test_loopback_names(host: str) -> None:
         "",
         "[::2]",
         "::ffff:8.8.8.8",
+        "10.1",
+        "...",
+        "127.1.evil.example",
     ],
 )
 def test_other_names(host: str) -> None:
