@@ -297,7 +297,7 @@ def sends_usage_unasked(base_url: str) -> bool:
 
 
 # What may be a URL's user:password@ where no authority could be told apart (the first "@" ends it)
-_USER_INFO: Final = re.compile(r"[^/?#@\s]+@")
+_USER_INFO: Final = re.compile(r"[^/?#@]+@")  # (white space too: a pasted password)
 
 
 def url_host(host: str) -> str:

@@ -196,7 +196,8 @@ class EventLogWriter:
         # Per session, lines lost for any reason (a full queue, a write error, a line that could
         # not be serialized or redacted) not yet told in its file: a ``lines_lost`` line goes
         # before its next lines (guarded by ``_lock``: the event loop counts a full queue's).
-        self._lost_lines: OrderedDict[str, tuple[int, int]] = OrderedDict()  # (lines, requests)
+        # (lines, requests, when the latest was lost)
+        self._lost_lines: OrderedDict[str, tuple[int, int, float]] = OrderedDict()
         self._syncs = 0
         # Owned by the writer thread only.
         self._fds: OrderedDict[str, int] = OrderedDict()
@@ -328,20 +329,20 @@ class EventLogWriter:
     def _count_lost(self, session_id: str, lines: int, requests: int) -> None:
         """``lines`` of ``session_id``, ``requests`` of them request lines, will not reach its
         file: its next lines say so."""
+        now = time.time()
         with self._lock:
             lost = self._lost_lines
-            held, of_requests = lost.pop(session_id, (0, 0))
-            lost[session_id] = (held + lines, of_requests + requests)
+            held, of_requests, _ = lost.pop(session_id, (0, 0, now))
+            lost[session_id] = (held + lines, of_requests + requests, now)
             if len(lost) > _METAS_KEPT:
                 del lost[next(iter(lost))]
 
-    def _lost_told(self, session_id: str, told: tuple[int, int]) -> None:
+    def _lost_told(self, session_id: str, told: tuple[int, int, float]) -> None:
         """``told`` of ``session_id``'s lost lines are in its file now (more may have come)."""
         with self._lock:
-            held, of_requests = self._lost_lines.pop(session_id, (0, 0))
-            left = (held - told[0], of_requests - told[1])
-            if left[0] > 0:
-                self._lost_lines[session_id] = left
+            held, of_requests, at = self._lost_lines.pop(session_id, (0, 0, 0.0))
+            if held - told[0] > 0:
+                self._lost_lines[session_id] = (held - told[0], of_requests - told[1], at)
 
     def _tell_lost(self) -> None:
         """Before the writer stops: the losses no later line of their session told (a line
@@ -349,7 +350,10 @@ class EventLogWriter:
         with self._lock:
             pending = list(self._lost_lines)
         for session_id in pending:
-            self._write_lines(session_id, [])
+            # (only into a file that is there: one removed meanwhile, by hand or by retention,
+            # is not made again for this line alone)
+            if os.path.exists(session_log_path(self.log_dir, session_id)):
+                self._write_lines(session_id, [])
 
     def _discard_queued(self) -> None:
         """Count events that raced with ``close`` and can no longer be written."""
@@ -593,10 +597,10 @@ class EventLogWriter:
                     )
                 return
         count = len(lines)
-        told = (0, 0)  # lost lines (and requests) this write tells of (``_count_lost``)
+        told = (0, 0, 0.0)  # lost lines (and requests) this write tells of (``_count_lost``)
         if self._lost_lines:
             with self._lock:
-                told = self._lost_lines.get(session_id, (0, 0))
+                told = self._lost_lines.get(session_id, told)
             if told[0]:  # at the start of its next lines (after a meta line: it opens the file)
                 at = 1 if lines and lines[0].find(_META_TYPE, 0, 64) >= 0 else 0
                 lines = [*lines[:at], _lost_line(*told), *lines[at:]]
@@ -900,16 +904,23 @@ def claim_log_dir(log_dir: str | os.PathLike[str]) -> str | None:
     shared = _prepare_log_dir(log_dir, lambda *_: None)  # the writer warns, when it starts
     flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     lock = os.path.join(log_dir, LOCK_NAME)
+    made = True
     try:
-        fd = os.open(lock, flags, 0o600)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # a symbolic link planted under its name
-            raise UnsafeLockFile(f"{lock} is a symbolic link; remove it") from None
-        return None
-    try:
-        st = os.fstat(fd)
+        fd = os.open(lock, flags | os.O_EXCL, 0o600)  # made by this call: its own, whatever
+    except FileExistsError:  # (a file system may say of its owner) ...or found there: judged
+        made = False
+        try:
+            fd = os.open(lock, flags, 0o600)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP and os.path.islink(lock):  # planted under its name
+                raise UnsafeLockFile(f"{lock} is a symbolic link; remove it") from None
+            return None
     except OSError:
-        st = None
+        return None
+    st = None
+    if not made:
+        with contextlib.suppress(OSError):
+            st = os.fstat(fd)
     problem = _lock_file_problem(st, shared) if st is not None else None
     if problem is not None:
         # Planted by another user of a shared directory (a hard link to one of the user's
@@ -952,7 +963,11 @@ def _lock_file_problem(st: os.stat_result, shared: bool) -> str | None:
     if not stat.S_ISREG(st.st_mode):
         return "is not a regular file"
     if _UID is not None and st.st_uid != _UID:
-        return "belongs to another user"
+        return (
+            f"belongs to another user (uid {st.st_uid}, this process is {_UID}; a file system"
+            " that gives every file one owner, a network or Windows share, says so of every"
+            " file: give cachegate a log directory on a local disk)"
+        )
     if st.st_nlink > 1 and shared:
         return "has another name too (a hard link to another file)"
     return None
@@ -1101,11 +1116,11 @@ def lost_requests(events: Iterable[dict[str, Any]]) -> int:
     return total
 
 
-def _lost_line(lines: int, requests: int) -> bytes:
+def _lost_line(lines: int, requests: int, at: float) -> bytes:
     """The line that tells of ``lines`` of a session lost (``requests`` of them request lines)
-    among or before the lines that follow it (``sessions show`` notes them, ``sessions
-    replay`` fails on lost requests): an audit log says it has a hole."""
-    event = {"ts": time.time(), "type": LOST_TYPE, "lines": lines, "requests": requests}
+    among or before the lines that follow it, the latest at ``at`` (``sessions show`` notes
+    them, ``sessions replay`` fails on lost requests): an audit log says it has a hole."""
+    event = {"ts": at, "type": LOST_TYPE, "lines": lines, "requests": requests}
     return orjson.dumps(event, option=orjson.OPT_APPEND_NEWLINE)
 
 

@@ -21,6 +21,7 @@ from proxy.errors import CLIENT_CLOSED
 from proxy.eventlog import (
     BODY_FIELDS,
     LOG_SUFFIX,
+    LOST_TYPE,
     LogRead,
     NotALogFile,
     lost_lines,
@@ -445,7 +446,11 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
             if id(row) not in retried:
                 place(row)
         rows = ordered
-    stamps = [ts for ev in log.events if (ts := _stamp(ev.get("ts"))) is not None]
+    stamps = [  # (a lines_lost line's time is the loss's: no exchange was seen then)
+        ts
+        for ev in log.events
+        if ev.get("type") != LOST_TYPE and (ts := _stamp(ev.get("ts"))) is not None
+    ]
     return SessionDetail(
         session=session_id,
         meta=meta,

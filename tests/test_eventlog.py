@@ -1653,3 +1653,40 @@ def test_a_lock_file_with_a_second_name_in_a_private_directory_is_taken(tmp_path
     os.link(private / LOCK_NAME, tmp_path / "snapshot.lock")
     assert claim_log_dir(private) is None
     assert (tmp_path / "snapshot.lock").read_text() == f"{os.getpid()}\n"  # (the same file)
+
+
+def test_a_loss_is_told_with_its_own_time_and_not_into_a_file_removed_meanwhile(
+    log_dir: Path, writers
+) -> None:
+    """Told when the writer stops, a loss's line carried the stop's time (a session's last
+    seen moved to it) and made a removed file again for that line alone."""
+    w = started(writers, log_dir)
+    for sid in ("kept", "gone"):
+        w.emit(sid, {"type": "session_meta", "session": sid}, first_in_file=True)
+        w.emit(sid, {"type": "request", "exchange": 1})
+        w.emit(sid, ["not", "a", "dict"])  # type: ignore[arg-type]  # cannot be serialized
+    assert w.flush()
+    lost_at = time.time()
+    (log_dir / "gone.jsonl").unlink()
+    time.sleep(0.2)
+    assert w.close()
+    assert not (log_dir / "gone.jsonl").exists()
+    (told,) = [e for e in read_events(log_dir / "kept.jsonl").events if e["type"] == "lines_lost"]
+    assert told["ts"] <= lost_at  # when it was lost, not when the writer stopped
+
+
+def test_a_lock_file_this_call_made_is_taken_whatever_owner_the_file_system_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A share that gives every file one owner (WSL's /mnt/c, sshfs, CIFS with uid=) said the
+    lock file just made was another user's: serve stopped with advice that could not help."""
+    from proxy.eventlog import LOCK_NAME, UnsafeLockFile, claim_log_dir
+
+    monkeypatch.setattr(eventlog, "_UID", os.geteuid() + 1)  # every file "another user's"
+    fresh = tmp_path / "fresh"
+    assert claim_log_dir(fresh) is None  # made by this call: its own
+    found = tmp_path / "found"
+    found.mkdir(mode=0o700)
+    (found / LOCK_NAME).write_text("")
+    with pytest.raises(UnsafeLockFile, match=r"uid \d+, this process is \d+"):
+        claim_log_dir(found)  # one found there is judged, and the message says why

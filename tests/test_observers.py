@@ -775,6 +775,31 @@ def test_a_miss_after_openais_five_minutes_with_nothing_rewritten_is_an_expiry()
     assert ex.cache is not None and ex.cache["cause"] == "unexplained"
 
 
+def test_a_new_chat_that_opens_alike_under_its_own_prompt_is_no_rewrite() -> None:
+    """Chat clients without a session id that all open with "hi" share an inferred session: a
+    new chat under its own system prompt was read as a rewrite of the other chat's prompt and
+    its whole prompt charged as waste (a first turn no provider could have served)."""
+    acc = _Accounting({})
+    coding = [_system("You are a coding agent. " * 50), *msgs("hi", "Hello! What shall we fix?")]
+    acc.send_body({"model": "gpt-4o", "messages": [*coding, *msgs("the tests")]}, 2_400, 0)
+    travel = [_system("You plan trips. " * 50), *msgs("hi")]
+    ex = acc.send_body({"model": "gpt-4o", "messages": travel}, 2_500, 0)
+    assert ex.divergence is None
+    assert ex.cache is not None and (ex.cache["expected"], ex.cache["waste"]) == (0, 0)
+    # the coding chat's next turn is still compared with its own
+    later = [*coding, *msgs("the tests", "On it.", "and the docs")]
+    ex = acc.send_body({"model": "gpt-4o", "messages": later}, 2_600, 0)
+    assert ex.divergence is None and ex.cache is not None and ex.cache["expected"] == 2_400
+    # the same first turn resent with the time changed in its prompt is still a rewrite
+    acc = _Accounting({})
+    timed = "You are a coding agent. Current time: 10:{:02d}. " + "Be careful. " * 50
+    acc.send_body({"model": "gpt-4o", "messages": [_system(timed.format(1)), *msgs("hi")]}, 900, 0)
+    ex = acc.send_body(
+        {"model": "gpt-4o", "messages": [_system(timed.format(2)), *msgs("hi")]}, 900, 0
+    )
+    assert ex.divergence is not None and ex.divergence["location"] == "system"
+
+
 def test_the_first_message_edited_at_the_second_turn_is_still_its_conversation() -> None:
     """An agent moves its environment details out of the first message on the second turn: no
     message was left that both requests share, the turn was taken for another conversation,

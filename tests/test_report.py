@@ -252,7 +252,7 @@ def test_render_list(log_dir: Path) -> None:
         [
             "SESSION  FIRST SEEN           LAST SEEN            MODEL        EXCH      IN  OUT"
             "  CACHE HIT  INTERRUPTED  REPAIRS  ERRORS  TORN  LOST",
-            "beta     2023-11-14 22:29:59  2023-11-14 22:30:01  gpt-4o-mini     1       -    -"
+            "beta     2023-11-14 22:30:00  2023-11-14 22:30:01  gpt-4o-mini     1       -    -"
             "          -            0        0       1     0     2",
             "alpha    2023-11-14 22:13:19  2023-11-14 22:25:03  gpt-4o          3  26,000  900"
             "      30.8%            1        3       0     1     0",
