@@ -265,6 +265,7 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
         ("http://host?x=@y", "http://host"),
         ("https://api.example.com/v1?key=sk-QUERYSECRET#f", "https://api.example.com/v1"),
         ("http://u:Secr3t@[::1/v1", "http://[::1/v1"),  # unparseable: user info still out
+        ("https://user:p ss@[::1/v1", "https://[::1/v1"),  # (a space in it: none of it shown)
         ("user:s3cret@api.example.com/v1", "api.example.com/v1"),  # no scheme
         ("https:/user:s3cret@host/v1", "https:/host/v1"),
         ("http//user:s3cret@host/v1", "http//host/v1"),
