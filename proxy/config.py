@@ -298,6 +298,7 @@ def sends_usage_unasked(base_url: str) -> bool:
 
 # What may be a URL's user:password@ where no authority could be told apart (the first "@" ends it)
 _USER_INFO: Final = re.compile(r"[^/?#@]+@")  # (white space too: a pasted password)
+_SCHEME_START: Final = re.compile(r"https?:/*|https?//", re.IGNORECASE)  # (mistyped too)
 
 
 def url_host(host: str) -> str:
@@ -323,7 +324,16 @@ def _without_user_info(url: str) -> str:
     except ValueError:  # unparseable: still no user info shown
         return _USER_INFO.sub("", url)
     if not parts.netloc:  # a mistyped scheme (https:/…, http//…, none): no authority found
-        return _USER_INFO.sub("", url) if "@" in url else url
+        if "@" not in url:
+            return url
+        # everything from past the scheme's slashes up to the last "@": a password with "/"
+        # or "?" in it was shown from there on (showing less of a path is no harm)
+        start = _SCHEME_START.match(url)
+        begin = start.end() if start else 0
+        cut = url.rfind("@")
+        if cut > begin and ":" in url[begin:cut]:
+            return url[:begin] + url[cut + 1 :]
+        return _USER_INFO.sub("", url)
     if "@" not in parts.netloc:
         # a password with "/", "?" or "#" in it ends the authority early: "user:pa/ss@host"
         rest = url[len(parts.scheme) + 3 :]

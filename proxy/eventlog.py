@@ -350,9 +350,10 @@ class EventLogWriter:
         with self._lock:
             pending = list(self._lost_lines)
         for session_id in pending:
-            # (only into a file that is there: one removed meanwhile, by hand or by retention,
-            # is not made again for this line alone)
-            if os.path.exists(session_log_path(self.log_dir, session_id)):
+            # (not into a file written, then removed meanwhile, by hand or by retention: not
+            # made again for this line alone; one never made, its first lines lost, is)
+            path = session_log_path(self.log_dir, session_id)
+            if session_id not in self._metas or os.path.exists(path):
                 self._write_lines(session_id, [])
 
     def _discard_queued(self) -> None:
@@ -918,10 +919,21 @@ def claim_log_dir(log_dir: str | os.PathLike[str]) -> str | None:
     except OSError:
         return None
     st = None
-    if not made:
+    with contextlib.suppress(OSError):
+        st = os.fstat(fd)
+    if made and st is not None and _UID is not None and st.st_uid != _UID:
+        # Made just now, and said to be another user's: the file system gives every file one
+        # owner (a network or Windows share); its session files would be refused the same way.
+        os.close(fd)
         with contextlib.suppress(OSError):
-            st = os.fstat(fd)
-    problem = _lock_file_problem(st, shared) if st is not None else None
+            os.unlink(lock)
+        raise UnsafeLockFile(
+            f"{lock} is on a file system that says the files cachegate makes are another"
+            f" user's (uid"
+            f" {st.st_uid}, this process is {_UID}): a network or Windows share? give cachegate"
+            " a log directory on a local disk"
+        )
+    problem = _lock_file_problem(st, shared) if st is not None and not made else None
     if problem is not None:
         # Planted by another user of a shared directory (a hard link to one of the user's
         # files, which the pid written below would have overwritten): refused, as a session's
@@ -963,11 +975,7 @@ def _lock_file_problem(st: os.stat_result, shared: bool) -> str | None:
     if not stat.S_ISREG(st.st_mode):
         return "is not a regular file"
     if _UID is not None and st.st_uid != _UID:
-        return (
-            f"belongs to another user (uid {st.st_uid}, this process is {_UID}; a file system"
-            " that gives every file one owner, a network or Windows share, says so of every"
-            " file: give cachegate a log directory on a local disk)"
-        )
+        return f"belongs to another user (uid {st.st_uid}, this process is {_UID})"
     if st.st_nlink > 1 and shared:
         return "has another name too (a hard link to another file)"
     return None

@@ -185,6 +185,15 @@ def _takes_place(
     return bool(old) and old[-1] in after
 
 
+def _leading(old: prefix.Fingerprint, new: prefix.Fingerprint) -> bool:
+    """Whether ``new``'s messages past its system block are the first of ``old``'s."""
+    new_messages = new.message_digests[new.system_count :]
+    old_messages = old.message_digests[old.system_count :]
+    return 0 < len(new_messages) <= len(old_messages) and (
+        old_messages[: len(new_messages)] == new_messages
+    )
+
+
 def _answer_of(ex: Exchange) -> tuple[str, frozenset[str]] | None:
     """The answer's text and tool call ids, for ``_carries_answer``: a text of
     ``_ANSWER_TEXT_MIN`` characters or more, ids that look random (OpenAI's ``call_`` and 24
@@ -640,6 +649,10 @@ class AccountingObserver:
             # prompt, the time in it, shares none of them, where a first turn sent again has
             # the same ones, maybe with the time in them too)
             or (divergence.volatile and divergence.location == "messages")
+            # (the time in the system prompt, the messages a leading run of the compared
+            # request's: a first answer regenerated, or a new chat that opens alike, which the
+            # provider could have served but for the time: a rewrite, not another conversation)
+            or (divergence.volatile and divergence.location == "system" and _leading(top.fp, fp))
             or prefix.same_conversation(top.fp, fp)
             or (divergence.volatile and prefix.retimed_messages(top.body, body))
         ):

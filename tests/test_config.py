@@ -266,6 +266,9 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
         ("https://api.example.com/v1?key=sk-QUERYSECRET#f", "https://api.example.com/v1"),
         ("http://u:Secr3t@[::1/v1", "http://[::1/v1"),  # unparseable: user info still out
         ("https://user:p ss@[::1/v1", "https://[::1/v1"),  # (a space in it: none of it shown)
+        ("https:/user:pa/ss@host/v1", "https:/host/v1"),  # a "/" in it, the scheme mistyped
+        ("user:pa/ss@api.example.com/v1", "api.example.com/v1"),
+        ("http//user:pa?ss@host/v1", "http//host/v1"),
         ("user:s3cret@api.example.com/v1", "api.example.com/v1"),  # no scheme
         ("https:/user:s3cret@host/v1", "https:/host/v1"),
         ("http//user:s3cret@host/v1", "http//host/v1"),

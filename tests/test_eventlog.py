@@ -1675,18 +1675,36 @@ def test_a_loss_is_told_with_its_own_time_and_not_into_a_file_removed_meanwhile(
     assert told["ts"] <= lost_at  # when it was lost, not when the writer stopped
 
 
-def test_a_lock_file_this_call_made_is_taken_whatever_owner_the_file_system_says(
+def test_a_session_whose_first_lines_were_all_lost_gets_a_file_that_says_so(
+    log_dir: Path, writers
+) -> None:
+    """A burst dropped a new session's meta and request lines: its loss was told nowhere."""
+    w = EventLogWriter(log_dir, max_queue=1)  # queued before the writer starts
+    writers.append(w)
+    assert w.emit("a", {"type": "request", "exchange": 1})
+    assert not w.emit("c", {"type": "request", "exchange": 1})  # the queue is full
+    w.start()
+    assert w.close()
+    events = read_events(log_dir / "c.jsonl").events
+    assert [(e["type"], e["lines"], e["requests"]) for e in events] == [("lines_lost", 1, 1)]
+
+
+def test_a_share_that_gives_every_file_one_owner_is_named_as_such(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A share that gives every file one owner (WSL's /mnt/c, sshfs, CIFS with uid=) said the
-    lock file just made was another user's: serve stopped with advice that could not help."""
+    """A share that gives every file one owner (sshfs without idmap, CIFS): the lock file just
+    made was called another user's, to be removed, which could not help (and the session files
+    would be refused the same way). Said as what it is, the file made taken back; a lock file
+    found there that is another user's (a cachegate run with sudo) is named with its uid."""
     from proxy.eventlog import LOCK_NAME, UnsafeLockFile, claim_log_dir
 
     monkeypatch.setattr(eventlog, "_UID", os.geteuid() + 1)  # every file "another user's"
     fresh = tmp_path / "fresh"
-    assert claim_log_dir(fresh) is None  # made by this call: its own
+    with pytest.raises(UnsafeLockFile, match="a log directory on a local disk"):
+        claim_log_dir(fresh)
+    assert not (fresh / LOCK_NAME).exists()
     found = tmp_path / "found"
     found.mkdir(mode=0o700)
     (found / LOCK_NAME).write_text("")
-    with pytest.raises(UnsafeLockFile, match=r"uid \d+, this process is \d+"):
-        claim_log_dir(found)  # one found there is judged, and the message says why
+    with pytest.raises(UnsafeLockFile, match=r"another user \(uid \d+, this process is \d+\)"):
+        claim_log_dir(found)

@@ -790,6 +790,16 @@ def test_a_new_chat_that_opens_alike_under_its_own_prompt_is_no_rewrite() -> Non
     later = [*coding, *msgs("the tests", "On it.", "and the docs")]
     ex = acc.send_body({"model": "gpt-4o", "messages": later}, 2_600, 0)
     assert ex.divergence is None and ex.cache is not None and ex.cache["expected"] == 2_400
+    # under a prompt with the time in it, a first answer regenerated a few turns on, or a new
+    # chat opening alike, is the provider's to serve but for the time: a rewrite
+    acc = _Accounting({})
+    dated = "Current time: 2026-12-04T10:{:02d}:00Z. " + "You are a helpful assistant. " * 40
+    chat = [_system(dated.format(1)), *msgs("hi", "Hello! How can I help?", "tell me a joke")]
+    acc.send_body({"model": "gpt-4o", "messages": chat}, 2_900, 0)
+    again = [_system(dated.format(7)), *msgs("hi")]
+    ex = acc.send_body({"model": "gpt-4o", "messages": again}, 2_850, 0)
+    assert ex.divergence is not None and ex.divergence["volatile_kind"] == "timestamp"
+    assert ex.cache is not None and ex.cache["cause"] == "prefix_rewrite"
     # the same first turn resent with the time changed in its prompt is still a rewrite
     acc = _Accounting({})
     timed = "You are a coding agent. Current time: 10:{:02d}. " + "Be careful. " * 50
