@@ -330,8 +330,10 @@ def _without_user_info(url: str) -> str:
         # or "?" in it was shown from there on (showing less of a path is no harm)
         start = _SCHEME_START.match(url)
         begin = start.end() if start else 0
-        cut = url.rfind("@")
-        if cut > begin and ":" in url[begin:cut]:
+        colon = url.find(":", begin)
+        cut = url.find("@", colon) if colon >= 0 else -1
+        port = url[colon + 1 :].partition("/")[0] if colon >= 0 else ""
+        if cut > colon >= 0 and not port.isdigit():  # (a port's digits: no password there)
             return url[:begin] + url[cut + 1 :]
         return _USER_INFO.sub("", url)
     if "@" not in parts.netloc:

@@ -561,7 +561,12 @@ class EventLogWriter:
         if batch.get(session_id):
             return False
         try:
-            return os.fstat(self._fd(session_id)).st_size == 0
+            fd = self._fd(session_id)
+            if os.fstat(fd).st_size == 0:
+                return True
+            # (a file that so far tells only of lines lost, its meta line among them, told when
+            # an earlier process stopped: the meta line goes in all the same)
+            return os.pread(fd, 64, 0).find(_LOST_TYPE_BYTES) >= 0
         except OSError:
             return True
 

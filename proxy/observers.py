@@ -652,7 +652,12 @@ class AccountingObserver:
             # (the time in the system prompt, the messages a leading run of the compared
             # request's: a first answer regenerated, or a new chat that opens alike, which the
             # provider could have served but for the time: a rewrite, not another conversation)
-            or (divergence.volatile and divergence.location == "system" and _leading(top.fp, fp))
+            or (
+                divergence.volatile
+                and divergence.location == "system"
+                and _leading(top.fp, fp)
+                and prefix.retimed_system(top.body, body)
+            )
             or prefix.same_conversation(top.fp, fp)
             or (divergence.volatile and prefix.retimed_messages(top.body, body))
         ):

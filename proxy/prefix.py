@@ -783,6 +783,25 @@ def dropped_elements(
     return dropped
 
 
+def retimed_system(old_body: Mapping[str, Any], new_body: Mapping[str, Any]) -> bool:
+    """Whether the system blocks of two requests are as many messages, each the same or
+    differing in a volatile token alone (the time in a prompt), so that the requests differ
+    before their messages by the time alone: not a role or task system message of another
+    agent's after a dated one."""
+    old_messages, new_messages = old_body.get("messages"), new_body.get("messages")
+    if not isinstance(old_messages, list) or not isinstance(new_messages, list):
+        return False
+    count = leading_system_count(old_messages)
+    if not count or leading_system_count(new_messages) != count:
+        return False
+    return all(
+        a is b
+        or canonical_json(canonical_message(a)) == canonical_json(canonical_message(b))
+        or _retimed(a, b)
+        for a, b in zip(old_messages[:count], new_messages[:count], strict=True)
+    )
+
+
 def _retimed(old: Any, new: Any) -> bool:
     """Whether ``new`` is ``old`` with a volatile token changed in its content and nothing else
     (the last message sent again a minute later with the time in it: the same message, not a

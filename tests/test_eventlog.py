@@ -1687,6 +1687,13 @@ def test_a_session_whose_first_lines_were_all_lost_gets_a_file_that_says_so(
     assert w.close()
     events = read_events(log_dir / "c.jsonl").events
     assert [(e["type"], e["lines"], e["requests"]) for e in events] == [("lines_lost", 1, 1)]
+    # the next process, the session going on under its id: its meta line goes in all the same
+    w2 = started(writers, log_dir)
+    w2.emit("c", {"type": "session_meta", "session": "c", "model": "gpt-4o"}, first_in_file=True)
+    w2.emit("c", {"type": "request", "exchange": 1})
+    assert w2.close()
+    kinds = [e["type"] for e in read_events(log_dir / "c.jsonl").events]
+    assert kinds == ["lines_lost", "session_meta", "request"]
 
 
 def test_a_share_that_gives_every_file_one_owner_is_named_as_such(

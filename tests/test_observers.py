@@ -800,6 +800,17 @@ def test_a_new_chat_that_opens_alike_under_its_own_prompt_is_no_rewrite() -> Non
     ex = acc.send_body({"model": "gpt-4o", "messages": again}, 2_850, 0)
     assert ex.divergence is not None and ex.divergence["volatile_kind"] == "timestamp"
     assert ex.cache is not None and ex.cache["cause"] == "prefix_rewrite"
+    # ...but not an agent with a role system message of its own after a dated one: another
+    # conversation, nothing of it to be read but the shared base
+    acc = _Accounting({})
+    base, stamp = "You are one of a team of agents. " * 20, "Current time: 10:{:02d}."
+    role_a, role_b = "Review the database layer. " * 100, "Write the release notes. " * 50
+    team_a = [_system(base), _system(stamp.format(1)), _system(role_a)]
+    acc.send([*team_a, *msgs("Begin.", "Reviewed X.", "Continue.")], 3_000, 0)
+    ex = acc.send(
+        [_system(base), _system(stamp.format(3)), _system(role_b), *msgs("Begin.")], 1_500, 0
+    )
+    assert ex.divergence is None and ex.cache is not None and ex.cache["expected"] == 0
     # the same first turn resent with the time changed in its prompt is still a rewrite
     acc = _Accounting({})
     timed = "You are a coding agent. Current time: 10:{:02d}. " + "Be careful. " * 50
