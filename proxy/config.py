@@ -330,12 +330,23 @@ def _without_user_info(url: str) -> str:
         # or "?" in it was shown from there on (showing less of a path is no harm)
         start = _SCHEME_START.match(url)
         begin = start.end() if start else 0
-        colon = url.find(":", begin)
-        cut = url.find("@", colon) if colon >= 0 else -1
-        port = url[colon + 1 :].partition("/")[0] if colon >= 0 else ""
-        if cut > colon >= 0 and not port.isdigit():  # (a port's digits: no password there)
-            return url[:begin] + url[cut + 1 :]
-        return _USER_INFO.sub("", url)
+        first = url.find("@", begin)
+        if first < 0:
+            return url
+        # Up to the first "@" it may be a host (a name with a dot, localhost, an [IPv6]) with
+        # a port: the "@" is then in the path. Anything else is taken for user info, however
+        # it looks (hiding a path is no harm, showing a password is), up to the last "@"
+        # before the next "/" (a password may hold "@", "/" and "?").
+        name, colon, port = url[begin:first].partition("/")[0].rpartition(":")
+        if not colon:
+            name, port = port, ""
+        if (not port or port.isdigit()) and (
+            "." in name or name.lower() == "localhost" or name.startswith("[")
+        ):
+            return _USER_INFO.sub("", url)
+        slash = url.find("/", first)
+        cut = url.rfind("@", first, slash if slash >= 0 else len(url))
+        return url[:begin] + url[cut + 1 :]
     if "@" not in parts.netloc:
         # a password with "/", "?" or "#" in it ends the authority early: "user:pa/ss@host"
         rest = url[len(parts.scheme) + 3 :]

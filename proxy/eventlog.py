@@ -564,9 +564,10 @@ class EventLogWriter:
             fd = self._fd(session_id)
             if os.fstat(fd).st_size == 0:
                 return True
-            # (a file that so far tells only of lines lost, its meta line among them, told when
-            # an earlier process stopped: the meta line goes in all the same)
-            return os.pread(fd, 64, 0).find(_LOST_TYPE_BYTES) >= 0
+            # (a file that begins with a line of lost lines, its meta line among them, told when
+            # an earlier process stopped, and holds no meta line yet: the meta line goes in)
+            head = os.pread(fd, 4096, 0)
+            return head.find(_LOST_TYPE_BYTES, 0, 64) >= 0 and head.find(_META_TYPE) < 0
         except OSError:
             return True
 

@@ -269,8 +269,17 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
         ("https:/user:pa/ss@host/v1", "https:/host/v1"),  # a "/" in it, the scheme mistyped
         ("user:pa/ss@api.example.com/v1", "api.example.com/v1"),
         ("http//user:pa?ss@host/v1", "http//host/v1"),
-        ("https:/host:8443/v1/models/claude@2024", "https:/host:8443/v1/models/2024"),  # a port
+        (
+            "https:/api.example.com:8443/v1/models/claude@2024",
+            "https:/api.example.com:8443/v1/models/2024",
+        ),
         ("localhost:8080/v1/publishers/x@2024", "localhost:8080/v1/publishers/2024"),
+        ("https:/[::1]:8080/v1/models/x@2024", "https:/[::1]:8080/v1/models/2024"),
+        ("https:/user:p@ss@host/v1", "https:/host/v1"),  # an "@" in the password
+        ("user:p@ss@api.example.com/v1", "api.example.com/v1"),
+        ("https:/admin:2024/s3cret@host/v1", "https:/host/v1"),  # digits, then a "/"
+        ("admin:1234/5678@api.example.com/v1", "api.example.com/v1"),
+        ("https:/sk-ab/cd@host/v1", "https:/host/v1"),  # a token alone
         ("user:s3cret@api.example.com/v1", "api.example.com/v1"),  # no scheme
         ("https:/user:s3cret@host/v1", "https:/host/v1"),
         ("http//user:s3cret@host/v1", "http//host/v1"),

@@ -1694,6 +1694,12 @@ def test_a_session_whose_first_lines_were_all_lost_gets_a_file_that_says_so(
     assert w2.close()
     kinds = [e["type"] for e in read_events(log_dir / "c.jsonl").events]
     assert kinds == ["lines_lost", "session_meta", "request"]
+    w3 = started(writers, log_dir)  # and only once: not again by each later process
+    w3.emit("c", {"type": "session_meta", "session": "c", "model": "gpt-4o"}, first_in_file=True)
+    w3.emit("c", {"type": "request", "exchange": 1})
+    assert w3.close()
+    kinds = [e["type"] for e in read_events(log_dir / "c.jsonl").events]
+    assert kinds == ["lines_lost", "session_meta", "request", "request"]
 
 
 def test_a_share_that_gives_every_file_one_owner_is_named_as_such(
