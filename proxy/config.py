@@ -326,8 +326,6 @@ def _without_user_info(url: str) -> str:
     if not parts.netloc:  # a mistyped scheme (https:/…, http//…, none): no authority found
         if "@" not in url:
             return url
-        # everything from past the scheme's slashes up to the last "@": a password with "/"
-        # or "?" in it was shown from there on (showing less of a path is no harm)
         start = _SCHEME_START.match(url)
         begin = start.end() if start else 0
         first = url.find("@", begin)

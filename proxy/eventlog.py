@@ -934,10 +934,9 @@ def claim_log_dir(log_dir: str | os.PathLike[str]) -> str | None:
         with contextlib.suppress(OSError):
             os.unlink(lock)
         raise UnsafeLockFile(
-            f"{lock} is on a file system that says the files cachegate makes are another"
-            f" user's (uid"
-            f" {st.st_uid}, this process is {_UID}): a network or Windows share? give cachegate"
-            " a log directory on a local disk"
+            f"{lock} is on a file system that says the files cachegate makes are another user's"
+            f" (uid {st.st_uid}, this process is {_UID}): a network or Windows share? give"
+            " cachegate a log directory on a local disk"
         )
     problem = _lock_file_problem(st, shared) if st is not None and not made else None
     if problem is not None:
@@ -1109,24 +1108,22 @@ LOST_TYPE: Final = "lines_lost"
 
 def lost_lines(events: Iterable[dict[str, Any]]) -> int:
     """How many lines a session's log says it lost (its ``lines_lost`` lines)."""
-    total = 0
-    for ev in events:
-        if ev.get("type") == LOST_TYPE:
-            lines = ev.get("lines")
-            if type(lines) is int and lines > 0:
-                total += lines
-    return total
+    return _lost_sum(events, "lines")
 
 
 def lost_requests(events: Iterable[dict[str, Any]]) -> int:
     """How many of the lines a session's log says it lost were request lines (``replay``
     misses those); a ``lines_lost`` line that does not say counts all of its lines."""
+    return _lost_sum(events, "requests")
+
+
+def _lost_sum(events: Iterable[dict[str, Any]], field: str) -> int:
     total = 0
     for ev in events:
         if ev.get("type") == LOST_TYPE:
-            requests = ev.get("requests", ev.get("lines"))
-            if type(requests) is int and requests > 0:
-                total += requests
+            value = ev.get(field, ev.get("lines"))
+            if type(value) is int and value > 0:
+                total += value
     return total
 
 
