@@ -146,9 +146,28 @@ def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint) -> list[_Baselin
     if len(baselines) < 2:
         return baselines
     shared = [prefix.shared_links(b.fp, fp) for b in baselines]
+    most = max(shared)
+    new_messages = fp.message_digests[fp.system_count :]
+
+    def carried(i: int) -> tuple[bool, int]:
+        """Whether ``fp`` carries baseline ``i`` on whole: its links, or, of the closest, its
+        messages past a system block that changed (the time in it: every baseline then shares
+        the parameters and tools alone, and the latest won, another agent's that opened alike),
+        and of those, the most messages first."""
+        old = baselines[i].fp
+        if shared[i] == len(old.chain):
+            return False, 0
+        old_messages = old.message_digests[old.system_count :]
+        if (
+            shared[i] == most
+            and 0 < len(old_messages) <= len(new_messages)
+            and new_messages[: len(old_messages)] == old_messages
+        ):
+            return False, -len(old_messages)
+        return True, 0
+
     order = sorted(  # stable: the latest of equals first
-        range(len(baselines)),
-        key=lambda i: (-shared[i], shared[i] < len(baselines[i].fp.chain)),
+        range(len(baselines)), key=lambda i: (-shared[i], *carried(i))
     )
     return [baselines[i] for i in order]
 

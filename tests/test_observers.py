@@ -821,6 +821,21 @@ def test_a_new_chat_that_opens_alike_under_its_own_prompt_is_no_rewrite() -> Non
     assert ex.divergence is not None and ex.divergence["location"] == "system"
 
 
+def test_under_a_timed_prompt_an_agents_turn_is_compared_with_its_own_not_the_latest() -> None:
+    """The time in the system prompt: every earlier request shares the parameters and tools
+    alone with a new one, and the latest was taken, another chat's first request that opened
+    alike: the agent's next turn expected that one's prompt, not its own previous one's."""
+    acc = _Accounting()
+    prompt = "Current time: 2026-12-04T10:{:02d}:00Z. " + "You are a helpful assistant. " * 40
+    a = msgs("hi", "Hello! How can I help?", "tell me a joke")
+    acc.send([_system(prompt.format(2)), *a], 2_900, 0)
+    acc.send([_system(prompt.format(3)), *msgs("hi")], 1_000, 0)  # another chat, opening alike
+    later = [*a, *msgs("Why did the chicken...", "another one")]
+    ex = acc.send([_system(prompt.format(4)), *later], 3_100, 0)
+    assert ex.cache is not None and ex.cache["expected"] == 2_900
+    assert ex.divergence is not None and ex.divergence["volatile_kind"] == "timestamp"
+
+
 def test_the_first_message_edited_at_the_second_turn_is_still_its_conversation() -> None:
     """An agent moves its environment details out of the first message on the second turn: no
     message was left that both requests share, the turn was taken for another conversation,
