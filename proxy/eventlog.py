@@ -1140,9 +1140,7 @@ _LOST_TYPE_BYTES: Final = b'"type":"lines_lost"'
 
 
 def _is_request(event: Any) -> int:
-    """1 for a request event (or one wrapped as a file's first), else 0."""
-    if type(event) is _FirstInFile:
-        event = event.event
+    """1 for a request event, else 0."""
     return int(isinstance(event, dict) and event.get("type") == "request")
 
 

@@ -147,7 +147,6 @@ def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint) -> list[_Baselin
         return baselines
     shared = [prefix.shared_links(b.fp, fp) for b in baselines]
     most = max(shared)
-    new_messages = fp.message_digests[fp.system_count :]
 
     def carried(i: int) -> tuple[bool, int]:
         """Whether ``fp`` carries baseline ``i`` on whole: its links, or, of the closest, its
@@ -157,13 +156,8 @@ def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint) -> list[_Baselin
         old = baselines[i].fp
         if shared[i] == len(old.chain):
             return False, 0
-        old_messages = old.message_digests[old.system_count :]
-        if (
-            shared[i] == most
-            and 0 < len(old_messages) <= len(new_messages)
-            and new_messages[: len(old_messages)] == old_messages
-        ):
-            return False, -len(old_messages)
+        if shared[i] == most and _leading(old, fp):
+            return False, old.system_count - len(old.message_digests)
         return True, 0
 
     order = sorted(  # stable: the latest of equals first

@@ -727,14 +727,7 @@ def retimed_messages(old_body: Mapping[str, Any], new_body: Mapping[str, Any]) -
     new_rest = new_messages[leading_system_count(new_messages) :]
     if not old_rest or len(old_rest) != len(new_rest) or len(new_rest) > _RETIMED_MAX:
         return False
-    for old_message, new_message in zip(old_rest, new_rest, strict=True):
-        if canonical_json(canonical_message(old_message)) == canonical_json(
-            canonical_message(new_message)
-        ):
-            continue
-        if not _retimed(old_message, new_message):
-            return False
-    return True
+    return _each_same_or_retimed(old_rest, new_rest)
 
 
 _RETIMED_MAX: Final = 8  # messages compared so at most (a longer history shares one untouched)
@@ -794,11 +787,17 @@ def retimed_system(old_body: Mapping[str, Any], new_body: Mapping[str, Any]) -> 
     count = leading_system_count(old_messages)
     if not count or leading_system_count(new_messages) != count:
         return False
+    return _each_same_or_retimed(old_messages[:count], new_messages[:count])
+
+
+def _each_same_or_retimed(old: Sequence[Any], new: Sequence[Any]) -> bool:
+    """Whether each message of ``new`` is the one of ``old`` at its place (the same JSON) or
+    differs from it in a volatile token alone (``_retimed``); as many of each."""
     return all(
         a is b
         or canonical_json(canonical_message(a)) == canonical_json(canonical_message(b))
         or _retimed(a, b)
-        for a, b in zip(old_messages[:count], new_messages[:count], strict=True)
+        for a, b in zip(old, new, strict=True)
     )
 
 
