@@ -156,7 +156,7 @@ def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint) -> list[_Baselin
         old = baselines[i].fp
         if shared[i] == len(old.chain):
             return False, 0
-        if shared[i] == most and _leading(old, fp):
+        if shared[i] == most and _leading(fp, old):  # (its messages the first of fp's)
             return False, old.system_count - len(old.message_digests)
         return True, 0
 
