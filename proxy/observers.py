@@ -623,6 +623,7 @@ class AccountingObserver:
                 once = cache.compute_cost(counted, pricing) if counted is not summary else extra
                 self.metrics.observe_usage(ex.summary_model, counted)
                 self.metrics.observe_cost(ex.summary_model, once.actual, once.uncached)
+            ex.summary_cost = {"actual": extra.actual, "uncached": extra.uncached}
             actual += extra.actual
             uncached += extra.uncached
         elif cost is None:
@@ -907,6 +908,16 @@ class EventLogObserver:
             event["cost"] = ex.cost
         if ex.divergence is not None:
             event["divergence"] = ex.divergence
+        if ex.summary_usage is not None:
+            # a compaction's summary call made for this request (billed with it): its model,
+            # tokens and cost apart from the main call's (``cost`` includes it)
+            summary: dict[str, Any] = {
+                "model": ex.summary_model,
+                "usage": _usage_dict(ex.summary_usage),
+            }
+            if ex.summary_cost is not None:
+                summary["cost"] = ex.summary_cost
+            event["summary"] = summary
         self._emit(ex.session_id, event)
 
     def on_compaction(self, ex: Exchange, comp: Any, source: str) -> None:

@@ -85,6 +85,9 @@ class Exchange:
     # waited for it: ``Compactor._meter``): this exchange's log line carries it, the metrics
     # count only the rest.
     summary_metered: Usage | None = None
+    # ``summary_usage`` priced at ``summary_model``'s prices: ``{actual, uncached}`` in USD
+    # (the accounting's, included in ``cost``; the log line gives it apart)
+    summary_cost: dict[str, float] | None = None
     interrupted: bool = False
     stopped: bool = False  # interrupted by cachegate's own shutdown, not by the client
     error: str | None = None

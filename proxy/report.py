@@ -63,9 +63,36 @@ class ExchangeRow:
     client_retry: int = 0  # the client's retry of an earlier exchange (its SDK's count)
     # what was repaired, as logged: {kind, index, tool_call_id, action} each
     repaired: list[dict[str, Any]] = field(default_factory=list)
+    # A compaction's summary call billed with this exchange (its ``cost_*`` include it; the
+    # ``tokens_*`` above are the main call's): its model, tokens and cost
+    summary_model: str | None = None
+    summary_tokens_in: int | None = None
+    summary_tokens_out: int | None = None
+    summary_cost_actual: float | None = None
+    summary_cost_uncached: float | None = None
+    answered: bool = False  # a response line came (the request was forwarded)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        for key in _MONEY_FIELDS:  # (a sum of floats: 0.0058200000000000005)
+            if out[key] is not None:
+                out[key] = round(out[key], 10)
+        return out
+
+    @property
+    def main_cost_uncached(self) -> float | None:
+        """The main call's uncached cost, without the summary call's."""
+        if self.cost_uncached is None:
+            return None
+        return self.cost_uncached - (self.summary_cost_uncached or 0.0)
+
+
+_MONEY_FIELDS: Final = (
+    "cost_actual",
+    "cost_uncached",
+    "summary_cost_actual",
+    "summary_cost_uncached",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +159,10 @@ class CostReport:
     lost: int = 0  # lines the log could not hold: the figures may miss exchanges
     # priced at $0 though tokens were used: their models have no prices in the configuration
     unpriced: dict[str, int] = field(default_factory=dict)  # model -> exchanges
+    # compactions' summary calls priced at $0 so: summarizer model -> calls
+    unpriced_summaries: dict[str, int] = field(default_factory=dict)
+    # exchanges forwarded and answered (or cut) with no usage: not counted, maybe billed
+    no_usage: int = 0
 
     @property
     def saved_pct(self) -> float | None:
@@ -223,15 +254,23 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
     priced = waste = 0
     by_cause: dict[str, int] = {}
     unpriced: dict[str, int] = {}
+    unpriced_summaries: dict[str, int] = {}
+    no_usage = 0
     for row in detail.rows:
         if row.cost_actual is not None and row.cost_uncached is not None:
             actual += row.cost_actual
             uncached += row.cost_uncached
-            if not row.cost_uncached and (row.tokens_in or row.tokens_out):
+            # (the main call's own cost: a summary call at its model's prices is apart)
+            if not row.main_cost_uncached and (row.tokens_in or row.tokens_out):
                 model = row.model or "-"
                 unpriced[model] = unpriced.get(model, 0) + 1
             else:
                 priced += 1
+            if not row.summary_cost_uncached and (row.summary_tokens_in or row.summary_tokens_out):
+                model = row.summary_model or "-"
+                unpriced_summaries[model] = unpriced_summaries.get(model, 0) + 1
+        if _unbilled(row):
+            no_usage += 1
         if row.cache_waste:
             waste += row.cache_waste
             cause = row.waste_cause or "unexplained"
@@ -250,8 +289,22 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
         waste_by_cause=dict(sorted(by_cause.items(), key=lambda kv: (-kv[1], kv[0]))),
         torn=detail.torn,
         unpriced=unpriced,
+        unpriced_summaries=unpriced_summaries,
+        no_usage=no_usage,
         lost=detail.lost,
     )
+
+
+def _unbilled(row: ExchangeRow) -> bool:
+    """Whether ``row`` went to the provider and was answered, or cut, with no usage: a stream
+    cut before its usage event, a client that left, a provider that reports none. The provider
+    may have billed it; its cost is not known."""
+    if not row.answered or row.tokens_in is not None or row.tokens_out is not None:
+        return False
+    if row.error == RESENT_COMPACTED:  # (refused as too long: its retry is the exchange)
+        return False
+    status = row.status or 0
+    return 200 <= status < 300 or status == CLIENT_CLOSED
 
 
 def replayed(
@@ -485,6 +538,18 @@ def _apply_response(row: ExchangeRow, ev: dict[str, Any]) -> None:
     if isinstance(cost, dict):
         row.cost_actual = _float(cost.get("actual"))
         row.cost_uncached = _float(cost.get("uncached"))
+    row.answered = True
+    summary = ev.get("summary")
+    if isinstance(summary, dict):
+        row.summary_model = _str(summary.get("model"))
+        used = summary.get("usage")
+        if isinstance(used, dict):
+            row.summary_tokens_in = _int(used.get("prompt"))
+            row.summary_tokens_out = _int(used.get("completion"))
+        paid = summary.get("cost")
+        if isinstance(paid, dict):
+            row.summary_cost_actual = _float(paid.get("actual"))
+            row.summary_cost_uncached = _float(paid.get("uncached"))
 
 
 def main_model(detail: SessionDetail) -> str | None:
@@ -516,8 +581,13 @@ def summarize(detail: SessionDetail) -> SessionSummary:
         last_seen=detail.last_seen,
         model=model,
         exchanges=sum(1 for row in answered if row.exchange is not None),
-        tokens_in=_total(row.tokens_in for row in detail.rows),
-        tokens_out=_total(row.tokens_out for row in detail.rows),
+        # (a compaction's summary call counted too: the provider bills it in the session)
+        tokens_in=_total(
+            _with_summary(row.tokens_in, row.summary_tokens_in) for row in detail.rows
+        ),
+        tokens_out=_total(
+            _with_summary(row.tokens_out, row.summary_tokens_out) for row in detail.rows
+        ),
         cache_read=_total(row.cache_read for row in detail.rows),
         cache_hit_pct=100.0 * reported_read / reported_in if reported_in else None,
         interruptions=sum(1 for row in answered if row.interrupted),
@@ -531,6 +601,11 @@ def summarize(detail: SessionDetail) -> SessionSummary:
         torn=detail.torn,
         lost=detail.lost,
     )
+
+
+def _with_summary(main: int | None, summary: int | None) -> int | None:
+    """A row's tokens with its summary call's, None when neither is known."""
+    return main if summary is None else (main or 0) + summary
 
 
 def _total(values: Iterable[int | None]) -> int | None:
@@ -700,6 +775,13 @@ def render_show(detail: SessionDetail) -> str:
             notes.append(f"client retry {r.client_retry}")
         if r.compacted:
             notes.append("compacted")
+        if r.summary_tokens_in is not None or r.summary_tokens_out is not None:
+            # (its tokens are not in IN and OUT, which are the main call's; its cost is in the
+            # exchange's; sessions list's IN and OUT add them)
+            notes.append(
+                f"summary call {_tokens(r.summary_tokens_in)} in, {_tokens(r.summary_tokens_out)}"
+                f" out on {_model(r.summary_model)}"
+            )
         if r.interrupted:
             notes.append("interrupted")
         elif r.tokens_in is None and not r.error and r.status is not None and 200 <= r.status < 300:
@@ -770,6 +852,19 @@ def render_cost(report: CostReport) -> str:
             f"{count} exchange{'s' if count > 1 else ''} on {_model(model)} counted as $0: its"
             " prices are 0 (unless it is free, set price_input and price_output in its [models]"
             " table)"
+        )
+    for model, count in report.unpriced_summaries.items():
+        lines.append(
+            f"{count} compaction summar{'ies' if count > 1 else 'y'} on {_model(model)} counted"
+            " as $0: its prices are 0 (unless it is free, set price_input and price_output in"
+            " its [models] table)"
+        )
+    if report.no_usage:
+        many = report.no_usage > 1
+        lines.append(
+            f"{report.no_usage} exchange{'s' if many else ''} reported no usage (cut, interrupted,"
+            f" or a provider that gives none): not counted, though the provider may have billed"
+            f" {'them' if many else 'it'}"
         )
     return "\n".join(lines)
 

@@ -19,6 +19,7 @@ from proxy import compaction
 from proxy.compaction import SUMMARIZER_SYSTEM_PROMPT, SUMMARY_MARKER
 from proxy.compactor import MAX_COMPACTIONS
 from proxy.eventlog import read_events
+from proxy.report import list_sessions, render_cost, render_show, session_cost, show_session
 from proxy.serving import ServerThread
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
 from proxy.simulator.reply import parse_script
@@ -421,6 +422,48 @@ def test_the_summary_call_is_priced_with_its_exchange(
     assert proxy.metric("cachegate_tokens_total", prompt) == (
         summary["prompt_tokens"] + answer["prompt_tokens"]
     )
+    # The log gives the summary call apart (its model, tokens and cost), so that the reports'
+    # tokens add up to what the provider billed, as the metrics' do.
+    assert response["summary"]["model"] == MODEL
+    assert response["summary"]["usage"]["prompt"] == summary["prompt_tokens"]
+    assert response["summary"]["usage"]["completion"] == summary["completion_tokens"]
+    assert response["summary"]["cost"]["actual"] == pytest.approx(cost(summary))
+    (listed,) = list_sessions(proxy.log_dir)
+    assert listed.tokens_in == summary["prompt_tokens"] + answer["prompt_tokens"]
+    assert listed.tokens_out == summary["completion_tokens"] + answer["completion_tokens"]
+    (row,) = show_session(proxy.log_dir, "priced").rows
+    assert (row.tokens_in, row.summary_tokens_in) == (
+        answer["prompt_tokens"],
+        summary["prompt_tokens"],
+    )
+    shown = render_show(show_session(proxy.log_dir, "priced"))
+    assert f"summary call {summary['prompt_tokens']:,} in" in shown
+
+
+def test_an_unpriced_model_compacted_by_a_priced_summarizer_is_said_to_be_unpriced(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """The summary call's cost on the row did not make a $0 main call look priced: `sessions
+    cost` said nothing of the model without prices."""
+    config = {
+        "compaction": {**CONFIG["compaction"], "summarizer_model": "summ"},
+        "models": {
+            "local-x": {"context_window": 6000},
+            "summ": {"price_input": 1.0, "price_output": 4.0},
+        },
+    }
+    proxy = proxy_factory(sim.api_base, config)
+    sim.sim.enqueue([parse_script("TASK: t. DONE: d. LEFT: l.")])
+    raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+        model="local-x", messages=history(18), extra_headers={"X-Session-Id": "local"}
+    )
+    assert raw.headers["x-cachegate-compacted"] == "1"
+    proxy.settle()
+    report = session_cost(proxy.log_dir, "local")
+    assert report.unpriced == {"local-x": 1}
+    assert report.priced_exchanges == 0
+    assert report.actual > 0  # (the summary call, at its model's prices)
+    assert "1 exchange on local-x counted as $0" in render_cost(report)
 
 
 @pytest.mark.parametrize(

@@ -725,6 +725,57 @@ def test_cost_says_which_models_had_no_prices(tmp_path: Path) -> None:
     assert report.to_json()["unpriced"] == {"my-local-model": 2}
 
 
+def test_cost_says_how_many_exchanges_reported_no_usage(tmp_path: Path) -> None:
+    """Answers cut before their usage (a stream, a client that left) add nothing to the total,
+    though the provider usually billed them: ``cost`` said nothing of them. Refusals (an upstream
+    error, a request cachegate answered itself) are not among them."""
+    usage = {"prompt": 1000, "completion": 50, "cache_read": 0, "cache_write": 0}
+    priced = {"actual": 0.003, "uncached": 0.003}
+    answers: list[tuple[int, dict[str, Any]]] = [
+        (1, {"status": 200, "usage": usage, "cost": priced}),
+        (2, {"status": 200, "usage": None, "interrupted": True}),  # a stream cut
+        (3, {"status": 499, "usage": None, "interrupted": True}),  # left before any answer
+        (4, {"status": 200, "usage": None}),  # a provider that gives no usage
+        (5, {"status": 429, "usage": None, "error": "rate limited"}),  # refused: not billed
+    ]
+    events: list[dict[str, Any]] = [{"ts": T0, "type": "session_meta", "session": "cut"}]
+    for n, answer in answers:
+        events.append({"ts": T0 + n, "type": "request", "exchange": n, "model": "gpt-4o"})
+        events.append({"ts": T0 + n, "type": "response", "exchange": n, **answer})
+    # answered by cachegate itself, nothing forwarded
+    events.append({"ts": T0 + 6, "type": "request", "exchange": 6, "model": "gpt-4o"})
+    events.append(
+        {"ts": T0 + 6, "type": "error", "exchange": 6, "status": 400, "message": "strict"}
+    )
+    _logged(tmp_path, "cut", events)
+    report = session_cost(tmp_path, "cut")
+    assert (report.priced_exchanges, report.no_usage) == (1, 3)
+    assert report.to_json()["no_usage"] == 3
+    assert render_cost(report).endswith(
+        "\n3 exchanges reported no usage (cut, interrupted, or a provider that gives none): not"
+        " counted, though the provider may have billed them"
+    )
+
+
+def test_show_json_gives_costs_without_a_float_sums_tail(tmp_path: Path) -> None:
+    """``show --json`` gave ``0.0058200000000000005``, where ``cost --json`` rounds."""
+    events = [
+        {"ts": T0, "type": "session_meta", "session": "sum"},
+        {"ts": T0 + 1, "type": "request", "exchange": 1, "model": "gpt-4o"},
+        {
+            "ts": T0 + 1,
+            "type": "response",
+            "exchange": 1,
+            "status": 200,
+            "usage": {"prompt": 10, "completion": 1, "cache_read": 0, "cache_write": 0},
+            "cost": {"actual": 0.0058200000000000005, "uncached": 0.009400799999999999},
+        },
+    ]
+    _logged(tmp_path, "sum", events)
+    (row,) = show_session(tmp_path, "sum").to_json()["exchanges"]
+    assert (row["cost_actual"], row["cost_uncached"]) == (0.00582, 0.0094008)
+
+
 def test_replay_lines_give_the_full_forwarded_messages(log_dir: Path) -> None:
     lines = list(replay_lines(log_dir, "alpha"))
     head = {"model": "gpt-4o", "stream": True}  # a log from before params and tools were kept
