@@ -934,15 +934,19 @@ class UpstreamPool:
                 if self._usable(conn, now):
                     return conn
                 conn.abort()
+        deadline: float | None = None  # one wait in all: a slot lost to another is no restart
         while self.open_connections >= self.max_connections:
             spare = next((c for idle in self._idle.values() for c in idle), None)
             if spare is not None:  # an idle connection to another origin gives up its slot
                 spare.abort()
                 continue
-            waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            if deadline is None:
+                deadline = loop.time() + self.pool_timeout
+            waiter = loop.create_future()
             self._waiters.append(waiter)
             try:
-                async with asyncio.timeout(self.pool_timeout):
+                async with asyncio.timeout_at(deadline):
                     await waiter
             except BaseException as exc:
                 if waiter in self._waiters:

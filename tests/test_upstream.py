@@ -560,6 +560,33 @@ def test_the_connection_limit_queues_requests_and_times_out() -> None:
     run(main())
 
 
+def test_a_request_woken_without_a_slot_waits_no_longer_than_the_pool_timeout_in_all() -> None:
+    """A waiter woken for a slot that another request took first waits again: it started a
+    full ``pool_timeout`` anew each time (3.6 s for a 2 s ``upstream.timeout_s``, a reviewer's
+    run), where the README promises the 503 after ``upstream.timeout_s``."""
+
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(answer(b"ok"))
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool(max_connections=1, pool_timeout=1.0)
+            held = await pool.open("GET", srv.url + "/", [], b"")
+            t0 = time.monotonic()
+            waiting = asyncio.create_task(pool.open("GET", srv.url + "/", [], b""))
+            await asyncio.sleep(0.6)
+            pool._wake_waiter()  # woken, but the slot is still taken: as if another took it
+            with pytest.raises(httpx.PoolTimeout):
+                await asyncio.wait_for(waiting, 3)
+            waited = time.monotonic() - t0
+            assert 0.9 < waited < 1.4  # not 1.6: one pool_timeout in all
+            assert await read(held) == b"ok"
+            await pool.aclose()
+
+    run(main())
+
+
 def test_unreachable_is_a_connect_error() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
