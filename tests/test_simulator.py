@@ -464,17 +464,21 @@ def test_stream_without_include_usage_has_no_usage_field(sim: RunningSimulator) 
     assert assemble(chunks)["content"] == "You said: hello there"
 
 
-def test_parallel_tool_calls_stream_split_and_interleaved_by_index(sim: RunningSimulator) -> None:
-    script(
-        sim,
-        {
-            "tool_calls": [
-                {"name": "read_file", "arguments": {"path": "src/main.py", "limit": 200}},
-                {"name": "grep", "arguments": '{"pattern": "def main", "dir": "src"}'},
-            ]
-        },
-    )
-    chunks = data_chunks(stream(sim, chat_body([{"role": "user", "content": "look"}])))
+_PARALLEL = {
+    "tool_calls": [
+        {"name": "read_file", "arguments": {"path": "src/main.py", "limit": 200}},
+        {"name": "grep", "arguments": '{"pattern": "def main", "dir": "src"}'},
+    ]
+}
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_parallel_tool_calls_stream_split_each_in_turn_or_interleaved(interleave: bool) -> None:
+    """As OpenAI sends them, each call whole before the next; with ``interleave_tool_calls``,
+    round-robin by index, as some compatible servers do. Either assembles to the same calls."""
+    with run_simulator(SimConfig(interleave_tool_calls=interleave)) as running:
+        script(running, _PARALLEL)
+        chunks = data_chunks(stream(running, chat_body([{"role": "user", "content": "look"}])))
     assert chunks[0]["choices"][0]["delta"] == {
         "role": "assistant",
         "content": None,
@@ -491,15 +495,37 @@ def test_parallel_tool_calls_stream_split_and_interleaved_by_index(sim: RunningS
         assert len(mine) > 2
         assert all("id" not in d and "name" not in d["function"] for d in mine[1:])
     order = [d["index"] for d in deltas]
-    assert order.index(1) < len(order) - 1 - order[::-1].index(
-        0
-    )  # call 1 starts before call 0 ends
+    last_of_0 = len(order) - 1 - order[::-1].index(0)
+    # interleaved: call 1 starts before call 0 ends; in turn: all of call 0, then all of call 1
+    assert (order.index(1) < last_of_0) is interleave
     result = assemble(chunks)
     assert [(c["name"], c["arguments"]) for c in result["tool_calls"]] == [
         ("read_file", '{"path":"src/main.py","limit":200}'),
         ("grep", '{"pattern": "def main", "dir": "src"}'),
     ]
     assert result["finish_reason"] == "tool_calls"
+
+
+def test_the_sdks_stream_helper_reads_parallel_tool_calls(sim: RunningSimulator) -> None:
+    """The openai SDK's ``chat.completions.stream()`` parses a call's arguments when the next
+    index begins: on the simulator's interleaved calls it failed (empty arguments), with or
+    without cachegate in between."""
+    script(sim, _PARALLEL)
+    client = openai.OpenAI(base_url=sim.api_base, api_key="sk-test", max_retries=0)
+    tool = {"type": "function", "function": {"name": "read_file", "parameters": {}}}
+    with client.chat.completions.stream(
+        model="gpt-4o",
+        messages=[{"role": "user", "content": "look"}],
+        tools=[tool, {"type": "function", "function": {"name": "grep", "parameters": {}}}],
+    ) as events:
+        done = [e for e in events if e.type == "tool_calls.function.arguments.done"]
+        final = events.get_final_completion()
+    assert [(e.name, e.arguments) for e in done] == [
+        ("read_file", '{"path":"src/main.py","limit":200}'),
+        ("grep", '{"pattern": "def main", "dir": "src"}'),
+    ]
+    calls = final.choices[0].message.tool_calls or []
+    assert [c.function.name for c in calls] == ["read_file", "grep"]
 
 
 def test_deepseek_stream_carries_usage_on_its_finish_chunk(deepseek: RunningSimulator) -> None:
@@ -841,6 +867,8 @@ def test_cli_options_build_a_config() -> None:
     gateway = config_from_args(parser.parse_args(["--dialect", "anthropic", "--cache-unmarked"]))
     assert gateway.cache_unmarked
     assert config_from_args(parser.parse_args(["--refuse-stream-options"])).refuse_stream_options
+    assert config_from_args(parser.parse_args(["--interleave-tool-calls"])).interleave_tool_calls
+    assert not config_from_args(parser.parse_args([])).interleave_tool_calls
     with pytest.raises(ValueError, match="fault_rate"):
         config_from_args(parser.parse_args(["--fault-rate", "2"]))
 

@@ -334,6 +334,7 @@ class _Handlers:
                 usage=usage,
                 include_usage=include_usage,
                 obfuscation=obfuscation,
+                interleave=self.config.interleave_tool_calls,
             )
             events = [encode_event(c) for c in chunks] + [DONE]
             return PacedResponse(

@@ -94,6 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="answer 422 to a request with stream_options, as Mistral does",
     )
     parser.add_argument(
+        "--interleave-tool-calls",
+        action="store_true",
+        help="stream parallel tool calls' arguments interleaved by index, as some compatible"
+        " servers do (default: each call whole in turn, as OpenAI)",
+    )
+    parser.add_argument(
         "--fault-rate",
         type=float,
         default=defaults.fault_rate,
@@ -122,6 +128,7 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
         fault_rate=ns.fault_rate,
         cache_unmarked=ns.cache_unmarked,
         refuse_stream_options=ns.refuse_stream_options,
+        interleave_tool_calls=ns.interleave_tool_calls,
     )
 
 

@@ -2,8 +2,10 @@
 
 Everything is serialized compactly (no spaces), as OpenAI does. Streams follow OpenAI's order: a
 role chunk, content deltas, tool-call deltas (the first delta of a call carries its id, type and
-name with empty arguments; the arguments follow in pieces; parallel calls are interleaved by
-``index``), a finish chunk, then with ``stream_options.include_usage`` a usage-only chunk with
+name with empty arguments; the arguments follow in pieces; parallel calls come each whole in
+turn, as OpenAI sends them and the openai SDKs' stream helpers expect: they take a new ``index``
+for the end of the call before; or, with ``interleave``, round-robin by ``index``, as some
+compatible servers send them), a finish chunk, then with ``stream_options.include_usage`` a usage-only chunk with
 ``"choices": []`` (every other chunk then carries ``"usage": null``), then ``data: [DONE]``.
 As OpenAI has since August 2025, the openai dialect ends each chunk with an ``obfuscation``
 padding string (unless ``stream_options.include_obfuscation`` is false); its padding is derived
@@ -110,8 +112,9 @@ def completion_object(
     return body
 
 
-def _call_deltas(reply: Reply) -> list[dict[str, Any]]:
-    """Tool-call deltas, heads first, then argument pieces round-robin across calls by index."""
+def _call_deltas(reply: Reply, interleave: bool = False) -> list[dict[str, Any]]:
+    """Tool-call deltas: each call's head and argument pieces in turn; with ``interleave``, the
+    heads first, then the argument pieces round-robin across calls by index."""
     per_call: list[list[dict[str, Any]]] = []
     for index, call in enumerate(reply.tool_calls):
         head = {
@@ -122,6 +125,8 @@ def _call_deltas(reply: Reply) -> list[dict[str, Any]]:
         }
         rest = [{"index": index, "function": {"arguments": p}} for p in pieces(call.arguments)]
         per_call.append([head, *rest])
+    if not interleave:
+        return [{"tool_calls": [d]} for deltas in per_call for d in deltas]
     out = []
     for step in range(max((len(d) for d in per_call), default=0)):
         out += [{"tool_calls": [d[step]]} for d in per_call if step < len(d)]
@@ -138,6 +143,7 @@ def stream_chunks(
     usage: dict[str, Any],
     include_usage: bool,
     obfuscation: bool = True,
+    interleave: bool = False,
 ) -> list[dict[str, Any]]:
     """Every ``chat.completion.chunk`` of a streamed reply, in order ([DONE] not included)."""
     nulls = include_usage
@@ -166,7 +172,7 @@ def stream_chunks(
         role["refusal"] = None
     chunks = [chunk(role)]
     chunks += [chunk({"content": p}) for p in pieces(reply.content or "")]
-    chunks += [chunk(d) for d in _call_deltas(reply)]
+    chunks += [chunk(d) for d in _call_deltas(reply, interleave)]
     if dialect == "deepseek":
         final = chunk({"content": ""}, reply.finish_reason)
         final["usage"] = usage
