@@ -172,7 +172,8 @@ def _takes_place(
     """Whether a request of ``chosen``'s conversation takes its place rather than branch off: it
     extends it (no divergence); it rewrites what comes before the messages
     (parameters, tools, a system prompt with the time in it) and its messages carry the
-    baseline's on; or it changes a message and keeps the baseline's last one after the change
+    baseline's on (not only a first request's messages again, which may be another agent's that
+    opens alike under its own prompt); or it changes a message and keeps the baseline's last one after the change
     (an old tool output trimmed in place). Anything else is a branch, the baseline kept: a fork,
     a retry or a rewind (the undone turns may be another agent's that opened alike and goes on),
     or another agent's conversation that opens alike (its own tools, its own task)."""
@@ -193,6 +194,12 @@ def _takes_place(
         old_messages = old[chosen.fp.system_count :]
         new_messages = fp.message_digests[fp.system_count :]
         kept = len(old_messages)
+        if chosen.turns == 1 and len(new_messages) == kept:
+            # A first request's messages again, none added, under another prompt: that one
+            # sent again (its prompt edited, the time in it), or another agent's first that
+            # opens alike (the same task under a prompt of its own: its working directory).
+            # Kept beside it: each one's next turn carries its own on whole and finds it.
+            return False
         return len(new_messages) >= kept and old_messages == new_messages[:kept]
     after = fp.message_digests[(divergence.index or 0) + 1 :]
     return bool(old) and old[-1] in after
