@@ -499,7 +499,10 @@ class AccountingObserver:
                 started.answer = _answer_of(ex)
                 started.cached = cached
                 if continues and chosen is not None:
-                    started.turns = chosen.turns + 1
+                    # (the same messages again beside it, under another prompt: another
+                    # agent's first request, or that one sent again: a first one too)
+                    same = len(fp.message_digests) == len(chosen.fp.message_digests)
+                    started.turns = chosen.turns + (0 if same else 1)
                 if not baselines and "opening" not in extra:
                     extra["opening"] = started  # the session's first conversation
                 baselines.insert(0, started)

@@ -301,7 +301,9 @@ def _unbilled(row: ExchangeRow) -> bool:
     may have billed it; its cost is not known."""
     if not row.answered or row.tokens_in is not None or row.tokens_out is not None:
         return False
-    if row.error == RESENT_COMPACTED:  # (refused as too long: its retry is the exchange)
+    if row.error and not row.interrupted:
+        # (an error object in a 200 body, a provider's failure: not billed as a rule; a
+        # request refused as too long: its retry is the exchange)
         return False
     status = row.status or 0
     return 200 <= status < 300 or status == CLIENT_CLOSED
@@ -862,8 +864,9 @@ def render_cost(report: CostReport) -> str:
     if report.no_usage:
         many = report.no_usage > 1
         lines.append(
-            f"{report.no_usage} exchange{'s' if many else ''} reported no usage (cut, interrupted,"
-            f" or a provider that gives none): not counted, though the provider may have billed"
+            f"{report.no_usage} exchange{'s' if many else ''} reported no usage (the client left"
+            f" before it, or a provider that gives none): not counted, though the provider may"
+            f" have billed"
             f" {'them' if many else 'it'}"
         )
     return "\n".join(lines)

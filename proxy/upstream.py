@@ -941,10 +941,12 @@ class UpstreamPool:
                 spare.abort()
                 continue
             loop = asyncio.get_running_loop()
+            waiter = loop.create_future()
             if deadline is None:
                 deadline = loop.time() + self.pool_timeout
-            waiter = loop.create_future()
-            self._waiters.append(waiter)
+                self._waiters.append(waiter)
+            else:  # woken for a slot another took: still the first in line
+                self._waiters.appendleft(waiter)
             try:
                 async with asyncio.timeout_at(deadline):
                     await waiter

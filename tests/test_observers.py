@@ -619,28 +619,30 @@ def test_conversations_that_open_alike_keep_their_own_baselines() -> None:
     assert acc.metrics.prefix_rewrites.child("messages")[0] == 1  # B's first request only
 
 
-def test_two_agents_that_open_alike_under_their_own_prompts_go_on_each_with_its_own() -> None:
-    """Two instances of an agent whose prompts differ only in the working directory, both given
-    the same task, in one inferred session: the second's first request took the first's place
-    (its messages carry the first's on, under a rewritten prompt), so each one's next turn was
-    compared with the other's and charged as a system rewrite. The first turn alike is still
-    read as a rewrite (the same shape as a first message resent under an edited prompt)."""
+@pytest.mark.parametrize("agents", [2, 4])
+def test_agents_that_open_alike_under_their_own_prompts_go_on_each_with_its_own(
+    agents: int,
+) -> None:
+    """Instances of an agent whose prompts differ only in the working directory, all given the
+    same task, in one inferred session: the second's first request took the first's place (its
+    messages carry the first's on, under a rewritten prompt), so each one's next turn was
+    compared with another's and charged as a system rewrite (with three or more, the third took
+    the second's place, which counted two turns). The first turns alike are still read as
+    rewrites (the same shape as a first message resent under an edited prompt)."""
     acc = _Accounting()
     prompt = "You are a coding agent. " * 40 + "Working directory: /home/u/{}"
-    alpha = [_system(prompt.format("alpha")), *msgs("fix the failing tests")]
-    beta = [_system(prompt.format("beta")), *msgs("fix the failing tests")]
-    acc.send(alpha, 2_015, 0)
-    acc.send(beta, 2_014, 0)
+    names = ["alpha", "beta", "gamma", "delta"][:agents]
+    histories = {n: [_system(prompt.format(n)), *msgs("fix the failing tests")] for n in names}
+    for n in names:
+        acc.send(histories[n], 2_015, 0)
     for turn in range(2):
-        alpha = [*alpha, *msgs(f"alpha ran the tests {turn}", f"alpha's tool output {turn}")]
-        ex = acc.send(alpha, 2_200 + 100 * turn, 0)  # a miss with nothing rewritten
-        assert ex.divergence is None, turn
-        assert ex.cache is not None and ex.cache["cause"] == "unexplained", turn
-        beta = [*beta, *msgs(f"beta ran the tests {turn}", f"beta's tool output {turn}")]
-        ex = acc.send(beta, 2_150 + 100 * turn, 0)
-        assert ex.divergence is None, turn
-        assert ex.cache is not None and ex.cache["cause"] == "unexplained", turn
-    assert acc.metrics.prefix_rewrites.child("system")[0] == 1  # beta's first request only
+        for n in names:
+            histories[n] = [*histories[n], *msgs(f"{n} ran the tests {turn}", f"{n} out {turn}")]
+            ex = acc.send(histories[n], 2_200 + 100 * turn, 0)  # a miss, nothing rewritten
+            assert ex.divergence is None, (n, turn)
+            assert ex.cache is not None and ex.cache["cause"] == "unexplained", (n, turn)
+    # the first requests of all but the first only
+    assert acc.metrics.prefix_rewrites.child("system")[0] == agents - 1
 
 
 def test_tools_with_their_properties_reordered_are_logged_again_for_replay() -> None:

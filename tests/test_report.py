@@ -737,6 +737,8 @@ def test_cost_says_how_many_exchanges_reported_no_usage(tmp_path: Path) -> None:
         (3, {"status": 499, "usage": None, "interrupted": True}),  # left before any answer
         (4, {"status": 200, "usage": None}),  # a provider that gives no usage
         (5, {"status": 429, "usage": None, "error": "rate limited"}),  # refused: not billed
+        # an error object in a 200 body (OpenRouter's "Provider returned error"): not billed
+        (7, {"status": 200, "usage": None, "error": "Provider returned error"}),
     ]
     events: list[dict[str, Any]] = [{"ts": T0, "type": "session_meta", "session": "cut"}]
     for n, answer in answers:
@@ -752,8 +754,8 @@ def test_cost_says_how_many_exchanges_reported_no_usage(tmp_path: Path) -> None:
     assert (report.priced_exchanges, report.no_usage) == (1, 3)
     assert report.to_json()["no_usage"] == 3
     assert render_cost(report).endswith(
-        "\n3 exchanges reported no usage (cut, interrupted, or a provider that gives none): not"
-        " counted, though the provider may have billed them"
+        "\n3 exchanges reported no usage (the client left before it, or a provider that gives"
+        " none): not counted, though the provider may have billed them"
     )
 
 

@@ -587,6 +587,34 @@ def test_a_request_woken_without_a_slot_waits_no_longer_than_the_pool_timeout_in
     run(main())
 
 
+def test_a_request_woken_for_a_slot_another_took_stays_first_in_line() -> None:
+    """Woken, it went to the back of the queue: with one wait in all, the earliest request was
+    the likeliest to get the 503."""
+
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(answer(b"ok"))
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool(max_connections=1, pool_timeout=5.0)
+            held = await pool.open("GET", srv.url + "/", [], b"")
+            first = asyncio.create_task(pool.open("GET", srv.url + "/", [], b""))
+            await asyncio.sleep(0.05)
+            second = asyncio.create_task(pool.open("GET", srv.url + "/", [], b""))
+            await asyncio.sleep(0.05)
+            pool._wake_waiter()  # the first is woken, but the slot is still taken
+            await asyncio.sleep(0.05)
+            assert await read(held) == b"ok"  # now free: the first in line has it
+            got = await asyncio.wait_for(first, 2)
+            assert not second.done()
+            assert await read(got) == b"ok"
+            assert await read(await asyncio.wait_for(second, 2)) == b"ok"
+            await pool.aclose()
+
+    run(main())
+
+
 def test_unreachable_is_a_connect_error() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
