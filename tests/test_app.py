@@ -72,63 +72,68 @@ def test_streaming_text(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> 
     assert proxy.metric("cachegate_tokens_total", {"model": "gpt-4o", "kind": "completion"}) > 0
 
 
-def test_streaming_parallel_tool_calls(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> None:
-    proxy = proxy_factory(sim.api_base)
-    sim.sim.enqueue(
-        [
-            parse_script(
-                {
-                    "content": None,
-                    "tool_calls": [
-                        {"name": "read_file", "arguments": {"path": "src/app.py"}},
-                        {"name": "run", "arguments": {"cmd": "pytest -q tests/test_app.py"}},
-                    ],
-                    "finish_reason": "tool_calls",
-                }
-            )
+@pytest.mark.parametrize("interleave", [False, True])
+def test_streaming_parallel_tool_calls(interleave: bool, sdk: Any, proxy_factory: Any) -> None:
+    """Each call whole in turn, as OpenAI sends them, or interleaved by index, as some compatible
+    servers do: relayed as they came and recorded whole either way."""
+    with run_simulator(SimConfig(chunk_ms=1, interleave_tool_calls=interleave)) as sim:
+        proxy = proxy_factory(sim.api_base)
+        sim.sim.enqueue(
+            [
+                parse_script(
+                    {
+                        "content": None,
+                        "tool_calls": [
+                            {"name": "read_file", "arguments": {"path": "src/app.py"}},
+                            {"name": "run", "arguments": {"cmd": "pytest -q tests/test_app.py"}},
+                        ],
+                        "finish_reason": "tool_calls",
+                    }
+                )
+            ]
+        )
+        stream = sdk(proxy.base_url).chat.completions.create(
+            model="gpt-4o",
+            messages=[{"role": "user", "content": "read and test"}],
+            tools=TOOLS,  # type: ignore[arg-type]
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        calls: dict[int, dict[str, str]] = {}
+        finish = None
+        usage_seen = False
+        for c in stream:
+            if c.usage is not None:
+                usage_seen = True
+            for choice in c.choices:
+                finish = choice.finish_reason or finish
+                for tc in choice.delta.tool_calls or []:
+                    entry = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                    if tc.id:
+                        entry["id"] = tc.id
+                    if tc.function and tc.function.name:
+                        entry["name"] += tc.function.name
+                    if tc.function and tc.function.arguments:
+                        entry["arguments"] += tc.function.arguments
+        assert finish == "tool_calls"
+        assert usage_seen  # the client asked for usage: it gets it untouched
+        assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == [
+            ("read_file", '{"path":"src/app.py"}'),
+            ("run", '{"cmd":"pytest -q tests/test_app.py"}'),
         ]
-    )
-    stream = sdk(proxy.base_url).chat.completions.create(
-        model="gpt-4o",
-        messages=[{"role": "user", "content": "read and test"}],
-        tools=TOOLS,  # type: ignore[arg-type]
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    calls: dict[int, dict[str, str]] = {}
-    finish = None
-    usage_seen = False
-    for c in stream:
-        if c.usage is not None:
-            usage_seen = True
-        for choice in c.choices:
-            finish = choice.finish_reason or finish
-            for tc in choice.delta.tool_calls or []:
-                entry = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
-                if tc.id:
-                    entry["id"] = tc.id
-                if tc.function and tc.function.name:
-                    entry["name"] += tc.function.name
-                if tc.function and tc.function.arguments:
-                    entry["arguments"] += tc.function.arguments
-    assert finish == "tool_calls"
-    assert usage_seen  # the client asked for usage: it gets it untouched
-    assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == [
-        ("read_file", '{"path":"src/app.py"}'),
-        ("run", '{"cmd":"pytest -q tests/test_app.py"}'),
-    ]
-    proxy.settle()
-    events = [
-        e
-        for p in proxy.log_dir.glob("*.jsonl")
-        for e in __import__("proxy.eventlog", fromlist=["read_events"]).read_events(p).events
-        if e["type"] == "response"
-    ]
-    message = events[-1]["message"]
-    assert [tc["function"]["name"] for tc in message["tool_calls"]] == ["read_file", "run"]
-    assert (
-        message["tool_calls"][1]["function"]["arguments"] == '{"cmd":"pytest -q tests/test_app.py"}'
-    )
+        proxy.settle()
+        events = [
+            e
+            for p in proxy.log_dir.glob("*.jsonl")
+            for e in __import__("proxy.eventlog", fromlist=["read_events"]).read_events(p).events
+            if e["type"] == "response"
+        ]
+        message = events[-1]["message"]
+        assert [tc["function"]["name"] for tc in message["tool_calls"]] == ["read_file", "run"]
+        assert (
+            message["tool_calls"][1]["function"]["arguments"]
+            == '{"cmd":"pytest -q tests/test_app.py"}'
+        )
 
 
 def test_provider_errors_reach_the_sdk_unchanged(
