@@ -384,6 +384,44 @@ def test_anthropic_compat_caches_only_up_to_the_last_breakpoint(
     assert again["cache_read_input_tokens"] == 1024
 
 
+def test_anthropic_compat_keeps_a_one_hour_breakpoints_prefix_for_an_hour(
+    anthropic: RunningSimulator,
+) -> None:
+    """A ``"ttl": "1h"`` mark was kept for the simulator's 300 s like any other: a client that
+    asked for an hour saw a miss after a 400 s pause through the simulator, and its writes were
+    reported (and priced) as five-minute ones. Claude splits its writes by TTL."""
+    chat = long_chat(1100)
+    hour = {**chat[1], "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    first = usage_of(anthropic, [chat[0], hour])
+    assert (first["cache_read_input_tokens"], first["cache_creation_input_tokens"]) == (0, 1024)
+    assert first["cache_creation"] == {
+        "ephemeral_5m_input_tokens": 0,
+        "ephemeral_1h_input_tokens": 1024,
+    }
+    anthropic.sim.advance(400)
+    assert usage_of(anthropic, [chat[0], hour])["cache_read_input_tokens"] == 1024
+    anthropic.sim.advance(3_601)
+    assert usage_of(anthropic, [chat[0], hour])["cache_read_input_tokens"] == 0
+    # a five-minute mark is gone after 400 s, and its usage has no split
+    anthropic.sim.reset()
+    five = usage_of(anthropic, [chat[0], _marked(chat[1])])
+    assert "cache_creation" not in five
+    anthropic.sim.advance(400)
+    assert usage_of(anthropic, [chat[0], _marked(chat[1])])["cache_read_input_tokens"] == 0
+
+
+def test_a_gateway_that_marks_for_its_clients_leaves_a_clients_own_marks_as_they_are() -> None:
+    """``cache_unmarked`` cached every request whole: a client that marks only its system prompt
+    read its whole history, where a gateway marks only requests that carry no mark."""
+    system = _marked({"role": "system", "content": words(1100)})  # 1,107 tokens
+    history = [system, {"role": "user", "content": words(1200)}]
+    with run_simulator(SimConfig(dialect="anthropic-compat", cache_unmarked=True)) as gateway:
+        usage_of(gateway, history)
+        again = usage_of(gateway, history)
+        # the system prompt's blocks, up to its mark; not the 1,200 tokens after it
+        assert (again["cache_read_input_tokens"], again["cache_creation_input_tokens"]) == (1024, 0)
+
+
 def test_anthropic_compat_caches_unmarked_requests_when_a_gateway_marks_them() -> None:
     with run_simulator(SimConfig(dialect="anthropic-compat", cache_unmarked=True)) as gateway:
         usage_of(gateway, long_chat(1100))

@@ -294,7 +294,7 @@ class _Handlers:
             validate_messages(body.get("messages"))
         except ValidationError as exc:
             return _error(400, exc.message, exc.param, exc.code)
-        tokens, marked = marked_request_tokens(body)
+        tokens, marked, hour = marked_request_tokens(body)
         if len(tokens) > self.config.context_window:
             message = CONTEXT_TEXT.format(window=self.config.context_window, tokens=len(tokens))
             return _error(400, message, "messages", "context_length_exceeded")
@@ -307,9 +307,15 @@ class _Handlers:
         missing = sum(1 for c in reply.tool_calls if not c.id)
         reply = reply.with_call_ids([self.sim.new_id("call_", 24) for _ in range(missing)])
         model = str(body["model"])
-        # Claude caches up to the last breakpoint only (a gateway may mark for the client)
-        claude = self.config.dialect == "anthropic-compat" and not self.config.cache_unmarked
-        cache = self.sim.process_prompt(tokens, model, marked if claude else None)
+        # Claude caches up to the last breakpoint only, for an hour up to the last one that asks
+        # for it; a gateway may mark for a client that marks nothing (``cache_unmarked``: a mark
+        # at the end of the request)
+        limit: int | None = None
+        if self.config.dialect == "anthropic-compat":
+            limit = marked if marked or not self.config.cache_unmarked else None
+        else:
+            hour = 0  # (others keep their own TTL, whatever a mark asks)
+        cache = self.sim.process_prompt(tokens, model, limit, hour)
         usage = usage_object(self.config.dialect, len(tokens), completion_tokens(reply), cache)
         received.usage = usage
         received.status = 200

@@ -4,7 +4,9 @@ A request's token sequence is cut into fixed blocks whose hashes are chained (ea
 covers everything before it), so "this request shares its first k blocks with some cached request"
 is k successive dictionary hits — linear in the request's length, whatever is cached. Only whole
 blocks are cached, and nothing below the dialect's minimum. Every block of a processed request is
-stored or refreshed at the request's time; a block idle for ``ttl_s`` or more is gone.
+stored or refreshed at the request's time; a block idle for ``ttl_s`` or more is gone, or for
+``LONG_TTL_S`` when a request asked for it (Claude's ``"ttl": "1h"`` breakpoints: the blocks up to
+the last of them).
 """
 
 from __future__ import annotations
@@ -34,12 +36,17 @@ POLICIES: dict[str, CachePolicy] = {
 }
 
 
+LONG_TTL_S = 3600.0  # Claude's one-hour cache, asked for by a breakpoint's ``"ttl": "1h"``
+
+
 @dataclass(frozen=True, slots=True)
 class CacheResult:
-    """What one request did to the cache: tokens ``read`` from it and newly ``written`` to it."""
+    """What one request did to the cache: tokens ``read`` from it and newly ``written`` to it,
+    of which ``written_long`` for ``LONG_TTL_S``."""
 
     read: int
     written: int
+    written_long: int = 0
 
 
 def block_hashes(tokens: Sequence[bytes], block: int, scope: str = "") -> list[bytes]:
@@ -56,32 +63,32 @@ def block_hashes(tokens: Sequence[bytes], block: int, scope: str = "") -> list[b
 
 
 class PrefixCache:
-    """Block-hash → last-used time, with a TTL measured on the caller's clock."""
+    """Block-hash → when it expires, with TTLs measured on the caller's clock."""
 
     def __init__(self, policy: CachePolicy, ttl_s: float) -> None:
         self.policy = policy
         self.ttl_s = ttl_s
-        self._last_used: dict[bytes, float] = {}
+        self._expires: dict[bytes, float] = {}
         self._pruned_at: float | None = None
 
     def __len__(self) -> int:
-        return len(self._last_used)
+        return len(self._expires)
 
     def clear(self) -> None:
-        self._last_used.clear()
+        self._expires.clear()
         self._pruned_at = None
 
     def _fresh(self, digest: bytes, now: float) -> bool:
-        last = self._last_used.get(digest)
-        return last is not None and now - last < self.ttl_s
+        expires = self._expires.get(digest)
+        return expires is not None and now < expires
 
     def _prune(self, now: float) -> None:
         if self._pruned_at == now:
             return
         self._pruned_at = now
-        expired = [d for d, last in self._last_used.items() if now - last >= self.ttl_s]
+        expired = [d for d, expires in self._expires.items() if now >= expires]
         for digest in expired:
-            del self._last_used[digest]
+            del self._expires[digest]
 
     def peek(self, tokens: Sequence[bytes], now: float, scope: str = "") -> int:
         """Tokens a request would read from the cache at ``now``, without touching it."""
@@ -93,11 +100,18 @@ class PrefixCache:
         return self.policy.round(matched * self.policy.block)
 
     def process(
-        self, tokens: Sequence[bytes], now: float, scope: str = "", limit: int | None = None
+        self,
+        tokens: Sequence[bytes],
+        now: float,
+        scope: str = "",
+        limit: int | None = None,
+        long_limit: int = 0,
     ) -> CacheResult:
         """Serve a request's prompt at ``now``: read its cached prefix, store/refresh the rest;
         with a ``limit``, only its first ``limit`` tokens are looked up and stored (Claude's
-        last breakpoint)."""
+        last breakpoint); the blocks within its first ``long_limit`` tokens are kept for
+        ``LONG_TTL_S`` (its last one-hour breakpoint), the others for ``ttl_s``. A block keeps
+        the later of its expiries."""
         self._prune(now)
         if limit is not None:
             tokens = tokens[:limit]
@@ -107,8 +121,14 @@ class PrefixCache:
             if not self._fresh(digest, now):
                 break
             matched += 1
-        read = self.policy.round(matched * self.policy.block)
-        cacheable = self.policy.round(len(hashes) * self.policy.block)
-        for digest in hashes[: cacheable // self.policy.block]:
-            self._last_used[digest] = now
-        return CacheResult(read=read, written=cacheable - read)
+        block = self.policy.block
+        read = self.policy.round(matched * block)
+        cacheable = self.policy.round(len(hashes) * block)
+        long_blocks = min(long_limit, cacheable) // block
+        expires = self._expires
+        for at, digest in enumerate(hashes[: cacheable // block]):
+            until = now + (LONG_TTL_S if at < long_blocks else self.ttl_s)
+            if expires.get(digest, until) <= until:
+                expires[digest] = until
+        written_long = max(0, long_blocks * block - read) if cacheable > read else 0
+        return CacheResult(read=read, written=cacheable - read, written_long=written_long)

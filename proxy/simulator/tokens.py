@@ -97,24 +97,48 @@ def request_tokens(body: Mapping[str, Any]) -> list[bytes]:
     return marked_request_tokens(body)[0]
 
 
-def marked_request_tokens(body: Mapping[str, Any]) -> tuple[list[bytes], int]:
-    """``request_tokens`` and how many of them end at the request's last ``cache_control``
-    breakpoint (0 when there is none; all of them for one on the request itself). A mark on
-    a tool counts at the end of the tools, on a content part at the end of its message."""
+def marked_request_tokens(body: Mapping[str, Any]) -> tuple[list[bytes], int, int]:
+    """``request_tokens``, how many of them end at the request's last ``cache_control``
+    breakpoint (0 when there is none; all of them for one on the request itself), and how many
+    at its last breakpoint with ``"ttl": "1h"`` (0 for none). A mark on a tool counts at the end
+    of the tools, on a content part at the end of its message."""
     out: list[bytes] = []
-    marked = 0
+    marked = hour = 0
     tools = body.get("tools")
     if tools:
         out += tokenize(tools_json(tools).decode())
-        if isinstance(tools, list) and any(cache_mark(t, "function") is not None for t in tools):
-            marked = len(out)
+        if isinstance(tools, list):
+            marks = [cache_mark(t, "function") for t in tools]
+            if any(m is not None for m in marks):
+                marked = len(out)
+            if any(_hour(m) for m in marks):
+                hour = len(out)
     for message in body.get("messages") or ():
         if isinstance(message, Mapping):
             out += message_tokens(message)
-            if cache_mark(message, "content") is not None:
+            mark = cache_mark(message, "content")
+            if mark is not None:
                 marked = len(out)
+                if _hour(mark) or _hour_in_parts(message):
+                    hour = len(out)
         else:
             out += tokenize(_as_text(message))
-    if body.get("cache_control") is not None:  # automatic caching: up to the end
+    request_mark = body.get("cache_control")
+    if request_mark is not None:  # automatic caching: up to the end
         marked = len(out)
-    return out, marked
+        if _hour(request_mark):
+            hour = len(out)
+    return out, marked, hour
+
+
+def _hour(mark: Any) -> bool:
+    """Whether a ``cache_control`` asks for Claude's one-hour cache."""
+    return isinstance(mark, Mapping) and mark.get("ttl") == "1h"
+
+
+def _hour_in_parts(message: Mapping[str, Any]) -> bool:
+    """Whether any content part of ``message`` carries a one-hour mark."""
+    parts = message.get("content")
+    return isinstance(parts, list) and any(
+        isinstance(p, Mapping) and _hour(p.get("cache_control")) for p in parts
+    )

@@ -62,6 +62,11 @@ def usage_object(dialect: str, prompt: int, completion: int, cache: CacheResult)
     elif dialect == "anthropic-compat":
         usage["cache_read_input_tokens"] = cache.read
         usage["cache_creation_input_tokens"] = cache.written
+        if cache.written_long:  # as Claude splits its writes (and gateways pass on)
+            usage["cache_creation"] = {
+                "ephemeral_5m_input_tokens": cache.written - cache.written_long,
+                "ephemeral_1h_input_tokens": cache.written_long,
+            }
     else:
         usage["prompt_tokens_details"] = {"cached_tokens": cache.read, "audio_tokens": 0}
         usage["completion_tokens_details"] = {
