@@ -25,12 +25,12 @@ import json
 import logging
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 import orjson
 
-from proxy.prefix import carried_past_prompt, leading_system_count
+from proxy.prefix import cache_mark, carried_past_prompt, leading_system_count
 
 logger = logging.getLogger(__name__)
 
@@ -468,6 +468,9 @@ class RepairState:
     dangling: list[Repair]  # calls left without a result, block by block
     run: _Block | None
     out: tuple[Any, ...]  # the repaired history of ``messages``
+    # the cache_control marks of removed messages (empty assistant messages), by index: each
+    # goes on the message before it in the repaired history, which ends the same prefix
+    marks: dict[int, Any] = field(default_factory=dict)
 
     def resumes(self, messages: Sequence[Any], policy: tuple[str, str]) -> bool:
         """Whether ``messages`` extends this state's messages, with the same policy, and appends
@@ -551,6 +554,10 @@ def repair_messages_from(
                     # ("must have non-empty content"), OpenAI one with no content at all.
                     removed.add(i)
                     action = "removed an assistant message with nothing but an empty tool_calls"
+                    mark = message.get("cache_control")
+                    if mark is not None:  # a breakpoint: the message before ends that prefix
+                        state.marks[i] = mark
+                        action += " (its cache_control moved to the message before)"
                 else:
                     if kept.get("content") is None:  # (a refusal, a legacy function_call)
                         kept["content"] = ""
@@ -584,8 +591,12 @@ def repair_messages_from(
     if not repairs:
         return PairingResult(messages, []), None
     out = list(state.out)
+    marks = state.marks
     for i in range(start, len(messages)):
         if i in paired or i in removed:
+            mark = marks.get(i) if marks else None
+            if mark is not None and out and cache_mark(out[-1], "content") is None:
+                out[-1] = {**out[-1], "cache_control": mark}
             continue
         out.append(fixed.get(i, messages[i]))
         own = blocks.get(i)

@@ -373,6 +373,44 @@ def test_an_empty_tool_calls_array_is_removed() -> None:
     ]
 
 
+def test_an_empty_assistant_messages_cache_mark_goes_on_the_message_before_it() -> None:
+    """A removed empty assistant message took its client's ``cache_control`` breakpoint with it:
+    Claude then cached nothing past the mark before (or nothing at all). The message before it
+    ends the same prefix; one already marked keeps its own."""
+    mark = {"type": "ephemeral"}
+    bare = {"role": "assistant", "content": "", "tool_calls": [], "cache_control": mark}
+    result = repair_messages([user("go"), bare, user("again")])
+    assert result.messages == [{**user("go"), "cache_control": mark}, user("again")]
+    (repair,) = result.repairs
+    assert repair.action.endswith("(its cache_control moved to the message before)")
+    validate_messages(result.messages)
+    # after a repaired turn: on the synthetic result that ends it
+    history = [user("go"), asst(call("c1")), bare, user("again")]
+    result = repair_messages(history)
+    assert result.messages[2] == {
+        "role": "tool",
+        "tool_call_id": "c1",
+        "content": result.messages[2]["content"],
+        "cache_control": mark,
+    }
+    # a message marked already keeps its own mark
+    own = {"type": "ephemeral", "ttl": "1h"}
+    result = repair_messages([{**user("go"), "cache_control": own}, bare, user("again")])
+    assert result.messages == [{**user("go"), "cache_control": own}, user("again")]
+    # resumed from the previous request's repair (the next turn, the same objects), the same
+    earlier = [user("go"), bare, user("again")]
+    first, state = repair_messages_from(earlier, None)
+    assert state is not None
+    later = [*earlier, asst(content="ok"), user("more")]
+    again, _ = repair_messages_from(later, state)
+    assert again.messages == [*first.messages, asst(content="ok"), user("more")]
+    assert again.messages[0] == {**user("go"), "cache_control": mark}
+    # the mark of a message removed in an appended turn goes on that turn's message before it
+    first, state = repair_messages_from(earlier, None)
+    again, _ = repair_messages_from([*earlier, asst(content="ok"), bare, user("more")], state)
+    assert again.messages[-2] == {**asst(content="ok"), "cache_control": mark}
+
+
 def test_a_result_without_an_id_away_from_its_calls_answers_nothing() -> None:
     messages = [user("go"), asst(call("")), user("steer"), tool("", "late")]
     result = repair_messages(messages)
