@@ -541,7 +541,16 @@ def repair_messages_from(
         message = messages[i]
         if isinstance(message, dict) and message.get("role") == "tool":
             _pair_result(
-                i, message, run, owner_of_id, orphan_policy, paired, removed, fixed, scanned
+                i,
+                message,
+                run,
+                owner_of_id,
+                orphan_policy,
+                paired,
+                removed,
+                fixed,
+                scanned,
+                state.marks,
             )
             continue
         run = None
@@ -633,8 +642,10 @@ def _pair_result(
     removed: set[int],
     fixed: dict[int, dict[str, Any]],
     repairs: list[Repair],
+    marks: dict[int, Any],
 ) -> None:
-    """Decide tool message ``i``: pair it with its call, or handle it as a duplicate or orphan.
+    """Decide tool message ``i``: pair it with its call, or handle it as a duplicate or orphan
+    (one dropped leaves its ``cache_control`` mark, if any, in ``marks``).
 
     Some servers (Gemini's OpenAI-compatible API, some local ones) send tool calls with an empty
     id, and their clients answer with an empty ``tool_call_id``. Such a result, in the run of
@@ -706,7 +717,19 @@ def _pair_result(
         label = f"[tool result {shown} (no matching tool call)]"
     if orphan_policy == "drop":
         removed.add(i)
-        repairs.append(Repair(kind, i, tool_call_id, "dropped"))
+        mark = cache_mark(message, "content")
+        if mark is not None:  # a breakpoint: the message before ends that prefix
+            marks[i] = mark
+        repairs.append(
+            Repair(
+                kind,
+                i,
+                tool_call_id,
+                "dropped"
+                if mark is None
+                else "dropped (its cache_control moved to the message before)",
+            )
+        )
     else:
         fixed[i] = _downgrade(message, label)
         repairs.append(Repair(kind, i, tool_call_id, "kept as a user message"))

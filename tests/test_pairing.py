@@ -411,6 +411,24 @@ def test_an_empty_assistant_messages_cache_mark_goes_on_the_message_before_it() 
     assert again.messages[-2] == {**asst(content="ok"), "cache_control": mark}
 
 
+def test_a_dropped_orphans_cache_mark_goes_on_the_message_before_it() -> None:
+    """``orphan_policy = "drop"`` took a marked orphan's breakpoint with it (a Claude-style client
+    that marks its latest message then asked nothing of the cache)."""
+    mark = {"type": "ephemeral"}
+    orphan = {**tool("zz", "stale"), "cache_control": mark}
+    result = repair_messages([user("go"), asst(content="ok"), orphan], orphan_policy="drop")
+    assert result.messages == [user("go"), {**asst(content="ok"), "cache_control": mark}]
+    (repair,) = result.repairs
+    assert (repair.kind, repair.action) == (
+        "orphan_result",
+        "dropped (its cache_control moved to the message before)",
+    )
+    # a mark on a content part counts too
+    parts = {**tool("zz"), "content": [{"type": "text", "text": "x", "cache_control": mark}]}
+    result = repair_messages([user("go"), parts], orphan_policy="drop")
+    assert result.messages == [{**user("go"), "cache_control": mark}]
+
+
 def test_a_result_without_an_id_away_from_its_calls_answers_nothing() -> None:
     messages = [user("go"), asst(call("")), user("steer"), tool("", "late")]
     result = repair_messages(messages)
@@ -778,7 +796,7 @@ def _check_properties(messages: list[Message], policy: Any) -> PairingResult:
             assert any(m is message for m in out), f"messages[{i}] was copied though untouched"
 
     out_texts = [t for m in out for t in _texts(m.get("content"))]
-    removed = {r.index for r in result.repairs if r.action == "dropped"}
+    removed = {r.index for r in result.repairs if r.action.startswith("dropped")}
     for i, message in enumerate(messages):
         if i in removed:
             continue
