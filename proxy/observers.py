@@ -171,9 +171,10 @@ def _takes_place(
 ) -> bool:
     """Whether a request of ``chosen``'s conversation takes its place rather than branch off: it
     extends it (no divergence); it rewrites what comes before the messages
-    (parameters, tools, a system prompt with the time in it) and its messages carry the
-    baseline's on (not only a first request's messages again, which may be another agent's that
-    opens alike under its own prompt); or it changes a message and keeps the baseline's last one after the change
+    (parameters, tools, the time in its system prompt; not another system prompt, which may be
+    a sub-agent's given the history) and its messages carry the baseline's on (not only a first
+    request's messages again, which may be another agent's that opens alike under its own
+    prompt); or it changes a message and keeps the baseline's last one after the change
     (an old tool output trimmed in place). Anything else is a branch, the baseline kept: a fork,
     a retry or a rewind (the undone turns may be another agent's that opened alike and goes on),
     or another agent's conversation that opens alike (its own tools, its own task)."""
@@ -186,6 +187,12 @@ def _takes_place(
         # Another prompt and other tools at once: a side request that carries the history on
         # (a summary of it, without the agent's tools), or a turn with the tools switched off.
         # Kept beside it: the agent's next turn finds its own previous one.
+        return False
+    if divergence.location == "system" and not divergence.volatile:
+        # Another system prompt (not the time in it) over the baseline's messages: a sub-agent
+        # under its own prompt given a copy of the history, whose main agent comes back with
+        # its next turn, or a prompt edited by hand, whose next turn carries this one on. Kept
+        # beside it: each next turn finds its own whole.
         return False
     if divergence.location != "messages":
         # Its messages carry the baseline's on (the next turn, the time in its system prompt

@@ -645,6 +645,33 @@ def test_agents_that_open_alike_under_their_own_prompts_go_on_each_with_its_own(
     assert acc.metrics.prefix_rewrites.child("system")[0] == agents - 1
 
 
+def test_a_sub_agent_under_its_own_prompt_given_the_history_leaves_the_main_agents_turn() -> None:
+    """A sub-agent under its own system prompt, given a copy of the main agent's history and its
+    last answer, took the main agent's place (its messages carry the main agent's on, under a
+    rewritten prompt): the main agent's next turn was then compared with the sub-agent's, read
+    as a rewrite of its system prompt, and on a miss charged only the tools' share (the
+    system prompt differed from the first token on)."""
+    acc = _Accounting()
+    main = [_system("You are the main coding agent. " * 60), *msgs("fix the bug", "looked")]
+    main = [*main, *msgs("go on")]
+    acc.send(main, 9_000, 0)
+    answer = {"role": "assistant", "content": "I'll ask a sub-agent to search for it."}
+    sub = [_system("You search a repository. " * 40), *main[1:], answer, *msgs("find foo()")]
+    first_sub = acc.send(sub, 8_500, 0)
+    assert first_sub.divergence is not None  # (its own prompt: nothing of it could be read)
+    for turn in range(3):
+        sub = [*sub, *msgs(f"searched {turn}", f"result {turn}")]
+        ex = acc.send(sub, 8_600 + 100 * turn, 8_500)
+        assert ex.divergence is None, turn
+    rewrites = acc.metrics.prefix_rewrites.child("system")[0]
+    later = [*main, answer, *msgs("the sub-agent found it in foo.py")]
+    ex = acc.send(later, 9_200, 0)  # a miss with nothing rewritten (an expiry, say)
+    assert ex.divergence is None
+    assert ex.cache is not None and ex.cache["expected"] == 9_000
+    assert ex.cache["waste"] == 9_000 and ex.cache["cause"] == "unexplained"
+    assert acc.metrics.prefix_rewrites.child("system")[0] == rewrites
+
+
 def test_tools_with_their_properties_reordered_are_logged_again_for_replay() -> None:
     """Equal to Python, other to a provider: a replay of the line must send them as they were
     sent (the order of a schema's properties is the order of the function's parameters)."""
