@@ -672,6 +672,28 @@ def test_a_sub_agent_under_its_own_prompt_given_the_history_leaves_the_main_agen
     assert acc.metrics.prefix_rewrites.child("system")[0] == rewrites
 
 
+def test_an_agent_back_in_its_act_mode_is_compared_with_its_last_act_turn() -> None:
+    """Cline's plan and act modes have two system prompts: back in act mode, the agent's turn
+    was compared with its plan-mode turn (a system rewrite, the tools' share expected), where
+    the provider may still hold the act prompt's prefix."""
+    acc = _Accounting()
+    act, plan = _system("ACT MODE. You edit files. " * 50), _system("PLAN MODE. You plan. " * 50)
+    history = msgs("fix the bug")
+    acc.send([act, *history], 6_000, 0)
+    history = [*history, *msgs("editing", "tests fail")]
+    acc.send([act, *history], 6_200, 6_000)
+    history = [*history, *msgs("let me plan", "plan it first")]
+    switched = acc.send([plan, *history], 6_300, 0)
+    assert switched.divergence is not None and switched.divergence["location"] == "system"
+    history = [*history, *msgs("here is a plan", "good, go")]
+    acc.send([plan, *history], 6_500, 6_300)
+    history = [*history, *msgs("switching", "act now")]
+    back = acc.send([act, *history], 6_700, 4_000)
+    assert back.divergence is None
+    assert back.cache is not None and back.cache["expected"] == 6_200
+    assert back.cache["waste"] == 2_200 and back.cache["cause"] == "unexplained"
+
+
 def test_tools_with_their_properties_reordered_are_logged_again_for_replay() -> None:
     """Equal to Python, other to a provider: a replay of the line must send them as they were
     sent (the order of a schema's properties is the order of the function's parameters)."""
