@@ -7,6 +7,7 @@ Both run after the client has its response (``on_response``) or when a request i
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import operator
 import re
@@ -80,9 +81,9 @@ class _Baseline:
         self.copies = 1
         self.turns = 1
         self.cached: int | None = None
-        # what its answer said (its text, its tool call ids): a request that carries it on is
-        # of its conversation, whatever it changed before it
-        self.answer: tuple[str, frozenset[str]] | None = None
+        # what its answer said (its text's digest, its tool call ids): a request that carries
+        # it on is of its conversation, whatever it changed before it
+        self.answer: _Answer | None = None
 
 
 def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
@@ -221,7 +222,25 @@ def _leading(old: prefix.Fingerprint, new: prefix.Fingerprint) -> bool:
     )
 
 
-def _answer_of(ex: Exchange) -> tuple[str, frozenset[str]] | None:
+class _Answer(NamedTuple):
+    """An answer as ``_carries_answer`` looks for it: its text by length and digest (a text of
+    up to 32 MiB, held by every baseline of every session, is not the session's memory
+    estimate's, which counts requests), or 0 and b"" for none; its tool call ids."""
+
+    length: int
+    digest: bytes
+    ids: frozenset[str]
+
+    def said(self, text: str) -> bool:
+        """Whether ``text`` is the answer's text."""
+        return bool(self.length) and len(text) == self.length and _text_digest(text) == self.digest
+
+
+def _text_digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def _answer_of(ex: Exchange) -> _Answer | None:
     """The answer's text and tool call ids, for ``_carries_answer``: a text of
     ``_ANSWER_TEXT_MIN`` characters or more, ids that look random (OpenAI's ``call_`` and 24
     characters, Mistral's 9, Ollama's ``call_`` and 8; not a name and a counter, as
@@ -237,7 +256,9 @@ def _answer_of(ex: Exchange) -> tuple[str, frozenset[str]] | None:
         for call in (calls if isinstance(calls, list) else ())
         if isinstance(call, dict) and isinstance(call.get("id"), str) and _random_id(call)
     )
-    return (text, ids) if text or ids else None
+    if not (text or ids):
+        return None
+    return _Answer(len(text), _text_digest(text) if text else b"", ids)
 
 
 _ANSWER_TEXT_MIN: Final = 200  # characters: "I'll look into it and report back." is no one's own
@@ -281,13 +302,18 @@ def _carries_answer(baseline: _Baseline, body: Any) -> bool:
     for message in messages[max(0, at - 1) : at + 1]:  # (a system message more or fewer)
         if not isinstance(message, dict) or message.get("role") != "assistant":
             continue
-        text, ids = answer
+        ids = answer.ids
         content = message.get("content")
-        if text and (
-            content == text
+        if answer.length and (
+            (isinstance(content, str) and answer.said(content))
             or (
                 isinstance(content, list)
-                and any(isinstance(p, dict) and p.get("text") == text for p in content)
+                and any(
+                    isinstance(p, dict)
+                    and isinstance(p.get("text"), str)
+                    and answer.said(p["text"])
+                    for p in content
+                )
             )
         ):
             return True

@@ -15,7 +15,7 @@ from proxy.compaction import estimate_tokens
 from proxy.config import settings_from_mapping
 from proxy.eventlog import EventLogWriter, read_events, replay, replay_requests
 from proxy.metrics import Metrics
-from proxy.observers import AccountingObserver, EventLogObserver, _random_id
+from proxy.observers import AccountingObserver, EventLogObserver, _carries_answer, _random_id
 from proxy.pipeline import Exchange
 from proxy.sessions import CONVERSATIONS_KEPT, MemorySessionStore
 from proxy.usage import Usage
@@ -692,6 +692,38 @@ def test_an_agent_back_in_its_act_mode_is_compared_with_its_last_act_turn() -> N
     assert back.divergence is None
     assert back.cache is not None and back.cache["expected"] == 6_200
     assert back.cache["waste"] == 2_200 and back.cache["cause"] == "unexplained"
+
+
+def test_sessions_do_not_hold_their_last_answers_text() -> None:
+    """Each conversation kept its last answer's whole text (up to 32 MiB) to know its next turn
+    by it, outside the memory estimate that ``sessions.max_memory_mb`` bounds: 100 sessions of
+    4 MB answers held ~430 MB of RSS under a budget of 50 MiB. A digest does the same work."""
+    import gc
+    import tracemalloc
+
+    held = []
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(8):
+            acc = _Accounting()
+            acc.send(
+                [_system("agent"), *msgs(f"task {i}")], 9_000, 0, answer=f"{i} " + "x" * 1_000_000
+            )
+            held.append(acc)
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 2_000_000, kept  # (8 MB of answers before)
+    # the answer is still known by its text
+    acc = held[0]
+    history = [
+        _system("agent"),
+        *msgs("task 0"),
+        {"role": "assistant", "content": "0 " + "x" * 1_000_000},
+    ]
+    assert _carries_answer(acc.state.extra["baselines"][0], {"messages": history})
 
 
 def test_tools_with_their_properties_reordered_are_logged_again_for_replay() -> None:
