@@ -65,6 +65,7 @@ class _Baseline:
         "model",
         "prompt",
         "ready_at",
+        "reprompted_from",
         "turns",
     )
 
@@ -84,6 +85,9 @@ class _Baseline:
         # what its answer said (its text's digest, its tool call ids): a request that carries
         # it on is of its conversation, whatever it changed before it
         self.answer: _Answer | None = None
+        # the baseline it branched off under another system prompt (``_takes_place``), until
+        # it goes on: if its own next turn changes the prompt again, that one is forgotten
+        self.reprompted_from: _Baseline | None = None
 
 
 def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
@@ -522,6 +526,7 @@ class AccountingObserver:
                     chosen.answer = _answer_of(ex)
                     chosen.ready_at = ready_at
                     chosen.turns += 1
+                    chosen.reprompted_from = None
                     _to_front(baselines, chosen)
             else:
                 # A new conversation, or a branch: another conversation that opens alike (two
@@ -536,6 +541,22 @@ class AccountingObserver:
                     # agent's first request, or that one sent again: a first one too)
                     same = len(fp.message_digests) == len(chosen.fp.message_digests)
                     started.turns = chosen.turns + (0 if same else 1)
+                    if (
+                        not same
+                        and divergence is not None
+                        and divergence.location == "system"
+                        and not divergence.volatile
+                    ):
+                        # Its next turn kept beside it under another prompt (``_takes_place``):
+                        # a sub-agent given the history, whose main agent comes back to
+                        # ``chosen``. When ``chosen`` came so itself and went no further, this
+                        # is its next turn under a prompt that changes every turn (the open
+                        # files in it): the one before it is no one's to come back to.
+                        stale = chosen.reprompted_from
+                        if stale is not None and stale in baselines:
+                            baselines.remove(stale)
+                        chosen.reprompted_from = None
+                        started.reprompted_from = chosen
                 if not baselines and "opening" not in extra:
                     extra["opening"] = started  # the session's first conversation
                 baselines.insert(0, started)

@@ -726,6 +726,29 @@ def test_sessions_do_not_hold_their_last_answers_text() -> None:
     assert _carries_answer(acc.state.extra["baselines"][0], {"messages": history})
 
 
+def test_a_system_prompt_that_changes_every_turn_does_not_crowd_out_other_conversations() -> None:
+    """An agent that puts its open files in its system prompt changes the prompt every turn,
+    not by the time alone: each turn was kept beside the one before (as a sub-agent under its
+    own prompt is), and its stale copies filled the baselines and forgot the others'."""
+    acc = _Accounting()
+    sub = [_system("You are a sub-agent that reads logs. " * 40), *msgs("read the log")]
+    acc.send(sub, 3_000, 0)
+    sub = [*sub, *msgs("read it", "now the next one")]
+    acc.send(sub, 3_100, 3_000)
+    history = msgs("fix the bug")
+    for turn in range(CONVERSATIONS_KEPT + 4):
+        prompt = _system("You are a coding agent. " * 50 + f"Open files: src/f{turn}.py")
+        ex = acc.send([prompt, *history], 9_000 + 100 * turn, 0)
+        if turn:
+            assert ex.divergence is not None and ex.divergence["location"] == "system"
+        history = [*history, *msgs(f"edited f{turn}", f"go on {turn}")]
+    assert len(acc.state.extra["baselines"]) <= 3
+    sub = [*sub, *msgs("read that too", "and the last")]
+    ex = acc.send(sub, 3_200, 3_100)
+    assert ex.divergence is None
+    assert ex.cache is not None and (ex.cache["expected"], ex.cache["waste"]) == (3_100, 0)
+
+
 def test_tools_with_their_properties_reordered_are_logged_again_for_replay() -> None:
     """Equal to Python, other to a provider: a replay of the line must send them as they were
     sent (the order of a schema's properties is the order of the function's parameters)."""
