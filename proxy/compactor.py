@@ -13,6 +13,7 @@ import functools
 import logging
 import operator
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -38,6 +39,7 @@ SYNTHETIC_PREFIXES: tuple[str, ...] = (
 
 
 _MAX_MODELS = 256
+_FLUSH_WAIT_S = 2.0  # the most a session's first long history waits for the log's queue
 MAX_COMPACTIONS = CONVERSATIONS_KEPT  # conversations of one session with a compaction each
 
 # A compaction aims below this share of the trigger (60% of the window at the default 75%): a
@@ -142,6 +144,7 @@ class Compactor:
         observers: list[Observer],
         sessions: SessionStore | None = None,
         log_dir: str | None = None,
+        flush_log: Callable[[float], bool] | None = None,
     ) -> None:
         self.settings = settings
         self.relay = relay
@@ -150,6 +153,10 @@ class Compactor:
         # The event log's directory: a session cachegate forgot (a restart, an eviction) takes
         # up the compactions its log records (``_restore``) rather than pay for new summaries.
         self.log_dir = log_dir
+        # Waits (up to the seconds given) until the lines emitted so far are in the log: a
+        # session forgotten for the count or the memory budget comes back at once, its
+        # compaction's line still queued (the writer writes every 50 ms).
+        self.flush_log = flush_log
         # Per model name, its configured entry: looked up once (a snapshot's name scans them all).
         self._models: dict[str | None, ModelSettings] = {}
         self._tasks: set[asyncio.Future[Any]] = set()  # summaries being written (``_made``)
@@ -459,6 +466,8 @@ class Compactor:
         state.extra["restored"] = restored
         try:
             path = session_log_path(log_dir, state.id)
+            if self.flush_log is not None:
+                await asyncio.to_thread(self.flush_log, _FLUSH_WAIT_S)
             logged = await asyncio.to_thread(logged_compactions, path, MAX_COMPACTIONS)
         except (OSError, ValueError, NotALogFile):  # (no log yet: a new session)
             return False

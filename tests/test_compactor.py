@@ -202,6 +202,37 @@ def test_a_restarted_cachegate_takes_up_the_compaction_its_log_records(
         )
 
 
+def test_a_session_forgotten_for_the_count_and_back_at_once_takes_up_its_compaction(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session pushed out by ``sessions.max_sessions`` whose next turn came before the log's
+    writer had written its compaction's line (it writes every 50 ms) read no compaction in its
+    log: another summary call, another wording, the provider's cache missed from then on. The
+    writer here waits longer, as a loaded machine's may; the log is flushed before it is read."""
+    from proxy import eventlog
+
+    monkeypatch.setattr(eventlog, "POLL_S", 2.0)
+    proxy = proxy_factory(sim.api_base, {**CONFIG, "sessions": {"max_sessions": 1}})
+    c = sdk(proxy.base_url)
+    msgs = history(18)
+    sim.sim.enqueue([parse_script("TASK: handle CRLF. DONE: cases 0-13 pass. LEFT: 14-17.")])
+    c.chat.completions.create(model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "long"})
+    forwarded = sim.sim.requests[-1].body["messages"]
+    assert forwarded[1]["content"].startswith(SUMMARY_MARKER)
+    c.chat.completions.create(  # another session: "long" is forgotten (max_sessions 1)
+        model=MODEL, messages=history(2), extra_headers={"X-Session-Id": "other"}
+    )
+    turn = [*msgs, {"role": "assistant", "content": "step"}, {"role": "user", "content": "go"}]
+    sent = len(sim.sim.requests)
+    raw = c.chat.completions.with_raw_response.create(
+        model=MODEL, messages=turn, extra_headers={"X-Session-Id": "long"}
+    )
+    assert len(sim.sim.requests) == sent + 1  # no summary call
+    assert raw.headers["x-cachegate-compacted"] == "1"
+    now = sim.sim.requests[-1].body["messages"]
+    assert orjson.dumps(now[: len(forwarded)]) == orjson.dumps(forwarded)
+
+
 def test_after_a_restart_a_history_the_estimate_puts_under_the_trigger_keeps_its_summary(
     sdk: Any, tmp_path: Path
 ) -> None:
