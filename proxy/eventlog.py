@@ -573,7 +573,9 @@ class EventLogWriter:
 
     def _remember_meta(self, session_id: str, line: bytes) -> None:
         metas = self._metas
-        metas[session_id] = line
+        # (a copy its size: orjson's result keeps its 4 KiB buffer, 16 MiB for the 4,096 kept;
+        # bytes() of bytes is the same object)
+        metas[session_id] = bytes(memoryview(line))
         metas.move_to_end(session_id)
         if len(metas) > _METAS_KEPT:
             del metas[next(iter(metas))]

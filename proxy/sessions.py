@@ -544,6 +544,29 @@ class MemorySessionStore:
         if now > state.last_seen:
             state.last_seen = now
         self.touch(state)
+        if not state.requests and (
+            (self.max_bytes and self._bytes > self.max_bytes)
+            or len(self._sessions) > self.max_sessions
+        ):
+            # Sessions with requests in flight are kept past the budgets: once a burst of them
+            # is done, the budgets hold again (not when the next request comes: maybe hours)
+            self._trim(now, state)
+
+    def _trim(self, now: float, keep: SessionState | None) -> None:
+        """Forget the least recently seen idle sessions (not ``keep``) while all of them hold
+        more than ``max_bytes``, then while there are more than ``max_sessions``."""
+        while self.max_bytes and self._bytes > self.max_bytes and len(self._sessions) > 1:
+            found = self._oldest_idle(keep)
+            if found is None:
+                break
+            sid, oldest = found
+            self._forget(sid, oldest, "memory")
+            self._warn_memory(sid, now - oldest.last_seen)
+        while len(self._sessions) > self.max_sessions:
+            found = self._oldest_idle(keep)
+            if found is None:
+                break
+            self._forget(found[0], found[1], "count")
 
     def touch(self, state: SessionState) -> None:
         """``state`` counts as just seen for eviction (a summary written for it is done: its
@@ -653,8 +676,11 @@ class MemorySessionStore:
 
     def forget_idle(self, now: float) -> None:
         """Forget the sessions idle for longer than ``idle_ttl_s`` now, as the next request would
-        (a scrape calls it, so the sessions gauges fall once agents stop)."""
+        (a scrape calls it, so the sessions gauges fall once agents stop), and those past the
+        memory budget."""
         self._evict(now)
+        if self.max_bytes and self._bytes > self.max_bytes:
+            self._trim(now, None)
 
     def _evict(self, now: float, keep: SessionState | None = None) -> None:
         """Forget the idle sessions, then the least recently seen past ``max_sessions`` (none a

@@ -76,6 +76,26 @@ def request_event(exchange: int, base_exchange: int | None, base: int, appended:
 # Writing and reading
 
 
+def test_a_kept_meta_line_costs_its_own_size(tmp_path: Path) -> None:
+    """The meta lines kept for sessions whose files may be made again (4,096 of them) held
+    orjson's whole 4 KiB buffer each: ~16 MiB outside the memory budget, for ~100-byte lines."""
+    import tracemalloc
+
+    import orjson
+
+    w = EventLogWriter(tmp_path)  # not started: only its store of meta lines is used
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(1_000):
+            meta = {"type": "session_meta", "session": f"s{i}", "upstream": "http://x/v1"}
+            w._remember_meta(f"s{i}", orjson.dumps(meta, option=orjson.OPT_APPEND_NEWLINE))
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 400_000, kept  # ~4.1 MB before
+
+
 def test_events_round_trip_one_object_per_line(log_dir: Path, writers) -> None:
     w = started(writers, log_dir)
     meta = {"ts": 1700000000.5, "type": "session_meta", "session": "s1", "model": "gpt-4o"}

@@ -247,6 +247,46 @@ def test_sessions_past_the_memory_budget_are_forgotten_least_recently_seen_first
     assert reasons == ["memory"] * 3
 
 
+def test_the_budgets_hold_again_once_a_burst_of_requests_in_flight_is_done() -> None:
+    """Sessions with a request in flight are kept past the memory budget and the count; once
+    the burst was done, 8 sessions held 6 times the budget until the next request came (hours
+    on a quiet proxy). The one that left last stays: its client is the likeliest back."""
+    reasons: list[str] = []
+    store = MemorySessionStore(max_bytes=2 * held(100_000), max_sessions=3, on_evict=reasons.append)
+    states = []
+    for i in range(8):
+        state = store.create(f"s{i}", float(i))
+        store.enter(state)
+        store.weigh(state, 100_000)
+        states.append(state)
+    assert len(store) == 8 and store.bytes == 8 * held(100_000)  # all in flight: all kept
+    for i, state in enumerate(states):
+        store.leave(state, 10.0 + i)
+    assert store.bytes <= 2 * held(100_000)
+    assert list(store.active_ids()) == ["s6", "s7"]
+    assert reasons == ["memory"] * 6
+    # the count alone, on a store without a memory budget
+    counted = MemorySessionStore(max_sessions=2, on_evict=reasons.append)
+    burst = []
+    for i in range(5):
+        burst.append(counted.create(f"c{i}", float(i)))
+        counted.enter(burst[-1])
+    for i, state in enumerate(burst):
+        counted.leave(state, 10.0 + i)
+    assert list(counted.active_ids()) == ["c3", "c4"]
+    # a scrape with nothing in flight trims the memory too (forget_idle)
+    scraped = MemorySessionStore(max_bytes=held(100_000))
+    kept = []
+    for i in range(3):
+        kept.append(scraped.create(f"k{i}", float(i)))
+        scraped.enter(kept[-1])
+        scraped.weigh(kept[-1], 100_000)
+    for state in kept:
+        state.requests = 0  # (as if left without the store's leave: an older caller)
+    scraped.forget_idle(20.0)
+    assert scraped.bytes <= held(100_000)
+
+
 def test_a_small_side_request_does_not_hide_the_history_its_session_still_holds() -> None:
     """A title or summary call under the agent's session id: the agent's last history is still
     held (as a base of the log's delta coding, by the body memos), so it still counts."""
