@@ -85,9 +85,10 @@ class _Baseline:
         # what its answer said (its text's digest, its tool call ids): a request that carries
         # it on is of its conversation, whatever it changed before it
         self.answer: _Answer | None = None
-        # the baseline it branched off under another system prompt (``_takes_place``), until
-        # it goes on: if its own next turn changes the prompt again, that one is forgotten
-        self.reprompted_from: _Baseline | None = None
+        # the baseline it branched off under another system prompt (``_takes_place``) and that
+        # one's turns then, until it goes on: if its own next turn changes the prompt again and
+        # that one has not gone on either, that one is forgotten
+        self.reprompted_from: tuple[_Baseline, int] | None = None
 
 
 def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
@@ -552,11 +553,14 @@ class AccountingObserver:
                         # ``chosen``. When ``chosen`` came so itself and went no further, this
                         # is its next turn under a prompt that changes every turn (the open
                         # files in it): the one before it is no one's to come back to.
-                        stale = chosen.reprompted_from
-                        if stale is not None and stale in baselines:
-                            baselines.remove(stale)
+                        origin = chosen.reprompted_from
+                        if origin is not None:
+                            stale, turns = origin
+                            # (one that went on since is a main agent back from its sub-agent)
+                            if stale.turns == turns and stale in baselines:
+                                baselines.remove(stale)
                         chosen.reprompted_from = None
-                        started.reprompted_from = chosen
+                        started.reprompted_from = (chosen, chosen.turns)
                 if not baselines and "opening" not in extra:
                     extra["opening"] = started  # the session's first conversation
                 baselines.insert(0, started)

@@ -19,6 +19,7 @@ no earlier call has id ``t`` it is an *orphan*. Duplicates and orphans follow ``
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -484,6 +485,8 @@ class RepairState:
             system = leading_system_count(self.messages)
             if not system or system == done or leading_system_count(messages) != system:
                 return False
+            if self.marks:  # (a mark moved onto the old system block: repaired afresh)
+                return False
             if not all(map(operator.is_, self.messages[system:], messages[system:done])):
                 return False
         owner_of_id = self.owner_of_id
@@ -566,7 +569,6 @@ def repair_messages_from(
                     mark = message.get("cache_control")
                     if mark is not None:  # a breakpoint: the message before ends that prefix
                         state.marks[i] = mark
-                        action += " (its cache_control moved to the message before)"
                 else:
                     if kept.get("content") is None:  # (a refusal, a legacy function_call)
                         kept["content"] = ""
@@ -595,9 +597,7 @@ def repair_messages_from(
                     "dangling_call", block.index, call_id, f"added a synthetic result for {name}"
                 )
             )
-    # Found message by message, then the dangling calls, in index order (a stable sort).
-    repairs = sorted([*scanned, *state.dangling], key=operator.attrgetter("index"))
-    if not repairs:
+    if not scanned and not state.dangling:
         return PairingResult(messages, []), None
     out = list(state.out)
     marks = state.marks
@@ -606,6 +606,7 @@ def repair_messages_from(
             mark = marks.get(i) if marks else None
             if mark is not None and out and cache_mark(out[-1], "content") is None:
                 out[-1] = {**out[-1], "cache_control": mark}
+                _say_mark_moved(scanned, i)
             continue
         out.append(fixed.get(i, messages[i]))
         own = blocks.get(i)
@@ -618,8 +619,20 @@ def repair_messages_from(
             out.append({"role": "tool", "tool_call_id": call_id, "content": note_text})
     state.messages = tuple(messages)
     state.out = tuple(out)
+    # Found message by message, then the dangling calls, in index order (a stable sort).
+    repairs = sorted([*scanned, *state.dangling], key=operator.attrgetter("index"))
     logger.debug("repaired %d pairing defects in %d messages", len(repairs), len(messages))
     return PairingResult(out, repairs), state
+
+
+def _say_mark_moved(scanned: list[Repair], index: int) -> None:
+    """The repair of removed message ``index`` says its ``cache_control`` mark was moved."""
+    for at in range(len(scanned) - 1, -1, -1):
+        repair = scanned[at]
+        if repair.index == index:
+            moved = " (its cache_control moved to the message before)"
+            scanned[at] = dataclasses.replace(repair, action=repair.action + moved)
+            return
 
 
 def _first_block_at(blocks: dict[int, _Block], start: int) -> int:
@@ -720,16 +733,7 @@ def _pair_result(
         mark = cache_mark(message, "content")
         if mark is not None:  # a breakpoint: the message before ends that prefix
             marks[i] = mark
-        repairs.append(
-            Repair(
-                kind,
-                i,
-                tool_call_id,
-                "dropped"
-                if mark is None
-                else "dropped (its cache_control moved to the message before)",
-            )
-        )
+        repairs.append(Repair(kind, i, tool_call_id, "dropped"))
     else:
         fixed[i] = _downgrade(message, label)
         repairs.append(Repair(kind, i, tool_call_id, "kept as a user message"))

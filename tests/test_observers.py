@@ -749,6 +749,27 @@ def test_a_system_prompt_that_changes_every_turn_does_not_crowd_out_other_conver
     assert ex.cache is not None and (ex.cache["expected"], ex.cache["waste"]) == (3_100, 0)
 
 
+def test_a_main_agent_back_from_its_sub_agent_is_not_forgotten_for_the_sub_agents_prompt() -> None:
+    """A sub-agent under its own prompt that changes every turn: its turns forget the stale
+    copies they leave, but not the main agent's conversation once the main agent went on."""
+    acc = _Accounting()
+    main = [_system("You are the main coding agent. " * 60), *msgs("fix the bug", "looked")]
+    main = [*main, *msgs("go on")]
+    acc.send(main, 9_000, 0)
+    answer = {"role": "assistant", "content": "I'll ask a sub-agent to search for it."}
+    sub = [*main[1:], answer, *msgs("find foo()")]
+    acc.send([_system("Sub-agent. Open files: a.py"), *sub], 8_500, 0)
+    main = [*main, answer, *msgs("meanwhile, read b.py")]
+    ex = acc.send(main, 9_200, 9_000)  # the main agent goes on
+    assert ex.divergence is None
+    sub = [*sub, *msgs("searched", "result")]
+    acc.send([_system("Sub-agent. Open files: a.py, b.py"), *sub], 8_600, 0)
+    main = [*main, *msgs("read it", "now fix it")]
+    ex = acc.send(main, 9_400, 9_200)
+    assert ex.divergence is None
+    assert ex.cache is not None and ex.cache["expected"] == 9_200
+
+
 def test_tools_with_their_properties_reordered_are_logged_again_for_replay() -> None:
     """Equal to Python, other to a provider: a replay of the line must send them as they were
     sent (the order of a schema's properties is the order of the function's parameters)."""

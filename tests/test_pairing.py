@@ -411,6 +411,25 @@ def test_an_empty_assistant_messages_cache_mark_goes_on_the_message_before_it() 
     assert again.messages[-2] == {**asst(content="ok"), "cache_control": mark}
 
 
+def test_a_moved_mark_is_said_only_where_it_moved_and_kept_under_a_new_system_prompt() -> None:
+    """The repair said the mark moved where the message before kept its own (the removed one's
+    was dropped); resumed under a system prompt with a new time, the mark moved onto the old
+    prompt was lost (a fresh repair of the same messages kept it)."""
+    mark, own = {"type": "ephemeral"}, {"type": "ephemeral", "ttl": "1h"}
+    bare = {"role": "assistant", "content": "", "tool_calls": [], "cache_control": mark}
+    result = repair_messages([{**user("go"), "cache_control": own}, bare, user("again")])
+    (repair,) = result.repairs
+    assert repair.action == "removed an assistant message with nothing but an empty tool_calls"
+    # right after the system block: the mark goes on the system message, and stays there when
+    # the next turn comes under a new time
+    first = [{"role": "system", "content": "time 10:00"}, bare, user("go")]
+    _, state = repair_messages_from(first, None)
+    later = [{"role": "system", "content": "time 10:01"}, *first[1:], asst(content="ok")]
+    resumed, _ = repair_messages_from(later, state)
+    assert resumed.messages == repair_messages(later).messages
+    assert resumed.messages[0] == {"role": "system", "content": "time 10:01", "cache_control": mark}
+
+
 def test_a_dropped_orphans_cache_mark_goes_on_the_message_before_it() -> None:
     """``orphan_policy = "drop"`` took a marked orphan's breakpoint with it (a Claude-style client
     that marks its latest message then asked nothing of the cache)."""

@@ -410,6 +410,32 @@ def test_anthropic_compat_keeps_a_one_hour_breakpoints_prefix_for_an_hour(
     assert usage_of(anthropic, [chat[0], _marked(chat[1])])["cache_read_input_tokens"] == 0
 
 
+def test_a_one_hour_breakpoint_after_a_five_minute_one_or_under_the_minimum_is_five_minutes(
+    anthropic: RunningSimulator,
+) -> None:
+    """Claude takes one-hour breakpoints only before five-minute ones, and caches no prefix
+    under its minimum: the simulator kept such prefixes an hour and reported them (and so had
+    them priced) as one-hour writes."""
+    big = long_chat(1100)
+    five = {"type": "ephemeral"}
+    hour = {"type": "ephemeral", "ttl": "1h"}
+    after = [
+        {**big[0], "cache_control": five},
+        {**big[1], "cache_control": hour},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": words(1200), "cache_control": hour},
+    ]
+    usage = usage_of(anthropic, after)
+    assert usage["cache_creation_input_tokens"] > 0 and "cache_creation" not in usage
+    anthropic.sim.reset()
+    short = [
+        {"role": "system", "content": words(150), "cache_control": hour},  # under 1,024 tokens
+        {"role": "user", "content": words(2300), "cache_control": five},
+    ]
+    usage = usage_of(anthropic, short)
+    assert usage["cache_creation_input_tokens"] > 0 and "cache_creation" not in usage
+
+
 def test_a_gateway_that_marks_for_its_clients_leaves_a_clients_own_marks_as_they_are() -> None:
     """``cache_unmarked`` cached every request whole: a client that marks only its system prompt
     read its whole history, where a gateway marks only requests that carry no mark."""

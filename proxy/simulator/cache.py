@@ -124,7 +124,8 @@ class PrefixCache:
         block = self.policy.block
         read = self.policy.round(matched * block)
         cacheable = self.policy.round(len(hashes) * block)
-        long_blocks = min(long_limit, cacheable) // block
+        # (a breakpoint under the minimum caches nothing: Claude's, as any)
+        long_blocks = self.policy.round(min(long_limit, cacheable)) // block
         expires = self._expires
         for at, digest in enumerate(hashes[: cacheable // block]):
             until = now + (LONG_TTL_S if at < long_blocks else self.ttl_s)

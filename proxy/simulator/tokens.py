@@ -104,6 +104,7 @@ def marked_request_tokens(body: Mapping[str, Any]) -> tuple[list[bytes], int, in
     of the tools, on a content part at the end of its message."""
     out: list[bytes] = []
     marked = hour = 0
+    short = False  # a five-minute breakpoint seen: Claude takes no one-hour one after it
     tools = body.get("tools")
     if tools:
         out += tokenize(tools_json(tools).decode())
@@ -113,20 +114,22 @@ def marked_request_tokens(body: Mapping[str, Any]) -> tuple[list[bytes], int, in
                 marked = len(out)
             if any(_hour(m) for m in marks):
                 hour = len(out)
+            short = any(m is not None and not _hour(m) for m in marks)
     for message in body.get("messages") or ():
         if isinstance(message, Mapping):
             out += message_tokens(message)
             mark = cache_mark(message, "content")
             if mark is not None:
                 marked = len(out)
-                if _hour(mark) or _hour_in_parts(message):
+                if (_hour(mark) or _hour_in_parts(message)) and not short:
                     hour = len(out)
+                short = short or not _hour(mark)
         else:
             out += tokenize(_as_text(message))
     request_mark = body.get("cache_control")
     if request_mark is not None:  # automatic caching: up to the end
         marked = len(out)
-        if _hour(request_mark):
+        if _hour(request_mark) and not short:
             hour = len(out)
     return out, marked, hour
 
