@@ -298,8 +298,12 @@ class Gateway:
         if sid is not None:
             ex.session_id = sid
             extra.append((b"x-cachegate-session", sid.encode()))
+        # A browser's CORS preflight carries no key, and asks for none: none is added to it
+        preflight = scope["method"] == "OPTIONS" and "access-control-request-method" in headers
         try:
-            forward_headers = upstream_request_headers(request_headers(scope), self.api_key())
+            forward_headers = upstream_request_headers(
+                request_headers(scope), None if preflight else self.api_key()
+            )
         except ProxyError as err:
             await self.refuse(scope, send, "passthrough", err)
             return

@@ -739,6 +739,24 @@ def test_authorization_forwarded_unchanged_or_added_from_env(
     assert auth == [b"Bearer sk-client", b"Bearer sk-from-env"]
 
 
+def test_a_browsers_cors_preflight_is_relayed_without_the_servers_key(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A preflight carries no key and asks for none: the server's key was added to it as to any
+    request without one. A plain OPTIONS request still gets it."""
+    upstream, url = scripted(chunks=[b""], content_type=b"text/plain")
+    proxy = proxy_factory(url, environ={"OPENAI_API_KEY": "sk-from-env"})
+    preflight = {
+        "Origin": "http://localhost:3000",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
+    httpx.request("OPTIONS", proxy.base_url + "/responses", headers=preflight)
+    httpx.request("OPTIONS", proxy.base_url + "/responses")
+    auth = [dict(r["headers"]).get(b"authorization") for r in upstream.requests]
+    assert auth == [None, b"Bearer sk-from-env"]
+
+
 def test_the_placeholder_key_cachegate_stands_for_the_configured_key(
     scripted: Any, proxy_factory: Any
 ) -> None:
