@@ -188,7 +188,7 @@ class Gateway:
                 self.observers,
                 self.sessions,
                 log_dir=self.settings.logging.dir if logging_on else None,
-                flush_log=self.writer.flush if self.writer is not None else None,
+                flush_log=self.writer.flush_session if self.writer is not None else None,
             )
         self.chat = ChatPipeline(
             self.settings,

@@ -144,7 +144,7 @@ class Compactor:
         observers: list[Observer],
         sessions: SessionStore | None = None,
         log_dir: str | None = None,
-        flush_log: Callable[[float], bool] | None = None,
+        flush_log: Callable[[str, float], bool] | None = None,
     ) -> None:
         self.settings = settings
         self.relay = relay
@@ -153,9 +153,9 @@ class Compactor:
         # The event log's directory: a session cachegate forgot (a restart, an eviction) takes
         # up the compactions its log records (``_restore``) rather than pay for new summaries.
         self.log_dir = log_dir
-        # Waits (up to the seconds given) until the lines emitted so far are in the log: a
-        # session forgotten for the count or the memory budget comes back at once, its
-        # compaction's line still queued (the writer writes every 50 ms).
+        # Waits (up to the seconds given) until the lines of a session emitted so far are in
+        # its log: a session forgotten for the count or the memory budget comes back at once,
+        # its compaction's line still queued (the writer writes every 50 ms).
         self.flush_log = flush_log
         # Per model name, its configured entry: looked up once (a snapshot's name scans them all).
         self._models: dict[str | None, ModelSettings] = {}
@@ -467,7 +467,7 @@ class Compactor:
         try:
             path = session_log_path(log_dir, state.id)
             if self.flush_log is not None:
-                await asyncio.to_thread(self.flush_log, _FLUSH_WAIT_S)
+                await asyncio.to_thread(self.flush_log, state.id, _FLUSH_WAIT_S)
             logged = await asyncio.to_thread(logged_compactions, path, MAX_COMPACTIONS)
         except (OSError, ValueError, NotALogFile):  # (no log yet: a new session)
             return False

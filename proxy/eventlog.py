@@ -181,6 +181,7 @@ class EventLogWriter:
         # A deque and an Event rather than queue.Queue: emitting on the event loop then costs an
         # append, and the writer is woken only when it sleeps (no lock and notify per event).
         self._items: deque[Any] = deque()
+        self._in_hand: dict[str, list[bytes]] = {}  # the batch being written, by session
         self._max_queue = max_queue
         self._valid_ids: set[str] = set()  # ids emit() has checked (a set lookup, not a regex)
         self._wake = threading.Event()
@@ -301,6 +302,16 @@ class EventLogWriter:
         marker = _Flush()
         self._put_control(marker)
         return marker.done.wait(timeout)
+
+    def flush_session(self, session_id: str, timeout: float = 5.0) -> bool:
+        """``flush``, when lines of ``session_id`` are queued or being written (else at once:
+        True). For a reader of that session's file (compactions read back), which should not
+        wait for the lines of every other session under load."""
+        if self._in_hand.get(session_id) or any(
+            type(item) is tuple and item[0] == session_id for item in list(self._items)
+        ):
+            return self.flush(timeout)
+        return True
 
     def close(self, timeout: float = 5.0) -> bool:
         """Stop accepting events, write what is queued, sync and close files; False on timeout."""
@@ -433,6 +444,7 @@ class EventLogWriter:
                 # its lines (in order), not one system call per event. fsync "line": one at a time.
                 batch: dict[str, list[bytes]] = {}
                 in_hand = batch  # what a crash below would lose, to be counted
+                self._in_hand = batch  # (``flush_session``: lines cleared once written)
                 made: list[_Made] = []  # what the secret scan may have to redact
                 # Meta lines not written (the file, an earlier process's, has its own): kept
                 # all the same, to begin the file anew should it go (removed, rotated).

