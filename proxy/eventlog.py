@@ -181,7 +181,9 @@ class EventLogWriter:
         # A deque and an Event rather than queue.Queue: emitting on the event loop then costs an
         # append, and the writer is woken only when it sleeps (no lock and notify per event).
         self._items: deque[Any] = deque()
-        self._in_hand: dict[str, list[bytes]] = {}  # the batch being written, by session
+        # Set while the writer thread takes events off the queue and writes them (an event it
+        # took is in neither the queue nor a file meanwhile: ``flush_session``)
+        self._writing = False
         self._max_queue = max_queue
         self._valid_ids: set[str] = set()  # ids emit() has checked (a set lookup, not a regex)
         self._wake = threading.Event()
@@ -307,9 +309,11 @@ class EventLogWriter:
         """``flush``, when lines of ``session_id`` are queued or being written (else at once:
         True). For a reader of that session's file (compactions read back), which should not
         wait for the lines of every other session under load."""
-        if self._in_hand.get(session_id) or any(
-            type(item) is tuple and item[0] == session_id for item in list(self._items)
-        ):
+        # The queue first, then the writer's hands: a line taken off the queue after the look
+        # is in its hands until it is written (a line that is in neither was written)
+        if any(type(item) is tuple and item[0] == session_id for item in list(self._items)):
+            return self.flush(timeout)
+        if self._writing:
             return self.flush(timeout)
         return True
 
@@ -433,18 +437,19 @@ class EventLogWriter:
                 # Before every batch, a stat: is the log directory still the one written
                 # into? (lines to files in a directory removed meanwhile go nowhere)
                 self._check_dir()
+                self._writing = True
                 item = self._items.popleft()
                 if item is _STOP:
                     self._tell_lost()
                     break
                 if isinstance(item, _Flush):
+                    self._writing = False
                     item.done.set()
                     continue
                 # The events queued now, up to a control item: one write per session for all of
                 # its lines (in order), not one system call per event. fsync "line": one at a time.
                 batch: dict[str, list[bytes]] = {}
                 in_hand = batch  # what a crash below would lose, to be counted
-                self._in_hand = batch  # (``flush_session``: lines cleared once written)
                 made: list[_Made] = []  # what the secret scan may have to redact
                 # Meta lines not written (the file, an earlier process's, has its own): kept
                 # all the same, to begin the file anew should it go (removed, rotated).
@@ -484,6 +489,7 @@ class EventLogWriter:
                             self._remember_meta(session_id, lines[0])
                         self._write_lines(session_id, lines)
                         lines.clear()  # written: no longer in hand
+                self._writing = False
                 if (
                     self.fsync == "interval"
                     and time.monotonic() - self._last_sync >= self.fsync_interval_s

@@ -66,6 +66,7 @@ class _Baseline:
         "prompt",
         "ready_at",
         "reprompted_from",
+        "reprompts",
         "superseded",
         "turns",
     )
@@ -90,6 +91,9 @@ class _Baseline:
         # one's turns then, until it goes on: if its own next turn changes the prompt again and
         # that one has not gone on either, that one is forgotten
         self.reprompted_from: tuple[_Baseline, int] | None = None
+        # how many baselines kept beside one another under new prompts, each gone no further
+        # since, lead to it from one that came otherwise (0: it came otherwise, or went on)
+        self.reprompts = 0
         # a stale copy, by the look of it (``reprompted_from``): the first to be forgotten
         self.superseded = False
 
@@ -544,6 +548,7 @@ class AccountingObserver:
                     chosen.turns += 1
                     chosen.reprompted_from = None
                     chosen.superseded = False
+                    chosen.reprompts = 0
                     _to_front(baselines, chosen)
             else:
                 # A new conversation, or a branch: another conversation that opens alike (two
@@ -573,11 +578,19 @@ class AccountingObserver:
                         if origin is not None:
                             stale, turns = origin
                             # (one that went on since is a main agent back from its sub-agent;
-                            # one that did not may be one waiting for it: kept, first to go)
+                            # one that did not may be one waiting for it: the first two of such
+                            # a run are kept, the first to go past 32 (a main agent may follow a
+                            # title request, under its own prompt); the later ones are copies
+                            # of an agent whose prompt changes every turn, forgotten at once)
                             if stale.turns == turns:
-                                stale.superseded = True
+                                if stale.reprompts >= 2 and stale is not extra.get("opening"):
+                                    if stale in baselines:
+                                        baselines.remove(stale)
+                                else:
+                                    stale.superseded = True
                         chosen.reprompted_from = None
                         started.reprompted_from = (chosen, chosen.turns)
+                        started.reprompts = chosen.reprompts + 1
                 if not baselines and "opening" not in extra:
                     extra["opening"] = started  # the session's first conversation
                 baselines.insert(0, started)

@@ -96,6 +96,31 @@ def test_a_sessions_flush_waits_only_when_that_session_has_lines_queued(
     assert (tmp_path / "busy.jsonl").read_bytes().count(b"\n") == 1
 
 
+def test_a_sessions_flush_waits_for_a_line_the_writer_has_taken_but_not_written(
+    tmp_path: Path, writers: list[EventLogWriter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A line taken off the queue and not yet written is in neither the queue nor the file: the
+    look at the queue missed it, and the compaction line read back was not there."""
+    import threading
+
+    inside, release = threading.Event(), threading.Event()
+    serialize = EventLogWriter._serialize
+
+    def held(self: EventLogWriter, ts: float, event: Any) -> Any:
+        if isinstance(event, dict) and event.get("type") == "compacted":
+            inside.set()
+            release.wait(5)
+        return serialize(self, ts, event)
+
+    monkeypatch.setattr(EventLogWriter, "_serialize", held)
+    w = started(writers, tmp_path)
+    w.emit("s", {"type": "compacted", "exchange": 1})
+    assert inside.wait(5)  # the writer holds the line
+    threading.Timer(0.2, release.set).start()
+    assert w.flush_session("s", 3.0)
+    assert b"compacted" in (tmp_path / "s.jsonl").read_bytes()
+
+
 def test_a_kept_meta_line_costs_its_own_size(tmp_path: Path) -> None:
     """The meta lines kept for sessions whose files may be made again (4,096 of them) held
     orjson's whole 4 KiB buffer each: ~16 MiB outside the memory budget, for ~100-byte lines."""

@@ -742,6 +742,9 @@ def test_a_system_prompt_that_changes_every_turn_does_not_crowd_out_other_conver
         if turn:
             assert ex.divergence is not None and ex.divergence["location"] == "system"
         history = [*history, *msgs(f"edited f{turn}", f"go on {turn}")]
+    # (the sub-agent's; the agent's first two turns, kept as a main agent may wait on one of
+    # them, and its latest two: not a copy a turn)
+    assert len(acc.state.extra["baselines"]) <= 5
     sub = [*sub, *msgs("read that too", "and the last")]
     ex = acc.send(sub, 3_200, 3_100)
     assert ex.divergence is None
@@ -788,6 +791,19 @@ def test_a_main_agent_waiting_for_a_sub_agent_whose_prompt_changes_keeps_its_tur
     ex = acc.send(back, 9_200, 9_000)
     assert ex.divergence is None
     assert ex.cache is not None and (ex.cache["expected"], ex.cache["waste"]) == (9_000, 0)
+    # a long sub-agent, and a main agent that is not the session's first conversation (a title
+    # request came first): kept past CONVERSATIONS_KEPT of the sub-agent's turns
+    acc = _Accounting()
+    acc.send([_system("Write a title."), *msgs("fix the bug")], 50, 0)
+    acc.send(main, 9_000, 0)
+    sub = [*main[1:], answer, *msgs("find foo()")]
+    for turn in range(CONVERSATIONS_KEPT + 8):
+        prompt = _system("You search a repository. " * 40 + f"Open files: f{turn}.py")
+        acc.send([prompt, *sub], 8_500 + 10 * turn, 0)
+        sub = [*sub, *msgs(f"searched {turn}", f"result {turn}")]
+    ex = acc.send(back, 9_200, 9_000)
+    assert ex.divergence is None
+    assert ex.cache is not None and ex.cache["expected"] == 9_000
 
 
 def test_tools_with_their_properties_reordered_are_logged_again_for_replay() -> None:
