@@ -89,7 +89,7 @@ class _Baseline:
         self.answer: _Answer | None = None
         # the baseline it branched off under another system prompt (``_takes_place``) and that
         # one's turns then, until it goes on: if its own next turn changes the prompt again and
-        # that one has not gone on either, that one is forgotten
+        # that one has not gone on either, that one is superseded (or, a copy, forgotten)
         self.reprompted_from: tuple[_Baseline, int] | None = None
         # how many baselines kept beside one another under new prompts, each gone no further
         # since, lead to it from one that came otherwise (0: it came otherwise, or went on)
@@ -104,8 +104,8 @@ def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
     first (``opening``: the main agent's, which may fan out sub-agents from its first turn),
     else the least recently seen. A fan-out of one-shot sub-agents evicted the main agent's own,
     whose next turn then read as a new conversation, its miss unreported. Before those, the
-    least recently seen of those superseded: an earlier turn of an agent whose system prompt
-    changes every turn (or a main agent waiting for its sub-agent: kept as long as may be)."""
+    least recently seen of those superseded: an early turn of an agent whose system prompt
+    changes every turn (or a main agent waiting for its sub-agent)."""
     while len(baselines) > CONVERSATIONS_KEPT:
         victim = next(
             (
