@@ -645,6 +645,14 @@ def test_agents_that_open_alike_under_their_own_prompts_go_on_each_with_its_own(
     assert acc.metrics.prefix_rewrites.child("system")[0] == agents - 1
 
 
+def _main_turn_and_answer(acc: _Accounting) -> tuple[list[Message], Message]:
+    """A main agent's turn of 9,000 tokens, sent, and the answer that hands off to a sub-agent."""
+    main = [_system("You are the main coding agent. " * 60), *msgs("fix the bug", "looked")]
+    main = [*main, *msgs("go on")]
+    acc.send(main, 9_000, 0)
+    return main, {"role": "assistant", "content": "I'll ask a sub-agent to search for it."}
+
+
 def test_a_sub_agent_under_its_own_prompt_given_the_history_leaves_the_main_agents_turn() -> None:
     """A sub-agent under its own system prompt, given a copy of the main agent's history and its
     last answer, took the main agent's place (its messages carry the main agent's on, under a
@@ -652,10 +660,7 @@ def test_a_sub_agent_under_its_own_prompt_given_the_history_leaves_the_main_agen
     as a rewrite of its system prompt, and on a miss charged only the tools' share (the
     system prompt differed from the first token on)."""
     acc = _Accounting()
-    main = [_system("You are the main coding agent. " * 60), *msgs("fix the bug", "looked")]
-    main = [*main, *msgs("go on")]
-    acc.send(main, 9_000, 0)
-    answer = {"role": "assistant", "content": "I'll ask a sub-agent to search for it."}
+    main, answer = _main_turn_and_answer(acc)
     sub = [_system("You search a repository. " * 40), *main[1:], answer, *msgs("find foo()")]
     first_sub = acc.send(sub, 8_500, 0)
     assert first_sub.divergence is not None  # (its own prompt: nothing of it could be read)
@@ -755,10 +760,7 @@ def test_a_main_agent_back_from_its_sub_agent_is_not_forgotten_for_the_sub_agent
     """A sub-agent under its own prompt that changes every turn: its turns forget the stale
     copies they leave, but not the main agent's conversation once the main agent went on."""
     acc = _Accounting()
-    main = [_system("You are the main coding agent. " * 60), *msgs("fix the bug", "looked")]
-    main = [*main, *msgs("go on")]
-    acc.send(main, 9_000, 0)
-    answer = {"role": "assistant", "content": "I'll ask a sub-agent to search for it."}
+    main, answer = _main_turn_and_answer(acc)
     sub = [*main[1:], answer, *msgs("find foo()")]
     acc.send([_system("Sub-agent. Open files: a.py"), *sub], 8_500, 0)
     main = [*main, answer, *msgs("meanwhile, read b.py")]
@@ -778,10 +780,7 @@ def test_a_main_agent_waiting_for_a_sub_agent_whose_prompt_changes_keeps_its_tur
     stale copy of an agent changing its prompt, and forgotten: its next turn read as a system
     rewrite of the sub-agent's, with the wrong share expected."""
     acc = _Accounting()
-    main = [_system("You are the main coding agent. " * 60), *msgs("fix the bug", "looked")]
-    main = [*main, *msgs("go on")]
-    acc.send(main, 9_000, 0)
-    answer = {"role": "assistant", "content": "I'll ask a sub-agent to search for it."}
+    main, answer = _main_turn_and_answer(acc)
     sub = [*main[1:], answer, *msgs("find foo()")]
     for turn in range(4):
         prompt = _system("You search a repository. " * 40 + f"Open files: f{turn}.py")
