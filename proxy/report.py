@@ -849,25 +849,21 @@ def render_cost(report: CostReport) -> str:
         pairs.append(("lines lost", f"{report.lost} (the figures may miss exchanges)"))
     width = max(len(label) for label, _ in pairs)
     lines = [f"{label.ljust(width)}  {value}" for label, value in pairs]
-    for model, count in report.unpriced.items():
-        lines.append(
-            f"{count} exchange{'s' if count > 1 else ''} on {_model(model)} counted as $0: its"
-            " prices are 0 (unless it is free, set price_input and price_output in its [models]"
-            " table)"
-        )
-    for model, count in report.unpriced_summaries.items():
-        lines.append(
-            f"{count} compaction summar{'ies' if count > 1 else 'y'} on {_model(model)} counted"
-            " as $0: its prices are 0 (unless it is free, set price_input and price_output in"
-            " its [models] table)"
-        )
+    for what, unpriced in (
+        (("exchange", "exchanges"), report.unpriced),
+        (("compaction summary", "compaction summaries"), report.unpriced_summaries),
+    ):
+        for model, count in unpriced.items():
+            lines.append(
+                f"{count} {what[count > 1]} on {_model(model)} counted as $0: its prices are 0"
+                " (unless it is free, set price_input and price_output in its [models] table)"
+            )
     if report.no_usage:
         many = report.no_usage > 1
         lines.append(
             f"{report.no_usage} exchange{'s' if many else ''} reported no usage (the client left"
-            f" before it, or a provider that gives none): not counted, though the provider may"
-            f" have billed"
-            f" {'them' if many else 'it'}"
+            " before it, or a provider that gives none): not counted, though the provider may"
+            f" have billed {'them' if many else 'it'}"
         )
     return "\n".join(lines)
 

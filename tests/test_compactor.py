@@ -141,6 +141,23 @@ def test_history_over_the_trigger_is_compacted_and_stays_sticky(
     assert proxy.metric("cachegate_compactions_total", {"model": MODEL, "result": "reused"}) == 2
 
 
+def next_turn_reuses_the_summary(
+    sim: RunningSimulator, client: Any, msgs: list[dict[str, Any]], forwarded: list[Any]
+) -> Any:
+    """Send session "long"'s next turn after ``msgs``: it goes out with the summary it went out
+    with before (``forwarded``), byte for byte, and no summary call. Returns the raw response."""
+    turn = [*msgs, {"role": "assistant", "content": "step"}, {"role": "user", "content": "go"}]
+    sent = len(sim.sim.requests)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=turn, extra_headers={"X-Session-Id": "long"}
+    )
+    assert len(sim.sim.requests) == sent + 1  # no summary call
+    assert raw.headers["x-cachegate-compacted"] == "1"
+    now = sim.sim.requests[-1].body["messages"]
+    assert orjson.dumps(now[: len(forwarded)]) == orjson.dumps(forwarded)
+    return raw
+
+
 def test_a_restarted_cachegate_takes_up_the_compaction_its_log_records(
     sim: RunningSimulator, sdk: Any, tmp_path: Path
 ) -> None:
@@ -177,15 +194,7 @@ def test_a_restarted_cachegate_takes_up_the_compaction_its_log_records(
         assert len(sim.sim.requests) == sent + 2  # the summary call, then the request
         assert "another summary" in sim.sim.requests[-1].body["messages"][1]["content"]
 
-        turn = [*msgs, {"role": "assistant", "content": "step"}, {"role": "user", "content": "go"}]
-        sent = len(sim.sim.requests)
-        raw = c.chat.completions.with_raw_response.create(
-            model=MODEL, messages=turn, extra_headers={"X-Session-Id": "long"}
-        )
-        assert len(sim.sim.requests) == sent + 1  # no summary call
-        assert raw.headers["x-cachegate-compacted"] == "1"
-        now = sim.sim.requests[-1].body["messages"]
-        assert orjson.dumps(now[: len(forwarded)]) == orjson.dumps(forwarded)
+        raw = next_turn_reuses_the_summary(sim, c, msgs, forwarded)
         usage = raw.parse().usage
         assert usage is not None and usage.prompt_tokens_details is not None
         assert usage.prompt_tokens_details.cached_tokens >= 1024  # the cache, across the restart
@@ -222,15 +231,7 @@ def test_a_session_forgotten_for_the_count_and_back_at_once_takes_up_its_compact
     c.chat.completions.create(  # another session: "long" is forgotten (max_sessions 1)
         model=MODEL, messages=history(2), extra_headers={"X-Session-Id": "other"}
     )
-    turn = [*msgs, {"role": "assistant", "content": "step"}, {"role": "user", "content": "go"}]
-    sent = len(sim.sim.requests)
-    raw = c.chat.completions.with_raw_response.create(
-        model=MODEL, messages=turn, extra_headers={"X-Session-Id": "long"}
-    )
-    assert len(sim.sim.requests) == sent + 1  # no summary call
-    assert raw.headers["x-cachegate-compacted"] == "1"
-    now = sim.sim.requests[-1].body["messages"]
-    assert orjson.dumps(now[: len(forwarded)]) == orjson.dumps(forwarded)
+    next_turn_reuses_the_summary(sim, c, msgs, forwarded)
 
 
 def test_after_a_restart_a_history_the_estimate_puts_under_the_trigger_keeps_its_summary(

@@ -97,6 +97,12 @@ def run(coro: Awaitable[Any]) -> Any:
     return asyncio.run(coro)  # type: ignore[arg-type]
 
 
+async def answers_ok(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+    """A ``Server`` handler that answers every request ``ok`` on a kept-alive connection."""
+    w.write(answer(b"ok"))
+    return True
+
+
 async def endless_upload() -> AsyncIterator[bytes]:
     """An upload that never ends, in 64 KiB pieces (for upstreams that stop reading it)."""
     while True:
@@ -539,12 +545,8 @@ def test_a_body_left_unread_closes_the_connection_instead_of_reusing_it() -> Non
 
 
 def test_the_connection_limit_queues_requests_and_times_out() -> None:
-    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
-        w.write(answer(b"ok"))
-        return True
-
     async def main() -> None:
-        async with Server(handler) as srv:
+        async with Server(answers_ok) as srv:
             pool = UpstreamPool(max_connections=1, pool_timeout=0.2)
             held = await pool.open("GET", srv.url + "/", [], b"")
             with pytest.raises(httpx.PoolTimeout, match=r"all 1 upstream connections"):
@@ -565,12 +567,8 @@ def test_a_request_woken_without_a_slot_waits_no_longer_than_the_pool_timeout_in
     full ``pool_timeout`` anew each time (3.6 s for a 2 s ``upstream.timeout_s``, a reviewer's
     run), where the README promises the 503 after ``upstream.timeout_s``."""
 
-    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
-        w.write(answer(b"ok"))
-        return True
-
     async def main() -> None:
-        async with Server(handler) as srv:
+        async with Server(answers_ok) as srv:
             pool = UpstreamPool(max_connections=1, pool_timeout=1.0)
             held = await pool.open("GET", srv.url + "/", [], b"")
             t0 = time.monotonic()
@@ -591,12 +589,8 @@ def test_a_request_woken_for_a_slot_another_took_stays_first_in_line() -> None:
     """Woken, it went to the back of the queue: with one wait in all, the earliest request was
     the likeliest to get the 503."""
 
-    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
-        w.write(answer(b"ok"))
-        return True
-
     async def main() -> None:
-        async with Server(handler) as srv:
+        async with Server(answers_ok) as srv:
             pool = UpstreamPool(max_connections=1, pool_timeout=5.0)
             held = await pool.open("GET", srv.url + "/", [], b"")
             first = asyncio.create_task(pool.open("GET", srv.url + "/", [], b""))
@@ -702,12 +696,8 @@ def test_an_answer_before_the_whole_upload_retires_the_connection() -> None:
 
 
 def test_a_slot_handed_to_a_request_that_leaves_passes_to_the_next() -> None:
-    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
-        w.write(answer(b"ok"))
-        return True
-
     async def main() -> None:
-        async with Server(handler) as srv:
+        async with Server(answers_ok) as srv:
             pool = UpstreamPool(max_connections=1, pool_timeout=3)
             held = await pool.open("GET", srv.url + "/", [], b"")
             first = asyncio.create_task(pool.open("GET", srv.url + "/", [], b""))
