@@ -680,10 +680,11 @@ class MemorySessionStore:
     def forget_idle(self, now: float) -> None:
         """Forget the sessions idle for longer than ``idle_ttl_s`` now, as the next request would
         (a scrape calls it, so the sessions gauges fall once agents stop), and those past the
-        memory budget."""
+        memory budget but the one seen last (as ``leave`` keeps it: its client is the
+        likeliest back, and the others' requests in flight hold what is over)."""
         self._evict(now)
         if self.max_bytes and self._bytes > self.max_bytes:
-            self._trim(now, None)
+            self._trim(now, next(reversed(self._sessions.values()), None))
 
     def _evict(self, now: float, keep: SessionState | None = None) -> None:
         """Forget the idle sessions, then the least recently seen past ``max_sessions`` (none a

@@ -285,6 +285,18 @@ def test_the_budgets_hold_again_once_a_burst_of_requests_in_flight_is_done() -> 
         state.requests = 0  # (as if left without the store's leave: an older caller)
     scraped.forget_idle(20.0)
     assert scraped.bytes <= held(100_000)
+    # ...but not the session that finished last, when what is over is held by requests still
+    # in flight (as ``leave`` keeps it; the scrape forgot it, the next turn of an agent at work)
+    busy = MemorySessionStore(max_bytes=held(100_000))
+    working = busy.create("working", 0.0)
+    busy.enter(working)
+    busy.weigh(working, 200_000)
+    done = busy.create("done", 1.0)
+    busy.enter(done)
+    busy.weigh(done, 1_000)
+    busy.leave(done, 2.0)
+    busy.forget_idle(3.0)
+    assert list(busy.active_ids()) == ["working", "done"]
 
 
 def test_a_small_side_request_does_not_hide_the_history_its_session_still_holds() -> None:
