@@ -755,6 +755,20 @@ class AccountingObserver:
                 if prefix.shared_links(other.fp, fp) == len(other.fp.chain):
                     return other, True, None
         if (
+            divergence is not None
+            and divergence.location == "messages"
+            and not divergence.volatile
+            and not prefix.same_opening(top.fp, fp)
+        ):
+            # It opens otherwise than the closest: one that opens as it does is of its own
+            # conversation, where the closest may share only a message anyone says (two agents
+            # under one session and one prompt, the time in it, that both answered "ok": the
+            # second one's turn was blamed on its own task, the first one's).
+            for other in ranked[1:]:
+                if prefix.same_opening(other.fp, fp) and prefix.same_conversation(other.fp, fp):
+                    found = prefix.find_divergence(other.fp, fp, other.body, body, self.secrets)
+                    return other, True, found
+        if (
             divergence is None
             # (a volatile token in a message: the only message of a first turn, dated; one in
             # the system prompt says nothing of the messages: another agent's under the same

@@ -715,6 +715,13 @@ def same_conversation(old: Fingerprint, new: Fingerprint) -> bool:
     return any(digest in held for digest in new_messages)
 
 
+def same_opening(old: Fingerprint, new: Fingerprint) -> bool:
+    """Whether both open their messages, past the system block, with the same one."""
+    old_messages = old.message_digests[old.system_count :]
+    new_messages = new.message_digests[new.system_count :]
+    return bool(old_messages and new_messages) and old_messages[0] == new_messages[0]
+
+
 def retimed_messages(old_body: Mapping[str, Any], new_body: Mapping[str, Any]) -> bool:
     """Whether the messages of ``new_body`` past its system block are those of ``old_body``, as
     many, each the same or differing in a volatile token alone (a first turn sent again with

@@ -883,6 +883,23 @@ def test_two_agents_under_one_timed_system_prompt_are_each_compared_with_their_o
         a, b = [*a, *msgs(f"a{turn}", f"more A {turn}")], [*b, *msgs(f"b{turn}", f"more B {turn}")]
 
 
+def test_two_agents_that_both_answered_ok_are_not_one_conversation() -> None:
+    """The same two agents, each history holding one answer alike ("ok"): B's turn after the
+    time changed was compared with A's (the shared "ok" made it of A's conversation) and its
+    own task blamed as rewritten, where the time in the prompt was the cause."""
+    acc = _Accounting()
+    prompt = "You are a coding agent. Current time: 2026-12-02T10:{:02d}:00Z."
+    a = msgs("task A: fix the parser " + "in detail " * 40, "ok", "go on with A")
+    b = msgs("task B: write the docs " + "of each flag " * 40, "ok", "go on with B")
+    acc.send([_system(prompt.format(0)), *a], 8_000, 0)
+    acc.send([_system(prompt.format(0)), *b], 6_000, 0)
+    acc.send([_system(prompt.format(1)), *a, *msgs("a1", "more A")], 8_100, 0)
+    ex = acc.send([_system(prompt.format(1)), *b, *msgs("b1", "more B")], 6_100, 0)
+    assert ex.divergence is not None
+    assert (ex.divergence["location"], ex.divergence["volatile"]) == ("system", True)
+    assert ex.cache is not None and (ex.cache["expected"], ex.cache["waste"]) == (6_000, 6_000)
+
+
 def test_a_first_turn_sent_again_with_the_time_in_it_twice_is_a_rewrite() -> None:
     """The time in the system prompt and in the only message (an agent's environment details):
     sent again a minute later, nothing could be read, and the miss is waste; taken for another
