@@ -21,14 +21,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
-import orjson
-
 from proxy.prefix import (
     canonical_json,
     canonical_message,
     leading_run,
     leading_system_count,
     same_as_sent,
+    same_json,
 )
 
 log = logging.getLogger(__name__)
@@ -196,7 +195,7 @@ def shared_prefix(old: Sequence[Any], new: Sequence[Any]) -> int:
     # changed): two serializations, not two sorted ones per message.
     if n - i > 1 and same_as_sent(old[i:n], new[i:n]):
         return n
-    while i < n and (old[i] is new[i] or _same_json(old[i], new[i])):
+    while i < n and (old[i] is new[i] or same_json(old[i], new[i])):
         i += 1
     return i
 
@@ -227,12 +226,12 @@ def realigned(old: Sequence[Any], new: Sequence[Any], shared: int) -> tuple[int,
     last = old[-1]
     best, at = aligned, -1
     for e in range(len(new) - 1, max(start, len(new) - REALIGN_PROBES) - 1, -1):
-        if new[e] is last or _same_json(new[e], last):
+        if new[e] is last or same_json(new[e], last):
             n = 1
             while (
                 e - n >= start
                 and len(old) - 1 - n >= since
-                and (new[e - n] is old[-1 - n] or _same_json(new[e - n], old[-1 - n]))
+                and (new[e - n] is old[-1 - n] or same_json(new[e - n], old[-1 - n]))
             ):
                 n += 1
             if n > best:
@@ -243,16 +242,6 @@ def realigned(old: Sequence[Any], new: Sequence[Any], shared: int) -> tuple[int,
     if at >= 0:
         return at - best + 1, len(old) - best, best
     return (start, since, aligned) if aligned else (start, shared, 0)
-
-
-def _same_json(a: Any, b: Any) -> bool:
-    if a != b:
-        return False
-    try:  # equal to Python: the same when serialized (C speed, where a walk would be Python's)
-        sort = orjson.OPT_SORT_KEYS
-        return bool(orjson.dumps(a, option=sort) == orjson.dumps(b, option=sort))
-    except TypeError:  # (a value JSON has no form for, from a stdlib parse): not shared
-        return False
 
 
 @dataclass

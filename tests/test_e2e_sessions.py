@@ -1090,6 +1090,17 @@ def test_content_nested_deeper_than_orjson_writes_is_repaired_forwarded_and_logg
     (replayed,) = [orjson.loads(line) for line in replay_lines(proxy.log_dir, "d1k")]
     assert deep_dumps(replayed["messages"]) == deep_dumps(sent)  # (== recurses too deep)
     assert httpx.get(sim.url + "/_sim/requests").status_code == 200
+    # The same body again in its session (a retry; a next turn resends the message): compared
+    # with the last request's messages to share them, which recursed too deep (every later
+    # request of the session was a 500 of cachegate's, nothing forwarded)
+    r = httpx.post(
+        proxy.base_url + "/chat/completions", content=raw, headers={"X-Session-Id": "d1k"}
+    )
+    assert r.status_code == 200, r.text
+    flush(proxy)
+    assert len(events(proxy.log_dir, "d1k", "response")) == 2
+    *_, again = [orjson.loads(line) for line in replay_lines(proxy.log_dir, "d1k")]
+    assert deep_dumps(again["messages"]) == deep_dumps(sim.sim.requests[-1].body["messages"])
     # A tool schema as deep (its digest walked it in Python, two frames a level: every request
     # lost its accounting and wrote ~225 KB of traceback), a secret in a body that deep (the
     # redaction walked it: the request line was lost), and a lone surrogate in one (refused as
