@@ -1586,6 +1586,14 @@ def replay_requests(
     tools_of: dict[int, Any] = {}  # the tools each exchange's line carried or named
     for ev in events:
         if ev.get("type") != "request":
+            if ev.get("type") == LOST_TYPE and ev.get("requests"):
+                # A request line lost: its number may be one an earlier line has too (numbers
+                # start again with a session forgotten and back, or a restart), and a line
+                # based on the lost one would be rebuilt on that other one. The lines before
+                # the loss are no base for those after it: left out, with a warning.
+                rebuilt.clear()
+                tools_of.clear()
+                tools, last = _NO_TOOLS_SEEN, None  # (the lost line may have changed them)
             continue
         exchange = ev.get("exchange")
         appended = ev.get("appended") or []

@@ -414,7 +414,11 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
         if sent:
             sent[:] = [r for r in sent if r.status is None and not r.error]
         if not sent:
-            return row_for(ev)
+            row = row_for(ev)
+            # Every request under its number answered: its own request's line was lost (a full
+            # disk) under a number used before (a session forgotten and back, a restart): a
+            # row of its own, not the earlier exchange's (its figures were overwritten).
+            return new_row(ev) if row.answered or row.status is not None else row
         ts, duration = _stamp(ev.get("ts")), _float(ev.get("duration_s"))
         if len(sent) == 1 or ts is None or duration is None:
             return sent[-1]

@@ -340,6 +340,38 @@ def test_replay_skips_a_request_whose_base_was_lost(caplog) -> None:
     assert "exchange 2 is based on exchange 1" in caplog.text
 
 
+def test_replay_after_a_lost_request_line_never_takes_another_runs_line_for_its_base(
+    caplog,
+) -> None:
+    """Exchange numbers start at 1 again with a session forgotten and back (or a restart): a
+    line based on the new run's first one, whose line was lost (a full disk), was rebuilt on
+    the first run's exchange 1 (a body the upstream never received). After a loss the lines
+    before it are no base: what is based on them is left out, with a warning."""
+    first, second = ({"role": "system", "content": x} for x in ("A", "C"))
+    ask, more = {"role": "user", "content": "task"}, {"role": "user", "content": "more"}
+    events = [
+        request_event(1, None, 0, [first, ask]),
+        request_event(2, 1, 2, [more]),
+        {"type": "lines_lost", "lines": 1, "requests": 1},  # the new run's exchange 1
+        request_event(2, 1, 2, [more]),  # the new run's exchange 2, on its own exchange 1
+        request_event(3, None, 0, [second, ask]),
+        request_event(4, 3, 2, [more]),
+        {"type": "lines_lost", "lines": 2, "requests": 0},  # responses only: nothing to forget
+        request_event(5, 4, 3, [more]),
+    ]
+    skipped: list[int] = []
+    with caplog.at_level(logging.WARNING, logger="proxy.eventlog"):
+        got = [(r["exchange_id"], r["messages"]) for r in replay_requests(events, skipped)]
+    assert got == [
+        (1, [first, ask]),
+        (2, [first, ask, more]),
+        (3, [second, ask]),
+        (4, [second, ask, more]),
+        (5, [second, ask, more, more]),
+    ]
+    assert skipped == [2] and "exchange 2 is based on exchange 1" in caplog.text
+
+
 class Strict(dict):
     """A message that refuses ``==``: proves identical objects are matched by identity."""
 

@@ -543,6 +543,21 @@ def test_two_requests_under_one_number_each_get_their_own_response(
     assert listed.tokens_in == 28
 
 
+def test_an_answer_whose_request_line_was_lost_is_a_row_of_its_own(tmp_path: Path) -> None:
+    """Exchange 1 answered; the session forgotten and back (numbered from 1 again), its first
+    request's line lost (a full disk) and its answer written: that answer overwrote the first
+    run's row (its tokens, cost and time gone from show and cost)."""
+    first = _answer(T0 + 1, 40_016, 5, duration=0.5, cost=0.05)
+    again = _answer(T0 + 9, 20_015, 5, duration=0.3, cost=0.025)
+    lost = {"ts": T0 + 8, "type": "lines_lost", "lines": 1, "requests": 1}
+    rows = _rows(tmp_path, "twice", [req(T0, 1, appended=[U1]), first, lost, again])
+    assert [(r.exchange, r.tokens_in, r.cost_actual) for r in rows] == [
+        (1, 40_016, 0.05),
+        (1, 20_015, 0.025),
+    ]
+    assert session_cost(tmp_path, "twice").actual == pytest.approx(0.075)
+
+
 def test_a_compacted_or_refused_request_under_a_waiting_number_is_a_row_of_its_own(
     tmp_path: Path,
 ) -> None:
