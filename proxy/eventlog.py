@@ -96,6 +96,14 @@ class _FirstInFile:
     event: dict[str, Any]
 
 
+@dataclass(slots=True)
+class _Scrubbed:
+    """An event whose line must not hold ``secrets`` (``emit(..., secrets=...)``)."""
+
+    event: Any
+    secrets: tuple[str, ...]
+
+
 # How long the writer sleeps when it has nothing to write; events reach the disk within this.
 POLL_S: Final = 0.05
 _META_TYPE: Final = b'"type":"session_meta"'
@@ -262,12 +270,20 @@ class EventLogWriter:
         self._thread = threading.Thread(target=self._run, name="cachegate-eventlog", daemon=True)
         self._thread.start()
 
-    def emit(self, session_id: str, event: dict[str, Any], first_in_file: bool = False) -> bool:
+    def emit(
+        self,
+        session_id: str,
+        event: dict[str, Any],
+        first_in_file: bool = False,
+        secrets: tuple[str, ...] = (),
+    ) -> bool:
         """Queue ``event`` for ``session_id``'s file; False (and a counted drop) when refused.
 
         With ``first_in_file``, the event is written only if the file holds nothing yet when its
         turn comes (a session's meta line: one per file, also when an earlier process started
-        the file); the writer thread looks, so the caller's thread makes no system call."""
+        the file); the writer thread looks, so the caller's thread makes no system call. With
+        ``secrets``, those exact values are replaced in its line as the configured ones are (a
+        key of the client's own that the upstream's error quotes)."""
         if self._closed:
             self._drop("closed")
             return False
@@ -288,6 +304,9 @@ class EventLogWriter:
             return False
         # No wake-up call: waking a sleeping thread per event cost the event loop ~15% of its
         # CPU in the benchmark (GIL hand-offs). The writer polls instead (POLL_S).
+        if secrets:
+            self._items.append((session_id, time.time(), _Scrubbed(event, secrets)))
+            return True
         self._items.append(
             (session_id, time.time(), _FirstInFile(event) if first_in_file else event)
         )
@@ -451,21 +470,27 @@ class EventLogWriter:
                 batch: dict[str, list[bytes]] = {}
                 in_hand = batch  # what a crash below would lose, to be counted
                 made: list[_Made] = []  # what the secret scan may have to redact
+                scrubbed: list[tuple[list[bytes], int, tuple[str, ...]]] = []
                 # Meta lines not written (the file, an earlier process's, has its own): kept
                 # all the same, to begin the file anew should it go (removed, rotated).
                 kept_metas: dict[str, list[bytes]] = {}
                 while True:
                     session_id, ts, event = item
                     target = batch
+                    secrets: tuple[str, ...] = ()
                     if type(event) is _FirstInFile:
                         event = event.event
                         if not self._file_is_empty(session_id, batch):
                             target = kept_metas
+                    elif type(event) is _Scrubbed:
+                        event, secrets = event.event, event.secrets
                     encoded = self._line(session_id, ts, event)
                     if encoded is not None:
                         lines = target.setdefault(session_id, [])
                         if self.redact_secrets:
                             made.append((session_id, lines, len(lines), encoded[1]))
+                        if secrets:
+                            scrubbed.append((lines, len(lines), secrets))
                         lines.append(encoded[0])
                     if (
                         self.fsync == "line"
@@ -480,6 +505,13 @@ class EventLogWriter:
                 if self._secrets:
                     self._remove_secrets(batch)
                     self._remove_secrets(kept_metas)
+                for lines, at, secrets in scrubbed:
+                    line = lines[at]
+                    for secret in secrets:
+                        found = orjson.dumps(secret)[1:-1]  # as the line writes it
+                        if line.find(found) >= 0:
+                            line = line.replace(found, _REDACTED_BYTES)
+                    lines[at] = line
                 for session_id, lines in kept_metas.items():
                     if lines:
                         self._remember_meta(session_id, lines[-1])

@@ -23,6 +23,7 @@ from proxy.eventlog import Delta, EventLogWriter, choose_delta
 from proxy.metrics import Metrics
 from proxy.pipeline import Exchange
 from proxy.redact import known_secrets, redact_text
+from proxy.relay import CLIENT_KEY_HEADERS, PLACEHOLDER_AUTHORIZATION
 from proxy.sessions import CONVERSATIONS_KEPT, SessionState, SessionStore
 from proxy.usage import Usage, less
 
@@ -889,6 +890,14 @@ class EventLogObserver:
         it (a full queue, say). ``first_in_file``: see ``EventLogWriter.emit``."""
         return self.writer.emit(session_id, event, first_in_file)
 
+    def _emit_scrubbed(self, session_id: str, event: dict[str, Any], ex: Exchange) -> bool:
+        """``_emit``, the client's own keys (``client_keys``) never written in the line: an
+        upstream's error may quote the key it refused (``Incorrect API key provided: …``)."""
+        keys = client_keys(ex.upstream_headers)
+        if not keys:
+            return self._emit(session_id, event)
+        return self.writer.emit(session_id, event, False, keys)
+
     def _meta(self, ex: Exchange) -> None:
         state = _state_of(ex, self.sessions)
         if state is None or state.meta_written:
@@ -1030,7 +1039,10 @@ class EventLogObserver:
             if ex.summary_cost is not None:
                 summary["cost"] = ex.summary_cost
             event["summary"] = summary
-        self._emit(ex.session_id, event)
+        if ex.error is not None:  # (the provider's words: they may quote the key it refused)
+            self._emit_scrubbed(ex.session_id, event, ex)
+        else:
+            self._emit(ex.session_id, event)
 
     def on_compaction(self, ex: Exchange, comp: Any, source: str) -> None:
         if ex.session_id is None:
@@ -1076,6 +1088,29 @@ class EventLogObserver:
                 "forwarded": False,  # answered by cachegate: nothing went upstream
             },
         )
+
+
+# A key shorter than this is no secret worth a search (and would replace common words).
+_CLIENT_KEY_MIN: Final = 8
+_PLACEHOLDER_KEY: Final = PLACEHOLDER_AUTHORIZATION.split()[-1].decode().lower()
+
+
+def client_keys(headers: Iterable[tuple[bytes, bytes]] | None) -> tuple[str, ...]:
+    """The values of the key headers a request went upstream with (``Authorization``'s without
+    its scheme, ``api-key``, ``x-api-key``, ``x-goog-api-key``), but cachegate's placeholder:
+    a key of the client's own, which the redaction's patterns need not know."""
+    keys: list[str] = []
+    for name, value in headers or ():
+        name = name.lower()
+        if name not in CLIENT_KEY_HEADERS:
+            continue
+        text = value.decode("latin-1").strip()
+        if name == b"authorization":
+            scheme, _, token = text.partition(" ")
+            text = token.strip() if token else scheme
+        if len(text) >= _CLIENT_KEY_MIN and text.lower() != _PLACEHOLDER_KEY:
+            keys.append(text)
+    return tuple(keys)
 
 
 def _usage_dict(usage: Usage) -> dict[str, Any]:

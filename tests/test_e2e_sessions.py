@@ -1420,6 +1420,34 @@ def test_no_key_or_secret_reaches_any_log_file(sim: RunningSimulator, proxy_fact
     assert "[REDACTED]" in responses[1]["message"]["content"]  # and assembled from a stream
 
 
+@pytest.mark.parametrize("header", ["x-api-key", "api-key", "x-goog-api-key", "authorization"])
+def test_a_key_of_the_clients_own_that_the_upstream_quotes_is_never_written(
+    header: str, scripted: Any, proxy_factory: Any
+) -> None:
+    """A client with a key of its own in another provider's header (Anthropic's, Azure's,
+    Gemini's) or under another scheme, refused by an upstream that quotes it: no pattern knows
+    the key, and the response line wrote it. It is the client's: relayed to it as it came."""
+    key = "k" + _random(23)
+    refusal = {
+        "error": {"message": f"Incorrect API key provided: {key}.", "code": "invalid_api_key"}
+    }
+    _, url = scripted(
+        chunks=[json.dumps(refusal).encode()], status=401, content_type=b"application/json"
+    )
+    proxy = proxy_factory(url)
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json={"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]},
+        headers={header: key if header != "authorization" else f"Token {key}", "X-Session-Id": "k"},
+    )
+    assert r.status_code == 401 and key in r.text
+    flush(proxy)
+    data = (proxy.log_dir / "k.jsonl").read_text()
+    assert key not in data
+    (response,) = events(proxy.log_dir, "k", "response")
+    assert response["error"] == "Incorrect API key provided: [REDACTED]."
+
+
 @pytest.mark.parametrize("redact_secrets", [True, False])
 def test_the_configured_key_of_any_shape_is_never_written(
     sim: RunningSimulator, proxy_factory: Any, redact_secrets: bool
