@@ -55,7 +55,9 @@ class _Baseline:
     ``Exchange.t0``), so could serve it from the cache; ``turns``: how many requests of its
     conversation it stands for (a one-shot sub-agent's is 1); ``cached``: where the provider
     caches only marked prefixes (Claude), the tokens it read or wrote for it, the most a next
-    request could read (None elsewhere, or unknown)."""
+    request could read (None elsewhere, or unknown); ``held``: a longer prefix an earlier turn
+    of its conversation had cached, and when (its tokens, on the clock of ``ready_at``), which
+    the provider holds until its TTL ends, though this turn marked less (None: none)."""
 
     __slots__ = (
         "answer",
@@ -63,6 +65,7 @@ class _Baseline:
         "cached",
         "copies",
         "fp",
+        "held",
         "model",
         "prompt",
         "ready_at",
@@ -85,6 +88,7 @@ class _Baseline:
         self.copies = 1
         self.turns = 1
         self.cached: int | None = None
+        self.held: tuple[int, float] | None = None
         # what its answer said (its text's digest, its tool call ids): a request that carries
         # it on is of its conversation, whatever it changed before it
         self.answer: _Answer | None = None
@@ -140,6 +144,30 @@ def _dropped_tokens(old: prefix.Fingerprint, new: prefix.Fingerprint, prompt: in
         whole += compaction.estimate_tokens(old.tools)
     gone = sum(compaction.estimate_tokens([message]) * share for message, share in dropped)
     return int(prompt * gone) // max(whole, 1)
+
+
+def _held_on(
+    baseline: _Baseline, cached: int | None, divergence: prefix.Divergence | None
+) -> tuple[int, float] | None:
+    """What ``baseline``'s conversation cached beyond ``cached``, which the request that takes
+    its place cached (Claude: a turn that marked only its system prompt reads and writes that
+    alone, and the longer prefix the turn before wrote stays cached until its TTL ends): only
+    for a request that carries it on whole (no ``divergence``)."""
+    if divergence is not None or cached is None:
+        return None
+    held = baseline.held
+    if baseline.cached is not None and (held is None or baseline.cached >= held[0]):
+        held = (baseline.cached, baseline.ready_at)
+    return held if held is not None and held[0] > cached else None
+
+
+def _cached_before(baseline: _Baseline, now: float, ttl_s: float) -> int | None:
+    """The most of its prompt a request continuing ``baseline`` could read from a cache of
+    marked prefixes: what it cached, or a longer prefix its conversation still holds."""
+    held = baseline.held
+    if held is not None and now - held[1] <= ttl_s:
+        return held[0] if baseline.cached is None else max(baseline.cached, held[0])
+    return baseline.cached
 
 
 def _to_front(baselines: list[_Baseline], baseline: _Baseline) -> None:
@@ -509,7 +537,7 @@ class AccountingObserver:
             # (one the provider had not read yet when this went out, a request fanned out
             # beside it that was answered first, could not have warmed the cache for it)
             base = (chosen.prompt, chosen.fp.params_digest, chosen.model)
-            cached_before = chosen.cached
+            cached_before = _cached_before(chosen, ex.t0, ttl_s)
         ready_at = ex.t0 + (ex.ttfb_s if ex.ttfb_s is not None else ex.duration_s)
         if ex.status < 400:  # a refused request is no baseline: the provider may not have seen it
             cached: int | None
@@ -539,10 +567,12 @@ class AccountingObserver:
                     went_on = _Baseline(fp, body, prompt, model, ready_at)
                     went_on.answer = _answer_of(ex)
                     went_on.cached = cached
+                    went_on.held = _held_on(chosen, cached, divergence)
                     went_on.turns = chosen.turns + 1
                     baselines.insert(0, went_on)
                 else:  # it extends or rewrites its baseline: it takes that one's place
                     chosen.fp, chosen.body, chosen.prompt, chosen.model = fp, body, prompt, model
+                    chosen.held = _held_on(chosen, cached, divergence)
                     chosen.cached = cached
                     chosen.answer = _answer_of(ex)
                     chosen.ready_at = ready_at

@@ -1148,6 +1148,45 @@ def test_a_claude_agent_that_marks_only_its_system_prompt_is_told_what_it_did_no
         assert caches[2]["cause"] == "not_requested"
 
 
+def test_a_rewrite_after_a_turn_that_marked_less_loses_what_the_turns_before_cached(
+    proxy_factory: Any,
+) -> None:
+    """Claude: marked turns cache the whole history; one turn marks only its system prompt
+    (its latest message sent unmarked), the next marks its latest and edits the first message.
+    What the turns before cached was still held: the edit lost it, a prefix rewrite. It read
+    as "not_requested" (only the turn just before was looked at, and it had cached the system
+    prompt alone), with advice to mark the latest message, which that turn did."""
+    system = SYSTEM_PROMPT + " Follow the style guide." * 700
+
+    def marked(role: str, text: str) -> dict[str, Any]:
+        part = {"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}
+        return {"role": role, "content": [part]}
+
+    with run_simulator(SimConfig(dialect="anthropic-compat")) as claude:
+        proxy = proxy_factory(claude.api_base, config())
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "marked-less"})
+        convo: list[dict[str, Any]] = [
+            marked("system", system),
+            {"role": "user", "content": "Fix the test. " * 400},
+        ]
+        for turn in range(4):
+            sent = [*convo[:-1], marked("user", convo[-1]["content"])] if turn != 2 else convo
+            if turn == 3:
+                sent[1] = {"role": "user", "content": "Fix the tests. " * 400}
+            reply, _ = chat(client, sent, model="claude-sonnet-4-5", stream=False)
+            convo += [reply, {"role": "user", "content": f"Go on ({turn}). " * 400}]
+        flush(proxy)
+    caches = [r["cache"] for r in events(proxy.log_dir, "marked-less", "response")]
+    assert caches[1]["read"] > 0 and caches[1]["cause"] is None
+    assert caches[2]["write"] == 0 and caches[2]["cause"] == "not_requested"
+    last = caches[3]
+    assert (last["cause"], last["location"]) == ("prefix_rewrite", "messages[1].content")
+    # the second turn's whole prompt was cached: all of it past the system prompt was lost
+    assert caches[1]["read"] + caches[1]["write"] > last["expected"] - 1024
+    assert last["waste"] == last["expected"] - last["read"] > 3000
+    assert not last.get("not_requested")
+
+
 def test_a_claude_agent_whose_marked_prefix_is_too_short_to_cache_is_told_so(
     proxy_factory: Any,
 ) -> None:

@@ -15,8 +15,16 @@ from proxy.compaction import estimate_tokens
 from proxy.config import settings_from_mapping
 from proxy.eventlog import EventLogWriter, read_events, replay, replay_requests
 from proxy.metrics import Metrics
-from proxy.observers import AccountingObserver, EventLogObserver, _carries_answer, _random_id
+from proxy.observers import (
+    AccountingObserver,
+    EventLogObserver,
+    _Baseline,
+    _cached_before,
+    _carries_answer,
+    _random_id,
+)
 from proxy.pipeline import Exchange
+from proxy.prefix import fingerprint
 from proxy.sessions import CONVERSATIONS_KEPT, MemorySessionStore
 from proxy.usage import Usage
 
@@ -898,6 +906,18 @@ def test_two_agents_that_both_answered_ok_are_not_one_conversation() -> None:
     assert ex.divergence is not None
     assert (ex.divergence["location"], ex.divergence["volatile"]) == ("system", True)
     assert ex.cache is not None and (ex.cache["expected"], ex.cache["waste"]) == (6_000, 6_000)
+
+
+def test_a_longer_prefix_an_earlier_turn_cached_counts_only_while_the_provider_holds_it() -> None:
+    """Claude: the turn before a request marked only its system prompt (1,000 tokens cached),
+    the one before that its whole history (5,000, at 0 s): within the TTL a request can
+    read 5,000 (an edit loses them); past it, only what the last turn cached."""
+    baseline = _Baseline(fingerprint({"messages": []}), {}, 5_100, "claude", 10.0)
+    baseline.cached, baseline.held = 1_000, (5_000, 0.0)
+    assert _cached_before(baseline, 200.0, 300.0) == 5_000
+    assert _cached_before(baseline, 301.0, 300.0) == 1_000
+    baseline.cached = None  # (unknown for the last turn: the held prefix still counts)
+    assert _cached_before(baseline, 200.0, 300.0) == 5_000
 
 
 def test_a_first_turn_sent_again_with_the_time_in_it_twice_is_a_rewrite() -> None:
