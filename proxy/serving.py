@@ -20,6 +20,8 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from proxy.errors import ProxyError
+
 
 def listening_sockets(host: str, port: int) -> list[socket.socket]:
     """TCP sockets bound to every address ``host`` resolves to, as ``uvicorn.run`` gets them from
@@ -77,10 +79,10 @@ class HttpProtocol(HttpToolsProtocol):
         while True:
             try:
                 self.parser.feed_data(data)
-            except httptools.HttpParserError:
+            except httptools.HttpParserError as exc:
                 msg = "Invalid HTTP request received."
                 self.logger.warning(msg)
-                self.send_400_response(msg)
+                self.send_400_response(f"{msg[:-1]}: {exc}." if str(exc) else msg)
                 return
             except httptools.HttpParserUpgrade as upgrade:
                 if self._should_upgrade():  # a WebSocket, where uvicorn was given a library
@@ -92,6 +94,25 @@ class HttpProtocol(HttpToolsProtocol):
                 if self._read_on() and data:
                     continue
             return
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request its parser refuses (a malformed request line or header,
+        conflicting framing), in OpenAI's error shape: uvicorn's own is plain text, which an SDK
+        shows as a body it cannot read. The connection is closed after it, as uvicorn does."""
+        body = ProxyError(400, msg, code="invalid_http").body()
+        content = [b"HTTP/1.1 400 Bad Request\r\n"]
+        for name, value in self.server_state.default_headers:
+            content.extend([name, b": ", value, b"\r\n"])
+        content.extend(
+            [
+                b"content-type: application/json\r\n",
+                b"content-length: %d\r\n" % len(body),
+                b"connection: close\r\n\r\n",
+                body,
+            ]
+        )
+        self.transport.write(b"".join(content))
+        self.transport.close()
 
     def _read_on(self) -> bool:
         """Parse what follows the upgrade request's headers as its body, then as requests.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import socket
 import time
 from typing import Any
@@ -229,7 +230,40 @@ def test_an_upgrade_offer_does_not_change_which_bodies_are_refused() -> None:
                 while chunk := s.recv(65536):
                     answer += chunk
                 assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n"), (offer, answer)
-                assert answer.endswith(b"Invalid HTTP request received.")
+                head, _, body = answer.partition(b"\r\n\r\n")
+                assert b"content-type: application/json" in head
+                error = json.loads(body)["error"]
+                assert error["code"] == "invalid_http" and error["type"] == "invalid_request_error"
+                assert error["message"].startswith("Invalid HTTP request received")
+
+
+@pytest.mark.parametrize(
+    "request_head",
+    [
+        b"GET /v1/models HTTP/1.1\r\nhost: x\r\nbad header\r\n\r\n",  # no colon
+        b"GET /v1/mo dels x HTTP/1.1\r\nhost: x\r\n\r\n",  # a space in the path
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: -1\r\n\r\n",
+        b"POST /v1/x HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n"
+        b"transfer-encoding: chunked\r\n\r\n",  # both framings: a smuggling attempt
+    ],
+)
+def test_a_request_the_parser_refuses_is_answered_in_openais_error_shape(
+    request_head: bytes,
+) -> None:
+    """uvicorn answered these with a plain-text 400, which an SDK shows as an unreadable body;
+    the parser's own reason is said."""
+    with ServerThread(_echo) as server, socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.settimeout(10)
+        s.sendall(request_head)
+        answer = b""
+        while chunk := s.recv(65536):  # (closed after it)
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 Bad Request\r\n") and b"application/json" in head
+    assert int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]) == len(body)
+    error = json.loads(body)["error"]
+    assert error["code"] == "invalid_http" and error["param"] is None
+    assert error["message"].startswith("Invalid HTTP request received: ")
 
 
 def test_a_websocket_handshake_is_answered_by_the_app_whatever_follows_it() -> None:
