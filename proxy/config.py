@@ -32,6 +32,7 @@ class ConfigError(ValueError):
 
 # Keys whose 0 would refuse, or wait forever on, every request: a negative value is refused as
 # not positive (not as "negative", which would have its user try 0 next).
+MIN_SECONDS: Final = 0.001  # the least a duration among ``POSITIVE_KEYS`` may be
 POSITIVE_KEYS: Final = (
     "upstream.timeout_s",
     "upstream.connect_timeout_s",
@@ -405,10 +406,10 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
             return value
         if text and isinstance(value, str) and value.lower() in TRUE_WORDS | FALSE_WORDS:
             return value.lower() in TRUE_WORDS
-        raise ConfigError(f"config key '{key}': expected true or false, got {value!r}")
+        raise ConfigError(f"config key '{key}': expected true or false, got {_shown(value)}")
     if tp is int:
         if isinstance(value, bool):
-            raise ConfigError(f"config key '{key}': expected an integer, got {value!r}")
+            raise ConfigError(f"config key '{key}': expected an integer, got {_shown(value)}")
         try:
             result = (
                 int(value) if isinstance(value, int) or (text and isinstance(value, str)) else None
@@ -416,28 +417,37 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
         except ValueError:
             result = None
         if result is None:
-            raise ConfigError(f"config key '{key}': expected an integer, got {value!r}")
+            raise ConfigError(f"config key '{key}': expected an integer, got {_shown(value)}")
         if result < 0:
             raise ConfigError(f"config key '{key}': {_not_negative(key)}, got {result}")
         return result
     if tp is float:
         if isinstance(value, bool):
-            raise ConfigError(f"config key '{key}': expected a number, got {value!r}")
+            raise ConfigError(f"config key '{key}': expected a number, got {_shown(value)}")
         if not (isinstance(value, int | float) or (text and isinstance(value, str))):
-            raise ConfigError(f"config key '{key}': expected a number, got {value!r}")
+            raise ConfigError(f"config key '{key}': expected a number, got {_shown(value)}")
         try:
             number = float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"config key '{key}': expected a number, got {value!r}") from None
+            raise ConfigError(
+                f"config key '{key}': expected a number, got {_shown(value)}"
+            ) from None
         if not 0 <= number < math.inf:  # NaN, inf and negatives
             rule = _not_negative(key, finite=True)
             raise ConfigError(f"config key '{key}': {rule}, got {value!r}")
         return number
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"config key '{key}': expected a string, got {value!r}")
+            raise ConfigError(f"config key '{key}': expected a string, got {_shown(value)}")
         return value
     raise ConfigError(f"config key '{key}': unsupported type")  # pragma: no cover
+
+
+def _shown(value: Any) -> str:
+    """A configured value as the file spells it: TOML's ``true`` and ``false``, not Python's."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
 
 
 def _build(cls: Any, data: Mapping[str, Any], prefix: str, base: Any, text: bool = False) -> Any:
@@ -519,6 +529,8 @@ def _check(settings: Settings) -> None:
         value = getattr(getattr(settings, section), name)
         if value <= 0:  # 0 would refuse, or wait forever on, every request
             raise _bad(key, f"must be positive, got {value:g}")
+        if name.endswith("_s") and value < MIN_SECONDS:  # (1e-300: every request a 504)
+            raise _bad(key, f"must be at least {MIN_SECONDS:g} (a millisecond), got {value:g}")
     for name, model in settings.models.items():
         if model.context_window <= 0:
             raise _bad(f'models."{name}".context_window', "must be positive")

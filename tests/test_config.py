@@ -125,6 +125,26 @@ def test_a_bounded_key_says_its_bounds_for_a_negative_value() -> None:
             settings_from_mapping(data)
 
 
+@pytest.mark.parametrize("key", [k for k in POSITIVE_KEYS if k.endswith("_s")])
+def test_a_duration_under_a_millisecond_is_refused(key: str) -> None:
+    """``upstream.timeout_s = 1e-300`` was taken: every request a 504, the file not blamed."""
+    section, name = key.split(".")
+    with pytest.raises(ConfigError, match=re.escape(f"'{key}': must be at least 0.001")):
+        settings_from_mapping({section: {name: 1e-300}})
+    assert getattr(getattr(settings_from_mapping({section: {name: 0.001}}), section), name)
+
+
+def test_a_value_of_the_wrong_type_is_shown_as_the_file_spells_it() -> None:
+    """``port = true`` was said to be ``True`` (Python's spelling, not TOML's)."""
+    for data, said in (
+        ({"server": {"port": True}}, "'server.port': expected an integer, got true"),
+        ({"upstream": {"timeout_s": False}}, "'upstream.timeout_s': expected a number, got false"),
+        ({"upstream": {"base_url": True}}, "'upstream.base_url': expected a string, got true"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            settings_from_mapping(data)
+
+
 def test_an_empty_log_dir_is_fine_when_logging_is_off() -> None:
     settings = settings_from_mapping({"logging": {"enabled": False, "dir": ""}})
     assert settings.logging.enabled is False
