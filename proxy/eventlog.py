@@ -350,6 +350,18 @@ class EventLogWriter:
             logger.warning("event log writer did not drain within %.1fs", timeout)
             return False
         self._discard_queued()
+        with self._lock:
+            untold = list(self._lost_lines.values())
+        if untold:
+            # Losses no file could be told of, even as the writer stopped (a disk still full):
+            # said once more, in all (the warnings while it ran came at most every 30 s)
+            logger.warning(
+                "event log: %d line(s) of %d session(s), %d of them request line(s), could not"
+                " be written, and their files do not say so (a disk still full?)",
+                sum(lines for lines, _, _ in untold),
+                len(untold),
+                sum(requests for _, requests, _ in untold),
+            )
         return True
 
     # -- emitting side ------------------------------------------------------------------------

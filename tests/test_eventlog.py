@@ -1628,6 +1628,34 @@ def test_a_full_disk_mid_write_leaves_no_torn_line(
     assert w.errors == 1 and lost_lines(log.events) == 1
 
 
+def test_losses_no_file_could_be_told_of_are_said_when_the_writer_stops(
+    log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    """The disk full until cachegate stops: the files cannot say what they lost, and stderr
+    had only the first warning of it (at most one every 30 s). Stopping says it all."""
+    import errno
+
+    w = started(writers, log_dir)
+    w.emit("a", {"type": "session_meta", "session": "a"}, first_in_file=True)
+    assert w.flush()
+
+    def full(fd: int, data: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    for sid in ("a", "b"):
+        w.emit(sid, {"type": "request", "exchange": 1})
+        w.emit(sid, {"type": "response", "exchange": 1})
+    assert w.flush()
+    with caplog.at_level(logging.WARNING, logger="proxy.eventlog"):
+        assert w.close()
+    said = [r.getMessage() for r in caplog.records if "could not be written" in r.getMessage()]
+    assert said == [
+        "event log: 4 line(s) of 2 session(s), 2 of them request line(s), could not be"
+        " written, and their files do not say so (a disk still full?)"
+    ]
+
+
 def test_lines_lost_say_how_many_were_requests_and_are_told_when_the_writer_stops(
     log_dir: Path, writers
 ) -> None:
