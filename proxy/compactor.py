@@ -575,8 +575,8 @@ class Compactor:
             if not entry.task.done():
                 log.warning(
                     "session %s: the request left (its client, or cachegate stopping) while its "
-                    "history was being summarized; the summary goes on, kept for a retry or the "
-                    "next turn (is the client's timeout shorter than "
+                    "history was being summarized; unless cachegate is stopping, the summary goes "
+                    "on, kept for a retry or the next turn (is the client's timeout shorter than "
                     "compaction.summary_timeout_s?)",
                     state.id,
                 )
