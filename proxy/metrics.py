@@ -320,7 +320,8 @@ class Metrics:
         self.overhead = f(
             "histogram",
             "cachegate_proxy_overhead_seconds",
-            "Time cachegate itself spends on a request (parsing, repair, accounting), not waiting.",
+            "Time cachegate itself spends on a request until it is sent upstream (parsing, session, "
+            "repair, compaction), not waiting; accounting and logging come after the answer.",
             ["route"],
             OVERHEAD_BUCKETS,
         )
