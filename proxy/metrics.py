@@ -64,6 +64,7 @@ REPAIR_KINDS: Final = (
     "empty_tool_calls",
     "missing_type",
     "duplicate_call_id",
+    "empty_assistant",
 )
 COMPACTION_RESULTS: Final = ("summary", "extractive", "reused")
 COST_KINDS: Final = ("actual", "uncached")

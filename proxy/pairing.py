@@ -45,6 +45,7 @@ RepairKind = Literal[
     "empty_tool_calls",
     "missing_type",
     "duplicate_call_id",
+    "empty_assistant",
 ]
 OrphanPolicy = Literal["downgrade", "drop"]
 
@@ -199,6 +200,19 @@ def _empty_calls(message: Any) -> bool:
     )
 
 
+def _contentless(message: Any) -> bool:
+    """An assistant message with no content at all (``null``, or none) and nothing else: no tool
+    calls, refusal, legacy ``function_call`` or audio. OpenAI refuses it ("expected a string,
+    got null"); an interrupted stream leaves one, and the Vercel AI SDK writes one."""
+    return (
+        isinstance(message, dict)
+        and message.get("role") == "assistant"
+        and message.get("content") is None
+        and message.get("tool_calls") is None
+        and not any(message.get(key) for key in ("refusal", "function_call", "audio"))
+    )
+
+
 def _says_nothing(message: dict[str, Any]) -> bool:
     """An assistant message (its empty ``tool_calls`` taken out) with no content, refusal,
     legacy ``function_call`` or audio."""
@@ -278,6 +292,8 @@ def needs_repair_from(
             continue
         calls = message.get("tool_calls")
         if not isinstance(calls, list):
+            if calls is None and _contentless(message):
+                return True, None, resumed
             continue
         if not calls:  # OpenAI refuses an empty array ("empty_array")
             return True, None, resumed
@@ -575,6 +591,13 @@ def repair_messages_from(
                     fixed[i] = kept
                     action = "removed an empty tool_calls array"
                 scanned.append(Repair("empty_tool_calls", i, None, action))
+            elif _contentless(message):
+                removed.add(i)
+                mark = message.get("cache_control")
+                if mark is not None:  # a breakpoint: the message before ends that prefix
+                    state.marks[i] = mark
+                action = "removed an assistant message with no content"
+                scanned.append(Repair("empty_assistant", i, None, action))
             continue
         new_message, ids, names, assigned, renamed = _fix_calls(i, message, calls, scanned)
         if new_message is not message:
@@ -762,6 +785,7 @@ _DESCRIPTIONS: Final[dict[str, str]] = {
         "messages[{index}] repeats a tool_call id of its own message, or answers such a call"
         " (repair would assign {id})"
     ),
+    "empty_assistant": "messages[{index}] assistant message has no content and no tool_calls",
 }
 
 

@@ -114,6 +114,31 @@ def test_gemini_style_histories_400_directly_200_through_cachegate(
     assert proxy.metric("cachegate_pairing_repairs_total", {"kind": "empty_tool_calls"}) == 1
 
 
+def test_an_interrupted_answer_left_with_no_content_is_a_400_directly_200_through_cachegate(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """A stream cut before its first token leaves ``{"role": "assistant", "content": null}``
+    in an agent's history (the Vercel AI SDK writes one too): OpenAI refuses it every turn
+    after, and cachegate forwarded it as it was."""
+    history = [
+        {"role": "user", "content": "Summarise a.py"},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "Go on"},
+    ]
+    proxy = proxy_factory(sim.api_base)
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk(sim.api_base).chat.completions.create(model="gpt-4o", messages=history)  # type: ignore[arg-type]
+    assert "expected a string, got null" in str(info.value)
+    raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+        model="gpt-4o",
+        messages=history,  # type: ignore[arg-type]
+    )
+    assert raw.http_response.status_code == 200
+    assert raw.headers["x-cachegate-repairs"] == "1"
+    assert sim.sim.requests[-1].body["messages"] == [history[0], history[2]]
+    assert proxy.metric("cachegate_pairing_repairs_total", {"kind": "empty_assistant"}) == 1
+
+
 def test_repaired_prefix_is_identical_on_every_turn(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:

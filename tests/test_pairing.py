@@ -373,6 +373,54 @@ def test_an_empty_tool_calls_array_is_removed() -> None:
     ]
 
 
+def test_an_assistant_message_with_no_content_and_no_tool_calls_is_removed() -> None:
+    """An interrupted stream leaves ``{"role": "assistant", "content": null}`` (the Vercel AI
+    SDK writes one too); OpenAI refuses it ("expected a string, got null") on every later turn,
+    and it was forwarded as it was. Content ``""`` is content: left alone."""
+    mark = {"type": "ephemeral"}
+    for bare in (
+        {"role": "assistant", "content": None},
+        {"role": "assistant"},
+        {"role": "assistant", "content": None, "tool_calls": None},
+    ):
+        messages = [user("go"), bare, user("again")]
+        with pytest.raises(ValidationError) as refused:
+            validate_messages(messages)
+        assert refused.value.param == "messages.[1].content"
+        assert needs_repair(messages)
+        result = repair_messages(messages)
+        assert result.messages == [user("go"), user("again")]
+        assert [(r.kind, r.index, r.action) for r in result.repairs] == [
+            ("empty_assistant", 1, "removed an assistant message with no content")
+        ]
+        validate_messages(result.messages)
+        assert format_strict_error(diagnose(messages)) == (
+            "cachegate strict pairing: 1 defect: messages[1] assistant message has no content "
+            "and no tool_calls (empty_assistant)"
+        )
+        # its cache_control mark goes on the message before it
+        marked = repair_messages([user("go"), {**bare, "cache_control": mark}, user("again")])
+        assert marked.messages == [{**user("go"), "cache_control": mark}, user("again")]
+    for kept in (
+        {"role": "assistant", "content": ""},
+        {"role": "assistant", "content": None, "refusal": "No."},
+        {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+        {"role": "assistant", "content": None, "audio": {"id": "audio_1"}},
+    ):
+        messages = [user("go"), kept, user("again")]
+        assert not needs_repair(messages)
+        assert repair_messages(messages).messages is messages
+        validate_messages(messages)
+    # the check resumed from the previous turn's checkpoint finds one in the appended turn
+    earlier = [user("go"), asst(content="ok"), user("more")]
+    needed, after, _ = needs_repair_from(earlier)
+    assert not needed and after is not None
+    later = [*earlier, {"role": "assistant"}, user("on")]
+    needed, _, resumed = needs_repair_from(later, [after])
+    assert needed and resumed is after
+    assert repair_messages(later).messages == [*earlier, user("on")]
+
+
 def test_an_empty_assistant_messages_cache_mark_goes_on_the_message_before_it() -> None:
     """A removed empty assistant message took its client's ``cache_control`` breakpoint with it:
     Claude then cached nothing past the mark before (or nothing at all). The message before it

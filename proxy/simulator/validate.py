@@ -39,7 +39,8 @@ def validate_messages(messages: Any) -> None:
     """Raise ``ValidationError`` where a provider would refuse ``messages``; return None if valid.
 
     Rules, in the order a provider applies them while reading the list:
-    no ``tool_calls`` array may be empty; every assistant ``tool_calls`` message must be followed, before any other kind of message, by
+    no ``tool_calls`` array may be empty; no assistant message may lack content where it has no
+    tool calls (nor a refusal, legacy ``function_call`` or audio); every assistant ``tool_calls`` message must be followed, before any other kind of message, by
     one ``tool`` message per call id; a ``tool`` message must answer a not-yet-answered call of the
     assistant message that opened its block.
     """
@@ -64,6 +65,17 @@ def validate_messages(messages: Any) -> None:
                 "length 1, but got an empty array instead.",
                 f"messages[{i}].tool_calls",
                 "empty_array",
+            )
+        if (  # an assistant message's content may be null only beside what else it says
+            isinstance(message, dict)
+            and message.get("role") == "assistant"
+            and message.get("content") is None
+            and not any(message.get(k) for k in ("tool_calls", "function_call", "audio", "refusal"))
+        ):
+            raise ValidationError(
+                "Invalid value for 'content': expected a string, got null.",
+                f"messages.[{i}].content",
+                "invalid_value",
             )
     pending: list[str] = []  # ids of the open block not yet answered, in call order
     open_block = False
