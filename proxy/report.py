@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import unicodedata
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -911,16 +912,27 @@ _CONTROLS = {
 _C1_ESCAPED = {c: f"\\u{c:04x}" for c in (*range(0x80, 0xA0), *_BIDI)}
 
 
+def _class_of(codes: Iterable[int]) -> re.Pattern[str]:
+    """A regular expression that finds any of ``codes`` (a search at C speed: ``str.translate``
+    looks every character of a line up once one is not ASCII, ~0.1 µs each)."""
+    return re.compile("[" + "".join(re.escape(chr(c)) for c in sorted(codes)) + "]")
+
+
+_C1_FOUND = _class_of(_C1_ESCAPED)
+_CONTROL_FOUND = _class_of(_CONTROLS)
+
+
 def json_terminal_safe(line: str) -> str:
     """A JSON line with the C1 control characters and the bidirectional controls escaped: the
-    same JSON, inert on a terminal."""
-    return line.translate(_C1_ESCAPED)
+    same JSON, inert on a terminal. (Translated only where it holds one: ``replay`` of a
+    history with one em dash in it spent 11 s translating 94 MB, 0.6 s without.)"""
+    return line.translate(_C1_ESCAPED) if _C1_FOUND.search(line) else line
 
 
 def terminal_safe(text: str) -> str:
     """``text`` with the control characters a terminal would act on replaced (tab and newline
     kept): what the reports print comes from logs whose strings clients and upstreams chose."""
-    return text.translate(_CONTROLS)
+    return text.translate(_CONTROLS) if _CONTROL_FOUND.search(text) else text
 
 
 def _time(ts: float | None) -> str:
