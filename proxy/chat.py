@@ -563,7 +563,12 @@ class ChatPipeline:
         if not (ex.stream and self.asks_usage) or ex.model in self.usage_refused:
             return body, None
         options = body.get("stream_options")
-        if isinstance(options, dict) and options.get("include_usage"):
+        if isinstance(options, dict) and (
+            options.get("include_usage")
+            # vLLM's and SGLang's own option: there, an object without ``include_usage`` asks
+            # for usage (their default is true): the client gets it, and it was taken out
+            or ("include_usage" not in options and "continuous_usage_stats" in options)
+        ):
             return body, None
         if options is not None and not isinstance(options, dict):
             return body, None  # ("x", []: the provider's to refuse, as without cachegate)

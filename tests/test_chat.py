@@ -273,6 +273,41 @@ def test_stream_options_that_are_no_object_reach_the_provider_as_sent(
     assert upstream.requests[-1]["body"] == raw
 
 
+def test_vllms_continuous_usage_option_is_left_as_sent_and_its_usage_relayed(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """vLLM and SGLang send usage for any ``stream_options`` object (``include_usage`` defaults
+    to true there): ``{"continuous_usage_stats": true}`` got ``include_usage`` added, and the
+    usage events the client would have had directly were taken out of its stream."""
+    import httpx
+
+    chunk = b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,'
+    events = [
+        chunk + b'"delta":{"content":"hi"},"finish_reason":null}],'
+        b'"usage":{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10}}\n\n',
+        chunk + b'"delta":{},"finish_reason":"stop"}],'
+        b'"usage":{"prompt_tokens":9,"completion_tokens":2,"total_tokens":11}}\n\n',
+        b'data: {"id":"c","object":"chat.completion.chunk","choices":[],'
+        b'"usage":{"prompt_tokens":9,"completion_tokens":2,"total_tokens":11}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    upstream, url = scripted(chunks=events)
+    proxy = proxy_factory(url)
+    raw = (
+        b'{"model":"m","stream":true,"stream_options":{"continuous_usage_stats":true},'
+        b'"messages":[{"role":"user","content":"hi"}]}'
+    )
+    headers = {"content-type": "application/json", "X-Session-Id": "vllm"}
+    with httpx.stream(
+        "POST", proxy.base_url + "/chat/completions", content=raw, headers=headers
+    ) as r:
+        got = r.read()
+    assert upstream.requests[-1]["body"] == raw
+    assert got == b"".join(events)
+    proxy.settle()
+    assert proxy.metric("cachegate_tokens_total", {"model": "other", "kind": "prompt"}) == 9
+
+
 def test_an_unexpected_failure_is_a_500_in_openai_shape_and_nothing_is_forwarded(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
