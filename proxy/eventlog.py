@@ -208,7 +208,7 @@ class EventLogWriter:
         # not be serialized or redacted) not yet told in its file: a ``lines_lost`` line goes
         # before its next lines (guarded by ``_lock``: the event loop counts a full queue's).
         # (lines, requests, when the latest was lost)
-        self._lost_lines: OrderedDict[str, tuple[int, int, float]] = OrderedDict()
+        self._lost_lines: OrderedDict[str, _Lost] = OrderedDict()
         self._syncs = 0
         # Owned by the writer thread only.
         self._fds: OrderedDict[str, int] = OrderedDict()
@@ -358,9 +358,9 @@ class EventLogWriter:
             logger.warning(
                 "event log: %d line(s) of %d session(s), %d of them request line(s), could not"
                 " be written, and their files do not say so (a disk still full?)",
-                sum(lines for lines, _, _ in untold),
+                sum(lost.lines for lost in untold),
                 len(untold),
-                sum(requests for _, requests, _ in untold),
+                sum(lost.requests for lost in untold),
             )
         return True
 
@@ -372,23 +372,34 @@ class EventLogWriter:
         self._loss(kind)
         self._warn(kind, "event log: event dropped (%s)", kind)
 
-    def _count_lost(self, session_id: str, lines: int, requests: int) -> None:
+    def _count_lost(
+        self, session_id: str, lines: int, requests: int, exchanges: Sequence[int] = ()
+    ) -> None:
         """``lines`` of ``session_id``, ``requests`` of them request lines, will not reach its
-        file: its next lines say so."""
+        file: its next lines say so. ``exchanges``: the numbers of the request lines among them
+        that were lost after they were queued, which later lines may have been coded against
+        (a line the queue refused never was: the observer knew)."""
         now = time.time()
         with self._lock:
             lost = self._lost_lines
-            held, of_requests, _ = lost.pop(session_id, (0, 0, now))
-            lost[session_id] = (held + lines, of_requests + requests, now)
+            held = lost.pop(session_id, _NO_LOSS)
+            lost[session_id] = _Lost(
+                held.lines + lines, held.requests + requests, now, (*held.exchanges, *exchanges)
+            )
             if len(lost) > _METAS_KEPT:
                 del lost[next(iter(lost))]
 
-    def _lost_told(self, session_id: str, told: tuple[int, int, float]) -> None:
+    def _lost_told(self, session_id: str, told: _Lost) -> None:
         """``told`` of ``session_id``'s lost lines are in its file now (more may have come)."""
         with self._lock:
-            held, of_requests, at = self._lost_lines.pop(session_id, (0, 0, 0.0))
-            if held - told[0] > 0:
-                self._lost_lines[session_id] = (held - told[0], of_requests - told[1], at)
+            held = self._lost_lines.pop(session_id, _NO_LOSS)
+            if held.lines - told.lines > 0:
+                self._lost_lines[session_id] = _Lost(
+                    held.lines - told.lines,
+                    held.requests - told.requests,
+                    held.at,
+                    held.exchanges[len(told.exchanges) :],
+                )
 
     def _tell_lost(self) -> None:
         """Before the writer stops: the losses no later line of their session told (a line
@@ -559,7 +570,7 @@ class EventLogWriter:
             return self._serialize(ts, event)
         except Exception as exc:  # orjson.JSONEncodeError, a non-dict event, a hostile __str__
             self._mark_broken(session_id)
-            self._count_lost(session_id, 1, _is_request(event))
+            self._count_lost(session_id, 1, _is_request(event), _request_number(event))
             self._lose("serialize", "event log: cannot serialize event for %s: %s", session_id, exc)
             return None
 
@@ -584,7 +595,7 @@ class EventLogWriter:
                     lines[at] = _dumps_line(deep_call(redact, out), _redacted_str)
                 except Exception as exc:  # a hostile __str__, say
                     self._mark_broken(session_id)
-                    self._count_lost(session_id, 1, _is_request(out))
+                    self._count_lost(session_id, 1, _is_request(out), _request_number(out))
                     self._lose(
                         "serialize", "event log: cannot redact event for %s: %s", session_id, exc
                     )
@@ -654,9 +665,9 @@ class EventLogWriter:
                 # until the lock is its own.
                 self._close_fd(session_id)
                 self._mark_broken(session_id)
-                events, requests = _lost_in(lines)
+                events, requests, numbers = _lost_in(lines)
                 if events:
-                    self._count_lost(session_id, events, requests)
+                    self._count_lost(session_id, events, requests, numbers)
                 for _ in lines:
                     self._lose(
                         "locked_out",
@@ -668,13 +679,13 @@ class EventLogWriter:
                     )
                 return
         count = len(lines)
-        told = (0, 0, 0.0)  # lost lines (and requests) this write tells of (``_count_lost``)
+        told = _NO_LOSS  # lost lines (and requests) this write tells of (``_count_lost``)
         if self._lost_lines:
             with self._lock:
                 told = self._lost_lines.get(session_id, told)
-            if told[0]:  # at the start of its next lines (after a meta line: it opens the file)
+            if told.lines:  # at the start of its next lines (after a meta line: it opens the file)
                 at = 1 if lines and lines[0].find(_META_TYPE, 0, 64) >= 0 else 0
-                lines = [*lines[:at], _lost_line(*told), *lines[at:]]
+                lines = [*lines[:at], _lost_line(told), *lines[at:]]
         if not lines:
             return
         data = lines[0] if len(lines) == 1 else b"".join(lines)
@@ -705,9 +716,10 @@ class EventLogWriter:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT) and self._fds:
                 self._close_removed()  # space may have been freed by hand already
             self._mark_broken(session_id)
-            events, requests = _lost_in(lines)  # (this write's marker and meta line aside)
+            # (this write's marker and meta line aside)
+            events, requests, numbers = _lost_in(lines)
             if events:
-                self._count_lost(session_id, events, requests)
+                self._count_lost(session_id, events, requests, numbers)
             for _ in range(count):
                 self._lose("io", "event log: cannot write %s: %s", session_id, exc)
             unwritten = self._unwritten
@@ -715,7 +727,7 @@ class EventLogWriter:
             if len(unwritten) > _METAS_KEPT:
                 del unwritten[next(iter(unwritten))]
             return
-        if told[0]:
+        if told.lines:
             self._lost_told(session_id, told)
         lost = self._unwritten.pop(session_id, 0) if self._unwritten else 0
         if lost:  # (a full disk, an unwritable file or directory: said once it is over for it)
@@ -1191,11 +1203,39 @@ def _lost_sum(events: Iterable[dict[str, Any]], field: str) -> int:
     return total
 
 
-def _lost_line(lines: int, requests: int, at: float) -> bytes:
+class _Lost(NamedTuple):
+    """A session's lost lines not yet told in its file: how many, how many of them request
+    lines, the latest loss's time, and the numbers of the request lines lost after they were
+    queued (``EventLogWriter._count_lost``)."""
+
+    lines: int
+    requests: int
+    at: float
+    exchanges: tuple[int, ...]
+
+
+_NO_LOSS: Final = _Lost(0, 0, 0.0, ())
+# The most exchange numbers a ``lines_lost`` line lists; past them it says there were more.
+_LOST_NUMBERS_SAID: Final = 1024
+
+
+def _lost_line(lost: _Lost) -> bytes:
     """The line that tells of ``lines`` of a session lost (``requests`` of them request lines)
     among or before the lines that follow it, the latest at ``at`` (``sessions show`` notes
-    them, ``sessions replay`` fails on lost requests): an audit log says it has a hole."""
-    event = {"ts": at, "type": LOST_TYPE, "lines": lines, "requests": requests}
+    them, ``sessions replay`` fails on lost requests): an audit log says it has a hole. With
+    ``exchanges``, the request lines lost after later lines may have been coded against them:
+    ``replay`` takes no earlier line of such a number for their base (numbers start at 1 again
+    with a session forgotten and back, or a restart)."""
+    event: dict[str, Any] = {
+        "ts": lost.at,
+        "type": LOST_TYPE,
+        "lines": lost.lines,
+        "requests": lost.requests,
+    }
+    if lost.exchanges:
+        event["exchanges"] = list(lost.exchanges[:_LOST_NUMBERS_SAID])
+        if len(lost.exchanges) > _LOST_NUMBERS_SAID:
+            event["more_exchanges"] = True
     return orjson.dumps(event, option=orjson.OPT_APPEND_NEWLINE)
 
 
@@ -1208,17 +1248,33 @@ def _is_request(event: Any) -> int:
     return int(isinstance(event, dict) and event.get("type") == "request")
 
 
-def _lost_in(lines: Sequence[bytes]) -> tuple[int, int]:
-    """The events among ``lines`` a failed write lost, and the requests among them: a meta line
-    is written again at its file's start, and a ``lines_lost`` line's count stays held."""
+def _request_number(event: Any) -> tuple[int, ...]:
+    """The exchange number of a request event, as ``_count_lost`` takes it (none otherwise)."""
+    if _is_request(event) and type(event.get("exchange")) is int:
+        return (event["exchange"],)
+    return ()
+
+
+_REQUEST_NUMBER: Final = re.compile(rb'"type":"request","exchange":(\d{1,18})[,}]')
+
+
+def _lost_in(lines: Sequence[bytes]) -> tuple[int, int, tuple[int, ...]]:
+    """The events among ``lines`` a failed write lost, the requests among them and their
+    exchange numbers: a meta line is written again at its file's start, and a ``lines_lost``
+    line's count stays held."""
     events = requests = 0
+    numbers: list[int] = []
     for line in lines:
         head = line[:64]
         if _META_TYPE in head or _LOST_TYPE_BYTES in head:
             continue
         events += 1
-        requests += _REQUEST_TYPE in head
-    return events, requests
+        if _REQUEST_TYPE in head:
+            requests += 1
+            found = _REQUEST_NUMBER.search(line, 0, 128)
+            if found is not None:
+                numbers.append(int(found.group(1)))
+    return events, requests, tuple(numbers)
 
 
 def _terminate_torn_line(fd: int) -> int:
@@ -1628,16 +1684,28 @@ def replay_requests(
     last: list[dict[str, Any]] | None = None
     tools: Any = _NO_TOOLS_SEEN
     tools_of: dict[int, Any] = {}  # the tools each exchange's line carried or named
+    last_exchange: int | None = None
     for ev in events:
         if ev.get("type") != "request":
-            if ev.get("type") == LOST_TYPE and ev.get("requests"):
-                # A request line lost: its number may be one an earlier line has too (numbers
-                # start again with a session forgotten and back, or a restart), and a line
-                # based on the lost one would be rebuilt on that other one. The lines before
-                # the loss are no base for those after it: left out, with a warning.
-                rebuilt.clear()
-                tools_of.clear()
-                tools, last = _NO_TOOLS_SEEN, None  # (the lost line may have changed them)
+            if ev.get("type") == LOST_TYPE:
+                # Request lines lost after later lines may have been coded against them: their
+                # numbers may be earlier lines' too (numbers start again with a session
+                # forgotten and back, or a restart), and a line based on a lost one was rebuilt
+                # on that other one. No earlier line of those numbers is a base now (what is
+                # based on them is left out, with a warning); past a list cut short, none is.
+                numbers = ev.get("exchanges")
+                if ev.get("more_exchanges"):
+                    rebuilt.clear()
+                    tools_of.clear()
+                    tools, last, last_exchange = _NO_TOOLS_SEEN, None, None
+                elif isinstance(numbers, list) and numbers:
+                    for number in numbers:
+                        if type(number) is int:
+                            rebuilt.pop(number, None)
+                            tools_of.pop(number, None)
+                            if number == last_exchange:
+                                last = last_exchange = None
+                    tools = _NO_TOOLS_SEEN  # (a lost line may have changed them)
             continue
         exchange = ev.get("exchange")
         appended = ev.get("appended") or []
@@ -1686,6 +1754,7 @@ def replay_requests(
                 continue
             messages = previous[:kept] + head + previous[replaces:base] + appended
         rebuilt[exchange] = last = messages
+        last_exchange = exchange
         request: dict[str, Any] = {"exchange_id": exchange, "model": ev.get("model")}
         if isinstance(ev.get("stream"), bool):
             request["stream"] = ev["stream"]

@@ -344,20 +344,23 @@ def test_replay_after_a_lost_request_line_never_takes_another_runs_line_for_its_
     caplog,
 ) -> None:
     """Exchange numbers start at 1 again with a session forgotten and back (or a restart): a
-    line based on the new run's first one, whose line was lost (a full disk), was rebuilt on
-    the first run's exchange 1 (a body the upstream never received). After a loss the lines
-    before it are no base: what is based on them is left out, with a warning."""
+    line based on the new run's first one, whose line was lost after the next was coded
+    against it (a full disk), was rebuilt on the first run's exchange 1 (a body the upstream
+    never received). The loss names the numbers: no earlier line of them is a base now."""
     first, second = ({"role": "system", "content": x} for x in ("A", "C"))
     ask, more = {"role": "user", "content": "task"}, {"role": "user", "content": "more"}
     events = [
         request_event(1, None, 0, [first, ask]),
         request_event(2, 1, 2, [more]),
-        {"type": "lines_lost", "lines": 1, "requests": 1},  # the new run's exchange 1
+        {"type": "lines_lost", "lines": 1, "requests": 1, "exchanges": [1]},  # the new run's 1
         request_event(2, 1, 2, [more]),  # the new run's exchange 2, on its own exchange 1
         request_event(3, None, 0, [second, ask]),
         request_event(4, 3, 2, [more]),
         {"type": "lines_lost", "lines": 2, "requests": 0},  # responses only: nothing to forget
         request_event(5, 4, 3, [more]),
+        # a loss the queue refused (never a base: no numbers) forgets nothing either
+        {"type": "lines_lost", "lines": 1, "requests": 1},
+        request_event(7, 5, 4, [more]),
     ]
     skipped: list[int] = []
     with caplog.at_level(logging.WARNING, logger="proxy.eventlog"):
@@ -368,8 +371,52 @@ def test_replay_after_a_lost_request_line_never_takes_another_runs_line_for_its_
         (3, [second, ask]),
         (4, [second, ask, more]),
         (5, [second, ask, more, more]),
+        (7, [second, ask, more, more, more]),
     ]
     assert skipped == [2] and "exchange 2 is based on exchange 1" in caplog.text
+    # a list cut short (more numbers lost than a line says): no earlier line is a base
+    cut = [*events[:2], {"type": "lines_lost", "lines": 9, "requests": 9, "more_exchanges": True}]
+    skipped = []
+    rebuilt = replay_requests([*cut, request_event(3, 2, 3, [more])], skipped)
+    assert [r["exchange_id"] for r in rebuilt] == [1, 2] and skipped == [3]
+
+
+def test_a_write_error_names_the_request_lines_it_lost_a_full_queue_none(
+    log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lines the queue refused were never a base (the observer knew); lines a write lost may
+    have been (the next ones were coded against them as they were queued)."""
+    import errno
+
+    w = started(writers, log_dir)
+    w.emit("s", {"type": "session_meta", "session": "s"}, first_in_file=True)
+    w.emit("s", request_event(1, None, 0, [{"role": "user", "content": "a"}]))
+    assert w.flush()
+    real_write = os.write
+
+    def full(fd: int, data: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    w.emit("s", request_event(2, 1, 1, [{"role": "user", "content": "b"}]))
+    w.emit("s", {"type": "response", "exchange": 2, "status": 200})
+    assert w.flush()
+    monkeypatch.setattr(os, "write", real_write)
+    w.emit("s", request_event(3, 2, 2, [{"role": "user", "content": "c"}]))
+    assert w.flush()
+    told = [e for e in read_events(log_dir / "s.jsonl").events if e["type"] == "lines_lost"]
+    assert [(e["lines"], e["requests"], e.get("exchanges")) for e in told] == [(2, 1, [2])]
+    # a full queue: counted, no number
+    q = EventLogWriter(log_dir / "q", max_queue=1)  # queued before the writer starts
+    writers.append(q)
+    assert q.emit("q", request_event(1, None, 0, []))
+    assert not q.emit("q", request_event(2, 1, 0, []))
+    q.start()
+    assert q.close()
+    (told_q,) = [
+        e for e in read_events(log_dir / "q" / "q.jsonl").events if e["type"] == "lines_lost"
+    ]
+    assert (told_q["lines"], told_q["requests"], told_q.get("exchanges")) == (1, 1, None)
 
 
 class Strict(dict):
