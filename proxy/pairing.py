@@ -203,7 +203,8 @@ def _empty_calls(message: Any) -> bool:
 def _contentless(message: Any) -> bool:
     """An assistant message with no content at all (``null``, or none) and nothing else: no tool
     calls, refusal, legacy ``function_call`` or audio. OpenAI refuses it ("expected a string,
-    got null"); an interrupted stream leaves one, and the Vercel AI SDK writes one."""
+    got null") and takes ``""``; an interrupted stream leaves one, and the Vercel AI SDK writes
+    one."""
     return (
         isinstance(message, dict)
         and message.get("role") == "assistant"
@@ -592,11 +593,11 @@ def repair_messages_from(
                     action = "removed an empty tool_calls array"
                 scanned.append(Repair("empty_tool_calls", i, None, action))
             elif _contentless(message):
-                removed.add(i)
-                mark = message.get("cache_control")
-                if mark is not None:  # a breakpoint: the message before ends that prefix
-                    state.marks[i] = mark
-                action = "removed an assistant message with no content"
+                # Given an empty content, not removed: the turns keep alternating (chat
+                # templates that require it refuse two user messages in a row), and what else
+                # it holds (a cut stream's reasoning, a cache mark) stays where it was.
+                fixed[i] = {**message, "content": ""}
+                action = "gave an assistant message with no content an empty one"
                 scanned.append(Repair("empty_assistant", i, None, action))
             continue
         new_message, ids, names, assigned, renamed = _fix_calls(i, message, calls, scanned)

@@ -135,7 +135,11 @@ def test_an_interrupted_answer_left_with_no_content_is_a_400_directly_200_throug
     )
     assert raw.http_response.status_code == 200
     assert raw.headers["x-cachegate-repairs"] == "1"
-    assert sim.sim.requests[-1].body["messages"] == [history[0], history[2]]
+    assert sim.sim.requests[-1].body["messages"] == [
+        history[0],
+        {"role": "assistant", "content": ""},
+        history[2],
+    ]
     assert proxy.metric("cachegate_pairing_repairs_total", {"kind": "empty_assistant"}) == 1
 
 

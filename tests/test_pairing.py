@@ -373,15 +373,18 @@ def test_an_empty_tool_calls_array_is_removed() -> None:
     ]
 
 
-def test_an_assistant_message_with_no_content_and_no_tool_calls_is_removed() -> None:
+def test_an_assistant_message_with_no_content_and_no_tool_calls_gets_an_empty_one() -> None:
     """An interrupted stream leaves ``{"role": "assistant", "content": null}`` (the Vercel AI
     SDK writes one too); OpenAI refuses it ("expected a string, got null") on every later turn,
-    and it was forwarded as it was. Content ``""`` is content: left alone."""
+    and it was forwarded as it was. It gets ``""`` (not removed: the turns keep alternating, as
+    strict chat templates require, and its reasoning and cache mark stay). Content ``""`` is
+    content: left alone."""
     mark = {"type": "ephemeral"}
     for bare in (
         {"role": "assistant", "content": None},
         {"role": "assistant"},
         {"role": "assistant", "content": None, "tool_calls": None},
+        {"role": "assistant", "content": None, "reasoning_content": "Let me see"},
     ):
         messages = [user("go"), bare, user("again")]
         with pytest.raises(ValidationError) as refused:
@@ -389,18 +392,19 @@ def test_an_assistant_message_with_no_content_and_no_tool_calls_is_removed() -> 
         assert refused.value.param == "messages.[1].content"
         assert needs_repair(messages)
         result = repair_messages(messages)
-        assert result.messages == [user("go"), user("again")]
+        assert result.messages == [user("go"), {**bare, "content": ""}, user("again")]
         assert [(r.kind, r.index, r.action) for r in result.repairs] == [
-            ("empty_assistant", 1, "removed an assistant message with no content")
+            ("empty_assistant", 1, "gave an assistant message with no content an empty one")
         ]
         validate_messages(result.messages)
         assert format_strict_error(diagnose(messages)) == (
             "cachegate strict pairing: 1 defect: messages[1] assistant message has no content "
             "and no tool_calls (empty_assistant)"
         )
-        # its cache_control mark goes on the message before it
+        assert bare.get("content") is None  # (not mutated)
+        # its cache_control mark stays on it
         marked = repair_messages([user("go"), {**bare, "cache_control": mark}, user("again")])
-        assert marked.messages == [{**user("go"), "cache_control": mark}, user("again")]
+        assert marked.messages[1] == {**bare, "cache_control": mark, "content": ""}
     for kept in (
         {"role": "assistant", "content": ""},
         {"role": "assistant", "content": None, "refusal": "No."},
@@ -418,7 +422,7 @@ def test_an_assistant_message_with_no_content_and_no_tool_calls_is_removed() -> 
     later = [*earlier, {"role": "assistant"}, user("on")]
     needed, _, resumed = needs_repair_from(later, [after])
     assert needed and resumed is after
-    assert repair_messages(later).messages == [*earlier, user("on")]
+    assert repair_messages(later).messages == [*earlier, asst(content=""), user("on")]
 
 
 def test_an_empty_assistant_messages_cache_mark_goes_on_the_message_before_it() -> None:
