@@ -57,7 +57,8 @@ class _Baseline:
     caches only marked prefixes (Claude), the tokens it read or wrote for it, the most a next
     request could read (None elsewhere, or unknown); ``held``: a longer prefix an earlier turn
     of its conversation had cached, and when (its tokens, on the clock of ``ready_at``), which
-    the provider holds until its TTL ends, though this turn marked less (None: none)."""
+    the provider holds until its TTL ends, though this turn marked less, and how many messages it
+    held (None: none)."""
 
     __slots__ = (
         "answer",
@@ -88,7 +89,7 @@ class _Baseline:
         self.copies = 1
         self.turns = 1
         self.cached: int | None = None
-        self.held: tuple[int, float] | None = None
+        self.held: tuple[int, float, int] | None = None
         # what its answer said (its text's digest, its tool call ids): a request that carries
         # it on is of its conversation, whatever it changed before it
         self.answer: _Answer | None = None
@@ -146,26 +147,33 @@ def _dropped_tokens(old: prefix.Fingerprint, new: prefix.Fingerprint, prompt: in
     return int(prompt * gone) // max(whole, 1)
 
 
+# Claude looks for an earlier cache entry up to about 20 content blocks before a breakpoint:
+# a prefix held further back than this many messages is out of its reach.
+CLAUDE_LOOKBACK_BLOCKS: Final = 20
+
+
 def _held_on(
     baseline: _Baseline, cached: int | None, divergence: prefix.Divergence | None
-) -> tuple[int, float] | None:
+) -> tuple[int, float, int] | None:
     """What ``baseline``'s conversation cached beyond ``cached``, which the request that takes
     its place cached (Claude: a turn that marked only its system prompt reads and writes that
-    alone, and the longer prefix the turn before wrote stays cached until its TTL ends): only
-    for a request that carries it on whole (no ``divergence``)."""
+    alone, and the longer prefix the turn before wrote stays cached until its TTL ends), when,
+    and how many messages it held: only for a request that carries it on whole (no
+    ``divergence``)."""
     if divergence is not None or cached is None:
         return None
     held = baseline.held
     if baseline.cached is not None and (held is None or baseline.cached >= held[0]):
-        held = (baseline.cached, baseline.ready_at)
+        held = (baseline.cached, baseline.ready_at, len(baseline.fp.message_digests))
     return held if held is not None and held[0] > cached else None
 
 
-def _cached_before(baseline: _Baseline, now: float, ttl_s: float) -> int | None:
-    """The most of its prompt a request continuing ``baseline`` could read from a cache of
-    marked prefixes: what it cached, or a longer prefix its conversation still holds."""
+def _cached_before(baseline: _Baseline, now: float, ttl_s: float, messages: int = 0) -> int | None:
+    """The most of its prompt a request of ``messages`` continuing ``baseline`` could read from
+    a cache of marked prefixes: what it cached, or a longer prefix its conversation still holds
+    (within its TTL, and within Claude's look back from the request's end)."""
     held = baseline.held
-    if held is not None and now - held[1] <= ttl_s:
+    if held is not None and now - held[1] <= ttl_s and messages - held[2] <= CLAUDE_LOOKBACK_BLOCKS:
         return held[0] if baseline.cached is None else max(baseline.cached, held[0])
     return baseline.cached
 
@@ -263,6 +271,12 @@ def _takes_place(
         return len(new_messages) >= kept and old_messages == new_messages[:kept]
     after = fp.message_digests[(divergence.index or 0) + 1 :]
     return bool(old) and old[-1] in after
+
+
+def _messages_held(old: prefix.Fingerprint, new: prefix.Fingerprint) -> int:
+    """How many of ``new``'s messages past its system block ``old`` holds, wherever."""
+    held = set(old.message_digests[old.system_count :])
+    return sum(1 for digest in new.message_digests[new.system_count :] if digest in held)
 
 
 def _leading(old: prefix.Fingerprint, new: prefix.Fingerprint) -> bool:
@@ -537,7 +551,7 @@ class AccountingObserver:
             # (one the provider had not read yet when this went out, a request fanned out
             # beside it that was answered first, could not have warmed the cache for it)
             base = (chosen.prompt, chosen.fp.params_digest, chosen.model)
-            cached_before = _cached_before(chosen, ex.t0, ttl_s)
+            cached_before = _cached_before(chosen, ex.t0, ttl_s, len(fp.message_digests))
         ready_at = ex.t0 + (ex.ttfb_s if ex.ttfb_s is not None else ex.duration_s)
         if ex.status < 400:  # a refused request is no baseline: the provider may not have seen it
             cached: int | None
@@ -791,12 +805,19 @@ class AccountingObserver:
             and not divergence.volatile
             and not prefix.same_opening(top.fp, fp)
         ):
-            # It opens otherwise than the closest: one that opens as it does is of its own
-            # conversation, where the closest may share only a message anyone says (two agents
-            # under one session and one prompt, the time in it, that both answered "ok": the
-            # second one's turn was blamed on its own task, the first one's).
+            # It opens otherwise than the closest: one that opens as it does and holds more of
+            # its messages is of its own conversation, where the closest may share only a
+            # message anyone says (two agents under one session and one prompt, the time in
+            # it, that both answered "ok": the second one's turn was blamed on its own task,
+            # the first one's). (A history trimmed at its start shares most with the closest:
+            # a one-shot request that opened as it now does is no better.)
+            held = _messages_held(top.fp, fp)
             for other in ranked[1:]:
-                if prefix.same_opening(other.fp, fp) and prefix.same_conversation(other.fp, fp):
+                if (
+                    prefix.same_opening(other.fp, fp)
+                    and _messages_held(other.fp, fp) > held
+                    and prefix.same_conversation(other.fp, fp)
+                ):
                     found = prefix.find_divergence(other.fp, fp, other.body, body, self.secrets)
                     return other, True, found
         if (

@@ -988,7 +988,11 @@ def same_as_sent(a: Any, b: Any) -> bool:
     provider, for a schema's properties) and takes ``true``, ``1`` and ``1.0`` for equal."""
     if a is b:
         return True
-    if not deep_equal(a, b):
+    try:
+        equal = a == b
+    except RecursionError:  # (nested past ~990 levels)
+        equal = deep_equal(a, b)
+    if not equal:
         return False
     try:
         return orjson.dumps(a) == orjson.dumps(b)
@@ -1014,7 +1018,11 @@ def _same_dumps(a: Any, b: Any, sort_keys: bool = False) -> bool:
 def same_json(a: Any, b: Any) -> bool:
     """Whether two parsed JSON values are the same JSON in any key order (number types
     included: ``1``, ``1.0`` and ``true`` are equal to Python)."""
-    if not deep_equal(a, b):
+    try:
+        equal = a == b
+    except RecursionError:  # (nested past ~990 levels)
+        equal = deep_equal(a, b)
+    if not equal:
         return False
     try:  # equal to Python: the same when serialized (C speed, where a walk would be Python's)
         sort = orjson.OPT_SORT_KEYS

@@ -669,11 +669,14 @@ class MemorySessionStore:
     def forget_idle(self, now: float) -> None:
         """Forget the sessions idle for longer than ``idle_ttl_s`` now, as the next request would
         (a scrape calls it, so the sessions gauges fall once agents stop), and those past the
-        memory budget but the one seen last (as ``leave`` keeps it: its client is the
+        memory budget but the idle one seen last (as ``leave`` keeps it: its client is the
         likeliest back, and the others' requests in flight hold what is over)."""
         self._evict(now)
         if self.max_bytes and self._bytes > self.max_bytes:
-            self._trim(now, next(reversed(self._sessions.values()), None))
+            latest = (
+                st for st in reversed(self._sessions.values()) if not (st.requests or st.busy)
+            )
+            self._trim(now, next(latest, None))
 
     def _evict(self, now: float, keep: SessionState | None = None) -> None:
         """Forget the idle sessions, then the least recently seen past ``max_sessions`` (none a

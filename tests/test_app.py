@@ -396,7 +396,11 @@ def test_histories_that_do_not_continue_one_another_each_count_toward_the_memory
     the time in it, before what follows it was shared) held 285 MB of RSS under
     sessions.max_memory_mb = 100 and none was forgotten. An agent that appends (its history
     shared, or spliced onto the last body) weighs its largest."""
-    from proxy.sessions import BYTES_HELD_PER_BODY_BYTE, BYTES_HELD_PER_OWN_BYTE
+    from proxy.sessions import (
+        BYTES_HELD_PER_BODY_BYTE,
+        BYTES_HELD_PER_OWN_BYTE,
+        SESSION_BASE_BYTES,
+    )
 
     proxy = proxy_factory(sim.api_base)
     c = sdk(proxy.base_url)
@@ -431,7 +435,7 @@ def test_histories_that_do_not_continue_one_another_each_count_toward_the_memory
         )
     assert proxy.gateway.chat.spliced_parses == (2 if spliced else 0)
     largest = len(orjson.dumps({"model": "gpt-4o", "messages": appended}))
-    assert weight("appending") < 1.1 * BYTES_HELD_PER_BODY_BYTE * largest + 2048
+    assert weight("appending") < 1.1 * BYTES_HELD_PER_BODY_BYTE * largest + SESSION_BASE_BYTES
 
 
 def test_a_websocket_handshake_is_refused_plainly_not_relayed_as_a_get(

@@ -908,16 +908,45 @@ def test_two_agents_that_both_answered_ok_are_not_one_conversation() -> None:
     assert ex.cache is not None and (ex.cache["expected"], ex.cache["waste"]) == (6_000, 6_000)
 
 
+def test_a_history_trimmed_to_open_as_a_one_shot_did_is_still_its_own_conversation() -> None:
+    """A sliding window drops an agent's oldest messages and its history now opens with
+    "continue", as a one-shot request of the session did earlier (under the prompt's previous
+    time): it was compared with that one (no waste, the time blamed) and its real loss hidden.
+    The conversation that holds more of its messages is its own."""
+    acc = _Accounting()
+    prompt = "You are a coding agent. " + "Rules. " * 50 + "Current time: 10:{:02d}."
+    acc.send([_system(prompt.format(0)), *msgs("continue")], 1_500, 0)
+    history = msgs(
+        "task: port the parser " + "in detail " * 200,
+        "plan " * 300,
+        "continue",
+        "step one " * 300,
+        "and the tests",
+    )
+    acc.send([_system(prompt.format(1)), *history], 20_000, 0)
+    history += msgs("tests " * 300, "go on")
+    acc.send([_system(prompt.format(1)), *history], 21_000, 19_000)
+    trimmed = history[2:] + msgs("more " * 300, "next")
+    ex = acc.send([_system(prompt.format(1)), *trimmed], 14_000, 1_200)
+    assert ex.divergence is not None and ex.divergence["location"] == "messages"
+    assert ex.cache is not None and ex.cache["cause"] == "prefix_rewrite"
+    assert ex.cache["waste"] > 10_000
+
+
 def test_a_longer_prefix_an_earlier_turn_cached_counts_only_while_the_provider_holds_it() -> None:
     """Claude: the turn before a request marked only its system prompt (1,000 tokens cached),
-    the one before that its whole history (5,000, at 0 s): within the TTL a request can
-    read 5,000 (an edit loses them); past it, only what the last turn cached."""
+    the one before that its whole history (5,000, at 0 s, 10 messages): within the TTL a
+    request can read 5,000 (an edit loses them); past it, or 20 messages past them (Claude
+    looks back ~20 blocks from a breakpoint), only what the last turn cached."""
     baseline = _Baseline(fingerprint({"messages": []}), {}, 5_100, "claude", 10.0)
-    baseline.cached, baseline.held = 1_000, (5_000, 0.0)
-    assert _cached_before(baseline, 200.0, 300.0) == 5_000
-    assert _cached_before(baseline, 301.0, 300.0) == 1_000
+    baseline.cached, baseline.held = 1_000, (5_000, 0.0, 10)
+    assert _cached_before(baseline, 200.0, 300.0, 12) == 5_000
+    assert _cached_before(baseline, 301.0, 300.0, 12) == 1_000
+    # ...and only within Claude's look back (~20 blocks) from the request's end
+    assert _cached_before(baseline, 200.0, 300.0, 30) == 5_000
+    assert _cached_before(baseline, 200.0, 300.0, 31) == 1_000
     baseline.cached = None  # (unknown for the last turn: the held prefix still counts)
-    assert _cached_before(baseline, 200.0, 300.0) == 5_000
+    assert _cached_before(baseline, 200.0, 300.0, 12) == 5_000
 
 
 def test_a_first_turn_sent_again_with_the_time_in_it_twice_is_a_rewrite() -> None:

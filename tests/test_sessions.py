@@ -297,6 +297,12 @@ def test_the_budgets_hold_again_once_a_burst_of_requests_in_flight_is_done() -> 
     busy.leave(done, 2.0)
     busy.forget_idle(3.0)
     assert list(busy.active_ids()) == ["working", "done"]
+    # ...also when another request came in since (its session now the last seen: in flight,
+    # never at risk; the one kept was it, and the one that had finished was forgotten)
+    other = busy.create("other", 2.5)
+    busy.enter(other)
+    busy.forget_idle(3.0)
+    assert list(busy.active_ids()) == ["working", "done", "other"]
 
 
 def test_a_small_side_request_does_not_hide_the_history_its_session_still_holds() -> None:
