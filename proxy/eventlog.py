@@ -207,7 +207,7 @@ class EventLogWriter:
         # Per session, lines lost for any reason (a full queue, a write error, a line that could
         # not be serialized or redacted) not yet told in its file: a ``lines_lost`` line goes
         # before its next lines (guarded by ``_lock``: the event loop counts a full queue's).
-        # (lines, requests, when the latest was lost)
+        # (``_Lost``: lines, requests, when the latest was lost, the request lines' numbers)
         self._lost_lines: OrderedDict[str, _Lost] = OrderedDict()
         self._syncs = 0
         # Owned by the writer thread only.
@@ -383,9 +383,10 @@ class EventLogWriter:
         with self._lock:
             lost = self._lost_lines
             held = lost.pop(session_id, _NO_LOSS)
-            lost[session_id] = _Lost(
-                held.lines + lines, held.requests + requests, now, (*held.exchanges, *exchanges)
-            )
+            numbers = held.exchanges
+            if exchanges and len(numbers) <= _LOST_NUMBERS_SAID:  # (one past them says "more")
+                numbers = (*numbers, *exchanges)[: _LOST_NUMBERS_SAID + 1]
+            lost[session_id] = _Lost(held.lines + lines, held.requests + requests, now, numbers)
             if len(lost) > _METAS_KEPT:
                 del lost[next(iter(lost))]
 
