@@ -73,6 +73,21 @@ def test_interrupted_turn_400_directly_200_through_cachegate(
     assert proxy.metric("cachegate_pairing_repairs_total", {"kind": "invalid_arguments"}) == 2
 
 
+def _refused_directly_answered_through(
+    sdk: Any, sim: RunningSimulator, proxy: Any, history: list[Any], refusal: str
+) -> Any:
+    """``history`` sent to the simulator directly is refused with ``refusal`` in its message
+    (as OpenAI words it); through cachegate it is answered: the raw response."""
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk(sim.api_base).chat.completions.create(model="gpt-4o", messages=history)
+    assert refusal in str(info.value)
+    raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+        model="gpt-4o", messages=history
+    )
+    assert raw.http_response.status_code == 200
+    return raw
+
+
 @pytest.mark.parametrize("ids", ["", None])
 def test_gemini_style_histories_400_directly_200_through_cachegate(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any, ids: str | None
@@ -95,14 +110,7 @@ def test_gemini_style_histories_400_directly_200_through_cachegate(
         {"role": "user", "content": "Thanks"},
     ]
     proxy = proxy_factory(sim.api_base)
-    with pytest.raises(openai.BadRequestError) as info:
-        sdk(sim.api_base).chat.completions.create(model="gpt-4o", messages=history)  # type: ignore[arg-type]
-    assert "empty array" in str(info.value)
-    raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
-        model="gpt-4o",
-        messages=history,  # type: ignore[arg-type]
-    )
-    assert raw.http_response.status_code == 200
+    raw = _refused_directly_answered_through(sdk, sim, proxy, history, "empty array")
     assert raw.headers["x-cachegate-repairs"] == "3"  # two ids given, one empty array removed
     forwarded = sim.sim.requests[-1].body["messages"]
     assert [m["role"] for m in forwarded] == ["user", "assistant", "tool", "assistant", "user"]
@@ -126,14 +134,7 @@ def test_an_interrupted_answer_left_with_no_content_is_a_400_directly_200_throug
         {"role": "user", "content": "Go on"},
     ]
     proxy = proxy_factory(sim.api_base)
-    with pytest.raises(openai.BadRequestError) as info:
-        sdk(sim.api_base).chat.completions.create(model="gpt-4o", messages=history)  # type: ignore[arg-type]
-    assert "expected a string, got null" in str(info.value)
-    raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
-        model="gpt-4o",
-        messages=history,  # type: ignore[arg-type]
-    )
-    assert raw.http_response.status_code == 200
+    raw = _refused_directly_answered_through(sdk, sim, proxy, history, "got null")
     assert raw.headers["x-cachegate-repairs"] == "1"
     assert sim.sim.requests[-1].body["messages"] == [
         history[0],
