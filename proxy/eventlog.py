@@ -177,7 +177,7 @@ class EventLogWriter:
         # Exact values never written, whatever they look like and with or without redaction
         # (cachegate's own upstream key): as they appear inside a JSON string. Short ones would
         # take words out of the text and are not taken.
-        self._secrets = tuple(orjson.dumps(s)[1:-1] for s in known_secrets(secrets))
+        self._secrets = _as_written(secrets)
         self.on_loss = on_loss
         # Sessions that lost a line since their observer last looked (``take_broken``): its next
         # request line must not be coded against one that never reached the file. Shared with
@@ -530,12 +530,7 @@ class EventLogWriter:
                     self._remove_secrets(batch)
                     self._remove_secrets(kept_metas)
                 for lines, at, secrets in scrubbed:
-                    line = lines[at]
-                    for secret in secrets:
-                        found = orjson.dumps(secret)[1:-1]  # as the line writes it
-                        if line.find(found) >= 0:
-                            line = line.replace(found, _REDACTED_BYTES)
-                    lines[at] = line
+                    lines[at] = _without(lines[at], _as_written(secrets))
                 for session_id, lines in kept_metas.items():
                     if lines:
                         self._remember_meta(session_id, lines[-1])
@@ -624,10 +619,7 @@ class EventLogWriter:
         secrets = self._secrets
         for lines in batch.values():
             for i, line in enumerate(lines):
-                for secret in secrets:
-                    if line.find(secret) >= 0:
-                        line = line.replace(secret, _REDACTED_BYTES)
-                        lines[i] = line
+                lines[i] = _without(line, secrets)
 
     def _file_is_empty(self, session_id: str, batch: dict[str, list[bytes]]) -> bool:
         """Whether ``session_id``'s file holds no line, written or in ``batch``. A file that
@@ -1202,6 +1194,20 @@ def _lost_sum(events: Iterable[dict[str, Any]], field: str) -> int:
             if type(value) is int and value > 0:
                 total += value
     return total
+
+
+def _as_written(secrets: Iterable[str]) -> tuple[bytes, ...]:
+    """Exact secret values (``known_secrets``) as a line writes them: JSON-escaped."""
+    return tuple(orjson.dumps(s)[1:-1] for s in known_secrets(secrets))
+
+
+def _without(line: bytes, secrets: Iterable[bytes]) -> bytes:
+    """``line`` with each of ``secrets`` replaced (a search in place, at memory speed; a copy
+    only where one is found)."""
+    for secret in secrets:
+        if line.find(secret) >= 0:
+            line = line.replace(secret, _REDACTED_BYTES)
+    return line
 
 
 class _Lost(NamedTuple):

@@ -1141,15 +1141,14 @@ class EventLogObserver:
         )
 
 
-# A key shorter than this is no secret worth a search (and would replace common words).
-_CLIENT_KEY_MIN: Final = 8
 _PLACEHOLDER_KEY: Final = PLACEHOLDER_AUTHORIZATION.split()[-1].decode().lower()
 
 
 def client_keys(headers: Iterable[tuple[bytes, bytes]] | None) -> tuple[str, ...]:
     """The values of the key headers a request went upstream with (``Authorization``'s without
-    its scheme, ``api-key``, ``x-api-key``, ``x-goog-api-key``), but cachegate's placeholder:
-    a key of the client's own, which the redaction's patterns need not know."""
+    its scheme, ``api-key``, ``x-api-key``, ``x-goog-api-key``), but cachegate's placeholder
+    and those too short to search for (``known_secrets``): a key of the client's own, which
+    the redaction's patterns need not know."""
     keys: list[str] = []
     for name, value in headers or ():
         name = name.lower()
@@ -1159,9 +1158,9 @@ def client_keys(headers: Iterable[tuple[bytes, bytes]] | None) -> tuple[str, ...
         if name == b"authorization":
             scheme, _, token = text.partition(" ")
             text = token.strip() if token else scheme
-        if len(text) >= _CLIENT_KEY_MIN and text.lower() != _PLACEHOLDER_KEY:
+        if text.lower() != _PLACEHOLDER_KEY:
             keys.append(text)
-    return tuple(keys)
+    return known_secrets(keys)
 
 
 def _usage_dict(usage: Usage) -> dict[str, Any]:

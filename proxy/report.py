@@ -925,7 +925,7 @@ _CONTROL_FOUND = _class_of(_CONTROLS)
 def json_terminal_safe(line: str) -> str:
     """A JSON line with the C1 control characters and the bidirectional controls escaped: the
     same JSON, inert on a terminal. (Translated only where it holds one: ``replay`` of a
-    history with one em dash in it spent 11 s translating 94 MB, 0.6 s without.)"""
+    history with one em dash in it spent 11.2 s on 94 MB, 1.2 s with the search first.)"""
     return line.translate(_C1_ESCAPED) if _C1_FOUND.search(line) else line
 
 
