@@ -399,6 +399,7 @@ def _utf8_stdout() -> None:
 def _sessions(ns: argparse.Namespace) -> int:
     from proxy import report
     from proxy.eventlog import lost_requests
+    from proxy.listmemo import SummaryMemo
 
     _utf8_stdout()
     log_dir = ns.log_dir or os.environ.get("CACHEGATE_LOG_DIR")
@@ -416,7 +417,11 @@ def _sessions(ns: argparse.Namespace) -> int:
         if ns.action == "list":
             unreadable: list[tuple[str, str]] = []
             since = time.time() - ns.since if ns.since is not None else None
-            sessions = report.list_sessions(log_dir, unreadable, since=since, limit=ns.limit)
+            memo = SummaryMemo.load(log_dir)
+            sessions = report.list_sessions(
+                log_dir, unreadable, since=since, limit=ns.limit, memo=memo
+            )
+            memo.save()
             for path, reason in unreadable:  # (the others are listed: one file must not hide them)
                 hint = (
                     "; log files are private to the user that wrote them: run as that user"

@@ -30,6 +30,7 @@ from proxy.eventlog import (
     replay_requests,
     session_log_path,
 )
+from proxy.listmemo import SummaryMemo, file_key
 from proxy.prefix import deep_dumps
 from proxy.sessions import valid_session_id
 
@@ -195,6 +196,7 @@ def list_sessions(
     *,
     since: float | None = None,
     limit: int | None = None,
+    memo: SummaryMemo | None = None,
 ) -> list[SessionSummary]:
     """Every session logged in ``log_dir``, most recently seen first. A file that cannot be
     read (another user's permissions, a socket, an I/O error) is left out and its path and the
@@ -204,19 +206,25 @@ def list_sessions(
     ``since`` (a time) leaves out the files last written before it, and ``limit`` reads only
     the most recently written files until that many sessions are found: both are judged by the
     files' modification times before any is read, so days of logs are not read to list the
-    latest few."""
+    latest few.
+
+    With ``memo`` (``proxy.listmemo``), a file whose key is unchanged since a listing that kept
+    its summary is not read again, and the summaries read are kept for the next (the caller
+    saves the memo)."""
     directory = os.fspath(log_dir)
     if not os.path.isdir(directory):
         if os.path.exists(directory):
             raise NotADirectoryError(f"log directory {directory!r} is not a directory")
         raise FileNotFoundError(f"log directory {directory!r} does not exist")
     candidates: list[tuple[float, str, str]] = []  # (modified, session id, path)
+    present: set[str] = set()
     with os.scandir(directory) as entries:
         for entry in entries:
             name = entry.name
             session_id = name[: -len(LOG_SUFFIX)]
             if not name.endswith(LOG_SUFFIX) or not valid_session_id(session_id):
                 continue
+            present.add(name)
             modified = 0.0
             if since is not None or limit is not None:
                 try:
@@ -231,6 +239,13 @@ def list_sessions(
     for _, session_id, path in candidates:
         if limit is not None and len(summaries) >= limit:
             break
+        key = file_key(path) if memo is not None else None
+        if memo is not None:
+            known, held = memo.get(session_id + LOG_SUFFIX, key)
+            if known:
+                if held is not None:  # (None: a file that is no cachegate log)
+                    summaries.append(SessionSummary(**held))
+                continue
         try:
             log = read_events(path, drop=BODY_FIELDS)
         except (FileNotFoundError, NotALogFile):  # removed meanwhile; a directory, a link
@@ -241,9 +256,15 @@ def list_sessions(
             reason = "permission denied" if isinstance(exc, PermissionError) else exc.strerror
             unreadable.append((path, reason or type(exc).__name__))
             continue
-        if not log.starts_as_log:
-            continue
-        summaries.append(summarize(build_detail(session_id, log)))
+        summary = summarize(build_detail(session_id, log)) if log.starts_as_log else None
+        # Kept only if the file did not change while it was read (an append, a rename over it):
+        # the summary is then that of the bytes the key names.
+        if memo is not None and key is not None and file_key(path) == key:
+            memo.put(session_id + LOG_SUFFIX, key, summary.to_json() if summary else None)
+        if summary is not None:
+            summaries.append(summary)
+    if memo is not None:
+        memo.keep_only(present)
     summaries.sort(key=lambda s: (-(s.last_seen or 0.0), s.session))
     return summaries
 

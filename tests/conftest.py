@@ -18,6 +18,17 @@ from proxy.config import Settings, settings_from_mapping
 from proxy.serving import ServerThread
 
 
+@pytest.fixture(autouse=True)
+def _own_cache_dir(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """``cachegate sessions list`` keeps a memo under ``$XDG_CACHE_HOME``: each test gets its own
+    (the CLI in this process and in the ones it starts), never the user's."""
+    cache = tmp_path_factory.mktemp("xdg-cache")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    return cache
+
+
 @dataclass
 class RunningProxy:
     server: ServerThread
