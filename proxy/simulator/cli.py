@@ -7,11 +7,7 @@ import logging
 import socket
 import sys
 
-import uvicorn
-
 from proxy.config import url_host
-from proxy.serving import HttpProtocol, serve_until_stopped
-from proxy.simulator.app import create_simulator_app
 from proxy.simulator.config import DIALECTS, SimConfig
 
 logger = logging.getLogger(__name__)
@@ -144,6 +140,11 @@ def serve(
         f"cachegate simulate: {config.dialect} on http://{url_host(host)}:{port}/v1",
         file=sys.stderr,
     )
+    import uvicorn  # (here: the other commands build this one's options without its server)
+
+    from proxy.serving import HttpProtocol, serve_until_stopped
+    from proxy.simulator.app import create_simulator_app
+
     app = create_simulator_app(config, bind_host=host)
     if sockets is None:
         uvicorn.run(app, host=host, port=port, log_level="warning", http=HttpProtocol)
