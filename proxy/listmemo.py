@@ -5,8 +5,8 @@ else ``~/.cache/cachegate``), named by a digest of the directory's real path. Ea
 kept under its log file's device, inode, size, and modification and change times in
 nanoseconds: an append, a truncation, a file renamed over it, even a ``chmod`` or ``touch``
 changes the key and the log is read again. The memo is also keyed by the code that reads the
-logs (a digest of ``report.py`` and ``eventlog.py``): another version of cachegate starts it
-afresh.
+logs (a digest of cachegate's version, ``report.py`` and ``eventlog.py``): another version of
+cachegate starts it afresh.
 
 The memo only ever saves time. A missing, corrupt or foreign memo file, an entry of the wrong
 shape, an unwritable cache directory: the logs are read as without it, and nothing is said.
@@ -62,9 +62,9 @@ def file_key(path: str) -> Key | None:
 
 def _code_digest() -> str:
     """A digest of the code a summary comes from: a memo of another version is not used."""
-    from proxy import report
+    from proxy import __version__, report
 
-    digest = hashlib.blake2b(digest_size=16)
+    digest = hashlib.blake2b(__version__.encode(), digest_size=16)
     for module in (report, eventlog):
         path = module.__file__
         if path is None:
