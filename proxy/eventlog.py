@@ -107,6 +107,7 @@ class _Scrubbed:
 # How long the writer sleeps when it has nothing to write; events reach the disk within this.
 POLL_S: Final = 0.05
 _META_TYPE: Final = b'"type":"session_meta"'
+_WRITTEN_KEYS_KEPT: Final = 256
 _METAS_KEPT: Final = 4096
 _BATCH_SESSIONS: Final = 64  # sessions gathered into one batch of writes
 # Lines looked through for secrets at once: a literal found sends only its group line by line.
@@ -178,6 +179,8 @@ class EventLogWriter:
         # (cachegate's own upstream key): as they appear inside a JSON string. Short ones would
         # take words out of the text and are not taken.
         self._secrets = _as_written(secrets)
+        # A client's own keys as written (``_keys_written``): the same few keys, request after request
+        self._written_keys: dict[tuple[str, ...], tuple[bytes, ...]] = {}
         self.on_loss = on_loss
         # Sessions that lost a line since their observer last looked (``take_broken``): its next
         # request line must not be coded against one that never reached the file. Shared with
@@ -524,13 +527,15 @@ class EventLogWriter:
                     ):
                         break
                     item = self._items.popleft()
-                if made:
-                    self._redact(made)
+                # The exact values first: a pattern that took only a part of one (a key with a
+                # ``:`` or ``!`` in it, after ``Bearer``) would leave the rest to be written.
                 if self._secrets:
                     self._remove_secrets(batch)
                     self._remove_secrets(kept_metas)
                 for lines, at, secrets in scrubbed:
-                    lines[at] = _without(lines[at], _as_written(secrets))
+                    lines[at] = _without(lines[at], self._keys_written(secrets))
+                if made:
+                    self._redact(made)
                 for session_id, lines in kept_metas.items():
                     if lines:
                         self._remember_meta(session_id, lines[-1])
@@ -588,7 +593,10 @@ class EventLogWriter:
                 if not line_may_hold_secret(lines[at]):
                     continue
                 try:
-                    lines[at] = _dumps_line(deep_call(redact, out), _redacted_str)
+                    # From the line as it stands (exact secrets taken out already), not from
+                    # the event: a secret's value must not come back with the rest of it.
+                    event = _read_back(lines[at])
+                    lines[at] = _dumps_line(deep_call(redact, event), _redacted_str)
                 except Exception as exc:  # a hostile __str__, say
                     self._mark_broken(session_id)
                     self._count_lost(session_id, 1, _is_request(out), _request_number(out))
@@ -612,6 +620,15 @@ class EventLogWriter:
     def take_broken(self, session_id: str) -> bool:
         """Whether ``session_id`` lost a line since the last call that said so (then forgotten)."""
         return self.broken.pop(session_id, _NOT_BROKEN) is not _NOT_BROKEN
+
+    def _keys_written(self, secrets: tuple[str, ...]) -> tuple[bytes, ...]:
+        """``_as_written(secrets)``, kept for the next lines with the same keys."""
+        written = self._written_keys.get(secrets)
+        if written is None:
+            if len(self._written_keys) >= _WRITTEN_KEYS_KEPT:
+                self._written_keys.clear()
+            written = self._written_keys[secrets] = _as_written(secrets)
+        return written
 
     def _remove_secrets(self, batch: dict[str, list[bytes]]) -> None:
         """Replace the exact secret values in the batch's lines (a search of each line in
@@ -1194,6 +1211,18 @@ def _lost_sum(events: Iterable[dict[str, Any]], field: str) -> int:
             if type(value) is int and value > 0:
                 total += value
     return total
+
+
+def _read_back(line: bytes) -> Any:
+    """An event from the line it was written as (deeper than orjson reads: the standard
+    library's reader). Raises ``ValueError`` if it is no JSON (its caller counts it lost)."""
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError:
+        event = _deep_line(line)
+        if event is None:
+            raise ValueError("a line written cannot be read back") from None
+        return event
 
 
 def _as_written(secrets: Iterable[str]) -> tuple[bytes, ...]:

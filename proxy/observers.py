@@ -943,8 +943,11 @@ class EventLogObserver:
 
     def _emit_scrubbed(self, session_id: str, event: dict[str, Any], ex: Exchange) -> bool:
         """``_emit``, the client's own keys (``client_keys``) never written in the line: an
-        upstream's error may quote the key it refused (``Incorrect API key provided: …``)."""
-        keys = client_keys(ex.upstream_headers)
+        upstream's error may quote the key it refused (``Incorrect API key provided: …``), a
+        tool's output or the answer may hold it (an agent that ran ``env``)."""
+        keys = ex.client_secrets
+        if keys is None:
+            keys = ex.client_secrets = client_keys(ex.upstream_headers)
         if not keys:
             return self._emit(session_id, event)
         return self.writer.emit(session_id, event, False, keys)
@@ -1044,7 +1047,7 @@ class EventLogObserver:
             else:
                 event["tools"] = tools
                 keep = [(ex.exchange_id, tools), *logged[: CONVERSATIONS_KEPT - 1]]
-        written = self._emit(ex.session_id, event)
+        written = self._emit_scrubbed(ex.session_id, event, ex)
         if state is not None and written:  # a line that was refused is no base
             carried = next((m for eid, m in candidates if eid == base_exchange), None)
             whole = carried is not None and base == len(carried)  # it carries that one on whole
@@ -1090,16 +1093,13 @@ class EventLogObserver:
             if ex.summary_cost is not None:
                 summary["cost"] = ex.summary_cost
             event["summary"] = summary
-        if ex.error is not None:  # (the provider's words: they may quote the key it refused)
-            self._emit_scrubbed(ex.session_id, event, ex)
-        else:
-            self._emit(ex.session_id, event)
+        self._emit_scrubbed(ex.session_id, event, ex)
 
     def on_compaction(self, ex: Exchange, comp: Any, source: str) -> None:
         if ex.session_id is None:
             return
         self._meta(ex)  # a compaction is noted before the request: the meta line comes first
-        self._emit(
+        self._emit_scrubbed(
             ex.session_id,
             {
                 "ts": self.clock(),
@@ -1121,13 +1121,14 @@ class EventLogObserver:
                     else {"prefix_digest": comp.prefix_digest, "opening": comp.opening}
                 ),
             },
+            ex,
         )
 
     def on_error(self, ex: Exchange) -> None:
         if ex.session_id is None:
             return
         self._meta(ex)
-        self._emit(
+        self._emit_scrubbed(
             ex.session_id,
             {
                 "ts": self.clock(),
@@ -1138,6 +1139,7 @@ class EventLogObserver:
                 "message": ex.error,
                 "forwarded": False,  # answered by cachegate: nothing went upstream
             },
+            ex,
         )
 
 

@@ -56,6 +56,8 @@ class Exchange:
     strict: bool = False  # strict pairing for this request (config or X-Cachegate-Strict)
     # the key cachegate adds is among them: never in a printed Exchange (a log, a traceback)
     upstream_headers: list[tuple[bytes, bytes]] = field(default_factory=list, repr=False)
+    # the client's own keys among them (``observers.client_keys``), once the log has looked
+    client_secrets: tuple[str, ...] | None = field(default=None, repr=False)
     strip_usage: bool = False
     compacted: bool = False
     # a new compaction (not one reused): the provider's cache misses this request where the

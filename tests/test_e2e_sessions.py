@@ -1448,6 +1448,29 @@ def test_a_key_of_the_clients_own_that_the_upstream_quotes_is_never_written(
     assert response["error"] == "Incorrect API key provided: [REDACTED]."
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_clients_own_key_in_a_tool_output_or_an_answer_is_never_written(
+    sim: RunningSimulator, proxy_factory: Any, stream: bool
+) -> None:
+    """An agent that ran ``env`` sends its own key back (a tool's output, pasted text), and the
+    model repeats it: a key of no known shape was written in the request and response lines of
+    an exchange that succeeded (only a failed exchange's line was kept clean of it)."""
+    key = "Kx" + _random(14) + ":" + _random(16)  # (with a ':' no pattern passes over)
+    proxy = proxy_factory(sim.api_base)
+    client = make_client(proxy.base_url, api_key=key, default_headers={"X-Session-Id": "own"})
+    convo: list[dict[str, Any]] = [{"role": "user", "content": f"env printed {key} here"}]
+    reply, _ = chat(client, convo, stream=stream)
+    assert key in reply["content"]  # the simulator echoes it: the answer holds it too
+    assert sim.sim.requests[0].headers["authorization"] == f"Bearer {key}"
+    flush(proxy)
+    data = (proxy.log_dir / "own.jsonl").read_text()
+    assert key[:16] not in data and key[17:] not in data
+    (request,) = events(proxy.log_dir, "own", "request")
+    assert request["appended"][0]["content"] == "env printed [REDACTED] here"
+    (response,) = events(proxy.log_dir, "own", "response")
+    assert "[REDACTED]" in response["message"]["content"]
+
+
 @pytest.mark.parametrize("redact_secrets", [True, False])
 def test_the_configured_key_of_any_shape_is_never_written(
     sim: RunningSimulator, proxy_factory: Any, redact_secrets: bool

@@ -1302,23 +1302,23 @@ def test_a_history_of_screenshots_is_written_without_a_field_by_field_redaction(
 
 
 def test_a_line_that_cannot_be_redacted_is_dropped_and_the_batch_still_written(
-    log_dir: Path, writers
+    log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    class Flaky:
-        """Serializes once, then fails: the redacting pass is the one that breaks."""
+    from proxy import eventlog
 
-        calls = 0
+    real = eventlog.redact
 
-        def __str__(self) -> str:
-            Flaky.calls += 1
-            if Flaky.calls > 1:
-                raise RuntimeError("no second time")
-            return "flaky"
+    def flaky(value: Any) -> Any:
+        """Fails on the one line whose redaction must break."""
+        if isinstance(value, dict) and value.get("n") == 1:
+            raise RuntimeError("cannot redact this one")
+        return real(value)
 
+    monkeypatch.setattr(eventlog, "redact", flaky)
     w = EventLogWriter(log_dir)  # queued before the writer starts: one batch
     writers.append(w)
     w.emit("s", {"type": "error", "n": 0, "message": "fine"})
-    w.emit("s", {"type": "error", "n": 1, "message": f"key {KEY}", "extra": Flaky()})
+    w.emit("s", {"type": "error", "n": 1, "message": f"key {KEY}"})
     w.emit("s", {"type": "error", "n": 2, "message": f"key {KEY}"})
     w.emit("s", {"type": "error", "n": 3, "message": "fine"})
     w.start()
@@ -1359,6 +1359,28 @@ def test_known_secrets_are_never_written_whatever_their_shape(
     event = read_events(log_dir / "t.jsonl").events[0]
     assert event["[REDACTED]"] == "as a key too"
     assert event["message"] == "short words stay"  # values under 8 characters are not taken
+
+
+def test_a_known_secret_a_pattern_would_take_only_part_of_is_taken_whole(
+    log_dir: Path, writers
+) -> None:
+    """``Bearer`` followed by a key with a ``:`` in it: the pattern took the part before it and
+    the rest of the key was written (``Bearer [REDACTED]:Zz99Yy88Xx77Ww66``). The same for a
+    client's own key with a ``!`` in a line that must not hold it."""
+    configured = "Ab12Cd34Ef56Gh78:Zz99Yy88Xx77Ww66"
+    own = "tok:en0123456789!abcdefghij"
+    w = started(writers, log_dir, secrets=[configured])
+    text = f"curl -H 'Authorization: Bearer {configured}' and Bearer {own}"
+    w.emit("s", request_event(1, None, 0, [{"role": "tool", "content": text}]))
+    w.emit("s", {"ts": 1.0, "type": "error", "message": text}, False, (own,))
+    assert w.close()
+    raw = (log_dir / "s.jsonl").read_bytes()
+    assert b"Zz99Yy88Xx77Ww66" not in raw and b"Ab12Cd34" not in raw
+    assert b"abcdefghij" not in raw[raw.index(b'"type":"error"') :]
+    events = read_events(log_dir / "s.jsonl").events
+    assert events[1]["message"] == (
+        "curl -H 'Authorization: Bearer [REDACTED]' and Bearer [REDACTED]"
+    )
 
 
 def test_a_crashed_writer_counts_every_later_event_as_lost_at_once(log_dir: Path) -> None:
