@@ -50,7 +50,7 @@ from proxy.relay import (
     upstream_request_headers,
 )
 from proxy.sessions import MemorySessionStore, explicit_session_id, valid_session_id
-from proxy.upstream import SizedStream, UpstreamPool
+from proxy.upstream import SizedStream, UpstreamPool, ssl_context
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,9 @@ def build_transport(
         max_keepalive_connections=up.max_keepalive_connections,
         keepalive_expiry=30.0,
     )
-    return httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
+    # (not httpx's own reading of the environment: that would take proxies from it too; the
+    # CA bundle is chosen as the native pool chooses it, SSL_CERT_FILE/SSL_CERT_DIR included)
+    return httpx.AsyncHTTPTransport(limits=limits, trust_env=False, verify=ssl_context())
 
 
 def build_timeout(settings: Settings) -> httpx.Timeout:

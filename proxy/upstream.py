@@ -770,7 +770,7 @@ async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
         raise OSError(error, os.strerror(error))
 
 
-def _ssl_context() -> ssl.SSLContext:
+def ssl_context() -> ssl.SSLContext:
     """Verification as httpx does it: certifi's bundle unless SSL_CERT_FILE/SSL_CERT_DIR say else."""
     cafile = os.environ.get("SSL_CERT_FILE")
     capath = os.environ.get("SSL_CERT_DIR")
@@ -987,7 +987,7 @@ class UpstreamPool:
         tls: ssl.SSLContext | None = None
         if scheme == "https":
             if self._ssl is None:
-                self._ssl = _ssl_context()
+                self._ssl = ssl_context()
             tls = self._ssl
         family = (
             _ip_family(host) if tls is None and request is not None and _SEND_WITH_CONNECT else 0

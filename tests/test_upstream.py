@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from proxy import upstream
-from proxy.upstream import UpstreamPool, UpstreamResponse, _Connection, _ssl_context
+from proxy.upstream import UpstreamPool, UpstreamResponse, _Connection, ssl_context
 
 DATA = Path(__file__).parent / "data"
 CERT = DATA / "tls-test-cert.pem"
@@ -651,10 +651,45 @@ def test_tls_upstream_is_verified() -> None:
 def test_ssl_cert_file_selects_the_trusted_bundle(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SSL_CERT_FILE", str(CERT))
     monkeypatch.delenv("SSL_CERT_DIR", raising=False)
-    names = [c.get("subject") for c in _ssl_context().get_ca_certs()]
+    names = [c.get("subject") for c in ssl_context().get_ca_certs()]
     assert names == [((("commonName", "cachegate test upstream"),),)]
     monkeypatch.delenv("SSL_CERT_FILE")
-    assert len(_ssl_context().get_ca_certs()) > 50  # certifi's bundle, as httpx uses
+    assert len(ssl_context().get_ca_certs()) > 50  # certifi's bundle, as httpx uses
+
+
+def test_the_httpx_transport_trusts_ssl_cert_file_as_the_native_pool_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``upstream.transport = "httpx"`` a private CA in ``SSL_CERT_FILE`` was ignored
+    (502 ``certificate verify failed``), though the README promises it for both transports."""
+    from proxy.app import build_transport
+    from proxy.config import settings_from_mapping
+
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(CERT, KEY)
+
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(answer(b"over tls"))
+        return True
+
+    async def fetch(url: str) -> bytes:
+        transport = build_transport(
+            settings_from_mapping({"upstream": {"transport": "httpx"}}), None
+        )
+        assert isinstance(transport, httpx.AsyncHTTPTransport)
+        async with httpx.AsyncClient(transport=transport) as client:
+            return (await client.get(url)).content
+
+    async def main() -> None:
+        async with Server(handler, tls=server_tls) as srv:
+            monkeypatch.setenv("SSL_CERT_FILE", str(CERT))
+            monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+            assert await fetch(srv.url + "/") == b"over tls"
+            monkeypatch.delenv("SSL_CERT_FILE")
+            with pytest.raises(httpx.ConnectError):  # still verified: certifi's bundle alone
+                await fetch(srv.url + "/")
+
+    run(main())
 
 
 def test_an_answer_before_the_whole_upload_retires_the_connection() -> None:
