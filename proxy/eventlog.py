@@ -1873,17 +1873,36 @@ EVENT_START: Final = b'{"ts":'  # every line cachegate writes begins so
 
 
 def _is_event_log(path: str) -> bool:
-    """Whether the file begins as cachegate's event lines do (read without following a link)."""
+    """Whether the file begins as cachegate's event lines do (read without following a link),
+    judged as the reports judge it (``parse_lines``): past the NUL bytes a crash can leave at a
+    file's start, white space and a byte-order mark. Such a file is listed as a session, so
+    retention must count it and may delete it."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         return False
     try:
-        return os.read(fd, len(EVENT_START)) == EVENT_START
+        seen = 0
+        while seen < _LEADING_BLANK_LIMIT:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return False
+            seen += len(chunk)
+            head = chunk.lstrip(b"\0 \t\r\n")
+            if head:
+                head = head.removeprefix(_BOM)
+                if len(head) < len(EVENT_START):  # (its start cut by the chunk's end: read on)
+                    head += os.read(fd, len(EVENT_START))
+                return head.startswith(EVENT_START)
+        return False
     except OSError:
         return False
     finally:
         os.close(fd)
+
+
+# How far into a file retention looks past leading NUL bytes for its first line.
+_LEADING_BLANK_LIMIT: Final = 1 << 20
 
 
 def _unlink(path: str) -> bool:

@@ -1448,6 +1448,41 @@ def test_retention_leaves_other_jsonl_files_in_a_shared_directory_alone(tmp_path
     assert results.exists() and spaced.exists() and link.is_symlink()
 
 
+def test_retention_judges_a_log_as_the_reports_do_past_a_crash_s_leading_nuls(
+    tmp_path: Path,
+) -> None:
+    """A crash can leave a log's first blocks as NUL bytes (XFS, ext4's delayed allocation):
+    ``sessions list`` shows such a log, but retention took it for another tool's file and kept
+    it past ``max_age_days``, uncounted in ``max_total_mb``, for ever."""
+    now = 1_700_000_000.0
+    old = now - 30 * 86400.0
+    line = b'{"ts":1,"type":"session_meta"}\n'
+    cases = {
+        "nul-block": b"\0" * 4096 + line,
+        "past-a-chunk": b"\0" * 65533 + line,  # (its start cut by the first read's end)
+        "bom": b"\xef\xbb\xbf" + line,
+        "blank-first": b"\n\n" + line,
+    }
+    paths = []
+    for name, data in cases.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_bytes(data)
+        os.utime(path, (old, old))
+        paths.append(path)
+    nuls_only = tmp_path / "nuls-only.jsonl"  # nothing but a crash's NULs: no log of ours
+    nuls_only.write_bytes(b"\0" * 8192)
+    other = tmp_path / "other.jsonl"
+    other.write_bytes(b"\0" * 10 + b'{"epoch": 1}\n')
+    for path in (nuls_only, other):
+        os.utime(path, (old, old))
+    from proxy.report import list_sessions
+
+    assert {s.session for s in list_sessions(tmp_path)} == set(cases)  # each is listed
+    removed = enforce_retention(tmp_path, max_age_days=7, max_total_mb=None, active=(), now=now)
+    assert sorted(removed) == sorted(str(p) for p in paths)
+    assert nuls_only.exists() and other.exists()
+
+
 def test_retention_trims_the_oldest_until_the_total_fits(tmp_path: Path) -> None:
     now = 1_700_000_000.0
     mb = 1024 * 1024
