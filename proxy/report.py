@@ -1014,6 +1014,8 @@ def _width(text: str) -> int:
 
 
 def _char_width(char: str) -> int:
+    if ord(char) in _CONTROLS:  # shown as U+FFFD (``terminal_safe``): one column
+        return 1
     if unicodedata.combining(char) or unicodedata.category(char) in ("Mn", "Me", "Cf"):
         return 0
     return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1

@@ -17,6 +17,7 @@ from proxy.report import (
     replay_lines,
     session_cost,
     show_session,
+    terminal_safe,
 )
 from tests.e2e_support import run_cli
 
@@ -962,6 +963,22 @@ def test_wide_characters_keep_the_columns_in_line(tmp_path: Path) -> None:
         len({sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in r) for r in listed})
         == 1
     )
+
+
+def test_a_control_or_bidi_character_keeps_the_columns_in_line(tmp_path: Path) -> None:
+    """A bidirectional override (U+202E) was measured as no column, then printed as U+FFFD,
+    which takes one: every column after it moved by one."""
+    models = ["gpt-4o\u202eevil", "gpt-4o\x1b[31mRED", "gpt-4o-\u2066x\u2069", "gpt-4o"]
+    events = []
+    for n, model in enumerate(models, 1):
+        events += [req(T0 + n, n, model=model), _answer(T0 + n + 1, 9, 9, 1.0, 0.01, exchange=n)]
+    shown = terminal_safe(render_show(show_session(_logged(tmp_path, "bidi", events), "bidi")))
+    lines = shown.splitlines()
+    header = next(line for line in lines if line.startswith("#"))
+    rows = [line for line in lines if line[:1].isdigit()]
+    assert len(rows) == 4
+    # every row puts its STATUS column where the header does
+    assert {row.index("200") + 3 for row in rows} == {header.index("STATUS") + len("STATUS")}
 
 
 @pytest.mark.parametrize(
