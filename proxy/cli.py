@@ -407,7 +407,9 @@ def _sessions(ns: argparse.Namespace) -> int:
     source = "--log-dir" if ns.log_dir else "CACHEGATE_LOG_DIR" if log_dir else "the default"
     if not log_dir and config_file:  # the directory serve writes with that file
         try:
-            log_dir = load_settings(config_file).logging.dir
+            # (the file alone: CACHEGATE_LOG_DIR is unset here, and the other variables, a
+            # CACHEGATE_PORT=abc say, are serve's to judge)
+            log_dir = load_settings(config_file, environ={}).logging.dir
         except ConfigError as exc:
             print(f"cachegate: {exc}", file=sys.stderr)
             return 2

@@ -208,6 +208,10 @@ def test_log_dir_from_the_config_file_serve_was_given(
     broken.write_text("[logging\n")
     failed = run_cli("sessions", "--config", str(broken), "list")
     assert failed.code == 2 and failed.err.startswith("cachegate: config file")
+    # serve's variables are serve's to judge: a bad one failed sessions with exit code 2
+    monkeypatch.setenv("CACHEGATE_PORT", "abc")
+    monkeypatch.setenv("CACHEGATE_UPSTREAM", "not a url")
+    assert run_cli("sessions", "--config", str(config), "list", "--json").out == expected
 
 
 # --- sessions show -----------------------------------------------------------------------------
