@@ -731,7 +731,7 @@ class AccountingObserver:
             if not prefix.has_cache_marker(body):
                 extra["caches_unmarked"] = True
                 return None
-            if usage.explicit_cache and not usage.cache_write:
+            if (usage.explicit_cache or usage.reported_cache_write) and not usage.cache_write:
                 # Marked, and all that was marked was read (a marked prefix the cache lacked is
                 # written): what was not read lies past the last mark, which asked nothing of
                 # the cache (an agent that marks only its system prompt).

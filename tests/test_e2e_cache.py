@@ -1148,6 +1148,35 @@ def test_a_claude_agent_that_marks_only_its_system_prompt_is_told_what_it_did_no
         assert caches[2]["cause"] == "not_requested"
 
 
+def test_claude_through_openrouter_marking_only_its_system_prompt_is_told_the_same(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """The same agent as above through OpenRouter, whose usage says ``cached_tokens`` and
+    ``cache_write_tokens`` (not Anthropic's fields): every turn's miss read "unexplained"."""
+    answer = (
+        b'{"id":"g1","object":"chat.completion","model":"anthropic/claude-sonnet-4.5","choices":'
+        b'[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],'
+        b'"usage":{"prompt_tokens":3600,"completion_tokens":5,"prompt_tokens_details":'
+        b'{"cached_tokens":2000,"cache_write_tokens":0}}}'
+    )
+    _upstream, url = scripted(chunks=[answer], content_type=b"application/json")
+    proxy = proxy_factory(url, config())
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "or-system-mark"})
+    system = SYSTEM_PROMPT + " Follow the style guide." * 700
+    marked = {
+        "role": "system",
+        "content": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+    }
+    convo: list[dict[str, Any]] = [marked, {"role": "user", "content": "Fix the test."}]
+    for turn in range(2):
+        reply, _ = chat(client, convo, model="anthropic/claude-sonnet-4.5", stream=False)
+        convo += [reply, {"role": "user", "content": f"Go on ({turn})."}]
+    flush(proxy)
+    caches = [r["cache"] for r in events(proxy.log_dir, "or-system-mark", "response")]
+    assert caches[1]["read"] == 2000 and caches[1]["waste"] == 1600
+    assert caches[1]["cause"] == "not_requested"
+
+
 def test_a_rewrite_after_a_turn_that_marked_less_loses_what_the_turns_before_cached(
     proxy_factory: Any,
 ) -> None:
