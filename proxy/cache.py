@@ -167,6 +167,26 @@ def compute_cost(usage: Usage, pricing: ModelPricing) -> Cost:
     return Cost(actual / 1_000_000, uncached / 1_000_000)
 
 
+def waste_cost(usage: Usage, pricing: ModelPricing, tokens: int) -> float:
+    """What ``tokens`` of this exchange's input that should have been read from the cache cost
+    over a read, USD: each billed at the average price of the input it did not read (the fresh
+    input's, and the writes' where the provider wrote them again), less the read price. 0 for
+    a model with no prices."""
+    unread = usage.prompt - usage.cache_read
+    if tokens <= 0 or unread <= 0:
+        return 0.0
+    fresh = max(unread - usage.cache_write, 0)
+    write_price = pricing.price_cache_write or pricing.price_input
+    hour = usage.cache_write_1h
+    billed = (
+        fresh * pricing.price_input
+        + (usage.cache_write - hour) * write_price
+        + hour * 2 * pricing.price_input
+    )
+    read_price = pricing.price_cached_input or pricing.price_input
+    return max(0.0, min(tokens, unread) * (billed / unread - read_price)) / 1_000_000
+
+
 # --- accounting -------------------------------------------------------------------------------
 
 

@@ -712,6 +712,13 @@ class AccountingObserver:
             ex.cache["not_requested"] = result.unrequested
             self.metrics.observe_cache_waste(ex.model, "not_requested", result.unrequested)
         cost = cache.compute_cost(usage, pricing)
+        # What the shortfall cost over reading it (the tokens above, in dollars)
+        if result.waste:
+            ex.cache["waste_usd"] = round(cache.waste_cost(usage, pricing, result.waste), 10)
+        if result.unrequested:
+            ex.cache["not_requested_usd"] = round(
+                cache.waste_cost(usage, pricing, result.unrequested), 10
+            )
         self.metrics.observe_cost(ex.model, cost.actual, cost.uncached)
         self._price_summary(ex, cost)
 

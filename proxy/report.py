@@ -52,6 +52,10 @@ class ExchangeRow:
     waste_cause: str | None = None
     waste_location: str | None = None
     unrequested: int = 0  # of a miss with a cause, what was never cached (not_requested)
+    # what the waste and the not_requested part cost over reading them from the cache, USD
+    # (None: a log written before cachegate priced them)
+    waste_usd: float | None = None
+    unrequested_usd: float | None = None
     repairs: int = 0
     compacted: bool = False
     ttfb_s: float | None = None
@@ -92,6 +96,8 @@ class ExchangeRow:
 _MONEY_FIELDS: Final = (
     "cost_actual",
     "cost_uncached",
+    "waste_usd",
+    "unrequested_usd",
     "summary_cost_actual",
     "summary_cost_uncached",
 )
@@ -157,6 +163,10 @@ class CostReport:
     priced_exchanges: int
     waste_tokens: int
     waste_by_cause: dict[str, int] = field(default_factory=dict)
+    # the waste in dollars, over reading it from the cache (None: a row without a price of it,
+    # from a log written before cachegate priced waste)
+    waste_usd: float | None = None
+    waste_usd_by_cause: dict[str, float] = field(default_factory=dict)
     torn: int = 0
     lost: int = 0  # lines the log could not hold: the figures may miss exchanges
     # priced at $0 though tokens were used: their models have no prices in the configuration
@@ -177,6 +187,9 @@ class CostReport:
         out["saved_pct"] = self.saved_pct
         for key in ("actual", "uncached", "saved"):  # sums of floats: 0.0031669999999999997
             out[key] = round(out[key], 10)  # (a ten-billionth of a dollar: no price is finer)
+        if self.waste_usd is not None:
+            out["waste_usd"] = round(self.waste_usd, 10)
+        out["waste_usd_by_cause"] = {k: round(v, 10) for k, v in self.waste_usd_by_cause.items()}
         return out
 
 
@@ -275,6 +288,8 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
     actual = uncached = 0.0
     priced = waste = 0
     by_cause: dict[str, int] = {}
+    usd_by_cause: dict[str, float] = {}
+    priced_waste = True  # every wasted row says what it cost
     unpriced: dict[str, int] = {}
     unpriced_summaries: dict[str, int] = {}
     no_usage = 0
@@ -293,13 +308,17 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
                 unpriced_summaries[model] = unpriced_summaries.get(model, 0) + 1
         if _unbilled(row):
             no_usage += 1
-        if row.cache_waste:
-            waste += row.cache_waste
-            cause = row.waste_cause or "unexplained"
-            by_cause[cause] = by_cause.get(cause, 0) + row.cache_waste
-        if row.unrequested:
-            waste += row.unrequested
-            by_cause["not_requested"] = by_cause.get("not_requested", 0) + row.unrequested
+        for tokens, cause, usd in (
+            (row.cache_waste, row.waste_cause or "unexplained", row.waste_usd),
+            (row.unrequested, "not_requested", row.unrequested_usd),
+        ):
+            if tokens:
+                waste += tokens
+                by_cause[cause] = by_cause.get(cause, 0) + tokens
+                if usd is None:
+                    priced_waste = False
+                else:
+                    usd_by_cause[cause] = usd_by_cause.get(cause, 0.0) + usd
     return CostReport(
         session=session_id,
         actual=actual,
@@ -309,6 +328,10 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
         priced_exchanges=priced,
         waste_tokens=waste,
         waste_by_cause=dict(sorted(by_cause.items(), key=lambda kv: (-kv[1], kv[0]))),
+        waste_usd=sum(usd_by_cause.values()) if priced_waste else None,
+        waste_usd_by_cause=(
+            {cause: usd_by_cause.get(cause, 0.0) for cause in by_cause} if priced_waste else {}
+        ),
         torn=detail.torn,
         unpriced=unpriced,
         unpriced_summaries=unpriced_summaries,
@@ -562,6 +585,8 @@ def _apply_response(row: ExchangeRow, ev: dict[str, Any]) -> None:
         location = cache.get("location")
         row.waste_location = None if location is None else _location(location)
         row.unrequested = max(0, _int(cache.get("not_requested")) or 0)
+        row.waste_usd = _float(cache.get("waste_usd"))
+        row.unrequested_usd = _float(cache.get("not_requested_usd"))
     cost = ev.get("cost")
     if isinstance(cost, dict):
         row.cost_actual = _float(cost.get("actual"))
@@ -866,9 +891,16 @@ def render_cost(report: CostReport) -> str:
         ("actual cost", _money(report.actual)),
         ("without cache", _money(report.uncached)),
         ("saved by cache", saved),
-        ("wasted cache tokens", _tokens(report.waste_tokens)),
+        (
+            "wasted cache tokens",
+            _tokens(report.waste_tokens)
+            + _cost_of(report.waste_usd if report.waste_tokens else None),
+        ),
     ]
-    pairs += [(f"  {cause}", _tokens(tokens)) for cause, tokens in report.waste_by_cause.items()]
+    pairs += [
+        (f"  {cause}", _tokens(tokens) + _cost_of(report.waste_usd_by_cause.get(cause)))
+        for cause, tokens in report.waste_by_cause.items()
+    ]
     if report.torn:
         pairs.append(("torn lines skipped", str(report.torn)))
     if report.lost:
@@ -898,6 +930,11 @@ def render_cost(report: CostReport) -> str:
 # the columns, or start a line that reads as another row.
 _CELL_BREAKS = {9: "\ufffd", 10: "\ufffd", 11: "\ufffd", 12: "\ufffd", 13: "\ufffd"}
 _CELL_BREAKS.update({0x85: "\ufffd", 0x2028: "\ufffd", 0x2029: "\ufffd"})
+
+
+def _cost_of(usd: float | None) -> str:
+    """`` ($0.0123)`` after a count of wasted tokens: what they cost over a read."""
+    return "" if usd is None else f" ({_money(usd)})"
 
 
 def _model(name: str | None) -> str:

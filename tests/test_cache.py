@@ -24,6 +24,7 @@ from proxy.cache import (
     default_cache_ttl,
     idle_seconds,
     mark_compacted,
+    waste_cost,
 )
 from proxy.prefix import Divergence, Fingerprint, find_divergence, fingerprint
 from proxy.usage import Usage
@@ -569,3 +570,32 @@ def test_a_miss_within_openais_five_to_ten_minutes_with_no_other_cause_is_an_exp
     body["messages"] += tool_round(5)
     r5 = session.exchange(body, reported(18_000, 0), started_at=31 * 60.0, ttl_floor_s=floor)
     assert (r5.cause, r5.location) == ("ttl_expired", None)
+
+
+def test_waste_is_priced_at_what_the_missed_tokens_cost_over_a_read() -> None:
+    """``sessions cost`` says what a waste cost: each missed token billed as this exchange's
+    unread input was (fresh, or written again), less the read price."""
+    openai = ModelPricing(2.50, 1.25, 0.0, 10.00)
+    usage = Usage(prompt=10_000, completion=10, cache_read=2_000, reported_cache=True)
+    assert waste_cost(usage, openai, 5_000) == pytest.approx(5_000 * (2.50 - 1.25) / 1e6)
+    claude = ModelPricing(3.00, 0.30, 3.75, 15.00)
+    written = Usage(
+        prompt=10_000, completion=10, cache_write=10_000, reported_cache=True,
+        reported_cache_write=True, explicit_cache=True,
+    )  # fmt: skip
+    assert waste_cost(written, claude, 6_000) == pytest.approx(6_000 * (3.75 - 0.30) / 1e6)
+    hour = Usage(
+        prompt=10_000, completion=10, cache_write=10_000, cache_write_1h=10_000,
+        reported_cache=True, reported_cache_write=True, explicit_cache=True,
+    )  # fmt: skip
+    assert waste_cost(hour, claude, 6_000) == pytest.approx(6_000 * (6.00 - 0.30) / 1e6)
+    half = Usage(
+        prompt=10_000, completion=10, cache_write=5_000, reported_cache=True,
+        reported_cache_write=True, explicit_cache=True,
+    )  # fmt: skip
+    mixed = (5_000 * 3.00 + 5_000 * 3.75) / 10_000  # the unread input's average price
+    assert waste_cost(half, claude, 4_000) == pytest.approx(4_000 * (mixed - 0.30) / 1e6)
+    # never more tokens than were not read; nothing for no waste or a model with no prices
+    assert waste_cost(usage, openai, 50_000) == pytest.approx(8_000 * 1.25 / 1e6)
+    assert waste_cost(usage, openai, 0) == 0.0
+    assert waste_cost(usage, ModelPricing(0.0, 0.0, 0.0, 0.0), 5_000) == 0.0

@@ -1006,6 +1006,8 @@ def test_claude_behind_a_gateway_without_cache_marks_is_told_apart_from_an_evict
     second = events(proxy.log_dir, "unmarked", "response")[1]
     assert second["cost"]["actual"] == pytest.approx((6000 * 3.00 + 5 * 15.00) / 1e6)
     cause = "unexplained" if marked else "not_requested"
+    # (the 6,000 missed tokens cost the input price, $3.00 a million, where a read costs $0.30)
+    wasted_usd = 6000 * (3.00 - 0.30) / 1e6
     assert second["cache"] == {
         "expected": 6000,
         "read": 0,
@@ -1013,11 +1015,15 @@ def test_claude_behind_a_gateway_without_cache_marks_is_told_apart_from_an_evict
         "waste": 6000,
         "cause": cause,
         "location": None,
+        "waste_usd": pytest.approx(wasted_usd),
     }
     labels = {"model": "claude-sonnet-4-5", "cause": cause}
     assert proxy.metric("cachegate_cache_waste_tokens_total", labels) == 6000
     show = run_cli("sessions", "show", "unmarked", "--log-dir", str(proxy.log_dir))
     assert f"6,000 {cause}" in show.out
+    cost = run_cli("sessions", "cost", "unmarked", "--log-dir", str(proxy.log_dir))
+    assert f"wasted cache tokens  6,000 (${wasted_usd:.4f})" in cost.out
+    assert f"  {cause}" in cost.out and cost.out.count(f"6,000 (${wasted_usd:.4f})") == 2
 
 
 def test_an_unmarked_claude_session_against_the_simulator_is_not_requested(
@@ -1139,7 +1145,7 @@ def test_a_claude_agent_that_marks_only_its_system_prompt_is_told_what_it_did_no
             caches[1]["waste"] + rest
         )
         cost = run_cli("sessions", "cost", "system-mark", "--log-dir", str(proxy.log_dir))
-        by_cause = dict(line.split() for line in cost.out.splitlines() if line.startswith("  "))
+        by_cause = dict(line.split()[:2] for line in cost.out.splitlines() if line.startswith("  "))
         assert by_cause["not_requested"] == f"{caches[1]['waste'] + rest:,}"
         assert by_cause["prefix_rewrite"] == f"{caches[2]['waste']:,}"
         show = run_cli("sessions", "show", "system-mark", "--log-dir", str(proxy.log_dir))

@@ -658,6 +658,45 @@ def test_a_retry_row_follows_the_attempt_it_resent(tmp_path: Path) -> None:
     ]
 
 
+def test_session_cost_prices_the_waste_by_cause(tmp_path: Path) -> None:
+    """Responses that carry what their waste cost: ``cost`` sums it, overall and by cause; one
+    row of an older log without it leaves the dollars unknown rather than short."""
+
+    def priced(ts: float, ex: int, waste: int, cause: str, usd: float, **more: Any) -> Any:
+        event = resp(
+            ts, ex, prompt=9000, completion=10, cache_read=1000, ttfb=0.1, duration=0.2,
+            waste=waste, cause=cause, actual=0.02, uncached=0.03,
+        )  # fmt: skip
+        event["cache"]["waste_usd"] = usd
+        event["cache"].update(more)
+        return event
+
+    events = [
+        req(T0, 1), priced(T0 + 1, 1, 4000, "ttl_expired", 0.005),
+        req(T0 + 2, 2), priced(T0 + 3, 2, 2000, "prefix_rewrite", 0.0025,
+                               not_requested=1000, not_requested_usd=0.00125),
+        req(T0 + 4, 3), priced(T0 + 5, 3, 1000, "ttl_expired", 0.00125),
+    ]  # fmt: skip
+    _logged(tmp_path, "usd", events)
+    report = session_cost(tmp_path, "usd")
+    assert report.waste_tokens == 8000
+    assert report.waste_usd == pytest.approx(0.01)
+    assert report.waste_usd_by_cause == pytest.approx(
+        {"ttl_expired": 0.00625, "prefix_rewrite": 0.0025, "not_requested": 0.00125}
+    )
+    text = render_cost(report)
+    assert "wasted cache tokens  8,000 ($0.0100)" in text
+    assert "  ttl_expired        5,000 ($0.0063)" in text
+    assert "  not_requested      1,000 ($0.0013)" in text
+    assert report.to_json()["waste_usd_by_cause"]["prefix_rewrite"] == 0.0025
+    # an older line with no price of its waste: the dollars are not summed short
+    del events[-1]["cache"]["waste_usd"]
+    _logged(tmp_path, "usd", events)
+    older = session_cost(tmp_path, "usd")
+    assert (older.waste_tokens, older.waste_usd, older.waste_usd_by_cause) == (8000, None, {})
+    assert "wasted cache tokens  8,000\n" in render_cost(older)
+
+
 def test_session_cost(log_dir: Path) -> None:
     report = session_cost(log_dir, "alpha")
     assert report == CostReport(
