@@ -283,6 +283,7 @@ def account(
     dropped: int = 0,
     cached_before: int | None = None,
     ttl_floor_s: float | None = None,
+    compared: Fingerprint | None = None,
 ) -> tuple[CacheState, CacheResult]:
     """Account one finished exchange; return the session's new state and the exchange's figures.
 
@@ -300,7 +301,10 @@ def account(
     counted apart as ``unrequested``; a miss of that part alone is ``not_requested``. (0: the
     previous request cached nothing, marked or not, which tells no extent: its marks may not
     have reached the provider.) ``ttl_floor_s`` (``cache_ttl_floor``; None: ``ttl_s``): past
-    it, a miss with no other cause is ``ttl_expired``, not ``unexplained``.
+    it, a miss with no other cause is ``ttl_expired``, not ``unexplained``. ``compared``: the
+    fingerprint of the request this one is compared with; after a rewrite, its idle time is
+    that of the prefix it had cached, which another conversation of the session sharing only
+    the tools does not keep warm.
     """
     has_reported = state.has_reported or usage.reported_cache
     counted = (
@@ -323,7 +327,7 @@ def account(
             cause, location = "not_requested", None
         else:
             cause, location = _attribute(
-                state, fingerprint, divergence, started_at, ttl_s, model, ttl_floor_s
+                state, fingerprint, divergence, started_at, ttl_s, model, ttl_floor_s, compared
             )
             if cached_before and expected - cached_before > noise_floor:
                 within = cached_before - usage.cache_read
@@ -395,8 +399,14 @@ def _attribute(
     ttl_s: float,
     model: str,
     ttl_floor_s: float | None = None,
+    compared: Fingerprint | None = None,
 ) -> tuple[Cause, str | None]:
-    idle = idle_seconds(state, fingerprint, started_at)
+    # After a rewrite the prefix that was lost is the compared request's: it expired if no
+    # request that shared it came within the TTL (a sub-agent under the same tools, warming
+    # them alone meanwhile, kept nothing of it). This one's own longest known prefix may be
+    # the tools alone.
+    lost = compared if divergence is not None and compared is not None else fingerprint
+    idle = idle_seconds(state, lost, started_at)
     if idle is not None and idle > ttl_s:
         return "ttl_expired", None
     if divergence is not None:

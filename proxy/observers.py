@@ -687,6 +687,7 @@ class AccountingObserver:
             cached_before=cached_before if usage.explicit_cache else None,
             ttl_floor_s=ttl_floor_s,
             ttl_s=ttl_s,
+            compared=compared if divergence is not None else None,
             noise_floor=self.settings.cache.noise_floor_tokens,
             min_cached=min_cached,
             model=model,

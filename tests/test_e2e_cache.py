@@ -430,6 +430,40 @@ def test_a_refused_request_does_not_move_the_baseline_of_its_retry(
     assert retried["divergence"]["volatile_kind"] == "timestamp"
 
 
+def test_an_expiry_stays_the_cause_while_a_sub_agent_keeps_only_the_tools_warm(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """The main agent puts the time at the start of its prompt and waits past the TTL while a
+    sub-agent of the same session (the same tools, a prompt of its own) works. Its prefix had
+    expired either way: the miss is the expiry (as without the sub-agent), not the rewrite; it
+    read as ``prefix_rewrite`` because the sub-agent's requests kept the shared tools fresh."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "idle-sub"})
+
+    def prompt(minute: int) -> dict[str, Any]:
+        return {"role": "system", "content": f"Time: 09:{minute:02d}.\n" + SYSTEM_PROMPT}
+
+    main: list[dict[str, Any]] = [{"role": "user", "content": "Read the handlers.\n" + FILE_TEXT}]
+    sub: list[dict[str, Any]] = [
+        {"role": "system", "content": "You search the code. " + SYSTEM_PROMPT[::-1]},
+        {"role": "user", "content": "Find every caller of handler_7."},
+    ]
+    reply, _ = chat(client, [prompt(0), *main], stream=False, tools=TOOLS)
+    main += [reply, {"role": "user", "content": "Go on."}]
+    for _ in range(2):  # the sub-agent, while the main agent waits
+        sim.sim.advance(190)
+        reply, _ = chat(client, sub, stream=False, tools=TOOLS)
+        sub += [reply, {"role": "user", "content": "And the next one?"}]
+    sim.sim.advance(20)  # 400 s after the main agent's last request
+    chat(client, [prompt(7), *main], stream=False, tools=TOOLS)
+    flush(proxy)
+    responses = events(proxy.log_dir, "idle-sub", "response")
+    last = responses[-1]
+    assert last["divergence"]["location"] == "system"  # (the rewrite is shown all the same)
+    assert last["cache"]["waste"] > NOISE_FLOOR
+    assert (last["cache"]["cause"], last["cache"]["location"]) == ("ttl_expired", None)
+
+
 def test_an_idle_gap_inside_openais_five_to_ten_minutes_is_named_as_the_expiry(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
