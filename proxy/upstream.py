@@ -480,6 +480,10 @@ class _Connection(asyncio.Protocol):
             self._fail(InvalidAnswer("upstream switched protocols (101) unasked"))
             return
         headers, self._raw_headers = self._raw_headers, []
+        coding = _transfer_coding(headers)
+        if coding is not None:  # (relayed, its bytes would reach the client still encoded)
+            self._fail(InvalidAnswer(f"upstream used transfer coding {coding!r}, not supported"))
+            return
         response = UpstreamResponse(self, status, headers)
         self._response = response
         framing = {k.lower() for k, _ in headers} & {b"content-length", b"transfer-encoding"}
@@ -773,6 +777,18 @@ async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
     error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
     if error:
         raise OSError(error, os.strerror(error))
+
+
+def _transfer_coding(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """A transfer coding other than ``chunked`` that ``headers`` name (``gzip, chunked``):
+    the parser takes the chunks off but not the gzip, and no header would tell the client."""
+    for name, value in headers:
+        if name.lower() == b"transfer-encoding":
+            for coding in value.split(b","):
+                coding = coding.strip().lower()
+                if coding and coding not in (b"chunked", b"identity"):
+                    return coding.decode("latin-1")
+    return None
 
 
 def _refused(answer: asyncio.Future[Any]) -> bool:
