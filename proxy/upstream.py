@@ -609,12 +609,10 @@ class _Connection(asyncio.Protocol):
             transport.write(head)
             sized = isinstance(content, SizedStream)
             async for chunk in content:
-                if _refused(answer) or self.closed or transport.is_closing():
-                    # Refused (or failed, or closed) before the body was all sent: a server
+                if answer.done() or self.closed or transport.is_closing():
+                    # Answered (or failed, or closed) before the body was all sent: a server
                     # that refuses an upload (401, 413) answers and closes without reading it.
-                    # Its answer is relayed; the connection cannot carry another request. An
-                    # early success (a server that streams its answer as it reads) takes the
-                    # rest of the body, as other HTTP clients send it.
+                    # Its answer is relayed; the connection cannot carry another request.
                     self._request_incomplete = True
                     break
                 if chunk:
@@ -622,7 +620,7 @@ class _Connection(asyncio.Protocol):
                     drain = self._drain
                     if drain is not None and not drain.done():
                         await self._drain_or_answer(drain, answer)
-                if _refused(answer):  # (not waiting for the client's next piece to notice)
+                if answer.done():  # (not waiting for the client's next piece to notice)
                     self._request_incomplete = True
                     break
             else:
@@ -671,11 +669,8 @@ class _Connection(asyncio.Protocol):
     ) -> None:
         """Wait until the upstream reads more of an upload, or answers it. An upstream that stops
         reading and says nothing times out; one that answers meanwhile (and closes, or keeps the
-        connection open unread) ends the wait, and its answer is what the client gets. After
-        an early success the wait is for the upload alone."""
+        connection open unread) ends the wait, and its answer is what the client gets."""
         if answer.done():
-            if not _refused(answer):
-                await self.wait(drain)
             return
         wake = functools.partial(_settle_drain, drain)
         answer.add_done_callback(wake)
@@ -789,16 +784,6 @@ def _transfer_coding(headers: list[tuple[bytes, bytes]]) -> str | None:
                 if coding and coding not in (b"chunked", b"identity"):
                     return coding.decode("latin-1")
     return None
-
-
-def _refused(answer: asyncio.Future[Any]) -> bool:
-    """Whether an answer that came during an upload ends it: a failure, or a status of 400 or
-    more (RFC 9112, 9.3: a server that does not want the body); not a success given early."""
-    if not answer.done():
-        return False
-    if answer.cancelled() or answer.exception() is not None:
-        return True
-    return bool(answer.result().status_code >= 400)
 
 
 def ssl_context() -> ssl.SSLContext:

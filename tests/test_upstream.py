@@ -799,54 +799,6 @@ def test_an_upload_that_ends_after_an_early_answer_still_ends_its_request() -> N
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("size", [50, 2000])  # (2,000 pieces of 1 KB: past the socket's room)
-def test_an_upload_answered_early_with_a_success_is_sent_whole(size: int) -> None:
-    """An upstream that answers 200 at once and streams as it reads the upload (a job's
-    progress): the upload stopped at the answer, the upstream waited for the rest of it, and
-    the client until the read timeout. httpx sends it whole; so does the pool now."""
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n7\r\nstarted\r\n")
-            await writer.drain()
-            received = 0
-            while True:
-                size_line = await reader.readuntil(b"\r\n")
-                n = int(size_line.strip(), 16)
-                received += len(await reader.readexactly(n + 2)) - 2
-                if n == 0:
-                    break
-            text = b" received %d" % received
-            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(text), text))
-            await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    async def upload() -> AsyncIterator[bytes]:
-        for i in range(size):
-            yield b"x" * 1000
-            if i == 2:
-                await asyncio.sleep(0.05)  # the answer's head arrives meanwhile
-
-    async def main() -> None:
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
-        pool = UpstreamPool(read_timeout=5)
-        t0 = time.monotonic()
-        resp = await pool.open("POST", url + "uploads", [], upload())
-        assert resp.status_code == 200
-        assert await read(resp) == b"started received %d" % (size * 1000)
-        assert time.monotonic() - t0 < 4  # not at the read timeout
-        await pool.aclose()
-        server.close()
-
-    run(main())
-
-
-@pytest.mark.timeout(30)
 def test_an_answer_while_the_upload_waits_for_room_ends_the_wait() -> None:
     """An upstream that answers (413) and then leaves the connection open, reading nothing
     more: the answer comes back at once, not after the read timeout's wait for room."""
