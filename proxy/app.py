@@ -105,8 +105,12 @@ def build_transport(
         keepalive_expiry=30.0,
     )
     # (not httpx's own reading of the environment: that would take proxies from it too; the
-    # CA bundle is chosen as the native pool chooses it, SSL_CERT_FILE/SSL_CERT_DIR included)
-    return httpx.AsyncHTTPTransport(limits=limits, trust_env=False, verify=ssl_context())
+    # CA bundle is chosen as the native pool chooses it, SSL_CERT_FILE/SSL_CERT_DIR included,
+    # and only for an https upstream, as the native pool loads it only for one: a stale
+    # SSL_CERT_FILE must not stop a plain-HTTP upstream's server from starting)
+    if up.base_url.lower().startswith("https:"):
+        return httpx.AsyncHTTPTransport(limits=limits, trust_env=False, verify=ssl_context())
+    return httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
 
 
 def build_timeout(settings: Settings) -> httpx.Timeout:

@@ -695,7 +695,11 @@ def test_the_httpx_transport_trusts_ssl_cert_file_as_the_native_pool_does(
             with pytest.raises(httpx.ConnectError):  # still verified: certifi's bundle alone
                 await fetch(srv.url + "/")
 
-    run(main())
+    run(main())  # (the default upstream, https://api.openai.com/v1, is https)
+    # A stale SSL_CERT_FILE does not stop a plain-HTTP upstream's transport (nor its server)
+    monkeypatch.setenv("SSL_CERT_FILE", "/nonexistent/ca.pem")
+    plain = {"upstream": {"transport": "httpx", "base_url": "http://127.0.0.1:9/v1"}}
+    assert isinstance(build_transport(settings_from_mapping(plain), None), httpx.AsyncHTTPTransport)
 
 
 def test_an_answer_before_the_whole_upload_retires_the_connection() -> None:
