@@ -423,7 +423,6 @@ def _sessions(ns: argparse.Namespace) -> int:
             sessions = report.list_sessions(
                 log_dir, unreadable, since=since, limit=ns.limit, memo=memo
             )
-            memo.save()
             for path, reason in unreadable:  # (the others are listed: one file must not hide them)
                 hint = (
                     "; log files are private to the user that wrote them: run as that user"
@@ -437,6 +436,7 @@ def _sessions(ns: argparse.Namespace) -> int:
                 print(f"no sessions written in the last {_age(ns.since)}")
             else:
                 print(report.terminal_safe(report.render_list(sessions)))
+            memo.save()  # (after the listing: the memo only ever saves time)
         elif ns.action == "show":
             detail = report.show_session(log_dir, ns.id)
             print(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import stat
 import tempfile
@@ -104,15 +105,14 @@ class SummaryMemo:
         if memo.path is None:
             return memo
         try:
-            with open(memo.path, "rb") as f:
-                data = orjson.loads(f.read())
-        except (OSError, orjson.JSONDecodeError):
+            data = orjson.loads(_read_regular(memo.path))
+        except (OSError, ValueError):  # (orjson.JSONDecodeError is a ValueError)
             return memo
         if (
             not isinstance(data, dict)
             or data.get("format") != FORMAT
             or data.get("code") != code
-            or data.get("dir") != real
+            or data.get("dir") != _dir_key(real)
             or not isinstance(data.get("files"), dict)
         ):
             return memo
@@ -131,6 +131,8 @@ class SummaryMemo:
         return True, held[1]
 
     def put(self, file_name: str, key: Key, summary: dict[str, Any] | None) -> None:
+        if summary is not None and not _summary_shaped(file_name, summary):
+            return  # (a count past what JSON's readers take, say: read again next time)
         self._entries[file_name] = (key, summary)
         self._changed = True
 
@@ -149,7 +151,7 @@ class SummaryMemo:
         data = {
             "format": FORMAT,
             "code": self.code,
-            "dir": self.log_dir,
+            "dir": _dir_key(self.log_dir),
             "files": {name: [list(key), summary] for name, (key, summary) in self._entries.items()},
         }
         directory = os.path.dirname(self.path)
@@ -162,12 +164,38 @@ class SummaryMemo:
             os.replace(tmp, self.path)
             tmp = None
             self._changed = False
-        except OSError:
+        except (OSError, TypeError, ValueError):  # (what orjson cannot write: passed over too)
             pass
         finally:
             if tmp is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
+
+
+def _dir_key(real: str) -> str:
+    """The log directory as the memo names it: its path's bytes in hex (a path need not be
+    UTF-8, which JSON text must be)."""
+    return os.fsencode(real).hex()
+
+
+def _read_regular(path: str) -> bytes:
+    """The bytes of the regular file at ``path``; ``OSError`` for anything else (a FIFO would
+    block the reader; a symbolic link is not followed)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    fd = os.open(path, flags)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        with open(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
+# The range of what a memo may hold: times a report can show (``report._stamp``), counts JSON's
+# readers take whole.
+_LAST_STAMP: Final = 253_402_300_799.0
+_MAX_COUNT: Final = 2**63 - 1
 
 
 def _entry(file_name: str, entry: Any) -> tuple[Key, dict[str, Any] | None] | None:
@@ -211,5 +239,15 @@ def _summary_shaped(file_name: str, summary: dict[str, Any]) -> bool:
         if isinstance(value, bool):
             return False
         if not isinstance(value, checks.get(name, (int,))):
+            return False
+        if isinstance(value, int) and not 0 <= value <= _MAX_COUNT:
+            return False
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if (
+            name in ("first_seen", "last_seen")
+            and isinstance(value, int | float)
+            and not 0.0 <= value <= _LAST_STAMP
+        ):
             return False
     return True

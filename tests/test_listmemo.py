@@ -201,6 +201,9 @@ def test_a_damaged_memo_is_passed_over_and_written_anew(
         lambda s: s.update(session="alpha"),
         lambda s: s.pop("repairs"),
         lambda s: s.update(extra=1),
+        lambda s: s.update(first_seen=1e20),  # (no date a report can show: it stopped them)
+        lambda s: s.update(last_seen=-1e12),
+        lambda s: s.update(tokens_in=-5),
     ],
 )
 def test_an_entry_of_the_wrong_shape_is_read_from_the_log(
@@ -256,3 +259,49 @@ def test_two_log_directories_keep_apart_memos(tmp_path: Path, reads: list[str]) 
     assert "beta" not in listed(tmp_path / "b")
     assert "beta" in listed(tmp_path / "a")
     assert len(memo_files(Path(os.environ["XDG_CACHE_HOME"]))) == 2
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_where_the_memo_goes_does_not_hang_the_listing(log_dir: Path) -> None:
+    first = listed(log_dir)
+    (memo,) = memo_files(Path(os.environ["XDG_CACHE_HOME"]))
+    memo.unlink()
+    os.mkfifo(memo)
+    assert listed(log_dir) == first
+
+
+def test_a_log_directory_whose_path_is_not_utf8_is_listed(tmp_path: Path) -> None:
+    """The memo names its directory: a path of other bytes made the listing fail when the
+    memo was written (``str is not valid UTF-8``), before anything was printed."""
+    odd = os.fsdecode(os.fsencode(str(tmp_path)) + b"/caf\xe9-logs")
+    write_logs(Path(odd))
+    first = listed(Path(odd))
+    assert "alpha" in first and "beta" in first
+    assert listed(Path(odd)) == first
+    assert len(memo_files(Path(os.environ["XDG_CACHE_HOME"]))) == 1
+
+
+def test_counts_past_what_json_readers_take_are_listed_and_not_kept(
+    tmp_path: Path, reads: list[str]
+) -> None:
+    """Two lines of 10^19 prompt tokens each: the memo could not write the sum, and the
+    listing failed where it used to print."""
+    huge = [
+        resp(
+            T0 + n,
+            n,
+            prompt=10**19,
+            completion=1,
+            cache_read=0,
+            ttfb=0.1,
+            duration=0.1,
+            actual=0.0,
+            uncached=0.0,
+        )
+        for n in (1, 2)
+    ]
+    (tmp_path / "huge.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in huge))
+    out = listed(tmp_path)
+    assert "20,000,000,000,000,000,000" in out
+    assert listed(tmp_path) == out
+    assert reads == ["huge.jsonl", "huge.jsonl"]  # (read each time: not kept)
