@@ -307,12 +307,8 @@ class EventLogWriter:
             return False
         # No wake-up call: waking a sleeping thread per event cost the event loop ~15% of its
         # CPU in the benchmark (GIL hand-offs). The writer polls instead (POLL_S).
-        if secrets:
-            self._items.append((session_id, time.time(), _Scrubbed(event, secrets)))
-            return True
-        self._items.append(
-            (session_id, time.time(), _FirstInFile(event) if first_in_file else event)
-        )
+        item: Any = _Scrubbed(event, secrets) if secrets else event
+        self._items.append((session_id, time.time(), _FirstInFile(item) if first_in_file else item))
         return True
 
     def _put_control(self, item: Any) -> None:
@@ -509,7 +505,7 @@ class EventLogWriter:
                         event = event.event
                         if not self._file_is_empty(session_id, batch):
                             target = kept_metas
-                    elif type(event) is _Scrubbed:
+                    if type(event) is _Scrubbed:  # (a meta line may be both)
                         event, secrets = event.event, event.secrets
                     encoded = self._line(session_id, ts, event)
                     if encoded is not None:
@@ -529,11 +525,13 @@ class EventLogWriter:
                     item = self._items.popleft()
                 # The exact values first: a pattern that took only a part of one (a key with a
                 # ``:`` or ``!`` in it, after ``Bearer``) would leave the rest to be written.
+                # A line's own keys with the configured ones, longest first (one may hold
+                # another: the shorter replaced first would leave the rest of the longer)
+                for lines, at, secrets in scrubbed:
+                    lines[at] = _without(lines[at], self._keys_written(secrets))
                 if self._secrets:
                     self._remove_secrets(batch)
                     self._remove_secrets(kept_metas)
-                for lines, at, secrets in scrubbed:
-                    lines[at] = _without(lines[at], self._keys_written(secrets))
                 if made:
                     self._redact(made)
                 for session_id, lines in kept_metas.items():
@@ -627,7 +625,8 @@ class EventLogWriter:
         if written is None:
             if len(self._written_keys) >= _WRITTEN_KEYS_KEPT:
                 self._written_keys.clear()
-            written = self._written_keys[secrets] = _as_written(secrets)
+            both = set(_as_written(secrets)) | set(self._secrets)
+            written = self._written_keys[secrets] = tuple(sorted(both, key=len, reverse=True))
         return written
 
     def _remove_secrets(self, batch: dict[str, list[bytes]]) -> None:
@@ -1226,8 +1225,10 @@ def _read_back(line: bytes) -> Any:
 
 
 def _as_written(secrets: Iterable[str]) -> tuple[bytes, ...]:
-    """Exact secret values (``known_secrets``) as a line writes them: JSON-escaped."""
-    return tuple(orjson.dumps(s)[1:-1] for s in known_secrets(secrets))
+    """Exact secret values (``known_secrets``) as a line writes them: JSON-escaped, longest
+    first (one may hold another)."""
+    written = {orjson.dumps(s)[1:-1] for s in known_secrets(secrets)}
+    return tuple(sorted(written, key=len, reverse=True))
 
 
 def _without(line: bytes, secrets: Iterable[bytes]) -> bytes:

@@ -949,7 +949,9 @@ class EventLogObserver:
         it (a full queue, say). ``first_in_file``: see ``EventLogWriter.emit``."""
         return self.writer.emit(session_id, event, first_in_file)
 
-    def _emit_scrubbed(self, session_id: str, event: dict[str, Any], ex: Exchange) -> bool:
+    def _emit_scrubbed(
+        self, session_id: str, event: dict[str, Any], ex: Exchange, first_in_file: bool = False
+    ) -> bool:
         """``_emit``, the client's own keys (``client_keys``) never written in the line: an
         upstream's error may quote the key it refused (``Incorrect API key provided: …``), a
         tool's output or the answer may hold it (an agent that ran ``env``)."""
@@ -957,16 +959,17 @@ class EventLogObserver:
         if keys is None:
             keys = ex.client_secrets = client_keys(ex.upstream_headers)
         if not keys:
-            return self._emit(session_id, event)
-        return self.writer.emit(session_id, event, False, keys)
+            return self._emit(session_id, event, first_in_file)
+        return self.writer.emit(session_id, event, first_in_file, keys)
 
     def _meta(self, ex: Exchange) -> None:
         state = _state_of(ex, self.sessions)
         if state is None or state.meta_written:
             return
         # Marked written only when the writer took it: a meta line refused (a full queue) is
-        # tried again with the session's next event.
-        state.meta_written = self._emit(
+        # tried again with the session's next event. (Its user agent is the client's: a key
+        # of its own may be there too.)
+        state.meta_written = self._emit_scrubbed(
             state.id,
             {
                 "ts": self.clock(),
@@ -978,6 +981,7 @@ class EventLogObserver:
                 "user_agent": ex.user_agent,
                 "version": __version__,
             },
+            ex,
             # One meta line per file: not again for an explicit id an earlier process logged
             # (the writer looks at the file, off the event loop).
             first_in_file=True,

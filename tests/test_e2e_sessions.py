@@ -1457,7 +1457,12 @@ def test_a_clients_own_key_in_a_tool_output_or_an_answer_is_never_written(
     an exchange that succeeded (only a failed exchange's line was kept clean of it)."""
     key = "Kx" + _random(14) + ":" + _random(16)  # (with a ':' no pattern passes over)
     proxy = proxy_factory(sim.api_base)
-    client = make_client(proxy.base_url, api_key=key, default_headers={"X-Session-Id": "own"})
+    client = make_client(
+        proxy.base_url,
+        api_key=key,
+        # (a client that put its key in its user agent: the meta line records that)
+        default_headers={"X-Session-Id": "own", "User-Agent": f"my-agent/1.0 ({key})"},
+    )
     convo: list[dict[str, Any]] = [{"role": "user", "content": f"env printed {key} here"}]
     reply, _ = chat(client, convo, stream=stream)
     assert key in reply["content"]  # the simulator echoes it: the answer holds it too

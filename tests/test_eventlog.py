@@ -1383,6 +1383,28 @@ def test_a_known_secret_a_pattern_would_take_only_part_of_is_taken_whole(
     )
 
 
+def test_a_clients_key_that_holds_the_configured_one_is_taken_whole(log_dir: Path, writers) -> None:
+    """The configured key replaced first left the rest of a client's longer key that holds it
+    (``[REDACTED]-DDDDEEEEFFFF``); the other way round as well. Longest first."""
+    configured = "Ab12Cd34Ef56Gh78"
+    longer = configured + "-DDDDEEEEFFFF"
+    shorter = "Zz99Yy88Xx77"
+    outer = "Qq11" + shorter + "Ww22Ee33"
+    w = started(writers, log_dir, secrets=[configured, outer])
+    w.emit("s", {"ts": 1.0, "type": "error", "message": f"a {longer} b"}, False, (longer,))
+    w.emit("s", {"ts": 2.0, "type": "error", "message": f"c {outer} d"}, False, (shorter,))
+    w.emit("s", {"ts": 3.0, "type": "session_meta", "ua": f"x/{longer}"}, True, (longer,))
+    assert w.close()
+    raw = (log_dir / "s.jsonl").read_bytes()
+    for piece in (b"DDDDEEEEFFFF", b"Qq11", b"Ww22Ee33", configured.encode()):
+        assert piece not in raw
+    events = read_events(log_dir / "s.jsonl").events
+    messages = [e["message"] for e in events if e["type"] == "error"]
+    assert messages == ["a [REDACTED] b", "c [REDACTED] d"]
+    (meta,) = [e for e in events if e["type"] == "session_meta"]
+    assert meta["ua"] == "x/[REDACTED]"
+
+
 def test_a_crashed_writer_counts_every_later_event_as_lost_at_once(log_dir: Path) -> None:
     lost: list[str] = []
     w = EventLogWriter(log_dir, on_loss=lost.append)
