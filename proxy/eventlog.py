@@ -1891,10 +1891,11 @@ def _is_event_log(path: str) -> bool:
             seen += len(chunk)
             head = chunk.lstrip(b"\0 \t\r\n")
             if head:
-                head = head.removeprefix(_BOM)
-                if len(head) < len(EVENT_START):  # (its start cut by the chunk's end: read on)
-                    head += os.read(fd, len(EVENT_START))
-                return head.startswith(EVENT_START)
+                # (its start, a byte-order mark too, may be cut by the chunk's end: read on)
+                need = len(_BOM) + len(EVENT_START)
+                if len(head) < need:
+                    head += os.read(fd, need)
+                return head.removeprefix(_BOM).startswith(EVENT_START)
         return False
     except OSError:
         return False

@@ -1482,6 +1482,7 @@ def test_retention_judges_a_log_as_the_reports_do_past_a_crash_s_leading_nuls(
     cases = {
         "nul-block": b"\0" * 4096 + line,
         "past-a-chunk": b"\0" * 65533 + line,  # (its start cut by the first read's end)
+        "bom-cut": b"\0" * 65535 + b"\xef\xbb\xbf" + line,  # (the mark cut there too)
         "bom": b"\xef\xbb\xbf" + line,
         "blank-first": b"\n\n" + line,
     }
