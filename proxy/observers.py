@@ -942,6 +942,8 @@ class EventLogObserver:
         self.sessions = sessions
         self.writer = writer
         self.clock = clock
+        # A client's key headers -> its keys (``_emit_scrubbed``), for the next requests
+        self._client_keys: dict[tuple[tuple[bytes, bytes], ...], tuple[str, ...]] = {}
 
     def _emit(self, session_id: str, event: dict[str, Any], first_in_file: bool = False) -> bool:
         """Queue ``event``, which starts with ``ts`` and ``type`` (the writer then takes the dict as
@@ -957,7 +959,15 @@ class EventLogObserver:
         tool's output or the answer may hold it (an agent that ran ``env``)."""
         keys = ex.client_secrets
         if keys is None:
-            keys = ex.client_secrets = client_keys(ex.upstream_headers)
+            # (by the key headers' values: the same few clients, request after request; ASGI
+            # names are lower case, as ``upstream_request_headers`` reads them too)
+            sent = tuple(h for h in ex.upstream_headers if h[0] in CLIENT_KEY_HEADERS)
+            keys = self._client_keys.get(sent)
+            if keys is None:
+                if len(self._client_keys) >= _CLIENT_KEYS_KEPT:
+                    self._client_keys.clear()
+                keys = self._client_keys[sent] = client_keys(sent)
+            ex.client_secrets = keys
         if not keys:
             return self._emit(session_id, event, first_in_file)
         return self.writer.emit(session_id, event, first_in_file, keys)
@@ -1156,6 +1166,7 @@ class EventLogObserver:
 
 
 _PLACEHOLDER_KEY: Final = PLACEHOLDER_AUTHORIZATION.split()[-1].decode().lower()
+_CLIENT_KEYS_KEPT: Final = 64
 
 
 def client_keys(headers: Iterable[tuple[bytes, bytes]] | None) -> tuple[str, ...]:
