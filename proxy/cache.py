@@ -49,7 +49,7 @@ from types import MappingProxyType
 from typing import Any, Final, Literal
 
 from proxy.config import gateway_alias
-from proxy.prefix import Divergence, Fingerprint
+from proxy.prefix import Divergence, Fingerprint, shared_links
 from proxy.usage import Usage
 
 logger = logging.getLogger(__name__)
@@ -401,12 +401,19 @@ def _attribute(
     ttl_floor_s: float | None = None,
     compared: Fingerprint | None = None,
 ) -> tuple[Cause, str | None]:
-    # After a rewrite the prefix that was lost is the compared request's: it expired if no
-    # request that shared it came within the TTL (a sub-agent under the same tools, warming
-    # them alone meanwhile, kept nothing of it). This one's own longest known prefix may be
-    # the tools alone.
-    lost = compared if divergence is not None and compared is not None else fingerprint
-    idle = idle_seconds(state, lost, started_at)
+    idle: float | None = None
+    if divergence is not None and compared is not None:
+        # What the rewrite lost is the compared request's prefix past the point of difference:
+        # it had expired if no request that shared some of it (the shortest such prefix is
+        # the most recently used) came within the TTL. A sub-agent under the same tools alone
+        # kept nothing of it warm; one forked from the history did (its loss is the rewrite's).
+        shared = shared_links(compared, fingerprint)
+        if shared < len(compared.digests):
+            last = state.prefixes.get(compared.digests[shared])
+            if last is not None:
+                idle = started_at - last
+    if idle is None:
+        idle = idle_seconds(state, fingerprint, started_at)
     if idle is not None and idle > ttl_s:
         return "ttl_expired", None
     if divergence is not None:

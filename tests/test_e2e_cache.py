@@ -430,38 +430,50 @@ def test_a_refused_request_does_not_move_the_baseline_of_its_retry(
     assert retried["divergence"]["volatile_kind"] == "timestamp"
 
 
-def test_an_expiry_stays_the_cause_while_a_sub_agent_keeps_only_the_tools_warm(
-    sim: RunningSimulator, proxy_factory: Any
+@pytest.mark.parametrize("forked", [False, True], ids=["own-prompt", "forked"])
+def test_a_sub_agent_between_turns_decides_between_an_expiry_and_a_rewrite(
+    sim: RunningSimulator, proxy_factory: Any, forked: bool
 ) -> None:
-    """The main agent puts the time at the start of its prompt and waits past the TTL while a
-    sub-agent of the same session (the same tools, a prompt of its own) works. Its prefix had
-    expired either way: the miss is the expiry (as without the sub-agent), not the rewrite; it
-    read as ``prefix_rewrite`` because the sub-agent's requests kept the shared tools fresh."""
+    """The main agent waits past the TTL while a sub-agent of its session works, then puts the
+    time into its prompt. A sub-agent under the same tools and a prompt of its own keeps only
+    the tools warm: the main agent's prefix had expired either way (it read as a rewrite). One
+    forked from the main agent's history keeps that history warm: the rewrite lost it (a fix
+    of the first case read this one as an expiry)."""
     proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
     client = make_client(proxy.base_url, default_headers={"X-Session-Id": "idle-sub"})
 
     def prompt(minute: int) -> dict[str, Any]:
         return {"role": "system", "content": f"Time: 09:{minute:02d}.\n" + SYSTEM_PROMPT}
 
-    main: list[dict[str, Any]] = [{"role": "user", "content": "Read the handlers.\n" + FILE_TEXT}]
-    sub: list[dict[str, Any]] = [
-        {"role": "system", "content": "You search the code. " + SYSTEM_PROMPT[::-1]},
-        {"role": "user", "content": "Find every caller of handler_7."},
+    main: list[dict[str, Any]] = [
+        prompt(0),
+        {"role": "user", "content": "Read the handlers.\n" + FILE_TEXT},
     ]
-    reply, _ = chat(client, [prompt(0), *main], stream=False, tools=TOOLS)
+    reply, _ = chat(client, main, stream=False, tools=TOOLS)
     main += [reply, {"role": "user", "content": "Go on."}]
+    reply, _ = chat(client, main, stream=False, tools=TOOLS)
+    main += [reply, {"role": "user", "content": "Now fix them."}]
+    sub: list[dict[str, Any]] = (
+        [*main[:3], {"role": "user", "content": "Sub-task: find every caller of handler_7."}]
+        if forked
+        else [
+            {"role": "system", "content": "You search the code. " + SYSTEM_PROMPT[::-1]},
+            {"role": "user", "content": "Find every caller of handler_7."},
+        ]
+    )
     for _ in range(2):  # the sub-agent, while the main agent waits
         sim.sim.advance(190)
         reply, _ = chat(client, sub, stream=False, tools=TOOLS)
         sub += [reply, {"role": "user", "content": "And the next one?"}]
-    sim.sim.advance(20)  # 400 s after the main agent's last request
-    chat(client, [prompt(7), *main], stream=False, tools=TOOLS)
+    sim.sim.advance(20)  # 400 s after the main agent's last request, 20 s after the sub-agent's
+    main[0] = prompt(7)
+    chat(client, main, stream=False, tools=TOOLS)
     flush(proxy)
-    responses = events(proxy.log_dir, "idle-sub", "response")
-    last = responses[-1]
-    assert last["divergence"]["location"] == "system"  # (the rewrite is shown all the same)
+    last = events(proxy.log_dir, "idle-sub", "response")[-1]
+    assert last["divergence"]["location"] == "system"  # (the rewrite is shown either way)
     assert last["cache"]["waste"] > NOISE_FLOOR
-    assert (last["cache"]["cause"], last["cache"]["location"]) == ("ttl_expired", None)
+    cause = (last["cache"]["cause"], last["cache"]["location"])
+    assert cause == (("prefix_rewrite", "system") if forked else ("ttl_expired", None))
 
 
 def test_an_idle_gap_inside_openais_five_to_ten_minutes_is_named_as_the_expiry(
