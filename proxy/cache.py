@@ -167,24 +167,31 @@ def compute_cost(usage: Usage, pricing: ModelPricing) -> Cost:
     return Cost(actual / 1_000_000, uncached / 1_000_000)
 
 
-def waste_cost(usage: Usage, pricing: ModelPricing, tokens: int) -> float:
+def waste_cost(usage: Usage, pricing: ModelPricing, tokens: int, after: int = 0) -> float:
     """What ``tokens`` of this exchange's input that should have been read from the cache cost
-    over a read, USD: each billed at the average price of the input it did not read (the fresh
-    input's, and the writes' where the provider wrote them again), less the read price. 0 for
-    a model with no prices."""
+    over a read, USD, ``after`` tokens past the part it read (a waste's cause comes first, a
+    ``not_requested`` rest after it). The unread input lies as Claude bills it: what was written
+    for an hour (its breakpoints come first), then for five minutes, then the fresh rest; each
+    token costs its own price less the read price. 0 for a model with no prices."""
     unread = usage.prompt - usage.cache_read
     if tokens <= 0 or unread <= 0:
         return 0.0
-    fresh = max(unread - usage.cache_write, 0)
-    write_price = pricing.price_cache_write or pricing.price_input
-    hour = usage.cache_write_1h
-    billed = (
-        fresh * pricing.price_input
-        + (usage.cache_write - hour) * write_price
-        + hour * 2 * pricing.price_input
-    )
+    hour = min(usage.cache_write_1h, unread)
+    five = min(usage.cache_write - usage.cache_write_1h, unread - hour)
     read_price = pricing.price_cached_input or pricing.price_input
-    return max(0.0, min(tokens, unread) * (billed / unread - read_price)) / 1_000_000
+    layers = (
+        (hour, 2 * pricing.price_input),
+        (five, pricing.price_cache_write or pricing.price_input),
+        (unread - hour - five, pricing.price_input),
+    )
+    total = 0.0
+    at = 0
+    for count, price in layers:
+        overlap = min(after + tokens, at + count) - max(after, at)
+        if overlap > 0:
+            total += overlap * (price - read_price)
+        at += count
+    return max(0.0, total) / 1_000_000
 
 
 # --- accounting -------------------------------------------------------------------------------

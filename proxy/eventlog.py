@@ -1875,27 +1875,29 @@ EVENT_START: Final = b'{"ts":'  # every line cachegate writes begins so
 
 def _is_event_log(path: str) -> bool:
     """Whether the file begins as cachegate's event lines do (read without following a link),
-    judged as the reports judge it (``parse_lines``): past the NUL bytes a crash can leave at a
-    file's start, white space and a byte-order mark. Such a file is listed as a session, so
-    retention must count it and may delete it."""
+    judged as the reports judge it (``parse_lines``): by its first line with content, past the
+    NUL bytes a crash can leave at a file's start, white space and a byte-order mark. Such a
+    file is listed as a session, so retention must count it and may delete it."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         return False
     try:
-        seen = 0
-        while seen < _LEADING_BLANK_LIMIT:
+        buf = b""
+        while len(buf) < _LEADING_BLANK_LIMIT:
             chunk = os.read(fd, 65536)
+            buf += chunk
+            lines = buf.split(b"\n")
+            for line in lines if not chunk else lines[:-1]:  # (whole lines, or all at the end)
+                head = line.strip(b"\0 \t\r\n").removeprefix(_BOM)
+                if head:
+                    return head.startswith(EVENT_START)
             if not chunk:
                 return False
-            seen += len(chunk)
-            head = chunk.lstrip(b"\0 \t\r\n")
-            if head:
-                # (its start, a byte-order mark too, may be cut by the chunk's end: read on)
-                need = len(_BOM) + len(EVENT_START)
-                if len(head) < need:
-                    head += os.read(fd, need)
-                return head.removeprefix(_BOM).startswith(EVENT_START)
+            buf = lines[-1]  # (a line still going on: judged once its start is in)
+            start = buf.lstrip(b"\0 \t\r")
+            if len(start) >= len(_BOM) + len(EVENT_START):
+                return start.removeprefix(_BOM).startswith(EVENT_START)
         return False
     except OSError:
         return False

@@ -713,13 +713,15 @@ class AccountingObserver:
             ex.cache["not_requested"] = result.unrequested
             self.metrics.observe_cache_waste(ex.model, "not_requested", result.unrequested)
         cost = cache.compute_cost(usage, pricing)
-        # What the shortfall cost over reading it (the tokens above, in dollars)
-        if result.waste:
-            ex.cache["waste_usd"] = round(cache.waste_cost(usage, pricing, result.waste), 10)
-        if result.unrequested:
-            ex.cache["not_requested_usd"] = round(
-                cache.waste_cost(usage, pricing, result.unrequested), 10
-            )
+        # What the shortfall cost over reading it (the tokens above, in dollars; none said for
+        # a model with no prices: unknown, not $0)
+        if pricing.price_input:
+            if result.waste:
+                ex.cache["waste_usd"] = round(cache.waste_cost(usage, pricing, result.waste), 10)
+            if result.unrequested:
+                ex.cache["not_requested_usd"] = round(
+                    cache.waste_cost(usage, pricing, result.unrequested, after=result.waste), 10
+                )
         self.metrics.observe_cost(ex.model, cost.actual, cost.uncached)
         self._price_summary(ex, cost)
 
@@ -745,7 +747,7 @@ class AccountingObserver:
                 # the cache (an agent that marks only its system prompt).
                 return lambda: True
             return None
-        if usage.explicit_cache:
+        if usage.explicit_cache or usage.reported_cache_write:
             # Nothing read, nothing written: what it marked, if anything, is shorter than the
             # model's minimum, which Claude does not cache (a longer one the provider would
             # have written: its marks did not reach it, a gateway's doing, say).

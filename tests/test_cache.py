@@ -593,8 +593,17 @@ def test_waste_is_priced_at_what_the_missed_tokens_cost_over_a_read() -> None:
         prompt=10_000, completion=10, cache_write=5_000, reported_cache=True,
         reported_cache_write=True, explicit_cache=True,
     )  # fmt: skip
-    mixed = (5_000 * 3.00 + 5_000 * 3.75) / 10_000  # the unread input's average price
-    assert waste_cost(half, claude, 4_000) == pytest.approx(4_000 * (mixed - 0.30) / 1e6)
+    # The unread input lies as Claude bills it, writes first: the first 4,000 missed tokens
+    # are writes; 4,000 more after them are 1,000 writes and 3,000 fresh tokens
+    assert waste_cost(half, claude, 4_000) == pytest.approx(4_000 * (3.75 - 0.30) / 1e6)
+    rest = (1_000 * (3.75 - 0.30) + 3_000 * (3.00 - 0.30)) / 1e6
+    assert waste_cost(half, claude, 4_000, after=4_000) == pytest.approx(rest)
+    both = Usage(
+        prompt=12_000, completion=10, cache_read=2_000, cache_write=6_000, cache_write_1h=2_000,
+        reported_cache=True, reported_cache_write=True, explicit_cache=True,
+    )  # fmt: skip
+    layered = (2_000 * (6.00 - 0.30) + 4_000 * (3.75 - 0.30) + 1_000 * (3.00 - 0.30)) / 1e6
+    assert waste_cost(both, claude, 7_000) == pytest.approx(layered)
     # never more tokens than were not read; nothing for no waste or a model with no prices
     assert waste_cost(usage, openai, 50_000) == pytest.approx(8_000 * 1.25 / 1e6)
     assert waste_cost(usage, openai, 0) == 0.0

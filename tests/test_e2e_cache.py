@@ -1200,33 +1200,60 @@ def test_a_claude_agent_that_marks_only_its_system_prompt_is_told_what_it_did_no
         assert caches[2]["cause"] == "not_requested"
 
 
+@pytest.mark.parametrize("short", [False, True], ids=["read-all-marked", "marked-too-short"])
 def test_claude_through_openrouter_marking_only_its_system_prompt_is_told_the_same(
-    scripted: Any, proxy_factory: Any
+    scripted: Any, proxy_factory: Any, short: bool
 ) -> None:
     """The same agent as above through OpenRouter, whose usage says ``cached_tokens`` and
-    ``cache_write_tokens`` (not Anthropic's fields): every turn's miss read "unexplained"."""
+    ``cache_write_tokens`` (not Anthropic's fields): every turn's miss read "unexplained", when
+    it read all it marked, and when what it marked was too short to be cached at all."""
+    cached = 0 if short else 2000
     answer = (
         b'{"id":"g1","object":"chat.completion","model":"anthropic/claude-sonnet-4.5","choices":'
         b'[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],'
         b'"usage":{"prompt_tokens":3600,"completion_tokens":5,"prompt_tokens_details":'
-        b'{"cached_tokens":2000,"cache_write_tokens":0}}}'
+        b'{"cached_tokens":%d,"cache_write_tokens":0}}}' % cached
     )
     _upstream, url = scripted(chunks=[answer], content_type=b"application/json")
     proxy = proxy_factory(url, config())
     client = make_client(proxy.base_url, default_headers={"X-Session-Id": "or-system-mark"})
-    system = SYSTEM_PROMPT + " Follow the style guide." * 700
+    system = "Be brief." if short else SYSTEM_PROMPT + " Follow the style guide." * 700
     marked = {
         "role": "system",
         "content": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
     }
-    convo: list[dict[str, Any]] = [marked, {"role": "user", "content": "Fix the test."}]
+    convo: list[dict[str, Any]] = [marked, {"role": "user", "content": "Fix the test. " * 500}]
     for turn in range(2):
         reply, _ = chat(client, convo, model="anthropic/claude-sonnet-4.5", stream=False)
         convo += [reply, {"role": "user", "content": f"Go on ({turn})."}]
     flush(proxy)
     caches = [r["cache"] for r in events(proxy.log_dir, "or-system-mark", "response")]
-    assert caches[1]["read"] == 2000 and caches[1]["waste"] == 1600
+    assert caches[1]["read"] == cached and caches[1]["waste"] == 3600 - cached
     assert caches[1]["cause"] == "not_requested"
+
+
+def test_the_waste_of_a_model_with_no_prices_has_no_price(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A local model with no prices: its waste is in tokens, with no dollars (it said $0.0000,
+    as if the waste had cost nothing)."""
+    answer = (
+        b'{"id":"l1","object":"chat.completion","model":"my-local-llm","choices":[{"index":0,'
+        b'"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":'
+        b'{"prompt_tokens":3600,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":0}}}'
+    )
+    _upstream, url = scripted(chunks=[answer], content_type=b"application/json")
+    proxy = proxy_factory(url, config())
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "local"})
+    convo: list[dict[str, Any]] = [{"role": "user", "content": "Fix the test. " * 500}]
+    for turn in range(2):
+        reply, _ = chat(client, convo, model="my-local-llm", stream=False)
+        convo += [reply, {"role": "user", "content": f"Go on ({turn})."}]
+    flush(proxy)
+    second = events(proxy.log_dir, "local", "response")[1]
+    assert second["cache"]["waste"] == 3600 and "waste_usd" not in second["cache"]
+    cost = run_cli("sessions", "cost", "local", "--log-dir", str(proxy.log_dir), "--json").json()
+    assert (cost["waste_tokens"], cost["waste_usd"]) == (3600, None)
 
 
 def test_a_rewrite_after_a_turn_that_marked_less_loses_what_the_turns_before_cached(

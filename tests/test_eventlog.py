@@ -1483,6 +1483,9 @@ def test_retention_judges_a_log_as_the_reports_do_past_a_crash_s_leading_nuls(
         "nul-block": b"\0" * 4096 + line,
         "past-a-chunk": b"\0" * 65533 + line,  # (its start cut by the first read's end)
         "bom-cut": b"\0" * 65535 + b"\xef\xbb\xbf" + line,  # (the mark cut there too)
+        "bom-line": b"\xef\xbb\xbf\n" + line,  # (a line of the mark alone: the next judged)
+        "bom-blank": b"\xef\xbb\xbf \r\n\n" + line,
+        "far": b"\0" * 200_000 + line,
         "bom": b"\xef\xbb\xbf" + line,
         "blank-first": b"\n\n" + line,
     }
