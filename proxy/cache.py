@@ -398,6 +398,10 @@ def idle_seconds(state: CacheState, fingerprint: Fingerprint, started_at: float)
     return started_at - state.last_started if state.last_started is not None else None
 
 
+# Links of a request's chain before its system prompt and history (``Fingerprint.chain``).
+_NOT_CONTENT_LINKS: Final = frozenset({"params", "tools"})
+
+
 def _attribute(
     state: CacheState,
     fingerprint: Fingerprint,
@@ -411,14 +415,17 @@ def _attribute(
     idle: float | None = None
     if divergence is not None and compared is not None:
         # What the rewrite lost is the compared request's prefix past the point of difference:
-        # it had expired if no request that shared some of it (the shortest such prefix is
-        # the most recently used) came within the TTL. A sub-agent under the same tools alone
-        # kept nothing of it warm; one forked from the history did (its loss is the rewrite's).
-        shared = shared_links(compared, fingerprint)
-        if shared < len(compared.digests):
-            last = state.prefixes.get(compared.digests[shared])
-            if last is not None:
-                idle = started_at - last
+        # it had expired if no request that shared its system prompt or history past that
+        # point (the shortest such prefix is the most recently used) came within the TTL. The
+        # parameters and tools alone, which another agent of the session may keep warm under
+        # a prompt of its own, are not what was lost; a sub-agent forked from the history
+        # keeps the history warm (the loss is then the rewrite's).
+        chain = compared.chain
+        at = shared_links(compared, fingerprint)
+        while at < len(chain) and chain[at][0] in _NOT_CONTENT_LINKS:
+            at += 1
+        last = state.prefixes.get(compared.digests[at]) if at < len(chain) else None
+        idle = started_at - last if last is not None else idle_seconds(state, compared, started_at)
     if idle is None:
         idle = idle_seconds(state, fingerprint, started_at)
     if idle is not None and idle > ttl_s:

@@ -430,13 +430,18 @@ def test_a_refused_request_does_not_move_the_baseline_of_its_retry(
     assert retried["divergence"]["volatile_kind"] == "timestamp"
 
 
-@pytest.mark.parametrize("forked", [False, True], ids=["own-prompt", "forked"])
+@pytest.mark.parametrize(
+    ("forked", "change"),
+    [(False, "system"), (False, "params"), (False, "tools"), (True, "system")],
+    ids=["own-prompt", "own-prompt-params", "own-prompt-tools", "forked"],
+)
 def test_a_sub_agent_between_turns_decides_between_an_expiry_and_a_rewrite(
-    sim: RunningSimulator, proxy_factory: Any, forked: bool
+    sim: RunningSimulator, proxy_factory: Any, forked: bool, change: str
 ) -> None:
-    """The main agent waits past the TTL while a sub-agent of its session works, then puts the
-    time into its prompt. A sub-agent under the same tools and a prompt of its own keeps only
-    the tools warm: the main agent's prefix had expired either way (it read as a rewrite). One
+    """The main agent waits past the TTL while a sub-agent of its session works, then changes
+    its prompt (the time in it), a parameter or its tools. A sub-agent under the same tools and
+    parameters and a prompt of its own keeps only those warm: the main agent's prefix had
+    expired either way (it read as a rewrite, then as one again for a parameter or a tool). One
     forked from the main agent's history keeps that history warm: the rewrite lost it (a fix
     of the first case read this one as an expiry)."""
     proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
@@ -466,11 +471,17 @@ def test_a_sub_agent_between_turns_decides_between_an_expiry_and_a_rewrite(
         reply, _ = chat(client, sub, stream=False, tools=TOOLS)
         sub += [reply, {"role": "user", "content": "And the next one?"}]
     sim.sim.advance(20)  # 400 s after the main agent's last request, 20 s after the sub-agent's
-    main[0] = prompt(7)
-    chat(client, main, stream=False, tools=TOOLS)
+    extra: dict[str, Any] = {"tools": TOOLS}
+    if change == "system":
+        main[0] = prompt(7)
+    elif change == "params":
+        extra["tool_choice"] = "required"
+    else:
+        extra["tools"] = [*TOOLS, {**TOOLS[0], "function": {**TOOLS[0]["function"], "name": "x"}}]
+    chat(client, main, stream=False, **extra)
     flush(proxy)
     last = events(proxy.log_dir, "idle-sub", "response")[-1]
-    assert last["divergence"]["location"] == "system"  # (the rewrite is shown either way)
+    assert last["divergence"]["location"] == change  # (the change is shown either way)
     assert last["cache"]["waste"] > NOISE_FLOOR
     cause = (last["cache"]["cause"], last["cache"]["location"])
     assert cause == (("prefix_rewrite", "system") if forked else ("ttl_expired", None))
