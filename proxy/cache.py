@@ -309,9 +309,9 @@ def account(
     previous request cached nothing, marked or not, which tells no extent: its marks may not
     have reached the provider.) ``ttl_floor_s`` (``cache_ttl_floor``; None: ``ttl_s``): past
     it, a miss with no other cause is ``ttl_expired``, not ``unexplained``. ``compared``: the
-    fingerprint of the request this one is compared with; after a rewrite, its idle time is
-    that of the prefix it had cached, which another conversation of the session sharing only
-    the tools does not keep warm.
+    fingerprint of the request this one is compared with; after a rewrite, the idle time is
+    that of its system prompt or history past the difference (``_attribute``), which another
+    conversation of the session sharing only the parameters and tools does not keep warm.
     """
     has_reported = state.has_reported or usage.reported_cache
     counted = (

@@ -53,7 +53,7 @@ class ExchangeRow:
     waste_location: str | None = None
     unrequested: int = 0  # of a miss with a cause, what was never cached (not_requested)
     # what the waste and the not_requested part cost over reading them from the cache, USD
-    # (None: a log written before cachegate priced them)
+    # (None: a model with no prices, or a log written before cachegate priced them)
     waste_usd: float | None = None
     unrequested_usd: float | None = None
     repairs: int = 0
@@ -164,7 +164,7 @@ class CostReport:
     waste_tokens: int
     waste_by_cause: dict[str, int] = field(default_factory=dict)
     # the waste in dollars, over reading it from the cache (None: a row without a price of it,
-    # from a log written before cachegate priced waste)
+    # its model's prices unknown or its log written before cachegate priced waste)
     waste_usd: float | None = None
     waste_usd_by_cause: dict[str, float] = field(default_factory=dict)
     torn: int = 0
