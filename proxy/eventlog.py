@@ -493,7 +493,8 @@ class EventLogWriter:
                 batch: dict[str, list[bytes]] = {}
                 in_hand = batch  # what a crash below would lose, to be counted
                 made: list[_Made] = []  # what the secret scan may have to redact
-                scrubbed: list[tuple[list[bytes], int, tuple[str, ...]]] = []
+                # lines to take exact values out of, with their own keys (a client's)
+                exact: list[tuple[list[bytes], int, tuple[str, ...]]] = []
                 # Meta lines not written (the file, an earlier process's, has its own): kept
                 # all the same, to begin the file anew should it go (removed, rotated).
                 kept_metas: dict[str, list[bytes]] = {}
@@ -512,8 +513,8 @@ class EventLogWriter:
                         lines = target.setdefault(session_id, [])
                         if self.redact_secrets:
                             made.append((session_id, lines, len(lines), encoded[1]))
-                        if secrets:
-                            scrubbed.append((lines, len(lines), secrets))
+                        if secrets or self._secrets:
+                            exact.append((lines, len(lines), secrets))
                         lines.append(encoded[0])
                     if (
                         self.fsync == "line"
@@ -526,12 +527,11 @@ class EventLogWriter:
                 # The exact values first: a pattern that took only a part of one (a key with a
                 # ``:`` or ``!`` in it, after ``Bearer``) would leave the rest to be written.
                 # A line's own keys with the configured ones, longest first (one may hold
-                # another: the shorter replaced first would leave the rest of the longer)
-                for lines, at, secrets in scrubbed:
-                    lines[at] = _without(lines[at], self._keys_written(secrets))
-                if self._secrets:
-                    self._remove_secrets(batch)
-                    self._remove_secrets(kept_metas)
+                # another: the shorter replaced first would leave the rest of the longer);
+                # each line searched once.
+                for lines, at, secrets in exact:
+                    keys = self._keys_written(secrets) if secrets else self._secrets
+                    lines[at] = _without(lines[at], keys)
                 if made:
                     self._redact(made)
                 for session_id, lines in kept_metas.items():
@@ -628,14 +628,6 @@ class EventLogWriter:
             both = set(_as_written(secrets)) | set(self._secrets)
             written = self._written_keys[secrets] = tuple(sorted(both, key=len, reverse=True))
         return written
-
-    def _remove_secrets(self, batch: dict[str, list[bytes]]) -> None:
-        """Replace the exact secret values in the batch's lines (a search of each line in
-        place, at memory speed; a copy only of a line that holds one)."""
-        secrets = self._secrets
-        for lines in batch.values():
-            for i, line in enumerate(lines):
-                lines[i] = _without(line, secrets)
 
     def _file_is_empty(self, session_id: str, batch: dict[str, list[bytes]]) -> bool:
         """Whether ``session_id``'s file holds no line, written or in ``batch``. A file that

@@ -192,9 +192,7 @@ def _read_regular(path: str) -> bytes:
         os.close(fd)
 
 
-# The range of what a memo may hold: times a report can show (``report._stamp``), counts JSON's
-# readers take whole.
-_LAST_STAMP: Final = 253_402_300_799.0
+# The largest count a memo holds: what JSON's readers take whole.
 _MAX_COUNT: Final = 2**63 - 1
 
 
@@ -218,7 +216,7 @@ def _entry(file_name: str, entry: Any) -> tuple[Key, dict[str, Any] | None] | No
 
 
 def _summary_shaped(file_name: str, summary: dict[str, Any]) -> bool:
-    from proxy.report import SessionSummary
+    from proxy.report import LAST_STAMP, SessionSummary
 
     names = {f.name for f in fields(SessionSummary)}
     if set(summary) != names:
@@ -247,7 +245,7 @@ def _summary_shaped(file_name: str, summary: dict[str, Any]) -> bool:
         if (
             name in ("first_seen", "last_seen")
             and isinstance(value, int | float)
-            and not 0.0 <= value <= _LAST_STAMP
+            and not 0.0 <= value <= LAST_STAMP  # (a time a report can show)
         ):
             return False
     return True

@@ -677,14 +677,14 @@ def _float(value: Any) -> float | None:
     return None
 
 
-_LAST_STAMP: Final = 253_402_300_799.0  # 9999-12-31 23:59:59 UTC, the last a date can show
+LAST_STAMP: Final = 253_402_300_799.0  # 9999-12-31 23:59:59 UTC, the last a date can show
 
 
 def _stamp(value: Any) -> float | None:
     """A line's ``ts`` as a time the reports can show, or None: a hand-edited or corrupted
     line's ``1e20`` or ``-1e12`` is no time (it stopped the whole listing)."""
     ts = _float(value)
-    return ts if ts is not None and 0.0 <= ts <= _LAST_STAMP else None
+    return ts if ts is not None and 0.0 <= ts <= LAST_STAMP else None
 
 
 def _str(value: Any) -> str | None:
