@@ -91,8 +91,14 @@ def build_transport(
     if transport is not None:
         return transport
     up = settings.upstream
+    # The CAs of an https upstream are loaded once, here (a stale SSL_CERT_FILE fails the start,
+    # as the CLI says before it: not every request, as an invalid answer); only for one, so
+    # that a stale SSL_CERT_FILE does not stop a plain-HTTP upstream's server from starting.
+    # (Not httpx's own reading of the environment: that would take proxies from it too.)
+    tls = ssl_context() if up.base_url.lower().startswith("https:") else None
     if up.transport == "native":
         return UpstreamPool(
+            ssl_context=tls,
             max_connections=up.max_connections,
             max_keepalive=up.max_keepalive_connections,
             keepalive_expiry=30.0,
@@ -104,12 +110,8 @@ def build_transport(
         max_keepalive_connections=up.max_keepalive_connections,
         keepalive_expiry=30.0,
     )
-    # (not httpx's own reading of the environment: that would take proxies from it too; the
-    # CA bundle is chosen as the native pool chooses it, SSL_CERT_FILE/SSL_CERT_DIR included,
-    # and only for an https upstream, as the native pool loads it only for one: a stale
-    # SSL_CERT_FILE must not stop a plain-HTTP upstream's server from starting)
-    if up.base_url.lower().startswith("https:"):
-        return httpx.AsyncHTTPTransport(limits=limits, trust_env=False, verify=ssl_context())
+    if tls is not None:
+        return httpx.AsyncHTTPTransport(limits=limits, trust_env=False, verify=tls)
     return httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
 
 

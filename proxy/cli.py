@@ -133,6 +133,19 @@ def _serve(ns: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"cachegate: {exc}", file=sys.stderr)
         return 2
+    if settings.upstream.base_url.lower().startswith("https:"):
+        from proxy.upstream import ca_source, ssl_context
+
+        try:  # (the app loads them again as it starts: here, one line instead of a traceback)
+            ssl_context()
+        except OSError as exc:
+            print(
+                f"cachegate: cannot load the CA certificates for the https upstream from"
+                f" {ca_source()}: {exc.strerror or exc} (SSL_CERT_FILE names a PEM bundle of"
+                " CAs; unset, certifi's bundle is used)",
+                file=sys.stderr,
+            )
+            return 2
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

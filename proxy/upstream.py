@@ -786,8 +786,16 @@ def _transfer_coding(headers: list[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
+def ca_source() -> str:
+    """Where ``ssl_context`` takes its CA file from, as a start-up error names it (a directory,
+    ``SSL_CERT_DIR``, is only read as a connection needs it, and cannot fail the load)."""
+    cafile = os.environ.get("SSL_CERT_FILE")
+    return f"SSL_CERT_FILE={cafile}" if cafile else "certifi's bundle"
+
+
 def ssl_context() -> ssl.SSLContext:
-    """Verification as httpx does it: certifi's bundle unless SSL_CERT_FILE/SSL_CERT_DIR say else."""
+    """Verification as httpx does it: certifi's bundle unless SSL_CERT_FILE/SSL_CERT_DIR say else
+    (an unreadable file, or one with no certificate, raises ``OSError``)."""
     cafile = os.environ.get("SSL_CERT_FILE")
     capath = os.environ.get("SSL_CERT_DIR")
     if not cafile and not capath:

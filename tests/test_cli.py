@@ -1204,6 +1204,33 @@ def test_console_script_serve_refuses_a_bad_config_and_reports_its_version(
     assert version.stdout == f"cachegate {__version__}\n"
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", ["native", "httpx"])
+@pytest.mark.parametrize("bundle", ["missing", "no certificate"])
+def test_serve_says_in_one_line_that_the_ca_file_for_an_https_upstream_cannot_be_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, transport: str, bundle: str
+) -> None:
+    """A stale SSL_CERT_FILE: the httpx transport failed the start with a traceback, and the
+    native pool answered every request 502 'invalid answer (FileNotFoundError)'."""
+    cafile = tmp_path / "ca.pem"
+    if bundle == "no certificate":
+        cafile.write_text("not a certificate\n")
+    monkeypatch.setenv("SSL_CERT_FILE", str(cafile))
+    config = tmp_path / "c.toml"
+    config.write_text(f'[upstream]\ntransport = "{transport}"\n')
+    args = ["--config", str(config), "--port", str(free_port()), "--log-dir", str(tmp_path / "l")]
+    result = run_cli("serve", *args, "--upstream", "https://127.0.0.1:9/v1")
+    assert result.code == 2
+    reason = "No such file or directory" if bundle == "missing" else "no certificate or crl found"
+    first, *rest = result.err.splitlines()
+    assert first.startswith(
+        f"cachegate: cannot load the CA certificates for the https upstream from"
+        f" SSL_CERT_FILE={cafile}: "
+    )
+    assert reason in first and rest == [] and "Traceback" not in result.err
+    assert not (tmp_path / "l").exists()  # nothing was started
+
+
 def test_version_in_process() -> None:
     result = run_cli("--version")
     assert result.code == 0
