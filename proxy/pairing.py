@@ -31,7 +31,7 @@ from typing import Any, Final, Literal
 
 import orjson
 
-from proxy.prefix import cache_mark, carried_past_prompt, leading_system_count
+from proxy.prefix import cache_mark, carried_past_prompt, deep_dumps, leading_system_count
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +165,15 @@ def _has_id(call: dict[str, Any]) -> bool:
     return isinstance(call_id, str) and call_id != ""
 
 
+def _number_id(value: Any) -> str | None:
+    """An id sent as a JSON integer (``"id": 7``, ``"tool_call_id": 7``: a local model's
+    template, a hand-built history) written as the string the provider takes; else None. The
+    call and its result keep their pairing: each is given the same string."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return None
+
+
 def _missing_type(call: dict[str, Any]) -> bool:
     """A function call without its ``"type": "function"`` (LangChain's Azure integration sends
     these; Azure OpenAI refuses them: "Missing required parameter: …tool_calls[0].type")."""
@@ -214,11 +223,17 @@ def _contentless(message: Any) -> bool:
     )
 
 
+# Where servers put a model's reasoning in an assistant message (DeepSeek, vLLM and SGLang's
+# ``reasoning_content``; OpenRouter's and Ollama's ``reasoning``, ``reasoning_details``;
+# LiteLLM's ``thinking_blocks``): a message that holds one says something.
+_REASONING_KEYS: Final = ("reasoning_content", "reasoning", "reasoning_details", "thinking_blocks")
+
+
 def _says_nothing(message: dict[str, Any]) -> bool:
     """An assistant message (its empty ``tool_calls`` taken out) with no content, refusal,
-    legacy ``function_call`` or audio."""
+    legacy ``function_call``, audio or reasoning."""
     return not message.get("content") and not any(
-        message.get(key) for key in ("refusal", "function_call", "audio")
+        message.get(key) for key in ("refusal", "function_call", "audio", *_REASONING_KEYS)
     )
 
 
@@ -338,7 +353,7 @@ def _past_new_prompt(
 
 def _derived_id(index: int, position: int, call: dict[str, Any]) -> str:
     """A stable id for a call sent without one, from its position and its canonical JSON."""
-    canonical = json.dumps(call, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    canonical = deep_dumps(call, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     digest = hashlib.sha256(f"{index}.{position}:{canonical}".encode()).hexdigest()
     return "call_" + digest[:24]
 
@@ -364,7 +379,7 @@ def _downgrade(message: dict[str, Any], label: str) -> dict[str, Any]:
     elif isinstance(content, list):
         new_content = [{"type": "text", "text": label}, *content]
     else:
-        dumped = json.dumps(content, sort_keys=True, ensure_ascii=False)
+        dumped = deep_dumps(content, sort_keys=True, ensure_ascii=False)
         new_content = f"{label}\n{dumped}"
     downgraded: dict[str, Any] = {"role": "user", "content": new_content}
     mark = message.get("cache_control")
@@ -388,7 +403,8 @@ def _fix_calls(
         if not isinstance(call, dict):
             continue
         fixed = call
-        if not _has_id(call):
+        number = _number_id(call.get("id"))
+        if not _has_id(call) and number is None:
             call_id = _derived_id(index, position, call)
             assigned.append(call_id)
             fixed = {**call, "id": call_id}
@@ -398,7 +414,7 @@ def _fix_calls(
                 )
             )
         else:
-            call_id = call["id"]
+            call_id = call["id"] if number is None else number
             if call_id in ids:
                 # Claude refuses a message whose tool_use ids repeat ("tool_use ids must be
                 # unique"); its results are then matched in order (``_pair_result``)
@@ -412,6 +428,17 @@ def _fix_calls(
                         call_id,
                         f"gave tool_calls[{position}] the id {call_id}: an earlier call of this"
                         f" message has {repeated}",
+                    )
+                )
+            elif number is not None:
+                fixed = {**call, "id": call_id}
+                repairs.append(
+                    Repair(
+                        "missing_id",
+                        index,
+                        call_id,
+                        f'wrote the id of tool_calls[{position}] as a string, "{call_id}" (it'
+                        " was a number)",
                     )
                 )
         if _missing_type(call):
@@ -628,7 +655,12 @@ def repair_messages_from(
     for i in range(start, len(messages)):
         if i in paired or i in removed:
             mark = marks.get(i) if marks else None
-            if mark is not None and out and cache_mark(out[-1], "content") is None:
+            if (
+                mark is not None
+                and out
+                and isinstance(out[-1], dict)  # (not a message: the provider refuses it)
+                and cache_mark(out[-1], "content") is None
+            ):
                 out[-1] = {**out[-1], "cache_control": mark}
                 _say_mark_moved(scanned, i)
             continue
@@ -703,7 +735,8 @@ def _pair_result(
         run.results.append(i)
         paired.add(i)
         return
-    tool_call_id = raw_id if isinstance(raw_id, str) else None
+    number = _number_id(raw_id)
+    tool_call_id = raw_id if isinstance(raw_id, str) else number
     owner = owner_of_id.get(tool_call_id) if tool_call_id is not None else None
     if owner is not None and tool_call_id is not None:
         positions = owner.unanswered.get(tool_call_id)
@@ -718,6 +751,17 @@ def _pair_result(
                         i,
                         tool_call_id,
                         f"moved back into the results of messages[{owner.index}]",
+                    )
+                )
+            if number is not None:
+                fixed[i] = {**message, "tool_call_id": number}
+                repairs.append(
+                    Repair(
+                        "missing_id",
+                        i,
+                        number,
+                        f'wrote the tool_call_id of the result as a string, "{number}" (it'
+                        " was a number)",
                     )
                 )
             owner.results.append(i)
@@ -777,8 +821,8 @@ _DESCRIPTIONS: Final[dict[str, str]] = {
     "duplicate_result": "messages[{index}] tool result for {id} repeats an earlier result",
     "invalid_arguments": "messages[{index}] assistant tool_call {id} has invalid JSON arguments",
     "missing_id": (
-        "messages[{index}] assistant tool_call, or the tool result answering it, has no id "
-        "(repair would assign {id})"
+        "messages[{index}] assistant tool_call, or the tool result answering it, has no id or a"
+        " number for one (repair would assign {id})"
     ),
     "empty_tool_calls": "messages[{index}] assistant message has an empty tool_calls array",
     "missing_type": 'messages[{index}] assistant tool_call {id} has no "type"',

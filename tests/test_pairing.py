@@ -366,11 +366,84 @@ def test_an_empty_tool_calls_array_is_removed() -> None:
         "content": "",
         "refusal": "No.",
     }
+    # so is reasoning: a cut stream's reasoning_content stays, as in empty_assistant's repair
+    for key in ("reasoning_content", "reasoning"):
+        thought = {"role": "assistant", "content": None, key: "Let me see", "tool_calls": []}
+        assert repair_messages([user("go"), thought, user("again")]).messages[1] == {
+            "role": "assistant",
+            "content": "",
+            key: "Let me see",
+        }
     # a result after it answers nothing: no block was opened
     assert kinds(repair_messages([user("go"), empty, tool("a")])) == [
         ("empty_tool_calls", 1, None),
         ("orphan_result", 2, "a"),
     ]
+
+
+def test_a_call_and_its_result_with_a_number_for_an_id_stay_a_pair() -> None:
+    """``"id": 7`` and ``"tool_call_id": 7`` (a local model's template, a hand-built history):
+    the call got a new id and a synthetic "interrupted" result, and the real result went as a
+    user message without its id: the model was told the tool had not run."""
+    numbered = asst(call("7"))
+    numbered["tool_calls"][0]["id"] = 7
+    answer = {"role": "tool", "tool_call_id": 7, "name": "read", "content": "a.txt b.txt"}
+    messages = [user("go"), numbered, answer, user("thanks")]
+    assert needs_repair(messages)
+    result = repair_messages(messages)
+    assert result.messages == [
+        user("go"),
+        asst(call("7")),
+        {**answer, "tool_call_id": "7"},
+        user("thanks"),
+    ]
+    assert kinds(result) == [("missing_id", 1, "7"), ("missing_id", 2, "7")]
+    validate_messages(result.messages)
+    assert not needs_repair(result.messages)
+    assert numbered["tool_calls"][0]["id"] == 7 and answer["tool_call_id"] == 7  # not mutated
+    assert format_strict_error(diagnose(messages)).startswith(
+        "cachegate strict pairing: 2 defects: messages[1] assistant tool_call, or the tool"
+        " result answering it, has no id or a number for one (repair would assign 7)"
+    )
+    # a string result answers a number call, and a number beside its own string is a repeat
+    assert repair_messages([user("go"), numbered, tool("7")]).messages[2] == tool("7")
+    twice = asst(call("7"), call("7", "write"))
+    twice["tool_calls"][0]["id"] = 7
+    repaired = repair_messages([user("go"), twice, {**answer, "content": "x"}, tool("7")])
+    renamed = repaired.messages[1]["tool_calls"][1]["id"]
+    assert renamed.startswith("call_")
+    assert [m.get("tool_call_id") for m in repaired.messages[2:]] == ["7", renamed]
+    validate_messages(repaired.messages)
+
+
+def test_a_history_nested_as_deep_as_cachegate_reads_is_repaired() -> None:
+    """A call without an id whose arguments are an object ~990 levels deep, or an orphan
+    result whose content is: a RecursionError, answered 500 instead of repaired."""
+    deep: Any = []
+    for _ in range(990):
+        deep = [deep]
+    idless = asst(call(None))
+    idless["tool_calls"][0]["function"]["arguments"] = deep
+    result = repair_messages([user("go"), idless, user("next")])
+    assert [r.kind for r in result.repairs] == ["missing_id", "dangling_call"]
+    output: Any = {}
+    for _ in range(990):
+        output = {"a": output}
+    orphan = repair_messages([user("go"), tool("x", output), user("next")])
+    assert kinds(orphan) == [("orphan_result", 1, "x")]
+    label, dumped = orphan.messages[1]["content"].split("\n", 1)
+    assert label == "[tool result for call x (no matching tool call)]"
+    assert dumped == '{"a": ' * 990 + "{}" + "}" * 990
+
+
+def test_a_mark_is_not_moved_onto_what_is_not_a_message() -> None:
+    """A removed message's cache mark went onto the entry before it, a ``null`` there: a
+    TypeError, answered 500, where the provider would have said what is wrong."""
+    mark = {"type": "ephemeral"}
+    emptied = {"role": "assistant", "content": "", "tool_calls": [], "cache_control": mark}
+    result = repair_messages([user("go"), None, emptied, user("next")])  # type: ignore[list-item]
+    assert result.messages == [user("go"), None, user("next")]
+    assert kinds(result) == [("empty_tool_calls", 2, None)]
 
 
 def test_an_assistant_message_with_no_content_and_no_tool_calls_gets_an_empty_one() -> None:
@@ -706,8 +779,8 @@ def test_strict_error_lists_every_defect() -> None:
         "cachegate strict pairing: 4 defects: "
         "messages[1] assistant tool_call a has no result (dangling_call); "
         "messages[3] tool result for x answers no tool call (orphan_result); "
-        f"messages[4] assistant tool_call, or the tool result answering it, has no id "
-        f"(repair would assign {new_id}) (missing_id); "
+        f"messages[4] assistant tool_call, or the tool result answering it, has no id or a "
+        f"number for one (repair would assign {new_id}) (missing_id); "
         f"messages[4] assistant tool_call {new_id} has no result (dangling_call)"
     )
     assert format_strict_error([Repair("duplicate_result", 2, "a", "dropped")]) == (

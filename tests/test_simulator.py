@@ -282,6 +282,20 @@ def test_tokenizer_counts_by_the_documented_rules() -> None:
     assert len(request_tokens(body)) == (3 + 1) + (3 + 2)
 
 
+def test_the_tokenizer_counts_a_body_as_deep_as_cachegate_forwards() -> None:
+    """Arguments nested past orjson's 254 levels (cachegate forwards up to 1,024): the
+    simulator answered 500 (orjson's "Recursion limit reached") to a body cachegate had
+    repaired."""
+    deep: Any = {}
+    for _ in range(990):
+        deep = {"a": deep}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
+    message = {"role": "assistant", "content": None, "tool_calls": [call]}
+    shallow = {**message, "tool_calls": [{**call, "function": {"name": "f", "arguments": {}}}]}
+    extra = len(request_tokens(chat_body([message]))) - len(request_tokens(chat_body([shallow])))
+    assert extra == count_tokens('{"a":' * 990 + "{}" + "}" * 990) - count_tokens("{}")
+
+
 def test_second_request_extending_the_first_reads_whole_blocks(sim: RunningSimulator) -> None:
     first = long_chat(1100)
     usage = usage_of(sim, first)

@@ -29,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from proxy.prefix import cache_mark, tools_json  # tools as a provider renders them
+from proxy.prefix import cache_mark, deep_dumps, tools_json  # tools as a provider renders them
 
 MESSAGE_OVERHEAD = 3
 _TOKEN = re.compile(
@@ -51,7 +51,12 @@ def count_tokens(text: str) -> int:
 
 
 def _as_text(value: Any) -> str:
-    return value if isinstance(value, str) else orjson.dumps(value).decode()
+    if isinstance(value, str):
+        return value
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:  # nested past orjson's 254 levels, as a client may send (a 500 here)
+        return deep_dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def content_text(content: Any) -> str:
