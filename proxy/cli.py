@@ -518,7 +518,8 @@ def _sessions(ns: argparse.Namespace) -> int:
             # (serve resolves a relative directory from where it runs, not from its config file)
             where = (
                 f" (from {source}: a relative directory is taken from the current one,"
-                f" {os.getcwd()}; run from where cachegate serve runs, or give --log-dir)"
+                f" {os.getcwd()}; run from where cachegate serve runs"
+                + (")" if source == "--log-dir" else ", or give --log-dir)")
             )
         print(f"cachegate: {exc}{where}", file=sys.stderr)
         return 1

@@ -641,7 +641,11 @@ class EventLogWriter:
             # (a file that begins with a line of lost lines, its meta line among them, told when
             # an earlier process stopped, and holds no meta line yet: the meta line goes in)
             head = os.pread(fd, 4096, 0)
-            return head.find(_LOST_TYPE_BYTES, 0, 64) >= 0 and head.find(_META_TYPE) < 0
+            if head.find(_LOST_TYPE_BYTES, 0, 64) >= 0:
+                return head.find(_META_TYPE) < 0
+            # (and one whose meta line a crash cut, or left as NULs: it goes in after them,
+            # where the reports find it; without, the file never had one)
+            return not _begins_with_meta(fd, head)
         except OSError:
             return True
 
@@ -826,8 +830,8 @@ class EventLogWriter:
             if held is None or st is None or st.st_size >= held[1]:
                 return
             fd = self._fds[session_id]
-            self._warn(
-                "file",
+            self._warn(  # (its own kind: a removal elsewhere does not silence it)
+                "file_truncated",
                 "event log: %s was truncated while cachegate wrote it; writing on from its end",
                 session_id + ".jsonl",
             )
@@ -839,7 +843,7 @@ class EventLogWriter:
             self._mark_broken(session_id)
             return
         self._warn(
-            "file",
+            "file_replaced",
             "event log: %s was removed or replaced while cachegate wrote it; a new one is started",
             session_id + ".jsonl",
         )
@@ -1304,6 +1308,35 @@ def _lost_in(lines: Sequence[bytes]) -> tuple[int, int, tuple[int, ...]]:
             if found is not None:
                 numbers.append(int(found.group(1)))
     return events, requests, tuple(numbers)
+
+
+def _begins_with_meta(fd: int, head: bytes) -> bool:
+    """Whether the file open at ``fd``, whose first bytes are ``head``, begins with a whole meta
+    line (past the NUL bytes and blank lines a crash may leave, as the reports read it). Its
+    last line is terminated (``_terminate_torn_line``): a cut one ends in a newline too, and
+    is told by not being JSON."""
+    start = len(head) - len(head.lstrip(b"\0\r\n\t "))
+    if head.find(_META_TYPE, start, start + 64) < 0:
+        return False
+    line = head[start:]
+    end = line.find(b"\n")
+    while end < 0 and len(line) < _META_READ_MAX:  # a long model name or user agent in it
+        more = os.pread(fd, 65536, start + len(line))
+        if not more:
+            break
+        end = more.find(b"\n")
+        end = -1 if end < 0 else len(line) + end
+        line += more
+    if end < 0:
+        return len(line) >= _META_READ_MAX  # (not read to its end: taken as one)
+    try:
+        return isinstance(orjson.loads(line[:end]), dict)
+    except orjson.JSONDecodeError:
+        return False
+
+
+# How much of a file's first line is read to judge it a whole meta line.
+_META_READ_MAX: Final = 1 << 20
 
 
 def _terminate_torn_line(fd: int) -> int:

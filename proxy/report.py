@@ -410,8 +410,10 @@ def _load(
     drop: Mapping[str, frozenset[str]] | None = None,
 ) -> LogRead:
     path = session_log_path(log_dir, session_id)  # validates the id first
-    if os.path.exists(log_dir) and not os.path.isdir(log_dir):
-        raise NotADirectoryError(f"log directory {os.fspath(log_dir)!r} is not a directory")
+    if not os.path.isdir(log_dir):  # (said as `list` says it, not as a session not there)
+        if os.path.exists(log_dir):
+            raise NotADirectoryError(f"log directory {os.fspath(log_dir)!r} is not a directory")
+        raise FileNotFoundError(f"log directory {os.fspath(log_dir)!r} does not exist")
     try:
         return read_events(path, drop=drop)
     except FileNotFoundError:
@@ -671,9 +673,15 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+# No dollar amount, time or duration a log holds comes near this: a larger value is a corrupted
+# or hand-edited line's (``1e308``, whose sum printed ``$inf``, and ``Infinity`` in --json).
+_FLOAT_MAX: Final = 1e15
+
+
 def _float(value: Any) -> float | None:
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
+        # (compared before float(): an integer beyond a double would raise there)
+        return float(value) if -_FLOAT_MAX <= value <= _FLOAT_MAX else None
     return None
 
 

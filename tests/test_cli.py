@@ -406,6 +406,25 @@ def test_list_of_a_missing_directory_exits_1(tmp_path: Path) -> None:
     assert "does not exist" in result.err
 
 
+@pytest.mark.parametrize("command", ["show", "cost", "replay"])
+def test_a_session_in_a_missing_directory_is_said_to_be_in_no_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """``show x`` in a directory that is not there said "no log for session 'x'", and told a
+    user who gave --log-dir to give --log-dir."""
+    nowhere = tmp_path / "nowhere"
+    result = run_cli("sessions", "--log-dir", str(nowhere), command, "x")
+    assert result.code == 1
+    assert result.err == f"cachegate: log directory '{nowhere}' does not exist\n"
+    monkeypatch.chdir(tmp_path)
+    relative = run_cli("sessions", "--log-dir", "nowhere", command, "x")
+    assert relative.err == (
+        "cachegate: log directory 'nowhere' does not exist (from --log-dir: a relative"
+        f" directory is taken from the current one, {tmp_path}; run from where cachegate serve"
+        " runs)\n"
+    )
+
+
 def test_a_relative_log_directory_from_a_config_file_that_is_not_there_is_explained(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

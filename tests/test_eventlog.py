@@ -744,6 +744,29 @@ def test_a_session_file_removed_or_truncated_while_running_starts_again_with_its
         ]
 
 
+def test_a_file_removed_does_not_silence_another_sessions_truncation(
+    log_dir: Path, writers, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``rm logs/a.jsonl; : > logs/b.jsonl``: only a's warning was said, the two shared one
+    rate limit of one warning in 30 s, and b's truncation went unsaid."""
+    w = started(writers, log_dir)
+    for sid in ("a", "b"):
+        w.emit(sid, {"type": "session_meta", "session": sid}, first_in_file=True)
+        w.emit(sid, {"type": "error", "exchange": 1, "status": 400, "message": "one"})
+    assert w.flush()
+    (log_dir / "a.jsonl").unlink()
+    (log_dir / "b.jsonl").write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="proxy.eventlog"):
+        for sid in ("a", "b"):
+            w.emit(sid, {"type": "error", "exchange": 2, "status": 400, "message": "two"})
+        assert w.flush()
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "event log: a.jsonl was removed or replaced while cachegate wrote it; a new one is started",
+        "event log: b.jsonl was truncated while cachegate wrote it; writing on from its end",
+    ]
+
+
 def test_a_log_directory_replaced_while_running_is_judged_again(
     tmp_path: Path, writers, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1955,6 +1978,38 @@ def test_a_session_whose_first_lines_were_all_lost_gets_a_file_that_says_so(
     assert w3.close()
     kinds = [e["type"] for e in read_events(log_dir / "c.jsonl").events]
     assert kinds == ["lines_lost", "session_meta", "request", "request"]
+
+
+@pytest.mark.parametrize("crash", ["meta line cut", "NUL bytes", "long meta line"])
+def test_a_file_whose_meta_line_a_crash_cut_gets_one_from_the_next_process(
+    log_dir: Path, writers: list[EventLogWriter], crash: str
+) -> None:
+    """A crash in the middle of a session's first line, or one that left its file as NUL
+    bytes: the file was not empty, so no later process wrote a meta line, and `show` never
+    said the session's upstream, version or client. A whole meta line, however long (a long
+    model name), is still not written twice."""
+    path = log_dir / "a.jsonl"
+    meta = {"type": "session_meta", "session": "a", "upstream": "http://up/v1", "model": "m"}
+    if crash == "long meta line":
+        first = started(writers, log_dir)
+        first.emit("a", {**meta, "model": "m" * 200_000}, first_in_file=True)
+        assert first.close()
+    else:
+        log_dir.mkdir(mode=0o700, exist_ok=True)
+        path.write_bytes(
+            b'{"ts":"2026-12-04T10:00:00.000Z","type":"session_meta","session":"a","upstr'
+            if crash == "meta line cut"
+            else b"\0" * 8192
+        )
+    w = started(writers, log_dir)
+    w.emit("a", meta, first_in_file=True)
+    w.emit("a", {"type": "error", "exchange": 1, "status": 400, "message": "one"})
+    assert w.close()
+    log = read_events(path)
+    metas = [e for e in log.events if e["type"] == "session_meta"]
+    assert [e["type"] for e in log.events] == ["session_meta", "error"]
+    assert metas[0]["upstream"] == "http://up/v1"
+    assert metas[0]["model"] == ("m" * 200_000 if crash == "long meta line" else "m")
 
 
 def test_a_share_that_gives_every_file_one_owner_is_named_as_such(

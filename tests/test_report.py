@@ -814,6 +814,39 @@ def test_cost_says_how_many_exchanges_reported_no_usage(tmp_path: Path) -> None:
     )
 
 
+def test_a_corrupted_cost_is_no_figure_and_the_json_stays_json(tmp_path: Path) -> None:
+    """Two exchanges of a damaged log costing 1e308 each: ``cost`` printed ``$inf`` and
+    ``$nan (nan%)``, and ``--json`` ``Infinity`` and ``NaN``, which no JSON reader takes."""
+    usage = {"prompt": 5, "completion": 1, "cache_read": 0, "cache_write": 0}
+    events: list[dict[str, Any]] = [{"ts": T0, "type": "session_meta", "session": "inf"}]
+    for n, cost in ((1, 1e308), (2, 1e308), (3, 0.25)):
+        events.append({"ts": T0 + n, "type": "request", "exchange": n, "model": "gpt-4o"})
+        events.append(
+            {
+                "ts": T0 + n,
+                "type": "response",
+                "exchange": n,
+                "status": 200,
+                "usage": usage,
+                "cost": {"actual": cost, "uncached": cost},
+            }
+        )
+    _logged(tmp_path, "inf", events)
+    report = session_cost(tmp_path, "inf")
+    assert report.actual == 0.25
+    text = render_cost(report)
+    assert "inf" not in text.replace("session              inf", "") and "nan" not in text
+    result = run_cli("sessions", "--log-dir", str(tmp_path), "cost", "inf", "--json")
+    assert result.code == 0
+    orjson.loads(result.out)  # (refuses NaN and Infinity)
+    shown = run_cli("sessions", "--log-dir", str(tmp_path), "show", "inf", "--json")
+    assert [row["cost_actual"] for row in orjson.loads(shown.out)["exchanges"]] == [
+        None,
+        None,
+        0.25,
+    ]
+
+
 def test_show_json_gives_costs_without_a_float_sums_tail(tmp_path: Path) -> None:
     """``show --json`` gave ``0.0058200000000000005``, where ``cost --json`` rounds."""
     events = [
