@@ -208,6 +208,9 @@ class Compactor:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return body
+        # (the next turn's trigger compares its history with this one, both as repaired: a
+        # synthetic result shifts the client's messages, and the provider's numbers went unused)
+        ex.compaction_input = messages
         pending: dict[str, _Summary] | None = state.extra.get("summaries")
         running = self._running_for(pending, messages) if pending else None
         if running is None:

@@ -648,11 +648,14 @@ class AccountingObserver:
                 extra["cache"] = cache.touch(extra.get("cache") or CacheState(), fp, ex.started_at)
             self._price_summary(ex, None)
             return
-        # For the compaction trigger: the provider's count, and the client history it was of
-        # (its length, first and last message: a turn of another conversation of the session,
-        # a sub-agent's or a title request's, is not counted on the numbers of this one).
+        # For the compaction trigger: the provider's count, and the client history it was of,
+        # as compaction was given it (repaired) (its length, first and last message: a turn of
+        # another conversation of the session, a sub-agent's or a title request's, is not
+        # counted on the numbers of this one).
         client = ex.client_body if isinstance(ex.client_body, dict) else {}
-        sent = client.get("messages")
+        sent = ex.compaction_input
+        if sent is None:
+            sent = client.get("messages")
         sent = sent if isinstance(sent, list) and sent else None
         extra["last_usage"] = compaction.LastUsage(
             prompt=usage.prompt,

@@ -66,6 +66,9 @@ class Exchange:
     # the compaction the forwarded body carries (its prefix digest), new or reused: the
     # provider's count of this request is of a history with that summary in it
     compaction_digest: str | None = None
+    # the history compaction was given (the client's, as pairing repaired it): what the
+    # provider's count of this request is recorded against, for the next turn's trigger
+    compaction_input: list[Any] | None = field(default=None, repr=False)
     # the session's compaction no longer applies because the client changed a message it
     # covered (opencode clears old tool outputs): that message's index, before and after
     compaction_undone: tuple[int, Any, Any] | None = None

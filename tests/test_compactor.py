@@ -2118,15 +2118,23 @@ def _tool_turns(
     output: Any,
     model: str = MODEL,
     mark: bool = False,
+    interrupted: bool = False,
 ) -> list[tuple[str | None, int]]:
     """An agent's tool loop of ``turns`` turns (``output(turn)``, each tool result); each turn's
     ``X-Cachegate-Compacted`` and the prompt tokens the provider counted. With ``mark``, the
     latest message carries a ``cache_control`` mark, taken off the one before (Claude Code's
-    way, opencode's)."""
+    way, opencode's). With ``interrupted``, the history opens with a call the user interrupted,
+    which the repair answers with a synthetic result on every turn."""
     msgs: list[dict[str, Any]] = [
         {"role": "system", "content": "You are a coding agent."},
         {"role": "user", "content": "Investigate data/big.csv and report the anomaly."},
     ]
+    if interrupted:
+        cut = {"id": "call_cut", "type": "function", "function": {"name": "run", "arguments": "{}"}}
+        msgs += [
+            {"role": "assistant", "content": None, "tool_calls": [cut]},
+            {"role": "user", "content": "Stop that; go on with the CSV."},
+        ]
     seen: list[tuple[str | None, int]] = []
     for turn in range(turns):
         call = {"tool_calls": [{"id": f"call_{turn}", "name": "run", "arguments": {"n": turn}}]}
@@ -2172,6 +2180,35 @@ def test_a_dense_tool_output_is_compacted_once_on_the_providers_count(
     after = [prompt for flag, prompt in seen[crossed + 1 :]]
     assert all(flag == "1" for flag, _ in seen[crossed + 1 :])
     assert max(after) < 0.6 * 8000  # ...under its aim by the provider's count, and stays so
+
+
+def test_a_repaired_history_keeps_the_providers_count_for_the_trigger(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """An interrupted call early in the history, answered by a synthetic result every turn: the
+    provider's numbers were recorded against the client's messages and compared with the
+    repaired ones, one longer, so they were never used. Left to the estimate (half the
+    provider's count of this text), turns went out past the trigger and on up to the window,
+    refused there, compacted and sent again. It compacts as a history with nothing to repair
+    does: on the provider's count, with at most one turn past the trigger (the growth of the
+    turn itself is estimated)."""
+    for interrupted in (False, True):
+        with run_simulator(SimConfig(context_window=200_000)) as big:
+            proxy = proxy_factory(big.api_base, WINDOW_8000)
+            seen = _tool_turns(
+                sdk(proxy.base_url),
+                big,
+                f"cut-{interrupted}",
+                16,
+                lambda t: "a," * 350,
+                interrupted=interrupted,
+            )
+        compacted = [flag == "1" for flag, _ in seen]
+        assert True in compacted, (interrupted, seen)
+        first = compacted.index(True)
+        assert all(compacted[first:]), seen
+        assert len([p for _, p in seen[:first] if p >= 6000]) <= 1, (interrupted, seen)
+        assert max(p for _, p in seen[:first]) < 0.85 * 8000
 
 
 def test_a_moving_cache_mark_keeps_the_providers_count_for_the_trigger(
