@@ -847,21 +847,25 @@ class Compactor:
         # and the summary asked for no longer than the compacted model's window allows.
         writer = self._model(model).context_window if model != ex.model else window
         tools = sum(1 for m in plan.middle if isinstance(m, dict) and m.get("role") == "tool")
-        # (the transcript is the history's text: as dense as the provider found it)
-        budget = int(min(window, writer) * compaction.BYTES_PER_TOKEN // 2 / overcount)
-        previous = plan.previous_summary
-        if previous is not None and len(previous) > budget // 2:
-            previous = previous[: budget // 2 - 1] + "…"
-        fixed = len(compaction.SUMMARIZER_SYSTEM_PROMPT) + len(previous or "") + 600
         chars = min(compaction.summary_chars(window), compaction.summary_chars(writer))
-        request = compaction.build_summary_request(
-            plan.middle,
-            previous_summary=previous,
-            model=model,
-            max_tool_chars=max(200, min(2000, budget // max(1, tools))),
-            max_chars=max(1000, budget - fixed),
-            words=chars // 6,
-        )
+
+        def build(writer: int, overcount: float) -> dict[str, Any]:
+            # (the transcript is the history's text: as dense as the provider found it)
+            budget = int(min(window, writer) * compaction.BYTES_PER_TOKEN // 2 / overcount)
+            previous = plan.previous_summary
+            if previous is not None and len(previous) > budget // 2:
+                previous = previous[: budget // 2 - 1] + "…"
+            fixed = len(compaction.SUMMARIZER_SYSTEM_PROMPT) + len(previous or "") + 600
+            return compaction.build_summary_request(
+                plan.middle,
+                previous_summary=previous,
+                model=model,
+                max_tool_chars=max(200, min(2000, budget // max(1, tools))),
+                max_chars=max(1000, budget - fixed),
+                words=chars // 6,
+            )
+
+        request = build(writer, overcount)
         headers = [(k, v) for k, v in ex.upstream_headers if k != b"content-type"]
         headers.append((b"content-type", b"application/json"))
         stage = "connect"  # what a failure was, for cachegate_upstream_errors_total
@@ -871,15 +875,38 @@ class Compactor:
         try:
             async with asyncio.timeout(self.settings.compaction.summary_timeout_s):
                 url = self.relay.url("chat/completions", ex.query)  # keeps e.g. ?api-version=
-                try:
-                    response = await self.relay.open("POST", url, headers, orjson.dumps(request))
-                    stage = "midstream"
+                for again in (False, True):
+                    stage = "connect"
                     try:
-                        body = await response.aread()
+                        content = orjson.dumps(request)
+                        response = await self.relay.open("POST", url, headers, content)
+                        stage = "midstream"
+                        try:
+                            body = await response.aread()
+                        finally:
+                            await response.aclose()
                     finally:
-                        await response.aclose()
-                finally:
-                    upstream_s = time.perf_counter() - started
+                        upstream_s = time.perf_counter() - started
+                    status = response.status_code
+                    if again or not compaction.is_context_length_error(status, body):
+                        break
+                    # Refused as too long itself (dense text: a CSV, minified code, counts 2-3
+                    # times the 4 bytes a token planned): once more, as small as its refusal
+                    # says it must be, within the same timeout.
+                    counted = compaction.provider_prompt_tokens(body)
+                    planned = compaction.estimate_tokens(request["messages"])
+                    factor = counted / planned if counted and planned else 2.0
+                    stated = compaction.provider_window(body)
+                    writer = min(writer, stated) if stated else writer
+                    log.info(
+                        "summarizer answered %s: its request was too long (%s); sending it"
+                        " again smaller",
+                        status,
+                        f"{counted} tokens, {planned} planned" if counted else "no count said",
+                    )
+                    notify(self.observers, "on_summary_error", ex, "status")
+                    overcount *= max(1.25, factor * 1.1)
+                    request = build(writer, overcount)
             stage = "status" if response.status_code >= 400 else "invalid"
             if response.status_code == 200:
                 answer = orjson.loads(body)

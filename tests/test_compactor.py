@@ -658,11 +658,17 @@ def test_a_retry_plans_against_the_tokens_the_provider_counted(
 def test_a_compaction_the_provider_refuses_is_compacted_further_for_the_retry(
     sdk: Any, proxy_factory: Any
 ) -> None:
-    """The compaction made before forwarding was itself over the window (dense tool outputs):
-    the retry, which finds it in use, keeps fewer messages and rolls it on."""
-    with run_simulator(SimConfig(context_window=4000)) as small:
+    """The compaction made before forwarding was itself over the window (dense tool outputs, and
+    the extractive summary, as long as a model's may be: the summarizer is slower than its
+    timeout): the retry, which finds it in use, keeps fewer messages and rolls it on."""
+    with run_simulator(SimConfig(context_window=4000, ttft_ms=400)) as small:
         config = {
-            "compaction": {"enabled": True, "trigger_percent": 50, "keep_recent": 6},
+            "compaction": {
+                "enabled": True,
+                "trigger_percent": 50,
+                "keep_recent": 6,
+                "summary_timeout_s": 0.1,
+            },
             "models": {MODEL: {"context_window": 4000}},
         }
         proxy = proxy_factory(small.api_base, config)
@@ -677,6 +683,44 @@ def test_a_compaction_the_provider_refuses_is_compacted_further_for_the_retry(
             if r.body["messages"][0]["content"] != SUMMARIZER_SYSTEM_PROMPT
         ]
         assert chats == [400, 200]  # the first compaction refused, the one made afresh taken
+
+
+def test_a_summary_call_refused_as_too_long_is_sent_again_smaller(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """A session's first history of dense tool outputs (CSV digits, a token a byte or two to
+    the provider): the summary call, planned at 4 bytes a token to fit half the window, was
+    itself refused as too long, and the extractive summary stood in for the model's. It is sent
+    once more, as much smaller as the refusal's count says."""
+    csv = ",".join(str(i % 10) for i in range(300))
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a data agent."},
+        {"role": "user", "content": "Analyse the data files."},
+    ]
+    for i in range(14):
+        call = {"id": f"c{i}", "type": "function", "function": {"name": "cat", "arguments": "{}"}}
+        msgs += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"c{i}", "content": csv},
+        ]
+    with run_simulator(SimConfig(context_window=4000)) as small:
+        config = {
+            "compaction": {"enabled": True, "trigger_percent": 50, "keep_recent": 4},
+            "models": {MODEL: {"context_window": 4000}},
+        }
+        proxy = proxy_factory(small.api_base, config)
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "dense-summary"}
+        )
+        assert raw.http_response.status_code == 200
+        assert raw.headers.get("x-cachegate-compacted") == "1"
+        summaries = [
+            r.status
+            for r in small.sim.requests
+            if r.body["messages"][0]["content"] == SUMMARIZER_SYSTEM_PROMPT
+        ]
+        assert summaries == [400, 200]
+    assert [e["source"] for e in compacted_events(proxy)] == ["model"]
 
 
 def test_a_compressed_refusal_is_read_and_relayed_with_its_coding(
