@@ -221,15 +221,17 @@ class StreamAssembler:
     def feed(self, event: SSEEvent) -> None:
         """Take one SSE event of the stream."""
         self._events += 1
+        if self._done:
+            # (the SDKs read nothing after [DONE]: what follows is no part of the answer the
+            # client got, nor a malformed event any client fails on)
+            return
         data = event.data
         if data == "[DONE]" or data.strip() == "[DONE]":
             self._done = True
             return
         if not data or data.isspace():
-            # (the openai SDKs parse every data line but [DONE]: an empty one raises in them;
-            # after [DONE] they read nothing more)
-            if not self._done:
-                self._malformed += 1
+            # (the openai SDKs parse every data line but [DONE]: an empty one raises in them)
+            self._malformed += 1
             return
         try:
             chunk = orjson.loads(data)
@@ -252,6 +254,9 @@ class StreamAssembler:
         run: list[bytes] = []  # payloads of the learned shape not taken yet, and their texts
         texts: list[bytes] = []
         for data in payloads:
+            if self._done:  # (nothing after [DONE] is the answer's: ``feed``)
+                self._events += 1
+                continue
             if self._shape is not None:
                 text = self._shaped_text(data)
                 if text is not None:
@@ -318,9 +323,10 @@ class StreamAssembler:
     @property
     def text_shape(self) -> tuple[bytes, bytes] | None:
         """The learned text-only chunk as (bytes before the text, bytes after it), when its
-        chunks differ only in the text (no padding); None before one is learned."""
+        chunks differ only in the text (no padding); None before one is learned, and after
+        [DONE] (what follows it goes through ``feed_data``, which takes none of it)."""
         shape = self._shape
-        return None if shape is None or shape[2] else (shape[0], shape[1])
+        return None if shape is None or shape[2] or self._done else (shape[0], shape[1])
 
     def feed_texts(self, texts: list[bytes]) -> bool:
         """Take a run of chunks of the learned shape by their raw texts (what stands between its
@@ -449,6 +455,8 @@ class StreamAssembler:
         delta = choice.get("delta")
         if isinstance(delta, dict):
             content = delta.get("content")
+            if type(content) is list:  # content parts (Mistral's reasoning models): their text
+                content = _text(content)
             if isinstance(content, str):
                 self._has_content = True
                 if content:

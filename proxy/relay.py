@@ -1172,7 +1172,12 @@ def _sink(
         elif collect is not None:
             collect(chunk)
         if stripper is not None:
-            if stripper.pending or not chunk.endswith(EVENT_ENDS) or chunk[-3:-2] in _LINE_ENDS:
+            if (
+                stripper.pending
+                or not chunk.endswith(EVENT_ENDS)
+                or chunk[-3:-2] in _LINE_ENDS
+                or stripper.lf_owed  # (an LF may open this read: the last event's own)
+            ):
                 chunk = stripper.feed(chunk)
             else:  # whole events: the stripper's own short path, inlined
                 plain = without_lf_nulls(chunk)  # OpenAI's null usages, if any

@@ -18,10 +18,12 @@ import re
 import orjson
 
 # An event ends with an empty line: two line ends in a row, each CRLF, LF or CR, mixed or not. A
-# CR followed by LF is one line end (CRLF), so an end whose last byte is a CR is only taken once
-# the next byte is known not to be an LF (until then the event waits for the next read, or for
-# the stream's end).
+# CR followed by LF is one line end (CRLF), so an end whose last byte is a CR takes the LF that
+# follows it, when one does. At the end of a read the next byte is not known yet: the event is
+# dispatched all the same (an SSE reader dispatches it at that CR), and an LF that comes next
+# opens the next read (``_CR_ENDS``); only the usage event waits there for its LF, to go with it.
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\r\n|\r\r\n|\n\n|\r\r(?=[^\n])|\n\r(?=[^\n])|\r\n\r(?=[^\n])")
+_CR_ENDS = (b"\r\r", b"\n\r")  # (b"\r\n\r" ends in b"\n\r")
 EVENT_ENDS = (b"\n\n", b"\r\r")  # a chunk ending in one ends with a whole event
 
 
@@ -89,12 +91,15 @@ MAX_PENDING = 16 * 1024 * 1024
 class UsageEventStripper:
     """Incremental filter: ``feed(chunk)`` returns the bytes to forward now; ``flush()`` the rest."""
 
-    __slots__ = ("_cr", "pending", "stripped")
+    __slots__ = ("_cr", "lf_owed", "pending", "stripped")
 
     def __init__(self) -> None:
         self.pending = bytearray()  # the current event, cut by a read: empty between events
         self.stripped = 0  # usage-only events taken out
         self._cr = False  # whether ``pending`` holds a CR
+        # An event ending in a CR was forwarded at the end of a read: an LF that opens the next
+        # read is its own (a CRLF), forwarded, not a blank line before the next event.
+        self.lf_owed = False
 
     def feed(self, chunk: bytes) -> bytes:
         """The bytes to forward now. An event held past ``MAX_PENDING`` bytes (a stream with no
@@ -107,6 +112,10 @@ class UsageEventStripper:
     def _feed(self, chunk: bytes) -> bytes:
         # The usual read, whole events with no usage member but OpenAI's nulls, is handled by the
         # relay's sink before it calls this (``proxy.relay._sink``); any read is right here too.
+        if self.lf_owed:
+            self.lf_owed = False
+            if chunk[:1] == b"\n":
+                return b"\n" + self._feed(chunk[1:]) if len(chunk) > 1 else chunk
         event = self.pending
         held = len(event)
         event += chunk
@@ -174,6 +183,19 @@ class UsageEventStripper:
             start = scan = end
         if start > copy_from:
             out += event[copy_from:start]
+        if start < len(event) and event.endswith(_CR_ENDS):
+            # An event ended by a CR at the end of the read (CR line ends): not held until the
+            # next byte says whether an LF belongs to it (a stream of CR line ends came an event
+            # late, [DONE] at the stream's end), but for the usage event.
+            data = bytes(event[start:])
+            if data.find(b'"usage"') < 0:
+                out += data
+                start = len(event)
+                self.lf_owed = True
+            elif not is_usage_only(data):
+                out += without_null_usage(data)
+                start = len(event)
+                self.lf_owed = True
         del event[:start]
         return out
 
@@ -191,5 +213,5 @@ class UsageEventStripper:
         """The bytes of a final event that never ended (a truncated stream)."""
         rest = self._kept(bytes(self.pending)) if self.pending else b""
         self.pending = bytearray()
-        self._cr = False
+        self._cr = self.lf_owed = False
         return rest

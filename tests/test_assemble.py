@@ -776,9 +776,57 @@ def test_fast_path_counts_odd_payloads_as_the_event_by_event_path_does() -> None
     fast = record([raw])
     assert fast == slow
     assert fast.message["content"] == "Hi"
-    assert fast.malformed == 3
+    assert fast.malformed == 2  # (not the bytes after [DONE]: no SDK reads them)
     assert fast.error == {"error": {"message": "overloaded"}}
     assert fast.done is True
+
+
+def test_what_follows_done_is_no_part_of_the_answer() -> None:
+    """The SDKs stop reading at [DONE]: a chunk after it was recorded in the answer, and data
+    that is not JSON after it as an event "a client that parses events fails on"."""
+    raw = b"".join(
+        [
+            chunk({"role": "assistant", "content": "visible"}),
+            DONE,
+            chunk({"content": " AFTER-DONE"}),
+            b"data: not json\n\n",
+        ]
+    )
+    assembler = StreamAssembler()
+    for event in decode_stream(raw):
+        assembler.feed(event)
+    for got in (assembler.result(), record([raw]), record([raw[:40], raw[40:]])):
+        assert got.message["content"] == "visible"
+        assert got.malformed == 0 and got.error is None and got.done
+
+
+def test_a_streamed_content_of_parts_is_recorded_as_its_text() -> None:
+    """Deltas whose content is a list of parts (Mistral's reasoning models: a thinking part,
+    then text parts): the log said ``"content": null``, where the same answer not streamed
+    gave its text."""
+    thinking = {"type": "thinking", "thinking": [{"type": "text", "text": "hmm"}]}
+    raw = b"".join(
+        [
+            chunk({"role": "assistant", "content": [thinking]}),
+            chunk({"content": [{"type": "text", "text": "Hello "}]}),
+            chunk({"content": [{"type": "text", "text": "world"}]}, "stop"),
+            DONE,
+        ]
+    )
+    assert record([raw]).message["content"] == "Hello world"
+    body = {
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": [thinking, {"type": "text", "text": "Hello world"}],
+                },
+                "finish_reason": "stop",
+            }
+        ]
+    }
+    assert assemble_completion(body).message["content"] == "Hello world"
 
 
 def decode_stream(raw: bytes) -> list[SSEEvent]:

@@ -683,6 +683,32 @@ def test_direct_body_knows_whether_done_reached_the_socket_and_what_was_dropped(
     assert b"data: [DONE]\n\n\r\n" in sent._cycle.transport.written  # (framed)
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("ends", [b"\r", b"\r\n"])
+def test_a_stream_of_cr_line_ends_reaches_the_client_as_each_event_ends(
+    scripted: Any, proxy_factory: Any, ends: bytes
+) -> None:
+    """Line ends of CR (or a CRLF stream cut between its last CR and LF): with cachegate's usage
+    request to take out, each event was held until the next one began (a byte that is not a
+    CRLF's LF), so the client got every event one late, and [DONE] at the stream's end. Here
+    the next event comes a minute later: the first must come before it."""
+    sep = b"\r\r" if ends == b"\r" else b"\r\n\r"  # CRLF: each read cut before its last LF
+    event = sse(chunk("a"), sep)
+    with_null = sse({**chunk("a"), "usage": None}, sep)  # OpenAI's null, to be taken out
+    second = (b"\n" if ends == b"\r\n" else b"") + with_null
+    _upstream, url = scripted(chunks=[with_null, second], delay_s=60)
+    proxy = proxy_factory(url)
+    got = b""
+    with httpx.stream(
+        "POST", proxy.base_url + "/chat/completions", json={**CHAT, "stream": True}, timeout=60
+    ) as r:
+        for piece in r.iter_raw():
+            got += piece
+            if len(got) >= len(event):
+                break
+    assert got == event  # its null usage taken out, the bytes otherwise as sent
+
+
 def test_upstream_stalling_mid_body_cuts_the_client(scripted: Any, proxy_factory: Any) -> None:
     _upstream, url = scripted(chunks=[sse(chunk("a")), sse(chunk("b"))], delay_s=5)
     proxy = proxy_factory(url, {"upstream": {"timeout_s": 0.3}})

@@ -81,12 +81,22 @@ def test_an_event_cut_by_a_read_is_forwarded_whole_at_its_end() -> None:
     assert not stripper.pending
 
 
-def test_an_event_whose_end_is_cut_between_its_line_ends_is_forwarded_on_the_next_read() -> None:
-    for event in (PLAIN % b"a", CHUNK % b"a", PLAIN.replace(b"\n", b"\r\n") % b"a"):
+def test_an_event_whose_end_is_cut_between_its_line_ends_is_forwarded_once_it_has_ended() -> None:
+    """LF line ends: after the first LF the event has not ended, and waits. CRLF ones: after
+    "\r\n\r" it has (an SSE reader dispatches it at that CR), and goes at once; the LF that
+    follows is its own, forwarded as it comes."""
+    for event in (PLAIN % b"a", CHUNK % b"a"):
         stripper = UsageEventStripper()
         assert stripper.feed(event[:-1]) == b""
         assert stripper.feed(event[-1:]) == event.replace(b',"usage":null', b"")
         assert not stripper.pending
+    for event in (PLAIN % b"a", CHUNK % b"a"):
+        event = event.replace(b"\n", b"\r\n")
+        stripper = UsageEventStripper()
+        assert stripper.feed(event[:-1]) == event[:-1].replace(b',"usage":null', b"")
+        assert stripper.feed(b"\n") == b"\n"
+        assert stripper.feed(USAGE.replace(b"\n", b"\r\n")) == b""  # (no blank line before it)
+        assert not stripper.pending and stripper.stripped == 1
 
 
 def test_whole_chunk_is_forwarded_as_the_same_object() -> None:
@@ -185,9 +195,20 @@ def test_events_with_mixed_line_ends_are_forwarded_as_they_end() -> None:
     assert stripper.feed(first) == first
     assert stripper.feed(second) == second
     cr_end = first.replace(b"\n\r\n", b"\n\r")
-    assert stripper.feed(cr_end) == b""  # an LF may follow
-    assert stripper.feed(second) == cr_end + second
-    assert stripper.flush() == b""
+    assert stripper.feed(cr_end) == cr_end  # ended: not held for the LF that may follow
+    assert stripper.feed(second) == second
+    assert stripper.feed(cr_end) == cr_end
+    assert stripper.feed(b"\n" + second) == b"\n" + second  # (its LF, then the next event)
+    # CR line ends: each event goes as it ends, not once the next one begins
+    cr_only = PLAIN.replace(b"\n", b"\r")
+    for text in (b"a", b"b"):
+        assert stripper.feed(cr_only % text) == cr_only % text
+    assert stripper.feed(DONE.replace(b"\n", b"\r")) == DONE.replace(b"\n", b"\r")
+    # the usage event alone waits to know whether an LF is its own, to go with it
+    usage_cr = USAGE.replace(b"\n\n", b"\n\r")
+    assert stripper.feed(usage_cr) == b""
+    assert stripper.feed(b"\n" + DONE) == DONE
+    assert stripper.flush() == b"" and stripper.stripped == 1
 
 
 def test_usage_only_event_with_any_spacing_is_stripped_whole_or_split() -> None:
