@@ -123,6 +123,26 @@ def _retimed(new: Any, old: Any) -> bool:
     return prefix.volatile_kind(before, after) is not None
 
 
+def _without_trailing_results(ex: Exchange, messages: list[Any]) -> list[Any]:
+    """``messages`` without the results the repair added at its end, for the last message's
+    unanswered calls: the client sends the real ones there next turn, which the trigger would
+    take for another history's end. (A copy the repair made of a client's own result at the
+    end goes too: counted by the estimate next turn, not by the provider's numbers.)"""
+    client = ex.client_body.get("messages") if isinstance(ex.client_body, dict) else None
+    if not isinstance(client, list) or messages is client:
+        return messages
+    tail = client[-8:]
+    end = len(messages)
+    while end > 1:
+        last = messages[end - 1]
+        if not isinstance(last, dict) or last.get("role") != "tool":
+            break
+        if any(last is own for own in tail):
+            break
+        end -= 1
+    return messages if end == len(messages) else messages[:end]
+
+
 def _provider_overcount(forwarded: list[Any], appended: int, last: compaction.LastUsage) -> float:
     """How many times cachegate's estimate the provider counted the previous request at: its
     prompt tokens against the estimate of what went out (``forwarded`` without the ``appended``
@@ -210,7 +230,7 @@ class Compactor:
             return body
         # (the next turn's trigger compares its history with this one, both as repaired: a
         # synthetic result shifts the client's messages, and the provider's numbers went unused)
-        ex.compaction_input = messages
+        ex.compaction_input = _without_trailing_results(ex, messages)
         pending: dict[str, _Summary] | None = state.extra.get("summaries")
         running = self._running_for(pending, messages) if pending else None
         if running is None:
@@ -905,7 +925,9 @@ class Compactor:
                         f"{counted} tokens, {planned} planned" if counted else "no count said",
                     )
                     notify(self.observers, "on_summary_error", ex, "status")
-                    overcount *= max(1.25, factor * 1.1)
+                    # (the refusal's count against the plain estimate is the text's density
+                    # itself: not on top of what the first plan already took)
+                    overcount = max(overcount * 1.25, factor * 1.1)
                     request = build(writer, overcount)
             stage = "status" if response.status_code >= 400 else "invalid"
             if response.status_code == 200:

@@ -1312,27 +1312,47 @@ def _lost_in(lines: Sequence[bytes]) -> tuple[int, int, tuple[int, ...]]:
 
 def _begins_with_meta(fd: int, head: bytes) -> bool:
     """Whether the file open at ``fd``, whose first bytes are ``head``, begins with a whole meta
-    line (past the NUL bytes and blank lines a crash may leave, as the reports read it). Its
-    last line is terminated (``_terminate_torn_line``): a cut one ends in a newline too, and
-    is told by not being JSON."""
-    start = len(head) - len(head.lstrip(b"\0\r\n\t "))
-    if head.find(_META_TYPE, start, start + 64) < 0:
-        return False
-    line = head[start:]
-    end = line.find(b"\n")
-    while end < 0 and len(line) < _META_READ_MAX:  # a long model name or user agent in it
-        more = os.pread(fd, 65536, start + len(line))
-        if not more:
-            break
-        end = more.find(b"\n")
-        end = -1 if end < 0 else len(line) + end
-        line += more
-    if end < 0:
-        return len(line) >= _META_READ_MAX  # (not read to its end: taken as one)
-    try:
-        return isinstance(orjson.loads(line[:end]), dict)
-    except orjson.JSONDecodeError:
-        return False
+    line: its first line past the NUL bytes, blank lines and byte-order mark a crash or an
+    editor may leave (as the reports read it), or the line after a first one a crash cut (where
+    the next cachegate wrote one). Its last line is terminated (``_terminate_torn_line``): a
+    cut one ends in a newline too, and is told by not being JSON."""
+    data = bytearray(head)
+    start = _content_start(data, 0)
+    for _ in range(2):
+        while True:
+            end = data.find(b"\n", start)
+            if end >= 0 or len(data) >= _META_READ_MAX:
+                break
+            more = os.pread(fd, 65536, len(data))  # (NULs, or a long model name or user agent)
+            if not more:
+                break
+            data += more
+            start = _content_start(data, start)
+        if start >= len(data):
+            return False
+        if data.find(_META_TYPE, start, start + 64) >= 0:
+            if end < 0:
+                return len(data) >= _META_READ_MAX  # (not read to its end: taken as one)
+            try:
+                if isinstance(orjson.loads(data[start:end]), dict):
+                    return True
+            except orjson.JSONDecodeError:
+                pass
+        if end < 0:
+            return False
+        start = _content_start(data, end + 1)
+    return False
+
+
+def _content_start(data: bytearray, at: int) -> int:
+    """Where the bytes from ``at`` on begin to be a line's: past NULs, blanks, a BOM."""
+    while True:
+        skipped = len(data) - at - len(data[at:].lstrip(b"\0\r\n\t "))
+        at += skipped
+        if data.startswith(b"\xef\xbb\xbf", at):
+            at += 3
+        elif not skipped:
+            return at
 
 
 # How much of a file's first line is read to judge it a whole meta line.

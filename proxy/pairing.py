@@ -24,6 +24,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -166,11 +167,15 @@ def _has_id(call: dict[str, Any]) -> bool:
 
 
 def _number_id(value: Any) -> str | None:
-    """An id sent as a JSON integer (``"id": 7``, ``"tool_call_id": 7``: a local model's
+    """An id sent as a JSON number (``"id": 7``, ``"tool_call_id": 7``: a local model's
     template, a hand-built history) written as the string the provider takes; else None. The
-    call and its result keep their pairing: each is given the same string."""
+    call and its result keep their pairing: each is given the same string (a whole number as
+    an integer's digits, ``7.0`` and ``7`` alike, and an integer beyond 64 bits, which the
+    parser reads as a double, as that double's)."""
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
+    if isinstance(value, float) and math.isfinite(value):
+        return str(int(value)) if value.is_integer() else repr(value)
     return None
 
 

@@ -819,9 +819,10 @@ def _retimed(old: Any, new: Any) -> bool:
     if not isinstance(old, Mapping) or not isinstance(new, Mapping):
         return False
     old_c, new_c = canonical_message(old), canonical_message(new)
-    if {k: v for k, v in old_c.items() if k != "content"} != {
-        k: v for k, v in new_c.items() if k != "content"
-    }:
+    if not deep_equal(  # (a tool call's arguments nested ~1,000 levels: the comparison recurses)
+        {k: v for k, v in old_c.items() if k != "content"},
+        {k: v for k, v in new_c.items() if k != "content"},
+    ):
         return False
     return (
         volatile_kind(_text(old_c.get("content", _MISSING)), _text(new_c.get("content", _MISSING)))

@@ -2255,6 +2255,47 @@ def test_a_repaired_history_keeps_the_providers_count_for_the_trigger(
         assert max(p for _, p in seen[:first]) < 0.85 * 8000
 
 
+def test_a_history_that_ends_in_an_unanswered_call_keeps_the_providers_count(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """A turn that ends in a call with no result (the agent stopped there), which the repair
+    answers at the end; the next turn sends the real result in that place. The provider's count
+    was recorded with the synthetic result as the history's last message, the next turn's
+    differs there, and the trigger fell back to the estimate (a quarter of the provider's
+    count of this text): it went out uncompacted, past the trigger."""
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": "Investigate data/big.csv and report the anomaly."},
+    ]
+    for i in range(9):
+        call = {"id": f"c{i}", "type": "function", "function": {"name": "run", "arguments": "{}"}}
+        msgs += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"c{i}", "content": "a," * 350},
+        ]
+    last = {"id": "c50", "type": "function", "function": {"name": "run", "arguments": "{}"}}
+    msgs.append({"role": "assistant", "content": None, "tool_calls": [last]})
+    with run_simulator(SimConfig(context_window=200_000)) as big:
+        proxy = proxy_factory(big.api_base, WINDOW_8000)
+        client = sdk(proxy.base_url)
+        headers = {"X-Session-Id": "ends-in-a-call"}
+        first = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, extra_headers=headers
+        )
+        assert first.headers.get("x-cachegate-repairs") == "1"
+        assert first.headers.get("x-cachegate-compacted") is None
+        usage = first.parse().usage
+        assert usage is not None and usage.prompt_tokens > 6000  # over the trigger, to them
+        msgs += [
+            {"role": "tool", "tool_call_id": "c50", "content": "done"},
+            {"role": "user", "content": "Continue."},
+        ]
+        second = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, extra_headers=headers
+        )
+        assert second.headers.get("x-cachegate-compacted") == "1"
+
+
 def test_a_moving_cache_mark_keeps_the_providers_count_for_the_trigger(
     sdk: Any, proxy_factory: Any
 ) -> None:

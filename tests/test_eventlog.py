@@ -1980,7 +1980,7 @@ def test_a_session_whose_first_lines_were_all_lost_gets_a_file_that_says_so(
     assert kinds == ["lines_lost", "session_meta", "request", "request"]
 
 
-@pytest.mark.parametrize("crash", ["meta line cut", "NUL bytes", "long meta line"])
+@pytest.mark.parametrize("crash", ["meta line cut", "NUL bytes", "long meta line", "BOM"])
 def test_a_file_whose_meta_line_a_crash_cut_gets_one_from_the_next_process(
     log_dir: Path, writers: list[EventLogWriter], crash: str
 ) -> None:
@@ -1997,17 +1997,21 @@ def test_a_file_whose_meta_line_a_crash_cut_gets_one_from_the_next_process(
     else:
         log_dir.mkdir(mode=0o700, exist_ok=True)
         path.write_bytes(
-            b'{"ts":"2026-12-04T10:00:00.000Z","type":"session_meta","session":"a","upstr'
-            if crash == "meta line cut"
-            else b"\0" * 8192
+            {
+                "meta line cut": b'{"ts":"2026-12-04T10:00:00.000Z","type":"session_meta","s',
+                "NUL bytes": b"\0" * 8192,  # (a delayed allocation's blocks)
+                "BOM": b'\xef\xbb\xbf{"ts":1796390000.0,"type":"session_meta","session":"a",'
+                b'"upstream":"http://up/v1","model":"m"}\n',
+            }[crash]
         )
-    w = started(writers, log_dir)
-    w.emit("a", meta, first_in_file=True)
-    w.emit("a", {"type": "error", "exchange": 1, "status": 400, "message": "one"})
-    assert w.close()
+    for n in (1, 2, 3):  # and not again by each later cachegate
+        w = started(writers, log_dir)
+        w.emit("a", meta, first_in_file=True)
+        w.emit("a", {"type": "error", "exchange": n, "status": 400, "message": "one"})
+        assert w.close()
     log = read_events(path)
     metas = [e for e in log.events if e["type"] == "session_meta"]
-    assert [e["type"] for e in log.events] == ["session_meta", "error"]
+    assert [e["type"] for e in log.events] == ["session_meta", "error", "error", "error"]
     assert metas[0]["upstream"] == "http://up/v1"
     assert metas[0]["model"] == ("m" * 200_000 if crash == "long meta line" else "m")
 

@@ -414,6 +414,19 @@ def test_a_call_and_its_result_with_a_number_for_an_id_stay_a_pair() -> None:
     assert renamed.startswith("call_")
     assert [m.get("tool_call_id") for m in repaired.messages[2:]] == ["7", renamed]
     validate_messages(repaired.messages)
+    # any JSON number: 7.0 (or 1e3) and 7 are one id; an integer past 64 bits, read as a double
+    parsed = orjson.loads(b'[{"id":7.0},{"id":1e3},{"id":1208925819614629174706176},{"id":2.5}]')
+    for number, answer_id, written in zip(
+        [p["id"] for p in parsed],
+        [7, 1000, parsed[2]["id"], 2.5],
+        ["7", "1000", "1208925819614629174706176", "2.5"],
+        strict=True,
+    ):
+        odd = asst(call(written))
+        odd["tool_calls"][0]["id"] = number
+        result = repair_messages([user("go"), odd, {**tool(written), "tool_call_id": answer_id}])
+        assert result.messages[1:] == [asst(call(written)), tool(written)], number
+        assert kinds(result) == [("missing_id", 1, written), ("missing_id", 2, written)]
 
 
 def test_a_history_nested_as_deep_as_cachegate_reads_is_repaired() -> None:

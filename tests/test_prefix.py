@@ -20,6 +20,7 @@ from proxy.prefix import (
     has_cache_marker,
     marked_share,
     marked_ttl_s,
+    retimed_messages,
     same_conversation,
     shared_links,
     shared_prefix_len,
@@ -914,6 +915,25 @@ def test_what_a_request_dropped_of_the_previous_one() -> None:
     assert cut == turns[3] and share > 0.9  # only its JSON's frame is left of it
     assert dropped([say("system", "Now 12:00. You are an agent."), *turns]) == []
     assert dropped([system, *turns, say("user", "next")]) == []  # no difference at all
+
+
+def test_a_message_nested_a_thousand_levels_deep_is_compared_as_any_other() -> None:
+    """A turn sent again a minute later with the time in it, and a tool call's arguments
+    nested 1,000 levels: the comparison of the rest of the message raised RecursionError, and
+    the exchange was left without its cost and cache accounting."""
+
+    def turn(stamp: str) -> dict[str, Any]:
+        deep: Any = {}
+        for _ in range(1000):
+            deep = {"a": deep}
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
+        return {
+            "messages": [
+                {"role": "assistant", "content": f"At {stamp}: calling", "tool_calls": [call]}
+            ]
+        }
+
+    assert retimed_messages(turn("2026-12-04 10:00:00"), turn("2026-12-04 10:01:00"))
 
 
 def test_a_deep_call_never_waits_for_another_threads_and_the_limit_comes_back() -> None:
