@@ -62,6 +62,24 @@ def is_loopback_name(host: str) -> bool:
     return bool(address.is_loopback or (mapped is not None and mapped.is_loopback))
 
 
+def binds_loopback(host: str) -> bool:
+    """Whether cachegate bound to ``host`` listens on this machine alone: a loopback name or
+    address (``is_loopback_name``), or a name that resolves to loopback addresses only (the
+    machine's own name, which Debian's ``/etc/hosts`` maps to 127.0.1.1). Bound by such a name,
+    cachegate took itself to listen beyond the machine and let any ``Host`` in."""
+    if is_loopback_name(host):
+        return True
+    name = host.strip()
+    if not name or name in ("0.0.0.0", "::", "[::]", "*"):
+        return False
+    try:
+        found = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    addresses = {str(info[4][0]).partition("%")[0] for info in found}
+    return bool(addresses) and all(is_loopback_name(a) for a in addresses)
+
+
 def host_of_header(value: str) -> str:
     """The host part of a ``Host`` header (``name``, ``name:port``, ``[v6]:port``)."""
     value = value.strip()
@@ -130,7 +148,9 @@ class BrowserGuard:
         self.allowed_hosts = CONTAINER_HOST_NAMES | {
             h.strip().lower().rstrip(".") for h in allowed_hosts if h.strip()
         }
-        self.check_host = is_loopback_name(bind_host)
+        self.check_host = binds_loopback(bind_host)
+        if self.check_host and not is_loopback_name(bind_host):  # its own name, by which it
+            self.allowed_hosts |= {bind_host.strip().lower().rstrip(".")}  # is reached
         # Verdicts of headers seen (allowed ones only, bounded): the check then costs a lookup.
         self._hosts: set[str] = set()
         self._origins: set[str] = set()

@@ -25,7 +25,9 @@ from proxy import bodymemo, compaction, pairing, prefix
 from proxy.compactor import Compactor
 from proxy.config import TRUE_WORDS, Settings, sends_usage_unasked
 from proxy.errors import CLIENT_CLOSED, ProxyError, bad_request, shutting_down
+from proxy.observers import client_keys
 from proxy.pipeline import Exchange, Observer, Transform, notify, notify_each, refusal_text
+from proxy.redact import redact_text
 from proxy.relay import (
     DisconnectWatch,
     Receive,
@@ -526,7 +528,7 @@ class ChatPipeline:
                     ex.error = refusal_text(refused.status, refused.text)
                     await _relay_refusal(send, refused, extra)
                     return
-                remembered = self._usage_option_refused(ex.model, refused.status)
+                remembered = self._usage_option_refused(ex, refused.status)
                 self._request_observers(ex)  # the refused attempt's line first, as sent
                 ex.status, ex.strip_usage = 0, False
                 ex.body = unasked
@@ -538,20 +540,25 @@ class ChatPipeline:
                 content = unasked_raw if unasked_raw is not None else dump_body(unasked)
                 watch, second = None, True
 
-    def _usage_option_refused(self, model: str | None, status: int) -> bool:
-        """Remember that ``model``'s upstream refused ``stream_options`` (said on stderr once per
-        model, for the first ``_USAGE_REFUSED_KEPT``; past them every model is asked again, and
-        refuses once more)."""
+    def _usage_option_refused(self, ex: Exchange, status: int) -> bool:
+        """Remember that the upstream refused ``stream_options`` for ``ex``'s model (said on
+        stderr once per model, for the first ``_USAGE_REFUSED_KEPT``; past them every model is
+        asked again, and refuses once more)."""
+        model = ex.model
         if model in self.usage_refused or len(self.usage_refused) >= _USAGE_REFUSED_KEPT:
             return False
         self.usage_refused.add(model)
+        # (a client's text on the terminal: quoted with its controls escaped, keys taken out)
+        shown = redact_text(model or "")
+        for key in sorted(client_keys(ex.upstream_headers), key=len, reverse=True):
+            shown = shown.replace(key, "[REDACTED]")
         log.warning(
-            "upstream answered %d to the stream_options cachegate added for model %s: its "
+            "upstream answered %d to the stream_options cachegate added for model %r: its "
             "streams go as the client sends them, and their tokens and cost are known only if "
             "the upstream sends usage unasked or the client asks (upstream.request_usage = false "
             "stops asking every model)",
             status,
-            model,
+            shown,
         )
         return True
 

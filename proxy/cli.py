@@ -18,7 +18,7 @@ from typing import Final
 from urllib.parse import urlsplit
 
 from proxy import __version__
-from proxy.browser import is_loopback_name
+from proxy.browser import binds_loopback
 from proxy.config import (
     DEFAULT_MODELS,
     ConfigError,
@@ -219,7 +219,7 @@ def _serve(ns: argparse.Namespace) -> int:
                     " key of their own get a 500 until it is fixed",
                     file=sys.stderr,
                 )
-        if key_env and os.environ.get(key_env, "").strip() and not is_loopback_name(host):
+        if key_env and os.environ.get(key_env, "").strip() and not binds_loopback(host):
             print(
                 f"cachegate: note: listening on {host}, beyond this machine, with ${key_env}"
                 " set: anyone who can reach the port can use that key (requests without their"

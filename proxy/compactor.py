@@ -22,6 +22,7 @@ import orjson
 from proxy import compaction, pairing, prefix
 from proxy.config import ModelSettings, Settings
 from proxy.eventlog import NotALogFile, logged_compactions, session_log_path
+from proxy.observers import client_keys
 from proxy.pipeline import Exchange, Observer, error_message, notify
 from proxy.redact import redact_text
 from proxy.relay import Relay, open_error_kind
@@ -937,6 +938,9 @@ class Compactor:
                     # a failure reported inside a 200, as an exchange's error_event is counted
                     stage = "error_event"
                     said = redact_text(error_message(answer)[:300])  # (said on stderr)
+                    # (a provider's "Incorrect API key provided: …" names the key it was sent)
+                    for key in sorted(client_keys(ex.upstream_headers), key=len, reverse=True):
+                        said = said.replace(key, "[REDACTED]")
                     raise ValueError(f"the provider reported: {said}")
                 billed = answer
                 text = answer["choices"][0]["message"]["content"]

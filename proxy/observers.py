@@ -462,8 +462,9 @@ class AccountingObserver:
             return False
         return True
 
-    def _model_terms(self, model_name: str | None) -> _Terms:
-        """The accounting terms of ``model_name``'s configured entry (``_Terms``)."""
+    def _model_terms(self, model_name: str | None, ex: Exchange | None = None) -> _Terms:
+        """The accounting terms of ``model_name``'s configured entry (``_Terms``); ``ex``, the
+        exchange that named it, whose own keys its note on stderr leaves out."""
         terms = self._terms.get(model_name)
         if terms is None:
             name, model = self.settings.model(model_name)
@@ -478,7 +479,8 @@ class AccountingObserver:
                 self._terms.clear()
             if self._first_unpriced(model_name, pricing):
                 shown = redact_text(model_name or "")  # a client's text, on stderr: as in the log
-                for secret in self.secrets:
+                own = client_keys(ex.upstream_headers) if ex is not None else ()
+                for secret in sorted({*self.secrets, *own}, key=len, reverse=True):
                     shown = shown.replace(secret, "[REDACTED]")
                 # the table to add them to: the configured entry the name matched (a new table
                 # of its own would start from "*" and lose that entry's window), else its own
@@ -535,7 +537,7 @@ class AccountingObserver:
             )
             ex.divergence = _divergence_dict(shown)
         usage = ex.usage
-        name, ttl_s, pricing, marked_only, min_cached, ttl_floor_s = self._model_terms(ex.model)
+        name, ttl_s, pricing, marked_only, min_cached, ttl_floor_s = self._model_terms(ex.model, ex)
         if marked_only or (usage is not None and usage.explicit_cache):
             # Claude keeps a prefix as long as the breakpoint that wrote it asks: "1h" or "5m"
             marked_ttl_s = prefix.marked_ttl_s(body)

@@ -190,7 +190,10 @@ def refusal_text(status: int, body: bytes) -> str:
         return clip_words(error_message(orjson.loads(body)), MAX_ERROR_TEXT)
     except orjson.JSONDecodeError:
         pass
-    text = " ".join(body[: MAX_ERROR_TEXT * 4].decode("utf-8", "replace").split())
+    # (cut as clip_words cuts, never inside a key the page echoes, before its white space
+    # goes: a page indented with spaces is short once collapsed, and kept a key's piece)
+    start = body[: MAX_ERROR_TEXT * 4 + _MAX_KEY_CHARS].decode("utf-8", "replace")
+    text = " ".join(clip_words(start, MAX_ERROR_TEXT * 4).split())
     if not text:
         return f"upstream answered {status} with an empty body"
     return f"upstream answered {status}: {clip_words(text, MAX_ERROR_TEXT)}"

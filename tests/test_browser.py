@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.browser import BrowserGuard, host_of_header, is_loopback_name
+from proxy.browser import BrowserGuard, binds_loopback, host_of_header, is_loopback_name
 from proxy.config import ConfigError, settings_from_mapping
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
 
@@ -294,3 +294,31 @@ def test_in_a_container_a_rebound_pages_read_is_refused_and_the_service_name_ser
     assert scrape.status_code == 200
     models = httpx.get(proxy.base_url + "/models", headers={"host": "cachegate:8787"})
     assert models.status_code == 200
+
+
+def test_bound_by_a_name_of_this_machine_the_host_is_still_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--host vm``, a name /etc/hosts maps to 127.0.0.1 (Debian maps the machine's own name
+    to 127.0.1.1): cachegate listened on loopback alone, took itself to listen beyond the
+    machine, and let a rebound name's Host in (its key added to the page's requests)."""
+    import socket
+
+    real = socket.getaddrinfo
+    names = {"vm": ["127.0.1.1"], "lan-box": ["192.168.1.20"], "both": ["127.0.0.1", "10.0.0.2"]}
+
+    def resolve(host: str, *args: object, **kwargs: object) -> list[tuple[object, ...]]:
+        if host in names:
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0)) for a in names[host]]
+        return real(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    assert binds_loopback("vm") and binds_loopback("127.0.0.1") and binds_loopback("localhost")
+    assert not binds_loopback("lan-box") and not binds_loopback("both")
+    assert not binds_loopback("0.0.0.0") and not binds_loopback("no-such-name.invalid")
+    guard = BrowserGuard("vm")
+    refused = guard.refusal({"host": "rebound.evil.example:8787"})
+    assert refused is not None and refused.code == "forbidden_host"
+    assert guard.refusal({"host": "vm:8787"}) is None  # reached by the name it was bound by
+    assert guard.refusal({"host": "127.0.0.1:8787"}) is None
+    assert BrowserGuard("lan-box").refusal({"host": "rebound.evil.example"}) is None

@@ -1007,7 +1007,7 @@ def test_an_upstream_that_refuses_stream_options_gets_the_stream_as_the_client_s
             history += [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
         proxy.settle()
         said = [r for r in caplog.records if "answered 422 to the stream_options" in r.message]
-        assert len(said) == 1 and "model mistral-small" in said[0].message
+        assert len(said) == 1 and "model 'mistral-small'" in said[0].message
         requests = wait_for(lambda: events(proxy.log_dir, "mistral", "request"), what="requests")
         assert [r["exchange"] for r in requests] == [1, 1, 2]
         assert "stream_options" not in requests[1]["params"]
@@ -1026,6 +1026,30 @@ def test_an_upstream_that_refuses_stream_options_gets_the_stream_as_the_client_s
             (1, False),
             (2, False),
         ]
+
+
+def test_the_note_of_a_refused_stream_options_shows_the_model_name_safely(
+    sdk: Any, proxy_factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The model name, a client's text, went raw to stderr: a line break in it forged a log
+    line, and the client's key in it was shown."""
+    import secrets
+    import string
+
+    key = "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(40))
+    with run_simulator(SimConfig(refuse_stream_options=True)) as mistral:
+        proxy = proxy_factory(mistral.api_base)
+        client = sdk(proxy.base_url, api_key=key)
+        stream = client.chat.completions.create(
+            model=f"m-{key}\nWARNING forged",
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    said = [r.getMessage() for r in caplog.records if "to the stream_options" in r.getMessage()]
+    assert len(said) == 1
+    assert "for model 'm-[REDACTED]\\nWARNING forged'" in said[0]
+    assert key not in caplog.text and "\n" not in said[0]
 
 
 def test_a_refusal_of_the_clients_own_stream_options_reaches_it_and_is_not_remembered(

@@ -235,9 +235,17 @@ def test_a_model_without_prices_is_said_once_not_silently_costed_at_zero(
         settings_from_mapping({}), store, Metrics(CollectorRegistry(), ())
     )
     with caplog.at_level(logging.INFO, logger="proxy.observers"):
-        models = ["my-local-model", "my-local-model", "gpt-4o", "x\x1b[31m\nFORGED\x9b\x7f"]
+        key = "Qw3rTy9uIoP4aSdF6gHjK2lZxC8vBnM1"  # a client's own key, of no known pattern
+        models = [
+            "my-local-model",
+            "my-local-model",
+            "gpt-4o",
+            "x\x1b[31m\nFORGED\x9b\x7f",
+            f"pasted-{key}",
+        ]
         for i, model in enumerate(models):
             ex = exchange(i + 1, msgs(f"task {i}"))
+            ex.upstream_headers = [(b"authorization", f"Bearer {key}".encode())]
             ex.model = model
             ex.usage, ex.status = Usage(5000, 10, 0, 0, True), 200
             accounting.on_response(ex)
@@ -250,6 +258,10 @@ def test_a_model_without_prices_is_said_once_not_silently_costed_at_zero(
         "model 'x\\x1b[31m\\nFORGED\\x9b\\x7f' has no prices (the configured entry '*'): its"
         " cost counts as $0; set price_input and price_output in"
         ' [models."x\\u001b[31m\\u000aFORGED\\u009b\\u007f"] of the config file',
+        # the client's own key, in the name it sent: not shown
+        "model 'pasted-[REDACTED]' has no prices (the configured entry '*'): its cost counts"
+        ' as $0; set price_input and price_output in [models."pasted-[REDACTED]"] of the'
+        " config file",
     ]
 
 

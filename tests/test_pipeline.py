@@ -92,6 +92,20 @@ def test_an_observer_failing_on_a_deep_body_is_said_in_one_line(caplog) -> None:
     assert len(record.getMessage()) < 400
 
 
+def test_an_error_page_indented_with_spaces_is_not_cut_inside_the_key_it_echoes() -> None:
+    """A 401 page whose first 1,200 bytes end inside the key it names: the bytes were cut there
+    before the white space went, the text left was short, and a piece of the key (too short
+    for any key's pattern) reached the log."""
+    from proxy.pipeline import refusal_text
+
+    key = "azkfHgHQM1YhnuIN3MtiAb3dEf6hIj9kLm2nOp5qRs8t"
+    page = b"<html>" + b" " * 1160 + f"Invalid key: {key} </html>".encode()
+    assert page.index(key.encode()) < 1200 < page.index(key.encode()) + len(key)
+    said = refusal_text(401, page)
+    assert said == "upstream answered 401: <html> Invalid key: …"
+    assert not any(key[:n] in said for n in range(4, len(key)))
+
+
 def test_a_printed_exchange_never_shows_the_upstream_key() -> None:
     ex = Exchange("chat", "POST", "chat/completions", 0.0, 0.0)
     ex.upstream_headers = [(b"authorization", b"Bearer sk-server-key-0123456789")]
