@@ -539,8 +539,12 @@ class AccountingObserver:
         usage = ex.usage
         name, ttl_s, pricing, marked_only, min_cached, ttl_floor_s = self._model_terms(ex.model, ex)
         if marked_only or (usage is not None and usage.explicit_cache):
-            # Claude keeps a prefix as long as the breakpoint that wrote it asks: "1h" or "5m"
-            marked_ttl_s = prefix.marked_ttl_s(body)
+            # Claude keeps a prefix as long as the breakpoint that wrote it asks: "1h" or "5m",
+            # the request's this one continues, whose entries it reads (a turn that asks for an
+            # hour after five-minute ones expired is no rewrite, nor one that asks for five
+            # minutes a miss of the hour-long ones)
+            writer = chosen.body if chosen is not None and isinstance(chosen.body, dict) else body
+            marked_ttl_s = prefix.marked_ttl_s(writer)
             if marked_ttl_s:
                 ttl_s = ttl_floor_s = marked_ttl_s
         elif body.get("prompt_cache_retention") == "24h":  # OpenAI's extended retention

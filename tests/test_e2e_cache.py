@@ -1098,14 +1098,23 @@ def test_an_unmarked_claude_session_against_the_simulator_is_not_requested(
     assert [r["cache"]["cause"] for r in responses] == [None, "not_requested", "not_requested"]
 
 
-@pytest.mark.parametrize(("ttl", "cause"), [("1h", "prefix_rewrite"), ("5m", "ttl_expired")])
+@pytest.mark.parametrize(
+    ("ttl", "then", "cause"),
+    [
+        ("1h", "1h", "prefix_rewrite"),
+        ("5m", "5m", "ttl_expired"),
+        ("1h", "5m", "prefix_rewrite"),  # written for an hour: the edit is the miss
+        ("5m", "1h", "ttl_expired"),  # written for five minutes: gone, whatever is asked now
+    ],
+)
 def test_claudes_one_hour_breakpoints_keep_the_prefix_for_an_hour_and_cost_twice_the_input(
-    scripted: Any, proxy_factory: Any, ttl: str, cause: str
+    scripted: Any, proxy_factory: Any, ttl: str, then: str, cause: str
 ) -> None:
     """A client that marks its breakpoints ``"ttl": "1h"``: ten minutes idle, then an edited
     system prompt. The miss was charged to an expired cache (the model's five minutes) and the
     one-hour writes priced as five-minute ones (1.25x the input price, where Anthropic bills
-    2x)."""
+    2x). The life is that of the marks that wrote the prefix, not of the next turn's (which
+    decided before)."""
     answer = (
         b'{"id":"m1","object":"chat.completion","model":"claude-sonnet-4-5","choices":[{"index":0,'
         b'"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":'
@@ -1117,7 +1126,7 @@ def test_claudes_one_hour_breakpoints_keep_the_prefix_for_an_hour_and_cost_twice
     now = [1_800_000_000.0]
     proxy = proxy_factory(url, config(), clock=lambda: now[0])
     client = make_client(proxy.base_url, default_headers={"X-Session-Id": f"ttl-{ttl}"})
-    mark = {"type": "ephemeral", "ttl": ttl}
+    mark: dict[str, Any] = {"type": "ephemeral", "ttl": ttl}
     system = {"role": "system", "content": [{"type": "text", "text": SYSTEM_PROMPT}]}
     convo: list[dict[str, Any]] = [system, {"role": "user", "content": "Fix the failing test."}]
 
@@ -1135,6 +1144,7 @@ def test_claudes_one_hour_breakpoints_keep_the_prefix_for_an_hour_and_cost_twice
         "role": "system",
         "content": [{"type": "text", "text": "Now: 12:00. " + SYSTEM_PROMPT}],
     }
+    mark = {"type": "ephemeral", "ttl": then}
     chat(client, marked(convo), model="claude-sonnet-4-5", stream=False)
     flush(proxy)
     first, second = events(proxy.log_dir, f"ttl-{ttl}", "response")
