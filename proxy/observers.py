@@ -563,7 +563,10 @@ class AccountingObserver:
             cached: int | None
             if usage is not None and usage.prompt > 0:
                 prompt: int | None = usage.prompt
-                cached = usage.cache_read + usage.cache_write if usage.explicit_cache else None
+                # (what it read and wrote: known from Anthropic's fields, or from a write count
+                # for a model that caches marked prefixes only, Claude through OpenRouter)
+                known = usage.explicit_cache or (marked_only and usage.reported_cache_write)
+                cached = usage.cache_read + usage.cache_write if known else None
             else:  # interrupted before its usage: the prompt count of what it continued
                 prompt = chosen.prompt if continues and chosen is not None else None
                 cached = chosen.cached if continues and chosen is not None else None
@@ -693,7 +696,11 @@ class AccountingObserver:
                 else 0
             ),
             started_at=ex.started_at,
-            cached_before=cached_before if usage.explicit_cache else None,
+            cached_before=(
+                cached_before
+                if usage.explicit_cache or (marked_only and usage.reported_cache_write)
+                else None
+            ),
             ttl_floor_s=ttl_floor_s,
             ttl_s=ttl_s,
             compared=compared if divergence is not None else None,

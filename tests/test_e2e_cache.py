@@ -1253,6 +1253,102 @@ def test_claude_through_openrouter_marking_only_its_system_prompt_is_told_the_sa
     assert caches[1]["cause"] == "not_requested"
 
 
+class _OpenRouterUsage:
+    """Raw ASGI: chat requests sent on to an Anthropic-style simulator, its answers' usage given
+    as OpenRouter gives Claude's (``prompt_tokens_details``: ``cached_tokens`` and
+    ``cache_write_tokens``), and the model named as OpenRouter names it."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        import httpx
+        import orjson
+
+        if scope["type"] == "lifespan":
+            await receive()
+            await send({"type": "lifespan.startup.complete"})
+            await receive()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        raw = b""
+        while True:
+            message = await receive()
+            raw += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        body = orjson.loads(raw)
+        body["model"] = "claude-sonnet-4-5"
+        async with httpx.AsyncClient() as client:
+            answer = (await client.post(self.target + "/chat/completions", json=body)).json()
+        usage = answer["usage"]
+        usage["prompt_tokens_details"] = {
+            "cached_tokens": usage.pop("cache_read_input_tokens"),
+            "cache_write_tokens": usage.pop("cache_creation_input_tokens"),
+        }
+        usage.pop("cache_creation", None)
+        answer["model"] = "anthropic/claude-sonnet-4.5"
+        payload = orjson.dumps(answer)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": payload})
+
+
+def test_claude_through_openrouter_splits_a_rewrite_from_what_was_never_cached(
+    proxy_factory: Any,
+) -> None:
+    """An edit deep in the history of an agent that marks its latest message, then a turn that
+    marked only its system prompt: with OpenRouter's usage fields the whole shortfall was the
+    rewrite's, where Anthropic's own fields (the same tokens) split off what the previous turn
+    never cached, as ``not_requested``."""
+    from proxy.serving import ServerThread
+
+    system = SYSTEM_PROMPT + " Follow the style guide." * 300
+    marked = {"type": "ephemeral"}
+
+    def sent(history: list[dict[str, Any]], mark: bool = True) -> list[dict[str, Any]]:
+        if not mark:
+            return history
+        last = history[-1]
+        content = [{"type": "text", "text": last["content"], "cache_control": marked}]
+        return [*history[:-1], {**last, "content": content}]
+
+    caches: dict[str, list[dict[str, Any]]] = {}
+    for route in ("anthropic", "openrouter"):
+        with run_simulator(SimConfig(dialect="anthropic-compat")) as claude:
+            if route == "openrouter":
+                stack = ServerThread(_OpenRouterUsage(claude.api_base))
+                url = stack.__enter__().url + "/v1"
+                model = "anthropic/claude-sonnet-4.5"
+            else:
+                stack, url, model = None, claude.api_base, "claude-sonnet-4-5"
+            try:
+                proxy = proxy_factory(url, config())
+                client = make_client(proxy.base_url, default_headers={"X-Session-Id": route})
+                convo: list[dict[str, Any]] = [
+                    {"role": "system", "content": [{"type": "text", "text": system}]},
+                    {"role": "user", "content": "Fix the test. " * 300},
+                ]
+                for turn in range(4):
+                    if turn == 3:
+                        convo[1] = {**convo[1], "content": convo[1]["content"] + " (edited)"}
+                    reply, _ = chat(client, sent(convo, mark=turn != 2), model=model, stream=False)
+                    convo += [reply, {"role": "user", "content": f"Go on ({turn}). " * 300}]
+                flush(proxy)
+            finally:
+                if stack is not None:
+                    stack.__exit__(None, None, None)
+        caches[route] = [r["cache"] for r in events(proxy.log_dir, route, "response")]
+    last = caches["anthropic"][3]
+    assert last["cause"] == "prefix_rewrite" and last["not_requested"] > 1000
+    assert caches["openrouter"] == caches["anthropic"]
+
+
 def test_the_waste_of_a_model_with_no_prices_has_no_price(
     scripted: Any, proxy_factory: Any
 ) -> None:
