@@ -64,6 +64,10 @@ class ExchangeRow:
     interrupted: bool = False
     error: str | None = None
     cache_reported: bool = False
+    # its cache read was measured: the provider reported its cache fields, or left them out of
+    # a miss the accounting counted all the same (Gemini's OpenAI endpoint, once it has reported
+    # them in the session: a read of 0)
+    cache_measured: bool = False
     cost_actual: float | None = None
     cost_uncached: float | None = None
     client_retry: int = 0  # the client's retry of an earlier exchange (its SDK's count)
@@ -579,9 +583,11 @@ def _apply_response(row: ExchangeRow, ev: dict[str, Any]) -> None:
         row.tokens_in = _int(usage.get("prompt"))
         row.tokens_out = _int(usage.get("completion"))
         row.cache_read = _int(usage.get("cache_read"))
-        row.cache_reported = bool(usage.get("reported_cache"))
+        row.cache_reported = row.cache_measured = bool(usage.get("reported_cache"))
     cache = ev.get("cache")
     if isinstance(cache, dict):
+        if (_int(cache.get("expected")) or 0) > 0:
+            row.cache_measured = True
         row.cache_waste = _int(cache.get("waste"))
         row.waste_cause = _str(cache.get("cause"))
         location = cache.get("location")
@@ -624,7 +630,7 @@ def summarize(detail: SessionDetail) -> SessionSummary:
     """One ``sessions list`` line from a session's timeline."""
     reported_in = reported_read = 0
     for row in detail.rows:
-        if row.cache_reported and row.tokens_in:
+        if row.cache_measured and row.tokens_in:
             reported_in += row.tokens_in
             reported_read += row.cache_read or 0
     # The attempt a compaction was retried after is no exchange of its own (its retry is).
@@ -860,8 +866,8 @@ def render_show(detail: SessionDetail) -> str:
                 _tokens(r.tokens_in),
                 _tokens(r.tokens_out),
                 # (a provider that reports no cache fields: unknown, not a measured 0)
-                _tokens(r.cache_read) if r.cache_reported or r.cache_read else "-",
-                _waste(r) if r.cache_reported or r.cache_waste else "-",
+                _tokens(r.cache_read) if r.cache_measured or r.cache_read else "-",
+                _waste(r) if r.cache_measured or r.cache_waste else "-",
                 str(r.repairs),
                 _seconds(r.ttfb_s),
                 _seconds(r.duration_s),
