@@ -23,7 +23,7 @@ from proxy import compaction, pairing, prefix
 from proxy.config import ModelSettings, Settings
 from proxy.eventlog import NotALogFile, logged_compactions, session_log_path
 from proxy.observers import client_keys
-from proxy.pipeline import Exchange, Observer, error_message, notify
+from proxy.pipeline import Exchange, Observer, clip_words, error_message, notify
 from proxy.redact import redact_text
 from proxy.relay import Relay, open_error_kind
 from proxy.sessions import CONVERSATIONS_KEPT, SessionState, SessionStore
@@ -937,10 +937,12 @@ class Compactor:
                 if error is not None and not answer.get("choices"):
                     # a failure reported inside a 200, as an exchange's error_event is counted
                     stage = "error_event"
-                    said = redact_text(error_message(answer)[:300])  # (said on stderr)
-                    # (a provider's "Incorrect API key provided: …" names the key it was sent)
+                    # (said on stderr: a provider's "Incorrect API key provided: …" names the
+                    # key it was sent, taken out before the text is cut, which could split it)
+                    said = error_message(answer)
                     for key in sorted(client_keys(ex.upstream_headers), key=len, reverse=True):
                         said = said.replace(key, "[REDACTED]")
+                    said = clip_words(redact_text(said), 300)
                     raise ValueError(f"the provider reported: {said}")
                 billed = answer
                 text = answer["choices"][0]["message"]["content"]

@@ -1182,7 +1182,12 @@ def _sink(
             else:  # whole events: the stripper's own short path, inlined
                 plain = without_lf_nulls(chunk)  # OpenAI's null usages, if any
                 # partition: fewer instructions than find() in CPython 3.11
-                chunk = stripper.feed(chunk) if plain.partition(b'"usage"')[1] else plain
+                if plain.partition(b'"usage"')[1]:
+                    chunk = stripper.feed(chunk)
+                else:
+                    chunk = plain
+                    if chunk[-1] == 13:  # ended by a CR: an LF opening the next read is its own
+                        stripper.lf_owed = True
         room = write(chunk) if chunk else True
         if kept >= keep_bytes:  # a long stream is not kept whole
             kept = 0

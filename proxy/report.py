@@ -556,6 +556,15 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
             if id(row) not in retried:
                 place(row)
         rows = ordered
+    # A provider that leaves its cache fields out of an answer that read nothing (Gemini's
+    # OpenAI endpoint): once the session's answers have had them, a read left out is a read of
+    # 0, a new conversation's first request's too (the accounting's own rule, ``has_reported``).
+    reported = False
+    for row in rows:
+        if row.cache_reported:
+            reported = True
+        elif reported and row.answered and row.tokens_in:
+            row.cache_measured = True
     stamps = [  # (a lines_lost line's time is the loss's: no exchange was seen then)
         ts
         for ev in log.events

@@ -183,7 +183,7 @@ class UsageEventStripper:
             start = scan = end
         if start > copy_from:
             out += event[copy_from:start]
-        if start < len(event) and event.endswith(_CR_ENDS):
+        if len(event) - start >= 2 and event.endswith(_CR_ENDS):  # (of the open event's own)
             # An event ended by a CR at the end of the read (CR line ends): not held until the
             # next byte says whether an LF belongs to it (a stream of CR line ends came an event
             # late, [DONE] at the stream's end), but for the usage event.

@@ -709,6 +709,23 @@ def test_a_stream_of_cr_line_ends_reaches_the_client_as_each_event_ends(
     assert got == event  # its null usage taken out, the bytes otherwise as sent
 
 
+def test_a_cr_ended_event_keeps_its_lf_when_the_usage_event_follows(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """Reads of whole CR-ended events pass the relay's short path, which did not note that an
+    LF opening the next read was the event's own (a CRLF): before the usage event, that LF went
+    out with it."""
+    usage = USAGE_EVENT.replace(b"\n\n", b"\r\r")
+    reads = [sse(chunk("A"), b"\r\r"), b"\n" + usage, b"\ndata: [DONE]\r\r"]
+    _upstream, url = scripted(chunks=reads, delay_s=0.2)  # (each its own read)
+    proxy = proxy_factory(url)
+    with httpx.stream(
+        "POST", proxy.base_url + "/chat/completions", json={**CHAT, "stream": True}
+    ) as r:
+        got = b"".join(r.iter_raw())
+    assert got == sse(chunk("A"), b"\r\r\n") + b"data: [DONE]\r\r"
+
+
 def test_upstream_stalling_mid_body_cuts_the_client(scripted: Any, proxy_factory: Any) -> None:
     _upstream, url = scripted(chunks=[sse(chunk("a")), sse(chunk("b"))], delay_s=5)
     proxy = proxy_factory(url, {"upstream": {"timeout_s": 0.3}})

@@ -209,6 +209,15 @@ def test_events_with_mixed_line_ends_are_forwarded_as_they_end() -> None:
     assert stripper.feed(usage_cr) == b""
     assert stripper.feed(b"\n" + DONE) == DONE
     assert stripper.flush() == b"" and stripper.stripped == 1
+    # a blank line after an ended event, cut at its CR, goes with the usage event after it, as
+    # when the same bytes come in one read
+    crlf = (PLAIN % b"a").replace(b"\n", b"\r\n")
+    usage = USAGE.replace(b"\n", b"\r\n")
+    for cut in (len(crlf) + 1, len(crlf) + 2):
+        stream = crlf + b"\r\n" + usage + DONE
+        stripper = UsageEventStripper()
+        out = stripper.feed(stream[:cut]) + stripper.feed(stream[cut:]) + stripper.flush()
+        assert out == crlf + DONE, cut
 
 
 def test_usage_only_event_with_any_spacing_is_stripped_whole_or_split() -> None:
