@@ -74,6 +74,23 @@ class HttpProtocol(HttpToolsProtocol):
     request's ``Content-Length`` or chunked coding) into the same request, then the requests
     that follow it on the connection. (cachegate answers a WebSocket handshake itself, 501.)"""
 
+    _active: Any = None  # the request being answered (a pipelined one waits behind it)
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        self._active = cycle
+        super()._start_asgi_task(cycle, app)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # uvicorn marks the newest request's cycle, which with a request pipelined behind the
+        # one being answered is the queued one: the answer's relay never heard that its client
+        # had gone (the upstream request ran on, billed, to its end; logged as an upstream's
+        # failure to write to the closed socket).
+        active = self._active
+        if active is not None and active is not self.cycle and not active.response_complete:
+            active.disconnected = True
+            active.message_event.set()
+        super().connection_lost(exc)
+
     def data_received(self, data: bytes) -> None:
         self._unset_keepalive_if_required()
         while True:

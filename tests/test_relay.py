@@ -21,7 +21,7 @@ from proxy.pipeline import Exchange
 from proxy.relay import DisconnectWatch, _sink
 from proxy.simulator import SimConfig, run_simulator
 from proxy.upstream import UpstreamPool
-from tests.e2e_support import events
+from tests.e2e_support import events, wait_for
 
 CHAT = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -982,6 +982,36 @@ def test_client_disconnect_before_first_byte_closes_upstream(
         time.sleep(0.01)
     assert upstream.disconnects and upstream.disconnects[0] - hung_up < 1.0
     assert DisconnectWatch.taskless == watches + 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_pipelined_a_request_and_hung_up_cancels_the_upstream(
+    scripted: Any, proxy_factory: Any, stream: bool
+) -> None:
+    """A request sent behind the one being answered, on the same connection, then the client
+    gone: uvicorn marked only the queued request's cycle as disconnected, so the upstream
+    request ran on to its end (a provider's generation, billed) and the exchange was logged as
+    the upstream's failure."""
+    upstream, url = scripted(chunks=[sse(chunk("late"))], header_delay_s=30)
+    proxy = proxy_factory(url)
+    body = orjson.dumps({**CHAT, "stream": stream})
+    with socket.create_connection(("127.0.0.1", proxy.server.port)) as s:
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nx-session-id: piped\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n"
+            % len(body)
+            + body
+            + b"GET /v1/models HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"
+        )
+        wait_for(lambda: upstream.in_flight == 1, what="the request upstream")
+        hung_up = time.monotonic()
+    wait_for(lambda: upstream.disconnects, what="the upstream to see the close", timeout=5)
+    assert upstream.disconnects[0] - hung_up < 1.0
+    proxy.settle()
+    (response,) = events(proxy.log_dir, "piped", "response")
+    assert (response["status"], response["interrupted"]) == (499, True)
+    assert proxy.metric("cachegate_client_disconnects_total") == 1
+    assert proxy.metric("cachegate_upstream_errors_total", {"kind": "midstream"}) == 0
 
 
 def test_two_hundred_interrupted_streams_leave_nothing_behind(
