@@ -27,9 +27,11 @@ WORKDIR /logs
 VOLUME ["/config", "/logs"]
 EXPOSE 8787
 
-# python, not curl: the slim image has no curl.
+# python, not curl: the slim image has no curl. No proxy: an http_proxy the container is given
+# (Docker's client `proxies` setting) would send the check elsewhere, and the service would
+# never read as healthy.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=10s --retries=3 \
-    CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8787/healthz', timeout=4).status != 200)"]
+    CMD ["python", "-c", "import sys, urllib.request as u; sys.exit(u.build_opener(u.ProxyHandler({})).open('http://127.0.0.1:8787/healthz', timeout=4).status != 200)"]
 
 # /config/cachegate.toml is used when it exists (and CACHEGATE_CONFIG is not already set).
 CMD ["sh", "-c", "if [ -z \"$CACHEGATE_CONFIG\" ] && [ -f /config/cachegate.toml ]; then export CACHEGATE_CONFIG=/config/cachegate.toml; fi; exec cachegate serve --host 0.0.0.0 --port 8787 --log-dir /logs"]

@@ -326,6 +326,13 @@ def _simulate(ns: argparse.Namespace) -> int:
             message = re.sub(rf"(?<![\w-]){name}(?!\w)", flag, message)
         print(f"cachegate simulate: {message}", file=sys.stderr)
         return 2
+    if not ns.host.strip():  # the socket layer reads "" as every interface (serve refuses it)
+        print(
+            "cachegate simulate: --host: empty; give an address (127.0.0.1, or 0.0.0.0 to"
+            " listen on every interface)",
+            file=sys.stderr,
+        )
+        return 2
     sockets = _bound(ns.host, ns.port, "cachegate simulate")  # in use: one line, as for serve
     if sockets is None:
         return 1
@@ -421,8 +428,10 @@ def _sessions(ns: argparse.Namespace) -> int:
     if not log_dir and config_file:  # the directory serve writes with that file
         try:
             # (the file alone: CACHEGATE_LOG_DIR is unset here, and the other variables, a
-            # CACHEGATE_PORT=abc say, are serve's to judge)
-            log_dir = load_settings(config_file, environ={}).logging.dir
+            # CACHEGATE_PORT=abc say, are serve's to judge; so are what serve's flags set, a
+            # file's `port = 0` that its --port replaces)
+            beside = {"host": "127.0.0.1", "port": 8787, "upstream": "http://127.0.0.1/v1"}
+            log_dir = load_settings(config_file, beside, environ={}).logging.dir
         except ConfigError as exc:
             print(f"cachegate: {exc}", file=sys.stderr)
             return 2

@@ -351,12 +351,15 @@ class EventLogWriter:
         self._discard_queued()
         with self._lock:
             untold = list(self._lost_lines.values())
+            self._lost_lines.clear()  # (said once: close() is called again at exit)
         if untold:
-            # Losses no file could be told of, even as the writer stopped (a disk still full):
-            # said once more, in all (the warnings while it ran came at most every 30 s)
+            # Losses no file could be told of, even as the writer stopped (a disk still full, a
+            # directory that cannot be made): said once more, in all (the warnings while it
+            # ran came at most every 30 s)
             logger.warning(
                 "event log: %d line(s) of %d session(s), %d of them request line(s), could not"
-                " be written, and their files do not say so (a disk still full?)",
+                " be written, and their files do not say so (a full disk, or a log directory"
+                " that could not be written: see the warnings above)",
                 sum(lost.lines for lost in untold),
                 len(untold),
                 sum(lost.requests for lost in untold),

@@ -425,6 +425,21 @@ def test_a_session_in_a_missing_directory_is_said_to_be_in_no_directory(
     )
 
 
+def test_sessions_reads_the_log_directory_of_a_file_that_leaves_the_port_to_a_flag(
+    tmp_path: Path,
+) -> None:
+    """``port = 0`` in the file, which serve's --port replaces (as the README's example does):
+    serve started, and ``sessions --config`` refused the same file ("0 is not a TCP port")."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    config = tmp_path / "cachegate.toml"
+    config.write_text(f'[server]\nport = 0\n[logging]\ndir = "{logs}"\n')
+    result = run_cli("sessions", "--config", str(config), "list")
+    assert (result.code, result.out.lower(), result.err) == (0, "no sessions\n", "")
+    config.write_text("[server]\nprot = 8787\n")  # a mistyped key is still said
+    assert run_cli("sessions", "--config", str(config), "list").code == 2
+
+
 def test_a_relative_log_directory_from_a_config_file_that_is_not_there_is_explained(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1012,6 +1027,32 @@ def test_simulate_serves_on_the_port_it_bound(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_simulate_says_where_it_listens_once_it_accepts_connections() -> None:
+    """A script that waits for the line, then connects (as the README says of serve's): the
+    line came before the simulator listened, and the connection was refused."""
+    import signal
+
+    script = shutil.which("cachegate")
+    assert script is not None
+    port = free_port()
+    proc = subprocess.Popen(
+        [script, "simulate", "--port", str(port)],
+        env=clean_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        assert line == f"cachegate simulate: openai on http://127.0.0.1:{port}/v1\n"
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=10)
+    assert proc.returncode == 0
+
+
+@pytest.mark.timeout(30)
 def test_serve_says_where_it_listens_and_which_config_file_it_read(tmp_path: Path) -> None:
     import signal
 
@@ -1196,7 +1237,23 @@ def test_simulate_refuses_a_port_that_is_no_tcp_port(port: str) -> None:
 def test_simulate_refuses_a_ttl_that_is_not_a_number() -> None:
     result = run_cli("simulate", "--cache-ttl-s", "nan")
     assert result.code == 2
-    assert result.err == "cachegate simulate: --cache-ttl-s must be a number >= 0\n"
+    assert result.err == "cachegate simulate: --cache-ttl-s must be a finite number >= 0\n"
+
+
+@pytest.mark.parametrize("flag", ["--ttft-ms", "--chunk-ms"])
+def test_simulate_refuses_an_endless_delay(flag: str) -> None:
+    """``inf`` was taken (``-1`` and ``nan`` were refused): every request then hung."""
+    result = run_cli("simulate", flag, "inf")
+    assert result.code == 2
+    assert result.err == f"cachegate simulate: {flag} must be a finite number >= 0\n"
+
+
+@pytest.mark.parametrize("host", ["", "  "])
+def test_simulate_refuses_an_empty_host_as_serve_does(host: str) -> None:
+    """The socket layer reads "" as every interface: the simulator listened on 0.0.0.0."""
+    result = run_cli("simulate", "--host", host, "--port", str(free_port()))
+    assert result.code == 2
+    assert result.err.startswith("cachegate simulate: --host: empty; give an address")
 
 
 def test_console_script_serve_refuses_a_bad_config_and_reports_its_version(

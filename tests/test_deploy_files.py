@@ -199,6 +199,33 @@ def test_dockerfile_declares_volumes_port_and_healthcheck() -> None:
     assert "http://127.0.0.1:8787/healthz" in argv[-1]
 
 
+def test_the_healthcheck_reaches_cachegate_whatever_proxy_the_container_is_given() -> None:
+    """The healthcheck's command, run as Docker runs it, against a server on this machine: with
+    ``http_proxy`` set (Docker's client ``proxies`` setting gives containers one) the check went
+    to that proxy, failed, and compose never started what waits for a healthy cachegate."""
+    import os
+    import subprocess
+    import sys
+
+    from proxy.serving import ServerThread
+
+    async def healthz(scope: dict[str, object], receive: object, send: object) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": b'{"status":"ok"}'})  # type: ignore[operator]
+
+    (healthcheck,) = instructions("HEALTHCHECK")
+    argv = json.loads(healthcheck.partition("CMD ")[2])
+    with ServerThread(healthz) as server:  # type: ignore[arg-type]
+        port = server.url.rsplit(":", 1)[1]
+        command = [sys.executable, *argv[1:-1], argv[-1].replace(":8787/", f":{port}/")]
+        env = {**os.environ, "http_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
+        env.pop("no_proxy", None)
+        env.pop("NO_PROXY", None)
+        assert subprocess.run(command, env=env, timeout=30).returncode == 0
+
+
 def test_dockerfile_command_serves_on_all_interfaces_of_the_container() -> None:
     (cmd,) = instructions("CMD")
     argv = json.loads(cmd)

@@ -135,21 +135,22 @@ def serve(
     sockets: list[socket.socket] | None = None,
 ) -> int:
     """Serve the simulator until interrupted (blocking), on ``sockets`` when bound already (they
-    are closed at the end). Returns the exit code: 0 after Ctrl+C, 3 when start-up failed."""
-    print(
-        f"cachegate simulate: {config.dialect} on http://{url_host(host)}:{port}/v1",
-        file=sys.stderr,
-    )
+    are closed at the end). Returns the exit code: 0 after Ctrl+C, 3 when start-up failed.
+    Its line (``cachegate simulate: openai on http://…/v1``) comes once it accepts connections,
+    as ``serve``'s does: a script may wait for it, then connect."""
+    line = f"cachegate simulate: {config.dialect} on http://{url_host(host)}:{port}/v1"
     import uvicorn  # (here: the other commands build this one's options without its server)
 
-    from proxy.serving import HttpProtocol, serve_until_stopped
+    from proxy.serving import HttpProtocol, Server, listening_sockets, serve_until_stopped
     from proxy.simulator.app import create_simulator_app
 
     app = create_simulator_app(config, bind_host=host)
     if sockets is None:
-        uvicorn.run(app, host=host, port=port, log_level="warning", http=HttpProtocol)
-        return 0
+        sockets = listening_sockets(host, port)
     return serve_until_stopped(
         sockets,
-        lambda: uvicorn.Server(uvicorn.Config(app, log_level="warning", http=HttpProtocol)),
+        lambda: Server(
+            uvicorn.Config(app, log_level="warning", http=HttpProtocol),
+            on_started=lambda: print(line, file=sys.stderr),
+        ),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -58,8 +59,9 @@ class SimConfig:
         if self.dialect not in DIALECTS:
             raise ValueError(f"dialect must be one of {', '.join(DIALECTS)}, not {self.dialect!r}")
         for name in ("ttft_ms", "chunk_ms", "cache_ttl_s", "stall_s"):
-            if not getattr(self, name) >= 0:  # nan too
-                raise ValueError(f"{name} must be a number >= 0")
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:  # nan too; inf: every request would hang
+                raise ValueError(f"{name} must be a finite number >= 0")
         if self.keepalive_interval_ms <= 0:
             raise ValueError("keepalive_interval_ms must be > 0")
         if self.context_window < 1:
