@@ -326,7 +326,7 @@ def _simulate(ns: argparse.Namespace) -> int:
             message = re.sub(rf"(?<![\w-]){name}(?!\w)", flag, message)
         print(f"cachegate simulate: {message}", file=sys.stderr)
         return 2
-    if not ns.host.strip():  # the socket layer reads "" as every interface (serve refuses it)
+    if not ns.host.strip(" []"):  # the socket layer reads "" as every interface (as serve)
         print(
             "cachegate simulate: --host: empty; give an address (127.0.0.1, or 0.0.0.0 to"
             " listen on every interface)",

@@ -1248,12 +1248,14 @@ def test_simulate_refuses_an_endless_delay(flag: str) -> None:
     assert result.err == f"cachegate simulate: {flag} must be a finite number >= 0\n"
 
 
-@pytest.mark.parametrize("host", ["", "  "])
+@pytest.mark.parametrize("host", ["", "  ", "[]"])
 def test_simulate_refuses_an_empty_host_as_serve_does(host: str) -> None:
     """The socket layer reads "" as every interface: the simulator listened on 0.0.0.0."""
     result = run_cli("simulate", "--host", host, "--port", str(free_port()))
     assert result.code == 2
     assert result.err.startswith("cachegate simulate: --host: empty; give an address")
+    served = run_cli("serve", "--host", host, "--port", str(free_port()))
+    assert served.code == 2 and "config key 'server.host': empty" in served.err
 
 
 def test_console_script_serve_refuses_a_bad_config_and_reports_its_version(
