@@ -465,9 +465,8 @@ def _build(cls: Any, data: Mapping[str, Any], prefix: str, base: Any, text: bool
 def _check(settings: Settings) -> None:
     if not 0 < settings.server.port < 65536:
         raise _bad("server.port", f"{settings.server.port} is not a TCP port")
-    if not settings.server.host.strip(
-        " []"
-    ):  # the socket layer reads "" (and "[]") as every interface
+    # (the socket layer reads "" as every interface, and "[]" once its brackets are off)
+    if not settings.server.host.strip(" []"):
         raise _bad(
             "server.host",
             "empty; give an address (127.0.0.1, or 0.0.0.0 to listen on every interface)",
