@@ -178,10 +178,11 @@ def _serve(ns: argparse.Namespace) -> int:
         for note in unknown_variable_notes(os.environ):
             print(f"cachegate: note: {note}", file=sys.stderr)
         idle = settings.sessions.idle_ttl_s
-        outlived = sorted(  # (of the user's own tables: a built-in one may be no model in use)
-            n
+        own = _file_model_names(config_file)
+        outlived = sorted(  # (of the user's own tables: a built-in one may be no model in use;
+            n  # one the file repeats as it is built in, the example config's, is the user's)
             for n, m in settings.models.items()
-            if m.cache_ttl_s > idle and DEFAULT_MODELS.get(n) != m
+            if m.cache_ttl_s > idle and (n in own or DEFAULT_MODELS.get(n) != m)
         )
         if outlived:
             print(
@@ -299,6 +300,21 @@ def _grace_note(record: logging.LogRecord) -> bool:
         )
         return False
     return True
+
+
+def _file_model_names(config_file: str | None) -> frozenset[str]:
+    """The ``[models."…"]`` tables a config file (read already, and valid) names."""
+    if not config_file:
+        return frozenset()
+    import tomllib
+
+    try:
+        with open(config_file, "rb") as fh:
+            data = tomllib.loads(fh.read().decode("utf-8").removeprefix("\ufeff"))
+    except (OSError, ValueError):
+        return frozenset()
+    models = data.get("models")
+    return frozenset(models) if isinstance(models, dict) else frozenset()
 
 
 def _bound(host: str, port: int, prog: str) -> list[socket.socket] | None:

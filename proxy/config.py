@@ -567,6 +567,8 @@ def settings_from_mapping(
                     if is_dataclass(getattr(settings, f.name))
                     and section in {k.name for k in fields(getattr(settings, f.name))}
                 ]
+                if section in {f.name for f in fields(ModelSettings)}:  # a model's own key
+                    owners.append('[models."<model name>"]')
                 where = " or ".join(owners) or "a section such as [server]"
                 hint = f" (keys go under a section: put it under {where})"
             raise ConfigError(f"unknown config section '{section}'{hint}")

@@ -722,6 +722,17 @@ def test_serve_with_a_bad_config_key_exits_non_zero_naming_it(
         ),
         ("max_sessions = 5\n", "unknown config section 'max_sessions' (keys go under a "),
         ("enabled = false\n", "unknown config section 'enabled' (keys go under a section: put "),
+        # a model's key above every table: it said "a section such as [server]"
+        (
+            "price_input = 1.0\n",
+            "unknown config section 'price_input' (keys go under a section: put it under"
+            ' [models."<model name>"])',
+        ),
+        (
+            "context_window = 8000\n",
+            "unknown config section 'context_window' (keys go under a section: put it under"
+            ' [models."<model name>"])',
+        ),
     ],
 )
 def test_a_misspelt_or_misplaced_key_gets_a_hint(tmp_path: Path, toml: str, message: str) -> None:
@@ -1444,6 +1455,14 @@ def test_serve_notes_a_cache_ttl_longer_than_the_sessions_are_kept(tmp_path: Pat
     config.write_text("[sessions]\nidle_ttl_s = 1000\n")
     (line,) = _serve_first_lines(tmp_path, "--config", str(config), env=clean_env(), count=1)
     assert line.startswith(f"cachegate {__version__} listening on")
+    # one the file names as it is built in (the example config's gpt-4o) is the user's: said
+    config.write_text(
+        '[sessions]\nidle_ttl_s = 100\n[models."gpt-4o"]\ncontext_window = 128000\n'
+        "cache_ttl_s = 600\nprice_input = 2.50\nprice_cached_input = 1.25\n"
+        "price_output = 10.00\n"
+    )
+    note, line = _serve_first_lines(tmp_path, "--config", str(config), env=clean_env(), count=2)
+    assert note.startswith("cachegate: note: the cache TTL of gpt-4o is longer than")
 
 
 def test_serve_answers_a_chat_request_that_offers_an_http2_upgrade(tmp_path: Path) -> None:
