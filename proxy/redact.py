@@ -32,7 +32,10 @@ _SECRET = re.compile(
     r"|npm_[A-Za-z0-9]{36}"  # npm access tokens
     # JSON Web Tokens: a JSON header and payload (base64url of '{"'), then a signature
     r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{16,}"
-    r"|(?P<bearer>[Bb]earer|BEARER)\s+[A-Za-z0-9._~+/=-]{12,}"  # Authorization: Bearer <token>
+    # Authorization: Bearer <token>, on its line (an OpenAPI spec's "scheme: bearer" is followed
+    # by a key on the next; a word of 12 letters after it, "bearer authentication", is taken
+    # for a token: a token of letters alone would otherwise go unseen)
+    r"|(?P<bearer>[Bb]earer|BEARER)[ \t]+[A-Za-z0-9._~+/=-]{12,}"
     r"|[sr]k_(?:live|test)_[A-Za-z0-9]{16,}"  # Stripe secret and restricted keys
     r"|AIza[0-9A-Za-z_-]{35,}"  # Google API keys
     # AWS secret access keys, by their name (the value alone looks like any base64)
@@ -40,13 +43,18 @@ _SECRET = re.compile(
     r")"
     # a URL's user:password (its scheme and host kept), to the last "@" before the host (a
     # password written with a raw "@" in it)
-    r"|(?<=://)[^\s/:@\"']*:[^\s/?#\"']+(?=@[^\s/?#@\"']+)"
+    # (not a template's placeholders: f"postgresql://{user}:{password}@{host}", ${USER})
+    r"|(?<=://)(?![{$])[^\s/:@\"']*:(?![{$])[^\s/?#\"']+(?=@[^\s/?#@\"']+)"
     # a private key's PEM block, whole or cut off (its armour lines kept): base64 and the
     # encrypted form's header lines only, so a parser's source that names the armour is no block
     # (a body's dashes never run to five: scanning stops at the next armour line, so text with
     # thousands of BEGIN lines costs no more than its length; escaped line ends are body too)
     r"|-----BEGIN (?P<pem>[A-Z0-9 ]*)PRIVATE KEY-----(?:(?:[A-Za-z0-9+/=\s:,.\\]|-(?!----))*"
-    r"-----END (?P=pem)PRIVATE KEY-----|(?:[A-Za-z0-9+/=\s:,.\\]|-(?!----)){16,}(?=\Z|\"))"
+    r"-----END (?P=pem)PRIVATE KEY-----|(?:[A-Za-z0-9+/=\s:,.\\]|-(?!----)){16,}(?=\Z|\")"
+    # cut off with text after it (a tool's "[output truncated]", "(exit code 0)"): its lines of
+    # base64 (40 characters or more: no prose), and the part of a line it was cut in
+    r"|(?:[A-Za-z0-9+/=\s:,.\\]|-(?!----))*?[A-Za-z0-9+/]{40,}=*"
+    r"(?:(?:\s|\\[rn])+[A-Za-z0-9+/]{40,}=*)*(?:(?:\s|\\[rn])+[A-Za-z0-9+/]+=*)?)"
 )
 
 # The shortest string any alternative can match (a URL's "://:p@"), so anything shorter cannot
@@ -142,6 +150,8 @@ _NOT_CODE = r"(?!" + _CODE_PART + r"(?:\." + _CODE_PART + r"){1,8}(?![^\s,;\\\"]
 _SETTING = r"(?:(?=[^\s\"'`\\]{0,512}[0-9])|(?=[^\s\"'`\\]{20}))" + _NOT_CODE + _LITERAL
 _ASSIGN_VALUE = re.compile(r"[ \t]*=[ \t]*(?:" + _QUOTED + "|" + _SETTING + ")")
 _ESCAPED_QUOTED = r'\\"(?=[^"\\]{0,512}[A-Za-z0-9])([^"\\]{6,}+)\\"'  # \"…\" in a JSON string
+# The shell's working directories (``env`` prints them): PWD is no password there.
+_SHELL_DIRECTORY: Final = re.compile(r"(?<![A-Z0-9_])(?:OLD)?PWD=")
 _ENV_VALUE = re.compile(r"=(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + "|" + _LITERAL + ")")
 _HEADER_VALUE = re.compile(r":[ \t]*([A-Za-z0-9._~+/=-]{8,}+)(?![(])")
 _QUERY_VALUE = re.compile(r"=(?=[^&\s#\"'\\]{0,512}[A-Za-z])([^&\s#\"'\\]{6,}+)")
@@ -239,6 +249,8 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     if before in "?&" and after == "=":  # …?access_token=… (a URL's query)
         return _value_span(_QUERY_VALUE.match(s, end))
     if after == "=" and s[start:end].isupper():  # X_TOKEN=… anywhere (env, export, docker -e)
+        if _SHELL_DIRECTORY.search(s, max(0, start - 3), end + 1):  # PWD=/home/u (an `env`)
+            return None
         return _value_span(_ENV_VALUE.match(s, end))
     lo = max(0, start - 256)  # a name after 256 characters of its line is not alone on it
     newline, escaped = s.rfind("\n", lo, start), s.rfind("\\n", lo, start)

@@ -179,6 +179,10 @@ PEM = (
         # a private key, whole or cut off
         (f"cat ~/.ssh/id_ed25519\n{PEM}\ndone", None),
         (PEM[:120], None),
+        # cut off with text after it, as a tool truncates an output: its body ran on to it
+        (PEM[:120] + "\n[output truncated]", None),
+        (PEM[:120] + "\n(exit code 0)", None),
+        (PEM[:120] + "... (truncated, 2,300 more characters)", None),
     ],
 )
 def test_credentials_named_in_text_lose_their_value(text: str, redacted: str | None) -> None:
@@ -459,6 +463,32 @@ def test_a_file_a_tool_call_writes_loses_its_credentials(content: str) -> None:
     event = {"appended": [{"role": "assistant", "tool_calls": [{"arguments": arguments}]}]}
     assert line_may_hold_secret(orjson.dumps(event))
     assert "hunter2hunter" not in orjson.dumps(redact(event)).decode()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # an OpenAPI spec: "bearer" ends its line, the next line's key is no token
+        "securitySchemes:\n  auth:\n    scheme: bearer\n    bearerFormat: JWT\n",
+        # code an agent reads: a URL template's placeholders are no password
+        'create_engine(f"postgresql://{user}:{password}@{host}/{db}")',
+        'DATABASE_URL="mysql://${DB_USER}:${DB_PASS}@db:3306/app"',
+        # an `env` listing: the shell's working directories are no password
+        "HOME=/home/u\nPWD=/home/u/project\nOLDPWD=/home/u\nSHELL=/bin/bash\n",
+    ],
+)
+def test_text_that_only_looks_like_a_credential_is_left_as_it_is(text: str) -> None:
+    """Each of these lost text in the log (and in replay): a key name merged into the line
+    before, a template cut to ``[REDACTED]@{host}``, ``PWD=[REDACTED]``."""
+    assert redact_text(text) == text
+
+
+def test_a_shell_directory_variable_does_not_shelter_a_password() -> None:
+    text = "PWD=/home/u\nDB_PWD=hunter2abc\nMY_PWD=secretsecret\nX=1 OLDPWD=/tmp"
+    assert redact_text(text) == (
+        "PWD=/home/u\nDB_PWD=[REDACTED]\nMY_PWD=[REDACTED]\nX=1 OLDPWD=/tmp"
+    )
+    assert redact_text("postgres://bob:hunter2xyz@db/app") == "postgres://[REDACTED]@db/app"
 
 
 def test_overlapping_values_are_redacted_whole() -> None:
