@@ -35,7 +35,7 @@ _SECRET = re.compile(
     # Authorization: Bearer <token>, on its line (an OpenAPI spec's "scheme: bearer" is followed
     # by a key on the next; a word of 12 letters after it, "bearer authentication", is taken
     # for a token: a token of letters alone would otherwise go unseen)
-    r"|(?P<bearer>[Bb]earer|BEARER)[ \t]+[A-Za-z0-9._~+/=-]{12,}"
+    r"|(?P<bearer>[Bb]earer|BEARER)[ \t]+(?:[A-Za-z0-9._~+/=-]|\\/){12,}"
     r"|[sr]k_(?:live|test)_[A-Za-z0-9]{16,}"  # Stripe secret and restricted keys
     r"|AIza[0-9A-Za-z_-]{35,}"  # Google API keys
     # AWS secret access keys, by their name (the value alone looks like any base64)
@@ -135,7 +135,8 @@ _QUOTED = (
     r"""([^'\n\\]{6,}+)')"""
 )
 _LITERAL = (
-    r"(?=[^\s\"'`\\]{0,512}[A-Za-z])([^\s\"'`$(){}\[\]<>,;\\][^\s\"'`(){}\[\]<>,;\\]{5,}+)"
+    # (a "\\/" is a slash as a JSON encoder may escape it, in a tool call's arguments)
+    r"(?=[^\s\"'`\\]{0,512}[A-Za-z])([^\s\"'`$(){}\[\]<>,;\\](?:[^\s\"'`(){}\[\]<>,;\\]|\\/){5,}+)"
     r"(?![^\s,;\\\"])"
 )
 # (a part of 17 characters or more with a digit in it and no underscore is no name: a token's,

@@ -491,6 +491,22 @@ def test_a_shell_directory_variable_does_not_shelter_a_password() -> None:
     assert redact_text("postgres://bob:hunter2xyz@db/app") == "postgres://[REDACTED]@db/app"
 
 
+def test_a_key_whose_slashes_a_json_encoder_escaped_is_redacted_whole() -> None:
+    """Tool-call arguments written by an encoder that escapes "/" as "\\/" (PHP's, some
+    models'): the value stopped at the backslash, and 30 of the secret's 40 characters were
+    logged; a Bearer token so escaped was logged whole."""
+    import orjson
+
+    secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+    content = f"AWS_SECRET_ACCESS_KEY={secret}\nAuthorization: Bearer ab/cdefghijklmnopqrstu0123"
+    arguments = orjson.dumps({"path": ".env", "content": content}).decode().replace("/", "\\/")
+    assert "\\/K7MDENG\\/" in arguments
+    event = {"appended": [{"role": "assistant", "tool_calls": [{"arguments": arguments}]}]}
+    line = orjson.dumps(redact(event)).decode()
+    for piece in ("K7MDENG", "bPxRfiCY", "cdefghijklmnop"):
+        assert piece not in line
+
+
 def test_overlapping_values_are_redacted_whole() -> None:
     text = '"secret": "abcdef PASSWORD=\'xyzxyz" tail tail\''
     out = redact_text(text)
