@@ -419,6 +419,12 @@ class _ProxyEndpoint:
                     " /s/{id}/v1 prefix that is percent-encoded, are not relayed.",
                     "invalid_path",
                 ),
+                # (an explicit session's, as its other answers say it; not one the path names
+                # only once decoded, /s/abc%2Fv1/…)
+                [(b"x-cachegate-session", path_session.encode())]
+                if path_session
+                and (scope.get("raw_path") or b"").startswith(b"/s/%s/v1/" % path_session.encode())
+                else None,
             )
             return
         await self.gateway.passthrough(scope, receive, send, upstream_path, path_session)

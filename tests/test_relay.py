@@ -1286,6 +1286,9 @@ def test_paths_are_relayed_as_encoded_and_never_climb_out_of_v1(
         assert r.status_code == 400
         assert r.json()["error"]["code"] == "invalid_path"
         assert upstream.requests == []
+        # an explicit session's refusal says it, as its other answers do
+        session = "sess-1" if raw_path.startswith(b"/s/sess-1/") else None
+        assert r.headers.get("x-cachegate-session") == session
     else:
         assert r.status_code == 200
         assert upstream.requests[0]["raw_path"] == forwarded
