@@ -496,6 +496,11 @@ async def send_error(
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if extra:
         headers.extend(extra)
+    if err.status == 413:
+        # The body is not read (refused from its announced length, or cut where it passed the
+        # limit): what the client sends next on the connection would be taken for the rest of
+        # it. Closed, as nginx closes after its 413 (RFC 9110 15.5.14).
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 

@@ -1219,6 +1219,28 @@ def test_a_body_announced_past_the_limit_is_refused_before_any_of_it_is_sent(
     assert upstream.requests == []
 
 
+@pytest.mark.parametrize("path", ["chat/completions", "files"])
+def test_a_413_closes_the_connection_whose_body_it_did_not_read(
+    scripted: Any, proxy_factory: Any, path: str
+) -> None:
+    """``Expect: 100-continue`` and a length past the limit: the 413 left the connection open,
+    waiting for the body, and the client's next request on it was taken for that body (never
+    answered)."""
+    _upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
+    proxy = proxy_factory(url, {"server": {"max_body_bytes": 1000}})
+    with socket.create_connection((proxy.server.host, proxy.server.port)) as conn:
+        conn.sendall(
+            b"POST /v1/%s HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            b"expect: 100-continue\r\ncontent-length: 5000\r\n\r\n" % path.encode()
+        )
+        conn.settimeout(5)
+        answer = b""
+        while chunk := conn.recv(65536):  # to the close
+            answer += chunk
+    head = answer.split(b"\r\n\r\n", 1)[0].lower()
+    assert head.startswith(b"http/1.1 413 ") and b"\r\nconnection: close" in head
+
+
 def test_a_relayed_request_whose_client_leaves_before_its_body_is_not_sent(
     scripted: Any, proxy_factory: Any
 ) -> None:
