@@ -27,7 +27,7 @@ from proxy.config import TRUE_WORDS, Settings, sends_usage_unasked
 from proxy.errors import CLIENT_CLOSED, ProxyError, bad_request, shutting_down
 from proxy.observers import client_keys
 from proxy.pipeline import Exchange, Observer, Transform, notify, notify_each, refusal_text
-from proxy.redact import redact_text
+from proxy.redact import redact_text, without_values
 from proxy.relay import (
     DisconnectWatch,
     Receive,
@@ -549,9 +549,7 @@ class ChatPipeline:
             return False
         self.usage_refused.add(model)
         # (a client's text on the terminal: quoted with its controls escaped, keys taken out)
-        shown = redact_text(model or "")
-        for key in sorted(client_keys(ex.upstream_headers), key=len, reverse=True):
-            shown = shown.replace(key, "[REDACTED]")
+        shown = without_values(redact_text(model or ""), client_keys(ex.upstream_headers))
         log.warning(
             "upstream answered %d to the stream_options cachegate added for model %r: its "
             "streams go as the client sends them, and their tokens and cost are known only if "

@@ -24,7 +24,7 @@ from proxy.config import ModelSettings, Settings
 from proxy.eventlog import NotALogFile, logged_compactions, session_log_path
 from proxy.observers import client_keys
 from proxy.pipeline import Exchange, Observer, clip_words, error_message, notify
-from proxy.redact import redact_text
+from proxy.redact import redact_text, without_values
 from proxy.relay import Relay, open_error_kind
 from proxy.sessions import CONVERSATIONS_KEPT, SessionState, SessionStore
 from proxy.usage import added, normalize_usage
@@ -939,9 +939,7 @@ class Compactor:
                     stage = "error_event"
                     # (said on stderr: a provider's "Incorrect API key provided: …" names the
                     # key it was sent, taken out before the text is cut, which could split it)
-                    said = error_message(answer)
-                    for key in sorted(client_keys(ex.upstream_headers), key=len, reverse=True):
-                        said = said.replace(key, "[REDACTED]")
+                    said = without_values(error_message(answer), client_keys(ex.upstream_headers))
                     said = clip_words(redact_text(said), 300)
                     raise ValueError(f"the provider reported: {said}")
                 billed = answer

@@ -22,7 +22,7 @@ from proxy.errors import CLIENT_CLOSED
 from proxy.eventlog import Delta, EventLogWriter, choose_delta
 from proxy.metrics import Metrics
 from proxy.pipeline import Exchange
-from proxy.redact import known_secrets, redact_text
+from proxy.redact import known_secrets, redact_text, without_values
 from proxy.relay import CLIENT_KEY_HEADERS, PLACEHOLDER_AUTHORIZATION
 from proxy.sessions import CONVERSATIONS_KEPT, SessionState, SessionStore
 from proxy.usage import Usage, less
@@ -480,8 +480,7 @@ class AccountingObserver:
             if self._first_unpriced(model_name, pricing):
                 shown = redact_text(model_name or "")  # a client's text, on stderr: as in the log
                 own = client_keys(ex.upstream_headers) if ex is not None else ()
-                for secret in sorted({*self.secrets, *own}, key=len, reverse=True):
-                    shown = shown.replace(secret, "[REDACTED]")
+                shown = without_values(shown, (*self.secrets, *own))
                 # the table to add them to: the configured entry the name matched (a new table
                 # of its own would start from "*" and lose that entry's window), else its own
                 table = shown if name == "*" else name

@@ -337,6 +337,14 @@ def _is_credential(name: str) -> bool:
     )
 
 
+def without_values(text: str, values: Iterable[str]) -> str:
+    """``text`` with each of the exact ``values`` (keys) replaced by ``[REDACTED]``, the longest
+    first: a key that holds another is taken out whole."""
+    for value in sorted(set(values), key=len, reverse=True):
+        text = text.replace(value, REDACTED)
+    return text
+
+
 def known_secrets(values: Iterable[str]) -> tuple[str, ...]:
     """Exact values never shown, whatever they look like (cachegate's own upstream key): white
     space around them taken off, and short ones left out (they would take words out of text)."""
