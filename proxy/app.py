@@ -408,6 +408,22 @@ class _ProxyEndpoint:
             assert self.gateway.chat is not None
             await self.gateway.chat.handle(scope, receive, send, path_session)
             return
+        if scope["method"] not in _RELAYED_METHODS:
+            # TRACE (which asks the upstream to echo the request, cachegate's key with it),
+            # CONNECT, WebDAV's and caches' methods (PROPFIND, PURGE): no provider's API has a use for them
+            await self.gateway.refuse(
+                scope,
+                send,
+                "passthrough",
+                ProxyError(
+                    405,
+                    f"{scope['method']} is not relayed: cachegate relays"
+                    f" {', '.join(_ALL_METHODS)} under /v1/.",
+                    code="method_not_allowed",
+                ),
+                [(b"allow", ", ".join(_ALL_METHODS).encode()), *explicit_session(scope)],
+            )
+            return
         upstream_path = upstream_path_of(scope)
         if upstream_path is None:
             await self.gateway.refuse(
@@ -419,15 +435,24 @@ class _ProxyEndpoint:
                     " /s/{id}/v1 prefix that is percent-encoded, are not relayed.",
                     "invalid_path",
                 ),
-                # (an explicit session's, as its other answers say it; not one the path names
-                # only once decoded, /s/abc%2Fv1/…)
-                [(b"x-cachegate-session", path_session.encode())]
-                if path_session
-                and (scope.get("raw_path") or b"").startswith(b"/s/%s/v1/" % path_session.encode())
-                else None,
+                explicit_session(scope),
             )
             return
         await self.gateway.passthrough(scope, receive, send, upstream_path, path_session)
+
+
+def explicit_session(scope: Scope) -> list[tuple[bytes, bytes]]:
+    """The ``X-Cachegate-Session`` header of a refusal on ``/s/{id}/v1/...``: an explicit
+    session's answers say it, as its other answers do (not one the path names only once decoded,
+    ``/s/abc%2Fv1/...``, nor an id that is not one)."""
+    path: str = scope["path"]
+    if not path.startswith("/s/"):
+        return []
+    sid = path[3:].partition("/")[0]
+    raw: bytes = scope.get("raw_path") or b""
+    if valid_session_id(sid) and raw.startswith(b"/s/%s/v1/" % sid.encode()):
+        return [(b"x-cachegate-session", sid.encode())]
+    return []
 
 
 def upstream_path_of(scope: Scope) -> str | None:
@@ -502,6 +527,7 @@ class _BadSessionPath:
 
 
 _ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+_RELAYED_METHODS = frozenset(_ALL_METHODS)
 
 
 class CachegateApp(Starlette):
@@ -561,7 +587,9 @@ class CachegateApp(Starlette):
     async def _refuse(self, scope: Scope, send: Send, err: ProxyError) -> None:
         path: str = scope["path"]
         if path.startswith(("/v1/", "/s/")):  # a relayed route's request: counted as one
-            await self.endpoint.gateway.refuse(scope, send, route_of(scope), err)
+            await self.endpoint.gateway.refuse(
+                scope, send, route_of(scope), err, explicit_session(scope) or None
+            )
         else:
             await send_error(send, err)
 

@@ -468,6 +468,14 @@ def test_a_websocket_handshake_is_refused_plainly_not_relayed_as_a_get(
     assert json.loads(body)["error"]["code"] == "websocket_not_supported"
     assert len(sim.sim.requests) == seen  # nothing went upstream
     assert not [r for r in caplog.records if "WebSocket library" in r.getMessage()]
+    assert b"x-cachegate-session" not in head.lower()
+    # under an explicit session, the refusal says the session, as its other answers do
+    r = httpx.get(
+        f"{proxy.url}/s/agent-7/v1/realtime",
+        headers={"upgrade": "websocket", "connection": "Upgrade"},
+    )
+    assert r.status_code == 501
+    assert r.headers["x-cachegate-session"] == "agent-7"
 
 
 def _post_chunked_with_late_trailers(url: str, path: str, body: bytes, trailers: bytes) -> bytes:

@@ -1316,6 +1316,29 @@ def test_paths_are_relayed_as_encoded_and_never_climb_out_of_v1(
         assert upstream.requests[0]["raw_path"] == forwarded
 
 
+@pytest.mark.parametrize("method", ["TRACE", "PROPFIND", "PURGE"])
+@pytest.mark.parametrize("prefix", ["/v1", "/s/sess-1/v1"])
+def test_methods_no_api_uses_are_refused_not_relayed_with_the_key(
+    scripted: Any, proxy_factory: Any, method: str, prefix: str
+) -> None:
+    """TRACE asks the upstream to echo the request back, the key cachegate adds with it; WebDAV's
+    and caches' methods have no use in a provider's API. Refused, nothing sent upstream."""
+    upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
+    proxy = proxy_factory(url, environ={"OPENAI_API_KEY": "sk-server-key"})
+    with httpx.Client() as c:
+        r = c.request(method, proxy.url + prefix + "/models")
+    assert r.status_code == 405
+    assert r.json()["error"]["code"] == "method_not_allowed"
+    assert method in r.json()["error"]["message"]
+    assert r.headers["allow"] == "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"
+    assert r.headers.get("x-cachegate-session") == ("sess-1" if prefix.startswith("/s/") else None)
+    assert upstream.requests == []
+    with httpx.Client() as c:  # the methods an API uses still go
+        assert c.request("OPTIONS", proxy.url + prefix + "/models").status_code == 200
+        assert c.request("PATCH", proxy.url + prefix + "/models").status_code == 200
+    assert [r["method"] for r in upstream.requests] == ["OPTIONS", "PATCH"]
+
+
 class RawUpstream:
     """A raw-socket upstream answering every request with fixed bytes, for answers no server sends.
 
