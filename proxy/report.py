@@ -78,6 +78,8 @@ class ExchangeRow:
     summary_model: str | None = None
     summary_tokens_in: int | None = None
     summary_tokens_out: int | None = None
+    summary_cache_read: int | None = None
+    summary_cache_reported: bool = False
     summary_cost_actual: float | None = None
     summary_cost_uncached: float | None = None
     answered: bool = False  # a response line came (the request was forwarded)
@@ -616,6 +618,8 @@ def _apply_response(row: ExchangeRow, ev: dict[str, Any]) -> None:
         if isinstance(used, dict):
             row.summary_tokens_in = _int(used.get("prompt"))
             row.summary_tokens_out = _int(used.get("completion"))
+            row.summary_cache_read = _int(used.get("cache_read"))
+            row.summary_cache_reported = bool(used.get("reported_cache"))
         paid = summary.get("cost")
         if isinstance(paid, dict):
             row.summary_cost_actual = _float(paid.get("actual"))
@@ -642,6 +646,9 @@ def summarize(detail: SessionDetail) -> SessionSummary:
         if row.cache_measured and row.tokens_in:
             reported_in += row.tokens_in
             reported_read += row.cache_read or 0
+        if row.summary_cache_reported and row.summary_tokens_in:  # (a response as any other)
+            reported_in += row.summary_tokens_in
+            reported_read += row.summary_cache_read or 0
     # The attempt a compaction was retried after is no exchange of its own (its retry is).
     answered = [row for row in detail.rows if row.error != RESENT_COMPACTED]
     model = main_model(detail)
@@ -658,7 +665,9 @@ def summarize(detail: SessionDetail) -> SessionSummary:
         tokens_out=_total(
             _with_summary(row.tokens_out, row.summary_tokens_out) for row in detail.rows
         ),
-        cache_read=_total(row.cache_read for row in detail.rows),
+        cache_read=_total(
+            _with_summary(row.cache_read, row.summary_cache_read) for row in detail.rows
+        ),
         cache_hit_pct=100.0 * reported_read / reported_in if reported_in else None,
         interruptions=sum(1 for row in answered if row.interrupted),
         repairs=sum(row.repairs for row in answered),
@@ -854,9 +863,10 @@ def render_show(detail: SessionDetail) -> str:
         if r.summary_tokens_in is not None or r.summary_tokens_out is not None:
             # (its tokens are not in IN and OUT, which are the main call's; its cost is in the
             # exchange's; sessions list's IN and OUT add them)
+            cached = f" ({_tokens(r.summary_cache_read)} cached)" if r.summary_cache_read else ""
             notes.append(
-                f"summary call {_tokens(r.summary_tokens_in)} in, {_tokens(r.summary_tokens_out)}"
-                f" out on {_model(r.summary_model)}"
+                f"summary call {_tokens(r.summary_tokens_in)} in{cached},"
+                f" {_tokens(r.summary_tokens_out)} out on {_model(r.summary_model)}"
             )
         if r.interrupted:
             notes.append("interrupted")

@@ -845,6 +845,59 @@ def test_a_miss_whose_provider_left_out_its_cache_fields_counts_in_the_hit_rate(
     assert row.split()[4:7] == ["2,500", "5", "0"], row
 
 
+def test_a_summary_calls_cached_input_counts_in_cached_and_cache_hit(tmp_path: Path) -> None:
+    """A compaction's summary call is in IN (the provider bills it), and its provider's cache
+    read it as any other response: CACHE HIT left it out of both sides (70.6% shown where the
+    session's cached input over its input, and the metrics, read 59.9%), and the cached total
+    left its read out while IN had its input."""
+    summary = {"model": "gpt-4o-mini", "usage": {"prompt": 3000, "completion": 40}}
+    summary["usage"] |= {"cache_read": 2800, "reported_cache": True}
+    events: list[dict[str, Any]] = [
+        {"ts": T0, "type": "session_meta", "session": "sum"},
+        req(T0 + 1, 1),
+        resp(
+            T0 + 2,
+            1,
+            prompt=4000,
+            completion=10,
+            cache_read=0,
+            ttfb=0.1,
+            duration=1,
+            actual=0.01,
+            uncached=0.01,
+        ),
+        req(T0 + 3, 2, base_exchange=1, base=0),
+        resp(
+            T0 + 4,
+            2,
+            prompt=2000,
+            completion=10,
+            cache_read=1000,
+            ttfb=0.1,
+            duration=1,
+            actual=0.01,
+            uncached=0.01,
+        )
+        | {"summary": summary},
+    ]
+    _logged(tmp_path, "sum", events)
+    (listed,) = list_sessions(tmp_path)
+    assert listed.tokens_in == 9000
+    assert listed.cache_read == 3800
+    assert listed.cache_hit_pct == pytest.approx(100 * 3800 / 9000)
+    row = show_session(tmp_path, "sum").rows[1]
+    assert (row.summary_cache_read, row.summary_cache_reported) == (2800, True)
+    assert show_session(tmp_path, "sum").rows[1].to_json()["summary_cache_read"] == 2800
+    shown = render_show(show_session(tmp_path, "sum"))
+    assert "summary call 3,000 in (2,800 cached), 40 out on gpt-4o-mini" in shown
+    # a summarizer whose provider reports no cache fields stays out of the ratio
+    del summary["usage"]["reported_cache"], summary["usage"]["cache_read"]
+    _logged(tmp_path, "sum", events)
+    (listed,) = list_sessions(tmp_path)
+    assert listed.cache_hit_pct == pytest.approx(100 * 1000 / 6000)
+    assert "summary call 3,000 in, 40 out" in render_show(show_session(tmp_path, "sum"))
+
+
 def test_a_corrupted_cost_is_no_figure_and_the_json_stays_json(tmp_path: Path) -> None:
     """Two exchanges of a damaged log costing 1e308 each: ``cost`` printed ``$inf`` and
     ``$nan (nan%)``, and ``--json`` ``Infinity`` and ``NaN``, which no JSON reader takes."""
