@@ -236,7 +236,20 @@ def _serve(ns: argparse.Namespace) -> int:
                 " authentication needs the client to send it (an Authorization header)",
                 file=sys.stderr,
             )
-        if urlsplit(settings.upstream.base_url).path.strip("/") == "":
+        ends = [
+            e
+            for e in _ENDPOINTS
+            if urlsplit(settings.upstream.base_url).path.rstrip("/").endswith(e)
+        ]
+        if ends:  # (a pasted endpoint URL: every request went to .../chat/completions/chat/...)
+            print(
+                f"cachegate: note: the upstream URL {display_url(settings.upstream.base_url)}"
+                f" ends in an endpoint, {ends[0]}: each request's path under /v1 is appended to"
+                f" it (.../{ends[0].strip('/')}/chat/completions); give the base URL, which"
+                " usually ends in /v1",
+                file=sys.stderr,
+            )
+        elif urlsplit(settings.upstream.base_url).path.strip("/") == "":
             print(
                 f"cachegate: note: the upstream URL {display_url(settings.upstream.base_url)}"
                 " has no path; an OpenAI-compatible base URL usually ends in /v1"
@@ -669,6 +682,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# An endpoint's path, pasted with the base URL (a provider's page shows the whole URL)
+_ENDPOINTS: Final = ("/chat/completions", "/completions", "/responses", "/embeddings", "/messages")
 _UNITS: Final = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 

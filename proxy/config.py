@@ -51,6 +51,8 @@ def _not_negative(key: str, finite: bool = False) -> str:
     own where 0 is no better, so that the user is not sent from one refusal to the next."""
     if key in POSITIVE_KEYS or key.endswith(".context_window"):
         return "must be a finite positive number" if finite else "must be positive"
+    if key == "server.port":
+        return "must be a TCP port, 1 to 65535"
     if key == "compaction.trigger_percent":
         return "must be in (0, 100]"
     return "must be a finite non-negative number" if finite else "must not be negative"
@@ -457,22 +459,39 @@ def _build(cls: Any, data: Mapping[str, Any], prefix: str, base: Any, text: bool
     names = {f.name for f in fields(cls)}
     for key in data:
         if key not in names:
-            raise ConfigError(f"unknown config key '{prefix}.{key}'{_did_you_mean(key, names)}")
+            hint = _did_you_mean(key, names)
+            if prefix.startswith("models.") and isinstance(data[key], Mapping):
+                # [models.gpt-4.1]: TOML reads the dot as a table in a table
+                hint = f' (quote a model name with a dot in it: [models."{prefix[8:-1]}.{key}"])'
+            elif not hint and (owners := _owners(key)):
+                hint = f" (it goes under {' or '.join(owners)})"
+            raise ConfigError(f"unknown config key '{prefix}.{key}'{hint}")
     changes = {k: _coerce(f"{prefix}.{k}", v, hints[k], text) for k, v in data.items()}
     return replace(base, **changes)
 
 
 def _check(settings: Settings) -> None:
     if not 0 < settings.server.port < 65536:
-        raise _bad("server.port", f"{settings.server.port} is not a TCP port")
+        raise _bad("server.port", f"{settings.server.port} is not a TCP port (1 to 65535)")
     # (the socket layer reads "" as every interface, and "[]" once its brackets are off)
     if not settings.server.host.strip(" []"):
         raise _bad(
             "server.host",
             "empty; give an address (127.0.0.1, or 0.0.0.0 to listen on every interface)",
         )
+    host = settings.server.host
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in host):
+        # ("127.0.0.1 " from a .env file: the resolver's "Name or service not known" named no
+        # setting; a NUL was cut off by the socket layer and printed)
+        raise _bad(
+            "server.host",
+            f"{host!r} has white space or a control character in it (a space pasted"
+            " with it?)",
+        )
     if settings.logging.enabled and not settings.logging.dir.strip():  # "": the working dir
         raise _bad("logging.dir", "empty; give a directory (or set logging.enabled = false)")
+    if "\0" in settings.logging.dir:  # (no path can hold it: a traceback once listening)
+        raise _bad("logging.dir", f"{settings.logging.dir!r} has a NUL character in it")
     url = settings.upstream.base_url
     key = "upstream.base_url"
     if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
@@ -561,22 +580,40 @@ def settings_from_mapping(
             if isinstance(value, Mapping):  # a table: a misspelt section
                 hint = _did_you_mean(section, {f.name for f in fields(Settings)})
             else:  # a key above every [section]
-                owners = [
-                    f"[{f.name}]"
-                    for f in fields(Settings)
-                    if is_dataclass(getattr(settings, f.name))
-                    and section in {k.name for k in fields(getattr(settings, f.name))}
-                ]
-                if section in {f.name for f in fields(ModelSettings)}:  # a model's own key
-                    owners.append('[models."<model name>"]')
-                where = " or ".join(owners) or "a section such as [server]"
+                where = " or ".join(_owners(section)) or "a section such as [server]"
                 hint = f" (keys go under a section: put it under {where})"
             raise ConfigError(f"unknown config section '{section}'{hint}")
         changes[section] = _build(type(current), value, section, current, text)
     settings = replace(settings, **changes)
     if check:
+        settings = _normalized(settings)
         _check(settings)
     return settings
+
+
+def _normalized(settings: Settings) -> Settings:
+    """The upstream URL's scheme in lower case (``HTTPS://``, as some docs print it, is the
+    same URL: RFC 3986 3.1), as the rest of cachegate reads it."""
+    url = settings.upstream.base_url
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme.lower() in ("http", "https") and scheme != scheme.lower():
+        upstream = replace(settings.upstream, base_url=f"{scheme.lower()}://{rest}")
+        return replace(settings, upstream=upstream)
+    return settings
+
+
+def _owners(key: str) -> list[str]:
+    """The tables a key belongs in (``[upstream]``), for a key put in the wrong one."""
+    defaults = Settings()
+    owners = [
+        f"[{f.name}]"
+        for f in fields(Settings)
+        if is_dataclass(section := getattr(defaults, f.name))
+        and key in {k.name for k in fields(section)}
+    ]
+    if key in {f.name for f in fields(ModelSettings)}:  # a model's own key
+        owners.append('[models."<model name>"]')
+    return owners
 
 
 def _did_you_mean(name: str, known: Iterable[str]) -> str:
@@ -599,6 +636,8 @@ def load_settings(
 ) -> Settings:
     """Defaults < config file < CACHEGATE_* variables < command-line ``options`` (None = not given)."""
     env = os.environ if environ is None else environ
+    if config_file is not None and not config_file.strip():  # (an unset shell variable's "$X")
+        raise ConfigError("--config: empty; give a TOML file, or leave the flag out")
     path = config_file or env.get("CACHEGATE_CONFIG") or None
     settings = Settings()
     if path:
@@ -613,6 +652,11 @@ def load_settings(
             raise ConfigError(f"config file {path}: {exc}") from None
         except UnicodeDecodeError as exc:
             raise ConfigError(f"config file {path}: not UTF-8 text ({exc.reason})") from None
+        except ValueError as exc:  # an integer of more than 4,300 digits
+            reason = str(exc).partition(":")[0]  # (not Python's advice after it)
+            raise ConfigError(f"config file {path}: a value cannot be read ({reason})") from None
+        except RecursionError:  # arrays or inline tables nested thousands deep
+            raise ConfigError(f"config file {path}: a value is nested too deep to read") from None
         except OSError as exc:  # a directory, no permission
             raise ConfigError(
                 f"config file {path}: cannot read it: {exc.strerror or exc}"
@@ -633,6 +677,7 @@ def load_settings(
             flag = "--" + option.replace("_", "-")
             settings = _apply_one(settings, OPTION_KEYS[option], value, flag)
             set_by[OPTION_KEYS[option]] = flag
+    settings = _normalized(settings)
     try:
         _check(settings)  # the whole, as it will run: a flag's port mends a file's port = 0
     except ConfigError as exc:

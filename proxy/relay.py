@@ -381,6 +381,7 @@ def upstream_request_headers(
                 and name == b"authorization"
                 and len(header[1]) < 40  # a real key is longer: not split on every request
                 and header[1].lower().split() == _PLACEHOLDER_WORDS
+                and api_key.strip()  # (white space only: no key to put in its place)
             ):
                 continue
             authorized = True

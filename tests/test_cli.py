@@ -1137,6 +1137,21 @@ def test_serve_notes_an_upstream_url_without_a_path(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_serve_notes_an_upstream_url_that_ends_in_an_endpoint(tmp_path: Path) -> None:
+    """A provider's page shows the whole endpoint URL: pasted as the base URL, every request
+    went to .../chat/completions/chat/completions and got the provider's 404, with no word."""
+    upstream = ("--upstream", "HTTP://127.0.0.1:9/v1/chat/completions/")
+    note, line = _serve_first_lines(tmp_path, *upstream, env=clean_env(), count=2)
+    assert note == (
+        "cachegate: note: the upstream URL http://127.0.0.1:9/v1/chat/completions/ ends in an"
+        " endpoint, /chat/completions: each request's path under /v1 is appended to it"
+        " (.../chat/completions/chat/completions); give the base URL, which usually ends in /v1\n"
+    )
+    # (a scheme in upper case is the same URL, as the rest of cachegate reads it)
+    assert " -> http://127.0.0.1:9/v1/chat/completions/ (logs: " in line
+
+
+@pytest.mark.timeout(30)
 def test_serve_says_at_start_that_a_file_is_where_its_log_directory_should_be(
     tmp_path: Path,
 ) -> None:

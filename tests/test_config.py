@@ -454,7 +454,103 @@ def test_a_flag_or_variable_mends_a_value_of_the_file_it_overrides(tmp_path: Pat
     # a flag's own unusable value is named by the flag
     with pytest.raises(ConfigError) as refused:
         load_settings(None, {"port": "0"}, environ={})
-    assert str(refused.value) == "--port: config key 'server.port': 0 is not a TCP port"
+    assert (
+        str(refused.value) == "--port: config key 'server.port': 0 is not a TCP port (1 to 65535)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        # tomllib's own ValueError and RecursionError: tracebacks and exit 1
+        ("a = " + "9" * 5000, "a value cannot be read (Exceeds the limit (4300 digits)"),
+        ("a = " + "[" * 5000 + "]" * 5000, "a value is nested too deep to read"),
+    ],
+    ids=["5000-digits", "5000-deep"],
+)
+def test_a_file_tomllib_cannot_hold_is_refused_naming_it(
+    tmp_path: Path, text: str, said: str
+) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(text + "\n")
+    with pytest.raises(ConfigError) as refused:
+        load_settings(str(config), environ={})
+    assert str(refused.value).startswith(f"config file {config}: {said}")
+    assert "sys.set_int_max_str_digits" not in str(refused.value)  # (Python's advice, not ours)
+
+
+def test_values_no_socket_or_path_can_take_are_refused_naming_their_source(
+    tmp_path: Path,
+) -> None:
+    """A host with a space from a .env file failed once listening, naming no setting; a log
+    directory with a NUL, with a traceback; ``--config ""`` (an unset shell variable) was
+    ignored where ``--port ""`` is refused."""
+    cases = [
+        (
+            {"environ": {"CACHEGATE_HOST": "127.0.0.1 "}},
+            "CACHEGATE_HOST: config key 'server.host': '127.0.0.1 ' has white space or a control"
+            " character in it (a space pasted with it?)",
+        ),
+        (
+            {"options": {"host": "127.0.0.1\x00x"}},
+            "--host: config key 'server.host': '127.0.0.1\\x00x' has white space or a control"
+            " character in it (a space pasted with it?)",
+        ),
+        (
+            {"options": {"log_dir": "/tmp/a\x00b"}},
+            "--log-dir: config key 'logging.dir': '/tmp/a\\x00b' has a NUL character in it",
+        ),
+        ({"config_file": ""}, "--config: empty; give a TOML file, or leave the flag out"),
+        (
+            {"options": {"port": "-1"}},
+            "--port: config key 'server.port': must be a TCP port, 1 to 65535, got -1",
+        ),
+    ]
+    for given, said in cases:
+        with pytest.raises(ConfigError) as refused:
+            load_settings(
+                given.get("config_file"),  # type: ignore[arg-type]
+                given.get("options"),  # type: ignore[arg-type]
+                environ=given.get("environ", {}),  # type: ignore[arg-type]
+            )
+        assert str(refused.value) == said
+
+
+def test_an_upstream_scheme_in_upper_case_is_the_same_url() -> None:
+    """``HTTPS://…`` was refused as not starting with https://."""
+    settings = load_settings(None, {"upstream": "HTTPS://api.example.com/v1"}, environ={})
+    assert settings.upstream.base_url == "https://api.example.com/v1"
+    settings = settings_from_mapping({"upstream": {"base_url": "Http://127.0.0.1:9/v1"}})
+    assert settings.upstream.base_url == "http://127.0.0.1:9/v1"
+
+
+@pytest.mark.parametrize(
+    ("data", "said"),
+    [
+        # TOML reads [models.gpt-4.1] as table "1" in table "gpt-4"
+        (
+            {"models": {"gpt-4": {"1": {"price_input": 2.0}}}},
+            """unknown config key 'models."gpt-4".1' (quote a model name with a dot in it:"""
+            """ [models."gpt-4.1"])""",
+        ),
+        (
+            {"server": {"timeout_s": 5}},
+            "unknown config key 'server.timeout_s' (it goes under [upstream])",
+        ),
+        (
+            {"server": {"price_input": 5}},
+            """unknown config key 'server.price_input' (it goes under [models."<model name>"])""",
+        ),
+        (
+            {"upstream": {"time_out_s": 5}},  # a misspelling keeps its own hint
+            "unknown config key 'upstream.time_out_s' (did you mean 'timeout_s'?)",
+        ),
+    ],
+)
+def test_a_key_in_the_wrong_table_says_where_it_goes(data: dict, said: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        settings_from_mapping(data)
+    assert str(refused.value) == said
 
 
 def test_an_error_in_the_config_file_names_the_file(tmp_path: Path) -> None:

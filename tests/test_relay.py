@@ -820,14 +820,17 @@ def test_the_placeholder_key_cachegate_stands_for_the_configured_key(
     assert auth == [b"Bearer sk-from-env"] * 3
 
     # without a key of its own, cachegate forwards the placeholder: the provider says it is wrong
-    upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
-    bare = proxy_factory(url, environ={})
-    httpx.post(
-        bare.base_url + "/chat/completions",
-        json=CHAT,
-        headers={"Authorization": "Bearer cachegate"},
-    )
-    assert dict(upstream.requests[0]["headers"])[b"authorization"] == b"Bearer cachegate"
+    # (a key of white space only, OPENAI_API_KEY=" " from a .env file, is none: the request
+    # went with no key at all)
+    for environ in ({}, {"OPENAI_API_KEY": "   "}):
+        upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
+        bare = proxy_factory(url, environ=environ)
+        httpx.post(
+            bare.base_url + "/chat/completions",
+            json=CHAT,
+            headers={"Authorization": "Bearer cachegate"},
+        )
+        assert dict(upstream.requests[0]["headers"])[b"authorization"] == b"Bearer cachegate"
 
 
 @pytest.mark.parametrize(
