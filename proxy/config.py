@@ -479,13 +479,13 @@ def _check(settings: Settings) -> None:
             "server.host",
             "empty; give an address (127.0.0.1, or 0.0.0.0 to listen on every interface)",
         )
-    host = settings.server.host
-    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in host):
+    listen = settings.server.host
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in listen):
         # ("127.0.0.1 " from a .env file: the resolver's "Name or service not known" named no
         # setting; a NUL was cut off by the socket layer and printed)
         raise _bad(
             "server.host",
-            f"{host!r} has white space or a control character in it (a space pasted"
+            f"{listen!r} has white space or a control character in it (a space pasted"
             " with it?)",
         )
     if settings.logging.enabled and not settings.logging.dir.strip():  # "": the working dir
