@@ -485,8 +485,7 @@ def _check(settings: Settings) -> None:
         # setting; a NUL was cut off by the socket layer and printed)
         raise _bad(
             "server.host",
-            f"{listen!r} has white space or a control character in it (a space pasted"
-            " with it?)",
+            f"{listen!r} has white space or a control character in it (a space pasted with it?)",
         )
     if settings.logging.enabled and not settings.logging.dir.strip():  # "": the working dir
         raise _bad("logging.dir", "empty; give a directory (or set logging.enabled = false)")

@@ -269,6 +269,8 @@ class EventLogWriter:
         if self._thread is not None:
             return
         self._shared_dir = _prepare_log_dir(self.log_dir, self._warn)
+        if os.path.abspath(self.log_dir) in _GITIGNORE_OWED:  # (claim_log_dir said nothing)
+            _write_gitignore(self.log_dir, self._warn)
         self._dir_id = _dir_id(self.log_dir)
         self._thread = threading.Thread(target=self._run, name="cachegate-eventlog", daemon=True)
         self._thread.start()
@@ -738,6 +740,8 @@ class EventLogWriter:
         if told.lines:
             self._lost_told(session_id, told)
         lost = self._unwritten.pop(session_id, 0) if self._unwritten else 0
+        if _GITIGNORE_OWED or _PID_OWED:
+            mend_log_dir(self.log_dir)
         if lost:  # (a full disk, an unwritable file or directory: said once it is over for it)
             self._warn(
                 "io_again",
@@ -976,6 +980,36 @@ _CLAIMS: dict[str, int] = {}
 # once the directory is made again, or writable).
 _CLAIMED: dict[str, tuple[int, int] | None] = {}
 _WANTED: set[str] = set()
+# Directories whose lock file's process id, or whose ``.gitignore``, could not be written (a
+# full disk): written once lines can be written again (``mend_log_dir``).
+_PID_OWED: set[str] = set()
+_GITIGNORE_OWED: set[str] = set()
+
+
+def _write_pid(fd: int) -> bool:
+    """This process's id into its lock file, written over what was there and then cut to its
+    length: a failed write leaves the old text, not an empty file."""
+    pid = b"%d\n" % os.getpid()
+    try:
+        if os.pwrite(fd, pid, 0) != len(pid):
+            return False
+        os.ftruncate(fd, len(pid))
+    except OSError:
+        return False
+    return True
+
+
+def mend_log_dir(log_dir: str) -> None:
+    """What a full disk kept from being written in ``log_dir`` when it was prepared or claimed
+    (its ``.gitignore``, the lock file's process id), written now: the writer calls it once a
+    line could be written there again."""
+    path = os.path.abspath(log_dir)
+    if path in _PID_OWED:
+        fd = _CLAIMS.get(path)
+        if fd is None or _write_pid(fd):
+            _PID_OWED.discard(path)
+    if path in _GITIGNORE_OWED:
+        _write_gitignore(log_dir, lambda *_: None)
 
 
 def claim_log_dir(log_dir: str | os.PathLike[str]) -> str | None:
@@ -1041,9 +1075,8 @@ def claim_log_dir(log_dir: str | os.PathLike[str]) -> str | None:
         os.close(fd)
         _CLAIMED[path] = _dir_id(path)
         return None
-    with contextlib.suppress(OSError):
-        os.ftruncate(fd, 0)
-        os.write(fd, b"%d\n" % os.getpid())
+    if not _write_pid(fd):  # (a full disk: written once there is room, ``mend_log_dir``)
+        _PID_OWED.add(path)
     old = _CLAIMS.pop(path, None)
     _CLAIMS[path] = fd
     if old is not None:
@@ -1151,17 +1184,43 @@ def _prepare_log_dir(log_dir: str | os.PathLike[str], warn: Callable[..., None])
     except OSError as exc:
         warn("mkdir", "cannot create log directory %s: %s", log_dir, exc)
         return True
-    try:
-        fd = os.open(
-            os.path.join(log_dir, ".gitignore"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
-        )
-        try:
-            os.write(fd, GITIGNORE.encode())
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        warn("gitignore", "cannot write %s/.gitignore: %s", log_dir, exc)
+    _write_gitignore(log_dir, warn)
     return False
+
+
+def _write_gitignore(log_dir: str | os.PathLike[str], warn: Callable[..., None]) -> None:
+    """The log directory's ``.gitignore``, made with it. One that could not be written whole (a
+    full disk) is removed, not left empty (git would list the logs), and written once lines
+    can be written there again (``mend_log_dir``)."""
+    path = os.path.join(log_dir, ".gitignore")
+    owed = os.path.abspath(log_dir)
+    data = GITIGNORE.encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # (made meanwhile, by the user or another cachegate)
+        _GITIGNORE_OWED.discard(owed)
+        return
+    except OSError as exc:
+        _GITIGNORE_OWED.add(owed)
+        warn("gitignore", "cannot write %s/.gitignore: %s", log_dir, exc)
+        return
+    try:
+        if os.write(fd, data) != len(data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        _GITIGNORE_OWED.add(owed)
+        warn(
+            "gitignore",
+            "cannot write %s/.gitignore: %s; the logs are not kept out of git until it is",
+            log_dir,
+            exc.strerror or exc,
+        )
+    else:
+        _GITIGNORE_OWED.discard(owed)
+    finally:
+        os.close(fd)
 
 
 def log_dir_problem(log_dir: str) -> str | None:

@@ -15,6 +15,7 @@ import pytest
 
 from proxy import eventlog
 from proxy.eventlog import (
+    GITIGNORE,
     Delta,
     EventLogWriter,
     LogRead,
@@ -805,6 +806,46 @@ def test_the_claim_on_a_log_directory_is_taken_again_when_the_directory_is_made_
     assert w.flush()
     assert (log_dir / LOCK_NAME).exists()
     assert claim_log_dir(log_dir) == str(os.getpid())  # still held, on the new directory
+
+
+def test_a_disk_full_at_start_leaves_no_empty_gitignore_or_lock_and_both_are_written_later(
+    log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full disk when serve starts: the .gitignore was made empty and never written again
+    (git listed the logs, which hold prompts and secrets), silently, and the lock file stayed
+    empty (a second cachegate was told of "pid ?")."""
+    import errno
+
+    from proxy.eventlog import LOCK_NAME, claim_log_dir
+
+    real_write, real_pwrite = os.write, os.pwrite
+    full = True
+
+    def write(fd: int, data: Any) -> int:
+        if full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        if full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with caplog.at_level(logging.WARNING, logger="proxy.eventlog"):
+        assert claim_log_dir(log_dir) is None
+        w = started(writers, log_dir)
+        w.emit("a", {"type": "session_meta", "session": "a"}, first_in_file=True)
+        assert w.flush()
+    assert not (log_dir / ".gitignore").exists()  # not empty: gone until it can be written
+    assert "cannot write" in caplog.text and ".gitignore" in caplog.text
+    assert "not kept out of git" in caplog.text
+    full = False  # space freed
+    w.emit("a", {"type": "error", "exchange": 1, "status": 400, "message": "m"})
+    assert w.flush()
+    assert (log_dir / ".gitignore").read_text() == GITIGNORE
+    assert (log_dir / LOCK_NAME).read_text() == f"{os.getpid()}\n"
 
 
 def test_the_claim_is_taken_again_after_something_else_stood_in_the_directory_s_place(
