@@ -214,6 +214,13 @@ class Gateway:
             if lg.max_age_days or lg.max_total_mb:
                 self._retention = asyncio.get_running_loop().create_task(self._enforce_retention())
 
+    def _live_session(self, session_id: str) -> bool:
+        """Whether a session is held now (asked by retention's thread before each deletion)."""
+        writer = self.writer
+        return self.sessions.holds(session_id) or (
+            writer is not None and writer.holds_open(session_id)
+        )
+
     async def _enforce_retention(self) -> None:
         """Hourly (and at start): delete whole old log files, never one being written."""
         lg = self.settings.logging
@@ -230,6 +237,7 @@ class Gateway:
                     active=active,
                     now=time.time(),
                     previous=(self._started_at, self.settings.sessions.idle_ttl_s),
+                    live=self._live_session,
                 )
                 if removed:
                     log.info("retention removed %d old session logs", len(removed))

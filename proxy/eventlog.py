@@ -262,6 +262,11 @@ class EventLogWriter:
         with self._lock:  # the writer changes ``_fds`` under it
             return frozenset(self._fds)
 
+    def holds_open(self, session_id: str) -> bool:
+        """Whether the writer holds the session's file open (or has its lines queued)."""
+        with self._lock:
+            return session_id in self._fds
+
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -1926,6 +1931,7 @@ def enforce_retention(
     active: Collection[str],
     now: float,
     previous: tuple[float, float] | None = None,
+    live: Callable[[str], bool] | None = None,
 ) -> list[str]:
     """Delete whole log files older than ``max_age_days`` (by mtime), then the oldest until the
     directory fits ``max_total_mb``; never the file of a session in ``active``, nor, with
@@ -1933,7 +1939,10 @@ def enforce_retention(
     ``idle_s`` ago (a session the process before a restart held: its agent may carry on, and
     its log, kept in one process, was deleted on a restart). Returns the paths removed. Only cachegate's own logs are candidates: a file named as a session's log whose
     first bytes are an event's (a directory shared with other ``.jsonl`` files keeps them).
-    Files that vanish meanwhile are ignored; other errors are logged and skipped."""
+    Files that vanish meanwhile are ignored; other errors are logged and skipped. A scan of
+    thousands of files takes a while, and a session may be resumed meanwhile (an agent retrying
+    as cachegate restarts): each file is looked at again just before it is deleted, and kept
+    when ``live`` says its session is held now or when it was written since the scan."""
     try:
         entries = list(os.scandir(log_dir))
     except FileNotFoundError:
@@ -1958,22 +1967,33 @@ def enforce_retention(
     active = spared.union(active) if spared else active
     removed: list[str] = []
     kept: list[tuple[float, int, str, str]] = []
+    def deleted(item: tuple[float, int, str, str]) -> bool:
+        mtime, size, path, sid = item
+        if sid in active or (live is not None and live(sid)):
+            return False
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            return False
+        if (st.st_mtime, st.st_size) != (mtime, size):  # written since the scan
+            return False
+        return _unlink(path)
+
     for item in files:
-        mtime, _, path, sid = item
-        expired = max_age_days is not None and now - mtime > max_age_days * 86400.0
-        if expired and sid not in active and _unlink(path):
-            removed.append(path)
+        expired = max_age_days is not None and now - item[0] > max_age_days * 86400.0
+        if expired and deleted(item):
+            removed.append(item[2])
         else:
             kept.append(item)
     if max_total_mb is not None:
         limit = max_total_mb * 1024 * 1024
         total = sum(size for _, size, _, _ in kept)
-        for _, size, path, sid in kept:
+        for item in kept:
             if total <= limit:
                 break
-            if sid not in active and _unlink(path):
-                removed.append(path)
-                total -= size
+            if deleted(item):
+                removed.append(item[2])
+                total -= item[1]
     return removed
 
 

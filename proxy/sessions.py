@@ -329,6 +329,8 @@ class SessionStore(Protocol):
 
     def active_ids(self) -> Iterable[str]: ...
 
+    def holds(self, session_id: str) -> bool: ...
+
     def touch(self, state: SessionState) -> None: ...
 
     def enter(self, state: SessionState) -> None: ...
@@ -715,3 +717,7 @@ class MemorySessionStore:
 
     def active_ids(self) -> Iterable[str]:
         return list(self._sessions)
+
+    def holds(self, session_id: str) -> bool:
+        """Whether the session is held in memory (asked from retention's thread: one lookup)."""
+        return session_id in self._sessions

@@ -1516,6 +1516,38 @@ def test_retention_removes_old_files_but_never_active_ones(tmp_path: Path) -> No
     assert old_active.exists() and fresh.exists() and other.exists()
 
 
+@pytest.mark.parametrize("limit", ["age", "size"])
+def test_retention_keeps_a_session_resumed_while_it_scanned(tmp_path: Path, limit: str) -> None:
+    """Thousands of logs take a while to scan, and an agent resumes its session as cachegate
+    restarts: its file, old at the scan, was deleted with the exchange written to it since,
+    silently. Each file is looked at again just before it goes."""
+    now = 1_700_000_000.0
+    day = 86400.0
+    gone = make_log(tmp_path, "gone", 10, now - 30 * day)
+    written = make_log(tmp_path, "written", 10, now - 20 * day)
+    resumed = make_log(tmp_path, "resumed", 10, now - 10 * day)
+    asked: list[str] = []
+
+    def live(sid: str) -> bool:
+        asked.append(sid)
+        if sid == "gone":  # meanwhile: a request of "written" is logged, "resumed" is held
+            with written.open("ab") as fh:
+                fh.write(b'{"ts":1,"type":"request","exchange":1}\n')
+        return sid == "resumed"
+
+    removed = enforce_retention(
+        tmp_path,
+        max_age_days=7 if limit == "age" else None,
+        max_total_mb=0 if limit == "size" else None,
+        active=(),
+        now=now,
+        live=live,
+    )
+    assert removed == [str(gone)]
+    assert written.exists() and resumed.exists()
+    assert asked == ["gone", "written", "resumed"]
+
+
 def test_retention_leaves_other_jsonl_files_in_a_shared_directory_alone(tmp_path: Path) -> None:
     """``--log-dir .`` or a shared data directory: only cachegate's own logs are removed."""
     now = 1_700_000_000.0
