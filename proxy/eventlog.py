@@ -804,6 +804,16 @@ class EventLogWriter:
         except FileNotFoundError:  # the directory is gone (or never was): made again, once
             self._check_dir()
             fd = os.open(path, _OPEN_FLAGS, 0o600)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE) or not self._fds:
+                raise
+            # Out of file descriptors (the connections took them, ``ulimit -n`` is low): the
+            # files held longest without a write are given back, and fewer held from now on;
+            # else every new session's lines were lost until files idled out, ten minutes on.
+            self._max_open = max(1, len(self._fds) // 2)
+            while len(self._fds) >= self._max_open:
+                self._close_fd(next(iter(self._fds)))
+            fd = os.open(path, _OPEN_FLAGS, 0o600)
         try:
             st = os.fstat(fd)
             if (
@@ -836,8 +846,10 @@ class EventLogWriter:
         held = self._files.get(session_id)
         try:
             st = os.stat(session_log_path(self.log_dir, session_id), follow_symlinks=False)
-        except OSError:
+        except (FileNotFoundError, NotADirectoryError):
             st = None
+        except OSError:  # cannot be looked at (a directory made unreadable, chmod 000): the
+            return  # file held open is still written, and was not removed
         if held is None or (st is not None and (st.st_dev, st.st_ino) == held[0]):
             if held is None or st is None or st.st_size >= held[1]:
                 return
@@ -1454,7 +1466,7 @@ def default_max_open_files() -> int:
         return 64
     if soft == resource.RLIM_INFINITY:
         return 1024
-    return max(16, min(1024, soft // 4))
+    return max(4, min(1024, soft // 4))
 
 
 # --------------------------------------------------------------------------------------------------

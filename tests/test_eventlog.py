@@ -768,6 +768,37 @@ def test_a_file_removed_does_not_silence_another_sessions_truncation(
     ]
 
 
+def test_a_file_that_cannot_be_looked_at_is_written_on_not_taken_for_removed(
+    log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``chmod 000`` on the log directory: its files cannot be looked at by name, but the one
+    held open is still written. It was said to be "removed or replaced", closed, and the next
+    lines lost (no new file can be made there)."""
+    w = started(writers, log_dir)
+    w.emit("a", {"type": "session_meta", "session": "a"}, first_in_file=True)
+    w.emit("a", {"type": "error", "exchange": 1, "status": 400, "message": "one"})
+    assert w.flush()
+    real_stat = os.stat
+
+    def denied(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if str(path).endswith("a.jsonl"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", denied)
+    with caplog.at_level(logging.WARNING, logger="proxy.eventlog"):
+        w.emit("a", {"type": "error", "exchange": 2, "status": 400, "message": "two"})
+        assert w.flush()
+    monkeypatch.setattr(os, "stat", real_stat)
+    assert not caplog.records
+    assert [e.get("message") for e in read_events(log_dir / "a.jsonl").events] == [
+        None,
+        "one",
+        "two",
+    ]
+    assert not w.take_broken("a")
+
+
 def test_a_log_directory_replaced_while_running_is_judged_again(
     tmp_path: Path, writers, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1207,12 +1238,46 @@ def test_a_file_not_written_for_a_while_is_closed(
     assert [e["message"] for e in log.events] == ["1", "2"] and log.torn == 0
 
 
+def test_out_of_file_descriptors_the_writer_gives_back_the_files_it_holds(
+    log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ulimit -n 64`` with many clients: the writer held its files and every new session's
+    lines were lost (EMFILE) until files idled out, ten minutes on."""
+    import errno
+
+    w = started(writers, log_dir, max_open_files=8)
+    for n in range(6):
+        w.emit(f"s{n}", {"type": "session_meta", "session": f"s{n}"}, first_in_file=True)
+    assert w.flush()
+    real_open = os.open
+    held = w.open_sessions()
+    assert len(held) == 6
+
+    def scarce(path: Any, flags: int, *args: Any) -> int:
+        # the process's descriptors taken by connections: one more only once some are closed
+        if str(path).endswith("new.jsonl") and len(w.open_sessions()) >= 6:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", scarce)
+    w.emit("new", {"type": "session_meta", "session": "new"}, first_in_file=True)
+    w.emit("new", {"type": "error", "exchange": 1, "status": 400, "message": "kept"})
+    assert w.flush()
+    monkeypatch.setattr(os, "open", real_open)
+    assert w.errors == 0
+    assert [e.get("message") for e in read_events(log_dir / "new.jsonl").events] == [None, "kept"]
+    assert len(w.open_sessions()) <= 4  # the oldest given back, fewer held from now on
+    assert "s5" in w.open_sessions() and "s0" not in w.open_sessions()
+
+
 def test_the_open_file_limit_follows_the_descriptor_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     import resource
 
     from proxy.eventlog import default_max_open_files
 
-    for soft, expected in ((1024, 256), (100, 25), (20, 16), (8192, 1024), (1_000_000, 1024)):
+    # (a quarter, at least 4: ``ulimit -n 32`` held 16 of its 32 for files)
+    cases = ((1024, 256), (100, 25), (32, 8), (8, 4), (8192, 1024), (1_000_000, 1024))
+    for soft, expected in cases:
         monkeypatch.setattr(resource, "getrlimit", lambda _which, soft=soft: (soft, soft))
         assert default_max_open_files() == expected
     monkeypatch.setattr(
