@@ -450,17 +450,22 @@ class _ProxyEndpoint:
 
 
 def explicit_session(scope: Scope) -> list[tuple[bytes, bytes]]:
-    """The ``X-Cachegate-Session`` header of a refusal on ``/s/{id}/v1/...``: an explicit
-    session's answers say it, as its other answers do (not one the path names only once decoded,
-    ``/s/abc%2Fv1/...``, nor an id that is not one)."""
+    """The ``X-Cachegate-Session`` header of a refusal of a request with an explicit session
+    (``/s/{id}/v1/...``, or ``X-Session-Id`` and the other session headers): its answers say
+    it, as its other answers do. Not a session the path names only once decoded
+    (``/s/abc%2Fv1/...``), nor an id that is not one."""
     path: str = scope["path"]
-    if not path.startswith("/s/"):
+    path_id = None
+    if path.startswith("/s/"):
+        path_id = path[3:].partition("/")[0]
+        raw: bytes = scope.get("raw_path") or b""
+        if not valid_session_id(path_id) or not raw.startswith(b"/s/%s/v1/" % path_id.encode()):
+            return []
+    try:
+        sid = explicit_session_id(header_map(scope), path_id)
+    except ValueError:  # (an X-Session-Id that is no id: refused as such on its route)
         return []
-    sid = path[3:].partition("/")[0]
-    raw: bytes = scope.get("raw_path") or b""
-    if valid_session_id(sid) and raw.startswith(b"/s/%s/v1/" % sid.encode()):
-        return [(b"x-cachegate-session", sid.encode())]
-    return []
+    return [(b"x-cachegate-session", sid.encode())] if sid is not None else []
 
 
 def upstream_path_of(scope: Scope) -> str | None:

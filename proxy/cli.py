@@ -452,7 +452,13 @@ def _sessions(ns: argparse.Namespace) -> int:
 
     _utf8_stdout()
     log_dir = ns.log_dir or os.environ.get("CACHEGATE_LOG_DIR")
-    config_file = getattr(ns, "config", None) or os.environ.get("CACHEGATE_CONFIG")
+    config_file = getattr(ns, "config", None)
+    if config_file is not None and not config_file.strip():  # (as serve refuses it)
+        print(
+            "cachegate: --config: empty; give a TOML file, or leave the flag out", file=sys.stderr
+        )
+        return 2
+    config_file = config_file or os.environ.get("CACHEGATE_CONFIG")
     source = "--log-dir" if ns.log_dir else "CACHEGATE_LOG_DIR" if log_dir else "the default"
     if not log_dir and config_file:  # the directory serve writes with that file
         try:

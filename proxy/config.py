@@ -459,12 +459,19 @@ def _build(cls: Any, data: Mapping[str, Any], prefix: str, base: Any, text: bool
     names = {f.name for f in fields(cls)}
     for key in data:
         if key not in names:
-            hint = _did_you_mean(key, names)
+            owners = _owners(key)
             if prefix.startswith("models.") and isinstance(data[key], Mapping):
                 # [models.gpt-4.1]: TOML reads the dot as a table in a table
-                hint = f' (quote a model name with a dot in it: [models."{prefix[8:-1]}.{key}"])'
-            elif not hint and (owners := _owners(key)):
+                name = f"{prefix[8:-1]}.{key}"
+                inner = data[key]
+                while len(inner) == 1 and isinstance(next(iter(inner.values())), Mapping):
+                    part, inner = next(iter(inner.items()))  # [models.gpt-4.1.mini]
+                    name += f".{part}"
+                hint = f' (quote a model name with a dot in it: [models."{name}"])'
+            elif owners:  # (another table's key exactly: said before a guess at a spelling)
                 hint = f" (it goes under {' or '.join(owners)})"
+            else:
+                hint = _did_you_mean(key, names)
             raise ConfigError(f"unknown config key '{prefix}.{key}'{hint}")
     changes = {k: _coerce(f"{prefix}.{k}", v, hints[k], text) for k, v in data.items()}
     return replace(base, **changes)

@@ -1092,7 +1092,9 @@ def claim_log_dir(log_dir: str | os.PathLike[str]) -> str | None:
         os.close(fd)
         _CLAIMED[path] = _dir_id(path)
         return None
-    if not _write_pid(fd):  # (a full disk: written once there is room, ``mend_log_dir``)
+    if _write_pid(fd):
+        _PID_OWED.discard(path)
+    else:  # (a full disk: written once there is room, ``mend_log_dir``)
         _PID_OWED.add(path)
     old = _CLAIMS.pop(path, None)
     _CLAIMS[path] = fd
@@ -1128,6 +1130,7 @@ def mark_stopping() -> None:
     (``<pid> stopping``): a cachegate started meanwhile on the same directory, a restart, waits
     for the lock while this one's answers in flight finish (see ``claim_log_dir``)."""
     mark = b"%d %s\n" % (os.getpid(), STOPPING.encode())
+    _PID_OWED.clear()  # (the mark says the id: a later line's mend must not write over it)
     for fd in list(_CLAIMS.values()):
         with contextlib.suppress(OSError):
             # written over the process id, then cut to its length: never read empty

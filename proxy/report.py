@@ -642,13 +642,18 @@ def main_model(detail: SessionDetail) -> str | None:
 def summarize(detail: SessionDetail) -> SessionSummary:
     """One ``sessions list`` line from a session's timeline."""
     reported_in = reported_read = 0
+    reported = False  # the session's answers have had cache fields (``cache_measured``)
     for row in detail.rows:
+        # A summary call is a response as any other: one without cache fields once the
+        # session's answers have had them is a read of 0 (Gemini's OpenAI endpoint)
+        if row.summary_tokens_in and (row.summary_cache_reported or reported):
+            reported_in += row.summary_tokens_in
+            reported_read += row.summary_cache_read or 0
+        reported = reported or row.summary_cache_reported
         if row.cache_measured and row.tokens_in:
             reported_in += row.tokens_in
             reported_read += row.cache_read or 0
-        if row.summary_cache_reported and row.summary_tokens_in:  # (a response as any other)
-            reported_in += row.summary_tokens_in
-            reported_read += row.summary_cache_read or 0
+        reported = reported or row.cache_reported
     # The attempt a compaction was retried after is no exchange of its own (its retry is).
     answered = [row for row in detail.rows if row.error != RESENT_COMPACTED]
     model = main_model(detail)

@@ -208,6 +208,11 @@ def test_log_dir_from_the_config_file_serve_was_given(
     broken.write_text("[logging\n")
     failed = run_cli("sessions", "--config", str(broken), "list")
     assert failed.code == 2 and failed.err.startswith("cachegate: config file")
+    # an empty --config (an unset shell variable's "$X") is refused, as serve refuses it: it
+    # read $CACHEGATE_CONFIG's file instead, or the default directory, without a word
+    failed = run_cli("sessions", "list", "--config", "")
+    assert failed.code == 2
+    assert failed.err == "cachegate: --config: empty; give a TOML file, or leave the flag out\n"
     # serve's variables are serve's to judge: a bad one failed sessions with exit code 2
     monkeypatch.setenv("CACHEGATE_PORT", "abc")
     monkeypatch.setenv("CACHEGATE_UPSTREAM", "not a url")

@@ -545,6 +545,20 @@ def test_an_upstream_scheme_in_upper_case_is_the_same_url() -> None:
             {"upstream": {"time_out_s": 5}},  # a misspelling keeps its own hint
             "unknown config key 'upstream.time_out_s' (did you mean 'timeout_s'?)",
         ),
+        # another table's key exactly, where a spelling is close too (max_total_mb, transport)
+        (
+            {"logging": {"max_memory_mb": 5}},
+            "unknown config key 'logging.max_memory_mb' (it goes under [sessions])",
+        ),
+        (
+            {"upstream": {"port": 5}},
+            "unknown config key 'upstream.port' (it goes under [server])",
+        ),
+        (
+            {"models": {"gpt-4": {"1": {"mini": {"price_input": 2.0}}}}},
+            """unknown config key 'models."gpt-4".1' (quote a model name with a dot in it:"""
+            """ [models."gpt-4.1.mini"])""",
+        ),
     ],
 )
 def test_a_key_in_the_wrong_table_says_where_it_goes(data: dict, said: str) -> None:

@@ -849,6 +849,7 @@ def test_a_disk_full_at_start_leaves_no_empty_gitignore_or_lock_and_both_are_wri
 
     from proxy.eventlog import LOCK_NAME, claim_log_dir
 
+    monkeypatch.setattr(eventlog, "_CLAIMS", {})  # (closed at the end: this test's alone)
     real_write, real_pwrite = os.write, os.pwrite
     full = True
 
@@ -877,6 +878,40 @@ def test_a_disk_full_at_start_leaves_no_empty_gitignore_or_lock_and_both_are_wri
     assert w.flush()
     assert (log_dir / ".gitignore").read_text() == GITIGNORE
     assert (log_dir / LOCK_NAME).read_text() == f"{os.getpid()}\n"
+    for fd in eventlog._CLAIMS.values():
+        os.close(fd)
+
+
+def test_a_stopping_mark_is_not_written_over_by_the_process_id_a_full_disk_owed(
+    log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The id owed since a full disk at start was written over ``<pid> stopping`` by the first
+    line logged in the grace period: the restarting cachegate was refused, not made to wait."""
+    import errno
+
+    from proxy.eventlog import LOCK_NAME, claim_log_dir, mark_stopping
+
+    monkeypatch.setattr(eventlog, "_CLAIMS", {})  # (this test's claim alone is marked)
+    real_pwrite = os.pwrite
+    full = True
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        if full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    try:
+        assert claim_log_dir(log_dir) is None
+        full = False  # space freed; then SIGTERM, and an answer in flight is logged
+        mark_stopping()
+        w = started(writers, log_dir)
+        w.emit("a", {"type": "error", "exchange": 1, "status": 400, "message": "m"})
+        assert w.flush()
+        assert (log_dir / LOCK_NAME).read_text() == f"{os.getpid()} stopping\n"
+    finally:
+        for fd in eventlog._CLAIMS.values():
+            os.close(fd)
 
 
 def test_the_claim_is_taken_again_after_something_else_stood_in_the_directory_s_place(

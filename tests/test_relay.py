@@ -1314,6 +1314,13 @@ def test_paths_are_relayed_as_encoded_and_never_climb_out_of_v1(
         # an explicit session's refusal says it, as its other answers do
         session = "sess-1" if raw_path.startswith(b"/s/sess-1/") else None
         assert r.headers.get("x-cachegate-session") == session
+        with httpx.Client() as c:  # (named by its header: as explicit)
+            url = httpx.URL(proxy.url).copy_with(raw_path=raw_path)
+            r = c.get(url, headers={"X-Session-Id": "hdr-1"})
+        assert r.status_code == 400
+        # (under /s/, the path's session, or none where the path names none as routed)
+        header = session if raw_path.startswith(b"/s/") else "hdr-1"
+        assert r.headers.get("x-cachegate-session") == header
     else:
         assert r.status_code == 200
         assert upstream.requests[0]["raw_path"] == forwarded
@@ -1335,6 +1342,10 @@ def test_methods_no_api_uses_are_refused_not_relayed_with_the_key(
     assert method in r.json()["error"]["message"]
     assert r.headers["allow"] == "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"
     assert r.headers.get("x-cachegate-session") == ("sess-1" if prefix.startswith("/s/") else None)
+    with httpx.Client() as c:  # a session named by its header is as explicit
+        r = c.request(method, proxy.url + prefix + "/models", headers={"X-Session-Id": "hdr-1"})
+    assert r.status_code == 405
+    assert r.headers["x-cachegate-session"] == ("sess-1" if prefix.startswith("/s/") else "hdr-1")
     assert upstream.requests == []
     with httpx.Client() as c:  # the methods an API uses still go
         assert c.request("OPTIONS", proxy.url + prefix + "/models").status_code == 200

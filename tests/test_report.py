@@ -890,12 +890,21 @@ def test_a_summary_calls_cached_input_counts_in_cached_and_cache_hit(tmp_path: P
     assert show_session(tmp_path, "sum").rows[1].to_json()["summary_cache_read"] == 2800
     shown = render_show(show_session(tmp_path, "sum"))
     assert "summary call 3,000 in (2,800 cached), 40 out on gpt-4o-mini" in shown
-    # a summarizer whose provider reports no cache fields stays out of the ratio
+    # one without cache fields, once the session's answers have had them, is a read of 0
+    # (Gemini's OpenAI endpoint leaves them out of a miss), as a main call's is
     del summary["usage"]["reported_cache"], summary["usage"]["cache_read"]
     _logged(tmp_path, "sum", events)
     (listed,) = list_sessions(tmp_path)
-    assert listed.cache_hit_pct == pytest.approx(100 * 1000 / 6000)
+    assert listed.cache_hit_pct == pytest.approx(100 * 1000 / 9000)
     assert "summary call 3,000 in, 40 out" in render_show(show_session(tmp_path, "sum"))
+    # ...and stays out while no answer of the session has had any (nothing is known)
+    for line in events[2:]:
+        if line["type"] == "response":
+            line["usage"] = {"prompt": line["usage"]["prompt"], "completion": 10}
+            del line["cache"]
+    _logged(tmp_path, "sum", events)
+    (listed,) = list_sessions(tmp_path)
+    assert listed.cache_hit_pct is None
 
 
 def test_a_corrupted_cost_is_no_figure_and_the_json_stays_json(tmp_path: Path) -> None:
