@@ -291,6 +291,8 @@ def account(
     cached_before: int | None = None,
     ttl_floor_s: float | None = None,
     compared: Fingerprint | None = None,
+    before: Callable[[], int] | None = None,
+    nothing_marked_before: Callable[[], bool] | None = None,
 ) -> tuple[CacheState, CacheResult]:
     """Account one finished exchange; return the session's new state and the exchange's figures.
 
@@ -312,6 +314,14 @@ def account(
     fingerprint of the request this one is compared with; after a rewrite, the idle time is
     that of its system prompt or history past the difference (``_attribute``), which another
     conversation of the session sharing only the parameters and tools does not keep warm.
+    ``before``, asked only of a rewrite's waste where the provider caches every prefix: the
+    previous request's tokens before the point of difference. A read that stopped well short
+    of it lost the prefix before the rewrite (evicted, or expired): the rewrite is not what the
+    provider missed first, and the miss gets the cause of a prefix lost unchanged
+    (``ttl_expired`` past the TTL floor, else ``unexplained``); the rewrite is still the
+    request's logged divergence. ``nothing_marked_before``, asked of a miss where the previous
+    request cached nothing (``cached_before`` 0): whether it marked nothing for a provider that
+    caches only marked prefixes, so that nothing could be read (``not_requested``).
     """
     has_reported = state.has_reported or usage.reported_cache
     counted = (
@@ -336,7 +346,17 @@ def account(
             cause, location = _attribute(
                 state, fingerprint, divergence, started_at, ttl_s, model, ttl_floor_s, compared
             )
-            if cached_before and expected - cached_before > noise_floor:
+            if cause == "prefix_rewrite" and before is not None:
+                unchanged = before()
+                margin = max(noise_floor, LOST_BEFORE_MARGIN, unchanged // 4)
+                if usage.cache_read + margin < unchanged:
+                    idle = idle_seconds(state, fingerprint, started_at)
+                    floor = ttl_s if ttl_floor_s is None else ttl_floor_s
+                    expired = idle is not None and idle > floor
+                    cause, location = ("ttl_expired" if expired else "unexplained"), None
+            if cached_before == 0 and nothing_marked_before is not None and nothing_marked_before():
+                cause, location = "not_requested", None  # the turn before marked nothing
+            elif cached_before and expected - cached_before > noise_floor:
                 within = cached_before - usage.cache_read
                 if within > noise_floor:  # the cause's part; the rest was never cached
                     unrequested, waste = waste - within, within
@@ -443,6 +463,11 @@ def _attribute(
         return "ttl_expired", None  # within the provider's documented range, and nothing else
     return "unexplained", None
 
+
+# How far short of a rewrite's unchanged prefix (estimated) a read must stop for the prefix to
+# count as lost before it: providers cache in blocks (OpenAI's of 128 tokens past its first
+# 1,024), and the estimate's share may be off by a quarter (``unchanged // 4``)
+LOST_BEFORE_MARGIN: Final = 2048
 
 _SHORT_CHAIN: Final = 24  # (~1.2 µs saved at 4 digests; the same cost at ~32)
 

@@ -1982,6 +1982,7 @@ def enforce_retention(
     active = spared.union(active) if spared else active
     removed: list[str] = []
     kept: list[tuple[float, int, str, str]] = []
+
     def deleted(item: tuple[float, int, str, str]) -> bool:
         mtime, size, path, sid = item
         if sid in active or (live is not None and live(sid)):

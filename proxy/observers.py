@@ -7,6 +7,7 @@ Both run after the client has its response (``on_response``) or when a request i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import operator
@@ -145,6 +146,27 @@ def _dropped_tokens(old: prefix.Fingerprint, new: prefix.Fingerprint, prompt: in
         whole += compaction.estimate_tokens(old.tools)
     gone = sum(compaction.estimate_tokens([message]) * share for message, share in dropped)
     return int(prompt * gone) // max(whole, 1)
+
+
+def _tokens_before(old: prefix.Fingerprint, divergence: prefix.Divergence, prompt: int) -> int:
+    """Of the previous request's ``prompt`` tokens, those before the point where the request
+    compared with it differs (its tools and the messages before the one that differs; nothing
+    for a change of the parameters or tools): their share of its estimate, as
+    ``_dropped_tokens`` counts."""
+    if divergence.location not in ("system", "messages") or divergence.index is None:
+        return 0
+    messages = list(old.messages)
+    tools = compaction.estimate_tokens(old.tools) if old.tools else 0
+    whole = compaction.estimate_tokens(messages) + tools
+    unchanged = compaction.estimate_tokens(messages[: divergence.index]) + tools
+    return int(prompt * unchanged) // max(whole, 1)
+
+
+def _marked_nothing(body: Any, extra: dict[str, Any]) -> bool:
+    """Whether the previous request, ``body``, marked nothing for a provider that caches only
+    marked prefixes (and has not been seen caching without marks): its successor could read
+    nothing (an agent that turns on prompt caching mid-session, Cline's and Roo's setting)."""
+    return not extra.get("caches_unmarked") and not prefix.has_cache_marker(body)
 
 
 # Claude looks for an earlier cache entry up to about 20 content blocks before a breakpoint:
@@ -552,11 +574,13 @@ class AccountingObserver:
         # What this request is accounted against (before its baseline is replaced by it).
         base: tuple[int | None, bytes | None, str | None] = (None, None, None)
         cached_before: int | None = None
+        body_before: Any = None  # (the baseline takes this request's body below)
         if chosen is not None and continues and chosen.ready_at <= ex.t0:
             # (one the provider had not read yet when this went out, a request fanned out
             # beside it that was answered first, could not have warmed the cache for it)
             base = (chosen.prompt, chosen.fp.params_digest, chosen.model)
             cached_before = _cached_before(chosen, ex.t0, ttl_s, len(fp.message_digests))
+            body_before = chosen.body
         ready_at = ex.t0 + (ex.ttfb_s if ex.ttfb_s is not None else ex.duration_s)
         if ex.status < 400:  # a refused request is no baseline: the provider may not have seen it
             cached: int | None
@@ -703,6 +727,20 @@ class AccountingObserver:
             ttl_floor_s=ttl_floor_s,
             ttl_s=ttl_s,
             compared=compared if divergence is not None else None,
+            before=(
+                functools.partial(_tokens_before, compared, divergence, base[0])
+                if divergence is not None
+                and compared is not None
+                and base[0] is not None
+                and not marked_only
+                and not (usage.explicit_cache or usage.reported_cache_write)
+                else None
+            ),
+            nothing_marked_before=(
+                functools.partial(_marked_nothing, body_before, extra)
+                if body_before is not None and cached_before == 0
+                else None
+            ),
             noise_floor=self.settings.cache.noise_floor_tokens,
             min_cached=min_cached,
             model=model,

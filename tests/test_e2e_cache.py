@@ -1083,6 +1083,80 @@ def test_claude_behind_a_gateway_without_cache_marks_is_told_apart_from_an_evict
     assert f"  {cause}" in cost.out and cost.out.count(f"6,000 (${wasted_usd:.4f})") == 2
 
 
+@pytest.mark.parametrize("evicted", [False, True], ids=["kept", "evicted"])
+def test_an_edit_is_not_charged_with_a_prefix_the_provider_lost_before_it(
+    sim: RunningSimulator, proxy_factory: Any, evicted: bool
+) -> None:
+    """An agent edits one of its latest tool outputs; the provider had lost the whole prefix
+    before it meanwhile (evicted: its own clock moved, cachegate's did not). The edit was charged all
+    11,000 tokens, ~10,000 of them before it and unchanged: the miss is the eviction's, and the
+    edit is still the request's divergence. A provider that kept the prefix reads up to the
+    edit, and what follows is the edit's, as before."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300))  # (its own clock: seconds pass)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "lost"})
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Fix the failing handler."},
+    ]
+    for n in range(5):
+        sim.sim.enqueue(
+            [parse_script({"tool_calls": [{"id": f"c{n}", "name": "run", "arguments": {}}]})]
+        )
+        reply, _ = chat(client, convo, stream=False, tools=TOOLS)
+        convo += [reply, {"role": "tool", "tool_call_id": f"c{n}", "content": FILE_TEXT}]
+        sim.sim.advance(20)
+    if evicted:
+        sim.sim.advance(600)  # the provider's 300 s are gone; cachegate saw a few ms
+    edited = len(convo) - 3  # (the fourth tool output of five: most of the prompt before it)
+    convo[edited] = {**convo[edited], "content": "(edited by the agent)\n" + FILE_TEXT}
+    chat(client, convo, stream=False, tools=TOOLS)
+    flush(proxy)
+    last = events(proxy.log_dir, "lost", "response")[-1]
+    read = cache_read(sim.sim.requests[-1].usage)
+    assert last["cache"]["waste"] > 1000
+    if evicted:
+        assert read == 0
+        assert (last["cache"]["cause"], last["cache"]["location"]) == ("unexplained", None)
+    else:
+        assert read > 5000
+        assert (last["cache"]["cause"], last["cache"]["location"]) == (
+            "prefix_rewrite",
+            f"messages[{edited}].content",
+        )
+    assert last["divergence"]["index"] == edited  # the edit is logged either way
+
+
+def test_a_claude_agent_that_starts_marking_is_not_charged_for_what_no_turn_marked(
+    proxy_factory: Any,
+) -> None:
+    """Turns that marked nothing cached nothing (Claude caches only marked prefixes); the first
+    marked turn after them (prompt caching turned on mid-session, Cline's and Roo's setting)
+    could read nothing: it was charged the whole prompt as "unexplained"."""
+    system = SYSTEM_PROMPT + " Follow the style guide." * 700
+    with run_simulator(SimConfig(dialect="anthropic-compat")) as claude:
+        proxy = proxy_factory(claude.api_base, config())
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "starts-marking"})
+        convo: list[dict[str, Any]] = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "Fix the failing test."},
+        ]
+        for turn in range(3):
+            if turn == 2:  # marks from now on
+                convo[0] = {
+                    "role": "system",
+                    "content": [
+                        {"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}
+                    ],
+                }
+            reply, _ = chat(client, convo, model="claude-sonnet-4-5", stream=False)
+            convo += [reply, {"role": "user", "content": f"Go on ({turn})."}]
+        flush(proxy)
+    caches = [r["cache"] for r in events(proxy.log_dir, "starts-marking", "response")]
+    assert [c["read"] for c in caches] == [0, 0, 0]
+    assert caches[2]["write"] > 1000  # (it marked: the simulator wrote the prefix)
+    assert [c["cause"] for c in caches] == [None, "not_requested", "not_requested"]
+
+
 def test_an_unmarked_claude_session_against_the_simulator_is_not_requested(
     proxy_factory: Any,
 ) -> None:
