@@ -314,10 +314,11 @@ def account(
     fingerprint of the request this one is compared with; after a rewrite, the idle time is
     that of its system prompt or history past the difference (``_attribute``), which another
     conversation of the session sharing only the parameters and tools does not keep warm.
-    ``before``, asked only of a rewrite's waste where the provider caches every prefix: the
-    previous request's tokens before the point of difference. A read that stopped well short
-    of it lost the prefix before the rewrite (evicted, or expired): the rewrite is not what the
-    provider missed first, and the miss gets the cause of a prefix lost unchanged
+    ``before``, asked only of a rewrite's waste where the provider caches every prefix and
+    read nothing: the previous request's tokens before the point of difference (estimated).
+    Nothing read of an unchanged prefix of at least ``LOST_BEFORE_AT_LEAST`` tokens means the
+    provider had lost the prefix before the rewrite (evicted, or expired): the rewrite is not
+    what the provider missed first, and the miss gets the cause of a prefix lost unchanged
     (``ttl_expired`` past the TTL floor, else ``unexplained``); the rewrite is still the
     request's logged divergence. ``nothing_marked_before``, asked of a miss where the previous
     request cached nothing (``cached_before`` 0): whether it marked nothing for a provider that
@@ -346,10 +347,9 @@ def account(
             cause, location = _attribute(
                 state, fingerprint, divergence, started_at, ttl_s, model, ttl_floor_s, compared
             )
-            if cause == "prefix_rewrite" and before is not None:
+            if cause == "prefix_rewrite" and before is not None and usage.cache_read < LOST_READ:
                 unchanged = before()
-                margin = max(noise_floor, LOST_BEFORE_MARGIN, unchanged // 4)
-                if usage.cache_read + margin < unchanged:
+                if unchanged >= max(noise_floor, LOST_BEFORE_AT_LEAST):
                     idle = idle_seconds(state, fingerprint, started_at)
                     floor = ttl_s if ttl_floor_s is None else ttl_floor_s
                     expired = idle is not None and idle > floor
@@ -464,10 +464,12 @@ def _attribute(
     return "unexplained", None
 
 
-# How far short of a rewrite's unchanged prefix (estimated) a read must stop for the prefix to
-# count as lost before it: providers cache in blocks (OpenAI's of 128 tokens past its first
-# 1,024), and the estimate's share may be off by a quarter (``unchanged // 4``)
-LOST_BEFORE_MARGIN: Final = 2048
+# A rewrite's unchanged prefix counts as lost before it when nothing was read (less than the
+# smallest prefix such providers cache: OpenAI's 1,024 tokens) of an unchanged prefix this long
+# by cachegate's estimate: four times the least the provider would have read of it, for an
+# estimate that may be off by half on dense text (a CSV, pretty-printed JSON, a log)
+LOST_READ: Final = 1024
+LOST_BEFORE_AT_LEAST: Final = 4096
 
 _SHORT_CHAIN: Final = 24  # (~1.2 µs saved at 4 digests; the same cost at ~32)
 

@@ -152,14 +152,25 @@ def _tokens_before(old: prefix.Fingerprint, divergence: prefix.Divergence, promp
     """Of the previous request's ``prompt`` tokens, those before the point where the request
     compared with it differs (its tools and the messages before the one that differs; nothing
     for a change of the parameters or tools): their share of its estimate, as
-    ``_dropped_tokens`` counts."""
+    ``_dropped_tokens`` counts. 0 where media come before it: an image's tokens depend on its
+    size and the model (85 to thousands), and no share of an estimate tells them."""
     if divergence.location not in ("system", "messages") or divergence.index is None:
         return 0
     messages = list(old.messages)
+    unchanged_messages = messages[: divergence.index]
+    if any(_has_media(message) for message in unchanged_messages):
+        return 0
     tools = compaction.estimate_tokens(old.tools) if old.tools else 0
     whole = compaction.estimate_tokens(messages) + tools
-    unchanged = compaction.estimate_tokens(messages[: divergence.index]) + tools
+    unchanged = compaction.estimate_tokens(unchanged_messages) + tools
     return int(prompt * unchanged) // max(whole, 1)
+
+
+def _has_media(message: Any) -> bool:
+    content = message.get("content") if isinstance(message, dict) else None
+    return isinstance(content, list) and any(
+        isinstance(part, dict) and part.get("type") not in (None, "text") for part in content
+    )
 
 
 def _marked_nothing(body: Any, extra: dict[str, Any]) -> bool:
@@ -536,6 +547,7 @@ class AccountingObserver:
         fp = prefix.fingerprint(body, _hash_base(baselines, body))
         chosen, continues, divergence = self._compare(_ranked(baselines, fp), fp, body)
         compared = chosen.fp if chosen is not None else None  # (before this one takes its place)
+        forwarded = divergence  # (where the forwarded histories differ: the tokens before it)
         if (
             divergence is not None
             and ex.compaction_undone is not None
@@ -575,12 +587,13 @@ class AccountingObserver:
         base: tuple[int | None, bytes | None, str | None] = (None, None, None)
         cached_before: int | None = None
         body_before: Any = None  # (the baseline takes this request's body below)
+        held_before: tuple[int, float, int] | None = None
         if chosen is not None and continues and chosen.ready_at <= ex.t0:
             # (one the provider had not read yet when this went out, a request fanned out
             # beside it that was answered first, could not have warmed the cache for it)
             base = (chosen.prompt, chosen.fp.params_digest, chosen.model)
             cached_before = _cached_before(chosen, ex.t0, ttl_s, len(fp.message_digests))
-            body_before = chosen.body
+            body_before, held_before = chosen.body, chosen.held
         ready_at = ex.t0 + (ex.ttfb_s if ex.ttfb_s is not None else ex.duration_s)
         if ex.status < 400:  # a refused request is no baseline: the provider may not have seen it
             cached: int | None
@@ -728,8 +741,8 @@ class AccountingObserver:
             ttl_s=ttl_s,
             compared=compared if divergence is not None else None,
             before=(
-                functools.partial(_tokens_before, compared, divergence, base[0])
-                if divergence is not None
+                functools.partial(_tokens_before, compared, forwarded, base[0])
+                if forwarded is not None
                 and compared is not None
                 and base[0] is not None
                 and not marked_only
@@ -738,7 +751,7 @@ class AccountingObserver:
             ),
             nothing_marked_before=(
                 functools.partial(_marked_nothing, body_before, extra)
-                if body_before is not None and cached_before == 0
+                if body_before is not None and cached_before == 0 and held_before is None
                 else None
             ),
             noise_floor=self.settings.cache.noise_floor_tokens,

@@ -8,6 +8,7 @@ it), ``waste = expected - cache_read`` when above the 1024-token noise floor.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -1155,6 +1156,38 @@ def test_a_claude_agent_that_starts_marking_is_not_charged_for_what_no_turn_mark
     assert [c["read"] for c in caches] == [0, 0, 0]
     assert caches[2]["write"] > 1000  # (it marked: the simulator wrote the prefix)
     assert [c["cause"] for c in caches] == [None, "not_requested", "not_requested"]
+
+
+def test_a_marked_claude_turn_after_an_unmarked_one_past_the_ttl_is_the_expiry(
+    proxy_factory: Any,
+) -> None:
+    """Marked turns, one that went out unmarked, then a pause past the TTL: what the marked
+    turns wrote had expired whatever the unmarked turn did; it is not "not_requested", which
+    tells an agent that marks its prompts to mark them."""
+    system = SYSTEM_PROMPT + " Follow the style guide." * 700
+    marked = {
+        "role": "system",
+        "content": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+    }
+    with run_simulator(SimConfig(dialect="anthropic-compat", cache_ttl_s=300)) as claude:
+        # (a TTL of 1 s for cachegate, which times what the turns wrote on its own clock)
+        proxy = proxy_factory(claude.api_base, config(ttl_s=1))
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "paused"})
+        convo: list[dict[str, Any]] = [marked, {"role": "user", "content": "Fix the test."}]
+        for turn in range(4):
+            convo[0] = {"role": "system", "content": system} if turn == 2 else marked
+            if turn == 3:  # past the TTL, for both
+                claude.sim.advance(400)
+                time.sleep(1.5)
+            reply, _ = chat(client, convo, model="claude-sonnet-4-5", stream=False)
+            convo += [reply, {"role": "user", "content": f"Go on ({turn})."}]
+            claude.sim.advance(5)
+        flush(proxy)
+    caches = [r["cache"] for r in events(proxy.log_dir, "paused", "response")]
+    assert caches[0]["write"] > 1000 and caches[1]["read"] > 1000  # marked: written, then read
+    assert caches[2]["cause"] == "not_requested"  # (unmarked)
+    assert caches[3]["read"] == 0 and caches[3]["write"] > 1000
+    assert caches[3]["cause"] == "ttl_expired"
 
 
 def test_an_unmarked_claude_session_against_the_simulator_is_not_requested(
