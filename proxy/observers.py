@@ -875,6 +875,19 @@ class AccountingObserver:
             for other in ranked[1:]:
                 if prefix.shared_links(other.fp, fp) == len(other.fp.chain):
                     return other, True, None
+            if not _carries_answer(top, body):
+                # ...or carries it on whole but for the time in the system prompt, its answer
+                # next (sub-agents fanned out under one session, the time in their prompt: a
+                # sibling's turn of the same minute was the closest, and each one's own
+                # rewrite went unseen)
+                for other in ranked[1:]:
+                    if (
+                        _leading(fp, other.fp)
+                        and _carries_answer(other, body)
+                        and prefix.retimed_system(other.body, body)
+                    ):
+                        found = prefix.find_divergence(other.fp, fp, other.body, body, self.secrets)
+                        return other, True, found
         if (
             divergence is not None
             and divergence.location == "messages"

@@ -1190,6 +1190,45 @@ def test_a_marked_claude_turn_after_an_unmarked_one_past_the_ttl_is_the_expiry(
     assert caches[3]["cause"] == "ttl_expired"
 
 
+def test_sub_agents_fanned_out_under_a_timed_prompt_are_each_compared_with_their_own(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """Two sub-agents under one session id, one task, the minute in their system prompt, taking
+    turns: B's turns were compared with A's of the same minute, the closest, and B's own
+    rewrites (the minute) went unseen: 0 waste where B missed thousands of tokens. (B's second
+    turn still is: the turn both sent alike keeps the first answer, A's.)"""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300))
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "team"})
+    base = "You are a coding sub-agent. " + " ".join(f"rule{i} keep it stable" for i in range(300))
+    task = {"role": "user", "content": "Team task: please use tool read_file on README.md"}
+    history: dict[str, list[dict[str, Any]]] = {"A": [task], "B": [task]}
+    for minute in range(1, 5):
+        for agent in "AB":
+            system = {"role": "system", "content": f"Current time: 10:{minute:02d}\n{base}"}
+            reply, _ = chat(client, [system, *history[agent]], stream=False, tools=TOOLS)
+            (call,) = reply["tool_calls"]
+            history[agent] += [
+                reply,
+                {
+                    "role": "tool",
+                    "tool_call_id": call["id"],
+                    "content": f"output {minute} for agent {agent}: " + "lorem ipsum " * 300,
+                },
+                {"role": "user", "content": f"Agent {agent}: please use tool read_file again"},
+            ]
+    flush(proxy)
+    responses = events(proxy.log_dir, "team", "response")
+    b_turns = responses[1::2]  # A1 B1 A2 B2 ...: B's
+    reads = [cache_read(r.usage) for r in sim.sim.requests[1::2]]
+    prompts = [r.usage["prompt_tokens"] for r in sim.sim.requests[1::2]]
+    # B's third and fourth turns continue its own, under a minute that changed: the rewrite,
+    # what B missed of its own previous turn's prompt (A kept the system prompt warm)
+    for i in (2, 3):
+        assert b_turns[i]["divergence"]["location"] == "system"
+        assert b_turns[i]["cache"]["cause"] == "prefix_rewrite"
+        assert b_turns[i]["cache"]["waste"] == prompts[i - 1] - reads[i] > 1000
+
+
 def test_an_unmarked_claude_session_against_the_simulator_is_not_requested(
     proxy_factory: Any,
 ) -> None:
