@@ -148,22 +148,27 @@ def _dropped_tokens(old: prefix.Fingerprint, new: prefix.Fingerprint, prompt: in
     return int(prompt * gone) // max(whole, 1)
 
 
-def _tokens_before(old: prefix.Fingerprint, divergence: prefix.Divergence, prompt: int) -> int:
+def _tokens_before(
+    old: prefix.Fingerprint, divergence: prefix.Divergence, prompt: int
+) -> tuple[int, int]:
     """Of the previous request's ``prompt`` tokens, those before the point where the request
-    compared with it differs (its tools and the messages before the one that differs; nothing
-    for a change of the parameters or tools): their share of its estimate, as
-    ``_dropped_tokens`` counts. 0 where media come before it: an image's tokens depend on its
-    size and the model (85 to thousands), and no share of an estimate tells them."""
+    compared with it differs, and those of its tools and system messages alone (the head other
+    conversations of the session may keep warm): their shares of its estimate, as
+    ``_dropped_tokens`` counts. Media before the point count nothing there (an image's tokens
+    depend on its size and the model, 85 to thousands): the first figure is a lower bound.
+    (0, 0) for a change of the parameters or tools."""
     if divergence.location not in ("system", "messages") or divergence.index is None:
-        return 0
+        return 0, 0
     messages = list(old.messages)
-    unchanged_messages = messages[: divergence.index]
-    if any(_has_media(message) for message in unchanged_messages):
-        return 0
     tools = compaction.estimate_tokens(old.tools) if old.tools else 0
-    whole = compaction.estimate_tokens(messages) + tools
-    unchanged = compaction.estimate_tokens(unchanged_messages) + tools
-    return int(prompt * unchanged) // max(whole, 1)
+    whole = max(compaction.estimate_tokens(messages) + tools, 1)
+    head = compaction.estimate_tokens(messages[: min(old.system_count, divergence.index)])
+    unchanged = sum(
+        compaction.estimate_tokens([message])
+        for message in messages[: divergence.index]
+        if not _has_media(message)
+    )
+    return int(prompt * (unchanged + tools)) // whole, int(prompt * (head + tools)) // whole
 
 
 def _has_media(message: Any) -> bool:
@@ -751,7 +756,11 @@ class AccountingObserver:
             ),
             nothing_marked_before=(
                 functools.partial(_marked_nothing, body_before, extra)
-                if body_before is not None and cached_before == 0 and held_before is None
+                if body_before is not None
+                and cached_before == 0
+                # (no earlier turn's prefix held, or one still within its TTL that Claude's
+                # look back did not reach: an expired one is the expiry's)
+                and (held_before is None or ex.t0 - held_before[1] <= ttl_s)
                 else None
             ),
             noise_floor=self.settings.cache.noise_floor_tokens,

@@ -1158,6 +1158,48 @@ def test_a_claude_agent_that_starts_marking_is_not_charged_for_what_no_turn_mark
     assert [c["cause"] for c in caches] == [None, "not_requested", "not_requested"]
 
 
+def test_a_claude_agent_that_marks_again_after_many_unmarked_turns_is_not_requested(
+    proxy_factory: Any,
+) -> None:
+    """Marked turns, caching switched off for 22 messages (within the TTL, past the ~20
+    content blocks Claude looks back), then marked again: what the marked turn misses lies past
+    what the last marked turn wrote, which no unmarked turn asked to cache."""
+    system = SYSTEM_PROMPT + " Follow the style guide." * 700
+    note = "lorem ipsum " * 40
+
+    def marked(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = [dict(m) for m in messages]
+        out[0] = {
+            "role": "system",
+            "content": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+        }
+        out[-1] = {
+            **out[-1],
+            "content": [
+                {"type": "text", "text": out[-1]["content"], "cache_control": {"type": "ephemeral"}}
+            ],
+        }
+        return out
+
+    with run_simulator(SimConfig(dialect="anthropic-compat")) as claude:
+        proxy = proxy_factory(claude.api_base, config())
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "off-on"})
+        convo: list[dict[str, Any]] = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "Fix the failing test."},
+        ]
+        for turn in range(15):
+            sent = marked(convo) if turn < 3 or turn == 14 else convo
+            reply, _ = chat(client, sent, model="claude-sonnet-4-5", stream=False)
+            convo += [reply, {"role": "user", "content": f"Go on ({turn}). {note}"}]
+        flush(proxy)
+    caches = [r["cache"] for r in events(proxy.log_dir, "off-on", "response")]
+    assert caches[2]["read"] > 1000  # (the marked turns read what the turn before wrote)
+    assert {c["cause"] for c in caches[3:14]} == {"not_requested"}  # (unmarked)
+    assert caches[14]["read"] > 1000 and caches[14]["waste"] > 1000
+    assert caches[14]["cause"] == "not_requested"
+
+
 def test_a_marked_claude_turn_after_an_unmarked_one_past_the_ttl_is_the_expiry(
     proxy_factory: Any,
 ) -> None:

@@ -22,9 +22,10 @@ from proxy.observers import (
     _cached_before,
     _carries_answer,
     _random_id,
+    _tokens_before,
 )
 from proxy.pipeline import Exchange
-from proxy.prefix import fingerprint
+from proxy.prefix import Divergence, fingerprint
 from proxy.sessions import CONVERSATIONS_KEPT, MemorySessionStore
 from proxy.usage import Usage
 
@@ -426,6 +427,28 @@ class _Accounting:
 
 def _system(text: str) -> Message:
     return {"role": "system", "content": text}
+
+
+def test_the_tokens_before_an_edit_count_no_media_and_name_the_head() -> None:
+    """Where an edit lies in the previous prompt's tokens (a lost prefix is told by it): a
+    screenshot before it counts nothing (its tokens depend on its size and the model: the
+    figure is a lower bound, where the check was dropped for any image); the head, the tools
+    and system messages, apart (another conversation may keep it warm)."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    system = _system("agent " * 400)
+    history = [
+        system,
+        {"role": "user", "content": [image, {"type": "text", "text": "what is on screen?"}]},
+        *msgs("output " * 800, "ok", "more " * 800),
+    ]
+    old = fingerprint({"model": "m", "messages": history})
+    edit = Divergence("messages", 4, "user", "content", "", "")
+    unchanged, head = _tokens_before(old, edit, 10_000)
+    whole = estimate_tokens(history)
+    text_before = estimate_tokens([system, *history[2:4]])
+    assert unchanged == 10_000 * text_before // whole
+    assert head == 10_000 * estimate_tokens([system]) // whole
+    assert _tokens_before(old, Divergence("params", None, None, "model", "", ""), 10_000) == (0, 0)
 
 
 def test_a_history_trimmed_at_its_start_is_still_its_conversation() -> None:
