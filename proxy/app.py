@@ -418,7 +418,8 @@ class _ProxyEndpoint:
             return
         if scope["method"] not in _RELAYED_METHODS:
             # TRACE (which asks the upstream to echo the request, cachegate's key with it),
-            # CONNECT, WebDAV's and caches' methods (PROPFIND, PURGE): no provider's API has a use for them
+            # CONNECT, WebDAV's and caches' methods (PROPFIND, PURGE): no provider's API uses
+            # them
             await self.gateway.refuse(
                 scope,
                 send,

@@ -263,7 +263,7 @@ class EventLogWriter:
             return frozenset(self._fds)
 
     def holds_open(self, session_id: str) -> bool:
-        """Whether the writer holds the session's file open (or has its lines queued)."""
+        """Whether the writer holds the session's file open (asked from retention's thread)."""
         with self._lock:
             return session_id in self._fds
 
