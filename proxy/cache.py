@@ -291,7 +291,7 @@ def account(
     cached_before: int | None = None,
     ttl_floor_s: float | None = None,
     compared: Fingerprint | None = None,
-    before: Callable[[], tuple[int, int]] | None = None,
+    before: Callable[[], int] | None = None,
     nothing_marked_before: Callable[[], bool] | None = None,
 ) -> tuple[CacheState, CacheResult]:
     """Account one finished exchange; return the session's new state and the exchange's figures.
@@ -314,15 +314,15 @@ def account(
     fingerprint of the request this one is compared with; after a rewrite, the idle time is
     that of its system prompt or history past the difference (``_attribute``), which another
     conversation of the session sharing only the parameters and tools does not keep warm.
-    ``before``, asked only of a rewrite's waste where the provider caches every prefix: the
-    previous request's tokens before the point of difference, and those of its tools and
-    system messages (estimated). A read that stopped at that head (or read nothing) where at
-    least ``LOST_BEFORE_AT_LEAST`` tokens of history lay unchanged between the head and the
-    difference means the provider had lost that history before the rewrite (evicted, or
-    expired; the head kept warm by another conversation of the session): the rewrite is not
-    what the provider missed first, and the miss gets the cause of a prefix lost unchanged
-    (``ttl_expired`` past the TTL floor, else ``unexplained``); the rewrite is still the
-    request's logged divergence. ``nothing_marked_before``, asked of a miss where the previous
+    ``before``, asked only of a rewrite's waste where the provider caches every prefix and
+    read nothing: the previous request's tokens before the point of difference (estimated, a
+    lower bound). Nothing read of an unchanged prefix of at least ``LOST_BEFORE_AT_LEAST``
+    tokens means the provider had lost it before the rewrite (evicted, or expired): the rewrite
+    is not what the provider missed first, and the miss gets the cause of a prefix lost
+    unchanged (``ttl_expired`` past the TTL floor, else ``unexplained``); the rewrite is still
+    the request's logged divergence. (A read that stopped at the system prompt another
+    conversation kept warm is no sign cachegate can read: where an edit lies in tokens is an
+    estimate, off by half on dense or sparse text, and reads near it were taken for losses.) ``nothing_marked_before``, asked of a miss where the previous
     request cached nothing (``cached_before`` 0): whether it marked nothing for a provider that
     caches only marked prefixes, so that nothing could be read (``not_requested``).
     """
@@ -349,16 +349,16 @@ def account(
             cause, location = _attribute(
                 state, fingerprint, divergence, started_at, ttl_s, model, ttl_floor_s, compared
             )
-            if cause == "prefix_rewrite" and before is not None:
-                unchanged, head = before()
-                if (
-                    unchanged - head >= max(noise_floor, LOST_BEFORE_AT_LEAST)
-                    and usage.cache_read < head + head // 4 + LOST_READ
-                ):
-                    idle = idle_seconds(state, fingerprint, started_at)
-                    floor = ttl_s if ttl_floor_s is None else ttl_floor_s
-                    expired = idle is not None and idle > floor
-                    cause, location = ("ttl_expired" if expired else "unexplained"), None
+            if (
+                cause == "prefix_rewrite"
+                and before is not None
+                and usage.cache_read < LOST_READ
+                and before() >= max(noise_floor, LOST_BEFORE_AT_LEAST)
+            ):
+                idle = idle_seconds(state, fingerprint, started_at)
+                floor = ttl_s if ttl_floor_s is None else ttl_floor_s
+                expired = idle is not None and idle > floor
+                cause, location = ("ttl_expired" if expired else "unexplained"), None
             if cached_before == 0 and nothing_marked_before is not None and nothing_marked_before():
                 cause, location = "not_requested", None  # the turn before marked nothing
             elif cached_before and expected - cached_before > noise_floor:
@@ -469,11 +469,10 @@ def _attribute(
     return "unexplained", None
 
 
-# A rewrite's unchanged history counts as lost before it when the read stopped at the request's
-# head (its tools and system messages, a quarter over their estimate, plus the smallest prefix
-# such providers cache, OpenAI's 1,024 tokens) and this much history lay unchanged past the
-# head by cachegate's estimate: a read past the head is no sign (where an edit lies in tokens
-# is an estimate, off by half on dense text: a CSV, pretty-printed JSON, a log)
+# A rewrite's unchanged prefix counts as lost before it when nothing was read (less than the
+# smallest prefix such providers cache: OpenAI's 1,024 tokens) of an unchanged prefix this long
+# by cachegate's estimate: four times that least read, for an estimate off by half on dense or
+# sparse text (a CSV, pretty-printed JSON, a log)
 LOST_READ: Final = 1024
 LOST_BEFORE_AT_LEAST: Final = 4096
 

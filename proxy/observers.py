@@ -148,27 +148,23 @@ def _dropped_tokens(old: prefix.Fingerprint, new: prefix.Fingerprint, prompt: in
     return int(prompt * gone) // max(whole, 1)
 
 
-def _tokens_before(
-    old: prefix.Fingerprint, divergence: prefix.Divergence, prompt: int
-) -> tuple[int, int]:
+def _tokens_before(old: prefix.Fingerprint, divergence: prefix.Divergence, prompt: int) -> int:
     """Of the previous request's ``prompt`` tokens, those before the point where the request
-    compared with it differs, and those of its tools and system messages alone (the head other
-    conversations of the session may keep warm): their shares of its estimate, as
-    ``_dropped_tokens`` counts. Media before the point count nothing there (an image's tokens
-    depend on its size and the model, 85 to thousands): the first figure is a lower bound.
-    (0, 0) for a change of the parameters or tools."""
+    compared with it differs (its tools and the messages before the one that differs; nothing
+    for a change of the parameters or tools): their share of its estimate, as
+    ``_dropped_tokens`` counts. Media before the point count nothing (an image's tokens depend
+    on its size and the model, 85 to thousands): a lower bound."""
     if divergence.location not in ("system", "messages") or divergence.index is None:
-        return 0, 0
+        return 0
     messages = list(old.messages)
     tools = compaction.estimate_tokens(old.tools) if old.tools else 0
     whole = max(compaction.estimate_tokens(messages) + tools, 1)
-    head = compaction.estimate_tokens(messages[: min(old.system_count, divergence.index)])
     unchanged = sum(
         compaction.estimate_tokens([message])
         for message in messages[: divergence.index]
         if not _has_media(message)
     )
-    return int(prompt * (unchanged + tools)) // whole, int(prompt * (head + tools)) // whole
+    return int(prompt * (unchanged + tools)) // whole
 
 
 def _has_media(message: Any) -> bool:

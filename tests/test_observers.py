@@ -429,11 +429,10 @@ def _system(text: str) -> Message:
     return {"role": "system", "content": text}
 
 
-def test_the_tokens_before_an_edit_count_no_media_and_name_the_head() -> None:
+def test_the_tokens_before_an_edit_count_no_media() -> None:
     """Where an edit lies in the previous prompt's tokens (a lost prefix is told by it): a
     screenshot before it counts nothing (its tokens depend on its size and the model: the
-    figure is a lower bound, where the check was dropped for any image); the head, the tools
-    and system messages, apart (another conversation may keep it warm)."""
+    figure is a lower bound, where the check was dropped for any image)."""
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     system = _system("agent " * 400)
     history = [
@@ -443,12 +442,10 @@ def test_the_tokens_before_an_edit_count_no_media_and_name_the_head() -> None:
     ]
     old = fingerprint({"model": "m", "messages": history})
     edit = Divergence("messages", 4, "user", "content", "", "")
-    unchanged, head = _tokens_before(old, edit, 10_000)
     whole = estimate_tokens(history)
     text_before = estimate_tokens([system, *history[2:4]])
-    assert unchanged == 10_000 * text_before // whole
-    assert head == 10_000 * estimate_tokens([system]) // whole
-    assert _tokens_before(old, Divergence("params", None, None, "model", "", ""), 10_000) == (0, 0)
+    assert _tokens_before(old, edit, 10_000) == 10_000 * text_before // whole
+    assert _tokens_before(old, Divergence("params", None, None, "model", "", ""), 10_000) == 0
 
 
 def test_a_history_trimmed_at_its_start_is_still_its_conversation() -> None:
