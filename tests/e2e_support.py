@@ -67,6 +67,24 @@ TOOLS: list[dict[str, Any]] = [
 ]
 
 
+async def asgi_lifespan(receive: Any, send: Any) -> None:
+    """A test upstream's side of an ASGI lifespan: started, then stopped."""
+    await receive()
+    await send({"type": "lifespan.startup.complete"})
+    await receive()
+    await send({"type": "lifespan.shutdown.complete"})
+
+
+async def asgi_body(receive: Any) -> bytes:
+    """A test upstream's whole request body, read from its ASGI messages."""
+    raw = b""
+    while True:
+        message = await receive()
+        raw += message.get("body", b"")
+        if not message.get("more_body"):
+            return raw
+
+
 def prompt_tokens(body: dict[str, Any]) -> int:
     """What the simulator will count as ``prompt_tokens`` for a request body."""
     return len(request_tokens(body))
@@ -256,18 +274,9 @@ class NoCacheUpstream:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            await receive()
-            await send({"type": "lifespan.startup.complete"})
-            await receive()
-            await send({"type": "lifespan.shutdown.complete"})
+            await asgi_lifespan(receive, send)
             return
-        raw = b""
-        while True:
-            message = await receive()
-            raw += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        body = orjson.loads(raw)
+        body = orjson.loads(await asgi_body(receive))
         await self.before_answer(body)
         self.requests.append(body)
         usage = {

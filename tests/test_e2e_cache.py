@@ -23,6 +23,8 @@ from proxy.simulator.reply import parse_script
 from tests.e2e_support import (
     SYSTEM_PROMPT,
     TOOLS,
+    asgi_body,
+    asgi_lifespan,
     chat,
     events,
     make_client,
@@ -1454,18 +1456,9 @@ class _OpenRouterUsage:
         import orjson
 
         if scope["type"] == "lifespan":
-            await receive()
-            await send({"type": "lifespan.startup.complete"})
-            await receive()
-            await send({"type": "lifespan.shutdown.complete"})
+            await asgi_lifespan(receive, send)
             return
-        raw = b""
-        while True:
-            message = await receive()
-            raw += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        body = orjson.loads(raw)
+        body = orjson.loads(await asgi_body(receive))
         body["model"] = "claude-sonnet-4-5"
         async with httpx.AsyncClient() as client:
             answer = (await client.post(self.target + "/chat/completions", json=body)).json()
