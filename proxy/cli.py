@@ -384,6 +384,7 @@ def _demo(ns: argparse.Namespace) -> int:
             return 1
     if log_dir and _log_dir_taken(log_dir):
         return 1
+    _utf8_stdout()  # (its excerpts end in "…")
     return run_demo(log_dir=log_dir, out=sys.stdout)
 
 
@@ -434,15 +435,19 @@ def _log_dir_taken(log_dir: str) -> bool:
 
 
 def _utf8_stdout() -> None:
-    """Reports and replayed requests in UTF-8 where stdout is a file or a pipe in another
-    encoding (Windows' ANSI code page: one character it lacks failed the whole output)."""
+    """Reports, replayed requests and the demo in UTF-8 where stdout is a file or a pipe in
+    another encoding (Windows' ANSI code page, a Latin-1 locale: one character it lacks failed
+    the whole output); on a terminal in such an encoding, a character it lacks is shown as
+    ``?`` (it failed the command with UnicodeEncodeError)."""
     out = sys.stdout
     if (
         isinstance(out, io.TextIOWrapper)
         and out.encoding.lower().replace("-", "").replace("_", "") != "utf8"
-        and not out.isatty()
     ):
-        out.reconfigure(encoding="utf-8")
+        if out.isatty():
+            out.reconfigure(errors="replace")
+        else:
+            out.reconfigure(encoding="utf-8")
 
 
 def _sessions(ns: argparse.Namespace) -> int:

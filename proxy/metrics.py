@@ -40,11 +40,13 @@ OTHER_MODEL: Final = "other"
 ROUTES: Final = ("chat", "passthrough")
 """The ``route`` label: the chat-completions pipeline, or the generic relay of any other path."""
 REQUEST_STATUSES: Final = (
-    *("200", "400", "401", "403", "404", "413", "429", "499", "500", "502", "503", "504"),
+    *("200", "400", "401", "403", "404", "413", "415", "429", "499", "500", "501", "502", "503"),
+    "504",
 )
 """Statuses whose series exist from the start (at zero), so that the first one of each shows in a
-rate: Prometheus cannot tell a series' first value from its creation. 200, then what clients,
-cachegate and providers answer most; others appear when they happen."""
+rate: Prometheus cannot tell a series' first value from its creation. 200, then what clients and
+providers answer most, and every status cachegate answers itself (415: a chat body in an encoding
+it cannot read; 501: a WebSocket upgrade); others appear when they happen."""
 TOKEN_KINDS: Final = ("prompt", "completion", "cache_read", "cache_write")
 WASTE_CAUSES: Final = (
     "ttl_expired",
@@ -332,6 +334,13 @@ class Metrics:
             "Tokens reported by the provider; kind=prompt counts all prompt tokens, cached or not.",
             ["model", "kind"],
         )
+        self.reported_prompt = f(
+            "counter",
+            "cachegate_cache_reported_prompt_tokens",
+            "Prompt tokens of answers whose usage said what was read from the cache: a hit"
+            " ratio's denominator (an answer without cache fields is no miss).",
+            ["model"],
+        )
         self.cache_waste = f(
             "counter",
             "cachegate_cache_waste_tokens",
@@ -478,6 +487,7 @@ class Metrics:
         self.ttfb.child(label)
         for kind in TOKEN_KINDS:
             self.tokens.child(label, kind)
+        self.reported_prompt.child(label)
         for cause in WASTE_CAUSES:
             self.cache_waste.child(label, cause)
         for result in COMPACTION_RESULTS:
@@ -589,11 +599,15 @@ class Metrics:
         self._count_usage(self._usage_cells(self.model_label(model)), usage)
 
     def _usage_cells(self, label: str) -> tuple[tuple[list[float], ...], tuple[list[float], ...]]:
-        """The token counters (``TOKEN_KINDS`` order) and GenAI histogram series
+        """The token counters (``TOKEN_KINDS`` order, then the prompt tokens of answers that
+        reported their cache reads) and GenAI histogram series
         (``GEN_AI_TOKEN_TYPES`` order) of one model label."""
         gen_ai = self.gen_ai_token_usage
         return (
-            tuple(self.tokens.child(label, kind) for kind in TOKEN_KINDS),
+            (
+                *(self.tokens.child(label, kind) for kind in TOKEN_KINDS),
+                self.reported_prompt.child(label),
+            ),
             tuple(gen_ai.child(GEN_AI_OPERATION, label, kind) for kind in GEN_AI_TOKEN_TYPES),
         )
 
@@ -611,6 +625,7 @@ class Metrics:
         observe(gen_ai[0], prompt)
         observe(gen_ai[1], completion)
         if usage.reported_cache:
+            tokens[4][0] += prompt
             observe(gen_ai[2], read)
         if usage.reported_cache_write:  # OpenAI reports no writes: not a stream of zeros
             observe(gen_ai[3], write)

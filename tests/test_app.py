@@ -478,6 +478,32 @@ def test_a_websocket_handshake_is_refused_plainly_not_relayed_as_a_get(
     assert r.headers["x-cachegate-session"] == "agent-7"
 
 
+def test_the_first_refusal_of_each_status_cachegate_answers_itself_shows_in_a_rate(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """Prometheus cannot see a series' first value as an increase: a series created by the
+    first 415 (a chat body in a coding cachegate cannot read) or 501 (a WebSocket upgrade)
+    read 1 but moved no ``rate()`` or ``increase()``, so the error panels missed it. Every
+    status cachegate answers itself exists at zero before its first answer."""
+    proxy = proxy_factory(sim.api_base)
+    chat_415 = {"route": "chat", "model": "other", "status": "415"}
+    relayed_501 = {"route": "passthrough", "model": "other", "status": "501"}
+    for labels in (chat_415, relayed_501):  # (a series, at zero: not merely none)
+        assert proxy.registry.get_sample_value("cachegate_requests_total", labels) == 0
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        content=b"\x28\xb5\x2f\xfd not really zstd",
+        headers={"content-type": "application/json", "content-encoding": "zstd"},
+    )
+    assert r.status_code == 415
+    r = httpx.get(
+        proxy.base_url + "/realtime", headers={"upgrade": "websocket", "connection": "Upgrade"}
+    )
+    assert r.status_code == 501
+    assert proxy.metric("cachegate_requests_total", chat_415) == 1
+    assert proxy.metric("cachegate_requests_total", relayed_501) == 1
+
+
 def _post_chunked_with_late_trailers(url: str, path: str, body: bytes, trailers: bytes) -> bytes:
     """A chunked request whose trailer fields arrive 0.3 s after its body; the raw answer."""
     import socket

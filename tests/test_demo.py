@@ -219,3 +219,47 @@ def test_a_reader_that_stops_early_leaves_the_demo_to_finish_its_logs(tmp_path: 
     assert "Traceback" not in err and "BrokenPipe" not in err
     logs = sorted(p.name for p in tmp_path.glob("*.jsonl"))
     assert len(logs) == 5 and all((tmp_path / name).stat().st_size > 0 for name in logs)
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "terminal"])
+def test_the_demo_succeeds_where_stdout_cannot_write_an_ellipsis(
+    tmp_path: Path, terminal: bool
+) -> None:
+    """A Latin-1 pipe or an ASCII terminal: the timestamp scenario's excerpt ends in "…", and
+    the demo reported it failed (UnicodeEncodeError, exit 1) where the Quick start promises
+    that every scenario shows what it should. Piped, the output is UTF-8; on a terminal, what
+    it cannot show is a ``?``."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    code = f"from proxy.cli import main; raise SystemExit(main(['demo', '--log-dir', {str(tmp_path)!r}]))"
+    env = {**os.environ, "PYTHONIOENCODING": "ascii" if terminal else "latin-1"}
+    if not terminal:
+        result = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, env=env, timeout=120
+        )
+        assert result.returncode == 0, result.stdout.decode("utf-8", "replace")
+        assert "…" in result.stdout.decode("utf-8")
+        return
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=follower, stderr=subprocess.PIPE, env=env
+    )
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            piece = os.read(leader, 65536)
+        except OSError:  # (the terminal's other end closed: Linux says EIO)
+            break
+        if not piece:
+            break
+        shown += piece
+    os.close(leader)
+    assert proc.stderr is not None
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=120) == 0, shown.decode("ascii", "replace") + err
+    assert "scenarios showed what they should" in shown.decode("ascii")

@@ -179,6 +179,12 @@ def test_usage_counts_tokens_and_the_gen_ai_histogram(
     assert value(registry, tokens, model="gpt-4o", kind="cache_read") == 10240.0
     assert value(registry, tokens, model="gpt-4o", kind="cache_write") == 0.0
     assert value(registry, tokens, model="other", kind="cache_write") == 5.0
+    # a hit ratio's denominator: the prompt tokens of answers that said what was read from the
+    # cache (the second, without cache fields, is no miss: vLLM's, Ollama's answers)
+    reported = "cachegate_cache_reported_prompt_tokens_total"
+    assert value(registry, reported, model="gpt-4o") == 12000.0
+    assert value(registry, reported, model="other") == 7.0
+    assert value(registry, reported, model="claude-sonnet-4") == 0.0
 
     usage = "gen_ai_client_token_usage"
     gpt = {"gen_ai_operation_name": "chat", "gen_ai_request_model": "gpt-4o"}
@@ -272,6 +278,7 @@ def test_finite_label_sets_start_at_zero(metrics: Metrics, registry: CollectorRe
             assert value(registry, "cachegate_compactions_total", model=model, result=result) == 0
         for kind in ("prompt", "completion", "cache_read", "cache_write"):
             assert value(registry, "cachegate_tokens_total", model=model, kind=kind) == 0
+        assert value(registry, "cachegate_cache_reported_prompt_tokens_total", model=model) == 0
         for kind in ("actual", "uncached"):
             assert value(registry, "cachegate_cost_usd_total", model=model, kind=kind) == 0
         assert value(registry, "cachegate_time_to_first_byte_seconds_count", model=model) == 0
@@ -284,7 +291,7 @@ def test_finite_label_sets_start_at_zero(metrics: Metrics, registry: CollectorRe
                 assert value(registry, "cachegate_requests_total", status="200", **labels) is None
                 assert value(registry, "cachegate_request_duration_seconds_count", **labels) is None
                 continue
-            for status in ("200", "400", "429", "499", "500", "502", "503", "504"):
+            for status in ("200", "400", "415", "429", "499", "500", "501", "502", "503", "504"):
                 # (the first error of each shows in a rate)
                 assert value(registry, "cachegate_requests_total", status=status, **labels) == 0
             # cachegate's own 405 (a method a relayed path does not take) is a passthrough's
@@ -315,6 +322,9 @@ def test_the_metric_set_and_label_names_match_the_design(
         ("cachegate_time_to_first_byte_seconds", "histogram"): {"model"},
         ("cachegate_proxy_overhead_seconds", "histogram"): {"route"},
         ("cachegate_tokens", "counter"): {"model", "kind"},
+        # (added to the design's set: a hit ratio's denominator without the answers that say
+        # nothing of the cache)
+        ("cachegate_cache_reported_prompt_tokens", "counter"): {"model"},
         ("cachegate_cache_waste_tokens", "counter"): {"model", "cause"},
         ("cachegate_prefix_rewrites", "counter"): {"location"},
         ("cachegate_pairing_repairs", "counter"): {"kind"},
