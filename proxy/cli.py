@@ -454,6 +454,7 @@ def _sessions(ns: argparse.Namespace) -> int:
     from proxy import report
     from proxy.eventlog import lost_requests
     from proxy.listmemo import SummaryMemo
+    from proxy.redact import REDACTED
 
     _utf8_stdout()
     log_dir = ns.log_dir or os.environ.get("CACHEGATE_LOG_DIR")
@@ -522,8 +523,19 @@ def _sessions(ns: argparse.Namespace) -> int:
                     " sizes and hashes, not the text; these lines cannot be sent again",
                     file=sys.stderr,
                 )
+            redacted = 0
             for line in report.request_lines(requests):
+                redacted += REDACTED in line
                 sys.stdout.write(report.json_terminal_safe(line) + "\n")
+            if redacted:  # (the JSON is the body sent but for them: said, not an error)
+                sys.stdout.flush()
+                print(
+                    f"cachegate: {redacted} request{'s' if redacted != 1 else ''} hold"
+                    f"{'' if redacted != 1 else 's'} {REDACTED} where the log took out a secret"
+                    " (logging.redact_secrets), or where the client sent that text: sent again,"
+                    f" {'they are' if redacted != 1 else 'it is'} not what was sent",
+                    file=sys.stderr,
+                )
             lost = lost_requests(read.events)  # (a lost response line loses no request)
             if skipped or torn or lost:  # a script re-sending the session must not take it
                 sys.stdout.flush()  # for the whole

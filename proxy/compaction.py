@@ -35,6 +35,7 @@ from typing import Any, Literal, NamedTuple
 
 import orjson
 
+from proxy.media import image_tokens
 from proxy.prefix import MEDIA_PART_TYPES, canonical_json, json_size
 
 Message = dict[str, Any]
@@ -189,8 +190,9 @@ def estimate_tokens(obj: Any) -> int:
     return _json_tokens(obj)
 
 
-# What one image part costs at most, roughly: Anthropic's ~1,600 tokens for 1.15 megapixels,
-# OpenAI's 765-1,105 for a high-detail image of usual sizes.
+# What a media part of unknown size costs at most, roughly: Anthropic's ~1,600 tokens for 1.15
+# megapixels, OpenAI's 765-1,105 for a high-detail image of usual sizes (an inline image's size
+# is read: ``proxy.media``).
 MEDIA_PART_TOKENS = 1600
 
 
@@ -210,9 +212,14 @@ LOW_DETAIL_IMAGE_TOKENS = 85
 
 
 def media_part_tokens(part: Any) -> int:
-    """What an image, audio or file part of a message is estimated to cost: ``MEDIA_PART_TOKENS``,
-    or ``LOW_DETAIL_IMAGE_TOKENS`` for an image sent with ``"detail": "low"``."""
+    """What an image, audio or file part of a message is estimated to cost: an inline image's
+    tokens by its size (``proxy.media.image_tokens``: a 1280 x 800 screenshot 1,105, a 320 x 200
+    one 255), ``LOW_DETAIL_IMAGE_TOKENS`` for an image sent with ``"detail": "low"``, else
+    ``MEDIA_PART_TOKENS``."""
     if isinstance(part, dict):
+        tokens = image_tokens(part)
+        if tokens is not None:
+            return tokens
         image = part.get("image_url")
         detail = image.get("detail") if isinstance(image, dict) else part.get("detail")
         if detail == "low":

@@ -571,6 +571,30 @@ def test_output_to_a_full_disk_is_one_line_not_a_traceback(logged: Logged) -> No
         assert proc.stderr == "cachegate: No space left on device\n", proc.stderr
 
 
+def test_replay_says_which_requests_hold_a_secret_the_log_took_out(tmp_path: Path) -> None:
+    """The log redacts secrets by default: a request that carried one replays with
+    ``[REDACTED]`` in its place, and a script re-sending the session sent other requests
+    without a word (``metadata`` logs are said on stderr)."""
+    log_dir = tmp_path / "logs"
+    with run_simulator(SimConfig()) as sim, run_proxy(sim.api_base, log_dir) as proxy:
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "redacted"})
+        convo: list[dict[str, Any]] = [{"role": "user", "content": "What does this do?"}]
+        reply, _ = chat(client, convo, stream=False)
+        convo += [reply, {"role": "user", "content": "It reads DB_URL=postgres://app:hunter2@db/x"}]
+        chat(client, convo, stream=False)
+        proxy.settle()
+    result = run_cli("sessions", "replay", "redacted", "--log-dir", str(log_dir))
+    assert result.code == 0
+    lines = [orjson.loads(line) for line in result.out.splitlines()]
+    assert len(lines) == 2 and "hunter2" not in result.out
+    assert "[REDACTED]" in lines[1]["messages"][-1]["content"]
+    assert result.err == (
+        "cachegate: 1 request holds [REDACTED] where the log took out a secret"
+        " (logging.redact_secrets), or where the client sent that text: sent again, it is not"
+        " what was sent\n"
+    )
+
+
 def test_reports_and_replay_write_utf8_whatever_the_output_encoding(tmp_path: Path) -> None:
     """Windows writes a redirected stdout in its ANSI code page: "→" or an emoji in a request
     made ``replay > file`` fail part way (a model name outside it, a report)."""

@@ -8,6 +8,7 @@ it), ``waste = expected - cache_read`` when above the 1024-token noise floor.
 
 from __future__ import annotations
 
+import base64
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -1795,3 +1796,49 @@ def test_a_rewrite_in_a_repaired_history_is_located_in_the_clients_own_messages(
     assert "EDIT ME: changed" in response["divergence"]["new"]
     request = events(proxy.log_dir, "repaired-edit", "request")[1]
     assert [r["index"] for r in request["repairs"]] == [2]  # the same history's numbering
+
+
+def test_a_browser_agent_keeping_only_its_latest_screenshot_wastes_nothing(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """Each turn a browser agent sends a screenshot and replaces the one before by a line of
+    text: the provider reads everything up to that image again, and what it no longer holds is
+    the image alone. The simulator billed an image by its base64 (~10,000 tokens for a 30 KB
+    PNG, where OpenAI bills a 1280 x 800 one 1,105) and cachegate estimated 1,600 whatever its
+    size: ~6,000-8,500 tokens of waste a turn, where none was wasted."""
+    from tests.test_media import png
+
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "browser-1"})
+    elements = "\n".join(
+        f'[{i}] <button aria-label="Add item {i}">Item {i}</button>' for i in range(40)
+    )
+
+    def page(step: int) -> dict[str, Any]:
+        shot = base64.b64encode(png(1280 + step, 800, noisy_rows=8)).decode()
+        return {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": f"Step {step}. Interactive elements:\n{elements}"},
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{shot}"}},
+            ],
+        }
+
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Find the cheapest USB-C cable and add it to the cart."},
+        page(0),
+    ]
+    for step in range(1, 6):
+        reply, _ = chat(client, messages, stream=True)
+        latest = messages[-1]
+        latest["content"] = [latest["content"][0], {"type": "text", "text": "[screenshot omitted]"}]
+        messages += [{"role": "assistant", "content": reply["content"]}, page(step)]
+    flush(proxy)
+    answers = events(proxy.log_dir, "browser-1", "response")
+    assert len(answers) == 5
+    for answer in answers[1:]:
+        usage = answer["usage"]
+        # the image the previous turn sent is all it no longer holds: ~1,105 tokens, not 10,000
+        assert usage["prompt"] - usage["cache_read"] < 4_000, usage
+        assert answer["cache"]["waste"] == 0, answer["cache"]

@@ -1019,6 +1019,31 @@ def test_a_screenshot_taken_out_of_a_message_drops_the_image_not_its_text() -> N
         assert ex.cache["waste"] == ex.cache["expected"]
 
 
+@pytest.mark.parametrize(("width", "height", "image_tokens"), [(320, 200, 255), (1280, 800, 1105)])
+def test_a_screenshot_taken_out_weighs_what_its_size_costs(
+    width: int, height: int, image_tokens: int
+) -> None:
+    """A dropped screenshot weighed 1,600 tokens whatever its size: a small one (255 tokens at
+    OpenAI's tile rule) took ~1,350 tokens of what the provider should still have read out of
+    the expected read, and hid that much waste."""
+    import base64
+
+    from tests.test_media import png
+
+    image = "data:image/png;base64," + base64.b64encode(png(width, height, 4)).decode()
+    text = "The page shows the login form. " * 500  # ~4,000 tokens by the estimate
+    acc = _Accounting()
+    shot = {"type": "image_url", "image_url": {"url": image}}
+    first = {"role": "user", "content": [{"type": "text", "text": text}, shot]}
+    history = [_system("browser agent"), first, *msgs("clicked", "next")]
+    whole = estimate_tokens(history)
+    acc.send(history, whole, 0)
+    stripped = {"role": "user", "content": [{"type": "text", "text": text}]}
+    ex = acc.send([history[0], stripped, *history[2:], *msgs("typed", "go on")], whole, 0)
+    assert ex.cache is not None
+    assert whole - image_tokens - 20 <= ex.cache["expected"] <= whole - image_tokens + 20
+
+
 def test_openais_24_hour_retention_is_the_ttl_of_a_request_that_asks_for_it() -> None:
     """``prompt_cache_retention: "24h"``: after 25 minutes idle the date in the system prompt
     changed; the miss was blamed on the TTL and the timestamp never named."""

@@ -282,6 +282,29 @@ def test_tokenizer_counts_by_the_documented_rules() -> None:
     assert len(request_tokens(body)) == (3 + 1) + (3 + 2)
 
 
+def test_an_image_costs_what_openai_bills_for_its_size_not_its_base64() -> None:
+    """A 30 KB screenshot counted as ~10,000 tokens of base64 text; OpenAI bills a 1280 x 800
+    image 1,105. The same image is the same tokens (a cache hit), another image other ones."""
+    import base64
+
+    from tests.test_media import png
+
+    def shot(seed_rows: int) -> dict[str, Any]:
+        data = base64.b64encode(png(1280, 800, noisy_rows=seed_rows)).decode()
+        return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+
+    def body(*parts: Any) -> dict[str, Any]:
+        return chat_body([{"role": "user", "content": [{"type": "text", "text": "abcd"}, *parts]}])
+
+    assert len(request_tokens(body(shot(8)))) == 3 + 1 + 1105
+    assert (
+        len(request_tokens(body({"type": "image_url", "image_url": {"url": "https://x/a.png"}})))
+        == 3 + 1 + 765
+    )
+    same, other = request_tokens(body(shot(8))), request_tokens(body(shot(9)))
+    assert request_tokens(body(shot(8))) == same and same[:3] == other[:3] and same[3] != other[3]
+
+
 def test_the_tokenizer_counts_a_body_as_deep_as_cachegate_forwards() -> None:
     """Arguments nested past orjson's 254 levels (cachegate forwards up to 1,024): the
     simulator answered 500 (orjson's "Recursion limit reached") to a body cachegate had

@@ -14,8 +14,10 @@ Rules:
   which a provider renders as parameters in the order sent; a ``cache_control`` mark is no
   text), then each message in order: a fixed overhead of
   3 tokens (start, role, end) around its ``name``, its content (a string, or the text of a list's
-  text parts, other parts as compact JSON), its tool calls (id, function name, arguments) and its
-  ``tool_call_id``. ``prompt_tokens`` is the length of that sequence.
+  text parts, an image as OpenAI bills it for its size, ``proxy.media``: 1,105 tokens for a 1280
+  x 800 screenshot, not its base64; 765 where the size is not read, an image by URL; other parts
+  as compact JSON), its tool calls (id, function name, arguments) and its ``tool_call_id``.
+  ``prompt_tokens`` is the length of that sequence.
 - A reply costs the tokens of its content plus, per tool call, those of its name and arguments.
 - Claude (``anthropic-compat``) caches a request's tokens only up to its last ``cache_control``
   breakpoint (``marked_request_tokens``).
@@ -24,14 +26,22 @@ Rules:
 from __future__ import annotations
 
 import re
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
-from proxy.prefix import cache_mark, deep_dumps, tools_json  # tools as a provider renders them
+from proxy.media import image_tokens
+from proxy.prefix import (  # tools as a provider renders them
+    MEDIA_PART_TYPES,
+    cache_mark,
+    deep_dumps,
+    tools_json,
+)
 
 MESSAGE_OVERHEAD = 3
+UNKNOWN_IMAGE_TOKENS = 765  # a media part whose size is not read: a 1024 x 1024 image's
 _TOKEN = re.compile(
     rb"[A-Za-z0-9_]{1,4}|[\x80-\xff]{1,4}|[\x21-\x2f\x3a-\x40\x5b-\x5e\x60\x7b-\x7e]{1,4}"
 )
@@ -76,12 +86,33 @@ def content_text(content: Any) -> str:
     return _as_text(content)
 
 
+def _part_tokens(part: Any) -> list[bytes]:
+    """The tokens of one part of a content list: a text part's text, an image by its size (as
+    OpenAI bills it: ``proxy.media.image_tokens``), anything else as compact JSON."""
+    if isinstance(part, Mapping):
+        if part.get("type") == "text":
+            return tokenize(_as_text(part.get("text", "")))
+        if part.get("type") in MEDIA_PART_TYPES:
+            count = image_tokens(part)
+            if count is None:  # by URL, or no image format read: what a usual one costs
+                count = UNKNOWN_IMAGE_TOKENS
+            # (one mark per image, repeated: the same image is the same tokens; another, other)
+            mark = b"<|image:%08x|>" % zlib.crc32(orjson.dumps(part))
+            return [mark] * count
+    return tokenize(_as_text(part))
+
+
 def message_tokens(message: Mapping[str, Any]) -> list[bytes]:
     """The tokens of one chat message, overhead included."""
     out = [_START, f"<|{message.get('role')}|>".encode()]
     if message.get("name") is not None:
         out += tokenize(_as_text(message["name"]))
-    out += tokenize(content_text(message.get("content")))
+    content = message.get("content")
+    if isinstance(content, list):
+        for part in content:
+            out += _part_tokens(part)
+    else:
+        out += tokenize(content_text(content))
     for call in message.get("tool_calls") or ():
         if not isinstance(call, Mapping):
             out += tokenize(_as_text(call))
