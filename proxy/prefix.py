@@ -599,7 +599,8 @@ def _moved(old: Sequence[bytes], new: Sequence[bytes], index: int) -> str | None
     trimmed at its start or in its middle), or because ``new``'s appeared (the other way round);
     None for an edit in place (what follows lines up as it was). The first message kept may be
     one of cachegate's own in place of the client's (a result whose call was trimmed, repaired
-    into a user message): then what follows it must line up, two messages at least."""
+    into a user message), or a few of them (the results of parallel calls): then what follows
+    them must line up, two messages at least."""
     if index >= len(old) or index >= len(new):
         return None
     if index + 1 >= min(len(old), len(new)):  # the last message of either: nothing follows
@@ -617,8 +618,8 @@ def _moved(old: Sequence[bytes], new: Sequence[bytes], index: int) -> str | None
 
 def _carried_later(longer: Sequence[bytes], other: Sequence[bytes], index: int) -> bool:
     """Whether ``other`` from ``index`` on is ``longer`` from a later place on (as far as both
-    go), or, with ``other``'s message at ``index`` one ``longer`` never had, whether what follows
-    it is (two messages at least). (The places are found by ``index``, at C speed: this runs for
+    go), or, with ``other``'s messages from ``index`` on ones ``longer`` never had (up to
+    ``_MADE_ANEW``), whether what follows them is (two messages at least). (The places are found by ``index``, at C speed: this runs for
     every request that differs from the closest of its session, a sub-agent's beside a long
     history too.)"""
     rest = other[index:]
@@ -632,17 +633,24 @@ def _carried_later(longer: Sequence[bytes], other: Sequence[bytes], index: int) 
         span = min(len(rest), count - at)
         if longer[at : at + span] == rest[:span]:
             return True
-    if len(rest) < 3 or rest[0] in longer:
-        return False
-    at = index
-    while True:  # each later place of the message after it
-        try:
-            at = longer.index(rest[1], at + 2) - 1
-        except ValueError:
+    for made in range(1, _MADE_ANEW + 1):  # messages of other's own first, then what follows
+        if len(rest) < made + 2 or rest[made - 1] in longer:
             return False
-        span = min(len(rest), count - at)
-        if span >= 3 and longer[at + 1 : at + span] == rest[1:span]:
-            return True
+        at = index + made  # (where it would be, had nothing vanished: not a place later)
+        while True:  # each later place of the first message after them
+            try:
+                at = longer.index(rest[made], at + 1)
+            except ValueError:
+                break
+            span = min(len(rest) - made, count - at)
+            if span >= 2 and longer[at : at + span] == rest[made : made + span]:
+                return True
+    return False
+
+
+# Messages of its own a request may start its kept history with, where a trim cut a tool round
+# in two: each result of parallel calls whose call was trimmed, repaired into a user message
+_MADE_ANEW: Final = 4
 
 
 def shared_links(old: Fingerprint, new: Fingerprint) -> int:

@@ -309,6 +309,41 @@ def test_a_history_trimmed_at_its_start_names_the_message_gone_not_an_edit() -> 
     assert (gone.volatile, gone.volatile_kind) == (False, None)
 
 
+@pytest.mark.parametrize("parallel", [2, 3, 4])
+def test_a_trim_that_cut_a_round_of_parallel_calls_names_the_messages_gone(parallel: int) -> None:
+    """A sliding window cut after an assistant message of parallel calls: each result left
+    without its call is repaired into a user message of cachegate's own, and with two or more
+    of them the trim read as an edit of the task (``messages[1].content``, "Run the tests…"
+    against "[tool result for call_a…]") where one of them read as the messages gone."""
+    calls = [f"call_{c}" for c in "abcd"[:parallel]]
+    round_ = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": c, "type": "function", "function": {"name": "shell", "arguments": "{}"}}
+            for c in calls
+        ],
+    }
+    old = conversation()
+    old["messages"][2:2] = [round_, *(result(c, f"output of {c}") for c in calls)]
+    old["messages"].append({"role": "user", "content": "Now run them again."})
+    new = copy.deepcopy(old)
+    kept = old["messages"][3 + parallel :]
+    made = [{"role": "user", "content": f"[tool result for {c}] output of {c}"} for c in calls]
+    new["messages"] = [old["messages"][0], *made, *kept]
+    divergence = diverge(old, new)
+    assert divergence is not None
+    assert (divergence.location, divergence.index, divergence.field) == ("messages", 1, None)
+    assert (divergence.old_excerpt, divergence.new_excerpt) == (
+        "Run the tests and fix what fails.",
+        "",
+    )
+    # an edit in place stays one: the same made-anew messages with nothing trimmed before them
+    edited = copy.deepcopy(old)
+    edited["messages"][1:2] = made[:1]
+    assert (diverge(old, edited) or divergence).field == "content"
+
+
 def test_timestamp_added_to_system_prompt_is_a_volatile_system_rewrite() -> None:
     old = conversation()
     new = copy.deepcopy(old)
