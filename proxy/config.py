@@ -440,9 +440,27 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
         return number
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"config key '{key}': expected a string, got {_shown(value)}")
+            # (a key written in a variable's name's place, in an array by mistake: its kind,
+            # never its value, as for a string that reads as no variable's name)
+            got = _kind_of(value) if key == "upstream.api_key_env" else _shown(value)
+            raise ConfigError(f"config key '{key}': expected a string, got {got}")
         return value
     raise ConfigError(f"config key '{key}': unsupported type")  # pragma: no cover
+
+
+def _kind_of(value: Any) -> str:
+    """What TOML calls a value's type, with an article: ``an array``, ``a table``."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, Mapping):
+        return "a table"
+    return "a date or time"
 
 
 def _shown(value: Any) -> str:

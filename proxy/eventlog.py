@@ -1311,11 +1311,48 @@ def _as_written(secrets: Iterable[str]) -> tuple[bytes, ...]:
 
 def _without(line: bytes, secrets: Iterable[bytes]) -> bytes:
     """``line`` with each of ``secrets`` replaced (a search in place, at memory speed; a copy
-    only where one is found)."""
+    only where one is found), and a piece of one where a text was cut through it: its first
+    ``_PIECE`` bytes or more at the end of a cut (a provider's error cut at 300 characters, the
+    extractive summary's quotes, an answer whose client left mid-key), its last ones at a
+    cut's start."""
     for secret in secrets:
         if line.find(secret) >= 0:
             line = line.replace(secret, _REDACTED_BYTES)
+        if len(secret) > _PIECE:
+            if line.find(secret[:_PIECE]) >= 0:
+                line = _without_pieces(line, secret, True)
+            if line.find(secret[-_PIECE:]) >= 0:
+                line = _without_pieces(line, secret, False)
     return line
+
+
+# The shortest piece of a key taken out where it is not whole (twelve of a key's characters:
+# none a text holds by chance; fewer left at a cut say next to nothing of it)
+_PIECE: Final = 12
+
+
+def _without_pieces(line: bytes, secret: bytes, head: bool) -> bytes:
+    """``line`` with each run of ``secret``'s start (``head``), or of its end, of ``_PIECE``
+    bytes or more replaced, each as long as it goes on as the secret does."""
+    needle = secret[:_PIECE] if head else secret[-_PIECE:]
+    out: list[bytes] = []
+    at = done = 0
+    while (found := line.find(needle, at)) >= 0:
+        if head:
+            start, end = found, found + _PIECE
+            while (
+                end < len(line) and end - start < len(secret) and line[end] == secret[end - start]
+            ):
+                end += 1
+        else:
+            start, end = found, found + _PIECE
+            back = len(secret) - _PIECE  # where the needle lies in the secret
+            while start > done and back > 0 and line[start - 1] == secret[back - 1]:
+                start, back = start - 1, back - 1
+        out += (line[done:start], _REDACTED_BYTES)
+        at = done = end
+    out.append(line[done:])
+    return b"".join(out)
 
 
 class _Lost(NamedTuple):

@@ -145,6 +145,18 @@ def test_a_value_of_the_wrong_type_is_shown_as_the_file_spells_it() -> None:
             settings_from_mapping(data)
 
 
+def test_a_key_written_where_the_variables_name_goes_is_never_shown_whatever_its_type() -> None:
+    """``api_key_env = ["sk-…"]`` (a key, in an array by mistake): the refusal printed the
+    key on the terminal, where a key written as a string is never shown."""
+    key = "SRVTOKENoaXmI63JozGw82KwD6rQJM9UayY20948VGZiHXJn"
+    for value, kind in (([key], "an array"), ({"key": key}, "a table"), (12345678, "an integer")):
+        with pytest.raises(ConfigError) as refused:
+            settings_from_mapping({"upstream": {"api_key_env": value}})
+        said = str(refused.value)
+        assert said.endswith(f"'upstream.api_key_env': expected a string, got {kind}"), said
+        assert key not in said and "12345678" not in said
+
+
 def test_an_empty_log_dir_is_fine_when_logging_is_off() -> None:
     settings = settings_from_mapping({"logging": {"enabled": False, "dir": ""}})
     assert settings.logging.enabled is False

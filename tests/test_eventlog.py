@@ -1547,6 +1547,39 @@ def test_a_known_secret_a_pattern_would_take_only_part_of_is_taken_whole(
     )
 
 
+def test_a_piece_of_a_known_key_where_a_text_was_cut_through_it_is_taken_out(
+    log_dir: Path, writers
+) -> None:
+    """Texts cachegate cuts itself cut keys with them, and the piece left was written: a
+    provider's error cut at 300 characters (a client's key with a ``:`` echoed near the end, an
+    HTML page echoing the server's key past the bytes read), the extractive summary's quotes of
+    a tool's output, an answer whose client hung up mid-key. No pattern knows these keys."""
+    configured = "SRVTOKENoaXmI63JozGw82KwD6rQJM9UayY20948VGZiHXJn"
+    own = "PARTONEabcd1234:PARTTWOefgh5678xyz"
+    w = started(writers, log_dir, secrets=[configured])
+    cut = {
+        "error": f"upstream answered 401: Invalid key {own[:16]}…",
+        "summary": f"- tool output: dashboard value: {configured[:39]}…",
+        "answer": f"Writing .env: GATEWAY_TOKEN is {configured[:30]}",
+        "excerpt": f"…{configured[20:]} is the token",
+    }
+    for n, text in enumerate(cut.values()):
+        w.emit("s", {"ts": 1.0 + n, "type": "error", "message": text}, False, (own,))
+    w.emit("s", {"ts": 9.0, "type": "error", "message": f"short {configured[:11]} stays"})
+    assert w.close()
+    raw = (log_dir / "s.jsonl").read_bytes()
+    for piece in (configured[:12], configured[-12:], own[:12]):
+        assert piece.encode() not in raw
+    messages = [e["message"] for e in read_events(log_dir / "s.jsonl").events]
+    assert messages == [
+        "upstream answered 401: Invalid key [REDACTED]…",
+        "- tool output: dashboard value: [REDACTED]…",
+        "Writing .env: GATEWAY_TOKEN is [REDACTED]",
+        "…[REDACTED] is the token",
+        f"short {configured[:11]} stays",  # (eleven characters say next to nothing of it)
+    ]
+
+
 def test_a_clients_key_that_holds_the_configured_one_is_taken_whole(log_dir: Path, writers) -> None:
     """The configured key replaced first left the rest of a client's longer key that holds it
     (``[REDACTED]-DDDDEEEEFFFF``); the other way round as well. Longest first."""
