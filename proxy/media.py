@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import binascii
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -34,6 +35,10 @@ _SOF: Final = frozenset(
 )
 _JPEG_READ: Final = (1 << 12, 1 << 16)  # bytes decoded, again with more, to find a frame
 _MAX_SIDE: Final = 1 << 16
+_URL_SAFE: Final = str.maketrans("-_", "+/")
+_BASE64: Final = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+_NO_LENGTH: Final = frozenset((0x01, *range(0xD0, 0xD8)))  # JPEG markers without a length
+_SEGMENTS: Final = 64  # JPEG markers walked at most before a frame (real files: under 20)
 
 
 def tile_tokens(width: int, height: int) -> int:
@@ -92,6 +97,11 @@ def _head(b64: str, start: int, count: int) -> bytes:
     text = b64[start : start + chars]
     if not text.isascii():
         return b""
+    if _BASE64.fullmatch(text) is None:
+        # lines wrapped (MIME's 76 columns, CRLF), or the URL-safe alphabet: read again with
+        # room for the white space, which is taken out
+        text = "".join(b64[start : start + 2 * chars + 64].split())[:chars]
+        text = text.translate(_URL_SAFE)
     text = text[: len(text) - len(text) % 4]
     try:
         return binascii.a2b_base64(text)
@@ -140,14 +150,16 @@ def _jpeg_size(data: bytes) -> tuple[tuple[int, int] | None, bool]:
     """A JPEG's size from its first start-of-frame segment, and whether more bytes could still
     hold it (the walk ran past what was given)."""
     at, end = 2, len(data)
-    while at + 4 <= end:
+    for _ in range(_SEGMENTS):  # (fill bytes or restart markers by the thousand: given up)
+        if at + 4 > end:
+            return None, True
         if data[at] != 0xFF:
             return None, False  # not at a marker: not a JPEG this walk understands
         marker = data[at + 1]
         if marker == 0xFF:  # fill byte
             at += 1
             continue
-        if marker in (0x01, *range(0xD0, 0xD8)):  # markers without a length
+        if marker in _NO_LENGTH:
             at += 2
             continue
         if marker in (0xD9, 0xDA):  # end of image, start of scan: no frame before them
@@ -159,4 +171,4 @@ def _jpeg_size(data: bytes) -> tuple[tuple[int, int] | None, bool]:
             width = int.from_bytes(data[at + 7 : at + 9], "big")
             return (width, height), False
         at += 2 + int.from_bytes(data[at + 2 : at + 4], "big")
-    return None, True
+    return None, False

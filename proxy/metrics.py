@@ -522,9 +522,13 @@ class Metrics:
         overhead_s: float,
         ttfb_s: float | None,
         usage: Usage | None,
+        measured: bool = False,
     ) -> None:
         """``observe_request``, ``observe_overhead``, ``observe_ttfb`` and ``observe_usage`` for
-        one exchange at once: the series an exchange updates depend only on its route, model and
+        one exchange at once (``measured``: its cache read is known though its usage had no
+        cache fields, a miss the accounting counted as a read of 0 after the session's answers
+        had them: Gemini's OpenAI endpoint sends none on a miss). The series an exchange updates
+        depend only on its route, model and
         status, so they are looked up once per combination and kept (a few dozen combinations in
         practice, bounded as the model labels are)."""
         try:
@@ -549,7 +553,7 @@ class Metrics:
         if min(usage.prompt, usage.completion, usage.cache_read, usage.cache_write) < 0:
             self.observe_usage(model, usage)  # refuses and logs, as it always has
             return
-        self._count_usage(usage_cells, usage)
+        self._count_usage(usage_cells, usage, measured)
 
     def _cells_for(self, route: str, model: str | None, status: int) -> tuple[Any, ...]:
         label = self.model_label(model)
@@ -612,7 +616,10 @@ class Metrics:
         )
 
     def _count_usage(
-        self, cells: tuple[tuple[list[float], ...], tuple[list[float], ...]], usage: Usage
+        self,
+        cells: tuple[tuple[list[float], ...], tuple[list[float], ...]],
+        usage: Usage,
+        measured: bool = False,
     ) -> None:
         tokens, gen_ai = cells
         prompt, completion = usage.prompt, usage.completion
@@ -624,8 +631,9 @@ class Metrics:
         observe = self.gen_ai_token_usage.observe
         observe(gen_ai[0], prompt)
         observe(gen_ai[1], completion)
-        if usage.reported_cache:
+        if usage.reported_cache or measured:  # (a hit ratio's denominator, as sessions list's)
             tokens[4][0] += prompt
+        if usage.reported_cache:
             observe(gen_ai[2], read)
         if usage.reported_cache_write:  # OpenAI reports no writes: not a stream of zeros
             observe(gen_ai[3], write)
@@ -744,8 +752,16 @@ class MetricsObserver:
         m = self.metrics
         if ex.stream:
             m.stream_finished()
+        cache = ex.cache  # (the accounting's, which runs first: a miss it measured)
         m.observe_exchange(
-            ex.route, ex.model, ex.status, ex.duration_s, ex.overhead_s, ex.ttfb_s, ex.usage
+            ex.route,
+            ex.model,
+            ex.status,
+            ex.duration_s,
+            ex.overhead_s,
+            ex.ttfb_s,
+            ex.usage,
+            cache is not None and (cache.get("expected") or 0) > 0,
         )
         if ex.repairs:
             m.observe_repairs(str(r.get("kind")) for r in ex.repairs)

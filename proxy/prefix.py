@@ -900,7 +900,10 @@ MEDIA_PART_TYPES: Final = frozenset({"image_url", "input_image", "image", "input
 
 
 def _is_media(part: Any) -> bool:
-    return isinstance(part, Mapping) and part.get("type") in MEDIA_PART_TYPES
+    if not isinstance(part, Mapping):
+        return False
+    kind = part.get("type")  # (a list or an object there: not hashed, no media)
+    return type(kind) is str and kind in MEDIA_PART_TYPES
 
 
 def _common_run(most: int, same: Callable[[int], bool]) -> int:

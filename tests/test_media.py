@@ -143,3 +143,25 @@ def test_each_shape_of_an_image_part_and_what_has_no_size() -> None:
         "an image",
     ):
         assert image_tokens(part) is None, part
+
+
+def test_base64_wrapped_in_lines_or_url_safe_is_read() -> None:
+    """MIME's 76-column lines (CRLF), a leading space, the URL-safe alphabet: the estimate fell
+    back to 1,600 tokens for a screenshot it could size."""
+    data = png(1280, 800, noisy_rows=2)
+    plain = b64(data)
+    wrapped = "\r\n".join(plain[i : i + 76] for i in range(0, len(plain), 76))
+    urlsafe = base64.urlsafe_b64encode(data).decode()
+    for text in (wrapped, " " + plain, urlsafe):
+        assert image_size(text) == (1280, 800)
+
+
+def test_a_jpeg_walk_gives_up_past_64_markers() -> None:
+    """Fill bytes or restart markers by the thousand before a frame (no camera writes them):
+    each image's walk took ~10 ms of the event loop, a request of a hundred such stalled every
+    other for a second. Real files reach their frame within twenty markers."""
+    restarts = b"\xff\xd8" + b"\xff\xd0" * 64 + jpeg(1280, 800)[2:]
+    fill = b"\xff\xd8" + b"\xff" * 70 + jpeg(1280, 800)[2:]
+    assert image_size(b64(restarts)) is None and image_size(b64(fill)) is None
+    near = b"\xff\xd8" + b"\xff\xd0" * 40 + jpeg(1280, 800)[2:]
+    assert image_size(b64(near)) == (1280, 800)

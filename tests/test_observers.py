@@ -1044,6 +1044,20 @@ def test_a_screenshot_taken_out_weighs_what_its_size_costs(
     assert whole - image_tokens - 20 <= ex.cache["expected"] <= whole - image_tokens + 20
 
 
+def test_a_part_whose_type_is_a_list_is_no_image_and_breaks_no_accounting() -> None:
+    """``{"type": ["image_url"]}`` in an edited message: the media check hashed the list
+    (TypeError) and the exchange went unaccounted."""
+    acc = _Accounting()
+    odd = {"type": ["image_url"], "image_url": {"url": "data:image/png;base64,AAAA"}}
+    first = {"role": "user", "content": [{"type": "text", "text": "look " * 2000}, odd]}
+    history = [_system("browser agent"), first, *msgs("clicked", "next")]
+    whole = estimate_tokens(history)
+    acc.send(history, whole, 0)
+    edited = {"role": "user", "content": [{"type": "text", "text": "look " * 1999}, odd]}
+    ex = acc.send([history[0], edited, *history[2:], *msgs("typed", "go on")], whole, 0)
+    assert ex.cache is not None and ex.cache["cause"] == "prefix_rewrite"
+
+
 def test_openais_24_hour_retention_is_the_ttl_of_a_request_that_asks_for_it() -> None:
     """``prompt_cache_retention: "24h"``: after 25 minutes idle the date in the system prompt
     changed; the miss was blamed on the TTL and the timestamp never named."""

@@ -305,6 +305,30 @@ def test_an_image_costs_what_openai_bills_for_its_size_not_its_base64() -> None:
     assert request_tokens(body(shot(8))) == same and same[:3] == other[:3] and same[3] != other[3]
 
 
+def test_an_images_tokens_stay_when_a_cache_mark_moves_off_it() -> None:
+    """Claude-style clients move their breakpoint on to the latest message each turn: an image
+    that lost its ``cache_control`` became other tokens, a miss of it and all after it
+    (~1,500 tokens of "unexplained" waste through cachegate). A part whose ``type`` is a
+    list is text, not a 500."""
+    import base64
+
+    from tests.test_media import png
+
+    url = "data:image/png;base64," + base64.b64encode(png(768, 2000, noisy_rows=4)).decode()
+    marked = {
+        "type": "image_url",
+        "image_url": {"url": url},
+        "cache_control": {"type": "ephemeral"},
+    }
+    plain = {"type": "image_url", "image_url": {"url": url}}
+
+    def tokens(part: Any) -> list[bytes]:
+        return request_tokens(chat_body([{"role": "user", "content": [part]}]))
+
+    assert tokens(marked) == tokens(plain)
+    assert len(tokens({"type": ["image_url"], "image_url": {"url": url}})) > 3
+
+
 def test_the_tokenizer_counts_a_body_as_deep_as_cachegate_forwards() -> None:
     """Arguments nested past orjson's 254 levels (cachegate forwards up to 1,024): the
     simulator answered 500 (orjson's "Recursion limit reached") to a body cachegate had

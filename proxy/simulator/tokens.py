@@ -15,8 +15,9 @@ Rules:
   text), then each message in order: a fixed overhead of
   3 tokens (start, role, end) around its ``name``, its content (a string, or the text of a list's
   text parts, an image as OpenAI bills it for its size, ``proxy.media``: 1,105 tokens for a 1280
-  x 800 screenshot, not its base64; 765 where the size is not read, an image by URL; other parts
-  as compact JSON), its tool calls (id, function name, arguments) and its ``tool_call_id``.
+  x 800 screenshot, not its base64; 765 where the size is not read, an image by URL; other parts,
+  audio and files among them, as compact JSON), its tool calls (id, function name, arguments)
+  and its ``tool_call_id``.
   ``prompt_tokens`` is the length of that sequence.
 - A reply costs the tokens of its content plus, per tool call, those of its name and arguments.
 - Claude (``anthropic-compat``) caches a request's tokens only up to its last ``cache_control``
@@ -26,19 +27,13 @@ Rules:
 from __future__ import annotations
 
 import re
-import zlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
 from proxy.media import image_tokens
-from proxy.prefix import (  # tools as a provider renders them
-    MEDIA_PART_TYPES,
-    cache_mark,
-    deep_dumps,
-    tools_json,
-)
+from proxy.prefix import cache_mark, deep_dumps, tools_json  # tools as a provider renders them
 
 MESSAGE_OVERHEAD = 3
 UNKNOWN_IMAGE_TOKENS = 765  # a media part whose size is not read: a 1024 x 1024 image's
@@ -90,16 +85,35 @@ def _part_tokens(part: Any) -> list[bytes]:
     """The tokens of one part of a content list: a text part's text, an image by its size (as
     OpenAI bills it: ``proxy.media.image_tokens``), anything else as compact JSON."""
     if isinstance(part, Mapping):
-        if part.get("type") == "text":
+        kind = part.get("type")
+        if kind == "text":
             return tokenize(_as_text(part.get("text", "")))
-        if part.get("type") in MEDIA_PART_TYPES:
+        if type(kind) is str and kind in _IMAGE_TYPES:
             count = image_tokens(part)
             if count is None:  # by URL, or no image format read: what a usual one costs
                 count = UNKNOWN_IMAGE_TOKENS
-            # (one mark per image, repeated: the same image is the same tokens; another, other)
-            mark = b"<|image:%08x|>" % zlib.crc32(orjson.dumps(part))
+            try:  # (one mark per image, repeated: the same image, the same tokens)
+                mark = b"<|image:%x|>" % (hash(_identity(part)) & 0xFFFFFFFFFFFFFFFF)
+            except RecursionError:  # (a part nested past the interpreter's stack)
+                return tokenize(_as_text(part))
             return [mark] * count
     return tokenize(_as_text(part))
+
+
+_IMAGE_TYPES: Final = frozenset({"image_url", "input_image", "image"})
+
+
+def _identity(value: Any) -> Any:
+    """What makes an image part that image: its values, without a ``cache_control`` mark (a
+    client moves it on to a later part each turn: the image stays the same tokens); its
+    strings hashed as they are (a data URL of megabytes is neither serialized nor copied)."""
+    if isinstance(value, Mapping):
+        return tuple(
+            sorted((str(k), _identity(v)) for k, v in value.items() if k != "cache_control")
+        )
+    if isinstance(value, list):
+        return tuple(_identity(v) for v in value)
+    return value
 
 
 def message_tokens(message: Mapping[str, Any]) -> list[bytes]:
