@@ -361,9 +361,18 @@ class Compactor:
             extra += tools_tokens
         aim = window * cfg.trigger_percent / 100 * TARGET_SHARE
         if plan.cut is not None and not self._fits(messages, plan.cut, aim, extra):
-            # Keeping the launching message verbatim would leave the history over its aim:
-            # give up the anchor rather than forward a compaction that does not compact.
-            plan = shrunk(cfg.keep_recent, anchor=False)
+            # Keeping the launching message verbatim with as many latest messages leaves the
+            # history over its aim: fewer of them with it (half, then half again) where that
+            # comes under it, else give up the anchor rather than forward a compaction that
+            # does not compact (a long pasted task was summarized where it fitted beside the
+            # latest four messages).
+            keep, fewer = cfg.keep_recent, None
+            while keep > 1 and fewer is None:
+                keep //= 2
+                smaller = shrunk(keep, anchor=True)
+                if smaller.cut is not None and self._fits(messages, smaller.cut, aim, extra):
+                    fewer = smaller
+            plan = fewer if fewer is not None else shrunk(cfg.keep_recent, anchor=False)
         # The latest messages alone fill the aim (large tool outputs, a small window): keep
         # fewer of them, the launching message still verbatim where that fits, rather than
         # compact again on the next turn. Where a session not compacted yet has too little

@@ -1040,6 +1040,33 @@ def test_the_task_stays_verbatim_when_the_latest_round_alone_is_over_the_aim(
     assert all(sent[:2] == msgs[:2] for sent in chats)
 
 
+def test_a_long_task_stays_verbatim_beside_fewer_latest_messages_where_that_fits(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """A 30,000-character task pasted as the launching message: with the eight latest messages
+    beside it the compacted history was 65 tokens over its aim, and the task was summarized
+    at once, though it fitted beside the latest four (the README's promise: verbatim wherever
+    that fits)."""
+    task = "TASK: port the CLI to click, keeping every flag. " + "Spec line. " * 2700
+    with run_simulator(SimConfig(context_window=20_000)) as small:
+        config = {
+            "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 8},
+            "models": {MODEL: {"context_window": 20_000}},
+        }
+        proxy = proxy_factory(small.api_base, config)
+        msgs = [{"role": "system", "content": "You are a careful agent."}]
+        msgs.append({"role": "user", "content": task})
+        for i in range(16):  # the latest four rounds over the aim beside it, two under
+            msgs += _parallel_round(i, 1, 2400)
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "long-task"}
+        )
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        forwarded = small.sim.requests[-1].body["messages"]
+        assert forwarded[1] == {"role": "user", "content": task}
+        assert any(str(m.get("content", "")).startswith("[cachegate summary]") for m in forwarded)
+
+
 def test_a_long_launching_message_gives_way_when_nothing_comes_under_the_aim(
     sdk: Any, proxy_factory: Any
 ) -> None:
