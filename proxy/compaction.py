@@ -266,12 +266,15 @@ def message_text(message: Message) -> str:
         texts = [
             part["text"]
             for part in content
-            if isinstance(part, dict)
-            and part.get("type") in _TEXT_PART_TYPES
-            and isinstance(part.get("text"), str)
+            if isinstance(part, dict) and _is_text_part(part) and isinstance(part.get("text"), str)
         ]
         return "\n".join(texts)
     return ""
+
+
+def _is_text_part(part: dict[str, Any]) -> bool:
+    kind = part.get("type")  # (a list or an object there is no text: not hashed)
+    return type(kind) is str and kind in _TEXT_PART_TYPES
 
 
 def content_chars(message: Message) -> int:
@@ -380,9 +383,7 @@ def _media_only(message: Message) -> bool:
     return (
         isinstance(content, list)
         and bool(content)
-        and not any(
-            isinstance(part, dict) and part.get("type") in _TEXT_PART_TYPES for part in content
-        )
+        and not any(isinstance(part, dict) and _is_text_part(part) for part in content)
     )
 
 
@@ -482,8 +483,7 @@ def render_transcript(messages: Sequence[Message], *, max_tool_chars: int = 2000
         if text:
             lines.append(text)
         if isinstance(message.get("content"), list) and any(
-            isinstance(p, dict) and p.get("type") not in _TEXT_PART_TYPES
-            for p in message["content"]
+            isinstance(p, dict) and not _is_text_part(p) for p in message["content"]
         ):
             lines.append("[non-text content omitted]")
         for call in _tool_calls(message):

@@ -504,7 +504,8 @@ class EventLogWriter:
                 in_hand = batch  # what a crash below would lose, to be counted
                 made: list[_Made] = []  # what the secret scan may have to redact
                 # lines to take exact values out of, with their own keys (a client's)
-                exact: list[tuple[list[bytes], int, tuple[str, ...]]] = []
+                # (and whether it may hold a text cachegate cut: ``_cut_texts``)
+                exact: list[tuple[list[bytes], int, tuple[str, ...], bool]] = []
                 # Meta lines not written (the file, an earlier process's, has its own): kept
                 # all the same, to begin the file anew should it go (removed, rotated).
                 kept_metas: dict[str, list[bytes]] = {}
@@ -524,7 +525,7 @@ class EventLogWriter:
                         if self.redact_secrets:
                             made.append((session_id, lines, len(lines), encoded[1]))
                         if secrets or self._secrets:
-                            exact.append((lines, len(lines), secrets))
+                            exact.append((lines, len(lines), secrets, _cut_texts(event)))
                         lines.append(encoded[0])
                     if (
                         self.fsync == "line"
@@ -539,9 +540,9 @@ class EventLogWriter:
                 # A line's own keys with the configured ones, longest first (one may hold
                 # another: the shorter replaced first would leave the rest of the longer);
                 # each line searched once.
-                for lines, at, secrets in exact:
+                for lines, at, secrets, cut in exact:
                     keys = self._keys_written(secrets) if secrets else self._secrets
-                    lines[at] = _without(lines[at], keys)
+                    lines[at] = _without(lines[at], keys, cut)
                 if made:
                     self._redact(made)
                 for session_id, lines in kept_metas.items():
@@ -1309,16 +1310,32 @@ def _as_written(secrets: Iterable[str]) -> tuple[bytes, ...]:
     return tuple(sorted(written, key=len, reverse=True))
 
 
-def _without(line: bytes, secrets: Iterable[bytes]) -> bytes:
+def _cut_texts(event: Any) -> bool:
+    """Whether a line may hold a text cachegate cut (an answer, an error, a summary, an
+    excerpt): all but a request's, whose texts are the client's, unless cachegate compacted it
+    (a summary's quotes) or sent it again without its usage option (the refusal's text). (A
+    request line is an agent's whole history: 600 KB searched twice more for each key's pieces
+    cost ~0.4 ms of the writer a line.)"""
+    if type(event) is not dict or event.get("type") != "request":
+        return True
+    transforms = event.get("transforms")
+    return isinstance(transforms, dict) and (
+        "compacted" in transforms or "usage_not_asked" in transforms
+    )
+
+
+def _without(line: bytes, secrets: Iterable[bytes], pieces: bool = True) -> bytes:
     """``line`` with each of ``secrets`` replaced (a search in place, at memory speed; a copy
     only where one is found), and a piece of one where a text was cut through it: its first
-    ``_PIECE`` bytes or more at the end of a cut (a provider's error cut at 300 characters, the
-    extractive summary's quotes, an answer whose client left mid-key), its last ones at a
-    cut's start."""
+    ``_PIECE`` bytes or more at the end of a text (a provider's error cut at 300 characters,
+    the extractive summary's quotes, an answer whose client left mid-key), its last ones at a
+    start (an excerpt's), ``_CUT_EDGES`` marking the ends. A piece inside a text is no cut:
+    other keys of a provider share a key's first characters (``sk-ant-api03-``), and the
+    patterns take those whole."""
     for secret in secrets:
         if line.find(secret) >= 0:
             line = line.replace(secret, _REDACTED_BYTES)
-        if len(secret) > _PIECE:
+        if pieces and len(secret) > _PIECE and secret.isascii() and b"\\" not in secret:
             if line.find(secret[:_PIECE]) >= 0:
                 line = _without_pieces(line, secret, True)
             if line.find(secret[-_PIECE:]) >= 0:
@@ -1327,30 +1344,39 @@ def _without(line: bytes, secrets: Iterable[bytes]) -> bytes:
 
 
 # The shortest piece of a key taken out where it is not whole (twelve of a key's characters:
-# none a text holds by chance; fewer left at a cut say next to nothing of it)
+# fewer left at a cut say next to nothing of it)
 _PIECE: Final = 12
+# What ends a text cachegate cut, or starts one, in a line: a JSON string's quote, the
+# ellipsis it puts at a cut, a line end (``_clip_middle``'s note, a summary's next line)
+_CUT_EDGES: Final = (b'"', "…".encode(), b"\\n")
 
 
 def _without_pieces(line: bytes, secret: bytes, head: bool) -> bytes:
-    """``line`` with each run of ``secret``'s start (``head``), or of its end, of ``_PIECE``
-    bytes or more replaced, each as long as it goes on as the secret does."""
+    """``line`` with each run of ``secret``'s start (``head``) of ``_PIECE`` bytes or more that
+    ends at a cut's edge (``_CUT_EDGES``), or each run of its end that starts at one, replaced.
+    (ASCII keys without escapes only: a run then ends at a character's edge.)"""
     needle = secret[:_PIECE] if head else secret[-_PIECE:]
     out: list[bytes] = []
     at = done = 0
     while (found := line.find(needle, at)) >= 0:
+        start, end = found, found + _PIECE
         if head:
-            start, end = found, found + _PIECE
             while (
                 end < len(line) and end - start < len(secret) and line[end] == secret[end - start]
             ):
                 end += 1
+            cut = line.startswith(_CUT_EDGES, end)
         else:
-            start, end = found, found + _PIECE
             back = len(secret) - _PIECE  # where the needle lies in the secret
             while start > done and back > 0 and line[start - 1] == secret[back - 1]:
                 start, back = start - 1, back - 1
-        out += (line[done:start], _REDACTED_BYTES)
-        at = done = end
+            cut = line.endswith(_CUT_EDGES, done, start)
+        if cut:
+            out += (line[done:start], _REDACTED_BYTES)
+            done = end
+        at = end if cut else found + 1
+    if not out:
+        return line
     out.append(line[done:])
     return b"".join(out)
 

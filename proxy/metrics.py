@@ -752,7 +752,6 @@ class MetricsObserver:
         m = self.metrics
         if ex.stream:
             m.stream_finished()
-        cache = ex.cache  # (the accounting's, which runs first: a miss it measured)
         m.observe_exchange(
             ex.route,
             ex.model,
@@ -761,7 +760,7 @@ class MetricsObserver:
             ex.overhead_s,
             ex.ttfb_s,
             ex.usage,
-            cache is not None and (cache.get("expected") or 0) > 0,
+            ex.cache_known,  # (the accounting's, which runs first)
         )
         if ex.repairs:
             m.observe_repairs(str(r.get("kind")) for r in ex.repairs)

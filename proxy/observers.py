@@ -770,6 +770,7 @@ class AccountingObserver:
             ),
         )
         extra["cache"] = new_state
+        ex.cache_known = new_state.has_reported
         ex.cache = {
             "expected": result.expected,
             "read": result.read,

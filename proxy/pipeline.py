@@ -98,6 +98,9 @@ class Exchange:
     error: str | None = None
     upstream_error: str | None = None  # connect, timeout, status, midstream, invalid, error_event
     cache: dict[str, Any] | None = None
+    # Its cache read known (the accounting's): reported, or left out after the session's answers
+    # had the fields, a read of 0 (Gemini's OpenAI endpoint leaves them out of a miss)
+    cache_known: bool = False
     cost: dict[str, Any] | None = None
     # Where the forwarded prefix first differs from the session's previous request (accounting
     # notes it for the response's log line; the request's transforms stay as the request had them)

@@ -284,7 +284,10 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
 def leading_system_count(messages: Sequence[Any]) -> int:
     """How many leading messages are system (or developer) messages."""
     count = 0
-    while count < len(messages) and _role(messages[count]) in SYSTEM_ROLES:
+    while count < len(messages):
+        role = _role(messages[count])
+        if type(role) is not str or role not in SYSTEM_ROLES:  # (a list there: not hashed)
+            break
         count += 1
     return count
 

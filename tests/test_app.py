@@ -504,6 +504,32 @@ def test_the_first_refusal_of_each_status_cachegate_answers_itself_shows_in_a_ra
     assert proxy.metric("cachegate_requests_total", relayed_501) == 1
 
 
+def test_a_role_or_part_type_that_is_no_string_gets_the_providers_answer_not_a_500(
+    sim: RunningSimulator, proxy_factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``"role": ["system"]`` once in a session: the next request of that session was compared
+    with it, hashed the list (TypeError), and every later request got cachegate's 500 "failed
+    to process this request" where the provider would answer (a 400 for the bad role, a 200
+    for a text part whose type is a list); the first one's accounting failed too."""
+    proxy = proxy_factory(sim.api_base)
+    url, headers = proxy.base_url + "/chat/completions", {"X-Session-Id": "odd-roles"}
+    bodies = [
+        [{"role": ["system"], "content": "x"}, {"role": "user", "content": "hi"}],
+        [{"role": "user", "content": [{"type": ["text"], "text": "hi"}]}],
+        [{"role": {"a": 1}, "content": "hi"}],
+        [{"role": "user", "content": "hello"}],
+    ]
+    with caplog.at_level(logging.ERROR):
+        answers = [
+            httpx.post(url, json={"model": "gpt-4o", "messages": m}, headers=headers)
+            for m in bodies
+        ]
+        proxy.settle()
+    assert [a.status_code for a in answers] == [400, 200, 400, 200]
+    assert "Invalid value" in answers[0].json()["error"]["message"]  # the provider's words
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+
+
 def _post_chunked_with_late_trailers(url: str, path: str, body: bytes, trailers: bytes) -> bytes:
     """A chunked request whose trailer fields arrive 0.3 s after its body; the raw answer."""
     import socket

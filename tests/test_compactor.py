@@ -1464,6 +1464,19 @@ def test_a_compaction_that_fails_lets_the_request_go_as_it_is(
     assert sim.sim.requests[-1].body["messages"] == msgs
 
 
+def test_a_part_whose_type_is_a_list_is_compacted_with_the_rest(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """``{"type": ["text"], …}`` in a history over the trigger: the text check hashed the list
+    (TypeError), the compaction failed and the request went as it was, over the window."""
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    msgs = history(18)
+    msgs[3] = {**msgs[3], "content": [{"type": ["text"], "text": "odd part"}]}
+    raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(model=MODEL, messages=msgs)
+    assert raw.http_response.status_code == 200
+    assert raw.headers["x-cachegate-compacted"] == "1"
+
+
 def test_the_summary_request_fits_the_summarizer_models_own_window(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:

@@ -1566,7 +1566,19 @@ def test_a_piece_of_a_known_key_where_a_text_was_cut_through_it_is_taken_out(
     for n, text in enumerate(cut.values()):
         w.emit("s", {"ts": 1.0 + n, "type": "error", "message": text}, False, (own,))
     w.emit("s", {"ts": 9.0, "type": "error", "message": f"short {configured[:11]} stays"})
+    # A request's texts are the client's, cut by no one here (not searched: an agent's history
+    # of 600 KB), but for a compaction's summary in it
+    said = [{"role": "assistant", "content": cut["answer"]}]
+    w.emit("r", request_event(1, None, 0, said))
+    compacted = request_event(2, None, 0, said)
+    compacted["transforms"] = {"compacted": {"summary_chars": 100}}
+    w.emit("r", compacted)
     assert w.close()
+    requests = read_events(log_dir / "r.jsonl").events
+    assert [r["appended"][0]["content"] for r in requests] == [
+        cut["answer"],
+        "Writing .env: GATEWAY_TOKEN is [REDACTED]",
+    ]
     raw = (log_dir / "s.jsonl").read_bytes()
     for piece in (configured[:12], configured[-12:], own[:12]):
         assert piece.encode() not in raw
@@ -1578,6 +1590,24 @@ def test_a_piece_of_a_known_key_where_a_text_was_cut_through_it_is_taken_out(
         "…[REDACTED] is the token",
         f"short {configured[:11]} stays",  # (eleven characters say next to nothing of it)
     ]
+
+
+def test_a_piece_inside_a_text_is_no_cut_and_other_keys_of_its_provider_go_whole(
+    tmp_path: Path, writers
+) -> None:
+    """Every Anthropic key starts with the same 13 characters: taking out the configured key's
+    first 12 wherever they stood turned another key's start into ``[REDACTED]``, its pattern
+    no longer matched, and its ~95-character secret body was written in clear."""
+    configured = "sk-ant-api03-" + "Qw3rTy7uIo9pAs1dFg5hJk2lZx8cVb4nMm6QqWwEeRrTtYyUuIiOoPp-AA"
+    other = "sk-ant-api03-" + "9bKZI2JMKPSQpDI7hd63jfKe0ZzLq8XwVn4Rt5Yu1Io2Pa3Sd4Fg5Hj6Kl-_AA"
+    w = started(writers, tmp_path, secrets=[configured])
+    text = f"BACKUP={other}\ncheck startswith('sk-ant-api03') first"
+    w.emit("s", {"ts": 1.0, "type": "error", "message": text})
+    assert w.close()
+    raw = (tmp_path / "s.jsonl").read_bytes()
+    assert other[13:40].encode() not in raw
+    (event,) = read_events(tmp_path / "s.jsonl").events
+    assert event["message"] == "BACKUP=[REDACTED]\ncheck startswith('sk-ant-api03') first"
 
 
 def test_a_clients_key_that_holds_the_configured_one_is_taken_whole(log_dir: Path, writers) -> None:

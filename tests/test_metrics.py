@@ -382,7 +382,7 @@ def test_a_hit_ratios_denominator_counts_what_sessions_list_counts(
     metrics: Metrics, registry: CollectorRegistry
 ) -> None:
     """Gemini's OpenAI endpoint leaves the cache fields out of a miss: the accounting counts it
-    a read of 0 once the session's answers had them (``cache.expected``), as `sessions list`
+    a read of 0 once the session's answers had them (``cache_known``), as `sessions list`
     does. Counting answers with fields only, the panels read 8,000 of 12,000 (66.7%) where the
     session read 8,000 of 26,000 (30.8%)."""
     observer = MetricsObserver(metrics)
@@ -390,7 +390,7 @@ def test_a_hit_ratios_denominator_counts_what_sessions_list_counts(
     hit = Usage(prompt=12_000, completion=5, cache_read=8_000, reported_cache=True)
     second = exchange(model="gpt-4o", status=200, usage=hit)
     third = exchange(model="gpt-4o", status=200, usage=Usage(prompt=14_000, completion=5))
-    third.cache = {"expected": 12_000, "read": 0, "write": 0, "waste": 12_000, "cause": None}
+    third.cache_known = True  # (the accounting's verdict: the session's answers had the fields)
     for ex in (first, second, third):
         observer.on_response(ex)
     reported = value(registry, "cachegate_cache_reported_prompt_tokens_total", model="gpt-4o")

@@ -14,7 +14,7 @@ from proxy.cache import CacheState
 from proxy.compaction import estimate_tokens
 from proxy.config import settings_from_mapping
 from proxy.eventlog import EventLogWriter, read_events, replay, replay_requests
-from proxy.metrics import Metrics
+from proxy.metrics import Metrics, MetricsObserver
 from proxy.observers import (
     AccountingObserver,
     EventLogObserver,
@@ -1042,6 +1042,33 @@ def test_a_screenshot_taken_out_weighs_what_its_size_costs(
     ex = acc.send([history[0], stripped, *history[2:], *msgs("typed", "go on")], whole, 0)
     assert ex.cache is not None
     assert whole - image_tokens - 20 <= ex.cache["expected"] <= whole - image_tokens + 20
+
+
+def test_the_hit_ratios_denominator_counts_every_answer_sessions_list_counts() -> None:
+    """Gemini's OpenAI endpoint leaves its cache fields out of a miss. `sessions list` counts
+    every answer of a session after its answers have had them, a miss of a new conversation's
+    first request too; the metrics counted only misses with an expected read: 73.6% on the
+    panels where the session read 62.8%."""
+    from prometheus_client import CollectorRegistry
+
+    acc = _Accounting()
+    registry = CollectorRegistry()
+    metrics_observer = MetricsObserver(Metrics(registry, ()))
+    main = [_system("agent " * 2000), *msgs("fix the bug")]
+    answers = [
+        (main, 10_000, 0, True),
+        ([*main, *msgs("looked", "go on")], 12_000, 8_000, True),
+        (msgs("a title for this chat"), 5_000, 0, False),  # another conversation's first
+        ([*main, *msgs("looked", "go on", "done", "next")], 14_000, 0, False),
+    ]
+    for n, (messages, prompt, read, reported) in enumerate(answers, 1):
+        ex = exchange(n, messages)
+        ex.session, ex.started_at, ex.status = acc.state, float(n), 200
+        ex.usage = Usage(prompt, 10, read, 0, reported)
+        acc.observer.on_response(ex)
+        metrics_observer.on_response(ex)
+    name = "cachegate_cache_reported_prompt_tokens_total"  # ("other": no model configured)
+    assert registry.get_sample_value(name, {"model": "other"}) == 41_000
 
 
 def test_a_part_whose_type_is_a_list_is_no_image_and_breaks_no_accounting() -> None:
