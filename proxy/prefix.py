@@ -622,9 +622,9 @@ def _moved(old: Sequence[bytes], new: Sequence[bytes], index: int) -> str | None
 def _carried_later(longer: Sequence[bytes], other: Sequence[bytes], index: int) -> bool:
     """Whether ``other`` from ``index`` on is ``longer`` from a later place on (as far as both
     go), or, with ``other``'s messages from ``index`` on ones ``longer`` never had (up to
-    ``_MADE_ANEW``), whether what follows them is (two messages at least). (The places are found by ``index``, at C speed: this runs for
-    every request that differs from the closest of its session, a sub-agent's beside a long
-    history too.)"""
+    ``_MADE_ANEW``), whether what follows them is (two messages at least). (The places are
+    found by ``index``, at C speed: this runs for every request that differs from the closest
+    of its session, a sub-agent's beside a long history too.)"""
     rest = other[index:]
     count = len(longer)
     at = index

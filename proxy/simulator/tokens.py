@@ -36,7 +36,7 @@ from proxy.media import image_tokens
 from proxy.prefix import cache_mark, deep_dumps, tools_json  # tools as a provider renders them
 
 MESSAGE_OVERHEAD = 3
-UNKNOWN_IMAGE_TOKENS = 765  # a media part whose size is not read: a 1024 x 1024 image's
+UNKNOWN_IMAGE_TOKENS = 765  # an image whose size is not read (one by URL): a 1024 x 1024 one's
 _TOKEN = re.compile(
     rb"[A-Za-z0-9_]{1,4}|[\x80-\xff]{1,4}|[\x21-\x2f\x3a-\x40\x5b-\x5e\x60\x7b-\x7e]{1,4}"
 )
