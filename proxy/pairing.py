@@ -545,7 +545,9 @@ class RepairState:
                 call_id = message.get("tool_call_id")
                 if (call_id is None or call_id == "") and self.run is not None and self.run.idless:
                     return False  # it may answer a call sent without an id: repair afresh
-                if not isinstance(call_id, str) or call_id in appended_ids:
+                if not isinstance(call_id, str):  # (a number: its string, as a call's)
+                    call_id = _number_id(call_id)
+                if call_id is None or call_id in appended_ids:
                     continue
                 owner = owner_of_id.get(call_id)
                 if owner is not None and (
@@ -555,7 +557,11 @@ class RepairState:
                 continue
             calls = _tool_calls(message)
             if calls is not None:
-                appended_ids.update(c["id"] for c in calls if isinstance(c, dict) and _has_id(c))
+                for call in calls:
+                    if isinstance(call, dict):
+                        call_id = call.get("id") if _has_id(call) else _number_id(call.get("id"))
+                        if call_id is not None:
+                            appended_ids.add(call_id)
         return True
 
 

@@ -1196,6 +1196,24 @@ def test_long_arguments_are_parsed_once_per_string_and_the_memo_stays_bounded(
     assert pairing_module._json_verdicts == held
 
 
+@pytest.mark.parametrize("later", ["after_a_turn", "at_once"])
+def test_a_late_result_for_a_number_id_resumes_no_repair_that_would_lose_it(later: str) -> None:
+    """Call ids sent as JSON numbers (a local model's template): a result for call 7 left open
+    an earlier turn was skipped by the resume check (it looked at string ids only), the repair
+    went on from the old state, and the real result was in no message forwarded, the
+    synthetic "interrupted" note in its place, on that turn and every later one."""
+    open_call = {"role": "assistant", "content": None, "tool_calls": [{**call(None), "id": 7}]}
+    history = [user("read a"), open_call]
+    if later == "after_a_turn":
+        history.append(user("and hurry"))
+    _, state = repair_messages_from(history, None)
+    assert state is not None
+    turn = [*history, asst(content="working"), {**tool(None, "CONTENTS OF a"), "tool_call_id": 7}]
+    result, _ = repair_messages_from(turn, state)
+    assert result.messages == repair_messages(turn).messages
+    assert any(m.get("content") == "CONTENTS OF a" for m in result.messages)
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     history=st.one_of(random_histories(), damaged_histories().map(lambda d: d[0])),
