@@ -294,6 +294,8 @@ def is_synthetic(message: Message, prefixes: Sequence[str] = DEFAULT_SYNTHETIC_P
 
 
 def _tool_calls(message: Message) -> list[dict[str, Any]]:
+    if not isinstance(message, dict):  # (null, a number: the provider's to refuse)
+        return []
     calls = message.get("tool_calls")
     if not isinstance(calls, list):
         return []
@@ -401,7 +403,7 @@ def _pair_safe(messages: Sequence[Message], end: int, floor: int) -> int:
             call_id = call.get("id")
             if isinstance(call_id, str):
                 owner_of_id[call_id] = i
-        if message.get("role") == "tool":
+        if isinstance(message, dict) and message.get("role") == "tool":
             call_id = message.get("tool_call_id")
             if isinstance(call_id, str) and call_id in owner_of_id:
                 owners[i] = owner_of_id[call_id]
@@ -885,7 +887,8 @@ def leading_count(messages: Sequence[Message]) -> int:
     while (
         lead < len(messages)
         and isinstance(messages[lead], dict)
-        and messages[lead].get("role") in LEADING_ROLES
+        and type(role := messages[lead].get("role")) is str
+        and role in LEADING_ROLES
     ):
         lead += 1
     return lead

@@ -118,7 +118,7 @@ def _retimed(new: Any, old: Any) -> bool:
     if not (isinstance(new, dict) and isinstance(old, dict)):
         return False
     role = new.get("role")
-    if role not in compaction.LEADING_ROLES or role != old.get("role"):
+    if type(role) is not str or role not in compaction.LEADING_ROLES or role != old.get("role"):
         return False
     before, after = compaction.message_text(old), compaction.message_text(new)
     return prefix.volatile_kind(before, after) is not None
@@ -229,6 +229,8 @@ class Compactor:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return body
+        if not all(type(m) is dict for m in messages):  # (null, a number: no message to plan
+            return body  # with; the provider's to refuse, as without cachegate)
         # (the next turn's trigger compares its history with this one, both as repaired: a
         # synthetic result shifts the client's messages, and the provider's numbers went unused)
         ex.compaction_input = _without_trailing_results(ex, messages)

@@ -504,8 +504,7 @@ class EventLogWriter:
                 in_hand = batch  # what a crash below would lose, to be counted
                 made: list[_Made] = []  # what the secret scan may have to redact
                 # lines to take exact values out of, with their own keys (a client's)
-                # (and whether it may hold a text cachegate cut: ``_cut_texts``)
-                exact: list[tuple[list[bytes], int, tuple[str, ...], bool]] = []
+                exact: list[tuple[list[bytes], int, tuple[str, ...]]] = []
                 # Meta lines not written (the file, an earlier process's, has its own): kept
                 # all the same, to begin the file anew should it go (removed, rotated).
                 kept_metas: dict[str, list[bytes]] = {}
@@ -525,7 +524,7 @@ class EventLogWriter:
                         if self.redact_secrets:
                             made.append((session_id, lines, len(lines), encoded[1]))
                         if secrets or self._secrets:
-                            exact.append((lines, len(lines), secrets, _cut_texts(event)))
+                            exact.append((lines, len(lines), secrets))
                         lines.append(encoded[0])
                     if (
                         self.fsync == "line"
@@ -540,9 +539,9 @@ class EventLogWriter:
                 # A line's own keys with the configured ones, longest first (one may hold
                 # another: the shorter replaced first would leave the rest of the longer);
                 # each line searched once.
-                for lines, at, secrets, cut in exact:
+                for lines, at, secrets in exact:
                     keys = self._keys_written(secrets) if secrets else self._secrets
-                    lines[at] = _without(lines[at], keys, cut)
+                    lines[at] = _without(lines[at], keys)
                 if made:
                     self._redact(made)
                 for session_id, lines in kept_metas.items():
@@ -1310,32 +1309,19 @@ def _as_written(secrets: Iterable[str]) -> tuple[bytes, ...]:
     return tuple(sorted(written, key=len, reverse=True))
 
 
-def _cut_texts(event: Any) -> bool:
-    """Whether a line may hold a text cachegate cut (an answer, an error, a summary, an
-    excerpt): all but a request's, whose texts are the client's, unless cachegate compacted it
-    (a summary's quotes) or sent it again without its usage option (the refusal's text). (A
-    request line is an agent's whole history: 600 KB searched twice more for each key's pieces
-    cost ~0.4 ms of the writer a line.)"""
-    if type(event) is not dict or event.get("type") != "request":
-        return True
-    transforms = event.get("transforms")
-    return isinstance(transforms, dict) and (
-        "compacted" in transforms or "usage_not_asked" in transforms
-    )
-
-
-def _without(line: bytes, secrets: Iterable[bytes], pieces: bool = True) -> bytes:
+def _without(line: bytes, secrets: Iterable[bytes]) -> bytes:
     """``line`` with each of ``secrets`` replaced (a search in place, at memory speed; a copy
     only where one is found), and a piece of one where a text was cut through it: its first
     ``_PIECE`` bytes or more at the end of a text (a provider's error cut at 300 characters,
-    the extractive summary's quotes, an answer whose client left mid-key), its last ones at a
-    start (an excerpt's), ``_CUT_EDGES`` marking the ends. A piece inside a text is no cut:
-    other keys of a provider share a key's first characters (``sk-ant-api03-``), and the
-    patterns take those whole."""
+    the extractive summary's quotes, an answer whose client left mid-key, which its agent sends
+    back in its next request), its last ones at a start (an excerpt's), ``_CUT_EDGES`` marking
+    the ends. A piece inside a text is no cut: other keys of a provider share a key's first
+    characters (``sk-ant-api03-``), and the patterns take those whole. (Each line searched
+    twice more for each key: ~0.4 ms of the writer for an agent's request line of 600 KB.)"""
     for secret in secrets:
         if line.find(secret) >= 0:
             line = line.replace(secret, _REDACTED_BYTES)
-        if pieces and len(secret) > _PIECE and secret.isascii() and b"\\" not in secret:
+        if len(secret) > _PIECE and secret.isascii() and b"\\" not in secret:
             if line.find(secret[:_PIECE]) >= 0:
                 line = _without_pieces(line, secret, True)
             if line.find(secret[-_PIECE:]) >= 0:
@@ -1343,9 +1329,10 @@ def _without(line: bytes, secrets: Iterable[bytes], pieces: bool = True) -> byte
     return line
 
 
-# The shortest piece of a key taken out where it is not whole (twelve of a key's characters:
-# fewer left at a cut say next to nothing of it)
-_PIECE: Final = 12
+# The shortest piece of a key taken out where it is not whole: sixteen of its characters, longer
+# than the start a provider's keys share (``sk-ant-api03-``, ``sk-svcacct-``, ``sk-proj-``), so a
+# text that names that start is left; fewer at a cut say little of a key of 40 or more
+_PIECE: Final = 16
 # What ends a text cachegate cut, or starts one, in a line: a JSON string's quote, the
 # ellipsis it puts at a cut, a line end (``_clip_middle``'s note, a summary's next line)
 _CUT_EDGES: Final = (b'"', "…".encode(), b"\\n")

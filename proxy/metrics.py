@@ -592,7 +592,7 @@ class Metrics:
         overhead.observe(overhead.child(route), s)
 
     @_safe
-    def observe_usage(self, model: str | None, usage: Usage) -> None:
+    def observe_usage(self, model: str | None, usage: Usage, measured: bool = False) -> None:
         """Count the tokens of one exchange, in cachegate's and in the OpenTelemetry GenAI form.
 
         Cache token types enter the GenAI histogram only when the provider reported cache fields,
@@ -600,7 +600,7 @@ class Metrics:
         """
         if min(usage.prompt, usage.completion, usage.cache_read, usage.cache_write) < 0:
             raise ValueError(f"negative token count in {usage!r}")
-        self._count_usage(self._usage_cells(self.model_label(model)), usage)
+        self._count_usage(self._usage_cells(self.model_label(model)), usage, measured)
 
     def _usage_cells(self, label: str) -> tuple[tuple[list[float], ...], tuple[list[float], ...]]:
         """The token counters (``TOKEN_KINDS`` order, then the prompt tokens of answers that

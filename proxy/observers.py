@@ -421,7 +421,10 @@ def _carries_answer(baseline: _Baseline, body: Any) -> bool:
         if (
             ids
             and isinstance(calls, list)
-            and any(isinstance(c, dict) and c.get("id") in ids for c in calls)
+            and any(
+                isinstance(c, dict) and isinstance(c.get("id"), str) and c["id"] in ids
+                for c in calls
+            )
         ):
             return True
     return False
@@ -543,6 +546,10 @@ class AccountingObserver:
         if state is None:
             return
         extra = state.extra
+        held = extra.get("cache")
+        # (a summary call without cache fields after the session's answers had them: a read of
+        # 0 in a hit ratio, as sessions list counts it; this exchange's own answer comes after)
+        reported_before = held is not None and held.has_reported
         body = ex.body
         baselines: list[_Baseline] = extra.get("baselines") or []
         fp = prefix.fingerprint(body, _hash_base(baselines, body))
@@ -692,7 +699,7 @@ class AccountingObserver:
                 # The provider read this prompt (the client left, or the answer broke off,
                 # before any usage): its prefixes' cache life starts again from this request.
                 extra["cache"] = cache.touch(extra.get("cache") or CacheState(), fp, ex.started_at)
-            self._price_summary(ex, None)
+            self._price_summary(ex, None, reported_before)
             return
         # For the compaction trigger: the provider's count, and the client history it was of,
         # as compaction was given it (repaired) (its length, first and last message: a turn of
@@ -795,7 +802,7 @@ class AccountingObserver:
                     cache.waste_cost(usage, pricing, result.unrequested, after=result.waste), 10
                 )
         self.metrics.observe_cost(ex.model, cost.actual, cost.uncached)
-        self._price_summary(ex, cost)
+        self._price_summary(ex, cost, reported_before)
 
     @staticmethod
     def _unmarked(
@@ -832,10 +839,13 @@ class AccountingObserver:
             return too_short
         return lambda: not prefix.has_cache_marker(body)
 
-    def _price_summary(self, ex: Exchange, cost: cache.Cost | None) -> None:
+    def _price_summary(
+        self, ex: Exchange, cost: cache.Cost | None, reported_before: bool = False
+    ) -> None:
         """``ex.cost``: the exchange's ``cost`` plus, when a compaction's summary call reported
         its usage, that call's, at its model's prices. Its tokens and cost count in the metrics
-        under its model."""
+        under its model (its cache read known where it reported one, or where the session's
+        answers had reported theirs before it: ``reported_before``)."""
         actual, uncached = (cost.actual, cost.uncached) if cost is not None else (0.0, 0.0)
         summary = ex.summary_usage
         if summary is not None:
@@ -846,7 +856,7 @@ class AccountingObserver:
                 counted = less(summary, ex.summary_metered)
             if counted is not None:
                 once = cache.compute_cost(counted, pricing) if counted is not summary else extra
-                self.metrics.observe_usage(ex.summary_model, counted)
+                self.metrics.observe_usage(ex.summary_model, counted, reported_before)
                 self.metrics.observe_cost(ex.summary_model, once.actual, once.uncached)
             ex.summary_cost = {"actual": extra.actual, "uncached": extra.uncached}
             actual += extra.actual

@@ -1477,6 +1477,31 @@ def test_a_part_whose_type_is_a_list_is_compacted_with_the_rest(
     assert raw.headers["x-cachegate-compacted"] == "1"
 
 
+@pytest.mark.parametrize(
+    "odd",
+    [{"role": ["system"], "content": "x"}, {"role": {"a": 1}, "content": "x"}, None, 7, "text"],
+    ids=["role-list", "role-object", "null", "number", "string"],
+)
+def test_a_message_of_the_wrong_shape_fails_no_compaction(
+    sim: RunningSimulator, proxy_factory: Any, odd: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A role that is a list or an object, a message that is null, a number or a string, in a
+    history over the trigger: compaction raised (hashing the role, ``.get`` of no object) and
+    logged a traceback every turn. The request goes on to the provider, whose answer it is."""
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    msgs: list[Any] = history(18)
+    msgs.insert(3, odd)
+    with caplog.at_level(logging.ERROR):
+        for _ in range(2):  # (the next turn compares with this one)
+            httpx.post(
+                proxy.base_url + "/chat/completions",
+                json={"model": MODEL, "messages": msgs},
+                headers={"X-Session-Id": "odd"},
+            )
+        proxy.settle()
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+
+
 def test_the_summary_request_fits_the_summarizer_models_own_window(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:

@@ -1565,22 +1565,15 @@ def test_a_piece_of_a_known_key_where_a_text_was_cut_through_it_is_taken_out(
     }
     for n, text in enumerate(cut.values()):
         w.emit("s", {"ts": 1.0 + n, "type": "error", "message": text}, False, (own,))
-    w.emit("s", {"ts": 9.0, "type": "error", "message": f"short {configured[:11]} stays"})
-    # A request's texts are the client's, cut by no one here (not searched: an agent's history
-    # of 600 KB), but for a compaction's summary in it
+    w.emit("s", {"ts": 9.0, "type": "error", "message": f"short {configured[:15]} stays"})
+    # The agent keeps the answer its client cut and sends it back in its next request
     said = [{"role": "assistant", "content": cut["answer"]}]
     w.emit("r", request_event(1, None, 0, said))
-    compacted = request_event(2, None, 0, said)
-    compacted["transforms"] = {"compacted": {"summary_chars": 100}}
-    w.emit("r", compacted)
     assert w.close()
-    requests = read_events(log_dir / "r.jsonl").events
-    assert [r["appended"][0]["content"] for r in requests] == [
-        cut["answer"],
-        "Writing .env: GATEWAY_TOKEN is [REDACTED]",
-    ]
+    (request,) = read_events(log_dir / "r.jsonl").events
+    assert request["appended"][0]["content"] == "Writing .env: GATEWAY_TOKEN is [REDACTED]"
     raw = (log_dir / "s.jsonl").read_bytes()
-    for piece in (configured[:12], configured[-12:], own[:12]):
+    for piece in (configured[:16], configured[-16:], own[:16]):
         assert piece.encode() not in raw
     messages = [e["message"] for e in read_events(log_dir / "s.jsonl").events]
     assert messages == [
@@ -1588,7 +1581,7 @@ def test_a_piece_of_a_known_key_where_a_text_was_cut_through_it_is_taken_out(
         "- tool output: dashboard value: [REDACTED]…",
         "Writing .env: GATEWAY_TOKEN is [REDACTED]",
         "…[REDACTED] is the token",
-        f"short {configured[:11]} stays",  # (eleven characters say next to nothing of it)
+        f"short {configured[:15]} stays",  # (15 of its 48 characters: the rest unguessable)
     ]
 
 
@@ -1603,11 +1596,14 @@ def test_a_piece_inside_a_text_is_no_cut_and_other_keys_of_its_provider_go_whole
     w = started(writers, tmp_path, secrets=[configured])
     text = f"BACKUP={other}\ncheck startswith('sk-ant-api03') first"
     w.emit("s", {"ts": 1.0, "type": "error", "message": text})
+    named = "Anthropic API keys begin with sk-ant-api03-"  # (the start all its keys share)
+    w.emit("s", {"ts": 2.0, "type": "error", "message": named})
     assert w.close()
     raw = (tmp_path / "s.jsonl").read_bytes()
     assert other[13:40].encode() not in raw
-    (event,) = read_events(tmp_path / "s.jsonl").events
-    assert event["message"] == "BACKUP=[REDACTED]\ncheck startswith('sk-ant-api03') first"
+    first, second = read_events(tmp_path / "s.jsonl").events
+    assert first["message"] == "BACKUP=[REDACTED]\ncheck startswith('sk-ant-api03') first"
+    assert second["message"] == named
 
 
 def test_a_clients_key_that_holds_the_configured_one_is_taken_whole(log_dir: Path, writers) -> None:

@@ -1044,16 +1044,34 @@ def test_a_screenshot_taken_out_weighs_what_its_size_costs(
     assert whole - image_tokens - 20 <= ex.cache["expected"] <= whole - image_tokens + 20
 
 
+def test_a_call_id_that_is_a_list_carries_no_answer_on_and_raises_nothing() -> None:
+    """``"id": ["call_Xy7…"]`` in the assistant message after an edited first message (with
+    ``pairing.repair = false`` nothing mends it): the check whether it carries the previous
+    answer on hashed the list, and the accounting failed on that turn and every later one."""
+    from proxy.observers import _Answer, _carries_answer
+
+    call_id = "call_Xy7Kq2Lm9Np4Rt6Vb1Zc3Hd5"
+    baseline: Any = SimpleNamespace(
+        answer=_Answer(0, b"", frozenset({call_id})), fp=SimpleNamespace(messages=[1, 2])
+    )
+    call = {"id": [call_id], "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    odd = {"role": "assistant", "content": None, "tool_calls": [call]}
+    assert _carries_answer(baseline, {"messages": [_system("s"), *msgs("edited"), odd]}) is False
+    fine = {**odd, "tool_calls": [{**call, "id": call_id}]}
+    assert _carries_answer(baseline, {"messages": [_system("s"), *msgs("edited"), fine]}) is True
+
+
 def test_the_hit_ratios_denominator_counts_every_answer_sessions_list_counts() -> None:
     """Gemini's OpenAI endpoint leaves its cache fields out of a miss. `sessions list` counts
     every answer of a session after its answers have had them, a miss of a new conversation's
-    first request too; the metrics counted only misses with an expected read: 73.6% on the
-    panels where the session read 62.8%."""
+    first request too, and a compaction's summary call; the metrics counted only misses with an
+    expected read: 73.6% on the panels where the session read 62.8%."""
     from prometheus_client import CollectorRegistry
 
     acc = _Accounting()
     registry = CollectorRegistry()
-    metrics_observer = MetricsObserver(Metrics(registry, ()))
+    acc.observer.metrics = metrics = Metrics(registry, ())  # (a summary call's, the accounting's)
+    metrics_observer = MetricsObserver(metrics)
     main = [_system("agent " * 2000), *msgs("fix the bug")]
     answers = [
         (main, 10_000, 0, True),
@@ -1065,10 +1083,12 @@ def test_the_hit_ratios_denominator_counts_every_answer_sessions_list_counts() -
         ex = exchange(n, messages)
         ex.session, ex.started_at, ex.status = acc.state, float(n), 200
         ex.usage = Usage(prompt, 10, read, 0, reported)
+        if n == 4:  # compacted: its summary call's answer had no cache fields either
+            ex.summary_model, ex.summary_usage = "gpt-4o", Usage(3_000, 40, 0, 0, False)
         acc.observer.on_response(ex)
         metrics_observer.on_response(ex)
     name = "cachegate_cache_reported_prompt_tokens_total"  # ("other": no model configured)
-    assert registry.get_sample_value(name, {"model": "other"}) == 41_000
+    assert registry.get_sample_value(name, {"model": "other"}) == 44_000
 
 
 def test_a_part_whose_type_is_a_list_is_no_image_and_breaks_no_accounting() -> None:
