@@ -1341,22 +1341,26 @@ _CUT_EDGES: Final = (b'"', "…".encode(), b"\\n")
 def _without_pieces(line: bytes, secret: bytes, head: bool) -> bytes:
     """``line`` with each run of ``secret``'s start (``head``) of ``_PIECE`` bytes or more that
     ends at a cut's edge (``_CUT_EDGES``), or each run of its end that starts at one, replaced.
-    (ASCII keys without escapes only: a run then ends at a character's edge.)"""
+    (ASCII keys without escapes only: a run then ends at a character's edge.) The first
+    ``_PIECES_LOOKED`` places of the needle are looked at (a line of the same 16 characters
+    over and over costs no more than that)."""
     needle = secret[:_PIECE] if head else secret[-_PIECE:]
     out: list[bytes] = []
     at = done = 0
-    while (found := line.find(needle, at)) >= 0:
-        start, end = found, found + _PIECE
-        if head:
-            while (
-                end < len(line) and end - start < len(secret) and line[end] == secret[end - start]
-            ):
-                end += 1
+    for _ in range(_PIECES_LOOKED):
+        found = line.find(needle, at)
+        if found < 0:
+            break
+        if head:  # as far as the line goes on as the key does
+            most = min(len(secret), len(line) - found)
+            start = found
+            end = found + _common_run(line, found, secret, most, True)
             cut = line.startswith(_CUT_EDGES, end)
         else:
-            back = len(secret) - _PIECE  # where the needle lies in the secret
-            while start > done and back > 0 and line[start - 1] == secret[back - 1]:
-                start, back = start - 1, back - 1
+            most = min(len(secret), found + _PIECE - done)
+            stop = found + _PIECE
+            end = stop
+            start = stop - _common_run(line, stop, secret, most, False)
             cut = line.endswith(_CUT_EDGES, done, start)
         if cut:
             out += (line[done:start], _REDACTED_BYTES)
@@ -1366,6 +1370,23 @@ def _without_pieces(line: bytes, secret: bytes, head: bool) -> bytes:
         return line
     out.append(line[done:])
     return b"".join(out)
+
+
+_PIECES_LOOKED: Final = 256
+
+
+def _common_run(line: bytes, at: int, secret: bytes, most: int, head: bool) -> int:
+    """How far, up to ``most``, ``line`` goes on from ``at`` as ``secret`` starts (``head``),
+    or goes back from ``at`` as it ends; ``_PIECE`` at least, found there already (a binary
+    search of slice comparisons, at C speed)."""
+    lo, hi = _PIECE, max(_PIECE, most)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if line[at : at + mid] == secret[:mid] if head else line[at - mid : at] == secret[-mid:]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class _Lost(NamedTuple):
