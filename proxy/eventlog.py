@@ -1362,6 +1362,8 @@ def _without_pieces(line: bytes, secret: bytes, head: bool) -> bytes:
             end = stop
             start = stop - _common_run(line, stop, secret, most, False)
             cut = line.endswith(_CUT_EDGES, done, start)
+        if cut and _escaped(line, start, done):  # (the letter of ``\n``: the key's first
+            cut = False  # character is no character of the text there)
         if cut:
             out += (line[done:start], _REDACTED_BYTES)
             done = end
@@ -1373,6 +1375,15 @@ def _without_pieces(line: bytes, secret: bytes, head: bool) -> bytes:
 
 
 _PIECES_LOOKED: Final = 256
+
+
+def _escaped(line: bytes, at: int, floor: int) -> bool:
+    """Whether ``line[at]`` is the letter of a JSON escape (an odd run of backslashes before
+    it, from ``floor`` on)."""
+    back = at
+    while back > floor and line[back - 1] == 0x5C:
+        back -= 1
+    return (at - back) % 2 == 1
 
 
 def _common_run(line: bytes, at: int, secret: bytes, most: int, head: bool) -> int:

@@ -549,7 +549,7 @@ class AccountingObserver:
         held = extra.get("cache")
         # (a summary call without cache fields after the session's answers had them: a read of
         # 0 in a hit ratio, as sessions list counts it; this exchange's own answer comes after)
-        reported_before = held is not None and held.has_reported
+        reported_before = (held is not None and held.has_reported) or "summary_reported" in extra
         body = ex.body
         baselines: list[_Baseline] = extra.get("baselines") or []
         fp = prefix.fingerprint(body, _hash_base(baselines, body))
@@ -849,6 +849,8 @@ class AccountingObserver:
         actual, uncached = (cost.actual, cost.uncached) if cost is not None else (0.0, 0.0)
         summary = ex.summary_usage
         if summary is not None:
+            if summary.reported_cache and ex.session is not None:  # (its session's, as list's)
+                ex.session.extra["summary_reported"] = True
             pricing = self._model_terms(ex.summary_model).pricing
             extra = cache.compute_cost(summary, pricing)
             counted: Usage | None = summary

@@ -1585,6 +1585,22 @@ def test_a_piece_of_a_known_key_where_a_text_was_cut_through_it_is_taken_out(
     ]
 
 
+def test_a_key_piece_that_would_start_on_an_escapes_letter_is_left_and_the_line_readable(
+    tmp_path: Path, writers
+) -> None:
+    """A key that starts with ``n`` (NVIDIA's ``nvapi-…``) after a line end in a text: its
+    first characters matched from the ``n`` of ``\\n``, the escape's backslash was left before
+    ``[REDACTED]`` and the line was no JSON (torn: the event gone from show and replay)."""
+    key = "nvapi-Qw3rTy7uIoP1aSdFgHjKlZxCvBnMm12345"
+    w = started(writers, tmp_path, secrets=[key])
+    w.emit("s", {"ts": 1.0, "type": "error", "message": "line one\n" + key[1:20]})
+    w.emit("s", {"ts": 2.0, "type": "error", "message": "a\\" + key[:20]})
+    assert w.close()
+    read = read_events(tmp_path / "s.jsonl")
+    assert read.torn == 0
+    assert [e["message"] for e in read.events] == ["line one\n" + key[1:20], "a\\[REDACTED]"]
+
+
 def test_a_piece_inside_a_text_is_no_cut_and_other_keys_of_its_provider_go_whole(
     tmp_path: Path, writers
 ) -> None:

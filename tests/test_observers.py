@@ -1044,6 +1044,28 @@ def test_a_screenshot_taken_out_weighs_what_its_size_costs(
     assert whole - image_tokens - 20 <= ex.cache["expected"] <= whole - image_tokens + 20
 
 
+def test_a_summary_call_without_cache_fields_after_one_with_them_counts_as_a_read_of_0() -> None:
+    """A main model that reports no cache fields (vLLM) and a summarizer that leaves them out
+    of a miss (Gemini): `sessions list` counts the second summary call as a read of 0 after the
+    first had them; the metric left it out (33% where the session read 17%)."""
+    from prometheus_client import CollectorRegistry
+
+    acc = _Accounting()
+    registry = CollectorRegistry()
+    acc.observer.metrics = Metrics(registry, ())
+    main = [_system("agent " * 2000), *msgs("fix the bug")]
+    summaries = [None, Usage(2_000, 40, 1_000, 0, True), Usage(1_000, 40, 0, 0, False)]
+    for n, summary in enumerate(summaries, 1):
+        ex = exchange(n, [*main, *msgs(*(["more"] * (2 * n)))])
+        ex.session, ex.started_at, ex.status = acc.state, float(n), 200
+        ex.usage = Usage(1_000, 10, 0, 0, False)
+        if summary is not None:
+            ex.summary_model, ex.summary_usage = "gpt-4o", summary
+        acc.observer.on_response(ex)
+    name = "cachegate_cache_reported_prompt_tokens_total"
+    assert registry.get_sample_value(name, {"model": "other"}) == 3_000
+
+
 def test_a_call_id_that_is_a_list_carries_no_answer_on_and_raises_nothing() -> None:
     """``"id": ["call_Xy7…"]`` in the assistant message after an edited first message (with
     ``pairing.repair = false`` nothing mends it): the check whether it carries the previous
