@@ -531,9 +531,9 @@ def _sessions(ns: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 print(
                     f"cachegate: {redacted} request{'s' if redacted != 1 else ''} hold"
-                    f"{'' if redacted != 1 else 's'} {REDACTED} where the log took out a secret"
-                    " (logging.redact_secrets), or where the client sent that text: sent again,"
-                    f" {'they are' if redacted != 1 else 'it is'} not what was sent",
+                    f"{'' if redacted != 1 else 's'} {REDACTED}: where the log took out a secret"
+                    " (logging.redact_secrets), sent again it is not what was sent (where the"
+                    " client sent that text itself, it is)",
                     file=sys.stderr,
                 )
             lost = lost_requests(read.events)  # (a lost response line loses no request)

@@ -182,8 +182,8 @@ def estimate_tokens(obj: Any) -> int:
     A list is taken as a message list: each element is estimated alone and gets
     ``MESSAGE_OVERHEAD_TOKENS`` for its framing. Four bytes per token over-counts JSON punctuation
     and escapes a little, which is the safe side for a trigger. An image (or audio, or a file)
-    part counts ``MEDIA_PART_TOKENS``, not its base64: a 1 MB screenshot is ~1,000 tokens to a
-    provider, not the 250,000 its bytes would say.
+    part counts what ``media_part_tokens`` says, not its base64: a 1 MB screenshot is ~1,000
+    tokens to a provider, not the 250,000 its bytes would say.
     """
     if isinstance(obj, list):
         return sum(_json_tokens(m) + MESSAGE_OVERHEAD_TOKENS for m in obj)

@@ -4,7 +4,7 @@ A provider bills an image by its pixels, not by its base64: OpenAI's GPT-4o fami
 high-detail image to fit 2048 x 2048, then its shortest side down to 768, and bills 85 tokens
 plus 170 for each 512-pixel tile it covers (a 1280 x 800 screenshot: 6 tiles, 1,105 tokens; a
 320 x 200 one: 255); ``"detail": "low"`` costs 85 whatever the size. Claude bills about
-width x height / 750 (1,365 for 1280 x 800), Gemini 258 a 768-pixel tile (1,032): the tile rule
+width x height / 750 (1,366 for 1280 x 800), Gemini 258 a 768-pixel tile (1,032): the tile rule
 is the estimate here, for every provider, as cachegate does not know which one bills the
 request. Other models price images otherwise (gpt-4o-mini at ~33 times the tokens, the GPT-4.1
 minis by 32-pixel patches): the estimate is the GPT-4o family's.

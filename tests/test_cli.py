@@ -589,9 +589,9 @@ def test_replay_says_which_requests_hold_a_secret_the_log_took_out(tmp_path: Pat
     assert len(lines) == 2 and "hunter2" not in result.out
     assert "[REDACTED]" in lines[1]["messages"][-1]["content"]
     assert result.err == (
-        "cachegate: 1 request holds [REDACTED] where the log took out a secret"
-        " (logging.redact_secrets), or where the client sent that text: sent again, it is not"
-        " what was sent\n"
+        "cachegate: 1 request holds [REDACTED]: where the log took out a secret"
+        " (logging.redact_secrets), sent again it is not what was sent (where the client sent"
+        " that text itself, it is)\n"
     )
 
 
