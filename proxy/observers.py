@@ -547,8 +547,9 @@ class AccountingObserver:
             return
         extra = state.extra
         held = extra.get("cache")
-        # (a summary call without cache fields after the session's answers had them: a read of
-        # 0 in a hit ratio, as sessions list counts it; this exchange's own answer comes after)
+        # (a summary call without cache fields after the session's answers or summary calls
+        # had them: a read of 0 in a hit ratio, as sessions list counts it; this exchange's own
+        # answer comes after it)
         reported_before = (held is not None and held.has_reported) or "summary_reported" in extra
         body = ex.body
         baselines: list[_Baseline] = extra.get("baselines") or []
@@ -845,7 +846,7 @@ class AccountingObserver:
         """``ex.cost``: the exchange's ``cost`` plus, when a compaction's summary call reported
         its usage, that call's, at its model's prices. Its tokens and cost count in the metrics
         under its model (its cache read known where it reported one, or where the session's
-        answers had reported theirs before it: ``reported_before``)."""
+        answers or summary calls had reported theirs before it: ``reported_before``)."""
         actual, uncached = (cost.actual, cost.uncached) if cost is not None else (0.0, 0.0)
         summary = ex.summary_usage
         if summary is not None:
