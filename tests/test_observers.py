@@ -1000,10 +1000,26 @@ def test_a_first_turn_sent_again_with_the_time_in_it_twice_is_a_rewrite() -> Non
 def test_a_screenshot_taken_out_of_a_message_drops_the_image_not_its_text() -> None:
     """Browser agents keep the last screenshots and strip older images from their messages: by
     bytes the base64 was all of the message, so its text counted as dropped too, and most of
-    the waste after it was hidden. A low-detail image weighs OpenAI's 85 tokens."""
-    image = "data:image/png;base64," + "iVBORw0KGgo" * 15_000  # ~165 KB
+    the waste after it was hidden. A low-detail image weighs OpenAI's 85 tokens; one whose size
+    is read what the tile rule bills for it (it weighed 1,600 whatever its size: a small one,
+    255 tokens, took ~1,350 tokens the provider should still have read out of the expected
+    read, and hid that much waste); one whose size is not read, 1,600."""
+    import base64
+
+    from tests.test_media import png
+
+    unread = "data:image/png;base64," + "iVBORw0KGgo" * 15_000  # ~165 KB, no size in it
+    small, large = (
+        "data:image/png;base64," + base64.b64encode(png(w, h, 4)).decode()
+        for w, h in ((320, 200), (1280, 800))
+    )
     text = "The page shows the login form. " * 500  # ~4,000 tokens by the estimate
-    for detail, image_tokens in (("high", 1600), ("low", 85)):
+    for image, detail, image_tokens in (
+        (unread, "high", 1600),
+        (unread, "low", 85),
+        (small, "auto", 255),
+        (large, "auto", 1105),
+    ):
         acc = _Accounting()
         shot = {"type": "image_url", "image_url": {"url": image, "detail": detail}}
         first = {"role": "user", "content": [{"type": "text", "text": text}, shot]}
@@ -1017,31 +1033,6 @@ def test_a_screenshot_taken_out_of_a_message_drops_the_image_not_its_text() -> N
         # all of the previous prompt but the image (and a few bytes around it) was still sent
         assert whole - image_tokens - 20 <= ex.cache["expected"] <= whole - image_tokens + 20
         assert ex.cache["waste"] == ex.cache["expected"]
-
-
-@pytest.mark.parametrize(("width", "height", "image_tokens"), [(320, 200, 255), (1280, 800, 1105)])
-def test_a_screenshot_taken_out_weighs_what_its_size_costs(
-    width: int, height: int, image_tokens: int
-) -> None:
-    """A dropped screenshot weighed 1,600 tokens whatever its size: a small one (255 tokens at
-    OpenAI's tile rule) took ~1,350 tokens of what the provider should still have read out of
-    the expected read, and hid that much waste."""
-    import base64
-
-    from tests.test_media import png
-
-    image = "data:image/png;base64," + base64.b64encode(png(width, height, 4)).decode()
-    text = "The page shows the login form. " * 500  # ~4,000 tokens by the estimate
-    acc = _Accounting()
-    shot = {"type": "image_url", "image_url": {"url": image}}
-    first = {"role": "user", "content": [{"type": "text", "text": text}, shot]}
-    history = [_system("browser agent"), first, *msgs("clicked", "next")]
-    whole = estimate_tokens(history)
-    acc.send(history, whole, 0)
-    stripped = {"role": "user", "content": [{"type": "text", "text": text}]}
-    ex = acc.send([history[0], stripped, *history[2:], *msgs("typed", "go on")], whole, 0)
-    assert ex.cache is not None
-    assert whole - image_tokens - 20 <= ex.cache["expected"] <= whole - image_tokens + 20
 
 
 def test_a_summary_call_without_cache_fields_after_one_with_them_counts_as_a_read_of_0() -> None:
