@@ -390,6 +390,17 @@ class Compactor:
         else:
             limit = 0.0
         keep = cfg.keep_recent
+        if limit and (plan.cut is None or not self._fits(messages, plan.cut, limit, extra)):
+            # The launching message verbatim beside fewer of the latest messages first, then
+            # (below) fewer without it: a compaction that reused a summary gave the task up
+            # beside four where it fitted beside two, and took it back the next time.
+            while keep > 1:
+                keep //= 2
+                smaller = shrunk(keep, anchor=True)
+                if smaller.cut is not None and self._fits(messages, smaller.cut, limit, extra):
+                    plan = smaller
+                    break
+            keep = cfg.keep_recent
         anchored: compaction.Plan | None = None  # the last that kept it and fits the window
         while (
             limit

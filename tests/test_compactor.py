@@ -1067,6 +1067,73 @@ def test_a_long_task_stays_verbatim_beside_fewer_latest_messages_where_that_fits
         assert any(str(m.get("content", "")).startswith("[cachegate summary]") for m in forwarded)
 
 
+def test_the_task_stays_verbatim_at_each_compaction_of_a_session(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """A session compacted three times: at the second, which starts from the first's summary,
+    the task beside the four latest messages was over the aim and was given up to the summary
+    (it fitted beside the latest two), then came back verbatim at the third: the agent lost its
+    task's words for three turns, and the provider's cache a prefix."""
+    task = "TASK: migrate the billing module to the new API. " + " ".join(
+        f"Step {i}: update call site {i} in billing/x{i}.py carefully." for i in range(60)
+    )
+    with run_simulator(SimConfig(context_window=6000)) as small:
+        config = {
+            "compaction": {"enabled": True, "keep_recent": 8},
+            "models": {MODEL: {"context_window": 6000}},
+        }
+        proxy = proxy_factory(small.api_base, config)
+        client = sdk(proxy.base_url)
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."}]
+        msgs.append({"role": "user", "content": task})
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "description": description,
+                    "parameters": {
+                        "type": "object",
+                        "properties": {arg: {"type": "string"}},
+                        "required": [arg],
+                    },
+                },
+            }
+            for name, description, arg in (
+                ("read_file", "Read a file", "path"),
+                ("run_shell", "Run a shell command", "cmd"),
+            )
+        ]
+        compacted = 0
+        for i in range(13):
+            path = orjson.dumps({"path": f"billing/x{i}.py"}).decode()
+            script = {"tool_calls": [{"name": "read_file", "arguments": path, "id": f"call_c{i}"}]}
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL,
+                messages=msgs,  # type: ignore[arg-type]
+                tools=tools,  # type: ignore[arg-type]
+                stream=i % 2 == 0,
+                stream_options={"include_usage": True} if i % 2 == 0 else openai.NOT_GIVEN,
+                extra_headers={
+                    "X-Session-Id": "billing",
+                    "X-Sim-Script": orjson.dumps(script).decode(),
+                },
+            )
+            raw.http_response.read()
+            if raw.headers.get("x-cachegate-compacted") == "1":
+                compacted += 1
+                forwarded = small.sim.requests[-1].body["messages"]
+                assert forwarded[1] == {"role": "user", "content": task}, i
+            call = {"id": f"call_c{i}", "type": "function"}
+            call["function"] = {"name": "read_file", "arguments": path}
+            output = f"line {i}: def charge(amount): return api.charge(amount)\n" * 40
+            msgs += [
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": f"call_c{i}", "content": output},
+            ]
+        assert compacted >= 6  # (the first compaction and the turns after it, reused or new)
+
+
 def test_a_long_launching_message_gives_way_when_nothing_comes_under_the_aim(
     sdk: Any, proxy_factory: Any
 ) -> None:
