@@ -414,7 +414,8 @@ def test_new_ids_are_valid_and_unique() -> None:
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
 def test_a_forked_process_makes_other_ids_than_its_parent() -> None:
     """Ids come from a keyed hash of a counter (no system call per id): a forked child gets a
-    key of its own, so parent and child never hand out the same ids."""
+    key of its own, so parent and child do not hand out the same ids (with the parent's key,
+    counting on from the same counter, all 500 would be the same)."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
@@ -426,7 +427,8 @@ def test_a_forked_process_makes_other_ids_than_its_parent() -> None:
         child = set(f.read().decode().split("\n"))
     parent = {new_session_id(1.0) for _ in range(500)}
     assert len(child) == len(parent) == 500
-    assert not child & parent
+    # (two 32-bit suffixes alike by chance: about one run in 17,000 has one, as a CI run did)
+    assert len(child & parent) <= 2
 
 
 @pytest.mark.parametrize(
