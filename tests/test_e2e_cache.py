@@ -9,6 +9,7 @@ it), ``waste = expected - cache_read`` when above the 1024-token noise floor.
 from __future__ import annotations
 
 import base64
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -1130,20 +1131,32 @@ def test_an_edit_is_not_charged_with_a_prefix_the_provider_lost_before_it(
     assert last["divergence"]["index"] == edited  # the edit is logged either way
 
 
+# A Claude agent's system prompt long enough for the simulator to cache it
+CLAUDE_SYSTEM = SYSTEM_PROMPT + " Follow the style guide." * 700
+
+
+@contextlib.contextmanager
+def claude_session(proxy_factory: Any, session: str) -> Iterator[tuple[Any, Any, list[Any]]]:
+    """A cachegate before a Claude-like simulator, a client of the session, and its opening
+    history (system prompt and task), for a test to play turns on."""
+    with run_simulator(SimConfig(dialect="anthropic-compat")) as claude:
+        proxy = proxy_factory(claude.api_base, config())
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": session})
+        convo: list[Any] = [
+            {"role": "system", "content": CLAUDE_SYSTEM},
+            {"role": "user", "content": "Fix the failing test."},
+        ]
+        yield proxy, client, convo
+
+
 def test_a_claude_agent_that_starts_marking_is_not_charged_for_what_no_turn_marked(
     proxy_factory: Any,
 ) -> None:
     """Turns that marked nothing cached nothing (Claude caches only marked prefixes); the first
     marked turn after them (prompt caching turned on mid-session, Cline's and Roo's setting)
     could read nothing: it was charged the whole prompt as "unexplained"."""
-    system = SYSTEM_PROMPT + " Follow the style guide." * 700
-    with run_simulator(SimConfig(dialect="anthropic-compat")) as claude:
-        proxy = proxy_factory(claude.api_base, config())
-        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "starts-marking"})
-        convo: list[dict[str, Any]] = [
-            {"role": "system", "content": system},
-            {"role": "user", "content": "Fix the failing test."},
-        ]
+    system = CLAUDE_SYSTEM
+    with claude_session(proxy_factory, "starts-marking") as (proxy, client, convo):
         for turn in range(3):
             if turn == 2:  # marks from now on
                 convo[0] = {
@@ -1167,7 +1180,7 @@ def test_a_claude_agent_that_marks_again_after_many_unmarked_turns_is_not_reques
     """Marked turns, caching switched off for 22 messages (within the TTL, past the ~20
     content blocks Claude looks back), then marked again: what the marked turn misses lies past
     what the last marked turn wrote, which no unmarked turn asked to cache."""
-    system = SYSTEM_PROMPT + " Follow the style guide." * 700
+    system = CLAUDE_SYSTEM
     note = "lorem ipsum " * 40
 
     def marked(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -1184,13 +1197,7 @@ def test_a_claude_agent_that_marks_again_after_many_unmarked_turns_is_not_reques
         }
         return out
 
-    with run_simulator(SimConfig(dialect="anthropic-compat")) as claude:
-        proxy = proxy_factory(claude.api_base, config())
-        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "off-on"})
-        convo: list[dict[str, Any]] = [
-            {"role": "system", "content": system},
-            {"role": "user", "content": "Fix the failing test."},
-        ]
+    with claude_session(proxy_factory, "off-on") as (proxy, client, convo):
         for turn in range(15):
             sent = marked(convo) if turn < 3 or turn == 14 else convo
             reply, _ = chat(client, sent, model="claude-sonnet-4-5", stream=False)
