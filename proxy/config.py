@@ -33,6 +33,8 @@ class ConfigError(ValueError):
 # Keys whose 0 would refuse, or wait forever on, every request: a negative value is refused as
 # not positive (not as "negative", which would have its user try 0 next).
 MIN_SECONDS: Final = 0.001  # the least a duration among ``POSITIVE_KEYS`` may be
+# The largest integer a key takes, a 64-bit one: beyond it a value overflowed a float or a C call.
+MAX_INT: Final = 2**63 - 1
 POSITIVE_KEYS: Final = (
     "upstream.timeout_s",
     "upstream.connect_timeout_s",
@@ -421,7 +423,11 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
         if result is None:
             raise ConfigError(f"config key '{key}': expected an integer, got {_shown(value)}")
         if result < 0:
-            raise ConfigError(f"config key '{key}': {_not_negative(key)}, got {result}")
+            raise ConfigError(f"config key '{key}': {_not_negative(key)}, got {_number(result)}")
+        if result > MAX_INT:  # (past what a count, a size or a C integer holds: it overflowed)
+            raise ConfigError(
+                f"config key '{key}': must be at most {MAX_INT}, got {_number(result)}"
+            )
         return result
     if tp is float:
         if isinstance(value, bool):
@@ -430,13 +436,15 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
             raise ConfigError(f"config key '{key}': expected a number, got {_shown(value)}")
         try:
             number = float(value)
+        except OverflowError:  # an integer past a double's range: as infinite as 1e400
+            number = math.inf if int(value) > 0 else -math.inf
         except (TypeError, ValueError):
             raise ConfigError(
                 f"config key '{key}': expected a number, got {_shown(value)}"
             ) from None
         if not 0 <= number < math.inf:  # NaN, inf and negatives
             rule = _not_negative(key, finite=True)
-            raise ConfigError(f"config key '{key}': {rule}, got {value!r}")
+            raise ConfigError(f"config key '{key}': {rule}, got {_number(value)}")
         return number
     if tp is str:
         if not isinstance(value, str):
@@ -446,6 +454,13 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
             raise ConfigError(f"config key '{key}': expected a string, got {got}")
         return value
     raise ConfigError(f"config key '{key}': unsupported type")  # pragma: no cover
+
+
+def _number(value: Any) -> str:
+    """A refused number as given, but an integer of hundreds of digits by its length."""
+    if isinstance(value, int) and not -(10**20) < value < 10**20:
+        return f"an integer of {len(str(abs(value)))} digits"
+    return repr(value)
 
 
 def _kind_of(value: Any) -> str:

@@ -491,6 +491,38 @@ def test_a_file_tomllib_cannot_hold_is_refused_naming_it(
     assert "sys.set_int_max_str_digits" not in str(refused.value)  # (Python's advice, not ours)
 
 
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        # an integer past a double's range, which TOML reads (up to 4,300 digits): a traceback
+        # (OverflowError) and exit 1 for a duration or a price
+        ("[upstream]\ntimeout_s = 1" + "0" * 400, "must be a finite positive number"),
+        ('[models."m"]\nprice_input = 1' + "0" * 400, "must be a finite non-negative number"),
+        ("[compaction]\ntrigger_percent = 1" + "0" * 400, "must be in (0, 100]"),
+        # an integer key took it, and compaction then failed every request (OverflowError)
+        ('[models."m"]\ncontext_window = 1' + "0" * 400, "must be at most 9223372036854775807"),
+        ("[server]\nmax_body_bytes = 1" + "0" * 30, "must be at most 9223372036854775807"),
+    ],
+    ids=["duration", "price", "percent", "context-window", "body-size"],
+)
+def test_a_number_too_large_for_any_use_is_refused_naming_the_key(
+    tmp_path: Path, text: str, said: str
+) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(text + "\n")
+    with pytest.raises(ConfigError) as refused:
+        load_settings(str(config), environ={})
+    key = ".".join(part.strip("[]") for part in text.split(" = ")[0].split("\n"))
+    assert str(refused.value).startswith(f"config key '{key}': {said}, got an integer of ")
+    assert "0000000000" not in str(refused.value)  # its length, not its 400 digits
+
+
+def test_the_largest_integer_a_key_takes_is_a_64_bit_one() -> None:
+    top = 2**63 - 1
+    settings = settings_from_mapping({"models": {"m": {"context_window": top}}})
+    assert settings.models["m"].context_window == top
+
+
 def test_values_no_socket_or_path_can_take_are_refused_naming_their_source(
     tmp_path: Path,
 ) -> None:
