@@ -124,6 +124,7 @@ class SessionDetail:
     def to_json(self) -> dict[str, Any]:
         return {
             "session": self.session,
+            "model": main_model(self),  # (as the text's header and `list` name it)
             "meta": self.meta,
             "first_seen": self.first_seen,
             "last_seen": self.last_seen,

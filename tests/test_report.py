@@ -467,8 +467,11 @@ def test_a_session_is_listed_by_the_model_most_of_it_asked_for(tmp_path: Path) -
         events += [req(T0 + n, n, appended=[U1]), _answer(T0 + n + 0.5, 900, 9, 0.2, 0, n)]
     (summary,) = list_sessions(_logged(tmp_path, "titled", events))
     assert summary.model == "gpt-4o"
-    head = render_show(show_session(tmp_path, "titled")).splitlines()[0]
+    detail = show_session(tmp_path, "titled")
+    head = render_show(detail).splitlines()[0]
     assert "model gpt-4o " in head + " "  # the show header names the same one
+    shown = detail.to_json()  # and so does `show --json`, which had the meta line's alone
+    assert shown["model"] == "gpt-4o" and shown["meta"]["model"] == "gpt-4o-mini"
 
 
 def test_a_provider_that_reports_no_cache_fields_shows_unknown_not_zero(tmp_path: Path) -> None:
