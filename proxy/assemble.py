@@ -231,7 +231,7 @@ class StreamAssembler:
             return
         if not data or data.isspace():
             # (the openai SDKs parse every data line but [DONE]: an empty one raises in them)
-            self._malformed += 1
+            self._went_malformed()
             return
         try:
             chunk = orjson.loads(data)
@@ -241,9 +241,17 @@ class StreamAssembler:
             logger.debug("malformed stream payload: %.80r", data)
             if event.event == "error" and self._error is None:
                 self._error = {"error": {"message": data}}
-            self._malformed += 1
+            self._went_malformed()
             return
         self._chunk(chunk, event.event)
+
+    def _went_malformed(self) -> None:
+        """A payload the openai SDKs fail on: they raise there, so the message the client got
+        ends before it; what follows is not assembled into it (the usage is still taken: the
+        provider bills it, and the error event it may send)."""
+        self._malformed += 1
+        self._shape = None  # (the text lanes assemble; everything goes through ``_chunk`` now)
+        self._learn_tries = 0
 
     def feed_data(self, payloads: list[bytes]) -> None:
         """Take the raw data payloads of plain events (no ``event:``, ``id:`` or ``retry:``), as
@@ -333,7 +341,9 @@ class StreamAssembler:
         two parts), as ``feed_data`` would take the whole payloads; all or nothing: False, with
         nothing taken, if any text would not stand verbatim in a JSON string (the general path
         then decides; it replaces what is not UTF-8)."""
-        finish = self._shape[3]  # type: ignore[index]
+        if self._shape is None:  # (a malformed one of the run ended the text lanes)
+            return False
+        finish = self._shape[3]
         joined = b"".join(texts)
         if _UNSAFE.search(joined) is not None:
             return False
@@ -389,6 +399,7 @@ class StreamAssembler:
         choices = chunk.get("choices")
         if (
             self._id is not None
+            and not self._malformed
             and event_name is None
             and type(choices) is list
             and len(choices) == 1
@@ -423,7 +434,12 @@ class StreamAssembler:
                 self._error = chunk if chunk.get("error") is not None else {"error": chunk}
             # OpenRouter's mid-stream error also ends its choice: ``"finish_reason": "error"``
             choices = chunk.get("choices")
-            if type(choices) is list and choices and type(choices[0]) is dict:
+            if (
+                not self._malformed
+                and type(choices) is list
+                and choices
+                and type(choices[0]) is dict
+            ):
                 reason = choices[0].get("finish_reason")
                 if isinstance(reason, str):
                     self._finish_reason = reason
@@ -445,7 +461,8 @@ class StreamAssembler:
             return False
         for choice in choices:
             if isinstance(choice, dict) and choice.get("index") in (0, None):
-                self._choice(choice)
+                if not self._malformed:  # (past a malformed event: the client has no more)
+                    self._choice(choice)
                 if usage is None and choice.get("usage") is not None:
                     # Moonshot (Kimi) streams its usage inside the last chunk's choice
                     self._usage.update(choice["usage"])

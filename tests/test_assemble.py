@@ -504,8 +504,47 @@ def test_malformed_data_is_counted_not_raised() -> None:
     ]
     result = record(stream)
     assert result.malformed == 4  # the empty data line too: the openai SDKs raise on it
-    assert result.message["content"] == "ab"
+    # the SDKs raise at the first of them: the client's answer, and the log's, ends before it
+    assert result.message["content"] == "a"
     assert result.events == 7
+
+
+def test_the_answer_ends_where_the_sdks_raise_on_a_malformed_event() -> None:
+    """A malformed event mid-answer: the openai SDKs raise there, and the agent's next turn
+    carries the calls as it had them (one with cut arguments), but the log recorded the whole
+    answer past it, every call complete and ``finish_reason`` "tool_calls". The usage after it
+    is still taken: the provider bills it."""
+    usage = {"prompt_tokens": 900, "completion_tokens": 40, "total_tokens": 940}
+    calls = [
+        chunk({"role": "assistant", "tool_calls": [tool(0, "call_a", "read", "")]}),
+        chunk({"tool_calls": [tool(0, args='{"path":')]}),
+        b'data: {"choices": [{"index": 0, "delta": {"tool_calls": [{"ind\n\n',
+        chunk({"tool_calls": [tool(0, args='"a.py"}')]}),
+        chunk({"tool_calls": [tool(1, "call_b", "read", '{"path":"b.py"}')]}),
+        chunk({}, finish="tool_calls"),
+        chunk(None, usage=usage),
+        DONE,
+    ]
+    for pieces in (calls, [b"".join(calls)]):  # event by event, and in one read
+        result = record(pieces)
+        assert result.malformed == 1
+        assert result.message["tool_calls"] == [
+            {
+                "id": "call_a",
+                "type": "function",
+                "function": {"name": "read", "arguments": '{"path":'},
+            }
+        ]
+        assert result.finish_reason is None
+        assert result.usage is not None and result.usage.prompt == 900
+    # text: many chunks of one shape (the lanes that skip parsing them), then a malformed one
+    text = [chunk({"content": f"w{i} "}) for i in range(12)]
+    later = [chunk({"content": "more "}) for _ in range(12)]
+    stream = [*text, b"data: {oops\n\n", *later, chunk({}, finish="stop"), DONE]
+    for pieces in (stream, [b"".join(stream)]):
+        result = record(pieces)
+        assert result.message["content"] == "".join(f"w{i} " for i in range(12))
+        assert result.finish_reason is None and result.malformed == 1
 
 
 def test_an_empty_data_line_after_done_is_no_fault() -> None:
@@ -775,7 +814,7 @@ def test_fast_path_counts_odd_payloads_as_the_event_by_event_path_does() -> None
     slow = assembler.result()
     fast = record([raw])
     assert fast == slow
-    assert fast.message["content"] == "Hi"
+    assert fast.message["content"] == ""  # ("Hi" came after an event the SDKs raise on)
     assert fast.malformed == 2  # (not the bytes after [DONE]: no SDK reads them)
     assert fast.error == {"error": {"message": "overloaded"}}
     assert fast.done is True
