@@ -587,6 +587,27 @@ _DONE_ENDS: Final = (b"]\n\n", b"]\r\n\r\n", b"]\r\r")
 _DONE_EVENT: Final = re.compile(rb"(?:\A|[\r\n])data: ?\[DONE\](?:\n\n|\r\n\r\n|\r\r)\Z")
 
 
+def _ends_done(tail: bytes, body: bytes) -> tuple[bytes, bool]:
+    """The tail to keep after writing ``body`` (the last write of 32 bytes or more, and those
+    after it) and whether the bytes written end with a stream's ``[DONE]`` event. (The event
+    itself: a model's text may say "[DONE]", never with a raw blank line; a short write is
+    looked at with the end of the one before, which is kept, not copied.)"""
+    tail = body if len(body) >= 32 else tail[-32:] + body
+    return tail, (
+        tail.endswith(_DONE_ENDS) and _DONE_EVENT.search(tail, max(0, len(tail) - 32)) is not None
+    )
+
+
+def _handed_over(cycle: Any) -> bool:
+    """Whether what a server's ``send`` was last given went to its client's socket: for
+    uvicorn's cycle, its client not gone (its ``send`` drops what comes after) and nothing left
+    in the transport's buffer; for another server, that ``send`` returned."""
+    if getattr(cycle, "disconnected", False) is not False:
+        return False
+    buffered = getattr(getattr(cycle, "transport", None), "get_write_buffer_size", None)
+    return buffered is None or buffered() == 0
+
+
 class DirectBody:
     """Response body chunks written straight to the client's transport, for uvicorn's httptools
     protocol: what its ``send`` does for a body chunk (chunked framing, or counting down the
@@ -674,14 +695,7 @@ class DirectBody:
         if cycle.disconnected or cycle.response_complete:
             self.dropped = True
             return True  # as uvicorn's send: nothing goes to a client that left
-        # (the event itself: a model's text may say "[DONE]", never with a raw blank line;
-        # a short write is looked at with the end of the one before, which is kept, not copied)
-        tail = body if len(body) >= 32 else self._tail[-32:] + body
-        self._tail = tail
-        done = (
-            tail.endswith(_DONE_ENDS)
-            and _DONE_EVENT.search(tail, max(0, len(tail) - 32)) is not None
-        )
+        self._tail, done = _ends_done(self._tail, body)
         if cycle.chunked_encoding:
             body = b"%x\r\n%b\r\n" % (len(body), body)
         else:
@@ -820,6 +834,7 @@ class Relay:
         response: httpx.Response | UpstreamResponse | None = None
         started = False
         direct: DirectBody | None = None
+        done_sent = False  # (the ASGI path's ``done_handed_over``)
         tee: _Tee | None = None
         stripper: UsageEventStripper | None = None
         try:
@@ -961,27 +976,33 @@ class Relay:
                             await direct.drain()
                 else:
                     ready: list[bytes] = []
+                    sent = b""  # the end of what went out, to see [DONE] handed over
 
                     def keep(out: bytes) -> bool:
                         ready.append(out)
                         return True
 
+                    async def send_ready() -> None:
+                        nonlocal sent, done_sent
+                        for out in ready:
+                            done_sent = False
+                            await send(
+                                {"type": "http.response.body", "body": out, "more_body": True}
+                            )
+                            sent, done = _ends_done(sent, out)
+                            done_sent = done and _handed_over(cycle)
+                        ready.clear()
+
+                    cycle = getattr(send, "__self__", None)
                     sink = _sink(ex, stripper, tee, keep)
                     feed = sink if decoder is None else _decoding(decoder, sink)
                     async for chunk in chunks:
                         feed(chunk)
-                        for out in ready:
-                            await send(
-                                {"type": "http.response.body", "body": out, "more_body": True}
-                            )
-                        ready.clear()
+                        await send_ready()
                     rest = decoder.flush() if decoder is not None else b""
                     if rest:
                         sink(rest)
-                        for out in ready:
-                            await send(
-                                {"type": "http.response.body", "body": out, "more_body": True}
-                            )
+                        await send_ready()
             except Exception as exc:  # after the headers went out: cut the client the same way
                 if direct is not None:
                     direct.release()
@@ -1024,10 +1045,15 @@ class Relay:
                 task.uncancel()
                 if not started:
                     ex.status = CLIENT_CLOSED  # no status was sent: the client left first
-                elif direct is not None and direct.done_handed_over and not direct.dropped:
-                    # The whole stream, [DONE] included, had gone to the client's socket, and
-                    # the client closed before the upstream's last bytes came (the openai SDKs
-                    # stop reading at [DONE]): a whole answer.
+                elif (
+                    direct.done_handed_over and not direct.dropped
+                    if direct is not None
+                    else done_sent
+                ):
+                    # The whole stream, [DONE] included, had gone to the client's socket (or
+                    # through the server's ``send``), and the client closed before the
+                    # upstream's last bytes came (the openai SDKs stop reading at [DONE]): a
+                    # whole answer.
                     ex.interrupted = False
         except ProxyError as err:
             if watch is not None:

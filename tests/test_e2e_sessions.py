@@ -872,11 +872,13 @@ def test_a_refusal_declared_as_an_event_stream_is_logged_with_its_words(
     assert proxy.metric("cachegate_upstream_errors_total", {"kind": "midstream"}) == 0
 
 
+@pytest.mark.parametrize("transport", ["native", "httpx"])
 def test_a_client_that_closes_at_done_before_the_upstreams_last_bytes_got_a_whole_answer(
-    scripted: Any, proxy_factory: Any
+    scripted: Any, proxy_factory: Any, transport: str
 ) -> None:
     """The openai SDK stops reading at ``[DONE]`` and closes; an upstream whose chunked
-    stream ends a moment later had the exchange logged as interrupted (and in INTERRUPTED)."""
+    stream ends a moment later had the exchange logged as interrupted (and in INTERRUPTED);
+    with ``transport = "httpx"`` (whose answers go through the server's ``send``) until later."""
     chunks = [
         b'data: {"id":"c1","object":"chat.completion.chunk","model":"gpt-4o","choices":'
         b'[{"index":0,"delta":{"role":"assistant","content":"whole"},"finish_reason":null}]}\n\n',
@@ -886,7 +888,7 @@ def test_a_client_that_closes_at_done_before_the_upstreams_last_bytes_got_a_whol
         b"",  # the upstream's end comes a moment after [DONE]
     ]
     _upstream, url = scripted(chunks=chunks, delay_s=0.3)
-    proxy = proxy_factory(url)
+    proxy = proxy_factory(url, {"upstream": {"transport": transport}})
     client = make_client(proxy.base_url, default_headers={"X-Session-Id": "closed-at-done"})
     stream = client.chat.completions.create(
         model="gpt-4o", messages=[{"role": "user", "content": "hi"}], stream=True
