@@ -134,11 +134,17 @@ def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
         del baselines[victim]
 
 
-def _dropped_tokens(old: prefix.Fingerprint, new: prefix.Fingerprint, prompt: int) -> int:
+def _dropped_tokens(
+    old: prefix.Fingerprint, new: prefix.Fingerprint, prompt: int, held: Iterable[bytes] = ()
+) -> int:
     """Of the previous request's ``prompt`` tokens, those of what ``new`` no longer holds
     (``prefix.dropped_elements``): its share of the previous request's estimate, so that a
-    tokenizer denser or sparser than the estimate's 4 bytes a token is the same on both sides."""
-    dropped = prefix.dropped_elements(old, new, compaction.media_part_tokens)
+    tokenizer denser or sparser than the estimate's 4 bytes a token is the same on both sides.
+    A message whose digest is in ``held`` is held (``_repaired_away``: the client sent it, and
+    a repair changed it): a sliding window that cut a round of parallel calls keeps their
+    results, repaired into user messages (counted as gone, such a trim's waste read about half
+    of what it was)."""
+    dropped = prefix.dropped_elements(old, new, compaction.media_part_tokens, held)
     if not dropped:
         return 0
     whole = compaction.estimate_tokens(list(old.messages))
@@ -146,6 +152,29 @@ def _dropped_tokens(old: prefix.Fingerprint, new: prefix.Fingerprint, prompt: in
         whole += compaction.estimate_tokens(old.tools)
     gone = sum(compaction.estimate_tokens([message]) * share for message, share in dropped)
     return int(prompt * gone) // max(whole, 1)
+
+
+def _repaired_away(ex: Exchange) -> list[bytes]:
+    """Digests of the client's messages that its repaired request sends changed (a result
+    kept as a user message, moved back to its call, given its call's id), not those a repair
+    took out (an orphan ``dropped``, an empty assistant message removed)."""
+    client, sent = ex.client_body, ex.body
+    if not ex.repairs or ex.compacted or not isinstance(client, dict) or not isinstance(sent, dict):
+        return []
+    ours, theirs = sent.get("messages"), client.get("messages")
+    if not isinstance(ours, list) or not isinstance(theirs, list) or ours is theirs:
+        return []
+    forwarded = {id(message) for message in ours}
+    gone = {
+        r.get("index")
+        for r in ex.repairs
+        if r.get("action") == "dropped" or str(r.get("action")).startswith("removed an assistant")
+    }
+    return [
+        prefix.message_digest(m)
+        for i, m in enumerate(theirs)
+        if id(m) not in forwarded and i not in gone
+    ]
 
 
 def _tokens_before(old: prefix.Fingerprint, divergence: prefix.Divergence, prompt: int) -> int:
@@ -736,7 +765,7 @@ class AccountingObserver:
             # After a rewrite, what the previous request sent that this one dropped (a
             # trimmed start, a rewind's abandoned turns) could not be read
             dropped=(
-                _dropped_tokens(compared, fp, base[0])
+                _dropped_tokens(compared, fp, base[0], _repaired_away(ex))
                 if divergence is not None and compared is not None and base[0] is not None
                 else 0
             ),

@@ -33,7 +33,7 @@ import operator
 import re
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeVar
 
@@ -756,7 +756,10 @@ _RETIMED_MAX: Final = 8  # messages compared so at most (a longer history shares
 
 
 def dropped_elements(
-    old: Fingerprint, new: Fingerprint, media_tokens: Callable[[Any], int] | None = None
+    old: Fingerprint,
+    new: Fingerprint,
+    media_tokens: Callable[[Any], int] | None = None,
+    held: Iterable[bytes] = (),
 ) -> list[tuple[Any, float]]:
     """What ``old`` sent, past its first difference from ``new``, that ``new`` no longer holds,
     as ``(message, share)``: its messages found nowhere in ``new`` (a trimmed start, a rewind's
@@ -770,12 +773,14 @@ def dropped_elements(
     message in its place, nearly none), an image or other media part weighing what
     ``media_tokens`` says it costs, not its base64 (a screenshot taken out of a message keeps
     the message's text). The system block, tools and parameters are at fixed places: a changed
-    one is edited, never dropped."""
+    one is edited, never dropped. A message whose digest is in ``held`` is held too (the client
+    sent it, and cachegate's repair changed it)."""
     shared = shared_links(old, new)
     old_elements, new_elements = old.element_digests, new.element_digests
     if shared >= len(old_elements):
         return []
     in_new = set(new_elements[_TOOLS:])
+    in_new.update(held)
     in_old = set(old_elements[_TOOLS:])
     first = max(shared, _FIRST_MESSAGE)
     kept = [p for p in range(first, len(old_elements)) if old_elements[p] in in_new]

@@ -22,6 +22,7 @@ from proxy.prefix import fingerprint
 from proxy.sessions import CONVERSATIONS_KEPT
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
 from proxy.simulator.reply import parse_script
+from proxy.simulator.tokens import message_tokens
 from tests.e2e_support import (
     SYSTEM_PROMPT,
     TOOLS,
@@ -1658,6 +1659,42 @@ def test_a_history_trimmed_past_a_call_names_the_first_message_dropped(
     assert (divergence["index"], divergence["field"], divergence["new"]) == (1, None, "")
     assert divergence["old"].startswith("Task Task")
     assert second["cache"]["location"] == "messages[1]"
+
+
+@pytest.mark.parametrize("policy", ["downgrade", "drop"])
+def test_a_trim_that_cut_a_round_of_parallel_calls_counts_the_results_kept_as_expected(
+    proxy_factory: Any, policy: str
+) -> None:
+    """A sliding window that cuts the task and an assistant message of three parallel calls,
+    keeping their results: cachegate repairs each into a user message, and counted them as
+    messages gone too, so what should have been read (and the waste) came out ~2,400 tokens
+    short, the same as a trim that drops the results as well. Under the ``drop`` policy they
+    are gone from what the provider gets: not expected."""
+
+    def round_(turn: int) -> list[dict[str, Any]]:
+        ids = [f"call_{turn}{k}" + "0" * 20 for k in range(3)]
+        fn = {"name": "read", "arguments": "{}"}
+        calls = [{"id": i, "type": "function", "function": fn} for i in ids]
+        results = [{"role": "tool", "tool_call_id": i, "content": f"file {i} " * 200} for i in ids]
+        return [{"role": "assistant", "content": None, "tool_calls": calls}, *results]
+
+    with run_simulator(SimConfig()) as sim:
+        proxy = proxy_factory(sim.api_base, {**config(), "pairing": {"orphan_policy": policy}})
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "cut-round"})
+        convo: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM_PROMPT * 20},
+            {"role": "user", "content": "Task " * 100},
+        ]
+        for turn in range(3):
+            convo += round_(turn)
+        chat(client, convo, stream=False)
+        chat(client, [convo[0], *convo[3:]], stream=False)  # the task and the first call cut
+        flush(proxy)
+    first, second = events(proxy.log_dir, "cut-round", "response")
+    gone = convo[1:3] if policy == "downgrade" else convo[1:6]  # (dropped: its results too)
+    should = first["usage"]["prompt"] - sum(len(message_tokens(m)) for m in gone)
+    assert abs(second["cache"]["expected"] - should) < 0.05 * should, (second["cache"], should)
+    assert second["cache"]["waste"] == second["cache"]["expected"] - second["usage"]["cache_read"]
 
 
 @pytest.mark.parametrize("policy", ["downgrade", "drop"])
