@@ -7,14 +7,16 @@ request is rare enough that its other choices are not worth the bookkeeping on t
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
+from proxy import prefix
 from proxy.sse import SSEDecoder, SSEEvent
 from proxy.usage import Usage, UsageTracker, normalize_usage
 
@@ -166,6 +168,36 @@ class _ToolCalls:
         return out
 
 
+_INVALID: Final = object()
+_ODD: Final = object()
+
+
+def _lenient(data: str, constants: bool = False) -> Any:
+    """A payload orjson refused, read as the Python SDK reads it (``json.loads``): a lone UTF-16
+    surrogate escaped in a string (``"\\ud83d"``, an emoji cut between two chunks) as U+FFFD,
+    as cachegate reads one in a request; ``_ODD`` where it holds ``NaN`` or ``Infinity``
+    (Python-based servers write a logprob of -inf so), which the Node SDK's parser refuses,
+    and with ``constants`` the value with them read; ``_INVALID`` where it is no JSON."""
+
+    def constant(name: str) -> float:
+        if not constants:
+            raise _Constant
+        return float(name)
+
+    try:
+        return prefix.deep_call(
+            prefix.without_surrogates, json.loads(data, parse_constant=constant)
+        )
+    except _Constant:
+        return _ODD
+    except (ValueError, RecursionError):
+        return _INVALID
+
+
+class _Constant(Exception):
+    pass
+
+
 class StreamAssembler:
     """Feed it the SSE events of a streamed chat completion; ``result()`` is the message so far.
 
@@ -190,6 +222,7 @@ class StreamAssembler:
         self._id: str | None = None
         self._events = 0
         self._malformed = 0
+        self._cut = False  # past an event no SDK reads past (``_cut_here``)
         # (bytes before the text, bytes after it, padded, finish_reason) of a text-only chunk
         self._shape: tuple[bytes, bytes, bool, str | None] | None = None
         self._learn_tries = _LEARN_TRIES
@@ -230,26 +263,35 @@ class StreamAssembler:
             self._done = True
             return
         if not data or data.isspace():
-            # (the openai SDKs parse every data line but [DONE]: an empty one raises in them)
-            self._went_malformed()
+            # (the Python SDK parses every data line but [DONE]: an empty one raises in it; the
+            # Node SDK skips a block of only ``retry:``, or a blank line after an ``id:``)
+            self._malformed += 1
             return
         try:
             chunk = orjson.loads(data)
         except orjson.JSONDecodeError:
-            chunk = None
+            chunk = _lenient(data)
+            if chunk is _INVALID:  # no SDK reads past it
+                logger.debug("invalid stream payload: %.80r", data)
+                if event.event == "error" and self._error is None:
+                    self._error = {"error": {"message": data}}
+                self._malformed += 1
+                self._cut_here()
+                return
+            if chunk is _ODD:  # (NaN or Infinity: the Python SDK reads it, the Node SDK fails)
+                self._malformed += 1
+                chunk = _lenient(data, constants=True)
         if not isinstance(chunk, dict):
             logger.debug("malformed stream payload: %.80r", data)
-            if event.event == "error" and self._error is None:
-                self._error = {"error": {"message": data}}
-            self._went_malformed()
+            self._malformed += 1
             return
         self._chunk(chunk, event.event)
 
-    def _went_malformed(self) -> None:
-        """A payload the openai SDKs fail on: they raise there, so the message the client got
-        ends before it; what follows is not assembled into it (the usage is still taken: the
-        provider bills it, and the error event it may send)."""
-        self._malformed += 1
+    def _cut_here(self) -> None:
+        """A payload that is no JSON: the openai SDKs raise there, so the message the client
+        got ends before it, and what follows is not assembled into it (its usage is still
+        taken: the provider bills it; and an error event it sends)."""
+        self._cut = True
         self._shape = None  # (the text lanes assemble; everything goes through ``_chunk`` now)
         self._learn_tries = 0
 
@@ -399,7 +441,7 @@ class StreamAssembler:
         choices = chunk.get("choices")
         if (
             self._id is not None
-            and not self._malformed
+            and not self._cut
             and event_name is None
             and type(choices) is list
             and len(choices) == 1
@@ -434,12 +476,7 @@ class StreamAssembler:
                 self._error = chunk if chunk.get("error") is not None else {"error": chunk}
             # OpenRouter's mid-stream error also ends its choice: ``"finish_reason": "error"``
             choices = chunk.get("choices")
-            if (
-                not self._malformed
-                and type(choices) is list
-                and choices
-                and type(choices[0]) is dict
-            ):
+            if not self._cut and type(choices) is list and choices and type(choices[0]) is dict:
                 reason = choices[0].get("finish_reason")
                 if isinstance(reason, str):
                     self._finish_reason = reason
@@ -461,7 +498,7 @@ class StreamAssembler:
             return False
         for choice in choices:
             if isinstance(choice, dict) and choice.get("index") in (0, None):
-                if not self._malformed:  # (past a malformed event: the client has no more)
+                if not self._cut:  # (past an event no SDK reads past: the client has no more)
                     self._choice(choice)
                 if usage is None and choice.get("usage") is not None:
                     # Moonshot (Kimi) streams its usage inside the last chunk's choice

@@ -131,7 +131,6 @@ def _carried_on(older: Sequence[Any], newer: Sequence[Any], start: int) -> bool:
 
 _UNREADABLE: Final = object()
 _TOO_DEEP: Final = object()
-_SURROGATE: Final = re.compile("[\ud800-\udfff]")
 
 
 def _lenient_body(raw: bytes) -> Any:
@@ -154,7 +153,7 @@ def _lenient_body(raw: bytes) -> Any:
         body = prefix.deep_call(json.loads, text, **options)
         if _depth(body) > ORJSON_MAX_DEPTH:
             return _TOO_DEEP
-        return prefix.deep_call(_without_surrogates, body)  # (two frames a level)
+        return prefix.deep_call(prefix.without_surrogates, body)  # (two frames a level)
     except (ValueError, RecursionError):
         return _UNREADABLE
 
@@ -190,16 +189,6 @@ def _finite_float(text: str) -> float:
     value = float(text)
     if value - value != 0.0:  # inf (NaN cannot be written as a number)
         raise ValueError(f"{text} is beyond a double")
-    return value
-
-
-def _without_surrogates(value: Any) -> Any:
-    if isinstance(value, str):
-        return _SURROGATE.sub("\ufffd", value)
-    if isinstance(value, dict):
-        return {_without_surrogates(k): _without_surrogates(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_without_surrogates(v) for v in value]
     return value
 
 

@@ -168,7 +168,7 @@ def _repaired_away(ex: Exchange) -> list[bytes]:
     gone = {
         r.get("index")
         for r in ex.repairs
-        if r.get("action") == "dropped" or str(r.get("action")).startswith("removed an assistant")
+        if str(r.get("action")).startswith(("dropped", "removed an assistant"))
     }
     return [
         prefix.message_digest(m)

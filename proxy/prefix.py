@@ -473,6 +473,22 @@ _deep_calls = 0  # deep calls under way, in all threads
 _usual_limit = 1000  # the recursion limit before the first of them raised it
 
 
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+
+
+def without_surrogates(value: Any) -> Any:
+    """``value`` (parsed JSON) with each lone UTF-16 surrogate in its strings as U+FFFD: a JSON
+    text may escape one (``"\\ud83d"``, JavaScript's text cut inside an emoji), which Python's
+    parser keeps and no UTF-8 writer (orjson, the log) takes."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {without_surrogates(k): without_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_surrogates(v) for v in value]
+    return value
+
+
 def deep_call(function: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
     """``function(*args, **kwargs)``, also for a value nested as deep as orjson reads (1,024
     levels, a few more where the log wraps it): when the first try meets the recursion limit,

@@ -547,6 +547,36 @@ def test_the_answer_ends_where_the_sdks_raise_on_a_malformed_event() -> None:
         assert result.finish_reason is None and result.malformed == 1
 
 
+def test_what_the_sdks_read_past_is_assembled_past() -> None:
+    """Only a payload that is no JSON at all ends the answer: one orjson refuses but the Python
+    SDK reads (a lone surrogate escape, an emoji cut between two chunks; a logprob written as
+    ``-Infinity``), and the blocks the Node SDK skips (only ``retry:``; a blank line after an
+    ``id:``), were taken for one and cut the logged answer there."""
+    head = (
+        b'data: {"id":"c1","object":"chat.completion.chunk","model":"gpt-4o","choices":[{"index":0,'
+    )
+    cut_emoji = [
+        head + b'"delta":{"content":"\\ud83d"},"finish_reason":null}]}\n\n',
+        head + b'"delta":{"content":"\\ude00 world"},"finish_reason":null}]}\n\n',
+    ]
+    infinite = head + (
+        b'"delta":{"content":"world"},"logprobs":{"content":[{"token":"world",'
+        b'"logprob":-Infinity}]},"finish_reason":null}]}\n\n'
+    )
+    first, end = chunk({"role": "assistant", "content": "Hello "}), chunk({}, finish="stop") + DONE
+    for middle, content, malformed in (
+        (cut_emoji, "Hello \ufffd\ufffd world", 0),  # (as a request's surrogate reads)
+        ([infinite], "Hello world", 1),  # (counted: the Node SDK's parser refuses it)
+        ([b"retry: 3000\n\n", chunk({"content": "world"})], "Hello world", 1),
+        ([b"id: 2\n", chunk({"content": "world"}), b": keep-alive\n\n"], "Hello world", 1),
+    ):
+        stream = [first, *middle, end]
+        for pieces in (stream, [b"".join(stream)]):
+            result = record(pieces)
+            assert (result.message["content"], result.finish_reason) == (content, "stop")
+            assert result.malformed == malformed, middle
+
+
 def test_an_empty_data_line_after_done_is_no_fault() -> None:
     """The SDKs stop reading at ``[DONE]``: what comes after it cannot fail them."""
     result = record([chunk({"content": "a"}), DONE, b"data: \n\n"])

@@ -1415,3 +1415,27 @@ def test_a_summary_counted_when_it_was_done_is_not_counted_again_and_hides_no_ot
     assert ex.cost["actual"] == pytest.approx((3000 + 5000 + 100 + 2 * (10 + 20 + 1)) / 1e6)
     assert metrics.cost.child("gpt-4o", "actual")[0] == pytest.approx(ex.cost["actual"])
     assert metrics.tokens.child("gpt-4o", "prompt")[0] == 3000 + 5000  # (the summaries alone)
+
+
+@pytest.mark.parametrize("marked", [False, True])
+def test_results_a_repair_keeps_are_held_and_those_it_drops_are_not(marked: bool) -> None:
+    """What a trim's accounting counts as still sent: an orphaned result kept as a user message
+    is, one dropped is not, also where the repair moved its ``cache_control`` mark (its action
+    then says so, and the dropped result was counted as held)."""
+    from proxy.observers import _repaired_away
+    from proxy.pairing import repair_messages
+    from proxy.prefix import message_digest
+
+    text: Any = "output of the call"
+    if marked:
+        text = [{"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}]
+    orphan = {"role": "tool", "tool_call_id": "call_gone", "content": text}
+    messages = [{"role": "system", "content": "Be brief."}, orphan, {"role": "user", "content": "Go on."}]  # fmt: skip
+    for policy, held in (("downgrade", True), ("drop", False)):
+        result = repair_messages(messages, orphan_policy=policy)  # type: ignore[arg-type]
+        ex = Exchange("chat", "POST", "chat/completions", 0.0, 0.0)
+        ex.client_body, ex.body = {"messages": messages}, {"messages": result.messages}
+        ex.repairs = [{"index": r.index, "action": r.action} for r in result.repairs]
+        assert ex.repairs, policy
+        # (the system message a moved mark changed is still sent: held)
+        assert (message_digest(orphan) in _repaired_away(ex)) is held, (policy, ex.repairs)
