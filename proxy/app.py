@@ -460,7 +460,12 @@ def explicit_session(scope: Scope) -> list[tuple[bytes, bytes]]:
     if path.startswith("/s/"):
         path_id = path[3:].partition("/")[0]
         raw: bytes = scope.get("raw_path") or b""
-        if not valid_session_id(path_id) or not raw.startswith(b"/s/%s/v1/" % path_id.encode()):
+        segments = raw.split(b"?", 1)[0].split(b"/")
+        if (
+            not valid_session_id(path_id)
+            or segments[3:4] != [b"v1"]
+            or unquote(segments[2].decode("latin-1")) != path_id  # (``a%3Ab`` is ``a:b``)
+        ):
             return []
     try:
         sid = explicit_session_id(header_map(scope), path_id)
@@ -492,7 +497,8 @@ def upstream_path_of(scope: Scope) -> str | None:
         return None
     for segment in rest:
         text = unquote(segment.decode("latin-1")).replace("\\", "/")
-        if any(part in (".", "..") for part in text.split("/")):
+        # (``..;x``: a path parameter, which servers such as Tomcat take off before the segment)
+        if any(part.partition(";")[0] in (".", "..") for part in text.split("/")):
             return None
     return b"/".join(rest).decode("latin-1")
 
@@ -599,13 +605,11 @@ class CachegateApp(Starlette):
         await super().__call__(scope, receive, send)
 
     async def _refuse(self, scope: Scope, send: Send, err: ProxyError) -> None:
-        path: str = scope["path"]
-        if path.startswith(("/v1/", "/s/")):  # a relayed route's request: counted as one
-            await self.endpoint.gateway.refuse(
-                scope, send, route_of(scope), err, explicit_session(scope) or None
-            )
-        else:
-            await send_error(send, err)
+        # (counted as any request: a foreign page's or a WebSocket's refusal outside /v1/ too,
+        # as cachegate's own 404 there is)
+        await self.endpoint.gateway.refuse(
+            scope, send, route_of(scope), err, explicit_session(scope) or None
+        )
 
 
 def create_app(

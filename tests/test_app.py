@@ -211,6 +211,12 @@ def test_a_base_url_without_v1_gets_an_openai_shaped_404_that_says_so(
     labels = {"route": "passthrough", "model": "other"}
     assert proxy.metric("cachegate_requests_total", {**labels, "status": "404"}) == 2
     assert proxy.metric("cachegate_requests_total", {**labels, "status": "405"}) == 1
+    # so are refusals there before any route: a foreign page's, a WebSocket handshake
+    page = httpx.post(proxy.url + "/chat/completions", headers={"Origin": "https://evil.example"})
+    socket_ = httpx.get(proxy.url + "/realtime", headers={"Upgrade": "websocket", "Connection": "Upgrade"})  # fmt: skip
+    assert (page.status_code, socket_.status_code) == (403, 501)
+    assert proxy.metric("cachegate_requests_total", {**labels, "status": "403"}) == 1
+    assert proxy.metric("cachegate_requests_total", {**labels, "status": "501"}) == 1
 
 
 def test_the_bare_v1_path_is_a_counted_404_not_a_redirect(

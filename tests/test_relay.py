@@ -1298,6 +1298,11 @@ def test_streamed_upload_over_limit_is_413_not_502(
         # routed, decoded, as session "zz" asking for "v1/chat/completions": the upstream's
         # chat endpoint, past cachegate's chat route (no repair, no log)
         (b"/s/zz%2Fv1/v1/chat/completions", None),
+        # a dot segment with a path parameter, which Tomcat and Spring read as the dots
+        (b"/v1/..;/admin", None),
+        (b"/v1/%2e%2e;x=1/admin", None),
+        (b"/s/a%3Ab/v1/.;/%2E%2E;/admin", None),  # (its refusal names the session, a:b)
+        (b"/v1/models;v=1", b"/v1/models;v=1"),
     ],
 )
 def test_paths_are_relayed_as_encoded_and_never_climb_out_of_v1(
@@ -1312,7 +1317,9 @@ def test_paths_are_relayed_as_encoded_and_never_climb_out_of_v1(
         assert r.json()["error"]["code"] == "invalid_path"
         assert upstream.requests == []
         # an explicit session's refusal says it, as its other answers do
-        session = "sess-1" if raw_path.startswith(b"/s/sess-1/") else None
+        session = {b"/s/sess-1/": "sess-1", b"/s/a%3Ab/": "a:b"}.get(
+            raw_path[: raw_path.find(b"/v1") + 1]
+        )
         assert r.headers.get("x-cachegate-session") == session
         with httpx.Client() as c:  # (named by its header: as explicit)
             url = httpx.URL(proxy.url).copy_with(raw_path=raw_path)
@@ -1327,12 +1334,13 @@ def test_paths_are_relayed_as_encoded_and_never_climb_out_of_v1(
 
 
 @pytest.mark.parametrize("method", ["TRACE", "PROPFIND", "PURGE"])
-@pytest.mark.parametrize("prefix", ["/v1", "/s/sess-1/v1"])
+@pytest.mark.parametrize("prefix", ["/v1", "/s/sess-1/v1", "/s/sess%2D1/v1"])
 def test_methods_no_api_uses_are_refused_not_relayed_with_the_key(
     scripted: Any, proxy_factory: Any, method: str, prefix: str
 ) -> None:
     """TRACE asks the upstream to echo the request back, the key cachegate adds with it; WebDAV's
-    and caches' methods have no use in a provider's API. Refused, nothing sent upstream."""
+    and caches' methods have no use in a provider's API. Refused, nothing sent upstream. (The
+    refusal names the path's session, also percent-encoded: its other answers did.)"""
     upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
     proxy = proxy_factory(url, environ={"OPENAI_API_KEY": "sk-server-key"})
     with httpx.Client() as c:
