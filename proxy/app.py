@@ -464,6 +464,7 @@ def explicit_session(scope: Scope) -> list[tuple[bytes, bytes]]:
         if (
             not valid_session_id(path_id)
             or segments[3:4] != [b"v1"]
+            or len(segments) < 5  # (``/s/x/v1`` is no route: its 404 names no session)
             or unquote(segments[2].decode("latin-1")) != path_id  # (``a%3Ab`` is ``a:b``)
         ):
             return []

@@ -169,33 +169,38 @@ class _ToolCalls:
 
 
 _INVALID: Final = object()
-_ODD: Final = object()
+# What orjson refuses and Python's parser reads: an escaped UTF-16 surrogate, NaN or Infinity.
+_LENIENT_ONLY: Final = re.compile(r"\\u[dD][89a-fA-F]|NaN|Infinity")
+_SURROGATE_ESCAPE: Final = re.compile(r"\\u[dD][89a-fA-F]")
+_LENIENT_MAX: Final = 1 << 20
 
 
-def _lenient(data: str, constants: bool = False) -> Any:
+def _lenient(data: str) -> tuple[Any, bool]:
     """A payload orjson refused, read as the Python SDK reads it (``json.loads``): a lone UTF-16
     surrogate escaped in a string (``"\\ud83d"``, an emoji cut between two chunks) as U+FFFD,
-    as cachegate reads one in a request; ``_ODD`` where it holds ``NaN`` or ``Infinity``
-    (Python-based servers write a logprob of -inf so), which the Node SDK's parser refuses,
-    and with ``constants`` the value with them read; ``_INVALID`` where it is no JSON."""
+    as cachegate reads one in a request; with whether it held ``NaN`` or ``Infinity`` (Python-
+    based servers write a logprob of -inf so), which the Node SDK's parser refuses. ``_INVALID``
+    where it is no JSON (tried only where it has what orjson alone refuses: a payload of
+    megabytes of anything else is not parsed twice). A payload past ``_LENIENT_MAX`` is not
+    read (a chunk is a few hundred bytes; parsing and mending megabytes held the event loop for
+    a second): it counts as malformed, not as a cut (``None``)."""
+    if len(data) > _LENIENT_MAX:
+        return None, False
+    if _LENIENT_ONLY.search(data) is None:
+        return _INVALID, False
+    constants: list[str] = []
 
     def constant(name: str) -> float:
-        if not constants:
-            raise _Constant
+        constants.append(name)
         return float(name)
 
     try:
-        return prefix.deep_call(
-            prefix.without_surrogates, json.loads(data, parse_constant=constant)
-        )
-    except _Constant:
-        return _ODD
+        value = json.loads(data, parse_constant=constant)
+        if _SURROGATE_ESCAPE.search(data) is not None:
+            value = prefix.deep_call(prefix.without_surrogates, value)
     except (ValueError, RecursionError):
-        return _INVALID
-
-
-class _Constant(Exception):
-    pass
+        return _INVALID, False
+    return value, bool(constants)
 
 
 class StreamAssembler:
@@ -270,7 +275,7 @@ class StreamAssembler:
         try:
             chunk = orjson.loads(data)
         except orjson.JSONDecodeError:
-            chunk = _lenient(data)
+            chunk, odd = _lenient(data)
             if chunk is _INVALID:  # no SDK reads past it
                 logger.debug("invalid stream payload: %.80r", data)
                 if event.event == "error" and self._error is None:
@@ -278,11 +283,14 @@ class StreamAssembler:
                 self._malformed += 1
                 self._cut_here()
                 return
-            if chunk is _ODD:  # (NaN or Infinity: the Python SDK reads it, the Node SDK fails)
+            if odd and isinstance(chunk, dict):  # (NaN or Infinity: the Node SDK fails on it)
                 self._malformed += 1
-                chunk = _lenient(data, constants=True)
+                self._chunk(chunk, event.event)
+                return
         if not isinstance(chunk, dict):
             logger.debug("malformed stream payload: %.80r", data)
+            if event.event == "error" and self._error is None:
+                self._error = {"error": {"message": data}}
             self._malformed += 1
             return
         self._chunk(chunk, event.event)

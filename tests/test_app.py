@@ -217,6 +217,10 @@ def test_a_base_url_without_v1_gets_an_openai_shaped_404_that_says_so(
     assert (page.status_code, socket_.status_code) == (403, 501)
     assert proxy.metric("cachegate_requests_total", {**labels, "status": "403"}) == 1
     assert proxy.metric("cachegate_requests_total", {**labels, "status": "501"}) == 1
+    # ``/s/x/v1`` is no route (its 404 names no session), and its refusal names none either
+    for headers in ({}, {"Origin": "https://evil.example"}):
+        r = httpx.get(proxy.url + "/s/x/v1", headers=headers)
+        assert r.status_code in (403, 404) and "x-cachegate-session" not in r.headers
 
 
 def test_the_bare_v1_path_is_a_counted_404_not_a_redirect(

@@ -490,6 +490,8 @@ def test_error_typed_event_with_plain_text_data() -> None:
     result = record([b"event: error\ndata: upstream went away\n\n"])
     assert result.error == {"error": {"message": "upstream went away"}}
     assert result.malformed == 1
+    said = record([b'event: error\ndata: "Service overloaded"\n\n'])  # JSON, no object
+    assert said.error == {"error": {"message": '"Service overloaded"'}}
 
 
 def test_malformed_data_is_counted_not_raised() -> None:
@@ -575,6 +577,11 @@ def test_what_the_sdks_read_past_is_assembled_past() -> None:
             result = record(pieces)
             assert (result.message["content"], result.finish_reason) == (content, "stop")
             assert result.malformed == malformed, middle
+    # no JSON though it holds a NaN before its fault: the SDKs raise there, once counted
+    for bad in (b'data: {"x": NaN, oops\n\n', b"data: [-Infinity\n\n"):
+        result = record([first, bad, chunk({"content": "world"}), end])
+        assert (result.message["content"], result.finish_reason) == ("Hello ", None)
+        assert result.malformed == 1, bad
 
 
 def test_an_empty_data_line_after_done_is_no_fault() -> None:
