@@ -163,6 +163,7 @@ class Gateway:
                 redact_secrets=lg.redact_secrets,
                 on_loss=self._log_loss,
                 secrets=[self._api_key] if self._api_key else [],
+                metas_kept=min(max(settings.sessions.max_sessions, 4096), 100_000),
             )
             self.observers.append(EventLogObserver(settings, self.sessions, self.writer, clock))
         self.observers.append(MetricsObserver(self.metrics))

@@ -157,6 +157,7 @@ class EventLogWriter:
         max_open_files: int | None = None,
         on_loss: Callable[[str], None] | None = None,
         secrets: Iterable[str] = (),
+        metas_kept: int = _METAS_KEPT,
     ) -> None:
         if fsync not in _FSYNC_MODES:
             raise ValueError(f"fsync must be one of {', '.join(_FSYNC_MODES)}, not {fsync!r}")
@@ -222,7 +223,10 @@ class EventLogWriter:
         self._suppressed: dict[str, int] = {}
         # Each session's meta line as last written, or lost, to its file: a file created anew
         # (its first line lost, or the directory gone and made again) starts with it all the same.
+        # Kept for the sessions written most recently, as many as cachegate holds in memory (a
+        # session it forgot writes its meta line again when it comes back).
         self._metas: OrderedDict[str, bytes] = OrderedDict()
+        self._metas_kept = max(metas_kept, 1)
         self._fresh: set[str] = set()  # sessions whose file was empty when opened
         # Each open file's (device, inode) and the size it had after the writer's last write:
         # a file removed, replaced or truncated by hand meanwhile is noticed before the next.
@@ -551,6 +555,8 @@ class EventLogWriter:
                     if lines:
                         if lines[0].find(_META_TYPE, 0, 64) >= 0:
                             self._remember_meta(session_id, lines[0])
+                        elif session_id in self._metas:  # (kept by when last written)
+                            self._metas.move_to_end(session_id)
                         self._write_lines(session_id, lines)
                         lines.clear()  # written: no longer in hand
                 self._writing = False
@@ -665,7 +671,7 @@ class EventLogWriter:
         # bytes() of bytes is the same object)
         metas[session_id] = bytes(memoryview(line))
         metas.move_to_end(session_id)
-        if len(metas) > _METAS_KEPT:
+        if len(metas) > self._metas_kept:
             del metas[next(iter(metas))]
 
     def _write_lines(self, session_id: str, lines: list[bytes]) -> None:

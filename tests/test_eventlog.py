@@ -745,6 +745,30 @@ def test_a_session_file_removed_or_truncated_while_running_starts_again_with_its
         ]
 
 
+def test_a_session_still_writing_keeps_its_meta_line_past_newer_sessions(
+    log_dir: Path, writers
+) -> None:
+    """The meta lines kept to start a file anew went by when each was written: a long-lived
+    session lost its own once 4,096 newer sessions had begun (also while it wrote on), and its
+    file, removed or rotated, began again without one. They now go by the last write, as many
+    as cachegate holds sessions."""
+    w = started(writers, log_dir, metas_kept=3)
+    w.emit("old", {"type": "session_meta", "session": "old"}, first_in_file=True)
+    assert w.flush()
+    for n in range(6):  # newer sessions begin, twice the kept number, while "old" writes on
+        w.emit(f"new{n}", {"type": "session_meta", "session": f"new{n}"}, first_in_file=True)
+        w.emit("old", {"type": "error", "exchange": n + 1, "status": 400, "message": str(n)})
+        assert w.flush()
+    (log_dir / "old.jsonl").unlink()
+    w.emit("old", {"type": "error", "exchange": 7, "status": 400, "message": "after"})
+    assert w.flush()
+    events = read_events(log_dir / "old.jsonl").events
+    assert [(e["type"], e.get("message")) for e in events] == [
+        ("session_meta", None),
+        ("error", "after"),
+    ]
+
+
 def test_a_file_removed_does_not_silence_another_sessions_truncation(
     log_dir: Path, writers, caplog: pytest.LogCaptureFixture
 ) -> None:
