@@ -291,7 +291,10 @@ def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint) -> list[_Baselin
 
 
 def _takes_place(
-    chosen: _Baseline, fp: prefix.Fingerprint, divergence: prefix.Divergence | None
+    chosen: _Baseline,
+    fp: prefix.Fingerprint,
+    divergence: prefix.Divergence | None,
+    model: str | None,
 ) -> bool:
     """Whether a request of ``chosen``'s conversation takes its place rather than branch off: it
     extends it (no divergence); it rewrites what comes before the messages
@@ -301,7 +304,12 @@ def _takes_place(
     prompt); or it changes a message and keeps the baseline's last one after the change
     (an old tool output trimmed in place). Anything else is a branch, the baseline kept: a fork,
     a retry or a rewind (the undone turns may be another agent's that opened alike and goes on),
-    or another agent's conversation that opens alike (its own tools, its own task)."""
+    or another agent's conversation that opens alike (its own tools, its own task). A request
+    on another model never takes its place: a summary or a sub-agent on a small model given
+    the history cannot warm this model's cache, and the agent's next turn is compared with its
+    own previous one (a switch of model for good goes on from the first turn on the new one)."""
+    if model != chosen.model:
+        return False
     if divergence is None:
         # Longer: its next turn. Shorter: a rewind, or another agent that opens alike: kept
         # beside it, so that each one's next turn finds its own. (The same: counted on it.)
@@ -658,7 +666,7 @@ class AccountingObserver:
                 chosen.ready_at = min(chosen.ready_at, ready_at)
                 chosen.superseded = False
                 _to_front(baselines, chosen)
-            elif continues and chosen is not None and _takes_place(chosen, fp, divergence):
+            elif continues and chosen is not None and _takes_place(chosen, fp, divergence, model):
                 if chosen.copies > 1:  # one of several that sent it: the others may go on too
                     chosen.copies -= 1
                     went_on = _Baseline(fp, body, prompt, model, ready_at)

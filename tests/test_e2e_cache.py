@@ -851,6 +851,39 @@ def test_title_and_summary_requests_on_the_main_model_leave_the_main_agent_its_o
     assert caches[5]["cause"] == "ttl_expired"
 
 
+def test_a_summary_on_a_small_model_with_the_main_prompt_leaves_the_main_agent_its_own(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A framework's summary request on a small model, with the agent's own prompt and tools,
+    the history and a request to sum it up: it took the main agent's place, and the main
+    agent's next turn, all of it read from the cache, was compared with it: a change of model
+    in its log line and in the rewrites metric, and what the summary held past the turn's own
+    history charged as ``params_changed`` (~2,800 tokens a turn in a review's run)."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "small-summary"})
+    main: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Fix the failing handler. Log:\n" + PYTEST_OUTPUT * 4},
+    ]
+    for i in range(2):
+        _tool_turn(client, main, f"output {i}: " + FILE_TEXT[:2000], tools=TOOLS)
+        sim.sim.advance(5)
+    summary = [*main, {"role": "user", "content": "Summarize the session so far."}]
+    chat(client, summary, stream=False, model="gpt-4o-mini", tools=TOOLS)
+    sim.sim.advance(5)
+    for i in (2, 3):
+        _tool_turn(client, main, f"output {i}: " + FILE_TEXT[:2000], tools=TOOLS)
+        sim.sim.advance(5)
+    flush(proxy)
+    responses = events(proxy.log_dir, "small-summary", "response")
+    assert [r["cache"]["cause"] for r in responses][2] == "params_changed"  # (its own miss)
+    for i in (3, 4):  # the main agent's turns after it: compared with its own, all cached
+        cache = responses[i]["cache"]
+        assert cache["waste"] == 0 and cache["cause"] is None, (i, cache)
+        assert cache["read"] > NOISE_FLOOR and "divergence" not in responses[i]
+    assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "params"}) == 1
+
+
 def test_retries_do_not_crowd_out_the_other_conversations_of_a_session(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
