@@ -757,12 +757,17 @@ class _Report(io.TextIOBase):
 
     def __init__(self, out: TextIO) -> None:
         self._out: TextIO | None = out
+        # A failed write other than a reader gone (a full disk): said at the end, exit code 1
+        self.failed: OSError | None = None
 
     def write(self, text: str) -> int:
         if self._out is not None:
             try:
                 self._out.write(text)
             except BrokenPipeError:
+                self._gone()
+            except OSError as exc:
+                self.failed = self.failed or exc
                 self._gone()
         return len(text)
 
@@ -771,6 +776,9 @@ class _Report(io.TextIOBase):
             try:
                 self._out.flush()
             except BrokenPipeError:
+                self._gone()
+            except OSError as exc:
+                self.failed = self.failed or exc
                 self._gone()
 
     def _gone(self) -> None:
@@ -786,7 +794,8 @@ def run_demo(*, log_dir: str | None = None, out: TextIO = sys.stdout) -> int:
     ``log_dir`` None: a fresh temporary directory, left in place so the logs can be opened after.
     """
     started = time.perf_counter()
-    out = cast(TextIO, _Report(out))
+    report = _Report(out)
+    out = cast(TextIO, report)
     log_dir = log_dir or tempfile.mkdtemp(prefix="cachegate-demo-")
     # An earlier demo's logs there: replaced, or the two runs' exchanges (on fake clocks) would
     # interleave in one session and its costs add up.
@@ -821,6 +830,11 @@ def run_demo(*, log_dir: str | None = None, out: TextIO = sys.stdout) -> int:
     elapsed = time.perf_counter() - started
     if problems:
         out.write(f"{problems} unexpected result(s), see the lines marked '!' ({elapsed:.1f} s)\n")
+    else:
+        out.write(f"All {len(SCENARIOS)} scenarios showed what they should ({elapsed:.1f} s)\n")
+    out.flush()
+    if report.failed is not None:  # (the logs are written: the demo played on)
+        reason = report.failed.strerror or str(report.failed)
+        print(f"cachegate demo: cannot write its report: {reason}", file=sys.stderr)
         return 1
-    out.write(f"All {len(SCENARIOS)} scenarios showed what they should ({elapsed:.1f} s)\n")
-    return 0
+    return 1 if problems else 0

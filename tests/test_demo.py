@@ -221,6 +221,27 @@ def test_a_reader_that_stops_early_leaves_the_demo_to_finish_its_logs(tmp_path: 
     assert len(logs) == 5 and all((tmp_path / name).stat().st_size > 0 for name in logs)
 
 
+def test_a_report_the_disk_cannot_take_is_said_in_a_line_and_the_logs_still_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``cachegate demo > /dev/full``: a traceback (OSError) and exit 1, the earlier demo's logs
+    removed and none written; the sessions commands say it in one line."""
+    import errno
+    import io
+
+    class FullDisk(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    assert run_demo(log_dir=str(tmp_path), out=FullDisk()) == 1
+    assert (
+        capsys.readouterr().err
+        == "cachegate demo: cannot write its report: No space left on device\n"
+    )
+    logs = sorted(p.name for p in tmp_path.glob("*.jsonl"))
+    assert len(logs) == 5 and all((tmp_path / name).stat().st_size > 0 for name in logs)
+
+
 @pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "terminal"])
 def test_the_demo_succeeds_where_stdout_cannot_write_an_ellipsis(
     tmp_path: Path, terminal: bool
