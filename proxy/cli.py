@@ -769,7 +769,17 @@ def _dash_id(argv: list[str]) -> list[str]:
     return argv
 
 
+def _closed_streams_to_null() -> None:
+    """A standard stream the shell closed (``cachegate serve >&-``) is None in Python: uvicorn's
+    log set-up then failed on it (a traceback, nothing served, no demo logs written). Such a
+    stream is opened on the null device: what would go there goes nowhere."""
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 (for the process's life)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _closed_streams_to_null()
     try:
         parser = build_parser()  # (imports most of cachegate: Ctrl+C may come meanwhile)
         ns = parser.parse_args(_dash_id(list(sys.argv[1:] if argv is None else argv)))

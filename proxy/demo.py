@@ -835,6 +835,9 @@ def run_demo(*, log_dir: str | None = None, out: TextIO = sys.stdout) -> int:
     out.flush()
     if report.failed is not None:  # (the logs are written: the demo played on)
         reason = report.failed.strerror or str(report.failed)
-        print(f"cachegate demo: cannot write its report: {reason}", file=sys.stderr)
+        print(
+            f"cachegate demo: cannot write its report: {reason} (its logs are in {log_dir})",
+            file=sys.stderr,
+        )
         return 1
     return 1 if problems else 0

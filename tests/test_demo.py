@@ -234,12 +234,25 @@ def test_a_report_the_disk_cannot_take_is_said_in_a_line_and_the_logs_still_writ
             raise OSError(errno.ENOSPC, "No space left on device")
 
     assert run_demo(log_dir=str(tmp_path), out=FullDisk()) == 1
-    assert (
-        capsys.readouterr().err
-        == "cachegate demo: cannot write its report: No space left on device\n"
+    assert capsys.readouterr().err == (
+        "cachegate demo: cannot write its report: No space left on device"
+        f" (its logs are in {tmp_path})\n"
     )
     logs = sorted(p.name for p in tmp_path.glob("*.jsonl"))
     assert len(logs) == 5 and all((tmp_path / name).stat().st_size > 0 for name in logs)
+
+
+def test_a_closed_stdout_is_no_traceback(tmp_path: Path) -> None:
+    """``cachegate demo >&-`` (and ``serve``, ``simulate``): uvicorn's log set-up failed on
+    the missing stream, a traceback, exit 1 and no logs written."""
+    import subprocess
+    import sys
+
+    code = f"from proxy.cli import main; raise SystemExit(main(['demo', '--log-dir', {str(tmp_path)!r}]))"
+    closed = ["sh", "-c", 'exec >&-; exec "$0" "$@"', sys.executable, "-c", code]  # as `>&-`
+    result = subprocess.run(closed, stderr=subprocess.PIPE, timeout=120)
+    assert result.returncode == 0 and b"Traceback" not in result.stderr, result.stderr
+    assert len(list(tmp_path.glob("*.jsonl"))) == 5
 
 
 @pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "terminal"])
