@@ -731,16 +731,14 @@ def same_conversation(old: Fingerprint, new: Fingerprint) -> bool:
     if not old_messages or not new_messages:
         return not old_messages and not new_messages
     if (
-        len(old_messages) > 1
+        len(new_messages) == 1 < len(old_messages)
         and old.element_digests[_SYSTEM] != new.element_digests[_SYSTEM]
-        and set(new_messages).intersection(old_messages) == {new_messages[0]}
     ):
-        # Nothing of ``old``'s but its opening message, under a prompt of its own, where
-        # ``old``'s conversation went on past it: a new chat that opens alike ("hi"), a title
-        # request with the agent's own tools, another app's agent whose sliding window opens
-        # on the same "continue". Read as a rewrite, its whole prompt was charged as waste.
-        # (Two first turns alike under two prompts stay a rewrite: a first message resent
-        # under an edited prompt looks the same.)
+        # Its opening alone under a prompt of its own, where ``old``'s conversation went on
+        # past it: a new chat that opens alike ("hi"), a title request with the agent's own
+        # tools; it carries nothing of ``old``'s but the opening. Read as a rewrite, its whole
+        # prompt was charged as waste. (Two first turns alike under two prompts stay a
+        # rewrite: a first message resent under an edited prompt looks the same.)
         return False
     if old_messages[0] == new_messages[0]:  # the usual case: the same opening
         return True

@@ -651,10 +651,6 @@ def user_message(text: str) -> dict[str, Any]:
         ("a sub-agent: its own prompt and task", False),
         ("a title request: another model and prompt, the user's first message", False),
         ("the same prompt, another task", False),
-        # another app's agent whose sliding window opens on the same "continue", its own
-        # answers after it: its whole prompt was charged as a rewrite of the other's
-        ("another prompt, nothing shared but the opening", False),
-        ("another prompt, the opening and later messages kept", True),
     ],
 )
 def test_same_conversation_tells_a_rewrite_from_another_conversation(
@@ -676,13 +672,6 @@ def test_same_conversation_tells_a_rewrite_from_another_conversation(
     elif change.startswith("a title"):
         title = [{"role": "system", "content": "Write a title."}, user_message(task)]
         new = {"model": "gpt-4o-mini", "messages": title}
-    elif change.startswith("another prompt"):
-        own = [user_message(task), {"role": "assistant", "content": "Mine."}, user_message(task)]
-        kept = old["messages"][1:]
-        new["messages"] = [
-            {"role": "system", "content": "You are Q."},
-            *(own if not same else kept),
-        ]
     else:
         new["messages"] = [old["messages"][0], user_message("Another task.")]
     assert same_conversation(fingerprint(old), fingerprint(new)) is same
