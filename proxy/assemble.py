@@ -175,7 +175,7 @@ _SURROGATE_ESCAPE: Final = re.compile(r"\\u[dD][89a-fA-F]")
 _LENIENT_MAX: Final = 1 << 20
 
 
-def _lenient(data: str) -> tuple[Any, bool]:
+def read_leniently(data: str) -> tuple[Any, bool]:
     """A payload orjson refused, read as the Python SDK reads it (``json.loads``): a lone UTF-16
     surrogate escaped in a string (``"\\ud83d"``, an emoji cut between two chunks) as U+FFFD,
     as cachegate reads one in a request; with whether it held ``NaN`` or ``Infinity`` (Python-
@@ -275,7 +275,7 @@ class StreamAssembler:
         try:
             chunk = orjson.loads(data)
         except orjson.JSONDecodeError:
-            chunk, odd = _lenient(data)
+            chunk, odd = read_leniently(data)
             if chunk is _INVALID:  # no SDK reads past it
                 logger.debug("invalid stream payload: %.80r", data)
                 if event.event == "error" and self._error is None:

@@ -23,7 +23,12 @@ from urllib.parse import SplitResult, urlsplit
 import httpx
 import orjson
 
-from proxy.assemble import AssembledResponse, StreamRecorder, assemble_completion
+from proxy.assemble import (
+    AssembledResponse,
+    StreamRecorder,
+    assemble_completion,
+    read_leniently,
+)
 from proxy.config import display_url
 from proxy.errors import (
     CLIENT_CLOSED,
@@ -557,10 +562,14 @@ class _Tee:
             try:
                 parsed = orjson.loads(body)
             except orjson.JSONDecodeError as exc:
-                raise UnreadableAnswer(
-                    f"upstream answered {status} with a body that is not JSON "
-                    f"({len(body)} bytes: {exc})"
-                ) from None
+                # (read as the SDKs read it where orjson alone refuses it: a lone surrogate
+                # escape, a NaN or -Infinity logprob, as a stream's events are)
+                parsed, _ = read_leniently(body.decode("utf-8", "replace"))
+                if not isinstance(parsed, dict):
+                    raise UnreadableAnswer(
+                        f"upstream answered {status} with a body that is not JSON "
+                        f"({len(body)} bytes: {exc})"
+                    ) from None
             try:
                 return assemble_completion(parsed)
             except Exception:
