@@ -257,6 +257,19 @@ def test_invalid_json_and_missing_model_are_400(sim: RunningSimulator) -> None:
     odd_role = post(sim, {"model": "gpt-4o", "messages": [{"role": ["tool"], "content": "x"}]})
     assert odd_role.status_code == 400
     assert odd_role.json()["error"]["code"] == "invalid_value"
+    # tools or tool_calls of another type, a call id that is no string: a TypeError, a 500
+    call = {"id": 7, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for body, param in (
+        ({"messages": [{"role": "user", "content": "x"}], "tools": 5}, "tools"),
+        (
+            {"messages": [{"role": "assistant", "content": "x", "tool_calls": 4}]},
+            "messages[0].tool_calls",
+        ),
+        ({"messages": [{"role": "assistant", "tool_calls": [call]}]}, "messages"),
+    ):
+        refused = post(sim, {"model": "gpt-4o", **body})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == param
 
 
 def test_unknown_paths_and_methods_answer_in_the_openai_error_shape(sim: RunningSimulator) -> None:

@@ -290,6 +290,11 @@ class _Handlers:
             return _error(400, "you must provide a model parameter")
         if self.config.refuse_stream_options and "stream_options" in body:
             return _json_response(STREAM_OPTIONS_REFUSAL, 422)
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):  # (a TypeError, a 500, before)
+            kind = type(tools).__name__
+            message = f"Invalid type for 'tools': expected an array, but got {kind} instead."
+            return _error(400, message, "tools", "invalid_type")
         try:
             validate_messages(body.get("messages"))
         except ValidationError as exc:

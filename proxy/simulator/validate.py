@@ -59,6 +59,14 @@ def validate_messages(messages: Any) -> None:
             "Invalid 'messages': empty array. Expected an array with minimum length 1."
         )
     for i, message in enumerate(messages):  # the schema is checked before the pairing
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if calls is not None and not isinstance(calls, list):  # (a TypeError, a 500, before)
+            raise ValidationError(
+                f"Invalid type for 'messages[{i}].tool_calls': expected an array, but got"
+                f" {type(calls).__name__} instead.",
+                f"messages[{i}].tool_calls",
+                "invalid_type",
+            )
         if isinstance(message, dict) and message.get("tool_calls") == []:
             raise ValidationError(
                 f"Invalid 'messages[{i}].tool_calls': empty array. Expected an array with minimum "
@@ -99,10 +107,12 @@ def validate_messages(messages: Any) -> None:
             pending.remove(tool_call_id)
             continue
         if pending:
-            raise ValidationError(DANGLING_TEXT.format(ids=", ".join(pending)), "messages")
+            raise ValidationError(
+                DANGLING_TEXT.format(ids=", ".join(map(str, pending))), "messages"
+            )
         open_block = False
         if role == "assistant" and message.get("tool_calls"):
             pending = _call_ids(message)
             open_block = True
     if pending:
-        raise ValidationError(DANGLING_TEXT.format(ids=", ".join(pending)), "messages")
+        raise ValidationError(DANGLING_TEXT.format(ids=", ".join(map(str, pending))), "messages")
