@@ -173,9 +173,32 @@ _INVALID: Final = object()
 _LENIENT_ONLY: Final = re.compile(r"\\u[dD][89a-fA-F]|NaN|Infinity")
 _SURROGATE_ESCAPE: Final = re.compile(r"\\u[dD][89a-fA-F]")
 _LENIENT_MAX: Final = 1 << 20
+ANSWER_LENIENT_MAX: Final = 8 << 20  # (a whole answer: ~13 ms a MiB of escapes to mend)
 
 
-def read_leniently(data: str) -> tuple[Any, bool]:
+def read_answer(body: bytes) -> Any:
+    """A whole answer's JSON (a completion, a summarizer's), read as the SDKs read it: by orjson,
+    or where orjson alone refuses it for a lone surrogate escape, by ``read_leniently`` (up to
+    ``ANSWER_LENIENT_MAX``). Raises ``orjson.JSONDecodeError`` for anything else: bytes that are
+    not UTF-8, ``NaN`` or ``Infinity`` (which the Node SDK's parser refuses: an invalid answer,
+    as before), no JSON."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        # (no name kept for the error: its traceback holds this frame, a reference cycle that
+        # kept the caller's exchange alive until a full collection)
+        try:
+            text: str | None = body.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+        if text is not None:
+            value, odd = read_leniently(text, ANSWER_LENIENT_MAX)
+            if not odd and value is not None and value is not _INVALID:
+                return value
+        raise
+
+
+def read_leniently(data: str, limit: int | None = None) -> tuple[Any, bool]:
     """A payload orjson refused, read as the Python SDK reads it (``json.loads``): a lone UTF-16
     surrogate escaped in a string (``"\\ud83d"``, an emoji cut between two chunks) as U+FFFD,
     as cachegate reads one in a request; with whether it held ``NaN`` or ``Infinity`` (Python-
@@ -184,7 +207,7 @@ def read_leniently(data: str) -> tuple[Any, bool]:
     megabytes of anything else is not parsed twice). A payload past ``_LENIENT_MAX`` is not
     read (a chunk is a few hundred bytes; parsing and mending megabytes held the event loop for
     a second): it counts as malformed, not as a cut (``None``)."""
-    if len(data) > _LENIENT_MAX:
+    if len(data) > (_LENIENT_MAX if limit is None else limit):
         return None, False
     if _LENIENT_ONLY.search(data) is None:
         return _INVALID, False

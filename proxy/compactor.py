@@ -20,6 +20,7 @@ import httpx
 import orjson
 
 from proxy import compaction, pairing, prefix
+from proxy.assemble import read_answer
 from proxy.config import ModelSettings, Settings
 from proxy.eventlog import NotALogFile, logged_compactions, session_log_path
 from proxy.observers import client_keys
@@ -954,7 +955,7 @@ class Compactor:
                     request = build(writer, overcount)
             stage = "status" if response.status_code >= 400 else "invalid"
             if response.status_code == 200:
-                answer = orjson.loads(body)
+                answer = read_answer(body)  # (a lone surrogate escape too)
                 error = answer.get("error") if isinstance(answer, dict) else None
                 if error is not None and not answer.get("choices"):
                     # a failure reported inside a 200, as an exchange's error_event is counted

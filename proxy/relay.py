@@ -27,7 +27,7 @@ from proxy.assemble import (
     AssembledResponse,
     StreamRecorder,
     assemble_completion,
-    read_leniently,
+    read_answer,
 )
 from proxy.config import display_url
 from proxy.errors import (
@@ -560,16 +560,12 @@ class _Tee:
             if body.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark, which JSON readers skip
                 body = body[3:]
             try:
-                parsed = orjson.loads(body)
+                parsed = read_answer(body)  # (a lone surrogate escape too, as the SDKs read it)
             except orjson.JSONDecodeError as exc:
-                # (read as the SDKs read it where orjson alone refuses it: a lone surrogate
-                # escape, a NaN or -Infinity logprob, as a stream's events are)
-                parsed, _ = read_leniently(body.decode("utf-8", "replace"))
-                if not isinstance(parsed, dict):
-                    raise UnreadableAnswer(
-                        f"upstream answered {status} with a body that is not JSON "
-                        f"({len(body)} bytes: {exc})"
-                    ) from None
+                raise UnreadableAnswer(
+                    f"upstream answered {status} with a body that is not JSON "
+                    f"({len(body)} bytes: {exc})"
+                ) from None
             try:
                 return assemble_completion(parsed)
             except Exception:

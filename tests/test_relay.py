@@ -116,28 +116,36 @@ def test_a_successful_status_with_a_body_that_is_not_json_is_relayed_and_logged_
 def test_an_answer_the_sdks_read_though_orjson_refuses_it_is_logged_and_counted(
     scripted: Any, proxy_factory: Any
 ) -> None:
-    """A lone surrogate escape (an emoji cut) and a ``-Infinity`` logprob in a 200 answer: the
-    openai SDK reads it, but the log said it was no JSON (no message, no tokens, an error)
-    where the same content streamed was read."""
+    """A lone surrogate escape (an emoji cut) in a 200 answer: the openai SDKs read it, but the
+    log said it was no JSON (no message, no tokens, an error) where the same content streamed
+    was read. A ``-Infinity`` logprob, which the Node SDK's parser refuses, stays invalid."""
     from proxy.eventlog import read_events
 
-    answer = (
-        b'{"id":"x","object":"chat.completion","model":"gpt-4o","choices":[{"index":0,'
-        b'"message":{"role":"assistant","content":"cut \\ud83d"},"finish_reason":"stop",'
-        b'"logprobs":{"content":[{"token":"cut","logprob":-Infinity}]}}],'
-        b'"usage":{"prompt_tokens":12,"completion_tokens":3,"total_tokens":15}}'
-    )
-    _upstream, url = scripted(chunks=[answer], content_type=b"application/json")
-    proxy = proxy_factory(url)
-    via = httpx.post(
-        proxy.base_url + "/chat/completions", json=CHAT, headers={"X-Session-Id": "odd"}
-    )
-    assert via.status_code == 200 and via.content == answer  # (relayed as it came)
-    proxy.settle()
-    response = read_events(proxy.log_dir / "odd.jsonl").events[-1]
-    assert response["error"] is None
-    assert response["message"]["content"] == "cut \ufffd"
-    assert (response["usage"]["prompt"], response["usage"]["completion"]) == (12, 3)
+    def answer(logprob: bytes) -> bytes:
+        return (
+            b'{"id":"x","object":"chat.completion","model":"gpt-4o","choices":[{"index":0,'
+            b'"message":{"role":"assistant","content":"cut \\ud83d"},"finish_reason":"stop",'
+            b'"logprobs":{"content":[{"token":"cut","logprob":' + logprob + b"}]}}],"
+            b'"usage":{"prompt_tokens":12,"completion_tokens":3,"total_tokens":15}}'
+        )
+
+    for logprob, session in ((b"-0.5", "cut"), (b"-Infinity", "infinite")):
+        _upstream, url = scripted(chunks=[answer(logprob)], content_type=b"application/json")
+        proxy = proxy_factory(url)
+        via = httpx.post(
+            proxy.base_url + "/chat/completions", json=CHAT, headers={"X-Session-Id": session}
+        )
+        assert via.status_code == 200 and via.content == answer(logprob)  # (as it came)
+        proxy.settle()
+        response = read_events(proxy.log_dir / f"{session}.jsonl").events[-1]
+        invalid = proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"})
+        if session == "cut":
+            assert response["error"] is None and invalid == 0
+            assert response["message"]["content"] == "cut \ufffd"
+            assert (response["usage"]["prompt"], response["usage"]["completion"]) == (12, 3)
+        else:
+            assert response["error"].startswith("upstream answered 200 with a body that is not")
+            assert invalid == 1
 
 
 def test_a_client_leaving_halfway_through_an_answer_is_not_blamed_on_the_upstream(

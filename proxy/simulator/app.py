@@ -47,7 +47,7 @@ from proxy.simulator.config import FAULTS, STATUS_FAULTS, SimConfig
 from proxy.simulator.reply import Reply, completion_tokens, derive_reply, parse_script
 from proxy.simulator.state import ReceivedRequest, Simulator
 from proxy.simulator.tokens import count_tokens, marked_request_tokens
-from proxy.simulator.validate import ValidationError, validate_messages
+from proxy.simulator.validate import ValidationError, json_kind, validate_messages
 from proxy.simulator.wire import (
     DONE,
     KEEPALIVE,
@@ -292,7 +292,7 @@ class _Handlers:
             return _json_response(STREAM_OPTIONS_REFUSAL, 422)
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):  # (a TypeError, a 500, before)
-            kind = type(tools).__name__
+            kind = json_kind(tools)
             message = f"Invalid type for 'tools': expected an array, but got {kind} instead."
             return _error(400, message, "tools", "invalid_type")
         try:

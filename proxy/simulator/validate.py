@@ -30,6 +30,21 @@ class ValidationError(ValueError):
         self.code = code
 
 
+def json_kind(value: Any) -> str:
+    """A value's JSON type as OpenAI's refusals name it: ``an object``, ``a string``."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, dict):
+        return "an object"
+    return "an array" if isinstance(value, list) else "null"
+
+
 def _call_ids(message: dict[str, Any]) -> list[str]:
     calls = message.get("tool_calls") or []
     return [c.get("id", "") for c in calls if isinstance(c, dict)]
@@ -50,7 +65,7 @@ def validate_messages(messages: Any) -> None:
         )
     if not isinstance(messages, list):
         raise ValidationError(
-            f"Invalid type for 'messages': expected an array, but got {type(messages).__name__}"
+            f"Invalid type for 'messages': expected an array, but got {json_kind(messages)}"
             " instead.",
             code="invalid_type",
         )
@@ -63,7 +78,7 @@ def validate_messages(messages: Any) -> None:
         if calls is not None and not isinstance(calls, list):  # (a TypeError, a 500, before)
             raise ValidationError(
                 f"Invalid type for 'messages[{i}].tool_calls': expected an array, but got"
-                f" {type(calls).__name__} instead.",
+                f" {json_kind(calls)} instead.",
                 f"messages[{i}].tool_calls",
                 "invalid_type",
             )
