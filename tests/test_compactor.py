@@ -523,6 +523,30 @@ def test_summarizer_failure_falls_back_to_extractive(
     assert proxy.metric("cachegate_upstream_errors_total", {"kind": kind}) == 1
 
 
+def test_a_summary_answer_with_a_lone_surrogate_escape_is_the_summary(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A summarizer's answer the SDKs read (an emoji cut in it, ``"\\ud83d"``) was no JSON to
+    orjson: the paid summary was thrown away for the extractive one, and counted as invalid."""
+    answer = (
+        b'{"id":"s","object":"chat.completion","model":"gpt-4o","choices":[{"index":0,'
+        b'"message":{"role":"assistant","content":"SUMMARY of the work \\ud83d"},'
+        b'"finish_reason":"stop"}],"usage":{"prompt_tokens":3000,"completion_tokens":40}}'
+    )
+    upstream, url = scripted(chunks=[answer], content_type=b"application/json")
+    proxy = proxy_factory(url, CONFIG)
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json={"model": MODEL, "messages": history(18)},
+        headers={"X-Session-Id": "cut-summary"},
+    )
+    assert r.status_code == 200 and r.headers["x-cachegate-compacted"] == "1"
+    forwarded = orjson.loads(upstream.requests[-1]["body"])["messages"]
+    assert "SUMMARY of the work \ufffd" in forwarded[1]["content"]
+    assert compacted_events(proxy)[0]["source"] == "model"
+    assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 0
+
+
 @pytest.mark.parametrize("before", [0, 263])
 def test_a_summarizer_error_that_names_the_key_is_said_without_it(
     scripted: Any, proxy_factory: Any, caplog: pytest.LogCaptureFixture, before: int
