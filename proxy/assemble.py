@@ -204,9 +204,9 @@ def read_leniently(data: str, limit: int | None = None) -> tuple[Any, bool]:
     as cachegate reads one in a request; with whether it held ``NaN`` or ``Infinity`` (Python-
     based servers write a logprob of -inf so), which the Node SDK's parser refuses. ``_INVALID``
     where it is no JSON (tried only where it has what orjson alone refuses: a payload of
-    megabytes of anything else is not parsed twice). A payload past ``_LENIENT_MAX`` is not
-    read (a chunk is a few hundred bytes; parsing and mending megabytes held the event loop for
-    a second): it counts as malformed, not as a cut (``None``)."""
+    megabytes of anything else is not parsed twice). A payload past ``limit`` (a stream's,
+    ``_LENIENT_MAX``) is not read, ``None`` (a chunk is a few hundred bytes; parsing and mending
+    megabytes held the event loop for a second): a stream counts it as malformed, not a cut."""
     if len(data) > (_LENIENT_MAX if limit is None else limit):
         return None, False
     if _LENIENT_ONLY.search(data) is None:
