@@ -1658,6 +1658,31 @@ def test_a_claude_agent_whose_marked_prefix_is_too_short_to_cache_is_told_so(
     assert caches[2]["waste"] > 2000
 
 
+def _sent_and_cut(
+    proxy_factory: Any,
+    policy: str,
+    session: str,
+    task: str,
+    rounds: list[list[dict[str, Any]]],
+) -> tuple[Any, list[dict[str, Any]]]:
+    """A history of a system prompt, a task and tool rounds sent through cachegate (with
+    ``orphan_policy``), then sent again with the task and the first round's call cut by a
+    sliding window: the proxy, its log flushed, and the first history."""
+    with run_simulator(SimConfig()) as sim:
+        proxy = proxy_factory(sim.api_base, {**config(), "pairing": {"orphan_policy": policy}})
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": session})
+        convo: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM_PROMPT * 20},
+            {"role": "user", "content": task},
+        ]
+        for messages in rounds:
+            convo += messages
+        chat(client, convo, stream=False)
+        chat(client, [convo[0], *convo[3:]], stream=False)  # the task and the first call cut
+        flush(proxy)
+    return proxy, convo
+
+
 @pytest.mark.parametrize("policy", ["downgrade", "drop"])
 def test_a_history_trimmed_past_a_call_names_the_first_message_dropped(
     proxy_factory: Any, policy: str
@@ -1675,18 +1700,8 @@ def test_a_history_trimmed_past_a_call_names_the_first_message_dropped(
     def result(i: int) -> dict[str, Any]:
         return {"role": "tool", "tool_call_id": f"call_{i:024d}", "content": f"file {i} " * 300}
 
-    with run_simulator(SimConfig()) as sim:
-        proxy = proxy_factory(sim.api_base, {**config(), "pairing": {"orphan_policy": policy}})
-        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "window"})
-        convo: list[dict[str, Any]] = [
-            {"role": "system", "content": SYSTEM_PROMPT * 20},
-            {"role": "user", "content": "Task " * 300},
-        ]
-        for i in range(4):
-            convo += [call(i), result(i)]
-        chat(client, convo, stream=False)
-        chat(client, [convo[0], *convo[3:]], stream=False)  # the task and the first call cut
-        flush(proxy)
+    rounds = [[call(i), result(i)] for i in range(4)]
+    proxy, _ = _sent_and_cut(proxy_factory, policy, "window", "Task " * 300, rounds)
     second = events(proxy.log_dir, "window", "response")[1]
     divergence = second["divergence"]
     assert (divergence["index"], divergence["field"], divergence["new"]) == (1, None, "")
@@ -1711,18 +1726,8 @@ def test_a_trim_that_cut_a_round_of_parallel_calls_counts_the_results_kept_as_ex
         results = [{"role": "tool", "tool_call_id": i, "content": f"file {i} " * 200} for i in ids]
         return [{"role": "assistant", "content": None, "tool_calls": calls}, *results]
 
-    with run_simulator(SimConfig()) as sim:
-        proxy = proxy_factory(sim.api_base, {**config(), "pairing": {"orphan_policy": policy}})
-        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "cut-round"})
-        convo: list[dict[str, Any]] = [
-            {"role": "system", "content": SYSTEM_PROMPT * 20},
-            {"role": "user", "content": "Task " * 100},
-        ]
-        for turn in range(3):
-            convo += round_(turn)
-        chat(client, convo, stream=False)
-        chat(client, [convo[0], *convo[3:]], stream=False)  # the task and the first call cut
-        flush(proxy)
+    rounds = [round_(turn) for turn in range(3)]
+    proxy, convo = _sent_and_cut(proxy_factory, policy, "cut-round", "Task " * 100, rounds)
     first, second = events(proxy.log_dir, "cut-round", "response")
     gone = convo[1:3] if policy == "downgrade" else convo[1:6]  # (dropped: its results too)
     should = first["usage"]["prompt"] - sum(len(message_tokens(m)) for m in gone)
