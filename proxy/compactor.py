@@ -312,6 +312,7 @@ class Compactor:
         if last is not None and last.tools is not tools and last.tools != tools:
             before = compaction.estimate_tokens(last.tools) if last.tools else 0
             grown = max(0, tools_tokens - before)
+        appended_estimate = compaction.estimate_tokens(appended) + grown
         plan = compaction.plan(
             messages,
             existing=existing,
@@ -322,7 +323,7 @@ class Compactor:
             max_anchor_chars=cfg.max_anchor_chars,
             last_prompt=last.prompt if last else None,
             last_completion=last.completion if last else None,
-            appended_estimate=compaction.estimate_tokens(appended) + grown,
+            appended_estimate=appended_estimate,
             force=force,
             synthetic_prefixes=SYNTHETIC_PREFIXES,
             tools_estimate=tools_tokens,
@@ -386,10 +387,22 @@ class Compactor:
             limit = 0.0
         elif force or plan.cut is not None or plan.reused is not None:
             limit = aim
-        elif compaction.estimate_tokens(plan.messages) + tools_tokens > window:
-            limit = window  # (as it is, with no summary in it: the summary's room is no part)
         else:
-            limit = 0.0
+            # As it is, with no summary in it (the summary's room is no part): over the window
+            # by cachegate's estimate, or by the provider's count of the previous request and
+            # the estimate of what came since (dense tool outputs: the estimate alone let a
+            # history over the window go, refused, and compacted only on the retry). The limit
+            # is the window on the estimate's scale.
+            estimate = compaction.estimate_tokens(plan.messages) + tools_tokens
+            counted = 0
+            if last is not None and plan.reused is None and not plan.discarded:
+                counted = last.prompt + last.completion + appended_estimate
+            if estimate > window:
+                limit = window
+            elif counted > summary_window:
+                limit = min(window, summary_window * estimate / counted)
+            else:
+                limit = 0.0
         keep = cfg.keep_recent
         if limit and (plan.cut is None or not self._fits(messages, plan.cut, limit, extra)):
             # The launching message verbatim beside fewer of the latest messages first, then

@@ -1503,6 +1503,47 @@ def test_a_pasted_document_that_fits_the_window_is_not_summarized(
     assert sim.sim.requests[-1].body["messages"] == msgs
 
 
+@pytest.mark.parametrize("keep_recent", [8, 100])
+def test_a_short_history_the_providers_count_puts_over_the_window_is_shrunk_before_sending(
+    proxy_factory: Any, sdk: Any, keep_recent: int
+) -> None:
+    """Too few messages to compact with ``keep_recent`` kept (or a ``keep_recent`` larger than
+    the history), dense tool outputs the provider counts at ~1.2 times cachegate's estimate: the
+    estimate alone put the next request within the window, the provider's numbers past it. It
+    went as it was, was refused as too long, and was compacted only on the retry."""
+    config = {
+        "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": keep_recent},
+        "models": {MODEL: {"context_window": 8000}},
+    }
+    line = "def func_%04d(x): return x + %d  # line of file module_%d\n"
+    with run_simulator(SimConfig(context_window=8000)) as running:
+        proxy = proxy_factory(running.api_base, config)
+        client = sdk(proxy.base_url)
+        msgs: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "Fix the bug in the parser."},
+        ]
+        compacted = False
+        for turn in range(1, 8):
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=msgs, extra_headers={"X-Session-Id": f"dense{keep_recent}"}
+            )
+            assert raw.http_response.status_code == 200
+            if raw.headers.get("x-cachegate-compacted") == "1":
+                compacted = True
+                break
+            call = {"id": f"call_{turn}", "type": "function"}
+            call["function"] = {"name": "read_file", "arguments": f'{{"path": "m{turn}.py"}}'}
+            output = "".join(line % (k, k, turn) for k in range(200))[:7000]
+            msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            msgs.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": output})
+        assert compacted
+        refused = [r for r in running.sim.requests if r.status == 400]
+        assert refused == []  # shrunk before it went, not after the provider's refusal
+        last = running.sim.requests[-1]
+        assert last.usage is not None and last.usage["prompt_tokens"] <= 8000
+
+
 def test_a_first_requests_estimate_counts_its_tools(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:
