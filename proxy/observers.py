@@ -1221,6 +1221,10 @@ class EventLogObserver:
     def on_response(self, ex: Exchange) -> None:
         if ex.route != "chat" or ex.session_id is None:
             return
+        # A meta line refused with the request (a burst past the writer's queue) goes with the
+        # response: else a session of one exchange had a file that did not say it was
+        # cachegate's log.
+        self._meta(ex)
         assembled = ex.assembled
         usage = ex.usage
         event: dict[str, Any] = {

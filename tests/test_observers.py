@@ -127,6 +127,32 @@ def test_a_meta_line_the_writer_refused_is_tried_again() -> None:
     assert kinds == ["request", "session_meta", "request", "request"]
 
 
+def test_a_meta_line_refused_with_its_request_goes_with_the_response(tmp_path: Path) -> None:
+    """A burst past the writer's queue refused a new session's meta line and its request line;
+    the meta line was offered again only with a later request, so a session of one exchange had
+    a file that did not say it was cachegate's log; and each refusal of the meta line was
+    counted as a line lost, where the file reports only the lost request line."""
+    losses: list[str] = []
+    writer = EventLogWriter(tmp_path, max_queue=2, on_loss=losses.append)  # not started yet
+    for i in range(4):  # new sessions' meta lines: up to twice the bound
+        assert writer.emit(f"o{i}", {"type": "session_meta", "session": f"o{i}"}, True)
+    store = MemorySessionStore()
+    store.create("s1", 0.0)
+    log = EventLogObserver(settings_from_mapping({}), store, writer)
+    ex = exchange(1, msgs("a"))
+    log.on_request(ex)  # its meta line and its request line refused
+    assert losses == ["queue_full"]  # the request line: the meta line is offered again
+    writer.start()
+    assert writer.flush()
+    ex.status = 200
+    log.on_response(ex)
+    assert writer.close()
+    events = read_events(tmp_path / "s1.jsonl").events
+    assert [e["type"] for e in events] == ["session_meta", "lines_lost", "response"]
+    assert (events[1]["lines"], events[1]["requests"]) == (1, 1)
+    assert losses == ["queue_full"]
+
+
 def test_a_retried_exchange_is_a_base_only_as_it_was_last_sent() -> None:
     """A request refused for its length and re-sent compacted is logged twice under one id;
     replay takes the latest, so a later line may only be coded against that one."""
