@@ -36,6 +36,7 @@ from typing import Any, Literal, NamedTuple
 import orjson
 
 from proxy.media import image_tokens
+from proxy.pipeline import clip_words, key_run
 from proxy.prefix import MEDIA_PART_TYPES, canonical_json, json_size
 
 Message = dict[str, Any]
@@ -506,18 +507,27 @@ def _call_names(messages: Iterable[Message]) -> dict[str, str]:
 
 
 def _clip_middle(text: str, limit: int) -> str:
-    """Keep the head and the tail (where errors and test results land) of a long text."""
+    """Keep the head and the tail (where errors and test results land) of a long text, neither
+    cut inside a key (``_clip``)."""
     if len(text) <= limit:
         return text
     head = limit * 3 // 4
-    tail = limit - head
-    omitted = len(text) - head - tail
-    ending = text[-tail:] if tail else ""
-    return f"{text[:head]}\n[… {omitted} characters omitted by cachegate …]\n{ending}"
+    start = len(text) - (limit - head)  # where the tail begins
+    run = key_run(text, head)
+    if run is not None:
+        head = run[0]
+    run = key_run(text, start) if start < len(text) else None
+    if run is not None:
+        start = run[1]
+    omitted = start - head
+    return f"{text[:head]}\n[… {omitted} characters omitted by cachegate …]\n{text[start:]}"
 
 
 def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: max(limit - 1, 0)] + "…"
+    """``text`` in at most ``limit`` characters, never cut inside a key (``clip_words``): an
+    extractive summary is logged and replayed, and a key's piece is one the log's redaction no
+    longer knows (38 characters of a Google key's 39 were written)."""
+    return text if len(text) <= limit else clip_words(text, max(limit - 1, 0))
 
 
 def _first_line(text: str) -> str:

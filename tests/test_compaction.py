@@ -886,3 +886,47 @@ def test_a_summary_over_its_length_is_cut_at_a_line_end_and_says_so() -> None:
     assert clip_summary("short", 1000) == "short"
     one_line = "x" * 5000  # no line end near the limit: cut where the limit falls
     assert len(clip_summary(one_line, 1000)) <= 1000
+
+
+def test_an_extractive_summary_never_keeps_a_piece_of_a_key() -> None:
+    """The skeleton's lines are cut at 120, 160, 200 characters: a key across the cut left a
+    piece the log's redaction no longer knows (38 of a Google key's 39 characters were logged
+    and replayed); the key is kept whole or left out, and what is kept is redacted."""
+    from proxy.redact import redact_text
+
+    key = "AIzaSyD4f8kL2mN9pQ3rS7tU1vW5xY0zA6bC3dE"
+    npm = "npm_Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4zA7bC"
+    middle: list[dict[str, Any]] = [
+        {"role": "user", "content": "Set it up. " + "a " * 95 + key},
+        {"role": "assistant", "content": "Using " + "b " * 95 + key},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "env", "arguments": '{"t": "' + "c " * 52 + npm + '"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "d " * 70 + npm},
+    ]
+    text = extractive_summary(middle, previous_summary=None)
+    redacted = redact_text(text)
+    assert "AIz" not in redacted and "npm_" not in redacted  # (the cuts came at "AIz…" too)
+    assert "a a" in text and "b b" in text and "c c" in text and "d d" in text
+
+
+def test_a_long_tool_output_sent_to_the_summarizer_is_not_cut_inside_a_key() -> None:
+    """The summarizer's transcript keeps a long output's head and tail: neither is cut inside
+    a key (the model may quote what it is given, into the summary the log keeps)."""
+    from proxy.compaction import _clip_middle
+
+    key = "sk-proj-Ab3dEf6hIj9kL0mN1oP2qR3sT4uV5wX6yZ7aB8cD9e"
+    text = "x " * 1480 + key + " " + "y " * 1000 + key + " " + "z " * 490
+    clipped = _clip_middle(text, 4000)  # the head ends and the tail begins inside a key
+    assert 2960 < 4000 * 3 // 4 < 2960 + len(key)
+    assert len(text) - 1031 < len(text) - 1000 < len(text) - 981
+    assert "sk-" not in clipped and "9e" not in clipped
+    assert clipped.startswith("x x") and clipped.endswith(" z ") and "omitted" in clipped
