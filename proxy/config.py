@@ -450,10 +450,23 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
         if not isinstance(value, str):
             # (a key written in a variable's name's place, in an array by mistake: its kind,
             # never its value, as for a string that reads as no variable's name)
-            got = _kind_of(value) if key == "upstream.api_key_env" else _shown(value)
+            # (a base URL with its password, or a key pasted in its place, in an array or a
+            # table likewise)
+            secret = key == "upstream.api_key_env" or (
+                key == "upstream.base_url" and isinstance(value, list | dict)
+            )
+            got = _kind_of(value) if secret else _shown(value)
             raise ConfigError(f"config key '{key}': expected a string, got {got}")
         return value
     raise ConfigError(f"config key '{key}': unsupported type")  # pragma: no cover
+
+
+def _shown_url(url: str) -> str:
+    """A refused base URL as start-up says it: without its user name and password, and a key
+    pasted in its place (``sk-proj-…``) redacted."""
+    from proxy.redact import redact_text  # (its patterns: only when a URL is refused)
+
+    return redact_text(display_url(url))
 
 
 def _number(value: Any) -> str:
@@ -538,11 +551,11 @@ def _check(settings: Settings) -> None:
         # request a 400 from the provider)
         raise _bad(
             key,
-            f"{display_url(url).strip()!r} has white space or a control character in it (a"
+            f"{_shown_url(url).strip()!r} has white space or a control character in it (a"
             " space pasted with it?); percent-encode one that belongs there (%20)",
         )
     if not url.startswith(("http://", "https://")):
-        raise _bad(key, f"{display_url(url)!r} must start with http:// or https://")
+        raise _bad(key, f"{_shown_url(url)!r} must start with http:// or https://")
     host: str | None = None
     why = ""
     try:
@@ -551,7 +564,7 @@ def _check(settings: Settings) -> None:
     except ValueError as exc:
         why = f" ({exc})"
     if not host:
-        raise _bad(key, f"{display_url(url)!r} names no host{why}")
+        raise _bad(key, f"{_shown_url(url)!r} names no host{why}")
     if "@" in url[len(parts.scheme) + 3 + len(parts.netloc) :]:
         # a user:password whose password holds "/", "?" or "#" ends the host early: the rest
         # would be taken for a path (or the password's start for a port); the URL may hold a
@@ -564,7 +577,7 @@ def _check(settings: Settings) -> None:
     if "?" in url or "#" in url:  # the route is appended to the URL: ".../v1?x=1/chat/completions"
         raise _bad(
             key,
-            f"{display_url(url)!r} has a query or fragment (not shown: it may hold a key); give"
+            f"{_shown_url(url)!r} has a query or fragment (not shown: it may hold a key); give"
             " the base URL alone (a client's query string is passed on with each request)",
         )
     try:
@@ -572,7 +585,7 @@ def _check(settings: Settings) -> None:
     except ValueError:
         port = 0
     if port == 0:
-        raise _bad(key, f"{display_url(url)!r}: its port is not a number from 1 to 65535")
+        raise _bad(key, f"{_shown_url(url)!r}: its port is not a number from 1 to 65535")
     for option, check in (
         ("allowed_origins", check_origin_entry),
         ("allowed_hosts", check_host_entry),

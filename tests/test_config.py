@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -334,6 +335,24 @@ def test_a_mistyped_base_url_is_refused_without_showing_its_password(url: str) -
     with pytest.raises(ConfigError) as refused:
         settings_from_mapping({"upstream": {"base_url": url}})
     assert "Sup3rSecretPw" not in str(refused.value)
+    assert "upstream.base_url" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        (["https://bob:Sup3rSecretPw@llm.internal.example/v1"], "expected a string, got an"),
+        ("sk-proj-Ab3dEf6hIj9kL0mN1oP2qR3sT4uV5wX6yZ7aB8cD9eSup3rSecretPw", "must start with"),
+    ],
+)
+def test_a_base_url_in_an_array_or_a_key_in_its_place_is_refused_without_showing_it(
+    value: Any, said: str
+) -> None:
+    """Written in an array by mistake, the URL was shown whole with its password; a key pasted
+    into the setting was printed as the URL it is not."""
+    with pytest.raises(ConfigError) as refused:
+        settings_from_mapping({"upstream": {"base_url": value}})
+    assert "Sup3rSecretPw" not in str(refused.value) and said in str(refused.value)
     assert "upstream.base_url" in str(refused.value)
 
 
