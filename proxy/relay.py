@@ -670,6 +670,19 @@ class DirectBody:
         direct._head = head
         return direct
 
+    def withdraw(self) -> bool:
+        """Take back the held start, if it is still held (nothing of the answer reached the
+        client): uvicorn's cycle is as before it was sent, so another answer (cachegate's own
+        503 at a shutdown) can go in its place. False when the start went out."""
+        if not self._head:
+            return False
+        self._head = b""
+        cycle = self._cycle
+        cycle.response_started = False
+        cycle.chunked_encoding = None
+        cycle.expected_content_length = 0
+        return True
+
     def release(self) -> None:
         """Write the held start, if it is still held."""
         head, self._head = self._head, b""
@@ -1030,7 +1043,12 @@ class Relay:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if direct is not None:
-                direct.release()  # a shutdown cuts the client after the headers, as before
+                if direct.withdraw():
+                    # An answer whose headers were held for its first bytes, none come yet:
+                    # nothing reached the client (a 503 at a shutdown, 499 if it left).
+                    started = False
+                else:
+                    direct.release()  # a shutdown cuts the client after the headers
             ex.interrupted = True  # cut, by the client or by cachegate: never a clean answer
             task = asyncio.current_task()
             if watch is None or not watch.disconnected or task is None:

@@ -1193,14 +1193,28 @@ def test_a_stream_cut_by_ctrl_c_is_logged_as_interrupted_not_as_a_clean_answer(
     assert "interrupted" in show.out
 
 
+@pytest.mark.parametrize("upstream_sends", [b"", b"HTTP/1.1 200 OK\r\nContent-Length: 300\r\n\r\n"])
 def test_a_request_the_upstream_has_not_answered_gets_a_503_when_cachegate_stops(
-    tmp_path: Path,
+    tmp_path: Path, upstream_sends: bytes
 ) -> None:
     """Cut by the shutdown before any answer: the client is told why in OpenAI's shape (it got
-    the server's bare "Internal Server Error"), and the log and metrics say 503, not 0."""
-    silent = socket.socket()  # takes the connection, never answers
+    the server's bare "Internal Server Error"), and the log and metrics say 503, not 0. Also
+    when the upstream sent the headers of a whole answer and none of its body: cachegate held
+    them for its first bytes, then sent them, and the client had a 200 with no body."""
+    silent = socket.socket()  # takes the connection, never answers (or only its headers)
     silent.bind(("127.0.0.1", 0))
     silent.listen(4)
+    held: list[socket.socket] = []
+
+    def answer_headers() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = silent.accept()
+            held.append(conn)
+            conn.recv(65536)
+            conn.sendall(upstream_sends)
+
+    if upstream_sends:
+        threading.Thread(target=answer_headers, daemon=True).start()
     log_dir = tmp_path / "logs"
     try:
         upstream = f"http://127.0.0.1:{silent.getsockname()[1]}/v1"
@@ -1227,11 +1241,16 @@ def test_a_request_the_upstream_has_not_answered_gets_a_503_when_cachegate_stops
                 ),
                 what="the request line",
             )
+            if upstream_sends:
+                wait_for(lambda: bool(held), what="the upstream's headers")
+                time.sleep(0.2)
             proc.send_signal(signal.SIGINT)
             assert proc.wait(20) == 0
             client.join(10)
     finally:
         silent.close()
+        for conn in held:
+            conn.close()
     (answer,) = answers
     assert answer.status_code == 503
     error = answer.json()["error"]

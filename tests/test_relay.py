@@ -224,6 +224,38 @@ def test_a_client_that_leaves_before_any_answer_is_a_499_and_a_disconnect(
         silent.close()
 
 
+def test_a_client_that_leaves_while_held_headers_wait_for_their_body_is_a_499(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """The upstream sent a whole answer's headers and none of its body yet: cachegate holds
+    them to go out with the first bytes, so a client that leaves then was sent no status (it
+    was logged as a 200)."""
+    answer = orjson.dumps({"choices": []})
+    upstream, url = scripted(
+        chunks=[answer],
+        first_delay_s=30,
+        content_type=b"application/json",
+        extra_headers=[(b"content-length", b"%d" % len(answer))],
+    )
+    proxy = proxy_factory(url)
+    payload = orjson.dumps(CHAT)
+    with socket.create_connection((proxy.server.host, proxy.server.port)) as conn:
+        conn.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nx-session-id: held\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+            % (len(payload), payload)
+        )
+        wait_for(lambda: upstream.in_flight == 1, what="the request upstream")
+        time.sleep(0.3)  # the upstream's headers reach cachegate
+    wait_for(lambda: upstream.disconnects, what="the upstream to see the close", timeout=5)
+    proxy.settle()
+    (response,) = events(proxy.log_dir, "held", "response")
+    assert (response["status"], response["interrupted"]) == (499, True)
+    labels = {"route": "chat", "model": "gpt-4o"}
+    assert proxy.metric("cachegate_requests_total", {**labels, "status": "499"}) == 1
+    assert proxy.metric("cachegate_requests_total", {**labels, "status": "200"}) == 0
+
+
 def test_an_error_event_mid_stream_is_logged_as_its_message_not_a_python_repr(
     scripted: Any, proxy_factory: Any
 ) -> None:
