@@ -305,12 +305,15 @@ def _grace_note(record: logging.LogRecord) -> bool:
     cachegate's words instead; any other record passes."""
     if isinstance(record.msg, str) and record.msg.startswith("Cancel %s running task"):
         count = record.args[0] if isinstance(record.args, tuple) and record.args else "some"
-        print(
-            f"cachegate: stopping: {count} request(s) still in flight after the"
-            f" {SHUTDOWN_GRACE_S} s grace period were cut (a stream ends short, a request"
-            " not answered yet gets a 503)",
-            file=sys.stderr,
-        )
+        # (a closed terminal's stderr fails with EIO: raised in a filter, it stopped uvicorn's
+        # shutdown before it cut the requests, and the process exited 1)
+        with contextlib.suppress(OSError, ValueError):
+            print(
+                f"cachegate: stopping: {count} request(s) still in flight after the"
+                f" {SHUTDOWN_GRACE_S} s grace period were cut (a stream ends short, a request"
+                " not answered yet gets a 503)",
+                file=sys.stderr,
+            )
         return False
     return True
 

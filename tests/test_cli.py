@@ -1700,3 +1700,30 @@ def test_a_lock_file_planted_in_a_shared_log_directory_is_refused_not_written(
     assert f"{LOCK_NAME} is a symbolic link" in result.err or "hard link" in result.err
     assert victim.read_text() == "IMPORTANT USER DATA\n"
     assert not list(shared.glob("*.jsonl"))
+
+
+def test_the_grace_periods_note_to_a_closed_terminal_does_not_stop_the_shutdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The terminal closed (SIGHUP), stderr fails with EIO: the note, written from a logging
+    filter on uvicorn's record, raised out of uvicorn's shutdown before it cut the requests in
+    flight, and the process exited 1 with a traceback."""
+    import errno
+    import logging
+
+    from proxy.cli import _grace_note
+
+    class ClosedTerminal:
+        def write(self, text: str) -> int:
+            raise OSError(errno.EIO, "Input/output error")
+
+        def flush(self) -> None:
+            raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(sys, "stderr", ClosedTerminal())
+    record = logging.LogRecord(
+        "uvicorn.error", logging.ERROR, __file__, 1, "Cancel %s running task(s)", (2,), None
+    )
+    assert _grace_note(record) is False  # said (or not: no terminal), never raised
+    other = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 1, "Started", (), None)
+    assert _grace_note(other) is True
