@@ -89,17 +89,25 @@ def provider_of(model: str) -> str:
     return next((provider for prefix, provider in _MODEL_PROVIDERS if name.startswith(prefix)), "*")
 
 
-def default_cache_ttl(model: str) -> float:
+def caching_provider(model: str, dialect: str = "openai") -> str:
+    """Whose caching rules ``model`` follows: its configured entry's ``dialect`` where that
+    names a provider other than the default (a DeepSeek or Claude model under a name of the
+    user's), else its name's provider (``provider_of``)."""
+    return dialect if dialect in ("anthropic", "deepseek") else provider_of(model)
+
+
+def default_cache_ttl(model: str, dialect: str = "openai") -> float:
     """The documented default cache TTL for ``model``'s provider, in seconds."""
-    return DEFAULT_CACHE_TTL_S.get(provider_of(model), DEFAULT_CACHE_TTL_S["*"])
+    provider = caching_provider(model, dialect)
+    return DEFAULT_CACHE_TTL_S.get(provider, DEFAULT_CACHE_TTL_S["*"])
 
 
-def cache_ttl_floor(model: str, ttl_s: float) -> float:
+def cache_ttl_floor(model: str, ttl_s: float, dialect: str = "openai") -> float:
     """The shortest idle time after which ``model``'s provider may have let a prefix go, given
     ``ttl_s``, the TTL accounting uses: the low end of the provider's documented range when
     ``ttl_s`` is that range's high end, its default (OpenAI: 300 s of 600); else ``ttl_s``
     itself (a TTL set in the config, a 24 h retention, a Claude breakpoint's: one figure)."""
-    provider = provider_of(model)
+    provider = caching_provider(model, dialect)
     floor = CACHE_TTL_FLOOR_S.get(provider)
     if floor is None or ttl_s != DEFAULT_CACHE_TTL_S.get(provider):
         return ttl_s

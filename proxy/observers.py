@@ -542,7 +542,7 @@ class AccountingObserver:
         terms = self._terms.get(model_name)
         if terms is None:
             name, model = self.settings.model(model_name)
-            ttl = model.cache_ttl_s or cache.default_cache_ttl(model_name or "")
+            ttl = model.cache_ttl_s or cache.default_cache_ttl(model_name or "", model.dialect)
             pricing = ModelPricing(
                 model.price_input,
                 model.price_cached_input,
@@ -568,7 +568,7 @@ class AccountingObserver:
             marked_only = model.dialect == "anthropic" or (
                 cache.provider_of(model_name or "") == "anthropic"
             )
-            floor = cache.cache_ttl_floor(model_name or "", ttl)
+            floor = cache.cache_ttl_floor(model_name or "", ttl, model.dialect)
             terms = _Terms(name, ttl, pricing, marked_only, model.cache_min_tokens, floor)
             self._terms[model_name] = terms
         return terms

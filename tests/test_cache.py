@@ -521,6 +521,22 @@ def test_default_cache_ttl_per_provider(model: str, ttl: float) -> None:
     assert default_cache_ttl(model) == ttl
 
 
+@pytest.mark.parametrize(
+    ("model", "dialect", "ttl"),
+    [
+        ("my-ds", "deepseek", 3_600.0),
+        ("sonnet-via-gateway", "anthropic", 300.0),
+        ("my-ds", "openai", 300.0),  # the default dialect: by the name
+        ("deepseek-chat", "openai", 3_600.0),
+    ],
+)
+def test_a_configured_dialect_names_the_provider_whose_ttl_applies(
+    model: str, dialect: str, ttl: float
+) -> None:
+    assert default_cache_ttl(model, dialect) == ttl
+    assert cache_ttl_floor(model, ttl, dialect) == ttl
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     old=st.lists(st.tuples(st.binary(min_size=1, max_size=2), st.floats(0, 100)), max_size=30),

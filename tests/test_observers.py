@@ -440,6 +440,8 @@ class _Accounting:
         self.eid += 1
         ex = exchange(self.eid, body["messages"])
         ex.body = body
+        if isinstance(body.get("model"), str):
+            ex.model = body["model"]  # (as the pipeline reads it)
         return self._answered(ex, prompt, read, 200, at)
 
     def _answered(
@@ -1158,6 +1160,13 @@ def test_openais_24_hour_retention_is_the_ttl_of_a_request_that_asks_for_it() ->
         assert ex.cache is not None and ex.cache["cause"] == cause
 
 
+def _last_marked(messages: list[Message]) -> list[Message]:
+    """``messages`` with a Claude cache breakpoint on the last, as Claude Code marks them."""
+    *rest, last = messages
+    part = {"type": "text", "text": last["content"], "cache_control": {"type": "ephemeral"}}
+    return [*rest, {**last, "content": [part]}]
+
+
 def test_a_miss_after_openais_five_minutes_with_nothing_rewritten_is_an_expiry() -> None:
     """The built-in TTL of OpenAI's models is the top of their documented 5 to 10 minutes: a miss
     after 7 idle minutes was ``unexplained``. Past 5 minutes it is ``ttl_expired`` when nothing
@@ -1171,8 +1180,11 @@ def test_a_miss_after_openais_five_minutes_with_nothing_rewritten_is_an_expiry()
         ({}, "claude-sonnet-4", "ttl_expired"),  # (past its 300 s outright)
     ):
         acc = _Accounting(models)
-        acc.send_body({"model": model, "messages": [_system("agent"), *history]}, 9_000, 0, at=0.0)
+        first = [_system("agent"), *history]
         later = [_system("agent"), *history, *msgs("done", "next")]
+        if model.startswith("claude"):  # (it caches what a request marks: each its last)
+            first, later = _last_marked(first), _last_marked(later)
+        acc.send_body({"model": model, "messages": first}, 9_000, 0, at=0.0)
         ex = acc.send_body({"model": model, "messages": later}, 9_100, 0, at=7 * 60.0)
         assert ex.cache is not None and ex.cache["waste"] == 9_000, model
         assert ex.cache["cause"] == cause, (models, model)
@@ -1182,6 +1194,23 @@ def test_a_miss_after_openais_five_minutes_with_nothing_rewritten_is_an_expiry()
     later = {"model": "gpt-4o", "messages": [_system("agent"), *history, *msgs("done", "next")]}
     ex = acc.send_body(later, 9_100, 0, at=4 * 60.0)
     assert ex.cache is not None and ex.cache["cause"] == "unexplained"
+
+
+def test_a_models_dialect_gives_its_providers_cache_ttl_under_any_name() -> None:
+    """A DeepSeek model under a name of the user's, ``dialect = "deepseek"``: its cache keeps
+    an idle prefix for hours, yet the TTL was the 300 s of an unknown name, so an edit after
+    five idle minutes was blamed on an expiry; Claude's 300 s likewise under another name."""
+    history = msgs("fix the bug", "looked", "go on")
+    for dialect, model, cause in (
+        ("deepseek", "my-ds", "prefix_rewrite"),
+        ("openai", "my-ds", "ttl_expired"),  # (no dialect: an unknown name's 300 s)
+    ):
+        acc = _Accounting({model: {"dialect": dialect}})
+        first = [_system("Current date: 2026-12-01"), *history]
+        acc.send_body({"model": model, "messages": first}, 9_000, 0, at=0.0)
+        later = [_system("Current date: 2026-12-02"), *history, *msgs("done", "next")]
+        ex = acc.send_body({"model": model, "messages": later}, 9_100, 0, at=310.0)
+        assert ex.cache is not None and ex.cache["cause"] == cause, dialect
 
 
 def test_a_new_chat_that_opens_alike_under_its_own_prompt_is_no_rewrite() -> None:
