@@ -234,10 +234,16 @@ def _held_on(
 def _cached_before(baseline: _Baseline, now: float, ttl_s: float, messages: int = 0) -> int | None:
     """The most of its prompt a request of ``messages`` continuing ``baseline`` could read from
     a cache of marked prefixes: what it cached, or a longer prefix its conversation still holds
-    (within its TTL, and within Claude's look back from the request's end)."""
+    (within its TTL, and within Claude's look back from the request's end). Where it cached
+    nothing (its turn marked nothing) and the longer prefix an earlier turn cached had expired
+    since, that prefix: what the expiry took, the rest past it never cached (a pause after
+    unmarked turns charged all of it to the expiry)."""
     held = baseline.held
-    if held is not None and now - held[1] <= ttl_s and messages - held[2] <= CLAUDE_LOOKBACK_BLOCKS:
-        return held[0] if baseline.cached is None else max(baseline.cached, held[0])
+    if held is not None and messages - held[2] <= CLAUDE_LOOKBACK_BLOCKS:
+        if now - held[1] <= ttl_s:
+            return held[0] if baseline.cached is None else max(baseline.cached, held[0])
+        if baseline.cached == 0:
+            return held[0]
     return baseline.cached
 
 

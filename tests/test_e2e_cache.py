@@ -1276,6 +1276,52 @@ def test_a_marked_claude_turn_after_an_unmarked_one_past_the_ttl_is_the_expiry(
     assert caches[3]["cause"] == "ttl_expired"
 
 
+def test_a_pause_after_unmarked_turns_charges_the_expiry_only_what_was_cached(
+    proxy_factory: Any,
+) -> None:
+    """Marked turns, two that went out unmarked with long outputs, then a pause past the TTL:
+    what the marked turns had cached expired, but what the unmarked turns added was never
+    cached by anyone: not_requested, where the whole miss was charged to the expiry."""
+    system = SYSTEM_PROMPT + " Follow the style guide." * 300
+    note = "lorem ipsum " * 400
+
+    def marked(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = [dict(m) for m in messages]
+        out[0] = {
+            "role": "system",
+            "content": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+        }
+        text = out[-1]["content"]
+        part = {"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}
+        out[-1] = {**out[-1], "content": [part]}
+        return out
+
+    with run_simulator(SimConfig(dialect="anthropic-compat", cache_ttl_s=300)) as claude:
+        # (a TTL of 1 s for cachegate, which times what the turns wrote on its own clock)
+        proxy = proxy_factory(claude.api_base, config(ttl_s=1))
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "off-paused"})
+        convo: list[dict[str, Any]] = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "Fix the test."},
+        ]
+        for turn in range(5):
+            if turn == 4:  # past the TTL, for both
+                claude.sim.advance(400)
+                time.sleep(1.5)
+            sent = marked(convo) if turn in (0, 1, 4) else convo
+            reply, _ = chat(client, sent, model="claude-sonnet-4-5", stream=False)
+            convo += [reply, {"role": "user", "content": f"Go on ({turn}). {note}"}]
+            claude.sim.advance(5)
+        flush(proxy)
+    caches = [r["cache"] for r in events(proxy.log_dir, "off-paused", "response")]
+    assert caches[1]["read"] > 1000  # the marked turns: written, then read
+    cached = caches[1]["read"] + caches[1]["write"]  # what the last marked turn cached
+    last = caches[4]
+    assert last["read"] == 0 and last["cause"] == "ttl_expired"
+    assert last["waste"] == cached  # the expiry took what had been cached
+    assert last["not_requested"] == last["expected"] - cached > 1000  # never cached
+
+
 def test_sub_agents_fanned_out_under_a_timed_prompt_are_each_compared_with_their_own(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
