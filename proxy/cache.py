@@ -264,7 +264,11 @@ class CacheResult:
     written, the shortfall counted as ``waste``, its ``cause`` and, for a rewrite, its ``location``;
     ``unrequested``: where only marked prefixes are cached, the part of a shortfall with another
     cause that lay past what the previous turn had cached (``not_requested``, counted apart:
-    ``waste + unrequested`` is the whole shortfall).
+    ``waste + unrequested`` is the whole shortfall). ``expired``: where an earlier breakpoint
+    kept its prefix longer than the last one (tools and system for an hour, the latest message
+    for five minutes) and the idle time lay between the two, the part of the shortfall past the
+    longer-lived prefix, which had expired (``ttl_expired``, counted apart: the ``waste`` is
+    then what was lost of the prefix still cached, with its own cause).
     """
 
     expected: int
@@ -274,6 +278,7 @@ class CacheResult:
     cause: Cause | None = None
     location: str | None = None
     unrequested: int = 0
+    expired: int = 0
 
 
 def mark_compacted(state: CacheState) -> CacheState:
@@ -301,6 +306,7 @@ def account(
     compared: Fingerprint | None = None,
     before: Callable[[], int] | None = None,
     nothing_marked_before: Callable[[], bool] | None = None,
+    longer_lived: Callable[[], tuple[float, int] | None] | None = None,
 ) -> tuple[CacheState, CacheResult]:
     """Account one finished exchange; return the session's new state and the exchange's figures.
 
@@ -333,6 +339,9 @@ def account(
     estimate, off by half on dense or sparse text, and reads near it were taken for losses.) ``nothing_marked_before``, asked of a miss where the previous
     request cached nothing (``cached_before`` 0): whether it marked nothing for a provider that
     caches only marked prefixes, so that nothing could be read (``not_requested``).
+    ``longer_lived``, asked only of a miss past ``ttl_s``: where the previous request's earlier
+    breakpoint asked for a longer life than its last, that life and the tokens of the prefix it
+    covers (``CacheResult.expired``).
     """
     has_reported = state.has_reported or usage.reported_cache
     counted = (
@@ -341,7 +350,7 @@ def account(
         and not after_compaction
         and not state.compacted
     )
-    unrequested = 0
+    unrequested = expired = 0
     if counted and state.prev_prompt is not None:
         expected = max(0, min(state.prev_prompt - dropped, usage.prompt))
         if expected < min_cached:
@@ -349,10 +358,29 @@ def account(
         shortfall = expected - usage.cache_read
         waste = shortfall if shortfall > noise_floor else 0
         cause: Cause | None
+        alive = (
+            _longer_lived(state, fingerprint, started_at, ttl_s, longer_lived)
+            if waste and longer_lived is not None
+            else None
+        )
         if not waste:
             cause, location = None, None
         elif unmarked is not None and unmarked():  # nothing was asked of the cache
             cause, location = "not_requested", None
+        elif alive is not None and min(expected, alive[1]) - usage.cache_read > noise_floor:
+            # Past the last breakpoint's life, within an earlier one's: what was lost of the
+            # prefix still cached has its own cause (a rewrite of the system prompt an hour's
+            # breakpoint kept), the rest had expired (it was all the expiry's).
+            held = min(expected, alive[1])
+            top = max(held, min(expected, cached_before)) if cached_before else expected
+            if expected - top <= noise_floor:
+                top = expected
+            waste = held - usage.cache_read
+            expired = max(0, top - held)
+            unrequested = expected - top
+            cause, location = _attribute(
+                state, fingerprint, divergence, started_at, alive[0], model, alive[0], compared
+            )
         else:
             cause, location = _attribute(
                 state, fingerprint, divergence, started_at, ttl_s, model, ttl_floor_s, compared
@@ -376,7 +404,14 @@ def account(
                 else:  # all it missed lies past the previous request's last mark
                     cause, location = "not_requested", None
         result = CacheResult(
-            expected, usage.cache_read, usage.cache_write, waste, cause, location, unrequested
+            expected,
+            usage.cache_read,
+            usage.cache_write,
+            waste,
+            cause,
+            location,
+            unrequested,
+            expired,
         )
     else:
         result = CacheResult(0, usage.cache_read, usage.cache_write, 0)
@@ -392,6 +427,22 @@ def account(
         False,
     )
     return new_state, result
+
+
+def _longer_lived(
+    state: CacheState,
+    fingerprint: Fingerprint,
+    started_at: float,
+    ttl_s: float,
+    longer_lived: Callable[[], tuple[float, int] | None],
+) -> tuple[float, int] | None:
+    """The longer life and the tokens it covers (``account``'s ``longer_lived``) when the idle
+    time lies past ``ttl_s`` and within that life; else None."""
+    idle = idle_seconds(state, fingerprint, started_at)
+    if idle is None or idle <= ttl_s:
+        return None
+    alive = longer_lived()
+    return alive if alive is not None and idle <= alive[0] else None
 
 
 def _stamped(

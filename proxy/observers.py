@@ -231,6 +231,13 @@ def _held_on(
     return held if held is not None and held[0] > cached else None
 
 
+def _longer_lived(body: dict[str, Any], ttl_s: float, prompt: int) -> tuple[float, int] | None:
+    """For ``cache.account``: the longer life an earlier breakpoint of the previous request
+    (``body``, of ``prompt`` tokens) asked for than ``ttl_s``, and the tokens it covers."""
+    found = prefix.longer_lived_share(body, ttl_s)
+    return None if found is None else (found[0], int(found[1] * prompt))
+
+
 def _cached_before(baseline: _Baseline, now: float, ttl_s: float, messages: int = 0) -> int | None:
     """The most of its prompt a request of ``messages`` continuing ``baseline`` could read from
     a cache of marked prefixes: what it cached, or a longer prefix its conversation still holds
@@ -801,6 +808,13 @@ class AccountingObserver:
                 and not (usage.explicit_cache or usage.reported_cache_write)
                 else None
             ),
+            longer_lived=(
+                functools.partial(_longer_lived, body_before, ttl_s, base[0])
+                if isinstance(body_before, dict)
+                and base[0] is not None
+                and (marked_only or usage.explicit_cache)
+                else None
+            ),
             nothing_marked_before=(
                 functools.partial(_marked_nothing, body_before, extra)
                 if body_before is not None
@@ -835,15 +849,25 @@ class AccountingObserver:
         if result.unrequested:
             ex.cache["not_requested"] = result.unrequested
             self.metrics.observe_cache_waste(ex.model, "not_requested", result.unrequested)
+        if result.expired:
+            ex.cache["expired"] = result.expired
+            self.metrics.observe_cache_waste(ex.model, "ttl_expired", result.expired)
         cost = cache.compute_cost(usage, pricing)
         # What the shortfall cost over reading it (the tokens above, in dollars; none said for
         # a model with no prices: unknown, not $0)
         if pricing.price_input:
             if result.waste:
                 ex.cache["waste_usd"] = round(cache.waste_cost(usage, pricing, result.waste), 10)
+            if result.expired:
+                ex.cache["expired_usd"] = round(
+                    cache.waste_cost(usage, pricing, result.expired, after=result.waste), 10
+                )
             if result.unrequested:
                 ex.cache["not_requested_usd"] = round(
-                    cache.waste_cost(usage, pricing, result.unrequested, after=result.waste), 10
+                    cache.waste_cost(
+                        usage, pricing, result.unrequested, after=result.waste + result.expired
+                    ),
+                    10,
                 )
         self.metrics.observe_cost(ex.model, cost.actual, cost.uncached)
         self._price_summary(ex, cost, reported_before)

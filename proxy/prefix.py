@@ -454,6 +454,34 @@ def marked_share(body: Mapping[str, Any]) -> float | None:
 _MARKER_TTLS: Final = {"5m": 300.0, "1h": 3600.0}
 
 
+def longer_lived_share(body: Mapping[str, Any], last_ttl_s: float) -> tuple[float, float] | None:
+    """Where a breakpoint before the last asks for a longer cache life than ``last_ttl_s``, the
+    last one's (tools and system marked for an hour, the latest message for five minutes): the
+    longest such life, in seconds, and the share of the prompt up to the last breakpoint that
+    asks for it (as ``marked_share`` measures); None otherwise (a request's own
+    ``cache_control`` covers it all)."""
+    if body.get("cache_control") is not None:
+        return None
+    tools = body.get("tools")
+    messages = body.get("messages")
+    items = [
+        *((tool, "function") for tool in (tools if isinstance(tools, list) else ())),
+        *((message, "content") for message in (messages if isinstance(messages, list) else ())),
+    ]
+    longest, at = last_ttl_s, -1
+    for i, (item, inner) in enumerate(items):
+        marker = cache_mark(item, inner)
+        ttl = marker.get("ttl") if isinstance(marker, dict) else None
+        life = _MARKER_TTLS.get(ttl) if isinstance(ttl, str) else None
+        if life is not None and life > last_ttl_s and life >= longest:
+            longest, at = life, i
+    if at < 0:
+        return None
+    sizes = [len(canonical_json(item)) for item, _ in items]
+    total = sum(sizes)
+    return (longest, sum(sizes[: at + 1]) / total) if total else None
+
+
 def marked_ttl_s(body: Mapping[str, Any]) -> float | None:
     """The cache life the request's last breakpoint asks for (Anthropic's ``"ttl": "1h"`` or
     ``"5m"``), in seconds; None when it names none."""

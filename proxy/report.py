@@ -52,10 +52,13 @@ class ExchangeRow:
     waste_cause: str | None = None
     waste_location: str | None = None
     unrequested: int = 0  # of a miss with a cause, what was never cached (not_requested)
-    # what the waste and the not_requested part cost over reading them from the cache, USD
-    # (None: a model with no prices, or a log written before cachegate priced them)
+    # of a miss with a cause, what had expired past a longer-lived breakpoint (ttl_expired)
+    expired: int = 0
+    # what the waste and the not_requested and expired parts cost over reading them from the
+    # cache, USD (None: a model with no prices, or a log written before cachegate priced them)
     waste_usd: float | None = None
     unrequested_usd: float | None = None
+    expired_usd: float | None = None
     repairs: int = 0
     compacted: bool = False
     ttfb_s: float | None = None
@@ -104,6 +107,7 @@ _MONEY_FIELDS: Final = (
     "cost_uncached",
     "waste_usd",
     "unrequested_usd",
+    "expired_usd",
     "summary_cost_actual",
     "summary_cost_uncached",
 )
@@ -317,6 +321,7 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
             no_usage += 1
         for tokens, cause, usd in (
             (row.cache_waste, row.waste_cause or "unexplained", row.waste_usd),
+            (row.expired, "ttl_expired", row.expired_usd),
             (row.unrequested, "not_requested", row.unrequested_usd),
         ):
             if tokens:
@@ -607,6 +612,8 @@ def _apply_response(row: ExchangeRow, ev: dict[str, Any]) -> None:
         row.unrequested = max(0, _int(cache.get("not_requested")) or 0)
         row.waste_usd = _float(cache.get("waste_usd"))
         row.unrequested_usd = _float(cache.get("not_requested_usd"))
+        row.expired = max(0, _int(cache.get("expired")) or 0)
+        row.expired_usd = _float(cache.get("expired_usd"))
     cost = ev.get("cost")
     if isinstance(cost, dict):
         row.cost_actual = _float(cost.get("actual"))
@@ -1076,6 +1083,8 @@ def _waste(r: ExchangeRow) -> str:
         text += f" {r.waste_cause}"
     if r.waste_location:
         text += f"@{r.waste_location}"
+    if r.expired:
+        text += f" +{_tokens(r.expired)} ttl_expired"
     if r.unrequested:
         text += f" +{_tokens(r.unrequested)} not_requested"
     return text

@@ -90,6 +90,7 @@ class Session:
         cached_before: int | None = None,
         ttl_floor_s: float | None = None,
         before: int | None = None,
+        longer_lived: tuple[float, int] | None = None,
     ) -> CacheResult:
         body = orjson.loads(orjson.dumps(body))  # every request arrives parsed afresh
         fp = fingerprint(body, previous=self.fp)
@@ -112,6 +113,7 @@ class Session:
             cached_before=cached_before,
             ttl_floor_s=ttl_floor_s,
             before=None if before is None else (lambda: before),
+            longer_lived=None if longer_lived is None else (lambda: longer_lived),
         )
         self.body, self.fp = body, fp
         return result
@@ -657,3 +659,34 @@ def test_waste_is_priced_at_what_the_missed_tokens_cost_over_a_read() -> None:
     assert waste_cost(usage, openai, 50_000) == pytest.approx(8_000 * 1.25 / 1e6)
     assert waste_cost(usage, openai, 0) == 0.0
     assert waste_cost(usage, ModelPricing(0.0, 0.0, 0.0, 0.0), 5_000) == 0.0
+
+
+def test_a_miss_between_two_breakpoints_lives_splits_the_rewrite_from_the_expiry() -> None:
+    """An earlier breakpoint kept 6,000 tokens for an hour, the last one the rest for the TTL:
+    after a pause between the two, a system rewrite lost the hour's part (its cause), the rest
+    had expired (``expired``), and past what the previous turn cached, nothing had been asked
+    (``unrequested``). Without the longer life, or within the TTL, it is as before."""
+    body = opening()
+    body["messages"] += tool_round(1, "line\n" * 400)
+    rewritten = opening(SYSTEM + " Today is Friday.")
+    rewritten["messages"] += tool_round(1, "line\n" * 400) + tool_round(2)
+
+    def second(longer: tuple[float, int] | None, at: float, cached: int | None) -> CacheResult:
+        session = Session(CacheState())
+        session.exchange(body, reported(12_000, 0), started_at=0.0)
+        usage = reported(13_000, 0)
+        return session.exchange(
+            rewritten, usage, started_at=at, longer_lived=longer, cached_before=cached
+        )
+
+    split = second((3600.0, 6_000), TTL + 60, 10_000)
+    assert (split.cause, split.location) == ("prefix_rewrite", "system")
+    assert (split.waste, split.expired, split.unrequested) == (6_000, 4_000, 2_000)
+    whole = second((3600.0, 6_000), TTL + 60, None)  # (every prefix cached: nothing apart)
+    assert (whole.waste, whole.expired, whole.unrequested) == (6_000, 6_000, 0)
+    expired = second(None, TTL + 60, None)
+    assert (expired.cause, expired.waste, expired.expired) == ("ttl_expired", 12_000, 0)
+    past_both = second((3600.0, 6_000), 4000.0, None)
+    assert (past_both.cause, past_both.waste, past_both.expired) == ("ttl_expired", 12_000, 0)
+    within = second((3600.0, 6_000), 60.0, None)
+    assert (within.cause, within.waste, within.expired) == ("prefix_rewrite", 12_000, 0)

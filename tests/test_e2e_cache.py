@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -1320,6 +1321,71 @@ def test_a_pause_after_unmarked_turns_charges_the_expiry_only_what_was_cached(
     assert last["read"] == 0 and last["cause"] == "ttl_expired"
     assert last["waste"] == cached  # the expiry took what had been cached
     assert last["not_requested"] == last["expected"] - cached > 1000  # never cached
+
+
+@pytest.mark.parametrize("rewrite", [False, True])
+def test_a_rewrite_of_an_hours_prefix_after_five_minutes_is_the_rewrites_not_the_expirys(
+    proxy_factory: Any, rewrite: bool
+) -> None:
+    """System prompt marked for an hour, the latest message for five minutes (the default),
+    then a pause past five minutes with the date in the system prompt changed: the hour-long
+    prefix was still cached and the rewrite lost it, where all of the miss was charged to the
+    expiry and the timestamp never named. What the messages added had expired: counted apart."""
+    rules = SYSTEM_PROMPT + " Follow the style guide." * 500
+    note = "lorem ipsum " * 500
+
+    def sent(day: int, convo: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        text = f"Current date: 2026-12-0{day}\n{rules}"
+        hour = {"type": "ephemeral", "ttl": "1h"}
+        system = {
+            "role": "system",
+            "content": [{"type": "text", "text": text, "cache_control": hour}],
+        }
+        last = {
+            "type": "text",
+            "text": convo[-1]["content"],
+            "cache_control": {"type": "ephemeral"},
+        }
+        return [system, *convo[:-1], {**convo[-1], "content": [last]}]
+
+    with run_simulator(SimConfig(dialect="anthropic-compat", cache_ttl_s=300)) as claude:
+        # (a TTL of 1 s for cachegate's clock, the messages' breakpoint naming none)
+        proxy = proxy_factory(claude.api_base, config(ttl_s=1))
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": f"hour{rewrite}"})
+        convo: list[dict[str, Any]] = [{"role": "user", "content": f"Fix the test. {note}"}]
+        for turn in range(3):
+            day = 2 if rewrite and turn == 2 else 1
+            if turn == 2:  # past the five minutes, within the hour, for both
+                claude.sim.advance(400)
+                time.sleep(1.5)
+            reply, _ = chat(client, sent(day, convo), model="claude-sonnet-4-5", stream=False)
+            convo += [reply, {"role": "user", "content": f"Go on ({turn}). {note}"}]
+            claude.sim.advance(5)
+        flush(proxy)
+    responses = events(proxy.log_dir, f"hour{rewrite}", "response")
+    last = responses[2]["cache"]
+    hour_part = len(message_tokens(sent(1, convo)[0]))  # the system prompt, as counted
+    assert hour_part > 1000
+    if not rewrite:  # the hour part read, the rest expired
+        assert hour_part - 128 < last["read"] <= hour_part  # (in the simulator's blocks)
+        assert last["cause"] == "ttl_expired"
+        assert "expired" not in last
+        return
+    assert last["read"] == 0
+    assert (last["cause"], last["location"]) == ("prefix_rewrite", "system")
+    assert responses[2]["divergence"]["volatile_kind"] == "date"
+    # the rewrite lost about the hour part (estimated by its share of the prompt)
+    assert abs(last["waste"] - hour_part) < hour_part * 0.1
+    assert last["expired"] > 1000 and last["waste"] + last["expired"] == last["expected"]
+    assert last["expired_usd"] > 0 and last["waste_usd"] > 0
+    cost = run_cli("sessions", "cost", f"hour{rewrite}", "--json", "--log-dir", str(proxy.log_dir))
+    by_cause = json.loads(cost.out)["waste_by_cause"]
+    assert by_cause == {"prefix_rewrite": last["waste"], "ttl_expired": last["expired"]}
+    show = run_cli("sessions", "show", f"hour{rewrite}", "--log-dir", str(proxy.log_dir))
+    assert f"prefix_rewrite@system +{last['expired']:,} ttl_expired" in show.out
+    for cause, tokens in by_cause.items():
+        labels = {"model": "claude-sonnet-4-5", "cause": cause}
+        assert proxy.metric("cachegate_cache_waste_tokens_total", labels) == tokens
 
 
 def test_sub_agents_fanned_out_under_a_timed_prompt_are_each_compared_with_their_own(
