@@ -1544,6 +1544,62 @@ def test_a_short_history_the_providers_count_puts_over_the_window_is_shrunk_befo
         assert last.usage is not None and last.usage["prompt_tokens"] <= 8000
 
 
+@pytest.mark.parametrize("case", ["sent again", "tools dropped"])
+def test_a_short_history_that_fits_is_not_shrunk_on_a_count_of_what_it_no_longer_holds(
+    proxy_factory: Any, sdk: Any, case: str
+) -> None:
+    """The provider's count of the previous request and its answer's completion tokens put a
+    short history over the window where it fits: a request sent again after a long answer
+    holds no answer (a reasoning model's completion counts its thinking, which no history
+    holds either), and tools sent then and dropped since are in that count. It was summarized
+    (the document lost, a summary paid) where it goes as it is."""
+    config = {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 8000}}}
+    doc = " ".join(f"word{i} alpha beta gamma" for i in range(640))
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Please review this document:\n" + doc},
+        {"role": "assistant", "content": "It is a list of words."},
+        {"role": "user", "content": "Write a detailed report on it."},
+    ]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{i}",
+                "description": " ".join(f"does thing{j} well" for j in range(40)),
+                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+            },
+        }
+        for i in range(16)
+    ]
+    answer = " ".join(f"point{i} here" for i in range(1200 if case == "sent again" else 150))
+    with run_simulator(SimConfig(context_window=8000)) as running:
+        proxy = proxy_factory(running.api_base, config)
+        client = sdk(proxy.base_url)
+        headers = {"X-Session-Id": case.replace(" ", "-")}
+        first = client.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            extra_headers={**headers, "X-Sim-Script": orjson.dumps(answer).decode()},
+            **({"tools": tools} if case == "tools dropped" else {}),
+        )
+        assert first.usage is not None
+        if case == "sent again":
+            assert first.usage.prompt_tokens + first.usage.completion_tokens > 8000
+        else:
+            msgs += [
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "Now sum up your review, without tools."},
+            ]
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, extra_headers={"X-Session-Id": headers["X-Session-Id"]}
+        )
+        assert "x-cachegate-compacted" not in raw.headers
+        assert running.sim.requests[-1].body["messages"] == msgs  # as it was sent
+        assert len(running.sim.requests) == 2  # and no summary call
+        assert running.sim.requests[-1].usage["prompt_tokens"] < 8000  # (it fits)
+
+
 def test_a_first_requests_estimate_counts_its_tools(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:
