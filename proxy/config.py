@@ -461,6 +461,10 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
     raise ConfigError(f"config key '{key}': unsupported type")  # pragma: no cover
 
 
+# A value that is one run of a key's characters, long enough to be one (no URL, no host name)
+_TOKEN_LIKE: Final = re.compile(r"[A-Za-z0-9_-]{16,}")
+
+
 def _shown_url(url: str) -> str:
     """A refused base URL as start-up says it: without its user name and password, and a key
     pasted in its place (``sk-proj-…``) redacted."""
@@ -555,6 +559,12 @@ def _check(settings: Settings) -> None:
             " space pasted with it?); percent-encode one that belongs there (%20)",
         )
     if not url.startswith(("http://", "https://")):
+        if _TOKEN_LIKE.fullmatch(url):  # (a key of a pattern the redaction does not know)
+            raise _bad(
+                key,
+                f"is no URL but a {len(url)}-character token (not shown: a key pasted in its"
+                " place?); give the provider's base URL, https://…",
+            )
         raise _bad(key, f"{_shown_url(url)!r} must start with http:// or https://")
     host: str | None = None
     why = ""

@@ -1098,7 +1098,7 @@ class Relay:
             if response is not None:
                 await response.aclose()
             ex.duration_s = time.perf_counter() - ex.t0
-            if tee is not None:
+            if tee is not None and started:  # (else the client had none of it: no answer)
                 ex.recorded = tee  # assembled by ex.assemble(), with the observers
 
 

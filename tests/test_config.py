@@ -342,7 +342,9 @@ def test_a_mistyped_base_url_is_refused_without_showing_its_password(url: str) -
     ("value", "said"),
     [
         (["https://bob:Sup3rSecretPw@llm.internal.example/v1"], "expected a string, got an"),
-        ("sk-proj-Ab3dEf6hIj9kL0mN1oP2qR3sT4uV5wX6yZ7aB8cD9eSup3rSecretPw", "must start with"),
+        ("sk-proj-Ab3dEf6hIj9kL0mN1oP2qR3sT4uV5wX6yZ7aB8cD9eSup3rSecretPw", "no URL but a"),
+        ("Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw", "no URL but a 36-character token"),  # Mistral's
+        ("api.example.com/v1?k=sk-proj-Ab3dEf6hIj9kL0mN1oP2qR3sT4uSup3rSecretPw", "must start"),
     ],
 )
 def test_a_base_url_in_an_array_or_a_key_in_its_place_is_refused_without_showing_it(

@@ -251,6 +251,7 @@ def test_a_client_that_leaves_while_held_headers_wait_for_their_body_is_a_499(
     proxy.settle()
     (response,) = events(proxy.log_dir, "held", "response")
     assert (response["status"], response["interrupted"]) == (499, True)
+    assert response["error"] is None  # the client left: the upstream did nothing wrong
     labels = {"route": "chat", "model": "gpt-4o"}
     assert proxy.metric("cachegate_requests_total", {**labels, "status": "499"}) == 1
     assert proxy.metric("cachegate_requests_total", {**labels, "status": "200"}) == 0
