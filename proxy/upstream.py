@@ -50,7 +50,7 @@ import sys
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, overload
+from typing import Any, Final, overload
 from urllib.parse import urlsplit
 
 import httptools
@@ -81,6 +81,11 @@ _SEND_WITH_CONNECT = hasattr(socket.socket, "sendmsg") and sys.platform != "win3
 _CONNECTING = frozenset({errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR})
 
 Origin = tuple[str, str, int]  # scheme, host, port
+
+
+# A request body longer than this answered early is not trusted to have been read (below it, the
+# kernel's buffers took it whole and a server reads a refused body's few bytes as a rule).
+_UNREAD_UPLOAD: Final = 64 * 1024
 
 
 class SizedStream(AsyncIterator[bytes]):
@@ -323,6 +328,7 @@ class _Connection(asyncio.Protocol):
         self._complete = False
         self._keep_alive = False
         self._request_incomplete = False  # the answer came before the request body was all sent
+        self._upload = 0  # the request body's length, where known (0: none, or small, or unknown)
         self._aborted = False
         self._reading_paused = False
         self._drain: asyncio.Future[None] | None = None
@@ -591,6 +597,13 @@ class _Connection(asyncio.Protocol):
             self.begin(method)
         answer = self._head
         assert answer is not None
+        self._upload = (
+            len(content)
+            if isinstance(content, bytes)
+            else content.length
+            if isinstance(content, SizedStream)
+            else 0
+        )
         if isinstance(content, bytes):
             if sent:  # as much as the socket took at once
                 if self.closed or transport.is_closing():  # answered and closed already
@@ -704,6 +717,16 @@ class _Connection(asyncio.Protocol):
             # close"), a moment after the answer: the next request sent on it would be lost
             # unanswered. Errors are rare; a new connection for the next request costs little.
             and (self._response is None or self._response.status_code < 500)
+            # A large upload answered with a refusal (413, 401) may be unread, or still on its
+            # way: the next request would follow its rest, and wait for an answer that never
+            # comes (a 504 after timeout_s) or be read as part of it.
+            and (
+                self._upload <= _UNREAD_UPLOAD
+                or (
+                    (self._response is None or self._response.status_code < 400)
+                    and self.unsent() == 0
+                )
+            )
         ):
             self._parser = None
             self._response = None
