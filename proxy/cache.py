@@ -90,10 +90,14 @@ def provider_of(model: str) -> str:
 
 
 def caching_provider(model: str, dialect: str = "openai") -> str:
-    """Whose caching rules ``model`` follows: its configured entry's ``dialect`` where that
-    names a provider other than the default (a DeepSeek or Claude model under a name of the
-    user's), else its name's provider (``provider_of``)."""
-    return dialect if dialect in ("anthropic", "deepseek") else provider_of(model)
+    """Whose caching rules ``model`` follows: its name's provider (``provider_of``), else, for a
+    name those rules do not know, its configured entry's ``dialect`` where that names one (a
+    DeepSeek or Claude model under a name of the user's; a ``"*"`` entry's dialect does not
+    turn a Claude model into DeepSeek's)."""
+    provider = provider_of(model)
+    if provider == "*" and dialect in ("anthropic", "deepseek"):
+        return dialect
+    return provider
 
 
 def default_cache_ttl(model: str, dialect: str = "openai") -> float:
@@ -307,6 +311,7 @@ def account(
     before: Callable[[], int] | None = None,
     nothing_marked_before: Callable[[], bool] | None = None,
     longer_lived: Callable[[], tuple[float, int] | None] | None = None,
+    held_expired: bool = False,
 ) -> tuple[CacheState, CacheResult]:
     """Account one finished exchange; return the session's new state and the exchange's figures.
 
@@ -341,7 +346,9 @@ def account(
     caches only marked prefixes, so that nothing could be read (``not_requested``).
     ``longer_lived``, asked only of a miss past ``ttl_s``: where the previous request's earlier
     breakpoint asked for a longer life than its last, that life and the tokens of the prefix it
-    covers (``CacheResult.expired``).
+    covers (``CacheResult.expired``). ``held_expired``: ``cached_before`` is what an earlier
+    turn cached, which had expired since (the turns after it marked nothing): what was missed
+    of it is the expiry's.
     """
     has_reported = state.has_reported or usage.reported_cache
     counted = (
@@ -359,8 +366,8 @@ def account(
         waste = shortfall if shortfall > noise_floor else 0
         cause: Cause | None
         alive = (
-            _longer_lived(state, fingerprint, started_at, ttl_s, longer_lived)
-            if waste and longer_lived is not None
+            _longer_lived(state, fingerprint, divergence, compared, started_at, ttl_s, longer_lived)
+            if waste and longer_lived is not None and divergence is not None
             else None
         )
         if not waste:
@@ -381,6 +388,8 @@ def account(
             cause, location = _attribute(
                 state, fingerprint, divergence, started_at, alive[0], model, alive[0], compared
             )
+            if cause == "ttl_expired":  # (all of it the expiry's after all: one figure)
+                waste, expired = waste + expired, 0
         else:
             cause, location = _attribute(
                 state, fingerprint, divergence, started_at, ttl_s, model, ttl_floor_s, compared
@@ -395,6 +404,8 @@ def account(
                 floor = ttl_s if ttl_floor_s is None else ttl_floor_s
                 expired = idle is not None and idle > floor
                 cause, location = ("ttl_expired" if expired else "unexplained"), None
+            if held_expired and cause != "not_requested":
+                cause, location = "ttl_expired", None  # (it would have missed anyway)
             if cached_before == 0 and nothing_marked_before is not None and nothing_marked_before():
                 cause, location = "not_requested", None  # the turn before marked nothing
             elif cached_before and expected - cached_before > noise_floor:
@@ -432,13 +443,15 @@ def account(
 def _longer_lived(
     state: CacheState,
     fingerprint: Fingerprint,
+    divergence: Divergence | None,
+    compared: Fingerprint | None,
     started_at: float,
     ttl_s: float,
     longer_lived: Callable[[], tuple[float, int] | None],
 ) -> tuple[float, int] | None:
     """The longer life and the tokens it covers (``account``'s ``longer_lived``) when the idle
-    time lies past ``ttl_s`` and within that life; else None."""
-    idle = idle_seconds(state, fingerprint, started_at)
+    time (``_lost_idle``) lies past ``ttl_s`` and within that life; else None."""
+    idle = _lost_idle(state, fingerprint, divergence, compared, started_at)
     if idle is None or idle <= ttl_s:
         return None
     alive = longer_lived()
@@ -486,6 +499,32 @@ def idle_seconds(state: CacheState, fingerprint: Fingerprint, started_at: float)
 _NOT_CONTENT_LINKS: Final = frozenset({"params", "tools"})
 
 
+def _lost_idle(
+    state: CacheState,
+    fingerprint: Fingerprint,
+    divergence: Divergence | None,
+    compared: Fingerprint | None,
+    started_at: float,
+) -> float | None:
+    """How long what a miss lost had been idle. After a rewrite, the compared request's prefix
+    past the point of difference: it had expired if no request that shared its system prompt
+    or history past that point (the shortest such prefix is the most recently used) came
+    within the TTL. The parameters and tools alone, which another agent of the session may
+    keep warm under a prompt of its own, are not what was lost; a sub-agent forked from the
+    history keeps the history warm (the loss is then the rewrite's). Else the request's longest
+    known prefix's (``idle_seconds``)."""
+    if divergence is not None and compared is not None:
+        chain = compared.chain
+        at = shared_links(compared, fingerprint)
+        while at < len(chain) and chain[at][0] in _NOT_CONTENT_LINKS:
+            at += 1
+        last = state.prefixes.get(compared.digests[at]) if at < len(chain) else None
+        idle = started_at - last if last is not None else idle_seconds(state, compared, started_at)
+        if idle is not None:
+            return idle
+    return idle_seconds(state, fingerprint, started_at)
+
+
 def _attribute(
     state: CacheState,
     fingerprint: Fingerprint,
@@ -496,22 +535,7 @@ def _attribute(
     ttl_floor_s: float | None = None,
     compared: Fingerprint | None = None,
 ) -> tuple[Cause, str | None]:
-    idle: float | None = None
-    if divergence is not None and compared is not None:
-        # What the rewrite lost is the compared request's prefix past the point of difference:
-        # it had expired if no request that shared its system prompt or history past that
-        # point (the shortest such prefix is the most recently used) came within the TTL. The
-        # parameters and tools alone, which another agent of the session may keep warm under
-        # a prompt of its own, are not what was lost; a sub-agent forked from the history
-        # keeps the history warm (the loss is then the rewrite's).
-        chain = compared.chain
-        at = shared_links(compared, fingerprint)
-        while at < len(chain) and chain[at][0] in _NOT_CONTENT_LINKS:
-            at += 1
-        last = state.prefixes.get(compared.digests[at]) if at < len(chain) else None
-        idle = started_at - last if last is not None else idle_seconds(state, compared, started_at)
-    if idle is None:
-        idle = idle_seconds(state, fingerprint, started_at)
+    idle = _lost_idle(state, fingerprint, divergence, compared, started_at)
     if idle is not None and idle > ttl_s:
         return "ttl_expired", None
     if divergence is not None:

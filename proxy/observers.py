@@ -234,24 +234,30 @@ def _held_on(
 def _longer_lived(body: dict[str, Any], ttl_s: float, prompt: int) -> tuple[float, int] | None:
     """For ``cache.account``: the longer life an earlier breakpoint of the previous request
     (``body``, of ``prompt`` tokens) asked for than ``ttl_s``, and the tokens it covers."""
-    found = prefix.longer_lived_share(body, ttl_s)
+    # (an image weighs what the estimate counts for it, not its base64)
+    found = prefix.longer_lived_share(body, ttl_s, compaction.estimate_tokens)
     return None if found is None else (found[0], int(found[1] * prompt))
 
 
 def _cached_before(baseline: _Baseline, now: float, ttl_s: float, messages: int = 0) -> int | None:
     """The most of its prompt a request of ``messages`` continuing ``baseline`` could read from
     a cache of marked prefixes: what it cached, or a longer prefix its conversation still holds
-    (within its TTL, and within Claude's look back from the request's end). Where it cached
-    nothing (its turn marked nothing) and the longer prefix an earlier turn cached had expired
-    since, that prefix: what the expiry took, the rest past it never cached (a pause after
-    unmarked turns charged all of it to the expiry)."""
+    (within its TTL, and within Claude's look back from the request's end)."""
     held = baseline.held
-    if held is not None and messages - held[2] <= CLAUDE_LOOKBACK_BLOCKS:
-        if now - held[1] <= ttl_s:
-            return held[0] if baseline.cached is None else max(baseline.cached, held[0])
-        if baseline.cached == 0:
-            return held[0]
+    if held is not None and now - held[1] <= ttl_s and messages - held[2] <= CLAUDE_LOOKBACK_BLOCKS:
+        return held[0] if baseline.cached is None else max(baseline.cached, held[0])
     return baseline.cached
+
+
+def _expired_held(baseline: _Baseline, now: float, ttl_s: float) -> int | None:
+    """Where ``baseline`` cached nothing (its turn marked nothing), the longer prefix an earlier
+    turn of its conversation cached, when it had expired since: what the expiry took, the rest
+    past it never cached (a pause after unmarked turns, or unmarked turns over more than the
+    TTL, charged all of it to the expiry, or as unexplained)."""
+    held = baseline.held
+    if baseline.cached == 0 and held is not None and now - held[1] > ttl_s:
+        return held[0]
+    return None
 
 
 def _to_front(baselines: list[_Baseline], baseline: _Baseline) -> None:
@@ -647,11 +653,15 @@ class AccountingObserver:
         cached_before: int | None = None
         body_before: Any = None  # (the baseline takes this request's body below)
         held_before: tuple[int, float, int] | None = None
+        held_expired: int | None = None  # what an earlier marked turn cached, expired since
         if chosen is not None and continues and chosen.ready_at <= ex.t0:
             # (one the provider had not read yet when this went out, a request fanned out
             # beside it that was answered first, could not have warmed the cache for it)
             base = (chosen.prompt, chosen.fp.params_digest, chosen.model)
             cached_before = _cached_before(chosen, ex.t0, ttl_s, len(fp.message_digests))
+            if cached_before == 0:
+                held_expired = _expired_held(chosen, ex.t0, ttl_s)
+                cached_before = held_expired or cached_before
             body_before, held_before = chosen.body, chosen.held
         ready_at = ex.t0 + (ex.ttfb_s if ex.ttfb_s is not None else ex.duration_s)
         if ex.status < 400:  # a refused request is no baseline: the provider may not have seen it
@@ -798,6 +808,8 @@ class AccountingObserver:
             ),
             ttl_floor_s=ttl_floor_s,
             ttl_s=ttl_s,
+            held_expired=bool(held_expired)
+            and (usage.explicit_cache or (marked_only and usage.reported_cache_write)),
             compared=compared if divergence is not None else None,
             before=(
                 functools.partial(_tokens_before, compared, forwarded, base[0])

@@ -454,12 +454,15 @@ def marked_share(body: Mapping[str, Any]) -> float | None:
 _MARKER_TTLS: Final = {"5m": 300.0, "1h": 3600.0}
 
 
-def longer_lived_share(body: Mapping[str, Any], last_ttl_s: float) -> tuple[float, float] | None:
+def longer_lived_share(
+    body: Mapping[str, Any], last_ttl_s: float, size: Callable[[Any], int] | None = None
+) -> tuple[float, float] | None:
     """Where a breakpoint before the last asks for a longer cache life than ``last_ttl_s``, the
     last one's (tools and system marked for an hour, the latest message for five minutes): the
     longest such life, in seconds, and the share of the prompt up to the last breakpoint that
-    asks for it (as ``marked_share`` measures); None otherwise (a request's own
-    ``cache_control`` covers it all)."""
+    asks for it, each tool and message weighed by ``size`` (by default, as ``marked_share``
+    measures: its compact JSON); None otherwise (a request's own ``cache_control`` covers it
+    all)."""
     if body.get("cache_control") is not None:
         return None
     tools = body.get("tools")
@@ -477,7 +480,8 @@ def longer_lived_share(body: Mapping[str, Any], last_ttl_s: float) -> tuple[floa
             longest, at = life, i
     if at < 0:
         return None
-    sizes = [len(canonical_json(item)) for item, _ in items]
+    weigh = size if size is not None else (lambda item: len(canonical_json(item)))
+    sizes = [weigh(item) for item, _ in items]
     total = sum(sizes)
     return (longest, sum(sizes[: at + 1]) / total) if total else None
 

@@ -530,6 +530,8 @@ def test_default_cache_ttl_per_provider(model: str, ttl: float) -> None:
         ("sonnet-via-gateway", "anthropic", 300.0),
         ("my-ds", "openai", 300.0),  # the default dialect: by the name
         ("deepseek-chat", "openai", 3_600.0),
+        # a name the rules know wins (a "*" entry's dialect names every other model's)
+        ("claude-3-5-haiku-latest", "deepseek", 300.0),
     ],
 )
 def test_a_configured_dialect_names_the_provider_whose_ttl_applies(
@@ -690,3 +692,12 @@ def test_a_miss_between_two_breakpoints_lives_splits_the_rewrite_from_the_expiry
     assert (past_both.cause, past_both.waste, past_both.expired) == ("ttl_expired", 12_000, 0)
     within = second((3600.0, 6_000), 60.0, None)
     assert (within.cause, within.waste, within.expired) == ("prefix_rewrite", 12_000, 0)
+    # Nothing rewritten: the hour's share is an estimate (by size), and a miss of part of it
+    # was read as unexplained where all of it had expired: no split without a difference.
+    session = Session(CacheState())
+    session.exchange(body, reported(12_000, 0), started_at=0.0)
+    extended = {**body, "messages": [*body["messages"], *tool_round(2)]}
+    plain = session.exchange(
+        extended, reported(13_000, 4_000), started_at=TTL + 60, longer_lived=(3600.0, 6_000)
+    )
+    assert (plain.cause, plain.waste, plain.expired) == ("ttl_expired", 8_000, 0)

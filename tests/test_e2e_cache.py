@@ -1277,14 +1277,19 @@ def test_a_marked_claude_turn_after_an_unmarked_one_past_the_ttl_is_the_expiry(
     assert caches[3]["cause"] == "ttl_expired"
 
 
+@pytest.mark.parametrize("unmarked", ["then a pause", "spread past the TTL", "past the look back"])
 def test_a_pause_after_unmarked_turns_charges_the_expiry_only_what_was_cached(
-    proxy_factory: Any,
+    proxy_factory: Any, unmarked: str
 ) -> None:
-    """Marked turns, two that went out unmarked with long outputs, then a pause past the TTL:
-    what the marked turns had cached expired, but what the unmarked turns added was never
-    cached by anyone: not_requested, where the whole miss was charged to the expiry."""
+    """Marked turns, unmarked ones with long outputs, then a pause past the TTL: what the
+    marked turns had cached expired, but what the unmarked turns added was never cached by
+    anyone: not_requested, where the whole miss was charged to the expiry. So too when the
+    unmarked turns alone take longer than the TTL, no pause between them that long (the miss
+    was unexplained), and when they add more than Claude's look back of ~20 blocks (all of
+    it was the expiry's)."""
     system = SYSTEM_PROMPT + " Follow the style guide." * 300
-    note = "lorem ipsum " * 400
+    note = "lorem ipsum " * (400 if unmarked != "past the look back" else 60)
+    plain = 12 if unmarked == "past the look back" else 3  # unmarked turns
 
     def marked(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out = [dict(m) for m in messages]
@@ -1305,11 +1310,14 @@ def test_a_pause_after_unmarked_turns_charges_the_expiry_only_what_was_cached(
             {"role": "system", "content": system},
             {"role": "user", "content": "Fix the test."},
         ]
-        for turn in range(5):
-            if turn == 4:  # past the TTL, for both
+        turns = 2 + plain + 1
+        for turn in range(turns):
+            if turn == turns - 1:  # past the TTL, for both
                 claude.sim.advance(400)
-                time.sleep(1.5)
-            sent = marked(convo) if turn in (0, 1, 4) else convo
+                time.sleep(1.5 if unmarked != "spread past the TTL" else 0.6)
+            elif turn >= 2 and unmarked == "spread past the TTL":
+                time.sleep(0.6)  # (each gap under cachegate's 1 s, all of them over it)
+            sent = marked(convo) if turn in (0, 1, turns - 1) else convo
             reply, _ = chat(client, sent, model="claude-sonnet-4-5", stream=False)
             convo += [reply, {"role": "user", "content": f"Go on ({turn}). {note}"}]
             claude.sim.advance(5)
@@ -1317,7 +1325,7 @@ def test_a_pause_after_unmarked_turns_charges_the_expiry_only_what_was_cached(
     caches = [r["cache"] for r in events(proxy.log_dir, "off-paused", "response")]
     assert caches[1]["read"] > 1000  # the marked turns: written, then read
     cached = caches[1]["read"] + caches[1]["write"]  # what the last marked turn cached
-    last = caches[4]
+    last = caches[-1]
     assert last["read"] == 0 and last["cause"] == "ttl_expired"
     assert last["waste"] == cached  # the expiry took what had been cached
     assert last["not_requested"] == last["expected"] - cached > 1000  # never cached

@@ -1213,6 +1213,45 @@ def test_a_models_dialect_gives_its_providers_cache_ttl_under_any_name() -> None
         assert ex.cache is not None and ex.cache["cause"] == cause, dialect
 
 
+def test_a_rewrite_of_an_hours_prefix_is_seen_past_a_sub_agent_that_kept_the_tools_warm() -> None:
+    """Claude: the system prompt marked for an hour, the latest message for five minutes. A
+    sub-agent with the same tools ran during the main agent's ten-minute pause; the main agent
+    came back with the date in its prompt changed. The idle time was read off the tools the
+    sub-agent kept warm (under five minutes): no split, and the miss was all ttl_expired."""
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {}}}]
+    hour = {"type": "ephemeral", "ttl": "1h"}
+
+    def body(system: str, messages: list[Message]) -> dict[str, Any]:
+        part = {"type": "text", "text": system, "cache_control": hour}
+        *rest, last = messages
+        marked = {
+            **last,
+            "content": [
+                {"type": "text", "text": last["content"], "cache_control": {"type": "ephemeral"}}
+            ],
+        }
+        return {
+            "model": "claude-sonnet-4",
+            "tools": tools,
+            "messages": [{"role": "system", "content": [part]}, *rest, marked],
+        }
+
+    rules = " Follow the style guide." * 300
+    history = msgs("fix the bug " * 300, "looked " * 300, "go on " * 300)
+    acc = _Accounting({})
+    acc.send_body(body("Date: 2026-12-01." + rules, history), 9_000, 0, at=0.0)
+    later = [*history, *msgs("done", "next")]
+    acc.send_body(body("Date: 2026-12-01." + rules, later), 9_100, 8_900, at=100.0)
+    acc.send_body(body("You are a sub-agent.", msgs("read the docs")), 1_500, 0, at=400.0)
+    ex = acc.send_body(
+        body("Date: 2026-12-02." + rules, [*later, *msgs("ok", "more")]), 9_200, 0, at=700.0
+    )
+    assert ex.cache is not None
+    assert (ex.cache["cause"], ex.cache["location"]) == ("prefix_rewrite", "system")
+    assert ex.cache["expired"] > 0
+    assert ex.cache["waste"] + ex.cache["expired"] == ex.cache["expected"]
+
+
 def test_a_new_chat_that_opens_alike_under_its_own_prompt_is_no_rewrite() -> None:
     """Chat clients without a session id that all open with "hi" share an inferred session: a
     new chat under its own system prompt was read as a rewrite of the other chat's prompt and
