@@ -21,6 +21,7 @@ from proxy.observers import (
     _Baseline,
     _cached_before,
     _carries_answer,
+    _longer_lived,
     _random_id,
     _tokens_before,
 )
@@ -1533,3 +1534,30 @@ def test_results_a_repair_keeps_are_held_and_those_it_drops_are_not(marked: bool
         assert ex.repairs, policy
         # (the system message a moved mark changed is still sent: held)
         assert (message_digest(orphan) in _repaired_away(ex)) is held, (policy, ex.repairs)
+
+
+def test_an_hour_long_breakpoints_share_weighs_an_image_by_its_estimate() -> None:
+    """The share of the prompt an hour's breakpoint covers, which the expired rest is split
+    from: a screenshot in the marked part counted its base64 (a 1 MB data URL outweighed the
+    whole conversation after it)."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 400_000}}
+    hour = {"type": "ephemeral", "ttl": "1h"}
+    body = {
+        "messages": [
+            {"role": "user", "content": [image, {"type": "text", "text": "what is on it?"}]},
+            {
+                "role": "assistant",
+                "content": [{"type": "text", "text": "ok", "cache_control": hour}],
+            },
+            *msgs("a " * 20_000, "b " * 20_000),
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "go on", "cache_control": {"type": "ephemeral"}}
+                ],
+            },
+        ]
+    }
+    found = _longer_lived(body, 300.0, 20_000)
+    assert found is not None and found[0] == 3600.0
+    assert found[1] < 20_000 * 0.2  # (the image ~1,600 of ~21,600 estimated tokens)
