@@ -79,6 +79,11 @@ class Repair:
     index: int
     tool_call_id: str | None
     action: str
+    # For ``missing_id`` and ``duplicate_call_id``, in strict mode's words: the id the client
+    # sent (a number, a repeated id; None when it sent none), and whether the message is a
+    # tool result (else its assistant message)
+    sent: Any = None
+    result: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,6 +438,7 @@ def _fix_calls(
                         call_id,
                         f"gave tool_calls[{position}] the id {call_id}: an earlier call of this"
                         f" message has {repeated}",
+                        sent=repeated,
                     )
                 )
             elif number is not None:
@@ -444,6 +450,7 @@ def _fix_calls(
                         call_id,
                         f'wrote the id of tool_calls[{position}] as a string, "{call_id}" (it'
                         " was a number)",
+                        sent=call["id"],
                     )
                 )
         if _missing_type(call):
@@ -741,7 +748,14 @@ def _pair_result(
         del run.unanswered[call_id]
         fixed[i] = {**message, "tool_call_id": call_id}
         repairs.append(
-            Repair("missing_id", i, call_id, f"gave the result the id {call_id} of its call")
+            Repair(
+                "missing_id",
+                i,
+                call_id,
+                f"gave the result the id {call_id} of its call",
+                None,
+                True,
+            )
         )
         run.results.append(i)
         paired.add(i)
@@ -773,6 +787,8 @@ def _pair_result(
                         number,
                         f'wrote the tool_call_id of the result as a string, "{number}" (it'
                         " was a number)",
+                        raw_id,
+                        True,
                     )
                 )
             owner.results.append(i)
@@ -786,7 +802,12 @@ def _pair_result(
             fixed[i] = {**message, "tool_call_id": new_id}
             repairs.append(
                 Repair(
-                    "duplicate_call_id", i, new_id, f"gave the result the id {new_id} of its call"
+                    "duplicate_call_id",
+                    i,
+                    new_id,
+                    f"gave the result the id {new_id} of its call",
+                    tool_call_id,
+                    True,
                 )
             )
             if owner is not run:
@@ -831,26 +852,50 @@ _DESCRIPTIONS: Final[dict[str, str]] = {
     ),
     "duplicate_result": "messages[{index}] tool result for {id} repeats an earlier result",
     "invalid_arguments": "messages[{index}] assistant tool_call {id} has invalid JSON arguments",
-    "missing_id": (
-        "messages[{index}] assistant tool_call, or the tool result answering it, has no id or a"
-        " number for one (repair would assign {id})"
-    ),
+    "missing_id": "messages[{index}] assistant tool_call has no id (repair would assign {id})",
     "empty_tool_calls": "messages[{index}] assistant message has an empty tool_calls array",
     "missing_type": 'messages[{index}] assistant tool_call {id} has no "type"',
     "duplicate_call_id": (
-        "messages[{index}] repeats a tool_call id of its own message, or answers such a call"
-        " (repair would assign {id})"
+        "messages[{index}] assistant tool_calls repeat the id {sent} (repair would give the"
+        " repeat {id})"
     ),
     "empty_assistant": "messages[{index}] assistant message has no content and no tool_calls",
 }
 
 
+# Where ``missing_id`` and ``duplicate_call_id`` differ: a number sent as an id, a tool result's
+_NUMBER_ID: Final = (
+    'messages[{index}] assistant tool_call id is a number, {sent} (repair would write it as "{id}")'
+)
+_ON_RESULTS: Final[dict[str, str]] = {
+    "missing_id": (
+        "messages[{index}] tool result has no tool_call_id (repair would give it {id}, its call's)"
+    ),
+    "duplicate_call_id": (
+        "messages[{index}] tool result for {sent} answers a call whose id its assistant message"
+        " repeats (repair would give it {id})"
+    ),
+}
+_NUMBER_RESULT_ID: Final = (
+    "messages[{index}] tool result's tool_call_id is a number, {sent} (repair would write it as"
+    ' "{id}")'
+)
+
+
+def _describe(r: Repair) -> str:
+    if r.kind == "missing_id" and r.sent is not None:
+        text = _NUMBER_RESULT_ID if r.result else _NUMBER_ID
+    elif r.result and r.kind in _ON_RESULTS:
+        text = _ON_RESULTS[r.kind]
+    else:
+        text = _DESCRIPTIONS[r.kind]
+    return text.format(index=r.index, id=r.tool_call_id or "(no id)", sent=r.sent) + f" ({r.kind})"
+
+
 def format_strict_error(repairs: list[Repair]) -> str:
-    """One error message naming every defect with its message index and tool_call_id."""
+    """One error message naming every defect with its message index and tool_call_id (the id
+    the client sent, and the one repair would give it, where they differ)."""
     count = len(repairs)
-    parts = [
-        _DESCRIPTIONS[r.kind].format(index=r.index, id=r.tool_call_id or "(no id)") + f" ({r.kind})"
-        for r in repairs
-    ]
+    parts = [_describe(r) for r in repairs]
     head = f"cachegate strict pairing: {count} defect{'' if count == 1 else 's'}"
     return f"{head}: {'; '.join(parts)}" if parts else head

@@ -401,9 +401,10 @@ def test_a_call_and_its_result_with_a_number_for_an_id_stay_a_pair() -> None:
     validate_messages(result.messages)
     assert not needs_repair(result.messages)
     assert numbered["tool_calls"][0]["id"] == 7 and answer["tool_call_id"] == 7  # not mutated
-    assert format_strict_error(diagnose(messages)).startswith(
-        "cachegate strict pairing: 2 defects: messages[1] assistant tool_call, or the tool"
-        " result answering it, has no id or a number for one (repair would assign 7)"
+    assert format_strict_error(diagnose(messages)) == (
+        "cachegate strict pairing: 2 defects: messages[1] assistant tool_call id is a number, 7"
+        ' (repair would write it as "7") (missing_id); messages[2] tool result\'s tool_call_id'
+        ' is a number, 7 (repair would write it as "7") (missing_id)'
     )
     # a string result answers a number call, and a number beside its own string is a repeat
     assert repair_messages([user("go"), numbered, tool("7")]).messages[2] == tool("7")
@@ -792,14 +793,40 @@ def test_strict_error_lists_every_defect() -> None:
         "cachegate strict pairing: 4 defects: "
         "messages[1] assistant tool_call a has no result (dangling_call); "
         "messages[3] tool result for x answers no tool call (orphan_result); "
-        f"messages[4] assistant tool_call, or the tool result answering it, has no id or a "
-        f"number for one (repair would assign {new_id}) (missing_id); "
+        f"messages[4] assistant tool_call has no id (repair would assign {new_id}) (missing_id); "
         f"messages[4] assistant tool_call {new_id} has no result (dangling_call)"
     )
     assert format_strict_error([Repair("duplicate_result", 2, "a", "dropped")]) == (
         "cachegate strict pairing: 1 defect: "
         "messages[2] tool result for a repeats an earlier result (duplicate_result)"
     )
+
+
+def test_strict_error_names_the_id_a_client_repeated_and_where() -> None:
+    """Two calls of one message with one id, and their results: the 400 named only the id
+    repair would assign, one the client never saw, and said "a call, or a result answering
+    it" of each; the id the client sent was nowhere. A result without an id likewise."""
+    messages = [
+        user("go"),
+        asst(call("call_0"), call("call_0", "write")),
+        tool("call_0", "1"),
+        tool("call_0", "2"),
+        asst(call(None)),
+        {"role": "tool", "content": "3"},
+        user("next"),
+    ]
+    repairs = diagnose(messages)
+    new_id = repairs[0].tool_call_id
+    text = format_strict_error(repairs)
+    assert (
+        f"messages[1] assistant tool_calls repeat the id call_0 (repair would give the repeat"
+        f" {new_id}) (duplicate_call_id)" in text
+    )
+    assert (
+        f"messages[3] tool result for call_0 answers a call whose id its assistant message"
+        f" repeats (repair would give it {new_id}) (duplicate_call_id)" in text
+    )
+    assert "messages[5] tool result has no tool_call_id" in text
 
 
 def test_diagnose_changes_nothing() -> None:
