@@ -458,6 +458,25 @@ def test_anthropic_compat_caches_only_up_to_the_last_breakpoint(
     assert again["cache_read_input_tokens"] == 1024
 
 
+def test_anthropic_compat_reads_only_prefixes_that_ended_at_a_breakpoint(
+    anthropic: RunningSimulator,
+) -> None:
+    """Claude writes an entry where a breakpoint ends and reads only such entries: a long
+    message marked after another grows a prefix whose first blocks a later request shares,
+    but no entry ends there. The simulator read those blocks (1,024 of a changed request's
+    tools), which Claude would not: its waste came out smaller than a provider's."""
+    chat = long_chat(2300)  # (its second message: ~2,300 tokens, 17 blocks and more)
+    first = [chat[0], _marked(chat[1])]
+    assert usage_of(anthropic, first)["cache_creation_input_tokens"] > 2000
+    # the same long message cut short: its first blocks are cached, but no entry ends there
+    cut = {**chat[1], "content": chat[1]["content"][: len(chat[1]["content"]) // 2]}
+    usage = usage_of(anthropic, [chat[0], _marked(cut)])
+    assert usage["cache_read_input_tokens"] == 0
+    # the whole prefix an entry ends with is read, and one ending at its own breakpoint after it
+    usage = usage_of(anthropic, [*first, {"role": "assistant", "content": "ok"}])
+    assert usage["cache_read_input_tokens"] > 2000
+
+
 def test_anthropic_compat_keeps_a_one_hour_breakpoints_prefix_for_an_hour(
     anthropic: RunningSimulator,
 ) -> None:

@@ -299,7 +299,7 @@ class _Handlers:
             validate_messages(body.get("messages"))
         except ValidationError as exc:
             return _error(400, exc.message, exc.param, exc.code)
-        tokens, marked, hour = marked_request_tokens(body)
+        tokens, marked, hour, ends = marked_request_tokens(body)
         if len(tokens) > self.config.context_window:
             message = CONTEXT_TEXT.format(window=self.config.context_window, tokens=len(tokens))
             return _error(400, message, "messages", "context_length_exceeded")
@@ -316,11 +316,13 @@ class _Handlers:
         # for it; a gateway may mark for a client that marks nothing (``cache_unmarked``: a mark
         # at the end of the request)
         limit: int | None = None
+        entries: list[int] | None = None  # (Claude: where its entries end; others: any prefix)
         if self.config.dialect == "anthropic-compat":
             limit = marked if marked or not self.config.cache_unmarked else None
+            entries = ends if limit is not None else [len(tokens)]
         else:
             hour = 0  # (others keep their own TTL, whatever a mark asks)
-        cache = self.sim.process_prompt(tokens, model, limit, hour)
+        cache = self.sim.process_prompt(tokens, model, limit, hour, entries)
         usage = usage_object(self.config.dialect, len(tokens), completion_tokens(reply), cache)
         received.usage = usage
         received.status = 200

@@ -6,7 +6,9 @@ is k successive dictionary hits — linear in the request's length, whatever is 
 blocks are cached, and nothing below the dialect's minimum. Every block of a processed request is
 stored or refreshed at the request's time; a block idle for ``ttl_s`` or more is gone, or for
 ``LONG_TTL_S`` when a request asked for it (Claude's ``"ttl": "1h"`` breakpoints: the blocks up to
-the last of them).
+the last of them). Claude keeps entries only for prefixes that end at a request's breakpoint, and
+reads only those: with ``entries``, a read ends at the last block of such a prefix, not at any
+block a longer prefix holds (a request whose tools changed read the tools' first blocks).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class PrefixCache:
         self.policy = policy
         self.ttl_s = ttl_s
         self._expires: dict[bytes, float] = {}
+        self._ends: set[bytes] = set()  # blocks a Claude-style entry ends with
         self._pruned_at: float | None = None
 
     def __len__(self) -> int:
@@ -76,6 +79,7 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._expires.clear()
+        self._ends.clear()
         self._pruned_at = None
 
     def _fresh(self, digest: bytes, now: float) -> bool:
@@ -89,6 +93,7 @@ class PrefixCache:
         expired = [d for d, expires in self._expires.items() if now >= expires]
         for digest in expired:
             del self._expires[digest]
+            self._ends.discard(digest)
 
     def peek(self, tokens: Sequence[bytes], now: float, scope: str = "") -> int:
         """Tokens a request would read from the cache at ``now``, without touching it."""
@@ -106,12 +111,15 @@ class PrefixCache:
         scope: str = "",
         limit: int | None = None,
         long_limit: int = 0,
+        entries: Sequence[int] | None = None,
     ) -> CacheResult:
         """Serve a request's prompt at ``now``: read its cached prefix, store/refresh the rest;
         with a ``limit``, only its first ``limit`` tokens are looked up and stored (Claude's
         last breakpoint); the blocks within its first ``long_limit`` tokens are kept for
         ``LONG_TTL_S`` (its last one-hour breakpoint), the others for ``ttl_s``. A block keeps
-        the later of its expiries."""
+        the later of its expiries. With ``entries`` (the token counts its breakpoints end at),
+        the read is the longest cached prefix that an earlier request's entry ends with, and
+        this request's entries end at the last whole block of each."""
         self._prune(now)
         if limit is not None:
             tokens = tokens[:limit]
@@ -121,6 +129,12 @@ class PrefixCache:
             if not self._fresh(digest, now):
                 break
             matched += 1
+        if entries is not None:
+            while matched and hashes[matched - 1] not in self._ends:
+                matched -= 1
+            for end in entries:
+                if self.policy.round(min(end, len(tokens))):
+                    self._ends.add(hashes[min(end, len(tokens)) // self.policy.block - 1])
         block = self.policy.block
         read = self.policy.round(matched * block)
         cacheable = self.policy.round(len(hashes) * block)

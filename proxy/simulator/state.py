@@ -165,9 +165,15 @@ class Simulator:
             return str(uuid.UUID(int=self._rng.getrandbits(128), version=4))
 
     def process_prompt(
-        self, tokens: Sequence[bytes], scope: str, limit: int | None = None, long_limit: int = 0
+        self,
+        tokens: Sequence[bytes],
+        scope: str,
+        limit: int | None = None,
+        long_limit: int = 0,
+        entries: Sequence[int] | None = None,
     ) -> CacheResult:
         """Run a prompt (its first ``limit`` tokens) through the prefix cache at the current
-        simulated time (its first ``long_limit`` kept for an hour)."""
+        simulated time (its first ``long_limit`` kept for an hour; with ``entries``, read and
+        written only as prefixes ending there, ``PrefixCache.process``)."""
         with self._lock:
-            return self.cache.process(tokens, self._now, scope, limit, long_limit)
+            return self.cache.process(tokens, self._now, scope, limit, long_limit, entries)

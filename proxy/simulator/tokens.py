@@ -147,13 +147,15 @@ def request_tokens(body: Mapping[str, Any]) -> list[bytes]:
     return marked_request_tokens(body)[0]
 
 
-def marked_request_tokens(body: Mapping[str, Any]) -> tuple[list[bytes], int, int]:
+def marked_request_tokens(body: Mapping[str, Any]) -> tuple[list[bytes], int, int, list[int]]:
     """``request_tokens``, how many of them end at the request's last ``cache_control``
-    breakpoint (0 when there is none; all of them for one on the request itself), and how many
-    at its last breakpoint with ``"ttl": "1h"`` (0 for none). A mark on a tool counts at the end
-    of the tools, on a content part at the end of its message."""
+    breakpoint (0 when there is none; all of them for one on the request itself), how many
+    at its last breakpoint with ``"ttl": "1h"`` (0 for none), and where each breakpoint ends
+    (Claude writes a cache entry there, and reads only entries). A mark on a tool counts at the
+    end of the tools, on a content part at the end of its message."""
     out: list[bytes] = []
     marked = hour = 0
+    ends: list[int] = []
     short = False  # a five-minute breakpoint seen: Claude takes no one-hour one after it
     tools = body.get("tools")
     if tools:
@@ -162,6 +164,7 @@ def marked_request_tokens(body: Mapping[str, Any]) -> tuple[list[bytes], int, in
             marks = [cache_mark(t, "function") for t in tools]
             if any(m is not None for m in marks):
                 marked = len(out)
+                ends.append(marked)
             if any(_hour(m) for m in marks):
                 hour = len(out)
             short = any(m is not None and not _hour(m) for m in marks)
@@ -171,6 +174,7 @@ def marked_request_tokens(body: Mapping[str, Any]) -> tuple[list[bytes], int, in
             mark = cache_mark(message, "content")
             if mark is not None:
                 marked = len(out)
+                ends.append(marked)
                 if (_hour(mark) or _hour_in_parts(message)) and not short:
                     hour = len(out)
                 short = short or not _hour(mark)
@@ -179,9 +183,10 @@ def marked_request_tokens(body: Mapping[str, Any]) -> tuple[list[bytes], int, in
     request_mark = body.get("cache_control")
     if request_mark is not None:  # automatic caching: up to the end
         marked = len(out)
+        ends.append(marked)
         if _hour(request_mark) and not short:
             hour = len(out)
-    return out, marked, hour
+    return out, marked, hour, ends
 
 
 def _hour(mark: Any) -> bool:
