@@ -450,8 +450,14 @@ def _longer_lived(
     longer_lived: Callable[[], tuple[float, int] | None],
 ) -> tuple[float, int] | None:
     """The longer life and the tokens it covers (``account``'s ``longer_lived``) when the idle
-    time (``_lost_idle``) lies past ``ttl_s`` and within that life; else None."""
-    idle = _lost_idle(state, fingerprint, divergence, compared, started_at)
+    time of the compared request's whole prefix, the part past the longer-lived one (no other
+    conversation keeps it warm, where a sub-agent under the same prompt keeps the system prompt
+    so), lies past ``ttl_s`` and within that life; else None."""
+    idle = (
+        idle_seconds(state, compared, started_at)
+        if compared is not None
+        else _lost_idle(state, fingerprint, divergence, compared, started_at)
+    )
     if idle is None or idle <= ttl_s:
         return None
     alive = longer_lived()

@@ -400,8 +400,19 @@ class Compactor:
             counted = 0
             if last is not None and plan.reused is None and not plan.discarded:
                 had = compaction.estimate_tokens(last.tools) if last.tools else 0
-                since = compaction.estimate_tokens(messages[last.messages :])
-                counted = last.prompt + since + tools_tokens - had
+                tail = messages[last.messages :]
+                answer = 0
+                if tail and isinstance(tail[0], dict) and tail[0].get("role") == "assistant":
+                    # the previous answer, as the provider counted it, but no more than its
+                    # bytes (a token is a byte or more): a reasoning model's thinking, in its
+                    # completion tokens, is not in the history
+                    size = compaction.estimate_tokens(tail[:1]) * compaction.BYTES_PER_TOKEN
+                    answer, tail = min(last.completion, size), tail[1:]
+                # (on the provider's scale where it counts more than the estimate: a dense
+                # tool output)
+                ratio = _provider_overcount(messages, len(messages) - last.messages, last)
+                since = int(compaction.estimate_tokens(tail) * max(1.0, ratio))
+                counted = last.prompt + answer + since + tools_tokens - had
             if estimate > window:
                 limit = window
             elif counted > summary_window:

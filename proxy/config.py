@@ -461,8 +461,9 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
     raise ConfigError(f"config key '{key}': unsupported type")  # pragma: no cover
 
 
-# A value that is one run of a key's characters, long enough to be one (no URL, no host name)
-_TOKEN_LIKE: Final = re.compile(r"[A-Za-z0-9_-]{16,}")
+# A value that is one run of a key's characters, long enough to be one, or such runs joined by
+# dots (an id.secret key): no URL, no host name (whose labels are shorter)
+_TOKEN_LIKE: Final = re.compile(r"[A-Za-z0-9_-]{16,}(?:\.[A-Za-z0-9_-]{16,})*")
 
 
 def _shown_url(url: str) -> str:
@@ -550,6 +551,13 @@ def _check(settings: Settings) -> None:
         raise _bad("logging.dir", f"{settings.logging.dir!r} has a NUL character in it")
     url = settings.upstream.base_url
     key = "upstream.base_url"
+    bare = url.strip().strip("'\"")
+    if _TOKEN_LIKE.fullmatch(bare):  # (a key of a pattern the redaction does not know)
+        raise _bad(
+            key,
+            f"is no URL but a {len(bare)}-character token (not shown: a key pasted in its"
+            " place?); give the provider's base URL, https://…",
+        )
     if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
         # (it goes into each request line as it is: a trailing space pasted with it made every
         # request a 400 from the provider)
@@ -559,12 +567,6 @@ def _check(settings: Settings) -> None:
             " space pasted with it?); percent-encode one that belongs there (%20)",
         )
     if not url.startswith(("http://", "https://")):
-        if _TOKEN_LIKE.fullmatch(url):  # (a key of a pattern the redaction does not know)
-            raise _bad(
-                key,
-                f"is no URL but a {len(url)}-character token (not shown: a key pasted in its"
-                " place?); give the provider's base URL, https://…",
-            )
         raise _bad(key, f"{_shown_url(url)!r} must start with http:// or https://")
     host: str | None = None
     why = ""

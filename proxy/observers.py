@@ -231,11 +231,14 @@ def _held_on(
     return held if held is not None and held[0] > cached else None
 
 
-def _longer_lived(body: dict[str, Any], ttl_s: float, prompt: int) -> tuple[float, int] | None:
+def _longer_lived(
+    body: dict[str, Any], ttl_s: float, prompt: int, change: prefix.Divergence | None
+) -> tuple[float, int] | None:
     """For ``cache.account``: the longer life an earlier breakpoint of the previous request
-    (``body``, of ``prompt`` tokens) asked for than ``ttl_s``, and the tokens it covers."""
+    (``body``, of ``prompt`` tokens) asked for than ``ttl_s``, and the tokens it covers; None
+    when ``change``, where this request differs from it, lies past that breakpoint."""
     # (an image weighs what the estimate counts for it, not its base64)
-    found = prefix.longer_lived_share(body, ttl_s, compaction.estimate_tokens)
+    found = prefix.longer_lived_share(body, ttl_s, compaction.estimate_tokens, change)
     return None if found is None else (found[0], int(found[1] * prompt))
 
 
@@ -821,7 +824,7 @@ class AccountingObserver:
                 else None
             ),
             longer_lived=(
-                functools.partial(_longer_lived, body_before, ttl_s, base[0])
+                functools.partial(_longer_lived, body_before, ttl_s, base[0], divergence)
                 if isinstance(body_before, dict)
                 and base[0] is not None
                 and (marked_only or usage.explicit_cache)

@@ -455,14 +455,18 @@ _MARKER_TTLS: Final = {"5m": 300.0, "1h": 3600.0}
 
 
 def longer_lived_share(
-    body: Mapping[str, Any], last_ttl_s: float, size: Callable[[Any], int] | None = None
+    body: Mapping[str, Any],
+    last_ttl_s: float,
+    size: Callable[[Any], int] | None = None,
+    change: Divergence | None = None,
 ) -> tuple[float, float] | None:
     """Where a breakpoint before the last asks for a longer cache life than ``last_ttl_s``, the
     last one's (tools and system marked for an hour, the latest message for five minutes): the
     longest such life, in seconds, and the share of the prompt up to the last breakpoint that
     asks for it, each tool and message weighed by ``size`` (by default, as ``marked_share``
     measures: its compact JSON); None otherwise (a request's own ``cache_control`` covers it
-    all)."""
+    all), and when ``change`` (a difference from ``body``) lies past that breakpoint: the
+    longer-lived prefix is then whole, whatever the estimate of its share says."""
     if body.get("cache_control") is not None:
         return None
     tools = body.get("tools")
@@ -480,6 +484,11 @@ def longer_lived_share(
             longest, at = life, i
     if at < 0:
         return None
+    if change is not None and change.location != "params":
+        tools_count = len(items) - len(messages if isinstance(messages, list) else ())
+        where = 0 if change.location == "tools" else tools_count + (change.index or 0)
+        if where > at:
+            return None
     weigh = size if size is not None else (lambda item: len(canonical_json(item)))
     sizes = [weigh(item) for item, _ in items]
     total = sum(sizes)

@@ -630,6 +630,8 @@ class _Connection(asyncio.Protocol):
                     break
                 if chunk:
                     transport.write(chunk if sized else b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+                    if not sized:  # (its length, as it goes: ``release`` judges the upload by it)
+                        self._upload += len(chunk)
                     drain = self._drain
                     if drain is not None and not drain.done():
                         await self._drain_or_answer(drain, answer)

@@ -1600,6 +1600,45 @@ def test_a_short_history_that_fits_is_not_shrunk_on_a_count_of_what_it_no_longer
         assert running.sim.requests[-1].usage["prompt_tokens"] < 8000  # (it fits)
 
 
+def test_a_short_history_with_a_long_dense_answer_in_it_is_shrunk_before_it_goes(
+    proxy_factory: Any, sdk: Any
+) -> None:
+    """A pasted document and the agent's long answer in dense code (~0.9 token a character,
+    where the estimate says 0.25): the answer's estimate put the next request within the
+    window, the provider's count of it past it. It went, was refused, and was compacted only
+    on the retry; the answer's completion tokens count it (no more than its bytes, which a
+    reasoning model's thinking does not reach)."""
+    config = {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 10000}}}
+    doc = "Please review this document:\n" + " ".join(
+        f"word{i} alpha beta gamma" for i in range(800)
+    )
+    code = "".join(f"v[{i % 10}]=x+{i % 7};" for i in range(700))
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": doc},
+    ]
+    with run_simulator(SimConfig(context_window=10000)) as running:
+        proxy = proxy_factory(running.api_base, config)
+        client = sdk(proxy.base_url)
+        headers = {"X-Session-Id": "dense-answer"}
+        first = client.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            extra_headers={**headers, "X-Sim-Script": orjson.dumps(code).decode()},
+        )
+        assert first.usage is not None
+        assert first.usage.prompt_tokens + first.usage.completion_tokens > 10000
+        msgs += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "Now explain the code."},
+        ]
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, extra_headers=headers
+        )
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        assert [r.status for r in running.sim.requests].count(400) == 0  # not after a refusal
+
+
 def test_a_first_requests_estimate_counts_its_tools(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:

@@ -344,6 +344,9 @@ def test_a_mistyped_base_url_is_refused_without_showing_its_password(url: str) -
         (["https://bob:Sup3rSecretPw@llm.internal.example/v1"], "expected a string, got an"),
         ("sk-proj-Ab3dEf6hIj9kL0mN1oP2qR3sT4uV5wX6yZ7aB8cD9eSup3rSecretPw", "no URL but a"),
         ("Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw", "no URL but a 36-character token"),  # Mistral's
+        ("Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw ", "no URL but a 36-character token"),  # a space
+        ('"Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw"', "no URL but a 36-character token"),  # quoted
+        ("0123456789abcdef0123456789abcdef.Sup3rSecretPwAbCd", "no URL but a 50-character"),
         ("api.example.com/v1?k=sk-proj-Ab3dEf6hIj9kL0mN1oP2qR3sT4uSup3rSecretPw", "must start"),
     ],
 )
@@ -356,6 +359,14 @@ def test_a_base_url_in_an_array_or_a_key_in_its_place_is_refused_without_showing
         settings_from_mapping({"upstream": {"base_url": value}})
     assert "Sup3rSecretPw" not in str(refused.value) and said in str(refused.value)
     assert "upstream.base_url" in str(refused.value)
+
+
+def test_a_host_name_without_its_scheme_is_shown_not_taken_for_a_key() -> None:
+    """A key is refused by its length, unshown; a host name, whose labels are short, is no
+    key: the user sees what they wrote, to fix it."""
+    with pytest.raises(ConfigError) as refused:
+        settings_from_mapping({"upstream": {"base_url": "generativelanguage.googleapis.com/v1"}})
+    assert "'generativelanguage.googleapis.com/v1' must start with http" in str(refused.value)
 
 
 def test_a_base_url_with_a_key_in_its_query_is_refused_without_showing_it() -> None:

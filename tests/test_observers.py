@@ -1214,11 +1214,16 @@ def test_a_models_dialect_gives_its_providers_cache_ttl_under_any_name() -> None
         assert ex.cache is not None and ex.cache["cause"] == cause, dialect
 
 
-def test_a_rewrite_of_an_hours_prefix_is_seen_past_a_sub_agent_that_kept_the_tools_warm() -> None:
+@pytest.mark.parametrize("sub_prompt", ["its own", "the main agent's"])
+def test_a_rewrite_of_an_hours_prefix_is_seen_past_a_sub_agent_that_kept_the_tools_warm(
+    sub_prompt: str,
+) -> None:
     """Claude: the system prompt marked for an hour, the latest message for five minutes. A
     sub-agent with the same tools ran during the main agent's ten-minute pause; the main agent
     came back with the date in its prompt changed. The idle time was read off the tools the
-    sub-agent kept warm (under five minutes): no split, and the miss was all ttl_expired."""
+    sub-agent kept warm (under five minutes): no split, and the miss was all ttl_expired. A
+    sub-agent under the main agent's own prompt kept that warm too: the expired history was
+    all charged to the rewrite."""
     tools = [{"type": "function", "function": {"name": "read_file", "parameters": {}}}]
     hour = {"type": "ephemeral", "ttl": "1h"}
 
@@ -1243,13 +1248,14 @@ def test_a_rewrite_of_an_hours_prefix_is_seen_past_a_sub_agent_that_kept_the_too
     acc.send_body(body("Date: 2026-12-01." + rules, history), 9_000, 0, at=0.0)
     later = [*history, *msgs("done", "next")]
     acc.send_body(body("Date: 2026-12-01." + rules, later), 9_100, 8_900, at=100.0)
-    acc.send_body(body("You are a sub-agent.", msgs("read the docs")), 1_500, 0, at=400.0)
+    sub_system = "You are a sub-agent." if sub_prompt == "its own" else "Date: 2026-12-01." + rules
+    acc.send_body(body(sub_system, msgs("read the docs")), 1_500, 0, at=400.0)
     ex = acc.send_body(
         body("Date: 2026-12-02." + rules, [*later, *msgs("ok", "more")]), 9_200, 0, at=700.0
     )
     assert ex.cache is not None
     assert (ex.cache["cause"], ex.cache["location"]) == ("prefix_rewrite", "system")
-    assert ex.cache["expired"] > 0
+    assert ex.cache["expired"] > ex.cache["waste"] > 0  # (the history the larger part)
     assert ex.cache["waste"] + ex.cache["expired"] == ex.cache["expected"]
 
 
@@ -1558,6 +1564,6 @@ def test_an_hour_long_breakpoints_share_weighs_an_image_by_its_estimate() -> Non
             },
         ]
     }
-    found = _longer_lived(body, 300.0, 20_000)
+    found = _longer_lived(body, 300.0, 20_000, None)
     assert found is not None and found[0] == 3600.0
     assert found[1] < 20_000 * 0.2  # (the image ~1,600 of ~21,600 estimated tokens)

@@ -18,6 +18,7 @@ from proxy.prefix import (
     find_divergence,
     fingerprint,
     has_cache_marker,
+    longer_lived_share,
     marked_share,
     marked_ttl_s,
     retimed_messages,
@@ -1005,3 +1006,33 @@ def test_a_deep_call_never_waits_for_another_threads_and_the_limit_comes_back() 
     with pytest.raises(RecursionError):  # a recursion without end still ends
         deep_call(dive, 10**6)
     assert sys.getrecursionlimit() == limit
+
+
+def test_an_hour_breakpoints_share_is_none_for_a_change_past_it() -> None:
+    """The split of a miss into what a longer-lived breakpoint kept and what expired is made
+    for a change within that prefix: one past it (an edited message after the system prompt
+    marked for an hour) lost nothing the hour kept, and the estimate's overshoot on dense text
+    was charged to it."""
+    hour = {"type": "ephemeral", "ttl": "1h"}
+    body = {
+        "messages": [
+            {
+                "role": "system",
+                "content": [{"type": "text", "text": "rules", "cache_control": hour}],
+            },
+            {"role": "user", "content": "task " * 100},
+            {"role": "assistant", "content": "done " * 100},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "go", "cache_control": {"type": "ephemeral"}}],
+            },
+        ]
+    }
+
+    def change(location: str, index: int | None) -> Divergence:
+        return Divergence(location, index, "user", "content", "", "")  # type: ignore[arg-type]
+
+    assert longer_lived_share(body, 300.0) is not None
+    assert longer_lived_share(body, 300.0, change=change("system", 0)) is not None
+    assert longer_lived_share(body, 300.0, change=change("params", None)) is not None
+    assert longer_lived_share(body, 300.0, change=change("messages", 1)) is None
