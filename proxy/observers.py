@@ -695,6 +695,9 @@ class AccountingObserver:
             elif continues and chosen is not None and _takes_place(chosen, fp, divergence, model):
                 if chosen.copies > 1:  # one of several that sent it: the others may go on too
                     chosen.copies -= 1
+                    # ... or were re-sends of this one (a client's retry after a hang-up), which
+                    # never go on: the first to be forgotten, till one goes on from it
+                    chosen.superseded = True
                     went_on = _Baseline(fp, body, prompt, model, ready_at)
                     went_on.answer = _answer_of(ex)
                     went_on.cached = cached

@@ -1567,3 +1567,27 @@ def test_an_hour_long_breakpoints_share_weighs_an_image_by_its_estimate() -> Non
     found = _longer_lived(body, 300.0, 20_000, None)
     assert found is not None and found[0] == 3600.0
     assert found[1] < 20_000 * 0.2  # (the image ~1,600 of ~21,600 estimated tokens)
+
+
+def test_turns_sent_twice_by_siblings_do_not_crowd_out_a_lagging_sub_agents_own() -> None:
+    """Sub-agents under one session, each sending every turn twice (a client's re-send after a
+    hang-up or a failure mid-stream), and one that lags: each re-sent turn left its first copy
+    behind as a conversation when the turn after it went on, 32 were soon full of them, and
+    the lagging sub-agent's own was forgotten: its next turn was compared with a sibling's, a
+    rewrite of the task the client never made."""
+    acc = _Accounting({})
+    system = _system("You are a sub-agent. " * 50)
+
+    def history(agent: int, turns: int) -> list[Message]:
+        task = f"Sub-agent {agent}: look into module {agent}. " * 20
+        return [system, *msgs(task, *[f"step {t} of {agent} " * 30 for t in range(turns * 2)])]
+
+    acc.send_body({"model": "gpt-4o", "messages": history(0, 0)}, 3_000, 0, at=0.0)
+    for turn in range(6):
+        for agent in range(1, 8):
+            body = {"model": "gpt-4o", "messages": history(agent, turn)}
+            for _ in range(2):  # sent twice
+                acc.send_body(body, 3_000 + 100 * turn, 0, at=1.0 + turn)
+    ex = acc.send_body({"model": "gpt-4o", "messages": history(0, 1)}, 3_200, 2_900, at=9.0)
+    assert ex.divergence is None  # compared with its own first turn
+    assert ex.cache is not None and ex.cache["expected"] == 3_000
