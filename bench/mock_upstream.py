@@ -1,8 +1,8 @@
 """A mock OpenAI upstream that is never the bottleneck: asyncio protocols, no framework, canned bytes.
 
 Mode A (``stream`` absent or false): an instant ~1 KB ``chat.completion``.
-Mode B (``"stream": true``): headers and the first event after ``first_token_ms``, then one delta of
-~120 bytes every ``interval_ms`` (on an absolute schedule, so gaps do not drift), a finish chunk, a
+Mode B (``"stream": true``): headers and the first event after ``first_token_ms``, then one delta
+event of ~200-230 bytes every ``interval_ms`` (on an absolute schedule, so gaps do not drift), a finish chunk, a
 usage-only chunk when ``stream_options.include_usage`` is set (as OpenAI sends it), then ``[DONE]``.
 Mode C (large agent bodies): the same instant answer as mode A, whatever the body size.
 
@@ -77,7 +77,7 @@ def completion_body() -> bytes:
 
 
 def stream_events(deltas: int, include_usage: bool) -> list[bytes]:
-    """Mode B's events, each a whole ``data: …\\n\\n`` of ~120 bytes, ending with ``[DONE]``.
+    """Mode B's events, each a whole ``data: …\\n\\n`` of ~200-230 bytes, ending with ``[DONE]``.
     As OpenAI has sent them since August 2025, each chunk ends with an ``obfuscation`` padding
     string; with ``include_usage``, a null ``usage`` stands before it in every chunk, and a
     usage-only chunk comes before ``[DONE]``."""

@@ -220,19 +220,26 @@ def run_wrk(arm: Arm, script: Path, concurrency: int, seconds: float) -> tuple[i
         text=True,
         check=True,
     )
-    text = proc.stdout
+    return parse_wrk(proc.stdout)
+
+
+def parse_wrk(text: str) -> tuple[int, int, float]:
+    """wrk's report: (answers of 2xx, errors, seconds)."""
     m = re.search(r"(\d+) requests in ([\d.]+)(m?s)", text)
     if m is None:
         raise RuntimeError(f"wrk output not understood: {text}")
     seconds_run = float(m.group(2)) / (1000.0 if m.group(3) == "ms" else 1.0)
-    errors = 0
+    errors = refused = 0
     e = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
     if e:
-        errors += int(e.group(1))
+        refused = int(e.group(1))
+        errors += refused
     s = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
     if s:
         errors += sum(int(x) for x in s.groups())
-    return int(m.group(1)), errors, seconds_run
+    # (wrk's count of requests holds the answers other than 2xx: those are no throughput, as
+    # the built-in generator counts only 200s)
+    return int(m.group(1)) - refused, errors, seconds_run
 
 
 async def throughput(
@@ -370,7 +377,8 @@ async def sustain(
     direct_ttfb: dict[int, float] = {}  # the direct arm runs first
     for a in arms:
         out[a.name] = {"levels": {}, "sustained": 0}
-        for n in plan.sustain:
+    for n in plan.sustain:  # each level for every arm, direct first (its baseline), then the next
+        for a in arms:
             base_rss = a.server.rss() if a.server is not None else 0
             peak = base_rss
             done = asyncio.Event()
@@ -818,7 +826,14 @@ def table(results: dict[str, Any], plan: Plan, arm_names: list[str]) -> str:
         ),
         ("stream TTFB 1 stream p50 (ms)", "stream_c1_ttfb_p50_ms", False),
         ("added TTFB 1 stream p50 (ms)", "added_stream_c1_ttfb_p50_ms", True),
-        ("added TTFB 1 stream p99 (ms)", "added_stream_c1_ttfb_p99_ms", True),
+        (
+            # (the nearest-rank p99 of fewer than 100 samples is their largest)
+            "added TTFB 1 stream p99 (ms)"
+            if plan.stream_rounds >= 100
+            else f"added TTFB 1 stream max of {plan.stream_rounds} (ms)",
+            "added_stream_c1_ttfb_p99_ms",
+            True,
+        ),
         (f"stream TTFB {plan.fanout} streams p50 (ms)", f"stream_{fan}_ttfb_p50_ms", False),
         (f"added TTFB {plan.fanout} streams p50 (ms)", f"added_stream_{fan}_ttfb_p50_ms", True),
         (f"added TTFB {plan.fanout} streams p99 (ms)", f"added_stream_{fan}_ttfb_p99_ms", True),
@@ -923,9 +938,10 @@ def targets(results: dict[str, Any], plan: Plan) -> dict[str, Any]:
     check("added p99 c=1 <= 3 ms", f["cachegate.added_latency_c1_p99_ms"], 3.0, le)
     check("mode C added p50 <= 3 ms", f["cachegate.agent_added_large_p50_ms"], 3.0, le)
     c32 = f.get("cachegate.rps_c32")
-    if "litellm.rps_c32" in f:
+    if c32 is not None and "litellm.rps_c32" in f:
         check("rps c=32 >= 5x LiteLLM", c32 / f["litellm.rps_c32"], 5.0, ge)
-    check("rps c=32 >= 60% of bare pass-through", c32 / f["bare.rps_c32"], 0.6, ge)
+    if c32 is not None and f.get("bare.rps_c32"):  # (a run without concurrency 32: no figure)
+        check("rps c=32 >= 60% of bare pass-through", c32 / f["bare.rps_c32"], 0.6, ge)
     check(
         f"added TTFB {plan.fanout} streams p50 <= 15 ms",
         f[f"cachegate.added_stream_{fan}_ttfb_p50_ms"],
@@ -940,7 +956,7 @@ def targets(results: dict[str, Any], plan: Plan) -> dict[str, Any]:
     # Throughput at concurrency 1 as the load tool measures it (a closed loop of one connection):
     # it includes the work cachegate does after each answer, as the concurrency-32 figure does.
     c1 = f.get("cachegate.rps_c1")
-    if c1:
+    if c1 and c32 is not None:
         check("rps c=32 >= rps c=1 (issue 2)", c32 / c1, 1.0, ge)
     return t
 
@@ -958,6 +974,9 @@ async def measure(fleet: Fleet, plan: Plan, workdir: Path, phases: set[str]) -> 
             await conn.post(payload(a, body_a()))
         conn.close()
         await client.stream(HOST, a.port, payload(a, body_b("warm")))
+    for a in arms:  # (what streams add is measured from here: later phases' memory stays)
+        if a.server is not None:
+            results["memory"][a.name]["warm_kib"] = a.server.rss()
     digests: dict[str, dict[str, list[str]]] = {a.name: {} for a in arms}
     timings: dict[str, float] = {}
     mock_cpu: dict[str, float] = {}
@@ -987,7 +1006,12 @@ async def measure(fleet: Fleet, plan: Plan, workdir: Path, phases: set[str]) -> 
         if "sustain" in results:
             top = str(max(plan.sustain))
             level = results["sustain"][a.name]["levels"][top]
-            mem["per_stream_kib"] = level["rss_growth_kib"] / int(top)
+            # The top level's peak over the warmed-up process, per stream: from the level's own
+            # start, what earlier levels and the throughput phase had left allocated (and
+            # Python's allocator keeps) was counted as nothing, and a quick run read 0. None
+            # when nothing grew (too few streams to see).
+            grown = level["rss_during_kib"] - mem["warm_kib"]
+            mem["per_stream_kib"] = grown / int(top) if grown > 0 else None
         mem["cpu_total_s"] = a.server.cpu()
     results["digests"] = digest_check(digests)
     results["phase_seconds"] = timings

@@ -275,3 +275,41 @@ def test_the_sub_agent_benchmark_measures_every_round(capsys: pytest.CaptureFixt
     judged, answered = (int(x) for x in rows[-1]["judged"].split("/"))
     assert (judged, answered) == (3, 3)  # each agent's third turn, with its second
     assert "estimated" in capsys.readouterr().out
+
+
+def test_wrk_throughput_counts_only_answers_of_2xx() -> None:
+    """wrk's "N requests" holds the answers other than 2xx: a proxy answering every request
+    with a 400 read as 7,482 requests/s (the built-in generator counts 200s only)."""
+    from bench.run import parse_wrk
+
+    report = (
+        "Running 1s test @ http://127.0.0.1:1/v1/chat/completions\n"
+        "  1 threads and 32 connections\n"
+        "  8230 requests in 1.10s, 2.1MB read\n"
+        "  Non-2xx or 3xx responses: 8000\n"
+        "  Socket errors: connect 0, read 1, write 0, timeout 2\n"
+    )
+    assert parse_wrk(report) == (230, 8003, 1.1)
+    assert parse_wrk("  500 requests in 250.00ms, 1MB read\n") == (500, 0, 0.25)
+
+
+def test_the_targets_are_judged_without_a_concurrency_32_run() -> None:
+    """``--concurrency 1,8``: the targets needed concurrency 32's figure and raised after the
+    whole run, before the results were written."""
+    from bench.run import QUICK, targets
+
+    fan = f"c{QUICK.fanout}"
+    figures: dict[str, float | None] = {
+        "cachegate.added_latency_c1_p50_ms": 0.4,
+        "cachegate.added_latency_c1_p99_ms": 1.2,
+        "cachegate.agent_added_large_p50_ms": 1.0,
+        f"cachegate.added_stream_{fan}_ttfb_p50_ms": 5.0,
+        f"cachegate.stream_{fan}_lost_events": 0,
+        "cachegate.streams_sustained": 40,
+        "cachegate.rss_per_stream_kib": None,  # (too few streams to see growth)
+        "cachegate.rps_c1": 2000.0,
+        "bare.rps_c1": 4000.0,
+    }
+    judged = targets({"figures": figures}, QUICK)
+    assert not any("c=32" in name for name in judged)
+    assert judged["RSS per stream <= 64 KiB"]["met"] is False  # unmeasured is not met
