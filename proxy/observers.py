@@ -1152,6 +1152,8 @@ class EventLogObserver:
                 if len(self._client_keys) >= _CLIENT_KEYS_KEPT:
                     self._client_keys.clear()
                 keys = self._client_keys[sent] = client_keys(sent)
+            if ex.query:  # (a key in the URL, ?key=…: an upstream's error may quote the URL)
+                keys = known_secrets((*keys, *query_keys(ex.query)))
             ex.client_secrets = keys
         if not keys:
             return self._emit(session_id, event, first_in_file)
@@ -1375,6 +1377,21 @@ def client_keys(headers: Iterable[tuple[bytes, bytes]] | None) -> tuple[str, ...
         if text.lower() != _PLACEHOLDER_KEY:
             keys.append(text)
     return known_secrets(keys)
+
+
+# Query parameters a key goes in where a client sends it in the URL (Google's ``?key=``, Azure
+# Functions' ``?code=``, OAuth's ``access_token``)
+_QUERY_KEY_NAMES: Final = frozenset(
+    {"key", "api_key", "api-key", "apikey", "access_token", "token", "code"}
+)
+
+
+def query_keys(query: bytes) -> tuple[str, ...]:
+    """The values of a request's query parameters that carry a key (``_QUERY_KEY_NAMES``)."""
+    from urllib.parse import parse_qsl
+
+    pairs = parse_qsl(query.decode("latin-1"), keep_blank_values=False)
+    return tuple(value for name, value in pairs if name.lower() in _QUERY_KEY_NAMES)
 
 
 def _usage_dict(usage: Usage) -> dict[str, Any]:

@@ -1441,13 +1441,16 @@ def test_no_key_or_secret_reaches_any_log_file(sim: RunningSimulator, proxy_fact
     assert "[REDACTED]" in responses[1]["message"]["content"]  # and assembled from a stream
 
 
-@pytest.mark.parametrize("header", ["x-api-key", "api-key", "x-goog-api-key", "authorization"])
+@pytest.mark.parametrize(
+    "header", ["x-api-key", "api-key", "x-goog-api-key", "authorization", "?key=", "?code="]
+)
 def test_a_key_of_the_clients_own_that_the_upstream_quotes_is_never_written(
     header: str, scripted: Any, proxy_factory: Any
 ) -> None:
     """A client with a key of its own in another provider's header (Anthropic's, Azure's,
-    Gemini's) or under another scheme, refused by an upstream that quotes it: no pattern knows
-    the key, and the response line wrote it. It is the client's: relayed to it as it came."""
+    Gemini's) or under another scheme, or in the URL's query (Google's ``?key=``, Azure
+    Functions' ``?code=``), refused by an upstream that quotes it: no pattern knows the key,
+    and the response line wrote it. It is the client's: relayed to it as it came."""
     key = "k" + _random(23)
     refusal = {
         "error": {"message": f"Incorrect API key provided: {key}.", "code": "invalid_api_key"}
@@ -1456,10 +1459,14 @@ def test_a_key_of_the_clients_own_that_the_upstream_quotes_is_never_written(
         chunks=[json.dumps(refusal).encode()], status=401, content_type=b"application/json"
     )
     proxy = proxy_factory(url)
+    in_query = header.startswith("?")
     r = httpx.post(
-        proxy.base_url + "/chat/completions",
+        proxy.base_url + "/chat/completions" + (header + key if in_query else ""),
         json={"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]},
-        headers={header: key if header != "authorization" else f"Token {key}", "X-Session-Id": "k"},
+        headers={
+            **({} if in_query else {header: key if header != "authorization" else f"Token {key}"}),
+            "X-Session-Id": "k",
+        },
     )
     assert r.status_code == 401 and key in r.text
     flush(proxy)
