@@ -377,6 +377,8 @@ async def sustain(
     direct_ttfb: dict[int, float] = {}  # the direct arm runs first
     for a in arms:
         out[a.name] = {"levels": {}, "sustained": 0}
+        if a.server is not None:  # (RSS per stream: the top level's peak over this)
+            out[a.name]["start_rss_kib"] = a.server.rss()
     for n in plan.sustain:  # each level for every arm, direct first (its baseline), then the next
         for a in arms:
             base_rss = a.server.rss() if a.server is not None else 0
@@ -974,9 +976,6 @@ async def measure(fleet: Fleet, plan: Plan, workdir: Path, phases: set[str]) -> 
             await conn.post(payload(a, body_a()))
         conn.close()
         await client.stream(HOST, a.port, payload(a, body_b("warm")))
-    for a in arms:  # (what streams add is measured from here: later phases' memory stays)
-        if a.server is not None:
-            results["memory"][a.name]["warm_kib"] = a.server.rss()
     digests: dict[str, dict[str, list[str]]] = {a.name: {} for a in arms}
     timings: dict[str, float] = {}
     mock_cpu: dict[str, float] = {}
@@ -1006,11 +1005,12 @@ async def measure(fleet: Fleet, plan: Plan, workdir: Path, phases: set[str]) -> 
         if "sustain" in results:
             top = str(max(plan.sustain))
             level = results["sustain"][a.name]["levels"][top]
-            # The top level's peak over the warmed-up process, per stream: from the level's own
-            # start, what earlier levels and the throughput phase had left allocated (and
-            # Python's allocator keeps) was counted as nothing, and a quick run read 0. None
-            # when nothing grew (too few streams to see).
-            grown = level["rss_during_kib"] - mem["warm_kib"]
+            # The top level's peak over the process as the phase found it, per stream: from
+            # the level's own start, what the lower levels had left allocated (and Python's
+            # allocator keeps) was counted as nothing, and a quick run read 0; from the
+            # warmed-up process, the throughput phase's connections were counted as streams'.
+            # None when nothing grew (too few streams to see).
+            grown = level["rss_during_kib"] - results["sustain"][a.name]["start_rss_kib"]
             mem["per_stream_kib"] = grown / int(top) if grown > 0 else None
         mem["cpu_total_s"] = a.server.cpu()
     results["digests"] = digest_check(digests)

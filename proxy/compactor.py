@@ -390,12 +390,11 @@ class Compactor:
         else:
             # As it is, with no summary in it (the summary's room is no part): over the window
             # by cachegate's estimate, or by the provider's count of the previous request and
-            # the estimate of what came since, its answer included (dense tool outputs: the
-            # estimate alone let a history over the window go, refused, and compacted only on
-            # the retry). Not the answer's completion tokens: a reasoning model's count its
-            # thinking, which the history does not hold, and a request sent again holds no
-            # answer; tools dropped since are taken off. The limit is the window on the
-            # estimate's scale.
+            # of what came since (dense tool outputs: the estimate alone let a history over the
+            # window go, refused, and compacted only on the retry). The answer's completion
+            # tokens only where the history holds the answer, and no more than its bytes (a
+            # reasoning model's count its thinking); tools dropped since are taken off. The
+            # limit is the window on the estimate's scale.
             estimate = compaction.estimate_tokens(plan.messages) + tools_tokens
             counted = 0
             if last is not None and plan.reused is None and not plan.discarded:

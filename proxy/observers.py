@@ -68,6 +68,7 @@ class _Baseline:
         "copies",
         "fp",
         "held",
+        "left_behind",
         "model",
         "prompt",
         "ready_at",
@@ -103,6 +104,10 @@ class _Baseline:
         self.reprompts = 0
         # a stale copy, by the look of it (``reprompted_from``): the first to be forgotten
         self.superseded = False
+        # sent more than once, and one of those went on: the others may go on too (sub-agents
+        # fanned out with one task), or never (a client's re-send after a hang-up), so it is
+        # forgotten after the one-shots and before the conversations that go on
+        self.left_behind = False
 
 
 def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
@@ -112,26 +117,27 @@ def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
     else the least recently seen. A fan-out of one-shot sub-agents evicted the main agent's own,
     whose next turn then read as a new conversation, its miss unreported. Before those, the
     least recently seen of those superseded: an early turn of an agent whose system prompt
-    changes every turn (or a main agent waiting for its sub-agent)."""
+    changes every turn (or a main agent waiting for its sub-agent). After the one-shots, those
+    left behind by a copy that went on (re-sends of a sub-agent's turns filled the 32, and a
+    lagging sub-agent's own conversation was forgotten)."""
     while len(baselines) > CONVERSATIONS_KEPT:
-        victim = next(
-            (
-                at
-                for at in range(len(baselines) - 1, 0, -1)
-                if baselines[at].superseded and baselines[at] is not opening
-            ),
-            None,
-        )
-        if victim is None:
+        victim = None
+        for stale in (
+            lambda b: b.superseded,
+            lambda b: b.turns == 1,
+            lambda b: b.left_behind,
+        ):
             victim = next(
                 (
                     at
                     for at in range(len(baselines) - 1, 0, -1)
-                    if baselines[at].turns == 1 and baselines[at] is not opening
+                    if stale(baselines[at]) and baselines[at] is not opening
                 ),
-                len(baselines) - 1,
+                None,
             )
-        del baselines[victim]
+            if victim is not None:
+                break
+        del baselines[len(baselines) - 1 if victim is None else victim]
 
 
 def _dropped_tokens(
@@ -690,14 +696,12 @@ class AccountingObserver:
                 chosen.prompt = prompt if prompt is not None else chosen.prompt
                 chosen.cached = cached if cached is not None else chosen.cached
                 chosen.ready_at = min(chosen.ready_at, ready_at)
-                chosen.superseded = False
+                chosen.superseded = chosen.left_behind = False
                 _to_front(baselines, chosen)
             elif continues and chosen is not None and _takes_place(chosen, fp, divergence, model):
                 if chosen.copies > 1:  # one of several that sent it: the others may go on too
                     chosen.copies -= 1
-                    # ... or were re-sends of this one (a client's retry after a hang-up), which
-                    # never go on: the first to be forgotten, till one goes on from it
-                    chosen.superseded = True
+                    chosen.left_behind = True  # (till another goes on from it: ``_prune``)
                     went_on = _Baseline(fp, body, prompt, model, ready_at)
                     went_on.answer = _answer_of(ex)
                     went_on.cached = cached
@@ -712,7 +716,7 @@ class AccountingObserver:
                     chosen.ready_at = ready_at
                     chosen.turns += 1
                     chosen.reprompted_from = None
-                    chosen.superseded = False
+                    chosen.superseded = chosen.left_behind = False
                     chosen.reprompts = 0
                     _to_front(baselines, chosen)
             else:

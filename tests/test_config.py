@@ -346,7 +346,9 @@ def test_a_mistyped_base_url_is_refused_without_showing_its_password(url: str) -
         ("Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw", "no URL but a 36-character token"),  # Mistral's
         ("Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw ", "no URL but a 36-character token"),  # a space
         ('"Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw"', "no URL but a 36-character token"),  # quoted
-        ("0123456789abcdef0123456789abcdef.Sup3rSecretPwAbCd", "no URL but a 50-character"),
+        ("0123456789abcdef0123456789abcdef.Sup3rSecretPwAbC", "no URL but a 49-character"),
+        ('" Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw"', "no URL but a 36-character"),  # (inside)
+        ("Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw.", "no URL but a 36-character"),  # a full stop
         ("api.example.com/v1?k=sk-proj-Ab3dEf6hIj9kL0mN1oP2qR3sT4uSup3rSecretPw", "must start"),
     ],
 )
@@ -361,12 +363,20 @@ def test_a_base_url_in_an_array_or_a_key_in_its_place_is_refused_without_showing
     assert "upstream.base_url" in str(refused.value)
 
 
-def test_a_host_name_without_its_scheme_is_shown_not_taken_for_a_key() -> None:
-    """A key is refused by its length, unshown; a host name, whose labels are short, is no
-    key: the user sees what they wrote, to fix it."""
+@pytest.mark.parametrize(
+    "host",
+    [
+        "generativelanguage.googleapis.com/v1",
+        "gateway-internal-prod.corp-network-zone1",  # (labels of 16 characters and more)
+        "llmgatewayinternalprod",  # an intranet name of one label
+    ],
+)
+def test_a_host_name_without_its_scheme_is_shown_not_taken_for_a_key(host: str) -> None:
+    """A key is refused by its length, unshown; a host name is no key: the user sees what
+    they wrote, to fix it."""
     with pytest.raises(ConfigError) as refused:
-        settings_from_mapping({"upstream": {"base_url": "generativelanguage.googleapis.com/v1"}})
-    assert "'generativelanguage.googleapis.com/v1' must start with http" in str(refused.value)
+        settings_from_mapping({"upstream": {"base_url": host}})
+    assert f"'{host}' must start with http" in str(refused.value)
 
 
 def test_a_base_url_with_a_key_in_its_query_is_refused_without_showing_it() -> None:
