@@ -461,12 +461,10 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
     raise ConfigError(f"config key '{key}': unsupported type")  # pragma: no cover
 
 
-# A value that is one run of a key's characters, long enough to be one and with a digit in it
-# (a host name written without its scheme, "my-llm-gateway", is shown as typed), or Zhipu's
-# id.secret key
-_TOKEN_LIKE: Final = re.compile(
-    r"(?=[^.]*[0-9])[A-Za-z0-9_-]{16,}|[0-9a-fA-F]{32}\.[A-Za-z0-9]{16}"
-)
+# A value that is one run of a key's letters and digits, long enough to be one and with a digit
+# in it (a host name written without its scheme, "vllm-h100-node-07", is shown as typed), or
+# Zhipu's id.secret key
+_TOKEN_LIKE: Final = re.compile(r"(?=.*[0-9])[A-Za-z0-9_]{20,}|[0-9a-fA-F]{32}\.[A-Za-z0-9]{16}")
 
 
 def _shown_url(url: str) -> str:
@@ -554,7 +552,8 @@ def _check(settings: Settings) -> None:
         raise _bad("logging.dir", f"{settings.logging.dir!r} has a NUL character in it")
     url = settings.upstream.base_url
     key = "upstream.base_url"
-    bare = url.strip().strip("'\"").strip().rstrip(".,;")
+    # (as pasted: in quotes of any kind, backquotes, brackets, a BOM, with a comma after it)
+    bare = url.strip(" \t\r\n\ufeff\u200b'\"\u201c\u201d\u2018\u2019`<>()[]{},;:!./")
     if _TOKEN_LIKE.fullmatch(bare):  # (a key of a pattern the redaction does not know)
         raise _bad(
             key,

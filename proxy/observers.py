@@ -124,7 +124,7 @@ def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
         victim = None
         for stale in (
             lambda b: b.superseded,
-            lambda b: b.turns == 1,
+            lambda b: b.turns == 1 and not b.left_behind,
             lambda b: b.left_behind,
         ):
             victim = next(
@@ -1390,12 +1390,26 @@ _QUERY_KEY_NAMES: Final = frozenset(
 )
 
 
-def query_keys(query: bytes) -> tuple[str, ...]:
-    """The values of a request's query parameters that carry a key (``_QUERY_KEY_NAMES``)."""
-    from urllib.parse import parse_qsl
+# A query value taken for a key: long, with a digit (``?token=response`` took the word out of
+# every line's JSON, its keys included: the log's structure broke)
+_QUERY_KEY_VALUE: Final = re.compile(r"(?=.*[0-9])\S{20,}")
 
-    pairs = parse_qsl(query.decode("latin-1"), keep_blank_values=False)
-    return tuple(value for name, value in pairs if name.lower() in _QUERY_KEY_NAMES)
+
+def query_keys(query: bytes) -> tuple[str, ...]:
+    """The values of a request's query parameters that carry a key (``_QUERY_KEY_NAMES``) and
+    look like one (``_QUERY_KEY_VALUE``), as sent and decoded (an upstream quotes the URL as it
+    got it: ``%3D%3D`` at the end of an Azure key)."""
+    from urllib.parse import unquote_plus
+
+    keys: list[str] = []
+    for pair in query.decode("latin-1").split("&"):
+        name, _, raw = pair.partition("=")
+        if unquote_plus(name).lower() not in _QUERY_KEY_NAMES:
+            continue
+        for value in {raw, unquote_plus(raw)}:
+            if _QUERY_KEY_VALUE.fullmatch(value):
+                keys.append(value)
+    return tuple(keys)
 
 
 def _usage_dict(usage: Usage) -> dict[str, Any]:

@@ -342,13 +342,15 @@ def test_a_mistyped_base_url_is_refused_without_showing_its_password(url: str) -
     ("value", "said"),
     [
         (["https://bob:Sup3rSecretPw@llm.internal.example/v1"], "expected a string, got an"),
-        ("sk-proj-Ab3dEf6hIj9kL0mN1oP2qR3sT4uV5wX6yZ7aB8cD9eSup3rSecretPw", "no URL but a"),
+        ("sk-proj-Ab3dEf6hIj9kL0mN1oP2qR3sT4uV5wX6yZ7aB8cD9eSup3rSecretPw", "[REDACTED]"),
         ("Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw", "no URL but a 36-character token"),  # Mistral's
         ("Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw ", "no URL but a 36-character token"),  # a space
         ('"Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw"', "no URL but a 36-character token"),  # quoted
         ("0123456789abcdef0123456789abcdef.Sup3rSecretPwAbC", "no URL but a 49-character"),
         ('" Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw"', "no URL but a 36-character"),  # (inside)
         ("Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw.", "no URL but a 36-character"),  # a full stop
+        ("\u201cXk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw\u201d", "no URL but a 36"),  # typographic
+        ("`Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw`,", "no URL but a 36"),  # Markdown, a comma
         ("api.example.com/v1?k=sk-proj-Ab3dEf6hIj9kL0mN1oP2qR3sT4uSup3rSecretPw", "must start"),
     ],
 )
@@ -369,6 +371,8 @@ def test_a_base_url_in_an_array_or_a_key_in_its_place_is_refused_without_showing
         "generativelanguage.googleapis.com/v1",
         "gateway-internal-prod.corp-network-zone1",  # (labels of 16 characters and more)
         "llmgatewayinternalprod",  # an intranet name of one label
+        "vllm-h100-node-07",  # digits in it
+        "llm-gateway-prod-01",
     ],
 )
 def test_a_host_name_without_its_scheme_is_shown_not_taken_for_a_key(host: str) -> None:

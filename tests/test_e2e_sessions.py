@@ -1476,6 +1476,39 @@ def test_a_key_of_the_clients_own_that_the_upstream_quotes_is_never_written(
     assert response["error"] == "Incorrect API key provided: [REDACTED]."
 
 
+def test_a_query_key_is_taken_out_as_sent_and_a_query_word_is_left_alone(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """An Azure Functions key ends in "==", which a client sends as %3D%3D and the upstream
+    quotes so: the decoded key was taken out and the sent one written. And ?token=response
+    (no key) took the word out of every line, the log's own field names with it."""
+    key = "dKLz" + _random(40) + "=="
+    refusal = {"error": {"message": f"Invalid key in /v1/chat/completions?code={key}"}}
+    refusal["error"]["message"] = refusal["error"]["message"].replace("==", "%3D%3D")
+    _, url = scripted(
+        chunks=[json.dumps(refusal).encode()], status=401, content_type=b"application/json"
+    )
+    proxy = proxy_factory(url)
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        params={"code": key},
+        json=body,
+        headers={"X-Session-Id": "q1"},
+    )
+    assert r.status_code == 401
+    r = httpx.post(
+        proxy.base_url + "/chat/completions?token=response",
+        json=body,
+        headers={"X-Session-Id": "q2"},
+    )
+    flush(proxy)
+    data = (proxy.log_dir / "q1.jsonl").read_text()
+    assert key.rstrip("=") not in data and "[REDACTED]" in data
+    assert len(events(proxy.log_dir, "q2", "response")) == 1  # (its type still "response")
+    assert "[REDACTED]" not in (proxy.log_dir / "q2.jsonl").read_text()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_clients_own_key_in_a_tool_output_or_an_answer_is_never_written(
     sim: RunningSimulator, proxy_factory: Any, stream: bool

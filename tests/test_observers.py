@@ -1598,17 +1598,25 @@ def test_sub_agents_sent_alike_keep_their_shared_turn_past_older_one_shots() -> 
     that had 28 one-shot requests before: the shared turn, left behind once the first sibling
     went on, was forgotten before the older one-shots, and the others' next turns were
     compared with a sibling's (a rewrite of the task they never made)."""
-    acc = _Accounting({})
-    system = _system("You are a sub-agent. " * 50)
-    acc.send_body({"model": "gpt-4o", "messages": [system, *msgs("main task " * 40)]}, 3_000)
-    for k in range(28):
-        acc.send_body({"model": "gpt-4o", "messages": [_system(f"title {k}"), *msgs("hi")]}, 50)
-    shared = [system, *msgs("Fan-out: look into the modules. " * 40)]
-    for _ in range(8):
-        acc.send_body({"model": "gpt-4o", "messages": shared}, 3_100)
-    for turn in range(3):
-        for agent in range(8):
-            own = [*msgs(*(f"agent {agent} turn {t}: " * 30 for t in range(2 * turn + 2)))]
-            body = {"model": "gpt-4o", "messages": [*shared, *own[1:]]}
-            ex = acc.send_body(body, 3_200 + 100 * turn, 3_000)
-            assert ex.divergence is None, (turn, agent)
+    for one_shots_after in (False, True):  # (title requests come in all the time)
+        acc = _Accounting({})
+        system = _system("You are a sub-agent. " * 50)
+        acc.send_body({"model": "gpt-4o", "messages": [system, *msgs("main task " * 40)]}, 3_000)
+
+        def one_shots(count: int, acc: _Accounting = acc) -> None:
+            for k in range(count):
+                title = [_system(f"title {k}"), *msgs("hi")]
+                acc.send_body({"model": "gpt-4o", "messages": title}, 50)
+
+        one_shots(0 if one_shots_after else 28)
+        shared = [system, *msgs("Fan-out: look into the modules. " * 40)]
+        for _ in range(8):
+            acc.send_body({"model": "gpt-4o", "messages": shared}, 3_100)
+        for turn in range(3):
+            for agent in range(8):
+                own = [*msgs(*(f"agent {agent} turn {t}: " * 30 for t in range(2 * turn + 2)))]
+                body = {"model": "gpt-4o", "messages": [*shared, *own[1:]]}
+                ex = acc.send_body(body, 3_200 + 100 * turn, 3_000)
+                assert ex.divergence is None, (one_shots_after, turn, agent)
+                if one_shots_after and turn == 0 and agent == 0:
+                    one_shots(31)
