@@ -462,9 +462,11 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
 
 
 # A value that is one run of a key's letters and digits, long enough to be one and with a digit
-# in it (a host name written without its scheme, "vllm-h100-node-07", is shown as typed), or
-# Zhipu's id.secret key
-_TOKEN_LIKE: Final = re.compile(r"(?=.*[0-9])[A-Za-z0-9_]{20,}|[0-9a-fA-F]{32}\.[A-Za-z0-9]{16}")
+# in it, hyphens too from 32 characters (xAI's, Perplexity's; a host name written without its
+# scheme, "vllm-h100-node-07", is shown as typed), or Zhipu's id.secret key
+_TOKEN_LIKE: Final = re.compile(
+    r"(?=.*[0-9])(?:[A-Za-z0-9_]{20,}|[A-Za-z0-9_-]{32,})|[0-9a-fA-F]{32}\.[A-Za-z0-9]{16}"
+)
 
 
 def _shown_url(url: str) -> str:
@@ -553,7 +555,11 @@ def _check(settings: Settings) -> None:
     url = settings.upstream.base_url
     key = "upstream.base_url"
     # (as pasted: in quotes of any kind, backquotes, brackets, a BOM, with a comma after it)
-    bare = url.strip(" \t\r\n\ufeff\u200b'\"\u201c\u201d\u2018\u2019`<>()[]{},;:!./")
+    bare = (
+        url.strip()
+        .strip("\ufeff\u200b'\"\u201c\u201d\u2018\u2019\u00ab\u00bb\u201e`<>()[]{},;:!?./")
+        .strip()
+    )
     if _TOKEN_LIKE.fullmatch(bare):  # (a key of a pattern the redaction does not know)
         raise _bad(
             key,

@@ -67,6 +67,7 @@ class _Baseline:
         "cached",
         "copies",
         "fp",
+        "gone_on",
         "held",
         "left_behind",
         "model",
@@ -108,6 +109,7 @@ class _Baseline:
         # fanned out with one task), or never (a client's re-send after a hang-up), so it is
         # forgotten after the one-shots and before the conversations that go on
         self.left_behind = False
+        self.gone_on = 0  # how many of its copies went on, each its own way
 
 
 def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
@@ -124,8 +126,10 @@ def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
         victim = None
         for stale in (
             lambda b: b.superseded,
+            # sent twice, one gone on: a re-send, likely (sub-agents sent alike go on more)
+            lambda b: b.left_behind and b.copies == 1 and b.gone_on == 1,
             lambda b: b.turns == 1 and not b.left_behind,
-            lambda b: b.left_behind,
+            lambda b: b.left_behind,  # (sub-agents sent alike, more of them to go on)
         ):
             victim = next(
                 (
@@ -702,6 +706,7 @@ class AccountingObserver:
                 if chosen.copies > 1:  # one of several that sent it: the others may go on too
                     chosen.copies -= 1
                     chosen.left_behind = True  # (till another goes on from it: ``_prune``)
+                    chosen.gone_on += 1
                     went_on = _Baseline(fp, body, prompt, model, ready_at)
                     went_on.answer = _answer_of(ex)
                     went_on.cached = cached
@@ -1390,9 +1395,13 @@ _QUERY_KEY_NAMES: Final = frozenset(
 )
 
 
-# A query value taken for a key: long, with a digit (``?token=response`` took the word out of
-# every line's JSON, its keys included: the log's structure broke)
-_QUERY_KEY_VALUE: Final = re.compile(r"(?=.*[0-9])\S{20,}")
+# A query value taken for a key: long, with a letter and a digit, no date nor UUID
+# (``?token=response`` took the word out of every line's JSON, its keys included: the log's
+# structure broke; a date in a prompt went too)
+_QUERY_KEY_VALUE: Final = re.compile(
+    r"(?=.*[0-9])(?=.*[A-Za-z])(?!.*[0-9]{4}-[0-9]{2}-[0-9]{2})"
+    r"(?![0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$)\S{20,}"
+)
 
 
 def query_keys(query: bytes) -> tuple[str, ...]:

@@ -328,7 +328,7 @@ class _Connection(asyncio.Protocol):
         self._complete = False
         self._keep_alive = False
         self._request_incomplete = False  # the answer came before the request body was all sent
-        self._upload = 0  # the request body's length, where known (0: none, or small, or unknown)
+        self._upload = 0  # the request body's length (a chunked one's, as it goes; 0: none)
         self._aborted = False
         self._reading_paused = False
         self._drain: asyncio.Future[None] | None = None

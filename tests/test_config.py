@@ -342,7 +342,7 @@ def test_a_mistyped_base_url_is_refused_without_showing_its_password(url: str) -
     ("value", "said"),
     [
         (["https://bob:Sup3rSecretPw@llm.internal.example/v1"], "expected a string, got an"),
-        ("sk-proj-Ab3dEf6hIj9kL0mN1oP2qR3sT4uV5wX6yZ7aB8cD9eSup3rSecretPw", "[REDACTED]"),
+        ("sk-proj-Ab3dEf6hIj9kL0mN1oP2qR3sT4uV5wX6yZ7aB8cD9eSup3rSecretPw", "no URL but a 63"),
         ("Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw", "no URL but a 36-character token"),  # Mistral's
         ("Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw ", "no URL but a 36-character token"),  # a space
         ('"Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw"', "no URL but a 36-character token"),  # quoted
@@ -351,6 +351,8 @@ def test_a_mistyped_base_url_is_refused_without_showing_its_password(url: str) -
         ("Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw.", "no URL but a 36-character"),  # a full stop
         ("\u201cXk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw\u201d", "no URL but a 36"),  # typographic
         ("`Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw`,", "no URL but a 36"),  # Markdown, a comma
+        ("\u00a0Xk9fQ2mZ7LpA4vB8nR3tY6wSup3rSecretPw\u2009", "no URL but a 36"),  # from a page
+        ("pplx-Ab3dEf6hIj9kL0mN1oP2qR3sT4uV5wX6yZ7aB8cSup3rSecretPw", "no URL but a"),  # hyphens
         ("api.example.com/v1?k=sk-proj-Ab3dEf6hIj9kL0mN1oP2qR3sT4uSup3rSecretPw", "must start"),
     ],
 )

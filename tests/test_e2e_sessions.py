@@ -1497,9 +1497,13 @@ def test_a_query_key_is_taken_out_as_sent_and_a_query_word_is_left_alone(
         headers={"X-Session-Id": "q1"},
     )
     assert r.status_code == 401
+    dated = {
+        "model": "gpt-4o",
+        "messages": [{"role": "user", "content": "due 2026-12-05T10:00:00Z"}],
+    }
     r = httpx.post(
-        proxy.base_url + "/chat/completions?token=response",
-        json=body,
+        proxy.base_url + "/chat/completions?token=response&code=2026-12-05T10:00:00Z",
+        json=dated,
         headers={"X-Session-Id": "q2"},
     )
     flush(proxy)

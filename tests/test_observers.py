@@ -1620,3 +1620,26 @@ def test_sub_agents_sent_alike_keep_their_shared_turn_past_older_one_shots() -> 
                 assert ex.divergence is None, (one_shots_after, turn, agent)
                 if one_shots_after and turn == 0 and agent == 0:
                     one_shots(31)
+
+
+def test_first_turns_re_sent_and_gone_on_are_forgotten_before_a_live_first_turn() -> None:
+    """Fifteen sub-agents each re-sent their first turn (a retry after a hang-up) and went on;
+    then a new sub-agent's first turn: it was forgotten before those stale copies, and its next
+    turn was compared with another sub-agent's (a system prompt "rewritten")."""
+    acc = _Accounting({})
+    main = [_system("You are the main agent. " * 50), *msgs("main task " * 40)]
+    acc.send_body({"model": "gpt-4o", "messages": main}, 3_000)
+    for k in range(15):
+        first = [_system(f"sub-agent {k}. " * 50), *msgs(f"task {k} " * 40)]
+        acc.send_body({"model": "gpt-4o", "messages": first}, 3_000)
+        acc.send_body({"model": "gpt-4o", "messages": first}, 3_000, 3_000)
+        went_on = [*first, {"role": "assistant", "content": f"ok {k}"}, *msgs("go")]
+        acc.send_body({"model": "gpt-4o", "messages": went_on}, 3_100, 3_000)
+    x = [_system("sub-agent X. " * 50), *msgs("task X " * 40)]
+    acc.send_body({"model": "gpt-4o", "messages": x}, 3_000)
+    y = [_system("sub-agent Y. " * 50), *msgs("task Y " * 40)]
+    acc.send_body({"model": "gpt-4o", "messages": y}, 3_000)
+    later = [*x, {"role": "assistant", "content": "ok X"}, *msgs("go")]
+    ex = acc.send_body({"model": "gpt-4o", "messages": later}, 3_100, 0)
+    assert ex.divergence is None  # its own first turn, not another sub-agent's
+    assert ex.cache is not None and ex.cache["expected"] == 3_000
