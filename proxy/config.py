@@ -461,12 +461,21 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
     raise ConfigError(f"config key '{key}': unsupported type")  # pragma: no cover
 
 
-# A value that is one run of a key's letters and digits, long enough to be one and with a digit
-# in it, hyphens too from 32 characters (xAI's, Perplexity's; a host name written without its
-# scheme, "vllm-h100-node-07", is shown as typed), or Zhipu's id.secret key
-_TOKEN_LIKE: Final = re.compile(
-    r"(?=.*[0-9])(?:[A-Za-z0-9_]{20,}|[A-Za-z0-9_-]{32,})|[0-9a-fA-F]{32}\.[A-Za-z0-9]{16}"
-)
+# Zhipu's id.secret key; other keys are judged by ``_token_like``
+_ID_SECRET: Final = re.compile(r"[0-9a-fA-F]{32}\.[A-Za-z0-9]{16}")
+_KEY_RUN: Final = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _token_like(value: str) -> bool:
+    """Whether ``value`` is a key rather than a host name typed without its scheme: one run of
+    a key's characters with a piece between hyphens of 20 letters and digits or more, a digit
+    among them (Mistral's, Together's, xAI's ``xai-…``; a host name's labels are short:
+    ``llama-3-1-70b-instruct-predictor-00001``, ``vllm-h100-node-07``), or Zhipu's id.secret."""
+    if _ID_SECRET.fullmatch(value):
+        return True
+    if not _KEY_RUN.fullmatch(value):
+        return False
+    return any(len(p) >= 20 and any(c.isdigit() for c in p) for p in value.split("-"))
 
 
 def _shown_url(url: str) -> str:
@@ -560,7 +569,7 @@ def _check(settings: Settings) -> None:
         .strip("\ufeff\u200b'\"\u201c\u201d\u2018\u2019\u00ab\u00bb\u201e`<>()[]{},;:!?./")
         .strip()
     )
-    if _TOKEN_LIKE.fullmatch(bare):  # (a key of a pattern the redaction does not know)
+    if _token_like(bare):  # (a key of a pattern the redaction does not know)
         raise _bad(
             key,
             f"is no URL but a {len(bare)}-character token (not shown: a key pasted in its"

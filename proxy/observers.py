@@ -75,6 +75,7 @@ class _Baseline:
         "ready_at",
         "reprompted_from",
         "reprompts",
+        "resent",
         "superseded",
         "turns",
     )
@@ -110,6 +111,9 @@ class _Baseline:
         # forgotten after the one-shots and before the conversations that go on
         self.left_behind = False
         self.gone_on = 0  # how many of its copies went on, each its own way
+        # a copy came after the one before was answered (a client's re-send after a hang-up,
+        # not sub-agents sent alike, which go out together)
+        self.resent = False
 
 
 def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
@@ -126,8 +130,8 @@ def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
         victim = None
         for stale in (
             lambda b: b.superseded,
-            # sent twice, one gone on: a re-send, likely (sub-agents sent alike go on more)
-            lambda b: b.left_behind and b.copies == 1 and b.gone_on == 1,
+            # sent again once answered, one gone on: a re-send, which no other goes on from
+            lambda b: b.left_behind and b.copies == 1 and b.resent,
             lambda b: b.turns == 1 and not b.left_behind,
             lambda b: b.left_behind,  # (sub-agents sent alike, more of them to go on)
         ):
@@ -697,6 +701,7 @@ class AccountingObserver:
                 # The very same request again (a retry, a sub-agent fanned out with one task):
                 # counted on its baseline, which each of them may carry on in its own way.
                 chosen.copies += 1
+                chosen.resent = chosen.resent or ex.t0 > chosen.ready_at
                 chosen.prompt = prompt if prompt is not None else chosen.prompt
                 chosen.cached = cached if cached is not None else chosen.cached
                 chosen.ready_at = min(chosen.ready_at, ready_at)
@@ -1399,7 +1404,7 @@ _QUERY_KEY_NAMES: Final = frozenset(
 # (``?token=response`` took the word out of every line's JSON, its keys included: the log's
 # structure broke; a date in a prompt went too)
 _QUERY_KEY_VALUE: Final = re.compile(
-    r"(?=.*[0-9])(?=.*[A-Za-z])(?!.*[0-9]{4}-[0-9]{2}-[0-9]{2})"
+    r"(?=.*[0-9])(?=.*[A-Za-z])(?![0-9]{4}-[0-9]{2}-[0-9]{2}(?:[T ][0-9:.]+)?(?:Z|[+-][0-9:]+)?$)"
     r"(?![0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$)\S{20,}"
 )
 

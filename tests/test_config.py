@@ -375,6 +375,7 @@ def test_a_base_url_in_an_array_or_a_key_in_its_place_is_refused_without_showing
         "llmgatewayinternalprod",  # an intranet name of one label
         "vllm-h100-node-07",  # digits in it
         "llm-gateway-prod-01",
+        "llama-3-1-70b-instruct-predictor-00001",  # a long Kubernetes service name
     ],
 )
 def test_a_host_name_without_its_scheme_is_shown_not_taken_for_a_key(host: str) -> None:

@@ -449,6 +449,7 @@ class _Accounting:
         self, ex: Exchange, prompt: int, read: int, status: int, at: float | None = None
     ) -> Exchange:
         ex.session, ex.started_at = self.state, float(self.eid) if at is None else at
+        ex.t0 = ex.started_at  # (requests sent at one time went out together: sub-agents)
         ex.usage, ex.status = Usage(prompt, 10, read, 0, True), status
         self.observer.on_response(ex)
         return ex
@@ -1594,32 +1595,35 @@ def test_turns_sent_twice_by_siblings_do_not_crowd_out_a_lagging_sub_agents_own(
 
 
 def test_sub_agents_sent_alike_keep_their_shared_turn_past_older_one_shots() -> None:
-    """Eight sub-agents send the same first request, then each goes its own way, in a session
-    that had 28 one-shot requests before: the shared turn, left behind once the first sibling
-    went on, was forgotten before the older one-shots, and the others' next turns were
+    """Eight sub-agents send the same first request together, then each goes its own way, in a
+    session that had 28 one-shot requests before: the shared turn, left behind once the first
+    sibling went on, was forgotten before the older one-shots, and the others' next turns were
     compared with a sibling's (a rewrite of the task they never made)."""
     for one_shots_after in (False, True):  # (title requests come in all the time)
         acc = _Accounting({})
         system = _system("You are a sub-agent. " * 50)
-        acc.send_body({"model": "gpt-4o", "messages": [system, *msgs("main task " * 40)]}, 3_000)
+        main = {"model": "gpt-4o", "messages": [system, *msgs("main task " * 40)]}
+        acc.send_body(main, 3_000, at=0.0)
 
-        def one_shots(count: int, acc: _Accounting = acc) -> None:
+        def one_shots(count: int, at: float, acc: _Accounting = acc) -> None:
             for k in range(count):
                 title = [_system(f"title {k}"), *msgs("hi")]
-                acc.send_body({"model": "gpt-4o", "messages": title}, 50)
+                acc.send_body({"model": "gpt-4o", "messages": title}, 50, at=at + k / 100)
 
-        one_shots(0 if one_shots_after else 28)
+        one_shots(0 if one_shots_after else 28, 1.0)
         shared = [system, *msgs("Fan-out: look into the modules. " * 40)]
-        for _ in range(8):
-            acc.send_body({"model": "gpt-4o", "messages": shared}, 3_100)
+        for _ in range(8):  # (sent together)
+            acc.send_body({"model": "gpt-4o", "messages": shared}, 3_100, at=10.0)
         for turn in range(3):
             for agent in range(8):
                 own = [*msgs(*(f"agent {agent} turn {t}: " * 30 for t in range(2 * turn + 2)))]
                 body = {"model": "gpt-4o", "messages": [*shared, *own[1:]]}
-                ex = acc.send_body(body, 3_200 + 100 * turn, 3_000)
+                at = 20.0 + 10 * turn + agent
+                ex = acc.send_body(body, 3_200 + 100 * turn, 3_000, at=at)
                 assert ex.divergence is None, (one_shots_after, turn, agent)
+                assert ex.cache is not None and ex.cache["expected"] > 3_000  # (compared)
                 if one_shots_after and turn == 0 and agent == 0:
-                    one_shots(31)
+                    one_shots(31, at + 0.1)
 
 
 def test_first_turns_re_sent_and_gone_on_are_forgotten_before_a_live_first_turn() -> None:
@@ -1643,3 +1647,26 @@ def test_first_turns_re_sent_and_gone_on_are_forgotten_before_a_live_first_turn(
     ex = acc.send_body({"model": "gpt-4o", "messages": later}, 3_100, 0)
     assert ex.divergence is None  # its own first turn, not another sub-agent's
     assert ex.cache is not None and ex.cache["expected"] == 3_000
+
+
+def test_a_pair_of_sub_agents_sent_together_is_no_re_send() -> None:
+    """Two sub-agents send the same first request together and one goes on; title requests
+    come; the other goes on: its shared turn was forgotten as a client's re-send before any
+    one-shot, and its turn compared with its sibling's. A re-send comes after the answer."""
+    acc = _Accounting({})
+    system = _system("You are a sub-agent. " * 50)
+    acc.send_body({"model": "gpt-4o", "messages": [system, *msgs("main " * 40)]}, 3_000, at=0.0)
+    shared = [system, *msgs("Fan-out: look into the modules. " * 40)]
+    for _ in range(2):
+        acc.send_body({"model": "gpt-4o", "messages": shared}, 3_100, at=10.0)
+
+    def went_on(agent: int, at: float) -> Exchange:
+        own = [*shared, {"role": "assistant", "content": f"agent {agent} " * 30}, *msgs("go")]
+        return acc.send_body({"model": "gpt-4o", "messages": own}, 3_300, 3_000, at=at)
+
+    went_on(0, 20.0)
+    for k in range(40):
+        title = [_system(f"title {k}"), *msgs("hi")]
+        acc.send_body({"model": "gpt-4o", "messages": title}, 50, at=21.0 + k / 100)
+    ex = went_on(1, 30.0)
+    assert ex.divergence is None and ex.cache is not None and ex.cache["expected"] > 3_000
