@@ -67,7 +67,6 @@ class _Baseline:
         "cached",
         "copies",
         "fp",
-        "gone_on",
         "held",
         "left_behind",
         "model",
@@ -110,7 +109,6 @@ class _Baseline:
         # fanned out with one task), or never (a client's re-send after a hang-up), so it is
         # forgotten after the one-shots and before the conversations that go on
         self.left_behind = False
-        self.gone_on = 0  # how many of its copies went on, each its own way
         # a copy came after the one before was answered (a client's re-send after a hang-up,
         # not sub-agents sent alike, which go out together)
         self.resent = False
@@ -711,7 +709,6 @@ class AccountingObserver:
                 if chosen.copies > 1:  # one of several that sent it: the others may go on too
                     chosen.copies -= 1
                     chosen.left_behind = True  # (till another goes on from it: ``_prune``)
-                    chosen.gone_on += 1
                     went_on = _Baseline(fp, body, prompt, model, ready_at)
                     went_on.answer = _answer_of(ex)
                     went_on.cached = cached
