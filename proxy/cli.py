@@ -460,6 +460,13 @@ def _sessions(ns: argparse.Namespace) -> int:
     from proxy.redact import REDACTED
 
     _utf8_stdout()
+    if ns.log_dir is not None and not ns.log_dir.strip():  # (as serve refuses it: a script's
+        # unset variable, --log-dir "$DIR", must not read the default directory's logs instead)
+        print(
+            "cachegate: --log-dir: empty; give the directory serve writes, or leave the flag out",
+            file=sys.stderr,
+        )
+        return 2
     log_dir = ns.log_dir or os.environ.get("CACHEGATE_LOG_DIR")
     config_file = getattr(ns, "config", None)
     if config_file is not None and not config_file.strip():  # (as serve refuses it)

@@ -308,11 +308,14 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
         if row.cost_actual is not None and row.cost_uncached is not None:
             actual += row.cost_actual
             uncached += row.cost_uncached
-            # (the main call's own cost: a summary call at its model's prices is apart)
-            if not row.main_cost_uncached and (row.tokens_in or row.tokens_out):
+            # (the main call's own cost: a summary call at its model's prices is apart; one
+            # whose main call reported no usage is not priced by its summary call's, but counted
+            # in no_usage)
+            main_tokens = row.tokens_in or row.tokens_out
+            if main_tokens and not row.main_cost_uncached:
                 model = row.model or "-"
                 unpriced[model] = unpriced.get(model, 0) + 1
-            else:
+            elif main_tokens or not (row.summary_tokens_in or row.summary_tokens_out):
                 priced += 1
             if not row.summary_cost_uncached and (row.summary_tokens_in or row.summary_tokens_out):
                 model = row.summary_model or "-"
@@ -427,11 +430,19 @@ def _load(
             raise NotADirectoryError(f"log directory {os.fspath(log_dir)!r} is not a directory")
         raise FileNotFoundError(f"log directory {os.fspath(log_dir)!r} does not exist")
     try:
-        return read_events(path, drop=drop)
+        log = read_events(path, drop=drop)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"no log for session {session_id!r} in {os.fspath(log_dir)!r}"
         ) from None
+    if not log.starts_as_log:  # (no session for ``list`` either: an empty file, another tool's)
+        said = (
+            "is empty"
+            if not log.events and not log.torn
+            else "is not a cachegate log (its first line is not a cachegate event)"
+        )
+        raise NotALogFile(f"{os.fspath(path)} {said}: no session")
+    return log
 
 
 # The note of a request the provider refused as too long, compacted and sent again (the log has

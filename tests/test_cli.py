@@ -185,6 +185,13 @@ def test_log_dir_from_the_group_option_or_the_environment(
     assert run_cli("sessions", "--log-dir", str(logged.log_dir), "--json", "list").out == expected
     monkeypatch.setenv("CACHEGATE_LOG_DIR", str(logged.log_dir))
     assert run_cli("sessions", "list", "--json").out == expected
+    # an empty --log-dir (a script's unset "$DIR") is refused, as serve refuses it: it read
+    # $CACHEGATE_LOG_DIR's directory (or ./cachegate-logs) instead, without a word
+    for empty in ("", " "):
+        for action in (["list"], ["show", "x"], ["cost", "x"], ["replay", "x"]):
+            failed = run_cli("sessions", "--log-dir", empty, *action)
+            assert failed.code == 2 and failed.out == ""
+            assert failed.err.startswith("cachegate: --log-dir: empty;")
 
 
 def test_log_dir_from_the_config_file_serve_was_given(
@@ -712,6 +719,22 @@ def test_an_unreadable_log_file_is_named_and_the_rest_listed(
 def test_empty_log_directory_lists_no_sessions(tmp_path: Path) -> None:
     assert run_cli("sessions", "list", "--log-dir", str(tmp_path)).out == "no sessions\n"
     assert run_cli("sessions", "list", "--log-dir", str(tmp_path), "--json").json() == []
+
+
+def test_a_file_that_is_no_cachegate_log_is_no_session_for_any_command(tmp_path: Path) -> None:
+    """``list`` leaves out an empty file or another tool's lines; ``show``, ``cost`` and
+    ``replay`` showed them as a session with no exchanges (an empty timeline, a $0 cost, nothing
+    replayed: exit 0), as if cachegate had logged one."""
+    (tmp_path / "other.jsonl").write_text('{"foo": 1}\n')
+    (tmp_path / "empty.jsonl").write_text("")
+    assert run_cli("sessions", "list", "--log-dir", str(tmp_path)).out == "no sessions\n"
+    for action in ("show", "cost", "replay"):
+        for name, said in (("other", "is not a cachegate log"), ("empty", "is empty")):
+            for json_flag in ((), ("--json",)) if action != "replay" else ((),):
+                result = run_cli("sessions", action, name, "--log-dir", str(tmp_path), *json_flag)
+                assert (result.code, result.out) == (1, ""), (action, name)
+                assert result.err.startswith(f"cachegate: {tmp_path / name}.jsonl {said}")
+                assert result.err.endswith(": no session\n")
 
 
 # --- serve and --version -------------------------------------------------------------------------

@@ -425,6 +425,34 @@ def _rows(tmp_path: Path, sid: str, events: list[dict[str, Any]]) -> list[Any]:
     return show_session(_logged(tmp_path, sid, events), sid).rows
 
 
+def test_an_exchange_whose_main_call_reported_no_usage_is_not_priced_by_its_summary_call(
+    tmp_path: Path,
+) -> None:
+    """A provider that reports no usage in streams, and a compaction whose summary call did:
+    ``cost`` said "priced exchanges 1" beside "1 exchanges reported no usage" for the same
+    exchange, the summary call's dollars taken for its main call's."""
+    answered = resp(
+        T0 + 2, 1, prompt=0, completion=0, cache_read=0, ttfb=0.1, duration=1, actual=0.004,
+        uncached=0.004,
+    )  # fmt: skip
+    answered["usage"] = None
+    answered["summary"] = {
+        "model": "gpt-4o",
+        "usage": {"prompt": 1451, "completion": 32, "cache_read": 0, "cache_write": 0},
+        "cost": {"actual": 0.004, "uncached": 0.004},
+    }
+    events = [req(T0, 1), _compacted(T0 + 1, 1, retry=False), answered]
+    cost = session_cost(_logged(tmp_path, "s", events), "s")
+    assert (cost.priced_exchanges, cost.no_usage) == (0, 1)
+    assert cost.actual == pytest.approx(0.004)  # (the summary call's dollars are counted)
+    assert cost.unpriced == {} and cost.unpriced_summaries == {}
+    # a main call with its own usage beside its summary call's is priced, once
+    answered["usage"] = {"prompt": 900, "completion": 10, "cache_read": 0, "cache_write": 0}
+    answered["cost"] = {"actual": 0.0065, "uncached": 0.0065}
+    cost = session_cost(_logged(tmp_path, "s", events), "s")
+    assert (cost.priced_exchanges, cost.no_usage) == (1, 0)
+
+
 def _answer(
     ts: float, prompt: int, completion: int, duration: float, cost: float, exchange: int = 1
 ) -> dict[str, Any]:
