@@ -73,6 +73,18 @@ def _retry_count(value: str) -> int:
     return int(value)
 
 
+# A body's top-level value by its JSON name, as OpenAI's refusals say it ("got an array", not
+# Python's "got list").
+_JSON_TYPES: Final[dict[type, str]] = {
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
+
+
 def parse_request(
     raw: bytes,
     memos: list[bodymemo.BodyMemo],
@@ -108,7 +120,8 @@ def parse_request(
     body = parsed.body
     if not isinstance(body, dict):
         raise bad_request(
-            f"Request body must be a JSON object, got {type(body).__name__}.", "invalid_body"
+            f"Request body must be a JSON object, got {_JSON_TYPES.get(type(body), 'another value')}.",
+            "invalid_body",
         )
     messages = body.get("messages")
     if messages is not None and not isinstance(messages, list):

@@ -590,15 +590,18 @@ def test_an_upstream_error_is_logged_with_what_its_body_says(
 
 
 @pytest.mark.parametrize(
-    ("content", "status", "code"),
+    ("content", "status", "code", "said"),
     [
-        (b"{not json", 400, "invalid_json"),
-        (b"[1, 2]", 400, "invalid_body"),
-        (b'{"messages": 3}', 400, "invalid_messages"),
+        (b"{not json", 400, "invalid_json", "not valid JSON"),
+        # (the value's JSON name, as OpenAI says it: not Python's "list", "NoneType", "str")
+        (b"[1, 2]", 400, "invalid_body", "must be a JSON object, got an array."),
+        (b"null", 400, "invalid_body", "must be a JSON object, got null."),
+        (b'"hi"', 400, "invalid_body", "must be a JSON object, got a string."),
+        (b'{"messages": 3}', 400, "invalid_messages", "'messages' must be an array."),
     ],
 )
 def test_bad_input_is_refused_in_openai_shape_and_not_forwarded(
-    scripted: Any, proxy_factory: Any, content: bytes, status: int, code: str
+    scripted: Any, proxy_factory: Any, content: bytes, status: int, code: str, said: str
 ) -> None:
     upstream, url = scripted(chunks=[b"{}"])
     proxy = proxy_factory(url)
@@ -610,7 +613,7 @@ def test_bad_input_is_refused_in_openai_shape_and_not_forwarded(
     assert r.status_code == status
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert error["code"] == code
+    assert error["code"] == code and said in error["message"]
     assert upstream.requests == []
     assert r.headers["x-cachegate-repairs"] == "0"  # a chat answer's header, as documented
 
