@@ -228,6 +228,9 @@ class EventLogWriter:
         self._metas: OrderedDict[str, bytes] = OrderedDict()
         self._metas_kept = max(metas_kept, 1)
         self._fresh: set[str] = set()  # sessions whose file was empty when opened
+        # New files whose directory entry is not synced yet (fsync = "line" or "interval": a
+        # file's own fsync does not make its name durable; the directory's does, once)
+        self._unsynced_names: set[str] = set()
         # Each open file's (device, inode) and the size it had after the writer's last write:
         # a file removed, replaced or truncated by hand meanwhile is noticed before the next.
         self._files: dict[str, tuple[tuple[int, int], int]] = {}
@@ -321,9 +324,13 @@ class EventLogWriter:
             self._count_lost(session_id, 1, _is_request(event))
             return False
         # No wake-up call: waking a sleeping thread per event cost the event loop ~15% of its
-        # CPU in the benchmark (GIL hand-offs). The writer polls instead (POLL_S).
+        # CPU in the benchmark (GIL hand-offs). The writer polls instead (POLL_S), except with
+        # fsync = "line", asked for durability: each line goes to the disk at once (a crash
+        # took the exchanges of the last poll, answered and never written).
         item: Any = _Scrubbed(event, secrets) if secrets else event
         self._items.append((session_id, time.time(), _FirstInFile(item) if first_in_file else item))
+        if self.fsync == "line":
+            self._wake.set()
         return True
 
     def _put_control(self, item: Any) -> None:
@@ -693,7 +700,7 @@ class EventLogWriter:
                 events, requests, numbers = _lost_in(lines)
                 if events:
                     self._count_lost(session_id, events, requests, numbers)
-                for _ in lines:
+                for _ in range(events):  # (a meta line is no loss: written again, as the file's)
                     self._lose(
                         "locked_out",
                         "event log: another cachegate (pid %s) writes %s now (it, or its lock"
@@ -742,15 +749,20 @@ class EventLogWriter:
                 self._close_removed()  # space may have been freed by hand already
             self._mark_broken(session_id)
             # (this write's marker and meta line aside)
+            # (counted as the file will tell of them: its meta line is no loss, written again
+            # at the file's start; the metric and the message counted it, one more than the file)
             events, requests, numbers = _lost_in(lines)
             if events:
                 self._count_lost(session_id, events, requests, numbers)
-            for _ in range(count):
+            for _ in range(events):
                 self._lose("io", "event log: cannot write %s: %s", session_id, exc)
-            unwritten = self._unwritten
-            unwritten[session_id] = unwritten.pop(session_id, 0) + count
-            if len(unwritten) > _METAS_KEPT:
-                del unwritten[next(iter(unwritten))]
+            if not events:
+                self._warn("io", "event log: cannot write %s: %s", session_id, exc)
+            if events:
+                unwritten = self._unwritten
+                unwritten[session_id] = unwritten.pop(session_id, 0) + events
+                if len(unwritten) > _METAS_KEPT:
+                    del unwritten[next(iter(unwritten))]
             return
         if told.lines:
             self._lost_told(session_id, told)
@@ -839,6 +851,8 @@ class EventLogWriter:
             size = _terminate_torn_line(fd)
             if size == 0:
                 self._fresh.add(session_id)
+                if self.fsync != "none":
+                    self._unsynced_names.add(session_id)
         except OSError:
             os.close(fd)
             raise
@@ -976,6 +990,7 @@ class EventLogWriter:
             return
         if session_id in self._dirty:
             self._sync(session_id, fd)
+        self._unsynced_names.discard(session_id)
         with contextlib.suppress(OSError):
             os.close(fd)
 
@@ -987,6 +1002,16 @@ class EventLogWriter:
             self._warn("fsync", "event log: fsync failed for %s: %s", session_id, exc)
             return
         self._syncs += 1
+        if session_id in self._unsynced_names:  # a new file: its name made durable too
+            self._unsynced_names.discard(session_id)
+            try:
+                dir_fd = os.open(self.log_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+                try:
+                    os.fsync(dir_fd)
+                finally:
+                    os.close(dir_fd)
+            except OSError as exc:
+                self._warn("fsync", "event log: fsync failed for %s: %s", self.log_dir, exc)
 
     def _sync_dirty(self) -> None:
         for sid in list(self._dirty):
