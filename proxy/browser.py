@@ -114,9 +114,13 @@ def check_origin_entry(entry: str) -> str | None:
         return None
     if "*" in host:  # "https://*.example.com", "http://localhost:*": no wildcard but the whole
         return f"{entry.strip()!r}: a wildcard stands only for a whole origin (scheme://*)"
+    if "@" in host:  # (a browser's Origin never has a user name: it could never match)
+        return f"{entry.strip()!r} is not an origin: an origin has no user name (user@)"
     port = host.rpartition("]")[2] if host.startswith("[") else host
-    if ":" in port and not port.rpartition(":")[2].isdigit():
-        return f"{entry.strip()!r}: the port must be a number"
+    if ":" in port:
+        digits = port.rpartition(":")[2]
+        if not (digits.isascii() and digits.isdigit() and 1 <= int(digits) <= 65535):
+            return f"{entry.strip()!r}: the port must be a number from 1 to 65535"
     return None
 
 

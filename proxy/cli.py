@@ -18,19 +18,28 @@ from typing import Final
 from urllib.parse import urlsplit
 
 from proxy import __version__
-from proxy.browser import binds_loopback
+from proxy.browser import binds_loopback, is_loopback_name
 from proxy.config import (
     DEFAULT_MODELS,
     ConfigError,
     UpstreamSettings,
-    display_url,
     load_settings,
+    shown_url,
     unknown_variable_notes,
     url_host,
 )
 
 DEFAULT_LOG_DIR = "./cachegate-logs"
 _VARIABLE_NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,63}")  # as variables are named, not as keys are
+
+
+def _key_like_name(name: str) -> bool:
+    """Whether a name written as a variable's is a key of capitals and digits (an AWS key id,
+    ``AKIA…``; a hex key in capitals): a piece between underscores of 16 characters or more with
+    a digit in it (variables' words are short: ``AZURE_OPENAI_API_KEY_2``)."""
+    return any(len(p) >= 16 and any(c.isdigit() for c in p) for p in name.split("_"))
+
+
 SHUTDOWN_GRACE_S = 5  # after Ctrl+C, how long answers in flight may still finish
 # ...and how much longer a restart waits for the stopping one: its requests' observers (3 s at
 # most), its log writer's last lines (5 s, and 2 more at exit), with room for a slow disk
@@ -113,6 +122,35 @@ def tune_malloc() -> bool:
     )
 
 
+def _upstream_is_self(base_url: str, host: str, port: int) -> bool:
+    """Whether ``base_url`` names the address cachegate listens on (``--port 8787 --upstream
+    http://127.0.0.1:8787/v1``): every request was sent back in, until the connections ran out.
+    Names are looked up only for an http URL of the same port whose host is a loopback name or
+    the one bound (no DNS query for a provider's name)."""
+    parts = urlsplit(base_url)
+    try:
+        upstream_port = parts.port or (80 if parts.scheme.lower() == "http" else 443)
+    except ValueError:
+        return False
+    if parts.scheme.lower() != "http" or upstream_port != port:
+        return False  # (an https URL to a plain HTTP port fails its handshake: no loop)
+    name = (parts.hostname or "").lower()
+    own = host.strip().lower().strip("[]")
+    if own in ("", "0.0.0.0", "::", "*"):  # every address of the machine
+        return is_loopback_name(name)  # (its other addresses are not known without a lookup)
+    if name != own and not (is_loopback_name(name) and is_loopback_name(own)):
+        return False
+
+    def addresses(of: str) -> set[str]:
+        try:
+            found = socket.getaddrinfo(of, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            return set()
+        return {str(info[4][0]).partition("%")[0] for info in found}
+
+    return name == own or bool(addresses(name) & addresses(own))
+
+
 def _serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
@@ -132,6 +170,15 @@ def _serve(ns: argparse.Namespace) -> int:
         )
     except ConfigError as exc:
         print(f"cachegate: {exc}", file=sys.stderr)
+        return 2
+    if _upstream_is_self(settings.upstream.base_url, settings.server.host, settings.server.port):
+        print(
+            f"cachegate: the upstream URL {shown_url(settings.upstream.base_url)} is this"
+            f" cachegate itself (it listens on {url_host(settings.server.host)}:"
+            f"{settings.server.port}): each request would be sent back to it, without end;"
+            " give the provider's URL (--upstream, upstream.base_url)",
+            file=sys.stderr,
+        )
         return 2
     if settings.upstream.base_url.lower().startswith("https:"):
         from proxy.upstream import ca_source, ssl_context
@@ -158,6 +205,19 @@ def _serve(ns: argparse.Namespace) -> int:
         for sock in sockets:
             sock.close()
         return 1
+    if settings.logging.enabled:
+        from proxy.eventlog import log_dir_problem
+
+        # A directory there that cannot be written into (a bind mount of the host user's, a
+        # container running as another): said at once, not at the first request. (One that
+        # cannot be made, the writer says as it starts.)
+        problem = log_dir_problem(settings.logging.dir)
+        if problem is not None and problem.startswith("cannot write in"):
+            print(
+                f"cachegate: note: {problem}: cachegate serves, and its session logs are lost"
+                " (cachegate_event_log_lost_total) until it can write there",
+                file=sys.stderr,
+            )
 
     def server() -> Server:
         app = create_app(settings)
@@ -198,7 +258,7 @@ def _serve(ns: argparse.Namespace) -> int:
             # where its variable's name goes (gsk_..., a hex key) is never shown.
             what = (
                 f"${key_env}, which is not set here"
-                if _VARIABLE_NAME.fullmatch(key_env)
+                if _VARIABLE_NAME.fullmatch(key_env) and not _key_like_name(key_env)
                 else "no variable set here (what it holds is not shown: a key belongs in a"
                 " variable it names)"
             )
@@ -243,7 +303,7 @@ def _serve(ns: argparse.Namespace) -> int:
         ]
         if ends:  # (a pasted endpoint URL: every request went to .../chat/completions/chat/...)
             print(
-                f"cachegate: note: the upstream URL {display_url(settings.upstream.base_url)}"
+                f"cachegate: note: the upstream URL {shown_url(settings.upstream.base_url)}"
                 f" ends in an endpoint, {ends[0]}: each request's path under /v1 is appended to"
                 f" it (.../{ends[0].strip('/')}/chat/completions); give the base URL, which"
                 " usually ends in /v1",
@@ -251,14 +311,14 @@ def _serve(ns: argparse.Namespace) -> int:
             )
         elif urlsplit(settings.upstream.base_url).path.strip("/") == "":
             print(
-                f"cachegate: note: the upstream URL {display_url(settings.upstream.base_url)}"
+                f"cachegate: note: the upstream URL {shown_url(settings.upstream.base_url)}"
                 " has no path; an OpenAI-compatible base URL usually ends in /v1"
                 " (https://api.openai.com/v1), or the provider's 404 answers every request",
                 file=sys.stderr,
             )
         listening = (
             f"cachegate {__version__} listening on http://{url_host(host)}:{port}/v1"
-            f" -> {display_url(settings.upstream.base_url)} ({logs})"
+            f" -> {shown_url(settings.upstream.base_url)} ({logs})"
         )
         tune_gc()
         tune_malloc()

@@ -478,9 +478,10 @@ def _token_like(value: str) -> bool:
     return any(len(p) >= 20 and any(c.isdigit() for c in p) for p in value.split("-"))
 
 
-def _shown_url(url: str) -> str:
-    """A refused base URL as start-up says it: without its user name and password, and a key
-    pasted in its place (``sk-proj-…``) redacted."""
+def shown_url(url: str) -> str:
+    """A base URL as cachegate's own messages say it (start-up, a refusal, the upstream's
+    warnings): without its user name and password, and a key in it (``…/sk-proj-…/v1``, a
+    gateway's key in the path) or pasted in its place redacted, as the log's lines have it."""
     from proxy.redact import redact_text  # (its patterns: only when a URL is refused)
 
     return redact_text(display_url(url))
@@ -580,11 +581,11 @@ def _check(settings: Settings) -> None:
         # request a 400 from the provider)
         raise _bad(
             key,
-            f"{_shown_url(url).strip()!r} has white space or a control character in it (a"
+            f"{shown_url(url).strip()!r} has white space or a control character in it (a"
             " space pasted with it?); percent-encode one that belongs there (%20)",
         )
     if not url.startswith(("http://", "https://")):
-        raise _bad(key, f"{_shown_url(url)!r} must start with http:// or https://")
+        raise _bad(key, f"{shown_url(url)!r} must start with http:// or https://")
     host: str | None = None
     why = ""
     try:
@@ -593,7 +594,7 @@ def _check(settings: Settings) -> None:
     except ValueError as exc:
         why = f" ({exc})"
     if not host:
-        raise _bad(key, f"{_shown_url(url)!r} names no host{why}")
+        raise _bad(key, f"{shown_url(url)!r} names no host{why}")
     if "@" in url[len(parts.scheme) + 3 + len(parts.netloc) :]:
         # a user:password whose password holds "/", "?" or "#" ends the host early: the rest
         # would be taken for a path (or the password's start for a port); the URL may hold a
@@ -606,7 +607,7 @@ def _check(settings: Settings) -> None:
     if "?" in url or "#" in url:  # the route is appended to the URL: ".../v1?x=1/chat/completions"
         raise _bad(
             key,
-            f"{_shown_url(url)!r} has a query or fragment (not shown: it may hold a key); give"
+            f"{shown_url(url)!r} has a query or fragment (not shown: it may hold a key); give"
             " the base URL alone (a client's query string is passed on with each request)",
         )
     try:
@@ -614,7 +615,7 @@ def _check(settings: Settings) -> None:
     except ValueError:
         port = 0
     if port == 0:
-        raise _bad(key, f"{_shown_url(url)!r}: its port is not a number from 1 to 65535")
+        raise _bad(key, f"{shown_url(url)!r}: its port is not a number from 1 to 65535")
     for option, check in (
         ("allowed_origins", check_origin_entry),
         ("allowed_hosts", check_host_entry),

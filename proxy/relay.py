@@ -29,7 +29,7 @@ from proxy.assemble import (
     assemble_completion,
     read_answer,
 )
-from proxy.config import display_url
+from proxy.config import shown_url
 from proxy.errors import (
     CLIENT_CLOSED,
     ProxyError,
@@ -793,7 +793,7 @@ class Relay:
         since = "the last such warning" if self._warned_at is not None else "start-up"
         log.warning(
             "upstream %s: %s (requests since %s: %s; next such warning in %.0f s at the soonest)",
-            display_url(self.base_url),
+            shown_url(self.base_url),
             err.message,
             since,
             answered,

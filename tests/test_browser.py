@@ -163,6 +163,12 @@ def test_bound_to_all_addresses_other_names_are_fine_but_pages_are_not() -> None
         "https://*.example.com",
         "http://localhost:*",
         "http://localhost:port",
+        # (a browser's Origin has no user name, nor a port past 65535: never matched, every
+        # page of the origin meant got a 403)
+        "https://user@x.example",
+        "https://x.example:99999",
+        "https://x.example:0",
+        "https://x.example:８４４３",
     ],
 )
 def test_an_allowed_origin_that_can_never_match_or_allows_every_page_is_a_config_error(

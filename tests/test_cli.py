@@ -1189,6 +1189,82 @@ def test_serve_notes_an_upstream_url_without_a_path(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_a_key_in_the_upstream_url_is_not_printed_at_start_or_in_the_upstream_s_warnings(
+    tmp_path: Path,
+) -> None:
+    """A gateway whose key goes in the path (``…/sk-proj-…/v1``): the log's lines had it
+    redacted, while the start-up line and the "could not reach" warning printed it whole."""
+    import signal
+
+    key = "sk-proj-" + "Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4z" * 2
+    script = shutil.which("cachegate")
+    assert script is not None
+    port = free_port()
+    argv = [script, "serve", "--port", str(port), "--log-dir", str(tmp_path / "logs")]
+    argv += ["--upstream", f"http://127.0.0.1:9/{key}/v1"]
+    proc = subprocess.Popen(argv, env=clean_env(), stderr=subprocess.PIPE, text=True)
+    with proc:
+        try:
+            assert proc.stderr is not None
+            line = proc.stderr.readline()
+            assert line.startswith(f"cachegate {__version__} listening on")
+            assert "http://127.0.0.1:9/[REDACTED]/v1" in line
+            answer = httpx.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                json={"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]},
+            )
+            assert answer.status_code == 502  # (nothing listens on port 9)
+            warning = proc.stderr.readline()
+            assert "could not reach the upstream" in warning
+            assert "http://127.0.0.1:9/[REDACTED]/v1" in warning
+        finally:
+            proc.send_signal(signal.SIGINT)
+            rest = proc.communicate(timeout=20)[1]
+    assert key[8:30] not in line + warning + rest
+
+
+@pytest.mark.timeout(30)
+def test_serve_says_at_start_that_its_log_directory_cannot_be_written(tmp_path: Path) -> None:
+    """A directory there that cannot be written into (a bind mount the container's user cannot
+    write; /proc here, which not even root can): serve started without a word and warned at
+    the first request only, where README promised it said so at start."""
+    note, *_ = _serve_first_lines(tmp_path, "--log-dir", "/proc", env=clean_env(), count=3)
+    assert note.startswith("cachegate: note: cannot write in log directory /proc: ")
+    assert note.endswith(": cachegate serves, and its session logs are lost"
+                         " (cachegate_event_log_lost_total) until it can write there\n")  # fmt: skip
+
+
+@pytest.mark.timeout(20)  # (accepted, it would serve on until stopped)
+@pytest.mark.parametrize("upstream", ["http://127.0.0.1:{port}/v1", "http://localhost:{port}"])
+def test_serve_refuses_an_upstream_url_that_is_itself(upstream: str) -> None:
+    """``--upstream http://127.0.0.1:8787/v1`` on cachegate's own port: each request was sent
+    back in, a thousand in flight and 2,000 descriptors held within seconds, not a word said."""
+    port = free_port()
+    result = run_cli("serve", "--port", str(port), "--upstream", upstream.format(port=port))
+    assert result.code == 2
+    assert result.err == (
+        f"cachegate: the upstream URL {upstream.format(port=port)} is this cachegate itself (it"
+        f" listens on 127.0.0.1:{port}): each request would be sent back to it, without end;"
+        " give the provider's URL (--upstream, upstream.base_url)\n"
+    )
+
+
+def test_an_upstream_url_is_itself_only_at_the_address_and_port_listened_on() -> None:
+    from proxy.cli import _upstream_is_self
+
+    assert _upstream_is_self("http://127.0.0.1:8787/v1", "127.0.0.1", 8787)
+    assert _upstream_is_self("http://LOCALHOST:8787/v1", "127.0.0.1", 8787)
+    assert _upstream_is_self("http://127.0.0.1:8787/v1", "0.0.0.0", 8787)  # (every address)
+    assert _upstream_is_self("http://[::1]:8787/v1", "::", 8787)
+    assert _upstream_is_self("http://127.0.0.1:80/v1", "127.0.0.1", 80)
+    assert _upstream_is_self("http://127.0.0.1/v1", "127.0.0.1", 80)  # (http's own port)
+    assert not _upstream_is_self("http://127.0.0.1:8788/v1", "127.0.0.1", 8787)
+    assert not _upstream_is_self("http://127.0.0.2:8787/v1", "127.0.0.1", 8787)  # (another)
+    assert not _upstream_is_self("https://127.0.0.1:8787/v1", "127.0.0.1", 8787)  # (no loop)
+    assert not _upstream_is_self("http://api.example.com:8787/v1", "127.0.0.1", 8787)
+
+
+@pytest.mark.timeout(30)
 def test_serve_notes_an_upstream_url_that_ends_in_an_endpoint(tmp_path: Path) -> None:
     """A provider's page shows the whole endpoint URL: pasted as the base URL, every request
     went to .../chat/completions/chat/completions and got the provider's 404, with no word."""
@@ -1470,6 +1546,9 @@ def test_sessions_read_a_log_directory_under_the_home_directory(
         "sk-proj-RealKeyInTheWrongPlace",
         "gsk_8Qw3RealKeyInTheWrongPlace1234567890abcd",  # Groq's: the shape of a variable name
         "abcdef0123456789abcdef0123456789",  # a hex key (Azure's)
+        # keys of capitals and digits read as variables' names, and were printed whole
+        "A1B2C3D4E5F60718293A4B5C6D7E8F90",  # (a hex key in capitals)
+        "AKIAIOSFODNN7EXAMPLE",  # (an AWS access key id)
     ],
 )
 def test_serve_notes_a_key_given_where_its_variable_s_name_goes(tmp_path: Path, key: str) -> None:
@@ -1483,7 +1562,7 @@ def test_serve_notes_a_key_given_where_its_variable_s_name_goes(tmp_path: Path, 
         " shown: a key belongs in a variable it names): requests without a key of their own go"
         " without one\n"
     )
-    assert "RealKey" not in note + line and "abcdef" not in note + line
+    assert key not in note + line and "RealKey" not in note + line and "abcdef" not in note + line
     assert line.startswith(f"cachegate {__version__} listening on")
 
 
