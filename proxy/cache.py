@@ -402,8 +402,9 @@ def account(
             ):
                 idle = idle_seconds(state, fingerprint, started_at)
                 floor = ttl_s if ttl_floor_s is None else ttl_floor_s
-                expired = idle is not None and idle > floor
-                cause, location = ("ttl_expired" if expired else "unexplained"), None
+                # (``expired`` is a count of tokens, the hour breakpoint's split above: not this)
+                lapsed = idle is not None and idle > floor
+                cause, location = ("ttl_expired" if lapsed else "unexplained"), None
             if held_expired and cause != "not_requested":
                 cause, location = "ttl_expired", None  # (it would have missed anyway)
             if cached_before == 0 and nothing_marked_before is not None and nothing_marked_before():

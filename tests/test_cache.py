@@ -304,6 +304,9 @@ def test_an_edit_after_the_provider_lost_the_prefix_before_it_is_not_the_edits(
         body, reported(19_000, read), idle, before=unchanged, ttl_floor_s=300.0
     )
     assert (result.cause, result.waste) == (cause, 19_000 - read)  # (the waste as before)
+    # nothing counted apart as the hour breakpoint's expired share (a Claude split): the log
+    # wrote "expired": true, and the waste metric counted it as one more token than the log
+    assert result.expired == 0 and type(result.expired) is int
     if cause != "prefix_rewrite":
         assert result.location is None
         assert session.divergence is not None  # (the edit is still the request's divergence)
