@@ -231,6 +231,9 @@ class EventLogWriter:
         # New files whose directory entry is not synced yet (fsync = "line" or "interval": a
         # file's own fsync does not make its name durable; the directory's does, once)
         self._unsynced_names: set[str] = set()
+        self._parent_unsynced = (
+            True  # the directory's own name, once made or found (``_check_dir``)
+        )
         # Each open file's (device, inode) and the size it had after the writer's last write:
         # a file removed, replaced or truncated by hand meanwhile is noticed before the next.
         self._files: dict[str, tuple[tuple[int, int], int]] = {}
@@ -922,6 +925,7 @@ class EventLogWriter:
         # Made again when gone; looked at again when replaced (another directory, maybe of
         # another owner or open to others: what the writer refuses there depends on it).
         self._shared_dir = _prepare_log_dir(self.log_dir, self._warn)
+        self._parent_unsynced = True  # (made again: its name to be made durable too)
         now = _dir_id(self.log_dir)
         self._dir_id = now
         if now is not None and self._abs_dir in _WANTED and _CLAIMED.get(self._abs_dir) != now:
@@ -1002,16 +1006,27 @@ class EventLogWriter:
             self._warn("fsync", "event log: fsync failed for %s: %s", session_id, exc)
             return
         self._syncs += 1
-        if session_id in self._unsynced_names:  # a new file: its name made durable too
-            self._unsynced_names.discard(session_id)
+        if session_id in self._unsynced_names and self._sync_names():
+            self._unsynced_names.discard(session_id)  # (tried again with its next line if not)
+
+    def _sync_names(self) -> bool:
+        """Make a new file's name durable: its directory synced, and the directory's own parent
+        once after the writer made or found it (a directory made anew has a name too)."""
+        targets = [self.log_dir]
+        if self._parent_unsynced:
+            targets.append(os.path.dirname(self._abs_dir) or os.sep)
+        for target in targets:
             try:
-                dir_fd = os.open(self.log_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+                dir_fd = os.open(target, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
                 try:
                     os.fsync(dir_fd)
                 finally:
                     os.close(dir_fd)
             except OSError as exc:
-                self._warn("fsync", "event log: fsync failed for %s: %s", self.log_dir, exc)
+                self._warn("fsync", "event log: fsync failed for %s: %s", target, exc)
+                return False
+        self._parent_unsynced = False
+        return True
 
     def _sync_dirty(self) -> None:
         for sid in list(self._dirty):
@@ -1830,26 +1845,37 @@ def parse_lines(
     torn = torn_requests = 0
     torn_at_end = False
     starts_as_log: bool | None = None
+    judged_cut = False  # a first line a crash cut was passed over: the next one decides
     for raw in lines:
+        head = b""
         if starts_as_log is None:
             # Judged by the first line with content: a crash can leave a file's first blocks as
             # NUL bytes (XFS, ext4's delayed allocation), which cachegate then writes on after;
-            # an editor can add a byte-order mark.
+            # an editor can add a byte-order mark. Where those NULs end inside a line, the line
+            # after that cut one decides, as the writer judges a file (``_begins_with_meta``).
             head = raw.strip(b"\0 \t\r\n").removeprefix(_BOM)
             if head:
-                starts_as_log = head.startswith(EVENT_START)
                 raw = raw.removeprefix(_BOM)
         line = raw.strip()
         if line:
+            cut = False
             try:
                 obj = orjson.loads(line)
             except orjson.JSONDecodeError as exc:
                 obj = _deep_line(line) if str(exc).startswith("depth limit") else None
                 if obj is None:
+                    cut = True
                     torn += 1
                     if _torn_request(line):
                         torn_requests += 1
                         torn_at_end = not raw.endswith(b"\n")
+            if head:
+                if head.startswith(EVENT_START):
+                    starts_as_log = True
+                elif cut and not judged_cut:
+                    judged_cut = True
+                else:
+                    starts_as_log = False
             if isinstance(obj, dict):
                 kind = obj.get("type")
                 fields = drop.get(kind) if drop and isinstance(kind, str) else None
@@ -2144,6 +2170,7 @@ def _is_event_log(path: str) -> bool:
         return False
     try:
         buf = b""
+        passed_cut = False  # a first line a crash cut (NULs up to its middle): the next decides
         while len(buf) < _LEADING_BLANK_LIMIT:
             chunk = os.read(fd, 65536)
             buf += chunk
@@ -2151,18 +2178,35 @@ def _is_event_log(path: str) -> bool:
             for line in lines if not chunk else lines[:-1]:  # (whole lines, or all at the end)
                 head = line.strip(b"\0 \t\r\n").removeprefix(_BOM)
                 if head:
-                    return head.startswith(EVENT_START)
+                    if head.startswith(EVENT_START):
+                        return True
+                    if passed_cut or _is_json(line.strip()):
+                        return False
+                    passed_cut = True
             if not chunk:
                 return False
             buf = lines[-1]  # (a line still going on: judged once its start is in)
             start = buf.lstrip(b"\0 \t\r")
             if len(start) >= len(_BOM) + len(EVENT_START):
-                return start.removeprefix(_BOM).startswith(EVENT_START)
+                if start.removeprefix(_BOM).startswith(EVENT_START):
+                    return True
+                if passed_cut:
+                    return False
+                # (else read on to its end: a line a crash cut is passed over)
         return False
     except OSError:
         return False
     finally:
         os.close(fd)
+
+
+def _is_json(line: bytes) -> bool:
+    """Whether ``line`` is JSON (parse_lines' test of a torn line: a crash's NULs in it fail)."""
+    try:
+        orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        return str(exc).startswith("depth limit")
+    return True
 
 
 # How far into a file retention looks past leading NUL bytes for its first line.

@@ -311,12 +311,12 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
             # (the main call's own cost: a summary call at its model's prices is apart; one
             # whose main call reported no usage is not priced by its summary call's, but counted
             # in no_usage)
-            main_tokens = row.tokens_in or row.tokens_out
-            if main_tokens and not row.main_cost_uncached:
+            main_reported = row.tokens_in is not None or row.tokens_out is not None
+            if (row.tokens_in or row.tokens_out) and not row.main_cost_uncached:
                 model = row.model or "-"
                 unpriced[model] = unpriced.get(model, 0) + 1
-            elif main_tokens or not (row.summary_tokens_in or row.summary_tokens_out):
-                priced += 1
+            elif main_reported or not (row.summary_tokens_in or row.summary_tokens_out):
+                priced += 1  # (a usage of 0 tokens is reported usage: priced, at $0)
             if not row.summary_cost_uncached and (row.summary_tokens_in or row.summary_tokens_out):
                 model = row.summary_model or "-"
                 unpriced_summaries[model] = unpriced_summaries.get(model, 0) + 1

@@ -1393,26 +1393,44 @@ def test_a_new_file_has_its_name_synced_with_fsync_line_or_interval(
 ) -> None:
     """A file's fsync does not make its directory entry durable: after a power loss a new
     session's file, every line synced, could be gone. Its directory is synced once, at the
-    file's first sync; never with fsync = "none"."""
+    file's first sync (the directory's parent too, the first time: the writer may have made
+    it); never with fsync = "none". A directory sync that failed is tried again."""
     synced_dirs: list[tuple[int, int]] = []
     real_fsync = os.fsync
+    failures = [0]
 
     def fsync(fd: int) -> None:
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
+            if failures[0]:
+                failures[0] -= 1
+                raise OSError(5, "Input/output error")
             synced_dirs.append((st.st_dev, st.st_ino))
         real_fsync(fd)
 
+    def ids(*paths: Path) -> list[tuple[int, int]]:
+        return [(os.stat(p).st_dev, os.stat(p).st_ino) for p in paths]
+
     monkeypatch.setattr(os, "fsync", fsync)
-    for mode, expected in (("line", 2), ("interval", 2), ("none", 0)):
+    for mode in ("line", "interval", "none"):
         synced_dirs.clear()
         w = started(writers, log_dir / mode, fsync=mode, fsync_interval_s=0.05)
         for sid in ("a", "b", "a", "b"):  # two new files, each written twice
             w.emit(sid, {"type": "error"})
             assert w.flush()
         assert w.close()
-        st = os.stat(log_dir / mode)
-        assert synced_dirs == [(st.st_dev, st.st_ino)] * expected, mode
+        here = log_dir / mode
+        expected = [] if mode == "none" else ids(here, log_dir, here)
+        assert synced_dirs == expected, mode
+    # a failed directory sync (EIO) is tried again with the file's next line
+    synced_dirs.clear()
+    w = started(writers, log_dir / "again", fsync="line")
+    failures[0] = 1
+    for _ in range(2):
+        w.emit("c", {"type": "error"})
+        assert w.flush()
+    assert w.close()
+    assert synced_dirs == ids(log_dir / "again", log_dir)
 
 
 def test_fsync_interval_syncs_a_burst_once_it_settles(log_dir: Path, writers) -> None:
@@ -1833,6 +1851,9 @@ def test_retention_judges_a_log_as_the_reports_do_past_a_crash_s_leading_nuls(
         "far": b"\0" * 200_000 + line,
         "bom": b"\xef\xbb\xbf" + line,
         "blank-first": b"\n\n" + line,
+        # (the NULs end inside a line the crash cut: the line after it decides, as for list)
+        "nul-to-mid-line": b"\0" * 4096 + b'ession","model":"gpt-4o"}\n' + line,
+        "nul-to-mid-long-line": b"\0" * 4096 + b"x" * 100_000 + b"\n" + line,
     }
     paths = []
     for name, data in cases.items():
@@ -1844,14 +1865,16 @@ def test_retention_judges_a_log_as_the_reports_do_past_a_crash_s_leading_nuls(
     nuls_only.write_bytes(b"\0" * 8192)
     other = tmp_path / "other.jsonl"
     other.write_bytes(b"\0" * 10 + b'{"epoch": 1}\n')
-    for path in (nuls_only, other):
+    other_cut = tmp_path / "other-cut.jsonl"  # (a cut first line, then no line of ours)
+    other_cut.write_bytes(b"\0" * 10 + b'och": 1}\n{"epoch": 2}\n' + line)
+    for path in (nuls_only, other, other_cut):
         os.utime(path, (old, old))
     from proxy.report import list_sessions
 
     assert {s.session for s in list_sessions(tmp_path)} == set(cases)  # each is listed
     removed = enforce_retention(tmp_path, max_age_days=7, max_total_mb=None, active=(), now=now)
     assert sorted(removed) == sorted(str(p) for p in paths)
-    assert nuls_only.exists() and other.exists()
+    assert nuls_only.exists() and other.exists() and other_cut.exists()
 
 
 def test_retention_trims_the_oldest_until_the_total_fits(tmp_path: Path) -> None:

@@ -451,6 +451,11 @@ def test_an_exchange_whose_main_call_reported_no_usage_is_not_priced_by_its_summ
     answered["cost"] = {"actual": 0.0065, "uncached": 0.0065}
     cost = session_cost(_logged(tmp_path, "s", events), "s")
     assert (cost.priced_exchanges, cost.no_usage) == (1, 0)
+    # ...and so is one that reported a usage of 0 tokens (it was counted nowhere)
+    answered["usage"] = {"prompt": 0, "completion": 0, "cache_read": 0, "cache_write": 0}
+    answered["cost"] = {"actual": 0.004, "uncached": 0.004}
+    cost = session_cost(_logged(tmp_path, "s", events), "s")
+    assert (cost.priced_exchanges, cost.no_usage, cost.unpriced) == (1, 0, {})
 
 
 def _answer(
@@ -1178,20 +1183,33 @@ def test_a_control_or_bidi_character_keeps_the_columns_in_line(tmp_path: Path) -
 
 
 @pytest.mark.parametrize(
-    ("start", "torn"), [(b"\0" * 3000 + b"\n", 1), (b"\xef\xbb\xbf", 0)], ids=["nul-blocks", "bom"]
+    ("start", "torn"),
+    [
+        (b"\0" * 3000 + b"\n", 1),
+        # (the NULs end inside a line: its cut tail, then the lines cachegate wrote on)
+        (b"\0" * 4096 + b'del":"gpt-4o","stream":true,"path":"/v1/chat/completions"}\n', 1),
+        (b"\xef\xbb\xbf", 0),
+    ],
+    ids=["nul-blocks", "nul-blocks-to-mid-line", "bom"],
 )
 def test_a_log_whose_start_a_crash_zeroed_or_an_editor_marked_is_still_listed(
     tmp_path: Path, start: bytes, torn: int
 ) -> None:
     """A power loss can leave a file's first blocks as NUL bytes, which cachegate then writes
     on after; a Windows editor adds a byte-order mark. ``list`` judged a file by its first
-    bytes and left such a session out for good (``show`` read it)."""
+    bytes and left such a session out for good; where the NULs ended inside a line, ``show``,
+    ``cost`` and ``replay`` refused it as no cachegate log (the writer takes it for one)."""
     events = [req(T0 + 1, 1), _answer(T0 + 2, 9, 9, 1.0, 0.01)]
     (tmp_path / "zeroed.jsonl").write_bytes(
         start + b"".join(orjson.dumps(e) + b"\n" for e in events)
     )
     (listed,) = list_sessions(tmp_path)
     assert (listed.session, listed.exchanges, listed.torn) == ("zeroed", 1, torn)
+    assert [row.exchange for row in show_session(tmp_path, "zeroed").rows] == [1]
+    assert session_cost(tmp_path, "zeroed").priced_exchanges == 1
+    # another tool's file is still none, its first line cut or not
+    (tmp_path / "other.jsonl").write_bytes(b"\0" * 100 + b'cut"}\n{"epoch": 1}\n{"ts": 1}\n')
+    assert [s.session for s in list_sessions(tmp_path)] == ["zeroed"]
 
 
 def test_terminal_escaping_changes_only_lines_that_hold_a_control() -> None:
