@@ -119,7 +119,12 @@ def check_origin_entry(entry: str) -> str | None:
     port = host.rpartition("]")[2] if host.startswith("[") else host
     if ":" in port:
         digits = port.rpartition(":")[2]
-        if not (digits.isascii() and digits.isdigit() and 1 <= int(digits) <= 65535):
+        if not (
+            digits.isascii()
+            and digits.isdigit()
+            and not digits.startswith("0")  # (a browser says 8443, never 08443)
+            and int(digits) <= 65535
+        ):
             return f"{entry.strip()!r}: the port must be a number from 1 to 65535"
     return None
 

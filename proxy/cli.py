@@ -33,11 +33,18 @@ DEFAULT_LOG_DIR = "./cachegate-logs"
 _VARIABLE_NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,63}")  # as variables are named, not as keys are
 
 
+_AWS_KEY_ID = re.compile(r"A(?:KIA|SIA|BIA|CCA)[A-Z2-7]{16}")
+
+
 def _key_like_name(name: str) -> bool:
-    """Whether a name written as a variable's is a key of capitals and digits (an AWS key id,
-    ``AKIA…``; a hex key in capitals): a piece between underscores of 16 characters or more with
-    a digit in it (variables' words are short: ``AZURE_OPENAI_API_KEY_2``)."""
-    return any(len(p) >= 16 and any(c.isdigit() for c in p) for p in name.split("_"))
+    """Whether a name written as a variable's is a key of capitals and digits: an AWS key id
+    (``AKIA…``), or a piece between underscores of 16 characters or more with three digits or
+    more (a hex key in capitals; a variable's words have few: ``LLM_KEY_EASTUS2PRODUCTION``,
+    ``CLAUDE35SONNETAPIKEY``)."""
+    return any(
+        _AWS_KEY_ID.fullmatch(p) or (len(p) >= 16 and sum(c.isdigit() for c in p) >= 3)
+        for p in name.split("_")
+    )
 
 
 SHUTDOWN_GRACE_S = 5  # after Ctrl+C, how long answers in flight may still finish
@@ -134,20 +141,29 @@ def _upstream_is_self(base_url: str, host: str, port: int) -> bool:
         return False
     if parts.scheme.lower() != "http" or upstream_port != port:
         return False  # (an https URL to a plain HTTP port fails its handshake: no loop)
+    # (an upstream at an unspecified address reaches this machine's own: Linux connects 0.0.0.0
+    # as 127.0.0.1)
     name = (parts.hostname or "").lower()
+    name = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(name, name)
     own = host.strip().lower().strip("[]")
-    if own in ("", "0.0.0.0", "::", "*"):  # every address of the machine
-        return is_loopback_name(name)  # (its other addresses are not known without a lookup)
-    if name != own and not (is_loopback_name(name) and is_loopback_name(own)):
-        return False
 
-    def addresses(of: str) -> set[str]:
+    def addresses(of: str) -> set[tuple[int, str]]:
         try:
             found = socket.getaddrinfo(of, port, type=socket.SOCK_STREAM)
         except (OSError, UnicodeError):
             return set()
-        return {str(info[4][0]).partition("%")[0] for info in found}
+        return {(int(info[0]), str(info[4][0]).partition("%")[0]) for info in found}
 
+    if own in ("", "*", "0.0.0.0", "::"):  # every address of a family (``listening_sockets``
+        # binds "::" to IPv6 alone, "0.0.0.0" to IPv4 alone, no host to both)
+        if not is_loopback_name(name):  # (its other addresses are not known without a lookup)
+            return False
+        families = {"0.0.0.0": {socket.AF_INET}, "::": {socket.AF_INET6}}.get(
+            own, {socket.AF_INET, socket.AF_INET6}
+        )
+        return any(f in families and is_loopback_name(a) for f, a in addresses(name))
+    if name != own and not (is_loopback_name(name) and is_loopback_name(own)):
+        return False
     return name == own or bool(addresses(name) & addresses(own))
 
 

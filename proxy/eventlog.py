@@ -231,9 +231,10 @@ class EventLogWriter:
         # New files whose directory entry is not synced yet (fsync = "line" or "interval": a
         # file's own fsync does not make its name durable; the directory's does, once)
         self._unsynced_names: set[str] = set()
-        self._parent_unsynced = (
-            True  # the directory's own name, once made or found (``_check_dir``)
-        )
+        # The directory's own name, synced once it is made or found (``_check_dir``); False
+        # where the file system refuses a directory's fsync
+        self._parent_unsynced = True
+        self._dir_sync = True
         # Each open file's (device, inode) and the size it had after the writer's last write:
         # a file removed, replaced or truncated by hand meanwhile is noticed before the next.
         self._files: dict[str, tuple[tuple[int, int], int]] = {}
@@ -854,7 +855,7 @@ class EventLogWriter:
             size = _terminate_torn_line(fd)
             if size == 0:
                 self._fresh.add(session_id)
-                if self.fsync != "none":
+                if self.fsync != "none" and self._dir_sync:
                     self._unsynced_names.add(session_id)
         except OSError:
             os.close(fd)
@@ -1006,7 +1007,7 @@ class EventLogWriter:
             self._warn("fsync", "event log: fsync failed for %s: %s", session_id, exc)
             return
         self._syncs += 1
-        if session_id in self._unsynced_names and self._sync_names():
+        if self._dir_sync and session_id in self._unsynced_names and self._sync_names():
             self._unsynced_names.discard(session_id)  # (tried again with its next line if not)
 
     def _sync_names(self) -> bool:
@@ -1023,6 +1024,11 @@ class EventLogWriter:
                 finally:
                     os.close(dir_fd)
             except OSError as exc:
+                if exc.errno in _NO_DIR_SYNC:  # (a file system that syncs no directory: some
+                    # network ones; not tried again with every line, nor warned of every 30 s)
+                    self._unsynced_names.clear()
+                    self._dir_sync = False
+                    return True
                 self._warn("fsync", "event log: fsync failed for %s: %s", target, exc)
                 return False
         self._parent_unsynced = False
@@ -1872,7 +1878,7 @@ def parse_lines(
             if head:
                 if head.startswith(EVENT_START):
                     starts_as_log = True
-                elif cut and not judged_cut:
+                elif cut and not judged_cut and raw.startswith(b"\0"):  # (NULs, then a tail)
                     judged_cut = True
                 else:
                     starts_as_log = False
@@ -2170,44 +2176,43 @@ def _is_event_log(path: str) -> bool:
         return False
     try:
         buf = b""
+        leading = 0  # bytes of NULs and blanks read before the first line with content
         passed_cut = False  # a first line a crash cut (NULs up to its middle): the next decides
-        while len(buf) < _LEADING_BLANK_LIMIT:
+        skipping = False  # reading on to that cut line's end, however long it is
+        while True:
             chunk = os.read(fd, 65536)
             buf += chunk
-            lines = buf.split(b"\n")
-            for line in lines if not chunk else lines[:-1]:  # (whole lines, or all at the end)
-                head = line.strip(b"\0 \t\r\n").removeprefix(_BOM)
-                if head:
-                    if head.startswith(EVENT_START):
-                        return True
-                    if passed_cut or _is_json(line.strip()):
+            if skipping:
+                end = buf.find(b"\n")
+                if end < 0:
+                    buf = b""
+                    if not chunk:
                         return False
-                    passed_cut = True
-            if not chunk:
-                return False
-            buf = lines[-1]  # (a line still going on: judged once its start is in)
-            start = buf.lstrip(b"\0 \t\r")
-            if len(start) >= len(_BOM) + len(EVENT_START):
-                if start.removeprefix(_BOM).startswith(EVENT_START):
-                    return True
-                if passed_cut:
+                    continue
+                buf, skipping = buf[end + 1 :], False
+            start = _content_start(bytearray(buf), 0)
+            if start >= len(buf):  # (NULs and blanks so far)
+                leading += len(buf)
+                buf = b""
+                if not chunk or leading > _LEADING_BLANK_LIMIT:
                     return False
-                # (else read on to its end: a line a crash cut is passed over)
-        return False
+                continue
+            content = buf[start:]
+            if len(content) < len(EVENT_START) and chunk and b"\n" not in content:
+                continue  # (judged once its first bytes are in)
+            if content.startswith(EVENT_START):
+                return True
+            if passed_cut or buf[start - 1 : start] != b"\0":
+                return False  # (another tool's line, or a second line that is not ours)
+            passed_cut, skipping, buf = True, True, content
     except OSError:
         return False
     finally:
         os.close(fd)
 
 
-def _is_json(line: bytes) -> bool:
-    """Whether ``line`` is JSON (parse_lines' test of a torn line: a crash's NULs in it fail)."""
-    try:
-        orjson.loads(line)
-    except orjson.JSONDecodeError as exc:
-        return str(exc).startswith("depth limit")
-    return True
-
+# What a file system that cannot fsync a directory says (EINVAL on some network file systems)
+_NO_DIR_SYNC: Final = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EISDIR})
 
 # How far into a file retention looks past leading NUL bytes for its first line.
 _LEADING_BLANK_LIMIT: Final = 1 << 20

@@ -169,6 +169,7 @@ def test_bound_to_all_addresses_other_names_are_fine_but_pages_are_not() -> None
         "https://x.example:99999",
         "https://x.example:0",
         "https://x.example:８４４３",
+        "https://x.example:08443",  # (a browser says 8443)
     ],
 )
 def test_an_allowed_origin_that_can_never_match_or_allows_every_page_is_a_config_error(

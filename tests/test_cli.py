@@ -1262,6 +1262,26 @@ def test_an_upstream_url_is_itself_only_at_the_address_and_port_listened_on() ->
     assert not _upstream_is_self("http://127.0.0.2:8787/v1", "127.0.0.1", 8787)  # (another)
     assert not _upstream_is_self("https://127.0.0.1:8787/v1", "127.0.0.1", 8787)  # (no loop)
     assert not _upstream_is_self("http://api.example.com:8787/v1", "127.0.0.1", 8787)
+    # "::" listens on IPv6 alone and "0.0.0.0" on IPv4 alone: the other family's is another
+    # server (it was refused); no host listens on both
+    assert not _upstream_is_self("http://127.0.0.1:8787/v1", "::", 8787)
+    assert not _upstream_is_self("http://[::1]:8787/v1", "0.0.0.0", 8787)
+    assert _upstream_is_self("http://127.0.0.1:8787/v1", "", 8787)
+    # an upstream at the unspecified address is reached on this machine's own
+    assert _upstream_is_self("http://0.0.0.0:8787/v1", "127.0.0.1", 8787)
+    assert _upstream_is_self("http://0.0.0.0:8787/v1", "0.0.0.0", 8787)
+
+
+def test_a_key_written_as_a_variable_s_name_is_told_from_a_long_variable_name() -> None:
+    from proxy.cli import _key_like_name
+
+    for key in ("A1B2C3D4E5F60718293A4B5C6D7E8F90", "AKIAIOSFODNN7EXAMPLE", "ASIA2345ABCDEFGHIJKL"):
+        assert _key_like_name(key), key
+    # variables' names with a long word and a digit or two in it (they were hidden, and the
+    # note said a key had been written there)
+    for name in ("LLM_KEY_EASTUS2PRODUCTION", "CLAUDE35SONNETAPIKEY", "AZUREOPENAIGPT4O_KEY",
+                 "OPENAI_API_KEY", "MY_GATEWAY_KEY_V2"):  # fmt: skip
+        assert not _key_like_name(name), name
 
 
 @pytest.mark.timeout(30)

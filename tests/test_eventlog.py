@@ -1431,6 +1431,23 @@ def test_a_new_file_has_its_name_synced_with_fsync_line_or_interval(
         assert w.flush()
     assert w.close()
     assert synced_dirs == ids(log_dir / "again", log_dir)
+    # a file system that syncs no directory (EINVAL: some network ones) is not asked again
+    # with every line, nor warned of every 30 s
+    tries = [0]
+
+    def refused(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            tries[0] += 1
+            raise OSError(22, "Invalid argument")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", refused)
+    w = started(writers, log_dir / "nfs", fsync="line")
+    for sid in ("d", "d", "e", "e"):
+        w.emit(sid, {"type": "error"})
+        assert w.flush()
+    assert w.close()
+    assert (tries[0], w.syncs) == (1, 4)
 
 
 def test_fsync_interval_syncs_a_burst_once_it_settles(log_dir: Path, writers) -> None:
@@ -1854,6 +1871,7 @@ def test_retention_judges_a_log_as_the_reports_do_past_a_crash_s_leading_nuls(
         # (the NULs end inside a line the crash cut: the line after it decides, as for list)
         "nul-to-mid-line": b"\0" * 4096 + b'ession","model":"gpt-4o"}\n' + line,
         "nul-to-mid-long-line": b"\0" * 4096 + b"x" * 100_000 + b"\n" + line,
+        "nul-to-mid-2mb-line": b"\0" * 4096 + b"x" * 2_000_000 + b"\n" + line,  # (past 1 MiB)
     }
     paths = []
     for name, data in cases.items():
@@ -1867,14 +1885,18 @@ def test_retention_judges_a_log_as_the_reports_do_past_a_crash_s_leading_nuls(
     other.write_bytes(b"\0" * 10 + b'{"epoch": 1}\n')
     other_cut = tmp_path / "other-cut.jsonl"  # (a cut first line, then no line of ours)
     other_cut.write_bytes(b"\0" * 10 + b'och": 1}\n{"epoch": 2}\n' + line)
-    for path in (nuls_only, other, other_cut):
+    # another tool's file whose first line is text, not a crash's NULs and a cut line's tail:
+    # never taken for ours, whatever follows (it was deleted, and listed as a session)
+    other_text = tmp_path / "metrics.jsonl"
+    other_text.write_bytes(b"# exported by another tool\n" + line)
+    for path in (nuls_only, other, other_cut, other_text):
         os.utime(path, (old, old))
     from proxy.report import list_sessions
 
     assert {s.session for s in list_sessions(tmp_path)} == set(cases)  # each is listed
     removed = enforce_retention(tmp_path, max_age_days=7, max_total_mb=None, active=(), now=now)
     assert sorted(removed) == sorted(str(p) for p in paths)
-    assert nuls_only.exists() and other.exists() and other_cut.exists()
+    assert nuls_only.exists() and other.exists() and other_cut.exists() and other_text.exists()
 
 
 def test_retention_trims_the_oldest_until_the_total_fits(tmp_path: Path) -> None:

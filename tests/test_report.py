@@ -7,6 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
+from proxy.eventlog import NotALogFile
 from proxy.report import (
     RESENT_COMPACTED,
     CostReport,
@@ -1209,7 +1210,10 @@ def test_a_log_whose_start_a_crash_zeroed_or_an_editor_marked_is_still_listed(
     assert session_cost(tmp_path, "zeroed").priced_exchanges == 1
     # another tool's file is still none, its first line cut or not
     (tmp_path / "other.jsonl").write_bytes(b"\0" * 100 + b'cut"}\n{"epoch": 1}\n{"ts": 1}\n')
+    (tmp_path / "text.jsonl").write_bytes(b"not json\n" + orjson.dumps(events[0]) + b"\n")
     assert [s.session for s in list_sessions(tmp_path)] == ["zeroed"]
+    with pytest.raises(NotALogFile):
+        show_session(tmp_path, "text")
 
 
 def test_terminal_escaping_changes_only_lines_that_hold_a_control() -> None:
