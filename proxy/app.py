@@ -267,12 +267,14 @@ class Gateway:
         route: str,
         err: ProxyError,
         extra: list[tuple[bytes, bytes]] | None = None,
+        receive: Receive | None = None,
     ) -> None:
         """Answer a request cachegate refuses before any route's work begins (an invalid session
         id or path), counted by the observers like every other answer: a request with no session
-        is in the metrics, not in any session's log."""
+        is in the metrics, not in any session's log. ``receive``: the rest of a refused upload
+        is read before the connection closes (``send_error``)."""
         self.count_refusal(scope, route, err)
-        await send_error(send, err, extra)
+        await send_error(send, err, extra, receive)
 
     def count_refusal(self, scope: MutableMapping[str, Any], route: str, err: ProxyError) -> None:
         """Tell the observers of an answer cachegate gives itself before any route's work (the
@@ -327,7 +329,7 @@ class Gateway:
         try:
             refuse_announced(headers, self.settings.server.max_body_bytes)
         except ProxyError as err:
-            await self.refuse(scope, send, "passthrough", err, extra)
+            await self.refuse(scope, send, "passthrough", err, extra, receive)
             return
         first = await receive()
         if first["type"] == "http.disconnect":  # gone before its body's first byte: not sent
@@ -353,9 +355,9 @@ class Gateway:
                         raise client_closed("client disconnected")
                     chunk = message.get("body", b"")
                     size += len(chunk)
-                    if size > limit:
-                        raise too_large(limit)
                     more = message.get("more_body", False)
+                    if size > limit:
+                        raise too_large(limit, unread=more)
                     if not more:
                         uploaded.set()
                     yield chunk

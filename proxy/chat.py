@@ -825,7 +825,9 @@ class ChatPipeline:
                     ex.session_id, ex.session = state.id, state
                     ex.exchange_id = state.next_exchange()
             notify(self.observers, "on_error", ex)
-            await send_error(send, err, self._refusal_headers(ex, state, headers, path_session))
+            await send_error(
+                send, err, self._refusal_headers(ex, state, headers, path_session), receive
+            )
             return
         self._before_forward(ex)
         extra = [

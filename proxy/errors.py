@@ -27,6 +27,9 @@ class ProxyError(Exception):
         self.type = type
         self.code = code
         self.param = param
+        # A refusal of a request whose body the client is still sending (a 413 before its end):
+        # the rest is read and dropped before the connection closes (``relay.send_error``)
+        self.unread = False
 
     def body(self) -> bytes:
         return orjson.dumps(
@@ -58,12 +61,15 @@ def bad_request(
     return ProxyError(400, message, code=code, param=param)
 
 
-def too_large(limit: int) -> ProxyError:
-    return ProxyError(
+def too_large(limit: int, unread: bool = False) -> ProxyError:
+    """A 413; ``unread``: the client is still sending the body (see ``ProxyError.unread``)."""
+    err = ProxyError(
         413,
         f"Request body is larger than cachegate's limit of {limit} bytes (server.max_body_bytes).",
         code="request_too_large",
     )
+    err.unread = unread
+    return err
 
 
 def upstream_unreachable(detail: str) -> ProxyError:

@@ -315,7 +315,7 @@ def refuse_announced(headers: Mapping[str, str], limit: int) -> None:
     relayed upload had sent that much upstream)."""
     length = headers.get("content-length", "")
     if length.isascii() and length.isdigit() and int(length) > limit:
-        raise too_large(limit)
+        raise too_large(limit, unread=int(length) > 0)
 
 
 async def read_body(receive: Receive, limit: int) -> bytes:
@@ -339,7 +339,7 @@ async def read_body(receive: Receive, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise too_large(limit)
+            raise too_large(limit, unread=message.get("more_body", False))
         parts.append(chunk)
     return b"".join(parts)
 
@@ -495,9 +495,22 @@ def _client_prefix(scope: Scope, path: str) -> bytes:
     return raw[: -len(tail)] if raw.endswith(tail) else b"/v1"
 
 
+# How long the rest of a refused upload is read and dropped, at most, before its connection is
+# closed (nginx's lingering close); each read may wait this long for the client's next bytes
+DRAIN_S: Final = 10.0
+DRAIN_IDLE_S: Final = 2.0
+
+
 async def send_error(
-    send: Send, err: ProxyError, extra: list[tuple[bytes, bytes]] | None = None
+    send: Send,
+    err: ProxyError,
+    extra: list[tuple[bytes, bytes]] | None = None,
+    receive: Receive | None = None,
 ) -> None:
+    """``err`` in OpenAI's shape. A 413 whose body the client is still sending (``err.unread``)
+    is answered whole, then the rest of the upload read and dropped (given ``receive``) before
+    the connection closes: closed at once, with the client's bytes unread, the kernel resets
+    it, and a client still uploading (the async SDKs) lost the 413 for a connection error."""
     body = err.body()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if extra:
@@ -508,7 +521,18 @@ async def send_error(
         # it. Closed, as nginx closes after its 413 (RFC 9110 15.5.14).
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    if receive is None or not err.unread:
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        return
+    # (the answer whole, by its length, then the upload's rest; the server closes at the end)
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(DRAIN_S):
+            while True:
+                message = await asyncio.wait_for(receive(), DRAIN_IDLE_S)
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    break
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class _Tee:
@@ -1091,7 +1115,7 @@ class Relay:
             ) and not started:
                 self._warn_upstream(err)
             if not started:
-                await send_error(send, err, extra_headers)
+                await send_error(send, err, extra_headers, receive)
         finally:
             if watch is not None:
                 watch.stop()

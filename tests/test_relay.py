@@ -618,6 +618,45 @@ def test_bad_input_is_refused_in_openai_shape_and_not_forwarded(
     assert r.headers["x-cachegate-repairs"] == "0"  # a chat answer's header, as documented
 
 
+@pytest.mark.parametrize("route", ["chat/completions", "embeddings"])
+def test_a_413_reaches_a_client_still_uploading_its_body(
+    scripted: Any, proxy_factory: Any, route: str
+) -> None:
+    """The async SDK sends a body over the limit: cachegate answered 413 before reading it and
+    closed the connection with the client's bytes unread, so the kernel reset it and the SDK,
+    still uploading, raised a connection error (13 of 20 requests here) instead of the 413.
+    The rest of the upload is now read and dropped before the connection closes."""
+    import asyncio
+
+    import openai
+
+    upstream, url = scripted(chunks=[b"{}"])
+    proxy = proxy_factory(url, {"server": {"max_body_bytes": 2 * 1024 * 1024}})
+
+    async def send_all() -> list[str]:
+        seen = []
+        async with openai.AsyncOpenAI(
+            base_url=proxy.base_url, api_key="sk-test", max_retries=0
+        ) as client:
+            for _ in range(10):
+                try:
+                    if route == "chat/completions":
+                        await client.chat.completions.create(
+                            model="gpt-4o", messages=[{"role": "user", "content": "z" * 2_300_000}]
+                        )
+                    else:
+                        await client.embeddings.create(model="e", input="z" * 2_300_000)
+                    seen.append("answered")
+                except openai.APIStatusError as exc:
+                    seen.append(f"{exc.status_code} {exc.code}")
+                except openai.APIConnectionError as exc:
+                    seen.append(f"connection error: {exc.__cause__!r}")
+        return seen
+
+    assert asyncio.run(send_all()) == ["413 request_too_large"] * 10
+    assert upstream.requests == []
+
+
 def test_body_over_limit_is_413(scripted: Any, proxy_factory: Any) -> None:
     upstream, url = scripted(chunks=[b"{}"])
     proxy = proxy_factory(url, {"server": {"max_body_bytes": 1000}})
