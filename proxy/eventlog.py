@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
 
@@ -1838,6 +1838,24 @@ def _deep_line(line: bytes) -> Any:
 
 
 _BOM: Final = b"\xef\xbb\xbf"
+_BLANK, _CUT, _OURS, _OTHER = "blank", "cut", "ours", "other"
+
+
+def _judge_start(raw: bytes, passed_cut: bool) -> str:
+    """What a line says of whether its file is cachegate's log, while none has said yet:
+    ``_BLANK`` (no content: NULs, white space, a byte-order mark), ``_OURS`` (it begins as
+    cachegate's lines do), ``_CUT`` (NUL bytes, then a line's tail: a crash zeroed a file's
+    first blocks up to the middle of a line; the next line decides, once) or ``_OTHER``. The
+    reports (``parse_lines``) and retention (``_is_event_log``) judge a file by this alone, so
+    retention deletes no file the reports do not show as a session."""
+    head = raw.strip(b"\0 \t\r\n").removeprefix(_BOM)
+    if not head:
+        return _BLANK
+    if head.startswith(EVENT_START):
+        return _OURS
+    if not passed_cut and raw.startswith(b"\0"):
+        return _CUT
+    return _OTHER
 
 
 def parse_lines(
@@ -1853,35 +1871,25 @@ def parse_lines(
     starts_as_log: bool | None = None
     judged_cut = False  # a first line a crash cut was passed over: the next one decides
     for raw in lines:
-        head = b""
-        if starts_as_log is None:
-            # Judged by the first line with content: a crash can leave a file's first blocks as
-            # NUL bytes (XFS, ext4's delayed allocation), which cachegate then writes on after;
-            # an editor can add a byte-order mark. Where those NULs end inside a line, the line
-            # after that cut one decides, as the writer judges a file (``_begins_with_meta``).
-            head = raw.strip(b"\0 \t\r\n").removeprefix(_BOM)
-            if head:
+        if starts_as_log is None:  # (``_judge_start``: retention judges a file alike)
+            verdict = _judge_start(raw, judged_cut)
+            if verdict != _BLANK:
                 raw = raw.removeprefix(_BOM)
+                if verdict == _CUT:
+                    judged_cut = True
+                else:
+                    starts_as_log = verdict == _OURS
         line = raw.strip()
         if line:
-            cut = False
             try:
                 obj = orjson.loads(line)
             except orjson.JSONDecodeError as exc:
                 obj = _deep_line(line) if str(exc).startswith("depth limit") else None
                 if obj is None:
-                    cut = True
                     torn += 1
                     if _torn_request(line):
                         torn_requests += 1
                         torn_at_end = not raw.endswith(b"\n")
-            if head:
-                if head.startswith(EVENT_START):
-                    starts_as_log = True
-                elif cut and not judged_cut and raw.startswith(b"\0"):  # (NULs, then a tail)
-                    judged_cut = True
-                else:
-                    starts_as_log = False
             if isinstance(obj, dict):
                 kind = obj.get("type")
                 fields = drop.get(kind) if drop and isinstance(kind, str) else None
@@ -2175,36 +2183,19 @@ def _is_event_log(path: str) -> bool:
     except OSError:
         return False
     try:
-        buf = b""
-        leading = 0  # bytes of NULs and blanks read before the first line with content
-        passed_cut = False  # a first line a crash cut (NULs up to its middle): the next decides
-        skipping = False  # reading on to that cut line's end, however long it is
-        while True:
-            chunk = os.read(fd, 65536)
-            buf += chunk
-            if skipping:
-                end = buf.find(b"\n")
-                if end < 0:
-                    buf = b""
-                    if not chunk:
-                        return False
-                    continue
-                buf, skipping = buf[end + 1 :], False
-            start = _content_start(bytearray(buf), 0)
-            if start >= len(buf):  # (NULs and blanks so far)
-                leading += len(buf)
-                buf = b""
-                if not chunk or leading > _LEADING_BLANK_LIMIT:
-                    return False
-                continue
-            content = buf[start:]
-            if len(content) < len(EVENT_START) and chunk and b"\n" not in content:
-                continue  # (judged once its first bytes are in)
-            if content.startswith(EVENT_START):
-                return True
-            if passed_cut or buf[start - 1 : start] != b"\0":
-                return False  # (another tool's line, or a second line that is not ours)
-            passed_cut, skipping, buf = True, True, content
+        passed_cut = False
+        blank = 0  # bytes of lines without content before the first with some
+        for raw, whole in _line_heads(fd, _LEADING_BLANK_LIMIT):
+            verdict = _judge_start(raw, passed_cut)
+            if verdict == _BLANK:
+                blank += len(raw)
+                if not whole or blank > _LEADING_BLANK_LIMIT:
+                    return False  # (what follows in it is not known: kept, never deleted)
+            elif verdict == _CUT:
+                passed_cut = True
+            else:
+                return verdict == _OURS
+        return False
     except OSError:
         return False
     finally:
@@ -2213,6 +2204,36 @@ def _is_event_log(path: str) -> bool:
 
 # What a file system that cannot fsync a directory says (EINVAL on some network file systems)
 _NO_DIR_SYNC: Final = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EISDIR})
+
+
+def _line_heads(fd: int, cap: int) -> Iterator[tuple[bytes, bool]]:
+    """The lines read from ``fd``, each as its first ``cap`` bytes and whether that is all of
+    it (the rest of a longer one read past, not kept); the last one without its line end if it
+    has none."""
+    buf = bytearray()
+    full = False  # this line's first ``cap`` bytes given already
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            if buf and not full:
+                yield bytes(buf), True
+            return
+        pos = 0
+        while pos < len(chunk):
+            nl = chunk.find(b"\n", pos)
+            end = len(chunk) if nl < 0 else nl + 1
+            if not full:
+                buf += chunk[pos:end]
+                if len(buf) > cap:
+                    yield bytes(buf[:cap]), False
+                    full = True
+            if nl >= 0:
+                if not full:
+                    yield bytes(buf), True
+                buf.clear()
+                full = False
+            pos = end
+
 
 # How far into a file retention looks past leading NUL bytes for its first line.
 _LEADING_BLANK_LIMIT: Final = 1 << 20

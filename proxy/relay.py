@@ -526,13 +526,36 @@ async def send_error(
         return
     # (the answer whole, by its length, then the upload's rest; the server closes at the end)
     await send({"type": "http.response.body", "body": body, "more_body": True})
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(DRAIN_S):
-            while True:
-                message = await asyncio.wait_for(receive(), DRAIN_IDLE_S)
-                if message["type"] != "http.request" or not message.get("more_body", False):
-                    break
+    stop = asyncio.Event()  # set when cachegate stops (``stop_draining``): no grace spent here
+    _DRAINING.add(stop)
+    reader = asyncio.ensure_future(_drain(receive))
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({reader, stopper}, timeout=DRAIN_S, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        _DRAINING.discard(stop)
+        for task in (reader, stopper):
+            task.cancel()
     await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+# Refused uploads being read and dropped (``send_error``), each ended by a stop at once
+_DRAINING: set[asyncio.Event] = set()
+
+
+def stop_draining() -> None:
+    """cachegate is stopping: the refused uploads being read end now, their answers whole, so
+    that they hold neither its grace period nor count as requests in flight."""
+    for stop in list(_DRAINING):
+        stop.set()
+
+
+async def _drain(receive: Receive) -> None:
+    with contextlib.suppress(TimeoutError):
+        while True:
+            message = await asyncio.wait_for(receive(), DRAIN_IDLE_S)
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
 
 
 class _Tee:

@@ -1224,6 +1224,41 @@ def test_a_key_in_the_upstream_url_is_not_printed_at_start_or_in_the_upstream_s_
 
 
 @pytest.mark.timeout(30)
+def test_a_stop_does_not_wait_for_a_refused_upload_being_read(tmp_path: Path) -> None:
+    """After a 413 the rest of the upload is read and dropped (up to 10 s): Ctrl+C then spent
+    its 5 s grace period on it and said a request in flight was cut, though it was answered."""
+    import signal
+    import socket as socketlib
+    import time
+
+    script = shutil.which("cachegate")
+    assert script is not None
+    port = free_port()
+    config = tmp_path / "small.toml"
+    config.write_text("[server]\nmax_body_bytes = 1000\n")
+    argv = [script, "serve", "--port", str(port), "--config", str(config)]
+    argv += ["--log-dir", str(tmp_path / "logs"), "--upstream", "http://127.0.0.1:9/v1"]
+    proc = subprocess.Popen(argv, env=clean_env(), stderr=subprocess.PIPE, text=True)
+    with proc:
+        assert proc.stderr is not None
+        assert "listening on" in proc.stderr.readline()
+        with socketlib.create_connection(("127.0.0.1", port)) as client:
+            client.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 100000000\r\n\r\n{"
+            )
+            assert client.recv(4096).startswith(b"HTTP/1.1 413 ")
+            client.sendall(b" " * 1000)  # (still uploading: drained)
+            started = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            rest = proc.communicate(timeout=20)[1]
+            took = time.monotonic() - started
+    assert proc.returncode == 0
+    assert took < 4.5, took  # (not the grace period's 5 s)
+    assert "in flight" not in rest
+
+
+@pytest.mark.timeout(30)
 def test_serve_says_at_start_that_its_log_directory_cannot_be_written(tmp_path: Path) -> None:
     """A directory there that cannot be written into (a bind mount the container's user cannot
     write; /proc here, which not even root can): serve started without a word and warned at

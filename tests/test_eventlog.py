@@ -1899,6 +1899,42 @@ def test_retention_judges_a_log_as_the_reports_do_past_a_crash_s_leading_nuls(
     assert nuls_only.exists() and other.exists() and other_cut.exists() and other_text.exists()
 
 
+@pytest.mark.parametrize(
+    ("data", "ours"),
+    [
+        # another tool's files: a first line of text, or blanks and NULs before its text
+        (b" " + b"\0" * 64 + b"# header\n", False),
+        (b"\t\0\0\0text\n", False),
+        (b" " * 65536 + b"\0text\n", False),
+        (b"\xef\xbb\xbf\xef\xbb\xbf", False),  # (two marks: the second is content)
+        (b"\xef\xbb\xbf \r\n", True),  # (a mark, blanks, a line end: the next line decides)
+        (b"\x0b\n", False),
+        # a crash's NULs up to the middle of a line, at a read's edge or not
+        (b"\0" * 65536 + b'ession"}\n', True),
+        (b"\0" * 131072 + b'ession"}\n', True),
+        (b"\0" * 4096 + b"\r" + b'ession"}\n', True),
+        (b"\0" * 4096 + b"\xef\xbb\xbf" + b'ession"}\n', True),
+        (b"\0" * 4096 + b"x" * 2_000_000 + b"\n", True),
+        # past the first MiB of a line without content, retention does not know: never deleted
+        (b" " * (1 << 20) + b"text\n", False),
+        (b"\0" * ((1 << 20) + 5) + b"text\n", None),
+    ],
+    ids=lambda value: repr(value[:12]) if isinstance(value, bytes) else str(value),
+)
+def test_retention_deletes_only_what_the_reports_show_as_a_session(
+    tmp_path: Path, data: bytes, ours: bool | None
+) -> None:
+    """Retention and the reports judged a file's start each its own way: files another tool
+    wrote (a blank, then NULs, then text) were deleted by retention and never listed; logs a
+    crash zeroed to a 64 KiB boundary were listed and never deleted."""
+    path = tmp_path / "f.jsonl"
+    path.write_bytes(data + b'{"ts":1.5,"type":"session_meta","session":"f"}\n')
+    listed = read_events(path).starts_as_log
+    deletable = eventlog._is_event_log(str(path))
+    assert listed is (ours is not False)
+    assert deletable is bool(ours)  # (None: listed, but never taken for one: kept)
+
+
 def test_retention_trims_the_oldest_until_the_total_fits(tmp_path: Path) -> None:
     now = 1_700_000_000.0
     mb = 1024 * 1024
