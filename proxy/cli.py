@@ -6,6 +6,7 @@ import argparse
 import atexit
 import contextlib
 import io
+import ipaddress
 import json
 import logging
 import os
@@ -129,6 +130,30 @@ def tune_malloc() -> bool:
     )
 
 
+def _canonical_host(host: str, unspecified_is_loopback: bool = False) -> str:
+    """``host`` lower-cased without brackets; an address in the one form ``ipaddress`` writes
+    (``127.1``, ``0x7f000001`` and ``0`` as the socket layer reads them; an IPv4-mapped IPv6
+    address as its IPv4 one, where a connection to it goes). With ``unspecified_is_loopback``
+    ``0.0.0.0`` (``0``) and ``::`` (``[::0]``) are this machine's loopback, as Linux connects
+    them."""
+    name = host.strip().lower().strip("[]")
+    try:
+        address: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(name)
+    except ValueError:
+        if not name or name.strip(".0123456789abcdefx"):
+            return name
+        try:  # (inet_aton's forms, as getaddrinfo takes them: ``127.1``, ``0x7f.1``, ``0``)
+            address = ipaddress.IPv4Address(socket.inet_aton(name))
+        except OSError:
+            return name
+    mapped = getattr(address, "ipv4_mapped", None)
+    if mapped is not None:
+        address = mapped
+    if unspecified_is_loopback and address.is_unspecified:
+        return "127.0.0.1" if address.version == 4 else "::1"
+    return str(address)
+
+
 def _upstream_is_self(base_url: str, host: str, port: int) -> bool:
     """Whether ``base_url`` names the address cachegate listens on (``--port 8787 --upstream
     http://127.0.0.1:8787/v1``): every request was sent back in, until the connections ran out.
@@ -143,9 +168,8 @@ def _upstream_is_self(base_url: str, host: str, port: int) -> bool:
         return False  # (an https URL to a plain HTTP port fails its handshake: no loop)
     # (an upstream at an unspecified address reaches this machine's own: Linux connects 0.0.0.0
     # as 127.0.0.1)
-    name = (parts.hostname or "").lower()
-    name = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(name, name)
-    own = host.strip().lower().strip("[]")
+    name = _canonical_host(parts.hostname or "", unspecified_is_loopback=True)
+    own = _canonical_host(host)
 
     def addresses(of: str) -> set[tuple[int, str]]:
         try:

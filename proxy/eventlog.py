@@ -1024,6 +1024,11 @@ class EventLogWriter:
                 finally:
                     os.close(dir_fd)
             except OSError as exc:
+                if exc.errno in _NO_DIR_SYNC and target != self.log_dir:
+                    # (the parent on a file system that syncs no directory, the log directory
+                    # a mount point on another that does: its own files' names still synced)
+                    self._parent_unsynced = False
+                    continue
                 if exc.errno in _NO_DIR_SYNC:  # (a file system that syncs no directory: some
                     # network ones; not tried again with every line, nor warned of every 30 s)
                     self._unsynced_names.clear()

@@ -543,11 +543,14 @@ async def send_error(
 _DRAINING: set[asyncio.Event] = set()
 
 
-def stop_draining() -> None:
+def stop_draining() -> int:
     """cachegate is stopping: the refused uploads being read end now, their answers whole, so
-    that they hold neither its grace period nor count as requests in flight."""
-    for stop in list(_DRAINING):
+    that they hold neither its grace period nor count as requests in flight. Returns how many
+    there were (their tasks are still the server's until they end)."""
+    stopping = list(_DRAINING)
+    for stop in stopping:
         stop.set()
+    return len(stopping)
 
 
 async def _drain(receive: Receive) -> None:

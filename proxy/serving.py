@@ -210,11 +210,10 @@ class Server(uvicorn.Server):
             self.on_started()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        from proxy.relay import _DRAINING, stop_draining
+        from proxy.relay import stop_draining
 
         # (a refused upload still being read is answered whole already: not in flight)
-        draining = len(_DRAINING)
-        stop_draining()
+        draining = stop_draining()
         if self.on_stop is not None:
             with contextlib.suppress(Exception):  # (saying so must not keep it from stopping)
                 self.on_stop(max(0, len(self.server_state.tasks) - draining))

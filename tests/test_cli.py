@@ -1305,6 +1305,17 @@ def test_an_upstream_url_is_itself_only_at_the_address_and_port_listened_on() ->
     # an upstream at the unspecified address is reached on this machine's own
     assert _upstream_is_self("http://0.0.0.0:8787/v1", "127.0.0.1", 8787)
     assert _upstream_is_self("http://0.0.0.0:8787/v1", "0.0.0.0", 8787)
+    # the other ways of writing those addresses the socket layer takes (each looped)
+    assert _upstream_is_self("http://[::ffff:127.0.0.1]:8787/v1", "0.0.0.0", 8787)
+    assert _upstream_is_self("http://[::ffff:127.0.0.1]:8787/v1", "127.0.0.1", 8787)
+    assert not _upstream_is_self("http://[::ffff:127.0.0.1]:8787/v1", "::", 8787)  # (IPv4's)
+    assert _upstream_is_self("http://0:8787/v1", "127.0.0.1", 8787)
+    assert _upstream_is_self("http://0x7f000001:8787/v1", "0.0.0.0", 8787)
+    assert _upstream_is_self("http://127.1:8787/v1", "127.0.0.1", 8787)
+    assert _upstream_is_self("http://[::0]:8787/v1", "::1", 8787)
+    assert _upstream_is_self("http://[0:0::1]:8787/v1", "[::1]", 8787)
+    assert not _upstream_is_self("http://0x7f000002:8787/v1", "127.0.0.1", 8787)
+    assert not _upstream_is_self("http://cafe:8787/v1", "127.0.0.1", 8787)  # (a name)
 
 
 def test_a_key_written_as_a_variable_s_name_is_told_from_a_long_variable_name() -> None:

@@ -1448,6 +1448,25 @@ def test_a_new_file_has_its_name_synced_with_fsync_line_or_interval(
         assert w.flush()
     assert w.close()
     assert (tries[0], w.syncs) == (1, 4)
+    # the parent alone refusing (the log directory a mount point of another file system): the
+    # log directory's own files still have their names synced (they were not, after the first)
+    mount = log_dir / "mount"
+    mount.mkdir()
+    synced_dirs.clear()
+
+    def parent_refuses(fd: int) -> None:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) == ids(log_dir)[0]:
+            raise OSError(22, "Invalid argument")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", parent_refuses)
+    w = started(writers, mount, fsync="line")
+    for sid in ("f", "g"):
+        w.emit(sid, {"type": "error"})
+        assert w.flush()
+    assert w.close()
+    assert synced_dirs == ids(mount, mount)
 
 
 def test_fsync_interval_syncs_a_burst_once_it_settles(log_dir: Path, writers) -> None:
