@@ -920,8 +920,8 @@ def apply_compaction(
 
     ``digest`` is ``prefix_digest(messages, covered)`` if the caller already has it.
     """
-    if len(messages) < compaction.covered:
-        return None
+    if len(messages) <= compaction.covered:  # (no message after it: the summary would be the
+        return None  # last, the client's own last message, its question, hidden in it)
     if digest is None:
         digest = prefix_digest(messages, compaction.covered)
     if digest != compaction.prefix_digest:

@@ -834,7 +834,7 @@ class Compactor:
         for comp, verified in held.values():  # prompt may change from turn to turn)
             if (
                 verified is not None
-                and len(messages) >= len(verified)
+                and len(messages) > len(verified)  # (apply_compaction's: one message past it)
                 and compaction.leading_count(verified) == lead
                 and all(map(operator.is_, verified[lead:], messages[lead:]))
             ):
@@ -852,7 +852,7 @@ class Compactor:
                 comp
                 for comp, _ in held.values()
                 if comp.opening == opening
-                and comp.covered <= len(messages)
+                and comp.covered < len(messages)
                 and (best is None or comp.covered > best[0].covered)
             ),
             key=lambda comp: comp.covered,

@@ -665,6 +665,10 @@ def test_rewind_before_the_covered_prefix_drops_the_summary() -> None:
     assert apply_compaction(rewound, compaction) is None
     assert apply_compaction(forked, compaction) is None
     assert apply_compaction(history[:15], compaction) is None
+    # the covered prefix and nothing after it (a regenerate of the answer at that point): the
+    # summary would be the last message, the client's own last one hidden in it
+    assert compaction.covered == 16
+    assert apply_compaction(history[:16], compaction) is None
 
 
 def test_rewind_after_the_covered_prefix_keeps_the_summary() -> None:

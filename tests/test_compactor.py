@@ -645,6 +645,27 @@ def test_rewind_before_the_covered_prefix_drops_the_stale_summary(
     assert sim.sim.requests[-1].body["messages"] == rewound
 
 
+def test_a_history_that_ends_where_the_summary_ends_keeps_its_last_message(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """A regenerate of the answer at the point a compaction covers up to sends exactly its
+    covered prefix: it went as [system, summary], the user's pending message hidden in the
+    summary and the model answering the summary."""
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    c = sdk(proxy.base_url)
+    msgs = history(18)
+    sim.sim.enqueue([parse_script("SUMMARY OF THE FUTURE")])
+    c.chat.completions.create(model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "rg"})
+    covered = compacted_events(proxy)[0]["covered"]
+    for client in (c, sdk(proxy.base_url)):  # (and again, with what the first left held)
+        client.chat.completions.create(
+            model=MODEL, messages=msgs[:covered], extra_headers={"X-Session-Id": "rg"}
+        )
+        sent = sim.sim.requests[-1].body["messages"]
+        assert sent[-1] == msgs[covered - 1]
+        assert "SUMMARY OF THE FUTURE" not in orjson.dumps(sent).decode()
+
+
 def test_context_length_exceeded_is_compacted_and_retried_once(
     sdk: Any, proxy_factory: Any
 ) -> None:
