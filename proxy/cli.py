@@ -157,8 +157,8 @@ def _canonical_host(host: str, unspecified_is_loopback: bool = False) -> str:
 def _upstream_is_self(base_url: str, host: str, port: int) -> bool:
     """Whether ``base_url`` names the address cachegate listens on (``--port 8787 --upstream
     http://127.0.0.1:8787/v1``): every request was sent back in, until the connections ran out.
-    Names are looked up only for an http URL of the same port whose host is a loopback name or
-    the one bound (no DNS query for a provider's name)."""
+    Names are looked up only for an http URL of the same port whose host is an address, a
+    loopback name or the one bound (no DNS query for a provider's name)."""
     parts = urlsplit(base_url)
     try:
         upstream_port = parts.port or (80 if parts.scheme.lower() == "http" else 443)
@@ -178,17 +178,34 @@ def _upstream_is_self(base_url: str, host: str, port: int) -> bool:
             return set()
         return {(int(info[0]), str(info[4][0]).partition("%")[0]) for info in found}
 
+    try:
+        literal = bool(ipaddress.ip_address(name))
+    except ValueError:
+        literal = False
+    if not (literal or is_loopback_name(name) or name == own):
+        return False  # (a provider's name, or another: not looked up)
     if own in ("", "*", "0.0.0.0", "::"):  # every address of a family (``listening_sockets``
-        # binds "::" to IPv6 alone, "0.0.0.0" to IPv4 alone, no host to both)
-        if not is_loopback_name(name):  # (its other addresses are not known without a lookup)
-            return False
+        # binds "::" to IPv6 alone, "0.0.0.0" to IPv4 alone, no host to both): the loopback's
+        # and every other this machine has (192.0.2.2 as well as 127.0.0.1)
         families = {"0.0.0.0": {socket.AF_INET}, "::": {socket.AF_INET6}}.get(
             own, {socket.AF_INET, socket.AF_INET6}
         )
-        return any(f in families and is_loopback_name(a) for f, a in addresses(name))
-    if name != own and not (is_loopback_name(name) and is_loopback_name(own)):
-        return False
+        return any(
+            f in families and (is_loopback_name(a) or _is_own_address(f, a))
+            for f, a in addresses(name)
+        )
+    # (the bound name is looked up as binding it was: ``--host vm`` is 127.0.0.1 too)
     return name == own or bool(addresses(name) & addresses(own))
+
+
+def _is_own_address(family: int, address: str) -> bool:
+    """Whether ``address`` is one of this machine's own: a socket can be bound to it."""
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((address, 0))
+    except OSError:
+        return False
+    return True
 
 
 def _serve(ns: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import platform
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -1316,6 +1317,42 @@ def test_an_upstream_url_is_itself_only_at_the_address_and_port_listened_on() ->
     assert _upstream_is_self("http://[0:0::1]:8787/v1", "[::1]", 8787)
     assert not _upstream_is_self("http://0x7f000002:8787/v1", "127.0.0.1", 8787)
     assert not _upstream_is_self("http://cafe:8787/v1", "127.0.0.1", 8787)  # (a name)
+
+
+def test_an_upstream_is_itself_by_the_bound_name_and_the_machine_s_other_addresses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Bound by the machine's own name (``--host vm``, 127.0.0.1 in /etc/hosts), an upstream of
+    127.0.0.1 looped; listening on every address, so did one at the machine's own other
+    address (192.0.2.2). A provider's name is still not looked up."""
+    import proxy.cli as cli
+
+    assert cli._is_own_address(socket.AF_INET, "127.0.0.1")
+    assert not cli._is_own_address(socket.AF_INET, "198.51.100.7")  # (TEST-NET-2: nobody's)
+    real = socket.getaddrinfo
+    asked: list[str] = []
+
+    def getaddrinfo(host: str, *args: Any, **kwargs: Any) -> Any:
+        asked.append(host)
+        return real("127.0.0.1" if host == "myhost" else host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(cli, "_is_own_address", lambda family, a: a in ("192.0.2.2", "fd00::2"))
+    assert cli._upstream_is_self("http://127.0.0.1:8787/v1", "myhost", 8787)
+    assert cli._upstream_is_self("http://localhost:8787/v1", "myhost", 8787)
+    assert cli._upstream_is_self("http://0x7f000001:8787/v1", "myhost", 8787)
+    assert not cli._upstream_is_self("http://127.0.0.2:8787/v1", "myhost", 8787)
+    for host in ("0.0.0.0", "", "0"):
+        assert cli._upstream_is_self("http://192.0.2.2:8787/v1", host, 8787), host
+        assert cli._upstream_is_self("http://[::ffff:192.0.2.2]:8787/v1", host, 8787), host
+        assert not cli._upstream_is_self("http://192.0.2.3:8787/v1", host, 8787), host
+    assert cli._upstream_is_self("http://[fd00::2]:8787/v1", "::", 8787)
+    assert not cli._upstream_is_self("http://[fd00::2]:8787/v1", "0.0.0.0", 8787)  # (IPv6's)
+    assert not cli._upstream_is_self("http://192.0.2.2:8787/v1", "127.0.0.1", 8787)
+    asked.clear()
+    assert not cli._upstream_is_self("http://api.example.com:8787/v1", "0.0.0.0", 8787)
+    assert not cli._upstream_is_self("http://api.example.com:8787/v1", "myhost", 8787)
+    assert "api.example.com" not in asked
 
 
 def test_a_key_written_as_a_variable_s_name_is_told_from_a_long_variable_name() -> None:
