@@ -305,7 +305,10 @@ class PairingRepair:
         )
         if state is not None and resume is not None:
             state.extra["pairing_repair"] = resume
-        if not result.changed:
+        if not result.changed or (messages and not result.messages):
+            # (nothing left after the repair, the history only an empty assistant message or
+            # orphans dropped: the provider's 400 said "empty array" of a list the client never
+            # sent; it now answers what was sent)
             return body
         ex.repairs = [
             {"kind": r.kind, "index": r.index, "tool_call_id": r.tool_call_id, "action": r.action}

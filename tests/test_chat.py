@@ -110,7 +110,9 @@ def test_gemini_style_histories_400_directly_200_through_cachegate(
         {"role": "user", "content": "Thanks"},
     ]
     proxy = proxy_factory(sim.api_base)
-    raw = _refused_directly_answered_through(sdk, sim, proxy, history, "empty array")
+    # (calls without an id are refused first: the provider reads the list in order)
+    refusal = "empty array" if ids == "" else "Missing required parameter: 'messages[1].tool_calls"
+    raw = _refused_directly_answered_through(sdk, sim, proxy, history, refusal)
     assert raw.headers["x-cachegate-repairs"] == "3"  # two ids given, one empty array removed
     forwarded = sim.sim.requests[-1].body["messages"]
     assert [m["role"] for m in forwarded] == ["user", "assistant", "tool", "assistant", "user"]
@@ -222,6 +224,27 @@ def test_orphan_policy_drop(sim: RunningSimulator, sdk: Any, proxy_factory: Any)
     ]
     sdk(proxy.base_url).chat.completions.create(model="gpt-4o", messages=messages)  # type: ignore[arg-type]
     assert [m["content"] for m in sim.sim.requests[-1].body["messages"]] == ["hi", "again"]
+
+
+@pytest.mark.parametrize(
+    ("policy", "messages"),
+    [
+        ("drop", [{"role": "tool", "tool_call_id": "ghost", "content": "stale output"}]),
+        ("downgrade", [{"role": "assistant", "content": None, "tool_calls": []}]),
+    ],
+)
+def test_a_repair_that_would_leave_no_message_is_not_made(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any, policy: str, messages: list[Any]
+) -> None:
+    """A history of nothing but orphans dropped, or of one empty assistant message, went as
+    ``messages: []``: the provider's 400 spoke of an empty array the client never sent, with
+    a repair counted. The provider now answers what the client sent."""
+    proxy = proxy_factory(sim.api_base, {"pairing": {"orphan_policy": policy}})
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk(proxy.base_url).chat.completions.create(model="gpt-4o", messages=messages)
+    assert sim.sim.requests[-1].body["messages"] == messages
+    assert "'messages': empty array" not in str(info.value)  # (the simulator's, as OpenAI's)
+    assert info.value.response.headers["x-cachegate-repairs"] == "0"
 
 
 @pytest.mark.parametrize(

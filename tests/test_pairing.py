@@ -1390,3 +1390,28 @@ def test_a_kept_defect_behind_a_changing_system_prompt_is_repaired_from_where_it
     result, _ = repair_messages_from(two, state)
     assert len(looked_at) > 50
     assert result.messages == repair_messages(two).messages
+
+
+class _CountedId(str):
+    """A call id that counts how often it is compared for equality with another."""
+
+    compared = 0
+    __hash__ = str.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        _CountedId.compared += 1
+        return str.__eq__(self, other)
+
+
+def test_a_message_of_many_parallel_calls_is_repaired_in_time_that_grows_with_it() -> None:
+    """Each call's id was looked for among the message's earlier ones in a list: a request of
+    40,000 calls and no results held the event loop, every session's streams, 8 s (the 64 MiB
+    body limit allows ~700,000: hours). Now compared a bounded number of times per call."""
+    n = 2000
+    calls = [call(_CountedId(f"call_{i}")) for i in range(n)]
+    history = [user("go"), {"role": "assistant", "content": None, "tool_calls": calls}]
+    _CountedId.compared = 0
+    result = repair_messages(history)
+    assert [r.kind for r in result.repairs] == ["dangling_call"] * n
+    assert _CountedId.compared < 10 * n  # (a list's search: ~n * n / 2, two million)
+    validate_messages(result.messages)

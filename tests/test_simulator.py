@@ -265,11 +265,27 @@ def test_invalid_json_and_missing_model_are_400(sim: RunningSimulator) -> None:
             {"messages": [{"role": "assistant", "content": "x", "tool_calls": 4}]},
             "messages[0].tool_calls",
         ),
-        ({"messages": [{"role": "assistant", "tool_calls": [call]}]}, "messages"),
+        # (refused as a call's field, OpenAI's "Invalid type for ...id": it was refused as an
+        # unanswered call)
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [call]}]},
+            "messages[0].tool_calls[0].id",
+        ),
     ):
         refused = post(sim, {"model": "gpt-4o", **body})
         assert refused.status_code == 400, refused.text
         assert refused.json()["error"]["param"] == param
+    for call, param, code in (
+        ({"type": "function", "function": {"name": "f"}}, "id", "missing_required_parameter"),
+        ({"id": "c", "function": {"name": "f"}}, "type", "missing_required_parameter"),
+        ({"id": "c", "type": ["function"], "function": {"name": "f"}}, "type", "invalid_type"),
+        ("c", "", "invalid_type"),
+    ):
+        body = {"model": "gpt-4o", "messages": [{"role": "assistant", "tool_calls": [call]}]}
+        refused = post(sim, body).json()["error"]
+        where = "messages[0].tool_calls[0]" + (f".{param}" if param else "")
+        assert (refused["param"], refused["code"]) == (where, code)
+        assert where in refused["message"]
 
 
 def test_unknown_paths_and_methods_answer_in_the_openai_error_shape(sim: RunningSimulator) -> None:

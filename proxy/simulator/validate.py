@@ -54,7 +54,8 @@ def validate_messages(messages: Any) -> None:
     """Raise ``ValidationError`` where a provider would refuse ``messages``; return None if valid.
 
     Rules, in the order a provider applies them while reading the list:
-    no ``tool_calls`` array may be empty; no assistant message may lack content where it has no
+    no ``tool_calls`` array may be empty, and each call is an object with a string ``id`` and
+    ``type``; no assistant message may lack content where it has no
     tool calls (nor a refusal, legacy ``function_call`` or audio); every assistant ``tool_calls`` message must be followed, before any other kind of message, by
     one ``tool`` message per call id; a ``tool`` message must answer a not-yet-answered call of the
     assistant message that opened its block.
@@ -89,6 +90,29 @@ def validate_messages(messages: Any) -> None:
                 f"messages[{i}].tool_calls",
                 "empty_array",
             )
+        for j, call in enumerate(calls or ()):  # (each call's own fields, as OpenAI and Azure)
+            where = f"messages[{i}].tool_calls[{j}]"
+            if not isinstance(call, dict):
+                raise ValidationError(
+                    f"Invalid type for '{where}': expected an object, but got {json_kind(call)}"
+                    " instead.",
+                    where,
+                    "invalid_type",
+                )
+            for key in ("id", "type"):
+                if key not in call:
+                    raise ValidationError(
+                        f"Missing required parameter: '{where}.{key}'.",
+                        f"{where}.{key}",
+                        "missing_required_parameter",
+                    )
+                if not isinstance(call[key], str):
+                    raise ValidationError(
+                        f"Invalid type for '{where}.{key}': expected a string, but got"
+                        f" {json_kind(call[key])} instead.",
+                        f"{where}.{key}",
+                        "invalid_type",
+                    )
         if (  # an assistant message's content may be null only beside what else it says
             isinstance(message, dict)
             and message.get("role") == "assistant"
