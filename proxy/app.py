@@ -410,7 +410,8 @@ class _ProxyEndpoint:
                 send,
                 "chat" if chat else "passthrough",
                 bad_request(
-                    "Invalid session id in path: ids must match [A-Za-z0-9._:-]{1,128}",
+                    "Invalid session id in path: ids must match [A-Za-z0-9._:-]{1,128}"
+                    " (and not be '.' or '..')",
                     "invalid_session_id",
                 ),
             )

@@ -189,12 +189,15 @@ def _repaired_away(ex: Exchange) -> list[bytes]:
     ]
 
 
-def _tokens_before(old: prefix.Fingerprint, divergence: prefix.Divergence, prompt: int) -> int:
+def _tokens_before(
+    old: prefix.Fingerprint, new: prefix.Fingerprint, divergence: prefix.Divergence, prompt: int
+) -> int:
     """Of the previous request's ``prompt`` tokens, those before the point where the request
-    compared with it differs (its tools and the messages before the one that differs; nothing
-    for a change of the parameters or tools): their share of its estimate, as
-    ``_dropped_tokens`` counts. Media before the point count nothing (an image's tokens depend
-    on its size and the model, 85 to thousands): a lower bound."""
+    compared with it differs (its tools, the messages before the one that differs and, where
+    that one's text content was edited, the text before the edit; nothing for a change of the
+    parameters or tools): their share of its estimate, as ``_dropped_tokens`` counts. Media
+    before the point count nothing (an image's tokens depend on its size and the model, 85 to
+    thousands): a lower bound."""
     if divergence.location not in ("system", "messages") or divergence.index is None:
         return 0
     messages = list(old.messages)
@@ -205,7 +208,30 @@ def _tokens_before(old: prefix.Fingerprint, divergence: prefix.Divergence, promp
         for message in messages[: divergence.index]
         if not _has_media(message)
     )
+    at = divergence.index
+    if divergence.field == "content" and at < len(messages) and at < len(new.messages):
+        # (a line added at the end of a long system prompt, the date there: what comes before
+        # it was the provider's to read, as a whole message before it is)
+        was, now = messages[at], new.messages[at]
+        text = was.get("content") if isinstance(was, dict) else None
+        edited = now.get("content") if isinstance(now, dict) else None
+        if isinstance(text, str) and isinstance(edited, str) and text:
+            share = _common_prefix_length(text, edited) / len(text)
+            unchanged += int(compaction.estimate_tokens([was]) * share)
     return int(prompt * (unchanged + tools)) // whole
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    """How many characters ``a`` and ``b`` begin with alike (halves compared in C: a long
+    system prompt is not walked a character at a time)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def _has_media(message: Any) -> bool:
@@ -829,7 +855,7 @@ class AccountingObserver:
             and (usage.explicit_cache or (marked_only and usage.reported_cache_write)),
             compared=compared if divergence is not None else None,
             before=(
-                functools.partial(_tokens_before, compared, forwarded, base[0])
+                functools.partial(_tokens_before, compared, fp, forwarded, base[0])
                 if forwarded is not None
                 and compared is not None
                 and base[0] is not None

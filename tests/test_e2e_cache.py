@@ -1166,6 +1166,39 @@ def test_an_edit_is_not_charged_with_a_prefix_the_provider_lost_before_it(
     assert last["divergence"]["index"] == edited  # the edit is logged either way
 
 
+@pytest.mark.parametrize("evicted", [False, True], ids=["kept", "evicted"])
+def test_a_line_added_to_a_long_system_prompt_is_not_charged_with_a_prefix_already_lost(
+    sim: RunningSimulator, proxy_factory: Any, evicted: bool
+) -> None:
+    """A line added at the end of a long system prompt ("Be brief.", the date there) after the
+    provider lost the prefix: the ~8,000 tokens of the prompt before it were charged to the
+    edit (only whole messages before an edit were counted as the prefix it left unchanged)."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300))
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "sysend"})
+    system = SYSTEM_PROMPT + " Keep to the repository's style." * 900
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Fix the failing handler."},
+    ]
+    for turn in range(2):
+        reply, _ = chat(client, convo, stream=False)
+        convo += [reply, {"role": "user", "content": f"Go on ({turn})."}]
+        sim.sim.advance(20)
+    if evicted:
+        sim.sim.advance(600)  # the provider's 300 s are gone; cachegate saw a few ms
+    convo[0] = {"role": "system", "content": system + " Be brief."}
+    chat(client, convo, stream=False)
+    flush(proxy)
+    last = events(proxy.log_dir, "sysend", "response")[-1]
+    read = cache_read(sim.sim.requests[-1].usage)
+    if evicted:
+        assert read == 0 and last["cache"]["waste"] > 5000
+        assert (last["cache"]["cause"], last["cache"]["location"]) == ("unexplained", None)
+    else:  # (the provider read up to the edit: what follows it is under the noise floor)
+        assert read > 5000 and last["cache"]["waste"] == 0
+    assert last["divergence"]["location"] == "system"  # the edit is logged either way
+
+
 # A Claude agent's system prompt long enough for the simulator to cache it
 CLAUDE_SYSTEM = SYSTEM_PROMPT + " Follow the style guide." * 700
 

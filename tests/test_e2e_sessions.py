@@ -454,6 +454,8 @@ def test_hostile_ids_are_400_in_openai_shape_and_touch_no_path(
         status, _, out = _raw_request(host, port, head, body)
         assert status == 400, segment
         _assert_openai_error(out, "invalid_session_id")
+        if segment in (b"..", b"%2E%2E"):  # (the rule said matches it: say what it breaks)
+            assert b"not be '.' or '..'" in out
     # httpx sends a NUL in the path percent-encoded; it never becomes part of a file name.
     r = httpx.post(proxy.url + "/s/a%00b/v1/chat/completions", json=HELLO)
     assert r.status_code == 400

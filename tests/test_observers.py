@@ -471,11 +471,31 @@ def test_the_tokens_before_an_edit_count_no_media() -> None:
         *msgs("output " * 800, "ok", "more " * 800),
     ]
     old = fingerprint({"model": "m", "messages": history})
+    edited = [*history[:4], {"role": "user", "content": "less"}]
+    new = fingerprint({"model": "m", "messages": edited})
     edit = Divergence("messages", 4, "user", "content", "", "")
     whole = estimate_tokens(history)
     text_before = estimate_tokens([system, *history[2:4]])
-    assert _tokens_before(old, edit, 10_000) == 10_000 * text_before // whole
-    assert _tokens_before(old, Divergence("params", None, None, "model", "", ""), 10_000) == 0
+    assert _tokens_before(old, new, edit, 10_000) == 10_000 * text_before // whole
+    params = Divergence("params", None, None, "model", "", "")
+    assert _tokens_before(old, new, params, 10_000) == 0
+
+
+def test_the_tokens_before_an_edit_count_the_text_before_it_in_its_message() -> None:
+    """A line added at the end of a long system prompt (the date there, "Be brief."): the
+    prompt before it was the provider's to read. Counted as nothing, a provider that had lost
+    the prefix was taken to have lost it to the edit (the whole prompt charged as its waste)."""
+    system = "Follow the rules. " * 2_000
+    history = [_system(system), {"role": "user", "content": "hi"}]
+    old = fingerprint({"model": "m", "messages": history})
+    new = fingerprint({"model": "m", "messages": [_system(system + " Be brief."), history[1]]})
+    edit = Divergence("system", 0, "system", "content", "", "")
+    before = _tokens_before(old, new, edit, 10_000)
+    assert 9_500 < before <= 10_000
+    # an edit in its middle: about half of it
+    middle = system[: len(system) // 2] + "Or not. " + system[len(system) // 2 :]
+    new = fingerprint({"model": "m", "messages": [_system(middle), history[1]]})
+    assert 4_500 < _tokens_before(old, new, edit, 10_000) < 5_500
 
 
 def test_a_history_trimmed_at_its_start_is_still_its_conversation() -> None:
