@@ -330,7 +330,21 @@ def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint) -> list[_Baselin
     if len(baselines) < 2:
         return baselines
     shared = [prefix.shared_links(b.fp, fp) for b in baselines]
-    most = max(shared)
+    # One of the same model whose parameters alone differ (the turn before forced a tool: no
+    # link of its chain is equal) ranks by what else it shares: an older request of the
+    # parameters it has, one a hand-edited system prompt or a rewind left, came first, and a
+    # rewrite it had not made was logged against it. (Another model's cache is another.)
+    model = (fp.params or {}).get("model")
+    rank = [
+        links
+        or (
+            prefix.shared_past_params(b.fp, fp)
+            if b.fp.params_digest != fp.params_digest and (b.fp.params or {}).get("model") == model
+            else 0
+        )
+        for links, b in zip(shared, baselines, strict=True)
+    ]
+    most = max(rank)
 
     def carried(i: int) -> tuple[bool, int]:
         """Whether ``fp`` carries baseline ``i`` on whole: its links, or, of the closest, its
@@ -340,12 +354,12 @@ def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint) -> list[_Baselin
         old = baselines[i].fp
         if shared[i] == len(old.chain):
             return False, 0
-        if shared[i] == most and _leading(fp, old):  # (its messages the first of fp's)
+        if rank[i] == most and _leading(fp, old):  # (its messages the first of fp's)
             return False, old.system_count - len(old.message_digests)
         return True, 0
 
     order = sorted(  # stable: the latest of equals first
-        range(len(baselines)), key=lambda i: (-shared[i], *carried(i))
+        range(len(baselines)), key=lambda i: (-rank[i], *carried(i))
     )
     return [baselines[i] for i in order]
 

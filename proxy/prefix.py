@@ -729,6 +729,22 @@ def shared_links(old: Fingerprint, new: Fingerprint) -> int:
     return lo
 
 
+def shared_past_params(old: Fingerprint, new: Fingerprint) -> int:
+    """``shared_links`` as if the two requests' parameters were alike: the tools, the system
+    prompt and the leading messages they share (a turn after one that forced a tool or asked
+    for more reasoning carries that one's history on, though no link of its chain is equal)."""
+    old_elements, new_elements = old.element_digests, new.element_digests
+    if old_elements[_TOOLS] != new_elements[_TOOLS]:
+        return 1
+    if old_elements[_SYSTEM] != new_elements[_SYSTEM] or old.system_count != new.system_count:
+        return 2
+    return 3 + leading_run(
+        operator.eq,
+        old.message_digests[old.system_count :],
+        new.message_digests[new.system_count :],
+    )
+
+
 def prompt_and_tools_differ(old: Fingerprint, new: Fingerprint) -> bool:
     """Whether the two requests differ in both their system prompt and their tools."""
     return (

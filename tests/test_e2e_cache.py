@@ -1199,6 +1199,53 @@ def test_a_line_added_to_a_long_system_prompt_is_not_charged_with_a_prefix_alrea
     assert last["divergence"]["location"] == "system"  # the edit is logged either way
 
 
+def test_a_turn_after_one_that_forced_a_tool_is_compared_with_that_one(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A system prompt edited by hand, later a turn that forces a tool (``tool_choice``), then
+    an ordinary turn: no link of the forced turn's chain is the ordinary one's (parameters come
+    first), so the request from before the edit, of the same parameters, was taken as its
+    previous one: a rewrite of the system prompt logged and counted again, three turns after
+    it was made, and that request's prompt expected."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "forced"})
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "hello"},
+    ]
+
+    def turn(**kw: Any) -> dict[str, Any]:
+        reply, _ = chat(client, convo, stream=False, tools=TOOLS, **kw)
+        sim.sim.advance(5)
+        return reply
+
+    for n in range(4):
+        if n == 2:
+            convo[0] = {"role": "system", "content": SYSTEM_PROMPT + " Be careful."}
+        convo += [turn(), {"role": "user", "content": f"step {n}"}]
+    sim.sim.enqueue(
+        [
+            parse_script(
+                {
+                    "tool_calls": [
+                        {"id": "f1", "name": TOOLS[0]["function"]["name"], "arguments": {}}
+                    ]
+                }
+            )
+        ]
+    )
+    forced = {"type": "function", "function": {"name": TOOLS[0]["function"]["name"]}}
+    convo += [turn(tool_choice=forced), {"role": "tool", "tool_call_id": "f1", "content": "ok"}]
+    turn()
+    flush(proxy)
+    responses = events(proxy.log_dir, "forced", "response")
+    last = responses[-1]
+    assert last["divergence"]["location"] == "params"
+    assert last["divergence"]["field"] == "tool_choice"
+    assert last["cache"]["expected"] == responses[-2]["usage"]["prompt"]
+    assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "system"}) == 1
+
+
 # A Claude agent's system prompt long enough for the simulator to cache it
 CLAUDE_SYSTEM = SYSTEM_PROMPT + " Follow the style guide." * 700
 
