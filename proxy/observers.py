@@ -216,22 +216,9 @@ def _tokens_before(
         text = was.get("content") if isinstance(was, dict) else None
         edited = now.get("content") if isinstance(now, dict) else None
         if isinstance(text, str) and isinstance(edited, str) and text:
-            share = _common_prefix_length(text, edited) / len(text)
+            share = prefix.common_prefix_length(text, edited) / len(text)
             unchanged += int(compaction.estimate_tokens([was]) * share)
     return int(prompt * (unchanged + tools)) // whole
-
-
-def _common_prefix_length(a: str, b: str) -> int:
-    """How many characters ``a`` and ``b`` begin with alike (halves compared in C: a long
-    system prompt is not walked a character at a time)."""
-    low, high = 0, min(len(a), len(b))
-    while low < high:
-        middle = (low + high + 1) // 2
-        if a[:middle] == b[:middle]:
-            low = middle
-        else:
-            high = middle - 1
-    return low
 
 
 def _has_media(message: Any) -> bool:
@@ -344,7 +331,7 @@ def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint) -> list[_Baselin
         )
         for links, b in zip(shared, baselines, strict=True)
     ]
-    most = max(rank)
+    most = max(shared)
 
     def carried(i: int) -> tuple[bool, int]:
         """Whether ``fp`` carries baseline ``i`` on whole: its links, or, of the closest, its
@@ -354,12 +341,15 @@ def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint) -> list[_Baselin
         old = baselines[i].fp
         if shared[i] == len(old.chain):
             return False, 0
-        if rank[i] == most and _leading(fp, old):  # (its messages the first of fp's)
+        if shared[i] == most and _leading(fp, old):  # (its messages the first of fp's)
             return False, old.system_count - len(old.message_digests)
         return True, 0
 
-    order = sorted(  # stable: the latest of equals first
-        range(len(baselines)), key=lambda i: (-rank[i], *carried(i))
+    order = sorted(  # stable: the latest of equals first; of equal ranks, one that shares
+        # links of its chain before one of other parameters (a title request sent beside the
+        # first turn, of its prompt and message and tool_choice "none", is no turn's previous)
+        range(len(baselines)),
+        key=lambda i: (-rank[i], rank[i] != shared[i], *carried(i)),
     )
     return [baselines[i] for i in order]
 

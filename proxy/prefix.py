@@ -1265,7 +1265,7 @@ def _divergence(
 # --- excerpts ---------------------------------------------------------------------------------
 
 
-def _common_prefix_len(a: str, b: str) -> int:
+def common_prefix_length(a: str, b: str) -> int:
     """Length of the common prefix, by binary search on slices (C-speed comparisons)."""
     lo, hi = 0, min(len(a), len(b))
     while lo < hi:
@@ -1300,13 +1300,15 @@ def _excerpts(old_text: str, new_text: str, secrets: tuple[str, ...] = ()) -> tu
             old_text = old_text.replace(secret, REDACTED)
         if secret in new_text:
             new_text = new_text.replace(secret, REDACTED)
-    at = _common_prefix_len(old_text, new_text)
+    at = common_prefix_length(old_text, new_text)
     lo = max(0, at - _EXCERPT_LEAD - _SECRET_MARGIN)
     hi = at + EXCERPT_CHARS + _SECRET_MARGIN
     old_red, new_red = redact_text(old_text[lo:hi]), redact_text(new_text[lo:hi])
     # Redaction changes lengths: find the difference again, in the redacted windows. Equal windows
     # mean the texts differ only inside a secret: point near there, and show no secret.
-    at = _common_prefix_len(old_red, new_red) if old_red != new_red else min(at - lo, len(old_red))
+    at = (
+        common_prefix_length(old_red, new_red) if old_red != new_red else min(at - lo, len(old_red))
+    )
     return (
         _excerpt(old_red, at, lo > 0, hi < len(old_text)),
         _excerpt(new_red, at, lo > 0, hi < len(new_text)),
@@ -1390,7 +1392,7 @@ def volatile_kind(old_text: str, new_text: str) -> str | None:
         return None
     # Outside the changed region the texts are equal: normalize only that region plus a margin
     # that holds any token running across its edges (same cut on both sides).
-    head = _common_prefix_len(old_text, new_text)
+    head = common_prefix_length(old_text, new_text)
     tail = _common_suffix_len(old_text, new_text, min(len(old_text), len(new_text)) - head)
     if max(len(old_text), len(new_text)) - head - tail > _VOLATILE_SCAN_CHARS:
         return None  # far more changed than a token and a label
@@ -1402,7 +1404,7 @@ def volatile_kind(old_text: str, new_text: str) -> str | None:
             if old_token.group() != new_token.group():
                 return _kind(new_token)
         return None
-    head = _common_prefix_len(old_norm, new_norm)
+    head = common_prefix_length(old_norm, new_norm)
     tail = _common_suffix_len(old_norm, new_norm, min(len(old_norm), len(new_norm)) - head)
     # The new side first, so an inserted token names the kind.
     changed = new_norm[head : len(new_norm) - tail] + old_norm[head : len(old_norm) - tail]

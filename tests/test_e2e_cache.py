@@ -1246,6 +1246,44 @@ def test_a_turn_after_one_that_forced_a_tool_is_compared_with_that_one(
     assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "system"}) == 1
 
 
+@pytest.mark.parametrize(
+    "side", [{"tool_choice": "none"}, {"response_format": {"type": "json_object"}}]
+)
+def test_a_side_request_of_other_parameters_is_no_turns_previous_one_when_the_turn_has_its_own(
+    sim: RunningSimulator, proxy_factory: Any, side: dict[str, Any]
+) -> None:
+    """A title request on the main model, of the main prompt, tools and first messages and
+    parameters of its own, ties with the main conversation's previous turn by what they share:
+    the turn must still be compared with its own previous one (the first fix for forced-tool
+    turns took the side request, and logged a change of parameters that never happened)."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "side"})
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Fix the failing test."},
+    ]
+    reply, _ = chat(client, convo, stream=False, tools=TOOLS)
+    chat(client, convo, stream=False, tools=TOOLS, **side)  # (the same messages: a title)
+    convo += [reply, {"role": "user", "content": "step 1 " + "details " * 300}]
+    reply, _ = chat(client, convo, stream=False, tools=TOOLS)  # extends the first turn
+    convo += [reply, {"role": "user", "content": "step 2 " + "details " * 300}]
+    chat(client, convo, stream=False, tools=TOOLS)
+    side_question = [*convo[:4], {"role": "user", "content": "Give the session a title."}]
+    chat(client, side_question, stream=False, tools=TOOLS, **side)
+    rewound = [*convo[:3], {"role": "user", "content": "Actually, do something else."}]
+    chat(client, rewound, stream=False, tools=TOOLS)  # a rewind of the main conversation
+    flush(proxy)
+    responses = events(proxy.log_dir, "side", "response")
+    assert "divergence" not in responses[2]
+    assert responses[5]["divergence"]["location"] == "messages"
+    assert responses[5]["divergence"]["index"] == 3
+    # (the side requests' own changes of parameters only: none for the turns)
+    assert [
+        r["exchange"] for r in responses if r.get("divergence", {}).get("location") == "params"
+    ] == [2, 5]
+    assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "params"}) == 2
+
+
 # A Claude agent's system prompt long enough for the simulator to cache it
 CLAUDE_SYSTEM = SYSTEM_PROMPT + " Follow the style guide." * 700
 
