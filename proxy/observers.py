@@ -166,6 +166,17 @@ def _dropped_tokens(
     return int(prompt * gone) // max(whole, 1)
 
 
+def _in_proportion(prompt: int, old: prefix.Fingerprint, new: prefix.Fingerprint) -> int:
+    """``old``'s ``prompt`` tokens scaled to ``new``'s size by cachegate's estimate of both
+    (the same tokenizer on both sides, as ``_dropped_tokens`` counts)."""
+    sizes = [
+        compaction.estimate_tokens(list(fp.messages))
+        + (compaction.estimate_tokens(fp.tools) if fp.tools else 0)
+        for fp in (old, new)
+    ]
+    return prompt * sizes[1] // max(sizes[0], 1)
+
+
 def _repaired_away(ex: Exchange) -> list[bytes]:
     """Digests of the client's messages that its repaired request sends changed (a result
     kept as a user message, moved back to its call, given its call's id), not those a repair
@@ -720,6 +731,11 @@ class AccountingObserver:
             else:  # interrupted before its usage: the prompt count of what it continued
                 prompt = chosen.prompt if continues and chosen is not None else None
                 cached = chosen.cached if continues and chosen is not None else None
+                if prompt is not None and chosen is not None and chosen.fp.chain != fp.chain:
+                    # (in proportion to its own size: a long paste it added was read too, and
+                    # when the next turn replaced it, the paste's share was taken off a count
+                    # that never held it: the waste read a third of what it was, or nothing)
+                    prompt = _in_proportion(prompt, chosen.fp, fp)
             if (
                 continues
                 and chosen is not None

@@ -774,6 +774,46 @@ def test_a_request_the_client_left_mid_answer_still_refreshes_its_prefix(
     assert (last["cause"], last["location"]) == ("prefix_rewrite", "system")
 
 
+def test_a_long_paste_interrupted_then_replaced_is_not_taken_off_what_was_expected(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A turn pastes a long log and is interrupted (no usage), then the user replaces the paste
+    and the time in the system prompt moves on: the provider had held the prompt before the
+    paste, all of which was expected of the next turn. The interrupted request took the count
+    of the one before it, and the paste's share came off that count, which never held it: the
+    waste read a third of what it was (nothing, for a larger paste)."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "paste"})
+    system = "Current time: 10:01\n" + SYSTEM_PROMPT + " Keep to the style." * 700
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "hi"},
+    ]
+    reply, _ = chat(client, convo, stream=False)
+    log = "\n".join(f"2026-12-01 INFO worker {i} finished job {i * 7}" for i in range(900))
+    convo += [reply, {"role": "user", "content": "Review this log:\n" + log}]
+    sim.sim.advance(10)
+    sim.sim.enqueue([parse_script("A long answer " * 400)])
+    stall = {"X-Sim-Fault": "stall", "X-Sim-Stall-S": "5"}
+    with client.chat.completions.with_streaming_response.create(
+        model="gpt-4o", messages=convo, stream=True, extra_headers=stall
+    ) as response:
+        next(response.iter_bytes())  # the first bytes, then Ctrl+C
+    flush(proxy)
+    sim.sim.advance(10)
+    convo[0] = {"role": "system", "content": system.replace("10:01", "10:02")}
+    convo[-1] = {"role": "user", "content": "Forget the log: what is 2 + 2?"}
+    chat(client, convo, stream=False)
+    flush(proxy)
+    responses = events(proxy.log_dir, "paste", "response")
+    assert [r["interrupted"] for r in responses] == [False, True, False]
+    held = sim.sim.requests[0].usage["prompt_tokens"]  # (the prompt before the paste)
+    last = responses[-1]["cache"]
+    assert cache_read(sim.sim.requests[-1].usage) == 0  # (the time comes first)
+    assert abs(last["expected"] - held) < 0.02 * held, (last, held)
+    assert last["waste"] == last["expected"]
+
+
 def _tool_turn(client: Any, convo: list[dict[str, Any]], output: str, **kw: Any) -> None:
     """One agent step: the model's reply, then the tool's (or the user's) answer to it."""
     reply, _ = chat(client, convo, stream=False, **kw)
