@@ -842,16 +842,17 @@ class EventLogWriter:
             fd = os.open(path, _OPEN_FLAGS, 0o600)
         try:
             st = os.fstat(fd)
-            if (
-                not stat.S_ISREG(st.st_mode)
-                or (_UID is not None and st.st_uid != _UID)
-                or (st.st_nlink > 1 and self._shared_dir)
-            ):
+            if not stat.S_ISREG(st.st_mode) or (_UID is not None and st.st_uid != _UID):
                 # A hard link (or a device, a FIFO) planted under a session's name would have
                 # the log appended to a file elsewhere: O_NOFOLLOW stops only symbolic links.
                 # Another user's file never; a second link to one of the user's own (a snapshot
                 # backup's) only where nobody else can write into the directory.
                 raise OSError(f"{path} is not a regular file of this user's own")
+            if st.st_nlink > 1 and (self._shared_dir or _others_may_write(self.log_dir)):
+                # (the directory's mode looked at again: a chmod since start counts)
+                raise OSError(
+                    f"{path} has {st.st_nlink} links, and others may write into {self.log_dir}"
+                )
             size = _terminate_torn_line(fd)
             if size == 0:
                 self._fresh.add(session_id)
@@ -1225,6 +1226,15 @@ def _redacted_str(obj: Any) -> str:
 
 _UID: Final = os.geteuid() if hasattr(os, "geteuid") else None
 GITIGNORE: Final = "# cachegate's session logs: prompts, tool outputs, answers. Not for git.\n*\n"
+
+
+def _others_may_write(directory: str) -> bool:
+    """Whether users other than this one may write into ``directory`` (or it cannot be told)."""
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return True
+    return bool(st.st_mode & 0o022) or (_UID is not None and st.st_uid != _UID)
 
 
 def _prepare_log_dir(log_dir: str | os.PathLike[str], warn: Callable[..., None]) -> bool:

@@ -576,7 +576,7 @@ def test_an_existing_log_directory_is_left_as_it_is_with_a_word_if_others_can_re
 
 
 def test_a_hard_link_to_another_users_file_is_not_written_through(
-    tmp_path: Path, writers, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, writers, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """``O_NOFOLLOW`` stops a symbolic link, not a hard link: in a directory others can write
     to, one under a session's name to their own file would have the log (prompts, tool outputs)
@@ -613,6 +613,19 @@ def test_a_hard_link_to_another_users_file_is_not_written_through(
     assert w.close()
     assert '"message":"z"' not in snapshot.read_text()
     assert losses == ["io", "io"]
+    # made so after the writer started (a chmod while cachegate runs): refused the same (it was
+    # judged at start alone), and said as it is, not as a file of another user's
+    log_dir.chmod(0o700)
+    (log_dir / "s3.jsonl").write_text("")
+    os.link(log_dir / "s3.jsonl", tmp_path / "snapshot-s3.jsonl")
+    w = started(writers, log_dir, on_loss=losses.append)
+    log_dir.chmod(0o777)
+    with caplog.at_level(logging.WARNING):
+        assert w.emit("s3", {"type": "error", "message": "w"})
+        assert w.close()
+    assert (tmp_path / "snapshot-s3.jsonl").read_text() == ""
+    assert losses == ["io", "io", "io"]
+    assert any("has 2 links, and others may write" in r.getMessage() for r in caplog.records)
 
 
 def test_hostile_session_ids_are_refused_and_touch_nothing(tmp_path: Path, writers) -> None:
