@@ -328,20 +328,7 @@ def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint) -> list[_Baselin
     if len(baselines) < 2:
         return baselines
     shared = [prefix.shared_links(b.fp, fp) for b in baselines]
-    # One of the same model whose parameters alone differ (the turn before forced a tool: no
-    # link of its chain is equal) ranks by what else it shares: an older request of the
-    # parameters it has, one a hand-edited system prompt or a rewind left, came first, and a
-    # rewrite it had not made was logged against it. (Another model's cache is another.)
-    model = (fp.params or {}).get("model")
-    rank = [
-        links
-        or (
-            prefix.shared_past_params(b.fp, fp)
-            if b.fp.params_digest != fp.params_digest and (b.fp.params or {}).get("model") == model
-            else 0
-        )
-        for links, b in zip(shared, baselines, strict=True)
-    ]
+    rank = _carried_past_params(baselines, fp, shared)
     most = max(shared)
 
     def carried(i: int) -> tuple[bool, int]:
@@ -363,6 +350,51 @@ def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint) -> list[_Baselin
         key=lambda i: (-rank[i], rank[i] != shared[i], *carried(i)),
     )
     return [baselines[i] for i in order]
+
+
+def _carried_past_params(
+    baselines: list[_Baseline], fp: prefix.Fingerprint, shared: list[int]
+) -> list[int]:
+    """``shared``, but for a baseline of the same model whose parameters alone differ that
+    ``fp`` carries on whole otherwise (the turn before forced a tool: no link of its chain is
+    equal), ranked by its whole chain, where no baseline of ``fp``'s parameters is carried on
+    whole and none carries more of ``fp``'s messages: an older request of its parameters, one
+    a hand-edited system prompt left, came first, and a rewrite made turns before was logged
+    against it. (Not a title or a classifier request of other parameters beside the turns: the
+    previous turn carries more messages on, or is carried whole; another model's cache is
+    another.)"""
+    model = (fp.params or {}).get("model")
+    others = [
+        i
+        for i, b in enumerate(baselines)
+        if not shared[i]
+        and b.fp.params_digest != fp.params_digest
+        and (b.fp.params or {}).get("model") == model
+    ]
+    if not others:
+        return shared
+    own = [i for i in range(len(baselines)) if i not in others]
+    if any(shared[i] == len(baselines[i].fp.chain) for i in own):
+        return shared
+
+    def messages_carried(old: prefix.Fingerprint) -> int:
+        return prefix.leading_run(
+            operator.eq,
+            old.message_digests[old.system_count :],
+            fp.message_digests[fp.system_count :],
+        )
+
+    most = max((messages_carried(baselines[i].fp) for i in own), default=0)
+    rank = list(shared)
+    for i in others:
+        old = baselines[i].fp
+        whole = len(old.chain)
+        if (
+            whole - 3 > most  # (its messages past the system block: more than any own carries)
+            and prefix.shared_past_params(old, fp) == whole
+        ):
+            rank[i] = whole
+    return rank
 
 
 def _takes_place(

@@ -1317,11 +1317,77 @@ def test_a_side_request_of_other_parameters_is_no_turns_previous_one_when_the_tu
     assert "divergence" not in responses[2]
     assert responses[5]["divergence"]["location"] == "messages"
     assert responses[5]["divergence"]["index"] == 3
-    # (the side requests' own changes of parameters only: none for the turns)
+    # (the first side request's own change of parameters only, against the first turn, the
+    # session's one request then; the second carries the first on: none for the turns)
     assert [
         r["exchange"] for r in responses if r.get("divergence", {}).get("location") == "params"
-    ] == [2, 5]
-    assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "params"}) == 2
+    ] == [2]
+    assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "params"}) == 1
+
+
+def test_a_title_request_after_the_time_moved_is_not_the_next_turns_previous_one(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """The time in the system prompt; a title request on the main model ([system, first
+    message], tool_choice none) after the minute changed; then the main agent's turn. The
+    title shares the new prompt and tools, the previous turn neither: the turn is still its
+    previous turn's, a rewrite of the system prompt (the first fix for forced-tool turns took
+    the title, and logged a change of tool_choice)."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "timed-title"})
+
+    def system(minute: int) -> dict[str, Any]:
+        return {"role": "system", "content": f"Current time: 10:{minute:02d}\n" + SYSTEM_PROMPT}
+
+    first = {"role": "user", "content": "Fix the failing test."}
+    convo: list[dict[str, Any]] = [first]
+    for follow in ("Now add a docstring.", "And run the linter."):
+        reply, _ = chat(client, [system(0), *convo], stream=False, tools=TOOLS)
+        convo += [reply, {"role": "user", "content": follow}]
+    chat(client, [system(1), first], stream=False, tools=TOOLS, tool_choice="none")
+    chat(client, [system(1), *convo], stream=False, tools=TOOLS)
+    flush(proxy)
+    last = events(proxy.log_dir, "timed-title", "response")[-1]
+    assert last["divergence"]["location"] == "system"
+    assert last["cache"]["expected"] == sim.sim.requests[1].usage["prompt_tokens"]
+    assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "params"}) == 0
+
+
+def test_sub_agents_of_one_task_and_their_own_cache_keys_are_each_compared_with_their_own(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """Two sub-agents fanned out with one task, each with its own ``prompt_cache_key``, whose
+    first answers come out alike (counter call ids): each turn is its own agent's next (the
+    first fix for forced-tool turns compared each with the other's, a change of the key logged
+    every turn)."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "keys"})
+    task = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Find it."}]
+    convos = {"a": list(task), "b": list(task)}
+    paths = {"a": ["config.py", "loader.py", None], "b": ["config.py", "loader.py", "schema.py"]}
+    for turn in range(3):
+        for who in ("a", "b"):
+            path = paths[who][turn]
+            reply = {"tool_calls": [{"id": f"functions.read:{turn}", "name": "read_file",
+                                      "arguments": {"path": path}}]} if path else f"done {who}"  # fmt: skip
+            sim.sim.enqueue([parse_script(reply)])
+            message, _ = chat(
+                client, convos[who], stream=False, tools=TOOLS, prompt_cache_key=f"sub-{who}"
+            )
+            convos[who].append(message)
+            for call in message.get("tool_calls") or []:
+                convos[who].append(
+                    {"role": "tool", "tool_call_id": call["id"], "content": f"text of {path}"}
+                )
+            if not message.get("tool_calls"):
+                convos[who].append({"role": "user", "content": f"go on {who}"})
+    flush(proxy)
+    responses = events(proxy.log_dir, "keys", "response")
+    params = [
+        r["exchange"] for r in responses if r.get("divergence", {}).get("location") == "params"
+    ]
+    assert params == [2]  # (b's first request against a's, the session's one request then)
+    assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "params"}) == 1
 
 
 # A Claude agent's system prompt long enough for the simulator to cache it
