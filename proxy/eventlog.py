@@ -1231,9 +1231,12 @@ GITIGNORE: Final = "# cachegate's session logs: prompts, tool outputs, answers. 
 def _others_may_write(directory: str) -> bool:
     """Whether users other than this one may write into ``directory`` (or it cannot be told)."""
     try:
-        st = os.stat(directory)
+        return _writable_by_others(os.stat(directory))
     except OSError:
         return True
+
+
+def _writable_by_others(st: os.stat_result) -> bool:
     return bool(st.st_mode & 0o022) or (_UID is not None and st.st_uid != _UID)
 
 
@@ -1271,7 +1274,7 @@ def _prepare_log_dir(log_dir: str | os.PathLike[str], warn: Callable[..., None])
                 log_dir,
                 stat.S_IMODE(mode),
             )
-        return bool(mode & 0o022) or (_UID is not None and st.st_uid != _UID)
+        return _writable_by_others(st)
     except OSError as exc:
         warn("mkdir", "cannot create log directory %s: %s", log_dir, exc)
         return True
