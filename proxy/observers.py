@@ -66,6 +66,7 @@ class _Baseline:
         "body",
         "cached",
         "copies",
+        "counted",
         "fp",
         "held",
         "left_behind",
@@ -88,6 +89,9 @@ class _Baseline:
         ready_at: float,
     ) -> None:
         self.fp, self.body, self.prompt, self.model = fp, body, prompt, model
+        # the request ``prompt`` was counted for: its own, or, interrupted before its usage,
+        # the one it continued, whose count it took (what it added is not in that count)
+        self.counted = fp
         self.ready_at = ready_at
         self.copies = 1
         self.turns = 1
@@ -164,17 +168,6 @@ def _dropped_tokens(
         whole += compaction.estimate_tokens(old.tools)
     gone = sum(compaction.estimate_tokens([message]) * share for message, share in dropped)
     return int(prompt * gone) // max(whole, 1)
-
-
-def _in_proportion(prompt: int, old: prefix.Fingerprint, new: prefix.Fingerprint) -> int:
-    """``old``'s ``prompt`` tokens scaled to ``new``'s size by cachegate's estimate of both
-    (the same tokenizer on both sides, as ``_dropped_tokens`` counts)."""
-    sizes = [
-        compaction.estimate_tokens(list(fp.messages))
-        + (compaction.estimate_tokens(fp.tools) if fp.tools else 0)
-        for fp in (old, new)
-    ]
-    return prompt * sizes[1] // max(sizes[0], 1)
 
 
 def _repaired_away(ex: Exchange) -> list[bytes]:
@@ -319,7 +312,7 @@ def _hash_base(baselines: list[_Baseline], body: Any) -> prefix.Fingerprint | No
     return baselines[runs.index(max(runs))].fp
 
 
-def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint) -> list[_Baseline]:
+def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint, body: Any) -> list[_Baseline]:
     """The baselines by the length of the prefix they share with ``fp``, longest first: a main
     agent's turn is compared with its previous turn, not with a sub-agent's or a title request
     sent in between. Of equals, one that ``fp`` carries on whole comes first (two agents that
@@ -328,7 +321,7 @@ def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint) -> list[_Baselin
     if len(baselines) < 2:
         return baselines
     shared = [prefix.shared_links(b.fp, fp) for b in baselines]
-    rank = _carried_past_params(baselines, fp, shared)
+    rank = _carried_past_params(baselines, fp, body, shared)
     most = max(shared)
 
     def carried(i: int) -> tuple[bool, int]:
@@ -353,11 +346,11 @@ def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint) -> list[_Baselin
 
 
 def _carried_past_params(
-    baselines: list[_Baseline], fp: prefix.Fingerprint, shared: list[int]
+    baselines: list[_Baseline], fp: prefix.Fingerprint, body: Any, shared: list[int]
 ) -> list[int]:
     """``shared``, but for a baseline of the same model whose parameters alone differ that
-    ``fp`` carries on whole otherwise (the turn before forced a tool: no link of its chain is
-    equal), ranked by its whole chain, where no baseline of ``fp``'s parameters is carried on
+    ``fp`` carries on whole otherwise, its answer too (the turn before forced a tool: no link of
+    its chain is equal), ranked by its whole chain, where no baseline of ``fp``'s parameters is carried on
     whole and none carries more of ``fp``'s messages: an older request of its parameters, one
     a hand-edited system prompt left, came first, and a rewrite made turns before was logged
     against it. (Not a title or a classifier request of other parameters beside the turns: the
@@ -392,6 +385,8 @@ def _carried_past_params(
         if (
             whole - 3 > most  # (its messages past the system block: more than any own carries)
             and prefix.shared_past_params(old, fp) == whole
+            # (a classifier of the whole history beside each turn: its answer is no turn's)
+            and _carries_answer(baselines[i], body)
         ):
             rank[i] = whole
     return rank
@@ -698,7 +693,7 @@ class AccountingObserver:
         body = ex.body
         baselines: list[_Baseline] = extra.get("baselines") or []
         fp = prefix.fingerprint(body, _hash_base(baselines, body))
-        chosen, continues, divergence = self._compare(_ranked(baselines, fp), fp, body)
+        chosen, continues, divergence = self._compare(_ranked(baselines, fp, body), fp, body)
         compared = chosen.fp if chosen is not None else None  # (before this one takes its place)
         forwarded = divergence  # (where the forwarded histories differ: the tokens before it)
         if (
@@ -742,10 +737,12 @@ class AccountingObserver:
         body_before: Any = None  # (the baseline takes this request's body below)
         held_before: tuple[int, float, int] | None = None
         held_expired: int | None = None  # what an earlier marked turn cached, expired since
+        counted_before: prefix.Fingerprint | None = None  # the request base's count is for
         if chosen is not None and continues and chosen.ready_at <= ex.t0:
             # (one the provider had not read yet when this went out, a request fanned out
             # beside it that was answered first, could not have warmed the cache for it)
             base = (chosen.prompt, chosen.fp.params_digest, chosen.model)
+            counted_before = chosen.counted
             cached_before = _cached_before(chosen, ex.t0, ttl_s, len(fp.message_digests))
             if cached_before == 0:
                 held_expired = _expired_held(chosen, ex.t0, ttl_s)
@@ -754,6 +751,7 @@ class AccountingObserver:
         ready_at = ex.t0 + (ex.ttfb_s if ex.ttfb_s is not None else ex.duration_s)
         if ex.status < 400:  # a refused request is no baseline: the provider may not have seen it
             cached: int | None
+            counted = fp  # (the request its prompt count is for: ``_Baseline.counted``)
             if usage is not None and usage.prompt > 0:
                 prompt: int | None = usage.prompt
                 # (what it read and wrote: known from Anthropic's fields, or from a write count
@@ -763,11 +761,8 @@ class AccountingObserver:
             else:  # interrupted before its usage: the prompt count of what it continued
                 prompt = chosen.prompt if continues and chosen is not None else None
                 cached = chosen.cached if continues and chosen is not None else None
-                if prompt is not None and chosen is not None and chosen.fp.chain != fp.chain:
-                    # (in proportion to its own size: a long paste it added was read too, and
-                    # when the next turn replaced it, the paste's share was taken off a count
-                    # that never held it: the waste read a third of what it was, or nothing)
-                    prompt = _in_proportion(prompt, chosen.fp, fp)
+                if prompt is not None and chosen is not None:
+                    counted = chosen.counted
             if (
                 continues
                 and chosen is not None
@@ -778,7 +773,8 @@ class AccountingObserver:
                 # counted on its baseline, which each of them may carry on in its own way.
                 chosen.copies += 1
                 chosen.resent = chosen.resent or ex.t0 > chosen.ready_at
-                chosen.prompt = prompt if prompt is not None else chosen.prompt
+                if usage is not None and usage.prompt > 0:  # (else the count it had stays)
+                    chosen.prompt, chosen.counted = usage.prompt, chosen.fp
                 chosen.cached = cached if cached is not None else chosen.cached
                 chosen.ready_at = min(chosen.ready_at, ready_at)
                 chosen.superseded = chosen.left_behind = False
@@ -788,6 +784,7 @@ class AccountingObserver:
                     chosen.copies -= 1
                     chosen.left_behind = True  # (till another goes on from it: ``_prune``)
                     went_on = _Baseline(fp, body, prompt, model, ready_at)
+                    went_on.counted = counted
                     went_on.answer = _answer_of(ex)
                     went_on.cached = cached
                     went_on.held = _held_on(chosen, cached, divergence)
@@ -795,6 +792,7 @@ class AccountingObserver:
                     baselines.insert(0, went_on)
                 else:  # it extends or rewrites its baseline: it takes that one's place
                     chosen.fp, chosen.body, chosen.prompt, chosen.model = fp, body, prompt, model
+                    chosen.counted = counted
                     chosen.held = _held_on(chosen, cached, divergence)
                     chosen.cached = cached
                     chosen.answer = _answer_of(ex)
@@ -810,6 +808,7 @@ class AccountingObserver:
                 # kept: each next turn finds its own. (A branch goes on with its conversation's
                 # turns: after a rewind it is the live one, not a one-shot to forget first.)
                 started = _Baseline(fp, body, prompt, model, ready_at)
+                started.counted = counted
                 started.answer = _answer_of(ex)
                 started.cached = cached
                 if continues and chosen is not None:
@@ -891,8 +890,8 @@ class AccountingObserver:
             # After a rewrite, what the previous request sent that this one dropped (a
             # trimmed start, a rewind's abandoned turns) could not be read
             dropped=(
-                _dropped_tokens(compared, fp, base[0], _repaired_away(ex))
-                if divergence is not None and compared is not None and base[0] is not None
+                _dropped_tokens(counted_before, fp, base[0], _repaired_away(ex))
+                if divergence is not None and counted_before is not None and base[0] is not None
                 else 0
             ),
             started_at=ex.started_at,

@@ -814,6 +814,38 @@ def test_a_long_paste_interrupted_then_replaced_is_not_taken_off_what_was_expect
     assert last["waste"] == last["expected"]
 
 
+def test_a_long_paste_interrupted_then_kept_is_no_waste(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A turn pastes a pretty-printed JSON and is interrupted; the next turn keeps it and adds
+    a long note. Nothing was lost: the provider read all it had (a count scaled by
+    cachegate's estimate, four bytes a token, took the paste's white space for tokens and
+    charged thousands of them as unexplained waste)."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "kept"})
+    items = [{"id": i, "name": f"item{i}", "tags": ["a", "b"], "at": {"x": i}} for i in range(150)]
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "hi"},
+    ]
+    reply, _ = chat(client, convo, stream=False)
+    convo += [reply, {"role": "user", "content": "Review:\n" + json.dumps(items, indent=4)}]
+    sim.sim.enqueue([parse_script("A long answer " * 400)])
+    stall = {"X-Sim-Fault": "stall", "X-Sim-Stall-S": "5"}
+    with client.chat.completions.with_streaming_response.create(
+        model="gpt-4o", messages=convo, stream=True, extra_headers=stall
+    ) as response:
+        next(response.iter_bytes())  # the first bytes, then Ctrl+C
+    flush(proxy)
+    sim.sim.advance(10)
+    convo.append({"role": "user", "content": "What I think of the items above. " * 200})
+    chat(client, convo, stream=False)
+    flush(proxy)
+    last = events(proxy.log_dir, "kept", "response")[-1]["cache"]
+    assert cache_read(sim.sim.requests[-1].usage) > NOISE_FLOOR
+    assert (last["waste"], last["cause"]) == (0, None)
+
+
 def _tool_turn(client: Any, convo: list[dict[str, Any]], output: str, **kw: Any) -> None:
     """One agent step: the model's reply, then the tool's (or the user's) answer to it."""
     reply, _ = chat(client, convo, stream=False, **kw)
@@ -1239,6 +1271,9 @@ def test_a_line_added_to_a_long_system_prompt_is_not_charged_with_a_prefix_alrea
     assert last["divergence"]["location"] == "system"  # the edit is logged either way
 
 
+CALL_ID = "call_Xq3vT9pLm2RzK8wYb4NcD7hF"  # (as OpenAI's look: a turn carrying it is that one's)
+
+
 def test_a_turn_after_one_that_forced_a_tool_is_compared_with_that_one(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
@@ -1268,14 +1303,14 @@ def test_a_turn_after_one_that_forced_a_tool_is_compared_with_that_one(
             parse_script(
                 {
                     "tool_calls": [
-                        {"id": "f1", "name": TOOLS[0]["function"]["name"], "arguments": {}}
+                        {"id": CALL_ID, "name": TOOLS[0]["function"]["name"], "arguments": {}}
                     ]
                 }
             )
         ]
     )
     forced = {"type": "function", "function": {"name": TOOLS[0]["function"]["name"]}}
-    convo += [turn(tool_choice=forced), {"role": "tool", "tool_call_id": "f1", "content": "ok"}]
+    convo += [turn(tool_choice=forced), {"role": "tool", "tool_call_id": CALL_ID, "content": "ok"}]
     turn()
     flush(proxy)
     responses = events(proxy.log_dir, "forced", "response")
@@ -1351,6 +1386,31 @@ def test_a_title_request_after_the_time_moved_is_not_the_next_turns_previous_one
     assert last["divergence"]["location"] == "system"
     assert last["cache"]["expected"] == sim.sim.requests[1].usage["prompt_tokens"]
     assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "params"}) == 0
+
+
+def test_a_classifier_of_the_whole_history_beside_each_turn_is_no_turns_previous_one(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """The time in the system prompt; before each turn a JSON classifier on the main model of
+    the very history the turn sends. The turn carries the classifier on whole but its answer:
+    it is its previous turn's next (the last fix compared it with the classifier, and the next
+    classifier's miss, the time's, was charged as a change of response_format)."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "classified"})
+    convo: list[dict[str, Any]] = [{"role": "system"}, {"role": "user", "content": "hello"}]
+    for n in range(4):
+        convo[0] = {"role": "system", "content": f"Current time: 10:{n:02d}\n" + SYSTEM_PROMPT}
+        chat(client, convo, stream=False, tools=TOOLS, response_format={"type": "json_object"})
+        reply, _ = chat(client, convo, stream=False, tools=TOOLS)
+        convo += [reply, {"role": "user", "content": f"step {n}"}]
+    flush(proxy)
+    responses = events(proxy.log_dir, "classified", "response")
+    params = [
+        r["exchange"] for r in responses if r.get("divergence", {}).get("location") == "params"
+    ]
+    assert params == [2]  # (the first classifier, against the first turn: the one request)
+    assert all(r["cache"]["cause"] in (None, "prefix_rewrite") for r in responses)
+    assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "params"}) == 1
 
 
 def test_sub_agents_of_one_task_and_their_own_cache_keys_are_each_compared_with_their_own(
