@@ -906,7 +906,15 @@ class AccountingObserver:
             and (usage.explicit_cache or (marked_only and usage.reported_cache_write)),
             compared=compared if divergence is not None else None,
             before=(
-                functools.partial(_tokens_before, compared, fp, forwarded, base[0])
+                functools.partial(
+                    # (the request its count is for: an interrupted one borrows the count of the
+                    # one it continued, whose share before the edit is the count's)
+                    _tokens_before,
+                    counted_before if counted_before is not None else compared,
+                    fp,
+                    forwarded,
+                    base[0],
+                )
                 if forwarded is not None
                 and compared is not None
                 and base[0] is not None

@@ -814,6 +814,43 @@ def test_a_long_paste_interrupted_then_replaced_is_not_taken_off_what_was_expect
     assert last["waste"] == last["expected"]
 
 
+def test_a_lost_cache_after_an_interrupted_paste_is_not_the_replacements_doing(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A long conversation; a turn adds a much longer paste and is interrupted; the provider
+    loses its cache (its clock moved, cachegate's did not); the next turn replaces the paste.
+    Nothing of the long prefix before the paste was read: the loss's, not the edit's (the edit
+    was charged it all: the prefix before it measured on the interrupted request's size, with
+    the count of the one it continued, came out under the 4,096 tokens the rule asks)."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300))
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "lost-paste"})
+    log = "\n".join(f"2026-12-05 INFO worker {i} finished job {i * 7}" for i in range(400))
+    paste = "\n".join(f"2026-12-05 DEBUG shard {i} sent block {i * 31}" for i in range(2500))
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Review:\n" + log},
+    ]
+    for follow in ("More:\n" + log.replace("INFO", "WARN"), "A big one:\n" + paste):
+        reply, _ = chat(client, convo, stream=False)
+        convo += [reply, {"role": "user", "content": follow}]
+    sim.sim.enqueue([parse_script("A long answer " * 400)])
+    stall = {"X-Sim-Fault": "stall", "X-Sim-Stall-S": "5"}
+    with client.chat.completions.with_streaming_response.create(
+        model="gpt-4o", messages=convo, stream=True, extra_headers=stall
+    ) as response:
+        next(response.iter_bytes())  # the first bytes, then Ctrl+C
+    flush(proxy)
+    sim.sim.advance(7200)  # the provider's cache is gone; cachegate saw a few ms
+    convo[-1] = {"role": "user", "content": "Forget the big one: sum up the first two."}
+    chat(client, convo, stream=False)
+    flush(proxy)
+    last = events(proxy.log_dir, "lost-paste", "response")[-1]
+    assert cache_read(sim.sim.requests[-1].usage) == 0
+    assert last["cache"]["waste"] > 5000
+    assert (last["cache"]["cause"], last["cache"]["location"]) == ("unexplained", None)
+    assert last["divergence"]["index"] == len(convo) - 1  # (the edit is logged still)
+
+
 def test_a_long_paste_interrupted_then_kept_is_no_waste(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
