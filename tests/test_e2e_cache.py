@@ -738,6 +738,21 @@ def test_two_agents_that_open_alike_without_session_ids_are_each_compared_with_t
         assert "divergence" not in r, i
 
 
+def interrupted(
+    sim: RunningSimulator, client: Any, proxy: Any, convo: list[Any], **kw: Any
+) -> None:
+    """A streamed turn the client leaves after its first bytes (Ctrl+C): no usage reported.
+    (The answer stalls after its first chunks: a whole one, handed to the client's socket
+    before it closed, would count as complete, as it should, on a busy machine.)"""
+    sim.sim.enqueue([parse_script("A long answer " * 400)])
+    stall = {"X-Sim-Fault": "stall", "X-Sim-Stall-S": "5"}
+    with client.chat.completions.with_streaming_response.create(
+        model="gpt-4o", messages=convo, stream=True, extra_headers=stall, **kw
+    ) as response:
+        next(response.iter_bytes())  # the first bytes, then Ctrl+C
+    flush(proxy)
+
+
 def test_a_request_the_client_left_mid_answer_still_refreshes_its_prefix(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
@@ -753,15 +768,7 @@ def test_a_request_the_client_left_mid_answer_still_refreshes_its_prefix(
     reply, _ = chat(client, convo, stream=False, tools=TOOLS)
     convo.extend([reply, {"role": "user", "content": "Go on. " + FILE_TEXT[:1000]}])
     sim.sim.advance(200)
-    sim.sim.enqueue([parse_script("A long answer " * 400)])
-    # (the answer stalls after its first chunks: a whole one, handed to the client's socket
-    # before it closed, would count as complete, as it should, on a busy machine)
-    stall = {"X-Sim-Fault": "stall", "X-Sim-Stall-S": "5"}
-    with client.chat.completions.with_streaming_response.create(
-        model="gpt-4o", messages=convo, stream=True, tools=TOOLS, extra_headers=stall
-    ) as response:
-        next(response.iter_bytes())  # the first bytes, then Ctrl+C
-    flush(proxy)
+    interrupted(sim, client, proxy, convo, tools=TOOLS)
     sim.sim.advance(200)  # 400 s after the first turn, 200 s after the interrupted one
     convo[0] = {"role": "system", "content": "Current time: 2026-12-01T10:00:00Z\n" + SYSTEM_PROMPT}
     convo.append({"role": "user", "content": "Sorry, carry on."})
@@ -793,13 +800,7 @@ def test_a_long_paste_interrupted_then_replaced_is_not_taken_off_what_was_expect
     log = "\n".join(f"2026-12-01 INFO worker {i} finished job {i * 7}" for i in range(900))
     convo += [reply, {"role": "user", "content": "Review this log:\n" + log}]
     sim.sim.advance(10)
-    sim.sim.enqueue([parse_script("A long answer " * 400)])
-    stall = {"X-Sim-Fault": "stall", "X-Sim-Stall-S": "5"}
-    with client.chat.completions.with_streaming_response.create(
-        model="gpt-4o", messages=convo, stream=True, extra_headers=stall
-    ) as response:
-        next(response.iter_bytes())  # the first bytes, then Ctrl+C
-    flush(proxy)
+    interrupted(sim, client, proxy, convo)
     sim.sim.advance(10)
     convo[0] = {"role": "system", "content": system.replace("10:01", "10:02")}
     convo[-1] = {"role": "user", "content": "Forget the log: what is 2 + 2?"}
@@ -833,13 +834,7 @@ def test_a_lost_cache_after_an_interrupted_paste_is_not_the_replacements_doing(
     for follow in ("More:\n" + log.replace("INFO", "WARN"), "A big one:\n" + paste):
         reply, _ = chat(client, convo, stream=False)
         convo += [reply, {"role": "user", "content": follow}]
-    sim.sim.enqueue([parse_script("A long answer " * 400)])
-    stall = {"X-Sim-Fault": "stall", "X-Sim-Stall-S": "5"}
-    with client.chat.completions.with_streaming_response.create(
-        model="gpt-4o", messages=convo, stream=True, extra_headers=stall
-    ) as response:
-        next(response.iter_bytes())  # the first bytes, then Ctrl+C
-    flush(proxy)
+    interrupted(sim, client, proxy, convo)
     sim.sim.advance(7200)  # the provider's cache is gone; cachegate saw a few ms
     convo[-1] = {"role": "user", "content": "Forget the big one: sum up the first two."}
     chat(client, convo, stream=False)
@@ -867,13 +862,7 @@ def test_a_long_paste_interrupted_then_kept_is_no_waste(
     ]
     reply, _ = chat(client, convo, stream=False)
     convo += [reply, {"role": "user", "content": "Review:\n" + json.dumps(items, indent=4)}]
-    sim.sim.enqueue([parse_script("A long answer " * 400)])
-    stall = {"X-Sim-Fault": "stall", "X-Sim-Stall-S": "5"}
-    with client.chat.completions.with_streaming_response.create(
-        model="gpt-4o", messages=convo, stream=True, extra_headers=stall
-    ) as response:
-        next(response.iter_bytes())  # the first bytes, then Ctrl+C
-    flush(proxy)
+    interrupted(sim, client, proxy, convo)
     sim.sim.advance(10)
     convo.append({"role": "user", "content": "What I think of the items above. " * 200})
     chat(client, convo, stream=False)
