@@ -47,19 +47,27 @@ def is_loopback_name(host: str) -> bool:
         return True
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    try:
-        address: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(host)
-    except ValueError:
-        # The short forms the socket layer binds as written (``127.1`` is 127.0.0.1): cachegate
-        # bound to one warned it listened beyond the machine and let any Host header in.
-        if not host or host.strip(".0123456789"):
-            return False
-        try:
-            address = ipaddress.IPv4Address(socket.inet_aton(host))
-        except OSError:
-            return False
+    address = parse_address(host)
+    if address is None:
+        return False
     mapped = getattr(address, "ipv4_mapped", None)
     return bool(address.is_loopback or (mapped is not None and mapped.is_loopback))
+
+
+def parse_address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``text`` (no brackets) as an IP address, also in the short forms the socket layer binds
+    and connects to as written (``127.1`` and ``0x7f000001`` are 127.0.0.1, ``0`` is 0.0.0.0:
+    cachegate bound to one warned it listened beyond the machine and let any Host header in);
+    None for a name."""
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        if not text or text.strip(".0123456789abcdefx"):
+            return None
+        try:
+            return ipaddress.IPv4Address(socket.inet_aton(text))
+        except OSError:
+            return None
 
 
 def binds_loopback(host: str) -> bool:

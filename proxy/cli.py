@@ -6,7 +6,6 @@ import argparse
 import atexit
 import contextlib
 import io
-import ipaddress
 import json
 import logging
 import os
@@ -19,7 +18,7 @@ from typing import Final
 from urllib.parse import urlsplit
 
 from proxy import __version__
-from proxy.browser import binds_loopback, is_loopback_name
+from proxy.browser import binds_loopback, is_loopback_name, parse_address
 from proxy.config import (
     DEFAULT_MODELS,
     ConfigError,
@@ -137,15 +136,9 @@ def _canonical_host(host: str, unspecified_is_loopback: bool = False) -> str:
     ``0.0.0.0`` (``0``) and ``::`` (``[::0]``) are this machine's loopback, as Linux connects
     them."""
     name = host.strip().lower().strip("[]")
-    try:
-        address: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(name)
-    except ValueError:
-        if not name or name.strip(".0123456789abcdefx"):
-            return name
-        try:  # (inet_aton's forms, as getaddrinfo takes them: ``127.1``, ``0x7f.1``, ``0``)
-            address = ipaddress.IPv4Address(socket.inet_aton(name))
-        except OSError:
-            return name
+    address = parse_address(name)
+    if address is None:
+        return name
     mapped = getattr(address, "ipv4_mapped", None)
     if mapped is not None:
         address = mapped
@@ -178,11 +171,7 @@ def _upstream_is_self(base_url: str, host: str, port: int) -> bool:
             return set()
         return {(int(info[0]), str(info[4][0]).partition("%")[0]) for info in found}
 
-    try:
-        literal = bool(ipaddress.ip_address(name))
-    except ValueError:
-        literal = False
-    if not (literal or is_loopback_name(name) or name == own):
+    if not (parse_address(name) is not None or is_loopback_name(name) or name == own):
         return False  # (a provider's name, or another: not looked up)
     if own in ("", "*", "0.0.0.0", "::"):  # every address of a family (``listening_sockets``
         # binds "::" to IPv6 alone, "0.0.0.0" to IPv4 alone, no host to both): the loopback's
