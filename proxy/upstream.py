@@ -568,10 +568,14 @@ class _Connection(asyncio.Protocol):
         """Ready the connection for one answer, before any byte of its request goes out."""
         self.uses += 1
         self._parser = parser = httptools.HttpResponseParser(self)
-        # What HTTP clients take (h11, httpx): bare LF line ends, and a length beside chunked
-        # framing (the chunks win; the connection is not reused after). httptools >= 0.6.4.
+        # What HTTP clients take (h11, httpx): bare LF line ends, a length beside chunked
+        # framing (the chunks win; the connection is not reused after), and blanks after a
+        # chunk's size (h11 takes them at the line's end, RFC 9112 before a ``;`` extension;
+        # llhttp refuses both unless told). httptools >= 0.6.4.
         parser.set_dangerous_leniencies(
-            lenient_optional_cr_before_lf=True, lenient_chunked_length=True
+            lenient_optional_cr_before_lf=True,
+            lenient_chunked_length=True,
+            lenient_spaces_after_chunk_size=True,
         )
         self._head_only = method == b"HEAD"
         self._response = None

@@ -173,6 +173,14 @@ def test_keep_alive_reuses_one_connection_and_preserves_headers() -> None:
             b"abc",
             False,
         ),
+        # blanks after a chunk's size: before an extension (RFC 9112's BWS) and at the line's
+        # end (as h11 takes them); llhttp refuses both unless told
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"3 ;name=value\r\nabc\r\n2\t\r\nde\r\n0\r\n\r\n",
+            b"abcde",
+            True,
+        ),
     ],
 )
 def test_response_framings(raw: bytes, body: bytes, reused: bool) -> None:
