@@ -332,7 +332,7 @@ def cache_params(body: Mapping[str, Any]) -> dict[str, Any]:
     """The cache-relevant parameters present (and not null) in ``body``, but for those that say
     what leaving them out says: ``tool_choice`` ``"auto"`` with tools (``"none"`` without),
     ``parallel_tool_calls`` true (the openai Node SDK's ``runTools`` sends ``"auto"``; the same
-    history sent again without it is no rewrite)."""
+    history sent again without it is no rewrite), ``response_format`` ``{"type": "text"}``."""
     # One pass over the body's few keys (the digest sorts them; order does not matter).
     params = {key: value for key, value in body.items() if key in _PARAM_SET and value is not None}
     if params.get("parallel_tool_calls") is True:
@@ -340,7 +340,12 @@ def cache_params(body: Mapping[str, Any]) -> dict[str, Any]:
     choice = params.get("tool_choice")
     if choice == ("auto" if body.get("tools") else "none"):
         del params["tool_choice"]
+    if params.get("response_format") == _PLAIN_TEXT:  # (the default: nothing in the prompt)
+        del params["response_format"]
     return params
+
+
+_PLAIN_TEXT: Final = {"type": "text"}
 
 
 # Keys that are no part of the prompt a provider caches: a streaming parser's ``index`` of tool

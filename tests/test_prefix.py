@@ -218,6 +218,11 @@ def test_a_tool_choice_that_says_the_default_is_no_divergence() -> None:
     assert required is not None and required.label == "params.tool_choice"
     serial = diverge(base, {**base, "parallel_tool_calls": False})
     assert serial is not None and serial.label == "params.parallel_tool_calls"
+    # plain text is what no response_format asks for (a client that sets it on some calls)
+    assert diverge({**base, "response_format": {"type": "text"}}, base) is None
+    assert diverge(base, {**base, "response_format": {"type": "text"}}) is None
+    as_json = diverge(base, {**base, "response_format": {"type": "json_object"}})
+    assert as_json is not None and as_json.label == "params.response_format"
 
 
 def test_model_change_is_a_params_divergence() -> None:
