@@ -152,6 +152,21 @@ def test_histogram_quantiles_aggregate_rates_by_le() -> None:
                 assert re.search(r"sum by \(le\b[^)]*\) \(rate\(\w+_bucket[{\[]", expr), expr
 
 
+def test_counts_over_time_are_bars_of_their_own_interval() -> None:
+    """A graph of how many of something happened: each point a count over the window before it
+    (``increase`` over ``$__rate_interval``), one event showed at four points in a row, as the
+    windows overlapped, and differently at each zoom; bars of ``$__interval`` do not overlap."""
+    for path in DASHBOARD_FILES:
+        for panel in panels(load(path)):
+            for target in panel.get("targets", []):
+                expr = target["expr"]
+                if "increase(" not in expr or "[$__range]" in expr:
+                    continue  # (over the whole range: a stat, one figure)
+                assert "[$__interval]" in expr, (panel["title"], expr)
+                assert panel["fieldConfig"]["defaults"]["custom"]["drawStyle"] == "bars"
+                assert target["interval"] == panel["interval"] == "1m"  # (4 scrapes at least)
+
+
 def test_latency_panels_show_chat_requests_only() -> None:
     """/v1/models and embeddings answer in a millisecond: mixed in, they would pull a chat
     model's percentiles down (passthrough requests carry the model label "other")."""

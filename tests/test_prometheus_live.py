@@ -26,7 +26,7 @@ from proxy.simulator.app import run_simulator
 
 DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
 # What Grafana would put in place of the dashboard variables.
-SUBSTITUTIONS = {"$__rate_interval": "1m", "$__range": "5m", "$model": ".*"}
+SUBSTITUTIONS = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": "5m", "$model": ".*"}
 # Long enough that the simulated provider caches a prefix (it caches whole blocks of tokens).
 SYSTEM = "You are a careful coding agent. " + " ".join(f"rule{i} applies." for i in range(1500))
 TOOLS = [
