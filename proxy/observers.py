@@ -888,10 +888,14 @@ class AccountingObserver:
             fingerprint=fp,
             divergence=shown,
             # After a rewrite, what the previous request sent that this one dropped (a
-            # trimmed start, a rewind's abandoned turns) could not be read
+            # trimmed start, a rewind's abandoned turns) could not be read; so too what an
+            # interrupted request dropped of the one whose count it borrowed (a rewind, then
+            # Ctrl+C), though this one only carries it on
             dropped=(
                 _dropped_tokens(counted_before, fp, base[0], _repaired_away(ex))
-                if divergence is not None and counted_before is not None and base[0] is not None
+                if (divergence is not None or counted_before is not compared)
+                and counted_before is not None
+                and base[0] is not None
                 else 0
             ),
             started_at=ex.started_at,

@@ -872,6 +872,44 @@ def test_a_long_paste_interrupted_then_kept_is_no_waste(
     assert (last["waste"], last["cause"]) == (0, None)
 
 
+def test_a_rewind_interrupted_then_carried_on_is_not_expected_to_read_what_it_dropped(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """The user rewinds past a long tool output and asks again, then interrupts the answer
+    (no usage), then pastes something longer. The interrupted request borrowed the count of
+    the one before the rewind, which held the dropped output: the next turn, longer than that
+    count, was expected to read all of it, and showed the dropped output as waste."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "rewound"})
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Read the handler."},
+    ]
+    reply, _ = chat(client, convo, stream=False)
+    convo += [reply, {"role": "user", "content": "Here it is:\n" + FILE_TEXT[:2000]}]
+    sim.sim.advance(10)
+    reply, _ = chat(client, convo, stream=False)
+    kept = len(convo)
+    dump = "\n".join(f"2026-12-05 DEBUG shard {i} sent block {i * 31}" for i in range(2500))
+    convo += [reply, {"role": "user", "content": "And the full trace:\n" + dump}]
+    sim.sim.advance(10)
+    chat(client, convo, stream=False)  # (its count holds the trace)
+    sim.sim.advance(10)
+    del convo[kept:]  # the rewind: back to before the trace
+    convo.append({"role": "user", "content": "Forget the trace: what does the handler do?"})
+    interrupted(sim, client, proxy, convo)
+    sim.sim.advance(10)
+    convo.append({"role": "user", "content": "Sorry, here is the new trace:\n" + dump * 2})
+    chat(client, convo, stream=False)
+    flush(proxy)
+    responses = events(proxy.log_dir, "rewound", "response")
+    assert [r["interrupted"] for r in responses] == [False, False, False, True, False]
+    read = cache_read(sim.sim.requests[-1].usage)
+    assert read > NOISE_FLOOR  # (the provider read all the rewound request had)
+    last = responses[-1]["cache"]
+    assert (last["waste"], last["cause"]) == (0, None), (last, read)
+
+
 def _tool_turn(client: Any, convo: list[dict[str, Any]], output: str, **kw: Any) -> None:
     """One agent step: the model's reply, then the tool's (or the user's) answer to it."""
     reply, _ = chat(client, convo, stream=False, **kw)
