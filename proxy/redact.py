@@ -149,8 +149,13 @@ _NOT_CODE = r"(?!" + _CODE_PART + r"(?:\." + _CODE_PART + r"){1,8}(?![^\s,;\\\"]
 # Where code is as likely as a setting (INI, YAML: ``token: TokenType``, ``self.password =
 # password``), an unquoted value must hold a digit or be 20 characters or more.
 _SETTING = r"(?:(?=[^\s\"'`\\]{0,512}[0-9])|(?=[^\s\"'`\\]{20}))" + _NOT_CODE + _LITERAL
-_ASSIGN_VALUE = re.compile(r"[ \t]*=[ \t]*(?:" + _QUOTED + "|" + _SETTING + ")")
 _ESCAPED_QUOTED = r'\\"(?=[^"\\]{0,512}[A-Za-z0-9])([^"\\]{6,}+)\\"'  # \"…\" in a JSON string
+# Blanks around an operator: a tab is ``\t`` in JSON text (a tool call's arguments, a JSON
+# tool output), where a quote is ``\"``.
+_BLANKS = r"(?:[ \t]|\\t)*"
+_ASSIGN_VALUE = re.compile(
+    _BLANKS + "=" + _BLANKS + "(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + "|" + _SETTING + ")"
+)
 # The shell's working directories (``env`` prints them): PWD is no password there.
 _SHELL_DIRECTORY: Final = re.compile(r"(?<![A-Z0-9_])(?:OLD)?PWD=")
 _ENV_VALUE = re.compile(r"=(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + "|" + _LITERAL + ")")
@@ -163,7 +168,14 @@ _FLAG_VALUE = re.compile(r"[ \t]+(?:" + _QUOTED + "|" + _SETTING + ")")
 # passphrase of letters: redacted there).
 _NO_ANNOTATION = r"""(?![ \t]*\\?["'][A-Z_][A-Za-z_.\[\], |]{0,512}\\?["'])"""
 _YAML_VALUE = re.compile(
-    r"[ \t]*:[ \t]+(?:" + _QUOTED + "|" + _SETTING + r")[ \t]*(?:#[^\n\\]*)?"
+    _BLANKS
+    + r":(?:[ \t]|\\t)+(?:"
+    + _QUOTED
+    + "|"
+    + _ESCAPED_QUOTED
+    + "|"
+    + _SETTING
+    + r")[ \t]*(?:#[^\n\\]*)?"
     r"(?=\r|\n|\\n|\\r|\"|\Z)"  # the line's end, escaped or not, or the end of a JSON string
 )
 _AUTHORIZATION = re.compile(  # a scheme, or a header's colon and a token alone (no code)
@@ -246,7 +258,10 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
             return _plausible(s, start, end, _value_span(_INDEXED_VALUE.match(s, end + 1)))
         return None
     if before in "'\"" and after == ":":  # -H 'X-Api-Key: …' (a header in a command)
-        return _value_span(_HEADER_VALUE.match(s, end))
+        found = _value_span(_HEADER_VALUE.match(s, end))
+        if found is not None or _string_start(s, max(0, start - 256), start) != start:
+            return found
+        # (else a JSON string starts with it: ``"secret: \"…\""``, YAML, looked at below)
     if before in "?&" and after == "=":  # …?access_token=… (a URL's query)
         return _value_span(_QUERY_VALUE.match(s, end))
     if after == "=" and s[start:end].isupper():  # X_TOKEN=… anywhere (env, export, docker -e)
@@ -255,10 +270,13 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
         return _value_span(_ENV_VALUE.match(s, end))
     lo = max(0, start - 256)  # a name after 256 characters of its line is not alone on it
     newline, escaped = s.rfind("\n", lo, start), s.rfind("\\n", lo, start)
-    if newline < 0 and escaped < 0 and lo > 0:
+    # (a JSON string's start is a line's too: a tool call's ``"new_string": "password = …"``)
+    opened = _string_start(s, lo, start)
+    if newline < 0 and escaped < 0 and opened < 0 and lo > 0:
         alone = False
     else:
-        head = s[max(newline + 1, escaped + 2 if escaped >= 0 else 0) : start].strip(" \t-")
+        line = max(newline + 1, escaped + 2 if escaped >= 0 else 0, opened)
+        head = s[line:start].strip(" \t-")
         alone = not head or head in ("export", "set")
     flag = s[start - 2 : start] == "--"
     if after in " \t" and (flag or _netrc(s, start, end, lo)):
@@ -279,6 +297,17 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     literal = s.rfind("{", lo, start) > max(s.rfind("(", lo, start), s.rfind("\n", lo, start))
     pattern = _OBJECT_VALUE if literal else _CODE_VALUE
     return _plausible(s, start, end, _value_span(pattern.match(s, end)))
+
+
+def _string_start(s: str, lo: int, at: int) -> int:
+    """Where the JSON string that holds ``s[at]`` starts, if its opening quote (``"``, or
+    ``\\"`` in JSON text inside a JSON string) is the last quote in ``s[lo:at]`` and follows a
+    ``:``, ``[`` or ``,`` (a value's, an element's); -1 otherwise."""
+    quote = s.rfind('"', lo, at)
+    if quote < 0:
+        return -1
+    mark = quote - 1 if quote > lo and s[quote - 1] == "\\" else quote
+    return quote + 1 if s[lo:mark].rstrip(" \t").endswith((":", "[", ",")) else -1
 
 
 def _netrc(s: str, start: int, end: int, lo: int) -> bool:
@@ -368,10 +397,10 @@ def _redact_named(s: str, lowered: str) -> str:
             start = at
             while start > 0 and at - start <= _MAX_NAME and s[start - 1] in _IDENT:
                 start -= 1
-            while start < at and s[start] in "-.":  # a flag's dashes are no part of the name
-                start += 1
             if start < at and s[start - 1 : start] == "\\" and s[start] in "nrt":
                 start += 1  # an escaped line end inside a JSON string (a file, written by a tool)
+            while start < at and s[start] in "-.":  # a flag's dashes are no part of the name
+                start += 1
             run = _IDENT_RUN.match(s, at)  # always matches (maybe empty)
             end = run.end() if run is not None else at
             resume = max(end, at + len(word))
@@ -503,7 +532,9 @@ _COUNT_KEYS: Final = (
 # What may follow a credential's name in a credential field's: a version, ``_base``, ``_id``,
 # ``_hash`` (as ``_NAME_END``: ``OPENAI_KEY_V2=``, ``pwd_hash"``, ``api-key-id"``).
 _SUFFIX: Final = rb"(?:[_-]?(?:v\d+|base|ids?|hash))?"
-_ASSIGNED_BYTES: Final = rb"""(?:\\*["']|(?:\s|\\t)*[=:])"""
+# (a tab before the operator is ``\t`` in JSON text, ``\\t`` in the log's line where the text
+# is a JSON string itself: a tool call's arguments)
+_ASSIGNED_BYTES: Final = rb"""(?:\\*["']|(?:\s|\\+t)*[=:])"""
 _NAMED_BYTES: Final = (
     # key", key\", key\\\" (nested), key', key=; keys", key_id", token_hash" (not tokens": a count)
     re.compile(rb"keys?" + _SUFFIX + _ASSIGNED_BYTES),
@@ -521,7 +552,7 @@ _NAMED_BYTES: Final = (
     re.compile(rb"pass(?<=[_.-]pass)" + _SUFFIX + _ASSIGNED_BYTES),
     re.compile(rb"pwd" + _SUFFIX + _ASSIGNED_BYTES),  # MYSQL_PWD=, pwd_hash"
     # a flag and its value apart: --api-key VALUE, --token VALUE
-    re.compile(rb"--[a-z0-9_.-]{0,60}?(?:key|token|pass|secret|pwd)" + _SUFFIX + rb"(?: |\\t)"),
+    re.compile(rb"--[a-z0-9_.-]{0,60}?(?:key|token|pass|secret|pwd)" + _SUFFIX + rb"(?: |\\+t)"),
 )
 _NAMED_STR: Final = tuple(re.compile(p.pattern.decode()) for p in _NAMED_BYTES)
 _WORDS_BYTES: Final = (b"authorization", b"secret", b"passw", b"earer")

@@ -935,7 +935,7 @@ _SUFFIXES = ["", "_v2", "V2", "-v3", "_id", "-id", "Id", "_hash", "-hash", "_bas
     st.sampled_from(_STEMS),
     st.sampled_from(_SUFFIXES),
     st.sampled_from(["lower", "upper", "as is"]),
-    st.sampled_from(["field", "env", "json-in-text", "yaml"]),
+    st.sampled_from(["field", "env", "json-in-text", "yaml", "json-first-line", "json-tab"]),
 )
 @settings(max_examples=400, deadline=None)
 def test_whatever_redact_removes_under_a_credential_name_the_line_prefilter_sees(
@@ -955,6 +955,10 @@ def test_whatever_redact_removes_under_a_credential_name_the_line_prefilter_sees
         "env": {"content": f"$ cat .env\n{name}={value}\n"},
         "json-in-text": {"content": orjson.dumps({name: value}).decode()},
         "yaml": {"content": f"config:\n  {name}: {value}\n"},
+        # a setting as JSON text (a tool call's arguments): first in its string, or after a
+        # tab, which the log's line escapes twice (``\\t``)
+        "json-first-line": {"content": orjson.dumps({"new_string": f"{name} = {value}"}).decode()},
+        "json-tab": {"content": orjson.dumps({"content": f"x\n{name}\t= {value}\n"}).decode()},
     }[shape]
     if redact(event) != event:
         assert line_may_hold_secret(orjson.dumps(event)), (name, shape)
@@ -1076,3 +1080,66 @@ def test_a_failing_one_pass_scan_leaves_the_answer_to_the_scans(
     monkeypatch.setattr(module, "_multi_scan", lambda: broken)
     assert line_may_hold_secret(orjson.dumps({"content": f"key {OPENAI_KEY}"}))
     assert not line_may_hold_secret(orjson.dumps({"content": "nothing to see"}))
+
+
+_SETTING_LINES = [
+    ("password = Hunter22xA", "Hunter22xA"),  # INI
+    ("password\t= Tabbed22xB", "Tabbed22xB"),  # INI, a tab before "="
+    ("- password: Hunter22xA", "Hunter22xA"),  # a YAML list item
+    ('secret: "abcdef123456"', "abcdef123456"),  # YAML, quoted
+    ("--api-key abcdef123456", "abcdef123456"),  # a flag, its value apart
+    ('sendgrid_key = "SG.abcdefghijklmnop1234.abcdefghijklmnopqrstuvwxyz012345"', "SG.abcdef"),
+    ("db_password = hunter2hunter2", "hunter2hunter2"),
+    ("client_secret = abcdef123456", "abcdef123456"),
+    ("api_key = 8f14e45fceea167a5a36dedd4bea2543", "8f14e45fceea167a5a36dedd4bea2543"),
+    ("redis_password=hunter22xx", "hunter22xx"),
+]
+
+
+@pytest.mark.parametrize(("line", "secret"), _SETTING_LINES)
+@pytest.mark.parametrize("where", ["first line", "later line", "tool output"])
+def test_a_setting_in_json_text_loses_its_value_as_in_plain_text(
+    line: str, secret: str, where: str
+) -> None:
+    """Tool-call arguments and JSON tool outputs are JSON text: a setting there is in a JSON
+    string, its line ends ``\\n``, its tabs ``\\t`` and its quotes ``\\"``. Redacted as plain
+    text, it was logged in clear as the first line of such a string (an editor's
+    ``new_string``), with an escaped tab or quote on any line, and as a flag on a later line."""
+    import orjson
+
+    assert secret not in redact_text(line)  # (as plain text: the rule itself)
+    if where == "first line":
+        arguments = {"file_path": "app/settings.ini", "old_string": "x", "new_string": line}
+    elif where == "later line":
+        arguments = {"file_path": "app/settings.ini", "content": "[app]\n" + line + "\nport=1\n"}
+    else:
+        arguments = {"output": line + "\nport=5432\n", "metadata": {"exit_code": 0}}
+    text = orjson.dumps(arguments).decode()
+    event = {
+        "appended": [
+            {"role": "assistant", "tool_calls": [{"function": {"arguments": text}}]},
+            {"role": "tool", "content": text},
+        ]
+    }
+    assert line_may_hold_secret(orjson.dumps(event))
+    assert secret not in orjson.dumps(redact(event)).decode()
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "password = password",  # code, no literal
+        "sort_key = name",
+        "self.password = password",
+        "api_key = os.environ['API_KEY']",
+        "max_tokens = 4096",
+        "--password-file /run/secrets/db",
+    ],
+)
+def test_code_in_json_text_is_left_alone_as_in_plain_text(line: str) -> None:
+    import orjson
+
+    assert redact_text(line) == line
+    for arguments in ({"new_string": line}, {"content": "x\n" + line + "\n"}):
+        text = orjson.dumps(arguments).decode()
+        assert redact_text(text) == text
