@@ -1698,20 +1698,33 @@ def message_metadata(message: Any) -> dict[str, Any]:
 
 
 def _sha256_json(value: Any) -> str:
-    """The sha256 of ``value``'s canonical JSON (keys sorted)."""
-    return hashlib.sha256(
-        orjson.dumps(value, default=str, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
-    ).hexdigest()
+    """The sha256 of ``value``'s canonical JSON (keys sorted); of the standard library's, for
+    what orjson does not write (nested past 254 levels, as cachegate reads up to 1,024)."""
+    try:
+        data = orjson.dumps(
+            value, default=str, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS
+        )
+    except orjson.JSONEncodeError:
+        text = deep_dumps(
+            value, default=str, sort_keys=True, ensure_ascii=False, separators=(",", ":")
+        )
+        data = text.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(data).hexdigest()
 
 
 def _count_chars(obj: Any) -> int:
-    if isinstance(obj, str):
-        return len(obj)
-    if isinstance(obj, dict):
-        return sum(_count_chars(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(_count_chars(v) for v in obj)
-    return 0
+    """The characters of every string in ``obj`` (its values, not its keys), at any depth."""
+    count = 0
+    pending = [obj]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            count += len(item)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+    return count
 
 
 def _sha256(text: str) -> str:

@@ -2021,6 +2021,29 @@ def test_a_burst_is_written_in_order_with_few_system_calls(
     assert len(calls) < 30  # batched: not one write per event
 
 
+def test_metadata_mode_logs_a_body_nested_as_deep_as_cachegate_reads(
+    log_dir: Path, writers
+) -> None:
+    """Full mode logs a 300-level schema through the standard library's encoder; metadata mode
+    hashed it with orjson alone (254 levels), and the request line was lost."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(300):
+        schema = {"type": "object", "properties": {"a": schema}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    deep_text: Any = "PRIVATE"
+    for _ in range(300):
+        deep_text = [deep_text]
+    message = {"role": "user", "content": [{"type": "text", "text": "x", "extra": deep_text}]}
+    losses: list[str] = []
+    w = started(writers, log_dir, bodies="metadata", on_loss=losses.append)
+    w.emit("s", {**request_event(1, None, 0, [message]), "tools": tools})
+    assert w.close() and (w.written, w.errors, losses) == (1, 0, [])
+    (req,) = read_events(log_dir / "s.jsonl").events
+    assert req["tools"]["count"] == 1 and len(req["tools"]["sha256"]) == 64
+    assert req["appended"][0]["chars"] == len("text") + 1 + len("PRIVATE")
+    assert b"PRIVATE" not in (log_dir / "s.jsonl").read_bytes()
+
+
 def test_metadata_mode_keeps_the_tools_count_and_hash_not_their_text() -> None:
     tools = [{"type": "function", "function": {"name": "deploy", "description": "Ship it."}}]
     same = [{"function": {"description": "Ship it.", "name": "deploy"}, "type": "function"}]
