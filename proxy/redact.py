@@ -83,7 +83,9 @@ def _replace(match: re.Match[str]) -> str:
 # Found by their names with plain substring searches, each hit then checked by an anchored match:
 # one pattern able to start anywhere cost ~0.5 ms per 3 KB of text, and a name alone says little
 # (``token = self.tokenizer.encode(text)`` is code, ``JWT_SECRET=4f…`` is not).
-_NAME_WORDS: Final = ("passw", "secret", "token", "key", "_pass", "pwd")
+# ("pass" finds "password" and "passwd" too, and "pass" after any separator: ``DB_PASS``,
+# ``db-pass``, ``smtp.pass``)
+_NAME_WORDS: Final = ("pass", "secret", "token", "key", "pwd")
 # A credential's name (lower-cased) ends in one of these: "password", "secret" or "token" after
 # anything (``authToken``, ``client_secret``), "key(s)" after a separator or a known prefix
 # (``OPENAI_KEY``, ``apiKey``; not ``monkey``), maybe then a version, ``_base``, ``_id`` or

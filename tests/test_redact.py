@@ -1093,6 +1093,9 @@ _SETTING_LINES = [
     ("client_secret = abcdef123456", "abcdef123456"),
     ("api_key = 8f14e45fceea167a5a36dedd4bea2543", "8f14e45fceea167a5a36dedd4bea2543"),
     ("redis_password=hunter22xx", "hunter22xx"),
+    ("db-pass = hunter2hunter2", "hunter2hunter2"),  # "pass" after "-" or "." (not only "_")
+    ("smtp.pass=hunter2hunter2", "hunter2hunter2"),
+    ('mysql-pass: "hunter2hunter2"', "hunter2hunter2"),
 ]
 
 
