@@ -124,9 +124,16 @@ def check_origin_entry(entry: str) -> str | None:
         return f"{entry.strip()!r}: a wildcard stands only for a whole origin (scheme://*)"
     if "@" in host:  # (a browser's Origin never has a user name: it could never match)
         return f"{entry.strip()!r} is not an origin: an origin has no user name (user@)"
-    port = host.rpartition("]")[2] if host.startswith("[") else host
-    if ":" in port:
-        digits = port.rpartition(":")[2]
+    if host.startswith("["):
+        inside, closed, port = host.partition("]")
+        name = inside + closed
+    else:
+        name, port = host.partition(":")[0], host[len(host.partition(":")[0]) :]
+    if _HOST_NAME.fullmatch(name) is None or port[:1] not in ("", ":"):
+        # (a query, a fragment, no host, a space, an unclosed bracket: never a browser's Origin)
+        return f"{entry.strip()!r} is not an origin: write scheme://host[:port] or scheme://*"
+    if port:
+        digits = port[1:]
         if not (
             digits.isascii()
             and digits.isdigit()

@@ -7,6 +7,7 @@ naming the key instead of failing at the first request.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import math
 import os
 import re
@@ -306,6 +307,13 @@ _USER_INFO: Final = re.compile(r"[^/?#@]+@")  # (white space too: a pasted passw
 _SCHEME_START: Final = re.compile(r"https?:/*|https?//", re.IGNORECASE)  # (mistyped too)
 
 
+def _is_ipv6(text: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(text), ipaddress.IPv6Address)
+    except ValueError:
+        return False
+
+
 def url_host(host: str) -> str:
     """``host`` as a URL writes it: an IPv6 address in brackets (once)."""
     bare = host.strip("[]")
@@ -557,6 +565,15 @@ def _check(settings: Settings) -> None:
         raise _bad(
             "server.host",
             f"{listen!r} has white space or a control character in it (a space pasted with it?)",
+        )
+    bare = listen[1:-1] if listen.startswith("[") and listen.endswith("]") else listen
+    if "/" in listen or ((":" in listen or "[" in listen or "]" in listen) and not _is_ipv6(bare)):
+        # (localhost:8787, http://localhost: the resolver's "Name or service not known", exit
+        # 1, named no setting, and the address was shown as [localhost:8787]:8787)
+        raise _bad(
+            "server.host",
+            f"{listen!r} is not an address: give the address alone, without a scheme or a "
+            "port (the port is server.port, --port)",
         )
     if settings.logging.enabled and not settings.logging.dir.strip():  # "": the working dir
         raise _bad("logging.dir", "empty; give a directory (or set logging.enabled = false)")

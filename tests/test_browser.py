@@ -170,6 +170,15 @@ def test_bound_to_all_addresses_other_names_are_fine_but_pages_are_not() -> None
         "https://x.example:0",
         "https://x.example:８４４３",
         "https://x.example:08443",  # (a browser says 8443)
+        # (no host, a query, a fragment, a space, a stray character: never an Origin either)
+        "https://:8080",
+        "https:///",
+        "https://a.example?x=1",
+        "https://a.example#f",
+        "https://[::1",
+        "https://exa mple.com",
+        "https://a.example;b",
+        "https://[::1]8080",
     ],
 )
 def test_an_allowed_origin_that_can_never_match_or_allows_every_page_is_a_config_error(

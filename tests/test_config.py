@@ -409,6 +409,28 @@ def test_a_base_url_with_white_space_in_it_is_refused(url: str) -> None:
         settings_from_mapping({"upstream": {"base_url": url}})
 
 
+@pytest.mark.parametrize(
+    "host", ["localhost:8787", "[::1]:8787", "http://localhost", "127.0.0.1/", "[localhost]"]
+)
+def test_a_host_with_a_port_or_a_scheme_is_refused_naming_its_source(host: str) -> None:
+    """``--host localhost:8787`` failed once listening, exit 1, with "cannot listen on
+    [localhost:8787]:8787: Name or service not known", naming no setting."""
+    for given in ({"options": {"host": host}}, {"environ": {"CACHEGATE_HOST": host}}):
+        with pytest.raises(ConfigError) as refused:
+            load_settings(
+                None,
+                given.get("options"),  # type: ignore[arg-type]
+                environ=given.get("environ", {}),  # type: ignore[arg-type]
+            )
+        source = "--host" if "options" in given else "CACHEGATE_HOST"
+        assert str(refused.value) == (
+            f"{source}: config key 'server.host': {host!r} is not an address: give the address"
+            " alone, without a scheme or a port (the port is server.port, --port)"
+        )
+    for fine in ("::1", "[::1]", "::", "0.0.0.0", "localhost", "fd00::1"):
+        assert load_settings(None, {"host": fine}, environ={}).server.host == fine
+
+
 def test_text_values_are_read_from_the_environment_and_flags_only(tmp_path: Path) -> None:
     env = {"CACHEGATE_PORT": "18110", "CACHEGATE_STRICT_PAIRING": "on"}
     s = load_settings(None, environ=env)
