@@ -151,6 +151,8 @@ def check_host_entry(entry: str) -> str | None:
     """Why an ``allowed_hosts`` entry can never match, or None: a bare name or address, no
     scheme or port (``proxy.lan``, ``[fd00::1]``)."""
     if _HOST_NAME.fullmatch(entry.strip()) is None:
+        if _HOST_NAME.fullmatch(f"[{entry.strip()}]") is not None:  # (as Host headers write it)
+            return f"{entry.strip()!r}: write an IPv6 address in brackets, [{entry.strip()}]"
         return f"{entry.strip()!r} is not a host name: write the name alone, without scheme or port"
     return None
 
