@@ -9,10 +9,13 @@ and a string or container without a match is returned as the very same object (n
 from __future__ import annotations
 
 import functools
+import json
 import re
 import threading
 from collections.abc import Iterable
 from typing import Any, Final
+
+import orjson
 
 REDACTED: Final = "[REDACTED]"
 
@@ -263,7 +266,8 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
         found = _value_span(_HEADER_VALUE.match(s, end))
         if found is not None or _string_start(s, max(0, start - 256), start) != start:
             return found
-        # (else a JSON string starts with it: ``"secret: \"…\""``, YAML, looked at below)
+        # (a JSON string starts with it, ``"secret: \"…\""``, in JSON text cut off: as YAML)
+        return _plausible(s, start, end, _value_span(_YAML_VALUE.match(s, end)))
     if before in "?&" and after == "=":  # …?access_token=… (a URL's query)
         return _value_span(_QUERY_VALUE.match(s, end))
     if after == "=" and s[start:end].isupper():  # X_TOKEN=… anywhere (env, export, docker -e)
@@ -823,23 +827,69 @@ def blank_binary(line: bytes) -> bytes:
 
 def redact_text(s: str) -> str:
     """Return ``s`` with every secret-looking substring replaced (``s`` itself when none). A
-    base64 payload of a kilobyte or more (``is_binary``) is returned as it is."""
+    base64 payload of a kilobyte or more (``is_binary``) is returned as it is. A JSON object or
+    array (a tool call's arguments, a tool's JSON output, a notebook a tool writes) has its
+    strings redacted as text, each at whatever depth of JSON inside JSON (``_redact_json``)."""
     if len(s) < _MIN_SECRET_LEN:
         return s
     if is_binary(s):
         return s
     out = s
     lowered = _lowered(s)
-    if _may_hold_secret(s, lowered) and _SECRET.search(s) is not None:
-        out = _SECRET.sub(_replace, s)
+    if s.lstrip(" \t\r\n")[:1] in ("{", "[") and _suspect(s, lowered):
+        decoded = _redact_json(s)
+        if decoded is not None:
+            out = decoded
+            lowered = _lowered(out)
+    if _may_hold_secret(out, lowered) and _SECRET.search(out) is not None:
+        out = _SECRET.sub(_replace, out)
         lowered = _lowered(out)
-    if (
-        any(word in lowered for word in _WORDS_STR)
-        or any(name.search(lowered) is not None for name in _NAMED_STR)
-        or (_FLAG_STR.search(out) is not None and any(c in lowered for c in _COMMANDS))
-    ):
+    if _names_a_secret(out, lowered):
         out = _redact_named(out, lowered)
     return s if out == s else out
+
+
+def _names_a_secret(s: str, lowered: str) -> bool:
+    """Whether ``s`` (``lowered``: ``_lowered(s)``) names a credential, or gives a command a
+    password, where ``_redact_named`` may find a value."""
+    return (
+        any(word in lowered for word in _WORDS_STR)
+        or any(name.search(lowered) is not None for name in _NAMED_STR)
+        or (_FLAG_STR.search(s) is not None and any(c in lowered for c in _COMMANDS))
+    )
+
+
+def _suspect(s: str, lowered: str) -> bool:
+    return _may_hold_secret(s, lowered) or _names_a_secret(s, lowered)
+
+
+def _redact_json(s: str) -> str | None:
+    """``s``, a JSON object or array, written again with its strings, keys and credential
+    fields redacted as ``redact`` does (its strings that are JSON in turn, at any depth), or
+    None when it is no such JSON or nothing in it changed. Its escapes hid settings from the
+    rules for text: a tab-indented ``token = …`` (a ``.gitconfig`` a tool writes) is
+    ``\\ttoken = …`` there, one level down ``\\\\t…``. Written as ``json.dumps`` writes it,
+    in the layout ``s`` had (compact or spaced, indented, ``\\u`` escapes or not): only the
+    parts that changed differ, but for numbers and escapes written another way."""
+    try:
+        value = orjson.loads(s)
+    except orjson.JSONDecodeError:  # (cut off, NaN, an integer past 64 bits: text, as before)
+        return None
+    if not isinstance(value, dict | list):
+        return None
+    redacted = redact(value)
+    if redacted is value:
+        return None
+    # (pretty-printed: its opening bracket ends its first line; the next line's indent)
+    first, newline, rest = s.lstrip(" \t\r\n")[1:].partition("\n")
+    indent = len(rest) - len(rest.lstrip(" ")) if newline and not first.strip() else None
+    spaced = '": ' in s or '", "' in s
+    return json.dumps(
+        redacted,
+        ensure_ascii=s.isascii() and "\\u" in s,
+        indent=indent,
+        separators=(",", ": ") if indent is not None else (", ", ": ") if spaced else (",", ":"),
+    )
 
 
 def redact(obj: Any) -> Any:

@@ -1,4 +1,5 @@
 import copy
+import json
 import platform
 import sys
 from collections.abc import Callable
@@ -1146,3 +1147,86 @@ def test_code_in_json_text_is_left_alone_as_in_plain_text(line: str) -> None:
     for arguments in ({"new_string": line}, {"content": "x\n" + line + "\n"}):
         text = orjson.dumps(arguments).decode()
         assert redact_text(text) == text
+
+
+_FILES_WITH_SECRETS = [
+    ("[github]\n\ttoken = tok123456789abcdef\n", "tok123456789abcdef"),  # git's own layout
+    ("[server]\n\tpassword = Hunter33xB\n\tapi_key\t= abc123def456ghi789\n", "Hunter33xB"),
+    ("[server]\n\tpassword = Hunter33xB\n\tapi_key\t= abc123def456ghi789\n", "abc123def456"),
+    ("\tspring.datasource.password=Hunter22xA", "Hunter22xA"),
+    ("a\n\t- password: Hunter22xA\n", "Hunter22xA"),
+    ("[db]\r\npassword = x1234567\r\n\tsecret = abc123def456ghi789\r\n", "abc123def456"),
+    ('mytool deploy --api-key "abc123def456ghi789"', "abc123def456"),
+    ('curl -u "admin:Hunter22xA" https://api.example.com', "Hunter22xA"),
+    ('{"headers": {"Authorization": "Basic YWRtaW46aHVudGVyMjJ4QQ=="}}', "YWRtaW46aHVudGVy"),
+    ("db:\n  password: Hunter55xR\t# prod\n", "Hunter55xR"),
+    ("x\ntoken: tok123456789abcdef\t\n", "tok123456789abcdef"),
+    ("spring:\n  datasource:\n    password: Hunter44xQ\n", "Hunter44xQ"),
+    ('import os\nopenai_api_key = "abc123def456ghi789"\n', "abc123def456"),
+]
+
+
+@pytest.mark.parametrize(("text", "secret"), _FILES_WITH_SECRETS)
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_json_inside_json_is_redacted_as_its_text_at_any_depth(
+    text: str, secret: str, depth: int
+) -> None:
+    """A Write call's arguments hold the file (depth 1); a shell tool's JSON output holds
+    ``kubectl get cm -o json``, whose data holds a YAML file (2); a notebook's cells one more
+    (3). Each level escapes the text again (``\\t``, ``\\\\t``, ``\\\\\\"``), and the rules for
+    text missed settings a plain file loses: tab-indented ones (every ``.gitconfig``), a flag's
+    quoted value, a YAML value before a comment, anything two levels down."""
+    import orjson
+
+    assert secret not in redact_text(text)  # (the rule, as plain text)
+    value: object = text
+    for level in range(depth):
+        value = orjson.dumps({"path": f"f{level}", "content": value}).decode()
+    event = {"appended": [{"role": "assistant", "tool_calls": [{"arguments": value}]}]}
+    line = orjson.dumps(event)
+    assert line_may_hold_secret(line)
+    assert secret.encode() not in orjson.dumps(redact(event))
+
+
+@pytest.mark.parametrize(
+    "dumps",
+    [
+        lambda v: orjson.dumps(v).decode(),  # compact, as models write arguments
+        lambda v: json.dumps(v),  # spaced, \u escapes (Python's default)
+        lambda v: json.dumps(v, ensure_ascii=False, indent=2),  # a pretty-printed output
+    ],
+    ids=["compact", "spaced", "indented"],
+)
+def test_json_text_with_a_secret_keeps_its_layout_and_one_without_is_untouched(
+    dumps: Callable[[object], str],
+) -> None:
+    value = {
+        "file": "café.ini",
+        "n": [1, 2.5, None, True],
+        "body": "x\n\ttoken = tok123456789abc\n",
+    }
+    text = dumps(value)
+    assert redact_text(text) == text.replace("tok123456789abc", REDACTED)
+    clean = dumps({**value, "body": "x\n\ttoken = self.make()\n"})
+    assert redact_text(clean) is clean
+
+
+def test_a_string_of_quoted_names_costs_no_more_than_names_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``"secret:`` a hundred thousand times: each name, taken for the start of a JSON string,
+    found the next as its value, and 1 MB took 0.4 s: a name with no value counts towards the
+    looks' limit (``_MAX_HITS``), one given a value does not."""
+    from proxy import redact as module
+
+    looks = []
+    named_value = module._named_value
+
+    def counted(s: str, start: int, end: int) -> tuple[int, int] | None:
+        looks.append(start)
+        return named_value(s, start, end)
+
+    monkeypatch.setattr(module, "_named_value", counted)
+    text = '"secret:' * 125_000
+    assert redact_text(text) == text
+    assert len(looks) <= module._MAX_HITS
