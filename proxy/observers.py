@@ -151,7 +151,11 @@ def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
 
 
 def _dropped_tokens(
-    old: prefix.Fingerprint, new: prefix.Fingerprint, prompt: int, held: Iterable[bytes] = ()
+    old: prefix.Fingerprint,
+    new: prefix.Fingerprint,
+    prompt: int,
+    held: Iterable[bytes] = (),
+    edits: int = 0,
 ) -> int:
     """Of the previous request's ``prompt`` tokens, those of what ``new`` no longer holds
     (``prefix.dropped_elements``): its share of the previous request's estimate, so that a
@@ -159,8 +163,8 @@ def _dropped_tokens(
     A message whose digest is in ``held`` is held (``_repaired_away``: the client sent it, and
     a repair changed it): a sliding window that cut a round of parallel calls keeps their
     results, repaired into user messages (counted as gone, such a trim's waste read about half
-    of what it was)."""
-    dropped = prefix.dropped_elements(old, new, compaction.media_part_tokens, held)
+    of what it was). ``edits``: as ``prefix.dropped_elements``."""
+    dropped = prefix.dropped_elements(old, new, compaction.media_part_tokens, held, edits)
     if not dropped:
         return 0
     whole = compaction.estimate_tokens(list(old.messages))
@@ -890,9 +894,20 @@ class AccountingObserver:
             # After a rewrite, what the previous request sent that this one dropped (a
             # trimmed start, a rewind's abandoned turns) could not be read; so too what an
             # interrupted request dropped of the one whose count it borrowed (a rewind, then
-            # Ctrl+C), though this one only carries it on
+            # Ctrl+C), though this one only carries it on: its changes were read with it, so
+            # a message of its in the place of one of that request's is an edit, never a
+            # branch ended there (the whole message taken off)
             dropped=(
-                _dropped_tokens(counted_before, fp, base[0], _repaired_away(ex))
+                _dropped_tokens(
+                    counted_before,
+                    fp,
+                    base[0],
+                    _repaired_away(ex),
+                    # (the compared request's elements: this one carries them on whole)
+                    edits=len(compared.element_digests)
+                    if divergence is None and compared is not None
+                    else 0,
+                )
                 if (divergence is not None or counted_before is not compared)
                 and counted_before is not None
                 and base[0] is not None

@@ -838,6 +838,7 @@ def dropped_elements(
     new: Fingerprint,
     media_tokens: Callable[[Any], int] | None = None,
     held: Iterable[bytes] = (),
+    edits: int = 0,
 ) -> list[tuple[Any, float]]:
     """What ``old`` sent, past its first difference from ``new``, that ``new`` no longer holds,
     as ``(message, share)``: its messages found nowhere in ``new`` (a trimmed start, a rewind's
@@ -852,7 +853,10 @@ def dropped_elements(
     ``media_tokens`` says it costs, not its base64 (a screenshot taken out of a message keeps
     the message's text). The system block, tools and parameters are at fixed places: a changed
     one is edited, never dropped. A message whose digest is in ``held`` is held too (the client
-    sent it, and cachegate's repair changed it)."""
+    sent it, and cachegate's repair changed it). ``edits``: a message of ``new`` among its
+    first ``edits`` elements (``element_digests``) in the place of one of ``old``'s is its
+    edit, wherever ``new`` ends (those are a request's that the provider read, carried on
+    whole by ``new``: no branch of ``new``'s own)."""
     shared = shared_links(old, new)
     old_elements, new_elements = old.element_digests, new.element_digests
     if shared >= len(old_elements):
@@ -874,7 +878,7 @@ def dropped_elements(
         share = 1.0
         if position < len(new_elements) and new_elements[position] not in in_old:
             other = new.messages[new_offset + position]
-            if longer or position < last_kept or _retimed(message, other):
+            if position < edits or longer or position < last_kept or _retimed(message, other):
                 share = 1.0 - _kept_share(message, other, media_tokens)
         if share > 0:
             dropped.append((message, share))

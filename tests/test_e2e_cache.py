@@ -910,6 +910,40 @@ def test_a_rewind_interrupted_then_carried_on_is_not_expected_to_read_what_it_dr
     assert (last["waste"], last["cause"]) == (0, None), (last, read)
 
 
+def test_an_edit_interrupted_then_sent_again_after_the_ttl_is_expected_whole(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """The user goes back to a long paste, fixes its heading (the turns after it dropped), and
+    interrupts the answer; back after the cache's TTL, the request goes again. The provider had
+    read the edited paste: all of it was lost to the expiry. The interrupted request's edit,
+    measured against the next turn, which ends at the edited message, was taken for a branch
+    and the whole paste for dropped: ~8,000 of 11,000 tokens of waste went unseen."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "edited"})
+    paste = "\n".join(f"2026-12-05 DEBUG shard {i} sent block {i * 31}" for i in range(2000))
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Read the handler."},
+    ]
+    reply, _ = chat(client, convo, stream=False)
+    convo += [reply, {"role": "user", "content": "Here is the log:\n" + paste}]
+    for follow in ("Now fix it.", "And the tests."):
+        sim.sim.advance(10)
+        reply, _ = chat(client, convo, stream=False)
+        convo += [reply, {"role": "user", "content": follow}]
+    sim.sim.advance(10)
+    chat(client, convo, stream=False)
+    edited = [*convo[:3], {"role": "user", "content": "Here is the log (v2):\n" + paste}]
+    interrupted(sim, client, proxy, edited)
+    sim.sim.advance(400)  # past the TTL
+    chat(client, edited, stream=False)
+    flush(proxy)
+    last = events(proxy.log_dir, "edited", "response")[-1]["cache"]
+    prompt = sim.sim.requests[-1].usage["prompt_tokens"]
+    assert cache_read(sim.sim.requests[-1].usage) == 0
+    assert (last["cause"], last["waste"] > 0.95 * prompt) == ("ttl_expired", True), (last, prompt)
+
+
 def _tool_turn(client: Any, convo: list[dict[str, Any]], output: str, **kw: Any) -> None:
     """One agent step: the model's reply, then the tool's (or the user's) answer to it."""
     reply, _ = chat(client, convo, stream=False, **kw)
