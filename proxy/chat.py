@@ -760,7 +760,19 @@ class ChatPipeline:
                 new = (max(0, len(raw) - len(source.raw) + source.close - at), max(0, count - kept))
             else:  # the unchanged prefix it shares with the session's last request, by count
                 new = (len(raw) * (count - shared) // count if count else len(raw), count - shared)
-            self.sessions.weigh(state, len(raw), count, new, anchor_of(messages))
+            anchor = anchor_of(messages)
+            held = (len(raw), count)
+            if (
+                not shared
+                and (parsed.own is not None or parsed.source is not None)
+                and (anchor is None or id(anchor) not in state.owns)
+            ):
+                # Spliced onto a body of a conversation this session does not hold (its first
+                # message is new to it): what it shares of that body's objects (a long prompt
+                # every call of a classifier loop sends, each call a session of its own) is
+                # that body's, counted there.
+                held = new
+            self.sessions.weigh(state, held[0], held[1], new, anchor)
             if memo_key is not None:
                 self.remember_body(memo_key, raw, body, parsed, now, state)
             ex.session_id, ex.session = state.id, state

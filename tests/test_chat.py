@@ -478,6 +478,28 @@ def test_conversations_that_open_alike_taking_turns_without_an_id_are_each_splic
     assert proxy.gateway.chat.spliced_parses == 6 * 4  # each turn after each one's first
 
 
+def test_one_shot_requests_that_share_a_long_prompt_are_weighed_by_what_each_holds(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """A classifier loop beside an agent, no session ids: each call a session of its own, its
+    18 KB prompt parsed once (the calls are spliced onto the body before: its objects). Each
+    was weighed as four times its body, ~80 KB where it held ~7: 6,700 calls reached the
+    default 512 MiB budget with 98 MB of RSS, and the agent's session was forgotten (its next
+    turn a new session)."""
+    proxy = proxy_factory(sim.api_base)
+    client = sdk(proxy.base_url)
+    system = {"role": "system", "content": "Classify the ticket as billing, bug or other. " * 400}
+    assert len(system["content"]) > 18_000
+    sessions = proxy.gateway.chat.sessions
+    for k in range(40):
+        ticket = {"role": "user", "content": f"Ticket {k}: my invoice {k} is wrong."}
+        client.chat.completions.create(model="gpt-4o", messages=[system, ticket])
+    assert len(sessions) == 40
+    assert proxy.gateway.chat.spliced_parses >= 38  # (the prompt's objects shared)
+    per_session = sessions.bytes / len(sessions)
+    assert per_session < 8 * 1024, per_session  # (the first holds the prompt: ~72 KB of it)
+
+
 def test_conversations_of_one_task_under_other_prompts_are_each_weighed(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:
