@@ -15,8 +15,6 @@ import threading
 from collections.abc import Iterable
 from typing import Any, Final
 
-import orjson
-
 REDACTED: Final = "[REDACTED]"
 
 # Each alternative names one family of credentials. The leading look-behind keeps words that merely
@@ -282,7 +280,9 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
         alone = False
     else:
         line = max(newline + 1, escaped + 2 if escaped >= 0 else 0, opened)
-        head = s[line:start].strip(" \t-")
+        # (an indent of escaped tabs in JSON text cut off, a file read with its line numbers:
+        # ``     3→  password: …``, ``     3\t…``)
+        head = _LINE_NUMBER.sub("", s[line:start].replace("\\t", "\t")).strip(" \t-")
         alone = not head or head in ("export", "set")
     flag = s[start - 2 : start] == "--"
     if after in " \t" and (flag or _netrc(s, start, end, lo)):
@@ -314,6 +314,9 @@ def _string_start(s: str, lo: int, at: int) -> int:
         return -1
     mark = quote - 1 if quote > lo and s[quote - 1] == "\\" else quote
     return quote + 1 if s[lo:mark].rstrip(" \t").endswith((":", "[", ",")) else -1
+
+
+_LINE_NUMBER: Final = re.compile(r"\A[ \t]*\d{1,9}(?:→|\t)")
 
 
 def _netrc(s: str, start: int, end: int, lo: int) -> bool:
@@ -827,19 +830,19 @@ def blank_binary(line: bytes) -> bytes:
 
 def redact_text(s: str) -> str:
     """Return ``s`` with every secret-looking substring replaced (``s`` itself when none). A
-    base64 payload of a kilobyte or more (``is_binary``) is returned as it is. A JSON object or
-    array (a tool call's arguments, a tool's JSON output, a notebook a tool writes) has its
-    strings redacted as text, each at whatever depth of JSON inside JSON (``_redact_json``)."""
+    base64 payload of a kilobyte or more (``is_binary``) is returned as it is. A JSON string in
+    it with escapes (a tool call's arguments, a tool's JSON output, a notebook a tool writes) is
+    redacted as the text it stands for, at any depth of JSON inside JSON
+    (``_redact_escaped_strings``)."""
     if len(s) < _MIN_SECRET_LEN:
         return s
     if is_binary(s):
         return s
     out = s
     lowered = _lowered(s)
-    if s.lstrip(" \t\r\n")[:1] in ("{", "[") and _suspect(s, lowered):
-        decoded = _redact_json(s)
-        if decoded is not None:
-            out = decoded
+    if "\\" in s and '"' in s and _suspect(s, lowered):
+        out = _redact_escaped_strings(s)
+        if out is not s:
             lowered = _lowered(out)
     if _may_hold_secret(out, lowered) and _SECRET.search(out) is not None:
         out = _SECRET.sub(_replace, out)
@@ -863,33 +866,39 @@ def _suspect(s: str, lowered: str) -> bool:
     return _may_hold_secret(s, lowered) or _names_a_secret(s, lowered)
 
 
-def _redact_json(s: str) -> str | None:
-    """``s``, a JSON object or array, written again with its strings, keys and credential
-    fields redacted as ``redact`` does (its strings that are JSON in turn, at any depth), or
-    None when it is no such JSON or nothing in it changed. Its escapes hid settings from the
-    rules for text: a tab-indented ``token = …`` (a ``.gitconfig`` a tool writes) is
-    ``\\ttoken = …`` there, one level down ``\\\\t…``. Written as ``json.dumps`` writes it,
-    in the layout ``s`` had (compact or spaced, indented, ``\\u`` escapes or not): only the
-    parts that changed differ, but for numbers and escapes written another way."""
-    try:
-        value = orjson.loads(s)
-    except orjson.JSONDecodeError:  # (cut off, NaN, an integer past 64 bits: text, as before)
-        return None
-    if not isinstance(value, dict | list):
-        return None
-    redacted = redact(value)
-    if redacted is value:
-        return None
-    # (pretty-printed: its opening bracket ends its first line; the next line's indent)
-    first, newline, rest = s.lstrip(" \t\r\n")[1:].partition("\n")
-    indent = len(rest) - len(rest.lstrip(" ")) if newline and not first.strip() else None
-    spaced = '": ' in s or '", "' in s
-    return json.dumps(
-        redacted,
-        ensure_ascii=s.isascii() and "\\u" in s,
-        indent=indent,
-        separators=(",", ": ") if indent is not None else (", ", ": ") if spaced else (",", ":"),
-    )
+# A JSON string with at least one escape in it, on one line. (Between a valid JSON text's
+# strings there is no backslash: a match never starts at a closing quote there.)
+_ESCAPED_STRING: Final = re.compile(r'"[^"\\\n]*\\.(?:[^"\\\n]|\\.)*"')
+
+
+def _redact_escaped_strings(s: str) -> str:
+    """``s`` with each JSON string in it that holds an escape replaced, where the text it stands
+    for has a secret, by that text redacted (``redact_text``: JSON inside it in turn) and
+    written as a JSON string again; ``s`` itself when none changed. The escapes hid settings
+    from the rules for text (a tab-indented ``token = …`` of a ``.gitconfig`` a tool writes is
+    ``\\ttoken = …`` in its arguments, ``\\\\t…`` one level down). Only such strings are
+    written anew, in the escapes they had (``\\u`` or not): the layout, numbers, keys and the
+    rest of the text stay as they were, also in JSON cut off, wrapped in other output or
+    one object a line."""
+    parts: list[str] = []
+    done = 0
+    for found in _ESCAPED_STRING.finditer(s):
+        token = found.group()
+        try:
+            text = json.loads(token)
+        except ValueError:  # (no JSON string: quotes and backslashes of other text)
+            continue
+        if not isinstance(text, str):
+            continue
+        redacted = redact_text(text)
+        if redacted is text:
+            continue
+        parts += (s[done : found.start()], json.dumps(redacted, ensure_ascii=token.isascii()))
+        done = found.end()
+    if not parts:
+        return s
+    parts.append(s[done:])
+    return "".join(parts)
 
 
 def redact(obj: Any) -> Any:

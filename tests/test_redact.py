@@ -1230,3 +1230,54 @@ def test_a_string_of_quoted_names_costs_no_more_than_names_do(
     text = '"secret:' * 125_000
     assert redact_text(text) == text
     assert len(looks) <= module._MAX_HITS
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"wei": 123456789012345678901234567890, "f": 1.10, "t": 1e5, "cfg": "[db]\\n\\tpassword'
+        ' = Pw7Zs5abcd"}',
+        '{"note": "keep me", "note": "\\tpassword = Pw7Zs5abcd"}',  # a duplicate key
+        '{\n\t"a": 1,\n\t"cfg": "\\tpassword = Pw7Zs5abcd"\n}\n',  # tab-indented, a last newline
+        '{"file_path":"a.json","content":"{\\"a\\": 1}\\n\\tpassword = Pw7Zs5abcd"}',
+        '{"url": "https:\\/\\/x.io\\/a", "cfg": "\\tpassword = Pw7Zs5abcd"}',  # escaped slashes
+        '{"file_path":"/h/.gitconfig","content":"[credential]\\n\\tpassword = Pw7Zs5abcd\\n\\th',
+        '{"cfg": "[db]\\n\\tpassword = Pw7Zs5abcd"}\n(exit code 0)',  # output after the JSON
+        'Exit code: 0\nOutput:\n{"cfg": "[db]\\n\\tpassword = Pw7Zs5abcd"}',
+        '{"loss": NaN, "cfg": "[db]\\n\\tpassword = Pw7Zs5abcd"}',
+        '{"a": "\\tpassword = Pw7Zs5abcd"}\n{"b": "\\tpassword = Pw7Zs5abcd"}\n',  # JSON Lines
+    ],
+    ids=[
+        "numbers",
+        "duplicate-key",
+        "tabs",
+        "quotes-inside",
+        "slashes",
+        "cut-off",
+        "trailer",
+        "header",
+        "nan",
+        "json-lines",
+    ],
+)
+def test_json_text_loses_only_its_secret_whatever_surrounds_it(text: str) -> None:
+    """A first version decoded the whole text and wrote it again: numbers past 64 bits became
+    floats, 1.10 and 1e5 changed, a duplicate key and two keys redacted alike were merged, a
+    tab indent and a last newline went, and text that was no JSON as a whole (cut off, output
+    around it, NaN, one object a line) kept its secret. Only the strings that hold one change."""
+    assert redact_text(text) == text.replace("Pw7Zs5abcd", REDACTED)
+
+
+def test_two_keys_redacted_alike_stay_two() -> None:
+    text = '{"sk-proj-AAAAbbbbCCCCddddEEEEffff1": {"o": "a"}, "sk-proj-ZZZZyyyyXXXXwwww2": 1}'
+    assert redact_text(text) == '{"[REDACTED]": {"o": "a"}, "[REDACTED]": 1}'
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["     3→  password: abc123def9\n", "     2\t\tpassword = Zq8xW2pL9mN4\n"],
+)
+def test_a_file_read_with_its_line_numbers_loses_its_settings(text: str) -> None:
+    """A coding agent's Read tool numbers the lines it returns: a YAML or INI setting was not
+    alone on its line after the number, and kept its value."""
+    assert "abc123def9" not in redact_text(text) and "Zq8xW2pL9mN4" not in redact_text(text)
