@@ -852,7 +852,7 @@ def dropped_elements(
     message in its place, nearly none), an image or other media part weighing what
     ``media_tokens`` says it costs, not its base64 (a screenshot taken out of a message keeps
     the message's text). The system block, tools and parameters are at fixed places: a changed
-    one is edited, never dropped. A message whose digest is in ``held`` is held too (the client
+    one is edited, never dropped (the system block's messages for the share of it that changed). A message whose digest is in ``held`` is held too (the client
     sent it, and cachegate's repair changed it). ``edits``: a message of ``new`` among its
     first ``edits`` elements (``element_digests``) in the place of one of ``old``'s is its
     edit, wherever ``new`` ends (those are a request's that the provider read, carried on
@@ -871,6 +871,17 @@ def dropped_elements(
     old_offset = old.system_count - _FIRST_MESSAGE
     new_offset = new.system_count - _FIRST_MESSAGE
     dropped: list[tuple[Any, float]] = []
+    if shared <= _SYSTEM and old.system_count and old_elements[_SYSTEM] != new_elements[_SYSTEM]:
+        # What changed of the system block could not be read either: a prompt that keeps its
+        # text and changes the time keeps nearly all of it, another document in its place
+        # (a batch of documents asked the same question) nearly none.
+        old_block, new_block = old.messages[: old.system_count], new.messages[: new.system_count]
+        if len(old_block) == 1 and len(new_block) == 1:
+            kept_share = _kept_share(old_block[0], new_block[0], media_tokens)
+        else:
+            kept_share = _kept_share(list(old_block), list(new_block)) if new_block else 0.0
+        if kept_share < 1.0:
+            dropped.extend((message, 1.0 - kept_share) for message in old_block)
     for position in range(first, len(old_elements)):
         if old_elements[position] in in_new:
             continue

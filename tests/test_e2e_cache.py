@@ -738,6 +738,44 @@ def test_two_agents_that_open_alike_without_session_ids_are_each_compared_with_t
         assert "divergence" not in r, i
 
 
+def test_a_loop_over_documents_in_the_system_prompt_wastes_nothing(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A batch script puts each document in the system prompt and asks the same question, with
+    no session id: one session (the same first message), each request compared with the one
+    before. Nothing of a document could be read by the next, which holds another: each was
+    charged its whole previous prompt as a system rewrite, the session's waste ~100% of its
+    input. Only what both share past the change (the question) was expected; a prompt that
+    keeps its text and changes a line (the time) still loses all of it."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url)
+    question = {"role": "user", "content": "Summarize the document in three bullet points."}
+    sessions = set()
+    for n in range(4):
+        document = " ".join(f"doc{n} paragraph {i} says {i * n} things." for i in range(900))
+        messages = [{"role": "system", "content": "Document:\n" + document}, question]
+        _, headers = chat(client, messages, stream=False)
+        sessions.add(headers["x-cachegate-session"])
+        sim.sim.advance(5)
+    flush(proxy)
+    (session,) = sessions
+    responses = events(proxy.log_dir, session, "response")
+    assert [r["cache"]["waste"] for r in responses] == [0, 0, 0, 0]
+    assert all(r["cache"]["expected"] < 100 for r in responses)
+    # the same loop with the time before one prompt: that loses the whole prompt
+    proxy2 = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client2 = make_client(proxy2.base_url, default_headers={"X-Session-Id": "timed"})
+    document = " ".join(f"paragraph {i} says {i} things." for i in range(900))
+    for minute in range(3):
+        system = {"role": "system", "content": f"Time: 10:0{minute}\nDocument:\n{document}"}
+        chat(client2, [system, question], stream=False)
+        sim.sim.advance(5)
+    flush(proxy2)
+    timed = events(proxy2.log_dir, "timed", "response")
+    assert [r["cache"]["cause"] for r in timed] == [None, "prefix_rewrite", "prefix_rewrite"]
+    assert all(r["cache"]["waste"] > 0.95 * r["usage"]["prompt"] for r in timed[1:])
+
+
 def interrupted(
     sim: RunningSimulator, client: Any, proxy: Any, convo: list[Any], **kw: Any
 ) -> None:

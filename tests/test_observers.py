@@ -968,8 +968,13 @@ def test_two_agents_under_one_timed_system_prompt_are_each_compared_with_their_o
             assert ex_b.divergence is None and ex_b.cache["expected"] == 0
         else:  # each misses its own previous prompt (the time in the system prompt)
             assert ex_a.divergence is not None and ex_a.divergence["volatile"]
-            assert (ex_a.cache["expected"], ex_a.cache["waste"]) == (7_900 + 100 * turn,) * 2
-            assert (ex_b.cache["expected"], ex_b.cache["waste"]) == (1_900 + 100 * turn,) * 2
+            # (its previous prompt, less the share of the system prompt that changed: the
+            # minutes of a short prompt, a few dozen tokens at these synthetic counts; the
+            # other agent's previous prompt is 6,000 tokens away)
+            assert ex_a.cache["expected"] == ex_a.cache["waste"]
+            assert 0 < 7_900 + 100 * turn - ex_a.cache["expected"] < 50
+            assert ex_b.cache["expected"] == ex_b.cache["waste"]
+            assert 0 < 1_900 + 100 * turn - ex_b.cache["expected"] < 50
         a, b = [*a, *msgs(f"a{turn}", f"more A {turn}")], [*b, *msgs(f"b{turn}", f"more B {turn}")]
 
 
@@ -987,7 +992,8 @@ def test_two_agents_that_both_answered_ok_are_not_one_conversation() -> None:
     ex = acc.send([_system(prompt.format(1)), *b, *msgs("b1", "more B")], 6_100, 0)
     assert ex.divergence is not None
     assert (ex.divergence["location"], ex.divergence["volatile"]) == ("system", True)
-    assert ex.cache is not None and (ex.cache["expected"], ex.cache["waste"]) == (6_000, 6_000)
+    assert ex.cache is not None and ex.cache["expected"] == ex.cache["waste"]
+    assert 0 < 6_000 - ex.cache["expected"] < 60  # (less the minutes' share of its prompt)
 
 
 def test_a_history_trimmed_to_open_as_a_one_shot_did_is_still_its_own_conversation() -> None:
@@ -1337,7 +1343,7 @@ def test_under_a_timed_prompt_an_agents_turn_is_compared_with_its_own_not_the_la
     acc.send([_system(prompt.format(3)), *msgs("hi")], 1_000, 0)  # another chat, opening alike
     later = [*a, *msgs("Why did the chicken...", "another one")]
     ex = acc.send([_system(prompt.format(4)), *later], 3_100, 0)
-    assert ex.cache is not None and ex.cache["expected"] == 2_900
+    assert ex.cache is not None and 0 < 2_900 - ex.cache["expected"] < 29  # (the minutes')
     assert ex.divergence is not None and ex.divergence["volatile_kind"] == "timestamp"
 
 
