@@ -155,7 +155,7 @@ def _dropped_tokens(
     new: prefix.Fingerprint,
     prompt: int,
     held: Iterable[bytes] = (),
-    edits: int = 0,
+    carried: int = 0,
 ) -> int:
     """Of the previous request's ``prompt`` tokens, those of what ``new`` no longer holds
     (``prefix.dropped_elements``): its share of the previous request's estimate, so that a
@@ -163,8 +163,8 @@ def _dropped_tokens(
     A message whose digest is in ``held`` is held (``_repaired_away``: the client sent it, and
     a repair changed it): a sliding window that cut a round of parallel calls keeps their
     results, repaired into user messages (counted as gone, such a trim's waste read about half
-    of what it was). ``edits``: as ``prefix.dropped_elements``."""
-    dropped = prefix.dropped_elements(old, new, compaction.media_part_tokens, held, edits)
+    of what it was). ``carried``: as ``prefix.dropped_elements``."""
+    dropped = prefix.dropped_elements(old, new, compaction.media_part_tokens, held, carried)
     if not dropped:
         return 0
     whole = compaction.estimate_tokens(list(old.messages))
@@ -172,6 +172,22 @@ def _dropped_tokens(
         whole += compaction.estimate_tokens(old.tools)
     gone = sum(compaction.estimate_tokens([message]) * share for message, share in dropped)
     return int(prompt * gone) // max(whole, 1)
+
+
+def _carried(compared: prefix.Fingerprint | None, fp: prefix.Fingerprint) -> int:
+    """How many leading elements of ``fp`` are those of ``compared``, an interrupted request
+    whose prompt count is another's, where ``fp`` carries all its messages on (its system
+    prompt, tools or parameters may differ: the time in the prompt): the provider read them, so
+    what ``compared`` changed of the request it borrowed the count from is held as changed (an
+    edited message for what it kept), and a message sent again after them is not held (a paste
+    a rewind dropped, pasted again after the interruption: it cannot be read there); 0
+    otherwise."""
+    if compared is None:
+        return 0
+    theirs = compared.element_digests[3:]  # (its messages: past params, tools and system)
+    if fp.element_digests[3 : 3 + len(theirs)] != theirs:
+        return 0
+    return len(compared.element_digests)
 
 
 def _repaired_away(ex: Exchange) -> list[bytes]:
@@ -894,19 +910,14 @@ class AccountingObserver:
             # After a rewrite, what the previous request sent that this one dropped (a
             # trimmed start, a rewind's abandoned turns) could not be read; so too what an
             # interrupted request dropped of the one whose count it borrowed (a rewind, then
-            # Ctrl+C), though this one only carries it on: its changes were read with it, so
-            # a message of its in the place of one of that request's is an edit, never a
-            # branch ended there (the whole message taken off)
+            # Ctrl+C), though this one only carries it on (``_carried``)
             dropped=(
                 _dropped_tokens(
                     counted_before,
                     fp,
                     base[0],
                     _repaired_away(ex),
-                    # (the compared request's elements: this one carries them on whole)
-                    edits=len(compared.element_digests)
-                    if divergence is None and compared is not None
-                    else 0,
+                    _carried(compared, fp) if counted_before is not compared else 0,
                 )
                 if (divergence is not None or counted_before is not compared)
                 and counted_before is not None

@@ -838,7 +838,7 @@ def dropped_elements(
     new: Fingerprint,
     media_tokens: Callable[[Any], int] | None = None,
     held: Iterable[bytes] = (),
-    edits: int = 0,
+    carried: int = 0,
 ) -> list[tuple[Any, float]]:
     """What ``old`` sent, past its first difference from ``new``, that ``new`` no longer holds,
     as ``(message, share)``: its messages found nowhere in ``new`` (a trimmed start, a rewind's
@@ -853,15 +853,16 @@ def dropped_elements(
     ``media_tokens`` says it costs, not its base64 (a screenshot taken out of a message keeps
     the message's text). The system block, tools and parameters are at fixed places: a changed
     one is edited, never dropped (the system block's messages for the share of it that changed). A message whose digest is in ``held`` is held too (the client
-    sent it, and cachegate's repair changed it). ``edits``: a message of ``new`` among its
-    first ``edits`` elements (``element_digests``) in the place of one of ``old``'s is its
-    edit, wherever ``new`` ends (those are a request's that the provider read, carried on
-    whole by ``new``: no branch of ``new``'s own)."""
+    sent it, and cachegate's repair changed it). ``carried``: ``new``'s first ``carried``
+    elements (``element_digests``) are those of a request the provider read, which ``new``
+    carries on (an interrupted one, whose count was ``old``'s): only what they hold is held
+    (a message ``new`` sends again after them cannot be read there), and a message of theirs
+    in the place of one of ``old``'s is its edit, wherever they end (no branch of ``new``'s)."""
     shared = shared_links(old, new)
     old_elements, new_elements = old.element_digests, new.element_digests
     if shared >= len(old_elements):
         return []
-    in_new = set(new_elements[_TOOLS:])
+    in_new = set(new_elements[_TOOLS : carried or None])
     in_new.update(held)
     in_old = set(old_elements[_TOOLS:])
     first = max(shared, _FIRST_MESSAGE)
@@ -889,7 +890,7 @@ def dropped_elements(
         share = 1.0
         if position < len(new_elements) and new_elements[position] not in in_old:
             other = new.messages[new_offset + position]
-            if position < edits or longer or position < last_kept or _retimed(message, other):
+            if position < carried or longer or position < last_kept or _retimed(message, other):
                 share = 1.0 - _kept_share(message, other, media_tokens)
         if share > 0:
             dropped.append((message, share))

@@ -12,7 +12,7 @@ import base64
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -980,6 +980,74 @@ def test_an_edit_interrupted_then_sent_again_after_the_ttl_is_expected_whole(
     prompt = sim.sim.requests[-1].usage["prompt_tokens"]
     assert cache_read(sim.sim.requests[-1].usage) == 0
     assert (last["cause"], last["waste"] > 0.95 * prompt) == ("ttl_expired", True), (last, prompt)
+
+
+def _before_an_interruption(
+    sim: RunningSimulator, client: Any, system: Callable[[int], dict[str, Any]]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Four turns, the second a long paste: the history and the paste."""
+    text = "\n".join(f"2026-12-05 DEBUG shard {i} sent block {i * 31}" for i in range(2000))
+    paste = {"role": "user", "content": "Here is the log:\n" + text}
+    convo: list[dict[str, Any]] = [{"role": "user", "content": "Read:\n" + FILE_TEXT[:6000]}]
+    for follow in (paste, {"role": "user", "content": "Now fix it."}, None):
+        reply, _ = chat(client, [system(1), *convo], stream=False)
+        convo.append(reply)
+        if follow is not None:
+            convo.append(follow)
+        sim.sim.advance(10)
+    return convo, paste
+
+
+def test_a_paste_a_rewind_dropped_sent_again_after_the_interruption_is_no_waste(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """Rewind to before a long paste, ask something else, Ctrl+C, then paste the same log
+    again: the provider read all of the interrupted request (nothing lost), but the paste,
+    sent again after it, was taken for held where the request it borrowed the count from had
+    it: ~8,000 tokens of "unexplained" waste."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "repaste"})
+
+    def system(minute: int) -> dict[str, Any]:
+        return {"role": "system", "content": SYSTEM_PROMPT}
+
+    convo, paste = _before_an_interruption(sim, client, system)
+    asked = [*convo[:2], {"role": "user", "content": "Wait, first: which file is it in?"}]
+    interrupted(sim, client, proxy, [system(1), *asked])
+    sim.sim.advance(10)
+    chat(
+        client, [system(1), *asked, {"role": "assistant", "content": "(cut)"}, paste], stream=False
+    )
+    flush(proxy)
+    last = events(proxy.log_dir, "repaste", "response")[-1]["cache"]
+    usage = sim.sim.requests[-1].usage
+    assert cache_read(usage) > NOISE_FLOOR and cache_read(usage) < usage["prompt_tokens"] / 2
+    assert (last["waste"], last["cause"]) == (0, None), last
+
+
+def test_an_edit_interrupted_then_carried_on_under_a_new_time_costs_all_it_read(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """The time in the system prompt: rewind to a long paste and fix its heading, Ctrl+C, then
+    go on a minute later. The new time lost the provider all it had read of the interrupted
+    request, the edited paste included; the edit was taken off whole (a branch), as where the
+    prompt had not changed, and two thirds of the rewrite's cost went unseen."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "timed-edit"})
+
+    def system(minute: int) -> dict[str, Any]:
+        return {"role": "system", "content": f"Current time: 10:{minute:02d}\n{SYSTEM_PROMPT}"}
+
+    convo, paste = _before_an_interruption(sim, client, system)
+    edited = [*convo[:2], {**paste, "content": paste["content"].replace("log:", "log (v2):")}]
+    interrupted(sim, client, proxy, [system(1), *edited])
+    sim.sim.advance(10)
+    chat(client, [system(2), *edited, {"role": "user", "content": "go on"}], stream=False)
+    flush(proxy)
+    last = events(proxy.log_dir, "timed-edit", "response")[-1]["cache"]
+    read_before = sim.sim.requests[-2].usage["prompt_tokens"]  # (the interrupted one's)
+    assert cache_read(sim.sim.requests[-1].usage) == 0
+    assert last["cause"] == "prefix_rewrite" and last["waste"] > 0.95 * read_before, last
 
 
 def _tool_turn(client: Any, convo: list[dict[str, Any]], output: str, **kw: Any) -> None:
