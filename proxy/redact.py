@@ -282,7 +282,8 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
         line = max(newline + 1, escaped + 2 if escaped >= 0 else 0, opened)
         # (an indent of escaped tabs in JSON text cut off, a file read with its line numbers:
         # ``     3→  password: …``, ``     3\t…``)
-        head = _LINE_NUMBER.sub("", s[line:start].replace("\\t", "\t")).strip(" \t-")
+        # (and a diff's added line: ``+password = …``)
+        head = _LINE_NUMBER.sub("", s[line:start].replace("\\t", "\t")).strip(" \t-+")
         alone = not head or head in ("export", "set")
     flag = s[start - 2 : start] == "--"
     if after in " \t" and (flag or _netrc(s, start, end, lo)):
@@ -866,9 +867,17 @@ def _suspect(s: str, lowered: str) -> bool:
     return _may_hold_secret(s, lowered) or _names_a_secret(s, lowered)
 
 
-# A JSON string with at least one escape in it, on one line. (Between a valid JSON text's
-# strings there is no backslash: a match never starts at a closing quote there.)
-_ESCAPED_STRING: Final = re.compile(r'"[^"\\\n]*\\.(?:[^"\\\n]|\\.)*"')
+# A JSON string with at least one escape in it, on one line, or left open at the line's end
+# (cut off: an interrupted call's arguments, a truncated output). It starts at a quote no
+# backslash escapes: inside a string every quote is escaped, so a start that finds no end
+# before the line's reaches no other start (linear; starting at each escaped quote of a
+# string left open took 3 s for 32 KB). Unrolled and possessive: a long string is walked run
+# by run, not character by character.
+_ESCAPED_STRING: Final = re.compile(
+    r'(?<!\\)"[^"\\\n]*+(?:\\.[^"\\\n]*+)++(?:"|(?P<open>\\?)(?=\n|\Z))'
+)
+_PARTIAL_ESCAPE: Final = re.compile(r"\\u[0-9a-fA-F]{0,3}\Z")  # (cut in a \uXXXX escape)
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
 
 
 def _redact_escaped_strings(s: str) -> str:
@@ -877,15 +886,30 @@ def _redact_escaped_strings(s: str) -> str:
     written as a JSON string again; ``s`` itself when none changed. The escapes hid settings
     from the rules for text (a tab-indented ``token = …`` of a ``.gitconfig`` a tool writes is
     ``\\ttoken = …`` in its arguments, ``\\\\t…`` one level down). Only such strings are
-    written anew, in the escapes they had (``\\u`` or not): the layout, numbers, keys and the
-    rest of the text stay as they were, also in JSON cut off, wrapped in other output or
-    one object a line."""
+    written anew (as ``json.dumps`` writes them: ``\\u`` escapes where they had only ASCII, or a
+    lone surrogate, else the characters; ``\\/`` as ``/``): the layout, numbers, keys and the
+    rest of the text stay as they were, also in JSON cut off (a string left open is read to
+    its end, and stays open), wrapped in other output or one object a line."""
     parts: list[str] = []
     done = 0
     for found in _ESCAPED_STRING.finditer(s):
+        if found.end() - found.start() < _MIN_SECRET_LEN + 2:  # (too short to hold one)
+            continue
         token = found.group()
+        unclosed = found.group("open")
+        tail = ""
+        if unclosed is not None:  # left open: read as if closed there, and left open
+            body = token[: len(token) - len(unclosed)]
+            cut = _PARTIAL_ESCAPE.search(body)
+            if cut is not None:
+                body, tail = body[: cut.start()], body[cut.start() :]
+            body, tail = body + '"', tail + unclosed
+        else:
+            body = token
+        if not _suspect(body, _lowered(body)):
+            continue
         try:
-            text = json.loads(token)
+            text = json.loads(body)
         except ValueError:  # (no JSON string: quotes and backslashes of other text)
             continue
         if not isinstance(text, str):
@@ -893,7 +917,11 @@ def _redact_escaped_strings(s: str) -> str:
         redacted = redact_text(text)
         if redacted is text:
             continue
-        parts += (s[done : found.start()], json.dumps(redacted, ensure_ascii=token.isascii()))
+        ascii_only = body.isascii() or _SURROGATE.search(redacted) is not None
+        written = json.dumps(redacted, ensure_ascii=ascii_only)
+        if unclosed is not None:
+            written = written[:-1] + tail
+        parts += (s[done : found.start()], written)
         done = found.end()
     if not parts:
         return s

@@ -1281,3 +1281,41 @@ def test_a_file_read_with_its_line_numbers_loses_its_settings(text: str) -> None
     """A coding agent's Read tool numbers the lines it returns: a YAML or INI setting was not
     alone on its line after the number, and kept its value."""
     assert "abc123def9" not in redact_text(text) and "Zq8xW2pL9mN4" not in redact_text(text)
+
+
+def test_a_json_string_left_open_is_read_to_its_end_at_any_depth() -> None:
+    """An interrupted Write call: its ``content`` string never closes, and the JSON file in it
+    held a string whose escapes hid a setting; the strings in it were not looked into."""
+    inner = '{\n  "cfg": "[db]\\n\\thost = x\\n\\tpassword = Pw7Zs5abcd9\\n"\n}'
+    cut = orjson.dumps({"file_path": "/srv/a.json", "content": inner}).decode()[:-2]
+    assert redact_text(cut) == cut.replace("Pw7Zs5abcd9", REDACTED)
+    partial = '{"content":"[credential]\\n\\tpassword = Pw7Zs5abcd\\n\\th\\u00'  # (in an escape)
+    assert redact_text(partial) == partial.replace("Pw7Zs5abcd", REDACTED)
+
+
+def test_a_lone_surrogate_in_a_redacted_string_stays_escaped() -> None:
+    """A string cut inside an emoji (``JSON.stringify`` writes ``\\ud83d``) among other text
+    that is not ASCII: written anew with the surrogate raw, its log line could not be read
+    back (``sessions show``: torn lines), and orjson refuses to write it."""
+    text = '{"note": "café \\ud83d cut emoji\\n\\tpassword = Pw7Zs5abcd\\n"}'
+    out = redact_text(text)
+    assert "Pw7Zs5abcd" not in out and "\\ud83d" in out
+    event = {"appended": [{"role": "tool", "content": text}]}
+    assert orjson.loads(orjson.dumps(redact(event)))["appended"][0]["content"] == out
+
+
+def test_a_diffs_added_lines_lose_their_settings_as_removed_ones_do() -> None:
+    diff = "+password = Xq7Lm2Np9Rt\n+\tpassword = Xq7Lm2Np9Rt\n+  password: Xq7Lm2Np9Rt\n"
+    assert "Xq7Lm2Np9Rt" not in redact_text(diff + "-password = Old123xyz9\n")
+
+
+def test_a_string_left_open_among_escaped_quotes_is_looked_at_once() -> None:
+    """A cut JSON string full of escaped quotes: each of them was taken for a string's start
+    and read to the line's end (32 KB took 3 s, holding the event loop through the writer's
+    lock). One look: 400 KB take milliseconds; quadratic, they would take minutes."""
+    import time
+
+    text = 'api_key=abc123456 "' + '\\"' * 200_000
+    began = time.process_time()
+    assert redact_text(text) == text.replace("abc123456", REDACTED)
+    assert time.process_time() - began < 2.0
