@@ -877,10 +877,7 @@ def dropped_elements(
         # text and changes the time keeps nearly all of it, another document in its place
         # (a batch of documents asked the same question) nearly none.
         old_block, new_block = old.messages[: old.system_count], new.messages[: new.system_count]
-        if len(old_block) == 1 and len(new_block) == 1:
-            kept_share = _kept_share(old_block[0], new_block[0], media_tokens)
-        else:
-            kept_share = _kept_share(list(old_block), list(new_block)) if new_block else 0.0
+        kept_share = _kept_block_share(old_block, new_block)
         if kept_share < 1.0:
             dropped.extend((message, 1.0 - kept_share) for message in old_block)
     for position in range(first, len(old_elements)):
@@ -1006,6 +1003,46 @@ def _is_media(part: Any) -> bool:
         return False
     kind = part.get("type")  # (a list or an object there: not hashed, no media)
     return type(kind) is str and kind in MEDIA_PART_TYPES
+
+
+def _kept_block_share(old: Sequence[Any], new: Sequence[Any]) -> float:
+    """The share of the old system block's text that the new one keeps: the start and end
+    they share, and between them each line of the old block's that the new one's middle holds
+    too (once for each time it does). A prompt with the time at its top and the open files at
+    its bottom keeps all but those two lines (its start and end alone kept nearly nothing);
+    another document in its place keeps nearly nothing. (A single line changed in two places
+    keeps its start and end only.)"""
+    a, b = _block_text(old), _block_text(new)
+    if not a:
+        return 1.0
+    head = common_prefix_length(a, b)
+    tail = _common_suffix_len(a, b, min(len(a), len(b)) - head)
+    middle = a[head : len(a) - tail]
+    found = 0
+    if middle:
+        lines: dict[str, int] = {}
+        for line in b[head : len(b) - tail].split("\n"):
+            lines[line] = lines.get(line, 0) + 1
+        for line in middle.split("\n"):
+            if line and lines.get(line, 0) > 0:
+                lines[line] -= 1
+                found += len(line) + 1
+    return min(1.0, (head + tail + found) / len(a))
+
+
+def _block_text(messages: Sequence[Any]) -> str:
+    """A system block's text: its messages' contents one after another (text parts as their
+    text, anything else as its JSON)."""
+    out = []
+    for message in messages:
+        content = message.get("content", _MISSING) if isinstance(message, Mapping) else message
+        if isinstance(content, list) and all(
+            isinstance(part, Mapping) and isinstance(part.get("text"), str) for part in content
+        ):
+            out.append("\n".join(part["text"] for part in content))
+        else:
+            out.append(_text(content))
+    return "\n".join(out)
 
 
 def _common_run(most: int, same: Callable[[int], bool]) -> int:

@@ -762,12 +762,14 @@ def test_a_loop_over_documents_in_the_system_prompt_wastes_nothing(
     responses = events(proxy.log_dir, session, "response")
     assert [r["cache"]["waste"] for r in responses] == [0, 0, 0, 0]
     assert all(r["cache"]["expected"] < 100 for r in responses)
-    # the same loop with the time before one prompt: that loses the whole prompt
+    # one prompt with the time at its top and the open file at its bottom: that loses it all
+    # (measured by the start and end they share alone, it kept nearly nothing: no waste)
     proxy2 = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
     client2 = make_client(proxy2.base_url, default_headers={"X-Session-Id": "timed"})
     document = " ".join(f"paragraph {i} says {i} things." for i in range(900))
     for minute in range(3):
-        system = {"role": "system", "content": f"Time: 10:0{minute}\nDocument:\n{document}"}
+        text = f"Time: 10:0{minute}\nDocument:\n{document}\n<env>open: a{minute}.py</env>"
+        system = {"role": "system", "content": text}
         chat(client2, [system, question], stream=False)
         sim.sim.advance(5)
     flush(proxy2)

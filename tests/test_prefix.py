@@ -920,7 +920,9 @@ def test_the_marked_share_is_the_prompt_up_to_the_last_breakpoint() -> None:
 def test_what_a_request_dropped_of_the_previous_one() -> None:
     """A trimmed start and a rewind's abandoned turns are dropped whole; a message edited in
     place (ids made anew each request, a timestamp in each message) only for what changed of
-    it, a tool output cut to a stub for nearly all of it; a rewritten system prompt never."""
+    it, a tool output cut to a stub for nearly all of it; a rewritten system prompt for what
+    changed of its text (the lines between its first and last change that it no longer holds
+    too: the time at its top and the open file at its bottom are two lines)."""
 
     def say(role: str, text: str) -> dict[str, Any]:
         return {"role": role, "content": text}
@@ -956,6 +958,16 @@ def test_what_a_request_dropped_of_the_previous_one() -> None:
     assert cut == turns[3] and share > 0.9  # only its JSON's frame is left of it
     assert dropped([say("system", "Now 12:00. You are an agent."), *turns]) == []
     assert dropped([system, *turns, say("user", "next")]) == []  # no difference at all
+    rules = "\n".join(f"rule {i}: keep invariant {i}." for i in range(300))
+    timed = {"model": "m", "messages": [say("system", f"Time: 10:00\n{rules}\nOpen: a.py"), *turns]}
+    retimed = {"model": "m", "messages": [say("system", f"Time: 10:01\n{rules}\nOpen: b.py")]}
+    [(_, share)] = dropped_elements(
+        fingerprint(timed), fingerprint({**retimed, "messages": [*retimed["messages"], *turns]})
+    )
+    assert share < 0.005  # two short lines of ~7,500 characters
+    other = {"model": "m", "messages": [say("system", rules.replace("rule", "law")), *turns]}
+    [(_, share)] = dropped_elements(fingerprint(timed), fingerprint(other))
+    assert share > 0.9  # another text: only the line ends and digits match
 
 
 def test_a_message_nested_a_thousand_levels_deep_is_compared_as_any_other() -> None:
