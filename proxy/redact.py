@@ -314,7 +314,8 @@ def _string_start(s: str, lo: int, at: int) -> int:
     if quote < 0:
         return -1
     mark = quote - 1 if quote > lo and s[quote - 1] == "\\" else quote
-    return quote + 1 if s[lo:mark].rstrip(" \t").endswith((":", "[", ",")) else -1
+    # (an array's element may start a line of its own: a notebook cell's last line)
+    return quote + 1 if s[lo:mark].rstrip(" \t\r\n").endswith((":", "[", ",")) else -1
 
 
 _LINE_NUMBER: Final = re.compile(r"\A[ \t]*\d{1,9}(?:→|\t)")
@@ -478,7 +479,9 @@ _SECRET_ANCHORS: Final = (
     r"A(?:KI|SI)A|AIza",
     r"k_(?:live_|test_|(?<=gsk_))",
     r"hf_",
-    r"://[^\s/:@]*:[^\s/@]+@",  # a URL with a password (and a user, or none)
+    # a URL with a password (and a user, or none), its slashes maybe escaped (PHP's JSON
+    # writes ``mysql:\/\/user:pass@host``; a string inside a JSON string, ``\\\/``)
+    r":\\*/\\*/[^\s/:@\\]*:[^\s/@]+@",
 )
 _ANCHORS_STR: Final = tuple(re.compile(anchor) for anchor in _SECRET_ANCHORS)
 _LITERALS_BYTES: Final = tuple(literal.encode() for literal in _SECRET_LITERALS)

@@ -1319,3 +1319,20 @@ def test_a_string_left_open_among_escaped_quotes_is_looked_at_once() -> None:
     began = time.process_time()
     assert redact_text(text) == text.replace("abc123456", REDACTED)
     assert time.process_time() - began < 2.0
+
+
+@pytest.mark.parametrize(
+    ("text", "secret"),
+    [
+        # PHP's json_encode escapes slashes: the URL's password was not seen at all
+        ('{"database":{"url":"mysql:\\/\\/wp:Xq7Lm2Np9Rt4@db.internal:3306\\/wp"}}', "Xq7Lm2Np9"),
+        ('{"cache":"redis:\\/\\/:Xq7Lm2Np9Rt4@cache:6379\\/0"}', "Xq7Lm2Np9"),
+        # a notebook cell's last line (no line end of its own), an element on a line of its own
+        ('{\n "source": [\n  "db:\\n",\n  "  password: Sx9kP2mQ7vL4"\n ]\n}', "Sx9kP2mQ7vL4"),
+        ('{"env": [\n  "PATH=/bin",\n  "db_password=Sx9kP2mQ7vL4"\n]}', "Sx9kP2mQ7vL4"),
+    ],
+)
+def test_json_a_tool_printed_loses_what_the_same_text_plain_would(text: str, secret: str) -> None:
+    event = {"appended": [{"role": "tool", "content": text}]}
+    assert line_may_hold_secret(orjson.dumps(event))
+    assert secret not in orjson.dumps(redact(event)).decode()
