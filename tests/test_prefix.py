@@ -969,6 +969,24 @@ def test_what_a_request_dropped_of_the_previous_one() -> None:
     [(_, share)] = dropped_elements(fingerprint(timed), fingerprint(other))
     assert share > 0.9  # another text: only the line ends and digits match
 
+    def block(text: str) -> dict[str, Any]:
+        return {"model": "m", "messages": [say("system", text), *turns]}
+
+    # one line changed in two places (an f-string paragraph, JSON context on one line)
+    para = " ".join(f"Rule {i}: keep the {i}th invariant." for i in range(300))
+    [(_, share)] = dropped_elements(
+        fingerprint(block(f"It is 10:01. {para} Open: a.py.")),
+        fingerprint(block(f"It is 10:02. {para} Open: b.py.")),
+    )
+    assert share < 0.01
+    # documents of one format share many lines (braces, repeated fields): none is theirs
+    records = [
+        "[\n" + ",\n".join(f'  {{\n    "id": {k}{i},\n    "active": true\n  }}' for i in range(200))
+        for k in (1, 2)
+    ]
+    [(_, share)] = dropped_elements(fingerprint(block(records[0])), fingerprint(block(records[1])))
+    assert share > 0.9
+
 
 def test_a_message_nested_a_thousand_levels_deep_is_compared_as_any_other() -> None:
     """A turn sent again a minute later with the time in it, and a tool call's arguments
