@@ -26,6 +26,7 @@ classic "current time in the system prompt".
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import json
@@ -1008,13 +1009,13 @@ def _is_media(part: Any) -> bool:
 
 def _kept_block_share(old: Sequence[Any], new: Sequence[Any]) -> float:
     """The share of the old system block's text that the new one keeps: the start and end
-    they share and, between them, each piece of the old middle (a line, or a sentence of a
-    long line: JSON text's escaped line ends split it too) that both middles hold exactly once.
-    A prompt with the time at its top and the open files at its bottom keeps all but those
-    two; another document in its place nearly nothing (the lines documents of one format
-    share, braces and repeated fields and page headers, are no piece of its own: each holds
-    them many times). Past ``_BLOCK_PIECES_MAX`` characters of middle, the start and end alone
-    (the pieces cost ~45 ms a megabyte, on the event loop)."""
+    they share and, between them, the pieces of the old middle (lines, or sentences of a long
+    line: JSON text's escaped line ends split it too) the new middle holds in the same order
+    (``_kept_pieces``). A prompt with the time at its top and the open files at its bottom
+    keeps all but those two; another document in its place nearly nothing (the lines
+    documents of one format share, braces, repeated fields, page headers, anchor nothing).
+    Past ``_BLOCK_PIECES_MAX`` characters of middle, the start and end alone (the pieces cost
+    ~90 ms a megabyte of lines on the event loop, ~280 of blank lines)."""
     a, b = _block_text(old), _block_text(new)
     if not a:
         return 1.0
@@ -1023,19 +1024,66 @@ def _kept_block_share(old: Sequence[Any], new: Sequence[Any]) -> float:
     middle = a[head : len(a) - tail]
     found = 0
     if middle and len(middle) <= _BLOCK_PIECES_MAX:
-        theirs = Counter(_PIECE_END.split(b[head : len(b) - tail]))
-        ours = Counter(_PIECE_END.split(middle))
-        found = sum(
-            len(piece) + 1  # (and the line end or blank after it)
-            for piece, n in ours.items()
-            if n == 1 and len(piece) >= _PIECE_MIN and theirs.get(piece) == 1
-        )
+        found = _kept_pieces(_PIECE_END.split(middle), _PIECE_END.split(b[head : len(b) - tail]))
     return min(1.0, (head + tail + found) / len(a))
 
 
 _PIECE_END: Final = re.compile(r"\n|\\n|(?<=[.!?;])[ \t]+")
 _PIECE_MIN: Final = 8
-_BLOCK_PIECES_MAX: Final = 1024 * 1024
+
+
+def _kept_pieces(old: list[str], new: list[str]) -> int:
+    """The characters of ``old``'s pieces that ``new`` holds in the same order: pieces each holds
+    exactly once (of ``_PIECE_MIN`` characters or more) are anchors, those in the same order in
+    both are kept (the longest such run of them, as patience diff takes them), and each kept
+    anchor keeps the equal pieces next to it on either side, repeated or short ones too (an
+    unchanged code block's ``return None`` lines). Two documents of one format share lines
+    (braces, fields) but few anchors, and those seldom next to one another."""
+    ours, theirs = Counter(old), Counter(new)
+    at = {piece: j for j, piece in enumerate(new) if theirs[piece] == 1}
+    anchors = [
+        (i, at[piece])
+        for i, piece in enumerate(old)
+        if ours[piece] == 1 and len(piece) >= _PIECE_MIN and piece in at
+    ]
+    kept = [False] * len(old)
+    for i, j in _in_order(anchors):
+        kept[i] = True
+        back_i, back_j = i - 1, j - 1
+        while back_i >= 0 and back_j >= 0 and not kept[back_i] and old[back_i] == new[back_j]:
+            kept[back_i] = True
+            back_i, back_j = back_i - 1, back_j - 1
+        on_i, on_j = i + 1, j + 1
+        while on_i < len(old) and on_j < len(new) and not kept[on_i] and old[on_i] == new[on_j]:
+            kept[on_i] = True
+            on_i, on_j = on_i + 1, on_j + 1
+    # (and the line end or blank after each)
+    return sum(len(piece) + 1 for piece, held in zip(old, kept, strict=True) if held)
+
+
+def _in_order(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The longest run of ``pairs`` (in increasing first order) whose second items increase
+    too (patience sorting: ``n log n``)."""
+    tops: list[int] = []  # the smallest last second item of a run of each length
+    ends: list[int] = []  # the index in ``pairs`` of that run's last pair
+    before = [-1] * len(pairs)
+    for k, (_, j) in enumerate(pairs):
+        length = bisect.bisect_left(tops, j)
+        if length == len(tops):
+            tops.append(j)
+            ends.append(k)
+        else:
+            tops[length], ends[length] = j, k
+        before[k] = ends[length - 1] if length else -1
+    run = []
+    k = ends[-1] if ends else -1
+    while k >= 0:
+        run.append(pairs[k])
+        k = before[k]
+    return run[::-1]
+
+
+_BLOCK_PIECES_MAX: Final = 512 * 1024
 
 
 def _block_text(messages: Sequence[Any]) -> str:

@@ -979,6 +979,16 @@ def test_what_a_request_dropped_of_the_previous_one() -> None:
         fingerprint(block(f"It is 10:02. {para} Open: b.py.")),
     )
     assert share < 0.01
+    # an unchanged code block: its repeated and short lines are kept with their neighbours
+    code = "\n".join(
+        f"def f{i}(x):\n    if x is None:\n        return None\n    return g(x, {i})"
+        for i in range(100)
+    )
+    [(_, share)] = dropped_elements(
+        fingerprint(block(f"Time 10:01\n```\n{code}\n```\nOpen a.py")),
+        fingerprint(block(f"Time 10:02\n```\n{code}\n```\nOpen b.py")),
+    )
+    assert share < 0.01
     # documents of one format share many lines (braces, repeated fields): none is theirs
     records = [
         "[\n" + ",\n".join(f'  {{\n    "id": {k}{i},\n    "active": true\n  }}' for i in range(200))
