@@ -1047,16 +1047,18 @@ def _kept_pieces(old: list[str], new: list[str]) -> int:
         if ours[piece] == 1 and len(piece) >= _PIECE_MIN and piece in at
     ]
     kept = [False] * len(old)
+    used = -1  # the last piece of ``new`` paired so far: none is paired twice
     for i, j in _in_order(anchors):
         kept[i] = True
         back_i, back_j = i - 1, j - 1
-        while back_i >= 0 and back_j >= 0 and not kept[back_i] and old[back_i] == new[back_j]:
+        while back_i >= 0 and back_j > used and not kept[back_i] and old[back_i] == new[back_j]:
             kept[back_i] = True
             back_i, back_j = back_i - 1, back_j - 1
         on_i, on_j = i + 1, j + 1
         while on_i < len(old) and on_j < len(new) and not kept[on_i] and old[on_i] == new[on_j]:
             kept[on_i] = True
             on_i, on_j = on_i + 1, on_j + 1
+        used = on_j - 1
     # (and the line end or blank after each)
     return sum(len(piece) + 1 for piece, held in zip(old, kept, strict=True) if held)
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from proxy.prefix import (
     Divergence,
+    _kept_pieces,
     canonical_message,
     dropped_elements,
     find_divergence,
@@ -989,6 +990,12 @@ def test_what_a_request_dropped_of_the_previous_one() -> None:
         fingerprint(block(f"Time 10:02\n```\n{code}\n```\nOpen b.py")),
     )
     assert share < 0.01
+    # a run of repeated lines cut short between two kept lines: each line of the new text
+    # pairs with one of the old at most (both ends' runs took the one line left)
+    assert (
+        _kept_pieces(["anchorAAA", "x", "x", "x", "anchorBBB"], ["anchorAAA", "x", "anchorBBB"])
+        == 22
+    )
     # documents of one format share many lines (braces, repeated fields): none is theirs
     records = [
         "[\n" + ",\n".join(f'  {{\n    "id": {k}{i},\n    "active": true\n  }}' for i in range(200))
