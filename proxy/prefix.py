@@ -853,9 +853,10 @@ def dropped_elements(
     version (a timestamp put in keeps nearly all; a tool output cut to "[trimmed]", or another
     message in its place, nearly none), an image or other media part weighing what
     ``media_tokens`` says it costs, not its base64 (a screenshot taken out of a message keeps
-    the message's text). The system block, tools and parameters are at fixed places: a changed
-    one is edited, never dropped (the system block's messages for the share of it that changed). A message whose digest is in ``held`` is held too (the client
-    sent it, and cachegate's repair changed it). ``carried``: ``new``'s first ``carried``
+    the message's text). The tools and parameters are at fixed places: a changed one is edited,
+    never dropped; a changed system block's messages are dropped for the share of its text
+    that changed (``_kept_block_share``). A message whose digest is in ``held`` is held too
+    (the client sent it, and cachegate's repair changed it). ``carried``: ``new``'s first ``carried``
     elements (``element_digests``) are those of a request the provider read, which ``new``
     carries on (an interrupted one, whose count was ``old``'s): only what they hold is held
     (a message ``new`` sends again after them cannot be read there), and a message of theirs
