@@ -128,7 +128,8 @@ def check_origin_entry(entry: str) -> str | None:
         inside, closed, port = host.partition("]")
         name = inside + closed
     else:
-        name, port = host.partition(":")[0], host[len(host.partition(":")[0]) :]
+        name, colon, digits = host.partition(":")
+        port = colon + digits
     if _HOST_NAME.fullmatch(name) is None or port[:1] not in ("", ":"):
         # (a query, a fragment, no host, a space, an unclosed bracket: never a browser's Origin)
         return f"{entry.strip()!r} is not an origin: write scheme://host[:port] or scheme://*"
