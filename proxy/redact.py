@@ -153,6 +153,27 @@ _NOT_CODE = r"(?!" + _CODE_PART + r"(?:\." + _CODE_PART + r"){1,8}(?![^\s,;\\\"]
 # password``), an unquoted value must hold a digit or be 20 characters or more.
 _SETTING = r"(?:(?=[^\s\"'`\\]{0,512}[0-9])|(?=[^\s\"'`\\]{20}))" + _NOT_CODE + _LITERAL
 _ESCAPED_QUOTED = r'\\"(?=[^"\\]{0,512}[A-Za-z0-9])([^"\\]{6,}+)\\"'  # \"…\" in a JSON string
+# A value given on a command's line (``--from-literal=password=…``): unquoted, it ends at white
+# space, a quote, a parenthesis (``$(…)``) or an ``&`` that starts another field (a form's
+# ``client_secret=…&grant_type=``); the digit or the 20 characters a setting needs are its own.
+_INLINE_CHARS = r"[^\s\"'`(){}\[\]<>,;\\&]"
+_INLINE_END = r"(?![^\s,;\\\"'&)])"
+_INLINE_LITERAL = (
+    f"(?={_INLINE_CHARS}{{0,512}}[A-Za-z])"
+    r"([^\s\"'`$(){}\[\]<>,;\\&](?:"
+    + _INLINE_CHARS
+    + r"|\\/|&(?![A-Za-z_][\w.-]{0,64}=)){5,}+)"
+    + _INLINE_END
+)
+_INLINE_SETTING = (
+    f"(?:(?={_INLINE_CHARS}{{0,512}}[0-9])|(?={_INLINE_CHARS}{{20}}))"
+    # (no attribute chain, ended as such a value may end: ``request.owner_key)``)
+    + f"(?!{_CODE_PART}(?:\\.{_CODE_PART}){{1,8}}{_INLINE_END})"
+    + _INLINE_LITERAL
+)
+_SNAKE_NAME = re.compile(r"[a-z]+(?:_[a-z]+)+")  # (no digit: a name, not a passphrase)
+_INLINE_VALUE = re.compile(r"=(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + "|" + _INLINE_SETTING + ")")
+_INLINE_UNQUOTED = re.compile("=" + _INLINE_SETTING)
 # Blanks around an operator: a tab is ``\t`` in JSON text (a tool call's arguments, a JSON
 # tool output), where a quote is ``\"``.
 _BLANKS = r"(?:[ \t]|\\t)*"
@@ -214,8 +235,11 @@ _COMMAND_PASSWORD = re.compile(  # (on the command's own part of the line: to a 
     # docker (podman, …) login, global options maybe before it: docker --config DIR login
     r"""|(?i:docker|podman|helm|nerdctl|buildah|skopeo)"""
     r"""(?:[ \t]+-{1,2}[^\s|;&]+(?:[ \t]+[^-\s|;&][^\s|;&]*)?){0,6}[ \t]+(?:registry[ \t]+)?"""
-    r"""login[^\n|;&]{0,512}?\s-p[ \t]+)"""
-    r"""(?!\$[A-Za-z_{(])([^\s"'\\]{4,}+)"""  # (not a $VARIABLE; a literal $ may start one)
+    r"""login[^\n|;&]{0,512}?\s-p[ \t]+"""
+    r"""|(?i:sshpass)[^\n|;&]{0,512}?\s-p[ \t]*"""  # sshpass -p PASSWORD ssh …
+    r"""|(?i:redis-cli)[^\n|;&]{0,512}?\s(?:-a|--pass)[ \t]+)"""  # redis-cli -a PASSWORD
+    # (quoted or not: -p'…', -p "…"; not a $VARIABLE, though a literal $ may start one)
+    r"""(?:["']|\\")?(?!\$[A-Za-z_{(])([^\s"'\\]{4,}+)"""
 )
 _COMMANDS: Final = (
     "curl",
@@ -227,6 +251,8 @@ _COMMANDS: Final = (
     "nerdctl",
     "buildah",
     "skopeo",
+    "sshpass",
+    "redis-cli",
 )
 # A bare ``token`` or ``pwd`` in code is as often a grammar's token type or a path:
 # ``{ token: "comment" }``, ``pwd = "/srv/app"``; its value must look like a credential.
@@ -297,6 +323,17 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
             found = _value_span(_YAML_VALUE.match(s, end))
         if found is not None:
             return found if flag else _plausible(s, start, end, found)
+    if after == "=" and before in " \t='\"" and not _in_call(s, lo, start):
+        # name=value inside a command's line: ``--from-literal=password=…``, ``helm --set
+        # db.password=…``, ``docker run -e db_password=…``, ``terraform -var 'db_password=…'``,
+        # ``&& password=… ./run``, libpq's ``"host=db password=…"``, a form's ``-d
+        # "client_secret=…&grant_type=…"`` (in a call's parentheses it is a keyword argument:
+        # code). A name that opens a string is given no quoted value: ``"password=" + pw``.
+        pattern = _INLINE_UNQUOTED if before in "'\"" else _INLINE_VALUE
+        found = _value_span(pattern.match(s, end))
+        if found is not None and _SNAKE_NAME.fullmatch(s, *found) is not None:
+            return None  # a variable passed on: ``client_request_token=client_request_token``
+        return _plausible(s, start, end, found)
     if not _in_code(s[start:end]):
         return None
     # In an object literal (a brace opened nearer than a parenthesis on the line), not in a
@@ -304,6 +341,14 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     literal = s.rfind("{", lo, start) > max(s.rfind("(", lo, start), s.rfind("\n", lo, start))
     pattern = _OBJECT_VALUE if literal else _CODE_VALUE
     return _plausible(s, start, end, _value_span(pattern.match(s, end)))
+
+
+def _in_call(s: str, lo: int, at: int) -> bool:
+    """Whether ``s[at]`` is inside a call's parentheses opened on its line (``$(`` is a
+    command's substitution, no call)."""
+    line = max(s.rfind("\n", lo, at), s.rfind("\\n", lo, at), lo - 1) + 1
+    opened = s.rfind("(", line, at)
+    return opened > s.rfind(")", line, at) and s[opened - 1 : opened] != "$"
 
 
 def _string_start(s: str, lo: int, at: int) -> int:
@@ -569,10 +614,10 @@ _NAMED_BYTES: Final = (
 )
 _NAMED_STR: Final = tuple(re.compile(p.pattern.decode()) for p in _NAMED_BYTES)
 _WORDS_BYTES: Final = (b"authorization", b"secret", b"passw", b"earer")
-# A command's password flag (``-u``, ``--user``, ``--proxy-user``, ``-p``; one literal start, as
-# fast as a substring test), and only then the commands' names (three more scans, ~2 µs each).
-_FLAG_BYTES: Final = re.compile(rb"-[uUp]")
-_FLAG_STR: Final = re.compile(r"-[uUp]")
+# A command's password flag (``-u``, ``--user``, ``--proxy-user``, ``-p``, redis-cli's ``-a``; one
+# literal start, as fast as a substring test), and only then the commands' names (~2 µs each).
+_FLAG_BYTES: Final = re.compile(rb"-[uUpa]")
+_FLAG_STR: Final = re.compile(r"-[uUpa]")
 _COMMANDS_BYTES: Final = tuple(command.encode() for command in _COMMANDS)
 _WORDS_STR: Final = ("authorization", "secret", "passw")
 

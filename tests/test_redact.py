@@ -547,6 +547,31 @@ def test_many_names_before_a_secret_do_not_hide_it() -> None:
         ("curl -U proxyuser:hunter2hunter https://x", None),
         ("mysql -h db -uroot -phunter2hunter app", "mysql -h db -uroot -p[REDACTED] app"),
         ("mysqldump -u root -phunter2hunter app > a.sql", None),
+        ("mysql -u root -p'hunter2hunter' app", "mysql -u root -p'[REDACTED]' app"),
+        ('mysql -u root -p"hunter2hunter" app', 'mysql -u root -p"[REDACTED]" app'),
+        ("docker login -u bob -p 'hunter2hunter' r.io", "docker login -u bob -p '[REDACTED]' r.io"),
+        ("sshpass -p hunter2hunter ssh deploy@web1", "sshpass -p [REDACTED] ssh deploy@web1"),
+        ("sshpass -p'hunter2hunter' scp a b:", "sshpass -p'[REDACTED]' scp a b:"),
+        ("redis-cli -h cache -a hunter2hunter ping", "redis-cli -h cache -a [REDACTED] ping"),
+        ("redis-cli --pass hunter2hunter info", "redis-cli --pass [REDACTED] info"),
+        # a lower-case name given a value inside a command's line
+        (
+            "kubectl create secret generic db --from-literal=password=hunter2hunter",
+            "kubectl create secret generic db --from-literal=password=[REDACTED]",
+        ),
+        (
+            "helm upgrade app ./chart --set db.password=hunter2hunter --set image.tag=v2",
+            "helm upgrade app ./chart --set db.password=[REDACTED] --set image.tag=v2",
+        ),
+        ("terraform apply -var 'db_password=hunter2hunter'", None),
+        ("docker run -e db_password=hunter2hunter app:1", None),
+        ("make seed && admin_token=hunter2hunter ./run.sh", None),
+        ('psql "host=db user=app password=hunter2hunter dbname=app"', None),
+        (
+            'curl -d "client_secret=hunter2hunter&grant_type=client_credentials" https://x',
+            'curl -d "client_secret=[REDACTED]&grant_type=client_credentials" https://x',
+        ),
+        ("x=$(kubectl get x --from-literal=password=hunter2hunter)", None),
         # an Authorization header of any scheme
         ("Authorization: ApiKey hunter2hunter12", "Authorization: ApiKey [REDACTED]"),
         ('-H "Authorization: SSWS 00hunter2hunter-AB"', '-H "Authorization: SSWS [REDACTED]"'),
@@ -581,6 +606,18 @@ def test_credentials_assigned_in_code_or_given_to_commands_lose_their_value(
         'curl -u "$USER" https://x',  # no password given
         "Authorization: Bearer tokens are supported",  # prose
         "the curl and mysql commands --user and -p flags",
+        'mysql -u root -p"$MYSQL_ROOT_PASSWORD" app',  # a variable, quoted
+        "redis-cli -a $REDIS_PASSWORD ping",
+        "sshpass -e ssh deploy@web1",  # the password from $SSHPASS
+        # a keyword argument in a call is code, as is a string that ends at the name's "="
+        "conn = psycopg.connect(host=host, password=db_password_2024)",
+        'query = "password=" + quote(secret_value_2024) + "&user=bob"',
+        "kubectl create secret generic db --from-literal=password=$DB_PASSWORD",
+        # (a continued call's arguments: an attribute chain, a variable passed on; a setting's
+        # digit or 20 characters are its own, not the next field's)
+        "    request_token=request.resource_owner_key):",
+        "    backup_id=backup_id, client_request_token=client_request_token",
+        "aws cognito-idp x --token-validity-units AccessToken=minutes,IdToken=minutes,Days=1",
         "pip install -U requests; pytest -p no:cacheprovider",
         'nx.to_pandas_edgelist(G, edge_key="weight_attribute")',  # any lower-case *_key in code
         "config['sort_key'] = 'created_at'",
@@ -1005,7 +1042,7 @@ _PIECES = [
     *('"max_tokens', '"deploy_tokens', '"cached_tokens', "pass", "PASS", "DB_PASS", ".pass"),
     *("-pass", "_pass", "pwd", "PWD", "pwd_hash", "Pwd", "--", "--api-key", "--token"),
     *("--Secret", "--my.pwd", "-u", "-U", "-p", "-P", "u", "curl", "CURL", "mysql", "MariaDB"),
-    *("docker", "Podman", "helm", "nerdctl", "buildah", "skopeo"),
+    *("docker", "Podman", "helm", "nerdctl", "buildah", "skopeo", "sshpass", "redis-cli", "-a"),
     *('"', "'", '\\"', '\\\\\\"', "\\", "=", ":", " ", "\\t", "\t", "\x0b", "\x0c", "\r"),
     *("\n", "a", "x", "_", "-", ".", "1", "v", "v2", "id", "ids", "base", "hash", "\x85", "é"),
 ]
