@@ -591,8 +591,9 @@ _COUNT_KEYS: Final = (
 # ``_hash`` (as ``_NAME_END``: ``OPENAI_KEY_V2=``, ``pwd_hash"``, ``api-key-id"``).
 _SUFFIX: Final = rb"(?:[_-]?(?:v\d+|base|ids?|hash))?"
 # (a tab before the operator is ``\t`` in JSON text, ``\\t`` in the log's line where the text
-# is a JSON string itself: a tool call's arguments)
-_ASSIGNED_BYTES: Final = rb"""(?:\\*["']|(?:\s|\\+t)*[=:])"""
+# is a JSON string itself: a tool call's arguments; ``=`` is ``\u003d`` in HTML-safe JSON, as
+# Gson writes it by default: ``"env":["API_KEY\u003d…"]``)
+_ASSIGNED_BYTES: Final = rb"""(?:\\*["']|(?:\s|\\+t)*[=:]|\\+u003d)"""
 _NAMED_BYTES: Final = (
     # key", key\", key\\\" (nested), key', key=; keys", key_id", token_hash" (not tokens": a count)
     re.compile(rb"keys?" + _SUFFIX + _ASSIGNED_BYTES),

@@ -1367,6 +1367,10 @@ def test_a_string_left_open_among_escaped_quotes_is_looked_at_once() -> None:
         # a notebook cell's last line (no line end of its own), an element on a line of its own
         ('{\n "source": [\n  "db:\\n",\n  "  password: Sx9kP2mQ7vL4"\n ]\n}', "Sx9kP2mQ7vL4"),
         ('{"env": [\n  "PATH=/bin",\n  "db_password=Sx9kP2mQ7vL4"\n]}', "Sx9kP2mQ7vL4"),
+        # Gson's HTML-safe JSON writes "=" as \u003d: a container's environment, a Java app's
+        ('{"Env":["PATH=/bin","GITHUB_TOKEN\\u003dSx9kP2mQ7vL4"]}', "Sx9kP2mQ7vL4"),
+        ('{"props":"stripe.api_key\\u003dSx9kP2mQ7vL4\\nport\\u003d80"}', "Sx9kP2mQ7vL4"),
+        ('{"Env":["SENDGRID_KEY\\u003DSx9kP2mQ7vL4"]}', "Sx9kP2mQ7vL4"),
     ],
 )
 def test_json_a_tool_printed_loses_what_the_same_text_plain_would(text: str, secret: str) -> None:
