@@ -436,6 +436,13 @@ def known_secrets(values: Iterable[str]) -> tuple[str, ...]:
     return tuple({value.strip() for value in values if len(value.strip()) >= 8})
 
 
+# A value that only refers to the credential, quoted: a variable (``"$DB_PASSWORD"``,
+# ``"${DB_PASSWORD}"``; not one with a default, ``${DB_PASSWORD:-changeme}``), a template's
+# expression (``"{{ vault_db_password }}"``, ``"{{ .Values.db.password }}"``).
+_REFERENCE: Final = re.compile(
+    r"\$(?:[A-Z_][A-Z0-9_]*|[a-z_][a-z_]*|\{[A-Za-z_][A-Za-z0-9_]*\})"
+    r"|\{\{-?[ \t]*[A-Za-z_.$][\w.$]*[ \t]*-?\}\}"
+)
 # Looks for a value that found none, per string: each looks up to 512 characters on, so a string
 # made of thousands of names with no value (``A_TOKEN=\nA_TOKEN=\n…``) would cost ~40 µs per
 # name; past this many the rest of the string is left to the other checks. A value found is
@@ -471,7 +478,8 @@ def _redact_named(s: str, lowered: str) -> str:
             ):
                 span = _named_value(s, start, end)
                 if span is not None:  # the value is consumed: looked at once
-                    spans.append(span)
+                    if _REFERENCE.fullmatch(s, *span) is None:
+                        spans.append(span)
                     resume = max(resume, span[1])
                 else:  # (only the looks that found nothing count: each costs up to 512)
                     hits += 1

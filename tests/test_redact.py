@@ -572,6 +572,9 @@ def test_many_names_before_a_secret_do_not_hide_it() -> None:
             'curl -d "client_secret=[REDACTED]&grant_type=client_credentials" https://x',
         ),
         ("x=$(kubectl get x --from-literal=password=hunter2hunter)", None),
+        # a variable's default is a literal, as is a value that only starts like a variable
+        ('DB_PASSWORD="${DB_PASSWORD:-hunter2hunter}"', 'DB_PASSWORD="[REDACTED]"'),
+        ('password: "$hunter2hunter"', 'password: "[REDACTED]"'),
         # an Authorization header of any scheme
         ("Authorization: ApiKey hunter2hunter12", "Authorization: ApiKey [REDACTED]"),
         ('-H "Authorization: SSWS 00hunter2hunter-AB"', '-H "Authorization: SSWS [REDACTED]"'),
@@ -613,6 +616,13 @@ def test_credentials_assigned_in_code_or_given_to_commands_lose_their_value(
         "conn = psycopg.connect(host=host, password=db_password_2024)",
         'query = "password=" + quote(secret_value_2024) + "&user=bob"',
         "kubectl create secret generic db --from-literal=password=$DB_PASSWORD",
+        # a quoted value that only refers to the credential: a variable, a template's expression
+        '      POSTGRES_PASSWORD: "${DB_PASSWORD}"',
+        'export OPENAI_API_KEY="$AZURE_OPENAI_KEY"',
+        'gh api --token "$GITHUB_TOKEN" /user',
+        '{"db": {"password": "${DB_PASS}"}}',
+        'api_key = "{{ vault_openai_api_key }}"',
+        '  password: "{{ .Values.postgres.password }}"',
         # (a continued call's arguments: an attribute chain, a variable passed on; a setting's
         # digit or 20 characters are its own, not the next field's)
         "    request_token=request.resource_owner_key):",
