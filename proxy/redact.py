@@ -17,6 +17,10 @@ from typing import Any, Final
 
 REDACTED: Final = "[REDACTED]"
 
+# A private key's body: base64, the encrypted form's header lines, line ends (escaped too), and
+# the end of one JSON string of an array and the start of the next (a notebook's output lines).
+_PEM_LINES = r'\\n"[ \t\r\n]*,[ \t\r\n]*"'
+_PEM_BODY = _PEM_LINES + r"|[A-Za-z0-9+/=\s:,.\\]|-(?!----)"  # (the lines first: they go on)
 # Each alternative names one family of credentials. The leading look-behind keeps words that merely
 # end in one of the prefixes ("task-…", "ask-…") from matching.
 _SECRET = re.compile(
@@ -50,12 +54,14 @@ _SECRET = re.compile(
     # encrypted form's header lines only, so a parser's source that names the armour is no block
     # (a body's dashes never run to five: scanning stops at the next armour line, so text with
     # thousands of BEGIN lines costs no more than its length; escaped line ends are body too)
-    r"|-----BEGIN (?P<pem>[A-Z0-9 ]*)PRIVATE KEY-----(?:(?:[A-Za-z0-9+/=\s:,.\\]|-(?!----))*"
-    r"-----END (?P=pem)PRIVATE KEY-----|(?:[A-Za-z0-9+/=\s:,.\\]|-(?!----)){16,}(?=\Z|\")"
+    # (a notebook's output holds it a line a JSON string: ``"…\n",\n  "…`` is body too)
+    r"|-----BEGIN (?P<pem>[A-Z0-9 ]*)PRIVATE KEY-----(?:(?:" + _PEM_BODY + ")*"
+    r"-----END (?P=pem)PRIVATE KEY-----|(?:" + _PEM_BODY + r"){16,}(?=\Z|\")"
     # cut off with text after it (a tool's "[output truncated]", "(exit code 0)"): its lines of
     # base64 (40 characters or more: no prose), and the part of a line it was cut in
-    r"|(?:[A-Za-z0-9+/=\s:,.\\]|-(?!----))*?[A-Za-z0-9+/]{40,}=*"
-    r"(?:(?:\s|\\[rn])+[A-Za-z0-9+/]{40,}=*)*(?:(?:\s|\\[rn])+[A-Za-z0-9+/]+=*)?)"
+    r"|(?:" + _PEM_BODY + r")*?[A-Za-z0-9+/]{40,}=*"
+    r"(?:(?:\s|\\[rn]|" + _PEM_LINES + r")+[A-Za-z0-9+/]{40,}=*)*"
+    r"(?:(?:\s|\\[rn]|" + _PEM_LINES + r")+[A-Za-z0-9+/]+=*)?)"
 )
 
 # The shortest string any alternative can match (a URL's "://:p@"), so anything shorter cannot

@@ -1387,3 +1387,47 @@ def test_json_a_tool_printed_loses_what_the_same_text_plain_would(text: str, sec
     event = {"appended": [{"role": "tool", "content": text}]}
     assert line_may_hold_secret(orjson.dumps(event))
     assert secret not in orjson.dumps(redact(event)).decode()
+
+
+_KEY_LINES = [
+    "MIIEowIBAAKCAQEAu1SU1LfVLPHCozMxH2Mo4lgOEePzNm0tRgeLezV6ffAt0gun\n",
+    "VTLw7onLRnrq0/IzW7yWR7QkrmBL7jTKEn5u+qKhbwKfBstIs+bMY2Zkp18gnTxK\n",
+    "LxoS2tFczGkPLPgizskuemMghRniWaoLcyehkd3qqGElvW/VDL5AaWTg0nLVkjRo\n",
+]
+
+
+@pytest.mark.parametrize("indent", [1, None])
+@pytest.mark.parametrize("cut", [False, True])
+def test_a_private_key_a_notebook_printed_line_by_line_loses_its_body(
+    indent: int | None, cut: bool
+) -> None:
+    """A notebook's output holds each line a JSON string of an array: the key's body lay between
+    the strings' quotes, where the armour's pattern stopped, and was logged whole (when the
+    notebook JSON was read as text by a tool, whole or cut off by the tool's limit)."""
+    output = {
+        "output_type": "stream",
+        "name": "stdout",
+        "text": [
+            "-----BEGIN RSA PRIVATE KEY-----\n",
+            *_KEY_LINES,
+            "-----END RSA PRIVATE KEY-----\n",
+        ],
+    }
+    notebook = {
+        "cells": [
+            {"cell_type": "code", "source": ["!cat ~/.ssh/id_rsa"], "outputs": [output]},
+            {"cell_type": "markdown", "source": ["# Next step\n", "Train the model."]},
+        ]
+    }
+    text = json.dumps(notebook, indent=indent)
+    if cut:
+        text = text[: text.index("LxoS2") + 20]
+    event = {"appended": [{"role": "tool", "content": text}]}
+    assert line_may_hold_secret(orjson.dumps(event))
+    out = redact(event)["appended"][0]["content"]
+    for line in _KEY_LINES:
+        assert line[:12] not in out
+    assert "-----BEGIN RSA PRIVATE KEY-----" in out  # the armour is kept
+    if not cut:  # what follows the key stays
+        assert json.loads(out)["cells"][1] == notebook["cells"][1]
+        assert "!cat ~/.ssh/id_rsa" in out
