@@ -32,6 +32,7 @@ from proxy.errors import (
     ProxyError,
     bad_request,
     client_closed,
+    http_date,
     too_large,
     websocket_unsupported,
 )
@@ -517,7 +518,10 @@ def route_of(scope: Scope) -> str:
 
 def _error_response(err: ProxyError, headers: Mapping[str, str] | None = None) -> Response:
     return Response(
-        err.body(), status_code=err.status, headers=headers, media_type="application/json"
+        err.body(),
+        status_code=err.status,
+        headers={**(headers or {}), "date": http_date().decode()},
+        media_type="application/json",
     )
 
 
@@ -637,7 +641,8 @@ def create_app(
     )
 
     async def healthz(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "version": __version__})
+        body = {"status": "ok", "version": __version__}
+        return JSONResponse(body, headers={"date": http_date().decode()})
 
     async def metrics(request: Request) -> Response:
         now = gateway.clock()
@@ -645,7 +650,11 @@ def create_app(
         if gateway.chat is not None:  # the bodies kept for the next turn go with the sessions
             gateway.chat.memos.forget_idle(now)
         gateway.metrics.observe_sessions(len(gateway.sessions), gateway.sessions.bytes)
-        return Response(gateway.metrics.scrape(registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(
+            gateway.metrics.scrape(registry),
+            media_type=CONTENT_TYPE_LATEST,
+            headers={"date": http_date().decode()},
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -6,7 +6,16 @@ Upstream errors are never converted: they are relayed verbatim. Only what cacheg
 
 from __future__ import annotations
 
+import email.utils
+
 import orjson
+
+
+def http_date() -> bytes:
+    """Now, as HTTP's ``Date`` field gives it (RFC 9110 6.6.1: an origin server with a clock
+    sends one). uvicorn's own is off, so that a relayed answer carries the upstream's alone;
+    the answers cachegate makes itself (its errors, ``/healthz``, ``/metrics``) carry this."""
+    return email.utils.formatdate(usegmt=True).encode()
 
 
 class ProxyError(Exception):

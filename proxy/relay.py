@@ -35,6 +35,7 @@ from proxy.errors import (
     ProxyError,
     bad_request,
     client_closed,
+    http_date,
     shutting_down,
     too_large,
     upstream_busy,
@@ -512,7 +513,11 @@ async def send_error(
     the connection closes: closed at once, with the client's bytes unread, the kernel resets
     it, and a client still uploading (the async SDKs) lost the 413 for a connection error."""
     body = err.body()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"date", http_date()),
+    ]
     if extra:
         headers.extend(extra)
     if err.status == 413:

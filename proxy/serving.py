@@ -20,7 +20,7 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from proxy.errors import ProxyError
+from proxy.errors import ProxyError, http_date
 
 
 def listening_sockets(host: str, port: int) -> list[socket.socket]:
@@ -124,6 +124,7 @@ class HttpProtocol(HttpToolsProtocol):
             [
                 b"content-type: application/json\r\n",
                 b"content-length: %d\r\n" % len(body),
+                b"date: %s\r\n" % http_date(),
                 b"connection: close\r\n\r\n",
                 body,
             ]

@@ -187,6 +187,33 @@ def test_healthz_and_metrics(sim: RunningSimulator, sdk: Any, proxy_factory: Any
     )
 
 
+def test_what_cachegate_answers_itself_carries_a_date_and_a_relayed_answer_the_upstreams(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """uvicorn's Date is off so that a relayed answer carries the upstream's alone; cachegate's
+    own answers (its errors, /healthz, /metrics) then had none (RFC 9110 6.6.1)."""
+    import email.utils
+    import time
+
+    proxy = proxy_factory(sim.api_base)
+    own = [
+        httpx.get(proxy.url + "/healthz"),
+        httpx.get(proxy.url + "/metrics"),
+        httpx.post(proxy.url + "/chat/completions", json={}),  # 404, no /v1
+        httpx.post(proxy.url + "/healthz"),  # 405
+        httpx.post(proxy.base_url + "/chat/completions", content=b"{bad"),  # 400 invalid_json
+    ]
+    assert [r.status_code for r in own] == [200, 200, 404, 405, 400]
+    for r in own:
+        assert len(r.headers.get_list("date")) == 1, r.request.url
+        when = email.utils.parsedate_to_datetime(r.headers["date"]).timestamp()
+        assert abs(when - time.time()) < 60
+    relayed = httpx.get(proxy.base_url + "/models")
+    assert relayed.status_code == 200
+    direct = httpx.get(sim.api_base + "/models")
+    assert len(relayed.headers.get_list("date")) == len(direct.headers.get_list("date"))
+
+
 def test_a_base_url_without_v1_gets_an_openai_shaped_404_that_says_so(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:

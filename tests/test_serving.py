@@ -260,6 +260,7 @@ def test_a_request_the_parser_refuses_is_answered_in_openais_error_shape(
             answer += chunk
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400 Bad Request\r\n") and b"application/json" in head
+    assert head.count(b"\r\ndate: ") == 1  # (as any answer cachegate makes itself)
     assert int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]) == len(body)
     error = json.loads(body)["error"]
     assert error["code"] == "invalid_http" and error["param"] is None
