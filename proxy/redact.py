@@ -902,9 +902,11 @@ def redact_text(s: str) -> str:
         return s
     if is_binary(s):
         return s
+    if not _suspect_text(s):  # (neither check below could find anything)
+        return s
     out = s
     lowered = _lowered(s)
-    if "\\" in s and '"' in s and _suspect(s, lowered):
+    if "\\" in s and '"' in s:
         out = _redact_escaped_strings(s)
         if out is not s:
             lowered = _lowered(out)
@@ -928,6 +930,20 @@ def _names_a_secret(s: str, lowered: str) -> bool:
 
 def _suspect(s: str, lowered: str) -> bool:
     return _may_hold_secret(s, lowered) or _names_a_secret(s, lowered)
+
+
+def _suspect_text(s: str) -> bool:
+    """``_suspect(s, _lowered(s))``, by the one-pass scan where it answers the same (ASCII text:
+    the checks' bytes forms are the text's, ``line_may_hold_secret``'s): ~0.7 µs for a short
+    string where the checks one by one take ~3, and ~1 µs for 2 KB where they take ~36."""
+    if s.isascii():
+        scan = _multi_scan()
+        if scan is not None:
+            try:
+                return scan(s.encode())
+            except Exception:  # (the checks one by one decide)
+                pass
+    return _suspect(s, _lowered(s))
 
 
 # A JSON string with at least one escape in it, on one line, or left open at the line's end
@@ -969,7 +985,7 @@ def _redact_escaped_strings(s: str) -> str:
             body, tail = body + '"', tail + unclosed
         else:
             body = token
-        if not _suspect(body, _lowered(body)):
+        if not _suspect_text(body):
             continue
         try:
             text = json.loads(body)

@@ -1087,6 +1087,21 @@ def test_the_one_pass_scan_answers_as_the_scans_one_by_one(
     assert scan(line) == _scans(line), line
 
 
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), max_size=14), st.text(max_size=12))
+def test_a_text_is_suspect_by_the_one_pass_exactly_when_by_the_checks(
+    pieces: list[str], noise: str
+) -> None:
+    """``redact_text`` returns a text the one pass finds nothing in as it is, and decodes only
+    the JSON strings it finds something in: it must answer as the checks on the text do (the
+    one pass looks at ASCII text only: other text goes to the checks)."""
+    from proxy.redact import _lowered, _suspect, _suspect_text
+
+    _one_pass()
+    for text in ("".join(pieces) + noise, noise + "".join(pieces)):
+        assert _suspect_text(text) == _suspect(text, _lowered(text)), text
+
+
 def test_the_one_pass_scan_answers_as_the_scans_on_every_example_here() -> None:
     """Every credential and name this file tests, in a log line, and the lines that must pass."""
     import orjson
