@@ -674,9 +674,12 @@ class AccountingObserver:
             if len(self._terms) >= _MAX_MODEL_TERMS:  # model names come from clients: bounded
                 self._terms.clear()
             if self._first_unpriced(model_name, pricing):
-                shown = redact_text(model_name or "")  # a client's text, on stderr: as in the log
+                # a client's text, on stderr: as in the log; its start only, redacted before
+                # it is clipped (a key cut at the clip would not be known), the event loop's
+                # work bounded (a name of 100 KB, redacted on the event loop)
+                shown = redact_text((model_name or "")[:_MODEL_REDACTED])
                 own = client_keys(ex.upstream_headers) if ex is not None else ()
-                shown = without_values(shown, (*self.secrets, *own))
+                shown = _clipped(without_values(shown, (*self.secrets, *own)))
                 # the table to add them to: the configured entry the name matched (a new table
                 # of its own would start from "*" and lose that entry's window), else its own
                 table = shown if name == "*" else name
@@ -1552,3 +1555,12 @@ def _iso(ts: float) -> str:
     import datetime
 
     return datetime.datetime.fromtimestamp(ts, datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+_MODEL_SHOWN = 200  # characters of a model's name said on stderr
+_MODEL_REDACTED = 4096  # ...of the name redacted first (a key cut at the clip is whole there)
+
+
+def _clipped(name: str) -> str:
+    """``name``, its first ``_MODEL_SHOWN`` characters and ``…`` when longer."""
+    return name if len(name) <= _MODEL_SHOWN else name[:_MODEL_SHOWN] + "…"

@@ -44,7 +44,8 @@ _SECRET = re.compile(
     r"|[sr]k_(?:live|test)_[A-Za-z0-9]{16,}"  # Stripe secret and restricted keys
     r"|AIza[0-9A-Za-z_-]{35,}"  # Google API keys
     # AWS secret access keys, by their name (the value alone looks like any base64)
-    r"|(?P<awsname>(?i:aws_secret_access_key)[\s\"']*[=:][\s\"']*)[A-Za-z0-9/+=]{40}"
+    # (or a blank: ``aws configure set aws_secret_access_key …``)
+    r"|(?P<awsname>(?i:aws_secret_access_key)(?:[\s\"']*[=:][\s\"']*|[ \t]+))[A-Za-z0-9/+=]{40}"
     r")"
     # a URL's user:password (its scheme and host kept), to the last "@" before the host (a
     # password written with a raw "@" in it)
@@ -162,13 +163,16 @@ _ESCAPED_QUOTED = r'\\"(?=[^"\\]{0,512}[A-Za-z0-9])([^"\\]{6,}+)\\"'  # \"…\" 
 # A value given on a command's line (``--from-literal=password=…``): unquoted, it ends at white
 # space, a quote, a parenthesis (``$(…)``) or an ``&`` that starts another field (a form's
 # ``client_secret=…&grant_type=``); the digit or the 20 characters a setting needs are its own.
+_FIELD_AMP = r"&(?![A-Za-z_][\w.-]{0,64}=)"  # (an & that starts no other field: a form's)
 _INLINE_CHARS = r"[^\s\"'`(){}\[\]<>,;\\&]"
 _INLINE_END = r"(?![^\s,;\\\"'&)])"
 _INLINE_LITERAL = (
     f"(?={_INLINE_CHARS}{{0,512}}[A-Za-z])"
     r"([^\s\"'`$(){}\[\]<>,;\\&](?:"
     + _INLINE_CHARS
-    + r"|\\/|&(?![A-Za-z_][\w.-]{0,64}=)){5,}+)"
+    + r"|\\/|"
+    + _FIELD_AMP
+    + r"){5,}+)"
     + _INLINE_END
 )
 _INLINE_SETTING = (
@@ -178,8 +182,22 @@ _INLINE_SETTING = (
     + _INLINE_LITERAL
 )
 _SNAKE_NAME = re.compile(r"[a-z]+(?:_[a-z]+)+")  # (no digit: a name, not a passphrase)
-_INLINE_VALUE = re.compile(r"=(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + "|" + _INLINE_SETTING + ")")
+_INLINE_QUOTED = re.compile(r"=(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + ")")
 _INLINE_UNQUOTED = re.compile("=" + _INLINE_SETTING)
+_NO_VARIABLE = r"(?!\$[A-Za-z_{(])"
+# ...and where the name opens a quoted word: in single quotes, to the closing quote; in double
+# quotes, to it or a blank (libpq's ``"password=… dbname=app"``)
+_INLINE_IN_SINGLE = re.compile(
+    "=" + _NO_VARIABLE + r"(?=[^'\n\\&]{0,512}[A-Za-z0-9])"
+    r"((?:[^'\n\\&]|" + _FIELD_AMP + r"){6,}+)(?='|&)"
+)
+_INLINE_IN_DOUBLE = re.compile(
+    "=" + _NO_VARIABLE + r'(?=[^"\s\\&]{0,512}[A-Za-z0-9])'
+    r'((?:[^"\s\\&]|' + _FIELD_AMP + r'){6,}+)(?=["\s\\&])'
+)
+# (what may stand before such a name: a blank, the ``=`` of a flag, a quote, a list's comma,
+# a flag's dash, Hydra's ``+``, sed's ``/``)
+_INLINE_BEFORE: Final = frozenset(" \t='\"-,+/")
 # Blanks around an operator: a tab is ``\t`` in JSON text (a tool call's arguments, a JSON
 # tool output), where a quote is ``\"``.
 _BLANKS = r"(?:[ \t]|\\t)*"
@@ -187,7 +205,7 @@ _ASSIGN_VALUE = re.compile(
     _BLANKS + "=" + _BLANKS + "(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + "|" + _SETTING + ")"
 )
 # The shell's working directories (``env`` prints them): PWD is no password there.
-_SHELL_DIRECTORY: Final = re.compile(r"(?<![A-Z0-9_])(?:OLD)?PWD=")
+_SHELL_DIRECTORY: Final = re.compile(r"(?<![A-Z0-9_;])(?:OLD)?PWD=")  # (;PWD= is ODBC's)
 _ENV_VALUE = re.compile(r"=(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + "|" + _LITERAL + ")")
 _HEADER_VALUE = re.compile(r":[ \t]*([A-Za-z0-9._~+/=-]{8,}+)(?![(])")
 _QUERY_VALUE = re.compile(r"=(?=[^&\s#\"'\\]{0,512}[A-Za-z])([^&\s#\"'\\]{6,}+)")
@@ -242,10 +260,13 @@ _COMMAND_PASSWORD = re.compile(  # (on the command's own part of the line: to a 
     r"""|(?i:docker|podman|helm|nerdctl|buildah|skopeo)"""
     r"""(?:[ \t]+-{1,2}[^\s|;&]+(?:[ \t]+[^-\s|;&][^\s|;&]*)?){0,6}[ \t]+(?:registry[ \t]+)?"""
     r"""login[^\n|;&]{0,512}?\s-p[ \t]+"""
-    r"""|(?i:sshpass)[^\n|;&]{0,512}?\s-p[ \t]*"""  # sshpass -p PASSWORD ssh …
+    # sshpass -p PASSWORD ssh … (among sshpass's own options, before the command it runs)
+    r"""|(?i:sshpass)(?:[ \t]+(?:-[fdP][ \t]*[^\s|;&]+|-[evhV]+))*[ \t]+-p[ \t]*"""
     r"""|(?i:redis-cli)[^\n|;&]{0,512}?\s(?:-a|--pass)[ \t]+)"""  # redis-cli -a PASSWORD
-    # (quoted or not: -p'…', -p "…"; not a $VARIABLE, though a literal $ may start one)
-    r"""(?:["']|\\")?(?!\$[A-Za-z_{(])([^\s"'\\]{4,}+)"""
+    # (quoted or not: -p'…', -p "…", to the closing quote; not a $VARIABLE, though a literal $
+    # may start one, and in single quotes is one)
+    r"""(?:'([^'\n]{4,}+)'|"(?!\$[A-Za-z_{(])([^"\n\\]{4,}+)"|\\"(?!\$[A-Za-z_{(])"""
+    r"""([^"\n\\]{4,}+)\\"|(?!\$[A-Za-z_{(])([^\s"'\\]{4,}+))"""
 )
 _COMMANDS: Final = (
     "curl",
@@ -276,7 +297,8 @@ def _value_span(found: re.Match[str] | None) -> tuple[int, int] | None:
 
 def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     """The span of the value named by the credential name ``s[start:end]`` (``_is_credential``),
-    if the text there reads as an assignment of a literal to it; None otherwise."""
+    if the text there reads as an assignment of a literal to it; an empty span at the end of a
+    value looked at and not taken (no secret; consumed); None otherwise."""
     before = s[start - 1] if start else "\n"
     after = s[end : end + 1]
     if s[end : end + 2] == '\\"' and s[start - 2 : start] == '\\"':  # \"api_key\": \"…\"
@@ -329,17 +351,34 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
             found = _value_span(_YAML_VALUE.match(s, end))
         if found is not None:
             return found if flag else _plausible(s, start, end, found)
-    if after == "=" and before in " \t='\"" and not _in_call(s, lo, start):
+    if (
+        after == "="
+        and s[end + 1 : end + 2] != "="  # (``password==x``: a comparison)
+        and before in _INLINE_BEFORE
+        and not _keyword_argument(s, lo, start)
+    ):
         # name=value inside a command's line: ``--from-literal=password=…``, ``helm --set
-        # db.password=…``, ``docker run -e db_password=…``, ``terraform -var 'db_password=…'``,
-        # ``&& password=… ./run``, libpq's ``"host=db password=…"``, a form's ``-d
-        # "client_secret=…&grant_type=…"`` (in a call's parentheses it is a keyword argument:
-        # code). A name that opens a string is given no quoted value: ``"password=" + pw``.
-        pattern = _INLINE_UNQUOTED if before in "'\"" else _INLINE_VALUE
-        found = _value_span(pattern.match(s, end))
-        if found is not None and _SNAKE_NAME.fullmatch(s, *found) is not None:
-            return None  # a variable passed on: ``client_request_token=client_request_token``
-        return _plausible(s, start, end, found)
+        # a=b,db.password=…``, ``docker run -e db_password=…``, ``terraform -var
+        # 'db_password=…'``, ``&& password=… ./run``, libpq's ``"host=db password=…"``, a
+        # form's ``-d "client_secret=…&grant_type=…"``, ``mvn -Dspring.datasource.password=…``,
+        # Go's ``-password=…``, Hydra's ``+db.password=…``, sed's ``s/…/db_password=…/``. A
+        # value looked at and not taken is consumed all the same (an empty span): a name
+        # repeated in it is not looked at again (``token=token=…``: each look ran to the end).
+        if before == "'":  # (a shell's single-quoted word: to its closing quote)
+            found = _value_span(_INLINE_IN_SINGLE.match(s, end))
+        elif before == '"':  # (a name that opens the string: ``"password=" + pw`` is code)
+            found = _value_span(_INLINE_IN_DOUBLE.match(s, end))
+        else:
+            found = _value_span(_INLINE_QUOTED.match(s, end))
+            if found is None:
+                found = _value_span(_INLINE_UNQUOTED.match(s, end))
+                if found is not None and _SNAKE_NAME.fullmatch(s, *found) is not None:
+                    return found[1], found[1]  # a variable passed on: ``token=token``
+        if found is not None:
+            taken = _plausible(s, start, end, found)
+            return taken if taken is not None else (found[1], found[1])
+        if before in "'\"":
+            return None
     if not _in_code(s[start:end]):
         return None
     # In an object literal (a brace opened nearer than a parenthesis on the line), not in a
@@ -349,12 +388,20 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     return _plausible(s, start, end, _value_span(pattern.match(s, end)))
 
 
-def _in_call(s: str, lo: int, at: int) -> bool:
-    """Whether ``s[at]`` is inside a call's parentheses opened on its line (``$(`` is a
-    command's substitution, no call)."""
+def _keyword_argument(s: str, lo: int, at: int) -> bool:
+    """Whether the name at ``s[at]`` is a call's keyword argument (code): it follows a ``,``
+    (blanks between) inside a call's parentheses opened on its line, after a name
+    (``connect(host=h, password=pw_2024)``; a subshell's ``(cd x && …)``, ``$(…)``, and a
+    string inside the call, ``run(["--from-literal=password=…"])``, are no such place)."""
     line = max(s.rfind("\n", lo, at), s.rfind("\\n", lo, at), lo - 1) + 1
+    if not s[line:at].rstrip(" \t").endswith(","):
+        return False
     opened = s.rfind("(", line, at)
-    return opened > s.rfind(")", line, at) and s[opened - 1 : opened] != "$"
+    return (
+        opened > s.rfind(")", line, at)
+        and opened > 0
+        and (s[opened - 1].isalnum() or s[opened - 1] in "_.]")
+    )
 
 
 def _string_start(s: str, lo: int, at: int) -> int:
@@ -448,6 +495,7 @@ def known_secrets(values: Iterable[str]) -> tuple[str, ...]:
 _REFERENCE: Final = re.compile(
     r"\$(?:[A-Z_][A-Z0-9_]*|[a-z_][a-z_]*|\{[A-Za-z_][A-Za-z0-9_]*\})"
     r"|\{\{-?[ \t]*[A-Za-z_.$][\w.$]*[ \t]*-?\}\}"
+    r"|\{[A-Za-z_][\w.]*(?:![rsa])?\}"  # a format string's field: f"password={pw!r}"
 )
 # Looks for a value that found none, per string: each looks up to 512 characters on, so a string
 # made of thousands of names with no value (``A_TOKEN=\nA_TOKEN=\n…``) would cost ~40 µs per
@@ -484,7 +532,7 @@ def _redact_named(s: str, lowered: str) -> str:
             ):
                 span = _named_value(s, start, end)
                 if span is not None:  # the value is consumed: looked at once
-                    if _REFERENCE.fullmatch(s, *span) is None:
+                    if span[0] < span[1] and _REFERENCE.fullmatch(s, *span) is None:
                         spans.append(span)
                     resume = max(resume, span[1])
                 else:  # (only the looks that found nothing count: each costs up to 512)
@@ -500,8 +548,9 @@ def _redact_named(s: str, lowered: str) -> str:
         at, looks = lowered.find(command), 0
         while at >= 0 and looks < _MAX_HITS:
             found = _COMMAND_PASSWORD.match(s, at)
-            if found is not None:
-                spans.append(found.span(1))
+            span = _value_span(found)
+            if span is not None:
+                spans.append(span)
             looks += 1
             at = lowered.find(command, found.end() if found is not None else at + len(command))
     if not spans:
