@@ -293,6 +293,34 @@ def test_a_model_without_prices_is_said_once_not_silently_costed_at_zero(
     ]
 
 
+def test_a_long_model_name_is_said_clipped_its_key_redacted_and_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client's model name is redacted on the event loop before it is said: one of 100 KB
+    ("token=token=…") held the loop 14 s; a key at the clip is redacted whole first."""
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    store = MemorySessionStore()
+    store.create("s1", 0.0)
+    accounting = AccountingObserver(
+        settings_from_mapping({}), store, Metrics(CollectorRegistry(), ())
+    )
+    key = "sk-proj-" + "Ab3" * 12
+    name = "m " + "x" * 190 + key + " token=" * 17_000
+    ex = exchange(1, msgs("task"))
+    ex.model = name
+    ex.usage, ex.status = Usage(5000, 10, 0, 0, True), 200
+    began = time.process_time()
+    with caplog.at_level(logging.INFO, logger="proxy.observers"):
+        accounting.on_response(ex)
+    assert time.process_time() - began < 1.0
+    said = [r.getMessage() for r in caplog.records if "has no prices" in r.getMessage()]
+    assert len(said) == 1 and len(said[0]) < 800
+    assert "…" in said[0] and "sk-proj-Ab3" not in said[0] and "Ab3Ab3" not in said[0]
+
+
 def test_models_without_prices_are_said_once_each_and_not_without_end(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
