@@ -214,3 +214,48 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(
             assert not empty, "dashboard queries that returned no data:\n" + "\n".join(
                 f"  {name} / {title}: {expr}" for name, title, expr in empty
             )
+
+
+def test_a_bar_panel_counts_each_event_once_whole_wherever_it_falls(
+    tmp_path: Path, prometheus: tuple[str, Any]
+) -> None:
+    """The bars of forgotten sessions (as of lost log lines), queried as Grafana does, one
+    point an interval: ``increase`` over ``$__interval`` lost what happened between one bar's
+    last scrape and the next one's first, and read 1.33 for one event. Over any run of bars,
+    the counts now add up to the events, exactly."""
+    prometheus_url, start_prometheus = prometheus
+    expr = next(
+        expr
+        for _, title, expr in dashboard_queries()
+        if "cachegate_session_evictions_total" in expr and "offset" in expr
+    ).replace("offset 1m", "offset 3s")  # (bars of 3 s, at 1 s scrapes)
+    with run_simulator() as sim:
+        settings = settings_from_mapping(
+            {
+                "upstream": {"base_url": sim.api_base},
+                "logging": {"dir": str(tmp_path / "logs")},
+                "sessions": {"max_sessions": 1},
+            }
+        )
+        app = create_app(settings, registry=CollectorRegistry(), environ={})
+        with ServerThread(app) as server, httpx.Client(base_url=prometheus_url) as prom:
+            start_prometheus(f"127.0.0.1:{server.port}")
+            wait_for_scrapes(prom, 5)
+            began = time.time()
+            with httpx.Client(base_url=server.url + "/v1", timeout=30) as client:
+                for n in range(8):  # each new session forgets the one before: 7 evictions
+                    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": f"{n}"}]}
+                    headers = {"X-Session-Id": f"bars-{n}"}
+                    assert client.post("/chat/completions", json=body, headers=headers)
+                    time.sleep(0.45)
+            time.sleep(3.5)  # (scraped after the last one)
+            ended = time.time()
+            response = prom.get(
+                "/api/v1/query_range",
+                params={"query": expr, "start": began - 3, "end": ended, "step": 3},
+            )
+            result = response.json()["data"]["result"]
+    counts = {r["metric"]["reason"]: [float(v) for _, v in r["values"]] for r in result}
+    assert sum(counts["count"]) == 7, counts["count"]
+    assert all(v == int(v) for v in counts["count"])  # whole events, not 1.33
+    assert sum(counts["idle"]) == sum(counts["memory"]) == 0
