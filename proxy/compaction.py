@@ -114,8 +114,10 @@ _FENCE_RE = re.compile(r"```(?:bash|sh|shell|console|zsh|terminal)[^\n]*\n(.*?)`
 class LastUsage(NamedTuple):
     """What the compaction trigger keeps of a session's last answered exchange: the provider's
     count of it, the client history it was of (its length, first and last message: a turn of
-    another conversation is not counted on the numbers of this one), the compaction it went out
-    with (its prefix digest, or None) and its tools."""
+    another conversation is not counted on the numbers of this one; and the messages
+    themselves, ``sent``: one changed in place since, an old tool output cleared, makes the
+    count another history's), the compaction it went out with (its prefix digest, or None) and
+    its tools."""
 
     prompt: int
     completion: int
@@ -124,6 +126,7 @@ class LastUsage(NamedTuple):
     tail: Any
     compaction: str | None
     tools: Any
+    sent: Sequence[Any] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,15 +306,27 @@ def _tool_calls(message: Message) -> list[dict[str, Any]]:
     return [c for c in calls if isinstance(c, dict)]
 
 
-def _call_name(call: dict[str, Any]) -> str:
+def _call_body(call: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """A tool call's named part and the field of its input: ``function`` and ``arguments``, or
+    a custom tool's ``custom`` and ``input`` (OpenAI's free-form tools: ``apply_patch``)."""
     function = call.get("function")
-    name = function.get("name") if isinstance(function, dict) else None
+    if isinstance(function, dict):
+        return function, "arguments"
+    custom = call.get("custom")
+    if isinstance(custom, dict):
+        return custom, "input"
+    return None, "arguments"
+
+
+def _call_name(call: dict[str, Any]) -> str:
+    body, _ = _call_body(call)
+    name = body.get("name") if body is not None else None
     return name if isinstance(name, str) else ""
 
 
 def _call_arguments(call: dict[str, Any]) -> str:
-    function = call.get("function")
-    arguments = function.get("arguments") if isinstance(function, dict) else None
+    body, field = _call_body(call)
+    arguments = body.get(field) if body is not None else None
     if isinstance(arguments, str):
         return arguments
     if arguments is None:

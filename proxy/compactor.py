@@ -13,7 +13,7 @@ import functools
 import logging
 import operator
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -26,7 +26,7 @@ from proxy.eventlog import NotALogFile, logged_compactions, session_log_path
 from proxy.observers import client_keys
 from proxy.pipeline import Exchange, Observer, clip_words, error_message, notify
 from proxy.redact import redact_text, without_values
-from proxy.relay import Relay, open_error_kind
+from proxy.relay import Relay, decoded_answer, open_error_kind
 from proxy.sessions import CONVERSATIONS_KEPT, SessionState, SessionStore
 from proxy.usage import added, normalize_usage
 
@@ -110,6 +110,14 @@ def _same(a: Any, b: Any) -> bool:
     request's last message comes back unmarked, and the provider's numbers for the history it
     ended were dropped every turn, the trigger left to the estimate)."""
     return a is b or a == b or compaction.unmarked(a) == compaction.unmarked(b)
+
+
+def _unchanged(messages: list[Any], sent: Sequence[Any], count: int) -> bool:
+    """Whether ``messages[1 : count - 1]`` are those of ``sent`` (the very objects, as a
+    continued body holds them, or equal ones); True where ``sent`` was not kept."""
+    if len(sent) != count:
+        return not sent
+    return all(_same(messages[i], sent[i]) for i in range(1, count - 1))
 
 
 def _retimed(new: Any, old: Any) -> bool:
@@ -280,8 +288,11 @@ class Compactor:
                 0 < count <= len(messages)
                 and (_same(messages[0], last.head) or _retimed(messages[0], last.head))
                 and _same(messages[count - 1], last.tail)
+                and _unchanged(messages, last.sent, count)
             ):
-                last = None  # another conversation's, or a rewind: the estimate decides
+                # another conversation's, a rewind, or a history changed in place since (opencode
+                # clears its old tool outputs): the estimate decides
+                last = None
         held: dict[str, list[Any]] = state.extra.setdefault("compactions", {})
         existing, known = self._existing(held, messages)
         if (
@@ -954,7 +965,9 @@ class Compactor:
                         response = await self.relay.open("POST", url, headers, content)
                         stage = "midstream"
                         try:
-                            body = await response.aread()
+                            # (compressed by an upstream that compresses whatever it is asked:
+                            # decoded, as the relay decodes an answer for the log)
+                            body = decoded_answer(response, await response.aread())
                         finally:
                             await response.aclose()
                     finally:
@@ -994,8 +1007,9 @@ class Compactor:
                     said = clip_words(redact_text(said), 300)
                     raise ValueError(f"the provider reported: {said}")
                 billed = answer
-                text = answer["choices"][0]["message"]["content"]
-                if isinstance(text, str) and text.strip():
+                # (a list of parts too, as Mistral's reasoning models answer: its text parts)
+                text = compaction.message_text(answer["choices"][0]["message"])
+                if text.strip():
                     limit = int(chars * compaction.SUMMARY_OVERRUN)
                     summary = compaction.clip_summary(text.strip(), limit)
                     return summary, "model", model, answer, upstream_s

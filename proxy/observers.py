@@ -896,6 +896,7 @@ class AccountingObserver:
             tail=sent[-1] if sent else None,
             compaction=ex.compaction_digest,
             tools=client.get("tools"),
+            sent=sent or (),
         )
         after_compaction = ex.compaction_made
         cache_state: CacheState = extra.get("cache") or CacheState()

@@ -237,6 +237,13 @@ def _decode(coding: str, body: bytes) -> bytes:
     return body
 
 
+def decoded_answer(response: httpx.Response | UpstreamResponse, body: bytes) -> bytes:
+    """``body``, ``response``'s whole answer, with its gzip or deflate coding undone (an
+    upstream that compresses although cachegate asks for ``identity``), as the relay reads one
+    for the log; as it is otherwise."""
+    return _decode(_coding(response), body)
+
+
 # How each coding may be framed: gzip's or zlib's header (zlib tells them apart), else a raw
 # deflate stream, which some servers send as "deflate" (HTTP clients read both).
 _WBITS: Final = {

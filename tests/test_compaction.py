@@ -411,6 +411,36 @@ def test_extractive_summary_quotes_the_task_and_lists_files_and_commands() -> No
     assert text == extractive_summary(work_middle(), previous_summary=None)
 
 
+def test_calls_of_custom_tools_are_summarized_with_their_name_and_input() -> None:
+    """OpenAI's custom (free-form) tools send ``{"type": "custom", "custom": {"name", "input"}}``:
+    only ``function`` was read, so every such call read ``() (id …)`` in both summaries, and
+    the files a patch touched were in neither."""
+    patch = "*** Begin Patch\n*** Update File: src/module_7.py\n@@\n-x = 1\n+x = 2\n*** End Patch"
+    middle: list[dict[str, Any]] = [
+        {"role": "user", "content": "Bump x in module 7."},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "custom",
+                    "custom": {"name": "apply_patch", "input": patch},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "Success. Updated 1 file."},
+    ]
+    text = extractive_summary(middle, previous_summary=None)
+    assert "- apply_patch(*** Begin Patch *** Update File: src/module_7.py" in text
+    assert "-> Success. Updated 1 file." in text
+    assert "- `src/module_7.py`" in text
+    prompt = build_summary_request(middle, previous_summary=None, model="m")["messages"][1]
+    assert "-> tool call apply_patch(*** Begin Patch" in prompt["content"]
+    assert "tool result of apply_patch (id c1):" in prompt["content"]
+    assert content_chars(middle[1]) == len("apply_patch") + len(patch)
+
+
 def test_extractive_summary_is_rolling_and_bounded() -> None:
     many = [m for k in range(400) for m in tool_round(k)]
     text = extractive_summary(

@@ -550,6 +550,55 @@ def test_a_summary_answer_with_a_lone_surrogate_escape_is_the_summary(
     assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 0
 
 
+@pytest.mark.parametrize("shape", ["parts", "gzip"])
+def test_a_summary_answered_in_parts_or_compressed_is_the_summary(
+    scripted: Any, proxy_factory: Any, shape: str
+) -> None:
+    """A summarizer's message whose content is a list of parts (Mistral's reasoning models),
+    or an answer gzipped by an upstream that compresses whatever it is asked: the paid summary
+    was thrown away for the extractive one (the gzipped one counted as an invalid answer)."""
+    import gzip
+
+    content: Any = "SUMMARY of the work"
+    if shape == "parts":
+        content = [
+            {"type": "thinking", "thinking": [{"type": "text", "text": "hmm, THOUGHTS"}]},
+            {"type": "text", "text": "SUMMARY of the work"},
+        ]
+    answer = orjson.dumps(
+        {
+            "id": "s",
+            "object": "chat.completion",
+            "model": "gpt-4o",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 3000, "completion_tokens": 40},
+        }
+    )
+    headers: list[tuple[bytes, bytes]] = []
+    if shape == "gzip":
+        answer, headers = gzip.compress(answer), [(b"content-encoding", b"gzip")]
+    upstream, url = scripted(chunks=[answer], content_type=b"application/json")
+    upstream.extra_headers = headers
+    proxy = proxy_factory(url, CONFIG)
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json={"model": MODEL, "messages": history(18)},
+        headers={"X-Session-Id": f"summary-{shape}"},
+    )
+    assert r.status_code == 200 and r.headers["x-cachegate-compacted"] == "1"
+    forwarded = orjson.loads(upstream.requests[-1]["body"])["messages"]
+    assert "SUMMARY of the work" in forwarded[1]["content"]
+    assert "THOUGHTS" not in forwarded[1]["content"]
+    assert compacted_events(proxy)[0]["source"] == "model"
+    assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 0
+
+
 @pytest.mark.parametrize("before", [0, 263])
 def test_a_summarizer_error_that_names_the_key_is_said_without_it(
     scripted: Any, proxy_factory: Any, caplog: pytest.LogCaptureFixture, before: int
@@ -1302,6 +1351,35 @@ def test_a_message_changed_under_the_summary_lets_the_estimate_decide(
     forwarded = sim.sim.requests[-1].body["messages"]
     assert compaction.estimate_tokens(forwarded) < 6000 * 0.75
     assert compaction.estimate_tokens(msgs) > 6000 * 0.75  # (what went out before)
+
+
+def test_a_history_shrunk_in_place_is_not_compacted_on_its_old_count(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """The agent clears its old tool outputs in place (opencode's pruning) before any
+    compaction: the provider's count of the previous request, a much larger history with the
+    same first and last messages, was taken for this one, and a paid summary made of a history
+    at a quarter of the window ("counts this history at 3.6 times cachegate's estimate")."""
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    c = sdk(proxy.base_url, default_headers={"X-Session-Id": "shrunk"})
+    msgs = history(10, output_chars=1400, system_repeat=20)
+    raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=msgs)
+    assert raw.headers.get("x-cachegate-compacted") is None
+    usage = raw.parse().usage
+    assert usage is not None and 3500 < usage.prompt_tokens < 4500  # near the trigger (4,500)
+    proxy.settle()  # (the provider's count of it noted)
+    for i, message in enumerate(msgs[:-4]):
+        if message["role"] == "tool":  # all but the last two outputs cleared, in place
+            msgs[i] = {**message, "content": "[Old tool result content cleared]"}
+    msgs += [
+        {"role": "assistant", "content": "Next."},
+        {"role": "user", "content": "Go on with " + "the next case, " * 80},
+    ]
+    assert compaction.estimate_tokens(msgs) < 6000 * 0.75 / 2
+    raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=msgs)
+    assert raw.headers.get("x-cachegate-compacted") is None
+    assert sim.sim.requests[-1].body["messages"] == msgs
+    assert compacted_events(proxy) == []
 
 
 def test_tools_added_mid_session_count_toward_the_trigger(
