@@ -896,7 +896,9 @@ class AccountingObserver:
             tail=sent[-1] if sent else None,
             compaction=ex.compaction_digest,
             tools=client.get("tools"),
-            sent=sent or (),
+            # (the messages themselves only where compaction may read them: a session holds
+            # its latest request's anyway, but not kept past it for nothing)
+            sent=(sent or ()) if self.settings.compaction.enabled else (),
         )
         after_compaction = ex.compaction_made
         cache_state: CacheState = extra.get("cache") or CacheState()
