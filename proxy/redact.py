@@ -18,8 +18,14 @@ from typing import Any, Final
 REDACTED: Final = "[REDACTED]"
 
 # A private key's body: base64, the encrypted form's header lines, line ends (escaped too), and
-# the end of one JSON string of an array and the start of the next (a notebook's output lines).
-_PEM_LINES = r'\\n"[ \t\r\n]*,[ \t\r\n]*"'
+# the end of one JSON string of an array and the start of the next (a notebook's output lines),
+# where the next holds a line of the key: base64 (a last short one before the armour's end), the
+# armour's end, an encrypted key's header, a line cut off by the text's end (not prose: "Paste
+# the whole file, …").
+_PEM_LINES = (
+    r'\\n"[ \t\r\n]*,[ \t\r\n]*"(?=[A-Za-z0-9+/]{40}|-----END|Proc-Type:|DEK-Info:'
+    r'|[A-Za-z0-9+/]{1,40}=*\\n"[ \t\r\n]*,[ \t\r\n]*"-----END|[A-Za-z0-9+/]{1,40}=*\\?\Z)'
+)
 _PEM_BODY = _PEM_LINES + r"|[A-Za-z0-9+/=\s:,.\\]|-(?!----)"  # (the lines first: they go on)
 # Each alternative names one family of credentials. The leading look-behind keeps words that merely
 # end in one of the prefixes ("task-…", "ask-…") from matching.
@@ -45,7 +51,8 @@ _SECRET = re.compile(
     r"|AIza[0-9A-Za-z_-]{35,}"  # Google API keys
     # AWS secret access keys, by their name (the value alone looks like any base64)
     # (or a blank: ``aws configure set aws_secret_access_key …``)
-    r"|(?P<awsname>(?i:aws_secret_access_key)(?:[\s\"']*[=:][\s\"']*|[ \t]+))[A-Za-z0-9/+=]{40}"
+    r"|(?P<awsname>(?i:aws_secret_access_key)(?:[\s\"']*[=:][\s\"']*|[ \t]+(?:[\"']|\\\")?))"
+    r"[A-Za-z0-9/+=]{40}"
     r")"
     # a URL's user:password (its scheme and host kept), to the last "@" before the host (a
     # password written with a raw "@" in it)
@@ -182,6 +189,8 @@ _INLINE_SETTING = (
     + _INLINE_LITERAL
 )
 _SNAKE_NAME = re.compile(r"[a-z]+(?:_[a-z]+)+")  # (no digit: a name, not a passphrase)
+# ODBC's quoted value, ``PWD={pa;ss}}word};`` (a ``}`` doubled inside), ending the setting
+_BRACED_VALUE = re.compile(r"""=\{((?:[^}\n\\]|\}\})++)\}(?=[;"'\s]|\\|\Z)""")
 _INLINE_QUOTED = re.compile(r"=(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + ")")
 _INLINE_UNQUOTED = re.compile("=" + _INLINE_SETTING)
 _NO_VARIABLE = r"(?!\$[A-Za-z_{(])"
@@ -192,8 +201,8 @@ _INLINE_IN_SINGLE = re.compile(
     r"((?:[^'\n\\&]|" + _FIELD_AMP + r"){6,}+)(?='|&)"
 )
 _INLINE_IN_DOUBLE = re.compile(
-    "=" + _NO_VARIABLE + r'(?=[^"\s\\&]{0,512}[A-Za-z0-9])'
-    r'((?:[^"\s\\&]|' + _FIELD_AMP + r'){6,}+)(?=["\s\\&])'
+    "=" + _NO_VARIABLE + r'(?=[^"\s\\&;]{0,512}[A-Za-z0-9])'
+    r'((?:[^"\s\\&;]|' + _FIELD_AMP + r'){6,}+)(?=["\s\\&;])'
 )
 # (what may stand before such a name: a blank, the ``=`` of a flag, a quote, a list's comma,
 # a flag's dash, Hydra's ``+``, sed's ``/``)
@@ -261,12 +270,18 @@ _COMMAND_PASSWORD = re.compile(  # (on the command's own part of the line: to a 
     r"""(?:[ \t]+-{1,2}[^\s|;&]+(?:[ \t]+[^-\s|;&][^\s|;&]*)?){0,6}[ \t]+(?:registry[ \t]+)?"""
     r"""login[^\n|;&]{0,512}?\s-p[ \t]+"""
     # sshpass -p PASSWORD ssh … (among sshpass's own options, before the command it runs)
-    r"""|(?i:sshpass)(?:[ \t]+(?:-[fdP][ \t]*[^\s|;&]+|-[evhV]+))*[ \t]+-p[ \t]*"""
+    r"""|(?i:sshpass)(?:[ \t]+(?:-[fdP][ \t]*[^\s|;&]{1,256}|-[evhV]{1,4})){0,8}[ \t]+-p[ \t]*"""
     r"""|(?i:redis-cli)[^\n|;&]{0,512}?\s(?:-a|--pass)[ \t]+)"""  # redis-cli -a PASSWORD
     # (quoted or not: -p'…', -p "…", to the closing quote; not a $VARIABLE, though a literal $
     # may start one, and in single quotes is one)
     r"""(?:'([^'\n]{4,}+)'|"(?!\$[A-Za-z_{(])([^"\n\\]{4,}+)"|\\"(?!\$[A-Za-z_{(])"""
     r"""([^"\n\\]{4,}+)\\"|(?!\$[A-Za-z_{(])([^\s"'\\]{4,}+))"""
+)
+# ...and curl's user and password in one quoted word, the password to the closing quote (blanks
+# in it): ``curl -u 'admin:correct horse battery'``.
+_CURL_QUOTED = re.compile(
+    r"""(?i:curl)[^\n|;&]{0,512}?\s(?:-[uU]|--user|--proxy-user)(?:[ \t]+|=)?"""
+    r"""(?:'[^\s:'"]{0,256}:([^'\n]{4,}+)'|"[^\s:'"]{0,256}:(?!\$[A-Za-z_{(])([^"\n\\]{4,}+)")"""
 )
 _COMMANDS: Final = (
     "curl",
@@ -325,7 +340,8 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     if after == "=" and s[start:end].isupper():  # X_TOKEN=… anywhere (env, export, docker -e)
         if _SHELL_DIRECTORY.search(s, max(0, start - 3), end + 1):  # PWD=/home/u (an `env`)
             return None
-        return _value_span(_ENV_VALUE.match(s, end))
+        braced = _braced_value(s, end)  # (ODBC's ``;PWD={…};``)
+        return braced if braced is not None else _value_span(_ENV_VALUE.match(s, end))
     lo = max(0, start - 256)  # a name after 256 characters of its line is not alone on it
     newline, escaped = s.rfind("\n", lo, start), s.rfind("\\n", lo, start)
     # (a JSON string's start is a line's too: a tool call's ``"new_string": "password = …"``)
@@ -346,11 +362,13 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     if alone or before in ":;" or flag:
         # password = … (INI), --password=…, :_authToken=… (.npmrc), …;Password=…; (a .NET
         # connection string)
-        found = _value_span(_ASSIGN_VALUE.match(s, end))
+        found = _braced_value(s, end)  # (ODBC's ``PWD={…};``)
+        if found is None:
+            found = _value_span(_ASSIGN_VALUE.match(s, end))
         if found is None and alone:  # password: … alone on its line (YAML)
             found = _value_span(_YAML_VALUE.match(s, end))
         if found is not None:
-            return found if flag else _plausible(s, start, end, found)
+            return found if flag else _taken_or_passed(s, start, end, found)
     if (
         after == "="
         and s[end + 1 : end + 2] != "="  # (``password==x``: a comparison)
@@ -364,19 +382,32 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
         # Go's ``-password=…``, Hydra's ``+db.password=…``, sed's ``s/…/db_password=…/``. A
         # value looked at and not taken is consumed all the same (an empty span): a name
         # repeated in it is not looked at again (``token=token=…``: each look ran to the end).
+        # A quoted word's value, not taken (a bare ``token``'s with a blank in it), is read
+        # again as far as its first blank: ``ssh h 'token=Zk8… ./deploy.sh'``.
+        found = None
         if before == "'":  # (a shell's single-quoted word: to its closing quote)
             found = _value_span(_INLINE_IN_SINGLE.match(s, end))
         elif before == '"':  # (a name that opens the string: ``"password=" + pw`` is code)
             found = _value_span(_INLINE_IN_DOUBLE.match(s, end))
         else:
-            found = _value_span(_INLINE_QUOTED.match(s, end))
+            found = _braced_value(s, end)
             if found is None:
-                found = _value_span(_INLINE_UNQUOTED.match(s, end))
-                if found is not None and _SNAKE_NAME.fullmatch(s, *found) is not None:
-                    return found[1], found[1]  # a variable passed on: ``token=token``
+                found = _value_span(_INLINE_QUOTED.match(s, end))
+        if found is not None and _inline_code(s, lo, start, found):
+            return _passed(s, found)
         if found is not None:
             taken = _plausible(s, start, end, found)
-            return taken if taken is not None else (found[1], found[1])
+            if taken is not None:
+                return taken
+        unquoted = _value_span(_INLINE_UNQUOTED.match(s, end))
+        if unquoted is not None:
+            if _SNAKE_NAME.fullmatch(s, *unquoted) is not None:
+                return _passed(s, unquoted)  # a variable passed on: ``token=token``
+            if _inline_code(s, lo, start, unquoted):
+                return _passed(s, unquoted)
+            return _taken_or_passed(s, start, end, unquoted)
+        if found is not None:
+            return _passed(s, found)
         if before in "'\"":
             return None
     if not _in_code(s[start:end]):
@@ -386,6 +417,51 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     literal = s.rfind("{", lo, start) > max(s.rfind("(", lo, start), s.rfind("\n", lo, start))
     pattern = _OBJECT_VALUE if literal else _CODE_VALUE
     return _plausible(s, start, end, _value_span(pattern.match(s, end)))
+
+
+def _braced_value(s: str, end: int) -> tuple[int, int] | None:
+    """The value of ODBC's ``=``{…}`` after the name ending at ``end``, inside its braces (passed
+    over, as an empty span, where it is a format string's field: ``f"…;password={password};"``);
+    None where there is none."""
+    found = _value_span(_BRACED_VALUE.match(s, end))
+    if found is not None and _REFERENCE.fullmatch(s, found[0] - 1, found[1] + 1) is not None:
+        return found[1] + 1, found[1] + 1
+    return found
+
+
+def _taken_or_passed(s: str, start: int, end: int, found: tuple[int, int]) -> tuple[int, int]:
+    """``found`` where ``_plausible`` takes it as the value of the name ``s[start:end]``; else
+    passed over (``_passed``)."""
+    taken = _plausible(s, start, end, found)
+    return taken if taken is not None else _passed(s, found)
+
+
+def _passed(s: str, found: tuple[int, int]) -> tuple[int, int]:
+    """The empty span that passes over a value looked at and not taken: to its first blank or
+    ``;`` (what follows may be another setting: ``pwd=/srv/app;MYSQL_PWD=…``), no further
+    than its end. A name repeated in the value passed over is not looked at again (``token=
+    token=…``: each look ran to the end, 100 KB in 14 s)."""
+    stop = _TOKEN.match(s, found[0], found[1])
+    at = stop.end() if stop is not None else found[1]
+    return at, at
+
+
+_TOKEN: Final = re.compile(r"[^\s;]*")
+
+
+def _inline_code(s: str, lo: int, at: int, found: tuple[int, int]) -> bool:
+    """Whether a value given inline to the name at ``s[at]`` ends a call's argument list
+    (``Database(host=h,\n    password=DB_PASSWORD_2)``, ``key_id='arn:…')``: code): opened on
+    an earlier line, or after a name on this one (not a command's: ``$(…)``, a subshell's ``(cd
+    x && …)``, also at a JSON string's start)."""
+    end = found[1] + (1 if s[found[1] : found[1] + 1] in ("'", '"') else 0)
+    if s[end : end + 1] != ")":
+        return False
+    line = max(s.rfind("\n", lo, at), s.rfind("\\n", lo, at), lo - 1) + 1
+    opened = s.rfind("(", line, at)
+    if opened < 0 or opened < s.rfind(")", line, at):
+        return True  # (opened on an earlier line: a call's arguments)
+    return opened > line and (s[opened - 1].isalnum() or s[opened - 1] in "_.]")
 
 
 def _keyword_argument(s: str, lo: int, at: int) -> bool:
@@ -489,13 +565,18 @@ def known_secrets(values: Iterable[str]) -> tuple[str, ...]:
     return tuple({value.strip() for value in values if len(value.strip()) >= 8})
 
 
-# A value that only refers to the credential, quoted: a variable (``"$DB_PASSWORD"``,
-# ``"${DB_PASSWORD}"``; not one with a default, ``${DB_PASSWORD:-changeme}``), a template's
-# expression (``"{{ vault_db_password }}"``, ``"{{ .Values.db.password }}"``).
+# A value that only refers to the credential: a variable (``"$DB_PASSWORD"``,
+# ``"${DB_PASSWORD}"``, ``${X:?unset}``; not one with a default or an alternative,
+# ``${DB_PASSWORD:-changeme}``, whose literal goes), Terraform's ``"${var.api_key}"``, GitHub
+# Actions' ``"${{ secrets.DB_PASSWORD }}"``, a template's expression (``"{{ vault_db_password
+# }}"``, ``"{{ .Values.db.password | b64enc }}"``, ``"{{ lookup('env', 'X') }}"``), a format
+# string's field named in lower case (``f"password={password}"``, ``{self.token!r}``; ODBC's
+# ``PWD={Sup3r…}`` is a value).
 _REFERENCE: Final = re.compile(
-    r"\$(?:[A-Z_][A-Z0-9_]*|[a-z_][a-z_]*|\{[A-Za-z_][A-Za-z0-9_]*\})"
-    r"|\{\{-?[ \t]*[A-Za-z_.$][\w.$]*[ \t]*-?\}\}"
-    r"|\{[A-Za-z_][\w.]*(?:![rsa])?\}"  # a format string's field: f"password={pw!r}"
+    r"\$(?:[A-Z_][A-Z0-9_]*|[a-z_][a-z_]*|\{[A-Za-z_][A-Za-z0-9_]*(?::?\?[^}\n]{0,256})?\})"
+    r"|\$\{(?:var|local|data|module|each|self|path)\.[\w.\[\]\"'-]{1,256}\}"
+    r"|\$?\{\{[^{}\n]{1,512}\}\}"
+    r"|\{[a-z_][a-z_.]*(?:\[[^\]\n]{0,64}\])?(?:![rsa])?(?::[^{}\n]{0,32})?\}"
 )
 # Looks for a value that found none, per string: each looks up to 512 characters on, so a string
 # made of thousands of names with no value (``A_TOKEN=\nA_TOKEN=\n…``) would cost ~40 µs per
@@ -547,9 +628,11 @@ def _redact_named(s: str, lowered: str) -> str:
     for command in _COMMANDS:  # each a look at most 512 characters on: so many at most
         at, looks = lowered.find(command), 0
         while at >= 0 and looks < _MAX_HITS:
-            found = _COMMAND_PASSWORD.match(s, at)
+            found = _CURL_QUOTED.match(s, at) if command == "curl" else None
+            if found is None:
+                found = _COMMAND_PASSWORD.match(s, at)
             span = _value_span(found)
-            if span is not None:
+            if span is not None and _REFERENCE.fullmatch(s, *span) is None:
                 spans.append(span)
             looks += 1
             at = lowered.find(command, found.end() if found is not None else at + len(command))
@@ -981,11 +1064,15 @@ def _suspect(s: str, lowered: str) -> bool:
     return _may_hold_secret(s, lowered) or _names_a_secret(s, lowered)
 
 
+# Characters ``\s`` matches in text but not in bytes (the checks' patterns read them as blanks)
+_STR_ONLY_BLANKS: Final = re.compile("[\x1c-\x1f]")
+
+
 def _suspect_text(s: str) -> bool:
     """``_suspect(s, _lowered(s))``, by the one-pass scan where it answers the same (ASCII text:
     the checks' bytes forms are the text's, ``line_may_hold_secret``'s): ~0.7 µs for a short
     string where the checks one by one take ~3, and ~1 µs for 2 KB where they take ~36."""
-    if s.isascii():
+    if s.isascii() and _STR_ONLY_BLANKS.search(s) is None:
         scan = _multi_scan()
         if scan is not None:
             try:

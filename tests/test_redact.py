@@ -592,6 +592,25 @@ def test_many_names_before_a_secret_do_not_hide_it() -> None:
         ("(cd infra && terraform apply -var db_password=hunter2hunter)", None),
         ('run(["kubectl", "create", "secret", "--from-literal=password=hunter2hunter"])', None),
         ("Driver={ODBC};Server=db;UID=sa;PWD=hunter2hunter;", None),
+        # (from a second review: a quoted word's value read again to its first blank, a
+        # setting after a ';' in it; quoted aws and curl values; ODBC's braced value)
+        ("ssh deploy@web1 'token=hunter2hunter ./deploy.sh'", None),
+        ("ssh db 'pwd=/srv/app; MYSQL_PWD=hunter2hunter mysql -uroot app'", None),
+        ('sh -c "pwd=/srv/app;MYSQL_PWD=hunter2hunter mysql -uroot app"', None),
+        ("ssh h 'gpg_key=hunter2hunter9Zk8Qw3 make release'", None),
+        (
+            'aws configure set aws_secret_access_key "hunter2hunterFEMI/K7MDENG/bPxRfiCYEXAMPL"',
+            'aws configure set aws_secret_access_key "[REDACTED]"',
+        ),
+        (
+            "curl -u 'admin:hunter2hunter horse battery' https://x",
+            "curl -u 'admin:[REDACTED]' https://x",
+        ),
+        (
+            'connect("DRIVER={ODBC Driver 18};SERVER=db;UID=sa;PWD={hunter2hunter};")',
+            'connect("DRIVER={ODBC Driver 18};SERVER=db;UID=sa;PWD={[REDACTED]};")',
+        ),
+        ('{"password": "{hunter2hunter}"}', '{"password": "[REDACTED]"}'),
         (
             "aws configure set aws_secret_access_key hunter2hunterFEMI/K7MDENG/bPxRfiCYEXAMPL",
             "aws configure set aws_secret_access_key [REDACTED]",
@@ -661,6 +680,19 @@ def test_credentials_assigned_in_code_or_given_to_commands_lose_their_value(
         'print(f"password={password}")',
         "log.info(f'token={token!r}')",
         "PWD=/home/bob",
+        # (from a second review: references in CI, Terraform, Helm and Ansible files; a call's
+        # arguments continued on another line; format-string fields)
+        'password: "${{ secrets.DB_PASSWORD }}"',
+        'api_key = "${var.api_key}"',
+        'password: "{{ .Values.db.password | b64enc }}"',
+        'db_password: "{{ vault_db_password | default(omit) }}"',
+        "token: \"{{ lookup('env', 'GITHUB_TOKEN') }}\"",
+        'DB_PASSWORD="${DB_PASSWORD:?is not set}"',
+        "db = Database(host=DB_HOST,\n    password=DB_PASSWORD_2)",
+        "    encrypted=True,kms_key_id='arn:aws:kms:us-east-1:123456789012:key/ab12')",
+        'conn_str = f"host={host};password={password};"',
+        'os.system(f"mysql -uroot -p{password} app")',
+        "Server=tcp:db.example.com;Pwd={your_password_here};",
         "aws cognito-idp x --token-validity-units AccessToken=minutes,IdToken=minutes,Days=1",
         "pip install -U requests; pytest -p no:cacheprovider",
         'nx.to_pandas_edgelist(G, edge_key="weight_attribute")',  # any lower-case *_key in code
@@ -1089,6 +1121,7 @@ _PIECES = [
     *("docker", "Podman", "helm", "nerdctl", "buildah", "skopeo", "sshpass", "redis-cli", "-a"),
     *('"', "'", '\\"', '\\\\\\"', "\\", "=", ":", " ", "\\t", "\t", "\x0b", "\x0c", "\r"),
     *("\n", "a", "x", "_", "-", ".", "1", "v", "v2", "id", "ids", "base", "hash", "\x85", "é"),
+    *("\x1c", "\x1f"),  # (blanks to a text's \s, not to bytes')
 ]
 
 
@@ -1405,7 +1438,9 @@ def test_a_diffs_added_lines_lose_their_settings_as_removed_ones_do() -> None:
     assert "Xq7Lm2Np9Rt" not in redact_text(diff + "-password = Old123xyz9\n")
 
 
-@pytest.mark.parametrize("run", [" token=", " pwd=", " x_key=", " db.password=x1abcdefg"])
+@pytest.mark.parametrize(
+    "run", [" token=", " pwd=", " x_key=", " db.password=x1abcdefg", ":token=/x", " sshpass -f"]
+)
 def test_a_name_repeated_in_one_long_value_is_looked_at_once(run: str) -> None:
     """A value looked at and not taken (``token=token=…``: no credential's) ran to its end for
     each name in it: 100 KB took 14 s, on the event loop where a model's name is redacted."""
@@ -1492,3 +1527,25 @@ def test_a_private_key_a_notebook_printed_line_by_line_loses_its_body(
     if not cut:  # what follows the key stays
         assert json.loads(out)["cells"][1] == notebook["cells"][1]
         assert "!cat ~/.ssh/id_rsa" in out
+
+
+def test_prose_that_names_a_key_in_a_notebook_stays() -> None:
+    """A line of prose after an armour line, in a notebook's JSON: it was taken for the key's
+    body (the next line gone, an END line written that never was)."""
+    cell = {
+        "cell_type": "markdown",
+        "source": [
+            "Your key starts with -----BEGIN OPENSSH PRIVATE KEY-----\n",
+            "Paste the whole file, then run: make deploy\n",
+            "## Next (below)\n",
+        ],
+    }
+    text = json.dumps({"cells": [cell]}, indent=1)
+    assert redact_text(text) == text
+    printed = {
+        "output_type": "stream",
+        "text": ["-----BEGIN RSA PRIVATE KEY-----\n", *_KEY_LINES[:2], "Key loaded, 2048 bits.\n"],
+    }
+    out = redact_text(json.dumps({"outputs": [printed]}, indent=1))
+    assert "MIIEow" not in out and "VTLw7o" not in out
+    assert json.loads(out)["outputs"][0]["text"][-1] == "Key loaded, 2048 bits.\n"
