@@ -114,10 +114,13 @@ def _same(a: Any, b: Any) -> bool:
 
 def _unchanged(messages: list[Any], sent: Sequence[Any], count: int) -> bool:
     """Whether ``messages[1 : count - 1]`` are those of ``sent`` (the very objects, as a
-    continued body holds them, or equal ones); True where ``sent`` was not kept."""
+    continued body holds them, or equal ones; a system message retimed, as the first may be:
+    a second one with the time or the environment in it); True where ``sent`` was not kept."""
     if len(sent) != count:
         return not sent
-    return all(_same(messages[i], sent[i]) for i in range(1, count - 1))
+    return all(
+        _same(messages[i], sent[i]) or _retimed(messages[i], sent[i]) for i in range(1, count - 1)
+    )
 
 
 def _retimed(new: Any, old: Any) -> bool:

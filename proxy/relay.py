@@ -102,6 +102,7 @@ class RetryRequest(Exception):
         content_type: bytes = b"",
         encoding: bytes = b"",
         text: bytes | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         super().__init__(status)
         self.status = status
@@ -109,6 +110,8 @@ class RetryRequest(Exception):
         self.content_type = content_type
         self.encoding = encoding  # its Content-Encoding, to relay it with
         self.text = body if text is None else text  # its coding undone, to read
+        # its other end-to-end headers (Date, a request id), to relay it with
+        self.headers = headers or []
 
 
 _UvicornCycle: Any
@@ -240,7 +243,10 @@ def _decode(coding: str, body: bytes) -> bytes:
 def decoded_answer(response: httpx.Response | UpstreamResponse, body: bytes) -> bytes:
     """``body``, ``response``'s whole answer, with its gzip or deflate coding undone (an
     upstream that compresses although cachegate asks for ``identity``), as the relay reads one
-    for the log; as it is otherwise."""
+    for the log; as it is otherwise (httpx's ``aread`` has undone it already: a JSON text read
+    again as raw deflate can come out as bytes of nothing)."""
+    if isinstance(response, httpx.Response):
+        return body
     return _decode(_coding(response), body)
 
 
@@ -971,6 +977,13 @@ class Relay:
                         response.headers.get("content-type", "").encode("latin-1", "replace"),
                         response.headers.get("content-encoding", "").encode("latin-1", "replace"),
                         text,
+                        [
+                            header
+                            for header in client_response_headers(
+                                response, drop_length=True, extra=[]
+                            )
+                            if header[0] not in (b"content-type", b"content-encoding")
+                        ],
                     )
                 chunks = _one(error_body)  # not retried: relay what was read, verbatim
             if response.status_code >= 400:

@@ -1382,6 +1382,48 @@ def test_a_history_shrunk_in_place_is_not_compacted_on_its_old_count(
     assert compacted_events(proxy) == []
 
 
+def _dense_round(i: int) -> list[dict[str, Any]]:
+    """A tool round whose output the provider counts at a token a byte (digits and commas),
+    four times cachegate's estimate."""
+    call = {
+        "id": f"call_{i}",
+        "type": "function",
+        "function": {"name": "run", "arguments": orjson.dumps({"cmd": f"dump {i}"}).decode()},
+    }
+    return [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": f"call_{i}", "content": "0," * 200},
+    ]
+
+
+def test_a_second_system_message_with_the_time_keeps_the_providers_count(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """A client whose second system message holds the time (or the environment): the check
+    that the messages between the first and last are unchanged took it for another history,
+    and the trigger fell back on the estimate, a quarter of the provider's count of dense tool
+    outputs: no compaction until the provider refused the history as too long."""
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    c = sdk(proxy.base_url, default_headers={"X-Session-Id": "retimed"})
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a careful coding agent."},
+        {"role": "system", "content": "Current time: 2026-12-05 10:00:01"},
+        {"role": "user", "content": "Dump the tables and check them."},
+    ]
+    for i in range(10):
+        msgs += _dense_round(i)
+    raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=msgs)
+    assert raw.headers.get("x-cachegate-compacted") is None
+    usage = raw.parse().usage
+    assert usage is not None and 4000 < usage.prompt_tokens < 4500  # under the trigger
+    assert compaction.estimate_tokens(msgs) < 4500 / 2  # (by the estimate, far under it)
+    proxy.settle()  # (the provider's count of it noted)
+    msgs[1] = {"role": "system", "content": "Current time: 2026-12-05 10:00:31"}
+    msgs += _dense_round(10)
+    raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=msgs)
+    assert raw.headers.get("x-cachegate-compacted") == "1"
+
+
 def test_tools_added_mid_session_count_toward_the_trigger(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:
@@ -1852,6 +1894,41 @@ def test_the_summary_request_fits_the_summarizer_models_own_window(
     assert summary.body["messages"][1]["content"].endswith("under about 666 words.")
 
 
+def test_a_refusal_nothing_can_shorten_is_relayed_with_the_providers_headers(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A context-length refusal of a history nothing can compact (one message over the window)
+    is relayed as it came: its body and content type, and, now, the provider's other headers
+    (its Date, its request id: they were dropped)."""
+    refusal = orjson.dumps(
+        {
+            "error": {
+                "message": "This model's maximum context length is 6000 tokens.",
+                "type": "invalid_request_error",
+                "param": "messages",
+                "code": "context_length_exceeded",
+            }
+        }
+    )
+    upstream, url = scripted(chunks=[refusal], content_type=b"application/json")
+    upstream.status = 400
+    upstream.extra_headers = [
+        (b"date", b"Sat, 05 Dec 2026 11:00:00 GMT"),
+        (b"x-request-id", b"req_abc123"),
+    ]
+    proxy = proxy_factory(url, CONFIG)
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "word " * 40000}]},
+        headers={"X-Session-Id": "too-long"},
+    )
+    assert r.status_code == 400 and r.content == refusal
+    assert r.headers.get_list("date") == ["Sat, 05 Dec 2026 11:00:00 GMT"]
+    assert r.headers["x-request-id"] == "req_abc123"
+    assert r.headers["x-cachegate-session"] == "too-long"
+    assert len(upstream.requests) == 1  # (nothing sent again)
+
+
 def test_a_failure_while_compacting_for_a_retry_relays_the_providers_refusal(
     proxy_factory: Any,
 ) -> None:
@@ -1885,6 +1962,7 @@ def test_a_failure_while_compacting_for_a_retry_relays_the_providers_refusal(
         assert r.headers["content-type"] == "application/json"
         assert r.json()["error"]["code"] == "context_length_exceeded"  # the provider's, as it came
         assert r.headers["x-cachegate-session"] == "broken-retry"
+        # with the provider's own headers (its Date, its request id: they were dropped)
         assert [q.status for q in small.sim.requests] == [400]  # refused, then nothing re-sent
         proxy.settle()
         events = read_events(proxy.log_dir / "broken-retry.jsonl").events

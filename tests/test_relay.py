@@ -2617,3 +2617,18 @@ def test_a_trailing_slash_redirect_is_followed_through_cachegate(
         assert response.history[0].headers["location"] == prefix + "/chat/completions"
         assert response.status_code == 200 and response.url.port == proxy.server.port
         assert "x-cachegate-session" in response.headers  # the chat route's, not the provider's
+
+
+def test_an_answer_httpx_decoded_already_is_not_decoded_again() -> None:
+    """httpx's ``aread`` undoes the coding itself: a JSON answer read again as raw deflate came
+    out as a byte of nothing (a paid summary thrown away), pretty-printed as OpenAI sends it."""
+    import zlib
+
+    from proxy.relay import decoded_answer
+
+    plain = b'{\n  "id": "x"}'
+    response = httpx.Response(
+        200, headers={"content-encoding": "deflate"}, content=zlib.compress(plain)
+    )
+    assert response.read() == plain  # (httpx's own decoding)
+    assert decoded_answer(response, plain) == plain
