@@ -250,7 +250,7 @@ class StreamAssembler:
         self._id: str | None = None
         self._events = 0
         self._malformed = 0
-        self._cut = False  # past an event no SDK reads past (``_cut_here``)
+        self._cut = False  # past an event no SDK reads past (``cut_here``)
         # (bytes before the text, bytes after it, padded, finish_reason) of a text-only chunk
         self._shape: tuple[bytes, bytes, bool, str | None] | None = None
         self._learn_tries = _LEARN_TRIES
@@ -292,8 +292,12 @@ class StreamAssembler:
             return
         if not data or data.isspace():
             # (the Python SDK parses every data line but [DONE]: an empty one raises in it; the
-            # Node SDK skips a block of only ``retry:``, or a blank line after an ``id:``)
+            # Node SDK skips a block of only ``retry:``, or a blank line after an ``id:``, and
+            # reads on. Both raise on a block with an ``event:`` and no data, and on an empty
+            # ``data:`` line: the client's message ends before it.)
             self._malformed += 1
+            if event.event is not None or (event.retry is None and event.id is None):
+                self.cut_here()
             return
         try:
             chunk = orjson.loads(data)
@@ -304,7 +308,7 @@ class StreamAssembler:
                 if event.event == "error" and self._error is None:
                     self._error = {"error": {"message": data}}
                 self._malformed += 1
-                self._cut_here()
+                self.cut_here()
                 return
             if odd and isinstance(chunk, dict):  # (NaN or Infinity: the Node SDK fails on it)
                 self._malformed += 1
@@ -318,7 +322,7 @@ class StreamAssembler:
             return
         self._chunk(chunk, event.event)
 
-    def _cut_here(self) -> None:
+    def cut_here(self) -> None:
         """A payload that is no JSON: the openai SDKs raise there, so the message the client
         got ends before it, and what follows is not assembled into it (its usage is still
         taken: the provider bills it; and an error event it sends)."""
@@ -785,7 +789,13 @@ class StreamRecorder:
         self.decode()
         cut = not self.decoder.idle
         whole = self.assembler.malformed
-        for event in self.decoder.flush():
+        flushed = self.decoder.flush()
+        if flushed:
+            # An event torn by the stream's end (no blank line after it): the SDKs never
+            # dispatch it, so the client's message has none of it; its usage, which the
+            # provider bills, is still taken.
+            self.assembler.cut_here()
+        for event in flushed:
             self.assembler.feed(event)
         result = self.assembler.result()
         result.unfinished = cut and not result.done

@@ -95,6 +95,8 @@ class SSEDecoder:
             return None
         blocks = chunk.split(b"\n\n")
         tail = blocks.pop()
+        if tail.startswith(b"\n"):  # (a blank line more: ``decode`` may dispatch an event)
+            return None
         for block in blocks:
             # find, not ``in``: CPython 3.11 formats and discards a TypeError in every bytes
             # ``in`` test before it searches.
@@ -119,7 +121,7 @@ class SSEDecoder:
             return False
         blocks = chunk.split(b"\n\n")
         tail = blocks.pop()
-        if not blocks:
+        if not blocks or tail.startswith(b"\n"):  # (a blank line more: as ``decode_data``)
             return False
         first = b"data: " + before
         start, stop = len(first), -len(after)

@@ -1196,3 +1196,43 @@ def test_an_audio_answer_keeps_its_id_and_transcript_not_its_data() -> None:
         ]
     }
     assert assemble_completion(whole).message == expected
+
+
+def test_an_event_with_no_data_ends_the_message_where_the_sdks_raise() -> None:
+    """``event: ping`` with no data (both SDKs dispatch it with empty data and fail to parse
+    it), and an empty ``data:`` line: the log's message ran on past them, to a finish the
+    client never saw."""
+    first = chunk({"role": "assistant", "content": "Hel"})
+    rest = [chunk({"content": "lo world"}), chunk({}, finish="stop"), DONE]
+    for odd in (b"event: ping\n\n", b"data:\n\n", b"data: \n\n"):
+        stream = [first, odd, *rest]
+        for pieces in (stream, [b"".join(stream)]):
+            result = record(pieces)
+            assert result.message["content"] == "Hel", odd
+            assert (result.finish_reason, result.malformed) == (None, 1), odd
+
+
+def test_a_blank_line_more_after_an_id_counts_wherever_the_reads_fall() -> None:
+    """Once a stream gave an ``id:``, a blank line more is an event the Python SDK fails on: it
+    was dropped where it ended a batch the fast path decoded (a read ending in it)."""
+    first = b"id: 1\n" + chunk({"role": "assistant", "content": "A"})
+    second = chunk({"content": "B"}) + b"\n"
+    third = chunk({"content": "C"}) + DONE
+    for pieces in ([first, second, third], [first + second + third]):
+        recorder = StreamRecorder()
+        for piece in pieces:
+            recorder.feed(piece)
+            recorder.decode()  # (each read decoded as it comes, as a long stream's are)
+        result = recorder.finish()
+        assert result.message["content"] == "ABC" and result.malformed == 1
+
+
+def test_an_event_torn_by_the_streams_end_is_no_part_of_the_message() -> None:
+    """The SDKs dispatch an event at its blank line: one the stream's end cut before it (a
+    close-delimited answer ending ``…}\\n``) never reaches the client; its text was logged,
+    and its finish reason. Its usage, which the provider bills, is still taken."""
+    last = chunk({"content": " world"}, finish="stop", usage={"prompt_tokens": 9})[:-1]
+    result = record([chunk({"role": "assistant", "content": "Hello"}), last])
+    assert result.message["content"] == "Hello"
+    assert result.finish_reason is None and result.unfinished is True
+    assert result.usage is not None and result.usage.prompt == 9
