@@ -294,9 +294,10 @@ class StreamAssembler:
             # (the Python SDK parses every data line but [DONE]: an empty one raises in it; the
             # Node SDK skips a block of only ``retry:``, or a blank line after an ``id:``, and
             # reads on. Both raise on a block with an ``event:`` and no data, and on an empty
-            # ``data:`` line: the client's message ends before it.)
+            # ``data:`` line, whatever its ``id:`` or ``retry:``: the client's message ends
+            # before it.)
             self._malformed += 1
-            if event.event is not None or (event.retry is None and event.id is None):
+            if not event.no_data or event.event is not None:
                 self.cut_here()
             return
         try:
@@ -515,6 +516,8 @@ class StreamAssembler:
                 reason = choices[0].get("finish_reason")
                 if isinstance(reason, str):
                     self._finish_reason = reason
+            # (the SDKs raise on it: what follows is no part of the client's message)
+            self.cut_here()
             return False
         if self._id is None and isinstance(chunk.get("id"), str) and chunk["id"]:
             self._id = chunk["id"]

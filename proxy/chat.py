@@ -956,7 +956,8 @@ async def _relay_refusal(
 ) -> None:
     """The upstream's refusal to the client as it came (its bytes, content type and coding)."""
     ctype = refused.content_type or b"application/json"
-    answer = [*refused.headers, (b"content-type", ctype), *extra]
+    own = {name for name, _ in extra}  # (cachegate's own win over an upstream's)
+    answer = [*(h for h in refused.headers if h[0] not in own), (b"content-type", ctype), *extra]
     if refused.encoding:  # relayed as it came: said how it came
         answer.append((b"content-encoding", refused.encoding))
     await send({"type": "http.response.start", "status": refused.status, "headers": answer})

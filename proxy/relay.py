@@ -243,11 +243,13 @@ def _decode(coding: str, body: bytes) -> bytes:
 def decoded_answer(response: httpx.Response | UpstreamResponse, body: bytes) -> bytes:
     """``body``, ``response``'s whole answer, with its gzip or deflate coding undone (an
     upstream that compresses although cachegate asks for ``identity``), as the relay reads one
-    for the log; as it is otherwise (httpx's ``aread`` has undone it already: a JSON text read
-    again as raw deflate can come out as bytes of nothing)."""
-    if isinstance(response, httpx.Response):
+    for the log; as it is otherwise, and where httpx's ``aread`` undid it already (gzip,
+    deflate: a JSON text read again as raw deflate can come out as bytes of nothing; not
+    ``x-gzip``, which httpx leaves)."""
+    coding = _coding(response)
+    if isinstance(response, httpx.Response) and coding in ("gzip", "deflate"):
         return body
-    return _decode(_coding(response), body)
+    return _decode(coding, body)
 
 
 # How each coding may be framed: gzip's or zlib's header (zlib tells them apart), else a raw
@@ -449,6 +451,8 @@ def client_response_headers(
 ) -> list[tuple[bytes, bytes]]:
     raw = [(k.lower(), v) for k, v in upstream.headers.raw]
     drop = HOP_BY_HOP | _connection_listed(raw)
+    if extra:  # cachegate's own win over an upstream's (one cachegate in front of another)
+        drop = drop | {k for k, _ in extra}
     if drop_length or any(k == b"transfer-encoding" for k, _ in raw):  # chunks win (RFC 9112)
         drop = drop | {b"content-length"}
     if drop_coding:  # the body goes decoded

@@ -20,13 +20,16 @@ class SSEEvent:
 
     ``event`` is None when the block had no ``event:`` field (WHATWG would call it "message").
     ``id`` is the stream's last event id at dispatch time (it persists across events, as in
-    WHATWG); ``retry`` is the ``retry:`` value given in this event's own block, if any.
+    WHATWG); ``retry`` is the ``retry:`` value given in this event's own block, if any;
+    ``no_data``: a block with no ``data:`` line, dispatched as the openai SDKs dispatch one
+    (``sdk_events``).
     """
 
     event: str | None
     data: str
     id: str | None = None
     retry: int | None = None
+    no_data: bool = False  # dispatched with no data line, as the SDKs do (``sdk_events``)
 
 
 class SSEDecoder:
@@ -186,7 +189,9 @@ class SSEDecoder:
                     and not at_end
                     and (self._event or self._block_retry is not None or self.last_event_id)
                 ):
-                    events.append(SSEEvent(self._event, "", self.last_event_id, self._block_retry))
+                    events.append(
+                        SSEEvent(self._event, "", self.last_event_id, self._block_retry, True)
+                    )
                 self._data = []
                 self._event = None
                 self._block_retry = None

@@ -1204,12 +1204,15 @@ def test_an_event_with_no_data_ends_the_message_where_the_sdks_raise() -> None:
     client never saw."""
     first = chunk({"role": "assistant", "content": "Hel"})
     rest = [chunk({"content": "lo world"}), chunk({}, finish="stop"), DONE]
-    for odd in (b"event: ping\n\n", b"data:\n\n", b"data: \n\n"):
+    for odd in (b"event: ping\n\n", b"data:\n\n", b"data: \n\n", b"id: 2\ndata:\n\n"):
         stream = [first, odd, *rest]
         for pieces in (stream, [b"".join(stream)]):
             result = record(pieces)
             assert result.message["content"] == "Hel", odd
             assert (result.finish_reason, result.malformed) == (None, 1), odd
+    # (with an id: or a retry: in its block, an empty data line too)
+    stream = [first, b"retry: 3000\ndata:\n\n", *rest]
+    assert record(stream).message["content"] == "Hel"
 
 
 def test_a_blank_line_more_after_an_id_counts_wherever_the_reads_fall() -> None:
@@ -1236,3 +1239,20 @@ def test_an_event_torn_by_the_streams_end_is_no_part_of_the_message() -> None:
     assert result.message["content"] == "Hello"
     assert result.finish_reason is None and result.unfinished is True
     assert result.usage is not None and result.usage.prompt == 9
+
+
+def test_an_error_chunk_mid_stream_ends_the_message() -> None:
+    """The SDKs raise on a chunk that carries an ``error`` (an overloaded provider mid-stream):
+    the log's message ran on past it to a finish the client never saw."""
+    error = b'data: {"error": {"message": "overloaded", "type": "server_error"}}\n\n'
+    stream = [
+        chunk({"role": "assistant", "content": "Hel"}),
+        error,
+        chunk({"content": "lo"}),
+        chunk({}, finish="stop"),
+        DONE,
+    ]
+    for pieces in (stream, [b"".join(stream)]):
+        result = record(pieces)
+        assert result.message["content"] == "Hel" and result.finish_reason is None
+        assert result.error is not None

@@ -2632,3 +2632,40 @@ def test_an_answer_httpx_decoded_already_is_not_decoded_again() -> None:
     )
     assert response.read() == plain  # (httpx's own decoding)
     assert decoded_answer(response, plain) == plain
+
+
+def test_an_x_gzip_answer_httpx_left_encoded_is_decoded() -> None:
+    """httpx undoes gzip and deflate, not ``x-gzip``, which cachegate's decoding reads: such a
+    summary was thrown away once httpx's answers were no longer decoded again."""
+    import gzip
+
+    from proxy.relay import decoded_answer
+
+    plain = b'{"id": "x"}'
+    response = httpx.Response(200, headers={"content-encoding": "x-gzip"}, content=b"")
+    assert decoded_answer(response, gzip.compress(plain)) == plain
+
+
+def test_cachegates_own_headers_win_over_an_upstreams(scripted: Any, proxy_factory: Any) -> None:
+    """One cachegate in front of another: the client got two X-Cachegate-Session and two
+    X-Cachegate-Repairs headers, with different values."""
+    answer = (
+        b'{"id":"c","object":"chat.completion","model":"gpt-4o","choices":[{"index":0,'
+        b'"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}]}'
+    )
+    upstream, url = scripted(chunks=[answer], content_type=b"application/json")
+    upstream.extra_headers = [
+        (b"x-cachegate-session", b"inner-session"),
+        (b"x-cachegate-repairs", b"3"),
+        (b"x-request-id", b"req_1"),
+    ]
+    proxy = proxy_factory(url)
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json={"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]},
+        headers={"X-Session-Id": "outer"},
+    )
+    assert r.status_code == 200
+    assert r.headers.get_list("x-cachegate-session") == ["outer"]
+    assert r.headers.get_list("x-cachegate-repairs") == ["0"]
+    assert r.headers["x-request-id"] == "req_1"

@@ -74,11 +74,18 @@ def test_decodes_event_stream(stream: bytes, expected: list[SSEEvent]) -> None:
 @pytest.mark.parametrize(
     ("stream", "expected"),
     [
-        (b"event: ping\n\nretry: 10\n\n", [SSEEvent("ping", ""), SSEEvent(None, "", None, 10)]),
+        (
+            b"event: ping\n\nretry: 10\n\n",
+            [SSEEvent("ping", "", no_data=True), SSEEvent(None, "", None, 10, True)],
+        ),
         (b"event:\n\n: keep-alive\n\n", []),  # an empty event name: nothing, as in the SDKs
         (
             b"id: 7\ndata: a\n\n\n: keep-alive\n\n",
-            [SSEEvent(None, "a", "7"), SSEEvent(None, "", "7"), SSEEvent(None, "", "7")],
+            [
+                SSEEvent(None, "a", "7"),
+                SSEEvent(None, "", "7", no_data=True),
+                SSEEvent(None, "", "7", no_data=True),
+            ],
         ),
         (b"event: x\n", []),  # unfinished at the end: the SDKs dispatch nothing either
     ],
