@@ -22,9 +22,12 @@ REDACTED: Final = "[REDACTED]"
 # where the next holds a line of the key: base64 (a last short one before the armour's end), the
 # armour's end, an encrypted key's header, a line cut off by the text's end (not prose: "Paste
 # the whole file, …").
+# (a line's end, CRLF too, and the next string's start)
+_NEXT_STRING = r'(?:\\r)?\\n"[ \t\r\n]*,[ \t\r\n]*"'
 _PEM_LINES = (
-    r'\\n"[ \t\r\n]*,[ \t\r\n]*"(?=[A-Za-z0-9+/]{40}|-----END|Proc-Type:|DEK-Info:'
-    r'|[A-Za-z0-9+/]{1,40}=*\\n"[ \t\r\n]*,[ \t\r\n]*"-----END|[A-Za-z0-9+/]{1,40}=*\\?\Z)'
+    _NEXT_STRING + r"(?=(?:" + _NEXT_STRING + r")?(?:[A-Za-z0-9+/]{40}|-----END"
+    r"|Proc-Type:|DEK-Info:|[A-Za-z0-9+/]{1,40}=*" + _NEXT_STRING + r"-----END"
+    r"|[A-Za-z0-9+/]{1,40}=*\\?\Z))"
 )
 _PEM_BODY = _PEM_LINES + r"|[A-Za-z0-9+/=\s:,.\\]|-(?!----)"  # (the lines first: they go on)
 # Each alternative names one family of credentials. The leading look-behind keeps words that merely
@@ -190,7 +193,7 @@ _INLINE_SETTING = (
 )
 _SNAKE_NAME = re.compile(r"[a-z]+(?:_[a-z]+)+")  # (no digit: a name, not a passphrase)
 # ODBC's quoted value, ``PWD={pa;ss}}word};`` (a ``}`` doubled inside), ending the setting
-_BRACED_VALUE = re.compile(r"""=\{((?:[^}\n\\]|\}\})++)\}(?=[;"'\s]|\\|\Z)""")
+_BRACED_VALUE = re.compile(r"""=\{((?:[^}\n\\]|\}\}){1,512}+)\}(?=[;"'\s]|\\|\Z)""")
 _INLINE_QUOTED = re.compile(r"=(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + ")")
 _INLINE_UNQUOTED = re.compile("=" + _INLINE_SETTING)
 _NO_VARIABLE = r"(?!\$[A-Za-z_{(])"
@@ -210,12 +213,27 @@ _INLINE_BEFORE: Final = frozenset(" \t='\"-,+/")
 # Blanks around an operator: a tab is ``\t`` in JSON text (a tool call's arguments, a JSON
 # tool output), where a quote is ``\"``.
 _BLANKS = r"(?:[ \t]|\\t)*"
+# A variable's default or alternative, unquoted: ``${DB_PASSWORD:-Sup3r…}`` (docker-compose)
+_DEFAULTED = r"\$\{[A-Za-z_][A-Za-z0-9_]{0,64}:?[-=+]([^}\s\"'\\]{4,512}+)\}"
 _ASSIGN_VALUE = re.compile(
-    _BLANKS + "=" + _BLANKS + "(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + "|" + _SETTING + ")"
+    _BLANKS
+    + "="
+    + _BLANKS
+    + "(?:"
+    + _DEFAULTED
+    + "|"
+    + _QUOTED
+    + "|"
+    + _ESCAPED_QUOTED
+    + "|"
+    + _SETTING
+    + ")"
 )
 # The shell's working directories (``env`` prints them): PWD is no password there.
 _SHELL_DIRECTORY: Final = re.compile(r"(?<![A-Z0-9_;])(?:OLD)?PWD=")  # (;PWD= is ODBC's)
-_ENV_VALUE = re.compile(r"=(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + "|" + _LITERAL + ")")
+_ENV_VALUE = re.compile(
+    r"=(?:" + _DEFAULTED + "|" + _QUOTED + "|" + _ESCAPED_QUOTED + "|" + _LITERAL + ")"
+)
 _HEADER_VALUE = re.compile(r":[ \t]*([A-Za-z0-9._~+/=-]{8,}+)(?![(])")
 _QUERY_VALUE = re.compile(r"=(?=[^&\s#\"'\\]{0,512}[A-Za-z])([^&\s#\"'\\]{6,}+)")
 # A flag and its value, apart: ``--api-key VALUE`` (a digit in it, or 20 characters: not a word).
@@ -227,6 +245,8 @@ _NO_ANNOTATION = r"""(?![ \t]*\\?["'][A-Z_][A-Za-z_.\[\], |]{0,512}\\?["'])"""
 _YAML_VALUE = re.compile(
     _BLANKS
     + r":(?:[ \t]|\\t)+(?:"
+    + _DEFAULTED
+    + "|"
     + _QUOTED
     + "|"
     + _ESCAPED_QUOTED
@@ -338,10 +358,12 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     if before in "?&" and after == "=":  # …?access_token=… (a URL's query)
         return _value_span(_QUERY_VALUE.match(s, end))
     if after == "=" and s[start:end].isupper():  # X_TOKEN=… anywhere (env, export, docker -e)
+        braced = _braced_value(s, end)  # (ODBC's ``PWD={…};``)
+        if braced is not None:
+            return braced
         if _SHELL_DIRECTORY.search(s, max(0, start - 3), end + 1):  # PWD=/home/u (an `env`)
             return None
-        braced = _braced_value(s, end)  # (ODBC's ``;PWD={…};``)
-        return braced if braced is not None else _value_span(_ENV_VALUE.match(s, end))
+        return _value_span(_ENV_VALUE.match(s, end))
     lo = max(0, start - 256)  # a name after 256 characters of its line is not alone on it
     newline, escaped = s.rfind("\n", lo, start), s.rfind("\\n", lo, start)
     # (a JSON string's start is a line's too: a tool call's ``"new_string": "password = …"``)
@@ -393,8 +415,8 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
             found = _braced_value(s, end)
             if found is None:
                 found = _value_span(_INLINE_QUOTED.match(s, end))
-        if found is not None and _inline_code(s, lo, start, found):
-            return _passed(s, found)
+        if found is not None and not _in_code(s[start:end]) and _inline_code(s, lo, start, found):
+            return _passed(s, found)  # (a quoted literal to a code credential's name goes)
         if found is not None:
             taken = _plausible(s, start, end, found)
             if taken is not None:
@@ -403,7 +425,7 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
         if unquoted is not None:
             if _SNAKE_NAME.fullmatch(s, *unquoted) is not None:
                 return _passed(s, unquoted)  # a variable passed on: ``token=token``
-            if _inline_code(s, lo, start, unquoted):
+            if _inline_code(s, lo, start, unquoted, quoted=False):
                 return _passed(s, unquoted)
             return _taken_or_passed(s, start, end, unquoted)
         if found is not None:
@@ -449,18 +471,19 @@ def _passed(s: str, found: tuple[int, int]) -> tuple[int, int]:
 _TOKEN: Final = re.compile(r"[^\s;]*")
 
 
-def _inline_code(s: str, lo: int, at: int, found: tuple[int, int]) -> bool:
+def _inline_code(s: str, lo: int, at: int, found: tuple[int, int], quoted: bool = True) -> bool:
     """Whether a value given inline to the name at ``s[at]`` ends a call's argument list
     (``Database(host=h,\n    password=DB_PASSWORD_2)``, ``key_id='arn:…')``: code): opened on
     an earlier line, or after a name on this one (not a command's: ``$(…)``, a subshell's ``(cd
     x && …)``, also at a JSON string's start)."""
-    end = found[1] + (1 if s[found[1] : found[1] + 1] in ("'", '"') else 0)
+    end = found[1] + (1 if quoted and s[found[1] : found[1] + 1] in ("'", '"') else 0)
     if s[end : end + 1] != ")":
         return False
     line = max(s.rfind("\n", lo, at), s.rfind("\\n", lo, at), lo - 1) + 1
     opened = s.rfind("(", line, at)
     if opened < 0 or opened < s.rfind(")", line, at):
-        return True  # (opened on an earlier line: a call's arguments)
+        # opened on an earlier line (a call's arguments), where the line's start is known
+        return line > lo or lo == 0
     return opened > line and (s[opened - 1].isalnum() or s[opened - 1] in "_.]")
 
 
@@ -568,15 +591,22 @@ def known_secrets(values: Iterable[str]) -> tuple[str, ...]:
 # A value that only refers to the credential: a variable (``"$DB_PASSWORD"``,
 # ``"${DB_PASSWORD}"``, ``${X:?unset}``; not one with a default or an alternative,
 # ``${DB_PASSWORD:-changeme}``, whose literal goes), Terraform's ``"${var.api_key}"``, GitHub
-# Actions' ``"${{ secrets.DB_PASSWORD }}"``, a template's expression (``"{{ vault_db_password
-# }}"``, ``"{{ .Values.db.password | b64enc }}"``, ``"{{ lookup('env', 'X') }}"``), a format
-# string's field named in lower case (``f"password={password}"``, ``{self.token!r}``; ODBC's
-# ``PWD={Sup3r…}`` is a value).
+# Actions' ``"${{ secrets.DB_PASSWORD }}"``, a template's expression of names and filters
+# (``"{{ vault_db_password }}"``, ``"{{ .Values.db.password | b64enc }}"``, an Ansible lookup
+# ``"{{ lookup('env', 'X') }}"``; not one that holds a literal, ``{{ 'Sup3r…' | password_hash
+# }}``, ``{{ x | default('Sup3r…') }}``), a format string's, JSX's or C#'s field of a name with no
+# digit (``f"password={password}"``, ``apiKey={stripeKey}``, ``{self._secretKey!r}``; ODBC's
+# ``PWD={Sup3r…}`` is a value, as is ``{x:Sup3r…}``).
+_TEMPLATE_NAMES = (
+    r"-?[ \t]*[A-Za-z_.$][\w.$\[\]]{0,256}"
+    r"(?:[ \t]*\|[ \t]*[A-Za-z_]\w{0,64}(?:\([^()'\"\n]{0,64}\))?){0,8}[ \t]*-?"
+)
 _REFERENCE: Final = re.compile(
     r"\$(?:[A-Z_][A-Z0-9_]*|[a-z_][a-z_]*|\{[A-Za-z_][A-Za-z0-9_]*(?::?\?[^}\n]{0,256})?\})"
     r"|\$\{(?:var|local|data|module|each|self|path)\.[\w.\[\]\"'-]{1,256}\}"
-    r"|\$?\{\{[^{}\n]{1,512}\}\}"
-    r"|\{[a-z_][a-z_.]*(?:\[[^\]\n]{0,64}\])?(?:![rsa])?(?::[^{}\n]{0,32})?\}"
+    r"|\$?\{\{" + _TEMPLATE_NAMES + r"\}\}"
+    r"|\{\{-?[ \t]*(?:lookup|query)\([^{}()\n]{1,256}\)[ \t]*-?\}\}"
+    r"|\{[A-Za-z_][A-Za-z_.]{0,128}(?:![rsa])?\}"
 )
 # Looks for a value that found none, per string: each looks up to 512 characters on, so a string
 # made of thousands of names with no value (``A_TOKEN=\nA_TOKEN=\n…``) would cost ~40 µs per
@@ -632,7 +662,10 @@ def _redact_named(s: str, lowered: str) -> str:
             if found is None:
                 found = _COMMAND_PASSWORD.match(s, at)
             span = _value_span(found)
-            if span is not None and _REFERENCE.fullmatch(s, *span) is None:
+            if span is not None and (
+                s[span[0] - 1 : span[0]] == "'"  # (in single quotes a $ is a literal's)
+                or _REFERENCE.fullmatch(s, *span) is None
+            ):
                 spans.append(span)
             looks += 1
             at = lowered.find(command, found.end() if found is not None else at + len(command))

@@ -611,6 +611,30 @@ def test_many_names_before_a_secret_do_not_hide_it() -> None:
             'connect("DRIVER={ODBC Driver 18};SERVER=db;UID=sa;PWD={[REDACTED]};")',
         ),
         ('{"password": "{hunter2hunter}"}', '{"password": "[REDACTED]"}'),
+        # (from a third review: a literal in a call continued from an earlier line, or in a
+        # string given to a call; templates that hold a literal; a literal $ in single quotes;
+        # a format spec or ODBC's value with a colon; a variable's default, unquoted)
+        ('c = psycopg2.connect(\n    host="db", password="hunter2hunter")', None),
+        (
+            'os.system("kubectl create secret generic db --from-literal=password=hunter2hunter")',
+            None,
+        ),
+        (
+            "OUT=$(docker run --rm "
+            + "-v aaaaaaaaaa:bbbbbbbbbbbbbbbbbbbb " * 12
+            + "-e db_password=hunter2hunter)",
+            None,
+        ),
+        ("password: \"{{ 'hunter2hunter' | password_hash('sha512') }}\"", None),
+        ("password: \"{{ db_password | default('hunter2hunter') }}\"", None),
+        ("password: \"${{ 'hunter2hunter' }}\"", None),
+        ('DB_PASSWORD="{{ hunter2hunter and more }}"', None),
+        ("sshpass -p '{{ \"hunter2hunter\" }}' ssh host", None),
+        ("mysql -uroot -p'$hunter' app", "mysql -uroot -p'[REDACTED]' app"),
+        ('{"password": "{x:hunter2hunter}"}', '{"password": "[REDACTED]"}'),
+        ("PWD={admin:hunter2hunter!};", "PWD={[REDACTED]};"),
+        ("POSTGRES_PASSWORD: ${POSTGRES_PASSWORD:-hunter2hunter}", None),
+        ("export DB_PASSWORD=${DB_PASSWORD:-hunter2hunter}", None),
         (
             "aws configure set aws_secret_access_key hunter2hunterFEMI/K7MDENG/bPxRfiCYEXAMPL",
             "aws configure set aws_secret_access_key [REDACTED]",
@@ -693,6 +717,12 @@ def test_credentials_assigned_in_code_or_given_to_commands_lose_their_value(
         'conn_str = f"host={host};password={password};"',
         'os.system(f"mysql -uroot -p{password} app")',
         "Server=tcp:db.example.com;Pwd={your_password_here};",
+        # (from a third review: JSX's, C#'s and f-strings' fields of a name with no digit)
+        '<StripeProvider apiKey={stripeKey} locale="en">',
+        "<Api apiKey={process.env.REACT_APP_API_KEY} />",
+        'var cs = $"Server={Host};Database=app;Password={Password};";',
+        'cfg = f"password={DB_PASSWORD}\\n"',
+        'logger.debug(f"secret={self._secretKey} ")',
         "aws cognito-idp x --token-validity-units AccessToken=minutes,IdToken=minutes,Days=1",
         "pip install -U requests; pytest -p no:cacheprovider",
         'nx.to_pandas_edgelist(G, edge_key="weight_attribute")',  # any lower-case *_key in code
@@ -1439,7 +1469,11 @@ def test_a_diffs_added_lines_lose_their_settings_as_removed_ones_do() -> None:
 
 
 @pytest.mark.parametrize(
-    "run", [" token=", " pwd=", " x_key=", " db.password=x1abcdefg", ":token=/x", " sshpass -f"]
+    "run",
+    [
+        *(" token=", " pwd=", " x_key=", " db.password=x1abcdefg", ":token=/x", " sshpass -f"),
+        *(" password={", "API_KEY={{1 "),
+    ],
 )
 def test_a_name_repeated_in_one_long_value_is_looked_at_once(run: str) -> None:
     """A value looked at and not taken (``token=token=…``: no credential's) ran to its end for
@@ -1549,3 +1583,20 @@ def test_prose_that_names_a_key_in_a_notebook_stays() -> None:
     out = redact_text(json.dumps({"outputs": [printed]}, indent=1))
     assert "MIIEow" not in out and "VTLw7o" not in out
     assert json.loads(out)["outputs"][0]["text"][-1] == "Key loaded, 2048 bits.\n"
+
+
+@pytest.mark.parametrize("shape", ["encrypted", "crlf"])
+def test_an_encrypted_or_crlf_key_a_notebook_printed_loses_its_body(shape: str) -> None:
+    """An encrypted key's headers end in a blank line (a string of its own), a CRLF key's last
+    short line in ``\\r\\n``: the body was kept whole after an END line the redaction made up."""
+    head = ["-----BEGIN RSA PRIVATE KEY-----\n"]
+    if shape == "encrypted":
+        head += ["Proc-Type: 4,ENCRYPTED\n", "DEK-Info: AES-128-CBC,0123456789ABCDEF\n", "\n"]
+    lines = [*head, *_KEY_LINES, "TxKt5g==\n", "-----END RSA PRIVATE KEY-----\n"]
+    if shape == "crlf":
+        lines = [line.replace("\n", "\r\n") for line in lines]
+    text = json.dumps({"outputs": [{"text": lines}]}, indent=1)
+    out = redact_text(text)
+    for line in [*_KEY_LINES, "TxKt5g=="]:
+        assert line[:8] not in out, shape
+    assert out.count("-----END RSA PRIVATE KEY-----") == 1
