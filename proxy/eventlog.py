@@ -1910,8 +1910,8 @@ def parse_lines(
                     judged_cut = True
                 else:
                     starts_as_log = verdict == _OURS
-        line = raw.strip()
-        if line:
+        line = raw  # (orjson reads white space around a value: no copy of a long line stripped)
+        if line and not line.isspace():
             try:
                 obj = orjson.loads(line)
             except orjson.JSONDecodeError as exc:

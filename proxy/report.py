@@ -629,6 +629,8 @@ def _apply_response(row: ExchangeRow, ev: dict[str, Any]) -> None:
     if isinstance(cost, dict):
         row.cost_actual = _float(cost.get("actual"))
         row.cost_uncached = _float(cost.get("uncached"))
+        if row.waste_usd is None and not row.cache_waste and row.cost_uncached:
+            row.waste_usd = 0.0  # (priced, with no waste: $0, where null says "no price")
     row.answered = True
     summary = ev.get("summary")
     if isinstance(summary, dict):

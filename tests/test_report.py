@@ -734,6 +734,21 @@ def test_session_cost_prices_the_waste_by_cause(tmp_path: Path) -> None:
     assert "wasted cache tokens  8,000\n" in render_cost(older)
 
 
+def test_a_priced_row_with_no_waste_wasted_nothing_not_an_unknown(tmp_path: Path) -> None:
+    """``show --json``: a row of a priced model that wasted nothing read ``waste_usd: null``, as
+    one whose waste has no price; it is $0."""
+    events = [
+        req(T0, 1),
+        resp(T0 + 1, 1, prompt=900, completion=10, cache_read=0, ttfb=0.1, duration=0.2,
+             actual=0.02, uncached=0.03),
+        req(T0 + 2, 2),
+        resp(T0 + 3, 2, prompt=900, completion=10, cache_read=0, ttfb=0.1, duration=0.2,
+             actual=0.0, uncached=0.0),
+    ]  # fmt: skip
+    rows = _rows(tmp_path, "zero-waste", events)
+    assert [row.waste_usd for row in rows] == [0.0, None]  # (the second is unpriced)
+
+
 def test_session_cost(log_dir: Path) -> None:
     report = session_cost(log_dir, "alpha")
     assert report == CostReport(
