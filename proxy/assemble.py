@@ -507,17 +507,23 @@ class StreamAssembler:
                             if isinstance(model, str) and model:
                                 self._model = model
                         return True
-        if chunk.get("error") is not None or event_name == "error":
+        error = chunk.get("error")
+        if error or event_name == "error":
+            # (an error event the provider sent is noted; the SDKs raise on one whose error is
+            # something, and read on past an ``event: error`` with none in it)
             if self._error is None:
-                self._error = chunk if chunk.get("error") is not None else {"error": chunk}
+                self._error = chunk if error else {"error": chunk}
+            usage = chunk.get("usage")  # (billed with it: counted, as the provider bills it)
+            if isinstance(usage, dict):
+                self._usage.update(usage)
             # OpenRouter's mid-stream error also ends its choice: ``"finish_reason": "error"``
             choices = chunk.get("choices")
             if not self._cut and type(choices) is list and choices and type(choices[0]) is dict:
                 reason = choices[0].get("finish_reason")
                 if isinstance(reason, str):
                     self._finish_reason = reason
-            # (the SDKs raise on it: what follows is no part of the client's message)
-            self.cut_here()
+            if error:  # (the SDKs raise on it: what follows is no part of the client's message)
+                self.cut_here()
             return False
         if self._id is None and isinstance(chunk.get("id"), str) and chunk["id"]:
             self._id = chunk["id"]

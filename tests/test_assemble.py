@@ -1256,3 +1256,34 @@ def test_an_error_chunk_mid_stream_ends_the_message() -> None:
         result = record(pieces)
         assert result.message["content"] == "Hel" and result.finish_reason is None
         assert result.error is not None
+
+
+@pytest.mark.parametrize("odd", [b',"error":{}', b',"error":""', b',"error":false'])
+def test_a_chunk_whose_error_is_nothing_is_read_on_as_the_sdks_do(odd: bytes) -> None:
+    """The SDKs raise only on an ``error`` that is something: one empty or false is a chunk
+    like any other; it cut the log's message, and was noted as an error. An ``event: error``
+    with no ``error`` in it is noted (the provider sent an error event), but the SDKs read on
+    past it: the message goes on too."""
+    middle = chunk({"content": " x"})
+    middle = middle[: middle.rindex(b"}")] + odd + b"}\n\n"
+    stream = [chunk({"role": "assistant", "content": "Hello"}), middle]
+    stream += [chunk({"content": " after"}, finish="stop"), DONE]
+    result = record(stream)
+    assert result.message["content"] == "Hello x after" and result.finish_reason == "stop"
+    assert result.error is None
+    named = [stream[0], b'event: error\ndata: {"message": "hmm"}\n\n', *stream[2:]]
+    result = record(named)
+    assert result.message["content"] == "Hello after" and result.finish_reason == "stop"
+    assert result.error == {"error": {"message": "hmm"}}
+
+
+def test_usage_carried_by_an_error_chunk_is_counted() -> None:
+    """The provider bills what an errored stream used: usage in the error chunk itself was
+    dropped (the SDK raises there; the accounting should not)."""
+    error = (
+        b'data: {"error": {"message": "late", "type": "server_error"},'
+        b' "usage": {"prompt_tokens": 10, "completion_tokens": 5}}\n\n'
+    )
+    result = record([chunk({"role": "assistant", "content": "Hi"}), error, DONE])
+    assert result.usage is not None and (result.usage.prompt, result.usage.completion) == (10, 5)
+    assert result.error is not None and result.message["content"] == "Hi"
