@@ -61,6 +61,8 @@ _SECRET = re.compile(
     # password written with a raw "@" in it)
     # (not a template's placeholders: f"postgresql://{user}:{password}@{host}", ${USER})
     r"|(?<=://)(?![{$])[^\s/:@\"']*:(?![{$])[^\s/?#\"']+(?=@[^\s/?#@\"']+)"
+    # (or a variable's default: postgres://app:${DB_PASSWORD:-Sup3r…}@db/app)
+    r"|(?<=://)[^\s/:@\"']*:\$\{[A-Za-z_][A-Za-z0-9_]*:?[-=+][^}\s\"'@]{1,512}\}(?=@)"
     # a private key's PEM block, whole or cut off (its armour lines kept): base64 and the
     # encrypted form's header lines only, so a parser's source that names the armour is no block
     # (a body's dashes never run to five: scanning stops at the next armour line, so text with
@@ -214,7 +216,11 @@ _INLINE_BEFORE: Final = frozenset(" \t='\"-,+/")
 # tool output), where a quote is ``\"``.
 _BLANKS = r"(?:[ \t]|\\t)*"
 # A variable's default or alternative, unquoted: ``${DB_PASSWORD:-Sup3r…}`` (docker-compose)
-_DEFAULTED = r"\$\{[A-Za-z_][A-Za-z0-9_]{0,64}:?[-=+]([^}\s\"'\\]{4,512}+)\}"
+# (Spring's ``${DB_PASSWORD:Sup3r…}`` too; not another variable, ``${A:-${B}}``, nor a path)
+_DEFAULTED = (
+    r"\$\{[A-Za-z_][A-Za-z0-9_.]{0,64}(?::[-=+]?|[-=+])(?![-=+?$~/])"
+    r"(?:\"([^\"\n\\}]{4,512}+)\"|'([^'\n\\}]{4,512}+)'|([^}\s\"'\\]{4,512}+))\}"
+)
 _ASSIGN_VALUE = re.compile(
     _BLANKS
     + "="
@@ -294,7 +300,10 @@ _COMMAND_PASSWORD = re.compile(  # (on the command's own part of the line: to a 
     r"""|(?i:redis-cli)[^\n|;&]{0,512}?\s(?:-a|--pass)[ \t]+)"""  # redis-cli -a PASSWORD
     # (quoted or not: -p'…', -p "…", to the closing quote; not a $VARIABLE, though a literal $
     # may start one, and in single quotes is one)
-    r"""(?:'([^'\n]{4,}+)'|"(?!\$[A-Za-z_{(])([^"\n\\]{4,}+)"|\\"(?!\$[A-Za-z_{(])"""
+    r"""(?:"?"""
+    + _DEFAULTED
+    + r'"?'
+    + r"""|'([^'\n]{4,}+)'|"(?!\$[A-Za-z_{(])([^"\n\\]{4,}+)"|\\"(?!\$[A-Za-z_{(])"""
     r"""([^"\n\\]{4,}+)\\"|(?!\$[A-Za-z_{(])([^\s"'\\]{4,}+))"""
 )
 # ...and curl's user and password in one quoted word, the password to the closing quote (blanks
@@ -446,7 +455,7 @@ def _braced_value(s: str, end: int) -> tuple[int, int] | None:
     over, as an empty span, where it is a format string's field: ``f"…;password={password};"``);
     None where there is none."""
     found = _value_span(_BRACED_VALUE.match(s, end))
-    if found is not None and _REFERENCE.fullmatch(s, found[0] - 1, found[1] + 1) is not None:
+    if found is not None and _reference(s, found[0], found[1]):
         return found[1] + 1, found[1] + 1
     return found
 
@@ -482,9 +491,12 @@ def _inline_code(s: str, lo: int, at: int, found: tuple[int, int], quoted: bool 
     line = max(s.rfind("\n", lo, at), s.rfind("\\n", lo, at), lo - 1) + 1
     opened = s.rfind("(", line, at)
     if opened < 0 or opened < s.rfind(")", line, at):
-        # opened on an earlier line (a call's arguments), where the line's start is known
-        return line > lo or lo == 0
-    return opened > line and (s[opened - 1].isalnum() or s[opened - 1] in "_.]")
+        # opened on an earlier line: a call's arguments, not a command's ``$(`` continued
+        # (``TOKEN=$(curl … \`` then ``-d client_secret=…)``); unknown past the look back
+        opened = s.rfind("(", lo, line)
+        if opened < 0 or opened < s.rfind(")", lo, line):
+            return False
+    return opened > 0 and (s[opened - 1].isalnum() or s[opened - 1] in "_.]")
 
 
 def _keyword_argument(s: str, lo: int, at: int) -> bool:
@@ -590,24 +602,63 @@ def known_secrets(values: Iterable[str]) -> tuple[str, ...]:
 
 # A value that only refers to the credential: a variable (``"$DB_PASSWORD"``,
 # ``"${DB_PASSWORD}"``, ``${X:?unset}``; not one with a default or an alternative,
-# ``${DB_PASSWORD:-changeme}``, whose literal goes), Terraform's ``"${var.api_key}"``, GitHub
-# Actions' ``"${{ secrets.DB_PASSWORD }}"``, a template's expression of names and filters
-# (``"{{ vault_db_password }}"``, ``"{{ .Values.db.password | b64enc }}"``, an Ansible lookup
-# ``"{{ lookup('env', 'X') }}"``; not one that holds a literal, ``{{ 'Sup3r…' | password_hash
-# }}``, ``{{ x | default('Sup3r…') }}``), a format string's, JSX's or C#'s field of a name with no
-# digit (``f"password={password}"``, ``apiKey={stripeKey}``, ``{self._secretKey!r}``; ODBC's
-# ``PWD={Sup3r…}`` is a value, as is ``{x:Sup3r…}``).
-_TEMPLATE_NAMES = (
-    r"-?[ \t]*[A-Za-z_.$][\w.$\[\]]{0,256}"
-    r"(?:[ \t]*\|[ \t]*[A-Za-z_]\w{0,64}(?:\([^()'\"\n]{0,64}\))?){0,8}[ \t]*-?"
-)
+# ``${DB_PASSWORD:-changeme}``, whose literal goes), Terraform's ``"${var.api_key}"``, a
+# template's expression (``_template``).
 _REFERENCE: Final = re.compile(
     r"\$(?:[A-Z_][A-Z0-9_]*|[a-z_][a-z_]*|\{[A-Za-z_][A-Za-z0-9_]*(?::?\?[^}\n]{0,256})?\})"
     r"|\$\{(?:var|local|data|module|each|self|path)\.[\w.\[\]\"'-]{1,256}\}"
-    r"|\$?\{\{" + _TEMPLATE_NAMES + r"\}\}"
-    r"|\{\{-?[ \t]*(?:lookup|query)\([^{}()\n]{1,256}\)[ \t]*-?\}\}"
-    r"|\{[A-Za-z_][A-Za-z_.]{0,128}(?:![rsa])?\}"
 )
+_TEMPLATE: Final = re.compile(r"\$?\{\{([^{}\n]{1,512})\}\}")
+_SUBSCRIPT: Final = re.compile(r"""\[[ \t]*(['"])[\w./-]{1,64}\1[ \t]*\]""")
+_LOOKUP: Final = re.compile(
+    r"""-?[ \t]*(?:lookup|query|q)[ \t]*\([^=(){}\n]*\)[ \t]*(?:\|[^'"{}\n]*)?-?[ \t]*"""
+)
+# A format string's, C#'s or JSX's field: ``{password}``, ``{api_key[:6]}``, ``{secret!r:.4}``
+_FIELD: Final = re.compile(
+    r"\{[A-Za-z_][\w.]{0,128}(?:\[[^\]\n]{0,64}\])?(?:![rsa])?(?::[^{}\n]{0,32})?\}"
+)
+
+
+def _template(s: str, start: int, end: int) -> bool:
+    """Whether ``s[start:end]`` is a template's expression of no literal: Jinja's, Helm's or
+    GitHub Actions' ``{{ … }}`` (``${{ … }}``) holding no quoted string but a subscript's key
+    (``{{ .Values.db.password | b64enc }}``, ``{{ hostvars['db1']['db_password'] }}``), or an
+    Ansible lookup of positional arguments (``{{ lookup('env', 'X') }}``; not ``{{
+    lookup('vault', 'db', password='Sup3r…') }}``, nor ``{{ 'Sup3r…' | password_hash }}``)."""
+    found = _TEMPLATE.fullmatch(s, start, end)
+    if found is None:
+        return False
+    inner = found.group(1)
+    if "'" not in inner and '"' not in inner:
+        return True
+    plain = _SUBSCRIPT.sub("", inner)
+    return ("'" not in plain and '"' not in plain) or _LOOKUP.fullmatch(inner) is not None
+
+
+def _reference(s: str, start: int, end: int) -> bool:
+    """Whether the value ``s[start:end]`` only refers to the credential (``_REFERENCE``,
+    ``_template``), or is a field of a format string, C#'s interpolated string or a JSX tag it
+    stands in (``f"password={password}"``, ``$"…;Password={Password};"``,
+    ``apiKey={stripeKey}``; elsewhere a braced value is one: ODBC's ``PWD={Sup3r…}``)."""
+    if _REFERENCE.fullmatch(s, start, end) is not None or _template(s, start, end):
+        return True
+    if s[start - 1 : start] == "{" and s[end : end + 1] == "}":
+        start, end = start - 1, end + 1
+    return _FIELD.fullmatch(s, start, end) is not None and _interpolated(s, start)
+
+
+def _interpolated(s: str, at: int) -> bool:
+    """Whether ``s[at]`` stands in a format string (``f"…"``, ``f'…'``), C#'s ``$"…"`` or a
+    JSX tag (``<Provider apiKey={…}``), on its line."""
+    line = max(s.rfind("\n", 0, at), s.rfind("\\n", 0, at)) + 1
+    quote = max(s.rfind('"', line, at), s.rfind("'", line, at))
+    while quote > line and s[quote - 1] == "\\":  # (an escaped quote: the string's own)
+        quote = max(s.rfind('"', line, quote - 1), s.rfind("'", line, quote - 1))
+    if quote >= 0 and s[quote - 1 : quote] in ("f", "F", "$"):
+        return True
+    return s.rfind("<", line, at) > s.rfind(">", line, at)
+
+
 # Looks for a value that found none, per string: each looks up to 512 characters on, so a string
 # made of thousands of names with no value (``A_TOKEN=\nA_TOKEN=\n…``) would cost ~40 µs per
 # name; past this many the rest of the string is left to the other checks. A value found is
@@ -642,8 +693,11 @@ def _redact_named(s: str, lowered: str) -> str:
                 and _is_credential(s[start:end])
             ):
                 span = _named_value(s, start, end)
-                if span is not None:  # the value is consumed: looked at once
-                    if span[0] < span[1] and _REFERENCE.fullmatch(s, *span) is None:
+                if span is not None and span[0] < span[1] and _reference(s, *span):
+                    # a reference: its own names are looked at (a lookup's password='…')
+                    resume = max(resume, span[0])
+                elif span is not None:  # the value is consumed: looked at once
+                    if span[0] < span[1]:
                         spans.append(span)
                     resume = max(resume, span[1])
                 else:  # (only the looks that found nothing count: each costs up to 512)
@@ -664,7 +718,7 @@ def _redact_named(s: str, lowered: str) -> str:
             span = _value_span(found)
             if span is not None and (
                 s[span[0] - 1 : span[0]] == "'"  # (in single quotes a $ is a literal's)
-                or _REFERENCE.fullmatch(s, *span) is None
+                or not _reference(s, *span)
             ):
                 spans.append(span)
             looks += 1
@@ -1143,6 +1197,9 @@ def _redact_escaped_strings(s: str) -> str:
     for found in _ESCAPED_STRING.finditer(s):
         if found.end() - found.start() < _MIN_SECRET_LEN + 2:  # (too short to hold one)
             continue
+        at = found.start()
+        if at and s[at - 1] in "fF$" and (at < 2 or not s[at - 2].isalnum()):
+            continue  # (a format string's literal in code, f"…\n", is no JSON: read as it is)
         token = found.group()
         unclosed = found.group("open")
         tail = ""

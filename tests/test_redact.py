@@ -628,13 +628,27 @@ def test_many_names_before_a_secret_do_not_hide_it() -> None:
         ("password: \"{{ 'hunter2hunter' | password_hash('sha512') }}\"", None),
         ("password: \"{{ db_password | default('hunter2hunter') }}\"", None),
         ("password: \"${{ 'hunter2hunter' }}\"", None),
-        ('DB_PASSWORD="{{ hunter2hunter and more }}"', None),
         ("sshpass -p '{{ \"hunter2hunter\" }}' ssh host", None),
         ("mysql -uroot -p'$hunter' app", "mysql -uroot -p'[REDACTED]' app"),
         ('{"password": "{x:hunter2hunter}"}', '{"password": "[REDACTED]"}'),
         ("PWD={admin:hunter2hunter!};", "PWD={[REDACTED]};"),
         ("POSTGRES_PASSWORD: ${POSTGRES_PASSWORD:-hunter2hunter}", None),
         ("export DB_PASSWORD=${DB_PASSWORD:-hunter2hunter}", None),
+        # (from a fourth review: a $( continued on the next line; a lookup's keyword literal;
+        # a default in a URL, a command, quoted, Spring's; a braced value outside a format
+        # string, JSX or C#'s interpolation)
+        ("TOKEN=$(curl -s https://auth/token \\\n  -d client_secret=hunter2hunter)", None),
+        (
+            "db_password: \"{{ lookup('vault', 'db', username='admin',"
+            " password='hunter2hunter') }}\"",
+            None,
+        ),
+        ("- DATABASE_URL=postgres://app:${POSTGRES_PASSWORD:-hunter2hunter}@db/app", None),
+        ('mysql -uroot -p"${MYSQL_ROOT_PASSWORD:-hunter2hunter}"', None),
+        ('POSTGRES_PASSWORD: ${POSTGRES_PASSWORD:-"hunter2hunter"}', None),
+        ("spring.datasource.password=${DB_PASSWORD:hunter2hunter}", None),
+        ("Driver={ODBC};Server=db;Password={Hunter2hunterHorse};", None),
+        ('password = "{Hunter2hunterHorse}"', None),
         (
             "aws configure set aws_secret_access_key hunter2hunterFEMI/K7MDENG/bPxRfiCYEXAMPL",
             "aws configure set aws_secret_access_key [REDACTED]",
@@ -713,7 +727,7 @@ def test_credentials_assigned_in_code_or_given_to_commands_lose_their_value(
         "token: \"{{ lookup('env', 'GITHUB_TOKEN') }}\"",
         'DB_PASSWORD="${DB_PASSWORD:?is not set}"',
         "db = Database(host=DB_HOST,\n    password=DB_PASSWORD_2)",
-        "    encrypted=True,kms_key_id='arn:aws:kms:us-east-1:123456789012:key/ab12')",
+        "key = kms.create(\n    encrypted=True,kms_key_id='arn:aws:kms:us-east-1:123456789012:key/ab12')",
         'conn_str = f"host={host};password={password};"',
         'os.system(f"mysql -uroot -p{password} app")',
         "Server=tcp:db.example.com;Pwd={your_password_here};",
@@ -723,6 +737,16 @@ def test_credentials_assigned_in_code_or_given_to_commands_lose_their_value(
         'var cs = $"Server={Host};Database=app;Password={Password};";',
         'cfg = f"password={DB_PASSWORD}\\n"',
         'logger.debug(f"secret={self._secretKey} ")',
+        # (from a fourth review: format fields with an index or a spec; templates of no
+        # literal; a default that is another variable or a path)
+        'print(f"api_key={api_key[:6]} loaded")',
+        'log.debug(f"password={password:*^10}")',
+        "log.debug(f\"access_token={resp['access_token']}\")",
+        "db_password: \"{{ hostvars['db1']['db_password'] }}\"",
+        'ansible_password: "{{ vault_pw if use_vault else lookup_pw }}"',
+        "password: '{{ .Values.password | default (randAlphaNum 16) | b64enc }}'",
+        "GITHUB_TOKEN=${GITHUB_TOKEN:-${GH_TOKEN}}",
+        "SSH_PRIVATE_KEY=${SSH_PRIVATE_KEY:-~/.ssh/id_ed25519}",
         "aws cognito-idp x --token-validity-units AccessToken=minutes,IdToken=minutes,Days=1",
         "pip install -U requests; pytest -p no:cacheprovider",
         'nx.to_pandas_edgelist(G, edge_key="weight_attribute")',  # any lower-case *_key in code
