@@ -221,20 +221,9 @@ _DEFAULTED = (
     r"\$\{[A-Za-z_][A-Za-z0-9_.]{0,64}(?::[-=+]?|[-=+])(?![-=+?$~/])"
     r"(?:\"([^\"\n\\}]{4,512}+)\"|'([^'\n\\}]{4,512}+)'|([^}\s\"'\\]{4,512}+))\}"
 )
-_ASSIGN_VALUE = re.compile(
-    _BLANKS
-    + "="
-    + _BLANKS
-    + "(?:"
-    + _DEFAULTED
-    + "|"
-    + _QUOTED
-    + "|"
-    + _ESCAPED_QUOTED
-    + "|"
-    + _SETTING
-    + ")"
-)
+# A setting's value: a variable's default, quoted, escaped-quoted, or a literal of a setting's
+_SETTING_VALUE = "(?:" + _DEFAULTED + "|" + _QUOTED + "|" + _ESCAPED_QUOTED + "|" + _SETTING + ")"
+_ASSIGN_VALUE = re.compile(_BLANKS + "=" + _BLANKS + _SETTING_VALUE)
 # The shell's working directories (``env`` prints them): PWD is no password there.
 _SHELL_DIRECTORY: Final = re.compile(r"(?<![A-Z0-9_;])(?:OLD)?PWD=")  # (;PWD= is ODBC's)
 _ENV_VALUE = re.compile(
@@ -249,16 +238,7 @@ _FLAG_VALUE = re.compile(r"[ \t]+(?:" + _QUOTED + "|" + _SETTING + ")")
 # passphrase of letters: redacted there).
 _NO_ANNOTATION = r"""(?![ \t]*\\?["'][A-Z_][A-Za-z_.\[\], |]{0,512}\\?["'])"""
 _YAML_VALUE = re.compile(
-    _BLANKS
-    + r":(?:[ \t]|\\t)+(?:"
-    + _DEFAULTED
-    + "|"
-    + _QUOTED
-    + "|"
-    + _ESCAPED_QUOTED
-    + "|"
-    + _SETTING
-    + r")[ \t]*(?:#[^\n\\]*)?"
+    _BLANKS + r":(?:[ \t]|\\t)+" + _SETTING_VALUE + r"[ \t]*(?:#[^\n\\]*)?"
     r"(?=\r|\n|\\n|\\r|\"|\Z)"  # the line's end, escaped or not, or the end of a JSON string
 )
 _AUTHORIZATION = re.compile(  # a scheme, or a header's colon and a token alone (no code)

@@ -559,27 +559,15 @@ def test_a_summary_answered_in_parts_or_compressed_is_the_summary(
     was thrown away for the extractive one (the gzipped one counted as an invalid answer)."""
     import gzip
 
+    from tests.test_relay import completion
+
     content: Any = "SUMMARY of the work"
     if shape == "parts":
         content = [
             {"type": "thinking", "thinking": [{"type": "text", "text": "hmm, THOUGHTS"}]},
             {"type": "text", "text": "SUMMARY of the work"},
         ]
-    answer = orjson.dumps(
-        {
-            "id": "s",
-            "object": "chat.completion",
-            "model": "gpt-4o",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": content},
-                    "finish_reason": "stop",
-                }
-            ],
-            "usage": {"prompt_tokens": 3000, "completion_tokens": 40},
-        }
-    )
+    answer = completion(content, 3000, 40)
     headers: list[tuple[bytes, bytes]] = []
     if shape == "gzip":
         answer, headers = gzip.compress(answer), [(b"content-encoding", b"gzip")]

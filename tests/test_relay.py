@@ -283,8 +283,8 @@ def test_an_error_event_mid_stream_is_logged_as_its_message_not_a_python_repr(
     assert proxy.metric("cachegate_upstream_errors_total", {"kind": "error_event"}) == 2
 
 
-def completion(content: str, prompt_tokens: int, completion_tokens: int) -> bytes:
-    """A chat completion's body, as OpenAI writes it."""
+def completion(content: Any, prompt_tokens: int, completion_tokens: int) -> bytes:
+    """A chat completion's body, as OpenAI writes it (``content`` a text, or a list of parts)."""
     return orjson.dumps(
         {
             "id": "c1",
