@@ -628,15 +628,41 @@ def _reference(s: str, start: int, end: int) -> bool:
 
 
 def _interpolated(s: str, at: int) -> bool:
-    """Whether ``s[at]`` stands in a format string (``f"…"``, ``f'…'``), C#'s ``$"…"`` or a
-    JSX tag (``<Provider apiKey={…}``), on its line."""
-    line = max(s.rfind("\n", 0, at), s.rfind("\\n", 0, at)) + 1
-    quote = max(s.rfind('"', line, at), s.rfind("'", line, at))
-    while quote > line and s[quote - 1] == "\\":  # (an escaped quote: the string's own)
-        quote = max(s.rfind('"', line, quote - 1), s.rfind("'", line, quote - 1))
-    if quote >= 0 and s[quote - 1 : quote] in ("f", "F", "$"):
-        return True
-    return s.rfind("<", line, at) > s.rfind(">", line, at)
+    """Whether the field at ``s[at]`` stands in a format string (``f"…"``, ``f'…'``, a string
+    given to ``.format(``, Rust's ``format!("…")``), C#'s ``$"…"``, or is a JSX tag's attribute
+    value (``<Provider apiKey={…}``), on its line, within 256 characters (a look bounded: a
+    long line of fields is read once, not once a field)."""
+    lo = max(0, at - 256)
+    line = max(s.rfind("\n", lo, at), s.rfind("\\n", lo, at), lo - 1) + 1
+    opened = -1  # the quote of the string ``at`` stands in, read from the line's start
+    i = line
+    while i < at:
+        c = s[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c in "\"'":
+            if opened < 0:
+                opened = i
+            elif s[opened] == c:
+                opened = -1
+        i += 1
+    if opened >= 0:
+        prefix = s[max(line, opened - 8) : opened]
+        if (
+            prefix.endswith(("f", "F", "rf", "fr")) or (prefix.endswith("$") and s[opened] == '"')
+        ) and not (
+            len(prefix) > len(prefix.rstrip("fFr$")) and prefix.rstrip("fFr$")[-1:].isalnum()
+        ):
+            return True
+        if prefix.endswith(("format!(", "print!(", "println!(")):
+            return True
+        close = s.find(s[opened], at, at + 256)
+        return close >= 0 and s.startswith(".format(", close + 1)
+    if s[at - 1 : at] != "=":  # (a JSX attribute's value follows its name's "=")
+        return False
+    tag = s.rfind("<", line, at)
+    return tag > s.rfind(">", line, at) and s[tag + 1 : tag + 2].isalpha()
 
 
 # Looks for a value that found none, per string: each looks up to 512 characters on, so a string
@@ -1177,9 +1203,6 @@ def _redact_escaped_strings(s: str) -> str:
     for found in _ESCAPED_STRING.finditer(s):
         if found.end() - found.start() < _MIN_SECRET_LEN + 2:  # (too short to hold one)
             continue
-        at = found.start()
-        if at and s[at - 1] in "fF$" and (at < 2 or not s[at - 2].isalnum()):
-            continue  # (a format string's literal in code, f"…\n", is no JSON: read as it is)
         token = found.group()
         unclosed = found.group("open")
         tail = ""

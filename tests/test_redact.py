@@ -649,6 +649,15 @@ def test_many_names_before_a_secret_do_not_hide_it() -> None:
         ("spring.datasource.password=${DB_PASSWORD:hunter2hunter}", None),
         ("Driver={ODBC};Server=db;Password={Hunter2hunterHorse};", None),
         ('password = "{Hunter2hunterHorse}"', None),
+        # (from a fifth review: a braced value on a line with a tag, an apostrophe or a bash
+        # $'…' before it; a tab-indented setting in a format string's literal)
+        (
+            '<add name="db" connectionString="Driver={ODBC};UID=sa;PWD={hunter2hunter};" />',
+            '<add name="db" connectionString="Driver={ODBC};UID=sa;PWD={[REDACTED]};" />',
+        ),
+        ("export CONN=$'Driver={x};UID=sa;PWD={hunter2hunter}'", None),
+        ("Jeff's DSN: Driver={ODBC};UID=sa;PWD={hunter2hunter};", None),
+        ('cfg.write(f"\\ttoken = hunter2hunter\\n")', None),
         (
             "aws configure set aws_secret_access_key hunter2hunterFEMI/K7MDENG/bPxRfiCYEXAMPL",
             "aws configure set aws_secret_access_key [REDACTED]",
@@ -735,7 +744,6 @@ def test_credentials_assigned_in_code_or_given_to_commands_lose_their_value(
         '<StripeProvider apiKey={stripeKey} locale="en">',
         "<Api apiKey={process.env.REACT_APP_API_KEY} />",
         'var cs = $"Server={Host};Database=app;Password={Password};";',
-        'cfg = f"password={DB_PASSWORD}\\n"',
         'logger.debug(f"secret={self._secretKey} ")',
         # (from a fourth review: format fields with an index or a spec; templates of no
         # literal; a default that is another variable or a path)
@@ -747,6 +755,9 @@ def test_credentials_assigned_in_code_or_given_to_commands_lose_their_value(
         "password: '{{ .Values.password | default (randAlphaNum 16) | b64enc }}'",
         "GITHUB_TOKEN=${GITHUB_TOKEN:-${GH_TOKEN}}",
         "SSH_PRIVATE_KEY=${SSH_PRIVATE_KEY:-~/.ssh/id_ed25519}",
+        # (from a fifth review: templates filled in later are format strings too)
+        'msg = "password={password}".format(password=pw)',
+        'let url = format!("redis://default@host?password={password}");',
         "aws cognito-idp x --token-validity-units AccessToken=minutes,IdToken=minutes,Days=1",
         "pip install -U requests; pytest -p no:cacheprovider",
         'nx.to_pandas_edgelist(G, edge_key="weight_attribute")',  # any lower-case *_key in code
@@ -1496,7 +1507,7 @@ def test_a_diffs_added_lines_lose_their_settings_as_removed_ones_do() -> None:
     "run",
     [
         *(" token=", " pwd=", " x_key=", " db.password=x1abcdefg", ":token=/x", " sshpass -f"),
-        *(" password={", "API_KEY={{1 "),
+        *(" password={", "API_KEY={{1 ", "x password={abc} ", " apiKey={stripeKey}"),
     ],
 )
 def test_a_name_repeated_in_one_long_value_is_looked_at_once(run: str) -> None:
