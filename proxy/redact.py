@@ -593,9 +593,13 @@ _SUBSCRIPT: Final = re.compile(r"""\[[ \t]*(['"])[\w./-]{1,64}\1[ \t]*\]""")
 _LOOKUP: Final = re.compile(
     r"""-?[ \t]*(?:lookup|query|q)[ \t]*\([^=(){}\n]*\)[ \t]*(?:\|[^'"{}\n]*)?-?[ \t]*"""
 )
-# A format string's, C#'s or JSX's field: ``{password}``, ``{api_key[:6]}``, ``{secret!r:.4}``
+# A format string's or JSX's field: a name that starts in lower case and has no digit, maybe a
+# subscript, a conversion and a format spec (``{password}``, ``{api_key[:6]}``,
+# ``{secret!r:.4}``, ``{password:*^10}``, ``{self._secretKey}``, ``{process.env.API_KEY}``;
+# not ``{CorrectHorseBattery}``, ``{Sup3r…}``, ``{x:Sup3r…}``: ODBC's braced values)
 _FIELD: Final = re.compile(
-    r"\{[A-Za-z_][\w.]{0,128}(?:\[[^\]\n]{0,64}\])?(?:![rsa])?(?::[^{}\n]{0,32})?\}"
+    r"\{[a-z_][A-Za-z_.]{0,128}(?:\[[^\]\n]{0,64}\])?(?:![rsa])?"
+    r"(?::(?:.?[<>=^])?[-+ ]?#?0?[0-9]{0,4}[,_]?(?:\.[0-9]{1,4})?[bcdeEfFgGnosxX%]?)?\}"
 )
 
 
@@ -617,52 +621,13 @@ def _template(s: str, start: int, end: int) -> bool:
 
 def _reference(s: str, start: int, end: int) -> bool:
     """Whether the value ``s[start:end]`` only refers to the credential (``_REFERENCE``,
-    ``_template``), or is a field of a format string, C#'s interpolated string or a JSX tag it
-    stands in (``f"password={password}"``, ``$"…;Password={Password};"``,
-    ``apiKey={stripeKey}``; elsewhere a braced value is one: ODBC's ``PWD={Sup3r…}``)."""
+    ``_template``, or a field, ``_FIELD``: ``f"password={password}"``, ``apiKey={stripeKey}``;
+    a braced value of another shape is one: ODBC's ``PWD={Sup3r…}``)."""
     if _REFERENCE.fullmatch(s, start, end) is not None or _template(s, start, end):
         return True
     if s[start - 1 : start] == "{" and s[end : end + 1] == "}":
         start, end = start - 1, end + 1
-    return _FIELD.fullmatch(s, start, end) is not None and _interpolated(s, start)
-
-
-def _interpolated(s: str, at: int) -> bool:
-    """Whether the field at ``s[at]`` stands in a format string (``f"…"``, ``f'…'``, a string
-    given to ``.format(``, Rust's ``format!("…")``), C#'s ``$"…"``, or is a JSX tag's attribute
-    value (``<Provider apiKey={…}``), on its line, within 256 characters (a look bounded: a
-    long line of fields is read once, not once a field)."""
-    lo = max(0, at - 256)
-    line = max(s.rfind("\n", lo, at), s.rfind("\\n", lo, at), lo - 1) + 1
-    opened = -1  # the quote of the string ``at`` stands in, read from the line's start
-    i = line
-    while i < at:
-        c = s[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c in "\"'":
-            if opened < 0:
-                opened = i
-            elif s[opened] == c:
-                opened = -1
-        i += 1
-    if opened >= 0:
-        prefix = s[max(line, opened - 8) : opened]
-        if (
-            prefix.endswith(("f", "F", "rf", "fr")) or (prefix.endswith("$") and s[opened] == '"')
-        ) and not (
-            len(prefix) > len(prefix.rstrip("fFr$")) and prefix.rstrip("fFr$")[-1:].isalnum()
-        ):
-            return True
-        if prefix.endswith(("format!(", "print!(", "println!(")):
-            return True
-        close = s.find(s[opened], at, at + 256)
-        return close >= 0 and s.startswith(".format(", close + 1)
-    if s[at - 1 : at] != "=":  # (a JSX attribute's value follows its name's "=")
-        return False
-    tag = s.rfind("<", line, at)
-    return tag > s.rfind(">", line, at) and s[tag + 1 : tag + 2].isalpha()
+    return _FIELD.fullmatch(s, start, end) is not None
 
 
 # Looks for a value that found none, per string: each looks up to 512 characters on, so a string

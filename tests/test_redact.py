@@ -658,6 +658,7 @@ def test_many_names_before_a_secret_do_not_hide_it() -> None:
         ("export CONN=$'Driver={x};UID=sa;PWD={hunter2hunter}'", None),
         ("Jeff's DSN: Driver={ODBC};UID=sa;PWD={hunter2hunter};", None),
         ('cfg.write(f"\\ttoken = hunter2hunter\\n")', None),
+        ('echo "' + "x" * 300 + ' -f" PWD={Hunter2hunterHorse};', None),
         (
             "aws configure set aws_secret_access_key hunter2hunterFEMI/K7MDENG/bPxRfiCYEXAMPL",
             "aws configure set aws_secret_access_key [REDACTED]",
@@ -743,7 +744,12 @@ def test_credentials_assigned_in_code_or_given_to_commands_lose_their_value(
         # (from a third review: JSX's, C#'s and f-strings' fields of a name with no digit)
         '<StripeProvider apiKey={stripeKey} locale="en">',
         "<Api apiKey={process.env.REACT_APP_API_KEY} />",
-        'var cs = $"Server={Host};Database=app;Password={Password};";',
+        # (from a sixth review: a field in a format string with an escape, in a tool call's
+        # escaped arguments, in a JSX line inside a string)
+        'print(f"password={password}\\n")',
+        '{"code": "print(f\\"password={password}\\")"}',
+        'echo "<Provider apiKey={apiKey} />" > App.jsx',
+        'println!("PWD={pwd};");',
         'logger.debug(f"secret={self._secretKey} ")',
         # (from a fourth review: format fields with an index or a spec; templates of no
         # literal; a default that is another variable or a path)
