@@ -598,8 +598,13 @@ _LOOKUP: Final = re.compile(
 # ``{secret!r:.4}``, ``{password:*^10}``, ``{self._secretKey}``, ``{process.env.API_KEY}``;
 # not ``{CorrectHorseBattery}``, ``{Sup3r…}``, ``{x:Sup3r…}``: ODBC's braced values)
 _FIELD: Final = re.compile(
-    r"\{[a-z_][A-Za-z_.]{0,128}(?:\[[^\]\n]{0,64}\])?(?:![rsa])?"
-    r"(?::(?:.?[<>=^])?[-+ ]?#?0?[0-9]{0,4}[,_]?(?:\.[0-9]{1,4})?[bcdeEfFgGnosxX%]?)?\}"
+    r"\{[a-z_][A-Za-z_.]{0,128}"
+    # a subscript as code writes one: a slice, an index, a name, a quoted name (no literal)
+    r"""(?:\[(?:-?[0-9]{0,4}(?::-?[0-9]{0,4}){0,2}|[a-z_][a-z_.]{0,32}|(['"])[a-z_][a-z_.-]{0,63}\1)\])?"""
+    r"(?:![rsa])?"
+    # Python's format spec, Rust's too (``{password:?}``, ``{x:>width$}``)
+    r"(?::(?:.?[<>=^])?[-+ ]?#?0?(?:[0-9]{0,4}|[a-z_]\w{0,32}\$)[,_]?"
+    r"(?:\.(?:[0-9]{1,4}|[a-z_]\w{0,32}\$))?[bcdeEfFgGnosxX%?]?)?\}"
 )
 
 
@@ -627,6 +632,8 @@ def _reference(s: str, start: int, end: int) -> bool:
         return True
     if s[start - 1 : start] == "{" and s[end : end + 1] == "}":
         start, end = start - 1, end + 1
+    elif s[start - 1 : start] in ('"', "'") and s[end : end + 1] == s[start - 1]:
+        return False  # (a whole quoted value, "{correcthorse}": no field of a format string)
     return _FIELD.fullmatch(s, start, end) is not None
 
 

@@ -659,6 +659,10 @@ def test_many_names_before_a_secret_do_not_hide_it() -> None:
         ("Jeff's DSN: Driver={ODBC};UID=sa;PWD={hunter2hunter};", None),
         ('cfg.write(f"\\ttoken = hunter2hunter\\n")', None),
         ('echo "' + "x" * 300 + ' -f" PWD={Hunter2hunterHorse};', None),
+        # (from a seventh review: a literal in a field's subscript; a whole quoted value)
+        ("Server=db;UID=sa;PWD={p[hunter2hunter!]};", None),
+        ('{"db_password": "{pw[hunter2hunter-9]}"}', None),
+        ('{"password": "{hunterhunter}"}', '{"password": "[REDACTED]"}'),
         (
             "aws configure set aws_secret_access_key hunter2hunterFEMI/K7MDENG/bPxRfiCYEXAMPL",
             "aws configure set aws_secret_access_key [REDACTED]",
@@ -750,6 +754,8 @@ def test_credentials_assigned_in_code_or_given_to_commands_lose_their_value(
         '{"code": "print(f\\"password={password}\\")"}',
         'echo "<Provider apiKey={apiKey} />" > App.jsx',
         'println!("PWD={pwd};");',
+        'format!("password={password:?}")',
+        'format!("api_key={api_key:>width$}")',
         'logger.debug(f"secret={self._secretKey} ")',
         # (from a fourth review: format fields with an index or a spec; templates of no
         # literal; a default that is another variable or a path)
