@@ -22,7 +22,7 @@ from proxy.config import Settings, display_url
 from proxy.errors import CLIENT_CLOSED
 from proxy.eventlog import Delta, EventLogWriter, choose_delta
 from proxy.metrics import Metrics
-from proxy.pipeline import Exchange
+from proxy.pipeline import Exchange, clip_words
 from proxy.redact import known_secrets, redact_text, without_values
 from proxy.relay import CLIENT_KEY_HEADERS, PLACEHOLDER_AUTHORIZATION
 from proxy.sessions import CONVERSATIONS_KEPT, SessionState, SessionStore
@@ -679,7 +679,7 @@ class AccountingObserver:
                 # work bounded (a name of 100 KB, redacted on the event loop)
                 shown = redact_text((model_name or "")[:_MODEL_REDACTED])
                 own = client_keys(ex.upstream_headers) if ex is not None else ()
-                shown = _clipped(without_values(shown, (*self.secrets, *own)))
+                shown = clip_words(without_values(shown, (*self.secrets, *own)), _MODEL_SHOWN)
                 # the table to add them to: the configured entry the name matched (a new table
                 # of its own would start from "*" and lose that entry's window), else its own
                 table = shown if name == "*" else name
@@ -1562,8 +1562,3 @@ def _iso(ts: float) -> str:
 
 _MODEL_SHOWN = 200  # characters of a model's name said on stderr
 _MODEL_REDACTED = 4096  # ...of the name redacted first (a key cut at the clip is whole there)
-
-
-def _clipped(name: str) -> str:
-    """``name``, its first ``_MODEL_SHOWN`` characters and ``…`` when longer."""
-    return name if len(name) <= _MODEL_SHOWN else name[:_MODEL_SHOWN] + "…"

@@ -468,7 +468,7 @@ def _inline_code(s: str, lo: int, at: int, found: tuple[int, int], quoted: bool 
     end = found[1] + (1 if quoted and s[found[1] : found[1] + 1] in ("'", '"') else 0)
     if s[end : end + 1] != ")":
         return False
-    line = max(s.rfind("\n", lo, at), s.rfind("\\n", lo, at), lo - 1) + 1
+    line = _line_start(s, lo, at)
     opened = s.rfind("(", line, at)
     if opened < 0 or opened < s.rfind(")", line, at):
         # opened on an earlier line: a call's arguments, not a command's ``$(`` continued
@@ -476,7 +476,7 @@ def _inline_code(s: str, lo: int, at: int, found: tuple[int, int], quoted: bool 
         opened = s.rfind("(", lo, line)
         if opened < 0 or opened < s.rfind(")", lo, line):
             return False
-    return opened > 0 and (s[opened - 1].isalnum() or s[opened - 1] in "_.]")
+    return _opens_call(s, opened)
 
 
 def _keyword_argument(s: str, lo: int, at: int) -> bool:
@@ -484,15 +484,23 @@ def _keyword_argument(s: str, lo: int, at: int) -> bool:
     (blanks between) inside a call's parentheses opened on its line, after a name
     (``connect(host=h, password=pw_2024)``; a subshell's ``(cd x && …)``, ``$(…)``, and a
     string inside the call, ``run(["--from-literal=password=…"])``, are no such place)."""
-    line = max(s.rfind("\n", lo, at), s.rfind("\\n", lo, at), lo - 1) + 1
+    line = _line_start(s, lo, at)
     if not s[line:at].rstrip(" \t").endswith(","):
         return False
     opened = s.rfind("(", line, at)
-    return (
-        opened > s.rfind(")", line, at)
-        and opened > 0
-        and (s[opened - 1].isalnum() or s[opened - 1] in "_.]")
-    )
+    return opened > s.rfind(")", line, at) and _opens_call(s, opened)
+
+
+def _line_start(s: str, lo: int, at: int) -> int:
+    """Where the line of ``s[at]`` starts (after a line end, escaped or not), ``lo`` at most
+    (the look back's start)."""
+    return max(s.rfind("\n", lo, at), s.rfind("\\n", lo, at), lo - 1) + 1
+
+
+def _opens_call(s: str, opened: int) -> bool:
+    """Whether the ``(`` at ``s[opened]`` opens a call's arguments: after a name (``connect(``,
+    ``x.run(``, ``f()(``), not a command's (``$(…)``, a subshell's ``(cd x && …)``)."""
+    return opened > 0 and (s[opened - 1].isalnum() or s[opened - 1] in "_.]")
 
 
 def _string_start(s: str, lo: int, at: int) -> int:
