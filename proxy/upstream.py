@@ -626,10 +626,11 @@ class _Connection(asyncio.Protocol):
             transport.write(head)
             sized = isinstance(content, SizedStream)
             async for chunk in content:
-                if answer.done() or self.closed or transport.is_closing():
-                    # Answered (or failed, or closed) before the body was all sent: a server
+                if _refused(answer) or self.closed or transport.is_closing():
+                    # Refused (or failed, or closed) before the body was all sent: a server
                     # that refuses an upload (401, 413) answers and closes without reading it.
-                    # Its answer is relayed; the connection cannot carry another request.
+                    # Its answer is relayed; the connection cannot carry another request. (One
+                    # that accepts it early, a 2xx before the body, reads on: the rest goes.)
                     self._request_incomplete = True
                     break
                 if chunk:
@@ -639,7 +640,7 @@ class _Connection(asyncio.Protocol):
                     drain = self._drain
                     if drain is not None and not drain.done():
                         await self._drain_or_answer(drain, answer)
-                if answer.done():  # (not waiting for the client's next piece to notice)
+                if _refused(answer):  # (not waiting for the client's next piece to notice)
                     self._request_incomplete = True
                     break
             else:
@@ -686,10 +687,14 @@ class _Connection(asyncio.Protocol):
     async def _drain_or_answer(
         self, drain: asyncio.Future[None], answer: asyncio.Future[Any]
     ) -> None:
-        """Wait until the upstream reads more of an upload, or answers it. An upstream that stops
-        reading and says nothing times out; one that answers meanwhile (and closes, or keeps the
-        connection open unread) ends the wait, and its answer is what the client gets."""
+        """Wait until the upstream reads more of an upload, or refuses it. An upstream that stops
+        reading and says nothing times out; one that refuses meanwhile (and closes, or keeps the
+        connection open unread) ends the wait, and its answer is what the client gets; one that
+        accepted it early (a 2xx) is waited for as one that has not answered."""
         if answer.done():
+            if not _refused(answer):  # accepted early: the server reads on, at its own pace
+                with contextlib.suppress(httpx.WriteError):  # (closed since: its answer goes)
+                    await self.wait(drain)
             return
         wake = functools.partial(_settle_drain, drain)
         answer.add_done_callback(wake)
@@ -783,6 +788,19 @@ def _new_socket(family: int) -> socket.socket:
 def _settle(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _refused(answer: asyncio.Future[Any]) -> bool:
+    """Whether an upload's answer, come before the upload's end, ends it: a failure, or an error
+    status (a refusal, 401 or 413, which a server sends before reading what it refuses). A 1xx
+    is skipped before it gets here; a 2xx or 3xx sent early (RFC 9112 allows it) is no reason to
+    stop: a server that answers so may read the rest, and wait for it (as httpx and curl send
+    it)."""
+    if not answer.done():
+        return False
+    if answer.cancelled() or answer.exception() is not None:
+        return True
+    return bool(answer.result().status_code >= 400)
 
 
 def _settle_drain(drain: asyncio.Future[None], _answer: asyncio.Future[Any]) -> None:

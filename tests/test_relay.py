@@ -1945,7 +1945,9 @@ def test_a_client_leaving_after_an_early_answer_to_its_upload_cancels_the_upstre
     proxy_factory: Any,
 ) -> None:
     """The upstream answers (and streams) before the client's chunked upload is complete; the
-    client then hangs up. cachegate must notice and close the upstream socket at once."""
+    client then hangs up. cachegate must notice and close the upstream socket at once. (A 2xx
+    sent early does not end the upload: cachegate goes on sending it, as httpx does, and the
+    answer follows once it has all left; the client leaves before that.)"""
     import threading
 
     listener = socket.socket()
@@ -1984,9 +1986,7 @@ def test_a_client_leaving_after_an_early_answer_to_its_upload_cancels_the_upstre
                            b"transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")  # fmt: skip
             time.sleep(0.3)  # the upstream has answered meanwhile; it shows between chunks
             client.sendall(b"5\r\nworld\r\n")  # and the upload never ends
-            got = b""
-            while b"data: 1\n\n" not in got:
-                got += client.recv(65536)
+            time.sleep(0.3)  # the upstream streams meanwhile
             left = time.monotonic()
         deadline = time.monotonic() + 5
         while not closed_at and time.monotonic() < deadline:

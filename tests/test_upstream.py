@@ -812,6 +812,55 @@ def test_an_upload_that_ends_after_an_early_answer_still_ends_its_request() -> N
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("sized", [False, True])
+def test_an_upload_accepted_before_its_end_is_sent_whole(sized: bool) -> None:
+    """A server may answer 2xx before it has read the body, and read on (RFC 9112): the rest of
+    the upload still goes, as httpx and curl send it. Stopping at the answer left the server
+    waiting for the body and the client for the rest of the answer until the read timeout."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        writer.write(b'HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\n{"\r\n')
+        await writer.drain()
+        received = 0
+        try:
+            if b"chunked" in head:
+                while size := int((await reader.readuntil(b"\r\n")).strip(), 16):
+                    received += len(await reader.readexactly(size + 2)) - 2
+                await reader.readexactly(2)
+            else:
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                received = len(await reader.readexactly(length))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+            return
+        tail = b'received":%d}' % received
+        writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(tail), tail))
+        await writer.drain()
+        writer.close()
+
+    async def upload() -> AsyncIterator[bytes]:
+        for _ in range(40):  # 2.6 MB, more than the socket buffers take at once
+            yield b"x" * 65536
+            await asyncio.sleep(0.005)
+
+    async def main() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+        pool = UpstreamPool(read_timeout=3)
+        body = upstream.SizedStream(upload(), 40 * 65536) if sized else upload()
+        t0 = time.monotonic()
+        resp = await pool.open("POST", url + "files", [], body)
+        assert resp.status_code == 200
+        assert await read(resp) == b'{"received":%d}' % (40 * 65536)
+        assert time.monotonic() - t0 < 2.5  # (not cut by the read timeout)
+        await pool.aclose()
+        server.close()
+
+    run(main())
+
+
+@pytest.mark.timeout(30)
 def test_an_answer_while_the_upload_waits_for_room_ends_the_wait() -> None:
     """An upstream that answers (413) and then leaves the connection open, reading nothing
     more: the answer comes back at once, not after the read timeout's wait for room."""
