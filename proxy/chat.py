@@ -616,6 +616,21 @@ class ChatPipeline:
         extra.append((b"x-cachegate-repairs", str(len(ex.repairs)).encode()))  # as forwarded
         return extra
 
+    def _held(
+        self, ex: Exchange, headers: Mapping[str, str], path_session: str | None, now: float
+    ) -> SessionState | None:
+        """For a request refused or stopped before its session was resolved (a body too large,
+        not JSON, without messages; cachegate stopping during its upload): the session it named,
+        if held, which then has the refusal in its log (none is made for it: refusals cost
+        nothing, and would push real sessions out)."""
+        sid = _explicit_or_none(headers, path_session)
+        state = self.sessions.get(sid, now) if sid is not None else None
+        if state is not None:
+            state.last_seen = now
+            ex.session_id, ex.session = state.id, state
+            ex.exchange_id = state.next_exchange()
+        return state
+
     def _one_done(self) -> None:
         self.in_flight -= 1
         if not self.in_flight:
@@ -807,6 +822,8 @@ class ChatPipeline:
                 raise
             task.uncancel()
             ex.interrupted = True
+            if state is None:  # (stopped while the body was arriving)
+                state = self._held(ex, headers, path_session, now)
             if watch is None or not watch.disconnected:  # cachegate is stopping
                 ex.stopped = True
                 err = shutting_down()
@@ -830,15 +847,7 @@ class ChatPipeline:
             ex.error = err.message
             ex.interrupted = err.status == CLIENT_CLOSED  # the client left while sending its body
             if state is None and err.status < 500:
-                # Refused before its session was resolved (a body too large, not JSON, without
-                # messages): a session the request named, if held, has the refusal in its log
-                # (not made for it: refusals cost nothing, and would push real sessions out).
-                sid = _explicit_or_none(headers, path_session)
-                state = self.sessions.get(sid, now) if sid is not None else None
-                if state is not None:
-                    state.last_seen = now
-                    ex.session_id, ex.session = state.id, state
-                    ex.exchange_id = state.next_exchange()
+                state = self._held(ex, headers, path_session, now)
             notify(self.observers, "on_error", ex)
             await send_error(
                 send, err, self._refusal_headers(ex, state, headers, path_session), receive

@@ -1262,6 +1262,41 @@ def test_a_request_the_upstream_has_not_answered_gets_a_503_when_cachegate_stops
     assert response["error"] == error["message"]  # what the client was told
 
 
+def test_a_request_stopped_during_its_upload_is_logged_in_the_session_it_named(
+    tmp_path: Path,
+) -> None:
+    """cachegate stopping while a request's body still arrives: the client gets the 503, and the
+    held session the request named has it in its log, as it has a refusal or the client leaving
+    at that point (the line was missing: nothing had resolved the session yet)."""
+    log_dir = tmp_path / "logs"
+    with (
+        run_simulator(SimConfig()) as sim,
+        cachegate_process(sim.api_base, log_dir) as (proc, url),
+    ):
+        first = httpx.post(
+            url + "/chat/completions", json=HELLO, headers={"X-Session-Id": "held"}, timeout=30
+        )
+        assert first.status_code == 200
+        port = int(url.split(":")[2].split("/")[0])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+            client.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                b"x-session-id: held\r\ncontent-type: application/json\r\n"
+                b'content-length: 500\r\n\r\n{"model"'
+            )
+            time.sleep(0.5)  # the handler is reading the body
+            proc.send_signal(signal.SIGINT)
+            answer = b""
+            while chunk := client.recv(65536):
+                answer += chunk
+        assert proc.wait(20) == 0
+    assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+    assert b"server_shutting_down" in answer
+    (stopped,) = events(log_dir, "held", "error")
+    assert stopped["exchange"] == 2 and stopped["status"] == 503
+    assert stopped["forwarded"] is False and "shutting down" in stopped["message"]
+
+
 def test_a_second_ctrl_c_exits_at_once_cleanly_with_the_cut_stream_logged(
     tmp_path: Path,
 ) -> None:
