@@ -1452,11 +1452,23 @@ def _excerpt(window: str, at: int, more_before: bool, more_after: bool) -> str:
 # --- volatile tokens --------------------------------------------------------------------------
 
 _MONTH = r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec)[a-z]*\.?"
+# A weekday, whole or short ("Mon", "Tue", "Thurs"): a token only beside a date or a time
+_WEEKDAY = r"(?:Mon|Tues?|Wed(?:nes)?|Thu(?:rs?)?|Fri|Sat(?:ur)?|Sun)(?:day)?"
+_CLOCK = r"\d{1,2}:\d{2}(?::\d{2}(?:\.\d+)?)?"
 # Alternatives are tried in order at each position, most specific first; a group's name before the
-# first underscore is the token's kind.
+# first underscore is the token's kind. A date written with its weekday is one token, so that a
+# day's end changes one token, not a word and a number ("Mon Jan  6 23:58:00 2025": C's ctime and
+# `date`; "Mon Jan 06 2025 23:58:00 GMT+0000": JavaScript's Date; "Mon, 06 Jan 2025 23:58:00 GMT":
+# RFC 2822 and HTTP).
 _VOLATILE = re.compile(
     r"(?P<uuid>(?<![0-9A-Fa-f])[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}"
     r"-[0-9A-Fa-f]{12}(?![0-9A-Fa-f]))"
+    rf"|(?P<timestamp_ctime>\b{_WEEKDAY},?\s+{_MONTH}\s+\d{{1,2}}(?:\s+\d{{4}})?\s+{_CLOCK}"
+    r"(?:\s+GMT[+-]\d{4}|\s+[A-Z]{3,5})?(?:\s+\d{4})?\b)"
+    rf"|(?P<timestamp_rfc>\b{_WEEKDAY},?\s+\d{{1,2}}\s+{_MONTH}\s+\d{{4}}\s+{_CLOCK}"
+    r"(?:\s+(?:[A-Z]{3,5}|[+-]\d{4}))?\b)"
+    rf"|(?P<date_weekday_named>\b{_WEEKDAY},?\s+(?:{_MONTH}\s+\d{{1,2}}(?:st|nd|rd|th)?,?\s+\d{{4}}"
+    rf"|\d{{1,2}}(?:st|nd|rd|th)?\s+{_MONTH},?\s+\d{{4}})\b)"
     r"|(?P<timestamp_iso>\b\d{4}-\d{2}-\d{2}[T ]\d{1,2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?"
     r"(?:Z|[+-]\d{2}:?\d{2}\b|\s?(?:UTC|GMT)\b)?)"
     r"|(?P<date_iso>\b\d{4}[-/]\d{2}[-/]\d{2}\b)"

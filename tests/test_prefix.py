@@ -395,6 +395,18 @@ def test_added_developer_message_diverges_at_system() -> None:
         ("Today is March 14, 2025.", "Today is March 15, 2025.", "date"),
         ("Today is 03/14/2025.", "Today is 03/15/2025.", "date"),
         ("It is Friday.", "It is Saturday.", "date"),
+        # a day's end in the formats that write the weekday short (it changed with the day)
+        ("Now: Mon Jan  6 23:58:00 2025.", "Now: Tue Jan  7 00:01:00 2025.", "timestamp"),
+        ("Now: Mon Jan  6 23:58:00 UTC 2025.", "Now: Tue Jan  7 00:01:00 UTC 2025.", "timestamp"),
+        (
+            "Now: Mon Jan 06 2025 23:58:00 GMT+0000 (Coordinated Universal Time)",
+            "Now: Tue Jan 07 2025 00:01:00 GMT+0000 (Coordinated Universal Time)",
+            "timestamp",
+        ),
+        ("Date: Mon, 06 Jan 2025 23:58:00 GMT", "Date: Tue, 07 Jan 2025 00:01:00 GMT", "timestamp"),
+        ("Today is Mon Jan 06 2025.", "Today is Tue Jan 07 2025.", "date"),
+        ("Today is Sat, 31 May 2025.", "Today is Sun, 1 Jun 2025.", "date"),
+        ("You are helpful.", "You are helpful.\nNow: Tue Jan  7 00:01:00 2025", "timestamp"),
         (
             "request 9f1c2d3e-4b5a-4c6d-8e7f-0a1b2c3d4e5f done",
             "request 0b1c2d3e-4b5a-4c6d-8e7f-0a1b2c3d4e5f done",
@@ -418,6 +430,7 @@ def test_volatile_token_changes_are_named(old: str, new: str, kind: str) -> None
     ("old", "new"),
     [
         ("Indent with tabs.", "Indent with spaces."),
+        ("Sun Microsystems made Java.", "Sat Microsystems made Java."),  # a word, not a date
         ("Run the tests.", "Run 3 tests."),  # a number alone added is editing, not a counter
         (
             "Notes:",
