@@ -6,6 +6,7 @@ Both run after the client has its response (``on_response``) or when a request i
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -59,7 +60,9 @@ class _Baseline:
     request could read (None elsewhere, or unknown); ``held``: a longer prefix an earlier turn
     of its conversation had cached, and when (its tokens, on the clock of ``ready_at``), which
     the provider holds until its TTL ends, though this turn marked less, and how many messages it
-    held (None: none)."""
+    held (None: none); ``earlier``: while other requests of its session sent before it was
+    accounted were not yet accounted themselves, the request it went on from as that one was
+    (``_as_was``), which those sent before it was read are accounted against (None otherwise)."""
 
     __slots__ = (
         "answer",
@@ -67,6 +70,7 @@ class _Baseline:
         "cached",
         "copies",
         "counted",
+        "earlier",
         "fp",
         "held",
         "left_behind",
@@ -116,6 +120,15 @@ class _Baseline:
         # a copy came after the one before was answered (a client's re-send after a hang-up,
         # not sub-agents sent alike, which go out together)
         self.resent = False
+        self.earlier: _Baseline | None = None
+
+
+def _as_was(baseline: _Baseline) -> _Baseline:
+    """A copy of ``baseline`` as it is now, for requests sent before the one that goes on from
+    it was read (``_Baseline.earlier``); it keeps no ``earlier`` of its own (no chain)."""
+    was = copy.copy(baseline)
+    was.earlier = None
+    return was
 
 
 def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
@@ -699,7 +712,13 @@ class AccountingObserver:
         return terms
 
     def on_request(self, ex: Exchange) -> None:
-        """Nothing to do before the response: accounting runs once the client has its answer."""
+        """Accounting runs once the client has its answer; before it, the request is counted
+        among its session's unanswered ones (``_Baseline.earlier``)."""
+        if ex.route == "chat" and ex.body is not None and ex.session_id is not None:
+            state = _state_of(ex, self.sessions)
+            if state is not None:
+                extra = state.extra
+                extra["unanswered"] = extra.get("unanswered", 0) + 1
 
     def on_response(self, ex: Exchange) -> None:
         if ex.route != "chat" or ex.body is None or ex.session_id is None:
@@ -708,6 +727,11 @@ class AccountingObserver:
         if state is None:
             return
         extra = state.extra
+        # Others of the session sent and not yet accounted: some may have gone out before this
+        # one was read, and are accounted against what it went on from (``_Baseline.earlier``).
+        unanswered = extra.get("unanswered", 1) - 1
+        extra["unanswered"] = max(unanswered, 0)
+        fanned = unanswered > 0
         held = extra.get("cache")
         # (a summary call without cache fields after the session's answers or summary calls
         # had them: a read of 0 in a hit ratio, as sessions list counts it; this exchange's own
@@ -719,6 +743,20 @@ class AccountingObserver:
         chosen, continues, divergence = self._compare(_ranked(baselines, fp, body), fp, body)
         compared = chosen.fp if chosen is not None else None  # (before this one takes its place)
         forwarded = divergence  # (where the forwarded histories differ: the tokens before it)
+        kept = (chosen, divergence)  # (what the baselines go on from: below)
+        if chosen is not None and continues and chosen.ready_at > ex.t0:
+            # Sent before ``chosen`` was read (sub-agents fanned out together: ``chosen`` is a
+            # sibling answered first): what the provider had read when this went out is the
+            # request ``chosen`` went on from, the history they share. Only the first sibling
+            # answered was compared with it; the others, whatever they missed of it, showed no
+            # waste.
+            earlier = chosen.earlier
+            if earlier is not None and earlier.ready_at <= ex.t0:
+                chosen = earlier
+                compared = chosen.fp
+                divergence = forwarded = prefix.find_divergence(
+                    chosen.fp, fp, chosen.body, body, self.secrets
+                )
         if (
             divergence is not None
             and ex.compaction_undone is not None
@@ -730,6 +768,8 @@ class AccountingObserver:
             # is the one to show (the summary against a message it never sent is cachegate's).
             index, old, new = ex.compaction_undone
             divergence = prefix.message_divergence(index, old, new, self.secrets)
+            if kept[0] is chosen:  # (the client's change is the one its baseline goes on by)
+                kept = (chosen, divergence)
         shown = divergence  # (where the client's own history has it)
         if divergence is not None:
             # A refused attempt's retry counts it; a compaction's summary in place of the
@@ -772,6 +812,10 @@ class AccountingObserver:
                 cached_before = held_expired or cached_before
             body_before, held_before = chosen.body, chosen.held
         ready_at = ex.t0 + (ex.ttfb_s if ex.ttfb_s is not None else ex.duration_s)
+        # The baselines go on from the one this request was compared with (``kept``), the
+        # accounting above and below from the one it could read (``ref``).
+        ref, ref_divergence = chosen, divergence
+        chosen, divergence = kept
         if ex.status < 400:  # a refused request is no baseline: the provider may not have seen it
             cached: int | None
             counted = fp  # (the request its prompt count is for: ``_Baseline.counted``)
@@ -812,8 +856,10 @@ class AccountingObserver:
                     went_on.cached = cached
                     went_on.held = _held_on(chosen, cached, divergence)
                     went_on.turns = chosen.turns + 1
+                    went_on.earlier = _as_was(ref) if fanned and ref is not None else None
                     baselines.insert(0, went_on)
                 else:  # it extends or rewrites its baseline: it takes that one's place
+                    chosen.earlier = _as_was(ref) if fanned and ref is not None else None
                     chosen.fp, chosen.body, chosen.prompt, chosen.model = fp, body, prompt, model
                     chosen.counted = counted
                     chosen.held = _held_on(chosen, cached, divergence)
@@ -835,6 +881,7 @@ class AccountingObserver:
                 started.answer = _answer_of(ex)
                 started.cached = cached
                 if continues and chosen is not None:
+                    started.earlier = _as_was(ref) if fanned and ref is not None else None
                     # (the same messages again beside it, under another prompt: another
                     # agent's first request, or that one sent again: a first one too)
                     same = len(fp.message_digests) == len(chosen.fp.message_digests)
@@ -872,6 +919,7 @@ class AccountingObserver:
                 baselines.insert(0, started)
             _prune(baselines, extra.get("opening"))
             extra["baselines"] = baselines
+        chosen, divergence = ref, ref_divergence
         if usage is None or ex.status >= 400:
             if usage is None and (ex.status < 400 or ex.status == CLIENT_CLOSED):
                 # The provider read this prompt (the client left, or the answer broke off,

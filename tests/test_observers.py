@@ -683,6 +683,40 @@ def test_sub_agents_fanned_out_from_the_first_turn_do_not_evict_the_main_agent()
     assert ex.cache is not None and ex.cache["waste"] == 10_000
 
 
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1), (1, 2, 0)])
+def test_each_sub_agent_fanned_out_together_is_accounted_against_the_history_they_share(
+    order: tuple[int, int, int],
+) -> None:
+    """The main agent's turn was read; then three sub-agents go out together, each with that
+    history and its own task, and each misses the whole of it. Only the first answered was
+    compared with the main turn: the others were compared with it, a sibling still unread when
+    they went out, and showed no waste (the session's waste 2 x 4,400 too low), whichever
+    order the answers came in."""
+    acc = _Accounting()
+    main = [_system("main agent"), *msgs("explore the repo", "I will fan out.")]
+    acc.send(main, 4_400, 0)  # sent at 1.0, read at once
+    subs = [[*main, *msgs(f"Sub-agent task: {job}.")] for job in _jobs(3)]
+    sent: list[Exchange] = []
+    for k, history in enumerate(subs):
+        ex = exchange(10 + k, history)
+        ex.session, ex.started_at, ex.t0 = acc.state, 5.0, 5.0  # out together
+        ex.ttfb_s = 0.3 + 0.2 * k  # none read before the others went out
+        acc.observer.on_request(ex)
+        sent.append(ex)
+    for k in order:  # answered in this order, each missing the shared history
+        ex = sent[k]
+        ex.usage, ex.status = Usage(4_600, 10, 0, 0, True), 200
+        acc.observer.on_response(ex)
+    for ex in sent:
+        assert ex.cache is not None and ex.divergence is None
+        assert (ex.cache["expected"], ex.cache["waste"]) == (4_400, 4_400), ex.exchange_id
+    # and the next turn of one of them, sent once its own was read, goes on from its own
+    acc.eid = 10  # (sent at 11.0)
+    ex = acc.send([*subs[1], *msgs("found it", "go on")[:1]], 4_700, 4_600)
+    assert ex.divergence is None and ex.cache is not None
+    assert (ex.cache["expected"], ex.cache["waste"]) == (4_600, 0)
+
+
 def test_eight_interleaved_conversations_are_each_compared_with_their_own() -> None:
     acc = _Accounting()
     tasks = ["search", "parse", "review", "deploy", "document", "profile", "refactor", "triage"]
