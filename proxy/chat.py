@@ -398,7 +398,14 @@ class ChatPipeline:
             state = self.sessions.get(sid, now) or self.sessions.create(sid, now)
         else:
             found, shared = self.sessions.infer_shared(messages, now)
-            state = found or self.sessions.create(new_session_id(now), now)
+            if found is None:
+                # (8 hex digits a second: two conversations starting in one second may draw the
+                # same; the store would replace the first, and their logs would be one)
+                sid = new_session_id(now)
+                while self.sessions.get(sid) is not None:
+                    sid = new_session_id(now)
+                found = self.sessions.create(sid, now)
+            state = found
         state.last_seen = now
         if isinstance(messages, list):
             # Agents resend their whole history. Share the previous request's message objects for

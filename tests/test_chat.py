@@ -633,6 +633,32 @@ def test_observers_of_finished_exchanges_run_in_order_in_short_slices() -> None:
     asyncio.run(run())
 
 
+def test_an_inferred_id_drawn_twice_in_one_second_makes_no_session_replace_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inferred ids are the second and 8 hex digits: two conversations starting in one second
+    may draw the same digits, and the second replaced the first in the store (one log for
+    both, the first one's accounting lost). The id is drawn again."""
+    import httpx
+
+    from proxy import sessions
+    from proxy.chat import ChatPipeline
+    from proxy.relay import Relay
+    from proxy.sessions import MemorySessionStore
+
+    drawn = iter(["0badcafe", "0badcafe", "0badcafe", "5eed5eed"])
+    monkeypatch.setattr(sessions._id_bits, "take", lambda: next(drawn))
+    settings = settings_from_mapping({"upstream": {"base_url": "http://127.0.0.1:9/v1"}})
+    relay = Relay(httpx.AsyncHTTPTransport(), "http://127.0.0.1:9/v1", httpx.Timeout(5.0))
+    store = MemorySessionStore()
+    chat = ChatPipeline(settings, relay, store, [], api_key=lambda: None)
+    now = 1_790_000_000.0
+    first, _ = chat.resolve_session({}, None, {"messages": [{"role": "user", "content": "a"}]}, now)
+    other, _ = chat.resolve_session({}, None, {"messages": [{"role": "user", "content": "b"}]}, now)
+    assert first.id == "20260921-141320-0badcafe" and other.id == "20260921-141320-5eed5eed"
+    assert store.get(first.id) is first and store.get(other.id) is other
+
+
 def test_request_observers_run_after_the_forward_and_before_the_response_observers() -> None:
     """An exchange's request observers (its log line) are queued when it is forwarded, not run
     before it: they run on the next turn of the loop, ahead of that exchange's response
