@@ -803,8 +803,12 @@ def _refused(answer: asyncio.Future[Any]) -> bool:
     return bool(answer.result().status_code >= 400)
 
 
-def _settle_drain(drain: asyncio.Future[None], _answer: asyncio.Future[Any]) -> None:
-    _settle(drain)
+def _settle_drain(drain: asyncio.Future[None], answer: asyncio.Future[Any]) -> None:
+    """An upload's answer came while the upload waited for room: a refusal ends the wait; an
+    answer that accepts it leaves the wait to the room it waits for (settled, the drain read as
+    room made, and the rest of the upload went into cachegate's memory at the client's pace)."""
+    if _refused(answer):
+        _settle(drain)
 
 
 async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:

@@ -860,6 +860,52 @@ def test_an_upload_accepted_before_its_end_is_sent_whole(sized: bool) -> None:
     run(main())
 
 
+@pytest.mark.timeout(60)
+def test_an_upload_accepted_while_it_waits_for_room_goes_at_the_servers_pace() -> None:
+    """The usual timing of an early answer to a large upload: the socket is full, the upload
+    waits for room, and the server answers 200 before reading on. The answer must not count as
+    room: the rest of the upload went into memory as fast as the client gave it (a 400 MB
+    upload, ~440 MB of RSS) and the answer then timed out while the server still read it."""
+    total = 48 * 2**20
+    yielded = 0
+    ahead: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await asyncio.sleep(0.3)  # the buffers fill up: the upload waits for room
+        writer.write(b'HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\n{"\r\n')
+        await writer.drain()
+        received = 0
+        while received < total:  # ~40 MB/s
+            received += len(await reader.readexactly(min(1 << 20, total - received)))
+            ahead.append(yielded - received)
+            await asyncio.sleep(0.025)
+        tail = b'received":%d}' % received
+        writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(tail), tail))
+        await writer.drain()
+        writer.close()
+
+    async def upload() -> AsyncIterator[bytes]:
+        nonlocal yielded
+        for _ in range(total // 65536):
+            yielded += 65536
+            yield b"x" * 65536
+
+    async def main() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+        pool = UpstreamPool(read_timeout=3)
+        resp = await pool.open("POST", url + "files", [], upstream.SizedStream(upload(), total))
+        assert await read(resp) == b'{"received":%d}' % total
+        await pool.aclose()
+        server.close()
+
+    run(main())
+    # what was taken from the client and not yet read by the server: the socket buffers and
+    # the transport's (a few MB), not the whole upload
+    assert max(ahead) < 16 * 2**20, max(ahead)
+
+
 @pytest.mark.timeout(30)
 def test_an_answer_while_the_upload_waits_for_room_ends_the_wait() -> None:
     """An upstream that answers (413) and then leaves the connection open, reading nothing
