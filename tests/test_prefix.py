@@ -431,6 +431,9 @@ def test_volatile_token_changes_are_named(old: str, new: str, kind: str) -> None
     [
         ("Indent with tabs.", "Indent with spaces."),
         ("Sun Microsystems made Java.", "Sat Microsystems made Java."),  # a word, not a date
+        # a capital word after a weekday's date and time is no time zone
+        ("Status: Mon Jan 6 10:00 TODO list", "Status: Mon Jan 6 10:00 DONE list"),
+        ("Status: Mon, 6 Jan 2025 10:00 TODO list", "Status: Mon, 6 Jan 2025 10:00 DONE list"),
         ("Run the tests.", "Run 3 tests."),  # a number alone added is editing, not a counter
         (
             "Notes:",
