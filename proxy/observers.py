@@ -727,11 +727,13 @@ class AccountingObserver:
         if state is None:
             return
         extra = state.extra
-        # Others of the session sent and not yet accounted: some may have gone out before this
-        # one was read, and are accounted against what it went on from (``_Baseline.earlier``).
+        # Others of the session sent and not yet accounted (answered, their observers still to
+        # run, or in flight: one still in a compaction's summary call has not been forwarded):
+        # some may have gone out before this one was read, and are accounted against what it
+        # went on from (``_Baseline.earlier``).
         unanswered = extra.get("unanswered", 1) - 1
         extra["unanswered"] = max(unanswered, 0)
-        fanned = unanswered > 0
+        fanned = unanswered > 0 or state.requests > 0
         held = extra.get("cache")
         # (a summary call without cache fields after the session's answers or summary calls
         # had them: a read of 0 in a hit ratio, as sessions list counts it; this exchange's own

@@ -683,15 +683,17 @@ def test_sub_agents_fanned_out_from_the_first_turn_do_not_evict_the_main_agent()
     assert ex.cache is not None and ex.cache["waste"] == 10_000
 
 
+@pytest.mark.parametrize("noted", [True, False])
 @pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1), (1, 2, 0)])
 def test_each_sub_agent_fanned_out_together_is_accounted_against_the_history_they_share(
-    order: tuple[int, int, int],
+    order: tuple[int, int, int], noted: bool
 ) -> None:
     """The main agent's turn was read; then three sub-agents go out together, each with that
     history and its own task, and each misses the whole of it. Only the first answered was
     compared with the main turn: the others were compared with it, a sibling still unread when
     they went out, and showed no waste (the session's waste 2 x 4,400 too low), whichever
-    order the answers came in."""
+    order the answers came in. (Not ``noted``: the others still in flight, their request
+    observers not run yet, as while a compaction's summary call holds them.)"""
     acc = _Accounting()
     main = [_system("main agent"), *msgs("explore the repo", "I will fan out.")]
     acc.send(main, 4_400, 0)  # sent at 1.0, read at once
@@ -701,10 +703,12 @@ def test_each_sub_agent_fanned_out_together_is_accounted_against_the_history_the
         ex = exchange(10 + k, history)
         ex.session, ex.started_at, ex.t0 = acc.state, 5.0, 5.0  # out together
         ex.ttfb_s = 0.3 + 0.2 * k  # none read before the others went out
-        acc.observer.on_request(ex)
+        if noted:
+            acc.observer.on_request(ex)
         sent.append(ex)
-    for k in order:  # answered in this order, each missing the shared history
+    for answered, k in enumerate(order):  # answered in this order, each missing the history
         ex = sent[k]
+        acc.state.requests = 0 if noted else len(order) - answered - 1  # (the others in flight)
         ex.usage, ex.status = Usage(4_600, 10, 0, 0, True), 200
         acc.observer.on_response(ex)
     for ex in sent:
