@@ -401,10 +401,10 @@ class ChatPipeline:
             if found is None:
                 # (8 hex digits a second: two conversations starting in one second may draw the
                 # same; the store would replace the first, and their logs would be one)
-                sid = new_session_id(now)
-                while self.sessions.get(sid) is not None:
-                    sid = new_session_id(now)
-                found = self.sessions.create(sid, now)
+                made = new_session_id(now)
+                while self.sessions.get(made) is not None:
+                    made = new_session_id(now)
+                found = self.sessions.create(made, now)
             state = found
         state.last_seen = now
         if isinstance(messages, list):

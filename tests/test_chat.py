@@ -657,6 +657,10 @@ def test_an_inferred_id_drawn_twice_in_one_second_makes_no_session_replace_anoth
     other, _ = chat.resolve_session({}, None, {"messages": [{"role": "user", "content": "b"}]}, now)
     assert first.id == "20260921-141320-0badcafe" and other.id == "20260921-141320-5eed5eed"
     assert store.get(first.id) is first and store.get(other.id) is other
+    # and each goes on in its own (an inferred session's opening is indexed)
+    turn = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "ok"}]
+    again, _ = chat.resolve_session({}, None, {"messages": [*turn, *turn[:1]]}, now + 1)
+    assert again is first
 
 
 def test_request_observers_run_after_the_forward_and_before_the_response_observers() -> None:
