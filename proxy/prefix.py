@@ -1454,16 +1454,18 @@ def _excerpt(window: str, at: int, more_before: bool, more_after: bool) -> str:
 _MONTH = r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec)[a-z]*\.?"
 # A weekday, whole or short ("Mon", "Tue", "Thurs"): a token only beside a date or a time
 _WEEKDAY = r"(?:Mon|Tues?|Wed(?:nes)?|Thu(?:rs?)?|Fri|Sat(?:ur)?|Sun)(?:day)?"
-_CLOCK = r"\d{1,2}:\d{2}(?::\d{2}(?:\.\d+)?)?"
+_CLOCK = r"\d{1,2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:\s?[AaPp][Mm]\b)?"
 # Alternatives are tried in order at each position, most specific first; a group's name before the
 # first underscore is the token's kind. A date written with its weekday is one token, so that a
 # day's end changes one token, not a word and a number ("Mon Jan  6 23:58:00 2025": C's ctime and
-# `date`; "Mon Jan 06 2025 23:58:00 GMT+0000": JavaScript's Date; "Mon, 06 Jan 2025 23:58:00 GMT":
-# RFC 2822 and HTTP).
+# `date`, "Mon Jan  6 11:58:05 AM UTC 2025" and "Mon  6 Jan 23:58:05 UTC 2025" in other locales;
+# "Mon Jan 06 2025 23:58:00 GMT+0000": JavaScript's Date; "Mon, 06 Jan 2025 23:58:00 GMT": RFC
+# 2822 and HTTP).
 _VOLATILE = re.compile(
     r"(?P<uuid>(?<![0-9A-Fa-f])[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}"
     r"-[0-9A-Fa-f]{12}(?![0-9A-Fa-f]))"
-    rf"|(?P<timestamp_ctime>\b{_WEEKDAY},?\s+{_MONTH}\s+\d{{1,2}}(?:\s+\d{{4}})?\s+{_CLOCK}"
+    rf"|(?P<timestamp_ctime>\b{_WEEKDAY},?\s+(?:{_MONTH}\s+\d{{1,2}}|\d{{1,2}}\s+{_MONTH})"
+    rf"(?:\s+\d{{4}})?\s+{_CLOCK}"
     r"(?:\s+GMT[+-]\d{4}|\s+[A-Z]{2,5}(?=\s+\d{4}\b))?(?:\s+\d{4})?\b)"
     rf"|(?P<timestamp_rfc>\b{_WEEKDAY},?\s+\d{{1,2}}\s+{_MONTH}\s+\d{{4}}\s+{_CLOCK}"
     r"(?:\s+(?:UTC?|GMT|[ECMP][SD]T|[+-]\d{4}))?\b)"

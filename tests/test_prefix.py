@@ -405,6 +405,18 @@ def test_added_developer_message_diverges_at_system() -> None:
         ),
         ("Date: Mon, 06 Jan 2025 23:58:00 GMT", "Date: Tue, 07 Jan 2025 00:01:00 GMT", "timestamp"),
         ("Today is Mon Jan 06 2025.", "Today is Tue Jan 07 2025.", "date"),
+        # `date` and `date +%c` in en_US (a 12-hour clock: noon and midnight) and in en_GB
+        (
+            "Now: Mon Jan  6 11:58:05 AM UTC 2025",
+            "Now: Mon Jan  6 12:03:09 PM UTC 2025",
+            "timestamp",
+        ),
+        (
+            "Now: Mon 06 Jan 2025 11:58:05 PM UTC",
+            "Now: Tue 07 Jan 2025 12:03:09 AM UTC",
+            "timestamp",
+        ),
+        ("Now: Mon  6 Jan 23:58:05 UTC 2025", "Now: Tue  7 Jan 00:03:05 UTC 2025", "timestamp"),
         ("Today is Sat, 31 May 2025.", "Today is Sun, 1 Jun 2025.", "date"),
         ("You are helpful.", "You are helpful.\nNow: Tue Jan  7 00:01:00 2025", "timestamp"),
         (
