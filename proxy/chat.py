@@ -887,7 +887,7 @@ class ChatPipeline:
                 # The provider refused a history too long for its window: compact now, retry once.
                 assert compactor is not None
                 self._request_observers(ex)  # the refused attempt's line first, as it was sent
-                log.info("session %s: context length exceeded; compacting and retrying", state.id)
+                log.info("session %s: context length exceeded; compacting", state.id)
                 ex.status = 0
                 watch = DisconnectWatch(receive)  # a client leaving now cancels the summary call
                 try:
@@ -898,6 +898,10 @@ class ChatPipeline:
                         force=True,
                         window=compaction.provider_window(retry.text),
                         overcount=_overcount(ex.body, retry.text),
+                        reserved=(
+                            compaction.output_asked(retry.text)
+                            or compaction.output_requested(ex.body)
+                        ),
                     )
                 except asyncio.CancelledError:
                     task = asyncio.current_task()
@@ -935,11 +939,14 @@ class ChatPipeline:
                 if forwarded is None or forwarded == ex.body:
                     # Nothing could be compacted: the retry would be the very body refused. The
                     # client gets the provider's refusal as it came, and nothing is sent again.
+                    if forwarded is not None:
+                        log.info("session %s: nothing to compact; the refusal is relayed", state.id)
                     watch.stop()
                     ex.status, ex.upstream_error = retry.status, "status"
                     ex.error = refusal_text(retry.status, retry.text)
                     await _relay_refusal(send, retry, extra)
                     return
+                log.info("session %s: retrying the compacted history", state.id)
                 ex.body = forwarded
                 notify(self.observers, "on_refused", ex)  # the provider's refusal, counted
                 notify(self.observers, "on_retry", ex)  # the log records what was re-sent

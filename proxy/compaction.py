@@ -1054,7 +1054,10 @@ def plan(
 # llama.cpp's text on ("exceeds the available context size", type "exceed_context_size_error"),
 # Together and SGLang ("longer than the model's context length"), Gemini ("exceeds the maximum
 # number of tokens allowed"), xAI ("maximum prompt length"), LM Studio ("greater than the context
-# length"), Bedrock ("input is too long").
+# length"), Bedrock ("input is too long"); those that count the completion asked for in
+# (``max_tokens``): Anthropic ("input length and `max_tokens` exceed context limit: N + M > W")
+# and Hugging Face's TGI, Together's dedicated endpoints ("`inputs` tokens + `max_new_tokens`
+# must be <= W").
 _CONTEXT_PHRASES = (
     b"context_length_exceeded",
     b"maximum context length",
@@ -1066,6 +1069,8 @@ _CONTEXT_PHRASES = (
     b"model's context length",
     b"exceeds the maximum number of tokens allowed",
     b"maximum prompt length",
+    b"exceed context limit",
+    b"tokens + `max_new_tokens` must be <=",
 )
 _BROAD_CONTEXT_PHRASES = (
     b"exceeds context length",
@@ -1104,19 +1109,41 @@ def is_context_length_error(status: int, body: bytes) -> bool:
 
 
 # What a refusal says the completion asked for: vLLM's "'max_tokens' … is too large: N" and
-# "(M in the messages, N in the completion)".
-_OUTPUT_ASKED = re.compile(rb"is too large: (\d+)|(\d+) in the completion")
+# "(M in the messages, N in the completion)", Anthropic's "exceed context limit: M + N > W",
+# TGI's "Given: M `inputs` tokens and N `max_new_tokens`".
+_OUTPUT_ASKED = re.compile(
+    rb"is too large: (\d+)|(\d+) in the completion|context limit: \d+ \+ (\d+) >"
+    rb"|and (\d+) `max_new_tokens`"
+)
+
+
+def output_requested(body: Any) -> int:
+    """The completion tokens a request body asks for at most (``max_completion_tokens``, or the
+    older ``max_tokens``; 0 when it names none)."""
+    if not isinstance(body, dict):
+        return 0
+    for key in ("max_completion_tokens", "max_tokens"):
+        asked = body.get(key)
+        if type(asked) is int and asked > 0:
+            return asked
+    return 0
+
+
+def output_asked(error_body: bytes) -> int | None:
+    """The completion tokens a refusal says the request asked for (its ``max_tokens``), which
+    the provider counts in its window with the prompt."""
+    return _stated(_OUTPUT_ASKED, error_body)
 
 
 def _output_alone_too_large(said: bytes) -> bool:
     """Whether the refusal says the completion asked for fills the window by itself (a
     ``max_tokens`` as large as the window): compacting the history would not help, and each
     retry would cost a summary call for the same refusal."""
-    asked = _OUTPUT_ASKED.search(said)
+    asked = output_asked(said)
     window = provider_window(said)
     if asked is None or window is None:
         return False
-    return int(asked.group(1) or asked.group(2)) >= window
+    return asked >= window
 
 
 _ERROR_KEYS = frozenset({"message", "msg", "error", "detail", "code", "type"})
@@ -1133,12 +1160,20 @@ def _error_words(value: Any, depth: int = 0) -> list[str]:
     if isinstance(value, list):
         return [w for item in value[:20] for w in _error_words(item, depth + 1)]
     if isinstance(value, dict):
-        return [
+        words = [
             w
             for key, item in value.items()
             if key in _ERROR_KEYS
             for w in _error_words(item, depth + 1)
         ]
+        metadata = value.get("metadata")
+        raw = metadata.get("raw") if isinstance(metadata, dict) else None
+        if isinstance(raw, str):  # OpenRouter: the provider's own error body, as a string
+            try:
+                words += _error_words(orjson.loads(raw), depth + 1)
+            except orjson.JSONDecodeError:
+                words.append(raw)
+        return words
     return []
 
 
@@ -1153,7 +1188,9 @@ _WINDOW_RE = re.compile(
     rb"|maximum number of tokens allowed \((\d+)\)"
     rb"|maximum prompt length is (\d+)"
     rb"|(\d+) maximum context length"
-    rb"|tokens > (\d+) maximum",
+    rb"|tokens > (\d+) maximum"
+    rb"|context limit: \d+ \+ \d+ > (\d+)"
+    rb"|`max_new_tokens` must be <= (\d+)",
     re.IGNORECASE,
 )
 
@@ -1165,7 +1202,9 @@ _PROMPT_RE = re.compile(
     rb"messages resulted in (\d+) tokens?"
     rb"|\((\d+) in the messages"
     rb"|prompt is too long: (\d+) tokens?"
-    rb"|request \((\d+) tokens?\) exceeds",
+    rb"|request \((\d+) tokens?\) exceeds"
+    rb"|context limit: (\d+) \+"
+    rb"|given: (\d+) `inputs` tokens",
     re.IGNORECASE,
 )
 

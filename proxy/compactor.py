@@ -211,16 +211,20 @@ class Compactor:
         force: bool = False,
         window: int | None = None,
         overcount: float = 1.0,
+        reserved: int = 0,
     ) -> dict[str, Any]:
         """The body to forward. ``force`` compacts whatever the trigger says (the provider just
         refused the history as too long); ``window`` is the provider's real limit when it said so,
         ``overcount`` how many times cachegate's estimate the provider counted the refused body
-        (the window is planned as that much smaller: dense text, code).
+        (the window is planned as that much smaller: dense text, code), ``reserved`` the
+        completion tokens the request asked for, which such a provider counts in the window (it
+        is planned as that much smaller too: a compacted retry that fitted the window by itself
+        was refused again, after a summary call paid for).
         A compaction that fails before forwarding lets the request go as it is (compaction never
         breaks a request); one for a retry raises (the caller answers it in OpenAI's shape)."""
         if force:
             return await self._apply(
-                ex, state, body, force=True, window=window, overcount=overcount
+                ex, state, body, force=True, window=window, overcount=overcount, reserved=reserved
             )
         try:
             return await self._apply(ex, state, body, force=False, window=window)
@@ -237,6 +241,7 @@ class Compactor:
         force: bool,
         window: int | None,
         overcount: float = 1.0,
+        reserved: int = 0,
     ) -> dict[str, Any]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -249,14 +254,18 @@ class Compactor:
         pending: dict[str, _Summary] | None = state.extra.get("summaries")
         running = self._running_for(pending, messages) if pending else None
         if running is None:
-            return await self._compact(ex, state, body, messages, force, window, overcount)
+            return await self._compact(
+                ex, state, body, messages, force, window, overcount, reserved
+            )
         # A retry, or the agent's next turn, while its history's summary is written (its client
         # left): it waits for that one, then goes out with it (``_claim``), rather than pay for
         # another; or, should its history need more, with a compaction made on it.
         log.info("session %s: waiting for the summary of its history", state.id)
         await self._wait(ex, state, running)
         try:
-            forwarded = await self._compact(ex, state, body, messages, force, window, overcount)
+            forwarded = await self._compact(
+                ex, state, body, messages, force, window, overcount, reserved
+            )
         except BaseException:
             self._meter(running)  # (no response of this one's prices it)
             raise
@@ -275,12 +284,17 @@ class Compactor:
         force: bool,
         window: int | None,
         overcount: float,
+        reserved: int = 0,
     ) -> dict[str, Any]:
         cfg = self.settings.compaction
         model_cfg = self._model(ex.model)
         if window is not None:
             model_cfg = dataclasses.replace(model_cfg, context_window=window)
         summary_window = model_cfg.context_window  # (the summary's length: the real window's)
+        if 0 < reserved < model_cfg.context_window:  # (the completion's share of it: the prompt's)
+            model_cfg = dataclasses.replace(
+                model_cfg, context_window=model_cfg.context_window - reserved
+            )
         if overcount > 1:  # plan against the window as cachegate's estimate counts
             shrunk_window = max(1, int(model_cfg.context_window / overcount))
             model_cfg = dataclasses.replace(model_cfg, context_window=shrunk_window)
@@ -355,7 +369,9 @@ class Compactor:
                     state.id,
                     ratio,
                 )
-                return await self._compact(ex, state, body, messages, force, window, ratio)
+                return await self._compact(
+                    ex, state, body, messages, force, window, ratio, reserved
+                )
 
         def shrunk(keep_recent: int, anchor: bool) -> compaction.Plan:
             """The plan that keeps ``keep_recent`` messages, the launching one verbatim or not,

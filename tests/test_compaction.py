@@ -853,6 +853,28 @@ def test_a_history_too_long_beside_its_max_tokens_is_still_a_context_refusal() -
             id="anthropic",
         ),
         pytest.param(
+            b'{"type":"error","error":{"type":"invalid_request_error","message":"input length and'
+            b" `max_tokens` exceed context limit: 178959 + 64000 > 200000, decrease input length"
+            b' or `max_tokens` and try again"}}',
+            200000,
+            id="anthropic-with-max-tokens",
+        ),
+        pytest.param(
+            b'{"error":"Input validation error: `inputs` tokens + `max_new_tokens` must be <='
+            b' 32769. Given: 40000 `inputs` tokens and 2048 `max_new_tokens`",'
+            b'"error_type":"validation"}',
+            32769,
+            id="tgi-together-dedicated",
+        ),
+        pytest.param(
+            b'{"error":{"message":"Provider returned error","code":400,"metadata":{"raw":"{\\"type'
+            b'\\":\\"error\\",\\"error\\":{\\"type\\":\\"invalid_request_error\\",'
+            b'\\"message\\":\\"prompt is too long: 210000 tokens > 200000 maximum\\"}}",'
+            b'"provider_name":"Anthropic"}}}',
+            200000,
+            id="openrouter-relaying-anthropic",
+        ),
+        pytest.param(
             b'{"error":"The number of tokens to keep from the initial prompt is greater than the'
             b' context length. Try to load the model with a larger context length."}',
             None,
@@ -890,6 +912,11 @@ def test_other_refusals_are_not_taken_for_context_length() -> None:
         b' for one buffer"}}]}',
         # the output limit alone is too large for the window: compacting would not help
         b'{"error":{"message":"max_tokens (200000) exceeds context length (131072)"}}',
+        b'{"type":"error","error":{"type":"invalid_request_error","message":"input length and'
+        b" `max_tokens` exceed context limit: 1000 + 200000 > 200000, decrease input length or"
+        b' `max_tokens` and try again"}}',
+        b'{"error":"Input validation error: `inputs` tokens + `max_new_tokens` must be <= 32769.'
+        b' Given: 10 `inputs` tokens and 40000 `max_new_tokens`"}',
         b'{"error":"max_tokens is greater than the context length"}',
     ):
         assert not is_context_length_error(400, body)

@@ -886,11 +886,16 @@ def test_the_prompt_size_a_refusal_states_is_read() -> None:
 
 
 def test_a_refused_history_with_nothing_to_compact_is_not_sent_again(
-    sdk: Any, proxy_factory: Any
+    sdk: Any, proxy_factory: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """One message too long for the window: nothing can be compacted, and the very body refused
-    was sent a second time, refused again, and shown as two exchanges, one never answered."""
+    was sent a second time, refused again, and shown as two exchanges, one never answered.
+    (Said on stderr so: it said "compacting and retrying", and nothing was retried.)"""
+    import logging
+
     import openai
+
+    caplog.set_level(logging.INFO, logger="proxy")
 
     with run_simulator(SimConfig(context_window=3000)) as small:
         config = {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 1000000}}}
@@ -914,6 +919,11 @@ def test_a_refused_history_with_nothing_to_compact_is_not_sent_again(
         rows = show_session(proxy.log_dir, "one-big").rows
         assert [(r.exchange, r.status) for r in rows] == [(1, 400)]
         assert proxy.metric("cachegate_upstream_errors_total", {"kind": "status"}) == 1
+    said = [r.getMessage() for r in caplog.records if "one-big" in r.getMessage()]
+    assert said == [
+        "session one-big: context length exceeded; compacting",
+        "session one-big: nothing to compact; the refusal is relayed",
+    ]
 
 
 def test_a_client_leaving_during_a_retrys_compaction_is_logged_with_its_whole_wait(
@@ -2807,3 +2817,26 @@ def test_a_moving_cache_mark_keeps_the_providers_count_for_the_trigger(
         crossed = next(i for i, (_, prompt) in enumerate(seen) if prompt >= 6000)
         assert first[mark] == crossed + 1, seen  # the turn after the count reached the trigger
     assert first[True] == first[False]
+
+
+def test_a_retry_leaves_room_for_the_completion_the_request_asks_for(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """A provider that counts the completion asked for in the window (vLLM, OpenAI's older
+    models, Anthropic): the retry was planned against the window alone, and refused again after
+    the summary call had been paid for."""
+    with run_simulator(SimConfig(context_window=4000)) as small:
+        config = {
+            "compaction": {"enabled": True, "trigger_percent": 100, "keep_recent": 4},
+            "models": {MODEL: {"context_window": 1000000}},
+        }
+        proxy = proxy_factory(small.api_base, config)
+        msgs = history(12, output_chars=2000, system_repeat=10)
+        small.sim.enqueue([parse_script("short summary")])
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, max_tokens=3000, extra_headers={"X-Session-Id": "room"}
+        )
+        assert raw.http_response.status_code == 200
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        statuses = [r.status for r in small.sim.requests]
+        assert statuses == [400, 200, 200]  # refused, the summary call, the compacted retry

@@ -70,6 +70,11 @@ CONTEXT_TEXT = (
     "This model's maximum context length is {window} tokens. However, your messages resulted in "
     "{tokens} tokens. Please reduce the length of the messages."
 )
+CONTEXT_WITH_COMPLETION_TEXT = (
+    "This model's maximum context length is {window} tokens. However, you requested {total} "
+    "tokens ({tokens} in the messages, {asked} in the completion). Please reduce the length of "
+    "the messages or completion."
+)
 SERVER_ERROR_TEXT = "The server had an error while processing your request. Sorry about that!"
 STATUS_FAULT_BODIES: dict[str, dict[str, Any]] = {
     "429": error_object(
@@ -302,6 +307,17 @@ class _Handlers:
         tokens, marked, hour, ends = marked_request_tokens(body)
         if len(tokens) > self.config.context_window:
             message = CONTEXT_TEXT.format(window=self.config.context_window, tokens=len(tokens))
+            return _error(400, message, "messages", "context_length_exceeded")
+        asked = body.get("max_completion_tokens", body.get("max_tokens"))
+        if type(asked) is int and asked > 0 and len(tokens) + asked > self.config.context_window:
+            # (the window holds the completion asked for too, as OpenAI's older models and
+            # vLLM count it)
+            message = CONTEXT_WITH_COMPLETION_TEXT.format(
+                window=self.config.context_window,
+                total=len(tokens) + asked,
+                tokens=len(tokens),
+                asked=asked,
+            )
             return _error(400, message, "messages", "context_length_exceeded")
 
         reply = controls.script or self.sim.take_scripted() or derive_reply(body)
