@@ -116,6 +116,11 @@ def check_origin_entry(entry: str) -> str | None:
     if not sep or not scheme or not rest or "/" in rest.rstrip("/"):
         return f"{entry.strip()!r} is not an origin: write scheme://host[:port] or scheme://*"
     host = rest.rstrip("/")
+    if scheme == "null":  # (what an Origin of "null" would be read as: any page can send it)
+        return (
+            f"{entry.strip()!r}: the origin null (local files, sandboxed frames) cannot be "
+            "allowed: any web page can send it"
+        )
     if host == "*":
         if scheme in ("http", "https"):
             return f"{entry.strip()!r} would allow every web page: list the pages' origins"
@@ -242,13 +247,11 @@ class BrowserGuard:
         if "," in origin:  # given twice (combined), or a list: no browser sends either
             return False
         normal = normalize_origin(origin)
-        if normal in self.allowed:
+        scheme, sep, _ = normal.partition("://")
+        if not sep:  # "null" (a sandboxed frame or a local file; any page can send it): no page
+            return False  # to trust, whatever is allowed ("null://*" read it as a scheme's)
+        if normal in self.allowed or scheme in self.schemes:
             return True
-        scheme = normal.partition("://")[0]
-        if scheme in self.schemes:
-            return True
-        if normal == "null":  # a sandboxed frame or a local file: not a page to trust
-            return False
         try:
             parts = urlsplit(normal)
             hostname = parts.hostname

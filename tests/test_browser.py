@@ -86,6 +86,9 @@ def test_guard_refuses_foreign_pages_and_rebound_names() -> None:
     assert _refusal(guard, host="127.0.0.1", origin="vscode-webview://1f2e") == "forbidden_origin"
     for malformed in ("http://[::1", "http://[zz]:80", "http://"):  # no page has these
         assert _refusal(guard, host="127.0.0.1", origin=malformed) == "forbidden_origin"
+    # "null" stays refused whatever a configuration lists (one made past the config's check)
+    trusting = BrowserGuard("127.0.0.1", ["null://*", "null"])
+    assert _refusal(trusting, host="127.0.0.1", origin="null") == "forbidden_origin"
     assert _refusal(guard, host="rebind.evil.example:8787") == "forbidden_host"
     assert _refusal(guard, host="0.0.0.0:8787") == "forbidden_host"
     # a request without Host (HTTP/1.0) is not judged by it
@@ -157,6 +160,8 @@ def test_bound_to_all_addresses_other_names_are_fine_but_pages_are_not() -> None
         "https://",
         "https://a.example/path",
         "null",
+        "null://*",  # (an Origin of "null" read as a scheme's: every page could send it)
+        "NULL://x",
         "*",
         "https://*",
         "HTTP://*",
