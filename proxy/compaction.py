@@ -1096,11 +1096,12 @@ def is_context_length_error(status: int, body: bytes) -> bool:
     except orjson.JSONDecodeError:
         said = body.lower()
     else:
+        said = "\n".join(_error_words(parsed)).lower().encode()
         if isinstance(parsed, dict):
             error = parsed.get("error")
             if isinstance(error, dict) and error.get("code") == "context_length_exceeded":
-                return True
-        said = "\n".join(_error_words(parsed)).lower().encode()
+                # (OpenAI's older models say so of a max_tokens that fills the window alone)
+                return not _output_alone_too_large(said)
     if any(phrase in said for phrase in _CONTEXT_PHRASES):
         return not _output_alone_too_large(said)
     if any(word in said for word in _OUTPUT_LIMIT_WORDS):

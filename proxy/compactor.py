@@ -290,11 +290,12 @@ class Compactor:
         model_cfg = self._model(ex.model)
         if window is not None:
             model_cfg = dataclasses.replace(model_cfg, context_window=window)
-        summary_window = model_cfg.context_window  # (the summary's length: the real window's)
         if 0 < reserved < model_cfg.context_window:  # (the completion's share of it: the prompt's)
             model_cfg = dataclasses.replace(
                 model_cfg, context_window=model_cfg.context_window - reserved
             )
+        # (the summary's length: the prompt's share of the real window, its count the provider's)
+        summary_window = model_cfg.context_window
         if overcount > 1:  # plan against the window as cachegate's estimate counts
             shrunk_window = max(1, int(model_cfg.context_window / overcount))
             model_cfg = dataclasses.replace(model_cfg, context_window=shrunk_window)

@@ -903,6 +903,11 @@ def test_other_refusals_are_not_taken_for_context_length() -> None:
         b' input tokens (5000 > 4096 - 896).","type":"BadRequestError","code":400}',
         b'{"object":"error","message":"This model\'s maximum context length is 4096 tokens.'
         b' However, you requested 5896 tokens (896 in the messages, 5000 in the completion)."}',
+        # (OpenAI's older models, with their code: a summary was paid for, the retry refused)
+        b'{"error":{"message":"This model\'s maximum context length is 4096 tokens. However,'
+        b" you requested 5896 tokens (896 in the messages, 5000 in the completion). Please reduce"
+        b' the length of the messages or completion.","type":"invalid_request_error",'
+        b'"param":"messages","code":"context_length_exceeded"}}',
         b'{"error":{"message":"Invalid type for \'messages[2].content\'","code":null}}',
         b'{"error":{"message":"max_tokens is too large: 9000. Use at most 4096.","code":null}}',
         b'{"error":{"message":"Rate limit reached for tokens per min (TPM)"}}',

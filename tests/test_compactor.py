@@ -2840,3 +2840,25 @@ def test_a_retry_leaves_room_for_the_completion_the_request_asks_for(
         assert raw.headers["x-cachegate-compacted"] == "1"
         statuses = [r.status for r in small.sim.requests]
         assert statuses == [400, 200, 200]  # refused, the summary call, the compacted retry
+
+
+def test_a_retry_s_summary_is_sized_for_the_room_the_completion_leaves(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """With a max_tokens of three quarters of the window (Qwen3's advised share), the summary
+    was asked for, and clipped to, the whole window's length, where the plan left room for the
+    prompt's share only: a summarizer using its allowed overrun had the retry refused again."""
+    with run_simulator(SimConfig(context_window=16384)) as small:
+        config = {
+            "compaction": {"enabled": True, "keep_recent": 8},
+            "models": {MODEL: {"context_window": 1000000}},
+        }
+        proxy = proxy_factory(small.api_base, config)
+        words = " ".join(["fixed", "the", "parser", "in", "sse", "for", "CRLF", "lines"] * 300)
+        small.sim.enqueue([parse_script(words[: 2100 * 5])])  # a long-winded summarizer
+        msgs = history(40, output_chars=1500, system_repeat=10)
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, max_tokens=12288, extra_headers={"X-Session-Id": "share"}
+        )
+        assert raw.http_response.status_code == 200
+        assert [r.status for r in small.sim.requests] == [400, 200, 200]
