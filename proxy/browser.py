@@ -100,8 +100,8 @@ def host_of_header(value: str) -> str:
 def normalize_origin(origin: str) -> str:
     """``scheme://host[:port]`` lower-cased, without a trailing slash or the scheme's default
     port: how browsers write it."""
-    origin = origin.strip().rstrip("/").lower()
-    scheme = origin.partition("://")[0]
+    scheme, sep, rest = origin.strip().lower().partition("://")
+    origin = scheme + sep + rest.rstrip("/")  # (Electron's "file://" keeps its "://")
     default = _DEFAULT_PORTS.get(scheme)
     if default and origin.endswith(default):
         origin = origin[: -len(default)]

@@ -86,6 +86,9 @@ def test_guard_refuses_foreign_pages_and_rebound_names() -> None:
     assert _refusal(guard, host="127.0.0.1", origin="vscode-webview://1f2e") == "forbidden_origin"
     for malformed in ("http://[::1", "http://[zz]:80", "http://"):  # no page has these
         assert _refusal(guard, host="127.0.0.1", origin=malformed) == "forbidden_origin"
+    # Electron's pages from files say "file://": allowed when listed (its "://" was lost)
+    electron = BrowserGuard("127.0.0.1", ["file://*"])
+    assert _refusal(electron, host="127.0.0.1", origin="file://") is None
     # "null" stays refused whatever a configuration lists (one made past the config's check)
     trusting = BrowserGuard("127.0.0.1", ["null://*", "null"])
     assert _refusal(trusting, host="127.0.0.1", origin="null") == "forbidden_origin"
