@@ -1110,10 +1110,11 @@ def is_context_length_error(status: int, body: bytes) -> bool:
 
 
 # What a refusal says the completion asked for: vLLM's "'max_tokens' … is too large: N" and
-# "(M in the messages, N in the completion)", Anthropic's "exceed context limit: M + N > W",
+# "(M in the messages, N in the completion)", OpenRouter's "(M of text input, N in the output)",
+# Anthropic's "exceed context limit: M + N > W",
 # TGI's "Given: M `inputs` tokens and N `max_new_tokens`".
 _OUTPUT_ASKED = re.compile(
-    rb"is too large: (\d+)|(\d+) in the completion|context limit: \d+ \+ (\d+) >"
+    rb"is too large: (\d+)|(\d+) in the (?:completion|output)|context limit: \d+ \+ (\d+) >"
     rb"|and (\d+) `max_new_tokens`"
 )
 

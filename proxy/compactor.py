@@ -14,7 +14,7 @@ import logging
 import operator
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 import httpx
 import orjson
@@ -167,6 +167,11 @@ def _provider_overcount(forwarded: list[Any], appended: int, last: compaction.La
     return last.prompt / estimate if estimate > 0 and last.prompt > 0 else 1.0
 
 
+# The least a summary takes in a request: its framing and a few lines (the room a compaction
+# after a refusal needs beside the messages it keeps, or the retry is refused again).
+SUMMARY_FRAME_TOKENS: Final = 100
+
+
 class Compactor:
     """Per-request compaction transform; ``force=True`` after a ``context_length_exceeded``."""
 
@@ -288,9 +293,21 @@ class Compactor:
     ) -> dict[str, Any]:
         cfg = self.settings.compaction
         model_cfg = self._model(ex.model)
+        stated = window  # (as given: a plan made again starts from it)
         if window is not None:
             model_cfg = dataclasses.replace(model_cfg, context_window=window)
-        if 0 < reserved < model_cfg.context_window:  # (the completion's share of it: the prompt's)
+        if force and reserved >= model_cfg.context_window:
+            # The completion asked for fills the window by itself: no history would fit beside
+            # it, so no summary is paid for; the refusal is the client's answer.
+            log.info(
+                "session %s: the %d completion tokens asked for fill the %d-token window; "
+                "nothing to compact",
+                state.id,
+                reserved,
+                model_cfg.context_window,
+            )
+            return body
+        if reserved > 0:  # (the completion's share of it: the prompt's)
             model_cfg = dataclasses.replace(
                 model_cfg, context_window=model_cfg.context_window - reserved
             )
@@ -489,10 +506,14 @@ class Compactor:
             # message stays verbatim where the history still fits the window with it (a long
             # one is estimated no better than the rest: the provider may count it over).
             plan = anchored
-        if plan.cut is not None and not self._fits(messages, plan.cut, window, tools_tokens):
+        if plan.cut is not None and not self._fits(
+            messages, plan.cut, window, tools_tokens + (SUMMARY_FRAME_TOKENS if force else 0)
+        ):
             # What the smallest compaction keeps is over the window by itself (one message too
             # long for it): no summary makes it fit, so none is paid for; the request goes as it
-            # would without a new one (after a refusal, the refusal is the client's answer).
+            # would without a new one (after a refusal, the refusal is the client's answer; and
+            # there with a summary's least room: in a window the completion asked for leaves
+            # almost nothing of, a summary was paid for and the retry refused again).
             log.info(
                 "session %s: the latest messages alone are over the %d-token window; "
                 "nothing to compact",
@@ -516,7 +537,9 @@ class Compactor:
         if existing is None and await self._restore(state):
             # A summary is to be made for a history too short for the try above (the latest
             # messages so large that fewer of them were kept): one made before may cover it.
-            return await self._compact(ex, state, body, messages, force, window, overcount)
+            return await self._compact(
+                ex, state, body, messages, force, stated, overcount, reserved
+            )
         # (made on ``existing``: its summary, if no request was sent with it, is billed with
         # this one's: ``_Summary.rolled``)
         comp, first = await self._made(

@@ -2862,3 +2862,53 @@ def test_a_retry_s_summary_is_sized_for_the_room_the_completion_leaves(
         )
         assert raw.http_response.status_code == 200
         assert [r.status for r in small.sim.requests] == [400, 200, 200]
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "rounds"),
+    [(7900, 40), (7950, 40), (20000, 80)],  # (80 rounds: the prompt alone over the window)
+)
+def test_a_completion_that_leaves_no_room_for_a_summary_is_relayed_unpaid(
+    sdk: Any, proxy_factory: Any, max_tokens: int, rounds: int
+) -> None:
+    """A max_tokens that leaves less room than the smallest summary (7,900 of 8,000), or fills
+    the window where the refusal does not say what it asked for (a prompt over the window by
+    itself; OpenRouter's "N in the output"): a summary was paid for and the retry refused
+    again. The refusal is relayed, no summary asked for."""
+    import openai
+
+    with run_simulator(SimConfig(context_window=8000)) as small:
+        config = {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 1000000}}}
+        proxy = proxy_factory(small.api_base, config)
+        msgs: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a helpful agent."},
+            {"role": "user", "content": "Refactor the module please."},
+        ]
+        for i in range(rounds):  # short turns: the latest few fit the room left, not a summary
+            words = " ".join(f"word{i}_{j}" for j in range(5))
+            msgs += [
+                {"role": "assistant", "content": f"step {i} {words}"},
+                {"role": "user", "content": f"continue {i} {words}"},
+            ]
+        if rounds > 40:  # (the prompt alone over the window: the refusal says nothing more)
+            msgs[1]["content"] += " Context: " + "lorem ipsum " * 3000
+        with pytest.raises(openai.BadRequestError):
+            sdk(proxy.base_url).chat.completions.create(
+                model=MODEL,
+                messages=msgs,
+                max_tokens=max_tokens,
+                extra_headers={"X-Session-Id": "full"},
+            )
+        assert [r.status for r in small.sim.requests] == [400]  # no summary call, no retry
+
+
+def test_openrouters_wording_of_the_output_asked_for_is_read() -> None:
+    from proxy.compaction import is_context_length_error, output_asked
+
+    said = (
+        b'{"error":{"message":"This endpoint\'s maximum context length is 131072 tokens. However,'
+        b" you requested about 138956 tokens (7884 of text input, 131072 in the output). Please"
+        b' reduce the length of either one.","code":400,"metadata":{"provider_name":null}}}'
+    )
+    assert output_asked(said) == 131072
+    assert not is_context_length_error(400, said)  # the output alone fills the window
