@@ -898,10 +898,7 @@ class ChatPipeline:
                         force=True,
                         window=compaction.provider_window(retry.text),
                         overcount=_overcount(ex.body, retry.text),
-                        reserved=(
-                            compaction.output_asked(retry.text)
-                            or compaction.output_requested(ex.body)
-                        ),
+                        reserved=compaction.reserved_output(retry.text, ex.body),
                     )
                 except asyncio.CancelledError:
                     task = asyncio.current_task()

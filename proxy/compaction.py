@@ -1131,6 +1131,24 @@ def output_requested(body: Any) -> int:
     return 0
 
 
+# Refusals of servers that count the completion asked for in the window with the prompt, where
+# they say only the prompt's count (OpenAI's family, vLLM and DeepSeek, "maximum context length
+# is N tokens"; Anthropic): the request's own max_tokens is reserved. Others (llama.cpp, Ollama,
+# Gemini, Mistral) count the prompt alone: reserving it there gave up retries that would fit.
+_COUNTS_COMPLETION = (b"maximum context length is", b"prompt is too long", b"exceed context limit")
+
+
+def reserved_output(error_body: bytes, body: Any) -> int:
+    """The completion tokens a compaction after ``error_body`` leaves room for: what the refusal
+    says the request asked for, else the request's own ``max_tokens`` where the refusal is of a
+    server that counts it (0 otherwise)."""
+    asked = output_asked(error_body)
+    if asked is not None:
+        return asked
+    said = error_body.lower()
+    return output_requested(body) if any(w in said for w in _COUNTS_COMPLETION) else 0
+
+
 def output_asked(error_body: bytes) -> int | None:
     """The completion tokens a refusal says the request asked for (its ``max_tokens``), which
     the provider counts in its window with the prompt."""

@@ -14,7 +14,7 @@ import logging
 import operator
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Any
 
 import httpx
 import orjson
@@ -165,11 +165,6 @@ def _provider_overcount(forwarded: list[Any], appended: int, last: compaction.La
     if last.tools:
         estimate += compaction.estimate_tokens(last.tools)
     return last.prompt / estimate if estimate > 0 and last.prompt > 0 else 1.0
-
-
-# The least a summary takes in a request: its framing and a few lines (the room a compaction
-# after a refusal needs beside the messages it keeps, or the retry is refused again).
-SUMMARY_FRAME_TOKENS: Final = 100
 
 
 class Compactor:
@@ -507,13 +502,13 @@ class Compactor:
             # one is estimated no better than the rest: the provider may count it over).
             plan = anchored
         if plan.cut is not None and not self._fits(
-            messages, plan.cut, window, tools_tokens + (SUMMARY_FRAME_TOKENS if force else 0)
+            messages, plan.cut, window, extra if force and reserved else tools_tokens
         ):
             # What the smallest compaction keeps is over the window by itself (one message too
             # long for it): no summary makes it fit, so none is paid for; the request goes as it
             # would without a new one (after a refusal, the refusal is the client's answer; and
-            # there with a summary's least room: in a window the completion asked for leaves
-            # almost nothing of, a summary was paid for and the retry refused again).
+            # where the completion asked for takes part of the window, with the summary's room
+            # as asked for: a summary was paid for and the retry refused again).
             log.info(
                 "session %s: the latest messages alone are over the %d-token window; "
                 "nothing to compact",

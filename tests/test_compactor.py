@@ -2832,9 +2832,9 @@ def test_a_retry_leaves_room_for_the_completion_the_request_asks_for(
         }
         proxy = proxy_factory(small.api_base, config)
         msgs = history(12, output_chars=2000, system_repeat=10)
-        small.sim.enqueue([parse_script("short summary")])
+        small.sim.enqueue([parse_script(" ".join(["summary"] * 150))])  # (as long as asked)
         raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
-            model=MODEL, messages=msgs, max_tokens=3000, extra_headers={"X-Session-Id": "room"}
+            model=MODEL, messages=msgs, max_tokens=2800, extra_headers={"X-Session-Id": "room"}
         )
         assert raw.http_response.status_code == 200
         assert raw.headers["x-cachegate-compacted"] == "1"
@@ -2900,6 +2900,87 @@ def test_a_completion_that_leaves_no_room_for_a_summary_is_relayed_unpaid(
                 extra_headers={"X-Session-Id": "full"},
             )
         assert [r.status for r in small.sim.requests] == [400]  # no summary call, no retry
+
+
+def test_a_server_that_counts_the_prompt_alone_keeps_its_retry_whatever_max_tokens(
+    proxy_factory: Any,
+) -> None:
+    """llama.cpp refuses a prompt over its n_ctx whatever max_tokens asks (it counts the prompt
+    alone): reserving the request's max_tokens (8,192 of an 8,192 window) gave the retry up,
+    where a compacted one is taken."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[int] = []
+
+    class LlamaCpp(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None: ...
+
+        def do_POST(self) -> None:
+            body = orjson.loads(self.rfile.read(int(self.headers["content-length"])))
+            tokens = len(orjson.dumps(body["messages"])) // 4
+            summary = body["messages"][0]["content"] == SUMMARIZER_SYSTEM_PROMPT
+            if tokens >= 8192 and not summary:
+                status, answer = (
+                    400,
+                    {
+                        "error": {
+                            "code": 400,
+                            "message": f"request ({tokens} tokens) exceeds the available context"
+                            " size (8192 tokens), try increasing it",
+                            "type": "exceed_context_size_error",
+                            "n_prompt_tokens": tokens,
+                            "n_ctx": 8192,
+                        }
+                    },
+                )
+            else:
+                status, answer = (
+                    200,
+                    {
+                        "id": "chatcmpl-1",
+                        "object": "chat.completion",
+                        "created": 1,
+                        "model": MODEL,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "message": {"role": "assistant", "content": "a short summary"},
+                                "finish_reason": "stop",
+                            }
+                        ],
+                        "usage": {
+                            "prompt_tokens": tokens,
+                            "completion_tokens": 4,
+                            "total_tokens": 9,
+                        },
+                    },
+                )
+            seen.append(status)
+            data = orjson.dumps(answer)
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), LlamaCpp)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        config = {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 1000000}}}
+        proxy = proxy_factory(f"http://127.0.0.1:{server.server_address[1]}/v1", config)
+        msgs = history(60, output_chars=600, system_repeat=2)
+        answer = httpx.post(
+            proxy.base_url + "/chat/completions",
+            json={"model": MODEL, "messages": msgs, "max_tokens": 8192},
+            headers={"X-Session-Id": "llama"},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        assert seen == [400, 200, 200]  # refused, the summary call, the compacted retry
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_openrouters_wording_of_the_output_asked_for_is_read() -> None:
