@@ -733,6 +733,15 @@ def test_context_length_exceeded_is_compacted_and_retried_once(
         assert proxy.metric("cachegate_upstream_errors_total", {"kind": "status"}) == 1
 
 
+def assert_refused_then_compacted(raw: Any, upstream: Any) -> None:
+    """The client's answer came from a compacted retry: the upstream saw the refused request,
+    the summary call and the retry, and the answer says it was compacted."""
+    assert raw.http_response.status_code == 200
+    assert raw.headers["x-cachegate-compacted"] == "1"
+    statuses = [r.status for r in upstream.sim.requests]
+    assert statuses == [400, 200, 200]  # refused, the summary call, the compacted retry
+
+
 def _dense_history(pairs: int) -> list[dict[str, Any]]:
     """Ten tool rounds whose outputs are ``pairs`` times "a,": dense text (CSV, minified JSON),
     a token a byte to the simulator where the estimate counts one per four."""
@@ -761,10 +770,7 @@ def test_a_retry_plans_against_the_tokens_the_provider_counted(
         raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
             model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "dense-tail"}
         )
-        assert raw.http_response.status_code == 200
-        assert raw.headers["x-cachegate-compacted"] == "1"
-        statuses = [r.status for r in small.sim.requests]
-        assert statuses == [400, 200, 200]  # refused, the summary call, the compacted retry
+        assert_refused_then_compacted(raw, small)
 
 
 def test_a_compaction_the_provider_refuses_is_compacted_further_for_the_retry(
@@ -2836,10 +2842,7 @@ def test_a_retry_leaves_room_for_the_completion_the_request_asks_for(
         raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
             model=MODEL, messages=msgs, max_tokens=2800, extra_headers={"X-Session-Id": "room"}
         )
-        assert raw.http_response.status_code == 200
-        assert raw.headers["x-cachegate-compacted"] == "1"
-        statuses = [r.status for r in small.sim.requests]
-        assert statuses == [400, 200, 200]  # refused, the summary call, the compacted retry
+        assert_refused_then_compacted(raw, small)
 
 
 def test_a_retry_s_summary_is_sized_for_the_room_the_completion_leaves(
@@ -2860,8 +2863,7 @@ def test_a_retry_s_summary_is_sized_for_the_room_the_completion_leaves(
         raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
             model=MODEL, messages=msgs, max_tokens=12288, extra_headers={"X-Session-Id": "share"}
         )
-        assert raw.http_response.status_code == 200
-        assert [r.status for r in small.sim.requests] == [400, 200, 200]
+        assert_refused_then_compacted(raw, small)
 
 
 @pytest.mark.parametrize(
