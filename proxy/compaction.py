@@ -1112,10 +1112,10 @@ def is_context_length_error(status: int, body: bytes) -> bool:
 # What a refusal says the completion asked for: vLLM's "'max_tokens' … is too large: N" and
 # "(M in the messages, N in the completion)", OpenRouter's "(M of text input, N in the output)",
 # Anthropic's "exceed context limit: M + N > W",
-# TGI's "Given: M `inputs` tokens and N `max_new_tokens`".
+# TGI's "Given: M `inputs` tokens and N `max_new_tokens`", SGLang's "N tokens for the completion".
 _OUTPUT_ASKED = re.compile(
     rb"is too large: (\d+)|(\d+) in the (?:completion|output)|context limit: \d+ \+ (\d+) >"
-    rb"|and (\d+) `max_new_tokens`"
+    rb"|and (\d+) `max_new_tokens`|(\d+) tokens for the completion"
 )
 
 
@@ -1133,9 +1133,15 @@ def output_requested(body: Any) -> int:
 
 # Refusals of servers that count the completion asked for in the window with the prompt, where
 # they say only the prompt's count (OpenAI's family, vLLM and DeepSeek, "maximum context length
-# is N tokens"; Anthropic): the request's own max_tokens is reserved. Others (llama.cpp, Ollama,
+# is N tokens"; Anthropic; SGLang and Together): the request's own max_tokens is reserved. Others (llama.cpp, Ollama,
 # Gemini, Mistral) count the prompt alone: reserving it there gave up retries that would fit.
-_COUNTS_COMPLETION = (b"maximum context length is", b"prompt is too long", b"exceed context limit")
+_COUNTS_COMPLETION = (
+    b"maximum context length is",
+    b"prompt is too long",
+    b"exceed context limit",
+    b"model's maximum context length of",  # SGLang
+    b"longer than the model's context length",  # SGLang, Together
+)
 
 
 def reserved_output(error_body: bytes, body: Any) -> int:
@@ -1210,7 +1216,8 @@ _WINDOW_RE = re.compile(
     rb"|(\d+) maximum context length"
     rb"|tokens > (\d+) maximum"
     rb"|context limit: \d+ \+ \d+ > (\d+)"
-    rb"|`max_new_tokens` must be <= (\d+)",
+    rb"|`max_new_tokens` must be <= (\d+)"
+    rb"|maximum context length of (\d+)",
     re.IGNORECASE,
 )
 
@@ -1224,7 +1231,8 @@ _PROMPT_RE = re.compile(
     rb"|prompt is too long: (\d+) tokens?"
     rb"|request \((\d+) tokens?\) exceeds"
     rb"|context limit: (\d+) \+"
-    rb"|given: (\d+) `inputs` tokens",
+    rb"|given: (\d+) `inputs` tokens"
+    rb"|(\d+) tokens from the input messages",
     re.IGNORECASE,
 )
 

@@ -502,13 +502,13 @@ class Compactor:
             # one is estimated no better than the rest: the provider may count it over).
             plan = anchored
         if plan.cut is not None and not self._fits(
-            messages, plan.cut, window, extra if force and reserved else tools_tokens
+            messages, plan.cut, window, extra if force else tools_tokens
         ):
             # What the smallest compaction keeps is over the window by itself (one message too
             # long for it): no summary makes it fit, so none is paid for; the request goes as it
             # would without a new one (after a refusal, the refusal is the client's answer; and
-            # where the completion asked for takes part of the window, with the summary's room
-            # as asked for: a summary was paid for and the retry refused again).
+            # there with the summary's room as asked for: a summary was paid for and the retry
+            # refused again).
             log.info(
                 "session %s: the latest messages alone are over the %d-token window; "
                 "nothing to compact",

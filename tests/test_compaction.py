@@ -860,6 +860,15 @@ def test_a_history_too_long_beside_its_max_tokens_is_still_a_context_refusal() -
             id="anthropic-with-max-tokens",
         ),
         pytest.param(
+            b'{"object":"error","message":"Requested token count exceeds the model\'s maximum'
+            b" context length of 32768 tokens. You requested a total of 35435 tokens: 19051"
+            b" tokens from the input messages and 16384 tokens for the completion. Please reduce"
+            b" the number of tokens in the input messages or the completion to fit within the"
+            b' limit.","type":"BadRequestError","param":null,"code":400}',
+            32768,
+            id="sglang-with-completion",
+        ),
+        pytest.param(
             b'{"error":"Input validation error: `inputs` tokens + `max_new_tokens` must be <='
             b' 32769. Given: 40000 `inputs` tokens and 2048 `max_new_tokens`",'
             b'"error_type":"validation"}',
@@ -996,3 +1005,28 @@ def test_a_long_tool_output_sent_to_the_summarizer_is_not_cut_inside_a_key() -> 
     assert len(text) - 1031 < len(text) - 1000 < len(text) - 981
     assert "sk-" not in clipped and "9e" not in clipped
     assert clipped.startswith("x x") and clipped.endswith(" z ") and "omitted" in clipped
+
+
+def test_the_completion_a_refusal_counts_is_reserved_where_its_server_counts_it() -> None:
+    """What the refusal says the request asked for; else the request's own max_tokens where
+    the server counts it in the window (OpenAI's family, SGLang), not where it counts the
+    prompt alone (llama.cpp): a retry there was given up, or refused again here."""
+    from proxy.compaction import reserved_output
+
+    body = {"max_tokens": 16384}
+    sglang = (
+        b'{"object":"error","message":"Requested token count exceeds the model\'s maximum'
+        b" context length of 32768 tokens. You requested a total of 35435 tokens: 19051 tokens"
+        b' from the input messages and 16384 tokens for the completion."}'
+    )
+    assert reserved_output(sglang, {"max_tokens": 1}) == 16384  # (the refusal's word)
+    longer = b'{"message":"The input (36560 tokens) is longer than the model\'s context length"}'
+    assert reserved_output(longer, body) == 16384
+    openai_family = b'{"error":{"message":"This model\'s maximum context length is 8192 tokens.'
+    openai_family += b' However, your messages resulted in 9000 tokens."}}'
+    assert reserved_output(openai_family, body) == 16384
+    llama = (
+        b'{"error":{"code":400,"message":"request (9412 tokens) exceeds the available context'
+        b' size (8192 tokens), try increasing it","type":"exceed_context_size_error"}}'
+    )
+    assert reserved_output(llama, body) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Iterator
@@ -2904,12 +2905,11 @@ def test_a_completion_that_leaves_no_room_for_a_summary_is_relayed_unpaid(
         assert [r.status for r in small.sim.requests] == [400]  # no summary call, no retry
 
 
-def test_a_server_that_counts_the_prompt_alone_keeps_its_retry_whatever_max_tokens(
-    proxy_factory: Any,
-) -> None:
-    """llama.cpp refuses a prompt over its n_ctx whatever max_tokens asks (it counts the prompt
-    alone): reserving the request's max_tokens (8,192 of an 8,192 window) gave the retry up,
-    where a compacted one is taken."""
+@contextlib.contextmanager
+def _llama_cpp(n_ctx: int) -> Iterator[tuple[str, list[int]]]:
+    """An upstream that refuses as llama.cpp does, counting the prompt alone (a token for four
+    bytes of its messages) against ``n_ctx``, whatever max_tokens asks; its base URL and the
+    statuses it answered."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -2922,17 +2922,17 @@ def test_a_server_that_counts_the_prompt_alone_keeps_its_retry_whatever_max_toke
             body = orjson.loads(self.rfile.read(int(self.headers["content-length"])))
             tokens = len(orjson.dumps(body["messages"])) // 4
             summary = body["messages"][0]["content"] == SUMMARIZER_SYSTEM_PROMPT
-            if tokens >= 8192 and not summary:
+            if tokens >= n_ctx and not summary:
                 status, answer = (
                     400,
                     {
                         "error": {
                             "code": 400,
                             "message": f"request ({tokens} tokens) exceeds the available context"
-                            " size (8192 tokens), try increasing it",
+                            f" size ({n_ctx} tokens), try increasing it",
                             "type": "exceed_context_size_error",
                             "n_prompt_tokens": tokens,
-                            "n_ctx": 8192,
+                            "n_ctx": n_ctx,
                         }
                     },
                 )
@@ -2969,8 +2969,21 @@ def test_a_server_that_counts_the_prompt_alone_keeps_its_retry_whatever_max_toke
     server = ThreadingHTTPServer(("127.0.0.1", 0), LlamaCpp)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1", seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_server_that_counts_the_prompt_alone_keeps_its_retry_whatever_max_tokens(
+    proxy_factory: Any,
+) -> None:
+    """llama.cpp refuses a prompt over its n_ctx whatever max_tokens asks (it counts the prompt
+    alone): reserving the request's max_tokens (8,192 of an 8,192 window) gave the retry up,
+    where a compacted one is taken."""
+    with _llama_cpp(8192) as (url, seen):
         config = {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 1000000}}}
-        proxy = proxy_factory(f"http://127.0.0.1:{server.server_address[1]}/v1", config)
+        proxy = proxy_factory(url, config)
         msgs = history(60, output_chars=600, system_repeat=2)
         answer = httpx.post(
             proxy.base_url + "/chat/completions",
@@ -2980,9 +2993,27 @@ def test_a_server_that_counts_the_prompt_alone_keeps_its_retry_whatever_max_toke
         )
         assert answer.status_code == 200, answer.text
         assert seen == [400, 200, 200]  # refused, the summary call, the compacted retry
-    finally:
-        server.shutdown()
-        server.server_close()
+
+
+def test_a_retry_with_no_room_for_the_summary_beside_the_last_round_is_not_paid_for(
+    proxy_factory: Any,
+) -> None:
+    """The last tool output alone nearly fills the window: kept whole, it fits, but not with
+    the summary asked for beside it. A summary was paid for and the retry refused again (the
+    client then got the second refusal, with the compacted request's numbers)."""
+    with _llama_cpp(4096) as (url, seen):
+        config = {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 1000000}}}
+        proxy = proxy_factory(url, config)
+        msgs = history(4, output_chars=2000, system_repeat=1)
+        msgs[-1]["content"] = "x" * 15800
+        answer = httpx.post(
+            proxy.base_url + "/chat/completions",
+            json={"model": MODEL, "messages": msgs},
+            headers={"X-Session-Id": "no-room"},
+            timeout=30,
+        )
+        assert answer.status_code == 400
+        assert seen == [400]  # no summary call, no retry
 
 
 def test_openrouters_wording_of_the_output_asked_for_is_read() -> None:
