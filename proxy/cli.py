@@ -712,11 +712,8 @@ def _sessions(ns: argparse.Namespace) -> int:
     except OSError as exc:  # a socket named like a log, an I/O error, stdout on a full disk
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"cachegate: {where}{exc.strerror or exc}", file=sys.stderr)
-        if exc.filename is None:  # stdout's: what it still holds goes nowhere, not at exit
-            with contextlib.suppress(OSError, ValueError):
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, sys.stdout.fileno())
-                os.close(devnull)
+        if exc.filename is None:  # stdout's
+            _stdout_to_null()
         return 1
     return 0
 
@@ -885,6 +882,15 @@ def _dash_id(argv: list[str]) -> list[str]:
     return argv
 
 
+def _stdout_to_null() -> None:
+    """Standard output failed (a full disk): what it still holds goes nowhere, not at exit
+    (where the interpreter's own flush failed again, a traceback-like line and exit 120)."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 def _closed_streams_to_null() -> None:
     """A standard stream the shell closed (``cachegate serve >&-``) is None in Python: uvicorn's
     log set-up then failed on it (a traceback, nothing served, no demo logs written). Such a
@@ -905,6 +911,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except KeyboardInterrupt:  # Ctrl+C before serve or simulate were up: no traceback
         return 130
+    except SystemExit:  # --version, --help: said on a standard output that may not take it
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            sys.stderr.close()
+        except OSError as exc:  # (a full disk: exit 0 said nothing of the lost text)
+            print(f"cachegate: {exc.strerror or exc}", file=sys.stderr)
+            _stdout_to_null()
+            return 1
+        raise
 
 
 if __name__ == "__main__":

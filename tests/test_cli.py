@@ -559,10 +559,10 @@ def test_a_socket_named_like_a_log_is_named_and_passed_over(tmp_path: Path) -> N
 
 
 def test_output_to_a_full_disk_is_one_line_not_a_traceback(logged: Logged) -> None:
-    for action in (["list"], ["replay", "cli-a"]):
+    for action in (["sessions", "list"], ["sessions", "replay", "cli-a"], ["--version"]):
         with open("/dev/full", "wb") as full:
             proc = subprocess.run(
-                [sys.executable, "-m", "proxy.cli", "sessions", *action],
+                [sys.executable, "-m", "proxy.cli", *action],
                 cwd=REPO,
                 # (buffered as a user's shell has it: the write fails at the flush)
                 env={
