@@ -157,6 +157,12 @@ class Compaction:
     opening: str = ""
 
 
+# A summarizer's answer may run this much over the length asked for before it is cut: models
+# miss a word count by a little (the plan reserves the length asked for; the margin between a
+# compaction's aim and the trigger takes the rest).
+SUMMARY_OVERRUN = 1.25
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """What to do with one request (see ``plan``).
@@ -166,6 +172,8 @@ class Plan:
     longer matches (rewind or fork): drop it from the session. ``cut`` (over the client history) is
     set when a new compaction should be made: summarize ``middle``, passing ``previous_summary``.
     ``triggered``: the history reached the trigger (or ``force``), whether or not a cut was found.
+    ``overrun``: how far past the length asked for a model's summary may run before it is cut
+    (none for a retry after a refusal, which is planned on the length asked for, to the token).
     """
 
     messages: list[Message]
@@ -175,6 +183,7 @@ class Plan:
     middle: list[Message]
     previous_summary: str | None
     triggered: bool = False
+    overrun: float = SUMMARY_OVERRUN
 
 
 # --- estimates and trigger ------------------------------------------------------------------
@@ -567,12 +576,6 @@ def summary_chars(window: int) -> int:
     the window, between 1,000 and 12,000 characters. The extractive summary keeps to it and the
     summarizer is asked to; the cut counts on it when it judges whether a compaction fits."""
     return max(1000, min(12000, window * BYTES_PER_TOKEN // 8))
-
-
-# A summarizer's answer may run this much over the length asked for before it is cut: models
-# miss a word count by a little (the plan reserves the length asked for; the margin between a
-# compaction's aim and the trigger takes the rest).
-SUMMARY_OVERRUN = 1.25
 
 
 def clip_summary(text: str, max_chars: int) -> str:
@@ -1224,7 +1227,8 @@ _WINDOW_RE = re.compile(
 
 # Where they state how many tokens the refused prompt held: OpenAI's family ("your messages
 # resulted in N tokens", "(N in the messages, …)"), Anthropic ("prompt is too long: N tokens"),
-# llama.cpp ("the request (N tokens) exceeds …").
+# llama.cpp ("the request (N tokens) exceeds …"), SGLang and Together ("The input (N tokens) is
+# longer than …", "N tokens from the input messages").
 _PROMPT_RE = re.compile(
     rb"messages resulted in (\d+) tokens?"
     rb"|\((\d+) in the messages"
@@ -1232,7 +1236,8 @@ _PROMPT_RE = re.compile(
     rb"|request \((\d+) tokens?\) exceeds"
     rb"|context limit: (\d+) \+"
     rb"|given: (\d+) `inputs` tokens"
-    rb"|(\d+) tokens from the input messages",
+    rb"|(\d+) tokens from the input messages"
+    rb"|input \((\d+) tokens?\) is longer than",
     re.IGNORECASE,
 )
 

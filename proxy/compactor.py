@@ -501,6 +501,11 @@ class Compactor:
             # message stays verbatim where the history still fits the window with it (a long
             # one is estimated no better than the rest: the provider may count it over).
             plan = anchored
+        if force:  # (the summary as it will be asked for, to the token: a prose text, counted
+            # at the estimate's rate where the history's overcount shrank the window)
+            asked = self._asked(ex, summary_window)[2] // compaction.BYTES_PER_TOKEN + 100
+            extra = int(asked / max(overcount, 1.0)) + tools_tokens
+            plan = dataclasses.replace(plan, overrun=1.0)
         if plan.cut is not None and not self._fits(
             messages, plan.cut, window, extra if force else tools_tokens
         ):
@@ -956,19 +961,28 @@ class Compactor:
             ex.summary_metered = None
         ex.summary_model = model
 
+    def _asked(self, ex: Exchange, window: int) -> tuple[str, int, int]:
+        """The summarizer model, its window and the summary's length asked for (characters)
+        for a compaction of ``ex`` planned on ``window``: the request must fit the summarizer's
+        window (half of it for what goes in: the previous summary, the instructions, the
+        transcript, whose tool outputs share it), and the summary asked for no longer than the
+        compacted model's window allows."""
+        model = self.settings.compaction.summarizer_model or ex.model or ""
+        writer = self._model(model).context_window if model != ex.model else window
+        return (
+            model,
+            writer,
+            min(compaction.summary_chars(window), compaction.summary_chars(writer)),
+        )
+
     async def _summarize(
         self, ex: Exchange, plan: compaction.Plan, window: int, overcount: float = 1.0
     ) -> tuple[str, compaction.Source, str, Any, float]:
         """The summary's text and source, the model that wrote it, its answer (for the bill:
         ``_count_summary``) and the seconds the call took, or the extractive summary when the
         call failed."""
-        model = self.settings.compaction.summarizer_model or ex.model or ""
-        # The request must fit the summarizer's window: half of it for what goes in (the
-        # previous summary, the instructions, the transcript, whose tool outputs share it),
-        # and the summary asked for no longer than the compacted model's window allows.
-        writer = self._model(model).context_window if model != ex.model else window
+        model, writer, chars = self._asked(ex, window)
         tools = sum(1 for m in plan.middle if isinstance(m, dict) and m.get("role") == "tool")
-        chars = min(compaction.summary_chars(window), compaction.summary_chars(writer))
 
         def build(writer: int, overcount: float) -> dict[str, Any]:
             # (the transcript is the history's text: as dense as the provider found it)
@@ -1048,7 +1062,7 @@ class Compactor:
                 # (a list of parts too, as Mistral's reasoning models answer: its text parts)
                 text = compaction.message_text(answer["choices"][0]["message"])
                 if text.strip():
-                    limit = int(chars * compaction.SUMMARY_OVERRUN)
+                    limit = int(chars * plan.overrun)
                     summary = compaction.clip_summary(text.strip(), limit)
                     return summary, "model", model, answer, upstream_s
             log.warning(

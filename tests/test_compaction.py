@@ -1011,7 +1011,7 @@ def test_the_completion_a_refusal_counts_is_reserved_where_its_server_counts_it(
     """What the refusal says the request asked for; else the request's own max_tokens where
     the server counts it in the window (OpenAI's family, SGLang), not where it counts the
     prompt alone (llama.cpp): a retry there was given up, or refused again here."""
-    from proxy.compaction import reserved_output
+    from proxy.compaction import provider_prompt_tokens, reserved_output
 
     body = {"max_tokens": 16384}
     sglang = (
@@ -1022,6 +1022,7 @@ def test_the_completion_a_refusal_counts_is_reserved_where_its_server_counts_it(
     assert reserved_output(sglang, {"max_tokens": 1}) == 16384  # (the refusal's word)
     longer = b'{"message":"The input (36560 tokens) is longer than the model\'s context length"}'
     assert reserved_output(longer, body) == 16384
+    assert provider_prompt_tokens(longer) == 36560  # (what it counted: dense text)
     openai_family = b'{"error":{"message":"This model\'s maximum context length is 8192 tokens.'
     openai_family += b' However, your messages resulted in 9000 tokens."}}'
     assert reserved_output(openai_family, body) == 16384

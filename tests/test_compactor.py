@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -2906,10 +2907,11 @@ def test_a_completion_that_leaves_no_room_for_a_summary_is_relayed_unpaid(
 
 
 @contextlib.contextmanager
-def _llama_cpp(n_ctx: int) -> Iterator[tuple[str, list[int]]]:
+def _llama_cpp(n_ctx: int, summary_share: float = 0.0) -> Iterator[tuple[str, list[int]]]:
     """An upstream that refuses as llama.cpp does, counting the prompt alone (a token for four
     bytes of its messages) against ``n_ctx``, whatever max_tokens asks; its base URL and the
-    statuses it answered."""
+    statuses it answered. With ``summary_share``, a summary call is answered with that share of
+    the length it asks for (its words at six characters each), else with a few words."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -2937,6 +2939,10 @@ def _llama_cpp(n_ctx: int) -> Iterator[tuple[str, list[int]]]:
                     },
                 )
             else:
+                text = "a short summary"
+                asked = re.search(r"under about (\d+) words", body["messages"][-1]["content"])
+                if summary and summary_share and asked:
+                    text = ("word " * int(asked[1]))[: int(int(asked[1]) * 6 * summary_share)]
                 status, answer = (
                     200,
                     {
@@ -2947,7 +2953,7 @@ def _llama_cpp(n_ctx: int) -> Iterator[tuple[str, list[int]]]:
                         "choices": [
                             {
                                 "index": 0,
-                                "message": {"role": "assistant", "content": "a short summary"},
+                                "message": {"role": "assistant", "content": text},
                                 "finish_reason": "stop",
                             }
                         ],
@@ -3014,6 +3020,40 @@ def test_a_retry_with_no_room_for_the_summary_beside_the_last_round_is_not_paid_
         )
         assert answer.status_code == 400
         assert seen == [400]  # no summary call, no retry
+
+
+def test_a_retry_s_summary_longer_than_asked_is_cut_to_the_room_planned_for_it(
+    proxy_factory: Any,
+) -> None:
+    """After a refusal the retry is planned on the summary's length as asked for, to the token;
+    a summarizer writing a fifth more (words of technical text run long) went out whole, as
+    any summary may run a quarter over, and the retry was refused again."""
+
+    def rounds(last: int) -> list[dict[str, Any]]:
+        msgs: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are an agent."},
+            {"role": "user", "content": "Task: " + "t" * 200},
+        ]
+        for n in range(7):
+            arguments = orjson.dumps({"path": f"f{n}.csv"}).decode()
+            call = {"id": f"call_{n}", "type": "function"}
+            call["function"] = {"name": "read", "arguments": arguments}
+            msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            size = last if n == 6 else 2000
+            msgs.append({"role": "tool", "tool_call_id": f"call_{n}", "content": "x" * size})
+        return msgs
+
+    with _llama_cpp(4096, summary_share=1.2) as (url, seen):
+        config = {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 1000000}}}
+        proxy = proxy_factory(url, config)
+        answer = httpx.post(
+            proxy.base_url + "/chat/completions",
+            json={"model": MODEL, "messages": rounds(13400)},
+            headers={"X-Session-Id": "long-summary"},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        assert seen == [400, 200, 200]  # refused, the summary call, the compacted retry
 
 
 def test_openrouters_wording_of_the_output_asked_for_is_read() -> None:
