@@ -257,9 +257,26 @@ class Compactor:
             return await self._compact(
                 ex, state, body, messages, force, window, overcount, reserved
             )
-        # A retry, or the agent's next turn, while its history's summary is written (its client
-        # left): it waits for that one, then goes out with it (``_claim``), rather than pay for
-        # another; or, should its history need more, with a compaction made on it.
+        return await self._after(
+            ex, state, body, messages, force, window, overcount, reserved, running
+        )
+
+    async def _after(
+        self,
+        ex: Exchange,
+        state: SessionState,
+        body: dict[str, Any],
+        messages: list[Any],
+        force: bool,
+        window: int | None,
+        overcount: float,
+        reserved: int,
+        running: _Summary,
+    ) -> dict[str, Any]:
+        """A retry, or the agent's next turn, while its history's summary is written (its client
+        left, or it came while the session's log was read): it waits for that one, then goes out
+        with it (``_claim``), rather than pay for another; or, should its history need more,
+        with a compaction made on it."""
         log.info("session %s: waiting for the summary of its history", state.id)
         await self._wait(ex, state, running)
         try:
@@ -539,6 +556,15 @@ class Compactor:
             # messages so large that fewer of them were kept): one made before may cover it.
             return await self._compact(
                 ex, state, body, messages, force, stated, overcount, reserved
+            )
+        pending: dict[str, _Summary] | None = state.extra.get("summaries")
+        running = self._running_for(pending, messages) if pending else None
+        if running is not None:
+            # Another request of the history began its summary while this one waited (for the
+            # session's log, the session's first long history in this process): it waits for
+            # that one too, rather than pay for a second summary of the same prefix.
+            return await self._after(
+                ex, state, body, messages, force, stated, overcount, reserved, running
             )
         # (made on ``existing``: its summary, if no request was sent with it, is billed with
         # this one's: ``_Summary.rolled``)

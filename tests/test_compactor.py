@@ -3066,3 +3066,54 @@ def test_openrouters_wording_of_the_output_asked_for_is_read() -> None:
     )
     assert output_asked(said) == 131072
     assert not is_context_length_error(400, said)  # the output alone fills the window
+
+
+def test_a_history_and_its_continuation_sent_together_during_the_log_read_share_one_summary(
+    sim: RunningSimulator, sdk: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The session's first long history in this process and a sub-agent's continuation of it
+    arrive together: both waited for the session's log to be read, then each paid for its own
+    summary of the same prefix (two summaries held, the provider's cache split between them).
+    The second now waits for the first one's summary and goes out with it."""
+    import threading
+
+    from proxy import compactor as compactor_module
+    from tests.conftest import run_proxy
+
+    read = compactor_module.logged_compactions
+
+    def slow_read(*args: Any) -> Any:
+        time.sleep(0.5)  # a slow disk: the other request arrives during the read
+        return read(*args)
+
+    monkeypatch.setattr(compactor_module, "logged_compactions", slow_read)
+    main = history(18)
+    sub = [*main, {"role": "assistant", "content": "spawning"}, {"role": "user", "content": "go"}]
+    headers = {"X-Session-Id": "cold-burst"}
+    with run_proxy(sim.api_base, tmp_path / "logs", CONFIG) as proxy:
+        c = sdk(proxy.base_url)
+        sent = len(sim.sim.requests)
+        threads = [
+            threading.Thread(
+                target=c.chat.completions.create,
+                kwargs={"model": MODEL, "messages": msgs, "extra_headers": headers},
+            )
+            for msgs in (main, sub)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        summary_calls = [
+            r
+            for r in sim.sim.requests[sent:]
+            if r.body["messages"][0]["content"] == SUMMARIZER_SYSTEM_PROMPT
+        ]
+        assert len(sim.sim.requests) == sent + 3  # one summary call, two answers
+        assert len(summary_calls) == 1
+        sent_summaries = {
+            r.body["messages"][1]["content"]
+            for r in sim.sim.requests[sent:]
+            if str(r.body["messages"][1].get("content")).startswith(SUMMARY_MARKER)
+        }
+        assert len(sent_summaries) == 1  # the same summary in both
