@@ -136,6 +136,20 @@ def _retimed(new: Any, old: Any) -> bool:
     return prefix.volatile_kind(before, after) is not None
 
 
+def _within_bytes(text: str, clipped: str, budget: int) -> str:
+    """``clipped`` (``text`` cut at ``budget`` characters), cut further until its JSON takes no
+    more than ``budget`` bytes: the room a retry planned for its summary is in the estimate's
+    bytes, and a summary in Chinese or Japanese (three bytes a character) or full of escapes,
+    within its characters, was twice that and the retry refused again."""
+    size = len(orjson.dumps(clipped))
+    limit = len(clipped)
+    while size > budget and limit > 100:
+        limit = max(100, limit * budget // size - 1)
+        clipped = compaction.clip_summary(text, limit)
+        size = len(orjson.dumps(clipped))
+    return clipped
+
+
 def _without_trailing_results(ex: Exchange, messages: list[Any]) -> list[Any]:
     """``messages`` without the results the repair added at its end, for the last message's
     unanswered calls: the client sends the real ones there next turn, which the trigger would
@@ -1090,6 +1104,8 @@ class Compactor:
                 if text.strip():
                     limit = int(chars * plan.overrun)
                     summary = compaction.clip_summary(text.strip(), limit)
+                    if plan.overrun <= 1.0:
+                        summary = _within_bytes(text.strip(), summary, chars)
                     return summary, "model", model, answer, upstream_s
             log.warning(
                 "summarizer answered %s%s; using the extractive summary",

@@ -2907,11 +2907,14 @@ def test_a_completion_that_leaves_no_room_for_a_summary_is_relayed_unpaid(
 
 
 @contextlib.contextmanager
-def _llama_cpp(n_ctx: int, summary_share: float = 0.0) -> Iterator[tuple[str, list[int]]]:
+def _llama_cpp(
+    n_ctx: int, summary_share: float = 0.0, chinese: bool = False
+) -> Iterator[tuple[str, list[int]]]:
     """An upstream that refuses as llama.cpp does, counting the prompt alone (a token for four
     bytes of its messages) against ``n_ctx``, whatever max_tokens asks; its base URL and the
     statuses it answered. With ``summary_share``, a summary call is answered with that share of
-    the length it asks for (its words at six characters each), else with a few words."""
+    the length it asks for (its words at six characters each; ``chinese``: three characters a
+    word, three bytes a character), else with a few words."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -2943,6 +2946,8 @@ def _llama_cpp(n_ctx: int, summary_share: float = 0.0) -> Iterator[tuple[str, li
                 asked = re.search(r"under about (\d+) words", body["messages"][-1]["content"])
                 if summary and summary_share and asked:
                     text = ("word " * int(asked[1]))[: int(int(asked[1]) * 6 * summary_share)]
+                    if chinese:
+                        text = "字" * int(int(asked[1]) * 3 * summary_share)
                 status, answer = (
                     200,
                     {
@@ -3022,12 +3027,14 @@ def test_a_retry_with_no_room_for_the_summary_beside_the_last_round_is_not_paid_
         assert seen == [400]  # no summary call, no retry
 
 
+@pytest.mark.parametrize("chinese", [False, True])
 def test_a_retry_s_summary_longer_than_asked_is_cut_to_the_room_planned_for_it(
-    proxy_factory: Any,
+    proxy_factory: Any, chinese: bool
 ) -> None:
     """After a refusal the retry is planned on the summary's length as asked for, to the token;
     a summarizer writing a fifth more (words of technical text run long) went out whole, as
-    any summary may run a quarter over, and the retry was refused again."""
+    any summary may run a quarter over, and the retry was refused again. So did one in Chinese
+    within the characters asked for, at three bytes each: the room is the estimate's bytes."""
 
     def rounds(last: int) -> list[dict[str, Any]]:
         msgs: list[dict[str, Any]] = [
@@ -3043,7 +3050,7 @@ def test_a_retry_s_summary_longer_than_asked_is_cut_to_the_room_planned_for_it(
             msgs.append({"role": "tool", "tool_call_id": f"call_{n}", "content": "x" * size})
         return msgs
 
-    with _llama_cpp(4096, summary_share=1.2) as (url, seen):
+    with _llama_cpp(4096, summary_share=1.2, chinese=chinese) as (url, seen):
         config = {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 1000000}}}
         proxy = proxy_factory(url, config)
         answer = httpx.post(
