@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 import logging
 import operator
 import time
@@ -141,13 +142,22 @@ def _within_bytes(text: str, clipped: str, budget: int) -> str:
     more than ``budget`` bytes: the room a retry planned for its summary is in the estimate's
     bytes, and a summary in Chinese or Japanese (three bytes a character) or full of escapes,
     within its characters, was twice that and the retry refused again."""
-    size = len(orjson.dumps(clipped))
+    size = _json_size(clipped)
     limit = len(clipped)
     while size > budget and limit > 100:
         limit = max(100, limit * budget // size - 1)
         clipped = compaction.clip_summary(text, limit)
-        size = len(orjson.dumps(clipped))
+        size = _json_size(clipped)
     return clipped
+
+
+def _json_size(text: str) -> int:
+    """The bytes ``text`` takes as a JSON string (the standard library's, escaped, for one
+    orjson refuses: a lone surrogate)."""
+    try:
+        return len(orjson.dumps(text))
+    except orjson.JSONEncodeError:
+        return len(json.dumps(text))
 
 
 def _without_trailing_results(ex: Exchange, messages: list[Any]) -> list[Any]:

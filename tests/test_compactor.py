@@ -3124,3 +3124,16 @@ def test_a_history_and_its_continuation_sent_together_during_the_log_read_share_
             if str(r.body["messages"][1].get("content")).startswith(SUMMARY_MARKER)
         }
         assert len(sent_summaries) == 1  # the same summary in both
+
+
+def test_a_retry_s_summary_is_cut_to_its_bytes_in_any_script() -> None:
+    """The cut to the estimate's bytes holds for text JSON writes longer than its characters
+    (Chinese, escapes) and for a lone surrogate orjson refuses; it keeps the cut's note."""
+    from proxy.compaction import clip_summary
+    from proxy.compactor import _json_size, _within_bytes
+
+    for text in ("字" * 3000, 'say "x"\\n\t' * 400, "a\ud83db" * 2000, "plain words " * 400):
+        cut = _within_bytes(text, clip_summary(text, 2048), 2048)
+        assert 100 < len(cut) <= 2048 and _json_size(cut) <= 2048
+        assert cut.endswith("over the length asked for]")  # (the cut's note, kept)
+    assert _json_size("字") == len('"字"'.encode())  # (UTF-8 as sent, not escaped)
