@@ -142,13 +142,21 @@ def _within_bytes(text: str, clipped: str, budget: int) -> str:
     more than ``budget`` bytes: the room a retry planned for its summary is in the estimate's
     bytes, and a summary in Chinese or Japanese (three bytes a character) or full of escapes,
     within its characters, was twice that and the retry refused again."""
-    size = _json_size(clipped)
-    limit = len(clipped)
-    while size > budget and limit > 100:
-        limit = max(100, limit * budget // size - 1)
-        clipped = compaction.clip_summary(text, limit)
-        size = _json_size(clipped)
-    return clipped
+    if _json_size(clipped) <= budget:
+        return clipped
+    # The longest cut that fits (a search: an English summary whose end is in Chinese takes
+    # more bytes a character at its end than on average); 100 characters and the cut's note
+    # fit any budget (a summary is asked for 1,000 characters at least).
+    fits, over = 100, len(clipped)
+    best = compaction.clip_summary(text, fits)
+    while over - fits > 1:
+        middle = (fits + over) // 2
+        cut = compaction.clip_summary(text, middle)
+        if _json_size(cut) <= budget:
+            fits, best = middle, cut
+        else:
+            over = middle
+    return best
 
 
 def _json_size(text: str) -> int:

@@ -3137,3 +3137,10 @@ def test_a_retry_s_summary_is_cut_to_its_bytes_in_any_script() -> None:
         assert 100 < len(cut) <= 2048 and _json_size(cut) <= 2048
         assert cut.endswith("over the length asked for]")  # (the cut's note, kept)
     assert _json_size("字") == len('"字"'.encode())  # (UTF-8 as sent, not escaped)
+    # denser at its end than on average: the room is used, not half of it
+    mixed = (
+        "The build fails in module X because of Y.\n" * 150
+        + "修复了构建中的错误，测试通过。\n" * 400
+    )
+    cut = _within_bytes(mixed, clip_summary(mixed, 12000), 12000)
+    assert 0.9 * 12000 < _json_size(cut) <= 12000 and "修复" in cut
