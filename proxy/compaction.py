@@ -580,15 +580,20 @@ def summary_chars(window: int) -> int:
 
 def clip_summary(text: str, max_chars: int) -> str:
     """A model-written summary at most ``max_chars`` long: a longer one (a verbose or echoing
-    summarizer) is cut at the end of a line where one is near, and says so. Used as it came, it
-    could leave the compacted history over the window, and every later turn with it."""
+    summarizer) is cut at the end of a line where one is near, else of a word, and says so.
+    Used as it came, it could leave the compacted history over the window, and every later
+    turn with it."""
     if len(text) <= max_chars:
         return text
-    note = f"\n[… summary cut by cachegate: {len(text):,} characters, over the length asked for]"
+    note = f"\n[… summary cut by cachegate: {len(text):,} characters, over the room for it]"
     keep = text[: max(0, max_chars - len(note))]
     line_end = keep.rfind("\n")
     if line_end >= len(keep) * 3 // 4:
         keep = keep[:line_end]
+    elif not text[len(keep) : len(keep) + 1].isspace():  # (inside a word: to its start)
+        word_end = max(keep.rfind(" "), keep.rfind("\t"))
+        if word_end >= len(keep) * 9 // 10:
+            keep = keep[:word_end]
     return keep.rstrip() + note
 
 

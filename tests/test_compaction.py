@@ -961,6 +961,11 @@ def test_a_summary_over_its_length_is_cut_at_a_line_end_and_says_so() -> None:
     assert clip_summary("short", 1000) == "short"
     one_line = "x" * 5000  # no line end near the limit: cut where the limit falls
     assert len(clip_summary(one_line, 1000)) <= 1000
+    # no line end near it, but words: cut at one's end, not inside it (a retry's summary, cut to
+    # its room, lost half a word and more)
+    prose = " ".join(f"word{i}" for i in range(2000))
+    kept = clip_summary(prose, 1000).rsplit("\n", 1)[0]
+    assert prose.startswith(kept + " ") and len(kept) > 800
 
 
 def test_an_extractive_summary_never_keeps_a_piece_of_a_key() -> None:

@@ -3135,7 +3135,7 @@ def test_a_retry_s_summary_is_cut_to_its_bytes_in_any_script() -> None:
     for text in ("字" * 3000, 'say "x"\\n\t' * 400, "a\ud83db" * 2000, "plain words " * 400):
         cut = _within_bytes(text, clip_summary(text, 2048), 2048)
         assert 100 < len(cut) <= 2048 and _json_size(cut) <= 2048
-        assert cut.endswith("over the length asked for]")  # (the cut's note, kept)
+        assert cut.endswith("over the room for it]")  # (the cut's note, kept)
     assert _json_size("字") == len('"字"'.encode())  # (UTF-8 as sent, not escaped)
     # denser at its end than on average: the room is used, not half of it
     mixed = (
