@@ -1141,8 +1141,9 @@ def output_requested(body: Any) -> int:
 
 # Refusals of servers that count the completion asked for in the window with the prompt, where
 # they say only the prompt's count (OpenAI's family, vLLM and DeepSeek, "maximum context length
-# is N tokens"; Anthropic; SGLang and Together): the request's own max_tokens is reserved. Others (llama.cpp, Ollama,
-# Gemini, Mistral) count the prompt alone: reserving it there gave up retries that would fit.
+# is N tokens"; Anthropic; SGLang and Together): the request's own max_tokens is reserved.
+# Others (llama.cpp, Ollama, Gemini, Mistral) count the prompt alone: reserving it there gave up
+# retries that would fit.
 _COUNTS_COMPLETION = (
     b"maximum context length is",
     b"prompt is too long",
