@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -661,8 +661,11 @@ def extractive_summary(
     previous_summary: str | None,
     max_chars: int = 12000,
     synthetic_prefixes: Sequence[str] = DEFAULT_SYNTHETIC_PREFIXES,
+    fits: Callable[[str], bool] | None = None,
 ) -> str:
-    """A deterministic skeleton of ``middle`` built without a model, at most ``max_chars`` long.
+    """A deterministic skeleton of ``middle`` built without a model, at most ``max_chars`` long,
+    and the longest that ``fits`` accepts where it is given and refuses that one (a room in
+    bytes, which text in Chinese fills in a third of its characters), 200 characters at least.
 
     Sections: a model-written previous summary (rolling), the user's messages quoted, the steps
     (assistant first lines, each tool call as ``name(args…) -> first line of its result``), then
@@ -703,6 +706,25 @@ def extractive_summary(
         elif first := _first_line(text):
             skeleton.steps.append(f"- {role}: {_clip(first, 200)}")
 
+    text = _assembled(skeleton, max_chars)
+    if fits is None or fits(text):
+        return text
+    # (each section keeps its share of the room: the search is over the assembly alone)
+    low, high = 200, max_chars
+    best = _assembled(skeleton, low)
+    while high - low > 1:
+        middle_limit = (low + high) // 2
+        text = _assembled(skeleton, middle_limit)
+        if fits(text):
+            low, best = middle_limit, text
+        else:
+            high = middle_limit
+    return best
+
+
+def _assembled(skeleton: _Skeleton, max_chars: int) -> str:
+    """The extractive summary of ``skeleton`` in ``max_chars`` characters."""
+    files, commands = skeleton.files, skeleton.commands
     fixed: list[str] = [EXTRACTIVE_HEADER]
     if skeleton.previous is not None:
         fixed.append(_PREVIOUS + _clip(skeleton.previous, max_chars * 3 // 10))

@@ -159,6 +159,23 @@ def _within_bytes(text: str, clipped: str, budget: int) -> str:
     return best
 
 
+def _extractive(plan: compaction.Plan, chars: int, *, exact: bool) -> str:
+    """The extractive summary of ``plan``'s middle in ``chars`` characters; ``exact`` (a
+    retry's, planned on that length to the token): in ``chars`` bytes of JSON too, where its
+    text takes more (a history in Chinese, three bytes a character: the retry was refused
+    again), each section keeping its share."""
+    text = compaction.extractive_summary(
+        plan.middle,
+        previous_summary=plan.previous_summary,
+        max_chars=chars,
+        synthetic_prefixes=SYNTHETIC_PREFIXES,
+        fits=(lambda text: _json_size(text) <= chars) if exact else None,
+    )
+    if exact and _json_size(text) > chars:  # (200 characters of escapes: cut as a model's is)
+        return _within_bytes(text, text, chars)
+    return text
+
+
 def _json_size(text: str) -> int:
     """The bytes ``text`` takes as a JSON string (the standard library's, escaped, for one
     orjson refuses: a lone surrogate)."""
@@ -1148,12 +1165,7 @@ class Compactor:
             if stage:
                 notify(self.observers, "on_summary_error", ex, stage)
         return (
-            compaction.extractive_summary(
-                plan.middle,
-                previous_summary=plan.previous_summary,
-                max_chars=chars,
-                synthetic_prefixes=SYNTHETIC_PREFIXES,
-            ),
+            _extractive(plan, chars, exact=plan.overrun <= 1.0),
             "extractive",
             model,
             billed,  # (a 200 without text is billed all the same)

@@ -2908,13 +2908,13 @@ def test_a_completion_that_leaves_no_room_for_a_summary_is_relayed_unpaid(
 
 @contextlib.contextmanager
 def _llama_cpp(
-    n_ctx: int, summary_share: float = 0.0, chinese: bool = False
+    n_ctx: int, summary_share: float = 0.0, chinese: bool = False, summary_fails: bool = False
 ) -> Iterator[tuple[str, list[int]]]:
     """An upstream that refuses as llama.cpp does, counting the prompt alone (a token for four
     bytes of its messages) against ``n_ctx``, whatever max_tokens asks; its base URL and the
     statuses it answered. With ``summary_share``, a summary call is answered with that share of
     the length it asks for (its words at six characters each; ``chinese``: three characters a
-    word, three bytes a character), else with a few words."""
+    word, three bytes a character), else with a few words; ``summary_fails``: with a 500."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -2927,7 +2927,9 @@ def _llama_cpp(
             body = orjson.loads(self.rfile.read(int(self.headers["content-length"])))
             tokens = len(orjson.dumps(body["messages"])) // 4
             summary = body["messages"][0]["content"] == SUMMARIZER_SYSTEM_PROMPT
-            if tokens >= n_ctx and not summary:
+            if summary and summary_fails:
+                status, answer = 500, {"error": {"message": "overloaded", "type": "server_error"}}
+            elif tokens >= n_ctx and not summary:
                 status, answer = (
                     400,
                     {
@@ -3061,6 +3063,51 @@ def test_a_retry_s_summary_longer_than_asked_is_cut_to_the_room_planned_for_it(
         )
         assert answer.status_code == 200, answer.text
         assert seen == [400, 200, 200]  # refused, the summary call, the compacted retry
+
+
+def test_a_retry_s_extractive_summary_of_a_history_in_chinese_keeps_to_its_bytes(
+    proxy_factory: Any,
+) -> None:
+    """A retry whose summary call fails goes with the extractive summary, as long as a
+    model's may be in characters: of a history in Chinese (three bytes a character) it was
+    three times the room the retry was planned on, and the retry was refused again. It is built
+    again shorter, its sections kept."""
+    task = "任务：把所有的测试修好，并且解释每一个失败的原因。" * 40
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": task},
+    ]
+    for n in range(8):
+        arguments = orjson.dumps({"path": f"文件{n}.csv"}).decode()
+        call = {"id": f"call_{n}", "type": "function"}
+        call["function"] = {"name": "read", "arguments": arguments}
+        msgs.append({"role": "assistant", "content": "我先读这个文件。" * 30, "tool_calls": [call]})
+        output = "x" * 11000 if n == 7 else "数据" * 700
+        msgs.append({"role": "tool", "tool_call_id": f"call_{n}", "content": output})
+
+    with _llama_cpp(4096, summary_fails=True) as (url, seen):
+        config = {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 1000000}}}
+        proxy = proxy_factory(url, config)
+        answer = httpx.post(
+            proxy.base_url + "/chat/completions",
+            json={"model": MODEL, "messages": msgs},
+            headers={"X-Session-Id": "extractive-chinese"},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        assert seen == [400, 500, 200]  # refused, the failed summary call, the compacted retry
+
+    # built again shorter: each section kept, the latest steps with them; a proactive
+    # compaction's (not planned to the token) as long as its characters allow
+    from types import SimpleNamespace
+
+    from proxy.compactor import _extractive, _json_size
+
+    plan: Any = SimpleNamespace(middle=msgs[1:-2], previous_summary=None)
+    exact, loose = _extractive(plan, 2048, exact=True), _extractive(plan, 2048, exact=False)
+    assert 0.8 * 2048 < _json_size(exact) <= 2048 < _json_size(loose)
+    for heading in ("## Task", "## Steps", "## Files", 'read({"path":"文件6.csv"})'):
+        assert heading in exact
 
 
 def test_openrouters_wording_of_the_output_asked_for_is_read() -> None:
