@@ -2908,13 +2908,18 @@ def test_a_completion_that_leaves_no_room_for_a_summary_is_relayed_unpaid(
 
 @contextlib.contextmanager
 def _llama_cpp(
-    n_ctx: int, summary_share: float = 0.0, chinese: bool = False, summary_fails: bool = False
+    n_ctx: int,
+    summary_share: float = 0.0,
+    chinese: bool = False,
+    summary_fails: bool = False,
+    density: float = 1.0,
 ) -> Iterator[tuple[str, list[int]]]:
     """An upstream that refuses as llama.cpp does, counting the prompt alone (a token for four
     bytes of its messages) against ``n_ctx``, whatever max_tokens asks; its base URL and the
     statuses it answered. With ``summary_share``, a summary call is answered with that share of
     the length it asks for (its words at six characters each; ``chinese``: three characters a
-    word, three bytes a character), else with a few words; ``summary_fails``: with a 500."""
+    word, three bytes a character), else with a few words; ``summary_fails``: with a 500.
+    ``density``: the prompt counted that many times four bytes a token (dense text)."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -2925,7 +2930,7 @@ def _llama_cpp(
 
         def do_POST(self) -> None:
             body = orjson.loads(self.rfile.read(int(self.headers["content-length"])))
-            tokens = len(orjson.dumps(body["messages"])) // 4
+            tokens = int(len(orjson.dumps(body["messages"])) * density) // 4
             summary = body["messages"][0]["content"] == SUMMARIZER_SYSTEM_PROMPT
             if summary and summary_fails:
                 status, answer = 500, {"error": {"message": "overloaded", "type": "server_error"}}
@@ -3108,6 +3113,64 @@ def test_a_retry_s_extractive_summary_of_a_history_in_chinese_keeps_to_its_bytes
     assert 0.8 * 2048 < _json_size(exact) <= 2048 < _json_size(loose)
     for heading in ("## Task", "## Steps", "## Files", 'read({"path":"文件6.csv"})'):
         assert heading in exact
+
+
+def _tool_rounds(last: int) -> list[dict[str, Any]]:
+    """A task and seven tool rounds, the last one's output ``last`` characters long."""
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": "Task: " + "t" * 200},
+    ]
+    for n in range(7):
+        arguments = orjson.dumps({"path": f"f{n}.csv"}).decode()
+        call = {"id": f"call_{n}", "type": "function"}
+        call["function"] = {"name": "read", "arguments": arguments}
+        msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        size = last if n == 6 else 2000
+        msgs.append({"role": "tool", "tool_call_id": f"call_{n}", "content": "x" * size})
+    return msgs
+
+
+def test_a_retry_reserves_the_summary_as_the_summarizer_models_window_asks_it(
+    proxy_factory: Any,
+) -> None:
+    """A summarizer model with a smaller window is asked for a shorter summary; the retry
+    after a refusal reserved the length the compacted model's window would ask for, and gave
+    up (the refusal relayed) where the shorter summary left room for the latest messages."""
+    with _llama_cpp(16384) as (url, seen):
+        config = {
+            "compaction": {"enabled": True, "summarizer_model": "small"},
+            "models": {MODEL: {"context_window": 1000000}, "small": {"context_window": 8192}},
+        }
+        proxy = proxy_factory(url, config)
+        answer = httpx.post(
+            proxy.base_url + "/chat/completions",
+            json={"model": MODEL, "messages": _tool_rounds(59000)},
+            headers={"X-Session-Id": "small-summarizer"},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        assert seen == [400, 200, 200]  # refused, the summary call, the compacted retry
+
+
+def test_a_retry_of_dense_text_reserves_the_summary_at_the_estimates_rate(
+    proxy_factory: Any,
+) -> None:
+    """A provider counting the history at twice cachegate's estimate (dense text): the retry
+    is planned on the window shrunk by that, and the summary, prose asked for in characters,
+    was reserved as if it were as dense: a false give-up, the refusal relayed where a
+    compaction fitted."""
+    with _llama_cpp(16384, density=2.0) as (url, seen):
+        config = {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 1000000}}}
+        proxy = proxy_factory(url, config)
+        answer = httpx.post(
+            proxy.base_url + "/chat/completions",
+            json={"model": MODEL, "messages": _tool_rounds(27000)},
+            headers={"X-Session-Id": "dense"},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        assert seen == [400, 200, 200]  # refused, the summary call, the compacted retry
 
 
 def test_openrouters_wording_of_the_output_asked_for_is_read() -> None:
