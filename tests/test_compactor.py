@@ -3034,6 +3034,22 @@ def test_a_retry_with_no_room_for_the_summary_beside_the_last_round_is_not_paid_
         assert seen == [400]  # no summary call, no retry
 
 
+def _tool_rounds(last: int) -> list[dict[str, Any]]:
+    """A task and seven tool rounds, the last one's output ``last`` characters long."""
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": "Task: " + "t" * 200},
+    ]
+    for n in range(7):
+        arguments = orjson.dumps({"path": f"f{n}.csv"}).decode()
+        call = {"id": f"call_{n}", "type": "function"}
+        call["function"] = {"name": "read", "arguments": arguments}
+        msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        size = last if n == 6 else 2000
+        msgs.append({"role": "tool", "tool_call_id": f"call_{n}", "content": "x" * size})
+    return msgs
+
+
 @pytest.mark.parametrize("chinese", [False, True])
 def test_a_retry_s_summary_longer_than_asked_is_cut_to_the_room_planned_for_it(
     proxy_factory: Any, chinese: bool
@@ -3042,27 +3058,12 @@ def test_a_retry_s_summary_longer_than_asked_is_cut_to_the_room_planned_for_it(
     a summarizer writing a fifth more (words of technical text run long) went out whole, as
     any summary may run a quarter over, and the retry was refused again. So did one in Chinese
     within the characters asked for, at three bytes each: the room is the estimate's bytes."""
-
-    def rounds(last: int) -> list[dict[str, Any]]:
-        msgs: list[dict[str, Any]] = [
-            {"role": "system", "content": "You are an agent."},
-            {"role": "user", "content": "Task: " + "t" * 200},
-        ]
-        for n in range(7):
-            arguments = orjson.dumps({"path": f"f{n}.csv"}).decode()
-            call = {"id": f"call_{n}", "type": "function"}
-            call["function"] = {"name": "read", "arguments": arguments}
-            msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            size = last if n == 6 else 2000
-            msgs.append({"role": "tool", "tool_call_id": f"call_{n}", "content": "x" * size})
-        return msgs
-
     with _llama_cpp(4096, summary_share=1.2, chinese=chinese) as (url, seen):
         config = {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 1000000}}}
         proxy = proxy_factory(url, config)
         answer = httpx.post(
             proxy.base_url + "/chat/completions",
-            json={"model": MODEL, "messages": rounds(13400)},
+            json={"model": MODEL, "messages": _tool_rounds(13400)},
             headers={"X-Session-Id": "long-summary"},
             timeout=30,
         )
@@ -3113,22 +3114,6 @@ def test_a_retry_s_extractive_summary_of_a_history_in_chinese_keeps_to_its_bytes
     assert 0.8 * 2048 < _json_size(exact) <= 2048 < _json_size(loose)
     for heading in ("## Task", "## Steps", "## Files", 'read({"path":"文件6.csv"})'):
         assert heading in exact
-
-
-def _tool_rounds(last: int) -> list[dict[str, Any]]:
-    """A task and seven tool rounds, the last one's output ``last`` characters long."""
-    msgs: list[dict[str, Any]] = [
-        {"role": "system", "content": "You are an agent."},
-        {"role": "user", "content": "Task: " + "t" * 200},
-    ]
-    for n in range(7):
-        arguments = orjson.dumps({"path": f"f{n}.csv"}).decode()
-        call = {"id": f"call_{n}", "type": "function"}
-        call["function"] = {"name": "read", "arguments": arguments}
-        msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        size = last if n == 6 else 2000
-        msgs.append({"role": "tool", "tool_call_id": f"call_{n}", "content": "x" * size})
-    return msgs
 
 
 def test_a_retry_reserves_the_summary_as_the_summarizer_models_window_asks_it(
