@@ -660,8 +660,22 @@ class _Held:
 # A stream's last event, at the end of what was written (any of SSE's line ends; its start at
 # a line's start). Bytes that end so are looked at with the tail of the writes before: a
 # gateway may split the event across reads.
-_DONE_ENDS: Final = (b"]\n\n", b"]\r\n\r\n", b"]\r\r")
-_DONE_EVENT: Final = re.compile(rb"(?:\A|[\r\n])data: ?\[DONE\](?:\n\n|\r\n\r\n|\r\r)\Z")
+# ``[DONE]`` and two line ends of any of SSE's kinds: an SSE reader dispatches the event at the
+# second one's first byte (a CR: the openai SDKs skip the LF after it), so the LF of a CRLF that
+# has not come yet is no part of what the client needs.
+_DONE_ENDS: Final = (
+    b"]\n\n",
+    b"]\n\r",
+    b"]\n\r\n",
+    b"]\r\r",
+    b"]\r\r\n",
+    b"]\r\n\n",
+    b"]\r\n\r",
+    b"]\r\n\r\n",
+)
+_DONE_EVENT: Final = re.compile(
+    rb"(?:\A|[\r\n])data: ?\[DONE\](?:\n\n|\n\r\n?|\r\r\n?|\r\n\n|\r\n\r\n?)\Z"
+)
 
 
 def _ends_done(tail: bytes, body: bytes) -> tuple[bytes, bool]:

@@ -875,18 +875,22 @@ def test_a_refusal_declared_as_an_event_stream_is_logged_with_its_words(
 
 
 @pytest.mark.parametrize("transport", ["native", "httpx"])
+@pytest.mark.parametrize("crlf", [False, True])
 def test_a_client_that_closes_at_done_before_the_upstreams_last_bytes_got_a_whole_answer(
-    scripted: Any, proxy_factory: Any, transport: str
+    scripted: Any, proxy_factory: Any, transport: str, crlf: bool
 ) -> None:
     """The openai SDK stops reading at ``[DONE]`` and closes; an upstream whose chunked
     stream ends a moment later had the exchange logged as interrupted (and in INTERRUPTED);
-    with ``transport = "httpx"`` (whose answers go through the server's ``send``) until later."""
+    with ``transport = "httpx"`` (whose answers go through the server's ``send``) until later.
+    With CRLF line ends, the SDK dispatches ``[DONE]`` at the CR of its blank line: a stream
+    whose last LF came in a read of its own was logged as interrupted."""
+    end = b"\r\n\r\n" if crlf else b"\n\n"
     chunks = [
         b'data: {"id":"c1","object":"chat.completion.chunk","model":"gpt-4o","choices":'
-        b'[{"index":0,"delta":{"role":"assistant","content":"whole"},"finish_reason":null}]}\n\n',
+        b'[{"index":0,"delta":{"role":"assistant","content":"whole"},"finish_reason":null}]}' + end,
         b'data: {"id":"c1","object":"chat.completion.chunk","model":"gpt-4o","choices":'
-        b'[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n',
-        b"data: [DONE]\n\n",
+        b'[{"index":0,"delta":{},"finish_reason":"stop"}]}' + end,
+        *([b"data: [DONE]\r\n\r", b"\n"] if crlf else [b"data: [DONE]\n\n"]),
         b"",  # the upstream's end comes a moment after [DONE]
     ]
     _upstream, url = scripted(chunks=chunks, delay_s=0.3)

@@ -774,11 +774,21 @@ def test_direct_body_knows_whether_done_reached_the_socket_and_what_was_dropped(
         [b"data: [DONE]\r\r"],
         [sse(chunk("a")) + b"data: [DO", b"NE]\n\n"],
         [sse(chunk("a")), b"da", b"ta: [DONE]\n", b"\n"],
+        # dispatched at the CR of its blank line: the LF after it not come yet
+        [sse(chunk("a")) + b"data: [DONE]\r\n\r"],
+        [b"data: [DONE]\n\r"],
+        [b"data: [DONE]\r\n", b"\n"],
+        [b"data: [DONE]\r", b"\r\n"],
     ):
         split = DirectBody(cycle(0))
         for piece in pieces:
             split.write(piece)
         assert split.done_handed_over, pieces
+    for pieces in ([b"data: [DONE]\r\n"], [b"data: [DONE]\r"], [b"data: [DONE]\n"]):
+        one = DirectBody(cycle(0))  # one line end: the event not dispatched yet
+        for piece in pieces:
+            one.write(piece)
+        assert not one.done_handed_over, pieces
     glued = DirectBody(cycle(0))
     glued.write(b'data: {"x":"data: [DO')  # text that looks like the start of one
     glued.write(b'NE]"}\n\n')
