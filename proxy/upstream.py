@@ -486,7 +486,7 @@ class _Connection(asyncio.Protocol):
             self._fail(InvalidAnswer("upstream switched protocols (101) unasked"))
             return
         headers, self._raw_headers = self._raw_headers, []
-        coding = _transfer_coding(headers)
+        coding, unchunked = _transfer_coding(headers)
         if coding is not None:  # (relayed, its bytes would reach the client still encoded)
             self._fail(InvalidAnswer(f"upstream used transfer coding {coding!r}, not supported"))
             return
@@ -494,7 +494,9 @@ class _Connection(asyncio.Protocol):
         self._response = response
         framing = {k.lower() for k, _ in headers} & {b"content-length", b"transfer-encoding"}
         bodiless = self._head_only or status in (204, 304) or status == 101
-        self._until_close = not framing and not bodiless
+        # (a transfer coding whose last is not chunked, ``identity``: the body ends with the
+        # connection, whatever length is said, as RFC 9112, 6.3 and the parser read it)
+        self._until_close = (not framing or unchunked) and not bodiless
         self._ambiguous = len(framing) == 2  # RFC 9112, 6.3: close the connection after it
         if self._head_only:  # the parser would wait for a body the length announces: stop here
             self._complete = True
@@ -825,16 +827,19 @@ async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
         raise OSError(error, os.strerror(error))
 
 
-def _transfer_coding(headers: list[tuple[bytes, bytes]]) -> str | None:
-    """A transfer coding other than ``chunked`` that ``headers`` name (``gzip, chunked``):
-    the parser takes the chunks off but not the gzip, and no header would tell the client."""
+def _transfer_coding(headers: list[tuple[bytes, bytes]]) -> tuple[str | None, bool]:
+    """A transfer coding other than ``chunked`` that ``headers`` name (``gzip, chunked``:
+    the parser takes the chunks off but not the gzip, and no header would tell the client),
+    and whether they name codings of which the last is not ``chunked`` (``identity``)."""
+    last = None
     for name, value in headers:
         if name.lower() == b"transfer-encoding":
             for coding in value.split(b","):
                 coding = coding.strip().lower()
                 if coding and coding not in (b"chunked", b"identity"):
-                    return coding.decode("latin-1")
-    return None
+                    return coding.decode("latin-1"), False
+                last = coding or last
+    return None, last is not None and last != b"chunked"
 
 
 def ca_source() -> str:
