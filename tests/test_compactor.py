@@ -319,6 +319,55 @@ def test_after_a_restart_a_short_history_of_large_messages_keeps_its_summary(
         assert orjson.dumps(now[: len(forwarded)]) == orjson.dumps(forwarded)
 
 
+def test_after_a_restart_a_refused_short_history_is_planned_on_the_window_less_its_completion(
+    sdk: Any, tmp_path: Path
+) -> None:
+    """After a restart, a short history of large messages refused for the completion it asks
+    for besides its prompt: the compaction its log records is taken up and the plan made
+    again, on the window less that completion once. It took the window already shrunk and
+    took the completion off twice: the latest tool output, which fitted, was summarized too."""
+    from tests.conftest import run_proxy
+
+    logs = tmp_path / "logs"
+    config = {
+        "compaction": {"enabled": True, "trigger_percent": 100},  # keep 8
+        "models": {MODEL: {"context_window": 1000000}},  # only refusals compact
+    }
+    call = {"id": "c1", "type": "function", "function": {"name": "run", "arguments": "{}"}}
+    msgs = [
+        {"role": "system", "content": "You are a careful coding agent."},
+        {"role": "user", "content": "Read these docs: " + "lorem ipsum dolor sit amet " * 200},
+        {"role": "assistant", "content": "Notes: " + "lorem ipsum dolor sit amet " * 200},
+        {"role": "user", "content": "Now run the tests."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {
+            "role": "tool",
+            "tool_call_id": "c1",
+            "content": "out " + "lorem ipsum dolor sit amet " * 300,
+        },
+    ]
+    turn = [*msgs, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+    headers = {"X-Session-Id": "short-refused"}
+    with run_simulator(SimConfig(context_window=5000)) as small:
+        small.sim.enqueue([parse_script("FIRST SUMMARY")])
+        with run_proxy(small.api_base, logs, config) as before:
+            sdk(before.base_url).chat.completions.create(
+                model=MODEL, messages=msgs, extra_headers=headers
+            )
+            assert [r.status for r in small.sim.requests] == [400, 200, 200]
+            assert "FIRST SUMMARY" in small.sim.requests[-1].body["messages"][1]["content"]
+        sent = len(small.sim.requests)
+        with run_proxy(small.api_base, logs, config) as after:
+            sdk(after.base_url).chat.completions.create(
+                model=MODEL, messages=turn, extra_headers=headers, max_tokens=1000
+            )
+        # refused for prompt + max_tokens; the summary rolled on from the restored one
+        assert [r.status for r in small.sim.requests[sent:]] == [400, 200, 200]
+        assert "FIRST SUMMARY" in str(small.sim.requests[-2].body["messages"])
+        retry = small.sim.requests[-1].body["messages"]
+        assert retry[-4:] == turn[-4:]  # the tool call and its output kept verbatim
+
+
 def test_requests_of_a_session_arriving_together_after_a_restart_each_get_their_summary(
     sim: RunningSimulator, sdk: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
