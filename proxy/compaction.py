@@ -635,8 +635,8 @@ def _read_skeleton(text: str) -> _Skeleton | None:
     for block in task.split("\n\n"):
         if (omitted := _TASKS_OMITTED.fullmatch(block)) is not None:
             skeleton.tasks_omitted += int(omitted.group(1))
-        elif all(line.startswith(">") for line in block.split("\n")):
-            skeleton.tasks.append(block)
+        elif all(line.startswith(">") or line == "…" for line in block.split("\n")):
+            skeleton.tasks.append(block)  # (``…``: a quote the length cut after a line end)
         elif block != "(none)":
             return None
     for line in steps.splitlines():
@@ -709,13 +709,15 @@ def extractive_summary(
     text = _assembled(skeleton, max_chars)
     if fits is None or fits(text):
         return text
-    # (each section keeps its share of the room: the search is over the assembly alone)
+    # (each section keeps its share of the room: the search is over the assembly alone; one so
+    # short that the final cut crossed its sections would not be read back, and the next
+    # compaction would nest it whole)
     low, high = 200, max_chars
     best = _assembled(skeleton, low)
     while high - low > 1:
         middle_limit = (low + high) // 2
         text = _assembled(skeleton, middle_limit)
-        if fits(text):
+        if fits(text) and _read_skeleton(text) is not None:
             low, best = middle_limit, text
         else:
             high = middle_limit

@@ -834,11 +834,15 @@ def _transfer_coding(headers: list[tuple[bytes, bytes]]) -> tuple[str | None, bo
     last = None
     for name, value in headers:
         if name.lower() == b"transfer-encoding":
+            if b"\t" in value or not all(c.strip(b" ") for c in value.split(b",")):
+                # (``chunked,``, ``chunked\t``: the parser reads such a body raw to the end,
+                # its chunks' framing and all, where this list would read it as chunked)
+                return value.decode("latin-1"), False
             for coding in value.split(b","):
-                coding = coding.strip().lower()
-                if coding and coding not in (b"chunked", b"identity"):
+                coding = coding.strip(b" ").lower()
+                if coding not in (b"chunked", b"identity"):
                     return coding.decode("latin-1"), False
-                last = coding or last
+                last = coding
     return None, last is not None and last != b"chunked"
 
 

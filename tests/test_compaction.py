@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.compaction import (
+    EXTRACTIVE_HEADER,
     ROLLING_INSTRUCTION,
     SUMMARIZER_SYSTEM_PROMPT,
     SUMMARY_MARKER,
@@ -483,6 +484,48 @@ def test_rolling_extractive_summaries_keep_the_first_and_latest_when_they_do_not
     assert kept[0] == 0 and kept[-1] == 59  # the task that opened it, and the latest
     assert kept == [0, *range(60 - len(kept) + 1, 60)]
     assert f"({60 - len(kept)} of the user's messages omitted)" in previous
+
+
+def test_multi_line_quotes_cut_after_a_line_end_are_read_back_without_nesting() -> None:
+    """The first and latest user messages, multi-line and together over the Task section's
+    room, are cut; a cut just after a line end left a line of ``…`` alone, not quoted, and the
+    next rolling summary could not read the skeleton back: it nested it whole, cut, and the
+    user's later instructions fell out."""
+    first = "\n".join(f"step {i} do thing" for i in range(21))
+    later = "\n".join(f"later {i} a" for i in range(40))
+    middle = [
+        {"role": "user", "content": first},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": later},
+        {"role": "assistant", "content": "done"},
+    ]
+    text = extractive_summary(middle, previous_summary=None, max_chars=2000)
+    assert "\n…\n\n## Steps" in text  # (the case: the cut right after a line end)
+    rolled = extractive_summary(middle[:2], previous_summary=text, max_chars=2000)
+    assert "## Previous summary" not in rolled and rolled.count(EXTRACTIVE_HEADER) == 1
+
+
+def test_a_retry_s_summary_shrunk_to_its_bytes_is_still_read_back_as_a_skeleton() -> None:
+    """A retry's extractive summary in a small room (Chinese, three bytes a character) was
+    searched down to a length whose sections' floors no longer fit: the final cut crossed
+    them, the next compaction could not read it back and nested it whole."""
+    from proxy.compactor import _json_size
+
+    middle: list[dict[str, Any]] = []
+    for i in range(2):
+        middle.append(
+            {"role": "user", "content": f"第{i}条：" + ("请修改文件并运行测试" * 20)[:76]}
+        )
+        middle.append({"role": "assistant", "content": "好的"})
+    text = extractive_summary(
+        middle,
+        previous_summary="模型写的摘要。" * 300,
+        max_chars=1000,
+        fits=lambda t: _json_size(t) <= 1000,
+    )
+    assert _json_size(text) <= 1000
+    rolled = extractive_summary(middle[:2], previous_summary=text, max_chars=1000)
+    assert rolled.count(EXTRACTIVE_HEADER) == 1  # extended, not nested
 
 
 def test_a_model_written_previous_summary_is_carried_along_once() -> None:

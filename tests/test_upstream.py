@@ -457,8 +457,12 @@ def test_a_new_connection_closed_before_answering_is_not_retried() -> None:
         b"NOT HTTP AT ALL\r\n\r\n",
         # a coding the parser does not take off: relayed, the client got gzip bytes unmarked
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        # a list the parser does not read as chunked: it relayed the chunks' framing as the body
+        # and waited for the connection's end
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked,\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\t\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
     ],
-    ids=["bad-status", "not-http", "gzip-transfer-coding"],
+    ids=["bad-status", "not-http", "gzip-transfer-coding", "chunked-comma", "chunked-tab"],
 )
 def test_a_malformed_answer_is_a_protocol_error(raw: bytes) -> None:
     async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
