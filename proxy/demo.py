@@ -733,10 +733,10 @@ def _running(log_dir: str, out: TextIO) -> Iterator[_Demo]:
         server = stack.enter_context(ServerThread(app))
         auth = {"Authorization": "Bearer demo", "Content-Type": "application/json"}
         client = stack.enter_context(
-            httpx.Client(base_url=server.url + "/v1/", headers=auth, timeout=30)
+            httpx.Client(base_url=server.url + "/v1/", headers=auth, timeout=30, trust_env=False)
         )
         direct = stack.enter_context(
-            httpx.Client(base_url=running.api_base + "/", headers=auth, timeout=30)
+            httpx.Client(base_url=running.api_base + "/", headers=auth, timeout=30, trust_env=False)
         )
         yield _Demo(
             client=client,

@@ -53,6 +53,19 @@ def test_the_demo_succeeds_offline_in_under_20_seconds(demo: DemoRun) -> None:
     assert demo.seconds < 20
 
 
+def test_the_demo_runs_on_loopback_whatever_proxy_the_environment_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its clients took HTTP_PROXY and ALL_PROXY from the environment (a corporate shell's, a
+    CI's) and every scenario failed to connect."""
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # (nothing listens there)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    out = io.StringIO()
+    assert run_demo(log_dir=str(tmp_path / "logs"), out=out) == 0, out.getvalue()
+
+
 def test_the_demos_fake_time_stays_in_the_past(demo: DemoRun) -> None:
     """Its sessions must not sort above the user's real ones, dated in the future."""
     from proxy.eventlog import read_events

@@ -238,6 +238,86 @@ def test_prompt_over_the_context_window_is_refused(sim: RunningSimulator) -> Non
     assert post(sim, chat_body([{"role": "user", "content": words(127_997)}])).status_code == 200
 
 
+def test_fields_of_the_wrong_type_are_refused_with_openais_texts(sim: RunningSimulator) -> None:
+    """Refused by OpenAI, accepted by the simulator: a test against it would pass on a request
+    the provider refuses (a stream asked for with the string "false", stream_options on a
+    request that does not stream, a model that is a number); and texts or codes that differed
+    from OpenAI's."""
+    user = [{"role": "user", "content": "x"}]
+    cases: list[tuple[dict[str, Any], str, str | None, str | None]] = [
+        (
+            {"model": "gpt-4o", "messages": user, "stream": "false"},
+            "Invalid type for 'stream': expected a boolean, but got a string instead.",
+            "stream",
+            "invalid_type",
+        ),
+        (
+            {"model": 5, "messages": user},
+            "Invalid type for 'model': expected a string, but got an integer instead.",
+            "model",
+            "invalid_type",
+        ),
+        (
+            {"model": "gpt-4o", "messages": user, "stream_options": {"include_usage": True}},
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            "stream_options",
+            None,
+        ),
+        (
+            {"model": "gpt-4o", "messages": []},
+            "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an"
+            " empty array instead.",
+            "messages",
+            "empty_array",
+        ),
+        (
+            {"model": "gpt-4o", "messages": [{"content": "x"}]},
+            "Missing required parameter: 'messages[0].role'.",
+            "messages[0].role",
+            "missing_required_parameter",
+        ),
+        (
+            {"model": "gpt-4o", "messages": ["hi"]},
+            "Invalid type for 'messages[0]': expected an object, but got a string instead.",
+            "messages[0]",
+            "invalid_type",
+        ),
+    ]
+    for body, message, param, code in cases:
+        refused = post(sim, body)
+        assert refused.status_code == 400, body
+        error = refused.json()["error"]
+        assert (error["message"], error["param"], error["code"]) == (message, param, code)
+    fine = {"model": "gpt-4o", "messages": user, "stream": None, "stream_options": None}
+    assert post(sim, fine).status_code == 200
+
+
+def test_tools_the_example_arguments_cannot_read_get_an_answer_not_a_500(
+    sim: RunningSimulator,
+) -> None:
+    """A tool call made up for "use tool" read the first tool's schema as well-formed: a
+    function that is a string, properties that are no object, required names that are no
+    strings or an enum that is no list answered a plain-text 500."""
+    ask = [{"role": "user", "content": "use tool"}]
+    for tool in (
+        {"type": "function", "function": "x"},
+        {"type": "function", "function": {"name": "f", "parameters": {"properties": "abc"}}},
+        {"type": "function", "function": {"name": "f", "parameters": {"properties": [1, 2]}}},
+        {"type": "function", "function": {"name": "f", "parameters": {"required": [1]}}},
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {"type": "object", "properties": {"a": {"enum": {"k": 1}}}},
+            },
+        },
+    ):
+        answer = post(sim, {"model": "gpt-4o", "messages": ask, "tools": [tool]})
+        assert answer.status_code == 200, (tool, answer.text)
+        (call,) = answer.json()["choices"][0]["message"]["tool_calls"]
+        assert isinstance(json.loads(call["function"]["arguments"]), dict)
+
+
 def test_invalid_json_and_missing_model_are_400(sim: RunningSimulator) -> None:
     bad = post(sim, b'{"model": "gpt-4o", "messages": [')
     assert bad.status_code == 400
@@ -575,6 +655,22 @@ def test_entries_expire_after_the_ttl_on_the_simulated_clock(sim: RunningSimulat
     assert cached(usage_of(sim, first)) == 1024  # the miss wrote it again
 
 
+def test_a_clock_moved_past_any_time_is_refused_and_the_simulator_goes_on(
+    sim: RunningSimulator,
+) -> None:
+    """An infinite advance (a header's ``inf``, or ``1e308`` twice) made the clock no time:
+    every chat request after it answered 500 until a reset."""
+    for value in ("inf", "1e309", "nan"):
+        refused = post(sim, chat_body(long_chat(10)), {"X-Sim-Time-Advance": value})
+        assert (
+            refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_sim_control"
+        )
+    assert httpx.post(sim.url + "/_sim/clock", json={"advance_s": 1e308}).status_code == 400
+    now = httpx.get(sim.url + "/_sim/clock").json()["now"]
+    assert now == sim.sim.config.start_time
+    assert post(sim, chat_body(long_chat(10))).status_code == 200
+
+
 def test_prefix_cache_handles_150k_token_prompts_quickly() -> None:
     body = chat_body(
         [
@@ -771,6 +867,16 @@ def test_unscripted_replies_are_derived_from_the_input(sim: RunningSimulator) ->
     assert answer == "Tool result received: sunny, 24 C"
 
 
+def test_a_header_script_in_utf8_is_read_as_utf8(sim: RunningSimulator) -> None:
+    """curl sends a header's text as UTF-8; it was read as Latin-1 (``hÃ©llo``)."""
+    answer = post(
+        sim,
+        chat_body(long_chat(10)),
+        {"X-Sim-Script": '"héllo wörld"'.encode()},  # type: ignore[dict-item]
+    )
+    assert answer.json()["choices"][0]["message"]["content"] == "héllo wörld"
+
+
 def test_scripts_are_consumed_in_order_and_a_header_script_wins(sim: RunningSimulator) -> None:
     script(sim, "first", {"text": "second", "finish_reason": "length"})
     ask = chat_body([{"role": "user", "content": "hello"}])
@@ -814,6 +920,10 @@ def test_requests_are_recorded_and_reset_clears_everything(sim: RunningSimulator
     assert httpx.get(sim.url + "/_sim/clock").json() == {"now": sim.sim.config.start_time}
     assert len(sim.sim.cache) == 0
     assert cached(usage_of(sim, body["messages"])) == 0
+    # nor a cookie's values, any of them (only the last word was hidden: a session's was shown)
+    post(sim, body, {"Cookie": "session=SECRETSESSIONTOKEN123456; theme=dark"})
+    shown = httpx.get(sim.url + "/_sim/requests").json()["requests"][-1]["headers"]["cookie"]
+    assert shown == "session=…; theme=…"
 
 
 def test_models_and_deterministic_embeddings(sim: RunningSimulator) -> None:

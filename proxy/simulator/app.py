@@ -183,6 +183,10 @@ def _json_response(
     return Response(content, status_code, headers=headers, media_type="application/json")
 
 
+# OpenAI's answer to stream_options on a request that does not stream
+STREAM_OPTIONS_UNSTREAMED_TEXT = (
+    "The 'stream_options' parameter is only allowed when 'stream' is enabled."
+)
 # Mistral's answer to a request with stream_options (FastAPI's validation error, wrapped)
 STREAM_OPTIONS_REFUSAL: dict[str, Any] = {
     "object": "error",
@@ -221,7 +225,7 @@ def _seconds(text: str, header: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value >= 0:  # also rejects NaN
+    if not 0 <= value < 2**62:  # also rejects NaN and infinity
         raise ValueError(f"{header} must be a number of seconds >= 0")
     return value
 
@@ -235,7 +239,8 @@ def _parse_controls(headers: Mapping[str, str], config: SimConfig) -> _Controls:
     script = None
     if "x-sim-script" in headers:
         try:
-            script = parse_script(orjson.loads(headers["x-sim-script"]))
+            # (a header's bytes come as Latin-1: UTF-8 text, as curl sends it, read again)
+            script = parse_script(orjson.loads(headers["x-sim-script"].encode("latin-1")))
         except orjson.JSONDecodeError:
             raise ValueError("X-Sim-Script must be JSON") from None
     return _Controls(fault=fault, stall_s=stall_s, script=script)
@@ -295,6 +300,14 @@ class _Handlers:
             return _error(400, "you must provide a model parameter")
         if self.config.refuse_stream_options and "stream_options" in body:
             return _json_response(STREAM_OPTIONS_REFUSAL, 422)
+        for key, expected, kinds in (("model", "a string", str), ("stream", "a boolean", bool)):
+            value = body.get(key)
+            if value is not None and not isinstance(value, kinds):  # (as OpenAI checks them)
+                kind = json_kind(value)
+                message = f"Invalid type for '{key}': expected {expected}, but got {kind} instead."
+                return _error(400, message, key, "invalid_type")
+        if body.get("stream_options") is not None and body.get("stream") is not True:
+            return _error(400, STREAM_OPTIONS_UNSTREAMED_TEXT, "stream_options")
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):  # (a TypeError, a 500, before)
             kind = json_kind(tools)

@@ -112,8 +112,9 @@ def _summary(text: str) -> str:
 
 def _example_value(schema: Any) -> Any:
     kind = schema.get("type") if isinstance(schema, Mapping) else None
-    if isinstance(schema, Mapping) and schema.get("enum"):
-        return schema["enum"][0]
+    enum = schema.get("enum") if isinstance(schema, Mapping) else None
+    if isinstance(enum, list) and enum:
+        return enum[0]
     examples: dict[str, Any] = {
         "integer": 1,
         "number": 1,
@@ -129,9 +130,13 @@ def _example_value(schema: Any) -> Any:
 def _example_arguments(schema: Any) -> dict[str, Any]:
     if not isinstance(schema, Mapping):
         return {}
-    properties = schema.get("properties") or {}
-    required = schema.get("required") or list(properties)
-    return {name: _example_value(properties.get(name)) for name in required}
+    properties = schema.get("properties")
+    if not isinstance(properties, Mapping):  # (a schema the provider would refuse: no example)
+        properties = {}
+    required = schema.get("required")
+    if not isinstance(required, list):
+        required = list(properties)
+    return {n: _example_value(properties.get(n)) for n in required if isinstance(n, str)}
 
 
 def derive_reply(body: Mapping[str, Any]) -> Reply:
@@ -142,7 +147,9 @@ def derive_reply(body: Mapping[str, Any]) -> Reply:
     text = content_text(last.get("content"))
     tools = [t for t in body.get("tools") or [] if isinstance(t, Mapping)]
     if tools and role == "user" and "use tool" in text.lower():
-        function = tools[0].get("function") or {}
+        function = tools[0].get("function")
+        if not isinstance(function, Mapping):
+            function = {}
         name = str(function.get("name", "tool"))
         arguments = orjson.dumps(_example_arguments(function.get("parameters"))).decode()
         return Reply(

@@ -6,6 +6,7 @@ lock; none of them awaits.
 
 from __future__ import annotations
 
+import math
 import random
 import string
 import threading
@@ -44,9 +45,7 @@ class ReceivedRequest:
         return {
             "method": self.method,
             "path": self.path,
-            "headers": {
-                k: _masked(v) if k.lower() in _KEY_HEADERS else v for k, v in self.headers.items()
-            },
+            "headers": {k: _masked(k, v) for k, v in self.headers.items()},
             "body": self.body,
             "raw_bytes": len(self.raw),
             "time": self.time,
@@ -61,9 +60,17 @@ _KEY_HEADERS = frozenset(
 )
 
 
-def _masked(value: str) -> str:
-    """A credential header's value with its secret hidden: its scheme and last four characters
-    stay, enough to tell which key came."""
+def _masked(name: str, value: str) -> str:
+    """A header's value as ``/_sim/requests`` shows it: a credential's with its secret hidden,
+    its scheme and last four characters staying, enough to tell which key came; a cookie's
+    with every value hidden, its names staying (each may be a session's token)."""
+    name = name.lower()
+    if name not in _KEY_HEADERS:
+        return value
+    if name == "cookie":
+        return "; ".join(
+            f"{pair.partition('=')[0].strip()}=…" for pair in value.split(";") if pair.strip()
+        )
     scheme, _, secret = value.rpartition(" ")
     hidden = "…" + secret[-4:] if len(secret) > 12 else "…"
     return f"{scheme} {hidden}" if scheme else hidden
@@ -98,9 +105,11 @@ class Simulator:
 
     def advance(self, seconds: float) -> float:
         """Move the simulated clock forward by ``seconds`` (>= 0); return the new time."""
-        if seconds < 0:
-            raise ValueError("the clock only moves forward")
+        if not 0 <= seconds < math.inf:  # (NaN and infinity too: the clock must stay a time)
+            raise ValueError("the clock only moves forward, by a finite time")
         with self._lock:
+            if not math.isfinite(self._now + seconds) or self._now + seconds >= 2**62:
+                raise ValueError("the clock would move past any time")
             self._now += seconds
             return self._now
 

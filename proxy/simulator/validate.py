@@ -72,7 +72,9 @@ def validate_messages(messages: Any) -> None:
         )
     if not messages:
         raise ValidationError(
-            "Invalid 'messages': empty array. Expected an array with minimum length 1."
+            "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an"
+            " empty array instead.",
+            code="empty_array",
         )
     for i, message in enumerate(messages):  # the schema is checked before the pairing
         calls = message.get("tool_calls") if isinstance(message, dict) else None
@@ -129,9 +131,18 @@ def validate_messages(messages: Any) -> None:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValidationError(
-                f"Invalid type for 'messages[{i}]': expected an object.", f"messages[{i}]"
+                f"Invalid type for 'messages[{i}]': expected an object, but got"
+                f" {json_kind(message)} instead.",
+                f"messages[{i}]",
+                "invalid_type",
             )
         role = message.get("role")
+        if role is None:
+            raise ValidationError(
+                f"Missing required parameter: 'messages[{i}].role'.",
+                f"messages[{i}].role",
+                "missing_required_parameter",
+            )
         if not isinstance(role, str) or role not in ROLES:
             raise ValidationError(
                 f"Invalid value: '{role}'. Supported values are: 'system', 'assistant', 'user', "
