@@ -1911,7 +1911,14 @@ def parse_lines(
                 else:
                     starts_as_log = verdict == _OURS
         line = raw  # (orjson reads white space around a value: no copy of a long line stripped)
-        if line and not line.isspace():
+        obj: Any = None
+        if line[:1] == b"\0" and (obj := _after_nuls(line)) is not None:
+            # NULs, then a whole line: a crash zeroed the blocks before it up to where it
+            # begins. The NULs stand for lines lost (of a request, or it cannot say); the line
+            # is read.
+            torn += 1
+            torn_requests += 1
+        elif line and not line.isspace():
             try:
                 obj = orjson.loads(line)
             except orjson.JSONDecodeError as exc:
@@ -1921,13 +1928,13 @@ def parse_lines(
                     if _torn_request(line):
                         torn_requests += 1
                         torn_at_end = not raw.endswith(b"\n")
-            if isinstance(obj, dict):
-                kind = obj.get("type")
-                fields = drop.get(kind) if drop and isinstance(kind, str) else None
-                if fields:
-                    for key in fields.intersection(obj):
-                        del obj[key]
-                events.append(obj)
+        if isinstance(obj, dict):
+            kind = obj.get("type")
+            fields = drop.get(kind) if drop and isinstance(kind, str) else None
+            if fields:
+                for key in fields.intersection(obj):
+                    del obj[key]
+            events.append(obj)
         if not raw.endswith(b"\n"):
             break
     return LogRead(
@@ -1937,6 +1944,19 @@ def parse_lines(
         torn_requests=torn_requests,
         torn_at_end=torn_at_end,
     )
+
+
+def _after_nuls(line: bytes) -> dict[str, Any] | None:
+    """The event a line holds after a run of NUL bytes; None where none is whole there (NULs
+    alone, or a line's tail: a crash zeroed it up to its middle)."""
+    rest = line.lstrip(b"\0")
+    if not rest.startswith(b"{"):
+        return None
+    try:
+        obj = orjson.loads(rest)
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 _TYPE_AT: Final = re.compile(rb'"type": ?"([a-z_]*)"')

@@ -2495,3 +2495,29 @@ def test_a_share_that_gives_every_file_one_owner_is_named_as_such(
     (found / LOCK_NAME).write_text("")
     with pytest.raises(UnsafeLockFile, match=r"another user \(uid \d+, this process is \d+\)"):
         claim_log_dir(found)
+
+
+def test_a_whole_line_after_a_crash_s_nuls_is_read_and_the_nuls_count_as_lost_lines(
+    tmp_path: Path,
+) -> None:
+    """A crash zeroed a log's first blocks up to where a line begins: that line, whole, was
+    counted torn and lost with them (a request's model missing from ``show``, the request left
+    out of ``replay``). It is read; the NULs count as one torn line that may have held a
+    request. NULs up to a line's middle stay one torn line, and NULs alone one too."""
+    meta = b'{"ts":1,"type":"session_meta","session":"z","upstream":"http://u"}\n'
+    request = b'{"ts":2,"type":"request","exchange":1,"model":"gpt-4o","base":0,"appended":[]}\n'
+    cases = {
+        "to-a-line": (b"\0" * 4096 + meta + request, ["session_meta", "request"], 1),
+        "to-mid-line": (
+            b"\0" * 4096 + b'"x":1}\n' + meta + request,
+            ["session_meta", "request"],
+            1,
+        ),
+        "alone": (meta + b"\0" * 100 + b"\n" + request, ["session_meta", "request"], 1),
+    }
+    for name, (data, kinds, torn) in cases.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_bytes(data)
+        read = read_events(path)
+        assert [e["type"] for e in read.events] == kinds, name
+        assert (read.torn, read.torn_requests, read.starts_as_log) == (torn, torn, True), name
