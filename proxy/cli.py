@@ -633,16 +633,19 @@ def _sessions(ns: argparse.Namespace) -> int:
         elif ns.action == "replay":
             requests, skipped, read = report.replayed_whole(log_dir, ns.id)
             torn = read.torn_requests
-            if any(report.metadata_only(r) for r in requests):
-                print(
-                    'cachegate: this log was written with logging.bodies = "metadata": it keeps'
-                    " sizes and hashes, not the text; these lines cannot be sent again",
-                    file=sys.stderr,
-                )
             redacted = 0
-            for line in report.request_lines(requests):
-                redacted += REDACTED in line
-                sys.stdout.write(report.json_terminal_safe(line) + "\n")
+            metadata = False
+            for request in requests:  # (each written as it is rebuilt: not all held at once)
+                if not metadata and report.metadata_only(request):
+                    metadata = True
+                    print(
+                        'cachegate: this log was written with logging.bodies = "metadata": it'
+                        " keeps sizes and hashes, not the text; these lines cannot be sent again",
+                        file=sys.stderr,
+                    )
+                for line in report.request_lines((request,)):
+                    redacted += REDACTED in line
+                    sys.stdout.write(report.json_terminal_safe(line) + "\n")
             if redacted:  # (the JSON is the body sent but for them: said, not an error)
                 sys.stdout.flush()
                 print(

@@ -2045,19 +2045,36 @@ def replay(events: Iterable[dict[str, Any]]) -> list[tuple[int, list[dict[str, A
 def replay_requests(
     events: Iterable[dict[str, Any]], skipped: list[int] | None = None
 ) -> list[dict[str, Any]]:
+    """``replay``, as the requests that were forwarded (``iter_replay_requests``), in a list."""
+    return list(iter_replay_requests(events, skipped))
+
+
+def iter_replay_requests(
+    events: Iterable[dict[str, Any]], skipped: list[int] | None = None
+) -> Iterator[dict[str, Any]]:
     """``replay``, as the requests that were forwarded: ``{exchange_id, model, stream, params,
     tools, messages}`` (``params`` and ``tools`` as far as the log records them: a line carries
     the tools only when they changed, or names the earlier line that carried them
     (``tools_ref``), and logs written before cachegate recorded them have neither; ``tools`` is
-    left out while none are known). The exchanges left out for want of their base are added to
-    ``skipped``."""
+    left out while none are known), each as it is rebuilt. The exchanges left out for want of
+    their base are added to ``skipped`` as they come. An exchange's messages are held only
+    until the last line based on it (numbers included that a restart used again): a long
+    session's requests, each a list of its whole history, are not all held at once."""
+    events = events if isinstance(events, list) else list(events)
+    last_use: dict[int, int] = {}  # an exchange number -> the last event based on it by number
+    for at, ev in enumerate(events):
+        if (
+            ev.get("type") == "request"
+            and isinstance(ev.get("base_exchange"), int)
+            and (ev.get("base") or 0) != 0  # (a line of its own does not read its base)
+        ):
+            last_use[ev["base_exchange"]] = at
     rebuilt: dict[int, list[dict[str, Any]]] = {}
-    out: list[dict[str, Any]] = []
     last: list[dict[str, Any]] | None = None
     tools: Any = _NO_TOOLS_SEEN
     tools_of: dict[int, Any] = {}  # the tools each exchange's line carried or named
     last_exchange: int | None = None
-    for ev in events:
+    for at, ev in enumerate(events):
         if ev.get("type") != "request":
             if ev.get("type") == LOST_TYPE:
                 # Request lines lost after later lines may have been coded against them: their
@@ -2125,7 +2142,15 @@ def replay_requests(
                     skipped.append(exchange)
                 continue
             messages = previous[:kept] + head + previous[replaces:base] + appended
-        rebuilt[exchange] = last = messages
+            if isinstance(base_exchange, int) and last_use.get(base_exchange) == at:
+                del last_use[base_exchange]  # the last line based on it: not held past it
+                if rebuilt.get(base_exchange) is previous:
+                    del rebuilt[base_exchange]
+        last = messages
+        if exchange in last_use:  # (a later line is based on it by its number)
+            rebuilt[exchange] = messages
+        else:
+            rebuilt.pop(exchange, None)  # (an earlier one of that number: none is based on it)
         last_exchange = exchange
         request: dict[str, Any] = {"exchange_id": exchange, "model": ev.get("model")}
         if isinstance(ev.get("stream"), bool):
@@ -2135,8 +2160,7 @@ def replay_requests(
         if tools is not _NO_TOOLS_SEEN and tools is not None:
             request["tools"] = tools
         request["messages"] = messages
-        out.append(request)
-    return out
+        yield request
 
 
 _NO_TOOLS_SEEN: Final = object()

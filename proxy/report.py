@@ -25,6 +25,7 @@ from proxy.eventlog import (
     LOST_TYPE,
     LogRead,
     NotALogFile,
+    iter_replay_requests,
     lost_lines,
     read_events,
     replay_requests,
@@ -380,14 +381,15 @@ def replayed(
 
 def replayed_whole(
     log_dir: str | os.PathLike[str], session_id: str
-) -> tuple[list[dict[str, Any]], list[int], LogRead]:
-    """``replayed``, the exchanges it could not rebuild, and the log as read: how many of its
-    torn lines were requests, or were cut before their type (``torn_requests``: none of those
-    is in either list, its exchange is not known), and whether the last is its last line,
-    with no line end yet (``torn_at_end``)."""
+) -> tuple[Iterator[dict[str, Any]], list[int], LogRead]:
+    """``replayed``, each request as it is rebuilt (the file read at call time), the exchanges
+    it could not rebuild (filled in as they come), and the log as read: how many of its torn
+    lines were requests, or were cut before their type (``torn_requests``: none of those is in
+    either list, its exchange is not known), and whether the last is its last line, with no
+    line end yet (``torn_at_end``)."""
     read = _load(log_dir, session_id)
     skipped: list[int] = []
-    return replay_requests(read.events, skipped), skipped, read
+    return iter_replay_requests(read.events, skipped), skipped, read
 
 
 def replay_lines(log_dir: str | os.PathLike[str], session_id: str) -> Iterator[str]:

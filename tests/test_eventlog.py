@@ -23,6 +23,7 @@ from proxy.eventlog import (
     choose_base,
     choose_delta,
     enforce_retention,
+    iter_replay_requests,
     logged_compactions,
     lost_lines,
     lost_requests,
@@ -2521,3 +2522,45 @@ def test_a_whole_line_after_a_crash_s_nuls_is_read_and_the_nuls_count_as_lost_li
         read = read_events(path)
         assert [e["type"] for e in read.events] == kinds, name
         assert (read.torn, read.torn_requests, read.starts_as_log) == (torn, torn, True), name
+
+
+def test_replay_holds_a_long_session_s_histories_only_while_later_lines_are_based_on_them() -> None:
+    """Every rebuilt request, each a list of its whole history, was held until the last was
+    built: ``replay`` of 8,000 exchanges took 838 MB. Each is now given as it is rebuilt and
+    held only until the last line based on it; a number a restart used again is still told
+    apart, and a line based on an early exchange still finds it."""
+    import tracemalloc
+
+    turns = 2000
+    events: list[dict[str, Any]] = [request_event(1, None, 0, [{"role": "user", "content": "t0"}])]
+    for n in range(2, turns + 1):
+        base = 2 * n - 3  # the previous request's messages and its answer
+        turn = [{"role": "assistant", "content": f"a{n}"}, {"role": "user", "content": f"t{n}"}]
+        events.append(request_event(n, n - 1, base, turn))
+    events.append(
+        request_event(turns + 1, 1, 1, [{"role": "user", "content": "a branch off the first"}])
+    )
+    events.append(
+        request_event(1, None, 0, [{"role": "user", "content": "after a restart"}])
+    )  # (number 1 again)
+    events.append(
+        request_event(turns + 2, 1, 1, [{"role": "user", "content": "based on the new 1"}])
+    )
+
+    tracemalloc.start()
+    try:
+        out = iter_replay_requests(events)
+        first = next(out)
+        lengths = [len(first["messages"])]
+        tails = []
+        for request in out:
+            lengths.append(len(request["messages"]))
+            tails.append(request["messages"][-1]["content"])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert lengths[:turns] == [2 * n - 1 for n in range(1, turns + 1)]
+    assert tails[-3:] == ["a branch off the first", "after a restart", "based on the new 1"]
+    assert lengths[-3:] == [2, 1, 2]
+    # held all at once, the lists alone take ~2,000 * 2,000 * 8 bytes = 32 MB
+    assert peak < 4_000_000, peak
