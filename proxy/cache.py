@@ -312,6 +312,7 @@ def account(
     nothing_marked_before: Callable[[], bool] | None = None,
     longer_lived: Callable[[], tuple[float, int] | None] | None = None,
     held_expired: bool = False,
+    since: float | None = None,
 ) -> tuple[CacheState, CacheResult]:
     """Account one finished exchange; return the session's new state and the exchange's figures.
 
@@ -348,7 +349,10 @@ def account(
     breakpoint asked for a longer life than its last, that life and the tokens of the prefix it
     covers (``CacheResult.expired``). ``held_expired``: ``cached_before`` is what an earlier
     turn cached, which had expired since (the turns after it marked nothing): what was missed
-    of it is the expiry's.
+    of it is the expiry's. ``since``: when the request this one is compared with started, the
+    idle time's start where the prefixes' stamps are of requests that started after this one
+    (a sibling fanned out beside it, answered first: the idle time read negative, an expiry
+    ``unexplained``).
     """
     has_reported = state.has_reported or usage.reported_cache
     counted = (
@@ -366,7 +370,9 @@ def account(
         waste = shortfall if shortfall > noise_floor else 0
         cause: Cause | None
         alive = (
-            _longer_lived(state, fingerprint, divergence, compared, started_at, ttl_s, longer_lived)
+            _longer_lived(
+                state, fingerprint, divergence, compared, started_at, ttl_s, longer_lived, since
+            )
             if waste and longer_lived is not None and divergence is not None
             else None
         )
@@ -386,13 +392,29 @@ def account(
             expired = max(0, top - held)
             unrequested = expected - top
             cause, location = _attribute(
-                state, fingerprint, divergence, started_at, alive[0], model, alive[0], compared
+                state,
+                fingerprint,
+                divergence,
+                started_at,
+                alive[0],
+                model,
+                alive[0],
+                compared,
+                since,
             )
             if cause == "ttl_expired":  # (all of it the expiry's after all: one figure)
                 waste, expired = waste + expired, 0
         else:
             cause, location = _attribute(
-                state, fingerprint, divergence, started_at, ttl_s, model, ttl_floor_s, compared
+                state,
+                fingerprint,
+                divergence,
+                started_at,
+                ttl_s,
+                model,
+                ttl_floor_s,
+                compared,
+                since,
             )
             if (
                 cause == "prefix_rewrite"
@@ -400,7 +422,7 @@ def account(
                 and usage.cache_read < LOST_READ
                 and before() >= max(noise_floor, LOST_BEFORE_AT_LEAST)
             ):
-                idle = idle_seconds(state, fingerprint, started_at)
+                idle = idle_seconds(state, fingerprint, started_at, since)
                 floor = ttl_s if ttl_floor_s is None else ttl_floor_s
                 # (``expired`` is a count of tokens, the hour breakpoint's split above: not this)
                 lapsed = idle is not None and idle > floor
@@ -449,15 +471,16 @@ def _longer_lived(
     started_at: float,
     ttl_s: float,
     longer_lived: Callable[[], tuple[float, int] | None],
+    since: float | None = None,
 ) -> tuple[float, int] | None:
     """The longer life and the tokens it covers (``account``'s ``longer_lived``) when the idle
     time of the compared request's whole prefix, the part past the longer-lived one (no other
     conversation keeps it warm, where a sub-agent under the same prompt keeps the system prompt
     so), lies past ``ttl_s`` and within that life; else None."""
     idle = (
-        idle_seconds(state, compared, started_at)
+        idle_seconds(state, compared, started_at, since)
         if compared is not None
-        else _lost_idle(state, fingerprint, divergence, compared, started_at)
+        else _lost_idle(state, fingerprint, divergence, compared, started_at, since)
     )
     if idle is None or idle <= ttl_s:
         return None
@@ -488,18 +511,29 @@ def touch(
     return dataclasses.replace(state, prefixes=prefixes, last_started=last_started)
 
 
-def idle_seconds(state: CacheState, fingerprint: Fingerprint, started_at: float) -> float | None:
+def idle_seconds(
+    state: CacheState, fingerprint: Fingerprint, started_at: float, since: float | None = None
+) -> float | None:
     """Seconds since the last request sharing this request's longest known prefix started.
 
     Falls back to the previous request's start when no prefix is shared at all; None on a fresh
-    session.
+    session. A prefix stamped by a request that started after this one (requests finish out of
+    order: only the latest start is kept) tells nothing of the time before this one: ``since``
+    (the compared request's start), where given, is.
     """
     prefixes = state.prefixes
     for digest in reversed(fingerprint.digests):
         last = prefixes.get(digest)
         if last is not None:
-            return started_at - last
+            return _idle(started_at, last, since)
     return started_at - state.last_started if state.last_started is not None else None
+
+
+def _idle(started_at: float, last: float, since: float | None) -> float:
+    """The idle time before ``started_at`` from a prefix's stamp ``last`` (``idle_seconds``)."""
+    if last > started_at and since is not None and since <= started_at:
+        return started_at - since
+    return started_at - last
 
 
 # Links of a request's chain before its system prompt and history (``Fingerprint.chain``).
@@ -512,6 +546,7 @@ def _lost_idle(
     divergence: Divergence | None,
     compared: Fingerprint | None,
     started_at: float,
+    since: float | None = None,
 ) -> float | None:
     """How long what a miss lost had been idle. After a rewrite, the compared request's prefix
     past the point of difference: it had expired if no request that shared its system prompt
@@ -526,10 +561,14 @@ def _lost_idle(
         while at < len(chain) and chain[at][0] in _NOT_CONTENT_LINKS:
             at += 1
         last = state.prefixes.get(compared.digests[at]) if at < len(chain) else None
-        idle = started_at - last if last is not None else idle_seconds(state, compared, started_at)
+        idle = (
+            _idle(started_at, last, since)
+            if last is not None
+            else idle_seconds(state, compared, started_at, since)
+        )
         if idle is not None:
             return idle
-    return idle_seconds(state, fingerprint, started_at)
+    return idle_seconds(state, fingerprint, started_at, since)
 
 
 def _attribute(
@@ -541,8 +580,9 @@ def _attribute(
     model: str,
     ttl_floor_s: float | None = None,
     compared: Fingerprint | None = None,
+    since: float | None = None,
 ) -> tuple[Cause, str | None]:
-    idle = _lost_idle(state, fingerprint, divergence, compared, started_at)
+    idle = _lost_idle(state, fingerprint, divergence, compared, started_at, since)
     if idle is not None and idle > ttl_s:
         return "ttl_expired", None
     if divergence is not None:

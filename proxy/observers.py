@@ -62,7 +62,9 @@ class _Baseline:
     the provider holds until its TTL ends, though this turn marked less, and how many messages it
     held (None: none); ``earlier``: while other requests of its session sent before it was
     accounted were not yet accounted themselves, the request it went on from as that one was
-    (``_as_was``), which those sent before it was read are accounted against (None otherwise)."""
+    (``_as_was``), which those sent before it was read are accounted against, and that one's
+    own ``earlier`` where it has one: the request a fan-out went on from, for those sent before
+    both were read (None otherwise); ``started``: when it was forwarded."""
 
     __slots__ = (
         "answer",
@@ -80,6 +82,7 @@ class _Baseline:
         "reprompted_from",
         "reprompts",
         "resent",
+        "started",
         "superseded",
         "turns",
     )
@@ -91,8 +94,13 @@ class _Baseline:
         prompt: int | None,
         model: str | None,
         ready_at: float,
+        started: float,
     ) -> None:
         self.fp, self.body, self.prompt, self.model = fp, body, prompt, model
+        # when it was forwarded (``Exchange.started_at``): where the prefixes it shares were
+        # stamped since by a request that started after the one compared with it (a sibling
+        # fanned out beside it and answered first), the last use known before that one
+        self.started = started
         # the request ``prompt`` was counted for: its own, or, interrupted before its usage,
         # the one it continued, whose count it took (what it added is not in that count)
         self.counted = fp
@@ -125,9 +133,14 @@ class _Baseline:
 
 def _as_was(baseline: _Baseline) -> _Baseline:
     """A copy of ``baseline`` as it is now, for requests sent before the one that goes on from
-    it was read (``_Baseline.earlier``); it keeps no ``earlier`` of its own (no chain)."""
+    it was read (``_Baseline.earlier``). Its own ``earlier`` is the first of ``baseline``'s
+    (the request a fan-out went on from, which every sibling sent before any was read is
+    accounted against: a third sibling compared with the second, answered first, left the
+    first one sent, answered last, with no request read before it), so a chain is two long at
+    most: a long session's bodies are not held one by another."""
     was = copy.copy(baseline)
-    was.earlier = None
+    root = baseline.earlier
+    was.earlier = root.earlier if root is not None and root.earlier is not None else root
     return was
 
 
@@ -753,7 +766,9 @@ class AccountingObserver:
             # answered was compared with it; the others, whatever they missed of it, showed no
             # waste.
             earlier = chosen.earlier
-            if earlier is not None and earlier.ready_at <= ex.t0:
+            while earlier is not None and earlier.ready_at > ex.t0:
+                earlier = earlier.earlier  # (the one the fan-out went on from: ``_as_was``)
+            if earlier is not None:
                 chosen = earlier
                 compared = chosen.fp
                 divergence = forwarded = prefix.find_divergence(
@@ -846,13 +861,14 @@ class AccountingObserver:
                     chosen.prompt, chosen.counted = usage.prompt, chosen.fp
                 chosen.cached = cached if cached is not None else chosen.cached
                 chosen.ready_at = min(chosen.ready_at, ready_at)
+                chosen.started = max(chosen.started, ex.started_at)
                 chosen.superseded = chosen.left_behind = False
                 _to_front(baselines, chosen)
             elif continues and chosen is not None and _takes_place(chosen, fp, divergence, model):
                 if chosen.copies > 1:  # one of several that sent it: the others may go on too
                     chosen.copies -= 1
                     chosen.left_behind = True  # (till another goes on from it: ``_prune``)
-                    went_on = _Baseline(fp, body, prompt, model, ready_at)
+                    went_on = _Baseline(fp, body, prompt, model, ready_at, ex.started_at)
                     went_on.counted = counted
                     went_on.answer = _answer_of(ex)
                     went_on.cached = cached
@@ -868,6 +884,7 @@ class AccountingObserver:
                     chosen.cached = cached
                     chosen.answer = _answer_of(ex)
                     chosen.ready_at = ready_at
+                    chosen.started = ex.started_at
                     chosen.turns += 1
                     chosen.reprompted_from = None
                     chosen.superseded = chosen.left_behind = False
@@ -878,7 +895,7 @@ class AccountingObserver:
                 # agents with the same boilerplate first message), a fork, a rewind. Both are
                 # kept: each next turn finds its own. (A branch goes on with its conversation's
                 # turns: after a rewind it is the live one, not a one-shot to forget first.)
-                started = _Baseline(fp, body, prompt, model, ready_at)
+                started = _Baseline(fp, body, prompt, model, ready_at, ex.started_at)
                 started.counted = counted
                 started.answer = _answer_of(ex)
                 started.cached = cached
@@ -991,6 +1008,9 @@ class AccountingObserver:
             held_expired=bool(held_expired)
             and (usage.explicit_cache or (marked_only and usage.reported_cache_write)),
             compared=compared if divergence is not None else None,
+            # (the prefixes' stamps may be of a sibling that started after this one: the
+            # compared request's start is the last use known before it)
+            since=chosen.started if chosen is not None and continues else None,
             before=(
                 functools.partial(
                     # (the request its count is for: an interrupted one borrows the count of the

@@ -721,6 +721,40 @@ def test_each_sub_agent_fanned_out_together_is_accounted_against_the_history_the
     assert (ex.cache["expected"], ex.cache["waste"]) == (4_600, 0)
 
 
+@pytest.mark.parametrize("siblings", [2, 3, 4])
+def test_the_first_sub_agent_sent_and_the_last_answered_is_charged_its_expiry(
+    siblings: int,
+) -> None:
+    """Sub-agents fanned out past the TTL, 0.2 s apart, the first sent answered last (the
+    longest job), missing the expired history; each later one read once the first's prompt
+    was read. With two, the first's miss read as ``unexplained``: its idle time was measured
+    from a sibling that started after it (a negative time). With three or more, it was not
+    counted at all: compared with a sibling answered first, whose own baseline was another
+    sibling unread when it went out, it had no request read before it."""
+    acc = _Accounting({"gpt-4o": {"cache_ttl_s": 10}})
+    main = [_system("main agent"), *msgs("explore the repo", "I will fan out.")]
+    acc.send(main, 4_400, 0)  # sent at 1.0, read at once
+    subs = [[*main, *msgs(f"Sub-agent task: {job}.")] for job in _jobs(siblings)]
+    sent: list[Exchange] = []
+    for k, history in enumerate(subs):
+        ex = exchange(10 + k, history)
+        ex.session, ex.started_at = acc.state, 13.0 + 0.2 * k  # 12 s idle: past the TTL
+        ex.t0 = ex.started_at
+        ex.ttfb_s = 5.0 if k == 0 else 0.1  # the first sent: read last; the others at once
+        acc.observer.on_request(ex)
+        sent.append(ex)
+    for k in [*range(1, siblings), 0]:  # the first sent, answered last
+        ex = sent[k]
+        read = 0 if k == 0 else 4_400  # (the provider wrote the history for the first)
+        ex.usage, ex.status = Usage(4_600, 10, read, 0, True), 200
+        acc.observer.on_response(ex)
+    first = sent[0].cache
+    assert first is not None and sent[0].divergence is None
+    assert (first["expected"], first["waste"], first["cause"]) == (4_400, 4_400, "ttl_expired")
+    for ex in sent[1:]:
+        assert ex.cache is not None and ex.cache["waste"] == 0
+
+
 def test_eight_interleaved_conversations_are_each_compared_with_their_own() -> None:
     acc = _Accounting()
     tasks = ["search", "parse", "review", "deploy", "document", "profile", "refactor", "triage"]
@@ -1092,7 +1126,7 @@ def test_a_longer_prefix_an_earlier_turn_cached_counts_only_while_the_provider_h
     the one before that its whole history (5,000, at 0 s, 10 messages): within the TTL a
     request can read 5,000 (an edit loses them); past it, or 20 messages past them (Claude
     looks back ~20 blocks from a breakpoint), only what the last turn cached."""
-    baseline = _Baseline(fingerprint({"messages": []}), {}, 5_100, "claude", 10.0)
+    baseline = _Baseline(fingerprint({"messages": []}), {}, 5_100, "claude", 10.0, 10.0)
     baseline.cached, baseline.held = 1_000, (5_000, 0.0, 10)
     assert _cached_before(baseline, 200.0, 300.0, 12) == 5_000
     assert _cached_before(baseline, 301.0, 300.0, 12) == 1_000
