@@ -856,9 +856,15 @@ class ChatPipeline:
             if state is None and err.status < 500:
                 state = self._held(ex, headers, path_session, now)
             notify(self.observers, "on_error", ex)
-            await send_error(
-                send, err, self._refusal_headers(ex, state, headers, path_session), receive
-            )
+            try:
+                await send_error(
+                    send, err, self._refusal_headers(ex, state, headers, path_session), receive
+                )
+            finally:
+                # (the error's traceback holds this frame, which holds the error and the body:
+                # a cycle only a collection would free, which runs seldom, a refused body of up
+                # to 64 MiB held till then, each time)
+                del err
             return
         self._before_forward(ex)
         extra = [

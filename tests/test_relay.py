@@ -1890,6 +1890,41 @@ def test_failed_upstream_requests_leave_no_reference_cycles(
     assert not ours, ours
 
 
+def test_refused_requests_leave_no_reference_cycles(scripted: Any, proxy_factory: Any) -> None:
+    """A request refused before it is forwarded (not JSON, over the body limit, a broken
+    history in strict mode) left its error in a cycle with the handler's frame, and the body
+    with them: 64 MiB held for each refused upload until a collection, which runs seldom."""
+    _upstream, url = scripted(chunks=[STREAM, USAGE_EVENT, b"data: [DONE]\n\n"])
+    proxy = proxy_factory(url, {"server": {"max_body_bytes": 2**20}})
+    dangling = {
+        **CHAT,
+        "messages": [
+            {"role": "user", "content": "x"},
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ],
+            },
+        ],
+    }
+    with httpx.Client(base_url=proxy.base_url, timeout=10) as client:
+        assert client.post("/chat/completions", content=b"{not json").status_code == 400  # warm
+
+        def requests() -> None:
+            for _ in range(3):
+                assert client.post("/chat/completions", content=b"{not json").status_code == 400
+                big = b'{"model":"m","messages":[{"role":"user","content":"' + b"a" * 2**21
+                assert client.post("/chat/completions", content=big).status_code == 413
+                strict = client.post(
+                    "/chat/completions", json=dangling, headers={"X-Cachegate-Strict": "1"}
+                )
+                assert strict.status_code == 400
+
+        ours = _cyclic_garbage(proxy, requests)
+    assert not ours, ours
+
+
 _CUT_ANSWERS = {
     "cut mid-body": b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
     b'content-length: 100\r\n\r\n{"id":',
@@ -2382,10 +2417,55 @@ def test_a_compressed_stream_is_decoded_piece_by_piece_and_cut_past_the_limit() 
     packer = zlib.compressobj(wbits=zlib.MAX_WBITS | 16)
     bomb = packer.compress(b"\0" * (relay.MAX_DECODED_STREAM + 1)) + packer.flush()
     decoding = relay._decoding(relay._Decoder("gzip"), sink)
-    with pytest.raises(ValueError, match="decodes to over"):
+    with pytest.raises(relay.DecodedTooLarge, match="decodes to over"):
         decoding(bomb)  # one small chunk: ~64 KB of gzip
     assert max(pieces) <= relay._DECODE_PIECE  # never one allocation of the whole
     assert sum(pieces) <= relay.MAX_DECODED_STREAM
+
+
+@pytest.mark.parametrize("transport", ["native", "httpx"])
+def test_a_stream_cut_past_the_decoding_limit_says_cachegate_cut_it(
+    scripted: Any, proxy_factory: Any, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gzip stream that decodes past the limit is cut by cachegate: its log line said the
+    upstream broke off (``ValueError``), counted as an upstream failure; and through httpx's
+    pool the pieces decoded before the limit, in the read that crossed it, were dropped."""
+    import zlib
+
+    from proxy import relay
+
+    limit = 3 * relay._DECODE_PIECE
+    monkeypatch.setattr(relay, "MAX_DECODED_STREAM", limit)
+    event = b'data: {"choices":[{"index":0,"delta":{"content":"' + b"a" * 900 + b'"}}]}\n\n'
+    packer = zlib.compressobj(wbits=zlib.MAX_WBITS | 16)
+    first = packer.compress(event * 1650) + packer.flush(zlib.Z_SYNC_FLUSH)  # ~1.5 MiB decoded
+    second = packer.compress(event * 4500) + packer.flush()  # the read that crosses the limit
+    _upstream, url = scripted(
+        chunks=[first, second], delay_s=0.2, extra_headers=[(b"content-encoding", b"gzip")]
+    )
+    proxy = proxy_factory(url, {"upstream": {"transport": transport}})
+    got = b""
+    with (
+        httpx.stream(
+            "POST",
+            proxy.base_url + "/chat/completions",
+            json={**CHAT, "stream": True},
+            headers={"X-Session-Id": "bomb"},
+        ) as r,
+        pytest.raises(httpx.RemoteProtocolError),  # (cut, as the upstream's failures are)
+    ):
+        for piece in r.iter_raw():
+            got += piece
+    # what was decoded before the limit: the first read's, and the crossing read's first piece
+    assert len(first) < 2 * relay._DECODE_PIECE
+    assert 2.5 * relay._DECODE_PIECE - 2_000 < len(got) <= limit
+    proxy.settle()
+    (response,) = events(proxy.log_dir, "bomb", "response")
+    assert response["error"] == (
+        f"cut by cachegate: the compressed stream decodes to over {limit} bytes, as a"
+        " compression bomb"
+    )
+    assert proxy.metric("cachegate_upstream_errors_total", {"kind": "midstream"}) == 0
 
 
 def test_a_raw_deflate_stream_is_read_as_http_clients_read_it(
