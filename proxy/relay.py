@@ -80,6 +80,10 @@ class UpstreamAborted(Exception):
     """The upstream broke off mid-response; the client's connection is cut the same way."""
 
 
+class DecodedTooLarge(ValueError):
+    """A compressed stream decodes to more than ``MAX_DECODED_STREAM``: cachegate cuts it."""
+
+
 def _own_error(exc: BaseException) -> ProxyError | None:
     """cachegate's own error raised inside a streamed request body, wrapped by the transport."""
     current: BaseException | None = exc
@@ -1108,7 +1112,11 @@ class Relay:
                     sink = _sink(ex, stripper, tee, keep)
                     feed = sink if decoder is None else _decoding(decoder, sink)
                     async for chunk in chunks:
-                        feed(chunk)
+                        try:
+                            feed(chunk)
+                        except DecodedTooLarge:
+                            await send_ready()  # (what came before the limit, as natively)
+                            raise
                         await send_ready()
                     rest = decoder.flush() if decoder is not None else b""
                     if rest:
@@ -1117,8 +1125,11 @@ class Relay:
             except Exception as exc:  # after the headers went out: cut the client the same way
                 if direct is not None:
                     direct.release()
-                ex.upstream_error = "midstream"
-                ex.error = f"upstream broke off mid-response: {type(exc).__name__}"
+                if isinstance(exc, DecodedTooLarge):  # (cachegate's cut, no upstream failure)
+                    ex.error = f"cut by cachegate: {exc}, as a compression bomb"
+                else:
+                    ex.upstream_error = "midstream"
+                    ex.error = f"upstream broke off mid-response: {type(exc).__name__}"
                 if stripper is not None:
                     tail = stripper.flush()
                     if tail:
@@ -1282,7 +1293,9 @@ def _decoding(decoder: _Decoder, sink: Callable[[bytes], bool]) -> Callable[[byt
             plain = decoder.decompress(chunk, _DECODE_PIECE)
             total += len(plain)
             if total > MAX_DECODED_STREAM:
-                raise ValueError(f"a compressed stream decodes to over {MAX_DECODED_STREAM} bytes")
+                raise DecodedTooLarge(
+                    f"the compressed stream decodes to over {MAX_DECODED_STREAM} bytes"
+                )
             if plain:
                 room = sink(plain) and room
             chunk = decoder.unconsumed_tail or decoder.next_member()
