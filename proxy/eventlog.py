@@ -1954,8 +1954,8 @@ def _after_nuls(line: bytes) -> dict[str, Any] | None:
         return None
     try:
         obj = orjson.loads(rest)
-    except orjson.JSONDecodeError:
-        return None
+    except orjson.JSONDecodeError as exc:  # (a body nested deeper than orjson reads, too)
+        obj = _deep_line(rest) if str(exc).startswith("depth limit") else None
     return obj if isinstance(obj, dict) else None
 
 

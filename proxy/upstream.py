@@ -834,15 +834,16 @@ def _transfer_coding(headers: list[tuple[bytes, bytes]]) -> tuple[str | None, bo
     last = None
     for name, value in headers:
         if name.lower() == b"transfer-encoding":
-            if b"\t" in value or not all(c.strip(b" ") for c in value.split(b",")):
+            codings = [c.strip(b" ").lower() for c in value.split(b",")]
+            if b"\t" in value or not codings[-1]:
                 # (``chunked,``, ``chunked\t``: the parser reads such a body raw to the end,
-                # its chunks' framing and all, where this list would read it as chunked)
+                # its chunks' framing and all, where this list would read it as chunked; empty
+                # items before the last it skips, as RFC 9110, 5.6.1 asks)
                 return value.decode("latin-1"), False
-            for coding in value.split(b","):
-                coding = coding.strip(b" ").lower()
-                if coding not in (b"chunked", b"identity"):
+            for coding in codings:
+                if coding and coding not in (b"chunked", b"identity"):
                     return coding.decode("latin-1"), False
-                last = coding
+                last = coding or last
     return None, last is not None and last != b"chunked"
 
 

@@ -2515,6 +2515,12 @@ def test_a_whole_line_after_a_crash_s_nuls_is_read_and_the_nuls_count_as_lost_li
             1,
         ),
         "alone": (meta + b"\0" * 100 + b"\n" + request, ["session_meta", "request"], 1),
+        # a body nested deeper than orjson reads, right after the NULs: read all the same
+        "to-a-deep-line": (
+            b"\0" * 4096 + request[:-2] + b',"params":' + b"[" * 1100 + b"]" * 1100 + b"}\n",
+            ["request"],
+            1,
+        ),
     }
     for name, (data, kinds, torn) in cases.items():
         path = tmp_path / f"{name}.jsonl"

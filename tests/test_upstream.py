@@ -181,6 +181,13 @@ def test_keep_alive_reuses_one_connection_and_preserves_headers() -> None:
             b"abcde",
             True,
         ),
+        # empty items before the last, which the parser skips (RFC 9110, 5.6.1): chunked
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: identity, , chunked\r\n\r\n"
+            b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n",
+            b"abcde",
+            True,
+        ),
         # a transfer coding whose last is not chunked: the body ends with the connection, a
         # length said beside it or not (it failed as cut mid-response)
         (b"HTTP/1.1 200 OK\r\ntransfer-encoding: identity\r\n\r\nto the end", b"to the end", False),
@@ -196,7 +203,7 @@ def test_response_framings(raw: bytes, body: bytes, reused: bool) -> None:
     async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
         w.write(raw)
         await w.drain()
-        return not any(s in raw for s in (b"connection: close", b"HTTP/1.0", b"identity"))
+        return not any(s in raw for s in (b"connection: close", b"HTTP/1.0", b"identity\r\n"))
 
     async def main() -> None:
         async with Server(handler) as srv:

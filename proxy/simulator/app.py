@@ -521,7 +521,10 @@ class _Handlers:
                 advance_s = orjson.loads(await request.body()).get("advance_s")
                 if isinstance(advance_s, bool) or not isinstance(advance_s, int | float):
                     raise ValueError
-                self.sim.advance(advance_s)
+                try:
+                    self.sim.advance(advance_s)
+                except ValueError as exc:  # (a time past any the clock can hold: said so)
+                    return _error(400, str(exc), "advance_s")
             except (orjson.JSONDecodeError, AttributeError, ValueError):
                 return _error(400, 'expected {"advance_s": seconds >= 0}', "advance_s")
         return _json_response({"now": self.sim.now})

@@ -69,7 +69,9 @@ def _masked(name: str, value: str) -> str:
         return value
     if name == "cookie":
         return "; ".join(
-            f"{pair.partition('=')[0].strip()}=…" for pair in value.split(";") if pair.strip()
+            f"{pair.partition('=')[0].strip()}=…" if "=" in pair else "…"  # (a nameless one)
+            for pair in value.split(";")
+            if pair.strip()
         )
     scheme, _, secret = value.rpartition(" ")
     hidden = "…" + secret[-4:] if len(secret) > 12 else "…"
