@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import math
 import operator
 import re
 import time
@@ -30,6 +31,7 @@ from proxy.sessions import CONVERSATIONS_KEPT, SessionState, SessionStore
 from proxy.usage import Usage, less
 
 _MAX_MODEL_TERMS = 256
+_MAX_UNANSWERED = 4096  # a session's requests forwarded and not yet accounted, kept by start
 _UNPRICED_SAID = 64  # model names said on stderr to have no prices, at most
 # The shortest prefix Claude caches (Sonnet, Opus 4 and 4.1; a model's ``cache_min_tokens`` may
 # say more): a marked prefix shorter than this is not cached, and nothing is read or written.
@@ -63,8 +65,8 @@ class _Baseline:
     held (None: none); ``earlier``: while other requests of its session sent before it was
     accounted were not yet accounted themselves, the request it went on from as that one was
     (``_as_was``), which those sent before it was read are accounted against, and that one's
-    own ``earlier`` where it has one: the request a fan-out went on from, for those sent before
-    both were read (None otherwise); ``started``: when it was forwarded."""
+    own in turn (the request a fan-out went on from, for those sent before both were read;
+    None otherwise); ``started``: when it was forwarded."""
 
     __slots__ = (
         "answer",
@@ -131,16 +133,26 @@ class _Baseline:
         self.earlier: _Baseline | None = None
 
 
-def _as_was(baseline: _Baseline) -> _Baseline:
+# How many requests back a baseline's ``earlier`` goes at most (``_as_was``).
+_EARLIER_KEPT: Final = 8
+
+
+def _as_was(baseline: _Baseline, oldest: float) -> _Baseline:
     """A copy of ``baseline`` as it is now, for requests sent before the one that goes on from
-    it was read (``_Baseline.earlier``). Its own ``earlier`` is the first of ``baseline``'s
-    (the request a fan-out went on from, which every sibling sent before any was read is
-    accounted against: a third sibling compared with the second, answered first, left the
-    first one sent, answered last, with no request read before it), so a chain is two long at
-    most: a long session's bodies are not held one by another."""
+    it was read (``_Baseline.earlier``), with the requests it went on from in turn: a sibling of
+    a fan-out may be compared with another answered before it went out, and the first sent,
+    answered last, then needs the request the fan-out went on from, two or more back. The
+    chain ends at the first request read before the oldest one of the session still
+    unanswered went out (``oldest``: none of those still to come needs one before it), and
+    ``_EARLIER_KEPT`` back at most (a request unanswered for long, and many turns meanwhile:
+    their bodies are not all held)."""
     was = copy.copy(baseline)
-    root = baseline.earlier
-    was.earlier = root.earlier if root is not None and root.earlier is not None else root
+    node, depth = was, 1
+    while node.earlier is not None:
+        if node.ready_at <= oldest or depth >= _EARLIER_KEPT:
+            node.earlier = None  # (copies, shared by the chains of one session alone)
+            break
+        node, depth = node.earlier, depth + 1
     return was
 
 
@@ -732,6 +744,10 @@ class AccountingObserver:
             if state is not None:
                 extra = state.extra
                 extra["unanswered"] = extra.get("unanswered", 0) + 1
+                sent: dict[int, float] | None = extra.get("sent")
+                if sent is None or len(sent) >= _MAX_UNANSWERED:
+                    sent = extra["sent"] = {}  # (bounded: one never answered is forgotten)
+                sent[id(ex)] = ex.t0
 
     def on_response(self, ex: Exchange) -> None:
         if ex.route != "chat" or ex.body is None or ex.session_id is None:
@@ -747,6 +763,10 @@ class AccountingObserver:
         unanswered = extra.get("unanswered", 1) - 1
         extra["unanswered"] = max(unanswered, 0)
         fanned = unanswered > 0 or state.requests > 0
+        out: dict[int, float] | None = extra.get("sent")
+        if out:
+            out.pop(id(ex), None)
+        oldest = min(out.values()) if out else math.inf  # (when the oldest of them went out)
         held = extra.get("cache")
         # (a summary call without cache fields after the session's answers or summary calls
         # had them: a read of 0 in a hit ratio, as sessions list counts it; this exchange's own
@@ -874,10 +894,10 @@ class AccountingObserver:
                     went_on.cached = cached
                     went_on.held = _held_on(chosen, cached, divergence)
                     went_on.turns = chosen.turns + 1
-                    went_on.earlier = _as_was(ref) if fanned and ref is not None else None
+                    went_on.earlier = _as_was(ref, oldest) if fanned and ref is not None else None
                     baselines.insert(0, went_on)
                 else:  # it extends or rewrites its baseline: it takes that one's place
-                    chosen.earlier = _as_was(ref) if fanned and ref is not None else None
+                    chosen.earlier = _as_was(ref, oldest) if fanned and ref is not None else None
                     chosen.fp, chosen.body, chosen.prompt, chosen.model = fp, body, prompt, model
                     chosen.counted = counted
                     chosen.held = _held_on(chosen, cached, divergence)
@@ -900,7 +920,7 @@ class AccountingObserver:
                 started.answer = _answer_of(ex)
                 started.cached = cached
                 if continues and chosen is not None:
-                    started.earlier = _as_was(ref) if fanned and ref is not None else None
+                    started.earlier = _as_was(ref, oldest) if fanned and ref is not None else None
                     # (the same messages again beside it, under another prompt: another
                     # agent's first request, or that one sent again: a first one too)
                     same = len(fp.message_digests) == len(chosen.fp.message_digests)

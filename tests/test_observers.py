@@ -755,6 +755,85 @@ def test_the_first_sub_agent_sent_and_the_last_answered_is_charged_its_expiry(
         assert ex.cache is not None and ex.cache["waste"] == 0
 
 
+def test_a_fan_out_after_a_turn_made_beside_a_background_request_goes_on_from_that_turn() -> None:
+    """The main agent's turn was accounted while a background sub-agent was in flight (so it
+    kept the turn before it as its ``earlier``); then a fan-out past the TTL, whose first
+    answered sends its next turn before the others are answered. The others were compared
+    with the main agent's turn before the last (its ``earlier``, which the chain kept in place
+    of the last), their waste a quarter too low. The chain keeps the nearest first."""
+    acc = _Accounting({"gpt-4o": {"cache_ttl_s": 10}})
+
+    def sent(eid: int, history: list[Message], at: float, ttfb: float) -> Exchange:
+        ex = exchange(eid, history)
+        ex.session, ex.started_at, ex.t0, ex.ttfb_s = acc.state, at, at, ttfb
+        acc.observer.on_request(ex)
+        return ex
+
+    def answered(ex: Exchange, prompt: int, read: int) -> dict[str, Any]:
+        ex.usage, ex.status = Usage(prompt, 10, read, 0, True), 200
+        acc.observer.on_response(ex)
+        assert ex.cache is not None
+        return ex.cache
+
+    first = [_system("main agent " * 50), *msgs("explore the repo", "I will fan out.")]
+    answered(sent(1, first, 1.0, 0.1), 4_400, 0)
+    background = sent(2, [*first, *msgs("Sub-agent task: background watch.")], 2.0, 30.0)
+    main = [*first, *msgs("results are in", "now I fan out again")]
+    answered(sent(3, main, 5.0, 0.1), 6_000, 4_400)  # accounted while the background runs
+    answered(background, 4_500, 4_400)
+    subs = [[*main, *msgs(f"Sub-agent task: {job}.")] for job in _jobs(3)]
+    slow, slower, quick = (
+        sent(10 + k, subs[k], 20.0 + 0.2 * k, (5.0, 3.0, 0.1)[k]) for k in (0, 1, 2)
+    )
+    answered(quick, 6_100, 0)
+    answered(sent(13, [*subs[2], *msgs("done step one", "continue")], 21.0, 0.1), 6_200, 6_100)
+    for ex in (slower, slow):
+        cache_ = answered(ex, 6_100, 0)
+        assert (cache_["expected"], cache_["waste"], cache_["cause"]) == (
+            6_000,
+            6_000,
+            "ttl_expired",
+        )
+
+
+def test_a_long_session_of_fan_outs_holds_a_bounded_chain_of_earlier_turns() -> None:
+    """Each baseline's ``earlier`` chain ends at the first turn read before the oldest request
+    still unanswered went out, and goes ``_EARLIER_KEPT`` back at most: a session of many
+    fan-out rounds, one request always in flight, does not hold every old body."""
+    import gc
+
+    from proxy.observers import _EARLIER_KEPT, _Baseline
+
+    acc = _Accounting({"gpt-4o": {"cache_ttl_s": 10}})
+    history = [_system("main agent"), *msgs("explore", "fanning out")]
+    pending: Exchange | None = None
+    for turn in range(200):
+        at = 10.0 * turn
+        for k in range(3):  # each round's sub-agents: one answered in the next round
+            ex = exchange(1000 * turn + k, [*history, *msgs(f"Sub-agent task {turn}-{k}.")])
+            ex.session, ex.started_at, ex.t0, ex.ttfb_s = acc.state, at + k, at + k, 0.5
+            acc.observer.on_request(ex)
+            if k == 0:
+                if pending is not None:
+                    pending.usage, pending.status = Usage(4_000, 10, 0, 0, True), 200
+                    acc.observer.on_response(pending)
+                pending = ex
+                continue
+            ex.usage, ex.status = Usage(4_000, 10, 3_900, 0, True), 200
+            acc.observer.on_response(ex)
+        history = [*history, *msgs(f"round {turn} done", "next")]
+    depths = []
+    for baseline in acc.state.extra["baselines"]:
+        depth, node = 0, baseline.earlier
+        while node is not None:
+            depth, node = depth + 1, node.earlier
+        depths.append(depth)
+    assert max(depths) <= _EARLIER_KEPT
+    gc.collect()
+    alive = sum(1 for o in gc.get_objects() if type(o) is _Baseline)
+    assert alive < 32 * (_EARLIER_KEPT + 1)  # (not one a turn: 600 made)
+
+
 def test_eight_interleaved_conversations_are_each_compared_with_their_own() -> None:
     acc = _Accounting()
     tasks = ["search", "parse", "review", "deploy", "document", "profile", "refactor", "triage"]
