@@ -758,7 +758,7 @@ class StreamRecorder:
         over = self.recorded > MAX_RECORDED_STREAM
         if over and not self.assembler.text_dropped:
             logger.warning(
-                "stream longer than %s bytes: relayed in full, its text not recorded",
+                "stream longer than %s bytes: its text not recorded (its usage and finish are)",
                 f"{MAX_RECORDED_STREAM:,}",
             )
         start = 0

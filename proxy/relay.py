@@ -1293,6 +1293,9 @@ def _decoding(decoder: _Decoder, sink: Callable[[bytes], bool]) -> Callable[[byt
             plain = decoder.decompress(chunk, _DECODE_PIECE)
             total += len(plain)
             if total > MAX_DECODED_STREAM:
+                kept = len(plain) - (total - MAX_DECODED_STREAM)
+                if kept > 0:  # (what comes before the limit goes, to the limit exactly)
+                    sink(plain[:kept])
                 raise DecodedTooLarge(
                     f"the compressed stream decodes to over {MAX_DECODED_STREAM} bytes"
                 )
