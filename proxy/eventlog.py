@@ -975,7 +975,10 @@ class EventLogWriter:
         """Close the files removed while held open (no name left): a user who deletes old logs
         to free a full disk gets the space back now, not when each session writes again or
         its file has been idle for ``IDLE_CLOSE_S``. A session written again starts a new file
-        with its meta line, its next request line in full, as after ``_check_file``."""
+        with its meta line, its next request line in full, as after ``_check_file``; which
+        also runs here for the others, so that a file renamed or truncated (logrotate) between
+        a session's bursts is noticed before the next: its lines, coded against lines of the
+        old file as they come, were each skipped by ``replay``, a burst of sub-agents whole."""
         self._removed_checked = time.monotonic()
         for session_id, fd in list(self._fds.items()):
             try:
@@ -985,6 +988,8 @@ class EventLogWriter:
             if removed:
                 self._close_fd(session_id)
                 self._mark_broken(session_id)
+            else:
+                self._check_file(session_id)
 
     def _close_fd(self, session_id: str) -> None:
         with self._lock:

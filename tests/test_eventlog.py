@@ -2198,6 +2198,32 @@ def test_a_session_file_removed_while_held_open_is_closed_without_waiting_for_a_
     assert [e.get("message") for e in read_events(log_dir / "kept.jsonl").events][-1] == "two"
 
 
+@pytest.mark.parametrize("rotation", ["renamed", "truncated"])
+def test_a_session_file_rotated_between_bursts_is_noticed_before_the_next(
+    log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch, rotation: str
+) -> None:
+    """logrotate renames a session's file (or copytruncate empties it) while the session is
+    idle: only a removal was noticed then, so the next burst's request lines, coded against
+    lines of the old file as they came, were each skipped by replay. Now the session's next
+    request line goes in full."""
+    monkeypatch.setattr(eventlog, "REMOVED_CHECK_S", 0.05, raising=False)
+    w = started(writers, log_dir)
+    for sid in ("rot", "kept"):
+        w.emit(sid, {"type": "session_meta", "session": sid}, first_in_file=True)
+        w.emit(sid, {"type": "error", "exchange": 1, "status": 400, "message": "one"})
+    assert w.flush()
+    path = log_dir / "rot.jsonl"
+    if rotation == "renamed":
+        path.rename(log_dir / "rot.jsonl.1")
+    else:
+        os.truncate(path, 0)
+    deadline = time.monotonic() + 10
+    while not w.take_broken("rot") and time.monotonic() < deadline:
+        time.sleep(0.05)  # (the writer's idle pass: no line written meanwhile)
+    assert time.monotonic() < deadline  # noticed with no write to the session
+    assert not w.take_broken("kept")
+
+
 def test_a_full_disk_mid_write_leaves_no_torn_line(
     log_dir: Path, writers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
