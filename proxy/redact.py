@@ -8,6 +8,7 @@ and a string or container without a match is returned as the very same object (n
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import re
@@ -68,6 +69,11 @@ _SECRET = re.compile(
     # (a body's dashes never run to five: scanning stops at the next armour line, so text with
     # thousands of BEGIN lines costs no more than its length; escaped line ends are body too)
     # (a notebook's output holds it a line a JSON string: ``"…\n",\n  "…`` is body too)
+    # a private key's PEM block in base64 (kubeconfig's client-key-data, a Kubernetes
+    # secret's tls.key): its armour line encoded, RSA, PKCS#8, EC, OpenSSH, DSA, encrypted, PGP
+    r"|LS0tLS1CRUdJTiB(?:SU0EgUFJJVkFURSBLRVk|QUklWQVRFIEtFWS|FQyBQUklWQVRFIEtFWS"
+    r"|PUEVOU1NIIFBSSVZBVEUgS0VZ|EU0EgUFJJVkFURSBLRVk|FTkNSWVBURUQgUFJJVkFURSBLRVk"
+    r"|QR1AgUFJJVkFURSBLRVkgQkxPQ0s)[A-Za-z0-9+/]*+=*"
     r"|-----BEGIN (?P<pem>[A-Z0-9 ]*)PRIVATE KEY-----(?:(?:" + _PEM_BODY + ")*"
     r"-----END (?P=pem)PRIVATE KEY-----|(?:" + _PEM_BODY + r"){16,}(?=\Z|\")"
     # cut off with text after it (a tool's "[output truncated]", "(exit code 0)"): its lines of
@@ -159,7 +165,9 @@ _QUOTED = (
 _LITERAL = (
     # (a "\\/" is a slash as a JSON encoder may escape it, in a tool call's arguments)
     r"(?=[^\s\"'`\\]{0,512}[A-Za-z])([^\s\"'`$(){}\[\]<>,;\\](?:[^\s\"'`(){}\[\]<>,;\\]|\\/){5,}+)"
-    r"(?![^\s,;\\\"])"
+    # (its end: a blank, a separator, a quote, or Markdown's backtick or a parenthesis around
+    # it, as an answer quotes a setting: ``DB_PASSWORD=…``, "(ADMIN_PASSWORD=…)")
+    r"(?![^\s,;\\\"`)])"
 )
 # (a part of 17 characters or more with a digit in it and no underscore is no name: a token's,
 # a JWT's or a SendGrid key's dotted parts; ``database_password_v2`` is one)
@@ -167,7 +175,7 @@ _CODE_PART = (
     r"(?:[A-Za-z_][A-Za-z0-9_]{0,15}|[A-Za-z_][A-Za-z_]{16,64}"
     r"|(?=[A-Za-z0-9_]{0,64}_)[A-Za-z_][A-Za-z0-9_]{16,64})(?![A-Za-z0-9_])"
 )
-_NOT_CODE = r"(?!" + _CODE_PART + r"(?:\." + _CODE_PART + r"){1,8}(?![^\s,;\\\"]))"
+_NOT_CODE = r"(?!" + _CODE_PART + r"(?:\." + _CODE_PART + r"){1,8}(?![^\s,;\\\"`)]))"
 # Where code is as likely as a setting (INI, YAML: ``token: TokenType``, ``self.password =
 # password``), an unquoted value must hold a digit or be 20 characters or more.
 _SETTING = r"(?:(?=[^\s\"'`\\]{0,512}[0-9])|(?=[^\s\"'`\\]{20}))" + _NOT_CODE + _LITERAL
@@ -177,7 +185,7 @@ _ESCAPED_QUOTED = r'\\"(?=[^"\\]{0,512}[A-Za-z0-9])([^"\\]{6,}+)\\"'  # \"…\" 
 # ``client_secret=…&grant_type=``); the digit or the 20 characters a setting needs are its own.
 _FIELD_AMP = r"&(?![A-Za-z_][\w.-]{0,64}=)"  # (an & that starts no other field: a form's)
 _INLINE_CHARS = r"[^\s\"'`(){}\[\]<>,;\\&]"
-_INLINE_END = r"(?![^\s,;\\\"'&)])"
+_INLINE_END = r"(?![^\s,;\\\"'&)`])"
 _INLINE_LITERAL = (
     f"(?={_INLINE_CHARS}{{0,512}}[A-Za-z])"
     r"([^\s\"'`$(){}\[\]<>,;\\&](?:"
@@ -239,7 +247,8 @@ _FLAG_VALUE = re.compile(r"[ \t]+(?:" + _QUOTED + "|" + _SETTING + ")")
 _NO_ANNOTATION = r"""(?![ \t]*\\?["'][A-Z_][A-Za-z_.\[\], |]{0,512}\\?["'])"""
 _YAML_VALUE = re.compile(
     _BLANKS + r":(?:[ \t]|\\t)+" + _SETTING_VALUE + r"[ \t]*(?:#[^\n\\]*)?"
-    r"(?=\r|\n|\\n|\\r|\"|\Z)"  # the line's end, escaped or not, or the end of a JSON string
+    # the line's end, escaped or not, the end of a JSON string, or Markdown's backtick
+    r"(?=\r|\n|\\n|\\r|\"|`|\Z)"
 )
 _AUTHORIZATION = re.compile(  # a scheme, or a header's colon and a token alone (no code)
     r"""(?i:authorization)["']?\s*(?:[:=]\s*["']?(?:(?i:basic|bearer|token|digest)[ \t]+"""
@@ -254,14 +263,51 @@ _AUTHORIZATION = re.compile(  # a scheme, or a header's colon and a token alone 
 # ``token := "…"`` (an unquoted value there is code: ``token = make_token()``; a quoted type
 # after a colon is an annotation: ``private_key: "RSAPrivateKey"``).
 _ANY_QUOTED = "(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + ")"
-_CODE_VALUE = re.compile(r"[ \t]*(?:=>?|:=|:" + _NO_ANNOTATION + r")[ \t]*" + _ANY_QUOTED)
+# (a type declared between: ``const apiKey: string = "…"``, Rust's ``&str``, ``&'static str``,
+# Kotlin's and Swift's ``String``, Go's ``var apiKey string = "…"``)
+_TYPE = r"&?(?:'static[ \t]+)?[A-Za-z_][\w.]{0,64}(?:<[^<>\n]{0,64}>)?(?:\[\])?\??"
+_CODE_VALUE = re.compile(
+    r"[ \t]*(?:=>?|:=|:" + _NO_ANNOTATION + r"|:[ \t]*" + _TYPE + r"[ \t]*=(?!=)"
+    r"|[ \t]+string[ \t]*=(?!=))[ \t]*" + _ANY_QUOTED
+)
 # ...and inside an object literal's braces, where a colon gives a value, never a type:
 # ``{ password: "Correcthorsebattery" }``.
-_OBJECT_VALUE = re.compile(r"[ \t]*(?:=>?|:=?)[ \t]*" + _ANY_QUOTED)
+_OBJECT_VALUE = re.compile(
+    r"[ \t]*(?:=>?|:=?|:[ \t]*" + _TYPE + r"[ \t]*=(?!=))[ \t]*" + _ANY_QUOTED
+)
 # ...and to a quoted name: ``os.environ["API_KEY"] = "…"``, ``'password' => '…'``,
 # ``{'api_key': '…'}`` (a Python dict printed).
 _INDEXED_VALUE = re.compile(r"\]?[ \t]*(?:=>?|:)[ \t]*" + _QUOTED)
 _ESCAPED_INDEXED_VALUE = re.compile(r'\\"\]?[ \t]*(?:=>?|:)[ \t]*' + _ESCAPED_QUOTED)
+# A credential's name given as a name field's value, its value in the next field: Kubernetes'
+# ``env`` (``- name: DB_PASSWORD`` then ``value: …``), ECS's and CloudFormation's JSON
+# (``{"name": "DB_PASSWORD", "value": "…"}``, ``ParameterKey``/``ParameterValue``), .NET's
+# ``<add key="ApiSecret" value="…" />``. (Where the name field ends, and then where the value
+# is, after the name's closing quote or line end.)
+_PAIR_NAME_JSON = re.compile(r'"(?:[Nn]ame|[Kk]ey|ParameterKey)"[ \t]*:[ \t]*"\Z')
+_PAIR_VALUE_JSON = re.compile(
+    r'"[ \t]*,[ \t]*"(?:[Vv]alue|ParameterValue)"[ \t]*:[ \t]*"'
+    r'(?=(?:[^"\\\n]|\\.){0,512}?[A-Za-z0-9])((?:[^"\\\n]|\\.){4,}+)"'
+)
+_PAIR_NAME_YAML = re.compile(r"(?:\A|[\s-])name:[ \t]*['\"]?\Z")
+_PAIR_VALUE_YAML = re.compile(
+    r"['\"]?[ \t]*\r?\n[ \t]*value:[ \t]*(?:"
+    + _QUOTED
+    + r"|([^\s'\"#][^\n#]{3,}?))[ \t]*(?=\r|\n|\Z)"
+)
+_PAIR_NAME_XML = re.compile(r"(?:\A|\s)(?:key|name)=\"\Z")
+_PAIR_VALUE_XML = re.compile(r'"[ \t]+value="([^"\n]{4,512}+)"')
+# A credential's name as a call's first argument and a quoted literal its second: PHP's
+# ``define( 'DB_PASSWORD', '…' )`` (wp-config.php), ``os.environ.setdefault("API_KEY", "…")``.
+_CALL_FIRST = re.compile(r"[A-Za-z0-9_.\]]\([ \t]*['\"]\Z")
+_CALL_SECOND = re.compile(r"['\"][ \t]*,[ \t]*" + _QUOTED + r"[ \t]*\)")
+# An XML element named as a credential: ``<password>…</password>`` (Maven's settings.xml).
+_ELEMENT_VALUE = re.compile(r">([^<\n]{4,512}+)</")
+# A user and a password in base64 under an ``auth`` field: Docker's config.json
+# (``"auth": "…"``), .npmrc's ``_auth=…`` (the value is taken where it decodes to ``user:…``).
+_BASIC_AUTH = re.compile(  # (matched at ``auth``, after a quote or ``_``)
+    r'auth(?:\\*")?[ \t]*[:=][ \t]*(?:\\*")?([A-Za-z0-9+/]{8,4096}+={0,2})(?![A-Za-z0-9+/=])'
+)
 # A name that is given a value (counted against ``_MAX_HITS``).
 _ASSIGNED = re.compile(r"""[ \t]{0,4}[=:"'\\\]]""")
 # Passwords given to commands without a name: ``curl -u user:password`` (``-U``: a proxy's),
@@ -319,12 +365,40 @@ def _value_span(found: re.Match[str] | None) -> tuple[int, int] | None:
     return None
 
 
+def _paired_value(s: str, start: int, end: int) -> tuple[int, int] | None:
+    """The span of the value given beside the credential name ``s[start:end]`` where that name
+    is a name field's value (``_PAIR_NAME_JSON`` and kin), a call's first argument
+    (``_CALL_FIRST``), or an XML element's tag; None otherwise."""
+    lo = max(0, start - 64)
+    head = s[lo:start]
+    found = None
+    if head.endswith('"'):
+        if _PAIR_NAME_JSON.search(head) is not None:
+            found = _PAIR_VALUE_JSON.match(s, end)
+        elif _PAIR_NAME_XML.search(head) is not None:
+            found = _PAIR_VALUE_XML.match(s, end)
+    if found is None and head.endswith(("'", '"')) and _CALL_FIRST.search(head) is not None:
+        found = _CALL_SECOND.match(s, end)
+        if found is not None and not s[start:end].isupper():  # (code: as ``_plausible`` says)
+            return _plausible(s, start, end, _value_span(found))
+    if found is None and _PAIR_NAME_YAML.search(head) is not None:
+        found = _PAIR_VALUE_YAML.match(s, end)
+    if found is None and head.endswith("<") and s[end : end + 1] == ">":
+        value = _ELEMENT_VALUE.match(s, end)
+        if value is not None and s.startswith(s[start:end] + ">", value.end()):
+            found = value
+    span = _value_span(found)
+    return None if span is None or _reference(s, *span) else span
+
+
 def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     """The span of the value named by the credential name ``s[start:end]`` (``_is_credential``),
     if the text there reads as an assignment of a literal to it; an empty span at the end of a
     value looked at and not taken (no secret; consumed); None otherwise."""
     before = s[start - 1] if start else "\n"
     after = s[end : end + 1]
+    if after in "'\"\n\r>" and (paired := _paired_value(s, start, end)) is not None:
+        return paired
     if s[end : end + 2] == '\\"' and s[start - 2 : start] == '\\"':  # \"api_key\": \"…\"
         found = _value_span(_ESCAPED_JSON_VALUE.match(s, end))  # (in a JSON string)
         if found is None and _in_code(s[start:end]):
@@ -364,7 +438,9 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
         # (an indent of escaped tabs in JSON text cut off, a file read with its line numbers:
         # ``     3→  password: …``, ``     3\t…``)
         # (and a diff's added line: ``+password = …``)
-        head = _LINE_NUMBER.sub("", s[line:start].replace("\\t", "\t")).strip(" \t-+")
+        # (and Markdown's bullet or backtick: an answer quoting a setting, ``password: …``;
+        # and curl -v's ``> ``, ``< ``: a header it sent or got, ``> x-auth-token: …``)
+        head = _LINE_NUMBER.sub("", s[line:start].replace("\\t", "\t")).strip(" \t-+*`<>")
         alone = not head or head in ("export", "set")
     flag = s[start - 2 : start] == "--"
     if after in " \t" and (flag or _netrc(s, start, end, lo)):
@@ -376,6 +452,8 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
         found = _braced_value(s, end)  # (ODBC's ``PWD={…};``)
         if found is None:
             found = _value_span(_ASSIGN_VALUE.match(s, end))
+            if found is not None and _inline_code(s, lo, start, found, quoted=False):
+                return _passed(s, found)  # (a call's last argument: ``password=DB_PW_2)``)
         if found is None and alone:  # password: … alone on its line (YAML)
             found = _value_span(_YAML_VALUE.match(s, end))
         if found is not None:
@@ -428,6 +506,15 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     literal = s.rfind("{", lo, start) > max(s.rfind("(", lo, start), s.rfind("\n", lo, start))
     pattern = _OBJECT_VALUE if literal else _CODE_VALUE
     return _plausible(s, start, end, _value_span(pattern.match(s, end)))
+
+
+def _basic_credentials(value: str) -> bool:
+    """Whether ``value`` is base64 of ``user:password`` (printable text with a colon)."""
+    try:
+        decoded = base64.b64decode(value + "=" * (-len(value) % 4), validate=True)
+    except ValueError:
+        return False
+    return b":" in decoded and decoded.isascii() and decoded.decode().isprintable()
 
 
 def _braced_value(s: str, end: int) -> tuple[int, int] | None:
@@ -675,6 +762,8 @@ def _redact_named(s: str, lowered: str) -> str:
                     _ASSIGNED.match(s, end) is not None  # an operator or a quote follows
                     or (s[end : end + 1] in (" ", "\t") and s[start - 2 : start] == "--")
                     or (s[end : end + 1] == " " and s[start:end].lower() == "password")
+                    or (s[end : end + 1] in ("\n", "\r", ">") and _paired_value(s, start, end))
+                    or s.startswith(" string", end)  # (Go: ``var apiKey string = "…"``)
                 )
                 and _is_credential(s[start:end])
             ):
@@ -689,6 +778,14 @@ def _redact_named(s: str, lowered: str) -> str:
                 else:  # (only the looks that found nothing count: each costs up to 512)
                     hits += 1
             at = lowered.find(word, resume)
+    at = s.find("auth")
+    while at >= 0:  # (each looks no further than the value: a few per text)
+        before = s[at - 1 : at]
+        if before == '"' or (before == "_" and not s[at - 2 : at - 1].isalnum()):
+            pair = _BASIC_AUTH.match(s, at)
+            if pair is not None and _basic_credentials(pair.group(1)):
+                spans.append(pair.span(1))
+        at = s.find("auth", at + 4)
     at = lowered.find("authorization")
     while at >= 0:
         span = _value_span(_AUTHORIZATION.match(s, at))
@@ -730,7 +827,7 @@ def _redact_named(s: str, lowered: str) -> str:
 # cheap necessary condition. A substring test or a search for a pattern with a literal first
 # character runs at memory speed, where the full pattern's search tries every position. The GitHub
 # and AWS anchors are patterns because one search is cheaper than one substring test per prefix.
-_SECRET_LITERALS: Final = ("sk-", "xox", "xapp-", "npm_", "eyJ", "PRIVATE KEY")
+_SECRET_LITERALS: Final = ("sk-", "xox", "xapp-", "npm_", "eyJ", "PRIVATE KEY", "LS0tLS1CRUdJTiB")
 # Looked for in the lowered text: "Bearer" in any case, and the AWS secret's name.
 _LOWERED_LITERALS: Final = ("earer", "secret_access_key")
 # Patterns that start with one literal character, or a literal string: as fast as a substring
@@ -812,7 +909,12 @@ _SUFFIX: Final = rb"(?:[_-]?(?:v\d+|base|ids?|hash))?"
 # (a tab before the operator is ``\t`` in JSON text, ``\\t`` in the log's line where the text
 # is a JSON string itself: a tool call's arguments; ``=`` is ``\u003d`` in HTML-safe JSON, as
 # Gson writes it by default: ``"env":["API_KEY\u003d…"]``)
-_ASSIGNED_BYTES: Final = rb"""(?:\\*["']|(?:\s|\\+t)*[=:]|\\+u003d)"""
+# (and a name field's value whose value field follows, Kubernetes' ``- name: X_KEY`` then
+# ``value: …``: a line end, escaped in JSON text, then ``value:``; and Go's ``apiKey string =``)
+_ASSIGNED_BYTES: Final = (
+    rb"""(?:\\*["']|(?:\s|\\+t)*[=:]|\\+u003d"""
+    rb"""|(?:\\+r)?\\+n(?:[ \t]|\\+t)*value:|\r?\n[ \t]*value:|[ \t]+string[ \t]*=)"""
+)
 _NAMED_BYTES: Final = (
     # key", key\", key\\\" (nested), key', key=; keys", key_id", token_hash" (not tokens": a count)
     re.compile(rb"keys?" + _SUFFIX + _ASSIGNED_BYTES),
@@ -831,6 +933,8 @@ _NAMED_BYTES: Final = (
     re.compile(rb"pwd" + _SUFFIX + _ASSIGNED_BYTES),  # MYSQL_PWD=, pwd_hash"
     # a flag and its value apart: --api-key VALUE, --token VALUE
     re.compile(rb"--[a-z0-9_.-]{0,60}?(?:key|token|pass|secret|pwd)" + _SUFFIX + rb"(?: |\\+t)"),
+    # Docker's "auth": "…" and .npmrc's _auth=… (a user and a password in base64)
+    re.compile(rb'auth(?<=["_]auth)\\*"?(?:[ \t]|\\+t)*[=:]'),
 )
 _NAMED_STR: Final = tuple(re.compile(p.pattern.decode()) for p in _NAMED_BYTES)
 _WORDS_BYTES: Final = (b"authorization", b"secret", b"passw", b"earer")

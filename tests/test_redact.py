@@ -1647,3 +1647,91 @@ def test_an_encrypted_or_crlf_key_a_notebook_printed_loses_its_body(shape: str) 
     for line in [*_KEY_LINES, "TxKt5g=="]:
         assert line[:8] not in out, shape
     assert out.count("-----END RSA PRIVATE KEY-----") == 1
+
+
+_DOCKER_AUTH = __import__("base64").b64encode(b"deployer:Dk7pQz9wLmX2vR4s").decode()
+_KEY_IN_BASE64 = (
+    __import__("base64")
+    .b64encode(
+        b"-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEAq7BFUpkGp3Zx\n-----END RSA PRIVATE KEY-----\n"
+    )
+    .decode()
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "secret"),
+    [
+        # an answer quoting settings in Markdown: a backtick or a parenthesis ends the value
+        ("- `DB_PASSWORD=Mk4rkd0wnPw9zLq2` and", "Mk4rkd0wnPw9zLq2"),
+        ("Set `STRIPE_WEBHOOK_SECRET=Wh00kS3cr3t9zLq2Mv7` before starting.", "Wh00kS3cr3t9zLq2Mv7"),
+        ("The admin password is (ADMIN_PASSWORD=P4r3nAdm1n9zLq2).", "P4r3nAdm1n9zLq2"),
+        ("- `password: X9kd8s7f6g5h`", "X9kd8s7f6g5h"),
+        # Kubernetes' env, ECS's and CloudFormation's name/value pairs
+        (
+            "        - name: DB_PASSWORD\n          value: K8sEnvPw9zLq2Mx\n",
+            "K8sEnvPw9zLq2Mx",
+        ),
+        (
+            '        - name: STRIPE_API_KEY\n          value: "K8sStr1p3K3y9zLq2"\n',
+            "K8sStr1p3K3y9zLq2",
+        ),
+        ('[{"name": "DB_PASSWORD", "value": "EcsEnvPw9zLq2Mx"}]', "EcsEnvPw9zLq2Mx"),
+        ('[{"name": "API_TOKEN", "value": "EcsT0k3n9zLq2Mv7Nw"}]', "EcsT0k3n9zLq2Mv7Nw"),
+        ('{"ParameterKey": "DbPassword", "ParameterValue": "CfnPw9zLq2Mv7"}', "CfnPw9zLq2Mv7"),
+        ('<add key="ApiSecret" value="XmlAppS3cr3t0zXq" />', "XmlAppS3cr3t0zXq"),
+        ("<server>\n  <password>MvnS3tt1ngsPw9zLq2</password>\n</server>", "MvnS3tt1ngsPw9zLq2"),
+        # base64: Docker's config.json, .npmrc's _auth, a private key (kubeconfig)
+        (
+            '{"auths": {"https://index.docker.io/v1/": {"auth": "' + _DOCKER_AUTH + '"}}}',
+            _DOCKER_AUTH,
+        ),
+        (f"//artifactory.acme.com/:_auth={_DOCKER_AUTH}\n", _DOCKER_AUTH),
+        (f"    client-key-data: {_KEY_IN_BASE64}\n", _KEY_IN_BASE64[20:60]),
+        # a type declared between the name and the literal
+        ('export const apiKey: string = "TsTyp3dK3y9zLq2Mv7Nw4";', "TsTyp3dK3y9zLq2Mv7Nw4"),
+        ("const dbPassword: string = 'TsTyp3dPw9zLq2Mv';", "TsTyp3dPw9zLq2Mv"),
+        ('const API_SECRET: &str = "RsS3cr3t9zLq2Mv7Nw4";', "RsS3cr3t9zLq2Mv7Nw4"),
+        ('val apiKey: String = "KtK3y9zLq2Mv7Nw4abc"', "KtK3y9zLq2Mv7Nw4abc"),
+        ('var apiKey string = "GoK3y9zLq2Mv7Nw4abc"', "GoK3y9zLq2Mv7Nw4abc"),
+        # wp-config.php
+        ("define( 'DB_PASSWORD', 'WpC0nf1gPw9zLq2' );", "WpC0nf1gPw9zLq2"),
+        ("define( 'AUTH_KEY',         'x9#kL2@mQ7$vN4!pR8&sT1*wY5^zA3%b' );", "x9#kL2@mQ7$vN4!pR8"),
+        # curl -v's headers sent and got
+        ("> x-auth-token: CurlVT0k3n9zLq2Mv7Nw4\n> accept: */*", "CurlVT0k3n9zLq2Mv7Nw4"),
+    ],
+)
+def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, secret: str) -> None:
+    """Credentials in the forms agents see (an answer in Markdown, ``kubectl get -o yaml``, an
+    ECS task, Docker's and npm's config, a kubeconfig, typed code, wp-config.php, ``curl -v``)
+    were logged in clear; so were they in a tool call's JSON arguments and in a log line."""
+    import json
+
+    import orjson
+
+    from proxy.redact import line_may_hold_secret
+
+    assert secret not in redact_text(text)
+    escaped = json.dumps({"path": "notes.md", "content": text})
+    assert secret not in redact_text(escaped)
+    assert line_may_hold_secret(orjson.dumps({"content": text}))  # (the log's prefilter too)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[{"name": "DB_HOST", "value": "db.internal.acme"}]',  # no credential's name
+        "- name: api\n  value: postgres",
+        "- name: DB_PASSWORD\n  valueFrom:\n    secretKeyRef:\n      name: db-creds\n",
+        '{"auth": "oauth2", "auth_method": "token"}',
+        '"auth": "dGVzdGluZw=="',  # base64 of no user and password
+        "<key>CFBundleName</key>\n<string>Acme</string>",
+        "db = Database(host=DB_HOST,\n    password=DB_PASSWORD_2)",
+        "    request_token=request.resource_owner_key):",
+        'const tokenType: string = "bearer";',
+        "See `README.md` (the Configuration chapter).",
+        "    certificate-authority-data: LS0tLS1CRUdJTiBDRVJUSUZJQ0FURS0tLS0tCk1JSUM=",
+    ],
+)
+def test_what_the_fifth_reads_rules_must_leave_alone_is_left(text: str) -> None:
+    assert redact_text(text) is text
