@@ -698,7 +698,10 @@ def _carried_later(longer: Sequence[bytes], other: Sequence[bytes], index: int) 
         except ValueError:
             break
         span = min(len(rest), count - at)
-        if longer[at : at + span] == rest[:span]:
+        # (a short head first: a message that recurs through a long history, an agent's fixed
+        # nudge, made each place a copy of the rest, quadratic: 0.35 s for 16,000 messages)
+        head = min(span, _HEAD)
+        if longer[at : at + head] == rest[:head] and longer[at : at + span] == rest[:span]:
             return True
     for made in range(1, _MADE_ANEW + 1):  # messages of other's own first, then what follows
         if len(rest) < made + 2 or rest[made - 1] in longer:
@@ -710,10 +713,17 @@ def _carried_later(longer: Sequence[bytes], other: Sequence[bytes], index: int) 
             except ValueError:
                 break
             span = min(len(rest) - made, count - at)
-            if span >= 2 and longer[at : at + span] == rest[made : made + span]:
+            head = min(span, _HEAD)
+            if (
+                span >= 2
+                and longer[at : at + head] == rest[made : made + head]
+                and longer[at : at + span] == rest[made : made + span]
+            ):
                 return True
     return False
 
+
+_HEAD: Final = 8  # (``_carried_later``: the messages compared before the rest is)
 
 # Messages of its own a request may start its kept history with, where a trim cut a tool round
 # in two: each result of parallel calls whose call was trimmed, repaired into a user message

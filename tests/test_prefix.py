@@ -1116,3 +1116,29 @@ def test_an_hour_breakpoints_share_is_none_for_a_change_past_it() -> None:
     assert longer_lived_share(body, 300.0, change=change("system", 0)) is not None
     assert longer_lived_share(body, 300.0, change=change("params", None)) is not None
     assert longer_lived_share(body, 300.0, change=change("messages", 1)) is None
+
+
+def test_a_message_inserted_before_a_recurring_one_is_found_in_linear_time() -> None:
+    """An agent's fixed nudge recurs through a long history; a message inserted early (or a
+    block replaced by a notice) made each later place of the nudge compare a copy of the whole
+    rest: quadratic, 0.35 s of the event loop for 16,000 messages. Counted in elements copied,
+    not timed."""
+    from proxy.prefix import _carried_later
+
+    class Counted(list[bytes]):
+        copied = 0
+
+        def __getitem__(self, at: Any) -> Any:
+            got = super().__getitem__(at)
+            if isinstance(at, slice):
+                Counted.copied += len(got)
+            return got
+
+    nudge = b"continue"
+    old = [b"system", b"task"]
+    for i in range(8_000):
+        old += [f"step {i}".encode(), nudge]
+    new = [*old[:3], b"(note)", *old[3:]]
+    Counted.copied = 0
+    assert not _carried_later(Counted(old), Counted(new), 3)  # (not carried on later: inserted)
+    assert Counted.copied < 50 * len(old)
