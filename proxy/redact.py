@@ -73,7 +73,8 @@ _SECRET = re.compile(
     # secret's tls.key): its armour line encoded, RSA, PKCS#8, EC, OpenSSH, DSA, encrypted, PGP
     r"|LS0tLS1CRUdJTiB(?:SU0EgUFJJVkFURSBLRVk|QUklWQVRFIEtFWS|FQyBQUklWQVRFIEtFWS"
     r"|PUEVOU1NIIFBSSVZBVEUgS0VZ|EU0EgUFJJVkFURSBLRVk|FTkNSWVBURUQgUFJJVkFURSBLRVk"
-    r"|QR1AgUFJJVkFURSBLRVkgQkxPQ0s)[A-Za-z0-9+/]*+=*"
+    r"|QR1AgUFJJVkFURSBLRVkgQkxPQ0s)[A-Za-z0-9+/]*+"
+    r"(?:(?:\\?\r)?(?:\n|\\n)[A-Za-z0-9+/]{20,}+)*+=*"  # (wrapped at 64 or 76 columns)
     r"|-----BEGIN (?P<pem>[A-Z0-9 ]*)PRIVATE KEY-----(?:(?:" + _PEM_BODY + ")*"
     r"-----END (?P=pem)PRIVATE KEY-----|(?:" + _PEM_BODY + r"){16,}(?=\Z|\")"
     # cut off with text after it (a tool's "[output truncated]", "(exit code 0)"): its lines of
@@ -265,7 +266,11 @@ _AUTHORIZATION = re.compile(  # a scheme, or a header's colon and a token alone 
 _ANY_QUOTED = "(?:" + _QUOTED + "|" + _ESCAPED_QUOTED + ")"
 # (a type declared between: ``const apiKey: string = "…"``, Rust's ``&str``, ``&'static str``,
 # Kotlin's and Swift's ``String``, Go's ``var apiKey string = "…"``)
-_TYPE = r"&?(?:'static[ \t]+)?[A-Za-z_][\w.]{0,64}(?:<[^<>\n]{0,64}>)?(?:\[\])?\??"
+_TYPE = (
+    r"&?(?:'static[ \t]+)?[A-Za-z_][\w.]{0,64}(?:<[^<>\n]{0,64}>)?(?:\[\])?\??"
+    r"(?:[ \t]*\|[ \t]*[A-Za-z_][\w.]{0,64}){0,3}"  # (a union: ``string | undefined``)
+)
+_GO_STRING = re.compile(r"[ \t]+string[ \t]*=(?!=)")
 _CODE_VALUE = re.compile(
     r"[ \t]*(?:=>?|:=|:" + _NO_ANNOTATION + r"|:[ \t]*" + _TYPE + r"[ \t]*=(?!=)"
     r"|[ \t]+string[ \t]*=(?!=))[ \t]*" + _ANY_QUOTED
@@ -286,20 +291,30 @@ _ESCAPED_INDEXED_VALUE = re.compile(r'\\"\]?[ \t]*(?:=>?|:)[ \t]*' + _ESCAPED_QU
 # is, after the name's closing quote or line end.)
 _PAIR_NAME_JSON = re.compile(r'"(?:[Nn]ame|[Kk]ey|ParameterKey)"[ \t]*:[ \t]*"\Z')
 _PAIR_VALUE_JSON = re.compile(
-    r'"[ \t]*,[ \t]*"(?:[Vv]alue|ParameterValue)"[ \t]*:[ \t]*"'
+    # (pretty-printed across lines, as the AWS CLI and kubectl print it, a few short fields
+    # between: ``"type": "String"``)
+    r'"\s*,\s*(?:"[A-Za-z_]{1,32}"\s*:\s*(?:"[^"\\\n]{0,64}"|[\w.-]{1,32})\s*,\s*){0,3}'
+    r'"(?:[Vv]alue|ParameterValue)"\s*:\s*"'
     r'(?=(?:[^"\\\n]|\\.){0,512}?[A-Za-z0-9])((?:[^"\\\n]|\\.){4,}+)"'
 )
-_PAIR_NAME_YAML = re.compile(r"(?:\A|[\s-])name:[ \t]*['\"]?\Z")
+_PAIR_NAME_YAML = re.compile(r"(?:\A|[\s-])(?:[Nn]ame|ParameterKey):[ \t]*['\"]?\Z")
 _PAIR_VALUE_YAML = re.compile(
-    r"['\"]?[ \t]*\r?\n[ \t]*value:[ \t]*(?:"
+    r"['\"]?[ \t]*\r?\n[ \t]*(?:[Vv]alue|ParameterValue):[ \t]*(?:"
     + _QUOTED
-    + r"|([^\s'\"#][^\n#]{3,}?))[ \t]*(?=\r|\n|\Z)"
+    + r"|([^\s'\"#|>][^\n#]{3,}?))[ \t]*(?=\r|\n|\Z)"
 )
 _PAIR_NAME_XML = re.compile(r"(?:\A|\s)(?:key|name)=\"\Z")
 _PAIR_VALUE_XML = re.compile(r'"[ \t]+value="([^"\n]{4,512}+)"')
+# A pair's or an element's value that only stands for one: a boolean, a variable of Maven's
+# (``${env.MAVEN_PASSWORD}``), Azure DevOps' (``$(ClientSecret)``), Octopus' (``#{X}#``), a
+# token replacer's (``__ClientSecret__``)
+_PLACEHOLDER = re.compile(
+    r"(?i:true|false|null|yes|no|none)|\$\{[\w.-]{1,128}\}|\$\([\w.-]{1,128}\)"
+    r"|#\{[\w.-]{1,128}\}#?|__[\w.-]{1,128}__"
+)
 # A credential's name as a call's first argument and a quoted literal its second: PHP's
 # ``define( 'DB_PASSWORD', '…' )`` (wp-config.php), ``os.environ.setdefault("API_KEY", "…")``.
-_CALL_FIRST = re.compile(r"[A-Za-z0-9_.\]]\([ \t]*['\"]\Z")
+_CALL_FIRST = re.compile(r"[A-Za-z0-9_.\]][ \t]?\([ \t]*['\"]\Z")
 _CALL_SECOND = re.compile(r"['\"][ \t]*,[ \t]*" + _QUOTED + r"[ \t]*\)")
 # An XML element named as a credential: ``<password>…</password>`` (Maven's settings.xml).
 _ELEMENT_VALUE = re.compile(r">([^<\n]{4,512}+)</")
@@ -377,10 +392,13 @@ def _paired_value(s: str, start: int, end: int) -> tuple[int, int] | None:
             found = _PAIR_VALUE_JSON.match(s, end)
         elif _PAIR_NAME_XML.search(head) is not None:
             found = _PAIR_VALUE_XML.match(s, end)
-    if found is None and head.endswith(("'", '"')) and _CALL_FIRST.search(head) is not None:
+    if (
+        found is None
+        and head.endswith(("'", '"'))
+        and s[start:end].isupper()  # (a constant's: ``t('auth.password', 'Password')`` is a
+        and _CALL_FIRST.search(head) is not None  # label's default, not a credential)
+    ):
         found = _CALL_SECOND.match(s, end)
-        if found is not None and not s[start:end].isupper():  # (code: as ``_plausible`` says)
-            return _plausible(s, start, end, _value_span(found))
     if found is None and _PAIR_NAME_YAML.search(head) is not None:
         found = _PAIR_VALUE_YAML.match(s, end)
     if found is None and head.endswith("<") and s[end : end + 1] == ">":
@@ -388,7 +406,9 @@ def _paired_value(s: str, start: int, end: int) -> tuple[int, int] | None:
         if value is not None and s.startswith(s[start:end] + ">", value.end()):
             found = value
     span = _value_span(found)
-    return None if span is None or _reference(s, *span) else span
+    if span is None or _reference(s, *span) or _PLACEHOLDER.fullmatch(s, *span) is not None:
+        return None
+    return _plausible(s, start, end, span)  # (a bare ``token``'s value must look like one)
 
 
 def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
@@ -397,7 +417,7 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     value looked at and not taken (no secret; consumed); None otherwise."""
     before = s[start - 1] if start else "\n"
     after = s[end : end + 1]
-    if after in "'\"\n\r>" and (paired := _paired_value(s, start, end)) is not None:
+    if after in "'\"\n\r> " and (paired := _paired_value(s, start, end)) is not None:
         return paired
     if s[end : end + 2] == '\\"' and s[start - 2 : start] == '\\"':  # \"api_key\": \"…\"
         found = _value_span(_ESCAPED_JSON_VALUE.match(s, end))  # (in a JSON string)
@@ -763,7 +783,8 @@ def _redact_named(s: str, lowered: str) -> str:
                     or (s[end : end + 1] in (" ", "\t") and s[start - 2 : start] == "--")
                     or (s[end : end + 1] == " " and s[start:end].lower() == "password")
                     or (s[end : end + 1] in ("\n", "\r", ">") and _paired_value(s, start, end))
-                    or s.startswith(" string", end)  # (Go: ``var apiKey string = "…"``)
+                    or _GO_STRING.match(s, end) is not None  # (``var apiKey string = "…"``)
+                    or (s[end : end + 1] == " " and _paired_value(s, start, end) is not None)
                 )
                 and _is_credential(s[start:end])
             ):
@@ -827,7 +848,9 @@ def _redact_named(s: str, lowered: str) -> str:
 # cheap necessary condition. A substring test or a search for a pattern with a literal first
 # character runs at memory speed, where the full pattern's search tries every position. The GitHub
 # and AWS anchors are patterns because one search is cheaper than one substring test per prefix.
-_SECRET_LITERALS: Final = ("sk-", "xox", "xapp-", "npm_", "eyJ", "PRIVATE KEY", "LS0tLS1CRUdJTiB")
+_KEY_IN_BASE64: Final = "LS0tLS1CRUdJTiB"  # "-----BEGIN " in base64: a PEM block's start
+_KEY_IN_BASE64_BYTES: Final = _KEY_IN_BASE64.encode()
+_SECRET_LITERALS: Final = ("sk-", "xox", "xapp-", "npm_", "eyJ", "PRIVATE KEY", _KEY_IN_BASE64)
 # Looked for in the lowered text: "Bearer" in any case, and the AWS secret's name.
 _LOWERED_LITERALS: Final = ("earer", "secret_access_key")
 # Patterns that start with one literal character, or a literal string: as fast as a substring
@@ -913,7 +936,7 @@ _SUFFIX: Final = rb"(?:[_-]?(?:v\d+|base|ids?|hash))?"
 # ``value: …``: a line end, escaped in JSON text, then ``value:``; and Go's ``apiKey string =``)
 _ASSIGNED_BYTES: Final = (
     rb"""(?:\\*["']|(?:\s|\\+t)*[=:]|\\+u003d"""
-    rb"""|(?:\\+r)?\\+n(?:[ \t]|\\+t)*value:|\r?\n[ \t]*value:|[ \t]+string[ \t]*=)"""
+    rb"""|[ \t]*(?:\\+r)?\\+n(?:[ \t]|\\+t)*value:|[ \t]*\r?\n[ \t]*value:|[ \t]+string[ \t]*=|>)"""
 )
 _NAMED_BYTES: Final = (
     # key", key\", key\\\" (nested), key', key=; keys", key_id", token_hash" (not tokens": a count)
@@ -1191,6 +1214,7 @@ def blank_binary(line: bytes) -> bytes:
             closing - opening > _BINARY_MIN
             and line[opening - 1 : opening] != b"\\"  # (an escaped quote: inside a longer text)
             and line[closing + 1 : closing + 2] != b":"  # (a key)
+            and not line.startswith(_KEY_IN_BASE64_BYTES, data)  # (a private key's: read)
             and _is_base64(line[data:closing])
         ):
             kept.append(line[at : opening + 1])
@@ -1209,7 +1233,7 @@ def redact_text(s: str) -> str:
     (``_redact_escaped_strings``)."""
     if len(s) < _MIN_SECRET_LEN:
         return s
-    if is_binary(s):
+    if is_binary(s) and not s.startswith(_KEY_IN_BASE64):  # (a private key's, read)
         return s
     if not _suspect_text(s):  # (neither check below could find anything)
         return s

@@ -1,3 +1,4 @@
+import base64
 import copy
 import json
 import platform
@@ -1649,14 +1650,11 @@ def test_an_encrypted_or_crlf_key_a_notebook_printed_loses_its_body(shape: str) 
     assert out.count("-----END RSA PRIVATE KEY-----") == 1
 
 
-_DOCKER_AUTH = __import__("base64").b64encode(b"deployer:Dk7pQz9wLmX2vR4s").decode()
-_KEY_IN_BASE64 = (
-    __import__("base64")
-    .b64encode(
-        b"-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEAq7BFUpkGp3Zx\n-----END RSA PRIVATE KEY-----\n"
-    )
-    .decode()
-)
+_DOCKER_AUTH = base64.b64encode(b"deployer:Dk7pQz9wLmX2vR4s").decode()
+_PEM = b"-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEAq7BFUpkGp3Zx\n-----END RSA PRIVATE KEY-----\n"
+_KEY_IN_BASE64 = base64.b64encode(_PEM).decode()
+# (2.3 KB: a whole string of it is base64 a kilobyte long, a payload's look)
+_LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + _PEM[-30:]).decode()
 
 
 @pytest.mark.parametrize(
@@ -1699,6 +1697,36 @@ _KEY_IN_BASE64 = (
         ("define( 'AUTH_KEY',         'x9#kL2@mQ7$vN4!pR8&sT1*wY5^zA3%b' );", "x9#kL2@mQ7$vN4!pR8"),
         # curl -v's headers sent and got
         ("> x-auth-token: CurlVT0k3n9zLq2Mv7Nw4\n> accept: */*", "CurlVT0k3n9zLq2Mv7Nw4"),
+        # a review's variations: pretty-printed JSON, a field between, CloudFormation's YAML, a
+        # blank after the name, elements named as keys, a key's base64 alone or wrapped, a Go
+        # block, a space before define's parenthesis, a union type
+        (
+            '{\n  "environment": [\n    {\n      "name": "DB_PASSWORD",\n'
+            '      "value": "Zq9Xw2Lm7Rt4Kp8V"\n    }\n  ]\n}',
+            "Zq9Xw2Lm7Rt4Kp8V",
+        ),
+        (
+            '{"name": "DB_PASSWORD", "type": "String", "value": "Zq9Xw2Lm7Rt4Kp8V"}',
+            "Zq9Xw2Lm7Rt4Kp8V",
+        ),
+        (
+            "  Environment:\n    - Name: DB_PASSWORD\n      Value: Zq9Xw2Lm7Rt4Kp8V\n",
+            "Zq9Xw2Lm7Rt4Kp8V",
+        ),
+        ("- name: API_KEY \n  value: Zq9Xw2Lm7Rt4Kp8V", "Zq9Xw2Lm7Rt4Kp8V"),
+        ("<apiKey>Zq9Xw2Lm7Rt4Kp8V</apiKey>", "Zq9Xw2Lm7Rt4Kp8V"),
+        ("<token>Zq9Xw2Lm7Rt4Kp8V</token>", "Zq9Xw2Lm7Rt4Kp8V"),
+        (_LONG_KEY, _LONG_KEY[20:60]),
+        (
+            "\n".join(_LONG_KEY[i : i + 76] for i in range(0, len(_LONG_KEY), 76)),
+            _LONG_KEY[-90:-10],
+        ),
+        (
+            'var (\n\tapiKey  string = "Zq9Xw2Lm7Rt4Kp8V"\n\tbaseURL string = "https://x"\n)',
+            "Zq9Xw2Lm7Rt4Kp8V",
+        ),
+        ("define ('DB_PASSWORD', 'Zq9Xw2Lm7Rt4Kp8V')", "Zq9Xw2Lm7Rt4Kp8V"),
+        ('let apiKey: string | undefined = "Zq9Xw2Lm7Rt4Kp8V";', "Zq9Xw2Lm7Rt4Kp8V"),
     ],
 )
 def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, secret: str) -> None:
@@ -1731,6 +1759,14 @@ def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, se
         'const tokenType: string = "bearer";',
         "See `README.md` (the Configuration chapter).",
         "    certificate-authority-data: LS0tLS1CRUdJTiBDRVJUSUZJQ0FURS0tLS0tCk1JSUM=",
+        # a review's over-redactions: a label's default, references, booleans, a bare token
+        "<?php esc_html_e( 'Password', 'woocommerce' ); ?>",
+        "{t('auth.password', 'Password')}",
+        "<password>${env.MAVEN_PASSWORD}</password>",
+        '<add key="ClientSecret" value="$(ClientSecret)" />',
+        '<add key="ClientSecret" value="#{ClientSecret}#" />',
+        "- name: ENABLE_TOKEN\n  value: true",
+        '{"name": "token", "value": "string"}',
     ],
 )
 def test_what_the_fifth_reads_rules_must_leave_alone_is_left(text: str) -> None:
