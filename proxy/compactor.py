@@ -555,6 +555,18 @@ class Compactor:
                     if anchor and self._fits(messages, smaller.cut, window, extra):
                         anchored = smaller
         if (
+            limit
+            and cfg.keep_recent == 1  # (the loops above halve from two: none ran)
+            and (plan.cut is None or not self._fits(messages, plan.cut, limit, extra))
+        ):
+            # Only the launching message kept beside the latest one, and no smaller plan: the
+            # launching message goes too, as it would beside fewer of the latest (a summary
+            # reused up to a launching message it kept made no new one: the history grew past
+            # the window, refused on every turn).
+            smaller = shrunk(1, anchor=False)
+            if smaller.cut is not None:
+                plan = smaller
+        if (
             anchored is not None
             and anchored.cut is not None
             and not force  # (after a refusal: the smallest)

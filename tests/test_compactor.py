@@ -3288,3 +3288,79 @@ def test_a_retry_s_summary_is_cut_to_its_bytes_in_any_script() -> None:
     )
     cut = _within_bytes(mixed, clip_summary(mixed, 12000), 12000)
     assert 0.9 * 12000 < _json_size(cut) <= 12000 and "修复" in cut
+
+
+def test_with_keep_recent_1_a_kept_later_instruction_does_not_stop_compaction(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """``keep_recent = 1``: a compaction keeps the user's later instruction verbatim after its
+    summary; then the cut was pulled back to that instruction on every later turn, so no new
+    compaction was made (the loops that give the instruction up halve from two), the history
+    grew past the window and every turn was refused, the refusal relayed."""
+    import random
+
+    config = {
+        "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 1},
+        "models": {MODEL: {"context_window": 8000}},
+    }
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "read_file",
+                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+            },
+        }
+    ]
+
+    def output(i: int) -> str:
+        r = random.Random(i)
+        words = ("def", "x", "return", "self")
+        return f"file_{i}.py:\n" + " ".join(
+            r.choice(words) + str(r.randint(0, 99)) for _ in range(250)
+        )
+
+    with run_simulator(SimConfig(context_window=8000)) as small:
+        proxy = proxy_factory(small.api_base, config)
+        client = sdk(proxy.base_url, default_headers={"X-Session-Id": "keep-one"})
+        msgs: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a coding agent. " * 20},
+            {"role": "user", "content": "Fix the bug in parser.py."},
+        ]
+        prompts = []
+        for turn in range(40):
+            if turn == 12:  # the user's second instruction, mid-session
+                msgs += [
+                    {"role": "assistant", "content": "Done with the parser."},
+                    {"role": "user", "content": "Now port the lexer to the new API."},
+                ]
+            script = {
+                "content": f"step {turn}",
+                "tool_calls": [
+                    {"name": "read_file", "arguments": {"path": f"f{turn}.py"}, "id": f"c{turn}"}
+                ],
+            }
+            answer = client.chat.completions.create(
+                model=MODEL,
+                messages=msgs,
+                tools=tools,
+                extra_headers={"X-Sim-Script": orjson.dumps(script).decode()},
+            )  # (refused past the window: openai.BadRequestError)
+            assert answer.usage is not None
+            prompts.append(answer.usage.prompt_tokens)
+            call = answer.choices[0].message.tool_calls[0]
+            msgs += [
+                {
+                    "role": "assistant",
+                    "content": answer.choices[0].message.content,
+                    "tool_calls": [
+                        {
+                            "id": call.id,
+                            "type": "function",
+                            "function": {"name": "read_file", "arguments": call.function.arguments},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": call.id, "content": output(turn)},
+            ]
+        assert max(prompts[20:]) < 6000  # compacted again each time it reached the trigger
