@@ -970,6 +970,9 @@ class EventLogWriter:
             if self._written_at.get(session_id, 0.0) > oldest:
                 return
             self._close_fd(session_id)
+            # (what happens to it until the session writes again goes unseen: logrotate's
+            # nightly run. Its next request line goes in full, one line per idle ten minutes.)
+            self._mark_broken(session_id)
 
     def _close_removed(self) -> None:
         """Close the files removed while held open (no name left): a user who deletes old logs

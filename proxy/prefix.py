@@ -701,7 +701,11 @@ def _carried_later(longer: Sequence[bytes], other: Sequence[bytes], index: int) 
         # (a short head first: a message that recurs through a long history, an agent's fixed
         # nudge, made each place a copy of the rest, quadratic: 0.35 s for 16,000 messages)
         head = min(span, _HEAD)
-        if longer[at : at + head] == rest[:head] and longer[at : at + span] == rest[:span]:
+        if (
+            longer[at : at + head] == rest[:head]
+            and longer[at + span - 1] == rest[span - 1]  # (and its last: a run that repeats)
+            and longer[at : at + span] == rest[:span]
+        ):
             return True
     for made in range(1, _MADE_ANEW + 1):  # messages of other's own first, then what follows
         if len(rest) < made + 2 or rest[made - 1] in longer:
@@ -717,6 +721,7 @@ def _carried_later(longer: Sequence[bytes], other: Sequence[bytes], index: int) 
             if (
                 span >= 2
                 and longer[at : at + head] == rest[made : made + head]
+                and longer[at + span - 1] == rest[made + span - 1]
                 and longer[at : at + span] == rest[made : made + span]
             ):
                 return True

@@ -1142,3 +1142,9 @@ def test_a_message_inserted_before_a_recurring_one_is_found_in_linear_time() -> 
     Counted.copied = 0
     assert not _carried_later(Counted(old), Counted(new), 3)  # (not carried on later: inserted)
     assert Counted.copied < 50 * len(old)
+    # a stuck agent: the nudge answered alike every time, a run that repeats whole
+    stuck = [b"system", *([b"waiting for the build", nudge] * 8_000), b"question"]
+    later = [stuck[0], b"(note)", *stuck[1:], b"answer", b"next"]
+    Counted.copied = 0
+    _carried_later(Counted(stuck), Counted(later), 1)
+    assert Counted.copied < 50 * len(stuck)
