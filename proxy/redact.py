@@ -74,7 +74,8 @@ _SECRET = re.compile(
     r"|LS0tLS1CRUdJTiB(?:SU0EgUFJJVkFURSBLRVk|QUklWQVRFIEtFWS|FQyBQUklWQVRFIEtFWS"
     r"|PUEVOU1NIIFBSSVZBVEUgS0VZ|EU0EgUFJJVkFURSBLRVk|FTkNSWVBURUQgUFJJVkFURSBLRVk"
     r"|QR1AgUFJJVkFURSBLRVkgQkxPQ0s)[A-Za-z0-9+/]*+"
-    r"(?:(?:\\?\r)?(?:\n|\\n)[A-Za-z0-9+/]{20,}+)*+=*"  # (wrapped at 64 or 76 columns)
+    # (wrapped at 64 or 76 columns: each line of base64 alone, to its end, a quote or padding)
+    r"(?:(?:\\?\r)?(?:\n|\\n)[A-Za-z0-9+/]{20,}+(?=[=\"\r\n\\]|\Z))*+=*"
     r"|-----BEGIN (?P<pem>[A-Z0-9 ]*)PRIVATE KEY-----(?:(?:" + _PEM_BODY + ")*"
     r"-----END (?P=pem)PRIVATE KEY-----|(?:" + _PEM_BODY + r"){16,}(?=\Z|\")"
     # cut off with text after it (a tool's "[output truncated]", "(exit code 0)"): its lines of
@@ -289,7 +290,8 @@ _ESCAPED_INDEXED_VALUE = re.compile(r'\\"\]?[ \t]*(?:=>?|:)[ \t]*' + _ESCAPED_QU
 # (``{"name": "DB_PASSWORD", "value": "…"}``, ``ParameterKey``/``ParameterValue``), .NET's
 # ``<add key="ApiSecret" value="…" />``. (Where the name field ends, and then where the value
 # is, after the name's closing quote or line end.)
-_PAIR_NAME_JSON = re.compile(r'"(?:[Nn]ame|[Kk]ey|ParameterKey)"[ \t]*:[ \t]*"\Z')
+# (a parameter's path before the name: ``"Name": "/prod/db/password"``, SSM's)
+_PAIR_NAME_JSON = re.compile(r'"(?:[Nn]ame|[Kk]ey|ParameterKey)"[ \t]*:[ \t]*"[\w./-]{0,64}\Z')
 _PAIR_VALUE_JSON = re.compile(
     # (pretty-printed across lines, as the AWS CLI and kubectl print it, a few short fields
     # between: ``"type": "String"``)
@@ -299,9 +301,12 @@ _PAIR_VALUE_JSON = re.compile(
 )
 _PAIR_NAME_YAML = re.compile(r"(?:\A|[\s-])(?:[Nn]ame|ParameterKey):[ \t]*['\"]?\Z")
 _PAIR_VALUE_YAML = re.compile(
-    r"['\"]?[ \t]*\r?\n[ \t]*(?:[Vv]alue|ParameterValue):[ \t]*(?:"
+    # (a field or two between: ``Type: String``, CloudFormation's SSM parameter; a ``#`` after
+    # no blank is the value's, not a comment)
+    r"['\"]?[ \t]*(?:\r?\n[ \t]*[A-Za-z]{1,32}:[ \t]*[^\n]{0,64}){0,2}?"
+    r"\r?\n[ \t]*(?:[Vv]alue|ParameterValue):[ \t]*(?:"
     + _QUOTED
-    + r"|([^\s'\"#|>][^\n#]{3,}?))[ \t]*(?=\r|\n|\Z)"
+    + r"|([^\s'\"#|>](?:[^\n#]|(?<![ \t])#){3,}?))[ \t]*(?=\r|\n|\Z)"
 )
 _PAIR_NAME_XML = re.compile(r"(?:\A|\s)(?:key|name)=\"\Z")
 _PAIR_VALUE_XML = re.compile(r'"[ \t]+value="([^"\n]{4,512}+)"')
@@ -311,6 +316,7 @@ _PAIR_VALUE_XML = re.compile(r'"[ \t]+value="([^"\n]{4,512}+)"')
 _PLACEHOLDER = re.compile(
     r"(?i:true|false|null|yes|no|none)|\$\{[\w.-]{1,128}\}|\$\([\w.-]{1,128}\)"
     r"|#\{[\w.-]{1,128}\}#?|__[\w.-]{1,128}__"
+    r"|![A-Z][A-Za-z]{1,16}(?:[ \t].*)?"  # (CloudFormation's !Ref, !GetAtt, !Sub …)
 )
 # A credential's name as a call's first argument and a quoted literal its second: PHP's
 # ``define( 'DB_PASSWORD', '…' )`` (wp-config.php), ``os.environ.setdefault("API_KEY", "…")``.
@@ -387,18 +393,24 @@ def _paired_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     lo = max(0, start - 64)
     head = s[lo:start]
     found = None
-    if head.endswith('"'):
+    if s[end : end + 1] == '"':
         if _PAIR_NAME_JSON.search(head) is not None:
             found = _PAIR_VALUE_JSON.match(s, end)
-        elif _PAIR_NAME_XML.search(head) is not None:
+        elif head.endswith('"') and _PAIR_NAME_XML.search(head) is not None:
             found = _PAIR_VALUE_XML.match(s, end)
-    if (
-        found is None
-        and head.endswith(("'", '"'))
-        and s[start:end].isupper()  # (a constant's: ``t('auth.password', 'Password')`` is a
-        and _CALL_FIRST.search(head) is not None  # label's default, not a credential)
-    ):
+    if found is None and head.endswith(("'", '"')) and _CALL_FIRST.search(head) is not None:
         found = _CALL_SECOND.match(s, end)
+        if found is not None and not s[start:end].isupper():
+            # (not a constant's: the value must look like a credential, a digit, no blank, 16
+            # characters or more: ``t('auth.password', 'Password')`` is a label's default,
+            # ``localStorage.setItem('authToken', 'a8f5…')`` is no label)
+            value = s[found.start(1) : found.end(1)] if found.group(1) else found.group(2)
+            if (
+                len(value) < 16
+                or not any(c.isdigit() for c in value)
+                or any(c.isspace() for c in value)
+            ):
+                return None
     if found is None and _PAIR_NAME_YAML.search(head) is not None:
         found = _PAIR_VALUE_YAML.match(s, end)
     if found is None and head.endswith("<") and s[end : end + 1] == ">":
@@ -1233,7 +1245,7 @@ def redact_text(s: str) -> str:
     (``_redact_escaped_strings``)."""
     if len(s) < _MIN_SECRET_LEN:
         return s
-    if is_binary(s) and not s.startswith(_KEY_IN_BASE64):  # (a private key's, read)
+    if is_binary(s) and _KEY_IN_BASE64 not in s[:256]:  # (a private key's, a data URL's too)
         return s
     if not _suspect_text(s):  # (neither check below could find anything)
         return s

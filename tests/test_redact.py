@@ -1727,6 +1727,16 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
         ),
         ("define ('DB_PASSWORD', 'Zq9Xw2Lm7Rt4Kp8V')", "Zq9Xw2Lm7Rt4Kp8V"),
         ('let apiKey: string | undefined = "Zq9Xw2Lm7Rt4Kp8V";', "Zq9Xw2Lm7Rt4Kp8V"),
+        # a second review's: a key as a data URL, a camelCase name given a token, SSM's path
+        # and a field between in YAML, a "#" inside an unquoted value
+        ("data:application/x-pem-file;base64," + _LONG_KEY, _LONG_KEY[20:60]),
+        ("localStorage.setItem('authToken', 'a8f5f167f44f4964e6c998dee827110c');", "a8f5f167f44f"),
+        (
+            '"Name": "/prod/db/password", "Type": "SecureString", "Value": "Tr0ub4dor&3xyz"',
+            "Tr0ub4dor&3xyz",
+        ),
+        ("  Name: DB_PASSWORD\n    Type: String\n    Value: Tr0ub4dor&3xyz\n", "Tr0ub4dor&3xyz"),
+        ("- name: DB_PASSWORD\n  value: Tr0ub4dor#3xyz\n", "Tr0ub4dor#3xyz"),
     ],
 )
 def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, secret: str) -> None:
@@ -1767,7 +1777,19 @@ def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, se
         '<add key="ClientSecret" value="#{ClientSecret}#" />',
         "- name: ENABLE_TOKEN\n  value: true",
         '{"name": "token", "value": "string"}',
+        # a second review's: CloudFormation's references, the lines after a wrapped key
+        "- Name: API_KEY\n  Value: !Ref ApiKeyParameter",
+        "- Name: API_KEY\n  Value: !GetAtt Secret.Arn",
     ],
 )
 def test_what_the_fifth_reads_rules_must_leave_alone_is_left(text: str) -> None:
     assert redact_text(text) is text
+
+
+def test_the_lines_after_a_wrapped_key_in_base64_are_kept() -> None:
+    """A key's base64 wrapped at 64 columns with no padding: the rule for its lines ate the
+    start of any line after it made of 20 characters of base64's alphabet (a path, a name)."""
+    wrapped = "\n".join(_LONG_KEY[i : i + 64] for i in range(0, len(_LONG_KEY), 64))
+    for after in ("/etc/ssl/private/server_key.pem written", "ConfigurationManagerDefaults loaded"):
+        out = redact_text(wrapped.rstrip("=") + "\n" + after)
+        assert out.endswith("\n" + after) and _LONG_KEY[100:140] not in out
