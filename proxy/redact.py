@@ -324,6 +324,9 @@ _CALL_FIRST = re.compile(r"[A-Za-z0-9_.\]][ \t]?\([ \t]*['\"]\Z")
 _CALL_SECOND = re.compile(r"['\"][ \t]*,[ \t]*" + _QUOTED + r"[ \t]*\)")
 # An XML element named as a credential: ``<password>…</password>`` (Maven's settings.xml).
 _ELEMENT_VALUE = re.compile(r">([^<\n]{4,512}+)</")
+# What may follow a name whose value ``_paired_value`` finds: a line end (YAML's pair), a
+# blank before it, an element's ``>``
+_PAIR_AFTER: Final = frozenset(("\n", "\r", ">", " "))
 # A user and a password in base64 under an ``auth`` field: Docker's config.json
 # (``"auth": "…"``), .npmrc's ``_auth=…`` (the value is taken where it decodes to ``user:…``).
 _BASIC_AUTH = re.compile(  # (matched at ``auth``, after a quote or ``_``)
@@ -788,17 +791,20 @@ def _redact_named(s: str, lowered: str) -> str:
             run = _IDENT_RUN.match(s, at)  # always matches (maybe empty)
             end = run.end() if run is not None else at
             resume = max(end, at + len(word))
-            if (
+            assigned = (
                 at - start <= _MAX_NAME
                 and (
                     _ASSIGNED.match(s, end) is not None  # an operator or a quote follows
                     or (s[end : end + 1] in (" ", "\t") and s[start - 2 : start] == "--")
                     or (s[end : end + 1] == " " and s[start:end].lower() == "password")
-                    or (s[end : end + 1] in ("\n", "\r", ">") and _paired_value(s, start, end))
                     or _GO_STRING.match(s, end) is not None  # (``var apiKey string = "…"``)
-                    or (s[end : end + 1] == " " and _paired_value(s, start, end) is not None)
                 )
+            )
+            if (
+                (assigned or (at - start <= _MAX_NAME and s[end : end + 1] in _PAIR_AFTER))
                 and _is_credential(s[start:end])
+                # (a name field's value, its value in the next field; an element's tag)
+                and (assigned or _paired_value(s, start, end) is not None)
             ):
                 span = _named_value(s, start, end)
                 if span is not None and span[0] < span[1] and _reference(s, *span):
