@@ -38,6 +38,15 @@ _DEFAULT_PORTS = {"http": ":80", "https": ":443"}
 _MEMO_LIMIT = 64  # verdicts remembered: a client sends the same Host (and Origin) every time
 
 
+_USER_INFO = re.compile(r"(?<=://)[^/@\s]*@")
+
+
+def _shown(entry: str) -> str:
+    """A setting's entry as an error says it: without the ``user:password@`` a URL pasted in
+    its place may carry."""
+    return _USER_INFO.sub("", entry.strip())
+
+
 def is_loopback_name(host: str) -> bool:
     """``localhost`` (and Debian's ``localhost6``, ``ip6-localhost``), a name under
     ``.localhost`` (RFC 6761), or a loopback IPv4/IPv6 address (also IPv4-mapped); ``host``
@@ -114,21 +123,21 @@ def check_origin_entry(entry: str) -> str | None:
     (``vscode-webview://*``; ``https://*`` would allow every web page)."""
     scheme, sep, rest = entry.strip().lower().partition("://")
     if not sep or not scheme or not rest or "/" in rest.rstrip("/"):
-        return f"{entry.strip()!r} is not an origin: write scheme://host[:port] or scheme://*"
+        return f"{_shown(entry)!r} is not an origin: write scheme://host[:port] or scheme://*"
     host = rest.rstrip("/")
     if scheme == "null":  # (what an Origin of "null" would be read as: any page can send it)
         return (
-            f"{entry.strip()!r}: the origin null (local files, sandboxed frames) cannot be "
+            f"{_shown(entry)!r}: the origin null (local files, sandboxed frames) cannot be "
             "allowed: any web page can send it"
         )
     if host == "*":
         if scheme in ("http", "https"):
-            return f"{entry.strip()!r} would allow every web page: list the pages' origins"
+            return f"{_shown(entry)!r} would allow every web page: list the pages' origins"
         return None
     if "*" in host:  # "https://*.example.com", "http://localhost:*": no wildcard but the whole
-        return f"{entry.strip()!r}: a wildcard stands only for a whole origin (scheme://*)"
+        return f"{_shown(entry)!r}: a wildcard stands only for a whole origin (scheme://*)"
     if "@" in host:  # (a browser's Origin never has a user name: it could never match)
-        return f"{entry.strip()!r} is not an origin: an origin has no user name (user@)"
+        return f"{_shown(entry)!r} is not an origin: an origin has no user name (user@)"
     if host.startswith("["):
         inside, closed, port = host.partition("]")
         name = inside + closed
@@ -137,7 +146,7 @@ def check_origin_entry(entry: str) -> str | None:
         port = colon + digits
     if _HOST_NAME.fullmatch(name) is None or port[:1] not in ("", ":"):
         # (a query, a fragment, no host, a space, an unclosed bracket: never a browser's Origin)
-        return f"{entry.strip()!r} is not an origin: write scheme://host[:port] or scheme://*"
+        return f"{_shown(entry)!r} is not an origin: write scheme://host[:port] or scheme://*"
     if port:
         digits = port[1:]
         if not (
@@ -146,7 +155,7 @@ def check_origin_entry(entry: str) -> str | None:
             and not digits.startswith("0")  # (a browser says 8443, never 08443)
             and int(digits) <= 65535
         ):
-            return f"{entry.strip()!r}: the port must be a number from 1 to 65535"
+            return f"{_shown(entry)!r}: the port must be a number from 1 to 65535"
     return None
 
 
@@ -157,9 +166,9 @@ def check_host_entry(entry: str) -> str | None:
     """Why an ``allowed_hosts`` entry can never match, or None: a bare name or address, no
     scheme or port (``proxy.lan``, ``[fd00::1]``)."""
     if _HOST_NAME.fullmatch(entry.strip()) is None:
-        if _HOST_NAME.fullmatch(f"[{entry.strip()}]") is not None:  # (as Host headers write it)
-            return f"{entry.strip()!r}: write an IPv6 address in brackets, [{entry.strip()}]"
-        return f"{entry.strip()!r} is not a host name: write the name alone, without scheme or port"
+        if _HOST_NAME.fullmatch(f"[{_shown(entry)}]") is not None:  # (as Host headers write it)
+            return f"{_shown(entry)!r}: write an IPv6 address in brackets, [{_shown(entry)}]"
+        return f"{_shown(entry)!r} is not a host name: write the name alone, without scheme or port"
     return None
 
 

@@ -25,7 +25,7 @@ from proxy import bodymemo, compaction, pairing, prefix
 from proxy.compactor import Compactor
 from proxy.config import TRUE_WORDS, Settings, sends_usage_unasked
 from proxy.errors import CLIENT_CLOSED, ProxyError, bad_request, shutting_down
-from proxy.observers import client_keys
+from proxy.observers import exchange_keys
 from proxy.pipeline import Exchange, Observer, Transform, notify, notify_each, refusal_text
 from proxy.redact import redact_text, without_values
 from proxy.relay import (
@@ -561,7 +561,7 @@ class ChatPipeline:
             return False
         self.usage_refused.add(model)
         # (a client's text on the terminal: quoted with its controls escaped, keys taken out)
-        shown = without_values(redact_text(model or ""), client_keys(ex.upstream_headers))
+        shown = without_values(redact_text(model or ""), exchange_keys(ex))
         log.warning(
             "upstream answered %d to the stream_options cachegate added for model %r: its "
             "streams go as the client sends them, and their tokens and cost are known only if "

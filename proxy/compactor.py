@@ -24,7 +24,7 @@ from proxy import compaction, pairing, prefix
 from proxy.assemble import read_answer
 from proxy.config import ModelSettings, Settings
 from proxy.eventlog import NotALogFile, logged_compactions, session_log_path
-from proxy.observers import client_keys
+from proxy.observers import exchange_keys
 from proxy.pipeline import Exchange, Observer, clip_words, error_message, notify
 from proxy.redact import redact_text, without_values
 from proxy.relay import Relay, decoded_answer, open_error_kind
@@ -1142,7 +1142,7 @@ class Compactor:
                     stage = "error_event"
                     # (said on stderr: a provider's "Incorrect API key provided: …" names the
                     # key it was sent, taken out before the text is cut, which could split it)
-                    said = without_values(error_message(answer), client_keys(ex.upstream_headers))
+                    said = without_values(error_message(answer), exchange_keys(ex))
                     said = clip_words(redact_text(said), 300)
                     raise ValueError(f"the provider reported: {said}")
                 billed = answer

@@ -461,7 +461,8 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
             # (a base URL with its password, or a key pasted in its place, in an array or a
             # table likewise)
             secret = key == "upstream.api_key_env" or (
-                key == "upstream.base_url" and isinstance(value, list | dict)
+                isinstance(value, list | dict)
+                and (key == "upstream.base_url" or "@" in repr(value))  # (a URL's user@)
             )
             got = _kind_of(value) if secret else _shown(value)
             raise ConfigError(f"config key '{key}': expected a string, got {got}")
@@ -572,7 +573,8 @@ def _check(settings: Settings) -> None:
         # 1, named no setting, and the address was shown as [localhost:8787]:8787)
         raise _bad(
             "server.host",
-            f"{listen!r} is not an address: give the address alone, without a scheme or a "
+            f"{display_url(listen)!r} is not an address: give the address alone, without a"
+            " scheme or a "
             "port (the port is server.port, --port)",
         )
     if settings.logging.enabled and not settings.logging.dir.strip():  # "": the working dir

@@ -6,6 +6,8 @@ Both run after the client has its response (``on_response``) or when a request i
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -716,7 +718,7 @@ class AccountingObserver:
                 # it is clipped (a key cut at the clip would not be known), the event loop's
                 # work bounded (a name of 100 KB, redacted on the event loop)
                 shown = redact_text((model_name or "")[:_MODEL_REDACTED])
-                own = client_keys(ex.upstream_headers) if ex is not None else ()
+                own = exchange_keys(ex) if ex is not None else ()
                 shown = clip_words(without_values(shown, (*self.secrets, *own)), _MODEL_SHOWN)
                 # the table to add them to: the configured entry the name matched (a new table
                 # of its own would start from "*" and lose that entry's window), else its own
@@ -1594,11 +1596,24 @@ def client_keys(headers: Iterable[tuple[bytes, bytes]] | None) -> tuple[str, ...
             continue
         text = value.decode("latin-1").strip()
         if name == b"authorization":
-            scheme, _, token = text.partition(" ")
-            text = token.strip() if token else scheme
+            parts = text.split(None, 1)  # (a tab after the scheme too: HTTP allows it)
+            text = parts[1].strip() if len(parts) == 2 else text
+            if len(parts) == 2 and parts[0].lower() == "basic":
+                # (an upstream's refusal may quote the user and password it decoded: a key
+                # given as Basic's user, ``-u KEY:``, as some services take it)
+                with contextlib.suppress(ValueError):
+                    plain = base64.b64decode(text, validate=True).decode()
+                    user, _, password = plain.partition(":")
+                    keys += (plain, user, password)
         if text.lower() != _PLACEHOLDER_KEY:
             keys.append(text)
     return known_secrets(keys)
+
+
+def exchange_keys(ex: Exchange) -> tuple[str, ...]:
+    """The client's own keys ``ex`` went upstream with: in its key headers (``client_keys``)
+    and in its URL's query (``query_keys``), for text said on stderr."""
+    return known_secrets((*client_keys(ex.upstream_headers), *query_keys(ex.query)))
 
 
 # Query parameters a key goes in where a client sends it in the URL (Google's ``?key=``, Azure

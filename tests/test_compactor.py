@@ -638,13 +638,18 @@ def test_a_summary_answered_in_parts_or_compressed_is_the_summary(
     assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 0
 
 
-@pytest.mark.parametrize("before", [0, 263])
+@pytest.mark.parametrize(
+    ("before", "sent"), [(0, "bearer"), (263, "bearer"), (0, "query"), (0, "tab"), (0, "basic")]
+)
 def test_a_summarizer_error_that_names_the_key_is_said_without_it(
-    scripted: Any, proxy_factory: Any, caplog: pytest.LogCaptureFixture, before: int
+    scripted: Any, proxy_factory: Any, caplog: pytest.LogCaptureFixture, before: int, sent: str
 ) -> None:
     """A 200 carrying ``{"error": {"message": "Incorrect API key provided: …"}}``: the
     message went to stderr with the client's key in it (a key no pattern knows); and, where the
-    300 characters said cut the key (after 263 of prose), with most of it."""
+    300 characters said cut the key (after 263 of prose), with most of it. So too a key sent
+    in the URL's query (Gemini's ``?key=``), after a tab in Authorization, or as Basic's
+    password, quoted decoded."""
+    import base64
     import secrets
     import string
 
@@ -653,11 +658,18 @@ def test_a_summarizer_error_that_names_the_key_is_said_without_it(
     refused = {"error": {"message": f"{prose}Incorrect API key provided: {key}. Check it."}}
     _upstream, url = scripted(chunks=[orjson.dumps(refused)], content_type=b"application/json")
     proxy = proxy_factory(url, CONFIG)
+    auth = {
+        "bearer": f"Bearer {key}",
+        "query": "Bearer placeholder-of-the-client",
+        "tab": f"Bearer\t{key}",
+        "basic": "Basic " + base64.b64encode(f"user-name:{key}".encode()).decode(),
+    }[sent]
+    query = f"?key={key}" if sent == "query" else ""
     with caplog.at_level(logging.WARNING):
         httpx.post(
-            proxy.base_url + "/chat/completions",
+            proxy.base_url + "/chat/completions" + query,
             json={"model": MODEL, "messages": history(18)},
-            headers={"Authorization": f"Bearer {key}"},
+            headers={"Authorization": auth},
             timeout=30,
         )
     said = [r.getMessage() for r in caplog.records if "summarizer" in r.getMessage()]

@@ -339,6 +339,26 @@ def test_a_mistyped_base_url_is_refused_without_showing_its_password(url: str) -
 
 
 @pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("host", "http://bob:Sup3rSecretPw@127.0.0.1:8787/v1"),
+        ("allowed_origins", "http://bob:Sup3rSecretPw@127.0.0.1:8787"),
+        ("allowed_hosts", "http://bob:Sup3rSecretPw@gateway.internal"),
+        ("allowed_origins", ["http://bob:Sup3rSecretPw@127.0.0.1:8787"]),
+    ],
+)
+def test_a_url_with_a_password_in_another_setting_is_refused_without_showing_it(
+    key: str, value: Any
+) -> None:
+    """A base URL pasted in the listening address's or an allow-list's place: the refusal
+    printed it whole, its password with it (as upstream.base_url's never does)."""
+    with pytest.raises(ConfigError) as refused:
+        settings_from_mapping({"server": {key: value}})
+    assert "Sup3rSecretPw" not in str(refused.value)
+    assert f"server.{key}" in str(refused.value)
+
+
+@pytest.mark.parametrize(
     ("value", "said"),
     [
         (["https://bob:Sup3rSecretPw@llm.internal.example/v1"], "expected a string, got an"),
