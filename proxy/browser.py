@@ -38,13 +38,13 @@ _DEFAULT_PORTS = {"http": ":80", "https": ":443"}
 _MEMO_LIMIT = 64  # verdicts remembered: a client sends the same Host (and Origin) every time
 
 
-_USER_INFO = re.compile(r"(?<=://)[^/@\s]*@")
-
-
 def _shown(entry: str) -> str:
     """A setting's entry as an error says it: without the ``user:password@`` a URL pasted in
-    its place may carry."""
-    return _USER_INFO.sub("", entry.strip())
+    its place may carry (``display_url``: no scheme, an ``@`` or ``/`` in the password too)."""
+    from proxy.config import display_url  # (config reads this module's checks)
+
+    shown = entry.strip()
+    return display_url(shown) if "@" in shown else shown
 
 
 def is_loopback_name(host: str) -> bool:

@@ -1604,7 +1604,11 @@ def client_keys(headers: Iterable[tuple[bytes, bytes]] | None) -> tuple[str, ...
                 with contextlib.suppress(ValueError):
                     plain = base64.b64decode(text, validate=True).decode()
                     user, _, password = plain.partition(":")
-                    keys += (plain, user, password)
+                    keys += (plain, password)
+                    # (the user alone where it is the key, ``-u KEY:``, or looks like one: a
+                    # user name, ``developer``, is a word of every line's text)
+                    if not password or _QUERY_KEY_VALUE.match(user) is not None:
+                        keys.append(user)
         if text.lower() != _PLACEHOLDER_KEY:
             keys.append(text)
     return known_secrets(keys)

@@ -75,7 +75,7 @@ _SECRET = re.compile(
     r"|PUEVOU1NIIFBSSVZBVEUgS0VZ|EU0EgUFJJVkFURSBLRVk|FTkNSWVBURUQgUFJJVkFURSBLRVk"
     r"|QR1AgUFJJVkFURSBLRVkgQkxPQ0s)[A-Za-z0-9+/]*+"
     # (wrapped at 64 or 76 columns: each line of base64 alone, to its end, a quote or padding)
-    r"(?:(?:\\?\r)?(?:\n|\\n)[A-Za-z0-9+/]{20,}+(?=[=\"\r\n\\]|\Z))*+=*"
+    r"(?:(?:\\?\r)?(?:\n|\\n)[A-Za-z0-9+/]{20,}+(?=[=\"'`<,)\]\r\n\\]|\Z))*+=*"
     r"|-----BEGIN (?P<pem>[A-Z0-9 ]*)PRIVATE KEY-----(?:(?:" + _PEM_BODY + ")*"
     r"-----END (?P=pem)PRIVATE KEY-----|(?:" + _PEM_BODY + r"){16,}(?=\Z|\")"
     # cut off with text after it (a tool's "[output truncated]", "(exit code 0)"): its lines of
@@ -306,7 +306,7 @@ _PAIR_VALUE_YAML = re.compile(
     r"['\"]?[ \t]*(?:\r?\n[ \t]*[A-Za-z]{1,32}:[ \t]*[^\n]{0,64}){0,2}?"
     r"\r?\n[ \t]*(?:[Vv]alue|ParameterValue):[ \t]*(?:"
     + _QUOTED
-    + r"|([^\s'\"#|>](?:[^\n#]|(?<![ \t])#){3,}?))[ \t]*(?=\r|\n|\Z)"
+    + r"|([^\s'\"#|>](?:[^\n#]|(?<![ \t])#){3,}?))[ \t]*(?:(?<=[ \t])#[^\n]*)?(?=\r|\n|\Z)"
 )
 _PAIR_NAME_XML = re.compile(r"(?:\A|\s)(?:key|name)=\"\Z")
 _PAIR_VALUE_XML = re.compile(r'"[ \t]+value="([^"\n]{4,512}+)"')
@@ -316,11 +316,14 @@ _PAIR_VALUE_XML = re.compile(r'"[ \t]+value="([^"\n]{4,512}+)"')
 _PLACEHOLDER = re.compile(
     r"(?i:true|false|null|yes|no|none)|\$\{[\w.-]{1,128}\}|\$\([\w.-]{1,128}\)"
     r"|#\{[\w.-]{1,128}\}#?|__[\w.-]{1,128}__"
-    r"|![A-Z][A-Za-z]{1,16}(?:[ \t].*)?"  # (CloudFormation's !Ref, !GetAtt, !Sub …)
+    # (CloudFormation's intrinsic functions: !Ref, !GetAtt, !Sub …)
+    r"|!(?:Ref|GetAtt|Sub|Join|Select|ImportValue|FindInMap|If|Base64|Split|GetAZs|Cidr"
+    r"|Equals|Not|And|Or|Condition|Transform)(?:[ \t].*)?"
 )
 # A credential's name as a call's first argument and a quoted literal its second: PHP's
 # ``define( 'DB_PASSWORD', '…' )`` (wp-config.php), ``os.environ.setdefault("API_KEY", "…")``.
 _CALL_FIRST = re.compile(r"[A-Za-z0-9_.\]][ \t]?\([ \t]*['\"]\Z")
+_DOTTED = re.compile(r"[A-Za-z_][\w-]*(?:\.[A-Za-z_][\w-]*)+")
 _CALL_SECOND = re.compile(r"['\"][ \t]*,[ \t]*" + _QUOTED + r"[ \t]*\)")
 # An XML element named as a credential: ``<password>…</password>`` (Maven's settings.xml).
 _ELEMENT_VALUE = re.compile(r">([^<\n]{4,512}+)</")
@@ -412,6 +415,8 @@ def _paired_value(s: str, start: int, end: int) -> tuple[int, int] | None:
                 len(value) < 16
                 or not any(c.isdigit() for c in value)
                 or any(c.isspace() for c in value)
+                or "/" in value  # (a route, a path: ``route('resetPassword', '/api/v1/…')``)
+                or _DOTTED.fullmatch(value) is not None  # (a module's name: ``a.b.token_v2``)
             ):
                 return None
     if found is None and _PAIR_NAME_YAML.search(head) is not None:

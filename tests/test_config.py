@@ -345,6 +345,9 @@ def test_a_mistyped_base_url_is_refused_without_showing_its_password(url: str) -
         ("allowed_origins", "http://bob:Sup3rSecretPw@127.0.0.1:8787"),
         ("allowed_hosts", "http://bob:Sup3rSecretPw@gateway.internal"),
         ("allowed_origins", ["http://bob:Sup3rSecretPw@127.0.0.1:8787"]),
+        ("allowed_hosts", "https://bob:Sup3r@SecretPw@gateway.internal"),  # (an "@" in it)
+        ("allowed_hosts", "bob:Sup3rSecretPw@gateway.internal"),  # (no scheme)
+        ("allowed_origins", "https://bob:Sup3r/SecretPw@gateway.internal"),  # (a "/" in it)
     ],
 )
 def test_a_url_with_a_password_in_another_setting_is_refused_without_showing_it(

@@ -1875,3 +1875,25 @@ def test_a_pair_of_sub_agents_sent_together_is_no_re_send() -> None:
         acc.send_body({"model": "gpt-4o", "messages": title}, 50, at=21.0 + k / 100)
     ex = went_on(1, 30.0)
     assert ex.divergence is None and ex.cache is not None and ex.cache["expected"] > 3_000
+
+
+def test_a_basic_credential_s_user_name_is_no_key_unless_it_is_one() -> None:
+    """Basic's user and password are the client's keys as an upstream quotes them decoded;
+    but a user name alone (``developer``) was taken out of every line, the ``developer`` role
+    and the words of the conversation with it. The user alone counts where the password is
+    empty (a key given as the user, ``-u KEY:``) or it looks like a key."""
+    import base64
+
+    from proxy.observers import client_keys
+
+    def keys(credential: bytes) -> tuple[str, ...]:
+        return client_keys([(b"authorization", b"Basic " + base64.b64encode(credential))])
+
+    assert "developer" not in keys(b"developer:S3cr3tPassw0rd!")
+    assert {"developer:S3cr3tPassw0rd!", "S3cr3tPassw0rd!"} <= set(
+        keys(b"developer:S3cr3tPassw0rd!")
+    )
+    assert "sk_live_abcdef0123456789XYZ" in keys(b"sk_live_abcdef0123456789XYZ:")
+    assert "Zk8Lm3Nq7Rs2Tv6Wx0Yz4Ab9" in keys(b"Zk8Lm3Nq7Rs2Tv6Wx0Yz4Ab9:x-oauth-basic")
+    keys(b"\xff\xfe" * 8)  # (no failure on odd values: not UTF-8, no colon)
+    assert base64.b64encode(b"no colon at all").decode() in keys(b"no colon at all")

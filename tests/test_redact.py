@@ -1737,6 +1737,17 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
         ),
         ("  Name: DB_PASSWORD\n    Type: String\n    Value: Tr0ub4dor&3xyz\n", "Tr0ub4dor&3xyz"),
         ("- name: DB_PASSWORD\n  value: Tr0ub4dor#3xyz\n", "Tr0ub4dor#3xyz"),
+        # a third review's: a value that opens with "!", a trailing comment, a wrapped key's
+        # last line before a quote
+        ('{"name": "DB_PASSWORD", "value": "!Open sesame 2024"}', "!Open sesame 2024"),
+        ("- name: DB_PASSWORD\n    value: Xk9mq2LpZ7wq # from vault", "Xk9mq2LpZ7wq"),
+        ('- name: DB_PASSWORD\n  value: "Xk9mq2LpZ7wq"  # from vault', "Xk9mq2LpZ7wq"),
+        (
+            "key = '"
+            + "\n".join(_LONG_KEY[i : i + 76] for i in range(0, len(_LONG_KEY), 76))
+            + "'",
+            _LONG_KEY[-40:-4],
+        ),
     ],
 )
 def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, secret: str) -> None:
@@ -1780,6 +1791,8 @@ def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, se
         # a second review's: CloudFormation's references, the lines after a wrapped key
         "- Name: API_KEY\n  Value: !Ref ApiKeyParameter",
         "- Name: API_KEY\n  Value: !GetAtt Secret.Arn",
+        "route('resetPassword', '/api/v1/users/reset-password')",
+        "mocker.patch('app.auth.get_token', 'tests.fixtures.token_v2')",
     ],
 )
 def test_what_the_fifth_reads_rules_must_leave_alone_is_left(text: str) -> None:
