@@ -44,7 +44,10 @@ def _shown(entry: str) -> str:
     from proxy.config import display_url  # (config reads this module's checks)
 
     shown = entry.strip()
-    return display_url(shown) if "@" in shown else shown
+    if "@" not in shown:
+        return shown
+    hidden = display_url(shown)
+    return f"{hidden or '…'} (its user info hidden)" if hidden != shown else shown
 
 
 def is_loopback_name(host: str) -> bool:
@@ -166,7 +169,7 @@ def check_host_entry(entry: str) -> str | None:
     """Why an ``allowed_hosts`` entry can never match, or None: a bare name or address, no
     scheme or port (``proxy.lan``, ``[fd00::1]``)."""
     if _HOST_NAME.fullmatch(entry.strip()) is None:
-        if _HOST_NAME.fullmatch(f"[{_shown(entry)}]") is not None:  # (as Host headers write it)
+        if _HOST_NAME.fullmatch(f"[{entry.strip()}]") is not None:  # (as Host headers write it)
             return f"{_shown(entry)!r}: write an IPv6 address in brackets, [{_shown(entry)}]"
         return f"{_shown(entry)!r} is not a host name: write the name alone, without scheme or port"
     return None

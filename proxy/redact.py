@@ -75,9 +75,12 @@ _SECRET = re.compile(
     r"|PUEVOU1NIIFBSSVZBVEUgS0VZ|EU0EgUFJJVkFURSBLRVk|FTkNSWVBURUQgUFJJVkFURSBLRVk"
     r"|QR1AgUFJJVkFURSBLRVkgQkxPQ0s)[A-Za-z0-9+/]*+"
     # (wrapped at 64 or 76 columns: each line of base64 alone, to its end, a quote or padding)
-    r"(?:(?:\\?\r)?(?:\n|\\n)[A-Za-z0-9+/]{20,}+(?=[=\"'`<,)\]\r\n\\]|\Z))*+=*"
-    r"|-----BEGIN (?P<pem>[A-Z0-9 ]*)PRIVATE KEY-----(?:(?:" + _PEM_BODY + ")*"
-    r"-----END (?P=pem)PRIVATE KEY-----|(?:" + _PEM_BODY + r"){16,}(?=\Z|\")"
+    r"(?:(?:\\?\r)?(?:\n|\\n)[A-Za-z0-9+/]{20,}+(?=[=\"'`\r\n\\]|\Z))*+=*"
+    # (PGP's armour says PRIVATE KEY BLOCK)
+    r"|-----BEGIN (?P<pem>[A-Z0-9 ]*)(?P<armour>PRIVATE KEY(?: BLOCK)?)-----(?:(?:"
+    + _PEM_BODY
+    + ")*"
+    r"-----END (?P=pem)(?P=armour)-----|(?:" + _PEM_BODY + r"){16,}(?=\Z|\")"
     # cut off with text after it (a tool's "[output truncated]", "(exit code 0)"): its lines of
     # base64 (40 characters or more: no prose), and the part of a line it was cut in
     r"|(?:" + _PEM_BODY + r")*?[A-Za-z0-9+/]{40,}=*"
@@ -101,7 +104,8 @@ def _replace(match: re.Match[str]) -> str:
         return f"{bearer} {REDACTED}"
     pem = match.group("pem")
     if pem is not None:
-        return f"-----BEGIN {pem}PRIVATE KEY-----{REDACTED}-----END {pem}PRIVATE KEY-----"
+        armour = match.group("armour")
+        return f"-----BEGIN {pem}{armour}-----{REDACTED}-----END {pem}{armour}-----"
     name = match.group("awsname")
     return f"{name}{REDACTED}" if name else REDACTED
 
@@ -306,7 +310,10 @@ _PAIR_VALUE_YAML = re.compile(
     r"['\"]?[ \t]*(?:\r?\n[ \t]*[A-Za-z]{1,32}:[ \t]*[^\n]{0,64}){0,2}?"
     r"\r?\n[ \t]*(?:[Vv]alue|ParameterValue):[ \t]*(?:"
     + _QUOTED
-    + r"|([^\s'\"#|>](?:[^\n#]|(?<![ \t])#){3,}?))[ \t]*(?:(?<=[ \t])#[^\n]*)?(?=\r|\n|\Z)"
+    # (words and the blanks between, each run taken whole: a long run of blanks was tried at
+    # each of its places, quadratic; then a comment)
+    + r"|([^\s'\"#|>](?:[^\s#]|(?<![ \t])#)*+(?:[ \t]++(?:[^\s#]|(?<![ \t])#)++)*+))"
+    + r"[ \t]*+(?:#[^\n]*)?(?=\r|\n|\Z)"
 )
 _PAIR_NAME_XML = re.compile(r"(?:\A|\s)(?:key|name)=\"\Z")
 _PAIR_VALUE_XML = re.compile(r'"[ \t]+value="([^"\n]{4,512}+)"')
@@ -323,7 +330,7 @@ _PLACEHOLDER = re.compile(
 # A credential's name as a call's first argument and a quoted literal its second: PHP's
 # ``define( 'DB_PASSWORD', '…' )`` (wp-config.php), ``os.environ.setdefault("API_KEY", "…")``.
 _CALL_FIRST = re.compile(r"[A-Za-z0-9_.\]][ \t]?\([ \t]*['\"]\Z")
-_DOTTED = re.compile(r"[A-Za-z_][\w-]*(?:\.[A-Za-z_][\w-]*)+")
+_DOTTED = re.compile(r"[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+")  # (a module's, lower case)
 _CALL_SECOND = re.compile(r"['\"][ \t]*,[ \t]*" + _QUOTED + r"[ \t]*\)")
 # An XML element named as a credential: ``<password>…</password>`` (Maven's settings.xml).
 _ELEMENT_VALUE = re.compile(r">([^<\n]{4,512}+)</")
@@ -415,7 +422,9 @@ def _paired_value(s: str, start: int, end: int) -> tuple[int, int] | None:
                 len(value) < 16
                 or not any(c.isdigit() for c in value)
                 or any(c.isspace() for c in value)
-                or "/" in value  # (a route, a path: ``route('resetPassword', '/api/v1/…')``)
+                # (a route, a path: ``route('resetPassword', '/api/v1/…')``; base64 has "/")
+                or value.startswith(("/", "./", "~/"))
+                or "://" in value
                 or _DOTTED.fullmatch(value) is not None  # (a module's name: ``a.b.token_v2``)
             ):
                 return None
@@ -452,12 +461,16 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
         if _in_code(s[start:end]):
             return _plausible(s, start, end, _value_span(_INDEXED_VALUE.match(s, end + 1)))
         return None
-    if before in "'\"" and after == ":":  # -H 'X-Api-Key: …' (a header in a command)
-        found = _value_span(_HEADER_VALUE.match(s, end))
-        if found is not None or _string_start(s, max(0, start - 256), start) != start:
-            return found
-        # (a JSON string starts with it, ``"secret: \"…\""``, in JSON text cut off: as YAML)
-        return _plausible(s, start, end, _value_span(_YAML_VALUE.match(s, end)))
+    if (
+        before in "'\""
+        and after == ":"
+        # (a JSON string that starts with it is a line: ``"token: TokenType"``, ``"password:
+        # Optional[str] = None"`` in an edit's arguments, are code, read below as such)
+        and _string_start(s, max(0, start - 256), start) != start
+    ):  # -H 'X-Api-Key: …' (a header in a command)
+        return _value_span(_HEADER_VALUE.match(s, end))
+    if before in "'\"" and after == ":" and s[end + 1 : end + 2] in ("'", '"'):
+        return None  # (``"secret:"``: the string ends at the colon, no value in it)
     if before in "?&" and after == "=":  # …?access_token=… (a URL's query)
         return _value_span(_QUERY_VALUE.match(s, end))
     if after == "=" and s[start:end].isupper():  # X_TOKEN=… anywhere (env, export, docker -e)
@@ -481,7 +494,8 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
         # (and Markdown's bullet or backtick: an answer quoting a setting, ``password: …``;
         # and curl -v's ``> ``, ``< ``: a header it sent or got, ``> x-auth-token: …``)
         head = _LINE_NUMBER.sub("", s[line:start].replace("\\t", "\t")).strip(" \t-+*`<>")
-        alone = not head or head in ("export", "set")
+        # (a backtick opens a quoted setting mid-sentence too: "Set `password: …` in yaml")
+        alone = not head or head in ("export", "set") or before == "`"
     flag = s[start - 2 : start] == "--"
     if after in " \t" and (flag or _netrc(s, start, end, lo)):
         # --api-key VALUE (a flag, its value apart); machine … login … password VALUE (.netrc)
@@ -502,6 +516,7 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
         after == "="
         and s[end + 1 : end + 2] != "="  # (``password==x``: a comparison)
         and before in _INLINE_BEFORE
+        and not (before == '"' and opened == start)  # (a JSON string's start: a line's, above)
         and not _keyword_argument(s, lo, start)
     ):
         # name=value inside a command's line: ``--from-literal=password=…``, ``helm --set

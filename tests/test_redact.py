@@ -1748,6 +1748,20 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
             + "'",
             _LONG_KEY[-40:-4],
         ),
+        # the README's audit: a setting quoted mid-sentence, a PGP key's armour
+        ("Set `password: Sup3rS3cret99` in yaml", "Sup3rS3cret99"),
+        ("Run with `password=Sup3rS3cret99`.", "Sup3rS3cret99"),
+        (
+            "-----BEGIN PGP PRIVATE KEY BLOCK-----\n\nlQOYBGQx1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6QAbCd"
+            "EfGhIjKlMnOpQrStUvWxYz01\n=a1B2\n-----END PGP PRIVATE KEY BLOCK-----\n",
+            "lQOYBGQx1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q",
+        ),
+        # a fourth review's: a slash or dots in a camelCase call's token (base64, SendGrid)
+        (
+            "os.environ.setdefault('aws_secret_access_key', 'wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY')",
+            "wJalrXUtnFEMI/K7MDENG",
+        ),
+        ("config.set('apiKey', 'ak_live.Zk8Lm3Nq7Rs2Tv6Wx0Yz4Ab9')", "Zk8Lm3Nq7Rs2Tv6Wx0Yz4Ab9"),
     ],
 )
 def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, secret: str) -> None:
@@ -1793,6 +1807,11 @@ def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, se
         "- Name: API_KEY\n  Value: !GetAtt Secret.Arn",
         "route('resetPassword', '/api/v1/users/reset-password')",
         "mocker.patch('app.auth.get_token', 'tests.fixtures.token_v2')",
+        # the README's audit: code that only names credentials at a JSON string's start (an
+        # edit's arguments), as in plain text
+        '{"old_string": "password: Optional[str] = None", "new_string": "token: TokenType"}',
+        '{"content": "password=config.database_password_v2"}',
+        '{"content": "password=Correct.Horse9"}',
     ],
 )
 def test_what_the_fifth_reads_rules_must_leave_alone_is_left(text: str) -> None:
@@ -1806,3 +1825,14 @@ def test_the_lines_after_a_wrapped_key_in_base64_are_kept() -> None:
     for after in ("/etc/ssl/private/server_key.pem written", "ConfigurationManagerDefaults loaded"):
         out = redact_text(wrapped.rstrip("=") + "\n" + after)
         assert out.endswith("\n" + after) and _LONG_KEY[100:140] not in out
+
+
+def test_a_long_run_of_blanks_in_a_pair_s_value_costs_what_its_length_does() -> None:
+    """A Kubernetes pair's value with 16,000 blanks inside: each run was tried at each of its
+    places, quadratic, 12.5 s of the log writer's thread (the interpreter's lock with it)."""
+    import time
+
+    text = "env:\n- name: DB_PASSWORD\n  value: x" + " " * 16_000 + "y\n"
+    began = time.process_time()
+    assert "[REDACTED]" in redact_text(text)
+    assert time.process_time() - began < 2.0  # (linear: ~1 ms; quadratic: ~12 s)
