@@ -275,15 +275,9 @@ def test_after_a_restart_a_history_the_estimate_puts_under_the_trigger_keeps_its
             assert orjson.dumps(now[: len(forwarded)]) == orjson.dumps(forwarded)
 
 
-def test_after_a_restart_a_short_history_of_large_messages_keeps_its_summary(
-    sim: RunningSimulator, sdk: Any, tmp_path: Path
-) -> None:
-    """Few, large messages: the compaction kept fewer than keep_recent of them, and after a
-    restart the history, no longer than keep_recent, was summarized anew."""
-    from tests.conftest import run_proxy
-
-    logs = tmp_path / "logs"
-    config = {**CONFIG, "compaction": {"enabled": True, "trigger_percent": 75}}  # keep 8
+def _few_large_messages(output_repeat: int) -> tuple[list[Any], list[Any]]:
+    """A short history of large messages (docs, notes, a tool's output of ``output_repeat``
+    words times five) and its next turn."""
     call = {"id": "c1", "type": "function", "function": {"name": "run", "arguments": "{}"}}
     msgs = [
         {"role": "system", "content": "You are a careful coding agent."},
@@ -294,10 +288,22 @@ def test_after_a_restart_a_short_history_of_large_messages_keeps_its_summary(
         {
             "role": "tool",
             "tool_call_id": "c1",
-            "content": "out " + "lorem ipsum dolor sit amet " * 500,
+            "content": "out " + "lorem ipsum dolor sit amet " * output_repeat,
         },
     ]
-    turn = [*msgs, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+    return msgs, [*msgs, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+
+
+def test_after_a_restart_a_short_history_of_large_messages_keeps_its_summary(
+    sim: RunningSimulator, sdk: Any, tmp_path: Path
+) -> None:
+    """Few, large messages: the compaction kept fewer than keep_recent of them, and after a
+    restart the history, no longer than keep_recent, was summarized anew."""
+    from tests.conftest import run_proxy
+
+    logs = tmp_path / "logs"
+    config = {**CONFIG, "compaction": {"enabled": True, "trigger_percent": 75}}  # keep 8
+    msgs, turn = _few_large_messages(500)
     assert len(turn) <= 1 + 8
     headers = {"X-Session-Id": "short"}
     with run_proxy(sim.api_base, logs, config) as before:
@@ -333,20 +339,7 @@ def test_after_a_restart_a_refused_short_history_is_planned_on_the_window_less_i
         "compaction": {"enabled": True, "trigger_percent": 100},  # keep 8
         "models": {MODEL: {"context_window": 1000000}},  # only refusals compact
     }
-    call = {"id": "c1", "type": "function", "function": {"name": "run", "arguments": "{}"}}
-    msgs = [
-        {"role": "system", "content": "You are a careful coding agent."},
-        {"role": "user", "content": "Read these docs: " + "lorem ipsum dolor sit amet " * 200},
-        {"role": "assistant", "content": "Notes: " + "lorem ipsum dolor sit amet " * 200},
-        {"role": "user", "content": "Now run the tests."},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {
-            "role": "tool",
-            "tool_call_id": "c1",
-            "content": "out " + "lorem ipsum dolor sit amet " * 300,
-        },
-    ]
-    turn = [*msgs, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+    msgs, turn = _few_large_messages(300)
     headers = {"X-Session-Id": "short-refused"}
     with run_simulator(SimConfig(context_window=5000)) as small:
         small.sim.enqueue([parse_script("FIRST SUMMARY")])
