@@ -75,7 +75,7 @@ _SECRET = re.compile(
     r"|PUEVOU1NIIFBSSVZBVEUgS0VZ|EU0EgUFJJVkFURSBLRVk|FTkNSWVBURUQgUFJJVkFURSBLRVk"
     r"|QR1AgUFJJVkFURSBLRVkgQkxPQ0s)[A-Za-z0-9+/]*+"
     # (wrapped at 64 or 76 columns: each line of base64 alone, to its end, a quote or padding)
-    r"(?:(?:\\?\r)?(?:\n|\\n)[A-Za-z0-9+/]{20,}+(?=[=\"'`\r\n\\]|\Z))*+=*"
+    r"(?:(?:\\?\r)?(?:\n|\\n)[A-Za-z0-9+/]{20,}+(?=[=\"'`<,)\]\r\n\\]|\Z))*+=*"
     # (PGP's armour says PRIVATE KEY BLOCK)
     r"|-----BEGIN (?P<pem>[A-Z0-9 ]*)(?P<armour>PRIVATE KEY(?: BLOCK)?)-----(?:(?:"
     + _PEM_BODY
@@ -181,6 +181,13 @@ _CODE_PART = (
     r"(?:[A-Za-z_][A-Za-z0-9_]{0,15}|[A-Za-z_][A-Za-z_]{16,64}"
     r"|(?=[A-Za-z0-9_]{0,64}_)[A-Za-z_][A-Za-z0-9_]{16,64})(?![A-Za-z0-9_])"
 )
+# A type's name, as an answer quotes a field's declaration in backticks: ``Uint8Array``,
+# ``Int64Value``, ``Base64String``, Solidity's ``uint256`` and ``bytes32``
+_TYPE_NAME = re.compile(
+    r"(?:[A-Z][a-z0-9]*)+(?:Array|Value|String|Type|Buffer|Int|Id|Map|List|Set)"
+    r"|u?int\d{1,3}|bytes\d{1,2}|float\d{2}|UUIDv\d"
+)
+_CHAIN = re.compile(_CODE_PART + r"(?:\." + _CODE_PART + r"){1,8}")  # (``config.db_password``)
 _NOT_CODE = r"(?!" + _CODE_PART + r"(?:\." + _CODE_PART + r"){1,8}(?![^\s,;\\\"`)]))"
 # Where code is as likely as a setting (INI, YAML: ``token: TokenType``, ``self.password =
 # password``), an unquoted value must hold a digit or be 20 characters or more.
@@ -312,7 +319,7 @@ _PAIR_VALUE_YAML = re.compile(
     + _QUOTED
     # (words and the blanks between, each run taken whole: a long run of blanks was tried at
     # each of its places, quadratic; then a comment)
-    + r"|([^\s'\"#|>](?:[^\s#]|(?<![ \t])#)*+(?:[ \t]++(?:[^\s#]|(?<![ \t])#)++)*+))"
+    + r"|([^\s'\"#|>](?:[^ \t\r\n#]|(?<![ \t])#)*+(?:[ \t]++(?:[^ \t\r\n#]|(?<![ \t])#)++)*+))"
     + r"[ \t]*+(?:#[^\n]*)?(?=\r|\n|\Z)"
 )
 _PAIR_NAME_XML = re.compile(r"(?:\A|\s)(?:key|name)=\"\Z")
@@ -330,7 +337,10 @@ _PLACEHOLDER = re.compile(
 # A credential's name as a call's first argument and a quoted literal its second: PHP's
 # ``define( 'DB_PASSWORD', '…' )`` (wp-config.php), ``os.environ.setdefault("API_KEY", "…")``.
 _CALL_FIRST = re.compile(r"[A-Za-z0-9_.\]][ \t]?\([ \t]*['\"]\Z")
-_DOTTED = re.compile(r"[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+")  # (a module's, lower case)
+# (a module's or a setting's dotted name: no part with three digits, as a token's has)
+_DOTTED = re.compile(
+    r"(?:[A-Za-z_][A-Za-z_]*[0-9]{0,2}[A-Za-z_]*\.)+[A-Za-z_][A-Za-z_]*[0-9]{0,2}[A-Za-z_]*"
+)
 _CALL_SECOND = re.compile(r"['\"][ \t]*,[ \t]*" + _QUOTED + r"[ \t]*\)")
 # An XML element named as a credential: ``<password>…</password>`` (Maven's settings.xml).
 _ELEMENT_VALUE = re.compile(r">([^<\n]{4,512}+)</")
@@ -425,6 +435,7 @@ def _paired_value(s: str, start: int, end: int) -> tuple[int, int] | None:
                 # (a route, a path: ``route('resetPassword', '/api/v1/…')``; base64 has "/")
                 or value.startswith(("/", "./", "~/"))
                 or "://" in value
+                or _is_path(value)
                 or _DOTTED.fullmatch(value) is not None  # (a module's name: ``a.b.token_v2``)
             ):
                 return None
@@ -461,16 +472,22 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
         if _in_code(s[start:end]):
             return _plausible(s, start, end, _value_span(_INDEXED_VALUE.match(s, end + 1)))
         return None
-    if (
-        before in "'\""
-        and after == ":"
-        # (a JSON string that starts with it is a line: ``"token: TokenType"``, ``"password:
-        # Optional[str] = None"`` in an edit's arguments, are code, read below as such)
-        and _string_start(s, max(0, start - 256), start) != start
-    ):  # -H 'X-Api-Key: …' (a header in a command)
-        return _value_span(_HEADER_VALUE.match(s, end))
-    if before in "'\"" and after == ":" and s[end + 1 : end + 2] in ("'", '"'):
-        return None  # (``"secret:"``: the string ends at the colon, no value in it)
+    if before in "'\"" and after == ":":  # -H 'X-Api-Key: …' (a header in a command)
+        if s[end + 1 : end + 2] in ("'", '"'):
+            return None  # (``"secret:"``: the string ends at the colon, no value in it)
+        found = _value_span(_HEADER_VALUE.match(s, end))
+        if _string_start(s, max(0, start - 256), start) != start:
+            return found
+        # A JSON string that starts with it, an argv's ``"X-Api-Key:…"``, is a line too:
+        # its value, as a header's, must be no type (``"token: TokenType"``, ``"password:
+        # Optional[str] = None"`` in an edit's arguments): a digit in it or 20 characters, no
+        # ``[`` after it; else it is read below as a line.
+        if (
+            found is not None
+            and s[found[1] : found[1] + 1] != "["
+            and (found[1] - found[0] >= 20 or any(c.isdigit() for c in s[found[0] : found[1]]))
+        ):
+            return found
     if before in "?&" and after == "=":  # …?access_token=… (a URL's query)
         return _value_span(_QUERY_VALUE.match(s, end))
     if after == "=" and s[start:end].isupper():  # X_TOKEN=… anywhere (env, export, docker -e)
@@ -510,13 +527,14 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
                 return _passed(s, found)  # (a call's last argument: ``password=DB_PW_2)``)
         if found is None and alone:  # password: … alone on its line (YAML)
             found = _value_span(_YAML_VALUE.match(s, end))
+        if found is not None and before == "`" and _TYPE_NAME.fullmatch(s, *found) is not None:
+            return _passed(s, found)  # (Markdown quoting code: ``secretKey: Uint8Array``)
         if found is not None:
             return found if flag else _taken_or_passed(s, start, end, found)
     if (
         after == "="
         and s[end + 1 : end + 2] != "="  # (``password==x``: a comparison)
         and before in _INLINE_BEFORE
-        and not (before == '"' and opened == start)  # (a JSON string's start: a line's, above)
         and not _keyword_argument(s, lo, start)
     ):
         # name=value inside a command's line: ``--from-literal=password=…``, ``helm --set
@@ -533,6 +551,12 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
             found = _value_span(_INLINE_IN_SINGLE.match(s, end))
         elif before == '"':  # (a name that opens the string: ``"password=" + pw`` is code)
             found = _value_span(_INLINE_IN_DOUBLE.match(s, end))
+            if (
+                found is not None
+                and opened == start  # (a JSON string's start: an attribute chain is code)
+                and _CHAIN.fullmatch(s, *found) is not None
+            ):
+                return _passed(s, found)
         else:
             found = _braced_value(s, end)
             if found is None:

@@ -1762,6 +1762,13 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
             "wJalrXUtnFEMI/K7MDENG",
         ),
         ("config.set('apiKey', 'ak_live.Zk8Lm3Nq7Rs2Tv6Wx0Yz4Ab9')", "Zk8Lm3Nq7Rs2Tv6Wx0Yz4Ab9"),
+        # a fifth review's: a JSON string that starts with the name (an argv's header, an
+        # edit of a .properties file), a pair's value with a no-break space
+        ('{"args": ["-H", "X-Api-Key:abcdef0123456789abcdef"]}', "abcdef0123456789abcdef"),
+        ('{"q": "password: Zk8a9Q2m, user: bob"}', "Zk8a9Q2m"),
+        ('{"new_string": "spring.datasource.password=p@ss(w0rd)"}', "p@ss(w0rd)"),
+        ('subprocess.run(["curl", "-H", "X-Api-Key:Zk8a9Q2mP0xxYYzz", url])', "Zk8a9Q2mP0xxYYzz"),
+        ("env:\n- name: DB_PASSWORD\n  value: pass\xa0word123\n", "word123"),
     ],
 )
 def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, secret: str) -> None:
@@ -1812,6 +1819,11 @@ def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, se
         '{"old_string": "password: Optional[str] = None", "new_string": "token: TokenType"}',
         '{"content": "password=config.database_password_v2"}',
         '{"content": "password=Correct.Horse9"}',
+        # a fifth review's: a type in backticks, a path, a setting's dotted name
+        "The keypair has `secretKey: Uint8Array` and `publicKey: Uint8Array`.",
+        "Pass `password: bytes32` to it.",
+        "load('privateKey', 'keys/private_2024.pem')",
+        "setSecret('apiKey', 'App.Settings.TokenV2Provider')",
     ],
 )
 def test_what_the_fifth_reads_rules_must_leave_alone_is_left(text: str) -> None:
