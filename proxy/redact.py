@@ -338,8 +338,9 @@ _PLACEHOLDER = re.compile(
 # ``define( 'DB_PASSWORD', '…' )`` (wp-config.php), ``os.environ.setdefault("API_KEY", "…")``.
 _CALL_FIRST = re.compile(r"[A-Za-z0-9_.\]][ \t]?\([ \t]*['\"]\Z")
 # (a module's or a setting's dotted name: no part with three digits, as a token's has)
+# (possessive: each part read once, a value of 100 KB in a call is no quadratic walk)
 _DOTTED = re.compile(
-    r"(?:[A-Za-z_][A-Za-z_]*[0-9]{0,2}[A-Za-z_]*\.)+[A-Za-z_][A-Za-z_]*[0-9]{0,2}[A-Za-z_]*"
+    r"(?:[A-Za-z_]++(?:[0-9]{1,2}+[A-Za-z_]*+)?+\.)++[A-Za-z_]++(?:[0-9]{1,2}+[A-Za-z_]*+)?+"
 )
 _CALL_SECOND = re.compile(r"['\"][ \t]*,[ \t]*" + _QUOTED + r"[ \t]*\)")
 # An XML element named as a credential: ``<password>…</password>`` (Maven's settings.xml).

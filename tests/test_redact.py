@@ -1848,3 +1848,15 @@ def test_a_long_run_of_blanks_in_a_pair_s_value_costs_what_its_length_does() -> 
     began = time.process_time()
     assert "[REDACTED]" in redact_text(text)
     assert time.process_time() - began < 2.0  # (linear: ~1 ms; quadratic: ~12 s)
+
+
+def test_a_long_value_given_to_a_call_is_read_in_linear_time() -> None:
+    """A two-string call's value is asked whether it is a dotted name; that reading was
+    ambiguous in each part (its letters before or after its digits): 100 KB took seconds of the
+    log writer's thread."""
+    import time
+
+    text = "localStorage.setItem('authToken', '" + "a" * 100_000 + "1!')"
+    began = time.process_time()
+    redact_text(text)
+    assert time.process_time() - began < 2.0  # (linear: milliseconds; quadratic: ~8 s)
