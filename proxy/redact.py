@@ -183,9 +183,9 @@ _CODE_PART = (
 )
 # A type's name, as an answer quotes a field's declaration in backticks: ``Uint8Array``,
 # ``Int64Value``, ``Base64String``, Solidity's ``uint256`` and ``bytes32``
-_TYPE_NAME = re.compile(  # (words, each a capital and small letters, a number maybe)
-    r"(?:[A-Z][a-z]++[0-9]{0,2}+)+(?:Array|Value|String|Type|Buffer|Int|Id|Map|List|Set)"
-    r"|u?int\d{1,3}|bytes\d{1,2}|float\d{2}|UUIDv\d"
+_TYPE_NAME = re.compile(  # (words, each a capital and small letters, a type's width maybe)
+    r"(?:[A-Z][a-z]++(?:8|16|32|64|128|256)?+)+(?:Array|Value|String|Type|Buffer|Int|Id|Map"
+    r"|List|Set)|u?int(?:8|16|32|64|128|256)|bytes\d{1,2}|float(?:16|32|64)|UUIDv\d"
 )
 _CHAIN = re.compile(_CODE_PART + r"(?:\." + _CODE_PART + r"){1,8}")  # (``config.db_password``)
 _NOT_CODE = r"(?!" + _CODE_PART + r"(?:\." + _CODE_PART + r"){1,8}(?![^\s,;\\\"`)]))"
@@ -486,7 +486,7 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
         if (
             found is not None
             and (found[1] - found[0] >= 20 or any(c.isdigit() for c in s[found[0] : found[1]]))
-            and _CHAIN.fullmatch(s, *found) is None  # (``this.authService.token``)
+            and not _code_chain(s, *found)  # (``this.authService.token``)
             and _TYPE_NAME.fullmatch(s, *found) is None  # (``secretKey: Uint8Array``)
         ):
             return found
@@ -529,8 +529,12 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
                 return _passed(s, found)  # (a call's last argument: ``password=DB_PW_2)``)
         if found is None and alone:  # password: … alone on its line (YAML)
             found = _value_span(_YAML_VALUE.match(s, end))
-        if found is not None and _TYPE_NAME.fullmatch(s, *found) is not None:
-            return _passed(s, found)  # (a declaration: ``secretKey: Uint8Array``, in Markdown too)
+        if (
+            found is not None
+            and (before == "`" or (after == ":" and opened == start))  # (a declaration quoted)
+            and _TYPE_NAME.fullmatch(s, *found) is not None
+        ):
+            return _passed(s, found)  # (``secretKey: Uint8Array``, in Markdown or an edit's)
         if found is not None:
             return found if flag else _taken_or_passed(s, start, end, found)
     if (
@@ -599,8 +603,19 @@ def _code_at(s: str, start: int, end: int) -> bool:
     or indexed, up to the first ``,;()[`` (``config.db_password_v2,``, ``os.getenv('X')``,
     ``request.form['password']``)."""
     cut = _CODE_CUT.search(s, start, end)
-    stop = cut.start() if cut is not None else end
-    return _CHAIN.fullmatch(s, start, stop) is not None
+    return _code_chain(s, start, cut.start() if cut is not None else end)
+
+
+def _code_chain(s: str, start: int, end: int) -> bool:
+    """Whether ``s[start:end]`` is an attribute chain as code writes one: its parts names, the
+    first with no digit, none with two (``config.db_password_v2``; a dotted token,
+    ``Zk8a9Q2mP.xxYYzzT7``, ``s3cr3t.pw``, is none)."""
+    if _CHAIN.fullmatch(s, start, end) is None:
+        return False
+    parts = s[start:end].split(".")
+    return not any(c.isdigit() for c in parts[0]) and all(
+        sum(c.isdigit() for c in part) < 2 for part in parts
+    )
 
 
 _CODE_CUT: Final = re.compile(r"[,;()\[]")

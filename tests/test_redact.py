@@ -1774,6 +1774,13 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
         ("config.set('password', 'Correct.Horse.Battery9')", "Correct.Horse.Battery9"),
         ('{"new_string": "api_key: Zk8a9Q2mP0xxYYzzT7[0]"}', "Zk8a9Q2mP0xxYYzzT7"),
         ("Use `token: Q8vNz2LpRt5YkWmXc3BsHdString`", "Q8vNz2LpRt5YkWmXc3BsHd"),
+        # a seventh review's: a password shaped like a type's name outside a declaration, a
+        # dotted token at a JSON string's start
+        ("password: Xk9Value", "Xk9Value"),
+        ("mysql --password=Summer24Set -h db", "Summer24Set"),
+        ("Server=db;Database=app;User Id=sa;Password=Summer24Set;", "Summer24Set"),
+        ('{"new_string": "password: Zk8a9Q2mP.xxYYzzT7"}', "Zk8a9Q2mP.xxYYzzT7"),
+        ('{"content": "password=s3cr3t.pw(1)"}', "s3cr3t.pw"),
     ],
 )
 def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, secret: str) -> None:
