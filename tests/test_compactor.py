@@ -2960,6 +2960,16 @@ def test_a_completion_that_leaves_no_room_for_a_summary_is_relayed_unpaid(
         assert [r.status for r in small.sim.requests] == [400]  # no summary call, no retry
 
 
+def _sent(proxy: Any, messages: list[Any], session: str, **params: Any) -> httpx.Response:
+    """The history ``messages`` (and ``params``) posted through ``proxy`` under ``session``."""
+    return httpx.post(
+        proxy.base_url + "/chat/completions",
+        json={"model": MODEL, "messages": messages, **params},
+        headers={"X-Session-Id": session},
+        timeout=30,
+    )
+
+
 @contextlib.contextmanager
 def _llama_cpp(
     n_ctx: int,
@@ -3057,12 +3067,7 @@ def test_a_server_that_counts_the_prompt_alone_keeps_its_retry_whatever_max_toke
         config = {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 1000000}}}
         proxy = proxy_factory(url, config)
         msgs = history(60, output_chars=600, system_repeat=2)
-        answer = httpx.post(
-            proxy.base_url + "/chat/completions",
-            json={"model": MODEL, "messages": msgs, "max_tokens": 8192},
-            headers={"X-Session-Id": "llama"},
-            timeout=30,
-        )
+        answer = _sent(proxy, msgs, "llama", max_tokens=8192)
         assert answer.status_code == 200, answer.text
         assert seen == [400, 200, 200]  # refused, the summary call, the compacted retry
 
@@ -3078,12 +3083,7 @@ def test_a_retry_with_no_room_for_the_summary_beside_the_last_round_is_not_paid_
         proxy = proxy_factory(url, config)
         msgs = history(4, output_chars=2000, system_repeat=1)
         msgs[-1]["content"] = "x" * 15800
-        answer = httpx.post(
-            proxy.base_url + "/chat/completions",
-            json={"model": MODEL, "messages": msgs},
-            headers={"X-Session-Id": "no-room"},
-            timeout=30,
-        )
+        answer = _sent(proxy, msgs, "no-room")
         assert answer.status_code == 400
         assert seen == [400]  # no summary call, no retry
 
@@ -3115,12 +3115,7 @@ def test_a_retry_s_summary_longer_than_asked_is_cut_to_the_room_planned_for_it(
     with _llama_cpp(4096, summary_share=1.2, chinese=chinese) as (url, seen):
         config = {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 1000000}}}
         proxy = proxy_factory(url, config)
-        answer = httpx.post(
-            proxy.base_url + "/chat/completions",
-            json={"model": MODEL, "messages": _tool_rounds(13400)},
-            headers={"X-Session-Id": "long-summary"},
-            timeout=30,
-        )
+        answer = _sent(proxy, _tool_rounds(13400), "long-summary")
         assert answer.status_code == 200, answer.text
         assert seen == [400, 200, 200]  # refused, the summary call, the compacted retry
 
@@ -3148,12 +3143,7 @@ def test_a_retry_s_extractive_summary_of_a_history_in_chinese_keeps_to_its_bytes
     with _llama_cpp(4096, summary_fails=True) as (url, seen):
         config = {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 1000000}}}
         proxy = proxy_factory(url, config)
-        answer = httpx.post(
-            proxy.base_url + "/chat/completions",
-            json={"model": MODEL, "messages": msgs},
-            headers={"X-Session-Id": "extractive-chinese"},
-            timeout=30,
-        )
+        answer = _sent(proxy, msgs, "extractive-chinese")
         assert answer.status_code == 200, answer.text
         assert seen == [400, 500, 200]  # refused, the failed summary call, the compacted retry
 
@@ -3182,12 +3172,7 @@ def test_a_retry_reserves_the_summary_as_the_summarizer_models_window_asks_it(
             "models": {MODEL: {"context_window": 1000000}, "small": {"context_window": 8192}},
         }
         proxy = proxy_factory(url, config)
-        answer = httpx.post(
-            proxy.base_url + "/chat/completions",
-            json={"model": MODEL, "messages": _tool_rounds(59000)},
-            headers={"X-Session-Id": "small-summarizer"},
-            timeout=30,
-        )
+        answer = _sent(proxy, _tool_rounds(59000), "small-summarizer")
         assert answer.status_code == 200, answer.text
         assert seen == [400, 200, 200]  # refused, the summary call, the compacted retry
 
@@ -3202,12 +3187,7 @@ def test_a_retry_of_dense_text_reserves_the_summary_at_the_estimates_rate(
     with _llama_cpp(16384, density=2.0) as (url, seen):
         config = {"compaction": {"enabled": True}, "models": {MODEL: {"context_window": 1000000}}}
         proxy = proxy_factory(url, config)
-        answer = httpx.post(
-            proxy.base_url + "/chat/completions",
-            json={"model": MODEL, "messages": _tool_rounds(27000)},
-            headers={"X-Session-Id": "dense"},
-            timeout=30,
-        )
+        answer = _sent(proxy, _tool_rounds(27000), "dense")
         assert answer.status_code == 200, answer.text
         assert seen == [400, 200, 200]  # refused, the summary call, the compacted retry
 
