@@ -28,7 +28,7 @@ from proxy.eventlog import Delta, EventLogWriter, choose_delta
 from proxy.metrics import Metrics
 from proxy.pipeline import Exchange, clip_words
 from proxy.redact import known_secrets, redact_text, without_values
-from proxy.relay import CLIENT_KEY_HEADERS, PLACEHOLDER_AUTHORIZATION
+from proxy.relay import CLIENT_KEY_HEADERS, GATEWAY_KEY_HEADERS, PLACEHOLDER_AUTHORIZATION
 from proxy.sessions import CONVERSATIONS_KEPT, SessionState, SessionStore
 from proxy.usage import Usage, less
 
@@ -1370,7 +1370,7 @@ class EventLogObserver:
         if keys is None:
             # (by the key headers' values: the same few clients, request after request; ASGI
             # names are lower case, as ``upstream_request_headers`` reads them too)
-            sent = tuple(h for h in ex.upstream_headers if h[0] in CLIENT_KEY_HEADERS)
+            sent = tuple(h for h in ex.upstream_headers if h[0] in _KEY_HEADERS)
             keys = self._client_keys.get(sent)
             if keys is None:
                 if len(self._client_keys) >= _CLIENT_KEYS_KEPT:
@@ -1581,21 +1581,25 @@ class EventLogObserver:
 
 
 _PLACEHOLDER_KEY: Final = PLACEHOLDER_AUTHORIZATION.split()[-1].decode().lower()
+_KEY_HEADERS: Final = CLIENT_KEY_HEADERS | GATEWAY_KEY_HEADERS
+# (a gateway's key header that may name a scheme before the key, as ``Authorization`` does)
+_SCHEMED: Final = frozenset({b"authorization", b"helicone-auth", b"cf-aig-authorization"})
 _CLIENT_KEYS_KEPT: Final = 64
 
 
 def client_keys(headers: Iterable[tuple[bytes, bytes]] | None) -> tuple[str, ...]:
     """The values of the key headers a request went upstream with (``Authorization``'s without
-    its scheme, ``api-key``, ``x-api-key``, ``x-goog-api-key``), but cachegate's placeholder
-    and those too short to search for (``known_secrets``): a key of the client's own, which
-    the redaction's patterns need not know."""
+    its scheme, ``api-key``, ``x-api-key``, ``x-goog-api-key``, and a gateway's,
+    ``GATEWAY_KEY_HEADERS``), but cachegate's placeholder and those too short to search for
+    (``known_secrets``): a key of the client's own, which the redaction's patterns need not
+    know."""
     keys: list[str] = []
     for name, value in headers or ():
         name = name.lower()
-        if name not in CLIENT_KEY_HEADERS:
+        if name not in _KEY_HEADERS:
             continue
         text = value.decode("latin-1").strip()
-        if name == b"authorization":
+        if name in _SCHEMED:
             parts = text.split(None, 1)  # (a tab after the scheme too: HTTP allows it)
             text = parts[1].strip() if len(parts) == 2 else text
             if len(parts) == 2 and parts[0].lower() == "basic":

@@ -369,6 +369,13 @@ CLIENT_KEY_HEADERS: Final = frozenset(
     {b"authorization", b"api-key", b"x-api-key", b"x-goog-api-key"}
 )
 
+# Request headers that carry a client's key for a gateway between cachegate and the provider
+# (Helicone's, Portkey's, Cloudflare AI Gateway's): not the provider's key (cachegate still adds
+# its own beside them), but the client's all the same, never to be written in the log.
+GATEWAY_KEY_HEADERS: Final = frozenset(
+    {b"helicone-auth", b"x-portkey-api-key", b"cf-aig-authorization"}
+)
+
 
 # The key a client that must send one (the OpenAI SDKs refuse to start without) sends to have
 # cachegate's own key used instead: ``OPENAI_API_KEY=cachegate`` in the agent's environment.

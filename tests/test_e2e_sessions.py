@@ -1483,7 +1483,13 @@ def test_no_key_or_secret_reaches_any_log_file(sim: RunningSimulator, proxy_fact
 
 
 @pytest.mark.parametrize(
-    "header", ["x-api-key", "api-key", "x-goog-api-key", "authorization", "?key=", "?code="]
+    "header",
+    [
+        *("x-api-key", "api-key", "x-goog-api-key", "authorization", "?key=", "?code="),
+        # a gateway's key (Helicone's, Portkey's, Cloudflare AI Gateway's), which a gateway
+        # that refuses it quotes as well
+        *("helicone-auth", "x-portkey-api-key", "cf-aig-authorization"),
+    ],
 )
 def test_a_key_of_the_clients_own_that_the_upstream_quotes_is_never_written(
     header: str, scripted: Any, proxy_factory: Any
@@ -1507,7 +1513,7 @@ def test_a_key_of_the_clients_own_that_the_upstream_quotes_is_never_written(
         proxy.base_url + "/chat/completions" + (header + key if in_query else ""),
         json={"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]},
         headers={
-            **({} if in_query else {header: key if header != "authorization" else f"Token {key}"}),
+            **({} if in_query else {header: _SCHEMES.get(header, "") + key}),
             "X-Session-Id": "k",
         },
     )
@@ -1517,6 +1523,13 @@ def test_a_key_of_the_clients_own_that_the_upstream_quotes_is_never_written(
     assert key not in data
     (response,) = events(proxy.log_dir, "k", "response")
     assert response["error"] == "Incorrect API key provided: [REDACTED]."
+
+
+_SCHEMES = {
+    "authorization": "Token ",
+    "helicone-auth": "Bearer ",
+    "cf-aig-authorization": "Bearer ",
+}
 
 
 def test_a_query_key_is_taken_out_as_sent_and_a_query_word_is_left_alone(

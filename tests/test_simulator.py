@@ -900,7 +900,8 @@ def test_scripts_are_consumed_in_order_and_a_header_script_wins(sim: RunningSimu
 def test_requests_are_recorded_and_reset_clears_everything(sim: RunningSimulator) -> None:
     body = chat_body(long_chat(1100))
     key = "sk-proj-" + "k" * 40 + "WXYZ"
-    post(sim, body, {"X-Trace": "t-1", "Authorization": f"Bearer {key}", "api-key": key})
+    gateway = {"Helicone-Auth": f"Bearer {key}", "x-portkey-api-key": key}
+    post(sim, body, {"X-Trace": "t-1", "Authorization": f"Bearer {key}", "api-key": key, **gateway})
     recorded = httpx.get(sim.url + "/_sim/requests").json()["requests"]
     assert len(recorded) == 1
     assert recorded[0]["body"] == body
@@ -908,6 +909,8 @@ def test_requests_are_recorded_and_reset_clears_everything(sim: RunningSimulator
     # keys are not served to any local client (a cachegate in front sends the user's real one)
     assert recorded[0]["headers"]["authorization"] == "Bearer …WXYZ"
     assert recorded[0]["headers"]["api-key"] == "…WXYZ"
+    assert recorded[0]["headers"]["helicone-auth"] == "Bearer …WXYZ"  # (a gateway's key too)
+    assert recorded[0]["headers"]["x-portkey-api-key"] == "…WXYZ"
     assert key not in httpx.get(sim.url + "/_sim/requests").text
     # nor to a page whose name was re-pointed at this machine (DNS rebinding: it could read)
     rebound = httpx.get(sim.url + "/_sim/requests", headers={"Host": "evil.example:8788"})

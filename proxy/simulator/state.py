@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.relay import CLIENT_KEY_HEADERS
+from proxy.relay import CLIENT_KEY_HEADERS, GATEWAY_KEY_HEADERS
 from proxy.simulator.cache import POLICIES, CacheResult, PrefixCache
 from proxy.simulator.config import SimConfig
 from proxy.simulator.reply import Reply
@@ -56,7 +56,8 @@ class ReceivedRequest:
 
 
 _KEY_HEADERS = frozenset(
-    {name.decode() for name in CLIENT_KEY_HEADERS} | {"proxy-authorization", "cookie"}
+    {name.decode() for name in CLIENT_KEY_HEADERS | GATEWAY_KEY_HEADERS}
+    | {"proxy-authorization", "cookie"}
 )
 
 
