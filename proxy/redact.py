@@ -355,6 +355,11 @@ _BASIC_AUTH = re.compile(  # (matched at ``auth``, after a quote or ``_``)
 )
 # A name that is given a value (counted against ``_MAX_HITS``).
 _ASSIGNED = re.compile(r"""[ \t]{0,4}[=:"'\\\]]""")
+# A Markdown table's row whose first cell is a credential's name and whose second its value
+# (an answer listing settings: ``| JWT_SECRET | Zk8… |``), in backticks or not: the name's end,
+# then the value (no blank, 8 characters or more: a description or a type is left).
+_TABLE_ROW = re.compile(r"`?[ \t]*\|[ \t]*(`?)([^\s|`\\\"']{8,256}+)\1[ \t]*\|")
+_TABLE_HEAD = re.compile(r"[ \t]*\|[ \t]*`?")
 # Passwords given to commands without a name: ``curl -u user:password`` (``-U``: a proxy's),
 # ``mysql -pPASSWORD`` (found after the command's name on the same line; ``-p`` alone asks for
 # the password, ``-P`` is a port).
@@ -460,6 +465,8 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     after = s[end : end + 1]
     if after in "'\"\n\r> " and (paired := _paired_value(s, start, end)) is not None:
         return paired
+    if after in "|` \t" and (cell := _table_value(s, start, end)) is not None:
+        return cell
     if s[end : end + 2] == '\\"' and s[start - 2 : start] == '\\"':  # \"api_key\": \"…\"
         found = _value_span(_ESCAPED_JSON_VALUE.match(s, end))  # (in a JSON string)
         if found is None and _in_code(s[start:end]):
@@ -587,6 +594,32 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     literal = s.rfind("{", lo, start) > max(s.rfind("(", lo, start), s.rfind("\n", lo, start))
     pattern = _OBJECT_VALUE if literal else _CODE_VALUE
     return _plausible(s, start, end, _value_span(pattern.match(s, end)))
+
+
+def _table_value(s: str, start: int, end: int) -> tuple[int, int] | None:
+    """The span of the value in the cell after the credential name ``s[start:end]`` where that
+    name is a Markdown table row's first cell (``| DB_PASSWORD | `Zk8…` |``): a value with a
+    letter and a digit, no path, reference or placeholder; None otherwise."""
+    found = _TABLE_ROW.match(s, end)
+    if found is None:
+        return None
+    lo = max(0, start - 64)
+    line = max(_line_start(s, lo, start), _string_start(s, lo, start))  # (a JSON string's too)
+    if _TABLE_HEAD.fullmatch(s, line, start) is None:
+        return None
+    span = found.span(2)
+    value = found.group(2)
+    if (
+        not any(c.isdigit() for c in value)
+        or not any(c.isalpha() for c in value)
+        or "://" in value
+        or value[0] in "<[{$%#"  # (a placeholder: ``<your-password>``, ``{{token}}``)
+        or _is_path(value)
+        or _reference(s, *span)
+        or _PLACEHOLDER.fullmatch(s, *span) is not None
+    ):
+        return None
+    return span
 
 
 def _basic_credentials(value: str) -> bool:
@@ -867,6 +900,7 @@ def _redact_named(s: str, lowered: str) -> str:
                     or (s[end : end + 1] in (" ", "\t") and s[start - 2 : start] == "--")
                     or (s[end : end + 1] == " " and s[start:end].lower() == "password")
                     or _GO_STRING.match(s, end) is not None  # (``var apiKey string = "…"``)
+                    or _TABLE_ROW.match(s, end) is not None  # (``| API_KEY | Zk8… |``)
                 )
             )
             if (
@@ -1023,7 +1057,8 @@ _SUFFIX: Final = rb"(?:[_-]?(?:v\d+|base|ids?|hash))?"
 # ``value: …``: a line end, escaped in JSON text, then ``value:``; and Go's ``apiKey string =``)
 _ASSIGNED_BYTES: Final = (
     rb"""(?:\\*["']|(?:\s|\\+t)*[=:]|\\+u003d"""
-    rb"""|[ \t]*(?:\\+r)?\\+n(?:[ \t]|\\+t)*value:|[ \t]*\r?\n[ \t]*value:|[ \t]+string[ \t]*=|>)"""
+    rb"""|[ \t]*(?:\\+r)?\\+n(?:[ \t]|\\+t)*value:|[ \t]*\r?\n[ \t]*value:|[ \t]+string[ \t]*=|>"""
+    rb"""|`?[ \t]*\|)"""
 )
 _NAMED_BYTES: Final = (
     # key", key\", key\\\" (nested), key', key=; keys", key_id", token_hash" (not tokens": a count)

@@ -1665,6 +1665,10 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
         ("Set `STRIPE_WEBHOOK_SECRET=Wh00kS3cr3t9zLq2Mv7` before starting.", "Wh00kS3cr3t9zLq2Mv7"),
         ("The admin password is (ADMIN_PASSWORD=P4r3nAdm1n9zLq2).", "P4r3nAdm1n9zLq2"),
         ("- `password: X9kd8s7f6g5h`", "X9kd8s7f6g5h"),
+        # and in a Markdown table: the name's cell first, its value's next
+        ("| Variable | Value |\n|---|---|\n| JWT_SECRET | Jwt5ecr3tZk8aQ2 |\n", "Jwt5ecr3tZk8aQ2"),
+        ("| `DB_PASSWORD` | `Tr0ub4dor&3xq` | the database's |", "Tr0ub4dor&3xq"),
+        ("|api_key|Zk8aQ2mP9xLw|prod|", "Zk8aQ2mP9xLw"),
         # Kubernetes' env, ECS's and CloudFormation's name/value pairs
         (
             "        - name: DB_PASSWORD\n          value: K8sEnvPw9zLq2Mx\n",
@@ -1841,6 +1845,14 @@ def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, se
         '{"new_string": "password=self.password,\\n        host=self.host,"}',
         '{"new_string": "api_key=os.getenv(\'OPENAI_API_KEY\'),"}',
         '{"content": "password=os.environ[\'PW\']"}',
+        # a Markdown table's rows that describe settings, or give no value of their own
+        "| API_KEY | string | Required. The key |",
+        "| SECRET_KEY | ${SECRET_KEY} |",
+        "| DB_PASSWORD | <your-password-1> |",
+        "| TOKEN_TTL_2 | 3600 |",
+        "| OPENAI_API_KEY | v1.2.3 |",
+        "| PORT | 8080 | the password's 8080 |",
+        "| x | API_KEY | Zk8aQ2mP9xLw |",  # (the name not in the first cell: unknown)
     ],
 )
 def test_what_the_fifth_reads_rules_must_leave_alone_is_left(text: str) -> None:
