@@ -360,6 +360,10 @@ _ASSIGNED = re.compile(r"""[ \t]{0,4}[=:"'\\\]]""")
 # then the value (no blank, 8 characters or more: a description or a type is left).
 _TABLE_ROW = re.compile(r"`?[ \t]*\|[ \t]*(`?)([^\s|`\\\"']{8,256}+)\1[ \t]*\|")
 _TABLE_HEAD = re.compile(r"[ \t]*\|[ \t]*`?")
+# A ``Cookie`` or ``Set-Cookie`` header (``curl -v``'s ``> Cookie: …``, ``-H 'Cookie: …'``, a
+# JSON dump of headers): its name, then its value's pairs, each a session's token maybe.
+_COOKIE_HEADER = re.compile(r'(?i:cookie)(?:\\*")?[ \t]*:[ \t]*(?:\\*")?')
+_COOKIE_PAIR = re.compile(r"[ \t]*[!#$%&*+.^_|~0-9A-Za-z-]{1,64}=([^\s;\"',\\]{1,4096}+)[ \t]*;?")
 # Passwords given to commands without a name: ``curl -u user:password`` (``-U``: a proxy's),
 # ``mysql -pPASSWORD`` (found after the command's name on the same line; ``-p`` alone asks for
 # the password, ``-P`` is a port).
@@ -620,6 +624,36 @@ def _table_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     ):
         return None
     return span
+
+
+def _cookie_values(s: str, lowered: str, at: int) -> list[tuple[int, int]]:
+    """The spans of the values a ``Cookie`` header at ``s[at]`` gives that look like a token
+    (16 characters or more, a letter and a digit: ``theme=dark`` stays), or of a
+    ``Set-Cookie``'s cookie (its first pair: the rest are its attributes)."""
+    setting = at >= 4 and lowered.startswith(("set-", "set_"), at - 4)
+    if at and (s[at - 1].isalnum() or s[at - 1] == "_") and not setting:
+        return []  # (``mycookie:``, a name of its own)
+    header = _COOKIE_HEADER.match(s, at)
+    if header is None:
+        return []
+    spans = []
+    pos = header.end()
+    while True:  # (pair by pair: linear in the header's length)
+        pair = _COOKIE_PAIR.match(s, pos)
+        if pair is None:
+            break
+        value = pair.group(1)
+        if (
+            len(value) >= 16
+            and any(c.isdigit() for c in value)
+            and any(c.isalpha() for c in value)
+            and not _reference(s, *pair.span(1))
+        ):
+            spans.append(pair.span(1))
+        if setting:  # (Set-Cookie: one cookie, then its attributes)
+            break
+        pos = pair.end()
+    return spans
 
 
 def _basic_credentials(value: str) -> bool:
@@ -928,6 +962,10 @@ def _redact_named(s: str, lowered: str) -> str:
             if pair is not None and _basic_credentials(pair.group(1)):
                 spans.append(pair.span(1))
         at = s.find("auth", at + 4)
+    at = lowered.find("cookie")
+    while at >= 0:  # (each looks no further than the header's value)
+        spans += _cookie_values(s, lowered, at)
+        at = lowered.find("cookie", at + 6)
     at = lowered.find("authorization")
     while at >= 0:
         span = _value_span(_AUTHORIZATION.match(s, at))
@@ -1078,6 +1116,8 @@ _NAMED_BYTES: Final = (
     re.compile(rb"pwd" + _SUFFIX + _ASSIGNED_BYTES),  # MYSQL_PWD=, pwd_hash"
     # a flag and its value apart: --api-key VALUE, --token VALUE
     re.compile(rb"--[a-z0-9_.-]{0,60}?(?:key|token|pass|secret|pwd)" + _SUFFIX + rb"(?: |\\+t)"),
+    # a Cookie or Set-Cookie header, its value's cookies maybe a session's tokens
+    re.compile(rb'cookie(?:\\*")?(?:[ \t]|\\+t)*:'),
     # Docker's "auth": "…" and .npmrc's _auth=… (a user and a password in base64)
     re.compile(rb'auth(?<=["_]auth)\\*"?(?:[ \t]|\\+t)*[=:]'),
 )

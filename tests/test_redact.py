@@ -1669,6 +1669,11 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
         ("| Variable | Value |\n|---|---|\n| JWT_SECRET | Jwt5ecr3tZk8aQ2 |\n", "Jwt5ecr3tZk8aQ2"),
         ("| `DB_PASSWORD` | `Tr0ub4dor&3xq` | the database's |", "Tr0ub4dor&3xq"),
         ("|api_key|Zk8aQ2mP9xLw|prod|", "Zk8aQ2mP9xLw"),
+        # a session's cookie: curl -v's header lines, a -H, a JSON dump of headers
+        ("> Cookie: theme=dark; session=k2j3h4g5f6d7s8a9qwerty12\n", "k2j3h4g5f6d7s8a9qwerty12"),
+        ("< Set-Cookie: connect.sid=s%3AabcDEF123456.xyz789; Path=/", "s%3AabcDEF123456.xyz789"),
+        ("curl -H 'Cookie: sid=Zk8aQ2mP9xLwAbCdEf12' localhost", "Zk8aQ2mP9xLwAbCdEf12"),
+        ('{"headers": {"cookie": "sid=Zk8aQ2mP9xLwAbCdEf12"}}', "Zk8aQ2mP9xLwAbCdEf12"),
         # Kubernetes' env, ECS's and CloudFormation's name/value pairs
         (
             "        - name: DB_PASSWORD\n          value: K8sEnvPw9zLq2Mx\n",
@@ -1853,6 +1858,11 @@ def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, se
         "| OPENAI_API_KEY | v1.2.3 |",
         "| PORT | 8080 | the password's 8080 |",
         "| x | API_KEY | Zk8aQ2mP9xLw |",  # (the name not in the first cell: unknown)
+        # a cookie that is no token, a Set-Cookie's attributes, a cookie named in prose
+        "> Cookie: theme=dark; lang=en-GB; tz=Europe/London\n",
+        "< Set-Cookie: a=1; Expires=Wed, 21 Oct 2026 07:28:00 GMT; Max-Age=31536000000",
+        "The cookie: it sets a=b on login; document.cookie: 'x=1'",
+        "mycookie: name=Zk8aQ2mP9xLwAbCdEf12",
     ],
 )
 def test_what_the_fifth_reads_rules_must_leave_alone_is_left(text: str) -> None:
