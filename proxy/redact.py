@@ -626,6 +626,66 @@ def _table_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     return span
 
 
+# A Kubernetes Secret (``kubectl get secret -o yaml`` or ``-o json``): every value under its
+# ``data`` (base64) and ``stringData`` is a secret, whatever its name (``DATABASE_URL``,
+# ``config.json``). kubectl writes ``data`` before ``kind``: the whole text is looked at.
+_K8S_SECRET: Final = re.compile(r"""kind:[ \t]*["']?Secret\b|"kind"[ \t]*:[ \t]*"Secret(?=")""")
+_YAML_DATA: Final = re.compile(r"^([ \t]*)(?:data|stringData):[ \t]*\r?$", re.M)
+_YAML_KEY: Final = re.compile(  # (its value is read by hand: to the line's end, linear)
+    r"""[ \t]*(?:"[^"\n]{1,253}"|'[^'\n]{1,253}'|[^\s:#'"][^:\n]{0,252}):(?=[ \t\r]|$)""",
+    re.M,
+)
+_BLOCK_SCALAR: Final = re.compile(r"[|>][-+0-9]{0,3}")
+_JSON_DATA: Final = re.compile(r'"(?:data|stringData)"[ \t\r\n]*:[ \t\r\n]*\{')
+_JSON_ENTRY: Final = re.compile(
+    r'[ \t\r\n]*"(?:[^"\\\n]|\\.){1,253}"[ \t\r\n]*:[ \t\r\n]*"((?:[^"\\\n]|\\.)*+)"[ \t\r\n]*,?'
+)
+
+
+def _secret_data(s: str) -> list[tuple[int, int]]:
+    """The spans of the values under a Kubernetes Secret's ``data`` and ``stringData`` in
+    ``s`` (YAML or JSON; a text that says ``kind: Secret``): each line's value, a block
+    scalar's lines whole."""
+    spans: list[tuple[int, int]] = []
+    for block in _YAML_DATA.finditer(s):
+        indent = len(block.group(1).expandtabs())
+        pos = block.end() + 1
+        entry_indent = -1
+        scalar = -1  # (a block scalar's key's indent: its lines are deeper)
+        while pos < len(s):
+            eol = s.find("\n", pos)
+            eol = len(s) if eol < 0 else eol
+            line = s[pos:eol]
+            stripped = line.strip()
+            depth = len(line) - len(line.lstrip(" \t"))
+            if stripped and depth <= indent:
+                break
+            if stripped and scalar >= 0 and depth > scalar:
+                spans.append((pos + depth, pos + len(line.rstrip("\r \t"))))
+            elif stripped and not stripped.startswith("#"):
+                key = _YAML_KEY.match(s, pos, eol)
+                if key is None or (entry_indent >= 0 and depth != entry_indent):
+                    break
+                entry_indent, scalar = depth, -1
+                value = s[key.end() : eol].strip(" \t\r")
+                start = s.find(value, key.end(), eol) if value else -1
+                if _BLOCK_SCALAR.fullmatch(value) is not None:
+                    scalar = depth
+                elif len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                    if len(value) > 2 and not _reference(s, start + 1, start + len(value) - 1):
+                        spans.append((start + 1, start + len(value) - 1))
+                elif value and not _reference(s, start, start + len(value)):
+                    spans.append((start, start + len(value)))
+            pos = eol + 1
+    for block in _JSON_DATA.finditer(s):
+        pos = block.end()
+        while (entry := _JSON_ENTRY.match(s, pos)) is not None:
+            if entry.group(1):
+                spans.append(entry.span(1))
+            pos = entry.end()
+    return spans
+
+
 def _cookie_values(s: str, lowered: str, at: int) -> list[tuple[int, int]]:
     """The spans of the values a ``Cookie`` header at ``s[at]`` gives that look like a token
     (16 characters or more, a letter and a digit: ``theme=dark`` stays), or of a
@@ -912,6 +972,8 @@ _MAX_HITS: Final = 1000
 
 def _redact_named(s: str, lowered: str) -> str:
     spans: list[tuple[int, int]] = []
+    if "secret" in lowered and _K8S_SECRET.search(s) is not None:
+        spans += _secret_data(s)
     hits = 0
     for word in _NAME_WORDS:
         at = lowered.find(word)
