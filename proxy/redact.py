@@ -686,6 +686,70 @@ def _secret_data(s: str) -> list[tuple[int, int]]:
     return spans
 
 
+# Terraform's sensitive outputs, as ``terraform output -json`` (``"sensitive": true, "type": …,
+# "value": …``) and its state (``"value": …, "type": …, "sensitive": true``) write them, and a
+# ``random_password``'s ``result`` in its state or ``terraform show -json``.
+_JSON_GAP = r"[ \t\r\n]*"
+_JSON_TEXT = r'"((?:[^"\\\n]|\\.)*+)"'
+_TYPE_FIELD = '"type"' + _JSON_GAP + ":" + _JSON_GAP + r'"[^"\n]{0,64}"'
+_SENSITIVE_FIRST: Final = re.compile(
+    '"sensitive"'
+    + _JSON_GAP
+    + ":"
+    + _JSON_GAP
+    + "true"
+    + _JSON_GAP
+    + ","
+    + _JSON_GAP
+    + _TYPE_FIELD
+    + _JSON_GAP
+    + ","
+    + _JSON_GAP
+    + '"value"'
+    + _JSON_GAP
+    + ":"
+    + _JSON_GAP
+    + _JSON_TEXT
+)
+_VALUE_FIRST: Final = re.compile(
+    '"value"'
+    + _JSON_GAP
+    + ":"
+    + _JSON_GAP
+    + _JSON_TEXT
+    + _JSON_GAP
+    + ","
+    + _JSON_GAP
+    + _TYPE_FIELD
+    + _JSON_GAP
+    + ","
+    + _JSON_GAP
+    + '"sensitive"'
+    + _JSON_GAP
+    + ":"
+    + _JSON_GAP
+    + "true"
+)
+_RESULT: Final = re.compile('"result"' + _JSON_GAP + ":" + _JSON_GAP + _JSON_TEXT)
+_RANDOM_PASSWORD: Final = re.compile(r'"random_password"')
+
+
+def _terraform_values(s: str, lowered: str) -> list[tuple[int, int]]:
+    """The spans of Terraform's sensitive values in ``s``: a sensitive output's string value, a
+    ``random_password``'s ``result`` (the first after its type's name, 4 KB on at most)."""
+    spans: list[tuple[int, int]] = []
+    if '"sensitive"' in lowered:
+        for pattern in (_SENSITIVE_FIRST, _VALUE_FIRST):
+            spans += (found.span(1) for found in pattern.finditer(s) if found.group(1))
+    named = _RANDOM_PASSWORD.search(s)
+    while named is not None:  # (each stretch of text looked through once)
+        result = _RESULT.search(s, named.end(), named.end() + 4096)
+        if result is not None and result.group(1):
+            spans.append(result.span(1))
+        named = _RANDOM_PASSWORD.search(s, result.end() if result else named.end() + 4096)
+    return spans
+
+
 def _cookie_values(s: str, lowered: str, at: int) -> list[tuple[int, int]]:
     """The spans of the values a ``Cookie`` header at ``s[at]`` gives that look like a token
     (16 characters or more, a letter and a digit: ``theme=dark`` stays), or of a
@@ -974,6 +1038,8 @@ def _redact_named(s: str, lowered: str) -> str:
     spans: list[tuple[int, int]] = []
     if "secret" in lowered and _K8S_SECRET.search(s) is not None:
         spans += _secret_data(s)
+    if '"sensitive"' in lowered or "random_password" in lowered:
+        spans += _terraform_values(s, lowered)
     hits = 0
     for word in _NAME_WORDS:
         at = lowered.find(word)
@@ -1178,6 +1244,8 @@ _NAMED_BYTES: Final = (
     re.compile(rb"pwd" + _SUFFIX + _ASSIGNED_BYTES),  # MYSQL_PWD=, pwd_hash"
     # a flag and its value apart: --api-key VALUE, --token VALUE
     re.compile(rb"--[a-z0-9_.-]{0,60}?(?:key|token|pass|secret|pwd)" + _SUFFIX + rb"(?: |\\+t)"),
+    # Terraform's sensitive output (``terraform output -json``, its state)
+    re.compile(rb'sensitive\\*"(?:[ \t\r\n]|\\+[rnt])*:(?:[ \t\r\n]|\\+[rnt])*true'),
     # a Cookie or Set-Cookie header, its value's cookies maybe a session's tokens
     re.compile(rb'cookie(?:\\*")?(?:[ \t]|\\+t)*:'),
     # Docker's "auth": "…" and .npmrc's _auth=… (a user and a password in base64)

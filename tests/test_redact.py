@@ -1679,6 +1679,21 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
             '{\n  "data": {\n    "app.conf": "dXNlcjpodW50ZXIy"\n  },\n  "kind": "Secret"\n}',
             "dXNlcjpodW50ZXIy",
         ),
+        # Terraform's sensitive output (``output -json``, its state) and random_password
+        (
+            '{\n  "conn": {\n    "sensitive": true,\n    "type": "string",\n    "value": '
+            '"Tf0utVal9zLq2"\n  }\n}',
+            "Tf0utVal9zLq2",
+        ),
+        (
+            '"outputs": {"c": {"value": "St4t3Val9zLq", "type": "string", "sensitive": true}}',
+            "St4t3Val9zLq",
+        ),
+        (
+            '{"type": "random_password", "name": "db", "instances": [{"attributes": '
+            '{"bcrypt_hash": "x", "length": 16, "result": "R4nd0mVal9zLq"}}]}',
+            "R4nd0mVal9zLq",
+        ),
         # a session's cookie: curl -v's header lines, a -H, a JSON dump of headers
         ("> Cookie: theme=dark; session=k2j3h4g5f6d7s8a9qwerty12\n", "k2j3h4g5f6d7s8a9qwerty12"),
         ("< Set-Cookie: connect.sid=s%3AabcDEF123456.xyz789; Path=/", "s%3AabcDEF123456.xyz789"),
@@ -1871,6 +1886,8 @@ def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, se
         # a Secret's templated or referenced data (a Helm chart); a ConfigMap's
         'kind: Secret\ndata:\n  p: {{ .Values.password | b64enc }}\n  q: "${DB_PW}"\n',
         "kind: ConfigMap\ndata:\n  LOG_LEVEL: debug\n  APP_SECRET_NAME: app-creds\n",
+        # Terraform's output that is not sensitive
+        '{"url": {"sensitive": false, "type": "string", "value": "https://app.example.com"}}',
         # a cookie that is no token, a Set-Cookie's attributes, a cookie named in prose
         "> Cookie: theme=dark; lang=en-GB; tz=Europe/London\n",
         "< Set-Cookie: a=1; Expires=Wed, 21 Oct 2026 07:28:00 GMT; Max-Age=31536000000",
