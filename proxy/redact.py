@@ -128,14 +128,17 @@ _NAMED_KEY = (
 )
 _NAME_END = r"(?:[_-]?(?:v\d+|base|id|hash))?\Z"
 _CREDENTIAL_NAME = re.compile(
-    r"(?:passw(?:or)?d|pwd|secrets?|tokens?|[_.-](?:pass|keys?)|" + _NAMED_KEY + ")" + _NAME_END
+    r"(?:passw(?:or)?d|pwd|secrets?|tokens?|(?:\A|[_.-])pass|[_.-]keys?|"
+    + _NAMED_KEY
+    + ")"
+    + _NAME_END
 )
 # In code, where any ``…_key`` may be named so (``edge_key="weight"``, ``sort_key=…``), a name in
 # lower or mixed case must say more: a password, secret or token, ``pass`` after a separator, or
 # a key with a known prefix (``api_key``, ``apiKey``, ``private_key``); ``OPENAI_KEY`` in upper
 # case is a constant and counts.
 _CODE_CREDENTIAL_NAME = re.compile(
-    r"(?:passw(?:or)?d|pwd|secrets?|tokens?|[_.-]pass|" + _NAMED_KEY + ")" + _NAME_END
+    r"(?:passw(?:or)?d|pwd|secrets?|tokens?|(?:\A|[_.-])pass|" + _NAMED_KEY + ")" + _NAME_END
 )
 # ...but these are no credentials' names.
 # (Each word starts the name or follows a separator: ``n_tokens`` is a count, ``session_token``
@@ -407,7 +410,7 @@ _COMMANDS: Final = (
 )
 # A bare ``token`` or ``pwd`` in code is as often a grammar's token type or a path:
 # ``{ token: "comment" }``, ``pwd = "/srv/app"``; its value must look like a credential.
-_BARE_NAMES: Final = frozenset({"token", "tokens", "pwd"})
+_BARE_NAMES: Final = frozenset({"token", "tokens", "pwd", "pass"})
 
 
 def _value_span(found: re.Match[str] | None) -> tuple[int, int] | None:
@@ -479,6 +482,8 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     if after == before and after in "'\"":
         if after == '"':  # "client_secret": "…" (JSON)
             found = _value_span(_JSON_VALUE.match(s, end + 1))
+            if found is not None and s[start:end].lower() == "pass":  # ("pass": "passed")
+                found = _plausible(s, start, end, found)
             if found is not None:
                 return found
         if _in_code(s[start:end]):
@@ -923,7 +928,12 @@ def _plausible(
     if any(c.isspace() for c in value) or not any(c.isdigit() for c in value):
         return None
     if bare:  # (a path or a markup is no token; a key's base64 may well start with "/")
-        return None if value[0] in "/<.#" else span
+        if value[0] in "/<.#":
+            return None
+        # (nodemailer's ``pass: '…'``; not a count, ``Pass: 142``: a letter, 8 characters)
+        if name.lower() == "pass" and (len(value) < 8 or not any(c.isalpha() for c in value)):
+            return None
+        return span
     return span if len(value) >= 16 and not _is_path(value) else None
 
 
@@ -1241,6 +1251,8 @@ _NAMED_BYTES: Final = (
     # DB_PASS=, db-pass", x.pass_v2= (the literal first: a leading class is searched ~10x as
     # slowly)
     re.compile(rb"pass(?<=[_.-]pass)" + _SUFFIX + _ASSIGNED_BYTES),
+    # a bare pass= or pass: (nodemailer's ``auth: {user, pass: '…'}``)
+    re.compile(rb"pass(?<![a-z0-9_.-]pass)" + _ASSIGNED_BYTES),
     re.compile(rb"pwd" + _SUFFIX + _ASSIGNED_BYTES),  # MYSQL_PWD=, pwd_hash"
     # a flag and its value apart: --api-key VALUE, --token VALUE
     re.compile(rb"--[a-z0-9_.-]{0,60}?(?:key|token|pass|secret|pwd)" + _SUFFIX + rb"(?: |\\+t)"),

@@ -1694,6 +1694,10 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
             '{"bcrypt_hash": "x", "length": 16, "result": "R4nd0mVal9zLq"}}]}',
             "R4nd0mVal9zLq",
         ),
+        # a bare ``pass`` (nodemailer's SMTP auth, a TOML section's)
+        ("  auth: { user: 'me@x.com', pass: 'Sm7pPassw0rdX' }", "Sm7pPassw0rdX"),
+        ('[smtp]\npass = "Sm7pPassw0rdX"\n', "Sm7pPassw0rdX"),
+        ('{"user": "me", "pass": "Sm7pPassw0rdX"}', "Sm7pPassw0rdX"),
         # a session's cookie: curl -v's header lines, a -H, a JSON dump of headers
         ("> Cookie: theme=dark; session=k2j3h4g5f6d7s8a9qwerty12\n", "k2j3h4g5f6d7s8a9qwerty12"),
         ("< Set-Cookie: connect.sid=s%3AabcDEF123456.xyz789; Path=/", "s%3AabcDEF123456.xyz789"),
@@ -1886,6 +1890,12 @@ def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, se
         # a Secret's templated or referenced data (a Helm chart); a ConfigMap's
         'kind: Secret\ndata:\n  p: {{ .Values.password | b64enc }}\n  q: "${DB_PW}"\n',
         "kind: ConfigMap\ndata:\n  LOG_LEVEL: debug\n  APP_SECRET_NAME: app-creds\n",
+        # a bare ``pass`` that is no credential: a count, a result, a keyword, a reference
+        "Pass: 142\nFail: 3\n",
+        '{"status": "pass", "pass": 12, "result": {"pass": "passed"}}',
+        "try:\n    run()\nexcept OSError:\n    pass\n",
+        "pass: process.env.SMTP_PASS",
+        'bypass: "Zk8aQ2mP9xLw"',
         # Terraform's output that is not sensitive
         '{"url": {"sensitive": false, "type": "string", "value": "https://app.example.com"}}',
         # a cookie that is no token, a Set-Cookie's attributes, a cookie named in prose
