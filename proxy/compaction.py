@@ -390,6 +390,14 @@ def find_cut(
     return Cut(start, end)
 
 
+def launching_message(
+    messages: Sequence[Message], prefixes: Sequence[str] = DEFAULT_SYNTHETIC_PREFIXES
+) -> int | None:
+    """The index of the message that launched the current task (``find_cut``'s anchor): the
+    latest user message that is the user's, past the leading system/developer ones."""
+    return _last_real_user(messages, leading_count(messages), prefixes)
+
+
 def _last_real_user(messages: Sequence[Message], start: int, prefixes: Sequence[str]) -> int | None:
     """The latest user message that is the user's: not cachegate's own, and not a screenshot a
     tool loop sends as a user message of images (or other media) alone (browser agents)."""

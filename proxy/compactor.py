@@ -540,6 +540,9 @@ class Compactor:
                     break
             keep = cfg.keep_recent
         anchored: compaction.Plan | None = None  # the last that kept it and fits the window
+        # (kept: a plan asked to keep it does not where the messages after it are over
+        # ``max_anchor_chars``; the launching message summarized was taken for kept)
+        launching = compaction.launching_message(messages, SYNTHETIC_PREFIXES)
         while (
             limit
             and keep > 1
@@ -552,7 +555,12 @@ class Compactor:
                     plan = smaller
                     if self._fits(messages, smaller.cut, limit, extra):
                         break
-                    if anchor and self._fits(messages, smaller.cut, window, extra):
+                    if (
+                        anchor
+                        and launching is not None
+                        and not smaller.cut.start <= launching < smaller.cut.end
+                        and self._fits(messages, smaller.cut, window, extra)
+                    ):
                         anchored = smaller
         if (
             limit

@@ -1197,6 +1197,43 @@ def test_the_task_stays_verbatim_when_the_latest_round_alone_is_over_the_aim(
     assert all(sent[:2] == msgs[:2] for sent in chats)
 
 
+def test_a_later_instruction_stays_verbatim_when_large_outputs_follow_it(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """The user's latest instruction, then one round of two 22 KB outputs: no plan comes under
+    the aim, and the plan taken as keeping the instruction verbatim was one that kept only the
+    round (the outputs after it over ``max_anchor_chars``, the instruction was summarized): a
+    62-character instruction the history fitted the window with was lost to the summary."""
+    with run_simulator(SimConfig(context_window=16_000)) as small:
+        config = {
+            "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 8},
+            "models": {MODEL: {"context_window": 16_000}},
+        }
+        proxy = proxy_factory(small.api_base, config)
+        code = "def function_name(argument): return argument.value\n"
+        msgs: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "Refactor the module to use dataclasses."},
+        ]
+        for i in range(6):
+            msgs += _parallel_round(i, 1, 0)
+            msgs[-1]["content"] = f"F{i} " + code * 58
+        instruction = "IMPORTANT: do not touch legacy.py. Now read the two big files."
+        msgs += [
+            {"role": "assistant", "content": "Done with the small files."},
+            {"role": "user", "content": instruction},
+            *_parallel_round(6, 2, 0),
+        ]
+        msgs[-2]["content"] = msgs[-1]["content"] = "F6 " + code * 423  # (22 KB each)
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "later"}
+        )
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        forwarded = small.sim.requests[-1].body["messages"]
+        assert str(forwarded[1]["content"]).startswith(SUMMARY_MARKER)
+        assert forwarded[2:] == msgs[-4:]  # the instruction, then the round, verbatim
+
+
 def test_a_long_task_stays_verbatim_beside_fewer_latest_messages_where_that_fits(
     sdk: Any, proxy_factory: Any
 ) -> None:
