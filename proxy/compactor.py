@@ -101,7 +101,23 @@ def _summary_key(start: int, end: int, digest: str) -> str:
 
 
 def _key(comp: compaction.Compaction) -> str:
-    return comp.opening + comp.prefix_digest
+    """Where a session holds ``comp``: by its opening and covered prefix, past the leading
+    messages (the same compaction moved to another count of them, ``_at_lead``, is held in
+    its place)."""
+    return comp.opening.partition(":")[2] + comp.prefix_digest
+
+
+def _at_lead(comp: compaction.Compaction, lead: int) -> compaction.Compaction:
+    """``comp`` as it applies to a history that opens with ``lead`` system/developer messages:
+    its places moved by the difference from the count it was made with (its opening's
+    ``"N:"``); its digests, which begin past them, are the same."""
+    made, _, opened = comp.opening.partition(":")
+    if not made.isdigit() or int(made) == lead:
+        return comp
+    shift = lead - int(made)
+    return dataclasses.replace(
+        comp, start=comp.start + shift, covered=comp.covered + shift, opening=f"{lead}:{opened}"
+    )
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -995,13 +1011,20 @@ class Compactor:
         # rewind and a return to the branch undone, not the one the rewind used). Tried from
         # the least covered on, each digest resumed from the one before: sub-agents fanned out
         # with one task, taking turns, each had the history hashed again from its start per
-        # compaction tried (25 ms a request with 32 of 272 KB histories; now one pass).
+        # compaction tried (25 ms a request with 32 of 272 KB histories; now one pass). One
+        # made where the history had more or fewer leading system/developer messages (an
+        # environment message added after the system prompt) is moved by as many places: its
+        # digests begin past them (a new summary was paid for, the cache lost).
+        opened = opening.partition(":")[2]
         tried = sorted(
             (
                 comp
-                for comp, _ in held.values()
-                if comp.opening == opening
-                and comp.covered < len(messages)
+                for comp in (
+                    _at_lead(comp, lead)
+                    for comp, _ in held.values()
+                    if comp.opening.partition(":")[2] == opened
+                )
+                if comp.covered < len(messages)
                 and (best is None or comp.covered > best[0].covered)
             ),
             key=lambda comp: comp.covered,

@@ -3386,3 +3386,42 @@ def test_with_keep_recent_1_a_kept_later_instruction_does_not_stop_compaction(
                 {"role": "tool", "tool_call_id": call.id, "content": output(turn)},
             ]
         assert max(prompts[20:]) < 6000  # compacted again each time it reached the trigger
+
+
+@pytest.mark.parametrize("change", ["added", "removed"])
+def test_a_leading_message_added_or_removed_keeps_the_compaction(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any, change: str
+) -> None:
+    """An agent that adds an environment message after its system prompt (or drops one) on a
+    later turn: the compaction's places counted from the history's start, so it no longer
+    matched, and a new summary was paid for (and the provider's cache lost) though the
+    messages it covers were the same."""
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    c = sdk(proxy.base_url, default_headers={"X-Session-Id": f"lead-{change}"})
+    msgs = history(18)
+    environment = {"role": "system", "content": "<env>cwd=/repo</env>"}
+    if change == "removed":
+        msgs.insert(1, environment)
+    raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=msgs)
+    assert raw.headers["x-cachegate-compacted"] == "1"
+    summary = sim.sim.requests[-1].body["messages"][2 if change == "removed" else 1]
+    assert str(summary["content"]).startswith(SUMMARY_MARKER)
+    if change == "removed":
+        del msgs[1]
+    else:
+        msgs.insert(1, environment)
+    msgs += [{"role": "assistant", "content": "Next."}, {"role": "user", "content": "Go on."}]
+    summaries = _summary_calls(sim)
+    raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=msgs)
+    assert raw.headers["x-cachegate-compacted"] == "1"
+    assert _summary_calls(sim) == summaries  # no new summary call
+    lead = 2 if change == "added" else 1
+    forwarded = sim.sim.requests[-1].body["messages"]
+    assert forwarded[:lead] == msgs[:lead] and forwarded[lead] == summary
+    assert forwarded[-4:] == msgs[-4:]
+
+
+def _summary_calls(sim: RunningSimulator) -> int:
+    return sum(
+        1 for r in sim.sim.requests if r.body["messages"][0]["content"] == SUMMARIZER_SYSTEM_PROMPT
+    )
