@@ -1024,8 +1024,7 @@ class Compactor:
                     for comp, _ in held.values()
                     if comp.opening.partition(":")[2] == opened
                 )
-                if comp.covered < len(messages)
-                and (best is None or comp.covered > best[0].covered)
+                if comp.covered < len(messages) and (best is None or comp.covered > best[0].covered)
             ),
             key=lambda comp: comp.covered,
         )

@@ -361,12 +361,35 @@ _ASSIGNED = re.compile(r"""[ \t]{0,4}[=:"'\\\]]""")
 # A Markdown table's row whose first cell is a credential's name and whose second its value
 # (an answer listing settings: ``| JWT_SECRET | Zk8… |``), in backticks or not: the name's end,
 # then the value (no blank, 8 characters or more: a description or a type is left).
-_TABLE_ROW = re.compile(r"`?[ \t]*\|[ \t]*(`?)([^\s|`\\\"']{8,256}+)\1[ \t]*\|")
-_TABLE_HEAD = re.compile(r"[ \t]*\|[ \t]*`?")
+# (bold or in backticks, a note in parentheses after it; the value in backticks with a note
+# after it, or bare; the row's last cell without its closing pipe, as GFM allows)
+_TABLE_ROW = re.compile(
+    r"(?:\*\*)?`?(?:\*\*)?(?:[ \t]+\([^()|\n]{0,64}\))?[ \t]*\|[ \t]*"
+    r"(?:`([^`\s|]{8,256}+)`[^|\n]{0,256}+|([^\s|`\\\"']{8,256}+)[ \t]*)(?:\||(?=\r?\n)|\Z)"
+)
+_TABLE_HEAD = re.compile(r"[ \t]*\|(?:[^|\n]*+\|)*?[ \t]*(?:\*\*)?`?(?:\*\*)?")
+# A type's shape, as a schema's or an API's table gives it: ``VARCHAR(255)``, ``Uint8Array``
+_TYPE_SHAPE = re.compile(r"[A-Za-z_][\w.]{0,64}\([0-9, ]{1,16}\)(?:\[\])?")
+# A table's column that says what a setting is, not its value (its header row's cell)
+_DESCRIBING = frozenset(
+    {
+        *("type", "data type", "datatype", "format", "algorithm", "description", "default"),
+        *("example", "notes", "note", "required", "constraints", "purpose", "kind", "length"),
+        *("size", "scope", "source", "where", "used by", "usage", "meaning", "encoding"),
+    }
+)
 # A ``Cookie`` or ``Set-Cookie`` header (``curl -v``'s ``> Cookie: …``, ``-H 'Cookie: …'``, a
 # JSON dump of headers): its name, then its value's pairs, each a session's token maybe.
-_COOKIE_HEADER = re.compile(r'(?i:cookie)(?:\\*")?[ \t]*:[ \t]*(?:\\*")?')
-_COOKIE_PAIR = re.compile(r"[ \t]*[!#$%&*+.^_|~0-9A-Za-z-]{1,64}=([^\s;\"',\\]{1,4096}+)[ \t]*;?")
+# (its name quoted or not, a JSON string's or a Python dict's; HAR's ``{"name": "Cookie",
+# "value": "…"}``; curl's ``-b``/``--cookie`` argument)
+_COOKIE_HEADER = re.compile(
+    r"""(?i:cookie)(?:(\\*["'])?[ \t]*:[ \t]*(\[[ \t]*)?(\\*["'])?"""
+    r"""|\\*"[ \t]*,[ \t]*\\*"value\\*"[ \t]*:[ \t]*(\\*"))"""
+)
+_COOKIE_FLAG = re.compile(r"""(?:(?<=\s)-b|--cookie)[ \t]+(\\*["']?)(?=[^\s'"=;]{1,64}=)""")
+_COOKIE_PAIR = re.compile(r"""[ \t]*[^\s;=,"'\\]{1,64}=(\\*"?)([^\s;"'\\]{0,4096}+)\1[ \t]*""")
+_HAS_DIGIT = re.compile(r"[0-9]")
+_HAS_LETTER = re.compile(r"[A-Za-z]")
 # Passwords given to commands without a name: ``curl -u user:password`` (``-U``: a proxy's),
 # ``mysql -pPASSWORD`` (found after the command's name on the same line; ``-p`` alone asks for
 # the password, ``-P`` is a port).
@@ -472,7 +495,7 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     after = s[end : end + 1]
     if after in "'\"\n\r> " and (paired := _paired_value(s, start, end)) is not None:
         return paired
-    if after in "|` \t" and (cell := _table_value(s, start, end)) is not None:
+    if after in "|` \t*" and (cell := _table_value(s, start, end)) is not None:
         return cell
     if s[end : end + 2] == '\\"' and s[start - 2 : start] == '\\"':  # \"api_key\": \"…\"
         found = _value_span(_ESCAPED_JSON_VALUE.match(s, end))  # (in a JSON string)
@@ -607,17 +630,20 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
 
 def _table_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     """The span of the value in the cell after the credential name ``s[start:end]`` where that
-    name is a Markdown table row's first cell (``| DB_PASSWORD | `Zk8…` |``): a value with a
-    letter and a digit, no path, reference or placeholder; None otherwise."""
+    name is a Markdown table row's cell (``| DB_PASSWORD | `Zk8…` |``): a value with a letter
+    and a digit, no path, reference, placeholder or type, in a column whose header does not
+    say it describes the setting (``Type``, ``Default``); None otherwise."""
     found = _TABLE_ROW.match(s, end)
     if found is None:
         return None
-    lo = max(0, start - 64)
+    lo = max(0, start - 256)
     line = max(_line_start(s, lo, start), _string_start(s, lo, start))  # (a JSON string's too)
     if _TABLE_HEAD.fullmatch(s, line, start) is None:
         return None
-    span = found.span(2)
-    value = found.group(2)
+    span = _value_span(found)
+    if span is None:
+        return None
+    value = s[span[0] : span[1]]
     if (
         not any(c.isdigit() for c in value)
         or not any(c.isalpha() for c in value)
@@ -626,22 +652,60 @@ def _table_value(s: str, start: int, end: int) -> tuple[int, int] | None:
         or _is_path(value)
         or _reference(s, *span)
         or _PLACEHOLDER.fullmatch(s, *span) is not None
+        or _TYPE_NAME.fullmatch(value) is not None  # (``Uint8Array``, ``bytes32``)
+        or _TYPE_SHAPE.fullmatch(value) is not None  # (``VARCHAR(255)``)
     ):
         return None
+    if _column_header(s, line, s.count("|", line, start) + 1) in _DESCRIBING:
+        return None
     return span
+
+
+_TABLE_RULE: Final = re.compile(r"[ \t]*\|?(?:[ \t]*:?-{3,}+:?[ \t]*\|?)++[ \t]*\r?")  # (``|---|``)
+
+
+def _column_header(s: str, line: int, column: int) -> str:
+    """The lowered header of the Markdown table's ``column`` (its cells counted from 1 past the
+    row's opening pipe) whose row starts at ``s[line]``: the row above the table's ``|---|``,
+    the last before it in 4 KB; "" where none is found."""
+    lo = max(0, line - 4096)
+    dashes = s.rfind("---", lo, line)
+    if dashes < 0:
+        return ""
+    rule = s.rfind("\n", lo, dashes) + 1
+    rule_end = s.find("\n", dashes, line)
+    if (rule == 0 and lo > 0) or rule_end < 0 or _TABLE_RULE.fullmatch(s, rule, rule_end) is None:
+        return ""
+    above = s.rfind("\n", lo, rule - 1) + 1
+    cells = s[above : rule - 1].strip().strip("|").split("|")
+    return cells[column - 1].strip(" \t*`").lower() if column <= len(cells) else ""
 
 
 # A Kubernetes Secret (``kubectl get secret -o yaml`` or ``-o json``): every value under its
 # ``data`` (base64) and ``stringData`` is a secret, whatever its name (``DATABASE_URL``,
 # ``config.json``). kubectl writes ``data`` before ``kind``: the whole text is looked at.
 _K8S_SECRET: Final = re.compile(r"""kind:[ \t]*["']?Secret\b|"kind"[ \t]*:[ \t]*"Secret(?=")""")
-_YAML_DATA: Final = re.compile(r"^([ \t]*)(?:data|stringData):[ \t]*\r?$", re.M)
+# A line's prefix where a tool printed the file: ``cat -n``'s or a reader's number (``     7\t``,
+# ``7→``), a diff's ``+``/``-``/`` ``, a quote's ``>``, ``grep -n``'s ``file:7:`` (``file-7-``
+# for a line of context). The lines of a block share its kind.
+_LINE_PREFIXES: Final = (
+    re.compile(r""),
+    re.compile(r"[ \t]*\d{1,9}(?:→|\t)"),
+    re.compile(r"[+ -]"),
+    re.compile(r">[ \t]?"),
+    re.compile(r"[^\s:]{1,256}?(?::\d{1,9}:|-\d{1,9}-)"),
+)
+_YAML_DATA: Final = re.compile(
+    r"^(?:[ \t]*\d{1,9}(?:→|\t)|[+ -]|>[ \t]?|[^\s:]{1,256}?(?::\d{1,9}:|-\d{1,9}-))??"
+    r"([ \t]*)(?:data|stringData):[ \t]*(?:\{|#[^\n]*)?\r?$",
+    re.M,
+)
 _YAML_KEY: Final = re.compile(  # (its value is read by hand: to the line's end, linear)
     r"""[ \t]*(?:"[^"\n]{1,253}"|'[^'\n]{1,253}'|[^\s:#'"][^:\n]{0,252}):(?=[ \t\r]|$)""",
     re.M,
 )
 _BLOCK_SCALAR: Final = re.compile(r"[|>][-+0-9]{0,3}")
-_JSON_DATA: Final = re.compile(r'"(?:data|stringData)"[ \t\r\n]*:[ \t\r\n]*\{')
+_JSON_DATA: Final = re.compile(r'"?(?:data|stringData)"?[ \t\r\n]*:[ \t\r\n]*\{')
 _JSON_ENTRY: Final = re.compile(
     r'[ \t\r\n]*"(?:[^"\\\n]|\\.){1,253}"[ \t\r\n]*:[ \t\r\n]*"((?:[^"\\\n]|\\.)*+)"[ \t\r\n]*,?'
 )
@@ -649,10 +713,16 @@ _JSON_ENTRY: Final = re.compile(
 
 def _secret_data(s: str) -> list[tuple[int, int]]:
     """The spans of the values under a Kubernetes Secret's ``data`` and ``stringData`` in
-    ``s`` (YAML or JSON; a text that says ``kind: Secret``): each line's value, a block
-    scalar's lines whole."""
+    ``s`` (YAML or JSON, its flow mapping too; a text that says ``kind: Secret``): each line's
+    value, a block scalar's lines whole; the lines as a tool printed the file too (numbered, a
+    diff's, ``grep -n``'s: ``_LINE_PREFIXES``)."""
     spans: list[tuple[int, int]] = []
+    walked = 0  # (a ``data:`` inside a block walked already is not walked again: linear)
     for block in _YAML_DATA.finditer(s):
+        if block.start() < walked or s[block.end() - 1 : block.end()] == "{":
+            continue
+        head = s[block.start() : block.start(1)]
+        prefix = next(p for p in reversed(_LINE_PREFIXES) if p.fullmatch(head) is not None)
         indent = len(block.group(1).expandtabs())
         pos = block.end() + 1
         entry_indent = -1
@@ -660,15 +730,19 @@ def _secret_data(s: str) -> list[tuple[int, int]]:
         while pos < len(s):
             eol = s.find("\n", pos)
             eol = len(s) if eol < 0 else eol
-            line = s[pos:eol]
+            marked = prefix.match(s, pos, eol)
+            if marked is None:
+                break
+            body = marked.end()
+            line = s[body:eol]
             stripped = line.strip()
             depth = len(line) - len(line.lstrip(" \t"))
             if stripped and depth <= indent:
                 break
             if stripped and scalar >= 0 and depth > scalar:
-                spans.append((pos + depth, pos + len(line.rstrip("\r \t"))))
+                spans.append((body + depth, body + len(line.rstrip("\r \t"))))
             elif stripped and not stripped.startswith("#"):
-                key = _YAML_KEY.match(s, pos, eol)
+                key = _YAML_KEY.match(s, body, eol)
                 if key is None or (entry_indent >= 0 and depth != entry_indent):
                     break
                 entry_indent, scalar = depth, -1
@@ -682,6 +756,7 @@ def _secret_data(s: str) -> list[tuple[int, int]]:
                 elif value and not _reference(s, start, start + len(value)):
                     spans.append((start, start + len(value)))
             pos = eol + 1
+        walked = pos
     for block in _JSON_DATA.finditer(s):
         pos = block.end()
         while (entry := _JSON_ENTRY.match(s, pos)) is not None:
@@ -755,34 +830,64 @@ def _terraform_values(s: str, lowered: str) -> list[tuple[int, int]]:
     return spans
 
 
-def _cookie_values(s: str, lowered: str, at: int) -> list[tuple[int, int]]:
+def _cookie_values(s: str, lowered: str, at: int) -> tuple[list[tuple[int, int]], int]:
     """The spans of the values a ``Cookie`` header at ``s[at]`` gives that look like a token
     (16 characters or more, a letter and a digit: ``theme=dark`` stays), or of a
-    ``Set-Cookie``'s cookie (its first pair: the rest are its attributes)."""
+    ``Set-Cookie``'s cookies (each one's first pair: the rest are its attributes; a JSON array
+    of them too); and where the header's value ends (the next header is looked for past it)."""
     setting = at >= 4 and lowered.startswith(("set-", "set_"), at - 4)
     if at and (s[at - 1].isalnum() or s[at - 1] == "_") and not setting:
-        return []  # (``mycookie:``, a name of its own)
+        return [], at + 6  # (``mycookie:``, a name of its own)
     header = _COOKIE_HEADER.match(s, at)
     if header is None:
-        return []
-    spans = []
-    pos = header.end()
-    while True:  # (pair by pair: linear in the header's length)
-        pair = _COOKIE_PAIR.match(s, pos)
-        if pair is None:
-            break
-        value = pair.group(1)
-        if (
-            len(value) >= 16
-            and any(c.isdigit() for c in value)
-            and any(c.isalpha() for c in value)
-            and not _reference(s, *pair.span(1))
-        ):
-            spans.append(pair.span(1))
-        if setting:  # (Set-Cookie: one cookie, then its attributes)
-            break
-        pos = pair.end()
-    return spans
+        return [], at + 6
+    array = header.group(2) is not None
+    quote = header.group(3) or header.group(4) or ""
+    return _cookie_pairs(s, header.end(), quote, setting, array)
+
+
+def _cookie_pairs(
+    s: str, pos: int, quote: str, setting: bool, array: bool = False
+) -> tuple[list[tuple[int, int]], int]:
+    """``_cookie_values``'s, for a header's value from ``s[pos]`` to its line's end or its
+    closing ``quote``; each value of a JSON ``array`` of them (``["a=…; Path=/", …]``)."""
+    spans: list[tuple[int, int]] = []
+    while True:
+        end = _value_end(s, pos, quote)
+        first = True
+        while pos < end:  # (pair by pair, one not read passed over to the next ``;``)
+            pair = _COOKIE_PAIR.match(s, pos, end)
+            if pair is not None and (first or not setting):
+                value = pair.group(2)
+                if (
+                    len(value) >= 16
+                    and _HAS_DIGIT.search(value) is not None
+                    and _HAS_LETTER.search(value) is not None
+                    and not _reference(s, *pair.span(2))
+                ):
+                    spans.append(pair.span(2))
+            first = False
+            semi = s.find(";", pair.end() if pair is not None else pos, end)
+            pos = end if semi < 0 else semi + 1
+        if not array:
+            return spans, end
+        # the next string of the array, after its comma
+        after = re.match(r"""\\*["'][ \t\r\n]*,[ \t\r\n]*(\\*["'])""", s[end : end + 64])
+        if after is None:
+            return spans, end
+        quote = after.group(1)
+        pos = end + after.end()
+
+
+def _value_end(s: str, pos: int, quote: str) -> int:
+    """Where a header's value from ``s[pos]`` ends: its closing ``quote`` (``"``, ``'``,
+    ``\\"`` in a JSON string), or its line's end, 16 KB on at most."""
+    limit = min(len(s), pos + 16384)
+    for end in ("\n", "\r", quote, "\\n" if "\\" in quote or not quote else ""):
+        if end:  # (each looked for before the nearest found: the line's end, first)
+            found = s.find(end, pos, limit)
+            limit = found if found >= 0 else limit
+    return limit
 
 
 def _basic_credentials(value: str) -> bool:
@@ -1101,9 +1206,12 @@ def _redact_named(s: str, lowered: str) -> str:
                 spans.append(pair.span(1))
         at = s.find("auth", at + 4)
     at = lowered.find("cookie")
-    while at >= 0:  # (each looks no further than the header's value)
-        spans += _cookie_values(s, lowered, at)
-        at = lowered.find("cookie", at + 6)
+    while at >= 0:  # (each looks no further than the header's value, and on past it)
+        cookies, at = _cookie_values(s, lowered, at)
+        spans += cookies
+        at = lowered.find("cookie", at)
+    for flag in _COOKIE_FLAG.finditer(s) if "-b" in s or "--cookie" in lowered else ():
+        spans += _cookie_pairs(s, flag.end(), flag.group(1) or " ", False)[0]
     at = lowered.find("authorization")
     while at >= 0:
         span = _value_span(_AUTHORIZATION.match(s, at))
@@ -1233,8 +1341,10 @@ _SUFFIX: Final = rb"(?:[_-]?(?:v\d+|base|ids?|hash))?"
 # ``value: …``: a line end, escaped in JSON text, then ``value:``; and Go's ``apiKey string =``)
 _ASSIGNED_BYTES: Final = (
     rb"""(?:\\*["']|(?:\s|\\+t)*[=:]|\\+u003d"""
-    rb"""|[ \t]*(?:\\+r)?\\+n(?:[ \t]|\\+t)*value:|[ \t]*\r?\n[ \t]*value:|[ \t]+string[ \t]*=|>"""
-    rb"""|`?[ \t]*\|)"""
+    rb"""|[ \t]*(?:\\+r)?\\+n(?:[ \t]|\\+t)*value:|[ \t]*\r?\n[ \t]*value:"""
+    rb"""|(?:[ \t]|\\+t)+string(?:[ \t]|\\+t)*=|>"""
+    # (a table's cell: ``| API_KEY | …``, bold, in backticks, a note after it)
+    rb"""|(?:\*\*)?`?(?:\*\*)?(?:[ \t]+\([^()|\n]{0,64}\))?(?:[ \t]|\\+t)*\|)"""
 )
 _NAMED_BYTES: Final = (
     # key", key\", key\\\" (nested), key', key=; keys", key_id", token_hash" (not tokens": a count)
@@ -1258,8 +1368,11 @@ _NAMED_BYTES: Final = (
     re.compile(rb"--[a-z0-9_.-]{0,60}?(?:key|token|pass|secret|pwd)" + _SUFFIX + rb"(?: |\\+t)"),
     # Terraform's sensitive output (``terraform output -json``, its state)
     re.compile(rb'sensitive\\*"(?:[ \t\r\n]|\\+[rnt])*:(?:[ \t\r\n]|\\+[rnt])*true'),
-    # a Cookie or Set-Cookie header, its value's cookies maybe a session's tokens
-    re.compile(rb'cookie(?:\\*")?(?:[ \t]|\\+t)*:'),
+    # a Cookie or Set-Cookie header, its value's cookies maybe a session's tokens (and HAR's
+    # name/value pair, curl's -b argument)
+    re.compile(rb"""cookie(?:\\*["'])?(?:[ \t]|\\+t)*:"""),
+    re.compile(rb'cookie\\*"[ \t]*,[ \t]*\\*"value'),
+    re.compile(rb"""(?:\s-b|--cookie)[ \t]+\\*["']?[^\s'"=;]{1,64}="""),
     # Docker's "auth": "…" and .npmrc's _auth=… (a user and a password in base64)
     re.compile(rb'auth(?<=["_]auth)\\*"?(?:[ \t]|\\+t)*[=:]'),
 )

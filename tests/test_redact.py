@@ -1669,6 +1669,12 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
         ("| Variable | Value |\n|---|---|\n| JWT_SECRET | Jwt5ecr3tZk8aQ2 |\n", "Jwt5ecr3tZk8aQ2"),
         ("| `DB_PASSWORD` | `Tr0ub4dor&3xq` | the database's |", "Tr0ub4dor&3xq"),
         ("|api_key|Zk8aQ2mP9xLw|prod|", "Zk8aQ2mP9xLw"),
+        ("| API_KEY\t| Zk8sJd93kLmQ2pXr |", "Zk8sJd93kLmQ2pXr"),  # (a tab: ``\t`` in the log)
+        ("|**DB_PASSWORD**|Zk8sJd93kLmQ2pXr|", "Zk8sJd93kLmQ2pXr"),  # (bold)
+        ("| DB_PASSWORD (prod) | `Zk8sJd93kLmQ2pXr` (rotated) |", "Zk8sJd93kLmQ2pXr"),
+        ("| api | DB_PASSWORD | Zk8sJd93kLmQ2pXr |", "Zk8sJd93kLmQ2pXr"),  # (a later cell)
+        ("| DB_PASSWORD | Zk8sJd93kLmQ2pXr\n", "Zk8sJd93kLmQ2pXr"),  # (no closing pipe)
+        ('apiKey\tstring = "Zk8sJd93kLmQ2pXr"', "Zk8sJd93kLmQ2pXr"),  # (Go's, after a tab)
         # a Kubernetes Secret's data under any name, as kubectl prints it (data before kind)
         (
             "apiVersion: v1\ndata:\n  DATABASE_URL: cG9zdGdyZXM6Ly9hOmJAZGI=\nkind: Secret\n",
@@ -1698,11 +1704,56 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
         ("  auth: { user: 'me@x.com', pass: 'Sm7pPassw0rdX' }", "Sm7pPassw0rdX"),
         ('[smtp]\npass = "Sm7pPassw0rdX"\n', "Sm7pPassw0rdX"),
         ('{"user": "me", "pass": "Sm7pPassw0rdX"}', "Sm7pPassw0rdX"),
+        # ... as a tool printed the file: numbered, a diff's, grep -n's; a comment, a flow map
+        (
+            "     6\tdata:\n     7\t  DB_URL: cG9zdGdyZXM6Ly9hOmJAZGI=\n     8\tkind: Secret\n",
+            "cG9zdGdyZXM6Ly9hOmJAZGI=",
+        ),
+        (
+            "     6→data:\n     7→  DB_URL: cG9zdGdyZXM6Ly9hOmJAZGI=\n     8→kind: Secret\n",
+            "cG9zdGdyZXM6Ly9hOmJAZGI=",
+        ),
+        (
+            "+kind: Secret\n+data:\n+  DB_URL: cG9zdGdyZXM6Ly9hOmJAZGI=\n",
+            "cG9zdGdyZXM6Ly9hOmJAZGI=",
+        ),
+        (
+            "s.yaml:6:data:\ns.yaml:7:  DB_URL: cG9zdGdyZXM6Ly9hOmJAZGI=\ns.yaml:8:kind: Secret",
+            "cG9zdGdyZXM6Ly9hOmJAZGI=",
+        ),
+        (
+            "kind: Secret\ndata:   # base64\n  DB_URL: cG9zdGdyZXM6Ly9hOmJAZGI=\n",
+            "cG9zdGdyZXM6Ly9hOmJAZGI=",
+        ),
+        (
+            'kind: Secret\ndata: {"DB_URL": "cG9zdGdyZXM6Ly9hOmJAZGI="}\n',
+            "cG9zdGdyZXM6Ly9hOmJAZGI=",
+        ),
         # a session's cookie: curl -v's header lines, a -H, a JSON dump of headers
         ("> Cookie: theme=dark; session=k2j3h4g5f6d7s8a9qwerty12\n", "k2j3h4g5f6d7s8a9qwerty12"),
         ("< Set-Cookie: connect.sid=s%3AabcDEF123456.xyz789; Path=/", "s%3AabcDEF123456.xyz789"),
         ("curl -H 'Cookie: sid=Zk8aQ2mP9xLwAbCdEf12' localhost", "Zk8aQ2mP9xLwAbCdEf12"),
         ('{"headers": {"cookie": "sid=Zk8aQ2mP9xLwAbCdEf12"}}', "Zk8aQ2mP9xLwAbCdEf12"),
+        # ... and as browsers, HAR files, requests and curl's -b give it; after a cookie the
+        # rule could not read (empty, odd name, a comma), quoted
+        (
+            "curl 'https://x' -b '_ga=GA1.1.123; sessionid=Zk8aQ2mP9xLwAbCdEf12'",
+            "Zk8aQ2mP9xLwAbCdEf12",
+        ),
+        ("curl --cookie 'sessionid=Zk8aQ2mP9xLwAbCdEf12' https://x", "Zk8aQ2mP9xLwAbCdEf12"),
+        (
+            "{'User-Agent': 'python-requests/2.31', 'Cookie': 'sid=Zk8aQ2mP9xLwAbCdEf12'}",
+            "Zk8aQ2mP9xLwAbCdEf12",
+        ),
+        ('{"name": "Cookie", "value": "sessionid=Zk8aQ2mP9xLwAbCdEf12"}', "Zk8aQ2mP9xLwAbCdEf12"),
+        (
+            '{"set-cookie": ["a=b; Path=/", "sessionid=Zk8aQ2mP9xLwAbCdEf12; HttpOnly"]}',
+            "Zk8aQ2mP9xLwAbCdEf12",
+        ),
+        ("> Cookie: _gat=; sessionid=Zk8aQ2mP9xLwAbCdEf12", "Zk8aQ2mP9xLwAbCdEf12"),
+        ("> Cookie: cart[1]=2; PHPSESSID=Zk8aQ2mP9xLwAbCdEf12", "Zk8aQ2mP9xLwAbCdEf12"),
+        ("> Cookie: prefs=a,b; PHPSESSID=Zk8aQ2mP9xLwAbCdEf12", "Zk8aQ2mP9xLwAbCdEf12"),
+        ('> Cookie: sid="Zk8aQ2mP9xLwAbCdEf12"', "Zk8aQ2mP9xLwAbCdEf12"),
         # Kubernetes' env, ECS's and CloudFormation's name/value pairs
         (
             "        - name: DB_PASSWORD\n          value: K8sEnvPw9zLq2Mx\n",
@@ -1886,7 +1937,11 @@ def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, se
         "| TOKEN_TTL_2 | 3600 |",
         "| OPENAI_API_KEY | v1.2.3 |",
         "| PORT | 8080 | the password's 8080 |",
-        "| x | API_KEY | Zk8aQ2mP9xLw |",  # (the name not in the first cell: unknown)
+        # a schema's or an API's table: the types in a column that says so, or shaped as types
+        "| Column | Type | Constraints |\n|---|---|---|\n| password_hash | VARCHAR(255) | NOT NULL |"
+        "\n| api_key | CHAR(64) | UNIQUE |\n",
+        "| Field | Type |\n| --- | --- |\n| encryption_key | AES-256-GCM |\n",
+        "| `secretKey` | `Uint8Array` | 32-byte secret key |",
         # a Secret's templated or referenced data (a Helm chart); a ConfigMap's
         'kind: Secret\ndata:\n  p: {{ .Values.password | b64enc }}\n  q: "${DB_PW}"\n',
         "kind: ConfigMap\ndata:\n  LOG_LEVEL: debug\n  APP_SECRET_NAME: app-creds\n",
@@ -1938,6 +1993,23 @@ def test_a_secrets_long_lines_are_read_in_linear_time() -> None:
     for line in ("  a: x" + " " * 100_000 + "y", "  a" + " " * 100_000 + "y: z"):
         redact_text("kind: Secret\ndata:\n" + line + "\n")
     assert time.process_time() - began < 2.0  # (linear: ~5 ms; quadratic: ~75 s)
+    # a staircase of blocks, each inside the one before: each walked the rest again
+    stairs = "".join("  " * i + "data:\n" + "  " * i + "  k: |\n" for i in range(1445))
+    began = time.process_time()
+    redact_text("kind: Secret\n" + stairs)
+    assert time.process_time() - began < 2.0  # (linear: ~0.35 s for 4 MB; quadratic: ~40 s)
+
+
+def test_cookies_in_cookies_are_read_in_linear_time() -> None:
+    """A header whose value names the header again and again: each was read as a header of its
+    own, its value to 4 KB (1 MB in 15 s)."""
+    import time
+
+    began = time.process_time()
+    redact_text("Cookie: a=" + "cookie:a=" * 100_000)
+    redact_text("Set-Cookie: a=" + "set-cookie:a=" * 80_000)
+    redact_text("> Cookie: a=1\n" * 80_000)
+    assert time.process_time() - began < 3.0  # (linear: ~0.5 s; before: ~25 s)
 
 
 def test_a_long_value_given_to_a_call_is_read_in_linear_time() -> None:
