@@ -508,11 +508,13 @@ class StreamAssembler:
                                 self._model = model
                         return True
         error = chunk.get("error")
-        if error or event_name == "error":
-            # (an error event the provider sent is noted; the SDKs raise on one whose error is
-            # something, and read on past an ``event: error`` with none in it)
-            if self._error is None:
-                self._error = chunk if error else {"error": chunk}
+        if (error or event_name == "error") and self._error is None:
+            # (an error event the provider sent is noted)
+            self._error = chunk if error else {"error": chunk}
+        if error:
+            # The SDKs raise on an error that is something: what follows is no part of the
+            # client's message. (An ``event: error`` with none in it the Python SDK reads on
+            # past as any chunk, its delta too: read as the rest below.)
             usage = chunk.get("usage")  # (billed with it: counted, as the provider bills it)
             if isinstance(usage, dict):
                 self._usage.update(usage)
@@ -522,8 +524,7 @@ class StreamAssembler:
                 reason = choices[0].get("finish_reason")
                 if isinstance(reason, str):
                     self._finish_reason = reason
-            if error:  # (the SDKs raise on it: what follows is no part of the client's message)
-                self.cut_here()
+            self.cut_here()
             return False
         if self._id is None and isinstance(chunk.get("id"), str) and chunk["id"]:
             self._id = chunk["id"]

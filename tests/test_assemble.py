@@ -1275,6 +1275,11 @@ def test_a_chunk_whose_error_is_nothing_is_read_on_as_the_sdks_do(odd: bytes) ->
     result = record(named)
     assert result.message["content"] == "Hello after" and result.finish_reason == "stop"
     assert result.error == {"error": {"message": "hmm"}}
+    # (one that is a chunk: the Python SDK gives it to the client as one, its delta too)
+    named = [stream[0], b"event: error\n" + chunk({"content": " two"}), *stream[2:]]
+    result = record(named)
+    assert result.message["content"] == "Hello two after" and result.finish_reason == "stop"
+    assert result.error is not None
 
 
 def test_usage_carried_by_an_error_chunk_is_counted() -> None:
