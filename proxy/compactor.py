@@ -429,8 +429,15 @@ class Compactor:
         tools = body.get("tools")
         tools_tokens = compaction.estimate_tokens(tools) if tools else 0
         appended = messages[last.messages :] if last else []
+        completion = 0  # the previous answer, as the history holds it
         if appended and isinstance(appended[0], dict) and appended[0].get("role") == "assistant":
-            appended = appended[1:]  # the previous answer: its completion tokens count it
+            # the previous answer: its completion tokens count it, but no more than its bytes
+            # (a token is a byte or more): a reasoning model's thinking, most of its completion
+            # tokens, is not in the history (7,000 of them a turn compacted a history at a
+            # third of the window)
+            size = compaction.estimate_tokens(appended[:1]) * compaction.BYTES_PER_TOKEN
+            completion = min(last.completion, size) if last else 0
+            appended = appended[1:]
         grown = 0  # tools added since (an MCP server connected): the provider's numbers lack them
         if last is not None and last.tools is not tools and last.tools != tools:
             before = compaction.estimate_tokens(last.tools) if last.tools else 0
@@ -445,7 +452,7 @@ class Compactor:
             keep_recent=cfg.keep_recent,
             max_anchor_chars=cfg.max_anchor_chars,
             last_prompt=last.prompt if last else None,
-            last_completion=last.completion if last else None,
+            last_completion=completion if last else None,
             appended_estimate=appended_estimate,
             force=force,
             synthetic_prefixes=SYNTHETIC_PREFIXES,

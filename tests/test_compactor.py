@@ -1516,7 +1516,10 @@ def test_a_second_system_message_with_the_time_keeps_the_providers_count(
     assert compaction.estimate_tokens(msgs) < 4500 / 2  # (by the estimate, far under it)
     proxy.settle()  # (the provider's count of it noted)
     msgs[1] = {"role": "system", "content": "Current time: 2026-12-05 10:00:31"}
-    msgs += _dense_round(10)
+    # (three rounds: the provider's count over the trigger by them alone, the previous
+    # answer's completion counted no further than the history holds it)
+    msgs += [*_dense_round(10), *_dense_round(11), *_dense_round(12)]
+    assert compaction.estimate_tokens(msgs) < 4500 * 0.6  # (by the estimate, still under it)
     raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=msgs)
     assert raw.headers.get("x-cachegate-compacted") == "1"
 
@@ -3425,3 +3428,39 @@ def _summary_calls(sim: RunningSimulator) -> int:
     return sum(
         1 for r in sim.sim.requests if r.body["messages"][0]["content"] == SUMMARIZER_SYSTEM_PROMPT
     )
+
+
+def test_a_reasoning_models_thinking_does_not_trigger_a_compaction(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """A reasoning model bills its thinking in the completion (7,000 tokens a turn here), which
+    the history never holds: counted whole with the prompt, a history at a third of the
+    window was compacted (a summary paid for, the user's pasted task summarized, the cache
+    lost)."""
+    with run_simulator(SimConfig(context_window=16_000)) as small:
+        config = {
+            "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 4},
+            "models": {MODEL: {"context_window": 16_000}},
+        }
+        proxy = proxy_factory(small.api_base, config)
+        client = sdk(proxy.base_url)
+        script = orjson.dumps({"content": "Point noted.", "reasoning_tokens": 7000}).decode()
+        msgs: list[dict[str, Any]] = [
+            {"role": "system", "content": "You review designs."},
+            {"role": "user", "content": "Review this design: " + "The cache layer. " * 1000},
+        ]
+        for turn in range(8):
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL,
+                messages=msgs,  # type: ignore[arg-type]
+                extra_headers={"X-Session-Id": "thinking", "X-Sim-Script": script},
+            )
+            reply = raw.parse()
+            assert reply.usage is not None and reply.usage.completion_tokens > 7000
+            assert raw.headers.get("x-cachegate-compacted") is None, turn
+            msgs += [
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": f"And point {turn}?"},
+            ]
+        assert _summary_calls(small) == 0
+        assert compaction.estimate_tokens(msgs) < 16_000 * 0.75 / 2  # (a third of the window)

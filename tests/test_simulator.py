@@ -879,6 +879,20 @@ def test_a_header_script_in_utf8_is_read_as_utf8(sim: RunningSimulator) -> None:
     assert answer.json()["choices"][0]["message"]["content"] == "héllo wörld"
 
 
+def test_a_scripted_reasoning_models_thinking_is_billed_not_said(sim: RunningSimulator) -> None:
+    """A reasoning model's answer: its thinking in the completion's tokens, named as such, and
+    not in its text (compaction's trigger is tested against it)."""
+    plain = post(sim, chat_body(long_chat(10)), {"X-Sim-Script": '"ok"'}).json()
+    script_ = json.dumps({"content": "ok", "reasoning_tokens": 7000})
+    thought = post(sim, chat_body(long_chat(10)), {"X-Sim-Script": script_}).json()
+    assert thought["choices"][0]["message"]["content"] == "ok"
+    usage = thought["usage"]
+    assert usage["completion_tokens"] == plain["usage"]["completion_tokens"] + 7000
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == 7000
+    bad = post(sim, chat_body(long_chat(10)), {"X-Sim-Script": '{"reasoning_tokens": -1}'})
+    assert bad.status_code == 400 and "reasoning_tokens" in bad.text
+
+
 def test_scripts_are_consumed_in_order_and_a_header_script_wins(sim: RunningSimulator) -> None:
     script(sim, "first", {"text": "second", "finish_reason": "length"})
     ask = chat_body([{"role": "user", "content": "hello"}])

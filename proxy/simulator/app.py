@@ -352,7 +352,13 @@ class _Handlers:
         else:
             hour = 0  # (others keep their own TTL, whatever a mark asks)
         cache = self.sim.process_prompt(tokens, model, limit, hour, entries)
-        usage = usage_object(self.config.dialect, len(tokens), completion_tokens(reply), cache)
+        usage = usage_object(
+            self.config.dialect,
+            len(tokens),
+            completion_tokens(reply),
+            cache,
+            reasoning=reply.reasoning_tokens,
+        )
         received.usage = usage
         received.status = 200
         dialect = self.config.dialect

@@ -38,6 +38,8 @@ class Reply:
     tool_calls: tuple[ToolCall, ...] = ()
     finish_reason: str = "stop"
     fault: str | None = None
+    # A reasoning model's thinking: billed in the completion, never in the answer's text
+    reasoning_tokens: int = 0
 
     def with_call_ids(self, ids: list[str]) -> Reply:
         """This reply with ``ids`` given to the calls that have none, in order."""
@@ -48,7 +50,7 @@ class Reply:
 
 def completion_tokens(reply: Reply) -> int:
     """Tokens the reply costs (see ``proxy.simulator.tokens``)."""
-    total = count_tokens(reply.content or "")
+    total = count_tokens(reply.content or "") + reply.reasoning_tokens
     for call in reply.tool_calls:
         total += count_tokens(call.name) + count_tokens(call.arguments)
     return total
@@ -78,7 +80,14 @@ def parse_script(obj: Any) -> Reply:
         return Reply(content=obj)
     if not isinstance(obj, Mapping):
         raise ValueError("a scripted reply must be a string or an object")
-    unknown = set(obj) - {"content", "text", "tool_calls", "finish_reason", "fault"}
+    unknown = set(obj) - {
+        "content",
+        "text",
+        "tool_calls",
+        "finish_reason",
+        "fault",
+        "reasoning_tokens",
+    }
     if unknown:
         raise ValueError(f"unknown scripted reply keys: {', '.join(sorted(unknown))}")
     content = obj.get("content", obj.get("text"))
@@ -96,11 +105,15 @@ def parse_script(obj: Any) -> Reply:
     fault = obj.get("fault")
     if fault is not None and str(fault) not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
+    reasoning = obj.get("reasoning_tokens", 0)
+    if type(reasoning) is not int or not 0 <= reasoning <= 10_000_000:
+        raise ValueError("'reasoning_tokens' must be an integer from 0 to 10,000,000")
     return Reply(
         content=content,
         tool_calls=calls,
         finish_reason=finish,
         fault=None if fault is None else str(fault),
+        reasoning_tokens=reasoning,
     )
 
 

@@ -49,8 +49,11 @@ def error_object(
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def usage_object(dialect: str, prompt: int, completion: int, cache: CacheResult) -> dict[str, Any]:
-    """Usage in the dialect's fields; ``prompt_tokens`` always counts every input token."""
+def usage_object(
+    dialect: str, prompt: int, completion: int, cache: CacheResult, reasoning: int = 0
+) -> dict[str, Any]:
+    """Usage in the dialect's fields; ``prompt_tokens`` always counts every input token, and
+    ``completion_tokens`` the ``reasoning`` ones too (OpenAI's details name them)."""
     usage: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -70,7 +73,7 @@ def usage_object(dialect: str, prompt: int, completion: int, cache: CacheResult)
     else:
         usage["prompt_tokens_details"] = {"cached_tokens": cache.read, "audio_tokens": 0}
         usage["completion_tokens_details"] = {
-            "reasoning_tokens": 0,
+            "reasoning_tokens": reasoning,
             "audio_tokens": 0,
             "accepted_prediction_tokens": 0,
             "rejected_prediction_tokens": 0,
