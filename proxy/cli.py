@@ -500,25 +500,34 @@ def _demo(ns: argparse.Namespace) -> int:
 def _log_dir_taken(log_dir: str) -> bool:
     """Claim ``log_dir`` for this process (``claim_log_dir``); True, once said in one line, when
     another cachegate writes it."""
-    from proxy.eventlog import STOPPING, UnsafeLockFile, claim_log_dir
+    from proxy.eventlog import STOPPING, UNKNOWN_HOLDER, UnsafeLockFile, claim_log_dir
 
     try:
         holder = claim_log_dir(log_dir)
     except UnsafeLockFile as exc:
         print(f"cachegate: log directory {log_dir}: {exc}", file=sys.stderr)
         return True
-    if holder is not None and holder.endswith(STOPPING):
+    if holder is not None and (holder.endswith(STOPPING) or holder == UNKNOWN_HOLDER):
         # A restart: the cachegate before this one is stopping, its answers in flight finishing
         # (SHUTDOWN_GRACE_S) and its log written. Wait for it, rather than refuse a user who
         # did "stop; start", or send them to another directory (a session's log then in two).
+        # One that wrote no pid (its disk full when it started, and when it stopped) may be
+        # stopping too: waited for as long.
         pid = holder.removesuffix(STOPPING).strip()
         print(
             f"cachegate: waiting for the cachegate that is stopping (pid {pid}) to finish"
-            f" writing log directory {log_dir}",
+            f" writing log directory {log_dir}"
+            if pid != UNKNOWN_HOLDER
+            else f"cachegate: log directory {log_dir} is held by a cachegate that wrote no pid"
+            " in its lock file (its disk full?): waiting for it, in case it is stopping",
             file=sys.stderr,
         )
         deadline = time.monotonic() + SHUTDOWN_GRACE_S + STOPPING_WAIT_S
-        while holder is not None and holder.endswith(STOPPING) and time.monotonic() < deadline:
+        while (
+            holder is not None
+            and (holder.endswith(STOPPING) or holder == UNKNOWN_HOLDER)
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.05)
             try:
                 holder = claim_log_dir(log_dir)
@@ -528,7 +537,13 @@ def _log_dir_taken(log_dir: str) -> bool:
     if holder is None:
         return False
     pid = holder.removesuffix(STOPPING).strip()
-    if holder.endswith(STOPPING):
+    if pid == UNKNOWN_HOLDER:
+        print(
+            f"cachegate: log directory {log_dir} is still held by a cachegate that wrote no pid"
+            " in its lock file (its disk full?); stop it, or start this one once it has exited",
+            file=sys.stderr,
+        )
+    elif holder.endswith(STOPPING):
         print(
             f"cachegate: log directory {log_dir} is still being written by the cachegate that"
             f" is stopping (pid {pid}); start this one once it has exited",

@@ -947,7 +947,7 @@ class EventLogWriter:
             holder = claim_log_dir(self.log_dir)
         except UnsafeLockFile as exc:  # planted since: no line goes there until it is gone
             self._warn("claim", "event log: %s: this cachegate writes no line there", exc)
-            self._locked_out = "?"
+            self._locked_out = UNKNOWN_HOLDER
             return
         if holder is not None and self._locked_out is None:
             self._warn(
@@ -1157,7 +1157,7 @@ def claim_log_dir(log_dir: str | os.PathLike[str]) -> str | None:
             holder = os.read(fd, 32).decode("ascii", "replace").strip()
         finally:
             os.close(fd)
-        return holder or "?"
+        return holder or UNKNOWN_HOLDER
     except OSError:  # a file system without locks: nothing to say (nor to ask again)
         os.close(fd)
         _CLAIMED[path] = _dir_id(path)
@@ -1193,6 +1193,7 @@ def _lock_file_problem(st: os.stat_result, shared: bool) -> str | None:
 
 
 STOPPING: Final = "stopping"  # after the holder's process id in a lock file: it is stopping
+UNKNOWN_HOLDER: Final = "?"  # a held lock file with nothing in it (its holder's disk full)
 
 
 def mark_stopping() -> None:

@@ -1036,6 +1036,39 @@ def test_a_restart_stops_waiting_for_a_stopping_cachegate_that_does_not_exit(
     )
 
 
+def test_a_restart_waits_for_a_cachegate_that_wrote_no_pid_and_starts_once_it_exits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A disk full when the cachegate before started, and when it stopped: its lock file held
+    nothing, "stopping" neither, and a restart while its answers finished was refused at once,
+    told to take another --log-dir (a session's log then in two)."""
+    import fcntl
+    import os
+    import threading
+
+    from proxy import cli, eventlog
+
+    monkeypatch.setattr(cli, "SHUTDOWN_GRACE_S", 0)
+    monkeypatch.setattr(cli, "STOPPING_WAIT_S", 5)
+    log_dir = tmp_path / "full"
+    log_dir.mkdir(mode=0o700)
+    fd = os.open(log_dir / ".cachegate.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # held, empty: as by a holder that could write nothing
+    released = threading.Timer(0.5, os.close, (fd,))  # it exits half a second on
+    released.start()
+    monkeypatch.setattr(eventlog, "_CLAIMS", {})
+    try:
+        assert cli._log_dir_taken(str(log_dir)) is False  # it waited, then took it
+    finally:
+        released.join()
+        for claimed in eventlog._CLAIMS.values():
+            os.close(claimed)
+    assert capsys.readouterr().err == (
+        f"cachegate: log directory {log_dir} is held by a cachegate that wrote no pid in its"
+        " lock file (its disk full?): waiting for it, in case it is stopping\n"
+    )
+
+
 def read_log(path: Path, kind: str) -> list[dict[str, Any]]:
     if not path.exists():
         return []
