@@ -78,6 +78,13 @@ class _Summary:
     waiting: int = 0
     claimed: bool = False
     metered: bool = False
+    # How many leading system/developer messages the history it was made of had: its places
+    # past them are the ones a history with another count of them waits for and is sent with
+    lead: int = 0
+
+    @property
+    def key(self) -> str:
+        return _summary_key(self.start - self.lead, self.end - self.lead, self.digest)
 
     @property
     def failed(self) -> bool:
@@ -95,9 +102,23 @@ class _Summary:
 
 
 def _summary_key(start: int, end: int, digest: str) -> str:
-    """Where a session keeps the summary of ``messages[start:end]`` (``_Summary``), by the
-    digest of ``messages[:end]``."""
+    """Where a session keeps the summary of ``messages[start:end]`` (``_Summary``), its places
+    counted past the leading system/developer messages, by the digest of ``messages[:end]``
+    (which begins past them too)."""
     return f"{start}:{end}:{digest}"
+
+
+def _comp_summary_key(comp: compaction.Compaction) -> str:
+    """``_summary_key`` of the summary ``comp`` was made from."""
+    lead = _lead_of(comp)
+    return _summary_key(comp.start - lead, comp.covered - lead, comp.prefix_digest)
+
+
+def _lead_of(comp: compaction.Compaction) -> int:
+    """How many leading system/developer messages ``comp``'s places count (its opening's
+    ``"N:"``)."""
+    made = comp.opening.partition(":")[0]
+    return int(made) if made.isdigit() else 0
 
 
 def _key(comp: compaction.Compaction) -> str:
@@ -786,14 +807,15 @@ class Compactor:
         assert plan.cut is not None
         cut = plan.cut
         digest = compaction.prefix_digest(messages, cut.end)
-        key = _summary_key(cut.start, cut.end, digest)
+        lead = compaction.leading_count(messages)
+        key = _summary_key(cut.start - lead, cut.end - lead, digest)
         pending: dict[str, _Summary] = state.extra.setdefault("summaries", {})
         entry = pending.pop(key, None)
         if entry is None or entry.failed:
             task = asyncio.ensure_future(
                 self._summarized(ex, state, messages, plan, window, overcount, digest)
             )
-            entry = _Summary(task, cut.start, cut.end, digest, ex)
+            entry = _Summary(task, cut.start, cut.end, digest, ex, lead=lead)
             if existing is not None:
                 entry.rolled = self._unsent(pending, existing)
             self._tasks.add(task)
@@ -843,12 +865,15 @@ class Compactor:
 
     @staticmethod
     def _running_for(pending: dict[str, _Summary], messages: list[Any]) -> _Summary | None:
-        """A summary being written of a prefix of ``messages``, if any."""
+        """A summary being written of a prefix of ``messages``, if any (by the places past the
+        leading system/developer messages: a history with another count of them waits too)."""
+        lead = compaction.leading_count(messages)
         for entry in reversed(pending.values()):
+            end = entry.end - entry.lead + lead
             if (
                 not entry.task.done()
-                and len(messages) >= entry.end
-                and compaction.prefix_digest(messages, entry.end) == entry.digest
+                and len(messages) >= end
+                and compaction.prefix_digest(messages, end) == entry.digest
             ):
                 return entry
         return None
@@ -861,7 +886,7 @@ class Compactor:
         entry.claimed = True
         entry.origin = None
         pending: dict[str, _Summary] = state.extra.get("summaries", {})
-        key = _summary_key(entry.start, entry.end, entry.digest)
+        key = entry.key
         if pending.get(key) is entry:
             del pending[key]
         self._count_summary(ex, model, answer, entry.metered)
@@ -932,12 +957,11 @@ class Compactor:
         pending: dict[str, _Summary] | None = state.extra.get("summaries")
         if not pending:
             return False
-        key = _summary_key(comp.start, comp.covered, comp.prefix_digest)
-        entry = pending.get(key)
+        entry = pending.get(_comp_summary_key(comp))
         if entry is None or not entry.task.done() or entry.task.cancelled() or entry.claimed:
             return False
         made, model, answer, _ = entry.task.result()
-        if made is not comp:
+        if made.message is not comp.message:  # (``comp`` may be it moved: ``_at_lead``)
             return False
         self._bill(ex, state, entry, model, answer)
         self._made_for(ex, comp)
@@ -947,10 +971,11 @@ class Compactor:
     def _unsent(pending: dict[str, _Summary], comp: compaction.Compaction) -> _Summary | None:
         """The summary ``comp`` was made from, if it was made for a request whose client left
         and no request has been sent with it yet."""
-        entry = pending.get(_summary_key(comp.start, comp.covered, comp.prefix_digest))
+        entry = pending.get(_comp_summary_key(comp))
         if entry is None or not entry.task.done() or entry.failed or entry.claimed:
             return None
-        return entry if entry.task.result()[0] is comp else None
+        # (``comp`` may be it moved: ``_at_lead``)
+        return entry if entry.task.result()[0].message is comp.message else None
 
     async def stop(self) -> None:
         """Cancel the summaries still being written (cachegate is stopping)."""

@@ -2498,11 +2498,17 @@ def test_a_client_timeout_shorter_than_the_summary_call_gets_its_retry_answered(
         assert response["cost"]["actual"] == pytest.approx(expected)
 
 
+_ENVIRONMENT = {"role": "system", "content": "<env>cwd=/repo</env>"}
+
+
+@pytest.mark.parametrize("lead", ["same", "environment added"])
 def test_a_summary_whose_client_left_is_used_and_billed_by_the_next_turn(
-    sdk: Any, proxy_factory: Any
+    sdk: Any, proxy_factory: Any, lead: str
 ) -> None:
     """No retry (max_retries=0): the turn fails at the client's timeout, the summary is finished
-    anyway, and the agent's next turn goes out with it, recorded there as made and billed."""
+    anyway, and the agent's next turn goes out with it, recorded there as made and billed.
+    (Also where the next turn adds a system message after the first: it went out with the
+    summary, but as a reuse, the summary neither logged as made nor billed.)"""
     upstream = SlowSummaries(summary_s=1.0)
     with ServerThread(upstream) as server:
         proxy = proxy_factory(server.url + "/v1", PRICED)
@@ -2513,6 +2519,8 @@ def test_a_summary_whose_client_left_is_used_and_billed_by_the_next_turn(
             client.chat.completions.create(model=MODEL, messages=messages, extra_headers=headers)
         time.sleep(1.2)  # the summary is finished meanwhile
         messages.append({"role": "user", "content": "Go on."})
+        if lead != "same":
+            messages.insert(1, _ENVIRONMENT)
         raw = client.chat.completions.with_raw_response.create(
             model=MODEL, messages=messages, extra_headers=headers
         )
@@ -2548,12 +2556,14 @@ def _cost(upstream: NoCacheUpstream, index: int) -> float:
     return (prompt * 1.0 + 2 * 2.0) / 1e6
 
 
+@pytest.mark.parametrize("lead", ["same", "environment added"])
 def test_the_next_turn_while_the_summary_is_written_waits_for_it_and_pays_once(
-    sdk: Any, proxy_factory: Any
+    sdk: Any, proxy_factory: Any, lead: str
 ) -> None:
     """The client left (its timeout), and the agent's next turn, its history longer (the cut
     would move), came while the summary was still written: it started a second summary, and
-    the first, paid for, was recorded nowhere."""
+    the first, paid for, was recorded nowhere. (And a next turn with a system message added
+    after the first did not see the summary being written: a second one was paid for.)"""
     upstream = SlowSummaries(summary_s=2.0)
     with ServerThread(upstream) as server:
         proxy = proxy_factory(server.url + "/v1", PRICED)
@@ -2567,6 +2577,8 @@ def test_the_next_turn_while_the_summary_is_written_waits_for_it_and_pays_once(
             {"role": "assistant", "content": "Still working on it."},
             {"role": "user", "content": "Go on."},
         ]
+        if lead != "same":
+            messages.insert(1, _ENVIRONMENT)
         raw = sdk(proxy.base_url, timeout=10).chat.completions.with_raw_response.create(
             model=MODEL, messages=messages, extra_headers=headers
         )
