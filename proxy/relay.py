@@ -496,13 +496,30 @@ def client_location(location: bytes, base_url: str, client_prefix: bytes) -> byt
     elif target.scheme or not target.path.startswith("/"):
         return location  # (another scheme; a relative reference resolves as it is)
     if target.path != base.path and not target.path.startswith(base.path + "/"):
-        return location
+        return location if target.netloc else _on_upstream(location, base)
     rest = target.path[len(base.path) :]
     if any(segment in (".", "..") for segment in rest.split("/")):
-        return location  # (it could lead out of the base: the upstream's to resolve)
+        # (it could lead out of the base: the upstream's to resolve)
+        return location if target.netloc else _on_upstream(location, base)
     query = "?" + target.query if target.query else ""
     fragment = "#" + target.fragment if target.fragment else ""
     return client_prefix + (rest + query + fragment).encode("latin-1")
+
+
+def _on_upstream(location: bytes, base: SplitResult) -> bytes:
+    """A path-only redirect target outside the base URL as a URL on the upstream's origin (its
+    scheme, host and port, never its ``user:password@``): as a path, the client resolved it
+    against cachegate, which sent it to the upstream under the base's path (``/v1/echo`` of an
+    upstream at ``/api/v1`` reached ``/api/v1/echo``), or answered its own 404."""
+    host = base.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    try:
+        port = base.port
+    except ValueError:
+        return location
+    origin = f"{base.scheme}://{host}" + (f":{port}" if port is not None else "")
+    return origin.encode("latin-1") + location
 
 
 def _origin(url: SplitResult, base: SplitResult) -> tuple[str, int] | None:

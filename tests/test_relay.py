@@ -2662,6 +2662,10 @@ def test_a_stream_request_answered_whole_under_another_type_is_recorded_as_an_an
         (b"ftp://up:8000/v1/x", b"/v1", b"ftp://up:8000/v1/x"),
         (b"http://up:9000/v1/x", b"/v1", b"http://up:9000/v1/x"),  # another port
         (b"http://up:8000x/v1/x", b"/v1", b"http://up:8000x/v1/x"),  # no port
+        # a path outside the base, or out of it by ``..``: on the upstream's origin (as a path,
+        # the client resolved it against cachegate, which put the base's path before it)
+        (b"/login?next=/v1", b"/v1", b"http://up:8000/login?next=/v1"),
+        (b"/v1/../admin", b"/v1", b"http://up:8000/v1/../admin"),
     ],
 )
 def test_an_upstream_redirect_into_its_base_url_points_at_cachegate(
@@ -2670,6 +2674,16 @@ def test_an_upstream_redirect_into_its_base_url_points_at_cachegate(
     from proxy.relay import client_location
 
     assert client_location(location, "http://up:8000/v1/", prefix) == expected
+
+
+def test_a_path_redirect_outside_the_base_names_the_upstreams_origin_without_its_user() -> None:
+    """An upstream under a path (``/api/v1``) redirecting to ``/v1/echo``: the client, given
+    the path, came back to cachegate, which sent it to ``/api/v1/echo``, another resource."""
+    from proxy.relay import client_location
+
+    base = "https://user:pw@[::1]:8443/api/v1"
+    assert client_location(b"/v1/echo", base, b"/v1") == b"https://[::1]:8443/v1/echo"
+    assert client_location(b"/api/v1/echo", base, b"/v1") == b"/v1/echo"  # (inside: as before)
 
 
 @pytest.mark.parametrize(
