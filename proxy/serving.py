@@ -117,6 +117,11 @@ class HttpProtocol(HttpToolsProtocol):
         conflicting framing), in OpenAI's error shape: uvicorn's own is plain text, which an SDK
         shows as a body it cannot read. The connection is closed after it, as uvicorn does."""
         body = ProxyError(400, msg, code="invalid_http").body()
+        count = getattr(self.app, "invalid_http", None)  # (cachegate's app: in its metrics)
+        if callable(count):
+            with contextlib.suppress(Exception):  # (an observer: never the answer's failure)
+                method = self.parser.get_method() if self.parser is not None else b""
+                count(method or b"", bytes(getattr(self, "url", b"") or b""))
         content = [b"HTTP/1.1 400 Bad Request\r\n"]
         for name, value in self.server_state.default_headers:
             content.extend([name, b": ", value, b"\r\n"])

@@ -628,3 +628,30 @@ def test_a_session_id_given_twice_with_two_values_is_refused_not_guessed(
         headers=[("X-Session-Id", "same"), ("X-Session-Id", "same")],
     )
     assert r.status_code == 200 and r.headers["x-cachegate-session"] == "same"
+
+
+@pytest.mark.parametrize(
+    ("request_head", "route"),
+    [
+        (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: -1\r\n\r\n", "chat"),
+        (b"GET /v1/models HTTP/1.1\r\nhost: x\r\nbad header\r\n\r\n", "passthrough"),
+    ],
+)
+def test_a_request_the_parser_refuses_is_counted_in_the_metrics(
+    request_head: bytes, route: str, proxy_factory: Any
+) -> None:
+    """uvicorn's parser answers these itself (400 ``invalid_http``), before the app: no
+    dashboard or error ratio showed a client that sent malformed requests."""
+    import socket
+
+    proxy = proxy_factory("http://127.0.0.1:9/v1")
+    labels = {"route": route, "model": "other", "status": "400"}
+    before = proxy.metric("cachegate_requests_total", labels)
+    with socket.create_connection(("127.0.0.1", proxy.server.port)) as s:
+        s.settimeout(10)
+        s.sendall(request_head)
+        answer = b""
+        while chunk := s.recv(65536):  # (closed after it)
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"invalid_http" in answer
+    assert proxy.metric("cachegate_requests_total", labels) == before + 1
