@@ -383,11 +383,13 @@ _DESCRIBING = frozenset(
 # (its name quoted or not, a JSON string's or a Python dict's; HAR's ``{"name": "Cookie",
 # "value": "…"}``; curl's ``-b``/``--cookie`` argument)
 _COOKIE_HEADER = re.compile(
-    r"""(?i:cookie)(?:(\\*["'])?[ \t]*:[ \t]*(\[[ \t]*)?(\\*["'])?"""
-    r"""|\\*"[ \t]*,[ \t]*\\*"value\\*"[ \t]*:[ \t]*(\\*"))"""
+    r"""(?i:cookie)(?:(\\*["'])?[ \t]*:[ \t]*(\[[ \t\r\n]*)?(\\*["'])?"""
+    r"""|\\*"[ \t\r\n]*,[ \t\r\n]*\\*"value\\*"[ \t\r\n]*:[ \t\r\n]*(\\*"))"""
 )
 _COOKIE_FLAG = re.compile(r"""(?:(?<=\s)-b|--cookie)[ \t]+(\\*["']?)(?=[^\s'"=;]{1,64}=)""")
 _COOKIE_PAIR = re.compile(r"""[ \t]*[^\s;=,"'\\]{1,64}=(\\*"?)([^\s;"'\\]{0,4096}+)\1[ \t]*""")
+_OPENSSL_PASS = re.compile(r"""(?<![\w-])-pass(?:in|out)?[ \t]+["']?pass:([^\s'"]{1,512}+)""")
+_JOINED_COOKIE = re.compile(r""",[ \t]*[^\s;=,"'\\]{1,64}=(\\*"?)([^\s;,"'\\]{0,4096}+)""")
 _HAS_DIGIT = re.compile(r"[0-9]")
 _HAS_LETTER = re.compile(r"[A-Za-z]")
 # Passwords given to commands without a name: ``curl -u user:password`` (``-U``: a proxy's),
@@ -493,12 +495,16 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     value looked at and not taken (no secret; consumed); None otherwise."""
     before = s[start - 1] if start else "\n"
     after = s[end : end + 1]
+    if after == ":" and s[start:end] in ("PASS", "Pass"):
+        return None  # a test's status (automake's ``PASS: test_base64``), not a setting
     if after in "'\"\n\r> " and (paired := _paired_value(s, start, end)) is not None:
         return paired
     if after in "|` \t*" and (cell := _table_value(s, start, end)) is not None:
         return cell
     if s[end : end + 2] == '\\"' and s[start - 2 : start] == '\\"':  # \"api_key\": \"…\"
         found = _value_span(_ESCAPED_JSON_VALUE.match(s, end))  # (in a JSON string)
+        if found is not None and s[start:end].lower() == "pass":  # (\"pass\": \"passed\")
+            found = _plausible(s, start, end, found)
         if found is None and _in_code(s[start:end]):
             found = _plausible(s, start, end, _value_span(_ESCAPED_INDEXED_VALUE.match(s, end)))
         return found
@@ -633,6 +639,8 @@ def _table_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     name is a Markdown table row's cell (``| DB_PASSWORD | `Zk8…` |``): a value with a letter
     and a digit, no path, reference, placeholder or type, in a column whose header does not
     say it describes the setting (``Type``, ``Default``); None otherwise."""
+    if s[start:end].lower() in _BARE_NAMES:
+        return None  # (``| PASS | test_login_v2 |``: a status, a word's cell)
     found = _TABLE_ROW.match(s, end)
     if found is None:
         return None
@@ -676,8 +684,10 @@ def _column_header(s: str, line: int, column: int) -> str:
     rule_end = s.find("\n", dashes, line)
     if (rule == 0 and lo > 0) or rule_end < 0 or _TABLE_RULE.fullmatch(s, rule, rule_end) is None:
         return ""
-    above = s.rfind("\n", lo, rule - 1) + 1
-    cells = s[above : rule - 1].strip().strip("|").split("|")
+    above = s.rfind("\n", max(lo, rule - 1025), rule - 1)
+    if above < 0 and (lo > 0 or rule > 1025):
+        return ""  # (its start not within the look back, or a kilobyte: unknown)
+    cells = s[above + 1 : rule - 1].strip().strip("|").split("|")
     return cells[column - 1].strip(" \t*`").lower() if column <= len(cells) else ""
 
 
@@ -705,10 +715,18 @@ _YAML_KEY: Final = re.compile(  # (its value is read by hand: to the line's end,
     re.M,
 )
 _BLOCK_SCALAR: Final = re.compile(r"[|>][-+0-9]{0,3}")
-_JSON_DATA: Final = re.compile(r'"?(?:data|stringData)"?[ \t\r\n]*:[ \t\r\n]*\{')
+_JSON_DATA: Final = re.compile(r'(?<![\w.-])"?(?:data|stringData)"?[ \t\r\n]*:[ \t\r\n]*\{')
+# (a JSON object's entry, or a YAML flow map's, its key and value quoted or not)
 _JSON_ENTRY: Final = re.compile(
-    r'[ \t\r\n]*"(?:[^"\\\n]|\\.){1,253}"[ \t\r\n]*:[ \t\r\n]*"((?:[^"\\\n]|\\.)*+)"[ \t\r\n]*,?'
+    r"""[ \t\r\n]*(?:"(?:[^"\\\n]|\\.){1,253}"|'[^'\n]{1,253}'|[^\s:{},'"][^:{},\n]{0,252})"""
+    r"""[ \t\r\n]*:[ \t\r\n]*(?:"((?:[^"\\\n]|\\.)*+)"|'([^'\n]*+)'|([^\s,{}'"][^,{}\n]*+))"""
+    r"""[ \t\r\n]*,?"""
 )
+
+
+def _in_diff(s: str, at: int) -> bool:
+    """Whether ``s[at]`` is in a unified diff's hunk (a ``@@ -`` line before it)."""
+    return s.startswith("@@ -") or s.rfind("\n@@ -", 0, at) >= 0
 
 
 def _secret_data(s: str) -> list[tuple[int, int]]:
@@ -724,6 +742,9 @@ def _secret_data(s: str) -> list[tuple[int, int]]:
         head = s[block.start() : block.start(1)]
         prefix = next(p for p in reversed(_LINE_PREFIXES) if p.fullmatch(head) is not None)
         indent = len(block.group(1).expandtabs())
+        if not head and indent and _in_diff(s, block.start()):
+            # a diff's line of context (`` data:``): its lines are the diff's, ``+``/``-`` too
+            prefix, indent = _LINE_PREFIXES[2], indent - 1
         pos = block.end() + 1
         entry_indent = -1
         scalar = -1  # (a block scalar's key's indent: its lines are deeper)
@@ -760,8 +781,13 @@ def _secret_data(s: str) -> list[tuple[int, int]]:
     for block in _JSON_DATA.finditer(s):
         pos = block.end()
         while (entry := _JSON_ENTRY.match(s, pos)) is not None:
-            if entry.group(1):
-                spans.append(entry.span(1))
+            span = _value_span(entry)
+            if span is not None:
+                at, end = span
+                while end > at and s[end - 1] in " \t\r":  # (a flow map's blanks before ``,``)
+                    end -= 1
+                if end > at and not _reference(s, at, end):
+                    spans.append((at, end))
             pos = entry.end()
     return spans
 
@@ -810,6 +836,21 @@ _VALUE_FIRST: Final = re.compile(
     + _JSON_GAP
     + "true"
 )
+_SENSITIVE_VALUE: Final = re.compile(  # (``terraform show -json``: sensitive, value, type)
+    '"sensitive"'
+    + _JSON_GAP
+    + ":"
+    + _JSON_GAP
+    + "true"
+    + _JSON_GAP
+    + ","
+    + _JSON_GAP
+    + '"value"'
+    + _JSON_GAP
+    + ":"
+    + _JSON_GAP
+    + _JSON_TEXT
+)
 _RESULT: Final = re.compile('"result"' + _JSON_GAP + ":" + _JSON_GAP + _JSON_TEXT)
 _RANDOM_PASSWORD: Final = re.compile(r'"random_password"')
 
@@ -819,14 +860,16 @@ def _terraform_values(s: str, lowered: str) -> list[tuple[int, int]]:
     ``random_password``'s ``result`` (the first after its type's name, 4 KB on at most)."""
     spans: list[tuple[int, int]] = []
     if '"sensitive"' in lowered:
-        for pattern in (_SENSITIVE_FIRST, _VALUE_FIRST):
+        for pattern in (_SENSITIVE_FIRST, _VALUE_FIRST, _SENSITIVE_VALUE):
             spans += (found.span(1) for found in pattern.finditer(s) if found.group(1))
     named = _RANDOM_PASSWORD.search(s)
     while named is not None:  # (each stretch of text looked through once)
-        result = _RESULT.search(s, named.end(), named.end() + 4096)
-        if result is not None and result.group(1):
-            spans.append(result.span(1))
-        named = _RANDOM_PASSWORD.search(s, result.end() if result else named.end() + 4096)
+        # the resource's block: to the next resource's ``"mode"`` (64 KB at most), every
+        # instance's ``result`` (``count``, ``for_each``) and a plan's ``before`` and ``after``
+        end = s.find('"mode"', named.end(), named.end() + 65536)
+        end = end if end >= 0 else min(len(s), named.end() + 65536)
+        spans += (r.span(1) for r in _RESULT.finditer(s, named.end(), end) if r.group(1))
+        named = _RANDOM_PASSWORD.search(s, end)
     return spans
 
 
@@ -857,17 +900,17 @@ def _cookie_pairs(
         first = True
         while pos < end:  # (pair by pair, one not read passed over to the next ``;``)
             pair = _COOKIE_PAIR.match(s, pos, end)
-            if pair is not None and (first or not setting):
-                value = pair.group(2)
-                if (
-                    len(value) >= 16
-                    and _HAS_DIGIT.search(value) is not None
-                    and _HAS_LETTER.search(value) is not None
-                    and not _reference(s, *pair.span(2))
-                ):
-                    spans.append(pair.span(2))
-            first = False
             semi = s.find(";", pair.end() if pair is not None else pos, end)
+            if pair is not None and (first or not setting):
+                _take_cookie(s, pair, spans)
+            elif setting:
+                # Set-Cookies joined by a comma (Python requests' ``r.headers``): the next one
+                # starts after an attribute (``Path=/, sessionid=…``); a date's comma is
+                # followed by no ``name=`` (``Expires=Thu, 01 Jan 1970 …``)
+                joined = _JOINED_COOKIE.search(s, pos, end if semi < 0 else semi)
+                if joined is not None:
+                    _take_cookie(s, joined, spans)
+            first = False
             pos = end if semi < 0 else semi + 1
         if not array:
             return spans, end
@@ -877,6 +920,19 @@ def _cookie_pairs(
             return spans, end
         quote = after.group(1)
         pos = end + after.end()
+
+
+def _take_cookie(s: str, pair: re.Match[str], spans: list[tuple[int, int]]) -> None:
+    """``pair``'s value (its group 2) into ``spans`` where it looks like a session's token: 16
+    characters or more, a letter and a digit, no reference."""
+    value = pair.group(2)
+    if (
+        len(value) >= 16
+        and _HAS_DIGIT.search(value) is not None
+        and _HAS_LETTER.search(value) is not None
+        and not _reference(s, *pair.span(2))
+    ):
+        spans.append(pair.span(2))
 
 
 def _value_end(s: str, pos: int, quote: str) -> int:
@@ -1035,8 +1091,11 @@ def _plausible(
     if bare:  # (a path or a markup is no token; a key's base64 may well start with "/")
         if value[0] in "/<.#":
             return None
-        # (nodemailer's ``pass: '…'``; not a count, ``Pass: 142``: a letter, 8 characters)
-        if name.lower() == "pass" and (len(value) < 8 or not any(c.isalpha() for c in value)):
+        # (nodemailer's ``pass: '…'``; not a count, ``Pass: 142``: a letter, 8 characters;
+        # nor a path)
+        if name.lower() == "pass" and (
+            len(value) < 8 or not any(c.isalpha() for c in value) or _is_path(value)
+        ):
             return None
         return span
     return span if len(value) >= 16 and not _is_path(value) else None
@@ -1210,6 +1269,8 @@ def _redact_named(s: str, lowered: str) -> str:
         cookies, at = _cookie_values(s, lowered, at)
         spans += cookies
         at = lowered.find("cookie", at)
+    if "-pass" in lowered:  # openssl's ``-passout pass:…`` (its ``env:``, ``file:`` name one)
+        spans += (found.span(1) for found in _OPENSSL_PASS.finditer(s))
     for flag in _COOKIE_FLAG.finditer(s) if "-b" in s or "--cookie" in lowered else ():
         spans += _cookie_pairs(s, flag.end(), flag.group(1) or " ", False)[0]
     at = lowered.find("authorization")
@@ -1344,7 +1405,8 @@ _ASSIGNED_BYTES: Final = (
     rb"""|[ \t]*(?:\\+r)?\\+n(?:[ \t]|\\+t)*value:|[ \t]*\r?\n[ \t]*value:"""
     rb"""|(?:[ \t]|\\+t)+string(?:[ \t]|\\+t)*=|>"""
     # (a table's cell: ``| API_KEY | …``, bold, in backticks, a note after it)
-    rb"""|(?:\*\*)?`?(?:\*\*)?(?:[ \t]+\([^()|\n]{0,64}\))?(?:[ \t]|\\+t)*\|)"""
+    # (its note's 64 characters up to 6 bytes each in the line: UTF-8, ``\\uXXXX``)
+    rb"""|(?:\*\*)?`?(?:\*\*)?(?:[ \t]+\([^()|\n]{0,400}\))?(?:[ \t]|\\+t)*\|)"""
 )
 _NAMED_BYTES: Final = (
     # key", key\", key\\\" (nested), key', key=; keys", key_id", token_hash" (not tokens": a count)
@@ -1363,6 +1425,7 @@ _NAMED_BYTES: Final = (
     re.compile(rb"pass(?<=[_.-]pass)" + _SUFFIX + _ASSIGNED_BYTES),
     # a bare pass= or pass: (nodemailer's ``auth: {user, pass: '…'}``)
     re.compile(rb"pass(?<![a-z0-9_.-]pass)" + _ASSIGNED_BYTES),
+    re.compile(rb"\\+[nrt]pass" + _ASSIGNED_BYTES),  # (after an escaped line end or tab)
     re.compile(rb"pwd" + _SUFFIX + _ASSIGNED_BYTES),  # MYSQL_PWD=, pwd_hash"
     # a flag and its value apart: --api-key VALUE, --token VALUE
     re.compile(rb"--[a-z0-9_.-]{0,60}?(?:key|token|pass|secret|pwd)" + _SUFFIX + rb"(?: |\\+t)"),
@@ -1371,8 +1434,8 @@ _NAMED_BYTES: Final = (
     # a Cookie or Set-Cookie header, its value's cookies maybe a session's tokens (and HAR's
     # name/value pair, curl's -b argument)
     re.compile(rb"""cookie(?:\\*["'])?(?:[ \t]|\\+t)*:"""),
-    re.compile(rb'cookie\\*"[ \t]*,[ \t]*\\*"value'),
-    re.compile(rb"""(?:\s-b|--cookie)[ \t]+\\*["']?[^\s'"=;]{1,64}="""),
+    re.compile(rb'cookie\\*"(?:[ \t\r\n]|\\+[nrt])*,(?:[ \t\r\n]|\\+[nrt])*\\*"value'),
+    re.compile(rb"""(?:\s-b|\\+[nt]-b|--cookie)(?:[ \t]|\\+t)+\\*["']?[^\s'"=;]{1,64}="""),
     # Docker's "auth": "…" and .npmrc's _auth=… (a user and a password in base64)
     re.compile(rb'auth(?<=["_]auth)\\*"?(?:[ \t]|\\+t)*[=:]'),
 )

@@ -1729,6 +1729,50 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
             'kind: Secret\ndata: {"DB_URL": "cG9zdGdyZXM6Ly9hOmJAZGI="}\n',
             "cG9zdGdyZXM6Ly9hOmJAZGI=",
         ),
+        # a second review's: a bare ``pass`` on a later line (``\\n`` in the log's line), a
+        # table's note in French, a Secret's diff with its ``data:`` line as context, each of a
+        # random_password's results, a flow map unquoted, openssl's ``pass:``, ``terraform show
+        # -json``'s order, curl's ``-b`` after a line end
+        ('[mail]\nuser = "bot"\npass = "Zk8pQ2mW9xL4"\n', "Zk8pQ2mW9xL4"),
+        (
+            "| API_KEY (clé générée côté serveur, à régénérer après déploiement) | Zk8pQ2mW9xL4 |",
+            "Zk8pQ2mW9xL4",
+        ),
+        (
+            "@@ -3,5 +3,5 @@ kind: Secret\n metadata:\n   name: db\n data:\n-  URL: b2xkb2xk\n"
+            "+  URL: cG9zdGdyZXM6Ly9hcHA6cHdAZGIvYXBw\n",
+            "cG9zdGdyZXM6Ly9hcHA6cHdAZGIvYXBw",
+        ),
+        (
+            '{"type": "random_password", "instances": [{"attributes": {"result": "Kd8fJs1aPq6w"}},'
+            ' {"attributes": {"result": "Mn4bVc7xZl2k"}}]}',
+            "Mn4bVc7xZl2k",
+        ),
+        (
+            "kind: Secret\ndata: {DATABASE_URL: cG9zdGdyZXM6Ly9hcHA6cHdAZGIvYXBw}\n",
+            "cG9zdGdyZXM6Ly9hcHA6cHdAZGIvYXBw",
+        ),
+        ("openssl req -x509 -nodes -passout pass:Zk8pQ2mW9xL4 -out cert.pem", "Zk8pQ2mW9xL4"),
+        (
+            '{"outputs":{"pw":{"sensitive":true,"value":"Zk8pQ2mW9xL4","type":"string"}}}',
+            "Zk8pQ2mW9xL4",
+        ),
+        (
+            'curl https://api.example.com/me \\\n-b "sessionid=k2j3h4g5f6d7s8a9q0w1e2r3"\n',
+            "k2j3h4g5f6d7s8a9q0w1e2r3",
+        ),
+        (
+            '{\n  "name": "cookie",\n  "value": "_ga=GA1; sid=k2j3h4g5f6d7s8a9q0w1e2r3"\n}',
+            "k2j3h4g5f6d7s8a9q0w1e2r3",
+        ),
+        (
+            '"set-cookie": [\n    "sessionid=k2j3h4g5f6d7s8a9q0w1e2r3; Path=/"\n  ]',
+            "k2j3h4g5f6d7s8a9q0w1e2r3",
+        ),
+        (
+            "Set-Cookie: theme=dark; Path=/, session=k2j3h4g5f6d7s8a9q0w1e2r3; HttpOnly",
+            "k2j3h4g5f6d7s8a9q0w1e2r3",
+        ),
         # a session's cookie: curl -v's header lines, a -H, a JSON dump of headers
         ("> Cookie: theme=dark; session=k2j3h4g5f6d7s8a9qwerty12\n", "k2j3h4g5f6d7s8a9qwerty12"),
         ("< Set-Cookie: connect.sid=s%3AabcDEF123456.xyz789; Path=/", "s%3AabcDEF123456.xyz789"),
@@ -1953,6 +1997,13 @@ def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, se
         'bypass: "Zk8aQ2mP9xLw"',
         # Terraform's output that is not sensitive
         '{"url": {"sensitive": false, "type": "string", "value": "https://app.example.com"}}',
+        # a second review's: a Secret's metadata, a test's status, a fixture's "pass"
+        '{"kind": "Secret", "metadata": {"name": "db-creds", "uid": "9f1c2d3e-aaaa"}}',
+        "PASS: test_base64\nPASS: tests/test-sha256\nFAIL: test_parser2\n",
+        "| Status | Test |\n|---|---|\n| PASS | test_login_v2 |\n",
+        '{"content": "{\\"test\\": \\"login\\", \\"pass\\": \\"failed\\"}"}',
+        "openssl rsa -passin env:KEY_PASSWORD_VAR -in key.pem",
+        "Set-Cookie: a=1; Expires=Thu, 01 Jan 1970 00:00:00 GMT, b=2",
         # a cookie that is no token, a Set-Cookie's attributes, a cookie named in prose
         "> Cookie: theme=dark; lang=en-GB; tz=Europe/London\n",
         "< Set-Cookie: a=1; Expires=Wed, 21 Oct 2026 07:28:00 GMT; Max-Age=31536000000",
@@ -1998,6 +2049,27 @@ def test_a_secrets_long_lines_are_read_in_linear_time() -> None:
     began = time.process_time()
     redact_text("kind: Secret\n" + stairs)
     assert time.process_time() - began < 2.0  # (linear: ~0.35 s for 4 MB; quadratic: ~40 s)
+
+
+def test_a_tables_header_far_above_its_rows_is_not_read_from_the_texts_start() -> None:
+    """A table whose header row starts more than the look back above a row: the header was
+    taken from the text's first line (copied and split whole for each row: 1 MB in 27 s), so
+    a settings table after a schema's took the schema's ``Type`` column and kept its values."""
+    import time
+
+    rows = "| API_KEY | Zk8pQ2mW9xL4 |\n" * 150
+    text = ("|" + "a|" * 1900 + "\n|---|\n" + rows) * 40
+    began = time.process_time()
+    assert "Zk8pQ2mW9xL4" not in redact_text(text)
+    assert time.process_time() - began < 2.0  # (~0.3 s; before: ~25 s)
+    schema = "| Column | Type | Null |\n|---|---|---|\n| id | bigint | no |\n\n"
+    settings = (
+        "| Variable | Value | Notes on rotation and ownership in production |\n|---|---|---|\n"
+    )
+    settings += "".join(
+        f"| SERVICE_{j}_TOKEN | tokjx9Zk8pQ2mW9xL{j:03d} | n |\n" for j in range(120)
+    )
+    assert "tokjx9Zk8pQ2mW9xL" not in redact_text(schema + settings)
 
 
 def test_cookies_in_cookies_are_read_in_linear_time() -> None:
