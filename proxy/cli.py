@@ -480,6 +480,13 @@ def _simulate(ns: argparse.Namespace) -> int:
 def _demo(ns: argparse.Namespace) -> int:
     from proxy.demo import run_demo
 
+    if ns.log_dir is not None and not ns.log_dir.strip():  # (as serve and sessions refuse it)
+        print(
+            "cachegate: --log-dir: empty; give the directory for the demo's logs, or leave the"
+            " flag out for a temporary one",
+            file=sys.stderr,
+        )
+        return 2
     log_dir = os.path.expanduser(ns.log_dir) if ns.log_dir else None
     if log_dir and os.path.exists(log_dir) and not os.path.isdir(log_dir):
         print(f"cachegate: log directory {log_dir!r} is not a directory", file=sys.stderr)

@@ -6,6 +6,7 @@ naming the key instead of failing at the first request.
 
 from __future__ import annotations
 
+import datetime
 import difflib
 import ipaddress
 import math
@@ -519,9 +520,12 @@ def _kind_of(value: Any) -> str:
 
 
 def _shown(value: Any) -> str:
-    """A configured value as the file spells it: TOML's ``true`` and ``false``, not Python's."""
+    """A configured value as the file spells it: TOML's ``true`` and ``false``, not Python's;
+    a date or a table by its kind (``datetime.date(1970, 1, 1)`` is no TOML)."""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, (Mapping, datetime.date, datetime.time)):
+        return _kind_of(value)
     return repr(value)
 
 

@@ -413,6 +413,14 @@ def test_a_demo_log_directory_that_cannot_be_written_is_said_at_once(tmp_path: P
     assert time.monotonic() - t0 < 10
 
 
+def test_a_demo_given_an_empty_log_directory_is_refused_as_serve_refuses_it() -> None:
+    """A script's unset variable (``--log-dir "$DIR"``): the demo went on into a temporary
+    directory, where serve and sessions refuse it."""
+    result = run_cli("demo", "--log-dir", "")
+    assert result.code == 2 and result.out == ""
+    assert result.err.startswith("cachegate: --log-dir: empty")
+
+
 def test_list_of_a_missing_directory_exits_1(tmp_path: Path) -> None:
     result = run_cli("sessions", "list", "--log-dir", str(tmp_path / "nowhere"))
     assert result.code == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import re
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,13 @@ def test_a_value_of_the_wrong_type_is_shown_as_the_file_spells_it() -> None:
         ({"server": {"port": True}}, "'server.port': expected an integer, got true"),
         ({"upstream": {"timeout_s": False}}, "'upstream.timeout_s': expected a number, got false"),
         ({"upstream": {"base_url": True}}, "'upstream.base_url': expected a string, got true"),
+        # (a date or a table by its kind: ``datetime.date(1970, 1, 1)`` and ``{'x': 1}`` are
+        # Python's)
+        (
+            {"server": {"port": datetime.date(1970, 1, 1)}},
+            "'server.port': expected an integer, got a date or time",
+        ),
+        ({"server": {"port": {"x": 1}}}, "'server.port': expected an integer, got a table"),
     ):
         with pytest.raises(ConfigError, match=re.escape(said)):
             settings_from_mapping(data)
