@@ -707,9 +707,8 @@ class EventLogWriter:
                 for _ in range(events):  # (a meta line is no loss: written again, as the file's)
                     self._lose(
                         "locked_out",
-                        "event log: another cachegate (pid %s) writes %s now (it, or its lock"
-                        " file, was removed meanwhile); this one's lines are lost until it stops"
-                        " (cachegate_event_log_lost_total)",
+                        "event log: another cachegate (pid %s) holds %s now; this one's lines"
+                        " are lost until it stops (cachegate_event_log_lost_total)",
                         self._locked_out,
                         self.log_dir,
                     )
