@@ -367,7 +367,9 @@ _TABLE_ROW = re.compile(
     r"(?:\*\*)?`?(?:\*\*)?(?:[ \t]+\([^()|\n]{0,64}\))?[ \t]*\|[ \t]*"
     r"(?:`([^`\s|]{8,256}+)`[^|\n]{0,256}+|([^\s|`\\\"']{8,256}+)[ \t]*)(?:\||(?=\r?\n)|\Z)"
 )
-_TABLE_HEAD = re.compile(r"[ \t]*\|(?:[^|\n]*+\|)*?[ \t]*(?:\*\*)?`?(?:\*\*)?")
+# (after a line's prefix, as a tool printed the file: ``cat -n``'s, a diff's, ``grep -n``'s)
+_ROW_PREFIX = r"(?:[ \t]*\d{1,9}(?:→|\t)|[+ -]|>[ \t]?|[^\s:|]{1,256}?:\d{1,9}:)?"
+_TABLE_HEAD = re.compile(_ROW_PREFIX + r"[ \t]*\|(?:[^|\n]*+\|)*?[ \t]*(?:\*\*)?`?(?:\*\*)?")
 # A type's shape, as a schema's or an API's table gives it: ``VARCHAR(255)``, ``Uint8Array``
 _TYPE_SHAPE = re.compile(r"[A-Za-z_][\w.]{0,64}\([0-9, ]{1,16}\)(?:\[\])?")
 # A table's column that says what a setting is, not its value (its header row's cell)
@@ -376,7 +378,18 @@ _DESCRIBING = frozenset(
         *("type", "data type", "datatype", "format", "algorithm", "description", "default"),
         *("example", "notes", "note", "required", "constraints", "purpose", "kind", "length"),
         *("size", "scope", "source", "where", "used by", "usage", "meaning", "encoding"),
+        # (a code review's, a test report's: where a name is, what happened to it)
+        *("location", "defined in", "file", "line", "path", "duration", "time", "commit"),
+        *("revision", "error", "status", "result", "owner", "last rotated", "rotated", "hash"),
+        *("version", "since", "test", "tests", "function", "method"),
     }
+)
+# A cell's value that is a place, a measure or a time: ``auth/utils.py:88``, ``120.50ms``,
+# ``2024-03-01T10:00``
+_NOT_SECRET_CELL = re.compile(
+    r"[\w./-]+\.\w{1,8}(?::\d+){1,2}(?:-\d+)?"
+    r"|\d+(?:\.\d+)?(?:ms|s|us|µs|ns|m|h|%|[KMG]i?B)"
+    r"|\d{4}-\d{2}-\d{2}(?:[T ][\d:.]+)?(?:Z|[+-][\d:]+)?"
 )
 # A ``Cookie`` or ``Set-Cookie`` header (``curl -v``'s ``> Cookie: …``, ``-H 'Cookie: …'``, a
 # JSON dump of headers): its name, then its value's pairs, each a session's token maybe.
@@ -387,7 +400,7 @@ _COOKIE_HEADER = re.compile(
     r"""|\\*"[ \t\r\n]*,[ \t\r\n]*\\*"value\\*"[ \t\r\n]*:[ \t\r\n]*(\\*"))"""
 )
 _COOKIE_FLAG = re.compile(r"""(?:(?<=\s)-b|--cookie)[ \t]+(\\*["']?)(?=[^\s'"=;]{1,64}=)""")
-_COOKIE_PAIR = re.compile(r"""[ \t]*[^\s;=,"'\\]{1,64}=(\\*"?)([^\s;"'\\]{0,4096}+)\1[ \t]*""")
+_COOKIE_PAIR = re.compile(r"""[ \t]*[^\s;=,"'\\]{1,64}=(\\*"?)([^\s;"'\\`,]{0,4096}+)\1[ \t]*""")
 _OPENSSL_PASS = re.compile(r"""(?<![\w-])-pass(?:in|out)?[ \t]+["']?pass:([^\s'"]{1,512}+)""")
 _JOINED_COOKIE = re.compile(r""",[ \t]*[^\s;=,"'\\]{1,64}=(\\*"?)([^\s;,"'\\]{0,4096}+)""")
 _HAS_DIGIT = re.compile(r"[0-9]")
@@ -662,6 +675,8 @@ def _table_value(s: str, start: int, end: int) -> tuple[int, int] | None:
         or _PLACEHOLDER.fullmatch(s, *span) is not None
         or _TYPE_NAME.fullmatch(value) is not None  # (``Uint8Array``, ``bytes32``)
         or _TYPE_SHAPE.fullmatch(value) is not None  # (``VARCHAR(255)``)
+        or _NOT_SECRET_CELL.fullmatch(value) is not None
+        or s.startswith("test_", start)  # (a test's name: ``| test_api_key | … |``)
     ):
         return None
     if _column_header(s, line, s.count("|", line, start) + 1) in _DESCRIBING:
@@ -669,6 +684,7 @@ def _table_value(s: str, start: int, end: int) -> tuple[int, int] | None:
     return span
 
 
+_LINE_PREFIX: Final = re.compile(_ROW_PREFIX)
 _TABLE_RULE: Final = re.compile(r"[ \t]*\|?(?:[ \t]*:?-{3,}+:?[ \t]*\|?)++[ \t]*\r?")  # (``|---|``)
 
 
@@ -682,12 +698,16 @@ def _column_header(s: str, line: int, column: int) -> str:
         return ""
     rule = s.rfind("\n", lo, dashes) + 1
     rule_end = s.find("\n", dashes, line)
-    if (rule == 0 and lo > 0) or rule_end < 0 or _TABLE_RULE.fullmatch(s, rule, rule_end) is None:
+    if (rule == 0 and lo > 0) or rule_end < 0:
+        return ""
+    marked = _LINE_PREFIX.match(s, rule, rule_end)  # (a numbered or a diff's line)
+    if _TABLE_RULE.fullmatch(s, marked.end() if marked else rule, rule_end) is None:
         return ""
     above = s.rfind("\n", max(lo, rule - 1025), rule - 1)
     if above < 0 and (lo > 0 or rule > 1025):
         return ""  # (its start not within the look back, or a kilobyte: unknown)
-    cells = s[above + 1 : rule - 1].strip().strip("|").split("|")
+    marked = _LINE_PREFIX.match(s, above + 1, rule - 1)
+    cells = s[marked.end() if marked else above + 1 : rule - 1].strip().strip("|").split("|")
     return cells[column - 1].strip(" \t*`").lower() if column <= len(cells) else ""
 
 
@@ -768,6 +788,9 @@ def _secret_data(s: str) -> list[tuple[int, int]]:
                     break
                 entry_indent, scalar = depth, -1
                 value = s[key.end() : eol].strip(" \t\r")
+                comment = value.find(" #")  # (a comment after it stays: ``… # prod``)
+                if comment > 0 and value[0] not in "'\"":
+                    value = value[:comment].rstrip(" \t")
                 start = s.find(value, key.end(), eol) if value else -1
                 if _BLOCK_SCALAR.fullmatch(value) is not None:
                     scalar = depth
@@ -935,10 +958,17 @@ def _take_cookie(s: str, pair: re.Match[str], spans: list[tuple[int, int]]) -> N
         spans.append(pair.span(2))
 
 
+_UNQUOTED: Final = " "  # (``_value_end``'s quote for an unquoted word)
+_BLANK: Final = re.compile(r"\s")
+
+
 def _value_end(s: str, pos: int, quote: str) -> int:
     """Where a header's value from ``s[pos]`` ends: its closing ``quote`` (``"``, ``'``,
     ``\\"`` in a JSON string), or its line's end, 16 KB on at most."""
     limit = min(len(s), pos + 16384)
+    if quote is _UNQUOTED:  # (an unquoted argument: to its first blank)
+        blank = _BLANK.search(s, pos, limit)
+        return blank.start() if blank is not None else limit
     for end in ("\n", "\r", quote, "\\n" if "\\" in quote or not quote else ""):
         if end:  # (each looked for before the nearest found: the line's end, first)
             found = s.find(end, pos, limit)
@@ -1271,8 +1301,11 @@ def _redact_named(s: str, lowered: str) -> str:
         at = lowered.find("cookie", at)
     if "-pass" in lowered:  # openssl's ``-passout pass:…`` (its ``env:``, ``file:`` name one)
         spans += (found.span(1) for found in _OPENSSL_PASS.finditer(s))
+    walked = 0  # (a flag inside an argument walked already is not walked again: linear)
     for flag in _COOKIE_FLAG.finditer(s) if "-b" in s or "--cookie" in lowered else ():
-        spans += _cookie_pairs(s, flag.end(), flag.group(1) or " ", False)[0]
+        if flag.start() >= walked:
+            taken, walked = _cookie_pairs(s, flag.end(), flag.group(1) or _UNQUOTED, False)
+            spans += taken
     at = lowered.find("authorization")
     while at >= 0:
         span = _value_span(_AUTHORIZATION.match(s, at))
@@ -1406,7 +1439,7 @@ _ASSIGNED_BYTES: Final = (
     rb"""|(?:[ \t]|\\+t)+string(?:[ \t]|\\+t)*=|>"""
     # (a table's cell: ``| API_KEY | …``, bold, in backticks, a note after it)
     # (its note's 64 characters up to 6 bytes each in the line: UTF-8, ``\\uXXXX``)
-    rb"""|(?:\*\*)?`?(?:\*\*)?(?:[ \t]+\([^()|\n]{0,400}\))?(?:[ \t]|\\+t)*\|)"""
+    rb"""|(?:\*\*)?`?(?:\*\*)?(?:(?:[ \t]|\\+t)+\([^()|\n]{0,400}\))?(?:[ \t]|\\+t)*\|)"""
 )
 _NAMED_BYTES: Final = (
     # key", key\", key\\\" (nested), key', key=; keys", key_id", token_hash" (not tokens": a count)

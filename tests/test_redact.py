@@ -1773,6 +1773,17 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
             "Set-Cookie: theme=dark; Path=/, session=k2j3h4g5f6d7s8a9q0w1e2r3; HttpOnly",
             "k2j3h4g5f6d7s8a9q0w1e2r3",
         ),
+        # a third review's: a table's row as a tool printed the file (numbered, a diff's, a
+        # quote's, grep -n's), a tab before its note
+        ("     3\t| API_KEY | Zk8pQ2mW9xL4 |", "Zk8pQ2mW9xL4"),
+        ("    12→| API_KEY | Zk8pQ2mW9xL4 |", "Zk8pQ2mW9xL4"),
+        (
+            "@@ -1,3 +1,4 @@\n | Name | Value |\n |---|---|\n+| JWT_SECRET | Zk8pQ2mW9xL4 |",
+            "Zk8pQ2mW9xL4",
+        ),
+        ("> | API_KEY | Zk8pQ2mW9xL4 |", "Zk8pQ2mW9xL4"),
+        ("README.md:14:| API_KEY | Zk8pQ2mW9xL4 |", "Zk8pQ2mW9xL4"),
+        ("| API_KEY\t(server side) | Zk8pQ2mW9xL4 |", "Zk8pQ2mW9xL4"),
         # a session's cookie: curl -v's header lines, a -H, a JSON dump of headers
         ("> Cookie: theme=dark; session=k2j3h4g5f6d7s8a9qwerty12\n", "k2j3h4g5f6d7s8a9qwerty12"),
         ("< Set-Cookie: connect.sid=s%3AabcDEF123456.xyz789; Path=/", "s%3AabcDEF123456.xyz789"),
@@ -2004,6 +2015,16 @@ def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, se
         '{"content": "{\\"test\\": \\"login\\", \\"pass\\": \\"failed\\"}"}',
         "openssl rsa -passin env:KEY_PASSWORD_VAR -in key.pem",
         "Set-Cookie: a=1; Expires=Thu, 01 Jan 1970 00:00:00 GMT, b=2",
+        # a third review's: a code review's and a test report's tables (places, measures,
+        # times, commits, a test's error), a table of a Secret's rotations
+        "| Function | Location |\n|---|---|\n| `validate_api_key` | `auth/utils.py:88` |\n",
+        "| Symbol | Defined in |\n|---|---|\n| JWT_SECRET | config.py:12 |\n",
+        "| Test | Duration |\n|---|---|\n| test_expired_token | 120.50ms |\n",
+        "| Test | Error |\n|---|---|\n| test_api_key | AssertionError2 |\n",
+        "| Change | Commit |\n|---|---|\n| `rotate_secret` | `a1b2c3d4` |\n",
+        "| Migration | Revision |\n|---|---|\n| add_password_hash | 0042_auto |\n",
+        "| Secret | Last rotated | Owner |\n|---|---|---|\n| JWT_SECRET | 2024-03-01T10:00 | team2 |",
+        "     1\t| Field | Type |\n     2\t|---|---|\n     3\t| api_key | AES-256-GCM |\n",
         # a cookie that is no token, a Set-Cookie's attributes, a cookie named in prose
         "> Cookie: theme=dark; lang=en-GB; tz=Europe/London\n",
         "< Set-Cookie: a=1; Expires=Wed, 21 Oct 2026 07:28:00 GMT; Max-Age=31536000000",
@@ -2081,6 +2102,7 @@ def test_cookies_in_cookies_are_read_in_linear_time() -> None:
     redact_text("Cookie: a=" + "cookie:a=" * 100_000)
     redact_text("Set-Cookie: a=" + "set-cookie:a=" * 80_000)
     redact_text("> Cookie: a=1\n" * 80_000)
+    redact_text("\t-b\ta=1;" * 16_000)  # (each unquoted argument read to 16 KB: 76 s a MB)
     assert time.process_time() - began < 3.0  # (linear: ~0.5 s; before: ~25 s)
 
 
