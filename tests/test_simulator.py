@@ -929,8 +929,18 @@ def test_requests_are_recorded_and_reset_clears_everything(sim: RunningSimulator
     # nor to a page whose name was re-pointed at this machine (DNS rebinding: it could read)
     rebound = httpx.get(sim.url + "/_sim/requests", headers={"Host": "evil.example:8788"})
     assert rebound.status_code == 403 and rebound.json()["error"]["code"] == "forbidden_host"
-    # (an Origin is a cachegate's in front passing on a page it lets through)
-    assert httpx.get(sim.url + "/_sim/requests", headers={"Origin": "https://a.example"}).is_success
+    # (on its API, an Origin is a cachegate's in front passing on a page it lets through)
+    assert httpx.get(sim.url + "/v1/models", headers={"Origin": "https://a.example"}).is_success
+    # but its own routes are no page's: a cross-site POST (no preflight) queued a tool call an
+    # agent then ran, reset it, or moved its clock
+    page = {"Origin": "https://evil.example", "Content-Type": "text/plain"}
+    for route, payload in (("/_sim/script", '"x"'), ("/_sim/reset", ""), ("/_sim/clock", "{}")):
+        refused = httpx.post(sim.url + route, content=payload, headers=page)
+        assert refused.status_code == 403, route
+        assert refused.json()["error"]["code"] == "forbidden_origin"
+    assert sim.sim.requests  # (not reset)
+    local = {"Origin": sim.url}  # (a page of this machine's: a local dashboard)
+    assert httpx.get(sim.url + "/_sim/requests", headers=local).is_success
     assert (recorded[0]["path"], recorded[0]["status"]) == ("/v1/chat/completions", 200)
     assert sim.sim.requests[0].usage == recorded[0]["usage"]
     sim.sim.advance(10)

@@ -566,11 +566,13 @@ def embed(item: Any, model: str, dimensions: int) -> list[float]:
 
 
 class _BrowserGuarded:
-    """cachegate's browser guard before the simulator, by the Host only: a page whose name was
-    re-pointed at this machine (DNS rebinding), which could read the answers, is refused (403).
-    The simulator serves what it received (``/_sim/requests``: prompts, a key masked). A page on
+    """cachegate's browser guard before the simulator: a page whose name was re-pointed at this
+    machine (DNS rebinding), which could read the answers, is refused (403). The simulator
+    serves what it received (``/_sim/requests``: prompts, a key masked). On its API, a page on
     another origin cannot read them (no CORS), and a cachegate in front passes on the Origin of
-    the pages it lets through (``server.allowed_origins``): not judged."""
+    the pages it lets through (``server.allowed_origins``): not judged there. Its own routes
+    (``/_sim/…``) judge the Origin too: a page's cross-site POST needs no preflight, and queued a
+    script (a tool call an agent then runs), reset it or moved its clock."""
 
     def __init__(self, app: ASGIApp, bind_host: str) -> None:
         self.app = app
@@ -578,10 +580,11 @@ class _BrowserGuarded:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            own = scope["path"].startswith("/_sim")
             headers = {
                 name: v.decode("latin-1")
                 for k, v in scope["headers"]
-                if (name := k.decode("latin-1")) != "origin"
+                if (name := k.decode("latin-1")) != "origin" or own
             }
             refusal = self.guard.refusal(headers)
             if refusal is not None:

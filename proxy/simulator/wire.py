@@ -62,6 +62,8 @@ def usage_object(
     if dialect == "deepseek":
         usage["prompt_cache_hit_tokens"] = cache.read
         usage["prompt_cache_miss_tokens"] = prompt - cache.read
+        if reasoning:  # (deepseek-reasoner names its thinking so)
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
     elif dialect == "anthropic-compat":
         usage["cache_read_input_tokens"] = cache.read
         usage["cache_creation_input_tokens"] = cache.written
