@@ -31,6 +31,13 @@ class ConfigError(ValueError):
         super().__init__(message)
         self.key = key
 
+    def __str__(self) -> str:
+        # A key pasted where a value goes (``timeout_s = "sk-…"``) is quoted by the message:
+        # said on the terminal without it, as every error cachegate says.
+        from proxy.redact import redact_text
+
+        return redact_text(super().__str__())
+
 
 # Keys whose 0 would refuse, or wait forever on, every request: a negative value is refused as
 # not positive (not as "negative", which would have its user try 0 next).

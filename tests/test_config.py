@@ -154,6 +154,20 @@ def test_a_value_of_the_wrong_type_is_shown_as_the_file_spells_it() -> None:
             settings_from_mapping(data)
 
 
+def test_a_key_pasted_where_any_value_goes_is_not_shown_in_the_refusal() -> None:
+    """``timeout_s = "sk-…"``, ``bodies = "sk-…"``: the refusal quoted the value, a key of a
+    known shape with it, on the terminal (only ``base_url`` and ``api_key_env`` hid it)."""
+    key = "sk-proj-PASTEDKEYabcdefghij1234567890"
+    for data in (
+        {"upstream": {"timeout_s": key}},
+        {"logging": {"bodies": key}},
+        {"server": {"allowed_origins": key}},
+    ):
+        with pytest.raises(ConfigError) as refused:
+            settings_from_mapping(data)
+        assert key not in str(refused.value) and "[REDACTED]" in str(refused.value)
+
+
 def test_a_key_written_where_the_variables_name_goes_is_never_shown_whatever_its_type() -> None:
     """``api_key_env = ["sk-…"]`` (a key, in an array by mistake): the refusal printed the
     key on the terminal, where a key written as a string is never shown."""
