@@ -131,10 +131,13 @@ def shutting_down() -> ProxyError:
 
 
 def websocket_unsupported() -> ProxyError:
-    """A WebSocket handshake (the Realtime API, Responses over WebSocket): not relayed."""
+    """A WebSocket handshake (the Realtime API, Responses over WebSocket): not relayed. A 426,
+    on which Codex CLI goes on over HTTP at once (on a 501 it tried five times more first, a
+    "Reconnecting… 1/5" each time: it takes only a 426 for "use HTTP")."""
     return ProxyError(
-        501,
-        "cachegate does not relay WebSocket connections (the Realtime API, Responses over "
-        "WebSocket): point that client at the provider directly.",
+        426,
+        "cachegate does not relay WebSocket connections: a client with an HTTP transport "
+        "(Responses over HTTP, as Codex CLI falls back to) goes on through cachegate; the "
+        "Realtime API needs the provider directly.",
         code="websocket_not_supported",
     )

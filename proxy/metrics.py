@@ -40,14 +40,14 @@ OTHER_MODEL: Final = "other"
 ROUTES: Final = ("chat", "passthrough")
 """The ``route`` label: the chat-completions pipeline, or the generic relay of any other path."""
 REQUEST_STATUSES: Final = (
-    *("200", "400", "401", "402", "403", "404", "413", "415", "422", "429", "499", "500", "501"),
+    *("200", "400", "401", "402", "403", "404", "413", "415", "422", "426", "429", "499", "500"),
     *("502", "503", "504", "529"),
 )
 """Statuses whose series exist from the start (at zero), so that the first one of each shows in a
 rate: Prometheus cannot tell a series' first value from its creation. 200, then what clients and
 providers answer most (402: OpenRouter's and DeepSeek's credits run out; 422: Mistral's and
 vLLM's refusal of a request; 529: Anthropic's overload, through a gateway), and every status
-cachegate answers itself (415: a chat body in an encoding it cannot read; 501: a WebSocket
+cachegate answers itself (415: a chat body in an encoding it cannot read; 426: a WebSocket
 upgrade); others appear when they happen."""
 TOKEN_KINDS: Final = ("prompt", "completion", "cache_read", "cache_write")
 WASTE_CAUSES: Final = (

@@ -106,7 +106,7 @@ class HttpProtocol(HttpToolsProtocol):
                     self.handle_websocket_upgrade()
                     return
                 if self._get_upgrade() == b"websocket":
-                    return  # the app answers it (501); what follows would be frames
+                    return  # the app answers it (426); what follows would be frames
                 data = data[upgrade.args[0] :]  # where the headers ended: the body, if any
                 if self._read_on() and data:
                     continue

@@ -241,9 +241,9 @@ def test_a_base_url_without_v1_gets_an_openai_shaped_404_that_says_so(
     # so are refusals there before any route: a foreign page's, a WebSocket handshake
     page = httpx.post(proxy.url + "/chat/completions", headers={"Origin": "https://evil.example"})
     socket_ = httpx.get(proxy.url + "/realtime", headers={"Upgrade": "websocket", "Connection": "Upgrade"})  # fmt: skip
-    assert (page.status_code, socket_.status_code) == (403, 501)
+    assert (page.status_code, socket_.status_code) == (403, 426)
     assert proxy.metric("cachegate_requests_total", {**labels, "status": "403"}) == 1
-    assert proxy.metric("cachegate_requests_total", {**labels, "status": "501"}) == 1
+    assert proxy.metric("cachegate_requests_total", {**labels, "status": "426"}) == 1
     # ``/s/x/v1`` is no route (its 404 names no session), and its refusal names none either
     for headers in ({}, {"Origin": "https://evil.example"}):
         r = httpx.get(proxy.url + "/s/x/v1", headers=headers)
@@ -501,7 +501,7 @@ def test_a_websocket_handshake_is_refused_plainly_not_relayed_as_a_get(
                 break
             answer += piece
     head, _, body = answer.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 501 ")
+    assert head.startswith(b"HTTP/1.1 426 ")
     assert json.loads(body)["error"]["code"] == "websocket_not_supported"
     assert len(sim.sim.requests) == seen  # nothing went upstream
     assert not [r for r in caplog.records if "WebSocket library" in r.getMessage()]
@@ -511,7 +511,7 @@ def test_a_websocket_handshake_is_refused_plainly_not_relayed_as_a_get(
         f"{proxy.url}/s/agent-7/v1/realtime",
         headers={"upgrade": "websocket", "connection": "Upgrade"},
     )
-    assert r.status_code == 501
+    assert r.status_code == 426
     assert r.headers["x-cachegate-session"] == "agent-7"
 
 
@@ -519,13 +519,13 @@ def test_the_first_refusal_of_each_status_cachegate_answers_itself_shows_in_a_ra
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
     """Prometheus cannot see a series' first value as an increase: a series created by the
-    first 415 (a chat body in a coding cachegate cannot read) or 501 (a WebSocket upgrade)
+    first 415 (a chat body in a coding cachegate cannot read) or 426 (a WebSocket upgrade)
     read 1 but moved no ``rate()`` or ``increase()``, so the error panels missed it. Every
     status cachegate answers itself exists at zero before its first answer."""
     proxy = proxy_factory(sim.api_base)
     chat_415 = {"route": "chat", "model": "other", "status": "415"}
-    relayed_501 = {"route": "passthrough", "model": "other", "status": "501"}
-    for labels in (chat_415, relayed_501):  # (a series, at zero: not merely none)
+    relayed_426 = {"route": "passthrough", "model": "other", "status": "426"}
+    for labels in (chat_415, relayed_426):  # (a series, at zero: not merely none)
         assert proxy.registry.get_sample_value("cachegate_requests_total", labels) == 0
     r = httpx.post(
         proxy.base_url + "/chat/completions",
@@ -536,9 +536,9 @@ def test_the_first_refusal_of_each_status_cachegate_answers_itself_shows_in_a_ra
     r = httpx.get(
         proxy.base_url + "/realtime", headers={"upgrade": "websocket", "connection": "Upgrade"}
     )
-    assert r.status_code == 501
+    assert r.status_code == 426
     assert proxy.metric("cachegate_requests_total", chat_415) == 1
-    assert proxy.metric("cachegate_requests_total", relayed_501) == 1
+    assert proxy.metric("cachegate_requests_total", relayed_426) == 1
 
 
 def test_a_role_or_part_type_that_is_no_string_gets_the_providers_answer_not_a_500(

@@ -900,7 +900,7 @@ def test_a_second_cachegate_on_the_same_log_directory_is_refused_in_one_line(
                 "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ==",
             },
         )
-        assert realtime.status_code == 501
+        assert realtime.status_code == 426
         assert realtime.json()["error"]["code"] == "websocket_not_supported"
 
 

@@ -291,7 +291,7 @@ def test_finite_label_sets_start_at_zero(metrics: Metrics, registry: CollectorRe
                 assert value(registry, "cachegate_requests_total", status="200", **labels) is None
                 assert value(registry, "cachegate_request_duration_seconds_count", **labels) is None
                 continue
-            for status in ("200", "400", "402", "415", "422", "429", "499", "500", "501", "502"):
+            for status in ("200", "400", "402", "415", "422", "426", "429", "499", "500", "502"):
                 # (the first error of each shows in a rate: 402, a provider's credits gone)
                 assert value(registry, "cachegate_requests_total", status=status, **labels) == 0
             for status in ("503", "504", "529"):
