@@ -369,6 +369,9 @@ _TABLE_ROW = re.compile(
 )
 # (after a line's prefix, as a tool printed the file: ``cat -n``'s, a diff's, ``grep -n``'s)
 _ROW_PREFIX = r"(?:[ \t]*\d{1,9}(?:→|\t)|[+ -]|>[ \t]?|[^\s:|]{1,256}?:\d{1,9}:)?"
+_TABLE_CELL_END = re.compile(r"(?:\*\*)?`?(?:\*\*)?(?:[ \t]+\([^()|\n]{0,64}\))?[ \t]*\|")
+# A table's column that holds the settings' values (its header row's cell)
+_VALUE_HEADERS = frozenset({"value", "secret", "password", "token", "key", "api key", "credential"})
 _TABLE_HEAD = re.compile(_ROW_PREFIX + r"[ \t]*\|(?:[^|\n]*+\|)*?[ \t]*(?:\*\*)?`?(?:\*\*)?")
 # A type's shape, as a schema's or an API's table gives it: ``VARCHAR(255)``, ``Uint8Array``
 _TYPE_SHAPE = re.compile(r"[A-Za-z_][\w.]{0,64}\([0-9, ]{1,16}\)(?:\[\])?")
@@ -648,25 +651,67 @@ def _named_value(s: str, start: int, end: int) -> tuple[int, int] | None:
 
 
 def _table_value(s: str, start: int, end: int) -> tuple[int, int] | None:
-    """The span of the value in the cell after the credential name ``s[start:end]`` where that
-    name is a Markdown table row's cell (``| DB_PASSWORD | `Zk8…` |``): a value with a letter
-    and a digit, no path, reference, placeholder or type, in a column whose header does not
-    say it describes the setting (``Type``, ``Default``); None otherwise."""
-    if s[start:end].lower() in _BARE_NAMES:
-        return None  # (``| PASS | test_login_v2 |``: a status, a word's cell)
-    found = _TABLE_ROW.match(s, end)
-    if found is None:
+    """The span of the value of the credential name ``s[start:end]`` where that name is a
+    Markdown table row's cell: in the cell after it (``| DB_PASSWORD | `Zk8…` |``), or in the
+    column its header names as the value's (``| Variable | Description | Value |``); a value
+    with a letter and a digit, no path, reference, placeholder or type, in a column whose
+    header does not say it describes the setting (``Type``, ``Default``); None otherwise."""
+    cell_end = _TABLE_CELL_END.match(s, end)
+    if cell_end is None:
         return None
     lo = max(0, start - 256)
     line = max(_line_start(s, lo, start), _string_start(s, lo, start))  # (a JSON string's too)
     if _TABLE_HEAD.fullmatch(s, line, start) is None:
         return None
+    span = _row_value(s, start, end, line, cell_end.end())
+    # (a table's row with no value taken: read no other way, consumed to its cell's end)
+    return span if span is not None else (cell_end.end(), cell_end.end())
+
+
+def _row_value(s: str, start: int, end: int, line: int, cell_end: int) -> tuple[int, int] | None:
+    """``_table_value``'s, in the row starting at ``s[line]`` whose name's cell ends at
+    ``cell_end`` (past its pipe)."""
+    if s[start:end].lower() in _BARE_NAMES:
+        return None  # (``| PASS | test_login_v2 |``: a status, a word's cell)
+    column = s.count("|", line, start)  # (the name's, from 1; its value's is the next)
+    headers: list[str] | None = None
+    found = _TABLE_ROW.match(s, end)
     span = _value_span(found)
-    if span is None:
+    if span is not None and _secret_cell(s, start, span):
+        headers = _header_cells(s, line)
+        if len(headers) <= column or headers[column] not in _DESCRIBING:
+            return span
+    # the column its header names as the value's, further on the row
+    headers = _header_cells(s, line) if headers is None else headers
+    wanted = next((i for i, h in enumerate(headers) if i > column and h in _VALUE_HEADERS), None)
+    if wanted is None:
         return None
+    row_end = s.find("\n", cell_end, cell_end + 4096)
+    row_end = row_end if row_end >= 0 else min(len(s), cell_end + 4096)
+    at = cell_end  # (past the pipe after the name's cell: column + 1 starts here)
+    for _ in range(wanted - column):  # (``wanted`` from 0: the cells past the next one)
+        pipe = s.find("|", at, row_end)
+        if pipe < 0:
+            return None
+        at = pipe + 1
+    pipe = s.find("|", at, row_end)
+    cell = (at, pipe if pipe >= 0 else row_end)
+    text = s[cell[0] : cell[1]]
+    stripped = text.strip(" \t\r`")
+    if not stripped or any(c.isspace() for c in stripped):
+        return None
+    span = (cell[0] + text.index(stripped), cell[0] + text.index(stripped) + len(stripped))
+    return span if _secret_cell(s, start, span) else None
+
+
+def _secret_cell(s: str, start: int, span: tuple[int, int]) -> bool:
+    """Whether the table cell ``s[span[0]:span[1]]`` given to the name at ``s[start]`` reads
+    as a credential's value: a letter and a digit, 8 characters or more, no path, reference,
+    placeholder, type, place, measure, time or test's name."""
     value = s[span[0] : span[1]]
-    if (
-        not any(c.isdigit() for c in value)
+    return not (
+        len(value) < 8
+        or not any(c.isdigit() for c in value)
         or not any(c.isalpha() for c in value)
         or "://" in value
         or value[0] in "<[{$%#"  # (a placeholder: ``<your-password>``, ``{{token}}``)
@@ -677,38 +722,35 @@ def _table_value(s: str, start: int, end: int) -> tuple[int, int] | None:
         or _TYPE_SHAPE.fullmatch(value) is not None  # (``VARCHAR(255)``)
         or _NOT_SECRET_CELL.fullmatch(value) is not None
         or s.startswith("test_", start)  # (a test's name: ``| test_api_key | … |``)
-    ):
-        return None
-    if _column_header(s, line, s.count("|", line, start) + 1) in _DESCRIBING:
-        return None
-    return span
+    )
 
 
 _LINE_PREFIX: Final = re.compile(_ROW_PREFIX)
 _TABLE_RULE: Final = re.compile(r"[ \t]*\|?(?:[ \t]*:?-{3,}+:?[ \t]*\|?)++[ \t]*\r?")  # (``|---|``)
 
 
-def _column_header(s: str, line: int, column: int) -> str:
-    """The lowered header of the Markdown table's ``column`` (its cells counted from 1 past the
-    row's opening pipe) whose row starts at ``s[line]``: the row above the table's ``|---|``,
-    the last before it in 4 KB; "" where none is found."""
-    lo = max(0, line - 4096)
+def _header_cells(s: str, line: int) -> list[str]:
+    """The lowered headers of the Markdown table whose row starts at ``s[line]`` (its cells
+    counted from 1 past the row's opening pipe, the first at ``[0]``): the row above the
+    table's ``|---|``, the last before it in 16 KB (a table of 200 rows); none where none is
+    found."""
+    lo = max(0, line - 16384)
     dashes = s.rfind("---", lo, line)
     if dashes < 0:
-        return ""
+        return []
     rule = s.rfind("\n", lo, dashes) + 1
     rule_end = s.find("\n", dashes, line)
     if (rule == 0 and lo > 0) or rule_end < 0:
-        return ""
+        return []
     marked = _LINE_PREFIX.match(s, rule, rule_end)  # (a numbered or a diff's line)
     if _TABLE_RULE.fullmatch(s, marked.end() if marked else rule, rule_end) is None:
-        return ""
+        return []
     above = s.rfind("\n", max(lo, rule - 1025), rule - 1)
     if above < 0 and (lo > 0 or rule > 1025):
-        return ""  # (its start not within the look back, or a kilobyte: unknown)
+        return []  # (its start not within the look back, or a kilobyte: unknown)
     marked = _LINE_PREFIX.match(s, above + 1, rule - 1)
     cells = s[marked.end() if marked else above + 1 : rule - 1].strip().strip("|").split("|")
-    return cells[column - 1].strip(" \t*`").lower() if column <= len(cells) else ""
+    return [cell.strip(" \t*`").lower() for cell in cells]
 
 
 # A Kubernetes Secret (``kubectl get secret -o yaml`` or ``-o json``): every value under its
@@ -1266,7 +1308,7 @@ def _redact_named(s: str, lowered: str) -> str:
                     or (s[end : end + 1] in (" ", "\t") and s[start - 2 : start] == "--")
                     or (s[end : end + 1] == " " and s[start:end].lower() == "password")
                     or _GO_STRING.match(s, end) is not None  # (``var apiKey string = "…"``)
-                    or _TABLE_ROW.match(s, end) is not None  # (``| API_KEY | Zk8… |``)
+                    or _TABLE_CELL_END.match(s, end) is not None  # (``| API_KEY | Zk8… |``)
                 )
             )
             if (

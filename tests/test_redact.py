@@ -1784,6 +1784,16 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
         ("> | API_KEY | Zk8pQ2mW9xL4 |", "Zk8pQ2mW9xL4"),
         ("README.md:14:| API_KEY | Zk8pQ2mW9xL4 |", "Zk8pQ2mW9xL4"),
         ("| API_KEY\t(server side) | Zk8pQ2mW9xL4 |", "Zk8pQ2mW9xL4"),
+        # a table whose header names the value's column further on (a description between)
+        (
+            "| Variable | Description | Value |\n|---|---|---|\n"
+            "| DB_PASSWORD | Database password | `Zk8pQ2mW9xL4` |\n",
+            "Zk8pQ2mW9xL4",
+        ),
+        (
+            "| Service | Var | Desc | Secret |\n|---|---|---|---|\n| api | JWT_SECRET | signing | Zk8pQ2mW9xL4 |",
+            "Zk8pQ2mW9xL4",
+        ),
         # a session's cookie: curl -v's header lines, a -H, a JSON dump of headers
         ("> Cookie: theme=dark; session=k2j3h4g5f6d7s8a9qwerty12\n", "k2j3h4g5f6d7s8a9qwerty12"),
         ("< Set-Cookie: connect.sid=s%3AabcDEF123456.xyz789; Path=/", "s%3AabcDEF123456.xyz789"),
@@ -2091,6 +2101,19 @@ def test_a_tables_header_far_above_its_rows_is_not_read_from_the_texts_start() -
         f"| SERVICE_{j}_TOKEN | tokjx9Zk8pQ2mW9xL{j:03d} | n |\n" for j in range(120)
     )
     assert "tokjx9Zk8pQ2mW9xL" not in redact_text(schema + settings)
+
+
+def test_a_long_tables_value_column_is_read_on_every_row() -> None:
+    """A table of 90 settings (5 KB): its rows past the first 4 KB lost their header, and with it
+    the column that holds the values."""
+    rows = "".join(
+        f"| S_{j}_TOKEN | the token of service {j} | tokjx9Zk8pQ2mW9xL{j:03d} |\n"
+        for j in range(90)
+    )
+    text = "| Variable | Description | Value |\n|---|---|---|\n" + rows
+    out = redact_text(text)
+    assert "tokjx9Zk8pQ2mW9xL" not in out and out.count("[REDACTED]") == 90
+    assert "the token of service 89" in out
 
 
 def test_cookies_in_cookies_are_read_in_linear_time() -> None:
