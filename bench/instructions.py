@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     small, large, warm, conns = (400, 1200, 200, 8) if ns.mode == "a" else (16, 48, 8, 4)
     # The interpreter itself, not a wrapper script: valgrind must see the server's instructions.
     python = os.path.realpath(sys.executable)
+    procs.stop_on_sigterm()
     work = Path(tempfile.mkdtemp(prefix="cachegate-instr-"))
     mock_port = procs.free_port()
     mock = procs.start(

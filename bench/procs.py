@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import glob
 import os
 import shutil
@@ -13,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 HAVE_TASKSET = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
 
@@ -150,9 +152,42 @@ def start(
         stderr=subprocess.STDOUT,
         env=env,
         cwd=Path(__file__).resolve().parent.parent,
+        preexec_fn=_die_with_parent if _PRCTL is not None else None,
     )
     out.close()
     return Server(name, port, popen, log_path, wrapped=bool(wrapper))
+
+
+def _load_prctl() -> Any:
+    """libc's ``prctl`` on Linux, else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: a SIGTERM when the runner dies however it dies (killed with
+    SIGKILL, or a SIGTERM its handler could not turn into a clean stop): no server is left
+    listening, to disturb the next run."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def stop_on_sigterm() -> None:
+    """A SIGTERM to the runner stops it as Ctrl+C does: its ``finally`` blocks stop the servers
+    and remove its working directory (Python runs none of them on a SIGTERM by default)."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def bench_env() -> dict[str, str]:

@@ -24,10 +24,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -753,8 +753,11 @@ def digest_check(digests: dict[str, dict[str, list[str]]]) -> dict[str, Any]:
                 continue
             got = kinds.get(kind, [])
             out[f"{arm}_{kind}_streams"] = len(got)
+            # (None where no stream was compared: a run of phases that relay none)
             out[f"{arm}_{kind}_identical"] = (
-                len(reference) == 1 and bool(got) and all(d in reference for d in got)
+                None
+                if not got and not reference
+                else len(reference) == 1 and bool(got) and all(d in reference for d in got)
             )
     return out
 
@@ -816,6 +819,8 @@ def table(results: dict[str, Any], plan: Plan, arm_names: list[str]) -> str:
     names = {"bare_httpx": "bare+httpx"}
     cols = ["direct", *(names.get(p, p) for p in proxies), "cg/direct", "cg/litellm"]
     fan = f"c{plan.fanout}"
+    # (the full plan's sessions reach ~600 KB; a smoke run's, a tenth of that)
+    large = "~600 KB" if plan is FULL else f"largest of {plan.agent_rounds} rounds"
     rows: list[tuple[str, str, bool]] = [  # label, key suffix, is_added (no direct value)
         ("latency c=1 p50 (ms)", "latency_c1_p50_ms", False),
         ("latency c=1 p99 (ms)", "latency_c1_p99_ms", False),
@@ -854,8 +859,8 @@ def table(results: dict[str, Any], plan: Plan, arm_names: list[str]) -> str:
             "hangup_before_first_token_p50_s",
             False,
         ),
-        ("mode C ~600 KB p50 (ms)", "agent_large_p50_ms", False),
-        ("mode C ~600 KB added p50 (ms)", "agent_added_large_p50_ms", True),
+        (f"mode C {large} p50 (ms)", "agent_large_p50_ms", False),
+        (f"mode C {large} added p50 (ms)", "agent_added_large_p50_ms", True),
     ]
 
     def fmt(v: Any) -> str:
@@ -865,7 +870,9 @@ def table(results: dict[str, Any], plan: Plan, arm_names: list[str]) -> str:
             return str(v)
         if isinstance(v, float) and not math.isfinite(v):
             return "n/a"
-        if isinstance(v, int | float):
+        if isinstance(v, int):  # (a count: 1000 / 300, not 300.0)
+            return str(v)
+        if isinstance(v, float):
             av = abs(v)
             return f"{v:.0f}" if av >= 1000 else f"{v:.3g}" if av < 1 else f"{v:.1f}"
         return str(v)
@@ -1101,12 +1108,22 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated load concurrencies (default 1,8,32,128)",
     )
     ns = parser.parse_args(argv)
+    phases = {p.strip() for p in ns.phases.split(",") if p.strip()}
+    unknown = phases - set(PHASES)
+    if unknown or not phases:
+        parser.error(
+            f"--phases: unknown {', '.join(sorted(unknown)) or 'empty list'};"
+            f" choose from {','.join(PHASES)}"
+        )
+    out_path = Path(ns.out)
+    if not out_path.resolve().parent.is_dir():  # (found out after the run, its results lost)
+        parser.error(f"--out: no directory {out_path.resolve().parent}")
+    procs.stop_on_sigterm()
     plan = QUICK if ns.quick else FULL
     if ns.concurrency:
         plan = dataclasses.replace(
             plan, load_concurrency=tuple(int(c) for c in ns.concurrency.split(","))
         )
-    phases = set(ns.phases.split(","))
     if procs.HAVE_TASKSET:
         os.sched_setaffinity(0, {1})
     with contextlib.suppress(ImportError):
@@ -1115,12 +1132,32 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     workdir = Path(tempfile.mkdtemp(prefix="cachegate-bench-"))
     print(f"bench: workdir {workdir}", file=sys.stderr, flush=True)
-    fleet = start_fleet(plan, workdir, ns.litellm, ns.profile, ns.httpx_pool)
+    fleet: Fleet | None = None
+    interrupted = False
     try:
+        fleet = start_fleet(plan, workdir, ns.litellm, ns.profile, ns.httpx_pool)
         results = asyncio.run(measure(fleet, plan, workdir, phases))
+    except KeyboardInterrupt:
+        print("bench: interrupted; no results written", file=sys.stderr)
+        interrupted = True
+        return 130
+    except Exception as exc:
+        # (a server that died mid-run: said with its log's end, its workdir kept to read)
+        print(f"bench: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        for s in fleet.servers if fleet is not None else ():
+            if s.popen.poll() is not None:
+                print(
+                    f"bench: {s.name} exited ({s.popen.returncode}); the end of its log:\n"
+                    f"{s.log_tail()}",
+                    file=sys.stderr,
+                )
+        print(f"bench: its servers' logs are kept in {workdir}", file=sys.stderr)
+        return 1
     finally:
-        for s in fleet.servers:
+        for s in fleet.servers if fleet is not None else ():
             s.stop()
+        if interrupted:  # (once its servers are stopped: cachegate writes its logs as it stops)
+            shutil.rmtree(workdir, ignore_errors=True)
     arm_names = [a.name for a in fleet.arms]
     results["meta"] = {
         "command": "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -1134,24 +1171,71 @@ def main(argv: list[str] | None = None) -> int:
         "mode_b_event_bytes": [len(e) for e in mock_upstream.stream_events(2, True)],
         "mode_a_response_bytes": len(mock_upstream.completion_body()),
     }
-    if phases >= {"latency_c1", "throughput", "sustain", "streams", "hangup", "agent"}:
+    if phases >= set(PHASES):
         results["figures"] = flatten(results, plan, arm_names)
         results["targets"] = targets(results, plan)
         print(table(results, plan, arm_names))
         print("\ntargets (issue 9):")
         for name, t in results["targets"].items():
             value = t["value"]
+            if value is None:
+                print(f"  {'—':6s} {name}: not measured in this run")
+                continue
             shown = f"{value:.3g}" if isinstance(value, float) else value
             print(f"  {'MET   ' if t['met'] else 'MISSED'} {name}: {shown}")
+    else:  # (a subset: each phase's own figures, as the JSON file has them)
+        print(partial_report(results, phases, arm_names))
     if ns.profile:
         with contextlib.suppress(OSError):
             results["profile"] = summarise_profile(Path(ns.profile))
     for note in fleet.notes:
         print(f"note: {note}")
     print(f"load generator: {results['meta']['load_tool']}; pinned: {procs.HAVE_TASKSET}")
-    Path(ns.out).write_text(json.dumps(results, indent=2, default=str))
+    out_path.write_text(json.dumps(results, indent=2, default=str))
+    print(f"results: {out_path}")
     shutil.rmtree(workdir, ignore_errors=True)
     return 0
+
+
+PHASES: Final = ("latency_c1", "throughput", "sustain", "streams", "hangup", "agent")
+
+
+def partial_report(results: dict[str, Any], phases: set[str], arm_names: list[str]) -> str:
+    """The figures of a run of some phases (``--phases``): each phase's numbers as the JSON
+    file has them (lists of samples left out), and cachegate's ratio to the bare pass-through
+    where both ran (requests/s, the issue's 60% at concurrency 32)."""
+    lines: list[str] = []
+    for phase in PHASES:
+        if phase not in phases or phase not in results:
+            continue
+        lines.append(f"{phase}:")
+        lines += (f"  {path}: {_shown(value)}" for path, value in _leaves(results[phase]))
+    throughput = results.get("throughput", {})
+    if "cachegate" in throughput and "bare" in throughput:
+        for level, figures in throughput["cachegate"].items():
+            bare = throughput["bare"].get(level, {}).get("rps")
+            if bare:
+                lines.append(f"  cachegate/bare requests/s {level}: {figures['rps'] / bare:.1%}")
+    if "sustain" in phases:
+        for arm in arm_names:
+            per = results.get("memory", {}).get(arm, {}).get("per_stream_kib")
+            if per is not None:
+                lines.append(f"  {arm} RSS per concurrent stream: {per:.1f} KiB")
+    return "\n".join(lines)
+
+
+def _leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _leaves(item, f"{path}.{key}" if path else str(key))
+    elif not isinstance(value, list):  # (samples: in the JSON file)
+        yield path, value
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
 
 
 if __name__ == "__main__":

@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--streams", type=int, default=1000)
     parser.add_argument("--warm", default="100,300", help="warm-up fan-out sizes, comma-separated")
     ns = parser.parse_args(argv)
+    procs.stop_on_sigterm()
     warm = [int(n) for n in ns.warm.split(",") if n.strip()]
     work = Path(tempfile.mkdtemp(prefix="cachegate-probe-"))
     env = procs.bench_env()

@@ -313,3 +313,55 @@ def test_the_targets_are_judged_without_a_concurrency_32_run() -> None:
     judged = targets({"figures": figures}, QUICK)
     assert not any("c=32" in name for name in judged)
     assert judged["RSS per stream <= 64 KiB"]["met"] is False  # unmeasured is not met
+
+
+def test_a_run_of_some_phases_prints_their_figures_and_refuses_an_unknown_one() -> None:
+    """``--phases throughput`` printed nothing but its load generator (the figures, the ratio
+    the README quotes, only in the JSON file); a misspelt phase measured nothing and exited 0."""
+    from bench.run import main, partial_report
+
+    results = {
+        "memory": {"cachegate": {"per_stream_kib": 41.5}},
+        "throughput": {
+            "tool": "wrk",
+            "bare": {"c32": {"rps": 10000.0, "cpu_ms_per_request": 0.08}},
+            "cachegate": {"c32": {"rps": 4000.0, "cpu_ms_per_request": 0.2, "samples": [1, 2]}},
+        },
+    }
+    shown = partial_report(results, {"throughput", "sustain"}, ["bare", "cachegate"])
+    assert "cachegate.c32.rps: 4000" in shown and "samples" not in shown
+    assert "cachegate/bare requests/s c32: 40.0%" in shown
+    assert "cachegate RSS per concurrent stream: 41.5 KiB" in shown
+    with pytest.raises(SystemExit) as refused:
+        main(["--phases", "latency", "--out", "/nonexistent-dir/r.json"])
+    assert refused.value.code == 2
+
+
+def test_no_stream_compared_is_no_failed_identity() -> None:
+    """A run of phases that relay no stream recorded every identity as ``false``, as if the
+    bytes had differed."""
+    from bench.run import digest_check
+
+    checked = digest_check({"direct": {}, "cachegate": {}})
+    assert checked["cachegate_no_usage_identical"] is None
+    differed = digest_check({"direct": {"no_usage": ["a"]}, "cachegate": {"no_usage": ["b"]}})
+    assert differed["cachegate_no_usage_identical"] is False
+
+
+def test_a_sigterm_to_the_runner_stops_it_as_ctrl_c_does() -> None:
+    """Python runs no ``finally`` on a SIGTERM: the runner's servers were left listening (their
+    parent gone) and its working directory behind."""
+    import os
+    import signal
+    import time
+
+    from bench import procs
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        procs.stop_on_sigterm()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # (the handler runs here, and raises)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
