@@ -272,7 +272,7 @@ _AUTHORIZATION = re.compile(  # a scheme, or a header's colon and a token alone 
     # another scheme (ApiKey, SSWS, AWS4-HMAC-SHA256): its credential has a digit (no prose)
     r"""|[A-Za-z][A-Za-z0-9_-]{0,31}[ \t]+(?=[A-Za-z0-9._~+/=:-]{0,512}?[0-9])"""
     r"""([A-Za-z0-9._~+/=:-]{12,}+))"""
-    r"""|:\s*["']?([A-Za-z0-9_~+/=-]{16,}+)(?![.(]))"""
+    r"""|:[ \t]*["']?([A-Za-z0-9_~+/=-]{16,}+)(?![.(:]))"""
 )
 # A quoted literal assigned to a credential's name in code, wherever the name stands:
 # ``const API_KEY = "…"``, ``f(api_key="…")``, ``{password: "…"}``, ``$password => "…"``,
@@ -403,8 +403,14 @@ _COOKIE_HEADER = re.compile(
     r"""|\\*"[ \t\r\n]*,[ \t\r\n]*\\*"value\\*"[ \t\r\n]*:[ \t\r\n]*(\\*"))"""
 )
 _COOKIE_FLAG = re.compile(r"""(?:(?<=\s)-b|--cookie)[ \t]+(\\*["']?)(?=[^\s'"=;]{1,64}=)""")
-_COOKIE_PAIR = re.compile(r"""[ \t]*[^\s;=,"'\\]{1,64}=(\\*"?)([^\s;"'\\`,]{0,4096}+)\1[ \t]*""")
-_OPENSSL_PASS = re.compile(r"""(?<![\w-])-pass(?:in|out)?[ \t]+["']?pass:([^\s'"]{1,512}+)""")
+_COOKIE_PAIR = re.compile(r"""[ \t]*[^\s;=,"'\\]{1,64}=(\\*"?)([^\s;"'\\`,)]{0,4096}+)\1[ \t]*""")
+# A HAR file's or Playwright's storage state's ``"cookies": [{"name": …, "value": …}, …]``
+_COOKIE_ARRAY = re.compile(r'"cookies"[ \t\r\n]*:[ \t\r\n]*\[')
+_COOKIE_OBJECT = re.compile(
+    r'[ \t\r\n,]*\{[^{}]{0,4096}?"value"[ \t\r\n]*:[ \t\r\n]*"((?:[^"\\\n]|\\.){0,4096}+)"'
+    r"[^{}]{0,4096}+\}"
+)
+_OPENSSL_PASS = re.compile(r"""(?<![\w-])-pass(?:in|out)?[ \t]+["']?pass:([^\s'"`)]{1,512}+)""")
 _JOINED_COOKIE = re.compile(r""",[ \t]*[^\s;=,"'\\]{1,64}=(\\*"?)([^\s;,"'\\]{0,4096}+)""")
 _HAS_DIGIT = re.compile(r"[0-9]")
 _HAS_LETTER = re.compile(r"[A-Za-z]")
@@ -779,16 +785,26 @@ _YAML_KEY: Final = re.compile(  # (its value is read by hand: to the line's end,
 _BLOCK_SCALAR: Final = re.compile(r"[|>][-+0-9]{0,3}")
 _JSON_DATA: Final = re.compile(r'(?<![\w.-])"?(?:data|stringData)"?[ \t\r\n]*:[ \t\r\n]*\{')
 # (a JSON object's entry, or a YAML flow map's, its key and value quoted or not)
+# (a JSON entry's key and value quoted, the value a string; a YAML flow map's unquoted, the
+# value a scalar: a number, an array or an object ends the walk, as it is no Secret's data)
 _JSON_ENTRY: Final = re.compile(
-    r"""[ \t\r\n]*(?:"(?:[^"\\\n]|\\.){1,253}"|'[^'\n]{1,253}'|[^\s:{},'"][^:{},\n]{0,252})"""
-    r"""[ \t\r\n]*:[ \t\r\n]*(?:"((?:[^"\\\n]|\\.)*+)"|'([^'\n]*+)'|([^\s,{}'"][^,{}\n]*+))"""
+    r"""[ \t\r\n]*(?:(?:"(?:[^"\\\n]|\\.){1,253}"|'[^'\n]{1,253}')[ \t\r\n]*:[ \t\r\n]*"""
+    r"""(?:"((?:[^"\\\n]|\\.)*+)"|'([^'\n]*+)')"""
+    r"""|[^\s:{},'"\[\]][^:{},\n]{0,252}[ \t]*:[ \t]*([^\s,{}'"\[\]][^,{}\[\]\n]*+))"""
     r"""[ \t\r\n]*,?"""
 )
+_BASE64_VALUE: Final = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 
 
-def _in_diff(s: str, at: int) -> bool:
-    """Whether ``s[at]`` is in a unified diff's hunk (a ``@@ -`` line before it)."""
-    return s.startswith("@@ -") or s.rfind("\n@@ -", 0, at) >= 0
+def _in_diff(hunk: int, at: int) -> bool:
+    """Whether ``s[at]`` is in a unified diff's hunk: ``hunk``, where ``s``'s first ``@@ -``
+    line starts (``_first_hunk``), is before it."""
+    return 0 <= hunk < at
+
+
+def _first_hunk(s: str) -> int:
+    """Where ``s``'s first unified diff hunk's ``@@ -`` line starts; -1 where none does."""
+    return 0 if s.startswith("@@ -") else s.find("\n@@ -")
 
 
 def _secret_data(s: str) -> list[tuple[int, int]]:
@@ -798,13 +814,14 @@ def _secret_data(s: str) -> list[tuple[int, int]]:
     diff's, ``grep -n``'s: ``_LINE_PREFIXES``)."""
     spans: list[tuple[int, int]] = []
     walked = 0  # (a ``data:`` inside a block walked already is not walked again: linear)
+    hunk = _first_hunk(s)  # (found once: looked for again at each block, quadratic)
     for block in _YAML_DATA.finditer(s):
         if block.start() < walked or s[block.end() - 1 : block.end()] == "{":
             continue
         head = s[block.start() : block.start(1)]
         prefix = next(p for p in reversed(_LINE_PREFIXES) if p.fullmatch(head) is not None)
         indent = len(block.group(1).expandtabs())
-        if not head and indent and _in_diff(s, block.start()):
+        if not head and indent and _in_diff(hunk, block.start()):
             # a diff's line of context (`` data:``): its lines are the diff's, ``+``/``-`` too
             prefix, indent = _LINE_PREFIXES[2], indent - 1
         pos = block.end() + 1
@@ -845,12 +862,17 @@ def _secret_data(s: str) -> list[tuple[int, int]]:
         walked = pos
     for block in _JSON_DATA.finditer(s):
         pos = block.end()
+        # (``data``'s values are base64, as kubectl prints them: another object named
+        # ``data`` in the text, a tool's ``{"data": {"stdout": …}}``, is not taken for one)
+        encoded = "stringData" not in block.group()
         while (entry := _JSON_ENTRY.match(s, pos)) is not None:
             span = _value_span(entry)
             if span is not None:
                 at, end = span
                 while end > at and s[end - 1] in " \t\r":  # (a flow map's blanks before ``,``)
                     end -= 1
+                if encoded and _BASE64_VALUE.fullmatch(s, at, end) is None:
+                    break
                 if end > at and not _reference(s, at, end):
                     spans.append((at, end))
             pos = entry.end()
@@ -860,62 +882,34 @@ def _secret_data(s: str) -> list[tuple[int, int]]:
 # Terraform's sensitive outputs, as ``terraform output -json`` (``"sensitive": true, "type": …,
 # "value": …``) and its state (``"value": …, "type": …, "sensitive": true``) write them, and a
 # ``random_password``'s ``result`` in its state or ``terraform show -json``.
-_JSON_GAP = r"[ \t\r\n]*"
+# (a diff's ``-``, ``+`` or blank after a line end too: a state's or an output's diff)
+_JSON_GAP = r"(?:[ \t\r]|\n[+ -]?)*+"
 _JSON_TEXT = r'"((?:[^"\\\n]|\\.)*+)"'
 _TYPE_FIELD = '"type"' + _JSON_GAP + ":" + _JSON_GAP + r'"[^"\n]{0,64}"'
-_SENSITIVE_FIRST: Final = re.compile(
-    '"sensitive"'
-    + _JSON_GAP
-    + ":"
-    + _JSON_GAP
-    + "true"
-    + _JSON_GAP
-    + ","
-    + _JSON_GAP
-    + _TYPE_FIELD
-    + _JSON_GAP
-    + ","
-    + _JSON_GAP
-    + '"value"'
-    + _JSON_GAP
-    + ":"
-    + _JSON_GAP
-    + _JSON_TEXT
-)
-_VALUE_FIRST: Final = re.compile(
+_SENSITIVE_TRUE = '"sensitive"' + _JSON_GAP + ":" + _JSON_GAP + "true"
+# a value, and in a diff its other side after it (``-  "value": "old"`` / ``+  "value": "new"``)
+_VALUE_PAIR = (
     '"value"'
     + _JSON_GAP
     + ":"
     + _JSON_GAP
     + _JSON_TEXT
+    + "(?:"
     + _JSON_GAP
-    + ","
-    + _JSON_GAP
-    + _TYPE_FIELD
-    + _JSON_GAP
-    + ","
-    + _JSON_GAP
-    + '"sensitive"'
-    + _JSON_GAP
-    + ":"
-    + _JSON_GAP
-    + "true"
-)
-_SENSITIVE_VALUE: Final = re.compile(  # (``terraform show -json``: sensitive, value, type)
-    '"sensitive"'
-    + _JSON_GAP
-    + ":"
-    + _JSON_GAP
-    + "true"
-    + _JSON_GAP
-    + ","
+    + ",?"
     + _JSON_GAP
     + '"value"'
     + _JSON_GAP
     + ":"
     + _JSON_GAP
     + _JSON_TEXT
+    + ")?"
 )
+_COMMA = _JSON_GAP + "," + _JSON_GAP
+_SENSITIVE_FIRST: Final = re.compile(_SENSITIVE_TRUE + _COMMA + _TYPE_FIELD + _COMMA + _VALUE_PAIR)
+_VALUE_FIRST: Final = re.compile(_VALUE_PAIR + _COMMA + _TYPE_FIELD + _COMMA + _SENSITIVE_TRUE)
+# (``terraform show -json``: sensitive, value, type)
+_SENSITIVE_VALUE: Final = re.compile(_SENSITIVE_TRUE + _COMMA + _VALUE_PAIR)
 _RESULT: Final = re.compile('"result"' + _JSON_GAP + ":" + _JSON_GAP + _JSON_TEXT)
 _RANDOM_PASSWORD: Final = re.compile(r'"random_password"')
 
@@ -926,7 +920,8 @@ def _terraform_values(s: str, lowered: str) -> list[tuple[int, int]]:
     spans: list[tuple[int, int]] = []
     if '"sensitive"' in lowered:
         for pattern in (_SENSITIVE_FIRST, _VALUE_FIRST, _SENSITIVE_VALUE):
-            spans += (found.span(1) for found in pattern.finditer(s) if found.group(1))
+            for found in pattern.finditer(s):
+                spans += (found.span(g) for g in (1, 2) if found.group(g))
     named = _RANDOM_PASSWORD.search(s)
     while named is not None:  # (each stretch of text looked through once)
         # the resource's block: to the next resource's ``"mode"`` (64 KB at most), every
@@ -987,17 +982,17 @@ def _cookie_pairs(
         pos = end + after.end()
 
 
-def _take_cookie(s: str, pair: re.Match[str], spans: list[tuple[int, int]]) -> None:
-    """``pair``'s value (its group 2) into ``spans`` where it looks like a session's token: 16
-    characters or more, a letter and a digit, no reference."""
-    value = pair.group(2)
+def _take_cookie(s: str, pair: re.Match[str], spans: list[tuple[int, int]], group: int = 2) -> None:
+    """``pair``'s value (its ``group``) into ``spans`` where it looks like a session's token:
+    16 characters or more, a letter and a digit, no reference."""
+    value = pair.group(group)
     if (
         len(value) >= 16
         and _HAS_DIGIT.search(value) is not None
         and _HAS_LETTER.search(value) is not None
-        and not _reference(s, *pair.span(2))
+        and not _reference(s, *pair.span(group))
     ):
-        spans.append(pair.span(2))
+        spans.append(pair.span(group))
 
 
 _UNQUOTED: Final = " "  # (``_value_end``'s quote for an unquoted word)
@@ -1282,6 +1277,9 @@ _MAX_HITS: Final = 1000
 
 def _redact_named(s: str, lowered: str) -> str:
     spans: list[tuple[int, int]] = []
+    # (failed looks, each up to 512 characters: as many as the text's length allows in linear
+    # time, a thousand at least; a flat cap gave up on a 450 KB Terraform state's names)
+    max_hits = max(_MAX_HITS, len(s) // 16)
     if "secret" in lowered and _K8S_SECRET.search(s) is not None:
         spans += _secret_data(s)
     if '"sensitive"' in lowered or "random_password" in lowered:
@@ -1289,7 +1287,7 @@ def _redact_named(s: str, lowered: str) -> str:
     hits = 0
     for word in _NAME_WORDS:
         at = lowered.find(word)
-        while at >= 0 and hits < _MAX_HITS:
+        while at >= 0 and hits < max_hits:
             # The name around the hit: its run of name characters, looked at once.
             start = at
             while start > 0 and at - start <= _MAX_NAME and s[start - 1] in _IDENT:
@@ -1341,6 +1339,12 @@ def _redact_named(s: str, lowered: str) -> str:
         cookies, at = _cookie_values(s, lowered, at)
         spans += cookies
         at = lowered.find("cookie", at)
+    if '"cookies"' in lowered:  # (each cookie's value, as a header's: a session's token)
+        for array in _COOKIE_ARRAY.finditer(s):
+            pos = array.end()
+            while (cookie := _COOKIE_OBJECT.match(s, pos)) is not None:
+                _take_cookie(s, cookie, spans, group=1)
+                pos = cookie.end()
     if "-pass" in lowered:  # openssl's ``-passout pass:…`` (its ``env:``, ``file:`` name one)
         spans += (found.span(1) for found in _OPENSSL_PASS.finditer(s))
     walked = 0  # (a flag inside an argument walked already is not walked again: linear)
@@ -1510,6 +1514,7 @@ _NAMED_BYTES: Final = (
     # name/value pair, curl's -b argument)
     re.compile(rb"""cookie(?:\\*["'])?(?:[ \t]|\\+t)*:"""),
     re.compile(rb'cookie\\*"(?:[ \t\r\n]|\\+[nrt])*,(?:[ \t\r\n]|\\+[nrt])*\\*"value'),
+    re.compile(rb'cookies\\*"(?:[ \t\r\n]|\\+[nrt])*:(?:[ \t\r\n]|\\+[nrt])*\['),
     re.compile(rb"""(?:\s-b|\\+[nt]-b|--cookie)(?:[ \t]|\\+t)+\\*["']?[^\s'"=;]{1,64}="""),
     # Docker's "auth": "…" and .npmrc's _auth=… (a user and a password in base64)
     re.compile(rb'auth(?<=["_]auth)\\*"?(?:[ \t]|\\+t)*[=:]'),

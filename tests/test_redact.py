@@ -1423,7 +1423,8 @@ def test_a_string_of_quoted_names_costs_no_more_than_names_do(
 ) -> None:
     """``"secret:`` a hundred thousand times: each name, taken for the start of a JSON string,
     found the next as its value, and 1 MB took 0.4 s: a name with no value counts towards the
-    looks' limit (``_MAX_HITS``), one given a value does not."""
+    looks' limit (``_MAX_HITS``, or a look per 16 characters of a longer text), one given a
+    value does not."""
     from proxy import redact as module
 
     looks = []
@@ -1436,7 +1437,55 @@ def test_a_string_of_quoted_names_costs_no_more_than_names_do(
     monkeypatch.setattr(module, "_named_value", counted)
     text = '"secret:' * 125_000
     assert redact_text(text) == text
-    assert len(looks) <= module._MAX_HITS
+    assert len(looks) <= max(module._MAX_HITS, len(text) // 16)
+
+
+def test_a_value_redacted_before_a_closing_backtick_or_parenthesis_keeps_it() -> None:
+    """openssl's ``pass:`` and a cookie's value took the Markdown's closing backtick or the
+    prose's closing parenthesis with them: the inline code never closed."""
+    for text, kept in (
+        ("Run `openssl pkcs12 -export -passout pass:Zk8aQ2mP9x` then import.", "` then"),
+        ("(openssl rsa -in k.pem -passin pass:Zk8aQ2mP9x)", "[REDACTED])"),
+        ("(Cookie: sessionid=Zk8aQ2mP9xLwAbCdEf12)", "[REDACTED])"),
+    ):
+        out = redact_text(text)
+        assert "Zk8aQ2mP9x" not in out and kept in out, out
+
+
+def test_many_indented_data_blocks_are_read_in_linear_time() -> None:
+    """``kubectl get secrets -A -o yaml``'s list indents every ``data:``: each looked for a
+    diff's hunk back to the text's start (1 MB in 9.6 s)."""
+    import time
+
+    text = "kind: Secret\n" + "- x: 1\n  data:\n    a: b\n" * 40_000
+    began = time.process_time()
+    assert redact_text(text).count("[REDACTED]") == 40_000
+    assert time.process_time() - began < 3.0  # (linear: ~0.3 s; before: ~10 s)
+
+
+def test_another_object_named_data_beside_a_secrets_keeps_its_structure() -> None:
+    """In a text that says ``kind: Secret``, a tool's ``{"data": {…}}`` lost its numbers and
+    half an array (``"tags": [REDACTED], "prod"]``: no longer JSON), or its whole output."""
+    secret = '{"kind": "Secret", "data": {"a": "Wms4YVEybVA5eFl5"}}\n'
+    other = '{"data": {"tags": ["web", "prod"], "replicas": 3, "stdout": "deployed web"}}'
+    out = redact_text(secret + other)
+    assert "Wms4YVEybVA5eFl5" not in out and out.endswith("\n" + other)
+    tool = {"data": {"exit_code": 0, "stdout": "kind: Secret\nmetadata:\n  name: x\n"}}
+    import json
+
+    assert json.loads(redact_text(json.dumps(tool))) == tool
+
+
+def test_a_terraform_states_names_without_values_do_not_use_up_the_looks() -> None:
+    """A 450 KB state names ``password`` three times a resource with no value given (a type's
+    name, an output's, a sensitive attribute's path): after a thousand such looks the names
+    after them were not looked at, and the 191st database's password was written."""
+    block = (
+        '{"type": "random_password", "name": "db"}, '
+        '{"sensitive_attributes": [[{"type": "get_attr", "value": "password"}]]},\n'
+    )
+    text = block * 500 + '{"password": "Zk8aQ2mP9xYyLm3q"}\n'
+    assert "Zk8aQ2mP9xYyLm3q" not in redact_text(text)
 
 
 @pytest.mark.parametrize(
@@ -1794,6 +1843,23 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
             "| Service | Var | Desc | Secret |\n|---|---|---|---|\n| api | JWT_SECRET | signing | Zk8pQ2mW9xL4 |",
             "Zk8pQ2mW9xL4",
         ),
+        # a fourth review's: a HAR's (or Playwright's) cookies array
+        (
+            '{"cookies": [{"name": "_ga", "value": "GA1.1.1"}, {"name": "sessionid", '
+            '"value": "Zk8aQ2mP9xLwAbCdEf12", "path": "/"}]}',
+            "Zk8aQ2mP9xLwAbCdEf12",
+        ),
+        # a fourth review's: a Terraform value's diff (state and output), both sides
+        (
+            '-      "value": "OldPassw0rd123",\n+      "value": "NewPassw0rd456",\n'
+            '       "type": "string",\n       "sensitive": true\n',
+            "OldPassw0rd123",
+        ),
+        (
+            '   "sensitive": true,\n   "type": "string",\n-  "value": "OldPassw0rd123"\n'
+            '+  "value": "NewPassw0rd456"\n',
+            "OldPassw0rd123",
+        ),
         # a session's cookie: curl -v's header lines, a -H, a JSON dump of headers
         ("> Cookie: theme=dark; session=k2j3h4g5f6d7s8a9qwerty12\n", "k2j3h4g5f6d7s8a9qwerty12"),
         ("< Set-Cookie: connect.sid=s%3AabcDEF123456.xyz789; Path=/", "s%3AabcDEF123456.xyz789"),
@@ -2035,6 +2101,8 @@ def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, se
         "| Migration | Revision |\n|---|---|\n| add_password_hash | 0042_auto |\n",
         "| Secret | Last rotated | Owner |\n|---|---|---|\n| JWT_SECRET | 2024-03-01T10:00 | team2 |",
         "     1\t| Field | Type |\n     2\t|---|---|\n     3\t| api_key | AES-256-GCM |\n",
+        # a fourth review's: a YAML key after ``authorization:`` on the next line
+        "authorization:\n      credentials_file: /etc/prometheus/api-token",
         # a cookie that is no token, a Set-Cookie's attributes, a cookie named in prose
         "> Cookie: theme=dark; lang=en-GB; tz=Europe/London\n",
         "< Set-Cookie: a=1; Expires=Wed, 21 Oct 2026 07:28:00 GMT; Max-Age=31536000000",
