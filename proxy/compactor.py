@@ -132,10 +132,11 @@ def _at_lead(comp: compaction.Compaction, lead: int) -> compaction.Compaction:
     """``comp`` as it applies to a history that opens with ``lead`` system/developer messages:
     its places moved by the difference from the count it was made with (its opening's
     ``"N:"``); its digests, which begin past them, are the same."""
-    made, _, opened = comp.opening.partition(":")
-    if not made.isdigit() or int(made) == lead:
+    made = _lead_of(comp)
+    if made == lead or not comp.opening[:1].isdigit():
         return comp
-    shift = lead - int(made)
+    shift = lead - made
+    opened = comp.opening.partition(":")[2]
     return dataclasses.replace(
         comp, start=comp.start + shift, covered=comp.covered + shift, opening=f"{lead}:{opened}"
     )
@@ -825,6 +826,7 @@ class Compactor:
         while len(pending) > MAX_COMPACTIONS:  # (one still being written is billed when done)
             del pending[next(iter(pending))]
         comp, model, answer = await self._wait(ex, state, entry)
+        comp = _at_lead(comp, lead)  # (one made of this history with another count of them)
         if entry.claimed:
             return comp, False
         self._bill(ex, state, entry, model, answer)
