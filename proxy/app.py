@@ -210,6 +210,7 @@ class Gateway:
             on_strict_rejection=self.metrics.observe_strict_rejection,
             compactor=compactor,
         )
+        self.sessions.on_forget = self.chat.forget_bodies
         if self.writer is not None:
             self.writer.start()
             lg = self.settings.logging

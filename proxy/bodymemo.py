@@ -809,6 +809,11 @@ class BodyMemos:
                 out.append(memo)
         return out
 
+    def forget(self, key: str) -> None:
+        """Forget every memo filed under ``key`` (its session was forgotten)."""
+        if key in self._memos:
+            self._drop(key)
+
     def discard(self, key: str, memo: BodyMemo) -> None:
         """Forget ``memo`` (that very object) if it is still filed under ``key``."""
         memos = self._memos.get(key)

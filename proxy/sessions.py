@@ -413,6 +413,8 @@ class MemorySessionStore:
         self.idle_ttl_s = idle_ttl_s
         self.max_bytes = max_bytes  # 0: no limit
         self.on_evict = on_evict
+        # hears each session forgotten (the chat pipeline lets go of the bodies it kept for it)
+        self.on_forget: Callable[[str, SessionState], None] | None = None
         self._sessions: OrderedDict[str, SessionState] = OrderedDict()
         self._by_opening: dict[OpeningKey, list[str]] = {}
         self._bytes = 0
@@ -704,6 +706,11 @@ class MemorySessionStore:
     def _forget(self, sid: str, state: SessionState, reason: EvictionReason) -> None:
         del self._sessions[sid]
         self._forget_state(sid, state)
+        if self.on_forget is not None:
+            try:
+                self.on_forget(sid, state)
+            except Exception:  # (memory let go of, or not: never the request's failure)
+                log.exception("session forget hook failed")
         if self.on_evict is not None:
             try:
                 self.on_evict(reason)

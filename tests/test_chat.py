@@ -952,6 +952,32 @@ def test_the_bodies_kept_for_the_next_turn_are_bounded_with_or_without_a_memory_
     assert chat.memos.max_bytes == memo_mib * 1024 * 1024
 
 
+@pytest.mark.parametrize("explicit", [True, False])
+def test_the_bodies_kept_for_a_forgotten_session_are_let_go(
+    sim: RunningSimulator, proxy_factory: Any, explicit: bool
+) -> None:
+    """Sessions forgotten for count (16 held): the bodies kept for their next turn stayed until
+    the memos' own bound, a quarter of the budget in raw bytes (~270 MB of RSS for 8,000
+    sessions of 22 KB), none of it in ``cachegate_sessions_memory_bytes``."""
+    proxy = proxy_factory(sim.api_base, {"sessions": {"max_sessions": 4}})
+    for i in range(40):
+        body = {
+            "model": "gpt-4o",
+            "messages": [
+                {"role": "system", "content": "sys"},
+                {"role": "user", "content": f"task {i} " + "lorem ipsum dolor " * 1200},
+            ],
+        }
+        headers = {"X-Session-Id": f"s{i}"} if explicit else {}
+        assert httpx.post(
+            proxy.base_url + "/chat/completions", json=body, headers=headers
+        ).is_success
+    proxy.settle()
+    kept = proxy.gateway.chat.memos.bytes
+    assert kept <= 4 * 2 * 23_000, kept  # (the held sessions' bodies: before, 40 of them)
+    assert kept > 0  # (those of the sessions held stay, for their next turn)
+
+
 def test_a_lone_surrogate_is_the_providers_to_judge_not_a_400(
     scripted: Any, proxy_factory: Any
 ) -> None:
