@@ -363,15 +363,25 @@ _ASSIGNED = re.compile(r"""[ \t]{0,4}[=:"'\\\]]""")
 # then the value (no blank, 8 characters or more: a description or a type is left).
 # (bold or in backticks, a note in parentheses after it; the value in backticks with a note
 # after it, or bare; the row's last cell without its closing pipe, as GFM allows)
-_TABLE_ROW = re.compile(
-    r"(?:\*\*)?`?(?:\*\*)?(?:[ \t]+\([^()|\n]{0,64}\))?[ \t]*\|[ \t]*"
-    r"(?:`([^`\s|]{8,256}+)`[^|\n]{0,256}+|([^\s|`\\\"']{8,256}+)[ \t]*)(?:\||(?=\r?\n)|\Z)"
+# (a cell's value: in backticks, what follows it a note; or bare, a note in parentheses after it)
+_CELL_VALUE = (
+    r"[ \t]*(?:`([^`\s|]{8,256}+)`[^|\n]{0,256}+"
+    r"|([^\s|`\\\"']{8,256}+)[ \t]*(?:\([^()|\n]{0,64}\)[ \t]*)?)(?:\||(?=\r?\n)|\Z)"
 )
+_TABLE_ROW = re.compile(r"(?:\*\*)?`?(?:\*\*)?(?:[ \t]+\([^()|\n]{0,64}\))?[ \t]*\|" + _CELL_VALUE)
+_CELL = re.compile(_CELL_VALUE)
+_UNESCAPED_PIPE = re.compile(r"(?<!\\)\|")
 # (after a line's prefix, as a tool printed the file: ``cat -n``'s, a diff's, ``grep -n``'s)
 _ROW_PREFIX = r"(?:[ \t]*\d{1,9}(?:→|\t)|[+ -]|>[ \t]?|[^\s:|]{1,256}?:\d{1,9}:)?"
 _TABLE_CELL_END = re.compile(r"(?:\*\*)?`?(?:\*\*)?(?:[ \t]+\([^()|\n]{0,64}\))?[ \t]*\|")
 # A table's column that holds the settings' values (its header row's cell)
-_VALUE_HEADERS = frozenset({"value", "secret", "password", "token", "key", "api key", "credential"})
+# (not ``Key`` alone: a keyboard shortcut's, an i18n key's, an env variable's name)
+_VALUE_HEADERS = frozenset(
+    {"value", "secret", "password", "token", "api key", "secret key", "credential"}
+)
+# A cell that names, not gives: a constant or a variable (``AUTH_E1002``, ``STORAGE_S3_SECRET``),
+# a key combination (``Ctrl+Shift+F9``)
+_NAMING_CELL = re.compile(r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)++|(?i:(?:ctrl|alt|shift|cmd|meta)\+\S+)")
 _TABLE_HEAD = re.compile(_ROW_PREFIX + r"[ \t]*\|(?:[^|\n]*+\|)*?[ \t]*(?:\*\*)?`?(?:\*\*)?")
 # A type's shape, as a schema's or an API's table gives it: ``VARCHAR(255)``, ``Uint8Array``
 _TYPE_SHAPE = re.compile(r"[A-Za-z_][\w.]{0,64}\([0-9, ]{1,16}\)(?:\[\])?")
@@ -405,10 +415,12 @@ _COOKIE_HEADER = re.compile(
 _COOKIE_FLAG = re.compile(r"""(?:(?<=\s)-b|--cookie)[ \t]+(\\*["']?)(?=[^\s'"=;]{1,64}=)""")
 _COOKIE_PAIR = re.compile(r"""[ \t]*[^\s;=,"'\\]{1,64}=(\\*"?)([^\s;"'\\`,)]{0,4096}+)\1[ \t]*""")
 # A HAR file's or Playwright's storage state's ``"cookies": [{"name": …, "value": …}, …]``
-_COOKIE_ARRAY = re.compile(r'"cookies"[ \t\r\n]*:[ \t\r\n]*\[')
-_COOKIE_OBJECT = re.compile(
-    r'[ \t\r\n,]*\{[^{}]{0,4096}?"value"[ \t\r\n]*:[ \t\r\n]*"((?:[^"\\\n]|\\.){0,4096}+)"'
-    r"[^{}]{0,4096}+\}"
+# (its Python dump too: ``{'cookies': [{'name': …, 'value': …}]}``; a cookie's own objects, a
+# partitioned one's ``"partitionKey": {…}``, inside it)
+_COOKIE_ARRAY = re.compile(r"""(["'])cookies\1[ \t\r\n]*:[ \t\r\n]*\[""")
+_COOKIE_OBJECT = re.compile(r"""[ \t\r\n,]*\{(?:[^{}]|\{[^{}]{0,1024}+\})*+\}""")
+_COOKIE_VALUE = re.compile(
+    r"""(["'])value\1[ \t\r\n]*:[ \t\r\n]*(["'])((?:(?!\2)[^\\\n]|\\.){0,4096}+)\2"""
 )
 _OPENSSL_PASS = re.compile(r"""(?<![\w-])-pass(?:in|out)?[ \t]+["']?pass:([^\s'"`)]{1,512}+)""")
 _JOINED_COOKIE = re.compile(r""",[ \t]*[^\s;=,"'\\]{1,64}=(\\*"?)([^\s;,"'\\]{0,4096}+)""")
@@ -667,8 +679,8 @@ def _table_value(s: str, start: int, end: int) -> tuple[int, int] | None:
         return None
     lo = max(0, start - 256)
     line = max(_line_start(s, lo, start), _string_start(s, lo, start))  # (a JSON string's too)
-    if _TABLE_HEAD.fullmatch(s, line, start) is None:
-        return None
+    if (line == lo and lo > 0) or _TABLE_HEAD.fullmatch(s, line, start) is None:
+        return None  # (no line's start within the look back: no row's cell)
     span = _row_value(s, start, end, line, cell_end.end())
     # (a table's row with no value taken: read no other way, consumed to its cell's end)
     return span if span is not None else (cell_end.end(), cell_end.end())
@@ -679,7 +691,8 @@ def _row_value(s: str, start: int, end: int, line: int, cell_end: int) -> tuple[
     ``cell_end`` (past its pipe)."""
     if s[start:end].lower() in _BARE_NAMES:
         return None  # (``| PASS | test_login_v2 |``: a status, a word's cell)
-    column = s.count("|", line, start)  # (the name's, from 1; its value's is the next)
+    # (the name's, from 1; its value's is the next; a pipe escaped in a cell, ``\|``, is none)
+    column = len(_UNESCAPED_PIPE.findall(s, line, start))
     headers: list[str] | None = None
     found = _TABLE_ROW.match(s, end)
     span = _value_span(found)
@@ -696,18 +709,12 @@ def _row_value(s: str, start: int, end: int, line: int, cell_end: int) -> tuple[
     row_end = row_end if row_end >= 0 else min(len(s), cell_end + 4096)
     at = cell_end  # (past the pipe after the name's cell: column + 1 starts here)
     for _ in range(wanted - column):  # (``wanted`` from 0: the cells past the next one)
-        pipe = s.find("|", at, row_end)
-        if pipe < 0:
+        pipe = _UNESCAPED_PIPE.search(s, at, row_end)
+        if pipe is None:
             return None
-        at = pipe + 1
-    pipe = s.find("|", at, row_end)
-    cell = (at, pipe if pipe >= 0 else row_end)
-    text = s[cell[0] : cell[1]]
-    stripped = text.strip(" \t\r`")
-    if not stripped or any(c.isspace() for c in stripped):
-        return None
-    span = (cell[0] + text.index(stripped), cell[0] + text.index(stripped) + len(stripped))
-    return span if _secret_cell(s, start, span) else None
+        at = pipe.end()
+    span = _value_span(_CELL.match(s, at, row_end))  # (the value, as beside its name)
+    return span if span is not None and _secret_cell(s, start, span) else None
 
 
 def _secret_cell(s: str, start: int, span: tuple[int, int]) -> bool:
@@ -727,6 +734,8 @@ def _secret_cell(s: str, start: int, span: tuple[int, int]) -> bool:
         or _TYPE_NAME.fullmatch(value) is not None  # (``Uint8Array``, ``bytes32``)
         or _TYPE_SHAPE.fullmatch(value) is not None  # (``VARCHAR(255)``)
         or _NOT_SECRET_CELL.fullmatch(value) is not None
+        or _NAMING_CELL.fullmatch(value) is not None
+        or _DOTTED.fullmatch(value) is not None  # (``auth.token_expired_v2``)
         or s.startswith("test_", start)  # (a test's name: ``| test_api_key | … |``)
     )
 
@@ -742,20 +751,23 @@ def _header_cells(s: str, line: int) -> list[str]:
     found."""
     lo = max(0, line - 16384)
     dashes = s.rfind("---", lo, line)
-    if dashes < 0:
-        return []
-    rule = s.rfind("\n", lo, dashes) + 1
-    rule_end = s.find("\n", dashes, line)
-    if (rule == 0 and lo > 0) or rule_end < 0:
-        return []
-    marked = _LINE_PREFIX.match(s, rule, rule_end)  # (a numbered or a diff's line)
-    if _TABLE_RULE.fullmatch(s, marked.end() if marked else rule, rule_end) is None:
-        return []
+    while True:  # (the nearest ``---`` on a rule's line: a row's ``| --- |`` is passed over)
+        if dashes < 0:
+            return []
+        rule = s.rfind("\n", lo, dashes) + 1
+        rule_end = s.find("\n", dashes, line)
+        if (rule == 0 and lo > 0) or rule_end < 0:
+            return []
+        marked = _LINE_PREFIX.match(s, rule, rule_end)  # (a numbered or a diff's line)
+        if _TABLE_RULE.fullmatch(s, marked.end() if marked else rule, rule_end) is not None:
+            break
+        dashes = s.rfind("---", lo, rule)
     above = s.rfind("\n", max(lo, rule - 1025), rule - 1)
     if above < 0 and (lo > 0 or rule > 1025):
         return []  # (its start not within the look back, or a kilobyte: unknown)
     marked = _LINE_PREFIX.match(s, above + 1, rule - 1)
-    cells = s[marked.end() if marked else above + 1 : rule - 1].strip().strip("|").split("|")
+    cells = _UNESCAPED_PIPE.split(s[marked.end() if marked else above + 1 : rule - 1].strip())
+    cells = cells[1:] if cells and not cells[0].strip() else cells  # (the opening pipe's)
     return [cell.strip(" \t*`").lower() for cell in cells]
 
 
@@ -1339,11 +1351,13 @@ def _redact_named(s: str, lowered: str) -> str:
         cookies, at = _cookie_values(s, lowered, at)
         spans += cookies
         at = lowered.find("cookie", at)
-    if '"cookies"' in lowered:  # (each cookie's value, as a header's: a session's token)
+    if "cookies" in lowered:  # (each cookie's value, as a header's: a session's token)
         for array in _COOKIE_ARRAY.finditer(s):
             pos = array.end()
             while (cookie := _COOKIE_OBJECT.match(s, pos)) is not None:
-                _take_cookie(s, cookie, spans, group=1)
+                value = _COOKIE_VALUE.search(s, cookie.start(), cookie.end())
+                if value is not None:
+                    _take_cookie(s, value, spans, group=3)
                 pos = cookie.end()
     if "-pass" in lowered:  # openssl's ``-passout pass:…`` (its ``env:``, ``file:`` name one)
         spans += (found.span(1) for found in _OPENSSL_PASS.finditer(s))
@@ -1514,7 +1528,7 @@ _NAMED_BYTES: Final = (
     # name/value pair, curl's -b argument)
     re.compile(rb"""cookie(?:\\*["'])?(?:[ \t]|\\+t)*:"""),
     re.compile(rb'cookie\\*"(?:[ \t\r\n]|\\+[nrt])*,(?:[ \t\r\n]|\\+[nrt])*\\*"value'),
-    re.compile(rb'cookies\\*"(?:[ \t\r\n]|\\+[nrt])*:(?:[ \t\r\n]|\\+[nrt])*\['),
+    re.compile(rb"""cookies\\*["'](?:[ \t\r\n]|\\+[nrt])*:(?:[ \t\r\n]|\\+[nrt])*\["""),
     re.compile(rb"""(?:\s-b|\\+[nt]-b|--cookie)(?:[ \t]|\\+t)+\\*["']?[^\s'"=;]{1,64}="""),
     # Docker's "auth": "…" and .npmrc's _auth=… (a user and a password in base64)
     re.compile(rb'auth(?<=["_]auth)\\*"?(?:[ \t]|\\+t)*[=:]'),
