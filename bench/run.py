@@ -1118,6 +1118,8 @@ def main(argv: list[str] | None = None) -> int:
     out_path = Path(ns.out)
     if not out_path.resolve().parent.is_dir():  # (found out after the run, its results lost)
         parser.error(f"--out: no directory {out_path.resolve().parent}")
+    if out_path.is_dir():
+        parser.error(f"--out: {out_path} is a directory; give a file's name")
     procs.stop_on_sigterm()
     plan = QUICK if ns.quick else FULL
     if ns.concurrency:

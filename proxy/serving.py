@@ -118,6 +118,9 @@ class HttpProtocol(HttpToolsProtocol):
         shows as a body it cannot read. The connection is closed after it, as uvicorn does."""
         body = ProxyError(400, msg, code="invalid_http").body()
         count = getattr(self.app, "invalid_http", None)  # (cachegate's app: in its metrics)
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None and not cycle.response_complete:
+            count = None  # (refused in its body: the app has it, and counts its client gone)
         if callable(count):
             with contextlib.suppress(Exception):  # (an observer: never the answer's failure)
                 method = self.parser.get_method() if self.parser is not None else b""

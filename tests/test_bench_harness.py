@@ -335,6 +335,9 @@ def test_a_run_of_some_phases_prints_their_figures_and_refuses_an_unknown_one() 
     with pytest.raises(SystemExit) as refused:
         main(["--phases", "latency", "--out", "/nonexistent-dir/r.json"])
     assert refused.value.code == 2
+    with pytest.raises(SystemExit) as refused:  # (a directory: found out after the run)
+        main(["--phases", "throughput", "--out", "/tmp"])
+    assert refused.value.code == 2
 
 
 def test_no_stream_compared_is_no_failed_identity() -> None:

@@ -938,6 +938,7 @@ def test_requests_are_recorded_and_reset_clears_everything(sim: RunningSimulator
         refused = httpx.post(sim.url + route, content=payload, headers=page)
         assert refused.status_code == 403, route
         assert refused.json()["error"]["code"] == "forbidden_origin"
+        assert "allowed_origins" not in refused.text  # (cachegate's setting: none here)
     assert sim.sim.requests  # (not reset)
     local = {"Origin": sim.url}  # (a page of this machine's: a local dashboard)
     assert httpx.get(sim.url + "/_sim/requests", headers=local).is_success

@@ -40,6 +40,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.browser import BrowserGuard
+from proxy.errors import ProxyError
 from proxy.prefix import deep_dumps
 from proxy.relay import send_error
 from proxy.serving import ServerThread
@@ -588,6 +589,13 @@ class _BrowserGuarded:
             }
             refusal = self.guard.refusal(headers)
             if refusal is not None:
+                if own and refusal.code == "forbidden_origin":  # (cachegate's words do not fit)
+                    refusal = ProxyError(
+                        403,
+                        f"The simulator's own routes ({scope['path']}) take requests from pages on"
+                        f" this machine only, not from origin {headers.get('origin', '')!r}.",
+                        code="forbidden_origin",
+                    )
                 await send_error(send, refusal)
                 return
         await self.app(scope, receive, send)
