@@ -9,6 +9,7 @@ and a string or container without a match is returned as the very same object (n
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import json
 import re
@@ -366,7 +367,7 @@ _ASSIGNED = re.compile(r"""[ \t]{0,4}[=:"'\\\]]""")
 # (a cell's value: in backticks, what follows it a note; or bare, a note in parentheses after it)
 _CELL_VALUE = (
     r"[ \t]*(?:`([^`\s|]{8,256}+)`[^|\n]{0,256}+"
-    r"|([^\s|`\\\"']{8,256}+)[ \t]*(?:\([^()|\n]{0,64}\)[ \t]*)?)(?:\||(?=\r?\n)|\Z)"
+    r"|([^\s|`\\\"']{8,256}+)[ \t]*(?:\([^()|\n]{0,64}\)[ \t]*)?)(?:\||(?=\r?\n)|\r?\Z)"
 )
 _TABLE_ROW = re.compile(r"(?:\*\*)?`?(?:\*\*)?(?:[ \t]+\([^()|\n]{0,64}\))?[ \t]*\|" + _CELL_VALUE)
 _CELL = re.compile(_CELL_VALUE)
@@ -375,9 +376,9 @@ _UNESCAPED_PIPE = re.compile(r"(?<!\\)\|")
 _ROW_PREFIX = r"(?:[ \t]*\d{1,9}(?:→|\t)|[+ -]|>[ \t]?|[^\s:|]{1,256}?:\d{1,9}:)?"
 _TABLE_CELL_END = re.compile(r"(?:\*\*)?`?(?:\*\*)?(?:[ \t]+\([^()|\n]{0,64}\))?[ \t]*\|")
 # A table's column that holds the settings' values (its header row's cell)
-# (not ``Key`` alone: a keyboard shortcut's, an i18n key's, an env variable's name)
+# (a ``Key`` column's shortcuts, translation keys and variables' names stay: ``_NAMING_CELL``)
 _VALUE_HEADERS = frozenset(
-    {"value", "secret", "password", "token", "api key", "secret key", "credential"}
+    {"value", "secret", "password", "token", "key", "api key", "secret key", "credential"}
 )
 # A cell that names, not gives: a constant or a variable (``AUTH_E1002``, ``STORAGE_S3_SECRET``),
 # a key combination (``Ctrl+Shift+F9``)
@@ -418,7 +419,14 @@ _COOKIE_PAIR = re.compile(r"""[ \t]*[^\s;=,"'\\]{1,64}=(\\*"?)([^\s;"'\\`,)]{0,4
 # (its Python dump too: ``{'cookies': [{'name': …, 'value': …}]}``; a cookie's own objects, a
 # partitioned one's ``"partitionKey": {…}``, inside it)
 _COOKIE_ARRAY = re.compile(r"""(["'])cookies\1[ \t\r\n]*:[ \t\r\n]*\[""")
-_COOKIE_OBJECT = re.compile(r"""[ \t\r\n,]*\{(?:[^{}]|\{[^{}]{0,1024}+\})*+\}""")
+_QUOTED_TEXT = r"""(?:"(?:[^"\\\n]|\\.)*+"|'(?:[^'\\\n]|\\.)*+')"""
+_COOKIE_OBJECT = re.compile(
+    r"""[ \t\r\n,]*\{(?:[^{}"']|"""
+    + _QUOTED_TEXT
+    + r"""|\{(?:[^{}"']|"""
+    + _QUOTED_TEXT
+    + r""")*+\})*+\}"""
+)
 _COOKIE_VALUE = re.compile(
     r"""(["'])value\1[ \t\r\n]*:[ \t\r\n]*(["'])((?:(?!\2)[^\\\n]|\\.){0,4096}+)\2"""
 )
@@ -714,7 +722,16 @@ def _row_value(s: str, start: int, end: int, line: int, cell_end: int) -> tuple[
             return None
         at = pipe.end()
     span = _value_span(_CELL.match(s, at, row_end))  # (the value, as beside its name)
-    return span if span is not None and _secret_cell(s, start, span) else None
+    if span is None:  # (or the cell whole, without blanks: quotes in it, past 256 characters)
+        pipe = _UNESCAPED_PIPE.search(s, at, row_end)
+        cell = (at, pipe.start() if pipe is not None else row_end)
+        text = s[cell[0] : cell[1]]
+        stripped = text.strip(" \t\r`")
+        if not stripped or any(c.isspace() for c in stripped):
+            return None
+        first = cell[0] + text.index(stripped)
+        span = (first, first + len(stripped))
+    return span if _secret_cell(s, start, span) else None
 
 
 def _secret_cell(s: str, start: int, span: tuple[int, int]) -> bool:
@@ -748,27 +765,75 @@ def _header_cells(s: str, line: int) -> list[str]:
     """The lowered headers of the Markdown table whose row starts at ``s[line]`` (its cells
     counted from 1 past the row's opening pipe, the first at ``[0]``): the row above the
     table's ``|---|``, the last before it in 16 KB (a table of 200 rows); none where none is
-    found."""
+    found. The last table's is kept (``_TABLE_MEMO``): its next rows, none of its lines blank
+    between, take it without a look back (a table of rows of ``---`` took 18 s a MB)."""
+    memo: _TableMemo | None = getattr(_TABLE_MEMO, "last", None)
+    if (
+        memo is not None
+        and memo.text_id == id(s)
+        and memo.length == len(s)
+        and memo.rule_end < line
+        and s.startswith(memo.rule_text, memo.rule)
+        and (
+            line <= memo.checked
+            # (no blank line, nor another table's rule, since the rows looked at before)
+            or (
+                s.find("\n\n", memo.checked, line) < 0
+                and _RULE_START.search(s, memo.checked, line) is None
+            )
+        )
+    ):
+        memo.checked = max(memo.checked, line)
+        return memo.headers
+    headers, rule = _look_back_for_header(s, line)
+    if rule is not None:
+        _TABLE_MEMO.last = _TableMemo(
+            id(s), len(s), rule[0], rule[1], s[rule[0] : rule[1]], line, headers
+        )
+    return headers
+
+
+@dataclasses.dataclass
+class _TableMemo:
+    """The last table ``_header_cells`` found, in the text of that id and length."""
+
+    text_id: int
+    length: int
+    rule: int
+    rule_end: int
+    rule_text: str
+    checked: int  # (its lines to here are no blank one)
+    headers: list[str]
+
+
+_TABLE_MEMO: Final = threading.local()
+_RULE_START: Final = re.compile(r"\n[ \t]*\|?[ \t]*:?-{3,}")
+
+
+def _look_back_for_header(s: str, line: int) -> tuple[list[str], tuple[int, int] | None]:
+    """``_header_cells``'s look back, with where the rule line it found is."""
     lo = max(0, line - 16384)
     dashes = s.rfind("---", lo, line)
-    while True:  # (the nearest ``---`` on a rule's line: a row's ``| --- |`` is passed over)
+    for _ in range(8):  # (the nearest ``---`` on a rule's line: a row's ``| --- |`` passed over)
         if dashes < 0:
-            return []
+            return [], None
         rule = s.rfind("\n", lo, dashes) + 1
         rule_end = s.find("\n", dashes, line)
         if (rule == 0 and lo > 0) or rule_end < 0:
-            return []
+            return [], None
         marked = _LINE_PREFIX.match(s, rule, rule_end)  # (a numbered or a diff's line)
         if _TABLE_RULE.fullmatch(s, marked.end() if marked else rule, rule_end) is not None:
             break
         dashes = s.rfind("---", lo, rule)
+    else:
+        return [], None
     above = s.rfind("\n", max(lo, rule - 1025), rule - 1)
     if above < 0 and (lo > 0 or rule > 1025):
-        return []  # (its start not within the look back, or a kilobyte: unknown)
+        return [], None  # (its start not within the look back, or a kilobyte: unknown)
     marked = _LINE_PREFIX.match(s, above + 1, rule - 1)
     cells = _UNESCAPED_PIPE.split(s[marked.end() if marked else above + 1 : rule - 1].strip())
     cells = cells[1:] if cells and not cells[0].strip() else cells  # (the opening pipe's)
-    return [cell.strip(" \t*`").lower() for cell in cells]
+    return [cell.strip(" \t*`").lower() for cell in cells], (rule, rule_end)
 
 
 # A Kubernetes Secret (``kubectl get secret -o yaml`` or ``-o json``): every value under its

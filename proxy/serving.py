@@ -119,8 +119,11 @@ class HttpProtocol(HttpToolsProtocol):
         body = ProxyError(400, msg, code="invalid_http").body()
         count = getattr(self.app, "invalid_http", None)  # (cachegate's app: in its metrics)
         cycle = getattr(self, "cycle", None)
-        if cycle is not None and not cycle.response_complete:
-            count = None  # (refused in its body: the app has it, and counts its client gone)
+        if cycle is not None and cycle.more_body and not cycle.response_complete:
+            # refused in the body of the request the app is answering: it counts its client
+            # gone; one refused after a request whose body was all read (pipelined behind it)
+            # is a request of its own, counted here
+            count = None
         if callable(count):
             with contextlib.suppress(Exception):  # (an observer: never the answer's failure)
                 method = self.parser.get_method() if self.parser is not None else b""
