@@ -731,6 +731,10 @@ def _row_value(s: str, start: int, end: int, line: int, cell_end: int) -> tuple[
             return None
         first = cell[0] + text.index(stripped)
         span = (first, first + len(stripped))
+        if len(stripped) > 2 and stripped[0] == stripped[-1] and stripped[0] in "'\"":
+            span = (first + 1, first + len(stripped) - 1)  # (the quotes no part of it)
+        if _EXPRESSION.fullmatch(s, *span) is not None:
+            return None  # (``os.environ['DB_PASSWORD2']``, ``env("API_KEY_V2")``: a lookup)
     return span if _secret_cell(s, start, span) else None
 
 
@@ -758,6 +762,7 @@ def _secret_cell(s: str, start: int, span: tuple[int, int]) -> bool:
 
 
 _LINE_PREFIX: Final = re.compile(_ROW_PREFIX)
+_EXPRESSION: Final = re.compile(r"[A-Za-z_][\w.]{0,64}[\[(].{0,256}[\])]")
 _TABLE_RULE: Final = re.compile(r"[ \t]*\|?(?:[ \t]*:?-{3,}+:?[ \t]*\|?)++[ \t]*\r?")  # (``|---|``)
 
 
@@ -765,68 +770,85 @@ def _header_cells(s: str, line: int) -> list[str]:
     """The lowered headers of the Markdown table whose row starts at ``s[line]`` (its cells
     counted from 1 past the row's opening pipe, the first at ``[0]``): the row above the
     table's ``|---|``, the last before it in 16 KB (a table of 200 rows); none where none is
-    found. The last table's is kept (``_TABLE_MEMO``): its next rows, none of its lines blank
-    between, take it without a look back (a table of rows of ``---`` took 18 s a MB)."""
+    found. Within one ``_redact_named`` (one string), what the last look back found is kept
+    (``_TABLE_MEMO``), none found too: a later row with no blank line nor rule line between
+    takes it without looking back again (a table of rows of ``---`` took 18 s a MB)."""
     memo: _TableMemo | None = getattr(_TABLE_MEMO, "last", None)
     if (
         memo is not None
-        and memo.text_id == id(s)
-        and memo.length == len(s)
-        and memo.rule_end < line
-        and s.startswith(memo.rule_text, memo.rule)
-        and (
-            line <= memo.checked
-            # (no blank line, nor another table's rule, since the rows looked at before)
-            or (
-                s.find("\n\n", memo.checked, line) < 0
-                and _RULE_START.search(s, memo.checked, line) is None
-            )
-        )
+        and memo.text is s
+        and memo.start < line
+        and (line <= memo.checked or _TABLE_BREAK.search(s, memo.checked, line) is None)
     ):
         memo.checked = max(memo.checked, line)
         return memo.headers
     headers, rule = _look_back_for_header(s, line)
-    if rule is not None:
-        _TABLE_MEMO.last = _TableMemo(
-            id(s), len(s), rule[0], rule[1], s[rule[0] : rule[1]], line, headers
-        )
+    # (found or not, it holds for the rows after this one until a break: a row before it,
+    # looked at for another name, looks back for itself)
+    _TABLE_MEMO.last = _TableMemo(s, rule[1] if rule is not None else line, line, headers)
     return headers
 
 
 @dataclasses.dataclass
 class _TableMemo:
-    """The last table ``_header_cells`` found, in the text of that id and length."""
+    """What ``_header_cells`` found last in the string ``text`` (held only while
+    ``_redact_named`` reads it: a string freed and another made at its address was taken for
+    it): the headers of the rows after ``start``, its lines to ``checked`` known unbroken."""
 
-    text_id: int
-    length: int
-    rule: int
-    rule_end: int
-    rule_text: str
-    checked: int  # (its lines to here are no blank one)
+    text: str
+    start: int
+    checked: int
     headers: list[str]
 
 
+@dataclasses.dataclass
+class _RuleScan:
+    """Where ``_look_back_for_header``'s last pass for rule lines in ``text`` ended, and the
+    last rule line it found (held only while ``_redact_named`` reads the string)."""
+
+    text: str
+    scanned_to: int
+    last: tuple[int, int] | None
+
+
 _TABLE_MEMO: Final = threading.local()
-_RULE_START: Final = re.compile(r"\n[ \t]*\|?[ \t]*:?-{3,}")
+# A table's end between two rows: a blank line, or a rule line (another table's), as a tool
+# printed them too (numbered, a diff's, ``grep -n``'s)
+_TABLE_BREAK: Final = re.compile(r"\n" + _ROW_PREFIX + r"[ \t]*(?:\|?[ \t]*:?-{3,}|\r?\n)")
 
 
 def _look_back_for_header(s: str, line: int) -> tuple[list[str], tuple[int, int] | None]:
     """``_header_cells``'s look back, with where the rule line it found is."""
     lo = max(0, line - 16384)
+    found: tuple[int, int] | None = None
     dashes = s.rfind("---", lo, line)
     for _ in range(8):  # (the nearest ``---`` on a rule's line: a row's ``| --- |`` passed over)
         if dashes < 0:
-            return [], None
+            break
         rule = s.rfind("\n", lo, dashes) + 1
         rule_end = s.find("\n", dashes, line)
         if (rule == 0 and lo > 0) or rule_end < 0:
-            return [], None
-        marked = _LINE_PREFIX.match(s, rule, rule_end)  # (a numbered or a diff's line)
-        if _TABLE_RULE.fullmatch(s, marked.end() if marked else rule, rule_end) is not None:
+            break
+        if _is_rule(s, rule, rule_end):
+            found = (rule, rule_end)
             break
         dashes = s.rfind("---", lo, rule)
     else:
+        # Rows of ``---`` cells between: the last rule line in the look back, in one pass, from
+        # where the string's last such pass ended (rows of them, each a table of its own
+        # between blank lines, read the same 16 KB again each: 2.7 s a MB)
+        scan: _RuleScan | None = getattr(_TABLE_MEMO, "rules", None)
+        start = lo
+        if scan is not None and scan.text is s and lo <= scan.scanned_to <= line:
+            start, found = scan.scanned_to, scan.last if scan.last and scan.last[0] >= lo else None
+        for last in _RULE_LINE.finditer(s, start, line):
+            found = last.span()
+        _TABLE_MEMO.rules = _RuleScan(s, line, found)
+    if found is None:
         return [], None
+    rule, rule_end = found
+    if rule == lo and lo > 0:
+        return [], None  # (its line's start not within the look back: unknown)
     above = s.rfind("\n", max(lo, rule - 1025), rule - 1)
     if above < 0 and (lo > 0 or rule > 1025):
         return [], None  # (its start not within the look back, or a kilobyte: unknown)
@@ -834,6 +856,21 @@ def _look_back_for_header(s: str, line: int) -> tuple[list[str], tuple[int, int]
     cells = _UNESCAPED_PIPE.split(s[marked.end() if marked else above + 1 : rule - 1].strip())
     cells = cells[1:] if cells and not cells[0].strip() else cells  # (the opening pipe's)
     return [cell.strip(" \t*`").lower() for cell in cells], (rule, rule_end)
+
+
+def _is_rule(s: str, start: int, end: int) -> bool:
+    """Whether the line ``s[start:end]`` is a table's rule, after a tool's prefix or not (a
+    diff's ``-`` prefix would take the first dash of a bare ``---``)."""
+    if _TABLE_RULE.fullmatch(s, start, end) is not None:
+        return True
+    marked = _LINE_PREFIX.match(s, start, end)  # (a numbered or a diff's line)
+    return marked is not None and _TABLE_RULE.fullmatch(s, marked.end(), end) is not None
+
+
+# (a rule line whole, after a tool's prefix or not: ``_is_rule`` in one pass over many lines)
+_RULE_LINE: Final = re.compile(
+    r"^(?:" + _ROW_PREFIX + r")?[ \t]*\|?(?:[ \t]*:?-{3,}+:?[ \t]*\|?)++[ \t]*\r?$", re.M
+)
 
 
 # A Kubernetes Secret (``kubectl get secret -o yaml`` or ``-o json``): every value under its
@@ -1353,6 +1390,13 @@ _MAX_HITS: Final = 1000
 
 
 def _redact_named(s: str, lowered: str) -> str:
+    try:
+        return _redact_named_in(s, lowered)
+    finally:
+        _TABLE_MEMO.last = _TABLE_MEMO.rules = None  # (the string let go: its tables with it)
+
+
+def _redact_named_in(s: str, lowered: str) -> str:
     spans: list[tuple[int, int]] = []
     # (failed looks, each up to 512 characters: as many as the text's length allows in linear
     # time, a thousand at least; a flat cap gave up on a 450 KB Terraform state's names)
