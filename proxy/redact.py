@@ -783,9 +783,9 @@ def _header_cells(s: str, line: int) -> list[str]:
         memo.checked = max(memo.checked, line)
         return memo.headers
     headers, rule = _look_back_for_header(s, line)
-    # (found or not, it holds for the rows after this one until a break: a row before it,
-    # looked at for another name, looks back for itself)
-    _TABLE_MEMO.last = _TableMemo(s, rule[1] if rule is not None else line, line, headers)
+    if rule is not None:  # (it holds for the rows after this one until a break; none found is
+        # not kept: a row inside a JSON string's line may have found none where the next finds)
+        _TABLE_MEMO.last = _TableMemo(s, rule[1], line, headers)
     return headers
 
 
@@ -847,8 +847,8 @@ def _look_back_for_header(s: str, line: int) -> tuple[list[str], tuple[int, int]
     if found is None:
         return [], None
     rule, rule_end = found
-    if rule == lo and lo > 0:
-        return [], None  # (its line's start not within the look back: unknown)
+    if rule == lo:
+        return [], None  # (no line above it within the look back, or none at all: unknown)
     above = s.rfind("\n", max(lo, rule - 1025), rule - 1)
     if above < 0 and (lo > 0 or rule > 1025):
         return [], None  # (its start not within the look back, or a kilobyte: unknown)
@@ -860,17 +860,14 @@ def _look_back_for_header(s: str, line: int) -> tuple[list[str], tuple[int, int]
 
 def _is_rule(s: str, start: int, end: int) -> bool:
     """Whether the line ``s[start:end]`` is a table's rule, after a tool's prefix or not (a
-    diff's ``-`` prefix would take the first dash of a bare ``---``)."""
-    if _TABLE_RULE.fullmatch(s, start, end) is not None:
-        return True
-    marked = _LINE_PREFIX.match(s, start, end)  # (a numbered or a diff's line)
-    return marked is not None and _TABLE_RULE.fullmatch(s, marked.end(), end) is not None
+    diff's ``-`` prefix would take the first dash of a bare ``---``): as ``_RULE_LINE`` reads
+    it, in one pass over many lines."""
+    return _RULE_AT.fullmatch(s, start, end) is not None
 
 
-# (a rule line whole, after a tool's prefix or not: ``_is_rule`` in one pass over many lines)
-_RULE_LINE: Final = re.compile(
-    r"^(?:" + _ROW_PREFIX + r")?[ \t]*\|?(?:[ \t]*:?-{3,}+:?[ \t]*\|?)++[ \t]*\r?$", re.M
-)
+_RULE_TEXT = r"(?:" + _ROW_PREFIX + r")?[ \t]*\|?(?:[ \t]*:?-{3,}+:?[ \t]*\|?)++[ \t]*\r?"
+_RULE_AT: Final = re.compile(_RULE_TEXT)
+_RULE_LINE: Final = re.compile(r"^" + _RULE_TEXT + r"$", re.M)
 
 
 # A Kubernetes Secret (``kubectl get secret -o yaml`` or ``-o json``): every value under its

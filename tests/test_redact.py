@@ -2267,6 +2267,27 @@ def test_a_tables_header_is_never_taken_from_another_string() -> None:
         assert b"Zk8mq2Lp9xQ4" not in orjson.dumps(redact(orjson.loads(body("Value"))))
 
 
+def test_a_row_that_found_no_header_does_not_speak_for_the_next() -> None:
+    """A row inside a JSON string's line, a ``---`` before it on that line, found no header:
+    that was kept, and the next row of the table, which finds the header, took none."""
+    text = (
+        "| Variable | Description | Value |\n|---|---|---|\n"
+        '{"sep": "---", "row": "| DB_PASSWORD | x | y |"}\n'
+        "| API_TOKEN | the api token | Zk8mq2Lp9xQ4 |\n"
+    )
+    assert "Zk8mq2Lp9xQ4" not in redact_text(text)
+
+
+def test_a_rule_line_at_the_texts_start_has_no_header() -> None:
+    """A tool's output that starts at a table's ``|---|`` line: the header was read from the
+    text's last line (a later table's ``Description``), and the value kept."""
+    text = (
+        "|---|---|---|\n| API_TOKEN | Zk8mq2Lp9xQ4 | main service |\n\n"
+        "See the table below.\n| Name | Description | Notes |\n"
+    )
+    assert "Zk8mq2Lp9xQ4" not in redact_text(text)
+
+
 def test_a_value_columns_header_is_found_past_many_rows_of_dashes() -> None:
     rows = "".join(f"| LOG_LEVEL_{i} | --- | --- |\n" for i in range(100))
     text = "| Variable | Description | Value |\n|---|---|---|\n" + rows
