@@ -369,12 +369,14 @@ _CELL_VALUE = (
     r"[ \t]*(?:`([^`\s|]{8,256}+)`[^|\n]{0,256}+"
     r"|([^\s|`\\\"']{8,256}+)[ \t]*(?:\([^()|\n]{0,64}\)[ \t]*)?)(?:\||(?=\r?\n)|\r?\Z)"
 )
-_TABLE_ROW = re.compile(r"(?:\*\*)?`?(?:\*\*)?(?:[ \t]+\([^()|\n]{0,64}\))?[ \t]*\|" + _CELL_VALUE)
+# (a name's cell's end: bold or in backticks, a note in parentheses after it, its pipe)
+_CELL_END = r"(?:\*\*)?`?(?:\*\*)?(?:[ \t]+\([^()|\n]{0,64}\))?[ \t]*\|"
+_TABLE_ROW = re.compile(_CELL_END + _CELL_VALUE)
 _CELL = re.compile(_CELL_VALUE)
 _UNESCAPED_PIPE = re.compile(r"(?<!\\)\|")
 # (after a line's prefix, as a tool printed the file: ``cat -n``'s, a diff's, ``grep -n``'s)
 _ROW_PREFIX = r"(?:[ \t]*\d{1,9}(?:→|\t)|[+ -]|>[ \t]?|[^\s:|]{1,256}?:\d{1,9}:)?"
-_TABLE_CELL_END = re.compile(r"(?:\*\*)?`?(?:\*\*)?(?:[ \t]+\([^()|\n]{0,64}\))?[ \t]*\|")
+_TABLE_CELL_END = re.compile(_CELL_END)
 # A table's column that holds the settings' values (its header row's cell)
 # (a ``Key`` column's shortcuts, translation keys and variables' names stay: ``_NAMING_CELL``)
 _VALUE_HEADERS = frozenset(
@@ -885,7 +887,7 @@ _LINE_PREFIXES: Final = (
     re.compile(r"[^\s:]{1,256}?(?::\d{1,9}:|-\d{1,9}-)"),
 )
 _YAML_DATA: Final = re.compile(
-    r"^(?:[ \t]*\d{1,9}(?:→|\t)|[+ -]|>[ \t]?|[^\s:]{1,256}?(?::\d{1,9}:|-\d{1,9}-))??"
+    "^(?:" + "|".join(prefix.pattern for prefix in _LINE_PREFIXES[1:]) + ")??"
     r"([ \t]*)(?:data|stringData):[ \t]*(?:\{|#[^\n]*)?\r?$",
     re.M,
 )
