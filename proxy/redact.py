@@ -127,7 +127,7 @@ _NAMED_KEY = (
     r"(?:api|auth|access|private|priv|secret|master|signing|encryption|client|app|service"
     r"|license|deploy|ssh|anon|account)[_-]?keys?"
 )
-_NAME_END = r"(?:[_-]?(?:v\d+|base|id|hash))?\Z"
+_NAME_END = r"(?:[_-]?(?:v\d+|base|id|hash|string|binary))?\Z"
 _CREDENTIAL_NAME = re.compile(
     r"(?:passw(?:or)?d|pwd|secrets?|tokens?|(?:\A|[_.-])pass|[_.-]keys?|"
     + _NAMED_KEY

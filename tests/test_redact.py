@@ -2049,6 +2049,15 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
         ("Server=db;Database=app;User Id=sa;Password=Summer24Set;", "Summer24Set"),
         ('{"new_string": "password: Zk8a9Q2mP.xxYYzzT7"}', "Zk8a9Q2mP.xxYYzzT7"),
         ('{"content": "password=s3cr3t.pw(1)"}', "s3cr3t.pw"),
+        # AWS Secrets Manager's secret as ``get-secret-value`` prints it, Terraform's state of
+        # its version (``secret_string``), a binary one
+        (
+            '{\n    "Name": "prod/db",\n    "VersionId": "a1b2",\n'
+            '    "SecretString": "Sup3rS3cretDbPassw0rd",\n    "VersionStages": ["AWSCURRENT"]\n}',
+            "Sup3rS3cretDbPassw0rd",
+        ),
+        ('"attributes": {"secret_id": "x", "secret_string": "Tf5ecretStr1ng"}', "Tf5ecretStr1ng"),
+        ('{"SecretBinary": "U3VwM3JTM2NyZXRCaW5hcnk="}', "U3VwM3JTM2NyZXRCaW5hcnk="),
     ],
 )
 def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, secret: str) -> None:
