@@ -121,8 +121,9 @@ def _replace(match: re.Match[str]) -> str:
 _NAME_WORDS: Final = ("pass", "secret", "token", "key", "pwd")
 # A credential's name (lower-cased) ends in one of these: "password", "secret" or "token" after
 # anything (``authToken``, ``client_secret``), "key(s)" after a separator or a known prefix
-# (``OPENAI_KEY``, ``apiKey``; not ``monkey``), maybe then a version, ``_base``, ``_id`` or
-# ``_hash`` (``SECRET_KEY_BASE``, ``WEBHOOK_SECRET_V2``).
+# (``OPENAI_KEY``, ``apiKey``; not ``monkey``), maybe then a version, ``_base``, ``_id``,
+# ``_hash``, ``_string`` or ``_binary`` (``SECRET_KEY_BASE``, ``WEBHOOK_SECRET_V2``, AWS's
+# ``SecretString``).
 _NAMED_KEY = (
     r"(?:api|auth|access|private|priv|secret|master|signing|encryption|client|app|service"
     r"|license|deploy|ssh|anon|account)[_-]?keys?"
@@ -1594,8 +1595,9 @@ _COUNT_KEYS: Final = (
     b"budgettokens",
 )
 # What may follow a credential's name in a credential field's: a version, ``_base``, ``_id``,
-# ``_hash`` (as ``_NAME_END``: ``OPENAI_KEY_V2=``, ``pwd_hash"``, ``api-key-id"``).
-_SUFFIX: Final = rb"(?:[_-]?(?:v\d+|base|ids?|hash))?"
+# ``_hash``, ``_string``, ``_binary`` (as ``_NAME_END``: ``OPENAI_KEY_V2=``, ``pwd_hash"``,
+# ``api-key-id"``, ``token_string"``).
+_SUFFIX: Final = rb"(?:[_-]?(?:v\d+|base|ids?|hash|string|binary))?"
 # (a tab before the operator is ``\t`` in JSON text, ``\\t`` in the log's line where the text
 # is a JSON string itself: a tool call's arguments; ``=`` is ``\u003d`` in HTML-safe JSON, as
 # Gson writes it by default: ``"env":["API_KEY\u003d…"]``)
@@ -1613,7 +1615,7 @@ _NAMED_BYTES: Final = (
     # key", key\", key\\\" (nested), key', key=; keys", key_id", token_hash" (not tokens": a count)
     re.compile(rb"keys?" + _SUFFIX + _ASSIGNED_BYTES),
     # (and tokens_v2=: a plural with a suffix is no count)
-    re.compile(rb"token(?:s?[_-]?(?:v\d+|base|ids?|hash))?" + _ASSIGNED_BYTES),
+    re.compile(rb"token(?:s?[_-]?(?:v\d+|base|ids?|hash|string|binary))?" + _ASSIGNED_BYTES),
     # deploy_tokens", refreshTokens" (lowered): a plural that names credentials, not a count
     # (max_tokens", maxTokens"); the literal first, found as fast as a substring
     re.compile(

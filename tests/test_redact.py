@@ -2058,6 +2058,8 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
         ),
         ('"attributes": {"secret_id": "x", "secret_string": "Tf5ecretStr1ng"}', "Tf5ecretStr1ng"),
         ('{"SecretBinary": "U3VwM3JTM2NyZXRCaW5hcnk="}', "U3VwM3JTM2NyZXRCaW5hcnk="),
+        ('{"api_token_string": "Zk8aQ2mP9xLwAbCdEf12"}', "Zk8aQ2mP9xLwAbCdEf12"),
+        ("SIGNING_KEY_BINARY=Zk8aQ2mP9xLwAbCdEf12", "Zk8aQ2mP9xLwAbCdEf12"),
     ],
 )
 def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, secret: str) -> None:
