@@ -414,7 +414,28 @@ _NOT_SECRET_CELL = re.compile(
 # "value": "…"}``; curl's ``-b``/``--cookie`` argument)
 _COOKIE_HEADER = re.compile(
     r"""(?i:cookie)(?:(\\*["'])?[ \t]*:[ \t]*(\[[ \t\r\n]*)?(\\*["'])?"""
-    r"""|\\*"[ \t\r\n]*,[ \t\r\n]*\\*"value\\*"[ \t\r\n]*:[ \t\r\n]*(\\*"))"""
+    r"""|\\*"[ \t\r\n]*,[ \t\r\n]*\\*"value\\*"[ \t\r\n]*:[ \t\r\n]*(\\*")"""
+    # code's: ``document.cookie = "…"``, ``headers["Cookie"] = "…"``, ``setHeader("Set-Cookie",
+    # "…")``, ``headers.set('Cookie', '…')``
+    r"""|(?:\\*["']\]?)?[ \t]*=[ \t]*(\\*["'])|\\*["'][ \t]*,[ \t]*(\\*["']))"""
+)
+# A cookie set or sent by code, its name then its value: Flask's and Django's
+# ``set_cookie("sid", "…")``, Express's ``res.cookie("sid", "…")``, PHP's ``setcookie(…)``,
+# requests' ``cookies.set("sid", "…")``, Laravel's ``Cookie::make(…)``; and a dict of them,
+# requests' ``cookies={"sid": "…"}``, a JSON ``"cookies": {…}``.
+_COOKIE_CALL = re.compile(
+    r"""(?i:cookies?)(?:\.set|::make|::forever)?\([ \t]*(\\*["'])[^"'\\\n]{1,64}+\1[ \t]*,"""
+    r"""[ \t]*(\\*["'])"""
+)
+_COOKIE_DICT = re.compile(r"""(?i:cookies)(?:\\*["'])?[ \t]*[:=][ \t\r\n]*\{""")
+_DICT_COOKIE = re.compile(
+    r"""(?:[ \t\r\n,]|\\[nrt])*(\\*["'])[^"'\\\n]{1,64}+\1[ \t]*:[ \t]*(\\*["'])"""
+)
+# A Netscape cookie file's line (curl's ``-c``, wget's, a browser's export): domain, its
+# subdomains flag, path, secure, expiry, name, value, apart by tabs (``\\t`` in JSON text)
+_NETSCAPE_COOKIE = re.compile(
+    r"""(?<![\w.-])[\w.-]{1,253}+(\t|\\t)(?:TRUE|FALSE)\1[^\t\n\\]{0,1024}+\1(?:TRUE|FALSE)\1"""
+    r"""[0-9]{1,20}+\1[^\t\n\\]{1,256}+\1([^\t\r\n\\]{1,4096}+)"""
 )
 _COOKIE_FLAG = re.compile(r"""(?:(?<=\s)-b|--cookie)[ \t]+(\\*["']?)(?=[^\s'"=;]{1,64}=)""")
 _COOKIE_PAIR = re.compile(r"""[ \t]*[^\s;=,"'\\]{1,64}=(\\*"?)([^\s;"'\\`,)]{0,4096}+)\1[ \t]*""")
@@ -1054,13 +1075,40 @@ def _cookie_values(s: str, lowered: str, at: int) -> tuple[list[tuple[int, int]]
     of them too); and where the header's value ends (the next header is looked for past it)."""
     setting = at >= 4 and lowered.startswith(("set-", "set_"), at - 4)
     if at and (s[at - 1].isalnum() or s[at - 1] == "_") and not setting:
-        return [], at + 6  # (``mycookie:``, a name of its own)
+        if not lowered.startswith("set", at - 3):
+            return [], at + 6  # (``mycookie:``, a name of its own; PHP's ``setcookie(`` read on)
+        setting = True
+    call = _COOKIE_CALL.match(s, at)
+    if call is not None:  # (a name, then the value alone)
+        end = _value_end(s, call.end(), call.group(2))
+        spans: list[tuple[int, int]] = []
+        _take_token(s, call.end(), end, spans)
+        return spans, end
+    if lowered.startswith("cookies", at):
+        found = _COOKIE_DICT.match(s, at)
+        if found is not None:
+            return _dict_cookies(s, found.end())
     header = _COOKIE_HEADER.match(s, at)
     if header is None:
         return [], at + 6
     array = header.group(2) is not None
-    quote = header.group(3) or header.group(4) or ""
+    quote = header.group(3) or header.group(4) or header.group(5) or header.group(6) or ""
     return _cookie_pairs(s, header.end(), quote, setting, array)
+
+
+def _dict_cookies(s: str, pos: int) -> tuple[list[tuple[int, int]], int]:
+    """The spans of a dict's values from ``s[pos]`` (its ``{`` passed) that look like tokens:
+    ``{"sid": "…", …}`` up to its first entry not a quoted name and a quoted value; and where it
+    ended."""
+    spans: list[tuple[int, int]] = []
+    while (entry := _DICT_COOKIE.match(s, pos)) is not None:
+        quote = entry.group(2)
+        end = _value_end(s, entry.end(), quote)
+        _take_token(s, entry.end(), end, spans)
+        if not s.startswith(quote, end):
+            return spans, end
+        pos = end + len(quote)
+    return spans, pos
 
 
 def _cookie_pairs(
@@ -1097,16 +1145,20 @@ def _cookie_pairs(
 
 
 def _take_cookie(s: str, pair: re.Match[str], spans: list[tuple[int, int]], group: int = 2) -> None:
-    """``pair``'s value (its ``group``) into ``spans`` where it looks like a session's token:
-    16 characters or more, a letter and a digit, no reference."""
-    value = pair.group(group)
+    """``pair``'s value (its ``group``) into ``spans`` where it looks like a session's token."""
+    _take_token(s, *pair.span(group), spans)
+
+
+def _take_token(s: str, start: int, end: int, spans: list[tuple[int, int]]) -> None:
+    """``s[start:end]`` into ``spans`` where it looks like a session's token: 16 characters or
+    more, a letter and a digit, no reference."""
     if (
-        len(value) >= 16
-        and _HAS_DIGIT.search(value) is not None
-        and _HAS_LETTER.search(value) is not None
-        and not _reference(s, *pair.span(group))
+        end - start >= 16
+        and _HAS_DIGIT.search(s, start, end) is not None
+        and _HAS_LETTER.search(s, start, end) is not None
+        and not _reference(s, start, end)
     ):
-        spans.append(pair.span(group))
+        spans.append((start, end))
 
 
 _UNQUOTED: Final = " "  # (``_value_end``'s quote for an unquoted word)
@@ -1468,6 +1520,9 @@ def _redact_named_in(s: str, lowered: str) -> str:
                 if value is not None:
                     _take_cookie(s, value, spans, group=3)
                 pos = cookie.end()
+    if "TRUE" in s or "FALSE" in s:  # (a cookie file's lines: each value, where a token's)
+        for line in _NETSCAPE_COOKIE.finditer(s):
+            _take_token(s, *line.span(2), spans)
     if "-pass" in lowered:  # openssl's ``-passout pass:…`` (its ``env:``, ``file:`` name one)
         spans += (found.span(1) for found in _OPENSSL_PASS.finditer(s))
     walked = 0  # (a flag inside an argument walked already is not walked again: linear)
@@ -1640,6 +1695,13 @@ _NAMED_BYTES: Final = (
     re.compile(rb'cookie\\*"(?:[ \t\r\n]|\\+[nrt])*,(?:[ \t\r\n]|\\+[nrt])*\\*"value'),
     re.compile(rb"""cookies\\*["'](?:[ \t\r\n]|\\+[nrt])*:(?:[ \t\r\n]|\\+[nrt])*\["""),
     re.compile(rb"""(?:\s-b|\\+[nt]-b|--cookie)(?:[ \t]|\\+t)+\\*["']?[^\s'"=;]{1,64}="""),
+    # ... and code's: an assignment, a header set by name, a call with a name and a value, a
+    # dict of them (``_COOKIE_HEADER``, ``_COOKIE_CALL``, ``_COOKIE_DICT``); a cookie file's line
+    re.compile(rb"""cookie(?:\\*["']\]?)?(?:[ \t]|\\+t)*=(?:[ \t]|\\+t)*\\*["']"""),
+    re.compile(rb"""cookie\\*["'](?:[ \t]|\\+t)*,(?:[ \t]|\\+t)*\\*["']"""),
+    re.compile(rb"""cookies?(?:\.set|::make|::forever)?\((?:[ \t]|\\+t)*\\*["']"""),
+    re.compile(rb"""cookies(?:\\*["'])?(?:[ \t]|\\+t)*[:=](?:[ \t\r\n]|\\+[nrt])*\{"""),
+    re.compile(rb"""(?:\t|\\+t)(?:true|false)(?:\t|\\+t)"""),
     # Docker's "auth": "…" and .npmrc's _auth=… (a user and a password in base64)
     re.compile(rb'auth(?<=["_]auth)\\*"?(?:[ \t]|\\+t)*[=:]'),
 )

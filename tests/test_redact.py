@@ -2060,6 +2060,34 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
         ('{"SecretBinary": "U3VwM3JTM2NyZXRCaW5hcnk="}', "U3VwM3JTM2NyZXRCaW5hcnk="),
         ('{"api_token_string": "Zk8aQ2mP9xLwAbCdEf12"}', "Zk8aQ2mP9xLwAbCdEf12"),
         ("SIGNING_KEY_BINARY=Zk8aQ2mP9xLwAbCdEf12", "Zk8aQ2mP9xLwAbCdEf12"),
+        # a session's cookie in code: set, sent, assigned, in a dict; a Netscape cookie file
+        ('document.cookie = "sid=Xk29fLq8ZpW3nR7tY1uV; path=/";', "Xk29fLq8ZpW3nR7tY1uV"),
+        (
+            'res.setHeader("Set-Cookie", "connect.sid=s%3AQw8rT5yU2iO9pL3kJ6hG; Path=/");',
+            "s%3AQw8rT5yU2iO9pL3kJ6hG",
+        ),
+        ("headers['Cookie'] = 'sessionid=q8f7a6s5d4f3g2h1j0k9'", "q8f7a6s5d4f3g2h1j0k9"),
+        ('req.Header.Set("Cookie", "session=q8f7a6s5d4f3g2h1j0k9")', "q8f7a6s5d4f3g2h1j0k9"),
+        (
+            'requests.get(url, cookies={"csrftoken": "x", "sessionid": "q8f7a6s5d4f3g2h1j0k9"})',
+            "q8f7a6s5d4f3g2h1j0k9",
+        ),
+        ('{"cookies": {\n  "sessionid": "q8f7a6s5d4f3g2h1j0k9"\n}}', "q8f7a6s5d4f3g2h1j0k9"),
+        (
+            'response.set_cookie("session", "q8f7a6s5d4f3g2h1j0k9", httponly=True)',
+            "q8f7a6s5d4f3g2h1j0k9",
+        ),
+        (
+            "s.cookies.set('sessionid', 'q8f7a6s5d4f3g2h1j0k9', domain='x.com')",
+            "q8f7a6s5d4f3g2h1j0k9",
+        ),
+        ('res.cookie("sid", "q8f7a6s5d4f3g2h1j0k9", { httpOnly: true })', "q8f7a6s5d4f3g2h1j0k9"),
+        ("setcookie('PHPSESSID', 'q8f7a6s5d4f3g2h1j0k9', time() + 3600);", "q8f7a6s5d4f3g2h1j0k9"),
+        (
+            "# Netscape HTTP Cookie File\n"
+            "#HttpOnly_.example.com\tTRUE\t/\tTRUE\t1767225600\tsid\tq8f7a6s5d4f3g2h1j0k9\n",
+            "q8f7a6s5d4f3g2h1j0k9",
+        ),
     ],
 )
 def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, secret: str) -> None:
@@ -2173,6 +2201,15 @@ def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, se
         "< Set-Cookie: a=1; Expires=Wed, 21 Oct 2026 07:28:00 GMT; Max-Age=31536000000",
         "The cookie: it sets a=b on login; document.cookie: 'x=1'",
         "mycookie: name=Zk8aQ2mP9xLwAbCdEf12",
+        # cookies in code that hold no token: short, a template, a variable, a comparison
+        'document.cookie = "theme=dark; path=/; max-age=31536000";',
+        "res.cookie('lang', 'en-GB', { maxAge: 900000 });",
+        "response.set_cookie('remember_me', '1', max_age=2592000)",
+        'if (cookie == "sessionid=abc") {',
+        "document.cookie = `sid=${token}; path=/`;",
+        "cookies.set('sid', '${SESSION_ID_FROM_ENV_12345}')",
+        '{"cookies": {"enabled": true, "max_age_s": 3600}}',
+        "id\tTRUE\tfoo\tFALSE\t42\tbar\tbaz",
     ],
 )
 def test_what_the_fifth_reads_rules_must_leave_alone_is_left(text: str) -> None:
