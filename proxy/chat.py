@@ -21,7 +21,7 @@ from typing import Any, Final
 
 import orjson
 
-from proxy import bodymemo, compaction, pairing, prefix
+from proxy import bodymemo, cache, compaction, pairing, prefix
 from proxy.compactor import Compactor
 from proxy.config import TRUE_WORDS, Settings, sends_usage_unasked
 from proxy.errors import CLIENT_CLOSED, ProxyError, bad_request, shutting_down
@@ -302,6 +302,7 @@ class PairingRepair:
             previous,
             orphan_policy=self.settings.pairing.orphan_policy,
             interrupted_note=self.note,
+            drop_empty=self.claude(body.get("model")),
         )
         if state is not None and resume is not None:
             state.extra["pairing_repair"] = resume
@@ -315,6 +316,15 @@ class PairingRepair:
             for r in result.repairs
         ]
         return {**body, "messages": result.messages}
+
+    def claude(self, model: Any) -> bool:
+        """Whether ``model`` is a Claude model: by its name (``claude-…``, a gateway's or
+        Bedrock's), or its configured entry's ``dialect = "anthropic"``."""
+        name = model if isinstance(model, str) else ""
+        return (
+            cache.provider_of(name) == "anthropic"
+            or self.settings.model(name or None)[1].dialect == "anthropic"
+        )
 
 
 def internal_error(exc: BaseException, what: str | None = None) -> ProxyError:

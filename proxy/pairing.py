@@ -520,7 +520,7 @@ class RepairState:
     """
 
     messages: tuple[Any, ...]
-    policy: tuple[str, str]  # (orphan policy, note) the repair was made with
+    policy: tuple[str, str, bool]  # (orphan policy, note, drop_empty) the repair was made with
     blocks: dict[int, _Block]
     owner_of_id: dict[str, _Block]
     paired: set[int]
@@ -534,7 +534,7 @@ class RepairState:
     # goes on the message before it in the repaired history, which ends the same prefix
     marks: dict[int, Any] = field(default_factory=dict)
 
-    def resumes(self, messages: Sequence[Any], policy: tuple[str, str]) -> bool:
+    def resumes(self, messages: Sequence[Any], policy: tuple[str, str, bool]) -> bool:
         """Whether ``messages`` extends this state's messages, with the same policy, and appends
         no result for a call still open in them. A system block of as many messages in place of
         theirs (the time in the system prompt) still does: nothing in a system block is
@@ -583,13 +583,17 @@ def repair_messages_from(
     *,
     orphan_policy: OrphanPolicy = "downgrade",
     interrupted_note: str = DEFAULT_INTERRUPTED_NOTE,
+    drop_empty: bool = False,
 ) -> tuple[PairingResult, RepairState | None]:
     """``repair_messages``, resumed from ``previous`` when ``messages`` extends its messages
     (``RepairState.resumes``): the work is in proportion to what was appended. Returns the result
     and the state to resume the next request from (None when nothing needed repair). ``previous``
-    is taken over: do not use it again."""
+    is taken over: do not use it again. With ``drop_empty`` (a Claude model's history), an
+    assistant message with no content and nothing else in it is removed, not given ``""``:
+    Claude refuses an empty assistant message anywhere but last, and joins the user turns
+    around it."""
     note = interrupted_note or DEFAULT_INTERRUPTED_NOTE
-    policy = (orphan_policy, note)
+    policy = (orphan_policy, note, drop_empty)
     if previous is not None and previous.resumes(messages, policy):
         state = previous
         start = len(previous.messages)
@@ -642,6 +646,15 @@ def repair_messages_from(
                     fixed[i] = kept
                     action = "removed an empty tool_calls array"
                 scanned.append(Repair("empty_tool_calls", i, None, action))
+            elif _contentless(message) and drop_empty and _says_nothing(message):
+                removed.add(i)
+                action = (
+                    "removed an assistant message with no content (Claude refuses an empty one)"
+                )
+                mark = message.get("cache_control")
+                if mark is not None:  # a breakpoint: the message before ends that prefix
+                    state.marks[i] = mark
+                scanned.append(Repair("empty_assistant", i, None, action))
             elif _contentless(message):
                 # Given an empty content, not removed: the turns keep alternating (chat
                 # templates that require it refuse two user messages in a row), and what else

@@ -146,6 +146,51 @@ def test_an_interrupted_answer_left_with_no_content_is_a_400_directly_200_throug
     assert proxy.metric("cachegate_pairing_repairs_total", {"kind": "empty_assistant"}) == 1
 
 
+@pytest.mark.parametrize("model", ["claude-sonnet-4-5", "anthropic/claude-opus-4.5", "house-model"])
+def test_an_empty_assistant_message_is_removed_for_claude_which_refuses_an_empty_one(
+    sdk: Any, proxy_factory: Any, model: str
+) -> None:
+    """For a Claude model the repair gave the contentless message ``""``, which Claude refuses
+    as well ("all messages must have non-empty content except for the optional final assistant
+    message"): the client was told of a repair and got the 400 every turn. It is removed there
+    (Claude joins the user turns around it), its cache mark on the message before; a model of
+    the user's configured with ``dialect = "anthropic"`` is Claude's too."""
+    mark = {"type": "ephemeral"}
+    history = [
+        {"role": "user", "content": "Summarise a.py", "cache_control": mark},
+        {"role": "assistant", "content": None, "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+        {"role": "user", "content": "Go on"},
+    ]
+    with run_simulator(SimConfig(dialect="anthropic-compat")) as claude:
+        given = {**history[1], "content": ""}
+        with pytest.raises(openai.BadRequestError) as info:  # what the repair made before
+            sdk(claude.api_base).chat.completions.create(
+                model=model, messages=[history[0], given, history[2]]
+            )
+        assert "must have non-empty content" in str(info.value)
+        proxy = proxy_factory(
+            claude.api_base, {"models": {"house-model": {"dialect": "anthropic"}}}
+        )
+        for _turn in range(2):  # (the next turn resumes the repair: removed again)
+            raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+                model=model, messages=history, extra_headers={"X-Session-Id": "claude-empty"}
+            )
+            assert raw.http_response.status_code == 200
+            assert raw.headers["x-cachegate-repairs"] == "1"
+            forwarded = claude.sim.requests[-1].body["messages"]
+            # the client's own mark on the message before stays (its own, not the removed one's)
+            assert forwarded == [history[0], *history[2:]]
+            history += [raw.parse().choices[0].message.model_dump(exclude_none=True)]
+            history += [{"role": "user", "content": "More"}]
+            assert proxy.metric("cachegate_pairing_repairs_total", {"kind": "empty_assistant"})
+    # a model of another provider keeps the message, given "" (OpenAI takes it; strict chat
+    # templates want the turns alternating)
+    with run_simulator(SimConfig()) as sim:
+        proxy = proxy_factory(sim.api_base)
+        sdk(proxy.base_url).chat.completions.create(model="gpt-4o", messages=history[:3])
+        assert sim.sim.requests[-1].body["messages"][1] == given
+
+
 def test_repaired_prefix_is_identical_on_every_turn(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:

@@ -512,6 +512,29 @@ def test_an_assistant_message_with_no_content_and_no_tool_calls_gets_an_empty_on
     assert repair_messages(later).messages == [*earlier, asst(content=""), user("on")]
 
 
+def test_drop_empty_removes_a_contentless_assistant_message_as_claude_needs() -> None:
+    """With ``drop_empty`` (a Claude model's history) the contentless assistant message is
+    removed, not given ``""`` (Claude refuses an empty one anywhere but last); its mark goes on
+    the message before; one holding reasoning keeps it, given ``""``. A state made with the
+    other setting is not resumed from (the next turn's model may be another provider's)."""
+    mark = {"type": "ephemeral"}
+    bare = {"role": "assistant", "content": None, "cache_control": mark}
+    messages = [user("go"), bare, user("again")]
+    result, state = repair_messages_from(messages, None, drop_empty=True)
+    assert result.messages == [{**user("go"), "cache_control": mark}, user("again")]
+    assert [(r.kind, r.index) for r in result.repairs] == [("empty_assistant", 1)]
+    assert result.repairs[0].action.startswith("removed an assistant message with no content")
+    # resumed with the same setting: removed still; with the other: repaired afresh, kept
+    later = [*messages, asst(content="ok"), user("more")]
+    again, state = repair_messages_from(later, state, drop_empty=True)
+    assert again.messages == [*result.messages, asst(content="ok"), user("more")]
+    other, _ = repair_messages_from(later, state, drop_empty=False)
+    assert other.messages[1] == {**bare, "content": ""}
+    thinking = {"role": "assistant", "content": None, "reasoning_content": "Let me see"}
+    kept, _ = repair_messages_from([user("go"), thinking, user("again")], None, drop_empty=True)
+    assert kept.messages[1] == {**thinking, "content": ""}
+
+
 def test_an_empty_assistant_messages_cache_mark_goes_on_the_message_before_it() -> None:
     """A removed empty assistant message took its client's ``cache_control`` breakpoint with it:
     Claude then cached nothing past the mark before (or nothing at all). The message before it

@@ -48,7 +48,12 @@ from proxy.simulator.config import FAULTS, STATUS_FAULTS, SimConfig
 from proxy.simulator.reply import Reply, completion_tokens, derive_reply, parse_script
 from proxy.simulator.state import ReceivedRequest, Simulator
 from proxy.simulator.tokens import count_tokens, marked_request_tokens
-from proxy.simulator.validate import ValidationError, json_kind, validate_messages
+from proxy.simulator.validate import (
+    ValidationError,
+    json_kind,
+    validate_claude_messages,
+    validate_messages,
+)
 from proxy.simulator.wire import (
     DONE,
     KEEPALIVE,
@@ -316,6 +321,8 @@ class _Handlers:
             return _error(400, message, "tools", "invalid_type")
         try:
             validate_messages(body.get("messages"))
+            if self.config.dialect == "anthropic-compat":
+                validate_claude_messages(body["messages"])
         except ValidationError as exc:
             return _error(400, exc.message, exc.param, exc.code)
         tokens, marked, hour, ends = marked_request_tokens(body)

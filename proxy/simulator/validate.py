@@ -50,6 +50,29 @@ def _call_ids(message: dict[str, Any]) -> list[str]:
     return [c.get("id", "") for c in calls if isinstance(c, dict)]
 
 
+def validate_claude_messages(messages: list[Any]) -> None:
+    """Raise ``ValidationError`` where Claude would refuse ``messages`` past OpenAI's rules
+    (``validate_messages`` passed first): an assistant message with no content (``""``, ``[]``,
+    blanks) and nothing else to say, anywhere but last, as Anthropic's API refuses it."""
+    for i, message in enumerate(messages[:-1]):
+        if (
+            isinstance(message, dict)
+            and message.get("role") == "assistant"
+            and not message.get("tool_calls")
+            and not message.get("function_call")
+            and (
+                message.get("content") in ("", [], None)
+                or (isinstance(message.get("content"), str) and not message["content"].strip())
+            )
+        ):
+            raise ValidationError(
+                f"messages.{i}: all messages must have non-empty content except for the"
+                " optional final assistant message",
+                f"messages.[{i}].content",
+                "invalid_request_error",
+            )
+
+
 def validate_messages(messages: Any) -> None:
     """Raise ``ValidationError`` where a provider would refuse ``messages``; return None if valid.
 
