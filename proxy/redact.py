@@ -121,16 +121,16 @@ def _replace(match: re.Match[str]) -> str:
 _NAME_WORDS: Final = ("pass", "secret", "token", "key", "pwd")
 # A credential's name (lower-cased) ends in one of these: "password", "secret" or "token" after
 # anything (``authToken``, ``client_secret``), "key(s)" after a separator or a known prefix
-# (``OPENAI_KEY``, ``apiKey``; not ``monkey``), maybe then a version, ``_base``, ``_id``,
-# ``_hash``, ``_string`` or ``_binary`` (``SECRET_KEY_BASE``, ``WEBHOOK_SECRET_V2``, AWS's
-# ``SecretString``).
+# (``OPENAI_KEY``, ``apiKey``; not ``monkey``), maybe then a version, ``_base``, ``_id`` or
+# ``_hash`` (``SECRET_KEY_BASE``, ``WEBHOOK_SECRET_V2``); a secret's ``_string`` or ``_binary``
+# too (AWS Secrets Manager's ``SecretString``; a ``token_string`` is a tokenizer's).
 _NAMED_KEY = (
     r"(?:api|auth|access|private|priv|secret|master|signing|encryption|client|app|service"
     r"|license|deploy|ssh|anon|account)[_-]?keys?"
 )
-_NAME_END = r"(?:[_-]?(?:v\d+|base|id|hash|string|binary))?\Z"
+_NAME_END = r"(?:[_-]?(?:v\d+|base|id|hash))?\Z"
 _CREDENTIAL_NAME = re.compile(
-    r"(?:passw(?:or)?d|pwd|secrets?|tokens?|(?:\A|[_.-])pass|[_.-]keys?|"
+    r"(?:passw(?:or)?d|pwd|secrets?|secret[_-]?(?:string|binary)|tokens?|(?:\A|[_.-])pass|[_.-]keys?|"
     + _NAMED_KEY
     + ")"
     + _NAME_END
@@ -140,7 +140,10 @@ _CREDENTIAL_NAME = re.compile(
 # a key with a known prefix (``api_key``, ``apiKey``, ``private_key``); ``OPENAI_KEY`` in upper
 # case is a constant and counts.
 _CODE_CREDENTIAL_NAME = re.compile(
-    r"(?:passw(?:or)?d|pwd|secrets?|tokens?|(?:\A|[_.-])pass|" + _NAMED_KEY + ")" + _NAME_END
+    r"(?:passw(?:or)?d|pwd|secrets?|secret[_-]?(?:string|binary)|tokens?|(?:\A|[_.-])pass|"
+    + _NAMED_KEY
+    + ")"
+    + _NAME_END
 )
 # ...but these are no credentials' names.
 # (Each word starts the name or follows a separator: ``n_tokens`` is a count, ``session_token``
@@ -413,29 +416,57 @@ _NOT_SECRET_CELL = re.compile(
 # (its name quoted or not, a JSON string's or a Python dict's; HAR's ``{"name": "Cookie",
 # "value": "…"}``; curl's ``-b``/``--cookie`` argument)
 _COOKIE_HEADER = re.compile(
-    r"""(?i:cookie)(?:(\\*["'])?[ \t]*:[ \t]*(\[[ \t\r\n]*)?(\\*["'])?"""
-    r"""|\\*"[ \t\r\n]*,[ \t\r\n]*\\*"value\\*"[ \t\r\n]*:[ \t\r\n]*(\\*")"""
-    # code's: ``document.cookie = "…"``, ``headers["Cookie"] = "…"``, ``setHeader("Set-Cookie",
-    # "…")``, ``headers.set('Cookie', '…')``
-    r"""|(?:\\*["']\]?)?[ \t]*=[ \t]*(\\*["'])|\\*["'][ \t]*,[ \t]*(\\*["']))"""
+    r"""(?i:cookie)(?:(\\*["'])?[ \t]*:[ \t]*(?P<array>\[[ \t\r\n]*)?(?P<q1>\\*["'])?"""
+    r"""|\\*"[ \t\r\n]*,[ \t\r\n]*\\*"value\\*"[ \t\r\n]*:[ \t\r\n]*(?P<q2>\\*")"""
+    # code's: ``document.cookie = "…"`` (or a template), ``headers["Cookie"] = "…"``,
+    # ``setHeader("Set-Cookie", "…")`` (or an array of them), ``headers.set('Cookie', '…')``
+    r"""|(?:\\*["']\]?)?[ \t]*=[ \t]*(?P<q3>\\*["'`])"""
+    r"""|\\*["'][ \t]*,[ \t]*(?P<array2>\[[ \t\r\n]*)?(?P<q4>\\*["']))"""
 )
 # A cookie set or sent by code, its name then its value: Flask's and Django's
-# ``set_cookie("sid", "…")``, Express's ``res.cookie("sid", "…")``, PHP's ``setcookie(…)``,
-# requests' ``cookies.set("sid", "…")``, Laravel's ``Cookie::make(…)``; and a dict of them,
-# requests' ``cookies={"sid": "…"}``, a JSON ``"cookies": {…}``.
+# ``set_cookie("sid", "…")`` (``key=``, ``value=`` too; over lines, as Black writes it),
+# Express's ``res.cookie("sid", "…")``, PHP's ``setcookie(…)``, requests' ``cookies.set("sid",
+# "…")``, Next.js's ``cookies().set(…)``, Laravel's ``Cookie::make(…)``; one given by index,
+# ``cookies["sid"] = "…"`` (Rails' ``cookies[:sid]``); and a dict of them, requests'
+# ``cookies={"sid": "…"}``, a JSON ``"cookies": {…}``. (Each value taken where it is one
+# token: a flash message, a date, a setting's list stay.)
+_CALL_GAP = r"(?:\s|\\[nrt]){0,64}+"
 _COOKIE_CALL = re.compile(
-    r"""(?i:cookies?)(?:\.set|::make|::forever)?\([ \t]*(\\*["'])[^"'\\\n]{1,64}+\1[ \t]*,"""
-    r"""[ \t]*(\\*["'])"""
+    r"""(?i:cookies?(?:\(\))?(?:\.set|\.append|::make|::forever|::create)?)\("""
+    + _CALL_GAP
+    + r"""(?:key[ \t]*=[ \t]*)?(\\*["'])[^"'\\\n]{1,64}+\1"""
+    + _CALL_GAP
+    + ","
+    + _CALL_GAP
+    + r"""(?:value[ \t]*=[ \t]*)?(\\*["'`])"""
+)
+_COOKIE_INDEX = re.compile(
+    r"""(?i:cookies)\[[ \t]*(?::\w{1,64}+|(\\*["'])[^"'\\\n]{1,64}+\1)[ \t]*\][ \t]*=[ \t]*"""
+    r"""(\\*["'`])"""
 )
 _COOKIE_DICT = re.compile(r"""(?i:cookies)(?:\\*["'])?[ \t]*[:=][ \t\r\n]*\{""")
-_DICT_COOKIE = re.compile(
-    r"""(?:[ \t\r\n,]|\\[nrt])*(\\*["'])[^"'\\\n]{1,64}+\1[ \t]*:[ \t]*(\\*["'])"""
+# (between a dict's entries: blanks, commas, a line's start as a tool printed it: numbered, a
+# diff's, grep -n's)
+_DICT_GAP = (
+    r"""(?:[ \t\r,]|\\[nrt]|\n(?:[ \t]*\d{1,9}(?:\t|→)|[+-]|[^\s:]{1,256}?:\d{1,9}[:-])?)*+"""
 )
-# A Netscape cookie file's line (curl's ``-c``, wget's, a browser's export): domain, its
-# subdomains flag, path, secure, expiry, name, value, apart by tabs (``\\t`` in JSON text)
+_DICT_COOKIE = re.compile(
+    _DICT_GAP + r"""(\\*["'])([^"'\\\n]{1,64}+)\1[ \t]*:[ \t]*(?:(\\*["'])|(?:true|false|null"""
+    r"""|-?[0-9][\w.+-]{0,63}+)(?![\w.+-]))"""
+)
+_TOKEN_RUN = re.compile(r"[^\s;,]{16,4096}+")
+# a cookie's attributes, in a dict of them (the cookie's own, not a dict of cookies)
+_COOKIE_ATTRIBUTES: Final = frozenset(
+    ("name", "domain", "path", "expires", "expiry", "expirationdate", "samesite", "priority")
+)
+# A Netscape cookie file's line (curl's ``-c``, wget's, a browser's export, Python's
+# ``MozillaCookieJar``): domain (a dot in it, or ``localhost``), its subdomains flag, path,
+# secure, expiry (empty for a session's cookie), name, value, apart by tabs (``\\t`` in JSON
+# text)
 _NETSCAPE_COOKIE = re.compile(
-    r"""(?<![\w.-])[\w.-]{1,253}+(\t|\\t)(?:TRUE|FALSE)\1[^\t\n\\]{0,1024}+\1(?:TRUE|FALSE)\1"""
-    r"""[0-9]{1,20}+\1[^\t\n\\]{1,256}+\1([^\t\r\n\\]{1,4096}+)"""
+    r"""(?<![\w.-])(?=[\w-]{0,253}+\.|localhost)[\w.-]{1,253}+(\t|\\t)(?:TRUE|FALSE)\1"""
+    r"""/[^\t\n\\]{0,1024}+\1(?:TRUE|FALSE)\1-?[0-9.]{0,24}+\1[^\t\n\\]{1,256}+\1"""
+    r"""([^\t\r\n\\]{1,4096}+)"""
 )
 _COOKIE_FLAG = re.compile(r"""(?:(?<=\s)-b|--cookie)[ \t]+(\\*["']?)(?=[^\s'"=;]{1,64}=)""")
 _COOKIE_PAIR = re.compile(r"""[ \t]*[^\s;=,"'\\]{1,64}=(\\*"?)([^\s;"'\\`,)]{0,4096}+)\1[ \t]*""")
@@ -1073,27 +1104,25 @@ def _cookie_values(s: str, lowered: str, at: int) -> tuple[list[tuple[int, int]]
     (16 characters or more, a letter and a digit: ``theme=dark`` stays), or of a
     ``Set-Cookie``'s cookies (each one's first pair: the rest are its attributes; a JSON array
     of them too); and where the header's value ends (the next header is looked for past it)."""
-    setting = at >= 4 and lowered.startswith(("set-", "set_"), at - 4)
-    if at and (s[at - 1].isalnum() or s[at - 1] == "_") and not setting:
-        if not lowered.startswith("set", at - 3):
-            return [], at + 6  # (``mycookie:``, a name of its own; PHP's ``setcookie(`` read on)
-        setting = True
-    call = _COOKIE_CALL.match(s, at)
-    if call is not None:  # (a name, then the value alone)
+    call = _COOKIE_CALL.match(s, at) or _COOKIE_INDEX.match(s, at)
+    if call is not None:  # (a name, then the value alone; ``set_signed_cookie(``, ``setcookie(``)
         end = _value_end(s, call.end(), call.group(2))
         spans: list[tuple[int, int]] = []
-        _take_token(s, call.end(), end, spans)
+        _take_token_run(s, call.end(), end, spans)
         return spans, end
     if lowered.startswith("cookies", at):
         found = _COOKIE_DICT.match(s, at)
-        if found is not None:
+        if found is not None:  # (``session_cookies = {…}`` too)
             return _dict_cookies(s, found.end())
+    setting = at >= 4 and lowered.startswith(("set-", "set_"), at - 4)
+    if at and (s[at - 1].isalnum() or s[at - 1] == "_") and not setting:
+        return [], at + 6  # (``mycookie:``, a name of its own)
     header = _COOKIE_HEADER.match(s, at)
     if header is None:
         return [], at + 6
-    array = header.group(2) is not None
-    quote = header.group(3) or header.group(4) or header.group(5) or header.group(6) or ""
-    return _cookie_pairs(s, header.end(), quote, setting, array)
+    array = header.group("array") is not None or header.group("array2") is not None
+    quote = header.group("q1") or header.group("q2") or header.group("q3") or header.group("q4")
+    return _cookie_pairs(s, header.end(), quote or "", setting, array)
 
 
 def _dict_cookies(s: str, pos: int) -> tuple[list[tuple[int, int]], int]:
@@ -1102,9 +1131,13 @@ def _dict_cookies(s: str, pos: int) -> tuple[list[tuple[int, int]], int]:
     ended."""
     spans: list[tuple[int, int]] = []
     while (entry := _DICT_COOKIE.match(s, pos)) is not None:
-        quote = entry.group(2)
+        quote = entry.group(3)
+        if quote is None:  # (a number, true, null: passed over)
+            pos = entry.end()
+            continue
         end = _value_end(s, entry.end(), quote)
-        _take_token(s, entry.end(), end, spans)
+        if entry.group(2).lower() not in _COOKIE_ATTRIBUTES:
+            _take_token_run(s, entry.end(), end, spans)
         if not s.startswith(quote, end):
             return spans, end
         pos = end + len(quote)
@@ -1147,6 +1180,13 @@ def _cookie_pairs(
 def _take_cookie(s: str, pair: re.Match[str], spans: list[tuple[int, int]], group: int = 2) -> None:
     """``pair``'s value (its ``group``) into ``spans`` where it looks like a session's token."""
     _take_token(s, *pair.span(group), spans)
+
+
+def _take_token_run(s: str, start: int, end: int, spans: list[tuple[int, int]]) -> None:
+    """``_take_token``, for a value that is one run (no blank, ``;`` or ``,``: a message, a
+    date, a list of settings are no token)."""
+    if _TOKEN_RUN.fullmatch(s, start, end) is not None:
+        _take_token(s, start, end, spans)
 
 
 def _take_token(s: str, start: int, end: int, spans: list[tuple[int, int]]) -> None:
@@ -1650,9 +1690,8 @@ _COUNT_KEYS: Final = (
     b"budgettokens",
 )
 # What may follow a credential's name in a credential field's: a version, ``_base``, ``_id``,
-# ``_hash``, ``_string``, ``_binary`` (as ``_NAME_END``: ``OPENAI_KEY_V2=``, ``pwd_hash"``,
-# ``api-key-id"``, ``token_string"``).
-_SUFFIX: Final = rb"(?:[_-]?(?:v\d+|base|ids?|hash|string|binary))?"
+# ``_hash`` (as ``_NAME_END``: ``OPENAI_KEY_V2=``, ``pwd_hash"``, ``api-key-id"``).
+_SUFFIX: Final = rb"(?:[_-]?(?:v\d+|base|ids?|hash))?"
 # (a tab before the operator is ``\t`` in JSON text, ``\\t`` in the log's line where the text
 # is a JSON string itself: a tool call's arguments; ``=`` is ``\u003d`` in HTML-safe JSON, as
 # Gson writes it by default: ``"env":["API_KEY\u003d…"]``)
@@ -1670,7 +1709,7 @@ _NAMED_BYTES: Final = (
     # key", key\", key\\\" (nested), key', key=; keys", key_id", token_hash" (not tokens": a count)
     re.compile(rb"keys?" + _SUFFIX + _ASSIGNED_BYTES),
     # (and tokens_v2=: a plural with a suffix is no count)
-    re.compile(rb"token(?:s?[_-]?(?:v\d+|base|ids?|hash|string|binary))?" + _ASSIGNED_BYTES),
+    re.compile(rb"token(?:s?[_-]?(?:v\d+|base|ids?|hash))?" + _ASSIGNED_BYTES),
     # deploy_tokens", refreshTokens" (lowered): a plural that names credentials, not a count
     # (max_tokens", maxTokens"); the literal first, found as fast as a substring
     re.compile(
@@ -1683,7 +1722,7 @@ _NAMED_BYTES: Final = (
     re.compile(rb"pass(?<=[_.-]pass)" + _SUFFIX + _ASSIGNED_BYTES),
     # a bare pass= or pass: (nodemailer's ``auth: {user, pass: '…'}``)
     re.compile(rb"pass(?<![a-z0-9_.-]pass)" + _ASSIGNED_BYTES),
-    re.compile(rb"\\+[nrt]pass" + _ASSIGNED_BYTES),  # (after an escaped line end or tab)
+    re.compile(rb"\\{1,16}[nrt]pass" + _ASSIGNED_BYTES),  # (after an escaped line end or tab)
     re.compile(rb"pwd" + _SUFFIX + _ASSIGNED_BYTES),  # MYSQL_PWD=, pwd_hash"
     # a flag and its value apart: --api-key VALUE, --token VALUE
     re.compile(rb"--[a-z0-9_.-]{0,60}?(?:key|token|pass|secret|pwd)" + _SUFFIX + rb"(?: |\\+t)"),
@@ -1694,14 +1733,18 @@ _NAMED_BYTES: Final = (
     re.compile(rb"""cookie(?:\\*["'])?(?:[ \t]|\\+t)*:"""),
     re.compile(rb'cookie\\*"(?:[ \t\r\n]|\\+[nrt])*,(?:[ \t\r\n]|\\+[nrt])*\\*"value'),
     re.compile(rb"""cookies\\*["'](?:[ \t\r\n]|\\+[nrt])*:(?:[ \t\r\n]|\\+[nrt])*\["""),
-    re.compile(rb"""(?:\s-b|\\+[nt]-b|--cookie)(?:[ \t]|\\+t)+\\*["']?[^\s'"=;]{1,64}="""),
+    re.compile(rb"""(?:\s-b|\\{1,16}[nt]-b|--cookie)(?:[ \t]|\\+t)+\\*["']?[^\s'"=;]{1,64}="""),
     # ... and code's: an assignment, a header set by name, a call with a name and a value, a
     # dict of them (``_COOKIE_HEADER``, ``_COOKIE_CALL``, ``_COOKIE_DICT``); a cookie file's line
-    re.compile(rb"""cookie(?:\\*["']\]?)?(?:[ \t]|\\+t)*=(?:[ \t]|\\+t)*\\*["']"""),
-    re.compile(rb"""cookie\\*["'](?:[ \t]|\\+t)*,(?:[ \t]|\\+t)*\\*["']"""),
-    re.compile(rb"""cookies?(?:\.set|::make|::forever)?\((?:[ \t]|\\+t)*\\*["']"""),
+    re.compile(rb"""cookie(?:\\*["']\]?)?(?:[ \t]|\\+t)*=(?:[ \t]|\\+t)*\\*["'`]"""),
+    re.compile(rb"""cookie\\*["'](?:[ \t]|\\+t)*,(?:[ \t]|\\+t)*(?:\[(?:\s|\\+[nrt])*)?\\*["']"""),
+    re.compile(
+        rb"""cookies?(?:\(\))?(?:\.set|\.append|::make|::forever|::create)?\("""
+        rb"""(?:\s|\\{1,16}[nrt])*(?:key(?:[ \t]|\\+t)*=(?:[ \t]|\\+t)*)?\\*["']"""
+    ),
+    re.compile(rb"""cookies\[[^\]\n]{1,80}\](?:[ \t]|\\+t)*=(?:[ \t]|\\+t)*\\*["'`]"""),
     re.compile(rb"""cookies(?:\\*["'])?(?:[ \t]|\\+t)*[:=](?:[ \t\r\n]|\\+[nrt])*\{"""),
-    re.compile(rb"""(?:\t|\\+t)(?:true|false)(?:\t|\\+t)"""),
+    re.compile(rb"""(?:\t|\\{1,16}t)(?:true|false)(?:\t|\\{1,16}t)"""),
     # Docker's "auth": "…" and .npmrc's _auth=… (a user and a password in base64)
     re.compile(rb'auth(?<=["_]auth)\\*"?(?:[ \t]|\\+t)*[=:]'),
 )
