@@ -324,7 +324,7 @@ class _Connection(asyncio.Protocol):
         self._response: UpstreamResponse | None = None
         self._received = False  # any byte of an answer to the current request
         self._until_close = False  # the body ends with the connection
-        self._ambiguous = False  # framed both by length and by chunks
+        self._ambiguous = False  # framed both by length and by chunks, or said to close
         self._complete = False
         self._keep_alive = False
         self._request_incomplete = False  # the answer came before the request body was all sent
@@ -497,7 +497,10 @@ class _Connection(asyncio.Protocol):
         # (a transfer coding whose last is not chunked, ``identity``: the body ends with the
         # connection, whatever length is said, as RFC 9112, 6.3 and the parser read it)
         self._until_close = (not framing or unchunked) and not bodiless
-        self._ambiguous = len(framing) == 2  # RFC 9112, 6.3: close the connection after it
+        # RFC 9112, 6.3: close the connection after an answer framed both ways; and after one
+        # that says ``close`` (9.6), wherever its Connection header says it: llhttp reads an
+        # HTTP/1.0 answer's ``keep-alive, close`` as kept alive
+        self._ambiguous = len(framing) == 2 or _says_close(headers)
         if self._head_only:  # the parser would wait for a body the length announces: stop here
             self._complete = True
             self._keep_alive = False
@@ -825,6 +828,17 @@ async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
     error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
     if error:
         raise OSError(error, os.strerror(error))
+
+
+def _says_close(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a ``Connection`` header among ``headers`` holds the ``close`` option."""
+    return any(
+        len(name) == 10
+        and name.lower() == b"connection"
+        and b"close" in value.lower()
+        and any(option.strip() == b"close" for option in value.lower().split(b","))
+        for name, value in headers
+    )
 
 
 def _transfer_coding(headers: list[tuple[bytes, bytes]]) -> tuple[str | None, bool]:

@@ -217,6 +217,33 @@ def test_response_framings(raw: bytes, body: bytes, reused: bool) -> None:
     run(main())
 
 
+@pytest.mark.parametrize(
+    "connection", [b"connection: keep-alive, close", b"connection: keep-alive\r\nConnection: Close"]
+)
+def test_an_answer_that_says_close_is_the_connections_last_whatever_else_it_says(
+    connection: bytes,
+) -> None:
+    """An HTTP/1.0 answer whose Connection says ``keep-alive`` and ``close`` (one header or
+    two) was taken as kept alive (llhttp reads only the former there): the next request went
+    on a connection the server was closing, a 502 where it closed a moment later."""
+
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.0 200 OK\r\n" + connection + b"\r\ncontent-length: 3\r\n\r\nold")
+        await w.drain()
+        return True  # (it lingers: the close it said comes later)
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            for _ in range(2):
+                resp = await pool.open("GET", srv.url + "/", [], b"")
+                assert await read(resp) == b"old"
+            assert srv.connections == 2
+            await pool.aclose()
+
+    run(main())
+
+
 def test_head_has_no_body_even_with_a_length() -> None:
     async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
         w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")
