@@ -665,18 +665,24 @@ class EventLogWriter:
         cannot be opened counts as empty: the write will fail and count the loss."""
         if batch.get(session_id):
             return False
-        try:
-            fd = self._fd(session_id)
-            if os.fstat(fd).st_size == 0:
+        if self._locked_out is not None and session_id not in self._fds:
+            # Another cachegate holds the directory: its file is looked at, never made there
+            # (the lines go nowhere unless the lock is this one's again when they are written).
+            try:
+                fd = os.open(
+                    session_log_path(self.log_dir, session_id),
+                    os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                )
+            except OSError:
                 return True
-            # (a file that begins with a line of lost lines, its meta line among them, told when
-            # an earlier process stopped, and holds no meta line yet: the meta line goes in)
-            head = os.pread(fd, 4096, 0)
-            if head.find(_LOST_TYPE_BYTES, 0, 64) >= 0:
-                return head.find(_META_TYPE) < 0
-            # (and one whose meta line a crash cut, or left as NULs: it goes in after them,
-            # where the reports find it; without, the file never had one)
-            return not _begins_with_meta(fd, head)
+            try:
+                return not _holds_lines(fd)
+            except OSError:
+                return True
+            finally:
+                os.close(fd)
+        try:
+            return not _holds_lines(self._fd(session_id))
         except OSError:
             return True
 
@@ -1554,6 +1560,21 @@ def _lost_in(lines: Sequence[bytes]) -> tuple[int, int, tuple[int, ...]]:
             if found is not None:
                 numbers.append(int(found.group(1)))
     return events, requests, tuple(numbers)
+
+
+def _holds_lines(fd: int) -> bool:
+    """Whether the session file open as ``fd`` holds its lines: not empty, and its meta line
+    among them (``_file_is_empty``'s reading)."""
+    if os.fstat(fd).st_size == 0:
+        return False
+    # (a file that begins with a line of lost lines, its meta line among them, told when an
+    # earlier process stopped, and holds no meta line yet: the meta line goes in)
+    head = os.pread(fd, 4096, 0)
+    if head.find(_LOST_TYPE_BYTES, 0, 64) >= 0:
+        return head.find(_META_TYPE) >= 0
+    # (and one whose meta line a crash cut, or left as NULs: it goes in after them, where the
+    # reports find it; without, the file never had one)
+    return _begins_with_meta(fd, head)
 
 
 def _begins_with_meta(fd: int, head: bytes) -> bool:

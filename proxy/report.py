@@ -261,9 +261,15 @@ def list_sessions(
             candidates.append((modified, session_id, entry.path))
     candidates.sort(key=lambda c: (-c[0], c[1]))
     summaries: list[SessionSummary] = []
-    for _, session_id, path in candidates:
+    last_read = cutoff = None  # (the time of the file that gave the last summary; the limit's)
+    for modified, session_id, path in candidates:
         if limit is not None and len(summaries) >= limit:
-            break
+            # The files written in the same tick of the file system's clock as the last one
+            # taken are read too (a writer's batch of many sessions leaves them all one time):
+            # which of them come in is then said by the times of their last lines.
+            cutoff = last_read if cutoff is None else cutoff
+            if modified != cutoff:
+                break
         key = file_key(path) if memo is not None else None
         if memo is not None:
             known, held = memo.get(session_id + LOG_SUFFIX, key)
@@ -288,10 +294,11 @@ def list_sessions(
             memo.put(session_id + LOG_SUFFIX, key, summary.to_json() if summary else None)
         if summary is not None:
             summaries.append(summary)
+            last_read = modified
     if memo is not None:
         memo.keep_only(present)
     summaries.sort(key=lambda s: (-(s.last_seen or 0.0), s.session))
-    return summaries
+    return summaries if limit is None else summaries[:limit]
 
 
 def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport:

@@ -1038,11 +1038,24 @@ def test_the_claim_is_taken_back_once_another_process_that_held_it_is_gone(
             # (both numbered a session's exchanges from 1 in one file)
             assert not (log_dir / "a.jsonl").exists()
             assert "this one's lines are lost" in caplog.text
+            # a new session's first line (its meta line) made no file there either: an empty
+            # one the reports called "no session", held open by this process
+            w.emit("b", {"type": "session_meta", "session": "b"}, first_in_file=True)
+            w.emit("b", {"type": "error", "exchange": 1, "status": 400, "message": "m"})
+            assert w.flush()
+            assert sorted(p.name for p in log_dir.iterdir() if p.suffix == ".jsonl") == []
         finally:
             other.kill()
     w.emit("a", {"type": "error", "exchange": 2, "status": 400, "message": "m"})
     assert w.flush()
+    w.emit("b", {"type": "error", "exchange": 2, "status": 400, "message": "m"})
+    assert w.flush()
     assert claim_log_dir(log_dir) == str(os.getpid())  # taken back: a third is refused
+    assert [e["type"] for e in read_events(log_dir / "b.jsonl").events] == [
+        "session_meta",  # (its file begins with it still)
+        "lines_lost",
+        "error",
+    ]
     events = read_events(log_dir / "a.jsonl").events
     assert [(e["type"], e.get("exchange"), e.get("lines")) for e in events] == [
         ("lines_lost", None, 1),  # exchange 1's line: the file says it has a hole

@@ -1245,3 +1245,22 @@ def test_terminal_escaping_changes_only_lines_that_hold_a_control() -> None:
         assert terminal_safe(text) == text.translate(_CONTROLS), repr(text)
     unchanged = "caf\u00e9 \u2014 " * 1000
     assert json_terminal_safe(unchanged) is unchanged and terminal_safe(unchanged) is unchanged
+
+
+def test_list_limit_takes_the_sessions_seen_last_among_files_written_in_one_tick(
+    tmp_path: Path,
+) -> None:
+    """The log writer writes a batch of many sessions within one tick of the file system's
+    clock: their files share one modification time, and ``list --limit N`` took N of them by
+    id (the earliest ids), not the N whose last lines came last."""
+    import os
+
+    for i in range(8):
+        meta = {"ts": T0, "type": "session_meta", "session": f"s{i}", "model": "gpt-4o"}
+        _logged(tmp_path, f"s{i}", [meta, req(T0 + i, 1)])
+        os.utime(tmp_path / f"s{i}.jsonl", (T0 + 100, T0 + 100))
+    os.utime(tmp_path / "s0.jsonl", (T0 + 50, T0 + 50))  # written before the others' tick
+    listed = list_sessions(tmp_path, limit=3)
+    assert [s.session for s in listed] == ["s7", "s6", "s5"]
+    assert [s.session for s in list_sessions(tmp_path)][:3] == ["s7", "s6", "s5"]
+    assert [s.session for s in list_sessions(tmp_path, limit=7)][-1] == "s1"  # (s0: not read)
