@@ -411,6 +411,8 @@ def _grace_note(record: logging.LogRecord) -> bool:
     cachegate's words instead; any other record passes."""
     if isinstance(record.msg, str) and record.msg.startswith("Cancel %s running task"):
         count = record.args[0] if isinstance(record.args, tuple) and record.args else "some"
+        if count == 0:  # (only connections left, their requests not begun: nothing was cut)
+            return False
         # (a closed terminal's stderr fails with EIO: raised in a filter, it stopped uvicorn's
         # shutdown before it cut the requests, and the process exited 1)
         with contextlib.suppress(OSError, ValueError):

@@ -1973,3 +1973,24 @@ def test_the_grace_periods_note_to_a_closed_terminal_does_not_stop_the_shutdown(
     assert _grace_note(record) is False  # said (or not: no terminal), never raised
     other = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 1, "Started", (), None)
     assert _grace_note(other) is True
+
+
+def test_the_grace_period_running_out_with_no_request_in_flight_says_nothing_was_cut(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """uvicorn's grace period also runs out on connections whose requests never began (a
+    client that sent half its headers): its "Cancel 0 running task(s)" was said as "0
+    request(s) still in flight ... were cut (a stream ends short ...)"."""
+    import logging
+
+    from proxy.cli import _grace_note
+
+    def note(count: int) -> str:
+        record = logging.LogRecord(
+            "uvicorn.error", logging.ERROR, __file__, 1, "Cancel %s running task(s)", (count,), None
+        )
+        assert _grace_note(record) is False  # (uvicorn's own line never shown)
+        return capsys.readouterr().err
+
+    assert note(0) == ""
+    assert "2 request(s) still in flight" in note(2)
