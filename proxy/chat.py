@@ -319,12 +319,10 @@ class PairingRepair:
 
     def claude(self, model: Any) -> bool:
         """Whether ``model`` is a Claude model: by its name (``claude-…``, a gateway's or
-        Bedrock's), or its configured entry's ``dialect = "anthropic"``."""
+        Bedrock's), or, a name no provider's, its configured entry's ``dialect = "anthropic"``."""
         name = model if isinstance(model, str) else ""
-        return (
-            cache.provider_of(name) == "anthropic"
-            or self.settings.model(name or None)[1].dialect == "anthropic"
-        )
+        dialect = self.settings.model(name or None)[1].dialect
+        return cache.caching_provider(name, dialect) == "anthropic"  # (as the accounting reads it)
 
 
 def internal_error(exc: BaseException, what: str | None = None) -> ProxyError:

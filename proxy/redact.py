@@ -454,7 +454,10 @@ _DICT_COOKIE = re.compile(
     _DICT_GAP + r"""(\\*["'])([^"'\\\n]{1,64}+)\1[ \t]*:[ \t]*(?:(\\*["'])|(?:true|false|null"""
     r"""|-?[0-9][\w.+-]{0,63}+)(?![\w.+-]))"""
 )
-_TOKEN_RUN = re.compile(r"[^\s;,]{16,4096}+")
+_TOKEN_RUN = re.compile(r"(?!/)(?![^\s;,]{0,4096}?://)[^\s;,]{16,4096}+")  # (no path, no URL)
+# a name that sets a cookie (``set_cookie``, ``setCookie``, ``set_signed_cookie``, ``setrawcookie``,
+# ``add_cookie``), not one that reads or clears it (``get_cookie("theme", "<default>")``)
+_COOKIE_SETTER = re.compile(r"(?<![a-z0-9_])(?:set|set_signed|setraw|add)_?\Z")
 # a cookie's attributes, in a dict of them (the cookie's own, not a dict of cookies)
 _COOKIE_ATTRIBUTES: Final = frozenset(
     ("name", "domain", "path", "expires", "expiry", "expirationdate", "samesite", "priority")
@@ -1104,7 +1107,10 @@ def _cookie_values(s: str, lowered: str, at: int) -> tuple[list[tuple[int, int]]
     (16 characters or more, a letter and a digit: ``theme=dark`` stays), or of a
     ``Set-Cookie``'s cookies (each one's first pair: the rest are its attributes; a JSON array
     of them too); and where the header's value ends (the next header is looked for past it)."""
-    call = _COOKIE_CALL.match(s, at) or _COOKIE_INDEX.match(s, at)
+    named = at and (s[at - 1].isalnum() or s[at - 1] == "_")
+    call = None
+    if not named or _COOKIE_SETTER.search(lowered, max(0, at - 16), at) is not None:
+        call = _COOKIE_CALL.match(s, at) or _COOKIE_INDEX.match(s, at)
     if call is not None:  # (a name, then the value alone; ``set_signed_cookie(``, ``setcookie(``)
         end = _value_end(s, call.end(), call.group(2))
         spans: list[tuple[int, int]] = []
@@ -1115,7 +1121,7 @@ def _cookie_values(s: str, lowered: str, at: int) -> tuple[list[tuple[int, int]]
         if found is not None:  # (``session_cookies = {…}`` too)
             return _dict_cookies(s, found.end())
     setting = at >= 4 and lowered.startswith(("set-", "set_"), at - 4)
-    if at and (s[at - 1].isalnum() or s[at - 1] == "_") and not setting:
+    if named and not setting:
         return [], at + 6  # (``mycookie:``, a name of its own)
     header = _COOKIE_HEADER.match(s, at)
     if header is None:
@@ -1722,7 +1728,7 @@ _NAMED_BYTES: Final = (
     re.compile(rb"pass(?<=[_.-]pass)" + _SUFFIX + _ASSIGNED_BYTES),
     # a bare pass= or pass: (nodemailer's ``auth: {user, pass: '…'}``)
     re.compile(rb"pass(?<![a-z0-9_.-]pass)" + _ASSIGNED_BYTES),
-    re.compile(rb"\\{1,16}[nrt]pass" + _ASSIGNED_BYTES),  # (after an escaped line end or tab)
+    re.compile(rb"(?<=\\)[nrt]pass" + _ASSIGNED_BYTES),  # (after an escaped line end or tab)
     re.compile(rb"pwd" + _SUFFIX + _ASSIGNED_BYTES),  # MYSQL_PWD=, pwd_hash"
     # a flag and its value apart: --api-key VALUE, --token VALUE
     re.compile(rb"--[a-z0-9_.-]{0,60}?(?:key|token|pass|secret|pwd)" + _SUFFIX + rb"(?: |\\+t)"),
@@ -1733,18 +1739,18 @@ _NAMED_BYTES: Final = (
     re.compile(rb"""cookie(?:\\*["'])?(?:[ \t]|\\+t)*:"""),
     re.compile(rb'cookie\\*"(?:[ \t\r\n]|\\+[nrt])*,(?:[ \t\r\n]|\\+[nrt])*\\*"value'),
     re.compile(rb"""cookies\\*["'](?:[ \t\r\n]|\\+[nrt])*:(?:[ \t\r\n]|\\+[nrt])*\["""),
-    re.compile(rb"""(?:\s-b|\\{1,16}[nt]-b|--cookie)(?:[ \t]|\\+t)+\\*["']?[^\s'"=;]{1,64}="""),
+    re.compile(rb"""(?:\s-b|(?<=\\)[nt]-b|--cookie)(?:[ \t]|\\+t)+\\*["']?[^\s'"=;]{1,64}="""),
     # ... and code's: an assignment, a header set by name, a call with a name and a value, a
     # dict of them (``_COOKIE_HEADER``, ``_COOKIE_CALL``, ``_COOKIE_DICT``); a cookie file's line
     re.compile(rb"""cookie(?:\\*["']\]?)?(?:[ \t]|\\+t)*=(?:[ \t]|\\+t)*\\*["'`]"""),
     re.compile(rb"""cookie\\*["'](?:[ \t]|\\+t)*,(?:[ \t]|\\+t)*(?:\[(?:\s|\\+[nrt])*)?\\*["']"""),
     re.compile(
         rb"""cookies?(?:\(\))?(?:\.set|\.append|::make|::forever|::create)?\("""
-        rb"""(?:\s|\\{1,16}[nrt])*(?:key(?:[ \t]|\\+t)*=(?:[ \t]|\\+t)*)?\\*["']"""
+        rb"""(?:\s|\\+[nrt])*(?:key(?:[ \t]|\\+t)*=(?:[ \t]|\\+t)*)?\\*["']"""
     ),
     re.compile(rb"""cookies\[[^\]\n]{1,80}\](?:[ \t]|\\+t)*=(?:[ \t]|\\+t)*\\*["'`]"""),
     re.compile(rb"""cookies(?:\\*["'])?(?:[ \t]|\\+t)*[:=](?:[ \t\r\n]|\\+[nrt])*\{"""),
-    re.compile(rb"""(?:\t|\\{1,16}t)(?:true|false)(?:\t|\\{1,16}t)"""),
+    re.compile(rb"""(?:\t|(?<=\\)t)(?:true|false)(?:\t|\\+t)"""),
     # Docker's "auth": "…" and .npmrc's _auth=… (a user and a password in base64)
     re.compile(rb'auth(?<=["_]auth)\\*"?(?:[ \t]|\\+t)*[=:]'),
 )

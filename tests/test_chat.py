@@ -191,6 +191,34 @@ def test_an_empty_assistant_message_is_removed_for_claude_which_refuses_an_empty
         assert sim.sim.requests[-1].body["messages"][1] == given
 
 
+def test_a_model_named_as_another_providers_is_no_claude_under_a_claude_catch_all() -> None:
+    """Under a ``"*"`` entry with ``dialect = "anthropic"``, a model whose name says OpenAI's
+    or DeepSeek's was taken as Claude's by the repair (its empty assistant message removed),
+    where the accounting keeps such a name with its own provider; a name no provider's is
+    Claude's there, as a ``claude-…`` name is anywhere."""
+    settings = settings_from_mapping(
+        {
+            "upstream": {"base_url": "http://127.0.0.1:9/v1"},
+            "models": {"*": {"dialect": "anthropic"}},
+        }
+    )
+    repair = PairingRepair(settings, None)
+    history = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "b"},
+    ]
+    for model, claude in (
+        ("gpt-3.5-turbo", False),
+        ("deepseek-coder", False),
+        ("house-model", True),
+        ("claude-sonnet-4-5", True),
+    ):
+        ex = Exchange("chat", "POST", "chat/completions", 0.0, 0.0)
+        forwarded = repair.repair(ex, {"model": model, "messages": history})["messages"]
+        assert len(forwarded) == (2 if claude else 3), model
+
+
 def test_repaired_prefix_is_identical_on_every_turn(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:

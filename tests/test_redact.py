@@ -2263,10 +2263,30 @@ def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, se
         'public_key_string = "MIIBIjANBgkqhkiG9w0BAQEFAAOCAQ8AMIIBCgKCAQEAu1SU1LfVLPHCozMxH2Mo"',
         'cache_key_string = "user:1234:profile:v2abc"',
         '{"token_string": "Hello_world_2024_x", "token_id": 15043}',
+        # a second review's: a cookie read or cleared (a default, a path), a path or URL set
+        'theme = self.get_cookie("theme", "solarized-dark-2024")',
+        'self.clear_cookie("sid", "/admin/v2/settings")',
+        'lang = getCookie("locale", "en_US_POSIX_2024")',
+        'deleteCookie("auth", "/app/v2/dashboard")',
+        'cookies["redirect_to"] = "/dashboard/projects/123/issues"',
+        'cookies["next"] = "https://example.com/callback?step=2"',
     ],
 )
 def test_what_the_fifth_reads_rules_must_leave_alone_is_left(text: str) -> None:
     assert redact_text(text) is text
+
+
+def test_a_cookie_file_nested_deep_in_json_is_found_by_the_prefilter_too() -> None:
+    """Five levels of JSON inside a message put ~31 backslashes before each tab: the
+    prefilter's bounded run missed the cookie file's line that the redaction reads (written in
+    clear)."""
+    import orjson
+
+    text = ".example.com\tTRUE\t/\tFALSE\t1700000000\tsid\ta8f3k2m9x7q1w5e4r6t0y2u8\n"
+    for _ in range(6):
+        text = orjson.dumps({"cell": text}).decode()
+        assert "a8f3k2m9x7q1w5e4r6t0y2u8" not in redact_text(text)
+        assert line_may_hold_secret(orjson.dumps({"content": text}))
 
 
 def test_a_long_run_of_backslashes_is_looked_through_in_linear_time() -> None:
