@@ -53,6 +53,14 @@ def _state_of(ex: Exchange, sessions: SessionStore) -> SessionState | None:
 _NOT_PARAMS: Final = frozenset({"messages", "tools", "model", "stream"})
 
 
+def _forwarded_at(ex: Exchange) -> float:
+    """When ``ex`` went to the provider, on the wall clock: when it came, and the time it
+    waited on the provider before it went out (a compaction's summary call, a first try refused
+    as too long). The provider's cache life of its prefixes starts there: a summary call of a
+    minute counted as idle time blamed the next turn's rewrite on an expiry."""
+    return ex.started_at + ex.upstream_wait_s
+
+
 class _Baseline:
     """A request a later one of its session may continue: its fingerprint, body, prompt tokens
     (None when unknown) and model; ``copies``: how many requests sent it as it is (a retry, or
@@ -883,14 +891,14 @@ class AccountingObserver:
                     chosen.prompt, chosen.counted = usage.prompt, chosen.fp
                 chosen.cached = cached if cached is not None else chosen.cached
                 chosen.ready_at = min(chosen.ready_at, ready_at)
-                chosen.started = max(chosen.started, ex.started_at)
+                chosen.started = max(chosen.started, _forwarded_at(ex))
                 chosen.superseded = chosen.left_behind = False
                 _to_front(baselines, chosen)
             elif continues and chosen is not None and _takes_place(chosen, fp, divergence, model):
                 if chosen.copies > 1:  # one of several that sent it: the others may go on too
                     chosen.copies -= 1
                     chosen.left_behind = True  # (till another goes on from it: ``_prune``)
-                    went_on = _Baseline(fp, body, prompt, model, ready_at, ex.started_at)
+                    went_on = _Baseline(fp, body, prompt, model, ready_at, _forwarded_at(ex))
                     went_on.counted = counted
                     went_on.answer = _answer_of(ex)
                     went_on.cached = cached
@@ -906,7 +914,7 @@ class AccountingObserver:
                     chosen.cached = cached
                     chosen.answer = _answer_of(ex)
                     chosen.ready_at = ready_at
-                    chosen.started = ex.started_at
+                    chosen.started = _forwarded_at(ex)
                     chosen.turns += 1
                     chosen.reprompted_from = None
                     chosen.superseded = chosen.left_behind = False
@@ -917,7 +925,7 @@ class AccountingObserver:
                 # agents with the same boilerplate first message), a fork, a rewind. Both are
                 # kept: each next turn finds its own. (A branch goes on with its conversation's
                 # turns: after a rewind it is the live one, not a one-shot to forget first.)
-                started = _Baseline(fp, body, prompt, model, ready_at, ex.started_at)
+                started = _Baseline(fp, body, prompt, model, ready_at, _forwarded_at(ex))
                 started.counted = counted
                 started.answer = _answer_of(ex)
                 started.cached = cached
@@ -965,7 +973,9 @@ class AccountingObserver:
             if usage is None and (ex.status < 400 or ex.status == CLIENT_CLOSED):
                 # The provider read this prompt (the client left, or the answer broke off,
                 # before any usage): its prefixes' cache life starts again from this request.
-                extra["cache"] = cache.touch(extra.get("cache") or CacheState(), fp, ex.started_at)
+                extra["cache"] = cache.touch(
+                    extra.get("cache") or CacheState(), fp, _forwarded_at(ex)
+                )
             self._price_summary(ex, None, reported_before)
             return
         # For the compaction trigger: the provider's count, and the client history it was of,
@@ -1019,7 +1029,7 @@ class AccountingObserver:
                 and base[0] is not None
                 else 0
             ),
-            started_at=ex.started_at,
+            started_at=_forwarded_at(ex),
             cached_before=(
                 cached_before
                 if usage.explicit_cache or (marked_only and usage.reported_cache_write)

@@ -464,11 +464,17 @@ class _Accounting:
         return self._answered(ex, prompt, read, status)
 
     def send_body(
-        self, body: dict[str, Any], prompt: int, read: int = 0, at: float | None = None
+        self,
+        body: dict[str, Any],
+        prompt: int,
+        read: int = 0,
+        at: float | None = None,
+        waited: float = 0.0,
     ) -> Exchange:
         self.eid += 1
         ex = exchange(self.eid, body["messages"])
         ex.body = body
+        ex.upstream_wait_s = waited  # (on the provider before it went out: a summary call)
         if isinstance(body.get("model"), str):
             ex.model = body["model"]  # (as the pipeline reads it)
         return self._answered(ex, prompt, read, 200, at)
@@ -1372,6 +1378,24 @@ def _last_marked(messages: list[Message]) -> list[Message]:
     *rest, last = messages
     part = {"type": "text", "text": last["content"], "cache_control": {"type": "ephemeral"}}
     return [*rest, {**last, "content": [part]}]
+
+
+def test_idle_time_runs_from_when_a_request_went_out_not_from_when_it_came() -> None:
+    """A compacted request waited on its summary call (a minute) before it went to the
+    provider, whose cache life of its prefix starts then: the next turn's idle time counted
+    that minute too, and its rewrite (an edited system prompt) was blamed on an expiry."""
+    history = msgs("fix the bug", "looked", "go on")
+    acc = _Accounting({"gpt-4o": {"cache_ttl_s": 100}})
+    first = {"model": "gpt-4o", "messages": [_system("agent, 12:00"), *history]}
+    acc.send_body(first, 9_000, 0, at=0.0, waited=60.0)  # (went out at 60)
+    later = [_system("agent, 12:02"), *history, *msgs("done", "next")]
+    ex = acc.send_body({"model": "gpt-4o", "messages": later}, 9_100, 0, at=130.0)
+    assert ex.cache is not None and ex.cache["cause"] == "prefix_rewrite"
+    # the same 130 s after one that went out at once: past the TTL
+    acc = _Accounting({"gpt-4o": {"cache_ttl_s": 100}})
+    acc.send_body(first, 9_000, 0, at=0.0)
+    ex = acc.send_body({"model": "gpt-4o", "messages": later}, 9_100, 0, at=130.0)
+    assert ex.cache is not None and ex.cache["cause"] == "ttl_expired"
 
 
 def test_a_miss_after_openais_five_minutes_with_nothing_rewritten_is_an_expiry() -> None:
