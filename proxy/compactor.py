@@ -1215,8 +1215,12 @@ class Compactor:
                 if text.strip():
                     limit = int(chars * plan.overrun)
                     summary = compaction.clip_summary(text.strip(), limit)
-                    if plan.overrun <= 1.0:
-                        summary = _within_bytes(text.strip(), summary, chars)
+                    # ... in the bytes the plan kept room in, too: one in Chinese, three bytes
+                    # a character, took three times that, the history was still at the
+                    # trigger, and every later turn paid a summary call of its own
+                    summary = _within_bytes(
+                        text.strip(), summary, chars if plan.overrun <= 1.0 else limit
+                    )
                     return summary, "model", model, answer, upstream_s
             log.warning(
                 "summarizer answered %s%s; using the extractive summary",

@@ -2324,15 +2324,22 @@ def test_a_reused_compaction_does_not_hash_its_covered_prefix_again(
     assert made() == before + 1  # a new compaction, not the stale one reused
 
 
+@pytest.mark.parametrize(
+    "line",
+    ["- step {}: ran the tests and read the output", "- 第{}步：运行了测试并阅读了输出，结果正常"],
+)
 def test_a_summary_far_longer_than_asked_is_cut_and_the_session_goes_on(
-    sdk: Any, proxy_factory: Any
+    sdk: Any, proxy_factory: Any, line: str
 ) -> None:
     """A verbose summarizer answers 40,000 characters where ~3,000 were asked for: used as it
-    came, the compacted history was over the window, refused, and every later turn with it."""
+    came, the compacted history was over the window, refused, and every later turn with it. In
+    Chinese (three bytes a character) it was cut in characters only, three times the room the
+    plan kept for it in bytes: the history was still at the trigger, and every later turn paid
+    a summary call of its own and read nothing from the cache."""
     with run_simulator(SimConfig(context_window=6000)) as small:
         proxy = proxy_factory(small.api_base, CONFIG)
         c = sdk(proxy.base_url)
-        text = "\n".join(f"- step {i}: ran the tests and read the output" for i in range(900))
+        text = "\n".join(line.format(i) for i in range(1800))
         assert len(text) > 40000
         small.sim.enqueue([parse_script(text)])
         msgs = history(18)
@@ -2342,9 +2349,9 @@ def test_a_summary_far_longer_than_asked_is_cut_and_the_session_goes_on(
         assert raw.status_code == 200 and raw.headers["x-cachegate-compacted"] == "1"
         summary = small.sim.requests[-1].body["messages"][1]["content"]
         assert summary.startswith(SUMMARY_MARKER)
-        assert "- step 0: ran the tests" in summary  # the model's text, not the extractive one
+        assert line.format(0) in summary  # the model's text, not the extractive one
         assert "summary cut by cachegate" in summary
-        assert len(summary) < compaction.summary_chars(6000) * 1.25 + 400
+        assert len(orjson.dumps(summary)) < compaction.summary_chars(6000) * 1.25 + 400
         assert [r.status for r in small.sim.requests] == [200, 200]  # summary, answer
         # the next turn reuses it: no second summary, no refusal
         msgs = [*msgs, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
