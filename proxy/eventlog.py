@@ -669,14 +669,14 @@ class EventLogWriter:
             # Another cachegate holds the directory: its file is looked at, never made there
             # (the lines go nowhere unless the lock is this one's again when they are written).
             try:
-                fd = os.open(
+                fd = os.open(  # (not waiting on a FIFO planted there: read as no file)
                     session_log_path(self.log_dir, session_id),
-                    os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
                 )
             except OSError:
                 return True
             try:
-                return not _holds_lines(fd)
+                return not stat.S_ISREG(os.fstat(fd).st_mode) or not _holds_lines(fd)
             except OSError:
                 return True
             finally:

@@ -1044,6 +1044,12 @@ def test_the_claim_is_taken_back_once_another_process_that_held_it_is_gone(
             w.emit("b", {"type": "error", "exchange": 1, "status": 400, "message": "m"})
             assert w.flush()
             assert sorted(p.name for p in log_dir.iterdir() if p.suffix == ".jsonl") == []
+            # nor does a FIFO planted under a session's name stop the writer (it waited on it
+            # for a writer for good: no line of any session written again)
+            os.mkfifo(log_dir / "c.jsonl")
+            w.emit("c", {"type": "session_meta", "session": "c"}, first_in_file=True)
+            assert w.flush()
+            (log_dir / "c.jsonl").unlink()
         finally:
             other.kill()
     w.emit("a", {"type": "error", "exchange": 2, "status": 400, "message": "m"})
