@@ -943,6 +943,7 @@ class ChatPipeline:
                         return
                     ex.status = CLIENT_CLOSED
                     ex.error = "client disconnected while the history was being compacted"
+                    ex.unread = True
                     return
                 except ProxyError as err:  # nothing reached the client yet: OpenAI's shape
                     watch.stop()

@@ -970,7 +970,7 @@ class AccountingObserver:
             extra["baselines"] = baselines
         chosen, divergence = ref, ref_divergence
         if usage is None or ex.status >= 400:
-            if usage is None and (ex.status < 400 or ex.status == CLIENT_CLOSED):
+            if usage is None and not ex.unread and (ex.status < 400 or ex.status == CLIENT_CLOSED):
                 # The provider read this prompt (the client left, or the answer broke off,
                 # before any usage): its prefixes' cache life starts again from this request.
                 extra["cache"] = cache.touch(

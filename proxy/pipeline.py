@@ -94,6 +94,9 @@ class Exchange:
     summary_cost: dict[str, float] | None = None
     interrupted: bool = False
     stopped: bool = False  # interrupted by cachegate's own shutdown, not by the client
+    # the provider read none of it: its try was refused as too long, and the client left
+    # while it was compacted for a retry that never went (its prefixes' cache life not renewed)
+    unread: bool = False
     error: str | None = None
     upstream_error: str | None = None  # connect, timeout, status, midstream, invalid, error_event
     cache: dict[str, Any] | None = None

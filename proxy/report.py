@@ -261,6 +261,7 @@ def list_sessions(
             candidates.append((modified, session_id, entry.path))
     candidates.sort(key=lambda c: (-c[0], c[1]))
     summaries: list[SessionSummary] = []
+    times: list[float] = []  # (each summary's file's modification time)
     last_read = cutoff = None  # (the time of the file that gave the last summary; the limit's)
     for modified, session_id, path in candidates:
         if limit is not None and len(summaries) >= limit:
@@ -294,11 +295,19 @@ def list_sessions(
             memo.put(session_id + LOG_SUFFIX, key, summary.to_json() if summary else None)
         if summary is not None:
             summaries.append(summary)
+            times.append(modified)
             last_read = modified
     if memo is not None:
         memo.keep_only(present)
+    if limit is not None and len(summaries) > limit:
+        # Every file written after the tied ones stays; the places left go to the tied files
+        # whose last lines came last.
+        newer = [s for s, t in zip(summaries, times, strict=True) if t != cutoff]
+        tied = [s for s, t in zip(summaries, times, strict=True) if t == cutoff]
+        tied.sort(key=lambda s: (-(s.last_seen or 0.0), s.session))
+        summaries = newer + tied[: max(0, limit - len(newer))]
     summaries.sort(key=lambda s: (-(s.last_seen or 0.0), s.session))
-    return summaries if limit is None else summaries[:limit]
+    return summaries
 
 
 def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport:

@@ -1398,6 +1398,26 @@ def test_idle_time_runs_from_when_a_request_went_out_not_from_when_it_came() -> 
     assert ex.cache is not None and ex.cache["cause"] == "ttl_expired"
 
 
+def test_a_request_the_provider_refused_renews_no_prefix_when_its_client_left() -> None:
+    """Refused as too long, then left by its client while it was compacted for the retry: no
+    usage and a 499, so it was taken as a request the provider had read (a client gone
+    mid-answer), and its prefixes' cache life renewed. The next turn's expiry was then
+    ``unexplained``."""
+    history = msgs("fix the bug", "looked", "go on")
+    for unread, cause in ((True, "ttl_expired"), (False, "unexplained")):
+        acc = _Accounting({"gpt-4o": {"cache_ttl_s": 100}})
+        first = {"model": "gpt-4o", "messages": [_system("agent"), *history]}
+        acc.send_body(first, 9_000, 0, at=0.0)
+        acc.eid += 1
+        left = exchange(acc.eid, [_system("agent"), *history, *msgs("x" * 9_000, "go")])
+        left.session, left.started_at, left.t0 = acc.state, 90.0, 90.0
+        left.status, left.unread = 499, unread
+        acc.observer.on_response(left)
+        later = {"model": "gpt-4o", "messages": [_system("agent"), *history, *msgs("a", "b")]}
+        ex = acc.send_body(later, 9_100, 0, at=150.0)
+        assert ex.cache is not None and ex.cache["cause"] == cause, unread
+
+
 def test_a_miss_after_openais_five_minutes_with_nothing_rewritten_is_an_expiry() -> None:
     """The built-in TTL of OpenAI's models is the top of their documented 5 to 10 minutes: a miss
     after 7 idle minutes was ``unexplained``. Past 5 minutes it is ``ttl_expired`` when nothing

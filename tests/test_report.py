@@ -1264,3 +1264,8 @@ def test_list_limit_takes_the_sessions_seen_last_among_files_written_in_one_tick
     assert [s.session for s in listed] == ["s7", "s6", "s5"]
     assert [s.session for s in list_sessions(tmp_path)][:3] == ["s7", "s6", "s5"]
     assert [s.session for s in list_sessions(tmp_path, limit=7)][-1] == "s1"  # (s0: not read)
+    # a file written after the tied ones (copied since: its lines older) stays among them
+    meta = {"ts": T0, "type": "session_meta", "session": "copied", "model": "gpt-4o"}
+    _logged(tmp_path, "copied", [meta, req(T0 - 500, 1)])
+    os.utime(tmp_path / "copied.jsonl", (T0 + 200, T0 + 200))
+    assert [s.session for s in list_sessions(tmp_path, limit=2)] == ["s7", "copied"]
