@@ -225,8 +225,8 @@ def _empty_calls(message: Any) -> bool:
 def _contentless(message: Any) -> bool:
     """An assistant message with no content at all (``null``, or none) and nothing else: no tool
     calls, refusal, legacy ``function_call`` or audio. OpenAI refuses it ("expected a string,
-    got null") and takes ``""``; an interrupted stream leaves one, and the Vercel AI SDK writes
-    one."""
+    got null") and takes ``""``; an interrupted stream leaves one (the Vercel AI SDK's current
+    versions write ``""`` there)."""
     return (
         isinstance(message, dict)
         and message.get("role") == "assistant"

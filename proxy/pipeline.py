@@ -158,12 +158,13 @@ class Exchange:
             if self.upstream_error is None:
                 self.upstream_error = "midstream"  # counted as a cut chunked stream is
         if assembled.malformed:
-            # Relayed as they came; the client's SDK fails on them (the openai SDKs raise on a
-            # data line that is not JSON), so the exchange is no clean answer.
+            # Relayed as they came; the openai SDKs raise on a data line that is not JSON, so
+            # the exchange is no clean answer for their clients (the Vercel AI SDK gives an
+            # error part and reads on: the message logged is the part before it).
             count = assembled.malformed
             said = (
                 f"upstream sent {count} stream event{'s' if count > 1 else ''} whose data was"
-                " not a JSON object (a client that parses events fails on it)"
+                " not a JSON object (the openai SDKs fail on it; the Vercel AI SDK reads on past it)"
             )
             self.error = f"{self.error}; {said}" if self.error else said
             if self.upstream_error is None:

@@ -128,7 +128,7 @@ def test_an_interrupted_answer_left_with_no_content_is_a_400_directly_200_throug
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:
     """A stream cut before its first token leaves ``{"role": "assistant", "content": null}``
-    in an agent's history (the Vercel AI SDK writes one too): OpenAI refuses it every turn
+    in an agent's history: OpenAI refuses it every turn
     after, and cachegate forwarded it as it was."""
     history = [
         {"role": "user", "content": "Summarise a.py"},

@@ -743,7 +743,7 @@ def test_a_stream_with_an_event_that_is_not_json_is_logged_as_failed_not_clean(
     assert response["status"] == 200
     assert response["error"] == (
         "upstream sent 1 stream event whose data was not a JSON object"
-        " (a client that parses events fails on it)"
+        " (the openai SDKs fail on it; the Vercel AI SDK reads on past it)"
     )
     show = run_cli("sessions", "show", "torn-event", "--log-dir", str(proxy.log_dir))
     assert "upstream sent 1 stream event" in show.out
@@ -793,7 +793,7 @@ def test_a_stream_with_an_empty_data_line_is_logged_as_failed_not_clean(
     (response,) = wait_for(response_logged, what="the response event")
     assert response["error"] == (
         "upstream sent 1 stream event whose data was not a JSON object"
-        " (a client that parses events fails on it)"
+        " (the openai SDKs fail on it; the Vercel AI SDK reads on past it)"
     )
     assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 1
 

@@ -2359,7 +2359,7 @@ def test_an_answer_body_is_read_for_the_log_as_a_json_reader_would(
             b"data: {broken\n\n"
             b'data: {"id":"c1","choices":[{"index":0,"delta":{"cont',
             "upstream ended the stream inside an event, before [DONE]; upstream sent 1 stream"
-            " event whose data was not a JSON object (a client that parses events fails on it)",
+            " event whose data was not a JSON object (the openai SDKs fail on it; the Vercel AI SDK reads on past it)",
         ),
     ],
 )
