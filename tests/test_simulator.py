@@ -1229,3 +1229,24 @@ def test_a_long_running_simulator_keeps_only_the_latest_requests(
     sim.reset()
     sim.record("POST", "/v1/chat/completions", {}, b"z" * 990)
     assert len(sim.requests) == 1  # the count of bytes starts again
+
+
+def test_replies_enqueued_in_their_json_form_are_served() -> None:
+    """The README's ``.sim.enqueue(replies)`` with a reply as the README writes one (a string,
+    ``{"content": …}``): it was queued as it was, and the next request got an empty 500 and a
+    traceback on the simulator's stderr. A wrong one is refused when it is enqueued."""
+    with run_simulator(SimConfig()) as sim:
+        assert sim.sim.enqueue(["hello", {"content": "there", "finish_reason": "length"}]) == 2
+        said = []
+        for _ in range(2):
+            r = httpx.post(
+                sim.api_base + "/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+            )
+            assert r.status_code == 200
+            choice = r.json()["choices"][0]
+            said.append((choice["message"]["content"], choice["finish_reason"]))
+        assert said == [("hello", "stop"), ("there", "length")]
+        with pytest.raises(ValueError, match="a scripted reply must be a string or an object"):
+            sim.sim.enqueue(["fine", 42])
+        assert sim.sim.take_scripted() is None  # (none of them queued)

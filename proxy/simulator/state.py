@@ -12,14 +12,14 @@ import string
 import threading
 import uuid
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.relay import CLIENT_KEY_HEADERS, GATEWAY_KEY_HEADERS
 from proxy.simulator.cache import POLICIES, CacheResult, PrefixCache
 from proxy.simulator.config import SimConfig
-from proxy.simulator.reply import Reply
+from proxy.simulator.reply import Reply, parse_script
 
 _ID_ALPHABET = string.ascii_letters + string.digits
 
@@ -146,10 +146,14 @@ class Simulator:
                 del requests[:drop]
             return received
 
-    def enqueue(self, replies: Iterable[Reply]) -> int:
-        """Queue scripted replies for the next valid chat requests; return the queue length."""
+    def enqueue(self, replies: Iterable[Reply | str | Mapping[str, Any]]) -> int:
+        """Queue scripted replies for the next valid chat requests; return the queue length.
+        A reply may be given in its JSON form too (a string, ``{"content": …}``: as
+        ``POST /_sim/script`` takes it); ``ValueError`` names what is wrong in one, and none of
+        them is queued then."""
+        parsed = [r if isinstance(r, Reply) else parse_script(r) for r in replies]
         with self._lock:
-            self._script.extend(replies)
+            self._script.extend(parsed)
             return len(self._script)
 
     def take_scripted(self) -> Reply | None:
