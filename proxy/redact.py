@@ -454,6 +454,10 @@ _DICT_COOKIE = re.compile(
     _DICT_GAP + r"""(\\*["'])([^"'\\\n]{1,64}+)\1[ \t]*:[ \t]*(?:(\\*["'])|(?:true|false|null"""
     r"""|-?[0-9][\w.+-]{0,63}+)(?![\w.+-]))"""
 )
+_ISO_TIME = re.compile(
+    r"\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d{1,9})?)?)?(?:Z|[+-]\d{2}:?\d{2})?"
+)
+_DRIVE = re.compile(r"\A[A-Za-z]:")
 _TOKEN_RUN = re.compile(r"(?!/)(?![^\s;,]{0,4096}?://)[^\s;,]{16,4096}+")  # (no path, no URL)
 # a name that sets a cookie (``set_cookie``, ``setCookie``, ``set_signed_cookie``, ``setrawcookie``,
 # ``add_cookie``), not one that reads or clears it (``get_cookie("theme", "<default>")``)
@@ -1191,8 +1195,16 @@ def _take_cookie(s: str, pair: re.Match[str], spans: list[tuple[int, int]], grou
 def _take_token_run(s: str, start: int, end: int, spans: list[tuple[int, int]]) -> None:
     """``_take_token``, for a value that is one run (no blank, ``;`` or ``,``: a message, a
     date, a list of settings are no token)."""
-    if _TOKEN_RUN.fullmatch(s, start, end) is not None:
-        _take_token(s, start, end, spans)
+    if _TOKEN_RUN.fullmatch(s, start, end) is None:
+        return
+    value = s[start:end]
+    if _ISO_TIME.fullmatch(value) is not None:
+        return  # (a time: ``2024-01-15T10:30:00Z``)
+    if ("/" in value or "\\" in value) and _is_path(
+        _DRIVE.sub("", value).replace("\\\\", "/").replace("\\", "/").lower()
+    ):
+        return  # (a path: ``static/js/main.3f9a8b7c.js``, ``C:\\Users\\dev\\app2024``)
+    _take_token(s, start, end, spans)
 
 
 def _take_token(s: str, start: int, end: int, spans: list[tuple[int, int]]) -> None:

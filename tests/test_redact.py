@@ -2123,6 +2123,7 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
         ('cookies[:sid] = "s3ssi0nT0kenABCDEF123456"', "s3ssi0nT0kenABCDEF123456"),
         ('s.cookies["sessionid"] = "s3ssi0nT0kenABCDEF123456"', "s3ssi0nT0kenABCDEF123456"),
         ('Response.Cookies.Append("sid", "s3ssi0nT0kenABCDEF123456")', "s3ssi0nT0kenABCDEF123456"),
+        ('res.cookie("sid", "Zk8aQ2mP9x/LwAbCdEf12+q==")', "Zk8aQ2mP9x/LwAbCdEf12+q=="),  # (base64)
         ("document.cookie = `sid=s3ssi0nT0kenABCDEF123456; path=/`", "s3ssi0nT0kenABCDEF123456"),
         (
             'res.setHeader("Set-Cookie", ["sid=s3ssi0nT0kenABCDEF123456; HttpOnly"])',
@@ -2270,6 +2271,12 @@ def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, se
         'deleteCookie("auth", "/app/v2/dashboard")',
         'cookies["redirect_to"] = "/dashboard/projects/123/issues"',
         'cookies["next"] = "https://example.com/callback?step=2"',
+        # a corpus check's: a relative path, a Windows one, a time in ISO 8601
+        'res.cookie("asset", "static/js/main.3f9a8b7c.js")',
+        'response.set_cookie("last_file", "src/components/Header2.tsx")',
+        "setcookie('dir', 'C:\\\\Users\\\\dev\\\\project2024')",
+        'cookies = {"session_file": "sessions/abc123def456ghi789.json"}',
+        'res.cookie("since", "2024-01-15T10:30:00Z")',
     ],
 )
 def test_what_the_fifth_reads_rules_must_leave_alone_is_left(text: str) -> None:
