@@ -1336,3 +1336,34 @@ def test_a_body_with_a_lone_surrogate_is_read_no_deeper_than_orjson_reads() -> N
                 assert "nested deeper than 1024 levels" in info.value.message
         finally:
             sys.setrecursionlimit(limit)
+
+
+@pytest.mark.parametrize("depth", [254, 980])
+def test_a_body_nested_as_deep_as_cachegate_reads_is_answered_on_every_turn(
+    sim: RunningSimulator, proxy_factory: Any, depth: int
+) -> None:
+    """A body of 16 KiB or more with a field after ``messages`` nested 254 levels deep (past
+    what orjson writes) was a 500 ``internal_error``, nothing forwarded; one nested ~980
+    levels inside a message was answered on its first turn and a 500 on its next (the memo's
+    check of the spliced body met the recursion limit). The README: bodies nested up to 1,024
+    levels are read as any other."""
+    proxy = proxy_factory(sim.api_base)
+    nested = "[" * depth + "]" * depth
+    messages = (
+        '[{"role":"user","content":"' + "x" * 17_000 + '"},'
+        '{"role":"assistant","content":"ok","x":' + nested + "}"
+    )
+    for turn in range(2):
+        raw = (
+            '{"model":"gpt-4o","messages":' + messages + "],"
+            '"metadata":{"deep":' + nested + "}}"
+        ).encode()
+        r = httpx.post(
+            proxy.base_url + "/chat/completions",
+            content=raw,
+            headers={"content-type": "application/json", "x-session-id": f"deep-{depth}"},
+            timeout=30,
+        )
+        assert r.status_code == 200, (turn, r.text)
+        assert sim.sim.requests[-1].raw == raw  # forwarded as it came
+        messages += ',{"role":"assistant","content":"a"},{"role":"user","content":"go on"}'
