@@ -457,8 +457,17 @@ _DICT_COOKIE = re.compile(
 _ISO_TIME = re.compile(
     r"\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d{1,9})?)?)?(?:Z|[+-]\d{2}:?\d{2})?"
 )
-_DRIVE = re.compile(r"\A[A-Za-z]:")
-_TOKEN_RUN = re.compile(r"(?!/)(?![^\s;,]{0,4096}?://)[^\s;,]{16,4096}+")  # (no path, no URL)
+# A file's path (not a token with a ``/`` in it, base64's: its parts mix cases): folders named
+# in lower case (a capital first at most), then a file name with an extension; a Windows path
+# after its drive (``C:\\Users\\dev\\project2024``, its ``\\`` maybe doubled in code); one
+# from the root, each part so named
+_PATH_PART = r"[A-Z]?[a-z0-9_.-]{1,64}"
+_FILE_PATH = re.compile(
+    r"(?:\.{0,2}/)?(?:" + _PATH_PART + r"/){1,32}[\w.-]{0,64}\.[A-Za-z][A-Za-z0-9]{0,7}"
+    r"|[A-Za-z]:(?:\\{1,2}" + _PATH_PART + r"){1,32}\\{0,2}"
+    r"|(?:/" + _PATH_PART + r"){1,32}/?"  # (from the root: ``/admin/v2/settings``)
+)
+_TOKEN_RUN = re.compile(r"(?![^\s;,]{0,4096}?://)[^\s;,]{16,4096}+")  # (no URL)
 # a name that sets a cookie (``set_cookie``, ``setCookie``, ``set_signed_cookie``, ``setrawcookie``,
 # ``add_cookie``), not one that reads or clears it (``get_cookie("theme", "<default>")``)
 _COOKIE_SETTER = re.compile(r"(?<![a-z0-9_])(?:set|set_signed|setraw|add)_?\Z")
@@ -1200,9 +1209,7 @@ def _take_token_run(s: str, start: int, end: int, spans: list[tuple[int, int]]) 
     value = s[start:end]
     if _ISO_TIME.fullmatch(value) is not None:
         return  # (a time: ``2024-01-15T10:30:00Z``)
-    if ("/" in value or "\\" in value) and _is_path(
-        _DRIVE.sub("", value).replace("\\\\", "/").replace("\\", "/").lower()
-    ):
+    if ("/" in value or "\\" in value) and _FILE_PATH.fullmatch(value) is not None:
         return  # (a path: ``static/js/main.3f9a8b7c.js``, ``C:\\Users\\dev\\app2024``)
     _take_token(s, start, end, spans)
 

@@ -277,6 +277,8 @@ def list_sessions(
             if known:
                 if held is not None:  # (None: a file that is no cachegate log)
                     summaries.append(SessionSummary(**held))
+                    times.append(modified)
+                    last_read = modified
                 continue
         try:
             log = read_events(path, drop=BODY_FIELDS)

@@ -1269,3 +1269,13 @@ def test_list_limit_takes_the_sessions_seen_last_among_files_written_in_one_tick
     _logged(tmp_path, "copied", [meta, req(T0 - 500, 1)])
     os.utime(tmp_path / "copied.jsonl", (T0 + 200, T0 + 200))
     assert [s.session for s in list_sessions(tmp_path, limit=2)] == ["s7", "copied"]
+    # ... and alike from a memo of an earlier listing: its summaries, with a file read again
+    # among the tied ones (touched: another key), took part in the choice (it was a crash,
+    # ``zip() argument 2 is shorter``, or the first tied by name)
+    from proxy.listmemo import SummaryMemo
+
+    memo = SummaryMemo(None, str(tmp_path), "test")
+    first = [s.session for s in list_sessions(tmp_path, limit=3, memo=memo)]
+    os.utime(tmp_path / "s3.jsonl", (T0 + 100, T0 + 100))  # (its mtime the same, its ctime new)
+    again = [s.session for s in list_sessions(tmp_path, limit=3, memo=memo)]
+    assert first == again == ["s7", "s6", "copied"]
