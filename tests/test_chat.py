@@ -1355,8 +1355,7 @@ def test_a_body_nested_as_deep_as_cachegate_reads_is_answered_on_every_turn(
     )
     for turn in range(2):
         raw = (
-            '{"model":"gpt-4o","messages":' + messages + "],"
-            '"metadata":{"deep":' + nested + "}}"
+            '{"model":"gpt-4o","messages":' + messages + '],"metadata":{"deep":' + nested + "}}"
         ).encode()
         r = httpx.post(
             proxy.base_url + "/chat/completions",
