@@ -457,13 +457,17 @@ _DICT_COOKIE = re.compile(
 _ISO_TIME = re.compile(
     r"\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d{1,9})?)?)?(?:Z|[+-]\d{2}:?\d{2})?"
 )
-# A file's path (not a token with a ``/`` in it, base64's: its parts mix cases): folders named
-# in lower case (a capital first at most), then a file name with an extension; a Windows path
+# A file's path (not a token with a ``/`` in it, base64's: its parts mix cases): folders and a
+# file's name in lower case (a capital first at most), its extension of one case; a Windows path
 # after its drive (``C:\\Users\\dev\\project2024``, its ``\\`` maybe doubled in code); one
 # from the root, each part so named
 _PATH_PART = r"[A-Z]?[a-z0-9_.-]{1,64}"
 _FILE_PATH = re.compile(
-    r"(?:\.{0,2}/)?(?:" + _PATH_PART + r"/){1,32}[\w.-]{0,64}\.[A-Za-z][A-Za-z0-9]{0,7}"
+    r"(?:\.{0,2}/)?(?:"
+    + _PATH_PART
+    + r"/){1,32}"
+    + _PATH_PART
+    + r"\.(?:[a-z][a-z0-9]{0,7}|[A-Z]{1,8})"
     r"|[A-Za-z]:(?:\\{1,2}" + _PATH_PART + r"){1,32}\\{0,2}"
     r"|(?:/" + _PATH_PART + r"){1,32}/?"  # (from the root: ``/admin/v2/settings``)
 )
