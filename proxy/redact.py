@@ -445,15 +445,6 @@ _COOKIE_INDEX = re.compile(
     r"""(\\*["'`])"""
 )
 _COOKIE_DICT = re.compile(r"""(?i:cookies)(?:\\*["'])?[ \t]*[:=][ \t\r\n]*\{""")
-# (between a dict's entries: blanks, commas, a line's start as a tool printed it: numbered, a
-# diff's, grep -n's)
-_DICT_GAP = (
-    r"""(?:[ \t\r,]|\\[nrt]|\n(?:[ \t]*\d{1,9}(?:\t|→)|[+-]|[^\s:]{1,256}?:\d{1,9}[:-])?)*+"""
-)
-_DICT_COOKIE = re.compile(
-    _DICT_GAP + r"""(\\*["'])([^"'\\\n]{1,64}+)\1[ \t]*:[ \t]*(?:(\\*["'])|(?:true|false|null"""
-    r"""|-?[0-9][\w.+-]{0,63}+)(?![\w.+-]))"""
-)
 _ISO_TIME = re.compile(
     r"\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d{1,9})?)?)?(?:Z|[+-]\d{2}:?\d{2})?"
 )
@@ -959,8 +950,16 @@ _LINE_PREFIXES: Final = (
     re.compile(r">[ \t]?"),
     re.compile(r"[^\s:]{1,256}?(?::\d{1,9}:|-\d{1,9}-)"),
 )
+_ANY_LINE_PREFIX: Final = "|".join(prefix.pattern for prefix in _LINE_PREFIXES[1:])
+# (between a cookie dict's entries: blanks, commas, a line's start as a tool printed it)
+_DICT_COOKIE = re.compile(
+    r"""(?:[ \t\r,]|\\[nrt]|\n(?:"""
+    + _ANY_LINE_PREFIX
+    + r""")?)*+(\\*["'])([^"'\\\n]{1,64}+)\1[ \t]*:[ \t]*(?:(\\*["'])|(?:true|false|null"""
+    r"""|-?[0-9][\w.+-]{0,63}+)(?![\w.+-]))"""
+)
 _YAML_DATA: Final = re.compile(
-    "^(?:" + "|".join(prefix.pattern for prefix in _LINE_PREFIXES[1:]) + ")??"
+    "^(?:" + _ANY_LINE_PREFIX + ")??"
     r"([ \t]*)(?:data|stringData):[ \t]*(?:\{|#[^\n]*)?\r?$",
     re.M,
 )

@@ -260,15 +260,14 @@ def list_sessions(
                     continue
             candidates.append((modified, session_id, entry.path))
     candidates.sort(key=lambda c: (-c[0], c[1]))
-    summaries: list[SessionSummary] = []
-    times: list[float] = []  # (each summary's file's modification time)
-    last_read = cutoff = None  # (the time of the file that gave the last summary; the limit's)
+    taken: list[tuple[float, SessionSummary]] = []  # (its file's modification time, summary)
+    cutoff: float | None = None  # (the time of the file that gave the limit's last summary)
     for modified, session_id, path in candidates:
-        if limit is not None and len(summaries) >= limit:
+        if limit is not None and len(taken) >= limit:
             # The files written in the same tick of the file system's clock as the last one
             # taken are read too (a writer's batch of many sessions leaves them all one time):
             # which of them come in is then said by the times of their last lines.
-            cutoff = last_read if cutoff is None else cutoff
+            cutoff = taken[-1][0] if cutoff is None else cutoff
             if modified != cutoff:
                 break
         key = file_key(path) if memo is not None else None
@@ -276,9 +275,7 @@ def list_sessions(
             known, held = memo.get(session_id + LOG_SUFFIX, key)
             if known:
                 if held is not None:  # (None: a file that is no cachegate log)
-                    summaries.append(SessionSummary(**held))
-                    times.append(modified)
-                    last_read = modified
+                    taken.append((modified, SessionSummary(**held)))
                 continue
         try:
             log = read_events(path, drop=BODY_FIELDS)
@@ -296,16 +293,15 @@ def list_sessions(
         if memo is not None and key is not None and file_key(path) == key:
             memo.put(session_id + LOG_SUFFIX, key, summary.to_json() if summary else None)
         if summary is not None:
-            summaries.append(summary)
-            times.append(modified)
-            last_read = modified
+            taken.append((modified, summary))
     if memo is not None:
         memo.keep_only(present)
-    if limit is not None and len(summaries) > limit:
+    summaries = [summary for _, summary in taken]
+    if limit is not None and len(taken) > limit:
         # Every file written after the tied ones stays; the places left go to the tied files
         # whose last lines came last.
-        newer = [s for s, t in zip(summaries, times, strict=True) if t != cutoff]
-        tied = [s for s, t in zip(summaries, times, strict=True) if t == cutoff]
+        newer = [summary for modified, summary in taken if modified != cutoff]
+        tied = [summary for modified, summary in taken if modified == cutoff]
         tied.sort(key=lambda s: (-(s.last_seen or 0.0), s.session))
         summaries = newer + tied[: max(0, limit - len(newer))]
     summaries.sort(key=lambda s: (-(s.last_seen or 0.0), s.session))
