@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 import httpx
+import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -22,11 +23,11 @@ from starlette.types import Receive as ASGIReceive
 from starlette.types import Scope as ASGIScope
 from starlette.types import Send as ASGISend
 
-from proxy import __version__
+from proxy import __version__, pairing, respairing
 from proxy.browser import BrowserGuard
-from proxy.chat import ChatPipeline, header_map, internal_error, request_headers
+from proxy.chat import ChatPipeline, dump_body, header_map, internal_error, request_headers
 from proxy.compactor import Compactor
-from proxy.config import Settings
+from proxy.config import TRUE_WORDS, Settings
 from proxy.errors import (
     CLIENT_CLOSED,
     ProxyError,
@@ -46,6 +47,8 @@ from proxy.relay import (
     Scope,
     Send,
     UpstreamAborted,
+    decoded_request,
+    read_body,
     refuse_announced,
     send_error,
     upstream_request_headers,
@@ -295,9 +298,17 @@ class Gateway:
         notify(self.observers, "on_error", ex)
 
     async def passthrough(
-        self, scope: Scope, receive: Receive, send: Send, path: str, path_session: str | None
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        path: str,
+        path_session: str | None,
+        responses: bool = False,
     ) -> None:
-        """Relay any other /v1 request generically: method, query, headers, streamed bodies."""
+        """Relay any other /v1 request generically: method, query, headers, streamed bodies.
+        ``responses``: a ``POST /v1/responses``, whose body is read whole for its tool pairing
+        to be repaired (``_responses``) when the settings or its headers ask for that."""
         assert self.relay is not None
         headers = header_map(scope)
         ex = Exchange(
@@ -333,6 +344,16 @@ class Gateway:
         except ProxyError as err:
             await self.refuse(scope, send, "passthrough", err, extra, receive)
             return
+        if responses:
+            strict = (
+                self.settings.pairing.strict
+                or headers.get("x-cachegate-strict", "").strip().lower() in TRUE_WORDS
+            )
+            if strict or self.settings.pairing.repair:
+                await self._responses(
+                    ex, scope, receive, send, headers, forward_headers, extra, strict
+                )
+                return
         first = await receive()
         if first["type"] == "http.disconnect":  # gone before its body's first byte: not sent
             ex.status = CLIENT_CLOSED
@@ -394,6 +415,107 @@ class Gateway:
         finally:
             notify(self.observers, "on_response", ex)
 
+    async def _responses(
+        self,
+        ex: Exchange,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        headers: Mapping[str, str],
+        forward_headers: list[tuple[bytes, bytes]],
+        extra: list[tuple[bytes, bytes]],
+        strict: bool,
+    ) -> None:
+        """A Responses API request: its body read whole, its ``input`` items' tool pairing
+        repaired (or, ``strict``, refused with a diagnosis), then relayed as any other request;
+        the answer, streamed or not, byte for byte."""
+        assert self.relay is not None
+        try:
+            raw = await read_body(receive, self.settings.server.max_body_bytes)
+            ex.request_bytes = len(raw)
+            try:
+                content, forward_headers = self._repaired_responses(
+                    ex, raw, headers, forward_headers, strict
+                )
+            except ProxyError:
+                raise
+            except Exception:  # cachegate's own defect: the request goes as it came
+                log.exception("the pairing check of a Responses API request failed")
+                ex.repairs = []
+                content = raw
+        except ProxyError as err:
+            ex.status, ex.error = err.status, err.message
+            ex.interrupted = err.status == CLIENT_CLOSED  # the client left while sending it
+            notify(self.observers, "on_error", ex)
+            if err.status != CLIENT_CLOSED:
+                if err.code == "strict_pairing":
+                    self.metrics.observe_strict_rejection()
+                await send_error(send, err, extra, receive)
+            return
+        extra = [*extra, (b"x-cachegate-repairs", str(len(ex.repairs)).encode())]
+        notify(self.observers, "on_request", ex)
+        try:
+            await self.relay.forward(
+                ex,
+                scope,
+                receive,
+                send,
+                content=content,
+                headers=forward_headers,
+                extra_headers=extra,
+                record=False,
+            )
+        finally:
+            notify(self.observers, "on_response", ex)
+
+    def _repaired_responses(
+        self,
+        ex: Exchange,
+        raw: bytes,
+        headers: Mapping[str, str],
+        forward_headers: list[tuple[bytes, bytes]],
+        strict: bool,
+    ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+        """The body to forward for a Responses API request, and its headers: the client's
+        bytes unless its ``input`` needed a repair. A body cachegate cannot read (a coding it
+        does not know, no JSON) is the provider's to judge, and goes as it came."""
+        text = raw
+        coding = headers.get("content-encoding")
+        coded = coding is not None and coding.strip().lower() not in ("", "identity")
+        if coded:
+            try:
+                text = decoded_request(coding or "", raw, self.settings.server.max_body_bytes)
+            except ProxyError:
+                return raw, forward_headers
+        if b'"call_id"' not in text:  # (no call and no output: nothing to pair, nothing parsed)
+            return raw, forward_headers
+        try:
+            body = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            return raw, forward_headers
+        if not isinstance(body, dict) or not respairing.needs_repair(body):
+            return raw, forward_headers
+        if strict:
+            defects = respairing.diagnose(body)
+            raise bad_request(
+                respairing.format_strict_error(body, defects), "strict_pairing", "input"
+            )
+        p = self.settings.pairing
+        result = respairing.repair_input(
+            body,
+            orphan_policy=p.orphan_policy,
+            interrupted_note=p.interrupted_note or pairing.DEFAULT_INTERRUPTED_NOTE,
+        )
+        if not result.messages:  # (only orphans, dropped: the provider judges what was sent)
+            return raw, forward_headers
+        ex.repairs = [
+            {"kind": r.kind, "index": r.index, "tool_call_id": r.tool_call_id, "action": r.action}
+            for r in result.repairs
+        ]
+        if coded:  # forwarded as read: decoded
+            forward_headers = [h for h in forward_headers if h[0].lower() != b"content-encoding"]
+        return dump_body({**body, "input": result.messages}), forward_headers
+
 
 class _ProxyEndpoint:
     """Raw ASGI endpoint for /v1/* and /s/{id}/v1/*: no Request object, no buffering."""
@@ -453,7 +575,8 @@ class _ProxyEndpoint:
                 explicit_session(scope),
             )
             return
-        await self.gateway.passthrough(scope, receive, send, upstream_path, path_session)
+        responses = path == "responses" and scope["method"] == "POST"
+        await self.gateway.passthrough(scope, receive, send, upstream_path, path_session, responses)
 
 
 def explicit_session(scope: Scope) -> list[tuple[bytes, bytes]]:

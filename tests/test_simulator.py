@@ -1250,3 +1250,54 @@ def test_replies_enqueued_in_their_json_form_are_served() -> None:
         with pytest.raises(ValueError, match="a scripted reply must be a string or an object"):
             sim.sim.enqueue(["fine", 42])
         assert sim.sim.take_scripted() is None  # (none of them queued)
+
+
+# -- the Responses API -------------------------------------------------------------------------
+
+
+def test_responses_answers_the_sdk_plain_and_streamed(sim: RunningSimulator) -> None:
+    client = openai.OpenAI(base_url=sim.api_base, api_key="sk-test", max_retries=0)
+    sim.sim.enqueue(["First answer.", "Second answer."])
+    plain = client.responses.create(model="gpt-5", input="hello")
+    assert plain.output_text == "First answer." and plain.status == "completed"
+    assert plain.usage is not None and plain.usage.output_tokens == count_tokens("First answer.")
+    with client.responses.stream(model="gpt-5", input=[{"role": "user", "content": "hi"}]) as s:
+        deltas = [e.delta for e in s if e.type == "response.output_text.delta"]
+        final = s.get_final_response()
+    assert "".join(deltas) == "Second answer." == final.output_text
+    assert [r.path for r in sim.sim.requests] == ["/v1/responses", "/v1/responses"]
+
+
+@pytest.mark.parametrize(
+    ("items", "message"),
+    [
+        (
+            [{"type": "custom_tool_call", "call_id": "c_p", "name": "apply_patch", "input": ""}],
+            "No tool output found for custom tool call c_p.",
+        ),
+        (
+            [{"type": "function_call_output", "call_id": "c_x", "output": "x"}],
+            "No tool call found for function call output with call_id c_x.",
+        ),
+    ],
+)
+def test_responses_refuses_a_broken_pairing_as_openai_does(
+    sim: RunningSimulator, items: list[Any], message: str
+) -> None:
+    answer = httpx.post(sim.api_base + "/responses", json={"model": "gpt-5", "input": items})
+    assert answer.status_code == 400
+    assert answer.json()["error"] == {
+        "message": message,
+        "type": "invalid_request_error",
+        "param": "input",
+        "code": None,
+    }
+
+
+def test_responses_takes_outputs_of_a_stored_response(sim: RunningSimulator) -> None:
+    items = [{"type": "function_call_output", "call_id": "c_x", "output": "x"}]
+    answer = httpx.post(
+        sim.api_base + "/responses",
+        json={"model": "gpt-5", "input": items, "previous_response_id": "resp_1"},
+    )
+    assert answer.status_code == 200, answer.text

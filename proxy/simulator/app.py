@@ -53,6 +53,7 @@ from proxy.simulator.validate import (
     json_kind,
     validate_claude_messages,
     validate_messages,
+    validate_response_input,
 )
 from proxy.simulator.wire import (
     DONE,
@@ -60,6 +61,9 @@ from proxy.simulator.wire import (
     completion_object,
     encode_event,
     error_object,
+    response_events,
+    response_object,
+    response_usage,
     stream_chunks,
     usage_object,
 )
@@ -471,6 +475,45 @@ class _Handlers:
             paced(), media_type="application/json", headers=headers, start_at_once=False
         )
 
+    async def responses(self, request: Request) -> Response:
+        """``POST /v1/responses``: OpenAI's checks of the input items' tool pairing, then one
+        assistant message (the next scripted reply's text, else a fixed one), streamed as the
+        Responses API's events when asked. No response is stored."""
+        raw = await request.body()
+        received = self.sim.record(request.method, request.url.path, dict(request.headers), raw)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            body = None
+        if not isinstance(body, dict):
+            received.status = 400
+            return _error(400, BAD_JSON_TEXT)
+        received.body = body
+        model = body.get("model")
+        try:
+            if not isinstance(model, str) or not model:
+                raise ValidationError("Missing required parameter: 'model'.", "model")
+            validate_response_input(body)
+        except ValidationError as exc:
+            received.status = 400
+            return _error(400, exc.message, exc.param, exc.code)
+        scripted = self.sim.take_scripted()
+        text = scripted.content if scripted is not None and scripted.content else "Done."
+        items = body.get("input")
+        prompt = items if isinstance(items, str) else orjson.dumps(items).decode()
+        done = response_object(
+            response_id=self.sim.new_id("resp_", 32),
+            message_id=self.sim.new_id("msg_", 32),
+            created=int(self.sim.now),
+            model=model,
+            text=text,
+            usage=response_usage(count_tokens(prompt), count_tokens(text)),
+        )
+        received.status = 200
+        if body.get("stream") is True:
+            return Response(response_events(done), media_type="text/event-stream")
+        return _json_response(done)
+
     async def models(self, request: Request) -> Response:
         self.sim.record(request.method, request.url.path, dict(request.headers), b"").status = 200
         created = int(self.config.start_time)
@@ -624,6 +667,7 @@ def create_simulator_app(
     _install_quiet_reset()
     routes = [
         Route("/v1/chat/completions", handlers.chat, methods=["POST"]),
+        Route("/v1/responses", handlers.responses, methods=["POST"]),
         Route("/v1/models", handlers.models, methods=["GET"]),
         Route("/v1/embeddings", handlers.embeddings, methods=["POST"]),
         Route("/_sim/clock", handlers.clock, methods=["GET", "POST"]),

@@ -189,3 +189,47 @@ def validate_messages(messages: Any) -> None:
             open_block = True
     if pending:
         raise ValidationError(DANGLING_TEXT.format(ids=", ".join(map(str, pending))), "messages")
+
+
+# The Responses API's refusals of a broken pairing (OpenAI's texts; ``param`` is "input")
+NO_OUTPUT_TEXT = "No tool output found for {what} {id}."
+NO_CALL_TEXT = "No tool call found for {what} output with call_id {id}."
+_RESPONSE_CALLS = {
+    "function_call": "function call",
+    "custom_tool_call": "custom tool call",
+    "local_shell_call": "local shell call",
+}
+_RESPONSE_OUTPUTS = {
+    "function_call_output": "function call",
+    "custom_tool_call_output": "custom tool call",
+}
+
+
+def validate_response_input(body: dict[str, Any]) -> None:
+    """Raise ``ValidationError`` where OpenAI would refuse a Responses API request's ``input``
+    items: a call with no output in the list, or (unless the request continues a stored
+    response or conversation) an output whose ``call_id`` no call in the list has."""
+    items = body.get("input")
+    if not isinstance(items, list):
+        return
+    calls: dict[str, str] = {}
+    answered: set[str] = set()
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("call_id"), str):
+            continue
+        kind = item.get("type")
+        if kind in _RESPONSE_CALLS:
+            calls.setdefault(item["call_id"], _RESPONSE_CALLS[kind])
+        elif kind in _RESPONSE_OUTPUTS:
+            answered.add(item["call_id"])
+    for call_id, what in calls.items():
+        if call_id not in answered:
+            raise ValidationError(NO_OUTPUT_TEXT.format(what=what, id=call_id), "input")
+    if body.get("previous_response_id") or body.get("conversation"):
+        return
+    for item in items:
+        if isinstance(item, dict) and item.get("type") in _RESPONSE_OUTPUTS:
+            answers = item.get("call_id")
+            if isinstance(answers, str) and answers not in calls:
+                what = _RESPONSE_OUTPUTS[item["type"]]
+                raise ValidationError(NO_CALL_TEXT.format(what=what, id=answers), "input")

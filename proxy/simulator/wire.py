@@ -205,3 +205,88 @@ def padding(delta: dict[str, Any]) -> str:
     """An ``obfuscation`` value for a chunk with ``delta``: letters and digits, 1-16 of them."""
     digest = hashlib.blake2b(orjson.dumps(delta), digest_size=17).digest()
     return bytes(_PAD_CHARS[b % len(_PAD_CHARS)] for b in digest[1 : 2 + digest[0] % 16]).decode()
+
+
+def response_object(
+    *,
+    response_id: str,
+    message_id: str,
+    created: int,
+    model: str,
+    text: str,
+    usage: dict[str, Any] | None,
+    status: str = "completed",
+) -> dict[str, Any]:
+    """A Responses API ``response`` object whose output is one assistant message of ``text``
+    (none while ``status`` is ``in_progress``)."""
+    output: list[dict[str, Any]] = []
+    if status == "completed":
+        part = {"type": "output_text", "text": text, "annotations": []}
+        output.append(
+            {
+                "id": message_id,
+                "type": "message",
+                "status": "completed",
+                "role": "assistant",
+                "content": [part],
+            }
+        )
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "error": None,
+        "incomplete_details": None,
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "usage": usage,
+    }
+
+
+def response_usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    """A Responses API ``usage`` object (nothing read from a cache)."""
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+def response_events(done: dict[str, Any]) -> bytes:
+    """The SSE stream of the Responses API for ``done`` (a completed ``response_object``):
+    ``event:`` and ``data:`` lines, the text in ``response.output_text.delta`` pieces."""
+    message = done["output"][0]
+    text = message["content"][0]["text"]
+    started = {**done, "status": "in_progress", "output": [], "usage": None}
+    item_id = message["id"]
+    at = {"item_id": item_id, "output_index": 0, "content_index": 0}
+    empty = {"type": "output_text", "text": "", "annotations": []}
+    events: list[dict[str, Any]] = [
+        {"type": "response.created", "response": started},
+        {"type": "response.in_progress", "response": started},
+        {
+            "type": "response.output_item.added",
+            "output_index": 0,
+            "item": {**message, "status": "in_progress", "content": []},
+        },
+        {"type": "response.content_part.added", **at, "part": empty},
+        *(
+            {"type": "response.output_text.delta", **at, "delta": piece, "logprobs": []}
+            for piece in pieces(text)
+        ),
+        {"type": "response.output_text.done", **at, "text": text, "logprobs": []},
+        {"type": "response.content_part.done", **at, "part": message["content"][0]},
+        {"type": "response.output_item.done", "output_index": 0, "item": message},
+        {"type": "response.completed", "response": done},
+    ]
+    out = bytearray()
+    for number, event in enumerate(events):
+        event = {"type": event["type"], "sequence_number": number, **event}
+        out += b"event: " + event["type"].encode() + b"\n" + encode_event(event)
+    return bytes(out)

@@ -1,0 +1,208 @@
+"""Tool-pairing diagnosis and repair of a Responses API request's ``input`` items (pure).
+
+The Responses API (``POST /v1/responses``) carries a conversation as a list of items: messages,
+reasoning, the model's tool calls and the client's outputs, paired by ``call_id``. OpenAI refuses
+a list with a call and no output (``No tool output found for function call call_…``: an agent
+interrupted while its tools ran) and one with an output that answers no call (``No tool call found
+for function call output with call_id call_…``: a client that trimmed its history, or merged two).
+``repair_input`` fixes both, deterministically; ``diagnose`` and ``format_strict_error`` explain
+them instead in strict mode.
+
+Only what the request itself holds is judged. With ``previous_response_id``, ``conversation`` or an
+``item_reference`` item, the calls an output answers may be stored at the provider, so no output is
+taken for an orphan; a call in the list still needs its output in the list.
+
+Calls paired: ``function_call`` and ``custom_tool_call`` (answered by an output of their own type)
+and ``local_shell_call`` (answered by a ``function_call_output``, as Codex CLI writes it). Other
+items are left alone: the hosted tools' calls carry their results, and a computer, shell or patch
+call's output is a structure (a screenshot, exit codes) a proxy cannot make up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from proxy.pairing import PairingResult, Repair
+from proxy.prefix import deep_dumps
+
+OUTPUT_OF: Final[Mapping[str, str]] = {
+    "function_call": "function_call_output",
+    "custom_tool_call": "custom_tool_call_output",
+    "local_shell_call": "function_call_output",
+}
+"""Each call item's type, and the type of the output item a synthetic one is given."""
+
+OUTPUTS: Final = frozenset({"function_call_output", "custom_tool_call_output"})
+
+_SERVER_STATE_KEYS: Final = ("previous_response_id", "conversation")
+
+
+def _call_id(item: Mapping[str, Any]) -> str | None:
+    value = item.get("call_id")
+    return value if isinstance(value, str) and value else None
+
+
+def stored_elsewhere(body: Mapping[str, Any]) -> bool:
+    """Whether ``body`` continues a conversation stored at the provider (a previous response,
+    a conversation, an item referenced by id), whose calls its outputs may answer."""
+    if any(body.get(key) for key in _SERVER_STATE_KEYS):
+        return True
+    items = body.get("input")
+    return isinstance(items, list) and any(
+        isinstance(item, dict) and item.get("type") == "item_reference" for item in items
+    )
+
+
+def _scan(items: Sequence[Any]) -> tuple[dict[str, int], set[str]]:
+    """The position of the first call of each ``call_id``, and the ids outputs answer."""
+    calls: dict[str, int] = {}
+    answered: set[str] = set()
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type")
+        if kind in OUTPUT_OF:
+            call_id = _call_id(item)
+            if call_id is not None:
+                calls.setdefault(call_id, i)
+        elif kind in OUTPUTS:
+            call_id = _call_id(item)
+            if call_id is not None:
+                answered.add(call_id)
+    return calls, answered
+
+
+def _defects(items: Sequence[Any], stored: bool) -> tuple[list[int], list[int]]:
+    """The positions of the calls without an output, and of the outputs that answer no call
+    (none when the calls may be stored at the provider)."""
+    calls, answered = _scan(items)
+    dangling = sorted(i for call_id, i in calls.items() if call_id not in answered)
+    orphans: list[int] = []
+    if not stored:
+        for i, item in enumerate(items):
+            if isinstance(item, dict) and item.get("type") in OUTPUTS:
+                call_id = _call_id(item)
+                if call_id is not None and call_id not in calls:
+                    orphans.append(i)
+    return dangling, orphans
+
+
+def needs_repair(body: Mapping[str, Any]) -> bool:
+    """Whether ``body``'s ``input`` list has a call without an output, or an output that answers
+    no call."""
+    items = body.get("input")
+    if not isinstance(items, list):
+        return False
+    dangling, orphans = _defects(items, stored_elsewhere(body))
+    return bool(dangling or orphans)
+
+
+def _name(item: Mapping[str, Any]) -> str:
+    name = item.get("name")
+    if isinstance(name, str) and name:
+        return name
+    return "shell" if item.get("type") == "local_shell_call" else "(unnamed)"
+
+
+def _block_end(items: Sequence[Any], start: int) -> int:
+    """The position after the run of call and output items that ``start`` begins: a turn's
+    parallel calls and the outputs already sent for them. A synthetic output goes there."""
+    end = start + 1
+    while end < len(items):
+        item = items[end]
+        if not isinstance(item, dict):
+            break
+        kind = item.get("type")
+        if kind not in OUTPUT_OF and kind not in OUTPUTS:
+            break
+        end += 1
+    return end
+
+
+def _downgraded(item: Mapping[str, Any], label: str) -> dict[str, Any]:
+    """A user message carrying an orphan output's content under ``label``: nothing is lost."""
+    output = item.get("output")
+    content: list[Any]
+    if output is None or output == "":
+        content = [{"type": "input_text", "text": label}]
+    elif isinstance(output, str):
+        content = [{"type": "input_text", "text": f"{label}\n{output}"}]
+    elif isinstance(output, list):  # (input_text, input_image and input_file parts)
+        content = [{"type": "input_text", "text": label}, *output]
+    else:
+        dumped = deep_dumps(output, sort_keys=True, ensure_ascii=False)
+        content = [{"type": "input_text", "text": f"{label}\n{dumped}"}]
+    return {"type": "message", "role": "user", "content": content}
+
+
+def repair_input(
+    body: Mapping[str, Any],
+    *,
+    orphan_policy: str = "downgrade",
+    interrupted_note: str,
+) -> PairingResult:
+    """``body``'s ``input`` items with each call given an output and each orphan output kept
+    as a user message (``orphan_policy = "downgrade"``) or removed (``"drop"``).
+
+    A call without an output gets a synthetic one (``interrupted_note``, its ``{name}`` the
+    tool's) after the run of call and output items it belongs to, in call order. The result's
+    ``messages`` is the input list itself when nothing was wrong. ``index`` in each repair is the
+    item's position in the client's list."""
+    items = body.get("input")
+    if not isinstance(items, list):
+        return PairingResult([], [])
+    dangling, orphans = _defects(items, stored_elsewhere(body))
+    if not dangling and not orphans:
+        return PairingResult(items, [])
+    repairs: list[Repair] = []
+    after: dict[int, list[dict[str, Any]]] = {}  # position -> synthetic outputs to insert there
+    for i in dangling:
+        call = items[i]
+        call_id, name = _call_id(call), _name(call)
+        synthetic = {
+            "type": OUTPUT_OF[call["type"]],
+            "call_id": call_id,
+            "output": interrupted_note.replace("{name}", name),
+        }
+        after.setdefault(_block_end(items, i), []).append(synthetic)
+        repairs.append(Repair("dangling_call", i, call_id, f"added a synthetic output for {name}"))
+    orphan_set = set(orphans)
+    out: list[Any] = []
+    for i, item in enumerate(items):
+        out.extend(after.get(i, ()))
+        if i in orphan_set:
+            call_id = _call_id(item)
+            if orphan_policy == "drop":
+                repairs.append(Repair("orphan_result", i, call_id, "dropped"))
+                continue
+            label = f"[tool result for call {call_id} (no matching tool call)]"
+            out.append(_downgraded(item, label))
+            repairs.append(Repair("orphan_result", i, call_id, "kept as a user message"))
+            continue
+        out.append(item)
+    out.extend(after.get(len(items), ()))
+    repairs.sort(key=lambda r: r.index)
+    return PairingResult(out, repairs)
+
+
+def diagnose(body: Mapping[str, Any]) -> list[Repair]:
+    """What ``repair_input`` would repair, changing nothing: strict mode's list of defects."""
+    return repair_input(body, interrupted_note="").repairs
+
+
+def format_strict_error(body: Mapping[str, Any], repairs: list[Repair]) -> str:
+    """One error message naming every defect with its item's index, type and ``call_id``."""
+    items = body.get("input")
+    parts = []
+    for r in repairs:
+        item = items[r.index] if isinstance(items, list) else {}
+        kind = item.get("type") if isinstance(item, dict) else None
+        if r.kind == "dangling_call":
+            text = f"input[{r.index}] {kind} {r.tool_call_id} has no output"
+        else:
+            text = f"input[{r.index}] {kind} for {r.tool_call_id} answers no call"
+        parts.append(f"{text} ({r.kind})")
+    count = len(repairs)
+    head = f"cachegate strict pairing: {count} defect{'' if count == 1 else 's'}"
+    return f"{head}: {'; '.join(parts)}" if parts else head

@@ -1,0 +1,365 @@
+"""Tool-pairing repair of Responses API requests: the pure repair, and ``POST /v1/responses``
+end to end (the official SDK through cachegate to the simulator, which refuses a broken pairing
+with OpenAI's texts)."""
+
+from __future__ import annotations
+
+import copy
+import gzip
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from proxy import respairing
+from proxy.pairing import DEFAULT_INTERRUPTED_NOTE
+from proxy.simulator import RunningSimulator, SimConfig, run_simulator
+from proxy.simulator.validate import ValidationError, validate_response_input
+
+NOTE = "interrupted: {name}"
+
+
+def call(call_id: str, name: str = "shell", kind: str = "function_call") -> dict[str, Any]:
+    item: dict[str, Any] = {"type": kind, "call_id": call_id, "name": name}
+    if kind == "function_call":
+        item["arguments"] = '{"cmd":"ls"}'
+    elif kind == "custom_tool_call":
+        item["input"] = "*** Begin Patch"
+    return item
+
+
+def output(call_id: str, text: Any = "ok", kind: str = "function_call_output") -> dict[str, Any]:
+    return {"type": kind, "call_id": call_id, "output": text}
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def repaired(body: dict[str, Any], **kw: Any) -> respairing.PairingResult:
+    kw.setdefault("interrupted_note", NOTE)
+    return respairing.repair_input(body, **kw)
+
+
+def accepted(body: dict[str, Any]) -> bool:
+    try:
+        validate_response_input(body)
+    except ValidationError:
+        return False
+    return True
+
+
+# -- the pure repair -------------------------------------------------------------------------------
+
+
+def test_a_sound_history_is_the_same_list() -> None:
+    items = [user("hi"), call("c1"), output("c1"), {"type": "reasoning", "id": "rs_1"}]
+    result = repaired({"input": items})
+    assert result.messages is items and result.repairs == []
+    assert not respairing.needs_repair({"input": items})
+    assert not respairing.needs_repair({"input": "just text"})
+
+
+def test_an_interrupted_call_gets_a_synthetic_output_after_its_turn() -> None:
+    items = [user("run it"), call("c1", "exec_command"), user("never mind, stop")]
+    body = {"model": "gpt-5", "input": items}
+    assert not accepted(body)
+    result = repaired(body)
+    assert result.messages == [
+        user("run it"),
+        call("c1", "exec_command"),
+        {"type": "function_call_output", "call_id": "c1", "output": "interrupted: exec_command"},
+        user("never mind, stop"),
+    ]
+    assert [(r.kind, r.index, r.tool_call_id) for r in result.repairs] == [
+        ("dangling_call", 1, "c1")
+    ]
+    assert accepted({**body, "input": result.messages})
+    assert items == [user("run it"), call("c1", "exec_command"), user("never mind, stop")]
+
+
+def test_parallel_calls_keep_their_block_and_call_order() -> None:
+    items = [call("a"), call("b"), call("c"), output("b"), user("steer"), call("d"), output("d")]
+    result = repaired({"input": items})
+    assert [(i.get("type"), i.get("call_id")) for i in result.messages] == [
+        ("function_call", "a"),
+        ("function_call", "b"),
+        ("function_call", "c"),
+        ("function_call_output", "b"),
+        ("function_call_output", "a"),
+        ("function_call_output", "c"),
+        (None, None),
+        ("function_call", "d"),
+        ("function_call_output", "d"),
+    ]
+    assert [r.index for r in result.repairs] == [0, 2]
+
+
+def test_a_history_ending_with_a_call_is_answered_at_its_end() -> None:
+    result = repaired({"input": [user("go"), call("c9")]})
+    assert result.messages[-1] == {
+        "type": "function_call_output",
+        "call_id": "c9",
+        "output": "interrupted: shell",
+    }
+
+
+def test_custom_and_local_shell_calls_get_the_output_type_they_take() -> None:
+    items = [
+        call("p1", "apply_patch", "custom_tool_call"),
+        {"type": "local_shell_call", "call_id": "s1", "action": {"type": "exec"}},
+        user("next"),
+    ]
+    result = repaired({"input": items})
+    assert result.messages[2:4] == [
+        {"type": "custom_tool_call_output", "call_id": "p1", "output": "interrupted: apply_patch"},
+        {"type": "function_call_output", "call_id": "s1", "output": "interrupted: shell"},
+    ]
+    assert accepted({"input": result.messages})
+
+
+def test_an_orphan_output_is_kept_as_a_user_message_or_dropped() -> None:
+    items = [
+        user("hi"),
+        output("gone", "stray text"),
+        output("gone2", [{"type": "input_text", "text": "t"}]),
+    ]
+    body = {"input": items}
+    assert not accepted(body)
+    kept = repaired(body)
+    assert kept.messages[1:] == [
+        {
+            "type": "message",
+            "role": "user",
+            "content": [
+                {
+                    "type": "input_text",
+                    "text": "[tool result for call gone (no matching tool call)]\nstray text",
+                }
+            ],
+        },
+        {
+            "type": "message",
+            "role": "user",
+            "content": [
+                {
+                    "type": "input_text",
+                    "text": "[tool result for call gone2 (no matching tool call)]",
+                },
+                {"type": "input_text", "text": "t"},
+            ],
+        },
+    ]
+    assert [(r.kind, r.action) for r in kept.repairs] == [
+        ("orphan_result", "kept as a user message"),
+        ("orphan_result", "kept as a user message"),
+    ]
+    dropped = repaired(body, orphan_policy="drop")
+    assert dropped.messages == [user("hi")]
+    assert accepted({"input": kept.messages}) and accepted({"input": dropped.messages})
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"previous_response_id": "resp_1"},
+        {"conversation": "conv_1"},
+        {"input_reference": True},
+    ],
+)
+def test_outputs_of_calls_stored_at_the_provider_are_not_orphans(extra: dict[str, Any]) -> None:
+    items: list[Any] = [output("stored_call", "42"), user("and now?")]
+    if extra.pop("input_reference", False):
+        items.insert(0, {"type": "item_reference", "id": "fc_1"})
+    body = {"input": items, **extra}
+    result = repaired(body)
+    assert result.repairs == [] and result.messages is items
+    # a call in the list itself still needs its output there
+    dangling = {**body, "input": [*items, call("fresh")]}
+    assert [r.kind for r in repaired(dangling).repairs] == ["dangling_call"]
+
+
+def test_repair_is_deterministic_and_idempotent() -> None:
+    items = [user("a"), call("c1"), call("c2"), output("c2"), output("zz"), user("b")]
+    first = repaired({"input": copy.deepcopy(items)})
+    second = repaired({"input": copy.deepcopy(items)})
+    assert orjson.dumps(first.messages) == orjson.dumps(second.messages)
+    again = repaired({"input": first.messages})
+    assert again.repairs == [] and again.messages is first.messages
+
+
+def test_the_strict_diagnosis_names_each_item() -> None:
+    body = {"input": [call("c1"), output("c7", kind="custom_tool_call_output")]}
+    text = respairing.format_strict_error(body, respairing.diagnose(body))
+    assert text == (
+        "cachegate strict pairing: 2 defects: input[0] function_call c1 has no output"
+        " (dangling_call); input[1] custom_tool_call_output for c7 answers no call (orphan_result)"
+    )
+
+
+# -- end to end: the official SDK, cachegate, the simulator ---------------------------------------
+
+
+@pytest.fixture
+def sim() -> Iterator[RunningSimulator]:
+    with run_simulator(SimConfig()) as running:
+        yield running
+
+
+INTERRUPTED: list[dict[str, Any]] = [
+    {"role": "user", "content": "list the files"},
+    {
+        "type": "function_call",
+        "id": "fc_1",
+        "call_id": "call_ls",
+        "name": "exec_command",
+        "arguments": '{"cmd":"ls"}',
+    },
+    {"role": "user", "content": "stop, show me the README instead"},
+]
+
+
+def test_the_provider_refuses_an_interrupted_turn_that_cachegate_repairs(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk(sim.api_base).responses.create(model="gpt-5", input=INTERRUPTED)
+    assert "No tool output found for function call call_ls." in str(refused.value)
+
+    proxy = proxy_factory(sim.api_base)
+    raw = sdk(proxy.base_url).responses.with_raw_response.create(model="gpt-5", input=INTERRUPTED)
+    assert raw.status_code == 200
+    assert raw.headers["x-cachegate-repairs"] == "1"
+    assert raw.parse().output_text == "Done."
+    sent = sim.sim.requests[-1].body["input"]
+    assert sent[:2] == INTERRUPTED[:2] and sent[3] == INTERRUPTED[2]
+    assert sent[2] == {
+        "type": "function_call_output",
+        "call_id": "call_ls",
+        "output": DEFAULT_INTERRUPTED_NOTE.replace("{name}", "exec_command"),
+    }
+    assert proxy.metric("cachegate_pairing_repairs_total", {"kind": "dangling_call"}) == 1
+
+
+def test_a_repaired_streamed_request_streams_the_providers_events(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base, {"pairing": {"interrupted_note": "cut: {name}"}})
+    sim.sim.enqueue(["The README says hello."])
+    events = list(
+        sdk(proxy.base_url).responses.create(model="gpt-5", input=INTERRUPTED, stream=True)
+    )
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == (
+        "The README says hello."
+    )
+    assert events[-1].type == "response.completed"
+    assert sim.sim.requests[-1].body["input"][2]["output"] == "cut: exec_command"
+
+
+def test_a_sound_request_is_forwarded_byte_for_byte(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    body = {
+        "model": "gpt-5",
+        "input": [
+            *INTERRUPTED[:2],
+            {"type": "function_call_output", "call_id": "call_ls", "output": "a\nb"},
+        ],
+        "stream": True,
+    }
+    raw = orjson.dumps(body, option=orjson.OPT_INDENT_2)  # (not how cachegate would write it)
+    with httpx.Client() as client:
+        through = client.post(proxy.base_url + "/responses", content=raw)
+        direct = client.post(sim.api_base + "/responses", content=raw)
+    assert through.status_code == 200 and through.headers["x-cachegate-repairs"] == "0"
+    assert [r.raw for r in sim.sim.requests] == [raw, raw]
+    # the same stream both ways, ids aside (each answer draws its own)
+    assert (
+        len(through.content) == len(direct.content)
+        and b"event: response.completed" in through.content
+    )
+
+
+def test_an_orphan_output_is_downgraded_or_dropped_as_configured(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    items = [
+        {"role": "user", "content": "hi"},
+        {"type": "function_call_output", "call_id": "call_old", "output": "stale result"},
+    ]
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk(sim.api_base).responses.create(model="gpt-5", input=items)
+    assert "No tool call found for function call output with call_id call_old." in str(
+        refused.value
+    )
+    kept = proxy_factory(sim.api_base)
+    assert sdk(kept.base_url).responses.create(model="gpt-5", input=items).output_text == "Done."
+    assert sim.sim.requests[-1].body["input"][1]["content"][0]["text"] == (
+        "[tool result for call call_old (no matching tool call)]\nstale result"
+    )
+    dropping = proxy_factory(sim.api_base, {"pairing": {"orphan_policy": "drop"}})
+    sdk(dropping.base_url).responses.create(model="gpt-5", input=items)
+    assert sim.sim.requests[-1].body["input"] == items[:1]
+    assert kept.metric("cachegate_pairing_repairs_total", {"kind": "orphan_result"}) == 1
+
+
+def test_strict_mode_refuses_with_a_diagnosis_and_forwards_nothing(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    client = sdk(proxy.base_url, default_headers={"X-Cachegate-Strict": "1"})
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="gpt-5", input=INTERRUPTED)
+    err = refused.value.body
+    assert isinstance(err, dict)
+    assert err["code"] == "strict_pairing" and err["param"] == "input"
+    assert err["message"] == (
+        "cachegate strict pairing: 1 defect: input[1] function_call call_ls has no output"
+        " (dangling_call)"
+    )
+    assert sim.sim.requests == []
+    assert proxy.metric("cachegate_strict_rejections_total") == 1
+    assert proxy.metric("cachegate_pairing_repairs_total", {"kind": "dangling_call"}) == 0
+
+
+def test_with_repair_off_the_providers_refusal_comes_back(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base, {"pairing": {"repair": False}})
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk(proxy.base_url).responses.create(model="gpt-5", input=INTERRUPTED)
+    assert "No tool output found for function call call_ls." in str(refused.value)
+    assert sim.sim.requests[-1].body["input"] == INTERRUPTED
+
+
+def test_a_gzipped_request_is_repaired_and_sent_decoded(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    body = orjson.dumps({"model": "gpt-5", "input": INTERRUPTED})
+    with httpx.Client() as client:
+        answer = client.post(
+            proxy.base_url + "/responses",
+            content=gzip.compress(body),
+            headers={"content-encoding": "gzip", "content-type": "application/json"},
+        )
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-cachegate-repairs"] == "1"
+    received = sim.sim.requests[-1]
+    assert "content-encoding" not in received.headers
+    assert received.body["input"][2]["call_id"] == "call_ls"
+
+
+def test_a_body_cachegate_cannot_read_goes_to_the_provider_as_it_came(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    raw = b'{"model": "gpt-5", "input": [{"type": "function_call", "call_id": "c1",'
+    with httpx.Client() as client:
+        answer = client.post(proxy.base_url + "/responses", content=raw)
+    assert answer.status_code == 400 and "parse the JSON body" in answer.text
+    assert sim.sim.requests[-1].raw == raw
