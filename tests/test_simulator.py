@@ -369,9 +369,9 @@ def test_invalid_json_and_missing_model_are_400(sim: RunningSimulator) -> None:
 
 
 def test_unknown_paths_and_methods_answer_in_the_openai_error_shape(sim: RunningSimulator) -> None:
-    unknown = httpx.post(sim.api_base + "/responses", json={})
+    unknown = httpx.post(sim.api_base + "/audio/speech", json={})
     assert unknown.status_code == 404
-    assert unknown.json()["error"]["message"] == "Invalid URL (POST /v1/responses)"
+    assert unknown.json()["error"]["message"] == "Invalid URL (POST /v1/audio/speech)"
     wrong = httpx.get(sim.api_base + "/chat/completions")
     assert wrong.status_code == 405
     assert wrong.json()["error"]["message"] == "Invalid method for URL (GET /v1/chat/completions)"
