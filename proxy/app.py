@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
 from typing import Any
@@ -25,7 +26,14 @@ from starlette.types import Send as ASGISend
 
 from proxy import __version__, pairing, respairing
 from proxy.browser import BrowserGuard
-from proxy.chat import ChatPipeline, dump_body, header_map, internal_error, request_headers
+from proxy.chat import (
+    ChatPipeline,
+    dump_body,
+    header_map,
+    internal_error,
+    lenient_json,
+    request_headers,
+)
 from proxy.compactor import Compactor
 from proxy.config import TRUE_WORDS, Settings
 from proxy.errors import (
@@ -446,6 +454,8 @@ class Gateway:
         except ProxyError as err:
             ex.status, ex.error = err.status, err.message
             ex.interrupted = err.status == CLIENT_CLOSED  # the client left while sending it
+            if ex.session_id is not None and self.sessions.get(ex.session_id) is None:
+                ex.session_id = None  # (a refusal makes no session's log: only a held one's)
             notify(self.observers, "on_error", ex)
             if err.status != CLIENT_CLOSED:
                 if err.code == "strict_pairing":
@@ -491,10 +501,16 @@ class Gateway:
             return raw, forward_headers
         try:
             body = orjson.loads(text)
-        except orjson.JSONDecodeError:
-            return raw, forward_headers
+        except orjson.JSONDecodeError:  # (a lone surrogate, as JavaScript cuts an emoji: read)
+            body = lenient_json(text)
         if not isinstance(body, dict) or not respairing.needs_repair(body):
             return raw, forward_headers
+        if _LONG_NUMBER.search(text) is not None:
+            # an integer beyond 64 bits maybe, which orjson reads as a float: read as it is, so
+            # that the repaired body has it as it was
+            body = lenient_json(text, big_ints=True)
+            if not isinstance(body, dict):
+                return raw, forward_headers
         if strict:
             defects = respairing.diagnose(body)
             raise bad_request(
@@ -515,6 +531,9 @@ class Gateway:
         if coded:  # forwarded as read: decoded
             forward_headers = [h for h in forward_headers if h[0].lower() != b"content-encoding"]
         return dump_body({**body, "input": result.messages}), forward_headers
+
+
+_LONG_NUMBER = re.compile(rb"[0-9]{20}")  # where an integer beyond 64 bits may be
 
 
 class _ProxyEndpoint:

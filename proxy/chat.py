@@ -146,7 +146,7 @@ _UNREADABLE: Final = object()
 _TOO_DEEP: Final = object()
 
 
-def _lenient_body(raw: bytes) -> Any:
+def _lenient_body(raw: bytes, parse_int: Callable[[str], int] | None = None) -> Any:
     """A body orjson refuses only for a lone UTF-16 surrogate escaped in a string
     (``"\\ud83d"``, what JavaScript writes for a text cut in the middle of an emoji, and an
     agent then resends every turn), or ``_UNREADABLE``. Such a body is the provider's to judge:
@@ -159,7 +159,7 @@ def _lenient_body(raw: bytes) -> Any:
         options: dict[str, Any] = {
             "parse_constant": _refuse,
             "parse_float": _finite_float,
-            "parse_int": _int64,
+            "parse_int": parse_int or _int64,
         }
         # ~990 levels at the usual recursion limit; read on as deep as orjson reads, no deeper
         # (checked whichever way it was read: another thread may have the limit raised)
@@ -169,6 +169,14 @@ def _lenient_body(raw: bytes) -> Any:
         return prefix.deep_call(prefix.without_surrogates, body)  # (two frames a level)
     except (ValueError, RecursionError):
         return _UNREADABLE
+
+
+def lenient_json(raw: bytes, big_ints: bool = False) -> Any:
+    """``raw`` read as ``_lenient_body`` reads it (a lone surrogate read as U+FFFD), or None
+    where it reads nothing (no JSON, nested too deep, an integer beyond 64 bits unless
+    ``big_ints``: then read as it is, which ``dump_body`` writes as it was)."""
+    body = _lenient_body(raw, int if big_ints else None)
+    return None if body is _UNREADABLE or body is _TOO_DEEP else body
 
 
 ORJSON_MAX_DEPTH = 1024  # the deepest body orjson reads, so the deepest cachegate takes

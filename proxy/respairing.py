@@ -13,9 +13,11 @@ Only what the request itself holds is judged. With ``previous_response_id``, ``c
 taken for an orphan; a call in the list still needs its output in the list.
 
 Calls paired: ``function_call`` and ``custom_tool_call`` (answered by an output of their own type)
-and ``local_shell_call`` (answered by a ``function_call_output``, as Codex CLI writes it). Other
-items are left alone: the hosted tools' calls carry their results, and a computer, shell or patch
-call's output is a structure (a screenshot, exit codes) a proxy cannot make up.
+and ``local_shell_call`` (answered by a ``function_call_output``, as Codex CLI writes it, or a
+``local_shell_call_output``, whose ``id`` the SDKs' types name the call by: its ``call_id`` or its
+``id`` answers it, and one that answers no call is left alone). Other items are left alone: the
+hosted tools' calls carry their results, and a computer, shell or patch call's output is a
+structure (a screenshot, exit codes) a proxy cannot make up.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ OUTPUT_OF: Final[Mapping[str, str]] = {
 """Each call item's type, and the type of the output item a synthetic one is given."""
 
 OUTPUTS: Final = frozenset({"function_call_output", "custom_tool_call_output"})
+"""The output items whose ``call_id`` must be a call's (else they are orphans)."""
+
+LOCAL_SHELL_OUTPUT: Final = "local_shell_call_output"
 
 _SERVER_STATE_KEYS: Final = ("previous_response_id", "conversation")
 
@@ -43,21 +48,32 @@ def _call_id(item: Mapping[str, Any]) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+def _reference(item: Any) -> bool:
+    """An item that names a stored one by id: ``{"type": "item_reference", "id": …}``, or only
+    ``{"id": …}`` (its ``type`` is optional)."""
+    if not isinstance(item, dict):
+        return False
+    kind = item.get("type")
+    return kind == "item_reference" or (kind is None and item.keys() == {"id"})
+
+
 def stored_elsewhere(body: Mapping[str, Any]) -> bool:
     """Whether ``body`` continues a conversation stored at the provider (a previous response,
     a conversation, an item referenced by id), whose calls its outputs may answer."""
     if any(body.get(key) for key in _SERVER_STATE_KEYS):
         return True
     items = body.get("input")
-    return isinstance(items, list) and any(
-        isinstance(item, dict) and item.get("type") == "item_reference" for item in items
-    )
+    return isinstance(items, list) and any(_reference(item) for item in items)
 
 
 def _scan(items: Sequence[Any]) -> tuple[dict[str, int], set[str]]:
-    """The position of the first call of each ``call_id``, and the ids outputs answer."""
+    """The position of the first call of each ``call_id``, and the ids outputs answer (a local
+    shell call's output answers by its ``call_id`` or ``id``: either may be the call's
+    ``call_id``, or its ``id``, which stands for its ``call_id`` here)."""
     calls: dict[str, int] = {}
     answered: set[str] = set()
+    shell_ids: dict[str, str] = {}  # a local shell call's id -> its call_id
+    shell_answers: list[str] = []
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             continue
@@ -66,10 +82,18 @@ def _scan(items: Sequence[Any]) -> tuple[dict[str, int], set[str]]:
             call_id = _call_id(item)
             if call_id is not None:
                 calls.setdefault(call_id, i)
+                if kind == "local_shell_call" and isinstance(item.get("id"), str):
+                    shell_ids.setdefault(item["id"], call_id)
         elif kind in OUTPUTS:
             call_id = _call_id(item)
             if call_id is not None:
                 answered.add(call_id)
+        elif kind == LOCAL_SHELL_OUTPUT:
+            shell_answers += (
+                v for v in (item.get("call_id"), item.get("id")) if isinstance(v, str)
+            )
+    for answer in shell_answers:
+        answered.add(shell_ids.get(answer, answer))
     return calls, answered
 
 
@@ -105,19 +129,30 @@ def _name(item: Mapping[str, Any]) -> str:
     return "shell" if item.get("type") == "local_shell_call" else "(unnamed)"
 
 
-def _block_end(items: Sequence[Any], start: int) -> int:
-    """The position after the run of call and output items that ``start`` begins: a turn's
-    parallel calls and the outputs already sent for them. A synthetic output goes there."""
-    end = start + 1
-    while end < len(items):
-        item = items[end]
-        if not isinstance(item, dict):
-            break
-        kind = item.get("type")
-        if kind not in OUTPUT_OF and kind not in OUTPUTS:
-            break
-        end += 1
-    return end
+def _in_run(item: Any) -> bool:
+    """A call or an output item: what a turn's run of calls and their outputs is made of."""
+    if not isinstance(item, dict):
+        return False
+    kind = item.get("type")
+    return kind in OUTPUT_OF or kind in OUTPUTS or kind == LOCAL_SHELL_OUTPUT
+
+
+def _run_ends(items: Sequence[Any], starts: Sequence[int]) -> list[int]:
+    """For each of ``starts`` (ascending), the position after the run of call and output items
+    it begins: a turn's parallel calls and the outputs already sent for them, where a synthetic
+    output goes. One pass from the last start back (a run of thousands of calls: linear)."""
+    if not starts:
+        return []
+    ends: dict[int, int] = {}
+    end = len(items)
+    i = len(items) - 1
+    for start in reversed(starts):
+        while i > start:  # (``end``: past the run that holds item ``i``, if it is in one)
+            if not _in_run(items[i]):
+                end = i
+            i -= 1
+        ends[start] = end
+    return [ends[start] for start in starts]
 
 
 def _downgraded(item: Mapping[str, Any], label: str) -> dict[str, Any]:
@@ -157,7 +192,7 @@ def repair_input(
         return PairingResult(items, [])
     repairs: list[Repair] = []
     after: dict[int, list[dict[str, Any]]] = {}  # position -> synthetic outputs to insert there
-    for i in dangling:
+    for i, end in zip(dangling, _run_ends(items, dangling), strict=True):
         call = items[i]
         call_id, name = _call_id(call), _name(call)
         synthetic = {
@@ -165,7 +200,7 @@ def repair_input(
             "call_id": call_id,
             "output": interrupted_note.replace("{name}", name),
         }
-        after.setdefault(_block_end(items, i), []).append(synthetic)
+        after.setdefault(end, []).append(synthetic)
         repairs.append(Repair("dangling_call", i, call_id, f"added a synthetic output for {name}"))
     orphan_set = set(orphans)
     out: list[Any] = []

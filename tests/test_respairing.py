@@ -121,6 +121,37 @@ def test_custom_and_local_shell_calls_get_the_output_type_they_take() -> None:
     assert accepted({"input": result.messages})
 
 
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"type": "local_shell_call_output", "call_id": "call_1", "output": "a"},
+        {"type": "local_shell_call_output", "id": "call_1", "output": "a"},
+        {"type": "local_shell_call_output", "id": "lsh_1", "output": "a"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "a"},
+    ],
+)
+def test_a_local_shell_call_is_answered_in_each_form_the_sdks_write(answer: dict[str, Any]) -> None:
+    shell = {"type": "local_shell_call", "id": "lsh_1", "call_id": "call_1", "action": {}}
+    items = [shell, answer, user("next")]
+    assert accepted({"input": items})
+    result = repaired({"input": items})
+    assert result.repairs == [] and result.messages is items
+
+
+def test_a_local_shell_output_that_answers_no_call_is_left_alone() -> None:
+    items = [user("hi"), {"type": "local_shell_call_output", "id": "lsh_9", "output": "a"}]
+    assert repaired({"input": items}).messages is items
+
+
+def test_a_long_run_of_calls_gets_its_outputs_after_it_in_call_order() -> None:
+    items = [call(f"c{i}") for i in range(3000)] + [output("c7"), user("then")]
+    result = repaired({"input": items})
+    assert len(result.repairs) == 2999
+    tail = result.messages[3001:-1]
+    assert [item["call_id"] for item in tail] == [f"c{i}" for i in range(3000) if i != 7]
+    assert result.messages[-1] == user("then") and accepted({"input": result.messages})
+
+
 def test_an_orphan_output_is_kept_as_a_user_message_or_dropped() -> None:
     items = [
         user("hi"),
@@ -168,12 +199,17 @@ def test_an_orphan_output_is_kept_as_a_user_message_or_dropped() -> None:
         {"previous_response_id": "resp_1"},
         {"conversation": "conv_1"},
         {"input_reference": True},
+        {"input_reference": "untyped"},
     ],
 )
 def test_outputs_of_calls_stored_at_the_provider_are_not_orphans(extra: dict[str, Any]) -> None:
     items: list[Any] = [output("stored_call", "42"), user("and now?")]
-    if extra.pop("input_reference", False):
-        items.insert(0, {"type": "item_reference", "id": "fc_1"})
+    reference = extra.pop("input_reference", False)
+    if reference:  # (an item_reference's type is optional)
+        items.insert(
+            0,
+            {"id": "fc_1"} if reference == "untyped" else {"type": "item_reference", "id": "fc_1"},
+        )
     body = {"input": items, **extra}
     result = repaired(body)
     assert result.repairs == [] and result.messages is items
@@ -363,3 +399,71 @@ def test_a_body_cachegate_cannot_read_goes_to_the_provider_as_it_came(
         answer = client.post(proxy.base_url + "/responses", content=raw)
     assert answer.status_code == 400 and "parse the JSON body" in answer.text
     assert sim.sim.requests[-1].raw == raw
+
+
+def test_a_local_shell_history_goes_through_untouched(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    raw = orjson.dumps(
+        {
+            "model": "gpt-5",
+            "input": [
+                {"type": "local_shell_call", "id": "lsh_1", "call_id": "call_1", "action": {}},
+                {"type": "local_shell_call_output", "id": "call_1", "output": "README.md"},
+            ],
+        }
+    )
+    answer = httpx.post(proxy.base_url + "/responses", content=raw)
+    assert answer.status_code == 200 and answer.headers["x-cachegate-repairs"] == "0"
+    assert sim.sim.requests[-1].raw == raw
+
+
+def test_a_body_with_a_lone_surrogate_is_repaired_as_chat_bodies_are(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """JavaScript writes a text cut inside an emoji as a lone surrogate escape, which orjson
+    refuses: such a body was forwarded unrepaired (and unjudged in strict mode)."""
+    proxy = proxy_factory(sim.api_base)
+    raw = (
+        b'{"model":"gpt-5","input":[{"role":"user","content":"cut emoji \\ud83d"},'
+        b'{"type":"function_call","call_id":"c1","name":"f","arguments":"{}"}]}'
+    )
+    with httpx.Client() as client:
+        answer = client.post(proxy.base_url + "/responses", content=raw)
+        strict = client.post(
+            proxy.base_url + "/responses", content=raw, headers={"x-cachegate-strict": "1"}
+        )
+    assert answer.status_code == 200 and answer.headers["x-cachegate-repairs"] == "1"
+    sent = sim.sim.requests[-1].body["input"]
+    assert sent[0]["content"] == "cut emoji \ufffd" and sent[2]["call_id"] == "c1"
+    assert strict.status_code == 400 and strict.json()["error"]["code"] == "strict_pairing"
+    assert len(sim.sim.requests) == 1
+
+
+def test_a_repaired_body_keeps_an_integer_beyond_64_bits(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    big = 340282366920938463463374607431768211455
+    raw = orjson.dumps({"model": "gpt-5", "input": INTERRUPTED})[:-1] + (
+        b',"tools":[{"type":"function","name":"f","parameters":{"maximum":%d}}]}' % big
+    )
+    answer = httpx.post(proxy.base_url + "/responses", content=raw)
+    assert answer.status_code == 200 and answer.headers["x-cachegate-repairs"] == "1"
+    assert b'"maximum":%d' % big in sim.sim.requests[-1].raw
+
+
+def test_a_refusal_naming_a_session_cachegate_does_not_hold_makes_no_log(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    answer = httpx.post(
+        proxy.url + "/s/never-seen/v1/responses",
+        json={"model": "gpt-5", "input": INTERRUPTED},
+        headers={"x-cachegate-strict": "1"},
+    )
+    assert answer.status_code == 400 and answer.headers["x-cachegate-session"] == "never-seen"
+    proxy.settle()
+    assert not (proxy.log_dir / "never-seen.jsonl").exists()
+    assert proxy.metric("cachegate_strict_rejections_total") == 1

@@ -214,12 +214,21 @@ def validate_response_input(body: dict[str, Any]) -> None:
         return
     calls: dict[str, str] = {}
     answered: set[str] = set()
+    shell_ids: dict[Any, str] = {}  # a local shell call's id -> its call_id
     for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("call_id"), str):
+        if not isinstance(item, dict):
             continue
         kind = item.get("type")
+        if kind == "local_shell_call_output":  # (its call's call_id, or id, as its call_id or id)
+            for value in (item.get("call_id"), item.get("id")):
+                if isinstance(value, str):
+                    answered.add(shell_ids.get(value, value))
+        if not isinstance(item.get("call_id"), str):
+            continue
         if kind in _RESPONSE_CALLS:
             calls.setdefault(item["call_id"], _RESPONSE_CALLS[kind])
+            if kind == "local_shell_call":
+                shell_ids[item.get("id")] = item["call_id"]
         elif kind in _RESPONSE_OUTPUTS:
             answered.add(item["call_id"])
     for call_id, what in calls.items():
