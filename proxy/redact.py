@@ -483,8 +483,14 @@ _COOKIE_FLAG = re.compile(r"""(?:(?<=\s)-b|--cookie)[ \t]+(\\*["']?)(?=[^\s'"=;]
 _COOKIE_PAIR = re.compile(r"""[ \t]*[^\s;=,"'\\]{1,64}=(\\*"?)([^\s;"'\\`,)]{0,4096}+)\1[ \t]*""")
 # A HAR file's or Playwright's storage state's ``"cookies": [{"name": …, "value": …}, …]``
 # (its Python dump too: ``{'cookies': [{'name': …, 'value': …}]}``; a cookie's own objects, a
-# partitioned one's ``"partitionKey": {…}``, inside it)
-_COOKIE_ARRAY = re.compile(r"""(["'])cookies\1[ \t\r\n]*:[ \t\r\n]*\[""")
+# partitioned one's ``"partitionKey": {…}``, inside it); the same objects given by code:
+# Playwright's ``add_cookies([{…}])`` and ``addCookies([{ name: …, value: … }])``, Selenium's
+# ``add_cookie({…})``, Puppeteer's ``setCookie({…})``, Go's ``http.Cookie{Name: …, Value: …}``
+_COOKIE_ARRAY = re.compile(
+    r"""(["'])cookies\1[ \t\r\n]*:[ \t\r\n]*\["""
+    r"""|(?<![\w$])(?:add|set)_?[Cc]ookies?\([ \t\r\n]*\[?"""
+    r"""|(?<![\w$])Cookie(?=\{)"""
+)
 _QUOTED_TEXT = r"""(?:"(?:[^"\\\n]|\\.)*+"|'(?:[^'\\\n]|\\.)*+')"""
 _COOKIE_OBJECT = re.compile(
     r"""[ \t\r\n,]*\{(?:[^{}"']|"""
@@ -493,8 +499,9 @@ _COOKIE_OBJECT = re.compile(
     + _QUOTED_TEXT
     + r""")*+\})*+\}"""
 )
-_COOKIE_VALUE = re.compile(
-    r"""(["'])value\1[ \t\r\n]*:[ \t\r\n]*(["'])((?:(?!\2)[^\\\n]|\\.){0,4096}+)\2"""
+_COOKIE_VALUE = re.compile(  # (a key quoted, or not: JavaScript's ``value:``, Go's ``Value:``)
+    r"""(?:(["'])value\1|(?<![\w$"'])[Vv]alue)[ \t\r\n]*:[ \t\r\n]*"""
+    r"""(["'`])((?:(?!\2)[^\\\n]|\\.){0,4096}+)\2"""
 )
 _OPENSSL_PASS = re.compile(r"""(?<![\w-])-pass(?:in|out)?[ \t]+["']?pass:([^\s'"`)]{1,512}+)""")
 _JOINED_COOKIE = re.compile(r""",[ \t]*[^\s;=,"'\\]{1,64}=(\\*"?)([^\s;,"'\\]{0,4096}+)""")
@@ -1580,7 +1587,7 @@ def _redact_named_in(s: str, lowered: str) -> str:
         cookies, at = _cookie_values(s, lowered, at)
         spans += cookies
         at = lowered.find("cookie", at)
-    if "cookies" in lowered:  # (each cookie's value, as a header's: a session's token)
+    if "cookie" in lowered:  # (each cookie's value, as a header's: a session's token)
         for array in _COOKIE_ARRAY.finditer(s):
             pos = array.end()
             while (cookie := _COOKIE_OBJECT.match(s, pos)) is not None:
@@ -1772,6 +1779,8 @@ _NAMED_BYTES: Final = (
     ),
     re.compile(rb"""cookies\[[^\]\n]{1,80}\](?:[ \t]|\\+t)*=(?:[ \t]|\\+t)*\\*["'`]"""),
     re.compile(rb"""cookies(?:\\*["'])?(?:[ \t]|\\+t)*[:=](?:[ \t\r\n]|\\+[nrt])*\{"""),
+    # a cookie's object given by code: ``add_cookie({``, ``addCookies([{``, Go's ``Cookie{``
+    re.compile(rb"""cookies?(?:\((?:\s|\\+[nrt])*(?:\[(?:\s|\\+[nrt])*)?)?\{"""),
     re.compile(rb"""(?:\t|(?<=\\)t)(?:true|false)(?:\t|\\+t)"""),
     # Docker's "auth": "…" and .npmrc's _auth=… (a user and a password in base64)
     re.compile(rb'auth(?<=["_]auth)\\*"?(?:[ \t]|\\+t)*[=:]'),

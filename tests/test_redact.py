@@ -2141,6 +2141,29 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
             'res.setHeader("Set-Cookie", ["sid=s3ssi0nT0kenABCDEF123456; HttpOnly"])',
             "s3ssi0nT0kenABCDEF123456",
         ),
+        # a cookie's object given by code: Selenium, Playwright (Python and JavaScript),
+        # Puppeteer, Go's net/http
+        (
+            'driver.add_cookie({"name": "sessionid", "value": "s3ssi0nT0kenABCDEF123456"})',
+            "s3ssi0nT0kenABCDEF123456",
+        ),
+        (
+            'context.add_cookies([{"name": "sid", "value": "s3ssi0nT0kenABCDEF123456", "path": "/"}])',
+            "s3ssi0nT0kenABCDEF123456",
+        ),
+        (
+            "await context.addCookies([\n  { name: 'theme', value: 'dark' },\n"
+            "  { name: 'sid', value: 's3ssi0nT0kenABCDEF123456', domain: 'localhost' },\n]);",
+            "s3ssi0nT0kenABCDEF123456",
+        ),
+        (
+            "await page.setCookie({name: 'sid', value: 's3ssi0nT0kenABCDEF123456'});",
+            "s3ssi0nT0kenABCDEF123456",
+        ),
+        (
+            'http.SetCookie(w, &http.Cookie{Name: "session_id", Value: "s3ssi0nT0kenABCDEF123456"})',
+            "s3ssi0nT0kenABCDEF123456",
+        ),
     ],
 )
 def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, secret: str) -> None:
@@ -2181,6 +2204,10 @@ def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, se
         '<add key="ClientSecret" value="#{ClientSecret}#" />',
         "- name: ENABLE_TOKEN\n  value: true",
         '{"name": "token", "value": "string"}',
+        # a cookie's object whose value is no token
+        'driver.add_cookie({"name": "theme", "value": "dark"})',
+        'http.Cookie{Name: "lang", Value: "en-US", Path: "/"}',
+        "await context.addCookies([{ name: 'consent', value: 'accepted-all' }]);",
         # a second review's: CloudFormation's references, the lines after a wrapped key
         "- Name: API_KEY\n  Value: !Ref ApiKeyParameter",
         "- Name: API_KEY\n  Value: !GetAtt Secret.Arn",
@@ -2514,6 +2541,8 @@ def test_cookies_in_cookies_are_read_in_linear_time() -> None:
     redact_text("Set-Cookie: a=" + "set-cookie:a=" * 80_000)
     redact_text("> Cookie: a=1\n" * 80_000)
     redact_text("\t-b\ta=1;" * 16_000)  # (each unquoted argument read to 16 KB: 76 s a MB)
+    redact_text('add_cookie([{"value": "' * 20_000)  # (a cookie's object given by code)
+    redact_text('http.Cookie{Value: "a' * 20_000)
     assert time.process_time() - began < 3.0  # (linear: ~0.5 s; before: ~25 s)
 
 
