@@ -268,6 +268,7 @@ class PairingRepair:
         self.settings = settings
         self.on_strict_rejection = on_strict_rejection
         self.note = settings.pairing.interrupted_note or pairing.DEFAULT_INTERRUPTED_NOTE
+        self._claude: dict[str, bool] = {}  # model name -> whether a Claude model's
 
     async def apply(
         self, ex: Exchange, state: SessionState, body: dict[str, Any]
@@ -286,19 +287,21 @@ class PairingRepair:
         # resends the same message objects (prefix sharing), so only the new ones are checked.
         # Two checkpoints are kept: the latest turn's, and the one it resumed from (or the turn
         # before), so a retry or a regeneration of the latest turn resumes too.
-        kept: list[pairing.Checkpoint] = (
-            state.extra.get("pairing_checkpoints", []) if state is not None else []
-        )
-        needed, after, resumed = pairing.needs_repair_from(messages, kept)
+        # (A Claude model's history has one defect more, a blank assistant message: its
+        # checkpoints are kept apart, for a session that switches models.)
+        claude = self.claude(body.get("model"))
+        key = "pairing_checkpoints_claude" if claude else "pairing_checkpoints"
+        kept: list[pairing.Checkpoint] = state.extra.get(key, []) if state is not None else []
+        needed, after, resumed = pairing.needs_repair_from(messages, kept, claude)
         if state is not None and after is not None:
             base = resumed or (kept[0] if kept else None)
-            state.extra["pairing_checkpoints"] = [after] if base is None else [after, base]
+            state.extra[key] = [after] if base is None else [after, base]
         if not needed:
             if state is not None:  # a repair state can never be resumed from again: let it go
                 state.extra.pop("pairing_repair", None)
             return body
         if ex.strict:
-            defects = pairing.diagnose(messages)
+            defects = pairing.diagnose(messages, claude)
             if self.on_strict_rejection is not None:
                 self.on_strict_rejection()
             raise bad_request(pairing.format_strict_error(defects), "strict_pairing", "messages")
@@ -310,7 +313,7 @@ class PairingRepair:
             previous,
             orphan_policy=self.settings.pairing.orphan_policy,
             interrupted_note=self.note,
-            drop_empty=self.claude(body.get("model")),
+            drop_empty=claude,
         )
         if state is not None and resume is not None:
             state.extra["pairing_repair"] = resume
@@ -327,10 +330,18 @@ class PairingRepair:
 
     def claude(self, model: Any) -> bool:
         """Whether ``model`` is a Claude model: by its name (``claude-…``, a gateway's or
-        Bedrock's), or, a name no provider's, its configured entry's ``dialect = "anthropic"``."""
+        Bedrock's), or, a name no provider's, its configured entry's ``dialect = "anthropic"``.
+        (Asked of every request: each name's answer is kept, ~2-10 µs each time otherwise.)"""
         name = model if isinstance(model, str) else ""
+        known = self._claude.get(name)
+        if known is not None:
+            return known
         dialect = self.settings.model(name or None)[1].dialect
-        return cache.caching_provider(name, dialect) == "anthropic"  # (as the accounting reads it)
+        answer = cache.caching_provider(name, dialect) == "anthropic"  # (as the accounting reads)
+        if len(self._claude) >= 256:  # (bounded: a client that sends many names)
+            self._claude.clear()
+        self._claude[name] = answer
+        return answer
 
 
 def internal_error(exc: BaseException, what: str | None = None) -> ProxyError:

@@ -236,6 +236,20 @@ def _contentless(message: Any) -> bool:
     )
 
 
+def _blank(message: Any) -> bool:
+    """An assistant message that Claude refuses anywhere but last (``must have non-empty
+    content``): content ``null``, none, ``""``, white space or ``[]``, and nothing else: no tool
+    calls, refusal, legacy ``function_call``, audio or reasoning."""
+    if not isinstance(message, dict) or message.get("role") != "assistant":
+        return False
+    content = message.get("content")
+    if not (content is None or content == [] or (isinstance(content, str) and not content.strip())):
+        return False
+    return message.get("tool_calls") is None and not any(
+        message.get(key) for key in ("refusal", "function_call", "audio", *_REASONING_KEYS)
+    )
+
+
 # Where servers put a model's reasoning in an assistant message (DeepSeek, vLLM and SGLang's
 # ``reasoning_content``; OpenRouter's and Ollama's ``reasoning``, ``reasoning_details``;
 # LiteLLM's ``thinking_blocks``): a message that holds one says something.
@@ -250,12 +264,13 @@ def _says_nothing(message: dict[str, Any]) -> bool:
     )
 
 
-def needs_repair(messages: list[dict[str, Any]]) -> bool:
-    """Cheap check for every request: True exactly when ``repair_messages`` would change anything.
+def needs_repair(messages: list[dict[str, Any]], drop_empty: bool = False) -> bool:
+    """Cheap check for every request: True exactly when ``repair_messages`` would change anything
+    (with ``drop_empty``: a Claude model's history, in which a blank assistant message is one).
 
     One pass, one small dict of the open block's call ids; only ``arguments`` strings are parsed.
     """
-    return needs_repair_from(messages)[0]
+    return needs_repair_from(messages, (), drop_empty)[0]
 
 
 @dataclass(slots=True)
@@ -279,11 +294,12 @@ class Checkpoint:
 
 
 def needs_repair_from(
-    messages: list[dict[str, Any]], checkpoints: Sequence[Checkpoint] = ()
+    messages: list[dict[str, Any]], checkpoints: Sequence[Checkpoint] = (), drop_empty: bool = False
 ) -> tuple[bool, Checkpoint | None, Checkpoint | None]:
     """``needs_repair``, resumed after the first of ``checkpoints`` that ``precedes`` ``messages``:
     the work is in proportion to what was appended. Returns the answer, a checkpoint at the end of
-    ``messages`` (None when a defect stopped the scan) and the checkpoint resumed from."""
+    ``messages`` (None when a defect stopped the scan) and the checkpoint resumed from. The
+    checkpoints must have been made with the same ``drop_empty``."""
     resumed = next(
         (
             c
@@ -321,7 +337,7 @@ def needs_repair_from(
             continue
         calls = message.get("tool_calls")
         if not isinstance(calls, list):
-            if calls is None and _contentless(message):
+            if calls is None and (_contentless(message) or (drop_empty and _blank(message))):
                 return True, None, resumed
             continue
         if not calls:  # OpenAI refuses an empty array ("empty_array")
@@ -496,6 +512,7 @@ def repair_messages(
     *,
     orphan_policy: OrphanPolicy = "downgrade",
     interrupted_note: str = DEFAULT_INTERRUPTED_NOTE,
+    drop_empty: bool = False,
 ) -> PairingResult:
     """Return a history every call of which is answered right after it, and what was repaired.
 
@@ -504,7 +521,11 @@ def repair_messages(
     ``interrupted_note`` means the default one.
     """
     result, _ = repair_messages_from(
-        messages, None, orphan_policy=orphan_policy, interrupted_note=interrupted_note
+        messages,
+        None,
+        orphan_policy=orphan_policy,
+        interrupted_note=interrupted_note,
+        drop_empty=drop_empty,
     )
     return result
 
@@ -603,7 +624,7 @@ def repair_messages_from(
             # which no repair touched (the repaired history starts with them, as they were).
             state.out = (*messages[:system], *state.out[system:])
     else:
-        if not needs_repair(messages):
+        if not needs_repair(messages, drop_empty):
             return PairingResult(messages, []), None
         state = RepairState((), policy, {}, {}, set(), set(), {}, [], [], None, ())
         start = 0
@@ -646,7 +667,7 @@ def repair_messages_from(
                     fixed[i] = kept
                     action = "removed an empty tool_calls array"
                 scanned.append(Repair("empty_tool_calls", i, None, action))
-            elif _contentless(message) and drop_empty and _says_nothing(message):
+            elif drop_empty and _blank(message):
                 removed.add(i)
                 action = (
                     "removed an assistant message with no content (Claude refuses an empty one)"
@@ -857,9 +878,9 @@ def _pair_result(
         repairs.append(Repair(kind, i, tool_call_id, "kept as a user message"))
 
 
-def diagnose(messages: list[dict[str, Any]]) -> list[Repair]:
+def diagnose(messages: list[dict[str, Any]], drop_empty: bool = False) -> list[Repair]:
     """What ``repair_messages`` would repair, changing nothing: strict mode's list of defects."""
-    return repair_messages(messages).repairs
+    return repair_messages(messages, drop_empty=drop_empty).repairs
 
 
 _DESCRIPTIONS: Final[dict[str, str]] = {

@@ -535,6 +535,33 @@ def test_drop_empty_removes_a_contentless_assistant_message_as_claude_needs() ->
     assert kept.messages[1] == {**thinking, "content": ""}
 
 
+@pytest.mark.parametrize("content", ["", "  \n", []])
+def test_drop_empty_removes_a_blank_assistant_message_claude_refuses_too(content: Any) -> None:
+    """Claude refuses an assistant message whose content is ``""``, white space or ``[]``
+    anywhere but last, as one with none; a client writes one itself (the Vercel AI SDK, a
+    stream cut before its first token): it got Claude's 400 every turn. For a Claude model it
+    is removed wherever it is (an empty last one prefills nothing); for another model it is
+    content, and stays. The cheap check and strict mode's diagnosis say so too."""
+    blank = asst(content=content)
+    messages = [user("go"), blank, user("again"), asst(content=content)]
+    assert needs_repair(messages, drop_empty=True) and not needs_repair(messages)
+    result = repair_messages(messages, drop_empty=True)
+    assert result.messages == [user("go"), user("again")]
+    assert [(r.kind, r.index) for r in result.repairs] == [
+        ("empty_assistant", 1),
+        ("empty_assistant", 3),
+    ]
+    assert repair_messages(messages).messages is messages
+    assert [r.kind for r in diagnose(messages, drop_empty=True)] == ["empty_assistant"] * 2
+    # resumed next turn: the same repair, and the checkpoint of one setting is not the other's
+    _, after, _ = needs_repair_from(messages[:3], (), drop_empty=False)
+    assert after is not None
+    assert not needs_repair_from(messages[:3], [after], drop_empty=False)[0]
+    assert needs_repair_from(messages[:3], (), drop_empty=True)[0]
+    said = {**asst(content="  "), "reasoning_content": "thinking"}  # (it says something)
+    assert repair_messages([user("go"), said, user("on")], drop_empty=True).repairs == []
+
+
 def test_an_empty_assistant_messages_cache_mark_goes_on_the_message_before_it() -> None:
     """A removed empty assistant message took its client's ``cache_control`` breakpoint with it:
     Claude then cached nothing past the mark before (or nothing at all). The message before it
