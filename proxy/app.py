@@ -460,6 +460,7 @@ class Gateway:
             if err.status != CLIENT_CLOSED:
                 if err.code == "strict_pairing":
                     self.metrics.observe_strict_rejection()
+                extra = [*extra, (b"x-cachegate-repairs", b"0")]  # (as on the chat route)
                 await send_error(send, err, extra, receive)
             return
         extra = [*extra, (b"x-cachegate-repairs", str(len(ex.repairs)).encode())]
@@ -501,13 +502,14 @@ class Gateway:
             return raw, forward_headers
         try:
             body = orjson.loads(text)
+            # an integer beyond 64 bits maybe, which orjson reads as a float: read again as it
+            # is, if a repair is needed, so that the repaired body has it as it was sent
+            exact = _LONG_NUMBER.search(text) is None
         except orjson.JSONDecodeError:  # (a lone surrogate, as JavaScript cuts an emoji: read)
-            body = lenient_json(text)
+            body, exact = lenient_json(text, big_ints=True), True
         if not isinstance(body, dict) or not respairing.needs_repair(body):
             return raw, forward_headers
-        if _LONG_NUMBER.search(text) is not None:
-            # an integer beyond 64 bits maybe, which orjson reads as a float: read as it is, so
-            # that the repaired body has it as it was
+        if not exact:
             body = lenient_json(text, big_ints=True)
             if not isinstance(body, dict):
                 return raw, forward_headers
@@ -533,7 +535,8 @@ class Gateway:
         return dump_body({**body, "input": result.messages}), forward_headers
 
 
-_LONG_NUMBER = re.compile(rb"[0-9]{20}")  # where an integer beyond 64 bits may be
+# where an integer beyond 64 bits may be (-2**63 has 19 digits, 2**64 20)
+_LONG_NUMBER = re.compile(rb"[0-9]{20}|-[0-9]{19}")
 
 
 class _ProxyEndpoint:

@@ -358,6 +358,7 @@ def test_strict_mode_refuses_with_a_diagnosis_and_forwards_nothing(
         " (dangling_call)"
     )
     assert sim.sim.requests == []
+    assert refused.value.response.headers["x-cachegate-repairs"] == "0"  # (as on the chat route)
     assert proxy.metric("cachegate_strict_rejections_total") == 1
     assert proxy.metric("cachegate_pairing_repairs_total", {"kind": "dangling_call"}) == 0
 
@@ -441,14 +442,19 @@ def test_a_body_with_a_lone_surrogate_is_repaired_as_chat_bodies_are(
     assert len(sim.sim.requests) == 1
 
 
+@pytest.mark.parametrize("big", [2**128 - 1, -(2**63) - 1, -9999999999999999999])
+@pytest.mark.parametrize("surrogate", [False, True])
 def test_a_repaired_body_keeps_an_integer_beyond_64_bits(
-    sim: RunningSimulator, proxy_factory: Any
+    sim: RunningSimulator, proxy_factory: Any, big: int, surrogate: bool
 ) -> None:
+    """orjson reads an integer beyond 64 bits as a double (a negative one has 19 digits);
+    with a lone surrogate in the body too, the lenient reading refused it, and the body went
+    unrepaired."""
     proxy = proxy_factory(sim.api_base)
-    big = 340282366920938463463374607431768211455
-    raw = orjson.dumps({"model": "gpt-5", "input": INTERRUPTED})[:-1] + (
-        b',"tools":[{"type":"function","name":"f","parameters":{"maximum":%d}}]}' % big
-    )
+    text = "cut \\ud83d" if surrogate else "plain"
+    raw = orjson.dumps({"model": "gpt-5", "input": INTERRUPTED, "user": "@"}).replace(
+        b'"@"', b'"%s"' % text.encode()
+    )[:-1] + (b',"tools":[{"type":"function","name":"f","parameters":{"maximum":%d}}]}' % big)
     answer = httpx.post(proxy.base_url + "/responses", content=raw)
     assert answer.status_code == 200 and answer.headers["x-cachegate-repairs"] == "1"
     assert b'"maximum":%d' % big in sim.sim.requests[-1].raw
