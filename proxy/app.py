@@ -407,6 +407,21 @@ class Gateway:
                 return
             content = body
         ex.request_bytes = len(body)
+        await self._relay(ex, scope, receive, send, content, forward_headers, extra, uploaded)
+
+    async def _relay(
+        self,
+        ex: Exchange,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        content: bytes | AsyncIterator[bytes],
+        forward_headers: list[tuple[bytes, bytes]],
+        extra: list[tuple[bytes, bytes]],
+        uploaded: asyncio.Event | None = None,
+    ) -> None:
+        """Relay a request that is not chat's, the observers told before and after."""
+        assert self.relay is not None
         notify(self.observers, "on_request", ex)
         try:
             await self.relay.forward(
@@ -464,20 +479,7 @@ class Gateway:
                 await send_error(send, err, extra, receive)
             return
         extra = [*extra, (b"x-cachegate-repairs", str(len(ex.repairs)).encode())]
-        notify(self.observers, "on_request", ex)
-        try:
-            await self.relay.forward(
-                ex,
-                scope,
-                receive,
-                send,
-                content=content,
-                headers=forward_headers,
-                extra_headers=extra,
-                record=False,
-            )
-        finally:
-            notify(self.observers, "on_response", ex)
+        await self._relay(ex, scope, receive, send, content, forward_headers, extra)
 
     def _repaired_responses(
         self,

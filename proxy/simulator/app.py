@@ -475,10 +475,8 @@ class _Handlers:
             paced(), media_type="application/json", headers=headers, start_at_once=False
         )
 
-    async def responses(self, request: Request) -> Response:
-        """``POST /v1/responses``: OpenAI's checks of the input items' tool pairing, then one
-        assistant message (the next scripted reply's text, else a fixed one), streamed as the
-        Responses API's events when asked. No response is stored."""
+    async def _json_request(self, request: Request) -> tuple[ReceivedRequest, dict[str, Any]]:
+        """The request recorded, and its body: a JSON object, else status 400 recorded."""
         raw = await request.body()
         received = self.sim.record(request.method, request.url.path, dict(request.headers), raw)
         try:
@@ -487,8 +485,17 @@ class _Handlers:
             body = None
         if not isinstance(body, dict):
             received.status = 400
-            return _error(400, BAD_JSON_TEXT)
+            return received, {}
         received.body = body
+        return received, body
+
+    async def responses(self, request: Request) -> Response:
+        """``POST /v1/responses``: OpenAI's checks of the input items' tool pairing, then one
+        assistant message (the next scripted reply's text, else a fixed one), streamed as the
+        Responses API's events when asked. No response is stored."""
+        received, body = await self._json_request(request)
+        if received.status == 400:
+            return _error(400, BAD_JSON_TEXT)
         model = body.get("model")
         try:
             if not isinstance(model, str) or not model:
@@ -524,16 +531,9 @@ class _Handlers:
         return _json_response({"object": "list", "data": data})
 
     async def embeddings(self, request: Request) -> Response:
-        raw = await request.body()
-        received = self.sim.record(request.method, request.url.path, dict(request.headers), raw)
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            body = None
-        if not isinstance(body, dict):
-            received.status = 400
+        received, body = await self._json_request(request)
+        if received.status == 400:
             return _error(400, BAD_JSON_TEXT)
-        received.body = body
         inputs = body.get("input")
         if isinstance(inputs, str) or (
             isinstance(inputs, list) and inputs and isinstance(inputs[0], int)
