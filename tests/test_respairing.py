@@ -473,3 +473,37 @@ def test_a_refusal_naming_a_session_cachegate_does_not_hold_makes_no_log(
     proxy.settle()
     assert not (proxy.log_dir / "never-seen.jsonl").exists()
     assert proxy.metric("cachegate_strict_rejections_total") == 1
+
+
+def test_an_agent_loop_interrupted_between_a_call_and_its_output_goes_on(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """An agent's tool loop over the Responses API, as the SDK's users write it: the model's
+    output items appended to the input, each call's output after them. Interrupted while its
+    tool ran (no output recorded), the user types on: the provider refuses that input, and
+    cachegate repairs it, turn after turn, the same way."""
+    proxy = proxy_factory(sim.api_base)
+    client = sdk(proxy.base_url)
+    call = {"tool_calls": [{"name": "run", "arguments": {"cmd": "pytest"}, "id": "call_t"}]}
+    sim.sim.enqueue([call, "Stopped; reading the README.", "It says hello."])
+    items: list[Any] = [{"role": "user", "content": "run the tests"}]
+    first = client.responses.create(model="gpt-5", input=items)
+    items += [o.model_dump(exclude_none=True) for o in first.output]
+    assert [i["type"] for i in items[1:]] == ["function_call"]
+    # Ctrl+C while pytest ran: no output, and the user's next message
+    items.append({"role": "user", "content": "stop, read the README instead"})
+    for _ in range(2):
+        answer = client.responses.with_raw_response.create(model="gpt-5", input=items)
+        assert answer.status_code == 200 and answer.headers["x-cachegate-repairs"] == "1"
+        sent = sim.sim.requests[-1].body["input"]
+        assert sent[2] == {
+            "type": "function_call_output",
+            "call_id": "call_t",
+            "output": DEFAULT_INTERRUPTED_NOTE.replace("{name}", "run"),
+        }
+        assert sent[3] == items[2]
+        items += [o.model_dump(exclude_none=True) for o in answer.parse().output]
+        items.append({"role": "user", "content": "and now?"})
+    # the repaired history is the next turn's prefix: the provider's cache keeps hitting
+    once, twice = (r.body["input"] for r in sim.sim.requests[1:])
+    assert twice[: len(once)] == once and len(twice) == len(once) + 2

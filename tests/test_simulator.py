@@ -1301,3 +1301,19 @@ def test_responses_takes_outputs_of_a_stored_response(sim: RunningSimulator) -> 
         json={"model": "gpt-5", "input": items, "previous_response_id": "resp_1"},
     )
     assert answer.status_code == 200, answer.text
+
+
+def test_responses_answers_a_scripted_call_as_function_call_items(sim: RunningSimulator) -> None:
+    client = openai.OpenAI(base_url=sim.api_base, api_key="sk-test", max_retries=0)
+    calls = {"tool_calls": [{"name": "read_file", "arguments": {"path": "a.py"}, "id": "call_a"}]}
+    sim.sim.enqueue([calls, {"content": "Reading.", **calls}])
+    plain = client.responses.create(model="gpt-5", input="read a.py")
+    (item,) = plain.output
+    assert item.type == "function_call" and item.call_id == "call_a"
+    assert (item.name, item.arguments) == ("read_file", '{"path":"a.py"}')
+    with client.responses.stream(model="gpt-5", input="read a.py") as stream:
+        done = [e for e in stream if e.type == "response.function_call_arguments.done"]
+        final = stream.get_final_response()
+    assert [e.arguments for e in done] == ['{"path":"a.py"}']
+    assert [o.type for o in final.output] == ["message", "function_call"]
+    assert final.output_text == "Reading."

@@ -61,7 +61,9 @@ from proxy.simulator.wire import (
     completion_object,
     encode_event,
     error_object,
+    response_call,
     response_events,
+    response_message,
     response_object,
     response_usage,
     stream_chunks,
@@ -490,9 +492,10 @@ class _Handlers:
         return received, body
 
     async def responses(self, request: Request) -> Response:
-        """``POST /v1/responses``: OpenAI's checks of the input items' tool pairing, then one
-        assistant message (the next scripted reply's text, else a fixed one), streamed as the
-        Responses API's events when asked. No response is stored."""
+        """``POST /v1/responses``: OpenAI's checks of the input items' tool pairing, then the next
+        scripted reply (its text as an assistant message, its calls as ``function_call`` items),
+        else a message ``Done.``, streamed as the Responses API's events when asked. No
+        response is stored."""
         received, body = await self._json_request(request)
         if received.status == 400:
             return _error(400, BAD_JSON_TEXT)
@@ -504,17 +507,25 @@ class _Handlers:
         except ValidationError as exc:
             received.status = 400
             return _error(400, exc.message, exc.param, exc.code)
-        scripted = self.sim.take_scripted()
-        text = scripted.content if scripted is not None and scripted.content else "Done."
+        reply = self.sim.take_scripted()
+        if reply is None or (not reply.content and not reply.tool_calls):
+            reply = Reply("Done.")
+        new_id = self.sim.new_id
+        output = [response_message(new_id("msg_", 32), reply.content)] if reply.content else []
+        output += (
+            response_call(
+                new_id("fc_", 32), call.id or new_id("call_", 24), call.name, call.arguments
+            )
+            for call in reply.tool_calls
+        )
         items = body.get("input")
         prompt = items if isinstance(items, str) else orjson.dumps(items).decode()
         done = response_object(
-            response_id=self.sim.new_id("resp_", 32),
-            message_id=self.sim.new_id("msg_", 32),
+            response_id=new_id("resp_", 32),
             created=int(self.sim.now),
             model=model,
-            text=text,
-            usage=response_usage(count_tokens(prompt), count_tokens(text)),
+            output=output,
+            usage=response_usage(count_tokens(prompt), completion_tokens(reply)),
         )
         received.status = 200
         if body.get("stream") is True:

@@ -207,35 +207,44 @@ def padding(delta: dict[str, Any]) -> str:
     return bytes(_PAD_CHARS[b % len(_PAD_CHARS)] for b in digest[1 : 2 + digest[0] % 16]).decode()
 
 
+def response_message(message_id: str, text: str) -> dict[str, Any]:
+    """A Responses API output item: an assistant message of ``text``."""
+    part = {"type": "output_text", "text": text, "annotations": []}
+    return {
+        "id": message_id,
+        "type": "message",
+        "status": "completed",
+        "role": "assistant",
+        "content": [part],
+    }
+
+
+def response_call(item_id: str, call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A Responses API output item: a function call."""
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "status": "completed",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+    }
+
+
 def response_object(
     *,
     response_id: str,
-    message_id: str,
     created: int,
     model: str,
-    text: str,
+    output: list[dict[str, Any]],
     usage: dict[str, Any] | None,
-    status: str = "completed",
 ) -> dict[str, Any]:
-    """A Responses API ``response`` object whose output is one assistant message of ``text``
-    (none while ``status`` is ``in_progress``)."""
-    output: list[dict[str, Any]] = []
-    if status == "completed":
-        part = {"type": "output_text", "text": text, "annotations": []}
-        output.append(
-            {
-                "id": message_id,
-                "type": "message",
-                "status": "completed",
-                "role": "assistant",
-                "content": [part],
-            }
-        )
+    """A completed Responses API ``response`` object of ``output`` items."""
     return {
         "id": response_id,
         "object": "response",
         "created_at": created,
-        "status": status,
+        "status": "completed",
         "error": None,
         "incomplete_details": None,
         "model": model,
@@ -258,33 +267,58 @@ def response_usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
     }
 
 
+def _item_events(index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
+    """The events of one output item, from its announcement to its ``done``: a message's text
+    in ``response.output_text.delta`` pieces, a call's arguments in
+    ``response.function_call_arguments.delta`` ones."""
+    events: list[dict[str, Any]] = []
+    if item["type"] == "message":
+        at = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        text = item["content"][0]["text"]
+        empty = {"type": "output_text", "text": "", "annotations": []}
+        events += [
+            {
+                "type": "response.output_item.added",
+                "output_index": index,
+                "item": {**item, "status": "in_progress", "content": []},
+            },
+            {"type": "response.content_part.added", **at, "part": empty},
+            *(
+                {"type": "response.output_text.delta", **at, "delta": piece, "logprobs": []}
+                for piece in pieces(text)
+            ),
+            {"type": "response.output_text.done", **at, "text": text, "logprobs": []},
+            {"type": "response.content_part.done", **at, "part": item["content"][0]},
+        ]
+    else:
+        at = {"item_id": item["id"], "output_index": index}
+        events += [
+            {
+                "type": "response.output_item.added",
+                "output_index": index,
+                "item": {**item, "status": "in_progress", "arguments": ""},
+            },
+            *(
+                {"type": "response.function_call_arguments.delta", **at, "delta": piece}
+                for piece in pieces(item["arguments"])
+            ),
+            {"type": "response.function_call_arguments.done", **at, "arguments": item["arguments"]},
+        ]
+    events.append({"type": "response.output_item.done", "output_index": index, "item": item})
+    return events
+
+
 def response_events(done: dict[str, Any]) -> bytes:
     """The SSE stream of the Responses API for ``done`` (a completed ``response_object``):
-    ``event:`` and ``data:`` lines, the text in ``response.output_text.delta`` pieces."""
-    message = done["output"][0]
-    text = message["content"][0]["text"]
+    ``event:`` and ``data:`` lines, each output item's text or arguments in pieces."""
     started = {**done, "status": "in_progress", "output": [], "usage": None}
-    item_id = message["id"]
-    at = {"item_id": item_id, "output_index": 0, "content_index": 0}
-    empty = {"type": "output_text", "text": "", "annotations": []}
     events: list[dict[str, Any]] = [
         {"type": "response.created", "response": started},
         {"type": "response.in_progress", "response": started},
-        {
-            "type": "response.output_item.added",
-            "output_index": 0,
-            "item": {**message, "status": "in_progress", "content": []},
-        },
-        {"type": "response.content_part.added", **at, "part": empty},
-        *(
-            {"type": "response.output_text.delta", **at, "delta": piece, "logprobs": []}
-            for piece in pieces(text)
-        ),
-        {"type": "response.output_text.done", **at, "text": text, "logprobs": []},
-        {"type": "response.content_part.done", **at, "part": message["content"][0]},
-        {"type": "response.output_item.done", "output_index": 0, "item": message},
-        {"type": "response.completed", "response": done},
     ]
+    for index, item in enumerate(done["output"]):
+        events += _item_events(index, item)
+    events.append({"type": "response.completed", "response": done})
     out = bytearray()
     for number, event in enumerate(events):
         event = {"type": event["type"], "sequence_number": number, **event}
