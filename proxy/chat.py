@@ -786,7 +786,9 @@ class ChatPipeline:
         watch: DisconnectWatch | None = None
         try:
             refuse_announced(headers, self.settings.server.max_body_bytes)
+            reading = time.perf_counter()
             raw = await read_body(receive, self.settings.server.max_body_bytes)
+            ex.client_wait_s = time.perf_counter() - reading
             coding = headers.get("content-encoding")
             if coding is not None and coding.strip().lower() not in ("", "identity"):
                 raw = decoded_request(coding, raw, self.settings.server.max_body_bytes)

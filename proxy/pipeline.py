@@ -80,6 +80,8 @@ class Exchange:
     # Time spent waiting on the upstream before the forwarded request went out (a summarizer
     # call, a first attempt refused as too long): not cachegate's overhead
     upstream_wait_s: float = 0.0
+    # Time spent waiting for the client's body to arrive (a slow upload): not cachegate's either
+    client_wait_s: float = 0.0
     assembled: AssembledResponse | None = None
     usage: Usage | None = None
     # A compaction's summary call (its usage and model), priced with the exchange

@@ -972,7 +972,7 @@ class Relay:
         try:
             try:
                 opened_at = time.perf_counter()
-                ex.overhead_s = opened_at - ex.t0 - ex.upstream_wait_s
+                ex.overhead_s = opened_at - ex.t0 - ex.upstream_wait_s - ex.client_wait_s
                 response = await self.open(
                     ex.method, self.url(ex.path, scope.get("query_string", b"")), headers, content
                 )

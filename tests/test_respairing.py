@@ -507,3 +507,67 @@ def test_an_agent_loop_interrupted_between_a_call_and_its_output_goes_on(
     # the repaired history is the next turn's prefix: the provider's cache keeps hitting
     once, twice = (r.body["input"] for r in sim.sim.requests[1:])
     assert twice[: len(once)] == once and len(twice) == len(once) + 2
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_a_streamed_responses_request_counts_among_the_streams_in_flight(
+    scripted: Any, proxy_factory: Any, paired: bool
+) -> None:
+    """``cachegate_active_streams`` ("responses being streamed to clients right now") read 0
+    all through a Responses API stream: only chat's were counted. The body is parsed where it
+    has calls to pair, else looked through for its ``stream`` key."""
+    events = [b"event: response.output_text.delta\ndata: {}\n\n"] * 6
+    upstream, base = scripted(chunks=events, delay_s=0.15)
+    proxy = proxy_factory(base)
+    items: list[Any] = [{"role": "user", "content": "hi"}]
+    if paired:
+        items += [call("c1"), output("c1")]
+    body = {"model": "gpt-5", "stream": True, "input": items}
+    with (
+        httpx.Client() as client,
+        client.stream("POST", proxy.base_url + "/responses", json=body) as answer,
+    ):
+        chunks = answer.iter_bytes()
+        next(chunks)
+        assert proxy.metric("cachegate_active_streams") == 1
+        assert b"".join(chunks)
+    assert proxy.metric("cachegate_active_streams") == 0
+    plain = httpx.post(proxy.base_url + "/responses", json={**body, "stream": False})
+    assert plain.status_code == 200 and len(upstream.requests) == 2
+    assert proxy.metric("cachegate_active_streams") == 0
+
+
+def test_a_slow_upload_is_not_counted_as_cachegates_overhead(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """The time a client took to send its body counted as cachegate's overhead on the chat and
+    Responses routes (2 s for a client that paused mid-upload), where other relayed requests
+    start forwarding at its first byte."""
+    import socket
+    import time
+
+    proxy = proxy_factory(sim.api_base)
+    host, port = proxy.url.removeprefix("http://").split(":")
+    for path, body in (
+        ("/v1/responses", {"model": "gpt-5", "input": INTERRUPTED}),
+        (
+            "/v1/chat/completions",
+            {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]},
+        ),
+    ):
+        raw = orjson.dumps(body)
+        with socket.create_connection((host, int(port))) as conn:
+            conn.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(raw)}\r\n\r\n".encode()
+                + raw[:10]
+            )
+            time.sleep(1.0)
+            conn.sendall(raw[10:])
+            assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+    route = {"route": "chat"}
+    assert proxy.metric("cachegate_proxy_overhead_seconds_count", route) == 1
+    assert proxy.metric("cachegate_proxy_overhead_seconds_sum", route) < 0.5
+    route = {"route": "passthrough"}
+    assert proxy.metric("cachegate_proxy_overhead_seconds_count", route) == 1
+    assert proxy.metric("cachegate_proxy_overhead_seconds_sum", route) < 0.5
