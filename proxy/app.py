@@ -228,6 +228,14 @@ class Gateway:
             if lg.max_age_days or lg.max_total_mb:
                 self._retention = asyncio.get_running_loop().create_task(self._enforce_retention())
 
+    def forget_idle(self) -> None:
+        """Forget the sessions idle past ``sessions.idle_ttl_s`` now, and the bodies kept for
+        their next turns."""
+        now = self.clock()
+        self.sessions.forget_idle(now)
+        if self.chat is not None:
+            self.chat.memos.forget_idle(now)
+
     def _live_session(self, session_id: str) -> bool:
         """Whether a session is held now (asked by retention's thread before each deletion)."""
         writer = self.writer
@@ -237,27 +245,34 @@ class Gateway:
 
     async def _enforce_retention(self) -> None:
         """Hourly (and at start): delete whole old log files, never one being written."""
-        lg = self.settings.logging
         while True:
-            active = set(self.sessions.active_ids())
-            if self.writer is not None:
-                active |= self.writer.open_sessions()
-            try:
-                removed = await asyncio.to_thread(
-                    enforce_retention,
-                    lg.dir,
-                    max_age_days=lg.max_age_days or None,
-                    max_total_mb=lg.max_total_mb or None,
-                    active=active,
-                    now=time.time(),
-                    previous=(self._started_at, self.settings.sessions.idle_ttl_s),
-                    live=self._live_session,
-                )
-                if removed:
-                    log.info("retention removed %d old session logs", len(removed))
-            except Exception:
-                log.exception("log retention failed")
+            await self.retain_once()
             await asyncio.sleep(3600)
+
+    async def retain_once(self) -> None:
+        """One pass of the log retention (``logging.max_age_days``, ``logging.max_total_mb``)."""
+        lg = self.settings.logging
+        # (sessions idle past sessions.idle_ttl_s are forgotten first, as a scrape or the next
+        # request would: on a quiet server they were held, their files kept, for good)
+        self.forget_idle()
+        active = set(self.sessions.active_ids())
+        if self.writer is not None:
+            active |= self.writer.open_sessions()
+        try:
+            removed = await asyncio.to_thread(
+                enforce_retention,
+                lg.dir,
+                max_age_days=lg.max_age_days or None,
+                max_total_mb=lg.max_total_mb or None,
+                active=active,
+                now=time.time(),
+                previous=(self._started_at, self.settings.sessions.idle_ttl_s),
+                live=self._live_session,
+            )
+            if removed:
+                log.info("retention removed %d old session logs", len(removed))
+        except Exception:
+            log.exception("log retention failed")
 
     async def stop(self) -> None:
         if self._retention is not None:
@@ -818,10 +833,7 @@ def create_app(
         return JSONResponse(body, headers={"date": http_date().decode()})
 
     async def metrics(request: Request) -> Response:
-        now = gateway.clock()
-        gateway.sessions.forget_idle(now)
-        if gateway.chat is not None:  # the bodies kept for the next turn go with the sessions
-            gateway.chat.memos.forget_idle(now)
+        gateway.forget_idle()
         gateway.metrics.observe_sessions(len(gateway.sessions), gateway.sessions.bytes)
         return Response(
             gateway.metrics.scrape(registry),

@@ -23,6 +23,7 @@ from proxy.config import (
     DEFAULT_MODELS,
     ConfigError,
     UpstreamSettings,
+    host_problem,
     load_settings,
     shown_url,
     unknown_variable_notes,
@@ -466,12 +467,9 @@ def _simulate(ns: argparse.Namespace) -> int:
             message = re.sub(rf"(?<![\w-]){name}(?!\w)", flag, message)
         print(f"cachegate simulate: {message}", file=sys.stderr)
         return 2
-    if not ns.host.strip(" []"):  # the socket layer reads "" as every interface (as serve)
-        print(
-            "cachegate simulate: --host: empty; give an address (127.0.0.1, or 0.0.0.0 to"
-            " listen on every interface)",
-            file=sys.stderr,
-        )
+    problem = host_problem(ns.host)  # (as serve's server.host)
+    if problem is not None:
+        print(f"cachegate simulate: --host: {problem}", file=sys.stderr)
         return 2
     sockets = _bound(ns.host, ns.port, "cachegate simulate")  # in use: one line, as for serve
     if sockets is None:

@@ -424,8 +424,9 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if text and isinstance(value, str) and value.lower() in TRUE_WORDS | FALSE_WORDS:
-            return value.lower() in TRUE_WORDS
+        word = value.strip().lower() if text and isinstance(value, str) else None
+        if word is not None and word in TRUE_WORDS | FALSE_WORDS:  # ("true " from a .env file)
+            return word in TRUE_WORDS
         raise ConfigError(f"config key '{key}': expected true or false, got {_shown(value)}")
     if tp is int:
         if isinstance(value, bool):
@@ -561,33 +562,38 @@ def _build(cls: Any, data: Mapping[str, Any], prefix: str, base: Any, text: bool
     return replace(base, **changes)
 
 
-def _check(settings: Settings) -> None:
-    if not 0 < settings.server.port < 65536:
-        raise _bad("server.port", f"{settings.server.port} is not a TCP port (1 to 65535)")
+def host_problem(listen: str) -> str | None:
+    """What is wrong with ``listen`` as an address to listen on (``server.host``, the
+    simulator's ``--host``), or None."""
     # (the socket layer reads "" as every interface, and "[]" once its brackets are off)
-    if not settings.server.host.strip(" []"):
-        raise _bad(
-            "server.host",
-            "empty; give an address (127.0.0.1, or 0.0.0.0 to listen on every interface)",
+    if not listen.strip(" []"):
+        return "empty; give an address (127.0.0.1, or 0.0.0.0 to listen on every interface)"
+    if _token_like(listen.strip()):  # (a key pasted in its place: not printed by a bind error)
+        return (
+            f"is no address but a {len(listen.strip())}-character token (not shown: a key"
+            " pasted in its place?); give an address, 127.0.0.1"
         )
-    listen = settings.server.host
     if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in listen):
         # ("127.0.0.1 " from a .env file: the resolver's "Name or service not known" named no
         # setting; a NUL was cut off by the socket layer and printed)
-        raise _bad(
-            "server.host",
-            f"{listen!r} has white space or a control character in it (a space pasted with it?)",
-        )
+        return f"{listen!r} has white space or a control character in it (a space pasted with it?)"
     bare = listen[1:-1] if listen.startswith("[") and listen.endswith("]") else listen
     if "/" in listen or ((":" in listen or "[" in listen or "]" in listen) and not _is_ipv6(bare)):
         # (localhost:8787, http://localhost: the resolver's "Name or service not known", exit
         # 1, named no setting, and the address was shown as [localhost:8787]:8787)
-        raise _bad(
-            "server.host",
+        return (
             f"{display_url(listen)!r} is not an address: give the address alone, without a"
-            " scheme or a "
-            "port (the port is server.port, --port)",
+            " scheme or a port (the port is server.port, --port)"
         )
+    return None
+
+
+def _check(settings: Settings) -> None:
+    if not 0 < settings.server.port < 65536:
+        raise _bad("server.port", f"{settings.server.port} is not a TCP port (1 to 65535)")
+    problem = host_problem(settings.server.host)
+    if problem is not None:
+        raise _bad("server.host", problem)
     if settings.logging.enabled and not settings.logging.dir.strip():  # "": the working dir
         raise _bad("logging.dir", "empty; give a directory (or set logging.enabled = false)")
     if "\0" in settings.logging.dir:  # (no path can hold it: a traceback once listening)
@@ -779,9 +785,11 @@ def load_settings(
             raise ConfigError(f"{exc} (config file {path})", exc.key) from None
     # One variable, then one flag, at a time: an error names the one the user set.
     set_by: dict[str, str] = {}  # a key, and the variable or flag that set it last
+    flags = options or {}
     for option, key in OPTION_KEYS.items():
         variable = f"CACHEGATE_{option.upper()}"
-        if env.get(variable):
+        if env.get(variable) and flags.get(option) is None:  # (a flag's value replaces it:
+            # a stale variable that cannot be read is mended by the flag, as a file's value)
             settings = _apply_one(settings, key, env[variable], variable)
             set_by[key] = variable
     for option, value in (options or {}).items():

@@ -684,3 +684,43 @@ def test_a_request_the_parser_refuses_is_counted_in_the_metrics(
     wait_for(lambda: total() >= before_total + requests, timeout=5)
     time.sleep(0.2)  # (and no second count of one refused body comes after it)
     assert total() == before_total + requests  # (each once: a refused body was a 400 and a 499)
+
+
+def test_retention_deletes_the_log_of_a_session_idle_past_its_ttl_on_a_quiet_server(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session idle past ``sessions.idle_ttl_s`` was still held until a request or a scrape
+    came (a laptop with no Prometheus): retention took it for live and kept its old file for
+    good. It is forgotten first, as a scrape would."""
+    import asyncio
+    import os
+    import time as clock
+
+    from proxy import eventlog
+
+    monkeypatch.setattr(eventlog, "IDLE_CLOSE_S", 0.05)  # (the writer closes idle files soon)
+    now = [clock.time()]
+    proxy = proxy_factory(
+        sim.api_base,
+        {"sessions": {"idle_ttl_s": 60}, "logging": {"max_age_days": 1}},
+        clock=lambda: now[0],
+    )
+    sdk(proxy.base_url).chat.completions.create(
+        model="gpt-4o",
+        messages=[{"role": "user", "content": "hi"}],
+        extra_headers={"X-Session-Id": "quiet"},
+    )
+    proxy.settle()
+    path = proxy.log_dir / "quiet.jsonl"
+    writer = proxy.gateway.writer
+    deadline = clock.monotonic() + 5
+    while writer.holds_open("quiet") and clock.monotonic() < deadline:
+        writer.flush()
+        clock.sleep(0.02)
+    assert not writer.holds_open("quiet")
+    ten_days_ago = clock.time() - 10 * 86400
+    os.utime(path, (ten_days_ago, ten_days_ago))
+    now[0] += 61  # idle past its TTL; no request, no scrape since
+    retain = proxy.gateway.retain_once()
+    asyncio.run_coroutine_threadsafe(retain, proxy.gateway.loop).result(timeout=10)
+    assert not path.exists()

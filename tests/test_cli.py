@@ -1556,6 +1556,24 @@ def test_simulate_refuses_an_empty_host_as_serve_does(host: str) -> None:
     assert served.code == 2 and "config key 'server.host': empty" in served.err
 
 
+@pytest.mark.parametrize(
+    ("host", "said"),
+    [
+        ("127.0.0.1 ", "has white space or a control character in it"),
+        ("localhost:80", "is not an address: give the address alone"),
+        ("sk-proj-abcDEF1234567890abcdefXYZ1234567890", "is no address but a 43-character token"),
+    ],
+)
+def test_simulate_refuses_a_host_serve_refuses_alike(host: str, said: str) -> None:
+    """The simulator checked only for an empty host: these failed once listening, exit 1
+    ("cannot listen on [localhost:80]:…: Name or service not known"), a key in clear."""
+    result = run_cli("simulate", "--host", host, "--port", str(free_port()))
+    assert result.code == 2 and result.err.startswith("cachegate simulate: --host: ")
+    assert said in result.err and "sk-proj" not in result.err
+    served = run_cli("serve", "--host", host, "--port", str(free_port()))
+    assert served.code == 2 and said in served.err and "sk-proj" not in served.err
+
+
 def test_console_script_serve_refuses_a_bad_config_and_reports_its_version(
     tmp_path: Path,
 ) -> None:

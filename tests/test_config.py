@@ -587,6 +587,40 @@ def test_a_flag_or_variable_mends_a_value_of_the_file_it_overrides(tmp_path: Pat
     )
 
 
+def test_a_flag_mends_a_variable_that_cannot_be_read(tmp_path: Path) -> None:
+    """A stale ``CACHEGATE_PORT=abc`` (a Docker ``environment:`` entry) stopped ``serve
+    --port 18113`` with the variable's error: a flag replaces a variable, as a file's value."""
+    env = {"CACHEGATE_PORT": "abc", "CACHEGATE_STRICT_PAIRING": "maybe"}
+    settings = load_settings(None, {"port": "18113", "strict_pairing": True}, environ=env)
+    assert (settings.server.port, settings.pairing.strict) == (18113, True)
+    with pytest.raises(ConfigError) as refused:  # (no flag for it: the variable is named)
+        load_settings(None, {"port": "18113"}, environ=env)
+    assert str(refused.value).startswith("CACHEGATE_STRICT_PAIRING: config key")
+
+
+def test_a_true_or_false_word_is_read_past_white_space_as_a_number_is() -> None:
+    """``CACHEGATE_PORT=' 18114 '`` was read (Python's int() strips it), and
+    ``CACHEGATE_STRICT_PAIRING='true '`` (a .env file's trailing space) refused."""
+    env = {"CACHEGATE_PORT": " 18114 ", "CACHEGATE_STRICT_PAIRING": "true "}
+    settings = load_settings(None, None, environ=env)
+    assert (settings.server.port, settings.pairing.strict) == (18114, True)
+
+
+def test_a_key_pasted_as_the_host_is_refused_without_being_shown() -> None:
+    """A key in ``server.host`` reached the bind error in clear ("cannot listen on
+    sk-proj-…:8787: Name or service not known"), on stderr, journald's and Docker's logs."""
+    key = "sk-proj-abcDEF1234567890abcdefXYZ1234567890"
+    for given in ({"options": {"host": key}}, {"environ": {"CACHEGATE_HOST": key}}):
+        with pytest.raises(ConfigError) as refused:
+            load_settings(
+                None,
+                given.get("options"),  # type: ignore[arg-type]
+                environ=given.get("environ", {}),  # type: ignore[arg-type]
+            )
+        assert key not in str(refused.value)
+        assert "is no address but a 43-character token" in str(refused.value)
+
+
 @pytest.mark.parametrize(
     ("text", "said"),
     [
