@@ -236,14 +236,29 @@ def _contentless(message: Any) -> bool:
     )
 
 
+def _blank_text(content: Any) -> bool:
+    """Content that says nothing to Claude: ``null``, ``""``, white space, or a list of
+    nothing but text parts of such text (``[]`` too: Claude refuses a text block that is empty
+    or white space, as gateways make one of ``""``)."""
+    if content is None or (isinstance(content, str) and not content.strip()):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(part, dict)
+        and part.get("type") == "text"
+        and isinstance(part.get("text", ""), str)
+        and not part.get("text", "").strip()
+        for part in content
+    )
+
+
 def _blank(message: Any) -> bool:
     """An assistant message that Claude refuses anywhere but last (``must have non-empty
-    content``): content ``null``, none, ``""``, white space or ``[]``, and nothing else: no tool
-    calls, refusal, legacy ``function_call``, audio or reasoning."""
+    content``): content ``null``, none, ``""``, white space, ``[]`` or blank text parts
+    (``_blank_text``), and nothing else: no tool calls, refusal, legacy ``function_call``, audio
+    or reasoning."""
     if not isinstance(message, dict) or message.get("role") != "assistant":
         return False
-    content = message.get("content")
-    if not (content is None or content == [] or (isinstance(content, str) and not content.strip())):
+    if not _blank_text(message.get("content")):
         return False
     return message.get("tool_calls") is None and not any(
         message.get(key) for key in ("refusal", "function_call", "audio", *_REASONING_KEYS)
@@ -653,7 +668,7 @@ def repair_messages_from(
         if calls is None:
             if _empty_calls(message):
                 kept = {k: v for k, v in message.items() if k != "tool_calls"}
-                if _says_nothing(kept):
+                if _says_nothing(kept) or (drop_empty and _blank(kept)):
                     # Nothing else in it: Claude refuses an empty assistant message but the last
                     # ("must have non-empty content"), OpenAI one with no content at all.
                     removed.add(i)

@@ -492,12 +492,13 @@ _COOKIE_ARRAY = re.compile(
     r"""|(?<![\w$])Cookie(?=\{)"""
 )
 _QUOTED_TEXT = r"""(?:"(?:[^"\\\n]|\\.)*+"|'(?:[^'\\\n]|\\.)*+')"""
+# (a quote that does not close on its line is a character: a comment's "the user's token")
 _COOKIE_OBJECT = re.compile(
     r"""[ \t\r\n,]*\{(?:[^{}"']|"""
     + _QUOTED_TEXT
-    + r"""|\{(?:[^{}"']|"""
+    + r"""|["']|\{(?:[^{}"']|"""
     + _QUOTED_TEXT
-    + r""")*+\})*+\}"""
+    + r"""|["'])*+\})*+\}"""
 )
 _COOKIE_VALUE = re.compile(  # (a key quoted, or not: JavaScript's ``value:``, Go's ``Value:``)
     r"""(?:(["'])value\1|(?<![\w$"'])[Vv]alue)[ \t\r\n]*:[ \t\r\n]*"""
@@ -1591,8 +1592,9 @@ def _redact_named_in(s: str, lowered: str) -> str:
         for array in _COOKIE_ARRAY.finditer(s):
             pos = array.end()
             while (cookie := _COOKIE_OBJECT.match(s, pos)) is not None:
-                value = _COOKIE_VALUE.search(s, cookie.start(), cookie.end())
-                if value is not None:
+                # (each value in it: Go's slice of cookies, ``[]*http.Cookie{{…}, {…}}``, is
+                # one object of objects)
+                for value in _COOKIE_VALUE.finditer(s, cookie.start(), cookie.end()):
                     _take_cookie(s, value, spans, group=3)
                 pos = cookie.end()
     if "TRUE" in s or "FALSE" in s:  # (a cookie file's lines: each value, where a token's)

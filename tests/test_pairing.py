@@ -535,7 +535,9 @@ def test_drop_empty_removes_a_contentless_assistant_message_as_claude_needs() ->
     assert kept.messages[1] == {**thinking, "content": ""}
 
 
-@pytest.mark.parametrize("content", ["", "  \n", []])
+@pytest.mark.parametrize(
+    "content", ["", "  \n", [], [{"type": "text", "text": ""}, {"type": "text", "text": " "}]]
+)
 def test_drop_empty_removes_a_blank_assistant_message_claude_refuses_too(content: Any) -> None:
     """Claude refuses an assistant message whose content is ``""``, white space or ``[]``
     anywhere but last, as one with none; a client writes one itself (the Vercel AI SDK, a
@@ -558,6 +560,9 @@ def test_drop_empty_removes_a_blank_assistant_message_claude_refuses_too(content
     assert after is not None
     assert not needs_repair_from(messages[:3], [after], drop_empty=False)[0]
     assert needs_repair_from(messages[:3], (), drop_empty=True)[0]
+    # with an empty tool_calls array too (that repair ran first, and kept a blank one)
+    emptied = [user("go"), {**asst(content=content), "tool_calls": []}, user("again")]
+    assert repair_messages(emptied, drop_empty=True).messages == [user("go"), user("again")]
     said = {**asst(content="  "), "reasoning_content": "thinking"}  # (it says something)
     assert repair_messages([user("go"), said, user("on")], drop_empty=True).repairs == []
 

@@ -2164,6 +2164,23 @@ _LONG_KEY = base64.b64encode(_PEM[:32] + b"MIIEowIBAAKCAQEAq7BFUpkGp3Zx" * 80 + 
             'http.SetCookie(w, &http.Cookie{Name: "session_id", Value: "s3ssi0nT0kenABCDEF123456"})',
             "s3ssi0nT0kenABCDEF123456",
         ),
+        # a Go slice of them (one object of objects: only its first value was read), and
+        # comments with an apostrophe in them (a quote that never closed hid the object)
+        (
+            'jar.SetCookies(u, []*http.Cookie{{Name: "theme", Value: "dark"},'
+            ' {Name: "session", Value: "s3ssi0nT0kenABCDEF123456"}})',
+            "s3ssi0nT0kenABCDEF123456",
+        ),
+        (
+            'http.SetCookie(w, &http.Cookie{\n\tName:  "session",\n'
+            '\tValue: "s3ssi0nT0kenABCDEF123456", // the user\'s token\n})',
+            "s3ssi0nT0kenABCDEF123456",
+        ),
+        (
+            "driver.add_cookie({\n    'name': 'sessionid',  # Django's session\n"
+            "    'value': 's3ssi0nT0kenABCDEF123456',\n})",
+            "s3ssi0nT0kenABCDEF123456",
+        ),
     ],
 )
 def test_a_fifth_reads_leaks_are_redacted_in_text_and_in_json_text(text: str, secret: str) -> None:

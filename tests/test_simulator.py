@@ -1317,3 +1317,27 @@ def test_responses_answers_a_scripted_call_as_function_call_items(sim: RunningSi
     assert [e.arguments for e in done] == ['{"path":"a.py"}']
     assert [o.type for o in final.output] == ["message", "function_call"]
     assert final.output_text == "Reading."
+
+
+@pytest.mark.parametrize(
+    ("part", "said"),
+    [
+        ({"type": "text", "text": ""}, "messages: text content blocks must be non-empty"),
+        (
+            {"type": "text", "text": " \n"},
+            "messages: text content blocks must contain non-whitespace text",
+        ),
+    ],
+)
+def test_anthropic_compat_refuses_a_blank_text_block_in_any_message(
+    anthropic_server: RunningSimulator, part: dict[str, Any], said: str
+) -> None:
+    """Claude refuses a text block that is empty or white space, in any message (gateways make
+    one of an assistant message's ``""``)."""
+    for role in ("user", "assistant"):
+        messages = [{"role": "user", "content": "hi"}, {"role": role, "content": [part]}]
+        answer = httpx.post(
+            anthropic_server.api_base + "/chat/completions",
+            json={"model": "claude-sonnet-4-5", "messages": messages},
+        )
+        assert answer.status_code == 400 and answer.json()["error"]["message"] == said

@@ -52,8 +52,23 @@ def _call_ids(message: dict[str, Any]) -> list[str]:
 
 def validate_claude_messages(messages: list[Any]) -> None:
     """Raise ``ValidationError`` where Claude would refuse ``messages`` past OpenAI's rules
-    (``validate_messages`` passed first): an assistant message with no content (``""``, ``[]``,
-    blanks) and nothing else to say, anywhere but last, as Anthropic's API refuses it."""
+    (``validate_messages`` passed first): a text part whose text is empty or white space, in
+    any message; an assistant message with no content (``""``, ``[]``, blanks) and nothing else
+    to say, anywhere but last, as Anthropic's API refuses it."""
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            text = (
+                part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
+            )
+            if isinstance(text, str) and not text.strip():  # (a block of any message)
+                raise ValidationError(
+                    "messages: text content blocks must be non-empty"
+                    if not text
+                    else "messages: text content blocks must contain non-whitespace text",
+                    f"messages.[{i}].content",
+                    "invalid_request_error",
+                )
     for i, message in enumerate(messages[:-1]):
         if (
             isinstance(message, dict)
