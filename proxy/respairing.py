@@ -12,12 +12,14 @@ Only what the request itself holds is judged. With ``previous_response_id``, ``c
 ``item_reference`` item, the calls an output answers may be stored at the provider, so no output is
 taken for an orphan; a call in the list still needs its output in the list.
 
-Calls paired: ``function_call`` and ``custom_tool_call`` (answered by an output of their own type)
-and ``local_shell_call`` (answered by a ``function_call_output``, as Codex CLI writes it, or a
-``local_shell_call_output``, whose ``id`` the SDKs' types name the call by: its ``call_id`` or its
-``id`` answers it, and one that answers no call is left alone). Other items are left alone: the
-hosted tools' calls carry their results, and a computer, shell or patch call's output is a
-structure (a screenshot, exit codes) a proxy cannot make up.
+Calls paired: ``function_call``, ``custom_tool_call``, ``shell_call`` and ``apply_patch_call``
+(answered by an output of their own type) and ``local_shell_call`` (answered by a
+``function_call_output``, as Codex CLI writes it, or a ``local_shell_call_output``, whose ``id``
+the SDKs' types name the call by: its ``call_id`` or its ``id`` answers it, and one that answers
+no call is left alone). Other items are left alone: the hosted tools' calls carry their
+results, and a computer call's output is a screenshot a proxy cannot make up. An output answers
+no call when no item of the list but an output has its ``call_id`` (a client may answer a call
+of another type with a ``function_call_output``, as Codex CLI does a local shell call).
 """
 
 from __future__ import annotations
@@ -32,11 +34,23 @@ OUTPUT_OF: Final[Mapping[str, str]] = {
     "function_call": "function_call_output",
     "custom_tool_call": "custom_tool_call_output",
     "local_shell_call": "function_call_output",
+    "shell_call": "shell_call_output",
+    "apply_patch_call": "apply_patch_call_output",
 }
 """Each call item's type, and the type of the output item a synthetic one is given."""
 
-OUTPUTS: Final = frozenset({"function_call_output", "custom_tool_call_output"})
+OUTPUTS: Final = frozenset(
+    {
+        "function_call_output",
+        "custom_tool_call_output",
+        "shell_call_output",
+        "apply_patch_call_output",
+    }
+)
 """The output items whose ``call_id`` must be a call's (else they are orphans)."""
+
+_TEXT_OUTPUTS: Final = frozenset({"function_call_output", "custom_tool_call_output"})
+"""Those whose ``output`` list is of a message's parts (``input_text``, ``input_image`` …)."""
 
 LOCAL_SHELL_OUTPUT: Final = "local_shell_call_output"
 
@@ -66,18 +80,24 @@ def stored_elsewhere(body: Mapping[str, Any]) -> bool:
     return isinstance(items, list) and any(_reference(item) for item in items)
 
 
-def _scan(items: Sequence[Any]) -> tuple[dict[str, int], set[str]]:
-    """The position of the first call of each ``call_id``, and the ids outputs answer (a local
-    shell call's output answers by its ``call_id`` or ``id``: either may be the call's
-    ``call_id``, or its ``id``, which stands for its ``call_id`` here)."""
+def _scan(items: Sequence[Any]) -> tuple[dict[str, int], set[str], set[str]]:
+    """The position of the first call of each ``call_id`` (of the calls paired here), the ids
+    outputs answer (a local shell call's output answers by its ``call_id`` or ``id``: either may
+    be the call's ``call_id``, or its ``id``, which stands for its ``call_id`` here), and the
+    ``call_id`` of every item but an output (a call of any type: what an output may answer)."""
     calls: dict[str, int] = {}
     answered: set[str] = set()
+    known: set[str] = set()
     shell_ids: dict[str, str] = {}  # a local shell call's id -> its call_id
     shell_answers: list[str] = []
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             continue
         kind = item.get("type")
+        if kind not in OUTPUTS and not (isinstance(kind, str) and kind.endswith("_output")):
+            call_id = _call_id(item)
+            if call_id is not None:
+                known.add(call_id)
         if kind in OUTPUT_OF:
             call_id = _call_id(item)
             if call_id is not None:
@@ -94,20 +114,20 @@ def _scan(items: Sequence[Any]) -> tuple[dict[str, int], set[str]]:
             )
     for answer in shell_answers:
         answered.add(shell_ids.get(answer, answer))
-    return calls, answered
+    return calls, answered, known
 
 
 def _defects(items: Sequence[Any], stored: bool) -> tuple[list[int], list[int]]:
     """The positions of the calls without an output, and of the outputs that answer no call
     (none when the calls may be stored at the provider)."""
-    calls, answered = _scan(items)
+    calls, answered, known = _scan(items)
     dangling = sorted(i for call_id, i in calls.items() if call_id not in answered)
     orphans: list[int] = []
     if not stored:
         for i, item in enumerate(items):
             if isinstance(item, dict) and item.get("type") in OUTPUTS:
                 call_id = _call_id(item)
-                if call_id is not None and call_id not in calls:
+                if call_id is not None and call_id not in known:
                     orphans.append(i)
     return dangling, orphans
 
@@ -122,11 +142,33 @@ def needs_repair(body: Mapping[str, Any]) -> bool:
     return bool(dangling or orphans)
 
 
+_NAMES: Final = {
+    "local_shell_call": "shell",
+    "shell_call": "shell",
+    "apply_patch_call": "apply_patch",
+}
+
+
 def _name(item: Mapping[str, Any]) -> str:
     name = item.get("name")
     if isinstance(name, str) and name:
         return name
-    return "shell" if item.get("type") == "local_shell_call" else "(unnamed)"
+    return _NAMES.get(item.get("type", ""), "(unnamed)")
+
+
+def _synthetic(call: Mapping[str, Any], call_id: str | None, note: str) -> dict[str, Any]:
+    """The output item given a call without one: ``note`` as its text. A shell call's is its
+    commands' captured output (the note as their stderr, an exit code of 130, a process cut by
+    Ctrl+C's); a patch's, a failure (``status`` is ``completed`` or ``failed``: the note says it
+    may have been applied)."""
+    kind = OUTPUT_OF[call["type"]]
+    if kind == "shell_call_output":
+        outcome = {"type": "exit", "exit_code": 130}
+        output = [{"stdout": "", "stderr": note, "outcome": outcome}]
+        return {"type": kind, "call_id": call_id, "output": output}
+    if kind == "apply_patch_call_output":
+        return {"type": kind, "call_id": call_id, "status": "failed", "output": note}
+    return {"type": kind, "call_id": call_id, "output": note}
 
 
 def _in_run(item: Any) -> bool:
@@ -163,7 +205,7 @@ def _downgraded(item: Mapping[str, Any], label: str) -> dict[str, Any]:
         content = [{"type": "input_text", "text": label}]
     elif isinstance(output, str):
         content = [{"type": "input_text", "text": f"{label}\n{output}"}]
-    elif isinstance(output, list):  # (input_text, input_image and input_file parts)
+    elif isinstance(output, list) and item.get("type") in _TEXT_OUTPUTS:  # (a message's parts)
         content = [{"type": "input_text", "text": label}, *output]
     else:
         dumped = deep_dumps(output, sort_keys=True, ensure_ascii=False)
@@ -195,11 +237,7 @@ def repair_input(
     for i, end in zip(dangling, _run_ends(items, dangling), strict=True):
         call = items[i]
         call_id, name = _call_id(call), _name(call)
-        synthetic = {
-            "type": OUTPUT_OF[call["type"]],
-            "call_id": call_id,
-            "output": interrupted_note.replace("{name}", name),
-        }
+        synthetic = _synthetic(call, call_id, interrupted_note.replace("{name}", name))
         after.setdefault(end, []).append(synthetic)
         repairs.append(Repair("dangling_call", i, call_id, f"added a synthetic output for {name}"))
     orphan_set = set(orphans)

@@ -152,6 +152,72 @@ def test_a_long_run_of_calls_gets_its_outputs_after_it_in_call_order() -> None:
     assert result.messages[-1] == user("then") and accepted({"input": result.messages})
 
 
+def test_shell_and_patch_calls_get_outputs_of_their_own_shape() -> None:
+    """A ``shell_call`` and an ``apply_patch_call`` (the Responses API's own shell and patch
+    tools) without an output were sent on: OpenAI's "No tool output found for shell call". Their
+    outputs are structures: the note goes where the SDK's types take text."""
+    from openai.types.responses import ResponseInputItemParam
+    from pydantic import TypeAdapter
+
+    shell = {
+        "type": "shell_call",
+        "call_id": "sh_1",
+        "action": {"commands": ["pytest -x"]},
+        "status": "completed",
+    }
+    patch = {
+        "type": "apply_patch_call",
+        "call_id": "ap_1",
+        "status": "completed",
+        "operation": {"type": "update_file", "path": "a.py", "diff": "@@\n-a\n+b\n"},
+    }
+    items = [user("fix it"), shell, patch, user("stop")]
+    assert not accepted({"input": items})
+    result = repaired({"input": items})
+    assert result.messages[3:5] == [
+        {
+            "type": "shell_call_output",
+            "call_id": "sh_1",
+            "output": [
+                {
+                    "stdout": "",
+                    "stderr": "interrupted: shell",
+                    "outcome": {"type": "exit", "exit_code": 130},
+                }
+            ],
+        },
+        {
+            "type": "apply_patch_call_output",
+            "call_id": "ap_1",
+            "status": "failed",
+            "output": "interrupted: apply_patch",
+        },
+    ]
+    assert accepted({"input": result.messages})
+    TypeAdapter(list[ResponseInputItemParam]).validate_python(result.messages)
+    # an orphan shell output is kept as text (its list is no message's parts)
+    stray = {"type": "shell_call_output", "call_id": "sh_9", "output": [{"stdout": "ok"}]}
+    kept = repaired({"input": [user("hi"), stray]}).messages[1]
+    assert kept["content"] == [
+        {
+            "type": "input_text",
+            "text": '[tool result for call sh_9 (no matching tool call)]\n[{"stdout": "ok"}]',
+        }
+    ]
+
+
+def test_an_output_answering_a_call_of_another_type_is_no_orphan() -> None:
+    """An output answers whatever item has its ``call_id`` (a client answers a call of another
+    type with a ``function_call_output``, as Codex CLI does a local shell call): a tool search
+    the client ran, a program item."""
+    for answered in (
+        {"type": "tool_search_call", "call_id": "ts_1", "arguments": {}, "execution": "client"},
+        {"type": "program", "id": "pg_1", "call_id": "ts_1", "code": "1", "fingerprint": "f"},
+    ):
+        items = [user("hi"), answered, output("ts_1")]
+        assert repaired({"input": items}).messages is items and accepted({"input": items})
+
+
 def test_an_orphan_output_is_kept_as_a_user_message_or_dropped() -> None:
     items = [
         user("hi"),

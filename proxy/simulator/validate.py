@@ -213,22 +213,27 @@ _RESPONSE_CALLS = {
     "function_call": "function call",
     "custom_tool_call": "custom tool call",
     "local_shell_call": "local shell call",
+    "shell_call": "shell call",
+    "apply_patch_call": "apply patch call",
 }
 _RESPONSE_OUTPUTS = {
     "function_call_output": "function call",
     "custom_tool_call_output": "custom tool call",
+    "shell_call_output": "shell call",
+    "apply_patch_call_output": "apply patch call",
 }
 
 
 def validate_response_input(body: dict[str, Any]) -> None:
     """Raise ``ValidationError`` where OpenAI would refuse a Responses API request's ``input``
     items: a call with no output in the list, or (unless the request continues a stored
-    response or conversation) an output whose ``call_id`` no call in the list has."""
+    response or conversation) an output whose ``call_id`` no other item in the list has."""
     items = body.get("input")
     if not isinstance(items, list):
         return
     calls: dict[str, str] = {}
     answered: set[str] = set()
+    known: set[str] = set()  # the call_id of every item but an output: what an output may answer
     shell_ids: dict[Any, str] = {}  # a local shell call's id -> its call_id
     for item in items:
         if not isinstance(item, dict):
@@ -240,6 +245,8 @@ def validate_response_input(body: dict[str, Any]) -> None:
                     answered.add(shell_ids.get(value, value))
         if not isinstance(item.get("call_id"), str):
             continue
+        if not str(kind).endswith("_output"):
+            known.add(item["call_id"])
         if kind in _RESPONSE_CALLS:
             calls.setdefault(item["call_id"], _RESPONSE_CALLS[kind])
             if kind == "local_shell_call":
@@ -254,6 +261,6 @@ def validate_response_input(body: dict[str, Any]) -> None:
     for item in items:
         if isinstance(item, dict) and item.get("type") in _RESPONSE_OUTPUTS:
             answers = item.get("call_id")
-            if isinstance(answers, str) and answers not in calls:
+            if isinstance(answers, str) and answers not in known:
                 what = _RESPONSE_OUTPUTS[item["type"]]
                 raise ValidationError(NO_CALL_TEXT.format(what=what, id=answers), "input")
