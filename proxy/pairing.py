@@ -673,7 +673,7 @@ def repair_messages_from(
                     # ("must have non-empty content"), OpenAI one with no content at all.
                     removed.add(i)
                     action = "removed an assistant message with nothing but an empty tool_calls"
-                    mark = message.get("cache_control")
+                    mark = cache_mark(message, "content")  # (its own, or its last part's)
                     if mark is not None:  # a breakpoint: the message before ends that prefix
                         state.marks[i] = mark
                 else:
@@ -687,7 +687,7 @@ def repair_messages_from(
                 action = (
                     "removed an assistant message with no content (Claude refuses an empty one)"
                 )
-                mark = message.get("cache_control")
+                mark = cache_mark(message, "content")  # (its own, or its last blank part's)
                 if mark is not None:  # a breakpoint: the message before ends that prefix
                     state.marks[i] = mark
                 scanned.append(Repair("empty_assistant", i, None, action))

@@ -492,13 +492,19 @@ _COOKIE_ARRAY = re.compile(
     r"""|(?<![\w$])Cookie(?=\{)"""
 )
 _QUOTED_TEXT = r"""(?:"(?:[^"\\\n]|\\.)*+"|'(?:[^'\\\n]|\\.)*+')"""
-# (a quote that does not close on its line is a character: a comment's "the user's token")
+# A quoted text in a cookie's object, or one that does not close on its line, which then runs to
+# the line's end (a comment's "the user's token" hid the whole object; taken as a character, the
+# quote was tried again at each next one, each to the line's end: 185 KB of \" took a minute)
+_QUOTED_IN_OBJECT = (
+    r"""(?:"(?:[^"\\\n]|\\.)*+(?:"|(?=[\\\n])|\Z)"""
+    r"""|'(?:[^'\\\n]|\\.)*+(?:'|(?=[\\\n])|\Z))"""
+)
 _COOKIE_OBJECT = re.compile(
     r"""[ \t\r\n,]*\{(?:[^{}"']|"""
-    + _QUOTED_TEXT
-    + r"""|["']|\{(?:[^{}"']|"""
-    + _QUOTED_TEXT
-    + r"""|["'])*+\})*+\}"""
+    + _QUOTED_IN_OBJECT
+    + r"""|\{(?:[^{}"']|"""
+    + _QUOTED_IN_OBJECT
+    + r""")*+\})*+\}"""
 )
 _COOKIE_VALUE = re.compile(  # (a key quoted, or not: JavaScript's ``value:``, Go's ``Value:``)
     r"""(?:(["'])value\1|(?<![\w$"'])[Vv]alue)[ \t\r\n]*:[ \t\r\n]*"""

@@ -563,6 +563,11 @@ def test_drop_empty_removes_a_blank_assistant_message_claude_refuses_too(content
     # with an empty tool_calls array too (that repair ran first, and kept a blank one)
     emptied = [user("go"), {**asst(content=content), "tool_calls": []}, user("again")]
     assert repair_messages(emptied, drop_empty=True).messages == [user("go"), user("again")]
+    # a mark on one of its blank parts goes on the message before, as its own would
+    mark = {"type": "ephemeral"}
+    parted = {"role": "assistant", "content": [{"type": "text", "text": "", "cache_control": mark}]}
+    moved = repair_messages([user("go"), parted, user("again")], drop_empty=True).messages
+    assert moved == [{**user("go"), "cache_control": mark}, user("again")]
     said = {**asst(content="  "), "reasoning_content": "thinking"}  # (it says something)
     assert repair_messages([user("go"), said, user("on")], drop_empty=True).repairs == []
 

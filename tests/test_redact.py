@@ -2559,6 +2559,9 @@ def test_cookies_in_cookies_are_read_in_linear_time() -> None:
     redact_text("> Cookie: a=1\n" * 80_000)
     redact_text("\t-b\ta=1;" * 16_000)  # (each unquoted argument read to 16 KB: 76 s a MB)
     redact_text('add_cookie([{"value": "' * 20_000)  # (a cookie's object given by code)
+    # quotes that never close in one long line: each was read to the line's end (a minute)
+    redact_text("await page.setCookie(" + '{\\"name\\": \\"k\\", \\"value\\": \\"v\\"}, ' * 5_000)
+    redact_text('"cookies": [{' + '"a\\' * 20_000)
     redact_text('http.Cookie{Value: "a' * 20_000)
     assert time.process_time() - began < 3.0  # (linear: ~0.5 s; before: ~25 s)
 
