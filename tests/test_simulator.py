@@ -1341,3 +1341,26 @@ def test_anthropic_compat_refuses_a_blank_text_block_in_any_message(
             json={"model": "claude-sonnet-4-5", "messages": messages},
         )
         assert answer.status_code == 400 and answer.json()["error"]["message"] == said
+
+
+def test_responses_streams_are_paced_and_faulted_as_chat_answers() -> None:
+    """The Responses API's events came all at once, whatever --ttft-ms and --chunk-ms said, and
+    X-Sim-Fault was not read there."""
+    import time
+
+    with run_simulator(SimConfig(ttft_ms=300, chunk_ms=20)) as sim:
+        client = openai.OpenAI(base_url=sim.api_base, api_key="sk-test", max_retries=0)
+        sim.sim.enqueue(["one two three four five six"])
+        began = time.monotonic()
+        stream = client.responses.create(model="gpt-5", input="hi", stream=True)
+        times = [time.monotonic() - began for _ in stream]
+        assert times[0] >= 0.3 and times[-1] - times[0] >= 0.02 * (len(times) - 2)
+        with pytest.raises(openai.InternalServerError):
+            client.responses.create(model="gpt-5", input="hi", extra_headers={"X-Sim-Fault": "500"})
+        with pytest.raises(openai.APIError):
+            list(
+                client.responses.create(
+                    model="gpt-5", input="hi", stream=True, extra_headers={"X-Sim-Fault": "reset"}
+                )
+            )
+        assert [r.fault for r in sim.sim.requests] == [None, "500", "reset"]

@@ -491,14 +491,23 @@ class _Handlers:
         received.body = body
         return received, body
 
-    async def responses(self, request: Request) -> Response:
+    async def responses(self, request: Request) -> Response | PacedResponse:
         """``POST /v1/responses``: OpenAI's checks of the input items' tool pairing, then the next
         scripted reply (its text as an assistant message, its calls as ``function_call`` items),
-        else a message ``Done.``, streamed as the Responses API's events when asked. No
-        response is stored."""
+        else a message ``Done.``, streamed as the Responses API's events when asked, paced and
+        faulted as a chat answer. No response is stored."""
+        try:
+            controls = _parse_controls(dict(request.headers), self.config)
+        except ValueError as exc:
+            return _error(400, str(exc), None, "invalid_sim_control")
         received, body = await self._json_request(request)
         if received.status == 400:
             return _error(400, BAD_JSON_TEXT)
+        fault = controls.fault or self.sim.draw_fault()
+        if fault in STATUS_FAULTS:
+            received.fault, received.status = fault, int(fault)
+            return self._status_fault(fault)
+        received.fault = fault
         model = body.get("model")
         try:
             if not isinstance(model, str) or not model:
@@ -528,9 +537,14 @@ class _Handlers:
             usage=response_usage(count_tokens(prompt), completion_tokens(reply)),
         )
         received.status = 200
+        request_id = new_id("req_", 24)
         if body.get("stream") is True:
-            return Response(response_events(done), media_type="text/event-stream")
-        return _json_response(done)
+            return PacedResponse(
+                self._stream_body(response_events(done), fault, controls.stall_s),
+                media_type="text/event-stream; charset=utf-8",
+                headers={**SSE_HEADERS, "x-request-id": request_id},
+            )
+        return self._plain_body(orjson.dumps(done), fault, controls.stall_s, request_id)
 
     async def models(self, request: Request) -> Response:
         self.sim.record(request.method, request.url.path, dict(request.headers), b"").status = 200

@@ -308,9 +308,9 @@ def _item_events(index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
     return events
 
 
-def response_events(done: dict[str, Any]) -> bytes:
-    """The SSE stream of the Responses API for ``done`` (a completed ``response_object``):
-    ``event:`` and ``data:`` lines, each output item's text or arguments in pieces."""
+def response_events(done: dict[str, Any]) -> list[bytes]:
+    """The SSE stream of the Responses API for ``done`` (a completed ``response_object``), an
+    event each: ``event:`` and ``data:`` lines, each output item's text or arguments in pieces."""
     started = {**done, "status": "in_progress", "output": [], "usage": None}
     events: list[dict[str, Any]] = [
         {"type": "response.created", "response": started},
@@ -319,8 +319,8 @@ def response_events(done: dict[str, Any]) -> bytes:
     for index, item in enumerate(done["output"]):
         events += _item_events(index, item)
     events.append({"type": "response.completed", "response": done})
-    out = bytearray()
+    out = []
     for number, event in enumerate(events):
         event = {"type": event["type"], "sequence_number": number, **event}
-        out += b"event: " + event["type"].encode() + b"\n" + encode_event(event)
-    return bytes(out)
+        out.append(b"event: " + event["type"].encode() + b"\n" + encode_event(event))
+    return out
