@@ -640,6 +640,9 @@ def test_hostile_session_ids_are_refused_and_touch_nothing(tmp_path: Path, write
     assert w.emit(123, {"type": "error"}) is False  # type: ignore[arg-type]
     assert w.close()
     assert w.dropped == len(HOSTILE_IDS) + 1
+    with pytest.raises(ValueError) as said:  # ("..": of the characters it names, but refused)
+        session_log_path(log_dir, "..")
+    assert str(said.value).endswith("(and not '.' or '..')")
     assert losses == ["invalid_session"] * (len(HOSTILE_IDS) + 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]
     assert [p.name for p in log_dir.iterdir()] == [".gitignore"]  # written with the directory
