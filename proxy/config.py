@@ -562,13 +562,19 @@ def _build(cls: Any, data: Mapping[str, Any], prefix: str, base: Any, text: bool
     return replace(base, **changes)
 
 
+# A secret in base64 (an AWS secret access key: 40 characters, ``/`` and ``+`` among them, which
+# no host name has)
+_BASE64_KEY: Final = re.compile(r"(?=.*[/+])[A-Za-z0-9+/=_-]{30,}")
+
+
 def host_problem(listen: str) -> str | None:
     """What is wrong with ``listen`` as an address to listen on (``server.host``, the
     simulator's ``--host``), or None."""
     # (the socket layer reads "" as every interface, and "[]" once its brackets are off)
     if not listen.strip(" []"):
         return "empty; give an address (127.0.0.1, or 0.0.0.0 to listen on every interface)"
-    if _token_like(listen.strip()):  # (a key pasted in its place: not printed by a bind error)
+    if _token_like(listen.strip()) or _BASE64_KEY.fullmatch(listen.strip()):
+        # (a key pasted in its place: not printed by a bind error, nor by the messages below)
         return (
             f"is no address but a {len(listen.strip())}-character token (not shown: a key"
             " pasted in its place?); give an address, 127.0.0.1"
