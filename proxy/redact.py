@@ -499,10 +499,14 @@ _QUOTED_IN_OBJECT = (
     r"""(?:"(?:[^"\\\n]|\\.)*+(?:"|(?=[\\\n])|\Z)"""
     r"""|'(?:[^'\\\n]|\\.)*+(?:'|(?=[\\\n])|\Z))"""
 )
+# (a character escaped is one, outside a quoted text too: in code written inside a JSON string,
+# every quote is escaped, and no quote opens a text that runs on through the next calls: each
+# call's object ends at its brace, not at the JSON string's end; 8,000 calls on that one line
+# took two minutes)
 _COOKIE_OBJECT = re.compile(
-    r"""[ \t\r\n,]*\{(?:[^{}"']|"""
+    r"""[ \t\r\n,]*\{(?:\\.|[^{}"'\\]|\\|"""
     + _QUOTED_IN_OBJECT
-    + r"""|\{(?:[^{}"']|"""
+    + r"""|\{(?:\\.|[^{}"'\\]|\\|"""
     + _QUOTED_IN_OBJECT
     + r""")*+\})*+\}"""
 )

@@ -197,6 +197,14 @@ def _run_ends(items: Sequence[Any], starts: Sequence[int]) -> list[int]:
     return [ends[start] for start in starts]
 
 
+def _as_message_part(part: Any) -> Any:
+    """An output's content part as a message takes it: an image's ``detail``, which an output
+    may leave out, is required there (``auto`` where none was given)."""
+    if isinstance(part, dict) and part.get("type") == "input_image" and part.get("detail") is None:
+        return {**part, "detail": "auto"}
+    return part
+
+
 def _downgraded(item: Mapping[str, Any], label: str) -> dict[str, Any]:
     """A user message carrying an orphan output's content under ``label``: nothing is lost."""
     output = item.get("output")
@@ -206,7 +214,7 @@ def _downgraded(item: Mapping[str, Any], label: str) -> dict[str, Any]:
     elif isinstance(output, str):
         content = [{"type": "input_text", "text": f"{label}\n{output}"}]
     elif isinstance(output, list) and item.get("type") in _TEXT_OUTPUTS:  # (a message's parts)
-        content = [{"type": "input_text", "text": label}, *output]
+        content = [{"type": "input_text", "text": label}, *map(_as_message_part, output)]
     else:
         dumped = deep_dumps(output, sort_keys=True, ensure_ascii=False)
         content = [{"type": "input_text", "text": f"{label}\n{dumped}"}]

@@ -2562,6 +2562,11 @@ def test_cookies_in_cookies_are_read_in_linear_time() -> None:
     # quotes that never close in one long line: each was read to the line's end (a minute)
     redact_text("await page.setCookie(" + '{\\"name\\": \\"k\\", \\"value\\": \\"v\\"}, ' * 5_000)
     redact_text('"cookies": [{' + '"a\\' * 20_000)
+    # code written by a tool call: thousands of calls on one JSON-escaped line (two minutes)
+    calls = "".join(
+        f'await page.setCookie({{"name": "c{i}", "value": "v{i}"}});\n' for i in range(8000)
+    )
+    redact_text(json.dumps({"path": "cookies.js", "content": calls}))
     redact_text('http.Cookie{Value: "a' * 20_000)
     assert time.process_time() - began < 3.0  # (linear: ~0.5 s; before: ~25 s)
 

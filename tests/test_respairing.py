@@ -254,6 +254,12 @@ def test_an_orphan_output_is_kept_as_a_user_message_or_dropped() -> None:
         ("orphan_result", "kept as a user message"),
         ("orphan_result", "kept as a user message"),
     ]
+    # an image among its parts is given the detail a message's image needs
+    image = output("gone3", [{"type": "input_image", "image_url": "https://x/a.png"}])
+    from openai.types.responses import ResponseInputItemParam
+    from pydantic import TypeAdapter
+
+    TypeAdapter(list[ResponseInputItemParam]).validate_python(repaired({"input": [image]}).messages)
     dropped = repaired(body, orphan_policy="drop")
     assert dropped.messages == [user("hi")]
     assert accepted({"input": kept.messages}) and accepted({"input": dropped.messages})

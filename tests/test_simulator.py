@@ -1364,3 +1364,11 @@ def test_responses_streams_are_paced_and_faulted_as_chat_answers() -> None:
                 )
             )
         assert [r.fault for r in sim.sim.requests] == [None, "500", "reset"]
+        # a reply of this request's own, and a scripted reply's fault, as for chat
+        said = client.responses.create(
+            model="gpt-5", input="hi", extra_headers={"X-Sim-Script": '"scripted hello"'}
+        )
+        assert said.output_text == "scripted hello"
+        sim.sim.enqueue([{"content": "never", "fault": "503"}])
+        with pytest.raises(openai.InternalServerError):
+            client.responses.create(model="gpt-5", input="hi")

@@ -516,8 +516,13 @@ class _Handlers:
         except ValidationError as exc:
             received.status = 400
             return _error(400, exc.message, exc.param, exc.code)
-        reply = self.sim.take_scripted()
-        if reply is None or (not reply.content and not reply.tool_calls):
+        reply = controls.script or self.sim.take_scripted() or Reply("Done.")
+        fault = fault or reply.fault
+        received.fault = fault
+        if fault in STATUS_FAULTS:
+            received.status = int(fault)
+            return self._status_fault(fault)
+        if not reply.content and not reply.tool_calls:
             reply = Reply("Done.")
         new_id = self.sim.new_id
         output = [response_message(new_id("msg_", 32), reply.content)] if reply.content else []
