@@ -1080,6 +1080,10 @@ def test_client_disconnect_mid_stream_closes_upstream_at_once(
         time.sleep(0.01)
     assert upstream.disconnects, "upstream never saw the connection close"
     assert upstream.disconnects[0] - hung_up < 1.0
+    # (the upstream's handler notes the close on its own loop's thread, then ends: its end is
+    # waited for, not raced by this thread)
+    while upstream.in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert upstream.in_flight == 0
     assert DisconnectWatch.taskless == watches + 1  # noticed with no watching task (uvicorn)
 
