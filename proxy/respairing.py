@@ -179,10 +179,11 @@ def _in_run(item: Any) -> bool:
     return kind in OUTPUT_OF or kind in OUTPUTS or kind == LOCAL_SHELL_OUTPUT
 
 
-def _run_ends(items: Sequence[Any], starts: Sequence[int]) -> list[int]:
+def _run_ends(items: Sequence[Any], starts: Sequence[int], orphans: set[int]) -> list[int]:
     """For each of ``starts`` (ascending), the position after the run of call and output items
     it begins: a turn's parallel calls and the outputs already sent for them, where a synthetic
-    output goes. One pass from the last start back (a run of thousands of calls: linear)."""
+    output goes (an orphan output ends the run: it becomes a user message, which would part a
+    call from its output). One pass from the last start back (thousands of calls: linear)."""
     if not starts:
         return []
     ends: dict[int, int] = {}
@@ -190,7 +191,7 @@ def _run_ends(items: Sequence[Any], starts: Sequence[int]) -> list[int]:
     i = len(items) - 1
     for start in reversed(starts):
         while i > start:  # (``end``: past the run that holds item ``i``, if it is in one)
-            if not _in_run(items[i]):
+            if not _in_run(items[i]) or i in orphans:
                 end = i
             i -= 1
         ends[start] = end
@@ -242,13 +243,13 @@ def repair_input(
         return PairingResult(items, [])
     repairs: list[Repair] = []
     after: dict[int, list[dict[str, Any]]] = {}  # position -> synthetic outputs to insert there
-    for i, end in zip(dangling, _run_ends(items, dangling), strict=True):
+    orphan_set = set(orphans)
+    for i, end in zip(dangling, _run_ends(items, dangling, orphan_set), strict=True):
         call = items[i]
         call_id, name = _call_id(call), _name(call)
         synthetic = _synthetic(call, call_id, interrupted_note.replace("{name}", name))
         after.setdefault(end, []).append(synthetic)
         repairs.append(Repair("dangling_call", i, call_id, f"added a synthetic output for {name}"))
-    orphan_set = set(orphans)
     out: list[Any] = []
     for i, item in enumerate(items):
         out.extend(after.get(i, ()))

@@ -98,6 +98,19 @@ def test_parallel_calls_keep_their_block_and_call_order() -> None:
     assert [r.index for r in result.repairs] == [0, 2]
 
 
+def test_a_synthetic_output_goes_before_an_orphan_in_its_run() -> None:
+    """An orphan output in a dangling call's run becomes a user message: the synthetic output
+    went after it, the message parting the call from its output."""
+    items = [call("a"), output("zz", "stray"), user("next")]
+    result = repaired({"input": items})
+    assert [(i.get("type"), i.get("call_id")) for i in result.messages] == [
+        ("function_call", "a"),
+        ("function_call_output", "a"),
+        ("message", None),
+        (None, None),
+    ]
+
+
 def test_a_history_ending_with_a_call_is_answered_at_its_end() -> None:
     result = repaired({"input": [user("go"), call("c9")]})
     assert result.messages[-1] == {
