@@ -410,6 +410,13 @@ def _tool_name(call: dict[str, Any]) -> str:
     return name if isinstance(name, str) and name else "unknown"
 
 
+def orphan_label(tool_call_id: str | None) -> str:
+    """The text a downgraded orphan result starts with (a chat tool message's, a Responses API
+    output item's)."""
+    shown = f"for call {tool_call_id}" if tool_call_id is not None else "without a tool_call_id"
+    return f"[tool result {shown} (no matching tool call)]"
+
+
 def _downgrade(message: dict[str, Any], label: str) -> dict[str, Any]:
     """A user message carrying a tool message's content under ``label``, so nothing is lost,
     and its ``cache_control`` breakpoint (a Claude-style client marks its latest message: the
@@ -880,8 +887,7 @@ def _pair_result(
         label = f"[duplicate tool result for call {tool_call_id}]"
     else:
         kind = "orphan_result"
-        shown = f"for call {tool_call_id}" if tool_call_id is not None else "without a tool_call_id"
-        label = f"[tool result {shown} (no matching tool call)]"
+        label = orphan_label(tool_call_id)
     if orphan_policy == "drop":
         removed.add(i)
         mark = cache_mark(message, "content")

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from proxy.pairing import PairingResult, Repair
+from proxy.pairing import PairingResult, Repair, orphan_label
 from proxy.prefix import deep_dumps
 
 OUTPUT_OF: Final[Mapping[str, str]] = {
@@ -258,8 +258,7 @@ def repair_input(
             if orphan_policy == "drop":
                 repairs.append(Repair("orphan_result", i, call_id, "dropped"))
                 continue
-            label = f"[tool result for call {call_id} (no matching tool call)]"
-            out.append(_downgraded(item, label))
+            out.append(_downgraded(item, orphan_label(call_id)))
             repairs.append(Repair("orphan_result", i, call_id, "kept as a user message"))
             continue
         out.append(item)
