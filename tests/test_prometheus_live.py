@@ -168,6 +168,22 @@ def query(client: httpx.Client, expr: str) -> dict[str, Any]:
     return payload["data"]
 
 
+def wait_for_restart_scrape(client: httpx.Client, timeout_s: float = 20.0) -> None:
+    """Wait until Prometheus has scraped the restarted server's evictions counter at 0. A
+    counter that restarts and passes its old value before its first scrape reads to Prometheus
+    as one that went on counting (3, then 4: one eviction, not four); no query can tell, so
+    the test makes its evictions after that scrape, as a restarted server's come, spread out
+    over time (a CI run under load once scraped the new server only after all four)."""
+    deadline = time.monotonic() + timeout_s
+    expr = 'cachegate_session_evictions_total{reason="count"}'
+    while True:
+        result = query(client, expr)["result"]
+        if result and float(result[0]["value"][1]) == 0:
+            return
+        assert time.monotonic() < deadline, "Prometheus did not scrape the restarted server"
+        time.sleep(0.1)
+
+
 def wait_for_scrapes(client: httpx.Client, n: int, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -252,6 +268,8 @@ def test_a_bar_panel_counts_each_event_once_across_a_restart(
                     start_prometheus(f"127.0.0.1:{port}")
                     wait_for_scrapes(prom, 5)
                     began = time.time()
+                else:  # a reset Prometheus never scraped is one it cannot see: 3, then 4
+                    wait_for_restart_scrape(prom)
                 with httpx.Client(base_url=server.url + "/v1", timeout=30) as client:
                     for n in range(sessions):  # each new session forgets the one before
                         body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}
