@@ -422,7 +422,9 @@ class Gateway:
                 return
             content = body
         ex.request_bytes = len(body)
-        await self._relay(ex, scope, receive, send, content, forward_headers, extra, uploaded)
+        await self._relay(
+            ex, scope, receive, send, content, forward_headers, extra, uploaded, responses
+        )
 
     async def _relay(
         self,
@@ -434,8 +436,11 @@ class Gateway:
         forward_headers: list[tuple[bytes, bytes]],
         extra: list[tuple[bytes, bytes]],
         uploaded: asyncio.Event | None = None,
+        responses: bool = False,
     ) -> None:
-        """Relay a request that is not chat's, the observers told before and after."""
+        """Relay a request that is not chat's, the observers told before and after.
+        ``responses``: a Responses API request, whose answer is read for its usage and model
+        (``proxy.resanswers``) once the client has it."""
         assert self.relay is not None
         notify(self.observers, "on_request", ex)
         try:
@@ -447,10 +452,15 @@ class Gateway:
                 content=content,
                 headers=forward_headers,
                 extra_headers=extra,
-                record=False,
+                record=responses,
+                responses=responses,
                 watch_after=uploaded,
             )
         finally:
+            if responses:
+                ex.assemble()
+                if ex.model is None and ex.assembled is not None:
+                    ex.model = ex.assembled.model  # (the request's, where it was read)
             notify(self.observers, "on_response", ex)
 
     async def _responses(
@@ -496,7 +506,7 @@ class Gateway:
                 await send_error(send, err, extra, receive)
             return
         extra = [*extra, (b"x-cachegate-repairs", str(len(ex.repairs)).encode())]
-        await self._relay(ex, scope, receive, send, content, forward_headers, extra)
+        await self._relay(ex, scope, receive, send, content, forward_headers, extra, responses=True)
 
     def _repaired_responses(
         self,
@@ -519,6 +529,7 @@ class Gateway:
                 return raw, forward_headers
         if b'"call_id"' not in text:  # (no call and no output: nothing to pair, nothing parsed)
             ex.stream = _streamed(text)  # (counted among the streams in flight)
+            ex.model = _named_model(text)  # (its answer's usage is counted under it)
             return raw, forward_headers
         try:
             body = orjson.loads(text)
@@ -529,6 +540,8 @@ class Gateway:
             body, exact = lenient_json(text, big_ints=True), True
         if isinstance(body, dict):
             ex.stream = body.get("stream") is True
+            model = body.get("model")
+            ex.model = model if isinstance(model, str) and model else None
         if not isinstance(body, dict) or not respairing.needs_repair(body):
             return raw, forward_headers
         if not exact:
@@ -560,6 +573,24 @@ class Gateway:
 # where an integer beyond 64 bits may be (-2**63 has 19 digits, 2**64 20)
 _LONG_NUMBER = re.compile(rb"[0-9]{20}|-[0-9]{19}")
 _TRUE_VALUE = re.compile(rb"[ \t\r\n]*:[ \t\r\n]*true")
+
+
+_MODEL_VALUE = re.compile(rb'[ \t\r\n]*:[ \t\r\n]*"([^"\\]{1,256})"')
+
+
+def _named_model(text: bytes) -> str | None:
+    """The model an unparsed request body names: the first ``"model"`` key with a string value
+    (a JSON string's own quotes are escaped: no text holds the key), among its first 64
+    ``"model"`` keys (a body of nothing else is not searched to its end). ~30 µs for 600 KB."""
+    at = text.find(b'"model"')
+    for _ in range(64):
+        if at < 0:
+            break
+        found = _MODEL_VALUE.match(text, at + 7)
+        if found is not None:
+            return found.group(1).decode("utf-8", "replace")
+        at = text.find(b'"model"', at + 7)
+    return None
 
 
 def _streamed(text: bytes) -> bool:

@@ -754,16 +754,23 @@ class MetricsObserver:
         m = self.metrics
         if ex.stream:
             m.stream_finished()
-        m.observe_exchange(
-            ex.route,
-            ex.model,
-            ex.status,
-            ex.duration_s,
-            ex.overhead_s,
-            ex.ttfb_s,
-            ex.usage,
-            ex.cache_known,  # (the accounting's, which runs first)
-        )
+        if ex.route == "chat":
+            m.observe_exchange(
+                ex.route,
+                ex.model,
+                ex.status,
+                ex.duration_s,
+                ex.overhead_s,
+                ex.ttfb_s,
+                ex.usage,
+                ex.cache_known,  # (the accounting's, which runs first)
+            )
+        else:  # (a passthrough request is "other"; a Responses API answer's usage its model's)
+            m.observe_exchange(ex.route, None, ex.status, ex.duration_s, ex.overhead_s, None, None)
+            if ex.usage is not None and ex.status < 400:
+                m.observe_usage(ex.model, ex.usage)
+            if ex.ttfb_s is not None and ex.status < 400 and ex.assembled is not None:
+                m.observe_ttfb(ex.model, ex.ttfb_s)  # (a model's answer: a Responses one)
         if ex.repairs:
             m.observe_repairs(str(r.get("kind")) for r in ex.repairs)
         if ex.upstream_error is not None:

@@ -760,7 +760,11 @@ class AccountingObserver:
                 sent[id(ex)] = ex.t0
 
     def on_response(self, ex: Exchange) -> None:
-        if ex.route != "chat" or ex.body is None or ex.session_id is None:
+        if ex.route != "chat":
+            if ex.usage is not None and ex.status < 400:  # a Responses API answer's
+                self._price_answer(ex)
+            return
+        if ex.body is None or ex.session_id is None:
             return
         state = _state_of(ex, self.sessions)
         if state is None:
@@ -1186,6 +1190,15 @@ class AccountingObserver:
         elif cost is None:
             return
         ex.cost = {"actual": actual, "uncached": uncached}
+
+    def _price_answer(self, ex: Exchange) -> None:
+        """A Responses API answer's cost at its model's prices, counted in the metrics and
+        kept in ``ex.cost`` (no session accounting: its cache reads are the provider's word,
+        nothing is compared with the request before)."""
+        assert ex.usage is not None
+        cost = cache.compute_cost(ex.usage, self._model_terms(ex.model, ex).pricing)
+        self.metrics.observe_cost(ex.model, cost.actual, cost.uncached)
+        ex.cost = {"actual": cost.actual, "uncached": cost.uncached}
 
     def on_summary_usage(self, ex: Exchange, model: str, usage: Usage) -> None:
         """A compaction's summary that no request was waiting for when it was done (its client

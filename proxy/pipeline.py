@@ -152,11 +152,20 @@ class Exchange:
         # not a stream is ``done`` unless it held an error.)
         early = not assembled.done and assembled.finish_reason is None
         if not self.interrupted and self.status < 400 and (assembled.unfinished or early):
-            self.error = (
-                "upstream ended the stream inside an event, before [DONE]"
-                if assembled.unfinished
-                else "upstream ended the stream before [DONE], with no finish_reason"
-            )
+            if self.route != "chat":  # a Responses API stream: no [DONE], a last event
+                self.error = (
+                    "upstream ended the stream inside an event, before its last event"
+                    " (response.completed, response.incomplete or response.failed)"
+                    if assembled.unfinished
+                    else "upstream ended the stream before its last event (response.completed,"
+                    " response.incomplete or response.failed)"
+                )
+            else:
+                self.error = (
+                    "upstream ended the stream inside an event, before [DONE]"
+                    if assembled.unfinished
+                    else "upstream ended the stream before [DONE], with no finish_reason"
+                )
             if self.upstream_error is None:
                 self.upstream_error = "midstream"  # counted as a cut chunked stream is
         if assembled.malformed:

@@ -44,6 +44,7 @@ from proxy.errors import (
     upstream_unreachable,
 )
 from proxy.pipeline import Exchange, RefusedAnswer, UnreadableAnswer, refusal_text
+from proxy.resanswers import ResponsesRecorder, assemble_response
 from proxy.strip import EVENT_ENDS, UsageEventStripper, without_lf_nulls
 from proxy.upstream import InvalidAnswer, SizedStream, UpstreamPool, UpstreamResponse
 
@@ -616,10 +617,17 @@ class _Tee:
     (SSE; the relay appends to its ``chunks``) or collected whole (a JSON body, up to
     ``MAX_RECORDED_BODY``)."""
 
-    __slots__ = ("coding", "collected", "recorder", "size")
+    __slots__ = ("coding", "collected", "recorder", "responses", "size")
 
-    def __init__(self, recorder: StreamRecorder | None, collect: bool, coding: str = "") -> None:
+    def __init__(
+        self,
+        recorder: StreamRecorder | ResponsesRecorder | None,
+        collect: bool,
+        coding: str = "",
+        responses: bool = False,
+    ) -> None:
         self.recorder = recorder
+        self.responses = responses  # a Responses API answer (``proxy.resanswers``), not chat's
         self.collected: list[bytes] | None = [] if collect else None
         self.size = 0
         self.coding = coding  # a collected body's content coding, undone to read it
@@ -667,7 +675,7 @@ class _Tee:
                     f"({len(body)} bytes: {exc})"
                 ) from None
             try:
-                return assemble_completion(parsed)
+                return assemble_response(parsed) if self.responses else assemble_completion(parsed)
             except Exception:
                 log.debug("response body is not a chat completion", exc_info=True)
         return None
@@ -955,12 +963,16 @@ class Relay:
         headers: list[tuple[bytes, bytes]],
         extra_headers: list[tuple[bytes, bytes]],
         record: bool,
+        responses: bool = False,
         watch: DisconnectWatch | None = None,
         watch_after: asyncio.Event | None = None,
         retry_if: Callable[[int, bytes], bool] | None = None,
     ) -> None:
         """Relay the exchange and fill in ``ex``. Raises ``UpstreamAborted`` (the upstream broke off
-        after the response began) and ``RetryRequest`` (``retry_if`` accepted an error answer)."""
+        after the response began) and ``RetryRequest`` (``retry_if`` accepted an error answer).
+        ``record``: the answer is kept for the observers, a chat answer's (a compressed stream
+        then decoded for the client), or with ``responses`` a Responses API answer's (for its
+        usage; a compressed stream is then relayed as it came, not read)."""
         if watch is None:
             watch = DisconnectWatch(receive, watch_after)
         response: httpx.Response | UpstreamResponse | None = None
@@ -1049,9 +1061,10 @@ class Relay:
             # A compressed stream is decoded for the client (as its HTTP client would) where
             # cachegate must read it: to take out the usage event it asked for, or to record it.
             decoder = None
-            if is_sse and coding in _DECODABLE and (record or ex.strip_usage):
+            reads = (record and not responses) or ex.strip_usage
+            if is_sse and coding in _DECODABLE and reads:
                 decoder = _Decoder(coding)
-            elif is_sse and coding and (record or ex.strip_usage):
+            elif is_sse and coding and reads:
                 ex.error = (
                     f"upstream compressed its stream ({coding}) though asked not to: not "
                     "recorded"
@@ -1065,10 +1078,12 @@ class Relay:
                 # A refusal is read for its words whatever its content type (a gateway may
                 # declare its stream before it knows the outcome): a stream only below 400.
                 streamed = is_sse and response.status_code < 400
+                recorder = ResponsesRecorder() if responses else StreamRecorder()
                 tee = _Tee(
-                    StreamRecorder() if streamed else None,
+                    recorder if streamed else None,
                     collect=not streamed,
                     coding=coding if decoder is None else "",  # (a decoded stream's: undone)
+                    responses=responses,
                 )
             if ex.strip_usage and is_sse and (not coding or decoder is not None):
                 stripper = UsageEventStripper()

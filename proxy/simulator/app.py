@@ -47,7 +47,7 @@ from proxy.serving import ServerThread
 from proxy.simulator.config import FAULTS, STATUS_FAULTS, SimConfig
 from proxy.simulator.reply import Reply, completion_tokens, derive_reply, parse_script
 from proxy.simulator.state import ReceivedRequest, Simulator
-from proxy.simulator.tokens import count_tokens, marked_request_tokens
+from proxy.simulator.tokens import count_tokens, marked_request_tokens, response_tokens
 from proxy.simulator.validate import (
     ValidationError,
     json_kind,
@@ -532,14 +532,14 @@ class _Handlers:
             )
             for call in reply.tool_calls
         )
-        items = body.get("input")
-        prompt = items if isinstance(items, str) else orjson.dumps(items).decode()
+        tokens = response_tokens(body)
+        cache = self.sim.process_prompt(tokens, model)  # (the prefix cache chat's requests use)
         done = response_object(
             response_id=new_id("resp_", 32),
             created=int(self.sim.now),
             model=model,
             output=output,
-            usage=response_usage(count_tokens(prompt), completion_tokens(reply)),
+            usage=response_usage(len(tokens), completion_tokens(reply), cache.read),
         )
         received.status = 200
         request_id = new_id("req_", 24)

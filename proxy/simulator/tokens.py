@@ -147,6 +147,26 @@ def request_tokens(body: Mapping[str, Any]) -> list[bytes]:
     return marked_request_tokens(body)[0]
 
 
+def response_tokens(body: Mapping[str, Any]) -> list[bytes]:
+    """The prompt of a Responses API request as one token sequence, in the order the cache
+    reads it: ``instructions``, ``tools``, then each ``input`` item (or the input text)."""
+    out: list[bytes] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str):
+        out += tokenize(instructions)
+    tools = body.get("tools")
+    if tools:
+        out += tokenize(tools_json(tools).decode())
+    items = body.get("input")
+    if isinstance(items, str):
+        return out + tokenize(items)
+    for item in items if isinstance(items, list) else ():
+        out.append(_START)
+        out += tokenize(deep_dumps(item, sort_keys=True))
+        out.append(_END)
+    return out
+
+
 def marked_request_tokens(body: Mapping[str, Any]) -> tuple[list[bytes], int, int, list[int]]:
     """``request_tokens``, how many of them end at the request's last ``cache_control``
     breakpoint (0 when there is none; all of them for one on the request itself), how many

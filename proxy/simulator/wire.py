@@ -256,11 +256,11 @@ def response_object(
     }
 
 
-def response_usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
-    """A Responses API ``usage`` object (nothing read from a cache)."""
+def response_usage(input_tokens: int, output_tokens: int, cached: int = 0) -> dict[str, Any]:
+    """A Responses API ``usage`` object, ``cached`` of its input tokens read from the cache."""
     return {
         "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached},
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": input_tokens + output_tokens,

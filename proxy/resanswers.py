@@ -1,0 +1,193 @@
+"""The Responses API's answers read for what they cost (pure): a ``response`` object, whole or
+as the last event of a stream, into an ``AssembledResponse`` with its usage and model.
+
+``POST /v1/responses`` is relayed byte for byte; the relay tees its bytes here as it tees a
+chat stream to ``assemble.StreamRecorder``. A Responses stream repeats the whole response in
+its last event (``response.completed``, ``response.incomplete`` or ``response.failed``), usage
+included, so only that event, and an ``error`` event, are read: the recorder drops the events
+before them unparsed (a search for a few markers per 16 KB kept, no step per event), which
+keeps a long answer's text out of memory and the relay's per-event cost unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Final
+
+import orjson
+
+from proxy.assemble import AssembledResponse
+from proxy.sse import SSEDecoder
+from proxy.usage import normalize_usage
+
+logger = logging.getLogger(__name__)
+
+# The events that end a Responses stream, each with the whole response.
+TERMINAL_EVENTS: Final = frozenset(("response.completed", "response.incomplete", "response.failed"))
+# Bytes of an event that may matter: a terminal event's type, or an error's key or type (a JSON
+# string's own quotes are escaped, so ``"error"`` is never inside a text delta).
+_MARKERS: Final = (b"response.completed", b"response.incomplete", b"response.failed", b'"error"')
+_TEXT_MARKERS: Final = tuple(marker.decode() for marker in _MARKERS)
+# The blank lines that end an SSE event, whichever line ends a server writes.
+_EVENT_ENDS: Final = (b"\n\n", b"\r\n\r\n", b"\r\r")
+# An event kept while its end has not come: a terminal one holds the whole response (its
+# output's text included), so up to the size of a whole answer cachegate reads.
+MAX_PENDING_EVENT: Final = 32 * 1024 * 1024
+
+
+def assemble_response(body: Any) -> AssembledResponse:
+    """A Responses API ``response`` object (a non-streamed answer's body, or a terminal event's
+    ``response``) as cachegate records an answer: its output's text as the assistant message's
+    ``content``, its ``function_call`` and ``custom_tool_call`` items as ``tool_calls``, its
+    usage, model and id, and its ``error`` (a failed response's). ``finish_reason`` is chat's
+    word for its status: ``stop`` or ``tool_calls`` when completed, the reason it is
+    incomplete (``length`` for ``max_output_tokens``), None when it failed. Raises
+    ``TypeError`` for a body that is no response object."""
+    if not isinstance(body, Mapping):
+        raise TypeError("a Responses API answer is a JSON object")
+    error = body.get("error")
+    if error is not None and not isinstance(error, Mapping | str):
+        error = None
+    status = body.get("status")
+    if error is None and body.get("object") != "response" and "output" not in body:
+        raise TypeError("not a Responses API response object")
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    output = body.get("output")
+    for item in output if isinstance(output, list) else ():
+        if not isinstance(item, Mapping):
+            continue
+        kind = item.get("type")
+        if kind == "message":
+            content = item.get("content")
+            for part in content if isinstance(content, list) else ():
+                if isinstance(part, Mapping) and part.get("type") == "output_text":
+                    text = part.get("text")
+                    if isinstance(text, str):
+                        texts.append(text)
+        elif kind == "function_call":
+            calls.append(
+                {
+                    "id": item.get("call_id"),
+                    "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+                }
+            )
+        elif kind == "custom_tool_call":
+            calls.append(
+                {
+                    "id": item.get("call_id"),
+                    "type": "custom",
+                    "custom": {"name": item.get("name"), "input": item.get("input")},
+                }
+            )
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
+    if calls:
+        message["tool_calls"] = calls
+    finish: str | None = None
+    if status == "completed":
+        finish = "tool_calls" if calls else "stop"
+    elif status == "incomplete":
+        details = body.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, Mapping) else None
+        finish = "length" if reason == "max_output_tokens" else str(reason or "incomplete")
+    if status == "failed" and error is None:
+        error = {"message": "the response failed"}
+    usage = body.get("usage")
+    model = body.get("model")
+    ident = body.get("id")
+    return AssembledResponse(
+        message=message,
+        finish_reason=finish,
+        usage=normalize_usage(usage) if isinstance(usage, Mapping) else None,
+        error={"error": error} if error is not None else None,
+        done=error is None,
+        model=model if isinstance(model, str) else None,
+        id=ident if isinstance(ident, str) else None,
+    )
+
+
+class ResponsesRecorder:
+    """The relay's side channel for a Responses API stream: raw chunks in (the relay appends to
+    ``chunks`` and calls ``decode`` every ``StreamRecorder.KEEP_BYTES``), the terminal event's
+    response out (``finish``). Whole events before it that hold no marker are let go unread."""
+
+    __slots__ = ("chunks", "error", "events", "pending", "response", "torn")
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.pending = b""  # the bytes of an event whose blank line has not come
+        self.response: Mapping[str, Any] | None = None  # the last terminal event's response
+        self.error: Any = None  # an ``error`` event's payload
+        self.events = 0  # terminal and error events read
+        self.torn = False  # the last such event was cut by the stream's end (no blank line)
+
+    def feed(self, chunk: bytes) -> None:
+        """Take one chunk exactly as the upstream sent it."""
+        self.chunks.append(chunk)
+
+    def decode(self) -> None:
+        """Read the whole events kept so far that may matter; keep an unfinished one."""
+        data = self.pending + b"".join(self.chunks)
+        self.chunks.clear()  # the same list: the relay holds its append
+        cut = 0
+        for end in _EVENT_ENDS:
+            at = data.rfind(end)
+            if at >= 0:
+                cut = max(cut, at + len(end))
+        whole, self.pending = data[:cut], data[cut:]
+        if len(self.pending) > MAX_PENDING_EVENT:  # a line that never ends: not kept
+            self.pending = b""
+        if whole and any(marker in whole for marker in _MARKERS):
+            self._read(whole, at_end=False)
+
+    def _read(self, data: bytes, at_end: bool) -> bool:
+        """Read the events of ``data`` that may matter; whether the stream's end cut one
+        (``at_end``: no blank line after the last, which the SDKs never dispatch)."""
+        decoder = SSEDecoder()
+        events = [(event, False) for event in decoder.decode(data)]
+        if at_end:
+            events += [(event, True) for event in decoder.flush()]
+        for event, torn in events:
+            text = event.data
+            if not any(marker in text for marker in _TEXT_MARKERS):
+                continue
+            try:
+                payload = orjson.loads(text)
+            except orjson.JSONDecodeError:
+                continue
+            if not isinstance(payload, dict):
+                continue
+            kind = payload.get("type")
+            if kind in TERMINAL_EVENTS and isinstance(payload.get("response"), Mapping):
+                self.response = payload["response"]
+            elif kind == "error" or (kind is None and "error" in payload):
+                self.error = payload.get("error", payload) if kind is None else payload
+            else:
+                continue
+            self.events += 1
+            self.torn = torn
+        return bool(events) and events[-1][1]
+
+    def finish(self) -> AssembledResponse:
+        """End of stream (complete or not): what its terminal event said. A stream cut before
+        one has no usage and is ``unfinished`` (inside an event) or not ``done``."""
+        data = self.pending + b"".join(self.chunks)
+        self.chunks.clear()
+        self.pending = b""
+        cut = self._read(data, at_end=True) if data.strip() else False
+        if self.response is not None:
+            result = assemble_response(self.response)
+            if self.error is not None and result.error is None:
+                result.error = {"error": self.error}
+                result.done = False
+        else:
+            result = AssembledResponse(message={"role": "assistant", "content": None})
+            if self.error is not None:
+                result.error = {"error": self.error}
+        if self.torn or (self.response is None and self.error is None and cut):
+            result.unfinished = True  # (the SDKs never dispatch an event the end cut)
+            result.done = False
+        result.events = self.events
+        return result

@@ -1,0 +1,268 @@
+"""The Responses API's answers read for their usage: the pure reader (``proxy.resanswers``), and
+``POST /v1/responses`` end to end, the official SDK through cachegate to the simulator, its
+tokens, cache reads and cost in the metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from proxy.resanswers import ResponsesRecorder, assemble_response
+from proxy.simulator import RunningSimulator, SimConfig, run_simulator
+from proxy.simulator.wire import (
+    response_call,
+    response_events,
+    response_message,
+    response_object,
+    response_usage,
+)
+
+
+def completed(text: str = "Hello there.", *, calls: int = 0, **usage: int) -> dict[str, Any]:
+    output = [response_message("msg_1", text)] if text else []
+    output += [response_call(f"fc_{n}", f"call_{n}", "run", f'{{"n":{n}}}') for n in range(calls)]
+    return response_object(
+        response_id="resp_1",
+        created=1,
+        model="gpt-5-2025-08-07",
+        output=output,
+        usage=response_usage(usage.get("prompt", 2000), usage.get("out", 40), usage.get("hit", 0)),
+    )
+
+
+def recorded(stream: bytes, piece: int, decode_every: int = 3) -> Any:
+    """What the recorder makes of ``stream`` fed in ``piece``-byte reads, decoded (as the relay
+    does every 16 KB) after every ``decode_every`` reads."""
+    recorder = ResponsesRecorder()
+    for n, at in enumerate(range(0, len(stream), piece)):
+        recorder.chunks.append(stream[at : at + piece])
+        if n % decode_every == decode_every - 1:
+            recorder.decode()
+    return recorder.finish()
+
+
+@pytest.mark.parametrize("piece", [1, 7, 100, 16384, 10**9])
+def test_a_stream_is_read_for_its_usage_model_text_and_calls(piece: int) -> None:
+    stream = b"".join(response_events(completed(calls=2, prompt=3000, hit=2048, out=55)))
+    result = recorded(stream, piece)
+    usage = result.usage
+    assert usage is not None
+    assert (usage.prompt, usage.cache_read, usage.completion) == (3000, 2048, 55)
+    assert usage.reported_cache
+    assert result.model == "gpt-5-2025-08-07" and result.id == "resp_1"
+    assert result.message["content"] == "Hello there."
+    assert [c["function"]["arguments"] for c in result.message["tool_calls"]] == [
+        '{"n":0}',
+        '{"n":1}',
+    ]
+    assert result.finish_reason == "tool_calls" and result.done and not result.unfinished
+    assert result.error is None
+
+
+@pytest.mark.parametrize("end", [b"\r\n", b"\r"])
+def test_a_stream_with_other_line_ends_is_read(end: bytes) -> None:
+    stream = b"".join(response_events(completed(prompt=1500, hit=1024))).replace(b"\n", end)
+    result = recorded(stream, 50)
+    assert result.usage is not None and result.usage.cache_read == 1024
+    assert result.done and result.finish_reason == "stop"
+
+
+def test_text_that_names_the_last_event_or_an_error_is_no_last_event() -> None:
+    """An answer whose text is about the Responses API (``response.completed``, ``"error"``,
+    written in a delta as JSON escapes them) is read for its real last event only."""
+    text = 'On `response.completed`, check {"error": null} and "type":"response.failed".\n\n'
+    stream = b"".join(response_events(completed(text, prompt=1200, hit=0)))
+    result = recorded(stream, 64)
+    assert result.message["content"] == text
+    assert result.usage is not None and result.usage.prompt == 1200
+    assert result.done and result.error is None
+
+
+def test_a_long_stream_is_not_kept_whole() -> None:
+    """Events before the last are let go as they are decoded: the deltas of a 2 MB text keep
+    at most an unfinished event between decodings (the events after them repeat the text
+    whole, each kept while it arrives)."""
+    text = "word " * 400_000
+    stream = b"".join(response_events(completed(text)))
+    deltas = stream.index(b"event: response.output_text.done")
+    assert deltas > 2_000_000
+    recorder = ResponsesRecorder()
+    most = 0
+    for at in range(0, deltas, 16384):
+        recorder.chunks.append(stream[at : min(at + 16384, deltas)])
+        recorder.decode()
+        most = max(most, len(recorder.pending))
+    assert most < 1024
+    recorder.chunks.append(stream[deltas:])
+    result = recorder.finish()
+    assert result.message["content"] == text and result.usage is not None
+
+
+def test_an_incomplete_answer_says_why_and_keeps_its_usage() -> None:
+    body = completed(prompt=900, out=128)
+    body.update(status="incomplete", incomplete_details={"reason": "max_output_tokens"})
+    events = response_events(body)
+    events[-1] = events[-1].replace(b"response.completed", b"response.incomplete")
+    result = recorded(b"".join(events), 33)
+    assert result.finish_reason == "length" and result.done
+    assert result.usage is not None and result.usage.completion == 128
+
+
+def test_a_failed_answer_and_an_error_event_are_errors() -> None:
+    body = completed(prompt=900)
+    body.update(status="failed", error={"code": "server_error", "message": "overloaded"})
+    events = response_events(body)
+    events[-1] = events[-1].replace(b"response.completed", b"response.failed")
+    failed = recorded(b"".join(events), 100)
+    assert failed.error == {"error": {"code": "server_error", "message": "overloaded"}}
+    assert not failed.done and failed.usage is not None
+
+    error = b'event: error\ndata: {"type":"error","code":"rate_limit_exceeded","message":"slow down"}\n\n'
+    cut = b"".join(response_events(completed())[:4]) + error
+    result = recorded(cut, 100)
+    assert result.error is not None and result.error["error"]["message"] == "slow down"
+    assert result.usage is None and not result.done
+
+
+def test_a_stream_cut_before_its_last_event_has_no_usage_and_is_not_done() -> None:
+    events = response_events(completed())
+    between = recorded(b"".join(events[:-1]), 100)
+    assert between.usage is None and not between.done and not between.unfinished
+    assert between.finish_reason is None
+    # cut inside the last event: the SDKs never dispatch it, but the provider bills its usage
+    torn = recorded(b"".join(events)[:-2], 100)
+    assert torn.unfinished and not torn.done
+    assert torn.usage is not None and torn.usage.prompt == 2000
+
+
+def test_a_whole_answer_is_read_and_a_body_that_is_no_response_refused() -> None:
+    result = assemble_response(completed(prompt=4000, hit=3968, out=7))
+    assert result.usage is not None and result.usage.cache_read == 3968
+    assert result.finish_reason == "stop" and result.done
+    with pytest.raises(TypeError):
+        assemble_response({"object": "list", "data": []})
+    with pytest.raises(TypeError):
+        assemble_response([1, 2])
+
+
+# -- end to end ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sim() -> Iterator[RunningSimulator]:
+    with run_simulator(SimConfig()) as running:
+        yield running
+
+
+LONG_TASK = "Refactor the payment module. " * 300  # (past the 1,024 tokens a cache starts at)
+
+
+@pytest.mark.parametrize("repair", [True, False])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_agents_turns_count_their_tokens_cache_reads_and_cost(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any, stream: bool, repair: bool
+) -> None:
+    """Codex CLI's turns, as the SDK sends them: the second resends the first's input and its
+    answer, which the provider reads from its cache. The metrics count each answer's tokens
+    and cache reads under its model, and what it cost at the model's prices (gpt-5: $1.25 a
+    million input tokens, $0.125 cached, $10 output), with or without the pairing repair."""
+    proxy = proxy_factory(sim.api_base, {"pairing": {"repair": repair}})
+    client = sdk(proxy.base_url)
+    items: list[Any] = [{"role": "user", "content": LONG_TASK}]
+    usages = []
+    for turn in range(2):
+        sim.sim.enqueue([f"Step {turn} done."])
+        if stream:
+            with client.responses.stream(model="gpt-5", input=items) as events:
+                answer = events.get_final_response()
+        else:
+            answer = client.responses.create(model="gpt-5", input=items)
+        usages.append(answer.usage)
+        items += [o.model_dump(exclude_none=True) for o in answer.output]
+        items.append({"role": "user", "content": "go on"})
+    first, second = usages
+    assert first is not None and second is not None
+    assert first.input_tokens_details.cached_tokens == 0
+    assert second.input_tokens_details.cached_tokens >= 1024  # (the simulator's cache read)
+
+    def tokens(kind: str) -> float:
+        return proxy.metric("cachegate_tokens_total", {"model": "gpt-5", "kind": kind})
+
+    assert tokens("prompt") == first.input_tokens + second.input_tokens
+    assert tokens("completion") == first.output_tokens + second.output_tokens
+    assert tokens("cache_read") == second.input_tokens_details.cached_tokens
+    reported = proxy.metric("cachegate_cache_reported_prompt_tokens_total", {"model": "gpt-5"})
+    assert reported == tokens("prompt")
+    cached = second.input_tokens_details.cached_tokens
+    uncached = (tokens("prompt") * 1.25 + tokens("completion") * 10.0) / 1e6
+    actual = uncached - cached * (1.25 - 0.125) / 1e6
+    cost = proxy.metric("cachegate_cost_usd_total", {"model": "gpt-5", "kind": "actual"})
+    assert cost == pytest.approx(actual)
+    assert proxy.metric(
+        "cachegate_cost_usd_total", {"model": "gpt-5", "kind": "uncached"}
+    ) == pytest.approx(uncached)
+    assert proxy.metric("cachegate_time_to_first_byte_seconds_count", {"model": "gpt-5"}) == 2
+    # the requests themselves count as every relayed request does
+    labels = {"route": "passthrough", "model": "other", "status": "200"}
+    assert proxy.metric("cachegate_requests_total", labels) == 2
+
+
+def test_an_answers_bytes_reach_the_client_as_the_provider_sent_them(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """Reading the answer changes nothing of it: the stream's bytes, split as the provider
+    split them or not, and its usage counted under the model of its request."""
+    events = response_events(completed(prompt=5000, hit=4096, out=12))
+    chunks = [b"".join(events)[n : n + 37] for n in range(0, len(b"".join(events)), 37)]
+    _upstream, base = scripted(chunks=chunks)
+    proxy = proxy_factory(base)
+    body = {"model": "gpt-5-mini", "stream": True, "input": [{"role": "user", "content": "hi"}]}
+    with httpx.Client() as client:
+        answer = client.post(proxy.base_url + "/responses", json=body)
+    assert answer.content == b"".join(events)
+    labels = {"model": "gpt-5-mini", "kind": "cache_read"}
+    assert proxy.metric("cachegate_tokens_total", labels) == 4096
+    assert proxy.metric("cachegate_upstream_errors_total", {"kind": "midstream"}) == 0
+
+
+def test_a_stream_cut_short_or_failed_counts_as_the_providers_error(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    events = response_events(completed(prompt=5000))
+    failed = completed(prompt=700)
+    failed.update(status="failed", error={"code": "server_error", "message": "overloaded"})
+    failed_events = response_events(failed)
+    failed_events[-1] = failed_events[-1].replace(b"response.completed", b"response.failed")
+    body = {"model": "gpt-5", "stream": True, "input": [{"role": "user", "content": "hi"}]}
+    kinds = []
+    for chunks in (events[:-1], failed_events):
+        _upstream, base = scripted(chunks=chunks)
+        proxy = proxy_factory(base)
+        with httpx.Client() as client:
+            answer = client.post(proxy.base_url + "/responses", json=body)
+        assert answer.status_code == 200 and answer.content == b"".join(chunks)
+        kinds.append(
+            {
+                kind: proxy.metric("cachegate_upstream_errors_total", {"kind": kind})
+                for kind in ("midstream", "error_event")
+            }
+        )
+    assert kinds == [{"midstream": 1, "error_event": 0}, {"midstream": 0, "error_event": 1}]
+    # the failed one's usage, which the provider bills, is counted
+    prompt = proxy.metric("cachegate_tokens_total", {"model": "gpt-5", "kind": "prompt"})
+    assert prompt == 700
+
+
+def test_an_answer_that_is_no_json_is_counted_invalid_and_relayed(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    _upstream, base = scripted(chunks=[b"<html>bad gateway</html>"], content_type=b"text/html")
+    proxy = proxy_factory(base)
+    body = orjson.dumps({"model": "gpt-5", "input": "hi"})
+    answer = httpx.post(proxy.base_url + "/responses", content=body)
+    assert answer.content == b"<html>bad gateway</html>"
+    assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 1
