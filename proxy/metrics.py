@@ -789,8 +789,9 @@ class MetricsObserver:
         self.metrics.observe_upstream_error(kind)
 
     def on_error(self, ex: Exchange) -> None:
+        model = ex.model if ex.route == "chat" else None  # (passthrough requests are "other")
         self.metrics.observe_request(
-            ex.route, ex.model, ex.status, max(0.0, time.perf_counter() - ex.t0)
+            ex.route, model, ex.status, max(0.0, time.perf_counter() - ex.t0)
         )
         if ex.interrupted and not ex.stopped:  # the client left before the request was forwarded
             self.metrics.observe_client_disconnect()

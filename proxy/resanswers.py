@@ -29,11 +29,22 @@ TERMINAL_EVENTS: Final = frozenset(("response.completed", "response.incomplete",
 # string's own quotes are escaped, so ``"error"`` is never inside a text delta).
 _MARKERS: Final = (b"response.completed", b"response.incomplete", b"response.failed", b'"error"')
 _TEXT_MARKERS: Final = tuple(marker.decode() for marker in _MARKERS)
-# The blank lines that end an SSE event, whichever line ends a server writes.
-_EVENT_ENDS: Final = (b"\n\n", b"\r\n\r\n", b"\r\r")
+# Two bytes that hold a blank line's start, whichever line ends a server writes (LF LF, LF
+# then a CR or CRLF, CR CR; a CRLF CRLF holds the second): an SSE event ends in one.
+_BLANK_LINES: Final = (b"\n\n", b"\n\r", b"\r\r")
+# The events read (their ``event:`` line's name): others are let go unkept.
+_MATTERING_EVENTS: Final = frozenset(
+    (b"response.completed", b"response.incomplete", b"response.failed", b"error")
+)
 # An event kept while its end has not come: a terminal one holds the whole response (its
 # output's text included), so up to the size of a whole answer cachegate reads.
 MAX_PENDING_EVENT: Final = 32 * 1024 * 1024
+
+
+def _first_end(data: bytes) -> int:
+    """Where the first blank line's two bytes end in ``data``; -1 when it has none."""
+    ends = [at for at in (data.find(end) for end in _BLANK_LINES) if at >= 0]
+    return min(ends) + 2 if ends else -1
 
 
 def assemble_response(body: Any) -> AssembledResponse:
@@ -47,9 +58,9 @@ def assemble_response(body: Any) -> AssembledResponse:
     if not isinstance(body, Mapping):
         raise TypeError("a Responses API answer is a JSON object")
     error = body.get("error")
-    if error is not None and not isinstance(error, Mapping | str):
-        error = None
     status = body.get("status")
+    if not error or not isinstance(error, Mapping | str) or status == "completed":
+        error = None  # (an empty one, as on the chat route, is none; a completed one has none)
     if error is None and body.get("object") != "response" and "output" not in body:
         raise TypeError("not a Responses API response object")
     texts: list[str] = []
@@ -111,17 +122,36 @@ def assemble_response(body: Any) -> AssembledResponse:
 class ResponsesRecorder:
     """The relay's side channel for a Responses API stream: raw chunks in (the relay appends to
     ``chunks`` and calls ``decode`` every ``StreamRecorder.KEEP_BYTES``), the terminal event's
-    response out (``finish``). Whole events before it that hold no marker are let go unread."""
+    response out (``finish``). Each byte is looked at a bounded number of times: the new bytes
+    are searched for the events' ends, an event named by its ``event:`` line as one that cannot
+    matter (a delta, an item's ``done`` repeating its text) is let go as it arrives, and the
+    whole events kept are read only when they hold a marker. An event over
+    ``MAX_PENDING_EVENT`` is let go too (``oversize``: its usage, if it was the last, unread)."""
 
-    __slots__ = ("chunks", "error", "events", "pending", "response", "torn")
+    __slots__ = (
+        "chunks",
+        "error",
+        "events",
+        "last",
+        "oversize",
+        "pending",
+        "pending_size",
+        "response",
+        "skipping",
+        "torn",
+    )
 
     def __init__(self) -> None:
         self.chunks: list[bytes] = []
-        self.pending = b""  # the bytes of an event whose blank line has not come
+        self.pending: list[bytes] = []  # the pieces of an event whose blank line has not come
+        self.pending_size = 0
+        self.skipping = False  # the event arriving is let go, up to its blank line
+        self.last = b""  # the last byte decoded (a blank line may begin in it)
         self.response: Mapping[str, Any] | None = None  # the last terminal event's response
         self.error: Any = None  # an ``error`` event's payload
         self.events = 0  # terminal and error events read
         self.torn = False  # the last such event was cut by the stream's end (no blank line)
+        self.oversize = False  # an event past ``MAX_PENDING_EVENT`` was let go unread
 
     def feed(self, chunk: bytes) -> None:
         """Take one chunk exactly as the upstream sent it."""
@@ -129,18 +159,56 @@ class ResponsesRecorder:
 
     def decode(self) -> None:
         """Read the whole events kept so far that may matter; keep an unfinished one."""
-        data = self.pending + b"".join(self.chunks)
+        data = b"".join(self.chunks)
         self.chunks.clear()  # the same list: the relay holds its append
-        cut = 0
-        for end in _EVENT_ENDS:
-            at = data.rfind(end)
-            if at >= 0:
-                cut = max(cut, at + len(end))
-        whole, self.pending = data[:cut], data[cut:]
-        if len(self.pending) > MAX_PENDING_EVENT:  # a line that never ends: not kept
-            self.pending = b""
-        if whole and any(marker in whole for marker in _MARKERS):
+        if not data:
+            return
+        probe = self.last + data  # (a blank line's first byte may be the last one decoded)
+        shift = len(self.last)
+        self.last = data[-1:]
+        if self.skipping:  # the end of the event let go, then what follows it
+            first = _first_end(probe)
+            if first < 0:
+                return
+            self.skipping = False
+            data = data[max(first - shift, 0) :]
+            probe, shift = data, 0
+        cut = max(probe.rfind(end) for end in _BLANK_LINES)
+        if cut < 0:
+            self._keep(data)
+            return
+        cut = max(cut + 2 - shift, 0)
+        whole = b"".join(self.pending) + data[:cut] if self.pending else data[:cut]
+        self.pending, self.pending_size = [], 0
+        if any(marker in whole for marker in _MARKERS):
             self._read(whole, at_end=False)
+        self._keep(data[cut:])
+
+    def _keep(self, data: bytes) -> None:
+        """Keep ``data``, the start or more of an event not ended yet, unless it cannot matter."""
+        if not data:
+            return
+        if not self.pending:
+            head = data.lstrip(b"\r\n")
+            if not head:
+                return
+            if head.startswith(b"event:"):
+                name = head[6:].split(b"\n", 1)[0].split(b"\r", 1)[0].strip()
+                ended = len(name) + 8 <= len(head)  # (its line ended: the name is whole)
+                if ended and name not in _MATTERING_EVENTS:
+                    self.skipping = True  # a delta, a part done: let go as it arrives
+                    return
+        self.pending.append(data)
+        self.pending_size += len(data)
+        if self.pending_size > MAX_PENDING_EVENT:
+            if not self.oversize:
+                logger.warning(
+                    "Responses API stream event over %s bytes: not read (if it was the "
+                    "response's last event, its usage is not counted)",
+                    f"{MAX_PENDING_EVENT:,}",
+                )
+            self.oversize = True
+            self.pending, self.pending_size, self.skipping = [], 0, True
 
     def _read(self, data: bytes, at_end: bool) -> bool:
         """Read the events of ``data`` that may matter; whether the stream's end cut one
@@ -173,10 +241,11 @@ class ResponsesRecorder:
     def finish(self) -> AssembledResponse:
         """End of stream (complete or not): what its terminal event said. A stream cut before
         one has no usage and is ``unfinished`` (inside an event) or not ``done``."""
-        data = self.pending + b"".join(self.chunks)
-        self.chunks.clear()
-        self.pending = b""
+        self.decode()
+        data = b"".join(self.pending)
+        self.pending, self.pending_size = [], 0
         cut = self._read(data, at_end=True) if data.strip() else False
+        cut = cut or self.skipping  # (an event let go unkept that the end cut)
         if self.response is not None:
             result = assemble_response(self.response)
             if self.error is not None and result.error is None:
@@ -189,5 +258,8 @@ class ResponsesRecorder:
         if self.torn or (self.response is None and self.error is None and cut):
             result.unfinished = True  # (the SDKs never dispatch an event the end cut)
             result.done = False
+        elif self.response is None and self.error is None and self.oversize:
+            result.done = True  # (its last event was perhaps the one let go: no error said)
+        result.text_dropped = self.oversize
         result.events = self.events
         return result

@@ -63,9 +63,13 @@ def test_a_stream_is_read_for_its_usage_model_text_and_calls(piece: int) -> None
     assert result.error is None
 
 
-@pytest.mark.parametrize("end", [b"\r\n", b"\r"])
-def test_a_stream_with_other_line_ends_is_read(end: bytes) -> None:
-    stream = b"".join(response_events(completed(prompt=1500, hit=1024))).replace(b"\n", end)
+@pytest.mark.parametrize(
+    "ends", [(b"\n", b"\r\n"), (b"\n", b"\r"), (b"\n\n", b"\n\r\n"), (b"\n\n", b"\r\n\n")]
+)
+def test_a_stream_with_other_line_ends_is_read(ends: tuple[bytes, bytes]) -> None:
+    """CRLF or CR line ends, or a blank line of another kind than the lines' (SSE allows
+    each line its own)."""
+    stream = b"".join(response_events(completed(prompt=1500, hit=1024))).replace(*ends)
     result = recorded(stream, 50)
     assert result.usage is not None and result.usage.cache_read == 1024
     assert result.done and result.finish_reason == "stop"
@@ -83,23 +87,50 @@ def test_text_that_names_the_last_event_or_an_error_is_no_last_event() -> None:
 
 
 def test_a_long_stream_is_not_kept_whole() -> None:
-    """Events before the last are let go as they are decoded: the deltas of a 2 MB text keep
-    at most an unfinished event between decodings (the events after them repeat the text
-    whole, each kept while it arrives)."""
+    """Events before the last are let go as they arrive: the deltas of a 2 MB text, and the
+    three events that repeat it whole (a part's, an item's ``done``), keep at most an
+    unfinished event's start between decodings; only the last event is kept while it comes."""
     text = "word " * 400_000
     stream = b"".join(response_events(completed(text)))
-    deltas = stream.index(b"event: response.output_text.done")
-    assert deltas > 2_000_000
+    last = stream.index(b"event: response.completed")
+    assert last > 8_000_000
     recorder = ResponsesRecorder()
     most = 0
-    for at in range(0, deltas, 16384):
-        recorder.chunks.append(stream[at : min(at + 16384, deltas)])
+    for at in range(0, last, 16384):
+        recorder.chunks.append(stream[at : min(at + 16384, last)])
         recorder.decode()
-        most = max(most, len(recorder.pending))
+        most = max(most, recorder.pending_size)
     assert most < 1024
-    recorder.chunks.append(stream[deltas:])
+    recorder.chunks.append(stream[last:])
     result = recorder.finish()
     assert result.message["content"] == text and result.usage is not None
+
+
+def test_every_split_of_a_stream_reads_the_same() -> None:
+    stream = b"".join(response_events(completed(prompt=1300, hit=1280, calls=1)))
+    last = stream.index(b"event: response.completed")
+    for at in range(last - 40, len(stream)):
+        recorder = ResponsesRecorder()
+        for piece in (stream[:at], stream[at:]):
+            recorder.chunks.append(piece)
+            recorder.decode()
+        result = recorder.finish()
+        assert result.usage is not None and result.usage.cache_read == 1280, at
+        assert result.done and not result.unfinished, at
+
+
+def test_a_last_event_past_the_limit_is_let_go_without_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A last event larger than cachegate keeps (32 MiB: an answer of many generated images)
+    is not read: no usage, and no error said of a stream that ended as it should."""
+    monkeypatch.setattr("proxy.resanswers.MAX_PENDING_EVENT", 50_000)
+    stream = b"".join(response_events(completed("word " * 20_000)))
+    result = recorded(stream, 4096, decode_every=1)
+    assert result.usage is None and result.done and not result.unfinished
+    assert result.error is None and result.text_dropped
+    cut = recorded(stream[:-100], 4096, decode_every=1)
+    assert cut.unfinished and not cut.done
 
 
 def test_an_incomplete_answer_says_why_and_keeps_its_usage() -> None:
@@ -143,6 +174,8 @@ def test_a_whole_answer_is_read_and_a_body_that_is_no_response_refused() -> None
     result = assemble_response(completed(prompt=4000, hit=3968, out=7))
     assert result.usage is not None and result.usage.cache_read == 3968
     assert result.finish_reason == "stop" and result.done
+    for empty in ({}, "", None):  # (written so by some servers: no error, as on chat's route)
+        assert assemble_response({**completed(), "error": empty}).error is None
     with pytest.raises(TypeError):
         assemble_response({"object": "list", "data": []})
     with pytest.raises(TypeError):
@@ -266,3 +299,36 @@ def test_an_answer_that_is_no_json_is_counted_invalid_and_relayed(
     answer = httpx.post(proxy.base_url + "/responses", content=body)
     assert answer.content == b"<html>bad gateway</html>"
     assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 1
+
+
+def test_usage_counts_under_the_top_level_model_and_requests_under_other(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A body's own ``model``, not one nested before it (a client that sorts its keys writes
+    ``metadata`` first), whether or not the body has calls to pair; the request itself counts
+    as every relayed request does, ``model="other"``, a strict refusal too."""
+    events = response_events(completed(prompt=3000, hit=2048))
+    _upstream, base = scripted(chunks=events)
+    proxy = proxy_factory(base)
+    pair = [
+        {"type": "function_call", "call_id": "c1", "name": "ls", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "a"},
+    ]
+    for items in ([{"role": "user", "content": "hi"}], pair):
+        body = {"metadata": {"model": "o3"}, "model": "gpt-5-mini", "input": items, "stream": True}
+        sent = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+        assert httpx.post(proxy.base_url + "/responses", content=sent).status_code == 200
+    labels = {"model": "gpt-5-mini", "kind": "cache_read"}
+    assert proxy.metric("cachegate_tokens_total", labels) == 2 * 2048
+    assert proxy.metric("cachegate_tokens_total", {"model": "o3", "kind": "prompt"}) == 0
+    refused = httpx.post(
+        proxy.base_url + "/responses",
+        json={"model": "gpt-5-mini", "input": pair[:1]},
+        headers={"x-cachegate-strict": "1"},
+    )
+    assert refused.status_code == 400
+    for status, count in (("200", 2), ("400", 1)):
+        labels = {"route": "passthrough", "model": "other", "status": status}
+        assert proxy.metric("cachegate_requests_total", labels) == count
+    labels = {"route": "passthrough", "model": "gpt-5-mini", "status": "400"}
+    assert proxy.metric("cachegate_requests_total", labels) == 0
