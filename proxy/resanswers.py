@@ -41,10 +41,20 @@ _MATTERING_EVENTS: Final = frozenset(
 MAX_PENDING_EVENT: Final = 32 * 1024 * 1024
 
 
+def _blank_lines(data: bytes) -> tuple[bytes, ...]:
+    """The blank lines to look for in ``data``: LF LF only where it has no CR (most streams;
+    a search for one byte is ~50 times as fast as one for two that are not there)."""
+    return _BLANK_LINES if data.find(b"\r") >= 0 else _BLANK_LINES[:1]
+
+
 def _first_end(data: bytes) -> int:
     """Where the first blank line's two bytes end in ``data``; -1 when it has none."""
-    ends = [at for at in (data.find(end) for end in _BLANK_LINES) if at >= 0]
-    return min(ends) + 2 if ends else -1
+    first = len(data)
+    for end in _blank_lines(data):
+        at = data.find(end, 0, first + 1)  # (only before the first found so far)
+        if 0 <= at < first:
+            first = at
+    return first + 2 if first < len(data) else -1
 
 
 def assemble_response(body: Any) -> AssembledResponse:
@@ -173,7 +183,9 @@ class ResponsesRecorder:
             self.skipping = False
             data = data[max(first - shift, 0) :]
             probe, shift = data, 0
-        cut = max(probe.rfind(end) for end in _BLANK_LINES)
+        cut = -1
+        for end in _blank_lines(probe):
+            cut = max(cut, probe.rfind(end, cut + 1))  # (only after the last found so far)
         if cut < 0:
             self._keep(data)
             return
