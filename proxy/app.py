@@ -531,14 +531,13 @@ class Gateway:
         try:
             body = orjson.loads(text)
         except orjson.JSONDecodeError:  # (a lone surrogate, as JavaScript cuts an emoji: read)
-            if b'"call_id"' not in text:  # (nothing to pair: not read again, more slowly)
-                ex.stream = _streamed(text)
-                return raw, forward_headers
             body, lenient = lenient_json(text, big_ints=True), True
         if isinstance(body, dict):
             ex.stream = body.get("stream") is True  # (counted among the streams in flight)
             model = body.get("model")  # (its answer's usage is counted under it)
             ex.model = model if isinstance(model, str) and model else None
+        elif body is None:  # (not JSON, or nested too deep to read: looked through)
+            ex.stream = _streamed(text)
         if not isinstance(body, dict) or b'"call_id"' not in text:
             return raw, forward_headers  # (no call and no output: nothing to pair)
         if not respairing.needs_repair(body):

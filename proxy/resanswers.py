@@ -47,6 +47,18 @@ def _blank_lines(data: bytes) -> tuple[bytes, ...]:
     return _BLANK_LINES if data.find(b"\r") >= 0 else _BLANK_LINES[:1]
 
 
+def _skippable(head: bytes) -> bool:
+    """Whether an event starting with ``head`` (at its ``event:`` line) cannot matter: its
+    line has ended, naming one of the Responses API's own events other than the last ones
+    (``response.output_text.delta``, ``response.output_item.done`` …). A name of another
+    form (``message``, upper case) is kept: the SDKs read an event's type in its data."""
+    ends = [at for at in (head.find(b"\n"), head.find(b"\r")) if at >= 0]
+    if not ends:
+        return False  # (its name may not have come whole)
+    name = head[6 : min(ends)].strip(b" \t")
+    return name.startswith(b"response.") and name not in _MATTERING_EVENTS
+
+
 def _first_end(data: bytes) -> int:
     """Where the first blank line's two bytes end in ``data``; -1 when it has none."""
     first = len(data)
@@ -204,12 +216,9 @@ class ResponsesRecorder:
             head = data.lstrip(b"\r\n")
             if not head:
                 return
-            if head.startswith(b"event:"):
-                name = head[6:].split(b"\n", 1)[0].split(b"\r", 1)[0].strip()
-                ended = len(name) + 8 <= len(head)  # (its line ended: the name is whole)
-                if ended and name not in _MATTERING_EVENTS:
-                    self.skipping = True  # a delta, a part done: let go as it arrives
-                    return
+            if head.startswith(b"event:") and _skippable(head):
+                self.skipping = True  # a delta, a part done: let go as it arrives
+                return
         self.pending.append(data)
         self.pending_size += len(data)
         if self.pending_size > MAX_PENDING_EVENT:

@@ -106,9 +106,22 @@ def test_a_long_stream_is_not_kept_whole() -> None:
     assert result.message["content"] == text and result.usage is not None
 
 
-def test_every_split_of_a_stream_reads_the_same() -> None:
+@pytest.mark.parametrize(
+    "names",
+    [
+        (b"event: ", b"event: "),
+        (b"event: ", b"event:  "),  # (two spaces: SSE strips one, the SDKs read the data's type)
+        (b"event: ", b"event:\t "),
+        (b"event: response.", b"event: message\ndata-was: response."),  # (every event named so)
+        (b"event: ", b"event: RESPONSE."),
+    ],
+)
+def test_every_split_of_a_stream_reads_the_same(names: tuple[bytes, bytes]) -> None:
+    """Wherever a read ends, in an event's name too: an event is let go unread only once its
+    ``event:`` line has ended, naming one of the API's own events that cannot matter."""
     stream = b"".join(response_events(completed(prompt=1300, hit=1280, calls=1)))
-    last = stream.index(b"event: response.completed")
+    stream = stream.replace(*names)
+    last = stream.rindex(b"event:")
     for at in range(last - 40, len(stream)):
         recorder = ResponsesRecorder()
         for piece in (stream[:at], stream[at:]):
@@ -332,3 +345,15 @@ def test_usage_counts_under_the_top_level_model_and_requests_under_other(
         assert proxy.metric("cachegate_requests_total", labels) == count
     labels = {"route": "passthrough", "model": "gpt-5-mini", "status": "400"}
     assert proxy.metric("cachegate_requests_total", labels) == 0
+
+
+def test_a_body_with_a_lone_surrogate_counts_under_its_own_model(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A lone surrogate escape (a text JavaScript cut inside an emoji), which orjson refuses,
+    is read as the chat route reads it: its model still names the usage's series."""
+    _upstream, base = scripted(chunks=response_events(completed(prompt=900)))
+    proxy = proxy_factory(base)
+    sent = b'{"model":"gpt-5-mini","input":"hi \\ud83d","stream":true}'
+    assert httpx.post(proxy.base_url + "/responses", content=sent).status_code == 200
+    assert proxy.metric("cachegate_tokens_total", {"model": "gpt-5-mini", "kind": "prompt"}) == 900
