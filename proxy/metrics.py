@@ -769,7 +769,12 @@ class MetricsObserver:
             m.observe_exchange(ex.route, None, ex.status, ex.duration_s, ex.overhead_s, None, None)
             if ex.usage is not None and ex.status < 400:
                 m.observe_usage(ex.model, ex.usage)
-            if ex.ttfb_s is not None and ex.status < 400 and ex.assembled is not None:
+            if (
+                ex.ttfb_s is not None
+                and ex.status < 400
+                and ex.path == "responses"
+                and ex.method == "POST"
+            ):
                 m.observe_ttfb(ex.model, ex.ttfb_s)  # (a model's answer: a Responses one)
         if ex.repairs:
             m.observe_repairs(str(r.get("kind")) for r in ex.repairs)

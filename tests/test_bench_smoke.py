@@ -129,3 +129,17 @@ def test_the_sustain_probe_times_every_stream(arm: str, capsys: pytest.CaptureFi
     assert len(out["ttfb_ms_by_tenth"]) == len(out["arrival_offset_ms_by_tenth"]) >= 1
     assert all(t >= 99 for t in out["ttfb_ms_by_tenth"])
     assert "streams late" in capsys.readouterr().out
+
+
+def test_the_responses_benchmark_measures_both_arms(capsys: pytest.CaptureFixture[str]) -> None:
+    """A few Responses and chat streams through cachegate and one direct: every figure printed,
+    and every Responses stream's tokens counted (the run fails otherwise)."""
+    from bench import responses
+
+    assert responses.main(["--events", "200", "--rounds", "2"]) == 0
+    printed = capsys.readouterr().out
+    for arm in ("direct (Responses)", "cachegate, Responses", "cachegate, chat"):
+        line = next(row for row in printed.splitlines() if row.startswith(arm))
+        figures = [float(x) for x in line[len(arm) :].split()]
+        assert figures and all(math.isfinite(x) and x > 0 for x in figures), line
+    assert "every stream's tokens counted" in printed

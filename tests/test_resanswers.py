@@ -312,6 +312,8 @@ def test_an_answer_that_is_no_json_is_counted_invalid_and_relayed(
     answer = httpx.post(proxy.base_url + "/responses", content=body)
     assert answer.content == b"<html>bad gateway</html>"
     assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 1
+    # a model's answer all the same, as a chat one that is no JSON: its first byte is timed
+    assert proxy.metric("cachegate_time_to_first_byte_seconds_count", {"model": "gpt-5"}) == 1
 
 
 def test_usage_counts_under_the_top_level_model_and_requests_under_other(

@@ -1268,6 +1268,28 @@ def test_responses_answers_the_sdk_plain_and_streamed(sim: RunningSimulator) -> 
     assert [r.path for r in sim.sim.requests] == ["/v1/responses", "/v1/responses"]
 
 
+def test_responses_usage_reads_its_prefix_from_the_cache_and_is_recorded(
+    sim: RunningSimulator,
+) -> None:
+    """The second turn resends the first's input: its ``cached_tokens`` are the prefix cache's
+    read, as a chat request's are; a scripted reply's reasoning is in ``output_tokens`` and its
+    details; each request's usage is in the simulator's record."""
+    client = openai.OpenAI(base_url=sim.api_base, api_key="sk-test", max_retries=0)
+    items: list[Any] = [{"role": "user", "content": "Plan the refactor. " * 400}]
+    sim.sim.enqueue([{"content": "Planned.", "reasoning_tokens": 7}, "Done."])
+    first = client.responses.create(model="gpt-5", input=items, instructions="Be brief.")
+    items += [{"role": "assistant", "content": "Planned."}, {"role": "user", "content": "go"}]
+    second = client.responses.create(model="gpt-5", input=items, instructions="Be brief.")
+    assert first.usage is not None and second.usage is not None
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    assert first.usage.output_tokens_details.reasoning_tokens == 7
+    assert first.usage.output_tokens == count_tokens("Planned.") + 7
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert first.usage.input_tokens - 128 < cached <= first.usage.input_tokens
+    recorded = [r.usage for r in sim.sim.requests]
+    assert recorded == [u.model_dump(exclude_none=True) for u in (first.usage, second.usage)]
+
+
 @pytest.mark.parametrize(
     ("items", "message"),
     [

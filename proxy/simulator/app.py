@@ -539,8 +539,11 @@ class _Handlers:
             created=int(self.sim.now),
             model=model,
             output=output,
-            usage=response_usage(len(tokens), completion_tokens(reply), cache.read),
+            usage=response_usage(
+                len(tokens), completion_tokens(reply), cache.read, reply.reasoning_tokens
+            ),
         )
+        received.usage = done["usage"]
         received.status = 200
         request_id = new_id("req_", 24)
         if body.get("stream") is True:

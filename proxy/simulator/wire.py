@@ -256,13 +256,16 @@ def response_object(
     }
 
 
-def response_usage(input_tokens: int, output_tokens: int, cached: int = 0) -> dict[str, Any]:
-    """A Responses API ``usage`` object, ``cached`` of its input tokens read from the cache."""
+def response_usage(
+    input_tokens: int, output_tokens: int, cached: int = 0, reasoning: int = 0
+) -> dict[str, Any]:
+    """A Responses API ``usage`` object, ``cached`` of its input tokens read from the cache and
+    ``reasoning`` of its output tokens the model's reasoning (counted in them, as OpenAI does)."""
     return {
         "input_tokens": input_tokens,
         "input_tokens_details": {"cached_tokens": cached},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": input_tokens + output_tokens,
     }
 
