@@ -69,21 +69,26 @@ def _first_end(data: bytes) -> int:
     return first + 2 if first < len(data) else -1
 
 
-def assemble_response(body: Any) -> AssembledResponse:
+def assemble_response(body: Any, last_event: str | None = None) -> AssembledResponse:
     """A Responses API ``response`` object (a non-streamed answer's body, or a terminal event's
     ``response``) as cachegate records an answer: its output's text as the assistant message's
     ``content``, its ``function_call`` and ``custom_tool_call`` items as ``tool_calls``, its
     usage, model and id, and its ``error`` (a failed response's). ``finish_reason`` is chat's
     word for its status: ``stop`` or ``tool_calls`` when completed, the reason it is
-    incomplete (``length`` for ``max_output_tokens``), None when it failed. Raises
-    ``TypeError`` for a body that is no response object."""
+    incomplete (``length`` for ``max_output_tokens``), None when it failed. ``last_event``: the
+    stream's last event that carried it (its type says what the body is, and its status where
+    the body has none). Raises ``TypeError`` for a whole answer's body that is no response
+    object."""
     if not isinstance(body, Mapping):
         raise TypeError("a Responses API answer is a JSON object")
     error = body.get("error")
     status = body.get("status")
+    if last_event is not None and not isinstance(status, str):
+        status = last_event.removeprefix("response.")
     if not error or not isinstance(error, Mapping | str) or status == "completed":
         error = None  # (an empty one, as on the chat route, is none; a completed one has none)
-    if error is None and body.get("object") != "response" and "output" not in body:
+    shaped = last_event is not None or body.get("object") == "response" or "output" in body
+    if error is None and not shaped:
         raise TypeError("not a Responses API response object")
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
@@ -155,6 +160,7 @@ class ResponsesRecorder:
         "error",
         "events",
         "last",
+        "last_event",
         "oversize",
         "pending",
         "pending_size",
@@ -170,6 +176,7 @@ class ResponsesRecorder:
         self.skipping = False  # the event arriving is let go, up to its blank line
         self.last = b""  # the last byte decoded (a blank line may begin in it)
         self.response: Mapping[str, Any] | None = None  # the last terminal event's response
+        self.last_event: str | None = None  # and its type
         self.error: Any = None  # an ``error`` event's payload
         self.events = 0  # terminal and error events read
         self.torn = False  # the last such event was cut by the stream's end (no blank line)
@@ -249,8 +256,10 @@ class ResponsesRecorder:
             if not isinstance(payload, dict):
                 continue
             kind = payload.get("type")
-            if kind in TERMINAL_EVENTS and isinstance(payload.get("response"), Mapping):
-                self.response = payload["response"]
+            if kind in TERMINAL_EVENTS:
+                response = payload.get("response")
+                self.response = response if isinstance(response, Mapping) else {}
+                self.last_event = kind
             elif kind == "error" or (kind is None and "error" in payload):
                 self.error = payload.get("error", payload) if kind is None else payload
             else:
@@ -268,7 +277,7 @@ class ResponsesRecorder:
         cut = self._read(data, at_end=True) if data.strip() else False
         cut = cut or self.skipping  # (an event let go unkept that the end cut)
         if self.response is not None:
-            result = assemble_response(self.response)
+            result = assemble_response(self.response, self.last_event)
             if self.error is not None and result.error is None:
                 result.error = {"error": self.error}
                 result.done = False

@@ -172,6 +172,29 @@ def test_a_failed_answer_and_an_error_event_are_errors() -> None:
     assert result.usage is None and not result.done
 
 
+def test_a_last_event_is_read_for_what_its_type_says_whatever_its_responses_shape() -> None:
+    """A gateway's last event whose response has no ``object`` or ``output`` (only what it
+    counted) is still the response: its usage is read; a ``response.failed`` with nothing in it
+    is an error; a last event whose response is no object ends the stream with no usage."""
+    usage = {
+        "input_tokens": 1200,
+        "output_tokens": 30,
+        "input_tokens_details": {"cached_tokens": 1024},
+    }
+
+    def stream(kind: str, response: Any) -> bytes:
+        data = orjson.dumps({"type": kind, "response": response})
+        return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+    bare = recorded(stream("response.completed", {"id": "r", "usage": usage}), 7)
+    assert bare.usage is not None and (bare.usage.prompt, bare.usage.cache_read) == (1200, 1024)
+    assert bare.done and bare.error is None and bare.finish_reason == "stop"
+    failed = recorded(stream("response.failed", {}), 7)
+    assert failed.error is not None and not failed.done
+    odd = recorded(stream("response.completed", [1]), 7)
+    assert odd.usage is None and odd.done and not odd.unfinished
+
+
 def test_a_stream_cut_before_its_last_event_has_no_usage_and_is_not_done() -> None:
     events = response_events(completed())
     between = recorded(b"".join(events[:-1]), 100)
