@@ -484,7 +484,7 @@ class Gateway:
             ex.client_wait_s = time.perf_counter() - reading
             ex.request_bytes = len(raw)
             try:
-                content, forward_headers = self._repaired_responses(
+                content, forward_headers, read = self._repaired_responses(
                     ex, raw, headers, forward_headers, strict
                 )
             except ProxyError:
@@ -492,7 +492,7 @@ class Gateway:
             except Exception:  # cachegate's own defect: the request goes as it came
                 log.exception("the pairing check of a Responses API request failed")
                 ex.repairs = []
-                content = raw
+                content, read = raw, False
         except ProxyError as err:
             ex.status, ex.error = err.status, err.message
             ex.interrupted = err.status == CLIENT_CLOSED  # the client left while sending it
@@ -505,7 +505,8 @@ class Gateway:
                 extra = [*extra, (b"x-cachegate-repairs", b"0")]  # (as on the chat route)
                 await send_error(send, err, extra, receive)
             return
-        extra = [*extra, (b"x-cachegate-repairs", str(len(ex.repairs)).encode())]
+        if read:  # (a body not read was not checked: no count of repairs said for it)
+            extra = [*extra, (b"x-cachegate-repairs", str(len(ex.repairs)).encode())]
         await self._relay(ex, scope, receive, send, content, forward_headers, extra, responses=True)
 
     def _repaired_responses(
@@ -515,10 +516,11 @@ class Gateway:
         headers: Mapping[str, str],
         forward_headers: list[tuple[bytes, bytes]],
         strict: bool,
-    ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    ) -> tuple[bytes, list[tuple[bytes, bytes]], bool]:
         """The body to forward for a Responses API request, and its headers: the client's
-        bytes unless its ``input`` needed a repair. A body cachegate cannot read (a coding it
-        does not know, no JSON) is the provider's to judge, and goes as it came."""
+        bytes unless its ``input`` needed a repair; and whether it could be read. A body
+        cachegate cannot read (a coding it does not know, no JSON) is the provider's to judge,
+        and goes as it came."""
         text = raw
         coding = headers.get("content-encoding")
         coded = coding is not None and coding.strip().lower() not in ("", "identity")
@@ -526,7 +528,7 @@ class Gateway:
             try:
                 text = decoded_request(coding or "", raw, self.settings.server.max_body_bytes)
             except ProxyError:
-                return raw, forward_headers
+                return raw, forward_headers, False
         lenient = False
         try:
             body = orjson.loads(text)
@@ -538,16 +540,18 @@ class Gateway:
             ex.model = model if isinstance(model, str) and model else None
         elif body is None:  # (not JSON, or nested too deep to read: looked through)
             ex.stream = _streamed(text)
-        if not isinstance(body, dict) or b'"call_id"' not in text:
-            return raw, forward_headers  # (no call and no output: nothing to pair)
+        if not isinstance(body, dict):
+            return raw, forward_headers, body is not None
+        if b'"call_id"' not in text:
+            return raw, forward_headers, True  # (no call and no output: nothing to pair)
         if not respairing.needs_repair(body):
-            return raw, forward_headers
+            return raw, forward_headers, True
         # an integer beyond 64 bits maybe, which orjson reads as a float: read again as it is,
         # so that the repaired body has it as it was sent
         if not lenient and _LONG_NUMBER.search(text) is not None:
             body = lenient_json(text, big_ints=True)
             if not isinstance(body, dict):
-                return raw, forward_headers
+                return raw, forward_headers, True
         if strict:
             defects = respairing.diagnose(body)
             raise bad_request(
@@ -560,14 +564,14 @@ class Gateway:
             interrupted_note=p.interrupted_note or pairing.DEFAULT_INTERRUPTED_NOTE,
         )
         if not result.messages:  # (only orphans, dropped: the provider judges what was sent)
-            return raw, forward_headers
+            return raw, forward_headers, True
         ex.repairs = [
             {"kind": r.kind, "index": r.index, "tool_call_id": r.tool_call_id, "action": r.action}
             for r in result.repairs
         ]
         if coded:  # forwarded as read: decoded
             forward_headers = [h for h in forward_headers if h[0].lower() != b"content-encoding"]
-        return dump_body({**body, "input": result.messages}), forward_headers
+        return dump_body({**body, "input": result.messages}), forward_headers, True
 
 
 # where an integer beyond 64 bits may be (-2**63 has 19 digits, 2**64 20)

@@ -12,6 +12,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import io
 import logging
 import re
 import time
@@ -22,6 +23,7 @@ from urllib.parse import SplitResult, urlsplit
 
 import httpx
 import orjson
+import zstandard
 
 from proxy.assemble import (
     AssembledResponse,
@@ -267,15 +269,18 @@ _WBITS: Final = {
 
 
 def decoded_request(coding: str, body: bytes, limit: int) -> bytes:
-    """A chat request's body with its ``Content-Encoding`` undone (gzip or deflate), for the
-    pipeline to read; at most ``limit`` bytes of it (413 beyond, as for a plain body). Another
-    coding, or bytes that are not what the coding says, is refused in OpenAI's shape."""
+    """A request's body with its ``Content-Encoding`` undone (gzip, deflate or zstd: Codex CLI
+    compresses its requests with zstd), for the pipeline to read; at most ``limit`` bytes of it
+    (413 beyond, as for a plain body). Another coding, or bytes that are not what the coding
+    says, is refused in OpenAI's shape."""
     coding = coding.strip().lower()
+    if coding == "zstd":
+        return _zstd_request(body, limit)
     if coding not in _DECODABLE:
         raise ProxyError(
             415,
             f"cachegate cannot read a chat request in Content-Encoding {coding!r}: send it "
-            "uncompressed, or compressed with gzip or deflate.",
+            "uncompressed, or compressed with gzip, deflate or zstd.",
             code="unsupported_content_encoding",
         )
     for wbits in _WBITS[coding]:
@@ -291,6 +296,28 @@ def decoded_request(coding: str, body: bytes, limit: int) -> bytes:
         f" more than {_MAX_MEMBERS} gzip members).",
         code="invalid_content_encoding",
     )
+
+
+def _zstd_request(body: bytes, limit: int) -> bytes:
+    """A zstd request body (one frame, RFC 8878) decoded, at most ``limit`` bytes of it: a
+    frame that says its size is refused past ``limit`` before anything is decoded; one that does
+    not is decoded up to ``limit`` and a byte, then whole (zstandard's one-shot decoding tells
+    a frame cut short, which its stream reader does not)."""
+    decoder = zstandard.ZstdDecompressor()
+    try:
+        size = zstandard.frame_content_size(body)
+        if size > limit:
+            raise too_large(limit)
+        if size < 0:  # (not said: read as far as the limit allows)
+            reader = decoder.stream_reader(io.BytesIO(body), read_across_frames=True)
+            if len(reader.read(limit + 1)) > limit:
+                raise too_large(limit)
+        return decoder.decompress(body, max_output_size=limit + 1, allow_extra_data=False)
+    except zstandard.ZstdError as exc:
+        raise bad_request(
+            f"The request body is not valid zstd ({exc}; cachegate reads one zstd frame).",
+            code="invalid_content_encoding",
+        ) from None
 
 
 def _members(body: bytes, wbits: int, limit: int) -> bytes | None:

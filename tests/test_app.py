@@ -531,8 +531,8 @@ def test_the_first_refusal_of_each_status_cachegate_answers_itself_shows_in_a_ra
         assert proxy.registry.get_sample_value("cachegate_requests_total", labels) == 0
     r = httpx.post(
         proxy.base_url + "/chat/completions",
-        content=b"\x28\xb5\x2f\xfd not really zstd",
-        headers={"content-type": "application/json", "content-encoding": "zstd"},
+        content=b"\x0b\x02\x80{}\x03",
+        headers={"content-type": "application/json", "content-encoding": "br"},
     )
     assert r.status_code == 415
     r = httpx.get(

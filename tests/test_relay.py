@@ -1184,10 +1184,16 @@ def test_two_hundred_interrupted_streams_leave_nothing_behind(
 def test_a_compressed_chat_request_is_read_and_forwarded_decoded(
     scripted: Any, proxy_factory: Any
 ) -> None:
-    """Some clients gzip large request bodies: the pipeline reads it as JSON (it answered
-    "not valid UTF-8: byte 0x8b"), and the upstream gets it decoded, without the coding."""
+    """Some clients gzip large request bodies (Codex CLI zstd's them): the pipeline reads it as
+    JSON (it answered "not valid UTF-8: byte 0x8b"), and the upstream gets it decoded, without
+    the coding."""
     import gzip
     import zlib
+
+    import zstandard
+
+    zstd = zstandard.ZstdCompressor()
+    unsized = zstd.compressobj()  # (a streaming encoder's frame: its size not said)
 
     upstream, url = scripted(chunks=[completion("ok", 5, 1)], content_type=b"application/json")
     proxy = proxy_factory(url, {"server": {"max_body_bytes": 100_000}})
@@ -1196,6 +1202,8 @@ def test_a_compressed_chat_request_is_read_and_forwarded_decoded(
         ("gzip", gzip.compress(payload)),
         ("deflate", zlib.compress(payload)),
         ("Deflate", zlib.compress(payload)[2:-4]),  # raw deflate, as some clients send it
+        ("zstd", zstd.compress(payload)),
+        ("zstd", unsized.compress(payload) + unsized.flush()),
     ):
         r = httpx.post(
             proxy.base_url + "/chat/completions",
@@ -1217,6 +1225,9 @@ def test_a_compressed_chat_request_is_read_and_forwarded_decoded(
         ("gzip", 400, "invalid_content_encoding", b"not gzip at all"),
         ("gzip", 400, "invalid_content_encoding", gzip.compress(payload) + b"GARBAGE"),
         ("gzip", 400, "invalid_content_encoding", gzip.compress(payload)[:-3]),
+        ("zstd", 400, "invalid_content_encoding", zstd.compress(payload)[:-3]),
+        ("zstd", 400, "invalid_content_encoding", zstd.compress(payload) + b"GARBAGE"),
+        ("zstd", 400, "invalid_content_encoding", b"\x28\xb5\x2f\xfd not really zstd"),
         # empty gzip members by the thousand: each copied the rest of the body, and 160,000
         # held the event loop (every other client) for 9 s
         ("gzip", 400, "invalid_content_encoding", gzip.compress(payload) + gzip.compress(b"") * 65),
@@ -1233,12 +1244,17 @@ def test_a_compressed_chat_request_is_read_and_forwarded_decoded(
             proxy.base_url + "/chat/completions", content=body, headers={"content-encoding": coding}
         )
         assert (r.status_code, r.json()["error"]["code"]) == (status, code)
-    bomb = gzip.compress(b" " * 1_000_000)  # 1 KB that decodes past the body limit
-    r = httpx.post(
-        proxy.base_url + "/chat/completions", content=bomb, headers={"content-encoding": "gzip"}
-    )
-    assert (r.status_code, r.json()["error"]["code"]) == (413, "request_too_large")
-    assert len(upstream.requests) == 4  # none of the refused went upstream
+    unsized = zstd.compressobj()
+    for coding, bomb in (  # ~1 KB each that decodes past the body limit
+        ("gzip", gzip.compress(b" " * 1_000_000)),
+        ("zstd", zstd.compress(b" " * 1_000_000)),  # (its size said: refused before decoding)
+        ("zstd", unsized.compress(b" " * 1_000_000) + unsized.flush()),
+    ):
+        r = httpx.post(
+            proxy.base_url + "/chat/completions", content=bomb, headers={"content-encoding": coding}
+        )
+        assert (r.status_code, r.json()["error"]["code"]) == (413, "request_too_large"), coding
+    assert len(upstream.requests) == 6  # none of the refused went upstream
 
 
 @pytest.mark.parametrize("transport", ["native", "httpx"])
