@@ -1105,9 +1105,11 @@ class Relay:
                 # A refusal is read for its words whatever its content type (a gateway may
                 # declare its stream before it knows the outcome): a stream only below 400.
                 streamed = is_sse and response.status_code < 400
-                recorder = ResponsesRecorder() if responses else StreamRecorder()
+                recorder: StreamRecorder | ResponsesRecorder | None = None
+                if streamed:
+                    recorder = ResponsesRecorder() if responses else StreamRecorder()
                 tee = _Tee(
-                    recorder if streamed else None,
+                    recorder,
                     collect=not streamed,
                     coding=coding if decoder is None else "",  # (a decoded stream's: undone)
                     responses=responses,
