@@ -112,6 +112,12 @@ def _scan(items: Sequence[Any]) -> tuple[dict[str, int], set[str], set[str]]:
             shell_answers += (
                 v for v in (item.get("call_id"), item.get("id")) if isinstance(v, str)
             )
+        elif isinstance(kind, str) and kind.endswith("_output"):
+            # an output of a type not paired here (Codex CLI's ``tool_search_output``) answers
+            # the call of its ``call_id`` all the same: no synthetic output is added beside it
+            call_id = _call_id(item)
+            if call_id is not None:
+                answered.add(call_id)
     for answer in shell_answers:
         answered.add(shell_ids.get(answer, answer))
     return calls, answered, known

@@ -231,6 +231,15 @@ def test_an_output_answering_a_call_of_another_type_is_no_orphan() -> None:
         assert repaired({"input": items}).messages is items and accepted({"input": items})
 
 
+def test_a_call_answered_by_an_output_of_a_type_not_paired_here_is_no_dangling_call() -> None:
+    """A ``tool_search`` function call answered by Codex CLI's ``tool_search_output``: its
+    answer is there, so no synthetic output goes beside it (one did: a second, made-up
+    answer to a call the model had its result for)."""
+    answer = {"type": "tool_search_output", "call_id": "ts_1", "execution": "client", "tools": []}
+    items = [user("find a tool"), call("ts_1", "tool_search"), answer, user("go on")]
+    assert repaired({"input": items}).messages is items
+
+
 def test_an_orphan_output_is_kept_as_a_user_message_or_dropped() -> None:
     items = [
         user("hi"),
