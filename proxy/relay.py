@@ -12,7 +12,6 @@ import asyncio
 import collections
 import contextlib
 import functools
-import io
 import logging
 import re
 import time
@@ -300,24 +299,44 @@ def decoded_request(coding: str, body: bytes, limit: int) -> bytes:
 
 def _zstd_request(body: bytes, limit: int) -> bytes:
     """A zstd request body (one frame, RFC 8878) decoded, at most ``limit`` bytes of it: a
-    frame that says its size is refused past ``limit`` before anything is decoded; one that does
-    not is decoded up to ``limit`` and a byte, then whole (zstandard's one-shot decoding tells
-    a frame cut short, which its stream reader does not)."""
-    decoder = zstandard.ZstdDecompressor()
+    frame that says its size is refused past ``limit`` before anything is decoded; any frame
+    (a streaming encoder's, as Codex CLI's, says none) is fed to the decoder in pieces small
+    enough that one cannot decode past what is left of ``limit`` (a block of a few bytes can
+    hold 128 KB), so that a bomb is refused once past it, and no buffer of the limit's size is
+    asked for (a limit larger than the memory at hand failed every request). A frame cut short,
+    or followed by anything (another frame, other bytes), is no body cachegate reads."""
+    frame = zstandard.ZstdDecompressor().decompressobj()
+    out: list[bytes] = []
+    produced = at = 0
     try:
-        size = zstandard.frame_content_size(body)
-        if size > limit:
+        if zstandard.frame_content_size(body) > limit:
             raise too_large(limit)
-        if size < 0:  # (not said: read as far as the limit allows)
-            reader = decoder.stream_reader(io.BytesIO(body), read_across_frames=True)
-            if len(reader.read(limit + 1)) > limit:
+        while at < len(body) and not frame.eof:
+            step = max(_ZSTD_MIN_PIECE, (limit - produced) // _ZSTD_MOST_PER_BYTE)
+            plain = frame.decompress(body[at : at + step])
+            at += step
+            produced += len(plain)
+            if produced > limit:
                 raise too_large(limit)
-        return decoder.decompress(body, max_output_size=limit + 1, allow_extra_data=False)
+            out.append(plain)
     except zstandard.ZstdError as exc:
         raise bad_request(
-            f"The request body is not valid zstd ({exc}; cachegate reads one zstd frame).",
-            code="invalid_content_encoding",
+            f"The request body is not valid zstd ({exc}).", code="invalid_content_encoding"
         ) from None
+    if not frame.eof or frame.unused_data or at < len(body):
+        raise bad_request(
+            "The request body is not valid zstd: "
+            + ("its frame is cut short." if not frame.eof else "cachegate reads one zstd frame.")
+            + " Send it whole, in one frame, or uncompressed.",
+            code="invalid_content_encoding",
+        )
+    return b"".join(out)
+
+
+# What one byte of a zstd frame can decode to, at most (an RLE block: 4 bytes, 128 KB), with
+# room to spare; and the smallest piece fed (each call costs ~1 µs).
+_ZSTD_MOST_PER_BYTE: Final = 65536
+_ZSTD_MIN_PIECE: Final = 64
 
 
 def _members(body: bytes, wbits: int, limit: int) -> bytes | None:

@@ -1198,12 +1198,14 @@ def test_a_compressed_chat_request_is_read_and_forwarded_decoded(
     upstream, url = scripted(chunks=[completion("ok", 5, 1)], content_type=b"application/json")
     proxy = proxy_factory(url, {"server": {"max_body_bytes": 100_000}})
     payload = orjson.dumps(CHAT)
+    unsized_payload = unsized.compress(payload) + unsized.flush()
+    unsized = zstd.compressobj()
     for coding, body in (
         ("gzip", gzip.compress(payload)),
         ("deflate", zlib.compress(payload)),
         ("Deflate", zlib.compress(payload)[2:-4]),  # raw deflate, as some clients send it
         ("zstd", zstd.compress(payload)),
-        ("zstd", unsized.compress(payload) + unsized.flush()),
+        ("zstd", unsized_payload),
     ):
         r = httpx.post(
             proxy.base_url + "/chat/completions",
@@ -1228,6 +1230,14 @@ def test_a_compressed_chat_request_is_read_and_forwarded_decoded(
         ("zstd", 400, "invalid_content_encoding", zstd.compress(payload)[:-3]),
         ("zstd", 400, "invalid_content_encoding", zstd.compress(payload) + b"GARBAGE"),
         ("zstd", 400, "invalid_content_encoding", b"\x28\xb5\x2f\xfd not really zstd"),
+        # two frames, the first not saying its size (as streaming encoders write): the second
+        # was dropped without a word
+        (
+            "zstd",
+            400,
+            "invalid_content_encoding",
+            unsized.compress(payload) + unsized.flush() + zstd.compress(b" "),
+        ),
         # empty gzip members by the thousand: each copied the rest of the body, and 160,000
         # held the event loop (every other client) for 9 s
         ("gzip", 400, "invalid_content_encoding", gzip.compress(payload) + gzip.compress(b"") * 65),
@@ -1244,7 +1254,7 @@ def test_a_compressed_chat_request_is_read_and_forwarded_decoded(
             proxy.base_url + "/chat/completions", content=body, headers={"content-encoding": coding}
         )
         assert (r.status_code, r.json()["error"]["code"]) == (status, code)
-    unsized = zstd.compressobj()
+    unsized = zstd.compressobj()  # (a frame's encoder ends with it)
     for coding, bomb in (  # ~1 KB each that decodes past the body limit
         ("gzip", gzip.compress(b" " * 1_000_000)),
         ("zstd", zstd.compress(b" " * 1_000_000)),  # (its size said: refused before decoding)
@@ -2796,3 +2806,23 @@ def test_cachegates_own_headers_win_over_an_upstreams(scripted: Any, proxy_facto
     assert r.headers.get_list("x-cachegate-session") == ["outer"]
     assert r.headers.get_list("x-cachegate-repairs") == ["0"]
     assert r.headers["x-request-id"] == "req_1"
+
+
+def test_a_zstd_body_is_decoded_whatever_the_limit_and_bombs_stop_at_it() -> None:
+    """The limit is what is decoded at most, not a buffer asked for first: with a limit larger
+    than the machine's memory, a frame that does not say its size failed every request
+    (MemoryError: a 500 on the chat route); a bomb of either kind is refused once past it."""
+    import zstandard
+
+    from proxy.errors import ProxyError
+    from proxy.relay import decoded_request
+
+    payload = orjson.dumps(CHAT)
+    unsized = zstandard.ZstdCompressor(write_content_size=False)
+    assert decoded_request("zstd", unsized.compress(payload), 1 << 50) == payload
+    for compressor in (unsized, zstandard.ZstdCompressor()):
+        bomb = compressor.compress(b"\0" * 5_000_000)
+        with pytest.raises(ProxyError) as refused:
+            decoded_request("zstd", bomb, 1_000_000)
+        assert refused.value.status == 413
+        assert decoded_request("zstd", bomb, 5_000_000) == b"\0" * 5_000_000
