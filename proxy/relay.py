@@ -301,9 +301,10 @@ def _zstd_request(body: bytes, limit: int) -> bytes:
     """A zstd request body (one frame, RFC 8878) decoded, at most ``limit`` bytes of it: a
     frame that says its size is refused past ``limit`` before anything is decoded; any frame
     (a streaming encoder's, as Codex CLI's, says none) is fed to the decoder in pieces small
-    enough that one cannot decode past what is left of ``limit`` (a block of a few bytes can
-    hold 128 KB), so that a bomb is refused once past it, and no buffer of the limit's size is
-    asked for (a limit larger than the memory at hand failed every request). A frame cut short,
+    enough that one decodes little past what is left of ``limit`` (a block of 4 bytes can hold
+    128 KB: at most 2 MiB past it, from the smallest pieces), so that a bomb is refused once
+    past it, and no buffer of the limit's size is asked for (a limit larger than the memory at
+    hand failed every request). A frame cut short,
     or followed by anything (another frame, other bytes), is no body cachegate reads."""
     frame = zstandard.ZstdDecompressor().decompressobj()
     out: list[bytes] = []
@@ -334,7 +335,8 @@ def _zstd_request(body: bytes, limit: int) -> bytes:
 
 
 # What one byte of a zstd frame can decode to, at most (an RLE block: 4 bytes, 128 KB), with
-# room to spare; and the smallest piece fed (each call costs ~1 µs).
+# room to spare; and the smallest piece fed (each call costs ~1 µs; 64 bytes of RLE blocks
+# decode to 2 MiB, what a bomb may decode past the limit before it is refused).
 _ZSTD_MOST_PER_BYTE: Final = 65536
 _ZSTD_MIN_PIECE: Final = 64
 
