@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import re
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -165,36 +166,39 @@ def main(argv: list[str] | None = None) -> int:
     servers: list[procs.Server] = []
     try:
         up_port, cg_port = procs.free_port(), procs.free_port()
-        upstream = procs.start(
-            "upstream",
-            [
-                *(procs.python(), "-m", "bench.responses", "--serve-upstream", str(up_port)),
-                *("--events", str(args.events), "--delta-bytes", str(args.delta_bytes)),
-            ],
-            port=up_port,
-            cpu=1,
-            log_dir=work,
-            env=procs.bench_env(),
-        )
-        servers.append(upstream)
-        cachegate = procs.start(
-            "cachegate",
-            [
-                *(procs.python(), "-m", "proxy.cli", "serve", "--port", str(cg_port)),
-                *("--upstream", f"http://{HOST}:{up_port}/v1", "--log-dir", str(work / "logs")),
-            ],
-            port=cg_port,
-            cpu=0,
-            log_dir=work,
-            env=procs.bench_env(),
-        )
-        servers.append(cachegate)
+        upstream_argv = ["-m", "bench.responses", "--serve-upstream", str(up_port)]
+        upstream_argv += ["--events", str(args.events), "--delta-bytes", str(args.delta_bytes)]
+        cachegate_argv = ["-m", "proxy.cli", "serve", "--port", str(cg_port)]
+        cachegate_argv += ["--upstream", f"http://{HOST}:{up_port}/v1", "--log-dir", str(work)]
+        for name, argv, port, core in (
+            ("upstream", upstream_argv, up_port, 1),
+            ("cachegate", cachegate_argv, cg_port, 0),
+        ):
+            servers.append(
+                procs.start(
+                    name,
+                    [procs.python(), *argv],
+                    port=port,
+                    cpu=core,
+                    log_dir=work,
+                    env=procs.bench_env(),
+                )
+            )
+        upstream, cachegate = servers
         cachegate.wait_ready("/healthz", 30)
+        deadline = time.monotonic() + 30
+        while True:  # (the upstream, which has no /healthz, listening)
+            try:
+                socket.create_connection((HOST, up_port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or upstream.popen.poll() is not None:
+                    raise RuntimeError(f"upstream not listening: {upstream.log_tail()}") from None
+                time.sleep(0.1)
         responses = orjson.dumps({"model": "gpt-5", "stream": True, "input": "hi"})
         chat = orjson.dumps(
             {"model": "gpt-5", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
         )
-        asyncio.run(_fetch(up_port, "/v1/responses", responses))  # (the upstream is up)
         times: dict[str, list[float]] = {"direct": [], "responses": [], "chat": []}
         cpu: dict[str, list[float]] = {"responses": [], "chat": []}
         for _ in range(2):  # warm-up: connections, first-use imports
