@@ -304,8 +304,8 @@ def _zstd_request(body: bytes, limit: int) -> bytes:
     enough that one decodes little past what is left of ``limit`` (a block of 4 bytes can hold
     128 KB: at most 2 MiB past it, from the smallest pieces), so that a bomb is refused once
     past it, and no buffer of the limit's size is asked for (a limit larger than the memory at
-    hand failed every request). A frame cut short,
-    or followed by anything (another frame, other bytes), is no body cachegate reads."""
+    hand failed every request). A frame cut short, or followed by anything (another frame,
+    other bytes), is no body cachegate reads."""
     frame = zstandard.ZstdDecompressor().decompressobj()
     out: list[bytes] = []
     produced = at = 0
@@ -725,7 +725,7 @@ class _Tee:
             try:
                 return assemble_response(parsed) if self.responses else assemble_completion(parsed)
             except Exception:
-                log.debug("response body is not a chat completion", exc_info=True)
+                log.debug("response body is not an answer cachegate reads", exc_info=True)
         return None
 
 
