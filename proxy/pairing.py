@@ -260,9 +260,29 @@ def _blank(message: Any) -> bool:
         return False
     if not _blank_text(message.get("content")):
         return False
+    refusal = message.get("refusal")
+    if refusal and not (isinstance(refusal, str) and not refusal.strip()):  # (a blank one: none)
+        return False
     return message.get("tool_calls") is None and not any(
-        message.get(key) for key in ("refusal", "function_call", "audio", *_REASONING_KEYS)
+        message.get(key) for key in ("function_call", "audio", *_REASONING_KEYS)
     )
+
+
+def _refusal_only(message: Any) -> str | None:
+    """The text of an OpenAI model's refusal that an assistant message holds in place of its
+    content (``"content": null, "refusal": "I can't help with that."``), with nothing else:
+    Claude refuses it as an empty message anywhere but last (``refusal`` is OpenAI's field,
+    not Anthropic's), where the refusal is what the model said. None for any other message."""
+    if not isinstance(message, dict) or message.get("role") != "assistant":
+        return None
+    refusal = message.get("refusal")
+    if not isinstance(refusal, str) or not refusal.strip():
+        return None
+    if not _blank_text(message.get("content")) or message.get("tool_calls") is not None:
+        return None
+    if any(message.get(key) for key in ("function_call", "audio", *_REASONING_KEYS)):
+        return None
+    return refusal
 
 
 # Where servers put a model's reasoning in an assistant message (DeepSeek, vLLM and SGLang's
@@ -352,7 +372,10 @@ def needs_repair_from(
             continue
         calls = message.get("tool_calls")
         if not isinstance(calls, list):
-            if calls is None and (_contentless(message) or (drop_empty and _blank(message))):
+            if calls is None and (
+                _contentless(message)
+                or (drop_empty and (_blank(message) or _refusal_only(message) is not None))
+            ):
                 return True, None, resumed
             continue
         if not calls:  # OpenAI refuses an empty array ("empty_array")
@@ -684,7 +707,10 @@ def repair_messages_from(
                     if mark is not None:  # a breakpoint: the message before ends that prefix
                         state.marks[i] = mark
                 else:
-                    if kept.get("content") is None:  # (a refusal, a legacy function_call)
+                    refusal = _refusal_only(kept) if drop_empty else None
+                    if refusal is not None:  # (for Claude: the refusal's words, as in the next)
+                        kept["content"] = refusal
+                    elif kept.get("content") is None:  # (a refusal, a legacy function_call)
                         kept["content"] = ""
                     fixed[i] = kept
                     action = "removed an empty tool_calls array"
@@ -697,6 +723,12 @@ def repair_messages_from(
                 mark = cache_mark(message, "content")  # (its own, or its last blank part's)
                 if mark is not None:  # a breakpoint: the message before ends that prefix
                     state.marks[i] = mark
+                scanned.append(Repair("empty_assistant", i, None, action))
+            elif drop_empty and (refusal := _refusal_only(message)) is not None:
+                # An OpenAI model's refusal in a history sent to Claude: its words are the
+                # message's content (Claude reads no ``refusal``, and refuses an empty one).
+                fixed[i] = {**message, "content": refusal}
+                action = "gave a refusal's text as the assistant message's content"
                 scanned.append(Repair("empty_assistant", i, None, action))
             elif _contentless(message):
                 # Given an empty content, not removed: the turns keep alternating (chat

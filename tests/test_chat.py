@@ -239,6 +239,40 @@ def test_a_blank_assistant_message_a_client_wrote_is_removed_for_claude(
             assert sim.sim.requests[-1].body["messages"] == history[:3]
 
 
+def test_an_openai_refusal_in_a_history_sent_to_claude_is_its_content(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """A session that moves from an OpenAI model to Claude (a model picker, a gateway's
+    fallback): GPT's refusal (``content: null``, ``refusal``) made Claude refuse every later
+    turn as an empty message. For Claude its words are the content; for OpenAI it stays."""
+    said = "I can't help with that."
+    history: list[dict[str, Any]] = [
+        {"role": "user", "content": "Write the exploit"},
+        {"role": "assistant", "content": None, "refusal": said},
+        {"role": "user", "content": "Then explain the bug instead"},
+    ]
+    with run_simulator(SimConfig(dialect="anthropic-compat")) as claude:
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk(claude.api_base).chat.completions.create(
+                model="claude-sonnet-4-5", messages=history
+            )
+        assert "must have non-empty content" in str(info.value)
+        proxy = proxy_factory(claude.api_base)
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model="claude-sonnet-4-5", messages=history
+        )
+        assert raw.http_response.status_code == 200 and raw.headers["x-cachegate-repairs"] == "1"
+        sent = claude.sim.requests[-1].body["messages"]
+        assert sent[1] == {**history[1], "content": said} and sent[::2] == history[::2]
+    with run_simulator(SimConfig()) as sim:
+        proxy = proxy_factory(sim.api_base)
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model="gpt-4o", messages=history
+        )
+        assert raw.headers["x-cachegate-repairs"] == "0"
+        assert sim.sim.requests[-1].body["messages"] == history
+
+
 def test_a_model_named_as_another_providers_is_no_claude_under_a_claude_catch_all() -> None:
     """Under a ``"*"`` entry with ``dialect = "anthropic"``, a model whose name says OpenAI's
     or DeepSeek's was taken as Claude's by the repair (its empty assistant message removed),

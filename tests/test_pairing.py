@@ -535,6 +535,28 @@ def test_drop_empty_removes_a_contentless_assistant_message_as_claude_needs() ->
     assert kept.messages[1] == {**thinking, "content": ""}
 
 
+def test_a_refusal_in_a_history_sent_to_claude_becomes_its_content() -> None:
+    """An OpenAI model's refusal (``"content": null``, ``"refusal": "…"``) in a history that
+    then goes to a Claude model: Claude reads no ``refusal`` and refused the message as empty.
+    For Claude its words become the content (also in one with an empty ``tool_calls``
+    array); another model gets it as sent. The cheap check and strict mode's diagnosis agree."""
+    said = "I can't help with that."
+    refused = {"role": "assistant", "content": None, "refusal": said}
+    messages = [user("do the thing"), refused, user("then explain why")]
+    assert needs_repair(messages, drop_empty=True) and not needs_repair(messages)
+    result = repair_messages(messages, drop_empty=True)
+    assert result.messages == [messages[0], {**refused, "content": said}, messages[2]]
+    assert [(r.kind, r.index) for r in result.repairs] == [("empty_assistant", 1)]
+    assert [r.kind for r in diagnose(messages, drop_empty=True)] == ["empty_assistant"]
+    assert repair_messages(messages).messages is messages
+    emptied = [messages[0], {**refused, "tool_calls": []}, messages[2]]
+    fixed = repair_messages(emptied, drop_empty=True).messages
+    assert fixed[1] == {**refused, "content": said}
+    # a blank refusal says nothing: removed, as any blank message for Claude
+    blank = [messages[0], {**refused, "refusal": " "}, messages[2]]
+    assert repair_messages(blank, drop_empty=True).messages == [messages[0], messages[2]]
+
+
 @pytest.mark.parametrize(
     "content", ["", "  \n", [], [{"type": "text", "text": ""}, {"type": "text", "text": " "}]]
 )
