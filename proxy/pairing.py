@@ -285,6 +285,21 @@ def _refusal_only(message: Any) -> str | None:
     return refusal
 
 
+def _refusal_content(content: Any, refusal: str) -> Any:
+    """The content a refusal's message gets for Claude: its text (without trailing white
+    space, which Claude refuses in a last assistant message), in a text part that keeps the
+    ``cache_control`` mark one of its blank parts had (a breakpoint lost would cost the cache
+    every turn); the message's own mark stays on it."""
+    text = refusal.rstrip()
+    if isinstance(content, list):
+        marks = [
+            p["cache_control"] for p in content if isinstance(p, dict) and p.get("cache_control")
+        ]
+        if marks:
+            return [{"type": "text", "text": text, "cache_control": marks[-1]}]
+    return text
+
+
 # Where servers put a model's reasoning in an assistant message (DeepSeek, vLLM and SGLang's
 # ``reasoning_content``; OpenRouter's and Ollama's ``reasoning``, ``reasoning_details``;
 # LiteLLM's ``thinking_blocks``): a message that holds one says something.
@@ -709,7 +724,7 @@ def repair_messages_from(
                 else:
                     refusal = _refusal_only(kept) if drop_empty else None
                     if refusal is not None:  # (for Claude: the refusal's words, as in the next)
-                        kept["content"] = refusal
+                        kept["content"] = _refusal_content(kept.get("content"), refusal)
                     elif kept.get("content") is None:  # (a refusal, a legacy function_call)
                         kept["content"] = ""
                     fixed[i] = kept
@@ -727,7 +742,7 @@ def repair_messages_from(
             elif drop_empty and (refusal := _refusal_only(message)) is not None:
                 # An OpenAI model's refusal in a history sent to Claude: its words are the
                 # message's content (Claude reads no ``refusal``, and refuses an empty one).
-                fixed[i] = {**message, "content": refusal}
+                fixed[i] = {**message, "content": _refusal_content(message.get("content"), refusal)}
                 action = "gave a refusal's text as the assistant message's content"
                 scanned.append(Repair("empty_assistant", i, None, action))
             elif _contentless(message):

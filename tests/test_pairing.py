@@ -555,6 +555,17 @@ def test_a_refusal_in_a_history_sent_to_claude_becomes_its_content() -> None:
     # a blank refusal says nothing: removed, as any blank message for Claude
     blank = [messages[0], {**refused, "refusal": " "}, messages[2]]
     assert repair_messages(blank, drop_empty=True).messages == [messages[0], messages[2]]
+    # a mark on one of its blank parts stays, on the part that holds the words; trailing
+    # white space, which Claude refuses in a last assistant message, is not kept
+    mark = {"type": "ephemeral"}
+    parted = {
+        **refused,
+        "refusal": said + "\n",
+        "content": [{"type": "text", "text": " ", "cache_control": mark}],
+    }
+    for history in ([messages[0], parted, messages[2]], [messages[0], parted]):
+        got = repair_messages(history, drop_empty=True).messages[1]
+        assert got["content"] == [{"type": "text", "text": said, "cache_control": mark}]
 
 
 @pytest.mark.parametrize(
