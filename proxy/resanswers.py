@@ -182,10 +182,6 @@ class ResponsesRecorder:
         self.torn = False  # the last such event was cut by the stream's end (no blank line)
         self.oversize = False  # an event past ``MAX_PENDING_EVENT`` was let go unread
 
-    def feed(self, chunk: bytes) -> None:
-        """Take one chunk exactly as the upstream sent it."""
-        self.chunks.append(chunk)
-
     def decode(self) -> None:
         """Read the whole events kept so far that may matter; keep an unfinished one."""
         data = b"".join(self.chunks)
