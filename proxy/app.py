@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -61,7 +62,13 @@ from proxy.relay import (
     send_error,
     upstream_request_headers,
 )
-from proxy.sessions import MemorySessionStore, explicit_session_id, valid_session_id
+from proxy.sessions import (
+    MemorySessionStore,
+    SessionState,
+    anchor_of,
+    explicit_session_id,
+    valid_session_id,
+)
 from proxy.upstream import SizedStream, UpstreamPool, ssl_context
 
 log = logging.getLogger(__name__)
@@ -185,6 +192,10 @@ class Gateway:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.relay: Relay | None = None
         self.chat: ChatPipeline | None = None
+        # A Responses API answer's id -> its session: a request that continues that stored
+        # response (``previous_response_id``) is of the same session (its ``input`` holds only
+        # what is new: no history to find the session by)
+        self._response_sessions: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     def api_key(self) -> str | None:
         """The configured key, read from the environment once (when the app was built)."""
@@ -373,9 +384,19 @@ class Gateway:
                 or headers.get("x-cachegate-strict", "").strip().lower() in TRUE_WORDS
             )
             if strict or self.settings.pairing.repair:
-                await self._responses(
-                    ex, scope, receive, send, headers, forward_headers, extra, strict
-                )
+                assert self.chat is not None
+                with self.chat.at_work():  # (its observers run before the shutdown is done)
+                    await self._responses(
+                        ex,
+                        scope,
+                        receive,
+                        send,
+                        headers,
+                        path_session,
+                        forward_headers,
+                        extra,
+                        strict,
+                    )
                 return
         first = await receive()
         if first["type"] == "http.disconnect":  # gone before its body's first byte: not sent
@@ -459,11 +480,96 @@ class Gateway:
         finally:
             if responses:
                 ex.assemble()
-                if ex.model is None and ex.assembled is not None:
-                    ex.model = ex.assembled.model  # (the request's, where it was read)
+                if ex.assembled is not None:
+                    if ex.model is None:
+                        ex.model = ex.assembled.model  # (the request's, where it was read)
+                    if ex.session_id is not None and ex.assembled.id:
+                        self._remember_response(ex.assembled.id, ex.session_id)
             notify(self.observers, "on_response", ex)
 
+    def _remember_response(self, response_id: str, session_id: str) -> None:
+        held = self._response_sessions
+        held[response_id] = session_id
+        if len(held) > RESPONSES_REMEMBERED:
+            held.popitem(last=False)
+
+    def _responses_session(
+        self,
+        ex: Exchange,
+        body: dict[str, Any],
+        headers: Mapping[str, str],
+        path_session: str | None,
+    ) -> SessionState:
+        """A Responses API request's session, as a chat request's is found (an explicit id,
+        else the session whose last request its ``input`` items carry on, else a new one), and
+        its exchange numbered in it. A request that continues what the provider stores (a
+        ``conversation``, a ``previous_response_id``) carries only its new items: it is of the
+        conversation's session (the conversation's id is the session's), or of the session
+        that made the response it continues; neither finds another by its items, nor is found."""
+        assert self.chat is not None
+        now = self.clock()
+        named: str | None = None
+        whole = True
+        conversation = body.get("conversation")
+        if isinstance(conversation, dict):
+            conversation = conversation.get("id")
+        if conversation is not None:
+            whole = False
+            if valid_session_id(conversation):
+                named = conversation
+        previous = body.get("previous_response_id")
+        if isinstance(previous, str) and previous:
+            whole = False
+            named = named or self._response_sessions.get(previous)
+        state, shared = self.chat.resolve_session(
+            headers, path_session, body, now, key="input", named=named, whole=whole
+        )
+        items = body.get("input")
+        count = len(items) if isinstance(items, list) else 0
+        size = ex.request_bytes
+        new = (size * (count - shared) // count if count else size, count - shared)
+        self.sessions.weigh(state, size, count, new, anchor_of(items))
+        ex.session_id, ex.session = state.id, state
+        ex.exchange_id = state.next_exchange()
+        return state
+
     async def _responses(
+        self,
+        ex: Exchange,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        headers: Mapping[str, str],
+        path_session: str | None,
+        forward_headers: list[tuple[bytes, bytes]],
+        extra: list[tuple[bytes, bytes]],
+        strict: bool,
+    ) -> None:
+        """A Responses API request: its body read whole, its session found (for its log), its
+        ``input`` items' tool pairing repaired (or, ``strict``, refused with a diagnosis), then
+        relayed as any other request; the answer, streamed or not, byte for byte."""
+        assert self.relay is not None
+        entered: list[SessionState] = []
+
+        def find_session(body: dict[str, Any]) -> None:
+            try:
+                state = self._responses_session(ex, body, headers, path_session)
+            except Exception:  # cachegate's own defect: the request goes on, in no session's log
+                log.exception("finding the session of a Responses API request failed")
+                ex.session_id, ex.session = None, None
+                return
+            self.sessions.enter(state)
+            entered.append(state)
+
+        try:
+            await self._responses_read(
+                ex, scope, receive, send, headers, forward_headers, extra, strict, find_session
+            )
+        finally:
+            for state in entered:
+                self.sessions.leave(state, self.clock())
+
+    async def _responses_read(
         self,
         ex: Exchange,
         scope: Scope,
@@ -473,11 +579,10 @@ class Gateway:
         forward_headers: list[tuple[bytes, bytes]],
         extra: list[tuple[bytes, bytes]],
         strict: bool,
+        find_session: Callable[[dict[str, Any]], None],
     ) -> None:
-        """A Responses API request: its body read whole, its ``input`` items' tool pairing
-        repaired (or, ``strict``, refused with a diagnosis), then relayed as any other request;
-        the answer, streamed or not, byte for byte."""
         assert self.relay is not None
+        explicit = ex.session_id
         try:
             reading = time.perf_counter()
             raw = await read_body(receive, self.settings.server.max_body_bytes)
@@ -485,7 +590,7 @@ class Gateway:
             ex.request_bytes = len(raw)
             try:
                 content, forward_headers, read = self._repaired_responses(
-                    ex, raw, headers, forward_headers, strict
+                    ex, raw, headers, forward_headers, strict, find_session
                 )
             except ProxyError:
                 raise
@@ -493,6 +598,8 @@ class Gateway:
                 log.exception("the pairing check of a Responses API request failed")
                 ex.repairs = []
                 content, read = raw, False
+                if ex.body is not None:
+                    ex.body = ex.client_body  # (logged as the client sent it: it goes so)
         except ProxyError as err:
             ex.status, ex.error = err.status, err.message
             ex.interrupted = err.status == CLIENT_CLOSED  # the client left while sending it
@@ -507,6 +614,9 @@ class Gateway:
             return
         if read:  # (a body not read was not checked: no count of repairs said for it)
             extra = [*extra, (b"x-cachegate-repairs", str(len(ex.repairs)).encode())]
+        if ex.session_id is not None and explicit is None:  # (found, not named: said too)
+            extra = [*extra, (b"x-cachegate-session", ex.session_id.encode())]
+        ex.upstream_headers = forward_headers  # (the client's keys in them: never in its log)
         await self._relay(ex, scope, receive, send, content, forward_headers, extra, responses=True)
 
     def _repaired_responses(
@@ -516,11 +626,14 @@ class Gateway:
         headers: Mapping[str, str],
         forward_headers: list[tuple[bytes, bytes]],
         strict: bool,
+        find_session: Callable[[dict[str, Any]], None] | None = None,
     ) -> tuple[bytes, list[tuple[bytes, bytes]], bool]:
         """The body to forward for a Responses API request, and its headers: the client's
         bytes unless its ``input`` needed a repair; and whether it could be read. A body
         cachegate cannot read (a coding it does not know, no JSON) is the provider's to judge,
-        and goes as it came."""
+        and goes as it came. ``find_session`` hears the parsed body (a JSON object) before
+        its repair; ``ex.client_body`` and ``ex.body`` are then the client's and the one
+        forwarded."""
         text = raw
         coding = headers.get("content-encoding")
         coded = coding is not None and coding.strip().lower() not in ("", "identity")
@@ -542,6 +655,9 @@ class Gateway:
             ex.stream = _streamed(text)
         if not isinstance(body, dict):
             return raw, forward_headers, body is not None
+        ex.client_body = ex.body = body
+        if find_session is not None:
+            find_session(body)
         if b'"call_id"' not in text:
             return raw, forward_headers, True  # (no call and no output: nothing to pair)
         if not respairing.needs_repair(body):
@@ -549,9 +665,10 @@ class Gateway:
         # an integer beyond 64 bits maybe, which orjson reads as a float: read again as it is,
         # so that the repaired body has it as it was sent
         if not lenient and _LONG_NUMBER.search(text) is not None:
-            body = lenient_json(text, big_ints=True)
-            if not isinstance(body, dict):
+            reread = lenient_json(text, big_ints=True)
+            if not isinstance(reread, dict):
                 return raw, forward_headers, True
+            body = ex.client_body = ex.body = reread
         if strict:
             defects = respairing.diagnose(body)
             raise bad_request(
@@ -571,9 +688,13 @@ class Gateway:
         ]
         if coded:  # forwarded as read: decoded
             forward_headers = [h for h in forward_headers if h[0].lower() != b"content-encoding"]
-        return dump_body({**body, "input": result.messages}), forward_headers, True
+        ex.body = {**body, "input": result.messages}
+        return dump_body(ex.body), forward_headers, True
 
 
+# The Responses API answers whose sessions are remembered (``Gateway._remember_response``):
+# ~150 bytes each
+RESPONSES_REMEMBERED = 65536
 # where an integer beyond 64 bits may be (-2**63 has 19 digits, 2**64 20)
 _LONG_NUMBER = re.compile(rb"[0-9]{20}|-[0-9]{19}")
 _TRUE_VALUE = re.compile(rb"[ \t\r\n]*:[ \t\r\n]*true")

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import json
 import logging
 import re
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import orjson
@@ -410,29 +411,38 @@ class ChatPipeline:
         self._entry_s = OBSERVER_FIRST_GUESS_S  # what one due entry's observers cost, lately
 
     def resolve_session(
-        self, headers: Mapping[str, str], path_id: str | None, body: dict[str, Any], now: float
+        self,
+        headers: Mapping[str, str],
+        path_id: str | None,
+        body: dict[str, Any],
+        now: float,
+        *,
+        key: str = "messages",
+        named: str | None = None,
+        whole: bool = True,
     ) -> tuple[SessionState, int]:
-        """The request's session, and how many of its messages it shares with the session's
-        last request (their objects now the same: held once): the leading ones, and those of
-        the history it resumes after a change."""
+        """The request's session, and how many of its messages (``body[key]``: a Responses API
+        request's ``input`` items) it shares with the session's last request (their objects
+        now the same: held once): the leading ones, and those of the history it resumes after
+        a change. ``named``: the session the request belongs to where it names none itself
+        (the one that made the stored response it continues). ``whole``: the request carries
+        its whole history (not one continued from a response stored at the provider), so it
+        may be found to continue a session by it, and later ones to continue it."""
         try:
-            sid = explicit_session_id(headers, path_id)
+            sid = explicit_session_id(headers, path_id) or named
         except ValueError as exc:
             raise bad_request(str(exc), "invalid_session_id") from None
-        messages = body.get("messages") or []
+        messages = body.get(key) or []
+        if not isinstance(messages, list):  # (a Responses API ``input`` that is one string)
+            messages = []
         shared = -1  # not known yet
         if sid is not None:
             state = self.sessions.get(sid, now) or self.sessions.create(sid, now)
+        elif not whole:
+            state = self._new_session(now)
         else:
             found, shared = self.sessions.infer_shared(messages, now)
-            if found is None:
-                # (8 hex digits a second: two conversations starting in one second may draw the
-                # same; the store would replace the first, and their logs would be one)
-                made = new_session_id(now)
-                while self.sessions.get(made) is not None:
-                    made = new_session_id(now)
-                found = self.sessions.create(made, now)
-            state = found
+            state = self._new_session(now) if found is None else found
         state.last_seen = now
         if isinstance(messages, list):
             # Agents resend their whole history. Share the previous request's message objects for
@@ -458,8 +468,16 @@ class ChatPipeline:
             if after > 1 and r + after == len(previous) and q + after < len(messages):
                 messages[q : q + after] = previous[r : r + after]
                 shared += after
-        self.sessions.index(state, messages, inferable=sid is None)
+        self.sessions.index(state, messages, inferable=sid is None and whole)
         return state, max(shared, 0)
+
+    def _new_session(self, now: float) -> SessionState:
+        # (8 hex digits a second: two conversations starting in one second may draw the same;
+        # the store would replace the first, and their logs would be one)
+        made = new_session_id(now)
+        while self.sessions.get(made) is not None:
+            made = new_session_id(now)
+        return self.sessions.create(made, now)
 
     def remember_body(
         self,
@@ -678,6 +696,18 @@ class ChatPipeline:
             ex.session_id, ex.session = state.id, state
             ex.exchange_id = state.next_exchange()
         return state
+
+    @contextlib.contextmanager
+    def at_work(self) -> Iterator[None]:
+        """One more exchange whose observers have not all run, not the chat route's own (a
+        Responses API request's, which the gateway serves): ``idle`` waits for it too (the
+        shutdown, so that it still logs its response)."""
+        self.in_flight += 1
+        self.idle.clear()
+        try:
+            yield
+        finally:
+            self._one_done()
 
     def _one_done(self) -> None:
         self.in_flight -= 1

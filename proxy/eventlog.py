@@ -1664,7 +1664,16 @@ def default_max_open_files() -> int:
 
 # String parameters that carry free text or identify someone, not a setting's value.
 _TEXT_PARAMS: Final = frozenset(
-    {"user", "safety_identifier", "stop", "instructions", "prompt_cache_key", "prompt", "suffix"}
+    {
+        "user",
+        "safety_identifier",
+        "stop",
+        "instructions",
+        "prompt_cache_key",
+        "prompt",
+        "suffix",
+        "input",  # (a Responses API request's ``input`` that is one string)
+    }
 )
 
 
@@ -2069,7 +2078,9 @@ def replay(events: Iterable[dict[str, Any]]) -> list[tuple[int, list[dict[str, A
     A request whose base cannot be found (its line was torn) cannot be rebuilt exactly; it is left
     out with a warning, and so is anything delta-coded against it.
     """
-    return [(r["exchange_id"], r["messages"]) for r in replay_requests(events)]
+    return [
+        (r["exchange_id"], r.get("messages", r.get("input", []))) for r in replay_requests(events)
+    ]
 
 
 def replay_requests(
@@ -2182,15 +2193,26 @@ def iter_replay_requests(
         else:
             rebuilt.pop(exchange, None)  # (an earlier one of that number: none is based on it)
         last_exchange = exchange
-        request: dict[str, Any] = {"exchange_id": exchange, "model": ev.get("model")}
+        request: dict[str, Any] = {"exchange_id": exchange}
+        responses = ev.get("path") == RESPONSES_PATH
+        if responses:  # (its items are its ``input``)
+            request["path"] = RESPONSES_PATH
+        request["model"] = ev.get("model")
         if isinstance(ev.get("stream"), bool):
             request["stream"] = ev["stream"]
-        if isinstance(ev.get("params"), dict):
-            request["params"] = ev["params"]
+        params = ev.get("params")
+        if isinstance(params, dict):
+            request["params"] = params
         if tools is not _NO_TOOLS_SEEN and tools is not None:
             request["tools"] = tools
-        request["messages"] = messages
+        if not responses:
+            request["messages"] = messages
+        elif not (isinstance(params, dict) and "input" in params):  # (one string: a param)
+            request["input"] = messages
         yield request
+
+
+RESPONSES_PATH: Final = "/v1/responses"
 
 
 _NO_TOOLS_SEEN: Final = object()

@@ -51,6 +51,10 @@ def _state_of(ex: Exchange, sessions: SessionStore) -> SessionState | None:
 
 # Top-level request keys the request line gives fields of their own (not ``params``).
 _NOT_PARAMS: Final = frozenset({"messages", "tools", "model", "stream"})
+# ...of a Responses API request, whose ``input`` items are logged as a chat request's messages
+# are (an ``input`` that is one string stays among its parameters)
+_NOT_RESPONSES_PARAMS: Final = frozenset({"input", "tools", "model", "stream"})
+_NOT_PARAMS_BUT: Final = frozenset({"tools", "model", "stream"})
 
 
 def _forwarded_at(ex: Exchange) -> float:
@@ -1432,7 +1436,8 @@ class EventLogObserver:
         )
 
     def on_request(self, ex: Exchange) -> None:
-        if ex.route != "chat" or ex.session_id is None or ex.body is None:
+        # (a chat request's, or a Responses API request's: no other has a body read)
+        if ex.session_id is None or ex.body is None:
             return
         self._meta(ex)
         state = _state_of(ex, self.sessions)
@@ -1443,8 +1448,11 @@ class EventLogObserver:
             state.recent.clear()
             state.extra.pop("logged_tools", None)
         body = ex.body
-        messages = body.get("messages")
-        messages = messages if isinstance(messages, list) else []
+        chat = ex.route == "chat"
+        sent = body.get("messages" if chat else "input")
+        listed = isinstance(sent, list)
+        messages: list[Any] = sent if isinstance(sent, list) else []
+        not_params = _NOT_PARAMS if chat else _NOT_RESPONSES_PARAMS if listed else _NOT_PARAMS_BUT
         candidates = [
             # exchanges whose request lines were emitted before this one's: an exchange joins
             # the session's recent ones right after its own line (below), so a line is only
@@ -1463,7 +1471,7 @@ class EventLogObserver:
             "model": ex.model,
             "stream": body.get("stream"),  # as sent: null when the body had none (replay)
             "path": "/v1/" + ex.path,
-            "params": {k: v for k, v in body.items() if k not in _NOT_PARAMS},
+            "params": {k: v for k, v in body.items() if k not in not_params},
             "base_exchange": base_exchange,
             "base": base,
         }
@@ -1516,7 +1524,7 @@ class EventLogObserver:
         self.on_request(ex)
 
     def on_response(self, ex: Exchange) -> None:
-        if ex.route != "chat" or ex.session_id is None:
+        if ex.session_id is None or (ex.route != "chat" and ex.body is None):
             return
         # A meta line refused with the request (a burst past the writer's queue) goes with the
         # response: else a session of one exchange had a file that did not say it was

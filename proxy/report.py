@@ -428,7 +428,7 @@ def metadata_only(request: dict[str, Any]) -> bool:
     tools = request.get("tools")
     if isinstance(tools, dict) and "sha256" in tools:
         return True
-    messages = request.get("messages")
+    messages = request.get("messages", request.get("input"))
     return isinstance(messages, list) and any(
         isinstance(m, dict) and "sha256" in m and "content" not in m for m in messages
     )

@@ -44,6 +44,7 @@ SESSION_HEADERS: tuple[str, ...] = (
     "helicone-session-id",
     "x-portkey-trace-id",
     "langfuse-session-id",
+    "session_id",  # OpenAI's Codex CLI: its session's UUID, on every request
 )
 
 

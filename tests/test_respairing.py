@@ -569,16 +569,38 @@ def test_a_repaired_body_keeps_an_integer_beyond_64_bits(
 def test_a_refusal_naming_a_session_cachegate_does_not_hold_makes_no_log(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
-    proxy = proxy_factory(sim.api_base)
+    """Refused before its body was read (too large): no session is made for it, as on the chat
+    route (a flood of refusals would push real sessions out)."""
+    proxy = proxy_factory(sim.api_base, {"server": {"max_body_bytes": 1000}})
     answer = httpx.post(
         proxy.url + "/s/never-seen/v1/responses",
+        json={"model": "gpt-5", "input": [{"role": "user", "content": "x" * 2000}]},
+    )
+    assert answer.status_code == 413 and answer.headers["x-cachegate-session"] == "never-seen"
+    proxy.settle()
+    assert not (proxy.log_dir / "never-seen.jsonl").exists()
+    assert sim.sim.requests == []
+
+
+def test_a_strict_refusal_is_logged_in_the_requests_session_as_on_the_chat_route(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    answer = httpx.post(
+        proxy.url + "/s/strict-1/v1/responses",
         json={"model": "gpt-5", "input": INTERRUPTED},
         headers={"x-cachegate-strict": "1"},
     )
-    assert answer.status_code == 400 and answer.headers["x-cachegate-session"] == "never-seen"
+    assert answer.status_code == 400 and answer.headers["x-cachegate-session"] == "strict-1"
     proxy.settle()
-    assert not (proxy.log_dir / "never-seen.jsonl").exists()
+    lines = [
+        orjson.loads(line) for line in (proxy.log_dir / "strict-1.jsonl").read_bytes().splitlines()
+    ]
+    assert [e["type"] for e in lines] == ["session_meta", "error"]
+    assert lines[1]["status"] == 400 and lines[1]["forwarded"] is False
+    assert "input[1] function_call call_ls has no output" in lines[1]["message"]
     assert proxy.metric("cachegate_strict_rejections_total") == 1
+    assert sim.sim.requests == []
 
 
 def test_an_agent_loop_interrupted_between_a_call_and_its_output_goes_on(
@@ -635,7 +657,8 @@ def test_a_streamed_responses_request_counts_among_the_streams_in_flight(
     ):
         chunks = answer.iter_bytes()
         next(chunks)
-        assert proxy.metric("cachegate_active_streams") == 1
+        # (read now: ``proxy.metric`` waits for the exchanges in flight, this one too)
+        assert proxy.registry.get_sample_value("cachegate_active_streams") == 1
         assert b"".join(chunks)
     assert proxy.metric("cachegate_active_streams") == 0
     plain = httpx.post(proxy.base_url + "/responses", json={**body, "stream": False})

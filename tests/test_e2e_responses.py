@@ -1,0 +1,315 @@
+"""The Responses API's sessions and audit log end to end: the openai SDK → cachegate → the
+simulator, over sockets. A Codex-style agent loop found as one session, its log delta-coded and
+replayed to what the provider was sent, stored conversations, Codex CLI's own session header,
+the reports, metadata mode and the client's key."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from proxy.pairing import DEFAULT_INTERRUPTED_NOTE
+from proxy.report import replay_lines
+from proxy.simulator import RunningSimulator, SimConfig, run_simulator
+from tests.e2e_support import events, run_cli
+
+TOOLS = [
+    {
+        "type": "function",
+        "name": "exec_command",
+        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+    }
+]
+INSTRUCTIONS = "You are a coding agent. Be brief."
+
+
+@pytest.fixture
+def sim() -> Iterator[RunningSimulator]:
+    with run_simulator(SimConfig()) as running:
+        yield running
+
+
+def call_reply(call_id: str, cmd: str) -> dict[str, Any]:
+    return {"tool_calls": [{"name": "exec_command", "arguments": {"cmd": cmd}, "id": call_id}]}
+
+
+def agent_turns(client: Any, sim: RunningSimulator, task: str, rounds: int) -> list[Any]:
+    """A Codex-style loop: instructions, tools, the whole ``input`` resent each turn with the
+    model's output items and each call's output appended; streamed and not, in turn."""
+    sim.sim.enqueue([call_reply(f"call_{task[:3]}_{i}", f"ls {i}") for i in range(rounds)])
+    items: list[Any] = [{"type": "message", "role": "user", "content": task}]
+    answers = []
+    for turn in range(rounds):
+        raw = client.responses.with_raw_response.create(
+            model="gpt-5",
+            instructions=INSTRUCTIONS,
+            tools=TOOLS,
+            input=items,
+            stream=bool(turn % 2),
+        )
+        answers.append(raw)
+        if turn % 2:
+            response = next(e.response for e in raw.parse() if e.type == "response.completed")
+        else:
+            response = raw.parse()
+        items += [o.model_dump(exclude_none=True) for o in response.output]
+        call = items[-1]
+        items.append(
+            {"type": "function_call_output", "call_id": call["call_id"], "output": "a\n" * 50}
+        )
+    return answers
+
+
+def sent_bodies(sim: RunningSimulator) -> list[dict[str, Any]]:
+    return [r.body for r in sim.sim.requests if r.path.endswith("/responses")]
+
+
+def replayed(log_dir: Any, sid: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in replay_lines(log_dir, sid)]
+
+
+def test_an_agent_loop_is_one_session_logged_as_deltas_and_replayed_as_sent(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    client = sdk(proxy.base_url)
+    answers = agent_turns(client, sim, "fix the failing test", rounds=4)
+    sids = {a.headers["x-cachegate-session"] for a in answers}
+    assert len(sids) == 1
+    (sid,) = sids
+    proxy.settle()
+    lines = events(proxy.log_dir, sid)
+    assert [e["type"] for e in lines] == ["session_meta"] + ["request", "response"] * 4
+    requests = [e for e in lines if e["type"] == "request"]
+    assert [r["exchange"] for r in requests] == [1, 2, 3, 4]
+    assert all(r["path"] == "/v1/responses" for r in requests)
+    # each line after the first carries only what its turn appended: a call and its output
+    assert [len(r["appended"]) for r in requests] == [1, 2, 2, 2]
+    assert [r["base"] for r in requests[1:]] == [1, 3, 5]
+    assert requests[0]["tools"] == TOOLS and "tools" not in requests[1]
+    assert all(r["params"] == {"instructions": INSTRUCTIONS} for r in requests)
+    responses = [e for e in lines if e["type"] == "response"]
+    assert all(r["status"] == 200 and r["finish_reason"] == "tool_calls" for r in responses)
+    assert responses[0]["message"]["tool_calls"][0]["function"]["arguments"] == '{"cmd":"ls 0"}'
+    assert all(r["usage"]["prompt"] > 0 and r["cost"]["actual"] > 0 for r in responses)
+    # replay rebuilds every body the provider was sent
+    sent = sent_bodies(sim)
+    rebuilt = replayed(proxy.log_dir, sid)
+    assert len(rebuilt) == len(sent) == 4
+    for again, body in zip(rebuilt, sent, strict=True):
+        assert again["path"] == "/v1/responses" and "messages" not in again
+        assert again["input"] == body["input"]
+        assert {"model": again["model"], **again["params"], "tools": again["tools"]} == {
+            k: body[k] for k in ("model", "instructions", "tools")
+        }
+
+
+def test_two_agents_at_once_are_two_sessions(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    client = sdk(proxy.base_url)
+    first = agent_turns(client, sim, "fix the failing test", rounds=2)
+    second = agent_turns(client, sim, "write the changelog", rounds=2)
+    a = {r.headers["x-cachegate-session"] for r in first}
+    b = {r.headers["x-cachegate-session"] for r in second}
+    assert len(a) == len(b) == 1 and a != b
+    proxy.settle()
+    for sid in (*a, *b):
+        assert [e["exchange"] for e in events(proxy.log_dir, sid, "request")] == [1, 2]
+
+
+def test_the_repaired_input_is_what_the_log_holds_and_replay_gives(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    items = [
+        {"role": "user", "content": "list the files"},
+        {"type": "function_call", "call_id": "call_ls", "name": "exec_command", "arguments": "{}"},
+        {"role": "user", "content": "stop, show me the README instead"},
+    ]
+    raw = sdk(proxy.base_url).responses.with_raw_response.create(model="gpt-5", input=items)
+    assert raw.headers["x-cachegate-repairs"] == "1"
+    sid = raw.headers["x-cachegate-session"]
+    proxy.settle()
+    (request,) = events(proxy.log_dir, sid, "request")
+    assert request["repairs"] == [
+        {
+            "kind": "dangling_call",
+            "index": 1,
+            "tool_call_id": "call_ls",
+            "action": "added a synthetic output for exec_command",
+        }
+    ]
+    note = DEFAULT_INTERRUPTED_NOTE.replace("{name}", "exec_command")
+    assert request["appended"][2] == {
+        "type": "function_call_output",
+        "call_id": "call_ls",
+        "output": note,
+    }
+    (again,) = replayed(proxy.log_dir, sid)
+    assert again["input"] == sim.sim.requests[-1].body["input"]
+
+
+def test_a_stored_conversation_stays_in_the_session_of_the_response_it_continues(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """``previous_response_id`` (LangChain's ``use_previous_response_id``, the Agents SDK's
+    server-side state): each request carries only what is new, so no history finds the session;
+    the response it continues does. A one-string ``input`` is logged and replayed as sent."""
+    proxy = proxy_factory(sim.api_base)
+    client = sdk(proxy.base_url)
+    sim.sim.enqueue(["one", "two", "three", "other"])
+    first = client.responses.with_raw_response.create(model="gpt-5", input="hi")
+    second = client.responses.with_raw_response.create(
+        model="gpt-5", input="and then?", previous_response_id=first.parse().id
+    )
+    with client.responses.with_streaming_response.create(
+        model="gpt-5",
+        input=[{"role": "user", "content": "last"}],
+        previous_response_id=second.parse().id,
+        stream=True,
+    ) as third:
+        assert b"response.completed" in third.read()
+    other = client.responses.with_raw_response.create(model="gpt-5", input="hi")
+    sid = first.headers["x-cachegate-session"]
+    assert second.headers["x-cachegate-session"] == third.headers["x-cachegate-session"] == sid
+    # the same opening, but no continuation of it: another conversation
+    assert other.headers["x-cachegate-session"] != sid
+    proxy.settle()
+    assert [e["exchange"] for e in events(proxy.log_dir, sid, "request")] == [1, 2, 3]
+    rebuilt = replayed(proxy.log_dir, sid)
+    assert rebuilt[0]["params"] == {"input": "hi"} and "input" not in rebuilt[0]
+    assert rebuilt[1]["params"] == {
+        "input": "and then?",
+        "previous_response_id": first.parse().id,
+    }
+    assert rebuilt[2]["input"] == [{"role": "user", "content": "last"}]
+    assert [r["message"]["content"] for r in events(proxy.log_dir, sid, "response")] == [
+        "one",
+        "two",
+        "three",
+    ]
+
+
+@pytest.mark.parametrize("conversation", ["conv_68a1b2", {"id": "conv_68a1b2"}])
+def test_a_conversation_object_names_the_session(
+    scripted: Any, proxy_factory: Any, conversation: Any
+) -> None:
+    """The Conversations API: the conversation's id is the session's (across restarts, and
+    whatever the items of each request)."""
+    answer = {"id": "resp_1", "object": "response", "status": "completed", "output": []}
+    upstream, base = scripted(chunks=[orjson.dumps(answer)], content_type=b"application/json")
+    proxy = proxy_factory(base)
+    for text in ("first", "second"):
+        sent = httpx.post(
+            proxy.base_url + "/responses",
+            json={"model": "gpt-5", "conversation": conversation, "input": text},
+        )
+        assert sent.status_code == 200 and sent.headers["x-cachegate-session"] == "conv_68a1b2"
+    proxy.settle()
+    assert len(upstream.requests) == 2
+    assert [e["exchange"] for e in events(proxy.log_dir, "conv_68a1b2", "request")] == [1, 2]
+
+
+def test_codex_clis_session_header_names_the_session(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """Codex CLI sends its session's UUID as ``session_id`` on every request: two of its
+    conversations that start alike stay apart, and a chat request with it joins too."""
+    proxy = proxy_factory(sim.api_base)
+    uuid = "019a7c2e-5b7d-7a31-9c4e-2f0d1e8a6b55"
+    client = sdk(proxy.base_url, default_headers={"session_id": uuid})
+    raw = client.responses.with_raw_response.create(model="gpt-5", input="hi")
+    assert raw.headers["x-cachegate-session"] == uuid
+    chat = client.chat.completions.with_raw_response.create(
+        model="gpt-4o", messages=[{"role": "user", "content": "hi"}]
+    )
+    assert chat.headers["x-cachegate-session"] == uuid
+    proxy.settle()
+    assert [e["path"] for e in events(proxy.log_dir, uuid, "request")] == [
+        "/v1/responses",
+        "/v1/chat/completions",
+    ]
+
+
+def test_the_reports_show_a_responses_session(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    answers = agent_turns(sdk(proxy.base_url), sim, "fix the failing test", rounds=3)
+    sid = answers[0].headers["x-cachegate-session"]
+    proxy.settle()
+    usages = [e["usage"] for e in events(proxy.log_dir, sid, "response")]
+    listed = run_cli("sessions", "list", "--log-dir", str(proxy.log_dir), "--json")
+    assert listed.code == 0, listed.err
+    (row,) = json.loads(listed.out)
+    assert row["session"] == sid and row["exchanges"] == 3 and row["model"] == "gpt-5"
+    assert row["tokens_in"] == sum(u["prompt"] for u in usages) > 0
+    assert row["tokens_out"] == sum(u["completion"] for u in usages) > 0
+    shown = run_cli("sessions", "show", sid, "--log-dir", str(proxy.log_dir), "--json")
+    assert shown.code == 0, shown.err
+    rows = json.loads(shown.out)["exchanges"]
+    assert [r["exchange"] for r in rows] == [1, 2, 3]
+    cost = run_cli("sessions", "cost", sid, "--log-dir", str(proxy.log_dir), "--json")
+    assert cost.code == 0, cost.err
+    paid = [e["cost"]["actual"] for e in events(proxy.log_dir, sid, "response")]
+    said = json.loads(cost.out)
+    assert said["priced_exchanges"] == 3 and said["no_usage"] == 0
+    assert said["actual"] == pytest.approx(sum(paid)) and said["actual"] > 0
+
+
+def test_metadata_mode_keeps_no_text_of_a_responses_session(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base, {"logging": {"bodies": "metadata"}})
+    client = sdk(proxy.base_url)
+    sim.sim.enqueue(["the secret plan is ready", "noted"])
+    first = client.responses.with_raw_response.create(
+        model="gpt-5",
+        instructions="confidential instructions",
+        input=[{"role": "user", "content": "confidential task"}],
+    )
+    client.responses.create(
+        model="gpt-5", input="confidential follow-up", previous_response_id=first.parse().id
+    )
+    proxy.settle()
+    text = (proxy.log_dir / f"{first.headers['x-cachegate-session']}.jsonl").read_text()
+    assert "confidential" not in text and "secret plan" not in text
+    assert text.count('"sha256"') >= 4  # the items, instructions, string input, answer
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_clients_own_key_in_an_item_is_never_written(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any, stream: bool
+) -> None:
+    """An agent that ran ``env``: its tool output holds the key it sends cachegate."""
+    key = "sk-own-" + "Zq7" * 12
+    proxy = proxy_factory(sim.api_base, {"logging": {"redact_secrets": False}})
+    client = sdk(proxy.base_url, api_key=key)
+    items = [
+        {"role": "user", "content": "print the environment"},
+        {"type": "function_call", "call_id": "c1", "name": "exec_command", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": f"OPENAI_API_KEY={key}\n"},
+    ]
+    raw = client.responses.with_raw_response.create(model="gpt-5", input=items, stream=stream)
+    assert sim.sim.requests[-1].body["input"][2]["output"].endswith(key + "\n")
+    proxy.settle()
+    written = (proxy.log_dir / f"{raw.headers['x-cachegate-session']}.jsonl").read_text()
+    assert '"function_call_output"' in written and key not in written
+
+
+def test_with_repair_off_a_responses_request_is_relayed_unread_and_logged_nowhere(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base, {"pairing": {"repair": False}})
+    raw = sdk(proxy.base_url).responses.with_raw_response.create(model="gpt-5", input="hi")
+    assert raw.status_code == 200 and "x-cachegate-session" not in raw.headers
+    proxy.settle()
+    assert [p.name for p in proxy.log_dir.iterdir() if p.suffix == ".jsonl"] == []
+    assert proxy.metric("cachegate_tokens_total", {"model": "gpt-5", "kind": "prompt"}) > 0
