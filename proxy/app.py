@@ -497,6 +497,7 @@ class Gateway:
         self,
         ex: Exchange,
         body: dict[str, Any],
+        size: int,
         headers: Mapping[str, str],
         path_session: str | None,
     ) -> SessionState:
@@ -505,7 +506,8 @@ class Gateway:
         its exchange numbered in it. A request that continues what the provider stores (a
         ``conversation``, a ``previous_response_id``) carries only its new items: it is of the
         conversation's session (the conversation's id is the session's), or of the session
-        that made the response it continues; neither finds another by its items, nor is found."""
+        that made the response it continues; neither finds another by its items, nor is found.
+        ``size``: the body's, decoded (what its parse holds, for the sessions' memory budget)."""
         assert self.chat is not None
         now = self.clock()
         named: str | None = None
@@ -526,7 +528,6 @@ class Gateway:
         )
         items = body.get("input")
         count = len(items) if isinstance(items, list) else 0
-        size = ex.request_bytes
         new = (size * (count - shared) // count if count else size, count - shared)
         self.sessions.weigh(state, size, count, new, anchor_of(items))
         ex.session_id, ex.session = state.id, state
@@ -551,9 +552,9 @@ class Gateway:
         assert self.relay is not None
         entered: list[SessionState] = []
 
-        def find_session(body: dict[str, Any]) -> None:
+        def find_session(body: dict[str, Any], size: int) -> None:
             try:
-                state = self._responses_session(ex, body, headers, path_session)
+                state = self._responses_session(ex, body, size, headers, path_session)
             except Exception:  # cachegate's own defect: the request goes on, in no session's log
                 log.exception("finding the session of a Responses API request failed")
                 ex.session_id, ex.session = None, None
@@ -579,7 +580,7 @@ class Gateway:
         forward_headers: list[tuple[bytes, bytes]],
         extra: list[tuple[bytes, bytes]],
         strict: bool,
-        find_session: Callable[[dict[str, Any]], None],
+        find_session: Callable[[dict[str, Any], int], None],
     ) -> None:
         assert self.relay is not None
         explicit = ex.session_id
@@ -626,13 +627,13 @@ class Gateway:
         headers: Mapping[str, str],
         forward_headers: list[tuple[bytes, bytes]],
         strict: bool,
-        find_session: Callable[[dict[str, Any]], None] | None = None,
+        find_session: Callable[[dict[str, Any], int], None] | None = None,
     ) -> tuple[bytes, list[tuple[bytes, bytes]], bool]:
         """The body to forward for a Responses API request, and its headers: the client's
         bytes unless its ``input`` needed a repair; and whether it could be read. A body
         cachegate cannot read (a coding it does not know, no JSON) is the provider's to judge,
-        and goes as it came. ``find_session`` hears the parsed body (a JSON object) before
-        its repair; ``ex.client_body`` and ``ex.body`` are then the client's and the one
+        and goes as it came. ``find_session`` hears the parsed body (a JSON object) and its
+        size decoded before its repair; ``ex.client_body`` and ``ex.body`` are then the client's and the one
         forwarded."""
         text = raw
         coding = headers.get("content-encoding")
@@ -657,7 +658,7 @@ class Gateway:
             return raw, forward_headers, body is not None
         ex.client_body = ex.body = body
         if find_session is not None:
-            find_session(body)
+            find_session(body, len(text))
         if b'"call_id"' not in text:
             return raw, forward_headers, True  # (no call and no output: nothing to pair)
         if not respairing.needs_repair(body):

@@ -313,3 +313,32 @@ def test_with_repair_off_a_responses_request_is_relayed_unread_and_logged_nowher
     proxy.settle()
     assert [p.name for p in proxy.log_dir.iterdir() if p.suffix == ".jsonl"] == []
     assert proxy.metric("cachegate_tokens_total", {"model": "gpt-5", "kind": "prompt"}) > 0
+
+
+def test_a_compressed_history_counts_in_the_sessions_memory_as_decoded(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """Codex CLI signed in with ChatGPT sends every request in zstd: its history is held
+    decoded (the session's items, the log's bases), ~100 times its bytes on the wire here."""
+    import zstandard
+
+    proxy = proxy_factory(sim.api_base)
+    items = [{"role": "user", "content": "fix it"}]
+    items += [
+        {"type": "function_call_output", "call_id": f"c{i}", "output": "line of output\n" * 200}
+        for i in range(40)
+    ]
+    items[1:1] = [{"type": "function_call", "call_id": "c0", "name": "f", "arguments": "{}"}]
+    body = orjson.dumps({"model": "gpt-5", "input": items})
+    packed = zstandard.ZstdCompressor().compress(body)
+    assert len(packed) * 50 < len(body)
+    answer = httpx.post(
+        proxy.base_url + "/responses",
+        content=packed,
+        headers={"content-encoding": "zstd", "content-type": "application/json"},
+    )
+    assert answer.status_code == 200, answer.text
+    proxy.settle()
+    assert httpx.get(proxy.url + "/metrics").is_success  # (the gauges are set as scraped)
+    assert proxy.metric("cachegate_sessions") == 1
+    assert proxy.metric("cachegate_sessions_memory_bytes") >= 2 * len(body)
