@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, NamedTuple
 
-from proxy import __version__, cache, compaction, prefix
+from proxy import __version__, cache, compaction, prefix, resview
 from proxy.cache import CacheState, ModelPricing
 from proxy.config import Settings, display_url
 from proxy.errors import CLIENT_CLOSED
@@ -601,6 +601,9 @@ def _random_id(call: dict[str, Any]) -> bool:
     return sum(kinds) >= 2
 
 
+_ITEMS_AHEAD: Final = 4
+
+
 def _carries_answer(baseline: _Baseline, body: Any) -> bool:
     """Whether ``body`` holds ``baseline``'s answer where its next turn would: right after the
     messages it sent (its first message edited at the second turn, where no message is left
@@ -610,6 +613,12 @@ def _carries_answer(baseline: _Baseline, body: Any) -> bool:
     if answer is None or not isinstance(messages, list):
         return False
     at = len(baseline.fp.messages)
+    if answer.ids:
+        # A Responses API request's items: the answer's calls after its reasoning items
+        for item in messages[at : at + _ITEMS_AHEAD]:
+            call_id = item.get("call_id") if isinstance(item, dict) else None
+            if isinstance(call_id, str) and "role" not in item and call_id in answer.ids:
+                return True
     for message in messages[max(0, at - 1) : at + 1]:  # (a system message more or fewer)
         if not isinstance(message, dict) or message.get("role") != "assistant":
             continue
@@ -753,7 +762,8 @@ class AccountingObserver:
     def on_request(self, ex: Exchange) -> None:
         """Accounting runs once the client has its answer; before it, the request is counted
         among its session's unanswered ones (``_Baseline.earlier``)."""
-        if ex.route == "chat" and ex.body is not None and ex.session_id is not None:
+        # (a chat request's, or a Responses API request's: no other has a body read)
+        if ex.body is not None and ex.session_id is not None:
             state = _state_of(ex, self.sessions)
             if state is not None:
                 extra = state.extra
@@ -765,7 +775,9 @@ class AccountingObserver:
 
     def on_response(self, ex: Exchange) -> None:
         if ex.route != "chat":
-            if ex.usage is not None and ex.status < 400:  # a Responses API answer's
+            if ex.body is not None and ex.session_id is not None:  # a Responses API request
+                self._account_responses(ex)
+            elif ex.usage is not None and ex.status < 400:  # a Responses API answer's
                 self._price_answer(ex)
             return
         if ex.body is None or ex.session_id is None:
@@ -1194,6 +1206,33 @@ class AccountingObserver:
         elif cost is None:
             return
         ex.cost = {"actual": actual, "uncached": uncached}
+
+    def _account_responses(self, ex: Exchange) -> None:
+        """A Responses API exchange of a session, accounted as a chat exchange is, on its
+        request's chat-shaped view (``resview``): expected reads, waste, cause and where its
+        prefix changed, said back in its own terms (``input[4]``, ``instructions``)."""
+        state = _state_of(ex, self.sessions)
+        extra = state.extra if state is not None else {}
+        body, client = ex.body, ex.client_body
+        assert body is not None
+        view, offset = resview.chat_shaped(body, extra.get("instructions_message"))
+        if offset:
+            extra["instructions_message"] = view["messages"][0]
+        seen = view
+        if client is not None and client is not body:
+            seen = resview.chat_shaped(client, view["messages"][0] if offset else None)[0]
+        ex.route, ex.body, ex.client_body = "chat", view, seen
+        try:
+            self.on_response(ex)
+        finally:
+            ex.route, ex.body, ex.client_body = "passthrough", body, client
+        divergence = ex.divergence
+        if ex.cache is not None and ex.cache.get("location") is not None:
+            ex.cache["location"] = resview.responses_location(
+                ex.cache["location"], offset, divergence.get("index") if divergence else None
+            )
+        if divergence is not None:
+            ex.divergence = resview.responses_divergence(divergence, offset)
 
     def _price_answer(self, ex: Exchange) -> None:
         """A Responses API answer's cost at its model's prices, counted in the metrics and

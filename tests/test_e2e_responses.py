@@ -342,3 +342,146 @@ def test_a_compressed_history_counts_in_the_sessions_memory_as_decoded(
     assert httpx.get(proxy.url + "/metrics").is_success  # (the gauges are set as scraped)
     assert proxy.metric("cachegate_sessions") == 1
     assert proxy.metric("cachegate_sessions_memory_bytes") >= 2 * len(body)
+
+
+# --- cache accounting -----------------------------------------------------------------------------
+
+LONG_INSTRUCTIONS = "You are Codex, a coding agent working in a repository. " + " ".join(
+    f"Rule {i}: keep the change small, run the tests, and say what you did." for i in range(120)
+)
+FILE_TEXT = "\n".join(
+    f"def handler_{i}(request):\n    return respond(request, status={200 + i % 5})"
+    for i in range(120)
+)
+PYTEST_OUTPUT = (
+    "\n".join(f"tests/test_parser.py::test_case_{i} PASSED [{i}%]" for i in range(100))
+    + "\n100 passed in 0.42s"
+)
+
+
+def test_a_codex_sessions_cache_misses_are_accounted_with_their_cause_and_place(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """The chat route's reference scenario, over the Responses API: an expiry after an idle
+    gap, an earlier tool output trimmed by the client, the time put into the instructions.
+    Each miss is named as the provider's cache missed it, in the request's own terms."""
+    proxy = proxy_factory(
+        sim.api_base,
+        {"models": {"gpt-5": {"cache_ttl_s": 300}}},
+        clock=lambda: sim.sim.now,
+    )
+    client = sdk(proxy.base_url, default_headers={"X-Session-Id": "codex-ref"})
+    sim.sim.enqueue(
+        [
+            call_reply("call_read", "cat app.py"),
+            "The bug is in handler_7.",
+            call_reply("call_test", "pytest"),
+            "All tests pass now.",
+            "Changelog updated.",
+            "Summary: fixed handler_7.",
+        ]
+    )
+    items: list[Any] = [{"role": "user", "content": "Fix the failing handler."}]
+    instructions = LONG_INSTRUCTIONS
+
+    def turn(*follow: dict[str, Any], stream: bool) -> None:
+        raw = client.responses.with_raw_response.create(
+            model="gpt-5", instructions=instructions, tools=TOOLS, input=items, stream=stream
+        )
+        assert raw.headers["x-cachegate-session"] == "codex-ref"
+        if stream:
+            response = next(e.response for e in raw.parse() if e.type == "response.completed")
+        else:
+            response = raw.parse()
+        items.extend(o.model_dump(exclude_none=True) for o in response.output)
+        items.extend(follow)
+
+    output = {"type": "function_call_output", "call_id": "call_read", "output": FILE_TEXT}
+    turn(output, stream=False)  # 1
+    sim.sim.advance(20)
+    turn({"role": "user", "content": "Go ahead and fix it."}, stream=True)  # 2
+    sim.sim.advance(38 * 60)
+    turn(  # 3, after a 38-minute idle: the provider's 300 s cache is gone
+        {"type": "function_call_output", "call_id": "call_test", "output": PYTEST_OUTPUT},
+        stream=False,
+    )
+    sim.sim.advance(20)
+    turn({"role": "user", "content": "Now update the changelog."}, stream=True)  # 4
+    sim.sim.advance(20)
+    assert items[2]["call_id"] == "call_read"  # 5, the read_file output trimmed by the client
+    items[2] = {**items[2], "output": FILE_TEXT[:1500] + "\n[... output trimmed ...]"}
+    turn({"role": "user", "content": "Summarize what you did."}, stream=False)
+    sim.sim.advance(20)
+    instructions = LONG_INSTRUCTIONS + "\nCurrent time: 2025-03-14T09:26:53Z"  # 6
+    turn(stream=True)
+
+    usages = [r.usage for r in sim.sim.requests]
+    assert len(usages) == 6 and all(u is not None for u in usages)
+    reads = [u["input_tokens_details"]["cached_tokens"] for u in usages]
+    # The scenario is what it claims to be: rounds 3, 5 and 6 miss much of their prefix.
+    assert reads[0] == 0 and reads[1] > 2000 and reads[3] > 2000
+    assert reads[2] == 0 and reads[4] + 1024 < usages[3]["input_tokens"]
+    assert reads[5] + 1024 < usages[4]["input_tokens"]  # (the instructions' start still read)
+
+    proxy.settle()
+    responses = events(proxy.log_dir, "codex-ref", "response")
+    caches = [r["cache"] for r in responses]
+    assert [c["read"] for c in caches] == reads
+    assert [(c["cause"], c["location"]) for c in caches] == [
+        (None, None),
+        (None, None),
+        ("ttl_expired", None),
+        (None, None),
+        ("prefix_rewrite", "input[2].output"),
+        ("prefix_rewrite", "instructions"),
+    ]
+    assert caches[2]["waste"] == usages[1]["input_tokens"]  # all it had sent before
+    assert caches[0]["waste"] == caches[1]["waste"] == caches[3]["waste"] == 0
+    assert caches[4]["waste"] > 1024 and caches[5]["waste"] > 1024
+    trimmed, timed = responses[4]["divergence"], responses[5]["divergence"]
+    assert (trimmed["location"], trimmed["index"], trimmed["field"]) == ("input", 2, "output")
+    assert timed["location"] == "instructions" and timed["index"] is None
+    assert timed["volatile"] is True and timed["volatile_kind"] == "timestamp"
+    assert "divergence" not in responses[2]  # an idle gap rewrites nothing
+
+    show = run_cli("sessions", "show", "codex-ref", "--log-dir", str(proxy.log_dir)).out
+    assert f"{caches[4]['waste']:,} prefix_rewrite@input[2].output" in show
+    assert f"{caches[5]['waste']:,} prefix_rewrite@instructions" in show
+    cost = run_cli("sessions", "cost", "codex-ref", "--log-dir", str(proxy.log_dir), "--json")
+    assert cost.json()["waste_by_cause"] == {
+        "ttl_expired": caches[2]["waste"],
+        "prefix_rewrite": caches[4]["waste"] + caches[5]["waste"],
+    }
+    m = proxy.metric
+    waste = {"model": "gpt-5", "cause": "prefix_rewrite"}
+    assert m("cachegate_cache_waste_tokens_total", waste) == caches[4]["waste"] + caches[5]["waste"]
+    assert m("cachegate_prefix_rewrites_total", {"location": "messages"}) == 1
+    assert m("cachegate_prefix_rewrites_total", {"location": "system"}) == 1
+    paid = sum(r["cost"]["actual"] for r in responses)
+    assert m("cachegate_cost_usd_total", {"model": "gpt-5", "kind": "actual"}) == pytest.approx(paid)
+
+
+def test_a_long_codex_session_with_tool_rounds_wastes_nothing(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base, clock=lambda: sim.sim.now)
+    client = sdk(proxy.base_url)
+    rounds = 12
+    sim.sim.enqueue([call_reply(f"call_{i}", f"ls {i}") for i in range(rounds)])
+    items: list[Any] = [{"role": "user", "content": "explore the repository"}]
+    for turn in range(rounds):
+        response = client.responses.create(
+            model="gpt-5", instructions=LONG_INSTRUCTIONS, tools=TOOLS, input=items
+        )
+        items += [o.model_dump(exclude_none=True) for o in response.output]
+        items.append(
+            {"type": "function_call_output", "call_id": f"call_{turn}", "output": FILE_TEXT}
+        )
+        sim.sim.advance(15)
+    proxy.settle()
+    (log,) = [p for p in proxy.log_dir.iterdir() if p.suffix == ".jsonl"]
+    caches = [r["cache"] for r in events(proxy.log_dir, log.stem, "response")]
+    assert len(caches) == rounds, caches
+    assert all(c["waste"] == 0 and c["cause"] is None for c in caches), caches
+    # (the provider reads in blocks of 128 tokens: up to 127 of what was sent are not)
+    assert all(c["expected"] > 0 and c["read"] > c["expected"] - 128 for c in caches[1:]), caches
