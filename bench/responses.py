@@ -1,6 +1,7 @@
 """What reading a Responses API stream for its usage costs the relay.
 
     python -m bench.responses [--events 5000] [--rounds 10] [--delta-bytes 100]
+    python -m bench.responses --agent-rounds 200 [--events 20]
 
 An upstream (its own process, on CPU 1 where ``taskset`` is present) answers every POST with the
 same stream: ``response.created``, ``--events`` text deltas of ``--delta-bytes`` each, the
@@ -11,6 +12,15 @@ relayed event (``/proc``), for that Responses stream (read for its usage since 7
 a chat stream of as many events (recorded for the session log and accounting). cachegate's
 ``cachegate_tokens_total`` must have counted every Responses stream's tokens: the run fails if
 not.
+
+``--agent-rounds N``: instead, a coding agent's session over the Responses API, as Codex CLI
+sends it (mode C's traffic, ``bench.agent``, as ``instructions``, tools and ``input`` items:
+each turn resends the whole history and appends one ``function_call`` and its output, up to
+~600 KB at 200 rounds), each turn sent directly and through cachegate, interleaved; printed:
+the time cachegate adds per request (p50 of each tenth of the session, by size) and its CPU per
+request, which reads, finds the session, logs and accounts each turn. The run fails unless the
+session's log holds one request line per turn, delta-coded (the log smaller than twice the
+last body).
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from pathlib import Path
 
 import orjson
 
-from bench import procs
+from bench import agent, procs
 
 HOST = "127.0.0.1"
 
@@ -144,6 +154,88 @@ async def _fetch(port: int, path: str, body: bytes) -> float:
     return time.perf_counter() - began
 
 
+def agent_bodies(rounds: int, seed: int = 7) -> list[bytes]:
+    """Mode C's session (``bench.agent``) as Responses API requests: the system prompt as
+    ``instructions``, the tools flattened, each message as the item Codex CLI would send."""
+    bodies = []
+    for turn in agent.session(seed, rounds=rounds):
+        chat = orjson.loads(turn.body)
+        messages = chat["messages"]
+        items: list[dict[str, object]] = []
+        for m in messages[1:]:
+            if m["role"] == "assistant":
+                call = m["tool_calls"][0]
+                items.append(
+                    {
+                        "type": "function_call",
+                        "call_id": call["id"],
+                        "name": call["function"]["name"],
+                        "arguments": call["function"]["arguments"],
+                    }
+                )
+            elif m["role"] == "tool":
+                items.append(
+                    {
+                        "type": "function_call_output",
+                        "call_id": m["tool_call_id"],
+                        "output": m["content"],
+                    }
+                )
+            else:
+                items.append({"type": "message", "role": m["role"], "content": m["content"]})
+        tools = [{"type": "function", **t["function"]} for t in chat["tools"]]
+        body = {
+            "model": "gpt-5",
+            "instructions": messages[0]["content"],
+            "tools": tools,
+            "input": items,
+            "stream": True,
+            "store": False,
+        }
+        bodies.append(orjson.dumps(body))
+    return bodies
+
+
+def _agent_run(up_port: int, cg_port: int, cachegate: procs.Server, work: Path, rounds: int) -> int:
+    bodies = agent_bodies(rounds)
+    asyncio.run(_fetch(cg_port, "/v1/responses", orjson.dumps({"model": "gpt-5", "input": "hi"})))
+    added: list[float] = []
+    cpu: list[float] = []
+    for body in bodies:
+        direct = asyncio.run(_fetch(up_port, "/v1/responses", body))
+        before = cachegate.cpu()
+        through = asyncio.run(_fetch(cg_port, "/v1/responses", body))
+        time.sleep(0.02)  # (the observers' work after the answer)
+        cpu.append(cachegate.cpu() - before)
+        added.append(through - direct)
+    print(
+        f"a Responses agent session of {len(bodies)} turns, {len(bodies[-1]) / 1e3:.0f} KB at the end"
+    )
+    print(f"{'turns':<14}{'body KB':>9}{'added p50 ms':>14}{'proxy CPU/request ms':>22}")
+    tenth = max(1, len(bodies) // 10)
+    for start in range(0, len(bodies), tenth):
+        part = slice(start, start + tenth)
+        size = statistics.median(len(b) for b in bodies[part]) / 1e3
+        print(
+            f"{f'{start + 1}-{min(start + tenth, len(bodies))}':<14}{size:>9.0f}"
+            f"{statistics.median(added[part]) * 1e3:>14.2f}"
+            f"{statistics.median(cpu[part]) * 1e3:>22.2f}"
+        )
+    logs = [p for p in work.glob("*.jsonl")]
+    lines = [
+        orjson.loads(line)
+        for path in logs
+        for line in path.read_bytes().splitlines()
+        if b'"type":"request"' in line
+    ]
+    logged = sum(p.stat().st_size for p in logs)
+    print(f"logged: {len(lines)} request lines in {len(logs)} file(s), {logged / 1e3:.0f} KB")
+    if len(lines) != len(bodies) + 1 or logged > 2 * len(bodies[-1]) + 100_000:
+        print("the session's log is not one delta-coded line per turn")
+        return 1
+    return 0
+
+
 def _metric(port: int, name: str, labels: str) -> float:
     with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=10) as answer:
         text = answer.read().decode()
@@ -156,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--events", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--delta-bytes", type=int, default=100)
+    parser.add_argument("--agent-rounds", type=int, default=0)
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_upstream:
@@ -195,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                 if time.monotonic() > deadline or upstream.popen.poll() is not None:
                     raise RuntimeError(f"upstream not listening: {upstream.log_tail()}") from None
                 time.sleep(0.1)
+        if args.agent_rounds:
+            return _agent_run(up_port, cg_port, cachegate, work, args.agent_rounds)
         responses = orjson.dumps({"model": "gpt-5", "stream": True, "input": "hi"})
         chat = orjson.dumps(
             {"model": "gpt-5", "stream": True, "messages": [{"role": "user", "content": "hi"}]}

@@ -34,6 +34,7 @@ from proxy.chat import (
     internal_error,
     lenient_json,
     request_headers,
+    retry_count,
 )
 from proxy.compactor import Compactor
 from proxy.config import TRUE_WORDS, Settings
@@ -379,6 +380,9 @@ class Gateway:
             await self.refuse(scope, send, "passthrough", err, extra, receive)
             return
         if responses:
+            retry = headers.get("x-stainless-retry-count")  # (the SDK's retry, as on chat)
+            if retry is not None:
+                ex.client_retry = retry_count(retry)
             strict = (
                 self.settings.pairing.strict
                 or headers.get("x-cachegate-strict", "").strip().lower() in TRUE_WORDS
@@ -611,6 +615,8 @@ class Gateway:
                 if err.code == "strict_pairing":
                     self.metrics.observe_strict_rejection()
                 extra = [*extra, (b"x-cachegate-repairs", b"0")]  # (as on the chat route)
+                if ex.session_id is not None and explicit is None:  # (its log has the refusal)
+                    extra.append((b"x-cachegate-session", ex.session_id.encode()))
                 await send_error(send, err, extra, receive)
             return
         if read:  # (a body not read was not checked: no count of repairs said for it)
@@ -658,6 +664,7 @@ class Gateway:
             return raw, forward_headers, body is not None
         ex.client_body = ex.body = body
         if find_session is not None:
+            ex.request_bytes = len(text)  # (decoded, as the chat route logs it)
             find_session(body, len(text))
         if b'"call_id"' not in text:
             return raw, forward_headers, True  # (no call and no output: nothing to pair)

@@ -66,7 +66,7 @@ OBSERVER_FIRST_GUESS_S = 0.00025
 _USAGE_OPTION = b'"stream_options":{"include_usage":true}'
 
 
-def _retry_count(value: str) -> int:
+def retry_count(value: str) -> int:
     """An SDK's retry count (``x-stainless-retry-count``), 0 when it is none (bounded: logged)."""
     value = value.strip()
     if not (value.isascii() and value.isdigit() and len(value) <= 4):
@@ -811,7 +811,7 @@ class ChatPipeline:
         )
         retry = headers.get("x-stainless-retry-count")
         if retry is not None:
-            ex.client_retry = _retry_count(retry)
+            ex.client_retry = retry_count(retry)
         state: SessionState | None = None
         watch: DisconnectWatch | None = None
         try:

@@ -2114,6 +2114,8 @@ def iter_replay_requests(
     last: list[dict[str, Any]] | None = None
     tools: Any = _NO_TOOLS_SEEN
     tools_of: dict[int, Any] = {}  # the tools each exchange's line carried or named
+    # a Responses API line's instructions, by its exchange (``instructions_from`` names one)
+    instructions_of: dict[int, str] = {}
     last_exchange: int | None = None
     for at, ev in enumerate(events):
         if ev.get("type") != "request":
@@ -2127,12 +2129,14 @@ def iter_replay_requests(
                 if ev.get("more_exchanges"):
                     rebuilt.clear()
                     tools_of.clear()
+                    instructions_of.clear()
                     tools, last, last_exchange = _NO_TOOLS_SEEN, None, None
                 elif isinstance(numbers, list) and numbers:
                     for number in numbers:
                         if type(number) is int:
                             rebuilt.pop(number, None)
                             tools_of.pop(number, None)
+                            instructions_of.pop(number, None)
                             if number == last_exchange:
                                 last = last_exchange = None
                     tools = _NO_TOOLS_SEEN  # (a lost line may have changed them)
@@ -2193,22 +2197,41 @@ def iter_replay_requests(
         else:
             rebuilt.pop(exchange, None)  # (an earlier one of that number: none is based on it)
         last_exchange = exchange
-        request: dict[str, Any] = {"exchange_id": exchange}
+        params = ev.get("params")
         responses = ev.get("path") == RESPONSES_PATH
+        if responses:
+            named = ev.get("instructions_from")
+            if type(named) is int:  # the instructions of that earlier line
+                said = instructions_of.get(named)
+                if said is None:
+                    logger.warning(
+                        "replay: exchange %s has the instructions of exchange %s, which is"
+                        " missing; skipped",
+                        exchange,
+                        named,
+                    )
+                    if skipped is not None:
+                        skipped.append(exchange)
+                    continue
+                params = {**params, "instructions": said} if isinstance(params, dict) else params
+            if isinstance(params, dict) and isinstance(params.get("instructions"), str):
+                instructions_of[exchange] = params["instructions"]
+            else:
+                instructions_of.pop(exchange, None)
+        request: dict[str, Any] = {"exchange_id": exchange}
         if responses:  # (its items are its ``input``)
             request["path"] = RESPONSES_PATH
         request["model"] = ev.get("model")
         if isinstance(ev.get("stream"), bool):
             request["stream"] = ev["stream"]
-        params = ev.get("params")
         if isinstance(params, dict):
             request["params"] = params
         if tools is not _NO_TOOLS_SEEN and tools is not None:
             request["tools"] = tools
         if not responses:
             request["messages"] = messages
-        elif not (isinstance(params, dict) and "input" in params):  # (one string: a param)
-            request["input"] = messages
+        elif not ev.get("no_input") and not (isinstance(params, dict) and "input" in params):
+            request["input"] = messages  # (none sent, or one string: a param)
         yield request
 
 

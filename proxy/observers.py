@@ -1486,6 +1486,7 @@ class EventLogObserver:
             # replay recovers from here on.
             state.recent.clear()
             state.extra.pop("logged_tools", None)
+            state.extra.pop("logged_instructions", None)
         body = ex.body
         chat = ex.route == "chat"
         sent = body.get("messages" if chat else "input")
@@ -1502,6 +1503,7 @@ class EventLogObserver:
             if eid != ex.exchange_id
         ]
         delta = choose_delta(candidates, messages) if candidates else Delta(None, 0)
+        params = {k: v for k, v in body.items() if k not in not_params}
         base_exchange, base, head = delta.base_exchange, delta.base, delta.head
         event = {
             "ts": self.clock(),
@@ -1510,7 +1512,7 @@ class EventLogObserver:
             "model": ex.model,
             "stream": body.get("stream"),  # as sent: null when the body had none (replay)
             "path": "/v1/" + ex.path,
-            "params": {k: v for k, v in body.items() if k not in not_params},
+            "params": params,
             "base_exchange": base_exchange,
             "base": base,
         }
@@ -1525,6 +1527,21 @@ class EventLogObserver:
         event["bytes"] = ex.request_bytes
         if ex.client_retry:  # the client's own retry of an earlier exchange (its SDK's)
             event["client_retry"] = ex.client_retry
+        if not chat and "input" not in body:  # (replayed without one, not as an empty list)
+            event["no_input"] = True
+        # A Responses API request's instructions (Codex CLI's are ~10 KB, sent every turn), as
+        # its tools: written when they differ from those the session's last line had, else
+        # named by the number of the line that wrote them.
+        instructions = body.get("instructions") if not chat else None
+        written_instructions: tuple[int, str] | None = None
+        if isinstance(instructions, str):
+            held = state.extra.get("logged_instructions") if state else None
+            if held is not None and held[1] == instructions and held[0] != ex.exchange_id:
+                event["params"] = {k: v for k, v in params.items() if k != "instructions"}
+                event["instructions_from"] = held[0]
+                written_instructions = held
+            else:
+                written_instructions = (ex.exchange_id, instructions)
         # The tools, when they differ from those of the session's last line (an agent sends
         # the same tools every turn; a body continued from the last one holds the same object).
         tools = body.get("tools")
@@ -1556,6 +1573,8 @@ class EventLogObserver:
             whole = carried is not None and base == len(carried)  # it carries that one on whole
             state.remember(ex.exchange_id, messages, continues=base_exchange if whole else None)
             state.extra["logged_tools"] = keep
+            if written_instructions is not None:
+                state.extra["logged_instructions"] = written_instructions
 
     def on_retry(self, ex: Exchange) -> None:
         """The request was compacted and re-sent: log it again under the same exchange id (replay

@@ -428,6 +428,11 @@ def metadata_only(request: dict[str, Any]) -> bool:
     tools = request.get("tools")
     if isinstance(tools, dict) and "sha256" in tools:
         return True
+    params = request.get("params")
+    if isinstance(params, dict) and any(  # (a free-text one: a Responses API one-string input)
+        isinstance(v, dict) and v.keys() == {"sha256"} for v in params.values()
+    ):
+        return True
     messages = request.get("messages", request.get("input"))
     return isinstance(messages, list) and any(
         isinstance(m, dict) and "sha256" in m and "content" not in m for m in messages

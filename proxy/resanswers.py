@@ -72,7 +72,8 @@ def _first_end(data: bytes) -> int:
 def assemble_response(body: Any, last_event: str | None = None) -> AssembledResponse:
     """A Responses API ``response`` object (a non-streamed answer's body, or a terminal event's
     ``response``) as cachegate records an answer: its output's text as the assistant message's
-    ``content``, its ``function_call`` and ``custom_tool_call`` items as ``tool_calls``, its
+    ``content`` (its refusal parts' as ``refusal``), its ``function_call`` and
+    ``custom_tool_call`` items as ``tool_calls``, its
     usage, model and id, and its ``error`` (a failed response's). ``finish_reason`` is chat's
     word for its status: ``stop`` or ``tool_calls`` when completed, the reason it is
     incomplete (``length`` for ``max_output_tokens``), None when it failed. ``last_event``: the
@@ -91,6 +92,7 @@ def assemble_response(body: Any, last_event: str | None = None) -> AssembledResp
     if error is None and not shaped:
         raise TypeError("not a Responses API response object")
     texts: list[str] = []
+    refusals: list[str] = []
     calls: list[dict[str, Any]] = []
     output = body.get("output")
     for item in output if isinstance(output, list) else ():
@@ -104,6 +106,10 @@ def assemble_response(body: Any, last_event: str | None = None) -> AssembledResp
                     text = part.get("text")
                     if isinstance(text, str):
                         texts.append(text)
+                elif isinstance(part, Mapping) and part.get("type") == "refusal":
+                    said = part.get("refusal")
+                    if isinstance(said, str):
+                        refusals.append(said)
         elif kind == "function_call":
             calls.append(
                 {
@@ -121,6 +127,8 @@ def assemble_response(body: Any, last_event: str | None = None) -> AssembledResp
                 }
             )
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
+    if refusals:  # (as a chat answer's ``refusal``)
+        message["refusal"] = "".join(refusals)
     if calls:
         message["tool_calls"] = calls
     finish: str | None = None

@@ -92,7 +92,9 @@ def test_an_agent_loop_is_one_session_logged_as_deltas_and_replayed_as_sent(
     assert [len(r["appended"]) for r in requests] == [1, 2, 2, 2]
     assert [r["base"] for r in requests[1:]] == [1, 3, 5]
     assert requests[0]["tools"] == TOOLS and "tools" not in requests[1]
-    assert all(r["params"] == {"instructions": INSTRUCTIONS} for r in requests)
+    # the instructions, sent every turn, are written once and named after that
+    assert requests[0]["params"] == {"instructions": INSTRUCTIONS}
+    assert all(r["params"] == {} and r["instructions_from"] == 1 for r in requests[1:])
     responses = [e for e in lines if e["type"] == "response"]
     assert all(r["status"] == 200 and r["finish_reason"] == "tool_calls" for r in responses)
     assert responses[0]["message"]["tool_calls"][0]["function"]["arguments"] == '{"cmd":"ls 0"}'
@@ -458,7 +460,9 @@ def test_a_codex_sessions_cache_misses_are_accounted_with_their_cause_and_place(
     assert m("cachegate_prefix_rewrites_total", {"location": "messages"}) == 1
     assert m("cachegate_prefix_rewrites_total", {"location": "system"}) == 1
     paid = sum(r["cost"]["actual"] for r in responses)
-    assert m("cachegate_cost_usd_total", {"model": "gpt-5", "kind": "actual"}) == pytest.approx(paid)
+    assert m("cachegate_cost_usd_total", {"model": "gpt-5", "kind": "actual"}) == pytest.approx(
+        paid
+    )
 
 
 def test_a_long_codex_session_with_tool_rounds_wastes_nothing(
@@ -485,3 +489,130 @@ def test_a_long_codex_session_with_tool_rounds_wastes_nothing(
     assert all(c["waste"] == 0 and c["cause"] is None for c in caches), caches
     # (the provider reads in blocks of 128 tokens: up to 127 of what was sent are not)
     assert all(c["expected"] > 0 and c["read"] > c["expected"] - 128 for c in caches[1:]), caches
+
+
+# --- the log's lines, and the review's findings ----------------------------------------------------
+
+
+def test_changed_instructions_are_written_again_and_replayed_whatever_a_line_names(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    answer = {"id": "resp_1", "object": "response", "status": "completed", "output": []}
+    _, base = scripted(chunks=[orjson.dumps(answer)], content_type=b"application/json")
+    proxy = proxy_factory(base)
+    sent = [
+        {"model": "gpt-5", "instructions": "rules v1", "input": [{"role": "user", "content": "a"}]},
+        {"model": "gpt-5", "instructions": "rules v1", "input": [{"role": "user", "content": "b"}]},
+        {"model": "gpt-5", "instructions": "rules v2", "input": [{"role": "user", "content": "c"}]},
+        {"model": "gpt-5", "instructions": "rules v2", "input": [{"role": "user", "content": "d"}]},
+        {"model": "gpt-5", "input": [{"role": "user", "content": "e"}]},
+        {"model": "gpt-5", "instructions": "rules v2", "prompt": {"id": "pmpt_1"}},
+    ]
+    for body in sent:
+        answer_ = httpx.post(
+            proxy.base_url + "/responses", json=body, headers={"x-session-id": "instr"}
+        )
+        assert answer_.status_code == 200
+    proxy.settle()
+    lines = events(proxy.log_dir, "instr", "request")
+    assert [line.get("instructions_from") for line in lines] == [None, 1, None, 3, None, 3]
+    assert [line["params"].get("instructions") for line in lines] == [
+        "rules v1",
+        None,
+        "rules v2",
+        None,
+        None,
+        None,
+    ]
+    assert lines[5]["no_input"] is True and "no_input" not in lines[4]
+    rebuilt = replayed(proxy.log_dir, "instr")
+    assert [
+        {"model": r["model"], **r["params"], **({"input": r["input"]} if "input" in r else {})}
+        for r in rebuilt
+    ] == sent
+
+
+def test_a_strict_refusal_names_the_session_it_was_logged_in(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base)
+    items = [
+        {"role": "user", "content": "list the files"},
+        {"type": "function_call", "call_id": "c1", "name": "sh", "arguments": "{}"},
+        {"role": "user", "content": "stop"},
+    ]
+    answer = httpx.post(
+        proxy.base_url + "/responses",
+        json={"model": "gpt-5", "input": items},
+        headers={"x-cachegate-strict": "1"},
+    )
+    assert answer.status_code == 400
+    sid = answer.headers["x-cachegate-session"]
+    proxy.settle()
+    assert [e["type"] for e in events(proxy.log_dir, sid)] == ["session_meta", "error"]
+
+
+def test_a_metadata_log_of_one_string_inputs_is_replayed_with_the_warning(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    proxy = proxy_factory(sim.api_base, {"logging": {"bodies": "metadata"}})
+    raw = sdk(proxy.base_url).responses.with_raw_response.create(
+        model="gpt-5", input="a secret question"
+    )
+    sid = raw.headers["x-cachegate-session"]
+    proxy.settle()
+    replay = run_cli("sessions", "replay", sid, "--log-dir", str(proxy.log_dir))
+    assert replay.code == 0 and "secret" not in replay.out
+    assert "metadata" in replay.err
+
+
+def test_an_sdk_retry_is_logged_as_the_clients_retry(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """The SDK retries a 429 on its own: two exchanges for one call of the agent's."""
+    proxy = proxy_factory(sim.api_base)
+    client = sdk(proxy.base_url, max_retries=1, default_headers={"x-session-id": "retry-r"})
+    sim.sim.enqueue([{"fault": "429"}, "fine"])
+    assert client.responses.create(model="gpt-5", input="hi").output_text == "fine"
+    proxy.settle()
+    lines = events(proxy.log_dir, "retry-r", "request")
+    assert [line.get("client_retry") for line in lines] == [None, 1]
+    shown = run_cli("sessions", "show", "retry-r", "--log-dir", str(proxy.log_dir), "--json")
+    assert [r["client_retry"] for r in shown.json()["exchanges"]] == [0, 1]
+
+
+def test_a_refusal_and_a_compressed_bodys_size_are_logged_as_on_the_chat_route(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    import zstandard
+
+    refused = {
+        "id": "resp_1",
+        "object": "response",
+        "status": "completed",
+        "output": [
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "refusal", "refusal": "I can't help with that."}],
+            }
+        ],
+    }
+    _, base = scripted(chunks=[orjson.dumps(refused)], content_type=b"application/json")
+    proxy = proxy_factory(base)
+    body = orjson.dumps({"model": "gpt-5", "input": [{"role": "user", "content": "x" * 5000}]})
+    answer = httpx.post(
+        proxy.base_url + "/responses",
+        content=zstandard.ZstdCompressor().compress(body),
+        headers={"content-encoding": "zstd", "x-session-id": "refused"},
+    )
+    assert answer.status_code == 200
+    proxy.settle()
+    (request,) = events(proxy.log_dir, "refused", "request")
+    assert request["bytes"] == len(body)
+    (response,) = events(proxy.log_dir, "refused", "response")
+    assert response["message"] == {
+        "role": "assistant",
+        "content": None,
+        "refusal": "I can't help with that.",
+    }

@@ -2622,3 +2622,39 @@ def test_replay_holds_a_long_session_s_histories_only_while_later_lines_are_base
     assert lengths[-3:] == [2, 1, 2]
     # held all at once, the lists alone take ~2,000 * 2,000 * 8 bytes = 32 MB
     assert peak < 4_000_000, peak
+
+
+def test_responses_lines_replay_with_their_instructions_and_input_or_are_skipped() -> None:
+    """A Responses API line names the earlier line that wrote its instructions: a line lost
+    leaves the ones naming it out, with their number, rather than replay them without."""
+
+    def line(n: int, **kw: Any) -> dict[str, Any]:
+        return {
+            "type": "request",
+            "exchange": n,
+            "model": "gpt-5",
+            "path": "/v1/responses",
+            "base_exchange": None,
+            "base": 0,
+            "appended": [{"role": "user", "content": str(n)}],
+            **kw,
+        }
+
+    events = [
+        line(1, params={"instructions": "rules"}),
+        line(2, params={}, instructions_from=1),
+        {"type": "lines_lost", "lines": 1, "requests": 1, "exchanges": [3]},
+        line(4, params={}, instructions_from=3),
+        line(5, params={"input": "hi"}, appended=[]),
+        line(6, params={}, appended=[], no_input=True),
+    ]
+    skipped: list[int] = []
+    rebuilt = eventlog.replay_requests(events, skipped)
+    assert skipped == [4]
+    assert [(r["exchange_id"], r["params"], r.get("input")) for r in rebuilt] == [
+        (1, {"instructions": "rules"}, [{"role": "user", "content": "1"}]),
+        (2, {"instructions": "rules"}, [{"role": "user", "content": "2"}]),
+        (5, {"input": "hi"}, None),
+        (6, {}, None),
+    ]
+    assert all(r["path"] == "/v1/responses" and "messages" not in r for r in rebuilt)
