@@ -221,13 +221,18 @@ def _agent_run(up_port: int, cg_port: int, cachegate: procs.Server, work: Path, 
             f"{statistics.median(added[part]) * 1e3:>14.2f}"
             f"{statistics.median(cpu[part]) * 1e3:>22.2f}"
         )
-    logs = [p for p in work.glob("*.jsonl")]
-    lines = [
-        orjson.loads(line)
-        for path in logs
-        for line in path.read_bytes().splitlines()
-        if b'"type":"request"' in line
-    ]
+    deadline = time.monotonic() + 10
+    while True:  # (the log's writer takes its lines every 50 ms)
+        logs = list(work.glob("*.jsonl"))
+        lines = [
+            line
+            for path in logs
+            for line in path.read_bytes().splitlines()
+            if b'"type":"request"' in line
+        ]
+        if len(lines) > len(bodies) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     logged = sum(p.stat().st_size for p in logs)
     print(f"logged: {len(lines)} request lines in {len(logs)} file(s), {logged / 1e3:.0f} KB")
     if len(lines) != len(bodies) + 1 or logged > 2 * len(bodies[-1]) + 100_000:

@@ -613,11 +613,22 @@ def _carries_answer(baseline: _Baseline, body: Any) -> bool:
     if answer is None or not isinstance(messages, list):
         return False
     at = len(baseline.fp.messages)
-    if answer.ids:
-        # A Responses API request's items: the answer's calls after its reasoning items
-        for item in messages[at : at + _ITEMS_AHEAD]:
-            call_id = item.get("call_id") if isinstance(item, dict) else None
-            if isinstance(call_id, str) and "role" not in item and call_id in answer.ids:
+    # A Responses API request's items: the answer's calls and message after its reasoning items
+    for item in messages[at : at + _ITEMS_AHEAD]:
+        kind = item.get("type") if isinstance(item, dict) else None
+        if not isinstance(kind, str):  # (a chat message)
+            continue
+        call_id = item.get("call_id")
+        if isinstance(call_id, str) and not kind.endswith("_output") and call_id in answer.ids:
+            return True
+        if kind == "message" and item.get("role") == "assistant" and answer.length:
+            parts = item.get("content")
+            if any(
+                isinstance(part, dict)
+                and isinstance(part.get("text"), str)
+                and answer.said(part["text"])
+                for part in (parts if isinstance(parts, list) else ())
+            ):
                 return True
     for message in messages[max(0, at - 1) : at + 1]:  # (a system message more or fewer)
         if not isinstance(message, dict) or message.get("role") != "assistant":
@@ -648,6 +659,19 @@ def _carries_answer(baseline: _Baseline, body: Any) -> bool:
         ):
             return True
     return False
+
+
+def _continues_stored(ex: Exchange) -> bool:
+    """A Responses API request that continues what the provider stores (a
+    ``previous_response_id``, a ``conversation``): it sends only its new items, the rest is
+    read from what is stored, which cachegate does not see. No cache is expected of it and it
+    is no turn for a later one to be compared with: only its cost is counted."""
+    body = ex.body
+    return (
+        ex.route != "chat"
+        and isinstance(body, dict)
+        and (bool(body.get("previous_response_id")) or body.get("conversation") is not None)
+    )
 
 
 def _location_label(divergence: prefix.Divergence) -> str:
@@ -763,7 +787,7 @@ class AccountingObserver:
         """Accounting runs once the client has its answer; before it, the request is counted
         among its session's unanswered ones (``_Baseline.earlier``)."""
         # (a chat request's, or a Responses API request's: no other has a body read)
-        if ex.body is not None and ex.session_id is not None:
+        if ex.body is not None and ex.session_id is not None and not _continues_stored(ex):
             state = _state_of(ex, self.sessions)
             if state is not None:
                 extra = state.extra
@@ -775,8 +799,8 @@ class AccountingObserver:
 
     def on_response(self, ex: Exchange) -> None:
         if ex.route != "chat":
-            if ex.body is not None and ex.session_id is not None:  # a Responses API request
-                self._account_responses(ex)
+            if ex.body is not None and ex.session_id is not None and not _continues_stored(ex):
+                self._account_responses(ex)  # (a Responses API request of a session)
             elif ex.usage is not None and ex.status < 400:  # a Responses API answer's
                 self._price_answer(ex)
             return
@@ -1213,7 +1237,7 @@ class AccountingObserver:
         prefix changed, said back in its own terms (``input[4]``, ``instructions``)."""
         state = _state_of(ex, self.sessions)
         extra = state.extra if state is not None else {}
-        body, client = ex.body, ex.client_body
+        body, client, repairs = ex.body, ex.client_body, ex.repairs
         assert body is not None
         view, offset = resview.chat_shaped(body, extra.get("instructions_message"))
         if offset:
@@ -1222,10 +1246,15 @@ class AccountingObserver:
         if client is not None and client is not body:
             seen = resview.chat_shaped(client, view["messages"][0] if offset else None)[0]
         ex.route, ex.body, ex.client_body = "chat", view, seen
+        if offset and repairs:  # (their indices are in ``input``: in the view, one further)
+            ex.repairs = [
+                {**r, "index": r["index"] + offset} if isinstance(r.get("index"), int) else r
+                for r in repairs
+            ]
         try:
             self.on_response(ex)
         finally:
-            ex.route, ex.body, ex.client_body = "passthrough", body, client
+            ex.route, ex.body, ex.client_body, ex.repairs = "passthrough", body, client, repairs
         divergence = ex.divergence
         if ex.cache is not None and ex.cache.get("location") is not None:
             ex.cache["location"] = resview.responses_location(

@@ -55,9 +55,12 @@ def responses_location(label: str | None, offset: int, system_index: int | None)
     """A location the accounting named in the chat view (``messages[5].content``, ``system``)
     in the request's own terms: ``input[4].content``; ``instructions`` for the system block's
     first message where the request has instructions (``system_index``: the index in the view
-    of the system message that differs, when known), else the ``input`` item it is."""
+    of the system message that differs, when known), else the ``input`` item it is;
+    ``params.text.format`` for the ``response_format`` the view made of it."""
     if label is None:
         return None
+    if label == "params.response_format":
+        return "params.text.format"
     if label == "system":
         if offset and (system_index is None or system_index < offset):
             return "instructions"
@@ -72,6 +75,8 @@ def responses_divergence(divergence: dict[str, Any], offset: int) -> dict[str, A
     """A response line's ``divergence`` (``observers._divergence_dict``) in the request's own
     terms: ``location`` ``input`` with the item's index, or ``instructions``."""
     location, index = divergence.get("location"), divergence.get("index")
+    if location == "params" and divergence.get("field") == "response_format":
+        return {**divergence, "field": "text.format"}
     if location not in ("system", "messages") or not isinstance(index, int):
         return divergence
     if index < offset:

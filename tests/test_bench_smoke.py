@@ -143,3 +143,20 @@ def test_the_responses_benchmark_measures_both_arms(capsys: pytest.CaptureFixtur
         figures = [float(x) for x in line[len(arm) :].split()]
         assert figures and all(math.isfinite(x) and x > 0 for x in figures), line
     assert "every stream's tokens counted" in printed
+
+
+def test_the_responses_agent_benchmark_measures_each_size(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A short Codex-style session over the Responses API: a row of figures for each tenth of
+    it, and its log one delta-coded request line a turn (the run fails otherwise)."""
+    from bench import responses
+
+    assert responses.main(["--agent-rounds", "19", "--events", "5"]) == 0
+    printed = capsys.readouterr().out
+    rows = [row.split() for row in printed.splitlines() if row[:1].isdigit() and "-" in row[:8]]
+    assert len(rows) == 10, printed
+    for row in rows:
+        figures = [float(x) for x in row[1:]]
+        assert len(figures) == 3 and all(math.isfinite(x) and x > 0 for x in figures[::2]), row
+    assert "logged: 21 request lines" in printed

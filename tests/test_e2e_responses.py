@@ -616,3 +616,91 @@ def test_a_refusal_and_a_compressed_bodys_size_are_logged_as_on_the_chat_route(
         "content": None,
         "refusal": "I can't help with that.",
     }
+
+
+def test_a_stored_response_chain_of_parallel_calls_is_no_rewrite_and_no_waste(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """Each request of a ``previous_response_id`` chain sends only the outputs of the calls the
+    last answer made: it continues what the provider stores, which cachegate does not see. It
+    was compared with the turn before, as a rewrite of its first item, and charged waste."""
+    proxy = proxy_factory(
+        sim.api_base, {"models": {"gpt-5": {"cache_ttl_s": 300}}}, clock=lambda: sim.sim.now
+    )
+    client = sdk(proxy.base_url, default_headers={"x-session-id": "chain"})
+    calls = [
+        {
+            "tool_calls": [
+                {"name": "sh", "arguments": {"n": i}, "id": f"call_{t}x{i}Yz"} for i in range(2)
+            ]
+        }
+        for t in range(3)
+    ]
+    sim.sim.enqueue([*calls, "done"])
+    response = client.responses.create(
+        model="gpt-5", instructions=LONG_INSTRUCTIONS, tools=TOOLS, input="go"
+    )
+    for _ in range(3):
+        sim.sim.advance(400)  # (past the cache's life: an expiry would be charged)
+        outputs = [
+            {"type": "function_call_output", "call_id": o.call_id, "output": "ok"}
+            for o in response.output
+        ]
+        response = client.responses.create(
+            model="gpt-5",
+            instructions=LONG_INSTRUCTIONS,
+            tools=TOOLS,
+            input=outputs,
+            previous_response_id=response.id,
+        )
+    assert response.output_text == "done"
+    proxy.settle()
+    lines = events(proxy.log_dir, "chain", "response")
+    assert len(lines) == 4 and all(r["cost"]["actual"] > 0 for r in lines)
+    assert all("divergence" not in r for r in lines)
+    assert all("cache" not in r for r in lines[1:])
+    assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "messages"}) == 0
+    waste = proxy.metric(
+        "cachegate_cache_waste_tokens_total", {"model": "gpt-5", "cause": "ttl_expired"}
+    )
+    assert waste == 0
+
+
+def test_an_orphan_the_repair_dropped_is_not_expected_from_the_cache(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """A sliding window cut the task and the first call, leaving that call's output an orphan,
+    which ``orphan_policy = "drop"`` takes out: the provider gets what it would have got had
+    the client cut the output too, and cachegate expects as much of the cache either way. The
+    repair's index is of ``input``, where the accounting's view has the instructions first:
+    the item after the orphan was taken for the one dropped, and the orphan's share expected."""
+    proxy = proxy_factory(
+        sim.api_base, {"pairing": {"orphan_policy": "drop"}}, clock=lambda: sim.sim.now
+    )
+    expected = {}
+    for sid, cut in (("window", 2), ("control", 3)):
+        client = sdk(proxy.base_url, default_headers={"x-session-id": sid})
+        sim.sim.enqueue([call_reply(f"call_C{i}xYz", f"ls {i}") for i in range(5)])
+        items: list[Any] = [{"role": "user", "content": "task"}]
+        for turn in range(5):
+            if turn == 4:
+                del items[0:cut]  # the task and the first call (and, by the client, its output)
+            response = client.responses.create(
+                model="gpt-5", instructions=LONG_INSTRUCTIONS, tools=TOOLS, input=items
+            )
+            items += [o.model_dump(exclude_none=True) for o in response.output]
+            output = FILE_TEXT[: 2000 + 10 * turn]
+            items.append(
+                {"type": "function_call_output", "call_id": f"call_C{turn}xYz", "output": output}
+            )
+            sim.sim.advance(10)
+        proxy.settle()
+        last = events(proxy.log_dir, sid, "request")[-1]
+        assert len(last["repairs"]) == (1 if sid == "window" else 0)
+        expected[sid] = events(proxy.log_dir, sid, "response")[-1]["cache"]["expected"]
+    first, second = (
+        [{k: v for k, v in item.items() if k != "id"} for item in r.body["input"]]
+        for r in sim.sim.requests[4::5]
+    )
+    assert first == second  # the same request went out either way (the answers' ids aside)
+    assert expected["window"] == expected["control"] > 0

@@ -1941,3 +1941,32 @@ def test_a_basic_credential_s_user_name_is_no_key_unless_it_is_one() -> None:
     assert "Zk8Lm3Nq7Rs2Tv6Wx0Yz4Ab9" in keys(b"Zk8Lm3Nq7Rs2Tv6Wx0Yz4Ab9:x-oauth-basic")
     keys(b"\xff\xfe" * 8)  # (no failure on odd values: not UTF-8, no colon)
     assert base64.b64encode(b"no colon at all").decode() in keys(b"no colon at all")
+
+
+def test_a_responses_answer_is_carried_on_after_its_reasoning_items_not_by_an_output() -> None:
+    """A reasoning model's answer comes back as ``[reasoning, message]`` or ``[reasoning,
+    function_call…]`` items: the next turn carries it on past the reasoning item. An output
+    item that answers one of its calls (a ``previous_response_id`` chain sends only those) is
+    no part of it."""
+    from proxy.observers import _Answer, _carries_answer, _text_digest
+
+    text = "The handler returns the wrong status for a missing file; " * 5
+    call_id = "call_Xy7Kq2Lm9Np4Rt6Vb1Zc3Hd5"
+    baseline: Any = SimpleNamespace(
+        answer=_Answer(len(text), _text_digest(text), frozenset({call_id})),
+        fp=SimpleNamespace(messages=[1, 2]),
+    )
+    opening = [_system("s"), {"role": "user", "content": "fix it"}]
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAA"}
+    said = {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
+    call = {"type": "function_call", "call_id": call_id, "name": "sh", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": call_id, "output": "ok"}
+    assert _carries_answer(baseline, {"messages": [*opening, reasoning, said]})
+    assert _carries_answer(baseline, {"messages": [*opening, reasoning, call, output]})
+    assert not _carries_answer(baseline, {"messages": [*opening, output]})
+    other = {**said, "content": [{"type": "output_text", "text": text + "!"}]}
+    assert not _carries_answer(baseline, {"messages": [*opening, reasoning, other]})

@@ -64,6 +64,9 @@ def test_places_are_said_in_the_requests_own_terms() -> None:
     assert responses_location("tools", 1, None) == "tools"
     assert responses_location("params.model", 1, None) == "params.model"
     assert responses_location(None, 1, None) is None
+    assert responses_location("params.response_format", 1, None) == "params.text.format"
+    f = {"location": "params", "index": None, "role": None, "field": "response_format"}
+    assert responses_divergence(f, 1) == {**f, "field": "text.format"}
     d = {"location": "messages", "index": 3, "role": None, "field": "output"}
     assert responses_divergence(d, 1) == {**d, "location": "input", "index": 2}
     s = {"location": "system", "index": 0, "role": "system", "field": "content"}
