@@ -467,7 +467,13 @@ class Gateway:
         ``responses``: a Responses API request, whose answer is read for its usage and model
         (``proxy.resanswers``) once the client has it."""
         assert self.relay is not None
-        notify(self.observers, "on_request", ex)
+        if ex.session_id is not None and ex.body is not None:
+            # A Responses API request of a session: its log line (its items compared with the
+            # session's earlier lines) is written while the upstream is asked, not before, as
+            # the chat route's; before its response's, whatever comes first.
+            asyncio.get_running_loop().call_soon(self._request_observers, ex)
+        else:
+            self._request_observers(ex)
         try:
             await self.relay.forward(
                 ex,
@@ -482,6 +488,7 @@ class Gateway:
                 watch_after=uploaded,
             )
         finally:
+            self._request_observers(ex)
             if responses:
                 ex.assemble()
                 if ex.assembled is not None:
@@ -490,6 +497,12 @@ class Gateway:
                     if ex.session_id is not None and ex.assembled.id:
                         self._remember_response(ex.assembled.id, ex.session_id)
             notify(self.observers, "on_response", ex)
+
+    def _request_observers(self, ex: Exchange) -> None:
+        """The request's observers, once."""
+        if not ex.request_noted:
+            ex.request_noted = True
+            notify(self.observers, "on_request", ex)
 
     def _remember_response(self, response_id: str, session_id: str) -> None:
         held = self._response_sessions

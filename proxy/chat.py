@@ -47,6 +47,7 @@ from proxy.sessions import (
     SessionState,
     SessionStore,
     anchor_of,
+    dump_items,
     explicit_session_id,
     new_session_id,
     realigned,
@@ -435,13 +436,16 @@ class ChatPipeline:
         messages = body.get(key) or []
         if not isinstance(messages, list):  # (a Responses API ``input`` that is one string)
             messages = []
+        # A Responses API request's items, parsed anew each turn (no body memo splices them):
+        # their JSON, to tell at once that they carry the session's last ones on
+        dump = dump_items(messages) if key != "messages" else None
         shared = -1  # not known yet
         if sid is not None:
             state = self.sessions.get(sid, now) or self.sessions.create(sid, now)
         elif not whole:
             state = self._new_session(now)
         else:
-            found, shared = self.sessions.infer_shared(messages, now)
+            found, shared = self.sessions.infer_shared(messages, now, dump)
             state = self._new_session(now) if found is None else found
         state.last_seen = now
         if isinstance(messages, list):
@@ -453,7 +457,7 @@ class ChatPipeline:
             # order is logged and re-sent in the order it first came, the same JSON.)
             previous = state.last_client_messages
             if shared < 0:
-                shared = shared_prefix(previous, messages)
+                shared = shared_prefix(previous, messages, (state.last_client_dump, dump))
             if shared:
                 messages[:shared] = previous[:shared]
             # The history after a change may be unchanged (a system prompt with the time in
@@ -469,6 +473,7 @@ class ChatPipeline:
                 messages[q : q + after] = previous[r : r + after]
                 shared += after
         self.sessions.index(state, messages, inferable=sid is None and whole)
+        state.last_client_dump = dump
         return state, max(shared, 0)
 
     def _new_session(self, now: float) -> SessionState:

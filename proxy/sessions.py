@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
+import orjson
+
 from proxy.prefix import (
     canonical_json,
     canonical_message,
@@ -184,11 +186,22 @@ def _same_opening(old: Sequence[Any], new: Sequence[Any]) -> bool:
     return False
 
 
-def shared_prefix(old: Sequence[Any], new: Sequence[Any]) -> int:
+def shared_prefix(
+    old: Sequence[Any], new: Sequence[Any], dumps: tuple[bytes | None, bytes | None] = (None, None)
+) -> int:
     """How many leading messages two lists share: the same JSON, number types included (``1``,
     ``1.0`` and ``true`` are equal to Python; a history that shared an old message in place of
     its edit logged and re-sent the old one), in any key order (a client whose serializer orders
-    keys anew each turn still shares its history, or the log would grow with its square)."""
+    keys anew each turn still shares its history, or the log would grow with its square).
+    ``dumps``: the two lists' compact JSON (``dump_items``), when known: a list that carries the
+    other on whole is told from them at once (a Responses API request's items, parsed anew each
+    turn: their serializations were compared, and the two lists, each turn)."""
+    old_dump, new_dump = dumps
+    if old_dump is not None and new_dump is not None and old and len(old) <= len(new):
+        # (JSON values delimit themselves: the same bytes up to a comma are the same items)
+        end = len(old_dump) - 1
+        if new_dump[end : end + 1] in (b",", b"]") and new_dump.startswith(old_dump[:end]):
+            return len(old)
     n = min(len(old), len(new))
     # The leading run of the very same objects (a spliced or shared history) is found at C speed.
     i = leading_run(operator.is_, old, new)
@@ -199,6 +212,18 @@ def shared_prefix(old: Sequence[Any], new: Sequence[Any]) -> int:
     while i < n and (old[i] is new[i] or same_json(old[i], new[i])):
         i += 1
     return i
+
+
+ItemsDump = bytes  # (a name of its own: the store's ``bytes`` property hides the type there)
+
+
+def dump_items(items: Sequence[Any]) -> ItemsDump | None:
+    """``items``' compact JSON for ``shared_prefix``; None where orjson cannot write it (nested
+    past its 254 levels, an integer beyond 64 bits)."""
+    try:
+        return orjson.dumps(items)
+    except TypeError:
+        return None
 
 
 REALIGN_PROBES: Final = 16  # the last messages of ``new`` looked at for ``old``'s last one
@@ -272,6 +297,8 @@ class SessionState:
     beyond: set[int] = field(default_factory=set)
     opening: OpeningKey | None = None
     last_client_messages: list[Any] = field(default_factory=list)
+    # Their compact JSON, for a Responses API session (``shared_prefix``'s ``dumps``)
+    last_client_dump: bytes | None = field(default=None, repr=False)
     # (exchange id, forwarded messages) of recent exchanges, the bases of delta-coded log lines
     # (the event log adds each exchange right after writing its request line).
     recent: list[tuple[int, list[Any]]] = field(default_factory=list)
@@ -314,7 +341,7 @@ class SessionStore(Protocol):
     def infer(self, messages: Sequence[Any]) -> SessionState | None: ...
 
     def infer_shared(
-        self, messages: Sequence[Any], now: float | None = None
+        self, messages: Sequence[Any], now: float | None = None, dump: bytes | None = None
     ) -> tuple[SessionState | None, int]: ...
 
     def index(self, state: SessionState, messages: list[Any], inferable: bool = True) -> None: ...
@@ -615,11 +642,11 @@ class MemorySessionStore:
         return self.infer_shared(messages)[0]
 
     def infer_shared(
-        self, messages: Sequence[Any], now: float | None = None
+        self, messages: Sequence[Any], now: float | None = None, dump: ItemsDump | None = None
     ) -> tuple[SessionState | None, int]:
         """``infer``, with how many leading messages the session's last request shares (0 when
         no session was found). With ``now``, sessions idle for longer than ``idle_ttl_s`` are
-        forgotten instead of joined."""
+        forgotten instead of joined. ``dump``: ``messages``' compact JSON (``dump_items``)."""
         key = opening_key(messages)
         if key is None:
             return None, 0
@@ -633,7 +660,7 @@ class MemorySessionStore:
             if now is not None and self._idle(state, now):
                 stale.append(state)
                 continue
-            n = shared_prefix(state.last_client_messages, messages)
+            n = shared_prefix(state.last_client_messages, messages, (state.last_client_dump, dump))
             if n > best_len or (
                 n == best_len and best is not None and state.last_seen > best.last_seen
             ):

@@ -692,3 +692,28 @@ def test_recent_keeps_one_base_per_conversation_and_an_exchanges_latest_attempt(
     for n in range(4, 8):
         state.remember(n, [{"role": "user", "content": str(n)}], keep=3)
     assert [eid for eid, _ in state.recent] == [5, 6, 7]  # the oldest go past ``keep``
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ([{"a": "x"}], [{"a": "x"}, {"b": 1}]),  # carried on whole
+        ([{"a": "x"}, {"b": 1}], [{"a": "x"}, {"b": 1}]),  # sent again
+        ([1], [10]),  # a number that goes on past the old one's end
+        ([{"a": "x"}], [{"a": 'x",{'}]),  # a string whose text looks like JSON
+        ([{"n": 1}], [{"n": 1.0}, {}]),  # equal to Python, another JSON
+        ([{"n": True}], [{"n": 1}, {}]),
+        ([{"a": 1, "b": 2}], [{"b": 2, "a": 1}, {}]),  # another key order: shared, as without
+        ([{"a": "x"}, {"b": 1}], [{"a": "x"}]),  # cut short
+        ([], [{"a": "x"}]),
+        ([{"a": "x"}, {"b": 2}], [{"a": "x"}, {"b": 3}, {"c": 4}]),  # edited
+    ],
+)
+def test_items_told_by_their_json_share_what_a_comparison_finds(
+    old: list[object], new: list[object]
+) -> None:
+    """A Responses API session's items, parsed anew each turn, are told to carry the last
+    request's on by their compact JSON: the same answer as comparing them."""
+    from proxy.sessions import dump_items, shared_prefix
+
+    assert shared_prefix(old, new, (dump_items(old), dump_items(new))) == shared_prefix(old, new)
