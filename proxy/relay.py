@@ -795,7 +795,7 @@ class DirectBody:
     then sends chunk by chunk through ASGI.
     """
 
-    __slots__ = ("_cycle", "_head", "_tail", "done_handed_over", "dropped")
+    __slots__ = ("_cycle", "_head", "_tail", "done_handed_over", "dropped", "handed_over")
 
     def __init__(self, cycle: Any) -> None:
         self._cycle = cycle
@@ -803,6 +803,8 @@ class DirectBody:
         # A stream's ``[DONE]`` went to the client's socket whole, nothing of it left in the
         # transport's buffer: a client that hangs up after that had the whole answer.
         self.done_handed_over = False
+        # ...and what was last written, whatever it was (a Responses API stream's last event)
+        self.handed_over = False
         self.dropped = False  # bytes came after the client had left: it never had them
         self._tail = b""  # the last write of 32 bytes or more, and those after it (unframed)
 
@@ -895,7 +897,8 @@ class DirectBody:
             body, self._head = self._head + body, b""
         transport = cycle.transport
         transport.write(body)
-        self.done_handed_over = done and transport.get_write_buffer_size() == 0
+        self.handed_over = transport.get_write_buffer_size() == 0
+        self.done_handed_over = done and self.handed_over
         return not cycle.flow.write_paused
 
     async def drain(self) -> None:
@@ -1027,6 +1030,7 @@ class Relay:
         started = False
         direct: DirectBody | None = None
         done_sent = False  # (the ASGI path's ``done_handed_over``)
+        handed = False  # (the ASGI path's ``handed_over``)
         tee: _Tee | None = None
         stripper: UsageEventStripper | None = None
         try:
@@ -1187,14 +1191,15 @@ class Relay:
                         return True
 
                     async def send_ready() -> None:
-                        nonlocal sent, done_sent
+                        nonlocal sent, done_sent, handed
                         for out in ready:
-                            done_sent = False
+                            done_sent = handed = False
                             await send(
                                 {"type": "http.response.body", "body": out, "more_body": True}
                             )
                             sent, done = _ends_done(sent, out)
-                            done_sent = done and _handed_over(cycle)
+                            handed = _handed_over(cycle)
+                            done_sent = done and handed
                         ready.clear()
 
                     cycle = getattr(send, "__self__", None)
@@ -1270,6 +1275,17 @@ class Relay:
                     # through the server's ``send``), and the client closed before the
                     # upstream's last bytes came (the openai SDKs stop reading at [DONE]): a
                     # whole answer.
+                    ex.interrupted = False
+                elif (
+                    tee is not None
+                    and isinstance(tee.recorder, ResponsesRecorder)
+                    and (
+                        direct.handed_over and not direct.dropped if direct is not None else handed
+                    )
+                    and tee.recorder.ended()
+                ):
+                    # A Responses API stream whose last event had gone to the client, which
+                    # stopped reading there (Codex CLI does): a whole answer too.
                     ex.interrupted = False
         except ProxyError as err:
             if watch is not None:

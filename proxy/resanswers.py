@@ -272,6 +272,15 @@ class ResponsesRecorder:
             self.torn = torn
         return bool(events) and events[-1][1]
 
+    def ended(self) -> bool:
+        """Whether the bytes so far end with a whole terminal event, after which the API sends
+        nothing: a client that leaves then had the whole answer (Codex CLI stops reading at
+        ``response.completed``), whatever the upstream's last bytes (its chunked stream's end)."""
+        self.decode()
+        return (
+            self.response is not None and not self.torn and not self.pending and not self.skipping
+        )
+
     def finish(self) -> AssembledResponse:
         """End of stream (complete or not): what its terminal event said. A stream cut before
         one has no usage and is ``unfinished`` (inside an event) or not ``done``."""

@@ -704,3 +704,61 @@ def test_an_orphan_the_repair_dropped_is_not_expected_from_the_cache(
     )
     assert first == second  # the same request went out either way (the answers' ids aside)
     assert expected["window"] == expected["control"] > 0
+
+
+@pytest.mark.parametrize("transport", ["native", "httpx"])
+def test_a_client_that_stops_at_the_last_event_got_a_whole_answer(
+    scripted: Any, proxy_factory: Any, transport: str
+) -> None:
+    """Codex CLI stops reading a Responses stream at ``response.completed`` and drops the
+    connection; an upstream whose chunked stream ends a moment later had the exchange logged as
+    interrupted (INTERRUPTED in ``sessions list``, a client disconnect in the metrics)."""
+    done = {
+        "type": "response.completed",
+        "response": {
+            "id": "resp_1",
+            "object": "response",
+            "status": "completed",
+            "model": "gpt-5",
+            "output": [
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "whole"}],
+                }
+            ],
+            "usage": {"input_tokens": 10, "output_tokens": 1},
+        },
+    }
+    delta = {"type": "response.output_text.delta", "delta": "whole"}
+    chunks = [
+        b"event: response.output_text.delta\ndata: " + orjson.dumps(delta) + b"\n\n",
+        b"event: response.completed\ndata: " + orjson.dumps(done) + b"\n\n",
+        b"",  # the upstream's end comes a moment after its last event
+    ]
+    _upstream, base = scripted(chunks=chunks, delay_s=0.4)
+    proxy = proxy_factory(base, {"upstream": {"transport": transport}})
+    body = {"model": "gpt-5", "stream": True, "input": "hi"}
+    with (
+        httpx.Client() as client,
+        client.stream(
+            "POST", proxy.base_url + "/responses", json=body, headers={"x-session-id": "stop"}
+        ) as answer,
+    ):
+        seen = b""
+        for piece in answer.iter_raw():
+            seen += piece
+            if seen.endswith(b"}\n\n") and b"response.completed" in seen:
+                break  # (and the connection is closed with the stream)
+    proxy.settle()
+
+    def response_logged() -> list[dict[str, Any]]:
+        proxy.settle()
+        return events(proxy.log_dir, "stop", "response")
+
+    from tests.e2e_support import wait_for
+
+    (response,) = wait_for(response_logged, what="the response event")
+    assert response["interrupted"] is False, response
+    assert response["message"]["content"] == "whole" and response["usage"]["prompt"] == 10
+    assert proxy.metric("cachegate_client_disconnects_total") == 0
