@@ -791,7 +791,9 @@ class _ProxyEndpoint:
                 explicit_session(scope),
             )
             return
-        responses = path == "responses" and scope["method"] == "POST"
+        # (and its compaction, ``/v1/responses/compact``: Codex CLI's remote compaction, whose
+        # answer is a ``response.compaction`` with its usage)
+        responses = path in ("responses", "responses/compact") and scope["method"] == "POST"
         await self.gateway.passthrough(scope, receive, send, upstream_path, path_session, responses)
 
 

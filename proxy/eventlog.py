@@ -2198,7 +2198,8 @@ def iter_replay_requests(
             rebuilt.pop(exchange, None)  # (an earlier one of that number: none is based on it)
         last_exchange = exchange
         params = ev.get("params")
-        responses = ev.get("path") == RESPONSES_PATH
+        path = ev.get("path")
+        responses = path == RESPONSES_PATH or path == RESPONSES_PATH + "/compact"
         if responses:
             named = ev.get("instructions_from")
             if type(named) is int:  # the instructions of that earlier line
@@ -2220,7 +2221,7 @@ def iter_replay_requests(
                 instructions_of.pop(exchange, None)
         request: dict[str, Any] = {"exchange_id": exchange}
         if responses:  # (its items are its ``input``)
-            request["path"] = RESPONSES_PATH
+            request["path"] = path
         request["model"] = ev.get("model")
         if isinstance(ev.get("stream"), bool):
             request["stream"] = ev["stream"]

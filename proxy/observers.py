@@ -664,13 +664,18 @@ def _carries_answer(baseline: _Baseline, body: Any) -> bool:
 def _continues_stored(ex: Exchange) -> bool:
     """A Responses API request that continues what the provider stores (a
     ``previous_response_id``, a ``conversation``): it sends only its new items, the rest is
-    read from what is stored, which cachegate does not see. No cache is expected of it and it
-    is no turn for a later one to be compared with: only its cost is counted."""
+    read from what is stored, which cachegate does not see; or a compaction of a conversation
+    (``/v1/responses/compact``), no turn of it. No cache is expected of it and it is no turn
+    for a later one to be compared with: only its cost is counted."""
     body = ex.body
     return (
         ex.route != "chat"
         and isinstance(body, dict)
-        and (bool(body.get("previous_response_id")) or body.get("conversation") is not None)
+        and (
+            bool(body.get("previous_response_id"))
+            or body.get("conversation") is not None
+            or ex.path != "responses"
+        )
     )
 
 

@@ -762,3 +762,51 @@ def test_a_client_that_stops_at_the_last_event_got_a_whole_answer(
     assert response["interrupted"] is False, response
     assert response["message"]["content"] == "whole" and response["usage"]["prompt"] == 10
     assert proxy.metric("cachegate_client_disconnects_total") == 0
+
+
+def test_a_remote_compaction_is_counted_logged_and_no_turn_of_the_conversation(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """Codex CLI compacts a long history with ``POST /v1/responses/compact``: its answer, a
+    ``response.compaction`` object, has the usage the provider bills; it was relayed unread."""
+    compacted = {
+        "id": "resp_c1",
+        "object": "response.compaction",
+        "created_at": 1,
+        "output": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "x"}]},
+            {"type": "compaction", "encrypted_content": "gAAAA"},
+        ],
+        "usage": {
+            "input_tokens": 5000,
+            "input_tokens_details": {"cached_tokens": 4096},
+            "output_tokens": 300,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": 5300,
+        },
+    }
+    upstream, base = scripted(chunks=[orjson.dumps(compacted)], content_type=b"application/json")
+    proxy = proxy_factory(base)
+    history = [
+        {"role": "user", "content": "fix the tests"},
+        {"type": "function_call", "call_id": "c1", "name": "sh", "arguments": "{}"},
+    ]
+    answer = httpx.post(
+        proxy.base_url + "/responses/compact",
+        json={"model": "gpt-5", "instructions": "rules", "input": history},
+        headers={"session_id": "codex-compact"},
+    )
+    assert answer.status_code == 200 and answer.content == orjson.dumps(compacted)
+    assert answer.headers["x-cachegate-repairs"] == "1"  # (its input repaired as a turn's)
+    assert upstream.requests[-1]["path"] == "/v1/responses/compact"
+    m = proxy.metric
+    assert m("cachegate_tokens_total", {"model": "gpt-5", "kind": "prompt"}) == 5000
+    assert m("cachegate_tokens_total", {"model": "gpt-5", "kind": "cache_read"}) == 4096
+    assert m("cachegate_cost_usd_total", {"model": "gpt-5", "kind": "actual"}) > 0
+    (request,) = events(proxy.log_dir, "codex-compact", "request")
+    (response,) = events(proxy.log_dir, "codex-compact", "response")
+    assert request["path"] == "/v1/responses/compact"
+    assert response["usage"]["prompt"] == 5000 and response["cost"]["actual"] > 0
+    assert "cache" not in response  # (no turn: nothing expected of the cache, no baseline)
+    (again,) = replayed(proxy.log_dir, "codex-compact")
+    assert again["path"] == "/v1/responses/compact" and again["input"][:2] == history
