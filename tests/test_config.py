@@ -232,6 +232,9 @@ def test_model_lookup_exact_prefix_and_fallback() -> None:
         ("gpt-4o-mini-2024-07-18", "gpt-4o-mini"),
         ("gpt-5-chat-latest", "gpt-5"),
         ("gpt-5-codex", "gpt-5"),
+        ("gpt-5.2-codex", "gpt-5.2"),  # Codex CLI's models: gpt-5.2's prices
+        ("gpt-5.1-codex-max", "gpt-5.1-codex-max"),  # (not gpt-5.1, "max" a variant)
+        ("gpt-5.3-codex", "gpt-5.3-codex"),
         ("claude-sonnet-4-20250514", "claude-sonnet-4"),
         ("claude-sonnet-4-5-20250929", "claude-sonnet-4-5"),
         ("claude-sonnet-4-0", "claude-sonnet-4-0"),  # Anthropic's alias of claude-sonnet-4
