@@ -652,8 +652,8 @@ class Gateway:
         bytes unless its ``input`` needed a repair; and whether it could be read. A body
         cachegate cannot read (a coding it does not know, no JSON) is the provider's to judge,
         and goes as it came. ``find_session`` hears the parsed body (a JSON object) and its
-        size decoded before its repair; ``ex.client_body`` and ``ex.body`` are then the client's and the one
-        forwarded."""
+        size decoded before its repair; ``ex.client_body`` and ``ex.body`` are then the
+        client's and the one forwarded."""
         text = raw
         coding = headers.get("content-encoding")
         coded = coding is not None and coding.strip().lower() not in ("", "identity")

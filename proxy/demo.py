@@ -49,12 +49,14 @@ INTERRUPTED_SESSION, STABLE_SESSION, STAMPED_SESSION = (
     "demo-timestamp",
 )
 IDLE_SESSION, COMPACTION_SESSION = "demo-idle", "demo-compaction"
+CODEX_SESSION = "demo-codex"
 DEMO_SESSIONS = (
     INTERRUPTED_SESSION,
     STABLE_SESSION,
     STAMPED_SESSION,
     IDLE_SESSION,
     COMPACTION_SESSION,
+    CODEX_SESSION,
 )
 CONTEXT_WINDOW = 8000
 CACHE_TTL_S = 300.0
@@ -710,11 +712,91 @@ def compaction_scenario(demo: _Demo) -> None:
 
 # --------------------------------------------------------------------------------------------------
 
+# --------------------------------------------------------------------------------------------------
+# 5. A Codex-style agent over the Responses API
+
+
+def _respond(demo: _Demo, items: list[dict[str, Any]], instructions: str) -> httpx.Response:
+    """One Responses API request through cachegate, as Codex CLI sends it (its session's id in
+    a ``session_id`` header, its instructions and tools, its whole history as ``input`` items)."""
+    demo.sent[CODEX_SESSION] = demo.sent.get(CODEX_SESSION, 0) + 1
+    tools = [{"type": "function", **tool["function"]} for tool in TOOLS]
+    body = {"model": DEMO_MODEL, "instructions": instructions, "tools": tools, "input": items}
+    return demo.client.post(
+        "responses", content=orjson.dumps(body), headers={"session_id": CODEX_SESSION}
+    )
+
+
+def responses_agent(demo: _Demo) -> None:
+    """An interrupted turn repaired, a warm cache, then the time put into the instructions."""
+    session = CODEX_SESSION
+    demo.say(f"5. A Codex-style agent over the Responses API (session {session})")
+    call = {
+        "type": "function_call",
+        "call_id": "call_run_tests",
+        "name": "run_command",
+        "arguments": '{"command": "pytest -x"}',
+    }
+    items: list[dict[str, Any]] = [
+        {"role": "user", "content": "test_retry fails since yesterday's merge. Find out why."},
+        call,
+        {"role": "user", "content": "Stop, that takes too long: read tests/test_retry.py."},
+    ]
+    direct = demo.direct.post(
+        "responses",
+        content=orjson.dumps({"model": DEMO_MODEL, "instructions": SYSTEM_PROMPT, "input": items}),
+    )
+    said = _error_text(direct.content) if direct.status_code >= 400 else ""
+    demo.say(f"direct to the provider: {direct.status_code} {said}".rstrip(), 3)
+    demo.expect(direct.status_code == 400, "the provider should refuse a call without its output")
+    answers = []
+    for turn in range(3):
+        if turn:
+            demo.advance(TURN_GAP_S)
+        instructions = SYSTEM_PROMPT
+        if turn == 2:  # the agent starts its instructions with the time
+            now = datetime.fromtimestamp(demo.clock(), UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+            instructions = f"Current time: {now}\n\n" + SYSTEM_PROMPT
+        answer = _respond(demo, items, instructions)
+        if answer.status_code >= 400:
+            raise DemoError(f"{answer.status_code}: {_error_text(answer.content)}")
+        answers.append(answer)
+        items += orjson.loads(answer.content).get("output") or []
+        items.append({"role": "user", "content": f"Go on ({turn + 1})."})
+    repairs = answers[0].headers.get("x-cachegate-repairs", "absent")
+    demo.say(
+        f"through cachegate: {answers[0].status_code}  X-Cachegate-Repairs: {repairs} (a "
+        f"function_call_output for call_run_tests), session "
+        f"{answers[0].headers.get('x-cachegate-session')} from Codex's session_id header",
+        3,
+    )
+    rows = demo.rows(session)
+    warm, stamped = rows.get(2), rows.get(3)
+    if warm is None or stamped is None:
+        demo.expect(False, "the session's exchanges are missing from the log")
+        return
+    demo.say(
+        f"turn 2: {_tokens(warm.cache_read)} of {_tokens(warm.tokens_in)} prompt tokens cached; "
+        f"turn 3, the time first in its instructions: {_tokens(stamped.cache_read)} cached, "
+        f"{_tokens(stamped.cache_waste)} wasted, {stamped.waste_cause} at "
+        f"{stamped.waste_location}",
+        3,
+    )
+    demo.expect(repairs == "1", f"expected 1 repair, cachegate reported {repairs}")
+    demo.expect(bool(warm.cache_read), "the repaired history should hit the provider's cache")
+    demo.expect(
+        (stamped.waste_cause, stamped.waste_location) == ("prefix_rewrite", "instructions"),
+        "the waste should be a prefix_rewrite at the instructions, not "
+        f"{stamped.waste_cause} at {stamped.waste_location}",
+    )
+
+
 SCENARIOS: tuple[Callable[[_Demo], None], ...] = (
     interrupted_turn,
     timestamp_in_system_prompt,
     idle_gap,
     compaction_scenario,
+    responses_agent,
 )
 
 
@@ -789,7 +871,7 @@ class _Report(io.TextIOBase):
 
 
 def run_demo(*, log_dir: str | None = None, out: TextIO = sys.stdout) -> int:
-    """Play the four scenarios and print their report to ``out``; 0 when each showed what it should.
+    """Play the scenarios and print their report to ``out``; 0 when each showed what it should.
 
     ``log_dir`` None: a fresh temporary directory, left in place so the logs can be opened after.
     """

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from proxy import report
-from proxy.demo import run_demo
+from proxy.demo import DEMO_SESSIONS, run_demo
+from proxy.eventlog import read_events
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
 def test_the_demo_succeeds_offline_in_under_20_seconds(demo: DemoRun) -> None:
     assert demo.code == 0, demo.text
     assert "unexpected" not in demo.text
-    assert "All 4 scenarios showed what they should" in demo.text
+    assert "All 5 scenarios showed what they should" in demo.text
     assert demo.seconds < 20
 
 
@@ -152,6 +153,27 @@ def test_compaction_shrinks_the_history_and_the_next_request_hits(demo: DemoRun)
     assert _number(after[1]) > _number(counted[2])  # the cache hits again after the one miss
 
 
+def test_a_codex_style_agent_is_repaired_and_its_instructions_rewrite_named(demo: DemoRun) -> None:
+    s = _section(demo.flat, 5)
+    assert "direct to the provider: 400 No tool output found for function call call_run_tests" in s
+    assert "through cachegate: 200 X-Cachegate-Repairs: 1" in s
+    assert "session demo-codex from Codex's session_id header" in s
+    warm = re.search(r"turn 2: ([\d,]+) of ([\d,]+) prompt tokens cached", s)
+    stamped = re.search(
+        r"turn 3, the time first in its instructions: ([\d,]+) cached, ([\d,]+) wasted, "
+        r"prefix_rewrite at instructions",
+        s,
+    )
+    assert warm and stamped, s
+    assert _number(warm[1]) > 0 and _number(stamped[2]) > 0
+    (request, *_) = [
+        e
+        for e in read_events(demo.log_dir / "demo-codex.jsonl").events
+        if e.get("type") == "request"
+    ]
+    assert request["path"] == "/v1/responses" and request["repairs"][0]["kind"] == "dangling_call"
+
+
 def test_the_report_ends_with_the_logs_and_the_commands_that_open_them(demo: DemoRun) -> None:
     assert f"Session logs in {demo.log_dir}" in demo.text
     for command in ("list", "show demo-timestamp", "cost demo-timestamp"):
@@ -163,6 +185,7 @@ def test_the_report_ends_with_the_logs_and_the_commands_that_open_them(demo: Dem
         "demo-timestamp",
         "demo-idle",
         "demo-compaction",
+        "demo-codex",
     }
     cost = report.session_cost(demo.log_dir, "demo-timestamp")
     assert cost.waste_by_cause.keys() == {"prefix_rewrite"}
@@ -231,7 +254,9 @@ def test_a_reader_that_stops_early_leaves_the_demo_to_finish_its_logs(tmp_path: 
     assert proc.wait(timeout=120) == 0, err
     assert "Traceback" not in err and "BrokenPipe" not in err
     logs = sorted(p.name for p in tmp_path.glob("*.jsonl"))
-    assert len(logs) == 5 and all((tmp_path / name).stat().st_size > 0 for name in logs)
+    assert len(logs) == len(DEMO_SESSIONS) and all(
+        (tmp_path / name).stat().st_size > 0 for name in logs
+    )
 
 
 def test_a_report_the_disk_cannot_take_is_said_in_a_line_and_the_logs_still_written(
@@ -252,7 +277,9 @@ def test_a_report_the_disk_cannot_take_is_said_in_a_line_and_the_logs_still_writ
         f" (its logs are in {tmp_path})\n"
     )
     logs = sorted(p.name for p in tmp_path.glob("*.jsonl"))
-    assert len(logs) == 5 and all((tmp_path / name).stat().st_size > 0 for name in logs)
+    assert len(logs) == len(DEMO_SESSIONS) and all(
+        (tmp_path / name).stat().st_size > 0 for name in logs
+    )
 
 
 def test_a_closed_stdout_is_no_traceback(tmp_path: Path) -> None:
@@ -265,7 +292,7 @@ def test_a_closed_stdout_is_no_traceback(tmp_path: Path) -> None:
     closed = ["sh", "-c", 'exec >&-; exec "$0" "$@"', sys.executable, "-c", code]  # as `>&-`
     result = subprocess.run(closed, stderr=subprocess.PIPE, timeout=120)
     assert result.returncode == 0 and b"Traceback" not in result.stderr, result.stderr
-    assert len(list(tmp_path.glob("*.jsonl"))) == 5
+    assert len(list(tmp_path.glob("*.jsonl"))) == len(DEMO_SESSIONS)
 
 
 @pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "terminal"])
