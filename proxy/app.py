@@ -374,11 +374,7 @@ class Gateway:
         except ProxyError as err:
             await self.refuse(scope, send, "passthrough", err)
             return
-        try:
-            refuse_announced(headers, self.settings.server.max_body_bytes)
-        except ProxyError as err:
-            await self.refuse(scope, send, "passthrough", err, extra, receive)
-            return
+        strict = reads = False
         if responses:
             retry = headers.get("x-stainless-retry-count")  # (the SDK's retry, as on chat)
             if retry is not None:
@@ -387,21 +383,20 @@ class Gateway:
                 self.settings.pairing.strict
                 or headers.get("x-cachegate-strict", "").strip().lower() in TRUE_WORDS
             )
-            if strict or self.settings.pairing.repair:
-                assert self.chat is not None
-                with self.chat.at_work():  # (its observers run before the shutdown is done)
-                    await self._responses(
-                        ex,
-                        scope,
-                        receive,
-                        send,
-                        headers,
-                        path_session,
-                        forward_headers,
-                        extra,
-                        strict,
-                    )
+            reads = strict or self.settings.pairing.repair
+        if not reads:  # (a body read is refused there: in the log of a session it names)
+            try:
+                refuse_announced(headers, self.settings.server.max_body_bytes)
+            except ProxyError as err:
+                await self.refuse(scope, send, "passthrough", err, extra, receive)
                 return
+        if reads:
+            assert self.chat is not None
+            with self.chat.at_work():  # (its observers run before the shutdown is done)
+                await self._responses(
+                    ex, scope, receive, send, headers, path_session, forward_headers, extra, strict
+                )
+            return
         first = await receive()
         if first["type"] == "http.disconnect":  # gone before its body's first byte: not sent
             ex.status = CLIENT_CLOSED
@@ -602,6 +597,7 @@ class Gateway:
         assert self.relay is not None
         explicit = ex.session_id
         try:
+            refuse_announced(headers, self.settings.server.max_body_bytes)
             reading = time.perf_counter()
             raw = await read_body(receive, self.settings.server.max_body_bytes)
             ex.client_wait_s = time.perf_counter() - reading
@@ -621,8 +617,17 @@ class Gateway:
         except ProxyError as err:
             ex.status, ex.error = err.status, err.message
             ex.interrupted = err.status == CLIENT_CLOSED  # the client left while sending it
-            if ex.session_id is not None and self.sessions.get(ex.session_id) is None:
-                ex.session_id = None  # (a refusal makes no session's log: only a held one's)
+            if ex.session is None and ex.session_id is not None:
+                # Refused before its session was found (too large, the client gone during its
+                # upload): in the log of the session it named if that one is held, numbered
+                # there, as on the chat route (a refusal makes no session: only a held one's)
+                now = self.clock()
+                state = self.sessions.get(ex.session_id, now)
+                if state is None:
+                    ex.session_id = None
+                else:
+                    state.last_seen = now
+                    ex.session, ex.exchange_id = state, state.next_exchange()
             notify(self.observers, "on_error", ex)
             if err.status != CLIENT_CLOSED:
                 if err.code == "strict_pairing":

@@ -810,3 +810,29 @@ def test_a_remote_compaction_is_counted_logged_and_no_turn_of_the_conversation(
     assert "cache" not in response  # (no turn: nothing expected of the cache, no baseline)
     (again,) = replayed(proxy.log_dir, "codex-compact")
     assert again["path"] == "/v1/responses/compact" and again["input"][:2] == history
+
+
+def test_a_refusal_before_the_body_is_read_is_in_the_held_sessions_log_numbered(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A body over ``server.max_body_bytes`` in a session cachegate holds: its 413 is in that
+    session's log under the next exchange number, as on the chat route (announced by its
+    Content-Length it was in no log; sent chunked, it was logged as exchange 0)."""
+    proxy = proxy_factory(sim.api_base, {"server": {"max_body_bytes": 20000}})
+    headers = {"x-session-id": "held"}
+    small = {"model": "gpt-5", "input": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(proxy.base_url + "/responses", json=small, headers=headers).is_success
+    large = orjson.dumps({**small, "input": [{"role": "user", "content": "x" * 30000}]})
+    announced = httpx.post(proxy.base_url + "/responses", content=large, headers=headers)
+    chunked = httpx.post(
+        proxy.base_url + "/responses", content=iter([large[:10000], large[10000:]]), headers=headers
+    )
+    for answer in (announced, chunked):
+        assert answer.status_code == 413 and answer.headers["x-cachegate-session"] == "held"
+        assert answer.json()["error"]["code"] == "request_too_large"
+    proxy.settle()
+    errors = events(proxy.log_dir, "held", "error")
+    assert [(e["exchange"], e["status"]) for e in errors] == [(2, 413), (3, 413)]
+    labels = {"route": "passthrough", "model": "other", "status": "413"}
+    assert proxy.metric("cachegate_requests_total", labels) == 2
+    assert len(sim.sim.requests) == 1
