@@ -392,10 +392,24 @@ class Gateway:
                 return
         if reads:
             assert self.chat is not None
+            entered: list[SessionState] = []  # (its session, once found: at work until the end)
             with self.chat.at_work():  # (its observers run before the shutdown is done)
-                await self._responses(
-                    ex, scope, receive, send, headers, path_session, forward_headers, extra, strict
-                )
+                try:
+                    await self._responses(
+                        ex,
+                        scope,
+                        receive,
+                        send,
+                        headers,
+                        path_session,
+                        forward_headers,
+                        extra,
+                        strict=strict,
+                        entered=entered,
+                    )
+                finally:
+                    for state in entered:
+                        self.sessions.leave(state, self.clock())
             return
         first = await receive()
         if first["type"] == "http.disconnect":  # gone before its body's first byte: not sent
@@ -556,13 +570,15 @@ class Gateway:
         path_session: str | None,
         forward_headers: list[tuple[bytes, bytes]],
         extra: list[tuple[bytes, bytes]],
+        *,
         strict: bool,
+        entered: list[SessionState],
     ) -> None:
-        """A Responses API request: its body read whole, its session found (for its log), its
-        ``input`` items' tool pairing repaired (or, ``strict``, refused with a diagnosis), then
-        relayed as any other request; the answer, streamed or not, byte for byte."""
+        """A Responses API request: its body read whole, its session found (for its log, and
+        entered: in ``entered``), its ``input`` items' tool pairing repaired (or, ``strict``,
+        refused with a diagnosis), then relayed as any other request; the answer, streamed or
+        not, byte for byte."""
         assert self.relay is not None
-        entered: list[SessionState] = []
 
         def find_session(body: dict[str, Any], size: int) -> None:
             try:
@@ -574,27 +590,6 @@ class Gateway:
             self.sessions.enter(state)
             entered.append(state)
 
-        try:
-            await self._responses_read(
-                ex, scope, receive, send, headers, forward_headers, extra, strict, find_session
-            )
-        finally:
-            for state in entered:
-                self.sessions.leave(state, self.clock())
-
-    async def _responses_read(
-        self,
-        ex: Exchange,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        headers: Mapping[str, str],
-        forward_headers: list[tuple[bytes, bytes]],
-        extra: list[tuple[bytes, bytes]],
-        strict: bool,
-        find_session: Callable[[dict[str, Any], int], None],
-    ) -> None:
-        assert self.relay is not None
         explicit = ex.session_id
         try:
             refuse_announced(headers, self.settings.server.max_body_bytes)

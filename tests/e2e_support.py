@@ -38,6 +38,15 @@ _LOREM = (
     "tests after every change and report failures verbatim. Never invent file contents. "
 )
 SYSTEM_PROMPT = "You are a careful coding agent working in a Python repository. " + _LOREM * 12
+# A tool's outputs the agent scenarios append: a file read, a test run
+FILE_TEXT = "\n".join(
+    f"def handler_{i}(request):\n    return respond(request, status={200 + i % 5})"
+    for i in range(120)
+)
+PYTEST_OUTPUT = (
+    "\n".join(f"tests/test_parser.py::test_case_{i} PASSED [{i}%]" for i in range(100))
+    + "\n100 passed in 0.42s"
+)
 TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",

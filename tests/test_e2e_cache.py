@@ -25,6 +25,8 @@ from proxy.simulator import RunningSimulator, SimConfig, run_simulator
 from proxy.simulator.reply import parse_script
 from proxy.simulator.tokens import message_tokens
 from tests.e2e_support import (
+    FILE_TEXT,
+    PYTEST_OUTPUT,
     SYSTEM_PROMPT,
     TOOLS,
     asgi_body,
@@ -117,15 +119,6 @@ def hand_cost(usage: dict[str, Any], prices: dict[str, float]) -> tuple[float, f
 
 
 # --- the reference scenario -------------------------------------------------------------------
-
-FILE_TEXT = "\n".join(
-    f"def handler_{i}(request):\n    return respond(request, status={200 + i % 5})"
-    for i in range(120)
-)
-PYTEST_OUTPUT = (
-    "\n".join(f"tests/test_parser.py::test_case_{i} PASSED [{i}%]" for i in range(100))
-    + "\n100 passed in 0.42s"
-)
 
 
 @pytest.fixture

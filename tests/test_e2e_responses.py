@@ -16,7 +16,7 @@ import pytest
 from proxy.pairing import DEFAULT_INTERRUPTED_NOTE
 from proxy.report import replay_lines
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
-from tests.e2e_support import events, run_cli
+from tests.e2e_support import FILE_TEXT, PYTEST_OUTPUT, events, run_cli
 
 TOOLS = [
     {
@@ -350,14 +350,6 @@ def test_a_compressed_history_counts_in_the_sessions_memory_as_decoded(
 
 LONG_INSTRUCTIONS = "You are Codex, a coding agent working in a repository. " + " ".join(
     f"Rule {i}: keep the change small, run the tests, and say what you did." for i in range(120)
-)
-FILE_TEXT = "\n".join(
-    f"def handler_{i}(request):\n    return respond(request, status={200 + i % 5})"
-    for i in range(120)
-)
-PYTEST_OUTPUT = (
-    "\n".join(f"tests/test_parser.py::test_case_{i} PASSED [{i}%]" for i in range(100))
-    + "\n100 passed in 0.42s"
 )
 
 
