@@ -250,12 +250,16 @@ def _metric(port: int, name: str, labels: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.responses", description=__doc__)
-    parser.add_argument("--events", type=int, default=5000)
+    parser.add_argument(
+        "--events", type=int, help="events of each answer (5000; 20 with --agent-rounds)"
+    )
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--delta-bytes", type=int, default=100)
     parser.add_argument("--agent-rounds", type=int, default=0)
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.events is None:  # (an agent's turn answers briefly: its log holds each answer)
+        args.events = 20 if args.agent_rounds else 5000
     if args.serve_upstream:
         procs.stop_on_sigterm()
         asyncio.run(_serve(args.serve_upstream, args.events, args.delta_bytes))

@@ -2115,7 +2115,7 @@ def iter_replay_requests(
     tools: Any = _NO_TOOLS_SEEN
     tools_of: dict[int, Any] = {}  # the tools each exchange's line carried or named
     # a Responses API line's instructions, by its exchange (``instructions_from`` names one)
-    instructions_of: dict[int, str] = {}
+    instructions_of: dict[int, Any] = {}
     last_exchange: int | None = None
     for at, ev in enumerate(events):
         if ev.get("type") != "request":
@@ -2215,7 +2215,8 @@ def iter_replay_requests(
                         skipped.append(exchange)
                     continue
                 params = {**params, "instructions": said} if isinstance(params, dict) else params
-            if isinstance(params, dict) and isinstance(params.get("instructions"), str):
+            if isinstance(params, dict) and "instructions" in params:
+                # (a metadata log's are ``{"sha256": …}``: named so as well)
                 instructions_of[exchange] = params["instructions"]
             else:
                 instructions_of.pop(exchange, None)

@@ -87,6 +87,7 @@ class ExchangeRow:
     summary_cost_actual: float | None = None
     summary_cost_uncached: float | None = None
     answered: bool = False  # a response line came (the request was forwarded)
+    path: str | None = None  # the request line's (``/v1/responses`` for the Responses API)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -553,6 +554,7 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
             repairs = ev.get("repairs")
             row.repairs = len(repairs) if isinstance(repairs, list) else 0
             row.repaired = _repairs(repairs)
+            row.path = _str(ev.get("path"))
             row.compacted |= compacted
             retry = ev.get("client_retry")
             row.client_retry = retry if type(retry) is int and retry > 0 else 0
@@ -827,7 +829,10 @@ def _repairs(logged: Any) -> list[dict[str, Any]]:
 
 
 def _repair_note(
-    repaired: list[dict[str, Any]], seen: dict[tuple[Any, ...], int], resent: bool = False
+    repaired: list[dict[str, Any]],
+    seen: dict[tuple[Any, ...], int],
+    resent: bool = False,
+    listed_in: str = "messages",
 ) -> str | None:
     """NOTES of a row's repairs: each one not made on an earlier row of the session, where and
     which call (an interrupted turn stays in the history, and is repaired again on every later
@@ -839,7 +844,8 @@ def _repair_note(
     ones, the history's newest, as new. (A heuristic: a trimmed history, or sub-agents reusing
     ids, can have a new one counted as repaired again; REPAIRS is the exact count.) ``resent``:
     the row is its exchange's attempt sent again (compacted after the provider refused it as too
-    long), whose repairs are the refused attempt's, not made again."""
+    long), whose repairs are the refused attempt's, not made again. ``listed_in``: what the
+    indices are of (a Responses API request's ``input``)."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for repair in repaired:
         call = repair["tool_call_id"]
@@ -863,7 +869,7 @@ def _repair_note(
     named = []
     for repair in new[:_REPAIRS_LISTED]:
         call = repair["tool_call_id"]
-        where = f" at messages[{repair['index']}]" if repair["index"] is not None else ""
+        where = f" at {listed_in}[{repair['index']}]" if repair["index"] is not None else ""
         kind = _clip(repair["kind"], 32) if repair["kind"] else "repair"
         named.append(f"{kind}{where}" + (f" ({_clip(call, 40)})" if call else ""))
     listed = ", ".join(named)
@@ -900,7 +906,8 @@ def render_show(detail: SessionDetail) -> str:
             refused.discard(r.exchange)
         if r.error == RESENT_COMPACTED and r.exchange is not None:
             refused.add(r.exchange)
-        repair_note = _repair_note(r.repaired, repaired, resent)
+        listed_in = "input" if (r.path or "").startswith("/v1/responses") else "messages"
+        repair_note = _repair_note(r.repaired, repaired, resent, listed_in)
         if repair_note:
             notes.append(repair_note)
         if r.client_retry:  # (the exchange before it failed or timed out at the client)

@@ -156,6 +156,10 @@ def test_the_repaired_input_is_what_the_log_holds_and_replay_gives(
     }
     (again,) = replayed(proxy.log_dir, sid)
     assert again["input"] == sim.sim.requests[-1].body["input"]
+    shown = run_cli("sessions", "show", sid, "--log-dir", str(proxy.log_dir))
+    assert "repaired dangling_call at input[1] (call_ls)" in shown.out, shown.out
+    rows = run_cli("sessions", "show", sid, "--log-dir", str(proxy.log_dir), "--json")
+    assert [r["path"] for r in rows.json()["exchanges"]] == ["/v1/responses"]
 
 
 def test_a_stored_conversation_stays_in_the_session_of_the_response_it_continues(
@@ -548,14 +552,16 @@ def test_a_metadata_log_of_one_string_inputs_is_replayed_with_the_warning(
     sim: RunningSimulator, proxy_factory: Any, sdk: Any
 ) -> None:
     proxy = proxy_factory(sim.api_base, {"logging": {"bodies": "metadata"}})
-    raw = sdk(proxy.base_url).responses.with_raw_response.create(
-        model="gpt-5", input="a secret question"
-    )
-    sid = raw.headers["x-cachegate-session"]
+    client = sdk(proxy.base_url, default_headers={"session_id": "meta"})
+    for text in ("a secret question", "a secret follow-up"):
+        client.responses.create(model="gpt-5", instructions="secret rules", input=text)
     proxy.settle()
-    replay = run_cli("sessions", "replay", sid, "--log-dir", str(proxy.log_dir))
+    replay = run_cli("sessions", "replay", "meta", "--log-dir", str(proxy.log_dir))
     assert replay.code == 0 and "secret" not in replay.out
     assert "metadata" in replay.err
+    # the second names the first's instructions, hashed: both are replayed, none is lost
+    assert [json.loads(line)["exchange_id"] for line in replay.out.splitlines()] == [1, 2]
+    assert "could not be rebuilt" not in replay.err
 
 
 def test_an_sdk_retry_is_logged_as_the_clients_retry(

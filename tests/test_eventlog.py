@@ -2647,6 +2647,9 @@ def test_responses_lines_replay_with_their_instructions_and_input_or_are_skipped
         line(4, params={}, instructions_from=3),
         line(5, params={"input": "hi"}, appended=[]),
         line(6, params={}, appended=[], no_input=True),
+        # a metadata log's instructions, their hash: named as well
+        line(7, params={"instructions": {"sha256": "ab12"}}),
+        line(8, params={}, instructions_from=7),
     ]
     skipped: list[int] = []
     rebuilt = eventlog.replay_requests(events, skipped)
@@ -2656,5 +2659,7 @@ def test_responses_lines_replay_with_their_instructions_and_input_or_are_skipped
         (2, {"instructions": "rules"}, [{"role": "user", "content": "2"}]),
         (5, {"input": "hi"}, None),
         (6, {}, None),
+        (7, {"instructions": {"sha256": "ab12"}}, [{"role": "user", "content": "7"}]),
+        (8, {"instructions": {"sha256": "ab12"}}, [{"role": "user", "content": "8"}]),
     ]
     assert all(r["path"] == "/v1/responses" and "messages" not in r for r in rebuilt)
