@@ -25,7 +25,7 @@ from starlette.types import Receive as ASGIReceive
 from starlette.types import Scope as ASGIScope
 from starlette.types import Send as ASGISend
 
-from proxy import __version__, pairing, respairing
+from proxy import __version__, bodymemo, pairing, respairing
 from proxy.browser import BrowserGuard
 from proxy.chat import (
     ChatPipeline,
@@ -526,6 +526,7 @@ class Gateway:
         size: int,
         headers: Mapping[str, str],
         path_session: str | None,
+        memo: tuple[str, bytes, bodymemo.Parsed] | None = None,
     ) -> SessionState:
         """A Responses API request's session, as a chat request's is found (an explicit id,
         else the session whose last request its ``input`` items carry on, else a new one), and
@@ -533,7 +534,9 @@ class Gateway:
         ``conversation``, a ``previous_response_id``) carries only its new items: it is of the
         conversation's session (the conversation's id is the session's), or of the session
         that made the response it continues; neither finds another by its items, nor is found.
-        ``size``: the body's, decoded (what its parse holds, for the sessions' memory budget)."""
+        ``size``: the body's, decoded (what its parse holds, for the sessions' memory budget).
+        ``memo``: where its parse is filed, its bytes and parse, for the next turn to splice onto
+        (``ChatPipeline.remember_body``)."""
         assert self.chat is not None
         now = self.clock()
         named: str | None = None
@@ -549,9 +552,12 @@ class Gateway:
         if isinstance(previous, str) and previous:
             whole = False
             named = named or self._response_sessions.get(previous)
+        spliced = memo is not None and memo[2].source is not None
         state, shared = self.chat.resolve_session(
-            headers, path_session, body, now, key="input", named=named, whole=whole
+            headers, path_session, body, now, key="input", named=named, whole=whole, spliced=spliced
         )
+        if memo is not None:  # (its items as the session now holds them: shared with the last)
+            self.chat.remember_body(memo[0], memo[1], body, memo[2], now, state, "input")
         items = body.get("input")
         count = len(items) if isinstance(items, list) else 0
         new = (size * (count - shared) // count if count else size, count - shared)
@@ -580,9 +586,11 @@ class Gateway:
         not, byte for byte."""
         assert self.relay is not None
 
-        def find_session(body: dict[str, Any], size: int) -> None:
+        def find_session(
+            body: dict[str, Any], size: int, memo: tuple[str, bytes, bodymemo.Parsed] | None
+        ) -> None:
             try:
-                state = self._responses_session(ex, body, size, headers, path_session)
+                state = self._responses_session(ex, body, size, headers, path_session, memo)
             except Exception:  # cachegate's own defect: the request goes on, in no session's log
                 log.exception("finding the session of a Responses API request failed")
                 ex.session_id, ex.session = None, None
@@ -599,7 +607,7 @@ class Gateway:
             ex.request_bytes = len(raw)
             try:
                 content, forward_headers, read = self._repaired_responses(
-                    ex, raw, headers, forward_headers, strict, find_session
+                    ex, raw, headers, forward_headers, strict, find_session, path_session
                 )
             except ProxyError:
                 raise
@@ -646,14 +654,20 @@ class Gateway:
         headers: Mapping[str, str],
         forward_headers: list[tuple[bytes, bytes]],
         strict: bool,
-        find_session: Callable[[dict[str, Any], int], None] | None = None,
+        find_session: Callable[
+            [dict[str, Any], int, tuple[str, bytes, bodymemo.Parsed] | None], None
+        ]
+        | None = None,
+        path_session: str | None = None,
     ) -> tuple[bytes, list[tuple[bytes, bytes]], bool]:
         """The body to forward for a Responses API request, and its headers: the client's
         bytes unless its ``input`` needed a repair; and whether it could be read. A body
         cachegate cannot read (a coding it does not know, no JSON) is the provider's to judge,
         and goes as it came. ``find_session`` hears the parsed body (a JSON object) and its
-        size decoded before its repair; ``ex.client_body`` and ``ex.body`` are then the
-        client's and the one forwarded."""
+        size decoded before its repair, and where its parse is to be filed for the next turn to
+        splice onto (its items continue the last turn's bytes: only what was appended is parsed,
+        as on the chat route, ``proxy.bodymemo``); ``ex.client_body`` and ``ex.body`` are then
+        the client's and the one forwarded."""
         text = raw
         coding = headers.get("content-encoding")
         coded = coding is not None and coding.strip().lower() not in ("", "identity")
@@ -663,8 +677,17 @@ class Gateway:
             except ProxyError:
                 return raw, forward_headers, False
         lenient = False
+        memo: tuple[str, bytes, bodymemo.Parsed] | None = None
         try:
-            body = orjson.loads(text)
+            if find_session is not None and self.chat is not None:
+                key, memos, others = self.chat.memos_for(text, headers, path_session, "input")
+                parsed = bodymemo.parse(text, memos, others, "input")
+                del memos, others  # (held no longer than the parse: the memos' budget decides)
+                body = parsed.body
+                if key is not None:
+                    memo = (key, text, parsed)
+            else:
+                body = orjson.loads(text)
         except orjson.JSONDecodeError:  # (a lone surrogate, as JavaScript cuts an emoji: read)
             body, lenient = lenient_json(text, big_ints=True), True
         if isinstance(body, dict):
@@ -678,10 +701,22 @@ class Gateway:
         ex.client_body = ex.body = body
         if find_session is not None:
             ex.request_bytes = len(text)  # (decoded, as the chat route logs it)
-            find_session(body, len(text))
+            find_session(body, len(text), memo)
         if b'"call_id"' not in text:
             return raw, forward_headers, True  # (no call and no output: nothing to pair)
-        if not respairing.needs_repair(body):
+        # Resumed from where the session's last request left off: a turn that resends the
+        # same items (spliced from the last body's parse, or shared with the session's last
+        # request) is read past them only. Two scans kept, as on the chat route: the latest
+        # turn's, and the one it resumed from (a retry or a regeneration resumes too).
+        state = ex.session
+        kept: list[respairing.PairingScan] = (
+            state.extra.get("responses_pairing", []) if state is not None else []
+        )
+        needed, scan, resumed = respairing.check(body, kept)
+        if state is not None and scan is not None:
+            base = resumed or (kept[0] if kept else None)
+            state.extra["responses_pairing"] = [scan] if base is None else [scan, base]
+        if not needed:
             return raw, forward_headers, True
         # an integer beyond 64 bits maybe, which orjson reads as a float: read again as it is,
         # so that the repaired body has it as it was sent

@@ -82,6 +82,8 @@ class BodyMemo:
     # bytes up to there, then these (``_rehead``).
     head: tuple[int, int] = (-1, 0)
     head_checked: bool = False
+    # The array the history is in: ``messages`` (chat), ``input`` (the Responses API)
+    field: str = "messages"
 
 
 @dataclass(slots=True)
@@ -174,7 +176,7 @@ def _spliced(
     if scan and appended:
         found, style = _marks(raw, at, new_close, messages, tiled=True, style=style)
         marks = (*marks, *found)[-MARKS_KEPT:]
-    body = {k: (messages if k == "messages" else memo.values[k]) for k in memo.keys}
+    body = {k: (messages if k == memo.field else memo.values[k]) for k in memo.keys}
     # (where the first message after the system prompt begins is where it was, if kept)
     head, checked = (memo.head, memo.head_checked) if memo.head[1] < count else (_UNSOUGHT, False)
     return Parsed(
@@ -314,17 +316,18 @@ def _rehead(raw: bytes, memo: BodyMemo, where: int, drift: int) -> Parsed | None
         head = orjson.loads(raw[:where] + b"null]}")
     except orjson.JSONDecodeError:
         return None
-    if not isinstance(head, dict) or next(reversed(head)) != "messages":
+    field = memo.field
+    if not isinstance(head, dict) or next(reversed(head)) != field:
         return None
-    first = head["messages"]
+    first = head[field]
     if not isinstance(first, list) or not first or first.pop() is not None:
         return None
     # The null lands in the array of the key written last, which a parse puts at the key's
     # first place (``{"x":1,"messages":[…,null],"x":[`` put it in x's array while the
     # messages, last in order, ended in a null of their own): no other array may end in one.
-    if any(type(v) is list and v and v[-1] is None for k, v in head.items() if k != "messages"):
+    if any(type(v) is list and v and v[-1] is None for k, v in head.items() if k != field):
         return None
-    after = memo.keys[memo.keys.index("messages") + 1 :]
+    after = memo.keys[memo.keys.index(field) + 1 :]
     if not head.keys().isdisjoint(after):  # (a key on both sides: the later value counts)
         return None
     end = where + len(kept)  # where the kept messages end, in ``raw``
@@ -337,7 +340,7 @@ def _rehead(raw: bytes, memo: BodyMemo, where: int, drift: int) -> Parsed | None
     marks = tuple((o + shift, n + renumber) for o, n in memo.marks if n > count)
     if appended:
         marks = (*marks, (end, len(messages) - len(appended)))[-MARKS_KEPT:]
-    body = {k: (messages if k == "messages" else v) for k, v in head.items()}
+    body = {k: (messages if k == field else v) for k, v in head.items()}
     for k in after:
         body[k] = memo.values[k]
     return Parsed(
@@ -496,15 +499,17 @@ def _written(after: dict[str, Any]) -> list[bytes]:
     return forms
 
 
-def _candidates(raw: bytes, body: dict[str, Any], previous: BodyMemo | None) -> list[int]:
+def _candidates(
+    raw: bytes, body: dict[str, Any], previous: BodyMemo | None, field: str = "messages"
+) -> list[int]:
     keys = list(body)
     trimmed = raw.rstrip(_WS)
     out: list[int] = []
-    if keys[-1] == "messages" and trimmed.endswith(b"}"):
+    if keys[-1] == field and trimmed.endswith(b"}"):
         inner = trimmed[:-1].rstrip(_WS)
         if inner.endswith(b"]"):
             out.append(len(inner) - 1)
-    after = {k: body[k] for k in keys[keys.index("messages") + 1 :]}
+    after = {k: body[k] for k in keys[keys.index(field) + 1 :]}
     if after:
         for text in _written(after):
             for sep in (b",", b", "):
@@ -514,7 +519,12 @@ def _candidates(raw: bytes, body: dict[str, Any], previous: BodyMemo | None) -> 
     # The previous body's tail: after this body's own fields, as it may be another body's
     # (under one key, a side request without tools ends as ``],"stream":true}`` where this
     # one's tools do), and the first candidate is the one a later body is matched at first.
-    if previous is not None and previous.close >= 0 and not previous.candidates:
+    if (
+        previous is not None
+        and previous.close >= 0
+        and not previous.candidates
+        and previous.field == field
+    ):
         tail = memoryview(previous.raw)[previous.close :]
         if len(raw) >= len(tail) and raw.endswith(tail):
             start = len(raw) - len(tail)
@@ -539,8 +549,8 @@ def _candidates(raw: bytes, body: dict[str, Any], previous: BodyMemo | None) -> 
     return list(dict.fromkeys(out))  # each candidate once, in order
 
 
-def _verify(raw: bytes, body: dict[str, Any], close: int) -> bool:
-    """``raw[close]`` closes the array that is ``body["messages"]``: cut there, both halves parse
+def _verify(raw: bytes, body: dict[str, Any], close: int, field: str = "messages") -> bool:
+    """``raw[close]`` closes the array that is ``body[field]``: cut there, both halves parse
     back to exactly ``body``, key order included."""
     if not 0 < close < len(raw) or raw[close : close + 1] != b"]":
         return False
@@ -561,10 +571,10 @@ def _verify(raw: bytes, body: dict[str, Any], close: int) -> bool:
         return False
     if not isinstance(head, dict) or not isinstance(tail, dict) or not head:
         return False
-    messages = head.get("messages")
+    messages = head.get(field)
     if not isinstance(messages, list) or not messages or messages.pop() is not None:
         return False
-    if list(head)[-1] != "messages" or not set(head).isdisjoint(tail):
+    if list(head)[-1] != field or not set(head).isdisjoint(tail):
         return False
     if [*head, *tail] != list(body):
         return False
@@ -578,10 +588,12 @@ def parse(
     raw: bytes,
     memos: list[BodyMemo],
     others: Sequence[BodyMemo] | Callable[[], Sequence[BodyMemo]] = (),
+    field: str = "messages",
 ) -> Parsed:
     """Parse ``raw``, splicing onto the first memo it continues; failing that, onto one of
     ``memos`` or ``others`` (recent memos of other keys, or what gives them, called only then)
-    whose bytes it holds after other first bytes (``_rehead``). Raises
+    whose bytes it holds after other first bytes (``_rehead``). ``field``: the array the history
+    is in (``messages``; a Responses API request's ``input``), that of every memo given. Raises
     ``orjson.JSONDecodeError``."""
     if not memos and not others and len(raw) < MIN_BYTES:  # (what the end below returns)
         return Parsed(orjson.loads(raw), None)
@@ -632,11 +644,7 @@ def parse(
     previous = memos[0] if memos else None
     misses = previous.misses + 1 if previous is not None else 0
     firsts = previous.firsts if previous is not None else 0
-    if (
-        len(raw) < MIN_BYTES
-        or not isinstance(body, dict)
-        or not isinstance(body.get("messages"), list)
-    ):
+    if len(raw) < MIN_BYTES or not isinstance(body, dict) or not isinstance(body.get(field), list):
         return Parsed(body, None, None, misses, firsts)
     if misses > _MAX_MISSES and misses % 16 and not goes_on:
         # This client's bodies do not continue each other: remember only now and then, but for
@@ -647,17 +655,17 @@ def parse(
         # first request. A body that goes on past a memo's opening under another prompt is
         # remembered too: its next turn continues it (sub-agents under one id, the time in
         # their prompts, each second turn a full parse, had every later turn parsed whole).
-        if firsts >= _FIRSTS_REMEMBERED or not _first_request(body["messages"]):
+        if firsts >= _FIRSTS_REMEMBERED or not _first_request(body[field]):
             return Parsed(body, None, None, misses, firsts)
         firsts += 1
-    candidates = _candidates(raw, body, previous)
-    if not candidates or not body["messages"]:
+    candidates = _candidates(raw, body, previous, field)
+    if not candidates or not body[field]:
         return Parsed(body, None, None, misses, firsts)
     # Kept unchecked: where the layout says the messages close, and where the last of them
     # begin there. A later body that continues it there has it checked first (``_settle``).
     close = _before_space(raw, candidates[0])
     style = previous.style if previous is not None else 0
-    marks, style = _marks(raw, 0, close, body["messages"], style=style, check=False)
+    marks, style = _marks(raw, 0, close, body[field], style=style, check=False)
     return Parsed(
         body,
         close,
@@ -710,11 +718,12 @@ def _settle(memo: BodyMemo) -> bool:
     that its bytes from its earliest mark on hold its last messages; record the result in
     ``memo`` (-1 if none closes them). Whether it can be spliced onto."""
     if memo.candidates:
-        body = {k: (list(memo.messages) if k == "messages" else memo.values[k]) for k in memo.keys}
+        field = memo.field
+        body = {k: (list(memo.messages) if k == field else memo.values[k]) for k in memo.keys}
         close = -1
         marks: tuple[tuple[int, int], ...] = ()
         for bracket in memo.candidates:
-            if _verify(memo.raw, body, bracket):
+            if _verify(memo.raw, body, bracket, field):
                 close = _before_space(memo.raw, bracket)
                 if close == memo.close:
                     if _parsed_back(memo.raw, memo.marks, close, memo.messages):
@@ -728,21 +737,35 @@ def _settle(memo: BodyMemo) -> bool:
 
 
 def _first_request(messages: Sequence[Any]) -> bool:
-    """Whether ``messages`` hold nothing from the model yet: a conversation's first request."""
-    return not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
+    """Whether ``messages`` hold nothing from the model yet: a conversation's first request.
+    (A Responses API request's items: no assistant message, and no item the model made, its
+    calls and reasoning; the client's are its messages, the outputs and references.)"""
+    for m in messages:
+        if isinstance(m, dict):
+            if m.get("role") == "assistant":
+                return False
+            kind = m.get("type")
+            if isinstance(kind, str) and kind not in _CLIENT_ITEMS and not kind.endswith("_output"):
+                return False
+    return True
 
 
-def memo_key(raw: bytes, session_id: str | None) -> str:
+_CLIENT_ITEMS: Final = frozenset({"message", "item_reference"})
+
+
+def memo_key(raw: bytes, session_id: str | None, field: str = "messages") -> str:
     """Where a body's memo is filed: its explicit session, else the hash of its first
-    ``MIN_BYTES`` (a system prompt, the tools and the task, which later turns resend).
+    ``MIN_BYTES`` (a system prompt, the tools and the task, which later turns resend); a
+    Responses API request's (``field`` ``input``) apart from a chat request's.
 
     Python's own hash of the bytes (~5 us for 16 KiB, where a BLAKE2b digest took ~22): the key
     lives in this process only, and the hash's key is the process's own. Two openings that
     hashed alike would only share a list of candidates: a body is spliced onto a memo only
     where its bytes are that memo's."""
+    kind = "" if field == "messages" else "r"
     if session_id is not None:
-        return "s:" + session_id
-    return f"h:{hash(raw[:MIN_BYTES]):x}"
+        return f"{kind}s:{session_id}"
+    return f"{kind}h:{hash(raw[:MIN_BYTES]):x}"
 
 
 class BodyMemos:
@@ -813,14 +836,20 @@ class BodyMemos:
                 break
         return filed
 
-    def recent(self, besides: Sequence[BodyMemo] = ()) -> list[BodyMemo]:
+    def recent(self, besides: Sequence[BodyMemo] = (), field: str = "messages") -> list[BodyMemo]:
         """The memos filed last that may be continued past other first bytes, newest first,
-        but for ``besides`` (those of the body's own key, tried already)."""
+        but for ``besides`` (those of the body's own key, tried already); of bodies whose
+        history is in ``field``."""
         out: list[BodyMemo] = []
         seen = set(map(id, besides))
         for ref in self._recent:
             memo = ref()
-            if memo is not None and memo.head[0] != -1 and id(memo) not in seen:
+            if (
+                memo is not None
+                and memo.head[0] != -1
+                and memo.field == field
+                and id(memo) not in seen
+            ):
                 seen.add(id(memo))
                 out.append(memo)
         return out

@@ -421,6 +421,7 @@ class ChatPipeline:
         key: str = "messages",
         named: str | None = None,
         whole: bool = True,
+        spliced: bool = False,
     ) -> tuple[SessionState, int]:
         """The request's session, and how many of its messages (``body[key]``: a Responses API
         request's ``input`` items) it shares with the session's last request (their objects
@@ -428,7 +429,9 @@ class ChatPipeline:
         a change. ``named``: the session the request belongs to where it names none itself
         (the one that made the stored response it continues). ``whole``: the request carries
         its whole history (not one continued from a response stored at the provider), so it
-        may be found to continue a session by it, and later ones to continue it."""
+        may be found to continue a session by it, and later ones to continue it. ``spliced``:
+        its items were spliced onto an earlier body's parse (``proxy.bodymemo``): those it
+        shares with the session's last request are its very objects."""
         try:
             sid = explicit_session_id(headers, path_id) or named
         except ValueError as exc:
@@ -436,9 +439,9 @@ class ChatPipeline:
         messages = body.get(key) or []
         if not isinstance(messages, list):  # (a Responses API ``input`` that is one string)
             messages = []
-        # A Responses API request's items, parsed anew each turn (no body memo splices them):
+        # A Responses API request's items parsed anew (not spliced onto the last body's parse):
         # their JSON, to tell at once that they carry the session's last ones on
-        dump = dump_items(messages) if key != "messages" else None
+        dump = dump_items(messages) if key != "messages" and not spliced else None
         shared = -1  # not known yet
         if sid is not None:
             state = self.sessions.get(sid, now) or self.sessions.create(sid, now)
@@ -484,6 +487,33 @@ class ChatPipeline:
             made = new_session_id(now)
         return self.sessions.create(made, now)
 
+    def memos_for(
+        self,
+        raw: bytes,
+        headers: Mapping[str, str],
+        path_session: str | None,
+        field: str = "messages",
+    ) -> tuple[
+        str | None,
+        list[bodymemo.BodyMemo],
+        Callable[[], list[bodymemo.BodyMemo]] | tuple[()],
+    ]:
+        """Where a body's memo is filed (None: too small to be worth one), the memos filed there
+        (newest first), and what gives the recent ones of other keys, for ``bodymemo.parse``.
+        ``field``: the array its history is in (``input``: a Responses API request)."""
+        if len(raw) < bodymemo.MIN_BYTES:
+            return None, [], ()
+        try:
+            sid = explicit_session_id(headers, path_session)
+        except ValueError:
+            sid = None  # refused by resolve_session
+        key = bodymemo.memo_key(raw, sid, field)
+        memos = self.memos.get(key)
+        if sid is not None:
+            return key, memos, ()
+        # (its first bytes changed: filed under a key of its own)
+        return key, memos, functools.partial(self.memos.recent, memos, field)
+
     def remember_body(
         self,
         key: str,
@@ -492,6 +522,7 @@ class ChatPipeline:
         parsed: bodymemo.Parsed,
         now: float,
         state: SessionState | None = None,
+        field: str = "messages",
     ) -> None:
         """Keep this body's parse (with the message objects the session now holds) for the next
         turn to splice onto. Without a session id, a body filed under another key than an
@@ -504,12 +535,12 @@ class ChatPipeline:
             return
         if parsed.source is not None:
             self.spliced_parses += 1
-        messages = body["messages"]
+        messages = body[field]
         memo = bodymemo.BodyMemo(
             raw,
             parsed.close,
             tuple(body),
-            {k: v for k, v in body.items() if k != "messages"},
+            {k: v for k, v in body.items() if k != field},
             tuple(messages),
             0 if parsed.source is not None and not parsed.resent else parsed.misses,
             0 if parsed.source is not None and not parsed.resent else parsed.firsts,
@@ -518,6 +549,7 @@ class ChatPipeline:
             candidates=parsed.candidates,
             head=parsed.head,
             head_checked=parsed.head_checked,
+            field=field,
         )
         filed = self.memos.put(key, memo, source=parsed.source, now=now)
         if state is not None and key.startswith("h:"):
@@ -545,6 +577,7 @@ class ChatPipeline:
         times as much again in objects) or 6 idle hours: 8,000 sessions of 22 KB, each
         forgotten at once, held ~270 MB beyond what ``cachegate_sessions_memory_bytes`` said."""
         self.memos.forget(bodymemo.memo_key(b"", session_id))
+        self.memos.forget(bodymemo.memo_key(b"", session_id, "input"))
         filed_by: dict[str, weakref.ref[bodymemo.BodyMemo]] = state.extra.get("body_memos", {})
         for key, ref in list(filed_by.items()):
             memo = ref()
@@ -828,18 +861,7 @@ class ChatPipeline:
             if coding is not None and coding.strip().lower() not in ("", "identity"):
                 raw = decoded_request(coding, raw, self.settings.server.max_body_bytes)
             ex.request_bytes = len(raw)
-            memo_key: str | None = None
-            memos: list[bodymemo.BodyMemo] = []
-            others: Callable[[], list[bodymemo.BodyMemo]] | tuple[()] = ()
-            if len(raw) >= bodymemo.MIN_BYTES:
-                try:
-                    sid = explicit_session_id(headers, path_session)
-                except ValueError:
-                    sid = None  # refused below, by resolve_session
-                memo_key = bodymemo.memo_key(raw, sid)
-                memos = self.memos.get(memo_key)
-                if sid is None:  # (its first bytes changed: filed under a key of its own)
-                    others = functools.partial(self.memos.recent, memos)
+            memo_key, memos, others = self.memos_for(raw, headers, path_session)
             parsed = parse_request(raw, memos, others)
             del memos, others  # (held no longer than the parse: the memos' budget decides)
             body = parsed.body

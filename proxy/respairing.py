@@ -24,7 +24,10 @@ of another type with a ``function_call_output``, as Codex CLI does a local shell
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from proxy.pairing import PairingResult, Repair, orphan_label
@@ -80,47 +83,105 @@ def stored_elsewhere(body: Mapping[str, Any]) -> bool:
     return isinstance(items, list) and any(_reference(item) for item in items)
 
 
+@dataclass(slots=True)
+class PairingScan:
+    """What the pairing check read of ``items``: the position of the first call of each
+    ``call_id`` (of the calls paired here), the ids outputs answer (a local shell call's output
+    answers by its ``call_id`` or ``id``: either may be the call's ``call_id``, or its ``id``,
+    which stands for its ``call_id`` here: ``shell_answers`` and ``shell_ids`` until the end),
+    the ``call_id`` of every item but an output (a call of any type: what an output may
+    answer), those the outputs paired here give, and whether an item names a stored one. A
+    left fold over the items: a next turn that resends them, the very objects, and appends
+    more is read from where this one ended (``check``). A value, never mutated."""
+
+    items: tuple[Any, ...] = ()
+    calls: dict[str, int] = field(default_factory=dict)
+    answered: set[str] = field(default_factory=set)
+    known: set[str] = field(default_factory=set)
+    outputs: set[str] = field(default_factory=set)  # the ``call_id`` of each of ``OUTPUTS``
+    shell_ids: dict[str, str] = field(default_factory=dict)  # a local shell call's id -> call_id
+    shell_answers: tuple[str, ...] = ()
+    references: bool = False
+
+    def precedes(self, items: Sequence[Any]) -> bool:
+        """``items`` starts with the very same objects (an agent's next turn, shared)."""
+        n = len(self.items)
+        return n <= len(items) and all(map(operator.is_, self.items, items))
+
+    def extended(self, items: Sequence[Any]) -> PairingScan:
+        """The scan of ``items``, which this one ``precedes``: of those after its own only."""
+        start = len(self.items)
+        calls, answered, known = dict(self.calls), set(self.answered), set(self.known)
+        outputs, shell_ids = set(self.outputs), dict(self.shell_ids)
+        shell_answers = list(self.shell_answers)
+        references = self.references
+        for i, item in enumerate(itertools.islice(items, start, None), start):
+            if not isinstance(item, dict):
+                continue
+            kind = item.get("type")
+            if kind not in OUTPUTS and not (isinstance(kind, str) and kind.endswith("_output")):
+                call_id = _call_id(item)
+                if call_id is not None:
+                    known.add(call_id)
+            if kind in OUTPUT_OF:
+                call_id = _call_id(item)
+                if call_id is not None:
+                    calls.setdefault(call_id, i)
+                    if kind == "local_shell_call" and isinstance(item.get("id"), str):
+                        shell_ids.setdefault(item["id"], call_id)
+            elif kind in OUTPUTS:
+                call_id = _call_id(item)
+                if call_id is not None:
+                    answered.add(call_id)
+                    outputs.add(call_id)
+            elif kind == LOCAL_SHELL_OUTPUT:
+                shell_answers += (
+                    v for v in (item.get("call_id"), item.get("id")) if isinstance(v, str)
+                )
+            elif isinstance(kind, str) and kind.endswith("_output"):
+                # an output of a type not paired here (Codex CLI's ``tool_search_output``)
+                # answers the call of its ``call_id`` all the same: no synthetic output is
+                # added beside it
+                call_id = _call_id(item)
+                if call_id is not None:
+                    answered.add(call_id)
+            elif not references and _reference(item):
+                references = True
+        return PairingScan(
+            tuple(items),
+            calls,
+            answered,
+            known,
+            outputs,
+            shell_ids,
+            tuple(shell_answers),
+            references,
+        )
+
+    def answers(self) -> set[str]:
+        """The ids the outputs answer, a local shell call's output's ``id`` read as its call's."""
+        if not self.shell_answers:
+            return self.answered
+        ids = self.shell_ids
+        return self.answered | {ids.get(answer, answer) for answer in self.shell_answers}
+
+    def defective(self, body: Mapping[str, Any]) -> bool:
+        """Whether the items scanned (``body``'s ``input``) have a call without an output, or
+        an output that answers no call (none when the calls may be stored at the provider)."""
+        if not self.calls.keys() <= self.answers():
+            return True
+        stored = self.references or any(body.get(key) for key in _SERVER_STATE_KEYS)
+        return not stored and not self.outputs <= self.known
+
+
+_NO_SCAN: Final = PairingScan()
+
+
 def _scan(items: Sequence[Any]) -> tuple[dict[str, int], set[str], set[str]]:
     """The position of the first call of each ``call_id`` (of the calls paired here), the ids
-    outputs answer (a local shell call's output answers by its ``call_id`` or ``id``: either may
-    be the call's ``call_id``, or its ``id``, which stands for its ``call_id`` here), and the
-    ``call_id`` of every item but an output (a call of any type: what an output may answer)."""
-    calls: dict[str, int] = {}
-    answered: set[str] = set()
-    known: set[str] = set()
-    shell_ids: dict[str, str] = {}  # a local shell call's id -> its call_id
-    shell_answers: list[str] = []
-    for i, item in enumerate(items):
-        if not isinstance(item, dict):
-            continue
-        kind = item.get("type")
-        if kind not in OUTPUTS and not (isinstance(kind, str) and kind.endswith("_output")):
-            call_id = _call_id(item)
-            if call_id is not None:
-                known.add(call_id)
-        if kind in OUTPUT_OF:
-            call_id = _call_id(item)
-            if call_id is not None:
-                calls.setdefault(call_id, i)
-                if kind == "local_shell_call" and isinstance(item.get("id"), str):
-                    shell_ids.setdefault(item["id"], call_id)
-        elif kind in OUTPUTS:
-            call_id = _call_id(item)
-            if call_id is not None:
-                answered.add(call_id)
-        elif kind == LOCAL_SHELL_OUTPUT:
-            shell_answers += (
-                v for v in (item.get("call_id"), item.get("id")) if isinstance(v, str)
-            )
-        elif isinstance(kind, str) and kind.endswith("_output"):
-            # an output of a type not paired here (Codex CLI's ``tool_search_output``) answers
-            # the call of its ``call_id`` all the same: no synthetic output is added beside it
-            call_id = _call_id(item)
-            if call_id is not None:
-                answered.add(call_id)
-    for answer in shell_answers:
-        answered.add(shell_ids.get(answer, answer))
-    return calls, answered, known
+    outputs answer and the ``call_id`` of every item but an output (``PairingScan``)."""
+    scan = _NO_SCAN.extended(items)
+    return scan.calls, scan.answers(), scan.known
 
 
 def _defects(items: Sequence[Any], stored: bool) -> tuple[list[int], list[int]]:
@@ -141,11 +202,21 @@ def _defects(items: Sequence[Any], stored: bool) -> tuple[list[int], list[int]]:
 def needs_repair(body: Mapping[str, Any]) -> bool:
     """Whether ``body``'s ``input`` list has a call without an output, or an output that answers
     no call."""
+    return check(body)[0]
+
+
+def check(
+    body: Mapping[str, Any], kept: Sequence[PairingScan] = ()
+) -> tuple[bool, PairingScan | None, PairingScan | None]:
+    """``needs_repair``, resumed from the first of ``kept`` that ``precedes`` ``body``'s items
+    (the work in proportion to what was appended); with the scan of its items for the next
+    turn to resume from (None: no list of items), and the one resumed from."""
     items = body.get("input")
     if not isinstance(items, list):
-        return False
-    dangling, orphans = _defects(items, stored_elsewhere(body))
-    return bool(dangling or orphans)
+        return False, None, None
+    resumed = next((scan for scan in kept if scan.precedes(items)), None)
+    scan = (resumed or _NO_SCAN).extended(items)
+    return scan.defective(body), scan, resumed
 
 
 _NAMES: Final = {

@@ -1019,3 +1019,129 @@ def test_the_bytes_changed_before_the_kept_messages_are_counted_as_a_plain_compa
     while tail < limit - start and old_head[at - 1 - tail] == new_head[where - 1 - tail]:
         tail += 1
     assert _changed(old, at, raw, where) == max(at, where) - start - tail
+
+
+# A Responses API request (Codex CLI's layout): ``instructions`` before the items, tools and
+# flags after them; each turn appends a call and its output.
+def responses_turns(n: int) -> list[list[dict[str, Any]]]:
+    items: list[dict[str, Any]] = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Fix ✓"}]}
+    ]
+    out = [list(items)]
+    for i in range(n):
+        items += [
+            {"type": "reasoning", "summary": [], "encrypted_content": f"gAAA{i}"},
+            {"type": "function_call", "name": "shell", "arguments": "{}", "call_id": f"call_{i}"},
+            {"type": "function_call_output", "call_id": f"call_{i}", "output": f'out {i} ]}}",['},
+        ]
+        out.append(list(items))
+    return out
+
+
+def responses_body(items: list[Any], **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "gpt-5.1-codex",
+        "instructions": "You are Codex. " + FILLER,
+        "input": items,
+        "tools": [{"type": "function", "name": "shell", "parameters": {"type": "object"}}],
+        "stream": True,
+        "store": False,
+        **extra,
+    }
+
+
+def remember_items(raw: bytes, parsed: Parsed) -> BodyMemo | None:
+    if parsed.close is None:
+        return None
+    body = parsed.body
+    return BodyMemo(
+        raw,
+        parsed.close,
+        tuple(body),
+        {k: v for k, v in body.items() if k != "input"},
+        tuple(body["input"]),
+        marks=parsed.marks,
+        style=parsed.style,
+        candidates=parsed.candidates,
+        head=parsed.head,
+        head_checked=parsed.head_checked,
+        field="input",
+    )
+
+
+@pytest.mark.parametrize("style", ["orjson", "python", "indent"])
+def test_a_responses_agent_is_parsed_in_what_each_turn_appended_to_its_input(style: str) -> None:
+    memo: BodyMemo | None = None
+    for i, items in enumerate(responses_turns(5)):
+        raw = dumps(responses_body(items), style)
+        parsed = bodymemo.parse(raw, [memo] if memo else [], field="input")
+        assert parsed.body == orjson.loads(raw)
+        assert list(parsed.body) == list(orjson.loads(raw))  # key order kept
+        if i >= 1:
+            assert memo is not None and parsed.source is memo, f"turn {i} was parsed in full"
+            kept = parsed.body["input"][: len(memo.messages)]
+            assert all(a is b for a, b in zip(kept, memo.messages, strict=True))
+            assert parsed.body["tools"] is memo.values["tools"]
+        memo = remember_items(raw, parsed) or memo
+
+
+@given(
+    cut=st.integers(min_value=0, max_value=10**9),
+    insert=st.binary(min_size=0, max_size=12),
+    extra=st.lists(st.text(max_size=20), max_size=3),
+)
+def test_any_byte_edit_of_a_remembered_responses_body_parses_as_a_full_parse_would(
+    cut: int, insert: bytes, extra: list[str]
+) -> None:
+    items = responses_turns(2)[2]
+    raw = orjson.dumps(responses_body(items))
+    memo = remember_items(raw, bodymemo.parse(raw, [], field="input"))
+    assert memo is not None
+    more = [{"type": "message", "role": "user", "content": e} for e in extra]
+    appended = orjson.dumps(responses_body(items + more))
+    position = cut % (len(appended) + 1)
+    candidate = appended[:position] + insert + appended[position:]
+    try:
+        expected = orjson.loads(candidate)
+    except orjson.JSONDecodeError:
+        with pytest.raises(orjson.JSONDecodeError):
+            bodymemo.parse(candidate, [memo], field="input")
+        return
+    parsed = bodymemo.parse(candidate, [memo], field="input")
+    assert parsed.body == expected
+    assert list(parsed.body) == list(expected) if isinstance(expected, dict) else True
+
+
+def test_a_responses_body_after_new_first_bytes_is_continued_from_its_items() -> None:
+    """Instructions with the time in them: the items after them are the last turn's objects,
+    parsed again only in what was appended; a chat body's memo is never offered for it."""
+    items = responses_turns(3)
+    first = orjson.dumps(responses_body(items[2], instructions="It is 10:00. " + FILLER))
+    memo = remember_items(first, bodymemo.parse(first, [], field="input"))
+    assert memo is not None
+    memos = BodyMemos()
+    filed = memos.put(bodymemo.memo_key(first, None, "input"), memo)
+    chat = orjson.dumps(body_of(turns(2)[2], "first"))
+    chat_memo = remember(chat, bodymemo.parse(chat, []))
+    assert chat_memo is not None
+    memos.put(bodymemo.memo_key(chat, None), chat_memo)
+    later = orjson.dumps(responses_body(items[3], instructions="It is 10:05. " + FILLER))
+    key = bodymemo.memo_key(later, None, "input")
+    assert key.startswith("rh:") and not memos.get(key)
+    others = memos.recent((), "input")
+    assert others == [filed] and memos.recent() == [memos.get(bodymemo.memo_key(chat, None))[0]]
+    parsed = bodymemo.parse(later, [], others, field="input")
+    assert parsed.body == orjson.loads(later) and parsed.source is filed
+    kept = parsed.body["input"][: len(items[2])]
+    assert all(a is b for a, b in zip(kept, filed.messages, strict=True))
+
+
+def test_a_responses_conversations_first_request_is_one_with_nothing_from_the_model() -> None:
+    first_request = bodymemo._first_request
+    assert first_request(responses_turns(0)[0])
+    assert not first_request(responses_turns(1)[1])  # a reasoning item, a call
+    assert not first_request([{"type": "web_search_call", "id": "ws_1", "status": "completed"}])
+    assert first_request([{"type": "message", "role": "developer", "content": "x"}])
+    assert first_request([{"type": "item_reference", "id": "msg_1"}])
+    assert first_request([{"role": "user", "content": "chat messages have no type"}])
+    assert not first_request([{"role": "assistant", "content": "hi"}])

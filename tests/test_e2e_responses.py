@@ -834,3 +834,53 @@ def test_a_refusal_before_the_body_is_read_is_in_the_held_sessions_log_numbered(
     labels = {"route": "passthrough", "model": "other", "status": "413"}
     assert proxy.metric("cachegate_requests_total", labels) == 2
     assert len(sim.sim.requests) == 1
+
+
+def test_a_long_codex_session_is_read_in_what_each_turn_appended_and_repaired_all_the_same(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A Codex-style session past 16 KiB: each turn after the first is parsed only in the items
+    it appended (spliced onto the last turn's parse, as chat bodies are), and its pairing
+    checked from where the last turn's check ended. A turn interrupted between a call and its
+    output is repaired all the same, every other turn goes to the provider byte for byte, and
+    the log replays each as it was sent."""
+    proxy = proxy_factory(sim.api_base)
+    rounds = 6
+    sim.sim.enqueue([call_reply(f"call_{i}", f"cat file{i}.py") for i in range(rounds)])
+    # (Codex CLI puts the repository's AGENTS.md first: the first body is past 16 KiB too)
+    agents_md = {"type": "message", "role": "user", "content": "# AGENTS.md\n" + FILE_TEXT * 4}
+    items: list[Any] = [agents_md, {"type": "message", "role": "user", "content": "explore"}]
+    headers = {"session_id": "0199a213-81c0-7800-8aa1-bbab2a035a53"}
+    sent: list[bytes] = []
+    repairs: list[str] = []
+    with httpx.Client(base_url=proxy.base_url, headers=headers) as client:
+        for turn in range(rounds):
+            if turn == 3:  # the agent was stopped while its tool ran: no output for the call
+                interrupted = items.pop()
+            body = {
+                "model": "gpt-5",
+                "instructions": LONG_INSTRUCTIONS,
+                "input": items,
+                "tools": TOOLS,
+                "store": False,
+            }
+            sent.append(orjson.dumps(body))
+            answer = client.post("/responses", content=sent[-1])
+            assert answer.status_code == 200, answer.text
+            repairs.append(answer.headers["x-cachegate-repairs"])
+            if turn == 3:  # the agent goes on: the call's output, then the next call's
+                items.append(interrupted)
+            items += answer.json()["output"]
+            items.append(
+                {"type": "function_call_output", "call_id": f"call_{turn}", "output": FILE_TEXT}
+            )
+    assert len(sent[0]) > 16 * 1024
+    assert repairs == ["0", "0", "0", "1", "0", "0"]
+    assert proxy.gateway.chat.spliced_parses == rounds - 1  # every turn after the first
+    received = [r for r in sim.sim.requests if r.path.endswith("/responses")]
+    assert [r.raw for i, r in enumerate(received) if i != 3] == sent[:3] + sent[4:]
+    synthetic = received[3].body["input"][-1]
+    assert synthetic["call_id"] == "call_2" and synthetic["type"] == "function_call_output"
+    proxy.settle()
+    rebuilt = replayed(proxy.log_dir, headers["session_id"])
+    assert [again["input"] for again in rebuilt] == [r.body["input"] for r in received]

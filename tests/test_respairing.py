@@ -13,6 +13,8 @@ import httpx
 import openai
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy import respairing
 from proxy.pairing import DEFAULT_INTERRUPTED_NOTE
@@ -319,6 +321,71 @@ def test_repair_is_deterministic_and_idempotent() -> None:
     assert orjson.dumps(first.messages) == orjson.dumps(second.messages)
     again = repaired({"input": first.messages})
     assert again.repairs == [] and again.messages is first.messages
+
+
+_ITEM_KINDS = [
+    "function_call",
+    "function_call_output",
+    "custom_tool_call",
+    "custom_tool_call_output",
+    "local_shell_call",
+    "local_shell_call_output",
+    "shell_call",
+    "shell_call_output",
+    "tool_search_output",
+    "item_reference",
+    "message",
+    "reasoning",
+]
+
+
+@st.composite
+def item_lists(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """Items of every kind the pairing reads, their ids drawn from a few (so that outputs
+    answer calls, or none, and local shell outputs answer by ``call_id`` or ``id``)."""
+    ids = st.sampled_from(["c1", "c2", "c3", "ls_1", "ls_2"])
+    items: list[dict[str, Any]] = []
+    for kind in draw(st.lists(st.sampled_from(_ITEM_KINDS), max_size=14)):
+        if kind == "message":
+            items.append(user("hi"))
+        elif kind == "reasoning":
+            items.append({"type": "reasoning", "summary": []})
+        elif kind == "item_reference":
+            items.append({"type": "item_reference", "id": "msg_1"})
+        else:
+            item: dict[str, Any] = {"type": kind}
+            if draw(st.booleans()) or not kind.startswith("local_shell"):
+                item["call_id"] = draw(ids)
+            if kind.startswith("local_shell") and draw(st.booleans()):
+                item["id"] = draw(ids)
+            items.append(item)
+    return items
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    earlier=item_lists(),
+    appended=item_lists(),
+    stored=st.sampled_from([{}, {"previous_response_id": "resp_1"}, {"conversation": "conv_1"}]),
+)
+def test_a_check_resumed_from_the_last_turn_answers_as_a_whole_one(
+    earlier: list[dict[str, Any]], appended: list[dict[str, Any]], stored: dict[str, Any]
+) -> None:
+    """An agent's next turn (the same item objects, then more) is checked from where the last
+    one's check ended: the answer is the check of the whole list's, which is the repair's."""
+    body = {"input": earlier, **stored}
+    needed, scan, resumed = respairing.check(body)
+    assert scan is not None and resumed is None
+    assert needed == bool(respairing.repair_input(body, interrupted_note="x").repairs)
+    later = {"input": [*earlier, *appended], **stored}
+    again, after, resumed = respairing.check(later, [scan])
+    assert resumed is scan  # read past the last turn's items only
+    assert again == respairing.needs_repair(later)
+    assert again == bool(respairing.repair_input(later, interrupted_note="x").repairs)
+    assert after is not None and after.items == tuple(later["input"])
+    # A list that holds the same items, but not the very objects, is read whole
+    copied = {"input": copy.deepcopy(later["input"]), **stored}
+    assert respairing.check(copied, [scan])[2] is (scan if not earlier else None)
 
 
 def test_the_strict_diagnosis_names_each_item() -> None:
