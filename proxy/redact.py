@@ -2004,13 +2004,19 @@ def _multi_scan() -> _MultiScan | None:
 
 
 # A binary payload carried as text: an image or a file as a base64 data URL (OpenAI's
-# ``image_url``) or bare base64 (Anthropic's ``source.data``), a kilobyte or more. It holds no
-# credential as text, and a secret pattern found in it would be chance: the scan took ~0.2 s of
-# the interpreter (the event loop's too) per 2 MB screenshot and now and then cut the image.
+# ``image_url``) or bare base64 (Anthropic's ``source.data``), a kilobyte or more; or a Fernet
+# token, in URL-safe base64 (a Responses API reasoning or compaction item's sealed state,
+# ``encrypted_content``: one in ~1,200 of 4 KB holds ``-sk-`` or ``_sk-`` by chance, and its
+# log copy was cut there, which the provider cannot decrypt). It holds no credential as text,
+# and a secret pattern found in it would be chance: the scan took ~0.2 s of the interpreter
+# (the event loop's too) per 2 MB screenshot and now and then cut the image.
 _BINARY_MIN: Final = 1024
 _DATA_URL: Final = r"data:[\w.+-]+/[\w.+-]+(?:;[\w.+-]+=[\w.+-]+)*;base64,"  # (its prefix)
+_FERNET: Final = "gAAAAA"  # (a Fernet token's version byte, 0x80, and its time's first bytes)
 # What such a payload is, whole (``is_binary`` tells it without this pattern's walk)
-_BINARY = re.compile(r"(?:" + _DATA_URL + r")?[A-Za-z0-9+/]+={0,2}")
+_BINARY = re.compile(
+    r"(?:" + _DATA_URL + r")?[A-Za-z0-9+/]+={0,2}|" + _FERNET + r"[A-Za-z0-9_-]+={0,2}"
+)
 
 
 # Lines this long have their base64 strings left out before they are looked through.
@@ -2022,31 +2028,49 @@ _BLANK_MIN: Final = 64 * 1024
 _BARE_START: Final = re.compile(rb'"[A-Za-z0-9+/]{64}')
 _DATA_START: Final = re.compile(b'"(' + _DATA_URL.encode() + b")[A-Za-z0-9+/]{64}")
 _BASE64_ALPHABET: Final = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
-_BINARY_HEAD: Final = re.compile("(" + _DATA_URL + ")?[A-Za-z0-9+/]{64}", re.ASCII)
+_URL_SAFE_ALPHABET: Final = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+# A Fernet token as a field's value (``blank_binary``; JSON that Python writes has a space)
+_SEALED_START: Final = re.compile(rb'"encrypted_content": ?("gAAAAA[A-Za-z0-9_-]{58})')
+_BINARY_HEAD: Final = re.compile(
+    "(" + _DATA_URL + ")?[A-Za-z0-9+/]{64}|" + _FERNET + "[A-Za-z0-9_-]{58}", re.ASCII
+)
 
 
-def _is_base64(data: bytes) -> bool:
+def _is_base64(data: bytes, alphabet: bytes = _BASE64_ALPHABET) -> bool:
     """Whether ``data`` is base64 with at most two ``=`` of padding (as ``_BINARY``'s part after
-    a data URL's prefix): a table lookup per byte, ~4 times as fast as the pattern."""
+    a data URL's prefix): a table lookup per byte, ~4 times as fast as the pattern; of another
+    ``alphabet`` (a Fernet token's, URL-safe: ``-`` and ``_`` for ``+`` and ``/``)."""
     if data.endswith(b"="):
         data = data[:-2] if data.endswith(b"==") else data[:-1]
-    return bool(data) and not data.translate(None, _BASE64_ALPHABET)
+    return bool(data) and not data.translate(None, alphabet)
+
+
+def _is_payload(data: bytes, bare: bool) -> bool:
+    """Whether ``data`` is base64 (``_is_base64``), or ``bare`` (no data URL's prefix before
+    it) a Fernet token, in URL-safe base64."""
+    return _is_base64(data) or (
+        bare and data.startswith(b"gAAAAA") and _is_base64(data, _URL_SAFE_ALPHABET)
+    )
 
 
 def is_binary(s: str) -> bool:
     """Whether ``s`` is a base64 payload of a kilobyte or more, bare or as a data URL: an image,
-    a file, audio. ``_BINARY.fullmatch`` would say so too (an ASCII data URL's prefix only)."""
+    a file, audio; or a Fernet token (sealed state: ``encrypted_content``). ``_BINARY.fullmatch``
+    would say so too (an ASCII data URL's prefix only)."""
     if len(s) < _BINARY_MIN or not s.isascii():
         return False
     head = _BINARY_HEAD.match(s)  # (text fails here, at its first space: no copy of it made)
     if head is None:
         return False
-    return _is_base64(s[head.end(1) if head.group(1) else 0 :].encode("ascii"))
+    if head.group(1):
+        return _is_base64(s[head.end(1) :].encode("ascii"))
+    return _is_payload(s.encode("ascii"), bare=True)
 
 
 def blank_binary(line: bytes) -> bytes:
     """``line`` (serialized JSON) with each string that ``redact_text`` returns as it is, a base64
-    payload of a kilobyte or more, emptied; its keys kept (a key's name may say credential, which
+    payload of a kilobyte or more (looked for as a data URL, a ``data`` field's, an
+    ``encrypted_content``'s Fernet token), emptied; its keys kept (a key's name may say credential, which
     ``redact`` reads): what is left holds whatever ``redact`` would change in the line."""
     # Looked for only where the line has a data URL, or a ``data`` field (bare base64: audio,
     # Anthropic-style images): each quote tried costs ~80 ns, and a line of short strings has
@@ -2056,6 +2080,9 @@ def blank_binary(line: bytes) -> bytes:
         starts = [(m.start(), m.start() + 1) for m in _BARE_START.finditer(line)]
     if line.find(b'"data:') >= 0:
         starts += [(m.start(), m.end(1)) for m in _DATA_START.finditer(line)]
+        starts.sort()
+    if line.find(b'"encrypted_content":') >= 0:  # (reasoning and compaction items' sealed state)
+        starts += [(m.start(1), m.start(1) + 1) for m in _SEALED_START.finditer(line)]
         starts.sort()
     kept: list[bytes] = []
     at = 0
@@ -2070,7 +2097,7 @@ def blank_binary(line: bytes) -> bytes:
             and line[opening - 1 : opening] != b"\\"  # (an escaped quote: inside a longer text)
             and line[closing + 1 : closing + 2] != b":"  # (a key)
             and not line.startswith(_KEY_IN_BASE64_BYTES, data)  # (a private key's: read)
-            and _is_base64(line[data:closing])
+            and _is_payload(line[data:closing], bare=data == opening + 1)
         ):
             kept.append(line[at : opening + 1])
             at = closing

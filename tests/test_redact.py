@@ -1088,6 +1088,64 @@ def test_a_long_line_with_base64_left_out_still_shows_every_secret(
         assert redact(value) == value
 
 
+def _fernet(n: int, seed: int, inside: str = "") -> str:
+    """A Fernet token as the Responses API seals reasoning in (``encrypted_content``): version
+    byte 0x80, a timestamp, then ``n`` random bytes, in URL-safe base64; ``inside`` put in its
+    middle (URL-safe characters: what it may hold by chance)."""
+    import base64
+    import random
+    import struct
+
+    rnd = random.Random(seed)
+    raw = b"\x80" + struct.pack(">Q", 1_764_990_000 + seed) + rnd.randbytes(n)
+    token = base64.urlsafe_b64encode(raw).decode()
+    middle = len(token) // 2
+    return token[:middle] + inside + token[middle + len(inside) :]
+
+
+@given(st.lists(_BASE64_LIKE, min_size=1, max_size=4), st.integers(0, 3))
+def test_is_binary_agrees_with_the_pattern_it_stands_for_on_fernet_tokens(
+    pieces: list[str], seed: int
+) -> None:
+    from proxy.redact import _BINARY, is_binary
+
+    s = pieces[0] + _fernet(800 + 100 * seed, seed) + "".join(pieces[1:])
+    assert is_binary(s) == (_BINARY.fullmatch(s) is not None), s[:60]
+
+
+def test_sealed_reasoning_that_spells_a_key_by_chance_is_logged_as_it_is() -> None:
+    """A reasoning or compaction item's ``encrypted_content`` (Codex CLI sends every one back
+    each turn) is a Fernet token in URL-safe base64: one in ~1,200 of 4 KB holds ``-sk-`` and
+    20 more characters by chance, and its log copy was cut there (replay gave back an item the
+    provider cannot decrypt). A key beside it is still redacted, in a short line and a long one."""
+    import orjson
+
+    from proxy.redact import blank_binary
+
+    chance = _fernet(3000, 1, inside="-sk-" + "Ab3" * 10)
+    key = "sk-proj-" + "Zq9" * 16
+    item = {"type": "reasoning", "summary": [], "encrypted_content": chance}
+    assert redact(item) == item
+    assert redact({"type": "compaction", "encrypted_content": chance}) == {
+        "type": "compaction",
+        "encrypted_content": chance,
+    }
+    said = {"type": "message", "role": "user", "content": f"use {key}"}
+    out = redact([item, said])
+    assert out[0] == item and key not in str(out) and "[REDACTED]" in out[1]["content"]
+    # a URL-safe text that is no Fernet token is read as text, as before
+    assert "[REDACTED]" in str(redact({"encrypted_content": "x" * 1100 + "-" + key}))
+    # a long line (past 64 KB: its sealed items left out before it is looked through)
+    items = [{**item, "encrypted_content": _fernet(3000, seed)} for seed in range(40)]
+    items.append(item)
+    line = orjson.dumps({"input": items})
+    assert len(line) > 64 * 1024
+    assert not line_may_hold_secret(blank_binary(line))
+    with_key = orjson.dumps({"input": [*items, said]})
+    assert line_may_hold_secret(blank_binary(with_key))
+    assert redact({"input": [*items, said]})["input"][:-1] == items
+
+
 def test_a_long_line_whose_base64_spells_a_key_pattern_by_chance_needs_no_redaction() -> None:
     """Random base64 holds "xox" or "eyJ" about every 250 KB: a history with screenshots in it,
     logged whole, was redacted field by field for that (~60 ms for 8 MB, plus ~200 ms of scans
