@@ -400,6 +400,54 @@ def test_a_hit_ratios_denominator_counts_what_sessions_list_counts(
     assert (read, reported) == (8_000, 26_000)
 
 
+def test_a_responses_answer_without_cache_fields_counts_in_the_hit_ratio_as_chats_do(
+    metrics: Metrics, registry: CollectorRegistry
+) -> None:
+    """A Responses API answer without ``input_tokens_details`` after answers of its session
+    that had them is a read of 0 in the denominator, as on the chat route and in `sessions
+    list` (the dashboard's Responses hit ratio read 51.2% where the session's was 25.6%)."""
+    observer = MetricsObserver(metrics)
+    hit = Usage(prompt=2_000, completion=5, cache_read=1_024, reported_cache=True)
+    miss = Usage(prompt=2_000, completion=5)
+    for usage in (hit, miss, hit, miss):
+        ex = exchange(route="passthrough", path="responses", method="POST", model="gpt-4o")
+        ex.status, ex.usage, ex.cache_known = 200, usage, True
+        observer.on_response(ex)
+    reported = value(registry, "cachegate_cache_reported_prompt_tokens_total", model="gpt-4o")
+    assert reported == 8_000
+
+
+def test_a_remote_compactions_first_byte_is_timed_as_a_responses_answer(
+    metrics: Metrics, registry: CollectorRegistry
+) -> None:
+    observer = MetricsObserver(metrics)
+    for path in ("responses", "responses/compact", "models"):
+        ex = exchange(route="passthrough", path=path, method="POST", model="gpt-4o")
+        ex.status, ex.ttfb_s = 200, 0.4
+        observer.on_response(ex)
+    assert value(registry, "cachegate_time_to_first_byte_seconds_count", model="gpt-4o") == 2.0
+
+
+def test_long_model_names_are_not_kept_by_the_label_caches(metrics: Metrics) -> None:
+    """A client's model name can be as long as its body: 600 distinct names of 1 MB held 1.2 GB
+    in the metrics' caches, though each was labelled ``other`` (bounded in count only)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(50):
+            name = f"m{i}" + "x" * 200_000
+            metrics.observe_exchange("chat", name, 200, 0.1, 0.001, 0.05, None)
+            metrics.observe_cost(name, 0.0, 0.0)
+            assert metrics.model_label(name) == "other"
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 1_000_000, held  # (10 MB of names went by: none kept)
+    assert metrics.model_label("gpt-4o") == "gpt-4o"
+
+
 def test_observer_turns_exchanges_into_metrics(
     metrics: Metrics, registry: CollectorRegistry
 ) -> None:
