@@ -35,6 +35,7 @@ from proxy.usage import Usage, less
 _MAX_MODEL_TERMS = 256
 _MAX_UNANSWERED = 4096  # a session's requests forwarded and not yet accounted, kept by start
 _UNPRICED_SAID = 64  # model names said on stderr to have no prices, at most
+_NAME_KEPT = 256  # a longer model name (a client's: up to its body's size) is not kept
 # The shortest prefix Claude caches (Sonnet, Opus 4 and 4.1; a model's ``cache_min_tokens`` may
 # say more): a marked prefix shorter than this is not cached, and nothing is read or written.
 CLAUDE_MIN_CACHED: Final = 1024
@@ -736,6 +737,7 @@ class AccountingObserver:
         if not model_name or pricing.price_input or pricing.price_output:
             return False
         said = self._unpriced_said
+        model_name = model_name[:_NAME_KEPT]  # (a client's: up to its body's size)
         if model_name in said or len(said) > _UNPRICED_SAID:
             return False
         said.add(model_name)
@@ -785,7 +787,8 @@ class AccountingObserver:
             )
             floor = cache.cache_ttl_floor(model_name or "", ttl, model.dialect)
             terms = _Terms(name, ttl, pricing, marked_only, model.cache_min_tokens, floor)
-            self._terms[model_name] = terms
+            if model_name is None or len(model_name) <= _NAME_KEPT:  # (a longer one: each time)
+                self._terms[model_name] = terms
         return terms
 
     def on_request(self, ex: Exchange) -> None:

@@ -347,6 +347,32 @@ def test_models_without_prices_are_said_once_each_and_not_without_end(
     assert said[-1].startswith(f"more than {_UNPRICED_SAID} models have no prices")
 
 
+def test_long_model_names_are_not_kept_by_the_accounting(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A model name is the client's, as long as its body: the accounting's terms by model and
+    its no-prices notes keep none longer than 256 characters (they kept up to 256 and 64 names
+    of any length, past the session's own memory budget, which its requests count in)."""
+    from prometheus_client import CollectorRegistry
+
+    store = MemorySessionStore()
+    store.create("s1", 0.0)
+    accounting = AccountingObserver(
+        settings_from_mapping({}), store, Metrics(CollectorRegistry(), ())
+    )
+    with caplog.at_level(logging.INFO, logger="proxy.observers"):
+        for i in range(30):
+            ex = exchange(i + 1, msgs(f"task {i}"))
+            ex.model = f"local-{i}-" + "x" * 300_000
+            ex.usage, ex.status = Usage(5000, 10, 0, 0, True), 200
+            accounting.on_response(ex)
+            assert ex.cost is not None and ex.cost["actual"] == 0  # (accounted all the same)
+    kept = [*accounting._terms, *accounting._unpriced_said]
+    assert all(len(name or "") <= 256 for name in kept), [len(n or "") for n in kept]
+    said = [r.getMessage() for r in caplog.records if "has no prices" in r.getMessage()]
+    assert len(said) == 30  # each said once, as before
+
+
 def test_a_key_sent_as_a_model_name_is_not_shown_on_stderr(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
