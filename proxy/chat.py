@@ -1009,6 +1009,9 @@ class ChatPipeline:
                 except asyncio.CancelledError:
                     task = asyncio.current_task()
                     watch.stop()
+                    # the provider's refusal, counted as when the retry goes (not relayed: the
+                    # exchange's answer is none, or cachegate's own)
+                    notify(self.observers, "on_refused", ex)
                     if task is None:
                         raise
                     task.uncancel()
@@ -1025,6 +1028,7 @@ class ChatPipeline:
                     return
                 except ProxyError as err:  # nothing reached the client yet: OpenAI's shape
                     watch.stop()
+                    notify(self.observers, "on_refused", ex)  # (as above)
                     ex.status = err.status
                     ex.error = err.message
                     await send_error(send, err, extra)

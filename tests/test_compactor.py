@@ -992,7 +992,8 @@ def test_a_client_leaving_during_a_retrys_compaction_is_logged_with_its_whole_wa
     proxy_factory: Any,
 ) -> None:
     """Refused as too long, then compacted for the retry while the summarizer thinks: the
-    client gives up. Its line says 499 and how long it waited (it said the refusal's few ms)."""
+    client gives up. Its line says 499 and how long it waited (it said the refusal's few ms);
+    the refusal counts among the upstream's errors."""
     with run_simulator(SimConfig(context_window=3000, ttft_ms=3000)) as small:
         proxy = proxy_factory(
             small.api_base,
@@ -1016,9 +1017,13 @@ def test_a_client_leaving_during_a_retrys_compaction_is_logged_with_its_whole_wa
             if logged:
                 break
             time.sleep(0.05)
+        # the provider's refusal is an upstream error, as when the retry goes (it was not
+        # counted when the client left first)
+        refusals = proxy.metric("cachegate_upstream_errors_total", {"kind": "status"})
     (response,) = logged
     assert response["status"] == 499 and response["interrupted"] is True
     assert response["duration_s"] >= 0.9
+    assert refusals == 1
 
 
 def one_task(rounds: int, output_chars: int) -> list[dict[str, Any]]:
