@@ -42,7 +42,7 @@ from proxy.errors import (
     CLIENT_CLOSED,
     ProxyError,
     bad_request,
-    client_closed,
+    body_cut,
     http_date,
     too_large,
     websocket_unsupported,
@@ -413,9 +413,9 @@ class Gateway:
             return
         first = await receive()
         if first["type"] == "http.disconnect":  # gone before its body's first byte: not sent
-            ex.status = CLIENT_CLOSED
-            ex.error = "client disconnected while sending the request"
-            ex.interrupted = True
+            cut = body_cut(scope, "client disconnected while sending the request")
+            ex.status, ex.error = cut.status, cut.message
+            ex.interrupted = cut.status == CLIENT_CLOSED  # (else the server refused its body)
             notify(self.observers, "on_error", ex)
             return
         body = first.get("body", b"")
@@ -432,7 +432,7 @@ class Gateway:
                 while more:
                     message = await receive()
                     if message["type"] == "http.disconnect":
-                        raise client_closed("client disconnected")
+                        raise body_cut(scope, "client disconnected")
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     more = message.get("more_body", False)
@@ -602,7 +602,7 @@ class Gateway:
         try:
             refuse_announced(headers, self.settings.server.max_body_bytes)
             reading = time.perf_counter()
-            raw = await read_body(receive, self.settings.server.max_body_bytes)
+            raw = await read_body(receive, self.settings.server.max_body_bytes, scope)
             ex.client_wait_s = time.perf_counter() - reading
             ex.request_bytes = len(raw)
             try:

@@ -855,7 +855,7 @@ class ChatPipeline:
         try:
             refuse_announced(headers, self.settings.server.max_body_bytes)
             reading = time.perf_counter()
-            raw = await read_body(receive, self.settings.server.max_body_bytes)
+            raw = await read_body(receive, self.settings.server.max_body_bytes, scope)
             ex.client_wait_s = time.perf_counter() - reading
             coding = headers.get("content-encoding")
             if coding is not None and coding.strip().lower() not in ("", "identity"):

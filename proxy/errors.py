@@ -7,6 +7,8 @@ Upstream errors are never converted: they are relayed verbatim. Only what cacheg
 from __future__ import annotations
 
 import email.utils
+from collections.abc import Mapping
+from typing import Any
 
 import orjson
 
@@ -62,6 +64,22 @@ CLIENT_CLOSED = 499
 def client_closed(message: str) -> ProxyError:
     """The client hung up while sending its request."""
     return ProxyError(CLIENT_CLOSED, message, code="client_closed")
+
+
+# Where the HTTP server says it refused a request's body (malformed chunked framing, say) after
+# the app began answering it: a list in the request's scope, the 400's message put in it
+# (``proxy.serving``).
+REFUSED_BODY = "cachegate.refused_body"
+
+
+def body_cut(scope: Mapping[str, Any] | None, message: str) -> ProxyError:
+    """The request's body ended before it was whole: the client hung up (``client_closed``), or
+    the HTTP server refused the rest of it and answered 400 ``invalid_http`` itself, which the
+    exchange is then recorded with (it was counted a 499 and a client disconnect)."""
+    refused = scope.get(REFUSED_BODY) if scope is not None else None
+    if refused and isinstance(refused[0], str):
+        return ProxyError(400, refused[0], code="invalid_http")
+    return client_closed(message)
 
 
 def bad_request(

@@ -35,7 +35,7 @@ from proxy.errors import (
     CLIENT_CLOSED,
     ProxyError,
     bad_request,
-    client_closed,
+    body_cut,
     http_date,
     shutting_down,
     too_large,
@@ -387,13 +387,14 @@ def refuse_announced(headers: Mapping[str, str], limit: int) -> None:
         raise too_large(limit, unread=int(length) > 0)
 
 
-async def read_body(receive: Receive, limit: int) -> bytes:
+async def read_body(receive: Receive, limit: int, scope: Scope | None = None) -> bytes:
     """The whole request body; a 413 ``ProxyError`` past ``limit`` bytes, a 499 when the client
     leaves before it is whole (also before its first byte: read as an empty body, it was a 400
-    ``invalid_json`` counted as the client's error)."""
+    ``invalid_json`` counted as the client's error), a 400 ``invalid_http`` when the HTTP
+    server refused the rest of it (``body_cut``: ``scope`` says so)."""
     message = await receive()
     if message["type"] == "http.disconnect":
-        raise client_closed("client disconnected while sending the request")
+        raise body_cut(scope, "client disconnected while sending the request")
     body = message.get("body", b"")
     if not message.get("more_body", False):
         if len(body) > limit:
@@ -404,7 +405,7 @@ async def read_body(receive: Receive, limit: int) -> bytes:
     while message.get("more_body", False):
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise client_closed("client disconnected while sending the request")
+            raise body_cut(scope, "client disconnected while sending the request")
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
@@ -1266,6 +1267,9 @@ class Relay:
                 task.uncancel()
                 if not started:
                     ex.status = CLIENT_CLOSED  # no status was sent: the client left first
+                    refused = body_cut(scope, "")
+                    if refused.status != CLIENT_CLOSED:  # (the server refused its body, 400)
+                        ex.status, ex.error, ex.interrupted = 400, refused.message, False
                 elif (
                     direct.done_handed_over and not direct.dropped
                     if direct is not None
@@ -1294,6 +1298,11 @@ class Relay:
             ex.error = err.message
             if err.status == CLIENT_CLOSED:  # the client left while sending its body
                 ex.interrupted = True
+            cut = body_cut(scope, "") if not started else None
+            if cut is not None and cut.status != CLIENT_CLOSED:
+                # the server refused its body and answered that 400 itself, whatever came of
+                # the upstream request after (its connection refused, say)
+                ex.status, ex.error, ex.interrupted = 400, cut.message, False
             if (
                 ex.upstream_error in ("connect", "timeout")
                 or err.code == "upstream_connections_busy"

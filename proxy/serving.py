@@ -20,7 +20,7 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from proxy.errors import ProxyError, http_date
+from proxy.errors import REFUSED_BODY, ProxyError, http_date
 
 
 def listening_sockets(host: str, port: int) -> list[socket.socket]:
@@ -78,6 +78,9 @@ class HttpProtocol(HttpToolsProtocol):
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         self._active = cycle
+        # Where a refusal of its body is said (``send_400_response``): a list, so that the
+        # copies of the scope the app makes share it
+        cycle.scope[REFUSED_BODY] = []
         super()._start_asgi_task(cycle, app)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -120,10 +123,13 @@ class HttpProtocol(HttpToolsProtocol):
         count = getattr(self.app, "invalid_http", None)  # (cachegate's app: in its metrics)
         cycle = getattr(self, "cycle", None)
         if cycle is not None and cycle.more_body and not cycle.response_complete:
-            # refused in the body of the request the app is answering: it counts its client
-            # gone; one refused after a request whose body was all read (pipelined behind it)
-            # is a request of its own, counted here
+            # refused in the body of the request the app is answering: the app counts it (with
+            # this 400, which its scope now says: it had counted the client gone, a 499); one
+            # refused after a request whose body was all read (pipelined behind it) is a
+            # request of its own, counted here
             count = None
+            with contextlib.suppress(Exception):
+                cycle.scope[REFUSED_BODY].append(msg)
         if callable(count):
             with contextlib.suppress(Exception):  # (an observer: never the answer's failure)
                 method = self.parser.get_method() if self.parser is not None else b""

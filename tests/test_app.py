@@ -632,6 +632,9 @@ def test_a_session_id_given_twice_with_two_values_is_refused_not_guessed(
     assert r.status_code == 200 and r.headers["x-cachegate-session"] == "same"
 
 
+_CHUNKED = b" HTTP/1.1\r\nhost: 127.0.0.1\r\ntransfer-encoding: chunked\r\nx-session-id: cut\r\n\r\n"
+
+
 @pytest.mark.parametrize(
     ("request_head", "route"),
     [
@@ -643,19 +646,21 @@ def test_a_session_id_given_twice_with_two_values_is_refused_not_guessed(
             b"GET /v1/models HTTP/1.1\r\nhost: 127.0.0.1\r\nbad header\r\n\r\n",
             "passthrough",
         ),
-        # refused in its body (a bad chunk): the app began it, and counts it once (a 499)
-        (
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-            b"transfer-encoding: chunked\r\n\r\nZZZ\r\nabc\r\n",
-            "chat",
-        ),
+        # refused in its body (a bad chunk, first or after one): the app began it, and counts
+        # it once, with the 400 (it was a 499, and a client disconnect), on every route
+        (b"POST /v1/chat/completions" + _CHUNKED + b"ZZZ\r\nabc\r\n", "chat"),
+        (b"POST /v1/chat/completions" + _CHUNKED + b'5\r\n{"a":\r\nzz\r\n', "chat"),
+        (b"POST /v1/responses" + _CHUNKED + b'5\r\n{"a":\r\nzz\r\n', "passthrough"),
+        (b"POST /v1/embeddings" + _CHUNKED + b"ZZZ\r\nabc\r\n", "passthrough"),
+        (b"POST /v1/embeddings" + _CHUNKED + b'5\r\n{"a":\r\nzz\r\n', "passthrough"),
     ],
 )
 def test_a_request_the_parser_refuses_is_counted_in_the_metrics(
     request_head: bytes, route: str, proxy_factory: Any
 ) -> None:
     """uvicorn's parser answers these itself (400 ``invalid_http``), before the app: no
-    dashboard or error ratio showed a client that sent malformed requests."""
+    dashboard or error ratio showed a client that sent malformed requests. Each is counted
+    once, as the 400 it was answered with, and none as a client that left."""
     import socket
 
     proxy = proxy_factory("http://127.0.0.1:9/v1")
@@ -669,21 +674,24 @@ def test_a_request_the_parser_refuses_is_counted_in_the_metrics(
     assert answer.startswith(b"HTTP/1.1 400 ") and b"invalid_http" in answer
     counted = {"route": route, "model": "other"}
 
-    def total() -> float:  # (every status: a request before it may be a 502, a 499)
-        proxy.settle()
+    def total(status: str | None = None) -> float:  # (every status: a request before it may
+        proxy.settle()  # be a 502)
         return sum(
             sample.value
             for family in proxy.registry.collect()
             for sample in family.samples
             if sample.name == "cachegate_requests_total"
             and {k: sample.labels[k] for k in counted} == counted
+            and sample.labels["status"] == (status or sample.labels["status"])
         )
 
     requests = request_head.count(b"HTTP/1.1\r\n")
-    # (a request the app was answering counts its client gone once its task sees it)
+    # (a request the app was answering counts it once its task sees it)
     wait_for(lambda: total() >= before_total + requests, timeout=5)
     time.sleep(0.2)  # (and no second count of one refused body comes after it)
     assert total() == before_total + requests  # (each once: a refused body was a 400 and a 499)
+    assert total("400") == 1  # (the refused one: it was counted a 499)
+    assert proxy.metric("cachegate_client_disconnects_total") == 0
 
 
 def test_retention_deletes_the_log_of_a_session_idle_past_its_ttl_on_a_quiet_server(
