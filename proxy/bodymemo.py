@@ -768,6 +768,11 @@ def memo_key(raw: bytes, session_id: str | None, field: str = "messages") -> str
     return f"{kind}h:{hash(raw[:MIN_BYTES]):x}"
 
 
+def by_first_bytes(key: str) -> bool:
+    """Whether ``key`` (``memo_key``'s) files a body by its first bytes, not by its session."""
+    return key.startswith(("h:", "rh:"))
+
+
 class BodyMemos:
     """Recent memos by key, least recently used evicted first, bounded by the raw bytes they hold
     (the objects parsed from them take about three times as much again) and, with ``idle_s``,

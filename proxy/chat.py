@@ -552,7 +552,7 @@ class ChatPipeline:
             field=field,
         )
         filed = self.memos.put(key, memo, source=parsed.source, now=now)
-        if state is not None and key.startswith("h:"):
+        if state is not None and bodymemo.by_first_bytes(key):
             # Weak references: they hold nothing alive the memos have let go.
             filed_by: dict[str, weakref.ref[bodymemo.BodyMemo]]
             filed_by = state.extra.setdefault("body_memos", {})

@@ -884,3 +884,58 @@ def test_a_long_codex_session_is_read_in_what_each_turn_appended_and_repaired_al
     proxy.settle()
     rebuilt = replayed(proxy.log_dir, headers["session_id"])
     assert [again["input"] for again in rebuilt] == [r.body["input"] for r in received]
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_the_bodies_kept_for_a_forgotten_responses_session_are_let_go(
+    sim: RunningSimulator, proxy_factory: Any, explicit: bool
+) -> None:
+    """Responses sessions forgotten for count (4 held), with or without a session id: the
+    bodies kept for their next turn go with them (without an id, all 40 stayed: ~41 MB for
+    2,000 sessions of 22 KB, none of it in ``cachegate_sessions_memory_bytes``)."""
+    proxy = proxy_factory(sim.api_base, {"sessions": {"max_sessions": 4}})
+    for i in range(40):
+        task = f"task {i} " + "lorem ipsum dolor " * 1200
+        body = {
+            "model": "gpt-5",
+            "instructions": "sys",
+            "input": [{"role": "user", "content": task}],
+        }
+        headers = {"session_id": f"s{i}"} if explicit else {}
+        assert httpx.post(proxy.base_url + "/responses", json=body, headers=headers).is_success
+    proxy.settle()
+    kept = proxy.gateway.chat.memos.bytes
+    assert kept <= 4 * 2 * 23_000, kept  # (the held sessions' bodies)
+    assert kept > 0  # (those of the sessions held stay, for their next turn)
+
+
+def test_a_responses_agent_with_the_time_in_its_instructions_keeps_one_body_a_turn(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """Instructions with the time in them, no session id: each turn's first bytes differ, so
+    each is filed under a key of its own; the turn it carries on is let go (every turn's whole
+    body was kept: memory with the square of the session), and its items are still spliced."""
+    proxy = proxy_factory(sim.api_base)
+    rules = "Rules. " * 3000
+    items: list[Any] = [{"type": "message", "role": "user", "content": "Fix the failing test"}]
+    sizes = []
+    before = proxy.gateway.chat.memos.bytes
+    rounds = 12
+    sim.sim.enqueue([call_reply(f"c{turn}", f"ls {turn}") for turn in range(rounds)])
+    for turn in range(rounds):
+        body = {
+            "model": "gpt-5",
+            "instructions": f"It is 10:{turn:02d}. You are a coding agent. " + rules,
+            "input": items,
+        }
+        answer = httpx.post(proxy.base_url + "/responses", json=body)
+        assert answer.is_success, answer.text
+        sizes.append(len(sim.sim.requests[-1].raw))
+        items += answer.json()["output"]
+        items.append(
+            {"type": "function_call_output", "call_id": f"c{turn}", "output": f"{turn} " * 3000}
+        )
+    proxy.settle()
+    assert proxy.gateway.chat.spliced_parses == rounds - 2  # (as on the chat route)
+    # its last body (and its first: a one-item history tells no conversation from another)
+    assert proxy.gateway.chat.memos.bytes - before == sizes[0] + sizes[-1]
