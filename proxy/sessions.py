@@ -31,6 +31,7 @@ from proxy.prefix import (
     same_as_sent,
     same_json,
 )
+from proxy.redact import redact_text
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +73,14 @@ def explicit_session_id(headers: Mapping[str, str], path_id: str | None) -> str 
     to name a session) must be acceptable ids: ``ValueError`` otherwise. The other tools' headers
     are honoured when their value is an acceptable id and passed over when it is not (the next
     one is tried, then inference): a tracing tool's id need not fit a file name, and refusing it
-    would break a request that works without cachegate."""
+    would break a request that works without cachegate. An id that reads as a key (one a client
+    put there by mistake: ``sk-…``, ``AKIA…``) names no session: its log file's name, ``sessions
+    list`` and every metric would show it, where the log's lines have it redacted."""
     if path_id is not None:
         if not valid_session_id(path_id):
             raise ValueError(_invalid("path"))
+        if _secret(path_id):
+            raise ValueError(_secret_said("path"))
         return path_id
     if headers.keys().isdisjoint(SESSION_HEADERS):  # the usual answer, in one call
         return None
@@ -83,12 +88,26 @@ def explicit_session_id(headers: Mapping[str, str], path_id: str | None) -> str 
     if own is not None:
         if not valid_session_id(own):
             raise ValueError(_invalid("x-session-id"))
+        if _secret(own):
+            raise ValueError(_secret_said("x-session-id"))
         return own
     for name in SESSION_HEADERS[1:]:
         value = headers.get(name)
-        if value is not None and valid_session_id(value):
+        if value is not None and valid_session_id(value) and not _secret(value):
             return value
     return None
+
+
+def _secret(value: str) -> bool:
+    """Whether a session id reads as a key (~1 µs: the log's redaction, on a short text)."""
+    return redact_text(value) != value
+
+
+def _secret_said(source: str) -> str:
+    return (
+        f"Invalid session id in {source}: it reads as an API key or another secret, and a session"
+        " id names its log file; cachegate writes no key anywhere"
+    )
 
 
 def _invalid(source: str) -> str:

@@ -476,6 +476,34 @@ def test_hostile_ids_are_400_in_openai_shape_and_touch_no_path(
     assert tree(tmp_path) == before == {"a", "a/b", "a/b/logs", "a/b/logs/.gitignore"}
 
 
+def test_a_key_sent_as_a_session_id_names_no_file_and_no_session(
+    sim: RunningSimulator, deep_proxy: Any, tmp_path: Path
+) -> None:
+    """A client that put its API key where the session id goes: the log's lines had it
+    redacted, but the log file was named by it and `sessions list` printed it whole. In
+    cachegate's own headers and the path it is a 400 naming why; in another tool's header it is
+    passed over (the session found as without one)."""
+    proxy = deep_proxy
+    key = "sk-proj-ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    for headers, url in (
+        ({"X-Session-Id": key}, proxy.base_url),
+        ({}, f"{proxy.url}/s/{key}/v1"),
+    ):
+        r = httpx.post(url + "/chat/completions", json=HELLO, headers=headers)
+        assert r.status_code == 400
+        error = r.json()["error"]
+        assert error["code"] == "invalid_session_id" and "reads as an API key" in error["message"]
+        assert key.encode() not in r.content
+    r = httpx.post(proxy.base_url + "/chat/completions", json=HELLO, headers={"session_id": key})
+    assert r.status_code == 200 and r.headers["x-cachegate-session"] != key
+    flush(proxy)
+    logs = [p.name for p in (tmp_path / "a" / "b" / "logs").iterdir()]
+    assert logs and not any(key in name for name in logs), logs
+    assert all(
+        key.encode() not in p.read_bytes() for p in (tmp_path / "a" / "b" / "logs").iterdir()
+    )
+
+
 def test_a_slash_smuggled_into_the_path_id_is_a_400_not_a_file(
     sim: RunningSimulator, deep_proxy: Any, tmp_path: Path
 ) -> None:
