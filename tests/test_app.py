@@ -632,7 +632,9 @@ def test_a_session_id_given_twice_with_two_values_is_refused_not_guessed(
     assert r.status_code == 200 and r.headers["x-cachegate-session"] == "same"
 
 
-_CHUNKED = b" HTTP/1.1\r\nhost: 127.0.0.1\r\ntransfer-encoding: chunked\r\nx-session-id: cut\r\n\r\n"
+_CHUNKED = (
+    b" HTTP/1.1\r\nhost: 127.0.0.1\r\ntransfer-encoding: chunked\r\nx-session-id: cut\r\n\r\n"
+)
 
 
 @pytest.mark.parametrize(
