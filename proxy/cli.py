@@ -597,6 +597,14 @@ def _sessions(ns: argparse.Namespace) -> int:
         return 2
     log_dir = ns.log_dir or os.environ.get("CACHEGATE_LOG_DIR")
     config_file = getattr(ns, "config", None)
+    for name, used in (
+        ("CACHEGATE_LOG_DIR", not ns.log_dir),
+        ("CACHEGATE_CONFIG", not log_dir and config_file is None),
+    ):
+        value = os.environ.get(name)
+        if used and value and not value.strip():  # (as serve refuses it; empty is unset)
+            print(f"cachegate: {name}: only spaces; give a path, or unset it", file=sys.stderr)
+            return 2
     if config_file is not None and not config_file.strip():  # (as serve refuses it)
         print(
             "cachegate: --config: empty; give a TOML file, or leave the flag out", file=sys.stderr

@@ -765,6 +765,8 @@ def load_settings(
     if config_file is not None and not config_file.strip():  # (an unset shell variable's "$X")
         raise ConfigError("--config: empty; give a TOML file, or leave the flag out")
     path = config_file or env.get("CACHEGATE_CONFIG") or None
+    if path is not None and not path.strip():  # (set to spaces: no file, said as such)
+        raise ConfigError("CACHEGATE_CONFIG: only spaces; give a TOML file, or unset it")
     settings = Settings()
     if path:
         try:

@@ -1888,6 +1888,8 @@ def _open_log(path: str | os.PathLike[str]) -> int:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise NotALogFile(f"{os.fspath(path)} is a symbolic link, not a log file") from None
+        if exc.errno == errno.ENXIO:  # (a socket: no file to open; "No such device" said)
+            raise NotALogFile(f"{os.fspath(path)} is not a log file (not a regular file)") from None
         raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):

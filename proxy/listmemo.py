@@ -39,12 +39,13 @@ Key = tuple[int, int, int, int, int]
 
 def cache_dir(environ: dict[str, str] | None = None) -> str | None:
     """Where memos go: ``$XDG_CACHE_HOME/cachegate`` (an absolute path only, as the XDG
-    specification says), else ``~/.cache/cachegate``; None with no home directory."""
+    specification says), else ``~/.cache/cachegate``; None with no home directory, or one
+    that does not exist (a service user's ``/nonexistent``, which is never to be made)."""
     env = os.environ if environ is None else environ
     base = env.get("XDG_CACHE_HOME", "")
     if not os.path.isabs(base):
         home = os.path.expanduser("~")
-        if not os.path.isabs(home):
+        if not os.path.isabs(home) or not os.path.isdir(home):
             return None
         base = os.path.join(home, ".cache")
     return os.path.join(base, "cachegate")

@@ -193,6 +193,21 @@ def test_log_dir_from_the_group_option_or_the_environment(
             failed = run_cli("sessions", "--log-dir", empty, *action)
             assert failed.code == 2 and failed.out == ""
             assert failed.err.startswith("cachegate: --log-dir: empty;")
+    # a variable of spaces alone is refused as serve refuses it (a directory named " " was
+    # read); one the flags stand in for is not read
+    for name in ("CACHEGATE_LOG_DIR", "CACHEGATE_CONFIG"):
+        monkeypatch.delenv("CACHEGATE_LOG_DIR")
+        monkeypatch.setenv(name, "  ")
+        failed = run_cli("sessions", "list")
+        assert (
+            failed.code == 2
+            and failed.err == f"cachegate: {name}: only spaces; give a path, or unset it\n"
+        )
+        assert (
+            run_cli("sessions", "list", "--log-dir", str(logged.log_dir), "--json").out == expected
+        )
+        monkeypatch.setenv("CACHEGATE_LOG_DIR", str(logged.log_dir))
+    monkeypatch.delenv("CACHEGATE_CONFIG")
 
 
 def test_log_dir_from_the_config_file_serve_was_given(
@@ -515,8 +530,8 @@ def test_a_log_directory_that_is_a_file_is_said_in_one_line(
 def test_a_log_path_that_is_no_regular_file_is_refused_in_one_line_never_read(
     tmp_path: Path,
 ) -> None:
-    """A directory, a FIFO (reading one would hang) or a link named like a session's log: show
-    says so and exits 1, list passes over them; a --log-dir that is a file says what it is."""
+    """A directory, a FIFO (reading one would hang), a socket or a link named like a session's
+    log: show says so and exits 1, list passes over them; a --log-dir that is a file says what it is."""
     import os
 
     log_dir = tmp_path / "logs"
@@ -526,7 +541,11 @@ def test_a_log_path_that_is_no_regular_file_is_refused_in_one_line_never_read(
     secret = tmp_path / "elsewhere.txt"
     secret.write_text('{"ts":1.0,"type":"session_meta","session":"x"}\n')
     (log_dir / "link.jsonl").symlink_to(secret)
-    for sid in ("adir", "pipe", "link"):
+    import socket
+
+    listening = socket.socket(socket.AF_UNIX)  # (open() of one: "No such device or address")
+    listening.bind(str(log_dir / "sock.jsonl"))
+    for sid in ("adir", "pipe", "link", "sock"):
         result = run_cli("sessions", "show", sid, "--log-dir", str(log_dir))
         assert result.code == 1, sid
         assert "not a log file" in result.err and "Traceback" not in result.err
@@ -534,6 +553,7 @@ def test_a_log_path_that_is_no_regular_file_is_refused_in_one_line_never_read(
     assert listed.code == 0 and orjson.loads(listed.out) == []
     not_dir = run_cli("sessions", "list", "--log-dir", str(secret))
     assert not_dir.code == 1 and "is not a directory" in not_dir.err
+    listening.close()
 
 
 def _cli_process(*args: str, **env: str) -> subprocess.CompletedProcess[bytes]:
@@ -547,8 +567,9 @@ def _cli_process(*args: str, **env: str) -> subprocess.CompletedProcess[bytes]:
 
 
 def test_a_socket_named_like_a_log_is_named_and_passed_over(tmp_path: Path) -> None:
-    """A file that opens with an error other than a permission (a socket: ENXIO; an I/O error)
-    was a traceback, and list then printed no session at all."""
+    """A socket (open() fails with ENXIO) was a traceback, and list then printed no session at
+    all; then "No such device or address" (a review: misleading): it is no log file, as a FIFO
+    is not, passed over by list and named so by show."""
     import socket
 
     log_dir = tmp_path / "logs"
@@ -560,10 +581,10 @@ def test_a_socket_named_like_a_log_is_named_and_passed_over(tmp_path: Path) -> N
         sock.bind(str(log_dir / "sock.jsonl"))
         listed = run_cli("sessions", "list", "--log-dir", str(log_dir), "--json")
         assert listed.code == 0 and [s["session"] for s in orjson.loads(listed.out)] == ["ok"]
-        assert "sock.jsonl: No such device or address (left out)" in listed.err
+        assert listed.err == ""  # (as for a FIFO or a directory named like a log)
         shown = run_cli("sessions", "show", "sock", "--log-dir", str(log_dir))
         assert shown.code == 1 and "Traceback" not in shown.err
-        assert "sock.jsonl: No such device or address" in shown.err
+        assert "sock.jsonl is not a log file (not a regular file)" in shown.err
 
 
 def test_output_to_a_full_disk_is_one_line_not_a_traceback(logged: Logged) -> None:

@@ -192,6 +192,13 @@ def test_an_empty_host_or_log_dir_from_a_flag_is_refused_too() -> None:
             load_settings(None, {option: ""}, environ={})
 
 
+def test_a_config_variable_of_spaces_is_said_so() -> None:
+    """It said ``config file not found:  `` (a name of spaces, unseen); an empty one is unset."""
+    with pytest.raises(ConfigError, match=r"^CACHEGATE_CONFIG: only spaces; give a TOML file"):
+        load_settings(None, {}, environ={"CACHEGATE_CONFIG": "  "})
+    assert load_settings(None, {}, environ={"CACHEGATE_CONFIG": ""}).server.port == 8787
+
+
 def test_the_fallback_model_table_applies_wherever_the_file_puts_it(tmp_path: Path) -> None:
     for order in (("my-model", "*"), ("*", "my-model")):
         tables = {

@@ -241,6 +241,24 @@ def test_without_a_writable_cache_directory_the_listing_is_the_same(
     assert sorted(reads) == ["alpha.jsonl", "alpha.jsonl", "beta.jsonl", "beta.jsonl"]
 
 
+def test_a_home_that_does_not_exist_is_not_made(
+    log_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A service user's home is ``/nonexistent`` (Debian's convention), never to exist: a
+    read-only `sessions list` made it, and ``.cache/cachegate`` in it. No memo then; the listing
+    is the same."""
+    home = tmp_path / "nonexistent"
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    assert listmemo.cache_dir() is None
+    first = listed(log_dir)
+    assert listed(log_dir) == first and "alpha" in first
+    assert not home.exists()
+    home.mkdir()  # (a home that exists has its cache made in it)
+    listed(log_dir)
+    assert memo_files(home / ".cache")
+
+
 def test_the_cache_directory_follows_xdg(tmp_path: Path) -> None:
     assert listmemo.cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == str(tmp_path / "cachegate")
     home = os.path.expanduser("~")
