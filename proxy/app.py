@@ -68,6 +68,7 @@ from proxy.sessions import (
     SessionState,
     anchor_of,
     explicit_session_id,
+    reads_as_key,
     valid_session_id,
 )
 from proxy.upstream import SizedStream, UpstreamPool, ssl_context
@@ -546,8 +547,8 @@ class Gateway:
             conversation = conversation.get("id")
         if conversation is not None:
             whole = False
-            if valid_session_id(conversation):
-                named = conversation
+            if valid_session_id(conversation) and not reads_as_key(conversation):
+                named = conversation  # (one that reads as a key names no log file: passed over)
         previous = body.get("previous_response_id")
         if isinstance(previous, str) and previous:
             whole = False

@@ -122,7 +122,12 @@ class HttpProtocol(HttpToolsProtocol):
         body = ProxyError(400, msg, code="invalid_http").body()
         count = getattr(self.app, "invalid_http", None)  # (cachegate's app: in its metrics)
         cycle = getattr(self, "cycle", None)
-        if cycle is not None and cycle.more_body and not cycle.response_complete:
+        if (
+            cycle is not None
+            and cycle is self._active
+            and cycle.more_body
+            and not cycle.response_complete
+        ):
             # refused in the body of the request the app is answering: the app counts it (with
             # this 400, which its scope now says: it had counted the client gone, a 499); one
             # refused after a request whose body was all read (pipelined behind it) is a
@@ -167,6 +172,7 @@ class HttpProtocol(HttpToolsProtocol):
             parser.feed_data(b"POST / HTTP/1.1\r\n" + framing + b"\r\n\r\n")
         except httptools.HttpParserError:
             self.cycle.disconnected = True  # the app, if it runs, sees the client gone
+            self.cycle.more_body = True  # (its body refused: the app's request, counted there)
             self.send_400_response("Invalid HTTP request received.")
             return False
         self.parser = parser

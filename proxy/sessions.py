@@ -79,7 +79,7 @@ def explicit_session_id(headers: Mapping[str, str], path_id: str | None) -> str 
     if path_id is not None:
         if not valid_session_id(path_id):
             raise ValueError(_invalid("path"))
-        if _secret(path_id):
+        if reads_as_key(path_id):
             raise ValueError(_secret_said("path"))
         return path_id
     if headers.keys().isdisjoint(SESSION_HEADERS):  # the usual answer, in one call
@@ -88,19 +88,28 @@ def explicit_session_id(headers: Mapping[str, str], path_id: str | None) -> str 
     if own is not None:
         if not valid_session_id(own):
             raise ValueError(_invalid("x-session-id"))
-        if _secret(own):
+        if reads_as_key(own):
             raise ValueError(_secret_said("x-session-id"))
         return own
     for name in SESSION_HEADERS[1:]:
         value = headers.get(name)
-        if value is not None and valid_session_id(value) and not _secret(value):
+        if value is not None and valid_session_id(value) and not reads_as_key(value):
             return value
     return None
 
 
-def _secret(value: str) -> bool:
-    """Whether a session id reads as a key (~1 µs: the log's redaction, on a short text)."""
-    return redact_text(value) != value
+def reads_as_key(value: str) -> bool:
+    """Whether a session id reads as a key: the log's redaction takes something out of it (~1
+    µs on a short text), and it holds a key's random run, 16 letters and digits or more with
+    both in it (``sk-learn-pipeline-debugging``, ``eval_sk-learn_regression_2024_run_07`` are
+    names, which the redaction's ``sk-`` pattern takes too)."""
+    return redact_text(value) != value and any(
+        len(run) >= 16 and not run.isalpha() and not run.isdigit()
+        for run in _ALNUM_RUNS.findall(value)
+    )
+
+
+_ALNUM_RUNS: Final = re.compile(r"[A-Za-z0-9]+")
 
 
 def _secret_said(source: str) -> str:

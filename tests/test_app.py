@@ -655,6 +655,12 @@ _CHUNKED = (
         (b"POST /v1/responses" + _CHUNKED + b'5\r\n{"a":\r\nzz\r\n', "passthrough"),
         (b"POST /v1/embeddings" + _CHUNKED + b"ZZZ\r\nabc\r\n", "passthrough"),
         (b"POST /v1/embeddings" + _CHUNKED + b'5\r\n{"a":\r\nzz\r\n', "passthrough"),
+        # an upgrade offer (h2c) whose body's framing cachegate's own parser refuses
+        (
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: Upgrade\r\n"
+            b"upgrade: h2c\r\ntransfer-encoding: gzip\r\n\r\n",
+            "chat",
+        ),
     ],
 )
 def test_a_request_the_parser_refuses_is_counted_in_the_metrics(
@@ -694,6 +700,38 @@ def test_a_request_the_parser_refuses_is_counted_in_the_metrics(
     assert total() == before_total + requests  # (each once: a refused body was a 400 and a 499)
     assert total("400") == 1  # (the refused one: it was counted a 499)
     assert proxy.metric("cachegate_client_disconnects_total") == 0
+
+
+def test_a_pipelined_request_refused_in_its_body_is_counted_by_the_server(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """Behind a whole request, one whose body the parser refuses never reaches the app: the
+    server counts its 400 (it was counted nowhere)."""
+    import socket
+
+    proxy = proxy_factory(sim.api_base)
+    body = b'{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}'
+    whole = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: "
+        b"application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+    )
+    refused = b"POST /v1/chat/completions" + _CHUNKED + b"10\r\n" + b"x" * 16 + b"\r\nZZ\r\n"
+    with socket.create_connection(("127.0.0.1", proxy.server.port)) as s:
+        s.settimeout(10)
+        s.sendall(whole + refused)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert b"invalid_http" in answer
+    wait_for(
+        lambda: (
+            proxy.metric(
+                "cachegate_requests_total", {"route": "chat", "model": "other", "status": "400"}
+            )
+            == 1
+        ),
+        timeout=5,
+    )
 
 
 def test_retention_deletes_the_log_of_a_session_idle_past_its_ttl_on_a_quiet_server(

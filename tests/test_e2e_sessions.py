@@ -496,6 +496,16 @@ def test_a_key_sent_as_a_session_id_names_no_file_and_no_session(
         assert key.encode() not in r.content
     r = httpx.post(proxy.base_url + "/chat/completions", json=HELLO, headers={"session_id": key})
     assert r.status_code == 200 and r.headers["x-cachegate-session"] != key
+    # nor a Responses API conversation's id (it names its session)
+    body = {"model": "gpt-4o", "conversation": key, "input": "hi"}
+    r = httpx.post(proxy.base_url + "/responses", json=body)
+    assert r.status_code == 200 and r.headers["x-cachegate-session"] != key
+    # a name the redaction's sk- pattern takes too, with no key's random run in it, is a name
+    for name in ("sk-learn-pipeline-debugging", "eval_sk-learn_regression_2024_run_07"):
+        r = httpx.post(
+            proxy.base_url + "/chat/completions", json=HELLO, headers={"X-Session-Id": name}
+        )
+        assert r.status_code == 200 and r.headers["x-cachegate-session"] == name
     flush(proxy)
     logs = [p.name for p in (tmp_path / "a" / "b" / "logs").iterdir()]
     assert logs and not any(key in name for name in logs), logs
