@@ -937,6 +937,10 @@ _ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 _RELAYED_METHODS = frozenset(_ALL_METHODS)
 
 
+# cachegate's own routes, which add no key: listening beyond the machine, their Host is not judged
+_KEYLESS_PATHS = frozenset({"/metrics", "/healthz"})
+
+
 class CachegateApp(Starlette):
     """Starlette, with the relayed routes dispatched before its middleware and router.
 
@@ -953,7 +957,7 @@ class CachegateApp(Starlette):
     async def __call__(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
         if scope["type"] == "http":
             headers = header_map(scope)  # type: ignore[arg-type]
-            refusal = self.guard.refusal(headers)
+            refusal = self.guard.refusal(headers, scope["path"] in _KEYLESS_PATHS)
             if refusal is None and headers.get("upgrade", "").lower().find("websocket") >= 0:
                 refusal = websocket_unsupported()
             if refusal is not None:

@@ -16,7 +16,13 @@ rebinding) can read the answers too. Three checks, on the request's headers alon
   host. Accepted: loopback names (``localhost``, ``*.localhost``, ``127.x.x.x``, ``::1``), the
   names containers use for the host (``host.docker.internal``, ``gateway.docker.internal``,
   ``host.containers.internal``) and those listed in ``server.allowed_hosts``; any other is
-  refused, whatever the browser.
+  refused, whatever the browser. Listening beyond the machine (``0.0.0.0`` in a container),
+  clients use names of their own, but a name in public DNS (a dotted one) can still be a
+  rebound page's: browsers send no ``Sec-Fetch-Site`` to a plain-``http`` name, so a rebound
+  page's same-origin GET carried nothing else to tell it by, and read the answer. Such a name
+  is refused there too unless listed; an address, a name without a dot (a compose service's),
+  this machine's name and private-use names (``.local``, ``.internal``, ``.lan``,
+  ``.home.arpa``, ``.localdomain``), which no page on the web can be at, are accepted.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from proxy.errors import ProxyError
 CONTAINER_HOST_NAMES = frozenset(
     {"host.docker.internal", "gateway.docker.internal", "host.containers.internal"}
 )
+# Names no page on the web can be at (not in public DNS: mDNS, ICANN's private-use TLD, RFC 8375)
+PRIVATE_SUFFIXES = (".local", ".internal", ".lan", ".home.arpa", ".localdomain", ".localhost")
 _DEFAULT_PORTS = {"http": ":80", "https": ":443"}
 _MEMO_LIMIT = 64  # verdicts remembered: a client sends the same Host (and Origin) every time
 
@@ -195,13 +203,18 @@ class BrowserGuard:
         self.check_host = binds_loopback(bind_host)
         if self.check_host and not is_loopback_name(bind_host):  # its own name, by which it
             self.allowed_hosts |= {bind_host.strip().lower().rstrip(".")}  # is reached
+        elif not self.check_host:  # (beyond the machine: by its own name and the one bound)
+            own = {socket.gethostname(), bind_host}
+            self.allowed_hosts |= {n.strip().lower().rstrip(".") for n in own if n.strip()}
         # Verdicts of headers seen (allowed ones only, bounded): the check then costs a lookup.
         self._hosts: set[str] = set()
         self._origins: set[str] = set()
 
-    def refusal(self, headers: Mapping[str, str]) -> ProxyError | None:
+    def refusal(self, headers: Mapping[str, str], keyless: bool = False) -> ProxyError | None:
         """None for a request to serve; else the error to answer (403). ``headers``: names in
-        lower case, as ``proxy.chat.header_map`` gives them."""
+        lower case, as ``proxy.chat.header_map`` gives them. ``keyless``: a request of
+        cachegate's own (``/metrics``, ``/healthz``), to which no key is added: listening beyond
+        the machine, a Prometheus scraping it by a name of its own is not refused."""
         origin = headers.get("origin")
         if origin is not None:
             if origin not in self._origins:
@@ -231,8 +244,8 @@ class BrowserGuard:
                 code="forbidden_origin",
             )
         host = headers.get("host")
-        if self.check_host and host is not None and host not in self._hosts:
-            if not self._host_ok(host):
+        if host is not None and host not in self._hosts:
+            if self.check_host and not self._host_ok(host):
                 return ProxyError(
                     403,
                     f"Host {host!r} is not a loopback name: cachegate listens on this machine only "
@@ -241,9 +254,31 @@ class BrowserGuard:
                     "server.allowed_hosts.",
                     code="forbidden_host",
                 )
-            if len(self._hosts) < _MEMO_LIMIT:
+            if not self.check_host and not keyless and not self._unrebindable(host):
+                return ProxyError(
+                    403,
+                    f"Host {host!r} is a name in public DNS, which a web page can re-point at "
+                    "this machine (DNS rebinding) and read answers made with your key: list it "
+                    "in server.allowed_hosts if clients reach cachegate by it (an address, a "
+                    "name without a dot and names under .local, .internal, .lan, .home.arpa "
+                    "are accepted).",
+                    code="forbidden_host",
+                )
+            if len(self._hosts) < _MEMO_LIMIT and (self.check_host or not keyless):
                 self._hosts.add(host)
         return None
+
+    def _unrebindable(self, host: str) -> bool:
+        """Listening beyond the machine: a ``Host`` no web page can be at (``_host_ok``'s, an
+        address, a name without a dot, a private-use name), or a listed one."""
+        if self._host_ok(host):
+            return True
+        if "," in host:
+            return False
+        name = host_of_header(host).lower().rstrip(".")
+        if name.startswith("[") or parse_address(name) is not None:
+            return True
+        return "." not in name or name.endswith(PRIVATE_SUFFIXES)
 
     def _host_ok(self, host: str | None) -> bool:
         """A loopback name, a container's name for the host, or a listed one (no Host: none to

@@ -149,11 +149,29 @@ def test_listed_names_containers_and_schemes() -> None:
 
 
 def test_bound_to_all_addresses_other_names_are_fine_but_pages_are_not() -> None:
-    guard = BrowserGuard("0.0.0.0")  # a container: clients reach it by the service's name
-    assert _refusal(guard, host="cachegate:8787") is None
+    guard = BrowserGuard("0.0.0.0", allowed_hosts=["gateway.corp.example"])
+    # a container: clients reach it by the service's name, an address, a private-use name
+    for host in (
+        "cachegate:8787",
+        "172.18.0.3:8787",
+        "[fd00::3]:8787",
+        "devbox.local:8787",
+        "cachegate.internal",
+        "nas.home.arpa:8787",
+        "gateway.corp.example:8787",  # (listed)
+        "host.docker.internal:8787",
+        "localhost:8787",
+    ):
+        assert _refusal(guard, host=host) is None, host
     assert _refusal(guard, host="cachegate:8787", origin="https://evil.example") == (
         "forbidden_origin"
     )
+    # A name in public DNS is a page's to re-point at this machine: browsers send no
+    # Sec-Fetch-Site to a plain-http name, so a rebound page's same-origin GET carries no
+    # header but its Host (it read, with the user's key, what cachegate answered)
+    for host in ("rebind.attacker.example:8787", "evil.example", "a.b.c.d.e.com:80"):
+        assert _refusal(guard, host=host) == "forbidden_host", host
+    assert _refusal(guard, host="cachegate:8787, evil.example") == "forbidden_host"
 
 
 @pytest.mark.parametrize(
@@ -301,9 +319,9 @@ def test_allowed_origins_lets_a_listed_page_through(
 def test_in_a_container_a_rebound_pages_read_is_refused_and_the_service_name_served(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
-    """docker-compose: cachegate listens on 0.0.0.0 (published on the host's 127.0.0.1), so no
-    Host check; a rebound page's same-origin read is still refused, Prometheus's scrape by the
-    service's name is not."""
+    """docker-compose: cachegate listens on 0.0.0.0 (published on the host's 127.0.0.1); a
+    rebound page's same-origin read is refused, with a browser's Fetch Metadata or without
+    (none is sent to a plain-http name), Prometheus's scrape by the service's name is not."""
     proxy = proxy_factory(sim.api_base, {"server": {"host": "0.0.0.0"}})
     read = httpx.get(
         proxy.base_url + "/models",
@@ -315,9 +333,22 @@ def test_in_a_container_a_rebound_pages_read_is_refused_and_the_service_name_ser
     )
     assert read.status_code == 403
     assert read.json()["error"]["code"] == "forbidden_origin"
+    bare = httpx.get(  # (what Firefox or Safari sends for a rebound page's fetch("/v1/models"))
+        proxy.base_url + "/models",
+        headers={"host": "rebind.evil.example:8787", "referer": "http://rebind.evil.example:8787/"},
+    )
+    assert bare.status_code == 403 and bare.json()["error"]["code"] == "forbidden_host"
     assert sim.sim.requests == []
     scrape = httpx.get(proxy.url + "/metrics", headers={"host": "cachegate:8787"})
     assert scrape.status_code == 200
+    # a Prometheus elsewhere scraping it by a name in DNS: no key is added there, not refused
+    for path in ("/metrics", "/healthz"):
+        far = httpx.get(proxy.url + path, headers={"host": "devbox.corp.example:8787"})
+        assert far.status_code == 200, path
+    assert (
+        httpx.get(proxy.base_url + "/models", headers={"host": "devbox.corp.example"}).status_code
+        == 403
+    )
     models = httpx.get(proxy.base_url + "/models", headers={"host": "cachegate:8787"})
     assert models.status_code == 200
 
@@ -347,4 +378,10 @@ def test_bound_by_a_name_of_this_machine_the_host_is_still_checked(
     assert refused is not None and refused.code == "forbidden_host"
     assert guard.refusal({"host": "vm:8787"}) is None  # reached by the name it was bound by
     assert guard.refusal({"host": "127.0.0.1:8787"}) is None
-    assert BrowserGuard("lan-box").refusal({"host": "rebound.evil.example"}) is None
+    # bound beyond the machine, a dotted name is still a page's to rebind: refused unless listed
+    lan = BrowserGuard("lan-box")
+    refused = lan.refusal({"host": "rebound.evil.example"})
+    assert refused is not None and refused.code == "forbidden_host"
+    assert (
+        lan.refusal({"host": "lan-box:8787"}) is None and lan.refusal({"host": "lan-box"}) is None
+    )
