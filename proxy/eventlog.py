@@ -1255,6 +1255,23 @@ def _writable_by_others(st: os.stat_result) -> bool:
     return bool(st.st_mode & 0o022) or (_UID is not None and st.st_uid != _UID)
 
 
+def make_private_dirs(path: str | os.PathLike[str]) -> None:
+    """``os.makedirs(path, exist_ok=True)``, each directory it makes 0700 (``makedirs`` gives
+    the mode to the last one only, its parents the umask's: 0777 under ``umask 000``, where any
+    user could rename the log directory away and put one of theirs in its place)."""
+    path = os.path.abspath(path)
+    missing: list[str] = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # (made meanwhile by another process)
+            os.mkdir(directory, 0o700)
+
+
 def _prepare_log_dir(log_dir: str | os.PathLike[str], warn: Callable[..., None]) -> bool:
     """Create the log directory (0700) with a ``.gitignore`` that ignores everything in it: the
     default directory is relative, often inside the repository an agent works in, and the logs
@@ -1266,7 +1283,7 @@ def _prepare_log_dir(log_dir: str | os.PathLike[str], warn: Callable[..., None])
         try:
             os.mkdir(log_dir, 0o700)
         except FileNotFoundError:  # its parents first, then the directory itself, as here
-            os.makedirs(os.path.dirname(os.path.abspath(log_dir)), exist_ok=True)
+            make_private_dirs(os.path.dirname(os.path.abspath(log_dir)))
             os.mkdir(log_dir, 0o700)
     except FileExistsError:  # (also when another process made it meanwhile)
         try:

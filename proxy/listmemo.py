@@ -158,7 +158,7 @@ class SummaryMemo:
         directory = os.path.dirname(self.path)
         tmp = None
         try:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
+            eventlog.make_private_dirs(directory)  # (each one it makes 0700)
             fd, tmp = tempfile.mkstemp(prefix=".list-", suffix=".tmp", dir=directory)
             with open(fd, "wb") as f:
                 f.write(orjson.dumps(data))

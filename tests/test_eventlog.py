@@ -535,6 +535,20 @@ def test_replay_leaves_out_a_line_whose_head_cannot_be_applied(caplog) -> None:
 HOSTILE_IDS = ["../../x", "a" * 200, "a\x00b", "séance", "ℌ", "..", ".", "", "a/b", "a\n", "/etc/x"]
 
 
+def test_the_parents_a_new_log_directory_needs_are_private_too(tmp_path: Path, writers) -> None:
+    """``--log-dir a/b/logs`` made ``a`` and ``a/b`` with the umask's mode, 0777 under ``umask
+    000``: any user could then rename the log directory away and put one of theirs there."""
+    old = os.umask(0)
+    try:
+        w = started(writers, tmp_path / "a" / "b" / "logs")
+        assert w.emit("s1", {"type": "error", "message": "x"})
+        assert w.close()
+    finally:
+        os.umask(old)
+    for made in ("a", "a/b", "a/b/logs"):
+        assert stat.S_IMODE((tmp_path / made).stat().st_mode) == 0o700, made
+
+
 def test_a_new_log_directory_is_private_and_kept_out_of_git(tmp_path: Path, writers) -> None:
     """The default directory (``./cachegate-logs``) is relative: started in a repository, the
     logs (prompts, tool outputs) would show up in ``git status`` and go out with ``git add -A``."""

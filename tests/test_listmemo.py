@@ -160,6 +160,23 @@ def test_a_removed_log_leaves_the_listing_and_the_memo(log_dir: Path, tmp_path: 
     assert set(orjson.loads(memo.read_bytes())["files"]) == {"alpha.jsonl"}
 
 
+def test_the_cache_directorys_missing_parents_are_private_too(
+    log_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ``XDG_CACHE_HOME`` that does not exist yet: its directories were made 0777 under
+    ``umask 000`` (the XDG specification asks 0700)."""
+    cache = tmp_path / "xdg" / "deep" / "cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    old = os.umask(0)
+    try:
+        listed(log_dir)
+    finally:
+        os.umask(old)
+    for made in (tmp_path / "xdg", tmp_path / "xdg" / "deep", cache, cache / "cachegate"):
+        assert made.stat().st_mode & 0o777 == 0o700, made
+    assert memo_files(cache)
+
+
 def test_the_memo_is_private_and_holds_no_message_text(log_dir: Path) -> None:
     listed(log_dir)
     cache = Path(os.environ["XDG_CACHE_HOME"])
