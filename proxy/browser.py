@@ -22,7 +22,7 @@ rebinding) can read the answers too. Three checks, on the request's headers alon
   page's same-origin GET carried nothing else to tell it by, and read the answer. Such a name
   is refused there too unless listed; an address, a name without a dot (a compose service's),
   this machine's name and private-use names (``.local``, ``.internal``, ``.lan``,
-  ``.home.arpa``, ``.localdomain``), which no page on the web can be at, are accepted.
+  ``.home.arpa``, ``.localdomain``, ``.svc``), which no page on the web can be at, are accepted.
 """
 
 from __future__ import annotations
@@ -41,7 +41,15 @@ CONTAINER_HOST_NAMES = frozenset(
     {"host.docker.internal", "gateway.docker.internal", "host.containers.internal"}
 )
 # Names no page on the web can be at (not in public DNS: mDNS, ICANN's private-use TLD, RFC 8375)
-PRIVATE_SUFFIXES = (".local", ".internal", ".lan", ".home.arpa", ".localdomain", ".localhost")
+PRIVATE_SUFFIXES = (
+    ".local",  # (Kubernetes' .svc.cluster.local too)
+    ".internal",
+    ".lan",
+    ".home.arpa",
+    ".localdomain",
+    ".localhost",
+    ".svc",  # Kubernetes' <service>.<namespace>.svc
+)
 _DEFAULT_PORTS = {"http": ":80", "https": ":443"}
 _MEMO_LIMIT = 64  # verdicts remembered: a client sends the same Host (and Origin) every time
 
@@ -257,11 +265,12 @@ class BrowserGuard:
             if not self.check_host and not keyless and not self._unrebindable(host):
                 return ProxyError(
                     403,
-                    f"Host {host!r} is a name in public DNS, which a web page can re-point at "
-                    "this machine (DNS rebinding) and read answers made with your key: list it "
-                    "in server.allowed_hosts if clients reach cachegate by it (an address, a "
-                    "name without a dot and names under .local, .internal, .lan, .home.arpa "
-                    "are accepted).",
+                    f"Host {host!r} is a dotted name, which may be in public DNS, where a web "
+                    "page can re-point its own name at this machine (DNS rebinding) and read "
+                    "answers made with your key: list it in server.allowed_hosts if clients "
+                    "reach cachegate by it (an address, a name without a dot, this machine's "
+                    "name and names under .local, .internal, .lan, .home.arpa, .localdomain "
+                    "and .svc are accepted).",
                     code="forbidden_host",
                 )
             if len(self._hosts) < _MEMO_LIMIT and (self.check_host or not keyless):

@@ -100,15 +100,30 @@ def explicit_session_id(headers: Mapping[str, str], path_id: str | None) -> str 
 
 def reads_as_key(value: str) -> bool:
     """Whether a session id reads as a key: the log's redaction takes something out of it (~1
-    µs on a short text), and it holds a key's random run, 16 letters and digits or more with
-    both in it (``sk-learn-pipeline-debugging``, ``eval_sk-learn_regression_2024_run_07`` are
-    names, which the redaction's ``sk-`` pattern takes too)."""
-    return redact_text(value) != value and any(
+    µs on a short text). Of its generic ``sk-`` pattern's matches, only one shaped like a key:
+    a run of 16 letters and digits or more with both in it, or three capitals and three small
+    letters or more after the ``sk-`` (``sk-learn-pipeline-debugging``,
+    ``eval_sk-learn_regression_2024_run_07`` are names); any other family's match (``hf_…``,
+    ``glpat-…``, ``AKIA…``) is a key whatever its letters."""
+    if redact_text(value) == value:
+        return False
+    rest = _SK_MATCH.sub(" ", value)
+    if redact_text(rest) != rest:  # (another family's)
+        return True
+    return any(_key_shaped(match) for match in _SK_MATCH.findall(value))
+
+
+def _key_shaped(match: str) -> bool:
+    tail = match[3:]
+    if sum(c.isupper() for c in tail) >= 3 and sum(c.islower() for c in tail) >= 3:
+        return True
+    return any(
         len(run) >= 16 and not run.isalpha() and not run.isdigit()
-        for run in _ALNUM_RUNS.findall(value)
+        for run in _ALNUM_RUNS.findall(tail)
     )
 
 
+_SK_MATCH: Final = re.compile(r"(?<![A-Za-z0-9])sk-[A-Za-z0-9_-]{20,}")  # (redact's own)
 _ALNUM_RUNS: Final = re.compile(r"[A-Za-z0-9]+")
 
 

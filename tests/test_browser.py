@@ -158,6 +158,8 @@ def test_bound_to_all_addresses_other_names_are_fine_but_pages_are_not() -> None
         "devbox.local:8787",
         "cachegate.internal",
         "nas.home.arpa:8787",
+        "cachegate.agents.svc:8787",  # (Kubernetes)
+        "cachegate.agents.svc.cluster.local:8787",
         "gateway.corp.example:8787",  # (listed)
         "host.docker.internal:8787",
         "localhost:8787",

@@ -50,6 +50,42 @@ def test_hostile_ids_are_refused(sid: str) -> None:
 
 
 @pytest.mark.parametrize(
+    "key",
+    [
+        "sk-proj-ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789",
+        "sk-Ab3_dE-9fGhIjKlMnOpQrS",  # (an sk- key of URL-safe characters)
+        "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",  # (letters alone)
+        "glpat-abcdefghij-klmnopqrst",
+        "AKIAIOSFODNN7EXAMPLE",
+        "ghp_a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8",
+    ],
+)
+def test_a_key_names_no_session(key: str) -> None:
+    """Its log file would be named by it, and `sessions list` and the session header show it."""
+    with pytest.raises(ValueError, match="reads as an API key"):
+        explicit_session_id({"x-session-id": key}, None)
+    with pytest.raises(ValueError, match="reads as an API key"):
+        explicit_session_id({}, key)
+    assert explicit_session_id({"session_id": key, "langfuse-session-id": "lf-1"}, None) == "lf-1"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "sk-learn-pipeline-debugging",
+        "eval_sk-learn_regression_2024_run_07",
+        "user-42-sk-SK-2024-11-01-run-0042",
+        "0199a213-81c0-7800-8aa1-bbab2a035a53",
+        "01JD3Y7W9N4Q8T2K6M5R0XZABC",
+    ],
+)
+def test_a_name_the_sk_pattern_takes_too_is_a_name(name: str) -> None:
+    """The redaction's generic ``sk-`` pattern takes ``sk-learn-…`` (scikit-learn): no key's
+    shape in it, so it names its session."""
+    assert explicit_session_id({"x-session-id": name}, None) == name
+
+
+@pytest.mark.parametrize(
     ("sid", "on_windows"),
     [
         ("D:x", False),  # ntpath.join(dir, "D:x.jsonl") is D:x.jsonl, outside the directory
