@@ -365,6 +365,29 @@ def _expired_held(baseline: _Baseline, now: float, ttl_s: float) -> int | None:
     return None
 
 
+def _hour_writes(usage: Usage, body: Any) -> Usage:
+    """``usage`` with the share of its cache writes made for an hour, where its provider gave
+    the writes as one total (OpenRouter in front of Claude) and ``body``'s breakpoints ask for
+    an hour: all of them when its last one does (Anthropic takes longer lives before shorter
+    ones only), else those up to its last hour-long breakpoint, by the share of the prompt it
+    covers (``prefix.longer_lived_share``). Priced at the five-minute rate, a one-hour write
+    cost 37% less than billed."""
+    if not isinstance(body, dict):
+        return usage
+    last = prefix.marked_ttl_s(body)
+    if last is None:
+        return usage
+    if last >= 3600:
+        hour = usage.cache_write
+    else:
+        longer = prefix.longer_lived_share(body, last)
+        if longer is None or longer[0] < 3600:
+            return usage
+        covered = round(longer[1] * (usage.cache_read + usage.cache_write))
+        hour = min(usage.cache_write, max(0, covered - usage.cache_read))
+    return dataclasses.replace(usage, cache_write_1h=hour) if hour else usage
+
+
 def _to_front(baselines: list[_Baseline], baseline: _Baseline) -> None:
     """``baseline`` the most recently seen of its session's."""
     if baseline is not baselines[0]:
@@ -1156,6 +1179,8 @@ class AccountingObserver:
         if result.expired:
             ex.cache["expired"] = result.expired
             self.metrics.observe_cache_waste(ex.model, "ttl_expired", result.expired)
+        if marked_only and usage.cache_write and not usage.write_lives_known:
+            usage = _hour_writes(usage, body)  # (OpenRouter gives Claude's writes as one total)
         cost = cache.compute_cost(usage, pricing)
         # What the shortfall cost over reading it (the tokens above, in dollars; none said for
         # a model with no prices: unknown, not $0)

@@ -31,6 +31,9 @@ class Usage:
     # of ``cache_write``, the tokens written for an hour (Anthropic's
     # ``cache_creation.ephemeral_1h_input_tokens``), billed at twice the input price
     cache_write_1h: int = 0
+    # the writes were given by cache life (Anthropic's ``cache_creation``, LiteLLM's details):
+    # else an hour's share is the request's to tell (OpenRouter gives the total alone)
+    write_lives_known: bool = False
 
 
 def added(earlier: Usage | None, usage: Usage) -> Usage:
@@ -46,6 +49,7 @@ def added(earlier: Usage | None, usage: Usage) -> Usage:
         earlier.reported_cache_write or usage.reported_cache_write,
         earlier.explicit_cache or usage.explicit_cache,
         earlier.cache_write_1h + usage.cache_write_1h,
+        earlier.write_lives_known and usage.write_lives_known,
     )
 
 
@@ -60,6 +64,7 @@ def less(usage: Usage, counted: Usage) -> Usage | None:
         usage.reported_cache_write,
         usage.explicit_cache,
         max(0, usage.cache_write_1h - counted.cache_write_1h),
+        usage.write_lives_known,
     )
     if not (rest.prompt or rest.completion or rest.cache_read or rest.cache_write):
         return None
@@ -235,6 +240,7 @@ def _normalize(raw: Mapping[str, Any]) -> Usage | None:
         reported_write,
         created is not None,
         min(hour or 0, cache_write),
+        any(isinstance(split, Mapping) for split in splits),
     )
 
 

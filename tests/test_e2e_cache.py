@@ -1988,6 +1988,54 @@ def test_claudes_one_hour_breakpoints_keep_the_prefix_for_an_hour_and_cost_twice
     assert first["cost"]["actual"] == pytest.approx((written_for_an_hour + 5 * 15.00) / 1e6)
 
 
+@pytest.mark.parametrize(
+    ("marks", "hour_share"),
+    [
+        (("1h", "1h"), 1.0),  # every breakpoint an hour's: every write too
+        (("5m", "5m"), 0.0),
+        ((None, "5m"), 0.0),
+        (("1h", "5m"), None),  # the system prompt's hour, the task's five minutes: a share
+    ],
+)
+def test_claudes_one_hour_writes_through_openrouter_are_priced_as_an_hours(
+    scripted: Any, proxy_factory: Any, marks: tuple[str | None, str], hour_share: float | None
+) -> None:
+    """OpenRouter gives Claude's cache writes as one total (``cache_write_tokens``), without
+    Anthropic's split by cache life: every write was priced at the five-minute rate (1.25x the
+    input price), 37% under the bill for a request whose breakpoints ask for an hour (2x). The
+    request's own marks tell the hour's share."""
+    answer = (
+        b'{"id":"gen-1","object":"chat.completion","model":"anthropic/claude-sonnet-4.5",'
+        b'"choices":[{"index":0,"message":{"role":"assistant","content":"ok"},'
+        b'"finish_reason":"stop"}],"usage":{"prompt_tokens":6179,"completion_tokens":10,'
+        b'"prompt_tokens_details":{"cached_tokens":0,"cache_write_tokens":6179}}}'
+    )
+    _upstream, url = scripted(chunks=[answer], content_type=b"application/json")
+    proxy = proxy_factory(url, config())
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "or-claude"})
+
+    def part(text: str, ttl: str | None) -> dict[str, Any]:
+        marked: dict[str, Any] = {"type": "text", "text": text}
+        if ttl is not None:
+            marked["cache_control"] = {"type": "ephemeral", "ttl": ttl}
+        return marked
+
+    system, task = marks
+    messages = [
+        {"role": "system", "content": [part("one hour rules. " * 1500, system)]},
+        {"role": "user", "content": [part("hello " * 100, task)]},
+    ]
+    chat(client, messages, model="anthropic/claude-sonnet-4.5", stream=False)
+    flush(proxy)
+    (line,) = events(proxy.log_dir, "or-claude", "response")
+    five, hour, output = 6179 * 3.75, 6179 * 6.00, 10 * 15.00  # claude-sonnet-4-5's prices
+    if hour_share is not None:
+        expected = (hour_share * hour + (1 - hour_share) * five + output) / 1e6
+        assert line["cost"]["actual"] == pytest.approx(expected)
+    else:  # the system prompt (an hour's) is nearly all of it
+        assert (0.9 * hour + output) / 1e6 < line["cost"]["actual"] < (hour + output) / 1e6
+
+
 def _three_turns_the_last_with_the_time_in_its_prompt(client: Any, model: str) -> None:
     """A conversation of three turns on a system prompt well past 1,024 tokens; the third turn
     puts the time at its start (a rewrite the provider misses)."""

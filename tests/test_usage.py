@@ -229,7 +229,7 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
                     "ephemeral_1h_input_tokens": 4000,
                 },
             },
-            Usage(7000, 5, 1000, 6000, True, True, True, 4000),
+            Usage(7000, 5, 1000, 6000, True, True, True, 4000, True),
             id="anthropic-one-hour-writes",
         ),
         pytest.param(  # LiteLLM's OpenAI-shaped usage: the split inside the prompt details
@@ -246,7 +246,7 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
                     },
                 },
             },
-            Usage(100_010, 5, 0, 100_000, True, True, True, 100_000),
+            Usage(100_010, 5, 0, 100_000, True, True, True, 100_000, True),
             id="litellm-one-hour-writes",
         ),
         pytest.param(  # LiteLLM's Usage built with the details alone
@@ -259,7 +259,7 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
                     "cache_creation_token_details": {"ephemeral_1h_input_tokens": 4000},
                 },
             },
-            Usage(5000, 10, 0, 4000, True, True, True, 4000),
+            Usage(5000, 10, 0, 4000, True, True, True, 4000, True),
             id="litellm-writes-in-the-details-alone",
         ),
         pytest.param(  # never more of them than the writes
@@ -269,7 +269,7 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
                 "cache_creation_input_tokens": 100,
                 "cache_creation": {"ephemeral_1h_input_tokens": 900},
             },
-            Usage(110, 5, 0, 100, True, True, True, 100),
+            Usage(110, 5, 0, 100, True, True, True, 100, True),
             id="one-hour-writes-capped",
         ),
         pytest.param(  # LiteLLM releases in front of Claude: input + reads, the writes left out
