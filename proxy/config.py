@@ -625,8 +625,8 @@ def _check(settings: Settings) -> None:
         # request a 400 from the provider)
         raise _bad(
             key,
-            f"{shown_url(url).strip()!r} has white space or a control character in it (a"
-            " space pasted with it?); percent-encode one that belongs there (%20)",
+            f"{(shown_url(url).strip() or url)!r} has white space or a control character in"
+            " it (a space pasted with it?); percent-encode one that belongs there (%20)",
         )
     if not url.startswith(("http://", "https://")):
         raise _bad(key, f"{shown_url(url)!r} must start with http:// or https://")

@@ -372,11 +372,9 @@ def _hour_writes(usage: Usage, body: Any) -> Usage:
     ones only), else those up to its last hour-long breakpoint, by the share of the prompt it
     covers (``prefix.longer_lived_share``). Priced at the five-minute rate, a one-hour write
     cost 37% less than billed."""
-    if not isinstance(body, dict):
+    if not isinstance(body, dict) or prefix.last_cache_marker(body) is None:
         return usage
-    last = prefix.marked_ttl_s(body)
-    if last is None:
-        return usage
+    last = prefix.marked_ttl_s(body) or 300.0  # (a breakpoint that names none: five minutes)
     if last >= 3600:
         hour = usage.cache_write
     else:

@@ -122,16 +122,12 @@ class HttpProtocol(HttpToolsProtocol):
         body = ProxyError(400, msg, code="invalid_http").body()
         count = getattr(self.app, "invalid_http", None)  # (cachegate's app: in its metrics)
         cycle = getattr(self, "cycle", None)
-        if (
-            cycle is not None
-            and cycle is self._active
-            and cycle.more_body
-            and not cycle.response_complete
-        ):
-            # refused in the body of the request the app is answering: the app counts it (with
-            # this 400, which its scope now says: it had counted the client gone, a 499); one
-            # refused after a request whose body was all read (pipelined behind it) is a
-            # request of its own, counted here
+        if cycle is not None and cycle is self._active and cycle.more_body:
+            # refused in the body of the request the app is answering, or answered already (a
+            # 404 before its body was read): the app counts it, once (with this 400, which its
+            # scope now says: it had counted the client gone, a 499); one refused after a
+            # request whose body was all read (pipelined behind it) is a request of its own,
+            # counted here
             count = None
             with contextlib.suppress(Exception):
                 cycle.scope[REFUSED_BODY].append(msg)

@@ -734,6 +734,38 @@ def test_a_pipelined_request_refused_in_its_body_is_counted_by_the_server(
     )
 
 
+def test_a_request_answered_before_its_refused_body_is_counted_once(proxy_factory: Any) -> None:
+    """cachegate answers an unknown path (404) without reading its body; the rest of the body,
+    refused by the parser, was counted again as a 400 of its own: one request, two counts."""
+    import socket
+
+    proxy = proxy_factory("http://127.0.0.1:9/v1")
+    with socket.create_connection(("127.0.0.1", proxy.server.port)) as s:
+        s.settimeout(10)
+        s.sendall(
+            b"POST /nosuch HTTP/1.1\r\nhost: 127.0.0.1\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"5\r\nhello\r\n"
+        )
+        answer = s.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 404 ")
+        s.sendall(b"zz\r\nxx\r\n")
+        while chunk := s.recv(65536):
+            answer += chunk
+
+    def counted() -> list[str]:
+        proxy.settle()
+        return [
+            sample.labels["status"]
+            for family in proxy.registry.collect()
+            for sample in family.samples
+            if sample.name == "cachegate_requests_total" and sample.value
+        ]
+
+    wait_for(lambda: counted() == ["404"], timeout=5)
+    time.sleep(0.2)
+    assert counted() == ["404"]
+
+
 def test_retention_deletes_the_log_of_a_session_idle_past_its_ttl_on_a_quiet_server(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

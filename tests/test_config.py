@@ -192,6 +192,12 @@ def test_an_empty_host_or_log_dir_from_a_flag_is_refused_too() -> None:
             load_settings(None, {option: ""}, environ={})
 
 
+def test_an_upstream_of_spaces_is_shown_as_given() -> None:
+    """It said ``'' has white space in it``: the spaces, stripped before they were quoted."""
+    with pytest.raises(ConfigError, match=r"'   ' has white space or a control character"):
+        load_settings(None, {}, environ={"CACHEGATE_UPSTREAM": "   "})
+
+
 def test_a_config_variable_of_spaces_is_said_so() -> None:
     """It said ``config file not found:  `` (a name of spaces, unseen); an empty one is unset."""
     with pytest.raises(ConfigError, match=r"^CACHEGATE_CONFIG: only spaces; give a TOML file"):

@@ -1995,6 +1995,7 @@ def test_claudes_one_hour_breakpoints_keep_the_prefix_for_an_hour_and_cost_twice
         (("5m", "5m"), 0.0),
         ((None, "5m"), 0.0),
         (("1h", "5m"), None),  # the system prompt's hour, the task's five minutes: a share
+        (("1h", "plain"), None),  # (a breakpoint that names no life: five minutes)
     ],
 )
 def test_claudes_one_hour_writes_through_openrouter_are_priced_as_an_hours(
@@ -2016,7 +2017,9 @@ def test_claudes_one_hour_writes_through_openrouter_are_priced_as_an_hours(
 
     def part(text: str, ttl: str | None) -> dict[str, Any]:
         marked: dict[str, Any] = {"type": "text", "text": text}
-        if ttl is not None:
+        if ttl == "plain":
+            marked["cache_control"] = {"type": "ephemeral"}
+        elif ttl is not None:
             marked["cache_control"] = {"type": "ephemeral", "ttl": ttl}
         return marked
 
