@@ -1255,6 +1255,17 @@ class Relay:
                 # flight ran out) and cancelled the request. The log says so.
                 ex.error = ex.error or "cut: cachegate stopped before the response was complete"
                 ex.stopped = True
+                if started and stripper is not None:
+                    # an event the usage stripper held back, partly come: the client has what
+                    # came, as when the upstream cuts it (the bytes it would have had directly)
+                    tail = stripper.flush()
+                    if tail and direct is not None:
+                        direct.write(tail)
+                    elif tail:
+                        with contextlib.suppress(Exception):
+                            await send(
+                                {"type": "http.response.body", "body": tail, "more_body": True}
+                            )
                 if started or task is None:
                     raise
                 # Nothing sent yet: the client is told why, in OpenAI's shape, rather than

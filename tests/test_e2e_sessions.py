@@ -1237,6 +1237,39 @@ def test_a_stream_cut_by_ctrl_c_is_logged_as_interrupted_not_as_a_clean_answer(
     assert "interrupted" in show.out
 
 
+def test_a_stream_cut_by_a_shutdown_keeps_the_part_of_an_event_cachegate_held_back(
+    tmp_path: Path, scripted: Any
+) -> None:
+    """A chat stream whose usage cachegate asked for (and strips): the upstream stalls inside an
+    event, and cachegate's shutdown cuts the stream. The part of that event it held back (to
+    tell whether it was the usage event) never reached the client, which had every byte the
+    upstream sent when the upstream itself cut the stream."""
+    first = b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n'
+    half = b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"ind'
+    _upstream, url = scripted(chunks=[first + half, b'ex":0}]}\n\n'], delay_s=60)
+    got = bytearray()
+    started = threading.Event()
+
+    def read(base: str) -> None:
+        body = {"model": "gpt-4o", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        with (
+            contextlib.suppress(httpx.HTTPError),
+            httpx.stream("POST", base + "/chat/completions", json=body, timeout=30) as r,
+        ):
+            for chunk in r.iter_raw():
+                got.extend(chunk)
+                started.set()
+
+    with cachegate_process(url, tmp_path / "logs") as (proc, base):
+        client = threading.Thread(target=read, args=(base,))
+        client.start()
+        assert started.wait(20), "the stream should be under way"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 0
+        client.join(20)
+    assert bytes(got) == first + half
+
+
 @pytest.mark.parametrize("upstream_sends", [b"", b"HTTP/1.1 200 OK\r\nContent-Length: 300\r\n\r\n"])
 def test_a_request_the_upstream_has_not_answered_gets_a_503_when_cachegate_stops(
     tmp_path: Path, upstream_sends: bytes
