@@ -44,7 +44,7 @@ def body_of(messages: list[Any], order: str, **extra: Any) -> dict[str, Any]:
     return {"model": rest.pop("model"), "messages": messages, **rest}
 
 
-def remember(raw: bytes, parsed: Parsed) -> BodyMemo | None:
+def remember(raw: bytes, parsed: Parsed, field: str = "messages") -> BodyMemo | None:
     if parsed.close is None:
         return None
     body = parsed.body
@@ -52,13 +52,14 @@ def remember(raw: bytes, parsed: Parsed) -> BodyMemo | None:
         raw,
         parsed.close,
         tuple(body),
-        {k: v for k, v in body.items() if k != "messages"},
-        tuple(body["messages"]),
+        {k: v for k, v in body.items() if k != field},
+        tuple(body[field]),
         marks=parsed.marks,
         style=parsed.style,
         candidates=parsed.candidates,
         head=parsed.head,
         head_checked=parsed.head_checked,
+        field=field,
     )
 
 
@@ -1051,22 +1052,7 @@ def responses_body(items: list[Any], **extra: Any) -> dict[str, Any]:
 
 
 def remember_items(raw: bytes, parsed: Parsed) -> BodyMemo | None:
-    if parsed.close is None:
-        return None
-    body = parsed.body
-    return BodyMemo(
-        raw,
-        parsed.close,
-        tuple(body),
-        {k: v for k, v in body.items() if k != "input"},
-        tuple(body["input"]),
-        marks=parsed.marks,
-        style=parsed.style,
-        candidates=parsed.candidates,
-        head=parsed.head,
-        head_checked=parsed.head_checked,
-        field="input",
-    )
+    return remember(raw, parsed, "input")
 
 
 @pytest.mark.parametrize("style", ["orjson", "python", "indent"])
