@@ -34,10 +34,12 @@ _PEM_LINES = (
 _PEM_BODY = _PEM_LINES + r"|[A-Za-z0-9+/=\s:,.\\]|-(?!----)"  # (the lines first: they go on)
 # Each alternative names one family of credentials. The leading look-behind keeps words that merely
 # end in one of the prefixes ("task-…", "ask-…") from matching.
+_SK_KEY = r"sk-[A-Za-z0-9_-]{20,}"  # OpenAI (sk-, sk-proj-), Anthropic (sk-ant-), and look-alikes
+SK_KEY: Final = re.compile(r"(?<![A-Za-z0-9])" + _SK_KEY)  # (alone: names match it too)
 _SECRET = re.compile(
     r"(?<![A-Za-z0-9])(?:"
-    r"sk-[A-Za-z0-9_-]{20,}"  # OpenAI (sk-, sk-proj-), Anthropic (sk-ant-), and look-alikes
-    r"|(?:AKIA|ASIA)[0-9A-Z]{16}"  # AWS access key ids (long-lived and temporary)
+    + _SK_KEY
+    + r"|(?:AKIA|ASIA)[0-9A-Z]{16}"  # AWS access key ids (long-lived and temporary)
     r"|gh[pousr]_[A-Za-z0-9]{20,}"  # GitHub tokens
     r"|github_pat_[A-Za-z0-9_]{20,}"  # GitHub fine-grained tokens
     r"|glpat-[A-Za-z0-9_-]{20,}"  # GitLab personal access tokens

@@ -31,7 +31,7 @@ from proxy.prefix import (
     same_as_sent,
     same_json,
 )
-from proxy.redact import redact_text
+from proxy.redact import SK_KEY, redact_text
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +107,10 @@ def reads_as_key(value: str) -> bool:
     ``glpat-…``, ``AKIA…``) is a key whatever its letters."""
     if redact_text(value) == value:
         return False
-    rest = _SK_MATCH.sub(" ", value)
+    rest = SK_KEY.sub(" ", value)
     if redact_text(rest) != rest:  # (another family's)
         return True
-    return any(_key_shaped(match) for match in _SK_MATCH.findall(value))
+    return any(_key_shaped(match) for match in SK_KEY.findall(value))
 
 
 def _key_shaped(match: str) -> bool:
@@ -123,7 +123,6 @@ def _key_shaped(match: str) -> bool:
     )
 
 
-_SK_MATCH: Final = re.compile(r"(?<![A-Za-z0-9])sk-[A-Za-z0-9_-]{20,}")  # (redact's own)
 _ALNUM_RUNS: Final = re.compile(r"[A-Za-z0-9]+")
 
 
