@@ -12,12 +12,13 @@ Only what the request itself holds is judged. With ``previous_response_id``, ``c
 ``item_reference`` item, the calls an output answers may be stored at the provider, so no output is
 taken for an orphan; a call in the list still needs its output in the list.
 
-Calls paired: ``function_call``, ``custom_tool_call``, ``shell_call`` and ``apply_patch_call``
-(answered by an output of their own type) and ``local_shell_call`` (answered by a
+Calls paired: ``function_call``, ``custom_tool_call``, ``shell_call``, ``apply_patch_call`` and a
+``tool_search_call`` the client runs (answered by an output of their own type) and ``local_shell_call`` (answered by a
 ``function_call_output``, as Codex CLI writes it, or a ``local_shell_call_output``, whose ``id``
 the SDKs' types name the call by: its ``call_id`` or its ``id`` answers it, and one that answers
 no call is left alone). Other items are left alone: the hosted tools' calls carry their
-results, and a computer call's output is a screenshot a proxy cannot make up. An output answers
+results, and a computer call's output is a screenshot a proxy cannot make up (one that answers
+no call is an orphan, its screenshot kept). An output answers
 no call when no item of the list but an output has its ``call_id`` (a client may answer a call
 of another type with a ``function_call_output``, as Codex CLI does a local shell call).
 """
@@ -39,8 +40,10 @@ OUTPUT_OF: Final[Mapping[str, str]] = {
     "local_shell_call": "function_call_output",
     "shell_call": "shell_call_output",
     "apply_patch_call": "apply_patch_call_output",
+    "tool_search_call": "tool_search_output",
 }
-"""Each call item's type, and the type of the output item a synthetic one is given."""
+"""Each call item's type, and the type of the output item a synthetic one is given (a tool
+search's when the client ran it: a hosted one's is the provider's, see ``_kind``)."""
 
 OUTPUTS: Final = frozenset(
     {
@@ -48,9 +51,13 @@ OUTPUTS: Final = frozenset(
         "custom_tool_call_output",
         "shell_call_output",
         "apply_patch_call_output",
+        "tool_search_output",
+        "computer_call_output",
     }
 )
-"""The output items whose ``call_id`` must be a call's (else they are orphans)."""
+"""The output items whose ``call_id`` must be a call's (else they are orphans). A computer
+call's output is one (its screenshot is kept when it answers none), though the call is not
+paired: its output is a screenshot a proxy cannot make up."""
 
 _TEXT_OUTPUTS: Final = frozenset({"function_call_output", "custom_tool_call_output"})
 """Those whose ``output`` list is of a message's parts (``input_text``, ``input_image`` …)."""
@@ -58,6 +65,18 @@ _TEXT_OUTPUTS: Final = frozenset({"function_call_output", "custom_tool_call_outp
 LOCAL_SHELL_OUTPUT: Final = "local_shell_call_output"
 
 _SERVER_STATE_KEYS: Final = ("previous_response_id", "conversation")
+
+_SEARCH: Final = frozenset({"tool_search_call", "tool_search_output"})
+
+
+def _kind(item: Mapping[str, Any]) -> Any:
+    """``item``'s type as the pairing reads it: a tool search the provider ran (``execution``
+    ``server``, a hosted tool's call and its results) is neither a call paired here nor an
+    output that must answer one (``hosted_tool_search_…``)."""
+    kind = item.get("type")
+    if kind in _SEARCH and item.get("execution") == "server":
+        return f"hosted_{kind}"
+    return kind
 
 
 def _call_id(item: Mapping[str, Any]) -> str | None:
@@ -118,7 +137,7 @@ class PairingScan:
         for i, item in enumerate(itertools.islice(items, start, None), start):
             if not isinstance(item, dict):
                 continue
-            kind = item.get("type")
+            kind = _kind(item)
             if kind not in OUTPUTS and not (isinstance(kind, str) and kind.endswith("_output")):
                 call_id = _call_id(item)
                 if call_id is not None:
@@ -139,9 +158,8 @@ class PairingScan:
                     v for v in (item.get("call_id"), item.get("id")) if isinstance(v, str)
                 )
             elif isinstance(kind, str) and kind.endswith("_output"):
-                # an output of a type not paired here (Codex CLI's ``tool_search_output``)
-                # answers the call of its ``call_id`` all the same: no synthetic output is
-                # added beside it
+                # an output of a type not paired here (a hosted tool search's) answers the
+                # call of its ``call_id`` all the same: no synthetic output is added beside it
                 call_id = _call_id(item)
                 if call_id is not None:
                     answered.add(call_id)
@@ -192,7 +210,7 @@ def _defects(items: Sequence[Any], stored: bool) -> tuple[list[int], list[int]]:
     orphans: list[int] = []
     if not stored:
         for i, item in enumerate(items):
-            if isinstance(item, dict) and item.get("type") in OUTPUTS:
+            if isinstance(item, dict) and _kind(item) in OUTPUTS:
                 call_id = _call_id(item)
                 if call_id is not None and call_id not in known:
                     orphans.append(i)
@@ -223,6 +241,7 @@ _NAMES: Final = {
     "local_shell_call": "shell",
     "shell_call": "shell",
     "apply_patch_call": "apply_patch",
+    "tool_search_call": "tool_search",
 }
 
 
@@ -237,8 +256,17 @@ def _synthetic(call: Mapping[str, Any], call_id: str | None, note: str) -> dict[
     """The output item given a call without one: ``note`` as its text. A shell call's is its
     commands' captured output (the note as their stderr, an exit code of 130, a process cut by
     Ctrl+C's); a patch's, a failure (``status`` is ``completed`` or ``failed``: the note says it
-    may have been applied)."""
+    may have been applied); a tool search's, one that loaded no tools (its item has no text, so
+    no note: what Codex CLI gives an interrupted one)."""
     kind = OUTPUT_OF[call["type"]]
+    if kind == "tool_search_output":
+        return {
+            "type": kind,
+            "call_id": call_id,
+            "execution": "client",
+            "status": "completed",
+            "tools": [],
+        }
     if kind == "shell_call_output":
         outcome = {"type": "exit", "exit_code": 130}
         output = [{"stdout": "", "stderr": note, "outcome": outcome}]
@@ -252,7 +280,7 @@ def _in_run(item: Any) -> bool:
     """A call or an output item: what a turn's run of calls and their outputs is made of."""
     if not isinstance(item, dict):
         return False
-    kind = item.get("type")
+    kind = _kind(item)
     return kind in OUTPUT_OF or kind in OUTPUTS or kind == LOCAL_SHELL_OUTPUT
 
 
@@ -283,15 +311,30 @@ def _as_message_part(part: Any) -> Any:
     return part
 
 
+def _screenshot(output: Any) -> dict[str, Any] | None:
+    """A computer call output's screenshot as a message's image part (None: not one)."""
+    if not isinstance(output, dict) or output.get("type") != "computer_screenshot":
+        return None
+    image = {
+        key: output[key] for key in ("image_url", "file_id") if isinstance(output.get(key), str)
+    }
+    return {"type": "input_image", **image, "detail": "auto"} if image else None
+
+
 def _downgraded(item: Mapping[str, Any], label: str) -> dict[str, Any]:
-    """A user message carrying an orphan output's content under ``label``: nothing is lost."""
-    output = item.get("output")
+    """A user message carrying an orphan output's content under ``label``: nothing is lost (a
+    tool search's loaded tools as JSON text, a computer call's screenshot as an image)."""
+    kind = item.get("type")
+    output = item.get("tools") if kind == "tool_search_output" else item.get("output")
     content: list[Any]
-    if output is None or output == "":
+    screenshot = _screenshot(output) if kind == "computer_call_output" else None
+    if screenshot is not None:
+        content = [{"type": "input_text", "text": label}, screenshot]
+    elif output is None or output == "":
         content = [{"type": "input_text", "text": label}]
     elif isinstance(output, str):
         content = [{"type": "input_text", "text": f"{label}\n{output}"}]
-    elif isinstance(output, list) and item.get("type") in _TEXT_OUTPUTS:  # (a message's parts)
+    elif isinstance(output, list) and kind in _TEXT_OUTPUTS:  # (a message's parts)
         content = [{"type": "input_text", "text": label}, *map(_as_message_part, output)]
     else:
         dumped = deep_dumps(output, sort_keys=True, ensure_ascii=False)

@@ -242,6 +242,108 @@ def test_a_call_answered_by_an_output_of_a_type_not_paired_here_is_no_dangling_c
     assert repaired({"input": items}).messages is items
 
 
+def search(call_id: str | None, execution: str = "client") -> dict[str, Any]:
+    """A ``tool_search_call`` as the provider returns one (Codex CLI's tool search runs at the
+    client; a hosted one, ``server``, carries its results in the response)."""
+    item = {"type": "tool_search_call", "id": "ts_x", "execution": execution, "status": "completed"}
+    return {**item, "call_id": call_id, "arguments": {"query": "calendar"}}
+
+
+def found(call_id: str, execution: str = "client") -> dict[str, Any]:
+    tool = {"type": "function", "name": "create_event", "parameters": {"type": "object"}}
+    item = {"type": "tool_search_output", "call_id": call_id, "execution": execution}
+    return {**item, "status": "completed", "tools": [tool]}
+
+
+def test_a_tool_search_the_client_ran_and_was_interrupted_in_gets_an_output() -> None:
+    """Codex CLI's tool search runs at the client: a search with no ``tool_search_output`` (the
+    user pressed Ctrl+C while it ran) is refused by OpenAI (``No tool output found for tool
+    search call …``); it gets one that loaded no tools, as Codex CLI gives it, after its run.
+    It was relayed as it came, and ``X-Cachegate-Repairs: 0`` said the history was sound."""
+    items = [user("book a meeting"), search("call_ts"), call("c2"), user("stop")]
+    assert not accepted({"input": items})
+    result = repaired({"input": items})
+    assert result.messages == [
+        user("book a meeting"),
+        search("call_ts"),
+        call("c2"),
+        {
+            "type": "tool_search_output",
+            "call_id": "call_ts",
+            "execution": "client",
+            "status": "completed",
+            "tools": [],
+        },
+        output("c2", "interrupted: shell"),
+        user("stop"),
+    ]
+    assert [(r.kind, r.index, r.tool_call_id) for r in result.repairs] == [
+        ("dangling_call", 1, "call_ts"),
+        ("dangling_call", 2, "c2"),
+    ]
+    assert result.repairs[0].action == "added a synthetic output for tool_search"
+    assert accepted({"input": result.messages})
+    text = respairing.format_strict_error({"input": items}, respairing.diagnose({"input": items}))
+    assert "input[1] tool_search_call call_ts has no output" in text
+    # answered, it is sound; a hosted search (run by the provider) carries its own results
+    sound = [user("book"), search("call_ts"), found("call_ts"), user("go")]
+    assert repaired({"input": sound}).messages is sound and accepted({"input": sound})
+    hosted = [user("book"), search(None, "server"), found("x", "server"), search("s2", "server")]
+    assert repaired({"input": hosted}).messages is hosted and accepted({"input": hosted})
+
+
+def test_an_orphan_tool_search_output_is_kept_as_a_user_message_with_its_tools() -> None:
+    """A client-run search's output whose call the agent's own trimming dropped is refused by
+    OpenAI (``No tool call found for tool search output …``): it becomes a user message that
+    keeps the tools it loaded, as JSON text. A hosted search's output is left alone."""
+    items = [user("hi"), found("gone"), user("go on")]
+    assert not accepted({"input": items})
+    result = repaired({"input": items})
+    tools = '[{"name": "create_event", "parameters": {"type": "object"}, "type": "function"}]'
+    label = "[tool result for call gone (no matching tool call)]"
+    assert result.messages[1] == {
+        "type": "message",
+        "role": "user",
+        "content": [{"type": "input_text", "text": f"{label}\n{tools}"}],
+    }
+    assert [(r.kind, r.index, r.action) for r in result.repairs] == [
+        ("orphan_result", 1, "kept as a user message")
+    ]
+    assert accepted({"input": result.messages})
+    hosted = [user("hi"), found("gone", "server")]
+    assert repaired({"input": hosted}).messages is hosted and accepted({"input": hosted})
+
+
+def test_an_orphan_computer_call_output_keeps_its_screenshot_and_a_lone_call_is_left() -> None:
+    """A computer-use agent's screenshot whose ``computer_call`` was trimmed away is refused by
+    OpenAI (``No tool call found for computer call output …``): it becomes a user message with
+    the screenshot as its image. A ``computer_call`` with no output is relayed as it is: its
+    output is a screenshot cachegate cannot make up (the provider refuses it, as documented)."""
+    shot = {"type": "computer_screenshot", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+    orphan = {"type": "computer_call_output", "call_id": "cu_1", "output": shot}
+    items = [user("open the settings"), orphan, user("now the display tab")]
+    assert not accepted({"input": items})
+    result = repaired({"input": items})
+    assert result.messages[1] == {
+        "type": "message",
+        "role": "user",
+        "content": [
+            {"type": "input_text", "text": "[tool result for call cu_1 (no matching tool call)]"},
+            {"type": "input_image", "image_url": shot["image_url"], "detail": "auto"},
+        ],
+    }
+    assert accepted({"input": result.messages})
+    by_file = {**orphan, "output": {"type": "computer_screenshot", "file_id": "file_9"}}
+    image = repaired({"input": [by_file]}).messages[0]["content"][1]
+    assert image == {"type": "input_image", "file_id": "file_9", "detail": "auto"}
+    action = {"type": "click", "button": "left", "x": 10, "y": 20}
+    computer = {"type": "computer_call", "id": "cu_x", "call_id": "cu_1", "action": action}
+    answered = [user("open"), computer, orphan, user("next")]
+    assert repaired({"input": answered}).messages is answered and accepted({"input": answered})
+    lone = [user("open"), computer]
+    assert repaired({"input": lone}).messages is lone and not accepted({"input": lone})
+
+
 def test_an_orphan_output_is_kept_as_a_user_message_or_dropped() -> None:
     items = [
         user("hi"),
@@ -332,7 +434,10 @@ _ITEM_KINDS = [
     "local_shell_call_output",
     "shell_call",
     "shell_call_output",
+    "tool_search_call",
     "tool_search_output",
+    "computer_call",
+    "computer_call_output",
     "item_reference",
     "message",
     "reasoning",
@@ -358,6 +463,8 @@ def item_lists(draw: st.DrawFn) -> list[dict[str, Any]]:
                 item["call_id"] = draw(ids)
             if kind.startswith("local_shell") and draw(st.booleans()):
                 item["id"] = draw(ids)
+            if kind.startswith("tool_search"):
+                item["execution"] = draw(st.sampled_from(["client", "server"]))
             items.append(item)
     return items
 
@@ -439,6 +546,37 @@ def test_the_provider_refuses_an_interrupted_turn_that_cachegate_repairs(
         "output": DEFAULT_INTERRUPTED_NOTE.replace("{name}", "exec_command"),
     }
     assert proxy.metric("cachegate_pairing_repairs_total", {"kind": "dangling_call"}) == 1
+
+
+def test_codex_tool_search_interrupted_and_a_trimmed_screenshot_are_accepted_through_cachegate(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """The two Responses API pairings a review found relayed to a 400: a client-run tool search
+    cut by Ctrl+C, a computer call's screenshot whose call was trimmed. Both streamed."""
+    shot = {"type": "computer_screenshot", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+    screenshot = {"type": "computer_call_output", "call_id": "cu_old", "output": shot}
+    items = [user("book a meeting"), screenshot, search("call_ts"), user("stop")]
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk(sim.api_base).responses.create(model="gpt-5", input=items)
+    assert "No tool output found for tool search call call_ts." in str(refused.value)
+
+    proxy = proxy_factory(sim.api_base)
+    with sdk(proxy.base_url).responses.with_streaming_response.create(
+        model="gpt-5", input=items, stream=True
+    ) as raw:
+        assert raw.headers["x-cachegate-repairs"] == "2"
+        events = list(raw.parse())
+    assert events[-1].type == "response.completed"
+    sent = sim.sim.requests[-1].body["input"]
+    assert [item.get("type") for item in sent] == [
+        None,
+        "message",
+        "tool_search_call",
+        "tool_search_output",
+        None,
+    ]
+    assert sent[1]["content"][1]["image_url"] == shot["image_url"]
+    assert sent[3]["call_id"] == "call_ts" and sent[3]["tools"] == []
 
 
 def test_a_repaired_streamed_request_streams_the_providers_events(

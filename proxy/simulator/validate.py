@@ -215,19 +215,34 @@ _RESPONSE_CALLS = {
     "local_shell_call": "local shell call",
     "shell_call": "shell call",
     "apply_patch_call": "apply patch call",
+    "tool_search_call": "tool search call",
+    "computer_call": "computer call",
 }
 _RESPONSE_OUTPUTS = {
     "function_call_output": "function call",
     "custom_tool_call_output": "custom tool call",
     "shell_call_output": "shell call",
     "apply_patch_call_output": "apply patch call",
+    "tool_search_output": "tool search",
+    "computer_call_output": "computer call",
 }
+
+
+def _response_kind(item: dict[str, Any]) -> Any:
+    """A tool search the provider ran (``execution`` ``server``) carries its own results: it is
+    neither a call to answer nor an output that must answer one."""
+    kind = item.get("type")
+    if item.get("execution") == "server" and kind in ("tool_search_call", "tool_search_output"):
+        return "hosted"
+    return kind
 
 
 def validate_response_input(body: dict[str, Any]) -> None:
     """Raise ``ValidationError`` where OpenAI would refuse a Responses API request's ``input``
     items: a call with no output in the list, or (unless the request continues a stored
-    response or conversation) an output whose ``call_id`` no other item in the list has."""
+    response or conversation) an output whose ``call_id`` no other item in the list has. A call
+    the client runs (a function, custom tool, shell, patch, a client-run tool search, a computer
+    action) needs an output; a hosted tool's call carries its results."""
     items = body.get("input")
     if not isinstance(items, list):
         return
@@ -238,7 +253,7 @@ def validate_response_input(body: dict[str, Any]) -> None:
     for item in items:
         if not isinstance(item, dict):
             continue
-        kind = item.get("type")
+        kind = _response_kind(item)
         if kind == "local_shell_call_output":  # (its call's call_id, or id, as its call_id or id)
             for value in (item.get("call_id"), item.get("id")):
                 if isinstance(value, str):
@@ -259,7 +274,7 @@ def validate_response_input(body: dict[str, Any]) -> None:
     if body.get("previous_response_id") or body.get("conversation"):
         return
     for item in items:
-        if isinstance(item, dict) and item.get("type") in _RESPONSE_OUTPUTS:
+        if isinstance(item, dict) and _response_kind(item) in _RESPONSE_OUTPUTS:
             answers = item.get("call_id")
             if isinstance(answers, str) and answers not in known:
                 what = _RESPONSE_OUTPUTS[item["type"]]
