@@ -810,6 +810,54 @@ def test_a_remote_compaction_is_counted_logged_and_no_turn_of_the_conversation(
     assert again["path"] == "/v1/responses/compact" and again["input"][:2] == history
 
 
+def test_codex_compacts_an_interrupted_history_through_cachegate_and_goes_on(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """The SDK's ``responses.compact`` against the simulator through cachegate: an interrupted
+    history, which the provider refuses to compact, is repaired as a turn's; the compaction's
+    tokens are counted as the provider billed them, its exchange is logged and replayed; the
+    session goes on from the compacted items."""
+    proxy = proxy_factory(sim.api_base)
+    client = sdk(proxy.base_url)
+    direct = sdk(sim.api_base)
+    history: list[Any] = [
+        {"role": "user", "content": "fix the tests " * 300},
+        {"type": "function_call", "call_id": "c1", "name": "exec_command", "arguments": "{}"},
+    ]
+    with pytest.raises(Exception, match="No tool output found for function call c1"):
+        direct.responses.compact(model="gpt-5", input=history, instructions=INSTRUCTIONS)
+    headers = {"session_id": "codex-compacting"}
+    raw = client.responses.with_raw_response.compact(
+        model="gpt-5", input=history, instructions=INSTRUCTIONS, extra_headers=headers
+    )
+    assert raw.headers["x-cachegate-repairs"] == "1"
+    compacted = raw.parse()
+    assert compacted.output[-1].type == "compaction"
+    billed = sim.sim.requests[-1].usage
+    assert sim.sim.requests[-1].body["input"][2]["call_id"] == "c1"  # (the synthetic output)
+    m = proxy.metric
+    assert (
+        m("cachegate_tokens_total", {"model": "gpt-5", "kind": "prompt"})
+        == (billed["input_tokens"])
+    )
+    assert (
+        m("cachegate_tokens_total", {"model": "gpt-5", "kind": "completion"})
+        == (billed["output_tokens"])
+    )
+    items = raw.http_response.json()["output"]
+    items.append({"role": "user", "content": "go on"})
+    after = client.responses.create(
+        model="gpt-5", input=items, instructions=INSTRUCTIONS, extra_headers=headers
+    )
+    assert after.output_text == "Done."
+    proxy.settle()
+    (response, turn) = events(proxy.log_dir, "codex-compacting", "response")
+    assert response["usage"]["prompt"] == billed["input_tokens"] and "cache" not in response
+    assert turn["status"] == 200
+    paths = [r["path"] for r in replayed(proxy.log_dir, "codex-compacting")]
+    assert paths == ["/v1/responses/compact", "/v1/responses"]
+
+
 def test_a_refusal_before_the_body_is_read_is_in_the_held_sessions_log_numbered(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:

@@ -1316,6 +1316,57 @@ def test_responses_refuses_a_broken_pairing_as_openai_does(
     }
 
 
+def test_responses_compact_keeps_the_user_messages_and_seals_the_rest(
+    sim: RunningSimulator, sdk: Any
+) -> None:
+    """``POST /v1/responses/compact`` as the SDK's ``responses.compact`` reads it: the user
+    messages, then one compaction item (the same input, the same token: a Fernet-shaped one),
+    its usage from the prefix cache; its input's pairing judged as a turn's."""
+    client = sdk(sim.api_base)
+    items: list[Any] = [
+        {"role": "user", "content": "fix the failing test " * 200},
+        {"type": "function_call", "call_id": "c1", "name": "sh", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "FAILED test_x"},
+        {"role": "assistant", "content": "Fixed."},
+        {"role": "user", "content": [{"type": "input_text", "text": "now the docs"}]},
+    ]
+    raw = client.responses.with_raw_response.compact(
+        model="gpt-5", input=items, instructions="rules"
+    )
+    first, again = (
+        raw.parse(),
+        client.responses.compact(model="gpt-5", input=items, instructions="rules"),
+    )
+    assert first.object == "response.compaction"
+    assert [(o.type, getattr(o, "role", None)) for o in first.output] == [
+        ("message", "user"),
+        ("message", "user"),
+        ("compaction", None),
+    ]
+    dumped = raw.http_response.json()["output"]  # (what Codex CLI resends: its user messages
+    # are no output message the SDK's types know)
+    assert dumped[0]["content"] == [{"type": "input_text", "text": "fix the failing test " * 200}]
+    assert dumped[1]["content"] == items[4]["content"]
+    sealed = dumped[2]["encrypted_content"]
+    assert sealed.startswith("gAAAAA") and len(sealed) > 1024
+    assert again.output[-1].type == "compaction"
+    assert again.output[-1].encrypted_content == sealed
+    assert first.usage.input_tokens == again.usage.input_tokens > 400
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    assert again.usage.input_tokens_details.cached_tokens > 400
+    assert 16 <= first.usage.output_tokens <= 2000
+    assert [r.usage for r in sim.sim.requests] == [
+        u.model_dump(exclude_none=True) for u in (first.usage, again.usage)
+    ]
+    # the next turn goes on from the compacted items
+    follow = client.responses.create(
+        model="gpt-5", input=[*dumped, {"role": "user", "content": "go"}]
+    )
+    assert follow.output_text == "Done."
+    with pytest.raises(openai.BadRequestError, match="No tool output found for function call c1"):
+        client.responses.compact(model="gpt-5", input=items[:2])
+
+
 def test_responses_takes_outputs_of_a_stored_response(sim: RunningSimulator) -> None:
     items = [{"type": "function_call_output", "call_id": "c_x", "output": "x"}]
     answer = httpx.post(

@@ -58,6 +58,7 @@ from proxy.simulator.validate import (
 from proxy.simulator.wire import (
     DONE,
     KEEPALIVE,
+    compacted_user_message,
     completion_object,
     encode_event,
     error_object,
@@ -554,6 +555,59 @@ class _Handlers:
             )
         return self._plain_body(orjson.dumps(done), fault, controls.stall_s, request_id)
 
+    async def compact(self, request: Request) -> Response:
+        """``POST /v1/responses/compact`` (Codex CLI's remote compaction): the same checks of the
+        input items as ``responses``, then a ``response.compaction`` object, never streamed: the
+        input's user messages, then one ``compaction`` item whose ``encrypted_content`` is a
+        Fernet-shaped token of ~1.4 KB (a digest of the input: the same input, the same token),
+        billed as the request's prompt (its cached part from the prefix cache) and a tenth of it
+        as output (16 to 2,000 tokens). Status faults apply; stream faults do not."""
+        try:
+            controls = _parse_controls(dict(request.headers), self.config)
+        except ValueError as exc:
+            return _error(400, str(exc), None, "invalid_sim_control")
+        received, body = await self._json_request(request)
+        if received.status == 400:
+            return _error(400, BAD_JSON_TEXT)
+        fault = controls.fault or self.sim.draw_fault()
+        received.fault = fault
+        if fault in STATUS_FAULTS:
+            received.status = int(fault)
+            return self._status_fault(fault)
+        model = body.get("model")
+        try:
+            if not isinstance(model, str) or not model:
+                raise ValidationError("Missing required parameter: 'model'.", "model")
+            validate_response_input(body)
+        except ValidationError as exc:
+            received.status = 400
+            return _error(400, exc.message, exc.param, exc.code)
+        new_id = self.sim.new_id
+        items = body.get("input")
+        items = [{"role": "user", "content": items}] if isinstance(items, str) else items
+        kept = [
+            compacted_user_message(new_id("msg_", 32), item.get("content"))
+            for item in (items if isinstance(items, list) else ())
+            if isinstance(item, dict) and item.get("role") == "user"
+        ]
+        digest = hashlib.sha256(orjson.dumps(items, option=orjson.OPT_SORT_KEYS)).digest()
+        sealed = "gAAAAA" + base64.urlsafe_b64encode(digest * 32).decode()
+        kept.append({"id": new_id("cmp_", 32), "type": "compaction", "encrypted_content": sealed})
+        tokens = response_tokens(body)
+        cache = self.sim.process_prompt(tokens, model)
+        written = min(2000, max(16, len(tokens) // 10))
+        usage = response_usage(len(tokens), written, cache.read)
+        answer = {
+            "id": new_id("resp_", 32),
+            "object": "response.compaction",
+            "created_at": int(self.sim.now),
+            "output": kept,
+            "usage": usage,
+        }
+        received.usage = usage
+        received.status = 200
+        return _json_response(answer, headers={"x-request-id": new_id("req_", 24)})
+
     async def models(self, request: Request) -> Response:
         self.sim.record(request.method, request.url.path, dict(request.headers), b"").status = 200
         created = int(self.config.start_time)
@@ -701,6 +755,7 @@ def create_simulator_app(
     routes = [
         Route("/v1/chat/completions", handlers.chat, methods=["POST"]),
         Route("/v1/responses", handlers.responses, methods=["POST"]),
+        Route("/v1/responses/compact", handlers.compact, methods=["POST"]),
         Route("/v1/models", handlers.models, methods=["GET"]),
         Route("/v1/embeddings", handlers.embeddings, methods=["POST"]),
         Route("/_sim/clock", handlers.clock, methods=["GET", "POST"]),

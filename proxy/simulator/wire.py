@@ -219,6 +219,18 @@ def response_message(message_id: str, text: str) -> dict[str, Any]:
     }
 
 
+def compacted_user_message(item_id: str, content: Any) -> dict[str, Any]:
+    """A user message as a compaction keeps it: its text as an ``input_text`` part."""
+    parts = content if isinstance(content, list) else [{"type": "input_text", "text": content}]
+    return {
+        "id": item_id,
+        "type": "message",
+        "status": "completed",
+        "role": "user",
+        "content": parts,
+    }
+
+
 def response_call(item_id: str, call_id: str, name: str, arguments: str) -> dict[str, Any]:
     """A Responses API output item: a function call."""
     return {
