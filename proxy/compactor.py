@@ -513,6 +513,14 @@ class Compactor:
             )
 
         window = model_cfg.context_window
+        asked = compaction.output_requested(body) if plan.triggered and not force else 0
+        if 0 < asked < summary_window:
+            # The completion the request asks for, which most providers count in the window
+            # with the prompt (OpenAI, vLLM, Anthropic): the compaction leaves room for it, as
+            # a retry's does (planned against the whole window, it went out over it with the
+            # completion, was refused, and a second summary was paid for the retry).
+            summary_window -= asked
+            window = max(1, int(summary_window / overcount)) if overcount > 1 else summary_window
         extra = 0  # what a compacted request holds besides the kept messages: the summary, tools
         if plan.triggered:
             extra = compaction.summary_chars(window) // compaction.BYTES_PER_TOKEN + 100
@@ -619,23 +627,29 @@ class Compactor:
             smaller = shrunk(1, anchor=False)
             if smaller.cut is not None:
                 plan = smaller
+        retry_extra = 0
+        if force:  # (the summary as it will be asked for, to the token: a prose text, counted
+            # at the estimate's rate where the history's overcount shrank the window)
+            summary = self._asked(ex, summary_window)[2] // compaction.BYTES_PER_TOKEN + 100
+            retry_extra = int(summary / max(overcount, 1.0)) + tools_tokens
         if (
             anchored is not None
             and anchored.cut is not None
-            and not force  # (after a refusal: the smallest)
             and plan.cut is not None
             and not self._fits(messages, plan.cut, limit, extra)
             and self._kept(messages, anchored.cut) - self._kept(messages, plan.cut)
             <= window * ANCHOR_SHARE
+            and (not force or self._fits(messages, anchored.cut, window, retry_extra))
         ):
             # Nothing came under the aim (the latest round alone is over it): a short launching
             # message stays verbatim where the history still fits the window with it (a long
-            # one is estimated no better than the rest: the provider may count it over).
+            # one is estimated no better than the rest: the provider may count it over); after
+            # a refusal, where it fits with the summary's room as it will be asked for (on the
+            # provider's count of the refused history: the retry's one-line task was summarized
+            # where the compaction on the trigger kept it).
             plan = anchored
-        if force:  # (the summary as it will be asked for, to the token: a prose text, counted
-            # at the estimate's rate where the history's overcount shrank the window)
-            asked = self._asked(ex, summary_window)[2] // compaction.BYTES_PER_TOKEN + 100
-            extra = int(asked / max(overcount, 1.0)) + tools_tokens
+        if force:
+            extra = retry_extra
             plan = dataclasses.replace(plan, overrun=1.0)
         if plan.cut is not None and not self._fits(
             messages, plan.cut, window, extra if force else tools_tokens

@@ -680,6 +680,15 @@ def _check(settings: Settings) -> None:
     for name, model in settings.models.items():
         if model.context_window <= 0:
             raise _bad(f'models."{name}".context_window', "must be positive")
+    summarizer = settings.compaction.summarizer_model
+    if summarizer and (not summarizer.strip() or summarizer != summarizer.strip()):
+        # (sent as the summary call's model as it is: a pasted space made every summary call
+        # a model the provider does not know, or one priced at nothing)
+        raise _bad(
+            "compaction.summarizer_model",
+            f"{summarizer!r} has white space around it (a space pasted with it?); give the"
+            " model's name, or \"\" for the request's own model",
+        )
 
 
 def settings_from_mapping(

@@ -3488,3 +3488,68 @@ def test_a_reasoning_models_thinking_does_not_trigger_a_compaction(
             ]
         assert _summary_calls(small) == 0
         assert compaction.estimate_tokens(msgs) < 16_000 * 0.75 / 2  # (a third of the window)
+
+
+def _task_then_rounds(outputs: list[int]) -> list[dict[str, Any]]:
+    """A system prompt, a short task, then one tool round per entry of ``outputs`` (its output
+    three quarters of that many characters)."""
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": "Refactor module foo; run the tests after each change."},
+    ]
+    for i, size in enumerate(outputs):
+        call = {"id": f"call_{i}", "type": "function"}
+        call["function"] = {"name": "run", "arguments": orjson.dumps({"cmd": f"step {i}"}).decode()}
+        msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        output = f"result {i}.0 " + f"x{i} " * (size // 4)
+        msgs.append({"role": "tool", "tool_call_id": f"call_{i}", "content": output})
+    return msgs
+
+
+def test_a_retry_keeps_a_short_task_verbatim_where_it_fits_as_the_trigger_does(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """A model left at the default window in front of an 8k local one: the provider refuses, and
+    the retry's compaction summarized the one-line task though it fitted beside the latest round
+    (the trigger's compaction of the same history keeps it). The agent lost its task's words."""
+    with run_simulator(SimConfig(context_window=8000)) as small:
+        config = {"compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 4}}
+        proxy = proxy_factory(small.api_base, config)
+        msgs = _task_then_rounds([2000] * 10 + [14000])
+        small.sim.enqueue([parse_script("Ran steps 0-9; all green.")])
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, extra_headers={"X-Session-Id": "retry-task"}
+        )
+        assert_refused_then_compacted(raw, small)
+        retried = small.sim.requests[-1].body["messages"]
+        assert retried[:2] == msgs[:2]  # the system prompt, then the task as the user wrote it
+        assert retried[-2:] == msgs[-2:]
+        assert SUMMARY_MARKER in retried[2]["content"]
+
+
+def test_a_compaction_on_the_trigger_leaves_room_for_the_completion_asked_for(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """``max_completion_tokens`` of 3,400 on an 8k window: the compaction made on the trigger
+    was planned against the whole window, went out over it with the completion, was refused, and
+    a second summary was paid for the retry (which also gave up the task)."""
+    with run_simulator(SimConfig(context_window=8000)) as small:
+        config = {
+            "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 4},
+            "models": {MODEL: {"context_window": 8000}},
+        }
+        proxy = proxy_factory(small.api_base, config)
+        msgs = _task_then_rounds([9000] * 6)
+        small.sim.enqueue([parse_script("Ran steps 0-3; all green.")])
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=msgs,
+            max_completion_tokens=3400,
+            extra_headers={"X-Session-Id": "room-on-trigger"},
+        )
+        assert raw.http_response.status_code == 200
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        assert [r.status for r in small.sim.requests] == [200, 200]  # the summary, the turn
+        sent = small.sim.requests[-1]
+        assert sent.usage is not None and sent.usage["prompt_tokens"] + 3400 <= 8000
+        assert sent.body["messages"][:2] == msgs[:2] and sent.body["messages"][-2:] == msgs[-2:]

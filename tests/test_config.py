@@ -192,6 +192,19 @@ def test_an_empty_host_or_log_dir_from_a_flag_is_refused_too() -> None:
             load_settings(None, {option: ""}, environ={})
 
 
+@pytest.mark.parametrize("name", ["gpt-4o-mini ", "  ", "\tgpt-4o-mini"])
+def test_a_summarizer_model_with_white_space_around_it_is_refused(name: str) -> None:
+    """It was sent as the summary call's model as it was: a pasted space made every summary a
+    model the provider does not know (each compaction fell back to the extractive summary), or
+    one cachegate has no prices for (4,911 tokens billed at $0); blank, no model at all."""
+    with pytest.raises(ConfigError, match=r"compaction.summarizer_model.*white space around it"):
+        settings_from_mapping({"compaction": {"summarizer_model": name}})
+    kept = settings_from_mapping({"compaction": {"summarizer_model": "gpt-4o-mini"}})
+    assert kept.compaction.summarizer_model == "gpt-4o-mini"
+    default = settings_from_mapping({"compaction": {"summarizer_model": ""}})
+    assert default.compaction.summarizer_model == ""
+
+
 def test_an_upstream_of_spaces_is_shown_as_given() -> None:
     """It said ``'' has white space in it``: the spaces, stripped before they were quoted."""
     with pytest.raises(ConfigError, match=r"'   ' has white space or a control character"):
