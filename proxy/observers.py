@@ -410,24 +410,30 @@ def _ranked(baselines: list[_Baseline], fp: prefix.Fingerprint, body: Any) -> li
     """The baselines by the length of the prefix they share with ``fp``, longest first: a main
     agent's turn is compared with its previous turn, not with a sub-agent's or a title request
     sent in between. Of equals, one that ``fp`` carries on whole comes first (two agents that
-    open alike share only the opening with each other's turns: each extends its own), then the
-    latest."""
+    open alike share only the opening with each other's turns: each extends its own), then one
+    that holds more of ``fp``'s messages (an agent's edit of its own task keeps its messages
+    after it; another agent that opened alike holds the opening alone), then the latest."""
     if len(baselines) < 2:
         return baselines
     shared = [prefix.shared_links(b.fp, fp) for b in baselines]
     rank = _carried_past_params(baselines, fp, body, shared)
     most = max(shared)
+    tied = shared.count(most) > 1
 
     def carried(i: int) -> tuple[bool, int]:
         """Whether ``fp`` carries baseline ``i`` on whole: its links, or, of the closest, its
         messages past a system block that changed (the time in it: every baseline then shares
         the parameters and tools alone, and the latest won, another agent's that opened alike),
-        and of those, the most messages first."""
+        and of those, the most messages first; of the closest carried on in part, the one that
+        holds the most of ``fp``'s messages first (an edit of A's task just after B's turn, two
+        agents that opened alike, was compared with B's)."""
         old = baselines[i].fp
         if shared[i] == len(old.chain):
             return False, 0
         if shared[i] == most and _leading(fp, old):  # (its messages the first of fp's)
             return False, old.system_count - len(old.message_digests)
+        if tied and shared[i] == most:
+            return True, -_messages_held(old, fp)
         return True, 0
 
     order = sorted(  # stable: the latest of equals first; of equal ranks, one that shares
@@ -1289,7 +1295,10 @@ class AccountingObserver:
         divergence = ex.divergence
         if ex.cache is not None and ex.cache.get("location") is not None:
             ex.cache["location"] = resview.responses_location(
-                ex.cache["location"], offset, divergence.get("index") if divergence else None
+                ex.cache["location"],
+                offset,
+                divergence.get("index") if divergence else None,
+                divergence.get("field") if divergence else None,
             )
         if divergence is not None:
             ex.divergence = resview.responses_divergence(divergence, offset)

@@ -51,11 +51,15 @@ def chat_shaped(
 _MESSAGE: Final = re.compile(r"messages\[(\d+)\]")
 
 
-def responses_location(label: str | None, offset: int, system_index: int | None) -> str | None:
+def responses_location(
+    label: str | None, offset: int, system_index: int | None, field: str | None = None
+) -> str | None:
     """A location the accounting named in the chat view (``messages[5].content``, ``system``)
     in the request's own terms: ``input[4].content``; ``instructions`` for the system block's
     first message where the request has instructions (``system_index``: the index in the view
-    of the system message that differs, when known), else the ``input`` item it is;
+    of the system message that differs, when known), else the ``input`` item it is, with the
+    ``field`` that differs (``input[0].content``: a leading developer item edited, as any item's
+    edit is named; ``input[0]`` alone reads as an item that came or went);
     ``params.text.format`` for the ``response_format`` the view made of it."""
     if label is None:
         return None
@@ -64,7 +68,9 @@ def responses_location(label: str | None, offset: int, system_index: int | None)
     if label == "system":
         if offset and (system_index is None or system_index < offset):
             return "instructions"
-        return f"input[{system_index - offset}]" if system_index is not None else label
+        if system_index is None:
+            return label
+        return f"input[{system_index - offset}]" + (f".{field}" if field else "")
     match = _MESSAGE.match(label)
     if match is None:
         return label  # (tools, params)

@@ -1189,6 +1189,36 @@ def test_two_agents_under_one_timed_system_prompt_are_each_compared_with_their_o
         a, b = [*a, *msgs(f"a{turn}", f"more A {turn}")], [*b, *msgs(f"b{turn}", f"more B {turn}")]
 
 
+def test_an_agent_that_edits_its_task_after_another_agent_that_opened_alike_is_judged_on_its_own() -> (
+    None
+):
+    """Two agents under one session id, one prompt, the same boilerplate first message (an
+    environment block) and the same first answer: A edits its own task right after B's turn.
+    Both earlier turns share the opening alone with the edit, and the tie went to the latest,
+    B's: the edit was compared with B's task (``old`` was B's text), its expected read was the
+    opening's and its 1,800-token waste was 0. The one that holds the rest of A's messages is
+    A's own."""
+    acc = _Accounting()
+    system = _system("You are a coding agent. " + "Rules. " * 100)
+    opening = msgs("<environment_details> cwd /repo " + "file " * 300, "Ready.")
+    a = [*opening, *msgs("A task: port the parser " + "in detail " * 200, "Ported.")]
+    b = [*opening, *msgs("B task: write the docs " + "of each flag " * 200, "Written.")]
+    acc.send([system, *a], 9_000, 0)
+    acc.send([system, *b], 9_000, 1_500)
+    a += msgs("A more: and the tests " + "case " * 150, "Tested.")
+    acc.send([system, *a], 10_000, 8_900)
+    b += msgs("B more: and the man page " + "flag " * 150, "Done.")
+    acc.send([system, *b], 10_000, 8_900)
+    edited = [*a[:2], {"role": "user", "content": "A task EDITED: port it " + "in detail " * 200}]
+    ex = acc.send([system, *edited, *a[3:], *msgs("A next")], 10_050, 1_500)
+    assert ex.divergence is not None
+    assert ex.divergence["index"] == 3 and ex.divergence["old"].startswith("A task: port")
+    assert ex.cache is not None and 9_900 < ex.cache["expected"] <= 10_000  # (A's own, less
+    # the edited message's share)
+    assert (ex.cache["cause"], ex.cache["location"]) == ("prefix_rewrite", "messages[3].content")
+    assert ex.cache["waste"] == ex.cache["expected"] - 1_500
+
+
 def test_two_agents_that_both_answered_ok_are_not_one_conversation() -> None:
     """The same two agents, each history holding one answer alike ("ok"): B's turn after the
     time changed was compared with A's (the shared "ok" made it of A's conversation) and its

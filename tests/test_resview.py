@@ -61,6 +61,10 @@ def test_places_are_said_in_the_requests_own_terms() -> None:
     assert responses_location("system", 1, None) == "instructions"
     assert responses_location("system", 1, 1) == "input[0]"  # a leading developer item
     assert responses_location("system", 0, 0) == "input[0]"
+    # its edit named as any item's (``input[0]`` alone reads as an item that came or went)
+    assert responses_location("system", 1, 1, "content") == "input[0].content"
+    assert responses_location("system", 0, 2, "content") == "input[2].content"
+    assert responses_location("system", 1, 0, "content") == "instructions"
     assert responses_location("tools", 1, None) == "tools"
     assert responses_location("params.model", 1, None) == "params.model"
     assert responses_location(None, 1, None) is None
