@@ -255,7 +255,9 @@ def _blank(message: Any) -> bool:
     """An assistant message that Claude refuses anywhere but last (``must have non-empty
     content``): content ``null``, none, ``""``, white space, ``[]`` or blank text parts
     (``_blank_text``), and nothing else: no tool calls, refusal, legacy ``function_call``, audio
-    or reasoning."""
+    or signed reasoning (a gateway makes Claude's thinking blocks of ``reasoning_details`` and
+    ``thinking_blocks`` only: a ``reasoning`` or ``reasoning_content`` text, which Ctrl+C in a
+    thinking turn leaves, reaches Claude as nothing, and the message empty)."""
     if not isinstance(message, dict) or message.get("role") != "assistant":
         return False
     if not _blank_text(message.get("content")):
@@ -264,7 +266,7 @@ def _blank(message: Any) -> bool:
     if refusal and not (isinstance(refusal, str) and not refusal.strip()):  # (a blank one: none)
         return False
     return message.get("tool_calls") is None and not any(
-        message.get(key) for key in ("function_call", "audio", *_REASONING_KEYS)
+        message.get(key) for key in ("function_call", "audio", *_SIGNED_REASONING_KEYS)
     )
 
 
@@ -280,7 +282,7 @@ def _refusal_only(message: Any) -> str | None:
         return None
     if not _blank_text(message.get("content")) or message.get("tool_calls") is not None:
         return None
-    if any(message.get(key) for key in ("function_call", "audio", *_REASONING_KEYS)):
+    if any(message.get(key) for key in ("function_call", "audio", *_SIGNED_REASONING_KEYS)):
         return None
     return refusal
 
@@ -304,6 +306,9 @@ def _refusal_content(content: Any, refusal: str) -> Any:
 # ``reasoning_content``; OpenRouter's and Ollama's ``reasoning``, ``reasoning_details``;
 # LiteLLM's ``thinking_blocks``): a message that holds one says something.
 _REASONING_KEYS: Final = ("reasoning_content", "reasoning", "reasoning_details", "thinking_blocks")
+# Of those, the ones a gateway gives Claude back as thinking blocks (signed: OpenRouter's
+# ``reasoning_details``, LiteLLM's ``thinking_blocks``); Claude never sees the others' text
+_SIGNED_REASONING_KEYS: Final = ("reasoning_details", "thinking_blocks")
 
 
 def _says_nothing(message: dict[str, Any]) -> bool:

@@ -23,7 +23,7 @@ from proxy.pairing import (
     repair_messages,
     repair_messages_from,
 )
-from proxy.simulator.validate import ValidationError, validate_messages
+from proxy.simulator.validate import ValidationError, validate_claude_messages, validate_messages
 
 Message = dict[str, Any]
 
@@ -515,8 +515,11 @@ def test_an_assistant_message_with_no_content_and_no_tool_calls_gets_an_empty_on
 def test_drop_empty_removes_a_contentless_assistant_message_as_claude_needs() -> None:
     """With ``drop_empty`` (a Claude model's history) the contentless assistant message is
     removed, not given ``""`` (Claude refuses an empty one anywhere but last); its mark goes on
-    the message before; one holding reasoning keeps it, given ``""``. A state made with the
-    other setting is not resumed from (the next turn's model may be another provider's)."""
+    the message before; one holding signed reasoning keeps it, given ``""`` (a gateway makes
+    Claude's thinking blocks of it); a reasoning text alone, which a gateway cannot give Claude
+    back (no signature: the message reached Claude empty, refused on every turn), does not. A
+    state made with the other setting is not resumed from (the next turn's model may be
+    another provider's)."""
     mark = {"type": "ephemeral"}
     bare = {"role": "assistant", "content": None, "cache_control": mark}
     messages = [user("go"), bare, user("again")]
@@ -530,9 +533,20 @@ def test_drop_empty_removes_a_contentless_assistant_message_as_claude_needs() ->
     assert again.messages == [*result.messages, asst(content="ok"), user("more")]
     other, _ = repair_messages_from(later, state, drop_empty=False)
     assert other.messages[1] == {**bare, "content": ""}
-    thinking = {"role": "assistant", "content": None, "reasoning_content": "Let me see"}
-    kept, _ = repair_messages_from([user("go"), thinking, user("again")], None, drop_empty=True)
-    assert kept.messages[1] == {**thinking, "content": ""}
+    for key, value in (
+        ("reasoning_details", [{"type": "reasoning.text", "text": "Let me", "signature": "x"}]),
+        ("thinking_blocks", [{"type": "thinking", "thinking": "Let me", "signature": "x"}]),
+    ):
+        thinking = {"role": "assistant", "content": None, key: value}
+        kept, _ = repair_messages_from([user("go"), thinking, user("again")], None, drop_empty=True)
+        assert kept.messages[1] == {**thinking, "content": ""}
+    for key in ("reasoning_content", "reasoning"):
+        cut = {"role": "assistant", "content": None, key: "Let me see"}
+        gone, _ = repair_messages_from([user("go"), cut, user("again")], None, drop_empty=True)
+        assert gone.messages == [user("go"), user("again")]
+        validate_claude_messages(gone.messages)
+        with pytest.raises(ValidationError, match="must have non-empty content"):
+            validate_claude_messages([user("go"), {**cut, "content": ""}, user("again")])
 
 
 def test_a_refusal_in_a_history_sent_to_claude_becomes_its_content() -> None:
@@ -601,8 +615,13 @@ def test_drop_empty_removes_a_blank_assistant_message_claude_refuses_too(content
     parted = {"role": "assistant", "content": [{"type": "text", "text": "", "cache_control": mark}]}
     moved = repair_messages([user("go"), parted, user("again")], drop_empty=True).messages
     assert moved == [{**user("go"), "cache_control": mark}, user("again")]
-    said = {**asst(content="  "), "reasoning_content": "thinking"}  # (it says something)
+    signed = [{"type": "thinking", "thinking": "hm", "signature": "s"}]
+    said = {**asst(content="  "), "thinking_blocks": signed}  # (it says something to Claude)
     assert repair_messages([user("go"), said, user("on")], drop_empty=True).repairs == []
+    unsigned = {**asst(content="  "), "reasoning_content": "thinking"}  # (it says nothing there)
+    assert kinds(repair_messages([user("go"), unsigned, user("on")], drop_empty=True)) == [
+        ("empty_assistant", 1, None)
+    ]
 
 
 def test_an_empty_assistant_messages_cache_mark_goes_on_the_message_before_it() -> None:

@@ -75,6 +75,10 @@ def validate_claude_messages(messages: list[Any]) -> None:
             and message.get("role") == "assistant"
             and not message.get("tool_calls")
             and not message.get("function_call")
+            # (a gateway gives Claude signed reasoning back as thinking blocks; a reasoning text
+            # alone it drops)
+            and not message.get("reasoning_details")
+            and not message.get("thinking_blocks")
             and (
                 message.get("content") in ("", [], None)
                 or (isinstance(message.get("content"), str) and not message["content"].strip())
