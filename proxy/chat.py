@@ -289,12 +289,15 @@ class PairingRepair:
         # resends the same message objects (prefix sharing), so only the new ones are checked.
         # Two checkpoints are kept: the latest turn's, and the one it resumed from (or the turn
         # before), so a retry or a regeneration of the latest turn resumes too.
-        # (A Claude model's history has one defect more, a blank assistant message: its
-        # checkpoints are kept apart, for a session that switches models.)
-        claude = self.claude(body.get("model"))
-        key = "pairing_checkpoints_claude" if claude else "pairing_checkpoints"
+        # (A Claude model's history has one defect more, a blank assistant message, and a
+        # Mistral model's another, a user message right after a tool result: their checkpoints
+        # are kept apart, for a session that switches models.)
+        model = body.get("model")
+        claude = self.claude(model)
+        mistral = not claude and self.mistral(model)
+        key = _CHECKPOINT_KEYS[claude, mistral]
         kept: list[pairing.Checkpoint] = state.extra.get(key, []) if state is not None else []
-        needed, after, resumed = pairing.needs_repair_from(messages, kept, claude)
+        needed, after, resumed = pairing.needs_repair_from(messages, kept, claude, mistral)
         if state is not None and after is not None:
             base = resumed or (kept[0] if kept else None)
             state.extra[key] = [after] if base is None else [after, base]
@@ -303,7 +306,7 @@ class PairingRepair:
                 state.extra.pop("pairing_repair", None)
             return body
         if ex.strict:
-            defects = pairing.diagnose(messages, claude)
+            defects = pairing.diagnose(messages, claude, mistral)
             if self.on_strict_rejection is not None:
                 self.on_strict_rejection()
             raise bad_request(pairing.format_strict_error(defects), "strict_pairing", "messages")
@@ -316,6 +319,7 @@ class PairingRepair:
             orphan_policy=self.settings.pairing.orphan_policy,
             interrupted_note=self.note,
             drop_empty=claude,
+            mistral=mistral,
         )
         if state is not None and resume is not None:
             state.extra["pairing_repair"] = resume
@@ -344,6 +348,26 @@ class PairingRepair:
             self._claude.clear()
         self._claude[name] = answer
         return answer
+
+    @staticmethod
+    def mistral(model: Any) -> bool:
+        """Whether ``model`` is a Mistral model (by its name: ``mistral-large-latest``,
+        ``codestral-…``, ``mistralai/Devstral-…`` behind a gateway or vLLM), whose API and
+        chat templates refuse a user message right after a tool result and call ids other than
+        nine letters and digits."""
+        return isinstance(model, str) and _MISTRAL_NAME.search(model.lower()) is not None
+
+
+# (the words of Mistral's model families: mistral, mixtral, codestral, devstral, magistral,
+# ministral, pixtral, voxtral)
+_MISTRAL_NAME: Final = re.compile(
+    r"mistral|mixtral|codestral|devstral|magistral|ministral|pixtral|voxtral"
+)
+_CHECKPOINT_KEYS: Final = {
+    (False, False): "pairing_checkpoints",
+    (True, False): "pairing_checkpoints_claude",
+    (False, True): "pairing_checkpoints_mistral",
+}
 
 
 def internal_error(exc: BaseException, what: str | None = None) -> ProxyError:

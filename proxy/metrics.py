@@ -69,6 +69,7 @@ REPAIR_KINDS: Final = (
     "missing_type",
     "duplicate_call_id",
     "empty_assistant",
+    "user_after_tool",
 )
 COMPACTION_RESULTS: Final = ("summary", "extractive", "reused")
 COST_KINDS: Final = ("actual", "uncached")

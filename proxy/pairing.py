@@ -48,6 +48,7 @@ RepairKind = Literal[
     "missing_type",
     "duplicate_call_id",
     "empty_assistant",
+    "user_after_tool",
 ]
 OrphanPolicy = Literal["downgrade", "drop"]
 
@@ -319,13 +320,17 @@ def _says_nothing(message: dict[str, Any]) -> bool:
     )
 
 
-def needs_repair(messages: list[dict[str, Any]], drop_empty: bool = False) -> bool:
+def needs_repair(
+    messages: list[dict[str, Any]], drop_empty: bool = False, mistral: bool = False
+) -> bool:
     """Cheap check for every request: True exactly when ``repair_messages`` would change anything
-    (with ``drop_empty``: a Claude model's history, in which a blank assistant message is one).
+    (with ``drop_empty``: a Claude model's history, in which a blank assistant message is one;
+    with ``mistral``: a Mistral model's, in which a message other than an assistant's right
+    after a tool result is one).
 
     One pass, one small dict of the open block's call ids; only ``arguments`` strings are parsed.
     """
-    return needs_repair_from(messages, (), drop_empty)[0]
+    return needs_repair_from(messages, (), drop_empty, mistral)[0]
 
 
 @dataclass(slots=True)
@@ -349,12 +354,15 @@ class Checkpoint:
 
 
 def needs_repair_from(
-    messages: list[dict[str, Any]], checkpoints: Sequence[Checkpoint] = (), drop_empty: bool = False
+    messages: list[dict[str, Any]],
+    checkpoints: Sequence[Checkpoint] = (),
+    drop_empty: bool = False,
+    mistral: bool = False,
 ) -> tuple[bool, Checkpoint | None, Checkpoint | None]:
     """``needs_repair``, resumed after the first of ``checkpoints`` that ``precedes`` ``messages``:
     the work is in proportion to what was appended. Returns the answer, a checkpoint at the end of
     ``messages`` (None when a defect stopped the scan) and the checkpoint resumed from. The
-    checkpoints must have been made with the same ``drop_empty``."""
+    checkpoints must have been made with the same ``drop_empty`` and ``mistral``."""
     resumed = next(
         (
             c
@@ -387,6 +395,8 @@ def needs_repair_from(
             continue
         if pending:
             return True, None, resumed
+        if in_block and mistral and role != "assistant":
+            return True, None, resumed  # (Mistral: "Unexpected role 'user' after role 'tool'")
         in_block = False
         if role != "assistant":
             continue
@@ -438,11 +448,13 @@ def _past_new_prompt(
     return None
 
 
-def _derived_id(index: int, position: int, call: dict[str, Any]) -> str:
-    """A stable id for a call sent without one, from its position and its canonical JSON."""
+def _derived_id(index: int, position: int, call: dict[str, Any], mistral: bool = False) -> str:
+    """A stable id for a call sent without one, from its position and its canonical JSON (for a
+    Mistral model nine letters and digits: Mistral refuses any other, ``Tool call id was … but
+    must be a-z, A-Z, 0-9, with a length of 9``)."""
     canonical = deep_dumps(call, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     digest = hashlib.sha256(f"{index}.{position}:{canonical}".encode()).hexdigest()
-    return "call_" + digest[:24]
+    return digest[:9] if mistral else "call_" + digest[:24]
 
 
 def _tool_name(call: dict[str, Any]) -> str:
@@ -483,7 +495,11 @@ def _downgrade(message: dict[str, Any], label: str) -> dict[str, Any]:
 
 
 def _fix_calls(
-    index: int, message: dict[str, Any], calls: list[Any], repairs: list[Repair]
+    index: int,
+    message: dict[str, Any],
+    calls: list[Any],
+    repairs: list[Repair],
+    mistral: bool = False,
 ) -> tuple[dict[str, Any], list[str], list[str], list[str], dict[str, deque[str]]]:
     """Assign missing ids, new ids to repeats of an id in the message, types and blank invalid
     arguments; copies the message only when it changes. Returns the message, its calls' ids
@@ -500,7 +516,7 @@ def _fix_calls(
         fixed = call
         number = _number_id(call.get("id"))
         if not _has_id(call) and number is None:
-            call_id = _derived_id(index, position, call)
+            call_id = _derived_id(index, position, call, mistral)
             assigned.append(call_id)
             fixed = {**call, "id": call_id}
             repairs.append(
@@ -513,7 +529,7 @@ def _fix_calls(
             if call_id in seen:
                 # Claude refuses a message whose tool_use ids repeat ("tool_use ids must be
                 # unique"); its results are then matched in order (``_pair_result``)
-                repeated, call_id = call_id, _derived_id(index, position, call)
+                repeated, call_id = call_id, _derived_id(index, position, call, mistral)
                 renamed.setdefault(repeated, deque()).append(call_id)
                 fixed = {**call, "id": call_id}
                 repairs.append(
@@ -578,6 +594,7 @@ def repair_messages(
     orphan_policy: OrphanPolicy = "downgrade",
     interrupted_note: str = DEFAULT_INTERRUPTED_NOTE,
     drop_empty: bool = False,
+    mistral: bool = False,
 ) -> PairingResult:
     """Return a history every call of which is answered right after it, and what was repaired.
 
@@ -591,6 +608,7 @@ def repair_messages(
         orphan_policy=orphan_policy,
         interrupted_note=interrupted_note,
         drop_empty=drop_empty,
+        mistral=mistral,
     )
     return result
 
@@ -606,7 +624,8 @@ class RepairState:
     """
 
     messages: tuple[Any, ...]
-    policy: tuple[str, str, bool]  # (orphan policy, note, drop_empty) the repair was made with
+    # (orphan policy, note, drop_empty, mistral) the repair was made with
+    policy: tuple[str, str, bool, bool]
     blocks: dict[int, _Block]
     owner_of_id: dict[str, _Block]
     paired: set[int]
@@ -620,7 +639,7 @@ class RepairState:
     # goes on the message before it in the repaired history, which ends the same prefix
     marks: dict[int, Any] = field(default_factory=dict)
 
-    def resumes(self, messages: Sequence[Any], policy: tuple[str, str, bool]) -> bool:
+    def resumes(self, messages: Sequence[Any], policy: tuple[str, str, bool, bool]) -> bool:
         """Whether ``messages`` extends this state's messages, with the same policy, and appends
         no result for a call still open in them. A system block of as many messages in place of
         theirs (the time in the system prompt) still does: nothing in a system block is
@@ -670,6 +689,7 @@ def repair_messages_from(
     orphan_policy: OrphanPolicy = "downgrade",
     interrupted_note: str = DEFAULT_INTERRUPTED_NOTE,
     drop_empty: bool = False,
+    mistral: bool = False,
 ) -> tuple[PairingResult, RepairState | None]:
     """``repair_messages``, resumed from ``previous`` when ``messages`` extends its messages
     (``RepairState.resumes``): the work is in proportion to what was appended. Returns the result
@@ -677,9 +697,12 @@ def repair_messages_from(
     is taken over: do not use it again. With ``drop_empty`` (a Claude model's history), an
     assistant message with no content and nothing else in it is removed, not given ``""``:
     Claude refuses an empty assistant message anywhere but last, and joins the user turns
-    around it."""
+    around it. With ``mistral`` (a Mistral model's history), a message other than an
+    assistant's right after a tool result (the user's, a downgraded orphan's) gets an empty
+    assistant message before it (Mistral refuses ``Unexpected role 'user' after role 'tool'``),
+    and an id cachegate gives a call is nine letters and digits, as Mistral requires."""
     note = interrupted_note or DEFAULT_INTERRUPTED_NOTE
-    policy = (orphan_policy, note, drop_empty)
+    policy = (orphan_policy, note, drop_empty, mistral)
     if previous is not None and previous.resumes(messages, policy):
         state = previous
         start = len(previous.messages)
@@ -689,7 +712,7 @@ def repair_messages_from(
             # which no repair touched (the repaired history starts with them, as they were).
             state.out = (*messages[:system], *state.out[system:])
     else:
-        if not needs_repair(messages, drop_empty):
+        if not needs_repair(messages, drop_empty, mistral):
             return PairingResult(messages, []), None
         state = RepairState((), policy, {}, {}, set(), set(), {}, [], [], None, ())
         start = 0
@@ -758,7 +781,7 @@ def repair_messages_from(
                 action = "gave an assistant message with no content an empty one"
                 scanned.append(Repair("empty_assistant", i, None, action))
             continue
-        new_message, ids, names, assigned, renamed = _fix_calls(i, message, calls, scanned)
+        new_message, ids, names, assigned, renamed = _fix_calls(i, message, calls, scanned, mistral)
         if new_message is not message:
             fixed[i] = new_message
         unanswered: dict[str, list[int]] = {}
@@ -779,11 +802,30 @@ def repair_messages_from(
                     "dangling_call", block.index, call_id, f"added a synthetic result for {name}"
                 )
             )
-    if not scanned and not state.dangling:
+    if not scanned and not state.dangling and not mistral:
         return PairingResult(messages, []), None
     out = list(state.out)
     marks = state.marks
     for i in range(start, len(messages)):
+        if (
+            mistral
+            and out
+            and i not in paired
+            and i not in removed
+            and isinstance(out[-1], dict)
+            and out[-1].get("role") == "tool"
+            and _role(fixed.get(i, messages[i])) not in ("assistant", "tool")
+        ):
+            out.append(dict(MISTRAL_BRIDGE))
+            scanned.append(
+                Repair(
+                    "user_after_tool",
+                    i,
+                    None,
+                    "inserted an empty assistant message before it (Mistral refuses a"
+                    " message other than an assistant's right after a tool result)",
+                )
+            )
         if i in paired or i in removed:
             mark = marks.get(i) if marks else None
             if (
@@ -804,12 +846,23 @@ def repair_messages_from(
             call_id, name = own.ids[position], own.names[position]
             note_text = note.replace("{name}", name)
             out.append({"role": "tool", "tool_call_id": call_id, "content": note_text})
+    if not scanned and not state.dangling:  # (Mistral's check found nothing either)
+        return PairingResult(messages, []), None
     state.messages = tuple(messages)
     state.out = tuple(out)
     # Found message by message, then the dangling calls, in index order (a stable sort).
     repairs = sorted([*scanned, *state.dangling], key=operator.attrgetter("index"))
     logger.debug("repaired %d pairing defects in %d messages", len(repairs), len(messages))
     return PairingResult(out, repairs), state
+
+
+MISTRAL_BRIDGE: Final = {"role": "assistant", "content": ""}
+"""The assistant message put between a tool result and a message of another role for a Mistral
+model (what Zed and other clients send it there)."""
+
+
+def _role(message: Any) -> Any:
+    return message.get("role") if isinstance(message, dict) else None
 
 
 def _say_mark_moved(scanned: list[Repair], index: int) -> None:
@@ -951,9 +1004,11 @@ def _pair_result(
         repairs.append(Repair(kind, i, tool_call_id, "kept as a user message"))
 
 
-def diagnose(messages: list[dict[str, Any]], drop_empty: bool = False) -> list[Repair]:
+def diagnose(
+    messages: list[dict[str, Any]], drop_empty: bool = False, mistral: bool = False
+) -> list[Repair]:
     """What ``repair_messages`` would repair, changing nothing: strict mode's list of defects."""
-    return repair_messages(messages, drop_empty=drop_empty).repairs
+    return repair_messages(messages, drop_empty=drop_empty, mistral=mistral).repairs
 
 
 _DESCRIPTIONS: Final[dict[str, str]] = {
@@ -972,6 +1027,10 @@ _DESCRIPTIONS: Final[dict[str, str]] = {
         " repeat {id})"
     ),
     "empty_assistant": "messages[{index}] assistant message has no content and no tool_calls",
+    "user_after_tool": (
+        "messages[{index}] follows a tool result with no assistant message between (Mistral"
+        " refuses it)"
+    ),
 }
 
 

@@ -124,6 +124,70 @@ def test_gemini_style_histories_400_directly_200_through_cachegate(
     assert proxy.metric("cachegate_pairing_repairs_total", {"kind": "empty_tool_calls"}) == 1
 
 
+MISTRAL_INTERRUPTED = [
+    {"role": "user", "content": "Fix the failing test"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "Ab3dE6gH9",
+                "type": "function",
+                "function": {"name": "read_file", "arguments": '{"path": "a.py"}'},
+            },
+            {"type": "function", "function": {"name": "run", "arguments": '{"cmd": "pytest"}'}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "Ab3dE6gH9", "content": "print('a')"},
+    {"role": "user", "content": "Stop, look at b.py instead"},
+]
+
+
+def test_a_mistral_model_gets_its_interrupted_turn_repaired_as_mistral_takes_it(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """Mistral refuses a user message right after a tool result (``Unexpected role 'user' after
+    role 'tool'``) and an id other than nine letters and digits: the repaired turn of an
+    interrupted session (a call given an id, a synthetic result, then the user's message) was
+    refused on every turn. For a Mistral model an empty assistant message goes between, and
+    the id given is nine characters; a sound Mistral history goes as it came (another model's
+    is repaired as before: ``test_pairing``)."""
+    with run_simulator(SimConfig(mistral_rules=True)) as mistral:
+        proxy = proxy_factory(mistral.api_base)
+        with pytest.raises(openai.BadRequestError):  # (no id: refused as OpenAI would)
+            sdk(mistral.api_base).chat.completions.create(
+                model="mistral-large-latest",
+                messages=MISTRAL_INTERRUPTED,  # type: ignore[arg-type]
+            )
+        for stream in (False, True):
+            raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+                model="mistral-large-latest",
+                messages=MISTRAL_INTERRUPTED,  # type: ignore[arg-type]
+                stream=stream,
+            )
+            assert raw.http_response.status_code == 200
+            assert raw.headers["x-cachegate-repairs"] == "3"  # an id, a result, the order
+            if stream:
+                assert any(c.choices and c.choices[0].delta.content for c in raw.parse())
+        forwarded = mistral.sim.requests[-1].body["messages"]
+        roles = [m["role"] for m in forwarded]
+        assert roles == ["user", "assistant", "tool", "tool", "assistant", "user"]
+        given = forwarded[1]["tool_calls"][1]["id"]
+        assert len(given) == 9 and given.isalnum() and forwarded[3]["tool_call_id"] == given
+        assert forwarded[4] == {"role": "assistant", "content": ""}
+        kind = {"kind": "user_after_tool"}
+        assert proxy.metric("cachegate_pairing_repairs_total", kind) == 2
+        sound = [*MISTRAL_INTERRUPTED[:3], {"role": "assistant", "content": "a prints a"}]
+        sound[1] = {**sound[1], "tool_calls": sound[1]["tool_calls"][:1]}
+        sound.append({"role": "user", "content": "and b?"})
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model="mistral-large-latest",
+            messages=sound,  # type: ignore[arg-type]
+        )
+        assert raw.headers["x-cachegate-repairs"] == "0"
+        assert mistral.sim.requests[-1].body["messages"] == sound
+
+
 def test_an_interrupted_answer_left_with_no_content_is_a_400_directly_200_through_cachegate(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:

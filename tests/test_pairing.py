@@ -23,7 +23,12 @@ from proxy.pairing import (
     repair_messages,
     repair_messages_from,
 )
-from proxy.simulator.validate import ValidationError, validate_claude_messages, validate_messages
+from proxy.simulator.validate import (
+    ValidationError,
+    mistral_refusal,
+    validate_claude_messages,
+    validate_messages,
+)
 
 Message = dict[str, Any]
 
@@ -510,6 +515,46 @@ def test_an_assistant_message_with_no_content_and_no_tool_calls_gets_an_empty_on
     needed, _, resumed = needs_repair_from(later, [after])
     assert needed and resumed is after
     assert repair_messages(later).messages == [*earlier, asst(content=""), user("on")]
+
+
+def test_a_mistral_history_gets_an_assistant_message_between_a_tool_result_and_the_user() -> None:
+    """For a Mistral model (``mistral``): a message other than an assistant's right after a tool
+    result (a synthetic one, the client's own, a downgraded orphan's) gets an empty assistant
+    message before it; ids cachegate gives are nine letters and digits. Deterministic, resumed
+    as a whole repair, and what Mistral's checks and OpenAI's accept; another model's history
+    is repaired as before."""
+    idless = {"type": "function", "function": {"name": "run", "arguments": "{}"}}
+    steer = [user("go"), asst(call("aaaaaaaa1")), tool("aaaaaaaa1"), user("now b")]
+    interrupted = [user("go"), {"role": "assistant", "content": None, "tool_calls": [idless]}]
+    interrupted.append(user("stop"))
+    orphan = [user("go"), asst(call("aaaaaaaa2")), tool("aaaaaaaa2"), tool("gone00001")]
+    orphan.append(user("next"))  # (the orphan, kept as a user message, follows a result)
+    for history in (steer, interrupted, orphan):
+        assert needs_repair(history, mistral=True)
+        result = repair_messages(history, mistral=True)
+        validate_messages(result.messages)
+        assert mistral_refusal(result.messages) is None, result.messages
+        assert repair_messages(history, mistral=True).messages == result.messages
+        assert "user_after_tool" in [r.kind for r in result.repairs]
+        assert repair_messages(result.messages, mistral=True).repairs == []
+    assert repair_messages(steer).messages is steer  # (another model: nothing to repair)
+    fixed = repair_messages(interrupted, mistral=True).messages
+    given = fixed[1]["tool_calls"][0]["id"]
+    assert len(given) == 9 and given.isalnum()
+    assert [m["role"] for m in fixed] == ["user", "assistant", "tool", "assistant", "user"]
+    assert fixed[3] == {"role": "assistant", "content": ""}
+    (bridged,) = [r for r in repair_messages(steer, mistral=True).repairs]
+    assert (bridged.kind, bridged.index) == ("user_after_tool", 3)
+    text = format_strict_error(diagnose(steer, mistral=True))
+    assert "messages[3] follows a tool result with no assistant message between" in text
+    # resumed next turn from the repair state: the same as a repair of the whole
+    first, state = repair_messages_from(steer, None, mistral=True)
+    later = [*steer, asst(content="b is fine"), user("thanks")]
+    again, _ = repair_messages_from(later, state, mistral=True)
+    assert again.messages == repair_messages(later, mistral=True).messages
+    assert again.messages[: len(first.messages)] == first.messages
+    sound = [user("go"), asst(call("aaaaaaaa1")), tool("aaaaaaaa1"), asst(content="done")]
+    assert repair_messages([*sound, user("more")], mistral=True).repairs == []
 
 
 def test_drop_empty_removes_a_contentless_assistant_message_as_claude_needs() -> None:
@@ -1142,6 +1187,34 @@ def test_damaged_agent_histories_satisfy_every_property(
     result = _check_properties(messages, policy)
     if not was_damaged:
         assert result.messages is messages
+
+
+@settings(max_examples=300, deadline=None)
+@given(random_histories(), random_histories(), st.sampled_from(["downgrade", "drop"]))
+def test_random_histories_repaired_for_mistral_keep_its_order_resumed_or_not(
+    first: list[Message], appended: list[Message], policy: Any
+) -> None:
+    """For a Mistral model: the repaired history has an assistant message after every run of
+    tool results that another message follows (what Mistral checks; the ids are the
+    client's), is accepted as OpenAI's, needs no more repair, and the cheap check, strict
+    mode's diagnosis, the check resumed from a checkpoint and the repair resumed from the last
+    turn's state all agree with a repair of the whole."""
+    later = [*first, *appended]
+    result = repair_messages(later, orphan_policy=policy, mistral=True)
+    validate_messages(result.messages)
+    refused = mistral_refusal(result.messages)
+    assert refused is None or not refused["message"].startswith("Unexpected role"), refused
+    assert repair_messages(result.messages, orphan_policy=policy, mistral=True).repairs == []
+    assert needs_repair(later, mistral=True) == bool(result.repairs)
+    if policy == "downgrade":  # (strict mode's diagnosis: an orphan kept needs its bridge)
+        assert kinds_of(diagnose(later, mistral=True)) == kinds_of(result.repairs)
+    _, checkpoint, _ = needs_repair_from(first, (), mistral=True)
+    resumed = needs_repair_from(later, [checkpoint] if checkpoint else [], mistral=True)[0]
+    assert resumed == bool(result.repairs)
+    _, state = repair_messages_from(first, None, orphan_policy=policy, mistral=True)
+    again, _ = repair_messages_from(later, state, orphan_policy=policy, mistral=True)
+    assert orjson.dumps(again.messages) == orjson.dumps(result.messages)
+    assert kinds_of(again.repairs) == kinds_of(result.repairs)
 
 
 def _call_ids(messages: list[Message]) -> set[str]:

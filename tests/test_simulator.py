@@ -777,12 +777,12 @@ def test_parallel_tool_calls_stream_split_each_in_turn_or_interleaved(interleave
     assert result["finish_reason"] == "tool_calls"
 
 
-def test_the_sdks_stream_helper_reads_parallel_tool_calls(sim: RunningSimulator) -> None:
+def test_the_sdks_stream_helper_reads_parallel_tool_calls(sim: RunningSimulator, sdk: Any) -> None:
     """The openai SDK's ``chat.completions.stream()`` parses a call's arguments when the next
     index begins: on the simulator's interleaved calls it failed (empty arguments), with or
     without cachegate in between."""
     script(sim, _PARALLEL)
-    client = openai.OpenAI(base_url=sim.api_base, api_key="sk-test", max_retries=0)
+    client = sdk(sim.api_base)
     tool = {"type": "function", "function": {"name": "read_file", "parameters": {}}}
     with client.chat.completions.stream(
         model="gpt-4o",
@@ -956,7 +956,7 @@ def test_requests_are_recorded_and_reset_clears_everything(sim: RunningSimulator
     assert shown == "session=…; theme=…; …"
 
 
-def test_models_and_deterministic_embeddings(sim: RunningSimulator) -> None:
+def test_models_and_deterministic_embeddings(sim: RunningSimulator, sdk: Any) -> None:
     models = httpx.get(sim.url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["gpt-4o", "gpt-4o-mini", "text-embedding-3-small"]
     request = {"model": "text-embedding-3-small", "input": ["alpha", "beta"], "dimensions": 8}
@@ -966,7 +966,7 @@ def test_models_and_deterministic_embeddings(sim: RunningSimulator) -> None:
     vectors = [d["embedding"] for d in one["data"]]
     assert len(vectors) == 2 and vectors[0] != vectors[1] and len(vectors[0]) == 8
     assert sum(v * v for v in vectors[0]) == pytest.approx(1.0)
-    client = openai.OpenAI(base_url=sim.api_base, api_key="sk-test", max_retries=0)
+    client = sdk(sim.api_base)
     via_client = client.embeddings.create(
         model="text-embedding-3-small", input=["alpha", "beta"], dimensions=8
     )
@@ -975,9 +975,9 @@ def test_models_and_deterministic_embeddings(sim: RunningSimulator) -> None:
     client.close()
 
 
-def test_the_openai_client_reads_a_stream(sim: RunningSimulator) -> None:
+def test_the_openai_client_reads_a_stream(sim: RunningSimulator, sdk: Any) -> None:
     script(sim, "streamed through the official client")
-    client = openai.OpenAI(base_url=sim.api_base, api_key="sk-test", max_retries=0)
+    client = sdk(sim.api_base)
     events = client.chat.completions.create(
         model="gpt-4o",
         messages=[{"role": "user", "content": "hi"}],
@@ -1255,8 +1255,8 @@ def test_replies_enqueued_in_their_json_form_are_served() -> None:
 # -- the Responses API -------------------------------------------------------------------------
 
 
-def test_responses_answers_the_sdk_plain_and_streamed(sim: RunningSimulator) -> None:
-    client = openai.OpenAI(base_url=sim.api_base, api_key="sk-test", max_retries=0)
+def test_responses_answers_the_sdk_plain_and_streamed(sim: RunningSimulator, sdk: Any) -> None:
+    client = sdk(sim.api_base)
     sim.sim.enqueue(["First answer.", "Second answer."])
     plain = client.responses.create(model="gpt-5", input="hello")
     assert plain.output_text == "First answer." and plain.status == "completed"
@@ -1270,11 +1270,12 @@ def test_responses_answers_the_sdk_plain_and_streamed(sim: RunningSimulator) -> 
 
 def test_responses_usage_reads_its_prefix_from_the_cache_and_is_recorded(
     sim: RunningSimulator,
+    sdk: Any,
 ) -> None:
     """The second turn resends the first's input: its ``cached_tokens`` are the prefix cache's
     read, as a chat request's are; a scripted reply's reasoning is in ``output_tokens`` and its
     details; each request's usage is in the simulator's record."""
-    client = openai.OpenAI(base_url=sim.api_base, api_key="sk-test", max_retries=0)
+    client = sdk(sim.api_base)
     items: list[Any] = [{"role": "user", "content": "Plan the refactor. " * 400}]
     sim.sim.enqueue([{"content": "Planned.", "reasoning_tokens": 7}, "Done."])
     first = client.responses.create(model="gpt-5", input=items, instructions="Be brief.")
@@ -1376,8 +1377,10 @@ def test_responses_takes_outputs_of_a_stored_response(sim: RunningSimulator) -> 
     assert answer.status_code == 200, answer.text
 
 
-def test_responses_answers_a_scripted_call_as_function_call_items(sim: RunningSimulator) -> None:
-    client = openai.OpenAI(base_url=sim.api_base, api_key="sk-test", max_retries=0)
+def test_responses_answers_a_scripted_call_as_function_call_items(
+    sim: RunningSimulator, sdk: Any
+) -> None:
+    client = sdk(sim.api_base)
     calls = {"tool_calls": [{"name": "read_file", "arguments": {"path": "a.py"}, "id": "call_a"}]}
     sim.sim.enqueue([calls, {"content": "Reading.", **calls}])
     plain = client.responses.create(model="gpt-5", input="read a.py")
@@ -1416,13 +1419,13 @@ def test_anthropic_compat_refuses_a_blank_text_block_in_any_message(
         assert answer.status_code == 400 and answer.json()["error"]["message"] == said
 
 
-def test_responses_streams_are_paced_and_faulted_as_chat_answers() -> None:
+def test_responses_streams_are_paced_and_faulted_as_chat_answers(sdk: Any) -> None:
     """The Responses API's events came all at once, whatever --ttft-ms and --chunk-ms said, and
     X-Sim-Fault was not read there."""
     import time
 
     with run_simulator(SimConfig(ttft_ms=300, chunk_ms=20)) as sim:
-        client = openai.OpenAI(base_url=sim.api_base, api_key="sk-test", max_retries=0)
+        client = sdk(sim.api_base)
         sim.sim.enqueue(["one two three four five six"])
         began = time.monotonic()
         stream = client.responses.create(model="gpt-5", input="hi", stream=True)

@@ -51,6 +51,7 @@ from proxy.simulator.tokens import count_tokens, marked_request_tokens, response
 from proxy.simulator.validate import (
     ValidationError,
     json_kind,
+    mistral_refusal,
     validate_claude_messages,
     validate_messages,
     validate_response_input,
@@ -332,6 +333,10 @@ class _Handlers:
                 validate_claude_messages(body["messages"])
         except ValidationError as exc:
             return _error(400, exc.message, exc.param, exc.code)
+        if self.config.mistral_rules:
+            refused = mistral_refusal(body["messages"])
+            if refused is not None:  # (Mistral's error object, at the top level)
+                return _json_response(refused, 400)
         tokens, marked, hour, ends = marked_request_tokens(body)
         if len(tokens) > self.config.context_window:
             message = CONTEXT_TEXT.format(window=self.config.context_window, tokens=len(tokens))

@@ -90,6 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="answer 422 to a request with stream_options, as Mistral does",
     )
     parser.add_argument(
+        "--mistral-rules",
+        action="store_true",
+        help="refuse a user message right after a tool result and tool call ids other than"
+        " nine letters and digits (400), as Mistral does",
+    )
+    parser.add_argument(
         "--interleave-tool-calls",
         action="store_true",
         help="stream parallel tool calls' arguments interleaved by index, as some compatible"
@@ -124,6 +130,7 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
         fault_rate=ns.fault_rate,
         cache_unmarked=ns.cache_unmarked,
         refuse_stream_options=ns.refuse_stream_options,
+        mistral_rules=ns.mistral_rules,
         interleave_tool_calls=ns.interleave_tool_calls,
     )
 

@@ -51,6 +51,9 @@ class SimConfig:
     # refuse any request with stream_options, as Mistral does (422, extra_forbidden) and Azure
     # OpenAI's older API versions (400)
     refuse_stream_options: bool = False
+    # refuse a message other than an assistant's right after a tool result, and tool call ids
+    # other than nine letters and digits, as Mistral's API does
+    mistral_rules: bool = False
     # stream parallel tool calls' argument pieces round-robin by index, as some compatible
     # servers do (OpenAI, and by default the simulator, stream each call whole in turn)
     interleave_tool_calls: bool = False

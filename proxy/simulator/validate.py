@@ -6,6 +6,7 @@ oracle that a repaired history would be accepted.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 DANGLING_TEXT = (
@@ -208,6 +209,41 @@ def validate_messages(messages: Any) -> None:
             open_block = True
     if pending:
         raise ValidationError(DANGLING_TEXT.format(ids=", ".join(map(str, pending))), "messages")
+
+
+_MISTRAL_ID = re.compile(r"[a-zA-Z0-9]{9}")
+
+
+def mistral_refusal(messages: list[Any]) -> dict[str, Any] | None:
+    """Mistral's 400 for ``messages`` (``validate_messages`` passed first), or None: a message
+    other than an assistant's right after a tool result, a tool call id other than nine letters
+    and digits (in its call or its result)."""
+    previous = None
+    for message in messages:
+        role = message.get("role") if isinstance(message, dict) else None
+        if previous == "tool" and role not in ("assistant", "tool"):
+            return {
+                "object": "error",
+                "message": f"Unexpected role '{role}' after role 'tool'",
+                "type": "invalid_request_message_order",
+                "param": None,
+                "code": "3230",
+            }
+        ids = [message.get("tool_call_id")] if role == "tool" else []
+        calls = message.get("tool_calls") if role == "assistant" else None
+        ids += [c.get("id") for c in calls or () if isinstance(c, dict)]
+        for call_id in ids:
+            if not (isinstance(call_id, str) and _MISTRAL_ID.fullmatch(call_id)):
+                return {
+                    "object": "error",
+                    "message": f"Tool call id was {call_id} but must be a-z, A-Z, 0-9, with a"
+                    " length of 9.",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": None,
+                }
+        previous = role
+    return None
 
 
 # The Responses API's refusals of a broken pairing (OpenAI's texts; ``param`` is "input")
