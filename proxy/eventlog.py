@@ -906,8 +906,8 @@ class EventLogWriter:
             "event log: %s was removed or replaced while cachegate wrote it; a new one is started",
             session_id + ".jsonl",
         )
-        self._close_fd(session_id)
         self._mark_broken(session_id)
+        self._close_fd(session_id)
 
     def _check_dir(self) -> None:
         """Make the log directory again when it is gone, as at start (0700, ``.gitignore``), and
@@ -975,10 +975,11 @@ class EventLogWriter:
             session_id = next(iter(self._fds))
             if self._written_at.get(session_id, 0.0) > oldest:
                 return
-            self._close_fd(session_id)
             # (what happens to it until the session writes again goes unseen: logrotate's
-            # nightly run. Its next request line goes in full, one line per idle ten minutes.)
+            # nightly run. Its next request line goes in full, one line per idle ten minutes;
+            # marked before the file is let go, so that no one sees it closed and not marked)
             self._mark_broken(session_id)
+            self._close_fd(session_id)
 
     def _close_removed(self) -> None:
         """Close the files removed while held open (no name left): a user who deletes old logs
@@ -995,8 +996,8 @@ class EventLogWriter:
             except OSError:
                 removed = True
             if removed:
-                self._close_fd(session_id)
                 self._mark_broken(session_id)
+                self._close_fd(session_id)
             else:
                 self._check_file(session_id)
 
