@@ -378,6 +378,13 @@ async def _one(data: bytes) -> AsyncIterator[bytes]:
     yield data
 
 
+async def _then_raise(data: bytes, exc: BaseException) -> AsyncIterator[bytes]:
+    """``data``, then ``exc``: an answer read in part, relayed as it broke off."""
+    if data:
+        yield data
+    raise exc
+
+
 def refuse_announced(headers: Mapping[str, str], limit: int) -> None:
     """A 413 ``ProxyError`` for a request whose ``content-length`` announces more than ``limit``
     bytes: refused before any of it is read or forwarded (it waited for the limit's worth, and a
@@ -705,6 +712,11 @@ class _Tee:
                 raise RefusedAnswer(f"upstream answered {status}")
             body = _decode(self.coding, b"".join(self.collected))
             raise RefusedAnswer(refusal_text(status, body))
+        if 300 <= status < 400:  # (relayed, its Location rewritten: the SDKs follow it)
+            raise UnreadableAnswer(
+                f"upstream redirected the request ({status}): no answer of its own",
+                invalid=False,  # (valid HTTP, no broken answer: not counted as invalid)
+            )
         if self.collected is not None:
             if self.coding and self.coding not in _DECODABLE:
                 raise UnreadableAnswer(
@@ -1071,14 +1083,20 @@ class Relay:
             # The transport's own stream: httpx's aiter_raw() adds per-chunk work a relay does
             # not need (re-chunking support, decoders, timers).
             chunks: AsyncIterator[bytes] = aiter(response.stream)  # type: ignore[arg-type]
+            read: list[bytes] | None = None
             if retry_if is not None and response.status_code in (400, 413, 422):
+                read = []
                 try:  # the raw bytes, still encoded as the upstream sent them
-                    error_body = b"".join([chunk async for chunk in chunks])
+                    async for chunk in chunks:
+                        read.append(chunk)
                 except httpx.HTTPError as exc:
-                    ex.upstream_error = "midstream"
-                    raise upstream_unreachable(
-                        f"error answer broke off: {type(exc).__name__}"
-                    ) from exc
+                    # Relayed as it came, its status and headers, what was read, then cut as
+                    # any answer that breaks off (it was a 502 "could not reach the upstream",
+                    # which an SDK retries: the provider had answered, and its headers were lost)
+                    chunks = _then_raise(b"".join(read), exc)
+                    read = None
+            if read is not None and retry_if is not None:
+                error_body = b"".join(read)
                 text = _decode(_coding(response), error_body)
                 if retry_if(response.status_code, text):
                     ex.upstream_wait_s += time.perf_counter() - opened_at

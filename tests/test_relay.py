@@ -887,6 +887,69 @@ def test_upstream_dying_mid_stream_cuts_the_client_the_same_way(
     assert got == b"".join(events[:2])
 
 
+def test_a_refusal_that_breaks_off_is_relayed_as_it_came_on_a_stream_too(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A streamed chat request's 400 is read whole before it is relayed (a refusal of the usage
+    option is retried without it): one whose body broke off became cachegate's 502 "could not
+    reach the upstream provider", its status, request id and retry-after lost, and the SDK
+    retried it. It is relayed as it came, then cut, as the same answer to a plain request is."""
+    pieces = [b'{"error": {"message": "Invalid ', b'value for messages"}}']
+    headers = [(b"x-request-id", b"req_p"), (b"retry-after", b"5")]
+    _upstream, url = scripted(
+        chunks=pieces,
+        status=400,
+        content_type=b"application/json",
+        extra_headers=headers,
+        abort_after=1,
+    )
+    proxy = proxy_factory(url)
+    for stream in (False, True):
+        got = b""
+        with (
+            pytest.raises(httpx.RemoteProtocolError),
+            httpx.stream(
+                "POST", proxy.base_url + "/chat/completions", json={**CHAT, "stream": stream}
+            ) as r,
+        ):
+            assert r.status_code == 400, stream
+            assert (r.headers["x-request-id"], r.headers["retry-after"]) == ("req_p", "5")
+            for piece in r.iter_raw():
+                got += piece
+        assert got == pieces[0], stream
+    labels = {"kind": "midstream"}
+    assert proxy.metric("cachegate_upstream_errors_total", labels) == 2
+
+
+def test_a_redirect_on_the_chat_and_responses_routes_is_no_invalid_answer(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A provider that redirects (``http://`` to ``https://``, an old path) answered a chat or
+    Responses API request with a 3xx: relayed, but counted in
+    ``cachegate_upstream_errors_total{kind="invalid"}`` and logged as a body that is not JSON,
+    which the dashboard shows as a broken provider. A redirect is valid HTTP the SDKs follow."""
+    from proxy.eventlog import read_events
+
+    location = [(b"location", b"/v1/elsewhere")]
+    _upstream, url = scripted(
+        chunks=[b"<html>moved</html>"],
+        status=308,
+        content_type=b"text/html",
+        extra_headers=location,
+    )
+    proxy = proxy_factory(url)
+    headers = {"X-Session-Id": "moved"}
+    for path, body in (("/chat/completions", CHAT), ("/responses", {"model": "m", "input": "hi"})):
+        answer = httpx.post(proxy.base_url + path, json=body, headers=headers)
+        assert answer.status_code == 308 and answer.content == b"<html>moved</html>"
+        assert answer.headers["location"].endswith("/v1/elsewhere")
+    proxy.settle()
+    assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 0
+    log = read_events(proxy.log_dir / "moved.jsonl")
+    errors = [e["error"] for e in log.events if e["type"] == "response"]
+    assert errors == ["upstream redirected the request (308): no answer of its own"] * 2
+
+
 def test_authorization_forwarded_unchanged_or_added_from_env(
     scripted: Any, proxy_factory: Any
 ) -> None:
