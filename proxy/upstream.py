@@ -38,10 +38,12 @@ cookies, and never follows redirects.
 from __future__ import annotations
 
 import asyncio
+import asyncio.staggered as staggered
 import collections
 import contextlib
 import errno
 import functools
+import itertools
 import os
 import select
 import socket
@@ -790,6 +792,70 @@ def _new_socket(family: int) -> socket.socket:
     return socket.socket(family, socket.SOCK_STREAM)
 
 
+# Happy Eyeballs (RFC 8305): a host name's next address is tried when the one before has not
+# connected within this long, the first to connect taken
+ATTEMPT_DELAY_S: Final = 0.25
+
+Address = tuple[int, int, int, Any]  # (family, type, proto, sockaddr) of ``getaddrinfo``
+
+
+async def _resolve(loop: asyncio.AbstractEventLoop, host: str, port: int) -> list[Address]:
+    """``host``'s addresses for TCP, in the resolver's order (a test puts others here)."""
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [(family, kind, proto, sockaddr) for family, kind, proto, _, sockaddr in infos]
+
+
+def _interleaved(addresses: list[Address]) -> list[Address]:
+    """``addresses`` with their families taken in turn, the first one's first (RFC 8305): a
+    broken IPv6 route costs one attempt's delay, not each IPv6 address's."""
+    first = [a for a in addresses if a[0] == addresses[0][0]]
+    rest = [a for a in addresses if a[0] != addresses[0][0]]
+    out: list[Address] = []
+    for pair in itertools.zip_longest(first, rest):
+        out.extend(a for a in pair if a is not None)
+    return out
+
+
+async def _connected_socket(loop: asyncio.AbstractEventLoop, host: str, port: int) -> socket.socket:
+    """A socket connected to ``host``: its addresses tried in turn, each next one started when
+    the one before has not connected within ``ATTEMPT_DELAY_S`` (the event loop's own connect
+    tries them one after another, each until it fails: an address that drops packets, a broken
+    IPv6 route to a dual-stack provider, spent the whole connect timeout and every request was
+    a 504, where the SDKs, through anyio, connect at once)."""
+    addresses = _interleaved(await _resolve(loop, host, port))
+    if not addresses:
+        raise OSError(f"{host} resolves to no address")
+    opened: list[socket.socket] = []
+
+    async def attempt(address: Address) -> socket.socket:
+        family, kind, proto, sockaddr = address
+        sock = socket.socket(family, kind, proto)
+        opened.append(sock)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, sockaddr)
+        return sock
+
+    try:
+        if len(addresses) == 1:
+            winner = await attempt(addresses[0])
+        else:
+            found, _, errors = await staggered.staggered_race(
+                [functools.partial(attempt, address) for address in addresses], ATTEMPT_DELAY_S
+            )
+            if found is None:
+                failed = [str(e) for e in errors if e is not None]
+                raise OSError(f"no address of {host} took the connection: {'; '.join(failed)}")
+            winner = found
+    except BaseException:
+        for sock in opened:
+            sock.close()
+        raise
+    for sock in opened:
+        if sock is not winner:
+            sock.close()  # (one that connected too, after the winner)
+    return winner
+
+
 def _settle(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
@@ -1098,13 +1164,17 @@ class UpstreamPool:
                     assert request is not None
                     conn = await self._connect_sending(origin, family, request)
                 else:
-                    _, conn = await loop.create_connection(
-                        lambda: _Connection(self, origin, self.read_timeout),
-                        host,
-                        port,
-                        ssl=tls,
-                        server_hostname=host if tls is not None else None,
-                    )
+                    sock = await _connected_socket(loop, host, port)
+                    try:
+                        _, conn = await loop.create_connection(
+                            lambda: _Connection(self, origin, self.read_timeout),
+                            sock=sock,
+                            ssl=tls,
+                            server_hostname=host if tls is not None else None,
+                        )
+                    except BaseException:
+                        sock.close()
+                        raise
         except TimeoutError:
             raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from None
         except OSError as exc:

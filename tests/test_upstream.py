@@ -148,6 +148,68 @@ def test_keep_alive_reuses_one_connection_and_preserves_headers() -> None:
     run(main())
 
 
+@contextlib.contextmanager
+def blackhole() -> Any:
+    """A loopback port that takes no connection and refuses none: its listen queue full, the
+    kernel drops each new SYN (an address a broken route leads to). Yields its port."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fill = [socket.socket() for _ in range(3)]
+    try:
+        for sock in fill:
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", port))
+        time.sleep(0.1)
+        yield port
+    finally:
+        for sock in fill:
+            sock.close()
+        listener.close()
+
+
+def test_a_host_whose_first_address_drops_packets_is_reached_at_its_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dual-stack provider behind a broken IPv6 route: the event loop's connect tried its
+    addresses one after another, each until it failed, so the first one spent the whole connect
+    timeout and every request was a 504, where the SDKs (anyio's Happy Eyeballs) connect at
+    once. The next address is tried when the first has not connected within a quarter second;
+    the first to connect is taken, the other attempt closed."""
+
+    async def main() -> None:
+        async with Server(answers_ok) as srv:
+            good = int(srv.url.rsplit(":", 1)[1])
+            with blackhole() as dropped:
+
+                async def resolve(loop: Any, host: str, port: int) -> list[Any]:
+                    assert (host, port) == ("dual.test", 8000)
+                    tcp = (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+                    return [(*tcp, ("127.0.0.1", dropped)), (*tcp, ("127.0.0.1", good))]
+
+                monkeypatch.setattr(upstream, "_resolve", resolve)
+                pool = UpstreamPool(connect_timeout=3.0)
+                try:
+                    resp = await pool.open("GET", "http://dual.test:8000/v1/models", [], b"")
+                    assert resp.status_code == 200 and await read(resp) == b"ok"
+                    assert srv.requests[0].startswith(
+                        b"GET /v1/models HTTP/1.1\r\nhost: dual.test:8000"
+                    )
+                finally:
+                    await pool.aclose()
+
+    run(main())
+
+
+def test_interleaved_addresses_alternate_families_first_one_first() -> None:
+    v6 = [(socket.AF_INET6, socket.SOCK_STREAM, 6, (f"::{i}", 443, 0, 0)) for i in (1, 2, 3)]
+    v4 = [(socket.AF_INET, socket.SOCK_STREAM, 6, (f"10.0.0.{i}", 443)) for i in (1, 2)]
+    mixed = [v6[0], v6[1], v4[0], v6[2], v4[1]]
+    assert upstream._interleaved(mixed) == [v6[0], v4[0], v6[1], v4[1], v6[2]]
+    assert upstream._interleaved(v4) == v4
+
+
 @pytest.mark.parametrize(
     ("raw", "body", "reused"),
     [
