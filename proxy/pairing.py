@@ -27,7 +27,7 @@ import logging
 import math
 import operator
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -346,6 +346,9 @@ class Checkpoint:
     # last message the next turn sends that one anew (parsed again, another object), and the
     # whole history was checked again every turn.
     before_last: Checkpoint | None = None
+    # The call ids of its messages, for a Claude model's check (Claude refuses an id any
+    # earlier call of the request has); empty otherwise
+    seen: frozenset[str] = frozenset()
 
     def precedes(self, messages: Sequence[Any]) -> bool:
         """``messages`` starts with the very same objects (an agent's next turn, shared)."""
@@ -374,16 +377,23 @@ def needs_repair_from(
     ) or _past_new_prompt(messages, checkpoints)
     pending: dict[str, int] = dict(resumed.pending) if resumed else {}  # id -> results expected
     in_block = resumed.in_block if resumed else False
+    # (Claude: every call id so far, an id reused across turns is a defect there)
+    seen: set[str] | None = (set(resumed.seen) if resumed else set()) if drop_empty else None
     start = len(resumed.messages) if resumed else 0
     last = len(messages) - 1
     before_last: Checkpoint | None = None
     if resumed is not None and start >= last:  # (a chain of them held no more than one)
         held = resumed if start == last else resumed.before_last
         if held is not None:
-            before_last = Checkpoint(held.messages, held.pending, held.in_block)
+            before_last = Checkpoint(held.messages, held.pending, held.in_block, seen=held.seen)
     for at, message in enumerate(itertools.islice(messages, start, None), start):
         if at == last and before_last is None:
-            before_last = Checkpoint(tuple(messages[:at]), tuple(pending.items()), in_block)
+            before_last = Checkpoint(
+                tuple(messages[:at]),
+                tuple(pending.items()),
+                in_block,
+                seen=frozenset(seen) if seen else frozenset(),
+            )
         role = message.get("role") if isinstance(message, dict) else None
         if role == "tool":
             tool_call_id = message.get("tool_call_id")
@@ -419,13 +429,22 @@ def needs_repair_from(
                 not isinstance(call_id, str)
                 or not call_id
                 or call_id in pending  # an id repeated in one message
+                or (seen is not None and call_id in seen)  # (Claude: or in another)
                 or _bad_arguments(call) is not None
                 or _missing_type(call)
             ):
                 return True, None, resumed
             pending[call_id] = 1
+            if seen is not None:
+                seen.add(call_id)
     # Calls still open at the end need a repair now, but the next turn's results may close them.
-    after = Checkpoint(tuple(messages), tuple(pending.items()), in_block, before_last)
+    after = Checkpoint(
+        tuple(messages),
+        tuple(pending.items()),
+        in_block,
+        before_last,
+        seen=frozenset(seen) if seen else frozenset(),
+    )
     return bool(pending), after, resumed
 
 
@@ -444,7 +463,7 @@ def _past_new_prompt(
             n = carried_past_prompt(c.messages, messages)
             if n:
                 start = leading_system_count(messages)
-                return Checkpoint(tuple(messages[: start + n]), c.pending, c.in_block)
+                return Checkpoint(tuple(messages[: start + n]), c.pending, c.in_block, seen=c.seen)
     return None
 
 
@@ -500,8 +519,10 @@ def _fix_calls(
     calls: list[Any],
     repairs: list[Repair],
     mistral: bool = False,
+    earlier: Container[str] | None = None,
 ) -> tuple[dict[str, Any], list[str], list[str], list[str], dict[str, deque[str]]]:
-    """Assign missing ids, new ids to repeats of an id in the message, types and blank invalid
+    """Assign missing ids, new ids to repeats of an id in the message (and, given ``earlier``,
+    the ids of earlier messages' calls: a Claude model's history), types and blank invalid
     arguments; copies the message only when it changes. Returns the message, its calls' ids
     and names, the ids it assigned, and the ids given to repeats (by the id they repeated)."""
     ids: list[str] = []
@@ -526,9 +547,12 @@ def _fix_calls(
             )
         else:
             call_id = call["id"] if number is None else number
-            if call_id in seen:
-                # Claude refuses a message whose tool_use ids repeat ("tool_use ids must be
-                # unique"); its results are then matched in order (``_pair_result``)
+            across = earlier is not None and call_id not in seen and call_id in earlier
+            if call_id in seen or across:
+                # Claude refuses a request whose tool_use ids repeat ("tool_use ids must be
+                # unique"), in one message or across turns (clients that number calls per
+                # message: call_0 every turn); its results are then matched in order
+                # (``_pair_result``)
                 repeated, call_id = call_id, _derived_id(index, position, call, mistral)
                 renamed.setdefault(repeated, deque()).append(call_id)
                 fixed = {**call, "id": call_id}
@@ -537,8 +561,13 @@ def _fix_calls(
                         "duplicate_call_id",
                         index,
                         call_id,
-                        f"gave tool_calls[{position}] the id {call_id}: an earlier call of this"
-                        f" message has {repeated}",
+                        f"gave tool_calls[{position}] the id {call_id}: "
+                        + (
+                            "a call of an earlier assistant message"
+                            if across
+                            else "an earlier call of this message"
+                        )
+                        + f" has {repeated}",
                         sent=repeated,
                     )
                 )
@@ -781,7 +810,9 @@ def repair_messages_from(
                 action = "gave an assistant message with no content an empty one"
                 scanned.append(Repair("empty_assistant", i, None, action))
             continue
-        new_message, ids, names, assigned, renamed = _fix_calls(i, message, calls, scanned, mistral)
+        new_message, ids, names, assigned, renamed = _fix_calls(
+            i, message, calls, scanned, mistral, owner_of_id if drop_empty else None
+        )
         if new_message is not message:
             fixed[i] = new_message
         unanswered: dict[str, list[int]] = {}
@@ -790,6 +821,8 @@ def repair_messages_from(
         run = blocks[i] = _Block(i, ids, names, unanswered, [], deque(assigned), renamed)
         for call_id in ids:
             owner_of_id[call_id] = run
+        for call_id in renamed:  # (an id of an earlier message's, renamed here: its results
+            owner_of_id[call_id] = run  # after this message are this one's, in order)
     state.run = run
 
     # Blocks before ``start`` are as they were: no appended result answered one (``resumes``).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -186,6 +187,43 @@ def test_a_mistral_model_gets_its_interrupted_turn_repaired_as_mistral_takes_it(
         )
         assert raw.headers["x-cachegate-repairs"] == "0"
         assert mistral.sim.requests[-1].body["messages"] == sound
+
+
+def test_claude_takes_call_ids_numbered_per_message_through_cachegate_turn_after_turn(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """A client that numbers calls per message (``call_0`` every turn) in front of Claude: from
+    the second turn on every request was refused (``tool_use ids must be unique``: Claude
+    checks the whole request). Through cachegate each turn is answered, and each forwarded
+    history starts with the one before it (the ids it gave are stable: the cache still reads)."""
+    with run_simulator(SimConfig(dialect="anthropic-compat")) as claude:
+        proxy = proxy_factory(claude.api_base)
+        history: list[dict[str, Any]] = [{"role": "user", "content": "Fix the tests"}]
+        sent: list[list[Any]] = []
+        for turn in range(3):
+            call = {"id": "call_0", "type": "function"}
+            call["function"] = {"name": "run", "arguments": f'{{"step": {turn}}}'}
+            history += [
+                {"role": "assistant", "content": f"Step {turn}.", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_0", "content": f"ran {turn}"},
+            ]
+            if turn:
+                with pytest.raises(openai.BadRequestError, match="ids must be unique"):
+                    sdk(claude.api_base).chat.completions.create(
+                        model="claude-sonnet-4-5",
+                        messages=history,  # type: ignore[arg-type]
+                    )
+            raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+                model="claude-sonnet-4-5",
+                messages=history,  # type: ignore[arg-type]
+                extra_headers={"X-Session-Id": "numbered"},
+            )
+            assert raw.http_response.status_code == 200
+            assert raw.headers["x-cachegate-repairs"] == str(2 * turn)  # (a call, its result)
+            sent.append(claude.sim.requests[-1].body["messages"])
+            history.append({"role": "assistant", "content": raw.parse().choices[0].message.content})
+        for before, after in itertools.pairwise(sent):
+            assert after[: len(before)] == before
 
 
 def test_an_interrupted_answer_left_with_no_content_is_a_400_directly_200_through_cachegate(

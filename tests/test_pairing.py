@@ -557,6 +557,48 @@ def test_a_mistral_history_gets_an_assistant_message_between_a_tool_result_and_t
     assert repair_messages([*sound, user("more")], mistral=True).repairs == []
 
 
+def test_call_ids_reused_across_turns_are_renamed_for_claude_alone() -> None:
+    """Clients that number calls per message (``call_0`` every turn) reuse an id across turns:
+    Claude refuses a request whose ``tool_use`` ids repeat anywhere (``tool_use ids must be
+    unique``), every turn from the second on. For a Claude model a later call of a used id gets
+    a stable id of its own, its results with it; another model's history is sent as it came.
+    Turn by turn (resumed from the last turn's repair and check) as a whole."""
+    history: list[Message] = [user("go")]
+    for turn in range(3):
+        history += [asst(call("call_0"), call("call_1"), content=f"step {turn}")]
+        history += [tool("call_0", f"a{turn}"), tool("call_1", f"b{turn}"), user(f"next {turn}")]
+    assert repair_messages(history).messages is history  # (OpenAI takes it)
+    assert needs_repair(history, drop_empty=True)
+    result = repair_messages(history, drop_empty=True)
+    with pytest.raises(ValidationError, match=r"`tool_use` ids must be unique"):
+        validate_claude_messages(history)
+    validate_messages(result.messages)
+    validate_claude_messages(result.messages)
+    ids = [c["id"] for m in result.messages for c in m.get("tool_calls") or ()]
+    assert ids[:2] == ["call_0", "call_1"] and len(set(ids)) == 6
+    for block in (1, 5, 9):  # each result follows its own call, renamed with it
+        calls = [c["id"] for c in result.messages[block]["tool_calls"]]
+        assert [m["tool_call_id"] for m in result.messages[block + 1 : block + 3]] == calls
+    assert [m.get("content") for m in result.messages] == [m.get("content") for m in history]
+    assert [(r.kind, r.index) for r in result.repairs] == [
+        ("duplicate_call_id", i) for i in (5, 5, 6, 7, 9, 9, 10, 11)
+    ]
+    assert "a call of an earlier assistant message has call_0" in result.repairs[0].action
+    assert repair_messages(result.messages, drop_empty=True).repairs == []
+    assert kinds_of(diagnose(history, drop_empty=True)) == kinds_of(result.repairs)
+    # turn by turn: the same repair, the same check
+    state, checkpoint = None, None
+    for end in (5, 9, len(history)):
+        turn = history[:end]
+        needed, checkpoint, _ = needs_repair_from(
+            turn, [checkpoint] if checkpoint else [], drop_empty=True
+        )
+        assert needed == needs_repair(turn, drop_empty=True)
+        repaired, state = repair_messages_from(turn, state, drop_empty=True)
+        assert repaired.messages == repair_messages(turn, drop_empty=True).messages
+    assert repaired.messages == result.messages
+
+
 def test_drop_empty_removes_a_contentless_assistant_message_as_claude_needs() -> None:
     """With ``drop_empty`` (a Claude model's history) the contentless assistant message is
     removed, not given ``""`` (Claude refuses an empty one anywhere but last); its mark goes on
@@ -1213,6 +1255,30 @@ def test_random_histories_repaired_for_mistral_keep_its_order_resumed_or_not(
     assert resumed == bool(result.repairs)
     _, state = repair_messages_from(first, None, orphan_policy=policy, mistral=True)
     again, _ = repair_messages_from(later, state, orphan_policy=policy, mistral=True)
+    assert orjson.dumps(again.messages) == orjson.dumps(result.messages)
+    assert kinds_of(again.repairs) == kinds_of(result.repairs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(random_histories(), random_histories(), st.sampled_from(["downgrade", "drop"]))
+def test_random_histories_repaired_for_claude_have_unique_ids_resumed_or_not(
+    first: list[Message], appended: list[Message], policy: Any
+) -> None:
+    """For a Claude model (``drop_empty``): no call id of the repaired history repeats one
+    before it, it needs no more repair, and the cheap check, the check resumed from a
+    checkpoint and the repair resumed from the last turn's state agree with a whole repair."""
+    later = [*first, *appended]
+    result = repair_messages(later, orphan_policy=policy, drop_empty=True)
+    validate_messages(result.messages)
+    ids = [c.get("id") for m in result.messages for c in m.get("tool_calls") or ()]
+    assert len(ids) == len(set(ids)), ids
+    assert repair_messages(result.messages, orphan_policy=policy, drop_empty=True).repairs == []
+    assert needs_repair(later, drop_empty=True) == bool(result.repairs)
+    _, checkpoint, _ = needs_repair_from(first, (), drop_empty=True)
+    resumed = needs_repair_from(later, [checkpoint] if checkpoint else [], drop_empty=True)[0]
+    assert resumed == bool(result.repairs)
+    _, state = repair_messages_from(first, None, orphan_policy=policy, drop_empty=True)
+    again, _ = repair_messages_from(later, state, orphan_policy=policy, drop_empty=True)
     assert orjson.dumps(again.messages) == orjson.dumps(result.messages)
     assert kinds_of(again.repairs) == kinds_of(result.repairs)
 

@@ -55,7 +55,9 @@ def validate_claude_messages(messages: list[Any]) -> None:
     """Raise ``ValidationError`` where Claude would refuse ``messages`` past OpenAI's rules
     (``validate_messages`` passed first): a text part whose text is empty or white space, in
     any message; an assistant message with no content (``""``, ``[]``, blanks) and nothing else
-    to say, anywhere but last, as Anthropic's API refuses it."""
+    to say, anywhere but last; a tool call id that an earlier call of the request has (in its
+    message or another: Claude's ``tool_use`` ids must be unique in a request), as Anthropic's
+    API refuses them."""
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         for part in content if isinstance(content, list) else ():
@@ -70,6 +72,18 @@ def validate_claude_messages(messages: list[Any]) -> None:
                     f"messages.[{i}].content",
                     "invalid_request_error",
                 )
+    seen: set[Any] = set()  # (every tool_use id of the request: Claude refuses a repeat)
+    for i, message in enumerate(messages):
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        for j, call in enumerate(calls if isinstance(calls, list) else ()):
+            call_id = call.get("id") if isinstance(call, dict) else None
+            if call_id in seen:
+                raise ValidationError(
+                    f"messages.{i}.content.{j}: `tool_use` ids must be unique",
+                    f"messages.[{i}].tool_calls",
+                    "invalid_request_error",
+                )
+            seen.add(call_id)
     for i, message in enumerate(messages[:-1]):
         if (
             isinstance(message, dict)
