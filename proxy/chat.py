@@ -271,6 +271,7 @@ class PairingRepair:
         self.on_strict_rejection = on_strict_rejection
         self.note = settings.pairing.interrupted_note or pairing.DEFAULT_INTERRUPTED_NOTE
         self._claude: dict[str, bool] = {}  # model name -> whether a Claude model's
+        self._mistral: dict[str, bool] = {}  # model name -> whether a Mistral model's
 
     async def apply(
         self, ex: Exchange, state: SessionState, body: dict[str, Any]
@@ -349,13 +350,19 @@ class PairingRepair:
         self._claude[name] = answer
         return answer
 
-    @staticmethod
-    def mistral(model: Any) -> bool:
+    def mistral(self, model: Any) -> bool:
         """Whether ``model`` is a Mistral model (by its name: ``mistral-large-latest``,
         ``codestral-…``, ``mistralai/Devstral-…`` behind a gateway or vLLM), whose API and
         chat templates refuse a user message right after a tool result and call ids other than
-        nine letters and digits."""
-        return isinstance(model, str) and _MISTRAL_NAME.search(model.lower()) is not None
+        nine letters and digits. (Each name's answer kept, as ``claude``'s.)"""
+        name = model if isinstance(model, str) else ""
+        known = self._mistral.get(name)
+        if known is None:
+            known = _MISTRAL_NAME.search(name.lower()) is not None
+            if len(self._mistral) >= 256:  # (bounded: a client that sends many names)
+                self._mistral.clear()
+            self._mistral[name] = known
+        return known
 
 
 # (the words of Mistral's model families: mistral, mixtral, codestral, devstral, magistral,
