@@ -325,8 +325,8 @@ def needs_repair(
 ) -> bool:
     """Cheap check for every request: True exactly when ``repair_messages`` would change anything
     (with ``drop_empty``: a Claude model's history, in which a blank assistant message is one;
-    with ``mistral``: a Mistral model's, in which a message other than an assistant's right
-    after a tool result is one).
+    with ``mistral``: a Mistral model's, in which a user message right after a tool result is
+    one).
 
     One pass, one small dict of the open block's call ids; only ``arguments`` strings are parsed.
     """
@@ -405,7 +405,7 @@ def needs_repair_from(
             continue
         if pending:
             return True, None, resumed
-        if in_block and mistral and role != "assistant":
+        if in_block and mistral and role == "user":
             return True, None, resumed  # (Mistral: "Unexpected role 'user' after role 'tool'")
         in_block = False
         if role != "assistant":
@@ -726,10 +726,11 @@ def repair_messages_from(
     is taken over: do not use it again. With ``drop_empty`` (a Claude model's history), an
     assistant message with no content and nothing else in it is removed, not given ``""``:
     Claude refuses an empty assistant message anywhere but last, and joins the user turns
-    around it. With ``mistral`` (a Mistral model's history), a message other than an
-    assistant's right after a tool result (the user's, a downgraded orphan's) gets an empty
-    assistant message before it (Mistral refuses ``Unexpected role 'user' after role 'tool'``),
-    and an id cachegate gives a call is nine letters and digits, as Mistral requires."""
+    around it. With ``mistral`` (a Mistral model's history), a user message right after a tool
+    result (the user's own, a downgraded orphan's) gets an assistant message before it
+    (``MISTRAL_BRIDGE``: Mistral refuses ``Unexpected role 'user' after role 'tool'``; a system
+    message there is left, as Mistral refuses one after an assistant's too), and an id cachegate
+    gives a call is nine letters and digits, as Mistral requires."""
     note = interrupted_note or DEFAULT_INTERRUPTED_NOTE
     policy = (orphan_policy, note, drop_empty, mistral)
     if previous is not None and previous.resumes(messages, policy):
@@ -847,7 +848,7 @@ def repair_messages_from(
             and i not in removed
             and isinstance(out[-1], dict)
             and out[-1].get("role") == "tool"
-            and _role(fixed.get(i, messages[i])) not in ("assistant", "tool")
+            and _role(fixed.get(i, messages[i])) == "user"
         ):
             out.append(dict(MISTRAL_BRIDGE))
             scanned.append(
@@ -855,8 +856,8 @@ def repair_messages_from(
                     "user_after_tool",
                     i,
                     None,
-                    "inserted an empty assistant message before it (Mistral refuses a"
-                    " message other than an assistant's right after a tool result)",
+                    "inserted an assistant message before it (Mistral refuses a user"
+                    " message right after a tool result)",
                 )
             )
         if i in paired or i in removed:
@@ -889,9 +890,10 @@ def repair_messages_from(
     return PairingResult(out, repairs), state
 
 
-MISTRAL_BRIDGE: Final = {"role": "assistant", "content": ""}
-"""The assistant message put between a tool result and a message of another role for a Mistral
-model (what Zed and other clients send it there)."""
+MISTRAL_BRIDGE: Final = {"role": "assistant", "content": "[cachegate] (no answer was recorded)"}
+"""The assistant message put between a tool result and a user message for a Mistral model: its
+content not empty (Mistral's validator for its older models' tokenizers, v1 to v3, refuses an
+assistant message with neither content nor tool calls)."""
 
 
 def _role(message: Any) -> Any:
@@ -1061,8 +1063,8 @@ _DESCRIPTIONS: Final[dict[str, str]] = {
     ),
     "empty_assistant": "messages[{index}] assistant message has no content and no tool_calls",
     "user_after_tool": (
-        "messages[{index}] follows a tool result with no assistant message between (Mistral"
-        " refuses it)"
+        "messages[{index}] user message follows a tool result with no assistant message between"
+        " (Mistral refuses it)"
     ),
 }
 

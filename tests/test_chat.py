@@ -150,7 +150,7 @@ def test_a_mistral_model_gets_its_interrupted_turn_repaired_as_mistral_takes_it(
     """Mistral refuses a user message right after a tool result (``Unexpected role 'user' after
     role 'tool'``) and an id other than nine letters and digits: the repaired turn of an
     interrupted session (a call given an id, a synthetic result, then the user's message) was
-    refused on every turn. For a Mistral model an empty assistant message goes between, and
+    refused on every turn. For a Mistral model an assistant message goes between, and
     the id given is nine characters; a sound Mistral history goes as it came (another model's
     is repaired as before: ``test_pairing``)."""
     with run_simulator(SimConfig(mistral_rules=True)) as mistral:
@@ -175,7 +175,10 @@ def test_a_mistral_model_gets_its_interrupted_turn_repaired_as_mistral_takes_it(
         assert roles == ["user", "assistant", "tool", "tool", "assistant", "user"]
         given = forwarded[1]["tool_calls"][1]["id"]
         assert len(given) == 9 and given.isalnum() and forwarded[3]["tool_call_id"] == given
-        assert forwarded[4] == {"role": "assistant", "content": ""}
+        assert forwarded[4] == {
+            "role": "assistant",
+            "content": "[cachegate] (no answer was recorded)",
+        }
         kind = {"kind": "user_after_tool"}
         assert proxy.metric("cachegate_pairing_repairs_total", kind) == 2
         sound = [*MISTRAL_INTERRUPTED[:3], {"role": "assistant", "content": "a prints a"}]

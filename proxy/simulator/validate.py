@@ -231,10 +231,20 @@ _MISTRAL_ID = re.compile(r"[a-zA-Z0-9]{9}")
 def mistral_refusal(messages: list[Any]) -> dict[str, Any] | None:
     """Mistral's 400 for ``messages`` (``validate_messages`` passed first), or None: a message
     other than an assistant's right after a tool result, a tool call id other than nine letters
-    and digits (in its call or its result)."""
+    and digits (in its call or its result), an assistant message with neither content nor tool
+    calls (its validator for older models' tokenizers, v1 to v3)."""
     previous = None
     for message in messages:
         role = message.get("role") if isinstance(message, dict) else None
+        if role == "assistant" and not message.get("content") and not message.get("tool_calls"):
+            return {
+                "object": "error",
+                "message": "Assistant message must have either content or tool_calls, but not"
+                " both.",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": None,
+            }
         if previous == "tool" and role not in ("assistant", "tool"):
             return {
                 "object": "error",
