@@ -270,8 +270,7 @@ class PairingRepair:
         self.settings = settings
         self.on_strict_rejection = on_strict_rejection
         self.note = settings.pairing.interrupted_note or pairing.DEFAULT_INTERRUPTED_NOTE
-        self._claude: dict[str, bool] = {}  # model name -> whether a Claude model's
-        self._mistral: dict[str, bool] = {}  # model name -> whether a Mistral model's
+        self._families: dict[str, tuple[bool, bool, str]] = {}  # model name -> ``family``
 
     async def apply(
         self, ex: Exchange, state: SessionState, body: dict[str, Any]
@@ -293,10 +292,7 @@ class PairingRepair:
         # (A Claude model's history has one defect more, a blank assistant message, and a
         # Mistral model's another, a user message right after a tool result: their checkpoints
         # are kept apart, for a session that switches models.)
-        model = body.get("model")
-        claude = self.claude(model)
-        mistral = not claude and self.mistral(model)
-        key = _CHECKPOINT_KEYS[claude, mistral]
+        claude, mistral, key = self.family(body.get("model"))
         kept: list[pairing.Checkpoint] = state.extra.get(key, []) if state is not None else []
         needed, after, resumed = pairing.needs_repair_from(messages, kept, claude, mistral)
         if state is not None and after is not None:
@@ -335,33 +331,24 @@ class PairingRepair:
         ]
         return {**body, "messages": result.messages}
 
-    def claude(self, model: Any) -> bool:
-        """Whether ``model`` is a Claude model: by its name (``claude-…``, a gateway's or
-        Bedrock's), or, a name no provider's, its configured entry's ``dialect = "anthropic"``.
-        (Asked of every request: each name's answer is kept, ~2-10 µs each time otherwise.)"""
+    def family(self, model: Any) -> tuple[bool, bool, str]:
+        """Whether ``model`` is a Claude model (by its name, ``claude-…``, a gateway's or
+        Bedrock's, or, a name no provider's, its configured entry's ``dialect = "anthropic"``),
+        whether a Mistral model (by its name: ``mistral-large-latest``, ``codestral-…``,
+        ``mistralai/Devstral-…`` behind a gateway or vLLM), and the key its checkpoints are kept
+        under. (Asked of every request: each name's answer is kept, ~2-10 µs each time
+        otherwise.)"""
         name = model if isinstance(model, str) else ""
-        known = self._claude.get(name)
+        known = self._families.get(name)
         if known is not None:
             return known
         dialect = self.settings.model(name or None)[1].dialect
-        answer = cache.caching_provider(name, dialect) == "anthropic"  # (as the accounting reads)
-        if len(self._claude) >= 256:  # (bounded: a client that sends many names)
-            self._claude.clear()
-        self._claude[name] = answer
-        return answer
-
-    def mistral(self, model: Any) -> bool:
-        """Whether ``model`` is a Mistral model (by its name: ``mistral-large-latest``,
-        ``codestral-…``, ``mistralai/Devstral-…`` behind a gateway or vLLM), whose API and
-        chat templates refuse a user message right after a tool result and call ids other than
-        nine letters and digits. (Each name's answer kept, as ``claude``'s.)"""
-        name = model if isinstance(model, str) else ""
-        known = self._mistral.get(name)
-        if known is None:
-            known = _MISTRAL_NAME.search(name.lower()) is not None
-            if len(self._mistral) >= 256:  # (bounded: a client that sends many names)
-                self._mistral.clear()
-            self._mistral[name] = known
+        claude = cache.caching_provider(name, dialect) == "anthropic"  # (as the accounting reads)
+        mistral = not claude and _MISTRAL_NAME.search(name.lower()) is not None
+        known = (claude, mistral, _CHECKPOINT_KEYS[claude, mistral])
+        if len(self._families) >= 256:  # (bounded: a client that sends many names)
+            self._families.clear()
+        self._families[name] = known
         return known
 
 

@@ -356,6 +356,9 @@ class Checkpoint:
         return n <= len(messages) and all(map(operator.is_, self.messages, messages))
 
 
+_NO_IDS: Final[frozenset[str]] = frozenset()
+
+
 def needs_repair_from(
     messages: list[dict[str, Any]],
     checkpoints: Sequence[Checkpoint] = (),
@@ -385,14 +388,15 @@ def needs_repair_from(
     if resumed is not None and start >= last:  # (a chain of them held no more than one)
         held = resumed if start == last else resumed.before_last
         if held is not None:
-            before_last = Checkpoint(held.messages, held.pending, held.in_block, seen=held.seen)
+            before_last = Checkpoint(held.messages, held.pending, held.in_block, None, held.seen)
     for at, message in enumerate(itertools.islice(messages, start, None), start):
         if at == last and before_last is None:
             before_last = Checkpoint(
                 tuple(messages[:at]),
                 tuple(pending.items()),
                 in_block,
-                seen=frozenset(seen) if seen else frozenset(),
+                None,
+                _NO_IDS if not seen else frozenset(seen),
             )
         role = message.get("role") if isinstance(message, dict) else None
         if role == "tool":
@@ -443,7 +447,7 @@ def needs_repair_from(
         tuple(pending.items()),
         in_block,
         before_last,
-        seen=frozenset(seen) if seen else frozenset(),
+        _NO_IDS if not seen else frozenset(seen),
     )
     return bool(pending), after, resumed
 
@@ -463,7 +467,7 @@ def _past_new_prompt(
             n = carried_past_prompt(c.messages, messages)
             if n:
                 start = leading_system_count(messages)
-                return Checkpoint(tuple(messages[: start + n]), c.pending, c.in_block, seen=c.seen)
+                return Checkpoint(tuple(messages[: start + n]), c.pending, c.in_block, None, c.seen)
     return None
 
 
