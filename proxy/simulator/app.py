@@ -497,11 +497,13 @@ class _Handlers:
         received.body = body
         return received, body
 
-    async def responses(self, request: Request) -> Response | PacedResponse:
-        """``POST /v1/responses``: OpenAI's checks of the input items' tool pairing, then the next
-        scripted reply (its text as an assistant message, its calls as ``function_call`` items),
-        else a message ``Done.``, streamed as the Responses API's events when asked, paced and
-        faulted as a chat answer. No response is stored."""
+    async def _responses_request(
+        self, request: Request
+    ) -> tuple[_Controls, ReceivedRequest, dict[str, Any], str] | Response:
+        """A Responses API request (``responses``, ``compact``) read and checked as OpenAI
+        checks it: its controls, its record (the fault drawn for it in ``fault``), its body and
+        model; or the answer to it (a bad control, no JSON, a status fault, a missing model, a
+        broken pairing of its input items)."""
         try:
             controls = _parse_controls(dict(request.headers), self.config)
         except ValueError as exc:
@@ -510,10 +512,10 @@ class _Handlers:
         if received.status == 400:
             return _error(400, BAD_JSON_TEXT)
         fault = controls.fault or self.sim.draw_fault()
-        if fault in STATUS_FAULTS:
-            received.fault, received.status = fault, int(fault)
-            return self._status_fault(fault)
         received.fault = fault
+        if fault in STATUS_FAULTS:
+            received.status = int(fault)
+            return self._status_fault(fault)
         model = body.get("model")
         try:
             if not isinstance(model, str) or not model:
@@ -522,6 +524,18 @@ class _Handlers:
         except ValidationError as exc:
             received.status = 400
             return _error(400, exc.message, exc.param, exc.code)
+        return controls, received, body, model
+
+    async def responses(self, request: Request) -> Response | PacedResponse:
+        """``POST /v1/responses``: OpenAI's checks of the input items' tool pairing, then the next
+        scripted reply (its text as an assistant message, its calls as ``function_call`` items),
+        else a message ``Done.``, streamed as the Responses API's events when asked, paced and
+        faulted as a chat answer. No response is stored."""
+        checked = await self._responses_request(request)
+        if isinstance(checked, Response):
+            return checked
+        controls, received, body, model = checked
+        fault = received.fault
         reply = controls.script or self.sim.take_scripted() or Reply("Done.")
         fault = fault or reply.fault
         received.fault = fault
@@ -567,26 +581,10 @@ class _Handlers:
         Fernet-shaped token of ~1.4 KB (a digest of the input: the same input, the same token),
         billed as the request's prompt (its cached part from the prefix cache) and a tenth of it
         as output (16 to 2,000 tokens). Status faults apply; stream faults do not."""
-        try:
-            controls = _parse_controls(dict(request.headers), self.config)
-        except ValueError as exc:
-            return _error(400, str(exc), None, "invalid_sim_control")
-        received, body = await self._json_request(request)
-        if received.status == 400:
-            return _error(400, BAD_JSON_TEXT)
-        fault = controls.fault or self.sim.draw_fault()
-        received.fault = fault
-        if fault in STATUS_FAULTS:
-            received.status = int(fault)
-            return self._status_fault(fault)
-        model = body.get("model")
-        try:
-            if not isinstance(model, str) or not model:
-                raise ValidationError("Missing required parameter: 'model'.", "model")
-            validate_response_input(body)
-        except ValidationError as exc:
-            received.status = 400
-            return _error(400, exc.message, exc.param, exc.code)
+        checked = await self._responses_request(request)
+        if isinstance(checked, Response):
+            return checked
+        _, received, body, model = checked
         new_id = self.sim.new_id
         items = body.get("input")
         items = [{"role": "user", "content": items}] if isinstance(items, str) else items
