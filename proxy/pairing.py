@@ -223,6 +223,24 @@ def _empty_calls(message: Any) -> bool:
     )
 
 
+MISTRAL_NO_ANSWER: Final = "[cachegate] (no answer was recorded)"
+"""The content an assistant message cachegate puts in, or finds empty, gets for a Mistral model:
+Mistral's validator for its older models' tokenizers (v1 to v3) refuses an assistant message with
+neither content nor tool calls (``""`` is none), where OpenAI takes ``""``."""
+
+
+def _mistral_blank(message: Any) -> bool:
+    """An assistant message with no content (``null``, none, ``""``, ``[]``) and no tool calls
+    or legacy ``function_call``: Mistral refuses it (``must have either content or tool_calls``)."""
+    return (
+        isinstance(message, dict)
+        and message.get("role") == "assistant"
+        and not message.get("content")
+        and message.get("tool_calls") is None
+        and not message.get("function_call")
+    )
+
+
 def _contentless(message: Any) -> bool:
     """An assistant message with no content at all (``null``, or none) and nothing else: no tool
     calls, refusal, legacy ``function_call`` or audio. OpenAI refuses it ("expected a string,
@@ -419,6 +437,7 @@ def needs_repair_from(
             if calls is None and (
                 _contentless(message)
                 or (drop_empty and (_blank(message) or _refusal_only(message) is not None))
+                or (mistral and _mistral_blank(message))
             ):
                 return True, None, resumed
             continue
@@ -787,6 +806,8 @@ def repair_messages_from(
                     refusal = _refusal_only(kept) if drop_empty else None
                     if refusal is not None:  # (for Claude: the refusal's words, as in the next)
                         kept["content"] = _refusal_content(kept.get("content"), refusal)
+                    elif mistral and not kept.get("content") and not kept.get("function_call"):
+                        kept["content"] = MISTRAL_NO_ANSWER  # (Mistral refuses "" there)
                     elif kept.get("content") is None:  # (a refusal, a legacy function_call)
                         kept["content"] = ""
                     fixed[i] = kept
@@ -806,6 +827,13 @@ def repair_messages_from(
                 # message's content (Claude reads no ``refusal``, and refuses an empty one).
                 fixed[i] = {**message, "content": _refusal_content(message.get("content"), refusal)}
                 action = "gave a refusal's text as the assistant message's content"
+                scanned.append(Repair("empty_assistant", i, None, action))
+            elif mistral and _mistral_blank(message):
+                fixed[i] = {**message, "content": MISTRAL_NO_ANSWER}
+                action = (
+                    "gave an assistant message with no content a note (Mistral refuses an empty"
+                    " one)"
+                )
                 scanned.append(Repair("empty_assistant", i, None, action))
             elif _contentless(message):
                 # Given an empty content, not removed: the turns keep alternating (chat
@@ -894,7 +922,7 @@ def repair_messages_from(
     return PairingResult(out, repairs), state
 
 
-MISTRAL_BRIDGE: Final = {"role": "assistant", "content": "[cachegate] (no answer was recorded)"}
+MISTRAL_BRIDGE: Final = {"role": "assistant", "content": MISTRAL_NO_ANSWER}
 """The assistant message put between a tool result and a user message for a Mistral model: its
 content not empty (Mistral's validator for its older models' tokenizers, v1 to v3, refuses an
 assistant message with neither content nor tool calls)."""
@@ -1082,8 +1110,8 @@ _ON_RESULTS: Final[dict[str, str]] = {
         "messages[{index}] tool result has no tool_call_id (repair would give it {id}, its call's)"
     ),
     "duplicate_call_id": (
-        "messages[{index}] tool result for {sent} answers a call whose id its assistant message"
-        " repeats (repair would give it {id})"
+        "messages[{index}] tool result for {sent} answers a call whose id repeats an earlier"
+        " call's (repair would give it {id})"
     ),
 }
 _NUMBER_RESULT_ID: Final = (
@@ -1092,9 +1120,17 @@ _NUMBER_RESULT_ID: Final = (
 )
 
 
+_ACROSS_TURNS: Final = (
+    "messages[{index}] assistant tool_call repeats the id {sent} of an earlier assistant"
+    " message's call (Claude refuses it; repair would give it {id})"
+)
+
+
 def _describe(r: Repair) -> str:
     if r.kind == "missing_id" and r.sent is not None:
         text = _NUMBER_RESULT_ID if r.result else _NUMBER_ID
+    elif r.kind == "duplicate_call_id" and not r.result and "earlier assistant" in r.action:
+        text = _ACROSS_TURNS
     elif r.result and r.kind in _ON_RESULTS:
         text = _ON_RESULTS[r.kind]
     else:

@@ -559,6 +559,15 @@ def test_a_mistral_history_gets_an_assistant_message_between_a_tool_result_and_t
     assert again.messages[: len(first.messages)] == first.messages
     sound = [user("go"), asst(call("aaaaaaaa1")), tool("aaaaaaaa1"), asst(content="done")]
     assert repair_messages([*sound, user("more")], mistral=True).repairs == []
+    # an assistant message with no content is given the note, not "" (which Mistral refuses
+    # as none: "must have either content or tool_calls"), the client's own "" too
+    for blank in (asst(content=None), asst(content="")):
+        history = [user("go"), blank, user("again")]
+        assert needs_repair(history, mistral=True)
+        fixed = repair_messages(history, mistral=True).messages
+        assert mistral_refusal(fixed) is None, fixed
+        assert fixed[1]["content"] == MISTRAL_BRIDGE["content"]
+        assert repair_messages(history).messages[1].get("content") == ""  # (another model's)
 
 
 def test_call_ids_reused_across_turns_are_renamed_for_claude_alone() -> None:
@@ -588,6 +597,11 @@ def test_call_ids_reused_across_turns_are_renamed_for_claude_alone() -> None:
         ("duplicate_call_id", i) for i in (5, 5, 6, 7, 9, 9, 10, 11)
     ]
     assert "a call of an earlier assistant message has call_0" in result.repairs[0].action
+    text = format_strict_error(diagnose(history, drop_empty=True))
+    assert (
+        "messages[5] assistant tool_call repeats the id call_0 of an earlier assistant message's"
+        " call (Claude refuses it;" in text
+    )
     assert repair_messages(result.messages, drop_empty=True).repairs == []
     assert kinds_of(diagnose(history, drop_empty=True)) == kinds_of(result.repairs)
     # turn by turn: the same repair, the same check
@@ -1026,8 +1040,8 @@ def test_strict_error_names_the_id_a_client_repeated_and_where() -> None:
         f" {new_id}) (duplicate_call_id)" in text
     )
     assert (
-        f"messages[3] tool result for call_0 answers a call whose id its assistant message"
-        f" repeats (repair would give it {new_id}) (duplicate_call_id)" in text
+        f"messages[3] tool result for call_0 answers a call whose id repeats an earlier call's"
+        f" (repair would give it {new_id}) (duplicate_call_id)" in text
     )
     assert "messages[5] tool result has no tool_call_id" in text
 
@@ -1249,7 +1263,9 @@ def test_random_histories_repaired_for_mistral_keep_its_order_resumed_or_not(
     result = repair_messages(later, orphan_policy=policy, mistral=True)
     validate_messages(result.messages)
     refused = mistral_refusal(result.messages)
-    assert refused is None or not refused["message"].startswith("Unexpected role 'user'"), refused
+    assert refused is None or refused["message"].startswith(
+        ("Tool call id", "Unexpected role 'system'")  # (the client's ids; a system message)
+    ), refused
     assert repair_messages(result.messages, orphan_policy=policy, mistral=True).repairs == []
     assert needs_repair(later, mistral=True) == bool(result.repairs)
     if policy == "downgrade":  # (strict mode's diagnosis: an orphan kept needs its bridge)
