@@ -415,8 +415,11 @@ class SessionStore(Protocol):
 BYTES_HELD_PER_BODY_BYTE = 4
 # ...and at least this much per message: a message's objects (its dict, its fingerprint, the
 # copies) outweigh its bytes when it is short. Measured: 100,000 messages of ~40 bytes held
-# ~700-750 bytes each of RSS, where 4 bytes per byte counted 160.
-BYTES_HELD_PER_MESSAGE = 768
+# ~700-750 bytes each of RSS, where 4 bytes per byte counted 160; an agent's tool calls and
+# short results (~120 bytes a message) ~1,135 each by tracemalloc (the parse ~650, the
+# fingerprint ~270, the memo's raw bytes, the accounting's and the check's): at 768 a budget of
+# 100 MiB held ~150 MiB.
+BYTES_HELD_PER_MESSAGE = 1152
 # What a request holds of its own where it shares no message objects with the session's other
 # requests (``weigh``): its parse and its raw body in the body memos. Measured: 8 turns of a
 # 4.7 MB history whose system prompt changed each turn held ~74 MB of RSS, ~16 bytes per byte.

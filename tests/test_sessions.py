@@ -753,3 +753,37 @@ def test_items_told_by_their_json_share_what_a_comparison_finds(
     from proxy.sessions import dump_items, shared_prefix
 
     assert shared_prefix(old, new, (dump_items(old), dump_items(new))) == shared_prefix(old, new)
+
+
+def test_the_estimate_per_message_covers_what_a_tool_call_history_holds() -> None:
+    """An agent's history of tool calls and short results (~120 bytes a message): its parse and
+    its fingerprint alone, measured by tracemalloc, with the body memo's copy of its bytes,
+    held more per message than the estimate counted (768 bytes), so a 100 MiB
+    ``sessions.max_memory_mb`` held ~150 MiB of such sessions."""
+    import gc
+    import tracemalloc
+    from typing import Any
+
+    import orjson
+
+    from proxy import prefix
+
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."}]
+    for i in range(3000):
+        arguments = orjson.dumps({"path": f"src/m{i}.py"}).decode()
+        call = {"id": f"call_{i:06d}", "type": "function"}
+        call["function"] = {"name": "read_file", "arguments": arguments}
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": f"ok: {i} lines"})
+    raw = orjson.dumps({"model": "gpt-4o", "messages": messages})
+    gc.collect()
+    tracemalloc.start()
+    try:
+        body = orjson.loads(raw)
+        fingerprint = prefix.fingerprint(body)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert fingerprint is not None
+    per_message = (held + len(raw)) / len(messages)
+    assert per_message <= BYTES_HELD_PER_MESSAGE, per_message
