@@ -231,13 +231,15 @@ neither content nor tool calls (``""`` is none), where OpenAI takes ``""``."""
 
 def _mistral_blank(message: Any) -> bool:
     """An assistant message with no content (``null``, none, ``""``, ``[]``) and no tool calls
-    or legacy ``function_call``: Mistral refuses it (``must have either content or tool_calls``)."""
+    (a legacy ``function_call`` is none to Mistral): Mistral refuses it (``must have either
+    content or tool_calls``). Not a prefill the client asked for (``"prefix": true``): its
+    text would become the start of the answer."""
     return (
         isinstance(message, dict)
         and message.get("role") == "assistant"
         and not message.get("content")
         and message.get("tool_calls") is None
-        and not message.get("function_call")
+        and not message.get("prefix")
     )
 
 
@@ -806,7 +808,7 @@ def repair_messages_from(
                     refusal = _refusal_only(kept) if drop_empty else None
                     if refusal is not None:  # (for Claude: the refusal's words, as in the next)
                         kept["content"] = _refusal_content(kept.get("content"), refusal)
-                    elif mistral and not kept.get("content") and not kept.get("function_call"):
+                    elif mistral and _mistral_blank(kept):
                         kept["content"] = MISTRAL_NO_ANSWER  # (Mistral refuses "" there)
                     elif kept.get("content") is None:  # (a refusal, a legacy function_call)
                         kept["content"] = ""

@@ -568,6 +568,16 @@ def test_a_mistral_history_gets_an_assistant_message_between_a_tool_result_and_t
         assert mistral_refusal(fixed) is None, fixed
         assert fixed[1]["content"] == MISTRAL_BRIDGE["content"]
         assert repair_messages(history).messages[1].get("content") == ""  # (another model's)
+    # a legacy function_call is nothing to Mistral; a prefill the client asked for is its own
+    legacy = {**asst(content=None), "function_call": {"name": "f", "arguments": "{}"}}
+    for history in (
+        [user("go"), legacy, user("again")],
+        [user("go"), {**legacy, "tool_calls": []}],
+    ):
+        fixed = repair_messages(history, mistral=True).messages
+        assert fixed[1]["content"] == MISTRAL_BRIDGE["content"] and mistral_refusal(fixed) is None
+    prefill = [user("go"), {"role": "assistant", "content": "", "prefix": True}]
+    assert repair_messages(prefill, mistral=True).messages is prefill
 
 
 def test_call_ids_reused_across_turns_are_renamed_for_claude_alone() -> None:

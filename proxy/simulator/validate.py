@@ -236,7 +236,12 @@ def mistral_refusal(messages: list[Any]) -> dict[str, Any] | None:
     previous = None
     for message in messages:
         role = message.get("role") if isinstance(message, dict) else None
-        if role == "assistant" and not message.get("content") and not message.get("tool_calls"):
+        if (
+            role == "assistant"
+            and not message.get("content")
+            and not message.get("tool_calls")
+            and not message.get("prefix")  # (a prefill: the model's answer's start, not judged)
+        ):
             return {
                 "object": "error",
                 "message": "Assistant message must have either content or tool_calls, but not"
