@@ -86,6 +86,8 @@ class Repair:
     # tool result (else its assistant message)
     sent: Any = None
     result: bool = False
+    # For ``duplicate_call_id`` on a call: the id it repeats is an earlier message's call's
+    across: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -594,6 +596,7 @@ def _fix_calls(
                         )
                         + f" has {repeated}",
                         sent=repeated,
+                        across=across,
                     )
                 )
             elif number is not None:
@@ -1131,7 +1134,7 @@ _ACROSS_TURNS: Final = (
 def _describe(r: Repair) -> str:
     if r.kind == "missing_id" and r.sent is not None:
         text = _NUMBER_RESULT_ID if r.result else _NUMBER_ID
-    elif r.kind == "duplicate_call_id" and not r.result and "earlier assistant" in r.action:
+    elif r.kind == "duplicate_call_id" and r.across:
         text = _ACROSS_TURNS
     elif r.result and r.kind in _ON_RESULTS:
         text = _ON_RESULTS[r.kind]

@@ -1095,7 +1095,7 @@ class Relay:
                     # which an SDK retries: the provider had answered, and its headers were lost)
                     chunks = _then_raise(b"".join(read), exc)
                     read = None
-            if read is not None and retry_if is not None:
+            if read is not None and retry_if is not None:  # (a refusal read whole)
                 error_body = b"".join(read)
                 text = _decode(_coding(response), error_body)
                 if retry_if(response.status_code, text):

@@ -1276,15 +1276,23 @@ def test_random_histories_repaired_for_mistral_keep_its_order_resumed_or_not(
     assert refused is None or refused["message"].startswith(
         ("Tool call id", "Unexpected role 'system'")  # (the client's ids; a system message)
     ), refused
-    assert repair_messages(result.messages, orphan_policy=policy, mistral=True).repairs == []
-    assert needs_repair(later, mistral=True) == bool(result.repairs)
     if policy == "downgrade":  # (strict mode's diagnosis: an orphan kept needs its bridge)
         assert kinds_of(diagnose(later, mistral=True)) == kinds_of(result.repairs)
-    _, checkpoint, _ = needs_repair_from(first, (), mistral=True)
-    resumed = needs_repair_from(later, [checkpoint] if checkpoint else [], mistral=True)[0]
+    _resumed_as_whole(first, later, result, policy, mistral=True)
+
+
+def _resumed_as_whole(
+    first: list[Message], later: list[Message], result: PairingResult, policy: Any, **mode: bool
+) -> None:
+    """The cheap check resumed from ``first``'s checkpoint, and the repair resumed from its
+    state, answer for ``later`` as ``result``, its whole repair, in the same ``mode``."""
+    assert repair_messages(result.messages, orphan_policy=policy, **mode).repairs == []
+    assert needs_repair(later, **mode) == bool(result.repairs)
+    _, checkpoint, _ = needs_repair_from(first, (), **mode)
+    resumed = needs_repair_from(later, [checkpoint] if checkpoint else [], **mode)[0]
     assert resumed == bool(result.repairs)
-    _, state = repair_messages_from(first, None, orphan_policy=policy, mistral=True)
-    again, _ = repair_messages_from(later, state, orphan_policy=policy, mistral=True)
+    _, state = repair_messages_from(first, None, orphan_policy=policy, **mode)
+    again, _ = repair_messages_from(later, state, orphan_policy=policy, **mode)
     assert orjson.dumps(again.messages) == orjson.dumps(result.messages)
     assert kinds_of(again.repairs) == kinds_of(result.repairs)
 
@@ -1302,15 +1310,7 @@ def test_random_histories_repaired_for_claude_have_unique_ids_resumed_or_not(
     validate_messages(result.messages)
     ids = [c.get("id") for m in result.messages for c in m.get("tool_calls") or ()]
     assert len(ids) == len(set(ids)), ids
-    assert repair_messages(result.messages, orphan_policy=policy, drop_empty=True).repairs == []
-    assert needs_repair(later, drop_empty=True) == bool(result.repairs)
-    _, checkpoint, _ = needs_repair_from(first, (), drop_empty=True)
-    resumed = needs_repair_from(later, [checkpoint] if checkpoint else [], drop_empty=True)[0]
-    assert resumed == bool(result.repairs)
-    _, state = repair_messages_from(first, None, orphan_policy=policy, drop_empty=True)
-    again, _ = repair_messages_from(later, state, orphan_policy=policy, drop_empty=True)
-    assert orjson.dumps(again.messages) == orjson.dumps(result.messages)
-    assert kinds_of(again.repairs) == kinds_of(result.repairs)
+    _resumed_as_whole(first, later, result, policy, drop_empty=True)
 
 
 def _call_ids(messages: list[Message]) -> set[str]:
