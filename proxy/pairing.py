@@ -695,30 +695,46 @@ class RepairState:
     # the cache_control marks of removed messages (empty assistant messages), by index: each
     # goes on the message before it in the repaired history, which ends the same prefix
     marks: dict[int, Any] = field(default_factory=dict)
+    # where each message is in ``out`` when it is there as it was sent (-1: changed, moved
+    # back with its call's block, or removed), so that one sent anew can take its place
+    at: list[int] = field(default_factory=list)
 
-    def resumes(self, messages: Sequence[Any], policy: tuple[str, str, bool, bool]) -> bool:
+    def resumes(
+        self, messages: Sequence[Any], policy: tuple[str, str, bool, bool]
+    ) -> list[int] | None:
         """Whether ``messages`` extends this state's messages, with the same policy, and appends
-        no result for a call still open in them. A system block of as many messages in place of
-        theirs (the time in the system prompt) still does: nothing in a system block is
-        repaired, and nothing is pending after one (``repair_messages_from`` puts it in)."""
+        no result for a call still open in them: None when not, else the indexes of its
+        messages sent anew (the ones to put in ``out`` in their place). A system block of as
+        many messages in place of theirs (the time in the system prompt) still does: nothing in
+        a system block is repaired, and nothing is pending after one (``repair_messages_from``
+        puts it in). So do a few messages sent anew, equal but for their ``cache_control``
+        marks (a client that moves its mark each turn), that the repair left as they were."""
         done = len(self.messages)
         if policy != self.policy or len(messages) < done:
-            return False
+            return None
+        anew: list[int] = []
         if not all(map(operator.is_, self.messages, messages)):
+            same = list(map(operator.is_, self.messages, messages))
             system = leading_system_count(self.messages)
-            if not system or system == done or leading_system_count(messages) != system:
-                return False
-            if self.marks:  # (a mark moved onto the old system block: repaired afresh)
-                return False
-            if not all(map(operator.is_, self.messages[system:], messages[system:done])):
-                return False
+            at = same.index(False)
+            if at < system:  # another system block
+                if system == done or leading_system_count(messages) != system:
+                    return None
+                if self.marks:  # (a mark moved onto the old system block: repaired afresh)
+                    return None
+                at = _next_false(same, system)
+            while at < done:
+                if len(anew) == _MOST_SENT_ANEW or not self._takes_anew(at, messages[at]):
+                    return None
+                anew.append(at)
+                at = _next_false(same, at + 1)
         owner_of_id = self.owner_of_id
         appended_ids: set[str] = set()  # calls of appended blocks: theirs, not earlier ones
         for message in itertools.islice(messages, done, None):
             if isinstance(message, dict) and message.get("role") == "tool":
                 call_id = message.get("tool_call_id")
                 if (call_id is None or call_id == "") and self.run is not None and self.run.idless:
-                    return False  # it may answer a call sent without an id: repair afresh
+                    return None  # it may answer a call sent without an id: repair afresh
                 if not isinstance(call_id, str):  # (a number: its string, as a call's)
                     call_id = _number_id(call_id)
                 if call_id is None or call_id in appended_ids:
@@ -727,7 +743,7 @@ class RepairState:
                 if owner is not None and (
                     owner.unanswered.get(call_id) or owner.renamed.get(call_id)
                 ):
-                    return False  # it may answer an earlier call: repair afresh
+                    return None  # it may answer an earlier call: repair afresh
                 continue
             calls = _tool_calls(message)
             if calls is not None:
@@ -736,7 +752,59 @@ class RepairState:
                         call_id = call.get("id") if _has_id(call) else _number_id(call.get("id"))
                         if call_id is not None:
                             appended_ids.add(call_id)
-        return True
+        return anew
+
+    def _takes_anew(self, index: int, message: Any) -> bool:
+        """Whether ``message``, sent in the place of message ``index``, can take its place in
+        ``out`` as it is: the old one is there as it was sent, no removed message's mark after
+        it went (or did not go) on it, and they differ in their cache marks only (all the
+        repair reads of them is the same)."""
+        position = self.at[index] if index < len(self.at) else -1
+        return (
+            position >= 0
+            and self.out[position] is self.messages[index]
+            and not any(k > index for k in self.marks)
+            and _same_but_marks(self.messages[index], message)
+        )
+
+
+_MOST_SENT_ANEW: Final = 8  # (more: a history edited, repaired afresh)
+
+
+def _next_false(flags: list[bool], start: int) -> int:
+    """The index of the first False in ``flags`` from ``start``, or its length."""
+    try:
+        return flags.index(False, start)
+    except ValueError:
+        return len(flags)
+
+
+def _without_mark(item: Any) -> Any:
+    if isinstance(item, dict) and "cache_control" in item:
+        return {k: v for k, v in item.items() if k != "cache_control"}
+    return item
+
+
+def _same_but_marks(old: Any, new: Any) -> bool:
+    """Whether two messages are equal but for ``cache_control`` on them or their content's
+    parts."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return False
+    if old.keys() - {"cache_control"} != new.keys() - {"cache_control"}:
+        return False
+    for key, value in new.items():
+        if key == "cache_control":
+            continue
+        was = old[key]
+        if value == was:
+            continue
+        if key != "content" or not isinstance(value, list) or not isinstance(was, list):
+            return False
+        if len(value) != len(was) or any(
+            a != b and _without_mark(a) != _without_mark(b) for a, b in zip(was, value, strict=True)
+        ):
+            return False
+    return True
 
 
 def repair_messages_from(
@@ -761,7 +829,8 @@ def repair_messages_from(
     gives a call is nine letters and digits, as Mistral requires."""
     note = interrupted_note or DEFAULT_INTERRUPTED_NOTE
     policy = (orphan_policy, note, drop_empty, mistral)
-    if previous is not None and previous.resumes(messages, policy):
+    anew = previous.resumes(messages, policy) if previous is not None else None
+    if previous is not None and anew is not None:
         state = previous
         start = len(previous.messages)
         system = leading_system_count(messages)
@@ -769,10 +838,15 @@ def repair_messages_from(
             # Another system block (``resumes``): its messages in the place of the old ones,
             # which no repair touched (the repaired history starts with them, as they were).
             state.out = (*messages[:system], *state.out[system:])
+        if anew:  # (messages sent anew, their marks moved: each in the old one's place)
+            renewed = list(state.out)
+            for index in anew:
+                renewed[state.at[index]] = messages[index]
+            state.out = tuple(renewed)
     else:
         if not needs_repair(messages, drop_empty, mistral):
             return PairingResult(messages, []), None
-        state = RepairState((), policy, {}, {}, set(), set(), {}, [], [], None, ())
+        state = RepairState((), policy, {}, {}, set(), set(), {}, [], [], None, (), {}, [])
         start = 0
     blocks, owner_of_id, fixed = state.blocks, state.owner_of_id, state.fixed
     paired, removed, scanned = state.paired, state.removed, state.scanned
@@ -877,6 +951,8 @@ def repair_messages_from(
         return PairingResult(messages, []), None
     out = list(state.out)
     marks = state.marks
+    at = state.at
+    at.extend(itertools.repeat(-1, len(messages) - len(at)))
     for i in range(start, len(messages)):
         if (
             mistral
@@ -908,11 +984,22 @@ def repair_messages_from(
                 out[-1] = {**out[-1], "cache_control": mark}
                 _say_mark_moved(scanned, i)
             continue
-        out.append(fixed.get(i, messages[i]))
+        entry = fixed.get(i)
+        if entry is None:
+            at[i] = len(out)
+            out.append(messages[i])
+        else:
+            out.append(entry)
         own = blocks.get(i)
         if own is None:
             continue
-        out.extend(fixed.get(j, messages[j]) for j in own.results)
+        for j in own.results:
+            entry = fixed.get(j)
+            if entry is None:
+                at[j] = len(out)
+                out.append(messages[j])
+            else:
+                out.append(entry)
         for position in own.dangling():
             call_id, name = own.ids[position], own.names[position]
             note_text = note.replace("{name}", name)
