@@ -695,8 +695,8 @@ class RepairState:
     # the cache_control marks of removed messages (empty assistant messages), by index: each
     # goes on the message before it in the repaired history, which ends the same prefix
     marks: dict[int, Any] = field(default_factory=dict)
-    # where each message is in ``out`` when it is there as it was sent (-1: changed, moved
-    # back with its call's block, or removed), so that one sent anew can take its place
+    # where each message (as sent, or its ``fixed`` entry) is in ``out`` (-1: removed), so
+    # that one sent anew can take its place
     at: list[int] = field(default_factory=list)
 
     def resumes(
@@ -760,15 +760,48 @@ class RepairState:
         it went (or did not go) on it, and they differ in their cache marks only (all the
         repair reads of them is the same)."""
         position = self.at[index] if index < len(self.at) else -1
+        was = self.messages[index]
+        entry = self.fixed.get(index, was)
         return (
             position >= 0
-            and self.out[position] is self.messages[index]
+            and self.out[position] is entry
             and not any(k > index for k in self.marks)
-            and _same_but_marks(self.messages[index], message)
+            and _same_but_marks(was, message)
+            and (entry is was or _fix_of(was, entry) is not None)
         )
+
+    def take_anew(self, index: int, message: dict[str, Any]) -> Any:
+        """What ``out`` holds for ``message`` sent anew for message ``index``
+        (``_takes_anew``): itself, or the same fix made to it (its call ids renamed, say)."""
+        was = self.messages[index]
+        entry = self.fixed.get(index)
+        if entry is None:
+            return message
+        fix = _fix_of(was, entry)
+        assert fix is not None  # (``_takes_anew``)
+        renewed = {k: fix.get(k, v) for k, v in message.items() if k in entry or k not in fix}
+        renewed.update((k, v) for k, v in entry.items() if k in fix and k not in message)
+        self.fixed[index] = renewed
+        return renewed
 
 
 _MOST_SENT_ANEW: Final = 8  # (more: a history edited, repaired afresh)
+_MISSING: Final = object()
+
+
+def _fix_of(was: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any] | None:
+    """The keys the repair set on message ``was`` to make ``entry`` (a key it took out:
+    ``_MISSING``), when none of them is one a cache mark is in or the message's role (its
+    content left as it was): the same fix is then made to the same message with its marks
+    moved. None otherwise."""
+    fix = {
+        k: entry.get(k, _MISSING)
+        for k in entry.keys() | was.keys()
+        if entry.get(k, _MISSING) is not was.get(k, _MISSING)
+    }
+    if "content" in fix or "cache_control" in fix or "role" in fix:
+        return None
+    return fix
 
 
 def _next_false(flags: list[bool], start: int) -> int:
@@ -841,7 +874,7 @@ def repair_messages_from(
         if anew:  # (messages sent anew, their marks moved: each in the old one's place)
             renewed = list(state.out)
             for index in anew:
-                renewed[state.at[index]] = messages[index]
+                renewed[state.at[index]] = state.take_anew(index, messages[index])
             state.out = tuple(renewed)
     else:
         if not needs_repair(messages, drop_empty, mistral):
@@ -984,22 +1017,14 @@ def repair_messages_from(
                 out[-1] = {**out[-1], "cache_control": mark}
                 _say_mark_moved(scanned, i)
             continue
-        entry = fixed.get(i)
-        if entry is None:
-            at[i] = len(out)
-            out.append(messages[i])
-        else:
-            out.append(entry)
+        at[i] = len(out)
+        out.append(fixed.get(i, messages[i]))
         own = blocks.get(i)
         if own is None:
             continue
         for j in own.results:
-            entry = fixed.get(j)
-            if entry is None:
-                at[j] = len(out)
-                out.append(messages[j])
-            else:
-                out.append(entry)
+            at[j] = len(out)
+            out.append(fixed.get(j, messages[j]))
         for position in own.dangling():
             call_id, name = own.ids[position], own.names[position]
             note_text = note.replace("{name}", name)

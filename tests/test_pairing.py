@@ -1736,36 +1736,48 @@ def test_a_repair_resumes_past_messages_sent_anew_with_their_cache_marks_moved(
 
 @pytest.mark.parametrize("mode", [{}, {"drop_empty": True}, {"mistral": True}])
 @pytest.mark.parametrize("parts", [False, True])
+@pytest.mark.parametrize("numbered", [False, True])
 def test_a_kept_defect_with_moving_cache_marks_costs_each_turn_only_what_changed(
-    monkeypatch: pytest.MonkeyPatch, mode: dict[str, bool], parts: bool
+    monkeypatch: pytest.MonkeyPatch, mode: dict[str, bool], parts: bool, numbered: bool
 ) -> None:
     """The last two messages marked each turn: the turn after, the older one is sent without
     its mark and the newer keeps it (both anew). The repair takes them in the old ones' places
-    and looks at the appended messages only; the repaired history carries the marks as sent."""
+    and looks at the appended messages only; the repaired history carries the marks as sent.
+    So with calls numbered per message (``call_0`` every turn), whose ids and results are
+    renamed for a Claude model: the renamed result sent anew gets the same new id."""
     history = [user("go"), asst(call("int")), user("interrupted; go on")]
     for k in range(50):
-        history += [asst(call(f"c{k}")), tool(f"c{k}", f"out {k}")]
+        call_id = "call_0" if numbered else f"c{k}"
+        history += [asst(call(call_id)), tool(call_id, f"out {k}")]
     if parts:
         history = [_as_parts(m) for m in history]
     sent = [*history[:-2], *(_marked(m, EPHEMERAL) for m in history[-2:])]
     result, state = repair_messages_from(sent, None, **mode)
     assert state is not None and result.repairs[0].kind == "dangling_call"
     looked_at = _count_looks(monkeypatch)
-    new = [asst(call("n1")), tool("n1", "new")]
+    new = (
+        [asst(call("call_0")), tool("call_0", "new")]
+        if numbered
+        else [asst(call("n1")), tool("n1", "new")]
+    )
     if parts:
         new = [_as_parts(m) for m in new]
-    turn = [*history[:-2], _marked(history[-2], None), *sent[-1:], *new]
-    turn[-3] = _marked(history[-1], None)  # the older mark gone; the newer two marked
-    turn[-2:] = [_marked(m, EPHEMERAL) for m in new]
+    # (parsed again from the first message that changed on, as the body memo does)
+    turn = [
+        *history[:-2],
+        _marked(history[-2], None),
+        _marked(history[-1], EPHEMERAL),
+        *(_marked(m, EPHEMERAL) for m in new),
+    ]
     result, state = repair_messages_from(turn, state, **mode)
     assert len(looked_at) == 2  # the appended call, twice; none of the 100 before it
     whole = repair_messages(turn, **mode)
     assert orjson.dumps(result.messages) == orjson.dumps(whole.messages)
-    assert result.messages[-2:] == turn[-2:] and result.messages[-4:-2] == turn[-4:-2]
-    assert cache_mark(result.messages[-3], "content") is None  # (its mark moved on)
+    marks = [cache_mark(m, "content") for m in result.messages[-4:]]
+    assert marks == [None, EPHEMERAL, EPHEMERAL, EPHEMERAL]
     # an edit that is more than a mark (the text of one of them changed): repaired whole
     looked_at.clear()
-    edited = [*turn[:-1], {**turn[-1], "tool_call_id": "n1", "content": "edited"}]
+    edited = [*turn[:-1], {**turn[-1], "content": "edited"}]
     result, _ = repair_messages_from(edited, state, **mode)
     assert len(looked_at) > 50
     assert result.messages == repair_messages(edited, **mode).messages
