@@ -347,6 +347,7 @@ class Gateway:
         to be repaired (``_responses``) when the settings or its headers ask for that."""
         assert self.relay is not None
         headers = header_map(scope)
+        route = "responses" if responses else "passthrough"  # (the metrics' label)
         ex = Exchange(
             route="passthrough",
             method=scope["method"],
@@ -359,9 +360,7 @@ class Gateway:
         try:
             sid = explicit_session_id(headers, path_session)
         except ValueError as exc:
-            await self.refuse(
-                scope, send, "passthrough", bad_request(str(exc), "invalid_session_id")
-            )
+            await self.refuse(scope, send, route, bad_request(str(exc), "invalid_session_id"))
             return
         if sid is not None:
             ex.session_id = sid
@@ -373,7 +372,7 @@ class Gateway:
                 request_headers(scope), None if preflight else self.api_key()
             )
         except ProxyError as err:
-            await self.refuse(scope, send, "passthrough", err)
+            await self.refuse(scope, send, route, err)
             return
         strict = reads = False
         if responses:
@@ -389,7 +388,7 @@ class Gateway:
             try:
                 refuse_announced(headers, self.settings.server.max_body_bytes)
             except ProxyError as err:
-                await self.refuse(scope, send, "passthrough", err, extra, receive)
+                await self.refuse(scope, send, route, err, extra, receive)
                 return
         if reads:
             assert self.chat is not None
@@ -453,7 +452,7 @@ class Gateway:
         else:
             if len(body) > self.settings.server.max_body_bytes:
                 limit = self.settings.server.max_body_bytes
-                await self.refuse(scope, send, "passthrough", too_large(limit), extra)
+                await self.refuse(scope, send, route, too_large(limit), extra)
                 return
             content = body
         ex.request_bytes = len(body)
@@ -784,7 +783,7 @@ class _ProxyEndpoint:
             await self.gateway.refuse(
                 scope,
                 send,
-                "chat" if chat else "passthrough",
+                route_of(scope),
                 bad_request(
                     "Invalid session id in path: ids must match [A-Za-z0-9._:-]{1,128}"
                     " (and not be '.' or '..')",
@@ -889,9 +888,15 @@ def upstream_path_of(scope: Scope) -> str | None:
 
 def route_of(scope: Scope) -> str:
     """The metrics' route label of a request refused before routing: "chat" for a POST to a
-    chat-completions path (also under /s/{id}/), else "passthrough"."""
-    chat = scope["method"] == "POST" and scope["path"].endswith("/v1/chat/completions")
-    return "chat" if chat else "passthrough"
+    chat-completions path (also under /s/{id}/), "responses" for one to the Responses API's,
+    else "passthrough"."""
+    if scope["method"] == "POST":
+        path = scope["path"]
+        if path.endswith("/v1/chat/completions"):
+            return "chat"
+        if path.endswith(("/v1/responses", "/v1/responses/compact")):
+            return "responses"
+    return "passthrough"
 
 
 def _error_response(err: ProxyError, headers: Mapping[str, str] | None = None) -> Response:

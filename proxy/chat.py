@@ -335,16 +335,20 @@ class PairingRepair:
         """Whether ``model`` is a Claude model (by its name, ``claude-…``, a gateway's or
         Bedrock's, or, a name no provider's, its configured entry's ``dialect = "anthropic"``),
         whether a Mistral model (by its name: ``mistral-large-latest``, ``codestral-…``,
-        ``mistralai/Devstral-…`` behind a gateway or vLLM), and the key its checkpoints are kept
-        under. (Asked of every request: each name's answer is kept, ~2-10 µs each time
-        otherwise.)"""
+        ``mistralai/Devstral-…`` behind a gateway or vLLM; or, a name no provider's, its
+        configured entry's ``dialect = "mistral"``: a name of the user's own, ``--served-model-name``
+        on vLLM), and the key its checkpoints are kept under. (Asked of every request: each
+        name's answer is kept, ~2-10 µs each time otherwise.)"""
         name = model if isinstance(model, str) else ""
         known = self._families.get(name)
         if known is not None:
             return known
         dialect = self.settings.model(name or None)[1].dialect
         claude = cache.caching_provider(name, dialect) == "anthropic"  # (as the accounting reads)
-        mistral = not claude and _MISTRAL_NAME.search(name.lower()) is not None
+        mistral = not claude and (
+            _MISTRAL_NAME.search(name.lower()) is not None
+            or (dialect == "mistral" and cache.provider_of(name) == "*")
+        )
         known = (claude, mistral, _CHECKPOINT_KEYS[claude, mistral])
         if len(self._families) >= 256:  # (bounded: a client that sends many names)
             self._families.clear()

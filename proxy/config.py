@@ -146,7 +146,7 @@ class ModelSettings:
     price_cached_input: float = 0.0
     price_cache_write: float = 0.0
     price_output: float = 0.0
-    dialect: Literal["openai", "deepseek", "anthropic"] = "openai"
+    dialect: Literal["openai", "deepseek", "anthropic", "mistral"] = "openai"
     cache_min_tokens: int = 0  # the shortest prefix the provider caches (0: no minimum of its own)
 
 

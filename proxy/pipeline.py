@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 class Exchange:
     """One request through cachegate and what came back."""
 
-    route: str  # "chat" for the full pipeline, else "passthrough"
+    route: str  # "chat" for the full pipeline, else "passthrough" ("responses": a refusal of
+    # a Responses API request before its work began, for the metrics' label)
     method: str
     path: str  # the upstream path after /v1, e.g. "chat/completions"
     started_at: float  # wall clock, seconds

@@ -652,7 +652,7 @@ _CHUNKED = (
         # it once, with the 400 (it was a 499, and a client disconnect), on every route
         (b"POST /v1/chat/completions" + _CHUNKED + b"ZZZ\r\nabc\r\n", "chat"),
         (b"POST /v1/chat/completions" + _CHUNKED + b'5\r\n{"a":\r\nzz\r\n', "chat"),
-        (b"POST /v1/responses" + _CHUNKED + b'5\r\n{"a":\r\nzz\r\n', "passthrough"),
+        (b"POST /v1/responses" + _CHUNKED + b'5\r\n{"a":\r\nzz\r\n', "responses"),
         (b"POST /v1/embeddings" + _CHUNKED + b"ZZZ\r\nabc\r\n", "passthrough"),
         (b"POST /v1/embeddings" + _CHUNKED + b'5\r\n{"a":\r\nzz\r\n', "passthrough"),
         # an upgrade offer (h2c) whose body's framing cachegate's own parser refuses

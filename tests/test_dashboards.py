@@ -130,7 +130,9 @@ def test_overview_has_a_model_variable_that_every_model_labelled_query_honours()
         expr = target["expr"]
         for name in metric_names(expr):
             if "model" in SERIES[name]:
-                assert re.search(rf'{name}{{(route="chat", )?model=~"\$model"', expr), expr
+                assert re.search(rf'{name}{{(route=~"chat\|responses", )?model=~"\$model"', expr), (
+                    expr
+                )
             elif "gen_ai_request_model" in SERIES[name]:
                 assert f'{name}{{gen_ai_request_model=~"$model"' in expr, expr
 
@@ -181,11 +183,28 @@ def test_counts_over_time_are_bars_of_their_own_interval() -> None:
     assert bars >= 2
 
 
-def test_latency_panels_show_chat_requests_only() -> None:
+def test_latency_panels_show_model_requests_only() -> None:
     """/v1/models and embeddings answer in a millisecond: mixed in, they would pull a chat
-    model's percentiles down (passthrough requests carry the model label "other")."""
+    model's percentiles down (passthrough requests carry the model label "other"). Chat and
+    Responses API requests are both a model's (a Codex CLI user's panels showed no data)."""
     dashboard = load(DASHBOARDS / "cachegate.json")
     for target in targets(dashboard):
         for name in metric_names(target["expr"]):
             if name.startswith(("cachegate_request_duration", "cachegate_proxy_overhead")):
-                assert f'{name}{{route="chat"' in target["expr"], target["expr"]
+                assert f'{name}{{route=~"chat|responses"' in target["expr"], target["expr"]
+
+
+def test_the_session_memory_panel_gives_the_estimate_the_code_makes() -> None:
+    """The panel's description, and the example configuration's comment, said 768 bytes a
+    message after the estimate became 1,152."""
+    from proxy.sessions import BYTES_HELD_PER_MESSAGE
+
+    figure = f"{BYTES_HELD_PER_MESSAGE:,} bytes"
+    panels = [
+        p
+        for p in load(DASHBOARDS / "cachegate.json")["panels"]
+        if any("cachegate_sessions_memory_bytes" in t.get("expr", "") for t in p.get("targets", []))
+    ]
+    assert panels and all(figure in p["description"] for p in panels)
+    example = (DASHBOARDS.parent / "config" / "cachegate.example.toml").read_text()
+    assert f"{figure} a message" in example

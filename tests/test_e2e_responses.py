@@ -879,7 +879,7 @@ def test_a_refusal_before_the_body_is_read_is_in_the_held_sessions_log_numbered(
     proxy.settle()
     errors = events(proxy.log_dir, "held", "error")
     assert [(e["exchange"], e["status"]) for e in errors] == [(2, 413), (3, 413)]
-    labels = {"route": "passthrough", "model": "other", "status": "413"}
+    labels = {"route": "responses", "model": "other", "status": "413"}
     assert proxy.metric("cachegate_requests_total", labels) == 2
     assert len(sim.sim.requests) == 1
 

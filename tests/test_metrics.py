@@ -417,6 +417,42 @@ def test_a_responses_answer_without_cache_fields_counts_in_the_hit_ratio_as_chat
     assert reported == 8_000
 
 
+def test_a_responses_api_request_is_counted_under_its_model_and_route(
+    metrics: Metrics, registry: CollectorRegistry
+) -> None:
+    """A Responses API request (Codex CLI's every request) was counted as a passthrough of the
+    model "other": its model's request rate, error ratio, duration and overhead panels showed
+    nothing of it, where its tokens and cost were its model's."""
+    observer = MetricsObserver(metrics)
+    for path, status in (("responses", 200), ("responses/compact", 200), ("responses", 429)):
+        ex = exchange(route="passthrough", path=path, method="POST", model="gpt-4o")
+        ex.status, ex.duration_s, ex.overhead_s = status, 2.0, 0.0004
+        ex.usage = Usage(prompt=1_000, completion=10) if status == 200 else None
+        observer.on_response(ex)
+    gone = exchange(route="passthrough", path="responses", method="POST", model="gpt-4o")
+    gone.status = 499  # the client left before the answer
+    observer.on_error(gone)
+    retrieve = exchange(route="passthrough", path="responses/resp_1", method="GET", model=None)
+    retrieve.status = 200
+    observer.on_response(retrieve)
+    labels = {"route": "responses", "model": "gpt-4o"}
+    requests = "cachegate_requests_total"
+    assert value(registry, requests, status="200", **labels) == 2.0
+    assert value(registry, requests, status="429", **labels) == 1.0
+    assert value(registry, requests, status="499", **labels) == 1.0
+    assert value(registry, "cachegate_request_duration_seconds_count", **labels) == 2.0
+    assert value(registry, "cachegate_proxy_overhead_seconds_count", route="responses") == 3.0
+    assert value(registry, "cachegate_tokens_total", model="gpt-4o", kind="prompt") == 2_000
+    # another path of the Responses API (a stored response read back) is a passthrough's
+    assert value(registry, requests, route="passthrough", model="other", status="200") == 1.0
+    # the route's series of a model start at zero with its first request (so that the first
+    # of each status shows in a rate), not before: a chat client's scrape stays as it was
+    assert value(registry, requests, status="500", **labels) == 0.0
+    unused = {"route": "responses", "model": "gpt-4o-mini"}
+    assert value(registry, requests, status="200", **unused) is None
+    assert value(registry, "cachegate_request_duration_seconds_count", **unused) is None
+
+
 def test_a_remote_compactions_first_byte_is_timed_as_a_responses_answer(
     metrics: Metrics, registry: CollectorRegistry
 ) -> None:

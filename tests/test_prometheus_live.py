@@ -232,6 +232,53 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(
             )
 
 
+def test_a_responses_api_client_fills_its_models_request_and_latency_panels(
+    tmp_path: Path, prometheus: tuple[str, Any], sdk: Any
+) -> None:
+    """A client that speaks the Responses API only (Codex CLI): its requests were counted as
+    passthrough ones of the model "other", so the request rate, error ratio, request duration
+    and proxy overhead panels showed nothing of a model whose tokens and cost they did show.
+    With the model selected, each of those panels now has its requests (from its second: the
+    model's first Responses API request creates the route's series, scraped before the next)."""
+    prometheus_url, start_prometheus = prometheus
+    with run_simulator() as sim:
+        settings = settings_from_mapping(
+            {"upstream": {"base_url": sim.api_base}, "logging": {"dir": str(tmp_path / "logs")}}
+        )
+        app = create_app(settings, registry=CollectorRegistry(), environ={})
+        with ServerThread(app) as server, httpx.Client(base_url=prometheus_url) as prom:
+            start_prometheus(f"127.0.0.1:{server.port}")
+            wait_for_scrapes(prom, 1)
+            client = sdk(server.url + "/v1", default_headers={"session_id": "codex-live"})
+            items: list[Any] = [{"role": "user", "content": "Read setup.py"}]
+            for turn, stream in enumerate((False, False, True, False)):
+                answer = client.responses.create(model="gpt-5", input=items, stream=stream)
+                if stream:
+                    list(answer)
+                if turn == 0:
+                    wait_for_scrapes(prom, 3)
+            wait_for_scrapes(prom, 6)
+            panels = {
+                title: expr.replace('model=~".*"', 'model=~"gpt-5"')
+                for _, title, expr in dashboard_queries()
+                if any(
+                    name in expr
+                    for name in (
+                        "cachegate_requests_total",
+                        "cachegate_request_duration_seconds",
+                        "cachegate_proxy_overhead_seconds",
+                    )
+                )
+            }
+            assert len(panels) >= 3
+            blank = [
+                title
+                for title, expr in panels.items()
+                if all(r["value"][1] == "NaN" for r in query(prom, expr)["result"])
+            ]
+            assert not blank, blank
+
+
 def test_a_bar_panel_counts_each_event_once_across_a_restart(
     tmp_path: Path, prometheus: tuple[str, Any]
 ) -> None:

@@ -275,9 +275,12 @@ def test_an_agents_turns_count_their_tokens_cache_reads_and_cost(
         "cachegate_cost_usd_total", {"model": "gpt-5", "kind": "uncached"}
     ) == pytest.approx(uncached)
     assert proxy.metric("cachegate_time_to_first_byte_seconds_count", {"model": "gpt-5"}) == 2
-    # the requests themselves count as every relayed request does
-    labels = {"route": "passthrough", "model": "other", "status": "200"}
+    # the requests themselves count under their route and model (they were a passthrough's,
+    # model "other": the model's request rate and latency panels had nothing of them)
+    labels = {"route": "responses", "model": "gpt-5", "status": "200"}
     assert proxy.metric("cachegate_requests_total", labels) == 2
+    duration = {"route": "responses", "model": "gpt-5"}
+    assert proxy.metric("cachegate_request_duration_seconds_count", duration) == 2
 
 
 def test_an_answers_bytes_reach_the_client_as_the_provider_sent_them(
@@ -339,12 +342,12 @@ def test_an_answer_that_is_no_json_is_counted_invalid_and_relayed(
     assert proxy.metric("cachegate_time_to_first_byte_seconds_count", {"model": "gpt-5"}) == 1
 
 
-def test_usage_counts_under_the_top_level_model_and_requests_under_other(
+def test_usage_and_requests_count_under_the_top_level_model(
     scripted: Any, proxy_factory: Any
 ) -> None:
     """A body's own ``model``, not one nested before it (a client that sorts its keys writes
     ``metadata`` first), whether or not the body has calls to pair; the request itself counts
-    as every relayed request does, ``model="other"``, a strict refusal too."""
+    under it and the ``responses`` route, a strict refusal too."""
     events = response_events(completed(prompt=3000, hit=2048))
     _upstream, base = scripted(chunks=events)
     proxy = proxy_factory(base)
@@ -366,9 +369,9 @@ def test_usage_counts_under_the_top_level_model_and_requests_under_other(
     )
     assert refused.status_code == 400
     for status, count in (("200", 2), ("400", 1)):
-        labels = {"route": "passthrough", "model": "other", "status": status}
+        labels = {"route": "responses", "model": "gpt-5-mini", "status": status}
         assert proxy.metric("cachegate_requests_total", labels) == count
-    labels = {"route": "passthrough", "model": "gpt-5-mini", "status": "400"}
+    labels = {"route": "responses", "model": "o3", "status": "200"}
     assert proxy.metric("cachegate_requests_total", labels) == 0
 
 

@@ -902,6 +902,6 @@ def test_a_slow_upload_is_not_counted_as_cachegates_overhead(
     route = {"route": "chat"}
     assert proxy.metric("cachegate_proxy_overhead_seconds_count", route) == 1
     assert proxy.metric("cachegate_proxy_overhead_seconds_sum", route) < 0.5
-    route = {"route": "passthrough"}
+    route = {"route": "responses"}
     assert proxy.metric("cachegate_proxy_overhead_seconds_count", route) == 1
     assert proxy.metric("cachegate_proxy_overhead_seconds_sum", route) < 0.5
