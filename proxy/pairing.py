@@ -177,17 +177,25 @@ def _has_id(call: dict[str, Any]) -> bool:
     return isinstance(call_id, str) and call_id != ""
 
 
-def _number_id(value: Any) -> str | None:
+def _number_id(value: Any, mistral: bool = False) -> str | None:
     """An id sent as a JSON number (``"id": 7``, ``"tool_call_id": 7``: a local model's
     template, a hand-built history) written as the string the provider takes; else None. The
     call and its result keep their pairing: each is given the same string (a whole number as
     an integer's digits, ``7.0`` and ``7`` alike, and an integer beyond 64 bits, which the
-    parser reads as a double, as that double's)."""
+    parser reads as a double, as that double's). For a Mistral model (``mistral``), nine
+    letters and digits, as Mistral requires: the digits with zeros before them
+    (``000000007``), else the first nine hex digits of their SHA-256."""
     if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    if isinstance(value, float) and math.isfinite(value):
-        return str(int(value)) if value.is_integer() else repr(value)
-    return None
+        text = str(value)
+    elif isinstance(value, float) and math.isfinite(value):
+        text = str(int(value)) if value.is_integer() else repr(value)
+    else:
+        return None
+    if mistral and not (len(text) == 9 and text.isdigit()):
+        if text.isdigit() and len(text) < 9:
+            return text.zfill(9)
+        return hashlib.sha256(text.encode()).hexdigest()[:9]
+    return text
 
 
 def _missing_type(call: dict[str, Any]) -> bool:
@@ -562,7 +570,7 @@ def _fix_calls(
         if not isinstance(call, dict):
             continue
         fixed = call
-        number = _number_id(call.get("id"))
+        number = _number_id(call.get("id"), mistral)
         if not _has_id(call) and number is None:
             call_id = _derived_id(index, position, call, mistral)
             assigned.append(call_id)
@@ -736,7 +744,7 @@ class RepairState:
                 if (call_id is None or call_id == "") and self.run is not None and self.run.idless:
                     return None  # it may answer a call sent without an id: repair afresh
                 if not isinstance(call_id, str):  # (a number: its string, as a call's)
-                    call_id = _number_id(call_id)
+                    call_id = _number_id(call_id, policy[3])
                 if call_id is None or call_id in appended_ids:
                     continue
                 owner = owner_of_id.get(call_id)
@@ -749,7 +757,11 @@ class RepairState:
             if calls is not None:
                 for call in calls:
                     if isinstance(call, dict):
-                        call_id = call.get("id") if _has_id(call) else _number_id(call.get("id"))
+                        call_id = (
+                            call.get("id")
+                            if _has_id(call)
+                            else _number_id(call.get("id"), policy[3])
+                        )
                         if call_id is not None:
                             appended_ids.add(call_id)
         return anew
@@ -899,6 +911,7 @@ def repair_messages_from(
                 fixed,
                 scanned,
                 state.marks,
+                mistral,
             )
             continue
         run = None
@@ -915,8 +928,8 @@ def repair_messages_from(
                     if mark is not None:  # a breakpoint: the message before ends that prefix
                         state.marks[i] = mark
                 else:
-                    refusal = _refusal_only(kept) if drop_empty else None
-                    if refusal is not None:  # (for Claude: the refusal's words, as in the next)
+                    refusal = _refusal_only(kept) if drop_empty or mistral else None
+                    if refusal is not None:  # (Claude, Mistral: the refusal's words, as below)
                         kept["content"] = _refusal_content(kept.get("content"), refusal)
                     elif mistral and _mistral_blank(kept):
                         kept["content"] = MISTRAL_NO_ANSWER  # (Mistral refuses "" there)
@@ -934,9 +947,10 @@ def repair_messages_from(
                 if mark is not None:  # a breakpoint: the message before ends that prefix
                     state.marks[i] = mark
                 scanned.append(Repair("empty_assistant", i, None, action))
-            elif drop_empty and (refusal := _refusal_only(message)) is not None:
-                # An OpenAI model's refusal in a history sent to Claude: its words are the
-                # message's content (Claude reads no ``refusal``, and refuses an empty one).
+            elif (drop_empty or mistral) and (refusal := _refusal_only(message)) is not None:
+                # An OpenAI model's refusal in a history sent to Claude or Mistral: its words
+                # are the message's content (neither reads ``refusal``, and both refuse an
+                # empty message; Mistral's note would say no answer was recorded).
                 fixed[i] = {**message, "content": _refusal_content(message.get("content"), refusal)}
                 action = "gave a refusal's text as the assistant message's content"
                 scanned.append(Repair("empty_assistant", i, None, action))
@@ -1080,9 +1094,11 @@ def _pair_result(
     fixed: dict[int, dict[str, Any]],
     repairs: list[Repair],
     marks: dict[int, Any],
+    mistral: bool = False,
 ) -> None:
     """Decide tool message ``i``: pair it with its call, or handle it as a duplicate or orphan
-    (one dropped leaves its ``cache_control`` mark, if any, in ``marks``).
+    (one dropped leaves its ``cache_control`` mark, if any, in ``marks``; ``mistral``: a number
+    id is written as its call's is for a Mistral model).
 
     Some servers (Gemini's OpenAI-compatible API, some local ones) send tool calls with an empty
     id, and their clients answer with an empty ``tool_call_id``. Such a result, in the run of
@@ -1110,7 +1126,7 @@ def _pair_result(
         run.results.append(i)
         paired.add(i)
         return
-    number = _number_id(raw_id)
+    number = _number_id(raw_id, mistral)
     tool_call_id = raw_id if isinstance(raw_id, str) else number
     owner = owner_of_id.get(tool_call_id) if tool_call_id is not None else None
     if owner is not None and tool_call_id is not None:

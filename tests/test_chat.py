@@ -192,6 +192,33 @@ def test_a_mistral_model_gets_its_interrupted_turn_repaired_as_mistral_takes_it(
         assert mistral.sim.requests[-1].body["messages"] == sound
 
 
+def test_a_mistral_model_under_a_name_of_the_users_is_repaired_as_mistral_takes_it(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """A Mistral model served under a name of the user's own (vLLM's ``--served-model-name``)
+    was repaired as OpenAI's, and Mistral refused the repaired turn; its entry's
+    ``dialect = "mistral"`` says whose it is. A model whose name says another provider's stays
+    that provider's under a ``"*"`` entry with that dialect."""
+    with run_simulator(SimConfig(mistral_rules=True)) as mistral:
+        config = {"models": {"house-coder": {"dialect": "mistral"}, "*": {"dialect": "mistral"}}}
+        proxy = proxy_factory(mistral.api_base, config)
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model="house-coder",
+            messages=MISTRAL_INTERRUPTED,  # type: ignore[arg-type]
+        )
+        assert raw.http_response.status_code == 200
+        roles = [m["role"] for m in mistral.sim.requests[-1].body["messages"]]
+        assert roles == ["user", "assistant", "tool", "tool", "assistant", "user"]
+    settings = settings_from_mapping(
+        {"upstream": {"base_url": "http://127.0.0.1:9/v1"}, "models": config["models"]}
+    )
+    repair = PairingRepair(settings, None)
+    assert repair.family("house-coder")[:2] == (False, True)
+    assert repair.family("another-name")[:2] == (False, True)  # (the "*" entry's)
+    assert repair.family("gpt-4o")[:2] == (False, False)
+    assert repair.family("claude-sonnet-4-5")[:2] == (True, False)
+
+
 def test_claude_takes_call_ids_numbered_per_message_through_cachegate_turn_after_turn(
     sdk: Any, proxy_factory: Any
 ) -> None:

@@ -581,6 +581,40 @@ def test_a_mistral_history_gets_an_assistant_message_between_a_tool_result_and_t
     assert repair_messages(prefill, mistral=True).messages is prefill
 
 
+@pytest.mark.parametrize("number", [0, 7, 123456789, 12345678901, -3, 2.5])
+def test_a_number_id_is_written_as_nine_letters_and_digits_for_mistral(number: Any) -> None:
+    """An id sent as a number was written as its digits (``"0"``) whatever the model: Mistral
+    refuses any id but nine letters and digits (``Tool call id was 0 but must be a-z, A-Z, 0-9,
+    with a length of 9``). For a Mistral model the call and its result get the same nine;
+    another model's keep the digits."""
+    call_ = {"id": number, "type": "function", "function": {"name": "read", "arguments": "{}"}}
+    history = [user("read a"), asst(call_), tool(None, "hello"), user("and b?")]
+    history[2]["tool_call_id"] = number
+    result = repair_messages(history, mistral=True)
+    given = result.messages[1]["tool_calls"][0]["id"]
+    assert len(given) == 9 and given.isalnum()
+    assert result.messages[2]["tool_call_id"] == given
+    assert mistral_refusal(result.messages) is None, result.messages
+    assert repair_messages(result.messages, mistral=True).repairs == []
+    _resumed_as_whole(history[:2], history, result, "downgrade", mistral=True)
+    assert repair_messages(history).messages[1]["tool_calls"][0]["id"] == str(number)
+
+
+def test_an_openai_refusal_reads_as_its_words_for_mistral() -> None:
+    """A session moved from GPT to Mistral: an OpenAI refusal (``content`` null, ``refusal``
+    its words) was given the note "no answer was recorded", which told the model something
+    false; its words are its content, as for Claude."""
+    refusal = {"role": "assistant", "content": None, "refusal": "I can't help with that."}
+    for history in (
+        [user("x"), refusal, user("why?")],
+        [user("x"), {**refusal, "tool_calls": []}, user("why?")],
+    ):
+        assert needs_repair(history, mistral=True)
+        fixed = repair_messages(history, mistral=True).messages
+        assert fixed[1]["content"] == "I can't help with that."
+        assert mistral_refusal(fixed) is None, fixed
+
+
 def test_call_ids_reused_across_turns_are_renamed_for_claude_alone() -> None:
     """Clients that number calls per message (``call_0`` every turn) reuse an id across turns:
     Claude refuses a request whose ``tool_use`` ids repeat anywhere (``tool_use ids must be
