@@ -284,19 +284,31 @@ def _in_run(item: Any) -> bool:
     return kind in OUTPUT_OF or kind in OUTPUTS or kind == LOCAL_SHELL_OUTPUT
 
 
+def _is_call(item: Any) -> bool:
+    return isinstance(item, dict) and _kind(item) in OUTPUT_OF
+
+
 def _run_ends(items: Sequence[Any], starts: Sequence[int], orphans: set[int]) -> list[int]:
     """For each of ``starts`` (ascending), the position after the run of call and output items
     it begins: a turn's parallel calls and the outputs already sent for them, where a synthetic
     output goes (an orphan output ends the run: it becomes a user message, which would part a
-    call from its output). One pass from the last start back (thousands of calls: linear)."""
+    call from its output). A call right after an output begins another run: the next turn's
+    (a model that does not reason puts nothing between), whose items would otherwise push the
+    synthetic output further back every turn, the prefix the provider cached with it. One pass
+    from the last start back (thousands of calls: linear)."""
     if not starts:
         return []
     ends: dict[int, int] = {}
     end = len(items)
     i = len(items) - 1
     for start in reversed(starts):
-        while i > start:  # (``end``: past the run that holds item ``i``, if it is in one)
-            if not _in_run(items[i]) or i in orphans:
+        while i > start:  # (``end``: past the run that holds item ``i - 1``, if it is in one)
+            item = items[i]
+            if (
+                not _in_run(item)
+                or i in orphans
+                or (_is_call(item) and _in_run(items[i - 1]) and not _is_call(items[i - 1]))
+            ):
                 end = i
             i -= 1
         ends[start] = end
