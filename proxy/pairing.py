@@ -301,6 +301,41 @@ def _blank(message: Any) -> bool:
     )
 
 
+def _blank_text_in(message: dict[str, Any]) -> bool:
+    """An assistant message whose content is white space (not ``""``, which gateways leave
+    out) or holds a text part of no text but white space, beside what else it says (tool
+    calls, text, signed reasoning): a gateway makes each a text block of Claude's, which
+    Claude refuses (``text content blocks must be non-empty``)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content != "" and not content.strip()
+    return isinstance(content, list) and any(_blank_part(part) for part in content)
+
+
+def _blank_part(part: Any) -> bool:
+    if not isinstance(part, dict) or part.get("type") != "text":
+        return False
+    text = part.get("text", "")
+    return isinstance(text, str) and not text.strip()
+
+
+def _without_blank_text(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` (``_blank_text_in``) without its blank text: no content where nothing
+    else was in it (``""`` beside no calls: OpenAI's form refuses ``null`` there); a ``cache_control`` mark of a part taken out goes on the message, unless a
+    part kept or the message has one (a breakpoint lost would cost the cache every turn)."""
+    content = message.get("content")
+    kept = [p for p in content if not _blank_part(p)] if isinstance(content, list) else []
+    fixed = {**message, "content": kept or (None if message.get("tool_calls") else "")}
+    gone = [
+        p["cache_control"]
+        for p in (content if isinstance(content, list) else ())
+        if _blank_part(p) and p.get("cache_control") is not None
+    ]
+    if gone and cache_mark(fixed, "content") is None:
+        fixed["cache_control"] = gone[-1]
+    return fixed
+
+
 def _refusal_only(message: Any) -> str | None:
     """The text of an OpenAI model's refusal that an assistant message holds in place of its
     content (``"content": null, "refusal": "I can't help with that."``), with nothing else:
@@ -448,12 +483,21 @@ def needs_repair_from(
         if not isinstance(calls, list):
             if calls is None and (
                 _contentless(message)
-                or (drop_empty and (_blank(message) or _refusal_only(message) is not None))
+                or (
+                    drop_empty
+                    and (
+                        _blank(message)
+                        or _refusal_only(message) is not None
+                        or _blank_text_in(message)
+                    )
+                )
                 or (mistral and _mistral_blank(message))
             ):
                 return True, None, resumed
             continue
         if not calls:  # OpenAI refuses an empty array ("empty_array")
+            return True, None, resumed
+        if drop_empty and _blank_text_in(message):  # (Claude: an empty text block)
             return True, None, resumed
         in_block = True
         for call in calls:
@@ -954,6 +998,10 @@ def repair_messages_from(
                 fixed[i] = {**message, "content": _refusal_content(message.get("content"), refusal)}
                 action = "gave a refusal's text as the assistant message's content"
                 scanned.append(Repair("empty_assistant", i, None, action))
+            elif drop_empty and _role(message) == "assistant" and _blank_text_in(message):
+                fixed[i] = _without_blank_text(message)
+                action = "removed blank text parts (Claude refuses an empty text block)"
+                scanned.append(Repair("empty_assistant", i, None, action))
             elif mistral and _mistral_blank(message):
                 fixed[i] = {**message, "content": MISTRAL_NO_ANSWER}
                 action = (
@@ -972,6 +1020,10 @@ def repair_messages_from(
         new_message, ids, names, assigned, renamed = _fix_calls(
             i, message, calls, scanned, mistral, owner_of_id if drop_empty else None
         )
+        if drop_empty and _blank_text_in(new_message):
+            new_message = _without_blank_text(new_message)
+            action = "removed blank text beside the calls (Claude refuses an empty text block)"
+            scanned.append(Repair("empty_assistant", i, None, action))
         if new_message is not message:
             fixed[i] = new_message
         unanswered: dict[str, list[int]] = {}

@@ -767,11 +767,55 @@ def test_drop_empty_removes_a_blank_assistant_message_claude_refuses_too(content
     assert moved == [{**user("go"), "cache_control": mark}, user("again")]
     signed = [{"type": "thinking", "thinking": "hm", "signature": "s"}]
     said = {**asst(content="  "), "thinking_blocks": signed}  # (it says something to Claude)
-    assert repair_messages([user("go"), said, user("on")], drop_empty=True).repairs == []
+    kept = repair_messages([user("go"), said, user("on")], drop_empty=True)
+    assert kept.messages[1] == {**said, "content": ""}  # (its blank text, a block, taken out)
     unsigned = {**asst(content="  "), "reasoning_content": "thinking"}  # (it says nothing there)
     assert kinds(repair_messages([user("go"), unsigned, user("on")], drop_empty=True)) == [
         ("empty_assistant", 1, None)
     ]
+
+
+@pytest.mark.parametrize(
+    ("content", "calls", "left"),
+    [
+        ([{"type": "text", "text": ""}], True, None),
+        ("  ", True, None),
+        ([{"type": "text", "text": " "}, {"type": "text", "text": "on it"}], True, "on it"),
+        ([{"type": "text", "text": ""}, {"type": "text", "text": "on it"}], False, "on it"),
+    ],
+)
+def test_blank_text_beside_what_else_a_message_says_is_taken_out_for_claude(
+    content: Any, calls: bool, left: str | None
+) -> None:
+    """A gateway makes each text part (and a content of white space) a text block of Claude's,
+    which Claude refuses empty beside tool calls or other text as anywhere (``text content
+    blocks must be non-empty``): a message that says something else kept it, and every later
+    turn was refused. For a Claude model the blank text is taken out; a mark on it goes on
+    the message; another model's history is left."""
+    mark = {"type": "ephemeral"}
+    if isinstance(content, list):
+        content = [{**content[0], "cache_control": mark}, *content[1:]]
+    message = asst(call("toolu_1"), content=content) if calls else asst(content=content)
+    history = [user("go"), message]
+    if calls:
+        history.append(tool("toolu_1"))
+    history.append(user("on"))
+    if isinstance(content, list):  # (Claude's refusal, as the simulator has it)
+        with pytest.raises(ValidationError, match="text content blocks must"):
+            validate_claude_messages(history)
+    assert needs_repair(history, drop_empty=True) and not needs_repair(history)
+    result = repair_messages(history, drop_empty=True)
+    validate_messages(result.messages)
+    validate_claude_messages(result.messages)
+    fixed = result.messages[1]
+    texts = [p["text"] for p in fixed["content"]] if isinstance(fixed["content"], list) else []
+    assert texts == ([left] if left else [])
+    assert fixed["content"] is not None or calls  # (OpenAI's form: "" beside no calls)
+    if isinstance(content, list):
+        assert fixed.get("cache_control") == mark
+    assert [r.kind for r in result.repairs] == ["empty_assistant"]
+    assert repair_messages(result.messages, drop_empty=True).repairs == []
+    assert repair_messages(history).messages is history
 
 
 def test_an_empty_assistant_messages_cache_mark_goes_on_the_message_before_it() -> None:
