@@ -1135,7 +1135,7 @@ class Relay:
             reads = (record and not responses) or ex.strip_usage
             if is_sse and coding in _DECODABLE and reads:
                 decoder = _Decoder(coding)
-            elif is_sse and coding and reads:
+            elif is_sse and coding and (reads or (record and coding not in _DECODABLE)):
                 ex.error = (
                     f"upstream compressed its stream ({coding}) though asked not to: not "
                     "recorded"
@@ -1145,13 +1145,19 @@ class Relay:
                         else ""
                     )
                 )
-            if record and (not is_sse or not coding or decoder is not None):
+            # (a Responses API stream goes as it came, compressed: its recorder decodes a copy)
+            inflated = responses and is_sse and coding in _DECODABLE and decoder is None
+            if record and (not is_sse or not coding or decoder is not None or inflated):
                 # A refusal is read for its words whatever its content type (a gateway may
                 # declare its stream before it knows the outcome): a stream only below 400.
                 streamed = is_sse and response.status_code < 400
                 recorder: StreamRecorder | ResponsesRecorder | None = None
                 if streamed:
-                    recorder = ResponsesRecorder() if responses else StreamRecorder()
+                    recorder = (
+                        ResponsesRecorder(_inflater(coding) if inflated else None)
+                        if responses
+                        else StreamRecorder()
+                    )
                 tee = _Tee(
                     recorder,
                     collect=not streamed,
@@ -1422,6 +1428,32 @@ class _Decoder:
 
     def flush(self) -> bytes:
         return self.obj.flush()
+
+
+def _inflater(coding: str) -> Callable[[bytes], bytes]:
+    """What a compressed stream's chunks decode to, one after another, for its recorder (the
+    client gets them as they came); nothing past ``MAX_DECODED_STREAM`` or after bytes that do
+    not decode (the record then ends there)."""
+    decoder: _Decoder | None = _Decoder(coding)
+    total = 0
+
+    def inflate(chunk: bytes) -> bytes:
+        nonlocal decoder, total
+        pieces = []
+        try:
+            while chunk and decoder is not None:
+                plain = decoder.decompress(chunk, _DECODE_PIECE)
+                total += len(plain)
+                if total > MAX_DECODED_STREAM:
+                    decoder = None
+                    break
+                pieces.append(plain)
+                chunk = decoder.unconsumed_tail or decoder.next_member()
+        except zlib.error:
+            decoder = None
+        return b"".join(pieces)
+
+    return inflate
 
 
 def _decoding(decoder: _Decoder, sink: Callable[[bytes], bool]) -> Callable[[bytes], bool]:

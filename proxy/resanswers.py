@@ -12,7 +12,7 @@ keeps a long answer's text out of memory and the relay's per-event cost unchange
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import orjson
@@ -167,6 +167,7 @@ class ResponsesRecorder:
         "chunks",
         "error",
         "events",
+        "inflate",
         "last",
         "last_event",
         "oversize",
@@ -177,8 +178,10 @@ class ResponsesRecorder:
         "torn",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, inflate: Callable[[bytes], bytes] | None = None) -> None:
         self.chunks: list[bytes] = []
+        # what the raw chunks decode to, where the stream is compressed (relayed as it came)
+        self.inflate = inflate
         self.pending: list[bytes] = []  # the pieces of an event whose blank line has not come
         self.pending_size = 0
         self.skipping = False  # the event arriving is let go, up to its blank line
@@ -194,6 +197,8 @@ class ResponsesRecorder:
         """Read the whole events kept so far that may matter; keep an unfinished one."""
         data = b"".join(self.chunks)
         self.chunks.clear()  # the same list: the relay holds its append
+        if self.inflate is not None:
+            data = self.inflate(data)
         if not data:
             return
         probe = self.last + data  # (a blank line's first byte may be the last one decoded)

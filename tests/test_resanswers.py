@@ -20,6 +20,7 @@ from proxy.simulator.wire import (
     response_object,
     response_usage,
 )
+from tests.e2e_support import events
 
 
 def completed(text: str = "Hello there.", *, calls: int = 0, **usage: int) -> dict[str, Any]:
@@ -340,6 +341,55 @@ def test_an_answer_that_is_no_json_is_counted_invalid_and_relayed(
     assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 1
     # a model's answer all the same, as a chat one that is no JSON: its first byte is timed
     assert proxy.metric("cachegate_time_to_first_byte_seconds_count", {"model": "gpt-5"}) == 1
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+def test_a_compressed_stream_goes_as_it_came_and_is_read_for_its_usage(
+    scripted: Any, proxy_factory: Any, coding: str
+) -> None:
+    """An upstream that compresses a Responses API stream though asked not to: the client gets
+    it as it came, and its log line said no usage was reported (``sessions cost`` blamed the
+    provider), its tokens and cost uncounted. A copy is decoded for the record."""
+    import gzip
+    import zlib
+
+    stream = b"".join(response_events(completed(prompt=2000, hit=1024, out=7)))
+    packed = gzip.compress(stream) if coding == "gzip" else zlib.compress(stream)
+    pieces = [packed[at : at + 50] for at in range(0, len(packed), 50)]
+    _upstream, base = scripted(
+        chunks=pieces, extra_headers=[(b"content-encoding", coding.encode())]
+    )
+    proxy = proxy_factory(base)
+    body = {"model": "gpt-5", "input": [{"role": "user", "content": "hi"}], "stream": True}
+    headers = {"X-Session-Id": "packed", "Accept-Encoding": "identity"}
+    with httpx.stream("POST", proxy.base_url + "/responses", json=body, headers=headers) as got:
+        assert got.headers["content-encoding"] == coding
+        raw = b"".join(got.iter_raw())
+    assert raw == packed
+    proxy.settle()
+    (line,) = events(proxy.log_dir, "packed", "response")
+    assert line["usage"]["prompt"] == 2000 and line["error"] is None
+    labels = {"model": "gpt-5", "kind": "cache_read"}
+    assert proxy.metric("cachegate_tokens_total", labels) == 1024
+
+
+def test_a_stream_compressed_in_a_coding_cachegate_does_not_read_says_so(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A ``br`` stream goes as it came, unread, and its log line says why (it said nothing, and
+    read as a provider that reports no usage)."""
+    _upstream, base = scripted(
+        chunks=[b"\x8b\x00\x80"], extra_headers=[(b"content-encoding", b"br")]
+    )
+    proxy = proxy_factory(base)
+    body = {"model": "gpt-5", "input": [{"role": "user", "content": "hi"}], "stream": True}
+    with httpx.stream(
+        "POST", proxy.base_url + "/responses", json=body, headers={"X-Session-Id": "br"}
+    ) as got:
+        assert b"".join(got.iter_raw()) == b"\x8b\x00\x80"
+    proxy.settle()
+    (line,) = events(proxy.log_dir, "br", "response")
+    assert "compressed its stream (br)" in line["error"] and "not recorded" in line["error"]
 
 
 def test_usage_and_requests_count_under_the_top_level_model(
