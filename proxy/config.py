@@ -77,7 +77,9 @@ def _bad(key: str, problem: str) -> ConfigError:
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8787
-    max_body_bytes: int = 64 * 1024 * 1024
+    # 65 MiB: the openai SDK's chunked upload sends 64 MiB parts, in a multipart body a few
+    # hundred bytes larger (a 64 MiB limit refused each part of a file past 64 MiB)
+    max_body_bytes: int = 65 * 1024 * 1024
     # Web pages (by origin, comma-separated) allowed to call cachegate besides loopback ones.
     allowed_origins: str = ""
     # Host names (comma-separated) accepted besides loopback ones while bound to loopback.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,18 @@ from proxy.config import (
 )
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "config" / "cachegate.example.toml"
+
+
+def test_the_default_body_limit_takes_a_part_of_the_sdks_chunked_upload() -> None:
+    """``uploads.upload_file_chunked`` sends 64 MiB parts, each in a multipart body a few
+    hundred bytes larger: the default limit of 64 MiB refused every part of a file past
+    64 MiB with a 413, which went through directly."""
+    from openai.resources.uploads.uploads import DEFAULT_PART_SIZE
+
+    limit = Settings().server.max_body_bytes
+    assert limit >= DEFAULT_PART_SIZE + 64 * 1024  # (the framing: boundaries, part headers)
+    example = tomllib.loads(EXAMPLE.read_text())
+    assert example["server"]["max_body_bytes"] == limit
 
 
 def test_defaults_serve_a_local_user() -> None:
