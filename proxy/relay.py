@@ -1246,6 +1246,9 @@ class Relay:
                     direct.release()
                 if isinstance(exc, DecodedTooLarge):  # (cachegate's cut, no upstream failure)
                     ex.error = f"cut by cachegate: {exc}, as a compression bomb"
+                elif isinstance(exc, httpx.TimeoutException):  # (the upstream went quiet)
+                    ex.upstream_error = "timeout"
+                    ex.error = f"upstream sent nothing mid-response: {self._timeout_detail(exc)}"
                 else:
                     ex.upstream_error = "midstream"
                     ex.error = f"upstream broke off mid-response: {type(exc).__name__}"

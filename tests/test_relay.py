@@ -698,6 +698,34 @@ def test_upstream_silent_before_headers_is_504(scripted: Any, proxy_factory: Any
     )
 
 
+@pytest.mark.parametrize("transport", ["native", "httpx"])
+def test_a_stream_whose_upstream_goes_quiet_is_cut_and_counted_as_a_timeout(
+    scripted: Any, proxy_factory: Any, transport: str
+) -> None:
+    """``upstream.timeout_s`` running out mid-stream (the headers came, then nothing) was
+    counted as ``midstream`` and logged as "upstream broke off": the Failures panel showed
+    no timeout for the limit the user set, and the log named no setting to raise."""
+    sent = [sse(chunk("a")), sse(chunk("b"))]
+    _upstream, url = scripted(chunks=sent, delay_s=2.0)
+    config = {"upstream": {"timeout_s": 0.4, "transport": transport}}
+    proxy = proxy_factory(url, config)
+    body = {**CHAT, "stream": True}
+    headers = {"X-Session-Id": "quiet"}
+    with (
+        httpx.stream("POST", proxy.base_url + "/chat/completions", json=body, headers=headers) as r,
+        pytest.raises(httpx.HTTPError),
+    ):
+        assert r.status_code == 200
+        r.read()
+    proxy.settle()
+    (line,) = events(proxy.log_dir, "quiet", "response")
+    assert line["error"] == (
+        "upstream sent nothing mid-response: ReadTimeout (nothing for 0.4 s, upstream.timeout_s)"
+    )
+    assert proxy.metric("cachegate_upstream_errors_total", {"kind": "timeout"}) == 1
+    assert proxy.metric("cachegate_upstream_errors_total", {"kind": "midstream"}) == 0
+
+
 def test_no_free_upstream_connection_is_cachegates_own_503_not_the_providers_timeout(
     scripted: Any, proxy_factory: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
