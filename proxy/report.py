@@ -33,6 +33,7 @@ from proxy.eventlog import (
 )
 from proxy.listmemo import SummaryMemo, file_key
 from proxy.prefix import deep_dumps
+from proxy.resanswers import BACKGROUND_STATES
 from proxy.sessions import valid_session_id
 
 # --------------------------------------------------------------------------------------------------
@@ -87,6 +88,9 @@ class ExchangeRow:
     summary_cost_actual: float | None = None
     summary_cost_uncached: float | None = None
     answered: bool = False  # a response line came (the request was forwarded)
+    # a Responses API ``background`` request, answered "queued": its usage comes with a later
+    # GET of the response, which cachegate relays unread
+    background: bool = False
     path: str | None = None  # the request line's (``/v1/responses`` for the Responses API)
 
     def to_json(self) -> dict[str, Any]:
@@ -188,6 +192,8 @@ class CostReport:
     unpriced_summaries: dict[str, int] = field(default_factory=dict)
     # exchanges forwarded and answered (or cut) with no usage: not counted, maybe billed
     no_usage: int = 0
+    # Responses API background requests answered "queued": billed, their usage unread
+    background: int = 0
 
     @property
     def saved_pct(self) -> float | None:
@@ -319,7 +325,7 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
     priced_waste = True  # every wasted row says what it cost
     unpriced: dict[str, int] = {}
     unpriced_summaries: dict[str, int] = {}
-    no_usage = 0
+    no_usage = background = 0
     for row in detail.rows:
         if row.cost_actual is not None and row.cost_uncached is not None:
             actual += row.cost_actual
@@ -338,6 +344,8 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
                 unpriced_summaries[model] = unpriced_summaries.get(model, 0) + 1
         if _unbilled(row):
             no_usage += 1
+        elif row.background and row.tokens_in is None:
+            background += 1
         for tokens, cause, usd in (
             (row.cache_waste, row.waste_cause or "unexplained", row.waste_usd),
             (row.expired, "ttl_expired", row.expired_usd),
@@ -367,6 +375,7 @@ def session_cost(log_dir: str | os.PathLike[str], session_id: str) -> CostReport
         unpriced=unpriced,
         unpriced_summaries=unpriced_summaries,
         no_usage=no_usage,
+        background=background,
         lost=detail.lost,
     )
 
@@ -376,6 +385,8 @@ def _unbilled(row: ExchangeRow) -> bool:
     cut before its usage event, a client that left, a provider that reports none. The provider
     may have billed it; its cost is not known."""
     if not row.answered or row.tokens_in is not None or row.tokens_out is not None:
+        return False
+    if row.background:  # (counted apart: ``CostReport.background``)
         return False
     if row.error and not row.interrupted:
         # (an error object in a 200 body, a provider's failure: not billed as a rule; a
@@ -629,6 +640,7 @@ def _apply_response(row: ExchangeRow, ev: dict[str, Any]) -> None:
     row.duration_s = _float(ev.get("duration_s"))
     row.interrupted = bool(ev.get("interrupted"))
     row.error = _str(ev.get("error"))
+    row.background = ev.get("finish_reason") in BACKGROUND_STATES
     usage = ev.get("usage")
     if isinstance(usage, dict):
         row.tokens_in = _int(usage.get("prompt"))
@@ -924,6 +936,8 @@ def render_show(detail: SessionDetail) -> str:
             )
         if r.interrupted:
             notes.append("interrupted")
+        elif r.background and r.tokens_in is None:
+            notes.append("background: usage comes later, unread")
         elif r.tokens_in is None and not r.error and r.status is not None and 200 <= r.status < 300:
             notes.append("no usage reported")
         if r.error:  # (cachegate's own note whole; an upstream's error text clipped)
@@ -1009,6 +1023,14 @@ def render_cost(report: CostReport) -> str:
             f"{report.no_usage} exchange{'s' if many else ''} reported no usage (the client left"
             " before it, or a provider that gives none): not counted, though the provider may"
             f" have billed {'them' if many else 'it'}"
+        )
+    if report.background:
+        many = report.background > 1
+        lines.append(
+            f"{report.background} background response{'s' if many else ''} (Responses API,"
+            " answered queued): the usage comes with a later GET /v1/responses/{id}, which"
+            f" cachegate relays unread: not counted, though the provider bills"
+            f" {'them' if many else 'it'}"
         )
     return "\n".join(lines)
 

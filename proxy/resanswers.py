@@ -69,6 +69,12 @@ def _first_end(data: bytes) -> int:
     return first + 2 if first < len(data) else -1
 
 
+BACKGROUND_STATES: Final = ("queued", "in_progress")
+"""The status of a ``background`` request's answer, logged as its ``finish_reason``: the
+response runs on at the provider, and its usage comes with a later ``GET
+/v1/responses/{id}``, which cachegate relays unread."""
+
+
 def assemble_response(body: Any, last_event: str | None = None) -> AssembledResponse:
     """A Responses API ``response`` object (a non-streamed answer's body, or a terminal event's
     ``response``) as cachegate records an answer: its output's text as the assistant message's
@@ -76,7 +82,8 @@ def assemble_response(body: Any, last_event: str | None = None) -> AssembledResp
     ``custom_tool_call`` items as ``tool_calls``, its
     usage, model and id, and its ``error`` (a failed response's). ``finish_reason`` is chat's
     word for its status: ``stop`` or ``tool_calls`` when completed, the reason it is
-    incomplete (``length`` for ``max_output_tokens``), None when it failed. ``last_event``: the
+    incomplete (``length`` for ``max_output_tokens``), None when it failed, its status when it
+    runs on in the background (``BACKGROUND_STATES``). ``last_event``: the
     stream's last event that carried it (its type says what the body is, and its status where
     the body has none). Raises ``TypeError`` for a whole answer's body that is no response
     object."""
@@ -138,6 +145,8 @@ def assemble_response(body: Any, last_event: str | None = None) -> AssembledResp
         details = body.get("incomplete_details")
         reason = details.get("reason") if isinstance(details, Mapping) else None
         finish = "length" if reason == "max_output_tokens" else str(reason or "incomplete")
+    elif status in BACKGROUND_STATES:  # (a ``background`` request's answer: not run yet)
+        finish = status
     if status == "failed" and error is None:
         error = {"message": "the response failed"}
     usage = body.get("usage")

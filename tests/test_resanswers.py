@@ -20,7 +20,7 @@ from proxy.simulator.wire import (
     response_object,
     response_usage,
 )
-from tests.e2e_support import events
+from tests.e2e_support import events, run_cli
 
 
 def completed(text: str = "Hello there.", *, calls: int = 0, **usage: int) -> dict[str, Any]:
@@ -390,6 +390,39 @@ def test_a_stream_compressed_in_a_coding_cachegate_does_not_read_says_so(
     proxy.settle()
     (line,) = events(proxy.log_dir, "br", "response")
     assert "compressed its stream (br)" in line["error"] and "not recorded" in line["error"]
+
+
+def test_a_background_request_is_shown_as_one_whose_usage_comes_later(
+    scripted: Any, proxy_factory: Any, sdk: Any
+) -> None:
+    """A ``background`` request is answered "queued", with no usage: its usage comes with a later
+    GET of the response, which cachegate relays unread. `sessions show` said "no usage
+    reported" and `sessions cost` blamed a provider that gives none; both now say what it is."""
+    queued = orjson.dumps(
+        {
+            "id": "resp_bg",
+            "object": "response",
+            "created_at": 1,
+            "status": "queued",
+            "model": "gpt-5",
+            "output": [],
+            "usage": None,
+        }
+    )
+    _upstream, base = scripted(chunks=[queued], content_type=b"application/json")
+    proxy = proxy_factory(base)
+    client = sdk(proxy.base_url, default_headers={"X-Session-Id": "bg"})
+    answer = client.responses.create(model="gpt-5", input="write an essay", background=True)
+    assert answer.status == "queued"
+    proxy.settle()
+    (line,) = events(proxy.log_dir, "bg", "response")
+    assert line["finish_reason"] == "queued" and line["usage"] is None
+    shown = run_cli("sessions", "show", "bg", "--log-dir", str(proxy.log_dir))
+    assert "background: usage comes later, unread" in shown.out
+    assert "no usage reported" not in shown.out
+    cost = run_cli("sessions", "cost", "bg", "--log-dir", str(proxy.log_dir))
+    assert "1 background response (Responses API, answered queued)" in cost.out
+    assert "reported no usage" not in cost.out
 
 
 def test_usage_and_requests_count_under_the_top_level_model(
