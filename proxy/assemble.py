@@ -56,6 +56,9 @@ class AssembledResponse:
     done: bool = False
     model: str | None = None
     id: str | None = None
+    # the processing tier the provider says it billed the answer at (OpenAI's ``service_tier``:
+    # ``default``, ``flex``, ``priority``, ``scale``); None when it says none
+    service_tier: str | None = None
     events: int = 0
     malformed: int = 0
     unfinished: bool = False  # a stream that ended inside an event, with no [DONE] seen
@@ -248,6 +251,7 @@ class StreamAssembler:
         self._done = False
         self._model: str | None = None
         self._id: str | None = None
+        self._tier: str | None = None
         self._events = 0
         self._malformed = 0
         self._cut = False  # past an event no SDK reads past (``cut_here``)
@@ -528,6 +532,9 @@ class StreamAssembler:
             return False
         if self._id is None and isinstance(chunk.get("id"), str) and chunk["id"]:
             self._id = chunk["id"]
+        tier = chunk.get("service_tier")
+        if isinstance(tier, str) and tier:  # (each chunk says it; the last one's is kept)
+            self._tier = tier
         if self._model is None and isinstance(chunk.get("model"), str) and chunk["model"]:
             self._model = chunk["model"]
         usage = chunk.get("usage")
@@ -619,6 +626,7 @@ class StreamAssembler:
             done=self._done,
             model=self._model,
             id=self._id,
+            service_tier=self._tier,
             events=self._events,
             malformed=self._malformed,
             text_dropped=self._text_dropped,
@@ -692,7 +700,7 @@ def assemble_completion(body: Mapping[str, Any]) -> AssembledResponse:
                 }
         if isinstance(choice.get("finish_reason"), str):
             finish_reason = choice["finish_reason"]
-    model, response_id = body.get("model"), body.get("id")
+    model, response_id, tier = body.get("model"), body.get("id"), body.get("service_tier")
     return AssembledResponse(
         message=message,
         finish_reason=finish_reason,
@@ -701,6 +709,7 @@ def assemble_completion(body: Mapping[str, Any]) -> AssembledResponse:
         done=error is None,
         model=model if isinstance(model, str) and model else None,
         id=response_id if isinstance(response_id, str) and response_id else None,
+        service_tier=tier if isinstance(tier, str) and tier else None,
     )
 
 

@@ -147,6 +147,34 @@ class Cost:
         return Cost(self.actual + other.actual, self.uncached + other.uncached)
 
 
+FLEX_FACTOR: Final = 0.5  # OpenAI's "flex" tier: the Batch API's prices, half the standard ones
+DEFAULT_PRIORITY_FACTOR: Final = 2.0  # its "priority" tier where a model's ratio is not known
+
+
+def tier_factor(tier: str | None, priority_factor: float = 0.0) -> float:
+    """What the processing tier an answer was billed at (its ``service_tier``) costs, as a
+    multiple of the model's standard prices: ``flex`` half, ``priority`` the model's
+    ``priority_factor`` (else ``DEFAULT_PRIORITY_FACTOR``), any other (``default``, ``auto``,
+    ``scale``: reserved capacity, paid apart) the standard prices."""
+    if tier == "flex":
+        return FLEX_FACTOR
+    if tier == "priority":
+        return priority_factor or DEFAULT_PRIORITY_FACTOR
+    return 1.0
+
+
+def tiered(pricing: ModelPricing, factor: float) -> ModelPricing:
+    """``pricing`` at ``factor`` times its prices (``tier_factor``)."""
+    if factor == 1.0:
+        return pricing
+    return ModelPricing(
+        pricing.price_input * factor,
+        pricing.price_cached_input * factor,
+        pricing.price_cache_write * factor,
+        pricing.price_output * factor,
+    )
+
+
 def compute_cost(usage: Usage, pricing: ModelPricing) -> Cost:
     """Price one exchange.
 

@@ -150,19 +150,23 @@ class ModelSettings:
     price_output: float = 0.0
     dialect: Literal["openai", "deepseek", "anthropic", "mistral"] = "openai"
     cache_min_tokens: int = 0  # the shortest prefix the provider caches (0: no minimum of its own)
+    # what an answer billed at OpenAI's "priority" processing tier costs, as a multiple of the
+    # prices above (0: the built-in model's documented ratio, else 2); "flex" costs half
+    priority_factor: float = 0.0
 
 
 # Public list prices (USD per 1M tokens) as documented by the providers; override in the config file.
 _CLAUDE_SONNET = ModelSettings(200000, 300, 3.00, 0.30, 3.75, 15.00, "anthropic")
 _CLAUDE_OPUS_4 = ModelSettings(200000, 300, 15.00, 1.50, 18.75, 75.00, "anthropic")
 DEFAULT_MODELS: dict[str, ModelSettings] = {
-    "gpt-4o": ModelSettings(128000, 600, 2.50, 1.25, 0.0, 10.00),
-    "gpt-4o-mini": ModelSettings(128000, 600, 0.15, 0.075, 0.0, 0.60),
-    "gpt-4.1": ModelSettings(1047576, 600, 2.00, 0.50, 0.0, 8.00),
-    "gpt-4.1-mini": ModelSettings(1047576, 600, 0.40, 0.10, 0.0, 1.60),
-    "gpt-4.1-nano": ModelSettings(1047576, 600, 0.10, 0.025, 0.0, 0.40),
-    "gpt-5": ModelSettings(400000, 600, 1.25, 0.125, 0.0, 10.00),
-    "gpt-5-mini": ModelSettings(400000, 600, 0.25, 0.025, 0.0, 2.00),
+    # (``priority_factor``: OpenAI's priority prices over these: gpt-4o $4.25 / $17 a million)
+    "gpt-4o": ModelSettings(128000, 600, 2.50, 1.25, 0.0, 10.00, priority_factor=1.7),
+    "gpt-4o-mini": ModelSettings(128000, 600, 0.15, 0.075, 0.0, 0.60, priority_factor=5 / 3),
+    "gpt-4.1": ModelSettings(1047576, 600, 2.00, 0.50, 0.0, 8.00, priority_factor=1.75),
+    "gpt-4.1-mini": ModelSettings(1047576, 600, 0.40, 0.10, 0.0, 1.60, priority_factor=1.75),
+    "gpt-4.1-nano": ModelSettings(1047576, 600, 0.10, 0.025, 0.0, 0.40, priority_factor=2.0),
+    "gpt-5": ModelSettings(400000, 600, 1.25, 0.125, 0.0, 10.00, priority_factor=2.0),
+    "gpt-5-mini": ModelSettings(400000, 600, 0.25, 0.025, 0.0, 2.00, priority_factor=1.8),
     "gpt-5-nano": ModelSettings(400000, 600, 0.05, 0.005, 0.0, 0.40),
     "gpt-5.1": ModelSettings(400000, 600, 1.25, 0.125, 0.0, 10.00),
     "gpt-5.1-codex-mini": ModelSettings(400000, 600, 0.25, 0.025, 0.0, 2.00),
@@ -172,9 +176,9 @@ DEFAULT_MODELS: dict[str, ModelSettings] = {
     "gpt-5.4": ModelSettings(400000, 600, 2.50, 0.25, 0.0, 15.00),
     "gpt-5.4-mini": ModelSettings(400000, 600, 0.75, 0.075, 0.0, 4.50),
     "gpt-5.4-nano": ModelSettings(400000, 600, 0.20, 0.02, 0.0, 1.25),
-    "o3": ModelSettings(200000, 600, 2.00, 0.50, 0.0, 8.00),
+    "o3": ModelSettings(200000, 600, 2.00, 0.50, 0.0, 8.00, priority_factor=1.75),
     "o3-mini": ModelSettings(200000, 600, 1.10, 0.55, 0.0, 4.40),
-    "o4-mini": ModelSettings(200000, 600, 1.10, 0.275, 0.0, 4.40),
+    "o4-mini": ModelSettings(200000, 600, 1.10, 0.275, 0.0, 4.40, priority_factor=20 / 11),
     "deepseek-chat": ModelSettings(128000, 3600, 0.28, 0.028, 0.0, 0.42, "deepseek"),
     "deepseek-reasoner": ModelSettings(128000, 3600, 0.28, 0.028, 0.0, 0.42, "deepseek"),
     "claude-sonnet-4": _CLAUDE_SONNET,

@@ -735,6 +735,20 @@ class _Terms(NamedTuple):
     marked_only: bool
     min_cached: int
     ttl_floor_s: float  # (``cache.cache_ttl_floor``)
+    priority_factor: float  # (its entry's: ``cache.tier_factor``)
+
+
+def _billed(terms: _Terms, ex: Exchange) -> ModelPricing:
+    """The prices ``ex``'s answer was billed at: its model's, at the processing tier its
+    answer names (OpenAI's ``service_tier``: ``flex`` half, ``priority`` more)."""
+    tier = ex.assembled.service_tier if ex.assembled is not None else None
+    return cache.tiered(terms.pricing, cache.tier_factor(tier, terms.priority_factor))
+
+
+def _tier_of(ex: Exchange) -> dict[str, str]:
+    """``{"tier": …}`` for a cost priced at a tier other than the standard prices, else {}."""
+    tier = ex.assembled.service_tier if ex.assembled is not None else None
+    return {"tier": tier} if tier is not None and cache.tier_factor(tier) != 1.0 else {}
 
 
 class AccountingObserver:
@@ -813,7 +827,15 @@ class AccountingObserver:
                 cache.provider_of(model_name or "") == "anthropic"
             )
             floor = cache.cache_ttl_floor(model_name or "", ttl, model.dialect)
-            terms = _Terms(name, ttl, pricing, marked_only, model.cache_min_tokens, floor)
+            terms = _Terms(
+                name,
+                ttl,
+                pricing,
+                marked_only,
+                model.cache_min_tokens,
+                floor,
+                model.priority_factor,
+            )
             if model_name is None or len(model_name) <= _NAME_KEPT:  # (a longer one: each time)
                 self._terms[model_name] = terms
         return terms
@@ -907,7 +929,9 @@ class AccountingObserver:
             )
             ex.divergence = _divergence_dict(shown)
         usage = ex.usage
-        name, ttl_s, pricing, marked_only, min_cached, ttl_floor_s = self._model_terms(ex.model, ex)
+        terms = self._model_terms(ex.model, ex)
+        name, ttl_s, _, marked_only, min_cached, ttl_floor_s, _ = terms
+        pricing = _billed(terms, ex)  # (at the processing tier the answer was billed at)
         if marked_only or (usage is not None and usage.explicit_cache):
             # Claude keeps a prefix as long as the breakpoint that wrote it asks: "1h" or "5m",
             # the request's this one continues, whose entries it reads (a turn that asks for an
@@ -1267,6 +1291,8 @@ class AccountingObserver:
         elif cost is None:
             return
         ex.cost = {"actual": actual, "uncached": uncached}
+        if cost is not None:
+            ex.cost.update(_tier_of(ex))
 
     def _account_responses(self, ex: Exchange) -> None:
         """A Responses API exchange of a session, accounted as a chat exchange is, on its
@@ -1308,9 +1334,9 @@ class AccountingObserver:
         kept in ``ex.cost`` (no session accounting: its cache reads are the provider's word,
         nothing is compared with the request before)."""
         assert ex.usage is not None
-        cost = cache.compute_cost(ex.usage, self._model_terms(ex.model, ex).pricing)
+        cost = cache.compute_cost(ex.usage, _billed(self._model_terms(ex.model, ex), ex))
         self.metrics.observe_cost(ex.model, cost.actual, cost.uncached)
-        ex.cost = {"actual": cost.actual, "uncached": cost.uncached}
+        ex.cost = {"actual": cost.actual, "uncached": cost.uncached, **_tier_of(ex)}
 
     def on_summary_usage(self, ex: Exchange, model: str, usage: Usage) -> None:
         """A compaction's summary that no request was waiting for when it was done (its client

@@ -152,6 +152,7 @@ def assemble_response(body: Any, last_event: str | None = None) -> AssembledResp
     usage = body.get("usage")
     model = body.get("model")
     ident = body.get("id")
+    tier = body.get("service_tier")
     return AssembledResponse(
         message=message,
         finish_reason=finish,
@@ -160,6 +161,7 @@ def assemble_response(body: Any, last_event: str | None = None) -> AssembledResp
         done=error is None,
         model=model if isinstance(model, str) else None,
         id=ident if isinstance(ident, str) else None,
+        service_tier=tier if isinstance(tier, str) and tier else None,
     )
 
 

@@ -24,6 +24,8 @@ from proxy.cache import (
     default_cache_ttl,
     idle_seconds,
     mark_compacted,
+    tier_factor,
+    tiered,
     waste_cost,
 )
 from proxy.prefix import Divergence, Fingerprint, find_divergence, fingerprint
@@ -704,3 +706,14 @@ def test_a_miss_between_two_breakpoints_lives_splits_the_rewrite_from_the_expiry
         extended, reported(13_000, 4_000), started_at=TTL + 60, longer_lived=(3600.0, 6_000)
     )
     assert (plain.cause, plain.waste, plain.expired) == ("ttl_expired", 8_000, 0)
+
+
+def test_a_processing_tier_scales_every_price() -> None:
+    """OpenAI's flex tier is half the standard prices; priority the model's ratio (else 2);
+    the others, and none said, the standard prices."""
+    pricing = ModelPricing(2.0, 0.5, 0.0, 8.0)
+    assert tiered(pricing, tier_factor("flex", 1.75)) == ModelPricing(1.0, 0.25, 0.0, 4.0)
+    assert tiered(pricing, tier_factor("priority", 1.75)) == ModelPricing(3.5, 0.875, 0.0, 14.0)
+    assert tier_factor("priority") == 2.0
+    for tier in ("default", "auto", "scale", None, "something new"):
+        assert tiered(pricing, tier_factor(tier, 1.75)) is pricing

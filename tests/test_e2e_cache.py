@@ -278,6 +278,50 @@ def test_reference_scenario_waste_cause_location_and_cost(
 # --- no false waste ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_is_priced_at_the_processing_tier_it_was_billed_at(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any, stream: bool
+) -> None:
+    """OpenAI bills ``flex`` at half its prices and ``priority`` at more (gpt-5: twice), and
+    says which it used in the answer's ``service_tier``: every answer was priced at the
+    standard prices (a flex agent's cost read twice what it was, a priority one's half). The
+    log's cost, ``sessions cost`` and the metrics now price each at its tier; a model of the
+    user's own takes its ``priority_factor``."""
+    config = {"models": {"house": {"price_input": 1.0, "price_output": 4.0, "priority_factor": 3}}}
+    proxy = proxy_factory(sim.api_base, config)
+    client = sdk(proxy.base_url, default_headers={"X-Session-Id": "tiers"})
+    tiers = ("default", "flex", "priority")
+    for model in ("gpt-5", "house"):
+        for tier in tiers:
+            messages = [{"role": "user", "content": f"{model} at {tier}: say something"}]
+            answer = client.chat.completions.create(
+                model=model,
+                messages=messages,
+                service_tier=tier,
+                stream=stream,  # type: ignore[arg-type]
+            )
+            if stream:
+                list(answer)  # type: ignore[arg-type]
+    proxy.settle()
+    lines = events(proxy.log_dir, "tiers", "response")
+    assert len(lines) == 6
+    for model, factors, line_group in (
+        ("gpt-5", (1.0, 0.5, 2.0), lines[:3]),
+        ("house", (1.0, 0.5, 3.0), lines[3:]),
+    ):
+        prices = (1.25, 10.0) if model == "gpt-5" else (1.0, 4.0)
+        for tier, factor, line in zip(tiers, factors, line_group, strict=True):
+            usage = line["usage"]
+            standard = (usage["prompt"] * prices[0] + usage["completion"] * prices[1]) / 1e6
+            assert line["cost"]["uncached"] == pytest.approx(standard * factor), (model, tier)
+            assert line["cost"].get("tier") == (None if tier == "default" else tier)
+    total = sum(line["cost"]["actual"] for line in lines[:3])
+    metric = proxy.metric("cachegate_cost_usd_total", {"model": "gpt-5", "kind": "actual"})
+    assert metric == pytest.approx(total)
+    shown = run_cli("sessions", "cost", "tiers", "--log-dir", str(proxy.log_dir), "--json")
+    assert shown.json()["actual"] == pytest.approx(sum(line["cost"]["actual"] for line in lines))
+
+
 def test_a_sub_agent_and_a_title_request_in_the_session_neither_waste_nor_hide_waste(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:

@@ -46,6 +46,15 @@ def recorded(stream: bytes, piece: int, decode_every: int = 3) -> Any:
     return recorder.finish()
 
 
+def test_the_tier_a_response_was_billed_at_is_read() -> None:
+    """A Responses API answer names its processing tier as a chat one does (priced by it)."""
+    body = {**completed(), "service_tier": "flex"}
+    assert assemble_response(body).service_tier == "flex"
+    stream = b"".join(response_events(body))
+    assert recorded(stream, 100).service_tier == "flex"
+    assert assemble_response(completed()).service_tier is None
+
+
 @pytest.mark.parametrize("piece", [1, 7, 100, 16384, 10**9])
 def test_a_stream_is_read_for_its_usage_model_text_and_calls(piece: int) -> None:
     stream = b"".join(response_events(completed(calls=2, prompt=3000, hit=2048, out=55)))

@@ -387,6 +387,8 @@ class _Handlers:
         )
         created = int(self.sim.now)
         request_id = self.sim.new_id("req_", 24)
+        asked = body.get("service_tier")  # (the tier it used: the one asked, if one it has)
+        tier = asked if dialect == "openai" and asked in ("flex", "priority") else None
         if body.get("stream"):
             options = body.get("stream_options")
             include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
@@ -403,6 +405,7 @@ class _Handlers:
                 include_usage=include_usage,
                 obfuscation=obfuscation,
                 interleave=self.config.interleave_tool_calls,
+                service_tier=tier,
             )
             events = [encode_event(c) for c in chunks] + [DONE]
             return PacedResponse(
@@ -417,6 +420,7 @@ class _Handlers:
             model=model,
             reply=reply,
             usage=usage,
+            service_tier=tier,
         )
         return self._plain_body(orjson.dumps(obj), fault, controls.stall_s, request_id)
 

@@ -98,8 +98,9 @@ def completion_object(
     model: str,
     reply: Reply,
     usage: dict[str, Any],
+    service_tier: str | None = None,
 ) -> dict[str, Any]:
-    """The non-streaming ``chat.completion`` body."""
+    """The non-streaming ``chat.completion`` body (``service_tier``: as ``stream_chunks``)."""
     message: dict[str, Any] = {"role": "assistant", "content": reply.content}
     if reply.tool_calls:
         message["tool_calls"] = _calls_json(reply)
@@ -117,7 +118,7 @@ def completion_object(
         "usage": usage,
     }
     if dialect == "openai":
-        body["service_tier"] = "default"
+        body["service_tier"] = service_tier or "default"
     body["system_fingerprint"] = SYSTEM_FINGERPRINT
     return body
 
@@ -154,8 +155,11 @@ def stream_chunks(
     include_usage: bool,
     obfuscation: bool = True,
     interleave: bool = False,
+    service_tier: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Every ``chat.completion.chunk`` of a streamed reply, in order ([DONE] not included)."""
+    """Every ``chat.completion.chunk`` of a streamed reply, in order ([DONE] not included);
+    ``service_tier``: the processing tier each chunk names (a request's ``flex`` or
+    ``priority``, as OpenAI names the tier it used)."""
     nulls = include_usage
     pad = obfuscation and dialect == "openai"
 
@@ -168,6 +172,8 @@ def stream_chunks(
             "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
         }
+        if service_tier is not None:
+            out["service_tier"] = service_tier
         if nulls:
             out["usage"] = None
         if pad:
