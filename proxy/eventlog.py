@@ -1695,9 +1695,28 @@ _TEXT_PARAMS: Final = frozenset(
 )
 
 
+# String parameters that are a setting's value or an id, kept as sent: any other string may be
+# text (a gateway's top-level ``system``, a server's own field), hashed as ``_TEXT_PARAMS`` are.
+_SETTING_PARAMS: Final = frozenset(
+    {
+        "model",
+        "reasoning_effort",
+        "service_tier",
+        "tool_choice",
+        "verbosity",
+        "truncation",
+        "prompt_cache_retention",
+        "previous_response_id",
+        "conversation",
+    }
+)
+
+
 def _holds_text(param: tuple[str, Any]) -> bool:
     key, value = param
-    return isinstance(value, dict | list) or (isinstance(value, str) and key in _TEXT_PARAMS)
+    return isinstance(value, dict | list) or (
+        isinstance(value, str) and (key in _TEXT_PARAMS or key not in _SETTING_PARAMS)
+    )
 
 
 def strip_bodies(event: dict[str, Any]) -> dict[str, Any]:

@@ -76,6 +76,7 @@ _VOLATILE_SCAN_CHARS: Final = 4096
 _TOKEN_MARGIN: Final = 64
 # Context redacted around an excerpt, so a secret that starts before the excerpt is still caught.
 _SECRET_MARGIN: Final = 4096
+_KEY_BLOCK_MAX: Final = 64 * 1024  # the longest private key block looked back for (PEM, PGP)
 # Fixed element positions in the chain; messages after the system block follow.
 _PARAMS, _TOOLS, _SYSTEM = 0, 1, 2
 _FIRST_MESSAGE: Final = 3
@@ -1435,6 +1436,12 @@ def _excerpts(old_text: str, new_text: str, secrets: tuple[str, ...] = ()) -> tu
     at = common_prefix_length(old_text, new_text)
     lo = max(0, at - _EXCERPT_LEAD - _SECRET_MARGIN)
     hi = at + EXCERPT_CHARS + _SECRET_MARGIN
+    # A private key's block longer than the margin (an 8192-bit RSA key, a PGP secret key: ~6-7
+    # KB) is known by its armour line, which must be in the window: from there, when the window
+    # begins inside such a block (its body was shown where two cuts of it differed).
+    begin = old_text.rfind("-----BEGIN ", max(0, lo - _KEY_BLOCK_MAX), lo)
+    if begin >= 0 and "-----END " not in old_text[begin:lo]:
+        lo = begin
     old_red, new_red = redact_text(old_text[lo:hi]), redact_text(new_text[lo:hi])
     # Redaction changes lengths: find the difference again, in the redacted windows. Equal windows
     # mean the texts differ only inside a secret: point near there, and show no secret.

@@ -33,11 +33,18 @@ _PEM_LINES = (
 )
 _PEM_BODY = _PEM_LINES + r"|[A-Za-z0-9+/=\s:,.\\]|-(?!----)"  # (the lines first: they go on)
 # Each alternative names one family of credentials. The leading look-behind keeps words that merely
-# end in one of the prefixes ("task-…", "ask-…") from matching.
+# end in one of the prefixes ("task-…", "ask-…") from matching, but not what ends in a letter or
+# a digit before a key in a tool's output: an escape written out (a repr's "\n", "\t"), a
+# percent-encoded byte ("%20", "%22": a URL's query) and a terminal colour ("\x1b[32m": grep's
+# --color=always). (Such a key was logged as it was.)
+_WORD_START: Final = (
+    r"(?:(?<![A-Za-z0-9])|(?<=\\[nrt])|(?<=%[0-9A-Fa-f]{2})|(?<=\x1b\[[0-9]m)|(?<=[0-9;][0-9]m))"
+)
 _SK_KEY = r"sk-[A-Za-z0-9_-]{20,}"  # OpenAI (sk-, sk-proj-), Anthropic (sk-ant-), and look-alikes
-SK_KEY: Final = re.compile(r"(?<![A-Za-z0-9])" + _SK_KEY)  # (alone: names match it too)
+SK_KEY: Final = re.compile(_WORD_START + _SK_KEY)  # (alone: names match it too)
 _SECRET = re.compile(
-    r"(?<![A-Za-z0-9])(?:"
+    _WORD_START
+    + r"(?:"
     + _SK_KEY
     + r"|(?:AKIA|ASIA)[0-9A-Z]{16}"  # AWS access key ids (long-lived and temporary)
     r"|gh[pousr]_[A-Za-z0-9]{20,}"  # GitHub tokens
@@ -2296,12 +2303,26 @@ _SAYS_SECRET = re.compile(  # (of the name lowered, camelCase words separated)
 _FIELD_VALUE = re.compile(r"[^A-Za-z0-9]{0,511}[A-Za-z0-9]")
 
 
+def _authentication(obj: dict[Any, Any]) -> dict[Any, Any]:
+    """An ``authentication`` object (Azure OpenAI's ``data_sources``: ``{"type": "api_key",
+    "key": …}``, ``key_and_key_id``, ``connection_string``, ``access_token``,
+    ``username_and_password``): every string in it but its ``type`` is a credential, or names
+    one, whatever it looks like (a bare ``key`` is none elsewhere)."""
+    out = {
+        k: REDACTED if isinstance(v, str) and v and k != "type" else redact(v)
+        for k, v in obj.items()
+    }
+    return obj if all(out[k] is v for k, v in obj.items()) else out
+
+
 def _redact_dict(obj: dict[Any, Any]) -> dict[Any, Any]:
     out: dict[Any, Any] | None = None
     for i, (key, value) in enumerate(obj.items()):
         new_key = redact_text(key) if isinstance(key, str) else key
         if isinstance(key, str) and isinstance(value, str) and _secret_field(key, value):
             new_value: Any = REDACTED
+        elif key == "authentication" and isinstance(value, dict):
+            new_value = _authentication(value)
         else:
             new_value = redact(value)
         if out is None and (new_key is not key or new_value is not value):

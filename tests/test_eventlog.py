@@ -2175,6 +2175,40 @@ def test_metadata_mode_hashes_free_text_parameters_and_keeps_settings() -> None:
     )  # the same value hashes the same: who is still told apart
 
 
+def test_metadata_mode_hashes_a_string_parameter_it_does_not_know() -> None:
+    """A string of a parameter that is no known setting (a gateway's top-level ``system``, a
+    server's own field) may be text: it was written as sent in a log that keeps none."""
+    params = {"system": "SYSTEMSECRET", "x_extra": "EXTRASECRET", "model": "gpt-4o"}
+    stripped = strip_bodies({"ts": 1.0, "type": "request", "appended": [], "params": params})
+    text = orjson.dumps(stripped).decode()
+    assert "SECRET" not in text
+    assert stripped["params"]["model"] == "gpt-4o"
+
+
+def test_an_azure_data_source_key_is_not_written(log_dir: Path, writers) -> None:
+    """Azure OpenAI's ``data_sources`` carry a search service's key in an ``authentication``
+    object (``"key"``, which elsewhere names no credential): it was written as sent."""
+    w = started(writers, log_dir)
+    key = "Xy7PqR2sT9uV4wZ1aB3cD5eF7gH9iJ1kL3mN5oP7qR9sT1uV3w"
+    source = {
+        "type": "azure_search",
+        "parameters": {
+            "endpoint": "https://mysearch.search.windows.net",
+            "authentication": {"type": "api_key", "key": key},
+        },
+    }
+    elastic = {"type": "key_and_key_id", "key": "ELASTICKEY", "key_id": "KEYID1"}
+    params = {"data_sources": [source, {"parameters": {"authentication": elastic}}]}
+    w.emit("s", {"type": "request", "params": params})
+    assert w.close() and w.written == 1
+    text = (log_dir / "s.jsonl").read_text()
+    assert key not in text and "ELASTICKEY" not in text and "KEYID1" not in text
+    (event,) = read_events(log_dir / "s.jsonl").events
+    written = event["params"]["data_sources"][0]["parameters"]
+    assert written["authentication"] == {"type": "api_key", "key": "[REDACTED]"}
+    assert written["endpoint"] == "https://mysearch.search.windows.net"
+
+
 def test_metadata_mode_hashes_the_divergence_excerpts() -> None:
     """The excerpts are of the changed text (a tool output, a system prompt): written as they
     were, they kept text the mode promises to keep out."""

@@ -501,6 +501,28 @@ def test_excerpts_redact_secrets_even_when_cut_by_the_window(secret: str) -> Non
         assert secret.split()[-1][:12] not in excerpt
 
 
+@pytest.mark.parametrize(
+    "armour", ["RSA PRIVATE KEY", "PGP PRIVATE KEY BLOCK", "OPENSSH PRIVATE KEY"]
+)
+def test_a_long_private_key_cut_differently_shows_none_of_its_body(armour: str) -> None:
+    """An 8192-bit RSA key or a PGP secret key (~6-7 KB) read twice with another cut: the
+    excerpts showed its body where the cuts differed, past the window's margin, which no
+    longer held the armour line that says what the base64 is."""
+    import base64
+    import random
+
+    rng = random.Random(7)
+    body = base64.encodebytes(bytes(rng.randrange(256) for _ in range(4800))).decode()
+    block = f"-----BEGIN {armour}-----\n{body}-----END {armour}-----\n"
+    old = {"messages": [{"role": "tool", "content": "cat key\n" + block[:5200] + "\n[cut]"}]}
+    new = {"messages": [{"role": "tool", "content": "cat key\n" + block}]}
+    divergence = diverge(old, new)
+    assert divergence is not None
+    lines = [line for line in body.splitlines() if len(line) > 20]
+    for excerpt in (divergence.old_excerpt, divergence.new_excerpt):
+        assert not [line for line in lines if line[:16] in excerpt], excerpt
+
+
 KEY = "Zx9Qm4Lr8Tn2Vb6Hc1Kd5Wp7Ys3Fg0Jh4Nm8Rt2U"  # a key of no known shape
 
 

@@ -72,6 +72,38 @@ def test_each_kind_of_key_is_replaced_in_running_text(secret: str) -> None:
     assert redact_text(text) == f"export TOKEN={REDACTED}\nthen run it"
 
 
+@pytest.mark.parametrize(
+    "secret",
+    [OPENAI_KEY, PROJECT_KEY, ANTHROPIC_KEY, AWS_ID, GITHUB_TOKEN, GITHUB_PAT, SLACK_TOKEN, JWT],
+)
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ("\x1b[32m", "\x1b[0m"),  # grep --color=always
+        ("\x1b[1;32m", "\x1b[m"),
+        ("stdout='x\\n", "\\n'"),  # a repr's escapes, written out
+        ("\\t", ""),
+        ("?authorization=Bearer%20", "&x=1"),  # a URL's query
+        ("%22", "%22"),
+    ],
+)
+def test_a_key_after_an_escape_a_colour_or_an_encoded_byte_is_replaced(
+    secret: str, before: str, after: str
+) -> None:
+    """The look-behind that keeps "task-…" from matching kept these too: what ends in a letter
+    or a digit before a key in a tool's output (a colour code's "m", a repr's "\\n", "%20")."""
+    text = f"{before}{secret}{after}"
+    assert secret not in redact_text(text)
+    assert redact_text(text).endswith(after)
+
+
+@pytest.mark.parametrize(
+    "text", ["the risk-assessment-for-the-new-feature-x", "task-abcdefghijklmnopqrstuvwxyz0"]
+)
+def test_a_word_that_ends_in_a_prefix_is_still_no_key(text: str) -> None:
+    assert redact_text(text) == text
+
+
 def test_bearer_token_keeps_the_scheme_and_loses_the_token() -> None:
     header = "Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.c2lnbmF0dXJl"
     assert redact_text(header) == "Authorization: Bearer [REDACTED]"
