@@ -929,6 +929,8 @@ def test_requests_are_recorded_and_reset_clears_everything(sim: RunningSimulator
     # nor to a page whose name was re-pointed at this machine (DNS rebinding: it could read)
     rebound = httpx.get(sim.url + "/_sim/requests", headers={"Host": "evil.example:8788"})
     assert rebound.status_code == 403 and rebound.json()["error"]["code"] == "forbidden_host"
+    said = rebound.json()["error"]["message"]  # (its own words: it has no server.allowed_hosts)
+    assert "refused by the simulator" in said and "allowed_hosts" not in said
     # (on its API, an Origin is a cachegate's in front passing on a page it lets through)
     assert httpx.get(sim.url + "/v1/models", headers={"Origin": "https://a.example"}).is_success
     # but its own routes are no page's: a cross-site POST (no preflight) queued a tool call an

@@ -733,7 +733,16 @@ class _BrowserGuarded:
             }
             refusal = self.guard.refusal(headers)
             if refusal is not None:
-                if own and refusal.code == "forbidden_origin":  # (cachegate's words do not fit)
+                if refusal.code == "forbidden_host":  # (it has no server.allowed_hosts)
+                    refusal = ProxyError(
+                        403,
+                        f"Host {headers.get('host', '')!r} is refused by the simulator (a web"
+                        " page's name re-pointed at this machine could read its answers): reach"
+                        " it at http://127.0.0.1:PORT or http://localhost:PORT, or, listening"
+                        " beyond the machine, by an address or a name without a dot.",
+                        code="forbidden_host",
+                    )
+                elif own and refusal.code == "forbidden_origin":  # (cachegate's words do not fit)
                     refusal = ProxyError(
                         403,
                         f"The simulator's own routes ({scope['path']}) take requests from pages on"
