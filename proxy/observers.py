@@ -735,19 +735,29 @@ class _Terms(NamedTuple):
     marked_only: bool
     min_cached: int
     ttl_floor_s: float  # (``cache.cache_ttl_floor``)
-    priority_factor: float  # (its entry's: ``cache.tier_factor``)
+    # what its priority tier costs (``cache.tier_factor``), or None where the tiers an answer
+    # names are not OpenAI's (Groq's "flex" costs what its on-demand does): a model named as
+    # OpenAI's, or one whose entry sets its ``priority_factor``
+    priority_factor: float | None
+
+
+def _tier(terms: _Terms, ex: Exchange) -> str | None:
+    """The processing tier ``ex``'s answer names, where its model is billed by OpenAI's."""
+    if terms.priority_factor is None or ex.assembled is None:
+        return None
+    return ex.assembled.service_tier
 
 
 def _billed(terms: _Terms, ex: Exchange) -> ModelPricing:
     """The prices ``ex``'s answer was billed at: its model's, at the processing tier its
     answer names (OpenAI's ``service_tier``: ``flex`` half, ``priority`` more)."""
-    tier = ex.assembled.service_tier if ex.assembled is not None else None
-    return cache.tiered(terms.pricing, cache.tier_factor(tier, terms.priority_factor))
+    factor = cache.tier_factor(_tier(terms, ex), terms.priority_factor or 0.0)
+    return cache.tiered(terms.pricing, factor)
 
 
-def _tier_of(ex: Exchange) -> dict[str, str]:
+def _tier_of(terms: _Terms, ex: Exchange) -> dict[str, str]:
     """``{"tier": …}`` for a cost priced at a tier other than the standard prices, else {}."""
-    tier = ex.assembled.service_tier if ex.assembled is not None else None
+    tier = _tier(terms, ex)
     return {"tier": tier} if tier is not None and cache.tier_factor(tier) != 1.0 else {}
 
 
@@ -827,6 +837,7 @@ class AccountingObserver:
                 cache.provider_of(model_name or "") == "anthropic"
             )
             floor = cache.cache_ttl_floor(model_name or "", ttl, model.dialect)
+            openai = cache.provider_of(model_name or "") == "openai" or model.priority_factor > 0
             terms = _Terms(
                 name,
                 ttl,
@@ -834,7 +845,7 @@ class AccountingObserver:
                 marked_only,
                 model.cache_min_tokens,
                 floor,
-                model.priority_factor,
+                model.priority_factor if openai else None,
             )
             if model_name is None or len(model_name) <= _NAME_KEPT:  # (a longer one: each time)
                 self._terms[model_name] = terms
@@ -1292,7 +1303,7 @@ class AccountingObserver:
             return
         ex.cost = {"actual": actual, "uncached": uncached}
         if cost is not None:
-            ex.cost.update(_tier_of(ex))
+            ex.cost.update(_tier_of(self._model_terms(ex.model, ex), ex))
 
     def _account_responses(self, ex: Exchange) -> None:
         """A Responses API exchange of a session, accounted as a chat exchange is, on its
@@ -1334,9 +1345,10 @@ class AccountingObserver:
         kept in ``ex.cost`` (no session accounting: its cache reads are the provider's word,
         nothing is compared with the request before)."""
         assert ex.usage is not None
-        cost = cache.compute_cost(ex.usage, _billed(self._model_terms(ex.model, ex), ex))
+        terms = self._model_terms(ex.model, ex)
+        cost = cache.compute_cost(ex.usage, _billed(terms, ex))
         self.metrics.observe_cost(ex.model, cost.actual, cost.uncached)
-        ex.cost = {"actual": cost.actual, "uncached": cost.uncached, **_tier_of(ex)}
+        ex.cost = {"actual": cost.actual, "uncached": cost.uncached, **_tier_of(terms, ex)}
 
     def on_summary_usage(self, ex: Exchange, model: str, usage: Usage) -> None:
         """A compaction's summary that no request was waiting for when it was done (its client

@@ -184,7 +184,10 @@ def _number_id(value: Any, mistral: bool = False) -> str | None:
     an integer's digits, ``7.0`` and ``7`` alike, and an integer beyond 64 bits, which the
     parser reads as a double, as that double's). For a Mistral model (``mistral``), nine
     letters and digits, as Mistral requires: the digits with zeros before them
-    (``000000007``), else the first nine hex digits of their SHA-256."""
+    (``000000007``), else the first nine hex digits of their SHA-256; and so is an id sent as
+    a string of fewer digits (``"7"``: the same call's result may have the number)."""
+    if isinstance(value, str):
+        return value.zfill(9) if mistral and _short_digits(value) else None
     if isinstance(value, int) and not isinstance(value, bool):
         text = str(value)
     elif isinstance(value, float) and math.isfinite(value):
@@ -196,6 +199,11 @@ def _number_id(value: Any, mistral: bool = False) -> str | None:
             return text.zfill(9)
         return hashlib.sha256(text.encode()).hexdigest()[:9]
     return text
+
+
+def _short_digits(value: str) -> bool:
+    """An id of fewer than nine digits (``"7"``), which Mistral refuses."""
+    return 0 < len(value) < 9 and value.isascii() and value.isdigit()
 
 
 def _missing_type(call: dict[str, Any]) -> bool:
@@ -509,6 +517,7 @@ def needs_repair_from(
                 or not call_id
                 or call_id in pending  # an id repeated in one message
                 or (seen is not None and call_id in seen)  # (Claude: or in another)
+                or (mistral and _short_digits(call_id))  # (Mistral: nine characters)
                 or _bad_arguments(call) is not None
                 or _missing_type(call)
             ):
@@ -653,13 +662,13 @@ def _fix_calls(
                 )
             elif number is not None:
                 fixed = {**call, "id": call_id}
+                was = "Mistral takes nine" if isinstance(call["id"], str) else "it was a number"
                 repairs.append(
                     Repair(
                         "missing_id",
                         index,
                         call_id,
-                        f'wrote the id of tool_calls[{position}] as a string, "{call_id}" (it'
-                        " was a number)",
+                        f'wrote the id of tool_calls[{position}] as a string, "{call_id}" ({was})',
                         sent=call["id"],
                     )
                 )
@@ -787,8 +796,10 @@ class RepairState:
                 call_id = message.get("tool_call_id")
                 if (call_id is None or call_id == "") and self.run is not None and self.run.idless:
                     return None  # it may answer a call sent without an id: repair afresh
-                if not isinstance(call_id, str):  # (a number: its string, as a call's)
-                    call_id = _number_id(call_id, policy[3])
+                # (a number: its string, as a call's; for Mistral, a string of a few digits too)
+                mapped = _number_id(call_id, policy[3])
+                if mapped is not None or not isinstance(call_id, str):
+                    call_id = mapped
                 if call_id is None or call_id in appended_ids:
                     continue
                 owner = owner_of_id.get(call_id)
@@ -801,27 +812,26 @@ class RepairState:
             if calls is not None:
                 for call in calls:
                     if isinstance(call, dict):
-                        call_id = (
-                            call.get("id")
-                            if _has_id(call)
-                            else _number_id(call.get("id"), policy[3])
-                        )
+                        call_id = _number_id(call.get("id"), policy[3])
+                        if call_id is None and _has_id(call):
+                            call_id = call.get("id")
                         if call_id is not None:
                             appended_ids.add(call_id)
         return anew
 
     def _takes_anew(self, index: int, message: Any) -> bool:
         """Whether ``message``, sent in the place of message ``index``, can take its place in
-        ``out`` as it is: the old one is there as it was sent, no removed message's mark after
-        it went (or did not go) on it, and they differ in their cache marks only (all the
-        repair reads of them is the same)."""
+        ``out`` as it is: the old one is there as it was sent, no removed message's mark went
+        (or did not go) on anything, and they differ in their cache marks only (all the repair
+        reads of them is the same)."""
         position = self.at[index] if index < len(self.at) else -1
         was = self.messages[index]
         entry = self.fixed.get(index, was)
         return (
             position >= 0
             and self.out[position] is entry
-            and not any(k > index for k in self.marks)
+            and not self.marks  # (a removed message's mark went, or not, on what came before
+            # it in ``out``, which is not what came before it in the history: repaired afresh)
             and _same_but_marks(was, message)
             and (entry is was or _fix_of(was, entry) is not None)
         )
@@ -975,6 +985,8 @@ def repair_messages_from(
                     refusal = _refusal_only(kept) if drop_empty or mistral else None
                     if refusal is not None:  # (Claude, Mistral: the refusal's words, as below)
                         kept["content"] = _refusal_content(kept.get("content"), refusal)
+                    elif drop_empty and _blank_text_in(kept):  # (Claude: as below)
+                        kept = _without_blank_text(kept)
                     elif mistral and _mistral_blank(kept):
                         kept["content"] = MISTRAL_NO_ANSWER  # (Mistral refuses "" there)
                     elif kept.get("content") is None:  # (a refusal, a legacy function_call)
@@ -1179,7 +1191,7 @@ def _pair_result(
         paired.add(i)
         return
     number = _number_id(raw_id, mistral)
-    tool_call_id = raw_id if isinstance(raw_id, str) else number
+    tool_call_id = number if number is not None else raw_id if isinstance(raw_id, str) else None
     owner = owner_of_id.get(tool_call_id) if tool_call_id is not None else None
     if owner is not None and tool_call_id is not None:
         positions = owner.unanswered.get(tool_call_id)
@@ -1203,8 +1215,9 @@ def _pair_result(
                         "missing_id",
                         i,
                         number,
-                        f'wrote the tool_call_id of the result as a string, "{number}" (it'
-                        " was a number)",
+                        f'wrote the tool_call_id of the result as a string, "{number}" ('
+                        + ("Mistral takes nine" if isinstance(raw_id, str) else "it was a number")
+                        + ")",
                         raw_id,
                         True,
                     )

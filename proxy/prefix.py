@@ -1439,8 +1439,9 @@ def _excerpts(old_text: str, new_text: str, secrets: tuple[str, ...] = ()) -> tu
     # A private key's block longer than the margin (an 8192-bit RSA key, a PGP secret key: ~6-7
     # KB) is known by its armour line, which must be in the window: from there, when the window
     # begins inside such a block (its body was shown where two cuts of it differed).
-    begin = old_text.rfind("-----BEGIN ", max(0, lo - _KEY_BLOCK_MAX), lo)
-    if begin >= 0 and "-----END " not in old_text[begin:lo]:
+    marker = "-----BEGIN "  # (one that begins before the window and ends in it too)
+    begin = old_text.rfind(marker, max(0, lo - _KEY_BLOCK_MAX), lo + len(marker) - 1)
+    if 0 <= begin < lo and "-----END " not in old_text[begin:lo]:
         lo = begin
     old_red, new_red = redact_text(old_text[lo:hi]), redact_text(new_text[lo:hi])
     # Redaction changes lengths: find the difference again, in the redacted windows. Equal windows

@@ -33,18 +33,11 @@ _PEM_LINES = (
 )
 _PEM_BODY = _PEM_LINES + r"|[A-Za-z0-9+/=\s:,.\\]|-(?!----)"  # (the lines first: they go on)
 # Each alternative names one family of credentials. The leading look-behind keeps words that merely
-# end in one of the prefixes ("task-…", "ask-…") from matching, but not what ends in a letter or
-# a digit before a key in a tool's output: an escape written out (a repr's "\n", "\t"), a
-# percent-encoded byte ("%20", "%22": a URL's query) and a terminal colour ("\x1b[32m": grep's
-# --color=always). (Such a key was logged as it was.)
-_WORD_START: Final = (
-    r"(?:(?<![A-Za-z0-9])|(?<=\\[nrt])|(?<=%[0-9A-Fa-f]{2})|(?<=\x1b\[[0-9]m)|(?<=[0-9;][0-9]m))"
-)
+# end in one of the prefixes ("task-…", "ask-…") from matching.
 _SK_KEY = r"sk-[A-Za-z0-9_-]{20,}"  # OpenAI (sk-, sk-proj-), Anthropic (sk-ant-), and look-alikes
-SK_KEY: Final = re.compile(_WORD_START + _SK_KEY)  # (alone: names match it too)
-_SECRET = re.compile(
-    _WORD_START
-    + r"(?:"
+SK_KEY: Final = re.compile(r"(?<![A-Za-z0-9])" + _SK_KEY)  # (alone: names match it too)
+_KEYS = (
+    r"(?:"
     + _SK_KEY
     + r"|(?:AKIA|ASIA)[0-9A-Z]{16}"  # AWS access key ids (long-lived and temporary)
     r"|gh[pousr]_[A-Za-z0-9]{20,}"  # GitHub tokens
@@ -68,10 +61,14 @@ _SECRET = re.compile(
     r"|(?P<awsname>(?i:aws_secret_access_key)(?:[\s\"']*[=:][\s\"']*|[ \t]+(?:[\"']|\\\")?))"
     r"[A-Za-z0-9/+=]{40}"
     r")"
+)
+_SECRET = re.compile(
+    r"(?<![A-Za-z0-9])"
+    + _KEYS
     # a URL's user:password (its scheme and host kept), to the last "@" before the host (a
     # password written with a raw "@" in it)
     # (not a template's placeholders: f"postgresql://{user}:{password}@{host}", ${USER})
-    r"|(?<=://)(?![{$])[^\s/:@\"']*:(?![{$])[^\s/?#\"']+(?=@[^\s/?#@\"']+)"
+    + r"|(?<=://)(?![{$])[^\s/:@\"']*:(?![{$])[^\s/?#\"']+(?=@[^\s/?#@\"']+)"
     # (or a variable's default: postgres://app:${DB_PASSWORD:-Sup3r…}@db/app)
     r"|(?<=://)[^\s/:@\"']*:\$\{[A-Za-z_][A-Za-z0-9_]*:?[-=+][^}\s\"'@]{1,512}\}(?=@)"
     # a private key's PEM block, whole or cut off (its armour lines kept): base64 and the
@@ -106,6 +103,27 @@ _MIN_SECRET_LEN: Final = 6
 _SECRET_KEYS: Final = frozenset(
     {"authorization", "proxy-authorization", "api_key", "api-key", "x-api-key", "apikey"}
 )
+
+
+# The same keys where what comes before them ends in a letter or a digit but is no word: an escape
+# written out (a repr's "\n", "\t"), a percent-encoded byte ("%20", "%22": a URL's query) and a
+# terminal's colour or erase codes (GNU grep's --color=always writes "\x1b[01;31m\x1b[K…\x1b[m\x1b[K",
+# git's "\x1b[m"). (Such a key was logged as it was.) A second pattern, searched only in a text
+# with one of them (``_AFTER_MARKS``): in one pattern, the look-behinds took every position of
+# every text ~30% longer.
+_SECRET_AFTER = re.compile(
+    r"(?:(?<=\\[nrt])|(?<=%[0-9A-Fa-f]{2})|(?<=\x1b\[[mK])|(?<=\x1b\[[0-9][mK])"
+    r"|(?<=[0-9;][0-9][mK]))" + _KEYS
+)
+_AFTER_MARKS: Final = ("\\", "%", "\x1b")
+
+
+def _replace_after(match: re.Match[str]) -> str:
+    bearer = match.group("bearer")
+    if bearer:
+        return f"{bearer} {REDACTED}"
+    name = match.group("awsname")
+    return f"{name}{REDACTED}" if name else REDACTED
 
 
 def _replace(match: re.Match[str]) -> str:
@@ -2134,9 +2152,13 @@ def redact_text(s: str) -> str:
         out = _redact_escaped_strings(s)
         if out is not s:
             lowered = _lowered(out)
-    if _may_hold_secret(out, lowered) and _SECRET.search(out) is not None:
-        out = _SECRET.sub(_replace, out)
-        lowered = _lowered(out)
+    if _may_hold_secret(out, lowered):
+        if _SECRET.search(out) is not None:
+            out = _SECRET.sub(_replace, out)
+            lowered = _lowered(out)
+        if any(mark in out for mark in _AFTER_MARKS) and _SECRET_AFTER.search(out) is not None:
+            out = _SECRET_AFTER.sub(_replace_after, out)
+            lowered = _lowered(out)
     if _names_a_secret(out, lowered):
         out = _redact_named(out, lowered)
     return s if out == s else out
@@ -2303,11 +2325,29 @@ _SAYS_SECRET = re.compile(  # (of the name lowered, camelCase words separated)
 _FIELD_VALUE = re.compile(r"[^A-Za-z0-9]{0,511}[A-Za-z0-9]")
 
 
+# The ``type`` of an ``authentication`` object of Azure OpenAI's ``data_sources``
+_AZURE_AUTH_TYPES: Final = frozenset(
+    {
+        "api_key",
+        "connection_string",
+        "key_and_key_id",
+        "encoded_api_key",
+        "access_token",
+        "username_and_password",
+        "system_assigned_managed_identity",
+        "user_assigned_managed_identity",
+    }
+)
+
+
 def _authentication(obj: dict[Any, Any]) -> dict[Any, Any]:
     """An ``authentication`` object (Azure OpenAI's ``data_sources``: ``{"type": "api_key",
     "key": …}``, ``key_and_key_id``, ``connection_string``, ``access_token``,
     ``username_and_password``): every string in it but its ``type`` is a credential, or names
-    one, whatever it looks like (a bare ``key`` is none elsewhere)."""
+    one, whatever it looks like (a bare ``key`` is none elsewhere). Another object of that name
+    (a tool schema's property, ``{"type": "string", …}``) is redacted as any is."""
+    if obj.get("type") not in _AZURE_AUTH_TYPES:
+        return _redact_dict(obj)
     out = {
         k: REDACTED if isinstance(v, str) and v and k != "type" else redact(v)
         for k, v in obj.items()

@@ -322,6 +322,26 @@ def test_an_answer_is_priced_at_the_processing_tier_it_was_billed_at(
     assert shown.json()["actual"] == pytest.approx(sum(line["cost"]["actual"] for line in lines))
 
 
+def test_a_tier_another_provider_names_is_not_priced_as_openais(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """Groq names ``"service_tier": "flex"`` too, at its on-demand prices: a model that is not
+    OpenAI's (and whose entry sets no ``priority_factor``) was priced at half."""
+    config = {"models": {"llama-3.3-70b": {"price_input": 1.0, "price_output": 2.0}}}
+    proxy = proxy_factory(sim.api_base, config)
+    client = sdk(proxy.base_url, default_headers={"X-Session-Id": "groq"})
+    for tier in ("default", "flex"):
+        messages = [{"role": "user", "content": "say something"}]
+        client.chat.completions.create(
+            model="llama-3.3-70b",
+            messages=messages,
+            service_tier=tier,  # type: ignore[arg-type]
+        )
+    proxy.settle()
+    standard, flex = events(proxy.log_dir, "groq", "response")
+    assert flex["cost"] == standard["cost"] and "tier" not in flex["cost"]
+
+
 def test_a_sub_agent_and_a_title_request_in_the_session_neither_waste_nor_hide_waste(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:

@@ -581,6 +581,26 @@ def test_a_mistral_history_gets_an_assistant_message_between_a_tool_result_and_t
     assert repair_messages(prefill, mistral=True).messages is prefill
 
 
+@pytest.mark.parametrize(("sent", "answered"), [(7, "7"), ("7", 7), ("7", "7")])
+def test_a_number_id_and_its_digits_as_a_string_stay_a_pair_for_mistral(
+    sent: Any, answered: Any
+) -> None:
+    """A call's number id and its result's string of the same digits (or the other way) pair
+    on every other model; for Mistral the number became nine digits and the string stayed:
+    the real result went as an orphan and a synthetic one said the tool had not run. A string
+    of fewer than nine digits is nine digits there too (Mistral refuses ``"7"``)."""
+    call_ = {"id": sent, "type": "function", "function": {"name": "read", "arguments": "{}"}}
+    history = [user("go"), asst(call_), {**tool(None, "the output"), "tool_call_id": answered}]
+    history.append(asst(content="done"))
+    assert needs_repair(history, mistral=True)
+    result = repair_messages(history, mistral=True)
+    assert [r.kind for r in result.repairs] == ["missing_id", "missing_id"]
+    assert result.messages[1]["tool_calls"][0]["id"] == "000000007"
+    assert result.messages[2] == {**history[2], "tool_call_id": "000000007"}
+    assert mistral_refusal(result.messages) is None, result.messages
+    _resumed_as_whole(history[:2], history, result, "downgrade", mistral=True)
+
+
 @pytest.mark.parametrize("number", [0, 7, 123456789, 12345678901, -3, 2.5])
 def test_a_number_id_is_written_as_nine_letters_and_digits_for_mistral(number: Any) -> None:
     """An id sent as a number was written as its digits (``"0"``) whatever the model: Mistral
@@ -778,6 +798,7 @@ def test_drop_empty_removes_a_blank_assistant_message_claude_refuses_too(content
 @pytest.mark.parametrize(
     ("content", "calls", "left"),
     [
+        ([{"type": "text", "text": ""}, {"type": "text", "text": "hi"}], [], "hi"),
         ([{"type": "text", "text": ""}], True, None),
         ("  ", True, None),
         ([{"type": "text", "text": " "}, {"type": "text", "text": "on it"}], True, "on it"),
@@ -785,7 +806,7 @@ def test_drop_empty_removes_a_blank_assistant_message_claude_refuses_too(content
     ],
 )
 def test_blank_text_beside_what_else_a_message_says_is_taken_out_for_claude(
-    content: Any, calls: bool, left: str | None
+    content: Any, calls: Any, left: str | None
 ) -> None:
     """A gateway makes each text part (and a content of white space) a text block of Claude's,
     which Claude refuses empty beside tool calls or other text as anywhere (``text content
@@ -795,27 +816,31 @@ def test_blank_text_beside_what_else_a_message_says_is_taken_out_for_claude(
     mark = {"type": "ephemeral"}
     if isinstance(content, list):
         content = [{**content[0], "cache_control": mark}, *content[1:]]
-    message = asst(call("toolu_1"), content=content) if calls else asst(content=content)
+    message = asst(call("toolu_1"), content=content) if calls is True else asst(content=content)
+    if calls == []:  # (an SDK's on every plain answer: that repair runs first)
+        message["tool_calls"] = []
     history = [user("go"), message]
-    if calls:
+    if calls is True:
         history.append(tool("toolu_1"))
     history.append(user("on"))
     if isinstance(content, list):  # (Claude's refusal, as the simulator has it)
         with pytest.raises(ValidationError, match="text content blocks must"):
             validate_claude_messages(history)
-    assert needs_repair(history, drop_empty=True) and not needs_repair(history)
+    assert needs_repair(history, drop_empty=True) and needs_repair(history) == (calls == [])
     result = repair_messages(history, drop_empty=True)
     validate_messages(result.messages)
     validate_claude_messages(result.messages)
     fixed = result.messages[1]
     texts = [p["text"] for p in fixed["content"]] if isinstance(fixed["content"], list) else []
     assert texts == ([left] if left else [])
-    assert fixed["content"] is not None or calls  # (OpenAI's form: "" beside no calls)
+    assert fixed["content"] is not None or calls is True  # (OpenAI's form: "" beside no calls)
     if isinstance(content, list):
         assert fixed.get("cache_control") == mark
-    assert [r.kind for r in result.repairs] == ["empty_assistant"]
+    kind = "empty_tool_calls" if calls == [] else "empty_assistant"
+    assert [r.kind for r in result.repairs] == [kind]
     assert repair_messages(result.messages, drop_empty=True).repairs == []
-    assert repair_messages(history).messages is history
+    if calls != []:
+        assert repair_messages(history).messages is history
 
 
 def test_an_empty_assistant_messages_cache_mark_goes_on_the_message_before_it() -> None:
@@ -1859,6 +1884,27 @@ def test_a_kept_defect_with_moving_cache_marks_costs_each_turn_only_what_changed
     result, _ = repair_messages_from(edited, state, **mode)
     assert len(looked_at) > 50
     assert result.messages == repair_messages(edited, **mode).messages
+
+
+@pytest.mark.parametrize("mode", [{}, {"drop_empty": True}])
+def test_a_message_sent_anew_beside_a_removed_messages_mark_is_repaired_afresh(
+    mode: dict[str, bool],
+) -> None:
+    """A removed empty message's mark goes on what comes before it in the repaired history, a
+    result moved back there: the result sent anew without its own mark then takes the moved
+    one in a whole repair, and the resumed one left it out (a breakpoint lost). With such a
+    mark kept, a message sent anew is repaired afresh."""
+    mark = {"type": "ephemeral"}
+    empty = {"role": "assistant", "content": "", "cache_control": mark}
+    if not mode:  # (another model's history: an empty tool_calls is what is removed)
+        empty = {"role": "assistant", "content": "", "tool_calls": [], "cache_control": mark}
+    first = [user("go"), asst(call("c1")), empty, {**tool("c1", "r"), "cache_control": mark}]
+    _, state = repair_messages_from(first, None, **mode)
+    later = [*first[:3], tool("c1", "r"), {**user("next"), "cache_control": mark}]
+    resumed, _ = repair_messages_from(later, state, **mode)
+    whole = repair_messages(later, **mode)
+    assert orjson.dumps(resumed.messages) == orjson.dumps(whole.messages)
+    assert cache_mark(whole.messages[2], "content") == mark  # (the moved mark, on the result)
 
 
 class _CountedId(str):

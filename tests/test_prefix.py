@@ -514,13 +514,16 @@ def test_a_long_private_key_cut_differently_shows_none_of_its_body(armour: str) 
     rng = random.Random(7)
     body = base64.encodebytes(bytes(rng.randrange(256) for _ in range(4800))).decode()
     block = f"-----BEGIN {armour}-----\n{body}-----END {armour}-----\n"
-    old = {"messages": [{"role": "tool", "content": "cat key\n" + block[:5200] + "\n[cut]"}]}
-    new = {"messages": [{"role": "tool", "content": "cat key\n" + block}]}
-    divergence = diverge(old, new)
-    assert divergence is not None
     lines = [line for line in body.splitlines() if len(line) > 20]
-    for excerpt in (divergence.old_excerpt, divergence.new_excerpt):
-        assert not [line for line in lines if line[:16] in excerpt], excerpt
+    # cut anywhere: so that the window begins before the armour line, inside it, or after it
+    for cut in (5200, *range(4126, 4170)):
+        text = "cat key\n" + block
+        old = {"messages": [{"role": "tool", "content": text[:cut] + "\n[cut]"}]}
+        new = {"messages": [{"role": "tool", "content": text}]}
+        divergence = diverge(old, new)
+        assert divergence is not None
+        for excerpt in (divergence.old_excerpt, divergence.new_excerpt):
+            assert not [line for line in lines if line[:16] in excerpt], (cut, excerpt)
 
 
 KEY = "Zx9Qm4Lr8Tn2Vb6Hc1Kd5Wp7Ys3Fg0Jh4Nm8Rt2U"  # a key of no known shape

@@ -79,7 +79,9 @@ def test_each_kind_of_key_is_replaced_in_running_text(secret: str) -> None:
 @pytest.mark.parametrize(
     ("before", "after"),
     [
-        ("\x1b[32m", "\x1b[0m"),  # grep --color=always
+        ("\x1b[32m", "\x1b[0m"),
+        ("\x1b[01;31m\x1b[KKEY=\x1b[m\x1b[K", ""),  # GNU grep --color=always
+        ("\x1b[1;31mTOKEN=\x1b[m", ""),  # git grep --color=always
         ("\x1b[1;32m", "\x1b[m"),
         ("stdout='x\\n", "\\n'"),  # a repr's escapes, written out
         ("\\t", ""),
@@ -102,6 +104,15 @@ def test_a_key_after_an_escape_a_colour_or_an_encoded_byte_is_replaced(
 )
 def test_a_word_that_ends_in_a_prefix_is_still_no_key(text: str) -> None:
     assert redact_text(text) == text
+
+
+def test_a_schema_property_named_authentication_is_no_credential() -> None:
+    """Only Azure's ``data_sources`` authentication object (its ``type`` one of Azure's) has
+    every string a credential: a tool schema's property of that name keeps its words."""
+    schema = {"authentication": {"type": "string", "description": "how to sign in"}}
+    assert redact(schema) is schema
+    azure = {"authentication": {"type": "connection_string", "connection_string": "Server=x"}}
+    assert redact(azure)["authentication"]["connection_string"] == REDACTED
 
 
 def test_bearer_token_keeps_the_scheme_and_loses_the_token() -> None:
