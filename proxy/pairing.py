@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import operator
+import re
 from collections import deque
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
@@ -183,27 +184,35 @@ def _number_id(value: Any, mistral: bool = False) -> str | None:
     call and its result keep their pairing: each is given the same string (a whole number as
     an integer's digits, ``7.0`` and ``7`` alike, and an integer beyond 64 bits, which the
     parser reads as a double, as that double's). For a Mistral model (``mistral``), nine
-    letters and digits, as Mistral requires: the digits with zeros before them
-    (``000000007``), else the first nine hex digits of their SHA-256; and so is an id sent as
-    a string of fewer digits (``"7"``: the same call's result may have the number)."""
+    letters and digits, as Mistral requires (``Tool call id was call_… but must be a-z, A-Z,
+    0-9, with a length of 9``), and so is any other id sent as a string (a session begun on
+    another model: ``call_…``, ``toolu_…``): fewer than nine digits with zeros before them
+    (``000000007``: the same call's result may have the number), any other the first nine hex
+    digits of its SHA-256. The same id gives the same nine wherever it is: a call and its
+    result stay a pair, and every turn's history is rewritten alike."""
     if isinstance(value, str):
-        return value.zfill(9) if mistral and _short_digits(value) else None
+        return _mistral_id(value) if mistral and _unfit_for_mistral(value) else None
     if isinstance(value, int) and not isinstance(value, bool):
         text = str(value)
     elif isinstance(value, float) and math.isfinite(value):
         text = str(int(value)) if value.is_integer() else repr(value)
     else:
         return None
-    if mistral and not (len(text) == 9 and text.isdigit()):
-        if text.isdigit() and len(text) < 9:
-            return text.zfill(9)
-        return hashlib.sha256(text.encode()).hexdigest()[:9]
-    return text
+    return _mistral_id(text) if mistral and _unfit_for_mistral(text) else text
 
 
-def _short_digits(value: str) -> bool:
-    """An id of fewer than nine digits (``"7"``), which Mistral refuses."""
-    return 0 < len(value) < 9 and value.isascii() and value.isdigit()
+def _mistral_id(text: str) -> str:
+    if text.isascii() and text.isdigit() and len(text) < 9:
+        return text.zfill(9)
+    return hashlib.sha256(text.encode()).hexdigest()[:9]
+
+
+_MISTRAL_ID: Final = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def _unfit_for_mistral(value: str) -> bool:
+    """An id Mistral refuses: not nine letters and digits (an empty one is a missing id)."""
+    return value != "" and _MISTRAL_ID.fullmatch(value) is None
 
 
 def _missing_type(call: dict[str, Any]) -> bool:
@@ -517,7 +526,7 @@ def needs_repair_from(
                 or not call_id
                 or call_id in pending  # an id repeated in one message
                 or (seen is not None and call_id in seen)  # (Claude: or in another)
-                or (mistral and _short_digits(call_id))  # (Mistral: nine characters)
+                or (mistral and _unfit_for_mistral(call_id))  # (Mistral: nine characters)
                 or _bad_arguments(call) is not None
                 or _missing_type(call)
             ):
@@ -662,7 +671,7 @@ def _fix_calls(
                 )
             elif number is not None:
                 fixed = {**call, "id": call_id}
-                was = "Mistral takes nine" if isinstance(call["id"], str) else "it was a number"
+                was = "Mistral takes no other" if isinstance(call["id"], str) else "it was a number"
                 repairs.append(
                     Repair(
                         "missing_id",
@@ -1216,7 +1225,11 @@ def _pair_result(
                         i,
                         number,
                         f'wrote the tool_call_id of the result as a string, "{number}" ('
-                        + ("Mistral takes nine" if isinstance(raw_id, str) else "it was a number")
+                        + (
+                            "Mistral takes no other"
+                            if isinstance(raw_id, str)
+                            else "it was a number"
+                        )
                         + ")",
                         raw_id,
                         True,

@@ -192,6 +192,53 @@ def test_a_mistral_model_gets_its_interrupted_turn_repaired_as_mistral_takes_it(
         assert mistral.sim.requests[-1].body["messages"] == sound
 
 
+def test_a_session_begun_on_another_model_goes_on_on_mistral(sdk: Any, proxy_factory: Any) -> None:
+    """A session begun on GPT (``call_…`` ids) moved to a Mistral model: Mistral refused every
+    turn (``Tool call id was call_… but must be a-z, A-Z, 0-9, with a length of 9``), and the
+    ids were left as the client sent them. Each is written as nine letters and digits, its
+    result's with it, the same every turn (the provider's cached prefix stays)."""
+    call_id = "call_Xb3kQ9LmN2pR7sT1vW4yZ6aC"
+    history = [
+        {"role": "user", "content": "Read a.py"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": "read_file", "arguments": '{"path": "a.py"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": "print('a')"},
+        {"role": "assistant", "content": "It prints a."},
+        {"role": "user", "content": "And b.py?"},
+    ]
+    with run_simulator(SimConfig(mistral_rules=True)) as mistral:
+        with pytest.raises(openai.BadRequestError, match="Tool call id was call_"):
+            sdk(mistral.api_base).chat.completions.create(
+                model="mistral-large-latest",
+                messages=history,  # type: ignore[arg-type]
+            )
+        proxy = proxy_factory(mistral.api_base)
+        client = sdk(proxy.base_url, default_headers={"X-Session-Id": "moved"})
+        sent = []
+        for turn in range(2):
+            raw = client.chat.completions.with_raw_response.create(
+                model="mistral-large-latest",
+                messages=history,  # type: ignore[arg-type]
+            )
+            assert raw.http_response.status_code == 200
+            assert raw.headers["x-cachegate-repairs"] == "2"  # the call's id, its result's
+            sent.append(mistral.sim.requests[-1].body["messages"])
+            history = [*history, raw.parse().choices[0].message.model_dump(exclude_none=True)]
+            history.append({"role": "user", "content": f"more {turn}"})
+        given = sent[0][1]["tool_calls"][0]["id"]
+        assert len(given) == 9 and given.isalnum() and sent[0][2]["tool_call_id"] == given
+        assert sent[1][: len(sent[0])] == sent[0]  # (the same ids next turn)
+
+
 def test_a_mistral_model_under_a_name_of_the_users_is_repaired_as_mistral_takes_it(
     sdk: Any, proxy_factory: Any
 ) -> None:

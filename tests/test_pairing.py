@@ -1378,7 +1378,7 @@ def test_random_histories_repaired_for_mistral_keep_its_order_resumed_or_not(
     validate_messages(result.messages)
     refused = mistral_refusal(result.messages)
     assert refused is None or refused["message"].startswith(
-        ("Tool call id", "Unexpected role 'system'")  # (the client's ids; a system message)
+        "Unexpected role 'system'"  # (a system message there: documented, left)
     ), refused
     if policy == "downgrade":  # (strict mode's diagnosis: an orphan kept needs its bridge)
         assert kinds_of(diagnose(later, mistral=True)) == kinds_of(result.repairs)
@@ -1856,7 +1856,7 @@ def test_a_kept_defect_with_moving_cache_marks_costs_each_turn_only_what_changed
         history = [_as_parts(m) for m in history]
     sent = [*history[:-2], *(_marked(m, EPHEMERAL) for m in history[-2:])]
     result, state = repair_messages_from(sent, None, **mode)
-    assert state is not None and result.repairs[0].kind == "dangling_call"
+    assert state is not None and "dangling_call" in [r.kind for r in result.repairs]
     looked_at = _count_looks(monkeypatch)
     new = (
         [asst(call("call_0")), tool("call_0", "new")]
