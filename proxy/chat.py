@@ -455,9 +455,18 @@ class ChatPipeline:
         its items were spliced onto an earlier body's parse (``proxy.bodymemo``): those it
         shares with the session's last request are its very objects."""
         try:
-            sid = explicit_session_id(headers, path_id) or named
+            explicit = explicit_session_id(headers, path_id)
         except ValueError as exc:
             raise bad_request(str(exc), "invalid_session_id") from None
+        sid = explicit or named
+        # A continuation (a ``previous_response_id``) of a session found by its history: its
+        # items are not the history, and it leaves the session found as it was (it was named
+        # from then on, its history replaced by the continuation's items: the client's next
+        # request with the whole history, a fallback from stored responses, began a new one)
+        if explicit is None and named is not None and not whole:
+            state = self.sessions.get(named, now) or self.sessions.create(named, now)
+            state.last_seen = now
+            return state, 0
         messages = body.get(key) or []
         if not isinstance(messages, list):  # (a Responses API ``input`` that is one string)
             messages = []

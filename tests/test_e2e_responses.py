@@ -203,6 +203,37 @@ def test_a_stored_conversation_stays_in_the_session_of_the_response_it_continues
     ]
 
 
+def test_a_continuation_leaves_the_history_its_session_was_found_by(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """With no session header: a turn, a ``previous_response_id`` turn (in the first's session),
+    then the whole history sent again (a client that falls back from stored responses). The
+    continuation had made the session a named one, its history the continuation's one item:
+    the whole-history turn began another session, with nothing expected of the cache."""
+    proxy = proxy_factory(sim.api_base)
+    client = sdk(proxy.base_url)
+    sim.sim.enqueue(["one", "two", "three"])
+    opening = [{"role": "user", "content": "Fix the failing test in parser.py, one change only."}]
+    first = client.responses.with_raw_response.create(model="gpt-5", input=opening)
+    answer = first.parse()
+    second = client.responses.with_raw_response.create(
+        model="gpt-5",
+        input=[{"role": "user", "content": "and then?"}],
+        previous_response_id=answer.id,
+    )
+    history = [
+        *opening,
+        *(item.model_dump(exclude_none=True) for item in answer.output),
+        {"role": "user", "content": "and then?"},
+        *(item.model_dump(exclude_none=True) for item in second.parse().output),
+        {"role": "user", "content": "now run the tests"},
+    ]
+    third = client.responses.with_raw_response.create(model="gpt-5", input=history)
+    sid = first.headers["x-cachegate-session"]
+    assert second.headers["x-cachegate-session"] == sid
+    assert third.headers["x-cachegate-session"] == sid
+
+
 @pytest.mark.parametrize("conversation", ["conv_68a1b2", {"id": "conv_68a1b2"}])
 def test_a_conversation_object_names_the_session(
     scripted: Any, proxy_factory: Any, conversation: Any
