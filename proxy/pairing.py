@@ -338,8 +338,9 @@ def _blank_part(part: Any) -> bool:
 
 def _without_blank_text(message: dict[str, Any]) -> dict[str, Any]:
     """``message`` (``_blank_text_in``) without its blank text: no content where nothing
-    else was in it (``""`` beside no calls: OpenAI's form refuses ``null`` there); a ``cache_control`` mark of a part taken out goes on the message, unless a
-    part kept or the message has one (a breakpoint lost would cost the cache every turn)."""
+    else was in it (``""`` beside no calls: OpenAI's form refuses ``null`` there); a
+    ``cache_control`` mark of a part taken out goes on the message, unless a part kept or the
+    message has one (a breakpoint lost would cost the cache every turn)."""
     content = message.get("content")
     kept = [p for p in content if not _blank_part(p)] if isinstance(content, list) else []
     fixed = {**message, "content": kept or (None if message.get("tool_calls") else "")}
