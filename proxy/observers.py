@@ -939,6 +939,8 @@ class AccountingObserver:
                 divergence, ex, compared.message_digests if compared is not None else ()
             )
             ex.divergence = _divergence_dict(shown)
+            if compared is not None and compared.messages:
+                ex.compared_first = compared.messages[0]
         usage = ex.usage
         terms = self._model_terms(ex.model, ex)
         name, ttl_s, _, marked_only, min_cached, ttl_floor_s, _ = terms
@@ -1314,8 +1316,12 @@ class AccountingObserver:
         body, client, repairs = ex.body, ex.client_body, ex.repairs
         assert body is not None
         view, offset = resview.chat_shaped(body, extra.get("instructions_message"))
+        made: list[Any] = extra.setdefault("instructions_made", [])
         if offset:
-            extra["instructions_message"] = view["messages"][0]
+            held = extra["instructions_message"] = view["messages"][0]
+            if not any(m is held for m in made):  # (the views' instructions messages: the
+                made.append(held)  # request compared with may have had some, this one none)
+                del made[:-8]
         seen = view
         if client is not None and client is not body:
             seen = resview.chat_shaped(client, view["messages"][0] if offset else None)[0]
@@ -1330,6 +1336,13 @@ class AccountingObserver:
         finally:
             ex.route, ex.body, ex.client_body, ex.repairs = "passthrough", body, client, repairs
         divergence = ex.divergence
+        if (
+            not offset
+            and divergence is not None
+            and divergence.get("index") == 0
+            and any(m is ex.compared_first for m in made)
+        ):
+            offset = 1  # (instructions gone: the request compared with had them first)
         if ex.cache is not None and ex.cache.get("location") is not None:
             ex.cache["location"] = resview.responses_location(
                 ex.cache["location"],

@@ -110,6 +110,9 @@ class Exchange:
     # Where the forwarded prefix first differs from the session's previous request (accounting
     # notes it for the response's log line; the request's transforms stay as the request had them)
     divergence: dict[str, Any] | None = None
+    # the first message of the request the accounting compared this one with, where it
+    # differs (a Responses API view's instructions message, read back by ``resview``)
+    compared_first: Any = None
     # The relay keeps the response's bytes (a long stream's are decoded every few KiB, after
     # the write) and leaves the rest of the decoding to ``assemble``, which runs with the
     # observers, after the client has its response.

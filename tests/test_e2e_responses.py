@@ -203,6 +203,33 @@ def test_a_stored_conversation_stays_in_the_session_of_the_response_it_continues
     ]
 
 
+def test_instructions_dropped_in_a_turn_are_named_as_such(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """A turn that sends no ``instructions`` where the one before had them: the change was
+    named ``input[0]`` (a user message that had not changed, with the instructions as its old
+    text); it is the instructions."""
+    proxy = proxy_factory(sim.api_base)
+    client = sdk(proxy.base_url, default_headers={"X-Session-Id": "dropped"})
+    items: list[Any] = [{"role": "user", "content": "Fix the failing test.\n" + FILE_TEXT}]
+    for turn, instructions in enumerate((LONG_INSTRUCTIONS, LONG_INSTRUCTIONS, None)):
+        extra = {"instructions": instructions} if instructions else {}
+        answer = client.responses.create(model="gpt-5", input=items, **extra)
+        items = [
+            *items,
+            *(o.model_dump(exclude_none=True) for o in answer.output),
+            {"role": "user", "content": f"go on {turn}"},
+        ]
+    proxy.settle()
+    last = events(proxy.log_dir, "dropped", "response")[-1]
+    assert last["divergence"]["location"] == "instructions"
+    assert last["divergence"]["index"] is None
+    assert (last["cache"]["cause"], last["cache"]["location"]) == (
+        "prefix_rewrite",
+        "instructions",
+    )
+
+
 def test_a_continuation_leaves_the_history_its_session_was_found_by(
     sim: RunningSimulator, proxy_factory: Any, sdk: Any
 ) -> None:
