@@ -186,10 +186,10 @@ def _number_id(value: Any, mistral: bool = False) -> str | None:
     parser reads as a double, as that double's). For a Mistral model (``mistral``), nine
     letters and digits, as Mistral requires (``Tool call id was call_… but must be a-z, A-Z,
     0-9, with a length of 9``), and so is any other id sent as a string (a session begun on
-    another model: ``call_…``, ``toolu_…``): fewer than nine digits with zeros before them
-    (``000000007``: the same call's result may have the number), any other the first nine hex
-    digits of its SHA-256. The same id gives the same nine wherever it is: a call and its
-    result stay a pair, and every turn's history is rewritten alike."""
+    another model: ``call_…``, ``toolu_…``, ``"7"``: the same call's result may have the
+    number): the first nine hex digits of its SHA-256. The same id gives the same nine
+    wherever it is: a call and its result stay a pair, and every turn's history is rewritten
+    alike."""
     if isinstance(value, str):
         return _mistral_id(value) if mistral and _unfit_for_mistral(value) else None
     if isinstance(value, int) and not isinstance(value, bool):
@@ -202,8 +202,8 @@ def _number_id(value: Any, mistral: bool = False) -> str | None:
 
 
 def _mistral_id(text: str) -> str:
-    if text.isascii() and text.isdigit() and len(text) < 9:
-        return text.zfill(9)
+    # (not the digits with zeros before them: "7" and "07" would be one id, and a client's
+    # own "000000007" too, their results then matched in order, each to another call)
     return hashlib.sha256(text.encode()).hexdigest()[:9]
 
 
@@ -1332,6 +1332,16 @@ _NUMBER_RESULT_ID: Final = (
 )
 
 
+_MISTRAL_ID_TEXT: Final = (
+    "messages[{index}] assistant tool_call id {sent} is not nine letters and digits (Mistral"
+    ' refuses it; repair would write it as "{id}")'
+)
+_MISTRAL_RESULT_ID: Final = (
+    "messages[{index}] tool result's tool_call_id {sent} is not nine letters and digits"
+    ' (Mistral refuses it; repair would write it as "{id}")'
+)
+
+
 _ACROSS_TURNS: Final = (
     "messages[{index}] assistant tool_call repeats the id {sent} of an earlier assistant"
     " message's call (Claude refuses it; repair would give it {id})"
@@ -1339,7 +1349,9 @@ _ACROSS_TURNS: Final = (
 
 
 def _describe(r: Repair) -> str:
-    if r.kind == "missing_id" and r.sent is not None:
+    if r.kind == "missing_id" and isinstance(r.sent, str):  # (Mistral's nine characters)
+        text = _MISTRAL_RESULT_ID if r.result else _MISTRAL_ID_TEXT
+    elif r.kind == "missing_id" and r.sent is not None:
         text = _NUMBER_RESULT_ID if r.result else _NUMBER_ID
     elif r.kind == "duplicate_call_id" and r.across:
         text = _ACROSS_TURNS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import itertools
 from typing import Any
 
@@ -588,17 +589,42 @@ def test_a_number_id_and_its_digits_as_a_string_stay_a_pair_for_mistral(
     """A call's number id and its result's string of the same digits (or the other way) pair
     on every other model; for Mistral the number became nine digits and the string stayed:
     the real result went as an orphan and a synthetic one said the tool had not run. A string
-    of fewer than nine digits is nine digits there too (Mistral refuses ``"7"``)."""
+    of fewer than nine digits is nine characters there too (Mistral refuses ``"7"``)."""
     call_ = {"id": sent, "type": "function", "function": {"name": "read", "arguments": "{}"}}
     history = [user("go"), asst(call_), {**tool(None, "the output"), "tool_call_id": answered}]
     history.append(asst(content="done"))
     assert needs_repair(history, mistral=True)
     result = repair_messages(history, mistral=True)
     assert [r.kind for r in result.repairs] == ["missing_id", "missing_id"]
-    assert result.messages[1]["tool_calls"][0]["id"] == "000000007"
-    assert result.messages[2] == {**history[2], "tool_call_id": "000000007"}
+    given = hashlib.sha256(b"7").hexdigest()[:9]
+    assert result.messages[1]["tool_calls"][0]["id"] == given
+    assert result.messages[2] == {**history[2], "tool_call_id": given}
     assert mistral_refusal(result.messages) is None, result.messages
     _resumed_as_whole(history[:2], history, result, "downgrade", mistral=True)
+
+
+@pytest.mark.parametrize("ids", [("7", "07", "000000007"), ("1", "01", "001", "x")])
+def test_ids_written_anew_for_mistral_never_become_another_calls(ids: tuple[str, ...]) -> None:
+    """Written as their digits with zeros before them, "7" and "07" were one id (and a
+    client's own "000000007" too): the results, matched in order, each went to another call.
+    Each call keeps its own result. (A hash's nine can still meet a client's own nine, one
+    chance in 2^36 a pair of ids: not looked for.)"""
+    calls = [call(i, "read", f'{{"n": {n}}}') for n, i in enumerate(ids)]
+    results = [tool(i, f"result {n}") for n, i in enumerate(ids)]
+    history = [user("go"), asst(*calls), *reversed(results)]  # (in any order)
+    result = repair_messages(history, mistral=True)
+    assert mistral_refusal(result.messages) is None, result.messages
+    given = [c["id"] for c in result.messages[1]["tool_calls"]]
+    assert len(set(given)) == len(ids)
+    answered = {m["tool_call_id"]: m["content"] for m in result.messages[2:]}
+    assert [answered[g] for g in given] == [f"result {n}" for n in range(len(ids))]
+
+
+def test_strict_mode_names_an_id_mistral_refuses_as_such() -> None:
+    history = [user("go"), asst(call("call_abc")), tool("call_abc"), asst(content="ok")]
+    text = format_strict_error(diagnose(history, mistral=True))
+    assert "tool_call id call_abc is not nine letters and digits (Mistral refuses it" in text
+    assert "is a number" not in text
 
 
 @pytest.mark.parametrize("number", [0, 7, 123456789, 12345678901, -3, 2.5])
