@@ -1310,6 +1310,13 @@ def _message_divergence(
         )
 
     old_c, new_c = canonical_message(old_message), canonical_message(new_message)
+    old_type, new_type = old_c.get("type"), new_c.get("type")
+    if old_type is not None and new_type is not None and old_type != new_type:
+        # Another item in its place (a Responses API request whose reasoning items were
+        # dropped: a call where one was): its type first, not the first field the other has
+        return _divergence(
+            location, index, role_text, "type", _text(old_type), _text(new_type), secrets
+        )
     keys = [k for k in _FIELD_ORDER if k in old_c or k in new_c]
     keys += sorted((set(old_c) | set(new_c)) - set(_FIELD_ORDER), key=str)
     for key in keys:

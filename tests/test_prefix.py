@@ -526,6 +526,28 @@ def test_a_long_private_key_cut_differently_shows_none_of_its_body(armour: str) 
             assert not [line for line in lines if line[:16] in excerpt], (cut, excerpt)
 
 
+def test_another_item_in_an_items_place_is_named_by_its_type() -> None:
+    """A Responses API history whose reasoning items were dropped: a call where a reasoning
+    item was. The difference was named by the first field the call has (``name``: old "",
+    new "shell"), which read as a call that gained a name."""
+    from proxy.resview import responses_location
+
+    reasoning = {"type": "reasoning", "summary": [], "encrypted_content": "gAAAAB" + "x" * 40}
+    call_item = {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": "{}"}
+    user_item = {"role": "user", "content": "go"}
+    old = {"messages": [user_item, reasoning, call_item]}
+    new = {"messages": [user_item, call_item]}
+    divergence = diverge(old, new)
+    assert divergence is not None
+    assert (divergence.index, divergence.field) == (1, "type")
+    assert (divergence.old_excerpt, divergence.new_excerpt) == ("reasoning", "function_call")
+    assert responses_location(divergence.label, 0, None) == "input[1].type"
+    # items of one type keep their first differing field
+    edited = {"messages": [user_item, {**reasoning, "summary": [{"text": "s"}]}, call_item]}
+    changed = diverge(old, edited)
+    assert changed is not None and changed.field == "summary"
+
+
 KEY = "Zx9Qm4Lr8Tn2Vb6Hc1Kd5Wp7Ys3Fg0Jh4Nm8Rt2U"  # a key of no known shape
 
 
