@@ -118,19 +118,12 @@ _SECRET_AFTER = re.compile(
 _AFTER_MARKS: Final = ("\\", "%", "\x1b")
 
 
-def _replace_after(match: re.Match[str]) -> str:
-    bearer = match.group("bearer")
-    if bearer:
-        return f"{bearer} {REDACTED}"
-    name = match.group("awsname")
-    return f"{name}{REDACTED}" if name else REDACTED
-
-
 def _replace(match: re.Match[str]) -> str:
+    """A match of ``_SECRET`` or ``_SECRET_AFTER`` (which has no PEM block) replaced."""
     bearer = match.group("bearer")
     if bearer:
         return f"{bearer} {REDACTED}"
-    pem = match.group("pem")
+    pem = match.group("pem") if "pem" in match.re.groupindex else None
     if pem is not None:
         armour = match.group("armour")
         return f"-----BEGIN {pem}{armour}-----{REDACTED}-----END {pem}{armour}-----"
@@ -2157,7 +2150,7 @@ def redact_text(s: str) -> str:
             out = _SECRET.sub(_replace, out)
             lowered = _lowered(out)
         if any(mark in out for mark in _AFTER_MARKS) and _SECRET_AFTER.search(out) is not None:
-            out = _SECRET_AFTER.sub(_replace_after, out)
+            out = _SECRET_AFTER.sub(_replace, out)
             lowered = _lowered(out)
     if _names_a_secret(out, lowered):
         out = _redact_named(out, lowered)

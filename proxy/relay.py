@@ -1437,24 +1437,24 @@ def _inflater(coding: str) -> Callable[[bytes], bytes]:
     """What a compressed stream's chunks decode to, one after another, for its recorder (the
     client gets them as they came); nothing past ``MAX_DECODED_STREAM`` or after bytes that do
     not decode (the record then ends there)."""
-    decoder: _Decoder | None = _Decoder(coding)
-    total = 0
+    pieces: list[bytes] = []
+
+    def keep(plain: bytes) -> bool:
+        pieces.append(plain)
+        return True
+
+    decoding: Callable[[bytes], bool] | None = _decoding(_Decoder(coding), keep)
 
     def inflate(chunk: bytes) -> bytes:
-        nonlocal decoder, total
-        pieces = []
+        nonlocal decoding
         try:
-            while chunk and decoder is not None:
-                plain = decoder.decompress(chunk, _DECODE_PIECE)
-                total += len(plain)
-                if total > MAX_DECODED_STREAM:
-                    decoder = None
-                    break
-                pieces.append(plain)
-                chunk = decoder.unconsumed_tail or decoder.next_member()
-        except zlib.error:
-            decoder = None
-        return b"".join(pieces)
+            if decoding is not None:
+                decoding(chunk)
+        except (DecodedTooLarge, zlib.error):
+            decoding = None  # (what came before the limit is read, nothing after)
+        taken = b"".join(pieces)
+        pieces.clear()
+        return taken
 
     return inflate
 
