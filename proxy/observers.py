@@ -272,20 +272,28 @@ def _tokens_before(
     """Of the previous request's ``prompt`` tokens, those before the point where the request
     compared with it differs (its tools, the messages before the one that differs and, where
     that one's text content was edited, the text before the edit; nothing for a change of the
-    parameters or tools): their share of its estimate, as ``_dropped_tokens`` counts. Media
-    before the point count nothing (an image's tokens depend on its size and the model, 85 to
-    thousands): a lower bound."""
-    if divergence.location not in ("system", "messages") or divergence.index is None:
+    parameters, or of the tools or system block read first; in a chain whose system block
+    comes first, that block before the tools): their share of its estimate, as
+    ``_dropped_tokens`` counts. Media before the point count nothing (an image's tokens depend
+    on its size and the model, 85 to thousands): a lower bound."""
+    location = divergence.location
+    if location == "tools" and old.system_first:
+        at, tools_before = old.system_count, False
+    elif location in ("system", "messages") and divergence.index is not None:
+        at = divergence.index
+        tools_before = location == "messages" or not old.system_first
+    else:
         return 0
     messages = list(old.messages)
     tools = compaction.estimate_tokens(old.tools) if old.tools else 0
     whole = max(compaction.estimate_tokens(messages) + tools, 1)
     unchanged = sum(
         compaction.estimate_tokens([message])
-        for message in messages[: divergence.index]
+        for message in messages[:at]
         if not _has_media(message)
     )
-    at = divergence.index
+    if location == "tools":
+        return int(prompt * unchanged) // whole
     if divergence.field == "content" and at < len(messages) and at < len(new.messages):
         # (a line added at the end of a long system prompt, the date there: what comes before
         # it was the provider's to read, as a whole message before it is)
@@ -295,7 +303,7 @@ def _tokens_before(
         if isinstance(text, str) and isinstance(edited, str) and text:
             share = prefix.common_prefix_length(text, edited) / len(text)
             unchanged += int(compaction.estimate_tokens([was]) * share)
-    return int(prompt * (unchanged + tools)) // whole
+    return int(prompt * (unchanged + (tools if tools_before else 0))) // whole
 
 
 def _has_media(message: Any) -> bool:
@@ -896,7 +904,7 @@ class AccountingObserver:
         reported_before = (held is not None and held.has_reported) or "summary_reported" in extra
         body = ex.body
         baselines: list[_Baseline] = extra.get("baselines") or []
-        fp = prefix.fingerprint(body, _hash_base(baselines, body))
+        fp = prefix.fingerprint(body, _hash_base(baselines, body), ex.system_block)
         chosen, continues, divergence = self._compare(_ranked(baselines, fp, body), fp, body)
         compared = chosen.fp if chosen is not None else None  # (before this one takes its place)
         forwarded = divergence  # (where the forwarded histories differ: the tokens before it)
@@ -1325,7 +1333,7 @@ class AccountingObserver:
         seen = view
         if client is not None and client is not body:
             seen = resview.chat_shaped(client, view["messages"][0] if offset else None)[0]
-        ex.route, ex.body, ex.client_body = "chat", view, seen
+        ex.route, ex.body, ex.client_body, ex.system_block = "chat", view, seen, offset
         if offset and repairs:  # (their indices are in ``input``: in the view, one further)
             ex.repairs = [
                 {**r, "index": r["index"] + offset} if isinstance(r.get("index"), int) else r
@@ -1335,6 +1343,7 @@ class AccountingObserver:
             self.on_response(ex)
         finally:
             ex.route, ex.body, ex.client_body, ex.repairs = "passthrough", body, client, repairs
+            ex.system_block = None
         divergence = ex.divergence
         if (
             not offset

@@ -113,6 +113,9 @@ class Exchange:
     # the first message of the request the accounting compared this one with, where it
     # differs (a Responses API view's instructions message, read back by ``resview``)
     compared_first: Any = None
+    # A Responses API view's system block (its instructions: 1, or 0), which the accounting
+    # hashes before the tools (``prefix.fingerprint``); None for a chat request
+    system_block: int | None = None
     # The relay keeps the response's bytes (a long stream's are decoded every few KiB, after
     # the write) and leaves the rest of the decoding to ``assemble``, which runs with the
     # observers, after the client has its response.

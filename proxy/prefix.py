@@ -6,6 +6,9 @@ provider renders them::
 
     params ─▶ tools ─▶ system ─▶ messages[k] ─▶ messages[k+1] ─▶ …
 
+(Anthropic's order, which a chat request is read in), or, for a request whose system block is
+hashed before its tools (a Responses API request, OpenAI's order: ``instructions``, tools, then
+``input``), ``params ─▶ system ─▶ tools ─▶ messages[k] ─▶ …`` (``fingerprint(…, system_block=)``).
 ``params`` holds the cache-relevant parameters (``CACHE_PARAMS``), ``tools`` the whole tools array,
 ``system`` the leading system/developer messages, and every later message is one element. Each
 element's digest is blake2b-128 of its canonical JSON; each chain digest hashes the previous chain
@@ -77,7 +80,9 @@ _TOKEN_MARGIN: Final = 64
 # Context redacted around an excerpt, so a secret that starts before the excerpt is still caught.
 _SECRET_MARGIN: Final = 4096
 _KEY_BLOCK_MAX: Final = 64 * 1024  # the longest private key block looked back for (PEM, PGP)
-# Fixed element positions in the chain; messages after the system block follow.
+# Fixed element positions in the chain (tools and system swap places in a chain whose system
+# block comes first: ``Fingerprint.tools_at``, ``system_at``); the messages after the system
+# block follow.
 _PARAMS, _TOOLS, _SYSTEM = 0, 1, 2
 _FIRST_MESSAGE: Final = 3
 
@@ -89,8 +94,10 @@ class Fingerprint:
     """The hash chain of one forwarded request (a value: never mutated once built; not frozen
     because a frozen dataclass costs ~1 µs more to build, once per request).
 
-    ``chain`` is the list of ``(location, chain_digest)``: ``params``, ``tools``, ``system``, then
-    ``messages[i]`` for each message after the system block (``i`` indexes ``body["messages"]``).
+    ``chain`` is the list of ``(location, chain_digest)``: ``params``, ``tools``, ``system``
+    (``system`` before ``tools`` where ``system_first``), then ``messages[i]`` for each message
+    after the system block (``i`` indexes ``body["messages"]``); ``element_digests`` are in
+    the chain's order.
     The other fields let the next request's fingerprint reuse work (``fingerprint(…, previous=)``)
     and let ``find_divergence`` locate a change. ``messages`` and ``tools`` are the request's own
     objects, kept by reference: do not mutate a body after fingerprinting it.
@@ -104,11 +111,32 @@ class Fingerprint:
     messages: tuple[Any, ...]
     tools: Any
     params: dict[str, Any] | None = None  # the cache parameters hashed (``cache_params``)
+    system_first: bool = False  # the system block hashed before the tools
 
     @property
     def params_digest(self) -> bytes:
         """Digest of the cache-relevant parameters (not chained)."""
         return self.element_digests[_PARAMS]
+
+    @property
+    def tools_at(self) -> int:
+        """The tools' place in the chain."""
+        return _SYSTEM if self.system_first else _TOOLS
+
+    @property
+    def system_at(self) -> int:
+        """The system block's place in the chain."""
+        return _TOOLS if self.system_first else _SYSTEM
+
+    @property
+    def tools_digest(self) -> bytes:
+        """Digest of the tools (not chained)."""
+        return self.element_digests[_SYSTEM if self.system_first else _TOOLS]
+
+    @property
+    def system_digest(self) -> bytes:
+        """Digest of the system block (not chained)."""
+        return self.element_digests[_TOOLS if self.system_first else _SYSTEM]
 
     @property
     def head(self) -> bytes:
@@ -151,8 +179,15 @@ class Divergence:
         return self.location
 
 
-def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) -> Fingerprint:
+def fingerprint(
+    body: Mapping[str, Any], previous: Fingerprint | None = None, system_block: int | None = None
+) -> Fingerprint:
     """Hash ``body`` into a chain; with ``previous``, reuse its digests of unchanged elements.
+
+    ``system_block``: the system block is that many leading messages (a Responses API request's
+    ``instructions``, 1 or 0), hashed before the tools, as OpenAI reads such a request; the
+    messages after it are messages whatever their role (a leading ``developer`` item comes
+    after the tools). None: the leading system and developer messages, hashed after the tools.
 
     A message at the same index that is the same object as, or equal to, the previous request's is
     not hashed again, nor are equal tools, an equal system block or equal string-valued
@@ -166,10 +201,15 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
     count = len(messages)
     tools = body.get("tools")
     params = cache_params(body)
+    system_first = system_block is not None
+    if previous is not None and previous.system_first is not system_first:
+        previous = None  # (its elements are in another order)
     chain: list[tuple[str, bytes]]
     if previous is None:
         message_digests = tuple([message_digest(message) for message in messages])
-        system_count = leading_system_count(messages)
+        system_count = (
+            leading_system_count(messages) if system_block is None else min(system_block, count)
+        )
         params_digest = _digest(params)
         tools_digest = _tools_digest(tools)
         system_digest = _system_digest(message_digests[:system_count])
@@ -198,16 +238,18 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
                         continue
                 digests.append(message_digest(message))
             message_digests = tuple(digests)
-        if same > previous.system_count:
+        if same > previous.system_count and system_block is None:
             # The system block and the message after it are the very same objects: same block.
             system_count = previous.system_count
-            system_digest = before[_SYSTEM]
+            system_digest = previous.system_digest
         else:
-            system_count = leading_system_count(messages)
+            system_count = (
+                leading_system_count(messages) if system_block is None else min(system_block, count)
+            )
             if previous.system_count == system_count and (
                 old_digests[:system_count] == message_digests[:system_count]
             ):
-                system_digest = before[_SYSTEM]
+                system_digest = previous.system_digest
             else:
                 system_digest = _system_digest(message_digests[:system_count])
         # Elements equal to the previous request's keep their digests. Only parameters that are
@@ -222,10 +264,13 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
         # dozen tools (not by Python's equality alone, which takes reordered properties for
         # equal: a provider does not).
         if same_as_sent(previous.tools, tools):
-            tools_digest = before[_TOOLS]
+            tools_digest = previous.tools_digest
         else:
             tools_digest = _tools_digest(tools)
-    elements = (params_digest, tools_digest, system_digest, *message_digests[system_count:])
+    if system_first:
+        elements = (params_digest, system_digest, tools_digest, *message_digests[system_count:])
+    else:
+        elements = (params_digest, tools_digest, system_digest, *message_digests[system_count:])
 
     links: tuple[bytes, ...] = ()  # the chain digests kept
     if previous is not None:
@@ -251,6 +296,7 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
                 messages,
                 tools,
                 params,
+                system_first,
             )
         chain = list(previous.chain[:kept])
         links = previous.digests[:kept]
@@ -269,7 +315,8 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
         link = hasher.digest()
         append(link)
     first = system_count + max(kept, _FIRST_MESSAGE) - _FIRST_MESSAGE  # (messages[first] on)
-    locations = [*_ELEMENT_NAMES[kept:], *_LOCATION_NAMES[first:count]]
+    names = _SYSTEM_FIRST_NAMES if system_first else _ELEMENT_NAMES
+    locations = [*names[kept:], *_LOCATION_NAMES[first:count]]
     chain.extend(zip(locations, new_links, strict=True))
 
     return Fingerprint(
@@ -281,6 +328,7 @@ def fingerprint(body: Mapping[str, Any], previous: Fingerprint | None = None) ->
         messages,
         tools,
         params,
+        system_first,
     )
 
 
@@ -310,6 +358,7 @@ def _system_digest(message_digests: Sequence[bytes]) -> bytes:
 
 
 _ELEMENT_NAMES: Final = ("params", "tools", "system")
+_SYSTEM_FIRST_NAMES: Final = ("params", "system", "tools")
 _BLANK_LINK: Final = hashlib.blake2b(digest_size=DIGEST_SIZE)  # (copied for each chain link)
 _LOCATION_NAMES: list[str] = []  # "messages[0]", "messages[1]", …, grown on demand
 
@@ -617,9 +666,25 @@ def find_divergence(
     position = leading_run(operator.eq, old.chain, new.chain)
     if position == _PARAMS:
         return _params_divergence(old_body, new_body, secrets)
-    if position == _TOOLS:
+    if position < _FIRST_MESSAGE and old.system_first is not new.system_first:
+        # (a chat request and a Responses API one, each hashed in its order: the first of
+        # the two that differs, in the new one's)
+        tools = old.tools_digest != new.tools_digest
+        system = old.system_digest != new.system_digest or old.system_count != new.system_count
+        if tools and (not system or not new.system_first):
+            position = new.tools_at
+        elif system:
+            position = new.system_at
+        else:  # (alike but for the order: the messages after)
+            old_rest, new_rest = old.element_digests, new.element_digests
+            position = _FIRST_MESSAGE + leading_run(
+                operator.eq, old_rest[_FIRST_MESSAGE:], new_rest[_FIRST_MESSAGE:]
+            )
+            if position >= min(len(old_rest), len(new_rest)):
+                return None
+    if position == new.tools_at:
         return _tools_divergence(old.tools, new.tools, secrets)
-    if position == _SYSTEM:
+    if position == new.system_at:
         shorter, longer = sorted((old, new), key=lambda fp: fp.system_count)
         if (
             len(shorter.messages) == shorter.system_count
@@ -738,7 +803,7 @@ _MADE_ANEW: Final = 4
 
 def shared_links(old: Fingerprint, new: Fingerprint) -> int:
     """How many leading links of their chains the two requests share: ``params``, ``tools``,
-    ``system``, then one per message. A link's digest covers every element before it, so equal
+    ``system`` (or ``system``, ``tools``), then one per message. A link's digest covers every element before it, so equal
     links at a position mean equal chains up to it: a binary search, ~10 comparisons for a history
     of 400 messages."""
     old_chain, new_chain = old.chain, new.chain
@@ -756,10 +821,12 @@ def shared_past_params(old: Fingerprint, new: Fingerprint) -> int:
     """``shared_links`` as if the two requests' parameters were alike: the tools, the system
     prompt and the leading messages they share (a turn after one that forced a tool or asked
     for more reasoning carries that one's history on, though no link of its chain is equal)."""
-    old_elements, new_elements = old.element_digests, new.element_digests
-    if old_elements[_TOOLS] != new_elements[_TOOLS]:
+    tools = old.tools_digest == new.tools_digest
+    system = old.system_digest == new.system_digest and old.system_count == new.system_count
+    first, second = (system, tools) if new.system_first else (tools, system)
+    if not first:
         return 1
-    if old_elements[_SYSTEM] != new_elements[_SYSTEM] or old.system_count != new.system_count:
+    if not second:
         return 2
     return 3 + leading_run(
         operator.eq,
@@ -770,24 +837,18 @@ def shared_past_params(old: Fingerprint, new: Fingerprint) -> int:
 
 def prompt_and_tools_differ(old: Fingerprint, new: Fingerprint) -> bool:
     """Whether the two requests differ in both their system prompt and their tools."""
-    return (
-        old.element_digests[_SYSTEM] != new.element_digests[_SYSTEM]
-        and old.element_digests[_TOOLS] != new.element_digests[_TOOLS]
-    )
+    return old.system_digest != new.system_digest and old.tools_digest != new.tools_digest
 
 
 def side_request(old: Fingerprint, new: Fingerprint) -> bool:
     """Whether ``new`` is a request an agent sends beside ``old``'s conversation, not in it: a
     title request, under a system prompt of its own, on another model, or on the same one with
     other tools and a single message (see ``same_conversation``)."""
-    if old.element_digests[_SYSTEM] == new.element_digests[_SYSTEM]:
+    if old.system_digest == new.system_digest:
         return False
     if (old.params or {}).get("model") != (new.params or {}).get("model"):
         return True
-    return (
-        old.element_digests[_TOOLS] != new.element_digests[_TOOLS]
-        and len(new.message_digests) - new.system_count == 1
-    )
+    return old.tools_digest != new.tools_digest and len(new.message_digests) - new.system_count == 1
 
 
 def same_conversation(old: Fingerprint, new: Fingerprint) -> bool:
@@ -810,10 +871,7 @@ def same_conversation(old: Fingerprint, new: Fingerprint) -> bool:
     new_messages = new.message_digests[new.system_count :]
     if not old_messages or not new_messages:
         return not old_messages and not new_messages
-    if (
-        len(new_messages) == 1 < len(old_messages)
-        and old.element_digests[_SYSTEM] != new.element_digests[_SYSTEM]
-    ):
+    if len(new_messages) == 1 < len(old_messages) and old.system_digest != new.system_digest:
         # Its opening alone under a prompt of its own, where ``old``'s conversation went on
         # past it: a new chat that opens alike ("hi"), a title request with the agent's own
         # tools; it carries nothing of ``old``'s but the opening. Read as a rewrite, its whole
@@ -881,9 +939,9 @@ def dropped_elements(
     old_elements, new_elements = old.element_digests, new.element_digests
     if shared >= len(old_elements):
         return []
-    in_new = set(new_elements[_TOOLS : carried or None])
+    in_new = set(new_elements[_PARAMS + 1 : carried or None])  # (the tools, system and on)
     in_new.update(held)
-    in_old = set(old_elements[_TOOLS:])
+    in_old = set(old_elements[_PARAMS + 1 :])
     first = max(shared, _FIRST_MESSAGE)
     kept = [p for p in range(first, len(old_elements)) if old_elements[p] in in_new]
     last_kept = kept[-1] if kept else -1
@@ -891,7 +949,7 @@ def dropped_elements(
     old_offset = old.system_count - _FIRST_MESSAGE
     new_offset = new.system_count - _FIRST_MESSAGE
     dropped: list[tuple[Any, float]] = []
-    if shared <= _SYSTEM and old.system_count and old_elements[_SYSTEM] != new_elements[_SYSTEM]:
+    if shared <= old.system_at and old.system_count and old.system_digest != new.system_digest:
         # What changed of the system block could not be read either: a prompt that keeps its
         # text and changes the time keeps nearly all of it, another document in its place
         # (a batch of documents asked the same question) nearly none.

@@ -3,11 +3,13 @@ accounting names put back in the Responses API's terms (pure).
 
 OpenAI's prompt cache reads a Responses API request as a prefix: its ``instructions``, its tools,
 then each ``input`` item in turn. The accounting (``observers.AccountingObserver``, ``prefix``,
-``cache``) hashes a chat request's system block, tools and messages in that order; so a
-Responses request is given to it as ``{"messages": [instructions as a system message, *input]}``
-with its other fields, and what it finds (``messages[5].content``, ``system``) is said back as
-``input[4].content`` or ``instructions``. Items are hashed whole, as they are: a leading
-``developer`` or ``system`` message item belongs to the system block, as in chat.
+``cache``) hashes a chat request's tools, system block and messages; so a Responses request is
+given to it as ``{"messages": [instructions as a system message, *input]}`` with its other
+fields, its system block the instructions alone, hashed before the tools
+(``prefix.fingerprint(…, system_block=offset)``), and what it finds (``messages[5].content``,
+``system``) is said back as ``input[4].content`` or ``instructions``. Items are hashed whole, as
+they are: a leading ``developer`` or ``system`` message item is an item as any other, after the
+tools.
 """
 
 from __future__ import annotations

@@ -545,6 +545,72 @@ def test_a_long_codex_session_with_tool_rounds_wastes_nothing(
     assert all(c["expected"] > 0 and c["read"] > c["expected"] - 128 for c in caches[1:]), caches
 
 
+# Tools as a large agent sends them (~24 KB: thirty functions, each with a long description):
+# more than the instructions, so an order read wrong shows.
+MANY_TOOLS = [
+    {
+        "type": "function",
+        "name": f"tool_{i}",
+        "description": f"Tool {i}. " + "Reads the repository and reports what it found. " * 14,
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+    }
+    for i in range(30)
+]
+
+
+def test_a_responses_prompt_is_read_instructions_then_tools_then_input(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """OpenAI reads a Responses request as its instructions, its tools, then its input. With
+    many tools, the time changed at the start of the instructions loses everything: it was
+    named ``unexplained`` (the accounting read the tools first, an unchanged prefix of
+    thousands of tokens nothing was read of). A tool changed after that loses what follows
+    the instructions, which are read; a handoff that changes both is the instructions'."""
+    proxy = proxy_factory(sim.api_base, clock=lambda: sim.sim.now)
+    client = sdk(proxy.base_url, default_headers={"X-Session-Id": "many-tools"})
+    items: list[Any] = [{"role": "user", "content": "Fix the failing test.\n" + FILE_TEXT}]
+    steps = [
+        ("09:00", MANY_TOOLS),
+        ("09:00", MANY_TOOLS),
+        ("09:01", MANY_TOOLS),  # the time in the instructions
+        ("09:01", [{**MANY_TOOLS[0], "description": "Edited."}, *MANY_TOOLS[1:]]),  # a tool
+        ("09:02", TOOLS),  # both: a handoff to another agent
+    ]
+    for turn, (time, tools) in enumerate(steps):
+        client.responses.create(
+            model="gpt-5",
+            instructions=f"Current time: {time}.\n" + LONG_INSTRUCTIONS,
+            tools=tools,
+            input=items,
+        )
+        items = [*items, {"role": "user", "content": f"go on {turn}"}]
+        sim.sim.advance(20)
+    reads = [r.usage["input_tokens_details"]["cached_tokens"] for r in sim.sim.requests]
+    # The scenario is what it claims to be: the third and fifth read nothing, the fourth
+    # the instructions (~1,900 tokens) and not the tools after them.
+    assert reads[1] > 6000 and reads[2] == 0 and reads[4] == 0
+    assert 1024 <= reads[3] < 2500
+    proxy.settle()
+    responses = events(proxy.log_dir, "many-tools", "response")
+    caches = [r["cache"] for r in responses]
+    assert [(c["cause"], c["location"]) for c in caches] == [
+        (None, None),
+        (None, None),
+        ("prefix_rewrite", "instructions"),
+        ("prefix_rewrite", "tools"),
+        ("prefix_rewrite", "instructions"),
+    ]
+    assert [c["read"] for c in caches] == reads
+    assert caches[2]["waste"] == caches[2]["expected"] > 6000  # all of it, to the rewrite
+    assert caches[3]["waste"] > 5000
+    assert responses[2]["divergence"]["volatile_kind"] == "timestamp"
+    assert responses[3]["divergence"]["location"] == "tools"
+    assert responses[3]["divergence"]["field"] == "tool_0"
+    m = proxy.metric
+    assert m("cachegate_prefix_rewrites_total", {"location": "system"}) == 2
+    assert m("cachegate_prefix_rewrites_total", {"location": "tools"}) == 1
+
+
 # --- the log's lines, and the review's findings ----------------------------------------------------
 
 

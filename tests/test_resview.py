@@ -31,8 +31,19 @@ def test_instructions_lead_the_items_which_are_the_very_objects() -> None:
         "store": False,
     }
     assert "input" not in view and "instructions" not in view
-    # the system block is the instructions and the leading developer item, as in chat
-    assert prefix.fingerprint(view).system_count == 2
+    # the system block is the instructions, read before the tools; the leading developer
+    # item comes after them, an item as any other
+    fp = prefix.fingerprint(view, system_block=offset)
+    assert fp.system_count == 1
+    assert [name for name, _ in fp.chain] == [
+        "params",
+        "system",
+        "tools",
+        "messages[1]",
+        "messages[2]",
+        "messages[3]",
+        "messages[4]",
+    ]
 
 
 def test_the_same_instructions_reuse_the_held_message_and_new_ones_do_not() -> None:
