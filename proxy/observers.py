@@ -52,6 +52,8 @@ def _state_of(ex: Exchange, sessions: SessionStore) -> SessionState | None:
 
 # Top-level request keys the request line gives fields of their own (not ``params``).
 _NOT_PARAMS: Final = frozenset({"messages", "tools", "model", "stream"})
+# Providers that render a chat request's system prompt before its tools (``_Terms``)
+_SYSTEM_FIRST: Final = frozenset({"openai", "deepseek"})
 # ...of a Responses API request, whose ``input`` items are logged as a chat request's messages
 # are (an ``input`` that is one string stays among its parameters)
 _NOT_RESPONSES_PARAMS: Final = frozenset({"input", "tools", "model", "stream"})
@@ -747,6 +749,9 @@ class _Terms(NamedTuple):
     # names are not OpenAI's (Groq's "flex" costs what its on-demand does): a model named as
     # OpenAI's, or one whose entry sets its ``priority_factor``
     priority_factor: float | None
+    # whether its provider renders a chat request's system prompt before the tools (OpenAI's
+    # and DeepSeek's models), where Claude renders the tools first (and, not knowing, the rest)
+    system_first: bool = False
 
 
 def _tier(terms: _Terms, ex: Exchange) -> str | None:
@@ -854,6 +859,7 @@ class AccountingObserver:
                 model.cache_min_tokens,
                 floor,
                 model.priority_factor if openai else None,
+                cache.caching_provider(model_name or "", model.dialect) in _SYSTEM_FIRST,
             )
             if model_name is None or len(model_name) <= _NAME_KEPT:  # (a longer one: each time)
                 self._terms[model_name] = terms
@@ -904,7 +910,15 @@ class AccountingObserver:
         reported_before = (held is not None and held.has_reported) or "summary_reported" in extra
         body = ex.body
         baselines: list[_Baseline] = extra.get("baselines") or []
-        fp = prefix.fingerprint(body, _hash_base(baselines, body), ex.system_block)
+        terms = self._model_terms(ex.model, ex)
+        fp = prefix.fingerprint(
+            body,
+            _hash_base(baselines, body),
+            # (a Responses API request's instructions, read before its tools; a chat request's
+            # system block, before or after them as its provider renders it)
+            system_first=ex.system_block is not None or terms.system_first,
+            system_block=ex.system_block,
+        )
         chosen, continues, divergence = self._compare(_ranked(baselines, fp, body), fp, body)
         compared = chosen.fp if chosen is not None else None  # (before this one takes its place)
         forwarded = divergence  # (where the forwarded histories differ: the tokens before it)
@@ -950,8 +964,7 @@ class AccountingObserver:
             if compared is not None and compared.messages:
                 ex.compared_first = compared.messages[0]
         usage = ex.usage
-        terms = self._model_terms(ex.model, ex)
-        name, ttl_s, _, marked_only, min_cached, ttl_floor_s, _ = terms
+        name, ttl_s, _, marked_only, min_cached, ttl_floor_s, _, _ = terms
         pricing = _billed(terms, ex)  # (at the processing tier the answer was billed at)
         if marked_only or (usage is not None and usage.explicit_cache):
             # Claude keeps a prefix as long as the breakpoint that wrote it asks: "1h" or "5m",

@@ -6,9 +6,13 @@ provider renders them::
 
     params ─▶ tools ─▶ system ─▶ messages[k] ─▶ messages[k+1] ─▶ …
 
-(Anthropic's order, which a chat request is read in), or, for a request whose system block is
-hashed before its tools (a Responses API request, OpenAI's order: ``instructions``, tools, then
-``input``), ``params ─▶ system ─▶ tools ─▶ messages[k] ─▶ …`` (``fingerprint(…, system_block=)``).
+(Anthropic's order: Claude renders the tools first), or, as OpenAI and DeepSeek render a
+request (OpenAI's Harmony format: the instructions, then the tools), the system block first
+(``fingerprint(…, system_first=True)``)::
+
+    params ─▶ system ─▶ tools ─▶ messages[k] ─▶ messages[k+1] ─▶ …
+
+A Responses API request's system block is its ``instructions`` alone (``system_block``).
 ``params`` holds the cache-relevant parameters (``CACHE_PARAMS``), ``tools`` the whole tools array,
 ``system`` the leading system/developer messages, and every later message is one element. Each
 element's digest is blake2b-128 of its canonical JSON; each chain digest hashes the previous chain
@@ -180,14 +184,18 @@ class Divergence:
 
 
 def fingerprint(
-    body: Mapping[str, Any], previous: Fingerprint | None = None, system_block: int | None = None
+    body: Mapping[str, Any],
+    previous: Fingerprint | None = None,
+    system_first: bool = False,
+    system_block: int | None = None,
 ) -> Fingerprint:
     """Hash ``body`` into a chain; with ``previous``, reuse its digests of unchanged elements.
 
-    ``system_block``: the system block is that many leading messages (a Responses API request's
-    ``instructions``, 1 or 0), hashed before the tools, as OpenAI reads such a request; the
-    messages after it are messages whatever their role (a leading ``developer`` item comes
-    after the tools). None: the leading system and developer messages, hashed after the tools.
+    ``system_first``: the system block is hashed before the tools, as OpenAI and DeepSeek
+    render a request (else after them, as Claude does). ``system_block``: the system block is
+    that many leading messages (a Responses API request's ``instructions``, 1 or 0; the
+    messages after it are messages whatever their role: a leading ``developer`` item comes
+    after the tools); None: the leading system and developer messages.
 
     A message at the same index that is the same object as, or equal to, the previous request's is
     not hashed again, nor are equal tools, an equal system block or equal string-valued
@@ -201,7 +209,6 @@ def fingerprint(
     count = len(messages)
     tools = body.get("tools")
     params = cache_params(body)
-    system_first = system_block is not None
     if previous is not None and previous.system_first is not system_first:
         previous = None  # (its elements are in another order)
     chain: list[tuple[str, bytes]]

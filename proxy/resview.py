@@ -6,7 +6,7 @@ then each ``input`` item in turn. The accounting (``observers.AccountingObserver
 ``cache``) hashes a chat request's tools, system block and messages; so a Responses request is
 given to it as ``{"messages": [instructions as a system message, *input]}`` with its other
 fields, its system block the instructions alone, hashed before the tools
-(``prefix.fingerprint(…, system_block=offset)``), and what it finds (``messages[5].content``,
+(``prefix.fingerprint(…, system_first=True, system_block=offset)``), and what it finds (``messages[5].content``,
 ``system``) is said back as ``input[4].content`` or ``instructions``. Items are hashed whole, as
 they are: a leading ``developer`` or ``system`` message item is an item as any other, after the
 tools.

@@ -1300,7 +1300,7 @@ def test_switching_a_chats_tools_off_is_still_its_conversation(
 ) -> None:
     """A chat whose user turns a search tool off (the tool gone, and its mention from the
     system prompt): the turn was taken for a side request, a new conversation, and its miss
-    was not reported."""
+    was not reported. (OpenAI renders the system prompt before the tools: the first change.)"""
     proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
     client = make_client(proxy.base_url, default_headers={"X-Session-Id": "toggle"})
     search = [
@@ -1319,7 +1319,7 @@ def test_switching_a_chats_tools_off_is_still_its_conversation(
     flush(proxy)
     last = events(proxy.log_dir, "toggle", "response")[-1]["cache"]
     assert last["waste"] == last["expected"] - last["read"] > NOISE_FLOOR
-    assert (last["cause"], last["location"]) == ("prefix_rewrite", "tools")
+    assert (last["cause"], last["location"]) == ("prefix_rewrite", "system")
 
 
 def test_a_rewind_after_an_mcp_server_connected_still_reports_the_miss(
@@ -1327,7 +1327,8 @@ def test_a_rewind_after_an_mcp_server_connected_still_reports_the_miss(
 ) -> None:
     """An agent that rebuilds its system prompt and tools each turn, rewound after another MCP
     server connected: fewer messages, another prompt and other tools, but its own conversation
-    (its tools and its messages): the provider missed, and that is a tools rewrite."""
+    (its tools and its messages): the provider missed, and that is a rewrite of its system
+    prompt (OpenAI renders it before the tools)."""
     proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
     client = make_client(proxy.base_url, default_headers={"X-Session-Id": "mcp"})
     servers: list[str] = []
@@ -1357,7 +1358,7 @@ def test_a_rewind_after_an_mcp_server_connected_still_reports_the_miss(
     last = events(proxy.log_dir, "mcp", "response")[-1]["cache"]
     assert last["expected"] > NOISE_FLOOR
     assert last["waste"] == last["expected"] - last["read"] > NOISE_FLOOR
-    assert (last["cause"], last["location"]) == ("prefix_rewrite", "tools")
+    assert (last["cause"], last["location"]) == ("prefix_rewrite", "system")
 
 
 def test_a_repeated_request_keeps_its_conversation_the_most_recently_seen(
@@ -1532,6 +1533,76 @@ def test_a_line_added_to_a_long_system_prompt_is_not_charged_with_a_prefix_alrea
     else:  # (the provider read up to the edit: what follows it is under the noise floor)
         assert read > 5000 and last["cache"]["waste"] == 0
     assert last["divergence"]["location"] == "system"  # the edit is logged either way
+
+
+# Thirty tools as a large agent sends them (~24 KB), more than the system prompt
+MANY_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": f"tool_{i}",
+            "description": f"Tool {i}. " + "Reads the repository and reports what it found. " * 14,
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    }
+    for i in range(30)
+]
+
+
+@pytest.mark.parametrize("model", ["gpt-4o", "deepseek-chat"])
+def test_an_openai_prompt_is_read_system_then_tools_and_its_rewrites_named_so(
+    proxy_factory: Any, sdk: Any, model: str
+) -> None:
+    """OpenAI (and DeepSeek) render a chat request's system prompt before its tools. With many
+    tools, the time at the start of the system prompt loses all of the prompt: it was named
+    ``unexplained`` (read in Claude's order, the tools were an unchanged prefix of thousands of
+    tokens of which nothing was read, so the provider had seemed to lose it first). A tool
+    edited then loses the tools and what follows, the system prompt read."""
+    dialect = "openai" if model == "gpt-4o" else "deepseek"
+    with run_simulator(SimConfig(dialect=dialect)) as sim:
+        proxy = proxy_factory(sim.api_base, config(), clock=lambda: sim.sim.now)
+        client = sdk(proxy.base_url, default_headers={"X-Session-Id": "many-tools"})
+        convo: list[dict[str, Any]] = [
+            {"role": "system", "content": ""},
+            {"role": "user", "content": "Fix the failing test.\n" + FILE_TEXT},
+        ]
+        edited = [
+            {**MANY_TOOLS[0], "function": {**MANY_TOOLS[0]["function"], "description": "Edited."}}
+        ]
+        steps = [
+            ("09:00", MANY_TOOLS),
+            ("09:00", MANY_TOOLS),
+            ("09:01", MANY_TOOLS),  # the time in the system prompt
+            ("09:01", [*edited, *MANY_TOOLS[1:]]),  # a tool
+        ]
+        for turn, (time, tools) in enumerate(steps):
+            convo[0] = {"role": "system", "content": f"Current time: {time}.\n" + SYSTEM_PROMPT * 2}
+            reply, _ = chat(client, convo, stream=bool(turn % 2), model=model, tools=tools)
+            convo += [reply, {"role": "user", "content": f"Go on ({turn})."}]
+            sim.sim.advance(20)
+        usages = [r.usage for r in sim.sim.requests]
+        reads = [cache_read(u) for u in usages]
+        # The scenario is what it claims to be: the third reads nothing, the fourth the system
+        # prompt (~2,000 tokens) and not the tools after it.
+        assert reads[1] > 6000 and reads[2] == 0
+        assert 1024 <= reads[3] < 3000
+        flush(proxy)
+        responses = events(proxy.log_dir, "many-tools", "response")
+        caches = [r["cache"] for r in responses]
+        assert [(c["cause"], c["location"]) for c in caches] == [
+            (None, None),
+            (None, None),
+            ("prefix_rewrite", "system"),
+            ("prefix_rewrite", "tools"),
+        ]
+        assert [c["read"] for c in caches] == reads
+        assert caches[2]["waste"] == caches[2]["expected"] == usages[1]["prompt_tokens"]
+        assert caches[3]["waste"] == caches[3]["expected"] - reads[3] > 5000
+        assert responses[2]["divergence"]["volatile_kind"] == "timestamp"
+        assert (responses[3]["divergence"]["location"], responses[3]["divergence"]["field"]) == (
+            "tools",
+            "tool_0",
+        )
 
 
 CALL_ID = "call_Xq3vT9pLm2RzK8wYb4NcD7hF"  # (as OpenAI's look: a turn carrying it is that one's)

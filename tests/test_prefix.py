@@ -630,17 +630,19 @@ _message = st.fixed_dictionaries(
     ),
     appended=st.lists(_message, min_size=1, max_size=3),
     same_objects=st.booleans(),
-    block=st.sampled_from([None, 0, 1]),
+    order=st.sampled_from([(False, None), (True, None), (True, 0), (True, 1)]),
 )
 def test_incremental_fingerprint_equals_fresh_and_divergence_is_first_change(
     old_messages: list[dict[str, Any]],
     edits: list[tuple[str, int]],
     appended: list[dict[str, Any]],
     same_objects: bool,
-    block: int | None,
+    order: tuple[bool, int | None],
 ) -> None:
-    """(``block``: a system block of that many leading messages, hashed before the tools, as
-    a Responses API request's instructions are.)"""
+    """(``order``: the system block hashed before the tools or after them, as OpenAI's and
+    Claude's chat requests; of that many leading messages, as a Responses API request's
+    instructions are.)"""
+    first, block = order
     old = {"model": "m", "tools": TOOLS, "messages": old_messages}
     # Parsed afresh (equal objects), or spliced onto the previous parse (the very same ones).
     new = (
@@ -655,9 +657,9 @@ def test_incremental_fingerprint_equals_fresh_and_divergence_is_first_change(
             del new["messages"][at % len(new["messages"])]
         elif op == "params":
             new["reasoning_effort"] = "high" if at % 2 else "low"
-    fp_old = fingerprint(old, system_block=block)
-    fp_new = fingerprint(new, previous=fp_old, system_block=block)
-    fresh = fingerprint(new, system_block=block)
+    fp_old = fingerprint(old, system_first=first, system_block=block)
+    fp_new = fingerprint(new, previous=fp_old, system_first=first, system_block=block)
+    fresh = fingerprint(new, system_first=first, system_block=block)
     assert fp_new.chain == fresh.chain
     assert fp_new.digests == fresh.digests == tuple(digest for _, digest in fresh.chain)
     assert fp_new.element_digests == fresh.element_digests
@@ -666,8 +668,8 @@ def test_incremental_fingerprint_equals_fresh_and_divergence_is_first_change(
     # and a next turn on top of it (the digests kept from a kept run of a kept run)
     later = {**new, "messages": [*new["messages"], *appended]}
     assert (
-        fingerprint(later, previous=fp_new, system_block=block).digests
-        == fingerprint(later, system_block=block).digests
+        fingerprint(later, previous=fp_new, system_first=first, system_block=block).digests
+        == fingerprint(later, system_first=first, system_block=block).digests
     )
 
     divergence = find_divergence(fp_old, fp_new, old, new)
@@ -721,7 +723,7 @@ def test_a_system_block_read_before_the_tools_is_hashed_and_named_in_that_order(
             user_message("Fix the test."),
         ],
     }
-    fp_old = fingerprint(old, system_block=1)
+    fp_old = fingerprint(old, system_first=True, system_block=1)
     assert [name for name, _ in fp_old.chain] == [
         "params",
         "system",
@@ -730,8 +732,10 @@ def test_a_system_block_read_before_the_tools_is_hashed_and_named_in_that_order(
         "messages[2]",
     ]
     assert (fp_old.system_count, fp_old.system_at, fp_old.tools_at) == (1, 1, 2)
-    chat = fingerprint(old)  # (a chat request: tools first, both leading messages the block)
+    chat = fingerprint(old)  # (a chat request to Claude: tools first, the block both messages)
     assert [name for name, _ in chat.chain] == ["params", "tools", "system", "messages[2]"]
+    openai = fingerprint(old, system_first=True)  # (to OpenAI: the block first)
+    assert [name for name, _ in openai.chain] == ["params", "system", "tools", "messages[2]"]
     retimed = copy.deepcopy(old)
     retimed["messages"][0]["content"] = "Current time: 10:01\n" + SYSTEM
     no_tools = {**old, "tools": []}
@@ -744,8 +748,8 @@ def test_a_system_block_read_before_the_tools_is_hashed_and_named_in_that_order(
         (both, "system", 1),
         (developer, "messages", 3),
     ):
-        fp = fingerprint(body, previous=fp_old, system_block=1)
-        assert fp.chain == fingerprint(body, system_block=1).chain
+        fp = fingerprint(body, previous=fp_old, system_first=True, system_block=1)
+        assert fp.chain == fingerprint(body, system_first=True, system_block=1).chain
         divergence = find_divergence(fp_old, fp, old, body)
         assert divergence is not None and divergence.location == location, body
         assert shared_links(fp_old, fp) == shared
@@ -755,19 +759,32 @@ def test_a_system_block_read_before_the_tools_is_hashed_and_named_in_that_order(
         assert chat_divergence.location == (
             "tools" if body is both else location.replace("messages", "system")
         )
-    assert find_divergence(fp_old, fingerprint(no_tools, system_block=1), old, no_tools).field == (
-        "shell"
-    )
+    assert find_divergence(
+        fp_old, fingerprint(no_tools, system_first=True, system_block=1), old, no_tools
+    ).field == ("shell")
     # a chat request compared with a Responses one (each in its own order): the first of
     # the two that differs in the new one's order, nothing where only the order differs
-    assert find_divergence(chat, fingerprint(both, system_block=1), old, both).location == "system"
+    assert (
+        find_divergence(
+            chat, fingerprint(both, system_first=True, system_block=1), old, both
+        ).location
+        == "system"
+    )
     assert find_divergence(fp_old, fingerprint(both), old, both).location == "tools"
     plain = {**old, "messages": [old["messages"][0], *old["messages"][2:]]}
-    plain_chat, plain_responses = fingerprint(plain), fingerprint(plain, system_block=1)
+    plain_chat, plain_responses = (
+        fingerprint(plain),
+        fingerprint(plain, system_first=True, system_block=1),
+    )
     assert plain_chat.chain != plain_responses.chain
     assert find_divergence(plain_chat, plain_responses, plain, plain) is None
     longer = {**plain, "messages": [*plain["messages"], user_message("and then?")]}
-    assert find_divergence(plain_chat, fingerprint(longer, system_block=1), plain, longer) is None
+    assert (
+        find_divergence(
+            plain_chat, fingerprint(longer, system_first=True, system_block=1), plain, longer
+        )
+        is None
+    )
 
 
 # --- which request a request continues ----------------------------------------------------------

@@ -33,7 +33,7 @@ def test_instructions_lead_the_items_which_are_the_very_objects() -> None:
     assert "input" not in view and "instructions" not in view
     # the system block is the instructions, read before the tools; the leading developer
     # item comes after them, an item as any other
-    fp = prefix.fingerprint(view, system_block=offset)
+    fp = prefix.fingerprint(view, system_first=True, system_block=offset)
     assert fp.system_count == 1
     assert [name for name, _ in fp.chain] == [
         "params",

@@ -337,7 +337,9 @@ class _Handlers:
             refused = mistral_refusal(body["messages"])
             if refused is not None:  # (Mistral's error object, at the top level)
                 return _json_response(refused, 400)
-        tokens, marked, hour, ends = marked_request_tokens(body)
+        # (Claude renders the tools first; OpenAI and DeepSeek the system prompt, then the tools)
+        claude = self.config.dialect == "anthropic-compat"
+        tokens, marked, hour, ends = marked_request_tokens(body, system_first=not claude)
         if len(tokens) > self.config.context_window:
             message = CONTEXT_TEXT.format(window=self.config.context_window, tokens=len(tokens))
             return _error(400, message, "messages", "context_length_exceeded")

@@ -10,9 +10,12 @@ Rules:
   bytes; or a run of other ASCII punctuation — each run cut into pieces of at most 4 bytes.
   Whitespace and control characters separate tokens and are not counted:
   ``"hello, world"`` → ``hell o , worl d`` = 5 tokens; ``"abcd " * 10`` = 10 tokens.
-- A request is its ``tools`` (their compact JSON, keys sorted but for a schema's ``properties``,
-  which a provider renders as parameters in the order sent; a ``cache_control`` mark is no
-  text), then each message in order: a fixed overhead of
+- A chat request is its leading system (or developer) messages, then its ``tools`` (their
+  compact JSON, keys sorted but for a schema's ``properties``, which a provider renders as
+  parameters in the order sent; a ``cache_control`` mark is no text), then each other message
+  in order, as OpenAI renders a request (its Harmony format: the instructions, then the
+  tools) and DeepSeek does (the system prompt, then the tools); Claude (``anthropic-compat``)
+  renders the tools first, then every message. A message is a fixed overhead of
   3 tokens (start, role, end) around its ``name``, its content (a string, or the text of a list's
   text parts, an image as OpenAI bills it for its size, ``proxy.media``: 1,105 tokens for a 1280
   x 800 screenshot, not its base64; 765 where the size is not read, an image by URL; other parts,
@@ -33,7 +36,12 @@ from typing import Any, Final
 import orjson
 
 from proxy.media import image_tokens
-from proxy.prefix import cache_mark, deep_dumps, tools_json  # tools as a provider renders them
+from proxy.prefix import (  # tools as a provider renders them
+    cache_mark,
+    deep_dumps,
+    leading_system_count,
+    tools_json,
+)
 
 MESSAGE_OVERHEAD = 3
 UNKNOWN_IMAGE_TOKENS = 765  # an image whose size is not read (one by URL): a 1024 x 1024 one's
@@ -142,9 +150,10 @@ def message_tokens(message: Mapping[str, Any]) -> list[bytes]:
     return out
 
 
-def request_tokens(body: Mapping[str, Any]) -> list[bytes]:
-    """The prompt of a chat-completions request as one token sequence: tools, then messages."""
-    return marked_request_tokens(body)[0]
+def request_tokens(body: Mapping[str, Any], system_first: bool = True) -> list[bytes]:
+    """The prompt of a chat-completions request as one token sequence: the system block, tools,
+    then the other messages (``system_first``, OpenAI's order), or tools, then messages."""
+    return marked_request_tokens(body, system_first)[0]
 
 
 def response_tokens(body: Mapping[str, Any]) -> list[bytes]:
@@ -167,7 +176,9 @@ def response_tokens(body: Mapping[str, Any]) -> list[bytes]:
     return out
 
 
-def marked_request_tokens(body: Mapping[str, Any]) -> tuple[list[bytes], int, int, list[int]]:
+def marked_request_tokens(
+    body: Mapping[str, Any], system_first: bool = True
+) -> tuple[list[bytes], int, int, list[int]]:
     """``request_tokens``, how many of them end at the request's last ``cache_control``
     breakpoint (0 when there is none; all of them for one on the request itself), how many
     at its last breakpoint with ``"ttl": "1h"`` (0 for none), and where each breakpoint ends
@@ -177,6 +188,27 @@ def marked_request_tokens(body: Mapping[str, Any]) -> tuple[list[bytes], int, in
     marked = hour = 0
     ends: list[int] = []
     short = False  # a five-minute breakpoint seen: Claude takes no one-hour one after it
+
+    def add(messages: Any) -> None:
+        nonlocal marked, hour, short
+        for message in messages:
+            if isinstance(message, Mapping):
+                out.extend(message_tokens(message))
+                mark = cache_mark(message, "content")
+                if mark is not None:
+                    marked = len(out)
+                    ends.append(marked)
+                    if (_hour(mark) or _hour_in_parts(message)) and not short:
+                        hour = len(out)
+                    short = short or not _hour(mark)
+            else:
+                out.extend(tokenize(_as_text(message)))
+
+    messages = body.get("messages") or []
+    if not isinstance(messages, list):
+        messages = list(messages)
+    lead = leading_system_count(messages) if system_first else 0
+    add(messages[:lead])
     tools = body.get("tools")
     if tools:
         out += tokenize(tools_json(tools).decode())
@@ -185,21 +217,10 @@ def marked_request_tokens(body: Mapping[str, Any]) -> tuple[list[bytes], int, in
             if any(m is not None for m in marks):
                 marked = len(out)
                 ends.append(marked)
-            if any(_hour(m) for m in marks):
+            if any(_hour(m) for m in marks) and not short:
                 hour = len(out)
-            short = any(m is not None and not _hour(m) for m in marks)
-    for message in body.get("messages") or ():
-        if isinstance(message, Mapping):
-            out += message_tokens(message)
-            mark = cache_mark(message, "content")
-            if mark is not None:
-                marked = len(out)
-                ends.append(marked)
-                if (_hour(mark) or _hour_in_parts(message)) and not short:
-                    hour = len(out)
-                short = short or not _hour(mark)
-        else:
-            out += tokenize(_as_text(message))
+            short = short or any(m is not None and not _hour(m) for m in marks)
+    add(messages[lead:])
     request_mark = body.get("cache_control")
     if request_mark is not None:  # automatic caching: up to the end
         marked = len(out)
