@@ -52,8 +52,6 @@ def _state_of(ex: Exchange, sessions: SessionStore) -> SessionState | None:
 
 # Top-level request keys the request line gives fields of their own (not ``params``).
 _NOT_PARAMS: Final = frozenset({"messages", "tools", "model", "stream"})
-# Providers that render a chat request's system prompt before its tools (``_Terms``)
-_SYSTEM_FIRST: Final = frozenset({"openai", "deepseek"})
 # ...of a Responses API request, whose ``input`` items are logged as a chat request's messages
 # are (an ``input`` that is one string stays among its parameters)
 _NOT_RESPONSES_PARAMS: Final = frozenset({"input", "tools", "model", "stream"})
@@ -749,9 +747,9 @@ class _Terms(NamedTuple):
     # names are not OpenAI's (Groq's "flex" costs what its on-demand does): a model named as
     # OpenAI's, or one whose entry sets its ``priority_factor``
     priority_factor: float | None
-    # whether its provider renders a chat request's system prompt before the tools (OpenAI's
-    # and DeepSeek's models), where Claude renders the tools first (and, not knowing, the rest)
-    system_first: bool = False
+    # whether its provider renders a chat request's system prompt before the tools (OpenAI,
+    # DeepSeek, the open models' chat templates), not the tools first (Claude)
+    system_first: bool = True
 
 
 def _tier(terms: _Terms, ex: Exchange) -> str | None:
@@ -859,7 +857,7 @@ class AccountingObserver:
                 model.cache_min_tokens,
                 floor,
                 model.priority_factor if openai else None,
-                cache.caching_provider(model_name or "", model.dialect) in _SYSTEM_FIRST,
+                not marked_only,
             )
             if model_name is None or len(model_name) <= _NAME_KEPT:  # (a longer one: each time)
                 self._terms[model_name] = terms

@@ -116,6 +116,7 @@ class Fingerprint:
     tools: Any
     params: dict[str, Any] | None = None  # the cache parameters hashed (``cache_params``)
     system_first: bool = False  # the system block hashed before the tools
+    system_block: int | None = None  # its system block's length as given (``fingerprint``)
 
     @property
     def params_digest(self) -> bytes:
@@ -209,8 +210,11 @@ def fingerprint(
     count = len(messages)
     tools = body.get("tools")
     params = cache_params(body)
-    if previous is not None and previous.system_first is not system_first:
-        previous = None  # (its elements are in another order)
+    if previous is not None and (
+        previous.system_first is not system_first
+        or (previous.system_block is None) is not (system_block is None)
+    ):
+        previous = None  # (its elements are in another order, or its block by another rule)
     chain: list[tuple[str, bytes]]
     if previous is None:
         message_digests = tuple([message_digest(message) for message in messages])
@@ -304,6 +308,7 @@ def fingerprint(
                 tools,
                 params,
                 system_first,
+                system_block,
             )
         chain = list(previous.chain[:kept])
         links = previous.digests[:kept]
@@ -336,6 +341,7 @@ def fingerprint(
         tools,
         params,
         system_first,
+        system_block,
     )
 
 

@@ -1549,16 +1549,18 @@ MANY_TOOLS = [
 ]
 
 
-@pytest.mark.parametrize("model", ["gpt-4o", "deepseek-chat"])
+@pytest.mark.parametrize("model", ["gpt-4o", "deepseek-chat", "llama-3.3-70b", "azure-prod"])
 def test_an_openai_prompt_is_read_system_then_tools_and_its_rewrites_named_so(
     proxy_factory: Any, sdk: Any, model: str
 ) -> None:
-    """OpenAI (and DeepSeek) render a chat request's system prompt before its tools. With many
-    tools, the time at the start of the system prompt loses all of the prompt: it was named
-    ``unexplained`` (read in Claude's order, the tools were an unchanged prefix of thousands of
-    tokens of which nothing was read, so the provider had seemed to lose it first). A tool
-    edited then loses the tools and what follows, the system prompt read."""
-    dialect = "openai" if model == "gpt-4o" else "deepseek"
+    """OpenAI (and DeepSeek, and open models' chat templates) render a chat request's system
+    prompt before its tools, whatever the model is named (an Azure deployment's, a server's
+    own). With many tools, the time at the start of the system prompt loses all of the
+    prompt: it was named ``unexplained`` (read in Claude's order, the tools were an unchanged
+    prefix of thousands of tokens of which nothing was read, so the provider had seemed to
+    lose it first). A tool edited then loses the tools and what follows, the system prompt
+    read."""
+    dialect = "deepseek" if model.startswith("deepseek") else "openai"
     with run_simulator(SimConfig(dialect=dialect)) as sim:
         proxy = proxy_factory(sim.api_base, config(), clock=lambda: sim.sim.now)
         client = sdk(proxy.base_url, default_headers={"X-Session-Id": "many-tools"})

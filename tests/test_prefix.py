@@ -787,6 +787,21 @@ def test_a_system_block_read_before_the_tools_is_hashed_and_named_in_that_order(
     )
 
 
+def test_a_fingerprint_reused_across_the_two_rules_of_a_system_block_equals_a_fresh_one() -> None:
+    """A Responses API request's fingerprint (its system block its instructions alone) reused
+    for a chat request of the same message objects (its leading developer message its system
+    block): the chat request's block was taken to be the Responses request's."""
+    messages = [{"role": "developer", "content": "Sandbox: read-only."}, user_message("Fix it.")]
+    responses = fingerprint({"model": "gpt-5", "messages": messages}, None, True, 0)
+    chat = {"model": "gpt-5", "messages": [*messages, user_message("and then?")]}
+    reused = fingerprint(chat, previous=responses, system_first=True)
+    fresh = fingerprint(chat, system_first=True)
+    assert reused.system_count == fresh.system_count == 1
+    assert reused.chain == fresh.chain
+    again = fingerprint({"model": "gpt-5", "messages": messages}, reused, True, 0)
+    assert again.chain == responses.chain
+
+
 # --- which request a request continues ----------------------------------------------------------
 
 
