@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -84,9 +85,17 @@ _MODEL_PROVIDERS: Final = (
 
 
 def provider_of(model: str) -> str:
-    """The provider of a model name: ``openai``, ``anthropic``, ``deepseek``, else ``*``."""
+    """The provider of a model name: ``openai``, ``anthropic``, ``deepseek``, else ``*``. A
+    name that holds ``claude`` as a word is Claude's, however a gateway spelled it around
+    (Databricks' ``databricks-claude-sonnet-4``, SAP AI Core's ``anthropic--claude-4-sonnet``)."""
     name = gateway_alias(model.lower())
-    return next((provider for prefix, provider in _MODEL_PROVIDERS if name.startswith(prefix)), "*")
+    found = next((p for prefix, p in _MODEL_PROVIDERS if name.startswith(prefix)), "*")
+    if found == "*" and _CLAUDE_WORD.search(name) is not None:
+        return "anthropic"
+    return found
+
+
+_CLAUDE_WORD: Final = re.compile(r"(?:^|[-_./:])claude(?:[-_.@:]|$)")
 
 
 def caching_provider(model: str, dialect: str = "openai") -> str:

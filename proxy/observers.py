@@ -844,9 +844,9 @@ class AccountingObserver:
                     name,
                     _toml_string(table),
                 )
-            marked_only = model.dialect == "anthropic" or (
-                cache.provider_of(model_name or "") == "anthropic"
-            )
+            # (a name the rules know keeps its provider's, under a "*" entry's dialect too:
+            # gpt-4-turbo is no Claude model there, as the pairing repair reads it)
+            marked_only = cache.caching_provider(model_name or "", model.dialect) == "anthropic"
             floor = cache.cache_ttl_floor(model_name or "", ttl, model.dialect)
             openai = cache.provider_of(model_name or "") == "openai" or model.priority_factor > 0
             terms = _Terms(

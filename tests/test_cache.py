@@ -24,6 +24,7 @@ from proxy.cache import (
     default_cache_ttl,
     idle_seconds,
     mark_compacted,
+    provider_of,
     tier_factor,
     tiered,
     waste_cost,
@@ -544,6 +545,24 @@ def test_a_configured_dialect_names_the_provider_whose_ttl_applies(
 ) -> None:
     assert default_cache_ttl(model, dialect) == ttl
     assert cache_ttl_floor(model, ttl, dialect) == ttl
+
+
+@pytest.mark.parametrize(
+    ("model", "provider"),
+    [
+        ("databricks-claude-sonnet-4", "anthropic"),  # Databricks
+        ("anthropic--claude-4-sonnet", "anthropic"),  # SAP AI Core
+        ("us.anthropic.claude-sonnet-4-5-20250929-v1:0", "anthropic"),
+        ("claude-sonnet-4-5@20250929", "anthropic"),
+        ("gpt-4-turbo", "openai"),
+        ("unclaude-7b", "*"),  # (not the word)
+        ("llama-3.3-70b", "*"),
+    ],
+)
+def test_a_claude_model_is_known_however_a_gateway_spelled_it_around(
+    model: str, provider: str
+) -> None:
+    assert provider_of(model) == provider
 
 
 @settings(max_examples=200, deadline=None)

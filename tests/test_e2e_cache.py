@@ -1607,6 +1607,48 @@ def test_an_openai_prompt_is_read_system_then_tools_and_its_rewrites_named_so(
         )
 
 
+@pytest.mark.parametrize(
+    ("dialect", "model", "location"),
+    [
+        ("openai", "gpt-4-turbo", "system"),  # a "*" entry's dialect anthropic: still OpenAI's
+        ("anthropic-compat", "databricks-claude-sonnet-4", "tools"),  # Databricks' Claude
+    ],
+)
+def test_whose_model_it_is_decides_the_order_whatever_a_gateway_or_a_star_entry_says(
+    proxy_factory: Any, sdk: Any, dialect: str, model: str, location: str
+) -> None:
+    """The time in the system prompt and a tool changed in one turn: an OpenAI model under a
+    ``"*"`` entry of ``dialect = "anthropic"`` was read as Claude's (its miss ``not_requested``,
+    its change in the tools, where OpenAI read the system prompt first); Claude under
+    Databricks' name was read system prompt first (Claude renders the tools first)."""
+    mark = {"type": "ephemeral"}
+    settings = {"models": {"*": {"dialect": "anthropic", "price_input": 1.0, "price_output": 2.0}}}
+    with run_simulator(SimConfig(dialect=dialect)) as sim:  # type: ignore[arg-type]
+        proxy = proxy_factory(sim.api_base, settings, clock=lambda: sim.sim.now)
+        client = sdk(proxy.base_url, default_headers={"X-Session-Id": "whose"})
+        convo: list[dict[str, Any]] = [
+            {"role": "system", "content": "", "cache_control": mark},
+            {
+                "role": "user",
+                "content": "Fix the failing test.\n" + FILE_TEXT,
+                "cache_control": mark,
+            },
+        ]
+        for turn, (time, tools) in enumerate((("09:00", TOOLS), ("09:01", TOOLS[1:]))):
+            convo[0] = {**convo[0], "content": f"Current time: {time}.\n" + SYSTEM_PROMPT * 2}
+            marked = [{**t, "cache_control": mark} for t in tools]
+            reply, _ = chat(client, convo, stream=False, model=model, tools=marked)
+            convo += [reply, {"role": "user", "content": "Go on.", "cache_control": mark}]
+            sim.sim.advance(20)
+            assert turn or cache_read(sim.sim.requests[-1].usage) == 0
+        assert cache_read(sim.sim.requests[-1].usage) == 0  # (all of it missed)
+        flush(proxy)
+        last = events(proxy.log_dir, "whose", "response")[-1]
+        assert (last["cache"]["cause"], last["cache"]["location"]) == ("prefix_rewrite", location)
+        assert last["divergence"]["location"] == location
+        assert last["cache"]["waste"] == last["cache"]["expected"] > NOISE_FLOOR
+
+
 CALL_ID = "call_Xq3vT9pLm2RzK8wYb4NcD7hF"  # (as OpenAI's look: a turn carrying it is that one's)
 
 
