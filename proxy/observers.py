@@ -525,10 +525,14 @@ def _takes_place(
         # beside it, so that each one's next turn finds its own. (The same: counted on it.)
         return len(fp.message_digests) > len(chosen.fp.message_digests)
     old = chosen.fp.message_digests
-    if divergence.location != "messages" and prefix.prompt_and_tools_differ(chosen.fp, fp):
-        # Another prompt and other tools at once: a side request that carries the history on
-        # (a summary of it, without the agent's tools), or a turn with the tools switched off.
-        # Kept beside it: the agent's next turn finds its own previous one.
+    if divergence.location != "messages" and (
+        prefix.prompt_and_tools_differ(chosen.fp, fp) or (chosen.fp.tools and not fp.tools)
+    ):
+        # Another prompt and other tools at once, or no tools at all: a side request that
+        # carries the history on (a summary of it, without the agent's tools, under its own
+        # prompt or the agent's), or a turn with the tools switched off. Kept beside it: the
+        # agent's next turn finds its own previous one (one that goes on with no tools finds
+        # this one).
         return False
     if divergence.location == "system" and not divergence.volatile:
         # Another system prompt (not the time in it) over the baseline's messages: a sub-agent

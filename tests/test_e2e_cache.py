@@ -1144,13 +1144,15 @@ def test_sub_agents_fanned_out_with_one_task_are_each_compared_with_their_own(
     assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "messages"}) == 0
 
 
+@pytest.mark.parametrize("prompt", ["its own", "the main agent's"])
 def test_title_and_summary_requests_on_the_main_model_leave_the_main_agent_its_own(
-    sim: RunningSimulator, proxy_factory: Any
+    sim: RunningSimulator, proxy_factory: Any, prompt: str
 ) -> None:
     """A title request at the first turn was charged as a tools rewrite and took the main
     agent's place; a summary request later (the history and a request to sum it up, no tools)
     took it too, and the main agent's turn after a long pause was then counted against the
-    summary request, or not at all."""
+    summary request, or not at all. (Under the main agent's prompt, the summary, which
+    changes only the tools, still took its place.)"""
     proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
     client = make_client(proxy.base_url, default_headers={"X-Session-Id": "side"})
     first = {"role": "user", "content": "Fix the failing handler. Log:\n" + PYTEST_OUTPUT * 4}
@@ -1162,8 +1164,9 @@ def test_title_and_summary_requests_on_the_main_model_leave_the_main_agent_its_o
     for i in (1, 2):
         _tool_turn(client, main, f"output {i}: " + FILE_TEXT[:2000], tools=TOOLS)
         sim.sim.advance(5)
+    own = prompt == "its own"
     summary = [
-        {"role": "system", "content": "Summarize this coding session."},
+        {"role": "system", "content": "Summarize this coding session." if own else SYSTEM_PROMPT},
         *main[1:],
         {"role": "user", "content": "Summarize the session so far."},
     ]
@@ -1185,6 +1188,7 @@ def test_title_and_summary_requests_on_the_main_model_leave_the_main_agent_its_o
     assert caches[5]["expected"] == usages[3]["prompt_tokens"]  # its own previous turn
     assert caches[5]["waste"] == caches[5]["expected"] - caches[5]["read"] > NOISE_FLOOR
     assert caches[5]["cause"] == "ttl_expired"
+    assert "divergence" not in responses[5]  # (it carries that one on: it rewrote nothing)
 
 
 def test_a_summary_on_a_small_model_with_the_main_prompt_leaves_the_main_agent_its_own(
@@ -1315,11 +1319,27 @@ def test_switching_a_chats_tools_off_is_still_its_conversation(
         convo += [reply, {"role": "user", "content": follow}]
         sim.sim.advance(10)
     convo[0] = {"role": "system", "content": SYSTEM_PROMPT}
-    chat(client, convo, stream=False)  # search switched off: no tools
+    reply, _ = chat(client, convo, stream=False)  # search switched off: no tools
+    convo += [reply, {"role": "user", "content": "Shorter, please."}]
+    sim.sim.advance(10)
+    reply, _ = chat(client, convo, stream=False)  # still off: it goes on from that one
+    convo += [reply, {"role": "user", "content": "Now search for the fix."}]
+    sim.sim.advance(10)
+    convo[0] = {"role": "system", "content": SYSTEM_PROMPT + "\nYou can search the web."}
+    chat(client, convo, stream=False, tools=search)  # on again: the provider still has that
     flush(proxy)
-    last = events(proxy.log_dir, "toggle", "response")[-1]["cache"]
-    assert last["waste"] == last["expected"] - last["read"] > NOISE_FLOOR
-    assert (last["cause"], last["location"]) == ("prefix_rewrite", "system")
+    responses = events(proxy.log_dir, "toggle", "response")
+    off = responses[2]["cache"]
+    assert off["waste"] == off["expected"] - off["read"] > NOISE_FLOOR
+    assert (off["cause"], off["location"]) == ("prefix_rewrite", "system")
+    # the next turn with search off goes on from it, the one with search on from the last
+    # turn with it (each prefix still cached: no waste, nothing rewritten)
+    usages = [r.usage for r in sim.sim.requests]
+    for i in (3, 4):
+        assert responses[i]["cache"]["waste"] == 0 and "divergence" not in responses[i], i
+    assert responses[3]["cache"]["expected"] == usages[2]["prompt_tokens"]
+    assert responses[4]["cache"]["expected"] == usages[1]["prompt_tokens"]
+    assert cache_read(usages[4]) > usages[1]["prompt_tokens"] - 128
 
 
 def test_a_rewind_after_an_mcp_server_connected_still_reports_the_miss(
