@@ -313,11 +313,21 @@ def _has_media(message: Any) -> bool:
     )
 
 
-def _marked_nothing(body: Any, extra: dict[str, Any]) -> bool:
+def _marked_nothing(
+    body: Any, extra: dict[str, Any], prompt: int | None = None, least: int = 0
+) -> bool:
     """Whether the previous request, ``body``, marked nothing for a provider that caches only
     marked prefixes (and has not been seen caching without marks): its successor could read
-    nothing (an agent that turns on prompt caching mid-session, Cline's and Roo's setting)."""
-    return not extra.get("caches_unmarked") and not prefix.has_cache_marker(body)
+    nothing (an agent that turns on prompt caching mid-session, Cline's and Roo's setting); or,
+    of its ``prompt`` tokens, marked only a prefix shorter than ``least``, the model's minimum,
+    which is not cached (a system prompt marked alone, the request a compaction's summary
+    made short)."""
+    if extra.get("caches_unmarked"):
+        return False
+    if not prefix.has_cache_marker(body):
+        return True
+    share = prefix.marked_share(body) if isinstance(body, dict) and prompt else None
+    return share is not None and prompt is not None and share * prompt < least
 
 
 # Claude looks for an earlier cache entry up to about 20 content blocks before a breakpoint:
@@ -1207,7 +1217,13 @@ class AccountingObserver:
                 else None
             ),
             nothing_marked_before=(
-                functools.partial(_marked_nothing, body_before, extra)
+                functools.partial(
+                    _marked_nothing,
+                    body_before,
+                    extra,
+                    base[0],
+                    max(min_cached, CLAUDE_MIN_CACHED),
+                )
                 if body_before is not None
                 and cached_before == 0
                 # (no earlier turn's prefix held, or one still within its TTL that Claude's

@@ -1891,6 +1891,29 @@ def test_a_claude_agent_that_starts_marking_is_not_charged_for_what_no_turn_mark
     assert [c["cause"] for c in caches] == [None, "not_requested", "not_requested"]
 
 
+def test_a_claude_turn_after_one_that_marked_only_a_short_prefix_is_not_requested(
+    proxy_factory: Any,
+) -> None:
+    """A turn that marked only a system prompt shorter than Claude's minimum (1,024 tokens)
+    cached nothing, as one that marked nothing; the marked turn after it could read nothing
+    and was charged the whole prompt as "unexplained" (a review met it after each compaction:
+    the compacted request, its last message unmarked, cached nothing either)."""
+    mark = {"type": "ephemeral"}
+    with claude_session(proxy_factory, "short-mark") as (proxy, client, convo):
+        convo[0] = {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}
+        convo[0]["content"][0]["cache_control"] = mark
+        convo[1] = {"role": "user", "content": "Fix the failing test.\n" + FILE_TEXT}
+        reply, _ = chat(client, convo, model="claude-sonnet-4-5", stream=False)
+        convo += [reply, {"role": "user", "content": "Go on.", "cache_control": mark}]
+        chat(client, convo, model="claude-sonnet-4-5", stream=False)
+        flush(proxy)
+    caches = [r["cache"] for r in events(proxy.log_dir, "short-mark", "response")]
+    assert (caches[0]["read"], caches[0]["write"]) == (0, 0)  # (nothing it could cache)
+    assert caches[1]["read"] == 0 and caches[1]["write"] > NOISE_FLOOR
+    assert caches[1]["waste"] == caches[1]["expected"] > NOISE_FLOOR
+    assert caches[1]["cause"] == "not_requested"
+
+
 def test_a_claude_agent_that_marks_again_after_many_unmarked_turns_is_not_requested(
     proxy_factory: Any,
 ) -> None:
