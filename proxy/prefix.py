@@ -6,9 +6,9 @@ provider renders them::
 
     params ─▶ tools ─▶ system ─▶ messages[k] ─▶ messages[k+1] ─▶ …
 
-(Anthropic's order: Claude renders the tools first), or, as OpenAI and DeepSeek render a
-request (OpenAI's Harmony format: the instructions, then the tools), the system block first
-(``fingerprint(…, system_first=True)``)::
+(Anthropic's order: Claude renders the tools first), or, as OpenAI, DeepSeek and the chat
+templates of open models render a request (OpenAI's Harmony format: the instructions, then the
+tools), the system block first (``fingerprint(…, system_first=True)``)::
 
     params ─▶ system ─▶ tools ─▶ messages[k] ─▶ messages[k+1] ─▶ …
 
@@ -192,8 +192,8 @@ def fingerprint(
 ) -> Fingerprint:
     """Hash ``body`` into a chain; with ``previous``, reuse its digests of unchanged elements.
 
-    ``system_first``: the system block is hashed before the tools, as OpenAI and DeepSeek
-    render a request (else after them, as Claude does). ``system_block``: the system block is
+    ``system_first``: the system block is hashed before the tools, as every provider but
+    Anthropic renders a request (else after them, as Claude does). ``system_block``: the system block is
     that many leading messages (a Responses API request's ``instructions``, 1 or 0; the
     messages after it are messages whatever their role: a leading ``developer`` item comes
     after the tools); None: the leading system and developer messages.
@@ -816,9 +816,9 @@ _MADE_ANEW: Final = 4
 
 def shared_links(old: Fingerprint, new: Fingerprint) -> int:
     """How many leading links of their chains the two requests share: ``params``, ``tools``,
-    ``system`` (or ``system``, ``tools``), then one per message. A link's digest covers every element before it, so equal
-    links at a position mean equal chains up to it: a binary search, ~10 comparisons for a history
-    of 400 messages."""
+    ``system`` (or ``system``, ``tools``), then one per message. A link's digest covers every
+    element before it, so equal links at a position mean equal chains up to it: a binary
+    search, ~10 comparisons for a history of 400 messages."""
     old_chain, new_chain = old.chain, new.chain
     lo, hi = 0, min(len(old_chain), len(new_chain))
     while lo < hi:
