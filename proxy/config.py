@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import difflib
 import ipaddress
+import json
 import math
 import os
 import re
@@ -712,6 +713,13 @@ def settings_from_mapping(
             models = dict(settings.models)
             # "*" first, wherever the file puts it: the tables that start from it see it all
             for name, table in sorted(value.items(), key=lambda item: item[0] != "*"):
+                if not name.strip() or name != name.strip():
+                    # (a request names its model without the space: the table never applied)
+                    raise ConfigError(
+                        f"config table [models.{json.dumps(name)}]: the model name has white"
+                        " space around it, or is empty (a space pasted with it?); no request"
+                        " names a model so, so its settings would never apply"
+                    )
                 start = models.get(name, models.get("*", ModelSettings()))
                 models[name] = _build(ModelSettings, table, f'models."{name}"', start, text)
             changes["models"] = models

@@ -205,6 +205,16 @@ def test_an_empty_host_or_log_dir_from_a_flag_is_refused_too() -> None:
             load_settings(None, {option: ""}, environ={})
 
 
+@pytest.mark.parametrize("name", ["gpt-4o ", "\tclaude-sonnet-4-5", "", " "])
+def test_a_model_table_whose_name_has_white_space_around_it_is_refused(name: str) -> None:
+    """``[models."gpt-4o "]`` was taken and never applied (a request names ``gpt-4o``): the
+    prices or TTL set there silently did nothing."""
+    with pytest.raises(ConfigError, match=r"\[models\..*white space around it, or is empty"):
+        settings_from_mapping({"models": {name: {"price_input": 100.0}}})
+    kept = settings_from_mapping({"models": {"gpt-4o": {"price_input": 100.0}}})
+    assert kept.model("gpt-4o")[1].price_input == 100.0
+
+
 @pytest.mark.parametrize("name", ["gpt-4o-mini ", "  ", "\tgpt-4o-mini"])
 def test_a_summarizer_model_with_white_space_around_it_is_refused(name: str) -> None:
     """It was sent as the summary call's model as it was: a pasted space made every summary a
