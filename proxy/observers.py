@@ -75,7 +75,8 @@ class _Baseline:
     conversation it stands for (a one-shot sub-agent's is 1); ``cached``: where the provider
     caches only marked prefixes (Claude), the tokens it read or wrote for it, the most a next
     request could read (None elsewhere, or unknown); ``held``: a longer prefix an earlier turn
-    of its conversation had cached, and when (its tokens, on the clock of ``ready_at``), which
+    of its conversation had cached, and when (its tokens, on the wall clock of ``started``,
+    as the provider's cache life is timed: the monotonic clock stops while a laptop sleeps), which
     the provider holds until its TTL ends, though this turn marked less, and how many messages it
     held (None: none); ``earlier``: while other requests of its session sent before it was
     accounted were not yet accounted themselves, the request it went on from as that one was
@@ -347,7 +348,7 @@ def _held_on(
         return None
     held = baseline.held
     if baseline.cached is not None and (held is None or baseline.cached >= held[0]):
-        held = (baseline.cached, baseline.ready_at, len(baseline.fp.message_digests))
+        held = (baseline.cached, baseline.started, len(baseline.fp.message_digests))
     return held if held is not None and held[0] > cached else None
 
 
@@ -373,12 +374,14 @@ def _cached_before(baseline: _Baseline, now: float, ttl_s: float, messages: int 
 
 
 def _expired_held(baseline: _Baseline, now: float, ttl_s: float) -> int | None:
-    """Where ``baseline`` cached nothing (its turn marked nothing), the longer prefix an earlier
-    turn of its conversation cached, when it had expired since: what the expiry took, the rest
-    past it never cached (a pause after unmarked turns, or unmarked turns over more than the
-    TTL, charged all of it to the expiry, or as unexplained)."""
+    """Where ``baseline`` cached less (its turn marked nothing, or its system prompt alone),
+    the longer prefix an earlier turn of its conversation cached, when it had expired since:
+    what the expiry took, the rest past it never cached (a pause after unmarked turns, or
+    unmarked turns over more than the TTL, charged all of it to the expiry, or as unexplained;
+    after turns that marked a system prompt long enough to be cached, all of it was named
+    ``not_requested``)."""
     held = baseline.held
-    if baseline.cached == 0 and held is not None and now - held[1] > ttl_s:
+    if held is not None and now - held[1] > ttl_s:
         return held[0]
     return None
 
@@ -1002,10 +1005,13 @@ class AccountingObserver:
             # beside it that was answered first, could not have warmed the cache for it)
             base = (chosen.prompt, chosen.fp.params_digest, chosen.model)
             counted_before = chosen.counted
-            cached_before = _cached_before(chosen, ex.t0, ttl_s, len(fp.message_digests))
-            if cached_before == 0:
-                held_expired = _expired_held(chosen, ex.t0, ttl_s)
-                cached_before = held_expired or cached_before
+            # (on the wall clock, as the provider's cache life runs: ``_Baseline.held``)
+            now = _forwarded_at(ex)
+            cached_before = _cached_before(chosen, now, ttl_s, len(fp.message_digests))
+            if cached_before is not None:
+                expired_held = _expired_held(chosen, now, ttl_s)
+                if expired_held is not None and expired_held > cached_before:
+                    held_expired = cached_before = expired_held
             body_before, held_before = chosen.body, chosen.held
         ready_at = ex.t0 + (ex.ttfb_s if ex.ttfb_s is not None else ex.duration_s)
         # The baselines go on from the one this request was compared with (``kept``), the
@@ -1228,7 +1234,7 @@ class AccountingObserver:
                 and cached_before == 0
                 # (no earlier turn's prefix held, or one still within its TTL that Claude's
                 # look back did not reach: an expired one is the expiry's)
-                and (held_before is None or ex.t0 - held_before[1] <= ttl_s)
+                and (held_before is None or _forwarded_at(ex) - held_before[1] <= ttl_s)
                 else None
             ),
             noise_floor=self.settings.cache.noise_floor_tokens,

@@ -1914,6 +1914,53 @@ def test_a_claude_turn_after_one_that_marked_only_a_short_prefix_is_not_requeste
     assert caches[1]["cause"] == "not_requested"
 
 
+@pytest.mark.parametrize("system_marked", ["short", "long"])
+def test_a_pause_on_the_wall_clock_is_the_expirys_whatever_the_turns_between_marked(
+    proxy_factory: Any, system_marked: str
+) -> None:
+    """Marked turns, then turns that mark only the system prompt, spread past the TTL (each
+    gap under it), then a marked turn: what the marked turns had cached expired; what the
+    turns between added was never cached. cachegate timed what a turn cached on the monotonic
+    clock, which stops while a laptop sleeps (here its clock is the simulator's, which jumps
+    as a woken laptop's wall clock does): the miss was unexplained. And where the system
+    prompt marked alone was long enough to be cached, all of it was named not_requested."""
+    mark = {"type": "ephemeral"}
+    long = system_marked == "long"
+    system = CLAUDE_SYSTEM if long else "Be brief."
+
+    def sent(messages: list[dict[str, Any]], last: bool) -> list[dict[str, Any]]:
+        out = [dict(m) for m in messages]
+        out[0] = {"role": "system", "content": [{"type": "text", "text": system}]}
+        out[0]["content"][0]["cache_control"] = mark
+        if last:
+            part = {"type": "text", "text": out[-1]["content"], "cache_control": mark}
+            out[-1] = {**out[-1], "content": [part]}
+        return out
+
+    with run_simulator(SimConfig(dialect="anthropic-compat", cache_ttl_s=300)) as claude:
+        proxy = proxy_factory(claude.api_base, config(ttl_s=300), clock=lambda: claude.sim.now)
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "spread"})
+        convo: list[dict[str, Any]] = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "Fix the test.\n" + FILE_TEXT},
+        ]
+        for at, last in ((0, True), (30, True), (230, False), (430, False), (460, True)):
+            claude.sim.advance(at - (claude.sim.now - claude.sim.config.start_time))
+            reply, _ = chat(client, sent(convo, last), model="claude-sonnet-4-5", stream=False)
+            convo += [reply, {"role": "user", "content": f"Go on. {'lorem ipsum ' * 200}"}]
+        flush(proxy)
+    caches = [r["cache"] for r in events(proxy.log_dir, "spread", "response")]
+    cached = caches[1]["read"] + caches[1]["write"]  # what the last marked turn cached
+    assert caches[1]["read"] > NOISE_FLOOR
+    system_read = caches[3]["read"] + caches[3]["write"]  # the system prompt, if cached
+    assert (system_read > NOISE_FLOOR) is long
+    last = caches[-1]
+    assert last["read"] == system_read  # (what the turns between cached)
+    assert last["cause"] == "ttl_expired"
+    assert last["waste"] == cached - system_read  # the expiry took what had been cached
+    assert last["not_requested"] == last["expected"] - cached > NOISE_FLOOR  # never cached
+
+
 def test_a_claude_agent_that_marks_again_after_many_unmarked_turns_is_not_requested(
     proxy_factory: Any,
 ) -> None:
