@@ -327,7 +327,11 @@ def _marked_nothing(
         return False
     if not prefix.has_cache_marker(body):
         return True
-    share = prefix.marked_share(body) if isinstance(body, dict) and prompt else None
+    share = (  # (an image weighs what the estimate counts for it, not its base64)
+        prefix.marked_share(body, compaction.estimate_tokens)
+        if isinstance(body, dict) and prompt
+        else None
+    )
     return share is not None and prompt is not None and share * prompt < least
 
 
@@ -343,7 +347,8 @@ def _held_on(
     its place cached (Claude: a turn that marked only its system prompt reads and writes that
     alone, and the longer prefix the turn before wrote stays cached until its TTL ends), when,
     and how many messages it held: only for a request that carries it on whole (no
-    ``divergence``)."""
+    ``divergence``). (One that had expired when that request went out, and was charged to it
+    as its expiry, is let go once it is accounted: a later turn's miss of it is no expiry.)"""
     if divergence is not None or cached is None:
         return None
     held = baseline.held
@@ -1000,13 +1005,13 @@ class AccountingObserver:
         held_before: tuple[int, float, int] | None = None
         held_expired: int | None = None  # what an earlier marked turn cached, expired since
         counted_before: prefix.Fingerprint | None = None  # the request base's count is for
+        # (on the wall clock, as the provider's cache life runs: ``_Baseline.held``)
+        now = _forwarded_at(ex)
         if chosen is not None and continues and chosen.ready_at <= ex.t0:
             # (one the provider had not read yet when this went out, a request fanned out
             # beside it that was answered first, could not have warmed the cache for it)
             base = (chosen.prompt, chosen.fp.params_digest, chosen.model)
             counted_before = chosen.counted
-            # (on the wall clock, as the provider's cache life runs: ``_Baseline.held``)
-            now = _forwarded_at(ex)
             cached_before = _cached_before(chosen, now, ttl_s, len(fp.message_digests))
             if cached_before is not None:
                 expired_held = _expired_held(chosen, now, ttl_s)
@@ -1018,6 +1023,7 @@ class AccountingObserver:
         # accounting above and below from the one it could read (``ref``).
         ref, ref_divergence = chosen, divergence
         chosen, divergence = kept
+        mine: _Baseline | None = None  # (the baseline this request is, or is counted on)
         if ex.status < 400:  # a refused request is no baseline: the provider may not have seen it
             cached: int | None
             counted = fp  # (the request its prompt count is for: ``_Baseline.counted``)
@@ -1049,6 +1055,7 @@ class AccountingObserver:
                 chosen.started = max(chosen.started, _forwarded_at(ex))
                 chosen.superseded = chosen.left_behind = False
                 _to_front(baselines, chosen)
+                mine = chosen
             elif continues and chosen is not None and _takes_place(chosen, fp, divergence, model):
                 if chosen.copies > 1:  # one of several that sent it: the others may go on too
                     chosen.copies -= 1
@@ -1061,6 +1068,7 @@ class AccountingObserver:
                     went_on.turns = chosen.turns + 1
                     went_on.earlier = _as_was(ref, oldest) if fanned and ref is not None else None
                     baselines.insert(0, went_on)
+                    mine = went_on
                 else:  # it extends or rewrites its baseline: it takes that one's place
                     chosen.earlier = _as_was(ref, oldest) if fanned and ref is not None else None
                     chosen.fp, chosen.body, chosen.prompt, chosen.model = fp, body, prompt, model
@@ -1075,6 +1083,7 @@ class AccountingObserver:
                     chosen.superseded = chosen.left_behind = False
                     chosen.reprompts = 0
                     _to_front(baselines, chosen)
+                    mine = chosen
             else:
                 # A new conversation, or a branch: another conversation that opens alike (two
                 # agents with the same boilerplate first message), a fork, a rewind. Both are
@@ -1121,6 +1130,7 @@ class AccountingObserver:
                 if not baselines and "opening" not in extra:
                     extra["opening"] = started  # the session's first conversation
                 baselines.insert(0, started)
+                mine = started
             _prune(baselines, extra.get("opening"))
             extra["baselines"] = baselines
         chosen, divergence = ref, ref_divergence
@@ -1234,7 +1244,7 @@ class AccountingObserver:
                 and cached_before == 0
                 # (no earlier turn's prefix held, or one still within its TTL that Claude's
                 # look back did not reach: an expired one is the expiry's)
-                and (held_before is None or _forwarded_at(ex) - held_before[1] <= ttl_s)
+                and (held_before is None or now - held_before[1] <= ttl_s)
                 else None
             ),
             noise_floor=self.settings.cache.noise_floor_tokens,
@@ -1265,6 +1275,13 @@ class AccountingObserver:
         if result.expired:
             ex.cache["expired"] = result.expired
             self.metrics.observe_cache_waste(ex.model, "ttl_expired", result.expired)
+        if (
+            mine is not None
+            and mine.held is not None
+            and (result.cause == "ttl_expired" or result.expired)
+            and now - mine.held[1] > ttl_s
+        ):
+            mine.held = None  # (its expiry is charged here: a later turn's miss of it is not)
         if marked_only and usage.cache_write and not usage.write_lives_known:
             usage = _hour_writes(usage, body)  # (OpenRouter gives Claude's writes as one total)
         cost = cache.compute_cost(usage, pricing)
@@ -1316,7 +1333,7 @@ class AccountingObserver:
             least = max(min_cached, CLAUDE_MIN_CACHED)
 
             def too_short() -> bool:
-                share = prefix.marked_share(body)
+                share = prefix.marked_share(body, compaction.estimate_tokens)
                 return share is None or share * usage.prompt < least
 
             return too_short

@@ -498,17 +498,19 @@ def cache_mark(item: Any, inner: str) -> Any:
     return None
 
 
-def marked_share(body: Mapping[str, Any]) -> float | None:
-    """The share of the prompt (by the compact JSON of its tools and messages, in the order a
-    provider renders them) up to and including its last breakpoint; None when it marks
-    nothing, 1.0 for the request's own ``cache_control`` (automatic caching)."""
+def marked_share(body: Mapping[str, Any], size: Callable[[Any], int] | None = None) -> float | None:
+    """The share of the prompt (by the compact JSON of its tools and messages, or each one's
+    ``size``: an image's tokens, not its base64; in the order Claude renders them) up to and
+    including its last breakpoint; None when it marks nothing, 1.0 for the request's own
+    ``cache_control`` (automatic caching)."""
     if body.get("cache_control") is not None:
         return 1.0
     tools = body.get("tools")
     messages = body.get("messages")
     tools = tools if isinstance(tools, list) else []
     messages = messages if isinstance(messages, list) else []
-    sizes = [len(canonical_json(item)) for item in (*tools, *messages)]
+    weigh = size if size is not None else (lambda item: len(canonical_json(item)))
+    sizes = [weigh(item) for item in (*tools, *messages)]
     total = sum(sizes)
     if not total:
         return None

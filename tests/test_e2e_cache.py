@@ -1961,6 +1961,93 @@ def test_a_pause_on_the_wall_clock_is_the_expirys_whatever_the_turns_between_mar
     assert last["not_requested"] == last["expected"] - cached > NOISE_FLOOR  # never cached
 
 
+def test_an_expiry_is_charged_once_whatever_the_turns_after_it_marked(
+    proxy_factory: Any,
+) -> None:
+    """A pause past the TTL, then turns that mark only a long system prompt, then a marked
+    turn: the first turn after the pause is charged the expiry; the marked turn's miss of
+    the history, which the turns between never asked to cache, was charged to the expiry a
+    second time (its tokens counted twice in the metrics and ``sessions cost``)."""
+    mark = {"type": "ephemeral"}
+
+    def sent(messages: list[dict[str, Any]], last: bool) -> list[dict[str, Any]]:
+        out = [dict(m) for m in messages]
+        out[0] = {"role": "system", "content": [{"type": "text", "text": CLAUDE_SYSTEM}]}
+        out[0]["content"][0]["cache_control"] = mark
+        if last:
+            part = {"type": "text", "text": out[-1]["content"], "cache_control": mark}
+            out[-1] = {**out[-1], "content": [part]}
+        return out
+
+    with run_simulator(SimConfig(dialect="anthropic-compat", cache_ttl_s=300)) as claude:
+        proxy = proxy_factory(claude.api_base, config(ttl_s=300), clock=lambda: claude.sim.now)
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "once"})
+        convo: list[dict[str, Any]] = [
+            {"role": "system", "content": CLAUDE_SYSTEM},
+            {"role": "user", "content": "Fix the test.\n" + FILE_TEXT},
+        ]
+        for at, last in ((0, True), (10, True), (410, False), (420, False), (430, False)):
+            claude.sim.advance(at - (claude.sim.now - claude.sim.config.start_time))
+            reply, _ = chat(client, sent(convo, last), model="claude-sonnet-4-5", stream=False)
+            convo += [reply, {"role": "user", "content": f"Go on. {'lorem ipsum ' * 200}"}]
+        claude.sim.advance(10)
+        chat(client, sent(convo, True), model="claude-sonnet-4-5", stream=False)
+        flush(proxy)
+        lines = events(proxy.log_dir, "once", "response")
+        expired = [
+            (c["waste"] if c["cause"] == "ttl_expired" else 0) + c.get("expired", 0)
+            for c in (r["cache"] for r in lines)
+        ]
+        waste = {"model": "claude-sonnet-4-5", "cause": "ttl_expired"}
+        charged = proxy.metric("cachegate_cache_waste_tokens_total", waste)
+    caches = [r["cache"] for r in lines]
+    cached = caches[1]["read"] + caches[1]["write"]  # what the marked turns had cached
+    assert caches[2]["cause"] == "ttl_expired" and caches[2]["waste"] >= cached
+    assert expired == [0, 0, caches[2]["waste"], 0, 0, 0]  # charged once, by the first after
+    assert charged == caches[2]["waste"]
+    last = caches[-1]
+    assert last["read"] > NOISE_FLOOR  # (the system prompt the turns between cached)
+    assert last["cause"] == "not_requested"
+    assert last["waste"] == last["expected"] - last["read"]
+
+
+def test_a_short_marked_prefix_with_an_image_in_it_is_short_by_the_images_tokens(
+    proxy_factory: Any,
+) -> None:
+    """A turn whose only mark ends after a screenshot (detail low, 85 tokens) and a line: its
+    marked prefix is ~100 tokens, which Claude does not cache; weighed by its base64, it read
+    as almost all the prompt, and the marked turn after it was charged as unexplained."""
+    from tests.test_media import png
+
+    mark = {"type": "ephemeral"}
+    shot = base64.b64encode(png(1280, 800, noisy_rows=100)).decode()
+    with claude_session(proxy_factory, "image-mark") as (proxy, client, convo):
+        convo[0] = {"role": "system", "content": "Be brief."}
+        convo[1] = {
+            "role": "user",
+            "content": [
+                {
+                    "type": "image_url",
+                    "image_url": {"url": f"data:image/png;base64,{shot}", "detail": "low"},
+                },
+                {"type": "text", "text": "What is on the screen?", "cache_control": mark},
+            ],
+        }
+        chat(client, convo, model="claude-sonnet-4-5", stream=False)
+        # (the simulator's answer echoes the image's JSON: an agent's would be short)
+        answer = {"role": "assistant", "content": "A failing test."}
+        convo += [answer, {"role": "user", "content": "Fix the test.\n" + FILE_TEXT}]
+        reply, _ = chat(client, convo, model="claude-sonnet-4-5", stream=False)
+        convo += [reply, {"role": "user", "content": "Go on.", "cache_control": mark}]
+        chat(client, convo, model="claude-sonnet-4-5", stream=False)
+        flush(proxy)
+    assert len(shot) > 200_000
+    caches = [r["cache"] for r in events(proxy.log_dir, "image-mark", "response")]
+    assert all((c["read"], c["write"]) == (0, 0) for c in caches[:2])  # (nothing cached)
+    assert caches[2]["waste"] == caches[2]["expected"] > NOISE_FLOOR
+    assert caches[2]["cause"] == "not_requested"
+
+
 def test_a_claude_agent_that_marks_again_after_many_unmarked_turns_is_not_requested(
     proxy_factory: Any,
 ) -> None:
