@@ -769,9 +769,6 @@ class _Terms(NamedTuple):
     # names are not OpenAI's (Groq's "flex" costs what its on-demand does): a model named as
     # OpenAI's, or one whose entry sets its ``priority_factor``
     priority_factor: float | None
-    # whether its provider renders a chat request's system prompt before the tools (OpenAI,
-    # DeepSeek, the open models' chat templates), not the tools first (Claude)
-    system_first: bool = True
 
 
 def _tier(terms: _Terms, ex: Exchange) -> str | None:
@@ -879,7 +876,6 @@ class AccountingObserver:
                 model.cache_min_tokens,
                 floor,
                 model.priority_factor if openai else None,
-                not marked_only,
             )
             if model_name is None or len(model_name) <= _NAME_KEPT:  # (a longer one: each time)
                 self._terms[model_name] = terms
@@ -935,8 +931,8 @@ class AccountingObserver:
             body,
             _hash_base(baselines, body),
             # (a Responses API request's instructions, read before its tools; a chat request's
-            # system block, before or after them as its provider renders it)
-            system_first=ex.system_block is not None or terms.system_first,
+            # system block too, but Claude's, which renders the tools first)
+            system_first=ex.system_block is not None or not terms.marked_only,
             system_block=ex.system_block,
         )
         chosen, continues, divergence = self._compare(_ranked(baselines, fp, body), fp, body)
@@ -984,7 +980,7 @@ class AccountingObserver:
             if compared is not None and compared.messages:
                 ex.compared_first = compared.messages[0]
         usage = ex.usage
-        name, ttl_s, _, marked_only, min_cached, ttl_floor_s, _, _ = terms
+        name, ttl_s, _, marked_only, min_cached, ttl_floor_s, _ = terms
         pricing = _billed(terms, ex)  # (at the processing tier the answer was billed at)
         if marked_only or (usage is not None and usage.explicit_cache):
             # Claude keeps a prefix as long as the breakpoint that wrote it asks: "1h" or "5m",

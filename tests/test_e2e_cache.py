@@ -1914,9 +1914,22 @@ def test_a_claude_turn_after_one_that_marked_only_a_short_prefix_is_not_requeste
     assert caches[1]["cause"] == "not_requested"
 
 
-@pytest.mark.parametrize("system_marked", ["short", "long"])
+def system_marked(messages: list[dict[str, Any]], system: str, last: bool) -> list[dict[str, Any]]:
+    """``messages`` as a Claude agent sends them: ``system`` its system prompt, marked for the
+    cache, and, where ``last``, its last message marked too."""
+    mark = {"type": "ephemeral"}
+    out = [dict(m) for m in messages]
+    out[0] = {"role": "system", "content": [{"type": "text", "text": system}]}
+    out[0]["content"][0]["cache_control"] = mark
+    if last:
+        part = {"type": "text", "text": out[-1]["content"], "cache_control": mark}
+        out[-1] = {**out[-1], "content": [part]}
+    return out
+
+
+@pytest.mark.parametrize("prompt_length", ["short", "long"])
 def test_a_pause_on_the_wall_clock_is_the_expirys_whatever_the_turns_between_marked(
-    proxy_factory: Any, system_marked: str
+    proxy_factory: Any, prompt_length: str
 ) -> None:
     """Marked turns, then turns that mark only the system prompt, spread past the TTL (each
     gap under it), then a marked turn: what the marked turns had cached expired; what the
@@ -1924,18 +1937,8 @@ def test_a_pause_on_the_wall_clock_is_the_expirys_whatever_the_turns_between_mar
     clock, which stops while a laptop sleeps (here its clock is the simulator's, which jumps
     as a woken laptop's wall clock does): the miss was unexplained. And where the system
     prompt marked alone was long enough to be cached, all of it was named not_requested."""
-    mark = {"type": "ephemeral"}
-    long = system_marked == "long"
+    long = prompt_length == "long"
     system = CLAUDE_SYSTEM if long else "Be brief."
-
-    def sent(messages: list[dict[str, Any]], last: bool) -> list[dict[str, Any]]:
-        out = [dict(m) for m in messages]
-        out[0] = {"role": "system", "content": [{"type": "text", "text": system}]}
-        out[0]["content"][0]["cache_control"] = mark
-        if last:
-            part = {"type": "text", "text": out[-1]["content"], "cache_control": mark}
-            out[-1] = {**out[-1], "content": [part]}
-        return out
 
     with run_simulator(SimConfig(dialect="anthropic-compat", cache_ttl_s=300)) as claude:
         proxy = proxy_factory(claude.api_base, config(ttl_s=300), clock=lambda: claude.sim.now)
@@ -1946,7 +1949,8 @@ def test_a_pause_on_the_wall_clock_is_the_expirys_whatever_the_turns_between_mar
         ]
         for at, last in ((0, True), (30, True), (230, False), (430, False), (460, True)):
             claude.sim.advance(at - (claude.sim.now - claude.sim.config.start_time))
-            reply, _ = chat(client, sent(convo, last), model="claude-sonnet-4-5", stream=False)
+            sent = system_marked(convo, system, last)
+            reply, _ = chat(client, sent, model="claude-sonnet-4-5", stream=False)
             convo += [reply, {"role": "user", "content": f"Go on. {'lorem ipsum ' * 200}"}]
         flush(proxy)
     caches = [r["cache"] for r in events(proxy.log_dir, "spread", "response")]
@@ -1968,17 +1972,6 @@ def test_an_expiry_is_charged_once_whatever_the_turns_after_it_marked(
     turn: the first turn after the pause is charged the expiry; the marked turn's miss of
     the history, which the turns between never asked to cache, was charged to the expiry a
     second time (its tokens counted twice in the metrics and ``sessions cost``)."""
-    mark = {"type": "ephemeral"}
-
-    def sent(messages: list[dict[str, Any]], last: bool) -> list[dict[str, Any]]:
-        out = [dict(m) for m in messages]
-        out[0] = {"role": "system", "content": [{"type": "text", "text": CLAUDE_SYSTEM}]}
-        out[0]["content"][0]["cache_control"] = mark
-        if last:
-            part = {"type": "text", "text": out[-1]["content"], "cache_control": mark}
-            out[-1] = {**out[-1], "content": [part]}
-        return out
-
     with run_simulator(SimConfig(dialect="anthropic-compat", cache_ttl_s=300)) as claude:
         proxy = proxy_factory(claude.api_base, config(ttl_s=300), clock=lambda: claude.sim.now)
         client = make_client(proxy.base_url, default_headers={"X-Session-Id": "once"})
@@ -1988,10 +1981,16 @@ def test_an_expiry_is_charged_once_whatever_the_turns_after_it_marked(
         ]
         for at, last in ((0, True), (10, True), (410, False), (420, False), (430, False)):
             claude.sim.advance(at - (claude.sim.now - claude.sim.config.start_time))
-            reply, _ = chat(client, sent(convo, last), model="claude-sonnet-4-5", stream=False)
+            sent = system_marked(convo, CLAUDE_SYSTEM, last)
+            reply, _ = chat(client, sent, model="claude-sonnet-4-5", stream=False)
             convo += [reply, {"role": "user", "content": f"Go on. {'lorem ipsum ' * 200}"}]
         claude.sim.advance(10)
-        chat(client, sent(convo, True), model="claude-sonnet-4-5", stream=False)
+        chat(
+            client,
+            system_marked(convo, CLAUDE_SYSTEM, True),
+            model="claude-sonnet-4-5",
+            stream=False,
+        )
         flush(proxy)
         lines = events(proxy.log_dir, "once", "response")
         expired = [
