@@ -91,9 +91,12 @@ _TOKEN_FIELDS = (
 )
 
 
-# No request holds more tokens than this; a larger number is a broken answer, and beyond 2**64
-# the log's reader (orjson) reads it back as a float, so the reports would disagree with it.
-MAX_COUNT: Final = 2**53
+# No request holds more tokens than this (the largest context windows are ~10 million tokens, a
+# Responses API call that runs many model turns counts them all, still far below): a larger
+# number is a broken answer (an unsigned -1 of 32 bits, 4,294,967,295, is one), read as unknown.
+# Taken, one such answer added billions of dollars to the cost counters for good, and counters
+# that large lose a later answer's units in their floats.
+MAX_COUNT: Final = 10**9
 
 
 def _count(raw: Mapping[str, Any], key: str) -> int | None:
@@ -208,11 +211,13 @@ def _normalize(raw: Mapping[str, Any]) -> Usage | None:
         if hit is not None or miss is not None:
             prompt = (hit or 0) + (miss or 0)
         else:
-            prompt = (
-                (_count(raw, "input_tokens") or 0)
-                + (_count(raw, "cache_read_input_tokens") or 0)
-                + (created or 0)
-            )
+            given = _count(raw, "input_tokens")
+            read = _count(raw, "cache_read_input_tokens")
+            if given is None and read is None and created is None:
+                # No count of the prompt at all (a null or missing prompt_tokens beside a
+                # completion): unknown, never a free 0 in the per-request averages and the cost
+                return None
+            prompt = (given or 0) + (read or 0) + (created or 0)
     completion = _count(raw, "completion_tokens")
     if completion is None:
         completion = _count(raw, "output_tokens") or 0

@@ -445,11 +445,14 @@ def test_a_responses_api_request_is_counted_under_its_model_and_route(
     assert value(registry, "cachegate_tokens_total", model="gpt-4o", kind="prompt") == 2_000
     # another path of the Responses API (a stored response read back) is a passthrough's
     assert value(registry, requests, route="passthrough", model="other", status="200") == 1.0
-    # the route's series of a model start at zero with its first request (so that the first
-    # of each status shows in a rate), not before: a chat client's scrape stays as it was
+    # the route's counts of every model start at zero (seeded on a model's first request, the
+    # requests until the next scrape were in no rate(): a Codex session's first burst); its
+    # duration histogram with its first request, not before: a chat client's scrape keeps
+    # 24 series a model fewer
     assert value(registry, requests, status="500", **labels) == 0.0
-    unused = {"route": "responses", "model": "gpt-4o-mini"}
-    assert value(registry, requests, status="200", **unused) is None
+    unused = {"route": "responses", "model": "claude-sonnet-4"}
+    assert value(registry, requests, status="200", **unused) == 0.0
+    assert value(registry, requests, status="429", route="responses", model="other") == 0.0
     assert value(registry, "cachegate_request_duration_seconds_count", **unused) is None
 
 

@@ -2917,3 +2917,46 @@ def test_a_zstd_body_is_decoded_whatever_the_limit_and_bombs_stop_at_it() -> Non
             decoded_request("zstd", bomb, 1_000_000)
         assert refused.value.status == 413
         assert decoded_request("zstd", bomb, 5_000_000) == b"\0" * 5_000_000
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        # an unsigned -1 of 32 bits: ~$10,700 of gpt-4o input, for good, in the cost counter
+        b'{"prompt_tokens":4294967295,"completion_tokens":4294967295}',
+        b'{"prompt_tokens":9007199254740992,"completion_tokens":3}',
+        # the completion alone: the prompt is unknown, not a free 0 in the per-request averages
+        b'{"prompt_tokens":null,"completion_tokens":10,"prompt_tokens_details":{"cached_tokens":0}}',
+        b'{"completion_tokens":10}',
+    ],
+)
+def test_a_usage_that_cannot_be_real_is_unknown_not_counted(
+    usage: bytes, scripted: Any, proxy_factory: Any
+) -> None:
+    """An answer whose usage holds a count beyond any request, or no count of its prompt, is
+    relayed as it came and counted as of unknown usage: no tokens, no cost, no 0-token prompt in
+    the GenAI histogram; the next sound answer counts exactly (counters that large lose a later
+    answer's units in their floats)."""
+    answer = (
+        b'{"id":"x","object":"chat.completion","model":"gpt-4o","choices":[{"index":0,'
+        b'"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":'
+    )
+    upstream, url = scripted(chunks=[answer + usage + b"}"], content_type=b"application/json")
+    proxy = proxy_factory(url)
+    via = httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers={"X-Session-Id": "s"})
+    assert via.status_code == 200 and via.content == answer + usage + b"}"
+    proxy.settle()
+    assert read_events(proxy.log_dir / "s.jsonl").events[-1]["usage"] is None
+    model = {"model": "gpt-4o"}
+    for kind in ("prompt", "completion"):
+        assert proxy.metric("cachegate_tokens_total", {**model, "kind": kind}) == 0
+    assert proxy.metric("cachegate_cost_usd_total", {**model, "kind": "actual"}) == 0
+    inputs = {"gen_ai_token_type": "input", "gen_ai_request_model": "gpt-4o"}
+    inputs["gen_ai_operation_name"] = "chat"
+    assert proxy.metric("gen_ai_client_token_usage_count", inputs) == 0
+    upstream.chunks = [answer + b'{"prompt_tokens":1200,"completion_tokens":3}}']
+    httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers={"X-Session-Id": "s"})
+    assert proxy.metric("cachegate_tokens_total", {**model, "kind": "prompt"}) == 1200
+    assert proxy.metric("cachegate_tokens_total", {**model, "kind": "completion"}) == 3
+    assert proxy.metric("gen_ai_client_token_usage_count", inputs) == 1
+    assert proxy.metric("gen_ai_client_token_usage_sum", inputs) == 1200

@@ -169,13 +169,31 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
                 "prompt_tokens_details": {"cached_tokens": 10**29},
             },
             None,  # beyond any request: a broken answer, never billions in the cost panel
-            id="counts-beyond-2**53-unknown",
+            id="counts-beyond-any-request-unknown",
         ),
+        pytest.param(  # an unsigned -1 of 32 bits: ~$10,700 of gpt-4o input, if taken
+            {"prompt_tokens": 2**32 - 1, "completion_tokens": 7}, None, id="wrapped-minus-one"
+        ),
+        pytest.param({"prompt_tokens": 2**53, "completion_tokens": 7}, None, id="2**53-unknown"),
         pytest.param(
-            {"prompt_tokens": 2**53, "completion_tokens": 7},
-            Usage(2**53, 7, 0, 0, False),
-            id="2**53-still-a-count",
+            {"prompt_tokens": 10**9, "completion_tokens": 7},
+            Usage(10**9, 7, 0, 0, False),
+            id="a-billion-still-a-count",
         ),
+        pytest.param(  # the completion alone says nothing of the prompt: not a free 0
+            {"prompt_tokens": None, "completion_tokens": 10}, None, id="null-prompt-unknown"
+        ),
+        pytest.param({"completion_tokens": 10}, None, id="missing-prompt-unknown"),
+        pytest.param(
+            {
+                "prompt_tokens": 1000.5,
+                "completion_tokens": 10,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            },
+            None,
+            id="fractional-prompt-unknown",
+        ),
+        pytest.param({"output_tokens": 3}, None, id="output-alone-unknown"),
         pytest.param(  # xAI's Grok: reasoning apart from the completion, in the total
             {
                 "prompt_tokens": 663,
