@@ -983,9 +983,11 @@ def repair_messages_from(
         if calls is None:
             if _empty_calls(message):
                 kept = {k: v for k, v in message.items() if k != "tool_calls"}
-                if _says_nothing(kept) or (drop_empty and _blank(kept)):
+                if drop_empty and (_says_nothing(kept) or _blank(kept)):
                     # Nothing else in it: Claude refuses an empty assistant message but the last
-                    # ("must have non-empty content"), OpenAI one with no content at all.
+                    # ("must have non-empty content"); elsewhere it stays, given "" below (as
+                    # for ``empty_assistant``: removed, two user turns met, which strict chat
+                    # templates refuse, Gemma's, Llama 2's, Mistral 7B's on vLLM or llama.cpp)
                     removed.add(i)
                     action = "removed an assistant message with nothing but an empty tool_calls"
                     mark = cache_mark(message, "content")  # (its own, or its last part's)
@@ -999,8 +1001,8 @@ def repair_messages_from(
                         kept = _without_blank_text(kept)
                     elif mistral and _mistral_blank(kept):
                         kept["content"] = MISTRAL_NO_ANSWER  # (Mistral refuses "" there)
-                    elif kept.get("content") is None:  # (a refusal, a legacy function_call)
-                        kept["content"] = ""
+                    elif kept.get("content") is None or kept.get("content") == []:
+                        kept["content"] = ""  # (OpenAI refuses null and [] there alike)
                     fixed[i] = kept
                     action = "removed an empty tool_calls array"
                 scanned.append(Repair("empty_tool_calls", i, None, action))

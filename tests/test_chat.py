@@ -560,22 +560,55 @@ def test_orphan_policy_drop(sim: RunningSimulator, sdk: Any, proxy_factory: Any)
     assert [m["content"] for m in sim.sim.requests[-1].body["messages"]] == ["hi", "again"]
 
 
+@pytest.mark.parametrize("content", [None, "", []])
+def test_a_cut_answer_with_an_empty_tool_calls_keeps_the_turns_alternating(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any, content: Any
+) -> None:
+    """A stream cut before its first token, by an SDK that writes ``"tool_calls": []`` on every
+    plain answer, leaves an assistant message of nothing else. It was removed for every model:
+    two user messages in a row, which strict chat templates refuse (Gemma's, Llama 2's,
+    Mistral 7B's on vLLM or llama.cpp: "Conversation roles must alternate"), on every turn."""
+    proxy = proxy_factory(sim.api_base)
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": content, "tool_calls": []},
+        {"role": "user", "content": "again"},
+    ]
+    raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+        model="google/gemma-2-9b-it",
+        messages=messages,  # type: ignore[arg-type]
+    )
+    assert raw.headers["x-cachegate-repairs"] == "1"
+    forwarded = sim.sim.requests[-1].body["messages"]
+    assert forwarded == [messages[0], {"role": "assistant", "content": ""}, messages[2]]
+
+
 @pytest.mark.parametrize(
-    ("policy", "messages"),
+    ("policy", "messages", "model"),
     [
-        ("drop", [{"role": "tool", "tool_call_id": "ghost", "content": "stale output"}]),
-        ("downgrade", [{"role": "assistant", "content": None, "tool_calls": []}]),
+        ("drop", [{"role": "tool", "tool_call_id": "ghost", "content": "stale output"}], "gpt-4o"),
+        # (a Claude model's history has an empty assistant message removed; another's keeps it)
+        (
+            "downgrade",
+            [{"role": "assistant", "content": None, "tool_calls": []}],
+            "claude-sonnet-4-5",
+        ),
     ],
 )
 def test_a_repair_that_would_leave_no_message_is_not_made(
-    sim: RunningSimulator, sdk: Any, proxy_factory: Any, policy: str, messages: list[Any]
+    sim: RunningSimulator,
+    sdk: Any,
+    proxy_factory: Any,
+    policy: str,
+    messages: list[Any],
+    model: str,
 ) -> None:
     """A history of nothing but orphans dropped, or of one empty assistant message, went as
     ``messages: []``: the provider's 400 spoke of an empty array the client never sent, with
     a repair counted. The provider now answers what the client sent."""
     proxy = proxy_factory(sim.api_base, {"pairing": {"orphan_policy": policy}})
     with pytest.raises(openai.BadRequestError) as info:
-        sdk(proxy.base_url).chat.completions.create(model="gpt-4o", messages=messages)
+        sdk(proxy.base_url).chat.completions.create(model=model, messages=messages)
     assert sim.sim.requests[-1].body["messages"] == messages
     assert "'messages': empty array" not in str(info.value)  # (the simulator's, as OpenAI's)
     assert info.value.response.headers["x-cachegate-repairs"] == "0"

@@ -16,6 +16,7 @@ from proxy.pairing import (
     DEFAULT_INTERRUPTED_NOTE,
     DOWNGRADE_PREFIXES,
     MISTRAL_BRIDGE,
+    MISTRAL_NO_ANSWER,
     PairingResult,
     Repair,
     diagnose,
@@ -352,12 +353,25 @@ def test_an_empty_tool_calls_array_is_removed() -> None:
         "cachegate strict pairing: 1 defect: messages[1] assistant message has an empty "
         "tool_calls array (empty_tool_calls)"
     )
-    # with nothing else in it, the message goes: Claude refuses an empty assistant message
-    # ("all messages must have non-empty content except for the optional final assistant
-    # message"), OpenAI one without content
+    # with nothing else in it (a stream cut before its first token, by such an SDK), the
+    # message stays with an empty content, as under empty_assistant: removed, it left two user
+    # messages in a row, which strict chat templates refuse ("Conversation roles must
+    # alternate": Gemma, Llama 2, Mistral 7B served by vLLM or llama.cpp) on every later turn
     for said in (None, "", []):
         bare = {"role": "assistant", "content": said, "tool_calls": []}
         result = repair_messages([user("go"), bare, user("again")])
+        assert result.messages == [user("go"), {"role": "assistant", "content": ""}, user("again")]
+        assert [(r.kind, r.index, r.action) for r in result.repairs] == [
+            ("empty_tool_calls", 1, "removed an empty tool_calls array")
+        ]
+        validate_messages(result.messages)
+        # for a Mistral model, the note (Mistral refuses "" there too)
+        noted = repair_messages([user("go"), bare, user("again")], mistral=True).messages[1]
+        assert noted == {"role": "assistant", "content": MISTRAL_NO_ANSWER}
+        # for a Claude model, it goes: Claude refuses an empty assistant message ("all messages
+        # must have non-empty content except for the optional final assistant message") and
+        # joins the user turns around it
+        result = repair_messages([user("go"), bare, user("again")], drop_empty=True)
         assert result.messages == [user("go"), user("again")]
         assert [(r.kind, r.index, r.action) for r in result.repairs] == [
             (
@@ -366,7 +380,7 @@ def test_an_empty_tool_calls_array_is_removed() -> None:
                 "removed an assistant message with nothing but an empty tool_calls",
             )
         ]
-        validate_messages(result.messages)
+        validate_claude_messages(result.messages)
     # a refusal is something said: the message stays, with an empty content
     refusal = {"role": "assistant", "content": None, "refusal": "No.", "tool_calls": []}
     assert repair_messages([user("go"), refusal]).messages[1] == {
@@ -463,7 +477,10 @@ def test_a_mark_is_not_moved_onto_what_is_not_a_message() -> None:
     TypeError, answered 500, where the provider would have said what is wrong."""
     mark = {"type": "ephemeral"}
     emptied = {"role": "assistant", "content": "", "tool_calls": [], "cache_control": mark}
-    result = repair_messages([user("go"), None, emptied, user("next")])  # type: ignore[list-item]
+    result = repair_messages(
+        [user("go"), None, emptied, user("next")],  # type: ignore[list-item]
+        drop_empty=True,  # (a Claude model's history, which has it removed)
+    )
     assert result.messages == [user("go"), None, user("next")]
     assert kinds(result) == [("empty_tool_calls", 2, None)]
 
@@ -875,14 +892,14 @@ def test_an_empty_assistant_messages_cache_mark_goes_on_the_message_before_it() 
     ends the same prefix; one already marked keeps its own."""
     mark = {"type": "ephemeral"}
     bare = {"role": "assistant", "content": "", "tool_calls": [], "cache_control": mark}
-    result = repair_messages([user("go"), bare, user("again")])
+    result = repair_messages([user("go"), bare, user("again")], drop_empty=True)
     assert result.messages == [{**user("go"), "cache_control": mark}, user("again")]
     (repair,) = result.repairs
     assert repair.action.endswith("(its cache_control moved to the message before)")
     validate_messages(result.messages)
     # after a repaired turn: on the synthetic result that ends it
     history = [user("go"), asst(call("c1")), bare, user("again")]
-    result = repair_messages(history)
+    result = repair_messages(history, drop_empty=True)
     assert result.messages[2] == {
         "role": "tool",
         "tool_call_id": "c1",
@@ -891,38 +908,45 @@ def test_an_empty_assistant_messages_cache_mark_goes_on_the_message_before_it() 
     }
     # a message marked already keeps its own mark
     own = {"type": "ephemeral", "ttl": "1h"}
-    result = repair_messages([{**user("go"), "cache_control": own}, bare, user("again")])
+    result = repair_messages(
+        [{**user("go"), "cache_control": own}, bare, user("again")], drop_empty=True
+    )
     assert result.messages == [{**user("go"), "cache_control": own}, user("again")]
     # resumed from the previous request's repair (the next turn, the same objects), the same
     earlier = [user("go"), bare, user("again")]
-    first, state = repair_messages_from(earlier, None)
+    first, state = repair_messages_from(earlier, None, drop_empty=True)
     assert state is not None
     later = [*earlier, asst(content="ok"), user("more")]
-    again, _ = repair_messages_from(later, state)
+    again, _ = repair_messages_from(later, state, drop_empty=True)
     assert again.messages == [*first.messages, asst(content="ok"), user("more")]
     assert again.messages[0] == {**user("go"), "cache_control": mark}
     # the mark of a message removed in an appended turn goes on that turn's message before it
-    first, state = repair_messages_from(earlier, None)
-    again, _ = repair_messages_from([*earlier, asst(content="ok"), bare, user("more")], state)
+    first, state = repair_messages_from(earlier, None, drop_empty=True)
+    again, _ = repair_messages_from(
+        [*earlier, asst(content="ok"), bare, user("more")], state, drop_empty=True
+    )
     assert again.messages[-2] == {**asst(content="ok"), "cache_control": mark}
 
 
 def test_a_moved_mark_is_said_only_where_it_moved_and_kept_under_a_new_system_prompt() -> None:
     """The repair said the mark moved where the message before kept its own (the removed one's
     was dropped); resumed under a system prompt with a new time, the mark moved onto the old
-    prompt was lost (a fresh repair of the same messages kept it)."""
+    prompt was lost (a fresh repair of the same messages kept it). (A Claude model's history,
+    which has the message removed.)"""
     mark, own = {"type": "ephemeral"}, {"type": "ephemeral", "ttl": "1h"}
     bare = {"role": "assistant", "content": "", "tool_calls": [], "cache_control": mark}
-    result = repair_messages([{**user("go"), "cache_control": own}, bare, user("again")])
+    result = repair_messages(
+        [{**user("go"), "cache_control": own}, bare, user("again")], drop_empty=True
+    )
     (repair,) = result.repairs
     assert repair.action == "removed an assistant message with nothing but an empty tool_calls"
     # right after the system block: the mark goes on the system message, and stays there when
     # the next turn comes under a new time
     first = [{"role": "system", "content": "time 10:00"}, bare, user("go")]
-    _, state = repair_messages_from(first, None)
+    _, state = repair_messages_from(first, None, drop_empty=True)
     later = [{"role": "system", "content": "time 10:01"}, *first[1:], asst(content="ok")]
-    resumed, _ = repair_messages_from(later, state)
-    assert resumed.messages == repair_messages(later).messages
+    resumed, _ = repair_messages_from(later, state, drop_empty=True)
+    assert resumed.messages == repair_messages(later, drop_empty=True).messages
     assert resumed.messages[0] == {"role": "system", "content": "time 10:01", "cache_control": mark}
 
 
@@ -1912,17 +1936,19 @@ def test_a_kept_defect_with_moving_cache_marks_costs_each_turn_only_what_changed
     assert result.messages == repair_messages(edited, **mode).messages
 
 
-@pytest.mark.parametrize("mode", [{}, {"drop_empty": True}])
+@pytest.mark.parametrize("calls", [False, True])
 def test_a_message_sent_anew_beside_a_removed_messages_mark_is_repaired_afresh(
-    mode: dict[str, bool],
+    calls: bool,
 ) -> None:
     """A removed empty message's mark goes on what comes before it in the repaired history, a
     result moved back there: the result sent anew without its own mark then takes the moved
     one in a whole repair, and the resumed one left it out (a breakpoint lost). With such a
-    mark kept, a message sent anew is repaired afresh."""
+    mark kept, a message sent anew is repaired afresh. (A Claude model's history, which has
+    an empty assistant message removed, with an empty tool_calls array or without.)"""
+    mode = {"drop_empty": True}
     mark = {"type": "ephemeral"}
     empty = {"role": "assistant", "content": "", "cache_control": mark}
-    if not mode:  # (another model's history: an empty tool_calls is what is removed)
+    if calls:
         empty = {"role": "assistant", "content": "", "tool_calls": [], "cache_control": mark}
     first = [user("go"), asst(call("c1")), empty, {**tool("c1", "r"), "cache_control": mark}]
     _, state = repair_messages_from(first, None, **mode)
