@@ -84,6 +84,8 @@ _TOKEN_MARGIN: Final = 64
 # Context redacted around an excerpt, so a secret that starts before the excerpt is still caught.
 _SECRET_MARGIN: Final = 4096
 _KEY_BLOCK_MAX: Final = 64 * 1024  # the longest private key block looked back for (PEM, PGP)
+# Where the run of non-space characters that ends at a search's end begins (``_excerpts``).
+_TOKEN_START: Final = re.compile(r"\s(?=\S*\Z)")
 # Fixed element positions in the chain (tools and system swap places in a chain whose system
 # block comes first: ``Fingerprint.tools_at``, ``system_at``); the messages after the system
 # block follow.
@@ -1523,6 +1525,16 @@ def _excerpts(old_text: str, new_text: str, secrets: tuple[str, ...] = ()) -> tu
     begin = old_text.rfind(marker, max(0, lo - _KEY_BLOCK_MAX), lo + len(marker) - 1)
     if 0 <= begin < lo and "-----END " not in old_text[begin:lo]:
         lo = begin
+    elif 0 < lo < len(old_text) and not (old_text[lo - 1].isspace() or old_text[lo].isspace()):
+        # A token longer than the margin (a JWT, an STS session token of several KB) cut by the
+        # window's start: its tail no longer reads as a secret. From where it begins, when that
+        # is within a key block's reach (a longer run is a blob: base64 data, not a secret).
+        reach = max(0, lo - _KEY_BLOCK_MAX)
+        found = _TOKEN_START.search(old_text, reach, lo)
+        if found is not None:
+            lo = found.end()
+        elif reach == 0:
+            lo = 0  # (the text begins with it)
     old_red, new_red = redact_text(old_text[lo:hi]), redact_text(new_text[lo:hi])
     # Redaction changes lengths: find the difference again, in the redacted windows. Equal windows
     # mean the texts differ only inside a secret: point near there, and show no secret.

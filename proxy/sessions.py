@@ -31,7 +31,7 @@ from proxy.prefix import (
     same_as_sent,
     same_json,
 )
-from proxy.redact import SK_KEY, redact_text
+from proxy.redact import redact_text
 
 log = logging.getLogger(__name__)
 
@@ -100,30 +100,11 @@ def explicit_session_id(headers: Mapping[str, str], path_id: str | None) -> str 
 
 def reads_as_key(value: str) -> bool:
     """Whether a session id reads as a key: the log's redaction takes something out of it (~1
-    µs on a short text). Of its generic ``sk-`` pattern's matches, only one shaped like a key:
-    a run of 16 letters and digits or more with both in it, or three capitals and three small
-    letters or more after the ``sk-`` (``sk-learn-pipeline-debugging``,
+    µs on a short text). Of its generic ``sk-`` pattern's matches, only one shaped like a key
+    is taken (``sk_key_shaped``: ``sk-learn-pipeline-debugging``,
     ``eval_sk-learn_regression_2024_run_07`` are names); any other family's match (``hf_…``,
     ``glpat-…``, ``AKIA…``) is a key whatever its letters."""
-    if redact_text(value) == value:
-        return False
-    rest = SK_KEY.sub(" ", value)
-    if redact_text(rest) != rest:  # (another family's)
-        return True
-    return any(_key_shaped(match) for match in SK_KEY.findall(value))
-
-
-def _key_shaped(match: str) -> bool:
-    tail = match[3:]
-    if sum(c.isupper() for c in tail) >= 3 and sum(c.islower() for c in tail) >= 3:
-        return True
-    return any(
-        len(run) >= 16 and not run.isalpha() and not run.isdigit()
-        for run in _ALNUM_RUNS.findall(tail)
-    )
-
-
-_ALNUM_RUNS: Final = re.compile(r"[A-Za-z0-9]+")
+    return redact_text(value) != value
 
 
 def _secret_said(source: str) -> str:

@@ -507,6 +507,10 @@ def test_a_key_sent_as_a_session_id_names_no_file_and_no_session(
         )
         assert r.status_code == 200 and r.headers["x-cachegate-session"] == name
     flush(proxy)
+    for name in ("sk-learn-pipeline-debugging", "eval_sk-learn_regression_2024_run_07"):
+        # its own name in its log, not [REDACTED] (the redaction took it for a key)
+        (meta,) = events(tmp_path / "a" / "b" / "logs", name, "session_meta")
+        assert meta["session"] == name
     logs = [p.name for p in (tmp_path / "a" / "b" / "logs").iterdir()]
     assert logs and not any(key in name for name in logs), logs
     assert all(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import copy
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -524,6 +526,34 @@ def test_a_long_private_key_cut_differently_shows_none_of_its_body(armour: str) 
         assert divergence is not None
         for excerpt in (divergence.old_excerpt, divergence.new_excerpt):
             assert not [line for line in lines if line[:16] in excerpt], (cut, excerpt)
+
+
+_CLAIMS = base64.urlsafe_b64encode(json.dumps({"sub": "x" * 6000}).encode()).decode()
+_SIGNATURE = "SflKxwRJSMeKKF2QT4fwpMeJf36POk6yJV_adQssw5c"
+_JWT = "eyJhbGciOiJIUzI1NiJ9." + _CLAIMS.rstrip("=") + "." + _SIGNATURE
+
+
+@pytest.mark.parametrize(
+    "secret",
+    [
+        f"Use this token: {_JWT}",
+        _JWT,
+        f"AWS_SESSION_TOKEN={_JWT}",
+        "export AWS_SESSION_TOKEN=FwoGZXIvYXdzE" + "Ab1/" * 1600 + _SIGNATURE,
+    ],
+    ids=["jwt-after-words", "jwt-first", "jwt-as-a-setting", "sts-token"],
+)
+def test_a_token_longer_than_the_margin_shows_none_of_its_tail(secret: str) -> None:
+    """A JWT of 8 KB (claims of a few KB) or an STS session token just before a system prompt's
+    change: the window's start cut it, its tail no longer read as a secret, and the excerpt
+    put its last ~30 characters, the signature, in the log."""
+    old = {"messages": [{"role": "system", "content": f"{secret}\nA: run the tests"}]}
+    new = {"messages": [{"role": "system", "content": f"{secret}\nB: run the tests"}]}
+    divergence = diverge(old, new)
+    assert divergence is not None
+    for excerpt, line in ((divergence.old_excerpt, "A"), (divergence.new_excerpt, "B")):
+        assert _SIGNATURE[-8:] not in excerpt and "[REDACTED]" in excerpt
+        assert excerpt.endswith(f"\n{line}: run the tests")  # (the change still shown)
 
 
 def test_another_item_in_an_items_place_is_named_by_its_type() -> None:

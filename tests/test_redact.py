@@ -8,7 +8,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from proxy.redact import (
@@ -19,6 +19,7 @@ from proxy.redact import (
     line_may_hold_secret,
     redact,
     redact_text,
+    sk_key_shaped,
 )
 
 OPENAI_KEY = "sk-abcdefghijklmnopqrstuvwxyz012345"
@@ -104,6 +105,30 @@ def test_a_key_after_an_escape_a_colour_or_an_encoded_byte_is_replaced(
 )
 def test_a_word_that_ends_in_a_prefix_is_still_no_key(text: str) -> None:
     assert redact_text(text) == text
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "we use sk-learn-pipeline-debugging here",
+        "pip install sk-learn-contrib-lightning-extras",
+        "git checkout sk-feature-authentication-refactor",
+        "the task-sk-proj-planning-document-v2 draft",
+        '{"session": "sk-learn-pipeline-debugging"}',
+    ],
+)
+def test_sk_names_are_no_keys(text: str) -> None:
+    """Names that the generic ``sk-`` pattern matched (a session named so, which cachegate
+    takes as a name, a branch, a package) were redacted in the log, the session's own name in
+    its ``session_meta`` line too, and replayed as ``[REDACTED]``. A key has random letters and
+    digits: a run of 16 or more with both, or three capitals and three small letters."""
+    assert redact_text(text) == text
+    for key in (
+        "sk-3f2a9b8c7d6e5f4a3b2c1d0e9f8a7b6c",  # DeepSeek's: 32 hex digits
+        "sk-proj-Ab3_dEf-GhIjKlMnOpQrStUvWx",
+        "sk-aBcDeFgHiJkLmNoPqRsTuVwXyZ",  # (letters alone, mixed case)
+    ):
+        assert redact_text(f"{key} {text}") == f"{REDACTED} {text}"
 
 
 def test_a_schema_property_named_authentication_is_no_credential() -> None:
@@ -370,6 +395,9 @@ _key_body = st.text(
 )
 def test_a_key_anywhere_never_survives(before: str, after: str, body: str, prefix: str) -> None:
     key = prefix + body
+    # (an ``sk-`` run of letters alone or digits alone, 20 zeros, is a name's shape, no key's:
+    # a key's random letters and digits have both, ``test_sk_names_are_no_keys``)
+    assume(not key.startswith("sk-") or sk_key_shaped(key))
     out = redact_text(f"{before} {key} {after}")
     assert key not in out
     assert redact_text(out) == out  # idempotent
