@@ -210,8 +210,14 @@ class UsageEventStripper:
         return kept
 
     def flush(self) -> bytes:
-        """The bytes of a final event that never ended (a truncated stream)."""
-        rest = self._kept(bytes(self.pending)) if self.pending else b""
+        """The bytes of a final event that never ended (a truncated stream, or one whose last
+        event has no line end): read as if its line ended there, so that OpenAI's null usage
+        at its end goes too (and a whole usage event so cut)."""
+        rest = b""
+        if self.pending:
+            rest = self._kept(bytes(self.pending) + b"\n")
+            if rest.endswith(b"\n"):
+                rest = rest[:-1]  # (the line end read into it)
         self.pending = bytearray()
         self._cr = self.lf_owed = False
         return rest

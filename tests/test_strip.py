@@ -127,6 +127,21 @@ def test_truncated_stream_keeps_its_partial_tail() -> None:
     assert run(CHUNK % b"a" + tail, [5]) == PLAIN % b"a" + tail
 
 
+def test_a_last_event_without_a_line_end_loses_the_null_usage_as_a_whole_one_would() -> None:
+    """A stream whose last event has no line end (a server that writes none after its last
+    chunk; a stream cut right after a chunk's closing brace): its null usage, which cachegate's
+    usage request added, reached the client, padded or not; and a usage event so cut was
+    relayed whole."""
+    for padding in (b"", b',"obfuscation":"aZ09"'):
+        last = b'data: {"id":"c1","choices":[{"delta":{"content":"b"}}],"usage":null' + padding
+        plain = last.replace(b',"usage":null', b"") + b"}"
+        for cuts in ([], [7], [len(last) - 3]):
+            assert run(CHUNK % b"a" + last + b"}", cuts) == PLAIN % b"a" + plain
+            assert run(CHUNK % b"a" + last + b"}\r", cuts) == PLAIN % b"a" + plain + b"\r"
+    usage = b'data: {"id":"c1","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":1}}'
+    assert run(CHUNK % b"a" + usage, [3]) == PLAIN % b"a"
+
+
 # Every way an SSE event can end: two line ends in a row, each CRLF, LF or CR.
 EVENT_ENDINGS = [
     b"\n\n",
