@@ -367,7 +367,13 @@ class SessionStore(Protocol):
         self, messages: Sequence[Any], now: float | None = None, dump: bytes | None = None
     ) -> tuple[SessionState | None, int]: ...
 
-    def index(self, state: SessionState, messages: list[Any], inferable: bool = True) -> None: ...
+    def index(
+        self,
+        state: SessionState,
+        messages: list[Any],
+        inferable: bool = True,
+        opening: list[Any] | None = None,
+    ) -> None: ...
 
     def weigh(
         self,
@@ -698,19 +704,27 @@ class MemorySessionStore:
         self._sessions.move_to_end(best.id)
         return best, best_len
 
-    def index(self, state: SessionState, messages: list[Any], inferable: bool = True) -> None:
+    def index(
+        self,
+        state: SessionState,
+        messages: list[Any],
+        inferable: bool = True,
+        opening: list[Any] | None = None,
+    ) -> None:
         """Keep ``messages`` as the session's latest; ``inferable``: a request without an id may
         be found to continue it (a session named by its client is only ever named: another
-        client that sends no id is no part of it, whatever it sends)."""
+        client that sends no id is no part of it, whatever it sends). ``opening``: what the
+        request opens with where ``messages`` do not hold it (a Responses API ``input`` of one
+        string, one user message), for the next request to be found by."""
         previous, state.last_client_messages = state.last_client_messages, messages
         if not inferable:
             if state.opening is not None:  # inferred, and now named: named from now on
                 self._unindex(state.id, state.opening)
                 state.opening = None
             return
-        if state.opening is not None and _same_opening(previous, messages):
+        if opening is None and state.opening is not None and _same_opening(previous, messages):
             return  # the opening message is the very object already indexed: same key
-        key = opening_key(messages)
+        key = opening_key(messages if opening is None else opening)
         if key is not None and key != state.opening:
             if state.opening is not None:
                 self._unindex(state.id, state.opening)

@@ -111,6 +111,36 @@ def test_an_agent_loop_is_one_session_logged_as_deltas_and_replayed_as_sent(
         }
 
 
+def test_a_conversation_opened_with_one_string_goes_on_in_its_session(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """``input="…"``, then the same task as an item with the answer and a new message: the
+    provider read the first turn's prefix from its cache, but the second turn began a new
+    session (no item to be found by), its cost and history split from the first's."""
+    proxy = proxy_factory(sim.api_base)
+    client = sdk(proxy.base_url)
+    task = "Explain what the function parse_config does in this repository. " * 120
+    first = client.responses.with_raw_response.create(
+        model="gpt-5", instructions=INSTRUCTIONS, input=task, store=False
+    )
+    answer = [item.model_dump(exclude_none=True) for item in first.parse().output]
+    items = [{"role": "user", "content": task}, *answer, {"role": "user", "content": "more"}]
+    second = client.responses.with_raw_response.create(
+        model="gpt-5",
+        instructions=INSTRUCTIONS,
+        input=items,
+        store=False,  # type: ignore[arg-type]
+    )
+    sid = first.headers["x-cachegate-session"]
+    assert second.headers["x-cachegate-session"] == sid
+    assert second.parse().usage.input_tokens_details.cached_tokens > 0  # (the provider's read)
+    proxy.settle()
+    assert [e["exchange"] for e in events(proxy.log_dir, sid, "request")] == [1, 2]
+    # another conversation opened with another string is another session
+    other = client.responses.with_raw_response.create(model="gpt-5", input="write the changelog")
+    assert other.headers["x-cachegate-session"] != sid
+
+
 def test_two_agents_at_once_are_two_sessions(
     sim: RunningSimulator, proxy_factory: Any, sdk: Any
 ) -> None:
@@ -377,6 +407,18 @@ def test_with_repair_off_a_responses_request_is_relayed_unread_and_logged_nowher
     proxy.settle()
     assert [p.name for p in proxy.log_dir.iterdir() if p.suffix == ".jsonl"] == []
     assert proxy.metric("cachegate_tokens_total", {"model": "gpt-5", "kind": "prompt"}) > 0
+    # counted under the model its answer names; an error answer names none: under "other"
+    # (its request's model is not read), as the README says
+    refused = httpx.post(
+        proxy.base_url + "/responses",
+        json={"model": "gpt-5", "input": "hi"},
+        headers={"X-Sim-Fault": "429"},
+    )
+    assert refused.status_code == 429
+    requests = "cachegate_requests_total"
+    assert proxy.metric(requests, {"route": "responses", "model": "gpt-5", "status": "200"}) == 1
+    assert proxy.metric(requests, {"route": "responses", "model": "gpt-5", "status": "429"}) == 0
+    assert proxy.metric(requests, {"route": "responses", "model": "other", "status": "429"}) == 1
 
 
 def test_a_compressed_history_counts_in_the_sessions_memory_as_decoded(

@@ -1110,7 +1110,7 @@ def test_content_nested_deeper_than_orjson_writes_is_repaired_forwarded_and_logg
     assert listed.status_code == 200
     assert listed.json()["requests"][-1]["body"]["messages"][0]["metadata"] == deep
     # a line the secret scan looks through ("disk-usage" holds "sk-") is redacted as deep
-    messages[2] = {"role": "user", "content": "check the disk-usage sk-" + "a" * 30}
+    messages[2] = {"role": "user", "content": "check the disk-usage sk-" + "aB3" * 10}
     raw = json.dumps({"model": "gpt-4o", "messages": messages}).encode()
     r = httpx.post(
         proxy.base_url + "/chat/completions",

@@ -1270,6 +1270,30 @@ def test_responses_answers_the_sdk_plain_and_streamed(sim: RunningSimulator, sdk
     assert [r.path for r in sim.sim.requests] == ["/v1/responses", "/v1/responses"]
 
 
+def test_a_responses_request_moves_the_clock_first_as_a_chat_request_does(
+    sim: RunningSimulator,
+) -> None:
+    """``X-Sim-Time-Advance`` was read on the chat route alone: a Responses API turn after a
+    pause past the TTL was served from the cache (an expiry could not be simulated there), and
+    a bad value was taken."""
+    body = {"model": "gpt-5", "input": [{"role": "user", "content": words(1100)}]}
+
+    def cached_of(headers: dict[str, str]) -> int:
+        answer = httpx.post(sim.url + "/v1/responses", json=body, headers=headers)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["usage"]["input_tokens_details"]["cached_tokens"]
+
+    start = sim.sim.config.start_time
+    assert cached_of({}) == 0
+    assert cached_of({"X-Sim-Time-Advance": "299"}) == 1024
+    assert cached_of({"X-Sim-Time-Advance": "301"}) == 0
+    assert httpx.get(sim.url + "/_sim/clock").json()["now"] == start + 600
+    for path in ("/v1/responses", "/v1/responses/compact"):
+        refused = httpx.post(sim.url + path, json=body, headers={"X-Sim-Time-Advance": "soon"})
+        assert refused.status_code == 400
+        assert refused.json()["error"]["code"] == "invalid_sim_control"
+
+
 def test_responses_usage_reads_its_prefix_from_the_cache_and_is_recorded(
     sim: RunningSimulator,
     sdk: Any,

@@ -510,8 +510,13 @@ class _Handlers:
         checks it: its controls, its record (the fault drawn for it in ``fault``), its body and
         model; or the answer to it (a bad control, no JSON, a status fault, a missing model, a
         broken pairing of its input items)."""
+        headers = dict(request.headers)
         try:
-            controls = _parse_controls(dict(request.headers), self.config)
+            controls = _parse_controls(headers, self.config)
+            # (the clock moves first, as on the chat route: an expiry on the Responses route)
+            advance = _seconds(headers.get("x-sim-time-advance", "0"), "X-Sim-Time-Advance")
+            if advance:
+                self.sim.advance(advance)
         except ValueError as exc:
             return _error(400, str(exc), None, "invalid_sim_control")
         received, body = await self._json_request(request)

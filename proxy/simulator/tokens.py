@@ -158,7 +158,9 @@ def request_tokens(body: Mapping[str, Any], system_first: bool = True) -> list[b
 
 def response_tokens(body: Mapping[str, Any]) -> list[bytes]:
     """The prompt of a Responses API request as one token sequence, in the order the cache
-    reads it: ``instructions``, ``tools``, then each ``input`` item (or the input text)."""
+    reads it: ``instructions``, ``tools``, then each ``input`` item (an input text as the
+    user message it stands for, as OpenAI reads it: a next turn that sends it as an item reads
+    it from the cache)."""
     out: list[bytes] = []
     instructions = body.get("instructions")
     if isinstance(instructions, str):
@@ -168,7 +170,7 @@ def response_tokens(body: Mapping[str, Any]) -> list[bytes]:
         out += tokenize(tools_json(tools).decode())
     items = body.get("input")
     if isinstance(items, str):
-        return out + tokenize(items)
+        items = [{"role": "user", "content": items}]
     for item in items if isinstance(items, list) else ():
         out.append(_START)
         out += tokenize(deep_dumps(item, sort_keys=True))
