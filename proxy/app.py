@@ -8,9 +8,10 @@ import contextlib
 import logging
 import os
 import re
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
-from typing import Any
+from typing import Any, Final
 from urllib.parse import quote, unquote
 
 import httpx
@@ -74,6 +75,10 @@ from proxy.sessions import (
 from proxy.upstream import SizedStream, UpstreamPool, ssl_context
 
 log = logging.getLogger(__name__)
+
+# How long a stop waits for the event log's writer to write what is queued (a backlog is at
+# most ``eventlog.MAX_QUEUE_BYTES`` of request bodies: ~10 s of the secret scan at its slowest)
+WRITER_DRAIN_S: Final = 30.0
 
 
 class _AbortFilter(logging.Filter):
@@ -297,7 +302,15 @@ class Gateway:
             if self.chat.compactor is not None:  # summaries kept for a client that left
                 await self.chat.compactor.stop()
         if self.writer is not None:
-            await asyncio.to_thread(self.writer.close, 5.0)
+            lines, weight = self.writer.backlog
+            if lines >= 1000 or weight >= 4 * 1024 * 1024:  # (a writer behind a burst: the
+                print(  # wait is said, not taken for a hang)
+                    f"cachegate: stopping: writing {lines} queued log line(s) (up to"
+                    f" {WRITER_DRAIN_S:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            await asyncio.to_thread(self.writer.close, WRITER_DRAIN_S)
         if self.upstream is not None:
             await self.upstream.aclose()
 

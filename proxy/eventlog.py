@@ -105,6 +105,30 @@ class _Scrubbed:
     secrets: tuple[str, ...]
 
 
+def _unwrapped(event: Any) -> Any:
+    """A queued event without the wrappers ``emit`` put around it."""
+    while type(event) in (_FirstInFile, _Weighed, _Scrubbed):
+        event = event.event
+    return event
+
+
+@dataclass(slots=True)
+class _Weighed:
+    """An event that holds ``weight`` bytes of a request's body (``emit(..., weight=...)``)."""
+
+    event: Any
+    weight: int
+
+
+# The most bytes of request bodies the queue holds (``emit``'s ``weight``): the writer's secret
+# scan reads a few MB of text a second, and a burst of large first turns (sub-agents starting,
+# each with a 300 KB history) queued up to ~1 GB past the sessions' memory budget, minutes of
+# writing that a stop then left unwritten. Past it, lines are dropped and counted as a full
+# queue's. A lighter event (under ``_WEIGHED_FROM``) is not weighed: the common turn appends
+# a few KB, and its emit takes no lock.
+MAX_QUEUE_BYTES: Final = 32 * 1024 * 1024
+_WEIGHED_FROM: Final = 64 * 1024
+
 # How long the writer sleeps when it has nothing to write; events reach the disk within this.
 POLL_S: Final = 0.05
 _META_TYPE: Final = b'"type":"session_meta"'
@@ -153,6 +177,7 @@ class EventLogWriter:
         fsync: FsyncMode = "none",
         fsync_interval_s: float = 1.0,
         max_queue: int = 10000,
+        max_queue_bytes: int = MAX_QUEUE_BYTES,
         bodies: BodiesMode = "full",
         redact_secrets: bool = True,
         max_open_files: int | None = None,
@@ -198,6 +223,8 @@ class EventLogWriter:
         # took is in neither the queue nor a file meanwhile: ``flush_session``)
         self._writing = False
         self._max_queue = max_queue
+        self._max_queue_bytes = max_queue_bytes
+        self._queued_bytes = 0  # the weights queued (``_Weighed``), guarded by ``_lock``
         self._valid_ids: set[str] = set()  # ids emit() has checked (a set lookup, not a regex)
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -298,6 +325,7 @@ class EventLogWriter:
         event: dict[str, Any],
         first_in_file: bool = False,
         secrets: tuple[str, ...] = (),
+        weight: int = 0,
     ) -> bool:
         """Queue ``event`` for ``session_id``'s file; False (and a counted drop) when refused.
 
@@ -305,7 +333,8 @@ class EventLogWriter:
         turn comes (a session's meta line: one per file, also when an earlier process started
         the file); the writer thread looks, so the caller's thread makes no system call. With
         ``secrets``, those exact values are replaced in its line as the configured ones are (a
-        key of the client's own that the upstream's error quotes)."""
+        key of the client's own that the upstream's error quotes). ``weight``: about how many
+        bytes of a request's body the line holds (``MAX_QUEUE_BYTES``)."""
         if self._closed:
             self._drop("closed")
             return False
@@ -333,6 +362,17 @@ class EventLogWriter:
         # fsync = "line", asked for durability: each line goes to the disk at once (a crash
         # took the exchanges of the last poll, answered and never written).
         item: Any = _Scrubbed(event, secrets) if secrets else event
+        if weight >= _WEIGHED_FROM:
+            with self._lock:
+                # (one alone past the bound still goes: the queue is empty of such lines)
+                full = self._queued_bytes and self._queued_bytes + weight > self._max_queue_bytes
+                if not full:
+                    self._queued_bytes += weight
+            if full:
+                self._drop("queue_full")
+                self._count_lost(session_id, 1, _is_request(event))
+                return False
+            item = _Weighed(item, weight)
         self._items.append((session_id, time.time(), _FirstInFile(item) if first_in_file else item))
         if self.fsync == "line":
             self._wake.set()
@@ -341,6 +381,11 @@ class EventLogWriter:
     def _put_control(self, item: Any) -> None:
         self._items.append(item)
         self._wake.set()
+
+    @property
+    def backlog(self) -> tuple[int, int]:
+        """How many lines are queued, and about how many bytes of request bodies they hold."""
+        return len(self._items), self._queued_bytes
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every event emitted before this call is written; False on timeout."""
@@ -373,7 +418,20 @@ class EventLogWriter:
         self._put_control(_STOP)
         thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
-            logger.warning("event log writer did not drain within %.1fs", timeout)
+            # What is still queued goes with the process (the writer is a daemon thread): said,
+            # and counted, where it went unsaid (answered exchanges missing from their files)
+            left = [item for item in list(self._items) if isinstance(item, tuple)]
+            for _ in left:
+                self._loss("closed")
+            logger.warning(
+                "event log writer did not drain within %.1fs: %d queued line(s) of %d"
+                " session(s), %d of them request line(s), were not written, and their files"
+                " do not say so",
+                timeout,
+                len(left),
+                len({item[0] for item in left}),
+                sum(_is_request(_unwrapped(item[2])) for item in left),
+            )
             return False
         self._discard_queued()
         with self._lock:
@@ -443,6 +501,10 @@ class EventLogWriter:
             if session_id not in self._metas or os.path.exists(path):
                 self._write_lines(session_id, [])
 
+    def _release(self, weight: int) -> None:
+        with self._lock:
+            self._queued_bytes -= weight
+
     def _discard_queued(self) -> None:
         """Count events that raced with ``close`` and can no longer be written."""
         while True:
@@ -451,6 +513,8 @@ class EventLogWriter:
             except IndexError:
                 return
             if isinstance(item, tuple):
+                if type(item[2]) is _Weighed:
+                    self._release(item[2].weight)
                 self._drop("closed")
             elif isinstance(item, _Flush):
                 item.done.set()
@@ -536,6 +600,9 @@ class EventLogWriter:
                         event = event.event
                         if not self._file_is_empty(session_id, batch):
                             target = kept_metas
+                    if type(event) is _Weighed:
+                        self._release(event.weight)
+                        event = event.event
                     if type(event) is _Scrubbed:  # (a meta line may be both)
                         event, secrets = event.event, event.secrets
                     encoded = self._line(session_id, ts, event)

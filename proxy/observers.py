@@ -1599,14 +1599,21 @@ class EventLogObserver:
         # A client's key headers -> its keys (``_emit_scrubbed``), for the next requests
         self._client_keys: dict[tuple[tuple[bytes, bytes], ...], tuple[str, ...]] = {}
 
-    def _emit(self, session_id: str, event: dict[str, Any], first_in_file: bool = False) -> bool:
+    def _emit(
+        self, session_id: str, event: dict[str, Any], first_in_file: bool = False, weight: int = 0
+    ) -> bool:
         """Queue ``event``, which starts with ``ts`` and ``type`` (the writer then takes the dict as
         it is, where it would copy one with another key order); False when the writer refused
-        it (a full queue, say). ``first_in_file``: see ``EventLogWriter.emit``."""
-        return self.writer.emit(session_id, event, first_in_file)
+        it (a full queue, say). ``first_in_file``, ``weight``: see ``EventLogWriter.emit``."""
+        return self.writer.emit(session_id, event, first_in_file, weight=weight)
 
     def _emit_scrubbed(
-        self, session_id: str, event: dict[str, Any], ex: Exchange, first_in_file: bool = False
+        self,
+        session_id: str,
+        event: dict[str, Any],
+        ex: Exchange,
+        first_in_file: bool = False,
+        weight: int = 0,
     ) -> bool:
         """``_emit``, the client's own keys (``client_keys``) never written in the line: an
         upstream's error may quote the key it refused (``Incorrect API key provided: …``), a
@@ -1625,8 +1632,8 @@ class EventLogObserver:
                 keys = known_secrets((*keys, *query_keys(ex.query)))
             ex.client_secrets = keys
         if not keys:
-            return self._emit(session_id, event, first_in_file)
-        return self.writer.emit(session_id, event, first_in_file, keys)
+            return self._emit(session_id, event, first_in_file, weight)
+        return self.writer.emit(session_id, event, first_in_file, keys, weight)
 
     def _meta(self, ex: Exchange) -> None:
         state = _state_of(ex, self.sessions)
@@ -1695,12 +1702,15 @@ class EventLogObserver:
             "base_exchange": base_exchange,
             "base": base,
         }
+        own = 0  # how many messages the line holds (its weight in the writer's queue)
         if head or delta.replaces:  # its own messages (a system block with the time in it,
             # say, or none: messages dropped) before the base's from ``replaces`` on
             event["head"], event["replaces"] = messages[delta.kept : head], delta.replaces
+            own = max(0, head - delta.kept)
             if delta.kept:
                 event["kept"] = delta.kept
-        event["appended"] = messages[head + base - delta.replaces :]
+        appended = event["appended"] = messages[head + base - delta.replaces :]
+        own += len(appended)
         event["repairs"] = ex.repairs
         event["transforms"] = dict(ex.transforms)
         event["bytes"] = ex.request_bytes
@@ -1746,7 +1756,10 @@ class EventLogObserver:
             else:
                 event["tools"] = tools
                 keep = [(ex.exchange_id, tools), *logged[: CONVERSATIONS_KEPT - 1]]
-        written = self._emit_scrubbed(ex.session_id, event, ex)
+        # (about the bytes of the client's body the line holds: all of a first turn's, the
+        # share of its messages of a turn coded against an earlier line)
+        weight = ex.request_bytes * own // len(messages) if messages else ex.request_bytes
+        written = self._emit_scrubbed(ex.session_id, event, ex, weight=weight)
         if state is not None and written:  # a line that was refused is no base
             carried = next((m for eid, m in candidates if eid == base_exchange), None)
             whole = carried is not None and base == len(carried)  # it carries that one on whole

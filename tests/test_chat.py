@@ -1231,7 +1231,9 @@ def test_request_lines_forwarded_out_of_order_are_coded_only_against_lines_alrea
             self.events: list[dict[str, Any]] = []
             self.broken: dict[str, None] = {}
 
-        def emit(self, session_id: str, event: dict[str, Any], first_in_file: bool = False) -> bool:
+        def emit(
+            self, session_id: str, event: dict[str, Any], first_in_file: bool = False, **kw: Any
+        ) -> bool:
             self.events.append(event)
             return True
 

@@ -131,6 +131,15 @@ def test_every_published_port_is_bound_to_loopback(compose: dict[str, Any]) -> N
     assert compose["services"]["cachegate"]["ports"] == ["127.0.0.1:8787:8787"]
 
 
+def test_a_stop_gives_the_event_logs_writer_its_time(compose: dict[str, Any]) -> None:
+    """Docker's default 10 s before SIGKILL is less than the 5 s grace period and the writer's
+    30 s to write what is queued: the lines of answered exchanges went with the container."""
+    from proxy.app import WRITER_DRAIN_S
+
+    grace = compose["services"]["cachegate"]["stop_grace_period"]
+    assert grace.endswith("s") and int(grace[:-1]) >= 5 + WRITER_DRAIN_S
+
+
 def test_cachegate_service_builds_the_image_with_config_and_log_volumes(
     compose: dict[str, Any],
 ) -> None:

@@ -1228,6 +1228,71 @@ def test_a_full_queue_drops_without_blocking(log_dir: Path) -> None:
     assert losses[-1] == "closed"
 
 
+def test_the_queue_holds_a_bounded_weight_of_request_bodies(log_dir: Path, writers) -> None:
+    """A burst of large first turns (sub-agents starting, 300 KB of history each) held ~1 GB in
+    the queue, past the sessions' memory budget, while the writer's secret scan read a few MB a
+    second. Past the bound, request lines are dropped and counted as a full queue's, and the
+    session's next line says so; lines written give their weight back."""
+    losses: list[str] = []
+    mb = 1024 * 1024
+    w = EventLogWriter(log_dir, max_queue_bytes=4 * mb, on_loss=losses.append)  # not started
+    heavy = [request_event(i, None, 0, [{"role": "user", "content": "x"}]) for i in (1, 2, 3)]
+    assert w.emit("a", heavy[0], weight=3 * mb)
+    assert not w.emit("a", heavy[1], weight=2 * mb)  # 5 MB queued: over the bound
+    assert w.emit("a", {"type": "response", "exchange": 1}, weight=60_000)  # (light: not weighed)
+    assert w.emit("b", heavy[2], weight=mb)  # 4 MB: within it
+    assert losses == ["queue_full"] and w.backlog == (3, 4 * mb)
+    w.start()
+    writers.append(w)
+    assert w.flush() and w.backlog == (0, 0)
+    assert w.emit("a", request_event(4, None, 0, []), weight=4 * mb)  # the weight came back
+    assert w.emit("a", {"type": "response", "exchange": 4})
+    assert w.flush()
+    lines = read_events(log_dir / "a.jsonl").events
+    # (the loss is told before the session's next lines written: the first request's)
+    kinds = [e["type"] for e in lines]
+    assert kinds == ["lines_lost", "request", "response", "request", "response"]
+    assert (lines[0]["lines"], lines[0]["requests"]) == (1, 1)
+
+
+def test_a_stop_that_cannot_write_the_queue_says_how_much_is_lost(
+    log_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stop that gave the writer 5 s and went on dropped what was still queued (answered
+    exchanges missing from their files), with no count: the metric counts each line as
+    ``closed``, and the warning says how many of which sessions."""
+    import threading
+
+    losses: list[str] = []
+    w = EventLogWriter(log_dir, on_loss=losses.append)
+    release = threading.Event()
+    written = w._write_lines
+
+    def stuck(session_id: str, lines: list[bytes]) -> None:  # a disk that does not answer
+        release.wait(10)
+        written(session_id, lines)
+
+    w._write_lines = stuck  # type: ignore[method-assign]
+    w.start()
+    try:
+        assert w.emit("a", {"type": "error", "n": 0})
+        deadline = time.monotonic() + 5
+        while w.backlog[0] and time.monotonic() < deadline:  # (the writer has it in hand)
+            time.sleep(0.01)
+        for i in range(3):
+            assert w.emit("a", request_event(i + 1, None, 0, []))
+        assert w.emit("b", {"type": "response", "exchange": 1})
+        with caplog.at_level(logging.WARNING, logger="proxy.eventlog"):
+            assert w.close(0.3) is False
+        assert losses == ["closed"] * 4
+        assert (
+            "event log writer did not drain within 0.3s: 4 queued line(s) of 2 session(s), 3 of"
+            " them request line(s), were not written" in caplog.text
+        )
+    finally:
+        release.set()
+
+
 def test_a_burst_of_new_sessions_keeps_each_files_meta_line(log_dir: Path, writers) -> None:
     """With the queue full, a new session's meta line still goes in (up to twice the bound):
     dropped, its file began with a response line, no longer marked as cachegate's log."""

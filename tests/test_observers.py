@@ -41,11 +41,21 @@ class Lines:
         self.events: list[dict[str, Any]] = []
         self.refuse = refuse
         self.broken: dict[str, None] = {}  # as the real writer's: sessions that lost a line
+        self.weights: list[int] = []  # each request line's, as given
 
-    def emit(self, session_id: str, event: dict[str, Any], first_in_file: bool = False) -> bool:
+    def emit(
+        self,
+        session_id: str,
+        event: dict[str, Any],
+        first_in_file: bool = False,
+        secrets: tuple[str, ...] = (),
+        weight: int = 0,
+    ) -> bool:
         if event["type"] == "request" and event["exchange"] in self.refuse:
             return False
         self.events.append(event)
+        if event["type"] == "request":
+            self.weights.append(weight)
         return True
 
 
@@ -73,6 +83,26 @@ def test_a_refused_request_line_is_never_the_base_of_a_later_one() -> None:
     assert [e["exchange"] for e in lines.events] == [2]
     assert lines.events[0]["base_exchange"] is None
     assert dict(replay(lines.events)) == {2: second}
+
+
+def test_a_request_line_weighs_the_share_of_the_body_it_holds() -> None:
+    """The writer's queue is bounded by the bytes of request bodies its lines hold
+    (``eventlog.MAX_QUEUE_BYTES``): a first turn's line holds its whole history, a later turn's
+    only what it appended."""
+    store = MemorySessionStore()
+    store.create("s1", 0.0).meta_written = True
+    lines = Lines()
+    log = EventLogObserver(settings_from_mapping({}), store, lines)  # type: ignore[arg-type]
+    first = msgs("a" * 1000, "b" * 1000, "c" * 1000)
+    turn = exchange(1, first)
+    turn.request_bytes = 300_000
+    log.on_request(turn)
+    second = [*first, {"role": "assistant", "content": "d"}]
+    turn = exchange(2, second)
+    turn.request_bytes = 300_100
+    log.on_request(turn)
+    assert [len(e["appended"]) for e in lines.events] == [3, 1]
+    assert lines.weights == [300_000, 300_100 // 4]
 
 
 def test_a_line_the_writer_lost_is_no_base_and_the_next_is_written_whole(tmp_path: Path) -> None:
@@ -109,11 +139,13 @@ def test_a_meta_line_the_writer_refused_is_tried_again() -> None:
             super().__init__()
             self.refused_meta = 0
 
-        def emit(self, session_id: str, event: dict[str, Any], first_in_file: bool = False) -> bool:
+        def emit(
+            self, session_id: str, event: dict[str, Any], first_in_file: bool = False, **kw: Any
+        ) -> bool:
             if event["type"] == "session_meta" and not self.refused_meta:
                 self.refused_meta += 1  # a full queue, once
                 return False
-            return super().emit(session_id, event, first_in_file)
+            return super().emit(session_id, event, first_in_file, **kw)
 
     store = MemorySessionStore()
     store.create("s1", 0.0)
