@@ -58,6 +58,27 @@ _NOT_RESPONSES_PARAMS: Final = frozenset({"input", "tools", "model", "stream"})
 _NOT_PARAMS_BUT: Final = frozenset({"tools", "model", "stream"})
 
 
+def _text_bytes(messages: list[Any]) -> int:
+    """About the bytes ``messages`` hold: their strings, and those of their content parts and
+    tool calls (two levels down: a text part's text, an image's URL, a call's arguments)."""
+    total = 0
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        for value in message.values():
+            if type(value) is str:
+                total += len(value)
+            elif type(value) is list:
+                for part in value:
+                    if type(part) is dict:
+                        for inner in part.values():
+                            if type(inner) is str:
+                                total += len(inner)
+                            elif type(inner) is dict:
+                                total += sum(len(v) for v in inner.values() if type(v) is str)
+    return total
+
+
 def _forwarded_at(ex: Exchange) -> float:
     """When ``ex`` went to the provider, on the wall clock: when it came, and the time it
     waited on the provider before it went out (a compaction's summary call, a first try refused
@@ -1702,15 +1723,14 @@ class EventLogObserver:
             "base_exchange": base_exchange,
             "base": base,
         }
-        own = 0  # how many messages the line holds (its weight in the writer's queue)
+        own: list[Any] = []  # the messages the line holds (its weight in the writer's queue)
         if head or delta.replaces:  # its own messages (a system block with the time in it,
             # say, or none: messages dropped) before the base's from ``replaces`` on
-            event["head"], event["replaces"] = messages[delta.kept : head], delta.replaces
-            own = max(0, head - delta.kept)
+            own = event["head"] = messages[delta.kept : head]
+            event["replaces"] = delta.replaces
             if delta.kept:
                 event["kept"] = delta.kept
         appended = event["appended"] = messages[head + base - delta.replaces :]
-        own += len(appended)
         event["repairs"] = ex.repairs
         event["transforms"] = dict(ex.transforms)
         event["bytes"] = ex.request_bytes
@@ -1756,9 +1776,11 @@ class EventLogObserver:
             else:
                 event["tools"] = tools
                 keep = [(ex.exchange_id, tools), *logged[: CONVERSATIONS_KEPT - 1]]
-        # (about the bytes of the client's body the line holds: all of a first turn's, the
-        # share of its messages of a turn coded against an earlier line)
-        weight = ex.request_bytes * own // len(messages) if messages else ex.request_bytes
+        # (about the bytes of the client's body the line holds: all of a first turn's; of a
+        # turn coded against an earlier line, its own messages' texts: a 2 MB tool output)
+        weight = ex.request_bytes
+        if len(own) + len(appended) < len(messages):
+            weight = _text_bytes(own) + _text_bytes(appended)
         written = self._emit_scrubbed(ex.session_id, event, ex, weight=weight)
         if state is not None and written:  # a line that was refused is no base
             carried = next((m for eid, m in candidates if eid == base_exchange), None)

@@ -84,8 +84,10 @@ _TOKEN_MARGIN: Final = 64
 # Context redacted around an excerpt, so a secret that starts before the excerpt is still caught.
 _SECRET_MARGIN: Final = 4096
 _KEY_BLOCK_MAX: Final = 64 * 1024  # the longest private key block looked back for (PEM, PGP)
-# Where the run of non-space characters that ends at a search's end begins (``_excerpts``).
-_TOKEN_START: Final = re.compile(r"\s(?=\S*\Z)")
+# The character before the run of a token's characters (a JWT's, base64's, an STS token's) that
+# ends at a search's end (``_excerpts``): white space, a quote, a comma, a backslash (a text of
+# written-out ``\n`` escapes), anything a token does not hold.
+_TOKEN_START: Final = re.compile(r"[^A-Za-z0-9_.+/=-](?=[A-Za-z0-9_.+/=-]*\Z)")
 # Fixed element positions in the chain (tools and system swap places in a chain whose system
 # block comes first: ``Fingerprint.tools_at``, ``system_at``); the messages after the system
 # block follow.
@@ -1525,14 +1527,15 @@ def _excerpts(old_text: str, new_text: str, secrets: tuple[str, ...] = ()) -> tu
     begin = old_text.rfind(marker, max(0, lo - _KEY_BLOCK_MAX), lo + len(marker) - 1)
     if 0 <= begin < lo and "-----END " not in old_text[begin:lo]:
         lo = begin
-    elif 0 < lo < len(old_text) and not (old_text[lo - 1].isspace() or old_text[lo].isspace()):
+    elif 0 < lo < len(old_text) and _TOKEN_START.match(old_text, lo - 1, lo + 1) is None:
         # A token longer than the margin (a JWT, an STS session token of several KB) cut by the
-        # window's start: its tail no longer reads as a secret. From where it begins, when that
-        # is within a key block's reach (a longer run is a blob: base64 data, not a secret).
+        # window's start: its tail no longer reads as a secret. From the character before it
+        # (a written-out escape's backslash, which the key patterns read past), when that is
+        # within a key block's reach (a longer run is a blob: base64 data, not a secret).
         reach = max(0, lo - _KEY_BLOCK_MAX)
         found = _TOKEN_START.search(old_text, reach, lo)
         if found is not None:
-            lo = found.end()
+            lo = found.start()
         elif reach == 0:
             lo = 0  # (the text begins with it)
     old_red, new_red = redact_text(old_text[lo:hi]), redact_text(new_text[lo:hi])

@@ -119,27 +119,37 @@ _AFTER_MARKS: Final = ("\\", "%", "\x1b")
 
 
 def sk_key_shaped(match: str) -> bool:
-    """Whether a match of the generic ``sk-`` pattern is shaped like a key: a run of 16 letters
-    and digits or more with both in it, or three capitals and three small letters or more after
-    the ``sk-`` (OpenAI's, Anthropic's, DeepSeek's keys all are); ``sk-learn-pipeline-debugging``,
+    """Whether a match of the generic ``sk-`` pattern is shaped like a key: a provider's own
+    prefix (``sk-proj-``, ``sk-ant-``, ``sk-svcacct-``, ``sk-admin-``: a key wrapped right after
+    it too), a run of 32 letters and digits or more (SiliconFlow's 48 small letters), one of 16
+    or more with both in it, or three capitals and three small letters or more after the
+    ``sk-`` (OpenAI's, Anthropic's, DeepSeek's keys all are); ``sk-learn-pipeline-debugging``,
     ``sk-feature-authentication-refactor`` are names."""
+    if match.startswith(_SK_PREFIXES):
+        return True
     tail = match[3:]
     if sum(c.isupper() for c in tail) >= 3 and sum(c.islower() for c in tail) >= 3:
         return True
     return any(
-        len(run) >= 16 and not run.isalpha() and not run.isdigit()
+        len(run) >= 32 or (len(run) >= 16 and not run.isalpha() and not run.isdigit())
         for run in _ALNUM_RUNS.findall(tail)
     )
 
 
 _ALNUM_RUNS: Final = re.compile(r"[A-Za-z0-9]+")
+_SK_PREFIXES: Final = ("sk-proj-", "sk-ant-", "sk-svcacct-", "sk-admin-", "sk-or-")
+_SK_ALONE: Final = re.compile(_SK_KEY)
 
 
 def _replace(match: re.Match[str]) -> str:
     """A match of ``_SECRET`` or ``_SECRET_AFTER`` (which has no PEM block) replaced; a name
     the ``sk-`` pattern matched (``sk_key_shaped``) left as it is."""
     found = match.group(0)
-    if found.startswith("sk-") and not sk_key_shaped(found):
+    if (
+        found.startswith("sk-")
+        and _SK_ALONE.fullmatch(found) is not None  # (not a URL's sk-user:password)
+        and not sk_key_shaped(found)
+    ):
         return found
     bearer = match.group("bearer")
     if bearer:

@@ -186,8 +186,10 @@ def opening_key(messages: Sequence[Any]) -> OpeningKey | None:
             role, content = message.get("role"), message.get("content")
             if len(message) == 2 and type(role) is str and type(content) is str:
                 return (role, content)
-            # A marker, a null field: keyed as the message they leave.
-            canonical = canonical_message(message)
+            # A marker, a null field: keyed as the message they leave; a Responses API message
+            # item (its ``type``, one ``input_text`` part) as the plain message it stands for,
+            # as a one-string ``input`` is indexed (``index``'s ``opening``)
+            canonical = _plain_item(canonical_message(message))
             role, content = canonical.get("role"), canonical.get("content")
             if len(canonical) == 2 and type(role) is str and type(content) is str:
                 return (role, content)
@@ -196,6 +198,24 @@ def opening_key(messages: Sequence[Any]) -> OpeningKey | None:
             except RecursionError:  # past what even the standard library writes: no key
                 return None
     return None
+
+
+def _plain_item(message: dict[str, Any]) -> dict[str, Any]:
+    """A Responses API message item (``canonical_message``'s) as a chat message: without its
+    ``"type": "message"``, one ``input_text`` part as its text."""
+    if message.get("type") == "message":
+        message = {k: v for k, v in message.items() if k != "type"}
+    content = message.get("content")
+    if type(content) is list and len(content) == 1:
+        part = content[0]
+        if (
+            isinstance(part, dict)
+            and part.keys() == {"type", "text"}
+            and part["type"] == "input_text"
+            and type(part["text"]) is str
+        ):
+            message = {**message, "content": part["text"]}
+    return message
 
 
 def _same_opening(old: Sequence[Any], new: Sequence[Any]) -> bool:

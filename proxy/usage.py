@@ -179,7 +179,15 @@ def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
     return _normalize(raw)
 
 
+# The main counts: one given, not null, and no count (a fraction, a negative number, a string,
+# past ``MAX_COUNT``: a 32-bit unsigned -1) is a broken answer, not a free 0 nor a fallback's
+_MAIN_COUNTS: Final = ("prompt_tokens", "completion_tokens", "input_tokens", "output_tokens")
+
+
 def _normalize(raw: Mapping[str, Any]) -> Usage | None:
+    for key in _MAIN_COUNTS:
+        if raw.get(key) is not None and _count(raw, key) is None:
+            return None
     details = [d for d in (raw.get(k) for k in _DETAIL_FIELDS) if isinstance(d, Mapping)]
     if not any(_count(raw, k) is not None for k in _TOKEN_FIELDS) and not any(
         _count(d, k) is not None for d in details for k in _DETAIL_COUNTS

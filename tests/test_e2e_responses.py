@@ -111,8 +111,9 @@ def test_an_agent_loop_is_one_session_logged_as_deltas_and_replayed_as_sent(
         }
 
 
+@pytest.mark.parametrize("shape", ["plain", "typed", "parts"])
 def test_a_conversation_opened_with_one_string_goes_on_in_its_session(
-    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any, shape: str
 ) -> None:
     """``input="…"``, then the same task as an item with the answer and a new message: the
     provider read the first turn's prefix from its cache, but the second turn began a new
@@ -124,7 +125,12 @@ def test_a_conversation_opened_with_one_string_goes_on_in_its_session(
         model="gpt-5", instructions=INSTRUCTIONS, input=task, store=False
     )
     answer = [item.model_dump(exclude_none=True) for item in first.parse().output]
-    items = [{"role": "user", "content": task}, *answer, {"role": "user", "content": "more"}]
+    opening: dict[str, Any] = {"role": "user", "content": task}
+    if shape == "typed":  # (the item as the SDKs' types write it)
+        opening = {"type": "message", **opening}
+    elif shape == "parts":
+        opening = {"role": "user", "content": [{"type": "input_text", "text": task}]}
+    items = [opening, *answer, {"role": "user", "content": "more"}]
     second = client.responses.with_raw_response.create(
         model="gpt-5",
         instructions=INSTRUCTIONS,
@@ -133,7 +139,8 @@ def test_a_conversation_opened_with_one_string_goes_on_in_its_session(
     )
     sid = first.headers["x-cachegate-session"]
     assert second.headers["x-cachegate-session"] == sid
-    assert second.parse().usage.input_tokens_details.cached_tokens > 0  # (the provider's read)
+    if shape == "plain":  # (the simulator reads the string as this item)
+        assert second.parse().usage.input_tokens_details.cached_tokens > 0
     proxy.settle()
     assert [e["exchange"] for e in events(proxy.log_dir, sid, "request")] == [1, 2]
     # another conversation opened with another string is another session

@@ -101,8 +101,18 @@ def test_a_request_line_weighs_the_share_of_the_body_it_holds() -> None:
     turn = exchange(2, second)
     turn.request_bytes = 300_100
     log.on_request(turn)
-    assert [len(e["appended"]) for e in lines.events] == [3, 1]
-    assert lines.weights == [300_000, 300_100 // 4]
+    # a turn that appends a 2 MB tool output to a long history weighs the output, not its
+    # share of the messages (1/60th: under the bound's notice, 80 MB of such lines went in)
+    output = {"role": "tool", "tool_call_id": "c1", "content": "x" * 2_000_000}
+    call = {"id": "c1", "type": "function", "function": {"name": "read", "arguments": "{}"}}
+    third = [*second, {"role": "assistant", "content": None, "tool_calls": [call]}, output]
+    turn = exchange(3, third)
+    turn.request_bytes = 2_300_400
+    log.on_request(turn)
+    assert [len(e["appended"]) for e in lines.events] == [3, 1, 2]
+    assert lines.weights[0] == 300_000
+    assert lines.weights[1] < 100
+    assert 2_000_000 < lines.weights[2] < 2_000_100
 
 
 def test_a_line_the_writer_lost_is_no_base_and_the_next_is_written_whole(tmp_path: Path) -> None:

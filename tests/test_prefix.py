@@ -540,8 +540,12 @@ _JWT = "eyJhbGciOiJIUzI1NiJ9." + _CLAIMS.rstrip("=") + "." + _SIGNATURE
         _JWT,
         f"AWS_SESSION_TOKEN={_JWT}",
         "export AWS_SESSION_TOKEN=FwoGZXIvYXdzE" + "Ab1/" * 1600 + _SIGNATURE,
+        # after 100 KB with no white space: compact JSON, a text of written-out escapes
+        json.dumps({f"k{i}": f"v{i}" for i in range(9000)}, separators=(",", ":"))[:-1]
+        + f',"token":"{_JWT}',
+        "line\\n" * 20000 + _JWT,
     ],
-    ids=["jwt-after-words", "jwt-first", "jwt-as-a-setting", "sts-token"],
+    ids=["jwt-after-words", "jwt-first", "jwt-as-a-setting", "sts-token", "json", "escapes"],
 )
 def test_a_token_longer_than_the_margin_shows_none_of_its_tail(secret: str) -> None:
     """A JWT of 8 KB (claims of a few KB) or an STS session token just before a system prompt's

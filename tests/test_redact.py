@@ -113,7 +113,7 @@ def test_a_word_that_ends_in_a_prefix_is_still_no_key(text: str) -> None:
         "we use sk-learn-pipeline-debugging here",
         "pip install sk-learn-contrib-lightning-extras",
         "git checkout sk-feature-authentication-refactor",
-        "the task-sk-proj-planning-document-v2 draft",
+        "the task-sk-planning-document-v2-final draft",
         '{"session": "sk-learn-pipeline-debugging"}',
     ],
 )
@@ -127,8 +127,13 @@ def test_sk_names_are_no_keys(text: str) -> None:
         "sk-3f2a9b8c7d6e5f4a3b2c1d0e9f8a7b6c",  # DeepSeek's: 32 hex digits
         "sk-proj-Ab3_dEf-GhIjKlMnOpQrStUvWx",
         "sk-aBcDeFgHiJkLmNoPqRsTuVwXyZ",  # (letters alone, mixed case)
+        "sk-" + "qwertyuiopasdfghjklzxcvbnm" * 2,  # SiliconFlow's: 48 small letters
+        "sk-ant-api03-ab1d2x9qkz",  # (a key wrapped right after its provider's prefix)
     ):
         assert redact_text(f"{key} {text}") == f"{REDACTED} {text}"
+    # a URL's user name that begins so is no exception: its password goes
+    for url in ("postgres://sk-app:hunter2hunter2@db:5432/app", "https://sk-bot:gh4x9Qw@git.x/y"):
+        assert "hunter2" not in redact_text(url) and "gh4x9Qw" not in redact_text(url)
 
 
 def test_a_schema_property_named_authentication_is_no_credential() -> None:

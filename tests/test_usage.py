@@ -194,6 +194,16 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
             id="fractional-prompt-unknown",
         ),
         pytest.param({"output_tokens": 3}, None, id="output-alone-unknown"),
+        pytest.param(  # a broken count beside a sound one: the answer is broken, not its
+            {"prompt_tokens": 10, "completion_tokens": 2**32 - 1},  # output free
+            None,
+            id="broken-completion-unknown",
+        ),
+        pytest.param(  # nor a fallback's prompt
+            {"prompt_tokens": -1, "input_tokens": 9, "completion_tokens": 1},
+            None,
+            id="broken-prompt-beside-input-unknown",
+        ),
         pytest.param(  # xAI's Grok: reasoning apart from the completion, in the total
             {
                 "prompt_tokens": 663,
