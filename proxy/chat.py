@@ -285,6 +285,7 @@ class PairingRepair:
         messages = body.get("messages")
         if not isinstance(messages, list):
             return body
+        ex.paired = True
         # Resumed from where the session's previous request left off: an agent's next turn
         # resends the same message objects (prefix sharing), so only the new ones are checked.
         # Two checkpoints are kept: the latest turn's, and the one it resumed from (or the turn
@@ -751,7 +752,8 @@ class ChatPipeline:
         """cachegate's own headers on an answer it gives before forwarding."""
         sid = state.id if state is not None else _explicit_or_none(headers, path_session)
         extra = [(b"x-cachegate-session", sid.encode())] if sid is not None else []
-        extra.append((b"x-cachegate-repairs", str(len(ex.repairs)).encode()))  # as forwarded
+        if ex.paired:  # (a strict refusal's: 0; none for a body never checked, a 413)
+            extra.append((b"x-cachegate-repairs", str(len(ex.repairs)).encode()))  # as forwarded
         return extra
 
     def _held(
@@ -1001,10 +1003,9 @@ class ChatPipeline:
                 del err
             return
         self._before_forward(ex)
-        extra = [
-            (b"x-cachegate-session", state.id.encode()),
-            (b"x-cachegate-repairs", str(len(ex.repairs)).encode()),
-        ]
+        extra = [(b"x-cachegate-session", state.id.encode())]
+        if ex.paired:  # (none with the repair and strict mode off: nothing was checked)
+            extra.append((b"x-cachegate-repairs", str(len(ex.repairs)).encode()))
         if ex.compacted:
             extra.append((b"x-cachegate-compacted", b"1"))
         compactor = self.compactor

@@ -537,6 +537,27 @@ def test_strict_mode_rejects_with_a_diagnosis_and_contacts_nobody(
     assert info.value.response.headers["x-cachegate-session"]
 
 
+def test_no_repairs_header_where_nothing_was_checked(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """With the repair and strict mode off, a chat answer said ``X-Cachegate-Repairs: 0`` of a
+    history never checked (the README says it is sent while either is on), and so did a 413
+    for a body never read."""
+    import httpx
+
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+    off = proxy_factory(sim.api_base, {"pairing": {"repair": False}})
+    answer = httpx.post(off.base_url + "/chat/completions", json=body)
+    assert answer.status_code == 200 and "x-cachegate-repairs" not in answer.headers
+    assert answer.headers["x-cachegate-session"]
+    small = proxy_factory(sim.api_base, {"server": {"max_body_bytes": 100}})
+    big = {**body, "messages": [{"role": "user", "content": "x" * 500}]}
+    refused = httpx.post(small.base_url + "/chat/completions", json=big)
+    assert refused.status_code == 413 and "x-cachegate-repairs" not in refused.headers
+    answer = httpx.post(small.base_url + "/chat/completions", json=body)  # (on by default)
+    assert answer.status_code == 200 and answer.headers["x-cachegate-repairs"] == "0"
+
+
 def test_strict_mode_from_config_lets_valid_histories_through(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:

@@ -714,8 +714,11 @@ def _refusal_of_file(tmp_path: Path, text: str) -> str:
         # an integer key took it, and compaction then failed every request (OverflowError)
         ('[models."m"]\ncontext_window = 1' + "0" * 400, "must be at most 9223372036854775807"),
         ("[server]\nmax_body_bytes = 1" + "0" * 30, "must be at most 9223372036854775807"),
+        # a key that takes a fraction took an integer past 64 bits, as the README says it may not
+        ("[upstream]\ntimeout_s = 1" + "0" * 30, "must be at most 9223372036854775807"),
+        ("[logging]\nmax_total_mb = 1" + "0" * 20, "must be at most 9223372036854775807"),
     ],
-    ids=["duration", "price", "percent", "context-window", "body-size"],
+    ids=["duration", "price", "percent", "context-window", "body-size", "duration-64", "size-64"],
 )
 def test_a_number_too_large_for_any_use_is_refused_naming_the_key(
     tmp_path: Path, text: str, said: str
