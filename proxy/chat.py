@@ -285,7 +285,6 @@ class PairingRepair:
         messages = body.get("messages")
         if not isinstance(messages, list):
             return body
-        ex.paired = True
         # Resumed from where the session's previous request left off: an agent's next turn
         # resends the same message objects (prefix sharing), so only the new ones are checked.
         # Two checkpoints are kept: the latest turn's, and the one it resumed from (or the turn
@@ -742,8 +741,19 @@ class ChatPipeline:
                 self.sessions.leave(state, self.clock())
             self._one_done()
 
-    @staticmethod
+    def _pairing_on(self, ex: Exchange, headers: Mapping[str, str]) -> bool:
+        """Whether the repair or strict mode is on for a request (its X-Cachegate-Repairs is
+        sent: 0 on a refusal; none with both off, where nothing was checked)."""
+        pairing = self.settings.pairing
+        return (
+            pairing.repair
+            or pairing.strict
+            or ex.strict
+            or headers.get("x-cachegate-strict", "").strip().lower() in TRUE_WORDS
+        )
+
     def _refusal_headers(
+        self,
         ex: Exchange,
         state: SessionState | None,
         headers: Mapping[str, str],
@@ -752,7 +762,7 @@ class ChatPipeline:
         """cachegate's own headers on an answer it gives before forwarding."""
         sid = state.id if state is not None else _explicit_or_none(headers, path_session)
         extra = [(b"x-cachegate-session", sid.encode())] if sid is not None else []
-        if ex.paired:  # (a strict refusal's: 0; none for a body never checked, a 413)
+        if self._pairing_on(ex, headers):
             extra.append((b"x-cachegate-repairs", str(len(ex.repairs)).encode()))  # as forwarded
         return extra
 
@@ -1004,7 +1014,7 @@ class ChatPipeline:
             return
         self._before_forward(ex)
         extra = [(b"x-cachegate-session", state.id.encode())]
-        if ex.paired:  # (none with the repair and strict mode off: nothing was checked)
+        if self._pairing_on(ex, headers):  # (none with both off: nothing was checked)
             extra.append((b"x-cachegate-repairs", str(len(ex.repairs)).encode()))
         if ex.compacted:
             extra.append((b"x-cachegate-compacted", b"1"))

@@ -54,7 +54,6 @@ class Exchange:
     repairs: list[dict[str, Any]] = field(default_factory=list)
     transforms: dict[str, Any] = field(default_factory=dict)
     strict: bool = False  # strict pairing for this request (config or X-Cachegate-Strict)
-    paired: bool = False  # its history was checked for pairing (X-Cachegate-Repairs says how)
     # the key cachegate adds is among them: never in a printed Exchange (a log, a traceback)
     upstream_headers: list[tuple[bytes, bytes]] = field(default_factory=list, repr=False)
     # the client's own keys among them (``observers.client_keys``), once the log has looked

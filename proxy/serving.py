@@ -75,6 +75,28 @@ class HttpProtocol(HttpToolsProtocol):
     that follow it on the connection. (cachegate answers a WebSocket handshake itself, 501.)"""
 
     _active: Any = None  # the request being answered (a pipelined one waits behind it)
+    _trailers = False  # past the request's head: a field now is a chunked body's trailer
+
+    def on_message_begin(self) -> None:
+        self._trailers = False
+        super().on_message_begin()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # A chunked body's trailer fields are no header fields (RFC 9110 6.5.1): uvicorn put
+        # them in the request's headers when they came in the packet its head came in (a
+        # trailer's Authorization or X-Session-Id then went upstream, or named the session),
+        # and not when they came later. (uvicorn's own steps, inline: a call per header.)
+        if self._trailers:
+            return
+        name = name.lower()
+        value = value.rstrip(b" \t")  # (llhttp keeps trailing white space; RFC 9110 5.5)
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self._trailers = True
+        super().on_headers_complete()
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         self._active = cycle

@@ -541,20 +541,27 @@ def test_no_repairs_header_where_nothing_was_checked(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
     """With the repair and strict mode off, a chat answer said ``X-Cachegate-Repairs: 0`` of a
-    history never checked (the README says it is sent while either is on), and so did a 413
-    for a body never read."""
+    history never checked, and so did a refusal (the README says it is sent while either is
+    on: then on every chat answer, cachegate's own refusals too)."""
     import httpx
 
     body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
-    off = proxy_factory(sim.api_base, {"pairing": {"repair": False}})
+    big = {**body, "messages": [{"role": "user", "content": "x" * 500}]}
+    limit = {"server": {"max_body_bytes": 100}}
+    off = proxy_factory(sim.api_base, {"pairing": {"repair": False}, **limit})
     answer = httpx.post(off.base_url + "/chat/completions", json=body)
     assert answer.status_code == 200 and "x-cachegate-repairs" not in answer.headers
     assert answer.headers["x-cachegate-session"]
-    small = proxy_factory(sim.api_base, {"server": {"max_body_bytes": 100}})
-    big = {**body, "messages": [{"role": "user", "content": "x" * 500}]}
-    refused = httpx.post(small.base_url + "/chat/completions", json=big)
+    refused = httpx.post(off.base_url + "/chat/completions", json=big)
     assert refused.status_code == 413 and "x-cachegate-repairs" not in refused.headers
-    answer = httpx.post(small.base_url + "/chat/completions", json=body)  # (on by default)
+    # strict mode asked by the request's header: on, for it
+    strict = {"X-Cachegate-Strict": "1"}
+    answer = httpx.post(off.base_url + "/chat/completions", json=body, headers=strict)
+    assert answer.status_code == 200 and answer.headers["x-cachegate-repairs"] == "0"
+    on = proxy_factory(sim.api_base, limit)  # (the repair on, by default)
+    refused = httpx.post(on.base_url + "/chat/completions", json=big)
+    assert refused.status_code == 413 and refused.headers["x-cachegate-repairs"] == "0"
+    answer = httpx.post(on.base_url + "/chat/completions", json=body)
     assert answer.status_code == 200 and answer.headers["x-cachegate-repairs"] == "0"
 
 

@@ -217,6 +217,43 @@ def test_a_request_offering_an_upgrade_keeps_its_body_and_the_requests_after_it(
         ]
 
 
+async def _header_names(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    reply = b",".join(sorted(name for name, _ in scope["headers"])) + b" " + body
+    await send(
+        {"type": "http.response.start", "status": 200,
+         "headers": [(b"content-length", b"%d" % len(reply))]}
+    )  # fmt: skip
+    await send({"type": "http.response.body", "body": reply})
+
+
+@pytest.mark.parametrize("offer", [b"", H2C])
+def test_a_chunked_bodys_trailer_fields_are_no_request_headers(offer: bytes) -> None:
+    """uvicorn added a chunked body's trailer fields to the request's headers when they came in
+    the packet its head came in (an ``Authorization`` trailer went upstream in place of
+    cachegate's key, an ``X-Session-Id`` one named the session), not when they came later."""
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
+    body = b"4\r\nabcd\r\n0\r\nauthorization: Bearer sk-trailer\r\nx-session-id: t\r\n\r\n"
+    after = b"POST /next HTTP/1.1\r\nhost: x\r\nx-after: 1\r\ncontent-length: 3\r\n\r\nabc"
+    with (
+        ServerThread(_header_names) as server,
+        socket.create_connection(("127.0.0.1", server.port)) as s,
+    ):
+        s.settimeout(10)
+        s.sendall(head + offer + b"\r\n" + body + after)
+        names = b"connection,host,http2-settings,transfer-encoding,upgrade" if offer else None
+        first, second = _answers(s, 2)
+        assert first == (names or b"host,transfer-encoding") + b" abcd"
+        assert second == b"content-length,host,x-after abc"  # (the next request's are its own)
+
+
 def test_an_upgrade_offer_does_not_change_which_bodies_are_refused() -> None:
     """A transfer coding other than chunked is refused with a 400 without an offer; with one,
     the connection was dropped with no answer (a traceback on the server)."""
