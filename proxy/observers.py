@@ -1519,12 +1519,19 @@ class AccountingObserver:
                 and _leading(top.fp, fp)
                 and prefix.retimed_system(top.body, body)
             )
-            or prefix.same_conversation(top.fp, fp)
+            or (
+                prefix.same_conversation(top.fp, fp)
+                # (two first turns alike under prompts that share next to nothing: a
+                # sub-agent handed the user's request word for word, not a rewrite of it)
+                and not prefix.unrelated_first_turns(top.body, body)
+            )
             or (divergence.volatile and prefix.retimed_messages(top.body, body))
         ):
             return top, True, divergence
         for other in ranked[1:]:
-            if prefix.same_conversation(other.fp, fp):
+            if prefix.same_conversation(other.fp, fp) and not prefix.unrelated_first_turns(
+                other.body, body
+            ):
                 found = prefix.find_divergence(other.fp, fp, other.body, body, self.secrets)
                 return other, True, found
         # None shares a message: one whose answer it carries on, if only one's (a generic

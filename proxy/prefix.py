@@ -1004,6 +1004,52 @@ def retimed_system(old_body: Mapping[str, Any], new_body: Mapping[str, Any]) -> 
     return _each_same_or_retimed(old_messages[:count], new_messages[:count])
 
 
+def unrelated_first_turns(old_body: Mapping[str, Any], new_body: Mapping[str, Any]) -> bool:
+    """Whether two requests are first turns (one message past the system block each) under
+    system prompts that share next to nothing: less than half of the shorter one's text, at
+    their start and end together, and in the lines both hold. Two agents given one task under
+    prompts of their own (a sub-agent handed the user's request word for word, persona
+    reviewers given one task): not a first turn sent again under an edited prompt, which keeps
+    most of it (the time changed at its top, the open file at its bottom, a line added)."""
+    old_messages, new_messages = old_body.get("messages"), new_body.get("messages")
+    if not isinstance(old_messages, list) or not isinstance(new_messages, list):
+        return False
+    old_count, new_count = leading_system_count(old_messages), leading_system_count(new_messages)
+    if len(old_messages) - old_count != 1 or len(new_messages) - new_count != 1:
+        return False
+    a = _prompt_text(old_messages[:old_count])
+    b = _prompt_text(new_messages[:new_count])
+    if a is None or b is None or a == b:
+        return False
+    shorter = min(len(a), len(b))
+    head = common_prefix_length(a, b)
+    tail = common_prefix_length(a[::-1], b[::-1]) if head < shorter else 0
+    if min(head + tail, shorter) * 2 >= shorter:
+        return False
+    lines = set(a.split("\n"))
+    shared = sum(len(line) + 1 for line in set(b.split("\n")) if line in lines)
+    return shared * 2 < shorter
+
+
+def _prompt_text(system: Sequence[Any]) -> str | None:
+    """The text of a system block (its messages' string contents and text parts), or None
+    where it holds anything else."""
+    texts: list[str] = []
+    for message in system:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            for part in content:
+                text = part.get("text") if isinstance(part, Mapping) else None
+                if not isinstance(text, str):
+                    return None
+                texts.append(text)
+        else:
+            return None
+    return "\n".join(texts)
+
+
 def _each_same_or_retimed(old: Sequence[Any], new: Sequence[Any]) -> bool:
     """Whether each message of ``new`` is the one of ``old`` at its place (the same JSON) or
     differs from it in a volatile token alone (``_retimed``); as many of each."""

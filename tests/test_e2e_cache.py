@@ -342,6 +342,39 @@ def test_a_tier_another_provider_names_is_not_priced_as_openais(
     assert flex["cost"] == standard["cost"] and "tier" not in flex["cost"]
 
 
+def test_sub_agents_handed_the_users_request_word_for_word_are_no_rewrites(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A main agent's first turn, then sub-agents under prompts of their own, each given the
+    user's request as it came, one session id and the same tools: each sub-agent's first turn
+    was charged as a system rewrite of the turn before (~90% of its prompt wasted, where the
+    provider could read nothing: its prompt differs from its first token). A first turn sent
+    again under an edited prompt (the time at its top) is still a rewrite."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "fan"})
+    task = {"role": "user", "content": "Fix the failing handler."}
+    main = [{"role": "system", "content": SYSTEM_PROMPT}, task]
+    chat(client, main, stream=False, tools=TOOLS)
+    for i, role in enumerate(("an explorer", "a reviewer", "a test writer")):
+        sim.sim.advance(5)
+        rules = "\n".join(
+            f"Rule {k} for {role}: check step {k * (i + 2)} first." for k in range(300)
+        )
+        prompt = f"You are {role} sub-agent.\n{rules}"
+        chat(client, [{"role": "system", "content": prompt}, task], stream=True, tools=TOOLS)
+    sim.sim.advance(5)
+    main[0] = {"role": "system", "content": "Today is 2026-12-01.\n" + SYSTEM_PROMPT}
+    chat(client, main, stream=False, tools=TOOLS)  # the main agent's turn, its prompt dated
+    flush(proxy)
+    responses = events(proxy.log_dir, "fan", "response")
+    for sub in responses[1:4]:
+        assert (sub["cache"]["cause"], sub["cache"]["waste"]) == (None, 0)
+        assert "divergence" not in sub
+    last = responses[4]
+    assert (last["cache"]["cause"], last["divergence"]["location"]) == ("prefix_rewrite", "system")
+    assert last["cache"]["waste"] > NOISE_FLOOR
+
+
 def test_a_sub_agent_and_a_title_request_in_the_session_neither_waste_nor_hide_waste(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
