@@ -79,6 +79,15 @@ def _text_bytes(messages: list[Any]) -> int:
     return total
 
 
+def _unrelated_first_turns(old: _Baseline, fp: prefix.Fingerprint, body: Any) -> bool:
+    """``prefix.unrelated_first_turns``, where nothing the provider reads before the system
+    prompt is shared: a Claude model reads the tools first, which the same tools keep
+    readable (a rewrite's expected read)."""
+    if not fp.system_first and fp.tools_digest == old.fp.tools_digest:
+        return False
+    return prefix.unrelated_first_turns(old.body, body)
+
+
 def _forwarded_at(ex: Exchange) -> float:
     """When ``ex`` went to the provider, on the wall clock: when it came, and the time it
     waited on the provider before it went out (a compaction's summary call, a first try refused
@@ -1523,14 +1532,14 @@ class AccountingObserver:
                 prefix.same_conversation(top.fp, fp)
                 # (two first turns alike under prompts that share next to nothing: a
                 # sub-agent handed the user's request word for word, not a rewrite of it)
-                and not prefix.unrelated_first_turns(top.body, body)
+                and not _unrelated_first_turns(top, fp, body)
             )
             or (divergence.volatile and prefix.retimed_messages(top.body, body))
         ):
             return top, True, divergence
         for other in ranked[1:]:
-            if prefix.same_conversation(other.fp, fp) and not prefix.unrelated_first_turns(
-                other.body, body
+            if prefix.same_conversation(other.fp, fp) and not _unrelated_first_turns(
+                other, fp, body
             ):
                 found = prefix.find_divergence(other.fp, fp, other.body, body, self.secrets)
                 return other, True, found

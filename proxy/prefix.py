@@ -1007,7 +1007,8 @@ def retimed_system(old_body: Mapping[str, Any], new_body: Mapping[str, Any]) -> 
 def unrelated_first_turns(old_body: Mapping[str, Any], new_body: Mapping[str, Any]) -> bool:
     """Whether two requests are first turns (one message past the system block each) under
     system prompts that share next to nothing: less than half of the shorter one's text, at
-    their start and end together, and in the lines both hold. Two agents given one task under
+    their start and end together, and in the lines both hold, and no start a provider could
+    read (``_READABLE_HEAD``). Two agents given one task under
     prompts of their own (a sub-agent handed the user's request word for word, persona
     reviewers given one task): not a first turn sent again under an edited prompt, which keeps
     most of it (the time changed at its top, the open file at its bottom, a line added)."""
@@ -1023,12 +1024,19 @@ def unrelated_first_turns(old_body: Mapping[str, Any], new_body: Mapping[str, An
         return False
     shorter = min(len(a), len(b))
     head = common_prefix_length(a, b)
+    if head >= _READABLE_HEAD:  # (a provider may read that much of the prompt: a rewrite)
+        return False
     tail = common_prefix_length(a[::-1], b[::-1]) if head < shorter else 0
     if min(head + tail, shorter) * 2 >= shorter:
         return False
     lines = set(a.split("\n"))
     shared = sum(len(line) + 1 for line in set(b.split("\n")) if line in lines)
     return shared * 2 < shorter
+
+
+# The most of a prompt two unrelated ones may share at their start (``unrelated_first_turns``):
+# ~256 tokens, under any provider's least cached prefix (OpenAI's 1,024 tokens).
+_READABLE_HEAD: Final = 1024
 
 
 def _prompt_text(system: Sequence[Any]) -> str | None:

@@ -1602,6 +1602,42 @@ MANY_TOOLS = [
 ]
 
 
+@pytest.mark.parametrize("case", ["open-file-edited", "claude-same-tools"])
+def test_first_turns_whose_prompts_keep_a_readable_prefix_stay_rewrites(
+    proxy_factory: Any, case: str
+) -> None:
+    """Two first turns alike are two conversations only where nothing before their messages
+    could be read: a first turn sent again with another large open file at the bottom of its
+    prompt keeps a 9 KB head the provider reads (its miss of the rest was hidden: expected 0,
+    read 2,304); a Claude model reads the tools before the system prompt, and the same marked
+    tools under a sub-agent's own prompt are a prefix it reads (expected 0, read 2,944)."""
+    claude = case == "claude-same-tools"
+    dialect = "anthropic-compat" if claude else "openai"
+    with run_simulator(SimConfig(dialect=dialect)) as sim:
+        proxy = proxy_factory(sim.api_base, config(), clock=lambda: sim.sim.now)
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": case})
+        task = {"role": "user", "content": "Fix the failing handler."}
+        tools = MANY_TOOLS
+        if claude:  # (the tools marked for Claude's cache: they end a prefix it writes)
+            tools = [*MANY_TOOLS[:-1], {**MANY_TOOLS[-1], "cache_control": {"type": "ephemeral"}}]
+            prompts = [SYSTEM_PROMPT, "You are a search sub-agent. Find what is asked. " * 40]
+        else:
+            head = "Instructions: be careful and run the tests. " * 200
+            files = ["\n".join(f"line {i} of a.py: x = {i}" for i in range(900)), FILE_TEXT * 6]
+            prompts = [f"{head}\n<open>\n{text}\n</open>" for text in files]
+        model = "claude-sonnet-4-5" if claude else "gpt-4o"
+        for prompt in prompts:
+            system = {"role": "system", "content": prompt}
+            chat(client, [system, task], stream=False, model=model, tools=tools)
+            sim.sim.advance(5)
+        usages = [r.usage for r in sim.sim.requests]
+        flush(proxy)
+    second = events(proxy.log_dir, case, "response")[1]
+    assert cache_read(usages[1]) > 1000  # the provider read the shared prefix
+    assert second["divergence"]["location"] == "system"
+    assert second["cache"]["expected"] >= cache_read(usages[1])
+
+
 @pytest.mark.parametrize("model", ["gpt-4o", "deepseek-chat", "llama-3.3-70b", "azure-prod"])
 def test_an_openai_prompt_is_read_system_then_tools_and_its_rewrites_named_so(
     proxy_factory: Any, sdk: Any, model: str
