@@ -354,9 +354,7 @@ class EventLogWriter:
                 # refused then is counted), and it is no gap in the file (counted once per
                 # request of a burst, the metric read more lines lost than the files said).
                 return False
-            self._drop("queue_full")
-            self._count_lost(session_id, 1, _is_request(event))
-            return False
+            return self._refuse_full(session_id, event)
         # No wake-up call: waking a sleeping thread per event cost the event loop ~15% of its
         # CPU in the benchmark (GIL hand-offs). The writer polls instead (POLL_S), except with
         # fsync = "line", asked for durability: each line goes to the disk at once (a crash
@@ -369,14 +367,18 @@ class EventLogWriter:
                 if not full:
                     self._queued_bytes += weight
             if full:
-                self._drop("queue_full")
-                self._count_lost(session_id, 1, _is_request(event))
-                return False
+                return self._refuse_full(session_id, event)
             item = _Weighed(item, weight)
         self._items.append((session_id, time.time(), _FirstInFile(item) if first_in_file else item))
         if self.fsync == "line":
             self._wake.set()
         return True
+
+    def _refuse_full(self, session_id: str, event: dict[str, Any]) -> bool:
+        """A line the full queue refuses: dropped, counted, and told in its file later."""
+        self._drop("queue_full")
+        self._count_lost(session_id, 1, _is_request(event))
+        return False
 
     def _put_control(self, item: Any) -> None:
         self._items.append(item)

@@ -447,19 +447,28 @@ def canonical_message(message: Any) -> Any:
                 else entry
                 for entry in entries
             ]
-    content = out.get("content")
-    if type(content) is list and len(content) == 1:
-        # One text part is the text (a provider renders them alike): clients that mark their
-        # latest messages for the cache send those as parts and the older ones as strings.
-        part = content[0]
-        if (
-            isinstance(part, Mapping)
-            and part.keys() == {"type", "text"}
-            and part["type"] == "text"
-            and type(part["text"]) is str
-        ):
-            out["content"] = part["text"]
+    # One text part is the text (a provider renders them alike): clients that mark their
+    # latest messages for the cache send those as parts and the older ones as strings.
+    text = single_text(out.get("content"))
+    if text is not None:
+        out["content"] = text
     return out
+
+
+def single_text(content: Any, kind: str = "text") -> str | None:
+    """The text of a content that is one text part of type ``kind`` and nothing else (a chat
+    message's ``text``, a Responses API item's ``input_text``); None otherwise."""
+    if type(content) is not list or len(content) != 1:
+        return None
+    part = content[0]
+    if (
+        isinstance(part, Mapping)
+        and part.keys() == {"type", "text"}
+        and part["type"] == kind
+        and type(part["text"]) is str
+    ):
+        return part["text"]
+    return None
 
 
 def has_cache_marker(body: Mapping[str, Any]) -> bool:

@@ -30,6 +30,7 @@ from proxy.prefix import (
     leading_system_count,
     same_as_sent,
     same_json,
+    single_text,
 )
 from proxy.redact import redact_text
 
@@ -205,17 +206,8 @@ def _plain_item(message: dict[str, Any]) -> dict[str, Any]:
     ``"type": "message"``, one ``input_text`` part as its text."""
     if message.get("type") == "message":
         message = {k: v for k, v in message.items() if k != "type"}
-    content = message.get("content")
-    if type(content) is list and len(content) == 1:
-        part = content[0]
-        if (
-            isinstance(part, dict)
-            and part.keys() == {"type", "text"}
-            and part["type"] == "input_text"
-            and type(part["text"]) is str
-        ):
-            message = {**message, "content": part["text"]}
-    return message
+    text = single_text(message.get("content"), "input_text")
+    return message if text is None else {**message, "content": text}
 
 
 def _same_opening(old: Sequence[Any], new: Sequence[Any]) -> bool:

@@ -1996,6 +1996,24 @@ def system_marked(messages: list[dict[str, Any]], system: str, last: bool) -> li
     return out
 
 
+def marked_turns(
+    claude: RunningSimulator, client: Any, system: str, schedule: list[tuple[int, bool]]
+) -> list[dict[str, Any]]:
+    """A Claude agent's turns at the simulator's times (seconds from its start) given by
+    ``schedule``, each with its system prompt marked and, where said, its last message too
+    (``system_marked``): the conversation so far, its next user message last."""
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Fix the test.\n" + FILE_TEXT},
+    ]
+    for at, last in schedule:
+        claude.sim.advance(at - (claude.sim.now - claude.sim.config.start_time))
+        sent = system_marked(convo, system, last)
+        reply, _ = chat(client, sent, model="claude-sonnet-4-5", stream=False)
+        convo += [reply, {"role": "user", "content": f"Go on. {'lorem ipsum ' * 200}"}]
+    return convo
+
+
 @pytest.mark.parametrize("prompt_length", ["short", "long"])
 def test_a_pause_on_the_wall_clock_is_the_expirys_whatever_the_turns_between_marked(
     proxy_factory: Any, prompt_length: str
@@ -2012,15 +2030,8 @@ def test_a_pause_on_the_wall_clock_is_the_expirys_whatever_the_turns_between_mar
     with run_simulator(SimConfig(dialect="anthropic-compat", cache_ttl_s=300)) as claude:
         proxy = proxy_factory(claude.api_base, config(ttl_s=300), clock=lambda: claude.sim.now)
         client = make_client(proxy.base_url, default_headers={"X-Session-Id": "spread"})
-        convo: list[dict[str, Any]] = [
-            {"role": "system", "content": system},
-            {"role": "user", "content": "Fix the test.\n" + FILE_TEXT},
-        ]
-        for at, last in ((0, True), (30, True), (230, False), (430, False), (460, True)):
-            claude.sim.advance(at - (claude.sim.now - claude.sim.config.start_time))
-            sent = system_marked(convo, system, last)
-            reply, _ = chat(client, sent, model="claude-sonnet-4-5", stream=False)
-            convo += [reply, {"role": "user", "content": f"Go on. {'lorem ipsum ' * 200}"}]
+        schedule = [(0, True), (30, True), (230, False), (430, False), (460, True)]
+        marked_turns(claude, client, system, schedule)
         flush(proxy)
     caches = [r["cache"] for r in events(proxy.log_dir, "spread", "response")]
     cached = caches[1]["read"] + caches[1]["write"]  # what the last marked turn cached
@@ -2044,15 +2055,8 @@ def test_an_expiry_is_charged_once_whatever_the_turns_after_it_marked(
     with run_simulator(SimConfig(dialect="anthropic-compat", cache_ttl_s=300)) as claude:
         proxy = proxy_factory(claude.api_base, config(ttl_s=300), clock=lambda: claude.sim.now)
         client = make_client(proxy.base_url, default_headers={"X-Session-Id": "once"})
-        convo: list[dict[str, Any]] = [
-            {"role": "system", "content": CLAUDE_SYSTEM},
-            {"role": "user", "content": "Fix the test.\n" + FILE_TEXT},
-        ]
-        for at, last in ((0, True), (10, True), (410, False), (420, False), (430, False)):
-            claude.sim.advance(at - (claude.sim.now - claude.sim.config.start_time))
-            sent = system_marked(convo, CLAUDE_SYSTEM, last)
-            reply, _ = chat(client, sent, model="claude-sonnet-4-5", stream=False)
-            convo += [reply, {"role": "user", "content": f"Go on. {'lorem ipsum ' * 200}"}]
+        schedule = [(0, True), (10, True), (410, False), (420, False), (430, False)]
+        convo = marked_turns(claude, client, CLAUDE_SYSTEM, schedule)
         claude.sim.advance(10)
         chat(
             client,

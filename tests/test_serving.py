@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from proxy.serving import ServerThread, listening_sockets
-from tests.e2e_support import free_port
+from tests.e2e_support import asgi_body, free_port
 
 
 def _ipv6_loopback() -> bool:
@@ -142,22 +142,20 @@ def test_the_started_callback_comes_once_connections_are_accepted_and_the_stop_o
 # --- requests that offer an upgrade (Upgrade: h2c) ------------------------------------------------
 
 
-async def _echo(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """An app that answers each request with its method, path and body."""
-    if scope["type"] != "http":
-        return
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            break
-    reply = b"%s %s %s" % (scope["method"].encode(), scope["path"].encode(), body)
+async def _answer(send: Any, reply: bytes) -> None:
     await send(
         {"type": "http.response.start", "status": 200,
          "headers": [(b"content-length", b"%d" % len(reply))]}
     )  # fmt: skip
     await send({"type": "http.response.body", "body": reply})
+
+
+async def _echo(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """An app that answers each request with its method, path and body."""
+    if scope["type"] != "http":
+        return
+    body = await asgi_body(receive)
+    await _answer(send, b"%s %s %s" % (scope["method"].encode(), scope["path"].encode(), body))
 
 
 H2C = b"connection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\nhttp2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
@@ -218,20 +216,11 @@ def test_a_request_offering_an_upgrade_keeps_its_body_and_the_requests_after_it(
 
 
 async def _header_names(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """An app that answers each request with its header names, sorted, and its body."""
     if scope["type"] != "http":
         return
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            break
-    reply = b",".join(sorted(name for name, _ in scope["headers"])) + b" " + body
-    await send(
-        {"type": "http.response.start", "status": 200,
-         "headers": [(b"content-length", b"%d" % len(reply))]}
-    )  # fmt: skip
-    await send({"type": "http.response.body", "body": reply})
+    body = await asgi_body(receive)
+    await _answer(send, b",".join(sorted(name for name, _ in scope["headers"])) + b" " + body)
 
 
 @pytest.mark.parametrize("offer", [b"", H2C])
