@@ -2960,3 +2960,47 @@ def test_a_usage_that_cannot_be_real_is_unknown_not_counted(
     assert proxy.metric("cachegate_tokens_total", {**model, "kind": "completion"}) == 3
     assert proxy.metric("gen_ai_client_token_usage_count", inputs) == 1
     assert proxy.metric("gen_ai_client_token_usage_sum", inputs) == 1200
+
+
+@pytest.mark.parametrize(
+    ("content_type", "sandboxed"),
+    [
+        (b"text/html; charset=utf-8", True),
+        (b"image/svg+xml", True),
+        (b"", True),  # (no type: a browser may sniff one)
+        (b"application/json", False),
+        (b"application/problem+json", False),
+        (b"text/event-stream", False),
+    ],
+)
+def test_an_upstream_page_is_sandboxed_on_cachegates_origin(
+    scripted: Any, proxy_factory: Any, content_type: bytes, sandboxed: bool
+) -> None:
+    """A page an upstream serves on a relayed path (a file's content, an error page) is shown
+    on cachegate's own origin, which the guard against web pages trusts: its scripts could call
+    cachegate with the user's key. It goes with ``Content-Security-Policy: sandbox`` (no script,
+    an opaque origin) and ``nosniff``; JSON and event streams, which a browser runs nothing of,
+    go as they came."""
+    page = b"<html><script>fetch('/v1/models')</script></html>"
+    _upstream, url = scripted(chunks=[page], content_type=content_type)
+    proxy = proxy_factory(url)
+    answers = [
+        httpx.get(proxy.base_url + "/files/file-abc/content"),
+        httpx.post(proxy.base_url + "/chat/completions", json=CHAT),
+    ]
+    for answer in answers:
+        assert answer.content == page
+        assert answer.headers.get("content-security-policy") == ("sandbox" if sandboxed else None)
+        assert answer.headers.get("x-content-type-options") == ("nosniff" if sandboxed else None)
+
+
+def test_an_upstreams_own_nosniff_is_not_said_twice(scripted: Any, proxy_factory: Any) -> None:
+    _upstream, url = scripted(
+        chunks=[b"<p>hi</p>"],
+        content_type=b"text/html",
+        extra_headers=[(b"x-content-type-options", b"nosniff")],
+    )
+    proxy = proxy_factory(url)
+    answer = httpx.get(proxy.base_url + "/files/file-abc/content")
+    assert answer.headers.get_list("x-content-type-options") == ["nosniff"]
+    assert answer.headers.get_list("content-security-policy") == ["sandbox"]
