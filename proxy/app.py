@@ -328,7 +328,17 @@ class Gateway:
         is in the metrics, not in any session's log. ``receive``: the rest of a refused upload
         is read before the connection closes (``send_error``)."""
         self.count_refusal(scope, route, err)
+        if route == "chat" and self._chat_pairing_on(scope):  # (as on every chat answer)
+            extra = [*(extra or ()), (b"x-cachegate-repairs", b"0")]
         await send_error(send, err, extra, receive)
+
+    def _chat_pairing_on(self, scope: Scope) -> bool:
+        """Whether a chat request's answers say ``X-Cachegate-Repairs`` (``ChatHandler``'s
+        rule: the repair or strict mode on, by the settings or the request's header)."""
+        pairing = self.settings.pairing
+        if pairing.repair or pairing.strict:
+            return True
+        return header_map(scope).get("x-cachegate-strict", "").strip().lower() in TRUE_WORDS
 
     def count_refusal(self, scope: MutableMapping[str, Any], route: str, err: ProxyError) -> None:
         """Tell the observers of an answer cachegate gives itself before any route's work (the

@@ -1690,3 +1690,32 @@ def test_a_body_nested_as_deep_as_cachegate_reads_is_answered_on_every_turn(
         assert r.status_code == 200, (turn, r.text)
         assert sim.sim.requests[-1].raw == raw  # forwarded as it came
         messages += ',{"role":"assistant","content":"a"},{"role":"user","content":"go on"}'
+
+
+def test_cachegates_refusals_before_the_chat_route_say_its_repairs(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A chat request refused before the chat route (a web page's: 403 ``forbidden_origin``; an
+    invalid session id in its path: 400) said no ``X-Cachegate-Repairs`` with the repair on,
+    where every other answer to a chat request says it (``0`` on cachegate's refusals)."""
+    import httpx
+
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+    on = proxy_factory(sim.api_base)
+    root = on.base_url.removesuffix("/v1")
+    page = httpx.post(
+        on.base_url + "/chat/completions", json=body, headers={"Origin": "https://evil.example"}
+    )
+    bad_id = httpx.post(root + "/s/a%20b/v1/chat/completions", json=body)
+    assert (page.status_code, bad_id.status_code) == (403, 400)
+    assert page.headers["x-cachegate-repairs"] == bad_id.headers["x-cachegate-repairs"] == "0"
+    models = httpx.get(on.base_url + "/models", headers={"Origin": "https://evil.example"})
+    assert models.status_code == 403 and "x-cachegate-repairs" not in models.headers
+    off = proxy_factory(sim.api_base, {"pairing": {"repair": False}})
+    page = httpx.post(
+        off.base_url + "/chat/completions", json=body, headers={"Origin": "https://evil.example"}
+    )
+    assert page.status_code == 403 and "x-cachegate-repairs" not in page.headers
+    strict = {"Origin": "https://evil.example", "X-Cachegate-Strict": "1"}
+    page = httpx.post(off.base_url + "/chat/completions", json=body, headers=strict)
+    assert page.status_code == 403 and page.headers["x-cachegate-repairs"] == "0"
