@@ -471,8 +471,10 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
         if not 0 <= number < math.inf:  # NaN, inf and negatives
             rule = _not_negative(key, finite=True)
             raise ConfigError(f"config key '{key}': {rule}, got {_number(value)}")
-        if isinstance(value, int) and value > MAX_INT:  # (as for an integer key: a duration
-            raise ConfigError(  # of 2^63 seconds is a typo, not a setting)
+        # (as for an integer key: a duration of 2^63 seconds, 1e300 too, is a typo, not a
+        # setting; an integer compared as it is, which its double may round past the bound)
+        if (value > MAX_INT) if isinstance(value, int) else (number > MAX_INT):
+            raise ConfigError(
                 f"config key '{key}': must be at most {MAX_INT}, got {_number(value)}"
             )
         return number

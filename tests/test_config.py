@@ -833,3 +833,16 @@ def test_an_error_in_the_config_file_names_the_file(tmp_path: Path) -> None:
     assert str(refused.value) == (
         f"config key 'server.port': expected an integer, got '8787' (config file {config})"
     )
+
+
+def test_a_fraction_key_refuses_a_number_past_64_bits_written_as_a_float() -> None:
+    """``timeout_s = 2**63`` was refused but ``1e300`` (the same typo, in a float's notation)
+    was taken, where the README says a number past 2^63-1 stops ``serve``."""
+    for given in (1e300, 9.3e18):
+        with pytest.raises(ConfigError) as refused:
+            settings_from_mapping({"upstream": {"timeout_s": given}})
+        said = f"config key 'upstream.timeout_s': must be at most {2**63 - 1}, got {given!r}"
+        assert str(refused.value) == said
+    top = settings_from_mapping({"upstream": {"timeout_s": 2**63 - 1}})
+    assert top.upstream.timeout_s == float(2**63 - 1)  # (taken, as an integer key takes it)
+    assert settings_from_mapping({"upstream": {"timeout_s": 1e18}}).upstream.timeout_s == 1e18
