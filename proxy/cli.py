@@ -98,6 +98,44 @@ TRIM_THRESHOLD_BYTES: Final = 32 * 1024 * 1024
 _MALLOC_ENV: Final = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
+OPEN_FILES_CAP: Final = 1 << 20
+"""The most open files ``raise_open_files`` asks for (where the hard limit is unlimited)."""
+
+
+def raise_open_files() -> tuple[int | None, int | None] | None:
+    """Raise the soft limit on open files to the hard one (at most ``OPEN_FILES_CAP``); the
+    soft and hard limits after (None: unlimited), None where there are none to read (Windows).
+
+    Each stream in flight holds two sockets, the client's and the upstream's, and the event log
+    keeps session files open: the soft limit most systems start a process with (1,024) ran out
+    at ~500 concurrent streams, whose next connections failed (an upstream connection with a
+    502, a client's accept delayed a second at a time). The hard limit is what the system lets
+    a process take without privileges; servers take it at start (nginx's
+    ``worker_rlimit_nofile``, Go's runtime). cachegate waits on sockets with epoll, never with
+    ``select``'s 1,024 slots."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return None
+    want = OPEN_FILES_CAP if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_CAP)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        # (macOS refuses a soft limit past kern.maxfilesperproc, whatever the hard one says:
+        # OPEN_MAX, 10,240, is what it takes)
+        for value in (want, min(want, 10240)):
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (value, hard))
+            except (OSError, ValueError):
+                continue
+            soft = value
+            break
+    unlimited = resource.RLIM_INFINITY
+    return (None if soft == unlimited else soft), (None if hard == unlimited else hard)
+
+
 def tune_malloc() -> bool:
     """Keep request bodies out of fresh memory from the kernel (glibc only; True when set).
 
@@ -267,6 +305,7 @@ def _serve(ns: argparse.Namespace) -> int:
             )
 
     def server() -> Server:
+        limits = raise_open_files()  # (before the app: the log writer sizes its files by it)
         app = create_app(settings)
         writer = app.state.gateway.writer
         if writer is not None:  # the shutdown closes it; at exit, whatever happened to that
@@ -369,6 +408,17 @@ def _serve(ns: argparse.Namespace) -> int:
         )
         tune_gc()
         tune_malloc()
+        needed = 2 * settings.upstream.max_connections + 64  # (two sockets a stream, the logs)
+        soft = limits[0] if limits is not None else None
+        if soft is not None and soft < needed:
+            print(
+                f"cachegate: note: this process may open {soft} files (ulimit -n, its hard"
+                " limit), and each request in flight holds two sockets: past"
+                f" ~{max(1, (soft - 64) // 2)} at once, new connections"
+                " fail; raise the hard limit (ulimit -Hn, LimitNOFILE=, docker --ulimit"
+                " nofile=) or lower upstream.max_connections",
+                file=sys.stderr,
+            )
         config = uvicorn.Config(
             app,
             loop="auto",

@@ -2033,3 +2033,91 @@ def test_the_grace_period_running_out_with_no_request_in_flight_says_nothing_was
 
     assert note(0) == ""
     assert "2 request(s) still in flight" in note(2)
+
+
+def _serve_with_open_files(
+    upstream: str, log_dir: Path, soft: int, hard: int
+) -> tuple[subprocess.Popen[str], str]:
+    """``cachegate serve`` started under an open-files limit of ``soft``/``hard`` (set by a
+    process that then becomes it: a ``preexec_fn`` is unsafe beside the simulator's thread)."""
+    port = free_port()
+    argv = [
+        *(sys.executable, "-m", "proxy.cli", "serve", "--port", str(port)),
+        *("--upstream", upstream, "--log-dir", str(log_dir)),
+    ]
+    limit = (
+        "import os, resource, sys; "
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard})); "
+        "os.execv(sys.executable, sys.argv[1:])"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", limit, *argv],
+        cwd=REPO,
+        env=clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        try:
+            return httpx.get(url + "/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(healthy, timeout=20, what="cachegate /healthz")
+    return proc, url + "/v1"
+
+
+@pytest.mark.timeout(120)
+def test_serve_takes_the_open_files_its_streams_need(tmp_path: Path) -> None:
+    """Each stream in flight holds two sockets. Started with the soft limit most systems give a
+    process (1,024; here 160, scaled down), cachegate failed the connections past it: a
+    hundred concurrent streams, which a fan-out of sub-agents makes, got 502s and refused
+    connections though the hard limit allowed ten times as many files."""
+    import asyncio
+
+    stream = {
+        "model": "gpt-4o",
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+
+    async def one(client: httpx.AsyncClient, base: str) -> bytes:
+        async with client.stream("POST", base + "/chat/completions", json=stream) as r:
+            body = await r.aread()
+            return body if r.status_code == 200 else f"{r.status_code}".encode() + body
+
+    async def many(base: str, count: int) -> list[bytes | BaseException]:
+        limits = httpx.Limits(max_connections=count, max_keepalive_connections=0)
+        timeout = httpx.Timeout(30.0)
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+            return await asyncio.gather(
+                *(one(client, base) for _ in range(count)), return_exceptions=True
+            )
+
+    with run_simulator(SimConfig(chunk_ms=20)) as sim:
+        proc, base = _serve_with_open_files(sim.api_base, tmp_path / "logs", 160, 4096)
+        try:
+            answers = asyncio.run(many(base, 120))
+        finally:
+            proc.terminate()
+            _out, err = proc.communicate(timeout=40)
+    failed = [a for a in answers if not (isinstance(a, bytes) and a.endswith(b"data: [DONE]\n\n"))]
+    assert not failed, f"{len(failed)} of 120 streams failed: {failed[:3]}"
+    assert "may open" not in err  # (the hard limit lets it take what it needs: nothing to say)
+
+
+def test_serve_says_when_the_hard_limit_on_open_files_is_too_low(tmp_path: Path) -> None:
+    with run_simulator(SimConfig()) as sim:
+        proc, _base = _serve_with_open_files(sim.api_base, tmp_path / "logs", 150, 300)
+        proc.terminate()
+        _out, err = proc.communicate(timeout=40)
+    assert (
+        "cachegate: note: this process may open 300 files (ulimit -n, its hard limit), and"
+        " each request in flight holds two sockets: past ~118 at once, new connections fail;"
+        " raise the hard limit (ulimit -Hn, LimitNOFILE=, docker --ulimit nofile=) or lower"
+        " upstream.max_connections\n"
+    ) in err
