@@ -270,7 +270,7 @@ class PairingRepair:
         self.settings = settings
         self.on_strict_rejection = on_strict_rejection
         self.note = settings.pairing.interrupted_note or pairing.DEFAULT_INTERRUPTED_NOTE
-        self._families: dict[str, tuple[bool, bool, str]] = {}  # model name -> ``family``
+        self._families: dict[str, tuple[bool, bool, bool, str]] = {}  # model -> ``family``
 
     async def apply(
         self, ex: Exchange, state: SessionState, body: dict[str, Any]
@@ -292,9 +292,12 @@ class PairingRepair:
         # (A Claude model's history has one defect more, a blank assistant message, and a
         # Mistral model's another, a user message right after a tool result: their checkpoints
         # are kept apart, for a session that switches models.)
-        claude, mistral, key = self.family(body.get("model"))
+        claude, gemini, mistral, key = self.family(body.get("model"))
+        drop_empty = claude or gemini  # (both refuse an empty assistant message)
         kept: list[pairing.Checkpoint] = state.extra.get(key, []) if state is not None else []
-        needed, after, resumed = pairing.needs_repair_from(messages, kept, claude, mistral)
+        needed, after, resumed = pairing.needs_repair_from(
+            messages, kept, drop_empty, mistral, claude
+        )
         if state is not None and after is not None:
             base = resumed or (kept[0] if kept else None)
             state.extra[key] = [after] if base is None else [after, base]
@@ -303,7 +306,7 @@ class PairingRepair:
                 state.extra.pop("pairing_repair", None)
             return body
         if ex.strict:
-            defects = pairing.diagnose(messages, claude, mistral)
+            defects = pairing.diagnose(messages, drop_empty, mistral, claude)
             if self.on_strict_rejection is not None:
                 self.on_strict_rejection()
             raise bad_request(pairing.format_strict_error(defects), "strict_pairing", "messages")
@@ -315,8 +318,9 @@ class PairingRepair:
             previous,
             orphan_policy=self.settings.pairing.orphan_policy,
             interrupted_note=self.note,
-            drop_empty=claude,
+            drop_empty=drop_empty,
             mistral=mistral,
+            unique_ids=claude,
         )
         if state is not None and resume is not None:
             state.extra["pairing_repair"] = resume
@@ -331,9 +335,12 @@ class PairingRepair:
         ]
         return {**body, "messages": result.messages}
 
-    def family(self, model: Any) -> tuple[bool, bool, str]:
+    def family(self, model: Any) -> tuple[bool, bool, bool, str]:
         """Whether ``model`` is a Claude model (by its name, ``claude-…``, a gateway's or
         Bedrock's, or, a name no provider's, its configured entry's ``dialect = "anthropic"``),
+        whether a Gemini model (``gemini`` a word in its name: ``gemini-2.5-pro``, a gateway's
+        ``google/gemini-…``; its OpenAI endpoint refuses an empty text, "Unable to submit
+        request because it has an empty text parameter", and takes two user turns in a row),
         whether a Mistral model (by its name: ``mistral-large-latest``, ``codestral-…``,
         ``mistralai/Devstral-…`` behind a gateway or vLLM; or, a name no provider's, its
         configured entry's ``dialect = "mistral"``: a name of the user's own, ``--served-model-name``
@@ -345,11 +352,13 @@ class PairingRepair:
             return known
         dialect = self.settings.model(name or None)[1].dialect
         claude = cache.caching_provider(name, dialect) == "anthropic"  # (as the accounting reads)
+        named_gemini = _GEMINI_WORD.search(name.lower()) is not None  # (under any entry)
         mistral = not claude and (
             _MISTRAL_NAME.search(name.lower()) is not None
-            or (dialect == "mistral" and cache.provider_of(name) == "*")
+            or (dialect == "mistral" and cache.provider_of(name) == "*" and not named_gemini)
         )
-        known = (claude, mistral, _CHECKPOINT_KEYS[claude, mistral])
+        gemini = not (claude or mistral) and named_gemini
+        known = (claude, gemini, mistral, _CHECKPOINT_KEYS[claude or gemini, claude, mistral])
         if len(self._families) >= 256:  # (bounded: a client that sends many names)
             self._families.clear()
         self._families[name] = known
@@ -361,10 +370,12 @@ class PairingRepair:
 _MISTRAL_NAME: Final = re.compile(
     r"mistral|mixtral|codestral|devstral|magistral|ministral|pixtral|voxtral"
 )
-_CHECKPOINT_KEYS: Final = {
-    (False, False): "pairing_checkpoints",
-    (True, False): "pairing_checkpoints_claude",
-    (False, True): "pairing_checkpoints_mistral",
+_GEMINI_WORD: Final = re.compile(r"(?:^|[-_./:])gemini(?:[-_.@:]|$)")
+_CHECKPOINT_KEYS: Final = {  # (drop_empty, unique_ids, mistral)
+    (False, False, False): "pairing_checkpoints",
+    (True, True, False): "pairing_checkpoints_claude",
+    (True, False, False): "pairing_checkpoints_gemini",
+    (False, False, True): "pairing_checkpoints_mistral",
 }
 
 

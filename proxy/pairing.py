@@ -404,16 +404,20 @@ def _says_nothing(message: dict[str, Any]) -> bool:
 
 
 def needs_repair(
-    messages: list[dict[str, Any]], drop_empty: bool = False, mistral: bool = False
+    messages: list[dict[str, Any]],
+    drop_empty: bool = False,
+    mistral: bool = False,
+    unique_ids: bool | None = None,
 ) -> bool:
     """Cheap check for every request: True exactly when ``repair_messages`` would change anything
     (with ``drop_empty``: a Claude model's history, in which a blank assistant message is one;
     with ``mistral``: a Mistral model's, in which a user message right after a tool result is
-    one).
+    one). ``unique_ids`` (by default ``drop_empty``): an id a call of an earlier message had is
+    one (Claude's rule; a Gemini model's history is read with ``drop_empty`` alone).
 
     One pass, one small dict of the open block's call ids; only ``arguments`` strings are parsed.
     """
-    return needs_repair_from(messages, (), drop_empty, mistral)[0]
+    return needs_repair_from(messages, (), drop_empty, mistral, unique_ids)[0]
 
 
 @dataclass(slots=True)
@@ -447,11 +451,15 @@ def needs_repair_from(
     checkpoints: Sequence[Checkpoint] = (),
     drop_empty: bool = False,
     mistral: bool = False,
+    unique_ids: bool | None = None,
 ) -> tuple[bool, Checkpoint | None, Checkpoint | None]:
     """``needs_repair``, resumed after the first of ``checkpoints`` that ``precedes`` ``messages``:
     the work is in proportion to what was appended. Returns the answer, a checkpoint at the end of
     ``messages`` (None when a defect stopped the scan) and the checkpoint resumed from. The
-    checkpoints must have been made with the same ``drop_empty`` and ``mistral``."""
+    checkpoints must have been made with the same ``drop_empty``, ``mistral`` and
+    ``unique_ids``."""
+    if unique_ids is None:
+        unique_ids = drop_empty
     resumed = next(
         (
             c
@@ -464,7 +472,7 @@ def needs_repair_from(
     pending: dict[str, int] = dict(resumed.pending) if resumed else {}  # id -> results expected
     in_block = resumed.in_block if resumed else False
     # (Claude: every call id so far, an id reused across turns is a defect there)
-    seen: set[str] | None = (set(resumed.seen) if resumed else set()) if drop_empty else None
+    seen: set[str] | None = (set(resumed.seen) if resumed else set()) if unique_ids else None
     start = len(resumed.messages) if resumed else 0
     last = len(messages) - 1
     before_last: Checkpoint | None = None
@@ -723,6 +731,7 @@ def repair_messages(
     interrupted_note: str = DEFAULT_INTERRUPTED_NOTE,
     drop_empty: bool = False,
     mistral: bool = False,
+    unique_ids: bool | None = None,
 ) -> PairingResult:
     """Return a history every call of which is answered right after it, and what was repaired.
 
@@ -737,6 +746,7 @@ def repair_messages(
         interrupted_note=interrupted_note,
         drop_empty=drop_empty,
         mistral=mistral,
+        unique_ids=unique_ids,
     )
     return result
 
@@ -752,8 +762,8 @@ class RepairState:
     """
 
     messages: tuple[Any, ...]
-    # (orphan policy, note, drop_empty, mistral) the repair was made with
-    policy: tuple[str, str, bool, bool]
+    # (orphan policy, note, drop_empty, mistral, unique_ids) the repair was made with
+    policy: tuple[str, str, bool, bool, bool]
     blocks: dict[int, _Block]
     owner_of_id: dict[str, _Block]
     paired: set[int]
@@ -771,7 +781,7 @@ class RepairState:
     at: list[int] = field(default_factory=list)
 
     def resumes(
-        self, messages: Sequence[Any], policy: tuple[str, str, bool, bool]
+        self, messages: Sequence[Any], policy: tuple[str, str, bool, bool, bool]
     ) -> list[int] | None:
         """Whether ``messages`` extends this state's messages, with the same policy, and appends
         no result for a call still open in them: None when not, else the indexes of its
@@ -924,6 +934,7 @@ def repair_messages_from(
     interrupted_note: str = DEFAULT_INTERRUPTED_NOTE,
     drop_empty: bool = False,
     mistral: bool = False,
+    unique_ids: bool | None = None,
 ) -> tuple[PairingResult, RepairState | None]:
     """``repair_messages``, resumed from ``previous`` when ``messages`` extends its messages
     (``RepairState.resumes``): the work is in proportion to what was appended. Returns the result
@@ -935,9 +946,13 @@ def repair_messages_from(
     result (the user's own, a downgraded orphan's) gets an assistant message before it
     (``MISTRAL_BRIDGE``: Mistral refuses ``Unexpected role 'user' after role 'tool'``; a system
     message there is left, as Mistral refuses one after an assistant's too), and an id cachegate
-    gives a call is nine letters and digits, as Mistral requires."""
+    gives a call is nine letters and digits, as Mistral requires. ``unique_ids`` (by default
+    ``drop_empty``): a call whose id an earlier message's call had gets another (Claude's rule;
+    a Gemini model's history is repaired with ``drop_empty`` alone)."""
     note = interrupted_note or DEFAULT_INTERRUPTED_NOTE
-    policy = (orphan_policy, note, drop_empty, mistral)
+    if unique_ids is None:
+        unique_ids = drop_empty
+    policy = (orphan_policy, note, drop_empty, mistral, unique_ids)
     anew = previous.resumes(messages, policy) if previous is not None else None
     if previous is not None and anew is not None:
         state = previous
@@ -953,7 +968,7 @@ def repair_messages_from(
                 renewed[state.at[index]] = state.take_anew(index, messages[index])
             state.out = tuple(renewed)
     else:
-        if not needs_repair(messages, drop_empty, mistral):
+        if not needs_repair(messages, drop_empty, mistral, unique_ids):
             return PairingResult(messages, []), None
         state = RepairState((), policy, {}, {}, set(), set(), {}, [], [], None, (), {}, [])
         start = 0
@@ -1042,7 +1057,7 @@ def repair_messages_from(
                 scanned.append(Repair("empty_assistant", i, None, action))
             continue
         new_message, ids, names, assigned, renamed = _fix_calls(
-            i, message, calls, scanned, mistral, owner_of_id if drop_empty else None
+            i, message, calls, scanned, mistral, owner_of_id if unique_ids else None
         )
         if drop_empty and _blank_text_in(new_message):
             new_message = _without_blank_text(new_message)
@@ -1286,10 +1301,15 @@ def _pair_result(
 
 
 def diagnose(
-    messages: list[dict[str, Any]], drop_empty: bool = False, mistral: bool = False
+    messages: list[dict[str, Any]],
+    drop_empty: bool = False,
+    mistral: bool = False,
+    unique_ids: bool | None = None,
 ) -> list[Repair]:
     """What ``repair_messages`` would repair, changing nothing: strict mode's list of defects."""
-    return repair_messages(messages, drop_empty=drop_empty, mistral=mistral).repairs
+    return repair_messages(
+        messages, drop_empty=drop_empty, mistral=mistral, unique_ids=unique_ids
+    ).repairs
 
 
 _DESCRIPTIONS: Final[dict[str, str]] = {

@@ -260,10 +260,12 @@ def test_a_mistral_model_under_a_name_of_the_users_is_repaired_as_mistral_takes_
         {"upstream": {"base_url": "http://127.0.0.1:9/v1"}, "models": config["models"]}
     )
     repair = PairingRepair(settings, None)
-    assert repair.family("house-coder")[:2] == (False, True)
-    assert repair.family("another-name")[:2] == (False, True)  # (the "*" entry's)
-    assert repair.family("gpt-4o")[:2] == (False, False)
-    assert repair.family("claude-sonnet-4-5")[:2] == (True, False)
+    # (claude, gemini, mistral)
+    assert repair.family("house-coder")[:3] == (False, False, True)
+    assert repair.family("another-name")[:3] == (False, False, True)  # (the "*" entry's)
+    assert repair.family("gpt-4o")[:3] == (False, False, False)
+    assert repair.family("claude-sonnet-4-5")[:3] == (True, False, False)
+    assert repair.family("gemini-2.5-pro")[:3] == (False, True, False)
 
 
 def test_claude_takes_call_ids_numbered_per_message_through_cachegate_turn_after_turn(
@@ -1719,3 +1721,59 @@ def test_cachegates_refusals_before_the_chat_route_say_its_repairs(
     strict = {"Origin": "https://evil.example", "X-Cachegate-Strict": "1"}
     page = httpx.post(off.base_url + "/chat/completions", json=body, headers=strict)
     assert page.status_code == 403 and page.headers["x-cachegate-repairs"] == "0"
+
+
+def _call(call_id: str, name: str = "read_file") -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("model", ["gemini-2.5-pro", "google/gemini-2.5-flash"])
+def test_an_empty_assistant_text_is_repaired_for_gemini_which_refuses_one(
+    sdk: Any, proxy_factory: Any, model: str
+) -> None:
+    """Gemini's OpenAI endpoint refuses an empty text ("Unable to submit request because it
+    has an empty text parameter"): a stream cut before its first token leaves ``""`` (the
+    Vercel AI SDK writes it; the repair gave ``""`` to a contentless one), and every later turn
+    of the session was refused. The message is removed (Gemini takes two user turns in a
+    row); ids reused across turns, which Gemini takes, are left as they are (Claude's are
+    renamed), and so is ``""`` beside calls."""
+    history = [
+        {"role": "user", "content": "Summarise a.py"},
+        {"role": "assistant", "content": ""},  # (a stream cut before its first token)
+        {"role": "user", "content": "Go on"},
+        {"role": "assistant", "content": "", "tool_calls": [_call("call_0")]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "print(1)"},
+        {"role": "assistant", "content": None, "tool_calls": [_call("call_0")]},  # (reused)
+        {"role": "tool", "tool_call_id": "call_0", "content": "print(2)"},
+    ]
+    with run_simulator(SimConfig(gemini_rules=True)) as gemini:
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk(gemini.api_base).chat.completions.create(model=model, messages=history)
+        assert "empty text parameter" in info.value.response.text
+        proxy = proxy_factory(gemini.api_base)
+        for _turn in range(2):  # (the next turn resumes the repair)
+            raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+                model=model, messages=history, extra_headers={"X-Session-Id": "gemini-empty"}
+            )
+            assert raw.http_response.status_code == 200
+            assert raw.headers["x-cachegate-repairs"] == "1"
+            forwarded = gemini.sim.requests[-1].body["messages"]
+            assert forwarded == [history[0], *history[2:]]
+            history += [raw.parse().choices[0].message.model_dump(exclude_none=True)]
+            history += [{"role": "user", "content": "More"}]
+
+
+def test_gemma_and_other_models_keep_an_empty_assistant_turn(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """Gemma (Google's open model, served by vLLM or llama.cpp with a chat template that wants
+    the turns alternating) is no Gemini: its empty assistant message stays, as for OpenAI."""
+    proxy = proxy_factory(sim.api_base)
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "again"},
+    ]
+    for model in ("gemma-3-27b-it", "gpt-4o", "supergemini-7b"):
+        sdk(proxy.base_url).chat.completions.create(model=model, messages=history)
+        assert sim.sim.requests[-1].body["messages"] == history

@@ -1474,3 +1474,44 @@ def test_responses_streams_are_paced_and_faulted_as_chat_answers(sdk: Any) -> No
         sim.sim.enqueue([{"content": "never", "fault": "503"}])
         with pytest.raises(openai.InternalServerError):
             client.responses.create(model="gpt-5", input="hi")
+
+
+@pytest.mark.parametrize(
+    ("content", "refused"),
+    [
+        ("", True),
+        ([], True),
+        ([{"type": "text", "text": ""}], True),
+        (" ", False),  # (white space is text to Gemini)
+        ("ok", False),
+    ],
+)
+def test_gemini_rules_refuse_an_empty_assistant_text(content: Any, refused: bool) -> None:
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": content},
+        {"role": "user", "content": "again"},
+    ]
+    with run_simulator(SimConfig(gemini_rules=True)) as gemini:
+        response = post(gemini, chat_body(messages))
+        beside_calls = [
+            {"role": "user", "content": "go"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c", "content": "done"},
+        ]
+        assert post(gemini, chat_body(beside_calls)).status_code == 200
+    if refused:
+        assert response.status_code == 400
+        (error,) = response.json()  # (Gemini's OpenAI endpoint: a list of one error)
+        assert error["error"]["status"] == "INVALID_ARGUMENT"
+        assert error["error"]["message"].startswith(
+            "Unable to submit request because it has an empty text parameter."
+        )
+    else:
+        assert response.status_code == 200

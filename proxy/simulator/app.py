@@ -49,7 +49,9 @@ from proxy.simulator.reply import Reply, completion_tokens, derive_reply, parse_
 from proxy.simulator.state import ReceivedRequest, Simulator
 from proxy.simulator.tokens import count_tokens, marked_request_tokens, response_tokens
 from proxy.simulator.validate import (
+    GEMINI_EMPTY_TEXT_ERROR,
     ValidationError,
+    gemini_refusal,
     json_kind,
     mistral_refusal,
     validate_claude_messages,
@@ -337,6 +339,8 @@ class _Handlers:
             refused = mistral_refusal(body["messages"])
             if refused is not None:  # (Mistral's error object, at the top level)
                 return _json_response(refused, 400)
+        if self.config.gemini_rules and gemini_refusal(body["messages"]):
+            return _json_response(GEMINI_EMPTY_TEXT_ERROR, 400)
         # (Claude renders the tools first; OpenAI and DeepSeek the system prompt, then the tools)
         claude = self.config.dialect == "anthropic-compat"
         tokens, marked, hour, ends = marked_request_tokens(body, system_first=not claude)

@@ -96,6 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " nine letters and digits (400), as Mistral does",
     )
     parser.add_argument(
+        "--gemini-rules",
+        action="store_true",
+        help="refuse an assistant message with an empty text (400), as Gemini's OpenAI"
+        " endpoint does",
+    )
+    parser.add_argument(
         "--interleave-tool-calls",
         action="store_true",
         help="stream parallel tool calls' arguments interleaved by index, as some compatible"
@@ -131,6 +137,7 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
         cache_unmarked=ns.cache_unmarked,
         refuse_stream_options=ns.refuse_stream_options,
         mistral_rules=ns.mistral_rules,
+        gemini_rules=ns.gemini_rules,
         interleave_tool_calls=ns.interleave_tool_calls,
     )
 

@@ -54,6 +54,9 @@ class SimConfig:
     # refuse a message other than an assistant's right after a tool result, and tool call ids
     # other than nine letters and digits, as Mistral's API does
     mistral_rules: bool = False
+    # refuse an assistant message with an empty text (no text and no tool calls), as Gemini's
+    # OpenAI-compatible endpoint does
+    gemini_rules: bool = False
     # stream parallel tool calls' argument pieces round-robin by index, as some compatible
     # servers do (OpenAI, and by default the simulator, stream each call whole in turn)
     interleave_tool_calls: bool = False

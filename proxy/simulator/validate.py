@@ -7,7 +7,7 @@ oracle that a repaired history would be accepted.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Final
 
 DANGLING_TEXT = (
     "An assistant message with 'tool_calls' must be followed by tool messages responding to each "
@@ -226,6 +226,39 @@ def validate_messages(messages: Any) -> None:
 
 
 _MISTRAL_ID = re.compile(r"[a-zA-Z0-9]{9}")
+
+
+GEMINI_EMPTY_TEXT_ERROR: Final = [
+    {
+        "error": {
+            "code": 400,
+            "message": "Unable to submit request because it has an empty text parameter. Add a"
+            " value to the parameter and try again. Learn more:"
+            " https://cloud.google.com/vertex-ai/generative-ai/docs/model-reference/gemini",
+            "status": "INVALID_ARGUMENT",
+        }
+    }
+]
+"""Gemini's OpenAI-compatible endpoint's refusal of an empty text (a list of one error)."""
+
+
+def gemini_refusal(messages: list[Any]) -> bool:
+    """Whether Gemini's OpenAI endpoint refuses ``messages`` (``validate_messages`` passed
+    first) for an empty text: an assistant message whose content is ``""``, ``null``, ``[]``
+    or text parts of no text, and no tool calls. White space is text to it."""
+    for message in messages:
+        if not isinstance(message, dict) or message.get("role") != "assistant":
+            continue
+        if message.get("tool_calls"):
+            continue
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = [p.get("text") for p in content if isinstance(p, dict)]
+            if not any(texts):
+                return True
+        elif not content:
+            return True
+    return False
 
 
 def mistral_refusal(messages: list[Any]) -> dict[str, Any] | None:
