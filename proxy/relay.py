@@ -230,6 +230,10 @@ def _coding(response: httpx.Response | UpstreamResponse) -> str:
 # Codings cachegate can undo (zlib's auto-detected gzip or zlib header); others (br, zstd) not.
 _DECODABLE: Final = frozenset({"gzip", "x-gzip", "deflate"})
 
+REFUSAL_READ_MAX: Final = 1024 * 1024
+"""The most of a 400, 413 or 422 answer read whole to judge whether to send the request again
+(a ``stream_options`` refusal, a history too long to compact): past it, relayed as it comes."""
+
 
 def _decode(coding: str, body: bytes) -> bytes:
     """``body`` with its content coding undone; ``body`` as it is when it cannot be, or when it
@@ -376,6 +380,13 @@ _MAX_MEMBERS: Final = 64
 
 async def _one(data: bytes) -> AsyncIterator[bytes]:
     yield data
+
+
+async def _then(data: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``data``, then what ``rest`` has left: an answer read in part, relayed whole."""
+    yield data
+    async for chunk in rest:
+        yield chunk
 
 
 async def _then_raise(data: bytes, exc: BaseException) -> AsyncIterator[bytes]:
@@ -1104,15 +1115,24 @@ class Relay:
             chunks: AsyncIterator[bytes] = aiter(response.stream)  # type: ignore[arg-type]
             read: list[bytes] | None = None
             if retry_if is not None and response.status_code in (400, 413, 422):
-                read = []
+                got: list[bytes] = []
+                read, size = got, 0
                 try:  # the raw bytes, still encoded as the upstream sent them
                     async for chunk in chunks:
-                        read.append(chunk)
+                        got.append(chunk)
+                        size += len(chunk)
+                        if size > REFUSAL_READ_MAX:
+                            # No refusal a retry answers is this long (a gateway's page, a
+                            # body echoed whole): relayed as it comes, not held (a 150 MB one
+                            # took ~270 MB, the answers of 5xx streaming through as they came)
+                            chunks = _then(b"".join(got), chunks)
+                            read = None
+                            break
                 except httpx.HTTPError as exc:
                     # Relayed as it came, its status and headers, what was read, then cut as
                     # any answer that breaks off (it was a 502 "could not reach the upstream",
                     # which an SDK retries: the provider had answered, and its headers were lost)
-                    chunks = _then_raise(b"".join(read), exc)
+                    chunks = _then_raise(b"".join(got), exc)
                     read = None
             if read is not None and retry_if is not None:  # (a refusal read whole)
                 error_body = b"".join(read)

@@ -3004,3 +3004,31 @@ def test_an_upstreams_own_nosniff_is_not_said_twice(scripted: Any, proxy_factory
     answer = httpx.get(proxy.base_url + "/files/file-abc/content")
     assert answer.headers.get_list("x-content-type-options") == ["nosniff"]
     assert answer.headers.get_list("content-security-policy") == ["sandbox"]
+
+
+def test_a_long_refusal_of_a_stream_is_relayed_as_it_comes_not_held(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A 400 to a streamed chat request is read whole to judge a retry (a ``stream_options``
+    refusal): one of 150 MB (a broken gateway's) was held whole, ~270 MB of memory, before any
+    of it reached the client. Past ``REFUSAL_READ_MAX`` it goes as it comes, whole and
+    verbatim."""
+    import time
+
+    from proxy.relay import REFUSAL_READ_MAX
+
+    head = b'{"error":{"message":"' + b"x" * (REFUSAL_READ_MAX + 10)
+    _upstream, url = scripted(
+        chunks=[head, b'"}}'], status=400, content_type=b"application/json", delay_s=3.0
+    )
+    proxy = proxy_factory(url)
+    started = time.monotonic()
+    with httpx.stream(
+        "POST", proxy.base_url + "/chat/completions", json={**CHAT, "stream": True}, timeout=30
+    ) as answer:
+        pieces = answer.iter_raw()
+        first = next(pieces)
+        waited = time.monotonic() - started
+        rest = b"".join(pieces)
+    assert answer.status_code == 400 and first + rest == head + b'"}}'
+    assert waited < 2.5, waited  # (the last piece comes 3 s after the first)
