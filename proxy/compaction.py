@@ -31,13 +31,13 @@ import json
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Final, Literal, NamedTuple
 
 import orjson
 
 from proxy.media import image_tokens
 from proxy.pipeline import clip_words, key_run
-from proxy.prefix import MEDIA_PART_TYPES, canonical_json, json_size
+from proxy.prefix import MEDIA_PART_TYPES, canonical_json, json_size, volatile_kind
 
 Message = dict[str, Any]
 Source = Literal["model", "extractive"]
@@ -111,6 +111,11 @@ _PATH_RE = re.compile(
 _FENCE_RE = re.compile(r"```(?:bash|sh|shell|console|zsh|terminal)[^\n]*\n(.*?)```", re.DOTALL)
 
 
+UNSERVED: Final = "compactions_unserved"
+"""A session's ``extra`` key: the prefix digests of the compactions made that no request has
+had an answer with yet (a retry of one refused with a 500 misses as that one did)."""
+
+
 class LastUsage(NamedTuple):
     """What the compaction trigger keeps of a session's last answered exchange: the provider's
     count of it, the client history it was of (its length, first and last message: a turn of
@@ -127,6 +132,53 @@ class LastUsage(NamedTuple):
     compaction: str | None
     tools: Any
     sent: Sequence[Any] = ()
+
+
+def same_message(a: Any, b: Any) -> bool:
+    """The same message: the very object (an agent's next turn resends its history as the
+    objects cachegate holds), an equal one, or one that differs only by its ``cache_control``
+    marks (clients that mark their latest messages move the marks on every turn: the previous
+    request's last message comes back unmarked, and the provider's numbers for the history it
+    ended were dropped every turn, the trigger left to the estimate)."""
+    return a is b or a == b or unmarked(a) == unmarked(b)
+
+
+def _unchanged(messages: list[Any], sent: Sequence[Any], count: int) -> bool:
+    """Whether ``messages[1 : count - 1]`` are those of ``sent`` (the very objects, as a
+    continued body holds them, or equal ones; a system message retimed, as the first may be:
+    a second one with the time or the environment in it); True where ``sent`` was not kept."""
+    if len(sent) != count:
+        return not sent
+    return all(
+        same_message(messages[i], sent[i]) or retimed(messages[i], sent[i])
+        for i in range(1, count - 1)
+    )
+
+
+def retimed(new: Any, old: Any) -> bool:
+    """Two system prompts that differ only by a volatile token, the current time in it: the
+    same conversation, whose provider numbers still count (another system prompt is another
+    conversation's: a title request opening with the task)."""
+    if not (isinstance(new, dict) and isinstance(old, dict)):
+        return False
+    role = new.get("role")
+    if type(role) is not str or role not in LEADING_ROLES or role != old.get("role"):
+        return False
+    before, after = message_text(old), message_text(new)
+    return volatile_kind(before, after) is not None
+
+
+def carries_on(messages: list[Any], last: LastUsage, *, between: bool = True) -> bool:
+    """Whether ``messages`` carries on the history ``last`` was counted for: its first message
+    (or it retimed), its last at the same place, and (``between``) those between unchanged
+    (``_unchanged``)."""
+    count = last.messages
+    return (
+        0 < count <= len(messages)
+        and (same_message(messages[0], last.head) or retimed(messages[0], last.head))
+        and same_message(messages[count - 1], last.tail)
+        and (not between or _unchanged(messages, last.sent, count))
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,8 +300,12 @@ def should_compact(
     last_completion: int | None,
     appended_estimate: int,
     full_estimate: int,
+    asked: int = 0,
 ) -> bool:
-    """True when the request would fill ``trigger_percent`` of the context ``window`` or more.
+    """True when the request would fill ``trigger_percent`` of the context ``window`` or more,
+    or leave less of it than the ``asked`` completion (``max_completion_tokens``: most
+    providers count it in the window with the prompt and refuse past it, and the rest cut the
+    answer short there).
 
     Provider numbers come first: the previous exchange's prompt + completion plus the estimate of
     what the client appended since (the previous reply is already in ``last_completion``).
@@ -264,7 +320,7 @@ def should_compact(
         used = last_prompt + (last_completion or 0) + appended_estimate
     else:
         used = full_estimate
-    return used * 100 >= window * trigger_percent
+    return used * 100 >= window * trigger_percent or (asked > 0 and used + asked >= window)
 
 
 # --- message helpers ------------------------------------------------------------------------
@@ -1028,6 +1084,7 @@ def plan(
     synthetic_prefixes: Sequence[str] = DEFAULT_SYNTHETIC_PREFIXES,
     existing_digest: str | None = None,
     tools_estimate: int = 0,
+    asked: int = 0,
 ) -> Plan:
     """Steps 1–3 of the module docstring for one request's CLIENT history ``messages``.
 
@@ -1035,7 +1092,8 @@ def plan(
     provider numbers (which include them). ``force`` skips the trigger (the provider just refused with ``context_length_exceeded``).
     When ``existing`` no longer matches, the provider numbers describe another history and are
     ignored in favour of the estimate. ``existing_digest`` is ``prefix_digest(messages,
-    existing.covered)`` when the caller already knows it.
+    existing.covered)`` when the caller already knows it. ``asked``: the completion the request
+    asks for (``should_compact``).
     """
     forwarded: list[Message] = messages
     reused: Compaction | None = None
@@ -1058,6 +1116,7 @@ def plan(
         last_completion=last_completion,
         appended_estimate=appended_estimate,
         full_estimate=estimate_tokens(forwarded) + tools_estimate if last_prompt is None else 0,
+        asked=asked,
     ):
         return nothing(triggered=False)
     cut = find_cut(

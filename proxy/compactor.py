@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import orjson
 
-from proxy import compaction, pairing, prefix
+from proxy import compaction, pairing
 from proxy.assemble import read_answer
 from proxy.config import ModelSettings, Settings
 from proxy.eventlog import NotALogFile, logged_compactions, session_log_path
@@ -140,39 +140,6 @@ def _at_lead(comp: compaction.Compaction, lead: int) -> compaction.Compaction:
     return dataclasses.replace(
         comp, start=comp.start + shift, covered=comp.covered + shift, opening=f"{lead}:{opened}"
     )
-
-
-def _same(a: Any, b: Any) -> bool:
-    """The same message: the very object (an agent's next turn resends its history as the
-    objects cachegate holds), an equal one, or one that differs only by its ``cache_control``
-    marks (clients that mark their latest messages move the marks on every turn: the previous
-    request's last message comes back unmarked, and the provider's numbers for the history it
-    ended were dropped every turn, the trigger left to the estimate)."""
-    return a is b or a == b or compaction.unmarked(a) == compaction.unmarked(b)
-
-
-def _unchanged(messages: list[Any], sent: Sequence[Any], count: int) -> bool:
-    """Whether ``messages[1 : count - 1]`` are those of ``sent`` (the very objects, as a
-    continued body holds them, or equal ones; a system message retimed, as the first may be:
-    a second one with the time or the environment in it); True where ``sent`` was not kept."""
-    if len(sent) != count:
-        return not sent
-    return all(
-        _same(messages[i], sent[i]) or _retimed(messages[i], sent[i]) for i in range(1, count - 1)
-    )
-
-
-def _retimed(new: Any, old: Any) -> bool:
-    """Two system prompts that differ only by a volatile token, the current time in it: the
-    same conversation, whose provider numbers still count (another system prompt is another
-    conversation's: a title request opening with the task)."""
-    if not (isinstance(new, dict) and isinstance(old, dict)):
-        return False
-    role = new.get("role")
-    if type(role) is not str or role not in compaction.LEADING_ROLES or role != old.get("role"):
-        return False
-    before, after = compaction.message_text(old), compaction.message_text(new)
-    return prefix.volatile_kind(before, after) is not None
 
 
 def _within_bytes(text: str, clipped: str, budget: int) -> str:
@@ -415,18 +382,12 @@ class Compactor:
         if overcount > 1:  # plan against the window as cachegate's estimate counts
             shrunk_window = max(1, int(model_cfg.context_window / overcount))
             model_cfg = dataclasses.replace(model_cfg, context_window=shrunk_window)
-        last: compaction.LastUsage | None = state.extra.get("last_usage")
-        if last is not None:  # the provider's numbers, if this history carries theirs on
-            count = last.messages
-            if not (
-                0 < count <= len(messages)
-                and (_same(messages[0], last.head) or _retimed(messages[0], last.head))
-                and _same(messages[count - 1], last.tail)
-                and _unchanged(messages, last.sent, count)
-            ):
-                # another conversation's, a rewind, or a history changed in place since (opencode
-                # clears its old tool outputs): the estimate decides
-                last = None
+        # The provider's numbers for the history this one carries on, of the conversations the
+        # session's latest answers were of (a sub-agent's or a title request's answer since is
+        # another's; none: a rewind, a history changed in place since, opencode clearing its
+        # old tool outputs: the estimate decides)
+        usages: Sequence[compaction.LastUsage] = state.extra.get("last_usages", ())
+        last = next((u for u in usages if compaction.carries_on(messages, u)), None)
         held: dict[str, list[Any]] = state.extra.setdefault("compactions", {})
         existing, known = self._existing(held, messages)
         if (
@@ -479,6 +440,7 @@ class Compactor:
             force=force,
             synthetic_prefixes=SYNTHETIC_PREFIXES,
             tools_estimate=tools_tokens,
+            asked=compaction.output_requested(body) if not force else 0,
         )
 
         if plan.triggered and not force and overcount <= 1 and last is not None:
@@ -715,6 +677,14 @@ class Compactor:
     def _reused_by(self, ex: Exchange, comp: compaction.Compaction) -> None:
         ex.compacted = True
         ex.compaction_digest = comp.prefix_digest
+        unserved: set[str] | None = (
+            ex.session.extra.get(compaction.UNSERVED) if ex.session else None
+        )
+        if unserved and comp.prefix_digest in unserved:
+            # The request made with it got no answer (a 500, a 429: the SDK's retry comes
+            # now): the provider has cached none of it yet, and this one's miss is expected as
+            # that one's was (it was counted as a rewrite of a message that had not changed)
+            ex.compaction_made = True
         ex.transforms["compacted"] = {"reused": True, "covered": comp.covered}
         restored: set[str] | None = ex.session.extra.get("restored") if ex.session else None
         if restored and _key(comp) in restored:
@@ -791,6 +761,11 @@ class Compactor:
         source = comp.source
         ex.compacted = ex.compaction_made = True  # (its miss is expected: not waste)
         ex.compaction_digest = comp.prefix_digest
+        if ex.session is not None:  # (until an answer of the provider's to it: ``_reused_by``)
+            unserved: set[str] = ex.session.extra.setdefault(compaction.UNSERVED, set())
+            if len(unserved) >= MAX_COMPACTIONS:
+                unserved.clear()
+            unserved.add(comp.prefix_digest)
         ex.transforms["compacted"] = {
             "start": comp.start,
             "covered": comp.covered,
@@ -1015,11 +990,11 @@ class Compactor:
                 compaction.leading_count(verified) != lead
                 or len(messages) <= lead
                 or len(verified) <= lead
-                or not _same(messages[lead], verified[lead])
+                or not compaction.same_message(messages[lead], verified[lead])
             ):
                 return None
             for index in range(lead + 1, min(len(messages), comp.covered)):
-                if not _same(messages[index], verified[index]):
+                if not compaction.same_message(messages[index], verified[index]):
                     return index, verified[index], messages[index]
             return None
         return None

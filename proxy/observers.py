@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import functools
 import hashlib
+import itertools
 import logging
 import math
 import operator
@@ -1160,6 +1161,10 @@ class AccountingObserver:
             _prune(baselines, extra.get("opening"))
             extra["baselines"] = baselines
         chosen, divergence = ref, ref_divergence
+        if ex.compaction_digest is not None and ex.status < 400:  # (the provider has read it)
+            unserved: set[str] | None = extra.get(compaction.UNSERVED)
+            if unserved:
+                unserved.discard(ex.compaction_digest)
         if usage is None or ex.status >= 400:
             if usage is None and not ex.unread and (ex.status < 400 or ex.status == CLIENT_CLOSED):
                 # The provider read this prompt (the client left, or the answer broke off,
@@ -1178,7 +1183,7 @@ class AccountingObserver:
         if sent is None:
             sent = client.get("messages")
         sent = sent if isinstance(sent, list) and sent else None
-        extra["last_usage"] = compaction.LastUsage(
+        answered_usage = compaction.LastUsage(
             prompt=usage.prompt,
             completion=usage.completion,
             messages=len(sent) if sent else 0,
@@ -1190,6 +1195,23 @@ class AccountingObserver:
             # its latest request's anyway, but not kept past it for nothing)
             sent=(sent or ()) if self.settings.compaction.enabled else (),
         )
+        # One a conversation, the latest first: a main agent's numbers stay its own while its
+        # sub-agents and title requests are answered (with one for the session, the trigger fell
+        # back to the estimate, which under-counts code and CSV, and histories went out at 97%
+        # of the window, or over it and refused). One this history carries on is replaced.
+        # (its first and the last message of one, not all between: the trigger checks those)
+        if self.settings.compaction.enabled:
+            extra["last_usages"] = [
+                answered_usage,
+                *itertools.islice(
+                    (
+                        u
+                        for u in extra.get("last_usages", ())
+                        if not (sent and compaction.carries_on(sent, u, between=False))
+                    ),
+                    CONVERSATIONS_KEPT - 1,
+                ),
+            ]
         after_compaction = ex.compaction_made
         cache_state: CacheState = extra.get("cache") or CacheState()
         if base != (cache_state.prev_prompt, cache_state.params_digest, cache_state.model):

@@ -3553,3 +3553,150 @@ def test_a_compaction_on_the_trigger_leaves_room_for_the_completion_asked_for(
         sent = small.sim.requests[-1]
         assert sent.usage is not None and sent.usage["prompt_tokens"] + 3400 <= 8000
         assert sent.body["messages"][:2] == msgs[:2] and sent.body["messages"][-2:] == msgs[-2:]
+
+
+def _code_round(turn: int, tag: str) -> list[dict[str, Any]]:
+    """A tool round whose output is code, which the provider counts at ~1.4 times cachegate's
+    estimate of 4 bytes a token."""
+    call_id = f"call_{tag}{turn}"
+    code = "".join(f"def f{turn}_{i}(x): return x*{i} + {turn}\n" for i in range(40))[:1200]
+    return [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": "read_file", "arguments": f'{{"path": "f{turn}.py"}}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": code},
+    ]
+
+
+def _main_prompts(sim: RunningSimulator, opening: str) -> list[tuple[int, int]]:
+    """(status, prompt tokens) of each request of the conversation that opens with
+    ``opening`` (not a summary call), in order."""
+    out = []
+    for r in sim.sim.requests:
+        messages = r.body.get("messages") if isinstance(r.body, dict) else None
+        if not messages or len(messages) < 2 or opening not in str(messages[1].get("content")):
+            continue
+        prompt = (r.usage or {}).get("prompt_tokens", 0)
+        out.append((r.status or 0, prompt))
+    return out
+
+
+@pytest.mark.parametrize("subagents", [0, 2])
+def test_the_trigger_keeps_a_conversations_own_count_while_its_sub_agents_are_answered(
+    sdk: Any, proxy_factory: Any, subagents: int
+) -> None:
+    """The trigger counts a history with the provider's numbers for the request it carries on.
+    A session kept one such count, the latest answer's: with sub-agents (or title requests)
+    answered between the main agent's turns it was always another conversation's, the trigger
+    fell back to cachegate's estimate (which under-counts code 1.4 times), and the main
+    agent's history went out at up to 97% of the window before it was compacted, or over it and
+    refused."""
+    window = 8000
+    config = {
+        "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 8},
+        "models": {MODEL: {"context_window": window}},
+    }
+    system = {"role": "system", "content": "You are a coding agent."}
+    opening = "Refactor the parser module and make the tests pass."
+    main = [system, {"role": "user", "content": opening}]
+    subs = [
+        [system, {"role": "user", "content": f"Sub-task {j}: find the callers of parse()."}]
+        for j in range(subagents)
+    ]
+    with run_simulator(SimConfig(context_window=window)) as sim:
+        client = sdk(proxy_factory(sim.api_base, config).base_url)
+        headers = {"X-Session-Id": "agent-and-subagents"}
+        for turn in range(26):
+            client.chat.completions.create(model=MODEL, messages=main, extra_headers=headers)
+            main += _code_round(turn, "m")
+            for j, sub in enumerate(subs):
+                client.chat.completions.create(model=MODEL, messages=sub, extra_headers=headers)
+                sub += _code_round(turn, f"s{j}_")
+        prompts = _main_prompts(sim, opening)
+    assert len(prompts) >= 26
+    assert all(status == 200 for status, _ in prompts), prompts  # (none refused as too long)
+    largest = max(prompt for _, prompt in prompts)
+    assert largest <= 0.8 * window, (largest, prompts)  # (at the trigger, 75%, or just past it)
+
+
+def test_the_trigger_leaves_room_for_the_completion_a_request_asks_for(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """The trigger compared the prompt with ``trigger_percent`` of the window alone: with a
+    ``max_completion_tokens`` of more than a quarter of it (a reasoning model's, a local
+    server's 4,096 in an 8k window), each history past the window less the completion was
+    refused by the provider and compacted only on the retry (where the refusal's wording is
+    known: else the client had the 400)."""
+    window = 8000
+    config = {
+        "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 8},
+        "models": {MODEL: {"context_window": window}},
+    }
+    opening = "Refactor the parser module and make the tests pass."
+    main = [{"role": "system", "content": "You are a coding agent."}]
+    main += [{"role": "user", "content": opening}]
+    with run_simulator(SimConfig(context_window=window)) as sim:
+        client = sdk(proxy_factory(sim.api_base, config).base_url)
+        for turn in range(24):
+            client.chat.completions.create(
+                model=MODEL,
+                messages=main,
+                max_completion_tokens=3000,
+                extra_headers={"X-Session-Id": "long-answers"},
+            )
+            main += _code_round(turn, "m")
+        prompts = _main_prompts(sim, opening)
+    refused = [prompt for status, prompt in prompts if status != 200]
+    assert len(prompts) == 24 and not refused, prompts
+
+
+def test_a_retry_of_a_compacted_request_the_provider_failed_is_no_cache_waste(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """A compaction's first request misses the cache, as expected. Refused with a 500, it was
+    sent again by the SDK with the same compaction, and that retry's miss (the provider had
+    cached none of it) was counted as waste from a rewrite of a message that had not changed
+    (``old ""``, ``new ""``: 1,712 tokens)."""
+    window = 8000
+    config = {
+        "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 8},
+        "models": {MODEL: {"context_window": window}},
+    }
+    messages = [{"role": "system", "content": "You are a coding agent."}]
+    messages += [{"role": "user", "content": "Refactor the parser module."}]
+    headers = {"X-Session-Id": "retried-compaction"}
+    with run_simulator(SimConfig(context_window=window)) as sim:
+        proxy = proxy_factory(sim.api_base, config)
+        client = sdk(proxy.base_url, max_retries=2)
+        for turn in range(14):
+            if turn == 12:  # (the turn the history reaches the trigger)
+                sim.sim.enqueue([parse_script("TASK: refactor."), parse_script({"fault": "500"})])
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=messages, extra_headers=headers
+            )
+            assert raw.http_response.status_code == 200
+            if turn == 12:
+                assert raw.headers.get("x-cachegate-compacted") == "1"
+                assert [r.status for r in sim.sim.requests[-3:]] == [200, 500, 200]
+            messages += _code_round(turn, "r")
+        proxy.settle()
+    responses = [
+        e
+        for e in read_events(proxy.log_dir / "retried-compaction.jsonl").events
+        if e["type"] == "response"
+    ]
+    retried, later = responses[-2:]
+    assert retried["status"] == 200 and not retried["cache"]["waste"], retried["cache"]
+    waste = {"model": MODEL, "cause": "prefix_rewrite"}
+    assert proxy.metric("cachegate_cache_waste_tokens_total", waste) == 0
+    assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "messages"}) == 0
+    # the next turn, the provider having cached the compacted history, is compared as ever
+    assert later["cache"]["expected"] > 0 and later["cache"]["read"] > 0
