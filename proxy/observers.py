@@ -248,15 +248,20 @@ def _dropped_tokens(
     A message whose digest is in ``held`` is held (``_repaired_away``: the client sent it, and
     a repair changed it): a sliding window that cut a round of parallel calls keeps their
     results, repaired into user messages (counted as gone, such a trim's waste read about half
-    of what it was). ``carried``: as ``prefix.dropped_elements``."""
+    of what it was). ``carried``: as ``prefix.dropped_elements``. Tools that ``new`` no longer
+    sends (an MCP server disconnected, the tools left out for a turn, descriptions shortened)
+    are gone for what their estimate shrank: counted as held, their schemas were charged as
+    waste, ~3,400 tokens for ten MCP tools, though no request could read them."""
     dropped = prefix.dropped_elements(old, new, compaction.media_part_tokens, held, carried)
-    if not dropped:
+    old_tools = compaction.estimate_tokens(old.tools) if old.tools else 0
+    tools_gone = 0
+    if old_tools and old.tools_digest != new.tools_digest:
+        tools_gone = max(0, old_tools - (compaction.estimate_tokens(new.tools) if new.tools else 0))
+    if not dropped and not tools_gone:
         return 0
-    whole = compaction.estimate_tokens(list(old.messages))
-    if old.tools:
-        whole += compaction.estimate_tokens(old.tools)
+    whole = compaction.estimate_tokens(list(old.messages)) + old_tools
     gone = sum(compaction.estimate_tokens([message]) * share for message, share in dropped)
-    return int(prompt * gone) // max(whole, 1)
+    return int(prompt * (gone + tools_gone)) // max(whole, 1)
 
 
 def _carried(compared: prefix.Fingerprint | None, fp: prefix.Fingerprint) -> int:

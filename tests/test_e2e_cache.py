@@ -3006,3 +3006,58 @@ def test_a_browser_agent_keeping_only_its_latest_screenshot_wastes_nothing(
         # the image the previous turn sent is all it no longer holds: ~1,105 tokens, not 10,000
         assert usage["prompt"] - usage["cache_read"] < 4_000, usage
         assert answer["cache"]["waste"] == 0, answer["cache"]
+
+
+def _mcp_tool(name: str, words: int) -> dict[str, Any]:
+    description = " ".join(f"{name}-word{i}" for i in range(words))
+    parameters = {"type": "object", "properties": {"path": {"type": "string"}}}
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": parameters},
+    }
+
+
+def _asked(client: Any, messages: list[dict[str, Any]], tools: Any) -> tuple[Any, dict[str, Any]]:
+    """One exchange through the SDK: the assistant message as an agent appends it, and the
+    usage as the provider reported it."""
+    answer = client.chat.completions.create(model="gpt-4o", messages=messages, tools=tools)
+    message = answer.choices[0].message.model_dump(exclude_none=True)
+    return message, answer.usage.model_dump()
+
+
+@pytest.mark.parametrize("after", ["gone", "shortened"])
+def test_tools_no_longer_sent_are_not_charged_as_waste(
+    sim: RunningSimulator, proxy_factory: Any, after: str
+) -> None:
+    """An MCP server disconnected (its ten tools gone), or its tools' descriptions shortened,
+    between two turns: the provider cannot read what is no longer sent, but those schemas were
+    counted as held, and charged as waste (6,977 reported where 3,610 were lost)."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": f"mcp-{after}"})
+    core = [_mcp_tool(n, 40) for n in ("read_file", "write_file", "bash")]
+    mcp = [_mcp_tool(f"mcp_gh_{i}", 120) for i in range(10)]
+    later = core if after == "gone" else core + [_mcp_tool(f"mcp_gh_{i}", 10) for i in range(10)]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Read a.py:\n" + FILE_TEXT * 3},
+    ]
+    usages = []
+    for turn in range(3):
+        message, usage = _asked(client, messages, core + mcp)
+        usages.append(usage)
+        messages += [message, {"role": "user", "content": f"Go on {turn}."}]
+    messages[-1] = {"role": "user", "content": FILE_TEXT * 3}  # (a large turn appended)
+    _message, last = _asked(client, messages, later)
+    # what the tools no longer sent weighed, by the provider's count
+    probe = make_client(sim.api_base)
+    whole = _asked(probe, messages, core + mcp)[1]["prompt_tokens"]
+    removed = whole - _asked(probe, messages, later)[1]["prompt_tokens"]
+    assert removed > 1000
+    flush(proxy)
+    (logged,) = [
+        e["cache"] for e in events(proxy.log_dir, f"mcp-{after}", "response") if e["exchange"] == 4
+    ]
+    truth = usages[-1]["prompt_tokens"] - removed - cache_read(last)
+    assert truth > NOISE_FLOOR  # (the history after the tools, which no request could read)
+    assert logged["cause"] == "prefix_rewrite" and logged["location"] == "tools"
+    assert abs(logged["waste"] - truth) <= 0.1 * removed, (logged, truth, removed)
