@@ -296,7 +296,7 @@ class PairingRepair:
         drop_empty = claude or gemini  # (both refuse an empty assistant message)
         kept: list[pairing.Checkpoint] = state.extra.get(key, []) if state is not None else []
         needed, after, resumed = pairing.needs_repair_from(
-            messages, kept, drop_empty, mistral, claude
+            messages, kept, drop_empty, mistral, claude, not gemini
         )
         if state is not None and after is not None:
             base = resumed or (kept[0] if kept else None)
@@ -306,7 +306,7 @@ class PairingRepair:
                 state.extra.pop("pairing_repair", None)
             return body
         if ex.strict:
-            defects = pairing.diagnose(messages, drop_empty, mistral, claude)
+            defects = pairing.diagnose(messages, drop_empty, mistral, claude, not gemini)
             if self.on_strict_rejection is not None:
                 self.on_strict_rejection()
             raise bad_request(pairing.format_strict_error(defects), "strict_pairing", "messages")
@@ -321,6 +321,7 @@ class PairingRepair:
             drop_empty=drop_empty,
             mistral=mistral,
             unique_ids=claude,
+            blank_spaces=not gemini,  # (white space is text to Gemini)
         )
         if state is not None and resume is not None:
             state.extra["pairing_repair"] = resume

@@ -284,22 +284,28 @@ def _contentless(message: Any) -> bool:
     )
 
 
-def _blank_text(content: Any) -> bool:
+def _blank_text(content: Any, spaces: bool = True) -> bool:
     """Content that says nothing to Claude: ``null``, ``""``, white space, or a list of
     nothing but text parts of such text (``[]`` too: Claude refuses a text block that is empty
-    or white space, as gateways make one of ``""``)."""
-    if content is None or (isinstance(content, str) and not content.strip()):
+    or white space, as gateways make one of ``""``). Without ``spaces`` (Gemini's reading),
+    white space is text."""
+    if content is None or (isinstance(content, str) and _no_text(content, spaces)):
         return True
     return isinstance(content, list) and all(
         isinstance(part, dict)
         and part.get("type") == "text"
         and isinstance(part.get("text", ""), str)
-        and not part.get("text", "").strip()
+        and _no_text(part.get("text", ""), spaces)
         for part in content
     )
 
 
-def _blank(message: Any) -> bool:
+def _no_text(text: str, spaces: bool) -> bool:
+    """``text`` is none: empty, or (``spaces``) white space only."""
+    return not text.strip() if spaces else not text
+
+
+def _blank(message: Any, spaces: bool = True) -> bool:
     """An assistant message that Claude refuses anywhere but last (``must have non-empty
     content``): content ``null``, none, ``""``, white space, ``[]`` or blank text parts
     (``_blank_text``), and nothing else: no tool calls, refusal, legacy ``function_call``, audio
@@ -308,7 +314,7 @@ def _blank(message: Any) -> bool:
     thinking turn leaves, reaches Claude as nothing, and the message empty)."""
     if not isinstance(message, dict) or message.get("role") != "assistant":
         return False
-    if not _blank_text(message.get("content")):
+    if not _blank_text(message.get("content"), spaces):
         return False
     refusal = message.get("refusal")
     if refusal and not (isinstance(refusal, str) and not refusal.strip()):  # (a blank one: none)
@@ -318,43 +324,44 @@ def _blank(message: Any) -> bool:
     )
 
 
-def _blank_text_in(message: dict[str, Any]) -> bool:
+def _blank_text_in(message: dict[str, Any], spaces: bool = True) -> bool:
     """An assistant message whose content is white space (not ``""``, which gateways leave
     out) or holds a text part of no text but white space, beside what else it says (tool
     calls, text, signed reasoning): a gateway makes each a text block of Claude's, which
-    Claude refuses (``text content blocks must be non-empty``)."""
+    Claude refuses (``text content blocks must be non-empty``). Without ``spaces`` (Gemini's
+    reading), a text part of no text at all."""
     content = message.get("content")
     if isinstance(content, str):
-        return content != "" and not content.strip()
-    return isinstance(content, list) and any(_blank_part(part) for part in content)
+        return spaces and content != "" and not content.strip()
+    return isinstance(content, list) and any(_blank_part(part, spaces) for part in content)
 
 
-def _blank_part(part: Any) -> bool:
+def _blank_part(part: Any, spaces: bool = True) -> bool:
     if not isinstance(part, dict) or part.get("type") != "text":
         return False
     text = part.get("text", "")
-    return isinstance(text, str) and not text.strip()
+    return isinstance(text, str) and _no_text(text, spaces)
 
 
-def _without_blank_text(message: dict[str, Any]) -> dict[str, Any]:
+def _without_blank_text(message: dict[str, Any], spaces: bool = True) -> dict[str, Any]:
     """``message`` (``_blank_text_in``) without its blank text: no content where nothing
     else was in it (``""`` beside no calls: OpenAI's form refuses ``null`` there); a
     ``cache_control`` mark of a part taken out goes on the message, unless a part kept or the
     message has one (a breakpoint lost would cost the cache every turn)."""
     content = message.get("content")
-    kept = [p for p in content if not _blank_part(p)] if isinstance(content, list) else []
+    kept = [p for p in content if not _blank_part(p, spaces)] if isinstance(content, list) else []
     fixed = {**message, "content": kept or (None if message.get("tool_calls") else "")}
     gone = [
         p["cache_control"]
         for p in (content if isinstance(content, list) else ())
-        if _blank_part(p) and p.get("cache_control") is not None
+        if _blank_part(p, spaces) and p.get("cache_control") is not None
     ]
     if gone and cache_mark(fixed, "content") is None:
         fixed["cache_control"] = gone[-1]
     return fixed
 
 
-def _refusal_only(message: Any) -> str | None:
+def _refusal_only(message: Any, spaces: bool = True) -> str | None:
     """The text of an OpenAI model's refusal that an assistant message holds in place of its
     content (``"content": null, "refusal": "I can't help with that."``), with nothing else:
     Claude refuses it as an empty message anywhere but last (``refusal`` is OpenAI's field,
@@ -364,7 +371,7 @@ def _refusal_only(message: Any) -> str | None:
     refusal = message.get("refusal")
     if not isinstance(refusal, str) or not refusal.strip():
         return None
-    if not _blank_text(message.get("content")) or message.get("tool_calls") is not None:
+    if not _blank_text(message.get("content"), spaces) or message.get("tool_calls") is not None:
         return None
     if any(message.get(key) for key in ("function_call", "audio", *_SIGNED_REASONING_KEYS)):
         return None
@@ -408,6 +415,7 @@ def needs_repair(
     drop_empty: bool = False,
     mistral: bool = False,
     unique_ids: bool | None = None,
+    blank_spaces: bool = True,
 ) -> bool:
     """Cheap check for every request: True exactly when ``repair_messages`` would change anything
     (with ``drop_empty``: a Claude model's history, in which a blank assistant message is one;
@@ -417,7 +425,7 @@ def needs_repair(
 
     One pass, one small dict of the open block's call ids; only ``arguments`` strings are parsed.
     """
-    return needs_repair_from(messages, (), drop_empty, mistral, unique_ids)[0]
+    return needs_repair_from(messages, (), drop_empty, mistral, unique_ids, blank_spaces)[0]
 
 
 @dataclass(slots=True)
@@ -452,14 +460,17 @@ def needs_repair_from(
     drop_empty: bool = False,
     mistral: bool = False,
     unique_ids: bool | None = None,
+    blank_spaces: bool = True,
 ) -> tuple[bool, Checkpoint | None, Checkpoint | None]:
     """``needs_repair``, resumed after the first of ``checkpoints`` that ``precedes`` ``messages``:
     the work is in proportion to what was appended. Returns the answer, a checkpoint at the end of
     ``messages`` (None when a defect stopped the scan) and the checkpoint resumed from. The
-    checkpoints must have been made with the same ``drop_empty``, ``mistral`` and
-    ``unique_ids``."""
+    checkpoints must have been made with the same ``drop_empty``, ``mistral``, ``unique_ids``
+    and ``blank_spaces`` (white space is no text, as Claude reads it; Gemini reads it as
+    text)."""
     if unique_ids is None:
         unique_ids = drop_empty
+    spaces = blank_spaces
     resumed = next(
         (
             c
@@ -512,9 +523,9 @@ def needs_repair_from(
                 or (
                     drop_empty
                     and (
-                        _blank(message)
-                        or _refusal_only(message) is not None
-                        or _blank_text_in(message)
+                        _blank(message, spaces)
+                        or _refusal_only(message, spaces) is not None
+                        or _blank_text_in(message, spaces)
                     )
                 )
                 or (mistral and _mistral_blank(message))
@@ -523,7 +534,7 @@ def needs_repair_from(
             continue
         if not calls:  # OpenAI refuses an empty array ("empty_array")
             return True, None, resumed
-        if drop_empty and _blank_text_in(message):  # (Claude: an empty text block)
+        if drop_empty and _blank_text_in(message, spaces):  # (Claude: an empty text block)
             return True, None, resumed
         in_block = True
         for call in calls:
@@ -732,6 +743,7 @@ def repair_messages(
     drop_empty: bool = False,
     mistral: bool = False,
     unique_ids: bool | None = None,
+    blank_spaces: bool = True,
 ) -> PairingResult:
     """Return a history every call of which is answered right after it, and what was repaired.
 
@@ -747,6 +759,7 @@ def repair_messages(
         drop_empty=drop_empty,
         mistral=mistral,
         unique_ids=unique_ids,
+        blank_spaces=blank_spaces,
     )
     return result
 
@@ -762,8 +775,8 @@ class RepairState:
     """
 
     messages: tuple[Any, ...]
-    # (orphan policy, note, drop_empty, mistral, unique_ids) the repair was made with
-    policy: tuple[str, str, bool, bool, bool]
+    # (orphan policy, note, drop_empty, mistral, unique_ids, blank_spaces) the repair was made with
+    policy: tuple[str, str, bool, bool, bool, bool]
     blocks: dict[int, _Block]
     owner_of_id: dict[str, _Block]
     paired: set[int]
@@ -781,7 +794,7 @@ class RepairState:
     at: list[int] = field(default_factory=list)
 
     def resumes(
-        self, messages: Sequence[Any], policy: tuple[str, str, bool, bool, bool]
+        self, messages: Sequence[Any], policy: tuple[str, str, bool, bool, bool, bool]
     ) -> list[int] | None:
         """Whether ``messages`` extends this state's messages, with the same policy, and appends
         no result for a call still open in them: None when not, else the indexes of its
@@ -935,6 +948,7 @@ def repair_messages_from(
     drop_empty: bool = False,
     mistral: bool = False,
     unique_ids: bool | None = None,
+    blank_spaces: bool = True,
 ) -> tuple[PairingResult, RepairState | None]:
     """``repair_messages``, resumed from ``previous`` when ``messages`` extends its messages
     (``RepairState.resumes``): the work is in proportion to what was appended. Returns the result
@@ -948,11 +962,13 @@ def repair_messages_from(
     message there is left, as Mistral refuses one after an assistant's too), and an id cachegate
     gives a call is nine letters and digits, as Mistral requires. ``unique_ids`` (by default
     ``drop_empty``): a call whose id an earlier message's call had gets another (Claude's rule;
-    a Gemini model's history is repaired with ``drop_empty`` alone)."""
+    a Gemini model's history is repaired with ``drop_empty`` alone). Without ``blank_spaces``
+    (Gemini's reading), white space is text: only what has none is blank."""
     note = interrupted_note or DEFAULT_INTERRUPTED_NOTE
     if unique_ids is None:
         unique_ids = drop_empty
-    policy = (orphan_policy, note, drop_empty, mistral, unique_ids)
+    spaces = blank_spaces
+    policy = (orphan_policy, note, drop_empty, mistral, unique_ids, spaces)
     anew = previous.resumes(messages, policy) if previous is not None else None
     if previous is not None and anew is not None:
         state = previous
@@ -968,7 +984,7 @@ def repair_messages_from(
                 renewed[state.at[index]] = state.take_anew(index, messages[index])
             state.out = tuple(renewed)
     else:
-        if not needs_repair(messages, drop_empty, mistral, unique_ids):
+        if not needs_repair(messages, drop_empty, mistral, unique_ids, spaces):
             return PairingResult(messages, []), None
         state = RepairState((), policy, {}, {}, set(), set(), {}, [], [], None, (), {}, [])
         start = 0
@@ -998,7 +1014,7 @@ def repair_messages_from(
         if calls is None:
             if _empty_calls(message):
                 kept = {k: v for k, v in message.items() if k != "tool_calls"}
-                if drop_empty and (_says_nothing(kept) or _blank(kept)):
+                if drop_empty and (_says_nothing(kept) or _blank(kept, spaces)):
                     # Nothing else in it: Claude refuses an empty assistant message but the last
                     # ("must have non-empty content"); elsewhere it stays, given "" below (as
                     # for ``empty_assistant``: removed, two user turns met, which strict chat
@@ -1009,11 +1025,11 @@ def repair_messages_from(
                     if mark is not None:  # a breakpoint: the message before ends that prefix
                         state.marks[i] = mark
                 else:
-                    refusal = _refusal_only(kept) if drop_empty or mistral else None
+                    refusal = _refusal_only(kept, spaces) if drop_empty or mistral else None
                     if refusal is not None:  # (Claude, Mistral: the refusal's words, as below)
                         kept["content"] = _refusal_content(kept.get("content"), refusal)
-                    elif drop_empty and _blank_text_in(kept):  # (Claude: as below)
-                        kept = _without_blank_text(kept)
+                    elif drop_empty and _blank_text_in(kept, spaces):  # (Claude: as below)
+                        kept = _without_blank_text(kept, spaces)
                     elif mistral and _mistral_blank(kept):
                         kept["content"] = MISTRAL_NO_ANSWER  # (Mistral refuses "" there)
                     elif kept.get("content") is None or kept.get("content") == []:
@@ -1021,7 +1037,7 @@ def repair_messages_from(
                     fixed[i] = kept
                     action = "removed an empty tool_calls array"
                 scanned.append(Repair("empty_tool_calls", i, None, action))
-            elif drop_empty and _blank(message):
+            elif drop_empty and _blank(message, spaces):
                 removed.add(i)
                 action = (
                     "removed an assistant message with no content (Claude refuses an empty one)"
@@ -1030,15 +1046,17 @@ def repair_messages_from(
                 if mark is not None:  # a breakpoint: the message before ends that prefix
                     state.marks[i] = mark
                 scanned.append(Repair("empty_assistant", i, None, action))
-            elif (drop_empty or mistral) and (refusal := _refusal_only(message)) is not None:
+            elif (drop_empty or mistral) and (
+                refusal := _refusal_only(message, spaces)
+            ) is not None:
                 # An OpenAI model's refusal in a history sent to Claude or Mistral: its words
                 # are the message's content (neither reads ``refusal``, and both refuse an
                 # empty message; Mistral's note would say no answer was recorded).
                 fixed[i] = {**message, "content": _refusal_content(message.get("content"), refusal)}
                 action = "gave a refusal's text as the assistant message's content"
                 scanned.append(Repair("empty_assistant", i, None, action))
-            elif drop_empty and _role(message) == "assistant" and _blank_text_in(message):
-                fixed[i] = _without_blank_text(message)
+            elif drop_empty and _role(message) == "assistant" and _blank_text_in(message, spaces):
+                fixed[i] = _without_blank_text(message, spaces)
                 action = "removed blank text parts (Claude refuses an empty text block)"
                 scanned.append(Repair("empty_assistant", i, None, action))
             elif mistral and _mistral_blank(message):
@@ -1059,8 +1077,8 @@ def repair_messages_from(
         new_message, ids, names, assigned, renamed = _fix_calls(
             i, message, calls, scanned, mistral, owner_of_id if unique_ids else None
         )
-        if drop_empty and _blank_text_in(new_message):
-            new_message = _without_blank_text(new_message)
+        if drop_empty and _blank_text_in(new_message, spaces):
+            new_message = _without_blank_text(new_message, spaces)
             action = "removed blank text beside the calls (Claude refuses an empty text block)"
             scanned.append(Repair("empty_assistant", i, None, action))
         if new_message is not message:
@@ -1305,10 +1323,15 @@ def diagnose(
     drop_empty: bool = False,
     mistral: bool = False,
     unique_ids: bool | None = None,
+    blank_spaces: bool = True,
 ) -> list[Repair]:
     """What ``repair_messages`` would repair, changing nothing: strict mode's list of defects."""
     return repair_messages(
-        messages, drop_empty=drop_empty, mistral=mistral, unique_ids=unique_ids
+        messages,
+        drop_empty=drop_empty,
+        mistral=mistral,
+        unique_ids=unique_ids,
+        blank_spaces=blank_spaces,
     ).repairs
 
 

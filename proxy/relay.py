@@ -538,7 +538,7 @@ def client_response_headers(
         drop = drop | {b"content-encoding"}
     headers = [(k, v) for k, v in raw if k not in drop]
     headers.extend(extra)
-    if not _inert(next((v for k, v in raw if k == b"content-type"), b"")):
+    if not _inert([v for k, v in raw if k == b"content-type"]):
         headers.extend(_SANDBOXED)
         if not any(k == b"x-content-type-options" for k, _ in headers):
             headers.append(_NOSNIFF)
@@ -549,14 +549,17 @@ _SANDBOXED: Final = ((b"content-security-policy", b"sandbox"),)
 _NOSNIFF: Final = (b"x-content-type-options", b"nosniff")
 
 
-def _inert(ctype: bytes) -> bool:
+def _inert(ctypes: list[bytes]) -> bool:
     """Whether a browser shows an answer of this media type as data, running nothing in it:
     JSON (``+json``, NDJSON) and an event stream. Any other (HTML, SVG, XML, none: a browser
     may sniff one) is given ``Content-Security-Policy: sandbox`` and ``nosniff``: a page an
     upstream served would otherwise run its scripts on cachegate's own origin, which the
     guard against web pages trusts (a top-level navigation to a relayed GET path is let
-    through)."""
-    media = ctype.partition(b";")[0].strip().lower()
+    through). One type only: given twice, or a list (``text/html,json``), a browser reads the
+    last valid one, which is not ours to guess."""
+    if len(ctypes) != 1 or b"," in ctypes[0]:
+        return False
+    media = ctypes[0].partition(b";")[0].strip().lower()
     return media.endswith(b"json") or media == b"text/event-stream"
 
 

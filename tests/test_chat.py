@@ -1777,3 +1777,23 @@ def test_gemma_and_other_models_keep_an_empty_assistant_turn(
     for model in ("gemma-3-27b-it", "gpt-4o", "supergemini-7b"):
         sdk(proxy.base_url).chat.completions.create(model=model, messages=history)
         assert sim.sim.requests[-1].body["messages"] == history
+
+
+def test_white_space_is_text_to_gemini_and_left_as_it_is(sdk: Any, proxy_factory: Any) -> None:
+    """Gemini takes white space as text (the fix others give its empty-text refusal is a
+    space): an assistant message of a space was removed as for Claude, and strict mode refused
+    the history, where Gemini takes it as sent."""
+    history = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": " "},
+        {"role": "user", "content": "b"},
+    ]
+    with run_simulator(SimConfig(gemini_rules=True)) as gemini:
+        proxy = proxy_factory(gemini.api_base)
+        for headers in ({}, {"X-Cachegate-Strict": "1"}):
+            raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+                model="gemini-2.5-pro", messages=history, extra_headers=headers
+            )
+            assert raw.http_response.status_code == 200
+            assert raw.headers["x-cachegate-repairs"] == "0"
+            assert gemini.sim.requests[-1].body["messages"] == history

@@ -3032,3 +3032,24 @@ def test_a_long_refusal_of_a_stream_is_relayed_as_it_comes_not_held(
         rest = b"".join(pieces)
     assert answer.status_code == 400 and first + rest == head + b'"}}'
     assert waited < 2.5, waited  # (the last piece comes 3 s after the first)
+
+
+@pytest.mark.parametrize(
+    ("content_type", "more"),
+    [
+        (b"application/json", [(b"content-type", b"text/html")]),  # (two: a browser reads the last)
+        (b"text/html,json", []),  # (a list: its last valid type, text/html)
+    ],
+)
+def test_a_page_whose_content_type_only_looks_like_json_is_sandboxed(
+    scripted: Any, proxy_factory: Any, content_type: bytes, more: list[tuple[bytes, bytes]]
+) -> None:
+    """The first ``Content-Type`` alone was read, and a value ending in ``json`` taken for
+    JSON: a page with its type given twice, or as a list, went unsandboxed, where a browser
+    reads the last valid type and runs it as HTML."""
+    page = b"<script>fetch('/v1/models')</script>"
+    _upstream, url = scripted(chunks=[page], content_type=content_type, extra_headers=more)
+    answer = httpx.get(proxy_factory(url).base_url + "/files/file-abc/content")
+    assert answer.content == page
+    assert answer.headers.get("content-security-policy") == "sandbox"
+    assert answer.headers.get("x-content-type-options") == "nosniff"
