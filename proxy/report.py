@@ -426,12 +426,15 @@ def replay_lines(log_dir: str | os.PathLike[str], session_id: str) -> Iterator[s
 
 def request_lines(requests: Iterable[dict[str, Any]]) -> Iterator[str]:
     """``replay``'s output: each replayed request as one line of JSON (the standard library's
-    for a body nested deeper than orjson writes, as the log holds it)."""
+    for a body nested deeper than orjson writes, as the log holds it), U+2028 and U+2029
+    escaped: a reader that splits lines as Python's ``str.splitlines`` does (and JavaScript
+    before ES2019 reads a string) broke a request at them."""
     for request in requests:
         try:
-            yield orjson.dumps(request).decode()
+            line = orjson.dumps(request).decode()
         except TypeError:
-            yield deep_dumps(request, ensure_ascii=False, separators=(",", ":"))
+            line = deep_dumps(request, ensure_ascii=False, separators=(",", ":"))
+        yield line.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
 
 
 def metadata_only(request: dict[str, Any]) -> bool:

@@ -1022,6 +1022,18 @@ def test_replay_lines_give_the_full_forwarded_messages(log_dir: Path) -> None:
     assert all("\n" not in line for line in lines)
 
 
+def test_replay_lines_stay_lines_where_a_text_holds_a_line_separator() -> None:
+    """U+2028 and U+2029 went out raw: valid JSON, but a reader that splits lines as
+    ``str.splitlines`` does (and JavaScript before ES2019) broke a request at them."""
+    from proxy.report import request_lines
+
+    text = "first\u2028second\u2029third"
+    request = {"exchange_id": 1, "messages": [{"role": "user", "content": text}]}
+    (line,) = request_lines([request])
+    assert line.splitlines() == [line]
+    assert orjson.loads(line) == request
+
+
 @pytest.mark.parametrize("bad", ["../alpha", "..", "a" * 129, "al\x00pha", "álpha", ""])
 def test_hostile_ids_are_refused_before_any_path_is_built(log_dir: Path, bad: str) -> None:
     for command in (show_session, session_cost, replay_lines):
