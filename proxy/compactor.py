@@ -142,6 +142,21 @@ def _at_lead(comp: compaction.Compaction, lead: int) -> compaction.Compaction:
     )
 
 
+def _cut_output(new: Any, old: Any) -> bool:
+    """``new`` is tool result ``old`` cut in place: the same call's, its content shorter (a
+    placeholder in its place, its start kept), nothing else of it changed
+    (``Compactor._pruned``)."""
+    if not (isinstance(new, dict) and isinstance(old, dict)):
+        return False
+    if new.get("role") != "tool" or old.get("role") != "tool":
+        return False
+    if {k: v for k, v in new.items() if k != "content"} != {
+        k: v for k, v in old.items() if k != "content"
+    }:
+        return False
+    return compaction.estimate_tokens([new]) < compaction.estimate_tokens([old])
+
+
 def _within_bytes(text: str, clipped: str, budget: int) -> str:
     """``clipped`` (``text`` cut at ``budget`` characters), cut further until its JSON takes no
     more than ``budget`` bytes: the room a retry planned for its summary is in the estimate's
@@ -402,8 +417,13 @@ class Compactor:
             # (code, JSON) can be under the trigger the provider's count had reached.
             held = state.extra["compactions"]
             existing, known = self._existing(held, messages)
+        carried: compaction.Compaction | None = None
         if existing is None and held:
-            ex.compaction_undone = self._undone(held, messages)
+            carried = self._pruned(held, messages)
+            if carried is not None:  # (the same summary, under this history's digest)
+                existing, known = carried, carried.prefix_digest
+            else:
+                ex.compaction_undone = self._undone(held, messages)
         if last is not None and last.compaction != (existing.prefix_digest if existing else None):
             # The provider counted a history with another summary in it, or with one where
             # this goes without (a message it covers was changed: an old tool output cleared),
@@ -639,7 +659,7 @@ class Compactor:
                 return {**body, "messages": plan.messages}
             self._hold(held, plan.reused, messages)
             if not self._claim(state, ex, plan.reused):  # (else made for a try the client left)
-                self._reused_by(ex, plan.reused)
+                self._reused_by(ex, plan.reused, carried=plan.reused is carried)
             return {**body, "messages": plan.messages}
         if existing is None and await self._restore(state):
             # A summary is to be made for a history too short for the try above (the latest
@@ -674,7 +694,12 @@ class Compactor:
             self._reused_by(ex, comp)
         return {**body, "messages": forwarded}
 
-    def _reused_by(self, ex: Exchange, comp: compaction.Compaction) -> None:
+    def _reused_by(
+        self, ex: Exchange, comp: compaction.Compaction, *, carried: bool = False
+    ) -> None:
+        """``ex`` goes out with ``comp``, made before; ``carried``: carried to a history that
+        changed messages it covers in place (``_pruned``), logged with its summary (a
+        cachegate that forgets the session takes it up by its new digest)."""
         ex.compacted = True
         ex.compaction_digest = comp.prefix_digest
         unserved: set[str] | None = (
@@ -695,7 +720,7 @@ class Compactor:
                 ex.session_id,
                 comp.covered - comp.start,
             )
-        notify(self.observers, "on_compaction", ex, comp, "reused")
+        notify(self.observers, "on_compaction", ex, comp, "carried" if carried else "reused")
 
     async def _restore(self, state: SessionState) -> bool:
         """Take up the compactions ``state``'s log records (``eventlog.logged_compactions``),
@@ -735,7 +760,10 @@ class Compactor:
                 covered=event["covered"],
                 start=event["start"],
                 message={"role": "user", "content": event["summary"]},
-                source=event["source"],
+                # (a carried one's: the summary's own, as it was made)
+                source="extractive"
+                if "extractive" in (event["source"], event.get("made"))
+                else "model",
                 tokens_before=event["tokens_before"],
                 tokens_after=event["tokens_after"],
                 opening=event["opening"],
@@ -997,6 +1025,45 @@ class Compactor:
                 if not compaction.same_message(messages[index], verified[index]):
                     return index, verified[index], messages[index]
             return None
+        return None
+
+    @staticmethod
+    def _pruned(held: dict[str, list[Any]], messages: list[Any]) -> compaction.Compaction | None:
+        """The compaction used last, carried to this history, where the client cut tool
+        outputs it covers in place and changed nothing else of them: the same messages, the
+        model's own the very same, tool results of the same calls, one or more shorter than
+        they were (opencode clears old tool outputs, other agents trim them: none of that
+        reaches the provider, for which the summary stands). Held under this history's digest
+        in place of the old one's. None where the history does not go on as that one did (a
+        rewind, a fork, another conversation, sub-agents fanned out with one task whose
+        outputs differ, a message put in or taken out or otherwise changed)."""
+        for key, (comp, verified) in list(held.items()):
+            if verified is None:
+                continue
+            lead = compaction.leading_count(messages)
+            if (
+                compaction.leading_count(verified) != lead
+                or len(verified) != comp.covered
+                or comp.covered >= len(messages)  # (apply_compaction's: one message past it)
+                or comp.covered <= lead
+                or not compaction.same_message(messages[lead], verified[lead])
+            ):
+                return None
+            changed = False
+            for index in range(lead + 1, comp.covered):
+                new, old = messages[index], verified[index]
+                if compaction.same_message(new, old):
+                    continue
+                if not _cut_output(new, old):
+                    return None
+                changed = True
+            if not changed:
+                return None
+            digest = compaction.prefix_digest(messages, comp.covered)
+            del held[key]
+            carried = dataclasses.replace(comp, prefix_digest=digest)
+            held[_key(carried)] = [carried, None]
+            return carried
         return None
 
     @staticmethod

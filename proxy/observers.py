@@ -1903,6 +1903,8 @@ class EventLogObserver:
                     if source == "reused"
                     else {"prefix_digest": comp.prefix_digest, "opening": comp.opening}
                 ),
+                # (carried to a history edited in place: how its summary was made)
+                **({"made": comp.source} if source == "carried" else {}),
             },
             ex,
         )

@@ -2395,9 +2395,10 @@ def test_a_history_whose_latest_message_alone_is_over_the_window_is_not_summariz
 def test_a_compaction_undone_by_the_client_s_edit_names_the_message_the_client_changed(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:
-    """The agent clears an old tool output the summary covered (opencode does): the compaction
-    no longer applies, and the miss was put on messages[N].role, cachegate's own summary
-    against a message the client never changed."""
+    """The agent changes a message the summary covered otherwise than in place (a call given
+    another id, as clients that make ids anew do): the compaction no longer applies, and the
+    miss was put on messages[N].role, cachegate's own summary against a message the client
+    never changed. (An output cleared in place keeps the compaction: ``…cleared_under…``.)"""
     proxy = proxy_factory(sim.api_base, CONFIG)
     c = sdk(proxy.base_url)
     msgs = history(18)
@@ -2407,7 +2408,13 @@ def test_a_compaction_undone_by_the_client_s_edit_names_the_message_the_client_c
     )
     assert raw.headers["x-cachegate-compacted"] == "1"
     assert msgs[5]["role"] == "tool"
-    cleared = [*msgs[:5], {**msgs[5], "content": "[cleared]"}, *msgs[6:]]
+    call = {**msgs[4]["tool_calls"][0], "id": "call_renamed"}
+    cleared = [
+        *msgs[:4],
+        {**msgs[4], "tool_calls": [call]},
+        {**msgs[5], "tool_call_id": "call_renamed", "content": "[cleared]"},
+        *msgs[6:],
+    ]
     c.chat.completions.create(
         model=MODEL, messages=cleared, extra_headers={"X-Session-Id": "cleared"}
     )
@@ -2416,8 +2423,12 @@ def test_a_compaction_undone_by_the_client_s_edit_names_the_message_the_client_c
         e for e in read_events(proxy.log_dir / "cleared.jsonl").events if e["type"] == "response"
     ]
     divergence = responses[-1]["divergence"]
-    assert (divergence["index"], divergence["role"], divergence["field"]) == (5, "tool", "content")
-    assert divergence["new"] == "[cleared]" and divergence["old"].startswith("output 0: xxx")
+    assert (divergence["index"], divergence["role"], divergence["field"]) == (
+        4,
+        "assistant",
+        "tool_calls",
+    )
+    assert "call_renamed" in divergence["new"] and "call_0" in divergence["old"]
 
 
 def test_a_refusal_of_a_reused_compaction_with_nothing_more_to_compact_is_relayed_once(
@@ -3700,3 +3711,68 @@ def test_a_retry_of_a_compacted_request_the_provider_failed_is_no_cache_waste(
     assert proxy.metric("cachegate_prefix_rewrites_total", {"location": "messages"}) == 0
     # the next turn, the provider having cached the compacted history, is compared as ever
     assert later["cache"]["expected"] > 0 and later["cache"]["read"] > 0
+
+
+def test_old_tool_outputs_cleared_under_the_summary_keep_the_compaction(
+    sim: RunningSimulator, sdk: Any, tmp_path: Path
+) -> None:
+    """An agent that clears old tool outputs in place (opencode's pruning, every turn past a
+    budget) changes messages the summary covers, none of which reaches the provider: each
+    such turn undid the compaction and paid for a new summary, its cache lost (a summary call
+    of ~4,400 tokens every turn). The summary is carried to the edited history, the forwarded
+    body the same, the provider's cache read; its log line lets a restart take it up."""
+    from tests.conftest import run_proxy
+
+    logs = tmp_path / "logs"
+    msgs = history(18)
+    headers = {"X-Session-Id": "pruning"}
+    sim.sim.enqueue([parse_script("TASK: handle CRLF. DONE: cases 0-13 pass. LEFT: 14-17.")])
+    with run_proxy(sim.api_base, logs, CONFIG) as proxy:
+        client = sdk(proxy.base_url)
+        client.chat.completions.create(model=MODEL, messages=msgs, extra_headers=headers)
+        first = sim.sim.requests[-1].body["messages"]
+        assert first[1]["content"].startswith(SUMMARY_MARKER)
+        covered = compacted_events(proxy)[0]["covered"]
+        cleared = "[Old tool result content cleared]"
+        pruned = [
+            {**m, "content": cleared} if m.get("role") == "tool" and i < covered - 4 else m
+            for i, m in enumerate(msgs)
+        ]
+        pruned += [
+            {"role": "assistant", "content": "Cases 14-17 next."},
+            {"role": "user", "content": "Go on."},
+        ]
+        sent = len(sim.sim.requests)
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=pruned, extra_headers=headers
+        )
+        assert len(sim.sim.requests) == sent + 1  # no summary call
+        assert raw.headers["x-cachegate-compacted"] == "1"
+        forwarded = sim.sim.requests[-1].body["messages"]
+        assert forwarded[: len(first)] == first  # the provider's cache holds
+        usage = raw.parse().usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        assert usage.prompt_tokens_details.cached_tokens >= 1024
+        events = compacted_events(proxy)
+        assert [e["source"] for e in events] == ["model", "carried"]
+        assert events[1]["summary"] == events[0]["summary"] and events[1]["made"] == "model"
+        assert (
+            proxy.metric("cachegate_compactions_total", {"model": MODEL, "result": "reused"}) == 1
+        )
+        # a history that puts a message in under the summary is another: not given it (this
+        # one, its outputs cleared, is under the trigger: sent as it is)
+        inserted = [*pruned[:4], {"role": "user", "content": "(note)"}, *pruned[4:]]
+        client.chat.completions.create(model=MODEL, messages=inserted, extra_headers=headers)
+        assert sim.sim.requests[-1].body["messages"] == inserted
+    with run_proxy(sim.api_base, logs, CONFIG) as after:  # a restart takes the carried one up
+        sent = len(sim.sim.requests)
+        more = [
+            *pruned,
+            {"role": "assistant", "content": "Done."},
+            {"role": "user", "content": "Next."},
+        ]
+        sdk(after.base_url).chat.completions.create(
+            model=MODEL, messages=more, extra_headers=headers
+        )
+        assert len(sim.sim.requests) == sent + 1
+        assert sim.sim.requests[-1].body["messages"][: len(first)] == first
