@@ -311,7 +311,10 @@ def _blank(message: Any, spaces: bool = True) -> bool:
     (``_blank_text``), and nothing else: no tool calls, refusal, legacy ``function_call``, audio
     or signed reasoning (a gateway makes Claude's thinking blocks of ``reasoning_details`` and
     ``thinking_blocks`` only: a ``reasoning`` or ``reasoning_content`` text, which Ctrl+C in a
-    thinking turn leaves, reaches Claude as nothing, and the message empty)."""
+    thinking turn leaves, reaches Claude as nothing, and the message empty). Without
+    ``spaces`` (Gemini's reading), white space is text and signed reasoning is nothing: Gemini
+    refuses a message of no text whatever reasoning it carries (a thought signature goes with
+    a text or a call)."""
     if not isinstance(message, dict) or message.get("role") != "assistant":
         return False
     if not _blank_text(message.get("content"), spaces):
@@ -320,7 +323,8 @@ def _blank(message: Any, spaces: bool = True) -> bool:
     if refusal and not (isinstance(refusal, str) and not refusal.strip()):  # (a blank one: none)
         return False
     return message.get("tool_calls") is None and not any(
-        message.get(key) for key in ("function_call", "audio", *_SIGNED_REASONING_KEYS)
+        message.get(key)
+        for key in ("function_call", "audio", *(_SIGNED_REASONING_KEYS if spaces else ()))
     )
 
 
@@ -373,7 +377,8 @@ def _refusal_only(message: Any, spaces: bool = True) -> str | None:
         return None
     if not _blank_text(message.get("content"), spaces) or message.get("tool_calls") is not None:
         return None
-    if any(message.get(key) for key in ("function_call", "audio", *_SIGNED_REASONING_KEYS)):
+    signed = _SIGNED_REASONING_KEYS if spaces else ()  # (Gemini's reading: nothing, as above)
+    if any(message.get(key) for key in ("function_call", "audio", *signed)):
         return None
     return refusal
 

@@ -1797,3 +1797,27 @@ def test_white_space_is_text_to_gemini_and_left_as_it_is(sdk: Any, proxy_factory
             assert raw.http_response.status_code == 200
             assert raw.headers["x-cachegate-repairs"] == "0"
             assert gemini.sim.requests[-1].body["messages"] == history
+
+
+@pytest.mark.parametrize("content", [None, "", []])
+def test_a_gemini_thinking_turn_cut_before_its_text_is_removed(
+    sdk: Any, proxy_factory: Any, content: Any
+) -> None:
+    """A stream of a Gemini model stopped after its thinking, before its first text, leaves
+    an assistant message of no text with its ``reasoning_details`` (OpenRouter asks clients to
+    send them back). It was kept, as Claude's signed thinking is, and Gemini refused it as an
+    empty text on every later turn; it is removed."""
+    reasoning = [{"type": "reasoning.encrypted", "data": "CiQB0e2K", "format": "google-gemini-v1"}]
+    history = [
+        {"role": "user", "content": "fix the bug"},
+        {"role": "assistant", "content": content, "reasoning_details": reasoning},
+        {"role": "user", "content": "continue"},
+    ]
+    with run_simulator(SimConfig(gemini_rules=True)) as gemini:
+        proxy = proxy_factory(gemini.api_base)
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model="google/gemini-2.5-flash", messages=history
+        )
+        assert raw.http_response.status_code == 200
+        assert raw.headers["x-cachegate-repairs"] == "1"
+        assert gemini.sim.requests[-1].body["messages"] == [history[0], history[2]]

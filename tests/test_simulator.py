@@ -1515,3 +1515,18 @@ def test_gemini_rules_refuse_an_empty_assistant_text(content: Any, refused: bool
         )
     else:
         assert response.status_code == 200
+
+
+@pytest.mark.parametrize("reference", [{"type": "item_reference", "id": "fc_1"}, {"id": "fc_1"}])
+def test_responses_takes_an_output_that_may_answer_a_referenced_stored_call(
+    sim: RunningSimulator, reference: dict[str, Any]
+) -> None:
+    """An item referenced by id may be a stored call, which an output answers (as cachegate's
+    repair reads it): it was refused as an orphan, as if nothing were stored."""
+    items = [
+        {"role": "user", "content": "list files"},
+        reference,
+        {"type": "function_call_output", "call_id": "call_X", "output": "a.txt"},
+    ]
+    answer = httpx.post(sim.api_base + "/responses", json={"model": "gpt-5", "input": items})
+    assert answer.status_code == 200

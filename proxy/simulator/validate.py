@@ -339,10 +339,19 @@ def _response_kind(item: dict[str, Any]) -> Any:
     return kind
 
 
+def _stored_item(item: Any) -> bool:
+    """An item that names a stored one by id (``item_reference``, or only an ``id``)."""
+    if not isinstance(item, dict):
+        return False
+    kind = item.get("type")
+    return kind == "item_reference" or (kind is None and item.keys() == {"id"})
+
+
 def validate_response_input(body: dict[str, Any]) -> None:
     """Raise ``ValidationError`` where OpenAI would refuse a Responses API request's ``input``
     items: a call with no output in the list, or (unless the request continues a stored
-    response or conversation) an output whose ``call_id`` no other item in the list has. A call
+    response or conversation, or references a stored item, whose call an output may answer)
+    an output whose ``call_id`` no other item in the list has. A call
     the client runs (a function, custom tool, shell, patch, a client-run tool search, a computer
     action) needs an output; a hosted tool's call carries its results."""
     items = body.get("input")
@@ -374,6 +383,8 @@ def validate_response_input(body: dict[str, Any]) -> None:
         if call_id not in answered:
             raise ValidationError(NO_OUTPUT_TEXT.format(what=what, id=call_id), "input")
     if body.get("previous_response_id") or body.get("conversation"):
+        return
+    if any(_stored_item(item) for item in items):  # (an output may answer the stored call)
         return
     for item in items:
         if isinstance(item, dict) and _response_kind(item) in _RESPONSE_OUTPUTS:
