@@ -233,6 +233,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_until_healthy(proc: subprocess.Popen[Any], url: str) -> None:
+    """Wait for a started ``cachegate serve`` at ``url`` to answer ``/healthz``; fail the test,
+    with its stderr, if it exits first."""
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            err = proc.stderr.read() if proc.stderr else ""
+            err = err.decode() if isinstance(err, bytes) else err
+            raise AssertionError(f"cachegate exited with {proc.returncode}: {err}")
+        try:
+            return httpx.get(url + "/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(healthy, timeout=20, what="cachegate /healthz")
+
+
 @contextlib.contextmanager
 def cachegate_process(upstream: str, log_dir: Path, *args: str) -> Iterator[tuple[Any, str]]:
     """``python -m proxy.cli serve`` as a real subprocess; yields (Popen, base URL with /v1)."""
@@ -249,17 +266,7 @@ def cachegate_process(upstream: str, log_dir: Path, *args: str) -> Iterator[tupl
     )
     url = f"http://127.0.0.1:{port}"
     try:
-
-        def healthy() -> bool:
-            if proc.poll() is not None:
-                err = proc.stderr.read().decode() if proc.stderr else ""
-                raise AssertionError(f"cachegate exited with {proc.returncode}: {err}")
-            try:
-                return httpx.get(url + "/healthz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(healthy, timeout=20, what="cachegate /healthz")
+        wait_until_healthy(proc, url)
         yield proc, url + "/v1"
     finally:
         if proc.poll() is None:

@@ -33,6 +33,7 @@ from tests.e2e_support import (
     post_chat,
     run_cli,
     wait_for,
+    wait_until_healthy,
 )
 
 PRICES = {"price_input": 2.0, "price_cached_input": 0.5, "price_output": 8.0}
@@ -2059,15 +2060,7 @@ def _serve_with_open_files(
         text=True,
     )
     url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        try:
-            return httpx.get(url + "/healthz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(healthy, timeout=20, what="cachegate /healthz")
+    wait_until_healthy(proc, url)
     return proc, url + "/v1"
 
 
