@@ -13,9 +13,10 @@ import functools
 import json
 import logging
 import operator
+import re
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 import httpx
 import orjson
@@ -143,9 +144,11 @@ def _at_lead(comp: compaction.Compaction, lead: int) -> compaction.Compaction:
 
 
 def _cut_output(new: Any, old: Any) -> bool:
-    """``new`` is tool result ``old`` cut in place: the same call's, its content shorter (a
-    placeholder in its place, its start kept), nothing else of it changed
-    (``Compactor._pruned``)."""
+    """``new`` is tool result ``old`` cut in place: the same call's, nothing else of it
+    changed, its text shorter and either a placeholder (short, saying so: opencode's ``[Old
+    tool result content cleared]``) or the old text's start (64 characters or more) with at
+    most a short note after it (``Compactor._pruned``). Another text, shorter or not (a
+    result corrected, a sub-agent's own), is no cut: the summary would contradict it."""
     if not (isinstance(new, dict) and isinstance(old, dict)):
         return False
     if new.get("role") != "tool" or old.get("role") != "tool":
@@ -154,7 +157,23 @@ def _cut_output(new: Any, old: Any) -> bool:
         k: v for k, v in old.items() if k != "content"
     }:
         return False
-    return compaction.estimate_tokens([new]) < compaction.estimate_tokens([old])
+    text, was = compaction.message_text(new), compaction.message_text(old)
+    if len(text) >= len(was):
+        return False
+    if len(text) <= _CUT_NOTE_CHARS and _CUT_WORDS.search(text) is not None:
+        return True
+    start = max(_CUT_KEPT_CHARS, len(text) - _CUT_NOTE_CHARS)  # (what the cut kept, at least)
+    return len(text) >= _CUT_KEPT_CHARS and was.startswith(text[:start])
+
+
+# What a placeholder in a cut tool output's place says (cleared, pruned, truncated, omitted,
+# elided, removed, trimmed, redacted, compacted, shortened, hidden), and how long it or a note
+# after a kept start may be; how much of the start a trimmed output keeps at least.
+_CUT_WORDS: Final = re.compile(
+    r"(?i)clear|prun|trunc|omit|elid|remov|trim|redact|compact|shorten|hidden"
+)
+_CUT_NOTE_CHARS: Final = 200
+_CUT_KEPT_CHARS: Final = 64
 
 
 def _within_bytes(text: str, clipped: str, budget: int) -> str:

@@ -249,14 +249,18 @@ def _dropped_tokens(
     a repair changed it): a sliding window that cut a round of parallel calls keeps their
     results, repaired into user messages (counted as gone, such a trim's waste read about half
     of what it was). ``carried``: as ``prefix.dropped_elements``. Tools that ``new`` no longer
-    sends (an MCP server disconnected, the tools left out for a turn, descriptions shortened)
-    are gone for what their estimate shrank: counted as held, their schemas were charged as
-    waste, ~3,400 tokens for ten MCP tools, though no request could read them."""
+    sends (an MCP server disconnected, or swapped for another; the tools left out for a turn;
+    descriptions shortened) are gone, each for the share of it that changed
+    (``prefix.dropped_tools``): counted as held, their schemas were charged as waste, ~3,400
+    tokens for ten MCP tools, though no request could read them."""
     dropped = prefix.dropped_elements(old, new, compaction.media_part_tokens, held, carried)
     old_tools = compaction.estimate_tokens(old.tools) if old.tools else 0
-    tools_gone = 0
-    if old_tools and old.tools_digest != new.tools_digest:
-        tools_gone = max(0, old_tools - (compaction.estimate_tokens(new.tools) if new.tools else 0))
+    tools_gone = 0.0
+    if old_tools and old.tools_digest != new.tools_digest:  # (by each tool: one swapped out too)
+        tools_gone = sum(
+            compaction.estimate_tokens([tool]) * share
+            for tool, share in prefix.dropped_tools(old.tools, new.tools)
+        )
     if not dropped and not tools_gone:
         return 0
     whole = compaction.estimate_tokens(list(old.messages)) + old_tools

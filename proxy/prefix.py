@@ -1096,6 +1096,38 @@ def _retimed(old: Any, new: Any) -> bool:
     )
 
 
+def dropped_tools(old: Any, new: Any) -> list[tuple[Any, float]]:
+    """What of the tools ``old`` that ``new`` no longer sends, as ``(tool, share)``: a tool of
+    a name ``new`` has not whole (an MCP server's tools gone, or swapped for another's), one
+    ``new`` changed for the share of it that changed (its start and end kept, as an edited
+    message's: a shortened description). A list's tools by their name (a function's, or a
+    Responses API tool's own); anything else, or tools without names, by equality."""
+    if old == new or not old:
+        return []
+    if not isinstance(old, list):
+        return [(old, 1.0)]
+    by_name: dict[Any, Any] = {}
+    others: list[Any] = []
+    for tool in new if isinstance(new, list) else ():
+        name = _tool_name(tool)
+        if name is None:
+            others.append(tool)
+        else:
+            by_name.setdefault(name, tool)
+    gone: list[tuple[Any, float]] = []
+    for tool in old:
+        name = _tool_name(tool)
+        other = by_name.get(name) if name is not None else None
+        if other is None:
+            if name is not None or tool not in others:
+                gone.append((tool, 1.0))
+        elif other != tool:
+            share = 1.0 - _kept_share(tool, other)
+            if share > 0:
+                gone.append((tool, share))
+    return gone
+
+
 def _kept_share(old: Any, new: Any, media_tokens: Callable[[Any], int] | None = None) -> float:
     """The share of ``old``'s compact JSON that ``new`` keeps as its start and its end (of
     their text when both are plain text messages of one role: nothing to serialize; with each

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -3713,8 +3713,17 @@ def test_a_retry_of_a_compacted_request_the_provider_failed_is_no_cache_waste(
     assert later["cache"]["expected"] > 0 and later["cache"]["read"] > 0
 
 
+def _cleared(content: str) -> str:
+    return "[Old tool result content cleared]"
+
+
+def _trimmed(content: str) -> str:
+    return content[:100] + "\n... [output truncated]"
+
+
+@pytest.mark.parametrize("cut", [_cleared, _trimmed])
 def test_old_tool_outputs_cleared_under_the_summary_keep_the_compaction(
-    sim: RunningSimulator, sdk: Any, tmp_path: Path
+    sim: RunningSimulator, sdk: Any, tmp_path: Path, cut: Callable[[str], str]
 ) -> None:
     """An agent that clears old tool outputs in place (opencode's pruning, every turn past a
     budget) changes messages the summary covers, none of which reaches the provider: each
@@ -3733,9 +3742,10 @@ def test_old_tool_outputs_cleared_under_the_summary_keep_the_compaction(
         first = sim.sim.requests[-1].body["messages"]
         assert first[1]["content"].startswith(SUMMARY_MARKER)
         covered = compacted_events(proxy)[0]["covered"]
-        cleared = "[Old tool result content cleared]"
         pruned = [
-            {**m, "content": cleared} if m.get("role") == "tool" and i < covered - 4 else m
+            {**m, "content": cut(m["content"])}
+            if m.get("role") == "tool" and i < covered - 4
+            else m
             for i, m in enumerate(msgs)
         ]
         pruned += [
@@ -3776,3 +3786,28 @@ def test_old_tool_outputs_cleared_under_the_summary_keep_the_compaction(
         )
         assert len(sim.sim.requests) == sent + 1
         assert sim.sim.requests[-1].body["messages"][: len(first)] == first
+
+
+def test_tool_outputs_under_the_summary_replaced_by_other_texts_do_not_keep_it(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """Outputs under the summary replaced by other, shorter texts (a result corrected, a
+    sub-agent's own outputs under the same calls) are no cut: the summary, which says what the
+    old ones said, would contradict them. It was carried to such a history."""
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    client = sdk(proxy.base_url)
+    msgs = history(18)
+    headers = {"X-Session-Id": "corrected"}
+    sim.sim.enqueue([parse_script("TASK: handle CRLF. DONE: cases 0-13 pass. LEFT: 14-17.")])
+    client.chat.completions.create(model=MODEL, messages=msgs, extra_headers=headers)
+    assert sim.sim.requests[-1].body["messages"][1]["content"].startswith(SUMMARY_MARKER)
+    other = [
+        {**m, "content": f"FAILED: exit 1 ({i})"} if m.get("role") == "tool" else m
+        for i, m in enumerate(msgs)
+    ]
+    other += [{"role": "assistant", "content": "Failing."}, {"role": "user", "content": "Fix."}]
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=other, extra_headers=headers
+    )
+    assert "x-cachegate-compacted" not in raw.headers  # (under the trigger now: sent as it is)
+    assert sim.sim.requests[-1].body["messages"] == other

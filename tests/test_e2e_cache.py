@@ -3025,18 +3025,23 @@ def _asked(client: Any, messages: list[dict[str, Any]], tools: Any) -> tuple[Any
     return message, answer.usage.model_dump()
 
 
-@pytest.mark.parametrize("after", ["gone", "shortened"])
+@pytest.mark.parametrize("after", ["gone", "swapped", "shortened"])
 def test_tools_no_longer_sent_are_not_charged_as_waste(
     sim: RunningSimulator, proxy_factory: Any, after: str
 ) -> None:
-    """An MCP server disconnected (its ten tools gone), or its tools' descriptions shortened,
-    between two turns: the provider cannot read what is no longer sent, but those schemas were
-    counted as held, and charged as waste (6,977 reported where 3,610 were lost)."""
+    """An MCP server disconnected (its ten tools gone), swapped for another of the same size,
+    or its tools' descriptions shortened, between two turns: the provider cannot read what is
+    no longer sent, but those schemas were counted as held, and charged as waste (6,977
+    reported where 3,610 were lost; a swap, netting to nothing, was charged whole)."""
     proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
     client = make_client(proxy.base_url, default_headers={"X-Session-Id": f"mcp-{after}"})
     core = [_mcp_tool(n, 40) for n in ("read_file", "write_file", "bash")]
     mcp = [_mcp_tool(f"mcp_gh_{i}", 120) for i in range(10)]
-    later = core if after == "gone" else core + [_mcp_tool(f"mcp_gh_{i}", 10) for i in range(10)]
+    later = {
+        "gone": core,
+        "swapped": core + [_mcp_tool(f"mcp_gl_{i}", 120) for i in range(10)],
+        "shortened": core + [_mcp_tool(f"mcp_gh_{i}", 10) for i in range(10)],
+    }[after]
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": "Read a.py:\n" + FILE_TEXT * 3},
@@ -3051,7 +3056,8 @@ def test_tools_no_longer_sent_are_not_charged_as_waste(
     # what the tools no longer sent weighed, by the provider's count
     probe = make_client(sim.api_base)
     whole = _asked(probe, messages, core + mcp)[1]["prompt_tokens"]
-    removed = whole - _asked(probe, messages, later)[1]["prompt_tokens"]
+    kept = core if after == "swapped" else later  # (of the old tools, what is still sent)
+    removed = whole - _asked(probe, messages, kept)[1]["prompt_tokens"]
     assert removed > 1000
     flush(proxy)
     (logged,) = [
