@@ -939,8 +939,11 @@ class AccountingObserver:
         if ex.route != "chat":
             if ex.body is not None and ex.session_id is not None and not _continues_stored(ex):
                 self._account_responses(ex)  # (a Responses API request of a session)
-            elif ex.usage is not None and ex.status < 400:  # a Responses API answer's
+                return
+            if ex.usage is not None and ex.status < 400:  # a Responses API answer's
                 self._price_answer(ex)
+            if ex.body is not None and ex.session_id is not None and ex.status < 400:
+                self._touch_stored(ex)
             return
         if ex.body is None or ex.session_id is None:
             return
@@ -1425,6 +1428,22 @@ class AccountingObserver:
         ex.cost = {"actual": actual, "uncached": uncached}
         if cost is not None:
             ex.cost.update(_tier_of(self._model_terms(ex.model, ex), ex))
+
+    def _touch_stored(self, ex: Exchange) -> None:
+        """A Responses API request that continues a stored response (``previous_response_id``,
+        ``conversation``), answered: no turn to compare, but the provider read its instructions
+        and tools, whose cache life starts again there. Counted from the full turn before it,
+        the idle time made the next full turn's rewrite (the time in its instructions) read as
+        ``ttl_expired`` where the provider had read the prefix 14 s before."""
+        if ex.path != "responses" or not isinstance(ex.body, dict):
+            return  # (a compaction, /v1/responses/compact: no turn of the conversation)
+        state = _state_of(ex, self.sessions)
+        held: CacheState | None = state.extra.get("cache") if state is not None else None
+        if state is None or held is None:  # (nothing to refresh: nothing read before)
+            return
+        view, offset = resview.chat_shaped(ex.body, state.extra.get("instructions_message"))
+        fp = prefix.fingerprint(view, None, system_first=True, system_block=offset)
+        state.extra["cache"] = cache.touch(held, fp, _forwarded_at(ex))
 
     def _account_responses(self, ex: Exchange) -> None:
         """A Responses API exchange of a session, accounted as a chat exchange is, on its

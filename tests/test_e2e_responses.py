@@ -1160,3 +1160,44 @@ def test_a_responses_agent_with_the_time_in_its_instructions_keeps_one_body_a_tu
     assert proxy.gateway.chat.spliced_parses == rounds - 2  # (as on the chat route)
     # its last body (and its first: a one-item history tells no conversation from another)
     assert proxy.gateway.chat.memos.bytes - before == sizes[0] + sizes[-1]
+
+
+def test_a_stored_response_turn_keeps_the_cache_alive_for_the_idle_time(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """A full turn, a ``previous_response_id`` turn 200 s later, a full turn 200 s after that
+    with the time in its instructions changed (a 300 s cache life): the provider had read the
+    prefix at the stored turn, but the idle time was counted from the full turn before it, and
+    the rewrite's miss was called ``ttl_expired``: the user told to keep the session warm where
+    the timestamp was to go."""
+    proxy = proxy_factory(
+        sim.api_base, {"models": {"gpt-5": {"cache_ttl_s": 300}}}, clock=lambda: sim.sim.now
+    )
+    client = sdk(proxy.base_url, default_headers={"x-session-id": "stored-warm"})
+    items: list[Any] = [{"role": "user", "content": "Plan the refactor. " * 200}]
+    first = client.responses.create(
+        model="gpt-5", instructions=LONG_INSTRUCTIONS + "\nCurrent time: 10:00", input=items
+    )
+    sim.sim.advance(200)
+    stored = client.responses.create(
+        model="gpt-5",
+        instructions=LONG_INSTRUCTIONS + "\nCurrent time: 10:00",
+        input="and then?",
+        previous_response_id=first.id,
+    )
+    sim.sim.advance(200)
+    items += [
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "and then?"},
+        {"role": "assistant", "content": stored.output_text},
+        {"role": "user", "content": "go on"},
+    ]
+    client.responses.create(
+        model="gpt-5", instructions=LONG_INSTRUCTIONS + "\nCurrent time: 10:07", input=items
+    )
+    proxy.settle()
+    last = events(proxy.log_dir, "stored-warm", "response")[-1]
+    assert last["cache"]["cause"] == "prefix_rewrite", last["cache"]
+    assert last["cache"]["location"] == "instructions"
+    expired = {"model": "gpt-5", "cause": "ttl_expired"}
+    assert proxy.metric("cachegate_cache_waste_tokens_total", expired) == 0
