@@ -145,10 +145,9 @@ def _at_lead(comp: compaction.Compaction, lead: int) -> compaction.Compaction:
 
 def _cut_output(new: Any, old: Any) -> bool:
     """``new`` is tool result ``old`` cut in place: the same call's, nothing else of it
-    changed, its text shorter and either a placeholder (short, saying so: opencode's ``[Old
-    tool result content cleared]``) or the old text's start (64 characters or more) with at
-    most a short note after it (``Compactor._pruned``). Another text, shorter or not (a
-    result corrected, a sub-agent's own), is no cut: the summary would contradict it."""
+    changed, its text shorter and a cut of the old one (``_cut_text``) (``Compactor._pruned``).
+    Another text, shorter or not (a result corrected, a sub-agent's own), is no cut: the
+    summary would contradict it."""
     if not (isinstance(new, dict) and isinstance(old, dict)):
         return False
     if new.get("role") != "tool" or old.get("role") != "tool":
@@ -157,21 +156,52 @@ def _cut_output(new: Any, old: Any) -> bool:
         k: v for k, v in old.items() if k != "content"
     }:
         return False
-    text, was = compaction.message_text(new), compaction.message_text(old)
+    return _cut_text(compaction.message_text(new), compaction.message_text(old))
+
+
+def _cut_text(text: str, was: str) -> bool:
+    """Whether ``text`` is ``was`` cut: a note in brackets in its place (opencode's ``[Old
+    tool result content cleared]``, in any language), or its start kept (64 characters or
+    more), perhaps its end too, with a mark of the cut between or after them: an ellipsis, or a
+    note in brackets at its end, on a line of its own or after an ellipsis (``… [output
+    truncated]``, ``[Tool result trimmed: kept first 1500 chars and last 1500 chars of N
+    chars.]``)."""
     if len(text) >= len(was):
         return False
-    if len(text) <= _CUT_NOTE_CHARS and _CUT_WORDS.search(text) is not None:
+    if _CUT_NOTE.fullmatch(text):
         return True
-    start = max(_CUT_KEPT_CHARS, len(text) - _CUT_NOTE_CHARS)  # (what the cut kept, at least)
-    return len(text) >= _CUT_KEPT_CHARS and was.startswith(text[:start])
+    note = _CUT_END.search(text)
+    body = text[: note.start()] if note else text
+    head = _common_run(body, was, from_end=False)
+    if head < _CUT_KEPT_CHARS:
+        return False
+    rest = body[head:].rstrip()  # (a note's own line break may be the kept end's last)
+    tail = _common_run(rest, was[head:].rstrip(), from_end=True)
+    between = rest[: len(rest) - tail]
+    return len(between) <= _CUT_NOTE_CHARS and (
+        note is not None or "..." in between or "\u2026" in between
+    )
 
 
-# What a placeholder in a cut tool output's place says (cleared, pruned, truncated, omitted,
-# elided, removed, trimmed, redacted, compacted, shortened, hidden), and how long it or a note
-# after a kept start may be; how much of the start a trimmed output keeps at least.
-_CUT_WORDS: Final = re.compile(
-    r"(?i)clear|prun|trunc|omit|elid|remov|trim|redact|compact|shorten|hidden"
-)
+def _common_run(a: str, b: str, *, from_end: bool) -> int:
+    """How many characters ``a`` and ``b`` share at their start (or their end)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # (halving: a few slice compares, each in C)
+        mid = (lo + hi + 1) // 2
+        same = a[len(a) - mid :] == b[len(b) - mid :] if from_end else a[:mid] == b[:mid]
+        if same:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+# A note in brackets that stands for a cut output (short, one line), and one at a text's end;
+# how much of the start a trimmed output keeps at least, and how long what marks the cut may be.
+_CUT_NOTE: Final = re.compile(r"\s*[\[(<][^\n]{1,200}[\])>]\s*")
+_CUT_END: Final = re.compile(
+    r"(?:\n\s*|\s(?:\.\.\.|\u2026)\s*)[\[(<][^\n\[\]()<>]{1,200}[\])>]\s*$"
+)  # (on a line of its own, or after an ellipsis: "(exit 1)" ending a result is none)
 _CUT_NOTE_CHARS: Final = 200
 _CUT_KEPT_CHARS: Final = 64
 

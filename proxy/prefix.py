@@ -1097,31 +1097,44 @@ def _retimed(old: Any, new: Any) -> bool:
 
 
 def dropped_tools(old: Any, new: Any) -> list[tuple[Any, float]]:
-    """What of the tools ``old`` that ``new`` no longer sends, as ``(tool, share)``: a tool of
-    a name ``new`` has not whole (an MCP server's tools gone, or swapped for another's), one
-    ``new`` changed for the share of it that changed (its start and end kept, as an edited
-    message's: a shortened description). A list's tools by their name (a function's, or a
-    Responses API tool's own); anything else, or tools without names, by equality."""
+    """What of the tools ``old`` that ``new`` no longer sends, as ``(tool, share)``: each tool
+    of a list for the share of it that ``new`` changed, its start and end kept as an edited
+    message's (a shortened description), compared with ``new``'s tool of its name, else (a tool
+    renamed, an MCP server's tools swapped for another's) with ``new``'s tool in its place if
+    that one's name is none of ``old``'s (a renamed tool keeps all but its name; another's
+    tools keep next to nothing), else gone whole. Tools without names (a Responses API hosted
+    tool), and anything but a list, by equality."""
     if old == new or not old:
         return []
     if not isinstance(old, list):
         return [(old, 1.0)]
-    by_name: dict[Any, Any] = {}
-    others: list[Any] = []
-    for tool in new if isinstance(new, list) else ():
-        name = _tool_name(tool)
-        if name is None:
-            others.append(tool)
-        else:
-            by_name.setdefault(name, tool)
+    fresh = new if isinstance(new, list) else []
+    old_names = [_tool_name(tool) for tool in old]
+    counts: dict[Any, int] = {}
+    for name in old_names:
+        counts[name] = counts.get(name, 0) + 1
+    by_name: dict[Any, list[Any]] = {}  # name -> new's tools of it, in order
+    for tool in fresh:
+        by_name.setdefault(_tool_name(tool), []).append(tool)
+    seen: dict[Any, int] = {}
     gone: list[tuple[Any, float]] = []
-    for tool in old:
-        name = _tool_name(tool)
-        other = by_name.get(name) if name is not None else None
-        if other is None:
-            if name is not None or tool not in others:
+    for position, (tool, name) in enumerate(zip(old, old_names, strict=True)):
+        nth = seen[name] = seen.get(name, -1) + 1
+        if name is None:
+            if tool not in fresh:
                 gone.append((tool, 1.0))
-        elif other != tool:
+            continue
+        same = by_name.get(name, [])
+        if tool in same:  # (sent as it was: a name given twice, reordered, too)
+            continue
+        if nth < len(same):  # (its name's nth: a name given twice, each in its turn)
+            other: Any = same[nth]
+        elif position < len(fresh) and _tool_name(fresh[position]) not in counts:
+            other = fresh[position]  # (renamed, or another tool in its place)
+        else:
+            gone.append((tool, 1.0))
+            continue
+        if other != tool:
             share = 1.0 - _kept_share(tool, other)
             if share > 0:
                 gone.append((tool, share))

@@ -3811,3 +3811,37 @@ def test_tool_outputs_under_the_summary_replaced_by_other_texts_do_not_keep_it(
     )
     assert "x-cachegate-compacted" not in raw.headers  # (under the trigger now: sent as it is)
     assert sim.sim.requests[-1].body["messages"] == other
+
+
+_OLD_OUTPUT = "".join(f"line {i}: some output text of the tool\n" for i in range(150))
+
+
+@pytest.mark.parametrize(
+    ("text", "cut"),
+    [
+        ("[Old tool result content cleared]", True),  # opencode's
+        ("[Inhalt alter Tool-Ergebnisse gelöscht]", True),  # (in any language)
+        (_OLD_OUTPUT[:100] + "\n... [output truncated]", True),
+        (  # OpenClaw's soft trim: the start and the end kept, a note after them
+            _OLD_OUTPUT[:1500]
+            + "\n...\n"
+            + _OLD_OUTPUT[-1500:]
+            + "\n\n[Tool result trimmed: kept first 1500 chars and last 1500 chars of 5940 chars.]",
+            True,
+        ),
+        (_OLD_OUTPUT[:300] + "\n...\n" + _OLD_OUTPUT[-300:], True),
+        ("FAILED: 3 files removed (3)", False),  # (a word of a placeholder's in a result)
+        ("1 failed: tests/test_compactor.py::case3", False),
+        ("No hidden files found.", False),
+        (_OLD_OUTPUT[:70] + " -- rerun: FAILED case3 (exit 1)", False),  # (its start, then another)
+        (_OLD_OUTPUT + "more", False),  # (longer: no cut)
+    ],
+)
+def test_a_cut_tool_output_is_told_from_another_text(text: str, cut: bool) -> None:
+    """The outputs a compaction is carried over (``_pruned``): a placeholder in brackets, or
+    the old text's start (and end) kept with a mark of the cut; a result that merely holds a
+    word placeholders use (removed, compactor, hidden), or keeps the old start and goes on
+    otherwise, is another text, which the summary would contradict."""
+    from proxy.compactor import _cut_text
+
+    assert _cut_text(text, _OLD_OUTPUT) is cut

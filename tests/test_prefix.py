@@ -1330,3 +1330,28 @@ def test_a_message_inserted_before_a_recurring_one_is_found_in_linear_time() -> 
     Counted.copied = 0
     _carried_later(Counted(stuck), Counted(later), 1)
     assert Counted.copied < 50 * len(stuck)
+
+
+def _function_tool(name: str, description: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "description": description}}
+
+
+def test_dropped_tools_take_each_tool_by_its_name_or_its_place() -> None:
+    """Tools that are no longer sent, for the share of each that changed: one renamed keeps
+    all but its name (an MCP server's tools renamed with it were counted as gone whole, the
+    waste of the history after them hidden); one of a name given twice, reordered or kept
+    beside another added, is held; hosted tools without names by equality."""
+    from proxy.prefix import dropped_tools
+
+    a, b = _function_tool("a", "x" * 300), _function_tool("b", "y" * 300)
+    a2 = _function_tool("a", "z" * 300)
+    assert dropped_tools([a, a2, b], [a2, a, b]) == []
+    assert dropped_tools([a, a2, b], [a, a2, b, _function_tool("c", "w")]) == []
+    renamed = dropped_tools([a, b], [_function_tool("mcp__server__a2", "x" * 300), b])
+    assert len(renamed) == 1 and renamed[0][1] < 0.05  # (its name alone changed)
+    swapped = dropped_tools([a, b], [_function_tool("c", "w" * 300), b])
+    assert len(swapped) == 1 and swapped[0][1] > 0.8  # (its description, all but the keys)
+    assert dropped_tools([a, b], [b]) == [(a, 1.0)]
+    hosted = {"type": "web_search"}
+    assert dropped_tools([hosted, a], [a]) == [(hosted, 1.0)]
+    assert dropped_tools([hosted, a], [a, hosted]) == []
