@@ -1443,7 +1443,36 @@ class AccountingObserver:
             return
         view, offset = resview.chat_shaped(ex.body, state.extra.get("instructions_message"))
         fp = prefix.fingerprint(view, None, system_first=True, system_block=offset)
-        state.extra["cache"] = cache.touch(held, fp, _forwarded_at(ex))
+        at = _forwarded_at(ex)
+        held = cache.touch(held, fp, at)
+        # The full turn it goes on from, where it sends the same parameters and tools and the
+        # same instructions but for the time in them (a client that puts the time in every
+        # request): the provider read that turn's instructions up to the time, and its tools,
+        # which the next full turn reads too (counted from the full turn, its rewrite of the
+        # time read as an expiry)
+        base = next(  # (the latest full turn of these parameters and tools)
+            (
+                b
+                for b in state.extra.get("baselines") or ()
+                if b.fp.params_digest == fp.params_digest and b.fp.tools_digest == fp.tools_digest
+            ),
+            None,
+        )
+        if (
+            base is not None
+            and offset
+            and base.fp.system_block
+            and base.fp.system_digest != fp.system_digest
+            and isinstance(base.body, dict)
+            and prefix.volatile_kind(
+                compaction.message_text(base.body["messages"][0]),
+                compaction.message_text(view["messages"][0]),
+            )
+            is not None
+        ):
+            old = base.fp
+            held = cache.touch(held, dataclasses.replace(old, digests=old.digests[:3]), at)
+        state.extra["cache"] = held
 
     def _account_responses(self, ex: Exchange) -> None:
         """A Responses API exchange of a session, accounted as a chat exchange is, on its
