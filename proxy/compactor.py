@@ -160,27 +160,39 @@ def _cut_output(new: Any, old: Any) -> bool:
 
 
 def _cut_text(text: str, was: str) -> bool:
-    """Whether ``text`` is ``was`` cut: a note in brackets in its place (opencode's ``[Old
-    tool result content cleared]``, in any language), or its start kept (64 characters or
-    more), perhaps its end too, with a mark of the cut between or after them: an ellipsis, or a
-    note in brackets at its end, on a line of its own or after an ellipsis (``… [output
-    truncated]``, ``[Tool result trimmed: kept first 1500 chars and last 1500 chars of N
-    chars.]``)."""
+    """Whether ``text`` is ``was`` cut: a note in brackets that says so in its place
+    (opencode's ``[Old tool result content cleared]``), or its start kept (64 characters or
+    more), perhaps its end too, with nothing but the mark of the cut between or after them: an
+    ellipsis, a note in brackets that says so, or both (``… [output truncated]``, OpenClaw's
+    ``[Tool result trimmed: kept first 1500 chars and last 1500 chars of N chars.]``). A
+    result in brackets that says no cut (``[1, 2, 3]``, ``(no output)``), or one that keeps the
+    old start and goes on otherwise (``Compiling 3 files...``), is another text."""
     if len(text) >= len(was):
         return False
-    if _CUT_NOTE.fullmatch(text):
+    if _cut_mark(text) and _CUT_NOTE.fullmatch(text.strip()):
         return True
-    note = _CUT_END.search(text)
-    body = text[: note.start()] if note else text
+    body = text.rstrip()
+    last = body[body.rfind("\n") + 1 :]  # (a note on a line of its own at the end)
+    note = len(last) <= _CUT_NOTE_CHARS and _cut_mark(last) and _CUT_NOTE.fullmatch(last.strip())
+    if note:
+        body = body[: len(body) - len(last)]
     head = _common_run(body, was, from_end=False)
     if head < _CUT_KEPT_CHARS:
         return False
-    rest = body[head:].rstrip()  # (a note's own line break may be the kept end's last)
+    rest = body[head:].rstrip()
     tail = _common_run(rest, was[head:].rstrip(), from_end=True)
-    between = rest[: len(rest) - tail]
-    return len(between) <= _CUT_NOTE_CHARS and (
-        note is not None or "..." in between or "\u2026" in between
+    mark = rest[: len(rest) - tail]
+    if len(mark) > _CUT_NOTE_CHARS or not (note or _cut_mark(mark)):
+        return False
+    return all(  # (nothing between the kept start and end but the mark: no new text)
+        not piece or _CUT_ELLIPSIS.fullmatch(piece) or _CUT_NOTE.fullmatch(piece)
+        for piece in (p.strip() for p in mark.splitlines())
     )
+
+
+def _cut_mark(text: str) -> bool:
+    """Whether ``text`` says a cut: an ellipsis, or a word of a note's (cleared, truncated …)."""
+    return "..." in text or "\u2026" in text or _CUT_WORDS.search(text) is not None
 
 
 def _common_run(a: str, b: str, *, from_end: bool) -> int:
@@ -196,12 +208,15 @@ def _common_run(a: str, b: str, *, from_end: bool) -> int:
     return lo
 
 
-# A note in brackets that stands for a cut output (short, one line), and one at a text's end;
-# how much of the start a trimmed output keeps at least, and how long what marks the cut may be.
-_CUT_NOTE: Final = re.compile(r"\s*[\[(<][^\n]{1,200}[\])>]\s*")
-_CUT_END: Final = re.compile(
-    r"(?:\n\s*|\s(?:\.\.\.|\u2026)\s*)[\[(<][^\n\[\]()<>]{1,200}[\])>]\s*$"
-)  # (on a line of its own, or after an ellipsis: "(exit 1)" ending a result is none)
+# A note in brackets (one line, short); an ellipsis alone, or one before or after a note; the
+# words a note says a cut with; how much of the start a trimmed output keeps at least, and how
+# long the mark of the cut may be.
+_CUT_NOTE: Final = re.compile(r"(?:\.\.\.|\u2026)?\s*[\[(<][^\n]{1,200}[\])>]\s*(?:\.\.\.|\u2026)?")
+_CUT_ELLIPSIS: Final = re.compile(r"(?:\.\.\.|\u2026)+")
+_CUT_WORDS: Final = re.compile(
+    r"(?i)clear|prun|trunc|omit|omission|elid|remov|trim|redact|compact|shorten|hidden|drop|"
+    r"cut|skip|more lines|chars|characters|bytes|lines"
+)
 _CUT_NOTE_CHARS: Final = 200
 _CUT_KEPT_CHARS: Final = 64
 

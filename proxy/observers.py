@@ -1445,16 +1445,16 @@ class AccountingObserver:
         fp = prefix.fingerprint(view, None, system_first=True, system_block=offset)
         at = _forwarded_at(ex)
         held = cache.touch(held, fp, at)
-        # The full turn it goes on from, where it sends the same parameters and tools and the
-        # same instructions but for the time in them (a client that puts the time in every
-        # request): the provider read that turn's instructions up to the time, and its tools,
-        # which the next full turn reads too (counted from the full turn, its rewrite of the
-        # time read as an expiry)
-        base = next(  # (the latest full turn of these parameters and tools)
+        # The full turn it goes on from, where it sends the same parameters and the same
+        # instructions but for the time in them (a client that puts the time in every request):
+        # the provider read that turn's instructions up to the time (and its tools, where the
+        # same), which the next full turn reads too (counted from the full turn, its rewrite of
+        # the time read as an expiry)
+        base = next(  # (the latest full turn of these parameters)
             (
                 b
                 for b in state.extra.get("baselines") or ()
-                if b.fp.params_digest == fp.params_digest and b.fp.tools_digest == fp.tools_digest
+                if b.fp.params_digest == fp.params_digest
             ),
             None,
         )
@@ -1470,8 +1470,10 @@ class AccountingObserver:
             )
             is not None
         ):
+            # (its instructions, read before the tools; its tools too where the same)
             old = base.fp
-            held = cache.touch(held, dataclasses.replace(old, digests=old.digests[:3]), at)
+            read = 3 if old.tools_digest == fp.tools_digest else 2
+            held = cache.touch(held, dataclasses.replace(old, digests=old.digests[:read]), at)
         state.extra["cache"] = held
 
     def _account_responses(self, ex: Exchange) -> None:

@@ -1100,9 +1100,9 @@ def dropped_tools(old: Any, new: Any) -> list[tuple[Any, float]]:
     """What of the tools ``old`` that ``new`` no longer sends, as ``(tool, share)``: each tool
     of a list for the share of it that ``new`` changed, its start and end kept as an edited
     message's (a shortened description), compared with ``new``'s tool of its name, else (a tool
-    renamed, an MCP server's tools swapped for another's) with ``new``'s tool in its place if
-    that one's name is none of ``old``'s (a renamed tool keeps all but its name; another's
-    tools keep next to nothing), else gone whole. Tools without names (a Responses API hosted
+    renamed, an MCP server's tools swapped for another's) with the one of ``new``'s tools of
+    names none of ``old``'s had that keeps the most of it, wherever it is (a renamed tool keeps
+    all but its name; another's tools keep next to nothing), else gone whole. Tools without names (a Responses API hosted
     tool), and anything but a list, by equality."""
     if old == new or not old:
         return []
@@ -1116,9 +1116,13 @@ def dropped_tools(old: Any, new: Any) -> list[tuple[Any, float]]:
     by_name: dict[Any, list[Any]] = {}  # name -> new's tools of it, in order
     for tool in fresh:
         by_name.setdefault(_tool_name(tool), []).append(tool)
+    # new's tools of names none of old's had: those a renamed tool may be (compared with each,
+    # only where a tool's name is gone: a few tools, and only when the tools changed)
+    unnamed = [t for t in fresh if _tool_name(t) is not None and _tool_name(t) not in counts]
+    taken: list[Any] = []
     seen: dict[Any, int] = {}
     gone: list[tuple[Any, float]] = []
-    for position, (tool, name) in enumerate(zip(old, old_names, strict=True)):
+    for tool, name in zip(old, old_names, strict=True):
         nth = seen[name] = seen.get(name, -1) + 1
         if name is None:
             if tool not in fresh:
@@ -1129,11 +1133,16 @@ def dropped_tools(old: Any, new: Any) -> list[tuple[Any, float]]:
             continue
         if nth < len(same):  # (its name's nth: a name given twice, each in its turn)
             other: Any = same[nth]
-        elif position < len(fresh) and _tool_name(fresh[position]) not in counts:
-            other = fresh[position]  # (renamed, or another tool in its place)
-        else:
-            gone.append((tool, 1.0))
-            continue
+        else:  # (renamed, perhaps moved too: the new tool of a new name that keeps most of it)
+            other = max(
+                (t for t in unnamed if t not in taken),
+                key=lambda t: _kept_share(tool, t),
+                default=None,
+            )
+            if other is None:
+                gone.append((tool, 1.0))
+                continue
+            taken.append(other)
         if other != tool:
             share = 1.0 - _kept_share(tool, other)
             if share > 0:

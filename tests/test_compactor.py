@@ -3820,7 +3820,6 @@ _OLD_OUTPUT = "".join(f"line {i}: some output text of the tool\n" for i in range
     ("text", "cut"),
     [
         ("[Old tool result content cleared]", True),  # opencode's
-        ("[Inhalt alter Tool-Ergebnisse gelöscht]", True),  # (in any language)
         (_OLD_OUTPUT[:100] + "\n... [output truncated]", True),
         (  # OpenClaw's soft trim: the start and the end kept, a note after them
             _OLD_OUTPUT[:1500]
@@ -3830,6 +3829,14 @@ _OLD_OUTPUT = "".join(f"line {i}: some output text of the tool\n" for i in range
             True,
         ),
         (_OLD_OUTPUT[:300] + "\n...\n" + _OLD_OUTPUT[-300:], True),
+        (_OLD_OUTPUT[:1000] + "\n[4000 chars truncated]\n" + _OLD_OUTPUT[-1000:], True),
+        (_OLD_OUTPUT[:500] + "\n[... omitted 80 of 150 lines ...]\n" + _OLD_OUTPUT[-500:], True),
+        (_OLD_OUTPUT[:300] + "\n... (120 more lines)", True),
+        ("[1, 2, 3]", False),  # (a result in brackets that says no cut)
+        ("(no output)", False),
+        ("<none>", False),
+        (_OLD_OUTPUT[:100] + "Compiling 3 files...\nBuild finished in 2.1s.\n", False),
+        (_OLD_OUTPUT[:100] + "OK: 100 tests passed\n\n[Process exited with code 0]", False),
         ("FAILED: 3 files removed (3)", False),  # (a word of a placeholder's in a result)
         ("1 failed: tests/test_compactor.py::case3", False),
         ("No hidden files found.", False),
@@ -3838,10 +3845,11 @@ _OLD_OUTPUT = "".join(f"line {i}: some output text of the tool\n" for i in range
     ],
 )
 def test_a_cut_tool_output_is_told_from_another_text(text: str, cut: bool) -> None:
-    """The outputs a compaction is carried over (``_pruned``): a placeholder in brackets, or
-    the old text's start (and end) kept with a mark of the cut; a result that merely holds a
-    word placeholders use (removed, compactor, hidden), or keeps the old start and goes on
-    otherwise, is another text, which the summary would contradict."""
+    """The outputs a compaction is carried over (``_pruned``): a note in brackets that says a
+    cut, or the old text's start (and end) kept with nothing but the mark of the cut; a result
+    in brackets (a JSON list, ``(no output)``), one that merely holds a word placeholders use
+    (removed, compactor, hidden), or one that keeps the old start and goes on otherwise, is
+    another text, which the summary would contradict."""
     from proxy.compactor import _cut_text
 
     assert _cut_text(text, _OLD_OUTPUT) is cut

@@ -1162,23 +1162,30 @@ def test_a_responses_agent_with_the_time_in_its_instructions_keeps_one_body_a_tu
     assert proxy.gateway.chat.memos.bytes - before == sizes[0] + sizes[-1]
 
 
-@pytest.mark.parametrize("stored_time", ["10:00", "10:03"])
+@pytest.mark.parametrize(
+    ("stored_time", "tools"), [("10:00", False), ("10:03", False), ("10:03", True)]
+)
 def test_a_stored_response_turn_keeps_the_cache_alive_for_the_idle_time(
-    sim: RunningSimulator, proxy_factory: Any, sdk: Any, stored_time: str
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any, stored_time: str, tools: bool
 ) -> None:
     """A full turn, a ``previous_response_id`` turn 200 s later, a full turn 200 s after that
     with the time in its instructions changed (a 300 s cache life): the provider had read the
     prefix at the stored turn, but the idle time was counted from the full turn before it, and
     the rewrite's miss was called ``ttl_expired``: the user told to keep the session warm where
     the timestamp was to go. So too where the stored turn's instructions carry their own time
-    (a client that puts it in every request): the provider read the instructions up to it."""
+    (a client that puts it in every request): the provider read the instructions up to it;
+    and where it sends no tools where the full turns send some (the instructions come first)."""
     proxy = proxy_factory(
         sim.api_base, {"models": {"gpt-5": {"cache_ttl_s": 300}}}, clock=lambda: sim.sim.now
     )
     client = sdk(proxy.base_url, default_headers={"x-session-id": "stored-warm"})
     items: list[Any] = [{"role": "user", "content": "Plan the refactor. " * 200}]
+    full: dict[str, Any] = {"tools": TOOLS} if tools else {}
     first = client.responses.create(
-        model="gpt-5", instructions=LONG_INSTRUCTIONS + "\nCurrent time: 10:00", input=items
+        model="gpt-5",
+        instructions=LONG_INSTRUCTIONS + "\nCurrent time: 10:00",
+        input=items,
+        **full,
     )
     sim.sim.advance(200)
     stored = client.responses.create(
@@ -1195,7 +1202,10 @@ def test_a_stored_response_turn_keeps_the_cache_alive_for_the_idle_time(
         {"role": "user", "content": "go on"},
     ]
     client.responses.create(
-        model="gpt-5", instructions=LONG_INSTRUCTIONS + "\nCurrent time: 10:07", input=items
+        model="gpt-5",
+        instructions=LONG_INSTRUCTIONS + "\nCurrent time: 10:07",
+        input=items,
+        **full,
     )
     proxy.settle()
     last = events(proxy.log_dir, "stored-warm", "response")[-1]

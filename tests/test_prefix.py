@@ -1349,6 +1349,8 @@ def test_dropped_tools_take_each_tool_by_its_name_or_its_place() -> None:
     assert dropped_tools([a, a2, b], [a, a2, b, _function_tool("c", "w")]) == []
     renamed = dropped_tools([a, b], [_function_tool("mcp__server__a2", "x" * 300), b])
     assert len(renamed) == 1 and renamed[0][1] < 0.05  # (its name alone changed)
+    moved = [b, _function_tool("mcp__fs__a", "x" * 300)]  # (renamed, and sorted by name)
+    assert [share < 0.05 for _, share in dropped_tools([a, b], moved)] in ([], [True])
     swapped = dropped_tools([a, b], [_function_tool("c", "w" * 300), b])
     assert len(swapped) == 1 and swapped[0][1] > 0.8  # (its description, all but the keys)
     assert dropped_tools([a, b], [b]) == [(a, 1.0)]
