@@ -214,8 +214,8 @@ def _common_run(a: str, b: str, *, from_end: bool) -> int:
 _CUT_NOTE: Final = re.compile(r"(?:\.\.\.|\u2026)?\s*[\[(<][^\n]{1,200}[\])>]\s*(?:\.\.\.|\u2026)?")
 _CUT_ELLIPSIS: Final = re.compile(r"(?:\.\.\.|\u2026)+")
 _CUT_WORDS: Final = re.compile(
-    r"(?i)clear|prun|trunc|omit|omission|elid|remov|trim|redact|compact|shorten|hidden|drop|"
-    r"cut|skip|more lines|chars|characters|bytes|lines"
+    r"(?i)clear|prun|trunc|omit|omission|elid|remov|trim|redact|compact|shorten|hidden|\bdrop|"
+    r"\bcut\b|\bskip|more lines|\bchars\b|\bcharacters\b|\bbytes\b|\blines\b"
 )
 _CUT_NOTE_CHARS: Final = 200
 _CUT_KEPT_CHARS: Final = 64

@@ -3833,6 +3833,7 @@ _OLD_OUTPUT = "".join(f"line {i}: some output text of the tool\n" for i in range
         (_OLD_OUTPUT[:500] + "\n[... omitted 80 of 150 lines ...]\n" + _OLD_OUTPUT[-500:], True),
         (_OLD_OUTPUT[:300] + "\n... (120 more lines)", True),
         ("[1, 2, 3]", False),  # (a result in brackets that says no cut)
+        ("[executed successfully]", False),
         ("(no output)", False),
         ("<none>", False),
         (_OLD_OUTPUT[:100] + "Compiling 3 files...\nBuild finished in 2.1s.\n", False),
