@@ -38,7 +38,7 @@ from proxy.chat import (
     retry_count,
 )
 from proxy.compactor import Compactor
-from proxy.config import TRUE_WORDS, Settings
+from proxy.config import Settings, strict_pairing
 from proxy.errors import (
     CLIENT_CLOSED,
     ProxyError,
@@ -335,10 +335,7 @@ class Gateway:
     def _chat_pairing_on(self, scope: Scope) -> bool:
         """Whether a chat request's answers say ``X-Cachegate-Repairs`` (``ChatHandler``'s
         rule: the repair or strict mode on, by the settings or the request's header)."""
-        pairing = self.settings.pairing
-        if pairing.repair or pairing.strict:
-            return True
-        return header_map(scope).get("x-cachegate-strict", "").strip().lower() in TRUE_WORDS
+        return self.settings.pairing.repair or strict_pairing(self.settings, header_map(scope))
 
     def count_refusal(self, scope: MutableMapping[str, Any], route: str, err: ProxyError) -> None:
         """Tell the observers of an answer cachegate gives itself before any route's work (the
@@ -402,10 +399,7 @@ class Gateway:
             retry = headers.get("x-stainless-retry-count")  # (the SDK's retry, as on chat)
             if retry is not None:
                 ex.client_retry = retry_count(retry)
-            strict = (
-                self.settings.pairing.strict
-                or headers.get("x-cachegate-strict", "").strip().lower() in TRUE_WORDS
-            )
+            strict = strict_pairing(self.settings, headers)
             reads = strict or self.settings.pairing.repair
         if not reads:  # (a body read is refused there: in the log of a session it names)
             try:

@@ -24,7 +24,7 @@ import orjson
 
 from proxy import bodymemo, cache, compaction, pairing, prefix
 from proxy.compactor import Compactor
-from proxy.config import TRUE_WORDS, Settings, sends_usage_unasked
+from proxy.config import Settings, sends_usage_unasked, strict_pairing
 from proxy.errors import CLIENT_CLOSED, ProxyError, bad_request, shutting_down
 from proxy.observers import exchange_keys
 from proxy.pipeline import Exchange, Observer, Transform, notify, notify_each, refusal_text
@@ -756,13 +756,7 @@ class ChatPipeline:
     def _pairing_on(self, ex: Exchange, headers: Mapping[str, str]) -> bool:
         """Whether the repair or strict mode is on for a request (its X-Cachegate-Repairs is
         sent: 0 on a refusal; none with both off, where nothing was checked)."""
-        pairing = self.settings.pairing
-        return (
-            pairing.repair
-            or pairing.strict
-            or ex.strict
-            or headers.get("x-cachegate-strict", "").strip().lower() in TRUE_WORDS
-        )
+        return self.settings.pairing.repair or ex.strict or strict_pairing(self.settings, headers)
 
     def _refusal_headers(
         self,
@@ -957,10 +951,7 @@ class ChatPipeline:
                 self.remember_body(memo_key, raw, body, parsed, now, state)
             ex.session_id, ex.session = state.id, state
             ex.exchange_id = state.next_exchange()
-            ex.strict = (
-                self.settings.pairing.strict
-                or headers.get("x-cachegate-strict", "").strip().lower() in TRUE_WORDS
-            )
+            ex.strict = strict_pairing(self.settings, headers)
             ex.upstream_headers = upstream_request_headers(request_headers(scope), self.api_key())
             if coding is not None:  # forwarded as read: decoded
                 ex.upstream_headers = [

@@ -417,6 +417,15 @@ TRUE_WORDS: frozenset[str] = frozenset({"1", "true", "yes", "on"})
 FALSE_WORDS: frozenset[str] = frozenset({"0", "false", "no", "off"})
 
 
+def strict_pairing(settings: Settings, headers: Mapping[str, str]) -> bool:
+    """Whether a request's tool pairing is judged in strict mode: ``pairing.strict``, or its
+    ``X-Cachegate-Strict`` header says a true word."""
+    return (
+        settings.pairing.strict
+        or headers.get("x-cachegate-strict", "").strip().lower() in TRUE_WORDS
+    )
+
+
 def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
     """``value`` as the type ``tp``; ``text``: it came as text (an environment variable, a flag),
     so words and digits are read (a file's value must have its type: ``port = "8787"`` is

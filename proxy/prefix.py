@@ -1102,23 +1102,21 @@ def dropped_tools(old: Any, new: Any) -> list[tuple[Any, float]]:
     message's (a shortened description), compared with ``new``'s tool of its name, else (a tool
     renamed, an MCP server's tools swapped for another's) with the one of ``new``'s tools of
     names none of ``old``'s had that keeps the most of it, wherever it is (a renamed tool keeps
-    all but its name; another's tools keep next to nothing), else gone whole. Tools without names (a Responses API hosted
-    tool), and anything but a list, by equality."""
+    all but its name; another's tools keep next to nothing), else gone whole. Tools without
+    names (a Responses API hosted tool), and anything but a list, by equality."""
     if old == new or not old:
         return []
     if not isinstance(old, list):
         return [(old, 1.0)]
     fresh = new if isinstance(new, list) else []
     old_names = [_tool_name(tool) for tool in old]
-    counts: dict[Any, int] = {}
-    for name in old_names:
-        counts[name] = counts.get(name, 0) + 1
+    named = set(old_names)
     by_name: dict[Any, list[Any]] = {}  # name -> new's tools of it, in order
     for tool in fresh:
         by_name.setdefault(_tool_name(tool), []).append(tool)
     # new's tools of names none of old's had: those a renamed tool may be (compared with each,
     # only where a tool's name is gone: a few tools, and only when the tools changed)
-    unnamed = [t for t in fresh if _tool_name(t) is not None and _tool_name(t) not in counts]
+    unnamed = [t for t in fresh if _tool_name(t) is not None and _tool_name(t) not in named]
     taken: list[Any] = []
     seen: dict[Any, int] = {}
     gone: list[tuple[Any, float]] = []
