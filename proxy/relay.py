@@ -1097,7 +1097,7 @@ class Relay:
                 if kind == "timeout":  # (which limit, and the setting to raise)
                     raise upstream_timeout(self._timeout_detail(exc)) from exc
                 if kind == "invalid":
-                    raise upstream_invalid(str(exc)) from exc
+                    raise upstream_invalid(_plain_bytes(str(exc))) from exc
                 raise upstream_unreachable(str(exc) or type(exc).__name__) from exc
             except Exception as exc:  # a transport error its wrapper did not map (malformed answer)
                 own = _own_error(exc)
@@ -1525,6 +1525,15 @@ def _decoding(decoder: _Decoder, sink: Callable[[bytes], bool]) -> Callable[[byt
         return room
 
     return decoding
+
+
+_BYTEARRAY_REPR = re.compile(r"""bytearray\(b('[^'\\]*(?:\\.[^'\\]*)*'|"[^"\\]*(?:\\.[^"\\]*)*")\)""")
+
+
+def _plain_bytes(text: str) -> str:
+    """h11's error text with the bytes it quotes as a quoted string, not as Python's
+    ``bytearray(b'...')``, which a user reading the 502 has no reason to know."""
+    return _BYTEARRAY_REPR.sub(r"\1", text)
 
 
 def _sink(

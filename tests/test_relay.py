@@ -1652,6 +1652,7 @@ class RawUpstream:
     [
         b"HTTP/1.1 abc OK\r\ncontent-length: 2\r\n\r\n{}",
         b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nbad header line\r\n\r\n{}",
+        b"SSH-2.0-OpenSSH_9.6\r\nno http here\r\n\r\n",  # a port of another service
     ],
 )
 def test_a_malformed_upstream_answer_is_a_502(
@@ -1666,7 +1667,10 @@ def test_a_malformed_upstream_answer_is_a_502(
             r = httpx.post(proxy.base_url + path, json=CHAT)
             assert r.status_code == 502, (path, r.text)
             assert r.json()["error"]["code"] == "upstream_invalid_answer"
-            assert "could not be read as HTTP" in r.json()["error"]["message"]
+            message = r.json()["error"]["message"]
+            assert "could not be read as HTTP" in message
+            # the words a user reads, not Python's repr of h11's buffer (bytearray(b'SSH-2.0…'))
+            assert "bytearray" not in message and "b'" not in message, message
         assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 2
         assert proxy.metric("cachegate_upstream_errors_total", {"kind": "connect"}) == 0
     finally:
