@@ -43,6 +43,7 @@ SYNTHETIC_PREFIXES: tuple[str, ...] = (
 
 
 _MAX_MODELS = 256
+_OWN_REQUEST_HEADERS = frozenset({b"content-type", b"accept", b"idempotency-key"})
 _FLUSH_WAIT_S = 2.0  # the most a session's first long history waits for the log's queue
 MAX_COMPACTIONS = CONVERSATIONS_KEPT  # conversations of one session with a compaction each
 
@@ -1272,8 +1273,11 @@ class Compactor:
             )
 
         request = build(writer, overcount)
-        headers = [(k, v) for k, v in ex.upstream_headers if k != b"content-type"]
-        headers.append((b"content-type", b"application/json"))
+        # the client's headers (its key, organization, project), but not what it said of its
+        # own request: a body of another type, a stream accepted, its idempotency key (a gateway
+        # that honours one would answer the client's request with the summary, or refuse it)
+        headers = [(k, v) for k, v in ex.upstream_headers if k not in _OWN_REQUEST_HEADERS]
+        headers += ((b"content-type", b"application/json"), (b"accept", b"application/json"))
         stage = "connect"  # what a failure was, for cachegate_upstream_errors_total
         billed: Any = None  # the answer whose usage the provider bills
         started = time.perf_counter()

@@ -1527,7 +1527,9 @@ def _decoding(decoder: _Decoder, sink: Callable[[bytes], bool]) -> Callable[[byt
     return decoding
 
 
-_BYTEARRAY_REPR = re.compile(r"""bytearray\(b('[^'\\]*(?:\\.[^'\\]*)*'|"[^"\\]*(?:\\.[^"\\]*)*")\)""")
+_BYTEARRAY_REPR = re.compile(
+    r"""bytearray\(b('[^'\\]*(?:\\.[^'\\]*)*'|"[^"\\]*(?:\\.[^"\\]*)*")\)"""
+)
 
 
 def _plain_bytes(text: str) -> str:

@@ -670,6 +670,39 @@ def test_a_summarizer_error_that_names_the_key_is_said_without_it(
     assert not any(key[:n] in caplog.text for n in range(6, len(key) + 1))
 
 
+def test_the_summary_call_carries_the_client_s_key_but_not_its_idempotency_key(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """The summary call is a request of its own: it went with the client's Idempotency-Key (a
+    gateway that honours one would answer the client's request with the summary, or refuse it
+    as a key reused with another body) and its Accept of an event stream."""
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    sim.sim.enqueue([parse_script("TASK: summary.")])
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json={"model": MODEL, "messages": history(18)},
+        headers={
+            "Authorization": "Bearer sk-test-key-of-the-client-0123456789",
+            "OpenAI-Project": "proj_abc",
+            "Idempotency-Key": "stainless-python-retry-7f3c",
+            "Accept": "text/event-stream",
+            "X-Session-Id": "headers",
+        },
+    )
+    assert r.status_code == 200 and r.headers["x-cachegate-compacted"] == "1"
+    summary, forwarded = sim.sim.requests[-2], sim.sim.requests[-1]
+    assert summary.body["messages"][0]["content"] == SUMMARIZER_SYSTEM_PROMPT
+    said = {k.lower(): v for k, v in summary.headers.items()}
+    assert said["authorization"] == "Bearer sk-test-key-of-the-client-0123456789"
+    assert said["openai-project"] == "proj_abc"
+    assert "idempotency-key" not in said
+    assert said["accept"] == "application/json"
+    # the client's own request goes on with all it said
+    told = {k.lower(): v for k, v in forwarded.headers.items()}
+    assert told["idempotency-key"] == "stainless-python-retry-7f3c"
+    assert told["accept"] == "text/event-stream"
+
+
 def test_a_summarizer_answer_without_text_falls_back_and_says_so(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
