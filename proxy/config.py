@@ -225,6 +225,18 @@ _SNAPSHOT_OF: Final = re.compile(
 _WORDS: Final = re.compile(r"[^a-z]+")
 
 
+def priority_factor(name: str | None, entry: ModelSettings) -> float:
+    """What an answer at OpenAI's priority tier costs over ``entry``'s prices: its
+    ``priority_factor``, or where that is 0, the built-in ratio of the model ``name`` resolves to
+    among ``DEFAULT_MODELS`` (a table the user wrote, for ``gpt-4o`` or a snapshot of it, with
+    the example's ``priority_factor = 0``: its answers were priced at 2 where OpenAI bills 1.7),
+    else 0 (``cache.tier_factor``'s default)."""
+    if entry.priority_factor or not name:
+        return entry.priority_factor
+    builtin = configured_model(name, DEFAULT_MODELS)
+    return DEFAULT_MODELS[builtin].priority_factor if builtin is not None else 0.0
+
+
 def configured_model(name: str, configured: Iterable[str]) -> str | None:
     """The configured model entry a request's model ``name`` resolves to, or None ("*").
 

@@ -23,7 +23,7 @@ from typing import Any, Final, NamedTuple
 
 from proxy import __version__, cache, compaction, prefix, resview
 from proxy.cache import CacheState, ModelPricing
-from proxy.config import Settings, display_url
+from proxy.config import Settings, display_url, priority_factor
 from proxy.errors import CLIENT_CLOSED
 from proxy.eventlog import Delta, EventLogWriter, choose_delta
 from proxy.metrics import Metrics
@@ -908,6 +908,7 @@ class AccountingObserver:
             marked_only = cache.caching_provider(model_name or "", model.dialect) == "anthropic"
             floor = cache.cache_ttl_floor(model_name or "", ttl, model.dialect)
             openai = cache.provider_of(model_name or "") == "openai" or model.priority_factor > 0
+            factor = priority_factor(model_name, model)
             terms = _Terms(
                 name,
                 ttl,
@@ -915,7 +916,7 @@ class AccountingObserver:
                 marked_only,
                 model.cache_min_tokens,
                 floor,
-                model.priority_factor if openai else None,
+                factor if openai else None,
             )
             if model_name is None or len(model_name) <= _NAME_KEPT:  # (a longer one: each time)
                 self._terms[model_name] = terms

@@ -362,6 +362,21 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
         assert fields <= documented, f"[{section}] lacks {sorted(fields - documented)}"
 
 
+def test_the_example_config_prices_priority_answers_as_the_built_in_entries_do() -> None:
+    """The example sets ``priority_factor = 0`` ("built in"): every model keeps the ratio it has
+    without the file (gpt-4o's 1.7 became 2)."""
+    from proxy.config import ModelSettings, priority_factor
+
+    example = settings_from_mapping(tomllib.loads(EXAMPLE.read_text()))
+    for name in ("gpt-4o", "gpt-4o-2024-08-06", "gpt-4o-mini", "gpt-5", "o4-mini", "my-model"):
+        want = priority_factor(name, Settings().model(name)[1])
+        assert priority_factor(name, example.model(name)[1]) == want, name
+    assert priority_factor("gpt-4o", example.model("gpt-4o")[1]) == 1.7
+    assert priority_factor("gpt-4o-2024-08-06", ModelSettings()) == 1.7  # a table of one's own
+    assert priority_factor("house", ModelSettings(priority_factor=3)) == 3
+    assert priority_factor("house", ModelSettings()) == 0.0  # (cache.tier_factor's 2 then)
+
+
 @pytest.mark.parametrize(
     ("url", "shown"),
     [

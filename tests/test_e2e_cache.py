@@ -322,6 +322,36 @@ def test_an_answer_is_priced_at_the_processing_tier_it_was_billed_at(
     assert shown.json()["actual"] == pytest.approx(sum(line["cost"]["actual"] for line in lines))
 
 
+def test_a_table_that_sets_priority_factor_0_keeps_the_built_in_ratio(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """The example config's ``[models."gpt-4o"]`` says ``priority_factor = 0`` ("0: built in
+    (gpt-4o 1.7)"): a table written so, for gpt-4o or a snapshot of it, replaced the built-in
+    1.7 with 0, which priced every priority answer at 2 (18% over what OpenAI bills)."""
+    config = {
+        "models": {
+            "gpt-4o": {"priority_factor": 0},
+            "gpt-4o-2024-08-06": {"price_input": 2.5, "price_output": 10.0, "priority_factor": 0},
+        }
+    }
+    proxy = proxy_factory(sim.api_base, config)
+    client = sdk(proxy.base_url, default_headers={"X-Session-Id": "prio"})
+    for model in ("gpt-4o", "gpt-4o-2024-08-06"):
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": f"{model} at priority: say something"}],
+            service_tier="priority",
+        )
+    proxy.settle()
+    lines = events(proxy.log_dir, "prio", "response")
+    assert len(lines) == 2
+    for line in lines:
+        usage = line["usage"]
+        standard = (usage["prompt"] * 2.5 + usage["completion"] * 10.0) / 1e6
+        assert line["cost"]["tier"] == "priority"
+        assert line["cost"]["uncached"] == pytest.approx(standard * 1.7)
+
+
 def test_a_tier_another_provider_names_is_not_priced_as_openais(
     sim: RunningSimulator, proxy_factory: Any, sdk: Any
 ) -> None:
