@@ -68,7 +68,7 @@ def session_log_path(log_dir: str | os.PathLike[str], session_id: str) -> str:
     """The log file of ``session_id``; a bad id raises ``ValueError`` before any path is built."""
     if not valid_session_id(session_id):
         raise ValueError(
-            f"invalid session id {session_id!r}: expected 1-128 characters of A-Z a-z 0-9 . _ : -"
+            f"invalid session id {redact_text(session_id)!r}: expected 1-128 characters of A-Z a-z 0-9 . _ : -"
             " (and not '.' or '..')"
         )
     return os.path.join(os.fspath(log_dir), session_id + LOG_SUFFIX)

@@ -33,6 +33,7 @@ from proxy.eventlog import (
 )
 from proxy.listmemo import SummaryMemo, file_key
 from proxy.prefix import deep_dumps
+from proxy.redact import redact_text
 from proxy.resanswers import BACKGROUND_STATES
 from proxy.sessions import valid_session_id
 
@@ -469,7 +470,7 @@ def _load(
         log = read_events(path, drop=drop)
     except FileNotFoundError:
         raise FileNotFoundError(
-            f"no log for session {session_id!r} in {os.fspath(log_dir)!r}"
+            f"no log for session {redact_text(session_id)!r} in {os.fspath(log_dir)!r}"
         ) from None
     if not log.starts_as_log:  # (no session for ``list`` either: an empty file, another tool's)
         said = (

@@ -367,6 +367,13 @@ def test_unknown_and_invalid_session_ids_exit_1_with_a_message(logged: Logged, a
     assert hostile.code == 1
     assert hostile.out == ""
     assert "invalid session id" in hostile.err
+    # a key pasted where the id goes (the wrong column copied) is not printed back to a terminal
+    # a screen share or a CI log may show: cachegate's own messages carry no keys
+    key = "sk-proj-" + "Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4z"
+    for session in (key, key + "/../x"):
+        pasted = run_cli("sessions", action, session, "--log-dir", str(logged.log_dir))
+        assert pasted.code == 1 and pasted.out == ""
+        assert "session" in pasted.err and key[8:16] not in pasted.err, pasted.err
 
 
 @pytest.mark.parametrize("action", ["show", "cost", "replay"])
