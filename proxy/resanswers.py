@@ -12,6 +12,7 @@ keeps a long answer's text out of memory and the relay's per-event cost unchange
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
@@ -36,6 +37,13 @@ _BLANK_LINES: Final = (b"\n\n", b"\n\r", b"\r\r")
 _MATTERING_EVENTS: Final = frozenset(
     (b"response.completed", b"response.incomplete", b"response.failed", b"error")
 )
+# A stream's first event, which names the response: read until it has been (a stream the client
+# cuts has no last event, and a later request may continue it by ``previous_response_id``).
+_CREATED: Final = b"response.created"
+# Its id, where the event starts as OpenAI writes it (else the event is parsed whole)
+_CREATED_ID: Final = re.compile(
+    r'\{"type":"response\.created","sequence_number":\d+,"response":\{"id":"([^"\\]{1,256})"'
+)
 # An event kept while its end has not come: a terminal one holds the whole response (its
 # output's text included), so up to the size of a whole answer cachegate reads.
 MAX_PENDING_EVENT: Final = 32 * 1024 * 1024
@@ -47,16 +55,21 @@ def _blank_lines(data: bytes) -> tuple[bytes, ...]:
     return _BLANK_LINES if data.find(b"\r") >= 0 else _BLANK_LINES[:1]
 
 
-def _skippable(head: bytes) -> bool:
+def _skippable(head: bytes, created: bool = True) -> bool:
     """Whether an event starting with ``head`` (at its ``event:`` line) cannot matter: its
     line has ended, naming one of the Responses API's own events other than the last ones
     (``response.output_text.delta``, ``response.output_item.done`` …). A name of another
-    form (``message``, upper case) is kept: the SDKs read an event's type in its data."""
+    form (``message``, upper case) is kept: the SDKs read an event's type in its data.
+    ``created``: whether the response's id is known (else ``response.created`` matters)."""
     ends = [at for at in (head.find(b"\n"), head.find(b"\r")) if at >= 0]
     if not ends:
         return False  # (its name may not have come whole)
     name = head[6 : min(ends)].strip(b" \t")
-    return name.startswith(b"response.") and name not in _MATTERING_EVENTS
+    return (
+        name.startswith(b"response.")
+        and name not in _MATTERING_EVENTS
+        and (created or name != _CREATED)
+    )
 
 
 def _first_end(data: bytes) -> int:
@@ -176,6 +189,7 @@ class ResponsesRecorder:
 
     __slots__ = (
         "chunks",
+        "created",
         "error",
         "events",
         "inflate",
@@ -203,6 +217,7 @@ class ResponsesRecorder:
         self.events = 0  # terminal and error events read
         self.torn = False  # the last such event was cut by the stream's end (no blank line)
         self.oversize = False  # an event past ``MAX_PENDING_EVENT`` was let go unread
+        self.created: str | None = None  # the response's id, from the stream's first event
 
     def decode(self) -> None:
         """Read the whole events kept so far that may matter; keep an unfinished one."""
@@ -231,7 +246,9 @@ class ResponsesRecorder:
         cut = max(cut + 2 - shift, 0)
         whole = b"".join(self.pending) + data[:cut] if self.pending else data[:cut]
         self.pending, self.pending_size = [], 0
-        if any(marker in whole for marker in _MARKERS):
+        if any(marker in whole for marker in _MARKERS) or (
+            self.created is None and _CREATED in whole
+        ):
             self._read(whole, at_end=False)
         self._keep(data[cut:])
 
@@ -243,7 +260,7 @@ class ResponsesRecorder:
             head = data.lstrip(b"\r\n")
             if not head:
                 return
-            if head.startswith(b"event:") and _skippable(head):
+            if head.startswith(b"event:") and _skippable(head, self.created is not None):
                 self.skipping = True  # a delta, a part done: let go as it arrives
                 return
         self.pending.append(data)
@@ -267,6 +284,8 @@ class ResponsesRecorder:
             events += [(event, True) for event in decoder.flush()]
         for event, torn in events:
             text = event.data
+            if self.created is None and "response.created" in text:
+                self._created(text)
             if not any(marker in text for marker in _TEXT_MARKERS):
                 continue
             try:
@@ -287,6 +306,22 @@ class ResponsesRecorder:
             self.events += 1
             self.torn = torn
         return bool(events) and events[-1][1]
+
+    def _created(self, text: str) -> None:
+        """The response's id, from its ``response.created`` event."""
+        match = _CREATED_ID.match(text)
+        if match is not None:
+            self.created = match[1]
+            return
+        try:
+            payload = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            return
+        if isinstance(payload, dict) and payload.get("type") == "response.created":
+            response = payload.get("response")
+            ident = response.get("id") if isinstance(response, dict) else None
+            if isinstance(ident, str) and ident:
+                self.created = ident
 
     def ended(self) -> bool:
         """Whether the bytes so far end with a whole terminal event, after which the API sends
@@ -319,6 +354,8 @@ class ResponsesRecorder:
             result.done = False
         elif self.response is None and self.error is None and self.oversize:
             result.done = True  # (its last event was perhaps the one let go: no error said)
+        if result.id is None:  # (a stream cut before its last event: a client may continue it)
+            result.id = self.created
         result.text_dropped = self.oversize
         result.events = self.events
         return result

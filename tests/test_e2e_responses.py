@@ -16,7 +16,7 @@ import pytest
 from proxy.pairing import DEFAULT_INTERRUPTED_NOTE
 from proxy.report import replay_lines
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
-from tests.e2e_support import FILE_TEXT, PYTEST_OUTPUT, events, run_cli
+from tests.e2e_support import FILE_TEXT, PYTEST_OUTPUT, events, run_cli, wait_for
 
 TOOLS = [
     {
@@ -265,6 +265,43 @@ def test_instructions_dropped_in_a_turn_are_named_as_such(
         "prefix_rewrite",
         "instructions",
     )
+
+
+def test_a_stream_the_client_cut_is_continued_in_its_session(proxy_factory: Any) -> None:
+    """A ``background`` stream cut once its first event came (OpenAI's way to resume a long
+    reasoning run), then continued by ``previous_response_id``, with no session header: the
+    response's id was read only from the stream's last event, which never came, so the
+    continuation began a session of its own (its log, its accounting)."""
+    with run_simulator(SimConfig(chunk_ms=200)) as slow:
+        proxy = proxy_factory(slow.api_base)
+        body = {
+            "model": "gpt-5",
+            "input": [{"role": "user", "content": "Think long about the failing test."}],
+            "stream": True,
+            "store": True,
+            "background": True,
+        }
+        slow.sim.enqueue(["a long answer " * 20])
+        with httpx.Client(timeout=30) as client:
+            with client.stream("POST", proxy.base_url + "/responses", json=body) as r:
+                session = r.headers["x-cachegate-session"]
+                seen = b""
+                for piece in r.iter_raw():
+                    seen += piece
+                    if b"response.created" in seen and b"\n\n" in seen:
+                        break
+            first = orjson.loads(seen.split(b"data: ", 1)[1].split(b"\n", 1)[0])
+            assert first["type"] == "response.created"
+            wait_for(lambda: proxy.metric("cachegate_client_disconnects_total") == 1)
+            again = client.post(
+                proxy.base_url + "/responses",
+                json={
+                    "model": "gpt-5",
+                    "previous_response_id": first["response"]["id"],
+                    "input": [{"role": "user", "content": "go on"}],
+                },
+            )
+        assert again.headers["x-cachegate-session"] == session
 
 
 def test_a_continuation_leaves_the_history_its_session_was_found_by(

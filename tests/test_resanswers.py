@@ -4,6 +4,7 @@ tokens, cache reads and cost in the metrics."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -53,6 +54,24 @@ def test_the_tier_a_response_was_billed_at_is_read() -> None:
     stream = b"".join(response_events(body))
     assert recorded(stream, 100).service_tier == "flex"
     assert assemble_response(completed()).service_tier is None
+
+
+@pytest.mark.parametrize("piece", [1, 7, 100, 10**9])
+@pytest.mark.parametrize("spaced", [False, True])
+def test_a_stream_cut_before_its_last_event_still_names_its_response(
+    piece: int, spaced: bool
+) -> None:
+    """The id is in the stream's first event: a stream the client cut (a background run it
+    resumes by ``previous_response_id``) had none, read only from the last event."""
+    events = list(response_events(completed()))
+    if spaced:  # another server's JSON: the event is parsed whole
+        first = orjson.loads(events[0].split(b"data: ", 1)[1])
+        events[0] = b"event: response.created\ndata: " + json.dumps(first).encode() + b"\n\n"
+    cut = b"".join(events[:3])
+    result = recorded(cut, piece)
+    assert result.id == "resp_1" and result.usage is None and not result.done
+    whole = recorded(b"".join(events), piece)
+    assert whole.id == "resp_1" and whole.usage is not None
 
 
 @pytest.mark.parametrize("piece", [1, 7, 100, 16384, 10**9])
