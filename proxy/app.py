@@ -753,7 +753,15 @@ class Gateway:
             orphan_policy=p.orphan_policy,
             interrupted_note=p.interrupted_note or pairing.DEFAULT_INTERRUPTED_NOTE,
         )
-        if not result.messages:  # (only orphans, dropped: the provider judges what was sent)
+        if not result.messages and p.orphan_policy == "drop":
+            # only orphans (a client that lost its previous_response_id): dropped, nothing is
+            # left to send, and sent as they are, the provider refuses them: downgraded
+            result = respairing.repair_input(
+                body,
+                orphan_policy="downgrade",
+                interrupted_note=p.interrupted_note or pairing.DEFAULT_INTERRUPTED_NOTE,
+            )
+        if not result.messages:  # (defensive: the provider judges what was sent)
             return raw, forward_headers, True
         ex.repairs = [
             {"kind": r.kind, "index": r.index, "tool_call_id": r.tool_call_id, "action": r.action}

@@ -677,6 +677,16 @@ def test_an_orphan_output_is_downgraded_or_dropped_as_configured(
     sdk(dropping.base_url).responses.create(model="gpt-5", input=items)
     assert sim.sim.requests[-1].body["input"] == items[:1]
     assert kept.metric("cachegate_pairing_repairs_total", {"kind": "orphan_result"}) == 1
+    # outputs alone (a client that lost its previous_response_id): dropped, nothing was left,
+    # and they went as sent, refused with 400 and X-Cachegate-Repairs: 0; downgraded instead
+    alone = items[1:]
+    raw = sdk(dropping.base_url).responses.with_raw_response.create(model="gpt-5", input=alone)
+    assert raw.parse().output_text == "Done."
+    assert raw.headers["x-cachegate-repairs"] == "1"
+    assert sim.sim.requests[-1].body["input"][0]["content"][0]["text"] == (
+        "[tool result for call call_old (no matching tool call)]\nstale result"
+    )
+    assert dropping.metric("cachegate_pairing_repairs_total", {"kind": "orphan_result"}) == 2
 
 
 def test_strict_mode_refuses_with_a_diagnosis_and_forwards_nothing(
