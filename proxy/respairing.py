@@ -72,8 +72,11 @@ _SEARCH: Final = frozenset({"tool_search_call", "tool_search_output"})
 def _kind(item: Mapping[str, Any]) -> Any:
     """``item``'s type as the pairing reads it: a tool search the provider ran (``execution``
     ``server``, a hosted tool's call and its results) is neither a call paired here nor an
-    output that must answer one (``hosted_tool_search_…``)."""
+    output that must answer one (``hosted_tool_search_…``). A ``type`` that is no string (a
+    list: no item of the API's) is None, as an item without one."""
     kind = item.get("type")
+    if type(kind) is not str:
+        return None
     if kind in _SEARCH and item.get("execution") == "server":
         return f"hosted_{kind}"
     return kind

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import gzip
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -758,6 +759,31 @@ def test_a_body_cachegate_cannot_read_goes_to_the_provider_as_it_came(
     # not read, so not checked: no count of repairs is said for either
     assert "x-cachegate-repairs" not in answer.headers
     assert "x-cachegate-repairs" not in brotli.headers
+
+
+@pytest.mark.parametrize("kind", [[], ["message"], {"a": 1}])
+def test_an_item_whose_type_is_no_string_is_checked_without_a_traceback(
+    sim: RunningSimulator, proxy_factory: Any, caplog: pytest.LogCaptureFixture, kind: Any
+) -> None:
+    """An item whose ``type`` is a list, beside a call: the check raised (unhashable), each such
+    request left a traceback on stderr, and strict mode let it through unchecked. The call's
+    pairing is checked as ever; the provider refuses the type with its own 400."""
+    proxy = proxy_factory(sim.api_base)
+    body = {
+        "model": "gpt-5",
+        "input": [{"role": "user", "content": "hi", "type": kind}, *INTERRUPTED[1:2]],
+    }
+    with caplog.at_level(logging.ERROR), httpx.Client() as client:
+        plain = client.post(proxy.base_url + "/responses", json=body)
+        strict = client.post(
+            proxy.base_url + "/responses", json=body, headers={"X-Cachegate-Strict": "1"}
+        )
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert plain.headers["x-cachegate-repairs"] == "1"  # the call given its output
+    assert plain.status_code == 400  # the provider's, on the type
+    assert plain.json()["error"]["param"] == "input[0].type"
+    assert strict.status_code == 400 and strict.json()["error"]["code"] == "strict_pairing"
+    assert len(sim.sim.requests) == 1  # the strict one went nowhere
 
 
 def test_a_local_shell_history_goes_through_untouched(

@@ -339,6 +339,15 @@ def _response_kind(item: dict[str, Any]) -> Any:
     return kind
 
 
+_JSON_KINDS: dict[type, str] = {
+    list: "an array",
+    dict: "an object",
+    int: "an integer",
+    float: "a decimal",
+    bool: "a boolean",
+}
+
+
 def _stored_item(item: Any) -> bool:
     """An item that names a stored one by id (``item_reference``, or only an ``id``)."""
     if not isinstance(item, dict):
@@ -361,9 +370,15 @@ def validate_response_input(body: dict[str, Any]) -> None:
     answered: set[str] = set()
     known: set[str] = set()  # the call_id of every item but an output: what an output may answer
     shell_ids: dict[Any, str] = {}  # a local shell call's id -> its call_id
-    for item in items:
+    for i, item in enumerate(items):
         if not isinstance(item, dict):
             continue
+        if item.get("type") is not None and not isinstance(item["type"], str):
+            got = _JSON_KINDS.get(type(item["type"]), "a value")
+            raise ValidationError(
+                f"Invalid type for 'input[{i}].type': expected a string, but got {got} instead.",
+                f"input[{i}].type",
+            )
         kind = _response_kind(item)
         if kind == "local_shell_call_output":  # (its call's call_id, or id, as its call_id or id)
             for value in (item.get("call_id"), item.get("id")):
