@@ -447,7 +447,9 @@ def _hour_writes(usage: Usage, body: Any) -> Usage:
         longer = prefix.longer_lived_share(body, last)
         if longer is None or longer[0] < 3600:
             return usage
-        covered = round(longer[1] * (usage.cache_read + usage.cache_write))
+        # (the share of the whole prompt: a tail past the last breakpoint, neither read nor
+        # written, is in it; over reads and writes alone the hour's share was taken twice)
+        covered = round(longer[1] * usage.prompt)
         hour = min(usage.cache_write, max(0, covered - usage.cache_read))
     return dataclasses.replace(usage, cache_write_1h=hour) if hour else usage
 

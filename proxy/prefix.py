@@ -547,8 +547,8 @@ def longer_lived_share(
 ) -> tuple[float, float] | None:
     """Where a breakpoint before the last asks for a longer cache life than ``last_ttl_s``, the
     last one's (tools and system marked for an hour, the latest message for five minutes): the
-    longest such life, in seconds, and the share of the prompt up to the last breakpoint that
-    asks for it, each tool and message weighed by ``size`` (by default, as ``marked_share``
+    longest such life, in seconds, and the share of the whole prompt that the breakpoint which
+    asks for it covers, each tool and message weighed by ``size`` (by default, as ``marked_share``
     measures: its compact JSON); None otherwise (a request's own ``cache_control`` covers it
     all), and when ``change`` (a difference from ``body``) lies past that breakpoint: the
     longer-lived prefix is then whole, whatever the estimate of its share says."""

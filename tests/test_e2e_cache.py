@@ -2497,6 +2497,47 @@ def test_claudes_one_hour_writes_through_openrouter_are_priced_as_an_hours(
         assert (0.9 * hour + output) / 1e6 < line["cost"]["actual"] < (hour + output) / 1e6
 
 
+def test_claudes_one_hour_writes_through_openrouter_with_a_tail_past_the_last_breakpoint(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A system prompt marked for an hour, the task for five minutes, then a long message no
+    breakpoint covers (written to no cache): the hour's share of the writes was taken of the
+    reads and writes alone, not of the whole prompt, so the tail halved it here (3,050 of the
+    6,179 tokens written taken as an hour's, where ~6,030 were: the answer 8% under its bill)."""
+    answer = (
+        b'{"id":"gen-1","object":"chat.completion","model":"anthropic/claude-sonnet-4.5",'
+        b'"choices":[{"index":0,"message":{"role":"assistant","content":"ok"},'
+        b'"finish_reason":"stop"}],"usage":{"prompt_tokens":12207,"completion_tokens":10,'
+        b'"prompt_tokens_details":{"cached_tokens":0,"cache_write_tokens":6179}}}'
+    )
+    _upstream, url = scripted(chunks=[answer], content_type=b"application/json")
+    proxy = proxy_factory(url, config())
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "or-tail"})
+    hour = {"type": "ephemeral", "ttl": "1h"}
+    messages = [
+        {
+            "role": "system",
+            "content": [{"type": "text", "text": "one hour rules. " * 1500, "cache_control": hour}],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "hello " * 100, "cache_control": {"type": "ephemeral"}}
+            ],
+        },
+        {"role": "assistant", "content": "Reading the log."},
+        {"role": "user", "content": "tail text. " * 2180},
+    ]
+    chat(client, messages, model="anthropic/claude-sonnet-4.5", stream=False)
+    flush(proxy)
+    (line,) = events(proxy.log_dir, "or-tail", "response")
+    written, fresh, output = 6179, 12207 - 6179, 10 * 15.00
+    # the system prompt is ~97% of what was written: so, about, of the hour's writes
+    low = (0.9 * written * 6.00 + 0.1 * written * 3.75 + fresh * 3.00 + output) / 1e6
+    high = (written * 6.00 + fresh * 3.00 + output) / 1e6
+    assert low < line["cost"]["actual"] <= high
+
+
 def _three_turns_the_last_with_the_time_in_its_prompt(client: Any, model: str) -> None:
     """A conversation of three turns on a system prompt well past 1,024 tokens; the third turn
     puts the time at its start (a rewrite the provider misses)."""
