@@ -34,6 +34,7 @@ from proxy.sessions import CONVERSATIONS_KEPT, SessionState, SessionStore
 from proxy.usage import Usage, less
 
 _MAX_MODEL_TERMS = 256
+_MAX_IN_FLIGHT = 64  # of those, the latest whose prefixes another's idle time may be read from
 _MAX_UNANSWERED = 4096  # a session's requests forwarded and not yet accounted, kept by start
 _UNPRICED_SAID = 64  # model names said on stderr to have no prices, at most
 _NAME_KEPT = 256  # a longer model name (a client's: up to its body's size) is not kept
@@ -937,6 +938,11 @@ class AccountingObserver:
                 if sent is None or len(sent) >= _MAX_UNANSWERED:
                     sent = extra["sent"] = {}  # (bounded: one never answered is forgotten)
                 sent[id(ex)] = ex.t0
+                if ex.route == "chat":  # (its prefixes, for another's idle time: ``_in_flight``)
+                    flying: dict[int, list[Any]] = extra.setdefault("flying", {})
+                    flying[id(ex)] = [ex, None]
+                    if len(flying) > _MAX_IN_FLIGHT:
+                        del flying[next(iter(flying))]
 
     def on_response(self, ex: Exchange) -> None:
         if ex.route != "chat":
@@ -964,6 +970,9 @@ class AccountingObserver:
         out: dict[int, float] | None = extra.get("sent")
         if out:
             out.pop(id(ex), None)
+        flying = extra.get("flying")
+        if flying:
+            flying.pop(id(ex), None)
         oldest = min(out.values()) if out else math.inf  # (when the oldest of them went out)
         held = extra.get("cache")
         # (a summary call without cache fields after the session's answers or summary calls
@@ -1229,6 +1238,9 @@ class AccountingObserver:
             ]
         after_compaction = ex.compaction_made
         cache_state: CacheState = extra.get("cache") or CacheState()
+        own_stamps = cache_state  # (what is kept: the stamps of the requests accounted)
+        if flying:
+            cache_state = self._in_flight(flying, ex, baselines, cache_state)
         if base != (cache_state.prev_prompt, cache_state.params_digest, cache_state.model):
             # Compared with another request than the session's latest (interleaved
             # conversations), or with none (a new conversation: nothing was expected).
@@ -1320,6 +1332,11 @@ class AccountingObserver:
                 else None
             ),
         )
+        if cache_state.prefixes is not own_stamps.prefixes:  # (others' in flight: not kept)
+            kept_stamps = cache.touch(own_stamps, fp, _forwarded_at(ex))
+            new_state = dataclasses.replace(
+                new_state, prefixes=kept_stamps.prefixes, last_started=kept_stamps.last_started
+            )
         extra["cache"] = new_state
         ex.cache_known = new_state.has_reported
         ex.cache = {
@@ -1478,6 +1495,37 @@ class AccountingObserver:
             read = 3 if old.tools_digest == fp.tools_digest else 2
             held = cache.touch(held, dataclasses.replace(old, digests=old.digests[:read]), at)
         state.extra["cache"] = held
+
+    def _in_flight(
+        self,
+        flying: dict[int, list[Any]],
+        ex: Exchange,
+        baselines: list[_Baseline],
+        state: CacheState,
+    ) -> CacheState:
+        """``state`` with the prefixes of the session's chat requests still in flight that went
+        to the provider before ``ex`` (their answers begun: it took them) stamped as used then,
+        for ``ex``'s idle time: a sub-agent's or a side request's stream over the history kept
+        that warm while it ran, and ``ex``'s rewrite was called an expiry, its stamps written
+        only once it was answered. Not kept: each is stamped when it is accounted itself."""
+        went = _forwarded_at(ex)
+        for held in list(flying.values()):
+            other, fp = held
+            if other is ex or not 200 <= other.status < 400 or not isinstance(other.body, dict):
+                continue
+            at = _forwarded_at(other)
+            if at >= went:
+                continue
+            if fp is None:  # (once a request: its body is the same while it runs)
+                terms = self._model_terms(other.model, other)
+                fp = held[1] = prefix.fingerprint(
+                    other.body,
+                    _hash_base(baselines, other.body),
+                    system_first=other.system_block is not None or not terms.marked_only,
+                    system_block=other.system_block,
+                )
+            state = cache.touch(state, fp, at)
+        return state
 
     def _account_responses(self, ex: Exchange) -> None:
         """A Responses API exchange of a session, accounted as a chat exchange is, on its

@@ -127,6 +127,64 @@ def sim() -> Iterator[RunningSimulator]:
         yield running
 
 
+@pytest.mark.parametrize("edit", ["system", "message"])
+def test_a_request_still_streaming_keeps_the_history_warm_for_the_next_turns_idle_time(
+    sim: RunningSimulator, proxy_factory: Any, edit: str
+) -> None:
+    """A side request over the history (a sub-agent forked from it, a summary or title
+    request) whose answer still streams when the agent's next turn, a rewrite, is answered:
+    its prefixes were stamped only once it was answered itself, so the idle time ran from the
+    turn before it, past the cache's life, and the rewrite's miss was called ``ttl_expired``
+    (the same turns with the side request answered first: ``prefix_rewrite``)."""
+    import threading
+
+    proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "side"})
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Fix the failing handler."},
+    ]
+    for turn in range(3):
+        reply, _ = chat(client, convo, stream=False)
+        convo += [reply, {"role": "user", "content": f"Go on ({turn}). " + FILE_TEXT}]
+    sim.sim.advance(200)
+    side = [*convo, {"role": "user", "content": "Summarize the conversation so far."}]
+    opened = threading.Event()
+
+    def summarize() -> None:
+        with client.chat.completions.with_streaming_response.create(
+            model="gpt-4o",
+            messages=side,  # type: ignore[arg-type]
+            stream=True,
+            extra_headers={"X-Sim-Fault": "stall", "X-Sim-Stall-S": "3"},
+        ) as response:
+            opened.set()
+            for _ in response.iter_lines():
+                pass
+
+    streaming = threading.Thread(target=summarize)
+    streaming.start()
+    try:
+        assert opened.wait(10)
+        sim.sim.advance(200)  # 400 s after the last turn, 200 after the side request began
+        edited = list(convo)
+        if edit == "system":
+            edited[0] = {"role": "system", "content": "Now: 12:00. " + SYSTEM_PROMPT}
+        else:
+            edited[3] = {"role": "user", "content": "Go on (0), edited. " + FILE_TEXT}
+        chat(client, edited, stream=False)
+        flush(proxy)
+        lines = events(proxy.log_dir, "side", "response")
+        rewrite = max(lines, key=lambda line: line["exchange"])  # (the side request's is 4th)
+        assert rewrite["exchange"] == 5 and rewrite["divergence"]["location"] == (
+            "system" if edit == "system" else "messages"
+        )
+        assert rewrite["cache"]["waste"] > 0
+        assert rewrite["cache"]["cause"] == "prefix_rewrite", rewrite["cache"]
+    finally:
+        streaming.join(15)
+
+
 def test_reference_scenario_waste_cause_location_and_cost(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
