@@ -940,7 +940,7 @@ class AccountingObserver:
                 sent[id(ex)] = ex.t0
                 if ex.route == "chat":  # (its prefixes, for another's idle time: ``_in_flight``)
                     flying: dict[int, list[Any]] = extra.setdefault("flying", {})
-                    flying[id(ex)] = [ex, None]
+                    flying[id(ex)] = [ex, None, None]  # (and its fingerprint, of that body)
                     if len(flying) > _MAX_IN_FLIGHT:
                         del flying[next(iter(flying))]
 
@@ -971,8 +971,7 @@ class AccountingObserver:
         if out:
             out.pop(id(ex), None)
         flying = extra.get("flying")
-        if flying:
-            flying.pop(id(ex), None)
+        early = flying.pop(id(ex), None) if flying else None  # (fingerprinted for another)
         oldest = min(out.values()) if out else math.inf  # (when the oldest of them went out)
         held = extra.get("cache")
         # (a summary call without cache fields after the session's answers or summary calls
@@ -982,14 +981,17 @@ class AccountingObserver:
         body = ex.body
         baselines: list[_Baseline] = extra.get("baselines") or []
         terms = self._model_terms(ex.model, ex)
-        fp = prefix.fingerprint(
-            body,
-            _hash_base(baselines, body),
-            # (a Responses API request's instructions, read before its tools; a chat request's
-            # system block too, but Claude's, which renders the tools first)
-            system_first=ex.system_block is not None or not terms.marked_only,
-            system_block=ex.system_block,
-        )
+        if early is not None and early[1] is not None and early[2] is body:
+            fp = early[1]
+        else:
+            fp = prefix.fingerprint(
+                body,
+                _hash_base(baselines, body),
+                # (a Responses API request's instructions, read before its tools; a chat
+                # request's system block too, but Claude's, which renders the tools first)
+                system_first=ex.system_block is not None or not terms.marked_only,
+                system_block=ex.system_block,
+            )
         chosen, continues, divergence = self._compare(_ranked(baselines, fp, body), fp, body)
         compared = chosen.fp if chosen is not None else None  # (before this one takes its place)
         forwarded = divergence  # (where the forwarded histories differ: the tokens before it)
@@ -1510,14 +1512,15 @@ class AccountingObserver:
         only once it was answered. Not kept: each is stamped when it is accounted itself."""
         went = _forwarded_at(ex)
         for held in list(flying.values()):
-            other, fp = held
+            other, fp, of = held
             if other is ex or not 200 <= other.status < 400 or not isinstance(other.body, dict):
                 continue
             at = _forwarded_at(other)
             if at >= went:
                 continue
-            if fp is None:  # (once a request: its body is the same while it runs)
+            if fp is None or of is not other.body:  # (once a body: a retry's is another)
                 terms = self._model_terms(other.model, other)
+                held[2] = other.body
                 fp = held[1] = prefix.fingerprint(
                     other.body,
                     _hash_base(baselines, other.body),
