@@ -928,6 +928,14 @@ class EventLogWriter:
                 raise OSError(
                     f"{path} has {st.st_nlink} links, and others may write into {self.log_dir}"
                 )
+            if st.st_size and not _begins_as_log(fd):
+                # Another tool's file of the same name (an agent's own transcript, named by the
+                # session id it sends): lines appended to it were in no report, which judges a
+                # file by its first line, and the other tool's file had cachegate's in it.
+                raise OSError(
+                    f"{path} is another program's file (its first line is not a cachegate"
+                    " event): not written into; move it, or give cachegate its own log directory"
+                )
             size = _terminate_torn_line(fd)
             if size == 0:
                 self._fresh.add(session_id)
@@ -1712,6 +1720,25 @@ def _content_start(data: bytearray, at: int) -> int:
 
 # How much of a file's first line is read to judge it a whole meta line.
 _META_READ_MAX: Final = 1 << 20
+
+
+def _begins_as_log(fd: int) -> bool:
+    """Whether the file ``fd`` begins as a cachegate log, as the reports judge one
+    (``_judge_start``): its first line with content. True where its first 64 KiB do not say
+    (NULs or white space only: a crash's, or a file cachegate began)."""
+    if hasattr(os, "pread"):
+        head = os.pread(fd, 65536, 0)
+    else:  # Windows: the offset does not matter to appends
+        os.lseek(fd, 0, os.SEEK_SET)
+        head = os.read(fd, 65536)
+    passed_cut = False
+    for raw in head.splitlines(keepends=True):
+        verdict = _judge_start(raw, passed_cut)
+        if verdict == _CUT:
+            passed_cut = True
+        elif verdict != _BLANK:
+            return verdict == _OURS
+    return True
 
 
 def _terminate_torn_line(fd: int) -> int:

@@ -590,6 +590,36 @@ def test_an_existing_log_directory_is_left_as_it_is_with_a_word_if_others_can_re
     assert any("can be read by other users (mode 755)" in r.getMessage() for r in caplog.records)
 
 
+def test_another_programs_file_under_a_sessions_name_is_not_written_into(
+    tmp_path: Path, writers, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Claude Code keeps its transcript as ``<session-uuid>.jsonl`` and sends the same id in
+    ``x-claude-code-session-id``: in a log directory shared with it, cachegate appended its
+    lines to the transcript, which every ``sessions`` command then refused as another tool's
+    file (the audit trail written, and in no report), and counted nothing lost. A file
+    cachegate began (its first line its own, or one a crash cut, or only NULs) is written on."""
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir(mode=0o700)
+    sid = "0b6f3c1e-1111-2222-3333-444455556666"
+    transcript = '{"type":"user","message":{"role":"user","content":"hi"},"sessionId":"x"}\n'
+    (log_dir / f"{sid}.jsonl").write_text(transcript)
+    (log_dir / "ours.jsonl").write_text('{"ts":1.0,"type":"session_meta","session":"ours"}\n')
+    (log_dir / "zeroed.jsonl").write_bytes(b"\0" * 300 + b'me","x":1}\n{"ts":2.0,"type":"e"}\n')
+    (log_dir / "nuls.jsonl").write_bytes(b"\0" * 4096)
+    losses: list[str] = []
+    with caplog.at_level(logging.WARNING, logger="proxy.eventlog"):
+        w = started(writers, log_dir, on_loss=losses.append)
+        for session in (sid, "ours", "zeroed", "nuls"):
+            assert w.emit(session, {"type": "error", "message": f"to {session}"})
+        assert w.close()
+    assert (log_dir / f"{sid}.jsonl").read_text() == transcript  # untouched
+    assert losses == ["io"]  # counted: cachegate_event_log_lost_total{kind="write_error"}
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "is another program's file" in said and sid in said
+    for session in ("ours", "zeroed", "nuls"):
+        assert f'"message":"to {session}"' in (log_dir / f"{session}.jsonl").read_text()
+
+
 def test_a_hard_link_to_another_users_file_is_not_written_through(
     tmp_path: Path, writers, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
