@@ -2596,6 +2596,56 @@ def test_claudes_one_hour_writes_through_openrouter_with_a_tail_past_the_last_br
     assert low < line["cost"]["actual"] <= high
 
 
+def test_claudes_one_hour_writes_through_openrouter_beside_a_screenshot(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A system prompt marked for an hour, then a screenshot and a question marked for five
+    minutes: the hour's share was weighed by the JSON's bytes, the image's base64 (300 KB)
+    among them, so 6% of the writes were an hour's where ~90% were (the answer ~30% under its
+    bill). Weighed as the provider counts, an image by its pixels."""
+    from tests.test_media import png, url_part
+
+    answer = (
+        b'{"id":"gen-1","object":"chat.completion","model":"anthropic/claude-sonnet-4.5",'
+        b'"choices":[{"index":0,"message":{"role":"assistant","content":"ok"},'
+        b'"finish_reason":"stop"}],"usage":{"prompt_tokens":7100,"completion_tokens":10,'
+        b'"prompt_tokens_details":{"cached_tokens":0,"cache_write_tokens":7090}}}'
+    )
+    _upstream, url = scripted(chunks=[answer], content_type=b"application/json")
+    proxy = proxy_factory(url, config())
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "or-image"})
+    hour = {"type": "ephemeral", "ttl": "1h"}
+    screenshot = url_part(png(1000, 800, noisy_rows=800))
+    assert len(screenshot["image_url"]["url"]) > 200_000
+    messages = [
+        {
+            "role": "system",
+            "content": [
+                {"type": "text", "text": "You follow the rules. " * 1200, "cache_control": hour}
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                screenshot,
+                {
+                    "type": "text",
+                    "text": "What is wrong here?",
+                    "cache_control": {"type": "ephemeral"},
+                },
+            ],
+        },
+    ]
+    chat(client, messages, model="anthropic/claude-sonnet-4.5", stream=False)
+    flush(proxy)
+    (line,) = events(proxy.log_dir, "or-image", "response")
+    written, fresh, output = 7090, 10, 10 * 15.00
+    # the system prompt is ~90% of the prompt by the provider's count (the image ~765 tokens)
+    low = (0.8 * written * 6.00 + 0.2 * written * 3.75 + fresh * 3.00 + output) / 1e6
+    high = (written * 6.00 + fresh * 3.00 + output) / 1e6
+    assert low < line["cost"]["actual"] <= high
+
+
 def _three_turns_the_last_with_the_time_in_its_prompt(client: Any, model: str) -> None:
     """A conversation of three turns on a system prompt well past 1,024 tokens; the third turn
     puts the time at its start (a rewrite the provider misses)."""
