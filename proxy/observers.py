@@ -940,11 +940,11 @@ class AccountingObserver:
                 if sent is None or len(sent) >= _MAX_UNANSWERED:
                     sent = extra["sent"] = {}  # (bounded: one never answered is forgotten)
                 sent[id(ex)] = ex.t0
-                if ex.route == "chat":  # (its prefixes, for another's idle time: ``_in_flight``)
-                    flying: dict[int, list[Any]] = extra.setdefault("flying", {})
-                    flying[id(ex)] = [ex, None, None]  # (and its fingerprint, of that body)
-                    if len(flying) > _MAX_IN_FLIGHT:
-                        del flying[next(iter(flying))]
+                # (its prefixes, for another's idle time: ``_in_flight``)
+                flying: dict[int, list[Any]] = extra.setdefault("flying", {})
+                flying[id(ex)] = [ex, None, None]  # (and its fingerprint, of that body)
+                if len(flying) > _MAX_IN_FLIGHT:
+                    del flying[next(iter(flying))]
 
     def on_response(self, ex: Exchange) -> None:
         if ex.route != "chat":
@@ -1507,7 +1507,7 @@ class AccountingObserver:
         baselines: list[_Baseline],
         state: CacheState,
     ) -> CacheState:
-        """``state`` with the prefixes of the session's chat requests still in flight that went
+        """``state`` with the prefixes of the session's requests still in flight that went
         to the provider before ``ex`` (their answers begun: it took them) stamped as used then,
         for ``ex``'s idle time: a sub-agent's or a side request's stream over the history kept
         that warm while it ran, and ``ex``'s rewrite was called an expiry, its stamps written
@@ -1521,14 +1521,21 @@ class AccountingObserver:
             if at >= went:
                 continue
             if fp is None or of is not other.body:  # (once a body: a retry's is another)
-                terms = self._model_terms(other.model, other)
                 held[2] = other.body
-                fp = held[1] = prefix.fingerprint(
-                    other.body,
-                    _hash_base(baselines, other.body),
-                    system_first=other.system_block is not None or not terms.marked_only,
-                    system_block=other.system_block,
-                )
+                if other.route == "chat":
+                    terms = self._model_terms(other.model, other)
+                    fp = prefix.fingerprint(
+                        other.body,
+                        _hash_base(baselines, other.body),
+                        system_first=other.system_block is not None or not terms.marked_only,
+                        system_block=other.system_block,
+                    )
+                else:  # a Responses API request: its chat-shaped view, as it is accounted
+                    view, offset = resview.chat_shaped(other.body)
+                    fp = prefix.fingerprint(
+                        view, _hash_base(baselines, view), system_first=True, system_block=offset
+                    )
+                held[1] = fp
             state = cache.touch(state, fp, at)
         return state
 

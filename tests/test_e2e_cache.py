@@ -127,15 +127,18 @@ def sim() -> Iterator[RunningSimulator]:
         yield running
 
 
-@pytest.mark.parametrize("edit", ["system", "message"])
+@pytest.mark.parametrize(
+    ("route", "edit"), [("chat", "system"), ("chat", "message"), ("responses", "system")]
+)
 def test_a_request_still_streaming_keeps_the_history_warm_for_the_next_turns_idle_time(
-    sim: RunningSimulator, proxy_factory: Any, edit: str
+    sim: RunningSimulator, proxy_factory: Any, route: str, edit: str
 ) -> None:
     """A side request over the history (a sub-agent forked from it, a summary or title
     request) whose answer still streams when the agent's next turn, a rewrite, is answered:
     its prefixes were stamped only once it was answered itself, so the idle time ran from the
     turn before it, past the cache's life, and the rewrite's miss was called ``ttl_expired``
-    (the same turns with the side request answered first: ``prefix_rewrite``)."""
+    (the same turns with the side request answered first: ``prefix_rewrite``). So on the
+    Responses API too (Codex CLI's summary of its history, beside its next turn)."""
     import threading
 
     proxy = proxy_factory(sim.api_base, config(ttl_s=300), clock=lambda: sim.sim.now)
@@ -144,20 +147,40 @@ def test_a_request_still_streaming_keeps_the_history_warm_for_the_next_turns_idl
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": "Fix the failing handler."},
     ]
+
+    def call(messages: list[dict[str, Any]], stall: bool = False) -> Any:
+        faults = {"X-Sim-Fault": "stall", "X-Sim-Stall-S": "3"} if stall else {}
+        if route == "chat":
+            if stall:
+                return client.chat.completions.with_streaming_response.create(
+                    model="gpt-4o",
+                    messages=messages,  # type: ignore[arg-type]
+                    stream=True,
+                    extra_headers=faults,
+                )
+            return chat(client, messages, stream=False)[0]
+        items = [{"role": m["role"], "content": m["content"]} for m in messages[1:]]
+        asked: dict[str, Any] = {
+            "model": "gpt-4o",
+            "instructions": messages[0]["content"],
+            "input": items,
+            "store": False,
+        }
+        if stall:
+            return client.responses.with_streaming_response.create(
+                stream=True, extra_headers=faults, **asked
+            )
+        return {"role": "assistant", "content": client.responses.create(**asked).output_text}
+
     for turn in range(3):
-        reply, _ = chat(client, convo, stream=False)
+        reply = call(convo)
         convo += [reply, {"role": "user", "content": f"Go on ({turn}). " + FILE_TEXT}]
     sim.sim.advance(200)
     side = [*convo, {"role": "user", "content": "Summarize the conversation so far."}]
     opened = threading.Event()
 
     def summarize() -> None:
-        with client.chat.completions.with_streaming_response.create(
-            model="gpt-4o",
-            messages=side,  # type: ignore[arg-type]
-            stream=True,
-            extra_headers={"X-Sim-Fault": "stall", "X-Sim-Stall-S": "3"},
-        ) as response:
+        with call(side, stall=True) as response:
             opened.set()
             for _ in response.iter_lines():
                 pass
@@ -172,15 +195,17 @@ def test_a_request_still_streaming_keeps_the_history_warm_for_the_next_turns_idl
             edited[0] = {"role": "system", "content": "Now: 12:00. " + SYSTEM_PROMPT}
         else:
             edited[3] = {"role": "user", "content": "Go on (0), edited. " + FILE_TEXT}
-        chat(client, edited, stream=False)
+        call(edited)
         flush(proxy)
         lines = events(proxy.log_dir, "side", "response")
         rewrite = max(lines, key=lambda line: line["exchange"])  # (the side request's is 4th)
-        assert rewrite["exchange"] == 5 and rewrite["divergence"]["location"] == (
-            "system" if edit == "system" else "messages"
-        )
+        assert rewrite["exchange"] == 5
         assert rewrite["cache"]["waste"] > 0
         assert rewrite["cache"]["cause"] == "prefix_rewrite", rewrite["cache"]
+        where = {"system": "system", "message": "messages"}[edit]
+        if route == "responses":
+            where = "instructions"
+        assert rewrite["divergence"]["location"] == where
     finally:
         streaming.join(15)
 
