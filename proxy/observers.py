@@ -1747,7 +1747,17 @@ def _in_client_terms(
         if i is not None:
             at = i if k == index else i + 1
             break
-    return divergence if at == index else dataclasses.replace(divergence, index=at)
+    field = divergence.field
+    if field == "content" and at < len(client) and position.get(id(forwarded[index])) is None:
+        # a Responses API output the repair sent as a user message (an orphan): its text is
+        # the client's item's ``output`` (a tool search's ``tools``), which it changed
+        item = client[at] if index < len(forwarded) else None
+        kind = item.get("type") if isinstance(item, dict) else None
+        if isinstance(kind, str) and kind.endswith("_output"):
+            field = "tools" if kind == "tool_search_output" else "output"
+    if at == index and field == divergence.field:
+        return divergence
+    return dataclasses.replace(divergence, index=at, field=field)
 
 
 def _divergence_dict(d: prefix.Divergence) -> dict[str, Any]:

@@ -605,6 +605,42 @@ def test_a_codex_sessions_cache_misses_are_accounted_with_their_cause_and_place(
     )
 
 
+def test_an_edited_orphan_output_is_named_by_its_own_field(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """An output that answers no call (the repair sends it as a user message), edited by the
+    client: the miss was placed at ``input[2].content``, the user message's field; the
+    client's item has no ``content``, it changed its ``output``."""
+    proxy = proxy_factory(sim.api_base, clock=lambda: sim.sim.now)
+    client = sdk(proxy.base_url, default_headers={"X-Session-Id": "orphan-edit"})
+    items: list[Any] = [
+        {"role": "user", "content": "Fix the failing handler."},
+        {"role": "user", "content": "Here is what the last run printed."},
+        {"type": "function_call_output", "call_id": "call_lost", "output": FILE_TEXT},
+        {"role": "user", "content": "Go on."},
+    ]
+    for turn in range(3):
+        if turn == 2:
+            items[2] = {**items[2], "output": "(re-run) " + FILE_TEXT}  # (as long: a miss)
+        raw = client.responses.with_raw_response.create(
+            model="gpt-5", instructions=LONG_INSTRUCTIONS, input=items
+        )
+        assert raw.headers["x-cachegate-repairs"] == "1"
+        items += [o.model_dump(exclude_none=True) for o in raw.parse().output]
+        items.append({"role": "user", "content": f"And then ({turn})?"})
+        sim.sim.advance(15)
+    proxy.settle()
+    edited = events(proxy.log_dir, "orphan-edit", "response")[-1]
+    assert edited["cache"]["cause"] == "prefix_rewrite"
+    assert edited["cache"]["location"] == "input[2].output"
+    divergence = edited["divergence"]
+    assert (divergence["location"], divergence["index"], divergence["field"]) == (
+        "input",
+        2,
+        "output",
+    )
+
+
 def test_a_long_codex_session_with_tool_rounds_wastes_nothing(
     sim: RunningSimulator, proxy_factory: Any, sdk: Any
 ) -> None:
