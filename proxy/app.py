@@ -69,6 +69,7 @@ from proxy.sessions import (
     SessionState,
     anchor_of,
     explicit_session_id,
+    extra_parts,
     reads_as_key,
     valid_session_id,
 )
@@ -578,7 +579,8 @@ class Gateway:
         items = body.get("input")
         count = len(items) if isinstance(items, list) else 0
         new = (size * (count - shared) // count if count else size, count - shared)
-        self.sessions.weigh(state, size, count, new, anchor_of(items))
+        parts = extra_parts(items, new[1], state)
+        self.sessions.weigh(state, size, count, new, anchor_of(items), parts)
         ex.session_id, ex.session = state.id, state
         ex.exchange_id = state.next_exchange()
         return state

@@ -49,6 +49,7 @@ from proxy.sessions import (
     anchor_of,
     dump_items,
     explicit_session_id,
+    extra_parts,
     new_session_id,
     realigned,
     shared_prefix,
@@ -946,7 +947,10 @@ class ChatPipeline:
                 # every call of a classifier loop sends, each call a session of its own) is
                 # that body's, counted there.
                 held = new
-            self.sessions.weigh(state, held[0], held[1], new, anchor)
+            parts = extra_parts(messages, new[1], state)
+            if held is new:
+                parts = (parts[1], parts[1])
+            self.sessions.weigh(state, held[0], held[1], new, anchor, parts)
             if memo_key is not None:
                 self.remember_body(memo_key, raw, body, parsed, now, state)
             ex.session_id, ex.session = state.id, state

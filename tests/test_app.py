@@ -425,6 +425,35 @@ def test_a_history_of_many_short_messages_is_weighed_by_its_messages(
     assert proxy.metric("cachegate_sessions_memory_bytes") >= 2001 * BYTES_HELD_PER_MESSAGE
 
 
+def test_a_history_of_many_content_parts_is_weighed_by_its_parts(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """Messages of ten short text parts each: every part is a dict of its own (parsed,
+    fingerprinted, copied), ~360 bytes more a part by tracemalloc; counted by message alone,
+    a 20 MiB budget held ~63 MiB of such sessions. Turn after turn, what the history carries
+    on is counted as it was, the appended messages' parts counted anew."""
+    from proxy.sessions import BYTES_HELD_PER_MESSAGE, BYTES_HELD_PER_PART
+
+    proxy = proxy_factory(sim.api_base)
+    client = sdk(proxy.base_url)
+
+    def message(i: int) -> dict[str, Any]:
+        parts = [{"type": "text", "text": f"p{i}.{k}"} for k in range(10)]
+        return {"role": "user" if i % 2 == 0 else "assistant", "content": parts}
+
+    history = [message(i) for i in range(1001)]
+    for turn in range(3):
+        client.chat.completions.create(
+            model="gpt-4o", messages=history, extra_headers={"X-Session-Id": "parts"}
+        )
+        assert httpx.get(proxy.url + "/metrics").status_code == 200
+        held = proxy.metric("cachegate_sessions_memory_bytes")
+        parts = sum(len(m["content"]) - 1 for m in history if isinstance(m["content"], list))
+        floor = len(history) * BYTES_HELD_PER_MESSAGE + parts * BYTES_HELD_PER_PART
+        assert held >= floor, (turn, held, floor)
+        history += [{"role": "assistant", "content": "ok"}, message(len(history) + 1)]
+
+
 @pytest.mark.parametrize("spliced", [True, False], ids=["memo-spliced", "parsed-whole"])
 def test_histories_that_do_not_continue_one_another_each_count_toward_the_memory_budget(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any, spliced: bool

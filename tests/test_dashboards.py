@@ -197,14 +197,16 @@ def test_latency_panels_show_model_requests_only() -> None:
 def test_the_session_memory_panel_gives_the_estimate_the_code_makes() -> None:
     """The panel's description, and the example configuration's comment, said 768 bytes a
     message after the estimate became 1,152."""
-    from proxy.sessions import BYTES_HELD_PER_MESSAGE
+    from proxy.sessions import BYTES_HELD_PER_MESSAGE, BYTES_HELD_PER_PART
 
     figure = f"{BYTES_HELD_PER_MESSAGE:,} bytes"
+    part = f"{BYTES_HELD_PER_PART:,}"
     panels = [
         p
         for p in load(DASHBOARDS / "cachegate.json")["panels"]
         if any("cachegate_sessions_memory_bytes" in t.get("expr", "") for t in p.get("targets", []))
     ]
     assert panels and all(figure in p["description"] for p in panels)
+    assert all(f"{part} per content part" in p["description"] for p in panels)
     example = (DASHBOARDS.parent / "config" / "cachegate.example.toml").read_text()
-    assert f"{figure} a message" in example
+    assert f"{figure} a message and {part} a content part" in example

@@ -755,6 +755,50 @@ def test_items_told_by_their_json_share_what_a_comparison_finds(
     assert shared_prefix(old, new, (dump_items(old), dump_items(new))) == shared_prefix(old, new)
 
 
+def test_the_estimate_per_part_covers_what_a_history_of_many_parts_holds() -> None:
+    """Messages of ten short text parts: what their parse and fingerprint hold, with the body's
+    bytes, is within what a message and its nine parts past the first are counted at."""
+    import gc
+    import tracemalloc
+    from typing import Any
+
+    import orjson
+
+    from proxy import prefix
+    from proxy.sessions import BYTES_HELD_PER_PART
+
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": [{"type": "text", "text": f"p{i}.{k}"} for k in range(10)]}
+        for i in range(2000)
+    ]
+    raw = orjson.dumps({"model": "gpt-4o", "messages": messages})
+    gc.collect()
+    tracemalloc.start()
+    try:
+        body = orjson.loads(raw)
+        fingerprint = prefix.fingerprint(body)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert fingerprint is not None
+    per_message = (held + len(raw)) / len(messages)
+    assert per_message <= BYTES_HELD_PER_MESSAGE + 9 * BYTES_HELD_PER_PART, per_message
+
+
+def test_parts_are_counted_in_what_a_turn_appends_and_carried_for_the_rest() -> None:
+    from proxy.sessions import SessionState, extra_parts
+
+    state = SessionState("s", 0.0, 0.0)
+    three = {"role": "user", "content": [{"type": "text", "text": "a"}] * 3}
+    one = {"role": "assistant", "content": "ok"}
+    history: list[object] = [three] * 10
+    assert extra_parts(history, 10, state) == (20, 20)
+    history += [one, three]
+    assert extra_parts(history, 2, state) == (22, 2)  # 20 carried, 2 counted
+    assert extra_parts(history[:6], 0, state) == (11, 0)  # a rewind: the share carried
+    assert extra_parts("not a list", 3, state) == (0, 0)
+
+
 def test_the_estimate_per_message_covers_what_a_tool_call_history_holds() -> None:
     """An agent's history of tool calls and short results (~120 bytes a message): its parse and
     its fingerprint alone, measured by tracemalloc, with the body memo's copy of its bytes,
