@@ -45,6 +45,7 @@ from proxy.errors import (
     bad_request,
     body_cut,
     http_date,
+    shutting_down,
     too_large,
     websocket_unsupported,
 )
@@ -636,9 +637,19 @@ class Gateway:
                 content, read = raw, False
                 if ex.body is not None:
                     ex.body = ex.client_body  # (logged as the client sent it: it goes so)
-        except ProxyError as err:
+        except (ProxyError, asyncio.CancelledError) as caught:
+            if isinstance(caught, ProxyError):
+                err = caught
+            else:  # cachegate stopping, its grace period over, while the body still came
+                task = asyncio.current_task()
+                if task is None:
+                    raise
+                task.uncancel()  # (said as on the chat route: uvicorn's plain-text 500 was sent)
+                err = shutting_down()
+                ex.stopped = True
             ex.status, ex.error = err.status, err.message
-            ex.interrupted = err.status == CLIENT_CLOSED  # the client left while sending it
+            # the client left while sending it, or cachegate stopped
+            ex.interrupted = err.status == CLIENT_CLOSED or ex.stopped
             if ex.session is None and ex.session_id is not None:
                 # Refused before its session was found (too large, the client gone during its
                 # upload): in the log of the session it named if that one is held, numbered

@@ -1341,12 +1341,14 @@ def test_a_request_the_upstream_has_not_answered_gets_a_503_when_cachegate_stops
     assert response["error"] == error["message"]  # what the client was told
 
 
+@pytest.mark.parametrize("path", ["chat/completions", "responses"])
 def test_a_request_stopped_during_its_upload_is_logged_in_the_session_it_named(
-    tmp_path: Path,
+    tmp_path: Path, path: str
 ) -> None:
     """cachegate stopping while a request's body still arrives: the client gets the 503, and the
     held session the request named has it in its log, as it has a refusal or the client leaving
-    at that point (the line was missing: nothing had resolved the session yet)."""
+    at that point (the line was missing: nothing had resolved the session yet). A Responses
+    API request got uvicorn's plain-text 500, and no line."""
     log_dir = tmp_path / "logs"
     with (
         run_simulator(SimConfig()) as sim,
@@ -1359,7 +1361,7 @@ def test_a_request_stopped_during_its_upload_is_logged_in_the_session_it_named(
         port = int(url.split(":")[2].split("/")[0])
         with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
             client.sendall(
-                b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                f"POST /v1/{path} HTTP/1.1\r\n".encode() + b"host: 127.0.0.1\r\n"
                 b"x-session-id: held\r\ncontent-type: application/json\r\n"
                 b'content-length: 500\r\n\r\n{"model"'
             )
