@@ -272,6 +272,24 @@ def _json_tokens(obj: Any) -> int:
     return -(-max(size, 0) // BYTES_PER_TOKEN)
 
 
+_IMAGE_PART_TYPES: Final = frozenset({"image_url", "input_image", "image"})
+
+
+def image_weighed_tokens(obj: Any) -> int:
+    """``estimate_tokens`` of one tool or message with its images alone counted by their size
+    (``media_part_tokens``), a file or audio part by its bytes: a document of unknown pages
+    counted at a flat 1,600 tokens, where a PDF of 25 pages is ~50,000, made a share of the
+    prompt weighed so read the rest of it as 80% where it was 12%."""
+    size = json_size(obj)
+    content = obj.get("content") if isinstance(obj, dict) else None
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind in _IMAGE_PART_TYPES:
+                size += media_part_tokens(part) * BYTES_PER_TOKEN - json_size(part)
+    return -(-max(size, 0) // BYTES_PER_TOKEN)
+
+
 # OpenAI's price of an image sent with "detail": "low", whatever its size
 LOW_DETAIL_IMAGE_TOKENS = 85
 

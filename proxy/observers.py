@@ -446,8 +446,9 @@ def _hour_writes(usage: Usage, body: Any) -> Usage:
         hour = usage.cache_write
     else:
         # (weighed as the provider counts: an image by its pixels, not by its base64, which
-        # took the hour's share of a screenshot's turn from ~90% to 6%)
-        longer = prefix.longer_lived_share(body, last, compaction.estimate_tokens)
+        # took the hour's share of a screenshot's turn from ~90% to 6%; a document, whose
+        # pages are not known, by its bytes)
+        longer = prefix.longer_lived_share(body, last, compaction.image_weighed_tokens)
         if longer is None or longer[0] < 3600:
             return usage
         # (the share of the whole prompt: a tail past the last breakpoint, neither read nor

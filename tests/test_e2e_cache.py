@@ -2671,6 +2671,56 @@ def test_claudes_one_hour_writes_through_openrouter_beside_a_screenshot(
     assert low < line["cost"]["actual"] <= high
 
 
+def test_claudes_one_hour_writes_through_openrouter_beside_a_document(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A system prompt marked for an hour, then a PDF of ~25 pages and a question marked for
+    five minutes: a document's pages are not known, and weighed at a flat 1,600 tokens its
+    message made the hour's share of the writes 80% where it was ~12% (that turn's writes
+    ~38% over their bill). A document is weighed by its bytes."""
+    import base64
+    import random
+
+    document = base64.b64encode(random.Random(7).randbytes(500_000)).decode()
+    answer = (
+        b'{"id":"gen-1","object":"chat.completion","model":"anthropic/claude-sonnet-4.5",'
+        b'"choices":[{"index":0,"message":{"role":"assistant","content":"ok"},'
+        b'"finish_reason":"stop"}],"usage":{"prompt_tokens":56700,"completion_tokens":10,'
+        b'"prompt_tokens_details":{"cached_tokens":0,"cache_write_tokens":56690}}}'
+    )
+    _upstream, url = scripted(chunks=[answer], content_type=b"application/json")
+    proxy = proxy_factory(url, config())
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "or-document"})
+    hour = {"type": "ephemeral", "ttl": "1h"}
+    pdf = {
+        "type": "file",
+        "file": {"filename": "spec.pdf", "file_data": f"data:application/pdf;base64,{document}"},
+    }
+    messages = [
+        {
+            "role": "system",
+            "content": [
+                {"type": "text", "text": "You follow the rules. " * 1200, "cache_control": hour}
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                pdf,
+                {"type": "text", "text": "Summarize it.", "cache_control": {"type": "ephemeral"}},
+            ],
+        },
+    ]
+    chat(client, messages, model="anthropic/claude-sonnet-4.5", stream=False)
+    flush(proxy)
+    (line,) = events(proxy.log_dir, "or-document", "response")
+    written, fresh, output = 56690, 10, 10 * 15.00
+    # the system prompt is ~6,600 tokens of the 56,700: a quarter of the writes an hour's, at most
+    high = (0.25 * written * 6.00 + 0.75 * written * 3.75 + fresh * 3.00 + output) / 1e6
+    low = (written * 3.75 + fresh * 3.00 + output) / 1e6
+    assert low <= line["cost"]["actual"] < high
+
+
 def _three_turns_the_last_with_the_time_in_its_prompt(client: Any, model: str) -> None:
     """A conversation of three turns on a system prompt well past 1,024 tokens; the third turn
     puts the time at its start (a rewrite the provider misses)."""
