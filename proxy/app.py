@@ -580,8 +580,9 @@ class Gateway:
         items = body.get("input")
         count = len(items) if isinstance(items, list) else 0
         new = (size * (count - shared) // count if count else size, count - shared)
-        parts = extra_parts(items, new[1], state)
-        self.sessions.weigh(state, size, count, new, anchor_of(items), parts)
+        anchor = anchor_of(items)
+        parts = extra_parts(items, new[1], state, anchor)
+        self.sessions.weigh(state, size, count, new, anchor, parts)
         ex.session_id, ex.session = state.id, state
         ex.exchange_id = state.next_exchange()
         return state

@@ -947,7 +947,7 @@ class ChatPipeline:
                 # every call of a classifier loop sends, each call a session of its own) is
                 # that body's, counted there.
                 held = new
-            parts = extra_parts(messages, new[1], state)
+            parts = extra_parts(messages, new[1], state, anchor)
             if held is new:
                 parts = (parts[1], parts[1])
             self.sessions.weigh(state, held[0], held[1], new, anchor, parts)

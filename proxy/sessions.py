@@ -427,11 +427,18 @@ BYTES_HELD_PER_MESSAGE = 1152
 BYTES_HELD_PER_PART = 384
 
 
-def extra_parts(messages: Any, new: int, state: SessionState) -> tuple[int, int]:
+# The histories (by their anchor) whose content parts a session's store keeps (``extra_parts``)
+PART_HISTORIES_KEPT = 8
+
+
+def extra_parts(
+    messages: Any, new: int, state: SessionState, anchor: Any = None
+) -> tuple[int, int]:
     """Content parts past each message's first, for ``weigh``: of the ``new`` last messages,
     counted (a loop over what was appended only), and of them all: those counted, plus the
-    share of the session's last request's that the messages carried on from it stand for
-    (kept on ``state``)."""
+    share of the parts of the history's last request (its ``anchor``, as ``weigh`` tells a
+    history: a title request or a sub-agent between two turns is another's) that the messages
+    carried on from it stand for (kept on ``state``, for its last few histories)."""
     if not isinstance(messages, list):
         return 0, 0
     count = len(messages)
@@ -441,14 +448,20 @@ def extra_parts(messages: Any, new: int, state: SessionState) -> tuple[int, int]
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list) and len(content) > 1:
             counted += len(content) - 1
-    extra = state.extra
-    last = extra.get("parts")
+    kept: dict[int, tuple[Any, int, int]] | None = state.extra.get("parts")
+    key = id(anchor)
+    last = kept.get(key) if kept is not None else None
     carried = 0
-    if last is not None and last[0]:
-        carried = last[1] * min(count - new, last[0]) // last[0]
+    if last is not None and last[0] is anchor and last[1]:
+        carried = last[2] * min(count - new, last[1]) // last[1]
     whole = carried + counted
     if whole or last is not None:
-        extra["parts"] = (count, whole)
+        if kept is None:
+            kept = state.extra["parts"] = {}
+        kept.pop(key, None)
+        kept[key] = (anchor, count, whole)
+        if len(kept) > PART_HISTORIES_KEPT:
+            del kept[next(iter(kept))]
     return whole, counted
 
 

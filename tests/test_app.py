@@ -431,8 +431,9 @@ def test_a_history_of_many_content_parts_is_weighed_by_its_parts(
     """Messages of ten short text parts each: every part is a dict of its own (parsed,
     fingerprinted, copied), ~360 bytes more a part by tracemalloc; counted by message alone,
     a 20 MiB budget held ~63 MiB of such sessions. Turn after turn, what the history carries
-    on is counted as it was, the appended messages' parts counted anew."""
-    from proxy.sessions import BYTES_HELD_PER_MESSAGE, BYTES_HELD_PER_PART
+    on is counted as it was, the appended messages' parts counted anew, whatever other
+    requests of the session came between (a title request's none were carried onto it)."""
+    from proxy.sessions import BYTES_HELD_PER_MESSAGE, BYTES_HELD_PER_PART, SIZES_KEPT
 
     proxy = proxy_factory(sim.api_base)
     client = sdk(proxy.base_url)
@@ -441,10 +442,16 @@ def test_a_history_of_many_content_parts_is_weighed_by_its_parts(
         parts = [{"type": "text", "text": f"p{i}.{k}"} for k in range(10)]
         return {"role": "user" if i % 2 == 0 else "assistant", "content": parts}
 
-    history = [message(i) for i in range(1001)]
-    for turn in range(3):
+    history = [message(i) for i in range(501)]
+    for turn in range(SIZES_KEPT + 2):  # (past the requests the estimate looks back on)
         client.chat.completions.create(
             model="gpt-4o", messages=history, extra_headers={"X-Session-Id": "parts"}
+        )
+        # a title request between the turns (another history: its parts are its own)
+        client.chat.completions.create(
+            model="gpt-4o",
+            messages=[{"role": "user", "content": f"A title for this, please ({turn})."}],
+            extra_headers={"X-Session-Id": "parts"},
         )
         assert httpx.get(proxy.url + "/metrics").status_code == 200
         held = proxy.metric("cachegate_sessions_memory_bytes")

@@ -797,6 +797,15 @@ def test_parts_are_counted_in_what_a_turn_appends_and_carried_for_the_rest() -> 
     assert extra_parts(history, 2, state) == (22, 2)  # 20 carried, 2 counted
     assert extra_parts(history[:6], 0, state) == (11, 0)  # a rewind: the share carried
     assert extra_parts("not a list", 3, state) == (0, 0)
+    # per history: a title request between two turns carries nothing onto the next turn
+    state = SessionState("s", 0.0, 0.0)
+    anchor: dict[str, object] = {"role": "user", "content": [{"type": "text", "text": "t"}] * 3}
+    history = [anchor, *[three] * 9]
+    assert extra_parts(history, 10, state, anchor) == (20, 20)
+    title = {"role": "user", "content": "a title, please"}
+    assert extra_parts([title], 1, state, title) == (0, 0)
+    history += [one, three]
+    assert extra_parts(history, 2, state, anchor) == (22, 2)  # (the title's 0 not carried)
 
 
 def test_the_estimate_per_message_covers_what_a_tool_call_history_holds() -> None:
