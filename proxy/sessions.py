@@ -451,8 +451,12 @@ def extra_parts(
     kept: dict[int, tuple[Any, int, int]] | None = state.extra.get("parts")
     key = id(anchor)
     last = kept.get(key) if kept is not None else None
+    if (last is None or last[0] is not anchor) and kept and new < count:
+        # a history parsed anew (its anchor another object): what it shares, it shares with
+        # the session's last request (``new`` is counted so)
+        last = next(reversed(kept.values()))
     carried = 0
-    if last is not None and last[0] is anchor and last[1]:
+    if last is not None and last[1]:
         carried = last[2] * min(count - new, last[1]) // last[1]
     whole = carried + counted
     if whole or last is not None:

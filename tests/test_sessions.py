@@ -806,6 +806,9 @@ def test_parts_are_counted_in_what_a_turn_appends_and_carried_for_the_rest() -> 
     assert extra_parts([title], 1, state, title) == (0, 0)
     history += [one, three]
     assert extra_parts(history, 2, state, anchor) == (22, 2)  # (the title's 0 not carried)
+    # parsed anew (its anchor another object), it shares what it shares with the last request
+    again = [dict(anchor), *history[1:], one, three]
+    assert extra_parts(again, 2, state, again[0]) == (24, 2)
 
 
 def test_the_estimate_per_message_covers_what_a_tool_call_history_holds() -> None:
