@@ -2580,6 +2580,47 @@ def test_claudes_one_hour_writes_through_openrouter_are_priced_as_an_hours(
         assert (0.9 * hour + output) / 1e6 < line["cost"]["actual"] < (hour + output) / 1e6
 
 
+_HOUR = {"type": "ephemeral", "ttl": "1h"}
+
+
+def _hour_system(text: str) -> dict[str, Any]:
+    """A system prompt marked for an hour."""
+    return {"role": "system", "content": [{"type": "text", "text": text, "cache_control": _HOUR}]}
+
+
+def _marked(*parts: dict[str, Any], text: str) -> dict[str, Any]:
+    """A user message of ``parts`` and ``text``, marked for five minutes at its end."""
+    last = {"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}
+    return {"role": "user", "content": [*parts, last]}
+
+
+def _priced_through_openrouter(
+    scripted: Any, proxy_factory: Any, messages: list[Any], prompt: int, written: int
+) -> float:
+    """The logged cost of ``messages`` sent to Claude through an OpenRouter-like upstream that
+    answers ``prompt`` tokens, ``written`` of them written to the cache as one total."""
+    answer = (
+        b'{"id":"gen-1","object":"chat.completion","model":"anthropic/claude-sonnet-4.5",'
+        b'"choices":[{"index":0,"message":{"role":"assistant","content":"ok"},'
+        b'"finish_reason":"stop"}],"usage":{"prompt_tokens":%d,"completion_tokens":10,'
+        b'"prompt_tokens_details":{"cached_tokens":0,"cache_write_tokens":%d}}}'
+    ) % (prompt, written)
+    _upstream, url = scripted(chunks=[answer], content_type=b"application/json")
+    proxy = proxy_factory(url, config())
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "or-share"})
+    chat(client, messages, model="anthropic/claude-sonnet-4.5", stream=False)
+    flush(proxy)
+    (line,) = events(proxy.log_dir, "or-share", "response")
+    return float(line["cost"]["actual"])
+
+
+def _bill(written: int, hour_share: float, fresh: int) -> float:
+    """Claude Sonnet 4.5's bill (USD) for ``written`` cache writes, ``hour_share`` of them an
+    hour's, ``fresh`` input tokens and 10 of output."""
+    five, hour = written * (1 - hour_share) * 3.75, written * hour_share * 6.00
+    return (five + hour + fresh * 3.00 + 10 * 15.00) / 1e6
+
+
 def test_claudes_one_hour_writes_through_openrouter_with_a_tail_past_the_last_breakpoint(
     scripted: Any, proxy_factory: Any
 ) -> None:
@@ -2587,38 +2628,15 @@ def test_claudes_one_hour_writes_through_openrouter_with_a_tail_past_the_last_br
     breakpoint covers (written to no cache): the hour's share of the writes was taken of the
     reads and writes alone, not of the whole prompt, so the tail halved it here (3,050 of the
     6,179 tokens written taken as an hour's, where ~6,030 were: the answer 8% under its bill)."""
-    answer = (
-        b'{"id":"gen-1","object":"chat.completion","model":"anthropic/claude-sonnet-4.5",'
-        b'"choices":[{"index":0,"message":{"role":"assistant","content":"ok"},'
-        b'"finish_reason":"stop"}],"usage":{"prompt_tokens":12207,"completion_tokens":10,'
-        b'"prompt_tokens_details":{"cached_tokens":0,"cache_write_tokens":6179}}}'
-    )
-    _upstream, url = scripted(chunks=[answer], content_type=b"application/json")
-    proxy = proxy_factory(url, config())
-    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "or-tail"})
-    hour = {"type": "ephemeral", "ttl": "1h"}
     messages = [
-        {
-            "role": "system",
-            "content": [{"type": "text", "text": "one hour rules. " * 1500, "cache_control": hour}],
-        },
-        {
-            "role": "user",
-            "content": [
-                {"type": "text", "text": "hello " * 100, "cache_control": {"type": "ephemeral"}}
-            ],
-        },
+        _hour_system("one hour rules. " * 1500),
+        _marked(text="hello " * 100),
         {"role": "assistant", "content": "Reading the log."},
         {"role": "user", "content": "tail text. " * 2180},
     ]
-    chat(client, messages, model="anthropic/claude-sonnet-4.5", stream=False)
-    flush(proxy)
-    (line,) = events(proxy.log_dir, "or-tail", "response")
-    written, fresh, output = 6179, 12207 - 6179, 10 * 15.00
+    cost = _priced_through_openrouter(scripted, proxy_factory, messages, 12207, 6179)
     # the system prompt is ~97% of what was written: so, about, of the hour's writes
-    low = (0.9 * written * 6.00 + 0.1 * written * 3.75 + fresh * 3.00 + output) / 1e6
-    high = (written * 6.00 + fresh * 3.00 + output) / 1e6
-    assert low < line["cost"]["actual"] <= high
+    assert _bill(6179, 0.9, 12207 - 6179) < cost <= _bill(6179, 1.0, 12207 - 6179)
 
 
 def test_claudes_one_hour_writes_through_openrouter_beside_a_screenshot(
@@ -2630,45 +2648,15 @@ def test_claudes_one_hour_writes_through_openrouter_beside_a_screenshot(
     bill). Weighed as the provider counts, an image by its pixels."""
     from tests.test_media import png, url_part
 
-    answer = (
-        b'{"id":"gen-1","object":"chat.completion","model":"anthropic/claude-sonnet-4.5",'
-        b'"choices":[{"index":0,"message":{"role":"assistant","content":"ok"},'
-        b'"finish_reason":"stop"}],"usage":{"prompt_tokens":7100,"completion_tokens":10,'
-        b'"prompt_tokens_details":{"cached_tokens":0,"cache_write_tokens":7090}}}'
-    )
-    _upstream, url = scripted(chunks=[answer], content_type=b"application/json")
-    proxy = proxy_factory(url, config())
-    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "or-image"})
-    hour = {"type": "ephemeral", "ttl": "1h"}
     screenshot = url_part(png(1000, 800, noisy_rows=800))
     assert len(screenshot["image_url"]["url"]) > 200_000
     messages = [
-        {
-            "role": "system",
-            "content": [
-                {"type": "text", "text": "You follow the rules. " * 1200, "cache_control": hour}
-            ],
-        },
-        {
-            "role": "user",
-            "content": [
-                screenshot,
-                {
-                    "type": "text",
-                    "text": "What is wrong here?",
-                    "cache_control": {"type": "ephemeral"},
-                },
-            ],
-        },
+        _hour_system("You follow the rules. " * 1200),
+        _marked(screenshot, text="What is wrong here?"),
     ]
-    chat(client, messages, model="anthropic/claude-sonnet-4.5", stream=False)
-    flush(proxy)
-    (line,) = events(proxy.log_dir, "or-image", "response")
-    written, fresh, output = 7090, 10, 10 * 15.00
+    cost = _priced_through_openrouter(scripted, proxy_factory, messages, 7100, 7090)
     # the system prompt is ~90% of the prompt by the provider's count (the image ~765 tokens)
-    low = (0.8 * written * 6.00 + 0.2 * written * 3.75 + fresh * 3.00 + output) / 1e6
-    high = (written * 6.00 + fresh * 3.00 + output) / 1e6
-    assert low < line["cost"]["actual"] <= high
+    assert _bill(7090, 0.8, 10) < cost <= _bill(7090, 1.0, 10)
 
 
 def test_claudes_one_hour_writes_through_openrouter_beside_a_document(
@@ -2682,43 +2670,14 @@ def test_claudes_one_hour_writes_through_openrouter_beside_a_document(
     import random
 
     document = base64.b64encode(random.Random(7).randbytes(500_000)).decode()
-    answer = (
-        b'{"id":"gen-1","object":"chat.completion","model":"anthropic/claude-sonnet-4.5",'
-        b'"choices":[{"index":0,"message":{"role":"assistant","content":"ok"},'
-        b'"finish_reason":"stop"}],"usage":{"prompt_tokens":56700,"completion_tokens":10,'
-        b'"prompt_tokens_details":{"cached_tokens":0,"cache_write_tokens":56690}}}'
-    )
-    _upstream, url = scripted(chunks=[answer], content_type=b"application/json")
-    proxy = proxy_factory(url, config())
-    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "or-document"})
-    hour = {"type": "ephemeral", "ttl": "1h"}
     pdf = {
         "type": "file",
         "file": {"filename": "spec.pdf", "file_data": f"data:application/pdf;base64,{document}"},
     }
-    messages = [
-        {
-            "role": "system",
-            "content": [
-                {"type": "text", "text": "You follow the rules. " * 1200, "cache_control": hour}
-            ],
-        },
-        {
-            "role": "user",
-            "content": [
-                pdf,
-                {"type": "text", "text": "Summarize it.", "cache_control": {"type": "ephemeral"}},
-            ],
-        },
-    ]
-    chat(client, messages, model="anthropic/claude-sonnet-4.5", stream=False)
-    flush(proxy)
-    (line,) = events(proxy.log_dir, "or-document", "response")
-    written, fresh, output = 56690, 10, 10 * 15.00
+    messages = [_hour_system("You follow the rules. " * 1200), _marked(pdf, text="Summarize it.")]
+    cost = _priced_through_openrouter(scripted, proxy_factory, messages, 56700, 56690)
     # the system prompt is ~6,600 tokens of the 56,700: a quarter of the writes an hour's, at most
-    high = (0.25 * written * 6.00 + 0.75 * written * 3.75 + fresh * 3.00 + output) / 1e6
-    low = (written * 3.75 + fresh * 3.00 + output) / 1e6
-    assert low <= line["cost"]["actual"] < high
+    assert _bill(56690, 0.0, 10) <= cost < _bill(56690, 0.25, 10)
 
 
 def _three_turns_the_last_with_the_time_in_its_prompt(client: Any, model: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -755,22 +756,16 @@ def test_items_told_by_their_json_share_what_a_comparison_finds(
     assert shared_prefix(old, new, (dump_items(old), dump_items(new))) == shared_prefix(old, new)
 
 
-def test_the_estimate_per_part_covers_what_a_history_of_many_parts_holds() -> None:
-    """Messages of ten short text parts: what their parse and fingerprint hold, with the body's
-    bytes, is within what a message and its nine parts past the first are counted at."""
+def _held_per_message(messages: list[Any]) -> float:
+    """What a chat body of ``messages`` holds per message, parsed and fingerprinted (by
+    tracemalloc), with its raw bytes (the body memo's copy)."""
     import gc
     import tracemalloc
-    from typing import Any
 
     import orjson
 
     from proxy import prefix
-    from proxy.sessions import BYTES_HELD_PER_PART
 
-    messages: list[dict[str, Any]] = [
-        {"role": "user", "content": [{"type": "text", "text": f"p{i}.{k}"} for k in range(10)]}
-        for i in range(2000)
-    ]
     raw = orjson.dumps({"model": "gpt-4o", "messages": messages})
     gc.collect()
     tracemalloc.start()
@@ -781,7 +776,19 @@ def test_the_estimate_per_part_covers_what_a_history_of_many_parts_holds() -> No
     finally:
         tracemalloc.stop()
     assert fingerprint is not None
-    per_message = (held + len(raw)) / len(messages)
+    return (held + len(raw)) / len(messages)
+
+
+def test_the_estimate_per_part_covers_what_a_history_of_many_parts_holds() -> None:
+    """Messages of ten short text parts: what their parse and fingerprint hold, with the body's
+    bytes, is within what a message and its nine parts past the first are counted at."""
+    from proxy.sessions import BYTES_HELD_PER_PART
+
+    messages: list[Any] = [
+        {"role": "user", "content": [{"type": "text", "text": f"p{i}.{k}"} for k in range(10)]}
+        for i in range(2000)
+    ]
+    per_message = _held_per_message(messages)
     assert per_message <= BYTES_HELD_PER_MESSAGE + 9 * BYTES_HELD_PER_PART, per_message
 
 
@@ -816,30 +823,14 @@ def test_the_estimate_per_message_covers_what_a_tool_call_history_holds() -> Non
     its fingerprint alone, measured by tracemalloc, with the body memo's copy of its bytes,
     held more per message than the estimate counted (768 bytes), so a 100 MiB
     ``sessions.max_memory_mb`` held ~150 MiB of such sessions."""
-    import gc
-    import tracemalloc
-    from typing import Any
-
     import orjson
 
-    from proxy import prefix
-
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."}]
+    messages: list[Any] = [{"role": "system", "content": "You are an agent."}]
     for i in range(3000):
         arguments = orjson.dumps({"path": f"src/m{i}.py"}).decode()
         call = {"id": f"call_{i:06d}", "type": "function"}
         call["function"] = {"name": "read_file", "arguments": arguments}
         messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         messages.append({"role": "tool", "tool_call_id": call["id"], "content": f"ok: {i} lines"})
-    raw = orjson.dumps({"model": "gpt-4o", "messages": messages})
-    gc.collect()
-    tracemalloc.start()
-    try:
-        body = orjson.loads(raw)
-        fingerprint = prefix.fingerprint(body)
-        held = tracemalloc.get_traced_memory()[0]
-    finally:
-        tracemalloc.stop()
-    assert fingerprint is not None
-    per_message = (held + len(raw)) / len(messages)
+    per_message = _held_per_message(messages)
     assert per_message <= BYTES_HELD_PER_MESSAGE, per_message
