@@ -1749,10 +1749,15 @@ def _in_client_terms(
             at = i if k == index else i + 1
             break
     field = divergence.field
-    if field == "content" and at < len(client) and position.get(id(forwarded[index])) is None:
+    if (
+        field == "content"
+        and index < len(forwarded)
+        and at < len(client)
+        and position.get(id(forwarded[index])) is None
+    ):
         # a Responses API output the repair sent as a user message (an orphan): its text is
         # the client's item's ``output`` (a tool search's ``tools``), which it changed
-        item = client[at] if index < len(forwarded) else None
+        item = client[at]
         kind = item.get("type") if isinstance(item, dict) else None
         if isinstance(kind, str) and kind.endswith("_output"):
             field = "tools" if kind == "tool_search_output" else "output"
