@@ -279,10 +279,18 @@ _IMAGE_PART_TYPES: Final = frozenset({"image_url", "input_image", "image"})
 
 def image_weighed_tokens(obj: Any) -> int:
     """``estimate_tokens`` of one tool or message with its images alone counted by their size
-    (``media_part_tokens``), a file or audio part by its bytes: a document of unknown pages
+    (``media_part_tokens``), a file or audio part by its bytes, but no less than
+    ``MEDIA_PART_TOKENS`` (one by URL or file id has few bytes): a document of unknown pages
     counted at a flat 1,600 tokens, where a PDF of 25 pages is ~50,000, made a share of the
     prompt weighed so read the rest of it as 80% where it was 12%."""
-    return _json_tokens(obj, _IMAGE_PART_TYPES)
+    tokens = _json_tokens(obj, _IMAGE_PART_TYPES)
+    content = obj.get("content") if isinstance(obj, dict) else None
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind in MEDIA_PART_TYPES and kind not in _IMAGE_PART_TYPES:
+                tokens += max(0, MEDIA_PART_TOKENS - -(-json_size(part) // BYTES_PER_TOKEN))
+    return tokens
 
 
 # OpenAI's price of an image sent with "detail": "low", whatever its size

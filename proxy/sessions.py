@@ -427,8 +427,9 @@ BYTES_HELD_PER_MESSAGE = 1152
 BYTES_HELD_PER_PART = 384
 
 
-# The histories (by their anchor) whose content parts a session's store keeps (``extra_parts``)
-PART_HISTORIES_KEPT = 8
+# The histories (by their anchor) whose content parts a session's store keeps (``extra_parts``):
+# those with any (a sub-agent's of plain text takes no place)
+PART_HISTORIES_KEPT = 32
 
 
 def extra_parts(
@@ -437,8 +438,10 @@ def extra_parts(
     """Content parts past each message's first, for ``weigh``: of the ``new`` last messages,
     counted (a loop over what was appended only), and of them all: those counted, plus the
     share of the parts of the history's last request (its ``anchor``, as ``weigh`` tells a
-    history: a title request or a sub-agent between two turns is another's) that the messages
-    carried on from it stand for (kept on ``state``, for its last few histories)."""
+    history: a title request or sub-agents between two turns are others') that the messages
+    carried on from it stand for, or where the history was parsed anew (its anchor another
+    object), of the session's last request, with which its shared messages were counted (kept
+    on ``state``: the latest request's, and those of the last histories that had parts)."""
     if not isinstance(messages, list):
         return 0, 0
     count = len(messages)
@@ -448,24 +451,28 @@ def extra_parts(
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list) and len(content) > 1:
             counted += len(content) - 1
-    kept: dict[int, tuple[Any, int, int]] | None = state.extra.get("parts")
+    extra = state.extra
+    kept: dict[int, tuple[Any, int, int]] | None = extra.get("parts")
     key = id(anchor)
-    last = kept.get(key) if kept is not None else None
-    if (last is None or last[0] is not anchor) and kept and new < count:
-        # a history parsed anew (its anchor another object): what it shares, it shares with
-        # the session's last request (``new`` is counted so)
-        last = next(reversed(kept.values()))
+    held = kept.get(key) if kept is not None else None
+    last: tuple[Any, int, int] | None = held if held is not None and held[0] is anchor else None
+    if last is None and new < count:
+        last = extra.get("parts_last")
     carried = 0
     if last is not None and last[1]:
         carried = last[2] * min(count - new, last[1]) // last[1]
     whole = carried + counted
-    if whole or last is not None:
+    if whole or "parts_last" in extra:
+        extra["parts_last"] = (anchor, count, whole)
+    if whole:
         if kept is None:
-            kept = state.extra["parts"] = {}
+            kept = extra["parts"] = {}
         kept.pop(key, None)
         kept[key] = (anchor, count, whole)
         if len(kept) > PART_HISTORIES_KEPT:
             del kept[next(iter(kept))]
+    elif held is not None and kept is not None:
+        del kept[key]  # (a history that has none now: its place is not kept)
     return whole, counted
 
 

@@ -649,6 +649,32 @@ def test_an_image_counts_as_an_image_not_as_its_base64() -> None:
     assert 85 < estimate_tokens([{**message, "content": [low]}]) < 100  # OpenAI's 85
 
 
+def test_the_hour_shares_weight_counts_images_by_pixels_and_documents_by_bytes_or_more() -> None:
+    """The weight the hour's share of Claude's cache writes is read by: an image by its size,
+    an inline document by its bytes (a flat 1,600 made a ~25-page PDF's share 80% where it was
+    ~12%), a document by URL or file id no less than 1,600 (its few bytes made it weigh ~40
+    tokens: the share ~99%)."""
+    from proxy.compaction import MEDIA_PART_TOKENS, image_weighed_tokens
+
+    def user(part: dict[str, Any]) -> dict[str, Any]:
+        return {"role": "user", "content": [part, {"type": "text", "text": "Summarize it."}]}
+
+    inline = "data:application/pdf;base64," + "JVBERi0xLjcK" * 50_000  # ~600 KB
+    by_bytes = image_weighed_tokens(user({"type": "file", "file": {"file_data": inline}}))
+    assert 600_000 // 4 < by_bytes < 600_000 // 4 + 100
+    for referenced in (
+        {"type": "file", "file": {"file_data": "https://example.com/spec.pdf"}},
+        {"type": "file", "file": {"file_id": "file-abc123"}},
+    ):
+        weight = image_weighed_tokens(user(referenced))
+        assert MEDIA_PART_TOKENS <= weight < MEDIA_PART_TOKENS + 30, referenced
+    screenshot = "data:image/png;base64," + "iVBORw0KGgo" * 100_000
+    image = image_weighed_tokens(user({"type": "image_url", "image_url": {"url": screenshot}}))
+    assert image == estimate_tokens(user({"type": "image_url", "image_url": {"url": screenshot}}))
+    text = {"role": "user", "content": "x" * 4000}
+    assert image_weighed_tokens(text) == estimate_tokens(text)
+
+
 def test_a_summary_request_keeps_its_transcript_within_its_budget_and_asks_for_a_length() -> None:
     long = [m for k in range(300) for m in tool_round(k)]
     body = build_summary_request(

@@ -816,6 +816,14 @@ def test_parts_are_counted_in_what_a_turn_appends_and_carried_for_the_rest() -> 
     # parsed anew (its anchor another object), it shares what it shares with the last request
     again = [dict(anchor), *history[1:], one, three]
     assert extra_parts(again, 2, state, again[0]) == (24, 2)
+    # a dozen sub-agents of plain text, two turns each, between two turns of the main agent:
+    # they take no place among the histories kept (the eighth pushed the main one's out)
+    main = again[0]
+    for k in range(12):
+        task = {"role": "user", "content": f"sub-task {k}"}
+        assert extra_parts([task], 1, state, task) == (0, 0)
+        assert extra_parts([task, one, one], 2, state, task) == (0, 0)
+    assert extra_parts([*again, one, three], 2, state, main) == (26, 2)
 
 
 def test_the_estimate_per_message_covers_what_a_tool_call_history_holds() -> None:
