@@ -263,14 +263,18 @@ MEDIA_PART_TOKENS = 1600
 
 def _json_tokens(obj: Any, media: frozenset[str] = MEDIA_PART_TYPES) -> int:
     """One element's estimate: its compact JSON's bytes, a part of a type in ``media`` counted
-    at what ``media_part_tokens`` says instead."""
+    at what ``media_part_tokens`` says instead, any other media part (``MEDIA_PART_TYPES``) by
+    its bytes but no less than ``MEDIA_PART_TOKENS``."""
     size = json_size(obj)  # (a message nested deeper than orjson writes failed the estimate)
     content = obj.get("content") if isinstance(obj, dict) else None
     if isinstance(content, list):
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind in media:
-                size += media_part_tokens(part) * BYTES_PER_TOKEN - json_size(part)
+            if isinstance(kind, str) and kind in MEDIA_PART_TYPES:
+                if kind in media:
+                    size += media_part_tokens(part) * BYTES_PER_TOKEN - json_size(part)
+                else:
+                    size += max(0, MEDIA_PART_TOKENS * BYTES_PER_TOKEN - json_size(part))
     return -(-max(size, 0) // BYTES_PER_TOKEN)
 
 
@@ -283,14 +287,7 @@ def image_weighed_tokens(obj: Any) -> int:
     ``MEDIA_PART_TOKENS`` (one by URL or file id has few bytes): a document of unknown pages
     counted at a flat 1,600 tokens, where a PDF of 25 pages is ~50,000, made a share of the
     prompt weighed so read the rest of it as 80% where it was 12%."""
-    tokens = _json_tokens(obj, _IMAGE_PART_TYPES)
-    content = obj.get("content") if isinstance(obj, dict) else None
-    if isinstance(content, list):
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind in MEDIA_PART_TYPES and kind not in _IMAGE_PART_TYPES:
-                tokens += max(0, MEDIA_PART_TOKENS - -(-json_size(part) // BYTES_PER_TOKEN))
-    return tokens
+    return _json_tokens(obj, _IMAGE_PART_TYPES)
 
 
 # OpenAI's price of an image sent with "detail": "low", whatever its size

@@ -987,14 +987,7 @@ class AccountingObserver:
         if early is not None and early[1] is not None and early[2] is body:
             fp = early[1]
         else:
-            fp = prefix.fingerprint(
-                body,
-                _hash_base(baselines, body),
-                # (a Responses API request's instructions, read before its tools; a chat
-                # request's system block too, but Claude's, which renders the tools first)
-                system_first=ex.system_block is not None or not terms.marked_only,
-                system_block=ex.system_block,
-            )
+            fp = self._fingerprint(body, baselines, ex.system_block, ex)
         chosen, continues, divergence = self._compare(_ranked(baselines, fp, body), fp, body)
         compared = chosen.fp if chosen is not None else None  # (before this one takes its place)
         forwarded = divergence  # (where the forwarded histories differ: the tokens before it)
@@ -1501,6 +1494,20 @@ class AccountingObserver:
             held = cache.touch(held, dataclasses.replace(old, digests=old.digests[:read]), at)
         state.extra["cache"] = held
 
+    def _fingerprint(
+        self, body: Any, baselines: list[_Baseline], system_block: int | None, ex: Exchange
+    ) -> prefix.Fingerprint:
+        """``body``'s fingerprint, digests reused from the baseline it shares most with: a
+        Responses API request's instructions (``system_block``) read before its tools, a chat
+        request's system block too, but Claude's, which renders the tools first."""
+        terms = self._model_terms(ex.model, ex)
+        return prefix.fingerprint(
+            body,
+            _hash_base(baselines, body),
+            system_first=system_block is not None or not terms.marked_only,
+            system_block=system_block,
+        )
+
     def _in_flight(
         self,
         flying: dict[int, list[Any]],
@@ -1524,18 +1531,10 @@ class AccountingObserver:
             if fp is None or of is not other.body:  # (once a body: a retry's is another)
                 held[2] = other.body
                 if other.route == "chat":
-                    terms = self._model_terms(other.model, other)
-                    fp = prefix.fingerprint(
-                        other.body,
-                        _hash_base(baselines, other.body),
-                        system_first=other.system_block is not None or not terms.marked_only,
-                        system_block=other.system_block,
-                    )
+                    fp = self._fingerprint(other.body, baselines, other.system_block, other)
                 else:  # a Responses API request: its chat-shaped view, as it is accounted
                     view, offset = resview.chat_shaped(other.body)
-                    fp = prefix.fingerprint(
-                        view, _hash_base(baselines, view), system_first=True, system_block=offset
-                    )
+                    fp = self._fingerprint(view, baselines, offset, other)
                 held[1] = fp
             state = cache.touch(state, fp, at)
         return state
