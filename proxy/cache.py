@@ -43,7 +43,7 @@ import dataclasses
 import logging
 import re
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from itertools import islice, repeat
 from types import MappingProxyType
@@ -350,6 +350,7 @@ def account(
     longer_lived: Callable[[], tuple[float, int] | None] | None = None,
     held_expired: bool = False,
     since: float | None = None,
+    in_flight: Callable[[], CacheState] | None = None,
 ) -> tuple[CacheState, CacheResult]:
     """Account one finished exchange; return the session's new state and the exchange's figures.
 
@@ -389,7 +390,10 @@ def account(
     of it is the expiry's. ``since``: when the request this one is compared with started, the
     idle time's start where the prefixes' stamps are of requests that started after this one
     (a sibling fanned out beside it, answered first: the idle time read negative, an expiry
-    ``unexplained``).
+    ``unexplained``). ``in_flight``, asked only of a waste: ``state`` with the prefixes of the
+    session's requests still in flight that went to the provider before this one stamped as
+    used then, the state the idle times are read from (it is not kept: each of those requests
+    is stamped when it is accounted itself).
     """
     has_reported = state.has_reported or usage.reported_cache
     counted = (
@@ -406,9 +410,11 @@ def account(
         shortfall = expected - usage.cache_read
         waste = shortfall if shortfall > noise_floor else 0
         cause: Cause | None
+        # (the stamps idle times are read from: only a waste has a cause to find)
+        seen = in_flight() if waste and in_flight is not None else state
         alive = (
             _longer_lived(
-                state, fingerprint, divergence, compared, started_at, ttl_s, longer_lived, since
+                seen, fingerprint, divergence, compared, started_at, ttl_s, longer_lived, since
             )
             if waste and longer_lived is not None and divergence is not None
             else None
@@ -429,7 +435,7 @@ def account(
             expired = max(0, top - held)
             unrequested = expected - top
             cause, location = _attribute(
-                state,
+                seen,
                 fingerprint,
                 divergence,
                 started_at,
@@ -443,7 +449,7 @@ def account(
                 waste, expired = waste + expired, 0
         else:
             cause, location = _attribute(
-                state,
+                seen,
                 fingerprint,
                 divergence,
                 started_at,
@@ -459,7 +465,7 @@ def account(
                 and usage.cache_read < LOST_READ
                 and before() >= max(noise_floor, LOST_BEFORE_AT_LEAST)
             ):
-                idle = idle_seconds(state, fingerprint, started_at, since)
+                idle = idle_seconds(seen, fingerprint, started_at, since)
                 floor = ttl_s if ttl_floor_s is None else ttl_floor_s
                 # (``expired`` is a count of tokens, the hour breakpoint's split above: not this)
                 lapsed = idle is not None and idle > floor
@@ -546,6 +552,22 @@ def touch(
     changes: with no usage, it is no baseline for the next request's count."""
     prefixes, last_started = _stamped(state, fingerprint, started_at, max_prefixes)
     return dataclasses.replace(state, prefixes=prefixes, last_started=last_started)
+
+
+def stamped_in_flight(state: CacheState, stamps: Iterable[tuple[Fingerprint, float]]) -> CacheState:
+    """``state`` with each fingerprint's prefixes stamped at its time where that is later (the
+    requests still in flight, for ``account``'s ``in_flight``): one copy of the map, none
+    evicted, as it is not kept."""
+    prefixes = dict(state.prefixes)
+    last = state.last_started
+    get = prefixes.get
+    for fingerprint, started_at in stamps:
+        for digest in fingerprint.digests:
+            if get(digest, started_at) <= started_at:
+                prefixes[digest] = started_at
+        if last is None or started_at > last:
+            last = started_at
+    return dataclasses.replace(state, prefixes=prefixes, last_started=last)
 
 
 def idle_seconds(

@@ -1236,9 +1236,6 @@ class AccountingObserver:
             ]
         after_compaction = ex.compaction_made
         cache_state: CacheState = extra.get("cache") or CacheState()
-        own_stamps = cache_state  # (what is kept: the stamps of the requests accounted)
-        if flying:
-            cache_state = self._in_flight(flying, ex, baselines, cache_state)
         if base != (cache_state.prev_prompt, cache_state.params_digest, cache_state.model):
             # Compared with another request than the session's latest (interleaved
             # conversations), or with none (a new conversation: nothing was expected).
@@ -1281,6 +1278,11 @@ class AccountingObserver:
             # (the prefixes' stamps may be of a sibling that started after this one: the
             # compared request's start is the last use known before it)
             since=chosen.started if chosen is not None and continues else None,
+            in_flight=(
+                functools.partial(self._in_flight, flying, ex, baselines, cache_state)
+                if flying
+                else None
+            ),
             before=(
                 functools.partial(
                     # (the request its count is for: an interrupted one borrows the count of the
@@ -1330,11 +1332,6 @@ class AccountingObserver:
                 else None
             ),
         )
-        if cache_state.prefixes is not own_stamps.prefixes:  # (others' in flight: not kept)
-            kept_stamps = cache.touch(own_stamps, fp, _forwarded_at(ex))
-            new_state = dataclasses.replace(
-                new_state, prefixes=kept_stamps.prefixes, last_started=kept_stamps.last_started
-            )
         extra["cache"] = new_state
         ex.cache_known = new_state.has_reported
         ex.cache = {
@@ -1519,8 +1516,10 @@ class AccountingObserver:
         to the provider before ``ex`` (their answers begun: it took them) stamped as used then,
         for ``ex``'s idle time: a sub-agent's or a side request's stream over the history kept
         that warm while it ran, and ``ex``'s rewrite was called an expiry, its stamps written
-        only once it was answered. Not kept: each is stamped when it is accounted itself."""
+        only once it was answered. Not kept: each is stamped when it is accounted itself.
+        Asked only of a waste (``cache.account``): others' bodies are fingerprinted for it."""
         went = _forwarded_at(ex)
+        stamps: list[tuple[prefix.Fingerprint, float]] = []
         for held in list(flying.values()):
             other, fp, of = held
             if other is ex or not 200 <= other.status < 400 or not isinstance(other.body, dict):
@@ -1536,8 +1535,8 @@ class AccountingObserver:
                     view, offset = resview.chat_shaped(other.body)
                     fp = self._fingerprint(view, baselines, offset, other)
                 held[1] = fp
-            state = cache.touch(state, fp, at)
-        return state
+            stamps.append((fp, at))
+        return cache.stamped_in_flight(state, stamps) if stamps else state
 
     def _account_responses(self, ex: Exchange) -> None:
         """A Responses API exchange of a session, accounted as a chat exchange is, on its

@@ -25,6 +25,7 @@ from proxy.cache import (
     idle_seconds,
     mark_compacted,
     provider_of,
+    stamped_in_flight,
     tier_factor,
     tiered,
     waste_cost,
@@ -387,6 +388,28 @@ def test_idle_is_judged_per_prefix_across_forks() -> None:
     assert idle_seconds(session.state, fp, 700.0) == 700.0
     result = session.exchange(main, reported(31_000, block(1_000)), 700.0)
     assert (result.cause, result.waste) == ("ttl_expired", 4_000 - 896)
+
+
+def test_requests_in_flight_are_read_from_a_copy_where_their_stamps_are_later() -> None:
+    session = Session(CacheState())
+    main = opening()
+    main["messages"] += tool_round(1)
+    session.exchange(main, reported(30_000, 0), 0.0)
+    session.exchange(opening(), reported(20_000, block(20_000)), 500.0)  # (a title request)
+    # Still streaming: a side request over the whole history that went at 300, and a sub-agent
+    # under the same system prompt that went at 100, before the title request stamped it.
+    side = opening()
+    side["messages"] = [*main["messages"], {"role": "user", "content": "Summarize."}]
+    sub = opening()
+    sub["messages"][1]["content"] = "Summarize the repository layout."
+    seen = stamped_in_flight(session.state, [(fingerprint(side), 300.0), (fingerprint(sub), 100.0)])
+    main["messages"] += tool_round(2)
+    assert idle_seconds(seen, fingerprint(main), 700.0) == 400.0  # (the side request's)
+    assert idle_seconds(session.state, fingerprint(main), 700.0) == 700.0  # (not kept)
+    system = fingerprint(sub).digests[-2]  # (its system prompt, the title request's too)
+    assert fingerprint(opening()).digests[-2] == system
+    assert seen.prefixes[system] == 500.0  # (not moved back to the sub-agent's 100)
+    assert seen.last_started == 500.0
 
 
 def test_usage_less_exchange_keeps_the_baseline() -> None:

@@ -208,6 +208,7 @@ def test_a_request_still_streaming_keeps_the_history_warm_for_the_next_turns_idl
         assert rewrite["divergence"]["location"] == where
     finally:
         streaming.join(15)
+        client.close()  # (its pooled sockets, else closed by a later test's garbage collection)
 
 
 def test_reference_scenario_waste_cause_location_and_cost(
