@@ -294,6 +294,12 @@ class Gateway:
         except Exception:
             log.exception("log retention failed")
 
+    def stopping(self) -> None:
+        """Cachegate begins to stop (the server's shutdown, before its grace period): what is
+        cut from now on is said as the shutdown's."""
+        if self.chat is not None and self.chat.compactor is not None:
+            self.chat.compactor.stopping = True
+
     async def stop(self) -> None:
         if self._retention is not None:
             self._retention.cancel()

@@ -435,8 +435,14 @@ def _serve(ns: argparse.Namespace) -> int:
         )
         logging.getLogger("uvicorn.error").addFilter(_grace_note)
         # (a restart on the same log directory meanwhile waits for this one: _log_dir_taken)
+        gateway = app.state.gateway
+
+        def stopping(running: int) -> None:
+            gateway.stopping()
+            _stopping(running)
+
         return Server(  # (the line once it accepts connections: a script may wait for it)
-            config, on_stop=_stopping, on_started=lambda: print(listening, file=sys.stderr)
+            config, on_stop=stopping, on_started=lambda: print(listening, file=sys.stderr)
         )
 
     return serve_until_stopped(sockets, server)

@@ -327,6 +327,8 @@ class Compactor:
         # Per model name, its configured entry: looked up once (a snapshot's name scans them all).
         self._models: dict[str | None, ModelSettings] = {}
         self._tasks: set[asyncio.Future[Any]] = set()  # summaries being written (``_made``)
+        # cachegate is stopping (``Gateway.stopping``): a summary a request left is not kept
+        self.stopping = False
 
     def _model(self, name: str | None) -> ModelSettings:
         found = self._models.get(name)
@@ -925,12 +927,19 @@ class Compactor:
             comp, model, answer, _ = await asyncio.shield(entry.task)
         except asyncio.CancelledError:
             entry.waiting -= 1
-            if not entry.task.done():
+            if not entry.task.done() and self.stopping:
+                # (cut by the shutdown, or its client left in the grace period: either way the
+                # summary is cancelled with the summaries still being written, as cachegate stops)
                 log.warning(
-                    "session %s: the request left (its client, or cachegate stopping) while its "
-                    "history was being summarized; unless cachegate is stopping, the summary goes "
-                    "on, kept for a retry or the next turn (is the client's timeout shorter than "
-                    "compaction.summary_timeout_s?)",
+                    "session %s: cachegate stopped while its history was being summarized; the "
+                    "summary is not kept, and the conversation's next turn asks for another",
+                    state.id,
+                )
+            elif not entry.task.done():
+                log.warning(
+                    "session %s: the client left while its history was being summarized; the "
+                    "summary goes on, kept for a retry or the next turn (is the client's timeout "
+                    "shorter than compaction.summary_timeout_s?)",
                     state.id,
                 )
             elif not entry.waiting:

@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import logging
 import re
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ from proxy.report import list_sessions, render_cost, render_show, session_cost, 
 from proxy.serving import ServerThread
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
 from proxy.simulator.reply import parse_script
-from tests.e2e_support import NoCacheUpstream, wait_for
+from tests.e2e_support import NoCacheUpstream, cachegate_process, wait_for
 
 MODEL = "gpt-4o"
 
@@ -2540,7 +2542,7 @@ def test_a_client_timeout_shorter_than_the_summary_call_gets_its_retry_answered(
         assert SUMMARIZER_SYSTEM_PROMPT in summary_call["messages"][0]["content"]
         assert any(SUMMARY_MARKER in str(m.get("content")) for m in answered["messages"])
         said = [r.getMessage() for r in caplog.records]
-        assert any("while its history was being summarized" in m for m in said), said
+        assert any("the client left while its history was being summarized" in m for m in said)
         proxy.settle()
         logged = read_events(proxy.log_dir / "short-timeout.jsonl").events
         (made,) = [e for e in logged if e["type"] == "compacted"]
@@ -2552,6 +2554,48 @@ def test_a_client_timeout_shorter_than_the_summary_call_gets_its_retry_answered(
         # the summary's bill (its prompt, 2 output tokens) once, with the answer's
         expected = (summary_prompt + answer_prompt + 4 * 2.0) / 1e6
         assert response["cost"]["actual"] == pytest.approx(expected)
+
+
+def test_a_summary_cut_by_a_shutdown_is_said_as_the_shutdowns(tmp_path: Path) -> None:
+    """cachegate stops (Ctrl+C) while a history is being summarized: the summary is not kept,
+    and stderr said that the request left "(its client, or cachegate stopping)" and asked about
+    the client's timeout. It now says cachegate stopped, and nothing of a client that left."""
+    upstream = SlowSummaries(summary_s=8.0)
+    config = tmp_path / "cachegate.toml"
+    config.write_text(
+        "[compaction]\nenabled = true\ntrigger_percent = 75\nkeep_recent = 4\n\n"
+        f'[models."{MODEL}"]\ncontext_window = 6000\n'
+    )
+    answers: list[httpx.Response] = []
+    logs = tmp_path / "logs"
+    with (
+        ServerThread(upstream) as server,
+        cachegate_process(server.url + "/v1", logs, "--config", str(config)) as (proc, url),
+    ):
+
+        def ask() -> None:
+            answers.append(
+                httpx.post(
+                    url + "/chat/completions",
+                    json={"model": MODEL, "messages": history(18)},
+                    headers={"X-Session-Id": "stopped"},
+                    timeout=30,
+                )
+            )
+
+        client = threading.Thread(target=ask)
+        client.start()
+        wait_for(lambda: upstream.summaries == 1, what="the summary call")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 0
+        client.join(10)
+        assert proc.stderr is not None
+        said = proc.stderr.read().decode()
+    (answer,) = answers
+    assert answer.status_code == 503
+    assert answer.json()["error"]["code"] == "server_shutting_down"
+    assert "cachegate stopped while its history was being summarized" in said, said
+    assert "client left" not in said and "timeout" not in said, said
 
 
 _ENVIRONMENT = {"role": "system", "content": "<env>cwd=/repo</env>"}
