@@ -128,6 +128,7 @@ class _Baseline:
         "left_behind",
         "model",
         "prompt",
+        "read",
         "ready_at",
         "reprompted_from",
         "reprompts",
@@ -158,6 +159,9 @@ class _Baseline:
         self.copies = 1
         self.turns = 1
         self.cached: int | None = None
+        # of ``cached``, what it read: an entry the provider held at an earlier breakpoint
+        # (``_read_within``)
+        self.read: int | None = None
         self.held: tuple[int, float, int] | None = None
         # what its answer said (its text's digest, its tool call ids): a request that carries
         # it on is of its conversation, whatever it changed before it
@@ -417,6 +421,39 @@ def _cached_before(baseline: _Baseline, now: float, ttl_s: float, messages: int 
     if held is not None and now - held[1] <= ttl_s and messages - held[2] <= CLAUDE_LOOKBACK_BLOCKS:
         return held[0] if baseline.cached is None else max(baseline.cached, held[0])
     return baseline.cached
+
+
+def _read_within(baseline: _Baseline, body: Any, prompt: int) -> int | None:
+    """Where a request of ``prompt`` tokens (``body``) holds only a leading part of the
+    messages of ``baseline``, the request it continues, and ``baseline``'s last breakpoint lies
+    past them, the most of it a cache of marked prefixes (Claude) could serve: the entry that
+    ``baseline`` read, which lay at an earlier request's breakpoint (where that is within this
+    prompt), or one ``baseline`` wrote at a breakpoint among the messages they share (its
+    system prompt's, say), by its share of this prompt. None where it holds ``baseline``'s
+    whole marked prefix (what ``baseline`` cached is then its to read)."""
+    old, new = baseline.body, body
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return None
+    messages, held = old.get("messages"), new.get("messages")
+    if not (isinstance(messages, list) and isinstance(held, list)) or len(held) >= len(messages):
+        return None
+    if old.get("cache_control") is not None:
+        last = len(messages)  # (automatic caching: its breakpoint at its end)
+    else:
+        last = next(
+            (
+                at
+                for at in reversed(range(len(messages)))
+                if prefix.cache_mark(messages[at], "content") is not None
+            ),
+            -1,
+        )
+    if last < len(held):
+        return None
+    read = baseline.read if baseline.read is not None and baseline.read <= prompt else 0
+    shared = {"tools": old.get("tools"), "messages": messages[: len(held)]}
+    share = prefix.marked_share(shared, compaction.estimate_tokens)
+    return max(read, int(share * prompt)) if share else read
 
 
 def _expired_held(baseline: _Baseline, now: float, ttl_s: float) -> int | None:
@@ -1067,6 +1104,22 @@ class AccountingObserver:
                 if expired_held is not None and expired_held > cached_before:
                     held_expired = cached_before = expired_held
             body_before, held_before = chosen.body, chosen.held
+            if (
+                (marked_only or (usage is not None and usage.explicit_cache))
+                and divergence is None
+                and usage is not None
+                and usage.prompt > 0
+            ):
+                within = _read_within(chosen, body, usage.prompt)
+                if within is not None:
+                    # It stops short of the one it continues, before that one's last breakpoint
+                    # (the main agent's turn after a sub-agent forked from its history one
+                    # message on, or a rewind): that entry is past its end, and what it could
+                    # read is an entry at a breakpoint within it (all of its prompt was
+                    # expected, and the part past the entry it read called unexplained)
+                    base = (within, base[1], base[2])
+                    if cached_before is not None:
+                        cached_before = min(cached_before, within)
         ready_at = ex.t0 + (ex.ttfb_s if ex.ttfb_s is not None else ex.duration_s)
         # The baselines go on from the one this request was compared with (``kept``), the
         # accounting above and below from the one it could read (``ref``).
@@ -1082,9 +1135,11 @@ class AccountingObserver:
                 # for a model that caches marked prefixes only, Claude through OpenRouter)
                 known = usage.explicit_cache or (marked_only and usage.reported_cache_write)
                 cached = usage.cache_read + usage.cache_write if known else None
+                read = usage.cache_read if known else None
             else:  # interrupted before its usage: the prompt count of what it continued
                 prompt = chosen.prompt if continues and chosen is not None else None
                 cached = chosen.cached if continues and chosen is not None else None
+                read = chosen.read if continues and chosen is not None else None
                 if prompt is not None and chosen is not None:
                     counted = chosen.counted
             if (
@@ -1100,6 +1155,7 @@ class AccountingObserver:
                 if usage is not None and usage.prompt > 0:  # (else the count it had stays)
                     chosen.prompt, chosen.counted = usage.prompt, chosen.fp
                 chosen.cached = cached if cached is not None else chosen.cached
+                chosen.read = read if cached is not None else chosen.read
                 chosen.ready_at = min(chosen.ready_at, ready_at)
                 chosen.started = max(chosen.started, _forwarded_at(ex))
                 chosen.superseded = chosen.left_behind = False
@@ -1112,7 +1168,7 @@ class AccountingObserver:
                     went_on = _Baseline(fp, body, prompt, model, ready_at, _forwarded_at(ex))
                     went_on.counted = counted
                     went_on.answer = _answer_of(ex)
-                    went_on.cached = cached
+                    went_on.cached, went_on.read = cached, read
                     went_on.held = _held_on(chosen, cached, divergence)
                     went_on.turns = chosen.turns + 1
                     went_on.earlier = _as_was(ref, oldest) if fanned and ref is not None else None
@@ -1123,7 +1179,7 @@ class AccountingObserver:
                     chosen.fp, chosen.body, chosen.prompt, chosen.model = fp, body, prompt, model
                     chosen.counted = counted
                     chosen.held = _held_on(chosen, cached, divergence)
-                    chosen.cached = cached
+                    chosen.cached, chosen.read = cached, read
                     chosen.answer = _answer_of(ex)
                     chosen.ready_at = ready_at
                     chosen.started = _forwarded_at(ex)
@@ -1141,7 +1197,7 @@ class AccountingObserver:
                 started = _Baseline(fp, body, prompt, model, ready_at, _forwarded_at(ex))
                 started.counted = counted
                 started.answer = _answer_of(ex)
-                started.cached = cached
+                started.cached, started.read = cached, read
                 if continues and chosen is not None:
                     started.earlier = _as_was(ref, oldest) if fanned and ref is not None else None
                     # (the same messages again beside it, under another prompt: another

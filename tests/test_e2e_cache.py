@@ -3281,3 +3281,47 @@ def test_tools_no_longer_sent_are_not_charged_as_waste(
     assert truth > NOISE_FLOOR  # (the history after the tools, which no request could read)
     assert logged["cause"] == "prefix_rewrite" and logged["location"] == "tools"
     assert abs(logged["waste"] - truth) <= 0.1 * removed, (logged, truth, removed)
+
+
+@pytest.mark.parametrize("fork", [True, False])
+def test_claudes_next_turn_after_a_sub_agent_forked_one_message_on_wastes_nothing(
+    proxy_factory: Any, fork: bool
+) -> None:
+    """Claude: a sub-agent forked from the main agent's history one message past its next turn
+    (the tool result in, its own task after it), then the main agent's turn. That turn stops
+    before the sub-agent's breakpoint, so Claude reads the main agent's last entry, not the
+    sub-agent's: nothing more could be read. It was compared with the sub-agent's request,
+    all of its prompt expected, and the tool result's tokens called ``unexplained`` waste."""
+    model = "claude-sonnet-4-5"
+    with run_simulator(SimConfig(dialect="anthropic-compat")) as sim:
+        proxy = proxy_factory(sim.api_base, config(), clock=lambda: sim.sim.now)
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "fork"})
+
+        def marked(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [*messages[:-1], {**messages[-1], "cache_control": {"type": "ephemeral"}}]
+
+        convo: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": "Fix the failing handler. " + FILE_TEXT},
+        ]
+        for turn in range(2):
+            before = len(sim.sim.requests)
+            reply, _ = chat(client, marked(convo), model=model, tools=TOOLS, stream=False)
+            convo += [reply, {"role": "user", "content": f"Output {turn}: " + FILE_TEXT}]
+            sim.sim.advance(5)
+        if fork:
+            task = {"role": "user", "content": "Sub-agent: list what the output names. " * 40}
+            chat(client, marked([*convo, task]), model=model, tools=TOOLS, stream=False)
+            sim.sim.advance(5)
+        chat(client, marked(convo), model=model, tools=TOOLS, stream=False)
+        previous, last = sim.sim.requests[before].usage, sim.sim.requests[-1].usage
+        flush(proxy)
+    turn = events(proxy.log_dir, "fork", "response")[-1]
+    # (the main agent's previous entry, before the tool result: the sub-agent's lies past it)
+    assert 0 < cache_read(last) <= previous["prompt_tokens"] < last["prompt_tokens"]
+    assert turn["cache"]["expected"] <= previous["prompt_tokens"], turn["cache"]
+    assert turn["cache"]["waste"] == 0 and turn["cache"]["cause"] is None
+    assert (
+        proxy.metric("cachegate_cache_waste_tokens_total", {"model": model, "cause": "unexplained"})
+        == 0
+    )

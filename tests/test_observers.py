@@ -2068,3 +2068,34 @@ def test_a_responses_answer_is_carried_on_after_its_reasoning_items_not_by_an_ou
     assert not _carries_answer(baseline, {"messages": [*opening, output]})
     other = {**said, "content": [{"type": "output_text", "text": text + "!"}]}
     assert not _carries_answer(baseline, {"messages": [*opening, reasoning, other]})
+
+
+def test_a_claude_turn_that_stops_before_the_last_breakpoint_expects_an_entry_within_it() -> None:
+    """Claude: a turn sent again shorter than the one before it (a regenerated first answer
+    after a longer turn), ending before that one's last breakpoint. What it could read is an
+    entry within it, here the system prompt that one marked: all its prompt was expected, and
+    the rest called ``unexplained``."""
+    acc = _Accounting({})
+    system = {
+        "role": "system",
+        "content": [
+            {"type": "text", "text": "agent " * 6000, "cache_control": {"type": "ephemeral"}}
+        ],
+    }
+    first = [system, *msgs("fix the bug " * 1000)]
+    longer = _last_marked([*first, *msgs("looked", "go on " * 1000)])
+
+    def send(messages: list[Message], prompt: int, read: int, write: int, at: float) -> Exchange:
+        acc.eid += 1
+        ex = exchange(acc.eid, messages)
+        ex.body = {"model": "claude-sonnet-4", "messages": messages}
+        ex.model, ex.session, ex.started_at = "claude-sonnet-4", acc.state, at
+        ex.t0 = at
+        ex.usage, ex.status = Usage(prompt, 10, read, write, True, True, True), 200
+        acc.observer.on_response(ex)
+        return ex
+
+    send(longer, 12_000, 0, 12_000, 0.0)
+    ex = send(_last_marked(first), 9_000, 6_000, 3_000, 10.0)
+    assert ex.cache is not None and ex.cache["waste"] == 0, ex.cache
+    assert 6_000 <= ex.cache["expected"] < 9_000  # (the system prompt's share, by estimate)
