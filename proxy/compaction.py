@@ -323,7 +323,9 @@ def should_compact(
     """True when the request would fill ``trigger_percent`` of the context ``window`` or more,
     or leave less of it than the ``asked`` completion (``max_completion_tokens``: most
     providers count it in the window with the prompt and refuse past it, and the rest cut the
-    answer short there).
+    answer short there). A completion that fills the window by itself is not counted: no
+    history would fit beside it, and a provider that counts the prompt alone serves it (it
+    compacted every history however short, a summary paid every turn).
 
     Provider numbers come first: the previous exchange's prompt + completion plus the estimate of
     what the client appended since (the previous reply is already in ``last_completion``).
@@ -338,7 +340,7 @@ def should_compact(
         used = last_prompt + (last_completion or 0) + appended_estimate
     else:
         used = full_estimate
-    return used * 100 >= window * trigger_percent or (asked > 0 and used + asked >= window)
+    return used * 100 >= window * trigger_percent or (0 < asked < window and used + asked >= window)
 
 
 # --- message helpers ------------------------------------------------------------------------

@@ -364,6 +364,14 @@ def test_should_compact_prefers_provider_numbers() -> None:
     assert not should_compact(
         **common, last_prompt=None, last_completion=None, appended_estimate=10**6, full_estimate=749
     )
+    # the completion asked for counts with the prompt, unless it fills the window by itself:
+    # compaction leaves no room for it then (a prompt-only provider serves it as it is)
+    short = {"last_prompt": 200, "last_completion": 10, "appended_estimate": 0, "full_estimate": 0}
+    assert should_compact(**common, **short, asked=800)
+    assert not should_compact(**common, **short, asked=700)
+    assert not should_compact(**common, **short, asked=1000)
+    assert not should_compact(**common, **short, asked=9000)
+    assert should_compact(**common, **{**short, "last_prompt": 800}, asked=9000)  # (75%)
     with pytest.raises(ValueError, match="trigger_percent"):
         should_compact(
             window=1000,

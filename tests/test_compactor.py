@@ -2500,6 +2500,36 @@ def test_a_refusal_of_a_reused_compaction_with_nothing_more_to_compact_is_relaye
         assert proxy.metric("cachegate_compactions_total", labels) == 1
 
 
+@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
+def test_a_completion_asked_for_that_fills_the_window_compacts_no_short_history(
+    sdk: Any, proxy_factory: Any, key: str
+) -> None:
+    """An agent that asks for a completion as long as the model's window or longer (a local
+    model given a small window, the agent's own max_tokens large). No history fits beside it,
+    yet every history, however short, was compacted: a summary paid every turn and the cache
+    lost, where a provider that counts the prompt alone (llama.cpp, Ollama) served it whole."""
+    upstream = NoCacheUpstream()  # (answers whatever it is sent, as such a provider)
+    with ServerThread(upstream) as server:
+        proxy = proxy_factory(server.url + "/v1", CONFIG)  # (a 6,000-token window)
+        client = sdk(proxy.base_url)
+        messages = history(2)  # (~2,300 tokens: under the trigger)
+        sent = []
+        for turn in range(3):
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL,
+                messages=messages,
+                extra_headers={"X-Session-Id": "large-completion"},
+                **{key: 8192 if turn else 6000},
+            )
+            assert "x-cachegate-compacted" not in raw.headers
+            sent.append(messages)
+            reply = raw.parse().choices[0].message.content
+            messages = [*messages, {"role": "assistant", "content": reply}]
+            messages.append({"role": "user", "content": f"Go on ({turn})."})
+    assert [r["messages"] for r in upstream.requests] == sent  # (no summary call among them)
+    assert not compacted_events(proxy)
+
+
 @dataclass
 class SlowSummaries(NoCacheUpstream):
     """An upstream that writes summaries slowly (``summary_s``) and answers the agent at once:
