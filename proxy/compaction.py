@@ -1190,6 +1190,13 @@ _CONTEXT_PHRASES = (
     b"maximum prompt length",
     b"exceed context limit",
     b"tokens + `max_new_tokens` must be <=",
+    # LM Studio: 0.3's "Trying to keep the first N tokens when context the overflows. However,
+    # the model is loaded with context length of only W tokens", 0.4's "Cannot truncate prompt
+    # with n_keep (N) >= n_ctx (W)"
+    b"when context the overflows",
+    b"when context overflows",
+    b"context length of only",
+    b"cannot truncate prompt with n_keep",
 )
 _BROAD_CONTEXT_PHRASES = (
     b"exceeds context length",
@@ -1337,7 +1344,9 @@ _WINDOW_RE = re.compile(
     rb"|tokens > (\d+) maximum"
     rb"|context limit: \d+ \+ \d+ > (\d+)"
     rb"|`max_new_tokens` must be <= (\d+)"
-    rb"|maximum context length of (\d+)",
+    rb"|maximum context length of (\d+)"
+    rb"|context length of only (\d+)"
+    rb"|>= n_ctx \((\d+)\)",
     re.IGNORECASE,
 )
 

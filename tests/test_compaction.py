@@ -967,6 +967,19 @@ def test_a_history_too_long_beside_its_max_tokens_is_still_a_context_refusal() -
             id="lm-studio",
         ),
         pytest.param(
+            b'{"error":"Trying to keep the first 15857 tokens when context the overflows.'
+            b" However, the model is loaded with context length of only 7500 tokens, which is"
+            b" not enough. Try to load the model with a larger context length, or provide a"
+            b' shorter input"}',
+            7500,
+            id="lm-studio-0.3",
+        ),
+        pytest.param(
+            b'{"error":"Cannot truncate prompt with n_keep (14169) >= n_ctx (4096)"}',
+            4096,
+            id="lm-studio-0.4",
+        ),
+        pytest.param(
             b'{"message":"Input is too long for requested model."}',
             None,
             id="bedrock",
