@@ -325,10 +325,14 @@ def _serve(ns: argparse.Namespace) -> int:
             print(f"cachegate: note: {note}", file=sys.stderr)
         idle = settings.sessions.idle_ttl_s
         own = _file_model_names(config_file)
+        from proxy.cache import default_cache_ttl
+
         outlived = sorted(  # (of the user's own tables: a built-in one may be no model in use;
             n  # one the file repeats as it is built in, the example config's, is the user's)
             for n, m in settings.models.items()
-            if m.cache_ttl_s > idle and (n in own or DEFAULT_MODELS.get(n) != m)
+            # (a TTL left at 0, its provider's default: a DeepSeek name's hour too)
+            if (m.cache_ttl_s or default_cache_ttl(n, m.dialect)) > idle
+            and (n in own or DEFAULT_MODELS.get(n) != m)
         )
         if outlived:
             print(

@@ -1800,6 +1800,17 @@ def test_serve_notes_a_cache_ttl_longer_than_the_sessions_are_kept(tmp_path: Pat
     )
     note, line = _serve_first_lines(tmp_path, "--config", str(config), env=clean_env(), count=2)
     assert note.startswith("cachegate: note: the cache TTL of gpt-4o is longer than")
+    # a table that leaves the TTL to its provider's default (a DeepSeek model's hour, by its
+    # name or its dialect) outlives the sessions as one that sets it: said too (it was not)
+    config.write_text(
+        '[sessions]\nidle_ttl_s = 1800\n[models."deepseek-v3.1"]\nprice_input = 0.28\n'
+        '[models."my-ds"]\ndialect = "deepseek"\n[models."my-model"]\nprice_input = 1.0\n'
+    )
+    note, line = _serve_first_lines(tmp_path, "--config", str(config), env=clean_env(), count=2)
+    assert note.startswith(
+        "cachegate: note: the cache TTL of deepseek-v3.1, my-ds is longer than"
+        " sessions.idle_ttl_s (1800 s)"
+    )
 
 
 def test_serve_answers_a_chat_request_that_offers_an_http2_upgrade(tmp_path: Path) -> None:
