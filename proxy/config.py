@@ -588,7 +588,14 @@ def _build(cls: Any, data: Mapping[str, Any], prefix: str, base: Any, text: bool
                 while len(inner) == 1 and isinstance(next(iter(inner.values())), Mapping):
                     part, inner = next(iter(inner.items()))  # [models.gpt-4.1.mini]
                     name += f".{part}"
-                hint = f' (quote a model name with a dot in it: [models."{name}"])'
+                # (where the name was quoted already, [models."gpt-4o".extra], a model's table
+                # has no table in it: said as such, the quoting advice for the other case)
+                hint = (
+                    f" (a model's table holds no table; quote a model name with a dot in it"
+                    f' whole: [models."{name}"])'
+                    if any(not isinstance(v, Mapping) for v in data.values())
+                    else f' (quote a model name with a dot in it: [models."{name}"])'
+                )
             elif owners:  # (another table's key exactly: said before a guess at a spelling)
                 hint = f" (it goes under {' or '.join(owners)})"
             else:

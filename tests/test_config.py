@@ -830,6 +830,13 @@ def test_an_upstream_scheme_in_upper_case_is_the_same_url() -> None:
             """unknown config key 'models."gpt-4".1' (quote a model name with a dot in it:"""
             """ [models."gpt-4.1.mini"])""",
         ),
+        # a table inside a model's own table ([models."gpt-4o".extra] under its prices): the
+        # name was quoted, and the advice to quote it was all that was said
+        (
+            {"models": {"gpt-4o": {"price_input": 2.0, "extra": {"x": 1}}}},
+            """unknown config key 'models."gpt-4o".extra' (a model's table holds no table;"""
+            """ quote a model name with a dot in it whole: [models."gpt-4o.extra"])""",
+        ),
     ],
 )
 def test_a_key_in_the_wrong_table_says_where_it_goes(data: dict, said: str) -> None:
