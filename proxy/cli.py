@@ -527,7 +527,7 @@ def _simulate(ns: argparse.Namespace) -> int:
             message = re.sub(rf"(?<![\w-]){name}(?!\w)", flag, message)
         print(f"cachegate simulate: {message}", file=sys.stderr)
         return 2
-    problem = host_problem(ns.host)  # (as serve's server.host)
+    problem = host_problem(ns.host, port="--port")  # (as serve's server.host)
     if problem is not None:
         print(f"cachegate simulate: --host: {problem}", file=sys.stderr)
         return 2

@@ -610,7 +610,7 @@ def _build(cls: Any, data: Mapping[str, Any], prefix: str, base: Any, text: bool
 _BASE64_KEY: Final = re.compile(r"(?=.*[/+])[A-Za-z0-9+/=_-]{30,}")
 
 
-def host_problem(listen: str) -> str | None:
+def host_problem(listen: str, port: str = "server.port, --port") -> str | None:
     """What is wrong with ``listen`` as an address to listen on (``server.host``, the
     simulator's ``--host``), or None."""
     # (the socket layer reads "" as every interface, and "[]" once its brackets are off)
@@ -632,7 +632,7 @@ def host_problem(listen: str) -> str | None:
         # 1, named no setting, and the address was shown as [localhost:8787]:8787)
         return (
             f"{display_url(listen)!r} is not an address: give the address alone, without a"
-            " scheme or a port (the port is server.port, --port)"
+            f" scheme or a port (the port is {port})"
         )
     return None
 

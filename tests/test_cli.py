@@ -1601,6 +1601,9 @@ def test_simulate_refuses_a_host_serve_refuses_alike(host: str, said: str) -> No
     assert said in result.err and "sk-proj" not in result.err
     served = run_cli("serve", "--host", host, "--port", str(free_port()))
     assert served.code == 2 and said in served.err and "sk-proj" not in served.err
+    if ":" in host:  # (the simulator has no server.port: its port is its --port alone)
+        assert "(the port is --port)" in result.err
+        assert "(the port is server.port, --port)" in served.err
 
 
 def test_console_script_serve_refuses_a_bad_config_and_reports_its_version(
