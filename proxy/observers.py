@@ -430,7 +430,9 @@ def _read_within(baseline: _Baseline, body: Any, prompt: int) -> int | None:
     ``baseline`` read, which lay at an earlier request's breakpoint (where that is within this
     prompt), or one ``baseline`` wrote at a breakpoint among the messages they share (its
     system prompt's, say), by its share of this prompt. None where it holds ``baseline``'s
-    whole marked prefix (what ``baseline`` cached is then its to read)."""
+    whole marked prefix (what ``baseline`` cached is then its to read), and where what
+    ``baseline`` read is not known or lies past this prompt (the entries within it are not
+    known then: the request as it was expected before)."""
     old, new = baseline.body, body
     if not (isinstance(old, dict) and isinstance(new, dict)):
         return None
@@ -450,7 +452,11 @@ def _read_within(baseline: _Baseline, body: Any, prompt: int) -> int | None:
         )
     if last < len(held):
         return None
-    read = baseline.read if baseline.read is not None and baseline.read <= prompt else 0
+    read = baseline.read
+    if read is None or read > prompt:
+        # (unknown, or the entry it read lies past this prompt: a turn two back sent again,
+        # whose own entry the provider may still hold, where it is not known)
+        return None
     shared = {"tools": old.get("tools"), "messages": messages[: len(held)]}
     share = prefix.marked_share(shared, compaction.estimate_tokens)
     return max(read, int(share * prompt)) if share else read
@@ -1135,7 +1141,9 @@ class AccountingObserver:
                 # for a model that caches marked prefixes only, Claude through OpenRouter)
                 known = usage.explicit_cache or (marked_only and usage.reported_cache_write)
                 cached = usage.cache_read + usage.cache_write if known else None
-                read = usage.cache_read if known else None
+                # (what it read, where reads are reported: through a gateway that gives no
+                # writes too, the entry it read lay at a breakpoint all the same)
+                read = usage.cache_read if usage.reported_cache else None
             else:  # interrupted before its usage: the prompt count of what it continued
                 prompt = chosen.prompt if continues and chosen is not None else None
                 cached = chosen.cached if continues and chosen is not None else None
@@ -1155,7 +1163,7 @@ class AccountingObserver:
                 if usage is not None and usage.prompt > 0:  # (else the count it had stays)
                     chosen.prompt, chosen.counted = usage.prompt, chosen.fp
                 chosen.cached = cached if cached is not None else chosen.cached
-                chosen.read = read if cached is not None else chosen.read
+                chosen.read = read if read is not None else chosen.read
                 chosen.ready_at = min(chosen.ready_at, ready_at)
                 chosen.started = max(chosen.started, _forwarded_at(ex))
                 chosen.superseded = chosen.left_behind = False

@@ -3325,3 +3325,38 @@ def test_claudes_next_turn_after_a_sub_agent_forked_one_message_on_wastes_nothin
         proxy.metric("cachegate_cache_waste_tokens_total", {"model": model, "cause": "unexplained"})
         == 0
     )
+
+
+def test_claudes_first_turn_sent_again_after_two_more_keeps_its_expiry(
+    proxy_factory: Any,
+) -> None:
+    """Claude: a chat's first turn sent again as it was ("regenerate" on an earlier message),
+    after two longer turns and a pause past the cache's life. Its entry had expired: an
+    expiry. Read as a turn that stops before the latest one's breakpoint, it was expected to
+    read only what that one read, which lay past it: nothing expected, the expiry hidden."""
+    model = "claude-sonnet-4-5"
+    with run_simulator(SimConfig(dialect="anthropic-compat")) as sim:
+        proxy = proxy_factory(sim.api_base, config(), clock=lambda: sim.sim.now)
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "again"})
+
+        def marked(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [*messages[:-1], {**messages[-1], "cache_control": {"type": "ephemeral"}}]
+
+        first: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": "Fix the failing handler. " + FILE_TEXT},
+        ]
+        convo = list(first)
+        for turn in range(3):
+            reply, _ = chat(client, marked(convo), model=model, tools=TOOLS, stream=False)
+            convo += [reply, {"role": "user", "content": f"Output {turn}: " + FILE_TEXT}]
+            sim.sim.advance(5)
+        sim.sim.advance(400)
+        chat(client, marked(first), model=model, tools=TOOLS, stream=False)
+        again = sim.sim.requests[-1].usage
+        flush(proxy)
+    turn = events(proxy.log_dir, "again", "response")[-1]
+    assert cache_read(again) == 0  # (its entry expired)
+    assert turn["cache"]["expected"] == again["prompt_tokens"], turn["cache"]
+    assert turn["cache"]["waste"] == again["prompt_tokens"]
+    assert turn["cache"]["cause"] == "ttl_expired"

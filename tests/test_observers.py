@@ -2099,3 +2099,41 @@ def test_a_claude_turn_that_stops_before_the_last_breakpoint_expects_an_entry_wi
     ex = send(_last_marked(first), 9_000, 6_000, 3_000, 10.0)
     assert ex.cache is not None and ex.cache["waste"] == 0, ex.cache
     assert 6_000 <= ex.cache["expected"] < 9_000  # (the system prompt's share, by estimate)
+
+
+@pytest.mark.parametrize("writes", [True, False])
+def test_a_claude_turn_after_a_fork_one_message_on_expects_the_entry_the_fork_read(
+    writes: bool,
+) -> None:
+    """The main agent's turn after a sub-agent forked from its history one message on, which
+    read the main agent's last entry: that entry is what the turn could read, and reading none
+    of it is a waste of all of it. Through a gateway that reports the reads alone (OpenRouter
+    without ``cache_write_tokens``) the fork's read was not kept, and only its system prompt's
+    share was expected: the waste under-reported by half."""
+    acc = _Accounting({})
+    model = "anthropic/claude-sonnet-4"
+    system = {
+        "role": "system",
+        "content": [
+            {"type": "text", "text": "agent " * 4000, "cache_control": {"type": "ephemeral"}}
+        ],
+    }
+
+    def send(messages: list[Message], prompt: int, read: int, at: float) -> Exchange:
+        acc.eid += 1
+        ex = exchange(acc.eid, messages)
+        ex.body = {"model": model, "messages": _last_marked(messages)}
+        ex.model, ex.session, ex.started_at = model, acc.state, at
+        ex.t0 = at
+        wrote = prompt - read if writes else 0
+        ex.usage, ex.status = Usage(prompt, 10, read, wrote, True, writes, False), 200
+        acc.observer.on_response(ex)
+        return ex
+
+    history = [system, *msgs("fix the bug " * 2000)]
+    send(history, 12_000, 0, 0.0)
+    turn = [*history, *msgs("looked " * 300, "tool output " * 2000)]
+    send([*turn, *msgs("Sub-agent task: " * 300)], 20_000, 12_000, 5.0)
+    ex = send(turn, 18_000, 0, 10.0)
+    assert ex.cache is not None
+    assert (ex.cache["expected"], ex.cache["waste"]) == (12_000, 12_000), ex.cache
