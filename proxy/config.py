@@ -157,6 +157,7 @@ class ModelSettings:
 
 
 # Public list prices (USD per 1M tokens) as documented by the providers; override in the config file.
+_DEEPSEEK_V4_FLASH = ModelSettings(1000000, 3600, 0.14, 0.0028, 0.0, 0.28, "deepseek")
 _CLAUDE_SONNET = ModelSettings(200000, 300, 3.00, 0.30, 3.75, 15.00, "anthropic")
 _CLAUDE_OPUS_4 = ModelSettings(200000, 300, 15.00, 1.50, 18.75, 75.00, "anthropic")
 DEFAULT_MODELS: dict[str, ModelSettings] = {
@@ -180,8 +181,12 @@ DEFAULT_MODELS: dict[str, ModelSettings] = {
     "o3": ModelSettings(200000, 600, 2.00, 0.50, 0.0, 8.00, priority_factor=1.75),
     "o3-mini": ModelSettings(200000, 600, 1.10, 0.55, 0.0, 4.40),
     "o4-mini": ModelSettings(200000, 600, 1.10, 0.275, 0.0, 4.40, priority_factor=20 / 11),
-    "deepseek-chat": ModelSettings(128000, 3600, 0.28, 0.028, 0.0, 0.42, "deepseek"),
-    "deepseek-reasoner": ModelSettings(128000, 3600, 0.28, 0.028, 0.0, 0.42, "deepseek"),
+    # DeepSeek's V4 (its page since 2026-04-26): the old names are V4 Flash's, without and with
+    # thinking (retired by DeepSeek after 2026-07-24, still sent by clients configured so)
+    "deepseek-v4-flash": _DEEPSEEK_V4_FLASH,
+    "deepseek-chat": _DEEPSEEK_V4_FLASH,
+    "deepseek-reasoner": _DEEPSEEK_V4_FLASH,
+    "deepseek-v4-pro": ModelSettings(1000000, 3600, 0.435, 0.003625, 0.0, 0.87, "deepseek"),
     "claude-sonnet-4": _CLAUDE_SONNET,
     "claude-sonnet-4-0": _CLAUDE_SONNET,
     "claude-sonnet-4-5": _CLAUDE_SONNET,

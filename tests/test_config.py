@@ -868,3 +868,29 @@ def test_a_fraction_key_refuses_a_number_past_64_bits_written_as_a_float() -> No
     top = settings_from_mapping({"upstream": {"timeout_s": 2**63 - 1}})
     assert top.upstream.timeout_s == float(2**63 - 1)  # (taken, as an integer key takes it)
     assert settings_from_mapping({"upstream": {"timeout_s": 1e18}}).upstream.timeout_s == 1e18
+
+
+def test_the_readmes_table_of_built_in_models_is_the_one_cachegate_prices_by() -> None:
+    """Each row of the README's built-in table (USD a million tokens) holds what the entries of
+    its names say, and every built-in entry has a row: a price changed in one place only
+    misleads every cost figure a reader checks against the manual."""
+    from proxy.config import DEFAULT_MODELS
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    head = "| model | context_window | cache_ttl_s | input | cached input | cache write | output |"
+    rows = readme[readme.index(head) :].split("\n\n", 1)[0].splitlines()[2:]
+    seen: set[str] = set()
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        names = re.findall(r"`([^`]+)`", cells[0])
+        window, ttl, *prices, dialect = cells[1:]
+        for name in names:
+            entry = DEFAULT_MODELS[name]
+            assert entry.context_window == int(window), name
+            if name != "*":
+                assert entry.cache_ttl_s == int(ttl), name
+            listed = (entry.price_input, entry.price_cached_input, entry.price_cache_write)
+            assert (*listed, entry.price_output) == tuple(float(p) for p in prices), name
+            assert entry.dialect == dialect, name
+            seen.add(name)
+    assert seen == set(DEFAULT_MODELS)
