@@ -76,6 +76,9 @@ DEFAULT_MAX_PREFIXES: Final = 4096
 _MODEL_PROVIDERS: Final = (
     ("claude", "anthropic"),
     ("deepseek", "deepseek"),
+    # OpenAI's open-weight models, which OpenAI does not serve: their host's rules (Groq's
+    # flex at its on-demand prices, its cache's life)
+    ("gpt-oss", "*"),
     ("gpt-", "openai"),
     ("chatgpt", "openai"),
     ("o1", "openai"),

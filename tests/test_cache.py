@@ -542,6 +542,7 @@ def test_costs_add_up_per_session() -> None:
     [
         ("gpt-4o", 600.0),
         ("o3-mini", 600.0),
+        ("openai/gpt-oss-120b", 300.0),  # (OpenAI's open weights: its host's, unknown)
         ("claude-sonnet-4", 300.0),
         ("anthropic/claude-3-5-haiku", 300.0),
         ("deepseek-chat", 3_600.0),

@@ -436,18 +436,21 @@ def test_a_table_that_sets_priority_factor_0_keeps_the_built_in_ratio(
         assert line["cost"]["uncached"] == pytest.approx(standard * 1.7)
 
 
+@pytest.mark.parametrize("model", ["llama-3.3-70b", "openai/gpt-oss-120b"])
 def test_a_tier_another_provider_names_is_not_priced_as_openais(
-    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any, model: str
 ) -> None:
     """Groq names ``"service_tier": "flex"`` too, at its on-demand prices: a model that is not
-    OpenAI's (and whose entry sets no ``priority_factor``) was priced at half."""
-    config = {"models": {"llama-3.3-70b": {"price_input": 1.0, "price_output": 2.0}}}
+    OpenAI's (and whose entry sets no ``priority_factor``) was priced at half. So too OpenAI's
+    open-weight gpt-oss, which OpenAI does not serve (Groq's own flex examples use it): its
+    ``gpt-`` name made it OpenAI's."""
+    config = {"models": {model: {"price_input": 1.0, "price_output": 2.0}}}
     proxy = proxy_factory(sim.api_base, config)
     client = sdk(proxy.base_url, default_headers={"X-Session-Id": "groq"})
     for tier in ("default", "flex"):
         messages = [{"role": "user", "content": "say something"}]
         client.chat.completions.create(
-            model="llama-3.3-70b",
+            model=model,
             messages=messages,
             service_tier=tier,  # type: ignore[arg-type]
         )
