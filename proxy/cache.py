@@ -175,6 +175,24 @@ def tier_factor(tier: str | None, priority_factor: float = 0.0) -> float:
     return 1.0
 
 
+# What a prompt past a model's ``long_context_tokens`` costs over its prices: Anthropic's and
+# OpenAI's long-context rates alike (Sonnet 4.5: $6 / $22.50 a million for $3 / $15; GPT-5.4
+# "2x input and 1.5x output for the full session"), cache reads and writes as input
+LONG_CONTEXT_INPUT_FACTOR: Final = 2.0
+LONG_CONTEXT_OUTPUT_FACTOR: Final = 1.5
+
+
+def long_context(pricing: ModelPricing) -> ModelPricing:
+    """``pricing`` at a model's long-context rates (``LONG_CONTEXT_*_FACTOR``)."""
+    factor = LONG_CONTEXT_INPUT_FACTOR
+    return ModelPricing(
+        pricing.price_input * factor,
+        pricing.price_cached_input * factor,
+        pricing.price_cache_write * factor,
+        pricing.price_output * LONG_CONTEXT_OUTPUT_FACTOR,
+    )
+
+
 def tiered(pricing: ModelPricing, factor: float) -> ModelPricing:
     """``pricing`` at ``factor`` times its prices (``tier_factor``)."""
     if factor == 1.0:

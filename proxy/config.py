@@ -154,11 +154,17 @@ class ModelSettings:
     # what an answer billed at OpenAI's "priority" processing tier costs, as a multiple of the
     # prices above (0: the built-in model's documented ratio, else 2); "flex" costs half
     priority_factor: float = 0.0
+    # a prompt of more than this many tokens is billed at the model's long-context rates: its
+    # input, cached input and cache writes at twice the prices above, its output at 1.5 times
+    # (Claude Sonnet 4 and 4.5 past 200K, GPT-5.4 past 272K); 0: none
+    long_context_tokens: int = 0
 
 
 # Public list prices (USD per 1M tokens) as documented by the providers; override in the config file.
 _DEEPSEEK_V4_FLASH = ModelSettings(1000000, 3600, 0.14, 0.0028, 0.0, 0.28, "deepseek")
-_CLAUDE_SONNET = ModelSettings(200000, 300, 3.00, 0.30, 3.75, 15.00, "anthropic")
+_CLAUDE_SONNET = ModelSettings(
+    200000, 300, 3.00, 0.30, 3.75, 15.00, "anthropic", long_context_tokens=200000
+)
 _CLAUDE_OPUS_4 = ModelSettings(200000, 300, 15.00, 1.50, 18.75, 75.00, "anthropic")
 DEFAULT_MODELS: dict[str, ModelSettings] = {
     # (``priority_factor``: OpenAI's priority prices over these: gpt-4o $4.25 / $17 a million)
@@ -175,7 +181,7 @@ DEFAULT_MODELS: dict[str, ModelSettings] = {
     "gpt-5.1-codex-max": ModelSettings(400000, 600, 1.25, 0.125, 0.0, 10.00),
     "gpt-5.2": ModelSettings(400000, 600, 1.75, 0.175, 0.0, 14.00),
     "gpt-5.3-codex": ModelSettings(400000, 600, 1.75, 0.175, 0.0, 14.00),
-    "gpt-5.4": ModelSettings(400000, 600, 2.50, 0.25, 0.0, 15.00),
+    "gpt-5.4": ModelSettings(1050000, 600, 2.50, 0.25, 0.0, 15.00, long_context_tokens=272000),
     "gpt-5.4-mini": ModelSettings(400000, 600, 0.75, 0.075, 0.0, 4.50),
     "gpt-5.4-nano": ModelSettings(400000, 600, 0.20, 0.02, 0.0, 1.25),
     "o3": ModelSettings(200000, 600, 2.00, 0.50, 0.0, 8.00, priority_factor=1.75),

@@ -858,6 +858,8 @@ class _Terms(NamedTuple):
     # names are not OpenAI's (Groq's "flex" costs what its on-demand does): a model named as
     # OpenAI's, or one whose entry sets its ``priority_factor``
     priority_factor: float | None
+    # a prompt past this is billed at its long-context rates (``cache.long_context``); 0: none
+    long_context_tokens: int = 0
 
 
 def _tier(terms: _Terms, ex: Exchange) -> str | None:
@@ -869,15 +871,33 @@ def _tier(terms: _Terms, ex: Exchange) -> str | None:
 
 def _billed(terms: _Terms, ex: Exchange) -> ModelPricing:
     """The prices ``ex``'s answer was billed at: its model's, at the processing tier its
-    answer names (OpenAI's ``service_tier``: ``flex`` half, ``priority`` more)."""
+    answer names (OpenAI's ``service_tier``: ``flex`` half, ``priority`` more), and at its
+    long-context rates for a prompt past them."""
     factor = cache.tier_factor(_tier(terms, ex), terms.priority_factor or 0.0)
-    return cache.tiered(terms.pricing, factor)
+    return _at_length(terms, ex.usage, cache.tiered(terms.pricing, factor))
 
 
-def _tier_of(terms: _Terms, ex: Exchange) -> dict[str, str]:
-    """``{"tier": …}`` for a cost priced at a tier other than the standard prices, else {}."""
+def _long(terms: _Terms, usage: Usage | None) -> bool:
+    """Whether a prompt of ``usage`` is past its model's long-context threshold."""
+    limit = terms.long_context_tokens
+    return bool(limit) and usage is not None and usage.prompt > limit
+
+
+def _at_length(terms: _Terms, usage: Usage | None, pricing: ModelPricing) -> ModelPricing:
+    """``pricing`` at the model's long-context rates where ``usage``'s prompt is past them."""
+    return cache.long_context(pricing) if _long(terms, usage) else pricing
+
+
+def _tier_of(terms: _Terms, ex: Exchange) -> dict[str, Any]:
+    """``{"tier": …}`` for a cost priced at a tier other than the standard prices, and
+    ``{"long_context": true}`` for one at the long-context rates; else {}."""
     tier = _tier(terms, ex)
-    return {"tier": tier} if tier is not None and cache.tier_factor(tier) != 1.0 else {}
+    said: dict[str, Any] = {}
+    if tier is not None and cache.tier_factor(tier) != 1.0:
+        said["tier"] = tier
+    if _long(terms, ex.usage):
+        said["long_context"] = True
+    return said
 
 
 class AccountingObserver:
@@ -966,6 +986,7 @@ class AccountingObserver:
                 model.cache_min_tokens,
                 floor,
                 factor if openai else None,
+                model.long_context_tokens,
             )
             if model_name is None or len(model_name) <= _NAME_KEPT:  # (a longer one: each time)
                 self._terms[model_name] = terms
@@ -1076,7 +1097,7 @@ class AccountingObserver:
             if compared is not None and compared.messages:
                 ex.compared_first = compared.messages[0]
         usage = ex.usage
-        name, ttl_s, _, marked_only, min_cached, ttl_floor_s, _ = terms
+        name, ttl_s, _, marked_only, min_cached, ttl_floor_s, _, _ = terms
         pricing = _billed(terms, ex)  # (at the processing tier the answer was billed at)
         if marked_only or (usage is not None and usage.explicit_cache):
             # Claude keeps a prefix as long as the breakpoint that wrote it asks: "1h" or "5m",
@@ -1490,7 +1511,8 @@ class AccountingObserver:
         if summary is not None:
             if summary.reported_cache and ex.session is not None:  # (its session's, as list's)
                 ex.session.extra["summary_reported"] = True
-            pricing = self._model_terms(ex.summary_model).pricing
+            terms = self._model_terms(ex.summary_model)
+            pricing = _at_length(terms, summary, terms.pricing)  # (a summary of 300K: long)
             extra = cache.compute_cost(summary, pricing)
             counted: Usage | None = summary
             if ex.summary_metered is not None:  # (counted when its summary was done)
@@ -1663,7 +1685,8 @@ class AccountingObserver:
         """A compaction's summary that no request was waiting for when it was done (its client
         left): its tokens and cost count in the metrics now, under its model. The request that
         goes out with it later carries it in its log line (``Exchange.summary_metered``)."""
-        extra = cache.compute_cost(usage, self._model_terms(model).pricing)
+        terms = self._model_terms(model)
+        extra = cache.compute_cost(usage, _at_length(terms, usage, terms.pricing))
         self.metrics.observe_usage(model, usage)
         self.metrics.observe_cost(model, extra.actual, extra.uncached)
 

@@ -883,7 +883,7 @@ def test_the_readmes_table_of_built_in_models_is_the_one_cachegate_prices_by() -
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         names = re.findall(r"`([^`]+)`", cells[0])
-        window, ttl, *prices, dialect = cells[1:]
+        window, ttl, *prices, dialect, long = cells[1:]
         for name in names:
             entry = DEFAULT_MODELS[name]
             assert entry.context_window == int(window), name
@@ -892,5 +892,6 @@ def test_the_readmes_table_of_built_in_models_is_the_one_cachegate_prices_by() -
             listed = (entry.price_input, entry.price_cached_input, entry.price_cache_write)
             assert (*listed, entry.price_output) == tuple(float(p) for p in prices), name
             assert entry.dialect == dialect, name
+            assert entry.long_context_tokens == (0 if long == "—" else int(long)), name
             seen.add(name)
     assert seen == set(DEFAULT_MODELS)

@@ -3363,3 +3363,32 @@ def test_claudes_first_turn_sent_again_after_two_more_keeps_its_expiry(
     assert turn["cache"]["expected"] == again["prompt_tokens"], turn["cache"]
     assert turn["cache"]["waste"] == again["prompt_tokens"]
     assert turn["cache"]["cause"] == "ttl_expired"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_past_the_long_context_threshold_is_priced_at_the_long_context_rates(
+    proxy_factory: Any, stream: bool
+) -> None:
+    """GPT-5.4 bills a prompt of more than 272K tokens at twice its input price and 1.5 times
+    its output price, the whole request (Claude Sonnet 4.5 likewise past 200K): such a turn was
+    priced at the standard rates, about half its bill. A shorter one keeps them."""
+    with run_no_cache_upstream() as (upstream, base_url):
+        proxy = proxy_factory(base_url, {})  # (gpt-5.4's built-in entry: $2.50 / $15)
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "long"})
+        for base in (3_000, 300_000):
+            upstream.base_prompt = base
+            chat(client, [{"role": "user", "content": "go"}], stream=stream, model="gpt-5.4")
+        flush(proxy)
+    short, long = events(proxy.log_dir, "long", "response")
+    assert short["usage"]["prompt"] == 3_050 and long["usage"]["prompt"] == 300_050
+    assert short["cost"] == {
+        "actual": pytest.approx((3_050 * 2.5 + 2 * 15) / 1e6),
+        "uncached": pytest.approx((3_050 * 2.5 + 2 * 15) / 1e6),
+    }
+    expected = (300_050 * 2.5 * 2 + 2 * 15 * 1.5) / 1e6
+    assert long["cost"]["actual"] == pytest.approx(expected)
+    assert long["cost"]["long_context"] is True and "long_context" not in short["cost"]
+    total = proxy.metric("cachegate_cost_usd_total", {"model": "gpt-5.4", "kind": "actual"})
+    assert total == pytest.approx(expected + (3_050 * 2.5 + 2 * 15) / 1e6)
+    report = run_cli("sessions", "cost", "long", "--log-dir", str(proxy.log_dir), "--json").json()
+    assert report["actual"] == pytest.approx(total)
