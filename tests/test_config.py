@@ -297,7 +297,9 @@ def test_model_lookup_exact_prefix_and_fallback() -> None:
         ("gpt-5-pro", None),  # not gpt-5 ($1.25 in): $15
         ("o3-pro", None),
         ("gpt-5.9", None),  # not gpt-5: a version of its own
-        ("claude-opus-4-7", None),  # not claude-opus-4 ($15 in)
+        ("claude-opus-4-8", None),  # not claude-opus-4 ($15 in)
+        ("claude-opus-4-7", "claude-opus-4-7"),  # (its own: $5 in)
+        ("claude-opus-4-6-20260205", "claude-opus-4-6"),
         ("gpt-4o-audio-preview", None),
         # a gateway's spelling of a provider's model: its vendor or route prefix, Bedrock's
         # region and vendor, OpenRouter's dotted Claude versions
