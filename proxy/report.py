@@ -736,11 +736,14 @@ def summarize(detail: SessionDetail) -> SessionSummary:
         cache_hit_pct=100.0 * reported_read / reported_in if reported_in else None,
         interruptions=sum(1 for row in answered if row.interrupted),
         repairs=sum(row.repairs for row in answered),
-        # (a client that left before any answer, 499, is INTERRUPTED, as one that left after)
+        # (one cut off, by a client that left before any answer, 499, or after, or by
+        # cachegate stopping, its 503 or a stream cut, is INTERRUPTED alone)
         errors=sum(
             1
             for row in answered
-            if (row.error or (row.status or 0) >= 400) and row.status != CLIENT_CLOSED
+            if (row.error or (row.status or 0) >= 400)
+            and row.status != CLIENT_CLOSED
+            and not row.interrupted
         ),
         torn=detail.torn,
         lost=detail.lost,
@@ -1025,7 +1028,8 @@ def render_cost(report: CostReport) -> str:
         many = report.no_usage > 1
         lines.append(
             f"{report.no_usage} exchange{'s' if many else ''} reported no usage (the client left"
-            " before it, or a provider that gives none): not counted, though the provider may"
+            " before it, cachegate stopped before it, or a provider that gives none): not"
+            " counted, though the provider may"
             f" have billed {'them' if many else 'it'}"
         )
     if report.background:

@@ -532,7 +532,8 @@ def test_a_client_that_left_is_an_interruption_not_an_error_whenever_it_left(
     tmp_path: Path,
 ) -> None:
     """Ctrl+C before the provider's headers is logged 499, after them 200 and interrupted: the
-    same act, so neither counts in ERRORS; both count in INTERRUPTED."""
+    same act, so neither counts in ERRORS; both count in INTERRUPTED. So too an exchange cut by
+    cachegate stopping."""
     early = {**_answer(T0 + 1, 1, 1, duration=0.2, cost=0), "usage": None, "status": 499}
     early.update(interrupted=True, error="client disconnected before the response started")
     late = {**_answer(T0 + 3, 1, 1, duration=0.2, cost=0, exchange=2), "interrupted": True}
@@ -544,11 +545,20 @@ def test_a_client_that_left_is_an_interruption_not_an_error_whenever_it_left(
     gone = {"ts": T0 + 7, "type": "error", "exchange": 4, "model": "gpt-4o", "status": 499}
     gone["forwarded"] = False
     events += [{**gone, "message": "client disconnected"}]  # (never forwarded: no request line)
+    # ... and two cut by cachegate stopping: a stream its grace period cut (200, its error
+    # said), and a request not yet answered (503): INTERRUPTED alone (they counted in both)
+    stopped = {**_answer(T0 + 9, 1, 1, duration=0.2, cost=0, exchange=5), "interrupted": True}
+    stopped["error"] = "cut: cachegate stopped before the response was complete"
+    unanswered = {**_answer(T0 + 11, 1, 1, duration=0.2, cost=0, exchange=6), "status": 503}
+    unanswered.update(usage=None, interrupted=True, error="cachegate is shutting down")
+    events += [req(T0 + 8, 5, appended=[U1]), stopped, req(T0 + 10, 6, appended=[U1])]
+    events += [unanswered]
     (summary,) = list_sessions(_logged(tmp_path, "cut", events))
-    assert (summary.exchanges, summary.interruptions, summary.errors) == (4, 3, 1)
+    assert (summary.exchanges, summary.interruptions, summary.errors) == (6, 5, 1)
     rows = render_show(show_session(tmp_path, "cut")).splitlines()
-    assert rows[-1].endswith("499  interrupted, client disconnected")
-    assert rows[-1].split()[3] == "gpt-4o"  # the model it asked for (was "-")
+    assert rows[-3].endswith("499  interrupted, client disconnected")
+    assert rows[-3].split()[3] == "gpt-4o"  # the model it asked for (was "-")
+    assert rows[-1].endswith("503  interrupted, cachegate is shutting down")
 
 
 def test_a_model_name_with_line_breaks_cannot_forge_a_row(tmp_path: Path) -> None:
@@ -861,8 +871,9 @@ def test_cost_says_how_many_exchanges_reported_no_usage(tmp_path: Path) -> None:
     assert (report.priced_exchanges, report.no_usage) == (1, 3)
     assert report.to_json()["no_usage"] == 3
     assert render_cost(report).endswith(
-        "\n3 exchanges reported no usage (the client left before it, or a provider that gives"
-        " none): not counted, though the provider may have billed them"
+        "\n3 exchanges reported no usage (the client left before it, cachegate stopped before"
+        " it, or a provider that gives none): not counted, though the provider may have billed"
+        " them"
     )
 
 
