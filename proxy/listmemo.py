@@ -20,6 +20,7 @@ import math
 import os
 import stat
 import tempfile
+import time
 from dataclasses import fields
 from typing import Any, Final
 
@@ -28,6 +29,10 @@ import orjson
 from proxy import eventlog
 
 FORMAT: Final = 1
+# A memo not used for this long is deleted when another is written: the memo of a log directory
+# long gone (each ``cachegate demo`` lists one of its own) stayed for good. One still in use is
+# made again at its next listing, which reads the logs once.
+MEMO_KEPT_S: Final = 30 * 86400
 
 # A summary field's JSON types (``None`` allowed where the dataclass allows it).
 _NULLABLE_INT = (int, type(None))
@@ -121,6 +126,8 @@ class SummaryMemo:
             parsed = _entry(file_name, entry)
             if parsed is not None:
                 memo._entries[file_name] = parsed
+        with contextlib.suppress(OSError):
+            os.utime(memo.path)  # (used: kept past MEMO_KEPT_S from now)
         return memo
 
     def get(self, file_name: str, key: Key | None) -> tuple[bool, dict[str, Any] | None]:
@@ -165,12 +172,33 @@ class SummaryMemo:
             os.replace(tmp, self.path)
             tmp = None
             self._changed = False
+            _prune(directory, self.path)
         except (OSError, TypeError, ValueError):  # (what orjson cannot write: passed over too)
             pass
         finally:
             if tmp is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
+
+
+def _prune(directory: str, kept: str) -> None:
+    """Delete the memos in ``directory`` not used for ``MEMO_KEPT_S`` (but ``kept``), and
+    temporary files left by a listing cut off as long ago."""
+    old = time.time() - MEMO_KEPT_S
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            name = entry.name
+            if entry.path == kept or not (
+                (name.startswith("list-") and name.endswith(".json"))
+                or (name.startswith(".list-") and name.endswith(".tmp"))
+            ):
+                continue
+            with contextlib.suppress(OSError):
+                if (
+                    entry.is_file(follow_symlinks=False)
+                    and entry.stat(follow_symlinks=False).st_mtime < old
+                ):
+                    os.unlink(entry.path)
 
 
 def _dir_key(real: str) -> str:

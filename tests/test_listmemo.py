@@ -340,3 +340,31 @@ def test_counts_past_what_json_readers_take_are_listed_and_not_kept(
     assert "20,000,000,000,000,000,000" in out
     assert listed(tmp_path) == out
     assert reads == ["huge.jsonl", "huge.jsonl"]  # (read each time: not kept)
+
+
+def test_memos_unused_for_a_month_are_deleted_and_one_in_use_is_kept(
+    log_dir: Path, tmp_path: Path
+) -> None:
+    """Each log directory listed left a memo for good, its directory long gone (each ``demo``
+    lists one of its own): one not used for 30 days goes when another is written; one read
+    since is kept, however old its logs."""
+    cache = Path(os.environ["XDG_CACHE_HOME"]) / "cachegate"
+    listed(log_dir)
+    (used,) = memo_files(cache.parent)
+    month = listmemo.MEMO_KEPT_S + 3600
+    old = os.path.getmtime(used) - month
+    os.utime(used, (old, old))
+    listed(log_dir)  # (read, unchanged: used again, not written)
+    assert os.path.getmtime(used) > old + month - 60
+    gone, stray = cache / "list-0123456789abcdef0123456789abcdef.json", cache / ".list-x.tmp"
+    recent = cache / "list-fedcba9876543210fedcba9876543210.json"
+    for path in (gone, stray, recent):
+        path.write_bytes(b"{}")
+    for path in (gone, stray):
+        os.utime(path, (old, old))
+    other = tmp_path / "other-logs"
+    write_logs(other)
+    listed(other)  # (a memo written: the others looked at)
+    assert not gone.exists() and not stray.exists()
+    assert used.exists() and recent.exists()
+    assert len(memo_files(cache.parent)) == 3
