@@ -185,6 +185,7 @@ DEFAULT_MODELS: dict[str, ModelSettings] = {
     "gpt-5.4": ModelSettings(1050000, 600, 2.50, 0.25, 0.0, 15.00, long_context_tokens=272000),
     "gpt-5.4-mini": ModelSettings(400000, 600, 0.75, 0.075, 0.0, 4.50),
     "gpt-5.4-nano": ModelSettings(400000, 600, 0.20, 0.02, 0.0, 1.25),
+    "gpt-5.5": ModelSettings(1050000, 600, 5.00, 0.50, 0.0, 30.00, long_context_tokens=272000),
     "o3": ModelSettings(200000, 600, 2.00, 0.50, 0.0, 8.00, priority_factor=1.75),
     "o3-mini": ModelSettings(200000, 600, 1.10, 0.55, 0.0, 4.40),
     "o4-mini": ModelSettings(200000, 600, 1.10, 0.275, 0.0, 4.40, priority_factor=20 / 11),
@@ -208,6 +209,8 @@ DEFAULT_MODELS: dict[str, ModelSettings] = {
     "claude-sonnet-4-6": ModelSettings(1000000, 300, 3.00, 0.30, 3.75, 15.00, "anthropic"),
     "claude-opus-4-6": _CLAUDE_OPUS_1M,
     "claude-opus-4-7": _CLAUDE_OPUS_1M,
+    "claude-opus-4-8": ModelSettings(1000000, 300, 5.00, 0.50, 6.25, 25.00, "anthropic"),
+    "claude-opus-5": ModelSettings(1000000, 300, 5.00, 0.50, 6.25, 25.00, "anthropic"),
     "*": ModelSettings(),
 }
 

@@ -297,7 +297,8 @@ def test_model_lookup_exact_prefix_and_fallback() -> None:
         ("gpt-5-pro", None),  # not gpt-5 ($1.25 in): $15
         ("o3-pro", None),
         ("gpt-5.9", None),  # not gpt-5: a version of its own
-        ("claude-opus-4-8", None),  # not claude-opus-4 ($15 in)
+        ("claude-opus-4-9", None),  # not claude-opus-4 ($15 in)
+        ("claude-opus-5-5", None),  # not claude-opus-5 (another version)
         ("claude-opus-4-7", "claude-opus-4-7"),  # (its own: $5 in)
         ("claude-opus-4-6-20260205", "claude-opus-4-6"),
         ("gpt-4o-audio-preview", None),
