@@ -3286,6 +3286,28 @@ def test_tools_no_longer_sent_are_not_charged_as_waste(
     assert abs(logged["waste"] - truth) <= 0.1 * removed, (logged, truth, removed)
 
 
+_CLAUDE = "claude-sonnet-4-5"
+
+
+def _marked_last(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with a Claude breakpoint on the last, as Claude Code marks them."""
+    return [*messages[:-1], {**messages[-1], "cache_control": {"type": "ephemeral"}}]
+
+
+def _claude_turns(sim: RunningSimulator, client: Any, turns: int) -> list[dict[str, Any]]:
+    """A Claude conversation of ``turns`` marked turns, 5 s apart, each answered and followed
+    by a tool output: the history its next turn sends."""
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Fix the failing handler. " + FILE_TEXT},
+    ]
+    for turn in range(turns):
+        reply, _ = chat(client, _marked_last(convo), model=_CLAUDE, tools=TOOLS, stream=False)
+        convo += [reply, {"role": "user", "content": f"Output {turn}: " + FILE_TEXT}]
+        sim.sim.advance(5)
+    return convo
+
+
 @pytest.mark.parametrize("fork", [True, False])
 def test_claudes_next_turn_after_a_sub_agent_forked_one_message_on_wastes_nothing(
     proxy_factory: Any, fork: bool
@@ -3295,29 +3317,18 @@ def test_claudes_next_turn_after_a_sub_agent_forked_one_message_on_wastes_nothin
     before the sub-agent's breakpoint, so Claude reads the main agent's last entry, not the
     sub-agent's: nothing more could be read. It was compared with the sub-agent's request,
     all of its prompt expected, and the tool result's tokens called ``unexplained`` waste."""
-    model = "claude-sonnet-4-5"
+    model = _CLAUDE
     with run_simulator(SimConfig(dialect="anthropic-compat")) as sim:
         proxy = proxy_factory(sim.api_base, config(), clock=lambda: sim.sim.now)
         client = make_client(proxy.base_url, default_headers={"X-Session-Id": "fork"})
-
-        def marked(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            return [*messages[:-1], {**messages[-1], "cache_control": {"type": "ephemeral"}}]
-
-        convo: list[dict[str, Any]] = [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": "Fix the failing handler. " + FILE_TEXT},
-        ]
-        for turn in range(2):
-            before = len(sim.sim.requests)
-            reply, _ = chat(client, marked(convo), model=model, tools=TOOLS, stream=False)
-            convo += [reply, {"role": "user", "content": f"Output {turn}: " + FILE_TEXT}]
-            sim.sim.advance(5)
+        convo = _claude_turns(sim, client, 2)
+        previous = sim.sim.requests[-1].usage  # (the main agent's turn before)
         if fork:
             task = {"role": "user", "content": "Sub-agent: list what the output names. " * 40}
-            chat(client, marked([*convo, task]), model=model, tools=TOOLS, stream=False)
+            chat(client, _marked_last([*convo, task]), model=model, tools=TOOLS, stream=False)
             sim.sim.advance(5)
-        chat(client, marked(convo), model=model, tools=TOOLS, stream=False)
-        previous, last = sim.sim.requests[before].usage, sim.sim.requests[-1].usage
+        chat(client, _marked_last(convo), model=model, tools=TOOLS, stream=False)
+        last = sim.sim.requests[-1].usage
         flush(proxy)
     turn = events(proxy.log_dir, "fork", "response")[-1]
     # (the main agent's previous entry, before the tool result: the sub-agent's lies past it)
@@ -3337,25 +3348,12 @@ def test_claudes_first_turn_sent_again_after_two_more_keeps_its_expiry(
     after two longer turns and a pause past the cache's life. Its entry had expired: an
     expiry. Read as a turn that stops before the latest one's breakpoint, it was expected to
     read only what that one read, which lay past it: nothing expected, the expiry hidden."""
-    model = "claude-sonnet-4-5"
     with run_simulator(SimConfig(dialect="anthropic-compat")) as sim:
         proxy = proxy_factory(sim.api_base, config(), clock=lambda: sim.sim.now)
         client = make_client(proxy.base_url, default_headers={"X-Session-Id": "again"})
-
-        def marked(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            return [*messages[:-1], {**messages[-1], "cache_control": {"type": "ephemeral"}}]
-
-        first: list[dict[str, Any]] = [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": "Fix the failing handler. " + FILE_TEXT},
-        ]
-        convo = list(first)
-        for turn in range(3):
-            reply, _ = chat(client, marked(convo), model=model, tools=TOOLS, stream=False)
-            convo += [reply, {"role": "user", "content": f"Output {turn}: " + FILE_TEXT}]
-            sim.sim.advance(5)
+        first = _claude_turns(sim, client, 3)[:2]  # (its opening: the first turn's request)
         sim.sim.advance(400)
-        chat(client, marked(first), model=model, tools=TOOLS, stream=False)
+        chat(client, _marked_last(first), model=_CLAUDE, tools=TOOLS, stream=False)
         again = sim.sim.requests[-1].usage
         flush(proxy)
     turn = events(proxy.log_dir, "again", "response")[-1]
