@@ -118,6 +118,9 @@ class _Block:
     idless: deque[str]
     # id -> the ids given to later calls of this message that had it too, in call order
     renamed: dict[str, deque[str]]
+    # the tool messages of its run kept in their place unpaired (orphans or duplicates made
+    # user messages) that no result of its has come after yet: one that does goes before them
+    kept: list[int] = dataclasses.field(default_factory=list)
 
     def dangling(self) -> list[int]:
         """Positions of the calls still without a result, in call order."""
@@ -1187,6 +1190,22 @@ def _say_mark_moved(scanned: list[Repair], index: int) -> None:
             return
 
 
+def _say_moved_after(repairs: list[Repair], block: _Block) -> None:
+    """The repairs of ``block.kept``, the tool messages of its run kept as user messages, say
+    that they now follow its results: a result of its came after them, and went before them
+    with the others (the move was said nowhere)."""
+    kept = set(block.kept)
+    block.kept.clear()
+    for at in range(len(repairs) - 1, -1, -1):
+        repair = repairs[at]
+        if repair.index in kept and repair.action.startswith("kept as a user message"):
+            moved = f", moved after the results of messages[{block.index}]"
+            repairs[at] = dataclasses.replace(repair, action=repair.action + moved)
+            kept.discard(repair.index)
+            if not kept:
+                return
+
+
 def _first_block_at(blocks: dict[int, _Block], start: int) -> int:
     """How many of ``blocks`` (in index order) are before message ``start``."""
     if not start:
@@ -1278,6 +1297,8 @@ def _pair_result(
                 )
             owner.results.append(i)
             paired.add(i)
+            if owner.kept:
+                _say_moved_after(repairs, owner)
             return
         repeats = owner.renamed.get(tool_call_id) or deque()
         while repeats:  # the next call of its message that repeated the id, renamed: in order
@@ -1306,6 +1327,8 @@ def _pair_result(
                 )
             owner.results.append(i)
             paired.add(i)
+            if owner.kept:
+                _say_moved_after(repairs, owner)
             return
         kind: RepairKind = "duplicate_result"
         label = f"[duplicate tool result for call {tool_call_id}]"
@@ -1321,6 +1344,8 @@ def _pair_result(
     else:
         fixed[i] = _downgrade(message, label)
         repairs.append(Repair(kind, i, tool_call_id, "kept as a user message"))
+        if run is not None:  # (its run's results after it go before it: ``_say_moved_after``)
+            run.kept.append(i)
 
 
 def diagnose(

@@ -1982,3 +1982,37 @@ def test_a_message_of_many_parallel_calls_is_repaired_in_time_that_grows_with_it
     assert [r.kind for r in result.repairs] == ["dangling_call"] * n
     assert _CountedId.compared < 10 * n  # (a list's search: ~n * n / 2, two million)
     validate_messages(result.messages)
+
+
+def test_an_orphan_kept_between_two_results_of_one_call_says_the_results_went_before_it() -> None:
+    """An orphan among the results of a parallel call, kept as a user message: the result
+    after it moves up with the others, before it. The repair said only "kept as a user
+    message", and the move showed nowhere: not in the log, the header or the repairs' count."""
+    history = [user("x"), asst(call("a"), call("b")), tool("a"), tool("zz"), tool("b"), user("y")]
+    result = repair_messages(history)
+    assert [m.get("tool_call_id") or (m["content"] or "")[:24] for m in result.messages] == [
+        "x",
+        "",
+        "a",
+        "b",
+        "[tool result for call zz",
+        "y",
+    ]
+    (orphan,) = result.repairs
+    assert (orphan.kind, orphan.index) == ("orphan_result", 3)
+    assert orphan.action == "kept as a user message, moved after the results of messages[1]"
+    # an orphan after the last result moves nothing: said as before
+    history = [user("x"), asst(call("a")), tool("a"), tool("zz"), user("y")]
+    (orphan,) = repair_messages(history).repairs
+    assert orphan.action == "kept as a user message"
+    # resumed from the state of the request before (the history one turn on): the same
+    longer = [user("x"), asst(call("a"), call("b")), tool("a"), tool("zz"), tool("b")]
+    first, state = repair_messages_from(longer[:4], None)  # (b not answered yet)
+    assert [r.action for r in first.repairs if r.kind == "orphan_result"] == [
+        "kept as a user message"
+    ]
+    again, _ = repair_messages_from(longer, state)
+    assert again.messages == result.messages[:5]
+    assert [(r.kind, r.action) for r in again.repairs] == [
+        ("orphan_result", "kept as a user message, moved after the results of messages[1]")
+    ]
