@@ -1236,6 +1236,7 @@ class Compactor:
             return
         same = ex.summary_model == model  # (a retry's compaction after the first one's)
         ex.summary_usage = added(ex.summary_usage if same else None, usage)
+        ex.summary_calls = [*(ex.summary_calls if same else ()), (usage, metered)]
         if metered:
             ex.summary_metered = added(ex.summary_metered if same else None, usage)
         elif not same:

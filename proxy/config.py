@@ -239,7 +239,9 @@ _VARIANT_WORDS: Final = frozenset(
     }
 )
 _SNAPSHOT_OF: Final = re.compile(
-    r"(?:(?:[-_](?!\d{1,3}(?:[-_.]|$))|[@:/])"  # a separator; no version number after - or _
+    # a separator; no version number after - or _, nor a "v" one (deepseek-chat-v3.1 and
+    # -v3-0324 are DeepSeek's V3 models, 164K windows, not what deepseek-chat names now)
+    r"(?:(?:[-_](?!\d{1,3}(?:[-_.]|$))(?![vV]\d)|[@:/])"
     r"[A-Za-z0-9._@:/-]*)?"  # (-5, -4.5); a tag after : may be a size (qwen3:0.6b)
 )
 _WORDS: Final = re.compile(r"[^a-z]+")
@@ -282,6 +284,7 @@ def configured_model(name: str, configured: Iterable[str]) -> str | None:
 # (``us.anthropic.claude-sonnet-4-5-20250929-v1:0``).
 _BEDROCK_PREFIX: Final = re.compile(r"\A(?:(?:us|eu|apac|global|us-gov|jp|au|ca)\.)?anthropic\.")
 _DOTTED_VERSION: Final = re.compile(r"(?<=\d)\.(?=\d)")
+_BEDROCK_VERSION: Final = re.compile(r"-v\d+(?::\d+)?\Z")
 
 
 def gateway_aliases(name: str) -> list[str]:
@@ -289,7 +292,10 @@ def gateway_aliases(name: str) -> list[str]:
     literal first (not ``name`` itself): without a vendor or route prefix (OpenRouter's and
     LiteLLM's ``anthropic/…``, ``openai/…``) or Bedrock's (``us.anthropic.…``), then with a
     Claude version in dashes (OpenRouter's ``claude-sonnet-4.5`` is ``claude-sonnet-4-5``)."""
-    bare = _BEDROCK_PREFIX.sub("", name.rsplit("/", 1)[-1])
+    last = name.rsplit("/", 1)[-1]
+    bare = _BEDROCK_PREFIX.sub("", last)
+    if bare != last:  # (a Bedrock id: its version after the model's too, "-v1:0")
+        bare = _BEDROCK_VERSION.sub("", bare)
     out = [bare] if bare != name else []
     if bare.startswith("claude-"):
         dashed = _DOTTED_VERSION.sub("-", bare)

@@ -31,7 +31,7 @@ from proxy.pipeline import Exchange, clip_words
 from proxy.redact import known_secrets, redact_text, without_values
 from proxy.relay import CLIENT_KEY_HEADERS, GATEWAY_KEY_HEADERS, PLACEHOLDER_AUTHORIZATION
 from proxy.sessions import CONVERSATIONS_KEPT, SessionState, SessionStore
-from proxy.usage import Usage, less
+from proxy.usage import Usage, added, less
 
 _MAX_MODEL_TERMS = 256
 _MAX_IN_FLIGHT = 64  # of those, the latest whose prefixes another's idle time may be read from
@@ -1512,13 +1512,24 @@ class AccountingObserver:
             if summary.reported_cache and ex.session is not None:  # (its session's, as list's)
                 ex.session.extra["summary_reported"] = True
             terms = self._model_terms(ex.summary_model)
-            pricing = _at_length(terms, summary, terms.pricing)  # (a summary of 300K: long)
-            extra = cache.compute_cost(summary, pricing)
-            counted: Usage | None = summary
-            if ex.summary_metered is not None:  # (counted when its summary was done)
-                counted = less(summary, ex.summary_metered)
-            if counted is not None:
-                once = cache.compute_cost(counted, pricing) if counted is not summary else extra
+            calls = ex.summary_calls
+            if not calls:  # (the summed usage alone: as one call, its metered part apart)
+                then = ex.summary_metered
+                rest = less(summary, then) if then is not None else summary
+                calls = [(u, m) for u, m in ((rest, False), (then, True)) if u is not None]
+            # Each call at its own prompt's rates (two calls under a long-context threshold
+            # were priced as one prompt past it); the metrics count those not counted when
+            # their summary was done
+            extra = cache.Cost(0.0, 0.0)
+            once: cache.Cost | None = None
+            counted: Usage | None = None
+            for usage, metered in calls:
+                priced = cache.compute_cost(usage, _at_length(terms, usage, terms.pricing))
+                extra = extra + priced
+                if not metered:
+                    once = priced if once is None else once + priced
+                    counted = added(counted, usage)
+            if counted is not None and once is not None:
                 self.metrics.observe_usage(ex.summary_model, counted, reported_before)
                 self.metrics.observe_cost(ex.summary_model, once.actual, once.uncached)
             ex.summary_cost = {"actual": extra.actual, "uncached": extra.uncached}

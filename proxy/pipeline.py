@@ -92,6 +92,9 @@ class Exchange:
     # waited for it: ``Compactor._meter``): this exchange's log line carries it, the metrics
     # count only the rest.
     summary_metered: Usage | None = None
+    # Each summary call of ``summary_usage`` and whether the metrics counted it then: the
+    # provider bills each on its own prompt (a model's long-context rates: per call)
+    summary_calls: list[tuple[Usage, bool]] = field(default_factory=list)
     # ``summary_usage`` priced at ``summary_model``'s prices: ``{actual, uncached}`` in USD
     # (the accounting's, included in ``cost``; the log line gives it apart)
     summary_cost: dict[str, float] | None = None

@@ -736,18 +736,29 @@ def summarize(detail: SessionDetail) -> SessionSummary:
         cache_hit_pct=100.0 * reported_read / reported_in if reported_in else None,
         interruptions=sum(1 for row in answered if row.interrupted),
         repairs=sum(row.repairs for row in answered),
-        # (one cut off, by a client that left before any answer, 499, or after, or by
-        # cachegate stopping, its 503 or a stream cut, is INTERRUPTED alone)
+        # (a client that left before any answer, 499, is INTERRUPTED, as one that left after;
+        # so is one cut by cachegate stopping, its 503 or a stream its grace period cut: not
+        # the provider's error, which a client's hang-up after it does not hide)
         errors=sum(
             1
             for row in answered
             if (row.error or (row.status or 0) >= 400)
             and row.status != CLIENT_CLOSED
-            and not row.interrupted
+            and not _stopped(row)
         ),
         torn=detail.torn,
         lost=detail.lost,
     )
+
+
+# How cachegate's own lines say an exchange its stop cut (``relay``'s stream cut, the 503 of
+# ``errors.shutting_down``)
+_STOPPED_SAID: Final = ("cut: cachegate stopped", "cachegate is shutting down")
+
+
+def _stopped(row: ExchangeRow) -> bool:
+    """Whether ``row`` was cut by cachegate stopping (an interruption, not an error)."""
+    return row.interrupted and row.error is not None and row.error.startswith(_STOPPED_SAID)
 
 
 def _with_summary(main: int | None, summary: int | None) -> int | None:

@@ -27,7 +27,13 @@ from proxy.report import list_sessions, render_cost, render_show, session_cost, 
 from proxy.serving import ServerThread
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
 from proxy.simulator.reply import parse_script
-from tests.e2e_support import NoCacheUpstream, cachegate_process, wait_for
+from tests.e2e_support import (
+    NoCacheUpstream,
+    asgi_body,
+    asgi_lifespan,
+    cachegate_process,
+    wait_for,
+)
 
 MODEL = "gpt-4o"
 
@@ -2528,6 +2534,87 @@ def test_a_completion_asked_for_that_fills_the_window_compacts_no_short_history(
             messages.append({"role": "user", "content": f"Go on ({turn})."})
     assert [r["messages"] for r in upstream.requests] == sent  # (no summary call among them)
     assert not compacted_events(proxy)
+
+
+@dataclass
+class _LongSummaries:
+    """An upstream whose summary calls read 150,000 prompt tokens each (under GPT-5.4's
+    272K long-context threshold) and that refuses the agent's first try as too long: the
+    exchange pays two summary calls, a compaction and its retry's."""
+
+    main: int = 0
+    summaries: int = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await asgi_lifespan(receive, send)
+            return
+        body = orjson.loads(await asgi_body(receive))
+        status, usage = 200, {"prompt_tokens": 3_000, "completion_tokens": 10}
+        text = "Done."
+        if SUMMARIZER_SYSTEM_PROMPT in str(body["messages"][0].get("content")):
+            self.summaries += 1
+            usage = {"prompt_tokens": 150_000, "completion_tokens": 1_000}
+            text = "TASK: handle CRLF. DONE: cases 0-13 pass. LEFT: cases 14-17."
+        else:
+            self.main += 1
+        if self.main == 1 and text == "Done.":  # (the agent's first try)
+            status = 400
+        if status == 400:
+            message = (
+                "This model's maximum context length is 8000 tokens. However, your messages"
+                " resulted in 9000 tokens."
+            )
+            payload = {"error": {"message": message, "code": "context_length_exceeded"}}
+        else:
+            message_out = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message_out, "finish_reason": "stop"}
+            payload = {"id": "c", "object": "chat.completion", "created": 1, "choices": [choice]}
+            payload.update(model=body["model"], usage=usage)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": orjson.dumps(payload)})
+
+
+def test_two_summary_calls_of_one_exchange_are_each_priced_at_their_own_prompts_rates(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """A compaction and its retry's: two summary calls of 150,000 prompt tokens, each under
+    GPT-5.4's 272K threshold. Their usages were added and priced as one prompt of 300,000
+    past it: twice the input price, 1.5 times the output, the summary ~2x over its bill."""
+    upstream = _LongSummaries()
+    config = {**CONFIG, "models": {"gpt-5.4": {"context_window": 8000}}}
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."}]
+    for i in range(20):
+        messages.append({"role": "user", "content": f"Question {i}: " + "look at the file " * 90})
+        messages.append(
+            {"role": "assistant", "content": f"Answer {i}: " + "it has functions " * 90}
+        )
+    messages.append({"role": "user", "content": "final question"})
+    with ServerThread(upstream) as server:
+        proxy = proxy_factory(server.url + "/v1", config)
+        client = sdk(proxy.base_url)
+        raw = client.chat.completions.with_raw_response.create(
+            model="gpt-5.4", messages=messages, extra_headers={"X-Session-Id": "two-calls"}
+        )
+        assert raw.headers["x-cachegate-compacted"] == "1"
+    assert (upstream.summaries, upstream.main) == (2, 2)
+    proxy.settle()
+    logged = read_events(proxy.log_dir / "two-calls.jsonl").events
+    (answered,) = [e for e in logged if e["type"] == "response" and e["status"] == 200]
+    summary = answered["summary"]
+    assert summary["usage"]["prompt"] == 300_000
+    each = (150_000 * 2.5 + 1_000 * 15) / 1e6
+    assert summary["cost"]["actual"] == pytest.approx(2 * each)
+    main = (3_000 * 2.5 + 10 * 15) / 1e6
+    assert answered["cost"]["actual"] == pytest.approx(2 * each + main)
+    labels = {"model": "gpt-5.4", "kind": "actual"}
+    assert proxy.metric("cachegate_cost_usd_total", labels) == pytest.approx(2 * each + main)
 
 
 @dataclass

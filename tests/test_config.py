@@ -300,6 +300,13 @@ def test_model_lookup_exact_prefix_and_fallback() -> None:
         ("claude-opus-4-9", None),  # not claude-opus-4 ($15 in)
         ("claude-opus-5-5", None),  # not claude-opus-5 (another version)
         ("claude-opus-4-7", "claude-opus-4-7"),  # (its own: $5 in)
+        # DeepSeek's V3 models by OpenRouter's names (164K windows): not what deepseek-chat
+        # names now (V4 Flash: a 1M window, whose compaction never started for them)
+        ("deepseek-chat-v3.1", None),
+        ("deepseek/deepseek-chat-v3-0324", None),
+        # Bedrock's ids of models with no date in their name: the version after it is its own
+        ("anthropic.claude-opus-4-6-v1", "claude-opus-4-6"),
+        ("us.anthropic.claude-sonnet-4-6-v1:0", "claude-sonnet-4-6"),
         ("claude-opus-4-6-20260205", "claude-opus-4-6"),
         ("gpt-4o-audio-preview", None),
         # a gateway's spelling of a provider's model: its vendor or route prefix, Bedrock's

@@ -553,12 +553,16 @@ def test_a_client_that_left_is_an_interruption_not_an_error_whenever_it_left(
     unanswered.update(usage=None, interrupted=True, error="cachegate is shutting down")
     events += [req(T0 + 8, 5, appended=[U1]), stopped, req(T0 + 10, 6, appended=[U1])]
     events += [unanswered]
+    # ... and a provider's error mid-stream, after which the client hung up: still an error
+    failed_then_left = {**_answer(T0 + 13, 1, 1, duration=0.2, cost=0, exchange=7)}
+    failed_then_left.update(interrupted=True, error="Provider returned error: overloaded")
+    events += [req(T0 + 12, 7, appended=[U1]), failed_then_left]
     (summary,) = list_sessions(_logged(tmp_path, "cut", events))
-    assert (summary.exchanges, summary.interruptions, summary.errors) == (6, 5, 1)
+    assert (summary.exchanges, summary.interruptions, summary.errors) == (7, 6, 2)
     rows = render_show(show_session(tmp_path, "cut")).splitlines()
-    assert rows[-3].endswith("499  interrupted, client disconnected")
-    assert rows[-3].split()[3] == "gpt-4o"  # the model it asked for (was "-")
-    assert rows[-1].endswith("503  interrupted, cachegate is shutting down")
+    assert rows[-4].endswith("499  interrupted, client disconnected")
+    assert rows[-4].split()[3] == "gpt-4o"  # the model it asked for (was "-")
+    assert rows[-2].endswith("503  interrupted, cachegate is shutting down")
 
 
 def test_a_model_name_with_line_breaks_cannot_forge_a_row(tmp_path: Path) -> None:
