@@ -239,9 +239,10 @@ _VARIANT_WORDS: Final = frozenset(
     }
 )
 _SNAPSHOT_OF: Final = re.compile(
-    # a separator; no version number after - or _, nor a "v" one (deepseek-chat-v3.1 and
-    # -v3-0324 are DeepSeek's V3 models, 164K windows, not what deepseek-chat names now)
-    r"(?:(?:[-_](?!\d{1,3}(?:[-_.]|$))(?![vV]\d)|[@:/])"
+    # a separator; no version number after - or _, nor a "v" one (deepseek-chat-v3.1, -v3-0324
+    # and -v3 are DeepSeek's V3 models, 164K windows, not what deepseek-chat names now), but a
+    # Bedrock id's own ("-v1:0", "-v1": meta.llama3-1-70b-instruct-v1:0 is that model)
+    r"(?:(?:[-_](?!\d{1,3}(?:[-_.]|$))(?![vV](?:\d+[-_.]\d|(?:[2-9]|\d\d+)$))|[@:/])"
     r"[A-Za-z0-9._@:/-]*)?"  # (-5, -4.5); a tag after : may be a size (qwen3:0.6b)
 )
 _WORDS: Final = re.compile(r"[^a-z]+")

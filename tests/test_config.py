@@ -304,6 +304,7 @@ def test_model_lookup_exact_prefix_and_fallback() -> None:
         # names now (V4 Flash: a 1M window, whose compaction never started for them)
         ("deepseek-chat-v3.1", None),
         ("deepseek/deepseek-chat-v3-0324", None),
+        ("deepseek-chat-v3", None),
         # Bedrock's ids of models with no date in their name: the version after it is its own
         ("anthropic.claude-opus-4-6-v1", "claude-opus-4-6"),
         ("us.anthropic.claude-sonnet-4-6-v1:0", "claude-sonnet-4-6"),
@@ -905,3 +906,14 @@ def test_the_readmes_table_of_built_in_models_is_the_one_cachegate_prices_by() -
             assert entry.long_context_tokens == (0 if long == "—" else int(long)), name
             seen.add(name)
     assert seen == set(DEFAULT_MODELS)
+
+
+def test_a_bedrock_version_after_a_users_table_name_is_still_that_model() -> None:
+    """A "v" version after a name is another model (DeepSeek's V3 names were read as
+    ``deepseek-chat``, now V4 Flash's), but not Bedrock's own suffix: a table written for
+    ``meta.llama3-1-70b-instruct`` prices ``meta.llama3-1-70b-instruct-v1:0``."""
+    table = {"price_input": 0.72, "price_output": 0.72}
+    settings = settings_from_mapping({"models": {"meta.llama3-1-70b-instruct": table}})
+    for sent in ("meta.llama3-1-70b-instruct-v1:0", "meta.llama3-1-70b-instruct-v1"):
+        assert settings.model(sent)[0] == "meta.llama3-1-70b-instruct", sent
+    assert settings.model("meta.llama3-1-70b-instruct-v2")[0] == "*"
