@@ -239,13 +239,15 @@ _VARIANT_WORDS: Final = frozenset(
     }
 )
 _SNAPSHOT_OF: Final = re.compile(
-    # a separator; no version number after - or _, nor a "v" one (deepseek-chat-v3.1, -v3-0324
-    # and -v3 are DeepSeek's V3 models, 164K windows, not what deepseek-chat names now), but a
-    # Bedrock id's own ("-v1:0", "-v1": meta.llama3-1-70b-instruct-v1:0 is that model)
-    r"(?:(?:[-_](?!\d{1,3}(?:[-_.]|$))(?![vV](?:\d+[-_.]\d|(?:[2-9]|\d\d+)$))|[@:/])"
+    r"(?:(?:[-_](?!\d{1,3}(?:[-_.]|$))|[@:/])"  # a separator; no version number after - or _
     r"[A-Za-z0-9._@:/-]*)?"  # (-5, -4.5); a tag after : may be a size (qwen3:0.6b)
 )
 _WORDS: Final = re.compile(r"[^a-z]+")
+# A "v" version anywhere past the configured name: another model (deepseek-chat-v3.1, -v3-0324,
+# -v3:latest are DeepSeek's V3 models, 164K windows, not what deepseek-chat names now; Ollama's
+# deepseek-coder-v2:16b is not deepseek-coder), but for a first version at the very end, as
+# Bedrock writes its ids' own (meta.llama3-1-70b-instruct-v1:0 is that model)
+_OTHER_VERSION: Final = re.compile(r"[-_][vV](?!1(?::\d+)?\Z)\d")
 
 
 def priority_factor(name: str | None, entry: ModelSettings) -> float:
@@ -319,7 +321,11 @@ def _configured(name: str, names: Iterable[str]) -> str | None:
         if key == "*" or len(key) <= len(best) or not name.startswith(key):
             continue
         rest = name[len(key) :]
-        if _SNAPSHOT_OF.fullmatch(rest) and _VARIANT_WORDS.isdisjoint(_WORDS.split(rest.lower())):
+        if (
+            _SNAPSHOT_OF.fullmatch(rest)
+            and _VARIANT_WORDS.isdisjoint(_WORDS.split(rest.lower()))
+            and _OTHER_VERSION.search(rest) is None
+        ):
             best = key
     return best or None
 

@@ -1258,6 +1258,8 @@ def _pair_result(
         )
         run.results.append(i)
         paired.add(i)
+        if run.kept:
+            _say_moved_after(repairs, run)
         return
     number = _number_id(raw_id, mistral)
     tool_call_id = number if number is not None else raw_id if isinstance(raw_id, str) else None

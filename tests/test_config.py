@@ -917,3 +917,8 @@ def test_a_bedrock_version_after_a_users_table_name_is_still_that_model() -> Non
     for sent in ("meta.llama3-1-70b-instruct-v1:0", "meta.llama3-1-70b-instruct-v1"):
         assert settings.model(sent)[0] == "meta.llama3-1-70b-instruct", sent
     assert settings.model("meta.llama3-1-70b-instruct-v2")[0] == "*"
+    # ... whatever tag follows the other version, and whatever shorter table is there
+    tables = {"deepseek-coder": table, "deepseek": table, "deepseek-chat": table}
+    settings = settings_from_mapping({"models": tables})
+    for sent in ("deepseek-coder-v2", "deepseek-coder-v2:16b", "deepseek-chat-v3:latest"):
+        assert settings.model(sent)[0] == "*", sent

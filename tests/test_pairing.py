@@ -2013,6 +2013,10 @@ def test_an_orphan_kept_between_two_results_of_one_call_says_the_results_went_be
     ]
     again, _ = repair_messages_from(longer, state)
     assert again.messages == result.messages[:5]
+    # calls sent without ids (Gemini's endpoint), their results paired by order: the same
+    idless = [user("x"), asst(call(""), call("")), tool("", "r1"), tool("zz"), tool("", "r2")]
+    (orphan,) = [r for r in repair_messages(idless).repairs if r.kind == "orphan_result"]
+    assert orphan.action == "kept as a user message, moved after the results of messages[1]"
     assert [(r.kind, r.action) for r in again.repairs] == [
         ("orphan_result", "kept as a user message, moved after the results of messages[1]")
     ]
