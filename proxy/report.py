@@ -596,8 +596,11 @@ def build_detail(session_id: str, log: LogRead) -> SessionDetail:
             row.status = _int(ev.get("status")) if row.status is None else row.status
             row.error = _str(ev.get("message"))
             row.model = row.model or _str(ev.get("model"))
-            # the client left while its request was prepared (or compacted): an interruption
-            row.interrupted |= row.status == CLIENT_CLOSED
+            # the client left while its request was prepared (or compacted), or cachegate's
+            # stop cut it (its upload, say): an interruption
+            row.interrupted |= row.status == CLIENT_CLOSED or (row.error or "").startswith(
+                _STOPPED_SAID
+            )
     if retries:
         # A retry's row right after the attempt it re-sent (requests in flight together log
         # other exchanges between them): two rows under one number, read as one exchange.

@@ -557,12 +557,16 @@ def test_a_client_that_left_is_an_interruption_not_an_error_whenever_it_left(
     failed_then_left = {**_answer(T0 + 13, 1, 1, duration=0.2, cost=0, exchange=7)}
     failed_then_left.update(interrupted=True, error="Provider returned error: overloaded")
     events += [req(T0 + 12, 7, appended=[U1]), failed_then_left]
+    # ... and one whose upload cachegate's stop cut: its "error" line, never forwarded
+    upload = {"ts": T0 + 15, "type": "error", "exchange": 8, "model": None, "status": 503}
+    upload.update(forwarded=False, message="cachegate is shutting down and stopped this request")
+    events += [upload]
     (summary,) = list_sessions(_logged(tmp_path, "cut", events))
-    assert (summary.exchanges, summary.interruptions, summary.errors) == (7, 6, 2)
+    assert (summary.exchanges, summary.interruptions, summary.errors) == (8, 7, 2)
     rows = render_show(show_session(tmp_path, "cut")).splitlines()
-    assert rows[-4].endswith("499  interrupted, client disconnected")
-    assert rows[-4].split()[3] == "gpt-4o"  # the model it asked for (was "-")
-    assert rows[-2].endswith("503  interrupted, cachegate is shutting down")
+    assert rows[-5].endswith("499  interrupted, client disconnected")
+    assert rows[-5].split()[3] == "gpt-4o"  # the model it asked for (was "-")
+    assert rows[-3].endswith("503  interrupted, cachegate is shutting down")
 
 
 def test_a_model_name_with_line_breaks_cannot_forge_a_row(tmp_path: Path) -> None:
