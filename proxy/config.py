@@ -166,7 +166,8 @@ _CLAUDE_SONNET = ModelSettings(
     200000, 300, 3.00, 0.30, 3.75, 15.00, "anthropic", long_context_tokens=200000
 )
 _CLAUDE_OPUS_4 = ModelSettings(200000, 300, 15.00, 1.50, 18.75, 75.00, "anthropic")
-_CLAUDE_OPUS_1M = ModelSettings(1000000, 300, 5.00, 0.50, 6.25, 25.00, "anthropic", 4096)
+_CLAUDE_OPUS_1M = ModelSettings(1000000, 300, 5.00, 0.50, 6.25, 25.00, "anthropic")
+_CLAUDE_OPUS_1M_4096 = replace(_CLAUDE_OPUS_1M, cache_min_tokens=4096)
 DEFAULT_MODELS: dict[str, ModelSettings] = {
     # (``priority_factor``: OpenAI's priority prices over these: gpt-4o $4.25 / $17 a million)
     "gpt-4o": ModelSettings(128000, 600, 2.50, 1.25, 0.0, 10.00, priority_factor=1.7),
@@ -207,10 +208,10 @@ DEFAULT_MODELS: dict[str, ModelSettings] = {
     # The 4.6 models and later: a 1M window at the standard prices (since 2026-03-13, no
     # long-context rates); Opus caches nothing shorter than 4,096 tokens
     "claude-sonnet-4-6": ModelSettings(1000000, 300, 3.00, 0.30, 3.75, 15.00, "anthropic"),
-    "claude-opus-4-6": _CLAUDE_OPUS_1M,
-    "claude-opus-4-7": _CLAUDE_OPUS_1M,
-    "claude-opus-4-8": ModelSettings(1000000, 300, 5.00, 0.50, 6.25, 25.00, "anthropic"),
-    "claude-opus-5": ModelSettings(1000000, 300, 5.00, 0.50, 6.25, 25.00, "anthropic"),
+    "claude-opus-4-6": _CLAUDE_OPUS_1M_4096,
+    "claude-opus-4-7": _CLAUDE_OPUS_1M_4096,
+    "claude-opus-4-8": _CLAUDE_OPUS_1M,
+    "claude-opus-5": _CLAUDE_OPUS_1M,
     "*": ModelSettings(),
 }
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import email.utils
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -137,12 +137,20 @@ def upstream_busy(detail: str) -> ProxyError:
     )
 
 
+# What the log says of a stream whose answer cachegate's stop cut after it began (``relay``);
+# ``report`` reads it, and ``shutting_down``'s message, as the stop's, not an error
+STOPPED_CUT: Final = "cut: cachegate stopped before the response was complete"
+SHUTTING_DOWN: Final = (
+    "cachegate is shutting down and stopped this request before the upstream answered; "
+    "send it again once cachegate is back."
+)
+
+
 def shutting_down() -> ProxyError:
     """A request cachegate's shutdown cut before any of its answer was sent."""
     return ProxyError(
         503,
-        "cachegate is shutting down and stopped this request before the upstream answered; "
-        "send it again once cachegate is back.",
+        SHUTTING_DOWN,
         type="server_error",
         code="server_shutting_down",
     )

@@ -1180,30 +1180,29 @@ def _role(message: Any) -> Any:
     return message.get("role") if isinstance(message, dict) else None
 
 
+def _say_more(repairs: list[Repair], index: int, more: str, action: str = "") -> None:
+    """The latest repair of message ``index`` (whose action starts with ``action``) says
+    ``more``."""
+    for at in range(len(repairs) - 1, -1, -1):
+        repair = repairs[at]
+        if repair.index == index and repair.action.startswith(action):
+            repairs[at] = dataclasses.replace(repair, action=repair.action + more)
+            return
+
+
 def _say_mark_moved(scanned: list[Repair], index: int) -> None:
     """The repair of removed message ``index`` says its ``cache_control`` mark was moved."""
-    for at in range(len(scanned) - 1, -1, -1):
-        repair = scanned[at]
-        if repair.index == index:
-            moved = " (its cache_control moved to the message before)"
-            scanned[at] = dataclasses.replace(repair, action=repair.action + moved)
-            return
+    _say_more(scanned, index, " (its cache_control moved to the message before)")
 
 
 def _say_moved_after(repairs: list[Repair], block: _Block) -> None:
     """The repairs of ``block.kept``, the tool messages of its run kept as user messages, say
     that they now follow its results: a result of its came after them, and went before them
     with the others (the move was said nowhere)."""
-    kept = set(block.kept)
+    moved = f", moved after the results of messages[{block.index}]"
+    for index in block.kept:
+        _say_more(repairs, index, moved, "kept as a user message")
     block.kept.clear()
-    for at in range(len(repairs) - 1, -1, -1):
-        repair = repairs[at]
-        if repair.index in kept and repair.action.startswith("kept as a user message"):
-            moved = f", moved after the results of messages[{block.index}]"
-            repairs[at] = dataclasses.replace(repair, action=repair.action + moved)
-            kept.discard(repair.index)
-            if not kept:
-                return
 
 
 def _first_block_at(blocks: dict[int, _Block], start: int) -> int:

@@ -33,6 +33,7 @@ from proxy.assemble import (
 from proxy.config import shown_url
 from proxy.errors import (
     CLIENT_CLOSED,
+    STOPPED_CUT,
     ProxyError,
     bad_request,
     body_cut,
@@ -1322,7 +1323,7 @@ class Relay:
             if watch is None or not watch.disconnected or task is None:
                 # Not the client: cachegate is stopping (its grace period for answers in
                 # flight ran out) and cancelled the request. The log says so.
-                ex.error = ex.error or "cut: cachegate stopped before the response was complete"
+                ex.error = ex.error or STOPPED_CUT
                 ex.stopped = True
                 if started and stripper is not None:
                     # an event the usage stripper held back, partly come: the client has what

@@ -18,7 +18,7 @@ from typing import Any, Final
 
 import orjson
 
-from proxy.errors import CLIENT_CLOSED
+from proxy.errors import CLIENT_CLOSED, SHUTTING_DOWN, STOPPED_CUT
 from proxy.eventlog import (
     BODY_FIELDS,
     LOG_SUFFIX,
@@ -754,9 +754,12 @@ def summarize(detail: SessionDetail) -> SessionSummary:
     )
 
 
-# How cachegate's own lines say an exchange its stop cut (``relay``'s stream cut, the 503 of
-# ``errors.shutting_down``)
-_STOPPED_SAID: Final = ("cut: cachegate stopped", "cachegate is shutting down")
+# How cachegate's own lines say an exchange its stop cut (a stream cut, the 503 of
+# ``errors.shutting_down``): the start of each message, as a line may hold it clipped
+_STOPPED_SAID: Final = (
+    STOPPED_CUT[: STOPPED_CUT.index(" before")],
+    SHUTTING_DOWN[: SHUTTING_DOWN.index(" and")],
+)
 
 
 def _stopped(row: ExchangeRow) -> bool:
