@@ -287,6 +287,9 @@ def configured_model(name: str, configured: Iterable[str]) -> str | None:
 # Bedrock's model ids: a cross-region inference profile's region, then the vendor
 # (``us.anthropic.claude-sonnet-4-5-20250929-v1:0``).
 _BEDROCK_PREFIX: Final = re.compile(r"\A(?:(?:us|eu|apac|global|us-gov|jp|au|ca)\.)?anthropic\.")
+# Another vendor's cross-region profile (``us.meta.llama3-1-70b-instruct-v1:0``): its region
+# off, the model's own id (``meta.llama3-1-70b-instruct-v1:0``) is what a table names
+_BEDROCK_REGION: Final = re.compile(r"\A(?:us|eu|apac|global|us-gov|jp|au|ca)\.(?=[a-z][\w-]*\.)")
 _DOTTED_VERSION: Final = re.compile(r"(?<=\d)\.(?=\d)")
 _BEDROCK_VERSION: Final = re.compile(r"-v\d+(?::\d+)?\Z")
 
@@ -298,8 +301,9 @@ def gateway_aliases(name: str) -> list[str]:
     Claude version in dashes (OpenRouter's ``claude-sonnet-4.5`` is ``claude-sonnet-4-5``)."""
     last = name.rsplit("/", 1)[-1]
     bare = _BEDROCK_PREFIX.sub("", last)
-    if bare != last:  # (a Bedrock id: its version after the model's too, "-v1:0")
-        bare = _BEDROCK_VERSION.sub("", bare)
+    # a Bedrock id of Claude: its version after the model's off too ("-v1:0"); another's: its
+    # region off
+    bare = _BEDROCK_VERSION.sub("", bare) if bare != last else _BEDROCK_REGION.sub("", last)
     out = [bare] if bare != name else []
     if bare.startswith("claude-"):
         dashed = _DOTTED_VERSION.sub("-", bare)

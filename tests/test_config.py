@@ -917,6 +917,11 @@ def test_a_bedrock_version_after_a_users_table_name_is_still_that_model() -> Non
     for sent in ("meta.llama3-1-70b-instruct-v1:0", "meta.llama3-1-70b-instruct-v1"):
         assert settings.model(sent)[0] == "meta.llama3-1-70b-instruct", sent
     assert settings.model("meta.llama3-1-70b-instruct-v2")[0] == "*"
+    # a cross-region profile of it is it too, as Claude's are (it went to "*": $0)
+    for sent in ("us.meta.llama3-1-70b-instruct-v1:0", "apac.meta.llama3-1-70b-instruct-v1:0"):
+        assert settings.model(sent)[0] == "meta.llama3-1-70b-instruct", sent
+    assert settings.model("my.meta.llama3-1-70b-instruct-v1:0")[0] == "*"  # no region
+    assert settings.model("us.meta.llama3-1-70b-instruct-v2:0")[0] == "*"
     # ... whatever tag follows the other version, and whatever shorter table is there
     tables = {"deepseek-coder": table, "deepseek": table, "deepseek-chat": table}
     settings = settings_from_mapping({"models": tables})
