@@ -47,6 +47,7 @@ from proxy.sessions import (
     SessionState,
     SessionStore,
     anchor_of,
+    credential_tag,
     dump_items,
     explicit_session_id,
     extra_parts,
@@ -490,12 +491,14 @@ class ChatPipeline:
         # their JSON, to tell at once that they carry the session's last ones on
         dump = dump_items(messages) if key != "messages" and not spliced else None
         shared = -1  # not known yet
+        credential = None
         if sid is not None:
             state = self.sessions.get(sid, now) or self.sessions.create(sid, now)
         elif not whole:
             state = self._new_session(now)
         else:
-            found, shared = self.sessions.infer_shared(messages, now, dump)
+            credential = credential_tag(headers)
+            found, shared = self.sessions.infer_shared(messages, now, dump, credential)
             state = self._new_session(now) if found is None else found
         state.last_seen = now
         if isinstance(messages, list):
@@ -522,7 +525,9 @@ class ChatPipeline:
             if after > 1 and r + after == len(previous) and q + after < len(messages):
                 messages[q : q + after] = previous[r : r + after]
                 shared += after
-        self.sessions.index(state, messages, inferable=sid is None and whole, opening=opening)
+        self.sessions.index(
+            state, messages, sid is None and whole, opening=opening, credential=credential
+        )
         state.last_client_dump = dump
         return state, max(shared, 0)
 

@@ -170,6 +170,27 @@ def new_session_id(now: float) -> str:
 CONVERSATIONS_KEPT: Final = 32
 
 OpeningKey = tuple[str, str] | str
+
+# The client's own credential, where it sends one: a request sent under another key is another
+# user's (a provider's cache is per organisation), never a turn of a session inferred for the
+# first. Only a digest keyed by a secret drawn at start-up is kept, in memory, never written.
+_CREDENTIAL_HEADERS: Final = ("authorization", "api-key", "x-api-key", "x-goog-api-key")
+_CREDENTIAL_SALT: Final = os.urandom(16)
+CredentialTag = bytes  # (a name of its own: the store has a ``bytes`` of its own)
+
+
+def credential_tag(headers: Mapping[str, str]) -> CredentialTag | None:
+    """A keyed digest of the credential headers ``headers`` carry (lower-case names), or None
+    when there are none (cachegate adds its own key: every such client is one)."""
+    values = [headers.get(name) for name in _CREDENTIAL_HEADERS]
+    if not any(values):
+        return None
+    digest = hashlib.blake2b(key=_CREDENTIAL_SALT, digest_size=16)
+    for value in values:
+        digest.update((value or "").encode("utf-8", "surrogateescape") + b"\0")
+    return digest.digest()
+
+
 _SYSTEM_ROLES = ("system", "developer")  # messages before the opening one
 
 
@@ -331,6 +352,8 @@ class SessionState:
     # looks at these alone: not every one of ``owns`` for every request).
     beyond: set[int] = field(default_factory=set)
     opening: OpeningKey | None = None
+    # (``credential_tag`` of the requests it was inferred from: others' never join it)
+    credential: bytes | None = field(default=None, repr=False)
     last_client_messages: list[Any] = field(default_factory=list)
     # Their compact JSON, for a Responses API session (``shared_prefix``'s ``dumps``)
     last_client_dump: bytes | None = field(default=None, repr=False)
@@ -376,7 +399,11 @@ class SessionStore(Protocol):
     def infer(self, messages: Sequence[Any]) -> SessionState | None: ...
 
     def infer_shared(
-        self, messages: Sequence[Any], now: float | None = None, dump: bytes | None = None
+        self,
+        messages: Sequence[Any],
+        now: float | None = None,
+        dump: bytes | None = None,
+        credential: CredentialTag | None = None,
     ) -> tuple[SessionState | None, int]: ...
 
     def index(
@@ -385,6 +412,7 @@ class SessionStore(Protocol):
         messages: list[Any],
         inferable: bool = True,
         opening: list[Any] | None = None,
+        credential: CredentialTag | None = None,
     ) -> None: ...
 
     def weigh(
@@ -751,11 +779,17 @@ class MemorySessionStore:
         return self.infer_shared(messages)[0]
 
     def infer_shared(
-        self, messages: Sequence[Any], now: float | None = None, dump: ItemsDump | None = None
+        self,
+        messages: Sequence[Any],
+        now: float | None = None,
+        dump: ItemsDump | None = None,
+        credential: CredentialTag | None = None,
     ) -> tuple[SessionState | None, int]:
         """``infer``, with how many leading messages the session's last request shares (0 when
         no session was found). With ``now``, sessions idle for longer than ``idle_ttl_s`` are
-        forgotten instead of joined. ``dump``: ``messages``' compact JSON (``dump_items``)."""
+        forgotten instead of joined. ``dump``: ``messages``' compact JSON (``dump_items``).
+        ``credential``: the request's ``credential_tag``; only sessions inferred under the same
+        are joined."""
         key = opening_key(messages)
         if key is None:
             return None, 0
@@ -764,7 +798,7 @@ class MemorySessionStore:
         stale: list[SessionState] = []
         for sid in self._by_opening.get(key, ()):
             state = self._sessions.get(sid)
-            if state is None:
+            if state is None or state.credential != credential:
                 continue
             if now is not None and self._idle(state, now):
                 stale.append(state)
@@ -787,18 +821,21 @@ class MemorySessionStore:
         messages: list[Any],
         inferable: bool = True,
         opening: list[Any] | None = None,
+        credential: CredentialTag | None = None,
     ) -> None:
         """Keep ``messages`` as the session's latest; ``inferable``: a request without an id may
         be found to continue it (a session named by its client is only ever named: another
         client that sends no id is no part of it, whatever it sends). ``opening``: what the
         request opens with where ``messages`` do not hold it (a Responses API ``input`` of one
-        string, one user message), for the next request to be found by."""
+        string, one user message), for the next request to be found by. ``credential``: the
+        request's ``credential_tag``, which a request must have to be found to continue it."""
         previous, state.last_client_messages = state.last_client_messages, messages
         if not inferable:
             if state.opening is not None:  # inferred, and now named: named from now on
                 self._unindex(state.id, state.opening)
                 state.opening = None
             return
+        state.credential = credential
         if opening is None and state.opening is not None and _same_opening(previous, messages):
             return  # the opening message is the very object already indexed: same key
         key = opening_key(messages if opening is None else opening)

@@ -163,6 +163,18 @@ def test_two_agents_at_once_are_two_sessions(
         assert [e["exchange"] for e in events(proxy.log_dir, sid, "request")] == [1, 2]
 
 
+def test_the_same_agent_under_two_keys_is_two_sessions(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """Two users running the same task through one cachegate, each with their own key."""
+    proxy = proxy_factory(sim.api_base)
+    one = agent_turns(sdk(proxy.base_url, api_key="sk-user-one-0000"), sim, "fix it", rounds=2)
+    two = agent_turns(sdk(proxy.base_url, api_key="sk-user-two-1111"), sim, "fix it", rounds=2)
+    a = {r.headers["x-cachegate-session"] for r in one}
+    b = {r.headers["x-cachegate-session"] for r in two}
+    assert len(a) == len(b) == 1 and a != b
+
+
 def test_the_repaired_input_is_what_the_log_holds_and_replay_gives(
     sim: RunningSimulator, proxy_factory: Any, sdk: Any
 ) -> None:

@@ -158,6 +158,38 @@ def test_growing_conversation_stays_one_session_unrelated_one_gets_its_own(
     assert len(events(proxy.log_dir, other_headers["x-cachegate-session"], "request")) == 1
 
 
+def test_conversations_sent_under_other_keys_are_other_sessions(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """Two users of one cachegate (each client sends its own key) running the same agent on the
+    same task were one session: one log of both users' prompts and answers, and the second
+    user's cold start read as the first's cache wasted."""
+    proxy = proxy_factory(sim.api_base)
+    keys = ("sk-proj-AAAAbbbbCCCCdddd1111222233334444", "sk-proj-ZZZZyyyyXXXXwwww9999888877776666")
+    alice, bob = (sdk(proxy.base_url, api_key=key) for key in keys)
+    system = {"role": "system", "content": "You are terse."}
+    convos: dict[Any, list[dict[str, Any]]] = {
+        c: [system, {"role": "user", "content": "fix the failing test"}] for c in (alice, bob)
+    }
+    seen: dict[Any, list[str]] = {c: [] for c in convos}
+    for turn in range(2):
+        for c, convo in convos.items():
+            reply, headers = chat(c, convo, stream=turn == 1)
+            seen[c].append(headers["x-cachegate-session"])
+            convo += [reply, {"role": "user", "content": f"follow-up {turn}"}]
+    ids = [set(v) for v in seen.values()]
+    assert all(len(one) == 1 for one in ids), seen  # each conversation goes on in its session
+    assert len(set.union(*ids)) == 2, seen  # neither joined the other key's
+    # the same key again, with the same history: that user's session
+    _, again = chat(bob, convos[bob], stream=False)
+    assert again["x-cachegate-session"] == seen[bob][0]
+    flush(proxy)
+    for sid in set.union(*ids):
+        assert len(events(proxy.log_dir, sid, "request")) >= 2
+    written = b"".join(p.read_bytes() for p in proxy.log_dir.rglob("*") if p.is_file())
+    assert keys[0].encode() not in written and keys[1].encode() not in written
+
+
 def test_a_session_idle_past_its_limit_is_forgotten_when_it_comes_back(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:

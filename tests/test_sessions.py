@@ -18,6 +18,7 @@ from proxy.sessions import (
     MemorySessionStore,
     SessionState,
     anchor_of,
+    credential_tag,
     explicit_session_id,
     new_session_id,
     valid_session_id,
@@ -31,6 +32,27 @@ def convo(task: str, turns: int) -> list[dict[str, str]]:
     for i in range(turns):
         msgs += [{"role": "assistant", "content": f"a{i}"}, {"role": "user", "content": f"u{i}"}]
     return msgs
+
+
+def test_a_history_sent_under_another_key_never_joins_the_session() -> None:
+    """Two users of one cachegate, the same agent, the same task: two sessions."""
+    alice = credential_tag({"authorization": "Bearer sk-alice"})
+    bob = credential_tag({"authorization": "Bearer sk-bob"})
+    azure_bob = credential_tag({"api-key": "sk-bob"})
+    assert len({alice, bob, azure_bob}) == 3 and None not in {alice, bob, azure_bob}
+    assert credential_tag({"authorization": "Bearer sk-bob"}) == bob  # (the same each time)
+    assert credential_tag({"content-type": "application/json"}) is None
+    assert b"sk-bob" not in bob  # (a digest, not the key)
+    store = MemorySessionStore()
+    a = store.create("a", 0.0)
+    store.index(a, convo("fix the test", 1), credential=alice)
+    assert store.infer_shared(convo("fix the test", 2), credential=alice) == (a, 4)
+    assert store.infer_shared(convo("fix the test", 2), credential=bob) == (None, 0)
+    assert store.infer_shared(convo("fix the test", 2)) == (None, 0)  # (nor with none)
+    b = store.create("b", 1.0)
+    store.index(b, convo("fix the test", 1), credential=bob)
+    assert store.infer_shared(convo("fix the test", 2), credential=alice) == (a, 4)
+    assert store.infer_shared(convo("fix the test", 2), credential=bob) == (b, 4)
 
 
 @pytest.mark.parametrize("sid", ["abc", "A.b_c:d-1", "x" * 128, "2026-11-30T10:00:00"])
