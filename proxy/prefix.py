@@ -427,7 +427,8 @@ _NOT_PROMPT: Final = frozenset({"index", "cache_control"})
 def canonical_message(message: Any) -> Any:
     """``message`` without null-valued keys, without a ``cache_control`` marker, and without the
     ``index`` or ``cache_control`` of its tool calls / content parts; a content of one text part
-    as that text.
+    as that text; a Responses API message item as the message it stands for (without its
+    ``"type": "message"``, one ``input_text`` part as its text).
 
     Returns a shallow copy; the input is never mutated. Key order is left to the serializer.
     """
@@ -450,6 +451,13 @@ def canonical_message(message: Any) -> Any:
     # One text part is the text (a provider renders them alike): clients that mark their
     # latest messages for the cache send those as parts and the older ones as strings.
     text = single_text(out.get("content"))
+    if out.get("type") == "message":
+        # A Responses API message item is the message it stands for, its one ``input_text``
+        # part its text, as OpenAI reads them: a conversation opened with a one-string
+        # ``input`` (one user message) and sent on as items (``input_text``) read as a new one,
+        # its misses unreported.
+        del out["type"]
+        text = single_text(out.get("content"), "input_text") if text is None else text
     if text is not None:
         out["content"] = text
     return out

@@ -279,6 +279,42 @@ def test_instructions_dropped_in_a_turn_are_named_as_such(
     )
 
 
+@pytest.mark.parametrize("form", ["plain", "typed", "input_text"])
+def test_a_conversation_opened_with_one_string_is_accounted_as_it_goes_on_in_items(
+    form: str, sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """Opened with ``input="…"``, sent on as items, the opening one typed (``"type":
+    "message"``, an ``input_text`` part): the turn was accounted as a new conversation, nothing
+    expected, its miss (its instructions rewritten, an expiry) unreported."""
+    proxy = proxy_factory(sim.api_base, clock=lambda: sim.sim.now)
+    client = sdk(proxy.base_url)
+    task = "Fix the failing test."
+    first = client.responses.create(model="gpt-5", instructions=LONG_INSTRUCTIONS, input=task)
+    opening: dict[str, Any] = {"role": "user", "content": task}
+    if form != "plain":
+        opening["type"] = "message"
+    if form == "input_text":
+        opening["content"] = [{"type": "input_text", "text": task}]
+    items = [
+        opening,
+        *(o.model_dump(exclude_none=True) for o in first.output),
+        {"role": "user", "content": "go on"},
+    ]
+    sim.sim.advance(15)
+    for instructions in (LONG_INSTRUCTIONS, "Now: 12:01. " + LONG_INSTRUCTIONS):
+        client.responses.create(model="gpt-5", instructions=instructions, input=items)
+        items = [*items, {"role": "user", "content": "and then?"}]
+        sim.sim.advance(15)
+    proxy.settle()
+    (log,) = [p for p in proxy.log_dir.iterdir() if p.suffix == ".jsonl"]
+    first_cache, carried, rewritten = (
+        r.get("cache") for r in events(proxy.log_dir, log.stem, "response")
+    )
+    assert carried is not None and carried["expected"] > 1000 and carried["waste"] == 0, carried
+    assert rewritten is not None and rewritten["waste"] > 1000, rewritten
+    assert (rewritten["cause"], rewritten["location"]) == ("prefix_rewrite", "instructions")
+
+
 def test_a_stream_the_client_cut_is_continued_in_its_session(proxy_factory: Any) -> None:
     """A ``background`` stream cut once its first event came (OpenAI's way to resume a long
     reasoning run), then continued by ``previous_response_id``, with no session header: the
