@@ -1382,7 +1382,9 @@ class AccountingObserver:
                 and compared is not None
                 and base[0] is not None
                 and not marked_only
-                and not (usage.explicit_cache or usage.reported_cache_write)
+                # (a write reported: a provider caching only what is marked, whatever its name;
+                # a write field alone is no sign of it: OpenRouter gives every model's usage one)
+                and not (usage.explicit_cache or (usage.reported_cache_write and usage.cache_write))
                 else None
             ),
             longer_lived=(

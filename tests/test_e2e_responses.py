@@ -307,7 +307,7 @@ def test_a_conversation_opened_with_one_string_is_accounted_as_it_goes_on_in_ite
         sim.sim.advance(15)
     proxy.settle()
     (log,) = [p for p in proxy.log_dir.iterdir() if p.suffix == ".jsonl"]
-    first_cache, carried, rewritten = (
+    _first, carried, rewritten = (
         r.get("cache") for r in events(proxy.log_dir, log.stem, "response")
     )
     assert carried is not None and carried["expected"] > 1000 and carried["waste"] == 0, carried

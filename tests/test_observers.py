@@ -515,6 +515,9 @@ class _Accounting:
         settings = settings_from_mapping({"models": models})
         self.observer = AccountingObserver(settings, self.store, self.metrics)
         self.eid = 0
+        # the usage holds a cache-write field (OpenRouter's ``cache_write_tokens``, for every
+        # model it serves)
+        self.write_field = False
 
     def send(
         self,
@@ -552,7 +555,8 @@ class _Accounting:
     ) -> Exchange:
         ex.session, ex.started_at = self.state, float(self.eid) if at is None else at
         ex.t0 = ex.started_at  # (requests sent at one time went out together: sub-agents)
-        ex.usage, ex.status = Usage(prompt, 10, read, 0, True), status
+        ex.usage = Usage(prompt, 10, read, 0, True, self.write_field)
+        ex.status = status
         self.observer.on_response(ex)
         return ex
 
@@ -598,6 +602,26 @@ def test_the_tokens_before_an_edit_count_the_text_before_it_in_its_message() -> 
     middle = system[: len(system) // 2] + "Or not. " + system[len(system) // 2 :]
     new = fingerprint({"model": "m", "messages": [_system(middle), history[1]]})
     assert 4_500 < _tokens_before(old, new, edit, 10_000) < 5_500
+
+
+@pytest.mark.parametrize("write_field", [False, True])
+def test_an_edit_after_the_provider_lost_the_prefix_is_not_charged_the_loss(
+    write_field: bool,
+) -> None:
+    """A late tool output edited in a turn that read nothing of the ~13,000 unchanged tokens
+    before it: the provider had lost the prefix (evicted it), the edit is not its cause. Behind
+    OpenRouter, whose usage has a ``cache_write_tokens`` for every model, the edit was charged
+    the whole prompt as a ``prefix_rewrite``."""
+    acc = _Accounting()
+    acc.write_field = write_field
+    history = [_system("Follow the rules. " * 3_000), *msgs("read data.csv", "reading", "x" * 9)]
+    acc.send(history, 20_000, 0)
+    history = [*history, *msgs("done", "next")]
+    acc.send(history, 20_100, 19_968)
+    edited = [*history[:3], {"role": "user", "content": "y" * 9}, *history[4:], *msgs("ok", "go")]
+    ex = acc.send(edited, 20_200, 0)
+    assert ex.divergence is not None and ex.cache is not None
+    assert (ex.cache["cause"], ex.cache["location"]) == ("unexplained", None), ex.cache
 
 
 def test_a_history_trimmed_at_its_start_is_still_its_conversation() -> None:
