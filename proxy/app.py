@@ -71,6 +71,7 @@ from proxy.sessions import (
     anchor_of,
     explicit_session_id,
     extra_parts,
+    is_own_key,
     reads_as_key,
     valid_session_id,
 )
@@ -571,7 +572,11 @@ class Gateway:
             conversation = conversation.get("id")
         if conversation is not None:
             whole = False
-            if valid_session_id(conversation) and not reads_as_key(conversation):
+            if (
+                valid_session_id(conversation)
+                and not reads_as_key(conversation)
+                and not is_own_key(conversation, headers)
+            ):
                 named = conversation  # (one that reads as a key names no log file: passed over)
         previous = body.get("previous_response_id")
         if isinstance(previous, str) and previous:

@@ -80,7 +80,7 @@ def explicit_session_id(headers: Mapping[str, str], path_id: str | None) -> str 
     if path_id is not None:
         if not valid_session_id(path_id):
             raise ValueError(_invalid("path"))
-        if reads_as_key(path_id):
+        if reads_as_key(path_id) or is_own_key(path_id, headers):
             raise ValueError(_secret_said("path"))
         return path_id
     if headers.keys().isdisjoint(SESSION_HEADERS):  # the usual answer, in one call
@@ -89,14 +89,30 @@ def explicit_session_id(headers: Mapping[str, str], path_id: str | None) -> str 
     if own is not None:
         if not valid_session_id(own):
             raise ValueError(_invalid("x-session-id"))
-        if reads_as_key(own):
+        if reads_as_key(own) or is_own_key(own, headers):
             raise ValueError(_secret_said("x-session-id"))
         return own
     for name in SESSION_HEADERS[1:]:
         value = headers.get(name)
-        if value is not None and valid_session_id(value) and not reads_as_key(value):
+        if (
+            value is not None
+            and valid_session_id(value)
+            and not reads_as_key(value)
+            and not is_own_key(value, headers)
+        ):
             return value
     return None
+
+
+def is_own_key(value: str, headers: Mapping[str, str]) -> bool:
+    """Whether ``value`` is the key the request itself is sent with (a key of no family the
+    redaction knows, ``gw-…``, which the log takes out as the client's own but a file's name
+    would show): in a credential header, alone or after its scheme (``Bearer``)."""
+    for name in _CREDENTIAL_HEADERS:
+        sent = headers.get(name)
+        if sent and (sent == value or sent.rsplit(" ", 1)[-1] == value):
+            return True
+    return False
 
 
 def reads_as_key(value: str) -> bool:

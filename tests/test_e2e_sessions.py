@@ -550,6 +550,35 @@ def test_a_key_sent_as_a_session_id_names_no_file_and_no_session(
     )
 
 
+def test_the_clients_own_key_of_no_known_shape_names_no_session(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """A gateway's key (``gw-…``: no family the redaction knows) sent as the session id too:
+    the log's lines took it out as the client's own key, but the log file was named by it."""
+    proxy = proxy_factory(sim.api_base)
+    key = "gw-Custom7Key9Alpha3Beta5Gamma"
+    auth = {"Authorization": f"Bearer {key}"}
+    for headers, url in (
+        ({**auth, "X-Session-Id": key}, proxy.base_url),
+        (auth, f"{proxy.url}/s/{key}/v1"),
+        ({"api-key": key, "X-Session-Id": key}, proxy.base_url),
+    ):
+        r = httpx.post(url + "/chat/completions", json=HELLO, headers=headers)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == "invalid_session_id" and "reads as an API key" in error["message"]
+    r = httpx.post(
+        proxy.base_url + "/chat/completions", json=HELLO, headers={**auth, "session_id": key}
+    )
+    assert r.status_code == 200 and r.headers["x-cachegate-session"] != key
+    body = {"model": "gpt-4o", "conversation": key, "input": "hi"}
+    r = httpx.post(proxy.base_url + "/responses", json=body, headers=auth)
+    assert r.status_code == 200 and r.headers["x-cachegate-session"] != key
+    flush(proxy)
+    names = [p.name for p in proxy.log_dir.iterdir()]
+    assert len(names) > 1 and not any(key in name for name in names), names
+
+
 def test_a_slash_smuggled_into_the_path_id_is_a_400_not_a_file(
     sim: RunningSimulator, deep_proxy: Any, tmp_path: Path
 ) -> None:
