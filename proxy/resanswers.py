@@ -4,9 +4,10 @@ as the last event of a stream, into an ``AssembledResponse`` with its usage and 
 ``POST /v1/responses`` is relayed byte for byte; the relay tees its bytes here as it tees a
 chat stream to ``assemble.StreamRecorder``. A Responses stream repeats the whole response in
 its last event (``response.completed``, ``response.incomplete`` or ``response.failed``), usage
-included, so only that event, and an ``error`` event, are read: the recorder drops the events
-before them unparsed (a search for a few markers per 16 KB kept, no step per event), which
-keeps a long answer's text out of memory and the relay's per-event cost unchanged.
+included, so only that event, and an ``error`` event, are read: the events before them are
+not parsed (a search for a few markers per 16 KB kept, no step per event), which keeps the
+relay's per-event cost unchanged. Their bytes are kept until that event comes, and read only
+for a stream cut before it (``partial_message``: the part of the answer the client had).
 """
 
 from __future__ import annotations
@@ -178,6 +179,66 @@ def assemble_response(body: Any, last_event: str | None = None) -> AssembledResp
     )
 
 
+def partial_message(data: bytes) -> dict[str, Any]:
+    """What the events of a stream cut before its last one said of the answer (``data``, the
+    stream's bytes, its last event perhaps cut), as ``assemble_response`` gives a whole one:
+    the text its deltas carried, its refusal, its function and custom tool calls with the
+    arguments that came (partial, as an interrupted chat stream's are)."""
+    decoder = SSEDecoder()
+    texts: list[str] = []
+    refusals: list[str] = []
+    calls: dict[Any, dict[str, Any]] = {}  # by the item's id, else its place in the output
+    for event in decoder.decode(data):
+        try:
+            payload = orjson.loads(event.data)
+        except orjson.JSONDecodeError:
+            continue
+        if not isinstance(payload, dict):
+            continue
+        kind = payload.get("type")
+        delta = payload.get("delta")
+        if kind == "response.output_text.delta" and isinstance(delta, str):
+            texts.append(delta)
+        elif kind == "response.refusal.delta" and isinstance(delta, str):
+            refusals.append(delta)
+        elif kind in ("response.output_item.added", "response.output_item.done"):
+            item = payload.get("item")
+            if not isinstance(item, Mapping) or item.get("type") not in _CALL_FIELDS:
+                continue
+            key = item.get("id") or payload.get("output_index")
+            field = _CALL_FIELDS[item["type"]]
+            said = item.get(field)
+            call = calls.get(key)
+            if call is None:
+                kind_of = "function" if item["type"] == "function_call" else "custom"
+                call = calls[key] = {
+                    "id": item.get("call_id"),
+                    "type": kind_of,
+                    kind_of: {"name": item.get("name"), field: ""},
+                }
+            if isinstance(said, str) and (said or kind == "response.output_item.done"):
+                call[call["type"]][field] = said  # (the whole of it, where the item has it)
+        elif kind in _CALL_DELTAS and isinstance(delta, str):
+            call = calls.get(payload.get("item_id")) or calls.get(payload.get("output_index"))
+            if call is not None:
+                body = call[call["type"]]
+                body[_CALL_DELTAS[kind]] = body.get(_CALL_DELTAS[kind], "") + delta
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
+    if refusals:
+        message["refusal"] = "".join(refusals)
+    if calls:
+        message["tool_calls"] = list(calls.values())
+    return message
+
+
+# The output items that are calls, and the field their input is in; the events that stream it.
+_CALL_FIELDS: Final = {"function_call": "arguments", "custom_tool_call": "input"}
+_CALL_DELTAS: Final = {
+    "response.function_call_arguments.delta": "arguments",
+    "response.custom_tool_call_input.delta": "input",
+}
+
+
 class ResponsesRecorder:
     """The relay's side channel for a Responses API stream: raw chunks in (the relay appends to
     ``chunks`` and calls ``decode`` every ``StreamRecorder.KEEP_BYTES``), the terminal event's
@@ -185,7 +246,9 @@ class ResponsesRecorder:
     are searched for the events' ends, an event named by its ``event:`` line as one that cannot
     matter (a delta, an item's ``done`` repeating its text) is let go as it arrives, and the
     whole events kept are read only when they hold a marker. An event over
-    ``MAX_PENDING_EVENT`` is let go too (``oversize``: its usage, if it was the last, unread)."""
+    ``MAX_PENDING_EVENT`` is let go too (``oversize``: its usage, if it was the last, unread).
+    The bytes decoded are kept (``seen``, up to ``MAX_PENDING_EVENT``) until a last event
+    comes, for a stream cut before one (``partial_message``)."""
 
     __slots__ = (
         "chunks",
@@ -199,6 +262,8 @@ class ResponsesRecorder:
         "pending",
         "pending_size",
         "response",
+        "seen",
+        "seen_size",
         "skipping",
         "torn",
     )
@@ -218,6 +283,10 @@ class ResponsesRecorder:
         self.torn = False  # the last such event was cut by the stream's end (no blank line)
         self.oversize = False  # an event past ``MAX_PENDING_EVENT`` was let go unread
         self.created: str | None = None  # the response's id, from the stream's first event
+        # The bytes decoded while no terminal event has come, unread: a stream cut before one
+        # (the client hung up, Esc in Codex) is read for the part of the answer it carried
+        self.seen: list[bytes] = []
+        self.seen_size = 0
 
     def decode(self) -> None:
         """Read the whole events kept so far that may matter; keep an unfinished one."""
@@ -227,6 +296,12 @@ class ResponsesRecorder:
             data = self.inflate(data)
         if not data:
             return
+        if self.response is None and self.seen_size <= MAX_PENDING_EVENT:
+            self.seen_size += len(data)
+            if self.seen_size <= MAX_PENDING_EVENT:
+                self.seen.append(data)
+            else:  # (past it, a cut stream's part is not read: let go, said as dropped)
+                self.seen = []
         probe = self.last + data  # (a blank line's first byte may be the last one decoded)
         shift = len(self.last)
         self.last = data[-1:]
@@ -299,6 +374,7 @@ class ResponsesRecorder:
                 response = payload.get("response")
                 self.response = response if isinstance(response, Mapping) else {}
                 self.last_event = kind
+                self.seen, self.seen_size = [], 0  # (it holds the whole answer)
             elif kind == "error" or (kind is None and "error" in payload):
                 self.error = payload.get("error", payload) if kind is None else payload
             else:
@@ -346,7 +422,7 @@ class ResponsesRecorder:
                 result.error = {"error": self.error}
                 result.done = False
         else:
-            result = AssembledResponse(message={"role": "assistant", "content": None})
+            result = AssembledResponse(message=partial_message(b"".join(self.seen)))
             if self.error is not None:
                 result.error = {"error": self.error}
         if self.torn or (self.response is None and self.error is None and cut):
@@ -356,6 +432,10 @@ class ResponsesRecorder:
             result.done = True  # (its last event was perhaps the one let go: no error said)
         if result.id is None:  # (a stream cut before its last event: a client may continue it)
             result.id = self.created
-        result.text_dropped = self.oversize
+        # (a cut stream's part past the limit: let go, as an answer too large to keep is)
+        result.text_dropped = self.oversize or (
+            self.response is None and self.seen_size > MAX_PENDING_EVENT
+        )
+        self.seen, self.seen_size = [], 0
         result.events = self.events
         return result

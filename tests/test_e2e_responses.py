@@ -352,6 +352,32 @@ def test_a_stream_the_client_cut_is_continued_in_its_session(proxy_factory: Any)
         assert again.headers["x-cachegate-session"] == session
 
 
+def test_a_stream_the_client_cut_logs_the_part_of_the_answer_it_had(
+    proxy_factory: Any, sdk: Any
+) -> None:
+    """The openai SDK's stream closed after a few words (Esc in Codex): the log's message was
+    ``null``, where an interrupted chat stream's holds what the client had."""
+    with run_simulator(SimConfig(chunk_ms=30)) as slow:
+        proxy = proxy_factory(slow.api_base)
+        client = sdk(proxy.base_url, default_headers={"X-Session-Id": "cut-words"})
+        slow.sim.enqueue(["alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu"])
+        stream = client.responses.create(model="gpt-5", input="say the letters", stream=True)
+        had = ""
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                had += event.delta
+            if len(had) > 20:
+                break
+        stream.close()
+        wait_for(lambda: proxy.metric("cachegate_client_disconnects_total") == 1)
+        proxy.settle()
+        (line,) = events(proxy.log_dir, "cut-words", "response")
+    assert line["interrupted"] is True
+    logged = line["message"]["content"]
+    assert isinstance(logged, str) and logged.startswith(had), (logged, had)
+    assert len(logged) < len("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu")
+
+
 def test_a_continuation_leaves_the_history_its_session_was_found_by(
     sim: RunningSimulator, proxy_factory: Any, sdk: Any
 ) -> None:

@@ -116,23 +116,83 @@ def test_text_that_names_the_last_event_or_an_error_is_no_last_event() -> None:
 
 
 def test_a_long_stream_is_not_kept_whole() -> None:
-    """Events before the last are let go as they arrive: the deltas of a 2 MB text, and the
-    three events that repeat it whole (a part's, an item's ``done``), keep at most an
-    unfinished event's start between decodings; only the last event is kept while it comes."""
+    """Events before the last are not parsed as they arrive: the deltas of a 2 MB text, and
+    the three events that repeat it whole (a part's, an item's ``done``), keep at most an
+    unfinished event's start between decodings. Their bytes are held, unread, for a stream cut
+    before its last event, up to 32 MiB (past them let go, and a cut stream's line says its
+    part was: as an answer too large to keep), and let go once the last event comes."""
     text = "word " * 400_000
     stream = b"".join(response_events(completed(text)))
     last = stream.index(b"event: response.completed")
-    assert last > 8_000_000
+    assert last > 64 * 1024 * 1024
+    for cut in (False, True):
+        recorder = ResponsesRecorder()
+        most = held = 0
+        for at in range(0, last, 1 << 20):
+            recorder.chunks.append(stream[at : min(at + (1 << 20), last)])
+            recorder.decode()
+            most = max(most, recorder.pending_size)
+            held = max(held, sum(map(len, recorder.seen)))
+        assert most < 1024 and 16 * 1024 * 1024 < held <= 32 * 1024 * 1024
+        assert not recorder.seen  # (past the limit: let go)
+        if cut:
+            result = recorder.finish()
+            assert result.message["content"] is None and result.text_dropped
+            assert not result.done and result.usage is None
+            continue
+        recorder.chunks.append(stream[last:])
+        result = recorder.finish()
+        assert result.message["content"] == text and result.usage is not None
+        assert not result.text_dropped
+    # a shorter one: held until its last event, then let go
+    stream = b"".join(response_events(completed("word " * 1000)))
+    last = stream.index(b"event: response.completed")
     recorder = ResponsesRecorder()
-    most = 0
-    for at in range(0, last, 16384):
-        recorder.chunks.append(stream[at : min(at + 16384, last)])
-        recorder.decode()
-        most = max(most, recorder.pending_size)
-    assert most < 1024
+    recorder.chunks.append(stream[:last])
+    recorder.decode()
+    assert sum(map(len, recorder.seen)) == last
     recorder.chunks.append(stream[last:])
-    result = recorder.finish()
-    assert result.message["content"] == text and result.usage is not None
+    recorder.decode()
+    assert not recorder.seen
+
+
+def _split_arguments(events: list[bytes]) -> list[bytes]:
+    """``events`` with each call's one arguments delta sent as two (``{"n"`` then ``:N}``)."""
+    out = []
+    for event in events:
+        if not event.startswith(b"event: response.function_call_arguments.delta"):
+            out.append(event)
+            continue
+        data = orjson.loads(event.split(b"data: ", 1)[1])
+        whole = data["delta"]
+        for piece in (whole[:4], whole[4:]):
+            payload = orjson.dumps({**data, "delta": piece})
+            out.append(b"event: response.function_call_arguments.delta\ndata: " + payload + b"\n\n")
+    return out
+
+
+@pytest.mark.parametrize("piece", [1, 7, 100, 10**9])
+def test_a_stream_cut_before_its_last_event_logs_the_part_the_client_had(piece: int) -> None:
+    """The client hung up (Esc in Codex) or cachegate stopped: the log's message was null,
+    where an interrupted chat stream's holds what came."""
+    events = _split_arguments(
+        response_events(completed("Let me look at the failing test first.", calls=2))
+    )
+    # the text's deltas, then the first call's arguments streamed, the stream cut in them
+    first = next(i for i, e in enumerate(events) if b"arguments.delta" in e)
+    result = recorded(b"".join(events[: first + 1]), piece)
+    assert result.usage is None and not result.done and not result.text_dropped
+    message = result.message
+    assert message["content"] == "Let me look at the failing test first."
+    (call,) = message["tool_calls"]
+    assert call["id"] == "call_0" and call["function"]["name"] == "run"
+    assert call["function"]["arguments"] == '{"n"'  # (what came of them)
+    # cut in the second call's: the first is whole (its item done), the second as it came
+    second = max(i for i, e in enumerate(events) if b"arguments.delta" in e) - 1
+    result = recorded(b"".join(events[: second + 1]), piece)
+    calls = result.message["tool_calls"]
+    assert [c["function"]["arguments"] for c in calls] == ['{"n":0}', '{"n"']
+    assert [c["id"] for c in calls] == ["call_0", "call_1"]
 
 
 @pytest.mark.parametrize(
