@@ -147,6 +147,31 @@ def body_b(user: str, include_usage: bool = False) -> bytes:
 
 PATH = "/v1/chat/completions"
 
+# The proxies' core is quiet when they used less than this share of it over QUIET_LOAD_S.
+QUIET_SHARE = 0.1
+QUIET_LOAD_S = 0.05
+
+
+async def quiet(arms: list[Arm], window_s: float, timeout_s: float = 30.0) -> None:
+    """Wait until the proxies, which share one core, have run for less than ``QUIET_SHARE`` of
+    ``window_s`` in a row (or ``timeout_s`` has passed), before an arm's load or burst of
+    streams: what the arm before it still does after its last answer (LiteLLM: ~1 ms of CPU
+    after each of its answers, its callbacks, so seconds after a burst of a hundred streams)
+    is not charged to the next arm's figures. Not before each request of the concurrency-1
+    phase: a pause of milliseconds before each costs every arm the core's wake-up (p50 +0.2 ms
+    for both pass-throughs here), where its back-to-back requests keep it awake."""
+    servers = [a.server for a in arms if a.server is not None]
+    if not servers:
+        return
+    deadline = time.monotonic() + timeout_s
+    before = sum(s.cpu() for s in servers)
+    while True:
+        await asyncio.sleep(window_s)
+        now = sum(s.cpu() for s in servers)
+        if now - before <= QUIET_SHARE * window_s or time.monotonic() >= deadline:
+            return
+        before = now
+
 
 def payload(arm: Arm, body: bytes) -> bytes:
     return client.build_request(HOST, arm.port, PATH, body)
@@ -258,6 +283,7 @@ async def throughput(
         for r in range(plan.load_rounds):
             order = arms[r % len(arms) :] + arms[: r % len(arms)]
             for a in order:
+                await quiet(arms, QUIET_LOAD_S)
                 cpu0, mock0 = a.cpu(), mock.cpu()
                 if use_wrk:
                     done, errors, secs = await asyncio.to_thread(
@@ -347,6 +373,7 @@ async def streams(
     cpu: dict[str, float] = {a.name: 0.0 for a in arms}
     for r in range(plan.fanout_rounds):
         for a in arms[r % len(arms) :] + arms[: r % len(arms)]:
+            await quiet(arms, QUIET_LOAD_S)
             c0 = a.cpu()
             many[a.name].extend(await fan(a, plan.fanout, f"fan-{r}"))
             cpu[a.name] += a.cpu() - c0
@@ -381,6 +408,7 @@ async def sustain(
             out[a.name]["start_rss_kib"] = a.server.rss()
     for n in plan.sustain:  # each level for every arm, direct first (its baseline), then the next
         for a in arms:
+            await quiet(arms, QUIET_LOAD_S)
             base_rss = a.server.rss() if a.server is not None else 0
             peak = base_rss
             done = asyncio.Event()
@@ -423,6 +451,7 @@ async def hangups(arms: list[Arm], plan: Plan, mock_port: int) -> dict[str, Any]
     """Seconds from a client hanging up to the upstream handler seeing ``http.disconnect``."""
     out: dict[str, Any] = {}
     for a in arms:
+        await quiet(arms, QUIET_LOAD_S)
         trials: dict[str, list[client.StreamResult]] = {"mid_stream": [], "before_first_token": []}
         for i in range(plan.hangups):
             trials["mid_stream"].append(

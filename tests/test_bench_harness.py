@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import random
 import re
+import time
 
 import orjson
 import pytest
@@ -368,3 +369,32 @@ def test_a_sigterm_to_the_runner_stops_it_as_ctrl_c_does() -> None:
             time.sleep(5)  # (the handler runs here, and raises)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_next_arm_waits_until_the_proxies_core_is_quiet() -> None:
+    """An arm's load starts only once the arm before it has stopped using the proxies' core:
+    LiteLLM works on for about a millisecond after each of its answers (its callbacks), and
+    seconds after a burst, which was charged to the next arm's figures."""
+    from bench import run
+
+    class Busy:
+        """A server still at work for ``busy_s``: CPU at half a core, then none."""
+
+        def __init__(self, busy_s: float) -> None:
+            self.until = time.monotonic() + busy_s
+            self.start = time.monotonic()
+
+        def cpu(self) -> float:
+            return (min(time.monotonic(), self.until) - self.start) / 2
+
+    for busy_s in (0.0, 0.3):
+        arms = [run.Arm("direct", 1), run.Arm("busy", 2, Busy(busy_s))]  # type: ignore[arg-type]
+        t0 = time.monotonic()
+        asyncio.run(run.quiet(arms, 0.02, timeout_s=5.0))
+        waited = time.monotonic() - t0
+        assert busy_s <= waited < busy_s + 0.5, (busy_s, waited)
+    # however long an arm works on, the run goes on after the timeout
+    arms = [run.Arm("busy", 2, Busy(60.0))]  # type: ignore[arg-type]
+    t0 = time.monotonic()
+    asyncio.run(run.quiet(arms, 0.02, timeout_s=0.3))
+    assert 0.3 <= time.monotonic() - t0 < 1.0
