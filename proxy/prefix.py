@@ -452,15 +452,23 @@ def canonical_message(message: Any) -> Any:
     # latest messages for the cache send those as parts and the older ones as strings.
     text = single_text(out.get("content"))
     if out.get("type") == "message":
-        # A Responses API message item is the message it stands for, its one ``input_text``
-        # part its text, as OpenAI reads them: a conversation opened with a one-string
-        # ``input`` (one user message) and sent on as items (``input_text``) read as a new one,
-        # its misses unreported.
         del out["type"]
-        text = single_text(out.get("content"), "input_text") if text is None else text
+    if text is None:
+        # A Responses API message item (typed or not: the type is optional) is the message it
+        # stands for, its one ``input_text`` part its text, as OpenAI reads them: a
+        # conversation opened with a one-string ``input`` (one user message) and sent on as
+        # items (``input_text``) read as a new one, its misses unreported.
+        text = single_text(out.get("content"), "input_text")
     if text is not None:
         out["content"] = text
     return out
+
+
+def _item_type(message: Mapping[str, Any]) -> Any:
+    """An item's type: a message (a role, no type: a chat message, or a Responses API message
+    item, whose type is optional) is ``"message"``."""
+    kind = message.get("type")
+    return "message" if kind is None and "role" in message else kind
 
 
 def single_text(content: Any, kind: str = "text") -> str | None:
@@ -1510,7 +1518,8 @@ def _message_divergence(
         )
 
     old_c, new_c = canonical_message(old_message), canonical_message(new_message)
-    old_type, new_type = old_c.get("type"), new_c.get("type")
+    # (a Responses API message item's type, which its canonical form leaves out, is "message")
+    old_type, new_type = _item_type(old_message), _item_type(new_message)
     if old_type is not None and new_type is not None and old_type != new_type:
         # Another item in its place (a Responses API request whose reasoning items were
         # dropped: a call where one was): its type first, not the first field the other has

@@ -48,6 +48,10 @@ _CREATED_ID: Final = re.compile(
 # An event kept while its end has not come: a terminal one holds the whole response (its
 # output's text included), so up to the size of a whole answer cachegate reads.
 MAX_PENDING_EVENT: Final = 32 * 1024 * 1024
+# A stream's bytes held while its last event has not come, for a cut stream's part of the
+# answer: ~4,000 deltas (events are ~250 bytes for a few characters of text). Past them they
+# are let go: a stream cut later logs no part (``text_dropped``), as one too large to keep.
+MAX_SEEN: Final = 1024 * 1024
 
 
 def _blank_lines(data: bytes) -> tuple[bytes, ...]:
@@ -192,9 +196,9 @@ def partial_message(data: bytes) -> dict[str, Any]:
         try:
             payload = orjson.loads(event.data)
         except orjson.JSONDecodeError:
-            continue
+            break  # (the openai SDKs raise there: what follows, the client never had)
         if not isinstance(payload, dict):
-            continue
+            break
         kind = payload.get("type")
         delta = payload.get("delta")
         if kind == "response.output_text.delta" and isinstance(delta, str):
@@ -247,8 +251,8 @@ class ResponsesRecorder:
     matter (a delta, an item's ``done`` repeating its text) is let go as it arrives, and the
     whole events kept are read only when they hold a marker. An event over
     ``MAX_PENDING_EVENT`` is let go too (``oversize``: its usage, if it was the last, unread).
-    The bytes decoded are kept (``seen``, up to ``MAX_PENDING_EVENT``) until a last event
-    comes, for a stream cut before one (``partial_message``)."""
+    The bytes decoded are kept (``seen``, up to ``MAX_SEEN``) until a last event comes, for a
+    stream cut before one (``partial_message``)."""
 
     __slots__ = (
         "chunks",
@@ -296,9 +300,9 @@ class ResponsesRecorder:
             data = self.inflate(data)
         if not data:
             return
-        if self.response is None and self.seen_size <= MAX_PENDING_EVENT:
+        if self.response is None and self.seen_size <= MAX_SEEN:
             self.seen_size += len(data)
-            if self.seen_size <= MAX_PENDING_EVENT:
+            if self.seen_size <= MAX_SEEN:
                 self.seen.append(data)
             else:  # (past it, a cut stream's part is not read: let go, said as dropped)
                 self.seen = []
@@ -433,9 +437,7 @@ class ResponsesRecorder:
         if result.id is None:  # (a stream cut before its last event: a client may continue it)
             result.id = self.created
         # (a cut stream's part past the limit: let go, as an answer too large to keep is)
-        result.text_dropped = self.oversize or (
-            self.response is None and self.seen_size > MAX_PENDING_EVENT
-        )
+        result.text_dropped = self.oversize or (self.response is None and self.seen_size > MAX_SEEN)
         self.seen, self.seen_size = [], 0
         result.events = self.events
         return result

@@ -279,21 +279,22 @@ def test_instructions_dropped_in_a_turn_are_named_as_such(
     )
 
 
-@pytest.mark.parametrize("form", ["plain", "typed", "input_text"])
+@pytest.mark.parametrize("form", ["plain", "typed", "input_text", "untyped_input_text"])
 def test_a_conversation_opened_with_one_string_is_accounted_as_it_goes_on_in_items(
     form: str, sim: RunningSimulator, proxy_factory: Any, sdk: Any
 ) -> None:
     """Opened with ``input="…"``, sent on as items, the opening one typed (``"type":
-    "message"``, an ``input_text`` part): the turn was accounted as a new conversation, nothing
+    "message"``, an ``input_text`` part, or that part alone: the type is optional, and the
+    Vercel AI SDK leaves it out): the turn was accounted as a new conversation, nothing
     expected, its miss (its instructions rewritten, an expiry) unreported."""
     proxy = proxy_factory(sim.api_base, clock=lambda: sim.sim.now)
     client = sdk(proxy.base_url)
     task = "Fix the failing test."
     first = client.responses.create(model="gpt-5", instructions=LONG_INSTRUCTIONS, input=task)
     opening: dict[str, Any] = {"role": "user", "content": task}
-    if form != "plain":
+    if form in ("typed", "input_text"):
         opening["type"] = "message"
-    if form == "input_text":
+    if form.endswith("input_text"):
         opening["content"] = [{"type": "input_text", "text": task}]
     items = [
         opening,

@@ -1357,3 +1357,31 @@ def test_dropped_tools_take_each_tool_by_its_name_or_its_place() -> None:
     hosted = {"type": "web_search"}
     assert dropped_tools([hosted, a], [a]) == [(hosted, 1.0)]
     assert dropped_tools([hosted, a], [a, hosted]) == []
+
+
+def test_a_responses_item_replaced_by_another_kind_is_named_by_its_type() -> None:
+    """A regenerated turn whose answer changed kind (a message where a call was): its type
+    first, for a message item written with its type or without (the type is optional)."""
+    from proxy.prefix import message_divergence
+
+    call = {"type": "function_call", "call_id": "call_1", "name": "ls", "arguments": "{}"}
+    text = [{"type": "output_text", "text": "Done."}]
+    for message in (
+        {"type": "message", "role": "assistant", "content": text},
+        {"role": "assistant", "content": text},
+    ):
+        found = message_divergence(3, call, message)
+        assert (found.field, found.old_excerpt, found.new_excerpt) == (
+            "type",
+            "function_call",
+            "message",
+        ), message
+    # a chat message's edit is still named by its field
+    found = message_divergence(
+        1, {"role": "user", "content": "a"}, {"role": "user", "content": "b"}
+    )
+    assert found.field == "content"
+    # and a typed item against the same message untyped is no change of type
+    typed = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}]}
+    found = message_divergence(0, typed, {"role": "user", "content": "b"})
+    assert found.field == "content"

@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from proxy.resanswers import ResponsesRecorder, assemble_response
+from proxy.resanswers import MAX_SEEN, ResponsesRecorder, assemble_response
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
 from proxy.simulator.wire import (
     response_call,
@@ -119,21 +119,21 @@ def test_a_long_stream_is_not_kept_whole() -> None:
     """Events before the last are not parsed as they arrive: the deltas of a 2 MB text, and
     the three events that repeat it whole (a part's, an item's ``done``), keep at most an
     unfinished event's start between decodings. Their bytes are held, unread, for a stream cut
-    before its last event, up to 32 MiB (past them let go, and a cut stream's line says its
-    part was: as an answer too large to keep), and let go once the last event comes."""
-    text = "word " * 400_000
+    before its last event, up to 1 MiB (past it let go, and a cut stream's line says its part
+    was: as an answer too large to keep), and let go once the last event comes."""
+    text = "word " * 40_000
     stream = b"".join(response_events(completed(text)))
     last = stream.index(b"event: response.completed")
-    assert last > 64 * 1024 * 1024
+    assert last > 4 * MAX_SEEN
     for cut in (False, True):
         recorder = ResponsesRecorder()
         most = held = 0
-        for at in range(0, last, 1 << 20):
-            recorder.chunks.append(stream[at : min(at + (1 << 20), last)])
+        for at in range(0, last, 16384):
+            recorder.chunks.append(stream[at : min(at + 16384, last)])
             recorder.decode()
             most = max(most, recorder.pending_size)
             held = max(held, sum(map(len, recorder.seen)))
-        assert most < 1024 and 16 * 1024 * 1024 < held <= 32 * 1024 * 1024
+        assert most < 1024 and MAX_SEEN - 16384 < held <= MAX_SEEN
         assert not recorder.seen  # (past the limit: let go)
         if cut:
             result = recorder.finish()
@@ -193,6 +193,12 @@ def test_a_stream_cut_before_its_last_event_logs_the_part_the_client_had(piece: 
     calls = result.message["tool_calls"]
     assert [c["function"]["arguments"] for c in calls] == ['{"n":0}', '{"n"']
     assert [c["id"] for c in calls] == ["call_0", "call_1"]
+    # an event whose data is no JSON: the SDKs raise there, and what follows it the client
+    # never had
+    text = [i for i, e in enumerate(events) if b"output_text.delta" in e]
+    broken = b'event: response.output_text.delta\ndata: {"type":"response.outp\n\n'
+    result = recorded(b"".join([*events[: text[0]], broken, *events[text[0] : first]]), piece)
+    assert result.message["content"] is None and "tool_calls" not in result.message
 
 
 @pytest.mark.parametrize(
