@@ -56,6 +56,18 @@ _KEYS = (
     r"|(?P<bearer>[Bb]earer|BEARER)[ \t]+(?:[A-Za-z0-9._~+/=-]|\\/){12,}"
     r"|[sr]k_(?:live|test)_[A-Za-z0-9]{16,}"  # Stripe secret and restricted keys
     r"|AIza[0-9A-Za-z_-]{35,}"  # Google API keys
+    r"|ya29\.[A-Za-z0-9_-]{30,}"  # Google OAuth access tokens
+    # other model providers' and tools' keys: a prefix, then a run no identifier has (a
+    # snake_case name, fw_update_check, breaks it; keys are letters and digits)
+    r"|xai-[A-Za-z0-9]{40,}"  # xAI
+    r"|pplx-[A-Za-z0-9]{40,}"  # Perplexity
+    r"|nvapi-[A-Za-z0-9_-]{40,}"  # NVIDIA
+    r"|csk-[A-Za-z0-9]{40,}"  # Cerebras
+    r"|r8_[A-Za-z0-9]{30,}"  # Replicate
+    r"|fw_[A-Za-z0-9]{20,}"  # Fireworks
+    r"|lsv2_(?:pt|sk)_[A-Za-z0-9_]{30,}"  # LangSmith
+    r"|SG\.[A-Za-z0-9_-]{16,}\.[A-Za-z0-9_-]{16,}"  # SendGrid
+    r"|do[opr]_v1_[a-f0-9]{64}"  # DigitalOcean
     # AWS secret access keys, by their name (the value alone looks like any base64)
     # (or a blank: ``aws configure set aws_secret_access_key …``)
     r"|(?P<awsname>(?i:aws_secret_access_key)(?:[\s\"']*[=:][\s\"']*|[ \t]+(?:[\"']|\\\")?))"
@@ -1728,7 +1740,11 @@ def _redact_named_in(s: str, lowered: str) -> str:
 # and AWS anchors are patterns because one search is cheaper than one substring test per prefix.
 _KEY_IN_BASE64: Final = "LS0tLS1CRUdJTiB"  # "-----BEGIN " in base64: a PEM block's start
 _KEY_IN_BASE64_BYTES: Final = _KEY_IN_BASE64.encode()
-_SECRET_LITERALS: Final = ("sk-", "xox", "xapp-", "npm_", "eyJ", "PRIVATE KEY", _KEY_IN_BASE64)
+_SECRET_LITERALS: Final = (
+    *("sk-", "xox", "xapp-", "npm_", "eyJ", "PRIVATE KEY", _KEY_IN_BASE64),
+    # ("csk-" holds "sk-")
+    *("ya29.", "xai-", "pplx-", "nvapi-", "r8_", "fw_", "lsv2_", "SG.", "_v1_"),
+)
 # Looked for in the lowered text: "Bearer" in any case, and the AWS secret's name.
 _LOWERED_LITERALS: Final = ("earer", "secret_access_key")
 # Patterns that start with one literal character, or a literal string: as fast as a substring

@@ -41,7 +41,20 @@ JWT = (
     "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIiwibmFtZSI6IkpvaG4ifQ"
     ".SflKxwRJSMeKKF2QT4fwpMeJf36POk6yJV_adQssw5c"
 )
+PROVIDER_KEYS = [
+    "xai-" + "Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4zAb7cDe0fGh3iJk6lMn9oPq2rSt5uVw8xYz1aBc4dEf7gHi0j",
+    "pplx-" + "Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4zAb7cDe0fGh3iJk6l",
+    "nvapi-" + "Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4z-Ab7cDe0fGh3iJk6lMn9oPq2rSt5uVw8_xYz1",
+    "csk-" + "ab3def6hij9klm2nop5qrs8tuv1wxy4zab7cde0fgh3ijk6l",
+    "r8_" + "Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4zAb7",
+    "fw_" + "3ZAb3dEf6hIj9kLm2nOp5qRs",
+    "lsv2_pt_" + "0123456789abcdef0123456789abcdef_0123456789",
+    "SG." + "Ab3dEf6hIj9kLm2nOp5qRs" + "." + "Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4zAb7cDe0fGh3i",
+    "dop_v1_" + "0123456789abcdef" * 4,
+    "ya29." + "a0AfH6SMAb3dEf6hIj9kLm2nOp5qRs8tUv1wXy4z",
+]
 MORE_KEYS = [
+    *PROVIDER_KEYS,
     STRIPE_KEY,
     STRIPE_RESTRICTED,
     GOOGLE_KEY,
@@ -338,6 +351,8 @@ def test_several_secrets_in_one_string() -> None:
         "see https://example.com/a:b and git@github.com:org/repo.git",  # no user:password@
         "the task_live_and_test_ cases and xAIza are words",
         "self.hf_model_name_for_this_run, the glpat- and gsk_ prefixes alone, a dask_live_ run",
+        "fw_update_check_for_the_device, model_v1_final, xai-grok-4-fast-reasoning, r8_cache",
+        "SG.config.load() and ya29.short and do_v1_things and lsv2_pt_ alone",
         "a 40-character value alone: wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
     ],
 )
@@ -1335,6 +1350,7 @@ _PIECES = [
     *('"', "'", '\\"', '\\\\\\"', "\\", "=", ":", " ", "\\t", "\t", "\x0b", "\x0c", "\r"),
     *("\n", "a", "x", "_", "-", ".", "1", "v", "v2", "id", "ids", "base", "hash", "\x85", "é"),
     *("\x1c", "\x1f"),  # (blanks to a text's \s, not to bytes')
+    *("xai-", "pplx-", "nvapi-", "csk-", "r8_", "fw_", "lsv2_", "SG.", "_v1_", "ya29."),
 ]
 
 
