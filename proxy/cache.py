@@ -75,6 +75,9 @@ DEFAULT_NOISE_FLOOR_TOKENS: Final = 1024
 DEFAULT_MAX_PREFIXES: Final = 4096
 _MODEL_PROVIDERS: Final = (
     ("claude", "anthropic"),
+    # Bedrock's DeepSeek (``deepseek.r1-v1:0``, ``us.deepseek.r1-v1:0``): Bedrock's rules, not
+    # DeepSeek's (whose cache keeps a prefix for hours)
+    ("deepseek.", "*"),
     ("deepseek", "deepseek"),
     # OpenAI's open-weight models, which OpenAI does not serve: their host's rules (Groq's
     # flex at its on-demand prices, its cache's life)

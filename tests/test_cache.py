@@ -581,6 +581,9 @@ def test_a_configured_dialect_names_the_provider_whose_ttl_applies(
         ("gpt-4-turbo", "openai"),
         ("unclaude-7b", "*"),  # (not the word)
         ("llama-3.3-70b", "*"),
+        ("deepseek/deepseek-chat", "deepseek"),
+        ("deepseek.r1-v1:0", "*"),  # Bedrock's, by its rules
+        ("us.deepseek.r1-v1:0", "*"),
     ],
 )
 def test_a_claude_model_is_known_however_a_gateway_spelled_it_around(
