@@ -1050,12 +1050,13 @@ class CachegateApp(Starlette):
             return
         await super().__call__(scope, receive, send)
 
-    def invalid_http(self, method: bytes, target: bytes) -> None:
+    def invalid_http(self, method: bytes, target: bytes, status: int = 400) -> None:
         """Count a request HTTP's parser refused (``serving.HttpProtocol``'s 400
-        ``invalid_http``), by its route as far as it was read: the app never saw it."""
+        ``invalid_http``, its 431 for a head too large), by its route as far as it was read:
+        the app never saw it."""
         path = target.split(b"?", 1)[0].decode("latin-1")
         scope = {"method": method.decode("latin-1"), "path": path}
-        self.endpoint.gateway.metrics.observe_request(route_of(scope), None, 400, 0.0)
+        self.endpoint.gateway.metrics.observe_request(route_of(scope), None, status, 0.0)
 
     async def _refuse(self, scope: Scope, send: Send, err: ProxyError) -> None:
         # (counted as any request: a foreign page's or a WebSocket's refusal outside /v1/ too,

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import httptools
 import uvicorn
@@ -62,8 +62,20 @@ def listening_sockets(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
+# What a client may make cachegate hold before it can answer: uvicorn's parser has no limit on
+# a request's head and no time limit on its head or its body (a connection that sent nothing,
+# a head trickled a line at a time, an upload that stopped were held for ever: a local process
+# could take the memory and the file descriptors, refusing every other client).
+MAX_HEAD_BYTES: Final = 64 * 1024  # a request's line and header fields (nginx: 32 KiB)
+HEAD_TIMEOUT_S: Final = 30.0  # from a connection's start, or a request's first byte, to its end
+BODY_IDLE_S: Final = 60.0  # a request body's upload with no byte come (nginx's 60 s)
+SWEEP_S: Final = 1.0  # how often the connections are looked at for those limits
+
+
 class HttpProtocol(HttpToolsProtocol):
-    """uvicorn's HTTP/1.1 protocol, reading on after an upgrade it does not make.
+    """uvicorn's HTTP/1.1 protocol, reading on after an upgrade it does not make, with limits on
+    a request's head (``MAX_HEAD_BYTES``: a 431) and on the time its head and its body take
+    (``HEAD_TIMEOUT_S``, ``BODY_IDLE_S``: the connection is closed).
 
     A request that offers an upgrade (``Upgrade: h2c`` from ``curl --http2``, Java's HttpClient,
     JetBrains' clients; a WebSocket handshake) stops uvicorn's parser at the end of its headers
@@ -76,9 +88,25 @@ class HttpProtocol(HttpToolsProtocol):
 
     _active: Any = None  # the request being answered (a pipelined one waits behind it)
     _trailers = False  # past the request's head: a field now is a chunked body's trailer
+    # The limits, class attributes so that a test may shorten them
+    max_head_bytes = MAX_HEAD_BYTES
+    head_timeout_s = HEAD_TIMEOUT_S
+    body_idle_s = BODY_IDLE_S
+    sweep_s = SWEEP_S
+    _head_since: float | None = None  # a head is awaited or coming since then
+    _head_bytes = 0  # bytes of the head so far
+    _body_since: float | None = None  # a body is awaited: its last byte came then
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._head_since = self.loop.time()
+        _sweep_later(self)
 
     def on_message_begin(self) -> None:
         self._trailers = False
+        if self._head_since is None:
+            self._head_since = self.loop.time()
+        self._head_bytes = 0
         super().on_message_begin()
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -96,7 +124,17 @@ class HttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._trailers = True
+        self._head_since = None
+        self._body_since = self.loop.time()  # (until its message completes, however short)
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._body_since = self.loop.time()
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._body_since = None
+        super().on_message_complete()
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         self._active = cycle
@@ -114,13 +152,42 @@ class HttpProtocol(HttpToolsProtocol):
         if active is not None and active is not self.cycle and not active.response_complete:
             active.disconnected = True
             active.message_event.set()
+        self._head_since = self._body_since = None
         super().connection_lost(exc)
+
+    def _overdue(self, now: float) -> bool:
+        """Whether the connection is past a limit: a head not ended ``head_timeout_s`` after
+        the connection or its first byte (unless a request before it is being answered: a
+        pipelined one waits), a body with no byte for ``body_idle_s`` (unless cachegate paused
+        its reading: the upstream is taking it slowly)."""
+        since = self._head_since
+        if since is not None and now - since > self.head_timeout_s:
+            active = self._active
+            if active is None or active.response_complete:
+                return True
+        since = self._body_since
+        if since is not None and now - since > self.body_idle_s:
+            if not self.flow.read_paused:
+                return True
+            self._body_since = now  # (not the client's stall: counted from the resumption)
+        return False
 
     def data_received(self, data: bytes) -> None:
         self._unset_keepalive_if_required()
         while True:
             try:
                 self.parser.feed_data(data)
+                if self._head_since is not None:
+                    self._head_bytes += len(data)  # (still in a head: all of it was)
+                    if self._head_bytes > self.max_head_bytes:
+                        self._send_error(
+                            431,
+                            "Request Header Fields Too Large",
+                            f"Request head too large: over {self.max_head_bytes // 1024} KiB"
+                            " of request line and header fields",
+                            "request_header_too_large",
+                        )
+                        return
             except httptools.HttpParserError as exc:
                 msg = "Invalid HTTP request received."
                 self.logger.warning(msg)
@@ -141,7 +208,6 @@ class HttpProtocol(HttpToolsProtocol):
         """uvicorn's answer to a request its parser refuses (a malformed request line or header,
         conflicting framing), in OpenAI's error shape: uvicorn's own is plain text, which an SDK
         shows as a body it cannot read. The connection is closed after it, as uvicorn does."""
-        body = ProxyError(400, msg, code="invalid_http").body()
         count = getattr(self.app, "invalid_http", None)  # (cachegate's app: in its metrics)
         cycle = getattr(self, "cycle", None)
         if cycle is not None and cycle is self._active and cycle.more_body:
@@ -157,7 +223,20 @@ class HttpProtocol(HttpToolsProtocol):
             with contextlib.suppress(Exception):  # (an observer: never the answer's failure)
                 method = self.parser.get_method() if self.parser is not None else b""
                 count(method or b"", bytes(getattr(self, "url", b"") or b""))
-        content = [b"HTTP/1.1 400 Bad Request\r\n"]
+        self._send_error(400, "Bad Request", msg, "invalid_http", counted=True)
+
+    def _send_error(
+        self, status: int, reason: str, msg: str, code: str, *, counted: bool = False
+    ) -> None:
+        """An error of cachegate's own, in OpenAI's shape, and the connection closed."""
+        body = ProxyError(status, msg, code=code).body()
+        if not counted:
+            count = getattr(self.app, "invalid_http", None)
+            if callable(count):
+                with contextlib.suppress(Exception):  # (an observer: never the answer's failure)
+                    method = self.parser.get_method() if self.parser is not None else b""
+                    count(method or b"", bytes(getattr(self, "url", b"") or b""), status)
+        content = [b"HTTP/1.1 %d %s\r\n" % (status, reason.encode())]
         for name, value in self.server_state.default_headers:
             content.extend([name, b": ", value, b"\r\n"])
         content.extend(
@@ -196,6 +275,29 @@ class HttpProtocol(HttpToolsProtocol):
         self.parser = parser
         self.cycle.more_body = True  # (the old parser ended the message at its headers)
         return True
+
+
+def _sweep_later(protocol: HttpProtocol) -> None:
+    """Close the connections of ``protocol``'s server that are past a limit
+    (``HttpProtocol._overdue``): one timer a server, every ``sweep_s`` while it has any, where a
+    timer per request would cost each request its setting and cancelling."""
+    state, loop, every = protocol.server_state, protocol.loop, protocol.sweep_s
+    if getattr(state, "cachegate_sweep", None) is not None:
+        return
+
+    def sweep() -> None:
+        now = loop.time()
+        for conn in list(state.connections):
+            if (
+                isinstance(conn, HttpProtocol)
+                and conn._overdue(now)
+                and not conn.transport.is_closing()
+            ):
+                conn.transport.close()
+        handle = loop.call_later(every, sweep) if state.connections else None
+        setattr(state, "cachegate_sweep", handle)  # noqa: B010 - uvicorn's object, not ours
+
+    setattr(state, "cachegate_sweep", loop.call_later(every, sweep))  # noqa: B010
 
 
 class _ReadOn:

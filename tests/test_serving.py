@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import socket
@@ -303,3 +304,89 @@ def test_a_websocket_handshake_is_answered_by_the_app_whatever_follows_it() -> N
             b"\x81\x85\x37\xfa\x21\x3d\x7f\x9f\x4d\x51\x58"
         )
         assert _answers(s, 1) == [b"GET /ws "]
+
+
+# --- what a client may make cachegate hold ---------------------------------------------------------
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bytes:
+    """What ``sock`` read until the server closed it (within ``seconds``, else fails)."""
+    sock.settimeout(seconds)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except TimeoutError:
+        pytest.fail(f"still open after {seconds} s: {data!r}")
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def test_a_request_head_past_its_limit_is_a_431_in_openais_error_shape() -> None:
+    """Header lines without end were all held: 2 GB of memory from one connection."""
+    with ServerThread(_echo) as server, socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n")
+        try:
+            for _ in range(20):  # 160 KiB of header lines, more than the 64 KiB allowed
+                s.sendall(b"x-pad: " + b"a" * 8000 + b"\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # (closed once it was refused)
+        answer = _closed_within(s, 10)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"), answer[:200]
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_header_too_large" and "64 KiB" in error["message"]
+    # a head under the limit, in many pieces, is a request as any
+    with ServerThread(_echo) as server, socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/x HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n")
+        for _ in range(6):
+            s.sendall(b"x-pad: " + b"a" * 8000 + b"\r\n")
+        s.sendall(b"\r\nhi")
+        assert _answers(s, 1) == [b"POST /v1/x hi"]
+
+
+def test_connections_that_hold_a_head_or_a_body_back_are_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection that sent nothing, a head trickled a line at a time, an upload that
+    stopped: each was held for ever (a local process could take every file descriptor, every
+    other client refused). A request answered slowly is not cut, nor one whose body comes."""
+    from proxy.serving import HttpProtocol
+
+    monkeypatch.setattr(HttpProtocol, "head_timeout_s", 1.0)
+    monkeypatch.setattr(HttpProtocol, "body_idle_s", 1.0)
+    monkeypatch.setattr(HttpProtocol, "sweep_s", 0.1)
+
+    async def slow(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = await asgi_body(receive)
+        import asyncio
+
+        await asyncio.sleep(2.5)  # (an answer that takes its time: not the client's stall)
+        await _answer(send, b"slow " + body)
+
+    with ServerThread(slow) as server:
+        address = ("127.0.0.1", server.port)
+        with socket.create_connection(address) as idle:
+            started = time.monotonic()
+            assert _closed_within(idle, 5) == b""
+            assert 0.9 < time.monotonic() - started < 3
+        with socket.create_connection(address) as trickle:
+            trickle.sendall(b"GET /v1/models HTTP/1.1\r\n")
+            for _ in range(3):
+                time.sleep(0.4)
+                with contextlib.suppress(OSError):
+                    trickle.sendall(b"x-a: b\r\n")
+            assert _closed_within(trickle, 5) == b""
+        with socket.create_connection(address) as upload:
+            upload.sendall(b"POST /v1/x HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nabc")
+            assert _closed_within(upload, 5) == b""
+        with socket.create_connection(address) as patient:
+            patient.sendall(b"POST /v1/x HTTP/1.1\r\nhost: x\r\ncontent-length: 6\r\n\r\nab")
+            for piece in (b"cd", b"ef"):  # (each piece within the body's idle time)
+                time.sleep(0.6)
+                patient.sendall(piece)
+            patient.settimeout(10)
+            assert _answers(patient, 1) == [b"slow abcdef"]
