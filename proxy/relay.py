@@ -1143,6 +1143,8 @@ class Relay:
                 text = _decode(_coding(response), error_body)
                 if retry_if(response.status_code, text):
                     ex.upstream_wait_s += time.perf_counter() - opened_at
+                    if isinstance(response, UpstreamResponse):
+                        response.retire()  # (the retry goes on another connection)
                     raise RetryRequest(
                         response.status_code,
                         error_body,

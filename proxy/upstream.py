@@ -150,6 +150,7 @@ class UpstreamResponse:
         "_conn",
         "_done",
         "_error",
+        "_retired",
         "_sink",
         "_sink_full",
         "_waiter",
@@ -159,6 +160,7 @@ class UpstreamResponse:
 
     def __init__(self, conn: _Connection, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self._conn: _Connection | None = conn
+        self._retired = False
         self.status_code = status
         self.headers = UpstreamHeaders(headers)
         self._chunks: collections.deque[bytes] = collections.deque()
@@ -304,7 +306,14 @@ class UpstreamResponse:
         # the request's body in it). Read after the close, the body says it was closed.
         self._error = None
         if conn is not None:
-            conn.release(self._done and not self._chunks)
+            conn.release(self._done and not self._chunks and not self._retired)
+
+    def retire(self) -> None:
+        """Close its connection when the response is closed, not back to the pool: the request
+        it refused goes again at once, and a server that closes after a refusal without saying
+        so (no ``connection: close``) closes it a moment later, with the request on it
+        unanswered (cachegate's 502, where the client's own request had been answered)."""
+        self._retired = True
 
 
 class _Connection(asyncio.Protocol):
@@ -1243,8 +1252,13 @@ class UpstreamPool:
         if self._closed or self.idle_connections >= self.max_keepalive:
             conn.abort()
             return
-        conn.idle_since = time.monotonic()
-        self._idle.setdefault(conn.origin, []).append(conn)
+        now = conn.idle_since = time.monotonic()
+        idle = self._idle.setdefault(conn.origin, [])
+        # The oldest idle ones past ``keepalive_expiry`` go (``_acquire`` takes the newest: the
+        # others were left open, a burst's connections for as long as the upstream allowed)
+        while idle and now - idle[0].idle_since >= self.keepalive_expiry:
+            idle.pop(0).abort()
+        idle.append(conn)
         self._wake_waiter()
 
     def _forget(self, conn: _Connection) -> None:

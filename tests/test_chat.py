@@ -1528,6 +1528,69 @@ def test_an_upstream_that_refuses_stream_options_gets_the_stream_as_the_client_s
         ]
 
 
+def test_a_refusal_of_stream_options_from_a_server_that_closes_after_it_is_sent_again(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """A server that closes its connection a moment after the refusal, without saying so (no
+    ``connection: close``): the request sent again at once went on that connection, and the
+    client got cachegate's 502 ("closed the connection before answering") for a stream the
+    server serves the client as it sends it."""
+    import socket
+    import threading
+    import time
+
+    chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": "hello"}, "finish_reason": "stop"}]}  # fmt: skip
+    stream = b"data: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n"
+    refusal = b'{"detail": "stream_options: extra inputs are not permitted"}'
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while True:
+                while b"\r\n\r\n" not in data:
+                    more = conn.recv(65536)
+                    if not more:
+                        return
+                    data += more
+                head, _, data = data.partition(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                while len(data) < length:
+                    data += conn.recv(65536)
+                body, data = data[:length], data[length:]
+                if b"stream_options" in body:
+                    conn.sendall(b"HTTP/1.1 422 Unprocessable Entity\r\ncontent-type: "
+                                 b"application/json\r\ncontent-length: %d\r\n\r\n%s"
+                                 % (len(refusal), refusal))  # fmt: skip
+                    time.sleep(0.005)
+                    return  # (closed, unsaid)
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(stream), stream))  # fmt: skip
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        port = listener.getsockname()[1]
+        proxy = proxy_factory(f"http://127.0.0.1:{port}/v1")
+        client = sdk(proxy.base_url)
+        for n in range(5):  # (a model each: each asked with the option first)
+            parts = client.chat.completions.create(
+                model=f"model-{n}", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+            assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == "hello"
+        assert proxy.metric("cachegate_upstream_errors_total", {"kind": "connect"}) == 0
+    finally:
+        listener.close()
+
+
 def test_the_note_of_a_refused_stream_options_shows_the_model_name_safely(
     sdk: Any, proxy_factory: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -445,6 +445,38 @@ def test_a_reused_connection_closed_unanswered_is_retried_only_in_the_keep_alive
     run(main())
 
 
+def test_idle_connections_past_their_expiry_are_closed_not_only_the_one_taken() -> None:
+    """A burst leaves several idle connections; the requests after it take the newest, and
+    only the one taken was looked at for its expiry: the others stayed open for as long as the
+    upstream allowed (Go's default: for ever), up to ``max_keepalive_connections``."""
+
+    async def handler(c: int, n: int, req: bytes, r: Any, w: asyncio.StreamWriter) -> bool:
+        await asyncio.sleep(0.05)  # the burst's requests overlap: one connection each
+        w.write(answer(b"ok"))
+        return True
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            pool = UpstreamPool()
+            pool.keepalive_expiry = 0.3
+            burst = [pool.open("POST", srv.url + "/", [], b"{}") for _ in range(5)]
+            for response in await asyncio.gather(*burst):
+                await read(response)
+            assert pool.idle_connections == 5
+            for _ in range(4):  # one request at a time, past the others' expiry
+                await asyncio.sleep(0.15)
+                await read(await pool.open("POST", srv.url + "/", [], b"{}"))
+            assert pool.idle_connections == 1
+            for _ in range(100):  # (the upstream sees them closed)
+                if len(srv.closed_at) == 4:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(srv.closed_at) == 4
+            await pool.aclose()
+
+    run(main())
+
+
 def test_the_resend_after_a_stale_connection_goes_on_a_new_one_not_another_idle_one() -> None:
     """A burst (sub-agents) leaves several idle connections, whose keep-alive ends together:
     the resend took the next idle one, as stale, and the client got a 502."""
