@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import difflib
+import functools
 import ipaddress
 import json
 import math
@@ -294,7 +295,8 @@ _DOTTED_VERSION: Final = re.compile(r"(?<=\d)\.(?=\d)")
 _BEDROCK_VERSION: Final = re.compile(r"-v\d+(?::\d+)?\Z")
 
 
-def gateway_aliases(name: str) -> list[str]:
+@functools.lru_cache(maxsize=1024)  # (a request's model, looked up several times a request)
+def gateway_aliases(name: str) -> tuple[str, ...]:
     """``name`` as the provider itself may spell it, when a gateway wrote it its own way, most
     literal first (not ``name`` itself): without a vendor or route prefix (OpenRouter's and
     LiteLLM's ``anthropic/…``, ``openai/…``) or Bedrock's (``us.anthropic.…``), then with a
@@ -309,7 +311,7 @@ def gateway_aliases(name: str) -> list[str]:
         dashed = _DOTTED_VERSION.sub("-", bare)
         if dashed != bare:
             out.append(dashed)
-    return out
+    return tuple(out)
 
 
 def gateway_alias(name: str) -> str:

@@ -95,7 +95,7 @@ class HttpProtocol(HttpToolsProtocol):
     sweep_s = SWEEP_S
     _head_since: float | None = None  # a head is awaited or coming since then
     _head_bytes = 0  # bytes of the head so far
-    _body_since: float | None = None  # a body is awaited: its last byte came then
+    _read_at = 0.0  # when the client's bytes last came (a body's progress)
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -125,16 +125,7 @@ class HttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._trailers = True
         self._head_since = None
-        self._body_since = self.loop.time()  # (until its message completes, however short)
         super().on_headers_complete()
-
-    def on_body(self, body: bytes) -> None:
-        self._body_since = self.loop.time()
-        super().on_body(body)
-
-    def on_message_complete(self) -> None:
-        self._body_since = None
-        super().on_message_complete()
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         self._active = cycle
@@ -152,7 +143,7 @@ class HttpProtocol(HttpToolsProtocol):
         if active is not None and active is not self.cycle and not active.response_complete:
             active.disconnected = True
             active.message_event.set()
-        self._head_since = self._body_since = None
+        self._head_since = None
         super().connection_lost(exc)
 
     def _overdue(self, now: float) -> bool:
@@ -165,14 +156,20 @@ class HttpProtocol(HttpToolsProtocol):
             active = self._active
             if active is None or active.response_complete:
                 return True
-        since = self._body_since
-        if since is not None and now - since > self.body_idle_s:
+        cycle = self.cycle
+        if (
+            cycle is not None
+            and cycle.more_body  # (its body is being read: its message has not ended)
+            and not cycle.response_complete
+            and now - self._read_at > self.body_idle_s
+        ):
             if not self.flow.read_paused:
                 return True
-            self._body_since = now  # (not the client's stall: counted from the resumption)
+            self._read_at = now  # (not the client's stall: counted from the resumption)
         return False
 
     def data_received(self, data: bytes) -> None:
+        self._read_at = self.loop.time()
         self._unset_keepalive_if_required()
         while True:
             try:
