@@ -1595,6 +1595,11 @@ def _tool_name(tool: Any) -> str | None:
     return name if isinstance(name, str) else None
 
 
+# Where a client writes a counter of its own (a turn's number, what is left of a budget): its
+# system prompt, a note in a user message. A number changed elsewhere is data that was edited.
+_COUNTING_ROLES: Final = frozenset({"system", "developer", "user"})
+
+
 def _divergence(
     location: Location,
     index: int | None,
@@ -1606,6 +1611,8 @@ def _divergence(
 ) -> Divergence:
     old_excerpt, new_excerpt = _excerpts(old_text, new_text, secrets)
     kind = volatile_kind(old_text, new_text)
+    if kind == "counter" and (location == "tools" or role not in _COUNTING_ROLES):
+        kind = None  # (a number changed in a tool's output, an answer, a tool: an edit)
     return Divergence(
         location, index, role, field, old_excerpt, new_excerpt, kind is not None, kind
     )

@@ -1385,3 +1385,36 @@ def test_a_responses_item_replaced_by_another_kind_is_named_by_its_type() -> Non
     typed = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}]}
     found = message_divergence(0, typed, {"role": "user", "content": "b"})
     assert found.field == "content"
+
+
+def test_a_number_changed_in_data_is_an_edit_and_in_a_prompt_a_counter() -> None:
+    """Any integer that changed read as a volatile counter: a value edited in a tool's output
+    (``value=2100`` to ``2101``) was shown as a token the client changes each turn, as a
+    timestamp is."""
+    system = {"role": "system", "content": "This is turn 7 of the session."}
+    tool_call = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c1", "type": "function",
+                        "function": {"name": "read", "arguments": "{}"}}],
+    }  # fmt: skip
+    output = {"role": "tool", "tool_call_id": "c1", "content": "line 300: value=2100"}
+    old = {"model": "m", "messages": [system, {"role": "user", "content": "go"}, tool_call, output]}
+    edited = {
+        **old,
+        "messages": [*old["messages"][:3], {**output, "content": "line 300: value=2101"}],
+    }
+    found = find_divergence(fingerprint(old), fingerprint(edited), old, edited)
+    assert found is not None and found.index == 3
+    assert (found.volatile, found.volatile_kind) == (False, None)
+    turned = {**old, "messages": [{**system, "content": "This is turn 8 of the session."},
+                                  *old["messages"][1:]]}  # fmt: skip
+    found = find_divergence(fingerprint(old), fingerprint(turned), old, turned)
+    assert found is not None and (found.volatile, found.volatile_kind) == (True, "counter")
+    # a time in a tool's output still reads as a time
+    timed = {**old, "messages": [*old["messages"][:3],
+                                 {**output, "content": "line 300: value=2100 at 10:04:05"}]}  # fmt: skip
+    old_timed = {**old, "messages": [*old["messages"][:3],
+                                     {**output, "content": "line 300: value=2100 at 10:04:01"}]}  # fmt: skip
+    found = find_divergence(fingerprint(old_timed), fingerprint(timed), old_timed, timed)
+    assert found is not None and found.volatile_kind == "timestamp"
