@@ -56,7 +56,7 @@ _KEYS = (
     r"|(?P<bearer>[Bb]earer|BEARER)[ \t]+(?:[A-Za-z0-9._~+/=-]|\\/){12,}"
     r"|[sr]k_(?:live|test)_[A-Za-z0-9]{16,}"  # Stripe secret and restricted keys
     r"|AIza[0-9A-Za-z_-]{35,}"  # Google API keys
-    r"|ya29\.[A-Za-z0-9_-]{30,}"  # Google OAuth access tokens
+    r"|ya29\.[A-Za-z0-9._-]{30,}"  # Google OAuth access tokens (a service account's: ya29.c.…)
     # other model providers' and tools' keys: a prefix, then a run no identifier has (a
     # snake_case name, fw_update_check, breaks it; keys are letters and digits)
     r"|xai-[A-Za-z0-9]{40,}"  # xAI
@@ -64,9 +64,13 @@ _KEYS = (
     r"|nvapi-[A-Za-z0-9_-]{40,}"  # NVIDIA
     r"|csk-[A-Za-z0-9]{40,}"  # Cerebras
     r"|r8_[A-Za-z0-9]{30,}"  # Replicate
-    r"|fw_[A-Za-z0-9]{20,}"  # Fireworks
+    # Fireworks: small and capital letters and a digit, as a random key has (fw_GetVersionString,
+    # fw_maxretrycount, fw_0123ABCD… are names)
+    r"|fw_(?=[A-Za-z0-9]*?[a-z])(?=[A-Za-z0-9]*?[A-Z])(?=[A-Za-z0-9]*?[0-9])[A-Za-z0-9]{20,}"
     r"|lsv2_(?:pt|sk)_[A-Za-z0-9_]{30,}"  # LangSmith
-    r"|SG\.[A-Za-z0-9_-]{16,}\.[A-Za-z0-9_-]{16,}"  # SendGrid
+    # SendGrid: two random parts, a digit in them (SG.AllowAllOutbound.ConnectionsFromAnywhere
+    # is a name)
+    r"|SG\.(?=[A-Za-z0-9_.-]*?[0-9])[A-Za-z0-9_-]{16,}\.[A-Za-z0-9_-]{16,}"
     r"|do[opr]_v1_[a-f0-9]{64}"  # DigitalOcean
     # AWS secret access keys, by their name (the value alone looks like any base64)
     # (or a blank: ``aws configure set aws_secret_access_key …``)

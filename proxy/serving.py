@@ -95,6 +95,7 @@ class HttpProtocol(HttpToolsProtocol):
     sweep_s = SWEEP_S
     _head_since: float | None = None  # a head is awaited or coming since then
     _head_bytes = 0  # bytes of the head so far
+    _began = 0  # requests begun on the connection
     _read_at = 0.0  # when the client's bytes last came (a body's progress)
 
     def connection_made(self, transport: Any) -> None:
@@ -107,6 +108,7 @@ class HttpProtocol(HttpToolsProtocol):
         if self._head_since is None:
             self._head_since = self.loop.time()
         self._head_bytes = 0
+        self._began += 1
         super().on_message_begin()
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -173,10 +175,19 @@ class HttpProtocol(HttpToolsProtocol):
         self._unset_keepalive_if_required()
         while True:
             try:
+                began = self._began
                 self.parser.feed_data(data)
-                if self._head_since is not None:
-                    self._head_bytes += len(data)  # (still in a head: all of it was)
+                # A head still coming, begun before these bytes: all of them are its (a read
+                # that began it may hold the end of the request before it: not counted)
+                if self._head_since is not None and self._began == began:
+                    self._head_bytes += len(data)
                     if self._head_bytes > self.max_head_bytes:
+                        active = self._active
+                        if active is not None and not active.response_complete:
+                            # a request before it is being answered: its answer is not cut
+                            # into; the rest waits unread (refused once that answer is done)
+                            self.flow.pause_reading()
+                            return
                         self._send_error(
                             431,
                             "Request Header Fields Too Large",

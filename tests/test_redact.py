@@ -52,6 +52,7 @@ PROVIDER_KEYS = [
     "SG." + "Ab3dEf6hIj9kLm2nOp5qRs" + "." + "Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4zAb7cDe0fGh3i",
     "dop_v1_" + "0123456789abcdef" * 4,
     "ya29." + "a0AfH6SMAb3dEf6hIj9kLm2nOp5qRs8tUv1wXy4z",
+    "ya29." + "c.c0ASRK0GZ7dXvPq3Lk9mNbVtYwRx2AbCdEfGhIjKlMnOpQrStUvWxYz0123456789-_abcd",
 ]
 MORE_KEYS = [
     *PROVIDER_KEYS,
@@ -353,6 +354,9 @@ def test_several_secrets_in_one_string() -> None:
         "self.hf_model_name_for_this_run, the glpat- and gsk_ prefixes alone, a dask_live_ run",
         "fw_update_check_for_the_device, model_v1_final, xai-grok-4-fast-reasoning, r8_cache",
         "SG.config.load() and ya29.short and do_v1_things and lsv2_pt_ alone",
+        "status = fw_GetFirmwareVersionString(dev); #define fw_maxretrycountforupdates 5",
+        "/opt/firmware/fw_0123456789ABCDEF01234567.img",
+        "SG.AllowAllOutboundTraffic.ConnectionsFromAnywhere",
         "a 40-character value alone: wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
     ],
 )
@@ -2731,3 +2735,12 @@ def test_a_long_value_given_to_a_call_is_read_in_linear_time() -> None:
     began = time.process_time()
     redact_text(text)
     assert time.process_time() - began < 2.0  # (linear: milliseconds; quadratic: ~8 s)
+
+
+def test_a_provider_key_alone_in_prose_is_taken_out() -> None:
+    """Not after a name (``TOKEN=``) or ``Bearer``: a key a tool printed alone, ``gcloud auth
+    print-access-token`` run as a service account (``ya29.c.…``), an ``echo $XAI_API_KEY``."""
+    for key in PROVIDER_KEYS:
+        assert redact_text(f"the output was:\n{key}\n(done)") == (
+            f"the output was:\n{REDACTED}\n(done)"
+        ), key

@@ -346,6 +346,21 @@ def test_a_request_head_past_its_limit_is_a_431_in_openais_error_shape() -> None
         assert _answers(s, 1) == [b"POST /v1/x hi"]
 
 
+def test_a_small_head_pipelined_behind_a_large_body_is_answered() -> None:
+    """The bytes of a read that began a head were all counted as the head's, the body of the
+    request before it too: a 45-byte request behind a 200 KB one got a 431."""
+    body = b"x" * 200_000
+    first = b"POST /v1/x HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+    second = b"POST /v1/y HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nhi"
+    with ServerThread(_echo) as server, socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.settimeout(10)
+        s.sendall(first + second[:20])
+        time.sleep(0.3)
+        s.sendall(second[20:])
+        answers = _answers(s, 2)
+    assert answers[0].startswith(b"POST /v1/x xxx") and answers[1] == b"POST /v1/y hi"
+
+
 def test_connections_that_hold_a_head_or_a_body_back_are_closed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
