@@ -295,8 +295,18 @@ _DOTTED_VERSION: Final = re.compile(r"(?<=\d)\.(?=\d)")
 _BEDROCK_VERSION: Final = re.compile(r"-v\d+(?::\d+)?\Z")
 
 
-@functools.lru_cache(maxsize=1024)  # (a request's model, looked up several times a request)
 def gateway_aliases(name: str) -> tuple[str, ...]:
+    """``_aliases``, memoized for a name of up to 256 characters (a request's model, looked up
+    several times a request; a client's name may be as long as its body: not kept)."""
+    return _cached_aliases(name) if len(name) <= 256 else _aliases(name)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_aliases(name: str) -> tuple[str, ...]:
+    return _aliases(name)
+
+
+def _aliases(name: str) -> tuple[str, ...]:
     """``name`` as the provider itself may spell it, when a gateway wrote it its own way, most
     literal first (not ``name`` itself): without a vendor or route prefix (OpenRouter's and
     LiteLLM's ``anthropic/…``, ``openai/…``) or Bedrock's (``us.anthropic.…``), then with a
