@@ -216,22 +216,17 @@ class HttpProtocol(HttpToolsProtocol):
         """uvicorn's answer to a request its parser refuses (a malformed request line or header,
         conflicting framing), in OpenAI's error shape: uvicorn's own is plain text, which an SDK
         shows as a body it cannot read. The connection is closed after it, as uvicorn does."""
-        count = getattr(self.app, "invalid_http", None)  # (cachegate's app: in its metrics)
         cycle = getattr(self, "cycle", None)
-        if cycle is not None and cycle is self._active and cycle.more_body:
+        counted = cycle is not None and cycle is self._active and bool(cycle.more_body)
+        if counted and cycle is not None:
             # refused in the body of the request the app is answering, or answered already (a
             # 404 before its body was read): the app counts it, once (with this 400, which its
             # scope now says: it had counted the client gone, a 499); one refused after a
             # request whose body was all read (pipelined behind it) is a request of its own,
             # counted here
-            count = None
             with contextlib.suppress(Exception):
                 cycle.scope[REFUSED_BODY].append(msg)
-        if callable(count):
-            with contextlib.suppress(Exception):  # (an observer: never the answer's failure)
-                method = self.parser.get_method() if self.parser is not None else b""
-                count(method or b"", bytes(getattr(self, "url", b"") or b""))
-        self._send_error(400, "Bad Request", msg, "invalid_http", counted=True)
+        self._send_error(400, "Bad Request", msg, "invalid_http", counted=counted)
 
     def _send_error(
         self, status: int, reason: str, msg: str, code: str, *, counted: bool = False
@@ -239,7 +234,7 @@ class HttpProtocol(HttpToolsProtocol):
         """An error of cachegate's own, in OpenAI's shape, and the connection closed."""
         body = ProxyError(status, msg, code=code).body()
         if not counted:
-            count = getattr(self.app, "invalid_http", None)
+            count = getattr(self.app, "invalid_http", None)  # (cachegate's app: its metrics)
             if callable(count):
                 with contextlib.suppress(Exception):  # (an observer: never the answer's failure)
                     method = self.parser.get_method() if self.parser is not None else b""
