@@ -423,6 +423,31 @@ def _cached_before(baseline: _Baseline, now: float, ttl_s: float, messages: int 
     return baseline.cached
 
 
+def _in_reach(baseline: _Baseline, body: dict[str, Any], usage: Usage | None) -> int | None:
+    """Where ``body`` continues ``baseline`` and adds more than Claude's look back (~20 content
+    blocks) past its last breakpoint before a breakpoint of its own (an agent that marks only
+    its latest message, after a turn of 24 parallel tool calls and their results): the tokens
+    of the longest entry it can still read, an earlier breakpoint's (its system prompt's, by
+    its share of ``baseline``'s prompt; what the request read, where that is near it: the
+    share is an estimate), 0 for none. None where the last entry is within its reach."""
+    old = baseline.body
+    if not isinstance(old, dict) or not baseline.prompt:
+        return None
+    share = prefix.lookback_reach(old, body, CLAUDE_LOOKBACK_BLOCKS, compaction.estimate_tokens)
+    if share is None:
+        return None
+    reach = int(share * baseline.prompt)
+    if usage is not None and reach and 0.8 * reach <= usage.cache_read <= 1.25 * reach:
+        reach = usage.cache_read  # (the entry it read: the estimate is off by a little)
+    return reach
+
+
+def _nothing_in_reach() -> bool:
+    """``cache.account``'s ``nothing_marked_before`` for a request that could reach none of
+    the entries before it (``_in_reach``): nothing could be read."""
+    return True
+
+
 def _read_within(baseline: _Baseline, body: Any, prompt: int) -> int | None:
     """Where a request of ``prompt`` tokens (``body``) holds only a leading part of the
     messages of ``baseline``, the request it continues, and ``baseline``'s last breakpoint lies
@@ -1117,6 +1142,7 @@ class AccountingObserver:
         body_before: Any = None  # (the baseline takes this request's body below)
         held_before: tuple[int, float, int] | None = None
         held_expired: int | None = None  # what an earlier marked turn cached, expired since
+        unreached = False  # no entry it continues was within Claude's look back
         counted_before: prefix.Fingerprint | None = None  # the request base's count is for
         # (on the wall clock, as the provider's cache life runs: ``_Baseline.held``)
         now = _forwarded_at(ex)
@@ -1147,6 +1173,17 @@ class AccountingObserver:
                     base = (within, base[1], base[2])
                     if cached_before is not None:
                         cached_before = min(cached_before, within)
+            if (
+                cached_before
+                and (marked_only or (usage is not None and usage.explicit_cache))
+                and divergence is None
+                and isinstance(chosen.body, dict)
+                and isinstance(body, dict)
+            ):
+                reach = _in_reach(chosen, body, usage)
+                if reach is not None:
+                    cached_before = min(cached_before, reach)
+                    unreached = reach == 0
         ready_at = ex.t0 + (ex.ttfb_s if ex.ttfb_s is not None else ex.duration_s)
         # The baselines go on from the one this request was compared with (``kept``), the
         # accounting above and below from the one it could read (``ref``).
@@ -1395,7 +1432,9 @@ class AccountingObserver:
                 else None
             ),
             nothing_marked_before=(
-                functools.partial(
+                _nothing_in_reach
+                if unreached
+                else functools.partial(
                     _marked_nothing,
                     body_before,
                     extra,

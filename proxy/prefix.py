@@ -552,6 +552,79 @@ def marked_share(body: Mapping[str, Any], size: Callable[[Any], int] | None = No
     return None
 
 
+def claude_blocks(item: Any) -> int:
+    """The content blocks a chat message is to Claude, as a gateway renders it: its text (or
+    each of its parts) and each of its tool calls; a tool result is one."""
+    if not isinstance(item, Mapping):
+        return 1
+    if item.get("role") == "tool":
+        return 1
+    content = item.get("content")
+    blocks = len(content) if isinstance(content, list) else 1 if content else 0
+    calls = item.get("tool_calls")
+    return blocks + (len(calls) if isinstance(calls, list) else 0)
+
+
+def _marked_items(body: Mapping[str, Any]) -> tuple[list[Any], list[int]]:
+    """``body``'s tools and messages in the order Claude renders them, and which of them carry
+    a breakpoint (the request's own ``cache_control``: its last item)."""
+    tools = body.get("tools")
+    messages = body.get("messages")
+    tools = tools if isinstance(tools, list) else []
+    messages = messages if isinstance(messages, list) else []
+    items = [*tools, *messages]
+    marks = [at for at, tool in enumerate(tools) if cache_mark(tool, "function") is not None]
+    marks += [
+        len(tools) + at
+        for at, message in enumerate(messages)
+        if cache_mark(message, "content") is not None
+    ]
+    if (
+        body.get("cache_control") is not None
+        and items
+        and (not marks or marks[-1] < len(items) - 1)
+    ):
+        marks.append(len(items) - 1)
+    return items, marks
+
+
+def lookback_reach(
+    old: Mapping[str, Any],
+    new: Mapping[str, Any],
+    blocks: int,
+    size: Callable[[Any], int] | None = None,
+) -> float | None:
+    """Claude reads an entry only where one of the request's breakpoints lies at most
+    ``blocks`` content blocks (``claude_blocks``; a tool is one) after its end. Where ``new``
+    carries ``old``'s tools and messages on, and more: the share of ``old``'s prompt (by each
+    item's ``size``, else its compact JSON) up to the last of ``old``'s breakpoints that one of
+    ``new``'s reaches; 0.0 when none does; None when ``old``'s last one is reached (all it
+    cached may be read), and where there is nothing to judge (``old`` marks nothing, ``new``
+    holds fewer items)."""
+    old_items, old_marks = _marked_items(old)
+    new_items, new_marks = _marked_items(new)
+    if not old_marks or len(new_items) < len(old_items):
+        return None
+    tools = new.get("tools")
+    n_tools = len(tools) if isinstance(tools, list) else 0
+    ends = [0]  # blocks up to and including each of ``new``'s items (a tool is one)
+    for at, item in enumerate(new_items):
+        ends.append(ends[-1] + (1 if at < n_tools else claude_blocks(item)))
+
+    def reached(mark: int) -> bool:
+        return any(b >= mark and ends[b + 1] - ends[mark + 1] <= blocks for b in new_marks)
+
+    if reached(old_marks[-1]):
+        return None
+    weigh = size if size is not None else (lambda item: len(canonical_json(item)))
+    sizes = [weigh(item) for item in old_items]
+    total = sum(sizes)
+    for mark in reversed(old_marks[:-1]):
+        if reached(mark):
+            return sum(sizes[: mark + 1]) / total if total else 0.0
+    return 0.0
+
+
 _MARKER_TTLS: Final = {"5m": 300.0, "1h": 3600.0}
 
 

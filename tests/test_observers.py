@@ -2161,3 +2161,68 @@ def test_a_claude_turn_after_a_fork_one_message_on_expects_the_entry_the_fork_re
     ex = send(turn, 18_000, 0, 10.0)
     assert ex.cache is not None
     assert (ex.cache["expected"], ex.cache["waste"]) == (12_000, 12_000), ex.cache
+
+
+@pytest.mark.parametrize("calls", [24, 2])
+@pytest.mark.parametrize("system_marked", [True, False])
+def test_a_claude_turn_past_the_look_back_of_the_last_entry_is_not_the_providers_miss(
+    calls: int, system_marked: bool
+) -> None:
+    """Claude finds an entry only within ~20 content blocks before one of a request's
+    breakpoints. A turn of 24 parallel tool calls and their results, only its latest message
+    marked, cannot reach the entry the turn before wrote: what it missed (beyond the system
+    prompt's entry, where that is marked) was never in reach, `not_requested`, not the
+    `unexplained` eviction it was called. Two calls are within reach: that miss is the
+    provider's."""
+    from prometheus_client import CollectorRegistry
+
+    acc = _Accounting({})
+    registry = CollectorRegistry()
+    acc.observer.metrics = Metrics(registry, ())
+    model = "claude-sonnet-4-5"
+    mark = {"type": "ephemeral"}
+    system: Message = {"role": "system", "content": "agent " * 5000}
+    if system_marked:
+        system = {
+            "role": "system",
+            "content": [{"type": "text", "text": "agent " * 5000, "cache_control": mark}],
+        }
+
+    def send(messages: list[Message], prompt: int, read: int, write: int, at: float) -> Exchange:
+        acc.eid += 1
+        ex = exchange(acc.eid, messages)
+        ex.body = {"model": model, "messages": messages}
+        ex.model, ex.session, ex.started_at = model, acc.state, at
+        ex.t0 = at
+        ex.usage, ex.status = Usage(prompt, 10, read, write, True, True, True), 200
+        acc.observer.on_response(ex)
+        return ex
+
+    task = msgs("fix the bug " * 500)
+    first = [system, *_last_marked(task)]
+    send(first, 13_000, 0, 13_000, 0.0)
+    ids = [f"toolu_{i:02d}" for i in range(calls)]
+    turn: list[Message] = [
+        *task,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": i, "type": "function", "function": {"name": "read", "arguments": "{}"}}
+                for i in ids
+            ],
+        },
+        *({"role": "tool", "tool_call_id": i, "content": "x " * 30} for i in ids),
+    ]
+    read = 10_000 if system_marked else 0
+    ex = send([system, *_last_marked(turn)], 16_500, read, 16_500 - read, 30.0)
+    assert ex.cache is not None
+    shortfall = 13_000 - read
+    if calls == 2:  # (within reach: the provider's miss, as before)
+        assert (ex.cache["waste"], ex.cache["cause"]) == (shortfall, "unexplained"), ex.cache
+        return
+    assert ex.cache["cause"] == "not_requested", ex.cache
+    assert ex.cache["waste"] + ex.cache.get("not_requested", 0) == shortfall
+    wasted = "cachegate_cache_waste_tokens_total"
+    assert not registry.get_sample_value(wasted, {"model": "other", "cause": "unexplained"})
+    assert registry.get_sample_value(wasted, {"model": "other", "cause": "not_requested"})

@@ -17,11 +17,13 @@ from proxy.prefix import (
     Divergence,
     _kept_pieces,
     canonical_message,
+    claude_blocks,
     dropped_elements,
     find_divergence,
     fingerprint,
     has_cache_marker,
     longer_lived_share,
+    lookback_reach,
     marked_share,
     marked_ttl_s,
     retimed_messages,
@@ -1418,3 +1420,42 @@ def test_a_number_changed_in_data_is_an_edit_and_in_a_prompt_a_counter() -> None
                                      {**output, "content": "line 300: value=2100 at 10:04:01"}]}  # fmt: skip
     found = find_divergence(fingerprint(old_timed), fingerprint(timed), old_timed, timed)
     assert found is not None and found.volatile_kind == "timestamp"
+
+
+def test_claude_blocks_count_texts_parts_calls_and_results() -> None:
+    call = {"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert claude_blocks({"role": "user", "content": "hi"}) == 1
+    assert claude_blocks({"role": "user", "content": [{"type": "text", "text": "a"}] * 3}) == 3
+    assert claude_blocks({"role": "assistant", "content": None, "tool_calls": [call] * 4}) == 4
+    assert claude_blocks({"role": "assistant", "content": "ok", "tool_calls": [call]}) == 2
+    assert claude_blocks({"role": "tool", "tool_call_id": "t1", "content": [{}, {}]}) == 1
+
+
+def test_lookback_reach_finds_the_last_entry_a_breakpoint_reaches() -> None:
+    """Claude reads an entry only ~20 blocks back from a breakpoint: past that, the latest
+    earlier entry that a breakpoint reaches (the system prompt's, by its share), or none."""
+    mark = {"type": "ephemeral"}
+    system = {
+        "role": "system",
+        "content": [{"type": "text", "text": "s" * 300, "cache_control": mark}],
+    }
+    task = {"role": "user", "content": "t" * 100, "cache_control": mark}
+    old = {"messages": [system, task]}
+    step = [{"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}]
+
+    def marked_last(extra: list[dict[str, Any]]) -> dict[str, Any]:
+        last = {**extra[-1], "cache_control": mark}
+        return {"messages": [system, {**task, "cache_control": None}, *extra[:-1], last]}
+
+    assert lookback_reach(old, marked_last(step * 10), 20) is None  # 20 blocks: in reach
+    share = lookback_reach(old, marked_last(step * 10 + step[:1]), 20)
+    assert share is not None and 0.7 < share < 0.8  # (the system prompt's share: 300 of ~400)
+    alone = {"messages": [{**system, "content": "s" * 300}, task]}
+    assert lookback_reach(alone, marked_last(step * 11), 20) == 0.0
+    # a breakpoint kept where it was (or any within reach of it) reaches it
+    kept = marked_last(step * 11)
+    kept["messages"][1] = task
+    assert lookback_reach(old, kept, 20) is None
+    unmarked = {"messages": [{**system, "content": "s" * 300}]}
+    assert lookback_reach(unmarked, marked_last(step * 11), 20) is None  # (no marks)
+    assert lookback_reach(marked_last(step * 3), old, 20) is None  # (fewer items: not judged)

@@ -1530,3 +1530,215 @@ def test_responses_takes_an_output_that_may_answer_a_referenced_stored_call(
     ]
     answer = httpx.post(sim.api_base + "/responses", json={"model": "gpt-5", "input": items})
     assert answer.status_code == 200
+
+
+# -- what OpenAI does that agents meet: forced tools, cut answers, overflow, ids ------------------
+
+SEARCH_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+    },
+}
+
+
+def test_tool_choice_rules_over_what_the_message_asks(sim: RunningSimulator) -> None:
+    """tool_choice was ignored: "none" with "use tool" in the message called a tool, a named
+    function was not the one called, "required" answered with text. An agent's forced first
+    call could not be tried against the simulator."""
+    tools = [WEATHER_TOOL, SEARCH_TOOL]
+    asks = [{"role": "user", "content": "please use tool"}]
+    hello = [{"role": "user", "content": "hi"}]
+
+    def choice(messages: list[dict[str, Any]], tool_choice: Any) -> dict[str, Any]:
+        response = post(sim, chat_body(messages, tools=tools, tool_choice=tool_choice))
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]
+
+    none = choice(asks, "none")
+    assert none["finish_reason"] == "stop" and "tool_calls" not in none["message"]
+    assert none["message"]["content"] == "You said: please use tool"
+    named = choice(asks, {"type": "function", "function": {"name": "search"}})
+    assert named["finish_reason"] == "tool_calls"
+    assert named["message"]["tool_calls"][0]["function"]["name"] == "search"
+    required = choice(hello, "required")
+    assert required["finish_reason"] == "tool_calls"
+    assert required["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert choice(hello, "auto")["message"]["content"] == "You said: hi"
+    streamed = assemble(
+        data_chunks(
+            stream(
+                sim,
+                chat_body(
+                    hello,
+                    tools=tools,
+                    tool_choice={"type": "function", "function": {"name": "search"}},
+                ),
+            )
+        )
+    )
+    assert [c["name"] for c in streamed["tool_calls"]] == ["search"]
+
+
+def test_an_answer_longer_than_max_tokens_is_cut_with_finish_reason_length(
+    sim: RunningSimulator,
+) -> None:
+    """max_tokens and max_completion_tokens only sized the context check: a 16-token answer came
+    whole under max_tokens=3, so a cut answer (finish_reason "length") never reached a test."""
+    long_text = "alpha beta gamma delta epsilon zeta"  # alph a beta gamm a delt a epsi lon zeta
+    assert count_tokens(long_text) == 10
+    for key in ("max_tokens", "max_completion_tokens"):
+        script(sim, long_text)
+        body = post(sim, chat_body([{"role": "user", "content": "hi"}], **{key: 3})).json()
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "length", key
+        assert choice["message"]["content"] == "alpha beta"  # alph a beta
+        assert body["usage"]["completion_tokens"] == 3
+    script(sim, long_text)
+    streamed = assemble(
+        data_chunks(
+            stream(
+                sim,
+                chat_body(
+                    [{"role": "user", "content": "hi"}],
+                    max_tokens=4,
+                    stream_options={"include_usage": True},
+                ),
+            )
+        )
+    )
+    assert streamed["content"] == "alpha beta gamm" and streamed["finish_reason"] == "length"
+    assert streamed["usage"]["completion_tokens"] == 4
+    # a reasoning model's thinking spends the budget first: no text is left
+    script(sim, {"content": long_text, "reasoning_tokens": 50})
+    body = post(sim, chat_body([{"role": "user", "content": "hi"}], max_completion_tokens=20))
+    choice = body.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == ""
+    assert body.json()["usage"]["completion_tokens"] == 20
+    # within the limit: untouched
+    script(sim, long_text)
+    body = post(sim, chat_body([{"role": "user", "content": "hi"}], max_tokens=10)).json()
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["message"]["content"] == long_text
+
+
+def test_an_empty_tools_array_and_messages_without_content_are_refused(
+    sim: RunningSimulator,
+) -> None:
+    """OpenAI refuses tools [] and a null or missing content in a user, system or tool message;
+    the simulator answered 200, so a proxy that empties a request's tools (or a repair that
+    gives a tool message no content) passed every test and failed against OpenAI."""
+    user = [{"role": "user", "content": "x"}]
+    refused = post(sim, chat_body(user, tools=[]))
+    assert refused.status_code == 400
+    assert refused.json()["error"] == {
+        "message": "Invalid 'tools': empty array. Expected an array with minimum length 1, but "
+        "got an empty array instead.",
+        "type": "invalid_request_error",
+        "param": "tools",
+        "code": "empty_array",
+    }
+    call = {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    cases: list[tuple[list[dict[str, Any]], str, str, str]] = [
+        (
+            [{"role": "user", "content": None}],
+            "Invalid value for 'content': expected a string, got null.",
+            "messages.[0].content",
+            "invalid_value",
+        ),
+        (
+            [{"role": "system", "content": "s"}, {"role": "user"}],
+            "Missing required parameter: 'messages[1].content'.",
+            "messages[1].content",
+            "missing_required_parameter",
+        ),
+        (
+            [{"role": "user", "content": 42}],
+            "Invalid type for 'messages[0].content': expected one of a string or array of "
+            "objects, but got an integer instead.",
+            "messages[0].content",
+            "invalid_type",
+        ),
+        (
+            [
+                *user,
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_a", "content": None},
+            ],
+            "Invalid value for 'content': expected a string, got null.",
+            "messages.[2].content",
+            "invalid_value",
+        ),
+    ]
+    for messages, message, param, code in cases:
+        response = post(sim, chat_body(messages))
+        assert response.status_code == 400, messages
+        error = response.json()["error"]
+        assert (error["message"], error["param"], error["code"]) == (message, param, code)
+    # what stays valid: parts, an assistant's null content beside its calls, an empty string
+    ok = [
+        {"role": "user", "content": [{"type": "text", "text": "x"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_a", "content": ""},
+    ]
+    assert post(sim, chat_body(ok)).status_code == 200
+
+
+def test_a_responses_input_over_the_context_window_is_refused_as_openai_does(
+    sdk: Any,
+) -> None:
+    """The Responses route took any input (480,014 tokens in a 128,000 window): Codex CLI's
+    compaction on context_length_exceeded could never be reached against the simulator."""
+    with run_simulator(SimConfig(context_window=2_000)) as small:
+        client = sdk(small.api_base)
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model="gpt-5", input=words(2_100))
+        assert refused.value.status_code == 400
+        assert refused.value.body == {
+            "message": "Your input exceeds the context window of this model. Please adjust "
+            "your input and try again.",
+            "type": "invalid_request_error",
+            "param": "input",
+            "code": "context_length_exceeded",
+        }
+        compact = httpx.post(
+            small.api_base + "/responses/compact", json={"model": "gpt-5", "input": words(2_100)}
+        )
+        assert compact.status_code == 400
+        assert compact.json()["error"]["code"] == "context_length_exceeded"
+        assert client.responses.create(model="gpt-5", input=words(1_000)).status == "completed"
+
+
+def test_a_response_echoes_the_tools_and_tool_choice_it_was_sent(
+    sim: RunningSimulator, sdk: Any
+) -> None:
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
+    answer = sdk(sim.api_base).responses.create(
+        model="gpt-5", input="x", tools=[tool], tool_choice="required", parallel_tool_calls=False
+    )
+    assert [t.name for t in answer.tools] == ["f"]  # type: ignore[union-attr]
+    assert answer.tool_choice == "required" and answer.parallel_tool_calls is False
+
+
+def test_a_single_model_is_served_for_the_sdks_retrieve(sim: RunningSimulator, sdk: Any) -> None:
+    model = sdk(sim.api_base).models.retrieve("ft:gpt-4o:org/custom")
+    assert model.id == "ft:gpt-4o:org/custom" and model.object == "model"
+
+
+def test_mistral_rules_give_the_ids_mistral_takes_back() -> None:
+    """With --mistral-rules the simulator called tools with call_... ids of 29 characters, and
+    refused them on the next turn (Tool call id was call_... but must be a-z, A-Z, 0-9, with a
+    length of 9): every tool loop failed on its second turn."""
+    with run_simulator(SimConfig(mistral_rules=True)) as mistral:
+        first = [{"role": "user", "content": "please use tool"}]
+        answer = post(mistral, chat_body(first, tools=[WEATHER_TOOL])).json()
+        call = answer["choices"][0]["message"]["tool_calls"][0]
+        assert len(call["id"]) == 9 and call["id"].isalnum()
+        history = [
+            *first,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "sunny"},
+        ]
+        again = post(mistral, chat_body(history, tools=[WEATHER_TOOL]))
+        assert again.status_code == 200, again.text

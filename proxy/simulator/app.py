@@ -45,7 +45,7 @@ from proxy.prefix import deep_dumps
 from proxy.relay import send_error
 from proxy.serving import ServerThread
 from proxy.simulator.config import FAULTS, STATUS_FAULTS, SimConfig
-from proxy.simulator.reply import Reply, completion_tokens, derive_reply, parse_script
+from proxy.simulator.reply import Reply, completion_tokens, cut_to, derive_reply, parse_script
 from proxy.simulator.state import ReceivedRequest, Simulator
 from proxy.simulator.tokens import count_tokens, marked_request_tokens, response_tokens
 from proxy.simulator.validate import (
@@ -90,6 +90,13 @@ CONTEXT_WITH_COMPLETION_TEXT = (
     "This model's maximum context length is {window} tokens. However, you requested {total} "
     "tokens ({tokens} in the messages, {asked} in the completion). Please reduce the length of "
     "the messages or completion."
+)
+RESPONSES_CONTEXT_TEXT = (
+    "Your input exceeds the context window of this model. Please adjust your input and try again."
+)
+EMPTY_TOOLS_TEXT = (
+    "Invalid 'tools': empty array. Expected an array with minimum length 1, but got an empty "
+    "array instead."
 )
 SERVER_ERROR_TEXT = "The server had an error while processing your request. Sorry about that!"
 STATUS_FAULT_BODIES: dict[str, dict[str, Any]] = {
@@ -329,6 +336,8 @@ class _Handlers:
             kind = json_kind(tools)
             message = f"Invalid type for 'tools': expected an array, but got {kind} instead."
             return _error(400, message, "tools", "invalid_type")
+        if tools == []:  # (as OpenAI refuses it: a client that drops every tool must drop the key)
+            return _error(400, EMPTY_TOOLS_TEXT, "tools", "empty_array")
         try:
             validate_messages(body.get("messages"))
             if self.config.dialect == "anthropic-compat":
@@ -364,8 +373,12 @@ class _Handlers:
         received.fault = fault
         if fault in STATUS_FAULTS:
             return self._status_fault(fault)
+        if type(asked) is int and asked > 0:  # (the completion ends at the length asked)
+            reply = cut_to(reply, asked)
         missing = sum(1 for c in reply.tool_calls if not c.id)
-        reply = reply.with_call_ids([self.sim.new_id("call_", 24) for _ in range(missing)])
+        # (Mistral's ids are nine letters and digits; it refuses any other it is sent back)
+        prefix, length = ("", 9) if self.config.mistral_rules else ("call_", 24)
+        reply = reply.with_call_ids([self.sim.new_id(prefix, length) for _ in range(missing)])
         model = str(body["model"])
         # Claude caches up to the last breakpoint only, for an hour up to the last one that asks
         # for it; a gateway may mark for a client that marks nothing (``cache_unmarked``: a mark
@@ -509,11 +522,11 @@ class _Handlers:
 
     async def _responses_request(
         self, request: Request
-    ) -> tuple[_Controls, ReceivedRequest, dict[str, Any], str] | Response:
+    ) -> tuple[_Controls, ReceivedRequest, dict[str, Any], str, list[bytes]] | Response:
         """A Responses API request (``responses``, ``compact``) read and checked as OpenAI
-        checks it: its controls, its record (the fault drawn for it in ``fault``), its body and
-        model; or the answer to it (a bad control, no JSON, a status fault, a missing model, a
-        broken pairing of its input items)."""
+        checks it: its controls, its record (the fault drawn for it in ``fault``), its body,
+        model and tokens; or the answer to it (a bad control, no JSON, a status fault, a missing
+        model, a broken pairing of its input items, an input over the context window)."""
         headers = dict(request.headers)
         try:
             controls = _parse_controls(headers, self.config)
@@ -539,7 +552,11 @@ class _Handlers:
         except ValidationError as exc:
             received.status = 400
             return _error(400, exc.message, exc.param, exc.code)
-        return controls, received, body, model
+        tokens = response_tokens(body)
+        if len(tokens) > self.config.context_window:  # (Codex CLI compacts on this code)
+            received.status = 400
+            return _error(400, RESPONSES_CONTEXT_TEXT, "input", "context_length_exceeded")
+        return controls, received, body, model, tokens
 
     async def responses(self, request: Request) -> Response | PacedResponse:
         """``POST /v1/responses``: OpenAI's checks of the input items' tool pairing, then the next
@@ -549,7 +566,7 @@ class _Handlers:
         checked = await self._responses_request(request)
         if isinstance(checked, Response):
             return checked
-        controls, received, body, model = checked
+        controls, received, body, model, tokens = checked
         fault = received.fault
         reply = controls.script or self.sim.take_scripted() or Reply("Done.")
         fault = fault or reply.fault
@@ -567,7 +584,6 @@ class _Handlers:
             )
             for call in reply.tool_calls
         )
-        tokens = response_tokens(body)
         cache = self.sim.process_prompt(tokens, model)  # (the prefix cache chat's requests use)
         done = response_object(
             response_id=new_id("resp_", 32),
@@ -577,6 +593,7 @@ class _Handlers:
             usage=response_usage(
                 len(tokens), completion_tokens(reply), cache.read, reply.reasoning_tokens
             ),
+            request=body,
         )
         received.usage = done["usage"]
         received.status = 200
@@ -599,7 +616,7 @@ class _Handlers:
         checked = await self._responses_request(request)
         if isinstance(checked, Response):
             return checked
-        _, received, body, model = checked
+        _, received, body, model, tokens = checked
         new_id = self.sim.new_id
         items = body.get("input")
         items = [{"role": "user", "content": items}] if isinstance(items, str) else items
@@ -611,7 +628,6 @@ class _Handlers:
         digest = hashlib.sha256(orjson.dumps(items, option=orjson.OPT_SORT_KEYS)).digest()
         sealed = "gAAAAA" + base64.urlsafe_b64encode(digest * 32).decode()
         kept.append({"id": new_id("cmp_", 32), "type": "compaction", "encrypted_content": sealed})
-        tokens = response_tokens(body)
         cache = self.sim.process_prompt(tokens, model)
         written = min(2000, max(16, len(tokens) // 10))
         usage = response_usage(len(tokens), written, cache.read)
@@ -634,6 +650,15 @@ class _Handlers:
             for m in self.config.model_ids
         ]
         return _json_response({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{model}``: any name is a model here (as any is served)."""
+        self.sim.record(request.method, request.url.path, dict(request.headers), b"").status = 200
+        name = request.path_params["model"]
+        created = int(self.config.start_time)
+        return _json_response(
+            {"id": name, "object": "model", "created": created, "owned_by": "cachegate-sim"}
+        )
 
     async def embeddings(self, request: Request) -> Response:
         received, body = await self._json_request(request)
@@ -784,6 +809,7 @@ def create_simulator_app(
         Route("/v1/responses", handlers.responses, methods=["POST"]),
         Route("/v1/responses/compact", handlers.compact, methods=["POST"]),
         Route("/v1/models", handlers.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", handlers.model, methods=["GET"]),
         Route("/v1/embeddings", handlers.embeddings, methods=["POST"]),
         Route("/_sim/clock", handlers.clock, methods=["GET", "POST"]),
         Route("/_sim/requests", handlers.requests, methods=["GET"]),

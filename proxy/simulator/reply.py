@@ -5,6 +5,8 @@ A script entry is a string (the content) or an object ``{"content" | "text": str
 (``{"function": {"name", "arguments"}}`` is accepted for a call too). Without a script the reply
 echoes a short summary of the last message; when tools are offered and the last message is a user
 message containing "use tool", the reply calls the first tool with arguments built from its schema.
+``tool_choice`` rules over that as it does at OpenAI: ``"none"`` never calls, ``"required"`` always
+calls (the first tool), a named function is the one called, whatever the last message says.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import orjson
 
 from proxy.simulator.config import FAULTS
-from proxy.simulator.tokens import content_text, count_tokens
+from proxy.simulator.tokens import content_text, count_tokens, token_spans
 
 SUMMARY_WORDS = 12
 
@@ -152,6 +154,38 @@ def _example_arguments(schema: Any) -> dict[str, Any]:
     return {n: _example_value(properties.get(n)) for n in required if isinstance(n, str)}
 
 
+def _forced_tool(tools: list[Mapping[str, Any]], choice: Any) -> Mapping[str, Any] | None:
+    """The tool ``tool_choice`` makes the model call whatever the message says: the one it
+    names (``{"type": "function", "function": {"name": …}}``), the first for ``"required"``;
+    ``None`` where the model chooses (``"auto"``, ``"none"``, no choice)."""
+    if not tools:
+        return None
+    if choice == "required":
+        return tools[0]
+    named = choice.get("function") if isinstance(choice, Mapping) else None
+    if isinstance(named, Mapping):
+        for tool in tools:
+            function = tool.get("function")
+            if isinstance(function, Mapping) and function.get("name") == named.get("name"):
+                return tool
+    return None
+
+
+def cut_to(reply: Reply, limit: int) -> Reply:
+    """``reply`` as a completion of at most ``limit`` tokens ends (``max_completion_tokens``,
+    ``max_tokens``): its reasoning first, then its text cut at a token's end, ``finish_reason``
+    ``"length"``. A reply within the limit, or one with tool calls, is returned as it is."""
+    if reply.tool_calls or completion_tokens(reply) <= limit:
+        return reply
+    reasoning = min(reply.reasoning_tokens, limit)
+    room = limit - reasoning
+    raw = (reply.content or "").encode("utf-8", "surrogatepass")
+    ends = [m.end() for m in token_spans(raw)]
+    cut = raw[: ends[room - 1]] if room > 0 else b""
+    text = cut.decode("utf-8", "ignore")  # (a token may end inside a character)
+    return replace(reply, content=text, reasoning_tokens=reasoning, finish_reason="length")
+
+
 def derive_reply(body: Mapping[str, Any]) -> Reply:
     """The deterministic unscripted answer to a (valid) chat-completions request."""
     messages = body.get("messages") or []
@@ -159,8 +193,14 @@ def derive_reply(body: Mapping[str, Any]) -> Reply:
     role = last.get("role")
     text = content_text(last.get("content"))
     tools = [t for t in body.get("tools") or [] if isinstance(t, Mapping)]
-    if tools and role == "user" and "use tool" in text.lower():
-        function = tools[0].get("function")
+    choice = body.get("tool_choice")
+    forced = _forced_tool(tools, choice)
+    if (
+        tools
+        and choice != "none"
+        and (forced is not None or (role == "user" and "use tool" in text.lower()))
+    ):
+        function = (forced if forced is not None else tools[0]).get("function")
         if not isinstance(function, Mapping):
             function = {}
         name = str(function.get("name", "tool"))

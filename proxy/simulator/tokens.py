@@ -30,7 +30,7 @@ Rules:
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 import orjson
@@ -56,6 +56,11 @@ _END = b"<|end|>"
 def tokenize(text: str) -> list[bytes]:
     """Split ``text`` into tokens by the rules in the module docstring."""
     return _TOKEN.findall(text.encode("utf-8", "surrogatepass"))
+
+
+def token_spans(raw: bytes) -> Iterator[re.Match[bytes]]:
+    """The tokens of UTF-8 ``raw``, each with where it ends (to cut a text after N of them)."""
+    return _TOKEN.finditer(raw)
 
 
 def count_tokens(text: str) -> int:

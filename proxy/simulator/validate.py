@@ -107,13 +107,44 @@ def validate_claude_messages(messages: list[Any]) -> None:
             )
 
 
+_CONTENT_ROLES = frozenset({"system", "developer", "user", "tool"})  # (content required)
+
+
+def _check_content(message: dict[str, Any], i: int) -> None:
+    """OpenAI's checks of a message's ``content``: present and not null in a system, developer,
+    user or tool message, and a string or an array wherever it is given."""
+    content = message.get("content")
+    role = message.get("role")
+    if isinstance(role, str) and role in _CONTENT_ROLES:
+        if "content" not in message:
+            raise ValidationError(
+                f"Missing required parameter: 'messages[{i}].content'.",
+                f"messages[{i}].content",
+                "missing_required_parameter",
+            )
+        if content is None:
+            raise ValidationError(
+                "Invalid value for 'content': expected a string, got null.",
+                f"messages.[{i}].content",
+                "invalid_value",
+            )
+    if content is not None and not isinstance(content, (str, list)):
+        raise ValidationError(
+            f"Invalid type for 'messages[{i}].content': expected one of a string or array of"
+            f" objects, but got {json_kind(content)} instead.",
+            f"messages[{i}].content",
+            "invalid_type",
+        )
+
+
 def validate_messages(messages: Any) -> None:
     """Raise ``ValidationError`` where a provider would refuse ``messages``; return None if valid.
 
     Rules, in the order a provider applies them while reading the list:
     no ``tool_calls`` array may be empty, and each call is an object with a string ``id`` and
     ``type``; no assistant message may lack content where it has no
-    tool calls (nor a refusal, legacy ``function_call`` or audio); every assistant ``tool_calls`` message must be followed, before any other kind of message, by
+    tool calls (nor a refusal, legacy ``function_call`` or audio), nor any system, developer,
+    user or tool message (``_check_content``); content is a string or an array; every assistant ``tool_calls`` message must be followed, before any other kind of message, by
     one ``tool`` message per call id; a ``tool`` message must answer a not-yet-answered call of the
     assistant message that opened its block.
     """
@@ -183,6 +214,8 @@ def validate_messages(messages: Any) -> None:
                 f"messages.[{i}].content",
                 "invalid_value",
             )
+        if isinstance(message, dict):
+            _check_content(message, i)
     pending: list[str] = []  # ids of the open block not yet answered, in call order
     open_block = False
     for i, message in enumerate(messages):

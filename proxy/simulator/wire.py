@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -256,8 +257,11 @@ def response_object(
     model: str,
     output: list[dict[str, Any]],
     usage: dict[str, Any] | None,
+    request: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A completed Responses API ``response`` object of ``output`` items."""
+    """A completed Responses API ``response`` object of ``output`` items, echoing the
+    ``request``'s ``tools``, ``tool_choice`` and ``parallel_tool_calls`` as OpenAI does."""
+    asked = request or {}
     return {
         "id": response_id,
         "object": "response",
@@ -267,9 +271,9 @@ def response_object(
         "incomplete_details": None,
         "model": model,
         "output": output,
-        "parallel_tool_calls": True,
-        "tool_choice": "auto",
-        "tools": [],
+        "parallel_tool_calls": asked.get("parallel_tool_calls", True),
+        "tool_choice": asked.get("tool_choice", "auto"),
+        "tools": asked.get("tools") or [],
         "usage": usage,
     }
 
