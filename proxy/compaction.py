@@ -578,6 +578,9 @@ def build_summary_request(
     }
 
 
+_NON_TEXT: Final = "[non-text content omitted]"
+
+
 def render_transcript(messages: Sequence[Message], *, max_tool_chars: int = 2000) -> str:
     """Messages as readable text: one block per message, tool calls as ``name(arguments)``."""
     names = _call_names(messages)
@@ -585,18 +588,20 @@ def render_transcript(messages: Sequence[Message], *, max_tool_chars: int = 2000
     for i, message in enumerate(messages):
         role = str(message.get("role", "?"))
         text = message_text(message)
-        if role == "tool":
+        media = isinstance(message.get("content"), list) and any(
+            isinstance(p, dict) and not _is_text_part(p) for p in message["content"]
+        )
+        if role == "tool":  # (a screenshot tool's result is an image: no blank result)
             call_id = str(message.get("tool_call_id", ""))
             header = f"[{i}] tool result of {names.get(call_id, '?')} (id {call_id}):"
-            blocks.append(f"{header}\n{_clip_middle(text, max_tool_chars)}")
+            said = [_clip_middle(text, max_tool_chars)] if text or not media else []
+            blocks.append("\n".join([header, *said, *([_NON_TEXT] if media else [])]))
             continue
         lines = [f"[{i}] {role}:"]
         if text:
             lines.append(text)
-        if isinstance(message.get("content"), list) and any(
-            isinstance(p, dict) and not _is_text_part(p) for p in message["content"]
-        ):
-            lines.append("[non-text content omitted]")
+        if media:
+            lines.append(_NON_TEXT)
         for call in _tool_calls(message):
             arguments = _clip_middle(_call_arguments(call), max_tool_chars)
             lines.append(f"-> tool call {_call_name(call)}({arguments}) (id {call.get('id', '')})")
@@ -758,8 +763,11 @@ def extractive_summary(
     message and the latest ones are kept (the ones between are counted), and the earliest steps
     go first.
     """
-    results = {
-        str(m.get("tool_call_id")): message_text(m) for m in middle if m.get("role") == "tool"
+    results = {  # (a result of media alone, a screenshot, is named so, not left blank)
+        str(m.get("tool_call_id")): message_text(m)
+        or ("(non-text result)" if _media_only(m) else "")
+        for m in middle
+        if m.get("role") == "tool"
     }
     skeleton = _read_skeleton(previous_summary) if previous_summary is not None else None
     if skeleton is None:
@@ -772,6 +780,8 @@ def extractive_summary(
         text = message_text(message)
         if role == "tool":
             continue
+        if role == "user" and _media_only(message):
+            continue  # (a browser agent's screenshot: no words of the user's to quote)
         if role == "user" and not is_synthetic(message, synthetic_prefixes):
             lines = _clip(text, quote_limit).splitlines() or [""]
             skeleton.tasks.append("\n".join(f"> {line}" for line in lines))

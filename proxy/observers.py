@@ -1173,9 +1173,11 @@ class AccountingObserver:
                     base = (within, base[1], base[2])
                     if cached_before is not None:
                         cached_before = min(cached_before, within)
-            if (
+            if (  # (asked only of a miss: it reads the history where the last entry is far)
                 cached_before
-                and (marked_only or (usage is not None and usage.explicit_cache))
+                and usage is not None
+                and cached_before - usage.cache_read > self.settings.cache.noise_floor_tokens
+                and (marked_only or usage.explicit_cache)
                 and divergence is None
                 and isinstance(chosen.body, dict)
                 and isinstance(body, dict)

@@ -565,27 +565,22 @@ def claude_blocks(item: Any) -> int:
     return blocks + (len(calls) if isinstance(calls, list) else 0)
 
 
-def _marked_items(body: Mapping[str, Any]) -> tuple[list[Any], list[int]]:
-    """``body``'s tools and messages in the order Claude renders them, and which of them carry
-    a breakpoint (the request's own ``cache_control``: its last item)."""
+def _marked_items(body: Mapping[str, Any]) -> tuple[list[Any], int]:
+    """``body``'s tools and messages in the order Claude renders them, and how many of them
+    are tools."""
     tools = body.get("tools")
     messages = body.get("messages")
     tools = tools if isinstance(tools, list) else []
     messages = messages if isinstance(messages, list) else []
-    items = [*tools, *messages]
-    marks = [at for at, tool in enumerate(tools) if cache_mark(tool, "function") is not None]
-    marks += [
-        len(tools) + at
-        for at, message in enumerate(messages)
-        if cache_mark(message, "content") is not None
-    ]
-    if (
-        body.get("cache_control") is not None
-        and items
-        and (not marks or marks[-1] < len(items) - 1)
-    ):
-        marks.append(len(items) - 1)
-    return items, marks
+    return [*tools, *messages], len(tools)
+
+
+def _marked(body: Mapping[str, Any], items: list[Any], tools: int, at: int) -> bool:
+    """Whether ``body``'s item ``at`` (of ``_marked_items``) carries a breakpoint (the
+    request's own ``cache_control`` is one on its last)."""
+    if at == len(items) - 1 and body.get("cache_control") is not None:
+        return True
+    return cache_mark(items[at], "function" if at < tools else "content") is not None
 
 
 def lookback_reach(
@@ -600,27 +595,40 @@ def lookback_reach(
     item's ``size``, else its compact JSON) up to the last of ``old``'s breakpoints that one of
     ``new``'s reaches; 0.0 when none does; None when ``old``'s last one is reached (all it
     cached may be read), and where there is nothing to judge (``old`` marks nothing, ``new``
-    holds fewer items)."""
-    old_items, old_marks = _marked_items(old)
-    new_items, new_marks = _marked_items(new)
-    if not old_marks or len(new_items) < len(old_items):
+    holds fewer items). (Only the items after ``old``'s last breakpoint are read where that
+    one is reached: what a turn appended, not the history.)"""
+    old_items, old_tools = _marked_items(old)
+    new_items, new_tools = _marked_items(new)
+    if len(new_items) < len(old_items):
         return None
-    tools = new.get("tools")
-    n_tools = len(tools) if isinstance(tools, list) else 0
-    ends = [0]  # blocks up to and including each of ``new``'s items (a tool is one)
-    for at, item in enumerate(new_items):
-        ends.append(ends[-1] + (1 if at < n_tools else claude_blocks(item)))
+    last = next(
+        (at for at in reversed(range(len(old_items))) if _marked(old, old_items, old_tools, at)),
+        -1,
+    )
+    if last < 0:
+        return None
+
+    def weight(at: int) -> int:
+        return 1 if at < new_tools else claude_blocks(new_items[at])
 
     def reached(mark: int) -> bool:
-        return any(b >= mark and ends[b + 1] - ends[mark + 1] <= blocks for b in new_marks)
+        between = 0  # blocks after ``mark``'s item, up to and including ``at``
+        for at in range(mark, len(new_items)):
+            if at > mark:
+                between += weight(at)
+                if between > blocks:
+                    return False
+            if _marked(new, new_items, new_tools, at):
+                return True
+        return False
 
-    if reached(old_marks[-1]):
+    if reached(last):
         return None
     weigh = size if size is not None else (lambda item: len(canonical_json(item)))
-    sizes = [weigh(item) for item in old_items]
-    total = sum(sizes)
-    for mark in reversed(old_marks[:-1]):
-        if reached(mark):
+    for mark in reversed(range(last)):
+        if _marked(old, old_items, old_tools, mark) and reached(mark):
+            sizes = [weigh(item) for item in old_items]
+            total = sum(sizes)
             return sum(sizes[: mark + 1]) / total if total else 0.0
     return 0.0
 

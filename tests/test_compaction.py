@@ -1126,3 +1126,31 @@ def test_the_completion_a_refusal_counts_is_reserved_where_its_server_counts_it(
         b' size (8192 tokens), try increasing it","type":"exceed_context_size_error"}}'
     )
     assert reserved_output(llama, body) == 0
+
+
+def test_a_screenshot_in_the_summarized_range_is_named_not_left_blank() -> None:
+    """A computer-use agent's screenshot tool returns an image: the summarizer was shown a
+    blank result (as if the tool returned nothing), and the extractive summary `screenshot({})
+    -> ` with nothing after it; a browser agent's screenshot-only user messages were quoted as
+    empty "user's words", filling the slots of the user's latest messages."""
+    shot = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    call = {
+        "id": "shot1",
+        "type": "function",
+        "function": {"name": "screenshot", "arguments": "{}"},
+    }
+    middle: list[Message] = [
+        {"role": "user", "content": "Open the settings page"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "shot1", "content": [shot]},
+        {"role": "user", "content": [shot]},
+        {"role": "assistant", "content": "The settings page is open."},
+    ]
+    prompt = build_summary_request(middle, previous_summary=None, model="m")["messages"][1]
+    assert "tool result of screenshot (id shot1):\n[non-text content omitted]" in prompt["content"]
+    text = extractive_summary(middle, previous_summary=None)
+    assert "- screenshot({}) -> (non-text result)" in text
+    assert "> Open the settings page" in text
+    assert "> \n" not in text + "\n" and not text.rstrip().endswith(">")
+    quotes = [line for line in text.splitlines() if line.startswith(">")]
+    assert quotes == ["> Open the settings page"]
