@@ -13,6 +13,7 @@ import re
 import socket
 import sys
 import time
+import tomllib
 from collections.abc import Sequence
 from typing import Final
 from urllib.parse import urlsplit
@@ -682,7 +683,8 @@ def _sessions(ns: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"cachegate: {exc}", file=sys.stderr)
             return 2
-        source = f"config file {config_file}" if log_dir != DEFAULT_LOG_DIR else "the default"
+        # (the file named where it sets the directory, the default's own value too)
+        source = f"config file {config_file}" if _sets_log_dir(config_file) else "the default"
     log_dir = os.path.expanduser(log_dir or DEFAULT_LOG_DIR)
     try:
         if ns.action == "list":
@@ -950,11 +952,26 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _sets_log_dir(config_file: str) -> bool:
+    """Whether the TOML file ``config_file`` (read already, and valid) sets ``logging.dir``."""
+    try:
+        with open(config_file, "rb") as file:
+            raw = file.read().decode("utf-8").removeprefix("\ufeff")  # (as the config reads it)
+        logging_table = tomllib.loads(raw).get("logging")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return False
+    return isinstance(logging_table, dict) and "dir" in logging_table
+
+
 def _dash_id(argv: list[str]) -> list[str]:
     """``sessions show -abc`` read as ``sessions show -- -abc``: a session id may start with a
     dash (the server accepts ``X-Session-Id: -abc``), which argparse would take for an unknown
     option. After ``show``, ``cost`` or ``replay``, a word with one leading dash that is no
-    option of theirs is that id (``--…`` stays an option: a mistyped ``--jsn`` is refused)."""
+    option of theirs is that id (``--…`` stays an option: a mistyped ``--jsn`` is refused), and
+    so is the word after a ``--``, options after it read as options
+    (``show -- -abc --log-dir DIR``). The id is passed in its place, marked (``_DASH_ID``),
+    so that a word too many is the one argparse names (``unrecognized arguments: extra``, not
+    the id); ``main`` takes the mark off."""
     if not argv or argv[0] != "sessions":
         return argv
     action: str | None = None
@@ -963,6 +980,8 @@ def _dash_id(argv: list[str]) -> list[str]:
         if skip:  # the value of --log-dir or --config
             skip = False
         elif word == "--":
+            if action is not None and at + 1 < len(argv):
+                return [*argv[:at], _DASH_ID + argv[at + 1], *argv[at + 2 :]]
             break
         elif len(word) > 2 and ("--log-dir".startswith(word) or "--config".startswith(word)):
             skip = True  # (argparse takes --conf, --log: unique prefixes)
@@ -971,8 +990,11 @@ def _dash_id(argv: list[str]) -> list[str]:
             if action not in ("show", "cost", "replay"):
                 break
         elif action is not None and word.startswith("-") and word[:2] != "--" and word != "-h":
-            return [*argv[:at], *argv[at + 1 :], "--", word]
+            return [*argv[:at], _DASH_ID + word, *argv[at + 1 :]]
     return argv
+
+
+_DASH_ID: Final = "\x00"  # (marks an id ``_dash_id`` passed: no word a shell passes holds it)
 
 
 def _stdout_to_null() -> None:
@@ -998,6 +1020,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()  # (imports most of cachegate: Ctrl+C may come meanwhile)
         ns = parser.parse_args(_dash_id(list(sys.argv[1:] if argv is None else argv)))
+        if isinstance(getattr(ns, "id", None), str) and ns.id.startswith(_DASH_ID):
+            ns.id = ns.id[len(_DASH_ID) :]
         return int(ns.func(ns))
     except BrokenPipeError:  # `cachegate sessions show … | head`
         sys.stderr.close()

@@ -392,6 +392,8 @@ def test_a_session_id_that_starts_with_a_dash_is_read_as_the_id(
         ["sessions", "--log-dir", str(tmp_path), action, "-dash"],
         ["sessions", action, "--log-dir", str(tmp_path), "-dash"],
         ["sessions", "--log-dir", str(tmp_path), action, "--", "-dash"],
+        # (options after "--" and the id: "unrecognized arguments: --log-dir")
+        ["sessions", action, "--", "-dash", "--log-dir", str(tmp_path)],
         ["sessions", "--config", str(config), action, "-dash"],
         ["sessions", action, "--config", str(config), "-dash"],
         ["sessions", "--conf", str(config), action, "-dash"],  # (argparse's abbreviations)
@@ -402,6 +404,9 @@ def test_a_session_id_that_starts_with_a_dash_is_read_as_the_id(
         assert result.out.replace("-dash", "cli-a") == expected.out, argv
     typo = run_cli("sessions", action, "cli-a", "--jsn", "--log-dir", str(tmp_path))
     assert typo.code == 2 and "--jsn" in typo.err  # a mistyped option is no id
+    # a word too many is the one named, not the id ("unrecognized arguments: -dash")
+    extra = run_cli("sessions", "--log-dir", str(tmp_path), action, "-dash", "extra")
+    assert extra.code == 2 and "unrecognized arguments: extra" in extra.err, extra.err
 
 
 @pytest.mark.parametrize("ts", [1e20, -1e12])
@@ -510,6 +515,11 @@ def test_a_relative_log_directory_from_a_config_file_that_is_not_there_is_explai
     (project / "other.toml").write_text("[server]\nport = 8790\n")
     other = run_cli("sessions", "list", "--config", "other.toml")
     assert "(from the default:" in other.err
+    # one that sets the default's own value, as the example config does: the file is named
+    # (the user was told the default was used, as if the file were not read)
+    (project / "example.toml").write_text('[logging]\ndir = "./cachegate-logs"\n')
+    example = run_cli("sessions", "list", "--config", "example.toml")
+    assert example.code == 1 and "(from config file example.toml:" in example.err, example.err
 
 
 @pytest.mark.parametrize(
