@@ -595,7 +595,8 @@ def lookback_reach(
     item's ``size``, else its compact JSON) up to the last of ``old``'s breakpoints that one of
     ``new``'s reaches; 0.0 when none does; None when ``old``'s last one is reached (all it
     cached may be read), and where there is nothing to judge (``old`` marks nothing, ``new``
-    holds fewer items). (Only the items after ``old``'s last breakpoint are read where that
+    holds fewer items, or marks nothing past ``old``'s last breakpoint: a turn that marks only
+    its system prompt asks for less, which is another rule's). (Only the items after ``old``'s last breakpoint are read where that
     one is reached: what a turn appended, not the history.)"""
     old_items, old_tools = _marked_items(old)
     new_items, new_tools = _marked_items(new)
@@ -622,8 +623,10 @@ def lookback_reach(
                 return True
         return False
 
-    if reached(last):
-        return None
+    if reached(last) or not any(
+        _marked(new, new_items, new_tools, at) for at in range(last + 1, len(new_items))
+    ):
+        return None  # (reached, or it marks nothing past it: it asked for less, not too far)
     weigh = size if size is not None else (lambda item: len(canonical_json(item)))
     for mark in reversed(range(last)):
         if _marked(old, old_items, old_tools, mark) and reached(mark):
