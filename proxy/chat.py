@@ -325,6 +325,20 @@ class PairingRepair:
             unique_ids=claude,
             blank_spaces=not gemini,  # (white space is text to Gemini)
         )
+        if messages and not result.messages and self.settings.pairing.orphan_policy == "drop":
+            # (orphans alone, dropped, left nothing to send: downgraded instead, as on the
+            # Responses route; the provider refused them as they were)
+            result, resume = pairing.repair_messages_from(
+                messages,
+                None,
+                orphan_policy="downgrade",
+                interrupted_note=self.note,
+                drop_empty=drop_empty,
+                mistral=mistral,
+                unique_ids=claude,
+                blank_spaces=not gemini,
+            )
+            resume = None  # (a resume is for the session's own policy: none kept)
         if state is not None and resume is not None:
             state.extra["pairing_repair"] = resume
         if not result.changed or (messages and not result.messages):

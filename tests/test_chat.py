@@ -613,35 +613,43 @@ def test_a_cut_answer_with_an_empty_tool_calls_keeps_the_turns_alternating(
     assert forwarded == [messages[0], {"role": "assistant", "content": ""}, messages[2]]
 
 
-@pytest.mark.parametrize(
-    ("policy", "messages", "model"),
-    [
-        ("drop", [{"role": "tool", "tool_call_id": "ghost", "content": "stale output"}], "gpt-4o"),
-        # (a Claude model's history has an empty assistant message removed; another's keeps it)
-        (
-            "downgrade",
-            [{"role": "assistant", "content": None, "tool_calls": []}],
-            "claude-sonnet-4-5",
-        ),
-    ],
-)
 def test_a_repair_that_would_leave_no_message_is_not_made(
-    sim: RunningSimulator,
-    sdk: Any,
-    proxy_factory: Any,
-    policy: str,
-    messages: list[Any],
-    model: str,
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:
-    """A history of nothing but orphans dropped, or of one empty assistant message, went as
-    ``messages: []``: the provider's 400 spoke of an empty array the client never sent, with
-    a repair counted. The provider now answers what the client sent."""
-    proxy = proxy_factory(sim.api_base, {"pairing": {"orphan_policy": policy}})
+    """A history of one empty assistant message (for a Claude model, which has it removed)
+    went as ``messages: []``: the provider's 400 spoke of an empty array the client never
+    sent, with a repair counted. The provider now answers what the client sent."""
+    messages = [{"role": "assistant", "content": None, "tool_calls": []}]
+    proxy = proxy_factory(sim.api_base, {"pairing": {"orphan_policy": "downgrade"}})
     with pytest.raises(openai.BadRequestError) as info:
-        sdk(proxy.base_url).chat.completions.create(model=model, messages=messages)
+        sdk(proxy.base_url).chat.completions.create(
+            model="claude-sonnet-4-5",
+            messages=messages,  # type: ignore[arg-type]
+        )
     assert sim.sim.requests[-1].body["messages"] == messages
     assert "'messages': empty array" not in str(info.value)  # (the simulator's, as OpenAI's)
     assert info.value.response.headers["x-cachegate-repairs"] == "0"
+
+
+def test_orphans_alone_under_drop_are_downgraded_not_sent_as_they_were(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """Under ``orphan_policy = "drop"``, a history of orphan results alone (an agent that
+    trimmed its history to its last results) would be left empty: it went as the client sent
+    it, and the provider's 400 came back (the Responses route downgrades them there). They are
+    downgraded, as under ``downgrade``, and answered."""
+    proxy = proxy_factory(sim.api_base, {"pairing": {"orphan_policy": "drop"}})
+    messages = [{"role": "tool", "tool_call_id": "ghost", "content": "stale output"}]
+    raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+        model="gpt-4o",
+        messages=messages,  # type: ignore[arg-type]
+    )
+    assert raw.headers["x-cachegate-repairs"] == "1"
+    assert raw.parse().choices[0].message.content
+    forwarded = sim.sim.requests[-1].body["messages"]
+    assert [m["role"] for m in forwarded] == ["user"]
+    assert "stale output" in forwarded[0]["content"]
+    assert "(no matching tool call)" in forwarded[0]["content"]
 
 
 @pytest.mark.parametrize(
