@@ -72,6 +72,10 @@ BODY_IDLE_S: Final = 60.0  # a request body's upload with no byte come (nginx's 
 SWEEP_S: Final = 1.0  # how often the connections are looked at for those limits
 
 
+class _HeadTooLarge(Exception):
+    """Raised in the parser's callback for a head past the limit: it stops the parser."""
+
+
 class HttpProtocol(HttpToolsProtocol):
     """uvicorn's HTTP/1.1 protocol, reading on after an upgrade it does not make, with limits on
     a request's head (``MAX_HEAD_BYTES``: a 431) and on the time its head and its body take
@@ -94,7 +98,9 @@ class HttpProtocol(HttpToolsProtocol):
     body_idle_s = BODY_IDLE_S
     sweep_s = SWEEP_S
     _head_since: float | None = None  # a head is awaited or coming since then
-    _head_bytes = 0  # bytes of the head so far
+    _head_bytes = 0  # bytes of the head so far, read by read (from the read after its first)
+    _head_fields = 0  # bytes of its request line's target and fields, as the parser gave them
+    _head_over = False  # the parser was stopped in a head past the limit
     _began = 0  # requests begun on the connection
     _read_at = 0.0  # when the client's bytes last came (a body's progress)
 
@@ -107,9 +113,22 @@ class HttpProtocol(HttpToolsProtocol):
         self._trailers = False
         if self._head_since is None:
             self._head_since = self.loop.time()
-        self._head_bytes = 0
+        self._head_bytes = self._head_fields = 0
         self._began += 1
         super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def _count_head(self, size: int) -> None:
+        """The head's target and fields counted as the parser gives them, whatever reads they
+        came in (a head that began and ended in one read was never counted): past the limit,
+        the parser is stopped before the request is dispatched (``data_received``: a 431)."""
+        self._head_fields += size
+        if self._head_fields > self.max_head_bytes:
+            self._head_over = True
+            raise _HeadTooLarge
 
     def on_header(self, name: bytes, value: bytes) -> None:
         # A chunked body's trailer fields are no header fields (RFC 9110 6.5.1): uvicorn put
@@ -118,6 +137,9 @@ class HttpProtocol(HttpToolsProtocol):
         # and not when they came later. (uvicorn's own steps, inline: a call per header.)
         if self._trailers:
             return
+        self._head_fields += len(name) + len(value) + 4  # (": " and its line's end: inline)
+        if self._head_fields > self.max_head_bytes:
+            self._count_head(0)
         name = name.lower()
         value = value.rstrip(b" \t")  # (llhttp keeps trailing white space; RFC 9110 5.5)
         if name == b"expect" and value.lower() == b"100-continue":
@@ -182,21 +204,12 @@ class HttpProtocol(HttpToolsProtocol):
                 if self._head_since is not None and self._began == began:
                     self._head_bytes += len(data)
                     if self._head_bytes > self.max_head_bytes:
-                        active = self._active
-                        if active is not None and not active.response_complete:
-                            # a request before it is being answered: its answer is not cut
-                            # into; the rest waits unread (refused once that answer is done)
-                            self.flow.pause_reading()
-                            return
-                        self._send_error(
-                            431,
-                            "Request Header Fields Too Large",
-                            f"Request head too large: over {self.max_head_bytes // 1024} KiB"
-                            " of request line and header fields",
-                            "request_header_too_large",
-                        )
+                        self._refuse_head()
                         return
             except httptools.HttpParserError as exc:
+                if self._head_over:  # (stopped by ``_count_head``)
+                    self._refuse_head()
+                    return
                 msg = "Invalid HTTP request received."
                 self.logger.warning(msg)
                 self.send_400_response(f"{msg[:-1]}: {exc}." if str(exc) else msg)
@@ -211,6 +224,22 @@ class HttpProtocol(HttpToolsProtocol):
                 if self._read_on() and data:
                     continue
             return
+
+    def _refuse_head(self) -> None:
+        """A head past ``max_head_bytes``: a 431, and the connection closed; where a request
+        before it is being answered, its answer is not cut into: the rest waits unread, and
+        the connection is closed at the head's time limit."""
+        active = self._active
+        if active is not None and not active.response_complete:
+            self.flow.pause_reading()
+            return
+        self._send_error(
+            431,
+            "Request Header Fields Too Large",
+            f"Request head too large: over {self.max_head_bytes // 1024} KiB"
+            " of request line and header fields",
+            "request_header_too_large",
+        )
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request its parser refuses (a malformed request line or header,

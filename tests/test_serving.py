@@ -346,6 +346,36 @@ def test_a_request_head_past_its_limit_is_a_431_in_openais_error_shape() -> None
         assert _answers(s, 1) == [b"POST /v1/x hi"]
 
 
+@pytest.mark.parametrize("where", ["a header", "the target"])
+def test_a_head_past_its_limit_in_one_read_is_a_431_and_never_dispatched(where: str) -> None:
+    """A read that began a head was not counted: a whole head of up to ~250 KiB (uvloop's
+    read) sent in one write was taken and relayed upstream, where the same bytes in two
+    writes got the 431."""
+    seen: list[bytes] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            seen.append(scope["path"].encode())
+            await _answer(send, b"dispatched")
+
+    big = b"a" * 150_000
+    head = (
+        b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-big: " + big + b"\r\n\r\n"
+        if where == "a header"
+        else b"GET /v1/models?q=" + big + b" HTTP/1.1\r\nhost: x\r\n\r\n"
+    )
+    with ServerThread(app) as server, socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(head)  # (one write: one read on loopback)
+        answer = _closed_within(s, 10)
+    assert answer.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"), answer[:200]
+    assert seen == []  # (never the app's: upstream, it went with the key added)
+    # one under the limit in one read is a request as any
+    with ServerThread(app) as server, socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.settimeout(10)
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 60_000 + b"\r\n\r\n")
+        assert _answers(s, 1) == [b"dispatched"]
+
+
 def test_a_small_head_pipelined_behind_a_large_body_is_answered() -> None:
     """The bytes of a read that began a head were all counted as the head's, the body of the
     request before it too: a 45-byte request behind a 200 KB one got a 431."""
