@@ -665,6 +665,10 @@ def _attribute(
     compared: Fingerprint | None = None,
     since: float | None = None,
 ) -> tuple[Cause, str | None]:
+    if divergence is not None and divergence.location == "params" and divergence.field == "model":
+        # (another model's cache never held it, idle or not: a side call on a small model after
+        # a pause was charged the main agent's expiry, which its next turn was charged again)
+        return "params_changed", divergence.label
     idle = _lost_idle(state, fingerprint, divergence, compared, started_at, since)
     if idle is not None and idle > ttl_s:
         return "ttl_expired", None

@@ -2226,3 +2226,22 @@ def test_a_claude_turn_past_the_look_back_of_the_last_entry_is_not_the_providers
     wasted = "cachegate_cache_waste_tokens_total"
     assert not registry.get_sample_value(wasted, {"model": "other", "cause": "unexplained"})
     assert registry.get_sample_value(wasted, {"model": "other", "cause": "not_requested"})
+
+
+def test_a_side_call_on_another_model_after_a_pause_is_its_cold_start_not_the_expiry() -> None:
+    """The main agent paused past its TTL; a summary side call on a small model carried its
+    prompt and history, then the main agent went on. Both were charged the main agent's
+    expiry (ttl_expired twice over: twice the real expiry in the metrics and `sessions cost`);
+    the side call's model never held the prefix, idle or not: its miss is params_changed."""
+    acc = _Accounting({"gpt-4o": {"cache_ttl_s": 100}, "gpt-4o-mini": {"cache_ttl_s": 100}})
+    history = [_system("agent " * 3000), *msgs("fix the bug " * 500)]
+    acc.send_body({"model": "gpt-4o", "messages": history}, 9_000, 0, at=0.0)
+    history += msgs("looked", "go on")
+    acc.send_body({"model": "gpt-4o", "messages": history}, 9_100, 8_960, at=10.0)
+    side = acc.send_body({"model": "gpt-4o-mini", "messages": history}, 9_150, 0, at=400.0)
+    assert side.cache is not None
+    assert (side.cache["cause"], side.cache["location"]) == ("params_changed", "params.model")
+    history += msgs("done", "next")
+    main = acc.send_body({"model": "gpt-4o", "messages": history}, 9_300, 0, at=410.0)
+    assert main.cache is not None and main.cache["cause"] == "ttl_expired", main.cache
+    assert main.cache["waste"] >= 9_000
