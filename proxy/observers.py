@@ -208,11 +208,23 @@ def _as_was(baseline: _Baseline, oldest: float) -> _Baseline:
     return was
 
 
-def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
+def _has_tools(body: Any) -> bool:
+    """Whether a request offers tools (an agent's turn; a title request offers none)."""
+    return isinstance(body, dict) and bool(body.get("tools"))
+
+
+def _protected(baseline: _Baseline, extra: dict[str, Any]) -> bool:
+    """Whether ``baseline`` is the session's first conversation, or its first with tools where
+    the first had none (``_prune``)."""
+    return baseline is extra.get("opening") or baseline is extra.get("agent")
+
+
+def _prune(baselines: list[_Baseline], kept: tuple[_Baseline | None, ...]) -> None:
     """Keep ``CONVERSATIONS_KEPT`` baselines: past them, the least recently seen one-shot
     conversation goes first (a sub-agent or a title request, seen once), but never the session's
-    first (``opening``: the main agent's, which may fan out sub-agents from its first turn),
-    else the least recently seen. A fan-out of one-shot sub-agents evicted the main agent's own,
+    first, nor its first with tools where the first had none (``kept``: the main agent's, which
+    may fan out sub-agents from its first turn; a title request or a start-up probe may be
+    answered before it), else the least recently seen. A fan-out of one-shot sub-agents evicted the main agent's own,
     whose next turn then read as a new conversation, its miss unreported. Before those, the
     least recently seen of those superseded: an early turn of an agent whose system prompt
     changes every turn (or a main agent waiting for its sub-agent). After the one-shots, those
@@ -231,7 +243,7 @@ def _prune(baselines: list[_Baseline], opening: _Baseline | None) -> None:
                 (
                     at
                     for at in range(len(baselines) - 1, 0, -1)
-                    if stale(baselines[at]) and baselines[at] is not opening
+                    if stale(baselines[at]) and not any(baselines[at] is k for k in kept)
                 ),
                 None,
             )
@@ -1292,7 +1304,7 @@ class AccountingObserver:
                             # title request, under its own prompt); the later ones are copies
                             # of an agent whose prompt changes every turn, forgotten at once)
                             if stale.turns == turns:
-                                if stale.reprompts >= 2 and stale is not extra.get("opening"):
+                                if stale.reprompts >= 2 and not _protected(stale, extra):
                                     if stale in baselines:
                                         baselines.remove(stale)
                                 else:
@@ -1302,9 +1314,17 @@ class AccountingObserver:
                         started.reprompts = chosen.reprompts + 1
                 if not baselines and "opening" not in extra:
                     extra["opening"] = started  # the session's first conversation
+                elif (
+                    "agent" not in extra
+                    and _has_tools(body)
+                    and not _has_tools(getattr(extra.get("opening"), "body", None))
+                ):
+                    # (the first with tools, where the first had none: a title request or a
+                    # start-up probe answered before the main agent's first turn)
+                    extra["agent"] = started
                 baselines.insert(0, started)
                 mine = started
-            _prune(baselines, extra.get("opening"))
+            _prune(baselines, (extra.get("opening"), extra.get("agent")))
             extra["baselines"] = baselines
         chosen, divergence = ref, ref_divergence
         if ex.compaction_digest is not None and ex.status < 400:  # (the provider has read it)

@@ -781,6 +781,27 @@ def test_sub_agents_fanned_out_from_the_first_turn_do_not_evict_the_main_agent()
     assert ex.cache is not None and ex.cache["waste"] == 10_000
 
 
+def test_a_title_request_answered_first_does_not_leave_the_main_agent_unprotected() -> None:
+    """A title request (or Claude Code's start-up probe), answered before the main agent's
+    first turn, was the session's first conversation, the one never forgotten; the main
+    agent's, seen once, went first when its first turn fanned out 32 one-shot sub-agents, and
+    its next turn's miss (the time in its prompt changed) was never counted: expected 0."""
+    acc = _Accounting()
+    tools = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
+    acc.send_body(
+        {"model": "gpt-4o", "messages": [_system("Write a title."), *msgs("fix the bug")]}, 60
+    )
+    main = [_system("main agent, 10:00"), *msgs("explore the repo")]
+    acc.send_body({"model": "gpt-4o", "messages": main, "tools": tools}, 10_000)
+    for job in _jobs(CONVERSATIONS_KEPT):
+        body = {"model": "gpt-4o", "messages": [_system(f"You {job}."), *msgs(f"Please {job}.")]}
+        acc.send_body({**body, "tools": tools}, 3_000)
+    rewritten = [_system("main agent, 10:01"), *main[1:], *msgs("found", "go on")]
+    ex = acc.send_body({"model": "gpt-4o", "messages": rewritten, "tools": tools}, 10_100)
+    assert ex.divergence is not None and ex.divergence["location"] == "system"
+    assert ex.cache is not None and ex.cache["waste"] == ex.cache["expected"] > 9_000, ex.cache
+
+
 @pytest.mark.parametrize("noted", [True, False])
 @pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1), (1, 2, 0)])
 def test_each_sub_agent_fanned_out_together_is_accounted_against_the_history_they_share(
