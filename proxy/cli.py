@@ -241,7 +241,7 @@ def _serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy.app import create_app
-    from proxy.serving import HttpProtocol, Server, serve_until_stopped
+    from proxy.serving import CLIENT_KEEPALIVE_S, HttpProtocol, Server, serve_until_stopped
 
     try:
         settings = load_settings(
@@ -434,6 +434,7 @@ def _serve(ns: argparse.Namespace) -> int:
             proxy_headers=False,  # a local proxy: X-Forwarded-* from clients mean nothing here
             log_level="warning",
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            timeout_keep_alive=CLIENT_KEEPALIVE_S,  # (past the clients' own: they close first)
             # WebSocket handshakes reach the app as HTTP, which answers them with its 501
             # (with a WebSocket library installed, uvicorn would refuse them with a bare 403)
             ws="none",

@@ -70,6 +70,11 @@ MAX_HEAD_BYTES: Final = 64 * 1024  # a request's line and header fields (nginx: 
 HEAD_TIMEOUT_S: Final = 30.0  # from a connection's start, or a request's first byte, to its end
 BODY_IDLE_S: Final = 60.0  # a request body's upload with no byte come (nginx's 60 s)
 SWEEP_S: Final = 1.0  # how often the connections are looked at for those limits
+# How long an idle client connection is kept open: longer than clients keep theirs (httpx and
+# so the openai SDKs 5 s, Node's agents 4 s), so the client is the side that closes. At
+# uvicorn's 5 s, the SDK's 5 s, a connection closed by cachegate as the client sent its next
+# request on it failed that request (a ReadError the SDKs' retries hide; curl's is an error).
+CLIENT_KEEPALIVE_S: Final = 75  # (nginx's keepalive_timeout)
 
 
 class _HeadTooLarge(Exception):
@@ -468,6 +473,7 @@ class ServerThread:
             http=HttpProtocol,
             lifespan=lifespan,
             timeout_graceful_shutdown=2,
+            timeout_keep_alive=CLIENT_KEEPALIVE_S,
             ws="none",  # as `cachegate serve`: WebSocket handshakes reach the app as HTTP
             server_header=False,  # a proxy's response headers are the upstream's
             date_header=False,

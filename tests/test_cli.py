@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -1218,6 +1219,14 @@ def test_serve_says_where_it_listens_and_which_config_file_it_read(tmp_path: Pat
             line = proc.stderr.readline()
             # the line comes once it accepts connections: a script that waits for it may connect
             assert _healthy(f"http://127.0.0.1:{port}/healthz")
+            # an idle connection is kept past the clients' own 5 s (httpx's, the SDKs'): closed
+            # at the same 5 s, a request sent on it as it closed failed
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+                ask = b"GET /healthz HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"
+                for pause in (0.0, 6.0):
+                    time.sleep(pause)
+                    conn.sendall(ask)
+                    assert conn.recv(65536).startswith(b"HTTP/1.1 200 "), pause
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(20)
