@@ -1742,3 +1742,36 @@ def test_mistral_rules_give_the_ids_mistral_takes_back() -> None:
         ]
         again = post(mistral, chat_body(history, tools=[WEATHER_TOOL]))
         assert again.status_code == 200, again.text
+
+
+def test_n_choices_plain_and_streamed_as_openai_gives_them(sim: RunningSimulator, sdk: Any) -> None:
+    """n was ignored: one choice came, whatever n asked, so what a proxy does with the others
+    (relays them; logs the first) could not be tried. Each choice is the reply, its calls with
+    ids of their own; the completion is billed n times; n outside 1-128 is refused."""
+    client = sdk(sim.api_base)
+    asks = [{"role": "user", "content": "please use tool"}]
+    plain = client.chat.completions.create(model="gpt-4o", messages=asks, tools=[WEATHER_TOOL], n=3)
+    assert [c.index for c in plain.choices] == [0, 1, 2]
+    ids = [c.message.tool_calls[0].id for c in plain.choices]  # type: ignore[index]
+    assert len(set(ids)) == 3
+    one = count_tokens("get_weather") + count_tokens('{"city":"sim","days":1}')
+    assert plain.usage is not None and plain.usage.completion_tokens == 3 * one
+    hello = [{"role": "user", "content": "hi"}]
+    raw = stream(sim, chat_body(hello, n=2, stream_options={"include_usage": True}))
+    chunks = data_chunks(raw)
+    texts = ["", ""]
+    finishes: dict[int, str] = {}
+    for c in chunks[:-1]:
+        assert c["usage"] is None and len(c["choices"]) == 1
+        choice = c["choices"][0]
+        texts[choice["index"]] += choice["delta"].get("content") or ""
+        if choice["finish_reason"]:
+            finishes[choice["index"]] = choice["finish_reason"]
+    assert texts == ["You said: hi", "You said: hi"] and finishes == {0: "stop", 1: "stop"}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2 * (
+        count_tokens("You said: hi")
+    )
+    for n, code in ((0, "integer_below_min_value"), (129, "integer_above_max_value")):
+        refused = post(sim, chat_body(hello, n=n))
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == code
+    assert post(sim, chat_body(hello, n="2")).json()["error"]["code"] == "invalid_type"

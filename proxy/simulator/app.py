@@ -253,6 +253,27 @@ def _seconds(text: str, header: str) -> float:
     return value
 
 
+def _refused_n(value: Any) -> Response | None:
+    """OpenAI's refusal of an ``n`` that is no whole number from 1 to 128, else None."""
+    if type(value) is not int:
+        kind = json_kind(value)
+        message = f"Invalid type for 'n': expected an integer, but got {kind} instead."
+        return _error(400, message, "n", "invalid_type")
+    if value < 1:
+        message = (
+            f"Invalid 'n': integer below minimum value. Expected a value >= 1, but got {value}"
+            " instead."
+        )
+        return _error(400, message, "n", "integer_below_min_value")
+    if value > 128:
+        message = (
+            f"Invalid 'n': integer above maximum value. Expected a value <= 128, but got {value}"
+            " instead."
+        )
+        return _error(400, message, "n", "integer_above_max_value")
+    return None
+
+
 def _parse_controls(headers: Mapping[str, str], config: SimConfig) -> _Controls:
     """``ValueError`` names a bad header."""
     fault = headers.get("x-sim-fault")
@@ -338,6 +359,10 @@ class _Handlers:
             return _error(400, message, "tools", "invalid_type")
         if tools == []:  # (as OpenAI refuses it: a client that drops every tool must drop the key)
             return _error(400, EMPTY_TOOLS_TEXT, "tools", "empty_array")
+        choices = body.get("n", 1) if body.get("n") is not None else 1
+        refused_n = _refused_n(choices)
+        if refused_n is not None:
+            return refused_n
         try:
             validate_messages(body.get("messages"))
             if self.config.dialect == "anthropic-compat":
@@ -378,7 +403,12 @@ class _Handlers:
         missing = sum(1 for c in reply.tool_calls if not c.id)
         # (Mistral's ids are nine letters and digits; it refuses any other it is sent back)
         prefix, length = ("", 9) if self.config.mistral_rules else ("call_", 24)
-        reply = reply.with_call_ids([self.sim.new_id(prefix, length) for _ in range(missing)])
+        # (``n`` choices, each the same reply, each call with an id of its own)
+        replies = [
+            reply.with_call_ids([self.sim.new_id(prefix, length) for _ in range(missing)])
+            for _ in range(choices)
+        ]
+        reply = replies[0]
         model = str(body["model"])
         # Claude caches up to the last breakpoint only, for an hour up to the last one that asks
         # for it; a gateway may mark for a client that marks nothing (``cache_unmarked``: a mark
@@ -394,9 +424,9 @@ class _Handlers:
         usage = usage_object(
             self.config.dialect,
             len(tokens),
-            completion_tokens(reply),
+            completion_tokens(reply) * choices,
             cache,
-            reasoning=reply.reasoning_tokens,
+            reasoning=reply.reasoning_tokens * choices,
         )
         received.usage = usage
         received.status = 200
@@ -425,6 +455,7 @@ class _Handlers:
                 obfuscation=obfuscation,
                 interleave=self.config.interleave_tool_calls,
                 service_tier=tier,
+                replies=replies,
             )
             events = [encode_event(c) for c in chunks] + [DONE]
             return PacedResponse(
@@ -440,6 +471,7 @@ class _Handlers:
             reply=reply,
             usage=usage,
             service_tier=tier,
+            replies=replies,
         )
         return self._plain_body(orjson.dumps(obj), fault, controls.stall_s, request_id)
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from itertools import zip_longest
 from typing import Any
 
 import orjson
@@ -100,22 +101,31 @@ def completion_object(
     reply: Reply,
     usage: dict[str, Any],
     service_tier: str | None = None,
+    replies: Sequence[Reply] | None = None,
 ) -> dict[str, Any]:
-    """The non-streaming ``chat.completion`` body (``service_tier``: as ``stream_chunks``)."""
-    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
-    if reply.tool_calls:
-        message["tool_calls"] = _calls_json(reply)
-    if dialect == "openai":
-        message["refusal"] = None
-        message["annotations"] = []
+    """The non-streaming ``chat.completion`` body (``service_tier``: as ``stream_chunks``), a
+    choice for each of ``replies`` (``n``), else for ``reply``."""
+
+    def choice(index: int, said: Reply) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": said.content}
+        if said.tool_calls:
+            message["tool_calls"] = _calls_json(said)
+        if dialect == "openai":
+            message["refusal"] = None
+            message["annotations"] = []
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": said.finish_reason,
+        }
+
     body: dict[str, Any] = {
         "id": completion_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [
-            {"index": 0, "message": message, "logprobs": None, "finish_reason": reply.finish_reason}
-        ],
+        "choices": [choice(i, said) for i, said in enumerate(replies or [reply])],
         "usage": usage,
     }
     if dialect == "openai":
@@ -157,12 +167,51 @@ def stream_chunks(
     obfuscation: bool = True,
     interleave: bool = False,
     service_tier: str | None = None,
+    replies: Sequence[Reply] | None = None,
+    index: int = 0,
 ) -> list[dict[str, Any]]:
     """Every ``chat.completion.chunk`` of a streamed reply, in order ([DONE] not included);
     ``service_tier``: the processing tier each chunk names (a request's ``flex`` or
-    ``priority``, as OpenAI names the tier it used)."""
+    ``priority``, as OpenAI names the tier it used). With ``replies`` (``n`` of them), each
+    choice's chunks by its index, the choices' taken in turn."""
     nulls = include_usage
     pad = obfuscation and dialect == "openai"
+    if replies is not None and len(replies) > 1:
+        each = [
+            stream_chunks(
+                dialect=dialect,
+                completion_id=completion_id,
+                created=created,
+                model=model,
+                reply=said,
+                usage=usage,
+                include_usage=False,
+                obfuscation=obfuscation,
+                interleave=interleave,
+                service_tier=service_tier,
+                index=i,
+            )
+            for i, said in enumerate(replies)
+        ]
+        if include_usage or dialect == "deepseek":
+            for chunks in each:  # (the usage once, in the last chunk: as for one choice)
+                chunks[-1].pop("usage", None)
+        merged = [c for turn in zip_longest(*each) for c in turn if c is not None]
+        if nulls:
+            for c in merged:
+                c["usage"] = None
+                if pad:
+                    c["obfuscation"] = c.pop("obfuscation")
+        if dialect == "deepseek":
+            merged[-1]["usage"] = usage
+        elif include_usage:
+            tail = {k: v for k, v in merged[-1].items() if k != "obfuscation"}
+            tail["choices"] = []
+            tail["usage"] = usage
+            if pad:
+                tail["obfuscation"] = padding({})
+            merged.append(tail)
+        return merged
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -171,7 +220,9 @@ def stream_chunks(
             "created": created,
             "model": model,
             "system_fingerprint": SYSTEM_FINGERPRINT,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+            "choices": [
+                {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            ],
         }
         if service_tier is not None:
             out["service_tier"] = service_tier
