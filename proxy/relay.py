@@ -842,7 +842,7 @@ class DirectBody:
     then sends chunk by chunk through ASGI.
     """
 
-    __slots__ = ("_cycle", "_head", "_tail", "done_handed_over", "dropped", "handed_over")
+    __slots__ = ("_cycle", "_done", "_head", "_tail", "done_handed_over", "dropped", "handed_over")
 
     def __init__(self, cycle: Any) -> None:
         self._cycle = cycle
@@ -853,6 +853,7 @@ class DirectBody:
         # ...and what was last written, whatever it was (a Responses API stream's last event)
         self.handed_over = False
         self.dropped = False  # bytes came after the client had left: it never had them
+        self._done = False  # the last write ended a stream's [DONE]
         self._tail = b""  # the last write of 32 bytes or more, and those after it (unframed)
 
     @staticmethod
@@ -944,14 +945,23 @@ class DirectBody:
             body, self._head = self._head + body, b""
         transport = cycle.transport
         transport.write(body)
+        self._done = done
         self.handed_over = transport.get_write_buffer_size() == 0
         self.done_handed_over = done and self.handed_over
         return not cycle.flow.write_paused
 
     async def drain(self) -> None:
+        """Wait until the client took what was written: cachegate's protocol pauses writing
+        while any of it is left in the transport's buffer (``serving.HttpProtocol``), so what
+        was last written has then gone to the client's socket (a last event of megabytes, a
+        client slower than its socket: it read it all and hung up before the upstream's end,
+        and the answer was logged as interrupted)."""
         cycle = self._cycle
         if cycle.flow.write_paused and not cycle.disconnected:
             await cycle.flow.drain()
+            if not cycle.disconnected:
+                self.handed_over = cycle.transport.get_write_buffer_size() == 0
+                self.done_handed_over = self._done and self.handed_over
 
 
 def open_error_kind(exc: httpx.HTTPError) -> str:

@@ -111,6 +111,12 @@ class HttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
+        # Writing pauses while anything written is left in the transport's buffer, and goes on
+        # once it is all in the client's socket (uvicorn's limits: on past 64 KiB, again at
+        # 16): a relay that waits on it knows what it wrote reached the client (a stream's last
+        # event of megabytes, read whole before the client hung up, was taken for cut).
+        with contextlib.suppress(AttributeError, ValueError):
+            transport.set_write_buffer_limits(high=0)
         self._head_since = self.loop.time()
         _sweep_later(self)
 

@@ -1083,6 +1083,83 @@ def test_a_client_that_stops_at_the_last_event_got_a_whole_answer(
     assert proxy.metric("cachegate_client_disconnects_total") == 0
 
 
+def test_a_last_event_of_megabytes_read_whole_by_a_slow_client_is_no_cut(
+    proxy_factory: Any,
+) -> None:
+    """200 deltas of 10 KB, then a ``response.completed`` of 2 MB (the answer whole again); a
+    client slower than its socket reads it all, stops there and hangs up before the upstream's
+    end: the last write had left bytes in cachegate's buffer, the flag said so and was never
+    looked at again once they had gone, and the whole answer was logged as interrupted (a
+    client disconnect in the metrics)."""
+    import asyncio
+    from time import sleep
+
+    from proxy.serving import ServerThread
+
+    text = "x" * 10_000
+
+    def event(kind: str, data: dict[str, Any]) -> bytes:
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+    done = {
+        "type": "response.completed",
+        "response": {
+            "id": "resp_1",
+            "object": "response",
+            "status": "completed",
+            "model": "gpt-5",
+            "output": [
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": text * 200}],
+                }
+            ],
+            "usage": {"input_tokens": 10, "output_tokens": 1},
+        },
+    }
+
+    async def upstream(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        start = {"type": "http.response.start", "status": 200}
+        await send({**start, "headers": [(b"content-type", b"text/event-stream")]})
+        delta = event("response.output_text.delta", {"type": "x", "delta": text})
+        for _ in range(200):
+            await send({"type": "http.response.body", "body": delta, "more_body": True})
+        last = event("response.completed", done)
+        await send({"type": "http.response.body", "body": last, "more_body": True})
+        await asyncio.sleep(3)  # the upstream's end comes well after its last event
+        await send({"type": "http.response.body", "body": b""})
+
+    with ServerThread(upstream) as server:
+        proxy = proxy_factory(server.url + "/v1")
+        body = {"model": "gpt-5", "stream": True, "input": "hi"}
+        with (
+            httpx.Client(timeout=30) as client,
+            client.stream(
+                "POST", proxy.base_url + "/responses", json=body, headers={"x-session-id": "big"}
+            ) as answer,
+        ):
+            seen = b""
+            for piece in answer.iter_raw():
+                seen += piece
+                sleep(0.02)  # (slower than the socket: cachegate's buffer fills)
+                if b"response.completed" in seen[-3_000_000:] and seen.endswith(b"}\n\n"):
+                    break
+        assert seen.count(text.encode()) == 400  # (the deltas and the last event, whole)
+
+        def response_logged() -> list[dict[str, Any]]:
+            proxy.settle()
+            return events(proxy.log_dir, "big", "response")
+
+        (response,) = wait_for(response_logged, timeout=20, what="the response event")
+    assert response["interrupted"] is False, {k: response[k] for k in ("status", "error")}
+    assert proxy.metric("cachegate_client_disconnects_total") == 0
+
+
 def test_a_remote_compaction_is_counted_logged_and_no_turn_of_the_conversation(
     scripted: Any, proxy_factory: Any
 ) -> None:
