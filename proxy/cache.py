@@ -665,9 +665,15 @@ def _attribute(
     compared: Fingerprint | None = None,
     since: float | None = None,
 ) -> tuple[Cause, str | None]:
-    if divergence is not None and divergence.location == "params" and divergence.field == "model":
+    if (
+        divergence is not None
+        and divergence.location == "params"
+        and divergence.field == "model"
+        and gateway_alias(divergence.old_excerpt) != gateway_alias(divergence.new_excerpt)
+    ):
         # (another model's cache never held it, idle or not: a side call on a small model after
-        # a pause was charged the main agent's expiry, which its next turn was charged again)
+        # a pause was charged the main agent's expiry, which its next turn was charged again;
+        # a gateway's spelling of the same model, ``openai/gpt-4o``, is the same model's)
         return "params_changed", divergence.label
     idle = _lost_idle(state, fingerprint, divergence, compared, started_at, since)
     if idle is not None and idle > ttl_s:

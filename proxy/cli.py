@@ -976,12 +976,12 @@ def _dash_id(argv: list[str]) -> list[str]:
     if not argv or argv[0] != "sessions":
         return argv
     action: str | None = None
-    skip = False
+    skip = named = False  # (named: the id came already; a word after it is one too many)
     for at, word in enumerate(argv[1:], 1):
         if skip:  # the value of --log-dir or --config
             skip = False
         elif word == "--":
-            if action is not None and at + 1 < len(argv):
+            if action is not None and not named and at + 1 < len(argv):
                 return [*argv[:at], _DASH_ID + argv[at + 1], *argv[at + 2 :]]
             break
         elif len(word) > 2 and ("--log-dir".startswith(word) or "--config".startswith(word)):
@@ -990,7 +990,15 @@ def _dash_id(argv: list[str]) -> list[str]:
             action = word
             if action not in ("show", "cost", "replay"):
                 break
-        elif action is not None and word.startswith("-") and word[:2] != "--" and word != "-h":
+        elif action is not None and not word.startswith("-"):
+            named = True
+        elif (
+            action is not None
+            and not named
+            and word.startswith("-")
+            and word[:2] != "--"
+            and word != "-h"
+        ):
             return [*argv[:at], _DASH_ID + word, *argv[at + 1 :]]
     return argv
 

@@ -162,6 +162,14 @@ class HttpProtocol(HttpToolsProtocol):
         self._head_since = None
         super().on_headers_complete()
 
+    def on_response_complete(self) -> None:
+        if self._head_over and not self.transport.is_closing():
+            # A head past the limit came behind this answer (its bytes all read, the parser
+            # stopped): its 431 now, not a close at the head's time limit with no word
+            self._refuse_head()
+            return
+        super().on_response_complete()
+
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         self._active = cycle
         # Where a refusal of its body is said (``send_400_response``): a list, so that the
@@ -239,9 +247,10 @@ class HttpProtocol(HttpToolsProtocol):
     def _refuse_head(self) -> None:
         """A head past ``max_head_bytes``: a 431, and the connection closed; where a request
         before it is being answered, its answer is not cut into: the rest waits unread, and
-        the connection is closed at the head's time limit."""
+        it is refused once that answer is done."""
         active = self._active
         if active is not None and not active.response_complete:
+            self._head_over = True  # (refused once that answer is done: ``on_response_complete``)
             self.flow.pause_reading()
             return
         self._send_error(

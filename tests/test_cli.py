@@ -408,6 +408,11 @@ def test_a_session_id_that_starts_with_a_dash_is_read_as_the_id(
     # a word too many is the one named, not the id ("unrecognized arguments: -dash")
     extra = run_cli("sessions", "--log-dir", str(tmp_path), action, "-dash", "extra")
     assert extra.code == 2 and "unrecognized arguments: extra" in extra.err, extra.err
+    # a dash word after the id is the word too many, as typed (no mark of cachegate's in it)
+    after = run_cli("sessions", "--log-dir", str(tmp_path), action, "extra", "-dash")
+    assert after.code == 2 and after.err.endswith("unrecognized arguments: -dash\n"), after.err
+    again = run_cli("sessions", action, "cli-a", "--", "-x", "--log-dir", str(tmp_path))
+    assert again.code == 2 and "\x00" not in again.err, again.err
 
 
 @pytest.mark.parametrize("ts", [1e20, -1e12])
@@ -1226,7 +1231,7 @@ def test_serve_says_where_it_listens_and_which_config_file_it_read(tmp_path: Pat
                 for pause in (0.0, 6.0):
                     time.sleep(pause)
                     conn.sendall(ask)
-                    assert conn.recv(65536).startswith(b"HTTP/1.1 200 "), pause
+                    assert _whole_answer(conn).startswith(b"HTTP/1.1 200 "), pause
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(20)
@@ -1236,6 +1241,23 @@ def test_serve_says_where_it_listens_and_which_config_file_it_read(tmp_path: Pat
         f"cachegate {__version__} listening on http://127.0.0.1:{port}/v1 -> "
         f"https://api.openai.com/v1 (config: {config}; logs: {logs})\n"
     )
+
+
+def _whole_answer(conn: socket.socket) -> bytes:
+    """One content-length framed answer read from ``conn`` to its end (its head and body may
+    come in more than one read)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        assert chunk, data
+        body += chunk
+    return head + b"\r\n\r\n" + body
 
 
 def _serve_first_lines(tmp_path: Path, *args: str, env: dict[str, str], count: int) -> list[str]:

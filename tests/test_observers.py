@@ -2266,3 +2266,15 @@ def test_a_side_call_on_another_model_after_a_pause_is_its_cold_start_not_the_ex
     main = acc.send_body({"model": "gpt-4o", "messages": history}, 9_300, 0, at=410.0)
     assert main.cache is not None and main.cache["cause"] == "ttl_expired", main.cache
     assert main.cache["waste"] >= 9_000
+
+
+def test_a_gateways_spelling_of_the_same_model_after_a_pause_is_still_the_expiry() -> None:
+    """``openai/gpt-4o`` is the model ``gpt-4o`` is, whose cache held the prefix: its miss
+    after a pause past the TTL is the expiry's, not a change of model."""
+    acc = _Accounting({"gpt-4o": {"cache_ttl_s": 100}})
+    history = [_system("agent " * 3000), *msgs("fix the bug " * 500)]
+    acc.send_body({"model": "gpt-4o", "messages": history}, 9_000, 0, at=0.0)
+    history += msgs("looked", "go on")
+    acc.send_body({"model": "gpt-4o", "messages": history}, 9_100, 8_960, at=10.0)
+    later = acc.send_body({"model": "openai/gpt-4o", "messages": history}, 9_100, 0, at=400.0)
+    assert later.cache is not None and later.cache["cause"] == "ttl_expired", later.cache

@@ -376,6 +376,29 @@ def test_a_head_past_its_limit_in_one_read_is_a_431_and_never_dispatched(where: 
         assert _answers(s, 1) == [b"dispatched"]
 
 
+def test_a_head_past_its_limit_pipelined_behind_an_answer_gets_its_431_after_it() -> None:
+    """A head over the limit behind a request still being answered (all of it in one read):
+    its answer was not cut into, but the 431 never came: the connection was closed at the
+    head's time limit, 30 s later, with no word."""
+    import asyncio
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await asyncio.sleep(0.5)
+            await _answer(send, scope["path"].encode())
+
+    first = b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n"
+    second = b"GET /second HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 100_000 + b"\r\n\r\n"
+    with ServerThread(app) as server, socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(first + second)
+        started = time.monotonic()
+        answer = _closed_within(s, 10)
+    assert time.monotonic() - started < 5
+    ok, _, refused = answer.partition(b"HTTP/1.1 431 ")
+    assert ok.startswith(b"HTTP/1.1 200 ") and ok.endswith(b"/slow"), answer[:300]
+    assert b"request_header_too_large" in refused and b"/second" not in answer
+
+
 def test_a_small_head_pipelined_behind_a_large_body_is_answered() -> None:
     """The bytes of a read that began a head were all counted as the head's, the body of the
     request before it too: a 45-byte request behind a 200 KB one got a 431."""
