@@ -1025,6 +1025,21 @@ def test_an_orphan_the_repair_dropped_is_not_expected_from_the_cache(
     assert expected["window"] == expected["control"] > 0
 
 
+def _completed(text: str) -> dict[str, Any]:
+    """A ``response.completed`` event of one assistant message of ``text``."""
+    message = {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text}],
+    }
+    response = {"id": "resp_1", "object": "response", "status": "completed", "model": "gpt-5"}
+    usage = {"input_tokens": 10, "output_tokens": 1}
+    return {
+        "type": "response.completed",
+        "response": {**response, "output": [message], "usage": usage},
+    }
+
+
 @pytest.mark.parametrize("transport", ["native", "httpx"])
 def test_a_client_that_stops_at_the_last_event_got_a_whole_answer(
     scripted: Any, proxy_factory: Any, transport: str
@@ -1032,23 +1047,7 @@ def test_a_client_that_stops_at_the_last_event_got_a_whole_answer(
     """Codex CLI stops reading a Responses stream at ``response.completed`` and drops the
     connection; an upstream whose chunked stream ends a moment later had the exchange logged as
     interrupted (INTERRUPTED in ``sessions list``, a client disconnect in the metrics)."""
-    done = {
-        "type": "response.completed",
-        "response": {
-            "id": "resp_1",
-            "object": "response",
-            "status": "completed",
-            "model": "gpt-5",
-            "output": [
-                {
-                    "type": "message",
-                    "role": "assistant",
-                    "content": [{"type": "output_text", "text": "whole"}],
-                }
-            ],
-            "usage": {"input_tokens": 10, "output_tokens": 1},
-        },
-    }
+    done = _completed("whole")
     delta = {"type": "response.output_text.delta", "delta": "whole"}
     chunks = [
         b"event: response.output_text.delta\ndata: " + orjson.dumps(delta) + b"\n\n",
@@ -1101,23 +1100,7 @@ def test_a_last_event_of_megabytes_read_whole_by_a_slow_client_is_no_cut(
     def event(kind: str, data: dict[str, Any]) -> bytes:
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
-    done = {
-        "type": "response.completed",
-        "response": {
-            "id": "resp_1",
-            "object": "response",
-            "status": "completed",
-            "model": "gpt-5",
-            "output": [
-                {
-                    "type": "message",
-                    "role": "assistant",
-                    "content": [{"type": "output_text", "text": text * 200}],
-                }
-            ],
-            "usage": {"input_tokens": 10, "output_tokens": 1},
-        },
-    }
+    done = _completed(text * 200)
 
     async def upstream(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
