@@ -224,8 +224,9 @@ def _prune(baselines: list[_Baseline], kept: tuple[_Baseline | None, ...]) -> No
     conversation goes first (a sub-agent or a title request, seen once), but never the session's
     first, nor its first with tools where the first had none (``kept``: the main agent's, which
     may fan out sub-agents from its first turn; a title request or a start-up probe may be
-    answered before it), else the least recently seen. A fan-out of one-shot sub-agents evicted the main agent's own,
-    whose next turn then read as a new conversation, its miss unreported. Before those, the
+    answered before it), else the least recently seen. A fan-out of one-shot sub-agents
+    evicted the main agent's own, whose next turn then read as a new conversation, its miss
+    unreported. Before those, the
     least recently seen of those superseded: an early turn of an agent whose system prompt
     changes every turn (or a main agent waiting for its sub-agent). After the one-shots, those
     left behind by a copy that went on (re-sends of a sub-agent's turns filled the 32, and a
@@ -435,7 +436,7 @@ def _cached_before(baseline: _Baseline, now: float, ttl_s: float, messages: int 
     return baseline.cached
 
 
-def _in_reach(baseline: _Baseline, body: dict[str, Any], usage: Usage | None) -> int | None:
+def _in_reach(baseline: _Baseline, body: dict[str, Any], usage: Usage) -> int | None:
     """Where ``body`` continues ``baseline`` and adds more than Claude's look back (~20 content
     blocks) past its last breakpoint before a breakpoint of its own (an agent that marks only
     its latest message, after a turn of 24 parallel tool calls and their results): the tokens
@@ -449,7 +450,7 @@ def _in_reach(baseline: _Baseline, body: dict[str, Any], usage: Usage | None) ->
     if share is None:
         return None
     reach = int(share * baseline.prompt)
-    if usage is not None and reach and 0.8 * reach <= usage.cache_read <= 1.25 * reach:
+    if reach and 0.8 * reach <= usage.cache_read <= 1.25 * reach:
         reach = usage.cache_read  # (the entry it read: the estimate is off by a little)
     return reach
 

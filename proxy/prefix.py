@@ -596,8 +596,9 @@ def lookback_reach(
     ``new``'s reaches; 0.0 when none does; None when ``old``'s last one is reached (all it
     cached may be read), and where there is nothing to judge (``old`` marks nothing, ``new``
     holds fewer items, or marks nothing past ``old``'s last breakpoint: a turn that marks only
-    its system prompt asks for less, which is another rule's). (Only the items after ``old``'s last breakpoint are read where that
-    one is reached: what a turn appended, not the history.)"""
+    its system prompt asks for less, which is another rule's). (Only the items after ``old``'s
+    last breakpoint are read where that one is reached: what a turn appended, not the
+    history.)"""
     old_items, old_tools = _marked_items(old)
     new_items, new_tools = _marked_items(new)
     if len(new_items) < len(old_items):

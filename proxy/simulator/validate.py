@@ -144,7 +144,8 @@ def validate_messages(messages: Any) -> None:
     no ``tool_calls`` array may be empty, and each call is an object with a string ``id`` and
     ``type``; no assistant message may lack content where it has no
     tool calls (nor a refusal, legacy ``function_call`` or audio), nor any system, developer,
-    user or tool message (``_check_content``); content is a string or an array; every assistant ``tool_calls`` message must be followed, before any other kind of message, by
+    user or tool message (``_check_content``); content is a string or an array; every
+    assistant ``tool_calls`` message must be followed, before any other kind of message, by
     one ``tool`` message per call id; a ``tool`` message must answer a not-yet-answered call of the
     assistant message that opened its block.
     """
