@@ -408,12 +408,24 @@ class Server(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         from proxy.relay import stop_draining
 
-        # (a refused upload still being read is answered whole already: not in flight)
+        # (a refused upload still being read is answered whole already, its response ended
+        # only once the rest is read: not in flight)
         draining = stop_draining()
         if self.on_stop is not None:
             with contextlib.suppress(Exception):  # (saying so must not keep it from stopping)
-                self.on_stop(max(0, len(self.server_state.tasks) - draining))
+                self.on_stop(max(0, self.unanswered() - draining))
         await super().shutdown(sockets=sockets)
+
+    def unanswered(self) -> int:
+        """The requests whose answer has not been sent whole: those the grace period is for. A
+        request answered whole whose task still ends (its log line, its accounting) is not one
+        (Ctrl+C right after an answer said "1 request(s) in flight")."""
+        count = 0
+        for connection in self.server_state.connections:
+            cycle = getattr(connection, "cycle", None)
+            if cycle is not None and not cycle.response_complete:
+                count += 1
+        return count
 
 
 def serve_until_stopped(

@@ -140,6 +140,61 @@ def test_the_started_callback_comes_once_connections_are_accepted_and_the_stop_o
     assert seen == ["accepting", "stopping with 0 in flight, still open"]
 
 
+@pytest.mark.parametrize("answered", [True, False])
+def test_a_request_answered_whole_is_not_in_flight_while_its_after_work_ends(
+    answered: bool,
+) -> None:
+    """Ctrl+C right after an answer said "stopping: 1 request(s) in flight" (its task still
+    wrote the log line and the accounting): the client had its whole answer, and nothing of it
+    is at stake. A request still waiting for its answer is in flight."""
+    import asyncio
+    import threading
+
+    import uvicorn
+
+    from proxy.serving import Server
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        if answered:
+            await _answer(send, b"done")
+            await asyncio.sleep(1.0)  # the work after the answer (the log line, accounting)
+        else:
+            await asyncio.sleep(1.0)
+            await _answer(send, b"late")
+
+    port = free_port()
+    (sock,) = listening_sockets("127.0.0.1", port)
+    seen: list[int] = []
+    server: Server
+
+    def started() -> None:
+        def client() -> None:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+                conn.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+                if answered:
+                    assert _answers(conn, 1) == [b"done"]
+                else:
+                    time.sleep(0.3)  # (the request is being answered)
+                server.should_exit = True
+                if not answered:
+                    assert _answers(conn, 1) == [b"late"]  # (given its grace period)
+
+        threading.Thread(target=client).start()
+
+    server = Server(
+        uvicorn.Config(app, lifespan="off", log_level="warning"),
+        on_stop=seen.append,
+        on_started=started,
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
+    thread.start()
+    thread.join(10)
+    sock.close()
+    assert seen == [0 if answered else 1]
+
+
 # --- requests that offer an upgrade (Upgrade: h2c) ------------------------------------------------
 
 
