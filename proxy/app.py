@@ -72,6 +72,7 @@ from proxy.sessions import (
     explicit_session_id,
     extra_parts,
     is_own_key,
+    never_an_id,
     reads_as_key,
     valid_session_id,
 )
@@ -168,6 +169,8 @@ class Gateway:
         key_env = settings.upstream.api_key_env
         # The key added to requests without one, read once: the log writer never writes it.
         self._api_key: str | None = environ.get(key_env) if key_env else None
+        if self._api_key:
+            never_an_id(self._api_key)  # (nor a session's id: a log file's name would show it)
         self.metrics = Metrics(registry, settings.models.keys())
         ss = settings.sessions
         self.sessions = MemorySessionStore(

@@ -6,8 +6,6 @@ Both run after the client has its response (``on_response``) or when a request i
 
 from __future__ import annotations
 
-import base64
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -28,8 +26,15 @@ from proxy.errors import CLIENT_CLOSED
 from proxy.eventlog import Delta, EventLogWriter, choose_delta
 from proxy.metrics import Metrics
 from proxy.pipeline import Exchange, clip_words
-from proxy.redact import known_secrets, redact_text, without_values
-from proxy.relay import CLIENT_KEY_HEADERS, GATEWAY_KEY_HEADERS, PLACEHOLDER_AUTHORIZATION
+from proxy.redact import (
+    QUERY_KEY_VALUE,
+    SCHEMED_KEY_HEADERS,
+    credential_keys,
+    known_secrets,
+    redact_text,
+    without_values,
+)
+from proxy.relay import CLIENT_KEY_HEADERS, GATEWAY_KEY_HEADERS
 from proxy.sessions import CONVERSATIONS_KEPT, SessionState, SessionStore
 from proxy.usage import Usage, added, less
 
@@ -2221,41 +2226,22 @@ class EventLogObserver:
         )
 
 
-_PLACEHOLDER_KEY: Final = PLACEHOLDER_AUTHORIZATION.split()[-1].decode().lower()
 _KEY_HEADERS: Final = CLIENT_KEY_HEADERS | GATEWAY_KEY_HEADERS
-# (a gateway's key header that may name a scheme before the key, as ``Authorization`` does)
-_SCHEMED: Final = frozenset({b"authorization", b"helicone-auth", b"cf-aig-authorization"})
+_SCHEMED: Final = frozenset(name.encode() for name in SCHEMED_KEY_HEADERS)
 _CLIENT_KEYS_KEPT: Final = 64
 
 
 def client_keys(headers: Iterable[tuple[bytes, bytes]] | None) -> tuple[str, ...]:
     """The values of the key headers a request went upstream with (``Authorization``'s without
     its scheme, ``api-key``, ``x-api-key``, ``x-goog-api-key``, and a gateway's,
-    ``GATEWAY_KEY_HEADERS``), but cachegate's placeholder and those too short to search for
-    (``known_secrets``): a key of the client's own, which the redaction's patterns need not
-    know."""
+    ``GATEWAY_KEY_HEADERS``: ``credential_keys``), but cachegate's placeholder and those too
+    short to search for (``known_secrets``): a key of the client's own, which the redaction's
+    patterns need not know."""
     keys: list[str] = []
     for name, value in headers or ():
         name = name.lower()
-        if name not in _KEY_HEADERS:
-            continue
-        text = value.decode("latin-1").strip()
-        if name in _SCHEMED:
-            parts = text.split(None, 1)  # (a tab after the scheme too: HTTP allows it)
-            text = parts[1].strip() if len(parts) == 2 else text
-            if len(parts) == 2 and parts[0].lower() == "basic":
-                # (an upstream's refusal may quote the user and password it decoded: a key
-                # given as Basic's user, ``-u KEY:``, as some services take it)
-                with contextlib.suppress(ValueError):
-                    plain = base64.b64decode(text, validate=True).decode()
-                    user, _, password = plain.partition(":")
-                    keys += (plain, password)
-                    # (the user alone where it is the key, ``-u KEY:``, or looks like one: a
-                    # user name, ``developer``, is a word of every line's text)
-                    if not password or _QUERY_KEY_VALUE.match(user) is not None:
-                        keys.append(user)
-        if text.lower() != _PLACEHOLDER_KEY:
-            keys.append(text)
+        if name in _KEY_HEADERS:
+            keys += credential_keys(name in _SCHEMED, value.decode("latin-1"))
     return known_secrets(keys)
 
 
@@ -2272,18 +2258,9 @@ _QUERY_KEY_NAMES: Final = frozenset(
 )
 
 
-# A query value taken for a key: long, with a letter and a digit, no date nor UUID
-# (``?token=response`` took the word out of every line's JSON, its keys included: the log's
-# structure broke; a date in a prompt went too)
-_QUERY_KEY_VALUE: Final = re.compile(
-    r"(?=.*[0-9])(?=.*[A-Za-z])(?![0-9]{4}-[0-9]{2}-[0-9]{2}(?:[T ][0-9:.]+)?(?:Z|[+-][0-9:]+)?$)"
-    r"(?![0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$)\S{20,}"
-)
-
-
 def query_keys(query: bytes) -> tuple[str, ...]:
     """The values of a request's query parameters that carry a key (``_QUERY_KEY_NAMES``) and
-    look like one (``_QUERY_KEY_VALUE``), as sent and decoded (an upstream quotes the URL as it
+    look like one (``QUERY_KEY_VALUE``), as sent and decoded (an upstream quotes the URL as it
     got it: ``%3D%3D`` at the end of an Azure key)."""
     from urllib.parse import unquote_plus
 
@@ -2293,7 +2270,7 @@ def query_keys(query: bytes) -> tuple[str, ...]:
         if unquote_plus(name).lower() not in _QUERY_KEY_NAMES:
             continue
         for value in {raw, unquote_plus(raw)}:
-            if _QUERY_KEY_VALUE.fullmatch(value):
+            if QUERY_KEY_VALUE.fullmatch(value):
                 keys.append(value)
     return tuple(keys)
 

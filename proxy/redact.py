@@ -9,6 +9,7 @@ and a string or container without a match is returned as the very same object (n
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import functools
 import json
@@ -1539,6 +1540,46 @@ def without_values(text: str, values: Iterable[str]) -> str:
     for value in sorted(set(values), key=len, reverse=True):
         text = text.replace(value, REDACTED)
     return text
+
+
+# The key a client sends to have cachegate's own used (``OPENAI_API_KEY=cachegate``): no secret
+PLACEHOLDER_KEY: Final = "cachegate"
+# Key headers that may name a scheme before the key, as ``Authorization`` does (a gateway's)
+SCHEMED_KEY_HEADERS: Final = frozenset({"authorization", "helicone-auth", "cf-aig-authorization"})
+
+# A query value taken for a key: long, with a letter and a digit, no date nor UUID
+# (``?token=response`` took the word out of every line's JSON, its keys included: the log's
+# structure broke; a date in a prompt went too)
+QUERY_KEY_VALUE: Final = re.compile(
+    r"(?=.*[0-9])(?=.*[A-Za-z])(?![0-9]{4}-[0-9]{2}-[0-9]{2}(?:[T ][0-9:.]+)?(?:Z|[+-][0-9:]+)?$)"
+    r"(?![0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$)\S{20,}"
+)
+
+
+def credential_keys(schemed: bool, value: str) -> list[str]:
+    """The keys a key header's ``value`` holds: the value, or where it is ``schemed``
+    (``SCHEMED_KEY_HEADERS``) what follows its scheme (``Bearer``, and a tab after it too: HTTP
+    allows it), and of ``Basic`` the user and password it encodes; not cachegate's placeholder.
+    Short ones are the caller's to leave out (``known_secrets``)."""
+    text = value.strip()
+    keys: list[str] = []
+    if schemed:
+        parts = text.split(None, 1)
+        text = parts[1].strip() if len(parts) == 2 else text
+        if len(parts) == 2 and parts[0].lower() == "basic":
+            # (an upstream's refusal may quote the user and password it decoded: a key given as
+            # Basic's user, ``-u KEY:``, as some services take it)
+            with contextlib.suppress(ValueError):
+                plain = base64.b64decode(text, validate=True).decode()
+                user, _, password = plain.partition(":")
+                keys += (plain, password)
+                # (the user alone where it is the key, ``-u KEY:``, or looks like one: a user
+                # name, ``developer``, is a word of every line's text)
+                if not password or QUERY_KEY_VALUE.match(user) is not None:
+                    keys.append(user)
+    if text.lower() != PLACEHOLDER_KEY:
+        keys.append(text)
+    return keys
 
 
 def known_secrets(values: Iterable[str]) -> tuple[str, ...]:

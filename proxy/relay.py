@@ -46,7 +46,10 @@ from proxy.errors import (
     upstream_unreachable,
 )
 from proxy.pipeline import Exchange, RefusedAnswer, UnreadableAnswer, refusal_text
+from proxy.redact import PLACEHOLDER_KEY
 from proxy.resanswers import ResponsesRecorder, assemble_response
+from proxy.sessions import CREDENTIAL_HEADERS
+from proxy.sessions import GATEWAY_KEY_HEADERS as GATEWAY_KEY_NAMES
 from proxy.strip import EVENT_ENDS, UsageEventStripper, without_lf_nulls
 from proxy.upstream import InvalidAnswer, SizedStream, UpstreamPool, UpstreamResponse
 
@@ -434,21 +437,14 @@ async def read_body(receive: Receive, limit: int, scope: Scope | None = None) ->
 
 
 # Request headers that carry a client's own key: with any of them, cachegate adds none of its own.
-CLIENT_KEY_HEADERS: Final = frozenset(
-    {b"authorization", b"api-key", b"x-api-key", b"x-goog-api-key"}
-)
-
-# Request headers that carry a client's key for a gateway between cachegate and the provider
-# (Helicone's, Portkey's, Cloudflare AI Gateway's): not the provider's key (cachegate still adds
-# its own beside them), but the client's all the same, never to be written in the log.
-GATEWAY_KEY_HEADERS: Final = frozenset(
-    {b"helicone-auth", b"x-portkey-api-key", b"cf-aig-authorization"}
-)
+CLIENT_KEY_HEADERS: Final = frozenset(name.encode() for name in CREDENTIAL_HEADERS)
+# Those with a client's key for a gateway between cachegate and the provider (``sessions``')
+GATEWAY_KEY_HEADERS: Final = frozenset(name.encode() for name in GATEWAY_KEY_NAMES)
 
 
 # The key a client that must send one (the OpenAI SDKs refuse to start without) sends to have
 # cachegate's own key used instead: ``OPENAI_API_KEY=cachegate`` in the agent's environment.
-PLACEHOLDER_AUTHORIZATION: Final = b"Bearer cachegate"
+PLACEHOLDER_AUTHORIZATION: Final = b"Bearer " + PLACEHOLDER_KEY.encode()
 _PLACEHOLDER_WORDS: Final = PLACEHOLDER_AUTHORIZATION.lower().split()  # any case and spacing
 
 

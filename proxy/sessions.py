@@ -32,7 +32,7 @@ from proxy.prefix import (
     same_json,
     single_text,
 )
-from proxy.redact import redact_text
+from proxy.redact import SCHEMED_KEY_HEADERS, credential_keys, known_secrets, redact_text
 
 log = logging.getLogger(__name__)
 
@@ -105,14 +105,29 @@ def explicit_session_id(headers: Mapping[str, str], path_id: str | None) -> str 
 
 
 def is_own_key(value: str, headers: Mapping[str, str]) -> bool:
-    """Whether ``value`` is the key the request itself is sent with (a key of no family the
-    redaction knows, ``gw-…``, which the log takes out as the client's own but a file's name
-    would show): in a credential header, alone or after its scheme (``Bearer``)."""
-    for name in CREDENTIAL_HEADERS:
+    """Whether ``value`` holds a key the request itself is sent with, or cachegate's own
+    (``never_an_id``): a key of no family the redaction knows (``gw-…``), which the log takes
+    out as the client's own, but a file's name would show. The keys are those the log's lines
+    never hold (``observers.client_keys``): in a credential header or a gateway's, alone or
+    after its scheme (``Bearer``, then a space or a tab), and ``Basic``'s user and password."""
+    for name in KEY_HEADERS:
         sent = headers.get(name)
-        if sent and (sent == value or sent.rsplit(" ", 1)[-1] == value):
+        if sent and any(
+            key in value
+            for key in known_secrets(credential_keys(name in SCHEMED_KEY_HEADERS, sent))
+        ):
             return True
-    return False
+    return any(key in value for key in _own_keys)
+
+
+# cachegate's own upstream keys (``never_an_id``), never a session's id
+_own_keys: set[str] = set()
+
+
+def never_an_id(key: str) -> None:
+    """``key`` (cachegate's own, added to requests without one) names no session: an id that
+    holds it is refused as one that reads as a key."""
+    _own_keys.update(known_secrets((key,)))
 
 
 def reads_as_key(value: str) -> bool:
@@ -193,6 +208,11 @@ OpeningKey = tuple[str, str] | str
 # (SipHash, keyed by a secret drawn at start-up), ~0.1 µs where a BLAKE2b digest took ~1.3.
 CredentialTag = int
 CREDENTIAL_HEADERS: Final = ("authorization", "api-key", "x-api-key", "x-goog-api-key")
+# Those that carry a client's key for a gateway between cachegate and the provider (Helicone's,
+# Portkey's, Cloudflare AI Gateway's): not the provider's key (cachegate still adds its own
+# beside them), but the client's all the same, never to be written in the log nor name a file.
+GATEWAY_KEY_HEADERS: Final = ("helicone-auth", "x-portkey-api-key", "cf-aig-authorization")
+KEY_HEADERS: Final = (*CREDENTIAL_HEADERS, *GATEWAY_KEY_HEADERS)
 
 
 def credential_tag(headers: Mapping[str, str]) -> CredentialTag | None:

@@ -579,6 +579,49 @@ def test_the_clients_own_key_of_no_known_shape_names_no_session(
     assert len(names) > 1 and not any(key in name for name in names), names
 
 
+def test_a_key_in_any_header_the_log_takes_it_from_or_cachegates_own_names_no_session(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """The log's lines took these out as the client's keys (or cachegate's), but the id check
+    looked only at ``Authorization`` split at a space and the provider's key headers: a tab
+    after ``Bearer``, ``Basic``'s password, a gateway's key header, cachegate's own key (sent
+    with the placeholder) and an id that holds the key each named a log file after the key."""
+    import base64
+
+    own = "SERVERopaqueKEY0123456789abcdef"
+    proxy = proxy_factory(sim.api_base, environ={"OPENAI_API_KEY": own})
+    key = "gwTabKey0123456789abcdefXYZ"
+    password = "BasicPw0rd12345678"
+    basic = base64.b64encode(f"bob:{password}".encode()).decode()
+    for headers in (
+        {"Authorization": f"Bearer\t{key}", "X-Session-Id": key},
+        {"Authorization": f"Basic {basic}", "X-Session-Id": password},
+        {"Helicone-Auth": f"Bearer {key}", "X-Session-Id": key},
+        {"x-portkey-api-key": key, "X-Session-Id": key},
+        {"Authorization": f"Bearer {key}", "X-Session-Id": f"run-{key}"},
+        {"Authorization": "Bearer cachegate", "X-Session-Id": own},
+        {"X-Session-Id": f"{own}.2"},
+    ):
+        r = httpx.post(proxy.base_url + "/chat/completions", json=HELLO, headers=headers)
+        assert r.status_code == 400, (headers, r.text)
+        error = r.json()["error"]
+        assert error["code"] == "invalid_session_id" and "reads as an API key" in error["message"]
+    # (the placeholder and a short key are no keys: the names they are in are names)
+    for headers, sid in (
+        ({"Authorization": "Bearer cachegate"}, "cachegate-run-1"),
+        ({"Authorization": "Bearer short"}, "short-run-2"),
+    ):
+        r = httpx.post(
+            proxy.base_url + "/chat/completions",
+            json=HELLO,
+            headers={**headers, "X-Session-Id": sid},
+        )
+        assert r.status_code == 200 and r.headers["x-cachegate-session"] == sid, r.text
+    flush(proxy)
+    names = [p.name for p in proxy.log_dir.iterdir()]
+    assert not any(k in name for name in names for k in (key, password, own)), names
+
+
 def test_a_slash_smuggled_into_the_path_id_is_a_400_not_a_file(
     sim: RunningSimulator, deep_proxy: Any, tmp_path: Path
 ) -> None:
