@@ -75,10 +75,20 @@ SWEEP_S: Final = 1.0  # how often the connections are looked at for those limits
 # uvicorn's 5 s, the SDK's 5 s, a connection closed by cachegate as the client sent its next
 # request on it failed that request (a ReadError the SDKs' retries hide; curl's is an error).
 CLIENT_KEEPALIVE_S: Final = 75  # (nginx's keepalive_timeout)
+# Requests a client may pipeline behind the one being answered: past them, those are answered
+# and the connection closed after them (a client retries the rest, RFC 9112 9.3.2). A read of
+# 64 KiB holds ~1,500 small requests, each queued at ~40 times its size: one connection that
+# wrote requests without reading its answers took gigabytes. (No SDK or browser pipelines.)
+MAX_PIPELINED: Final = 32
 
 
 class _HeadTooLarge(Exception):
     """Raised in the parser's callback for a head past the limit: it stops the parser."""
+
+
+class _TooManyPipelined(Exception):
+    """Raised in the parser's callback for a request past ``MAX_PIPELINED``: it stops the
+    parser."""
 
 
 class HttpProtocol(HttpToolsProtocol):
@@ -106,6 +116,8 @@ class HttpProtocol(HttpToolsProtocol):
     _head_bytes = 0  # bytes of the head so far, read by read (from the read after its first)
     _head_fields = 0  # bytes of its request line's target and fields, as the parser gave them
     _head_over = False  # the parser was stopped in a head past the limit
+    _pipeline_over = False  # the parser was stopped at a request past ``max_pipelined``
+    max_pipelined = MAX_PIPELINED
     _began = 0  # requests begun on the connection
     _read_at = 0.0  # when the client's bytes last came (a body's progress)
 
@@ -160,6 +172,9 @@ class HttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._trailers = True
         self._head_since = None
+        if len(self.pipeline) >= self.max_pipelined:
+            self._pipeline_over = True
+            raise _TooManyPipelined
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
@@ -187,6 +202,9 @@ class HttpProtocol(HttpToolsProtocol):
             active.disconnected = True
             active.message_event.set()
         self._head_since = None
+        # (the requests queued behind, never to be answered: each holds this protocol, which
+        # holds them, a cycle only a full collection frees, which ``tune_gc`` makes rare)
+        self.pipeline.clear()
         super().connection_lost(exc)
 
     def _overdue(self, now: float) -> bool:
@@ -212,6 +230,8 @@ class HttpProtocol(HttpToolsProtocol):
         return False
 
     def data_received(self, data: bytes) -> None:
+        if self._pipeline_over:
+            return  # (read and dropped: the queue is answered, then the connection closed)
         self._read_at = self.loop.time()
         self._unset_keepalive_if_required()
         while True:
@@ -226,6 +246,9 @@ class HttpProtocol(HttpToolsProtocol):
                         self._refuse_head()
                         return
             except httptools.HttpParserError as exc:
+                if self._pipeline_over:  # (stopped by ``on_headers_complete``)
+                    self._close_after_queue()
+                    return
                 if self._head_over:  # (stopped by ``_count_head``)
                     self._refuse_head()
                     return
@@ -243,6 +266,15 @@ class HttpProtocol(HttpToolsProtocol):
                 if self._read_on() and data:
                     continue
             return
+
+    def _close_after_queue(self) -> None:
+        """Too many requests pipelined: those queued are answered, the last of them with
+        ``Connection: close``, and the connection closed after it. What the client sends
+        meanwhile is read and dropped: left unread, the close would reset the connection, and
+        the client could lose the answers it had not read yet."""
+        self.flow.resume_reading()
+        if self.cycle is not None:  # (the newest: the queue's last)
+            self.cycle.keep_alive = False
 
     def _refuse_head(self) -> None:
         """A head past ``max_head_bytes``: a 431, and the connection closed; where a request

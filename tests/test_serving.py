@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from proxy.serving import ServerThread, listening_sockets
+from proxy.serving import HttpProtocol, ServerThread, listening_sockets
 from tests.e2e_support import asgi_body, free_port
 
 
@@ -452,6 +452,47 @@ def test_a_head_past_its_limit_pipelined_behind_an_answer_gets_its_431_after_it(
     ok, _, refused = answer.partition(b"HTTP/1.1 431 ")
     assert ok.startswith(b"HTTP/1.1 200 ") and ok.endswith(b"/slow"), answer[:300]
     assert b"request_header_too_large" in refused and b"/second" not in answer
+
+
+def _framed(data: bytes) -> list[tuple[bytes, bytes]]:
+    """The heads and bodies of the content-length framed answers in ``data``."""
+    answers = []
+    while data:
+        head, _, data = data.partition(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        answers.append((head, data[:length]))
+        data = data[length:]
+    return answers
+
+
+def test_requests_pipelined_past_the_limit_are_not_queued() -> None:
+    """A local process that wrote small requests down one connection without reading the
+    answers had each queued, ~40 times its size, and read on after every answer: 13 MB sent
+    took 600 MB, and gigabytes over a few connections. Those past the limit are not taken:
+    the ones queued are answered, in order, the last with ``Connection: close``."""
+    import asyncio
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await asyncio.sleep(0.01)
+            await _answer(send, scope["path"].encode())
+
+    requests = b"".join(b"GET /%d HTTP/1.1\r\nhost: x\r\n\r\n" % i for i in range(2000))
+    with ServerThread(app) as server, socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(requests)
+        answers = _framed(_closed_within(s, 20))
+    assert HttpProtocol.max_pipelined < len(answers) < 1000
+    assert [body for _, body in answers] == [b"/%d" % i for i in range(len(answers))]
+    assert all(head.startswith(b"HTTP/1.1 200 ") for head, _ in answers)
+    assert b"connection: close" in answers[-1][0].lower()
+    assert not any(b"connection: close" in head.lower() for head, _ in answers[:-1])
+    # as many as the limit, on a connection that goes on
+    with ServerThread(app) as server, socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.settimeout(10)
+        s.sendall(requests[: requests.index(b"GET /%d " % HttpProtocol.max_pipelined)])
+        assert len(_answers(s, HttpProtocol.max_pipelined)) == HttpProtocol.max_pipelined
+        s.sendall(b"GET /more HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert _answers(s, 1) == [b"/more"]
 
 
 def test_a_small_head_pipelined_behind_a_large_body_is_answered() -> None:
