@@ -175,7 +175,8 @@ def _canonical_host(host: str, unspecified_is_loopback: bool = False) -> str:
     address as its IPv4 one, where a connection to it goes). With ``unspecified_is_loopback``
     ``0.0.0.0`` (``0``) and ``::`` (``[::0]``) are this machine's loopback, as Linux connects
     them."""
-    name = host.strip().lower().strip("[]")
+    # (a name's trailing dot, the root's: ``localhost.`` is ``localhost``)
+    name = host.strip().lower().strip("[]").removesuffix(".")
     address = parse_address(name)
     if address is None:
         return name
@@ -349,6 +350,7 @@ def _serve(ns: argparse.Namespace) -> int:
             # where its variable's name goes (gsk_..., a hex key) is never shown.
             what = (
                 f"${key_env}, which is not set here"
+                + (" (it holds only white space)" if os.environ.get(key_env) else "")
                 if _VARIABLE_NAME.fullmatch(key_env) and not _key_like_name(key_env)
                 else "no variable set here (what it holds is not shown: a key belongs in a"
                 " variable it names)"

@@ -1448,6 +1448,9 @@ def test_an_upstream_url_is_itself_only_at_the_address_and_port_listened_on() ->
     assert _upstream_is_self("http://127.1:8787/v1", "127.0.0.1", 8787)
     assert _upstream_is_self("http://[::0]:8787/v1", "::1", 8787)
     assert _upstream_is_self("http://[0:0::1]:8787/v1", "[::1]", 8787)
+    # a name's trailing dot (the root's) names the same
+    assert _upstream_is_self("http://127.0.0.1.:8787/v1", "127.0.0.1", 8787)
+    assert _upstream_is_self("http://localhost.:8787/v1", "localhost", 8787)
     assert not _upstream_is_self("http://0x7f000002:8787/v1", "127.0.0.1", 8787)
     assert not _upstream_is_self("http://cafe:8787/v1", "127.0.0.1", 8787)  # (a name)
 
@@ -1833,6 +1836,13 @@ def test_serve_notes_a_key_variable_of_its_own_name_that_is_not_set(tmp_path: Pa
         " requests without a key of their own go without one\n"
     )
     assert line.startswith(f"cachegate {__version__} listening on")
+    # set to white space: no key either, and said so
+    env = clean_env(MY_GATEWAY_KEY="   ")
+    note, line = _serve_first_lines(tmp_path, "--config", str(config), env=env, count=2)
+    assert note == (
+        "cachegate: note: upstream.api_key_env names $MY_GATEWAY_KEY, which is not set here"
+        " (it holds only white space): requests without a key of their own go without one\n"
+    )
     # set: nothing to say; and $OPENAI_API_KEY unset is the usual setup (clients bring keys)
     env = clean_env(MY_GATEWAY_KEY="sk-test-x")
     (line,) = _serve_first_lines(tmp_path, "--config", str(config), env=env, count=1)
