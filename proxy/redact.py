@@ -1805,6 +1805,10 @@ _SECRET_ANCHORS: Final = (
     # a URL with a password (and a user, or none), its slashes maybe escaped (PHP's JSON
     # writes ``mysql:\/\/user:pass@host``; a string inside a JSON string, ``\\\/``)
     r":\\*/\\*/[^\s/:@\\]*:[^\s/@]+@",
+    # a letter or digit written as a ``\u`` escape, as no JSON writer does unasked: inside a
+    # JSON string in a string (a tool call's arguments) it stays as written, and a key whose
+    # first letter an obfuscating writer escaped (``\u0067hp_…``) had no literal to be found by
+    r"\\u00(?:3[0-9]|4[1-9a-fA-F]|5[0-9aA]|6[1-9a-fA-F]|7[0-9aA])",
 )
 _ANCHORS_STR: Final = tuple(re.compile(anchor) for anchor in _SECRET_ANCHORS)
 _LITERALS_BYTES: Final = tuple(literal.encode() for literal in _SECRET_LITERALS)
@@ -1963,7 +1967,8 @@ def line_may_hold_secret(line: bytes) -> bool:
     """Whether a serialized JSON line might hold anything ``redact`` would change: one of the
     literals or anchors every secret pattern contains, or a key ending like a credential field's
     name (any case). Secrets are made of characters JSON never escapes, so they appear in the line
-    as they were.
+    as they were; where a writer escaped a letter of one anyway (JSON inside a string keeps the
+    escape as text), the escape is an anchor.
 
     The JSON strings that ``redact_text`` returns as they are, base64 payloads of a kilobyte or
     more (``_BINARY``), are left out of a long line before it is looked through: the ~20 scans

@@ -2744,3 +2744,19 @@ def test_a_provider_key_alone_in_prose_is_taken_out() -> None:
         assert redact_text(f"the output was:\n{key}\n(done)") == (
             f"the output was:\n{REDACTED}\n(done)"
         ), key
+
+
+@pytest.mark.parametrize("key", ["ghp_UESCGHPwX6yZ8aB0cD2eF4gH6iJ8kL0mN2p", "AKIAIOSFODNN7EXAMPLE"])
+def test_a_key_whose_first_letter_is_escaped_in_json_inside_a_string_is_taken_out(key: str) -> None:
+    """A tool call's arguments hold JSON whose escapes stay as text: ``\\u0067hp_…`` is a GitHub
+    token, but the check for a secret's literals found none in it, and the line was written
+    as it was (an escape further in was found by the literal before it)."""
+    escaped = f"\\u{ord(key[0]):04x}{key[1:]}"
+    arguments = '{"t": "' + escaped + '"}'
+    assert json.loads(arguments) == {"t": key}
+    assert redact_text(arguments) == '{"t": "[REDACTED]"}'
+    line = orjson.dumps({"type": "request", "arguments": arguments})
+    assert line_may_hold_secret(line)
+    # text in other scripts, and HTML characters as Go's JSON escapes them, are no key
+    plain = '{"t": "caf\\u00e9 \\u003cb\\u003e in a longer text than a key"}'
+    assert redact_text(plain) is plain
