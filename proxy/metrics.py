@@ -52,15 +52,15 @@ def route_label(ex: Exchange) -> str:
 
 
 REQUEST_STATUSES: Final = (
-    *("200", "400", "401", "402", "403", "404", "413", "415", "422", "426", "429", "499", "500"),
-    *("502", "503", "504", "529"),
+    *("200", "400", "401", "402", "403", "404", "413", "415", "422", "426", "429", "431", "499"),
+    *("500", "502", "503", "504", "529"),
 )
 """Statuses whose series exist from the start (at zero), so that the first one of each shows in a
 rate: Prometheus cannot tell a series' first value from its creation. 200, then what clients and
 providers answer most (402: OpenRouter's and DeepSeek's credits run out; 422: Mistral's and
 vLLM's refusal of a request; 529: Anthropic's overload, through a gateway), and every status
 cachegate answers itself (415: a chat body in an encoding it cannot read; 426: a WebSocket
-upgrade); others appear when they happen."""
+upgrade; 431: a request head too large); others appear when they happen."""
 TOKEN_KINDS: Final = ("prompt", "completion", "cache_read", "cache_write")
 WASTE_CAUSES: Final = (
     "ttl_expired",
@@ -107,9 +107,11 @@ DURATION_BUCKETS: Final = (
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0,
     60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
+# A non-streamed answer's first byte is its last: a reasoning model's takes minutes, up to the
+# upstream timeout (past 120 s every one read as 120 s in a percentile).
 TTFB_BUCKETS: Final = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.5, 10.0, 20.0,
-    30.0, 60.0, 120.0,
+    30.0, 60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
 # The explicit bucket boundaries the OpenTelemetry GenAI conventions give gen_ai.client.token.usage.
 TOKEN_USAGE_BUCKETS: Final = (
