@@ -1209,12 +1209,9 @@ def _overcount(sent: Any, refusal: bytes) -> float:
     """How many times cachegate's estimate of the refused body ``sent`` the provider counted it,
     when its refusal says (1.0 when it does not, or counted less)."""
     said = compaction.provider_prompt_tokens(refusal)
-    if not said or not isinstance(sent, dict):
+    if not said:
         return 1.0
-    tools = sent.get("tools")
-    messages = sent.get("messages")
-    estimate = compaction.estimate_tokens(messages if isinstance(messages, list) else [])
-    estimate += compaction.estimate_tokens(tools) if isinstance(tools, list) else 0
+    estimate = compaction.body_estimate(sent)
     return max(1.0, said / estimate) if estimate > 0 else 1.0
 
 

@@ -241,6 +241,15 @@ class Plan:
 # --- estimates and trigger ------------------------------------------------------------------
 
 
+def body_estimate(body: Any) -> int:
+    """``estimate_tokens`` of a chat request body's messages and tools (0 for no body)."""
+    if not isinstance(body, dict):
+        return 0
+    messages, tools = body.get("messages"), body.get("tools")
+    estimate = estimate_tokens(messages) if isinstance(messages, list) else 0
+    return estimate + (estimate_tokens(tools) if isinstance(tools, list) else 0)
+
+
 def estimate_tokens(obj: Any) -> int:
     """A cheap deterministic token estimate: bytes of compact JSON / 4, rounded up.
 

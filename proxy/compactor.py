@@ -721,9 +721,21 @@ class Compactor:
             if plan.reused is None:
                 return body
             if force and ex.compaction_digest == plan.reused.prefix_digest:
-                # the refused request had this very one: nothing new is sent (the caller
-                # relays the refusal), so no second reuse is counted or logged
-                return {**body, "messages": plan.messages}
+                # The refused request had this very one, and nothing after it can be compacted
+                # (its latest round alone near the room): its summary cut by what the refusal's
+                # count was over, no summary call paid (it went out whole on every turn, refused
+                # each time: an agent asking half the window for its answer). Where the summary
+                # cannot give that much, nothing new is sent (the caller relays the refusal),
+                # so no second reuse is counted or logged.
+                cut = self._cut_summary(ex, plan.reused, summary_window, overcount)
+                if cut is None:
+                    return {**body, "messages": plan.messages}
+                forwarded = compaction.apply_compaction(messages, cut, digest=known)
+                if forwarded is None:  # (cannot happen: the history it was made on)
+                    return {**body, "messages": plan.messages}
+                self._hold(held, cut, messages)
+                self._made_for(ex, cut, "cut")
+                return {**body, "messages": forwarded}
             self._hold(held, plan.reused, messages)
             if not self._claim(state, ex, plan.reused):  # (else made for a try the client left)
                 self._reused_by(ex, plan.reused, carried=plan.reused is carried)
@@ -851,9 +863,13 @@ class Compactor:
             del held[oldest]
         return bool(restored)
 
-    def _made_for(self, ex: Exchange, comp: compaction.Compaction) -> None:
-        """``ex`` goes out with ``comp``, made for it (or for a try of it the client left)."""
-        source = comp.source
+    def _made_for(
+        self, ex: Exchange, comp: compaction.Compaction, source: str | None = None
+    ) -> None:
+        """``ex`` goes out with ``comp``, made for it (or for a try of it the client left);
+        ``source``: how it was made where that is not ``comp.source`` (``cut``: a summary made
+        before, cut for a retry, with no summary call)."""
+        source = source or comp.source
         ex.compacted = ex.compaction_made = True  # (its miss is expected: not waste)
         ex.compaction_digest = comp.prefix_digest
         if ex.session is not None:  # (until an answer of the provider's to it: ``_reused_by``)
@@ -1214,6 +1230,27 @@ class Compactor:
         held[key] = [comp, tuple(messages[: comp.covered])]
         while len(held) > MAX_COMPACTIONS:
             del held[next(iter(held))]
+
+    @staticmethod
+    def _cut_summary(
+        ex: Exchange, comp: compaction.Compaction, room: int, overcount: float
+    ) -> compaction.Compaction | None:
+        """``comp``, with which the refused request (``ex.body``) went out, its summary cut by
+        as much as the refusal's count (``overcount`` times cachegate's estimate of that body)
+        was over ``room`` (the prompt's share of the window), and a margin (prose may count a
+        token in more than 4 bytes); None where less than 200 bytes of it would be left."""
+        over = max(0.0, compaction.body_estimate(ex.body) * max(overcount, 1.0) - room)
+        text = compaction.summary_text(comp.message)
+        budget = _json_size(text) - int((over * 1.25 + 32) * compaction.BYTES_PER_TOKEN)
+        if budget < 200:
+            return None
+        shorter = _within_bytes(text, compaction.clip_summary(text, budget), budget)
+        source: compaction.Source = "extractive" if comp.source == "extractive" else "model"
+        message = compaction.summary_message(
+            shorter, covered=comp.covered - comp.start, source=source
+        )
+        saved = compaction.estimate_tokens([comp.message]) - compaction.estimate_tokens([message])
+        return dataclasses.replace(comp, message=message, tokens_after=comp.tokens_after - saved)
 
     @staticmethod
     def _kept(messages: list[Any], cut: compaction.Cut) -> int:

@@ -1999,7 +1999,7 @@ def _compacted_event(line: bytes) -> dict[str, Any] | None:
     if (
         isinstance(event, dict)
         and event.get("type") == "compacted"
-        and event.get("source") in ("model", "extractive", "carried")
+        and event.get("source") in ("model", "extractive", "carried", "cut")
         and isinstance(event.get("summary"), str)
         and isinstance(event.get("prefix_digest"), str)
         and isinstance(event.get("opening"), str)

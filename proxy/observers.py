@@ -2201,8 +2201,9 @@ class EventLogObserver:
                     if source == "reused"
                     else {"prefix_digest": comp.prefix_digest, "opening": comp.opening}
                 ),
-                # (carried to a history edited in place: how its summary was made)
-                **({"made": comp.source} if source == "carried" else {}),
+                # (carried to a history edited in place, or cut for a retry: how its summary
+                # was made)
+                **({"made": comp.source} if source in ("carried", "cut") else {}),
             },
             ex,
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import re
 import signal
@@ -2504,6 +2505,88 @@ def test_a_refusal_of_a_reused_compaction_with_nothing_more_to_compact_is_relaye
         assert [(e["exchange"], e.get("retry", False)) for e in events] == [(1, False), (2, False)]
         labels = {"model": MODEL, "result": "reused"}
         assert proxy.metric("cachegate_compactions_total", labels) == 1
+
+
+def test_a_retry_whose_summary_keeps_it_over_the_room_goes_with_the_summary_cut(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """An agent asking half of a 12,000-token window for its answer (max_completion_tokens
+    6,000), its tool outputs growing to ~5,200 tokens: the system prompt, the task, a summary
+    of ~2,800 characters and the latest round were over the room by a few dozen tokens. The
+    forced retry had nothing new to compact, and the refusal was relayed on every turn after
+    (the agent stuck). The retry now goes with the summary cut by what the refusal's count was
+    over, with no summary call for it; every turn is answered."""
+    import json
+    import random
+
+    rng = random.Random(7)
+    vocabulary = ["alpha", "beta", "gamma", "delta", "config", "value", "error", "line", "path"]
+
+    def words(n: int) -> str:
+        return " ".join(rng.choice(vocabulary) for _ in range(n))
+
+    lines = ["Task: fix the failing build as the user asked.", "Done:"]
+    while sum(len(x) + 1 for x in lines) < 2800:
+        lines.append(f"- step {len(lines)}: ran the build, {words(8)}")
+    # (a scripted answer, which the summary call gets too: a summary as long as a model's)
+    script = {
+        "content": "\n".join(lines)[:2800],
+        "tool_calls": [{"name": "run", "arguments": json.dumps({"cmd": "make test"})}],
+    }
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "run",
+                "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+            },
+        }
+    ]
+    with run_simulator(SimConfig(context_window=12000)) as sim:
+        config = {
+            "compaction": {"enabled": True, "keep_recent": 8},
+            "models": {"agent-model": {"context_window": 12000}},
+        }
+        proxy = proxy_factory(sim.api_base, config)
+        headers = {"X-Session-Id": "stuck", "X-Sim-Script": json.dumps(script)}
+        client = sdk(proxy.base_url, default_headers=headers)
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a coding agent. Use the tools."},
+            {"role": "user", "content": "Task: fix the failing build. Details: " + words(20)},
+        ]
+        for turn in range(1, 23):
+            answer = client.chat.completions.create(
+                model="agent-model", messages=messages, tools=tools, max_completion_tokens=6000
+            )
+            call = answer.choices[0].message.tool_calls[0]
+            arguments = call.function.arguments
+            function = {"name": "run", "arguments": arguments}
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": call.id, "type": "function", "function": function}],
+                }
+            )
+            output = words(min(3220, 2500 + 40 * turn))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
+        statuses = [r.status for r in sim.sim.requests]
+        summary_calls = sum(1 for r in sim.sim.requests if "tools" not in r.body)
+    events = compacted_events(proxy)
+    cuts = [e for e in events if e["source"] == "cut"]
+    assert cuts and all(e["retry"] and e["made"] == "model" for e in cuts)
+    assert all("summary cut by cachegate" in e["summary"] for e in cuts)
+    assert all(e["prefix_digest"] and e["opening"] for e in cuts)  # (a restart takes it up)
+    # one summary call per compaction made: none for a retry's cut
+    assert summary_calls == sum(1 for e in events if e["source"] == "model")
+    assert 400 in statuses  # (the refusals came)
+    assert all(b == 200 for a, b in itertools.pairwise(statuses) if a == 400)  # (none relayed)
+    # (counted as reused, not as a summary: no summary call was made for it)
+    made = {"model": "agent-model", "result": "summary"}
+    assert proxy.metric("cachegate_compactions_total", made) == summary_calls
+    reused = sum(1 for e in events if e["source"] in ("reused", "cut"))
+    labels = {"model": "agent-model", "result": "reused"}
+    assert proxy.metric("cachegate_compactions_total", labels) == reused
 
 
 @pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
