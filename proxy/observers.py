@@ -903,6 +903,11 @@ class _Terms(NamedTuple):
     priority_factor: float | None
     # a prompt past this is billed at its long-context rates (``cache.long_context``); 0: none
     long_context_tokens: int = 0
+    # known to cache: a provider whose caching rules cachegate knows (OpenAI, Claude, DeepSeek)
+    # or an entry with a cached price or a cache TTL; another's read of 0 says nothing until the
+    # session has read or written the cache (OpenRouter, vLLM report one for models that never
+    # cache: each turn's whole prompt was an unexplained waste)
+    caches: bool = True
 
 
 def _tier(terms: _Terms, ex: Exchange) -> str | None:
@@ -1030,6 +1035,9 @@ class AccountingObserver:
                 floor,
                 factor if openai else None,
                 model.long_context_tokens,
+                cache.caching_provider(model_name or "", model.dialect) != "*"
+                or model.price_cached_input > 0
+                or model.cache_ttl_s > 0,
             )
             if model_name is None or len(model_name) <= _NAME_KEPT:  # (a longer one: each time)
                 self._terms[model_name] = terms
@@ -1140,7 +1148,7 @@ class AccountingObserver:
             if compared is not None and compared.messages:
                 ex.compared_first = compared.messages[0]
         usage = ex.usage
-        name, ttl_s, _, marked_only, min_cached, ttl_floor_s, _, _ = terms
+        name, ttl_s, _, marked_only, min_cached, ttl_floor_s, _, _, caches = terms
         pricing = _billed(terms, ex)  # (at the processing tier the answer was billed at)
         if marked_only or (usage is not None and usage.explicit_cache):
             # Claude keeps a prefix as long as the breakpoint that wrote it asks: "1h" or "5m",
@@ -1392,9 +1400,18 @@ class AccountingObserver:
             cache_state = dataclasses.replace(
                 cache_state, prev_prompt=base[0], params_digest=base[1], model=base[2]
             )
+        judged = usage
+        if (
+            not caches
+            and not cache_state.has_reported
+            and not (usage.cache_read or usage.cache_write)
+        ):
+            # a model not known to cache, whose session has read and written nothing: its read
+            # of 0 is no sign that it caches (``_Terms.caches``)
+            judged = dataclasses.replace(usage, reported_cache=False)
         new_state, result = cache.account(
             cache_state,
-            usage=usage,
+            usage=judged,
             fingerprint=fp,
             divergence=shown,
             # After a rewrite, what the previous request sent that this one dropped (a

@@ -2871,18 +2871,62 @@ def test_claude_through_openrouter_splits_a_rewrite_from_what_was_never_cached(
     assert caches["openrouter"] == caches["anthropic"]
 
 
+@pytest.mark.parametrize(
+    ("model", "read_later"),
+    [
+        ("meta-llama/llama-3.3-70b-instruct", 0),
+        ("meta-llama/llama-3.3-70b-instruct", 2000),
+        ("gpt-4o", 0),
+    ],
+)
+def test_a_model_not_known_to_cache_is_judged_once_its_session_reads_the_cache(
+    scripted: Any, proxy_factory: Any, model: str, read_later: int
+) -> None:
+    """OpenRouter writes ``cached_tokens: 0`` in the usage of every model, those that never
+    cache too (Llama, Qwen on hosts without a cache; vLLM with token details but no prefix
+    caching): each turn's whole previous prompt was an ``unexplained`` waste, blamed on the
+    provider. A model cachegate does not know to cache is judged once its session has read
+    the cache; OpenAI's misses are judged from the first."""
+    usages = [(2000, 0), (3200, 0), (4400, read_later), (5600, 0)]
+    answers = [
+        b'{"id":"o%d","object":"chat.completion","model":"m","choices":[{"index":0,"message":'
+        b'{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":'
+        b'%d,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":%d,'
+        b'"cache_write_tokens":0}}}' % (n, prompt, read)
+        for n, (prompt, read) in enumerate(usages)
+    ]
+    upstream, url = scripted(chunks=[answers[0]], content_type=b"application/json")
+    proxy = proxy_factory(url, config())
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "or"})
+    convo: list[dict[str, Any]] = [{"role": "user", "content": "Fix the test. " * 500}]
+    for turn in range(4):
+        upstream.chunks = [answers[turn]]
+        reply, _ = chat(client, convo, model=model, stream=False)
+        convo += [reply, {"role": "user", "content": f"Go on ({turn}). " * 300}]
+    flush(proxy)
+    wastes = [(r["cache"] or {}).get("waste", 0) for r in events(proxy.log_dir, "or", "response")]
+    if model == "gpt-4o":
+        assert wastes == [0, 2000, 3200, 4400]
+    elif read_later:
+        assert wastes == [0, 0, 1200, 4400]  # (judged from its first read on)
+    else:
+        assert wastes == [0, 0, 0, 0]
+
+
 def test_the_waste_of_a_model_with_no_prices_has_no_price(
     scripted: Any, proxy_factory: Any
 ) -> None:
-    """A local model with no prices: its waste is in tokens, with no dollars (it said $0.0000,
-    as if the waste had cost nothing)."""
+    """A local model with no prices (one that caches: its entry gives its cache's life): its
+    waste is in tokens, with no dollars (it said $0.0000, as if the waste had cost nothing)."""
     answer = (
         b'{"id":"l1","object":"chat.completion","model":"my-local-llm","choices":[{"index":0,'
         b'"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":'
         b'{"prompt_tokens":3600,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":0}}}'
     )
     _upstream, url = scripted(chunks=[answer], content_type=b"application/json")
-    proxy = proxy_factory(url, config())
+    settings = config()
+    settings["models"]["my-local-llm"] = {"cache_ttl_s": 300}
+    proxy = proxy_factory(url, settings)
     client = make_client(proxy.base_url, default_headers={"X-Session-Id": "local"})
     convo: list[dict[str, Any]] = [{"role": "user", "content": "Fix the test. " * 500}]
     for turn in range(2):

@@ -1593,13 +1593,15 @@ def test_a_miss_after_openais_five_minutes_with_nothing_rewritten_is_an_expiry()
 def test_a_models_dialect_gives_its_providers_cache_ttl_under_any_name() -> None:
     """A DeepSeek model under a name of the user's, ``dialect = "deepseek"``: its cache keeps
     an idle prefix for hours, yet the TTL was the 300 s of an unknown name, so an edit after
-    five idle minutes was blamed on an expiry; Claude's 300 s likewise under another name."""
+    five idle minutes was blamed on an expiry; Claude's 300 s likewise under another name. (An
+    unknown name's entry gives a cached price: a model not known to cache is judged only once
+    its session has read the cache.)"""
     history = msgs("fix the bug", "looked", "go on")
     for dialect, model, cause in (
         ("deepseek", "my-ds", "prefix_rewrite"),
         ("openai", "my-ds", "ttl_expired"),  # (no dialect: an unknown name's 300 s)
     ):
-        acc = _Accounting({model: {"dialect": dialect}})
+        acc = _Accounting({model: {"dialect": dialect, "price_cached_input": 0.1}})
         first = [_system("Current date: 2026-12-01"), *history]
         acc.send_body({"model": model, "messages": first}, 9_000, 0, at=0.0)
         later = [_system("Current date: 2026-12-02"), *history, *msgs("done", "next")]
