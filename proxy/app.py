@@ -53,6 +53,7 @@ from proxy.eventlog import EventLogWriter, enforce_retention
 from proxy.metrics import Metrics, MetricsObserver
 from proxy.observers import AccountingObserver, EventLogObserver
 from proxy.pipeline import Exchange, Observer, notify
+from proxy.redact import placeholder_key
 from proxy.relay import (
     Receive,
     Relay,
@@ -169,8 +170,12 @@ class Gateway:
         key_env = settings.upstream.api_key_env
         # The key added to requests without one, read once: the log writer never writes it.
         self._api_key: str | None = environ.get(key_env) if key_env else None
-        if self._api_key:
-            never_an_id(self._api_key)  # (nor a session's id: a log file's name would show it)
+        # (the placeholder given as the key, ``OPENAI_API_KEY=cachegate`` in cachegate's own
+        # shell, which ``serve`` notes: no secret, never taken out of the log's text, nor
+        # refused in a session's id, ``cachegate-dev``)
+        secrets = [] if placeholder_key(self._api_key) else [self._api_key or ""]
+        for key in secrets:
+            never_an_id(key)  # (nor a session's id: a log file's name would show it)
         self.metrics = Metrics(registry, settings.models.keys())
         ss = settings.sessions
         self.sessions = MemorySessionStore(
@@ -181,9 +186,7 @@ class Gateway:
         )
         self.writer: EventLogWriter | None = None
         self.observers: list[Observer] = [
-            AccountingObserver(
-                settings, self.sessions, self.metrics, [self._api_key] if self._api_key else []
-            )
+            AccountingObserver(settings, self.sessions, self.metrics, secrets)
         ]
         if settings.logging.enabled:
             lg = settings.logging
@@ -194,7 +197,7 @@ class Gateway:
                 bodies=lg.bodies,
                 redact_secrets=lg.redact_secrets,
                 on_loss=self._log_loss,
-                secrets=[self._api_key] if self._api_key else [],
+                secrets=secrets,
                 metas_kept=min(max(settings.sessions.max_sessions, 4096), 100_000),
             )
             self.observers.append(EventLogObserver(settings, self.sessions, self.writer, clock))

@@ -1556,6 +1556,11 @@ QUERY_KEY_VALUE: Final = re.compile(
 )
 
 
+def placeholder_key(key: str | None) -> bool:
+    """Whether ``key`` is no key: none, blank, or cachegate's placeholder (any case)."""
+    return not key or not key.strip() or key.strip().lower() == PLACEHOLDER_KEY
+
+
 def credential_keys(schemed: bool, value: str) -> list[str]:
     """The keys a key header's ``value`` holds: the value, or where it is ``schemed``
     (``SCHEMED_KEY_HEADERS``) what follows its scheme (``Bearer``, and a tab after it too: HTTP
@@ -1577,7 +1582,7 @@ def credential_keys(schemed: bool, value: str) -> list[str]:
                 # name, ``developer``, is a word of every line's text)
                 if not password or QUERY_KEY_VALUE.match(user) is not None:
                     keys.append(user)
-    if text.lower() != PLACEHOLDER_KEY:
+    if not placeholder_key(text):
         keys.append(text)
     return keys
 

@@ -622,6 +622,21 @@ def test_a_key_in_any_header_the_log_takes_it_from_or_cachegates_own_names_no_se
     assert not any(k in name for name in names for k in (key, password, own)), names
 
 
+def test_cachegates_own_key_set_to_the_placeholder_is_no_secret(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """``OPENAI_API_KEY=cachegate`` in cachegate's own shell (the agent's setting, which `serve`
+    notes; a keyless local upstream works with it): every id with "cachegate" in it was refused
+    as a key, and the log took the word out of its lines (``"[REDACTED]-dev"``)."""
+    proxy = proxy_factory(sim.api_base, environ={"OPENAI_API_KEY": "cachegate"})
+    headers = {"Authorization": "Bearer cachegate", "X-Session-Id": "cachegate-dev"}
+    r = httpx.post(proxy.base_url + "/chat/completions", json=HELLO, headers=headers)
+    assert r.status_code == 200 and r.headers["x-cachegate-session"] == "cachegate-dev", r.text
+    flush(proxy)
+    line = (proxy.log_dir / "cachegate-dev.jsonl").read_text().splitlines()[0]
+    assert json.loads(line)["session"] == "cachegate-dev"
+
+
 def test_a_slash_smuggled_into_the_path_id_is_a_400_not_a_file(
     sim: RunningSimulator, deep_proxy: Any, tmp_path: Path
 ) -> None:
