@@ -1810,11 +1810,19 @@ _SECRET_ANCHORS: Final = (
     # a URL with a password (and a user, or none), its slashes maybe escaped (PHP's JSON
     # writes ``mysql:\/\/user:pass@host``; a string inside a JSON string, ``\\\/``)
     r":\\*/\\*/[^\s/:@\\]*:[^\s/@]+@",
-    # a letter or digit written as a ``\u`` escape, as no JSON writer does unasked: inside a
-    # JSON string in a string (a tool call's arguments) it stays as written, and a key whose
-    # first letter an obfuscating writer escaped (``\u0067hp_…``) had no literal to be found by
-    r"\\u00(?:3[0-9]|4[1-9a-fA-F]|5[0-9aA]|6[1-9a-fA-F]|7[0-9aA])",
 )
+# A key's letter, digit, "-", "." or "_" written as a ``\u`` escape, as no JSON writer does
+# unasked: inside a JSON string in a string (a tool call's arguments) it stays as written, and a
+# key one of whose characters an obfuscating writer escaped (``\u0067hp_…``, ``ghp\u005f…``)
+# had no literal to be found by. It sends such strings to be read as the text they stand for
+# (``_redact_escaped_strings``); the text as written, where no pattern can match across the
+# escape, is not searched for it (a megabyte holding one regex's ``[\u0030-\u0039]`` was, at
+# 200 ms).
+_ESCAPED_KEY_CHARACTER: Final = (
+    r"\\u00(?:2[dDeE]|3[0-9]|4[1-9a-fA-F]|5[0-9aAfF]|6[1-9a-fA-F]|7[0-9aA])"
+)
+_ESCAPED_KEY_CHARACTER_STR: Final = re.compile(_ESCAPED_KEY_CHARACTER)
+_ESCAPED_KEY_CHARACTER_BYTES: Final = re.compile(_ESCAPED_KEY_CHARACTER.encode())
 _ANCHORS_STR: Final = tuple(re.compile(anchor) for anchor in _SECRET_ANCHORS)
 _LITERALS_BYTES: Final = tuple(literal.encode() for literal in _SECRET_LITERALS)
 _ANCHORS_BYTES: Final = tuple(re.compile(anchor.encode()) for anchor in _SECRET_ANCHORS)
@@ -1999,6 +2007,8 @@ def _scans(line: bytes) -> bool:
     for anchor in _ANCHORS_BYTES:
         if anchor.search(line) is not None:
             return True
+    if b'"' in line and _ESCAPED_KEY_CHARACTER_BYTES.search(line) is not None:
+        return True  # (in a JSON string, whose escapes may hide a key)
     lowered = line.lower()
     for word in _WORDS_BYTES:
         if lowered.find(word) >= 0:
@@ -2023,6 +2033,12 @@ _CONFIRM: Final = 1  # found: the check's own pattern says (on the lowered line)
 _CONFIRM_CASED: Final = 2  # the same, on the line as it is
 _FLAG: Final = 3  # a command's password flag: with one of the commands' names
 _COMMAND: Final = 4
+_ESCAPE: Final = 5  # found (``_ESCAPED_KEY_CHARACTER``): where the text holds a JSON string
+# What a text may hold (``_suspicion``): nothing, a key behind an escape in a JSON string in it
+# only (that string is read as the text it stands for; the rest is not searched), or anything
+_NONE: Final = 0
+_ESCAPES_ONLY: Final = 1
+_SUSPECT: Final = 2
 _LOOK_BEHIND = re.compile(rb"\(\?<[=!](?:[^()\\]|\\.|\[[^]]*\])*\)")
 
 
@@ -2047,6 +2063,7 @@ class _MultiScan:
             entries.append((_hs_literal(literal), 0, _EXACT, None))
         for anchor in _ANCHORS_BYTES:
             entries.append((_hs_loose(anchor.pattern), 0, _CONFIRM_CASED, anchor))
+        entries.append((_ESCAPED_KEY_CHARACTER_BYTES.pattern, 0, _ESCAPE, None))
         for word in _WORDS_BYTES:  # (found in any case: as in the lowered line)
             entries.append((_hs_literal(word), caseless, _EXACT, None))
         for name in _NAMED_BYTES:
@@ -2069,6 +2086,12 @@ class _MultiScan:
         self._local = threading.local()
 
     def __call__(self, line: bytes) -> bool:
+        verdict = self.verdict(line)
+        return verdict == _SUSPECT or (verdict == _ESCAPES_ONLY and b'"' in line)
+
+    def verdict(self, line: bytes) -> int:
+        """``_SUSPECT`` where a check but the escapes' finds something, else
+        ``_ESCAPES_ONLY`` where an escaped key character is found, else ``_NONE``."""
         local = self._local
         scratch = getattr(local, "scratch", None)
         if scratch is None:
@@ -2076,26 +2099,30 @@ class _MultiScan:
         found: list[int] = []
         self._database.scan(line, _found, context=found, scratch=scratch)
         if not found:
-            return False
+            return _NONE
         kinds, checks = self._kinds, self._checks
-        flag = command = False
+        flag = command = escape = False
         lowered: bytes | None = None
         for index in found:
             kind = kinds[index]
             if kind == _EXACT:
-                return True
+                return _SUSPECT
             if kind == _CONFIRM_CASED:
                 if checks[index].search(line) is not None:
-                    return True
+                    return _SUSPECT
             elif kind == _CONFIRM:
                 lowered = line.lower() if lowered is None else lowered
                 if checks[index].search(lowered) is not None:
-                    return True
+                    return _SUSPECT
             elif kind == _FLAG:
                 flag = True
+            elif kind == _ESCAPE:
+                escape = True
             else:
                 command = True
-        return flag and command
+        if flag and command:
+            return _SUSPECT
+        return _ESCAPES_ONLY if escape else _NONE
 
 
 def _found(index: int, start: int, end: int, flags: int, found: list[int]) -> None:
@@ -2239,8 +2266,11 @@ def redact_text(s: str) -> str:
         return s
     if is_binary(s) and _KEY_IN_BASE64 not in s[:256]:  # (a private key's, a data URL's too)
         return s
-    if not _suspect_text(s):  # (neither check below could find anything)
+    suspicion = _suspicion(s)
+    if suspicion == _NONE:  # (neither check below could find anything)
         return s
+    if suspicion == _ESCAPES_ONLY:  # (a key behind an escape, in a JSON string: only there)
+        return _redact_escaped_strings(s)
     out = s
     lowered = _lowered(s)
     if "\\" in s and '"' in s:
@@ -2277,18 +2307,31 @@ def _suspect(s: str, lowered: str) -> bool:
 _STR_ONLY_BLANKS: Final = re.compile("[\x1c-\x1f]")
 
 
-def _suspect_text(s: str) -> bool:
-    """``_suspect(s, _lowered(s))``, by the one-pass scan where it answers the same (ASCII text:
-    the checks' bytes forms are the text's, ``line_may_hold_secret``'s): ~0.7 µs for a short
-    string where the checks one by one take ~3, and ~1 µs for 2 KB where they take ~36."""
+def _suspicion(s: str) -> int:
+    """What ``s`` may hold (``_NONE``, ``_ESCAPES_ONLY``, ``_SUSPECT``): ``_suspect(s,
+    _lowered(s))``, then an escaped key character where ``s`` holds a JSON string; by the
+    one-pass scan where it answers the same (ASCII text: the checks' bytes forms are the
+    text's, ``line_may_hold_secret``'s): ~0.7 µs for a short string where the checks one by
+    one take ~3, and ~1 µs for 2 KB where they take ~36."""
     if s.isascii() and _STR_ONLY_BLANKS.search(s) is None:
         scan = _multi_scan()
         if scan is not None:
             try:
-                return scan(s.encode())
+                verdict = scan.verdict(s.encode())
             except Exception:  # (the checks one by one decide)
                 pass
-    return _suspect(s, _lowered(s))
+            else:
+                return _NONE if verdict == _ESCAPES_ONLY and '"' not in s else verdict
+    if _suspect(s, _lowered(s)):
+        return _SUSPECT
+    if '"' in s and _ESCAPED_KEY_CHARACTER_STR.search(s) is not None:
+        return _ESCAPES_ONLY
+    return _NONE
+
+
+def _suspect_text(s: str) -> bool:
+    """Whether ``s`` may hold anything ``redact_text`` takes out (``_suspicion``)."""
+    return _suspicion(s) != _NONE
 
 
 # A JSON string with at least one escape in it, on one line, or left open at the line's end

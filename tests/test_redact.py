@@ -2746,17 +2746,31 @@ def test_a_provider_key_alone_in_prose_is_taken_out() -> None:
         ), key
 
 
-@pytest.mark.parametrize("key", ["ghp_UESCGHPwX6yZ8aB0cD2eF4gH6iJ8kL0mN2p", "AKIAIOSFODNN7EXAMPLE"])
-def test_a_key_whose_first_letter_is_escaped_in_json_inside_a_string_is_taken_out(key: str) -> None:
+@pytest.mark.parametrize(
+    ("key", "at"),
+    [
+        ("ghp_UESCGHPwX6yZ8aB0cD2eF4gH6iJ8kL0mN2p", 0),
+        ("AKIAIOSFODNN7EXAMPLE", 0),
+        ("ghp_UESCGHPwX6yZ8aB0cD2eF4gH6iJ8kL0mN2p", 3),  # (its "_")
+        ("sk-proj-ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789", 2),  # (its "-")
+        ("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", 2),
+    ],
+)
+def test_a_key_with_a_character_escaped_in_json_inside_a_string_is_taken_out(
+    key: str, at: int
+) -> None:
     """A tool call's arguments hold JSON whose escapes stay as text: ``\\u0067hp_…`` is a GitHub
     token, but the check for a secret's literals found none in it, and the line was written
     as it was (an escape further in was found by the literal before it)."""
-    escaped = f"\\u{ord(key[0]):04x}{key[1:]}"
+    escaped = f"{key[:at]}\\u{ord(key[at]):04x}{key[at + 1 :]}"
     arguments = '{"t": "' + escaped + '"}'
     assert json.loads(arguments) == {"t": key}
     assert redact_text(arguments) == '{"t": "[REDACTED]"}'
     line = orjson.dumps({"type": "request", "arguments": arguments})
     assert line_may_hold_secret(line)
-    # text in other scripts, and HTML characters as Go's JSON escapes them, are no key
+    # text in other scripts, and HTML characters as Go's JSON escapes them, are no key; nor a
+    # regex's escaped digits, in a text or in a JSON string
     plain = '{"t": "caf\\u00e9 \\u003cb\\u003e in a longer text than a key"}'
     assert redact_text(plain) is plain
+    for text in ("match [\\u0030-\\u0039]+ in a line", '{"re": "[\\u0030-\\u0039]+ in a line"}'):
+        assert redact_text(text) is text
