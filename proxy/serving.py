@@ -178,12 +178,16 @@ class HttpProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
-        if self._head_over and not self.transport.is_closing():
+        if self._head_over and not self.transport.is_closing() and not self.pipeline:
             # A head past the limit came behind this answer (its bytes all read, the parser
-            # stopped): its 431 now, not a close at the head's time limit with no word
+            # stopped): its 431 now, not a close at the head's time limit with no word; after
+            # the requests queued before it are answered (the 431 came in the place of the
+            # first, which a client took for its answer, and the rest were never answered)
             self._refuse_head()
             return
         super().on_response_complete()
+        if self._head_over:  # (the next queued one is answered; nothing more is read)
+            self.flow.pause_reading()
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         self._active = cycle

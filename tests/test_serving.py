@@ -495,6 +495,27 @@ def test_requests_pipelined_past_the_limit_are_not_queued() -> None:
         assert _answers(s, 1) == [b"/more"]
 
 
+def test_a_head_past_its_limit_pipelined_behind_queued_requests_gets_its_431_after_them() -> None:
+    """Three requests, then a head over the limit, in one write: the 431 came right after the
+    first answer, in the place of the second (a client took it for that one's), and the
+    second and third were never answered."""
+    import asyncio
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await asyncio.sleep(0.05)
+            await _answer(send, scope["path"].encode())
+
+    queued = b"".join(b"GET /%d HTTP/1.1\r\nhost: x\r\n\r\n" % i for i in range(3))
+    big = b"GET /big HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 70_000 + b"\r\n\r\n"
+    with ServerThread(app) as server, socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(queued + big)
+        answer = _closed_within(s, 10)
+    answered, _, refused = answer.partition(b"HTTP/1.1 431 ")
+    assert [body for _, body in _framed(answered)] == [b"/0", b"/1", b"/2"], answer[:600]
+    assert b"request_header_too_large" in refused and b"/big" not in answer
+
+
 def test_a_small_head_pipelined_behind_a_large_body_is_answered() -> None:
     """The bytes of a read that began a head were all counted as the head's, the body of the
     request before it too: a 45-byte request behind a 200 KB one got a 431."""
