@@ -394,7 +394,9 @@ def _unbilled(row: ExchangeRow) -> bool:
         # request refused as too long: its retry is the exchange)
         return False
     status = row.status or 0
-    return 200 <= status < 300 or status == CLIENT_CLOSED
+    # (a 503 of cachegate's stop, for a request forwarded and not yet answered: the provider
+    # was at work on it, as for one its client left)
+    return 200 <= status < 300 or status == CLIENT_CLOSED or _stopped(row)
 
 
 def replayed(

@@ -7,6 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
+from proxy.errors import SHUTTING_DOWN
 from proxy.eventlog import NotALogFile
 from proxy.report import (
     RESENT_COMPACTED,
@@ -861,6 +862,8 @@ def test_cost_says_how_many_exchanges_reported_no_usage(tmp_path: Path) -> None:
         (2, {"status": 200, "usage": None, "interrupted": True}),  # a stream cut
         (3, {"status": 499, "usage": None, "interrupted": True}),  # left before any answer
         (4, {"status": 200, "usage": None}),  # a provider that gives no usage
+        # forwarded, not yet answered when cachegate's stop cut it (its 503)
+        (8, {"status": 503, "usage": None, "interrupted": True, "error": SHUTTING_DOWN}),
         (5, {"status": 429, "usage": None, "error": "rate limited"}),  # refused: not billed
         # an error object in a 200 body (OpenRouter's "Provider returned error"): not billed
         (7, {"status": 200, "usage": None, "error": "Provider returned error"}),
@@ -876,10 +879,10 @@ def test_cost_says_how_many_exchanges_reported_no_usage(tmp_path: Path) -> None:
     )
     _logged(tmp_path, "cut", events)
     report = session_cost(tmp_path, "cut")
-    assert (report.priced_exchanges, report.no_usage) == (1, 3)
-    assert report.to_json()["no_usage"] == 3
+    assert (report.priced_exchanges, report.no_usage) == (1, 4)
+    assert report.to_json()["no_usage"] == 4
     assert render_cost(report).endswith(
-        "\n3 exchanges reported no usage (the client left before it, cachegate stopped before"
+        "\n4 exchanges reported no usage (the client left before it, cachegate stopped before"
         " it, or a provider that gives none): not counted, though the provider may have billed"
         " them"
     )
