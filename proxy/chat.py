@@ -44,6 +44,7 @@ from proxy.relay import (
 )
 from proxy.sessions import (
     BYTES_HELD_PER_BODY_BYTE,
+    RequestHeaders,
     SessionState,
     SessionStore,
     anchor_of,
@@ -236,20 +237,26 @@ def splice_usage_option(raw: bytes) -> bytes | None:
     return raw[: start + 1] + _USAGE_OPTION + (b"" if empty else b",") + rest
 
 
-def header_map(scope: Scope) -> dict[str, str]:
-    """The request's headers by (lower-case) name, a repeated one's values joined by ", " as
+def header_map(scope: Scope) -> RequestHeaders:
+    """The request's headers by (lower-case) name (and its query string, for the session id's
+    check: ``sessions.is_own_key``), a repeated one's values joined by ", " as
     HTTP combines them (RFC 9110, 5.3: two different X-Session-Id values are no id, where the
     last was taken and a framework upstream read the first); made once per request (the browser
     guard reads it before the route does) and kept in the scope."""
-    headers: dict[str, str] | None = scope.get("cachegate.headers")
+    headers: RequestHeaders | None = scope.get("cachegate.headers")
     if headers is None:
         raw = scope["headers"]
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
+        query = scope.get("query_string") or b""
+        headers = RequestHeaders(
+            ((k.decode("latin-1"), v.decode("latin-1")) for k, v in raw), query
+        )
         if len(headers) < len(raw):  # a name given more than once (rare): all its values
             combined: dict[str, list[str]] = {}
             for k, v in raw:
                 combined.setdefault(k.decode("latin-1"), []).append(v.decode("latin-1"))
-            headers = {k: ", ".join(dict.fromkeys(vs)) for k, vs in combined.items()}
+            headers = RequestHeaders(
+                ((k, ", ".join(dict.fromkeys(vs))) for k, vs in combined.items()), query
+            )
         scope["cachegate.headers"] = headers
         scope["cachegate.header_count"] = len(raw)
     return headers

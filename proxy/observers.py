@@ -27,10 +27,10 @@ from proxy.eventlog import Delta, EventLogWriter, choose_delta
 from proxy.metrics import Metrics
 from proxy.pipeline import Exchange, clip_words
 from proxy.redact import (
-    QUERY_KEY_VALUE,
     SCHEMED_KEY_HEADERS,
     credential_keys,
     known_secrets,
+    query_keys,
     redact_text,
     without_values,
 )
@@ -2267,30 +2267,6 @@ def exchange_keys(ex: Exchange) -> tuple[str, ...]:
     """The client's own keys ``ex`` went upstream with: in its key headers (``client_keys``)
     and in its URL's query (``query_keys``), for text said on stderr."""
     return known_secrets((*client_keys(ex.upstream_headers), *query_keys(ex.query)))
-
-
-# Query parameters a key goes in where a client sends it in the URL (Google's ``?key=``, Azure
-# Functions' ``?code=``, OAuth's ``access_token``)
-_QUERY_KEY_NAMES: Final = frozenset(
-    {"key", "api_key", "api-key", "apikey", "access_token", "token", "code"}
-)
-
-
-def query_keys(query: bytes) -> tuple[str, ...]:
-    """The values of a request's query parameters that carry a key (``_QUERY_KEY_NAMES``) and
-    look like one (``QUERY_KEY_VALUE``), as sent and decoded (an upstream quotes the URL as it
-    got it: ``%3D%3D`` at the end of an Azure key)."""
-    from urllib.parse import unquote_plus
-
-    keys: list[str] = []
-    for pair in query.decode("latin-1").split("&"):
-        name, _, raw = pair.partition("=")
-        if unquote_plus(name).lower() not in _QUERY_KEY_NAMES:
-            continue
-        for value in {raw, unquote_plus(raw)}:
-            if QUERY_KEY_VALUE.fullmatch(value):
-                keys.append(value)
-    return tuple(keys)
 
 
 def _usage_dict(usage: Usage) -> dict[str, Any]:

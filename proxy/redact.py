@@ -1561,6 +1561,30 @@ def placeholder_key(key: str | None) -> bool:
     return not key or not key.strip() or key.strip().lower() == PLACEHOLDER_KEY
 
 
+# Query parameters a key goes in where a client sends it in the URL (Google's ``?key=``, Azure
+# Functions' ``?code=``, OAuth's ``access_token``)
+QUERY_KEY_NAMES: Final = frozenset(
+    {"key", "api_key", "api-key", "apikey", "access_token", "token", "code"}
+)
+
+
+def query_keys(query: bytes) -> tuple[str, ...]:
+    """The values of a request's query parameters that carry a key (``QUERY_KEY_NAMES``) and
+    look like one (``QUERY_KEY_VALUE``), as sent and decoded (an upstream quotes the URL as it
+    got it: ``%3D%3D`` at the end of an Azure key)."""
+    from urllib.parse import unquote_plus
+
+    keys: list[str] = []
+    for pair in query.decode("latin-1").split("&"):
+        name, _, raw = pair.partition("=")
+        if unquote_plus(name).lower() not in QUERY_KEY_NAMES:
+            continue
+        for value in {raw, unquote_plus(raw)}:
+            if QUERY_KEY_VALUE.fullmatch(value):
+                keys.append(value)
+    return tuple(keys)
+
+
 def credential_keys(schemed: bool, value: str) -> list[str]:
     """The keys a key header's ``value`` holds: the value, or where it is ``schemed``
     (``SCHEMED_KEY_HEADERS``) what follows its scheme (``Bearer``, and a tab after it too: HTTP

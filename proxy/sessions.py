@@ -32,7 +32,13 @@ from proxy.prefix import (
     same_json,
     single_text,
 )
-from proxy.redact import SCHEMED_KEY_HEADERS, credential_keys, known_secrets, redact_text
+from proxy.redact import (
+    SCHEMED_KEY_HEADERS,
+    credential_keys,
+    known_secrets,
+    query_keys,
+    redact_text,
+)
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +110,24 @@ def explicit_session_id(headers: Mapping[str, str], path_id: str | None) -> str 
     return None
 
 
+class RequestHeaders(dict[str, str]):
+    """A request's headers by lower-case name (``chat.header_map``), with its query string:
+    a key may be sent there too (``?key=``: ``redact.query_keys``)."""
+
+    __slots__ = ("query",)
+
+    def __init__(self, fields: Iterable[tuple[str, str]], query: bytes = b"") -> None:
+        super().__init__(fields)
+        self.query = query
+
+
 def is_own_key(value: str, headers: Mapping[str, str]) -> bool:
     """Whether ``value`` holds a key the request itself is sent with, or cachegate's own
     (``never_an_id``): a key of no family the redaction knows (``gw-…``), which the log takes
     out as the client's own, but a file's name would show. The keys are those the log's lines
-    never hold (``observers.client_keys``): in a credential header or a gateway's, alone or
-    after its scheme (``Bearer``, then a space or a tab), and ``Basic``'s user and password."""
+    never hold (``observers.client_keys``, ``redact.query_keys``): in a credential header or a
+    gateway's, alone or after its scheme (``Bearer``, then a space or a tab), ``Basic``'s user
+    and password, and in the query's key parameters."""
     for name in KEY_HEADERS:
         sent = headers.get(name)
         if sent and any(
@@ -117,6 +135,9 @@ def is_own_key(value: str, headers: Mapping[str, str]) -> bool:
             for key in known_secrets(credential_keys(name in SCHEMED_KEY_HEADERS, sent))
         ):
             return True
+    query = headers.query if isinstance(headers, RequestHeaders) else b""  # (``?key=…``)
+    if query and any(key in value for key in known_secrets(query_keys(query))):
+        return True
     return any(key in value for key in _own_keys)
 
 

@@ -606,6 +606,16 @@ def test_a_key_in_any_header_the_log_takes_it_from_or_cachegates_own_names_no_se
         assert r.status_code == 400, (headers, r.text)
         error = r.json()["error"]
         assert error["code"] == "invalid_session_id" and "reads as an API key" in error["message"]
+    # a key sent in the URL's query (Google's ``?key=``, Azure's ``?api-key=``): taken out of
+    # the log's lines as the client's, it named the log file
+    query_key = "a1b2c3d4e5f60718293a4b5c6d7e8f90"
+    for url, headers in (
+        (proxy.base_url + "/chat/completions?api-key=" + query_key, {"X-Session-Id": query_key}),
+        (f"{proxy.url}/s/run-{query_key}/v1/chat/completions?key={query_key}", {}),
+    ):
+        r = httpx.post(url, json=HELLO, headers=headers)
+        assert r.status_code == 400, (url, r.text)
+        assert "reads as an API key" in r.json()["error"]["message"]
     # (the placeholder and a short key are no keys: the names they are in are names)
     for headers, sid in (
         ({"Authorization": "Bearer cachegate"}, "cachegate-run-1"),
@@ -619,7 +629,7 @@ def test_a_key_in_any_header_the_log_takes_it_from_or_cachegates_own_names_no_se
         assert r.status_code == 200 and r.headers["x-cachegate-session"] == sid, r.text
     flush(proxy)
     names = [p.name for p in proxy.log_dir.iterdir()]
-    assert not any(k in name for name in names for k in (key, password, own)), names
+    assert not any(k in name for name in names for k in (key, password, own, query_key)), names
 
 
 def test_cachegates_own_key_set_to_the_placeholder_is_no_secret(
