@@ -84,6 +84,8 @@ _MODEL_PROVIDERS: Final = (
     ("gpt-oss", "*"),
     ("gpt-", "openai"),
     ("chatgpt", "openai"),
+    ("codex-mini", "openai"),
+    ("computer-use", "openai"),
     ("o1", "openai"),
     ("o3", "openai"),
     ("o4", "openai"),

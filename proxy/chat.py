@@ -246,17 +246,15 @@ def header_map(scope: Scope) -> RequestHeaders:
     headers: RequestHeaders | None = scope.get("cachegate.headers")
     if headers is None:
         raw = scope["headers"]
-        query = scope.get("query_string") or b""
-        headers = RequestHeaders(
-            ((k.decode("latin-1"), v.decode("latin-1")) for k, v in raw), query
-        )
+        headers = RequestHeaders({k.decode("latin-1"): v.decode("latin-1") for k, v in raw})
         if len(headers) < len(raw):  # a name given more than once (rare): all its values
             combined: dict[str, list[str]] = {}
             for k, v in raw:
                 combined.setdefault(k.decode("latin-1"), []).append(v.decode("latin-1"))
             headers = RequestHeaders(
-                ((k, ", ".join(dict.fromkeys(vs))) for k, vs in combined.items()), query
+                {k: ", ".join(dict.fromkeys(vs)) for k, vs in combined.items()}
             )
+        headers.query = scope.get("query_string") or b""
         scope["cachegate.headers"] = headers
         scope["cachegate.header_count"] = len(raw)
     return headers
@@ -1083,6 +1081,7 @@ class ChatPipeline:
                         window=compaction.provider_window(retry.text),
                         overcount=_overcount(ex.body, retry.text),
                         reserved=compaction.reserved_output(retry.text, ex.body),
+                        counted=compaction.provider_prompt_tokens(retry.text),
                     )
                 except asyncio.CancelledError:
                     task = asyncio.current_task()

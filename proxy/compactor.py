@@ -348,6 +348,7 @@ class Compactor:
         window: int | None = None,
         overcount: float = 1.0,
         reserved: int = 0,
+        counted: int | None = None,
     ) -> dict[str, Any]:
         """The body to forward. ``force`` compacts whatever the trigger says (the provider just
         refused the history as too long); ``window`` is the provider's real limit when it said so,
@@ -355,12 +356,20 @@ class Compactor:
         (the window is planned as that much smaller: dense text, code), ``reserved`` the
         completion tokens the request asked for, which such a provider counts in the window (it
         is planned as that much smaller too: a compacted retry that fitted the window by itself
-        was refused again, after a summary call paid for).
+        was refused again, after a summary call paid for), ``counted`` the prompt tokens the
+        refusal says the refused body held, where it says (``_cut_summary``).
         A compaction that fails before forwarding lets the request go as it is (compaction never
         breaks a request); one for a retry raises (the caller answers it in OpenAI's shape)."""
         if force:
             return await self._apply(
-                ex, state, body, force=True, window=window, overcount=overcount, reserved=reserved
+                ex,
+                state,
+                body,
+                force=True,
+                window=window,
+                overcount=overcount,
+                reserved=reserved,
+                counted=counted,
             )
         try:
             return await self._apply(ex, state, body, force=False, window=window)
@@ -378,6 +387,7 @@ class Compactor:
         window: int | None,
         overcount: float = 1.0,
         reserved: int = 0,
+        counted: int | None = None,
     ) -> dict[str, Any]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -391,10 +401,10 @@ class Compactor:
         running = self._running_for(pending, messages) if pending else None
         if running is None:
             return await self._compact(
-                ex, state, body, messages, force, window, overcount, reserved
+                ex, state, body, messages, force, window, overcount, reserved, counted
             )
         return await self._after(
-            ex, state, body, messages, force, window, overcount, reserved, running
+            ex, state, body, messages, force, window, overcount, reserved, running, counted
         )
 
     async def _after(
@@ -408,6 +418,7 @@ class Compactor:
         overcount: float,
         reserved: int,
         running: _Summary,
+        counted: int | None = None,
     ) -> dict[str, Any]:
         """A retry, or the agent's next turn, while its history's summary is written (its client
         left, or it came while the session's log was read): it waits for that one, then goes out
@@ -417,7 +428,7 @@ class Compactor:
         await self._wait(ex, state, running)
         try:
             forwarded = await self._compact(
-                ex, state, body, messages, force, window, overcount, reserved
+                ex, state, body, messages, force, window, overcount, reserved, counted
             )
         except BaseException:
             self._meter(running)  # (no response of this one's prices it)
@@ -438,6 +449,7 @@ class Compactor:
         window: int | None,
         overcount: float,
         reserved: int = 0,
+        counted: int | None = None,
     ) -> dict[str, Any]:
         cfg = self.settings.compaction
         model_cfg = self._model(ex.model)
@@ -543,7 +555,7 @@ class Compactor:
                     ratio,
                 )
                 return await self._compact(
-                    ex, state, body, messages, force, window, ratio, reserved
+                    ex, state, body, messages, force, window, ratio, reserved, counted
                 )
 
         def shrunk(keep_recent: int, anchor: bool) -> compaction.Plan:
@@ -727,7 +739,7 @@ class Compactor:
                 # each time: an agent asking half the window for its answer). Where the summary
                 # cannot give that much, nothing new is sent (the caller relays the refusal),
                 # so no second reuse is counted or logged.
-                cut = self._cut_summary(ex, plan.reused, summary_window, overcount)
+                cut = self._cut_summary(plan.reused, summary_window, counted)
                 if cut is None:
                     return {**body, "messages": plan.messages}
                 forwarded = compaction.apply_compaction(messages, cut, digest=known)
@@ -744,7 +756,7 @@ class Compactor:
             # A summary is to be made for a history too short for the try above (the latest
             # messages so large that fewer of them were kept): one made before may cover it.
             return await self._compact(
-                ex, state, body, messages, force, stated, overcount, reserved
+                ex, state, body, messages, force, stated, overcount, reserved, counted
             )
         pending: dict[str, _Summary] | None = state.extra.get("summaries")
         running = self._running_for(pending, messages) if pending else None
@@ -753,7 +765,7 @@ class Compactor:
             # session's log, the session's first long history in this process): it waits for
             # that one too, rather than pay for a second summary of the same prefix.
             return await self._after(
-                ex, state, body, messages, force, stated, overcount, reserved, running
+                ex, state, body, messages, force, stated, overcount, reserved, running, counted
             )
         # (made on ``existing``: its summary, if no request was sent with it, is billed with
         # this one's: ``_Summary.rolled``)
@@ -1233,13 +1245,17 @@ class Compactor:
 
     @staticmethod
     def _cut_summary(
-        ex: Exchange, comp: compaction.Compaction, room: int, overcount: float
+        comp: compaction.Compaction, room: int, counted: int | None
     ) -> compaction.Compaction | None:
-        """``comp``, with which the refused request (``ex.body``) went out, its summary cut by
-        as much as the refusal's count (``overcount`` times cachegate's estimate of that body)
-        was over ``room`` (the prompt's share of the window), and a margin (prose may count a
-        token in more than 4 bytes); None where less than 200 bytes of it would be left."""
-        over = max(0.0, compaction.body_estimate(ex.body) * max(overcount, 1.0) - room)
+        """``comp``, with which the refused request went out, its summary cut by as much as the
+        refusal's count of that request (``counted``) was over ``room`` (the prompt's share of
+        the window), and a margin (prose may count a token in more than 4 bytes). None where
+        the refusal says no count (Gemini's, llama.cpp's: a cut by the margin alone was refused
+        again, and the next attempt cut the summary again), or less than 200 bytes of it would
+        be left."""
+        if counted is None:
+            return None
+        over = max(0, counted - room)
         text = compaction.summary_text(comp.message)
         budget = _json_size(text) - int((over * 1.25 + 32) * compaction.BYTES_PER_TOKEN)
         if budget < 200:

@@ -579,6 +579,11 @@ def test_a_configured_dialect_names_the_provider_whose_ttl_applies(
         ("us.anthropic.claude-sonnet-4-5-20250929-v1:0", "anthropic"),
         ("claude-sonnet-4-5@20250929", "anthropic"),
         ("gpt-4-turbo", "openai"),
+        # OpenAI's models without "gpt" in their names: their misses are judged from the
+        # first turn (a model not known to cache is judged only once it reads the cache)
+        ("codex-mini-latest", "openai"),
+        ("computer-use-preview", "openai"),
+        ("openai/codex-mini-latest", "openai"),
         ("unclaude-7b", "*"),  # (not the word)
         ("llama-3.3-70b", "*"),
         ("deepseek/deepseek-chat", "deepseek"),

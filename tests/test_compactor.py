@@ -2507,15 +2507,60 @@ def test_a_refusal_of_a_reused_compaction_with_nothing_more_to_compact_is_relaye
         assert proxy.metric("cachegate_compactions_total", labels) == 1
 
 
+class _Reworded:
+    """A relay to the simulator that words its too-long refusal as llama.cpp does: no count of
+    the prompt in it."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base  # (the simulator's root)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = await asgi_body(receive)
+        headers = {
+            k.decode(): v.decode()
+            for k, v in scope["headers"]
+            if k.lower() not in (b"host", b"content-length")
+        }
+        async with httpx.AsyncClient() as client:
+            r = await client.request(
+                scope["method"], self.base + scope["path"], content=body, headers=headers
+            )
+        out = r.content
+        if r.status_code == 400 and b"context_length_exceeded" in out:
+            out = orjson.dumps(
+                {
+                    "error": {
+                        "code": 400,
+                        "message": "the request exceeds the available context size, try"
+                        " increasing it",
+                        "type": "exceed_context_size_error",
+                    }
+                }
+            )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": r.status_code,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": out})
+
+
+@pytest.mark.parametrize("wording", ["openai", "no count"])
 def test_a_retry_whose_summary_keeps_it_over_the_room_goes_with_the_summary_cut(
-    sdk: Any, proxy_factory: Any
+    sdk: Any, proxy_factory: Any, wording: str
 ) -> None:
     """An agent asking half of a 12,000-token window for its answer (max_completion_tokens
     6,000), its tool outputs growing to ~5,200 tokens: the system prompt, the task, a summary
     of ~2,800 characters and the latest round were over the room by a few dozen tokens. The
     forced retry had nothing new to compact, and the refusal was relayed on every turn after
     (the agent stuck). The retry now goes with the summary cut by what the refusal's count was
-    over, with no summary call for it; every turn is answered."""
+    over, with no summary call for it; every turn is answered. A refusal that says no count
+    (llama.cpp's) is relayed as it was, the summary left whole: cut by a margin alone, the
+    retry was refused again, and each attempt cut the summary again."""
     import json
     import random
 
@@ -2542,12 +2587,18 @@ def test_a_retry_whose_summary_keeps_it_over_the_room_goes_with_the_summary_cut(
             },
         }
     ]
-    with run_simulator(SimConfig(context_window=12000)) as sim:
+    refused = 0
+    with contextlib.ExitStack() as stack:
+        sim = stack.enter_context(run_simulator(SimConfig(context_window=12000)))
+        upstream = sim.api_base
+        if wording == "no count":
+            root = sim.api_base.removesuffix("/v1")
+            upstream = stack.enter_context(ServerThread(_Reworded(root))).url + "/v1"
         config = {
             "compaction": {"enabled": True, "keep_recent": 8},
             "models": {"agent-model": {"context_window": 12000}},
         }
-        proxy = proxy_factory(sim.api_base, config)
+        proxy = proxy_factory(upstream, config)
         headers = {"X-Session-Id": "stuck", "X-Sim-Script": json.dumps(script)}
         client = sdk(proxy.base_url, default_headers=headers)
         messages: list[dict[str, Any]] = [
@@ -2555,9 +2606,15 @@ def test_a_retry_whose_summary_keeps_it_over_the_room_goes_with_the_summary_cut(
             {"role": "user", "content": "Task: fix the failing build. Details: " + words(20)},
         ]
         for turn in range(1, 23):
-            answer = client.chat.completions.create(
-                model="agent-model", messages=messages, tools=tools, max_completion_tokens=6000
-            )
+            try:
+                answer = client.chat.completions.create(
+                    model="agent-model", messages=messages, tools=tools, max_completion_tokens=6000
+                )
+            except openai.BadRequestError:
+                refused += 1
+                if refused == 3:  # (the same history, sent again and again)
+                    break
+                continue
             call = answer.choices[0].message.tool_calls[0]
             arguments = call.function.arguments
             function = {"name": "run", "arguments": arguments}
@@ -2574,12 +2631,17 @@ def test_a_retry_whose_summary_keeps_it_over_the_room_goes_with_the_summary_cut(
         summary_calls = sum(1 for r in sim.sim.requests if "tools" not in r.body)
     events = compacted_events(proxy)
     cuts = [e for e in events if e["source"] == "cut"]
-    assert cuts and all(e["retry"] and e["made"] == "model" for e in cuts)
-    assert all("summary cut by cachegate" in e["summary"] for e in cuts)
-    assert all(e["prefix_digest"] and e["opening"] for e in cuts)  # (a restart takes it up)
     # one summary call per compaction made: none for a retry's cut
     assert summary_calls == sum(1 for e in events if e["source"] == "model")
     assert 400 in statuses  # (the refusals came)
+    if wording == "no count":
+        assert refused == 3 and cuts == []  # (relayed each time; the summary whole)
+        assert statuses.count(400) == 3  # (each sent once: nothing new to send again)
+        return
+    assert refused == 0
+    assert cuts and all(e["retry"] and e["made"] == "model" for e in cuts)
+    assert all("summary cut by cachegate" in e["summary"] for e in cuts)
+    assert all(e["prefix_digest"] and e["opening"] for e in cuts)  # (a restart takes it up)
     assert all(b == 200 for a, b in itertools.pairwise(statuses) if a == 400)  # (none relayed)
     # (counted as reused, not as a summary: no summary call was made for it)
     made = {"model": "agent-model", "result": "summary"}
