@@ -2110,12 +2110,12 @@ class _MultiScan:
         self._local = threading.local()
 
     def __call__(self, line: bytes) -> bool:
-        verdict = self.verdict(line)
-        return verdict == _SUSPECT or (verdict == _ESCAPES_ONLY and b'"' in line)
+        return self.verdict(line) != _NONE
 
     def verdict(self, line: bytes) -> int:
         """``_SUSPECT`` where a check but the escapes' finds something, else
-        ``_ESCAPES_ONLY`` where an escaped key character is found, else ``_NONE``."""
+        ``_ESCAPES_ONLY`` where an escaped key character is found and ``line`` holds a JSON
+        string (a quote), else ``_NONE``."""
         local = self._local
         scratch = getattr(local, "scratch", None)
         if scratch is None:
@@ -2146,7 +2146,7 @@ class _MultiScan:
                 command = True
         if flag and command:
             return _SUSPECT
-        return _ESCAPES_ONLY if escape else _NONE
+        return _ESCAPES_ONLY if escape and b'"' in line else _NONE
 
 
 def _found(index: int, start: int, end: int, flags: int, found: list[int]) -> None:
@@ -2345,7 +2345,7 @@ def _suspicion(s: str) -> int:
             except Exception:  # (the checks one by one decide)
                 pass
             else:
-                return _NONE if verdict == _ESCAPES_ONLY and '"' not in s else verdict
+                return verdict
     if _suspect(s, _lowered(s)):
         return _SUSPECT
     if '"' in s and _ESCAPED_KEY_CHARACTER_STR.search(s) is not None:

@@ -49,7 +49,7 @@ from proxy.pipeline import Exchange, RefusedAnswer, UnreadableAnswer, refusal_te
 from proxy.redact import PLACEHOLDER_KEY
 from proxy.resanswers import ResponsesRecorder, assemble_response
 from proxy.sessions import CREDENTIAL_HEADERS
-from proxy.sessions import GATEWAY_KEY_HEADERS as GATEWAY_KEY_NAMES
+from proxy.sessions import GATEWAY_KEY_HEADERS as GATEWAY_KEY_NAMES  # (by name: bytes here)
 from proxy.strip import EVENT_ENDS, UsageEventStripper, without_lf_nulls
 from proxy.upstream import InvalidAnswer, SizedStream, UpstreamPool, UpstreamResponse
 
