@@ -1373,7 +1373,8 @@ _WINDOW_RE = re.compile(
 # Where they state how many tokens the refused prompt held: OpenAI's family ("your messages
 # resulted in N tokens", "(N in the messages, …)"), Anthropic ("prompt is too long: N tokens"),
 # llama.cpp ("the request (N tokens) exceeds …"), SGLang and Together ("The input (N tokens) is
-# longer than …", "N tokens from the input messages").
+# longer than …", "N tokens from the input messages"), Gemini ("The input token count (N)"), xAI
+# ("the request contains N tokens") and Mistral ("Prompt contains N tokens").
 _PROMPT_RE = re.compile(
     rb"messages resulted in (\d+) tokens?"
     rb"|\((\d+) in the messages"
@@ -1382,7 +1383,9 @@ _PROMPT_RE = re.compile(
     rb"|context limit: (\d+) \+"
     rb"|given: (\d+) `inputs` tokens"
     rb"|(\d+) tokens from the input messages"
-    rb"|input \((\d+) tokens?\) is longer than",
+    rb"|input \((\d+) tokens?\) is longer than"
+    rb"|input token count \((\d+)\)"
+    rb"|(?:request|prompt) contains (\d+) tokens",
     re.IGNORECASE,
 )
 

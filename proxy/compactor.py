@@ -1250,7 +1250,7 @@ class Compactor:
         """``comp``, with which the refused request went out, its summary cut by as much as the
         refusal's count of that request (``counted``) was over ``room`` (the prompt's share of
         the window), and a margin (prose may count a token in more than 4 bytes). None where
-        the refusal says no count (Gemini's, llama.cpp's: a cut by the margin alone was refused
+        the refusal says no count (an older llama.cpp's: a cut by the margin alone was refused
         again, and the next attempt cut the summary again), or less than 200 bytes of it would
         be left."""
         if counted is None:

@@ -27,6 +27,7 @@ from proxy.compaction import (
     is_synthetic,
     plan,
     prefix_digest,
+    provider_prompt_tokens,
     provider_window,
     should_compact,
     summary_chars,
@@ -877,13 +878,14 @@ def test_a_history_too_long_beside_its_max_tokens_is_still_a_context_refusal() -
 
 
 @pytest.mark.parametrize(
-    ("body", "window"),
+    ("body", "window", "prompt"),
     [
         pytest.param(
             b'{"error":{"message":"This model\'s maximum context length is 128000 tokens. However,'
             b' your messages resulted in 130412 tokens.","type":"invalid_request_error",'
             b'"param":"messages","code":"context_length_exceeded"}}',
             128000,
+            130412,
             id="openai",
         ),
         pytest.param(
@@ -891,42 +893,49 @@ def test_a_history_too_long_beside_its_max_tokens_is_still_a_context_refusal() -
             b' size (8192 tokens), try increasing it","type":"exceed_context_size_error",'
             b'"n_prompt_tokens":9412,"n_ctx":8192}}',
             8192,
+            9412,
             id="llama.cpp-and-ollama",
         ),
         pytest.param(
             b'{"error":{"message":"the request exceeds the available context size, try increasing'
             b' it","type":"exceed_context_size_error","n_ctx":4096}}',
             4096,
+            None,
             id="llama.cpp-older",
         ),
         pytest.param(
             b'{"object":"error","message":"The input (150000 tokens) is longer than the model\'s'
             b' context length (128000 tokens).","type":"BadRequestError","code":400}',
             128000,
+            150000,
             id="together-sglang",
         ),
         pytest.param(
             b'[{"error":{"code":400,"message":"The input token count (1200000) exceeds the maximum'
             b' number of tokens allowed (1048576).","status":"INVALID_ARGUMENT"}}]',
             1048576,
+            1200000,
             id="gemini",
         ),
         pytest.param(
             b'{"code":"Client specified an invalid argument","error":"This model\'s maximum prompt'
             b' length is 131072 but the request contains 140000 tokens."}',
             131072,
+            140000,
             id="xai",
         ),
         pytest.param(
             b'{"object":"error","message":"Prompt contains 40000 tokens and 0 draft tokens, too'
             b' large for model with 32768 maximum context length","type":"invalid_request_error"}',
             32768,
+            40000,
             id="mistral",
         ),
         pytest.param(
             b'{"type":"error","error":{"type":"invalid_request_error","message":"prompt is too'
             b' long: 210000 tokens > 200000 maximum"}}',
             200000,
+            210000,
             id="anthropic",
         ),
         pytest.param(
@@ -934,6 +943,7 @@ def test_a_history_too_long_beside_its_max_tokens_is_still_a_context_refusal() -
             b" `max_tokens` exceed context limit: 178959 + 64000 > 200000, decrease input length"
             b' or `max_tokens` and try again"}}',
             200000,
+            178959,
             id="anthropic-with-max-tokens",
         ),
         pytest.param(
@@ -943,6 +953,7 @@ def test_a_history_too_long_beside_its_max_tokens_is_still_a_context_refusal() -
             b" the number of tokens in the input messages or the completion to fit within the"
             b' limit.","type":"BadRequestError","param":null,"code":400}',
             32768,
+            19051,
             id="sglang-with-completion",
         ),
         pytest.param(
@@ -950,6 +961,7 @@ def test_a_history_too_long_beside_its_max_tokens_is_still_a_context_refusal() -
             b' 32769. Given: 40000 `inputs` tokens and 2048 `max_new_tokens`",'
             b'"error_type":"validation"}',
             32769,
+            40000,
             id="tgi-together-dedicated",
         ),
         pytest.param(
@@ -958,11 +970,13 @@ def test_a_history_too_long_beside_its_max_tokens_is_still_a_context_refusal() -
             b'\\"message\\":\\"prompt is too long: 210000 tokens > 200000 maximum\\"}}",'
             b'"provider_name":"Anthropic"}}}',
             200000,
+            210000,
             id="openrouter-relaying-anthropic",
         ),
         pytest.param(
             b'{"error":"The number of tokens to keep from the initial prompt is greater than the'
             b' context length. Try to load the model with a larger context length."}',
+            None,
             None,
             id="lm-studio",
         ),
@@ -972,25 +986,30 @@ def test_a_history_too_long_beside_its_max_tokens_is_still_a_context_refusal() -
             b" not enough. Try to load the model with a larger context length, or provide a"
             b' shorter input"}',
             7500,
+            None,
             id="lm-studio-0.3",
         ),
         pytest.param(
             b'{"error":"Cannot truncate prompt with n_keep (14169) >= n_ctx (4096)"}',
             4096,
+            None,
             id="lm-studio-0.4",
         ),
         pytest.param(
             b'{"message":"Input is too long for requested model."}',
+            None,
             None,
             id="bedrock",
         ),
     ],
 )
 def test_the_context_refusals_of_the_usual_servers_are_recognised_with_their_window(
-    body: bytes, window: int | None
+    body: bytes, window: int | None, prompt: int | None
 ) -> None:
     assert is_context_length_error(400, body)
     assert provider_window(body) == window
+    # the count a forced retry cuts its reused summary by (none stated: the refusal is relayed)
+    assert provider_prompt_tokens(body) == prompt
 
 
 def test_other_refusals_are_not_taken_for_context_length() -> None:
@@ -1106,7 +1125,7 @@ def test_the_completion_a_refusal_counts_is_reserved_where_its_server_counts_it(
     """What the refusal says the request asked for; else the request's own max_tokens where
     the server counts it in the window (OpenAI's family, SGLang), not where it counts the
     prompt alone (llama.cpp): a retry there was given up, or refused again here."""
-    from proxy.compaction import provider_prompt_tokens, reserved_output
+    from proxy.compaction import reserved_output
 
     body = {"max_tokens": 16384}
     sglang = (

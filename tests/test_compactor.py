@@ -2508,8 +2508,8 @@ def test_a_refusal_of_a_reused_compaction_with_nothing_more_to_compact_is_relaye
 
 
 class _Reworded:
-    """A relay to the simulator that words its too-long refusal as llama.cpp does: no count of
-    the prompt in it."""
+    """A relay to the simulator that words its too-long refusal as an older llama.cpp does: no
+    count of the prompt in it."""
 
     def __init__(self, base: str) -> None:
         self.base = base  # (the simulator's root)
@@ -2559,7 +2559,7 @@ def test_a_retry_whose_summary_keeps_it_over_the_room_goes_with_the_summary_cut(
     forced retry had nothing new to compact, and the refusal was relayed on every turn after
     (the agent stuck). The retry now goes with the summary cut by what the refusal's count was
     over, with no summary call for it; every turn is answered. A refusal that says no count
-    (llama.cpp's) is relayed as it was, the summary left whole: cut by a margin alone, the
+    (an older llama.cpp's) is relayed as it was, the summary left whole: cut by a margin alone, the
     retry was refused again, and each attempt cut the summary again."""
     import json
     import random
