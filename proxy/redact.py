@@ -1832,8 +1832,9 @@ _SECRET_ANCHORS: Final = (
     r"k_(?:live_|test_|(?<=gsk_))",
     r"hf_",
     # a URL with a password (and a user, or none), its slashes maybe escaped (PHP's JSON
-    # writes ``mysql:\/\/user:pass@host``; a string inside a JSON string, ``\\\/``)
-    r":\\*/\\*/[^\s/:@\\]*:[^\s/@]+@",
+    # writes ``mysql:\/\/user:pass@host``; a string inside a JSON string, ``\\\/``), its
+    # user too (``postgres://\u0061pp:pw@db`` in a tool's output: its password was kept)
+    r":\\*/\\*/[^\s/:@]*:[^\s/@]+@",
 )
 # A key's letter, digit, "-", "." or "_" written as a ``\u`` escape, as no JSON writer does
 # unasked: inside a JSON string in a string (a tool call's arguments) it stays as written, and a

@@ -1763,6 +1763,10 @@ def test_a_string_left_open_among_escaped_quotes_is_looked_at_once() -> None:
         ('{"Env":["PATH=/bin","GITHUB_TOKEN\\u003dSx9kP2mQ7vL4"]}', "Sx9kP2mQ7vL4"),
         ('{"props":"stripe.api_key\\u003dSx9kP2mQ7vL4\\nport\\u003d80"}', "Sx9kP2mQ7vL4"),
         ('{"Env":["SENDGRID_KEY\\u003DSx9kP2mQ7vL4"]}', "Sx9kP2mQ7vL4"),
+        # a URL's user written as an escape, in plain text (a repr, a log line): the password
+        # was kept, the prefilter taking no backslash in the user
+        ("DATABASE_URL=postgres://\\u0061pp:Xq7Lm2Np9Rt4@db/app", "Xq7Lm2Np9"),
+        ("dsn = 'mysql://wp\\x2d1:Xq7Lm2Np9Rt4@db'", "Xq7Lm2Np9"),
     ],
 )
 def test_json_a_tool_printed_loses_what_the_same_text_plain_would(text: str, secret: str) -> None:
