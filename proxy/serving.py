@@ -194,6 +194,8 @@ class HttpProtocol(HttpToolsProtocol):
         # Where a refusal of its body is said (``send_400_response``): a list, so that the
         # copies of the scope the app makes share it
         cycle.scope[REFUSED_BODY] = []
+        if cycle.scope["http_version"] == "1.0":
+            _close_delimited(cycle)
         super()._start_asgi_task(cycle, app)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -363,6 +365,38 @@ class HttpProtocol(HttpToolsProtocol):
         self.parser = parser
         self.cycle.more_body = True  # (the old parser ended the message at its headers)
         return True
+
+
+# What an answer of no stated length to an HTTP/1.0 request may hold: its end is the connection's
+_CLOSE_DELIMITED: Final = 1 << 62
+
+
+def _close_delimited(cycle: Any) -> None:
+    """An answer of no stated length (a stream) to an HTTP/1.0 request goes as it is, its end
+    the connection's close (which uvicorn makes after any answer to HTTP/1.0), not in chunked
+    coding, which HTTP/1.0 clients do not know (RFC 9112 6.1: a server must not send it to
+    them; ApacheBench, ``curl -0`` and such read the chunk sizes as the answer's text).
+    ``cycle.send`` is wrapped: the relay writes such an answer through it, event by event."""
+    send = cycle.send
+    unframed = False
+
+    async def send_http10(message: Any) -> None:
+        nonlocal unframed
+        if message["type"] == "http.response.start":
+            framed = any(
+                name.lower() in (b"content-length", b"transfer-encoding")
+                for name, _ in message.get("headers", ())
+            )
+            if not framed and cycle.chunked_encoding is None:
+                unframed = True
+                cycle.chunked_encoding = False
+                cycle.expected_content_length = _CLOSE_DELIMITED
+        elif unframed and not message.get("more_body", False):
+            # (uvicorn checks what was sent against the length: this last part is all of it)
+            cycle.expected_content_length = len(message.get("body", b""))
+        await send(message)
+
+    cycle.send = send_http10
 
 
 def _sweep_later(protocol: HttpProtocol) -> None:

@@ -575,3 +575,72 @@ def test_connections_that_hold_a_head_or_a_body_back_are_closed(
                 patient.sendall(piece)
             patient.settimeout(10)
             assert _answers(patient, 1) == [b"slow abcdef"]
+
+
+# --- HTTP/1.0 clients --------------------------------------------------------------------------
+
+
+async def _streamed(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """An app that answers with three parts and no length: a stream."""
+    if scope["type"] != "http":
+        return
+    await asgi_body(receive)
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    for part in (b"data: one\n\n", b"data: two\n\n"):
+        await send({"type": "http.response.body", "body": part, "more_body": True})
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+@pytest.mark.parametrize("version", [b"1.0", b"1.1"])
+def test_a_stream_to_an_http_10_client_goes_unchunked_and_ends_with_the_connection(
+    version: bytes,
+) -> None:
+    """HTTP/1.0 knows no chunked coding, and a server must not send it one (RFC 9112 6.1):
+    ApacheBench and ``curl -0`` read the chunk sizes (``b\\r\\n``) as part of the stream. To
+    HTTP/1.1 a stream goes chunked, as before."""
+    request = b"GET /v1/x HTTP/%b\r\nhost: 127.0.0.1\r\n\r\n" % version
+    with (
+        ServerThread(_streamed) as server,
+        socket.create_connection(("127.0.0.1", server.port)) as s,
+    ):
+        s.sendall(request)
+        if version == b"1.1":
+            s.sendall(b"GET /v1/x HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n")
+        data = _closed_within(s, 10)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ")
+    if version == b"1.0":
+        assert b"transfer-encoding" not in head.lower() and b"connection: close" in head.lower()
+        assert body == b"data: one\n\ndata: two\n\ndata: [DONE]\n\n"
+    else:
+        assert b"transfer-encoding: chunked" in head.lower()
+        assert body.startswith(b"b\r\ndata: one\n\n\r\n")
+        assert body.count(b"HTTP/1.1 200 ") == 1  # (kept alive: the second request answered)
+
+
+def test_an_agents_stream_through_cachegate_to_an_http_10_client_is_the_stream(
+    proxy_factory: Any,
+) -> None:
+    from proxy.simulator import SimConfig, run_simulator
+    from tests.e2e_support import events
+
+    body = json.dumps(
+        {"model": "gpt-4o", "stream": True, "messages": [{"role": "user", "content": "hi there"}]}
+    ).encode()
+    with run_simulator(SimConfig(chunk_ms=1)) as sim:
+        proxy = proxy_factory(sim.api_base)
+        with socket.create_connection(("127.0.0.1", proxy.server.port)) as s:
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.0\r\nhost: 127.0.0.1\r\nx-session-id: old\r\n"
+                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+            )
+            data = _closed_within(s, 20)
+    head, _, stream = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and b"transfer-encoding" not in head.lower()
+    blocks = stream.split(b"\n\n")
+    assert blocks[-2:] == [b"data: [DONE]", b""]
+    chunks = [json.loads(block.removeprefix(b"data: ")) for block in blocks[:-2]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    proxy.settle()
+    (response,) = events(proxy.log_dir, "old", "response")
+    assert response["status"] == 200 and not response["interrupted"]
