@@ -31,6 +31,7 @@ import orjson
 
 from proxy.prefix import deep_call, deep_dumps
 from proxy.redact import (
+    KEY_PIECE,
     REDACTED,
     known_secrets,
     line_may_hold_secret,
@@ -1513,10 +1514,7 @@ def _without(line: bytes, secrets: Iterable[bytes]) -> bytes:
     return line
 
 
-# The shortest piece of a key taken out where it is not whole: sixteen of its characters, longer
-# than the start a provider's keys share (``sk-ant-api03-``, ``sk-svcacct-``, ``sk-proj-``), so a
-# text that names that start is left; fewer at a cut say little of a key of 40 or more
-_PIECE: Final = 16
+_PIECE: Final = KEY_PIECE  # (a key's shortest piece taken out where it is not whole)
 # What ends a text cachegate cut, or starts one, in a line: a JSON string's quote, the
 # ellipsis it puts at a cut, a line end (``_clip_middle``'s note, a summary's next line)
 _CUT_EDGES: Final = (b'"', "…".encode(), b"\\n")

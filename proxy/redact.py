@@ -1611,6 +1611,24 @@ def credential_keys(schemed: bool, value: str) -> list[str]:
     return keys
 
 
+# The shortest piece of a key taken out where it is not whole: sixteen of its characters, longer
+# than the start a provider's keys share (``sk-ant-api03-``, ``sk-svcacct-``, ``sk-proj-``), so a
+# text that names that start is left; fewer at a cut say little of a key of 40 or more
+KEY_PIECE: Final = 16
+
+
+def holds_key(value: str, keys: Iterable[str]) -> bool:
+    """Whether ``value`` holds one of ``keys`` (``known_secrets``), or ``KEY_PIECE`` characters
+    or more of one's start or end, as the log takes them out at a cut (a session id made of
+    part of a key: the log's lines had it redacted, its file's name showed it)."""
+    for key in keys:
+        if key in value:
+            return True
+        if len(key) > KEY_PIECE and (key[:KEY_PIECE] in value or key[-KEY_PIECE:] in value):
+            return True
+    return False
+
+
 def known_secrets(values: Iterable[str]) -> tuple[str, ...]:
     """Exact values never shown, whatever they look like (cachegate's own upstream key): white
     space around them taken off, and short ones left out (they would take words out of text)."""

@@ -35,6 +35,7 @@ from proxy.prefix import (
 from proxy.redact import (
     SCHEMED_KEY_HEADERS,
     credential_keys,
+    holds_key,
     known_secrets,
     query_keys,
     redact_text,
@@ -125,18 +126,18 @@ def is_own_key(value: str, headers: Mapping[str, str]) -> bool:
     out as the client's own, but a file's name would show. The keys are those the log's lines
     never hold (``observers.client_keys``, ``redact.query_keys``): in a credential header or a
     gateway's, alone or after its scheme (``Bearer``, then a space or a tab), ``Basic``'s user
-    and password, and in the query's key parameters."""
+    and password, and in the query's key parameters; whole, or ``KEY_PIECE`` characters of its
+    start or end (``holds_key``), which the log takes out too."""
     for name in KEY_HEADERS:
         sent = headers.get(name)
-        if sent and any(
-            key in value
-            for key in known_secrets(credential_keys(name in SCHEMED_KEY_HEADERS, sent))
+        if sent and holds_key(
+            value, known_secrets(credential_keys(name in SCHEMED_KEY_HEADERS, sent))
         ):
             return True
     query = getattr(headers, "query", b"") if isinstance(headers, RequestHeaders) else b""
-    if query and any(key in value for key in known_secrets(query_keys(query))):
+    if query and holds_key(value, known_secrets(query_keys(query))):
         return True
-    return any(key in value for key in _own_keys)
+    return holds_key(value, _own_keys)
 
 
 # cachegate's own upstream keys (``never_an_id``), never a session's id

@@ -601,6 +601,11 @@ def test_a_key_in_any_header_the_log_takes_it_from_or_cachegates_own_names_no_se
         {"Authorization": f"Bearer {key}", "X-Session-Id": f"run-{key}"},
         {"Authorization": "Bearer cachegate", "X-Session-Id": own},
         {"X-Session-Id": f"{own}.2"},
+        # a piece of a key, 16 characters or more of its start or end, as the log takes it out
+        # (the file was named by it, its own lines saying "[REDACTED]")
+        {"Authorization": f"Bearer {key}", "X-Session-Id": key[:20]},
+        {"X-Session-Id": own[-20:]},
+        {"X-Session-Id": f"run-{own[:16]}-2"},
     ):
         r = httpx.post(proxy.base_url + "/chat/completions", json=HELLO, headers=headers)
         assert r.status_code == 400, (headers, r.text)
@@ -620,6 +625,7 @@ def test_a_key_in_any_header_the_log_takes_it_from_or_cachegates_own_names_no_se
     for headers, sid in (
         ({"Authorization": "Bearer cachegate"}, "cachegate-run-1"),
         ({"Authorization": "Bearer short"}, "short-run-2"),
+        ({"Authorization": f"Bearer {key}"}, key[:12] + "-run-3"),  # (fewer: no piece)
     ):
         r = httpx.post(
             proxy.base_url + "/chat/completions",
@@ -630,6 +636,14 @@ def test_a_key_in_any_header_the_log_takes_it_from_or_cachegates_own_names_no_se
     flush(proxy)
     names = [p.name for p in proxy.log_dir.iterdir()]
     assert not any(k in name for name in names for k in (key, password, own, query_key)), names
+    assert not any(k[:16] in name or k[-16:] in name for name in names for k in (key, own)), names
+    # (another session header's id that holds a piece is no id: the request gets one of its own)
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json=HELLO,
+        headers={"langfuse-session-id": own[-20:]},
+    )
+    assert r.status_code == 200 and r.headers["x-cachegate-session"] != own[-20:]
 
 
 def test_cachegates_own_key_set_to_the_placeholder_is_no_secret(
