@@ -497,11 +497,14 @@ class Compactor:
             held = state.extra["compactions"]
             existing, known = self._existing(held, messages)
         carried: compaction.Compaction | None = None
-        if existing is None and held:
-            carried = self._pruned(held, messages)
+        if held:
+            # (also where an older compaction covers a prefix of it: the agent cleared outputs
+            # again, those the older one covers cleared already, and the one used last, which
+            # covers more, is carried; the older one was reused, the newer summary lost)
+            carried = self._pruned(held, messages, existing.covered if existing else 0)
             if carried is not None:  # (the same summary, under this history's digest)
                 existing, known = carried, carried.prefix_digest
-            else:
+            elif existing is None:
                 ex.compaction_undone = self._undone(held, messages)
         if last is not None and last.compaction != (existing.prefix_digest if existing else None):
             # The provider counted a history with another summary in it, or with one where
@@ -1130,8 +1133,11 @@ class Compactor:
         return None
 
     @staticmethod
-    def _pruned(held: dict[str, list[Any]], messages: list[Any]) -> compaction.Compaction | None:
-        """The compaction used last, carried to this history, where the client cut tool
+    def _pruned(
+        held: dict[str, list[Any]], messages: list[Any], beyond: int = 0
+    ) -> compaction.Compaction | None:
+        """The compaction used last, if it covers more than ``beyond`` messages (what one
+        found by its digest covers), carried to this history, where the client cut tool
         outputs it covers in place and changed nothing else of them: the same messages, the
         model's own the very same, tool results of the same calls, one or more shorter than
         they were (opencode clears old tool outputs, other agents trim them: none of that
@@ -1142,6 +1148,8 @@ class Compactor:
         for key, (comp, verified) in list(held.items()):
             if verified is None:
                 continue
+            if comp.covered <= beyond:
+                return None
             lead = compaction.leading_count(messages)
             if (
                 compaction.leading_count(verified) != lead

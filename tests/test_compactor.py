@@ -4127,6 +4127,45 @@ def test_old_tool_outputs_cleared_under_the_summary_keep_the_compaction(
         assert sim.sim.requests[-1].body["messages"][: len(first)] == first
 
 
+def test_outputs_cleared_a_second_time_carry_the_latest_summary_not_an_older_one(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any
+) -> None:
+    """opencode clears old tool outputs again and again. After a second clear, the older
+    compaction, all of whose outputs the first clear had cleared, still matched its prefix and
+    was reused: the newer summary, which covered 8 messages more, was lost, those rounds sent
+    verbatim again, and the next summary rolled the older one. The one used last is carried."""
+    proxy = proxy_factory(sim.api_base, CONFIG)
+    client = sdk(proxy.base_url)
+    headers = {"X-Session-Id": "pruning-twice"}
+    messages = history(0)
+
+    def clear() -> None:  # all tool outputs but the latest three
+        tools = [i for i, m in enumerate(messages) if m.get("role") == "tool"]
+        for i in tools[:-3]:
+            messages[i] = {**messages[i], "content": _cleared(messages[i]["content"])}
+
+    for turn in range(18):
+        if turn in (11, 17):  # (at 11 every output the compaction made at 9 covers)
+            clear()
+        sent = len(sim.sim.requests)
+        client.chat.completions.create(model=MODEL, messages=messages, extra_headers=headers)
+        if turn == 17:
+            assert len(sim.sim.requests) == sent + 1  # no summary call
+            count = len(messages)
+        messages += _code_round(turn, "p")
+    events = compacted_events(proxy)
+    made = [e for e in events if e["source"] == "model"]
+    assert len(made) >= 2 and made[-1]["covered"] > made[-2]["covered"]
+    assert [e["source"] for e in events].count("carried") == 2
+    second = events[-1]
+    assert second["source"] == "carried" and second["exchange"] == 18
+    assert second["covered"] == made[-1]["covered"] and second["summary"] == made[-1]["summary"]
+    forwarded = sim.sim.requests[-1].body["messages"]
+    assert forwarded[1]["content"] == made[-1]["summary"]  # (not the older one's)
+    # the system prompt, the summary and what it does not cover (27 messages, not 12, before)
+    assert len(forwarded) == 2 + count - made[-1]["covered"] == 12
+
+
 def test_tool_outputs_under_the_summary_replaced_by_other_texts_do_not_keep_it(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:
