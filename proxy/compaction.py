@@ -226,6 +226,8 @@ class Plan:
     ``triggered``: the history reached the trigger (or ``force``), whether or not a cut was found.
     ``overrun``: how far past the length asked for a model's summary may run before it is cut
     (none for a retry after a refusal, which is planned on the length asked for, to the token).
+    ``room``: where set, the bytes left for the summary beside what the compaction keeps, less
+    than the length it would be asked for: it is asked for and cut at that (overrun none).
     """
 
     messages: list[Message]
@@ -236,6 +238,7 @@ class Plan:
     previous_summary: str | None
     triggered: bool = False
     overrun: float = SUMMARY_OVERRUN
+    room: int = 0
 
 
 # --- estimates and trigger ------------------------------------------------------------------

@@ -730,6 +730,22 @@ class Compactor:
                 window,
             )
             plan = dataclasses.replace(plan, cut=None, middle=[], previous_summary=None)
+        if plan.cut is not None and not force:
+            # At the edge (an agent asking half the window for its answer, its latest round near
+            # the rest of it), a summary as long as asked for left the compacted history over
+            # the prompt's share of the window by the provider's count: refused, and the retry
+            # cut the summary, a refused request on every turn. The summary is planned on the
+            # room the kept messages leave, on the provider's count of the previous request (the
+            # retry's, after a refusal), and asked for and cut at that length, as a retry's is.
+            scale = max(1.0, overcount)
+            if last is not None:
+                scale = _provider_overcount(plan.messages, len(messages) - last.messages, last)
+            left = summary_window / scale - self._kept(messages, plan.cut) - tools_tokens
+            # (less its header, and a margin: a summary may count more tokens a byte than the
+            # rest, numbers and punctuation, as a retry's cut allows)
+            room = int((left - 100) / 1.25 * compaction.BYTES_PER_TOKEN)
+            if 200 <= room < self._asked(ex, summary_window)[2] * plan.overrun:
+                plan = dataclasses.replace(plan, overrun=1.0, room=room)
         # (``plan`` never discards ``existing``: ``_existing`` gives only one that covers this
         # history; one a rewind left is evicted in its turn.)
         if plan.cut is None:
@@ -1325,6 +1341,8 @@ class Compactor:
         ``_count_summary``) and the seconds the call took, or the extractive summary when the
         call failed."""
         model, writer, chars = self._asked(ex, window)
+        if plan.room:  # (the room beside the kept messages: less than asked for)
+            chars = min(chars, plan.room)
         tools = sum(1 for m in plan.middle if isinstance(m, dict) and m.get("role") == "tool")
 
         def build(writer: int, overcount: float) -> dict[str, Any]:

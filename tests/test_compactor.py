@@ -2560,7 +2560,10 @@ def test_a_retry_whose_summary_keeps_it_over_the_room_goes_with_the_summary_cut(
     (the agent stuck). The retry now goes with the summary cut by what the refusal's count was
     over, with no summary call for it; every turn is answered. A refusal that says no count
     (an older llama.cpp's) is relayed as it was, the summary left whole: cut by a margin alone, the
-    retry was refused again, and each attempt cut the summary again."""
+    retry was refused again, and each attempt cut the summary again. The session's first
+    request is at the edge (no count of the provider's yet: planned on the estimate, refused);
+    the turns after plan their summary on the provider's count of the retry and are not refused
+    (a refused request and a cut on every turn before)."""
     import json
     import random
 
@@ -2605,7 +2608,13 @@ def test_a_retry_whose_summary_keeps_it_over_the_room_goes_with_the_summary_cut(
             {"role": "system", "content": "You are a coding agent. Use the tools."},
             {"role": "user", "content": "Task: fix the failing build. Details: " + words(20)},
         ]
-        for turn in range(1, 23):
+        for turn in range(1, 14):  # (the rounds before the edge, sent at once)
+            run = {"name": "run", "arguments": json.dumps({"cmd": "make test"})}
+            earlier = {"id": f"call_{turn}", "type": "function", "function": run}
+            messages.append({"role": "assistant", "content": None, "tool_calls": [earlier]})
+            output = words(min(3220, 2500 + 40 * turn))
+            messages.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": output})
+        for turn in range(14, 23):
             try:
                 answer = client.chat.completions.create(
                     model="agent-model", messages=messages, tools=tools, max_completion_tokens=6000
@@ -2639,7 +2648,8 @@ def test_a_retry_whose_summary_keeps_it_over_the_room_goes_with_the_summary_cut(
         assert statuses.count(400) == 3  # (each sent once: nothing new to send again)
         return
     assert refused == 0
-    assert cuts and all(e["retry"] and e["made"] == "model" for e in cuts)
+    assert statuses.count(400) == 1 and statuses[1] == 400  # (the first request's alone)
+    assert len(cuts) == 1 and all(e["retry"] and e["made"] == "model" for e in cuts)
     assert all("summary cut by cachegate" in e["summary"] for e in cuts)
     assert all(e["prefix_digest"] and e["opening"] for e in cuts)  # (a restart takes it up)
     assert all(b == 200 for a, b in itertools.pairwise(statuses) if a == 400)  # (none relayed)
@@ -2649,6 +2659,76 @@ def test_a_retry_whose_summary_keeps_it_over_the_room_goes_with_the_summary_cut(
     reused = sum(1 for e in events if e["source"] in ("reused", "cut"))
     labels = {"model": "agent-model", "result": "reused"}
     assert proxy.metric("cachegate_compactions_total", labels) == reused
+
+
+def test_an_agent_at_the_edge_has_its_summary_planned_on_the_room_left(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """The agent above from its first turn (max_completion_tokens 6,000 of a 12,000-token
+    window, tool outputs growing to ~5,200 tokens): once its latest round left less room than
+    the summary asked for, every turn's new summary went out whole, was refused, and the retry
+    cut it (10 refused requests in 22 turns, a cache miss each). The summary is now planned on
+    the room the kept messages leave, on the provider's count of the previous request: no turn
+    is refused, and no summary call is added."""
+    import json
+    import random
+
+    rng = random.Random(7)
+    vocabulary = ["alpha", "beta", "gamma", "delta", "config", "value", "error", "line", "path"]
+
+    def words(n: int) -> str:
+        return " ".join(rng.choice(vocabulary) for _ in range(n))
+
+    lines = ["Task: fix the failing build as the user asked.", "Done:"]
+    while sum(len(x) + 1 for x in lines) < 2800:
+        lines.append(f"- step {len(lines)}: ran the build, {words(8)}")
+    script = {
+        "content": "\n".join(lines)[:2800],
+        "tool_calls": [{"name": "run", "arguments": json.dumps({"cmd": "make test"})}],
+    }
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "run",
+                "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+            },
+        }
+    ]
+    with run_simulator(SimConfig(context_window=12000)) as sim:
+        config = {
+            "compaction": {"enabled": True, "keep_recent": 8},
+            "models": {"agent-model": {"context_window": 12000}},
+        }
+        proxy = proxy_factory(sim.api_base, config)
+        headers = {"X-Session-Id": "edge", "X-Sim-Script": json.dumps(script)}
+        client = sdk(proxy.base_url, default_headers=headers)
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a coding agent. Use the tools."},
+            {"role": "user", "content": "Task: fix the failing build. Details: " + words(20)},
+        ]
+        for turn in range(1, 23):
+            answer = client.chat.completions.create(
+                model="agent-model", messages=messages, tools=tools, max_completion_tokens=6000
+            )
+            call = answer.choices[0].message.tool_calls[0]
+            function = {"name": "run", "arguments": call.function.arguments}
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": call.id, "type": "function", "function": function}],
+                }
+            )
+            output = words(min(3220, 2500 + 40 * turn))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
+        statuses = [r.status for r in sim.sim.requests]
+        summary_calls = sum(1 for r in sim.sim.requests if "tools" not in r.body)
+    events = compacted_events(proxy)
+    assert statuses.count(400) == 0  # (10 before: one refused request a turn past the edge)
+    assert [e["source"] for e in events] == ["model"] * summary_calls == ["model"] * 20
+    planned = [e for e in events if "summary cut by cachegate" in e["summary"]]
+    assert len(planned) >= 8  # (the turns past the edge: cut to the room, not refused)
 
 
 @pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
