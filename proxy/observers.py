@@ -1630,9 +1630,10 @@ class AccountingObserver:
     def _touch_stored(self, ex: Exchange) -> None:
         """A Responses API request that continues a stored response (``previous_response_id``,
         ``conversation``), answered: no turn to compare, but the provider read its instructions
-        and tools, whose cache life starts again there. Counted from the full turn before it,
-        the idle time made the next full turn's rewrite (the time in its instructions) read as
-        ``ttl_expired`` where the provider had read the prefix 14 s before."""
+        and tools, and the stored conversation after them where those are the full turn's,
+        whose cache life starts again there. Counted from the full turn before it, the idle
+        time made the next full turn's rewrite (the time in its instructions, a tool or an item
+        edited) read as ``ttl_expired`` where the provider had read the prefix 14 s before."""
         if ex.path != "responses" or not isinstance(ex.body, dict):
             return  # (a compaction, /v1/responses/compact: no turn of the conversation)
         state = _state_of(ex, self.sessions)
@@ -1657,6 +1658,16 @@ class AccountingObserver:
             None,
         )
         if (
+            base is not None
+            and base.fp.system_digest == fp.system_digest
+            and base.fp.tools_digest == fp.tools_digest
+            and base.fp.system_block == fp.system_block
+        ):
+            # The same instructions and tools: the conversation it goes on from, read whole
+            # again with them (counted from the full turn, a later full turn's edit of a tool or
+            # an item read as an expiry, its cause hidden)
+            held = cache.touch(held, base.fp, at)
+        elif (
             base is not None
             and offset
             and base.fp.system_block

@@ -1421,3 +1421,54 @@ def test_a_stored_response_turn_keeps_the_cache_alive_for_the_idle_time(
     assert last["cache"]["location"] == "instructions"
     expired = {"model": "gpt-5", "cause": "ttl_expired"}
     assert proxy.metric("cachegate_cache_waste_tokens_total", expired) == 0
+
+
+@pytest.mark.parametrize("edit", ["tools", "input"])
+def test_a_full_turn_after_a_stored_one_names_its_rewrite_not_an_expiry(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any, edit: str
+) -> None:
+    """A full turn, a ``previous_response_id`` turn 200 s later with the same instructions and
+    tools, then a full turn 200 s after that which edits a tool or an item (a 300 s cache
+    life). The provider had read the whole stored conversation at the stored turn, but only
+    its instructions and tools were counted as read there: the edit's miss was measured from
+    the first full turn and called ``ttl_expired``, the real cause hidden (a client that mixes
+    stored and full turns: LangChain, the Agents SDK falling back from stored responses)."""
+    proxy = proxy_factory(
+        sim.api_base, {"models": {"gpt-5": {"cache_ttl_s": 300}}}, clock=lambda: sim.sim.now
+    )
+    client = sdk(proxy.base_url, default_headers={"x-session-id": "stored-edit"})
+    items: list[Any] = [
+        {"role": "user", "content": "Plan the refactor. " * 200},
+        {"role": "user", "content": "Mind the parser. " * 200},
+    ]
+    first = client.responses.create(
+        model="gpt-5", instructions=LONG_INSTRUCTIONS, input=items, tools=TOOLS
+    )
+    sim.sim.advance(200)
+    stored = client.responses.create(
+        model="gpt-5",
+        instructions=LONG_INSTRUCTIONS,
+        input="and then?",
+        previous_response_id=first.id,
+        tools=TOOLS,
+    )
+    sim.sim.advance(200)
+    tools = TOOLS
+    if edit == "tools":
+        tools = [{**TOOLS[0], "description": "Run a shell command."}]
+    else:
+        items[1] = {"role": "user", "content": "Mind the lexer. " * 200}
+    items += [
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "and then?"},
+        {"role": "assistant", "content": stored.output_text},
+        {"role": "user", "content": "go on"},
+    ]
+    client.responses.create(model="gpt-5", instructions=LONG_INSTRUCTIONS, input=items, tools=tools)
+    proxy.settle()
+    last = events(proxy.log_dir, "stored-edit", "response")[-1]
+    assert last["cache"]["waste"] > 0
+    assert last["cache"]["cause"] == "prefix_rewrite", last["cache"]
+    assert last["cache"]["location"] == ("tools" if edit == "tools" else "input[1].content")
+    expired = {"model": "gpt-5", "cause": "ttl_expired"}
+    assert proxy.metric("cachegate_cache_waste_tokens_total", expired) == 0
