@@ -518,6 +518,10 @@ def bearer(api_key: str) -> bytes:
     return value
 
 
+# What no header value may hold (uvicorn refuses to send it): a control character but the tab
+_CONTROL: Final = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+
+
 def client_response_headers(
     upstream: httpx.Response | UpstreamResponse,
     *,
@@ -1050,6 +1054,12 @@ class Relay:
         )
         response = await self.transport.handle_async_request(request)
         response.request = request
+        if any(_CONTROL.search(value) for _, value in response.headers.raw):
+            # (h11 takes a control character in a header's value, which uvicorn refuses to
+            # send on: the client's connection was dropped with no answer; a 502, as the
+            # native pool's parser gives)
+            await response.aclose()
+            raise InvalidAnswer("invalid answer from upstream: Invalid header value char")
         return response
 
     def url(self, path: str, query: bytes) -> str:

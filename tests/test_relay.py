@@ -1691,8 +1691,12 @@ def test_a_malformed_upstream_answer_is_a_502(
         # with no byte (the server's status-line table has none), the log said "empty body"
         b"HTTP/1.1 999 Weird\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
         b"HTTP/1.1 600 Nope\r\ncontent-length: 2\r\n\r\n{}",
+        # a control character in a header's value: h11 takes it, the server does not send it
+        # on (with httpx, the client's connection was dropped with no answer)
+        b"HTTP/1.1 200 OK\r\nx-odd: a\x01b\r\ncontent-length: 2\r\n\r\n{}",
+        b"HTTP/1.1 200 OK\r\nx-odd: a\x7fb\r\ncontent-length: 2\r\n\r\n{}",
     ],
-    ids=["endless-headers", "unasked-101", "status-999", "status-600"],
+    ids=["endless-headers", "unasked-101", "status-999", "status-600", "ctl-01", "ctl-del"],
 )
 def test_an_answer_no_client_should_take_is_a_502(
     proxy_factory: Any, transport: str, answer: bytes
