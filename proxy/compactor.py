@@ -55,6 +55,11 @@ TARGET_SHARE = 0.8
 # estimate would keep more than the trigger: it is planned as after a refusal, on the window
 # divided by that factor (``_compact``).
 REPLAN_OVERCOUNT = 1 / TARGET_SHARE
+# The most the kept messages are taken to count, in times cachegate's estimate, where the
+# provider's count that shrank the window was of a history that held what the compaction
+# summarizes (a dense tool output there, not in the kept messages: ``_compact``); the provider's
+# refusal of the compaction, should they count more, is measured on them alone.
+KEPT_OVERCOUNT = 1.5
 # Where no plan comes under the aim, a launching message of at most this share of the window is
 # kept verbatim all the same (the cost of a short task is in the estimate's noise; a long one's
 # may not be: 4 bytes a token is a guess, and dense text runs over it).
@@ -715,9 +720,35 @@ class Compactor:
         if force:
             extra = retry_extra
             plan = dataclasses.replace(plan, overrun=1.0)
-        if plan.cut is not None and not self._fits(
-            messages, plan.cut, window, extra if force else tools_tokens
+        room, kept_extra = window, extra if force else tools_tokens
+        if (
+            plan.cut is not None
+            and overcount > KEPT_OVERCOUNT
+            and not self._fits(messages, plan.cut, room, kept_extra)
+            and (
+                not ex.compacted  # (a compaction's count is of the kept messages)
+                if force
+                else last is not None
+                and last.prompt + completion + appended_estimate > summary_window
+            )
         ):
+            # The provider's count that shrank the window was of a history holding what the
+            # compaction summarizes, and the request as it is goes over the window (a history
+            # that fits goes as it is, not compacted on each turn for a dense output in its
+            # latest round): the kept messages are judged at ``KEPT_OVERCOUNT``, the provider's
+            # refusal of the compaction to say otherwise (a CSV of digits read first made the
+            # history count 3.6 times the estimate, and the code kept 1.4 times: the refusal
+            # was relayed on every try, where the compaction fitted with room to spare).
+            room = int(summary_window / KEPT_OVERCOUNT)
+            kept_extra = int(summary / KEPT_OVERCOUNT) + tools_tokens if force else tools_tokens
+            log.info(
+                "session %s: the provider counts this history at %.1f times cachegate's "
+                "estimate; its latest messages are taken at %.1f",
+                state.id,
+                overcount,
+                KEPT_OVERCOUNT,
+            )
+        if plan.cut is not None and not self._fits(messages, plan.cut, room, kept_extra):
             # What the smallest compaction keeps is over the window by itself (one message too
             # long for it): no summary makes it fit, so none is paid for; the request goes as it
             # would without a new one (after a refusal, the refusal is the client's answer; and
@@ -727,7 +758,7 @@ class Compactor:
                 "session %s: the latest messages alone are over the %d-token window; "
                 "nothing to compact",
                 state.id,
-                window,
+                room,
             )
             plan = dataclasses.replace(plan, cut=None, middle=[], previous_summary=None)
         if plan.cut is not None and not force:
@@ -743,9 +774,9 @@ class Compactor:
             left = summary_window / scale - self._kept(messages, plan.cut) - tools_tokens
             # (less its header, and a margin: a summary may count more tokens a byte than the
             # rest, numbers and punctuation, as a retry's cut allows)
-            room = int((left - 100) / 1.25 * compaction.BYTES_PER_TOKEN)
-            if 200 <= room < self._asked(ex, summary_window)[2] * plan.overrun:
-                plan = dataclasses.replace(plan, overrun=1.0, room=room)
+            chars = int((left - 100) / 1.25 * compaction.BYTES_PER_TOKEN)
+            if 200 <= chars < self._asked(ex, summary_window)[2] * plan.overrun:
+                plan = dataclasses.replace(plan, overrun=1.0, room=chars)
         # (``plan`` never discards ``existing``: ``_existing`` gives only one that covers this
         # history; one a rewind left is evicted in its turn.)
         if plan.cut is None:

@@ -3279,6 +3279,62 @@ def test_a_dense_tool_output_is_compacted_once_on_the_providers_count(
     assert max(after) < 0.6 * 8000  # ...under its aim by the provider's count, and stays so
 
 
+def _code(seed: int, chars: int) -> str:
+    """``chars`` characters of ordinary code (the simulator counts it at ~1.4 times the
+    estimate)."""
+    lines = [
+        f"def func_{seed}_{i}(arg{i}, value=None):  # line {i}\n"
+        f"    return compute(arg{i}, {i * 7919 % 9973}) + helper_{i * 31 % 97}(value)"
+        for i in range(1, chars // 60 + 2)
+    ]
+    return "\n".join(lines)[:chars]
+
+
+def test_a_dense_output_summarized_away_does_not_make_the_kept_round_too_long(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """A CSV of digits read first (a token a byte to the provider, four times the estimate),
+    then a round of two code files, the next turn asking for 2,000 completion tokens: the
+    provider's count of the whole history, 3.6 times the estimate, was taken for the kept
+    round's too (code, ~1.4 times), which came out "over the window": nothing compacted, the
+    refusal relayed on every try, where the compaction fits with room to spare. It is compacted
+    (the provider's refusal to say otherwise), on the first try and after a restart's refusal."""
+    dense = ",".join(str(i % 10) for i in range(3000))
+    for restart in (False, True):
+        with run_simulator(SimConfig(context_window=8000)) as small:
+            proxy = proxy_factory(small.api_base, WINDOW_8000)
+            c = sdk(proxy.base_url, default_headers={"X-Session-Id": f"dense-first-{restart}"})
+            msgs: list[dict[str, Any]] = [
+                {"role": "system", "content": "You are a coding agent. Be terse."},
+                {"role": "user", "content": "Find why the checksum of data/ids.txt is wrong."},
+            ]
+            for turn, outputs in enumerate(([dense], [_code(1, 3500), _code(2, 5000)])):
+                calls = [
+                    {"id": f"call_{turn}_{k}", "name": "read_file", "arguments": {"k": k}}
+                    for k in range(len(outputs))
+                ]
+                small.sim.enqueue([parse_script({"tool_calls": calls})])
+                reply = c.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS)
+                msgs.append(reply.choices[0].message.model_dump(exclude_none=True))
+                msgs += [
+                    {"role": "tool", "tool_call_id": f"call_{turn}_{k}", "content": output}
+                    for k, output in enumerate(outputs)
+                ]
+            assert 6000 < reply.usage.prompt_tokens < 6500  # (3.6 times the estimate)
+            if restart:  # (the provider's count forgotten: the estimate lets it go, refused)
+                proxy = proxy_factory(small.api_base, WINDOW_8000)
+                c = sdk(proxy.base_url, default_headers={"X-Session-Id": f"dense-first-{restart}"})
+            before = len(small.sim.requests)
+            raw = c.chat.completions.with_raw_response.create(
+                model=MODEL, messages=msgs, tools=TOOLS, max_completion_tokens=2000
+            )
+            assert raw.headers.get("x-cachegate-compacted") == "1"
+            sent = [r.status for r in small.sim.requests[before:]]
+            assert sent == ([400] if restart else []) + [200, 200], sent  # a summary, the turn
+            usage = raw.parse().usage
+            assert usage is not None and usage.prompt_tokens + 2000 < 8000
+
+
 def test_a_repaired_history_keeps_the_providers_count_for_the_trigger(
     sdk: Any, proxy_factory: Any
 ) -> None:
