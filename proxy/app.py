@@ -976,13 +976,19 @@ class _BadSessionPath:
         raw = scope.get("raw_path") or scope["path"].encode()
         segment = raw.split(b"?", 1)[0].split(b"/")[2:3]  # b"/s/<id>/..." -> [b"<id>"]
         if segment and valid_session_id(segment[0].decode("latin-1")):
-            # A valid id, without /v1 after it (/s/abc/healthz, /s/abc/chat/completions)
+            # A valid id, without /v1 after it (/s/abc/healthz, /s/abc/chat/completions), or
+            # the base URL itself
+            base = "/s/" + segment[0].decode("latin-1") + "/v1"
+            advice = (
+                f" {base} is the session's base URL: requests go under it"
+                f" ({base}/chat/completions)."
+                if scope["path"] == base
+                else " A session's base URL ends in /v1: /s/{id}/v1/... (e.g."
+                f" {base}/chat/completions)."
+            )
             err = ProxyError(
                 404,
-                f"Nothing is served at {scope['method']} {scope['path']}. A session's base URL"
-                " ends in /v1: /s/{id}/v1/... (e.g. /s/"
-                + segment[0].decode("latin-1")
-                + "/v1/chat/completions).",
+                f"Nothing is served at {scope['method']} {scope['path']}.{advice}",
                 code="not_found",
             )
         else:

@@ -941,8 +941,14 @@ def _age(seconds: float) -> str:
     """``seconds`` as ``--since`` takes it: ``7d``, ``2h``, ``30m``, ``90s``."""
     for unit in "dhm":
         if seconds >= _UNITS[unit] and seconds % _UNITS[unit] == 0:
-            return f"{seconds / _UNITS[unit]:g}{unit}"
-    return f"{seconds:g}s"
+            return f"{_number(seconds / _UNITS[unit])}{unit}"
+    return f"{_number(seconds)}s"
+
+
+def _number(value: float) -> str:
+    """``value`` as written: whole numbers as integers (``1234567``, where ``:g`` wrote
+    ``1.23457e+06``), others to the digits a float holds."""
+    return str(int(value)) if value.is_integer() else f"{value:.15g}"
 
 
 def _positive_int(text: str) -> int:

@@ -287,6 +287,13 @@ def test_a_session_base_url_without_v1_gets_a_404_that_says_so(
     assert "/s/abc/v1/chat/completions" in info.value.message
     r = httpx.get(proxy.url + "/s/abc/healthz")
     assert (r.status_code, r.json()["error"]["code"]) == (404, "not_found")
+    # the session's base URL itself: told it is one (it was told to end in /v1, which it does)
+    r = httpx.post(proxy.url + "/s/abc/v1")
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "not_found")
+    assert r.json()["error"]["message"] == (
+        "Nothing is served at POST /s/abc/v1. /s/abc/v1 is the session's base URL: requests go"
+        " under it (/s/abc/v1/chat/completions)."
+    )
     bad = httpx.get(proxy.url + "/s/a%2Fb/healthz")  # an id that is none: still a 400
     assert (bad.status_code, bad.json()["error"]["code"]) == (400, "invalid_session_id")
     assert sim.sim.requests == []

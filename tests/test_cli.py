@@ -175,6 +175,12 @@ def test_list_since_and_limit_read_only_the_logs_written_lately(
     assert (quiet.code, quiet.out) == (0, "no sessions written in the last 90s\n")  # (not empty)
     quiet = run_cli("sessions", "list", "--log-dir", str(logs), "--since", "60m")
     assert quiet.out == "no sessions written in the last 1h\n"
+    # (as the user wrote it, not rounded in an exponent: "1.23457e+06s", "1e+06m")
+    for path in logs.iterdir():  # (all written some seven years ago)
+        os.utime(path, (now - 2e8, now - 2e8))
+    for since, said in (("1234567", "1234567s"), ("1000000m", "1000000m"), ("2.5s", "2.5s")):
+        quiet = run_cli("sessions", "list", "--log-dir", str(logs), "--since", since)
+        assert quiet.out == f"no sessions written in the last {said}\n"
     for bad, word in (("--since", "soon"), ("--since", "-2h"), ("--limit", "0")):
         result = run_cli("sessions", "list", "--log-dir", str(logs), f"{bad}={word}")
         assert result.code == 2
