@@ -1003,7 +1003,9 @@ def test_a_restart_while_an_answer_is_in_flight_waits_for_the_cachegate_that_is_
                 default_headers={
                     "X-Session-Id": "restarted",
                     "X-Sim-Fault": "stall",
-                    "X-Sim-Stall-S": "2",
+                    # (3 s: the second must find the first still stopping, a loaded machine
+                    # slow to start it; 2 s left of the 5 s grace for the rest of the answer)
+                    "X-Sim-Stall-S": "3",
                 },
             )
             stream = client.chat.completions.create(
