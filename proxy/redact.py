@@ -1618,14 +1618,29 @@ KEY_PIECE: Final = 16
 
 
 def holds_key(value: str, keys: Iterable[str]) -> bool:
-    """Whether ``value`` holds one of ``keys`` (``known_secrets``), or ``KEY_PIECE`` characters
-    or more of one's start or end, as the log takes them out at a cut (a session id made of
-    part of a key: the log's lines had it redacted, its file's name showed it)."""
+    """Whether ``value`` holds one of ``keys`` (``known_secrets``), or, as the log takes a piece
+    of one out of a text that is ``value`` (a session id: a JSON string of its own), ends with
+    ``KEY_PIECE`` characters or more of a key's start or starts with as many of its end (an id
+    made of part of a key: the log's lines had it redacted, its file's name showed it). An id
+    that goes on otherwise past such a piece (``local-dev-key-for-testing-run2``) is logged as
+    it is, and is no key."""
     for key in keys:
         if key in value:
             return True
-        if len(key) > KEY_PIECE and (key[:KEY_PIECE] in value or key[-KEY_PIECE:] in value):
-            return True
+        if len(key) <= KEY_PIECE:
+            continue
+        head = key[:KEY_PIECE]
+        at = value.find(head)
+        while at >= 0:  # (a run of the key's start to the value's end)
+            if key.startswith(value[at:]):
+                return True
+            at = value.find(head, at + 1)
+        if len(value) >= KEY_PIECE:
+            at = key.find(value[:KEY_PIECE])
+            while at >= 0:  # (a run of the key's end from the value's start)
+                if value.startswith(key[at:]):
+                    return True
+                at = key.find(value[:KEY_PIECE], at + 1)
     return False
 
 

@@ -601,11 +601,13 @@ def test_a_key_in_any_header_the_log_takes_it_from_or_cachegates_own_names_no_se
         {"Authorization": f"Bearer {key}", "X-Session-Id": f"run-{key}"},
         {"Authorization": "Bearer cachegate", "X-Session-Id": own},
         {"X-Session-Id": f"{own}.2"},
-        # a piece of a key, 16 characters or more of its start or end, as the log takes it out
-        # (the file was named by it, its own lines saying "[REDACTED]")
+        # a piece of a key, 16 characters or more of its start at the id's end or of its end
+        # at the id's start, as the log takes it out (the file was named by it, its own lines
+        # saying "[REDACTED]")
         {"Authorization": f"Bearer {key}", "X-Session-Id": key[:20]},
         {"X-Session-Id": own[-20:]},
-        {"X-Session-Id": f"run-{own[:16]}-2"},
+        {"X-Session-Id": f"run-{own[:16]}"},
+        {"X-Session-Id": f"{own[-16:]}.2"},
     ):
         r = httpx.post(proxy.base_url + "/chat/completions", json=HELLO, headers=headers)
         assert r.status_code == 400, (headers, r.text)
@@ -626,6 +628,16 @@ def test_a_key_in_any_header_the_log_takes_it_from_or_cachegates_own_names_no_se
         ({"Authorization": "Bearer cachegate"}, "cachegate-run-1"),
         ({"Authorization": "Bearer short"}, "short-run-2"),
         ({"Authorization": f"Bearer {key}"}, key[:12] + "-run-3"),  # (fewer: no piece)
+        # (a piece the id goes on past, which the log leaves: a key made of words, a Basic
+        # user's name, "local-dev-key-for-testing-only" and "local-dev-key-for-testing-run2")
+        ({"Authorization": f"Bearer {key}"}, key[:20] + "-run-4"),
+        (
+            {
+                "Authorization": "Basic "
+                + base64.b64encode(b"project-frontend:hunter2hunter2").decode()
+            },
+            "project-frontend-refactor",
+        ),
     ):
         r = httpx.post(
             proxy.base_url + "/chat/completions",
@@ -636,7 +648,11 @@ def test_a_key_in_any_header_the_log_takes_it_from_or_cachegates_own_names_no_se
     flush(proxy)
     names = [p.name for p in proxy.log_dir.iterdir()]
     assert not any(k in name for name in names for k in (key, password, own, query_key)), names
-    assert not any(k[:16] in name or k[-16:] in name for name in names for k in (key, own)), names
+    assert not any(
+        name.removesuffix(".jsonl").endswith(k[:16]) or name.startswith(k[-16:])
+        for name in names
+        for k in (key, own)
+    ), names
     # (another session header's id that holds a piece is no id: the request gets one of its own)
     r = httpx.post(
         proxy.base_url + "/chat/completions",
