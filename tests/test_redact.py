@@ -571,6 +571,9 @@ def test_a_file_a_tool_call_writes_loses_its_credentials(content: str) -> None:
         # code an agent reads: a URL template's placeholders are no password
         'create_engine(f"postgresql://{user}:{password}@{host}/{db}")',
         'DATABASE_URL="mysql://${DB_USER}:${DB_PASS}@db:3306/app"',
+        # a program's URL pattern: ``\w+`` is no user (a backslash there only as an escape's)
+        'conn_re = re.compile(r"postgres://\\w+:\\w+@\\w+/\\w+")',
+        "pattern: ^https?://\\w+:\\w+@example$",
         # an `env` listing: the shell's working directories are no password
         "HOME=/home/u\nPWD=/home/u/project\nOLDPWD=/home/u\nSHELL=/bin/bash\n",
     ],
