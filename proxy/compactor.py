@@ -771,6 +771,10 @@ class Compactor:
             scale = max(1.0, overcount)
             if last is not None:
                 scale = _provider_overcount(plan.messages, len(messages) - last.messages, last)
+            # (no more than the kept messages are taken to count: a dense output the compaction
+            # summarizes, a CSV of digits, made the history count 3.7 times the estimate, and
+            # the summary was asked short and cut with half the window free)
+            scale = min(scale, KEPT_OVERCOUNT)
             left = summary_window / scale - self._kept(messages, plan.cut) - tools_tokens
             # (less its header, and a margin: a summary may count more tokens a byte than the
             # rest, numbers and punctuation, as a retry's cut allows)

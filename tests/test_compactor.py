@@ -3335,6 +3335,48 @@ def test_a_dense_output_summarized_away_does_not_make_the_kept_round_too_long(
             assert usage is not None and usage.prompt_tokens + 2000 < 8000
 
 
+def test_a_dense_output_summarized_away_does_not_shorten_the_new_summary(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """A CSV of digits read first, a round of code after it, the next turn asking for 3,000
+    completion tokens: the room for the summary was planned on the provider's count of the
+    whole history (3.7 times the estimate, the CSV's, which the summary replaces), and the
+    summary was asked for in 264 words and cut, with half the window free."""
+    dense = ",".join(str(i % 10) for i in range(2400))
+    summary = " ".join(
+        f"Step {i}: the agent read file_{i}.py and found the checksum loop skips the last id."
+        for i in range(1, 31)
+    )
+    with run_simulator(SimConfig(context_window=8000)) as small:
+        proxy = proxy_factory(small.api_base, WINDOW_8000)
+        c = sdk(proxy.base_url, default_headers={"X-Session-Id": "dense-room"})
+        msgs: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a coding agent. Be terse."},
+            {"role": "user", "content": "Find why the checksum of data/ids.txt is wrong."},
+        ]
+        for turn, output in enumerate((dense, _code(1, 2500))):
+            call = {"id": f"call_{turn}", "name": "read_file", "arguments": {"k": turn}}
+            small.sim.enqueue([parse_script({"tool_calls": [call]})])
+            reply = c.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS)
+            msgs.append(reply.choices[0].message.model_dump(exclude_none=True))
+            msgs.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": output})
+        small.sim.enqueue([parse_script(summary)])
+        before = len(small.sim.requests)
+        raw = c.chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, tools=TOOLS, max_completion_tokens=3000
+        )
+        assert raw.headers.get("x-cachegate-compacted") == "1"
+        sent = small.sim.requests[before:]
+        assert [r.status for r in sent] == [200, 200]  # (a summary, the turn: none refused)
+        forwarded = sent[-1].body["messages"]
+    (made,) = [
+        m["content"]
+        for m in forwarded
+        if isinstance(m.get("content"), str) and m["content"].startswith(SUMMARY_MARKER)
+    ]
+    assert "summary cut by cachegate" not in made and summary in made
+
+
 def test_a_repaired_history_keeps_the_providers_count_for_the_trigger(
     sdk: Any, proxy_factory: Any
 ) -> None:
