@@ -737,6 +737,21 @@ class _Answer(NamedTuple):
         return bool(self.length) and len(text) == self.length and _text_digest(text) == self.digest
 
 
+# Answers by id whose conversation a stored turn may go on from (``_answered``): a session's
+# latest, the oldest let go past them
+_ANSWERS_KEPT: Final = 32
+
+
+def _answered(extra: dict[str, Any], answer: str, fp: prefix.Fingerprint) -> None:
+    """Keep that the Responses API answer ``answer`` ended the conversation ``fp`` is the
+    fingerprint of (a full turn's, or the one a stored turn went on from)."""
+    answered: dict[str, prefix.Fingerprint] = extra.setdefault("answered", {})
+    answered.pop(answer, None)
+    answered[answer] = fp
+    while len(answered) > _ANSWERS_KEPT:
+        del answered[next(iter(answered))]
+
+
 def _text_digest(text: str) -> bytes:
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
@@ -1644,6 +1659,9 @@ class AccountingObserver:
         fp = prefix.fingerprint(view, None, system_first=True, system_block=offset)
         at = _forwarded_at(ex)
         held = cache.touch(held, fp, at)
+        previous = ex.body.get("previous_response_id")
+        answered: dict[str, prefix.Fingerprint] = state.extra.get("answered") or {}
+        went_on = answered.get(previous) if isinstance(previous, str) else None
         # The full turn it goes on from, where it sends the same parameters and the same
         # instructions but for the time in them (a client that puts the time in every request):
         # the provider read that turn's instructions up to the time (and its tools, where the
@@ -1658,15 +1676,19 @@ class AccountingObserver:
             None,
         )
         if (
-            base is not None
-            and base.fp.system_digest == fp.system_digest
-            and base.fp.tools_digest == fp.tools_digest
-            and base.fp.system_block == fp.system_block
+            went_on is not None
+            and went_on.system_digest == fp.system_digest
+            and went_on.tools_digest == fp.tools_digest
+            and went_on.system_block == fp.system_block
         ):
-            # The same instructions and tools: the conversation it goes on from, read whole
-            # again with them (counted from the full turn, a later full turn's edit of a tool or
-            # an item read as an expiry, its cause hidden)
-            held = cache.touch(held, base.fp, at)
+            # The full turn whose answer (or a stored turn's after it) it goes on from, with
+            # the same instructions and tools: its conversation read whole again with them
+            # (counted from the full turn, a later full turn's edit of a tool or an item read
+            # as an expiry, its cause hidden); and this one's answer goes on from it too
+            held = cache.touch(held, went_on, at)
+            answer = ex.assembled.id if ex.assembled is not None else None
+            if answer:
+                _answered(state.extra, answer, went_on)
         elif (
             base is not None
             and offset
@@ -1761,6 +1783,13 @@ class AccountingObserver:
         finally:
             ex.route, ex.body, ex.client_body, ex.repairs = "passthrough", body, client, repairs
             ex.system_block = None
+        answer = ex.assembled.id if ex.assembled is not None else None
+        if answer and ex.status < 400 and state is not None:
+            # (its answer's id, by which a stored turn says which conversation it goes on
+            # from: ``_touch_stored``)
+            turn = next((b for b in extra.get("baselines") or () if b.body is view), None)
+            if turn is not None:
+                _answered(extra, answer, turn.fp)
         divergence = ex.divergence
         if (
             not offset

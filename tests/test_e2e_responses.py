@@ -1472,3 +1472,64 @@ def test_a_full_turn_after_a_stored_one_names_its_rewrite_not_an_expiry(
     assert last["cache"]["location"] == ("tools" if edit == "tools" else "input[1].content")
     expired = {"model": "gpt-5", "cause": "ttl_expired"}
     assert proxy.metric("cachegate_cache_waste_tokens_total", expired) == 0
+
+
+def test_a_stored_turn_keeps_alive_only_the_conversation_it_goes_on_from(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """Two conversations of one session with the same instructions and tools (a main agent and
+    a sub-agent), and stored turns that go on from the first, one from the other's answer: the
+    first's history was read again at each, the second's not since its own turn. The second
+    conversation's next full turn, past the cache's life, is an expiry (it was taken for read
+    at the stored turns, its miss ``unexplained``); the first's, with an item edited, a rewrite
+    (its chain of stored turns followed by their answers' ids)."""
+    proxy = proxy_factory(
+        sim.api_base, {"models": {"gpt-5": {"cache_ttl_s": 300}}}, clock=lambda: sim.sim.now
+    )
+    client = sdk(proxy.base_url, default_headers={"x-session-id": "two"})
+    first: list[Any] = [
+        {"role": "user", "content": "Plan the refactor. " * 200},
+        {"role": "user", "content": "Mind the parser. " * 200},
+    ]
+    other: list[Any] = [{"role": "user", "content": "Write the release notes. " * 200}]
+
+    def full(items: list[Any]) -> Any:
+        return client.responses.create(
+            model="gpt-5", instructions=LONG_INSTRUCTIONS, input=items, tools=TOOLS
+        )
+
+    answer = full(first)
+    sim.sim.advance(10)
+    answer_other = full(other)
+    previous = answer.id
+    for _ in range(2):  # (the second goes on from the first's answer)
+        sim.sim.advance(190)
+        stored = client.responses.create(
+            model="gpt-5",
+            instructions=LONG_INSTRUCTIONS,
+            input="and then?",
+            previous_response_id=previous,
+            tools=TOOLS,
+        )
+        previous = stored.id
+    sim.sim.advance(200)
+    full(
+        [
+            *other,
+            {"role": "assistant", "content": answer_other.output_text},
+            {"role": "user", "content": "go on"},
+        ]
+    )
+    first[1] = {"role": "user", "content": "Mind the lexer. " * 200}
+    full(
+        [
+            *first,
+            {"role": "assistant", "content": answer.output_text},
+            {"role": "user", "content": "go on"},
+        ]
+    )
+    proxy.settle()
+    expired, edited = events(proxy.log_dir, "two", "response")[-2:]
+    assert expired["cache"]["cause"] == "ttl_expired", expired["cache"]
+    assert edited["cache"]["cause"] == "prefix_rewrite", edited["cache"]
+    assert edited["cache"]["location"] == "input[1].content"
