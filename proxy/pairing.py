@@ -619,15 +619,24 @@ def orphan_label(tool_call_id: str | None) -> str:
 def _downgrade(message: dict[str, Any], label: str) -> dict[str, Any]:
     """A user message carrying a tool message's content under ``label``, so nothing is lost,
     and its ``cache_control`` breakpoint (a Claude-style client marks its latest message: the
-    mark gone, that turn asked nothing of the cache)."""
+    mark gone, that turn asked nothing of the cache). Blank text parts are left out (a tool
+    that printed nothing, as parts: beside the label, Claude refuses an empty text block on
+    every later turn, ``text content blocks must be non-empty``), a mark of theirs going on
+    the message."""
     content = message.get("content")
     new_content: str | list[Any]
+    gone: list[Any] = []  # (the marks of blank parts left out)
     if content is None or content == "":
         new_content = label
     elif isinstance(content, str):
         new_content = f"{label}\n{content}"
     elif isinstance(content, list):
-        new_content = [{"type": "text", "text": label}, *content]
+        new_content = [{"type": "text", "text": label}]
+        for part in content:
+            if not _blank_part(part):
+                new_content.append(part)
+            elif part.get("cache_control") is not None:
+                gone.append(part["cache_control"])
     else:
         dumped = deep_dumps(content, sort_keys=True, ensure_ascii=False)
         new_content = f"{label}\n{dumped}"
@@ -635,6 +644,8 @@ def _downgrade(message: dict[str, Any], label: str) -> dict[str, Any]:
     mark = message.get("cache_control")
     if mark is not None:
         downgraded["cache_control"] = mark
+    elif gone and cache_mark(downgraded, "content") is None:
+        downgraded["cache_control"] = gone[-1]
     return downgraded
 
 

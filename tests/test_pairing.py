@@ -1018,6 +1018,27 @@ def test_a_downgraded_result_keeps_its_cache_control_breakpoint() -> None:
     assert "cache_control" not in repair_messages([user("go"), tool("x", "y")]).messages[1]
 
 
+def test_a_downgraded_result_of_blank_parts_holds_no_empty_text_block() -> None:
+    """A tool that printed nothing (``touch a``), its result written as parts: the orphan's or
+    duplicate's downgrade kept its empty text part beside the label, and Claude refused the
+    message on every later turn (``text content blocks must be non-empty``). A blank part's
+    mark goes on the message."""
+    mark = {"type": "ephemeral"}
+    empty = [{"type": "text", "text": ""}]
+    orphan = {**tool("cz"), "content": empty}
+    out = repair_messages([user("go"), asst(content="ok"), orphan], drop_empty=True)
+    assert out.messages[2] == {
+        "role": "user",
+        "content": [{"type": "text", "text": "[tool result for call cz (no matching tool call)]"}],
+    }
+    validate_claude_messages(out.messages)
+    marked = {**tool("a"), "content": [{"type": "text", "text": " ", "cache_control": mark}]}
+    twice = repair_messages([asst(call("a")), tool("a", "A"), marked], drop_empty=True)
+    assert twice.messages[2]["cache_control"] == mark
+    assert all(p["text"].strip() for p in twice.messages[2]["content"])
+    validate_claude_messages(twice.messages)
+
+
 def test_orphan_policy_drop_removes_orphans_and_duplicates() -> None:
     messages = [asst(call("a")), tool("a", "A"), tool("a", "again"), user("s"), tool("x", "X")]
     result = repair_messages(messages, orphan_policy="drop")
