@@ -212,6 +212,11 @@ class Gateway:
         # response (``previous_response_id``) is of the same session (its ``input`` holds only
         # what is new: no history to find the session by)
         self._response_sessions: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # The calls of the Responses API answers relayed, by response id (``_remember_calls``):
+        # a request that continues one must answer them (``_responses_body``)
+        self._response_calls: collections.OrderedDict[str, tuple[dict[str, str], ...]] = (
+            collections.OrderedDict()
+        )
 
     def api_key(self) -> str | None:
         """The configured key, read from the environment once (when the app was built)."""
@@ -537,6 +542,8 @@ class Gateway:
                         ex.model = ex.assembled.model  # (the request's, where it was read)
                     if ex.session_id is not None and ex.assembled.id:
                         self._remember_response(ex.assembled.id, ex.session_id)
+                    if ex.assembled.id and ex.assembled.message.get("tool_calls"):
+                        self._remember_calls(ex.assembled.id, ex.assembled.message["tool_calls"])
             notify(self.observers, "on_response", ex)
 
     def _request_observers(self, ex: Exchange) -> None:
@@ -550,6 +557,24 @@ class Gateway:
         held[response_id] = session_id
         if len(held) > RESPONSES_REMEMBERED:
             held.popitem(last=False)
+
+    def _remember_calls(self, response_id: str, calls: list[Any]) -> None:
+        """Keep the function and custom tool calls of the answer ``response_id`` (the latest
+        ``RESPONSE_CALLS_REMEMBERED`` answers that made any)."""
+        kept = tuple(
+            {
+                "type": "custom_tool_call" if call.get("type") == "custom" else "function_call",
+                "call_id": call["id"],
+                "name": str((call.get("custom") or call.get("function") or {}).get("name") or ""),
+            }
+            for call in calls
+            if isinstance(call, dict) and isinstance(call.get("id"), str) and call["id"]
+        )
+        if kept:
+            held = self._response_calls
+            held[response_id] = kept
+            if len(held) > RESPONSE_CALLS_REMEMBERED:
+                held.popitem(last=False)
 
     def _responses_session(
         self,
@@ -750,7 +775,25 @@ class Gateway:
         if find_session is not None:
             ex.request_bytes = len(text)  # (decoded, as the chat route logs it)
             find_session(body, len(text), memo)
-        if b'"call_id"' not in text:
+        p = self.settings.pairing
+        note = p.interrupted_note or pairing.DEFAULT_INTERRUPTED_NOTE
+        previous = body.get("previous_response_id")
+        stored = self._response_calls.get(previous) if isinstance(previous, str) else None
+        # (the calls of the answer it continues, which it gives no output for: interrupted)
+        pending = respairing.stored_call_outputs(body, stored, note) if stored else []
+        if pending and strict:
+            raise bad_request(
+                f"cachegate strict pairing: {len(pending)} defect"
+                f"{'' if len(pending) == 1 else 's'}: "
+                + "; ".join(
+                    f"call {call_id} of the stored response {previous} has no output in input"
+                    " (dangling_call)"
+                    for _, call_id, _ in pending
+                ),
+                "strict_pairing",
+                "input",
+            )
+        if b'"call_id"' not in text and not pending:
             return raw, forward_headers, True  # (no call and no output: nothing to pair)
         # Resumed from where the session's last request left off: a turn that resends the
         # same items (spliced from the last body's parse, or shared with the session's last
@@ -764,7 +807,7 @@ class Gateway:
         if state is not None and scan is not None:
             base = resumed or (kept[0] if kept else None)
             state.extra["responses_pairing"] = [scan] if base is None else [scan, base]
-        if not needed:
+        if not needed and not pending:
             return raw, forward_headers, True
         # an integer beyond 64 bits maybe, which orjson reads as a float: read again as it is,
         # so that the repaired body has it as it was sent
@@ -773,40 +816,63 @@ class Gateway:
             if not isinstance(reread, dict):
                 return raw, forward_headers, True
             body = ex.client_body = ex.body = reread
-        if strict:
+        if strict and needed:
             defects = respairing.diagnose(body)
             raise bad_request(
                 respairing.format_strict_error(body, defects), "strict_pairing", "input"
             )
-        p = self.settings.pairing
-        result = respairing.repair_input(
-            body,
-            orphan_policy=p.orphan_policy,
-            interrupted_note=p.interrupted_note or pairing.DEFAULT_INTERRUPTED_NOTE,
-        )
-        if not result.messages and p.orphan_policy == "drop":
-            # only orphans (a client that lost its previous_response_id): dropped, nothing is
-            # left to send, and sent as they are, the provider refuses them: downgraded
+        items = body.get("input")
+        repairs: list[dict[str, Any]] = []
+        if needed:
             result = respairing.repair_input(
-                body,
-                orphan_policy="downgrade",
-                interrupted_note=p.interrupted_note or pairing.DEFAULT_INTERRUPTED_NOTE,
+                body, orphan_policy=p.orphan_policy, interrupted_note=note
             )
-        if not result.messages:  # (defensive: the provider judges what was sent)
-            return raw, forward_headers, True
-        ex.repairs = [
-            {"kind": r.kind, "index": r.index, "tool_call_id": r.tool_call_id, "action": r.action}
-            for r in result.repairs
-        ]
+            if not result.messages and p.orphan_policy == "drop":
+                # only orphans (a client that lost its previous_response_id): dropped, nothing is
+                # left to send, and sent as they are, the provider refuses them: downgraded
+                result = respairing.repair_input(
+                    body, orphan_policy="downgrade", interrupted_note=note
+                )
+            if not result.messages:  # (defensive: the provider judges what was sent)
+                return raw, forward_headers, True
+            items = result.messages
+            repairs = [
+                {
+                    "kind": r.kind,
+                    "index": r.index,
+                    "tool_call_id": r.tool_call_id,
+                    "action": r.action,
+                }
+                for r in result.repairs
+            ]
+        if pending:
+            # first in the input: they answer the stored answer's calls, before what it says next
+            # (an ``input`` that is one string is a user message)
+            said = [{"role": "user", "content": items}] if isinstance(items, str) else items
+            items = [output for output, _, _ in pending] + list(said or ())
+            repairs[:0] = [
+                {
+                    "kind": "dangling_call",
+                    "index": None,
+                    "tool_call_id": call_id,
+                    "action": f"added a synthetic output for {name} (its call is in the stored"
+                    f" response {previous})",
+                }
+                for _, call_id, name in pending
+            ]
+        ex.repairs = repairs
         if coded:  # forwarded as read: decoded
             forward_headers = [h for h in forward_headers if h[0].lower() != b"content-encoding"]
-        ex.body = {**body, "input": result.messages}
+        ex.body = {**body, "input": items}
         return dump_body(ex.body), forward_headers, True
 
 
 # The Responses API answers whose sessions are remembered (``Gateway._remember_response``):
 # ~150 bytes each
 RESPONSES_REMEMBERED = 65536
+# The Responses API answers with calls whose calls are remembered (``Gateway._remember_calls``):
+# ~400 bytes each
+RESPONSE_CALLS_REMEMBERED = 8192
 # where an integer beyond 64 bits may be (-2**63 has 19 digits, 2**64 20)
 _LONG_NUMBER = re.compile(rb"[0-9]{20}|-[0-9]{19}")
 _TRUE_VALUE = re.compile(rb"[ \t\r\n]*:[ \t\r\n]*true")

@@ -402,6 +402,32 @@ def repair_input(
     return PairingResult(out, repairs)
 
 
+def stored_call_outputs(
+    body: Mapping[str, Any], calls: Sequence[Mapping[str, Any]], note: str
+) -> list[tuple[dict[str, Any], str, str]]:
+    """Outputs for the calls of the stored response ``body`` continues (``calls``: that
+    answer's ``function_call`` and ``custom_tool_call`` items, as cachegate relayed it) that its
+    ``input`` answers nothing for, each with its call's id and name, to go first in the input:
+    an agent interrupted after such an answer sends its next message alone, which OpenAI
+    refuses (``No tool output found for function call …``) on every turn after. ``note``: as
+    ``repair_input``'s."""
+    items = body.get("input")
+    answered = {
+        _call_id(item)
+        for item in (items if isinstance(items, list) else ())
+        if isinstance(item, Mapping) and str(_kind(item)).endswith("_output")
+    }
+    out: list[tuple[dict[str, Any], str, str]] = []
+    for call in calls:
+        call_id = _call_id(call)
+        if call_id is None or call_id in answered:
+            continue
+        name = _name(call)
+        out.append((_synthetic(call, call_id, note.replace("{name}", name)), call_id, name))
+        answered.add(call_id)
+    return out
+
+
 def diagnose(body: Mapping[str, Any]) -> list[Repair]:
     """What ``repair_input`` would repair, changing nothing: strict mode's list of defects."""
     return repair_input(body, interrupted_note="").repairs

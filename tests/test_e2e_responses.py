@@ -1533,3 +1533,76 @@ def test_a_stored_turn_keeps_alive_only_the_conversation_it_goes_on_from(
     assert expired["cache"]["cause"] == "ttl_expired", expired["cache"]
     assert edited["cache"]["cause"] == "prefix_rewrite", edited["cache"]
     assert edited["cache"]["location"] == "input[1].content"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_agent_interrupted_after_a_stored_responses_calls_is_not_refused(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any, stream: bool
+) -> None:
+    """The Agents SDK's way (``previous_response_id``): the stored answer made two calls, the
+    user interrupted them and typed on, and the next request carries that message alone. The
+    provider refuses it, ``No tool output found for function call …``, on every turn after:
+    cachegate, which relayed the answer, knows its calls and puts a synthetic output for each
+    not answered first in the input (one answered by the client keeps its own)."""
+    import openai
+
+    proxy = proxy_factory(sim.api_base)
+    client = sdk(proxy.base_url, default_headers={"x-session-id": "stored-calls"})
+    sim.sim.enqueue(
+        [
+            {
+                "tool_calls": [
+                    {"name": "exec_command", "arguments": {"cmd": "ls"}, "id": "call_ls"},
+                    {"name": "read_file", "arguments": {"path": "a.py"}, "id": "call_read"},
+                ]
+            }
+        ]
+    )
+    first: Any = client.responses.create(
+        model="gpt-5", instructions=INSTRUCTIONS, input="Look around.", tools=TOOLS, stream=stream
+    )
+    if stream:
+        first = next(e.response for e in first if e.type == "response.completed")
+    # directly, the provider refuses the turn: the stored answer's calls have no output
+    with pytest.raises(openai.BadRequestError, match="No tool output found for function call"):
+        sdk(sim.api_base).responses.create(
+            model="gpt-5", input="Stop, do something else.", previous_response_id=first.id
+        )
+    raw = client.responses.with_raw_response.create(
+        model="gpt-5",
+        input=[
+            {"type": "function_call_output", "call_id": "call_read", "output": "print(1)"},
+            {"role": "user", "content": "Stop, do something else."},
+        ],
+        previous_response_id=first.id,
+        tools=TOOLS,
+    )
+    assert raw.status_code == 200 and raw.headers["x-cachegate-repairs"] == "1"
+    sent = sim.sim.requests[-1].body["input"]
+    note = DEFAULT_INTERRUPTED_NOTE.replace("{name}", "exec_command")
+    assert sent[0] == {"type": "function_call_output", "call_id": "call_ls", "output": note}
+    assert sent[1:] == [
+        {"type": "function_call_output", "call_id": "call_read", "output": "print(1)"},
+        {"role": "user", "content": "Stop, do something else."},
+    ]
+    # one string for an input: the user's message, after the outputs
+    again = client.responses.create(
+        model="gpt-5", input="And now?", previous_response_id=first.id, tools=TOOLS
+    )
+    assert again.output_text
+    assert [i.get("call_id") for i in sim.sim.requests[-1].body["input"]] == [
+        "call_ls",
+        "call_read",
+        None,
+    ]
+    proxy.settle()
+    (repair,) = events(proxy.log_dir, "stored-calls", "request")[1]["repairs"]
+    assert repair["kind"] == "dangling_call" and repair["tool_call_id"] == "call_ls"
+    assert repair["index"] is None and first.id in repair["action"]
+    # strict pairing refuses it instead, and names the call
+    strict = httpx.post(
+        proxy.base_url + "/responses",
+        json={"model": "gpt-5", "input": "hi", "previous_response_id": first.id},
+        headers={"x-cachegate-strict": "1"},
+    )
+    assert strict.status_code == 400 and "call_ls" in strict.json()["error"]["message"]

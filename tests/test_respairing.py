@@ -978,3 +978,33 @@ def test_a_slow_upload_is_not_counted_as_cachegates_overhead(
     route = {"route": "responses"}
     assert proxy.metric("cachegate_proxy_overhead_seconds_count", route) == 1
     assert proxy.metric("cachegate_proxy_overhead_seconds_sum", route) < 0.5
+
+
+def test_the_stored_answers_calls_left_unanswered_get_outputs() -> None:
+    """The calls of the answer a ``previous_response_id`` continues (as cachegate relayed it)
+    that the input gives no output for: each a synthetic output, a custom tool's its own kind;
+    one the input answers (anywhere in it) keeps its own."""
+    stored = [call("c1", "shell"), call("c2", "apply", "custom_tool_call"), call("c3", "read")]
+    body = {
+        "previous_response_id": "resp_1",
+        "input": [
+            {"type": "function_call_output", "call_id": "c3", "output": "ok"},
+            {"role": "user", "content": "stop"},
+        ],
+    }
+    made = respairing.stored_call_outputs(body, stored, NOTE)
+    assert [(output, call_id, name) for output, call_id, name in made] == [
+        (
+            {"type": "function_call_output", "call_id": "c1", "output": "interrupted: shell"},
+            "c1",
+            "shell",
+        ),
+        (
+            {"type": "custom_tool_call_output", "call_id": "c2", "output": "interrupted: apply"},
+            "c2",
+            "apply",
+        ),
+    ]
+    answered = {**body, "input": [*(o for o, _, _ in made), *body["input"]]}
+    assert respairing.stored_call_outputs(answered, stored, NOTE) == []
+    assert respairing.stored_call_outputs({"input": "go on"}, stored[:1], NOTE)[0][1] == "c1"

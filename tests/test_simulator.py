@@ -1403,6 +1403,27 @@ def test_responses_takes_outputs_of_a_stored_response(sim: RunningSimulator) -> 
     assert answer.status_code == 200, answer.text
 
 
+def test_responses_refuses_a_continuation_that_leaves_its_stored_calls_unanswered(
+    sim: RunningSimulator, sdk: Any
+) -> None:
+    """As OpenAI: the answer's calls are stored with it, and a request that continues it must
+    give their outputs (the Agents SDK's interrupted turn, its next message alone)."""
+    client = sdk(sim.api_base)
+    calls = {"tool_calls": [{"name": "read_file", "arguments": {"path": "a.py"}, "id": "call_a"}]}
+    sim.sim.enqueue([calls])
+    stored = client.responses.create(model="gpt-5", input="read a.py")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="gpt-5", input="go on", previous_response_id=stored.id)
+    assert refused.value.message.endswith("No tool output found for function call call_a.")
+    output = {"type": "function_call_output", "call_id": "call_a", "output": "x = 1"}
+    answered = client.responses.create(
+        model="gpt-5", input=[output], previous_response_id=stored.id
+    )
+    assert answered.output_text == "Done."
+    sim.sim.reset()  # (forgotten, as a response past its provider's storage: not judged)
+    client.responses.create(model="gpt-5", input="go on", previous_response_id=stored.id)
+
+
 def test_responses_answers_a_scripted_call_as_function_call_items(
     sim: RunningSimulator, sdk: Any
 ) -> None:

@@ -57,6 +57,7 @@ from proxy.simulator.validate import (
     validate_claude_messages,
     validate_messages,
     validate_response_input,
+    validate_stored_calls,
 )
 from proxy.simulator.wire import (
     DONE,
@@ -581,6 +582,9 @@ class _Handlers:
             if not isinstance(model, str) or not model:
                 raise ValidationError("Missing required parameter: 'model'.", "model")
             validate_response_input(body)
+            previous = body.get("previous_response_id")
+            if isinstance(previous, str):
+                validate_stored_calls(body, self.sim.response_calls.get(previous, ()))
         except ValidationError as exc:
             received.status = 400
             return _error(400, exc.message, exc.param, exc.code)
@@ -594,7 +598,9 @@ class _Handlers:
         """``POST /v1/responses``: OpenAI's checks of the input items' tool pairing, then the next
         scripted reply (its text as an assistant message, its calls as ``function_call`` items),
         else a message ``Done.``, streamed as the Responses API's events when asked, paced and
-        faulted as a chat answer. No response is stored."""
+        faulted as a chat answer. Its calls are kept by its id: a request that continues it
+        (``previous_response_id``) must give their outputs, as OpenAI refuses otherwise (``No
+        tool output found for function call …``); nothing else of it is stored."""
         checked = await self._responses_request(request)
         if isinstance(checked, Response):
             return checked
@@ -617,8 +623,12 @@ class _Handlers:
             for call in reply.tool_calls
         )
         cache = self.sim.process_prompt(tokens, model)  # (the prefix cache chat's requests use)
+        response_id = new_id("resp_", 32)
+        calls = tuple((item["call_id"], "function call") for item in output if "call_id" in item)
+        if calls:
+            self.sim.store_response(response_id, calls)
         done = response_object(
-            response_id=new_id("resp_", 32),
+            response_id=response_id,
             created=int(self.sim.now),
             model=model,
             output=output,

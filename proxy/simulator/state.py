@@ -11,7 +11,7 @@ import random
 import string
 import threading
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +86,7 @@ def _masked(name: str, value: str) -> str:
 KEEP_REQUESTS = 10_000
 KEEP_BYTES = 64 * 1024 * 1024
 BODY_COST = 7  # bytes held per byte of a body
+KEEP_RESPONSES = 4096  # Responses API answers whose calls are kept (``store_response``)
 
 
 class Simulator:
@@ -100,6 +101,18 @@ class Simulator:
         self._script: deque[Reply] = deque()
         self._rng = random.Random(self.config.seed)
         self._now = self.config.start_time
+        # The calls of the Responses API answers it gave, by response id (the latest
+        # ``KEEP_RESPONSES``): a request that continues one (``previous_response_id``) must
+        # answer them, as OpenAI's stored responses must be
+        self.response_calls: OrderedDict[str, tuple[tuple[str, str], ...]] = OrderedDict()
+
+    def store_response(self, response_id: str, calls: tuple[tuple[str, str], ...]) -> None:
+        """Keep the calls (``call_id``, what OpenAI names its kind) of the answer
+        ``response_id``."""
+        with self._lock:
+            self.response_calls[response_id] = calls
+            while len(self.response_calls) > KEEP_RESPONSES:
+                self.response_calls.popitem(last=False)
 
     @property
     def now(self) -> float:
@@ -125,6 +138,7 @@ class Simulator:
             self._script.clear()
             self._rng = random.Random(self.config.seed)
             self._now = self.config.start_time
+            self.response_calls.clear()
 
     def record(
         self, method: str, path: str, headers: dict[str, str], raw: bytes

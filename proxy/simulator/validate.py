@@ -7,6 +7,7 @@ oracle that a repaired history would be accepted.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any, Final
 
 DANGLING_TEXT = (
@@ -388,6 +389,21 @@ def _stored_item(item: Any) -> bool:
         return False
     kind = item.get("type")
     return kind == "item_reference" or (kind is None and item.keys() == {"id"})
+
+
+def validate_stored_calls(body: dict[str, Any], stored: Sequence[tuple[str, str]]) -> None:
+    """Raise ``ValidationError`` as OpenAI does where a request continues a stored response
+    (``previous_response_id``) whose calls (``stored``: ``call_id`` and what OpenAI names its
+    kind) its ``input`` gives no output for."""
+    items = body.get("input")
+    answered = {
+        item.get("call_id")
+        for item in (items if isinstance(items, list) else ())
+        if isinstance(item, dict) and str(item.get("type")).endswith("_output")
+    }
+    for call_id, what in stored:
+        if call_id not in answered:
+            raise ValidationError(NO_OUTPUT_TEXT.format(what=what, id=call_id), "input")
 
 
 def validate_response_input(body: dict[str, Any]) -> None:
