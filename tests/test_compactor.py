@@ -2549,6 +2549,38 @@ class _Reworded:
         await send({"type": "http.response.body", "body": out})
 
 
+def _edge_agent() -> tuple[Callable[[int], str], dict[str, Any], list[dict[str, Any]]]:
+    """An agent at the compaction edge: its words (seeded), its scripted answer (a call and a
+    text of 2,800 characters, which the summary call gets too: a summary as long as a
+    model's), its one tool."""
+    import json
+    import random
+
+    rng = random.Random(7)
+    vocabulary = ["alpha", "beta", "gamma", "delta", "config", "value", "error", "line", "path"]
+
+    def words(n: int) -> str:
+        return " ".join(rng.choice(vocabulary) for _ in range(n))
+
+    lines = ["Task: fix the failing build as the user asked.", "Done:"]
+    while sum(len(x) + 1 for x in lines) < 2800:
+        lines.append(f"- step {len(lines)}: ran the build, {words(8)}")
+    script = {
+        "content": "\n".join(lines)[:2800],
+        "tool_calls": [{"name": "run", "arguments": json.dumps({"cmd": "make test"})}],
+    }
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "run",
+                "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+            },
+        }
+    ]
+    return words, script, tools
+
+
 @pytest.mark.parametrize("wording", ["openai", "no count"])
 def test_a_retry_whose_summary_keeps_it_over_the_room_goes_with_the_summary_cut(
     sdk: Any, proxy_factory: Any, wording: str
@@ -2565,31 +2597,8 @@ def test_a_retry_whose_summary_keeps_it_over_the_room_goes_with_the_summary_cut(
     the turns after plan their summary on the provider's count of the retry and are not refused
     (a refused request and a cut on every turn before)."""
     import json
-    import random
 
-    rng = random.Random(7)
-    vocabulary = ["alpha", "beta", "gamma", "delta", "config", "value", "error", "line", "path"]
-
-    def words(n: int) -> str:
-        return " ".join(rng.choice(vocabulary) for _ in range(n))
-
-    lines = ["Task: fix the failing build as the user asked.", "Done:"]
-    while sum(len(x) + 1 for x in lines) < 2800:
-        lines.append(f"- step {len(lines)}: ran the build, {words(8)}")
-    # (a scripted answer, which the summary call gets too: a summary as long as a model's)
-    script = {
-        "content": "\n".join(lines)[:2800],
-        "tool_calls": [{"name": "run", "arguments": json.dumps({"cmd": "make test"})}],
-    }
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "run",
-                "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
-            },
-        }
-    ]
+    words, script, tools = _edge_agent()
     refused = 0
     with contextlib.ExitStack() as stack:
         sim = stack.enter_context(run_simulator(SimConfig(context_window=12000)))
@@ -2671,30 +2680,8 @@ def test_an_agent_at_the_edge_has_its_summary_planned_on_the_room_left(
     the room the kept messages leave, on the provider's count of the previous request: no turn
     is refused, and no summary call is added."""
     import json
-    import random
 
-    rng = random.Random(7)
-    vocabulary = ["alpha", "beta", "gamma", "delta", "config", "value", "error", "line", "path"]
-
-    def words(n: int) -> str:
-        return " ".join(rng.choice(vocabulary) for _ in range(n))
-
-    lines = ["Task: fix the failing build as the user asked.", "Done:"]
-    while sum(len(x) + 1 for x in lines) < 2800:
-        lines.append(f"- step {len(lines)}: ran the build, {words(8)}")
-    script = {
-        "content": "\n".join(lines)[:2800],
-        "tool_calls": [{"name": "run", "arguments": json.dumps({"cmd": "make test"})}],
-    }
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "run",
-                "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
-            },
-        }
-    ]
+    words, script, tools = _edge_agent()
     with run_simulator(SimConfig(context_window=12000)) as sim:
         config = {
             "compaction": {"enabled": True, "keep_recent": 8},
