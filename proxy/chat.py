@@ -763,6 +763,11 @@ class ChatPipeline:
             if spliced is not None:
                 return {**body, "stream_options": {"include_usage": True}}, spliced
         base = options if isinstance(options, dict) else {}
+        if base.get("continuous_usage_stats"):
+            # (``include_usage`` false beside it: vLLM sends no usage at all, and asked for it
+            # with this on, it put usage in every chunk, which the client had refused: the
+            # usage asked for is the last event's alone)
+            base = {k: v for k, v in base.items() if k != "continuous_usage_stats"}
         return {**body, "stream_options": {**base, "include_usage": True}}, None
 
     async def handle(

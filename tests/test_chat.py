@@ -741,6 +741,27 @@ def test_vllms_continuous_usage_option_is_left_as_sent_and_its_usage_relayed(
     assert proxy.metric("cachegate_tokens_total", {"model": "other", "kind": "prompt"}) == 9
 
 
+def test_vllms_continuous_usage_beside_include_usage_false_is_not_turned_on(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """``{"include_usage": false, "continuous_usage_stats": true}``: vLLM sends no usage (the
+    second needs the first). cachegate asked for usage with the second kept, and vLLM put usage
+    in every chunk, which the client had refused; it asks for the last event's alone (taken
+    out of the stream, as ever)."""
+    import httpx
+
+    upstream, url = scripted(chunks=[b"data: [DONE]\n\n"])
+    proxy = proxy_factory(url)
+    body = {
+        "model": "m",
+        "stream": True,
+        "stream_options": {"include_usage": False, "continuous_usage_stats": True},
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    httpx.post(proxy.base_url + "/chat/completions", json=body).read()
+    assert json.loads(upstream.requests[-1]["body"])["stream_options"] == {"include_usage": True}
+
+
 def test_an_unexpected_failure_is_a_500_in_openai_shape_and_nothing_is_forwarded(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
