@@ -130,7 +130,8 @@ class Simulator:
             return self._now
 
     def reset(self) -> None:
-        """Forget requests, cache and script; restart the clock and the seeded generator."""
+        """Forget requests, cache, script and the answers' calls; restart the clock and the
+        seeded generator."""
         with self._lock:
             self.requests.clear()
             self._kept_bytes = 0
