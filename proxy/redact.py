@@ -1867,9 +1867,9 @@ _SECRET_ANCHORS: Final = (
     # a URL with a password (and a user, or none), its slashes maybe escaped (PHP's JSON
     # writes ``mysql:\/\/user:pass@host``; a string inside a JSON string, ``\\\/``), its
     # user too (``postgres://\u0061pp:pw@db`` in a tool's output: its password was kept), a
-    # backslash there only as such an escape's (a URL pattern's ``postgres://\w+:\w+@`` in a
-    # program's source is no URL)
-    r":\\*/\\*/(?:[^\s/:@\\]|\\+[ux])*:[^\s/@]+@",
+    # backslash there only as such an escape's or after the user's first character (Windows'
+    # ``CORP\jdoe``): a URL pattern's ``postgres://\w+:\w+@`` in a program's source is no URL
+    r":\\*/\\*/(?:(?:[^\s/:@\\]|\\+[ux])(?:[^\s/:@\\]|\\+[^\s/:@\\])*)?:[^\s/@]+@",
 )
 # A key's letter, digit, "-", "." or "_" written as a ``\u`` escape, as no JSON writer does
 # unasked: inside a JSON string in a string (a tool call's arguments) it stays as written, and a

@@ -1770,6 +1770,9 @@ def test_a_string_left_open_among_escaped_quotes_is_looked_at_once() -> None:
         # was kept, the prefilter taking no backslash in the user
         ("DATABASE_URL=postgres://\\u0061pp:Xq7Lm2Np9Rt4@db/app", "Xq7Lm2Np9"),
         ("dsn = 'mysql://wp\\x2d1:Xq7Lm2Np9Rt4@db'", "Xq7Lm2Np9"),
+        # a Windows domain's user (a SQL Server DSN, an SMB share)
+        ("DATABASE_URL=mssql+pyodbc://CORP\\jdoe:Xq7Lm2Np9Rt4@sqlhost/db", "Xq7Lm2Np9"),
+        ("smb://WORKGROUP\\alice:Xq7Lm2Np9Rt4@nas/share", "Xq7Lm2Np9"),
     ],
 )
 def test_json_a_tool_printed_loses_what_the_same_text_plain_would(text: str, secret: str) -> None:
