@@ -781,18 +781,6 @@ class Gateway:
         stored = self._response_calls.get(previous) if isinstance(previous, str) else None
         # (the calls of the answer it continues, which it gives no output for: interrupted)
         pending = respairing.stored_call_outputs(body, stored, note) if stored else []
-        if pending and strict:
-            raise bad_request(
-                f"cachegate strict pairing: {len(pending)} defect"
-                f"{'' if len(pending) == 1 else 's'}: "
-                + "; ".join(
-                    f"call {call_id} of the stored response {previous} has no output in input"
-                    " (dangling_call)"
-                    for _, call_id, _ in pending
-                ),
-                "strict_pairing",
-                "input",
-            )
         if b'"call_id"' not in text and not pending:
             return raw, forward_headers, True  # (no call and no output: nothing to pair)
         # Resumed from where the session's last request left off: a turn that resends the
@@ -816,10 +804,13 @@ class Gateway:
             if not isinstance(reread, dict):
                 return raw, forward_headers, True
             body = ex.client_body = ex.body = reread
-        if strict and needed:
-            defects = respairing.diagnose(body)
+        if strict:  # (every defect in one refusal: the stored answer's calls first)
+            defects = respairing.diagnose(body) if needed else []
+            stored_ids = [call_id for _, call_id, _ in pending]
             raise bad_request(
-                respairing.format_strict_error(body, defects), "strict_pairing", "input"
+                respairing.format_strict_error(body, defects, stored_ids),
+                "strict_pairing",
+                "input",
             )
         items = body.get("input")
         repairs: list[dict[str, Any]] = []

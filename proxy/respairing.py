@@ -412,6 +412,8 @@ def stored_call_outputs(
     refuses (``No tool output found for function call …``) on every turn after. ``note``: as
     ``repair_input``'s."""
     items = body.get("input")
+    if not isinstance(items, (list, str)):  # (no input, or one the provider is to refuse)
+        return []
     answered = {
         _call_id(item)
         for item in (items if isinstance(items, list) else ())
@@ -433,10 +435,18 @@ def diagnose(body: Mapping[str, Any]) -> list[Repair]:
     return repair_input(body, interrupted_note="").repairs
 
 
-def format_strict_error(body: Mapping[str, Any], repairs: list[Repair]) -> str:
-    """One error message naming every defect with its item's index, type and ``call_id``."""
+def format_strict_error(
+    body: Mapping[str, Any], repairs: list[Repair], stored: Sequence[str] = ()
+) -> str:
+    """One error message naming every defect with its item's index, type and ``call_id``;
+    first, the calls of the stored response the request continues that it gives no output for
+    (``stored``: their ``call_id``, ``stored_call_outputs``)."""
     items = body.get("input")
-    parts = []
+    previous = body.get("previous_response_id")
+    parts = [
+        f"call {call_id} of the stored response {previous} has no output in input (dangling_call)"
+        for call_id in stored
+    ]
     for r in repairs:
         item = items[r.index] if isinstance(items, list) else {}
         kind = item.get("type") if isinstance(item, dict) else None
@@ -445,6 +455,6 @@ def format_strict_error(body: Mapping[str, Any], repairs: list[Repair]) -> str:
         else:
             text = f"input[{r.index}] {kind} for {r.tool_call_id} answers no call"
         parts.append(f"{text} ({r.kind})")
-    count = len(repairs)
+    count = len(repairs) + len(stored)
     head = f"cachegate strict pairing: {count} defect{'' if count == 1 else 's'}"
     return f"{head}: {'; '.join(parts)}" if parts else head

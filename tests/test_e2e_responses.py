@@ -1599,10 +1599,19 @@ def test_an_agent_interrupted_after_a_stored_responses_calls_is_not_refused(
     (repair,) = events(proxy.log_dir, "stored-calls", "request")[1]["repairs"]
     assert repair["kind"] == "dangling_call" and repair["tool_call_id"] == "call_ls"
     assert repair["index"] is None and first.id in repair["action"]
-    # strict pairing refuses it instead, and names the call
+    # strict pairing refuses it instead, naming the call, with a defect of the input's own
+    own = {"type": "function_call", "call_id": "own1", "name": "exec_command", "arguments": "{}"}
     strict = httpx.post(
         proxy.base_url + "/responses",
-        json={"model": "gpt-5", "input": "hi", "previous_response_id": first.id},
+        json={"model": "gpt-5", "input": [own], "previous_response_id": first.id},
         headers={"x-cachegate-strict": "1"},
     )
-    assert strict.status_code == 400 and "call_ls" in strict.json()["error"]["message"]
+    assert strict.status_code == 400
+    said = strict.json()["error"]["message"]
+    assert said.startswith("cachegate strict pairing: 3 defects: call call_ls of the stored")
+    assert "call_read" in said and "input[0] function_call own1 has no output" in said
+    # an input the API does not take (one object) is the provider's to refuse, as it was sent
+    sent_before = len(sim.sim.requests)
+    odd = {"model": "gpt-5", "input": {"role": "user"}, "previous_response_id": first.id}
+    httpx.post(proxy.base_url + "/responses", json=odd)
+    assert sim.sim.requests[sent_before].body["input"] == {"role": "user"}
