@@ -1032,7 +1032,15 @@ class _BadSessionPath:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw = scope.get("raw_path") or scope["path"].encode()
         segment = raw.split(b"?", 1)[0].split(b"/")[2:3]  # b"/s/<id>/..." -> [b"<id>"]
+        said: str | None = None  # (an id that reads as a key: refused, as on the routes)
         if segment and valid_session_id(segment[0].decode("latin-1")):
+            try:
+                explicit_session_id(header_map(scope), segment[0].decode("latin-1"))
+            except ValueError as exc:
+                said = str(exc)
+        if said is not None:
+            err = bad_request(said, "invalid_session_id")
+        elif segment and valid_session_id(segment[0].decode("latin-1")):
             # A valid id, without /v1 after it (/s/abc/healthz, /s/abc/chat/completions), or
             # the base URL itself
             base = "/s/" + segment[0].decode("latin-1") + "/v1"

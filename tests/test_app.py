@@ -294,6 +294,15 @@ def test_a_session_base_url_without_v1_gets_a_404_that_says_so(
         "Nothing is served at POST /s/abc/v1. /s/abc/v1 is the session's base URL: requests go"
         " under it (/s/abc/v1/chat/completions)."
     )
+    # an id that reads as a key is refused here as on the routes (it was told its base URL
+    # was right, and every request under it was refused)
+    for path in (
+        "/s/sk-proj-AbCdEfGhIjKlMnOpQrStUvWx1234/v1",
+        "/s/sk-proj-AbCdEfGhIjKlMnOpQrStUvWx1234",
+    ):
+        r = httpx.get(proxy.url + path)
+        assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_session_id")
+        assert "reads as an API key" in r.json()["error"]["message"]
     bad = httpx.get(proxy.url + "/s/a%2Fb/healthz")  # an id that is none: still a 400
     assert (bad.status_code, bad.json()["error"]["code"]) == (400, "invalid_session_id")
     assert sim.sim.requests == []
