@@ -591,10 +591,14 @@ def test_anthropic_compat_keeps_a_one_hour_breakpoints_prefix_for_an_hour(
     assert usage_of(anthropic, [chat[0], hour])["cache_read_input_tokens"] == 1024
     anthropic.sim.advance(3_601)
     assert usage_of(anthropic, [chat[0], hour])["cache_read_input_tokens"] == 0
-    # a five-minute mark is gone after 400 s, and its usage has no split
+    # a five-minute mark is gone after 400 s, and its usage's split says so (both kinds, a zero
+    # too, as Claude's usage always has them)
     anthropic.sim.reset()
     five = usage_of(anthropic, [chat[0], _marked(chat[1])])
-    assert "cache_creation" not in five
+    assert five["cache_creation"] == {
+        "ephemeral_5m_input_tokens": five["cache_creation_input_tokens"],
+        "ephemeral_1h_input_tokens": 0,
+    }
     anthropic.sim.advance(400)
     assert usage_of(anthropic, [chat[0], _marked(chat[1])])["cache_read_input_tokens"] == 0
 
@@ -615,14 +619,16 @@ def test_a_one_hour_breakpoint_after_a_five_minute_one_or_under_the_minimum_is_f
         {"role": "user", "content": words(1200), "cache_control": hour},
     ]
     usage = usage_of(anthropic, after)
-    assert usage["cache_creation_input_tokens"] > 0 and "cache_creation" not in usage
+    assert usage["cache_creation_input_tokens"] > 0
+    assert usage["cache_creation"]["ephemeral_1h_input_tokens"] == 0  # (all five minutes')
     anthropic.sim.reset()
     short = [
         {"role": "system", "content": words(150), "cache_control": hour},  # under 1,024 tokens
         {"role": "user", "content": words(2300), "cache_control": five},
     ]
     usage = usage_of(anthropic, short)
-    assert usage["cache_creation_input_tokens"] > 0 and "cache_creation" not in usage
+    assert usage["cache_creation_input_tokens"] > 0
+    assert usage["cache_creation"]["ephemeral_1h_input_tokens"] == 0  # (all five minutes')
 
 
 def test_a_gateway_that_marks_for_its_clients_leaves_a_clients_own_marks_as_they_are() -> None:

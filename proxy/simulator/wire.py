@@ -69,11 +69,12 @@ def usage_object(
     elif dialect == "anthropic-compat":
         usage["cache_read_input_tokens"] = cache.read
         usage["cache_creation_input_tokens"] = cache.written
-        if cache.written_long:  # as Claude splits its writes (and gateways pass on)
-            usage["cache_creation"] = {
-                "ephemeral_5m_input_tokens": cache.written - cache.written_long,
-                "ephemeral_1h_input_tokens": cache.written_long,
-            }
+        # as Claude splits its writes, both always (gateways that pass it on, LiteLLM's; a
+        # usage without it, OpenRouter's, is estimated from the breakpoints by cachegate)
+        usage["cache_creation"] = {
+            "ephemeral_5m_input_tokens": cache.written - cache.written_long,
+            "ephemeral_1h_input_tokens": cache.written_long,
+        }
     else:
         usage["prompt_tokens_details"] = {"cached_tokens": cache.read, "audio_tokens": 0}
         usage["completion_tokens_details"] = {
