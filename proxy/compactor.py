@@ -1185,7 +1185,7 @@ class Compactor:
 
     @staticmethod
     def _pruned(
-        held: dict[str, list[Any]], messages: list[Any], beyond: int = 0
+        held: dict[str, list[Any]], messages: list[Any], beyond: int
     ) -> compaction.Compaction | None:
         """The compaction used last, if it covers more than ``beyond`` messages (what one
         found by its digest covers), carried to this history, where the client cut tool

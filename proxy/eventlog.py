@@ -1497,7 +1497,7 @@ def _as_written(secrets: Iterable[str]) -> tuple[bytes, ...]:
 def _without(line: bytes, secrets: Iterable[bytes]) -> bytes:
     """``line`` with each of ``secrets`` replaced (a search in place, at memory speed; a copy
     only where one is found), and a piece of one where a text was cut through it: its first
-    ``_PIECE`` bytes or more at the end of a text (a provider's error cut at 300 characters,
+    ``KEY_PIECE`` bytes or more at the end of a text (a provider's error cut at 300 characters,
     the extractive summary's quotes, an answer whose client left mid-key, which its agent sends
     back in its next request), its last ones at a start (an excerpt's), ``_CUT_EDGES`` marking
     the ends. A piece inside a text is no cut: other keys of a provider share a key's first
@@ -1506,27 +1506,26 @@ def _without(line: bytes, secrets: Iterable[bytes]) -> bytes:
     for secret in secrets:
         if line.find(secret) >= 0:
             line = line.replace(secret, _REDACTED_BYTES)
-        if len(secret) > _PIECE and secret.isascii() and b"\\" not in secret:
-            if line.find(secret[:_PIECE]) >= 0:
+        if len(secret) > KEY_PIECE and secret.isascii() and b"\\" not in secret:
+            if line.find(secret[:KEY_PIECE]) >= 0:
                 line = _without_pieces(line, secret, True)
-            if line.find(secret[-_PIECE:]) >= 0:
+            if line.find(secret[-KEY_PIECE:]) >= 0:
                 line = _without_pieces(line, secret, False)
     return line
 
 
-_PIECE: Final = KEY_PIECE  # (a key's shortest piece taken out where it is not whole)
 # What ends a text cachegate cut, or starts one, in a line: a JSON string's quote, the
 # ellipsis it puts at a cut, a line end (``_clip_middle``'s note, a summary's next line)
 _CUT_EDGES: Final = (b'"', "…".encode(), b"\\n")
 
 
 def _without_pieces(line: bytes, secret: bytes, head: bool) -> bytes:
-    """``line`` with each run of ``secret``'s start (``head``) of ``_PIECE`` bytes or more that
+    """``line`` with each run of ``secret``'s start (``head``) of ``KEY_PIECE`` bytes or more that
     ends at a cut's edge (``_CUT_EDGES``), or each run of its end that starts at one, replaced.
     (ASCII keys without escapes only: a run then ends at a character's edge.) The first
     ``_PIECES_LOOKED`` places of the needle are looked at (a line of the same 16 characters
     over and over costs no more than that)."""
-    needle = secret[:_PIECE] if head else secret[-_PIECE:]
+    needle = secret[:KEY_PIECE] if head else secret[-KEY_PIECE:]
     out: list[bytes] = []
     at = done = 0
     for _ in range(_PIECES_LOOKED):
@@ -1539,8 +1538,8 @@ def _without_pieces(line: bytes, secret: bytes, head: bool) -> bytes:
             end = found + _common_run(line, found, secret, most, True)
             cut = line.startswith(_CUT_EDGES, end)
         else:
-            most = min(len(secret), found + _PIECE - done)
-            stop = found + _PIECE
+            most = min(len(secret), found + KEY_PIECE - done)
+            stop = found + KEY_PIECE
             end = stop
             start = stop - _common_run(line, stop, secret, most, False)
             cut = line.endswith(_CUT_EDGES, done, start)
@@ -1570,9 +1569,9 @@ def _escaped(line: bytes, at: int, floor: int) -> bool:
 
 def _common_run(line: bytes, at: int, secret: bytes, most: int, head: bool) -> int:
     """How far, up to ``most``, ``line`` goes on from ``at`` as ``secret`` starts (``head``),
-    or goes back from ``at`` as it ends; ``_PIECE`` at least, found there already (a binary
+    or goes back from ``at`` as it ends; ``KEY_PIECE`` at least, found there already (a binary
     search of slice comparisons, at C speed)."""
-    lo, hi = _PIECE, max(_PIECE, most)
+    lo, hi = KEY_PIECE, max(KEY_PIECE, most)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if line[at : at + mid] == secret[:mid] if head else line[at - mid : at] == secret[-mid:]:

@@ -2581,6 +2581,19 @@ def _edge_agent() -> tuple[Callable[[int], str], dict[str, Any], list[dict[str, 
     return words, script, tools
 
 
+def _edge_round(messages: list[dict[str, Any]], call_id: str, arguments: str, output: str) -> None:
+    """The edge agent's round appended: its call of ``run`` and the call's output."""
+    function = {"name": "run", "arguments": arguments}
+    messages.append(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": function}],
+        }
+    )
+    messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+
+
 @pytest.mark.parametrize("wording", ["openai", "no count"])
 def test_a_retry_whose_summary_keeps_it_over_the_room_goes_with_the_summary_cut(
     sdk: Any, proxy_factory: Any, wording: str
@@ -2618,11 +2631,8 @@ def test_a_retry_whose_summary_keeps_it_over_the_room_goes_with_the_summary_cut(
             {"role": "user", "content": "Task: fix the failing build. Details: " + words(20)},
         ]
         for turn in range(1, 14):  # (the rounds before the edge, sent at once)
-            run = {"name": "run", "arguments": json.dumps({"cmd": "make test"})}
-            earlier = {"id": f"call_{turn}", "type": "function", "function": run}
-            messages.append({"role": "assistant", "content": None, "tool_calls": [earlier]})
-            output = words(min(3220, 2500 + 40 * turn))
-            messages.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": output})
+            arguments = json.dumps({"cmd": "make test"})
+            _edge_round(messages, f"call_{turn}", arguments, words(min(3220, 2500 + 40 * turn)))
         for turn in range(14, 23):
             try:
                 answer = client.chat.completions.create(
@@ -2634,17 +2644,9 @@ def test_a_retry_whose_summary_keeps_it_over_the_room_goes_with_the_summary_cut(
                     break
                 continue
             call = answer.choices[0].message.tool_calls[0]
-            arguments = call.function.arguments
-            function = {"name": "run", "arguments": arguments}
-            messages.append(
-                {
-                    "role": "assistant",
-                    "content": None,
-                    "tool_calls": [{"id": call.id, "type": "function", "function": function}],
-                }
+            _edge_round(
+                messages, call.id, call.function.arguments, words(min(3220, 2500 + 40 * turn))
             )
-            output = words(min(3220, 2500 + 40 * turn))
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
         statuses = [r.status for r in sim.sim.requests]
         summary_calls = sum(1 for r in sim.sim.requests if "tools" not in r.body)
     events = compacted_events(proxy)
@@ -2699,16 +2701,9 @@ def test_an_agent_at_the_edge_has_its_summary_planned_on_the_room_left(
                 model="agent-model", messages=messages, tools=tools, max_completion_tokens=6000
             )
             call = answer.choices[0].message.tool_calls[0]
-            function = {"name": "run", "arguments": call.function.arguments}
-            messages.append(
-                {
-                    "role": "assistant",
-                    "content": None,
-                    "tool_calls": [{"id": call.id, "type": "function", "function": function}],
-                }
+            _edge_round(
+                messages, call.id, call.function.arguments, words(min(3220, 2500 + 40 * turn))
             )
-            output = words(min(3220, 2500 + 40 * turn))
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
         statuses = [r.status for r in sim.sim.requests]
         summary_calls = sum(1 for r in sim.sim.requests if "tools" not in r.body)
     events = compacted_events(proxy)
