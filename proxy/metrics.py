@@ -82,6 +82,7 @@ REPAIR_KINDS: Final = (
     "duplicate_call_id",
     "empty_assistant",
     "user_after_tool",
+    "blank_text",
 )
 COMPACTION_RESULTS: Final = ("summary", "extractive", "reused")
 COST_KINDS: Final = ("actual", "uncached")

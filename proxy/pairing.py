@@ -50,6 +50,7 @@ RepairKind = Literal[
     "duplicate_call_id",
     "empty_assistant",
     "user_after_tool",
+    "blank_text",
 ]
 OrphanPolicy = Literal["downgrade", "drop"]
 
@@ -368,6 +369,41 @@ def _without_blank_text(message: dict[str, Any], spaces: bool = True) -> dict[st
     return fixed
 
 
+NO_OUTPUT: Final = "(no output)"
+"""The content a tool result of nothing but blank text parts gets for a Claude model: Claude
+refuses an empty text block (``text content blocks must be non-empty``), and an empty result too
+(``content cannot be empty``, through some gateways)."""
+
+_PARTS_ROLES: Final = frozenset({"tool", "user", "system", "developer"})
+
+
+def _blank_parts_to_take(message: Any) -> bool:
+    """A tool, user, system or developer message whose content is a list holding a text part
+    of no text but white space, which Claude refuses in any message (``text content blocks must
+    be non-empty``, an MCP tool that printed nothing, an image sent with an empty caption): a
+    tool result whatever else it holds, the others where another part is left (a user or
+    system message of nothing but blank parts is the client's to write; it is left as sent)."""
+    if not isinstance(message, dict):
+        return False
+    content = message.get("content")
+    if not isinstance(content, list) or not any(_blank_part(part) for part in content):
+        return False
+    role = message.get("role")
+    if role == "tool":
+        return True
+    return role in _PARTS_ROLES and not all(_blank_part(part) for part in content)
+
+
+def _without_blank_parts(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` (``_blank_parts_to_take``) without its blank text parts; a tool result left
+    with none gets ``NO_OUTPUT``; a ``cache_control`` mark of a part taken out goes on the
+    message, unless a part kept or the message has one."""
+    fixed = _without_blank_text(message)
+    if fixed.get("content") in ("", None):
+        fixed["content"] = NO_OUTPUT
+    return fixed
+
+
 def _refusal_only(message: Any, spaces: bool = True) -> str | None:
     """The text of an OpenAI model's refusal that an assistant message holds in place of its
     content (``"content": null, "refusal": "I can't help with that."``), with nothing else:
@@ -479,6 +515,11 @@ def needs_repair_from(
     if unique_ids is None:
         unique_ids = drop_empty
     spaces = blank_spaces
+    parts = drop_empty and spaces  # (Claude: blank text parts in any message)
+    if parts and any(
+        _blank_parts_to_take(m) for m in messages[: leading_system_count(messages)]
+    ):  # (a new system prompt is passed over below, unread)
+        return True, None, None
     resumed = next(
         (
             c
@@ -516,6 +557,8 @@ def needs_repair_from(
             left = pending.pop(tool_call_id) - 1
             if left:
                 pending[tool_call_id] = left
+            if parts and _blank_parts_to_take(message):
+                return True, None, resumed  # (Claude: an empty text block)
             continue
         if pending:
             return True, None, resumed
@@ -523,6 +566,8 @@ def needs_repair_from(
             return True, None, resumed  # (Mistral: "Unexpected role 'user' after role 'tool'")
         in_block = False
         if role != "assistant":
+            if parts and _blank_parts_to_take(message):
+                return True, None, resumed  # (Claude: an empty text block)
             continue
         calls = message.get("tool_calls")
         if not isinstance(calls, list):
@@ -819,7 +864,8 @@ class RepairState:
         no result for a call still open in them: None when not, else the indexes of its
         messages sent anew (the ones to put in ``out`` in their place). A system block of as
         many messages in place of theirs (the time in the system prompt) still does: nothing in
-        a system block is repaired, and nothing is pending after one (``repair_messages_from``
+        a system block is repaired (but a Claude model's blank text parts, repaired afresh),
+        and nothing is pending after one (``repair_messages_from``
         puts it in). So do a few messages sent anew, equal but for their ``cache_control``
         marks (a client that moves its mark each turn), that the repair left as they were."""
         done = len(self.messages)
@@ -834,6 +880,15 @@ class RepairState:
                 if system == done or leading_system_count(messages) != system:
                     return None
                 if self.marks:  # (a mark moved onto the old system block: repaired afresh)
+                    return None
+                if (
+                    policy[2]
+                    and policy[5]
+                    and (  # (Claude: blank text parts, read afresh)
+                        any(i in self.fixed for i in range(system))
+                        or any(_blank_parts_to_take(m) for m in messages[:system])
+                    )
+                ):
                     return None
                 at = _next_false(same, system)
             while at < done:
@@ -987,6 +1042,7 @@ def repair_messages_from(
     if unique_ids is None:
         unique_ids = drop_empty
     spaces = blank_spaces
+    parts = drop_empty and spaces  # (Claude: blank text parts in any message)
     policy = (orphan_policy, note, drop_empty, mistral, unique_ids, spaces)
     anew = previous.resumes(messages, policy) if previous is not None else None
     if previous is not None and anew is not None:
@@ -1027,6 +1083,13 @@ def repair_messages_from(
                 state.marks,
                 mistral,
             )
+            if parts and i in paired and _blank_parts_to_take(entry := fixed.get(i, message)):
+                fixed[i] = _without_blank_parts(entry)
+                action = "removed blank text parts (Claude refuses an empty text block)"
+                if fixed[i]["content"] == NO_OUTPUT:
+                    action = f'gave a result of blank text parts "{NO_OUTPUT}" (Claude refuses an'
+                    action += " empty text block)"
+                scanned.append(Repair("blank_text", i, entry.get("tool_call_id"), action))
             continue
         run = None
         calls = _tool_calls(message)
@@ -1085,6 +1148,10 @@ def repair_messages_from(
                     " one)"
                 )
                 scanned.append(Repair("empty_assistant", i, None, action))
+            elif parts and _role(message) != "assistant" and _blank_parts_to_take(message):
+                fixed[i] = _without_blank_text(message)
+                action = "removed blank text parts (Claude refuses an empty text block)"
+                scanned.append(Repair("blank_text", i, None, action))
             elif _contentless(message):
                 # Given an empty content, not removed: the turns keep alternating (chat
                 # templates that require it refuse two user messages in a row), and what else
@@ -1396,6 +1463,9 @@ _DESCRIPTIONS: Final[dict[str, str]] = {
     "user_after_tool": (
         "messages[{index}] user message follows a tool result with no assistant message between"
         " (Mistral refuses it)"
+    ),
+    "blank_text": (
+        "messages[{index}] has a text part of no text (Claude refuses an empty text block)"
     ),
 }
 

@@ -17,6 +17,7 @@ from proxy.config import settings_from_mapping
 from proxy.pipeline import Exchange
 from proxy.sessions import SessionState
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
+from tests.e2e_support import events
 
 INTERRUPTED = [
     {"role": "system", "content": "You are a coding agent."},
@@ -418,6 +419,57 @@ def test_a_blank_assistant_message_a_client_wrote_is_removed_for_claude(
             )
             assert raw.headers["x-cachegate-repairs"] == "0"
             assert sim.sim.requests[-1].body["messages"] == history[:3]
+
+
+def test_an_empty_tool_output_as_parts_no_longer_makes_claude_refuse_every_turn(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """An MCP tool that printed nothing (``touch``): its result a list of one empty text part.
+    Claude refused the request (``text content blocks must be non-empty``), and every later
+    turn of the session that sent it. For a Claude model the result says ``(no output)``, an
+    empty text part beside an image is taken out, both logged and counted as ``blank_text``;
+    OpenAI's model gets the history as sent."""
+    blank = {"type": "text", "text": ""}
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    call = {"id": "toolu_1", "type": "function", "function": {"name": "touch", "arguments": "{}"}}
+    history: list[dict[str, Any]] = [
+        {"role": "user", "content": [{"type": "text", "text": "Create a.txt"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": [blank]},
+        {"role": "user", "content": [image, blank]},
+    ]
+    with run_simulator(SimConfig(dialect="anthropic-compat")) as claude:
+        with pytest.raises(openai.BadRequestError, match="text content blocks must be non-empty"):
+            sdk(claude.api_base).chat.completions.create(
+                model="claude-sonnet-4-5", messages=history
+            )
+        proxy = proxy_factory(claude.api_base)
+        for turn in range(2):  # (the next turn resumes the repair: taken out again)
+            raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+                model="claude-sonnet-4-5", messages=history, extra_headers={"X-Session-Id": "mcp"}
+            )
+            assert raw.http_response.status_code == 200
+            assert raw.headers["x-cachegate-repairs"] == "2"
+            sent = claude.sim.requests[-1].body["messages"]
+            assert sent[2] == {"role": "tool", "tool_call_id": "toolu_1", "content": "(no output)"}
+            assert sent[3] == {"role": "user", "content": [image]}
+            assert sent[4:] == history[4:] and sent[:2] == history[:2]
+            assert proxy.metric("cachegate_pairing_repairs_total", {"kind": "blank_text"}) == (
+                2 * (turn + 1)
+            )
+            history += [raw.parse().choices[0].message.model_dump(exclude_none=True)]
+            history += [{"role": "user", "content": "And b.txt"}]
+        proxy.settle()
+        logged = events(proxy.log_dir, "mcp", "request")[-1]["repairs"]
+        assert [(r["kind"], r["index"]) for r in logged] == [("blank_text", 2), ("blank_text", 3)]
+        assert logged[0]["tool_call_id"] == "toolu_1"
+    with run_simulator(SimConfig()) as sim:
+        proxy = proxy_factory(sim.api_base)
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model="gpt-4o", messages=history[:4]
+        )
+        assert raw.headers["x-cachegate-repairs"] == "0"
+        assert sim.sim.requests[-1].body["messages"] == history[:4]
 
 
 def test_an_openai_refusal_in_a_history_sent_to_claude_is_its_content(

@@ -17,6 +17,7 @@ from proxy.pairing import (
     DOWNGRADE_PREFIXES,
     MISTRAL_BRIDGE,
     MISTRAL_NO_ANSWER,
+    NO_OUTPUT,
     PairingResult,
     Repair,
     diagnose,
@@ -1037,6 +1038,104 @@ def test_a_downgraded_result_of_blank_parts_holds_no_empty_text_block() -> None:
     assert twice.messages[2]["cache_control"] == mark
     assert all(p["text"].strip() for p in twice.messages[2]["content"])
     validate_claude_messages(twice.messages)
+
+
+def test_blank_text_parts_of_a_result_a_user_or_a_system_message_are_taken_out_for_claude() -> None:
+    """An MCP tool that printed nothing (its result a list of one empty text part), an image
+    sent with an empty caption, a system prompt built of parts one of which is empty: Claude
+    refuses an empty text block in any message (``text content blocks must be non-empty``), and
+    refused every later turn of the session. For a Claude model the blank parts are taken out
+    (a result left with none says ``(no output)``), a mark of theirs going on the message;
+    another provider's model gets them as sent (OpenAI takes them)."""
+    mark = {"type": "ephemeral"}
+    blank = {"type": "text", "text": ""}
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO"}}
+    system = {
+        "role": "system",
+        "content": [{"type": "text", "text": "You are a coder."}, {**blank, "text": " \n"}],
+    }
+    history = [
+        system,
+        {"role": "user", "content": [blank, image]},
+        asst(call("a", "touch"), call("b", "cat")),
+        tool("a", [{**blank, "cache_control": mark}]),
+        tool("b", [{"type": "text", "text": "x = 1"}, blank]),
+        user("go on"),
+    ]
+    with pytest.raises(ValidationError, match="text content blocks must"):
+        validate_claude_messages(history)
+    result = repair_messages(history, drop_empty=True)
+    out = result.messages
+    validate_claude_messages(out)
+    assert out[0] == {**system, "content": system["content"][:1]}
+    assert out[1] == {"role": "user", "content": [image]}
+    assert out[2] is history[2] and out[5] is history[5]
+    assert out[3] == {
+        "role": "tool",
+        "tool_call_id": "a",
+        "content": NO_OUTPUT,
+        "cache_control": mark,
+    }
+    assert out[4] == {
+        "role": "tool",
+        "tool_call_id": "b",
+        "content": [{"type": "text", "text": "x = 1"}],
+    }
+    assert [(r.kind, r.index, r.tool_call_id) for r in result.repairs] == [
+        ("blank_text", 0, None),
+        ("blank_text", 1, None),
+        ("blank_text", 3, "a"),
+        ("blank_text", 4, "b"),
+    ]
+    assert needs_repair(history, drop_empty=True) and not needs_repair(out, drop_empty=True)
+    assert repair_messages(out, drop_empty=True).messages is out  # (idempotent)
+    said = format_strict_error(diagnose(history, drop_empty=True))
+    assert "messages[3] has a text part of no text" in said and "(blank_text)" in said
+    # a displaced result is moved back and its blank parts taken out
+    displaced = [asst(call("a")), user("wait"), tool("a", [blank])]
+    moved = repair_messages(displaced, drop_empty=True).messages
+    assert moved[1] == {"role": "tool", "tool_call_id": "a", "content": NO_OUTPUT}
+    validate_claude_messages(moved)
+    # OpenAI's and Gemini's (white space is text to Gemini) models: as sent
+    for options in ({}, {"drop_empty": True, "blank_spaces": False}):
+        assert not needs_repair(history, **options)
+        assert repair_messages(history, **options).messages is history
+    # a user or system message of nothing but blank parts is the client's: left as sent
+    empty_user = [user("a"), asst(content="b"), {"role": "user", "content": [blank]}]
+    assert not needs_repair(empty_user, drop_empty=True)
+
+
+def test_blank_text_parts_in_a_new_system_prompt_are_taken_out_on_a_resumed_turn() -> None:
+    """The time in the system prompt, in a part beside an empty one: each turn a new system
+    block, which the resumed check and repair passed over unread (nothing in a system block
+    was theirs). Each turn's blank part is taken out, and the resumed repair equals a whole
+    one; one without a blank part after it resumes as before."""
+    blank = {"type": "text", "text": ""}
+    history = [user("go"), asst(call("a")), tool("a", "done"), asst(call("b"))]  # b: interrupted
+    state = None
+    checkpoints: list[Any] = []
+    for minute in range(4):
+        prompt = {"role": "system", "content": [{"type": "text", "text": f"10:0{minute}"}]}
+        if minute in (1, 2):
+            prompt["content"].append(blank)
+        turn = [prompt, *history, user(f"turn {minute}")]
+        needed, after, _ = needs_repair_from(turn, checkpoints, drop_empty=True, unique_ids=True)
+        assert needed
+        checkpoints = [after] if after is not None else checkpoints
+        result, state = repair_messages_from(turn, state, drop_empty=True, unique_ids=True)
+        whole = repair_messages(turn, drop_empty=True, unique_ids=True)
+        assert result.messages == whole.messages and result.repairs == whole.repairs
+        validate_claude_messages(result.messages)
+        kinds = [r.kind for r in result.repairs]
+        assert kinds == (["blank_text", "dangling_call"] if minute in (1, 2) else ["dangling_call"])
+    # the check alone: a checkpoint past a system prompt without blank parts does not pass over
+    # a new one that has one
+    answered = [user("go"), asst(call("a")), tool("a", "done")]
+    plain = [{"role": "system", "content": [{"type": "text", "text": "10:00"}]}, *answered]
+    needed, after, _ = needs_repair_from(plain, [], drop_empty=True, unique_ids=True)
+    assert not needed and after is not None
+    marked = [{"role": "system", "content": [{"type": "text", "text": "10:01"}, blank]}, *answered]
+    assert needs_repair_from(marked, [after], drop_empty=True, unique_ids=True)[0]
 
 
 def test_orphan_policy_drop_removes_orphans_and_duplicates() -> None:
