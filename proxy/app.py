@@ -395,6 +395,7 @@ class Gateway:
             started_at=self.clock(),
             t0=time.perf_counter(),
             user_agent=headers.get("user-agent", ""),
+            query=scope.get("query_string", b""),  # (a key in it: never in its log, as on chat)
         )
         extra: list[tuple[bytes, bytes]] = []
         try:
@@ -414,6 +415,8 @@ class Gateway:
         except ProxyError as err:
             await self.refuse(scope, send, route, err)
             return
+        # (the client's keys in them: never in its log, a refusal's before it is sent included)
+        ex.upstream_headers = forward_headers
         strict = reads = False
         if responses:
             retry = headers.get("x-stainless-retry-count")  # (the SDK's retry, as on chat)
@@ -717,7 +720,6 @@ class Gateway:
             extra = [*extra, (b"x-cachegate-repairs", str(len(ex.repairs)).encode())]
         if ex.session_id is not None and explicit is None:  # (found, not named: said too)
             extra = [*extra, (b"x-cachegate-session", ex.session_id.encode())]
-        ex.upstream_headers = forward_headers  # (the client's keys in them: never in its log)
         await self._relay(ex, scope, receive, send, content, forward_headers, extra, responses=True)
 
     def _repaired_responses(

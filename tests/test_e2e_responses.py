@@ -517,6 +517,38 @@ def test_the_clients_own_key_in_an_item_is_never_written(
     assert '"function_call_output"' in written and key not in written
 
 
+def test_a_key_in_the_query_or_a_refused_requests_headers_is_never_written(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """The client's own key, with no pattern any secret scan knows, in the URL's query
+    (Gemini's ``?key=``) or in its headers: taken out of its chat exchanges' lines, but the
+    Responses route's were written with it whole (its request's items and user agent, and a
+    strict refusal's diagnosis of a call id holding it, logged before its keys were known)."""
+    key = "QSKEYabcd1234efgh5678ijkl9012mnop"
+    proxy = proxy_factory(sim.api_base, {"logging": {"redact_secrets": False}})
+    said = {"model": "gpt-5", "input": f"my key is {key}"}
+    headers = {"X-Session-Id": "by-query", "User-Agent": f"tool/1 ({key})"}
+    answer = httpx.post(f"{proxy.base_url}/responses?key={key}", json=said, headers=headers)
+    assert answer.status_code == 200
+    assert sim.sim.requests[-1].body["input"] == f"my key is {key}"  # (sent as it was)
+    call = {"type": "function_call", "call_id": f"call_{key}", "name": "f", "arguments": "{}"}
+    refused = httpx.post(
+        f"{proxy.base_url}/responses",
+        json={"model": "gpt-5", "input": [call]},
+        headers={
+            "Authorization": f"Bearer {key}",
+            "User-Agent": f"agent/1.0 (token {key})",
+            "X-Session-Id": "by-header",
+            "X-Cachegate-Strict": "true",
+        },
+    )
+    assert refused.status_code == 400 and "strict pairing" in refused.text
+    proxy.settle()
+    for sid in ("by-query", "by-header"):
+        written = (proxy.log_dir / f"{sid}.jsonl").read_text()
+        assert key not in written and "[REDACTED]" in written
+
+
 def test_with_repair_off_a_responses_request_is_relayed_unread_and_logged_nowhere(
     sim: RunningSimulator, proxy_factory: Any, sdk: Any
 ) -> None:
