@@ -95,24 +95,43 @@ _MODEL_PROVIDERS: Final = (
 def provider_of(model: str) -> str:
     """The provider of a model name: ``openai``, ``anthropic``, ``deepseek``, else ``*``. A
     name that holds ``claude`` as a word is Claude's, however a gateway spelled it around
-    (Databricks' ``databricks-claude-sonnet-4``, SAP AI Core's ``anthropic--claude-4-sonnet``)."""
-    name = gateway_alias(model.lower())
+    (Databricks' ``databricks-claude-sonnet-4``, SAP AI Core's ``anthropic--claude-4-sonnet``).
+    DeepSeek's open weights served by others are not DeepSeek's: its distills (Qwen and Llama
+    models, ``deepseek-r1-distill-…``) and a name under its Hugging Face organization
+    (``deepseek-ai/DeepSeek-V3`` on vLLM or Together), whose hosts' caches have their own rules."""
+    lowered = model.lower()
+    name = gateway_alias(lowered)
     found = next((p for prefix, p in _MODEL_PROVIDERS if name.startswith(prefix)), "*")
     if found == "*" and _CLAUDE_WORD.search(name) is not None:
         return "anthropic"
+    if found == "deepseek" and ("distill" in name or "deepseek-ai/" in lowered):
+        return "*"
     return found
 
 
 _CLAUDE_WORD: Final = re.compile(r"(?:^|[-_./:])claude(?:[-_.@:]|$)")
+# (the words of Mistral's model families: mistral, mixtral, codestral, devstral, magistral,
+# ministral, pixtral, voxtral)
+MISTRAL_NAME: Final = re.compile(
+    r"mistral|mixtral|codestral|devstral|magistral|ministral|pixtral|voxtral"
+)
+GEMINI_WORD: Final = re.compile(r"(?:^|[-_./:])gemini(?:[-_.@:]|$)")
+
+
+def named_elsewhere(model: str) -> bool:
+    """Whether ``model``'s name is a Gemini or a Mistral model's (``gemini`` a word in it, a
+    word of Mistral's families): a configured ``dialect`` does not make it another provider's."""
+    lowered = model.lower()
+    return GEMINI_WORD.search(lowered) is not None or MISTRAL_NAME.search(lowered) is not None
 
 
 def caching_provider(model: str, dialect: str = "openai") -> str:
     """Whose caching rules ``model`` follows: its name's provider (``provider_of``), else, for a
     name those rules do not know, its configured entry's ``dialect`` where that names one (a
     DeepSeek or Claude model under a name of the user's; a ``"*"`` entry's dialect does not
-    turn a Claude model into DeepSeek's)."""
+    turn a Claude model into DeepSeek's, nor a Gemini or a Mistral model into either)."""
     provider = provider_of(model)
-    if provider == "*" and dialect in ("anthropic", "deepseek"):
+    if provider == "*" and dialect in ("anthropic", "deepseek") and not named_elsewhere(model):
         return dialect
     return provider
 

@@ -361,7 +361,8 @@ class PairingRepair:
         """Whether ``model`` is a Claude model (by its name, ``claude-…``, a gateway's or
         Bedrock's, or, a name no provider's, its configured entry's ``dialect = "anthropic"``),
         whether a Gemini model (``gemini`` a word in its name: ``gemini-2.5-pro``, a gateway's
-        ``google/gemini-…``; its OpenAI endpoint refuses an empty text, "Unable to submit
+        ``google/gemini-…``; or, a name no provider's, its configured entry's
+        ``dialect = "gemini"``, a gateway's alias; its OpenAI endpoint refuses an empty text, "Unable to submit
         request because it has an empty text parameter", and takes two user turns in a row),
         whether a Mistral model (by its name: ``mistral-large-latest``, ``codestral-…``,
         ``mistralai/Devstral-…`` behind a gateway or vLLM; or, a name no provider's, its
@@ -374,12 +375,14 @@ class PairingRepair:
             return known
         dialect = self.settings.model(name or None)[1].dialect
         claude = cache.caching_provider(name, dialect) == "anthropic"  # (as the accounting reads)
-        named_gemini = _GEMINI_WORD.search(name.lower()) is not None  # (under any entry)
+        # (a dialect is for a name no provider's: a Gemini or Mistral name keeps its own rules)
+        unknown = cache.provider_of(name) == "*" and not cache.named_elsewhere(name)
+        named_gemini = cache.GEMINI_WORD.search(name.lower()) is not None  # (under any entry)
         mistral = not claude and (
-            _MISTRAL_NAME.search(name.lower()) is not None
-            or (dialect == "mistral" and cache.provider_of(name) == "*" and not named_gemini)
+            cache.MISTRAL_NAME.search(name.lower()) is not None
+            or (dialect == "mistral" and unknown)
         )
-        gemini = not (claude or mistral) and named_gemini
+        gemini = not (claude or mistral) and (named_gemini or (dialect == "gemini" and unknown))
         known = (claude, gemini, mistral, _CHECKPOINT_KEYS[claude or gemini, claude, mistral])
         if len(self._families) >= 256:  # (bounded: a client that sends many names)
             self._families.clear()
@@ -387,12 +390,6 @@ class PairingRepair:
         return known
 
 
-# (the words of Mistral's model families: mistral, mixtral, codestral, devstral, magistral,
-# ministral, pixtral, voxtral)
-_MISTRAL_NAME: Final = re.compile(
-    r"mistral|mixtral|codestral|devstral|magistral|ministral|pixtral|voxtral"
-)
-_GEMINI_WORD: Final = re.compile(r"(?:^|[-_./:])gemini(?:[-_.@:]|$)")
 _CHECKPOINT_KEYS: Final = {  # (drop_empty, unique_ids, mistral)
     (False, False, False): "pairing_checkpoints",
     (True, True, False): "pairing_checkpoints_claude",

@@ -150,7 +150,7 @@ class ModelSettings:
     price_cached_input: float = 0.0
     price_cache_write: float = 0.0
     price_output: float = 0.0
-    dialect: Literal["openai", "deepseek", "anthropic", "mistral"] = "openai"
+    dialect: Literal["openai", "deepseek", "anthropic", "mistral", "gemini"] = "openai"
     cache_min_tokens: int = 0  # the shortest prefix the provider caches (0: no minimum of its own)
     # what an answer billed at OpenAI's "priority" processing tier costs, as a multiple of the
     # prices above (0: the built-in model's documented ratio, else 2); "flex" costs half

@@ -589,6 +589,11 @@ def test_a_configured_dialect_names_the_provider_whose_ttl_applies(
         ("deepseek/deepseek-chat", "deepseek"),
         ("deepseek.r1-v1:0", "*"),  # Bedrock's, by its rules
         ("us.deepseek.r1-v1:0", "*"),
+        # DeepSeek's open weights served by others: their hosts' rules, not DeepSeek's API's
+        ("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", "*"),
+        ("deepseek/deepseek-r1-distill-llama-70b", "*"),
+        ("together_ai/deepseek-ai/DeepSeek-V3", "*"),
+        ("deepseek-reasoner", "deepseek"),
     ],
 )
 def test_a_claude_model_is_known_however_a_gateway_spelled_it_around(

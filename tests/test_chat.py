@@ -534,6 +534,60 @@ def test_a_model_named_as_another_providers_is_no_claude_under_a_claude_catch_al
         assert len(forwarded) == (2 if claude else 3), model
 
 
+def test_a_claude_catch_all_leaves_gemini_and_mistral_models_their_own_rules(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """Under a ``"*"`` entry with ``dialect = "anthropic"`` (a gateway in front of Claude
+    first), a Mistral model got Claude's repair: its interrupted turn forwarded with ids
+    Mistral refuses and no bridge, a 400 every turn; a Gemini model had its white-space message
+    removed and reused ids renamed, which Gemini takes. A name of the user's own with
+    ``dialect = "gemini"`` (a gateway's alias of a Gemini model) gets Gemini's rules: its
+    contentless assistant message, refused by Gemini as ``""``, is removed."""
+    interrupted = [
+        {"role": "user", "content": "do it"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_abc", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ],
+        },
+        {"role": "user", "content": "stop"},
+    ]
+    config = {"models": {"*": {"dialect": "anthropic"}, "smart": {"dialect": "gemini"}}}
+    with run_simulator(SimConfig(mistral_rules=True)) as mistral:
+        proxy = proxy_factory(mistral.api_base, config)
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model="mistral-large-latest", messages=interrupted
+        )
+        assert raw.http_response.status_code == 200
+        sent = mistral.sim.requests[-1].body["messages"]
+        assert len(sent[1]["tool_calls"][0]["id"]) == 9 and sent[3]["role"] == "assistant"
+    spaced = [
+        {"role": "user", "content": "do it"},
+        {"role": "assistant", "content": " "},
+        {"role": "user", "content": "again"},
+    ]
+    with run_simulator(SimConfig(gemini_rules=True)) as gemini:
+        proxy = proxy_factory(gemini.api_base, config)
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model="gemini-2.5-pro", messages=spaced
+        )
+        assert raw.headers["x-cachegate-repairs"] == "0"
+        assert gemini.sim.requests[-1].body["messages"] == spaced
+        cut = [spaced[0], {"role": "assistant", "content": None}, spaced[2]]
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk(gemini.api_base).chat.completions.create(
+                model="smart", messages=[cut[0], {**cut[1], "content": ""}, cut[2]]
+            )
+        assert "empty text parameter" in info.value.response.text
+        raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+            model="smart", messages=cut
+        )
+        assert raw.http_response.status_code == 200 and raw.headers["x-cachegate-repairs"] == "1"
+        assert gemini.sim.requests[-1].body["messages"] == [cut[0], cut[2]]
+
+
 def test_repaired_prefix_is_identical_on_every_turn(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:
