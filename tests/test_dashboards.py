@@ -106,6 +106,25 @@ def test_dashboard_shape(path: Path) -> None:
             assert target["datasource"] == DATASOURCE, panel["title"]
 
 
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.name)
+def test_coloured_panels_set_their_own_thresholds(path: Path) -> None:
+    """A stat or bar gauge panel colours its value by thresholds, and Grafana's default ones
+    (green, red from 80) were in force: a day's 80th request, $80 saved or 80 streams turned
+    red, and a hit ratio (0 to 1) stayed green at 0%. Each sets its own: a ratio's steps
+    within 0 to 1, red below a half; a count's and an amount's one colour."""
+    for panel in panels(load(path)):
+        if panel["type"] not in ("stat", "bargauge", "gauge"):
+            continue
+        defaults = panel["fieldConfig"]["defaults"]
+        steps = defaults["thresholds"]["steps"]
+        assert steps and steps[0]["value"] is None, panel["title"]
+        if defaults.get("unit") == "percentunit":
+            assert steps[0]["color"] == "red", panel["title"]
+            assert all(0 < s["value"] <= 1 for s in steps[1:]), panel["title"]
+        else:
+            assert len(steps) == 1, panel["title"]
+
+
 def test_dashboard_uids_differ() -> None:
     assert len({load(p)["uid"] for p in DASHBOARD_FILES}) == len(DASHBOARD_FILES)
 

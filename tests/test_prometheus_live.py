@@ -339,3 +339,39 @@ def test_a_bar_panel_counts_each_event_once_across_a_restart(
             counts = {r["metric"]["reason"]: [float(v) for _, v in r["values"]] for r in result}
             assert 7 <= sum(counts["count"]) <= 7 * (step + 1) / step + 0.01, (step, counts)
             assert sum(counts["idle"]) == sum(counts["memory"]) == 0
+
+
+def test_a_redirect_the_client_follows_is_no_error_in_the_error_ratio(
+    tmp_path: Path, prometheus: tuple[str, Any]
+) -> None:
+    """A client whose base URL ends in a slash (``/v1/chat/completions/``): the upstream's 307,
+    relayed, then the 200 the client gets following it. Every request succeeded, but the error
+    ratio panel counted each redirect as an error (~50%); it counts 4xx and 5xx only."""
+    prometheus_url, start_prometheus = prometheus
+    with run_simulator() as sim:
+        settings = settings_from_mapping(
+            {"upstream": {"base_url": sim.api_base}, "logging": {"dir": str(tmp_path / "logs")}}
+        )
+        app = create_app(settings, registry=CollectorRegistry(), environ={})
+        with ServerThread(app) as server, httpx.Client(base_url=prometheus_url) as prom:
+            start_prometheus(f"127.0.0.1:{server.port}")
+            wait_for_scrapes(prom, 1)
+            body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+            with httpx.Client(base_url=server.url + "/v1", follow_redirects=True) as client:
+                for turn in range(5):
+                    answer = client.post("/chat/completions/", json=body)
+                    assert answer.status_code == 200
+                    assert [r.status_code for r in answer.history] == [307]
+                    if turn == 0:  # (the 307s' series is made by the first: seen, then counted)
+                        wait_for_scrapes(prom, 3)
+                failed = client.post("/chat/completions", json=body, headers={"X-Sim-Fault": "500"})
+                assert failed.status_code == 500
+            wait_for_scrapes(prom, 6)
+            (expr,) = [e for _, title, e in dashboard_queries() if title == "Error ratio"]
+            (result,) = query(prom, expr)["result"]
+            rate = "sum(rate(cachegate_requests_total{%s}[1m]))"
+            redirects = query(prom, rate % 'status="307"')["result"]
+            assert float(redirects[0]["value"][1]) > 0  # (the redirects are in the window)
+            ratio = (rate % 'status="500"') + " / " + (rate % "")
+            (failures,) = query(prom, ratio)["result"]
+            assert result["value"][1] == failures["value"][1]  # the 500 alone
