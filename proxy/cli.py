@@ -22,6 +22,8 @@ from proxy import __version__
 from proxy.browser import binds_loopback, is_loopback_name, parse_address
 from proxy.config import (
     DEFAULT_MODELS,
+    INTEGER_TEXT,
+    NUMBER_TEXT,
     ConfigError,
     UpstreamSettings,
     host_problem,
@@ -325,6 +327,19 @@ def _serve(ns: argparse.Namespace) -> int:
             )
         for note in unknown_variable_notes(os.environ):
             print(f"cachegate: note: {note}", file=sys.stderr)
+        given = (
+            "--log-dir"
+            if ns.log_dir
+            else "CACHEGATE_LOG_DIR"
+            if os.environ.get("CACHEGATE_LOG_DIR")
+            else None
+        )
+        if given is not None and not settings.logging.enabled:
+            print(
+                f"cachegate: note: {given} is set, but logging.enabled = false: no session logs"
+                " are written",
+                file=sys.stderr,
+            )
         idle = settings.sessions.idle_ttl_s
         own = _file_model_names(config_file)
         from proxy.cache import default_cache_ttl
@@ -927,7 +942,7 @@ def _duration(text: str) -> float:
     unit = _UNITS.get(value[-1:], None)
     number = value[:-1] if unit is not None else value
     try:
-        seconds = float(number) * (unit or 1.0)
+        seconds = float(number) * (unit or 1.0) if NUMBER_TEXT.fullmatch(number) else -1.0
     except ValueError:
         seconds = -1.0
     if not (0 <= seconds < float("inf")):
@@ -953,7 +968,7 @@ def _number(value: float) -> str:
 
 def _positive_int(text: str) -> int:
     try:
-        value = int(text)
+        value = int(text) if INTEGER_TEXT.fullmatch(text) else 0
     except ValueError:
         value = 0
     if value < 1:

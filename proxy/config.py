@@ -476,6 +476,10 @@ def unknown_variable_notes(env: Mapping[str, str]) -> list[str]:
 
 # How a boolean is written in a CACHEGATE_* variable (and X-Cachegate-Strict), lower-cased.
 TRUE_WORDS: frozenset[str] = frozenset({"1", "true", "yes", "on"})
+# A number written as text (a variable, a flag): ASCII digits, as TOML writes them (Python's
+# int() and float() also read "4_2" and other scripts' digits, "٤٢": a typo taken as 42)
+INTEGER_TEXT: Final = re.compile(r"\s*[+-]?[0-9]+\s*")
+NUMBER_TEXT: Final = re.compile(r"\s*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*")
 FALSE_WORDS: frozenset[str] = frozenset({"0", "false", "no", "off"})
 
 
@@ -497,6 +501,10 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
         choices = get_args(tp)
         if value not in choices:
             allowed = ", ".join(repr(c) for c in choices)
+            if not isinstance(value, str):  # (a date, an array: said as TOML calls them)
+                raise ConfigError(
+                    f"config key '{key}': expected one of {allowed}, got {_kind_of(value)}"
+                )
             raise ConfigError(f"config key '{key}': {value!r} is not one of {allowed}")
         return value
     if origin in (typing.Union, types.UnionType):
@@ -513,7 +521,10 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
             raise ConfigError(f"config key '{key}': expected an integer, got {_shown(value)}")
         try:
             result = (
-                int(value) if isinstance(value, int) or (text and isinstance(value, str)) else None
+                int(value)
+                if isinstance(value, int)
+                or (text and isinstance(value, str) and INTEGER_TEXT.fullmatch(value))
+                else None
             )
         except ValueError:
             result = None
@@ -529,7 +540,10 @@ def _coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"config key '{key}': expected a number, got {_shown(value)}")
-        if not (isinstance(value, int | float) or (text and isinstance(value, str))):
+        if not (
+            isinstance(value, int | float)
+            or (text and isinstance(value, str) and NUMBER_TEXT.fullmatch(value))
+        ):
             raise ConfigError(f"config key '{key}': expected a number, got {_shown(value)}")
         try:
             number = float(value)
@@ -931,6 +945,8 @@ def load_settings(
 
 
 def _apply_one(settings: Settings, key: str, value: Any, source: str) -> Settings:
+    if key == "logging.dir" and isinstance(value, str) and not value.strip():  # (logs on or off)
+        raise ConfigError(f"{source}: config key 'logging.dir': empty; give a directory", key)
     try:
         text = isinstance(value, str)
         return settings_from_mapping(_nest({key: value}), settings, text=text, check=False)

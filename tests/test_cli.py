@@ -181,7 +181,15 @@ def test_list_since_and_limit_read_only_the_logs_written_lately(
     for since, said in (("1234567", "1234567s"), ("1000000m", "1000000m"), ("2.5s", "2.5s")):
         quiet = run_cli("sessions", "list", "--log-dir", str(logs), "--since", since)
         assert quiet.out == f"no sessions written in the last {said}\n"
-    for bad, word in (("--since", "soon"), ("--since", "-2h"), ("--limit", "0")):
+    # (Python's own spellings of numbers, "1_0", other scripts' digits: a typo, refused)
+    for bad, word in (
+        ("--since", "soon"),
+        ("--since", "-2h"),
+        ("--limit", "0"),
+        ("--limit", "1_0"),
+        ("--since", "1_000"),
+        ("--since", "\u0664\u0662m"),
+    ):
         result = run_cli("sessions", "list", "--log-dir", str(logs), f"{bad}={word}")
         assert result.code == 2
         assert f"argument {bad}: expected" in result.err and repr(word) in result.err
@@ -1314,6 +1322,21 @@ def test_serve_notes_the_placeholder_given_as_its_own_key(tmp_path: Path) -> Non
         "cachegate: note: $OPENAI_API_KEY here is the placeholder 'cachegate', which stands for"
         " this key: give cachegate the real key, and the agent the placeholder\n"
     )
+
+
+@pytest.mark.timeout(30)
+def test_serve_notes_a_log_dir_given_while_logging_is_off(tmp_path: Path) -> None:
+    """``--log-dir`` beside ``logging.enabled = false`` in the file: it started without a
+    word, and a user who gave a directory found none made."""
+    config = tmp_path / "off.toml"
+    config.write_text("[logging]\nenabled = false\n")
+    note, line = _serve_first_lines(tmp_path, "--config", str(config), env=clean_env(), count=2)
+    assert note == (
+        "cachegate: note: --log-dir is set, but logging.enabled = false: no session logs are"
+        " written\n"
+    )
+    assert line.startswith(f"cachegate {__version__} listening on") and "session logs off" in line
+    assert not (tmp_path / "logs").exists()
 
 
 @pytest.mark.timeout(30)

@@ -241,6 +241,48 @@ def test_a_config_variable_of_spaces_is_said_so() -> None:
     assert load_settings(None, {}, environ={"CACHEGATE_CONFIG": ""}).server.port == 8787
 
 
+def test_a_log_dir_of_spaces_is_refused_with_logging_off_too(tmp_path: Path) -> None:
+    """With ``logging.enabled = false`` in the file, ``CACHEGATE_LOG_DIR`` of spaces was taken
+    without a word, where the README says a variable of spaces alone is refused."""
+    path = tmp_path / "off.toml"
+    path.write_text("[logging]\nenabled = false\n")
+    for environ, options in (({"CACHEGATE_LOG_DIR": "   "}, {}), ({}, {"log_dir": " "})):
+        with pytest.raises(ConfigError, match=r"config key 'logging.dir': empty; give a dir"):
+            load_settings(str(path), options, environ=environ)
+    assert not load_settings(str(path), {}, environ={"CACHEGATE_LOG_DIR": ""}).logging.enabled
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("CACHEGATE_PORT", "8_787"), ("CACHEGATE_PORT", "\u0664\u0662"), ("CACHEGATE_PORT", "0x22")],
+)
+def test_a_number_from_a_variable_is_ascii_digits(variable: str, value: str) -> None:
+    """Python's ``int()`` read ``8_787`` as 8787 and Arabic-Indic digits as theirs: a typo
+    taken silently. A number from a variable or a flag is written as TOML writes one."""
+    with pytest.raises(ConfigError, match=r"^CACHEGATE_PORT: .*expected an integer, got"):
+        load_settings(None, {}, environ={variable: value})
+    assert load_settings(None, {}, environ={variable: " 9000 "}).server.port == 9000
+
+
+@pytest.mark.parametrize(
+    ("toml", "said"),
+    [
+        ("[upstream]\ntransport = 1979-05-27\n", "got a date or time"),
+        ('[logging]\nfsync = ["line"]\n', "got an array"),
+        ("[upstream]\ntransport = 1\n", "got an integer"),
+    ],
+)
+def test_a_choice_of_the_wrong_kind_is_named_as_toml_names_it(
+    tmp_path: Path, toml: str, said: str
+) -> None:
+    """It said ``datetime.date(1979, 5, 27) is not one of 'native', 'httpx'``: Python's words."""
+    path = tmp_path / "c.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match=r"expected one of '.*', got ") as info:
+        load_settings(str(path), environ={})
+    assert said in str(info.value) and "datetime" not in str(info.value)
+
+
 def test_the_fallback_model_table_applies_wherever_the_file_puts_it(tmp_path: Path) -> None:
     for order in (("my-model", "*"), ("*", "my-model")):
         tables = {
