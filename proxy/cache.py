@@ -308,6 +308,8 @@ class CacheState:
     model: str | None = None
     last_started: float | None = None
     compacted: bool = False
+    # an answer of the session read or wrote the cache (a read of 0 is no use: ``used``)
+    used: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (digests as hex)."""
@@ -319,6 +321,7 @@ class CacheState:
             "model": self.model,
             "last_started": self.last_started,
             "compacted": self.compacted,
+            "used": self.used,
         }
 
     @classmethod
@@ -339,6 +342,7 @@ class CacheState:
                 model=data.get("model"),
                 last_started=float(last_started) if last_started is not None else None,
                 compacted=bool(data.get("compacted", False)),
+                used=bool(data.get("used", False)),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"malformed cache state: {exc}") from exc
@@ -547,6 +551,7 @@ def account(
         model,
         last_started,
         False,
+        state.used or bool(usage.cache_read or usage.cache_write),
     )
     return new_state, result
 

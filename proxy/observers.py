@@ -1415,17 +1415,19 @@ class AccountingObserver:
             cache_state = dataclasses.replace(
                 cache_state, prev_prompt=base[0], params_digest=base[1], model=base[2]
             )
-        judged = usage
-        if (
-            not caches
-            and not cache_state.has_reported
-            and not (usage.cache_read or usage.cache_write)
-        ):
+        judged, held_state = usage, cache_state
+        unjudged = (
+            not caches and not cache_state.used and not (usage.cache_read or usage.cache_write)
+        )
+        if unjudged:
             # a model not known to cache, whose session has read and written nothing: its read
-            # of 0 is no sign that it caches (``_Terms.caches``)
+            # of 0 is no sign that it caches (``_Terms.caches``), nor another model's read of 0
+            # before it (a title request to gpt-4o-mini in its session): judged as unreported
             judged = dataclasses.replace(usage, reported_cache=False)
+            if cache_state.has_reported:
+                held_state = dataclasses.replace(cache_state, has_reported=False)
         new_state, result = cache.account(
-            cache_state,
+            held_state,
             usage=judged,
             fingerprint=fp,
             divergence=shown,
@@ -1518,8 +1520,10 @@ class AccountingObserver:
                 else None
             ),
         )
-        extra["cache"] = new_state
         ex.cache_known = new_state.has_reported
+        if held_state is not cache_state:  # (the session's other answers had the fields)
+            new_state = dataclasses.replace(new_state, has_reported=True)
+        extra["cache"] = new_state
         ex.cache = {
             "expected": result.expected,
             "read": result.read,

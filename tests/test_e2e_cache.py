@@ -2913,6 +2913,36 @@ def test_a_model_not_known_to_cache_is_judged_once_its_session_reads_the_cache(
         assert wastes == [0, 0, 0, 0]
 
 
+def test_another_models_read_of_0_does_not_start_judging_one_not_known_to_cache(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """An agent's title request on gpt-4o-mini (opencode sends one) in the session of a model
+    not known to cache, through OpenRouter (``cached_tokens: 0`` in every usage): the small
+    model's read of 0 made every later turn of the other an ``unexplained`` or rewrite waste,
+    where the session had read and written nothing."""
+    usages = [("gpt-4o-mini", 10), *(("qwen/qwen3-coder", p) for p in (2000, 3200, 4400))]
+    answers = [
+        b'{"id":"o%d","object":"chat.completion","model":"m","choices":[{"index":0,"message":'
+        b'{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":'
+        b'%d,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":0,'
+        b'"cache_write_tokens":0}}}' % (n, prompt)
+        for n, (_, prompt) in enumerate(usages)
+    ]
+    upstream, url = scripted(chunks=[answers[0]], content_type=b"application/json")
+    proxy = proxy_factory(url, config())
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "titled"})
+    title = [{"role": "user", "content": "A title for: fix the test"}]
+    chat(client, title, model="gpt-4o-mini", stream=False)
+    convo: list[dict[str, Any]] = [{"role": "user", "content": "Fix the test. " * 500}]
+    for turn in (1, 2, 3):
+        upstream.chunks = [answers[turn]]
+        reply, _ = chat(client, convo, model=usages[turn][0], stream=False)
+        convo += [reply, {"role": "user", "content": f"Go on ({turn}). " * 300}]
+    flush(proxy)
+    lines = events(proxy.log_dir, "titled", "response")
+    assert [(r["cache"] or {}).get("waste", 0) for r in lines] == [0, 0, 0, 0]
+
+
 def test_the_waste_of_a_model_with_no_prices_has_no_price(
     scripted: Any, proxy_factory: Any
 ) -> None:
