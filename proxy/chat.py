@@ -576,6 +576,9 @@ class ChatPipeline:
         except ValueError:
             sid = None  # refused by resolve_session
         key = bodymemo.memo_key(raw, sid, field)
+        # (the bodies of a session idle past its TTL first: a body spliced onto one would count
+        # as held by another session, which its own is about to forget)
+        self.memos.forget_idle(self.clock())
         memos = self.memos.get(key)
         if sid is not None:
             return key, memos, ()

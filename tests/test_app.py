@@ -421,6 +421,39 @@ def test_a_scrape_forgets_idle_sessions_so_the_gauges_fall_when_agents_stop(
     assert memos.bytes == 0  # the body kept for the session's next turn went with it
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["x-session-id", "inferred"])
+def test_a_session_back_after_its_idle_time_is_weighed_whole_on_its_first_turn(
+    sim: RunningSimulator, sdk: Any, proxy_factory: Any, named: bool
+) -> None:
+    """An agent back after ``sessions.idle_ttl_s`` with no scrape between (no Prometheus on
+    a laptop): its body was spliced onto the one kept for the idle session, then read as held
+    by another session, and its first turn weighed ~6 KB for a 400 KB history, the memory
+    budget blind to it until its next turn."""
+    now = [1_800_000_000.0]
+    proxy = proxy_factory(sim.api_base, {"sessions": {"idle_ttl_s": 60}}, clock=lambda: now[0])
+    client = sdk(proxy.base_url)
+    headers = {"X-Session-Id": "back-later"} if named else {}
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "repro " + "q" * 200_000},
+    ]
+    weighed = []
+    for pause in (0, 0, 61, 0):
+        now[0] += pause
+        answer = client.chat.completions.create(
+            model="gpt-4o", messages=messages, extra_headers=headers
+        )
+        assert httpx.get(proxy.url + "/metrics").status_code == 200
+        weighed.append(proxy.metric("cachegate_sessions_memory_bytes"))
+        messages += [
+            {"role": "assistant", "content": answer.choices[0].message.content},
+            {"role": "user", "content": "more"},
+        ]
+    assert proxy.metric("cachegate_session_evictions_total", {"reason": "idle"}) == 1
+    # the third turn, the first of the session that came back, as the one before it
+    assert weighed[2] >= 0.9 * weighed[1] and weighed[3] >= 0.9 * weighed[1]
+
+
 def test_a_history_of_many_short_messages_is_weighed_by_its_messages(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:
