@@ -310,8 +310,13 @@ def _aliases(name: str) -> tuple[str, ...]:
     """``name`` as the provider itself may spell it, when a gateway wrote it its own way, most
     literal first (not ``name`` itself): without a vendor or route prefix (OpenRouter's and
     LiteLLM's ``anthropic/…``, ``openai/…``) or Bedrock's (``us.anthropic.…``), then with a
-    Claude version in dashes (OpenRouter's ``claude-sonnet-4.5`` is ``claude-sonnet-4-5``)."""
-    last = name.rsplit("/", 1)[-1]
+    Claude version in dashes (OpenRouter's ``claude-sonnet-4.5`` is ``claude-sonnet-4-5``).
+    None for a name under DeepSeek's Hugging Face organization (``deepseek-ai/deepseek-v4-pro``
+    on NVIDIA NIM, Together): open weights another host serves, at its prices and under its
+    cache's rules, not DeepSeek's API's model."""
+    head, _, last = name.rpartition("/")
+    if head.rpartition("/")[2].lower() == "deepseek-ai":
+        return ()
     bare = _BEDROCK_PREFIX.sub("", last)
     # a Bedrock id of Claude: its version after the model's off too ("-v1:0"); another's: its
     # region off

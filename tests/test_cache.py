@@ -593,6 +593,7 @@ def test_a_configured_dialect_names_the_provider_whose_ttl_applies(
         ("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", "*"),
         ("deepseek/deepseek-r1-distill-llama-70b", "*"),
         ("together_ai/deepseek-ai/DeepSeek-V3", "*"),
+        ("deepseek-ai/deepseek-v4-pro", "*"),  # (NVIDIA NIM's spelling)
         ("deepseek-reasoner", "deepseek"),
     ],
 )

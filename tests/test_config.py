@@ -373,6 +373,10 @@ def test_model_lookup_exact_prefix_and_fallback() -> None:
         ("openai/gpt-5:exacto", "gpt-5"),
         ("openai/gpt-4o:floor", "gpt-4o"),
         ("openai/gpt-4o:online", "gpt-4o"),
+        # DeepSeek's open weights on another host (NVIDIA NIM's lower case): not its API's
+        ("deepseek-ai/deepseek-v4-pro", None),
+        ("together_ai/deepseek-ai/deepseek-v4-flash", None),
+        ("deepseek/deepseek-v4-pro", "deepseek-v4-pro"),  # (OpenRouter's route to DeepSeek)
     ],
 )
 def test_a_model_name_is_priced_by_its_own_entry_or_a_snapshot_of_one(
