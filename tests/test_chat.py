@@ -1661,6 +1661,12 @@ def test_an_upstream_that_refuses_stream_options_gets_the_stream_as_the_client_s
             (1, False),
             (2, False),
         ]
+        # Mistral puts the usage in its last chunk unasked: each answer's tokens are counted
+        answered = events(proxy.log_dir, "mistral", "response")
+        assert len(answered) == 2 and all(r["usage"]["prompt"] > 0 for r in answered)
+        assert proxy.metric("cachegate_tokens_total", {"model": "other", "kind": "prompt"}) == sum(
+            r["usage"]["prompt"] for r in answered
+        )
 
 
 def test_a_refusal_of_stream_options_from_a_server_that_closes_after_it_is_sent_again(

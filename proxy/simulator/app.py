@@ -458,6 +458,9 @@ class _Handlers:
                 service_tier=tier,
                 replies=replies,
             )
+            if self.config.refuse_stream_options and chunks:
+                # (Mistral, which refuses the option, puts the usage in its last chunk unasked)
+                chunks[-1]["usage"] = usage
             events = [encode_event(c) for c in chunks] + [DONE]
             return PacedResponse(
                 self._stream_body(events, fault, controls.stall_s),
