@@ -2943,6 +2943,41 @@ def test_another_models_read_of_0_does_not_start_judging_one_not_known_to_cache(
     assert [(r["cache"] or {}).get("waste", 0) for r in lines] == [0, 0, 0, 0]
 
 
+@pytest.mark.parametrize("retention", ["24h", None])
+def test_an_agent_back_after_an_hour_under_extended_retention_reads_its_prefix(
+    sim: RunningSimulator, proxy_factory: Any, retention: str | None
+) -> None:
+    """``prompt_cache_retention: "24h"``: an agent back after an hour reads its prefix, and
+    nothing is wasted; without it the hour is past OpenAI's cache life, an expiry. (The
+    simulator kept every prefix its own few minutes, and cachegate, expecting the read, named
+    the miss ``unexplained``.)"""
+    proxy = proxy_factory(sim.api_base, config(), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "kept-a-day"})
+    extra = {"prompt_cache_retention": retention} if retention else {}
+    convo: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT * 3},  # (past the 1,024 tokens cached)
+        {"role": "user", "content": "Fix the failing handler."},
+    ]
+    for turn in range(2):
+        if turn:
+            sim.sim.advance(3_600)
+        answer = client.chat.completions.create(
+            model="gpt-4o",
+            messages=convo,  # type: ignore[arg-type]
+            extra_body=extra,
+        )
+        convo += [
+            {"role": "assistant", "content": answer.choices[0].message.content},
+            {"role": "user", "content": "Go on."},
+        ]
+    flush(proxy)
+    last = events(proxy.log_dir, "kept-a-day", "response")[-1]["cache"]
+    if retention:
+        assert last["read"] > 1000 and last["waste"] == 0
+    else:
+        assert last["read"] == 0 and last["cause"] == "ttl_expired"
+
+
 def test_the_waste_of_a_model_with_no_prices_has_no_price(
     scripted: Any, proxy_factory: Any
 ) -> None:

@@ -603,6 +603,48 @@ def test_anthropic_compat_keeps_a_one_hour_breakpoints_prefix_for_an_hour(
     assert usage_of(anthropic, [chat[0], _marked(chat[1])])["cache_read_input_tokens"] == 0
 
 
+def test_anthropic_compat_caches_nothing_under_the_models_own_minimum(
+    anthropic: RunningSimulator,
+) -> None:
+    """Claude Haiku 4.5 and Opus 4.5 cache nothing shorter than 4,096 tokens (Anthropic's
+    prompt caching docs), Haiku 3.5 nothing under 2,048: the simulator cached 1,024 for every
+    model, and a ~1.7k prefix read through it that Claude would have missed."""
+    chat = long_chat(1700)
+    first = [chat[0], _marked(chat[1])]
+    for model, read in (
+        ("claude-sonnet-4-5", 1664),
+        ("claude-haiku-4-5", 0),
+        ("claude-opus-4-5-20251101", 0),
+        ("claude-3-5-haiku-20241022", 0),
+    ):
+        body = chat_body(first, model=model)
+        post(anthropic, body)
+        usage = post(anthropic, body).json()["usage"]
+        assert usage["cache_read_input_tokens"] == read, model
+    longer = [chat[0], _marked({**chat[1], "content": chat[1]["content"] + " " + words(2600)})]
+    for _ in range(2):
+        usage = post(anthropic, chat_body(longer, model="claude-haiku-4-5")).json()["usage"]
+    assert usage["cache_read_input_tokens"] >= 4096
+
+
+def test_openai_keeps_a_prompt_for_a_day_with_extended_retention(sim: RunningSimulator) -> None:
+    """``"prompt_cache_retention": "24h"``: OpenAI keeps the prefix up to a day; the simulator
+    kept it for its own TTL, so an agent back after an hour missed what OpenAI would read."""
+    chat = long_chat(1100)
+    kept = chat_body(chat, prompt_cache_retention="24h")
+    for body, read_after_an_hour in ((kept, 1024), (chat_body(chat), 0)):
+        sim.sim.reset()
+        post(sim, body)
+        sim.sim.advance(3_600)
+        assert post(sim, body).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == (
+            read_after_an_hour
+        )
+    sim.sim.reset()
+    post(sim, kept)
+    sim.sim.advance(86_401)
+    assert post(sim, kept).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 def test_a_one_hour_breakpoint_after_a_five_minute_one_or_under_the_minimum_is_five_minutes(
     anthropic: RunningSimulator,
 ) -> None:

@@ -44,6 +44,7 @@ from proxy.errors import ProxyError
 from proxy.prefix import deep_dumps
 from proxy.relay import send_error
 from proxy.serving import ServerThread
+from proxy.simulator.cache import EXTENDED_TTL_S, LONG_TTL_S, claude_minimum
 from proxy.simulator.config import FAULTS, STATUS_FAULTS, SimConfig
 from proxy.simulator.reply import Reply, completion_tokens, cut_to, derive_reply, parse_script
 from proxy.simulator.state import ReceivedRequest, Simulator
@@ -416,12 +417,16 @@ class _Handlers:
         # at the end of the request)
         limit: int | None = None
         entries: list[int] | None = None  # (Claude: where its entries end; others: any prefix)
+        long_ttl_s, minimum = LONG_TTL_S, None
         if self.config.dialect == "anthropic-compat":
             limit = marked if marked or not self.config.cache_unmarked else None
             entries = ends if limit is not None else [len(tokens)]
+            minimum = claude_minimum(model)  # (4,096 for Opus 4.5 and Haiku 4.5)
+        elif self.config.dialect == "openai" and body.get("prompt_cache_retention") == "24h":
+            hour, long_ttl_s = len(tokens), EXTENDED_TTL_S  # (OpenAI's extended retention)
         else:
             hour = 0  # (others keep their own TTL, whatever a mark asks)
-        cache = self.sim.process_prompt(tokens, model, limit, hour, entries)
+        cache = self.sim.process_prompt(tokens, model, limit, hour, entries, long_ttl_s, minimum)
         usage = usage_object(
             self.config.dialect,
             len(tokens),

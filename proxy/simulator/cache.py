@@ -39,6 +39,19 @@ POLICIES: dict[str, CachePolicy] = {
 
 
 LONG_TTL_S = 3600.0  # Claude's one-hour cache, asked for by a breakpoint's ``"ttl": "1h"``
+EXTENDED_TTL_S = 86400.0  # OpenAI's extended retention, ``"prompt_cache_retention": "24h"``
+
+
+def claude_minimum(model: str) -> int:
+    """The shortest prefix Claude caches for ``model``: 4,096 tokens for Opus 4.5 to 4.7 and
+    Haiku 4.5, 2,048 for the Haiku 3 models, else 1,024 (Anthropic's prompt caching docs)."""
+    name = model.lower()
+    if any(m in name for m in ("opus-4-5", "opus-4-6", "opus-4-7", "haiku-4-5", "opus-4.5",
+                               "opus-4.6", "opus-4.7", "haiku-4.5")):  # fmt: skip
+        return 4096
+    if "haiku-3" in name or "3-haiku" in name or "3-5-haiku" in name or "3.5-haiku" in name:
+        return 2048
+    return 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,18 +125,25 @@ class PrefixCache:
         limit: int | None = None,
         long_limit: int = 0,
         entries: Sequence[int] | None = None,
+        long_ttl_s: float = LONG_TTL_S,
+        minimum: int | None = None,
     ) -> CacheResult:
         """Serve a request's prompt at ``now``: read its cached prefix, store/refresh the rest;
         with a ``limit``, only its first ``limit`` tokens are looked up and stored (Claude's
         last breakpoint); the blocks within its first ``long_limit`` tokens are kept for
-        ``LONG_TTL_S`` (its last one-hour breakpoint), the others for ``ttl_s``. A block keeps
+        ``long_ttl_s`` (its last one-hour breakpoint; OpenAI's extended retention, the whole
+        prompt for a day), the others for ``ttl_s``; ``minimum``: the model's own shortest
+        cached prefix, in place of the policy's. A block keeps
         the later of its expiries. With ``entries`` (the token counts its breakpoints end at),
         the read is the longest cached prefix that an earlier request's entry ends with, and
         this request's entries end at the last whole block of each."""
         self._prune(now)
         if limit is not None:
             tokens = tokens[:limit]
-        hashes = block_hashes(tokens, self.policy.block, scope)
+        policy = self.policy
+        if minimum is not None and minimum != policy.minimum:
+            policy = CachePolicy(policy.block, minimum)
+        hashes = block_hashes(tokens, policy.block, scope)
         matched = 0
         for digest in hashes:
             if not self._fresh(digest, now):
@@ -133,16 +153,16 @@ class PrefixCache:
             while matched and hashes[matched - 1] not in self._ends:
                 matched -= 1
             for end in entries:
-                if self.policy.round(min(end, len(tokens))):
-                    self._ends.add(hashes[min(end, len(tokens)) // self.policy.block - 1])
-        block = self.policy.block
-        read = self.policy.round(matched * block)
-        cacheable = self.policy.round(len(hashes) * block)
+                if policy.round(min(end, len(tokens))):
+                    self._ends.add(hashes[min(end, len(tokens)) // policy.block - 1])
+        block = policy.block
+        read = policy.round(matched * block)
+        cacheable = policy.round(len(hashes) * block)
         # (a breakpoint under the minimum caches nothing: Claude's, as any)
-        long_blocks = self.policy.round(min(long_limit, cacheable)) // block
+        long_blocks = policy.round(min(long_limit, cacheable)) // block
         expires = self._expires
         for at, digest in enumerate(hashes[: cacheable // block]):
-            until = now + (LONG_TTL_S if at < long_blocks else self.ttl_s)
+            until = now + (long_ttl_s if at < long_blocks else self.ttl_s)
             if expires.get(digest, until) <= until:
                 expires[digest] = until
         written_long = max(0, long_blocks * block - read) if cacheable > read else 0

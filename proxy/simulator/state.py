@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.relay import CLIENT_KEY_HEADERS, GATEWAY_KEY_HEADERS
-from proxy.simulator.cache import POLICIES, CacheResult, PrefixCache
+from proxy.simulator.cache import LONG_TTL_S, POLICIES, CacheResult, PrefixCache
 from proxy.simulator.config import SimConfig
 from proxy.simulator.reply import Reply, parse_script
 
@@ -202,9 +202,13 @@ class Simulator:
         limit: int | None = None,
         long_limit: int = 0,
         entries: Sequence[int] | None = None,
+        long_ttl_s: float = LONG_TTL_S,
+        minimum: int | None = None,
     ) -> CacheResult:
         """Run a prompt (its first ``limit`` tokens) through the prefix cache at the current
         simulated time (its first ``long_limit`` kept for an hour; with ``entries``, read and
         written only as prefixes ending there, ``PrefixCache.process``)."""
         with self._lock:
-            return self.cache.process(tokens, self._now, scope, limit, long_limit, entries)
+            return self.cache.process(
+                tokens, self._now, scope, limit, long_limit, entries, long_ttl_s, minimum
+            )
