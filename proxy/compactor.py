@@ -278,10 +278,15 @@ def _json_size(text: str) -> int:
 def _without_trailing_results(ex: Exchange, messages: list[Any]) -> list[Any]:
     """``messages`` without the results the repair added at its end, for the last message's
     unanswered calls: the client sends the real ones there next turn, which the trigger would
-    take for another history's end. (A copy the repair made of a client's own result at the
-    end goes too: counted by the estimate next turn, not by the provider's numbers.)"""
+    take for another history's end. A copy the repair made of a client's own result (its id
+    given, a blank part taken out) stays: the provider counted it, and the client sends it
+    again next turn, where the trigger would count it twice (and the provider's count read
+    as 1.3 times cachegate's estimate)."""
     client = ex.client_body.get("messages") if isinstance(ex.client_body, dict) else None
     if not isinstance(client, list) or messages is client:
+        return messages
+    made = {r.get("tool_call_id") for r in ex.repairs if r.get("kind") == "dangling_call"}
+    if not made:
         return messages
     tail = client[-8:]
     end = len(messages)
@@ -289,7 +294,7 @@ def _without_trailing_results(ex: Exchange, messages: list[Any]) -> list[Any]:
         last = messages[end - 1]
         if not isinstance(last, dict) or last.get("role") != "tool":
             break
-        if any(last is own for own in tail):
+        if any(last is own for own in tail) or last.get("tool_call_id") not in made:
             break
         end -= 1
     return messages if end == len(messages) else messages[:end]

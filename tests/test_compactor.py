@@ -169,6 +169,55 @@ def next_turn_reuses_the_summary(
     return raw
 
 
+def test_a_result_the_repair_copied_is_counted_once_by_the_trigger(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """Gemini's calls without ids (the repair gives each one, and a copy of its result the
+    call's id): the trigger dropped the copied last result from what the provider counted,
+    then estimated it again with the next turn's appended messages. Compaction came at ~61%
+    of the window, not 75, its provider factor read 1.3, and the session paid for three
+    summaries where unique ids paid for one."""
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {}}}]
+    firsts = {}
+    for mode in ("unique", "no-id"):
+        with run_simulator(SimConfig(context_window=8000, gemini_rules=True)) as gemini:
+            config = {
+                "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 4},
+                "models": {"gemini-2.5-pro": {"context_window": 6000}},
+            }
+            proxy = proxy_factory(gemini.api_base, config)
+            client = sdk(proxy.base_url, default_headers={"X-Session-Id": mode})
+            history: list[dict[str, Any]] = [
+                {"role": "system", "content": "You are a coding agent."},
+                {"role": "user", "content": "Fix the failing test in repo foo."},
+            ]
+            compacted = []
+            for i in range(8):
+                cid = "" if mode == "no-id" else f"call_{i:024d}"
+                arguments = orjson.dumps({"path": f"m{i}.py"}).decode()
+                call = {"name": "read_file", "arguments": arguments}
+                history += [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"id": cid, "type": "function", "function": call}],
+                    },
+                    {"role": "tool", "tool_call_id": cid, "content": f"Step {i}. " + LINE * 40},
+                ]
+                raw = client.chat.completions.with_raw_response.create(
+                    model="gemini-2.5-pro",
+                    messages=history,  # type: ignore[arg-type]
+                    tools=tools,  # type: ignore[arg-type]
+                )
+                assert raw.http_response.status_code == 200
+                compacted.append(raw.headers.get("x-cachegate-compacted") == "1")
+            firsts[mode] = compacted.index(True)
+    assert firsts["no-id"] == firsts["unique"]
+
+
+LINE = "The quick brownish foxes jumped overly lazy dogs repeatedly. "
+
+
 def test_a_restarted_cachegate_takes_up_the_compaction_its_log_records(
     sim: RunningSimulator, sdk: Any, tmp_path: Path
 ) -> None:
