@@ -638,9 +638,11 @@ def _past_new_prompt(
 
 
 def _derived_id(index: int, position: int, call: dict[str, Any], mistral: bool = False) -> str:
-    """A stable id for a call sent without one, from its position and its canonical JSON (for a
-    Mistral model nine letters and digits: Mistral refuses any other, ``Tool call id was … but
-    must be a-z, A-Z, 0-9, with a length of 9``)."""
+    """A stable id for a call sent without one, from its position (``index`` counted past the
+    leading system messages: one added or dropped there, an environment message, leaves every
+    id, and the prefix the provider cached, as it was) and its canonical JSON (for a Mistral
+    model nine letters and digits: Mistral refuses any other, ``Tool call id was … but must be
+    a-z, A-Z, 0-9, with a length of 9``)."""
     canonical = deep_dumps(call, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     digest = hashlib.sha256(f"{index}.{position}:{canonical}".encode()).hexdigest()
     return digest[:9] if mistral else "call_" + digest[:24]
@@ -701,6 +703,7 @@ def _fix_calls(
     repairs: list[Repair],
     mistral: bool = False,
     earlier: Container[str] | None = None,
+    past: int = 0,
 ) -> tuple[dict[str, Any], list[str], list[str], list[str], dict[str, deque[str]]]:
     """Assign missing ids, new ids to repeats of an id in the message (and, given ``earlier``,
     the ids of earlier messages' calls: a Claude model's history), types and blank invalid
@@ -718,7 +721,7 @@ def _fix_calls(
         fixed = call
         number = _number_id(call.get("id"), mistral)
         if not _has_id(call) and number is None:
-            call_id = _derived_id(index, position, call, mistral)
+            call_id = _derived_id(index - past, position, call, mistral)
             assigned.append(call_id)
             fixed = {**call, "id": call_id}
             repairs.append(
@@ -734,7 +737,7 @@ def _fix_calls(
                 # unique"), in one message or across turns (clients that number calls per
                 # message: call_0 every turn); its results are then matched in order
                 # (``_pair_result``)
-                repeated, call_id = call_id, _derived_id(index, position, call, mistral)
+                repeated, call_id = call_id, _derived_id(index - past, position, call, mistral)
                 renamed.setdefault(repeated, deque()).append(call_id)
                 fixed = {**call, "id": call_id}
                 repairs.append(
@@ -1064,6 +1067,7 @@ def repair_messages_from(
         state = RepairState((), policy, {}, {}, set(), set(), {}, [], [], None, (), {}, [])
         start = 0
     blocks, owner_of_id, fixed = state.blocks, state.owner_of_id, state.fixed
+    past = leading_system_count(messages)  # (derived ids counted past them: ``_derived_id``)
     paired, removed, scanned = state.paired, state.removed, state.scanned
     run = state.run  # block whose run of tool messages we are in
 
@@ -1161,7 +1165,7 @@ def repair_messages_from(
                 scanned.append(Repair("empty_assistant", i, None, action))
             continue
         new_message, ids, names, assigned, renamed = _fix_calls(
-            i, message, calls, scanned, mistral, owner_of_id if unique_ids else None
+            i, message, calls, scanned, mistral, owner_of_id if unique_ids else None, past
         )
         if drop_empty and _blank_text_in(new_message, spaces):
             new_message = _without_blank_text(new_message, spaces)

@@ -1138,6 +1138,26 @@ def test_blank_text_parts_in_a_new_system_prompt_are_taken_out_on_a_resumed_turn
     assert needs_repair_from(marked, [after], drop_empty=True, unique_ids=True)[0]
 
 
+@pytest.mark.parametrize("claude", [False, True])
+def test_ids_the_repair_gives_stay_when_a_leading_message_is_added(claude: bool) -> None:
+    """Calls without ids (Gemini's) or numbered per message (``call_0`` every turn, which a
+    Claude model's repair renames): the ids were derived from each call's index in the whole
+    list, so an environment message put after the system prompt on a later turn changed every
+    one of them, and with them the prefix the provider had cached and a compaction's covered
+    prefix (a new summary bought). They are counted past the leading system messages."""
+    history = [user("Fix the failing test")]
+    for n in range(3):
+        sent = "call_0" if claude else None
+        history += [asst(call(sent, arguments=f'{{"n": {n}}}')), tool(sent, f"out {n}")]
+    system = {"role": "system", "content": "You are a coding agent."}
+    env = {"role": "developer", "content": "Environment: cwd=/repo"}
+    before = repair_messages([system, *history], drop_empty=claude)
+    after = repair_messages([system, env, *history], drop_empty=claude)
+    assert before.repairs and len(before.repairs) == len(after.repairs)
+    assert after.messages[2:] == before.messages[1:]  # (the same ids, the same messages)
+    assert [r.tool_call_id for r in after.repairs] == [r.tool_call_id for r in before.repairs]
+
+
 def test_orphan_policy_drop_removes_orphans_and_duplicates() -> None:
     messages = [asst(call("a")), tool("a", "A"), tool("a", "again"), user("s"), tool("x", "X")]
     result = repair_messages(messages, orphan_policy="drop")
