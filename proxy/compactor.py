@@ -285,7 +285,14 @@ def _without_trailing_results(ex: Exchange, messages: list[Any]) -> list[Any]:
     client = ex.client_body.get("messages") if isinstance(ex.client_body, dict) else None
     if not isinstance(client, list) or messages is client:
         return messages
-    made = {r.get("tool_call_id") for r in ex.repairs if r.get("kind") == "dangling_call"}
+    block = len(client) - 1  # (the client's last message with calls: its results follow it)
+    while block >= 0 and isinstance(client[block], dict) and client[block].get("role") == "tool":
+        block -= 1
+    made = {  # (ids an earlier interrupted call shares, reused or rewritten alike, are not)
+        r.get("tool_call_id")
+        for r in ex.repairs
+        if r.get("kind") == "dangling_call" and r.get("index") == block
+    }
     if not made:
         return messages
     tail = client[-8:]

@@ -169,6 +169,62 @@ def next_turn_reuses_the_summary(
     return raw
 
 
+def _first_compaction(
+    sdk: Any,
+    proxy_factory: Any,
+    model: str,
+    sim_config: SimConfig,
+    call_id: Callable[[int], Any],
+    interrupted: bool = False,
+) -> int:
+    """The turn of an agent's tool loop (a call and its ~600-token result a turn, a 6,000-token
+    window, the trigger at 75%) whose request is compacted first; ``interrupted``: the history
+    opens with a call left unanswered (Ctrl+C) and a message typed after it."""
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {}}}]
+    with run_simulator(sim_config) as upstream:
+        config = {
+            "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 4},
+            "models": {model: {"context_window": 6000}},
+        }
+        proxy = proxy_factory(upstream.api_base, config)
+        client = sdk(proxy.base_url, default_headers={"X-Session-Id": "loop"})
+        history: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "Fix the failing test in repo foo."},
+        ]
+        if interrupted:
+            arguments = '{"path": "x.py"}'
+            call = {"name": "read_file", "arguments": arguments}
+            history += [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": call_id(99), "type": "function", "function": call}],
+                },
+                {"role": "user", "content": "Stop that, read the m files instead."},
+            ]
+        for i in range(8):
+            arguments = orjson.dumps({"path": f"m{i}.py"}).decode()
+            call = {"name": "read_file", "arguments": arguments}
+            history += [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": call_id(i), "type": "function", "function": call}],
+                },
+                {"role": "tool", "tool_call_id": call_id(i), "content": f"Step {i}. " + LINE * 40},
+            ]
+            raw = client.chat.completions.with_raw_response.create(
+                model=model,
+                messages=history,  # type: ignore[arg-type]
+                tools=tools,  # type: ignore[arg-type]
+            )
+            assert raw.http_response.status_code == 200
+            if raw.headers.get("x-cachegate-compacted") == "1":
+                return i
+    raise AssertionError("never compacted")
+
+
 def test_a_result_the_repair_copied_is_counted_once_by_the_trigger(
     sdk: Any, proxy_factory: Any
 ) -> None:
@@ -176,43 +232,20 @@ def test_a_result_the_repair_copied_is_counted_once_by_the_trigger(
     call's id): the trigger dropped the copied last result from what the provider counted,
     then estimated it again with the next turn's appended messages. Compaction came at ~61%
     of the window, not 75, its provider factor read 1.3, and the session paid for three
-    summaries where unique ids paid for one."""
-    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {}}}]
-    firsts = {}
-    for mode in ("unique", "no-id"):
-        with run_simulator(SimConfig(context_window=8000, gemini_rules=True)) as gemini:
-            config = {
-                "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 4},
-                "models": {"gemini-2.5-pro": {"context_window": 6000}},
-            }
-            proxy = proxy_factory(gemini.api_base, config)
-            client = sdk(proxy.base_url, default_headers={"X-Session-Id": mode})
-            history: list[dict[str, Any]] = [
-                {"role": "system", "content": "You are a coding agent."},
-                {"role": "user", "content": "Fix the failing test in repo foo."},
-            ]
-            compacted = []
-            for i in range(8):
-                cid = "" if mode == "no-id" else f"call_{i:024d}"
-                arguments = orjson.dumps({"path": f"m{i}.py"}).decode()
-                call = {"name": "read_file", "arguments": arguments}
-                history += [
-                    {
-                        "role": "assistant",
-                        "content": None,
-                        "tool_calls": [{"id": cid, "type": "function", "function": call}],
-                    },
-                    {"role": "tool", "tool_call_id": cid, "content": f"Step {i}. " + LINE * 40},
-                ]
-                raw = client.chat.completions.with_raw_response.create(
-                    model="gemini-2.5-pro",
-                    messages=history,  # type: ignore[arg-type]
-                    tools=tools,  # type: ignore[arg-type]
-                )
-                assert raw.http_response.status_code == 200
-                compacted.append(raw.headers.get("x-cachegate-compacted") == "1")
-            firsts[mode] = compacted.index(True)
-    assert firsts["no-id"] == firsts["unique"]
+    summaries where unique ids paid for one. So with Mistral's ids rewritten (``call_0``
+    every turn, an earlier interrupted call's among them) and ids sent as numbers: an earlier
+    unanswered call of the same id made the last result look like its synthetic one."""
+    gemini = SimConfig(context_window=8000, gemini_rules=True)
+    unique = _first_compaction(sdk, proxy_factory, "gemini-2.5-pro", gemini, "call_{:024d}".format)
+    idless = _first_compaction(sdk, proxy_factory, "gemini-2.5-pro", gemini, lambda i: "")
+    assert idless == unique
+    mistral = SimConfig(context_window=8000, mistral_rules=True)
+    for model, config, reused in (
+        ("mistral-large-latest", mistral, lambda i: "call_0"),
+        ("gpt-4o", SimConfig(context_window=8000), lambda i: 0),
+    ):
+        own = _first_compaction(sdk, proxy_factory, model, config, "c{:08d}".format, True)
+        assert _first_compaction(sdk, proxy_factory, model, config, reused, True) == own, model
 
 
 LINE = "The quick brownish foxes jumped overly lazy dogs repeatedly. "
