@@ -449,7 +449,7 @@ class Gateway:
                     )
                 finally:
                     for state in entered:
-                        self.sessions.leave(state, self.clock())
+                        self.chat.leave(state)
             return
         first = await receive()
         if first["type"] == "http.disconnect":  # gone before its body's first byte: not sent

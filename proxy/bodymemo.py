@@ -877,6 +877,13 @@ class BodyMemos:
                     self._drop(key)
                 return
 
+    def touch(self, key: str, now: float) -> None:
+        """A request that filed under ``key`` ended at ``now``: its bodies age from then, as
+        its session does (an answer longer than ``idle_s`` left them as much in use)."""
+        if key in self._memos and now > self._filed.get(key, now):
+            self._filed[key] = now
+            self._memos.move_to_end(key)
+
     def forget_idle(self, now: float) -> None:
         """Forget the memos of keys with none filed in the last ``idle_s`` (none when 0)."""
         if not self.idle_s:

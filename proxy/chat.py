@@ -623,6 +623,8 @@ class ChatPipeline:
             field=field,
         )
         filed = self.memos.put(key, memo, source=parsed.source, now=now)
+        if state is not None:
+            state.extra["memo_key"] = key  # (aged from the request's end: ``leave``)
         if state is not None and bodymemo.by_first_bytes(key):
             # Weak references: they hold nothing alive the memos have let go.
             filed_by: dict[str, weakref.ref[bodymemo.BodyMemo]]
@@ -780,8 +782,17 @@ class ChatPipeline:
             await self._handle(scope, receive, send, path_session, entered)
         finally:
             for state in entered:
-                self.sessions.leave(state, self.clock())
+                self.leave(state)
             self._one_done()
+
+    def leave(self, state: SessionState) -> None:
+        """A request of ``state`` is done: the session's idle time, and its kept bodies', run
+        from now (``memos_for`` forgets bodies idle past the sessions' TTL)."""
+        now = self.clock()
+        self.sessions.leave(state, now)
+        key = state.extra.get("memo_key")
+        if key is not None:
+            self.memos.touch(key, now)
 
     def _pairing_on(self, ex: Exchange, headers: Mapping[str, str]) -> bool:
         """Whether the repair or strict mode is on for a request (its X-Cachegate-Repairs is

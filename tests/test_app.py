@@ -454,6 +454,59 @@ def test_a_session_back_after_its_idle_time_is_weighed_whole_on_its_first_turn(
     assert weighed[2] >= 0.9 * weighed[1] and weighed[3] >= 0.9 * weighed[1]
 
 
+def test_a_session_whose_answers_take_long_keeps_its_bodies_between_turns(
+    proxy_factory: Any,
+) -> None:
+    """Each answer takes 50 s, the agent comes back 15 s after it ends, the TTL is 60 s: the
+    session is never idle that long, but its kept body aged from its request's start (65 s
+    by the next turn) and was forgotten before every parse, each turn parsed whole (~2 ms
+    more at 300 KB) and weighed afresh. Kept bodies age from their request's end, as the
+    session does."""
+    import asyncio
+
+    from proxy.serving import ServerThread
+    from tests.conftest import ScriptedUpstream
+
+    now = [1_800_000_000.0]
+    answer = (
+        b'{"id":"c","object":"chat.completion","created":1,"model":"gpt-4o","choices":[{"index"'
+        b':0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":'
+        b'{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10}}'
+    )
+
+    class SlowProvider(ScriptedUpstream):
+        async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if scope["type"] == "http":
+                now[0] += 50  # (the answer takes 50 s of the clock)
+                await asyncio.sleep(0)
+            await super().__call__(scope, receive, send)
+
+    provider = SlowProvider(chunks=[answer], content_type=b"application/json")
+    with ServerThread(provider) as server:
+        proxy = proxy_factory(
+            server.url + "/v1", {"sessions": {"idle_ttl_s": 60}}, clock=lambda: now[0]
+        )
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": "sys"},
+            {"role": "user", "content": "repro " + "q" * 200_000},
+        ]
+        chat = proxy.gateway.chat
+        for turn in range(4):
+            now[0] += 15  # (the agent's pause)
+            reply = httpx.post(
+                proxy.base_url + "/chat/completions",
+                json={"model": "gpt-4o", "messages": messages},
+                headers={"X-Session-Id": "slow-answers"},
+            )
+            assert reply.status_code == 200
+            assert chat.spliced_parses == turn  # (each turn after the first spliced)
+            messages += [
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": f"more {turn}"},
+            ]
+    assert proxy.metric("cachegate_session_evictions_total", {"reason": "idle"}) == 0
+
+
 def test_a_history_of_many_short_messages_is_weighed_by_its_messages(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:
