@@ -80,6 +80,10 @@ _CACHE_FIELDS = (
     "prompt_cache_hit_tokens",
     "prompt_cache_miss_tokens",
 )
+# What sends a usage past the OpenAI shortcut to the general rules: a cache field of another
+# dialect, or the Responses API's counts beside OpenAI's (one that is no count, ``false``,
+# makes the usage unknown there)
+_NOT_OPENAI_ONLY: Final = frozenset((*_CACHE_FIELDS, "input_tokens", "output_tokens"))
 _DETAIL_FIELDS = ("prompt_tokens_details", "input_tokens_details")
 _DETAIL_COUNTS = ("cached_tokens", "cache_write_tokens", "cache_creation_tokens")
 _TOKEN_FIELDS = (
@@ -146,7 +150,7 @@ def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
         and type(completion_tokens) is int
         and 0 <= prompt_tokens <= MAX_COUNT
         and 0 <= completion_tokens <= MAX_COUNT
-        and raw.keys().isdisjoint(_CACHE_FIELDS)
+        and raw.keys().isdisjoint(_NOT_OPENAI_ONLY)
     ):
         # OpenAI's dialect, by far the most common: the same answer as below, sooner.
         cached: int | None = None

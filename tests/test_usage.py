@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from proxy.usage import Usage, UsageTracker, normalize_usage
@@ -473,6 +473,11 @@ _usage_keys = [
         max_size=2,
     ),
     openai=st.booleans(),
+)
+@example(  # (a count of the Responses API's that is none: the usage is unknown either way)
+    fields={"prompt_tokens": 0, "completion_tokens": 0, "input_tokens": False},
+    details={},
+    openai=False,
 )
 def test_the_openai_shortcut_answers_as_the_general_rules_do(
     fields: dict[str, Any], details: dict[str, Any], openai: bool
