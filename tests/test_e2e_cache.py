@@ -2359,6 +2359,70 @@ def test_a_pause_after_unmarked_turns_charges_the_expiry_only_what_was_cached(
     assert last["not_requested"] == last["expected"] - cached > 1000  # never cached
 
 
+@pytest.mark.parametrize("calls", [24, 2])
+@pytest.mark.parametrize("system_marked", [True, False])
+def test_a_claude_turn_past_the_look_back_reads_what_cachegate_expects(
+    proxy_factory: Any, calls: int, system_marked: bool
+) -> None:
+    """Claude finds an entry only within ~20 content blocks before one of a request's
+    breakpoints: after 24 parallel tool calls and their results (48 blocks), only the latest
+    result marked, the task's entry is out of reach. The simulator read it (it looked back
+    without end), so cachegate's ``not_requested`` for such a turn was never seen end to end.
+    Now the simulator reads only the system prompt's entry (where that is marked) or nothing,
+    and cachegate expects just that: nothing of the miss is the provider's. Two calls are
+    within reach: all of it is read."""
+    system = SYSTEM_PROMPT + " Follow the style guide." * 300
+    mark = {"type": "ephemeral"}
+
+    def marked_last(message: dict[str, Any]) -> dict[str, Any]:
+        part = {"type": "text", "text": message["content"], "cache_control": mark}
+        return {**message, "content": [part]}
+
+    head = {"role": "system", "content": system}
+    if system_marked:
+        head = marked_last(head)
+    task = {"role": "user", "content": "Fix the failing tests. " + "lorem ipsum " * 300}
+    with run_simulator(SimConfig(dialect="anthropic-compat", cache_ttl_s=300)) as claude:
+        proxy = proxy_factory(claude.api_base, config())
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": f"far{calls}"})
+        paths = [
+            {"name": "read_file", "arguments": {"path": f"src/mod_{i}.py"}} for i in range(calls)
+        ]
+        claude.sim.enqueue([parse_script({"tool_calls": paths})])
+        model = "claude-sonnet-4-5"
+        reply, _ = chat(client, [head, marked_last(task)], model=model, stream=False, tools=TOOLS)
+        results = [
+            {"role": "tool", "tool_call_id": call["id"], "content": f"ok {i}: " + "x " * 40}
+            for i, call in enumerate(reply["tool_calls"])
+        ]
+        assert len(results) == calls
+        claude.sim.advance(10)
+        convo = [head, task, reply, *results[:-1], marked_last(results[-1])]
+        chat(client, convo, model=model, stream=False, tools=TOOLS)
+        flush(proxy)
+        usages = [r.usage for r in claude.sim.requests if r.usage is not None]
+    caches = [r["cache"] for r in events(proxy.log_dir, f"far{calls}", "response")]
+    first, last = caches
+    assert first["write"] > 1000 and last["read"] == cache_read(usages[-1])
+    assert last["expected"] == usages[0]["prompt_tokens"]  # (all the turn before sent)
+    if calls == 2:  # (20 blocks or fewer: the task's entry is read whole)
+        assert last["read"] == first["read"] + first["write"]
+        assert (last["waste"], last["cause"]) == (0, None), last
+        return
+    # out of reach: the system prompt's entry, where it is marked, else nothing; the miss is
+    # named not_requested whole (before, the simulator read the task's entry: no miss at all)
+    assert (last["read"] > 1000) is system_marked
+    assert last["read"] < first["read"] + first["write"] - NOISE_FLOOR
+    assert last["cause"] == "not_requested", last
+    assert last["waste"] + last.get("not_requested", 0) == last["expected"] - last["read"]
+    wasted = "cachegate_cache_waste_tokens_total"
+    assert proxy.metric(wasted, {"model": model, "cause": "not_requested"}) == (
+        last["expected"] - last["read"]
+    )
+    for cause in ("unexplained", "ttl_expired", "prefix_rewrite"):
+        assert not proxy.metric(wasted, {"model": model, "cause": cause})
+
+
 @pytest.mark.parametrize("rewrite", [False, True])
 def test_a_rewrite_of_an_hours_prefix_after_five_minutes_is_the_rewrites_not_the_expirys(
     proxy_factory: Any, rewrite: bool

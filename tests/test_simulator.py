@@ -573,6 +573,36 @@ def test_anthropic_compat_reads_only_prefixes_that_ended_at_a_breakpoint(
     assert usage["cache_read_input_tokens"] > 2000
 
 
+def _tool_rounds(rounds: int) -> list[dict[str, Any]]:
+    """``rounds`` tool calls, each with its result: two content blocks a round, to Claude."""
+    out: list[dict[str, Any]] = []
+    for i in range(rounds):
+        function = {"name": "read", "arguments": json.dumps({"path": f"src/file_{i}.py"})}
+        call = {"id": f"toolu_{i:02d}", "type": "function", "function": function}
+        out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        out.append({"role": "tool", "tool_call_id": call["id"], "content": words(40)})
+    return out
+
+
+@pytest.mark.parametrize(("rounds", "reads"), [(24, False), (11, False), (10, True)])
+def test_anthropic_compat_reads_an_entry_only_within_the_look_back_of_a_breakpoint(
+    anthropic: RunningSimulator, rounds: int, reads: bool
+) -> None:
+    """Claude checks for an entry at a breakpoint and ~20 content blocks before it, no further
+    (Anthropic's docs; cachegate's ``CLAUDE_LOOKBACK_BLOCKS``): an agent that marks only its
+    latest message, after 24 tool calls and their results (48 blocks), reads nothing of the
+    entry the turn before wrote; the simulator read it all, as if Claude looked back without
+    end. Ten rounds (20 blocks) are within reach, eleven (22) are not."""
+    task = {"role": "user", "content": words(1500)}
+    first = usage_of(anthropic, [_marked(task)])
+    assert (first["cache_read_input_tokens"], first["cache_creation_input_tokens"]) == (0, 1408)
+    history = [task, *_tool_rounds(rounds)]
+    usage = usage_of(anthropic, [*history[:-1], _marked(history[-1])])
+    assert usage["cache_read_input_tokens"] == (1408 if reads else 0)
+    written = usage["prompt_tokens"] // 128 * 128 - usage["cache_read_input_tokens"]
+    assert usage["cache_creation_input_tokens"] == written  # (the rest, to its breakpoint)
+
+
 def test_anthropic_compat_keeps_a_one_hour_breakpoints_prefix_for_an_hour(
     anthropic: RunningSimulator,
 ) -> None:

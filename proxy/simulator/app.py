@@ -379,7 +379,7 @@ class _Handlers:
             return _json_response(GEMINI_EMPTY_TEXT_ERROR, 400)
         # (Claude renders the tools first; OpenAI and DeepSeek the system prompt, then the tools)
         claude = self.config.dialect == "anthropic-compat"
-        tokens, marked, hour, ends = marked_request_tokens(body, system_first=not claude)
+        tokens, marked, hour, ends, bounds = marked_request_tokens(body, system_first=not claude)
         if len(tokens) > self.config.context_window:
             message = CONTEXT_TEXT.format(window=self.config.context_window, tokens=len(tokens))
             return _error(400, message, "messages", "context_length_exceeded")
@@ -426,7 +426,9 @@ class _Handlers:
             hour, long_ttl_s = len(tokens), EXTENDED_TTL_S  # (OpenAI's extended retention)
         else:
             hour = 0  # (others keep their own TTL, whatever a mark asks)
-        cache = self.sim.process_prompt(tokens, model, limit, hour, entries, long_ttl_s, minimum)
+        cache = self.sim.process_prompt(
+            tokens, model, limit, hour, entries, long_ttl_s, minimum, bounds if claude else None
+        )
         usage = usage_object(
             self.config.dialect,
             len(tokens),

@@ -8,12 +8,14 @@ stored or refreshed at the request's time; a block idle for ``ttl_s`` or more is
 ``LONG_TTL_S`` when a request asked for it (Claude's ``"ttl": "1h"`` breakpoints: the blocks up to
 the last of them). Claude keeps entries only for prefixes that end at a request's breakpoint, and
 reads only those: with ``entries``, a read ends at the last block of such a prefix, not at any
-block a longer prefix holds (a request whose tools changed read the tools' first blocks).
+block a longer prefix holds (a request whose tools changed read the tools' first blocks);
+and, given where its content blocks end (``bounds``), only an entry that ends at most
+``CLAUDE_LOOKBACK_BLOCKS`` blocks before one of its breakpoints (Claude's look back).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
 
@@ -38,6 +40,9 @@ POLICIES: dict[str, CachePolicy] = {
 }
 
 
+# Claude checks for an entry at a breakpoint and ~20 content blocks before it, no further
+# (Anthropic's prompt caching docs; cachegate's ``proxy.observers.CLAUDE_LOOKBACK_BLOCKS``)
+CLAUDE_LOOKBACK_BLOCKS = 20
 LONG_TTL_S = 3600.0  # Claude's one-hour cache, asked for by a breakpoint's ``"ttl": "1h"``
 EXTENDED_TTL_S = 86400.0  # OpenAI's extended retention, ``"prompt_cache_retention": "24h"``
 
@@ -84,7 +89,8 @@ class PrefixCache:
         self.policy = policy
         self.ttl_s = ttl_s
         self._expires: dict[bytes, float] = {}
-        self._ends: set[bytes] = set()  # blocks a Claude-style entry ends with
+        # blocks a Claude-style entry ends with, and the token counts such entries end at
+        self._ends: dict[bytes, set[int]] = {}
         self._pruned_at: float | None = None
 
     def __len__(self) -> int:
@@ -106,7 +112,7 @@ class PrefixCache:
         expired = [d for d, expires in self._expires.items() if now >= expires]
         for digest in expired:
             del self._expires[digest]
-            self._ends.discard(digest)
+            self._ends.pop(digest, None)
 
     def peek(self, tokens: Sequence[bytes], now: float, scope: str = "") -> int:
         """Tokens a request would read from the cache at ``now``, without touching it."""
@@ -127,6 +133,7 @@ class PrefixCache:
         entries: Sequence[int] | None = None,
         long_ttl_s: float = LONG_TTL_S,
         minimum: int | None = None,
+        bounds: Mapping[int, int] | None = None,
     ) -> CacheResult:
         """Serve a request's prompt at ``now``: read its cached prefix, store/refresh the rest;
         with a ``limit``, only its first ``limit`` tokens are looked up and stored (Claude's
@@ -136,7 +143,9 @@ class PrefixCache:
         cached prefix, in place of the policy's. A block keeps
         the later of its expiries. With ``entries`` (the token counts its breakpoints end at),
         the read is the longest cached prefix that an earlier request's entry ends with, and
-        this request's entries end at the last whole block of each."""
+        this request's entries end at the last whole block of each; with ``bounds`` too (the
+        content blocks ending at or before each token count a block ends at), only an entry
+        ending at most ``CLAUDE_LOOKBACK_BLOCKS`` blocks before one of ``entries`` is read."""
         self._prune(now)
         if limit is not None:
             tokens = tokens[:limit]
@@ -150,11 +159,26 @@ class PrefixCache:
                 break
             matched += 1
         if entries is not None:
-            while matched and hashes[matched - 1] not in self._ends:
+            reach: set[int] | None = None
+            if bounds is not None:  # (the block boundaries within the look back of a breakpoint)
+                marks = sorted(end for end in entries if end in bounds)
+                reach, next_mark = set(), 0
+                for at in sorted(bounds):  # (the nearest breakpoint at or after it looks back most)
+                    while next_mark < len(marks) and marks[next_mark] < at:
+                        next_mark += 1
+                    if next_mark == len(marks):
+                        break
+                    if bounds[marks[next_mark]] - bounds[at] <= CLAUDE_LOOKBACK_BLOCKS:
+                        reach.add(at)
+            while matched and not (
+                hashes[matched - 1] in self._ends
+                and (reach is None or not reach.isdisjoint(self._ends[hashes[matched - 1]]))
+            ):
                 matched -= 1
             for end in entries:
-                if policy.round(min(end, len(tokens))):
-                    self._ends.add(hashes[min(end, len(tokens)) // policy.block - 1])
+                end = min(end, len(tokens))
+                if policy.round(end):
+                    self._ends.setdefault(hashes[end // policy.block - 1], set()).add(end)
         block = policy.block
         read = policy.round(matched * block)
         cacheable = policy.round(len(hashes) * block)

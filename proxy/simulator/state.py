@@ -204,11 +204,13 @@ class Simulator:
         entries: Sequence[int] | None = None,
         long_ttl_s: float = LONG_TTL_S,
         minimum: int | None = None,
+        bounds: Mapping[int, int] | None = None,
     ) -> CacheResult:
         """Run a prompt (its first ``limit`` tokens) through the prefix cache at the current
         simulated time (its first ``long_limit`` kept for an hour; with ``entries``, read and
-        written only as prefixes ending there, ``PrefixCache.process``)."""
+        written only as prefixes ending there, and with ``bounds`` read only within Claude's
+        look back of them, ``PrefixCache.process``)."""
         with self._lock:
             return self.cache.process(
-                tokens, self._now, scope, limit, long_limit, entries, long_ttl_s, minimum
+                tokens, self._now, scope, limit, long_limit, entries, long_ttl_s, minimum, bounds
             )

@@ -24,7 +24,10 @@ Rules:
   ``prompt_tokens`` is the length of that sequence.
 - A reply costs the tokens of its content plus, per tool call, those of its name and arguments.
 - Claude (``anthropic-compat``) caches a request's tokens only up to its last ``cache_control``
-  breakpoint (``marked_request_tokens``).
+  breakpoint (``marked_request_tokens``), and reads an entry only within
+  ``CLAUDE_LOOKBACK_BLOCKS`` content blocks before one of its breakpoints, counted as cachegate
+  counts them (``proxy.prefix.claude_blocks``: a tool is one; a message, its text or each of
+  its parts, and each of its tool calls; a tool result, one).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import orjson
 from proxy.media import image_tokens
 from proxy.prefix import (  # tools as a provider renders them
     cache_mark,
+    claude_blocks,
     deep_dumps,
     leading_system_count,
     tools_json,
@@ -185,20 +189,25 @@ def response_tokens(body: Mapping[str, Any]) -> list[bytes]:
 
 def marked_request_tokens(
     body: Mapping[str, Any], system_first: bool = True
-) -> tuple[list[bytes], int, int, list[int]]:
+) -> tuple[list[bytes], int, int, list[int], dict[int, int]]:
     """``request_tokens``, how many of them end at the request's last ``cache_control``
     breakpoint (0 when there is none; all of them for one on the request itself), how many
-    at its last breakpoint with ``"ttl": "1h"`` (0 for none), and where each breakpoint ends
-    (Claude writes a cache entry there, and reads only entries). A mark on a tool counts at the
-    end of the tools, on a content part at the end of its message."""
+    at its last breakpoint with ``"ttl": "1h"`` (0 for none), where each breakpoint ends
+    (Claude writes a cache entry there, and reads only entries), and, for the end of the tools
+    and of each message, how many content blocks end there or before it (Claude's look back,
+    ``CLAUDE_LOOKBACK_BLOCKS``). A mark on a tool counts at the end of the tools, on a content
+    part at the end of its message."""
     out: list[bytes] = []
     marked = hour = 0
     ends: list[int] = []
+    bounds: dict[int, int] = {}
+    blocks = 0
     short = False  # a five-minute breakpoint seen: Claude takes no one-hour one after it
 
     def add(messages: Any) -> None:
-        nonlocal marked, hour, short
+        nonlocal marked, hour, short, blocks
         for message in messages:
+            blocks += claude_blocks(message)
             if isinstance(message, Mapping):
                 out.extend(message_tokens(message))
                 mark = cache_mark(message, "content")
@@ -210,6 +219,7 @@ def marked_request_tokens(
                     short = short or not _hour(mark)
             else:
                 out.extend(tokenize(_as_text(message)))
+            bounds[len(out)] = blocks
 
     messages = body.get("messages") or []
     if not isinstance(messages, list):
@@ -219,6 +229,8 @@ def marked_request_tokens(
     tools = body.get("tools")
     if tools:
         out += tokenize(tools_json(tools).decode())
+        blocks += len(tools) if isinstance(tools, list) else 1
+        bounds[len(out)] = blocks
         if isinstance(tools, list):
             marks = [cache_mark(t, "function") for t in tools]
             if any(m is not None for m in marks):
@@ -234,7 +246,7 @@ def marked_request_tokens(
         ends.append(marked)
         if _hour(request_mark) and not short:
             hour = len(out)
-    return out, marked, hour, ends
+    return out, marked, hour, ends, bounds
 
 
 def _hour(mark: Any) -> bool:
