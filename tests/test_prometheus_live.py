@@ -6,6 +6,7 @@ Needs Debian's ``prometheus`` package (the ``prometheus`` binary on PATH; ``.ci/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
@@ -197,6 +198,24 @@ def wait_for_scrapes(client: httpx.Client, n: int, timeout_s: float = 20.0) -> N
         time.sleep(0.25)
 
 
+@contextlib.contextmanager
+def scraped_cachegate(
+    tmp_path: Path, prometheus: tuple[str, Any]
+) -> Iterator[tuple[ServerThread, httpx.Client]]:
+    """A cachegate in front of the simulator, scraped by ``prometheus`` (seen once at zero),
+    and a client of Prometheus' HTTP API."""
+    prometheus_url, start_prometheus = prometheus
+    with run_simulator() as sim:
+        settings = settings_from_mapping(
+            {"upstream": {"base_url": sim.api_base}, "logging": {"dir": str(tmp_path / "logs")}}
+        )
+        app = create_app(settings, registry=CollectorRegistry(), environ={})
+        with ServerThread(app) as server, httpx.Client(base_url=prometheus_url) as prom:
+            start_prometheus(f"127.0.0.1:{server.port}")
+            wait_for_scrapes(prom, 1)
+            yield server, prom
+
+
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(
     tmp_path: Path, prometheus: tuple[str, Any]
 ) -> None:
@@ -240,43 +259,35 @@ def test_a_responses_api_client_fills_its_models_request_and_latency_panels(
     and proxy overhead panels showed nothing of a model whose tokens and cost they did show.
     With the model selected, each of those panels now has its requests (from its second: the
     model's first Responses API request creates the route's series, scraped before the next)."""
-    prometheus_url, start_prometheus = prometheus
-    with run_simulator() as sim:
-        settings = settings_from_mapping(
-            {"upstream": {"base_url": sim.api_base}, "logging": {"dir": str(tmp_path / "logs")}}
-        )
-        app = create_app(settings, registry=CollectorRegistry(), environ={})
-        with ServerThread(app) as server, httpx.Client(base_url=prometheus_url) as prom:
-            start_prometheus(f"127.0.0.1:{server.port}")
-            wait_for_scrapes(prom, 1)
-            client = sdk(server.url + "/v1", default_headers={"session_id": "codex-live"})
-            items: list[Any] = [{"role": "user", "content": "Read setup.py"}]
-            for turn, stream in enumerate((False, False, True, False)):
-                answer = client.responses.create(model="gpt-5", input=items, stream=stream)
-                if stream:
-                    list(answer)
-                if turn == 0:
-                    wait_for_scrapes(prom, 3)
-            wait_for_scrapes(prom, 6)
-            panels = {
-                title: expr.replace('model=~".*"', 'model=~"gpt-5"')
-                for _, title, expr in dashboard_queries()
-                if any(
-                    name in expr
-                    for name in (
-                        "cachegate_requests_total",
-                        "cachegate_request_duration_seconds",
-                        "cachegate_proxy_overhead_seconds",
-                    )
+    with scraped_cachegate(tmp_path, prometheus) as (server, prom):
+        client = sdk(server.url + "/v1", default_headers={"session_id": "codex-live"})
+        items: list[Any] = [{"role": "user", "content": "Read setup.py"}]
+        for turn, stream in enumerate((False, False, True, False)):
+            answer = client.responses.create(model="gpt-5", input=items, stream=stream)
+            if stream:
+                list(answer)
+            if turn == 0:
+                wait_for_scrapes(prom, 3)
+        wait_for_scrapes(prom, 6)
+        panels = {
+            title: expr.replace('model=~".*"', 'model=~"gpt-5"')
+            for _, title, expr in dashboard_queries()
+            if any(
+                name in expr
+                for name in (
+                    "cachegate_requests_total",
+                    "cachegate_request_duration_seconds",
+                    "cachegate_proxy_overhead_seconds",
                 )
-            }
-            assert len(panels) >= 3
-            blank = [
-                title
-                for title, expr in panels.items()
-                if all(r["value"][1] == "NaN" for r in query(prom, expr)["result"])
-            ]
-            assert not blank, blank
+            )
+        }
+        assert len(panels) >= 3
+        blank = [
+            title
+            for title, expr in panels.items()
+            if all(r["value"][1] == "NaN" for r in query(prom, expr)["result"])
+        ]
+        assert not blank, blank
 
 
 def test_a_bar_panel_counts_each_event_once_across_a_restart(
@@ -347,32 +358,24 @@ def test_a_redirect_the_client_follows_is_no_error_in_the_error_ratio(
     """A client whose base URL ends in a slash (``/v1/chat/completions/``): the upstream's 307,
     relayed, then the 200 the client gets following it. Every request succeeded, but the error
     ratio panel counted each redirect as an error (~50%); it counts 4xx and 5xx only."""
-    prometheus_url, start_prometheus = prometheus
-    with run_simulator() as sim:
-        settings = settings_from_mapping(
-            {"upstream": {"base_url": sim.api_base}, "logging": {"dir": str(tmp_path / "logs")}}
-        )
-        app = create_app(settings, registry=CollectorRegistry(), environ={})
-        with ServerThread(app) as server, httpx.Client(base_url=prometheus_url) as prom:
-            start_prometheus(f"127.0.0.1:{server.port}")
-            wait_for_scrapes(prom, 1)
-            body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
-            with httpx.Client(base_url=server.url + "/v1", follow_redirects=True) as client:
-                for turn in range(5):
-                    answer = client.post("/chat/completions/", json=body)
-                    assert answer.status_code == 200
-                    assert [r.status_code for r in answer.history] == [307]
-                    if turn == 0:  # (the 307s' series is made by the first: seen, then counted)
-                        wait_for_scrapes(prom, 3)
-                failed = client.post("/chat/completions", json=body, headers={"X-Sim-Fault": "500"})
-                assert failed.status_code == 500
-            wait_for_scrapes(prom, 6)
-            (expr,) = [e for _, title, e in dashboard_queries() if title == "Error ratio"]
-            (result,) = query(prom, expr)["result"]
-            rate = "sum(rate(cachegate_requests_total{%s}[1m]))"
-            redirects = query(prom, rate % 'status="307"')["result"]
-            assert float(redirects[0]["value"][1]) > 0  # (the redirects are in the window)
-            ratio = (rate % 'status="500"') + " / " + (rate % "")
-            (failures,) = query(prom, ratio)["result"]
-            # the 500 alone (the same sums in another order: equal but for rounding)
-            assert abs(float(result["value"][1]) - float(failures["value"][1])) < 1e-9
+    with scraped_cachegate(tmp_path, prometheus) as (server, prom):
+        body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+        with httpx.Client(base_url=server.url + "/v1", follow_redirects=True) as client:
+            for turn in range(5):
+                answer = client.post("/chat/completions/", json=body)
+                assert answer.status_code == 200
+                assert [r.status_code for r in answer.history] == [307]
+                if turn == 0:  # (the 307s' series is made by the first: seen, then counted)
+                    wait_for_scrapes(prom, 3)
+            failed = client.post("/chat/completions", json=body, headers={"X-Sim-Fault": "500"})
+            assert failed.status_code == 500
+        wait_for_scrapes(prom, 6)
+        (expr,) = [e for _, title, e in dashboard_queries() if title == "Error ratio"]
+        (result,) = query(prom, expr)["result"]
+        rate = "sum(rate(cachegate_requests_total{%s}[1m]))"
+        redirects = query(prom, rate % 'status="307"')["result"]
+        assert float(redirects[0]["value"][1]) > 0  # (the redirects are in the window)
+        ratio = (rate % 'status="500"') + " / " + (rate % "")
+        (failures,) = query(prom, ratio)["result"]
+        # the 500 alone (the same sums in another order: equal but for rounding)
+        assert abs(float(result["value"][1]) - float(failures["value"][1])) < 1e-9
