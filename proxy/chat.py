@@ -362,8 +362,9 @@ class PairingRepair:
         Bedrock's, or, a name no provider's, its configured entry's ``dialect = "anthropic"``),
         whether a Gemini model (``gemini`` a word in its name: ``gemini-2.5-pro``, a gateway's
         ``google/gemini-…``; or, a name no provider's, its configured entry's
-        ``dialect = "gemini"``, a gateway's alias; its OpenAI endpoint refuses an empty text, "Unable to submit
-        request because it has an empty text parameter", and takes two user turns in a row),
+        ``dialect = "gemini"``, a gateway's alias; its OpenAI endpoint refuses an empty text,
+        "Unable to submit request because it has an empty text parameter", and takes two user
+        turns in a row),
         whether a Mistral model (by its name: ``mistral-large-latest``, ``codestral-…``,
         ``mistralai/Devstral-…`` behind a gateway or vLLM; or, a name no provider's, its
         configured entry's ``dialect = "mistral"``: a name of the user's own, ``--served-model-name``
