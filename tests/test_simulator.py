@@ -603,6 +603,32 @@ def test_anthropic_compat_reads_an_entry_only_within_the_look_back_of_a_breakpoi
     assert usage["cache_creation_input_tokens"] == written  # (the rest, to its breakpoint)
 
 
+def test_a_gateways_mark_at_the_end_is_read_past_twenty_blocks() -> None:
+    """``--cache-unmarked`` (a gateway marks the end of a client's request): the look-back
+    applied from that end made a turn that added 24 tool rounds read nothing, a miss cachegate
+    can only call unexplained; the look-back is the request's own breakpoints'."""
+    with run_simulator(SimConfig(dialect="anthropic-compat", cache_unmarked=True)) as sim:
+        task = {"role": "user", "content": words(1500)}
+        usage_of(sim, [task])
+        usage = usage_of(sim, [task, *_tool_rounds(24)])
+        assert usage["cache_read_input_tokens"] >= 1408
+
+
+def test_openai_keeps_a_responses_prompt_for_a_day_with_extended_retention(
+    sim: RunningSimulator,
+) -> None:
+    """The Responses API under ``"prompt_cache_retention": "24h"`` kept its prefix the
+    simulator's few minutes, as chat's did (a Codex agent back after an hour read nothing)."""
+    body = {"model": "gpt-5", "input": words(1100)}
+    for retention, read in (("24h", 1024), (None, 0)):
+        sim.sim.reset()
+        asked = {**body, "prompt_cache_retention": retention} if retention else body
+        httpx.post(sim.url + "/v1/responses", json=asked, timeout=10)
+        sim.sim.advance(3_600)
+        again = httpx.post(sim.url + "/v1/responses", json=asked, timeout=10).json()
+        assert again["usage"]["input_tokens_details"]["cached_tokens"] == read, retention
+
+
 def test_anthropic_compat_keeps_a_one_hour_breakpoints_prefix_for_an_hour(
     anthropic: RunningSimulator,
 ) -> None:

@@ -426,8 +426,11 @@ class _Handlers:
             hour, long_ttl_s = len(tokens), EXTENDED_TTL_S  # (OpenAI's extended retention)
         else:
             hour = 0  # (others keep their own TTL, whatever a mark asks)
+        # (the look-back from a request's own breakpoints: one a gateway marks for its client,
+        # ``cache_unmarked``, is cached whole, as before)
+        reach = bounds if claude and marked else None
         cache = self.sim.process_prompt(
-            tokens, model, limit, hour, entries, long_ttl_s, minimum, bounds if claude else None
+            tokens, model, limit, hour, entries, long_ttl_s, minimum, reach
         )
         usage = usage_object(
             self.config.dialect,
@@ -632,7 +635,7 @@ class _Handlers:
             )
             for call in reply.tool_calls
         )
-        cache = self.sim.process_prompt(tokens, model)  # (the prefix cache chat's requests use)
+        cache = self._responses_cache(body, tokens, model)  # (the prefix cache chat's use)
         response_id = new_id("resp_", 32)
         calls = tuple((item["call_id"], "function call") for item in output if "call_id" in item)
         if calls:
@@ -658,6 +661,15 @@ class _Handlers:
             )
         return self._plain_body(orjson.dumps(done), fault, controls.stall_s, request_id)
 
+    def _responses_cache(self, body: dict[str, Any], tokens: list[bytes], model: str) -> Any:
+        """A Responses API request through the prefix cache: kept a day under
+        ``"prompt_cache_retention": "24h"`` (OpenAI's extended retention), as on chat."""
+        if self.config.dialect == "openai" and body.get("prompt_cache_retention") == "24h":
+            return self.sim.process_prompt(
+                tokens, model, None, len(tokens), None, EXTENDED_TTL_S, None
+            )
+        return self.sim.process_prompt(tokens, model)
+
     async def compact(self, request: Request) -> Response:
         """``POST /v1/responses/compact`` (Codex CLI's remote compaction): the same checks of the
         input items as ``responses``, then a ``response.compaction`` object, never streamed: the
@@ -680,7 +692,7 @@ class _Handlers:
         digest = hashlib.sha256(orjson.dumps(items, option=orjson.OPT_SORT_KEYS)).digest()
         sealed = "gAAAAA" + base64.urlsafe_b64encode(digest * 32).decode()
         kept.append({"id": new_id("cmp_", 32), "type": "compaction", "encrypted_content": sealed})
-        cache = self.sim.process_prompt(tokens, model)
+        cache = self._responses_cache(body, tokens, model)
         written = min(2000, max(16, len(tokens) // 10))
         usage = response_usage(len(tokens), written, cache.read)
         answer = {
