@@ -206,6 +206,9 @@ DEFAULT_MODELS: dict[str, ModelSettings] = {
     # (Anthropic caches nothing shorter than 4,096 tokens for these two)
     "claude-opus-4-5": ModelSettings(200000, 300, 5.00, 0.50, 6.25, 25.00, "anthropic", 4096),
     "claude-haiku-4-5": ModelSettings(200000, 300, 1.00, 0.10, 1.25, 5.00, "anthropic", 4096),
+    # (the Haiku 3 models: nothing shorter than 2,048 tokens is cached)
+    "claude-3-5-haiku": ModelSettings(200000, 300, 0.80, 0.08, 1.00, 4.00, "anthropic", 2048),
+    "claude-3-haiku": ModelSettings(200000, 300, 0.25, 0.03, 0.30, 1.25, "anthropic", 2048),
     # The 4.6 models and later: a 1M window at the standard prices (since 2026-03-13, no
     # long-context rates); Opus caches nothing shorter than 4,096 tokens
     "claude-sonnet-4-6": ModelSettings(1000000, 300, 3.00, 0.30, 3.75, 15.00, "anthropic"),

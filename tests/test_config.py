@@ -373,6 +373,9 @@ def test_model_lookup_exact_prefix_and_fallback() -> None:
         ("openai/gpt-5:exacto", "gpt-5"),
         ("openai/gpt-4o:floor", "gpt-4o"),
         ("openai/gpt-4o:online", "gpt-4o"),
+        ("claude-3-5-haiku-20241022", "claude-3-5-haiku"),
+        ("anthropic/claude-3.5-haiku", "claude-3-5-haiku"),
+        ("claude-3-haiku-20240307", "claude-3-haiku"),
         # DeepSeek's open weights on another host (NVIDIA NIM's lower case): not its API's
         ("deepseek-ai/deepseek-v4-pro", None),
         ("together_ai/deepseek-ai/deepseek-v4-flash", None),

@@ -3042,6 +3042,34 @@ def test_an_agent_back_after_an_hour_under_extended_retention_reads_its_prefix(
         assert last["read"] == 0 and last["cause"] == "ttl_expired"
 
 
+@pytest.mark.parametrize("model", ["claude-3-5-haiku-20241022", "claude-sonnet-4-5"])
+def test_a_prompt_under_a_haiku_3_models_minimum_is_no_waste(
+    proxy_factory: Any, model: str
+) -> None:
+    """Claude's Haiku 3 models cache nothing shorter than 2,048 tokens: cachegate had no entry
+    for them, and a marked prompt of ~1,560 tokens, rightly never read, was an unexplained
+    waste every turn (Sonnet caches it: read, no waste either)."""
+    mark = {"type": "ephemeral"}
+
+    def marked(message: dict[str, Any]) -> dict[str, Any]:
+        part = {"type": "text", "text": message["content"], "cache_control": mark}
+        return {**message, "content": [part]}
+
+    head = marked({"role": "system", "content": SYSTEM_PROMPT + " Follow the guide." * 120})
+    with run_simulator(SimConfig(dialect="anthropic-compat", cache_ttl_s=300)) as claude:
+        proxy = proxy_factory(claude.api_base)
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "haiku"})
+        convo = [head, marked({"role": "user", "content": "Fix it."})]
+        for _turn in range(2):
+            reply, _ = chat(client, convo, model=model, stream=False)
+            claude.sim.advance(5)
+            convo = [head, convo[1], reply, marked({"role": "user", "content": "Go on."})]
+        flush(proxy)
+    last = events(proxy.log_dir, "haiku", "response")[-1]["cache"]
+    assert last["waste"] == 0, last
+    assert (last["read"] > 1000) is (model == "claude-sonnet-4-5")
+
+
 def test_the_waste_of_a_model_with_no_prices_has_no_price(
     scripted: Any, proxy_factory: Any
 ) -> None:
