@@ -422,8 +422,8 @@ class _Handlers:
             limit = marked if marked or not self.config.cache_unmarked else None
             entries = ends if limit is not None else [len(tokens)]
             minimum = claude_minimum(model)  # (4,096 for Opus 4.5 and Haiku 4.5)
-        elif self.config.dialect == "openai" and body.get("prompt_cache_retention") == "24h":
-            hour, long_ttl_s = len(tokens), EXTENDED_TTL_S  # (OpenAI's extended retention)
+        elif self._kept_a_day(body):
+            hour, long_ttl_s = len(tokens), EXTENDED_TTL_S
         else:
             hour = 0  # (others keep their own TTL, whatever a mark asks)
         # (the look-back from a request's own breakpoints: one a gateway marks for its client,
@@ -661,10 +661,15 @@ class _Handlers:
             )
         return self._plain_body(orjson.dumps(done), fault, controls.stall_s, request_id)
 
+    def _kept_a_day(self, body: dict[str, Any]) -> bool:
+        """OpenAI's extended retention: ``"prompt_cache_retention": "24h"`` keeps the prompt's
+        prefix a day (chat and the Responses API alike)."""
+        return self.config.dialect == "openai" and body.get("prompt_cache_retention") == "24h"
+
     def _responses_cache(self, body: dict[str, Any], tokens: list[bytes], model: str) -> Any:
         """A Responses API request through the prefix cache: kept a day under
         ``"prompt_cache_retention": "24h"`` (OpenAI's extended retention), as on chat."""
-        if self.config.dialect == "openai" and body.get("prompt_cache_retention") == "24h":
+        if self._kept_a_day(body):
             return self.sim.process_prompt(
                 tokens, model, None, len(tokens), None, EXTENDED_TTL_S, None
             )
