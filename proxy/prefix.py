@@ -54,8 +54,9 @@ from proxy.redact import REDACTED, redact_text
 # change to any of them misses the cache: the model; reasoning settings (OpenAI ``reasoning_effort``
 # and ``reasoning``, Anthropic-style ``thinking``); ``response_format`` (a JSON schema is rendered
 # into the prompt); ``tool_choice`` and ``parallel_tool_calls`` (rendered with the tools);
-# ``prompt_cache_key`` (OpenAI routes cache lookups by it). Sampling parameters (temperature,
-# max_tokens, …) are not here: they do not touch the prompt.
+# ``prompt_cache_key`` (OpenAI routes cache lookups by it); the Responses API's ``prompt`` (a
+# stored prompt template, its version and variables: rendered before the instructions).
+# Sampling parameters (temperature, max_tokens, …) are not here: they do not touch the prompt.
 CACHE_PARAMS: Final = (
     "model",
     "reasoning_effort",
@@ -65,6 +66,7 @@ CACHE_PARAMS: Final = (
     "tool_choice",
     "parallel_tool_calls",
     "prompt_cache_key",
+    "prompt",
 )
 _PARAM_SET: Final = frozenset(CACHE_PARAMS)
 SYSTEM_ROLES: Final = frozenset({"system", "developer"})
@@ -1595,7 +1597,11 @@ def _message_divergence(
             if message is None:
                 return ""
             if isinstance(message, Mapping):
-                return _text(canonical_message(message).get("content", _MISSING))
+                found = canonical_message(message).get("content", _MISSING)
+                kind = _item_type(message)
+                if found is _MISSING and isinstance(kind, str) and kind != "message":
+                    return kind  # (an item with no content, a reasoning item: its type)
+                return _text(found)
             return _text(message)
 
         return _divergence(

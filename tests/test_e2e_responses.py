@@ -279,6 +279,42 @@ def test_instructions_dropped_in_a_turn_are_named_as_such(
     )
 
 
+def test_a_stored_prompts_variables_changed_are_named_as_the_miss(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """A reusable prompt (``prompt``: a template's id, version and variables, rendered before
+    the instructions) whose variables changed between turns: the miss from the prompt's start
+    was ``unexplained``, with no divergence; it is that parameter."""
+    proxy = proxy_factory(sim.api_base, clock=lambda: sim.sim.now)
+    client = sdk(proxy.base_url, default_headers={"X-Session-Id": "stored-prompt"})
+    items: list[Any] = [{"role": "user", "content": "Fix the failing test.\n" + FILE_TEXT}]
+    for customer in ("Alice", "Alice", "Bob"):
+        prompt = {"id": "pmpt_abc123", "version": "2", "variables": {"customer": customer}}
+        answer = client.responses.create(
+            model="gpt-5", prompt=prompt, instructions=LONG_INSTRUCTIONS, input=items
+        )
+        items = [
+            *items,
+            *(o.model_dump(exclude_none=True) for o in answer.output),
+            {"role": "user", "content": "go on"},
+        ]
+        sim.sim.advance(10)
+    usages = [r.usage for r in sim.sim.requests]
+    assert usages[1]["input_tokens_details"]["cached_tokens"] > 2000
+    assert usages[2]["input_tokens_details"]["cached_tokens"] == 0  # (the scenario's miss)
+    proxy.settle()
+    last = events(proxy.log_dir, "stored-prompt", "response")[-1]
+    assert (last["cache"]["cause"], last["cache"]["location"]) == (
+        "params_changed",
+        "params.prompt",
+    )
+    assert last["cache"]["waste"] > 2000
+    assert (last["divergence"]["location"], last["divergence"]["field"]) == ("params", "prompt")
+    assert "Alice" in last["divergence"]["old"] and "Bob" in last["divergence"]["new"]
+    show = run_cli("sessions", "show", "stored-prompt", "--log-dir", str(proxy.log_dir)).out
+    assert f"{last['cache']['waste']:,} params_changed@params.prompt" in show
+
+
 @pytest.mark.parametrize("form", ["plain", "typed", "input_text", "untyped_input_text"])
 def test_a_conversation_opened_with_one_string_is_accounted_as_it_goes_on_in_items(
     form: str, sim: RunningSimulator, proxy_factory: Any, sdk: Any

@@ -584,6 +584,24 @@ def test_another_item_in_an_items_place_is_named_by_its_type() -> None:
     assert changed is not None and changed.field == "summary"
 
 
+def test_an_item_without_content_that_went_is_shown_by_its_type() -> None:
+    """A reasoning item dropped from a longer history (what follows it lines up a place
+    earlier): the item vanished, its excerpt was empty on both sides; it is its type."""
+    from proxy.resview import responses_location
+
+    reasoning = {"type": "reasoning", "summary": [], "encrypted_content": "gAAAAB" + "x" * 40}
+    call_item = {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "ok"}
+    user_item, more = {"role": "user", "content": "go"}, {"role": "user", "content": "more"}
+    old = {"messages": [user_item, reasoning, call_item, output, more]}
+    new = {"messages": [user_item, call_item, output, more, {"role": "user", "content": "on"}]}
+    divergence = diverge(old, new)
+    assert divergence is not None and divergence.vanished
+    assert (divergence.index, divergence.field) == (1, None)
+    assert (divergence.old_excerpt, divergence.new_excerpt) == ("reasoning", "")
+    assert responses_location(divergence.label, 0, None) == "input[1]"
+
+
 KEY = "Zx9Qm4Lr8Tn2Vb6Hc1Kd5Wp7Ys3Fg0Jh4Nm8Rt2U"  # a key of no known shape
 
 

@@ -167,10 +167,14 @@ def request_tokens(body: Mapping[str, Any], system_first: bool = True) -> list[b
 
 def response_tokens(body: Mapping[str, Any]) -> list[bytes]:
     """The prompt of a Responses API request as one token sequence, in the order the cache
-    reads it: ``instructions``, ``tools``, then each ``input`` item (an input text as the
+    reads it: a stored ``prompt`` (its id, version and variables stand for the template it
+    renders), ``instructions``, ``tools``, then each ``input`` item (an input text as the
     user message it stands for, as OpenAI reads it: a next turn that sends it as an item reads
     it from the cache)."""
     out: list[bytes] = []
+    prompt = body.get("prompt")
+    if isinstance(prompt, dict):
+        out += tokenize(deep_dumps(prompt, sort_keys=True))
     instructions = body.get("instructions")
     if isinstance(instructions, str):
         out += tokenize(instructions)
