@@ -817,15 +817,28 @@ class Gateway:
         items = body.get("input")
         repairs: list[dict[str, Any]] = []
         if needed:
+            # where the session's last repair put each synthetic output: kept there
+            placed: dict[str, int] = state.extra.get("responses_placed", {}) if state else {}
+            record: dict[str, int] = {}
             result = respairing.repair_input(
-                body, orphan_policy=p.orphan_policy, interrupted_note=note
+                body,
+                orphan_policy=p.orphan_policy,
+                interrupted_note=note,
+                placed=placed,
+                record=record,
             )
             if not result.messages and p.orphan_policy == "drop":
                 # only orphans (a client that lost its previous_response_id): dropped, nothing is
                 # left to send, and sent as they are, the provider refuses them: downgraded
                 result = respairing.repair_input(
-                    body, orphan_policy="downgrade", interrupted_note=note
+                    body, orphan_policy="downgrade", interrupted_note=note, placed=placed
                 )
+            if state is not None and record:  # (sub-agents' beside the main agent's)
+                kept_places = {k: v for k, v in placed.items() if k not in record}
+                kept_places.update(record)  # (the latest last: the oldest go first)
+                if len(kept_places) > _PLACES_KEPT:
+                    kept_places = dict(list(kept_places.items())[-_PLACES_KEPT:])
+                state.extra["responses_placed"] = kept_places
             if not result.messages:  # (defensive: the provider judges what was sent)
                 return raw, forward_headers, True
             items = result.messages
@@ -867,6 +880,8 @@ RESPONSES_REMEMBERED = 65536
 # ~400 bytes each
 RESPONSE_CALLS_REMEMBERED = 8192
 # where an integer beyond 64 bits may be (-2**63 has 19 digits, 2**64 20)
+# Synthetic outputs of the Responses route whose place a session keeps (``responses_placed``)
+_PLACES_KEPT: Final = 256
 _LONG_NUMBER = re.compile(rb"[0-9]{20}|-[0-9]{19}")
 _TRUE_VALUE = re.compile(rb"[ \t\r\n]*:[ \t\r\n]*true")
 

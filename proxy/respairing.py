@@ -362,14 +362,21 @@ def repair_input(
     *,
     orphan_policy: str = "downgrade",
     interrupted_note: str,
+    placed: Mapping[str, int] | None = None,
+    record: dict[str, int] | None = None,
 ) -> PairingResult:
     """``body``'s ``input`` items with each call given an output and each orphan output kept
     as a user message (``orphan_policy = "downgrade"``) or removed (``"drop"``).
 
     A call without an output gets a synthetic one (``interrupted_note``, its ``{name}`` the
-    tool's) after the run of call and output items it belongs to, in call order. The result's
-    ``messages`` is the input list itself when nothing was wrong. ``index`` in each repair is the
-    item's position in the client's list."""
+    tool's) after the run of call and output items it belongs to, in call order, or where
+    ``placed`` says an earlier request of the session had it (its ``call_id`` -> the position
+    in the client's list it went before), if that is within the run: the model's next call,
+    made after that output, comes right after the interrupted call in the client's list,
+    which never had the output, and would otherwise push it back, out of the prefix the
+    provider cached. ``record``, if given, gets where each went. The result's ``messages`` is
+    the input list itself when nothing was wrong. ``index`` in each repair is the item's
+    position in the client's list."""
     items = body.get("input")
     if not isinstance(items, list):
         return PairingResult([], [])
@@ -382,6 +389,11 @@ def repair_input(
     for i, end in zip(dangling, _run_ends(items, dangling, orphan_set), strict=True):
         call = items[i]
         call_id, name = _call_id(call), _name(call)
+        earlier = placed.get(call_id) if placed and call_id is not None else None
+        if earlier is not None and i < earlier <= end:
+            end = earlier
+        if record is not None and call_id is not None:
+            record[call_id] = end
         synthetic = _synthetic(call, call_id, interrupted_note.replace("{name}", name))
         after.setdefault(end, []).append(synthetic)
         repairs.append(Repair("dangling_call", i, call_id, f"added a synthetic output for {name}"))

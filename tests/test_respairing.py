@@ -533,6 +533,47 @@ def test_a_repaired_turn_is_the_start_of_the_next_turns_repair(
         before = after
 
 
+@settings(max_examples=400, deadline=None)
+@given(
+    earlier=item_lists(),
+    turns=st.integers(1, 3),
+    parallel=st.integers(1, 2),
+    answered=st.booleans(),
+)
+def test_a_call_made_after_an_interrupted_one_leaves_its_output_where_it_was(
+    earlier: list[dict[str, Any]], turns: int, parallel: int, answered: bool
+) -> None:
+    """The model, told by the synthetic output that its call was interrupted, calls again: in
+    the client's list, which never had that output, the new call comes right after the
+    interrupted one, joined its run, and the synthetic output moved behind it, a rewrite of
+    the prefix the provider had cached every such turn (a review: ``[user, call_1]``, then
+    ``[user, call_1, call_2]``, forwarded as ``call_1 call_2 output_1``). With where the
+    session's last repair put each output (``placed``), each turn repairs to the previous
+    turn's repair and more, whether or not the new calls are answered."""
+    history, placed = earlier, {}
+    record: dict[str, int] = {}
+    before = repaired({"input": history}, placed=placed, record=record).messages
+    for turn in range(turns):
+        placed = {**{k: v for k, v in placed.items() if k not in record}, **record}
+        record = {}
+        ids = [f"t{turn}_{k}" for k in range(parallel)]
+        history = [*history, *(call(i) for i in ids)]
+        if answered:
+            history += [output(i) for i in ids]
+        after = repaired({"input": history}, placed=placed, record=record).messages
+        assert orjson.dumps(after[: len(before)]) == orjson.dumps(before)
+        assert accepted({"input": after}) or not accepted({"input": before})
+        before = after
+
+
+def test_a_place_from_another_history_is_not_taken() -> None:
+    """A place kept for a call id that is not where it was (another history, a call edited
+    away) outside the call's run is not taken: the run's end is."""
+    items = [user("go"), call("c1"), user("stop"), call("c2")]
+    result = repaired({"input": items}, placed={"c1": 4, "c2": 1})
+    assert [i.get("call_id") for i in result.messages] == [None, "c1", "c1", None, "c2", "c2"]
+
+
 def test_the_strict_diagnosis_names_each_item() -> None:
     body = {"input": [call("c1"), output("c7", kind="custom_tool_call_output")]}
     text = respairing.format_strict_error(body, respairing.diagnose(body))
@@ -584,6 +625,49 @@ def test_the_provider_refuses_an_interrupted_turn_that_cachegate_repairs(
         "output": DEFAULT_INTERRUPTED_NOTE.replace("{name}", "exec_command"),
     }
     assert proxy.metric("cachegate_pairing_repairs_total", {"kind": "dangling_call"}) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_made_again_after_an_interrupted_one_keeps_the_forwarded_prefix(
+    stream: bool, sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """gpt-4.1, told its call was interrupted, calls again; the client's list has the new call
+    right after the interrupted one (it never had cachegate's output). The synthetic output
+    moved behind the new call: each forwarded input rewrote the one before at its third item."""
+    proxy = proxy_factory(sim.api_base)
+    client = sdk(proxy.base_url, default_headers={"X-Session-Id": "called-again"})
+    turns = [
+        [user("fix the test"), call("call_1")],
+        [user("fix the test"), call("call_1"), call("call_2")],
+        [
+            user("fix the test"),
+            call("call_1"),
+            call("call_2"),
+            call("call_3"),
+            output("call_3"),
+            {"role": "assistant", "content": "done"},
+            user("thanks"),
+        ],
+    ]
+    for items in turns:
+        if stream:
+            with client.responses.with_streaming_response.create(
+                model="gpt-4.1", input=items, stream=True
+            ) as raw:
+                assert raw.headers["x-cachegate-repairs"] in ("1", "2")
+                assert list(raw.parse())[-1].type == "response.completed"
+        else:
+            raw = client.responses.with_raw_response.create(model="gpt-4.1", input=items)
+            assert raw.status_code == 200
+    sent = [r.body["input"] for r in sim.sim.requests]
+    assert [(i.get("type"), i.get("call_id")) for i in sent[1]] == [
+        (None, None),
+        ("function_call", "call_1"),
+        ("function_call_output", "call_1"),
+        ("function_call", "call_2"),
+        ("function_call_output", "call_2"),
+    ]
+    assert sent[1][: len(sent[0])] == sent[0] and sent[2][: len(sent[1])] == sent[1]
 
 
 def test_codex_tool_search_interrupted_and_a_trimmed_screenshot_are_accepted_through_cachegate(
