@@ -499,11 +499,10 @@ class ChatPipeline:
             state.last_seen = now
             return state, 0
         messages = body.get(key) or []
-        opening: list[Any] | None = None
         if not isinstance(messages, list):  # (a Responses API ``input`` that is one string)
-            if isinstance(messages, str):  # (one user message: a next turn that sends it as an
-                opening = [{"role": "user", "content": messages}]  # item is found to go on)
-            messages = []
+            # one user message, found and kept as such, as chat's: a retry finds its attempt's
+            # session, a next turn that sends it as an item goes on in it
+            messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else []
         # A Responses API request's items parsed anew (not spliced onto the last body's parse):
         # their JSON, to tell at once that they carry the session's last ones on
         dump = dump_items(messages) if key != "messages" and not spliced else None
@@ -542,9 +541,7 @@ class ChatPipeline:
             if after > 1 and r + after == len(previous) and q + after < len(messages):
                 messages[q : q + after] = previous[r : r + after]
                 shared += after
-        self.sessions.index(
-            state, messages, sid is None and whole, opening=opening, credential=credential
-        )
+        self.sessions.index(state, messages, sid is None and whole, credential=credential)
         state.last_client_dump = dump
         return state, max(shared, 0)
 

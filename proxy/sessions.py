@@ -468,7 +468,6 @@ class SessionStore(Protocol):
         state: SessionState,
         messages: list[Any],
         inferable: bool = True,
-        opening: list[Any] | None = None,
         credential: CredentialTag | None = None,
     ) -> None: ...
 
@@ -877,14 +876,11 @@ class MemorySessionStore:
         state: SessionState,
         messages: list[Any],
         inferable: bool = True,
-        opening: list[Any] | None = None,
         credential: CredentialTag | None = None,
     ) -> None:
         """Keep ``messages`` as the session's latest; ``inferable``: a request without an id may
         be found to continue it (a session named by its client is only ever named: another
-        client that sends no id is no part of it, whatever it sends). ``opening``: what the
-        request opens with where ``messages`` do not hold it (a Responses API ``input`` of one
-        string, one user message), for the next request to be found by. ``credential``: the
+        client that sends no id is no part of it, whatever it sends). ``credential``: the
         request's ``credential_tag``, which a request must have to be found to continue it."""
         previous, state.last_client_messages = state.last_client_messages, messages
         if not inferable:
@@ -893,9 +889,9 @@ class MemorySessionStore:
                 state.opening = None
             return
         state.credential = credential
-        if opening is None and state.opening is not None and _same_opening(previous, messages):
+        if state.opening is not None and _same_opening(previous, messages):
             return  # the opening message is the very object already indexed: same key
-        key = opening_key(messages if opening is None else opening)
+        key = opening_key(messages)
         if key is not None and key != state.opening:
             if state.opening is not None:
                 self._unindex(state.id, state.opening)

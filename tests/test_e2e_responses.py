@@ -231,10 +231,10 @@ def test_a_stored_conversation_stays_in_the_session_of_the_response_it_continues
         stream=True,
     ) as third:
         assert b"response.completed" in third.read()
-    other = client.responses.with_raw_response.create(model="gpt-5", input="hi")
+    other = client.responses.with_raw_response.create(model="gpt-5", input="hello")
     sid = first.headers["x-cachegate-session"]
     assert second.headers["x-cachegate-session"] == third.headers["x-cachegate-session"] == sid
-    # the same opening, but no continuation of it: another conversation
+    # another opening, no continuation: another conversation
     assert other.headers["x-cachegate-session"] != sid
     proxy.settle()
     assert [e["exchange"] for e in events(proxy.log_dir, sid, "request")] == [1, 2, 3]
@@ -250,6 +250,49 @@ def test_a_stored_conversation_stays_in_the_session_of_the_response_it_continues
         "two",
         "three",
     ]
+
+
+def test_a_conversation_opened_with_one_string_is_found_by_its_retry_and_next_turns(
+    sim: RunningSimulator, proxy_factory: Any, sdk: Any
+) -> None:
+    """A one-string ``input`` never joined a session, and its session kept no history: the
+    SDK's retry after a 500 began a second session; of two agents that opened with the same
+    task, the first one's next turn went on in the second's (the latest seen of two that
+    shared nothing with it). Now it is found as chat's one user message is: the retry in its
+    attempt's session, agents that open with the same task in one (as on chat)."""
+    proxy = proxy_factory(sim.api_base, clock=lambda: sim.sim.now)
+    retrying = sdk(proxy.base_url, max_retries=1)
+    sim.sim.enqueue([{"fault": "500"}, "Retried."])
+    answer = retrying.responses.with_raw_response.create(
+        model="gpt-5", instructions=LONG_INSTRUCTIONS, input="Fix the failing test."
+    )
+    assert answer.parse().output_text == "Retried." and len(sim.sim.requests) == 2
+    proxy.settle()
+    sid = answer.headers["x-cachegate-session"]
+    assert [e["status"] for e in events(proxy.log_dir, sid, "response")] == [500, 200]
+    assert len([p for p in proxy.log_dir.iterdir() if p.suffix == ".jsonl"]) == 1
+
+    client = sdk(proxy.base_url)
+    task = "What does this repository do?"
+    first = client.responses.with_raw_response.create(
+        model="gpt-5", instructions=LONG_INSTRUCTIONS, input=task
+    )
+    other = client.responses.with_raw_response.create(
+        model="gpt-5", instructions="You plan. " + LONG_INSTRUCTIONS, input=task
+    )
+    agent = first.headers["x-cachegate-session"]
+    assert agent != sid and other.headers["x-cachegate-session"] == agent
+    items = [
+        {"role": "user", "content": task},
+        *(o.model_dump(exclude_none=True) for o in first.parse().output),
+        {"role": "user", "content": "go on"},
+    ]
+    later = client.responses.with_raw_response.create(
+        model="gpt-5", instructions=LONG_INSTRUCTIONS, input=items
+    )
+    assert later.headers["x-cachegate-session"] == agent
+    proxy.settle()
+    assert len(events(proxy.log_dir, agent, "response")) == 3
 
 
 def test_instructions_dropped_in_a_turn_are_named_as_such(
