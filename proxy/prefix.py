@@ -833,13 +833,19 @@ def find_divergence(
             ),
             0,
         )
-        return _message_divergence(
-            "system",
-            index,
-            old.messages[index] if index < old.system_count else None,
-            new.messages[index] if index < new.system_count else None,
-            secrets,
-        )
+        old_message = old.messages[index] if index < old.system_count else None
+        new_message = new.messages[index] if index < new.system_count else None
+        # One or more system messages gone (the rest moved up in their place), or put in
+        # before the rest: no edit of the one that moved (a memory message dropped was named
+        # an edit of it into the repo map after it)
+        old_block = old.message_digests[index : old.system_count]
+        new_block = new.message_digests[index : new.system_count]
+        if old_message is not None and new_message is not None:
+            if len(old_block) > len(new_block) and old_block[-len(new_block) :] == new_block:
+                new_message = None
+            elif len(new_block) > len(old_block) and new_block[-len(old_block) :] == old_block:
+                old_message = None
+        return _message_divergence("system", index, old_message, new_message, secrets)
     index = new.system_count + position - _FIRST_MESSAGE
     old_message = old.messages[index] if index < len(old.messages) else None
     new_message = new.messages[index] if index < len(new.messages) else None
@@ -1660,12 +1666,15 @@ def _tools_divergence(old_tools: Any, new_tools: Any, secrets: tuple[str, ...]) 
             or new_tool is _MISSING
             or tools_json(old_tool) != tools_json(new_tool)
         ):
-            removed = (  # the old tool gone (an MCP server left), the next moved up in its place
-                new_tool is not _MISSING
-                and i + 1 < len(old_tools)
-                and tools_json(old_tools[i + 1]) == tools_json(new_tool)
-                and all(tools_json(old_tool) != tools_json(t) for t in new_tools[i + 1 :])
-            )
+            # the old tool gone, or a few (an MCP server left), the next moved up in its place
+            removed = False
+            if new_tool is not _MISSING:
+                moved = tools_json(new_tool)
+                for k in range(i + 1, len(old_tools)):
+                    if tools_json(old_tools[k]) == moved:
+                        later = {tools_json(t) for t in new_tools[i + 1 :]}
+                        removed = all(tools_json(t) not in later for t in old_tools[i:k])
+                        break
             if removed:
                 name = _tool_name(old_tool)
                 old_text, new_text = _tools_text(old_tool), ""
@@ -1771,9 +1780,14 @@ def _excerpts(old_text: str, new_text: str, secrets: tuple[str, ...] = ()) -> tu
     old_red, new_red = redact_text(old_text[lo:hi]), redact_text(new_text[lo:hi])
     # Redaction changes lengths: find the difference again, in the redacted windows. Equal windows
     # mean the texts differ only inside a secret: point near there, and show no secret.
-    at = (
-        common_prefix_length(old_red, new_red) if old_red != new_red else min(at - lo, len(old_red))
-    )
+    if old_red != new_red:
+        at = common_prefix_length(old_red, new_red)
+    else:  # (at the marker of the secret the change is in: the text before it, redacted, is
+        # shorter than it was; a long token's, a JWT's, by more than the excerpt's lead)
+        at = min(len(redact_text(old_text[lo:at])), len(old_red))
+        hidden = old_red.rfind(REDACTED, 0, at + len(REDACTED))
+        if hidden >= 0:
+            at = hidden
     return (
         _excerpt(old_red, at, lo > 0, hi < len(old_text)),
         _excerpt(new_red, at, lo > 0, hi < len(new_text)),

@@ -271,6 +271,49 @@ def test_a_tool_removed_from_the_middle_is_named_not_the_one_after_it() -> None:
     assert added is not None and added.field == "read"
 
 
+def test_tools_removed_together_are_named_by_the_first_gone() -> None:
+    """An MCP server with two tools disconnects: the location named the tool after them, still
+    there and unchanged, and compared two tools' texts (it read as that tool rewritten)."""
+
+    def tool(name: str) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": name, "parameters": {}}}
+
+    names = ["read", "mcp__create_issue", "mcp__list_prs", "write"]
+    old = {**conversation(), "tools": [tool(n) for n in names]}
+    new = {**conversation(), "tools": [tool("read"), tool("write")]}
+    divergence = diverge(old, new)
+    assert divergence is not None
+    assert (divergence.field, divergence.new_excerpt) == ("mcp__create_issue", "")
+    assert "mcp__create_issue" in divergence.old_excerpt
+    # one edited and the next gone: an edit of the first, named by its new text
+    edited = {**conversation(), "tools": [tool("read"), tool("mcp__create_pr"), tool("write")]}
+    changed = diverge(old, edited)
+    assert changed is not None and changed.field == "mcp__create_pr"
+    assert "mcp__create_pr" in changed.new_excerpt
+
+
+def test_a_system_message_dropped_from_the_block_is_named_as_gone() -> None:
+    """Of three system messages (instructions, memory, a repo map) the middle one dropped: it
+    read as the memory message edited into the repo map."""
+    old = conversation()
+    system = old["messages"][0]
+    memory = {"role": "system", "content": "Memory: the user prefers tabs."}
+    repo_map = {"role": "system", "content": "Repo map: src/, tests/"}
+    old["messages"][0:1] = [system, memory, repo_map]
+    new = copy.deepcopy(old)
+    del new["messages"][1]
+    divergence = diverge(old, new)
+    assert divergence is not None
+    assert (divergence.location, divergence.index, divergence.field) == ("system", 1, None)
+    assert (divergence.old_excerpt, divergence.new_excerpt) == (memory["content"], "")
+    put_back = diverge(new, old)  # and put in again: the one that appeared
+    assert put_back is not None and (put_back.index, put_back.field) == (1, None)
+    assert (put_back.old_excerpt, put_back.new_excerpt) == ("", memory["content"])
+    edited = copy.deepcopy(old)  # an edit in place is still an edit
+    edited["messages"][1]["content"] = "Memory: the user prefers spaces."
+    assert (diverge(old, edited) or divergence).field == "content"
+
+
 def test_a_history_trimmed_at_its_start_names_the_message_gone_not_an_edit() -> None:
     """A client drops its oldest turn (a sliding window near the context limit): the message
     now at that place is one the previous request sent later. The location is the message that
@@ -560,6 +603,30 @@ def test_a_token_longer_than_the_margin_shows_none_of_its_tail(secret: str) -> N
     for excerpt, line in ((divergence.old_excerpt, "A"), (divergence.new_excerpt, "B")):
         assert _SIGNATURE[-8:] not in excerpt and "[REDACTED]" in excerpt
         assert excerpt.endswith(f"\n{line}: run the tests")  # (the change still shown)
+
+
+def test_a_change_inside_a_long_token_points_at_its_marker() -> None:
+    """A system prompt whose bearer token (a JWT, its header and claims' start the same) was
+    refreshed: both excerpts quoted the same text ~140 characters past the token, nowhere near
+    the change, with no sign of it."""
+    head = "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiJhZ2VudCIsImV4cCI6MTc2NTEy"
+    body = " ".join(f"rule {n}: keep the tests green." for n in range(80))
+
+    def prompt(tail: str) -> dict[str, Any]:
+        conv = conversation()
+        conv["messages"][0] = {
+            "role": "system",
+            "content": f"API token: Bearer {head}{tail}\nYou are a deploy agent. {body}",
+        }
+        return conv
+
+    old = prompt("MDAwMH0.SflKxwRJSMeKKF2QT4fwpMeJf36POk6yJV_adQssw5c")
+    new = prompt("MzYwMH0.Q1w2e3r4t5y6u7i8o9p0aSdFgHjKlZxCvBnM1234567")
+    divergence = diverge(old, new)
+    assert divergence is not None and divergence.location == "system"
+    for excerpt in (divergence.old_excerpt, divergence.new_excerpt):
+        assert "Bearer [REDACTED]" in excerpt, excerpt
+        assert "SflKx" not in excerpt and "Q1w2e" not in excerpt
 
 
 def test_another_item_in_an_items_place_is_named_by_its_type() -> None:
