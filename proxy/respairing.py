@@ -83,8 +83,10 @@ def _kind(item: Mapping[str, Any]) -> Any:
 
 
 def _call_id(item: Mapping[str, Any]) -> str | None:
+    """An item's ``call_id``: an empty one too (a gateway's for a model that gave none), which
+    OpenAI pairs as any (``No tool output found for function call .``)."""
     value = item.get("call_id")
-    return value if isinstance(value, str) and value else None
+    return value if isinstance(value, str) else None
 
 
 def _reference(item: Any) -> bool:

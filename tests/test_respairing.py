@@ -98,6 +98,23 @@ def test_an_interrupted_calls_output_stays_in_place_when_the_next_turn_calls_at_
         first = later
 
 
+def test_a_call_with_an_empty_call_id_is_answered() -> None:
+    """A call whose ``call_id`` is ``""`` (a gateway's, for a model that gave none) was taken
+    for no call: the provider's refusal reached the client every turn of its session."""
+    items = [user("go on"), call(""), user("go on")]
+    assert not accepted({"input": items})
+    result = repaired({"input": items})
+    assert [(r.kind, r.index, r.tool_call_id) for r in result.repairs] == [
+        ("dangling_call", 1, "")
+    ]
+    assert accepted({"input": result.messages})
+    answered = [user("go on"), call(""), output("")]  # (and its own output answers it)
+    assert repaired({"input": answered}).messages is answered
+    orphan = [user("go on"), output("")]
+    assert not accepted({"input": orphan})
+    assert accepted({"input": repaired({"input": orphan}).messages})
+
+
 def test_parallel_calls_keep_their_block_and_call_order() -> None:
     items = [call("a"), call("b"), call("c"), output("b"), user("steer"), call("d"), output("d")]
     result = repaired({"input": items})
