@@ -18,6 +18,7 @@ import io
 import logging
 import os
 import shlex
+import stat
 import sys
 import tempfile
 import textwrap
@@ -870,6 +871,28 @@ class _Report(io.TextIOBase):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
 
 
+def _demo_log(path: str, session: str) -> bool:
+    """Whether ``path`` is a log an earlier demo wrote for ``session``: a regular file, empty
+    (a demo stopped before its first line) or opened by that session's ``session_meta`` line
+    for ``DEMO_MODEL``."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+        with open(path, "rb") as f:
+            first = f.readline(65536)
+        if not first.strip():
+            return os.path.getsize(path) == 0
+        meta = orjson.loads(first)
+    except (OSError, orjson.JSONDecodeError):
+        return False
+    return (
+        isinstance(meta, dict)
+        and meta.get("type") == "session_meta"
+        and meta.get("session") == session
+        and meta.get("model") == DEMO_MODEL
+    )
+
+
 def run_demo(*, log_dir: str | None = None, out: TextIO = sys.stdout) -> int:
     """Play the scenarios and print their report to ``out``; 0 when each showed what it should.
 
@@ -881,8 +904,17 @@ def run_demo(*, log_dir: str | None = None, out: TextIO = sys.stdout) -> int:
     log_dir = log_dir or tempfile.mkdtemp(prefix="cachegate-demo-")
     # An earlier demo's logs there: replaced, or the two runs' exchanges (on fake clocks) would
     # interleave in one session and its costs add up.
-    earlier = [p for s in DEMO_SESSIONS if os.path.exists(p := session_log_path(log_dir, s))]
-    for path in earlier:
+    earlier = [(s, p) for s in DEMO_SESSIONS if os.path.lexists(p := session_log_path(log_dir, s))]
+    for session, path in earlier:  # (only a demo's own: a log of a session of that name stays)
+        if not _demo_log(path, session):
+            print(
+                f"cachegate: {path} is in the way: it is no log of an earlier demo (an earlier"
+                " demo's begins with its session_meta line, model demo-model); move it, or give"
+                " the demo another --log-dir",
+                file=sys.stderr,
+            )
+            return 1
+    for _, path in earlier:
         os.unlink(path)
     with _running(log_dir, out) as demo:
         if earlier:

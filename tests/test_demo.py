@@ -217,6 +217,27 @@ def test_a_second_demo_in_the_same_directory_replaces_the_first_ones_logs(
     assert again.actual == pytest.approx(first.actual)
 
 
+@pytest.mark.parametrize("kind", ["another_sessions_log", "directory"])
+def test_a_file_of_a_demo_sessions_name_that_no_demo_wrote_is_left_and_said(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log of the user's own session named ``demo-stable`` was deleted (and called an earlier
+    demo's); a directory of such a name stopped the demo with a traceback."""
+    tmp_path.chmod(0o700)
+    in_way = tmp_path / "demo-stable.jsonl"
+    own = b'{"ts":1,"type":"session_meta","session":"demo-stable","model":"gpt-4o"}\n'
+    if kind == "directory":
+        in_way.mkdir()
+    else:
+        in_way.write_bytes(own)
+    out = io.StringIO()
+    assert run_demo(log_dir=str(tmp_path), out=out) == 1
+    err = capsys.readouterr().err
+    assert f"{in_way} is in the way: it is no log of an earlier demo" in err
+    assert in_way.is_dir() if kind == "directory" else in_way.read_bytes() == own
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-stable.jsonl"]  # (nothing run)
+
+
 def test_the_demo_runs_with_cachegates_own_dependencies_only(tmp_path: Path) -> None:
     """``pip install .`` (the README's first line, the Docker image) has no openai SDK: the demo,
     the Quick start's first command, stopped with ModuleNotFoundError."""

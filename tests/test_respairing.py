@@ -104,9 +104,7 @@ def test_a_call_with_an_empty_call_id_is_answered() -> None:
     items = [user("go on"), call(""), user("go on")]
     assert not accepted({"input": items})
     result = repaired({"input": items})
-    assert [(r.kind, r.index, r.tool_call_id) for r in result.repairs] == [
-        ("dangling_call", 1, "")
-    ]
+    assert [(r.kind, r.index, r.tool_call_id) for r in result.repairs] == [("dangling_call", 1, "")]
     assert accepted({"input": result.messages})
     answered = [user("go on"), call(""), output("")]  # (and its own output answers it)
     assert repaired({"input": answered}).messages is answered
