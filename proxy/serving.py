@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import signal
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Final, Literal
@@ -21,6 +23,8 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from proxy.errors import REFUSED_BODY, ProxyError, http_date
+
+log = logging.getLogger(__name__)
 
 
 def listening_sockets(host: str, port: int) -> list[socket.socket]:
@@ -89,6 +93,52 @@ class _HeadTooLarge(Exception):
 class _TooManyPipelined(Exception):
     """Raised in the parser's callback for a request past ``MAX_PIPELINED``: it stops the
     parser."""
+
+
+INVALID_WARN_EVERY_S: Final = 30.0  # a request HTTP's parser refuses is said at most this often
+_TLS_HANDSHAKE: Final = b"\x16\x03"  # (a TLS record's first bytes: a ClientHello)
+
+
+class _Refusals:
+    """Warns of requests HTTP's parser refuses at most every ``INVALID_WARN_EVERY_S``, with how
+    many came meanwhile (a client with an ``https://`` base URL sent a line a try, each retry
+    too, which said nothing of why)."""
+
+    def __init__(self) -> None:
+        self.warned_at: float | None = None
+        self.unwarned = 0
+
+    def warn(self, exc: Exception, data: bytes) -> None:
+        self.unwarned += 1
+        now = time.monotonic()
+        if self.warned_at is not None and now - self.warned_at < INVALID_WARN_EVERY_S:
+            return
+        if data.startswith(_TLS_HANDSHAKE):
+            why = "a client spoke TLS to this plain-HTTP port: its base URL must be http://, not https://"
+        else:
+            why = (
+                f"a request HTTP's parser refused ({exc or 'malformed'}), answered 400 invalid_http"
+            )
+        since = "the last such warning" if self.warned_at is not None else "start-up"
+        log.warning(
+            "%s (%d such since %s; next such warning in %.0f s at the soonest)",
+            why,
+            self.unwarned,
+            since,
+            INVALID_WARN_EVERY_S,
+        )
+        self.warned_at, self.unwarned = now, 0
+
+
+_REFUSALS: weakref.WeakKeyDictionary[Any, _Refusals] = weakref.WeakKeyDictionary()
+
+
+def _refusals(server_state: Any) -> _Refusals:
+    """The warnings of one server (its connections share its ``server_state``)."""
+    found = _REFUSALS.get(server_state)
+    if found is None:
+        found = _REFUSALS[server_state] = _Refusals()
+    return found
 
 
 class HttpProtocol(HttpToolsProtocol):
@@ -259,7 +309,7 @@ class HttpProtocol(HttpToolsProtocol):
                     self._refuse_head()
                     return
                 msg = "Invalid HTTP request received."
-                self.logger.warning(msg)
+                _refusals(self.server_state).warn(exc, data)
                 self.send_400_response(f"{msg[:-1]}: {exc}." if str(exc) else msg)
                 return
             except httptools.HttpParserUpgrade as upgrade:

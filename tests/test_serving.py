@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import socket
 import time
 from typing import Any
 
 import pytest
 
+from proxy import serving
 from proxy.serving import HttpProtocol, ServerThread, listening_sockets
 from tests.e2e_support import asgi_body, free_port
 
@@ -347,6 +349,40 @@ def test_a_request_the_parser_refuses_is_answered_in_openais_error_shape(
     error = json.loads(body)["error"]
     assert error["code"] == "invalid_http" and error["param"] is None
     assert error["message"].startswith("Invalid HTTP request received: ")
+
+
+def test_requests_the_parser_refuses_are_warned_of_now_and_then_saying_why(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """uvicorn's ``Invalid HTTP request received.`` came on stderr for every one, with no time
+    and no reason: a client set to ``https://`` added a line a try, each retry too."""
+    hello = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(32)  # (a ClientHello's start)
+
+    def send(data: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.settimeout(10)
+            s.sendall(data)
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+            return answer
+
+    caplog.set_level(logging.WARNING, logger="proxy.serving")
+    with ServerThread(_echo) as server:
+        for _ in range(3):
+            assert send(hello).startswith(b"HTTP/1.1 400 ")
+        warned = [r.getMessage() for r in caplog.records if r.name == "proxy.serving"]
+        assert len(warned) == 1, warned
+        assert warned[0].startswith("a client spoke TLS to this plain-HTTP port: its base URL")
+        assert "(1 such since start-up; next such warning in 30 s" in warned[0]
+        monkeypatch.setattr(serving, "INVALID_WARN_EVERY_S", 0.0)
+        assert send(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nbad header\r\n\r\n")[:12] == (
+            b"HTTP/1.1 400"
+        )
+    warned = [r.getMessage() for r in caplog.records if r.name == "proxy.serving"]
+    assert len(warned) == 2 and "parser refused (" in warned[1], warned
+    assert "answered 400 invalid_http (3 such since the last such warning" in warned[1]
+    assert not any("Invalid HTTP request received" in r.getMessage() for r in caplog.records)
 
 
 def test_a_websocket_handshake_is_answered_by_the_app_whatever_follows_it() -> None:
