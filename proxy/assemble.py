@@ -90,6 +90,20 @@ class _ToolCalls:
         self._order: list[float] = []  # each call's index; calls without one go last
         self._scans: dict[int, _JsonScan] = {}  # calls without an index: how far their JSON is
 
+    def _another(self, delta: Mapping[str, Any], position: int | None) -> bool:
+        """Whether a delta with another id than the call held at its index starts a call of its
+        own: it names one (parallel calls all at index 0), or the held call's arguments are
+        whole; not a piece of arguments under a new id (a provider that changes the id after
+        the first delta, as the SDKs read it: one call)."""
+        named = delta.get("function")
+        if not isinstance(named, Mapping):
+            named = delta.get("custom")
+        name = named.get("name") if isinstance(named, Mapping) else None
+        if (isinstance(name, str) and name) or position is None:
+            return True
+        pieces = self._arguments[position]
+        return bool(pieces) and self._scans.setdefault(position, _JsonScan()).whole(pieces)
+
     def add(self, delta: Mapping[str, Any]) -> None:
         index = delta.get("index")
         key = index if isinstance(index, int) else None
@@ -97,9 +111,11 @@ class _ToolCalls:
         call = self.calls[position] if position is not None else None
         call_id = delta.get("id")
         if isinstance(call_id, str) and call_id:
-            if call is None or (call["id"] and call["id"] != call_id):
+            if call is None or (
+                call["id"] and call["id"] != call_id and self._another(delta, position)
+            ):
                 call = None
-            else:
+            else:  # (an id changed in mid-call, with no name: the same call, Poolside's)
                 call["id"] = call_id
         elif call is not None and key is None and call["function"]["name"]:
             # Without an index or an id (Gemini's OpenAI endpoint sends each parallel call whole
@@ -473,7 +489,7 @@ class StreamAssembler:
                 tail = tail[: pad + len(_PADDING_KEY)]
                 padded = True
         finish = choice.get("finish_reason")
-        self._shape = (head, tail, padded, finish if isinstance(finish, str) else None)
+        self._shape = (head, tail, padded, finish if isinstance(finish, str) and finish else None)
         self._learn_tries -= 1
 
     def _chunk(self, chunk: dict[str, Any], event_name: str | None) -> bool:
@@ -504,7 +520,7 @@ class StreamAssembler:
                         if content:
                             self._content.append(content)
                         finish_reason = choice.get("finish_reason")
-                        if isinstance(finish_reason, str):
+                        if isinstance(finish_reason, str) and finish_reason:
                             self._finish_reason = finish_reason
                         if self._model is None:
                             model = chunk.get("model")
@@ -526,7 +542,7 @@ class StreamAssembler:
             choices = chunk.get("choices")
             if not self._cut and type(choices) is list and choices and type(choices[0]) is dict:
                 reason = choices[0].get("finish_reason")
-                if isinstance(reason, str):
+                if isinstance(reason, str) and reason:
                     self._finish_reason = reason
             self.cut_here()
             return False
@@ -597,7 +613,7 @@ class StreamAssembler:
                     if isinstance(tool_call, dict):
                         self._tools.add(tool_call)
         finish_reason = choice.get("finish_reason")
-        if isinstance(finish_reason, str):
+        if isinstance(finish_reason, str) and finish_reason:
             self._finish_reason = finish_reason
 
     def result(self) -> AssembledResponse:
@@ -698,7 +714,7 @@ def assemble_completion(body: Mapping[str, Any]) -> AssembledResponse:
                 message["audio"] = {
                     k: audio[k] for k in (*_AUDIO_FIELDS, "transcript") if k in audio
                 }
-        if isinstance(choice.get("finish_reason"), str):
+        if isinstance(choice.get("finish_reason"), str) and choice["finish_reason"]:
             finish_reason = choice["finish_reason"]
     model, response_id, tier = body.get("model"), body.get("id"), body.get("service_tier")
     return AssembledResponse(

@@ -212,6 +212,48 @@ def test_index_zero_reused_for_parallel_calls_with_different_ids() -> None:
     ]
 
 
+@pytest.mark.parametrize("first_args", ["", None])
+def test_an_id_changed_in_mid_call_is_the_same_call(first_args: str | None) -> None:
+    """A provider that sends the call's name under one id and its arguments under another
+    (Poolside's): logged as two calls, the named one without arguments, where the SDKs read
+    one (the Node SDK with the later id, as here)."""
+    stream = [
+        chunk({"role": "assistant", "content": None}),
+        chunk({"tool_calls": [tool(0, "call_AAA", "read_file", first_args)]}),
+        chunk({"tool_calls": [tool(0, "call_BBB", args='{"pa')]}),
+        chunk({"tool_calls": [tool(0, "call_BBB", args='th": "a')]}),
+        chunk({"tool_calls": [tool(0, "call_BBB", args='.py"}')]}),
+        chunk({}, "tool_calls"),
+        DONE,
+    ]
+    assert record(stream).message["tool_calls"] == [
+        {
+            "id": "call_BBB",
+            "type": "function",
+            "function": {"name": "read_file", "arguments": '{"path": "a.py"}'},
+        }
+    ]
+    # a new id once the arguments are whole, unnamed: a call of its own, as before
+    whole = [*stream[:2], chunk({"tool_calls": [tool(0, "call_BBB", args="{}")]})]
+    whole += [chunk({"tool_calls": [tool(0, "call_CCC", args='{"x": 1}')]}), DONE]
+    assert [c["id"] for c in record(whole).message["tool_calls"]] == ["call_BBB", "call_CCC"]
+
+
+def test_an_empty_finish_reason_is_none_as_the_sdks_read_it() -> None:
+    """SGLang 0.4 and older Ollama send ``"finish_reason": ""`` on every chunk: a stream cut
+    before its last chunk was logged as finished (``""``), with no note of the cut."""
+    stream = [chunk({"content": "Hel"}, ""), chunk({"content": "lo, wor"}, "")]
+    cut = record(stream)
+    assert cut.message["content"] == "Hello, wor" and cut.finish_reason is None
+    done = record([*stream, chunk({}, "stop"), DONE])
+    assert done.finish_reason == "stop"
+    message = {"role": "assistant", "content": "x"}
+    whole = assemble_completion(
+        {"choices": [{"index": 0, "message": message, "finish_reason": ""}]}
+    )
+    assert whole.finish_reason is None
+
+
 @pytest.mark.parametrize("ids", [None, ""])
 @pytest.mark.parametrize("names", [("get_weather", "get_time"), ("read", "read")])
 def test_parallel_calls_without_index_or_id_are_each_a_call(
