@@ -1675,6 +1675,14 @@ def _tools_divergence(old_tools: Any, new_tools: Any, secrets: tuple[str, ...]) 
                         later = {tools_json(t) for t in new_tools[i + 1 :]}
                         removed = all(tools_json(t) not in later for t in old_tools[i:k])
                         break
+                else:  # (by name: the tool moved up into its place was edited too)
+                    gone, moved_up = _tool_name(old_tool), _tool_name(new_tool)
+                    removed = (
+                        gone is not None
+                        and moved_up is not None
+                        and moved_up in {_tool_name(t) for t in old_tools[i + 1 :]}
+                        and gone not in {_tool_name(t) for t in new_tools}
+                    )
             if removed:
                 name = _tool_name(old_tool)
                 old_text, new_text = _tools_text(old_tool), ""

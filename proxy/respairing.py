@@ -464,10 +464,11 @@ def format_strict_error(
     for r in repairs:
         item = items[r.index] if isinstance(items, list) else {}
         kind = item.get("type") if isinstance(item, dict) else None
+        call_id = r.tool_call_id if r.tool_call_id != "" else '""'  # (an empty one, shown)
         if r.kind == "dangling_call":
-            text = f"input[{r.index}] {kind} {r.tool_call_id} has no output"
+            text = f"input[{r.index}] {kind} {call_id} has no output"
         else:
-            text = f"input[{r.index}] {kind} for {r.tool_call_id} answers no call"
+            text = f"input[{r.index}] {kind} for {call_id} answers no call"
         parts.append(f"{text} ({r.kind})")
     count = len(repairs) + len(stored)
     head = f"cachegate strict pairing: {count} defect{'' if count == 1 else 's'}"

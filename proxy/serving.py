@@ -100,34 +100,37 @@ _TLS_HANDSHAKE: Final = b"\x16\x03"  # (a TLS record's first bytes: a ClientHell
 
 
 class _Refusals:
-    """Warns of requests HTTP's parser refuses at most every ``INVALID_WARN_EVERY_S``, with how
-    many came meanwhile (a client with an ``https://`` base URL sent a line a try, each retry
-    too, which said nothing of why)."""
+    """Warns of requests HTTP's parser refuses at most every ``INVALID_WARN_EVERY_S`` of each
+    kind (TLS spoken to the port, any other), with how many came meanwhile (a client with an
+    ``https://`` base URL sent a line a try, each retry too, which said nothing of why; a
+    kind of its own, so that a probe's malformed request does not hide it)."""
 
     def __init__(self) -> None:
-        self.warned_at: float | None = None
-        self.unwarned = 0
+        self.warned_at: dict[bool, float] = {}
+        self.unwarned: dict[bool, int] = {}
 
     def warn(self, exc: Exception, data: bytes) -> None:
-        self.unwarned += 1
+        tls = data.startswith(_TLS_HANDSHAKE)
+        self.unwarned[tls] = count = self.unwarned.get(tls, 0) + 1
         now = time.monotonic()
-        if self.warned_at is not None and now - self.warned_at < INVALID_WARN_EVERY_S:
+        last = self.warned_at.get(tls)
+        if last is not None and now - last < INVALID_WARN_EVERY_S:
             return
-        if data.startswith(_TLS_HANDSHAKE):
+        if tls:
             why = "a client spoke TLS to this plain-HTTP port: its base URL must be http://, not https://"
         else:
             why = (
                 f"a request HTTP's parser refused ({exc or 'malformed'}), answered 400 invalid_http"
             )
-        since = "the last such warning" if self.warned_at is not None else "start-up"
+        since = "the last such warning" if last is not None else "start-up"
         log.warning(
             "%s (%d such since %s; next such warning in %.0f s at the soonest)",
             why,
-            self.unwarned,
+            count,
             since,
             INVALID_WARN_EVERY_S,
         )
-        self.warned_at, self.unwarned = now, 0
+        self.warned_at[tls], self.unwarned[tls] = now, 0
 
 
 _REFUSALS: weakref.WeakKeyDictionary[Any, _Refusals] = weakref.WeakKeyDictionary()

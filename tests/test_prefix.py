@@ -285,6 +285,11 @@ def test_tools_removed_together_are_named_by_the_first_gone() -> None:
     assert divergence is not None
     assert (divergence.field, divergence.new_excerpt) == ("mcp__create_issue", "")
     assert "mcp__create_issue" in divergence.old_excerpt
+    # gone, and the one moved up into its place edited too: still the one gone
+    edited_next = {**conversation(), "tools": [tool("read"), tool("write")]}
+    edited_next["tools"][1]["function"]["description"] = "Write a file."
+    both = diverge(old, edited_next)
+    assert both is not None and (both.field, both.new_excerpt) == ("mcp__create_issue", "")
     # one edited and the next gone: an edit of the first, named by its new text
     edited = {**conversation(), "tools": [tool("read"), tool("mcp__create_pr"), tool("write")]}
     changed = diverge(old, edited)

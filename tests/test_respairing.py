@@ -111,6 +111,11 @@ def test_a_call_with_an_empty_call_id_is_answered() -> None:
     orphan = [user("go on"), output("")]
     assert not accepted({"input": orphan})
     assert accepted({"input": repaired({"input": orphan}).messages})
+    body = {"input": items}  # (strict mode names it: "")
+    assert respairing.format_strict_error(body, respairing.diagnose(body)) == (
+        'cachegate strict pairing: 1 defect: input[1] function_call "" has no output'
+        " (dangling_call)"
+    )
 
 
 def test_parallel_calls_keep_their_block_and_call_order() -> None:

@@ -368,17 +368,20 @@ def test_requests_the_parser_refuses_are_warned_of_now_and_then_saying_why(
             return answer
 
     caplog.set_level(logging.WARNING, logger="proxy.serving")
+    malformed = b"GET /v1/models HTTP/1.1\r\nhost: x\r\nbad header\r\n\r\n"
     with ServerThread(_echo) as server:
+        assert send(malformed)[:12] == b"HTTP/1.1 400"  # (a probe's first: the TLS still said)
+        caplog.clear()
         for _ in range(3):
             assert send(hello).startswith(b"HTTP/1.1 400 ")
         warned = [r.getMessage() for r in caplog.records if r.name == "proxy.serving"]
         assert len(warned) == 1, warned
         assert warned[0].startswith("a client spoke TLS to this plain-HTTP port: its base URL")
         assert "(1 such since start-up; next such warning in 30 s" in warned[0]
+        for _ in range(2):
+            assert send(malformed)[:12] == b"HTTP/1.1 400"  # (within the 30 s of the first)
         monkeypatch.setattr(serving, "INVALID_WARN_EVERY_S", 0.0)
-        assert send(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nbad header\r\n\r\n")[:12] == (
-            b"HTTP/1.1 400"
-        )
+        assert send(malformed)[:12] == b"HTTP/1.1 400"
     warned = [r.getMessage() for r in caplog.records if r.name == "proxy.serving"]
     assert len(warned) == 2 and "parser refused (" in warned[1], warned
     assert "answered 400 invalid_http (3 such since the last such warning" in warned[1]
