@@ -12,7 +12,7 @@ import logging
 import sys
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import orjson
 
@@ -156,6 +156,14 @@ class Exchange:
             return
         if self.error is not None:
             return
+        if self.route == "chat" and self.status < 400 and not self.interrupted:
+            streamed = recorded.recorder is not None
+            if self.stream is True and not streamed:
+                self.error = WHOLE_FOR_STREAM
+                return
+            if not self.stream and streamed:
+                self.error = STREAM_FOR_WHOLE
+                return
         # A stream that ended with neither [DONE] nor a finish_reason was cut short where its
         # framing could not tell (chunked encoding ended early, a body framed by the
         # connection's end): the client's SDK ends quietly with half an answer. (A body that is
@@ -279,9 +287,25 @@ def error_message(payload: Any) -> str:
 
 
 class Recorded(Protocol):
-    """A response's bytes as the relay kept them, assembled when the observers need them."""
+    """A response's bytes as the relay kept them, assembled when the observers need them;
+    ``recorder`` is None where they were a whole body, not a stream."""
+
+    @property
+    def recorder(self) -> object | None: ...
 
     def assemble(self, status: int) -> AssembledResponse | None: ...
+
+
+# An answer of the other shape than the request asked for: relayed as it came, but no answer an
+# openai SDK reads (its tokens and cost are still counted: the provider billed them)
+WHOLE_FOR_STREAM: Final = (
+    'upstream answered the streamed request with a whole JSON body, ignoring "stream": the'
+    " openai SDKs read no chunk of it (the client got an empty answer)"
+)
+STREAM_FOR_WHOLE: Final = (
+    "upstream answered a request that asked for no stream with a stream: the openai SDKs"
+    " return it unread, as text, not a completion"
+)
 
 
 class Transform(Protocol):

@@ -17,7 +17,7 @@ import pytest
 from proxy.assemble import StreamRecorder
 from proxy.config import sends_usage_unasked
 from proxy.eventlog import read_events
-from proxy.pipeline import Exchange
+from proxy.pipeline import STREAM_FOR_WHOLE, WHOLE_FOR_STREAM, Exchange
 from proxy.relay import DisconnectWatch, _sink
 from proxy.simulator import SimConfig, run_simulator
 from proxy.upstream import UpstreamPool
@@ -2766,6 +2766,34 @@ def test_a_stream_request_answered_whole_under_another_type_is_recorded_as_an_an
     ]
     assert response["message"]["content"] == "hello"
     assert response["usage"]["prompt"] == 10
+    # the SDKs read no chunk of it: the client's answer was empty, and the log said nothing
+    assert response["error"] == WHOLE_FOR_STREAM
+
+
+def test_a_request_for_no_stream_answered_with_a_stream_is_noted(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """The Python SDK hands such an answer over as a str, not a completion: logged as answered,
+    with no note."""
+    from proxy.eventlog import read_events
+
+    events = [
+        b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,'
+        b'"delta":{"content":"Hello"},"finish_reason":null}]}\n\n',
+        b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,'
+        b'"delta":{},"finish_reason":"stop"}]}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    _upstream, url = scripted(chunks=events, content_type=b"text/event-stream")
+    proxy = proxy_factory(url)
+    r = httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers={"X-Session-Id": "sse"})
+    assert r.content == b"".join(events)
+    proxy.settle()
+    [response] = [
+        e for e in read_events(proxy.log_dir / "sse.jsonl").events if e["type"] == "response"
+    ]
+    assert response["message"]["content"] == "Hello"
+    assert response["error"] == STREAM_FOR_WHOLE
 
 
 @pytest.mark.parametrize(
