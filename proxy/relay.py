@@ -530,22 +530,34 @@ def client_response_headers(
     drop_coding: bool = False,
 ) -> list[tuple[bytes, bytes]]:
     raw = [(k.lower(), v) for k, v in upstream.headers.raw]
-    drop = HOP_BY_HOP | _connection_listed(raw)
-    if extra:  # cachegate's own win over an upstream's (one cachegate in front of another)
-        drop = drop | {k for k, _ in extra}
-    if drop_length or any(k == b"transfer-encoding" for k, _ in raw):  # chunks win (RFC 9112)
-        drop = drop | {b"content-length"}
+    # The names looked at, in one pass; the names dropped, one set made once (it was made anew
+    # for each of them, and the headers walked once for each look: ~11,000 instructions of a
+    # small answer's, a review's callgrind count)
+    ctypes: list[bytes] = []
+    drop = set(HOP_BY_HOP)
+    for k, v in raw:
+        if k in _LOOKED_AT:
+            if k == b"content-type":
+                ctypes.append(v)
+            elif k == b"connection":  # and the names it lists
+                drop.update(_connection_listed([(k, v)]))
+            else:  # transfer-encoding: chunks win (RFC 9112)
+                drop_length = True
+    drop.update([k for k, _ in extra])  # cachegate's own win over an upstream's
+    if drop_length:
+        drop.add(b"content-length")
     if drop_coding:  # the body goes decoded
-        drop = drop | {b"content-encoding"}
+        drop.add(b"content-encoding")
     headers = [(k, v) for k, v in raw if k not in drop]
     headers.extend(extra)
-    if not _inert([v for k, v in raw if k == b"content-type"]):
+    if not _inert(ctypes):
         headers.extend(_SANDBOXED)
         if not any(k == b"x-content-type-options" for k, _ in headers):
             headers.append(_NOSNIFF)
     return headers
 
 
+_LOOKED_AT: Final = frozenset((b"content-type", b"connection", b"transfer-encoding"))
 _SANDBOXED: Final = ((b"content-security-policy", b"sandbox"),)
 _NOSNIFF: Final = (b"x-content-type-options", b"nosniff")
 
@@ -558,7 +570,7 @@ def _inert(ctypes: list[bytes]) -> bool:
     guard against web pages trusts (a top-level navigation to a relayed GET path is let
     through). One type only: given twice, or a list (``text/html,json``), a browser reads the
     last valid one, which is not ours to guess."""
-    if len(ctypes) != 1 or b"," in ctypes[0]:
+    if len(ctypes) != 1 or ctypes[0].find(b",") >= 0:  # (not ``in``: README, Performance)
         return False
     media = ctypes[0].partition(b";")[0].strip().lower()
     return media.endswith(b"json") or media == b"text/event-stream"

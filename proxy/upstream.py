@@ -910,7 +910,7 @@ def _says_close(headers: list[tuple[bytes, bytes]]) -> bool:
     return any(
         len(name) == 10
         and name.lower() == b"connection"
-        and b"close" in value.lower()
+        and value.lower().find(b"close") >= 0
         and any(option.strip() == b"close" for option in value.lower().split(b","))
         for name, value in headers
     )
@@ -924,7 +924,7 @@ def _transfer_coding(headers: list[tuple[bytes, bytes]]) -> tuple[str | None, bo
     for name, value in headers:
         if name.lower() == b"transfer-encoding":
             codings = [c.strip(b" ").lower() for c in value.split(b",")]
-            if b"\t" in value or not codings[-1]:
+            if value.find(b"\t") >= 0 or not codings[-1]:
                 # (``chunked,``, ``chunked\t``: the parser reads such a body raw to the end,
                 # its chunks' framing and all, where this list would read it as chunked; empty
                 # items before the last it skips, as RFC 9110, 5.6.1 asks)
