@@ -879,9 +879,9 @@ RESPONSES_REMEMBERED = 65536
 # The Responses API answers with calls whose calls are remembered (``Gateway._remember_calls``):
 # ~400 bytes each
 RESPONSE_CALLS_REMEMBERED = 8192
-# where an integer beyond 64 bits may be (-2**63 has 19 digits, 2**64 20)
 # Synthetic outputs of the Responses route whose place a session keeps (``responses_placed``)
 _PLACES_KEPT: Final = 256
+# where an integer beyond 64 bits may be (-2**63 has 19 digits, 2**64 20)
 _LONG_NUMBER = re.compile(rb"[0-9]{20}|-[0-9]{19}")
 _TRUE_VALUE = re.compile(rb"[ \t\r\n]*:[ \t\r\n]*true")
 
