@@ -8,6 +8,7 @@ swallowed (mitmproxy's ``safecall``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import traceback
@@ -225,6 +226,10 @@ def refusal_text(status: int, body: bytes) -> str:
         return clip_words(error_message(orjson.loads(body)), MAX_ERROR_TEXT)
     except orjson.JSONDecodeError:
         pass
+    data = _first_data(body)
+    if data is not None:  # (an error sent as an event stream: its event's JSON, if it is)
+        with contextlib.suppress(orjson.JSONDecodeError):
+            return clip_words(error_message(orjson.loads(data)), MAX_ERROR_TEXT)
     # (cut as clip_words cuts, never inside a key the page echoes, before its white space
     # goes: a page indented with spaces is short once collapsed, and kept a key's piece)
     start = body[: MAX_ERROR_TEXT * 4 + _MAX_KEY_CHARS].decode("utf-8", "replace")
@@ -232,6 +237,18 @@ def refusal_text(status: int, body: bytes) -> str:
     if not text:
         return f"upstream answered {status} with an empty body"
     return f"upstream answered {status}: {clip_words(text, MAX_ERROR_TEXT)}"
+
+
+def _first_data(body: bytes) -> bytes | None:
+    """The first ``data:`` line's value of a body that reads as an event stream (a server that
+    streams its 429 as an event: ``data: {"error": …}``); None for any other body."""
+    head = body[:65536].lstrip()
+    if not head.startswith((b"data:", b"event:", b":", b"id:")):
+        return None
+    for line in head.splitlines():
+        if line.startswith(b"data:"):
+            return line[5:].strip()
+    return None
 
 
 # The characters keys are made of.

@@ -106,6 +106,24 @@ def test_an_error_page_indented_with_spaces_is_not_cut_inside_the_key_it_echoes(
     assert not any(key[:n] in said for n in range(4, len(key)))
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'data: {"error":{"message":"slow down","type":"rate_limit_error"}}\n\n',
+        b'event: error\r\ndata: {"error":{"message":"slow down"}}\r\n\r\n',
+        b': keep-alive\n\nid: 1\ndata: {"error":{"message":"slow down"}}\n\n',
+    ],
+)
+def test_an_error_sent_as_an_event_stream_is_logged_by_its_message(body: bytes) -> None:
+    """A 429 streamed as an event: its log text was the event's raw line, ``upstream answered
+    429: data: {"error":{"message":"slow down",…``."""
+    from proxy.pipeline import refusal_text
+
+    assert refusal_text(429, body) == "slow down"
+    # an event whose data is no JSON: its text, as any body's
+    assert refusal_text(503, b"data: overloaded\n\n") == "upstream answered 503: data: overloaded"
+
+
 def test_a_printed_exchange_never_shows_the_upstream_key() -> None:
     ex = Exchange("chat", "POST", "chat/completions", 0.0, 0.0)
     ex.upstream_headers = [(b"authorization", b"Bearer sk-server-key-0123456789")]
