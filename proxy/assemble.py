@@ -93,13 +93,17 @@ class _ToolCalls:
     def _another(self, delta: Mapping[str, Any], position: int | None) -> bool:
         """Whether a delta with another id than the call held at its index starts a call of its
         own: it names one (parallel calls all at index 0), or the held call's arguments are
-        whole; not a piece of arguments under a new id (a provider that changes the id after
-        the first delta, as the SDKs read it: one call)."""
+        whole, or it carries no piece of arguments (its name may follow); not a piece of
+        arguments under a new id (a provider that changes the id after the first delta, as
+        the SDKs read it: one call)."""
         named = delta.get("function")
         if not isinstance(named, Mapping):
             named = delta.get("custom")
         name = named.get("name") if isinstance(named, Mapping) else None
         if (isinstance(name, str) and name) or position is None:
+            return True
+        piece = named.get("arguments", named.get("input")) if isinstance(named, Mapping) else None
+        if not (isinstance(piece, str) and piece):  # (a call's id first, its name to come)
             return True
         pieces = self._arguments[position]
         return bool(pieces) and self._scans.setdefault(position, _JsonScan()).whole(pieces)

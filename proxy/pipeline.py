@@ -162,7 +162,7 @@ class Exchange:
             if self.stream is True and not streamed:
                 self.error = WHOLE_FOR_STREAM
                 return
-            if not self.stream and streamed:
+            if not self.stream and streamed and assembled.events:  # (events read: a stream)
                 self.error = STREAM_FOR_WHOLE
                 return
         # A stream that ended with neither [DONE] nor a finish_reason was cut short where its

@@ -233,6 +233,19 @@ def test_an_id_changed_in_mid_call_is_the_same_call(first_args: str | None) -> N
             "function": {"name": "read_file", "arguments": '{"path": "a.py"}'},
         }
     ]
+    # parallel calls at index 0, the second one's id before its name: two calls, as before
+    parallel = [
+        chunk({"tool_calls": [tool(0, "call_A", "get_time", "")]}),
+        chunk({"tool_calls": [tool(0, "call_B")]}),
+        chunk({"tool_calls": [tool(0, name="get_weather", args="")]}),
+        chunk({"tool_calls": [tool(0, args='{"city":"Paris"}')]}),
+        chunk({}, "tool_calls"),
+        DONE,
+    ]
+    assert [(c["id"], c["function"]["name"]) for c in record(parallel).message["tool_calls"]] == [
+        ("call_A", "get_time"),
+        ("call_B", "get_weather"),
+    ]
     # a new id once the arguments are whole, unnamed: a call of its own, as before
     whole = [*stream[:2], chunk({"tool_calls": [tool(0, "call_BBB", args="{}")]})]
     whole += [chunk({"tool_calls": [tool(0, "call_CCC", args='{"x": 1}')]}), DONE]

@@ -2794,6 +2794,14 @@ def test_a_request_for_no_stream_answered_with_a_stream_is_noted(
     ]
     assert response["message"]["content"] == "Hello"
     assert response["error"] == STREAM_FOR_WHOLE
+    # a whole completion under the stream's type, which the SDK reads: no such note
+    whole = b'{"id":"c2","object":"chat.completion","choices":[]}'
+    _upstream, url = scripted(chunks=[whole], content_type=b"text/event-stream")
+    proxy = proxy_factory(url)
+    httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers={"X-Session-Id": "j"})
+    proxy.settle()
+    [line] = [e for e in read_events(proxy.log_dir / "j.jsonl").events if e["type"] == "response"]
+    assert line["error"] != STREAM_FOR_WHOLE
 
 
 @pytest.mark.parametrize(
