@@ -19,6 +19,7 @@ import orjson
 
 from proxy.assemble import AssembledResponse
 from proxy.sessions import SessionState
+from proxy.sse import SSEDecoder
 from proxy.usage import Usage
 
 log = logging.getLogger(__name__)
@@ -239,16 +240,15 @@ def refusal_text(status: int, body: bytes) -> str:
     return f"upstream answered {status}: {clip_words(text, MAX_ERROR_TEXT)}"
 
 
-def _first_data(body: bytes) -> bytes | None:
-    """The first ``data:`` line's value of a body that reads as an event stream (a server that
-    streams its 429 as an event: ``data: {"error": …}``); None for any other body."""
+def _first_data(body: bytes) -> str | None:
+    """The first event's data of a body that reads as an event stream (a server that streams
+    its 429 as an event: ``data: {"error": …}``); None for any other body."""
     head = body[:65536].lstrip()
     if not head.startswith((b"data:", b"event:", b":", b"id:")):
         return None
-    for line in head.splitlines():
-        if line.startswith(b"data:"):
-            return line[5:].strip()
-    return None
+    decoder = SSEDecoder()
+    events = decoder.decode(head) + decoder.flush()
+    return events[0].data if events else None
 
 
 # The characters keys are made of.
