@@ -753,9 +753,14 @@ class StreamRecorder:
     about ``_BATCH_BYTES``: a batch of events that differ from a learned one only in their text
     (``StreamAssembler.text_shape``) is split off with no Python step per event; other batches
     take the decoder's short path or the general one.
+
+    A body whose first bytes open a JSON object is no event stream, whatever its type says (a
+    gateway that labels every answer ``text/event-stream``; the Python SDK reads such a body
+    as JSON where it asked for no stream): ``json_body`` is set and its bytes are kept whole in
+    ``whole``, up to ``MAX_RECORDED_STREAM`` (None past it), for the relay to read as a body.
     """
 
-    __slots__ = ("_size", "assembler", "chunks", "decoder", "recorded")
+    __slots__ = ("_size", "assembler", "chunks", "decoder", "json_body", "recorded", "whole")
 
     _BATCH_BYTES = 2048
     KEEP_BYTES = 16 * 1024
@@ -769,6 +774,8 @@ class StreamRecorder:
         self.chunks: list[bytes] = []
         self._size = 0
         self.recorded = 0  # bytes decoded so far
+        self.json_body = False  # the body opened a JSON object: no event stream
+        self.whole: list[bytes] | None = None  # its bytes (None: not kept, past the limit)
 
     def feed(self, chunk: bytes) -> None:
         """Take one chunk exactly as the upstream sent it."""
@@ -784,6 +791,8 @@ class StreamRecorder:
         data = b"".join(self.chunks)
         self.chunks.clear()  # the same list: the relay holds its append
         self._size = 0
+        if (not self.recorded or self.json_body) and self._kept_whole(data):
+            return
         self.recorded += len(data)
         over = self.recorded > MAX_RECORDED_STREAM
         if over and not self.assembler.text_dropped:
@@ -804,6 +813,26 @@ class StreamRecorder:
             self.assembler.drop_text()
             if self.decoder.pending_bytes > _MAX_PENDING_EVENT:  # a line that never ends
                 self.decoder = SSEDecoder(sdk_events=True)
+
+    def _kept_whole(self, data: bytes) -> bool:
+        """Whether ``data``, the body's first bytes or what follows them, is no event stream:
+        (a piece of) a whole JSON body, kept, not decoded. Only white space so far: kept until
+        what opens the body comes."""
+        if not self.json_body:
+            head = data.lstrip()
+            if not head:
+                if data:
+                    self.chunks.append(data)
+                return True
+            if head[:1] != b"{":  # (no event stream opens so: its first line would be ignored)
+                return False
+            self.json_body, self.whole = True, []
+        self.recorded += len(data)
+        if self.whole is not None:
+            self.whole.append(data)
+            if self.recorded > MAX_RECORDED_STREAM:
+                self.whole = None
+        return True
 
     def _decode_batch(self, data: bytes) -> None:
         shape = self.assembler.text_shape

@@ -749,10 +749,16 @@ class _Tee:
         status of 400 or more raises ``RefusedAnswer`` with what it says."""
         if self.recorder is not None:
             try:
-                return self.recorder.finish()
+                assembled = self.recorder.finish()
             except Exception:
                 log.exception("stream recorder failed to finish")
                 return None
+            recorder = self.recorder
+            if not isinstance(recorder, StreamRecorder) or not recorder.json_body:
+                return assembled
+            # a whole completion under an event stream's type: read as the body it is (the
+            # exchange's ``recorder`` None: no stream, as the SDKs read none of it)
+            self.recorder, self.collected = None, recorder.whole
         if status >= 400:
             if self.collected is None:  # past the limit: not kept
                 raise RefusedAnswer(f"upstream answered {status}")

@@ -1347,3 +1347,26 @@ def test_usage_carried_by_an_error_chunk_is_counted() -> None:
     result = record([chunk({"role": "assistant", "content": "Hi"}), error, DONE])
     assert result.usage is not None and (result.usage.prompt, result.usage.completion) == (10, 5)
     assert result.error is not None and result.message["content"] == "Hi"
+
+
+def test_a_stream_that_opens_with_blank_lines_is_still_read_as_a_stream() -> None:
+    """A recorder sets a body that opens a JSON object aside whole (a gateway's whole
+    completion under the stream's type); blank lines before a stream's first event (a server's
+    keep-alive while the model thinks) keep it a stream, whatever reads they come in."""
+    stream = [b"\n", b"\r\n\n", chunk({"role": "assistant", "content": "Hi"}), DONE]
+    recorder = StreamRecorder()
+    for piece in stream:
+        recorder.feed(piece)
+        recorder.decode()  # (each read decoded on its own, as a long stream's are)
+    result = recorder.finish()
+    assert not recorder.json_body and recorder.whole is None
+    assert result.message["content"] == "Hi" and result.done
+    # and a whole body after white space, in pieces, is kept whole, not decoded as events
+    body = b'{"id": "c1", "choices": []}'
+    recorder = StreamRecorder()
+    for piece in (b" \n", body[:5], body[5:]):
+        recorder.feed(piece)
+        recorder.decode()
+    recorder.finish()
+    assert recorder.json_body and recorder.whole is not None
+    assert b"".join(recorder.whole) == b" \n" + body

@@ -2804,6 +2804,50 @@ def test_a_request_for_no_stream_answered_with_a_stream_is_noted(
     assert line["error"] != STREAM_FOR_WHOLE
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_whole_completion_labelled_as_an_event_stream_is_read_as_the_answer_it_is(
+    scripted: Any, proxy_factory: Any, stream: bool, chunked: bool
+) -> None:
+    """A gateway that labels every answer ``text/event-stream``: a whole completion under that
+    type, which the Python SDK reads as JSON for a request without ``stream``, was read as an
+    event stream of none: logged with no message or usage (no tokens, no cost) and noted as
+    ``upstream ended the stream inside an event``. For a streamed request, the SDKs read no
+    chunk of it: the note says so."""
+    from proxy.eventlog import read_events
+
+    answer = orjson.dumps(
+        {
+            "id": "c1",
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "hello"},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12},
+        }
+    )
+    pieces = [b"\n" + answer[:20], answer[20:]] if chunked else [answer]
+    _upstream, url = scripted(chunks=pieces, content_type=b"text/event-stream; charset=utf-8")
+    proxy = proxy_factory(url)
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json={**CHAT, "stream": True} if stream else CHAT,
+        headers={"X-Session-Id": "labelled"},
+    )
+    assert r.content == b"".join(pieces)  # relayed as it came
+    proxy.settle()
+    [response] = [
+        e for e in read_events(proxy.log_dir / "labelled.jsonl").events if e["type"] == "response"
+    ]
+    assert response["message"]["content"] == "hello"
+    assert response["usage"]["prompt"] == 10 and response["usage"]["completion"] == 2
+    assert response["error"] == (WHOLE_FOR_STREAM if stream else None)
+
+
 @pytest.mark.parametrize(
     ("location", "prefix", "expected"),
     [
