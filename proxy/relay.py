@@ -76,8 +76,15 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
-# Request headers cachegate sets itself or that only concern cachegate.
-_DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"x-cachegate-strict"}
+# Request headers cachegate sets itself or that only concern cachegate (``Expect``: the body is
+# read whole before the request is forwarded, so there is nothing to wait for).
+_DROP_REQUEST = HOP_BY_HOP | {
+    b"host",
+    b"content-length",
+    b"accept-encoding",
+    b"expect",
+    b"x-cachegate-strict",
+}
 UPSTREAM_WARN_EVERY_S = 30.0  # an unreachable upstream is logged at most this often
 MAX_RECORDED_BODY = 32 * 1024 * 1024  # non-streamed bodies larger than this are relayed, not parsed
 

@@ -1129,6 +1129,22 @@ def test_hop_by_hop_and_encoding_headers_are_not_forwarded(
     assert b"x-foo" not in headers  # named hop-by-hop by the client's Connection header
 
 
+def test_a_clients_expectation_of_100_continue_is_not_passed_on(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """curl asks a large POST's server for ``Expect: 100-continue``; cachegate has the whole
+    body when it forwards the request, so the upstream is not asked to wait for it (a server
+    that does not meet expectations answers 417)."""
+    upstream, url = scripted(chunks=[b"{}"], content_type=b"application/json")
+    proxy = proxy_factory(url)
+    r = httpx.post(
+        proxy.base_url + "/chat/completions", json=CHAT, headers={"Expect": "100-continue"}
+    )
+    assert r.status_code == 200
+    headers = dict(upstream.requests[0]["headers"])
+    assert b"expect" not in headers
+
+
 def test_other_v1_paths_are_relayed_generically(scripted: Any, proxy_factory: Any) -> None:
     upstream, url = scripted(chunks=[b'{"data":[]}'], content_type=b"application/json")
     proxy = proxy_factory(url)
