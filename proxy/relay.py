@@ -761,7 +761,7 @@ class _Tee:
                 log.exception("stream recorder failed to finish")
                 return None
             recorder = self.recorder
-            if not isinstance(recorder, StreamRecorder) or not recorder.json_body:
+            if not recorder.json_body:
                 return assembled
             # a whole completion under an event stream's type: read as the body it is (the
             # exchange's ``recorder`` None: no stream, as the SDKs read none of it)

@@ -252,7 +252,10 @@ class ResponsesRecorder:
     whole events kept are read only when they hold a marker. An event over
     ``MAX_PENDING_EVENT`` is let go too (``oversize``: its usage, if it was the last, unread).
     The bytes decoded are kept (``seen``, up to ``MAX_SEEN``) until a last event comes, for a
-    stream cut before one (``partial_message``)."""
+    stream cut before one (``partial_message``). A body that opens a JSON object and holds no
+    event is no stream (a gateway that labels every answer ``text/event-stream``): ``finish``
+    sets ``json_body`` and leaves its bytes in ``whole`` (None past ``MAX_SEEN``), for the
+    relay to read as a body, as ``StreamRecorder`` does."""
 
     __slots__ = (
         "chunks",
@@ -260,8 +263,10 @@ class ResponsesRecorder:
         "error",
         "events",
         "inflate",
+        "json_body",
         "last",
         "last_event",
+        "opened",
         "oversize",
         "pending",
         "pending_size",
@@ -270,6 +275,7 @@ class ResponsesRecorder:
         "seen_size",
         "skipping",
         "torn",
+        "whole",
     )
 
     def __init__(self, inflate: Callable[[bytes], bytes] | None = None) -> None:
@@ -291,6 +297,9 @@ class ResponsesRecorder:
         # (the client hung up, Esc in Codex) is read for the part of the answer it carried
         self.seen: list[bytes] = []
         self.seen_size = 0
+        self.opened = b""  # the body's first byte past white space
+        self.json_body = False
+        self.whole: list[bytes] | None = None
 
     def decode(self) -> None:
         """Read the whole events kept so far that may matter; keep an unfinished one."""
@@ -300,6 +309,8 @@ class ResponsesRecorder:
             data = self.inflate(data)
         if not data:
             return
+        if not self.opened:
+            self.opened = data.lstrip()[:1]
         if self.response is None and self.seen_size <= MAX_SEEN:
             self.seen_size += len(data)
             if self.seen_size <= MAX_SEEN:
@@ -420,6 +431,9 @@ class ResponsesRecorder:
         self.pending, self.pending_size = [], 0
         cut = self._read(data, at_end=True) if data.strip() else False
         cut = cut or self.skipping  # (an event let go unkept that the end cut)
+        if self.opened == b"{" and self.response is None and self.error is None and not self.events:
+            self.json_body = True
+            self.whole = self.seen if self.seen_size <= MAX_SEEN else None
         if self.response is not None:
             result = assemble_response(self.response, self.last_event)
             if self.error is not None and result.error is None:

@@ -2862,6 +2862,36 @@ def test_a_whole_completion_labelled_as_an_event_stream_is_read_as_the_answer_it
     assert response["message"]["content"] == "hello"
     assert response["usage"]["prompt"] == 10 and response["usage"]["completion"] == 2
     assert response["error"] == (WHOLE_FOR_STREAM if stream else None)
+    # and a Responses API answer so labelled, which the SDK reads too
+    whole = orjson.dumps(
+        {
+            "id": "resp_1",
+            "object": "response",
+            "status": "completed",
+            "output": [
+                {
+                    "type": "message",
+                    "id": "msg_1",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "hello"}],
+                }
+            ],
+            "usage": {"input_tokens": 10, "output_tokens": 2, "total_tokens": 12},
+        }
+    )
+    _upstream, url = scripted(chunks=[whole[:9], whole[9:]], content_type=b"text/event-stream")
+    proxy = proxy_factory(url)
+    r = httpx.post(
+        proxy.base_url + "/responses",
+        json={"model": "gpt-4o", "input": "hi"},
+        headers={"X-Session-Id": "labelled-r"},
+    )
+    assert r.content == whole
+    proxy.settle()
+    [response] = [
+        e for e in read_events(proxy.log_dir / "labelled-r.jsonl").events if e["type"] == "response"
+    ]
+    assert response["usage"]["prompt"] == 10 and response["error"] is None, response
 
 
 @pytest.mark.parametrize(
