@@ -95,6 +95,21 @@ class _TooManyPipelined(Exception):
     parser."""
 
 
+class _Refused(Exception):
+    """Raised in the parser's callback for a request cachegate refuses from its head alone
+    (``HttpProtocol._refusal``): it stops the parser; the answer is sent once it has."""
+
+    def __init__(self, status: int, reason: str, message: str, code: str, kind: str) -> None:
+        super().__init__(message)
+        self.status, self.reason, self.message, self.code, self.kind = (
+            status,
+            reason,
+            message,
+            code,
+            kind,
+        )
+
+
 INVALID_WARN_EVERY_S: Final = 30.0  # a request HTTP's parser refuses is said at most this often
 _TLS_HANDSHAKE: Final = b"\x16\x03"  # (a TLS record's first bytes: a ClientHello)
 
@@ -106,18 +121,23 @@ class _Refusals:
     kind of its own, so that a probe's malformed request does not hide it)."""
 
     def __init__(self) -> None:
-        self.warned_at: dict[bool, float] = {}
-        self.unwarned: dict[bool, int] = {}
+        self.warned_at: dict[str, float] = {}
+        self.unwarned: dict[str, int] = {}
 
     def warn(self, exc: Exception, data: bytes) -> None:
-        tls = data.startswith(_TLS_HANDSHAKE)
-        self.unwarned[tls] = count = self.unwarned.get(tls, 0) + 1
+        if isinstance(exc, _Refused):
+            kind = exc.kind
+        else:
+            kind = "tls" if data.startswith(_TLS_HANDSHAKE) else "invalid"
+        self.unwarned[kind] = count = self.unwarned.get(kind, 0) + 1
         now = time.monotonic()
-        last = self.warned_at.get(tls)
+        last = self.warned_at.get(kind)
         if last is not None and now - last < INVALID_WARN_EVERY_S:
             return
-        if tls:
+        if kind == "tls":
             why = "a client spoke TLS to this plain-HTTP port: its base URL must be http://, not https://"
+        elif isinstance(exc, _Refused):
+            why = f"{exc.message} (answered {exc.status} {exc.code})"
         else:
             why = (
                 f"a request HTTP's parser refused ({exc or 'malformed'}), answered 400 invalid_http"
@@ -130,7 +150,7 @@ class _Refusals:
             since,
             INVALID_WARN_EVERY_S,
         )
-        self.warned_at[tls], self.unwarned[tls] = now, 0
+        self.warned_at[kind], self.unwarned[kind] = now, 0
 
 
 _REFUSALS: weakref.WeakKeyDictionary[Any, _Refusals] = weakref.WeakKeyDictionary()
@@ -170,6 +190,7 @@ class HttpProtocol(HttpToolsProtocol):
     _head_fields = 0  # bytes of its request line's target and fields, as the parser gave them
     _head_over = False  # the parser was stopped in a head past the limit
     _pipeline_over = False  # the parser was stopped at a request past ``max_pipelined``
+    _refused: _Refused | None = None  # the parser was stopped at a request refused by its head
     max_pipelined = MAX_PIPELINED
     _began = 0  # requests begun on the connection
     _read_at = 0.0  # when the client's bytes last came (a body's progress)
@@ -228,7 +249,47 @@ class HttpProtocol(HttpToolsProtocol):
         if len(self.pipeline) >= self.max_pipelined:
             self._pipeline_over = True
             raise _TooManyPipelined
+        refusal = self._refusal()
+        if refusal is not None:
+            self._refused = refusal
+            raise refusal
         super().on_headers_complete()
+
+    def _refusal(self) -> _Refused | None:
+        """A request refused from its head, before uvicorn reads it: ``CONNECT`` (cachegate set
+        as a client's ``HTTPS_PROXY``; uvicorn failed on its target and said only "User
+        callback error"), a transfer coding other than ``chunked`` before it (``gzip,
+        chunked``: the parser undid the chunks and the body went on still compressed, read as
+        no JSON or forwarded with no ``Content-Encoding``; RFC 9112 6.1: a 501)."""
+        if self.parser.get_method() == b"CONNECT":
+            where = self.transport.get_extra_info("sockname") or ("127.0.0.1", 8000)
+            return _Refused(
+                405,
+                "Method Not Allowed",
+                "cachegate is no HTTP proxy and tunnels nothing (CONNECT"
+                f" {bytes(self.url).decode('latin-1')[:200]}): point the client's base URL at it,"
+                f" OPENAI_BASE_URL=http://{where[0]}:{where[1]}/v1, not HTTPS_PROXY or HTTP_PROXY",
+                "method_not_allowed",
+                "connect",
+            )
+        codings = [
+            coding.strip().lower()
+            for name, value in self.headers
+            if name == b"transfer-encoding"
+            for coding in value.split(b",")
+            if coding.strip()
+        ]
+        if codings and codings != [b"chunked"]:
+            said = b", ".join(codings).decode("latin-1")[:200]
+            return _Refused(
+                501,
+                "Not Implemented",
+                f"Transfer-Encoding '{said}' is not supported: send the body with chunked alone"
+                " or with a Content-Length (a compressed body: with Content-Encoding)",
+                "unsupported_transfer_coding",
+                "coding",
+            )
+        return None
 
     def on_response_complete(self) -> None:
         if self._head_over and not self.transport.is_closing() and not self.pipeline:
@@ -238,8 +299,11 @@ class HttpProtocol(HttpToolsProtocol):
             # first, which a client took for its answer, and the rest were never answered)
             self._refuse_head()
             return
+        if self._refused is not None and not self.transport.is_closing() and not self.pipeline:
+            self._refuse()  # (as a head past the limit: after the answers queued before it)
+            return
         super().on_response_complete()
-        if self._head_over:  # (the next queued one is answered; nothing more is read)
+        if self._head_over or self._refused is not None:  # (the next queued one is answered)
             self.flow.pause_reading()
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
@@ -311,6 +375,10 @@ class HttpProtocol(HttpToolsProtocol):
                 if self._head_over:  # (stopped by ``_count_head``)
                     self._refuse_head()
                     return
+                if self._refused is not None:  # (stopped by ``on_headers_complete``)
+                    _refusals(self.server_state).warn(self._refused, data)
+                    self._refuse()
+                    return
                 msg = "Invalid HTTP request received."
                 _refusals(self.server_state).warn(exc, data)
                 self.send_400_response(f"{msg[:-1]}: {exc}." if str(exc) else msg)
@@ -351,6 +419,17 @@ class HttpProtocol(HttpToolsProtocol):
             " of request line and header fields",
             "request_header_too_large",
         )
+
+    def _refuse(self) -> None:
+        """A request refused by its head (``_refusal``), answered and the connection closed;
+        where a request before it is being answered, once that answer is done."""
+        active = self._active
+        if active is not None and not active.response_complete:
+            self.flow.pause_reading()  # (refused once that answer is done)
+            return
+        refused = self._refused
+        assert refused is not None
+        self._send_error(refused.status, refused.reason, refused.message, refused.code)
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request its parser refuses (a malformed request line or header,

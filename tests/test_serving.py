@@ -302,7 +302,7 @@ def test_a_chunked_bodys_trailer_fields_are_no_request_headers(offer: bytes) -> 
 
 
 def test_an_upgrade_offer_does_not_change_which_bodies_are_refused() -> None:
-    """A transfer coding other than chunked is refused with a 400 without an offer; with one,
+    """A transfer coding other than chunked is refused (a 501) without an offer; with one,
     the connection was dropped with no answer (a traceback on the server)."""
     head = b"POST /p HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip\r\n"
     with ServerThread(_echo) as server:
@@ -313,12 +313,13 @@ def test_an_upgrade_offer_does_not_change_which_bodies_are_refused() -> None:
                 answer = b""
                 while chunk := s.recv(65536):
                     answer += chunk
-                assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n"), (offer, answer)
-                head, _, body = answer.partition(b"\r\n\r\n")
-                assert b"content-type: application/json" in head
+                assert answer.startswith(b"HTTP/1.1 501 Not Implemented\r\n"), (offer, answer)
+                answer_head, _, body = answer.partition(b"\r\n\r\n")
+                assert b"content-type: application/json" in answer_head
                 error = json.loads(body)["error"]
-                assert error["code"] == "invalid_http" and error["type"] == "invalid_request_error"
-                assert error["message"].startswith("Invalid HTTP request received")
+                assert error["code"] == "unsupported_transfer_coding"
+                assert error["type"] == "invalid_request_error"
+                assert error["message"].startswith("Transfer-Encoding 'gzip' is not supported")
 
 
 @pytest.mark.parametrize(
@@ -386,6 +387,93 @@ def test_requests_the_parser_refuses_are_warned_of_now_and_then_saying_why(
     assert len(warned) == 2 and "parser refused (" in warned[1], warned
     assert "answered 400 invalid_http (3 such since the last such warning" in warned[1]
     assert not any("Invalid HTTP request received" in r.getMessage() for r in caplog.records)
+
+
+def _exchange_once(port: int, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.settimeout(10)
+        s.sendall(data)
+        answer = b""
+        while chunk := s.recv(65536):  # (closed after it)
+            answer += chunk
+        return answer
+
+
+@pytest.mark.parametrize(
+    "coding",
+    [b"gzip, chunked", b"deflate,chunked", b"gzip\r\ntransfer-encoding: chunked"],
+)
+def test_a_body_in_a_transfer_coding_before_chunked_is_refused_with_a_501(
+    coding: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``Transfer-Encoding: gzip, chunked``: the parser undid the chunks and the app was given
+    the body still compressed (a chat request: ``invalid_json``, "not valid UTF-8"; another
+    route: forwarded with no ``Content-Encoding``). RFC 9112 6.1: a coding not understood is a
+    501; nothing reaches the app."""
+    import gzip
+
+    body = gzip.compress(b'{"model": "m", "messages": []}')
+    request = (
+        b"POST /v1/x HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"transfer-encoding: " + coding + b"\r\n\r\n%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+    )
+    caplog.set_level(logging.WARNING, logger="proxy.serving")
+    with ServerThread(_echo) as server:
+        answer = _exchange_once(server.port, request)
+    head, _, reply = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 501 Not Implemented\r\n"), answer[:200]
+    error = json.loads(reply)["error"]
+    assert error["code"] == "unsupported_transfer_coding"
+    assert "Transfer-Encoding '" in error["message"] and "chunked alone" in error["message"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "proxy.serving"]
+    assert len(warned) == 1 and "answered 501 unsupported_transfer_coding" in warned[0]
+    # chunked alone, in any case, is read as ever
+    plain = b'{"a": 1}'
+    with ServerThread(_echo) as server:
+        answer = _exchange_once(
+            server.port,
+            b"POST /v1/x HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+            b"transfer-encoding: Chunked \r\n\r\n%x\r\n" % len(plain) + plain + b"\r\n0\r\n\r\n",
+        )
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"POST /v1/x " + plain)
+
+
+def test_cachegate_set_as_a_clients_proxy_says_so() -> None:
+    """cachegate set as ``HTTPS_PROXY`` (instead of the base URL): the client's ``CONNECT
+    api.openai.com:443`` was answered "Invalid HTTP request received: User callback error.",
+    which says nothing of the mistake."""
+    with ServerThread(_echo) as server:
+        answer = _exchange_once(
+            server.port,
+            b"CONNECT api.openai.com:443 HTTP/1.1\r\nhost: api.openai.com:443\r\n\r\n",
+        )
+        port = server.port
+    head, _, reply = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 405 "), answer[:200]
+    error = json.loads(reply)["error"]
+    assert error["code"] == "method_not_allowed"
+    assert "no HTTP proxy" in error["message"] and "CONNECT api.openai.com:443" in error["message"]
+    assert f"OPENAI_BASE_URL=http://127.0.0.1:{port}/v1" in error["message"]
+
+
+def test_a_request_refused_by_its_head_pipelined_behind_an_answer_gets_its_refusal_after_it() -> (
+    None
+):
+    import asyncio
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await asyncio.sleep(0.5)
+            await _answer(send, scope["path"].encode())
+
+    first = b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n"
+    second = b"CONNECT example.com:443 HTTP/1.1\r\nhost: example.com:443\r\n\r\n"
+    with ServerThread(app) as server, socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(first + second)
+        answer = _closed_within(s, 10)
+    ok, _, refused = answer.partition(b"HTTP/1.1 405 ")
+    assert ok.startswith(b"HTTP/1.1 200 ") and ok.endswith(b"/slow"), answer[:300]
+    assert b"method_not_allowed" in refused
 
 
 def test_a_websocket_handshake_is_answered_by_the_app_whatever_follows_it() -> None:
