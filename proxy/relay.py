@@ -1335,6 +1335,9 @@ class Relay:
                 elif isinstance(exc, httpx.TimeoutException):  # (the upstream went quiet)
                     ex.upstream_error = "timeout"
                     ex.error = f"upstream sent nothing mid-response: {self._timeout_detail(exc)}"
+                elif isinstance(exc, zlib.error):  # (it sent its body: one that does not decode)
+                    ex.upstream_error = "invalid"
+                    ex.error = f"upstream's {coding} stream does not decode: {exc}"
                 else:
                     ex.upstream_error = "midstream"
                     ex.error = f"upstream broke off mid-response: {type(exc).__name__}"

@@ -2420,6 +2420,45 @@ def test_a_gzip_stream_of_several_members_is_decoded_whole(
     assert response["usage"]["prompt"] == 9 and response["error"] is None
 
 
+def test_a_gzip_stream_that_does_not_decode_is_said_to_be_so(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A stream whose gzip is corrupt (its first member good, then bytes that are no deflate):
+    cut for the client after what decoded, as ever, but logged as ``upstream broke off
+    mid-response: error`` (zlib's exception's class) and counted as a break, though the
+    upstream sent its whole body."""
+    import gzip
+
+    from proxy.eventlog import read_events
+
+    stream = _stream_with_usage()
+    good = gzip.compress(stream[:40])
+    corrupt = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03" + b"garbage" * 8
+    _upstream, url = scripted(
+        chunks=[good, corrupt], extra_headers=[(b"content-encoding", b"gzip")]
+    )
+    proxy = proxy_factory(url)
+    with pytest.raises(httpx.RemoteProtocolError):  # (cut: no clean end after what decoded)
+        httpx.post(
+            proxy.base_url + "/chat/completions",
+            json={**CHAT, "stream": True},
+            headers={"X-Session-Id": "corrupt"},
+        )
+    proxy.settle()
+    [response] = [
+        e for e in read_events(proxy.log_dir / "corrupt.jsonl").events if e["type"] == "response"
+    ]
+    assert response["error"].startswith("upstream's gzip stream does not decode: "), response
+    assert "broke off" not in response["error"]
+    errors = {
+        s.labels["kind"]: s.value
+        for f in proxy.registry.collect()
+        for s in f.samples
+        if s.name == "cachegate_upstream_errors_total"
+    }
+    assert errors.get("invalid") == 1 and not errors.get("midstream"), errors
+
+
 def test_a_stream_compressed_beyond_reading_is_relayed_as_it_came_and_said_in_the_log(
     scripted: Any, proxy_factory: Any
 ) -> None:
