@@ -108,6 +108,21 @@ class _Summary:
         return 0.0
 
 
+class _NotACompletion(ValueError):
+    """A summarizer's 200 whose JSON is no chat completion (a gateway's own shape, a list)."""
+
+
+def _shape(value: Any) -> str:
+    """What a JSON value is, for a warning: an object's first keys, else its type (never its
+    values: a provider's echo may hold a key)."""
+    if isinstance(value, dict):
+        keys = [str(k)[:40] for k in list(value)[:6]]
+        return "an object with " + (", ".join(keys) if keys else "no keys")
+    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number"
+    )
+
+
 def _summary_key(start: int, end: int, digest: str) -> str:
     """Where a session keeps the summary of ``messages[start:end]`` (``_Summary``), its places
     counted past the leading system/developer messages, by the digest of ``messages[:end]``
@@ -1470,8 +1485,19 @@ class Compactor:
                     said = clip_words(redact_text(said), 300)
                     raise ValueError(f"the provider reported: {said}")
                 billed = answer
+                choices = answer.get("choices") if isinstance(answer, dict) else None
+                message = (
+                    choices[0].get("message")
+                    if isinstance(choices, list) and choices and isinstance(choices[0], dict)
+                    else None
+                )
+                if not isinstance(message, dict):
+                    raise _NotACompletion(
+                        "answered 200 with a body that is no chat completion (no"
+                        f" choices[0].message: {_shape(answer)})"
+                    )
                 # (a list of parts too, as Mistral's reasoning models answer: its text parts)
-                text = compaction.message_text(answer["choices"][0]["message"])
+                text = compaction.message_text(message)
                 if text.strip():
                     limit = int(chars * plan.overrun)
                     summary = compaction.clip_summary(text.strip(), limit)
@@ -1494,7 +1520,7 @@ class Compactor:
                 "summarizer failed after %.1fs (%s%s); using the extractive summary",
                 time.perf_counter() - started,
                 type(exc).__name__,
-                f": {exc}" if stage == "error_event" else "",
+                f": {exc}" if stage == "error_event" or isinstance(exc, _NotACompletion) else "",
             )
             if isinstance(exc, httpx.PoolTimeout):
                 stage = ""  # cachegate's own pool, full: no upstream error

@@ -661,6 +661,38 @@ def test_summarizer_failure_falls_back_to_extractive(
     assert proxy.metric("cachegate_upstream_errors_total", {"kind": kind}) == 1
 
 
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        (b"[1, 2, 3]", "an array"),
+        (b'{"choices": "nope", "id": "x"}', "an object with choices, id"),
+        (b'{"choices": [{"text": "a legacy completion"}]}', "an object with choices"),
+    ],
+)
+def test_a_summarizer_answer_that_is_no_completion_is_said_to_be_so(
+    scripted: Any,
+    proxy_factory: Any,
+    caplog: pytest.LogCaptureFixture,
+    answer: bytes,
+    said: str,
+) -> None:
+    """A summarizer behind a gateway that answers 200 with another shape: the request still
+    goes, with the extractive summary, but the warning said only ``(TypeError)``."""
+    upstream, url = scripted(chunks=[answer], content_type=b"application/json")
+    proxy = proxy_factory(url, CONFIG)
+    with caplog.at_level(logging.WARNING, logger="proxy.compactor"):
+        r = httpx.post(
+            proxy.base_url + "/chat/completions",
+            json={"model": MODEL, "messages": history(18)},
+            headers={"X-Session-Id": "odd-summary"},
+        )
+        assert r.status_code == 200 and r.headers["x-cachegate-compacted"] == "1"
+        assert compacted_events(proxy)[0]["source"] == "extractive"
+    [warned] = [r.getMessage() for r in caplog.records if "summarizer failed" in r.getMessage()]
+    assert "no chat completion (no choices[0].message: " + said in warned, warned
+    assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 1
+
+
 def test_a_summary_answer_with_a_lone_surrogate_escape_is_the_summary(
     scripted: Any, proxy_factory: Any
 ) -> None:
