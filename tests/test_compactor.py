@@ -678,7 +678,7 @@ def test_a_summarizer_answer_that_is_no_completion_is_said_to_be_so(
 ) -> None:
     """A summarizer behind a gateway that answers 200 with another shape: the request still
     goes, with the extractive summary, but the warning said only ``(TypeError)``."""
-    upstream, url = scripted(chunks=[answer], content_type=b"application/json")
+    _upstream, url = scripted(chunks=[answer], content_type=b"application/json")
     proxy = proxy_factory(url, CONFIG)
     with caplog.at_level(logging.WARNING, logger="proxy.compactor"):
         r = httpx.post(
