@@ -1487,10 +1487,22 @@ def _read_back(line: bytes) -> Any:
         return event
 
 
+# Escapes JSON writers use where none is needed, in a key's alphabet: PHP's ``json_encode``
+# writes "/" as ``\/``, Gson's HTML-safe mode "=" as ``\u003d`` (a base64 key in a tool's JSON
+# output, a container's environment), then written again, escaped, as the line's string.
+_NEEDLESS_ESCAPES: Final = (("/", "\\/"), ("=", "\\u003d"))
+
+
 def _as_written(secrets: Iterable[str]) -> tuple[bytes, ...]:
-    """Exact secret values (``known_secrets``) as a line writes them: JSON-escaped, longest
-    first (one may hold another)."""
-    written = {orjson.dumps(s)[1:-1] for s in known_secrets(secrets)}
+    """Exact secret values (``known_secrets``) as a line writes them: JSON-escaped (also as
+    text holding JSON writes them where its writer escapes more than it must,
+    ``_NEEDLESS_ESCAPES``), longest first (one may hold another)."""
+    written: set[bytes] = set()
+    for secret in known_secrets(secrets):
+        written.add(orjson.dumps(secret)[1:-1])
+        for character, escaped in _NEEDLESS_ESCAPES:
+            if character in secret:
+                written.add(orjson.dumps(secret.replace(character, escaped))[1:-1])
     return tuple(sorted(written, key=len, reverse=True))
 
 

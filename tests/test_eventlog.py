@@ -1802,6 +1802,34 @@ def test_known_secrets_are_never_written_whatever_their_shape(
     assert event["message"] == "short words stay"  # values under 8 characters are not taken
 
 
+@pytest.mark.parametrize("redact_secrets", [True, False])
+def test_a_known_secret_in_json_that_escapes_more_than_it_must_is_not_written(
+    log_dir: Path, writers, redact_secrets: bool
+) -> None:
+    """A key of the base64 alphabet in a tool's JSON output: PHP's ``json_encode`` writes its
+    "/" as ``\\/``, Gson's HTML-safe mode its "=" as ``\\u003d``. The key was written whole
+    (the same output without the escapes was redacted)."""
+    own = "AbC/dEf+GhI123456789/xyzQRS=="
+    client = "Cl1ent/Key+abcdef0123456789/ZZ=="
+    w = started(writers, log_dir, redact_secrets=redact_secrets, secrets=[own])
+    php = '{"env":{"LLM_GATEWAY":"%s"}}' % own.replace("/", "\\/")
+    gson = '{"Env":["LLM_GATEWAY\\u003d%s"]}' % own.replace("=", "\\u003d")
+    theirs = '{"cfg":{"credential":"%s"}}' % client.replace("/", "\\/")
+    for n, content in enumerate((php, gson)):
+        w.emit("s", request_event(n, None, 0, [{"role": "tool", "content": content}]))
+    w.emit("s", request_event(2, None, 0, [{"role": "tool", "content": theirs}]), False, (client,))
+    assert w.close()
+    raw = (log_dir / "s.jsonl").read_bytes()
+    for key in (own, client):
+        for piece in ("GhI123456789", "abcdef0123456789"):
+            if piece in key:
+                assert piece.encode() not in raw, raw
+    contents = [e["appended"][0]["content"] for e in read_events(log_dir / "s.jsonl").events]
+    assert contents[0] == '{"env":{"LLM_GATEWAY":"[REDACTED]"}}'
+    assert contents[1] == '{"Env":["LLM_GATEWAY\\u003d[REDACTED]"]}'
+    assert contents[2] == '{"cfg":{"credential":"[REDACTED]"}}'
+
+
 def test_a_known_secret_a_pattern_would_take_only_part_of_is_taken_whole(
     log_dir: Path, writers
 ) -> None:
