@@ -1812,9 +1812,9 @@ def test_a_known_secret_in_json_that_escapes_more_than_it_must_is_not_written(
     own = "AbC/dEf+GhI123456789/xyzQRS=="
     client = "Cl1ent/Key+abcdef0123456789/ZZ=="
     w = started(writers, log_dir, redact_secrets=redact_secrets, secrets=[own])
-    php = '{"env":{"LLM_GATEWAY":"%s"}}' % own.replace("/", "\\/")
-    gson = '{"Env":["LLM_GATEWAY\\u003d%s"]}' % own.replace("=", "\\u003d")
-    theirs = '{"cfg":{"credential":"%s"}}' % client.replace("/", "\\/")
+    php = '{"env":{"LLM_GATEWAY":"' + own.replace("/", "\\/") + '"}}'
+    gson = '{"Env":["LLM_GATEWAY\\u003d' + own.replace("=", "\\u003d") + '"]}'
+    theirs = '{"cfg":{"credential":"' + client.replace("/", "\\/") + '"}}'
     for n, content in enumerate((php, gson)):
         w.emit("s", request_event(n, None, 0, [{"role": "tool", "content": content}]))
     w.emit("s", request_event(2, None, 0, [{"role": "tool", "content": theirs}]), False, (client,))
