@@ -165,6 +165,9 @@ class ModelPricing:
     price_cached_input: float = 0.0
     price_cache_write: float = 0.0
     price_output: float = 0.0
+    # an audio model's audio tokens (``Usage.audio_in``, ``audio_out``); 0: priced as text
+    price_audio_input: float = 0.0
+    price_audio_output: float = 0.0
 
 
 @dataclass(slots=True)
@@ -214,6 +217,8 @@ def long_context(pricing: ModelPricing) -> ModelPricing:
         pricing.price_cached_input * factor,
         pricing.price_cache_write * factor,
         pricing.price_output * LONG_CONTEXT_OUTPUT_FACTOR,
+        pricing.price_audio_input * factor,
+        pricing.price_audio_output * LONG_CONTEXT_OUTPUT_FACTOR,
     )
 
 
@@ -226,6 +231,8 @@ def tiered(pricing: ModelPricing, factor: float) -> ModelPricing:
         pricing.price_cached_input * factor,
         pricing.price_cache_write * factor,
         pricing.price_output * factor,
+        pricing.price_audio_input * factor,
+        pricing.price_audio_output * factor,
     )
 
 
@@ -236,7 +243,9 @@ def compute_cost(usage: Usage, pricing: ModelPricing) -> Cost:
     + cache_write × cache_write_price + completion × output`` (a read or write price of 0 is the
     input price), where the
     writes for an hour (``cache_write_1h``, Anthropic's) cost twice the input price;
-    ``uncached = prompt × input + completion × output``.
+    ``uncached = prompt × input + completion × output``. An audio model's audio tokens
+    (``audio_in`` of the fresh input, ``audio_out`` of the output) cost its audio prices in
+    both, where it has them (else they are priced as text).
 
     ``usage.prompt`` is the whole input in every dialect (``proxy.usage`` normalizes it): OpenAI's
     ``prompt_tokens`` already includes ``cached_tokens`` (no writes are reported); DeepSeek's is
@@ -258,6 +267,20 @@ def compute_cost(usage: Usage, pricing: ModelPricing) -> Cost:
         + usage.completion * pricing.price_output
     )
     uncached = usage.prompt * pricing.price_input + usage.completion * pricing.price_output
+    if usage.audio_in or usage.audio_out:
+        # (audio input read from the cache is not told apart: it is counted as fresh input,
+        # up to the fresh part, at the audio price over the text one)
+        heard = min(usage.audio_in, fresh) if pricing.price_audio_input else 0
+        said = usage.audio_out if pricing.price_audio_output else 0
+        audio = heard * (pricing.price_audio_input - pricing.price_input) + said * (
+            pricing.price_audio_output - pricing.price_output
+        )
+        actual += audio
+        uncached += (
+            (usage.audio_in * (pricing.price_audio_input - pricing.price_input))
+            if pricing.price_audio_input
+            else 0.0
+        ) + said * (pricing.price_audio_output - pricing.price_output)
     return Cost(actual / 1_000_000, uncached / 1_000_000)
 
 

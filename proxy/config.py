@@ -159,6 +159,9 @@ class ModelSettings:
     # input, cached input and cache writes at twice the prices above, its output at 1.5 times
     # (Claude Sonnet 4 and 4.5 past 200K, GPT-5.4 past 272K); 0: none
     long_context_tokens: int = 0
+    # an audio model's audio input and output tokens (0: priced as text)
+    price_audio_input: float = 0.0
+    price_audio_output: float = 0.0
 
 
 # Public list prices (USD per 1M tokens) as documented by the providers; override in the config file.

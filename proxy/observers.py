@@ -983,6 +983,7 @@ class AccountingObserver:
         # Model names said on stderr to have no prices, once each (the terms above are
         # forgotten when full: a client cycling through names made a line each time)
         self._unpriced_said: set[str] = set()
+        self._audio_said: set[str] = set()  # (models whose audio tokens were priced as text)
 
     def _first_unpriced(self, model_name: str | None, pricing: ModelPricing) -> bool:
         """Whether to say that ``model_name`` has no prices: the first time for each name, for
@@ -1003,6 +1004,39 @@ class AccountingObserver:
             return False
         return True
 
+    def _shown(self, model_name: str | None, ex: Exchange | None) -> str:
+        """A model's name as said on stderr: a client's text, as in the log; its start only,
+        redacted before it is clipped (a key cut at the clip would not be known), the event
+        loop's work bounded (a name of 100 KB, redacted on the event loop)."""
+        shown = redact_text((model_name or "")[:_MODEL_REDACTED])
+        own = exchange_keys(ex) if ex is not None else ()
+        return clip_words(without_values(shown, (*self.secrets, *own)), _MODEL_SHOWN)
+
+    def _audio_as_text(self, ex: Exchange, usage: Usage, terms: _Terms) -> None:
+        """Say once for each model (the first ``_UNPRICED_SAID``) whose answer counted audio
+        tokens with no audio prices set: they are priced as text (OpenAI's audio tokens cost 8
+        to 16 times as much), not silently."""
+        pricing = terms.pricing
+        if not (usage.audio_in and not pricing.price_audio_input) and not (
+            usage.audio_out and not pricing.price_audio_output
+        ):
+            return
+        said = self._audio_said
+        model_name = (ex.model or "")[:_NAME_KEPT]
+        if model_name in said or len(said) >= _UNPRICED_SAID:
+            return
+        said.add(model_name)
+        shown = self._shown(ex.model, ex)
+        log.info(
+            "model %r answered with audio tokens (%d in, %d out) and has no audio prices: they"
+            " are priced as text; set price_audio_input and price_audio_output in [models.%s]"
+            " of the config file",
+            shown,
+            usage.audio_in,
+            usage.audio_out,
+            _toml_string(shown if terms.name == "*" else terms.name),
+        )
+
     def _model_terms(self, model_name: str | None, ex: Exchange | None = None) -> _Terms:
         """The accounting terms of ``model_name``'s configured entry (``_Terms``); ``ex``, the
         exchange that named it, whose own keys its note on stderr leaves out."""
@@ -1015,16 +1049,13 @@ class AccountingObserver:
                 model.price_cached_input,
                 model.price_cache_write,
                 model.price_output,
+                model.price_audio_input,
+                model.price_audio_output,
             )
             if len(self._terms) >= _MAX_MODEL_TERMS:  # model names come from clients: bounded
                 self._terms.clear()
             if self._first_unpriced(model_name, pricing):
-                # a client's text, on stderr: as in the log; its start only, redacted before
-                # it is clipped (a key cut at the clip would not be known), the event loop's
-                # work bounded (a name of 100 KB, redacted on the event loop)
-                shown = redact_text((model_name or "")[:_MODEL_REDACTED])
-                own = exchange_keys(ex) if ex is not None else ()
-                shown = clip_words(without_values(shown, (*self.secrets, *own)), _MODEL_SHOWN)
+                shown = self._shown(model_name, ex)
                 # the table to add them to: the configured entry the name matched (a new table
                 # of its own would start from "*" and lose that entry's window), else its own
                 table = shown if name == "*" else name
@@ -1550,6 +1581,8 @@ class AccountingObserver:
         if marked_only and usage.cache_write and not usage.write_lives_known:
             usage = _hour_writes(usage, body)  # (OpenRouter gives Claude's writes as one total)
         cost = cache.compute_cost(usage, pricing)
+        if usage.audio_in or usage.audio_out:
+            self._audio_as_text(ex, usage, terms)
         # What the shortfall cost over reading it (the tokens above, in dollars; none said for
         # a model with no prices: unknown, not $0)
         if pricing.price_input:
@@ -1819,6 +1852,8 @@ class AccountingObserver:
         assert ex.usage is not None
         terms = self._model_terms(ex.model, ex)
         cost = cache.compute_cost(ex.usage, _billed(terms, ex))
+        if ex.usage.audio_in or ex.usage.audio_out:
+            self._audio_as_text(ex, ex.usage, terms)
         self.metrics.observe_cost(ex.model, cost.actual, cost.uncached)
         ex.cost = {"actual": cost.actual, "uncached": cost.uncached, **_tier_of(terms, ex)}
 
@@ -2314,13 +2349,16 @@ def exchange_keys(ex: Exchange) -> tuple[str, ...]:
 
 
 def _usage_dict(usage: Usage) -> dict[str, Any]:
-    return {
+    said = {
         "prompt": usage.prompt,
         "completion": usage.completion,
         "cache_read": usage.cache_read,
         "cache_write": usage.cache_write,
         "reported_cache": usage.reported_cache,
     }
+    if usage.audio_in or usage.audio_out:  # (an audio model's: priced apart)
+        said["audio_in"], said["audio_out"] = usage.audio_in, usage.audio_out
+    return said
 
 
 def _iso(ts: float) -> str:

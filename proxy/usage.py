@@ -34,6 +34,10 @@ class Usage:
     # the writes were given by cache life (Anthropic's ``cache_creation``, LiteLLM's details):
     # else an hour's share is the request's to tell (OpenRouter gives the total alone)
     write_lives_known: bool = False
+    # of ``prompt`` and ``completion``, the audio tokens (OpenAI's ``prompt_tokens_details`` and
+    # ``completion_tokens_details`` ``audio_tokens``: an audio model's, billed at audio prices)
+    audio_in: int = 0
+    audio_out: int = 0
 
 
 def added(earlier: Usage | None, usage: Usage) -> Usage:
@@ -50,6 +54,8 @@ def added(earlier: Usage | None, usage: Usage) -> Usage:
         earlier.explicit_cache or usage.explicit_cache,
         earlier.cache_write_1h + usage.cache_write_1h,
         earlier.write_lives_known and usage.write_lives_known,
+        earlier.audio_in + usage.audio_in,
+        earlier.audio_out + usage.audio_out,
     )
 
 
@@ -65,6 +71,8 @@ def less(usage: Usage, counted: Usage) -> Usage | None:
         usage.explicit_cache,
         max(0, usage.cache_write_1h - counted.cache_write_1h),
         usage.write_lives_known,
+        max(0, usage.audio_in - counted.audio_in),
+        max(0, usage.audio_out - counted.audio_out),
     )
     if not (rest.prompt or rest.completion or rest.cache_read or rest.cache_write):
         return None
@@ -172,7 +180,7 @@ def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
         prompt = prompt_tokens
         if (cached or written) and prompt < (cached or 0) + (written or 0):
             prompt += (written or 0) if prompt >= (cached or 0) else (cached or 0) + (written or 0)
-        return Usage(
+        usage = Usage(
             prompt,
             completion_tokens,
             cached or 0,
@@ -180,6 +188,7 @@ def normalize_usage(raw: Mapping[str, Any] | None) -> Usage | None:
             cached is not None or written is not None,
             written is not None,
         )
+        return _with_audio(raw, usage)
     return _normalize(raw)
 
 
@@ -248,7 +257,7 @@ def _normalize(raw: Mapping[str, Any]) -> Usage | None:
         ),
         default=0,
     )
-    return Usage(
+    usage = Usage(
         prompt,
         completion,
         cache_read,
@@ -259,6 +268,23 @@ def _normalize(raw: Mapping[str, Any]) -> Usage | None:
         min(hour or 0, cache_write),
         any(isinstance(split, Mapping) for split in splits),
     )
+    return _with_audio(raw, usage)
+
+
+def _with_audio(raw: Mapping[str, Any], usage: Usage) -> Usage:
+    """``usage`` with the audio tokens its details count (an audio model's: OpenAI's
+    ``prompt_tokens_details.audio_tokens`` and ``completion_tokens_details.audio_tokens``), at
+    most the counts they are part of; ``usage`` itself where there are none (a text model's
+    details give 0)."""
+    heard = raw.get("prompt_tokens_details")
+    said = raw.get("completion_tokens_details")
+    audio_in = (_count(heard, "audio_tokens") or 0) if isinstance(heard, Mapping) else 0
+    audio_out = (_count(said, "audio_tokens") or 0) if isinstance(said, Mapping) else 0
+    if not (audio_in or audio_out):
+        return usage
+    usage.audio_in = min(audio_in, usage.prompt)
+    usage.audio_out = min(audio_out, usage.completion)
+    return usage
 
 
 def _reasoning_apart(raw: Mapping[str, Any], prompt: int, completion: int) -> int:

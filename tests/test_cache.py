@@ -479,6 +479,29 @@ def test_cost_openai() -> None:
     assert cost.saved == pytest.approx(0.010_24, rel=1e-12)
 
 
+def test_an_audio_models_audio_tokens_cost_its_audio_prices() -> None:
+    """gpt-4o-audio-preview: $2.50 / $10 a million text tokens in and out, $40 / $80 audio. Its
+    audio tokens were priced as text: $0.015 logged for a $0.134 answer."""
+    usage = Usage(
+        prompt=2_000, completion=1_000, reported_cache=True, audio_in=1_500, audio_out=900
+    )
+    cost = compute_cost(usage, ModelPricing(2.50, 1.25, 0.0, 10.00, 40.00, 80.00))
+    # (500 × 2.50 + 1 500 × 40 + 100 × 10 + 900 × 80) / 1e6
+    assert cost.actual == pytest.approx(0.134_25, rel=1e-12)
+    assert cost.uncached == pytest.approx(0.134_25, rel=1e-12)
+    # 800 of its input read from the cache (the read's split between text and audio is not
+    # reported): the audio is counted in the fresh rest, up to all of it
+    read = Usage(
+        prompt=2_000, completion=1_000, cache_read=800, reported_cache=True, audio_in=1_500
+    )
+    cost = compute_cost(read, ModelPricing(2.50, 1.25, 0.0, 10.00, 40.00, 80.00))
+    # the 1 200 fresh: audio (1 200 × 40), the read 800 × 1.25, the output text at 10
+    assert cost.actual == pytest.approx((1_200 * 40 + 800 * 1.25 + 1_000 * 10) / 1e6, rel=1e-12)
+    # no audio prices: as text, as before
+    cost = compute_cost(usage, ModelPricing(2.50, 1.25, 0.0, 10.00))
+    assert cost.actual == pytest.approx(0.015, rel=1e-12)
+
+
 def test_cost_deepseek() -> None:
     # prompt_cache_hit_tokens 6 400, prompt_cache_miss_tokens 1 600, completion_tokens 1 000.
     usage = Usage(prompt=8_000, completion=1_000, cache_read=6_400, reported_cache=True)

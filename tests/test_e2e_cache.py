@@ -1568,6 +1568,55 @@ _LITELLM_USAGE = b'"cache_read_input_tokens":0,"cache_creation_input_tokens":0'
 _OPENROUTER_USAGE = b'"prompt_tokens_details":{"cached_tokens":0,"cache_write_tokens":0}'
 
 
+@pytest.mark.parametrize("priced", [True, False])
+def test_an_audio_models_answer_costs_its_audio_prices_or_is_said_to_be_priced_as_text(
+    scripted: Any, proxy_factory: Any, caplog: pytest.LogCaptureFixture, priced: bool
+) -> None:
+    """An answer of gpt-4o-audio-preview, 1,500 of its 2,000 input tokens and 900 of its 1,000
+    output tokens audio: priced as text it logged $0.015 for a $0.134 answer, in the log, the
+    metrics and ``sessions cost`` alike, and nothing said so."""
+    import logging
+
+    answer = (
+        b'{"id":"a1","object":"chat.completion","model":"gpt-4o-audio-preview","choices":[{'
+        b'"index":0,"message":{"role":"assistant","content":null,"audio":{"id":"audio_1",'
+        b'"expires_at":1,"data":"","transcript":"Hi."}},"finish_reason":"stop"}],"usage":{'
+        b'"prompt_tokens":2000,"completion_tokens":1000,"total_tokens":3000,'
+        b'"prompt_tokens_details":{"cached_tokens":0,"audio_tokens":1500},'
+        b'"completion_tokens_details":{"reasoning_tokens":0,"audio_tokens":900}}}'
+    )
+    _upstream, url = scripted(chunks=[answer], content_type=b"application/json")
+    prices = {"price_input": 2.5, "price_output": 10.0}
+    if priced:
+        prices |= {"price_audio_input": 40.0, "price_audio_output": 80.0}
+    proxy = proxy_factory(url, {"models": {"gpt-4o-audio-preview": prices}})
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "voice"})
+    with caplog.at_level(logging.INFO, logger="proxy.observers"):
+        for _ in range(2):
+            client.chat.completions.create(
+                model="gpt-4o-audio-preview",
+                modalities=["text", "audio"],
+                audio={"voice": "alloy", "format": "wav"},
+                messages=[{"role": "user", "content": "Say hi."}],
+            )
+        flush(proxy)
+    lines = events(proxy.log_dir, "voice", "response")
+    expected = (500 * 2.5 + 1500 * 40 + 100 * 10 + 900 * 80) / 1e6 if priced else 0.015
+    for line in lines:
+        assert line["usage"]["audio_in"] == 1500 and line["usage"]["audio_out"] == 900
+        assert line["cost"]["actual"] == pytest.approx(expected)
+    assert proxy.metric(
+        "cachegate_cost_usd_total", {"model": "gpt-4o-audio-preview", "kind": "actual"}
+    ) == pytest.approx(2 * expected)
+    said = [r.getMessage() for r in caplog.records if "audio tokens" in r.getMessage()]
+    if priced:
+        assert said == []
+    else:  # once for the model, with the keys to set
+        assert len(said) == 1, said
+        assert "priced as text; set price_audio_input and price_audio_output" in said[0]
+        assert '[models."gpt-4o-audio-preview"]' in said[0]
+
+
 @pytest.mark.parametrize(
     ("marked", "model", "fields"),
     [

@@ -354,6 +354,37 @@ from proxy.usage import Usage, UsageTracker, normalize_usage
             Usage(10, 2, 0, 0, False),
             id="integral-float",
         ),
+        pytest.param(  # an audio model's: its audio tokens counted apart, priced apart
+            {
+                "prompt_tokens": 2000,
+                "completion_tokens": 1000,
+                "total_tokens": 3000,
+                "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 1500},
+                "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 900},
+            },
+            Usage(2000, 1000, 0, 0, True, audio_in=1500, audio_out=900),
+            id="openai-audio-tokens",
+        ),
+        pytest.param(  # the same through a gateway's Anthropic-style fields beside them
+            {
+                "input_tokens": 2000,
+                "output_tokens": 1000,
+                "prompt_tokens_details": {"audio_tokens": 1500},
+                "completion_tokens_details": {"audio_tokens": 9000},  # (past the count: cut)
+            },
+            Usage(2000, 1000, 0, 0, False, audio_in=1500, audio_out=1000),
+            id="audio-tokens-at-most-their-counts",
+        ),
+        pytest.param(  # a text model's details say 0: no audio
+            {
+                "prompt_tokens": 20,
+                "completion_tokens": 2,
+                "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+                "completion_tokens_details": {"audio_tokens": 0},
+            },
+            Usage(20, 2, 0, 0, True),
+            id="text-model-audio-zero",
+        ),
     ],
 )
 def test_normalizes_provider_usage(raw: dict[str, Any] | None, expected: Usage | None) -> None:
