@@ -635,6 +635,15 @@ class Compactor:
                 if smaller.cut is not None and self._fits(messages, smaller.cut, aim, extra):
                     fewer = smaller
             plan = fewer if fewer is not None else shrunk(cfg.keep_recent, anchor=False)
+        if plan.triggered and plan.cut is None and plan.reused is not None:
+            # The cut pulled back to the launching message ends where the reused compaction
+            # ends: nothing more to compact with it verbatim. Without it, at the full
+            # ``keep_recent`` first (the loops below halve before they try: a later
+            # instruction's session kept half its latest messages at each compaction after
+            # the first, though all of them were far under the aim).
+            whole = shrunk(cfg.keep_recent, anchor=False)
+            if whole.cut is not None:
+                plan = whole
         # The latest messages alone fill the aim (large tool outputs, a small window): keep
         # fewer of them, the launching message still verbatim where that fits, rather than
         # compact again on the next turn. Where a session not compacted yet has too little

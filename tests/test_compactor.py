@@ -4039,6 +4039,84 @@ def test_with_keep_recent_1_a_kept_later_instruction_does_not_stop_compaction(
         assert max(prompts[20:]) < 6000  # compacted again each time it reached the trigger
 
 
+@pytest.mark.parametrize("keep_recent", [4, 8])
+def test_after_a_later_instruction_each_compaction_keeps_keep_recent_messages(
+    sdk: Any, proxy_factory: Any, keep_recent: int
+) -> None:
+    """A task, tool rounds, then the user's new instruction, then more tool rounds: the first
+    compaction kept the instruction verbatim; from the second on, the cut pulled back to it
+    ended where the reused compaction ended (nothing more to compact with it), and the loops
+    that give it up halve before they try: half of ``keep_recent`` went verbatim (the model
+    lost its latest tool outputs) though all of them were far under the aim."""
+    config = {
+        "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": keep_recent},
+        "models": {MODEL: {"context_window": 8000}},
+    }
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "read_file",
+                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+            },
+        }
+    ]
+
+    def tool_round(msgs: list[dict[str, Any]], t: int) -> None:
+        msgs.append(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": f"call_{t}",
+                        "type": "function",
+                        "function": {"name": "read_file", "arguments": f'{{"path": "f{t}.py"}}'},
+                    }
+                ],
+            }
+        )
+        msgs.append(
+            {
+                "role": "tool",
+                "tool_call_id": f"call_{t}",
+                "content": f"line {t} of file content x=1\n" * 60,
+            }
+        )
+
+    with run_simulator(SimConfig(context_window=8000)) as small:
+        proxy = proxy_factory(small.api_base, config)
+        client = sdk(proxy.base_url, default_headers={"X-Session-Id": "later"})
+        msgs: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "Fix the bug in foo.py."},
+        ]
+        for t in range(4):
+            tool_round(msgs, t)
+        msgs.append({"role": "user", "content": "Actually, do it differently."})
+        kept: list[int] = []  # the client's messages that went verbatim after each summary
+        for t in range(24):
+            client.chat.completions.create(model=MODEL, messages=msgs, tools=tools)
+            sent = small.sim.requests[-1].body["messages"]
+            at = next(
+                (
+                    i
+                    for i, m in enumerate(sent)
+                    if str(m.get("content") or "").startswith(SUMMARY_MARKER)
+                ),
+                None,
+            )
+            if at is not None:
+                tail = sent[at + 1 :]
+                if tail and tail[0].get("content") == "Actually, do it differently.":
+                    tail = tail[1:]  # (the instruction, kept as an anchor)
+                kept.append(len(tail))
+            tool_round(msgs, 100 + t)
+        compactions = compacted_events(proxy)
+        assert len(compactions) >= 2, compactions  # (a second compaction, reusing the first)
+        assert kept and min(kept) >= keep_recent, kept
+
+
 @pytest.mark.parametrize("change", ["added", "removed"])
 def test_a_leading_message_added_or_removed_keeps_the_compaction(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any, change: str
