@@ -1518,7 +1518,7 @@ def _without(line: bytes, secrets: Iterable[bytes]) -> bytes:
     for secret in secrets:
         if line.find(secret) >= 0:
             line = line.replace(secret, _REDACTED_BYTES)
-        if len(secret) > KEY_PIECE and secret.isascii() and b"\\" not in secret:
+        if len(secret) > KEY_PIECE and secret.isascii():
             if line.find(secret[:KEY_PIECE]) >= 0:
                 line = _without_pieces(line, secret, True)
             if line.find(secret[-KEY_PIECE:]) >= 0:
@@ -1534,7 +1534,9 @@ _CUT_EDGES: Final = (b'"', "…".encode(), b"\\n")
 def _without_pieces(line: bytes, secret: bytes, head: bool) -> bytes:
     """``line`` with each run of ``secret``'s start (``head``) of ``KEY_PIECE`` bytes or more that
     ends at a cut's edge (``_CUT_EDGES``), or each run of its end that starts at one, replaced.
-    (ASCII keys without escapes only: a run then ends at a character's edge.) The first
+    (ASCII keys only: a run then ends at a character's edge; at an escape's, where the key is
+    written with escapes, or it is no cut: a run that ends on the backslash of the line's own
+    ``\\"`` is not cut there, so the line stays JSON.) The first
     ``_PIECES_LOOKED`` places of the needle are looked at (a line of the same 16 characters
     over and over costs no more than that)."""
     needle = secret[:KEY_PIECE] if head else secret[-KEY_PIECE:]
@@ -1548,7 +1550,7 @@ def _without_pieces(line: bytes, secret: bytes, head: bool) -> bytes:
             most = min(len(secret), len(line) - found)
             start = found
             end = found + _common_run(line, found, secret, most, True)
-            cut = line.startswith(_CUT_EDGES, end)
+            cut = line.startswith(_CUT_EDGES, end) and not _escaped(line, end, found)
         else:
             most = min(len(secret), found + KEY_PIECE - done)
             stop = found + KEY_PIECE

@@ -1890,6 +1890,30 @@ def test_a_piece_of_a_known_key_where_a_text_was_cut_through_it_is_taken_out(
     ]
 
 
+def test_a_piece_of_a_known_key_cut_in_json_that_escapes_more_than_it_must_is_taken_out(
+    log_dir: Path, writers
+) -> None:
+    """A tool's PHP-written JSON that ends partway through a key with a "/" in it (its
+    ``\\/``): the whole escaped key was taken out, a cut one was written, 30 of its
+    characters, though the same cut without the escape was taken out. A run that ends on an
+    escaped quote's backslash is no cut: the line stays readable."""
+    key = "Zx9Qv2Lp7Rt4Wm8Nk3Bd/Hf6Js1Yc5Ug0Ie7Oa2Xe="
+    w = started(writers, log_dir, secrets=[key])
+    texts = [
+        '{"env":{"TOKEN":"' + key[:30].replace("/", "\\/"),  # cut, escaped
+        '{"env":{"TOKEN":"' + key[:34],  # cut, as it is
+        "quoted " + key[:20] + '" and on',  # the key's start, then a quote (escaped): no cut
+    ]
+    for n, text in enumerate(texts):
+        w.emit("s", request_event(n, None, 0, [{"role": "tool", "content": text}]))
+    assert w.close()
+    raw = (log_dir / "s.jsonl").read_bytes()
+    assert b"Zx9Qv2Lp7Rt4Wm8N" not in raw[: raw.index(b"quoted")], raw
+    contents = [e["appended"][0]["content"] for e in read_events(log_dir / "s.jsonl").events]
+    assert contents[:2] == ['{"env":{"TOKEN":"[REDACTED]', '{"env":{"TOKEN":"[REDACTED]']
+    assert contents[2] == texts[2]  # (read back whole: the line was not broken)
+
+
 def test_a_key_piece_that_would_start_on_an_escapes_letter_is_left_and_the_line_readable(
     tmp_path: Path, writers
 ) -> None:
