@@ -1017,6 +1017,8 @@ class AccountingObserver:
         tokens with no audio prices set: they are priced as text (OpenAI's audio tokens cost 8
         to 16 times as much), not silently."""
         pricing = terms.pricing
+        if not (pricing.price_input or pricing.price_output):
+            return  # (no prices at all: said so, ``_first_unpriced``)
         if not (usage.audio_in and not pricing.price_audio_input) and not (
             usage.audio_out and not pricing.price_audio_output
         ):

@@ -726,7 +726,7 @@ class _Tee:
     (SSE; the relay appends to its ``chunks``) or collected whole (a JSON body, up to
     ``MAX_RECORDED_BODY``)."""
 
-    __slots__ = ("coding", "collected", "recorder", "responses", "size")
+    __slots__ = ("coding", "collected", "labelled", "recorder", "responses", "size")
 
     def __init__(
         self,
@@ -740,6 +740,7 @@ class _Tee:
         self.collected: list[bytes] | None = [] if collect else None
         self.size = 0
         self.coding = coding  # a collected body's content coding, undone to read it
+        self.labelled = False  # collected by a recorder: a body labelled an event stream
 
     def take(self, chunk: bytes) -> None:
         """Collect one chunk of a JSON body; past the limit, the body is not kept."""
@@ -765,7 +766,7 @@ class _Tee:
                 return assembled
             # a whole completion under an event stream's type: read as the body it is (the
             # exchange's ``recorder`` None: no stream, as the SDKs read none of it)
-            self.recorder, self.collected = None, recorder.whole
+            self.recorder, self.collected, self.labelled = None, recorder.whole, True
         if status >= 400:
             if self.collected is None:  # past the limit: not kept
                 raise RefusedAnswer(f"upstream answered {status}")
@@ -790,6 +791,11 @@ class _Tee:
             try:
                 parsed = read_answer(body)  # (a lone surrogate escape too, as the SDKs read it)
             except orjson.JSONDecodeError as exc:
+                if self.labelled and _json_lines(body):
+                    raise UnreadableAnswer(
+                        "upstream sent newline-delimited JSON, not an event stream (no data:"
+                        " lines): the openai SDKs read none of it"
+                    ) from None
                 raise UnreadableAnswer(
                     f"upstream answered {status} with a body that is not JSON "
                     f"({len(body)} bytes: {exc})"
@@ -799,6 +805,18 @@ class _Tee:
             except Exception:
                 log.debug("response body is not an answer cachegate reads", exc_info=True)
         return None
+
+
+def _json_lines(body: bytes) -> bool:
+    """Whether ``body`` opens with a line that is a JSON object of its own, more lines after it
+    (an NDJSON stream: Ollama's own API, a gateway's)."""
+    first, _, rest = body.lstrip().partition(b"\n")
+    if not rest.strip():
+        return False
+    try:
+        return isinstance(orjson.loads(first), dict)
+    except orjson.JSONDecodeError:
+        return False
 
 
 class _Held:

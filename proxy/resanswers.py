@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import orjson
 
-from proxy.assemble import AssembledResponse
+from proxy.assemble import MAX_RECORDED_STREAM, AssembledResponse
 from proxy.sse import SSEDecoder
 from proxy.usage import normalize_usage
 
@@ -254,7 +254,7 @@ class ResponsesRecorder:
     The bytes decoded are kept (``seen``, up to ``MAX_SEEN``) until a last event comes, for a
     stream cut before one (``partial_message``). A body that opens a JSON object and holds no
     event is no stream (a gateway that labels every answer ``text/event-stream``): ``finish``
-    sets ``json_body`` and leaves its bytes in ``whole`` (None past ``MAX_SEEN``), for the
+    sets ``json_body`` and leaves its bytes in ``whole`` (None past ``MAX_RECORDED_STREAM``), for the
     relay to read as a body, as ``StreamRecorder`` does."""
 
     __slots__ = (
@@ -311,9 +311,11 @@ class ResponsesRecorder:
             return
         if not self.opened:
             self.opened = data.lstrip()[:1]
-        if self.response is None and self.seen_size <= MAX_SEEN:
+        # (a body that opens a JSON object, read whole if it is one: as a body is, further)
+        most = MAX_RECORDED_STREAM if self.opened == b"{" else MAX_SEEN
+        if self.response is None and self.seen_size <= most:
             self.seen_size += len(data)
-            if self.seen_size <= MAX_SEEN:
+            if self.seen_size <= most:
                 self.seen.append(data)
             else:  # (past it, a cut stream's part is not read: let go, said as dropped)
                 self.seen = []
@@ -433,7 +435,9 @@ class ResponsesRecorder:
         cut = cut or self.skipping  # (an event let go unkept that the end cut)
         if self.opened == b"{" and self.response is None and self.error is None and not self.events:
             self.json_body = True
-            self.whole = self.seen if self.seen_size <= MAX_SEEN else None
+            self.whole = self.seen if self.seen_size <= MAX_RECORDED_STREAM else None
+            self.seen, self.seen_size = [], 0
+            return AssembledResponse({"role": "assistant", "content": None})  # (read: ``whole``)
         if self.response is not None:
             result = assemble_response(self.response, self.last_event)
             if self.error is not None and result.error is None:

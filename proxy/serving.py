@@ -22,6 +22,7 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from proxy.config import url_host
 from proxy.errors import REFUSED_BODY, ProxyError, http_date
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,20 @@ class _Refused(Exception):
 
 INVALID_WARN_EVERY_S: Final = 30.0  # a request HTTP's parser refuses is said at most this often
 _TLS_HANDSHAKE: Final = b"\x16\x03"  # (a TLS record's first bytes: a ClientHello)
+
+
+def _not_a_proxy(target: bytes, host: str, port: int) -> _Refused:
+    """The refusal of a ``CONNECT`` to ``target`` made to cachegate listening at ``host`` and
+    ``port``: it says the base URL to set instead (an IPv6 address in brackets)."""
+    return _Refused(
+        405,
+        "Method Not Allowed",
+        f"cachegate is no HTTP proxy and tunnels nothing (CONNECT {target.decode('latin-1')[:200]}):"
+        f" point the client's base URL at it, OPENAI_BASE_URL=http://{url_host(host)}:{port}/v1,"
+        " not HTTPS_PROXY or HTTP_PROXY",
+        "method_not_allowed",
+        "connect",
+    )
 
 
 class _Refusals:
@@ -263,15 +278,7 @@ class HttpProtocol(HttpToolsProtocol):
         no JSON or forwarded with no ``Content-Encoding``; RFC 9112 6.1: a 501)."""
         if self.parser.get_method() == b"CONNECT":
             where = self.transport.get_extra_info("sockname") or ("127.0.0.1", 8000)
-            return _Refused(
-                405,
-                "Method Not Allowed",
-                "cachegate is no HTTP proxy and tunnels nothing (CONNECT"
-                f" {bytes(self.url).decode('latin-1')[:200]}): point the client's base URL at it,"
-                f" OPENAI_BASE_URL=http://{where[0]}:{where[1]}/v1, not HTTPS_PROXY or HTTP_PROXY",
-                "method_not_allowed",
-                "connect",
-            )
+            return _not_a_proxy(bytes(self.url), where[0], where[1])
         codings = [
             coding.strip().lower()
             for name, value in self.headers

@@ -1568,7 +1568,7 @@ _LITELLM_USAGE = b'"cache_read_input_tokens":0,"cache_creation_input_tokens":0'
 _OPENROUTER_USAGE = b'"prompt_tokens_details":{"cached_tokens":0,"cache_write_tokens":0}'
 
 
-@pytest.mark.parametrize("priced", [True, False])
+@pytest.mark.parametrize("priced", [True, False, None])
 def test_an_audio_models_answer_costs_its_audio_prices_or_is_said_to_be_priced_as_text(
     scripted: Any, proxy_factory: Any, caplog: pytest.LogCaptureFixture, priced: bool
 ) -> None:
@@ -1589,6 +1589,8 @@ def test_an_audio_models_answer_costs_its_audio_prices_or_is_said_to_be_priced_a
     prices = {"price_input": 2.5, "price_output": 10.0}
     if priced:
         prices |= {"price_audio_input": 40.0, "price_audio_output": 80.0}
+    elif priced is None:  # (no prices at all: said as such, not as priced as text)
+        prices = {"context_window": 128000}
     proxy = proxy_factory(url, {"models": {"gpt-4o-audio-preview": prices}})
     client = make_client(proxy.base_url, default_headers={"X-Session-Id": "voice"})
     with caplog.at_level(logging.INFO, logger="proxy.observers"):
@@ -1602,6 +1604,7 @@ def test_an_audio_models_answer_costs_its_audio_prices_or_is_said_to_be_priced_a
         flush(proxy)
     lines = events(proxy.log_dir, "voice", "response")
     expected = (500 * 2.5 + 1500 * 40 + 100 * 10 + 900 * 80) / 1e6 if priced else 0.015
+    expected = 0.0 if priced is None else expected
     for line in lines:
         assert line["usage"]["audio_in"] == 1500 and line["usage"]["audio_out"] == 900
         assert line["cost"]["actual"] == pytest.approx(expected)
@@ -1609,8 +1612,10 @@ def test_an_audio_models_answer_costs_its_audio_prices_or_is_said_to_be_priced_a
         "cachegate_cost_usd_total", {"model": "gpt-4o-audio-preview", "kind": "actual"}
     ) == pytest.approx(2 * expected)
     said = [r.getMessage() for r in caplog.records if "audio tokens" in r.getMessage()]
-    if priced:
+    if priced or priced is None:
         assert said == []
+        if priced is None:
+            assert any("has no prices" in r.getMessage() for r in caplog.records)
     else:  # once for the model, with the keys to set
         assert len(said) == 1, said
         assert "priced as text; set price_audio_input and price_audio_output" in said[0]

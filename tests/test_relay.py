@@ -2933,6 +2933,76 @@ def test_a_whole_completion_labelled_as_an_event_stream_is_read_as_the_answer_it
     assert response["usage"]["prompt"] == 10 and response["error"] is None, response
 
 
+def test_a_large_responses_answer_labelled_as_an_event_stream_is_read_whole(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """Past 1 MiB (the part of a cut stream kept for its text), a Responses API body so
+    labelled was logged with no usage, no cost and no error."""
+    from proxy.eventlog import read_events
+
+    text = "word " * 400_000  # ~2 MB
+    whole = orjson.dumps(
+        {
+            "id": "resp_big",
+            "object": "response",
+            "status": "completed",
+            "output": [
+                {
+                    "type": "message",
+                    "id": "msg_1",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": text}],
+                }
+            ],
+            "usage": {"input_tokens": 1000, "output_tokens": 400_000, "total_tokens": 401_000},
+        }
+    )
+    pieces = [whole[i : i + 65536] for i in range(0, len(whole), 65536)]
+    _upstream, url = scripted(chunks=pieces, content_type=b"text/event-stream")
+    proxy = proxy_factory(url)
+    r = httpx.post(
+        proxy.base_url + "/responses",
+        json={"model": "gpt-4o", "input": "hi"},
+        headers={"X-Session-Id": "big-r"},
+    )
+    assert r.content == whole
+    proxy.settle()
+    [response] = [
+        e for e in read_events(proxy.log_dir / "big-r.jsonl").events if e["type"] == "response"
+    ]
+    assert response["usage"]["prompt"] == 1000 and response["error"] is None
+
+
+def test_a_newline_delimited_json_stream_is_said_to_be_one(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A chat stream sent as NDJSON (one chunk object a line, no ``data:``): not read by the
+    SDKs, and logged as "a body that is not JSON", which sent the user after a syntax error."""
+    from proxy.eventlog import read_events
+
+    line = orjson.dumps(
+        {
+            "id": "c1",
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}],
+        }
+    )
+    _upstream, url = scripted(
+        chunks=[line + b"\n", line + b"\n"], content_type=b"application/x-ndjson"
+    )
+    proxy = proxy_factory(url)
+    httpx.post(
+        proxy.base_url + "/chat/completions",
+        json={**CHAT, "stream": True},
+        headers={"X-Session-Id": "ndjson"},
+    )
+    proxy.settle()
+    [response] = [
+        e for e in read_events(proxy.log_dir / "ndjson.jsonl").events if e["type"] == "response"
+    ]
+    assert response["error"].startswith("upstream sent newline-delimited JSON, not an event stream")
+
+
 @pytest.mark.parametrize(
     ("location", "prefix", "expected"),
     [

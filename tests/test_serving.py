@@ -456,6 +456,14 @@ def test_cachegate_set_as_a_clients_proxy_says_so() -> None:
     assert f"OPENAI_BASE_URL=http://127.0.0.1:{port}/v1" in error["message"]
 
 
+def test_the_base_url_a_connect_is_told_to_use_instead_is_one_a_client_can_use() -> None:
+    """cachegate bound to ::1: the 405 said ``OPENAI_BASE_URL=http://::1:8787/v1``."""
+    refused = serving._not_a_proxy(b"api.openai.com:443", "::1", 8787)
+    assert "OPENAI_BASE_URL=http://[::1]:8787/v1," in refused.message
+    refused = serving._not_a_proxy(b"api.openai.com:443", "127.0.0.1", 8787)
+    assert "OPENAI_BASE_URL=http://127.0.0.1:8787/v1," in refused.message
+
+
 def test_a_request_refused_by_its_head_pipelined_behind_an_answer_gets_its_refusal_after_it() -> (
     None
 ):
