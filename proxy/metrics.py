@@ -53,7 +53,7 @@ def route_label(ex: Exchange) -> str:
 
 REQUEST_STATUSES: Final = (
     *("200", "400", "401", "402", "403", "404", "413", "415", "422", "426", "429", "431", "499"),
-    *("500", "502", "503", "504", "529"),
+    *("500", "501", "502", "503", "504", "529"),
 )
 """Statuses whose series exist from the start (at zero), so that the first one of each shows in a
 rate: Prometheus cannot tell a series' first value from its creation. 200, then what clients and
