@@ -132,6 +132,7 @@ class _Baseline:
         "held",
         "left_behind",
         "model",
+        "places",
         "prompt",
         "read",
         "ready_at",
@@ -188,6 +189,10 @@ class _Baseline:
         # not sub-agents sent alike, which go out together)
         self.resent = False
         self.earlier: _Baseline | None = None
+        # where a repair made its forwarded messages differ from its client's: the client's
+        # index of each forwarded one (-1: cachegate's own), for a later request's divergence
+        # where one of them vanished (``_in_client_terms``); None otherwise
+        self.places: tuple[int, ...] | None = None
 
 
 # How many requests back a baseline's ``earlier`` goes at most (``_as_was``).
@@ -1190,7 +1195,11 @@ class AccountingObserver:
             if ex.status < 400 and not ex.compaction_made:
                 self.metrics.observe_prefix_rewrite(_location_label(divergence))
             shown = _in_client_terms(
-                divergence, ex, compared.message_digests if compared is not None else ()
+                divergence,
+                ex,
+                compared.message_digests if compared is not None else (),
+                chosen if chosen is not None and chosen.fp is compared else None,
+                self.secrets,
             )
             ex.divergence = _divergence_dict(shown)
             if compared is not None and compared.messages:
@@ -1386,6 +1395,8 @@ class AccountingObserver:
                     extra["agent"] = started
                 baselines.insert(0, started)
                 mine = started
+            if mine is not None:
+                mine.places = _client_places(ex)
             _prune(baselines, (extra.get("opening"), extra.get("agent")))
             extra["baselines"] = baselines
         chosen, divergence = ref, ref_divergence
@@ -1977,8 +1988,25 @@ def _summary_at(body: Any, index: int | None) -> bool:
     return isinstance(content, str) and content.startswith(compaction.SUMMARY_MARKER)
 
 
+def _client_places(ex: Exchange) -> tuple[int, ...] | None:
+    """For each message ``ex`` forwarded, its index in the client's history (-1: cachegate's
+    own, a synthetic result or a note), where a repair made them differ; None otherwise."""
+    if not ex.repairs or ex.compacted or ex.route != "chat":
+        return None
+    forwarded = ex.body.get("messages") if isinstance(ex.body, dict) else None
+    client = ex.client_body.get("messages") if isinstance(ex.client_body, dict) else None
+    if not isinstance(forwarded, list) or not isinstance(client, list) or forwarded is client:
+        return None
+    position = {id(message): i for i, message in enumerate(client)}
+    return tuple(position.get(id(message), -1) for message in forwarded)
+
+
 def _in_client_terms(
-    divergence: prefix.Divergence, ex: Exchange, before: Sequence[bytes] = ()
+    divergence: prefix.Divergence,
+    ex: Exchange,
+    before: Sequence[bytes] = (),
+    compared: _Baseline | None = None,
+    secrets: tuple[str, ...] = (),
 ) -> prefix.Divergence:
     """``divergence`` with its message index in the client's history, where a repair made the
     forwarded one differ from it (a synthetic result inserted, an orphan dropped: the repair
@@ -1987,8 +2015,31 @@ def _in_client_terms(
     just before a result the repair dropped as an orphan, they vanished before that result if
     the compared request (``before``: its forwarded messages' digests) still sent it, its call
     with it (the trim made it an orphan), else after it (an orphan all along). A compacted
-    history keeps the forwarded index (a summary stands for many of the client's messages)."""
+    history keeps the forwarded index (a summary stands for many of the client's messages).
+    Where messages vanished from ``compared``, whose own repair had moved or added some
+    (``_Baseline.places``), and this request needed none, the place is where its client had
+    the first of the client's own that vanished (a message typed while tools ran, moved after
+    their results, then deleted: named after the results, or, for Mistral, as cachegate's note
+    before it)."""
     index = divergence.index
+    if (
+        divergence.vanished
+        and divergence.location == "messages"
+        and index is not None
+        and not ex.repairs
+        and not ex.compacted
+        and compared is not None
+        and compared.places is not None
+        and isinstance(compared.body, dict)
+    ):
+        places = compared.places
+        old_messages = compared.body.get("messages")
+        first = next((k for k in range(index, len(places)) if places[k] >= 0), None)
+        if first is not None and isinstance(old_messages, list) and first < len(old_messages):
+            if first == index:
+                return dataclasses.replace(divergence, index=places[first])
+            named = prefix.message_divergence(places[first], old_messages[first], None, secrets)
+            return dataclasses.replace(named, vanished=True, volatile=False, volatile_kind=None)
     if divergence.location != "messages" or index is None or ex.compacted or not ex.repairs:
         return divergence
     forwarded = ex.body.get("messages") if isinstance(ex.body, dict) else None

@@ -3645,3 +3645,47 @@ def test_a_prompt_past_the_long_context_threshold_is_priced_at_the_long_context_
     assert total == pytest.approx(expected + (3_050 * 2.5 + 2 * 15) / 1e6)
     report = run_cli("sessions", "cost", "long", "--log-dir", str(proxy.log_dir), "--json").json()
     assert report["actual"] == pytest.approx(total)
+
+
+@pytest.mark.parametrize(
+    ("model", "ids"),
+    [("gpt-4o", ("call_1", "call_2")), ("mistral-large-latest", ("abcdefghi", "bcdefghij"))],
+)
+def test_a_message_the_repair_had_moved_then_deleted_is_named_where_the_client_had_it(
+    proxy_factory: Any, model: str, ids: tuple[str, str]
+) -> None:
+    """The user typed while two tools ran: the repair moved that message after the results
+    (for Mistral, with its note before it). The user then deleted it: the miss was named at
+    ``messages[5]`` (the unchanged "done" in the new list), for Mistral as cachegate's note
+    vanishing, the user's own text nowhere."""
+    big = " ".join(f"rule {i}: do thing number {i} carefully" for i in range(300))
+
+    def call(i: str) -> dict[str, Any]:
+        return {"id": i, "type": "function", "function": {"name": "read", "arguments": "{}"}}
+
+    first = [
+        {"role": "system", "content": "You are an agent. " + big},
+        {"role": "user", "content": "run both"},
+        {"role": "assistant", "content": None, "tool_calls": [call(ids[0]), call(ids[1])]},
+        {"role": "tool", "tool_call_id": ids[0], "content": "R1"},
+        {"role": "user", "content": "STEER: also check the docs"},
+        {"role": "tool", "tool_call_id": ids[1], "content": "R2"},
+        {"role": "assistant", "content": "done"},
+        {"role": "user", "content": "next"},
+    ]
+    second = [*first[:4], *first[5:], {"role": "assistant", "content": "ok"}]
+    second.append({"role": "user", "content": "more"})
+    with run_simulator(SimConfig(mistral_rules=model.startswith("mistral"))) as upstream:
+        proxy = proxy_factory(upstream.api_base, config())
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "moved"})
+        for messages in (first, second):
+            client.chat.completions.create(model=model, messages=messages)  # type: ignore[arg-type]
+        flush(proxy)
+    line = events(proxy.log_dir, "moved", "response")[1]
+    divergence = line["divergence"]
+    assert (divergence["location"], divergence["index"], divergence["role"]) == (
+        "messages",
+        4,
+        "user",
+    ), divergence
+    assert divergence["old"] == "STEER: also check the docs" and divergence["new"] == ""
