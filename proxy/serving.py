@@ -206,6 +206,7 @@ class HttpProtocol(HttpToolsProtocol):
     _head_over = False  # the parser was stopped in a head past the limit
     _pipeline_over = False  # the parser was stopped at a request past ``max_pipelined``
     _refused: _Refused | None = None  # the parser was stopped at a request refused by its head
+    _codings: bytes | None = None  # the request's Transfer-Encoding fields, joined
     max_pipelined = MAX_PIPELINED
     _began = 0  # requests begun on the connection
     _read_at = 0.0  # when the client's bytes last came (a body's progress)
@@ -226,6 +227,7 @@ class HttpProtocol(HttpToolsProtocol):
         if self._head_since is None:
             self._head_since = self.loop.time()
         self._head_bytes = self._head_fields = 0
+        self._codings = None
         self._began += 1
         super().on_message_begin()
 
@@ -256,6 +258,8 @@ class HttpProtocol(HttpToolsProtocol):
         value = value.rstrip(b" \t")  # (llhttp keeps trailing white space; RFC 9110 5.5)
         if name == b"expect" and value.lower() == b"100-continue":
             self.expect_100_continue = True
+        elif name == b"transfer-encoding":  # (its codings, for ``_refusal``)
+            self._codings = value if self._codings is None else self._codings + b"," + value
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -279,13 +283,9 @@ class HttpProtocol(HttpToolsProtocol):
         if self.parser.get_method() == b"CONNECT":
             where = self.transport.get_extra_info("sockname") or ("127.0.0.1", 8000)
             return _not_a_proxy(bytes(self.url), where[0], where[1])
-        codings = [
-            coding.strip().lower()
-            for name, value in self.headers
-            if name == b"transfer-encoding"
-            for coding in value.split(b",")
-            if coding.strip()
-        ]
+        if self._codings is None:
+            return None
+        codings = [c.strip().lower() for c in self._codings.split(b",") if c.strip()]
         if codings and codings != [b"chunked"]:
             said = b", ".join(codings).decode("latin-1")[:200]
             return _Refused(
