@@ -1550,6 +1550,8 @@ def _without_pieces(line: bytes, secret: bytes, head: bool) -> bytes:
             most = min(len(secret), len(line) - found)
             start = found
             end = found + _common_run(line, found, secret, most, True)
+            if line[end - 1] == 0x5C and not _escaped(line, end - 1, found):
+                end -= 1  # (the key's escape and the line's own, ``\n``, share a backslash)
             cut = line.startswith(_CUT_EDGES, end) and not _escaped(line, end, found)
         else:
             most = min(len(secret), found + KEY_PIECE - done)

@@ -1988,9 +1988,15 @@ def _summary_at(body: Any, index: int | None) -> bool:
     return isinstance(content, str) and content.startswith(compaction.SUMMARY_MARKER)
 
 
+# How the text of a message cachegate adds to a repaired history starts (a synthetic result of
+# the built-in note, Mistral's note between a result and a user message)
+_OWN_TEXT: Final = "[cachegate] "
+
+
 def _client_places(ex: Exchange) -> tuple[int, ...] | None:
     """For each message ``ex`` forwarded, its index in the client's history (-1: cachegate's
-    own, a synthetic result or a note), where a repair made them differ; None otherwise."""
+    own, a synthetic result or a note), where a repair moved or added messages; None otherwise,
+    and where it sent a changed copy of one (which of the client's it stands for is not told)."""
     if not ex.repairs or ex.compacted or ex.route != "chat":
         return None
     forwarded = ex.body.get("messages") if isinstance(ex.body, dict) else None
@@ -1998,7 +2004,19 @@ def _client_places(ex: Exchange) -> tuple[int, ...] | None:
     if not isinstance(forwarded, list) or not isinstance(client, list) or forwarded is client:
         return None
     position = {id(message): i for i, message in enumerate(client)}
-    return tuple(position.get(id(message), -1) for message in forwarded)
+    places = []
+    for message in forwarded:
+        at = position.get(id(message))
+        if at is None:
+            # cachegate's own (a synthetic result, Mistral's note), or a copy of a client's
+            # message that a repair changed (a call's arguments fixed, an orphan result sent as
+            # a user message): which one it stands for is not told here, so none are given
+            content = message.get("content") if isinstance(message, dict) else None
+            if not (isinstance(content, str) and content.startswith(_OWN_TEXT)):
+                return None
+            at = -1
+        places.append(at)
+    return tuple(places)
 
 
 def _in_client_terms(

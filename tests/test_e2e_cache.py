@@ -3689,3 +3689,38 @@ def test_a_message_the_repair_had_moved_then_deleted_is_named_where_the_client_h
         "user",
     ), divergence
     assert divergence["old"] == "STEER: also check the docs" and divergence["new"] == ""
+
+
+@pytest.mark.parametrize("variant", ["bad arguments", "no type"])
+def test_a_call_a_repair_fixed_in_place_then_deleted_is_named_where_the_client_had_it(
+    proxy_factory: Any, variant: str
+) -> None:
+    """A repair that sends a fixed copy of the client's call (its arguments, its type): the
+    copy was taken for cachegate's own message, and, deleted with its result, the result was
+    named as the message gone, one place on."""
+    big = " ".join(f"rule {i}: do thing number {i} carefully" for i in range(300))
+    call: dict[str, Any] = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "read", "arguments": "{bad" if variant == "bad arguments" else "{}"},
+    }
+    if variant == "no type":
+        del call["type"]
+    first = [
+        {"role": "system", "content": "You are an agent. " + big},
+        {"role": "user", "content": "run it"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "R1"},
+        {"role": "assistant", "content": "done"},
+        {"role": "user", "content": "next"},
+    ]
+    second = [*first[:2], *first[4:], {"role": "assistant", "content": "ok"}]
+    second.append({"role": "user", "content": "more"})
+    with run_simulator(SimConfig()) as upstream:
+        proxy = proxy_factory(upstream.api_base, config())
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "fixed"})
+        for messages in (first, second):
+            client.chat.completions.create(model="gpt-4o", messages=messages)  # type: ignore[arg-type]
+        flush(proxy)
+    divergence = events(proxy.log_dir, "fixed", "response")[1]["divergence"]
+    assert (divergence["index"], divergence["role"]) == (2, "assistant"), divergence

@@ -20,6 +20,8 @@ from proxy.eventlog import (
     EventLogWriter,
     LogRead,
     NotALogFile,
+    _as_written,
+    _without,
     choose_base,
     choose_delta,
     enforce_retention,
@@ -1912,6 +1914,21 @@ def test_a_piece_of_a_known_key_cut_in_json_that_escapes_more_than_it_must_is_ta
     contents = [e["appended"][0]["content"] for e in read_events(log_dir / "s.jsonl").events]
     assert contents[:2] == ['{"env":{"TOKEN":"[REDACTED]', '{"env":{"TOKEN":"[REDACTED]']
     assert contents[2] == texts[2]  # (read back whole: the line was not broken)
+
+
+@pytest.mark.parametrize("kind", ['"', "\\"])
+@pytest.mark.parametrize("after", ["\n", "…"])
+def test_a_piece_of_a_key_with_a_quote_or_backslash_cut_before_it_is_taken_out(
+    kind: str, after: str
+) -> None:
+    """A key whose written form has an escape (``\\"``, ``\\\\``), cut just before it and
+    followed by a line end: the run went on through the line's own ``\\n`` (both open with a
+    backslash), ended on its letter, and the piece was left."""
+    key = "kA1b2C3d4E5f6G7h8" + kind + "I9j0K1l2M3n4"
+    line = orjson.dumps({"c": "summary: " + key[:17] + after + "next"})
+    out = _without(line, _as_written([key]))
+    assert b"kA1b2C3d4E5f6G7h" not in out, out
+    assert orjson.loads(out)["c"] == "summary: [REDACTED]" + after + "next"
 
 
 def test_a_key_piece_that_would_start_on_an_escapes_letter_is_left_and_the_line_readable(
