@@ -1993,16 +1993,26 @@ def _summary_at(body: Any, index: int | None) -> bool:
 _OWN_TEXT: Final = "[cachegate] "
 
 
-def _client_places(ex: Exchange) -> tuple[int, ...] | None:
-    """For each message ``ex`` forwarded, its index in the client's history (-1: cachegate's
-    own, a synthetic result or a note), where a repair moved or added messages; None otherwise,
-    and where it sent a changed copy of one (which of the client's it stands for is not told)."""
-    if not ex.repairs or ex.compacted or ex.route != "chat":
+def _repaired_lists(ex: Exchange) -> tuple[list[Any], list[Any]] | None:
+    """The messages ``ex`` forwarded and its client's, where a repair made them differ (not a
+    compacted history: its summary stands for many of the client's); None otherwise."""
+    if not ex.repairs or ex.compacted:
         return None
     forwarded = ex.body.get("messages") if isinstance(ex.body, dict) else None
     client = ex.client_body.get("messages") if isinstance(ex.client_body, dict) else None
     if not isinstance(forwarded, list) or not isinstance(client, list) or forwarded is client:
         return None
+    return forwarded, client
+
+
+def _client_places(ex: Exchange) -> tuple[int, ...] | None:
+    """For each message ``ex`` forwarded, its index in the client's history (-1: cachegate's
+    own, a synthetic result or a note), where a repair moved or added messages; None otherwise,
+    and where it sent a changed copy of one (which of the client's it stands for is not told)."""
+    lists = _repaired_lists(ex) if ex.route == "chat" else None
+    if lists is None:
+        return None
+    forwarded, client = lists
     position = {id(message): i for i, message in enumerate(client)}
     places = []
     for message in forwarded:
@@ -2058,12 +2068,12 @@ def _in_client_terms(
                 return dataclasses.replace(divergence, index=places[first])
             named = prefix.message_divergence(places[first], old_messages[first], None, secrets)
             return dataclasses.replace(named, vanished=True, volatile=False, volatile_kind=None)
-    if divergence.location != "messages" or index is None or ex.compacted or not ex.repairs:
+    if divergence.location != "messages" or index is None:
         return divergence
-    forwarded = ex.body.get("messages") if isinstance(ex.body, dict) else None
-    client = ex.client_body.get("messages") if isinstance(ex.client_body, dict) else None
-    if not isinstance(forwarded, list) or not isinstance(client, list) or forwarded is client:
+    lists = _repaired_lists(ex)
+    if lists is None:
         return divergence
+    forwarded, client = lists
     position = {id(message): i for i, message in enumerate(client)}
     at = 0
     start = index
