@@ -118,10 +118,12 @@ _TLS_HANDSHAKE: Final = b"\x16\x03"  # (a TLS record's first bytes: a ClientHell
 def _not_a_proxy(target: bytes, host: str, port: int) -> _Refused:
     """The refusal of a ``CONNECT`` to ``target`` made to cachegate listening at ``host`` and
     ``port``: it says the base URL to set instead (an IPv6 address in brackets)."""
+    # (the client's bytes, said on stderr too: printable ones only, no terminal escapes)
+    shown = "".join(c if " " < c < "\x7f" else "?" for c in target[:200].decode("latin-1"))
     return _Refused(
         405,
         "Method Not Allowed",
-        f"cachegate is no HTTP proxy and tunnels nothing (CONNECT {target.decode('latin-1')[:200]}):"
+        f"cachegate is no HTTP proxy and tunnels nothing (CONNECT {shown}):"
         f" point the client's base URL at it, OPENAI_BASE_URL=http://{url_host(host)}:{port}/v1,"
         " not HTTPS_PROXY or HTTP_PROXY",
         "method_not_allowed",

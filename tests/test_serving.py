@@ -462,6 +462,9 @@ def test_the_base_url_a_connect_is_told_to_use_instead_is_one_a_client_can_use()
     assert "OPENAI_BASE_URL=http://[::1]:8787/v1," in refused.message
     refused = serving._not_a_proxy(b"api.openai.com:443", "127.0.0.1", 8787)
     assert "OPENAI_BASE_URL=http://127.0.0.1:8787/v1," in refused.message
+    # the client's target, said on stderr: no terminal escapes
+    refused = serving._not_a_proxy(b"\x1b[2Jevil:443", "127.0.0.1", 8787)
+    assert "\x1b" not in refused.message and "(CONNECT ?[2Jevil:443)" in refused.message
 
 
 def test_a_request_refused_by_its_head_pipelined_behind_an_answer_gets_its_refusal_after_it() -> (
