@@ -1993,6 +1993,12 @@ def _summary_at(body: Any, index: int | None) -> bool:
 _OWN_TEXT: Final = "[cachegate] "
 
 
+def _own(message: Any) -> bool:
+    """Whether ``message`` is one cachegate added to a repaired history (``_OWN_TEXT``)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    return isinstance(content, str) and content.startswith(_OWN_TEXT)
+
+
 def _repaired_lists(ex: Exchange) -> tuple[list[Any], list[Any]] | None:
     """The messages ``ex`` forwarded and its client's, where a repair made them differ (not a
     compacted history: its summary stands for many of the client's); None otherwise."""
@@ -2021,8 +2027,7 @@ def _client_places(ex: Exchange) -> tuple[int, ...] | None:
             # cachegate's own (a synthetic result, Mistral's note), or a copy of a client's
             # message that a repair changed (a call's arguments fixed, an orphan result sent as
             # a user message): which one it stands for is not told here, so none are given
-            content = message.get("content") if isinstance(message, dict) else None
-            if not (isinstance(content, str) and content.startswith(_OWN_TEXT)):
+            if not _own(message):
                 return None
             at = -1
         places.append(at)
@@ -2075,6 +2080,20 @@ def _in_client_terms(
         return divergence
     forwarded, client = lists
     position = {id(message): i for i, message in enumerate(client)}
+    if (
+        not divergence.vanished
+        and index + 1 < len(forwarded)
+        and position.get(id(forwarded[index])) is None
+        and _own(forwarded[index])
+        and forwarded[index].get("role") == "assistant"  # (a note; not a synthetic result)
+    ):
+        # cachegate's note before a message the client put in (Mistral's, before a message
+        # typed while tools ran, which the repair moved after their results): that message
+        # is the difference, where the client put it
+        after = position.get(id(forwarded[index + 1]))
+        if after is not None and prefix.message_digest(forwarded[index + 1]) not in before:
+            named = prefix.message_divergence(after, None, forwarded[index + 1], secrets)
+            return dataclasses.replace(named, volatile=False, volatile_kind=None)
     at = 0
     start = index
     if divergence.vanished and index < len(forwarded):

@@ -3691,6 +3691,43 @@ def test_a_message_the_repair_had_moved_then_deleted_is_named_where_the_client_h
     assert divergence["old"] == "STEER: also check the docs" and divergence["new"] == ""
 
 
+@pytest.mark.parametrize(
+    ("model", "ids"),
+    [("gpt-4o", ("call_1", "call_2")), ("mistral-large-latest", ("abcdefghi", "bcdefghij"))],
+)
+def test_a_message_typed_while_tools_ran_is_named_where_the_client_put_it(
+    proxy_factory: Any, model: str, ids: tuple[str, str]
+) -> None:
+    """A turn whose client put the user's message between a call and its results: the repair
+    moves it after them, for Mistral with its note before it; the new message was named as
+    cachegate's note appearing after the results (``messages[5]``, an assistant's), the
+    user's own text nowhere."""
+    big = " ".join(f"rule {i}: do thing number {i} carefully" for i in range(300))
+
+    def call(i: str) -> dict[str, Any]:
+        return {"id": i, "type": "function", "function": {"name": "read", "arguments": "{}"}}
+
+    first = [
+        {"role": "system", "content": "You are an agent. " + big},
+        {"role": "user", "content": "run both"},
+        {"role": "assistant", "content": None, "tool_calls": [call(ids[0]), call(ids[1])]},
+        {"role": "tool", "tool_call_id": ids[0], "content": "R1"},
+        {"role": "tool", "tool_call_id": ids[1], "content": "R2"},
+        {"role": "assistant", "content": "done"},
+        {"role": "user", "content": "next"},
+    ]
+    second = [*first[:3], {"role": "user", "content": "STEER: also check the docs"}, *first[3:]]
+    with run_simulator(SimConfig(mistral_rules=model.startswith("mistral"))) as upstream:
+        proxy = proxy_factory(upstream.api_base, config())
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "typed"})
+        for messages in (first, second):
+            client.chat.completions.create(model=model, messages=messages)  # type: ignore[arg-type]
+        flush(proxy)
+    divergence = events(proxy.log_dir, "typed", "response")[1]["divergence"]
+    assert (divergence["index"], divergence["role"]) == (3, "user"), divergence
+    assert divergence["new"] == "STEER: also check the docs" and divergence["old"] == ""
+
+
 @pytest.mark.parametrize("variant", ["bad arguments", "no type"])
 def test_a_call_a_repair_fixed_in_place_then_deleted_is_named_where_the_client_had_it(
     proxy_factory: Any, variant: str
