@@ -108,7 +108,7 @@ class _Summary:
         return 0.0
 
 
-class _NotACompletion(ValueError):
+class NotAChatCompletion(ValueError):
     """A summarizer's 200 whose JSON is no chat completion (a gateway's own shape, a list)."""
 
 
@@ -1501,7 +1501,7 @@ class Compactor:
                     else None
                 )
                 if not isinstance(message, dict):
-                    raise _NotACompletion(
+                    raise NotAChatCompletion(
                         "answered 200 with a body that is no chat completion (no"
                         f" choices[0].message: {_shape(answer)})"
                     )
@@ -1529,7 +1529,7 @@ class Compactor:
                 "summarizer failed after %.1fs (%s%s); using the extractive summary",
                 time.perf_counter() - started,
                 type(exc).__name__,
-                f": {exc}" if stage == "error_event" or isinstance(exc, _NotACompletion) else "",
+                f": {exc}" if stage == "error_event" or isinstance(exc, NotAChatCompletion) else "",
             )
             if isinstance(exc, httpx.PoolTimeout):
                 stage = ""  # cachegate's own pool, full: no upstream error
