@@ -162,8 +162,13 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[str, Any]]:
         log.close()
 
 
-def query(client: httpx.Client, expr: str) -> dict[str, Any]:
-    response = client.get("/api/v1/query", params={"query": expr})
+def query(client: httpx.Client, expr: str, at: float | None = None) -> dict[str, Any]:
+    """``expr`` evaluated now, or at ``at`` (a Unix time: queries compared with one another are
+    evaluated at one instant, their rates' windows alike)."""
+    params: dict[str, Any] = {"query": expr}
+    if at is not None:
+        params["time"] = f"{at:.3f}"
+    response = client.get("/api/v1/query", params=params)
     payload: dict[str, Any] = response.json()
     assert response.status_code == 200 and payload["status"] == "success", (expr, payload)
     return payload["data"]
@@ -371,11 +376,12 @@ def test_a_redirect_the_client_follows_is_no_error_in_the_error_ratio(
             assert failed.status_code == 500
         wait_for_scrapes(prom, 6)
         (expr,) = [e for _, title, e in dashboard_queries() if title == "Error ratio"]
-        (result,) = query(prom, expr)["result"]
+        at = time.time()  # (one instant for the queries compared: a rate's window moves)
+        (result,) = query(prom, expr, at)["result"]
         rate = "sum(rate(cachegate_requests_total{%s}[1m]))"
-        redirects = query(prom, rate % 'status="307"')["result"]
+        redirects = query(prom, rate % 'status="307"', at)["result"]
         assert float(redirects[0]["value"][1]) > 0  # (the redirects are in the window)
         ratio = (rate % 'status="500"') + " / " + (rate % "")
-        (failures,) = query(prom, ratio)["result"]
+        (failures,) = query(prom, ratio, at)["result"]
         # the 500 alone (the same sums in another order: equal but for rounding)
         assert abs(float(result["value"][1]) - float(failures["value"][1])) < 1e-9
