@@ -3647,10 +3647,39 @@ def test_a_prompt_past_the_long_context_threshold_is_priced_at_the_long_context_
     assert report["actual"] == pytest.approx(total)
 
 
-@pytest.mark.parametrize(
+_LONG_PROMPT = "You are an agent. " + " ".join(
+    f"rule {i}: do thing number {i} carefully" for i in range(300)
+)
+_MODELS_AND_IDS = pytest.mark.parametrize(
     ("model", "ids"),
     [("gpt-4o", ("call_1", "call_2")), ("mistral-large-latest", ("abcdefghi", "bcdefghij"))],
 )
+
+
+def _read_call(call_id: str, arguments: str = "{}") -> dict[str, Any]:
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": "read", "arguments": arguments},
+    }
+
+
+def _second_turns_divergence(
+    proxy_factory: Any, model: str, first: list[dict[str, Any]], second: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The divergence logged for ``second``, sent after ``first`` in one session through
+    cachegate to a simulator (of Mistral's rules for a Mistral model)."""
+    with run_simulator(SimConfig(mistral_rules=model.startswith("mistral"))) as upstream:
+        proxy = proxy_factory(upstream.api_base, config())
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "turns"})
+        for messages in (first, second):
+            client.chat.completions.create(model=model, messages=messages)  # type: ignore[arg-type]
+        flush(proxy)
+    divergence: dict[str, Any] = events(proxy.log_dir, "turns", "response")[1]["divergence"]
+    return divergence
+
+
+@_MODELS_AND_IDS
 def test_a_message_the_repair_had_moved_then_deleted_is_named_where_the_client_had_it(
     proxy_factory: Any, model: str, ids: tuple[str, str]
 ) -> None:
@@ -3658,15 +3687,10 @@ def test_a_message_the_repair_had_moved_then_deleted_is_named_where_the_client_h
     (for Mistral, with its note before it). The user then deleted it: the miss was named at
     ``messages[5]`` (the unchanged "done" in the new list), for Mistral as cachegate's note
     vanishing, the user's own text nowhere."""
-    big = " ".join(f"rule {i}: do thing number {i} carefully" for i in range(300))
-
-    def call(i: str) -> dict[str, Any]:
-        return {"id": i, "type": "function", "function": {"name": "read", "arguments": "{}"}}
-
     first = [
-        {"role": "system", "content": "You are an agent. " + big},
+        {"role": "system", "content": _LONG_PROMPT},
         {"role": "user", "content": "run both"},
-        {"role": "assistant", "content": None, "tool_calls": [call(ids[0]), call(ids[1])]},
+        {"role": "assistant", "content": None, "tool_calls": [_read_call(i) for i in ids]},
         {"role": "tool", "tool_call_id": ids[0], "content": "R1"},
         {"role": "user", "content": "STEER: also check the docs"},
         {"role": "tool", "tool_call_id": ids[1], "content": "R2"},
@@ -3675,14 +3699,7 @@ def test_a_message_the_repair_had_moved_then_deleted_is_named_where_the_client_h
     ]
     second = [*first[:4], *first[5:], {"role": "assistant", "content": "ok"}]
     second.append({"role": "user", "content": "more"})
-    with run_simulator(SimConfig(mistral_rules=model.startswith("mistral"))) as upstream:
-        proxy = proxy_factory(upstream.api_base, config())
-        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "moved"})
-        for messages in (first, second):
-            client.chat.completions.create(model=model, messages=messages)  # type: ignore[arg-type]
-        flush(proxy)
-    line = events(proxy.log_dir, "moved", "response")[1]
-    divergence = line["divergence"]
+    divergence = _second_turns_divergence(proxy_factory, model, first, second)
     assert (divergence["location"], divergence["index"], divergence["role"]) == (
         "messages",
         4,
@@ -3691,10 +3708,7 @@ def test_a_message_the_repair_had_moved_then_deleted_is_named_where_the_client_h
     assert divergence["old"] == "STEER: also check the docs" and divergence["new"] == ""
 
 
-@pytest.mark.parametrize(
-    ("model", "ids"),
-    [("gpt-4o", ("call_1", "call_2")), ("mistral-large-latest", ("abcdefghi", "bcdefghij"))],
-)
+@_MODELS_AND_IDS
 def test_a_message_typed_while_tools_ran_is_named_where_the_client_put_it(
     proxy_factory: Any, model: str, ids: tuple[str, str]
 ) -> None:
@@ -3702,28 +3716,17 @@ def test_a_message_typed_while_tools_ran_is_named_where_the_client_put_it(
     moves it after them, for Mistral with its note before it; the new message was named as
     cachegate's note appearing after the results (``messages[5]``, an assistant's), the
     user's own text nowhere."""
-    big = " ".join(f"rule {i}: do thing number {i} carefully" for i in range(300))
-
-    def call(i: str) -> dict[str, Any]:
-        return {"id": i, "type": "function", "function": {"name": "read", "arguments": "{}"}}
-
     first = [
-        {"role": "system", "content": "You are an agent. " + big},
+        {"role": "system", "content": _LONG_PROMPT},
         {"role": "user", "content": "run both"},
-        {"role": "assistant", "content": None, "tool_calls": [call(ids[0]), call(ids[1])]},
+        {"role": "assistant", "content": None, "tool_calls": [_read_call(i) for i in ids]},
         {"role": "tool", "tool_call_id": ids[0], "content": "R1"},
         {"role": "tool", "tool_call_id": ids[1], "content": "R2"},
         {"role": "assistant", "content": "done"},
         {"role": "user", "content": "next"},
     ]
     second = [*first[:3], {"role": "user", "content": "STEER: also check the docs"}, *first[3:]]
-    with run_simulator(SimConfig(mistral_rules=model.startswith("mistral"))) as upstream:
-        proxy = proxy_factory(upstream.api_base, config())
-        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "typed"})
-        for messages in (first, second):
-            client.chat.completions.create(model=model, messages=messages)  # type: ignore[arg-type]
-        flush(proxy)
-    divergence = events(proxy.log_dir, "typed", "response")[1]["divergence"]
+    divergence = _second_turns_divergence(proxy_factory, model, first, second)
     assert (divergence["index"], divergence["role"]) == (3, "user"), divergence
     assert divergence["new"] == "STEER: also check the docs" and divergence["old"] == ""
 
@@ -3735,16 +3738,11 @@ def test_a_call_a_repair_fixed_in_place_then_deleted_is_named_where_the_client_h
     """A repair that sends a fixed copy of the client's call (its arguments, its type): the
     copy was taken for cachegate's own message, and, deleted with its result, the result was
     named as the message gone, one place on."""
-    big = " ".join(f"rule {i}: do thing number {i} carefully" for i in range(300))
-    call: dict[str, Any] = {
-        "id": "call_1",
-        "type": "function",
-        "function": {"name": "read", "arguments": "{bad" if variant == "bad arguments" else "{}"},
-    }
+    call = _read_call("call_1", "{bad" if variant == "bad arguments" else "{}")
     if variant == "no type":
         del call["type"]
     first = [
-        {"role": "system", "content": "You are an agent. " + big},
+        {"role": "system", "content": _LONG_PROMPT},
         {"role": "user", "content": "run it"},
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": "R1"},
@@ -3753,11 +3751,5 @@ def test_a_call_a_repair_fixed_in_place_then_deleted_is_named_where_the_client_h
     ]
     second = [*first[:2], *first[4:], {"role": "assistant", "content": "ok"}]
     second.append({"role": "user", "content": "more"})
-    with run_simulator(SimConfig()) as upstream:
-        proxy = proxy_factory(upstream.api_base, config())
-        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "fixed"})
-        for messages in (first, second):
-            client.chat.completions.create(model="gpt-4o", messages=messages)  # type: ignore[arg-type]
-        flush(proxy)
-    divergence = events(proxy.log_dir, "fixed", "response")[1]["divergence"]
+    divergence = _second_turns_divergence(proxy_factory, "gpt-4o", first, second)
     assert (divergence["index"], divergence["role"]) == (2, "assistant"), divergence

@@ -2871,20 +2871,7 @@ def test_a_whole_completion_labelled_as_an_event_stream_is_read_as_the_answer_it
     chunk of it: the note says so."""
     from proxy.eventlog import read_events
 
-    answer = orjson.dumps(
-        {
-            "id": "c1",
-            "object": "chat.completion",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "hello"},
-                    "finish_reason": "stop",
-                }
-            ],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12},
-        }
-    )
+    answer = completion("hello", 10, 2)
     pieces = [b"\n" + answer[:20], answer[20:]] if chunked else [answer]
     _upstream, url = scripted(chunks=pieces, content_type=b"text/event-stream; charset=utf-8")
     proxy = proxy_factory(url)
