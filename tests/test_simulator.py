@@ -241,8 +241,8 @@ def test_prompt_over_the_context_window_is_refused(sim: RunningSimulator) -> Non
 def test_fields_of_the_wrong_type_are_refused_with_openais_texts(sim: RunningSimulator) -> None:
     """Refused by OpenAI, accepted by the simulator: a test against it would pass on a request
     the provider refuses (a stream asked for with the string "false", stream_options on a
-    request that does not stream, a model that is a number); and texts or codes that differed
-    from OpenAI's."""
+    request that does not stream, a model that is a number, stream options that are no object
+    or whose flags are no booleans); and texts or codes that differed from OpenAI's."""
     user = [{"role": "user", "content": "x"}]
     cases: list[tuple[dict[str, Any], str, str | None, str | None]] = [
         (
@@ -280,6 +280,36 @@ def test_fields_of_the_wrong_type_are_refused_with_openais_texts(sim: RunningSim
             {"model": "gpt-4o", "messages": ["hi"]},
             "Invalid type for 'messages[0]': expected an object, but got a string instead.",
             "messages[0]",
+            "invalid_type",
+        ),
+        (
+            {"model": "gpt-4o", "messages": user, "stream": True, "stream_options": "usage"},
+            "Invalid type for 'stream_options': expected an object, but got a string instead.",
+            "stream_options",
+            "invalid_type",
+        ),
+        (
+            {
+                "model": "gpt-4o",
+                "messages": user,
+                "stream": True,
+                "stream_options": {"include_usage": "true"},
+            },
+            "Invalid type for 'stream_options.include_usage': expected a boolean, but got a"
+            " string instead.",
+            "stream_options.include_usage",
+            "invalid_type",
+        ),
+        (
+            {
+                "model": "gpt-4o",
+                "messages": user,
+                "stream": True,
+                "stream_options": {"include_obfuscation": 0},
+            },
+            "Invalid type for 'stream_options.include_obfuscation': expected a boolean, but got"
+            " an integer instead.",
+            "stream_options.include_obfuscation",
             "invalid_type",
         ),
     ]

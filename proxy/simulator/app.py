@@ -255,6 +255,29 @@ def _seconds(text: str, header: str) -> float:
     return value
 
 
+def _refused_stream_options(options: Any) -> Response | None:
+    """OpenAI's 400 for a ``stream_options`` of the wrong type, or one of its two flags not a
+    boolean (a string ``"true"``, a number); None where it is fine (absent, null, an object)."""
+    if options is None:
+        return None
+    if not isinstance(options, dict):
+        message = (
+            "Invalid type for 'stream_options': expected an object, but got"
+            f" {json_kind(options)} instead."
+        )
+        return _error(400, message, "stream_options", "invalid_type")
+    for flag in ("include_usage", "include_obfuscation"):
+        value = options.get(flag)
+        if value is not None and not isinstance(value, bool):
+            where = f"stream_options.{flag}"
+            message = (
+                f"Invalid type for '{where}': expected a boolean, but got {json_kind(value)}"
+                " instead."
+            )
+            return _error(400, message, where, "invalid_type")
+    return None
+
+
 def _refused_n(value: Any) -> Response | None:
     """OpenAI's refusal of an ``n`` that is no whole number from 1 to 128, else None."""
     if type(value) is not int:
@@ -354,6 +377,9 @@ class _Handlers:
                 return _error(400, message, key, "invalid_type")
         if body.get("stream_options") is not None and body.get("stream") is not True:
             return _error(400, STREAM_OPTIONS_UNSTREAMED_TEXT, "stream_options")
+        refused_options = _refused_stream_options(body.get("stream_options"))
+        if refused_options is not None:
+            return refused_options
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):  # (a TypeError, a 500, before)
             kind = json_kind(tools)
