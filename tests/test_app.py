@@ -74,6 +74,43 @@ def test_streaming_text(sim: RunningSimulator, sdk: Any, proxy_factory: Any) -> 
     assert proxy.metric("cachegate_tokens_total", {"model": "gpt-4o", "kind": "completion"}) > 0
 
 
+@pytest.mark.parametrize("usage", [False, True])
+def test_a_stream_with_logprobs_reaches_the_client_as_the_provider_sent_it(
+    usage: bool, sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """Chunks that carry each token's log probabilities (``logprobs: true``) are larger and
+    put ``logprobs`` before ``finish_reason``: relayed, with the usage cachegate asked for
+    taken out where the client did not ask, they are the bytes a direct connection gets; the
+    log has the answer's text and usage."""
+    from proxy.eventlog import read_events
+
+    proxy = proxy_factory(sim.api_base)
+    body = {
+        "model": "gpt-4o",
+        "messages": [{"role": "user", "content": "tell me about ünïcødé, briefly"}],
+        "stream": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    got = {}
+    for name, base in (("direct", sim.api_base), ("proxied", proxy.base_url)):
+        sim.sim.reset()  # (the same ids, the same cache: the same bytes)
+        answer = httpx.post(base + "/chat/completions", json=body, timeout=30)
+        assert answer.status_code == 200, answer.text
+        got[name] = answer.content
+    assert got["proxied"] == got["direct"]
+    assert got["direct"].count(b'"top_logprobs":[{') > 3
+    assert (b'"usage":{' in got["direct"]) is usage
+    assert sim.sim.requests[-1].body["stream_options"] == {"include_usage": True}
+    proxy.settle()
+    (path,) = proxy.log_dir.glob("*.jsonl")
+    (response,) = [e for e in read_events(path).events if e["type"] == "response"]
+    assert response["message"]["content"] == "You said: tell me about ünïcødé, briefly"
+    assert response["usage"]["completion"] > 0
+
+
 @pytest.mark.parametrize("interleave", [False, True])
 def test_streaming_parallel_tool_calls(interleave: bool, sdk: Any, proxy_factory: Any) -> None:
     """Each call whole in turn, as OpenAI sends them, or interleaved by index, as some compatible

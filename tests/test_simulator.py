@@ -1930,3 +1930,49 @@ def test_n_choices_plain_and_streamed_as_openai_gives_them(sim: RunningSimulator
         refused = post(sim, chat_body(hello, n=n))
         assert refused.status_code == 400 and refused.json()["error"]["code"] == code
     assert post(sim, chat_body(hello, n="2")).json()["error"]["code"] == "invalid_type"
+
+
+def test_logprobs_are_given_when_asked_plain_and_streamed(sim: RunningSimulator, sdk: Any) -> None:
+    """``logprobs`` was ignored (null in every choice), so a client that reads token
+    probabilities could not be tried, nor what a proxy does with chunks that carry them. Asked,
+    each token of the text comes with its log probability, its bytes and ``top_logprobs``
+    alternatives, the token first; the same text gets the same figures, plain or streamed;
+    values OpenAI refuses are refused."""
+    client = sdk(sim.api_base)
+    asks = [{"role": "user", "content": "héllo there"}]
+    plain = client.chat.completions.create(
+        model="gpt-4o", messages=asks, logprobs=True, top_logprobs=3
+    )
+    choice = plain.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    tokens = choice.logprobs.content
+    assert "".join(t.token for t in tokens) == choice.message.content == "You said: héllo there"
+    for t in tokens:
+        assert bytes(t.bytes or []) == t.token.encode() and -4 < t.logprob <= 0
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
+        assert [a.logprob for a in t.top_logprobs] == sorted(
+            (a.logprob for a in t.top_logprobs), reverse=True
+        )
+    unasked = client.chat.completions.create(model="gpt-4o", messages=asks)
+    assert unasked.choices[0].logprobs is None
+    streamed = list(
+        client.chat.completions.create(
+            model="gpt-4o", messages=asks, logprobs=True, top_logprobs=3, stream=True
+        )
+    )
+    entries = [
+        t for c in streamed if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content or []
+    ]  # fmt: skip
+    assert [t.model_dump() for t in entries] == [t.model_dump() for t in tokens]
+    no_top = client.chat.completions.create(model="gpt-4o", messages=asks, logprobs=True)
+    assert [t.top_logprobs for t in no_top.choices[0].logprobs.content or []] == [[]] * len(tokens)
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({"logprobs": "yes"}, "logprobs", "invalid_type"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "integer_above_max_value"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "integer_below_min_value"),
+        ({"logprobs": True, "top_logprobs": "2"}, "top_logprobs", "invalid_type"),
+    ]
+    for extra, param, code in cases:
+        error = post(sim, chat_body(asks, **extra)).json()["error"]
+        assert (error["param"], error["code"]) == (param, code), extra

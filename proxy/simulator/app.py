@@ -278,6 +278,34 @@ def _refused_stream_options(options: Any) -> Response | None:
     return None
 
 
+def _refused_logprobs(logprobs: Any, top: Any) -> Response | None:
+    """OpenAI's 400 for a ``logprobs`` that is no boolean or a ``top_logprobs`` that is no
+    whole number from 0 to 20, else None (both may be null)."""
+    if logprobs is not None and not isinstance(logprobs, bool):
+        kind = json_kind(logprobs)
+        message = f"Invalid type for 'logprobs': expected a boolean, but got {kind} instead."
+        return _error(400, message, "logprobs", "invalid_type")
+    if top is None:
+        return None
+    if type(top) is not int:
+        kind = json_kind(top)
+        message = f"Invalid type for 'top_logprobs': expected an integer, but got {kind} instead."
+        return _error(400, message, "top_logprobs", "invalid_type")
+    if top < 0:
+        message = (
+            "Invalid 'top_logprobs': integer below minimum value. Expected a value >= 0, but got"
+            f" {top} instead."
+        )
+        return _error(400, message, "top_logprobs", "integer_below_min_value")
+    if top > 20:
+        message = (
+            "Invalid 'top_logprobs': integer above maximum value. Expected a value <= 20, but got"
+            f" {top} instead."
+        )
+        return _error(400, message, "top_logprobs", "integer_above_max_value")
+    return None
+
+
 def _refused_n(value: Any) -> Response | None:
     """OpenAI's refusal of an ``n`` that is no whole number from 1 to 128, else None."""
     if type(value) is not int:
@@ -380,6 +408,11 @@ class _Handlers:
         refused_options = _refused_stream_options(body.get("stream_options"))
         if refused_options is not None:
             return refused_options
+        refused_logprobs = _refused_logprobs(body.get("logprobs"), body.get("top_logprobs"))
+        if refused_logprobs is not None:
+            return refused_logprobs
+        top = body.get("top_logprobs") or 0
+        logprobs = top if body.get("logprobs") is True else None
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):  # (a TypeError, a 500, before)
             kind = json_kind(tools)
@@ -493,6 +526,7 @@ class _Handlers:
                 interleave=self.config.interleave_tool_calls,
                 service_tier=tier,
                 replies=replies,
+                logprobs=logprobs,
             )
             if self.config.refuse_stream_options and chunks:
                 # (Mistral, which refuses the option, puts the usage in its last chunk unasked)
@@ -512,6 +546,7 @@ class _Handlers:
             usage=usage,
             service_tier=tier,
             replies=replies,
+            logprobs=logprobs,
         )
         return self._plain_body(orjson.dumps(obj), fault, controls.stall_s, request_id)
 

@@ -39,6 +39,27 @@ def pieces(text: str) -> list[str]:
     return _PIECE.findall(text)
 
 
+def token_logprobs(text: str, top: int) -> list[dict[str, Any]]:
+    """``logprobs.content`` for ``text``, as OpenAI's chat completions give it when asked
+    (``logprobs: true``): an entry per stream piece (a token, here), each with its ``token``,
+    a ``logprob`` in (-4, 0], its UTF-8 ``bytes`` and ``top`` alternatives (``top_logprobs``),
+    the token itself first; the same text gets the same figures."""
+    return [_logprob_entry(piece, top) for piece in pieces(text)]
+
+
+def _logprob_entry(token: str, top: int) -> dict[str, Any]:
+    raw = token.encode("utf-8", "surrogatepass")
+    digest = hashlib.blake2b(raw, digest_size=4).digest()
+    logprob = -round(int.from_bytes(digest, "big") / 2**32 * 4, 6)
+    entry: dict[str, Any] = {"token": token, "logprob": logprob, "bytes": list(raw)}
+    others = [(token, logprob)] + [(f"{token}{k}", logprob - 2.0 * k) for k in range(1, top)]
+    entry["top_logprobs"] = [
+        {"token": t, "logprob": round(lp, 6), "bytes": list(t.encode("utf-8", "surrogatepass"))}
+        for t, lp in others[:top]
+    ]
+    return entry
+
+
 def encode_event(obj: Any) -> bytes:
     """One SSE ``data:`` event carrying ``obj`` as compact JSON."""
     return b"data: " + orjson.dumps(obj) + b"\n\n"
@@ -103,9 +124,11 @@ def completion_object(
     usage: dict[str, Any],
     service_tier: str | None = None,
     replies: Sequence[Reply] | None = None,
+    logprobs: int | None = None,
 ) -> dict[str, Any]:
     """The non-streaming ``chat.completion`` body (``service_tier``: as ``stream_chunks``), a
-    choice for each of ``replies`` (``n``), else for ``reply``."""
+    choice for each of ``replies`` (``n``), else for ``reply``; with ``logprobs`` (the number of
+    alternatives asked, ``top_logprobs``), each choice's tokens' log probabilities."""
 
     def choice(index: int, said: Reply) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": said.content}
@@ -114,10 +137,15 @@ def completion_object(
         if dialect == "openai":
             message["refusal"] = None
             message["annotations"] = []
+        chances = None
+        if logprobs is not None:
+            text = said.content
+            content = token_logprobs(text, logprobs) if text is not None else None
+            chances = {"content": content, "refusal": None}
         return {
             "index": index,
             "message": message,
-            "logprobs": None,
+            "logprobs": chances,
             "finish_reason": said.finish_reason,
         }
 
@@ -170,11 +198,13 @@ def stream_chunks(
     service_tier: str | None = None,
     replies: Sequence[Reply] | None = None,
     index: int = 0,
+    logprobs: int | None = None,
 ) -> list[dict[str, Any]]:
     """Every ``chat.completion.chunk`` of a streamed reply, in order ([DONE] not included);
     ``service_tier``: the processing tier each chunk names (a request's ``flex`` or
     ``priority``, as OpenAI names the tier it used). With ``replies`` (``n`` of them), each
-    choice's chunks by its index, the choices' taken in turn."""
+    choice's chunks by its index, the choices' taken in turn. With ``logprobs`` (as
+    ``completion_object``'s), each content chunk carries its token's."""
     nulls = include_usage
     pad = obfuscation and dialect == "openai"
     if replies is not None and len(replies) > 1:
@@ -191,6 +221,7 @@ def stream_chunks(
                 interleave=interleave,
                 service_tier=service_tier,
                 index=i,
+                logprobs=logprobs,
             )
             for i, said in enumerate(replies)
         ]
@@ -214,7 +245,9 @@ def stream_chunks(
             merged.append(tail)
         return merged
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    def chunk(
+        delta: dict[str, Any], finish: str | None = None, chances: Any = None
+    ) -> dict[str, Any]:
         out: dict[str, Any] = {
             "id": completion_id,
             "object": "chat.completion.chunk",
@@ -222,7 +255,7 @@ def stream_chunks(
             "model": model,
             "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [
-                {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+                {"index": index, "delta": delta, "logprobs": chances, "finish_reason": finish}
             ],
         }
         if service_tier is not None:
@@ -240,7 +273,13 @@ def stream_chunks(
     if dialect == "openai":
         role["refusal"] = None
     chunks = [chunk(role)]
-    chunks += [chunk({"content": p}) for p in pieces(reply.content or "")]
+    if logprobs is None:
+        chunks += [chunk({"content": p}) for p in pieces(reply.content or "")]
+    else:
+        chunks += [
+            chunk({"content": p}, None, {"content": [_logprob_entry(p, logprobs)], "refusal": None})
+            for p in pieces(reply.content or "")
+        ]
     chunks += [chunk(d) for d in _call_deltas(reply, interleave)]
     if dialect == "deepseek":
         final = chunk({"content": ""}, reply.finish_reason)
