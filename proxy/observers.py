@@ -1207,16 +1207,16 @@ class AccountingObserver:
         usage = ex.usage
         name, ttl_s, _, marked_only, min_cached, ttl_floor_s, _, _, caches = terms
         pricing = _billed(terms, ex)  # (at the processing tier the answer was billed at)
+        # A provider keeps a prefix as long as the request that wrote it asked: the one this
+        # request continues, whose entries it reads (a turn that asks for longer after shorter
+        # ones expired is no rewrite, nor one that asks for less a miss of the longer-lived)
+        writer = chosen.body if chosen is not None and isinstance(chosen.body, dict) else body
         if marked_only or (usage is not None and usage.explicit_cache):
-            # Claude keeps a prefix as long as the breakpoint that wrote it asks: "1h" or "5m",
-            # the request's this one continues, whose entries it reads (a turn that asks for an
-            # hour after five-minute ones expired is no rewrite, nor one that asks for five
-            # minutes a miss of the hour-long ones)
-            writer = chosen.body if chosen is not None and isinstance(chosen.body, dict) else body
+            # Claude: as its breakpoints ask, "1h" or "5m"
             marked_ttl_s = prefix.marked_ttl_s(writer)
             if marked_ttl_s:
                 ttl_s = ttl_floor_s = marked_ttl_s
-        elif body.get("prompt_cache_retention") == "24h":  # OpenAI's extended retention
+        elif writer.get("prompt_cache_retention") == "24h":  # OpenAI's extended retention
             ttl_s = ttl_floor_s = max(ttl_s, 86_400.0)
         model = ex.model or name
         # What this request is accounted against (before its baseline is replaced by it).

@@ -1516,6 +1516,29 @@ def test_openais_24_hour_retention_is_the_ttl_of_a_request_that_asks_for_it() ->
         assert ex.cache is not None and ex.cache["cause"] == cause
 
 
+def test_the_retention_is_the_one_the_request_that_wrote_the_prefix_asked_for() -> None:
+    """OpenAI keeps a prefix as long as the request that wrote it asked: a turn asking for
+    24 hours after two hours idle behind one that did not found its prefix expired (it was
+    named ``unexplained``), and a turn asking for nothing behind one that asked for a day still
+    had the prefix its rewrite lost (it was named ``ttl_expired``)."""
+    history = msgs("fix the bug", "looked", "go on")
+    for first, then, cause in (("24h", None, "prefix_rewrite"), (None, "24h", "ttl_expired")):
+        acc = _Accounting()
+        day_one = [_system("Current date: 2026-12-01"), *history]
+        sent = {"model": "gpt-4o", "prompt_cache_retention": first, "messages": day_one}
+        acc.send_body(sent, 9_000, 0, at=0.0)
+        later = [_system("Current date: 2026-12-02"), *history, *msgs("done", "next")]
+        body = {"model": "gpt-4o", "prompt_cache_retention": then, "messages": later}
+        ex = acc.send_body(body, 9_100, 0, at=2 * 3600.0)
+        assert ex.cache is not None and ex.cache["cause"] == cause, (first, then)
+    # the same pause without the rewrite: the expiry of entries kept an hour
+    acc = _Accounting()
+    acc.send_body({"model": "gpt-4o", "messages": history}, 9_000, 0, at=0.0)
+    body = {"model": "gpt-4o", "prompt_cache_retention": "24h", "messages": [*history, *msgs("a")]}
+    ex = acc.send_body(body, 9_100, 0, at=2 * 3600.0)
+    assert ex.cache is not None and ex.cache["cause"] == "ttl_expired"
+
+
 def _last_marked(messages: list[Message]) -> list[Message]:
     """``messages`` with a Claude cache breakpoint on the last, as Claude Code marks them."""
     *rest, last = messages
