@@ -648,16 +648,28 @@ def idle_seconds(
 ) -> float | None:
     """Seconds since the last request sharing this request's longest known prefix started.
 
-    Falls back to the previous request's start when no prefix is shared at all; None on a fresh
+    Where no prefix of its system prompt or history is known (their stamps pushed out of the
+    session's map by another conversation's newer ones), since ``since``, the compared
+    request's start, where given: the parameters and tools, or the session's latest start, are
+    any conversation's, and measured a paused agent's pause from another agent's turn. Else since the session's latest start; None on a fresh
     session. A prefix stamped by a request that started after this one (requests finish out of
-    order: only the latest start is kept) tells nothing of the time before this one: ``since``
-    (the compared request's start), where given, is.
+    order: only the latest start is kept) tells nothing of the time before this one: ``since``,
+    where given, does.
     """
     prefixes = state.prefixes
-    for digest in reversed(fingerprint.digests):
-        last = prefixes.get(digest)
+    digests = fingerprint.digests
+    for at in range(len(digests) - 1, -1, -1):
+        last = prefixes.get(digests[at])
         if last is not None:
+            if (
+                since is not None
+                and since <= started_at
+                and fingerprint.chain[at][0] in _NOT_CONTENT_LINKS
+            ):
+                break  # (the parameters and tools alone: any agent of the session's, not its)
             return _idle(started_at, last, since)
+    if since is not None and since <= started_at:
+        return started_at - since
     return started_at - state.last_started if state.last_started is not None else None
 
 

@@ -1269,6 +1269,8 @@ class AccountingObserver:
                 if reach is not None:
                     cached_before = min(cached_before, reach)
                     unreached = reach == 0
+        # (the compared request's start, before this one takes its place and its start below)
+        compared_started = chosen.started if chosen is not None and continues else None
         ready_at = ex.t0 + (ex.ttfb_s if ex.ttfb_s is not None else ex.duration_s)
         # The baselines go on from the one this request was compared with (``kept``), the
         # accounting above and below from the one it could read (``ref``).
@@ -1505,7 +1507,7 @@ class AccountingObserver:
             compared=compared if divergence is not None else None,
             # (the prefixes' stamps may be of a sibling that started after this one: the
             # compared request's start is the last use known before it)
-            since=chosen.started if chosen is not None and continues else None,
+            since=compared_started,
             in_flight=(
                 functools.partial(self._in_flight, flying, ex, baselines, cache_state)
                 if flying

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -388,6 +389,29 @@ def test_idle_is_judged_per_prefix_across_forks() -> None:
     assert idle_seconds(session.state, fp, 700.0) == 700.0
     result = session.exchange(main, reported(31_000, block(1_000)), 700.0)
     assert (result.cause, result.waste) == ("ttl_expired", 4_000 - 896)
+
+
+def test_a_pause_whose_prefixes_another_conversation_pushed_out_runs_from_its_own_turn() -> None:
+    """The session keeps a bounded map of prefixes: another agent's long histories, new every
+    turn, pushed out every stamp of a paused agent's, and its pause was measured from the
+    session's latest start (the other agent's turn 100 s before): 700 s idle read as 100, an
+    expiry as ``unexplained``. The compared request's start is the last use known."""
+    a = opening()
+    a["messages"] += tool_round(1)
+    fp = fingerprint(a)
+    state = dataclasses.replace(CacheState(), prefixes={}, last_started=600.0)  # (all pushed out)
+    assert idle_seconds(state, fp, 700.0, since=0.0) == 700.0
+    assert idle_seconds(state, fp, 700.0) == 100.0  # (nothing compared: the session's latest)
+    # the other agent, under a system prompt of its own, shares the parameters and the tools:
+    # their stamps are its, not this conversation's
+    b = opening("You keep notes. Time: 10:11:00")
+    shared = {d: 600.0 for d in fingerprint(b).digests if d in set(fp.digests)}
+    assert [kind for kind, _ in fp.chain[: len(shared)]] == ["params", "tools"]
+    state = dataclasses.replace(state, prefixes=shared)
+    assert idle_seconds(state, fp, 700.0, since=0.0) == 700.0
+    # where the system prompt's stamp is known, it is the last use, as before
+    state = dataclasses.replace(state, prefixes={**shared, fp.digests[2]: 650.0})
+    assert idle_seconds(state, fp, 700.0, since=0.0) == 50.0
 
 
 def test_requests_in_flight_are_read_from_a_copy_where_their_stamps_are_later() -> None:

@@ -732,6 +732,38 @@ def test_an_idle_gap_inside_openais_five_to_ten_minutes_is_named_as_the_expiry(
     assert f"{caches[2]['waste']:,} ttl_expired" in show
 
 
+def test_a_paused_agent_whose_prefixes_another_agent_pushed_out_is_charged_its_expiry(
+    sim: RunningSimulator, proxy_factory: Any
+) -> None:
+    """Two agents under one session id: while the first paused past the TTL, the second,
+    its history of 400 short messages under a system prompt with the time in it, took a dozen
+    turns whose prefixes, new every turn, pushed every one of the first's out of the session's
+    map. The first's expiry was measured from the second's latest turn (100 s, not 700) and
+    named ``unexplained``; with a history of 40 it was ``ttl_expired`` already."""
+    proxy = proxy_factory(sim.api_base, config(ttl_s=600), clock=lambda: sim.sim.now)
+    client = make_client(proxy.base_url, default_headers={"X-Session-Id": "two-agents"})
+    first: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Read the handlers.\n" + FILE_TEXT},
+    ]
+    reply, _ = chat(client, first, stream=False)
+    first += [reply, {"role": "user", "content": "Go on."}]
+    notes: list[dict[str, Any]] = []
+    for i in range(200):
+        notes += [{"role": "user", "content": f"note {i}"}, {"role": "assistant", "content": "ok"}]
+    for turn in range(12):
+        sim.sim.advance(50)
+        clock = {"role": "system", "content": f"You keep notes. Time: 10:{turn:02d}:00"}
+        chat(client, [clock, *notes, {"role": "user", "content": f"turn {turn}"}], stream=False)
+    sim.sim.advance(100)  # (the first agent idle 700 s, past the 600 s TTL)
+    chat(client, first, stream=False)
+    assert cache_read(sim.sim.requests[-1].usage) == 0  # (the simulator's 300 s passed)
+    flush(proxy)
+    last = events(proxy.log_dir, "two-agents", "response")[-1]["cache"]
+    assert (last["cause"], last["location"]) == ("ttl_expired", None)
+    assert last["waste"] > NOISE_FLOOR
+
+
 def test_long_warm_session_with_tool_rounds_wastes_nothing(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
