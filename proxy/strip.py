@@ -105,8 +105,11 @@ class UsageEventStripper:
         """The bytes to forward now. An event held past ``MAX_PENDING`` bytes (a stream with no
         event ends, or one huge event) is passed on as it is: no usage event is that long."""
         out = self._feed(chunk)
-        if len(self.pending) > MAX_PENDING:
-            out, self.pending, self._cr = out + bytes(self.pending), bytearray(), False
+        pending = self.pending
+        if pending and pending[0] == 58:  # ``:``: a comment line opens the held event
+            out += self._comments()
+        if len(pending) > MAX_PENDING:
+            out, self.pending, self._cr = out + bytes(pending), bytearray(), False
         return out
 
     def _feed(self, chunk: bytes) -> bytes:
@@ -149,6 +152,35 @@ class UsageEventStripper:
             return b""
         # A read of whole events with nothing taken out forwards the caller's own bytes object.
         return chunk if len(out) == len(chunk) and out == chunk else bytes(out)
+
+    def _comments(self) -> bytes:
+        """The comment lines at the start of the held event that another comment line follows,
+        and nothing else (a server's keep-alive, ``: ping`` and a line end, with no blank line
+        after it, while the model thinks): taken off it to be forwarded, where they were held
+        until a blank line came, past a client's read timeout. The last comment line stays
+        held: a server that writes one in every event writes one in the usage event too, which
+        goes whole. A comment line ended by a lone CR stays held, as the next byte may be its
+        LF."""
+        event = self.pending
+        at = 0
+        ends: list[int] = []
+        size = len(event)
+        while at < size and event[at] == 58:  # ``:``
+            end = event.find(b"\n", at)
+            cr = event.find(b"\r", at, end if end >= 0 else size)
+            if end < 0 or (cr >= 0 and cr != end - 1):
+                ends.append(size)  # (a comment line still open, or one a lone CR ended)
+                break
+            at = end + 1
+            ends.append(at)
+        if at < size and event[at] != 58 and ends and ends[-1] != size:
+            return b""  # (another field follows: the comments go with its event)
+        if len(ends) < 2:
+            return b""
+        cut = ends[-2]
+        lines = bytes(event[:cut])
+        del event[:cut]
+        return lines
 
     def _lf_events(self, whole: bytes) -> bytes:
         """What whole events with LF line ends forward, event by event (a read holding a usage

@@ -352,6 +352,30 @@ def test_usage_event_cachegate_asked_for_is_hidden_from_the_client(
     assert "content-length" not in r.headers
 
 
+def test_keep_alive_comment_lines_reach_the_client_while_the_model_thinks(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A server that writes ``: ping`` and a line end every 0.3 s while the model thinks, with
+    no blank line after it: while cachegate took out the usage it had asked for, it held every
+    ping until the first event ended, and a client reading with a 1 s timeout (the openai SDK)
+    timed out through cachegate where it read the stream directly."""
+    import openai
+
+    pings = [b": ping\n"] * 6
+    upstream, url = scripted(
+        chunks=[*pings, STREAM + USAGE_EVENT + b"data: [DONE]\n\n"], delay_s=0.3
+    )
+    proxy = proxy_factory(url)
+    client = openai.OpenAI(base_url=proxy.base_url, api_key="cachegate", max_retries=0, timeout=1.0)
+    chunks = list(client.chat.completions.create(**CHAT, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Grüße, 世界 🙂 done"
+    assert orjson.loads(upstream.requests[-1]["body"])["stream_options"] == {"include_usage": True}
+    # what the client got: the pings, the stream, no usage event
+    _, data = read_stream(proxy.base_url, {**CHAT, "stream": True})
+    assert data == b"".join(pings) + STREAM + b"data: [DONE]\n\n"
+
+
 @pytest.mark.parametrize("dialect", ["openai", "deepseek"])
 @pytest.mark.parametrize("tools", [False, True])
 def test_a_stream_without_usage_is_what_the_provider_sends_directly(

@@ -400,3 +400,27 @@ def test_a_usage_event_with_an_id_a_name_or_a_comment_goes_whole() -> None:
     assert not is_usage_only(named_error.strip())
     assert run(named_error, []) == named_error
     assert not is_usage_only(b"x-custom: 1\n" + USAGE.strip())  # a line SSE does not know
+
+
+def test_keep_alive_comment_lines_go_on_as_the_next_one_comes() -> None:
+    """``: ping`` and a line end each second, with no blank line after it, were held until the
+    first event ended (past a client's read timeout). Each goes on once another comment line
+    follows it; the last waits for its event, and goes with a usage event as a server that
+    writes a comment in every event wrote it there."""
+    stripper = UsageEventStripper()
+    assert stripper.feed(b": ping\n") == b""
+    assert stripper.feed(b": ping\n") == b": ping\n"
+    assert stripper.feed(b": ping\n: pi") == b": ping\n: ping\n"  # (a line still coming)
+    assert stripper.feed(b"ng\n") == b""
+    assert stripper.feed(CHUNK % b"a") == b": ping\n" + PLAIN % b"a"
+    assert stripper.feed(b": ping\n") == b""
+    assert stripper.feed(USAGE + DONE) == DONE  # (its comment went with it)
+    assert stripper.stripped == 1
+    # a comment before another field of its event goes with that event; so does one a lone CR
+    # ended, whose LF may come next
+    for held in (b": ping\nid: 7\n", b": ping\ndata: {", b": ping\r: pong\r"):
+        stripper = UsageEventStripper()
+        assert stripper.feed(held) == b"", held
+        assert bytes(stripper.pending) == held
+    stripper = UsageEventStripper()
+    assert stripper.feed(b": ping\r\n: pong\r\n") == b": ping\r\n"
