@@ -1502,6 +1502,31 @@ def test_a_part_whose_type_is_a_list_is_no_image_and_breaks_no_accounting() -> N
     assert ex.cache is not None and ex.cache["cause"] == "prefix_rewrite"
 
 
+def test_an_edit_in_place_after_the_first_turn_was_sent_again_is_still_a_rewrite() -> None:
+    """A session that sent its opening request again (a warm-up, a token-count probe, a run
+    replayed from its start), went on, then cleared an old tool output: the edit was compared
+    with that opening request, which the edited history carries whole, and its miss went
+    unseen (no divergence, no waste, for the rest of the session)."""
+    acc = _Accounting()
+    opening = [_system("coding agent " * 300), {"role": "user", "content": "fix the tests"}]
+    history = list(opening)
+    prompt = 5_000
+    for i in range(3):
+        history += msgs(f"call {i}", "output " * 400 + str(i))
+        acc.send(history, prompt, prompt - 500)
+        prompt += 800
+    acc.send(opening, 5_000, 4_900)  # (the opening request again)
+    for i in range(3, 5):
+        history += msgs(f"call {i}", "output " * 400 + str(i))
+        acc.send(history, prompt, prompt - 500)
+        prompt += 800
+    edited = [*history[:3], {**history[3], "content": "[cleared]"}, *history[4:]]
+    ex = acc.send(edited, prompt - 700, 5_000)
+    assert ex.cache is not None and ex.divergence is not None
+    assert (ex.cache["cause"], ex.cache["location"]) == ("prefix_rewrite", "messages[3].content")
+    assert ex.cache["expected"] > 6_500 and ex.cache["waste"] == ex.cache["expected"] - 5_000
+
+
 def test_openais_24_hour_retention_is_the_ttl_of_a_request_that_asks_for_it() -> None:
     """``prompt_cache_retention: "24h"``: after 25 minutes idle the date in the system prompt
     changed; the miss was blamed on the TTL and the timestamp never named."""
