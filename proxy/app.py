@@ -60,6 +60,7 @@ from proxy.relay import (
     Scope,
     Send,
     UpstreamAborted,
+    decoded_answer,
     decoded_request,
     read_body,
     refuse_announced,
@@ -217,6 +218,9 @@ class Gateway:
         self._response_calls: collections.OrderedDict[str, tuple[dict[str, str], ...]] = (
             collections.OrderedDict()
         )
+        # The Responses API answers whose stream the client cut: what calls the provider stored
+        # for them is asked of it when a request continues one (``_learn_stored_calls``)
+        self._cut_responses: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def api_key(self) -> str | None:
         """The configured key, read from the environment once (when the app was built)."""
@@ -547,6 +551,13 @@ class Gateway:
                         self._remember_response(ex.assembled.id, ex.session_id)
                     if ex.assembled.id and ex.assembled.message.get("tool_calls"):
                         self._remember_calls(ex.assembled.id, ex.assembled.message["tool_calls"])
+                    if ex.assembled.id and ex.interrupted and ex.stream:
+                        # (its client left mid-stream: the provider may have stored calls the
+                        # client never saw, which its next turn must answer all the same)
+                        cut = self._cut_responses
+                        cut[ex.assembled.id] = None
+                        if len(cut) > RESPONSE_CALLS_REMEMBERED:
+                            cut.popitem(last=False)
             notify(self.observers, "on_response", ex)
 
     def _request_observers(self, ex: Exchange) -> None:
@@ -578,6 +589,61 @@ class Gateway:
             held[response_id] = kept
             if len(held) > RESPONSE_CALLS_REMEMBERED:
                 held.popitem(last=False)
+
+    async def _learn_stored_calls(
+        self, ex: Exchange, response_id: str, forward_headers: list[tuple[bytes, bytes]]
+    ) -> None:
+        """Ask the provider for the answer ``response_id``, whose stream its client cut, and
+        keep its function and custom tool calls, as ``_remember_calls`` keeps those of an answer
+        relayed whole: the client saw only the calls that came before it left (none, where it
+        left at the first event), and the provider refuses a request that continues the answer
+        without an output for each one it stored (``No tool output found …``) on every turn
+        after. Asked once per answer (``GET /v1/responses/{id}``, with the client's key, for up
+        to ``STORED_CALLS_TIMEOUT_S``); a failure leaves the calls relayed, as before."""
+        assert self.relay is not None
+        self._cut_responses.pop(response_id, None)
+        if not _RESPONSE_ID.fullmatch(response_id):  # (it goes in a path: an id, nothing else)
+            return
+        headers = [(k, v) for k, v in forward_headers if k not in _NOT_FOR_A_GET]
+        headers.append((b"accept", b"application/json"))
+        url = self.relay.url("responses/" + response_id, ex.query)
+        try:
+            async with asyncio.timeout(STORED_CALLS_TIMEOUT_S):
+                response = await self.relay.open("GET", url, headers, b"")
+                try:
+                    body = decoded_answer(response, await response.aread())
+                finally:
+                    await response.aclose()
+            answer = orjson.loads(body) if response.status_code == 200 else None
+        except Exception as exc:  # (unreachable, too slow, no JSON: what was relayed stands)
+            log.info(
+                "could not ask the upstream for the calls of the Responses API answer whose"
+                " stream its client cut (%s): its next turn is paired on the calls relayed",
+                type(exc).__name__,
+            )
+            return
+        output = answer.get("output") if isinstance(answer, dict) else None
+        if not isinstance(output, list):
+            if response.status_code != 200:
+                log.info(
+                    "the upstream answered %d when asked for the Responses API answer whose"
+                    " stream its client cut: its next turn is paired on the calls relayed",
+                    response.status_code,
+                )
+            return
+        calls = []  # (in the shape ``_remember_calls`` reads: a chat message's calls)
+        for item in output:
+            if (
+                isinstance(item, dict)
+                and item.get("type") in ("function_call", "custom_tool_call")
+                and isinstance(item.get("call_id"), str)
+            ):
+                kind = "custom" if item["type"] == "custom_tool_call" else "function"
+                calls.append(
+                    {"id": item["call_id"], "type": kind, kind: {"name": item.get("name")}}
+                )
+        if calls:
+            self._remember_calls(response_id, calls)
 
     def _responses_session(
         self,
@@ -672,9 +738,16 @@ class Gateway:
             ex.client_wait_s = time.perf_counter() - reading
             ex.request_bytes = len(raw)
             try:
-                content, forward_headers, read = self._repaired_responses(
-                    ex, raw, headers, forward_headers, strict, find_session, path_session
-                )
+                try:
+                    repaired = self._repaired_responses(
+                        ex, raw, headers, forward_headers, strict, find_session, path_session
+                    )
+                except _CallsUnknown as unknown:  # (it continues an answer its client cut)
+                    await self._learn_stored_calls(ex, unknown.response_id, forward_headers)
+                    repaired = self._repaired_responses(
+                        ex, raw, headers, forward_headers, strict, find_session, path_session
+                    )
+                content, forward_headers, read = repaired
             except ProxyError:
                 raise
             except Exception:  # cachegate's own defect: the request goes as it came
@@ -766,6 +839,10 @@ class Gateway:
         except orjson.JSONDecodeError:  # (a lone surrogate, as JavaScript cuts an emoji: read)
             body, lenient = lenient_json(text, big_ints=True), True
         if isinstance(body, dict):
+            if self._cut_responses:
+                previous = body.get("previous_response_id")
+                if isinstance(previous, str) and previous in self._cut_responses:
+                    raise _CallsUnknown(previous)  # (asked of the provider, then read again)
             ex.stream = body.get("stream") is True  # (counted among the streams in flight)
             model = body.get("model")  # (its answer's usage is counted under it)
             ex.model = model if isinstance(model, str) and model else None
@@ -879,6 +956,25 @@ RESPONSES_REMEMBERED = 65536
 # The Responses API answers with calls whose calls are remembered (``Gateway._remember_calls``):
 # ~400 bytes each
 RESPONSE_CALLS_REMEMBERED = 8192
+# The longest cachegate waits on the provider for a cut answer's calls (``_learn_stored_calls``)
+STORED_CALLS_TIMEOUT_S: Final = 10.0
+# A response id as it may go in a path: letters, digits, ``_`` and ``-`` (OpenAI's ``resp_…``)
+_RESPONSE_ID: Final = re.compile(r"[A-Za-z0-9_-]{1,256}")
+# What the client said of its own request's body, not of a GET's
+_NOT_FOR_A_GET: Final = frozenset(
+    {b"content-type", b"content-length", b"content-encoding", b"accept", b"idempotency-key"}
+)
+
+
+class _CallsUnknown(Exception):
+    """A Responses API request continues an answer whose stream its client cut: the calls
+    the provider stored for it are to be asked of it before its pairing is checked."""
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(response_id)
+        self.response_id = response_id
+
+
 # Synthetic outputs of the Responses route whose place a session keeps (``responses_placed``)
 _PLACES_KEPT: Final = 256
 # where an integer beyond 64 bits may be (-2**63 has 19 digits, 2**64 20)

@@ -6,6 +6,7 @@ the reports, metadata mode and the client's key."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -430,6 +431,91 @@ def test_a_stream_the_client_cut_is_continued_in_its_session(proxy_factory: Any)
                 },
             )
         assert again.headers["x-cachegate-session"] == session
+
+
+@pytest.mark.parametrize("cut_at", ["response.created", "function_call", None])
+def test_a_turn_after_ctrl_c_in_a_streamed_answer_with_calls_is_answered_not_refused(
+    cut_at: str | None, proxy_factory: Any, sdk: Any
+) -> None:
+    """Ctrl+C while a streamed answer with two parallel calls came, then the next turn by
+    ``previous_response_id`` (the Agents SDK's way): cachegate knew only the calls the client
+    had seen before it left (none, cut at the first event), and the provider, which stored the
+    whole answer, refused the turn (``No tool output found for function call …``) and every
+    one after. The calls it stored are asked of it: each gets a synthetic output."""
+    tools = [
+        {"type": "function", "name": name, "parameters": {"type": "object", "properties": {}}}
+        for name in ("run_shell", "read_file")
+    ]
+    calls = [{"name": "run_shell", "arguments": {}}, {"name": "read_file", "arguments": {}}]
+    with run_simulator(SimConfig(chunk_ms=30)) as slow:
+        proxy = proxy_factory(slow.api_base)
+        client = sdk(proxy.base_url)
+        slow.sim.enqueue([{"content": "Let me check. " * 20, "tool_calls": calls}])
+        stream = client.responses.create(model="gpt-4o", input="fix it", tools=tools, stream=True)
+        response_id = None
+        for event in stream:
+            if event.type == "response.created":
+                response_id = event.response.id
+            item = getattr(event, "item", None)
+            if cut_at is not None and cut_at in (event.type, getattr(item, "type", None)):
+                break
+        stream.close()
+        if cut_at is not None:
+            wait_for(lambda: proxy.metric("cachegate_client_disconnects_total") == 1)
+        proxy.settle()
+        asked = client.responses.with_raw_response.create(
+            model="gpt-4o",
+            previous_response_id=response_id,
+            tools=tools,
+            input=[{"role": "user", "content": "never mind, do X"}],
+        )
+        assert asked.status_code == 200
+        assert asked.headers["x-cachegate-repairs"] == "2"
+        sent = slow.sim.requests[-1].body["input"]
+        assert [item.get("type") for item in sent] == [
+            "function_call_output",
+            "function_call_output",
+            None,
+        ]
+        # the answer was asked of the provider only where its stream was cut, and once
+        asked_for = [r for r in slow.sim.requests if r.method == "GET"]
+        assert len(asked_for) == (0 if cut_at is None else 1)
+        again = client.responses.with_raw_response.create(
+            model="gpt-4o",
+            previous_response_id=response_id,
+            tools=tools,
+            input=[{"role": "user", "content": "and Y"}],
+        )
+        assert again.status_code == 200
+        assert len([r for r in slow.sim.requests if r.method == "GET"]) == len(asked_for)
+
+
+def test_a_cut_answer_the_provider_does_not_give_back_leaves_the_turn_as_it_was(
+    proxy_factory: Any, sdk: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the provider does not give back the answer whose stream was cut (a gateway with
+    no such route, an answer not stored: a 404), the turn goes on paired on the calls relayed,
+    said on stderr, and the provider is not asked again for it."""
+    caplog.set_level(logging.INFO, logger="proxy.app")
+    with run_simulator(SimConfig(chunk_ms=30)) as slow:
+        proxy = proxy_factory(slow.api_base)
+        client = sdk(proxy.base_url)
+        slow.sim.enqueue([{"content": "Let me check. " * 20, "tool_calls": [{"name": "f"}]}])
+        stream = client.responses.create(model="gpt-4o", input="fix it", stream=True)
+        response_id = next(iter(stream)).response.id  # type: ignore[union-attr]
+        stream.close()
+        wait_for(lambda: proxy.metric("cachegate_client_disconnects_total") == 1)
+        proxy.settle()
+        slow.sim.reset()  # (the provider keeps nothing of it now)
+        for text in ("go on", "and on"):
+            asked = client.responses.with_raw_response.create(
+                model="gpt-4o", previous_response_id=response_id, input=text
+            )
+            assert asked.status_code == 200
+        gets = [r.status for r in slow.sim.requests if r.method == "GET"]
+        assert gets == [404]
+    said = [r.message for r in caplog.records if "stream its client cut" in r.message]
+    assert len(said) == 1 and "answered 404" in said[0]
 
 
 def test_a_stream_the_client_cut_logs_the_part_of_the_answer_it_had(

@@ -713,6 +713,7 @@ class _Handlers:
         )
         received.usage = done["usage"]
         received.status = 200
+        self.sim.keep_response(done)
         request_id = new_id("req_", 24)
         if body.get("stream") is True:
             return PacedResponse(
@@ -735,6 +736,18 @@ class _Handlers:
                 tokens, model, None, len(tokens), None, EXTENDED_TTL_S, None
             )
         return self.sim.process_prompt(tokens, model)
+
+    async def stored(self, request: Request) -> Response:
+        """``GET /v1/responses/{id}``: an answer it gave, whole (as OpenAI gives back a stored
+        response, its client having cut its stream or not), else OpenAI's 404."""
+        received = self.sim.record(request.method, request.url.path, dict(request.headers), b"")
+        response_id = request.path_params["response_id"]
+        found = self.sim.stored_response(response_id)
+        if found is None:
+            received.status = 404
+            return _error(404, f"Response with id '{response_id}' not found.", None)
+        received.status = 200
+        return _json_response(found, 200)
 
     async def compact(self, request: Request) -> Response:
         """``POST /v1/responses/compact`` (Codex CLI's remote compaction): the same checks of the
@@ -938,6 +951,7 @@ def create_simulator_app(
         Route("/v1/chat/completions", handlers.chat, methods=["POST"]),
         Route("/v1/responses", handlers.responses, methods=["POST"]),
         Route("/v1/responses/compact", handlers.compact, methods=["POST"]),
+        Route("/v1/responses/{response_id}", handlers.stored, methods=["GET"]),
         Route("/v1/models", handlers.models, methods=["GET"]),
         Route("/v1/models/{model:path}", handlers.model, methods=["GET"]),
         Route("/v1/embeddings", handlers.embeddings, methods=["POST"]),

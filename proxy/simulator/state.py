@@ -105,6 +105,9 @@ class Simulator:
         # ``KEEP_RESPONSES``): a request that continues one (``previous_response_id``) must
         # answer them, as OpenAI's stored responses must be
         self.response_calls: OrderedDict[str, tuple[tuple[str, str], ...]] = OrderedDict()
+        # The Responses API answers it gave, whole, by id (the latest ``KEEP_RESPONSES``), as
+        # ``GET /v1/responses/{id}`` gives them back: whole even where a client cut its stream
+        self.responses: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
     def store_response(self, response_id: str, calls: tuple[tuple[str, str], ...]) -> None:
         """Keep the calls (``call_id``, what OpenAI names its kind) of the answer
@@ -113,6 +116,18 @@ class Simulator:
             self.response_calls[response_id] = calls
             while len(self.response_calls) > KEEP_RESPONSES:
                 self.response_calls.popitem(last=False)
+
+    def keep_response(self, response: dict[str, Any]) -> None:
+        """Keep the answer ``response`` whole (``GET /v1/responses/{id}``)."""
+        with self._lock:
+            self.responses[response["id"]] = response
+            while len(self.responses) > KEEP_RESPONSES:
+                self.responses.popitem(last=False)
+
+    def stored_response(self, response_id: str) -> dict[str, Any] | None:
+        """The answer ``response_id`` as it was given, or None."""
+        with self._lock:
+            return self.responses.get(response_id)
 
     @property
     def now(self) -> float:
@@ -140,6 +155,7 @@ class Simulator:
             self._rng = random.Random(self.config.seed)
             self._now = self.config.start_time
             self.response_calls.clear()
+            self.responses.clear()
 
     def record(
         self, method: str, path: str, headers: dict[str, str], raw: bytes
