@@ -115,20 +115,48 @@ INVALID_WARN_EVERY_S: Final = 30.0  # a request HTTP's parser refuses is said at
 _TLS_HANDSHAKE: Final = b"\x16\x03"  # (a TLS record's first bytes: a ClientHello)
 
 
-def _not_a_proxy(target: bytes, host: str, port: int) -> _Refused:
-    """The refusal of a ``CONNECT`` to ``target`` made to cachegate listening at ``host`` and
-    ``port``: it says the base URL to set instead (an IPv6 address in brackets)."""
+def _not_a_proxy(target: bytes, host: str, port: int, method: bytes = b"CONNECT") -> _Refused:
+    """The refusal of a ``CONNECT`` to ``target`` (cachegate set as a client's
+    ``HTTPS_PROXY``), or of another ``method`` to a URL of another server (``HTTP_PROXY``),
+    made to cachegate listening at ``host`` and ``port``: it says the base URL to set instead
+    (an IPv6 address in brackets)."""
     # (the client's bytes, said on stderr too: printable ones only, no terminal escapes)
-    shown = "".join(c if " " < c < "\x7f" else "?" for c in target[:200].decode("latin-1"))
+    said = method[:20] + b" " + target[:200]
+    shown = "".join(c if " " <= c < "\x7f" else "?" for c in said.decode("latin-1"))
+    does = "tunnels nothing" if method == b"CONNECT" else "forwards nothing to other servers"
     return _Refused(
         405,
         "Method Not Allowed",
-        f"cachegate is no HTTP proxy and tunnels nothing (CONNECT {shown}):"
+        f"cachegate is no HTTP proxy and {does} ({shown}):"
         f" point the client's base URL at it, OPENAI_BASE_URL=http://{url_host(host)}:{port}/v1,"
         " not HTTPS_PROXY or HTTP_PROXY",
         "method_not_allowed",
-        "connect",
+        "proxy",
     )
+
+
+# The names of this machine's loopback interface a URL of cachegate's own may use
+_LOOPBACK_NAMES: Final = frozenset({"localhost", "::1", "[::1]"})
+
+
+def _another_server(target: bytes, host: str, port: int) -> bool:
+    """Whether a request target in absolute form (``http://host:port/path``, as a client
+    sends it to its ``HTTP_PROXY``) names a server other than cachegate listening at ``host``
+    and ``port``: a loopback name, or the address it listens on, and its port."""
+    scheme, sep, rest = target.decode("latin-1").partition("://")
+    if not sep:
+        return False  # (no URL: the parser's to judge)
+    authority = rest.split("/", 1)[0].split("?", 1)[0].rsplit("@", 1)[-1].lower()
+    name, colon, number = authority.rpartition(":")
+    if not colon or "]" in number:  # (no port: the scheme's; an IPv6 address's last group)
+        name, number = authority, ("443" if scheme.lower() == "https" else "80")
+    own = (
+        name in _LOOPBACK_NAMES
+        or name.startswith("127.")
+        or name.strip("[]") == host.lower()
+        or name.endswith(".localhost")
+    )
+    return not (own and number == str(port))
 
 
 class _Refusals:
@@ -279,12 +307,20 @@ class HttpProtocol(HttpToolsProtocol):
     def _refusal(self) -> _Refused | None:
         """A request refused from its head, before uvicorn reads it: ``CONNECT`` (cachegate set
         as a client's ``HTTPS_PROXY``; uvicorn failed on its target and said only "User
-        callback error"), a transfer coding other than ``chunked`` before it (``gzip,
+        callback error"), a URL of another server as its target (set as ``HTTP_PROXY``: the
+        request, for another server, was answered by cachegate's upstream, with cachegate's
+        key where it carried none), a transfer coding other than ``chunked`` before it (``gzip,
         chunked``: the parser undid the chunks and the body went on still compressed, read as
         no JSON or forwarded with no ``Content-Encoding``; RFC 9112 6.1: a 501)."""
-        if self.parser.get_method() == b"CONNECT":
+        method = self.parser.get_method()
+        if method == b"CONNECT":
             where = self.transport.get_extra_info("sockname") or ("127.0.0.1", 8000)
             return _not_a_proxy(bytes(self.url), where[0], where[1])
+        url = self.url
+        if url[:1] != b"/" and url[:4].lower() == b"http":  # (absolute form: as to a proxy)
+            where = self.transport.get_extra_info("sockname") or ("127.0.0.1", 8000)
+            if _another_server(bytes(url), where[0], where[1]):
+                return _not_a_proxy(bytes(url), where[0], where[1], method)
         if self._codings is None:
             return None
         codings = [c.strip().lower() for c in self._codings.split(b",") if c.strip()]

@@ -456,6 +456,39 @@ def test_cachegate_set_as_a_clients_proxy_says_so() -> None:
     assert f"OPENAI_BASE_URL=http://127.0.0.1:{port}/v1" in error["message"]
 
 
+def test_a_request_for_another_server_sent_to_cachegate_as_a_proxy_is_refused() -> None:
+    """cachegate set as ``HTTP_PROXY`` with a plain ``http://`` base URL: the client sends the
+    other server's whole URL as its target, which was served as a request to cachegate: a 403
+    for the other server's name, or, that name allowed (or ``localhost:11434``, an Ollama),
+    answered by cachegate's upstream with cachegate's key. A URL of cachegate's own (a loopback
+    name and its port) is served as any request (RFC 9112 3.2.2)."""
+    with ServerThread(_echo) as server:
+        port = server.port
+        for target in (
+            b"http://llm-gateway.corp.example/v1/chat/completions",
+            b"http://localhost:11434/v1/chat/completions",
+            b"HTTP://127.0.0.1:%d@evil.example/v1/x" % port,
+            b"https://127.0.0.1/v1/x",
+        ):
+            answer = _exchange_once(
+                port, b"POST " + target + b" HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n"
+            )
+            head, _, reply = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 405 "), (target, answer[:200])
+            error = json.loads(reply)["error"]
+            assert error["code"] == "method_not_allowed"
+            assert "no HTTP proxy" in error["message"]
+            assert "POST " + target.decode() in error["message"]
+            assert f"OPENAI_BASE_URL=http://127.0.0.1:{port}/v1" in error["message"]
+        for own in (b"http://127.0.0.1:%d/v1/x" % port, b"http://LOCALHOST:%d/v1/x" % port):
+            answer = _exchange_once(
+                port,
+                b"POST " + own + b" HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n"
+                b"connection: close\r\n\r\n",
+            )
+            assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"POST /v1/x "), own
+
+
 def test_the_base_url_a_connect_is_told_to_use_instead_is_one_a_client_can_use() -> None:
     """cachegate bound to ::1: the 405 said ``OPENAI_BASE_URL=http://::1:8787/v1``."""
     refused = serving._not_a_proxy(b"api.openai.com:443", "::1", 8787)
