@@ -804,6 +804,32 @@ def test_tls_upstream_is_verified() -> None:
     run(main())
 
 
+def test_an_https_url_to_a_plain_http_server_says_to_use_http() -> None:
+    """A local vLLM, Ollama or the simulator given as ``https://``: the 502 said only
+    OpenSSL's ``[SSL: WRONG_VERSION_NUMBER] wrong version number``."""
+
+    async def plain_http(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.read(1024)  # (a ClientHello, which an HTTP server refuses as it refuses junk)
+        w.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        await w.drain()
+        w.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(plain_http, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = UpstreamPool(ssl_context=ssl.create_default_context())
+        with pytest.raises(httpx.ConnectError) as caught:
+            await pool.open("GET", f"https://127.0.0.1:{port}/", [], b"")
+        await pool.aclose()
+        server.close()
+        await server.wait_closed()
+        said = str(caught.value)
+        assert "WRONG_VERSION_NUMBER" in said
+        assert said.endswith(f"the upstream speaks plain HTTP on port {port}, use http:// for it")
+
+    run(main())
+
+
 def test_ssl_cert_file_selects_the_trusted_bundle(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SSL_CERT_FILE", str(CERT))
     monkeypatch.delenv("SSL_CERT_DIR", raising=False)
