@@ -472,6 +472,16 @@ def unknown_variable_notes(env: Mapping[str, str]) -> list[str]:
     (``CACHEGATE_LOGDIR``): a mistyped name was ignored without a word, as a file's unknown key
     is not."""
     known = {"CACHEGATE_CONFIG", *(f"CACHEGATE_{option.upper()}" for option in OPTION_KEYS)}
+    # A config key written as a variable, ``CACHEGATE_SERVER_PORT`` for ``server.port`` (the
+    # names a user builds from the keys' table): the variable that sets it, or the file
+    variables = {key: f"CACHEGATE_{option.upper()}" for option, key in OPTION_KEYS.items()}
+    defaults = Settings()
+    keys = {
+        f"{section.name}_{key.name}".upper(): f"{section.name}.{key.name}"
+        for section in fields(Settings)
+        if section.name != "models"
+        for key in fields(getattr(defaults, section.name))
+    }
     notes = []
     for name in sorted(env):
         if name.upper().startswith("CACHEGATE_") and name not in known and env[name]:
@@ -479,8 +489,25 @@ def unknown_variable_notes(env: Mapping[str, str]) -> list[str]:
             # an empty variable counts as unset, as the known ones do)
             suffixes = sorted(k.removeprefix("CACHEGATE_") for k in known)
             asked = name.upper().removeprefix("CACHEGATE_")
-            close = difflib.get_close_matches(asked, suffixes, n=1)
-            hint = f" (did you mean CACHEGATE_{close[0]}?)" if close else ""
+            close = difflib.get_close_matches(asked, [*suffixes, *keys], n=1)
+            hint = ""
+            if close and close[0] in keys:
+                key = keys[close[0]]
+                section, _, field_name = key.partition(".")
+                if key in variables:
+                    hint = f" (did you mean {variables[key]}? it sets {key})"
+                else:
+                    hint = (
+                        f" ({key} has no variable: set {field_name} under [{section}] in the"
+                        " config file, --config)"
+                    )
+            elif close:
+                hint = f" (did you mean CACHEGATE_{close[0]}?)"
+            elif "KEY" in asked:  # (CACHEGATE_API_KEY, CACHEGATE_OPENAI_KEY)
+                hint = (
+                    " (the key cachegate adds is read from OPENAI_API_KEY, or the variable"
+                    " upstream.api_key_env names)"
+                )
             notes.append(f"{name} is set, but cachegate reads no such variable{hint}")
     return notes
 

@@ -656,6 +656,32 @@ def test_a_mistyped_cachegate_variable_is_named_with_the_one_meant() -> None:
     assert unknown_variable_notes({f"CACHEGATE_{name}": "x" for name in known}) == []
 
 
+def test_a_config_key_written_as_a_variable_is_named_with_what_sets_it() -> None:
+    """Names built from the keys' table (``server.port`` as ``CACHEGATE_SERVER_PORT``) got no
+    hint, or a wrong one: ``CACHEGATE_UPSTREAM_TIMEOUT_S`` was told to be
+    ``CACHEGATE_UPSTREAM``, which then refused ``1200`` as no URL."""
+    from proxy.config import unknown_variable_notes
+
+    def hint(name: str) -> str:
+        (note,) = unknown_variable_notes({name: "1"})
+        assert note.startswith(f"{name} is set, but cachegate reads no such variable")
+        return note.removeprefix(f"{name} is set, but cachegate reads no such variable")
+
+    assert hint("CACHEGATE_SERVER_PORT") == " (did you mean CACHEGATE_PORT? it sets server.port)"
+    assert hint("CACHEGATE_PAIRING_STRICT") == (
+        " (did you mean CACHEGATE_STRICT_PAIRING? it sets pairing.strict)"
+    )
+    assert hint("CACHEGATE_UPSTREAM_TIMEOUT_S") == (
+        " (upstream.timeout_s has no variable: set timeout_s under [upstream] in the config"
+        " file, --config)"
+    )
+    assert hint("CACHEGATE_TIMEOUT_S") == hint("CACHEGATE_UPSTREAM_TIMEOUT_S")
+    assert hint("CACHEGATE_API_KEY") == (
+        " (the key cachegate adds is read from OPENAI_API_KEY, or the variable"
+        " upstream.api_key_env names)"
+    )
+
+
 @pytest.mark.parametrize("url", ["http://127.0.0.1:99999/v1", "http://127.0.0.1:80a/v1"])
 def test_an_upstream_url_with_no_usable_port_is_refused_at_start(url: str) -> None:
     """It was accepted, and every request then got a 502 "invalid answer (ValueError)"."""
