@@ -779,8 +779,8 @@ def _sessions(ns: argparse.Namespace) -> int:
                     n = len(skipped)
                     print(
                         f"cachegate: {n} request{'s' if n != 1 else ''} could not be rebuilt"
-                        " (built on a line that was torn or lost): the output is not the whole"
-                        " session",
+                        " (malformed, or built on a line that was torn, lost or malformed): the"
+                        " output is not the whole session",
                         file=sys.stderr,
                     )
                 if torn:

@@ -2293,7 +2293,19 @@ def iter_replay_requests(
         appended = ev.get("appended") or []
         base = ev.get("base") or 0
         base_exchange = ev.get("base_exchange")
-        if not isinstance(exchange, int) or not isinstance(appended, list):
+        if type(exchange) is not int or not isinstance(appended, list):
+            # (a damaged or hand-edited line: left out, and said, as a line that cannot be
+            # built is; an earlier line of its number is no base for what follows)
+            logger.warning(
+                "replay: a request line of exchange %s is malformed; skipped",
+                exchange if type(exchange) is int else "(no number)",
+            )
+            if type(exchange) is int:
+                rebuilt.pop(exchange, None)
+                if exchange == last_exchange:
+                    last = last_exchange = None
+            if skipped is not None:
+                skipped.append(exchange if type(exchange) is int else -1)
             continue
         if "tools" in ev:  # what the next lines carry forward, even from a line left out
             tools = ev["tools"]

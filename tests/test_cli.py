@@ -1979,6 +1979,31 @@ def test_replay_of_a_session_it_cannot_wholly_rebuild_exits_1_after_what_it_coul
     assert whole.code == 0 and len(whole.out.splitlines()) == 3
 
 
+def test_replay_of_a_session_with_a_malformed_request_line_exits_1_and_says_so(
+    tmp_path: Path,
+) -> None:
+    """A request line whose ``appended`` is no list, or whose ``exchange`` is no number (a
+    damaged or hand-edited log), was passed over without a word, and replay exited 0 while
+    ``show`` listed the exchange: a script re-sending the session took it for the whole. The
+    line after it, coded against it, cannot be rebuilt either."""
+    lines = [
+        {"exchange": 1, "base": 0, "appended": [{"role": "user", "content": "one"}]},
+        {"exchange": 2, "base": 1, "base_exchange": 1, "appended": {"role": "user"}},
+        {"exchange": 3, "base": 2, "base_exchange": 2, "appended": [{"role": "user"}]},
+        {"exchange": "4", "base": 0, "appended": [{"role": "user", "content": "four"}]},
+    ]
+    (tmp_path / "odd.jsonl").write_bytes(
+        b"".join(
+            orjson.dumps({"ts": 1.0, "type": "request", "model": "m", **line}) + b"\n"
+            for line in lines
+        )
+    )
+    result = run_cli("sessions", "replay", "odd", "--log-dir", str(tmp_path))
+    assert result.code == 1
+    assert [orjson.loads(line)["exchange_id"] for line in result.out.splitlines()] == [1]
+    assert "cachegate: 3 requests could not be rebuilt" in result.err
+
+
 def test_replay_of_a_log_whose_last_request_line_is_torn_exits_1_and_says_so(
     tmp_path: Path,
 ) -> None:
