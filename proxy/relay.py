@@ -754,7 +754,14 @@ class _Tee:
     def assemble(self, status: int) -> AssembledResponse | None:
         """The recorded stream's message, or the collected body's when it is a chat completion
         (``status`` below 400); None when nothing could be assembled. A body answered with a
-        status of 400 or more raises ``RefusedAnswer`` with what it says."""
+        status of 400 or more raises ``RefusedAnswer`` with what it says; one whose status
+        allows no body (204, 205, 304) ``UnreadableAnswer``: no answer, and nothing was cut."""
+        if status in (204, 205, 304):
+            said = {204: "No Content", 205: "Reset Content", 304: "Not Modified"}[status]
+            raise UnreadableAnswer(
+                f"upstream answered {status} ({said}): no answer in it",
+                invalid=status != 304,  # (as the other 3xx: no broken answer, not counted)
+            )
         if self.recorder is not None:
             try:
                 assembled = self.recorder.finish()

@@ -113,6 +113,32 @@ def test_a_successful_status_with_a_body_that_is_not_json_is_relayed_and_logged_
     assert proxy.metric("cachegate_upstream_errors_total", {"kind": "invalid"}) == 1
 
 
+@pytest.mark.parametrize(("status", "kind"), [(204, "invalid"), (304, None)])
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_answer_of_a_status_without_a_body_is_logged_as_such(
+    status: int, kind: str | None, stream: bool, scripted: Any, proxy_factory: Any
+) -> None:
+    """A 204 to a streamed chat request was logged as a stream cut before ``[DONE]`` and
+    counted as ``midstream`` (an answer that broke off), and a 304 as a redirect: neither has
+    a body by its status, nor an answer in it."""
+    _upstream, url = scripted(chunks=[], status=status)
+    proxy = proxy_factory(url)
+    via = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json={**CHAT, "stream": stream},
+        headers={"X-Session-Id": "empty"},
+    )
+    assert via.status_code == status and via.content == b""
+    proxy.settle()
+    response = read_events(proxy.log_dir / "empty.jsonl").events[-1]
+    assert response["type"] == "response" and response["status"] == status
+    said = {204: "No Content", 304: "Not Modified"}[status]
+    assert response["error"] == f"upstream answered {status} ({said}): no answer in it"
+    for counted in ("invalid", "midstream"):
+        labels = {"kind": counted}
+        assert proxy.metric("cachegate_upstream_errors_total", labels) == (counted == kind)
+
+
 def test_an_answer_the_sdks_read_though_orjson_refuses_it_is_logged_and_counted(
     scripted: Any, proxy_factory: Any
 ) -> None:
