@@ -1603,10 +1603,15 @@ def _message_divergence(
             if message is None:
                 return ""
             if isinstance(message, Mapping):
-                found = canonical_message(message).get("content", _MISSING)
+                canonical = canonical_message(message)
+                found = canonical.get("content", _MISSING)
                 kind = _item_type(message)
                 if found is _MISSING and isinstance(kind, str) and kind != "message":
                     return kind  # (an item with no content, a reasoning item: its type)
+                if (found is _MISSING or found is None or found == "") and canonical.get(
+                    "tool_calls"
+                ):
+                    return _text(canonical["tool_calls"])  # (an assistant's calls, no text)
                 return _text(found)
             return _text(message)
 

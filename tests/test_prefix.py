@@ -319,6 +319,21 @@ def test_a_system_message_dropped_from_the_block_is_named_as_gone() -> None:
     assert (diverge(old, edited) or divergence).field == "content"
 
 
+def test_a_call_with_no_text_trimmed_from_a_history_shows_its_calls() -> None:
+    """The oldest turn dropped where its first message is an assistant's calls with no text:
+    the divergence's ``old`` was empty (a Responses API request shows the item's type), and
+    the user could not see what was dropped."""
+    old = conversation()
+    old["messages"].append({"role": "user", "content": "Now run them again."})
+    new = copy.deepcopy(old)
+    del new["messages"][2:4]  # the first call and its result
+    divergence = diverge(old, new)
+    assert divergence is not None
+    assert (divergence.location, divergence.index, divergence.field) == ("messages", 2, None)
+    assert divergence.role == "assistant"
+    assert "pytest -q" in divergence.old_excerpt and "call_1" in divergence.old_excerpt
+
+
 def test_a_history_trimmed_at_its_start_names_the_message_gone_not_an_edit() -> None:
     """A client drops its oldest turn (a sliding window near the context limit): the message
     now at that place is one the previous request sent later. The location is the message that
