@@ -717,7 +717,8 @@ def host_problem(listen: str, port: str = "server.port, --port") -> str | None:
     simulator's ``--host``), or None."""
     # (the socket layer reads "" as every interface, and "[]" once its brackets are off)
     if not listen.strip(" []"):
-        return "empty; give an address (127.0.0.1, or 0.0.0.0 to listen on every interface)"
+        said = "empty" if not listen else "only spaces" if not listen.strip() else f"{listen!r}"
+        return f"{said}; give an address (127.0.0.1, or 0.0.0.0 to listen on every interface)"
     if _token_like(listen.strip()) or _BASE64_KEY.fullmatch(listen.strip()):
         # (a key pasted in its place: not printed by a bind error, nor by the messages below)
         return (
@@ -746,7 +747,8 @@ def _check(settings: Settings) -> None:
     if problem is not None:
         raise _bad("server.host", problem)
     if settings.logging.enabled and not settings.logging.dir.strip():  # "": the working dir
-        raise _bad("logging.dir", "empty; give a directory (or set logging.enabled = false)")
+        said = "only spaces" if settings.logging.dir else "empty"
+        raise _bad("logging.dir", f"{said}; give a directory (or set logging.enabled = false)")
     if "\0" in settings.logging.dir:  # (no path can hold it: a traceback once listening)
         raise _bad("logging.dir", f"{settings.logging.dir!r} has a NUL character in it")
     url = settings.upstream.base_url
@@ -984,7 +986,8 @@ def load_settings(
 
 def _apply_one(settings: Settings, key: str, value: Any, source: str) -> Settings:
     if key == "logging.dir" and isinstance(value, str) and not value.strip():  # (logs on or off)
-        raise ConfigError(f"{source}: config key 'logging.dir': empty; give a directory", key)
+        said = "only spaces" if value else "empty"
+        raise ConfigError(f"{source}: config key 'logging.dir': {said}; give a directory", key)
     try:
         text = isinstance(value, str)
         return settings_from_mapping(_nest({key: value}), settings, text=text, check=False)

@@ -1672,14 +1672,15 @@ def test_simulate_refuses_an_endless_delay(flag: str) -> None:
     assert result.err == f"cachegate simulate: {flag} must be a finite number >= 0\n"
 
 
-@pytest.mark.parametrize("host", ["", "  ", "[]"])
-def test_simulate_refuses_an_empty_host_as_serve_does(host: str) -> None:
-    """The socket layer reads "" as every interface: the simulator listened on 0.0.0.0."""
+@pytest.mark.parametrize(("host", "said"), [("", "empty"), ("  ", "only spaces"), ("[]", "'[]'")])
+def test_simulate_refuses_an_empty_host_as_serve_does(host: str, said: str) -> None:
+    """The socket layer reads "" as every interface: the simulator listened on 0.0.0.0. (A
+    host of spaces is said to be so, not "empty".)"""
     result = run_cli("simulate", "--host", host, "--port", str(free_port()))
     assert result.code == 2
-    assert result.err.startswith("cachegate simulate: --host: empty; give an address")
+    assert result.err.startswith(f"cachegate simulate: --host: {said}; give an address")
     served = run_cli("serve", "--host", host, "--port", str(free_port()))
-    assert served.code == 2 and "config key 'server.host': empty" in served.err
+    assert served.code == 2 and f"config key 'server.host': {said}; give" in served.err
 
 
 @pytest.mark.parametrize(

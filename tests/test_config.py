@@ -247,7 +247,7 @@ def test_a_log_dir_of_spaces_is_refused_with_logging_off_too(tmp_path: Path) -> 
     path = tmp_path / "off.toml"
     path.write_text("[logging]\nenabled = false\n")
     for environ, options in (({"CACHEGATE_LOG_DIR": "   "}, {}), ({}, {"log_dir": " "})):
-        with pytest.raises(ConfigError, match=r"config key 'logging.dir': empty; give a dir"):
+        with pytest.raises(ConfigError, match=r"config key 'logging.dir': only spaces; give a"):
             load_settings(str(path), options, environ=environ)
     assert not load_settings(str(path), {}, environ={"CACHEGATE_LOG_DIR": ""}).logging.enabled
 
