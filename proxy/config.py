@@ -467,6 +467,39 @@ OPTION_KEYS: dict[str, str] = {
 }
 
 
+# A line that sets a key to a bare word, address or URL (``host = 127.0.0.1``): TOML reads
+# text only in quotes
+_UNQUOTED = re.compile(r"\s*([A-Za-z0-9_.-]+)\s*=\s*([^\s\"'\[{#][^#]*?)\s*(?:#.*)?")
+
+
+def _unquoted_hint(raw: bytes, exc: Exception) -> str:
+    """Where the TOML error ``exc`` is on a line that sets a key to text without quotes,
+    what to write instead (tomllib says only ``Expected newline or end of document after a
+    statement``, or ``Invalid value``); else ""."""
+    found = re.search(r"at line (\d+)", str(exc))
+    if found is None:
+        return ""
+    lines = raw.decode("utf-8", "replace").splitlines()
+    at = int(found.group(1)) - 1
+    if not 0 <= at < len(lines):
+        return ""
+    line = _UNQUOTED.fullmatch(lines[at])
+    if line is None:
+        return ""
+    key, value = line.groups()
+    defaults = Settings()
+    texts = {  # (the keys whose values are text: a bare number or word for another is no text)
+        f.name
+        for section in fields(Settings)
+        if section.name != "models"
+        for f in fields(getattr(defaults, section.name))
+        if isinstance(getattr(getattr(defaults, section.name), f.name), str)
+    }
+    if key.rpartition(".")[2] not in texts:
+        return ""
+    return f" (text goes in quotes: {key} = {json.dumps(value, ensure_ascii=False)})"
+
+
 def unknown_variable_notes(env: Mapping[str, str]) -> list[str]:
     """A line for each ``CACHEGATE_*`` variable set in ``env`` that cachegate does not read
     (``CACHEGATE_LOGDIR``): a mistyped name was ignored without a word, as a file's unknown key
@@ -938,7 +971,7 @@ def load_settings(
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path}: {exc}") from None
+            raise ConfigError(f"config file {path}: {exc}{_unquoted_hint(raw, exc)}") from None
         except UnicodeDecodeError as exc:
             raise ConfigError(f"config file {path}: not UTF-8 text ({exc.reason})") from None
         except ValueError as exc:  # an integer of more than 4,300 digits

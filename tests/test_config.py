@@ -795,6 +795,24 @@ def test_a_file_tomllib_cannot_hold_is_refused_naming_it(
     assert "sys.set_int_max_str_digits" not in message  # (Python's advice, not ours)
 
 
+def test_text_written_without_quotes_is_refused_with_how_to_write_it(tmp_path: Path) -> None:
+    """``host = 127.0.0.1`` was refused in tomllib's words alone (``Expected newline or end of
+    document after a statement``), which say nothing of the quotes text needs in TOML."""
+    for line, quoted in (
+        ("host = 127.0.0.1", 'host = "127.0.0.1"'),
+        (
+            "base_url = http://localhost:11434/v1  # ollama",
+            'base_url = "http://localhost:11434/v1"',
+        ),
+        ("dir = ~/logs", 'dir = "~/logs"'),
+    ):
+        message = _refusal_of_file(tmp_path, "[server]\n" + line)
+        assert message.endswith(f" (text goes in quotes: {quoted})"), message
+    # a key whose value is no text gets no such advice
+    assert "quotes" not in _refusal_of_file(tmp_path, "[server]\nport = 8787x")
+    assert "quotes" not in _refusal_of_file(tmp_path, '[server]\nhost = "a" b')
+
+
 def _refusal_of_file(tmp_path: Path, text: str) -> str:
     """What loading a config file that holds ``text`` is refused with."""
     config = tmp_path / "c.toml"
