@@ -1895,16 +1895,20 @@ class AccountingObserver:
         if divergence is not None and divergence.location == "messages":
             # It differs inside the messages from the closest: if it carries another request
             # of the session on whole, it is that one's next turn (two agents that opened
-            # alike, their first answers alike too), not an edit of the closest. Not where it
-            # keeps the closest's last message after the change: an edit in place of the
-            # closest's history (an old tool output cleared), which carries on whole an older
-            # request of that history the session sent again (its first turn, as a warm-up or
-            # a replay), as ``_takes_place`` reads it
+            # alike, their first answers alike too), not an edit of the closest. Where it keeps
+            # the closest's last message after the change, an edit in place of the closest's
+            # history (an old tool output cleared, as ``_takes_place`` reads it), which carries
+            # on whole an older request of that history the session sent again (its first
+            # turn, as a warm-up or a replay), only if that one was sent alike by several of
+            # which another went on (sub-agents fanned out alike, whose parallel calls ended
+            # on the same output), or if it carries that one's answer next
             last = top.fp.message_digests[-1:]
-            if not (last and last[0] in fp.message_digests[(divergence.index or 0) + 1 :]):
-                for other in ranked[1:]:
-                    if prefix.shared_links(other.fp, fp) == len(other.fp.chain):
-                        return other, True, None
+            in_place = bool(last) and last[0] in fp.message_digests[(divergence.index or 0) + 1 :]
+            for other in ranked[1:]:
+                if prefix.shared_links(other.fp, fp) == len(other.fp.chain) and (
+                    not in_place or other.left_behind or _carries_answer(other, body)
+                ):
+                    return other, True, None
             if not _carries_answer(top, body):
                 # ...or carries it on whole but for the time in the system prompt, its answer
                 # next (sub-agents fanned out under one session, the time in their prompt: a

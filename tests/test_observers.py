@@ -1527,6 +1527,42 @@ def test_an_edit_in_place_after_the_first_turn_was_sent_again_is_still_a_rewrite
     assert ex.cache["expected"] > 6_500 and ex.cache["waste"] == ex.cache["expected"] - 5_000
 
 
+def test_two_agents_sent_alike_whose_calls_end_on_the_same_output_keep_their_own_turns() -> None:
+    """Two sub-agents fanned out alike, the same first answer (two parallel calls, ids a local
+    server counts), their outputs differing but in the last: the second's turn, which keeps
+    the first's last message after the change, was taken for an edit in place of the first's
+    history; the first's next turn was then compared with the second's, and its real miss
+    (2,000 tokens) went unseen."""
+    acc = _Accounting()
+    opening = [_system("coding agent " * 300), {"role": "user", "content": "fix the tests"}]
+    calls = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": f"call_{n}", "type": "function", "function": {"name": f, "arguments": "{}"}}
+            for n, f in ((1, "run_tests"), (2, "git_status"))
+        ],
+    }
+
+    def outputs(first: str) -> list[Message]:
+        return [
+            {"role": "tool", "tool_call_id": "call_1", "content": first * 200},
+            {"role": "tool", "tool_call_id": "call_2", "content": "nothing to commit"},
+        ]
+
+    acc.send(list(opening), 5_000, 0, answer=calls)  # (the first agent)
+    acc.send(list(opening), 5_000, 4_900, answer=calls)  # (the second, sent alike)
+    first = [*opening, calls, *outputs("A: 3 failed ")]
+    second = [*opening, calls, *outputs("B: 5 failed ")]
+    acc.send(first, 6_000, 4_900, answer="A fixes")
+    ex = acc.send(second, 6_000, 4_900, answer="B fixes")
+    assert ex.divergence is None  # (its own next turn, not an edit of the first's)
+    more = [{"role": "assistant", "content": "A fixes"}, {"role": "user", "content": "ran"}]
+    ex = acc.send([*first, *more], 6_600, 4_000)
+    assert ex.cache is not None and ex.divergence is None
+    assert (ex.cache["expected"], ex.cache["waste"]) == (6_000, 2_000)
+
+
 def test_openais_24_hour_retention_is_the_ttl_of_a_request_that_asks_for_it() -> None:
     """``prompt_cache_retention: "24h"``: after 25 minutes idle the date in the system prompt
     changed; the miss was blamed on the TTL and the timestamp never named."""
