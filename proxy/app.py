@@ -44,6 +44,7 @@ from proxy.errors import (
     ProxyError,
     bad_request,
     body_cut,
+    client_closed,
     http_date,
     shutting_down,
     too_large,
@@ -55,6 +56,7 @@ from proxy.observers import AccountingObserver, EventLogObserver
 from proxy.pipeline import Exchange, Observer, notify
 from proxy.redact import placeholder_key
 from proxy.relay import (
+    DisconnectWatch,
     Receive,
     Relay,
     Scope,
@@ -607,13 +609,17 @@ class Gateway:
         headers = [(k, v) for k, v in forward_headers if k not in _NOT_FOR_A_GET]
         headers.append((b"accept", b"application/json"))
         url = self.relay.url("responses/" + response_id, ex.query)
+        asked = time.perf_counter()
         try:
-            async with asyncio.timeout(STORED_CALLS_TIMEOUT_S):
-                response = await self.relay.open("GET", url, headers, b"")
-                try:
-                    body = decoded_answer(response, await response.aread())
-                finally:
-                    await response.aclose()
+            try:
+                async with asyncio.timeout(STORED_CALLS_TIMEOUT_S):
+                    response = await self.relay.open("GET", url, headers, b"")
+                    try:
+                        body = decoded_answer(response, await response.aread())
+                    finally:
+                        await response.aclose()
+            finally:  # (the provider's time, not cachegate's overhead)
+                ex.upstream_wait_s += time.perf_counter() - asked
             answer = orjson.loads(body) if response.status_code == 200 else None
         except Exception as exc:  # (unreachable, too slow, no JSON: what was relayed stands)
             log.info(
@@ -743,7 +749,19 @@ class Gateway:
                         ex, raw, headers, forward_headers, strict, find_session, path_session
                     )
                 except _CallsUnknown as unknown:  # (it continues an answer its client cut)
-                    await self._learn_stored_calls(ex, unknown.response_id, forward_headers)
+                    watch = DisconnectWatch(receive)  # (a client that leaves meanwhile: a 499)
+                    try:
+                        await self._learn_stored_calls(ex, unknown.response_id, forward_headers)
+                    except asyncio.CancelledError:
+                        task = asyncio.current_task()
+                        if not watch.disconnected or task is None:
+                            raise  # (cachegate stopping: as while the body came)
+                        task.uncancel()
+                        raise client_closed(
+                            "client disconnected before the request was forwarded"
+                        ) from None
+                    finally:
+                        watch.stop()
                     repaired = self._repaired_responses(
                         ex, raw, headers, forward_headers, strict, find_session, path_session
                     )

@@ -518,6 +518,94 @@ def test_a_cut_answer_the_provider_does_not_give_back_leaves_the_turn_as_it_was(
     assert len(said) == 1 and "answered 404" in said[0]
 
 
+class _SlowToGiveBack:
+    """An upstream that streams an answer's first event, then holds the rest (its client cuts
+    it there), and gives the stored answer back on ``GET /v1/responses/{id}`` only after
+    ``delay_s``; it records the requests it saw."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.seen: list[tuple[str, str, float]] = []
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        import asyncio
+        import time
+
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        self.seen.append((scope["method"], scope["path"], time.monotonic()))
+        calls = [
+            {"type": "function_call", "id": f"fc_{n}", "call_id": f"call_{n}", "name": "f",
+             "arguments": "{}", "status": "completed"}
+            for n in ("a", "b")
+        ]  # fmt: skip
+        answer = {"id": "resp_cut", "object": "response", "status": "completed", "output": calls}
+        if scope["method"] == "GET":
+            await asyncio.sleep(self.delay_s)
+            head = [(b"content-type", b"application/json")]
+            await send({"type": "http.response.start", "status": 200, "headers": head})
+            await send({"type": "http.response.body", "body": orjson.dumps(answer)})
+            return
+        head = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        if orjson.loads(body).get("previous_response_id"):
+            done = {"type": "response.completed", "response": {**answer, "output": []}}
+            await send(
+                {"type": "http.response.body", "body": b"data: " + orjson.dumps(done) + b"\n\n"}
+            )
+            return
+        created = {"type": "response.created", "response": {**answer, "status": "in_progress"}}
+        event = b"event: response.created\ndata: " + orjson.dumps(created) + b"\n\n"
+        await send({"type": "http.response.body", "body": event, "more_body": True})
+        await asyncio.sleep(30)  # (the rest never comes before the client cuts it)
+
+
+@pytest.mark.parametrize("patient", [False, True])
+def test_a_turn_that_waits_on_a_cut_answer_s_calls_is_the_providers_wait(
+    patient: bool, proxy_factory: Any
+) -> None:
+    """While cachegate asked the provider for a cut answer's calls, a client that gave up was
+    not heard: its turn went to the provider seconds after it left (a billed turn nobody
+    reads). And a client that waited had that wait counted as cachegate's own overhead."""
+    import time
+
+    from proxy.serving import ServerThread
+
+    upstream = _SlowToGiveBack(delay_s=2.0)
+    with ServerThread(upstream) as server:
+        proxy = proxy_factory(server.url + "/v1")
+        body = {"model": "gpt-4o", "input": "fix it", "stream": True}
+        with httpx.Client(timeout=30) as client:
+            with client.stream("POST", proxy.base_url + "/responses", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        break
+            wait_for(lambda: proxy.metric("cachegate_client_disconnects_total") == 1)
+            proxy.settle()
+            turn = {"model": "gpt-4o", "previous_response_id": "resp_cut", "input": "go on"}
+            if patient:
+                answer = client.post(proxy.base_url + "/responses", json={**turn, "stream": True})
+                assert answer.status_code == 200
+                assert answer.headers["x-cachegate-repairs"] == "2"
+                proxy.settle()
+                overhead = proxy.metric(
+                    "cachegate_proxy_overhead_seconds_sum", {"route": "responses"}
+                )
+                assert overhead < 1.0  # (the 2 s the provider took is not cachegate's)
+                return
+            with pytest.raises(httpx.ReadTimeout):
+                client.post(proxy.base_url + "/responses", json=turn, timeout=0.5)
+        time.sleep(3.0)  # (past the provider's answer to the GET)
+        assert [method for method, _, _ in upstream.seen] == ["POST", "GET"]
+        wait_for(lambda: proxy.metric("cachegate_client_disconnects_total") == 2)
+
+
 def test_a_stream_the_client_cut_logs_the_part_of_the_answer_it_had(
     proxy_factory: Any, sdk: Any
 ) -> None:
