@@ -159,8 +159,8 @@ class UsageEventStripper:
         after it, while the model thinks): taken off it to be forwarded, where they were held
         until a blank line came, past a client's read timeout. The last comment line stays
         held: a server that writes one in every event writes one in the usage event too, which
-        goes whole. A comment line ended by a lone CR stays held, as the next byte may be its
-        LF."""
+        goes whole. A comment line whose CR is the last byte held stays held, as the next byte
+        may be its LF."""
         event = self.pending
         at = 0
         ends: list[int] = []
@@ -168,8 +168,13 @@ class UsageEventStripper:
         while at < size and event[at] == 58:  # ``:``
             end = event.find(b"\n", at)
             cr = event.find(b"\r", at, end if end >= 0 else size)
-            if end < 0 or (cr >= 0 and cr != end - 1):
-                ends.append(size)  # (a comment line still open, or one a lone CR ended)
+            if cr >= 0 and cr != end - 1:  # (ended by a CR alone, or one an LF may follow)
+                if cr + 1 == size:
+                    ends.append(size)  # (its LF may be the next byte: still open)
+                    break
+                end = cr
+            elif end < 0:
+                ends.append(size)  # (a comment line still open)
                 break
             at = end + 1
             ends.append(at)

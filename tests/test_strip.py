@@ -416,11 +416,15 @@ def test_keep_alive_comment_lines_go_on_as_the_next_one_comes() -> None:
     assert stripper.feed(b": ping\n") == b""
     assert stripper.feed(USAGE + DONE) == DONE  # (its comment went with it)
     assert stripper.stripped == 1
-    # a comment before another field of its event goes with that event; so does one a lone CR
-    # ended, whose LF may come next
-    for held in (b": ping\nid: 7\n", b": ping\ndata: {", b": ping\r: pong\r"):
+    # a comment before another field of its event goes with that event; so does one whose CR
+    # is the last byte come, its LF maybe the next
+    for held in (b": ping\nid: 7\n", b": ping\ndata: {", b": ping\r"):
         stripper = UsageEventStripper()
         assert stripper.feed(held) == b"", held
         assert bytes(stripper.pending) == held
+    # CRLF and CR line ends alike (a CR followed by anything but an LF ends its line)
+    for end in (b"\r\n", b"\r"):
+        stripper = UsageEventStripper()
+        assert [stripper.feed(b": ping" + end) for _ in range(3)] == [b"", *[b": ping" + end] * 2]
     stripper = UsageEventStripper()
-    assert stripper.feed(b": ping\r\n: pong\r\n") == b": ping\r\n"
+    assert stripper.feed(b": ping\r: pong\r") == b": ping\r"
