@@ -285,45 +285,33 @@ def _refused_logprobs(logprobs: Any, top: Any) -> Response | None:
         kind = json_kind(logprobs)
         message = f"Invalid type for 'logprobs': expected a boolean, but got {kind} instead."
         return _error(400, message, "logprobs", "invalid_type")
-    if top is None:
-        return None
-    if type(top) is not int:
-        kind = json_kind(top)
-        message = f"Invalid type for 'top_logprobs': expected an integer, but got {kind} instead."
-        return _error(400, message, "top_logprobs", "invalid_type")
-    if top < 0:
-        message = (
-            "Invalid 'top_logprobs': integer below minimum value. Expected a value >= 0, but got"
-            f" {top} instead."
-        )
-        return _error(400, message, "top_logprobs", "integer_below_min_value")
-    if top > 20:
-        message = (
-            "Invalid 'top_logprobs': integer above maximum value. Expected a value <= 20, but got"
-            f" {top} instead."
-        )
-        return _error(400, message, "top_logprobs", "integer_above_max_value")
-    return None
+    return None if top is None else _refused_integer("top_logprobs", top, 0, 20)
 
 
 def _refused_n(value: Any) -> Response | None:
     """OpenAI's refusal of an ``n`` that is no whole number from 1 to 128, else None."""
+    return _refused_integer("n", value, 1, 128)
+
+
+def _refused_integer(name: str, value: Any, low: int, high: int) -> Response | None:
+    """OpenAI's refusal of a parameter ``name`` that is no whole number from ``low`` to
+    ``high``, else None."""
     if type(value) is not int:
         kind = json_kind(value)
-        message = f"Invalid type for 'n': expected an integer, but got {kind} instead."
-        return _error(400, message, "n", "invalid_type")
-    if value < 1:
+        message = f"Invalid type for '{name}': expected an integer, but got {kind} instead."
+        return _error(400, message, name, "invalid_type")
+    if value < low:
         message = (
-            f"Invalid 'n': integer below minimum value. Expected a value >= 1, but got {value}"
-            " instead."
+            f"Invalid '{name}': integer below minimum value. Expected a value >= {low}, but got"
+            f" {value} instead."
         )
-        return _error(400, message, "n", "integer_below_min_value")
-    if value > 128:
+        return _error(400, message, name, "integer_below_min_value")
+    if value > high:
         message = (
-            f"Invalid 'n': integer above maximum value. Expected a value <= 128, but got {value}"
-            " instead."
+            f"Invalid '{name}': integer above maximum value. Expected a value <= {high}, but got"
+            f" {value} instead."
         )
-        return _error(400, message, "n", "integer_above_max_value")
+        return _error(400, message, name, "integer_above_max_value")
     return None
 
 
