@@ -651,8 +651,8 @@ def idle_seconds(
     Where no prefix of its system prompt or history is known (their stamps pushed out of the
     session's map by another conversation's newer ones), since ``since``, the compared
     request's start, where given: the parameters and tools, or the session's latest start, are
-    any conversation's, and measured a paused agent's pause from another agent's turn. Else since the session's latest start; None on a fresh
-    session. A prefix stamped by a request that started after this one (requests finish out of
+    any conversation's, and measured a paused agent's pause from another agent's turn. Else
+    since the session's latest start; None on a fresh session. A prefix stamped by a request that started after this one (requests finish out of
     order: only the latest start is kept) tells nothing of the time before this one: ``since``,
     where given, does.
     """

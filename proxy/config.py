@@ -467,6 +467,18 @@ OPTION_KEYS: dict[str, str] = {
 }
 
 
+def _section_keys() -> list[tuple[str, Any]]:
+    """Each config key of the sections (``server.port``; not the models' table) with its
+    default value."""
+    defaults = Settings()
+    return [
+        (f"{section.name}.{key.name}", getattr(getattr(defaults, section.name), key.name))
+        for section in fields(Settings)
+        if section.name != "models"
+        for key in fields(getattr(defaults, section.name))
+    ]
+
+
 # A line that sets a key to a bare word, address or URL (``host = 127.0.0.1``): TOML reads
 # text only in quotes
 _UNQUOTED = re.compile(r"\s*([A-Za-z0-9_.-]+)\s*=\s*([^\s\"'\[{#][^#]*?)\s*(?:#.*)?")
@@ -487,13 +499,9 @@ def _unquoted_hint(raw: bytes, exc: Exception) -> str:
     if line is None:
         return ""
     key, value = line.groups()
-    defaults = Settings()
-    texts = {  # (the keys whose values are text: a bare number or word for another is no text)
-        f.name
-        for section in fields(Settings)
-        if section.name != "models"
-        for f in fields(getattr(defaults, section.name))
-        if isinstance(getattr(getattr(defaults, section.name), f.name), str)
+    # (the keys whose values are text: a bare number or word for another is no text)
+    texts = {
+        name.partition(".")[2] for name, default in _section_keys() if isinstance(default, str)
     }
     if key.rpartition(".")[2] not in texts:
         return ""
@@ -508,13 +516,7 @@ def unknown_variable_notes(env: Mapping[str, str]) -> list[str]:
     # A config key written as a variable, ``CACHEGATE_SERVER_PORT`` for ``server.port`` (the
     # names a user builds from the keys' table): the variable that sets it, or the file
     variables = {key: f"CACHEGATE_{option.upper()}" for option, key in OPTION_KEYS.items()}
-    defaults = Settings()
-    keys = {
-        f"{section.name}_{key.name}".upper(): f"{section.name}.{key.name}"
-        for section in fields(Settings)
-        if section.name != "models"
-        for key in fields(getattr(defaults, section.name))
-    }
+    keys = {name.replace(".", "_").upper(): name for name, _ in _section_keys()}
     notes = []
     for name in sorted(env):
         if name.upper().startswith("CACHEGATE_") and name not in known and env[name]:

@@ -316,11 +316,6 @@ class UpstreamResponse:
         self._retired = True
 
 
-# OpenSSL's reason for a handshake answered in plain HTTP (its "HTTP/1.1 400" read as a TLS
-# record of an unknown version)
-_PLAIN_HTTP_REASONS: Final = frozenset({"WRONG_VERSION_NUMBER"})
-
-
 class _Connection(asyncio.Protocol):
     """One upstream connection and the exchange currently on it."""
 
@@ -1193,9 +1188,10 @@ class UpstreamPool:
             raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from None
         except OSError as exc:
             hint = ""
-            if isinstance(exc, ssl.SSLError) and exc.reason in _PLAIN_HTTP_REASONS:
-                # (TLS spoken to a plain-HTTP port: a local vLLM, Ollama or the simulator given
-                # as https://, which OpenSSL says only in its own words)
+            if isinstance(exc, ssl.SSLError) and exc.reason == "WRONG_VERSION_NUMBER":
+                # (TLS spoken to a plain-HTTP port, its "HTTP/1.1 400" read as a TLS record: a
+                # local vLLM, Ollama or the simulator given as https://, which OpenSSL says only
+                # in its own words)
                 hint = f": the upstream speaks plain HTTP on port {port}, use http:// for it"
             raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc}{hint}") from exc
         finally:

@@ -17,7 +17,14 @@ import pytest
 from proxy.pairing import DEFAULT_INTERRUPTED_NOTE
 from proxy.report import replay_lines
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
-from tests.e2e_support import FILE_TEXT, PYTEST_OUTPUT, events, run_cli, wait_for
+from tests.e2e_support import (
+    FILE_TEXT,
+    PYTEST_OUTPUT,
+    asgi_body,
+    events,
+    run_cli,
+    wait_for,
+)
 
 TOOLS = [
     {
@@ -526,12 +533,7 @@ class _SlowToGiveBack:
 
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await asgi_body(receive)
         self.seen.append((scope["method"], scope["path"], time.monotonic()))
         calls = [
             {"type": "function_call", "id": f"fc_{n}", "call_id": f"call_{n}", "name": "f",
