@@ -83,6 +83,7 @@ REPAIR_KINDS: Final = (
     "empty_assistant",
     "user_after_tool",
     "blank_text",
+    "null_result",
 )
 COMPACTION_RESULTS: Final = ("summary", "extractive", "reused")
 COST_KINDS: Final = ("actual", "uncached")

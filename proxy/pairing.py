@@ -51,6 +51,7 @@ RepairKind = Literal[
     "empty_assistant",
     "user_after_tool",
     "blank_text",
+    "null_result",
 ]
 OrphanPolicy = Literal["downgrade", "drop"]
 
@@ -557,6 +558,8 @@ def needs_repair_from(
             left = pending.pop(tool_call_id) - 1
             if left:
                 pending[tool_call_id] = left
+            if message.get("content") is None:
+                return True, None, resumed  # (OpenAI: "expected a string, got null")
             if parts and _blank_parts_to_take(message):
                 return True, None, resumed  # (Claude: an empty text block)
             continue
@@ -1087,7 +1090,14 @@ def repair_messages_from(
                 state.marks,
                 mistral,
             )
-            if parts and i in paired and _blank_parts_to_take(entry := fixed.get(i, message)):
+            if i in paired and (entry := fixed.get(i, message)).get("content") is None:
+                # A tool that returned nothing (None), its result written as null or without
+                # content: every provider refuses it ("expected a string, got null")
+                given = NO_OUTPUT if parts else ""  # (Claude: not "", as ``blank_text``)
+                fixed[i] = {**entry, "content": given}
+                action = f"gave a result of no content the content {json.dumps(given)}"
+                scanned.append(Repair("null_result", i, entry.get("tool_call_id"), action))
+            elif parts and i in paired and _blank_parts_to_take(entry := fixed.get(i, message)):
                 fixed[i] = _without_blank_parts(entry)
                 action = "removed blank text parts (Claude refuses an empty text block)"
                 if fixed[i]["content"] == NO_OUTPUT:
@@ -1471,6 +1481,7 @@ _DESCRIPTIONS: Final[dict[str, str]] = {
     "blank_text": (
         "messages[{index}] has a text part of no text (Claude refuses an empty text block)"
     ),
+    "null_result": "messages[{index}] tool result for {id} has no content (null or none)",
 }
 
 

@@ -421,6 +421,45 @@ def test_a_blank_assistant_message_a_client_wrote_is_removed_for_claude(
             assert sim.sim.requests[-1].body["messages"] == history[:3]
 
 
+def test_a_tool_that_returned_none_no_longer_gets_the_provider_s_400(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """An agent whose tool returned None (a retriever that found nothing) writes its result
+    with ``"content": null``: OpenAI refuses the request, ``Invalid value for 'content':
+    expected a string, got null.``, and every later turn of the session that resends it.
+    Through cachegate the result is given ``""``, on every turn, logged and counted as
+    ``null_result``."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": "{}"}}
+    history: list[dict[str, Any]] = [
+        {"role": "user", "content": "Find the release notes"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": None},
+    ]
+    with run_simulator(SimConfig()) as sim:
+        with pytest.raises(openai.BadRequestError, match="expected a string, got null"):
+            sdk(sim.api_base).chat.completions.create(model="gpt-4o", messages=history)
+        proxy = proxy_factory(sim.api_base)
+        for turn in range(2):
+            raw = sdk(proxy.base_url).chat.completions.with_raw_response.create(
+                model="gpt-4o", messages=history, extra_headers={"X-Session-Id": "retriever"}
+            )
+            assert raw.http_response.status_code == 200
+            assert raw.headers["x-cachegate-repairs"] == "1"
+            sent = sim.sim.requests[-1].body["messages"]
+            assert sent[2] == {"role": "tool", "tool_call_id": "call_1", "content": ""}
+            assert sent[:2] == history[:2] and sent[3:] == history[3:]
+            assert proxy.metric("cachegate_pairing_repairs_total", {"kind": "null_result"}) == (
+                turn + 1
+            )
+            history += [raw.parse().choices[0].message.model_dump(exclude_none=True)]
+            history += [{"role": "user", "content": "Try the changelog"}]
+        proxy.settle()
+        logged = events(proxy.log_dir, "retriever", "request")[-1]["repairs"]
+        assert [(r["kind"], r["index"], r["tool_call_id"]) for r in logged] == [
+            ("null_result", 2, "call_1")
+        ]
+
+
 def test_an_empty_tool_output_as_parts_no_longer_makes_claude_refuse_every_turn(
     sdk: Any, proxy_factory: Any
 ) -> None:

@@ -193,7 +193,38 @@ CASES: list[tuple[str, list[Message], list[Message], list[tuple[str, int, str | 
         [asst(call("a", "now", "{}")), tool("a")],
         [("invalid_arguments", 0, "a")],
     ),
+    (
+        "a result of content null or none (a tool that gave None): given an empty one",
+        [
+            asst(call("a"), call("b")),
+            tool("a", None),
+            {"role": "tool", "tool_call_id": "b"},
+            tool("zz", None),
+        ],
+        [
+            asst(call("a"), call("b")),
+            tool("a", ""),
+            tool("b", ""),
+            user("[tool result for call zz (no matching tool call)]"),
+        ],
+        [("null_result", 1, "a"), ("null_result", 2, "b"), ("orphan_result", 3, "zz")],
+    ),
 ]
+
+
+def test_a_result_of_no_content_says_no_output_to_claude_and_is_counted_once() -> None:
+    """For a Claude model the empty result is ``(no output)`` (as a result of blank text
+    parts: Claude refuses an empty one through some gateways); a repaired history needs no
+    more repair, and strict mode names the result."""
+    history = [user("go"), asst(call("a")), tool("a", None), user("next")]
+    result = repair_messages(history, drop_empty=True)
+    assert result.messages[2] == tool("a", "(no output)")
+    assert kinds(result) == [("null_result", 2, "a")]
+    assert repair_messages(result.messages, drop_empty=True).repairs == []
+    assert format_strict_error(diagnose(history)) == (
+        "cachegate strict pairing: 1 defect: messages[2] tool result for a has no content"
+        " (null or none) (null_result)"
+    )
 
 
 @pytest.mark.parametrize(
@@ -1405,10 +1436,13 @@ def random_histories(draw: st.DrawFn) -> list[Message]:
             messages.append(asst(*draw(st.lists(calls, min_size=1, max_size=3)), content=f"t{i}"))
         else:
             call_id = draw(st.one_of(st.sampled_from(IDS), st.just("zz"), st.none(), st.just("")))
-            content: Any = f"o{i}"
-            if draw(st.booleans()):
+            shape = draw(st.sampled_from(["text", "parts", "null", "none"]))
+            content: Any = f"o{i}" if shape == "text" else None
+            if shape == "parts":
                 content = [{"type": "text", "text": f"o{i}"}]
             messages.append(tool(call_id, content))
+            if shape == "none":  # (a result written without its content: a tool that gave None)
+                del messages[-1]["content"]
     return messages
 
 
