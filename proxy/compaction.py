@@ -37,7 +37,13 @@ import orjson
 
 from proxy.media import image_tokens
 from proxy.pipeline import clip_words, key_run
-from proxy.prefix import MEDIA_PART_TYPES, canonical_json, json_size, volatile_kind
+from proxy.prefix import (
+    MEDIA_PART_TYPES,
+    canonical_json,
+    json_size,
+    request_tools,
+    volatile_kind,
+)
 
 Message = dict[str, Any]
 Source = Literal["model", "extractive"]
@@ -248,7 +254,7 @@ def body_estimate(body: Any) -> int:
     """``estimate_tokens`` of a chat request body's messages and tools (0 for no body)."""
     if not isinstance(body, dict):
         return 0
-    messages, tools = body.get("messages"), body.get("tools")
+    messages, tools = body.get("messages"), request_tools(body)  # (legacy ``functions`` too)
     estimate = estimate_tokens(messages) if isinstance(messages, list) else 0
     return estimate + (estimate_tokens(tools) if isinstance(tools, list) else 0)
 

@@ -27,6 +27,7 @@ from proxy.config import ModelSettings, Settings
 from proxy.eventlog import NotALogFile, logged_compactions, session_log_path
 from proxy.observers import exchange_keys
 from proxy.pipeline import Exchange, Observer, clip_words, error_message, notify
+from proxy.prefix import request_tools
 from proxy.redact import redact_text, without_values
 from proxy.relay import Relay, decoded_answer, open_error_kind
 from proxy.sessions import CONVERSATIONS_KEPT, SessionState, SessionStore
@@ -543,7 +544,7 @@ class Compactor:
             # this goes without (a message it covers was changed: an old tool output cleared),
             # or none where this one would have one: the estimate decides.
             last = None
-        tools = body.get("tools")
+        tools = request_tools(body)  # (the legacy ``functions`` too)
         tools_tokens = compaction.estimate_tokens(tools) if tools else 0
         appended = messages[last.messages :] if last else []
         completion = 0  # the previous answer, as the history holds it

@@ -219,8 +219,9 @@ def _as_was(baseline: _Baseline, oldest: float) -> _Baseline:
 
 
 def _has_tools(body: Any) -> bool:
-    """Whether a request offers tools (an agent's turn; a title request offers none)."""
-    return isinstance(body, dict) and bool(body.get("tools"))
+    """Whether a request offers tools (an agent's turn; a title request offers none), or the
+    legacy ``functions``."""
+    return isinstance(body, dict) and bool(body.get("tools") or body.get("functions"))
 
 
 def _protected(baseline: _Baseline, extra: dict[str, Any]) -> bool:

@@ -55,7 +55,8 @@ from proxy.redact import REDACTED, redact_text
 # and ``reasoning``, Anthropic-style ``thinking``); ``response_format`` (a JSON schema is rendered
 # into the prompt); ``tool_choice`` and ``parallel_tool_calls`` (rendered with the tools);
 # ``prompt_cache_key`` (OpenAI routes cache lookups by it); the Responses API's ``prompt`` (a
-# stored prompt template, its version and variables: rendered before the instructions).
+# stored prompt template, its version and variables: rendered before the instructions); the
+# legacy ``function_call`` (``tool_choice`` of the legacy ``functions``).
 # Sampling parameters (temperature, max_tokens, …) are not here: they do not touch the prompt.
 CACHE_PARAMS: Final = (
     "model",
@@ -67,6 +68,7 @@ CACHE_PARAMS: Final = (
     "parallel_tool_calls",
     "prompt_cache_key",
     "prompt",
+    "function_call",
 )
 _PARAM_SET: Final = frozenset(CACHE_PARAMS)
 SYSTEM_ROLES: Final = frozenset({"system", "developer"})
@@ -214,7 +216,7 @@ def fingerprint(
         tuple(raw_messages) if isinstance(raw_messages, list | tuple) else ()
     )
     count = len(messages)
-    tools = body.get("tools")
+    tools = request_tools(body)
     params = cache_params(body)
     if previous is not None and (
         previous.system_first is not system_first
@@ -227,7 +229,7 @@ def fingerprint(
         system_count = (
             leading_system_count(messages) if system_block is None else min(system_block, count)
         )
-        params_digest = _digest(params)
+        params_digest = _params_digest(params)
         tools_digest = _tools_digest(tools)
         system_digest = _system_digest(message_digests[:system_count])
         chain = []
@@ -275,7 +277,7 @@ def fingerprint(
         if previous.params == params and all(type(v) is str for v in params.values()):
             params_digest = before[_PARAMS]
         else:
-            params_digest = _digest(params)
+            params_digest = _params_digest(params)
         # Other objects (each full parse makes its own: a body whose first bytes changed) are
         # compared as sent, in ~5 µs where the digest's canonical form takes ~0.2 ms for a
         # dozen tools (not by Python's equality alone, which takes reordered properties for
@@ -399,9 +401,23 @@ def leading_run(test: Callable[[Any, Any], Any], old: Sequence[Any], new: Sequen
     return len(flags) if all(flags) else list(map(bool, flags)).index(False)
 
 
+def request_tools(body: Mapping[str, Any]) -> Any:
+    """The tools a chat request's provider renders into the prompt: its ``tools``, and the legacy
+    ``functions`` (LangChain's ``bind_functions``, older agents) after them, which OpenAI
+    renders as it does tools (an edit of one misses the cache as a tool's does)."""
+    tools = body.get("tools")
+    functions = body.get("functions")
+    if not isinstance(functions, list) or not functions:
+        return tools
+    if tools is None:
+        return functions
+    return [*tools, *functions] if isinstance(tools, list) else tools
+
+
 def cache_params(body: Mapping[str, Any]) -> dict[str, Any]:
     """The cache-relevant parameters present (and not null) in ``body``, but for those that say
-    what leaving them out says: ``tool_choice`` ``"auto"`` with tools (``"none"`` without),
+    what leaving them out says: ``tool_choice`` ``"auto"`` with tools (``"none"`` without; the
+    legacy ``function_call`` so with ``functions``),
     ``parallel_tool_calls`` true (the openai Node SDK's ``runTools`` sends ``"auto"``; the same
     history sent again without it is no rewrite), ``response_format`` ``{"type": "text"}``."""
     # One pass over the body's few keys (the digest sorts them; order does not matter).
@@ -411,6 +427,10 @@ def cache_params(body: Mapping[str, Any]) -> dict[str, Any]:
     choice = params.get("tool_choice")
     if choice == ("auto" if body.get("tools") else "none"):
         del params["tool_choice"]
+    if "function_call" in params and params["function_call"] == (
+        "auto" if body.get("functions") else "none"
+    ):
+        del params["function_call"]
     if params.get("response_format") == _PLAIN_TEXT:  # (the default: nothing in the prompt)
         del params["response_format"]
     return params
@@ -1466,11 +1486,24 @@ def tools_json(tools: Any) -> bytes:
         tools = [_unmarked_tool(tool) for tool in tools]
     else:
         tools = _unmarked_tool(tools)
-    ordered = deep_call(schema_order, tools)  # (a schema may be nested as deep as JSON is read)
+    return schema_json(tools)
+
+
+def schema_json(value: Any) -> bytes:
+    """The JSON of ``value`` with its keys sorted, but for the ``properties`` of schemas (a
+    tool's parameters, a ``response_format``'s JSON schema), which a provider renders into the
+    prompt in the order sent."""
+    ordered = deep_call(schema_order, value)  # (a schema may be nested as deep as JSON is read)
     try:
         return orjson.dumps(ordered)
     except TypeError:  # integers beyond 64 bits, content deeper than orjson writes
         return deep_dumps(ordered, ensure_ascii=False, separators=(",", ":"), default=str).encode()
+
+
+def _params_digest(params: Mapping[str, Any]) -> bytes:
+    """The cache parameters' digest: a ``response_format`` schema's properties reordered miss
+    the cache, as a tool's do (``schema_json``)."""
+    return hashlib.blake2b(schema_json(params), digest_size=DIGEST_SIZE).digest()
 
 
 def _unmarked_tool(tool: Any) -> Any:
@@ -1651,7 +1684,7 @@ def _params_divergence(
     for key in CACHE_PARAMS:
         old_value, new_value = old_params.get(key, _MISSING), new_params.get(key, _MISSING)
         if (old_value is _MISSING) != (new_value is _MISSING) or (
-            old_value is not _MISSING and canonical_json(old_value) != canonical_json(new_value)
+            old_value is not _MISSING and schema_json(old_value) != schema_json(new_value)
         ):
             old_excerpt, new_excerpt = _excerpts(_text(old_value), _text(new_value), secrets)
             return Divergence("params", None, None, key, old_excerpt, new_excerpt)

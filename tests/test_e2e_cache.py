@@ -1899,6 +1899,45 @@ def test_an_openai_prompt_is_read_system_then_tools_and_its_rewrites_named_so(
         )
 
 
+def test_a_legacy_function_edited_is_named_as_a_tool_is(proxy_factory: Any, sdk: Any) -> None:
+    """An agent on the legacy ``functions`` (LangChain's ``bind_functions``): the provider
+    renders them as tools, so an edited description loses them and what follows. cachegate
+    read only ``tools``: the miss was ``unexplained``, with no place. Now it is a rewrite of
+    the tools, the function named; and a forced ``function_call`` a change of parameters."""
+    functions = [tool["function"] for tool in MANY_TOOLS]
+    edited = [*functions[:3], {**functions[3], "description": "Edited."}, *functions[4:]]
+    with run_simulator(SimConfig()) as sim:
+        proxy = proxy_factory(sim.api_base, config(), clock=lambda: sim.sim.now)
+        client = sdk(proxy.base_url, default_headers={"X-Session-Id": "legacy"})
+        convo: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": "Fix the failing test.\n" + FILE_TEXT},
+        ]
+        for turn, (funcs, extra) in enumerate(
+            [(functions, {}), (functions, {}), (edited, {}), (edited, {"name": "tool_1"})]
+        ):
+            call = {"function_call": extra} if extra else {}
+            reply, _ = chat(
+                client, convo, stream=bool(turn % 2), extra_body={"functions": funcs, **call}
+            )
+            convo += [reply, {"role": "user", "content": f"Go on ({turn})."}]
+            sim.sim.advance(20)
+        reads = [cache_read(r.usage) for r in sim.sim.requests]
+        # The scenario is what it claims: the functions are in the prompt the provider caches
+        # (the system prompt before them is read, the functions not)
+        assert reads[1] > 5000 and 0 < reads[2] < 2500
+        flush(proxy)
+        responses = events(proxy.log_dir, "legacy", "response")
+        causes = [(r["cache"]["cause"], r["cache"]["location"]) for r in responses]
+        assert causes[:3] == [(None, None), (None, None), ("prefix_rewrite", "tools")]
+        assert (responses[2]["divergence"]["location"], responses[2]["divergence"]["field"]) == (
+            "tools",
+            "tool_3",
+        )
+        assert responses[2]["cache"]["waste"] > 5000
+        assert responses[3]["divergence"]["field"] == "function_call"
+
+
 @pytest.mark.parametrize(
     ("dialect", "model", "location"),
     [

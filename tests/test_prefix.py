@@ -1150,6 +1150,62 @@ def test_reordered_parameters_of_a_tool_are_a_rewrite_of_the_tools() -> None:
     assert diverge(old, same) is None
 
 
+def test_legacy_functions_are_tools_to_the_cache_and_function_call_a_parameter() -> None:
+    """A client on the legacy ``functions`` (LangChain's ``bind_functions``, older agents):
+    OpenAI renders them as tools, so an edited function's description missed the cache, and
+    cachegate, which read only ``tools``, called the miss ``unexplained``; a changed
+    ``function_call`` (the legacy ``tool_choice``) too. ``"auto"`` with functions is what
+    leaving it out says."""
+    read = {"name": "read_file", "description": "Read a file", "parameters": {"type": "object"}}
+    grep = {"name": "grep", "description": "Search files", "parameters": {"type": "object"}}
+    old = {"model": "m", "functions": [read, grep], "messages": [{"role": "user", "content": "hi"}]}
+    edited = copy.deepcopy(old)
+    edited["functions"][1]["description"] = "Search files by a regular expression"
+    found = diverge(old, edited)
+    assert found is not None
+    assert (found.location, found.field) == ("tools", "grep")
+    assert "regular expression" in found.new_excerpt
+    assert diverge(old, edited) == find_divergence(
+        fingerprint(old), fingerprint(edited, fingerprint(old)), old, edited
+    )
+    assert diverge(old, copy.deepcopy(old)) is None
+    # beside tools, after them
+    both = {**old, "tools": [{"type": "function", "function": read}]}
+    assert fingerprint(both).tools_digest != fingerprint({**old, "functions": [read]}).tools_digest
+    assert diverge(both, {**both, "functions": [read]}) is not None
+    # the legacy tool_choice
+    assert diverge(old, {**old, "function_call": "auto"}) is None
+    forced = diverge(old, {**old, "function_call": {"name": "grep"}})
+    assert forced is not None and forced.label == "params.function_call"
+    without = {k: v for k, v in old.items() if k != "functions"}
+    assert diverge(without, {**without, "function_call": "none"}) is None
+
+
+def test_a_response_format_schema_reordered_is_a_change_of_the_parameters() -> None:
+    """A JSON schema's ``properties`` are rendered into the prompt in the order sent, as a
+    tool's are: reordered, the cache misses. Keys sorted for the digest hid it
+    (``unexplained``); the schema's other keys may still come in any order."""
+    schema = {
+        "type": "object",
+        "properties": {"alpha": {"type": "string"}, "beta": {"type": "string"}},
+        "required": ["alpha", "beta"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+    old = {"model": "m", "response_format": fmt, "messages": [{"role": "user", "content": "hi"}]}
+    flipped = copy.deepcopy(old)
+    props = flipped["response_format"]["json_schema"]["schema"]["properties"]
+    flipped["response_format"]["json_schema"]["schema"]["properties"] = dict(
+        reversed(list(props.items()))
+    )
+    found = diverge(old, flipped)
+    assert found is not None and found.label == "params.response_format"
+    assert fingerprint(old).params_digest != fingerprint(flipped).params_digest
+    same = copy.deepcopy(old)
+    same["response_format"]["json_schema"] = dict(reversed(list(fmt["json_schema"].items())))
+    assert diverge(old, same) is None
+    assert fingerprint(old).params_digest == fingerprint(same).params_digest
+
+
 def test_tools_parsed_again_as_sent_are_not_canonicalized_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -44,6 +44,7 @@ from proxy.prefix import (  # tools as a provider renders them
     claude_blocks,
     deep_dumps,
     leading_system_count,
+    request_tools,
     tools_json,
 )
 
@@ -230,7 +231,7 @@ def marked_request_tokens(
         messages = list(messages)
     lead = leading_system_count(messages) if system_first else 0
     add(messages[:lead])
-    tools = body.get("tools")
+    tools = request_tools(body)  # (the legacy ``functions`` too, rendered as tools are)
     if tools:
         out += tokenize(tools_json(tools).decode())
         blocks += len(tools) if isinstance(tools, list) else 1
