@@ -623,7 +623,30 @@ class Compactor:
             extra = compaction.summary_chars(window) // compaction.BYTES_PER_TOKEN + 100
             extra += tools_tokens
         aim = window * cfg.trigger_percent / 100 * TARGET_SHARE
-        if plan.cut is not None and not self._fits(messages, plan.cut, aim, extra):
+        # The system prompt and tools (with the summary's room) alone reach the aim: no
+        # compaction brings the request under the trigger, and one made on every turn paid a
+        # summary each time for a few percent of the prompt and kept only the latest round (a
+        # 12,600-token system prompt in a 16,000-token window). As a history too short to
+        # compact: only a request that would not fit the window is compacted.
+        beyond = (
+            plan.triggered
+            and not force
+            and (plan.cut is not None or plan.reused is not None)
+            and compaction.estimate_tokens(messages[: compaction.leading_count(messages)]) + extra
+            >= aim
+        )
+        if beyond and not state.extra.get("warned_fixed"):
+            state.extra["warned_fixed"] = True
+            log.warning(
+                "session %s: the system prompt and tools alone are over compaction's aim (%d of"
+                " the %d-token window, trigger_percent %g): compacted only where a request"
+                " would not fit the window",
+                state.id,
+                int(aim),
+                model_cfg.context_window,
+                cfg.trigger_percent,
+            )
+        if not beyond and plan.cut is not None and not self._fits(messages, plan.cut, aim, extra):
             # Keeping the launching message verbatim with as many latest messages leaves the
             # history over its aim: fewer of them with it (half, then half again) where that
             # comes under it, else give up the anchor rather than forward a compaction that
@@ -653,7 +676,7 @@ class Compactor:
         # refused again.
         if not plan.triggered:
             limit = 0.0
-        elif force or plan.cut is not None or plan.reused is not None:
+        elif (force or plan.cut is not None or plan.reused is not None) and not beyond:
             limit = aim
         else:
             # As it is, with no summary in it (the summary's room is no part): over the window
@@ -665,7 +688,8 @@ class Compactor:
             # limit is the window on the estimate's scale.
             estimate = compaction.estimate_tokens(plan.messages) + tools_tokens
             counted = 0
-            if last is not None and plan.reused is None and not plan.discarded:
+            if last is not None and (plan.reused is None or beyond) and not plan.discarded:
+                # (the provider's count of the request with the summary it reuses, when beyond)
                 had = compaction.estimate_tokens(last.tools) if last.tools else 0
                 tail = messages[last.messages :]
                 answer = 0
@@ -686,6 +710,8 @@ class Compactor:
                 limit = min(window, summary_window * estimate / counted)
             else:
                 limit = 0.0
+                if beyond:  # (it fits: it goes as it is, or with the summary it had)
+                    plan = dataclasses.replace(plan, cut=None, middle=[], previous_summary=None)
         keep = cfg.keep_recent
         if limit and (plan.cut is None or not self._fits(messages, plan.cut, limit, extra)):
             # The launching message verbatim beside fewer of the latest messages first, then

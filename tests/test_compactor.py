@@ -28,6 +28,7 @@ from proxy.report import list_sessions, render_cost, render_show, session_cost, 
 from proxy.serving import ServerThread
 from proxy.simulator import RunningSimulator, SimConfig, run_simulator
 from proxy.simulator.reply import parse_script
+from proxy.simulator.tokens import request_tokens
 from tests.e2e_support import (
     NoCacheUpstream,
     asgi_body,
@@ -1693,18 +1694,20 @@ def test_tools_added_mid_session_count_toward_the_trigger(
     window to a refusal, or past the trigger, unseen."""
     proxy = proxy_factory(sim.api_base, CONFIG)
     c = sdk(proxy.base_url, default_headers={"X-Session-Id": "mcp"})
-    msgs = history(4, system_repeat=60)
+    msgs = history(6, system_repeat=60)
     raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=msgs)
     assert raw.headers.get("x-cachegate-compacted") is None
     usage = raw.parse().usage
-    # under the trigger (4,500) by less than the tool below (~3,600 tokens by the estimate)
-    assert usage is not None and 4500 - 3600 < usage.total_tokens < 4500 - 1500
+    # under the trigger (4,500) by less than the tool below (~1,900 tokens by the estimate),
+    # which with the summary's room stays under the aim (3,600: else the request goes as it
+    # is while it fits the window, ``test_a_system_prompt_over_the_aim_…``)
+    assert usage is not None and 4500 - 1900 < usage.total_tokens < 4500 - 1500
     proxy.settle()  # (the provider's count of it noted)
     tool = {
         "type": "function",
         "function": {
             "name": "browse",
-            "description": "Browse the web. " * 900,  # ~3,600 tokens by the estimate
+            "description": "Browse the web. " * 475,  # ~1,900 tokens by the estimate
             "parameters": {"type": "object", "properties": {}},
         },
     }
@@ -1715,6 +1718,54 @@ def test_tools_added_mid_session_count_toward_the_trigger(
         tools=[tool],  # type: ignore[list-item]
     )
     assert raw.headers.get("x-cachegate-compacted") == "1"
+
+
+def test_tools_that_with_the_summary_reach_the_aim_leave_a_fitting_request_as_it_is(
+    sdk: Any, proxy_factory: Any
+) -> None:
+    """A ~3,600-token tool in an 8,000-token window: with the summary's room it is over the
+    aim (4,800) by itself, so no compaction brings the request under the trigger. While the
+    request fits the window it goes as it is (it was summarized on every turn past the
+    trigger); once it would not, it is compacted before it goes, never refused."""
+    config = {
+        "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 4},
+        "models": {MODEL: {"context_window": 8000}},
+    }
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "browse",
+            "description": "Browse the web. " * 900,  # ~3,600 tokens by the estimate
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+    with run_simulator(SimConfig(context_window=8000)) as sim:
+        proxy = proxy_factory(sim.api_base, config)
+        c = sdk(proxy.base_url, default_headers={"X-Session-Id": "big-tool"})
+        msgs = history(4, system_repeat=60)
+        headers, fitted = [], []
+        for turn in range(14):
+            fitted.append(len(request_tokens({"messages": msgs, "tools": [tool]})) < 8000 * 0.97)
+            raw = c.chat.completions.with_raw_response.create(
+                model=MODEL,
+                messages=msgs,  # type: ignore[arg-type]
+                tools=[tool],  # type: ignore[list-item]
+            )
+            headers.append(raw.headers.get("x-cachegate-compacted"))
+            if turn == 0:  # (over the trigger, under the window)
+                usage = raw.parse().usage
+                assert usage is not None and 6000 < usage.prompt_tokens < 7500
+                assert headers == [None] and sim.sim.requests[-1].body["messages"] == msgs
+            msgs = [*msgs, *history(turn + 5, system_repeat=60)[-2:]]
+        assert all(r.usage is not None for r in sim.sim.requests)  # (none refused)
+        summaries = [
+            r
+            for r in sim.sim.requests
+            if SUMMARIZER_SYSTEM_PROMPT in str(r.body["messages"][0].get("content"))
+        ]
+    assert not fitted[-1] and "1" in headers
+    assert not any(h and f for h, f in zip(headers, fitted, strict=True)), (headers, fitted)
+    assert 1 <= len(summaries) <= 4, len(summaries)  # (14 turns)
 
 
 def test_a_sub_agent_in_a_compacted_session_is_neither_compacted_nor_undoes_the_compaction(
@@ -1906,6 +1957,56 @@ def test_a_pasted_document_that_fits_the_window_is_not_summarized(
     assert raw.http_response.status_code == 200
     assert "x-cachegate-compacted" not in raw.headers
     assert sim.sim.requests[-1].body["messages"] == msgs
+
+
+def test_a_system_prompt_over_the_aim_is_not_summarized_around_on_every_turn(
+    sdk: Any, proxy_factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A system prompt of ~12,600 tokens in a 16,000-token window (a large agent prompt on a
+    local model): over the trigger by itself, no compaction brings the request under it. One
+    was made on every turn from the fifth, a summary paid each time for a few percent of the
+    prompt, the agent left its latest round alone, where the history still fitted the window
+    for turns. Now the request goes as it is while it fits, with the summary it has, is
+    compacted only where it would not (by the provider's count, before it goes), and that is
+    said once."""
+    window = 16_000
+
+    def counted(messages: list[dict[str, Any]]) -> int:  # (as the provider counts them)
+        return len(request_tokens({"messages": messages}))
+
+    config = {
+        "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 4},
+        "models": {MODEL: {"context_window": window}},
+    }
+    with run_simulator(SimConfig(context_window=window)) as sim:
+        proxy = proxy_factory(sim.api_base, config)
+        client = sdk(proxy.base_url)
+        base = history(0, system_repeat=1250)
+        compacted, fitted = [], []
+        for turn in range(26):
+            messages = [*base, *history(turn, output_chars=1200)[len(base) :]]
+            with caplog.at_level(logging.WARNING, logger="proxy.compactor"):
+                raw = client.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=messages, extra_headers={"X-Session-Id": "big-system"}
+                )
+            assert raw.http_response.status_code == 200  # (never over the window)
+            compacted.append("x-cachegate-compacted" in raw.headers)
+            fitted.append(counted(messages) < window * 0.97)
+        summaries = [
+            r
+            for r in sim.sim.requests
+            if SUMMARIZER_SYSTEM_PROMPT in str(r.body["messages"][0].get("content"))
+        ]
+        refused = [r for r in sim.sim.requests if r.usage is None]
+    # The scenario: over the trigger from the first turn by the provider's count, past the
+    # window by the last
+    assert counted(base) > window * 0.75 and not fitted[-1]
+    assert not any(c and f for c, f in zip(compacted, fitted, strict=True)), (compacted, fitted)
+    assert any(compacted)
+    assert 1 <= len(summaries) <= 3, len(summaries)  # (26 turns, ~360 tokens each)
+    assert not refused  # (compacted before it went, on the provider's count, summary or not)
+    said = [r for r in caplog.records if "alone are over compaction's aim" in r.getMessage()]
+    assert len(said) == 1
 
 
 @pytest.mark.parametrize("keep_recent", [8, 100])
