@@ -623,26 +623,31 @@ class Compactor:
             extra = compaction.summary_chars(window) // compaction.BYTES_PER_TOKEN + 100
             extra += tools_tokens
         aim = window * cfg.trigger_percent / 100 * TARGET_SHARE
-        # The system prompt and tools (with the summary's room) alone reach the aim: no
-        # compaction brings the request under the trigger, and one made on every turn paid a
-        # summary each time for a few percent of the prompt and kept only the latest round (a
-        # 12,600-token system prompt in a 16,000-token window). As a history too short to
-        # compact: only a request that would not fit the window is compacted.
+        # The system prompt and tools (with the summary's room) reach the trigger by themselves:
+        # no compaction brings the request under it, and one made on every turn paid a summary
+        # each time for a few percent of the prompt and kept only the latest round (a
+        # 12,600-token system prompt in a 16,000-token window). The trigger then applies to the
+        # room they leave in the window (the answer keeps its share of it): only a request past
+        # that edge is compacted, as a history too short to compact is past the window.
+        fixed = compaction.estimate_tokens(messages[: compaction.leading_count(messages)])
+        fixed += tools_tokens
         beyond = (
             plan.triggered
             and not force
             and (plan.cut is not None or plan.reused is not None)
-            and compaction.estimate_tokens(messages[: compaction.leading_count(messages)]) + extra
-            >= aim
+            and fixed + extra - tools_tokens >= window * cfg.trigger_percent / 100
         )
+        edge = float(window)  # (on the estimate's scale, as ``window``)
+        if beyond:
+            edge = fixed + max(0, window - fixed) * cfg.trigger_percent / 100
         if beyond and not state.extra.get("warned_fixed"):
             state.extra["warned_fixed"] = True
             log.warning(
-                "session %s: the system prompt and tools alone are over compaction's aim (%d of"
-                " the %d-token window, trigger_percent %g): compacted only where a request"
-                " would not fit the window",
+                "session %s: the system prompt and tools alone are over compaction's trigger"
+                " (%g%% of the %d-token window, with the summary's room): compacted only where"
+                " a request goes past %g%% of the room they leave",
                 state.id,
-                int(aim),
+                cfg.trigger_percent,
                 model_cfg.context_window,
                 cfg.trigger_percent,
             )
@@ -704,10 +709,11 @@ class Compactor:
                 ratio = _provider_overcount(messages, len(messages) - last.messages, last)
                 since = int(compaction.estimate_tokens(tail) * max(1.0, ratio))
                 counted = last.prompt + answer + since + tools_tokens - had
-            if estimate > window:
-                limit = window
-            elif counted > summary_window:
-                limit = min(window, summary_window * estimate / counted)
+            past = summary_window * edge / window  # (the edge on the provider's scale)
+            if estimate > edge:
+                limit = edge
+            elif counted > past:
+                limit = min(edge, past * estimate / counted)
             else:
                 limit = 0.0
                 if beyond:  # (it fits: it goes as it is, or with the summary it had)

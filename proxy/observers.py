@@ -1432,7 +1432,7 @@ class AccountingObserver:
             head=sent[0] if sent else None,
             tail=sent[-1] if sent else None,
             compaction=ex.compaction_digest,
-            tools=client.get("tools"),
+            tools=prefix.request_tools(client),  # (the legacy ``functions`` too)
             # (the messages themselves only where compaction may read them: a session holds
             # its latest request's anyway, but not kept past it for nothing)
             sent=(sent or ()) if self.settings.compaction.enabled else (),

@@ -1720,13 +1720,13 @@ def test_tools_added_mid_session_count_toward_the_trigger(
     assert raw.headers.get("x-cachegate-compacted") == "1"
 
 
-def test_tools_that_with_the_summary_reach_the_aim_leave_a_fitting_request_as_it_is(
+def test_tools_over_the_trigger_leave_a_request_as_it_is_in_most_of_the_room_they_leave(
     sdk: Any, proxy_factory: Any
 ) -> None:
-    """A ~3,600-token tool in an 8,000-token window: with the summary's room it is over the
-    aim (4,800) by itself, so no compaction brings the request under the trigger. While the
-    request fits the window it goes as it is (it was summarized on every turn past the
-    trigger); once it would not, it is compacted before it goes, never refused."""
+    """A ~4,500-token tool in an 8,000-token window: with the system prompt and the summary's
+    room it is over the trigger (6,000) by itself, so no compaction brings the request under
+    it. It was summarized on every turn; now only a request past 75% of the room the tool
+    and the system prompt leave is compacted, before it goes, never refused."""
     config = {
         "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 4},
         "models": {MODEL: {"context_window": 8000}},
@@ -1735,7 +1735,7 @@ def test_tools_that_with_the_summary_reach_the_aim_leave_a_fitting_request_as_it
         "type": "function",
         "function": {
             "name": "browse",
-            "description": "Browse the web. " * 900,  # ~3,600 tokens by the estimate
+            "description": "abcdabcdabcdabcd " * 1060,  # ~4,500 tokens by the estimate
             "parameters": {"type": "object", "properties": {}},
         },
     }
@@ -1743,9 +1743,8 @@ def test_tools_that_with_the_summary_reach_the_aim_leave_a_fitting_request_as_it
         proxy = proxy_factory(sim.api_base, config)
         c = sdk(proxy.base_url, default_headers={"X-Session-Id": "big-tool"})
         msgs = history(4, system_repeat=60)
-        headers, fitted = [], []
+        headers = []
         for turn in range(14):
-            fitted.append(len(request_tokens({"messages": msgs, "tools": [tool]})) < 8000 * 0.97)
             raw = c.chat.completions.with_raw_response.create(
                 model=MODEL,
                 messages=msgs,  # type: ignore[arg-type]
@@ -1754,8 +1753,7 @@ def test_tools_that_with_the_summary_reach_the_aim_leave_a_fitting_request_as_it
             headers.append(raw.headers.get("x-cachegate-compacted"))
             if turn == 0:  # (over the trigger, under the window)
                 usage = raw.parse().usage
-                assert usage is not None and 6000 < usage.prompt_tokens < 7500
-                assert headers == [None] and sim.sim.requests[-1].body["messages"] == msgs
+                assert usage is not None and 6000 < usage.prompt_tokens < 7000
             msgs = [*msgs, *history(turn + 5, system_repeat=60)[-2:]]
         assert all(r.usage is not None for r in sim.sim.requests)  # (none refused)
         summaries = [
@@ -1763,9 +1761,8 @@ def test_tools_that_with_the_summary_reach_the_aim_leave_a_fitting_request_as_it
             for r in sim.sim.requests
             if SUMMARIZER_SYSTEM_PROMPT in str(r.body["messages"][0].get("content"))
         ]
-    assert not fitted[-1] and "1" in headers
-    assert not any(h and f for h, f in zip(headers, fitted, strict=True)), (headers, fitted)
-    assert 1 <= len(summaries) <= 4, len(summaries)  # (14 turns)
+    assert headers[:2] == [None, None] and "1" in headers, headers
+    assert 1 <= len(summaries) <= 6, len(summaries)  # (14 turns)
 
 
 def test_a_sub_agent_in_a_compacted_session_is_neither_compacted_nor_undoes_the_compaction(
@@ -1959,16 +1956,15 @@ def test_a_pasted_document_that_fits_the_window_is_not_summarized(
     assert sim.sim.requests[-1].body["messages"] == msgs
 
 
-def test_a_system_prompt_over_the_aim_is_not_summarized_around_on_every_turn(
+def test_a_system_prompt_over_the_trigger_is_not_summarized_around_on_every_turn(
     sdk: Any, proxy_factory: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A system prompt of ~12,600 tokens in a 16,000-token window (a large agent prompt on a
-    local model): over the trigger by itself, no compaction brings the request under it. One
-    was made on every turn from the fifth, a summary paid each time for a few percent of the
-    prompt, the agent left its latest round alone, where the history still fitted the window
-    for turns. Now the request goes as it is while it fits, with the summary it has, is
-    compacted only where it would not (by the provider's count, before it goes), and that is
-    said once."""
+    """A system prompt of ~13,000 tokens in a 16,000-token window (a large agent prompt on a
+    local model): with the summary's room it is over the trigger by itself, so no compaction
+    brings the request under it. One was made on every turn, a summary paid each time for a
+    few percent of the prompt, the agent left its latest round alone. Now the trigger applies
+    to the room the system prompt leaves: the request goes as it is (with the summary it has)
+    until it is past 75% of that room, the rest kept for the answer, and that is said once."""
     window = 16_000
 
     def counted(messages: list[dict[str, Any]]) -> int:  # (as the provider counts them)
@@ -1981,8 +1977,8 @@ def test_a_system_prompt_over_the_aim_is_not_summarized_around_on_every_turn(
     with run_simulator(SimConfig(context_window=window)) as sim:
         proxy = proxy_factory(sim.api_base, config)
         client = sdk(proxy.base_url)
-        base = history(0, system_repeat=1250)
-        compacted, fitted = [], []
+        base = history(0, system_repeat=1300)
+        compacted, sizes = [], []
         for turn in range(26):
             messages = [*base, *history(turn, output_chars=1200)[len(base) :]]
             with caplog.at_level(logging.WARNING, logger="proxy.compactor"):
@@ -1991,21 +1987,24 @@ def test_a_system_prompt_over_the_aim_is_not_summarized_around_on_every_turn(
                 )
             assert raw.http_response.status_code == 200  # (never over the window)
             compacted.append("x-cachegate-compacted" in raw.headers)
-            fitted.append(counted(messages) < window * 0.97)
+            sizes.append(counted(messages))
         summaries = [
             r
             for r in sim.sim.requests
             if SUMMARIZER_SYSTEM_PROMPT in str(r.body["messages"][0].get("content"))
         ]
-        refused = [r for r in sim.sim.requests if r.usage is None]
-    # The scenario: over the trigger from the first turn by the provider's count, past the
-    # window by the last
-    assert counted(base) > window * 0.75 and not fitted[-1]
-    assert not any(c and f for c, f in zip(compacted, fitted, strict=True)), (compacted, fitted)
-    assert any(compacted)
-    assert 1 <= len(summaries) <= 3, len(summaries)  # (26 turns, ~360 tokens each)
-    assert not refused  # (compacted before it went, on the provider's count, summary or not)
-    said = [r for r in caplog.records if "alone are over compaction's aim" in r.getMessage()]
+        prompts = [r.usage["prompt_tokens"] for r in sim.sim.requests if r not in summaries]
+    # The scenario: over the trigger from the first turn by the provider's count, far past
+    # the window by the last
+    assert counted(base) > window * 0.8 and sizes[-1] > window * 1.2
+    # the system prompt leaves ~3,000 tokens: not compacted below ~3/4 of them
+    first = compacted.index(True)
+    assert sizes[first - 1] > window * 0.88, (sizes, compacted)
+    assert max(prompts) < window * 0.95  # (a share of the room kept for the answer)
+    # one summary every few turns (the room's quarter and what compaction frees), not on
+    # every turn from the trigger on (21 of 26 before)
+    assert 1 <= len(summaries) <= 7, len(summaries)
+    said = [r for r in caplog.records if "alone are over compaction's trigger" in r.getMessage()]
     assert len(said) == 1
 
 
