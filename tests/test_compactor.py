@@ -1765,6 +1765,45 @@ def test_tools_over_the_trigger_leave_a_request_as_it_is_in_most_of_the_room_the
     assert 1 <= len(summaries) <= 6, len(summaries)  # (14 turns)
 
 
+def test_legacy_functions_are_compacted_as_the_same_tools_are(sdk: Any, proxy_factory: Any) -> None:
+    """An agent on the legacy ``functions`` (LangChain's ``bind_functions``): counted once
+    more on every turn beside the provider's count, which holds them, its history was
+    compacted long before the trigger (at 4,525 of 6,000 tokens), a summary paid more often
+    than for the same definitions sent as ``tools``."""
+    function = {
+        "name": "browse",
+        "description": "abcdabcdabcdabcd " * 350,  # ~1,500 tokens by the estimate
+        "parameters": {"type": "object", "properties": {}},
+    }
+    config = {
+        "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 4},
+        "models": {MODEL: {"context_window": 8000}},
+    }
+    runs: dict[str, tuple[list[bool], int]] = {}
+    for kind in ("tools", "functions"):
+        with run_simulator(SimConfig(context_window=8000)) as sim:
+            proxy = proxy_factory(sim.api_base, config)
+            c = sdk(proxy.base_url, default_headers={"X-Session-Id": kind})
+            offered = (
+                {"tools": [{"type": "function", "function": function}]}
+                if kind == "tools"
+                else {"functions": [function]}
+            )
+            compacted = []
+            for turn in range(16):
+                raw = c.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=history(turn, system_repeat=60), extra_body=offered
+                )
+                compacted.append(raw.headers.get("x-cachegate-compacted") is not None)
+            summaries = sum(
+                SUMMARIZER_SYSTEM_PROMPT in str(r.body["messages"][0].get("content"))
+                for r in sim.sim.requests
+            )
+            runs[kind] = (compacted, summaries)
+    assert any(runs["tools"][0]) and runs["tools"][1] >= 1
+    assert runs["functions"] == runs["tools"]
+
+
 def test_a_sub_agent_in_a_compacted_session_is_neither_compacted_nor_undoes_the_compaction(
     sim: RunningSimulator, sdk: Any, proxy_factory: Any
 ) -> None:
