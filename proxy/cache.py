@@ -517,7 +517,10 @@ def account(
                 compared,
                 since,
             )
-            if cause == "ttl_expired":  # (all of it the expiry's after all: one figure)
+            if cause == "ttl_expired" or location == "params.model":
+                # (all of it the expiry's after all, or the other model's, whose cache never
+                # held the prefix, expired or not: one figure; a switch between two Claude
+                # models after a pause charged the expiry again on the way back)
                 waste, expired = waste + expired, 0
         else:
             cause, location = _attribute(

@@ -2613,6 +2613,58 @@ def test_a_rewrite_of_an_hours_prefix_after_five_minutes_is_the_rewrites_not_the
         assert proxy.metric("cachegate_cache_waste_tokens_total", labels) == tokens
 
 
+def test_another_claude_model_after_five_minutes_is_charged_the_switch_not_the_expiry_too(
+    proxy_factory: Any,
+) -> None:
+    """System prompt marked for an hour, the latest message for five minutes; after a pause
+    past five minutes a turn on another Claude model: that model's cache never held the
+    prefix, so all of its miss is the switch's. The part past the hour's breakpoint was
+    charged as expired on it, and again on the main model's next turn (twice in the metric
+    and the session's cost)."""
+    rules = SYSTEM_PROMPT + " Follow the style guide." * 500
+    note = "lorem ipsum " * 500
+    hour = {"type": "ephemeral", "ttl": "1h"}
+
+    def sent(convo: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        system = {
+            "role": "system",
+            "content": [{"type": "text", "text": rules, "cache_control": hour}],
+        }
+        last = {
+            "type": "text",
+            "text": convo[-1]["content"],
+            "cache_control": {"type": "ephemeral"},
+        }
+        return [system, *convo[:-1], {**convo[-1], "content": [last]}]
+
+    models = ["claude-sonnet-4-5", "claude-sonnet-4-5", "claude-haiku-4-5", "claude-sonnet-4-5"]
+    with run_simulator(SimConfig(dialect="anthropic-compat", cache_ttl_s=300)) as claude:
+        proxy = proxy_factory(claude.api_base, config(), clock=lambda: claude.sim.now)
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "switch"})
+        convo: list[dict[str, Any]] = [{"role": "user", "content": f"Fix the test. {note}"}]
+        for turn, model in enumerate(models):
+            if turn == 2:  # past the five minutes, within the hour
+                claude.sim.advance(600)
+            reply, _ = chat(client, sent(convo), model=model, stream=False)
+            if turn != 2:  # (a side call: its answer no part of the history)
+                convo += [reply, {"role": "user", "content": f"Go on ({turn}). {note}"}]
+            claude.sim.advance(5)
+        flush(proxy)
+    responses = events(proxy.log_dir, "switch", "response")
+    side, back = responses[2]["cache"], responses[3]["cache"]
+    assert side["read"] == 0 and side["expected"] > 3000
+    assert (side["cause"], side["location"]) == ("params_changed", "params.model")
+    assert side["waste"] == side["expected"] and "expired" not in side
+    assert back["cause"] == "ttl_expired" and back["waste"] > 1000  # (what expired, once)
+    assert (
+        proxy.metric(
+            "cachegate_cache_waste_tokens_total",
+            {"model": "claude-haiku-4-5", "cause": "ttl_expired"},
+        )
+        == 0
+    )
+
+
 def test_sub_agents_fanned_out_under_a_timed_prompt_are_each_compared_with_their_own(
     sim: RunningSimulator, proxy_factory: Any
 ) -> None:
