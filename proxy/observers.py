@@ -1260,7 +1260,10 @@ class AccountingObserver:
             if (  # (asked only of a miss: it reads the history where the last entry is far)
                 cached_before
                 and usage is not None
-                and cached_before - usage.cache_read > self.settings.cache.noise_floor_tokens
+                # (a miss as the waste reads it: of the prompt it continues, where that one
+                # left a tail past its last entry; one just over the floor was "unexplained")
+                and max(cached_before, base[0] or 0) - usage.cache_read
+                > self.settings.cache.noise_floor_tokens
                 and (marked_only or usage.explicit_cache)
                 and divergence is None
                 and isinstance(chosen.body, dict)

@@ -2548,6 +2548,64 @@ def test_a_claude_turn_past_the_look_back_reads_what_cachegate_expects(
         assert not proxy.metric(wasted, {"model": model, "cause": cause})
 
 
+def test_turns_past_the_look_back_each_just_over_the_floor_are_not_the_providers_miss(
+    proxy_factory: Any,
+) -> None:
+    """Twelve parallel calls a turn (25 content blocks with their results and the next
+    message, past Claude's look back), the system prompt and the latest message marked: each
+    turn reads the system prompt's entry alone. Where the turn before had a small tail past
+    its last entry, what was looked back for was within the noise floor of the read, the
+    look-back never checked, and a miss just over the floor was ``unexplained``, the
+    provider blamed, where the next turn's same miss was ``not_requested``."""
+    system = "You are a careful coding agent. " + " ".join(
+        f"Rule {i}: always check file number {i} before editing anything." for i in range(200)
+    )
+    mark = {"type": "ephemeral"}
+    history: list[dict[str, Any]] = [{"role": "user", "content": "task " + "ctx " * 300}]
+    with run_simulator(SimConfig(dialect="anthropic-compat")) as claude:
+        proxy = proxy_factory(claude.api_base, config(), clock=lambda: claude.sim.now)
+        client = make_client(proxy.base_url, default_headers={"X-Session-Id": "wide"})
+        for turn in range(5):
+            head = {
+                "role": "system",
+                "content": [{"type": "text", "text": system, "cache_control": mark}],
+            }
+            last = history[-1]
+            marked = {
+                **last,
+                "content": [{"type": "text", "text": last["content"], "cache_control": mark}],
+            }
+            chat(
+                client,
+                [head, *history[:-1], marked],
+                model="claude-sonnet-4-5",
+                stream=False,
+                tools=TOOLS,
+            )
+            calls = [
+                {
+                    "id": f"toolu_{turn}_{i}",
+                    "type": "function",
+                    "function": {
+                        "name": "read_file",
+                        "arguments": json.dumps({"path": f"{turn}/{i}"}),
+                    },
+                }
+                for i in range(12)
+            ]
+            history.append({"role": "assistant", "content": None, "tool_calls": calls})
+            history += [
+                {"role": "tool", "tool_call_id": c["id"], "content": "R " * 30} for c in calls
+            ]
+            history.append({"role": "user", "content": "go " + "g " * 100})
+            claude.sim.advance(5)
+        flush(proxy)
+    caches = [r["cache"] for r in events(proxy.log_dir, "wide", "response")]
+    missed = [c for c in caches[2:] if c["waste"]]
+    assert len(missed) == 3 and missed[0]["waste"] < 1500  # (the first just over the floor)
+    assert [c["cause"] for c in missed] == ["not_requested"] * 3, caches
+
+
 @pytest.mark.parametrize("rewrite", [False, True])
 def test_a_rewrite_of_an_hours_prefix_after_five_minutes_is_the_rewrites_not_the_expirys(
     proxy_factory: Any, rewrite: bool
