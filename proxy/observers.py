@@ -524,13 +524,14 @@ def _expired_held(baseline: _Baseline, now: float, ttl_s: float) -> int | None:
     return None
 
 
-def _hour_writes(usage: Usage, body: Any) -> Usage:
+def _hour_writes(usage: Usage, body: Any, least: int = CLAUDE_MIN_CACHED) -> Usage:
     """``usage`` with the share of its cache writes made for an hour, where its provider gave
     the writes as one total (OpenRouter in front of Claude) and ``body``'s breakpoints ask for
     an hour: all of them when its last one does (Anthropic takes longer lives before shorter
     ones only), else those up to its last hour-long breakpoint, by the share of the prompt it
-    covers (``prefix.longer_lived_share``). Priced at the five-minute rate, a one-hour write
-    cost 37% less than billed."""
+    covers (``prefix.longer_lived_share``), unless that is under ``least``, the model's
+    shortest cached prefix (Claude caches none shorter: the write is the five minutes'). Priced
+    at the five-minute rate, a one-hour write cost 37% less than billed."""
     if not isinstance(body, dict) or prefix.last_cache_marker(body) is None:
         return usage
     last = prefix.marked_ttl_s(body) or 300.0  # (a breakpoint that names none: five minutes)
@@ -546,6 +547,8 @@ def _hour_writes(usage: Usage, body: Any) -> Usage:
         # (the share of the whole prompt: a tail past the last breakpoint, neither read nor
         # written, is in it; over reads and writes alone the hour's share was taken twice)
         covered = round(longer[1] * usage.prompt)
+        if covered < least:  # (tools of 300 tokens marked for an hour: not cached so)
+            return usage
         hour = min(usage.cache_write, max(0, covered - usage.cache_read))
     return dataclasses.replace(usage, cache_write_1h=hour) if hour else usage
 
@@ -1598,7 +1601,8 @@ class AccountingObserver:
         ):
             mine.held = None  # (its expiry is charged here: a later turn's miss of it is not)
         if marked_only and usage.cache_write and not usage.write_lives_known:
-            usage = _hour_writes(usage, body)  # (OpenRouter gives Claude's writes as one total)
+            # (OpenRouter gives Claude's writes as one total)
+            usage = _hour_writes(usage, body, max(min_cached, CLAUDE_MIN_CACHED))
         cost = cache.compute_cost(usage, pricing)
         if usage.audio_in or usage.audio_out:
             self._audio_as_text(ex, usage, terms)

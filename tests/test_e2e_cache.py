@@ -2942,6 +2942,21 @@ def test_claudes_one_hour_writes_through_openrouter_with_a_tail_past_the_last_br
     assert _bill(6179, 0.9, 12207 - 6179) < cost <= _bill(6179, 1.0, 12207 - 6179)
 
 
+def test_an_hour_breakpoint_under_claudes_minimum_through_openrouter_is_no_hours_write(
+    scripted: Any, proxy_factory: Any
+) -> None:
+    """A system prompt of ~300 tokens marked for an hour (under Sonnet's 1,024, which Claude
+    caches not at all, so not for an hour), the task for five minutes: the writes are all the
+    five minutes', as Anthropic's own split says. Its share was priced as an hour's (2x the
+    input where 1.25x was billed)."""
+    messages = [
+        _hour_system("Rules. " * 300),
+        _marked(text="hello " * 2000),
+    ]
+    cost = _priced_through_openrouter(scripted, proxy_factory, messages, 2400, 2390)
+    assert cost == pytest.approx(_bill(2390, 0.0, 10))
+
+
 def test_claudes_one_hour_writes_through_openrouter_beside_a_screenshot(
     scripted: Any, proxy_factory: Any
 ) -> None:
