@@ -91,6 +91,27 @@ CONFIG = {
 }
 
 
+def summary_requests(sim: RunningSimulator) -> list[Any]:
+    """The requests ``sim`` received that were compaction's summary calls."""
+    return [
+        r
+        for r in sim.sim.requests
+        if SUMMARIZER_SYSTEM_PROMPT in str(r.body["messages"][0].get("content"))
+    ]
+
+
+def browse_tool(description: str) -> dict[str, Any]:
+    """A tool as large as its ``description``."""
+    return {
+        "type": "function",
+        "function": {
+            "name": "browse",
+            "description": description,
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+
+
 def compacted_events(proxy: Any) -> list[dict[str, Any]]:
     proxy.settle()
     return [
@@ -1699,18 +1720,11 @@ def test_tools_added_mid_session_count_toward_the_trigger(
     assert raw.headers.get("x-cachegate-compacted") is None
     usage = raw.parse().usage
     # under the trigger (4,500) by less than the tool below (~1,900 tokens by the estimate),
-    # which with the summary's room stays under the aim (3,600: else the request goes as it
-    # is while it fits the window, ``test_a_system_prompt_over_the_aim_…``)
+    # which with the system prompt and the summary's room stays under the trigger (else the
+    # trigger is of the room they leave: ``test_tools_over_the_trigger_…``)
     assert usage is not None and 4500 - 1900 < usage.total_tokens < 4500 - 1500
     proxy.settle()  # (the provider's count of it noted)
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "browse",
-            "description": "Browse the web. " * 475,  # ~1,900 tokens by the estimate
-            "parameters": {"type": "object", "properties": {}},
-        },
-    }
+    tool = browse_tool("Browse the web. " * 475)  # ~1,900 tokens by the estimate
     msgs += [{"role": "assistant", "content": "Next."}, {"role": "user", "content": "Go on."}]
     raw = c.chat.completions.with_raw_response.create(
         model=MODEL,
@@ -1731,14 +1745,7 @@ def test_tools_over_the_trigger_leave_a_request_as_it_is_in_most_of_the_room_the
         "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 4},
         "models": {MODEL: {"context_window": 8000}},
     }
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "browse",
-            "description": "abcdabcdabcdabcd " * 1060,  # ~4,500 tokens by the estimate
-            "parameters": {"type": "object", "properties": {}},
-        },
-    }
+    tool = browse_tool("abcdabcdabcdabcd " * 1060)  # ~4,500 tokens by the estimate
     with run_simulator(SimConfig(context_window=8000)) as sim:
         proxy = proxy_factory(sim.api_base, config)
         c = sdk(proxy.base_url, default_headers={"X-Session-Id": "big-tool"})
@@ -1756,11 +1763,7 @@ def test_tools_over_the_trigger_leave_a_request_as_it_is_in_most_of_the_room_the
                 assert usage is not None and 6000 < usage.prompt_tokens < 7000
             msgs = [*msgs, *history(turn + 5, system_repeat=60)[-2:]]
         assert all(r.usage is not None for r in sim.sim.requests)  # (none refused)
-        summaries = [
-            r
-            for r in sim.sim.requests
-            if SUMMARIZER_SYSTEM_PROMPT in str(r.body["messages"][0].get("content"))
-        ]
+        summaries = summary_requests(sim)
     assert headers[:2] == [None, None] and "1" in headers, headers
     assert 1 <= len(summaries) <= 6, len(summaries)  # (14 turns)
 
@@ -1770,11 +1773,7 @@ def test_legacy_functions_are_compacted_as_the_same_tools_are(sdk: Any, proxy_fa
     more on every turn beside the provider's count, which holds them, its history was
     compacted long before the trigger (at 4,525 of 6,000 tokens), a summary paid more often
     than for the same definitions sent as ``tools``."""
-    function = {
-        "name": "browse",
-        "description": "abcdabcdabcdabcd " * 350,  # ~1,500 tokens by the estimate
-        "parameters": {"type": "object", "properties": {}},
-    }
+    function = browse_tool("abcdabcdabcdabcd " * 350)["function"]  # ~1,500 tokens estimated
     config = {
         "compaction": {"enabled": True, "trigger_percent": 75, "keep_recent": 4},
         "models": {MODEL: {"context_window": 8000}},
@@ -1795,10 +1794,7 @@ def test_legacy_functions_are_compacted_as_the_same_tools_are(sdk: Any, proxy_fa
                     model=MODEL, messages=history(turn, system_repeat=60), extra_body=offered
                 )
                 compacted.append(raw.headers.get("x-cachegate-compacted") is not None)
-            summaries = sum(
-                SUMMARIZER_SYSTEM_PROMPT in str(r.body["messages"][0].get("content"))
-                for r in sim.sim.requests
-            )
+            summaries = len(summary_requests(sim))
             runs[kind] = (compacted, summaries)
     assert any(runs["tools"][0]) and runs["tools"][1] >= 1
     assert runs["functions"] == runs["tools"]
@@ -2027,11 +2023,7 @@ def test_a_system_prompt_over_the_trigger_is_not_summarized_around_on_every_turn
             assert raw.http_response.status_code == 200  # (never over the window)
             compacted.append("x-cachegate-compacted" in raw.headers)
             sizes.append(counted(messages))
-        summaries = [
-            r
-            for r in sim.sim.requests
-            if SUMMARIZER_SYSTEM_PROMPT in str(r.body["messages"][0].get("content"))
-        ]
+        summaries = summary_requests(sim)
         prompts = [r.usage["prompt_tokens"] for r in sim.sim.requests if r not in summaries]
     # The scenario: over the trigger from the first turn by the provider's count, far past
     # the window by the last
