@@ -735,6 +735,13 @@ def _build(cls: Any, data: Mapping[str, Any], prefix: str, base: Any, text: bool
                 )
             elif owners:  # (another table's key exactly: said before a guess at a spelling)
                 hint = f" (it goes under {' or '.join(owners)})"
+            elif prefix == "upstream" and key.lower().replace("-", "_") in _KEY_NAMES:
+                # (not "did you mean 'api_key_env'": followed, the key went in its place, a
+                # variable's name, and requests went without one)
+                hint = (
+                    " (cachegate reads no key from its config file: put the key in"
+                    " OPENAI_API_KEY, or in another variable named by upstream.api_key_env)"
+                )
             else:
                 hint = _did_you_mean(key, names)
             raise ConfigError(f"unknown config key '{prefix}.{key}'{hint}")
@@ -936,6 +943,12 @@ def _owners(key: str) -> list[str]:
     if key in {f.name for f in fields(ModelSettings)}:  # a model's own key
         owners.append('[models."<model name>"]')
     return owners
+
+
+# Keys a user writes to put the provider's key itself in the file
+_KEY_NAMES: Final = frozenset(
+    {"api_key", "key", "openai_api_key", "apikey", "token", "api_token", "bearer", "secret"}
+)
 
 
 def _did_you_mean(name: str, known: Iterable[str]) -> str:

@@ -929,6 +929,14 @@ def test_an_upstream_scheme_in_upper_case_is_the_same_url() -> None:
             {"upstream": {"port": 5}},
             "unknown config key 'upstream.port' (it goes under [server])",
         ),
+        # the key itself in the file: "did you mean 'api_key_env'?", followed, put the key in
+        # the place of a variable's name, and requests went without one
+        (
+            {"upstream": {"api_key": "sk-proj-abcdefghijklmnop1234567890ABCDEF"}},
+            "unknown config key 'upstream.api_key' (cachegate reads no key from its config"
+            " file: put the key in OPENAI_API_KEY, or in another variable named by"
+            " upstream.api_key_env)",
+        ),
         (
             {"models": {"gpt-4": {"1": {"mini": {"price_input": 2.0}}}}},
             """unknown config key 'models."gpt-4".1' (quote a model name with a dot in it:"""
