@@ -928,7 +928,19 @@ def build_parser() -> argparse.ArgumentParser:
             help="machine-readable output (replay's is JSON lines either way)",
         )
     sessions.set_defaults(func=_sessions)
+    _own_errors(parser)
     return parser
+
+
+def _own_errors(parser: argparse.ArgumentParser) -> None:
+    """Each subcommand's parser its own: an argument it does not know (``cachegate serve
+    --logdir x``) is said with its usage, not the top level's, which shows none of its
+    options (``main``)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                child.set_defaults(_parser=child)
+                _own_errors(child)
 
 
 # An endpoint's path, pasted with the base URL (a provider's page shows the whole URL)
@@ -1051,7 +1063,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _closed_streams_to_null()
     try:
         parser = build_parser()  # (imports most of cachegate: Ctrl+C may come meanwhile)
-        ns = parser.parse_args(_dash_id(list(sys.argv[1:] if argv is None else argv)))
+        ns, unknown = parser.parse_known_args(
+            _dash_id(list(sys.argv[1:] if argv is None else argv))
+        )
+        if unknown:  # (said by the subcommand's parser, with its usage: ``_own_errors``)
+            getattr(ns, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
         if isinstance(getattr(ns, "id", None), str) and ns.id.startswith(_DASH_ID):
             ns.id = ns.id[len(_DASH_ID) :]
         return int(ns.func(ns))

@@ -429,6 +429,26 @@ def test_a_session_id_that_starts_with_a_dash_is_read_as_the_id(
     assert again.code == 2 and "\x00" not in again.err, again.err
 
 
+@pytest.mark.parametrize(
+    ("argv", "usage", "unknown"),
+    [
+        (["serve", "--logdir", "x"], "usage: cachegate serve", "--logdir x"),
+        (["demo", "extra"], "usage: cachegate demo", "extra"),
+        (["simulate", "--prot", "9"], "usage: cachegate simulate", "--prot 9"),
+        (["sessions", "list", "--jsn"], "usage: cachegate sessions list", "--jsn"),
+    ],
+)
+def test_an_unknown_argument_is_said_with_its_subcommands_usage(
+    argv: list[str], usage: str, unknown: str
+) -> None:
+    """A mistyped flag (``--logdir`` for ``--log-dir``) was said with the top level's usage,
+    which shows none of the subcommand's options."""
+    result = run_cli(*argv)
+    assert result.code == 2
+    assert result.err.startswith(usage), result.err
+    assert result.err.endswith(f"error: unrecognized arguments: {unknown}\n"), result.err
+
+
 @pytest.mark.parametrize("ts", [1e20, -1e12])
 def test_a_line_with_a_time_no_date_can_show_does_not_stop_the_reports(
     logged: Logged, tmp_path: Path, ts: float
