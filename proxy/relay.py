@@ -246,18 +246,24 @@ REFUSAL_READ_MAX: Final = 1024 * 1024
 (a ``stream_options`` refusal, a history too long to compact): past it, relayed as it comes."""
 
 
-def _decode(coding: str, body: bytes) -> bytes:
+def _decode(coding: str, body: bytes, strict: bool = False) -> bytes:
     """``body`` with its content coding undone; ``body`` as it is when it cannot be, or when it
-    would come to more than ``MAX_RECORDED_BODY`` (a compressed body of a few MB can hold GBs)."""
+    would come to more than ``MAX_RECORDED_BODY`` (a compressed body of a few MB can hold GBs).
+    ``strict``: bytes that are not what their gzip or deflate coding says raise ``zlib.error``
+    (a body sent plain under the label: the SDKs fail on it)."""
     if coding not in _DECODABLE:
         return body
+    failed: zlib.error | None = None
     for wbits in _WBITS[coding]:
         decoder = zlib.decompressobj(wbits)
         try:
             plain = decoder.decompress(body, MAX_RECORDED_BODY)
-        except zlib.error:
+        except zlib.error as exc:
+            failed = failed or exc
             continue
         return body if decoder.unconsumed_tail else plain
+    if strict and failed is not None:
+        raise failed
     return body
 
 
@@ -790,7 +796,13 @@ class _Tee:
                     f"upstream compressed its answer ({self.coding}) though asked not to: not read",
                     invalid=False,
                 )
-            body = _decode(self.coding, b"".join(self.collected))
+            try:
+                body = _decode(self.coding, b"".join(self.collected), strict=True)
+            except zlib.error as exc:  # (sent plain under a gzip label: the SDKs fail on it)
+                raise UnreadableAnswer(
+                    f"upstream's {self.coding} answer does not decode: {exc} (the openai SDKs"
+                    " fail on it)"
+                ) from None
             if not body:
                 raise UnreadableAnswer(f"upstream answered {status} with an empty body")
             if body.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark, which JSON readers skip

@@ -2509,6 +2509,59 @@ def test_a_gzip_stream_that_does_not_decode_is_said_to_be_so(
     assert errors.get("invalid") == 1 and not errors.get("midstream"), errors
 
 
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+def test_a_json_answer_that_does_not_decode_is_no_answer_in_the_log(
+    scripted: Any, proxy_factory: Any, coding: str
+) -> None:
+    """A whole answer sent plain under a ``gzip`` label (a broken gateway): relayed as it came,
+    and the SDK fails on it (``DecodingError``) and retries; it was logged and counted as a
+    clean 200, its message, tokens and cost each time, no upstream error."""
+    from proxy.eventlog import read_events
+
+    answer = orjson.dumps(
+        {
+            "id": "c",
+            "object": "chat.completion",
+            "model": "gpt-4o",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "hello"},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+        }
+    )
+    _upstream, url = scripted(
+        chunks=[answer],
+        content_type=b"application/json",
+        extra_headers=[(b"content-encoding", coding.encode())],
+    )
+    proxy = proxy_factory(url)
+    with httpx.stream(
+        "POST",
+        proxy.base_url + "/chat/completions",
+        json=CHAT,
+        headers={"X-Session-Id": "plain-gzip"},
+    ) as raw:  # (read raw: an SDK's client fails on it, httpx.DecodingError)
+        assert raw.status_code == 200 and raw.headers["content-encoding"] == coding
+        assert b"".join(raw.iter_raw()) == answer  # (relayed as it came)
+    proxy.settle()
+    [response] = [
+        e for e in read_events(proxy.log_dir / "plain-gzip.jsonl").events if e["type"] == "response"
+    ]
+    assert response["error"].startswith(f"upstream's {coding} answer does not decode: "), response
+    assert response["usage"] is None and response["message"] is None
+    errors = {
+        s.labels["kind"]: s.value
+        for f in proxy.registry.collect()
+        for s in f.samples
+        if s.name == "cachegate_upstream_errors_total"
+    }
+    assert errors.get("invalid") == 1, errors
+
+
 def test_a_stream_compressed_beyond_reading_is_relayed_as_it_came_and_said_in_the_log(
     scripted: Any, proxy_factory: Any
 ) -> None:
