@@ -629,16 +629,16 @@ class Compactor:
         # 12,600-token system prompt in a 16,000-token window). The trigger then applies to the
         # room they leave in the window (the answer keeps its share of it): only a request past
         # that edge is compacted, as a history too short to compact is past the window.
-        fixed = compaction.estimate_tokens(messages[: compaction.leading_count(messages)])
-        fixed += tools_tokens
-        beyond = (
-            plan.triggered
-            and not force
-            and (plan.cut is not None or plan.reused is not None)
-            and fixed + extra - tools_tokens >= window * cfg.trigger_percent / 100
+        system = (
+            compaction.estimate_tokens(messages[: compaction.leading_count(messages)])
+            if plan.triggered and not force and (plan.cut is not None or plan.reused is not None)
+            else None
         )
+        # (``extra``: the summary's room and the tools)
+        beyond = system is not None and system + extra >= window * cfg.trigger_percent / 100
         edge = float(window)  # (on the estimate's scale, as ``window``)
-        if beyond:
+        if system is not None and beyond:
+            fixed = system + tools_tokens
             edge = fixed + max(0, window - fixed) * cfg.trigger_percent / 100
         if beyond and not state.extra.get("warned_fixed"):
             state.extra["warned_fixed"] = True
